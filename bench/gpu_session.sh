@@ -1,0 +1,126 @@
+#!/usr/bin/env bash
+# One GPU session: install the baseline wheels, run the GPU tests, run the
+# forward benchmark, print a short summary last.
+#
+#   bash bench/gpu_session.sh [bench_forward.py args...]      e.g.  bash bench/gpu_session.sh --quick
+#
+# Env knobs:
+#   OUT              output dir (default: <repo>/bench/results)
+#   SESSION_LIMIT_S  wall-clock limit of the whole call (default 570); the bench gets
+#                    --time-budget = what is left minus a margin (a --time-budget you pass wins)
+#   PYTEST_TIMEOUT_S hard cap on the pytest step (default 240)
+#   SKIP_TESTS=1 / SKIP_BENCH=1
+#   PYTEST_ARGS      extra pytest args (e.g. "-k maxsim")
+#
+# Files written to $OUT (flat, <= 7): pytest.log, pytest-junit.xml, bench.log,
+#   forward_<gpu>.json, forward_<gpu>.png, forward_<gpu>.txt, summary.txt
+# The baseline wheels live in .whl/ which is git-ignored: the device run must carry it
+# (run(..., carry=[".whl"])).
+
+set -o pipefail
+set -u
+export PYTHONUNBUFFERED=1
+export XLA_PYTHON_CLIENT_PREALLOCATE=false
+export LIK_SUPPRESS_NORM_WARN=1
+
+T0=$(date +%s)
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$REPO" || exit 2
+OUT="${OUT:-$REPO/bench/results}"
+mkdir -p "$OUT"
+SESSION_LIMIT_S="${SESSION_LIMIT_S:-570}"
+PYTEST_TIMEOUT_S="${PYTEST_TIMEOUT_S:-240}"
+
+echo "== gpu_session: repo=$REPO out=$OUT args: $*"
+nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv,noheader 2>/dev/null || true
+python3 --version
+
+# ---------------------------------------------------------------- baseline wheels
+SITE=/tmp/site
+shopt -s nullglob
+WHEELS=("$REPO"/.whl/*.whl)
+shopt -u nullglob
+if [ "${#WHEELS[@]}" -gt 0 ]; then
+    rm -rf "$SITE"
+    if python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "${WHEELS[@]}"; then
+        WHEEL_STATUS="installed: $(cd "$REPO/.whl" && ls *.whl | tr '\n' ' ')"
+    else
+        WHEEL_STATUS="pip install FAILED (baselines will show import errors)"
+    fi
+else
+    WHEEL_STATUS="no .whl/*.whl found (carry .whl to the device); baselines will show import errors"
+fi
+echo "baseline wheels: $WHEEL_STATUS"
+export PYTHONPATH="$SITE:$REPO${PYTHONPATH:+:$PYTHONPATH}"
+
+# ---------------------------------------------------------------- tests
+PYTEST_RC="skipped"
+if [ "${SKIP_TESTS:-0}" != "1" ]; then
+    echo "== pytest -m gpu -q tests  (timeout ${PYTEST_TIMEOUT_S}s)"
+    # shellcheck disable=SC2086
+    timeout -k 10 "$PYTEST_TIMEOUT_S" python3 -m pytest -m gpu -q --maxfail=25 -p no:cacheprovider \
+        --junitxml="$OUT/pytest-junit.xml" ${PYTEST_ARGS:-} tests 2>&1 | tee "$OUT/pytest.log"
+    PYTEST_RC=${PIPESTATUS[0]}
+    echo "pytest exit code: $PYTEST_RC"
+fi
+
+# ---------------------------------------------------------------- bench
+BENCH_RC="skipped"
+if [ "${SKIP_BENCH:-0}" != "1" ]; then
+    NOW=$(date +%s)
+    LEFT=$(( SESSION_LIMIT_S - (NOW - T0) ))
+    BUDGET=$(( LEFT - 75 ))           # leave room for chart + summary + the last measurement
+    [ "$BUDGET" -lt 30 ] && BUDGET=30
+    HARD=$(( LEFT - 15 ))             # hard kill so the summary still prints
+    [ "$HARD" -lt 40 ] && HARD=40
+    echo "== bench_forward.py (time budget ${BUDGET}s, hard limit ${HARD}s)"
+    timeout -k 10 "$HARD" python3 bench/bench_forward.py --out "$OUT" --time-budget "$BUDGET" "$@" 2>&1 \
+        | tee "$OUT/bench.log"
+    BENCH_RC=${PIPESTATUS[0]}
+    echo "bench exit code: $BENCH_RC"
+fi
+
+# ---------------------------------------------------------------- summary (last)
+{
+    echo
+    echo "=================== SUMMARY ==================="
+    echo "baseline wheels: $WHEEL_STATUS"
+    if [ -f "$OUT/pytest-junit.xml" ] && [ "$PYTEST_RC" != "skipped" ]; then
+        python3 - "$OUT/pytest-junit.xml" <<'PY' || echo "pytest: could not parse junit xml"
+import sys
+import xml.etree.ElementTree as ET
+root = ET.parse(sys.argv[1]).getroot()
+suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
+t = f = e = s = 0
+bad = []
+for su in suites:
+    t += int(su.get("tests", 0)); f += int(su.get("failures", 0))
+    e += int(su.get("errors", 0)); s += int(su.get("skipped", 0))
+    for tc in su.iter("testcase"):
+        for kind in ("failure", "error"):
+            el = tc.find(kind)
+            if el is not None:
+                msg = (el.get("message") or "").replace("\n", " ")[:150]
+                bad.append(f"  {kind.upper()}: {tc.get('classname')}::{tc.get('name')}: {msg}")
+print(f"pytest: {t - f - e - s} passed, {f} failed, {e} errors, {s} skipped (of {t})")
+print("\n".join(bad[:10]))
+PY
+    elif [ "$PYTEST_RC" != "skipped" ]; then
+        echo "pytest: no junit xml; last line: $(tail -n 1 "$OUT/pytest.log" 2>/dev/null)"
+    fi
+    echo "pytest exit code: $PYTEST_RC   (0 ok, 1 failures, 5 no tests collected, 124 timeout)"
+    echo "bench exit code:  $BENCH_RC   (124 = hit the hard time limit; partial JSON still written)"
+    JSON=$(ls -t "$OUT"/forward_*.json 2>/dev/null | head -n 1)
+    if [ -n "$JSON" ]; then
+        echo "bench results: $JSON"
+        python3 bench/bench_forward.py --table-from "$JSON" || echo "(could not render table)"
+    else
+        echo "bench: no results JSON"
+    fi
+    echo "elapsed: $(( $(date +%s) - T0 ))s"
+} 2>&1 | tee "$OUT/summary.txt"
+
+# exit non-zero if either step failed, so a caller can tell at a glance
+[ "$PYTEST_RC" = "0" ] || [ "$PYTEST_RC" = "skipped" ] || exit 1
+[ "$BENCH_RC" = "0" ] || [ "$BENCH_RC" = "skipped" ] || exit 1
+exit 0

@@ -1,0 +1,351 @@
+// Exact MaxSim forward on mma.sync tensor cores (sm_80+).
+//
+//   score[i, j] = sum_s  valid_q(i, s) * max_{t valid in doc j} <Q[i, s], D[j, t]>
+//
+// One CTA owns a tile of BM query tokens of one query and a contiguous run of
+// documents. Its query tile stays on chip (registers when it fits); document
+// tiles of BN tokens stream through a cp.async ring of STAGES shared-memory
+// buffers. Each BM x BN similarity tile lives only in mma accumulators: it is
+// folded into a running per-row max and dropped, so nothing of size
+// Lq x Ld ever reaches memory.
+//
+// A query longer than BM is split over several CTAs (so the grid fills the GPU);
+// each writes a partial score and lik_sum_partials adds them in a fixed order,
+// which keeps the result bitwise reproducible (no float atomics anywhere).
+//
+// Compile-time configuration comes from -D flags chosen by lik_cupy/dispatch.py:
+//   LIK_ELEM    0 fp16, 1 bf16 (m16n8k16), 2 fp32 inputs on tf32 m16n8k8
+//   LIK_DP      embedding dim padded to a multiple of 16 (pad lanes are zero)
+//   LIK_WARPS   warps per CTA; each owns LIK_MT*16 query rows
+//   LIK_MT      16-row mma tiles per warp
+//   LIK_BN      document tokens per pipeline stage
+//   LIK_STAGES  cp.async ring depth
+//   LIK_QREG    1: query fragments held in registers; 0: re-read from shared memory
+//   LIK_ARGMAX  1: also write the winning document token per query token
+//   LIK_VEC     1: 16-byte copies (dim and base pointers 16-byte aligned)
+//   LIK_NAME    entry point name
+#include "common.cuh"
+
+#ifndef LIK_NAME
+#error "LIK_NAME and the tile macros are set by lik_cupy.dispatch"
+#endif
+
+namespace lik {
+
+template <int ELEM>
+struct Elem;
+template <>
+struct Elem<0> { typedef u16 T; };
+template <>
+struct Elem<1> { typedef u16 T; };
+template <>
+struct Elem<2> { typedef float T; };
+
+template <int ELEM, int DP, int WARPS, int MT, int BN, int STAGES, bool QREG, bool ARGMAX, bool VEC>
+struct Fwd {
+    typedef typename Elem<ELEM>::T T;
+    static constexpr int ESIZE = sizeof(T);
+    static constexpr int EPC = 16 / ESIZE;      // elements per 16-byte chunk
+    static constexpr int LDS = DP + EPC;        // padded row stride: conflict-free ldmatrix / lds
+    static constexpr int KSTEP = ELEM == 2 ? 8 : 16;
+    static constexpr int NK = DP / KSTEP;
+    static constexpr int BM = WARPS * MT * 16;
+    static constexpr int NT = WARPS * 32;
+    static constexpr int NN = BN / 8;           // n8 accumulator tiles per row block
+    static constexpr int CPR = DP / EPC;        // 16-byte chunks per row
+    static_assert(DP % 16 == 0, "DP must be a multiple of 16");
+    static_assert(BN % 16 == 0, "BN must be a multiple of 16");
+    static_assert(STAGES >= 2, "need at least two stages");
+
+    // Stage `nrows` rows of `dim` elements (row stride `dim` in global) into a
+    // shared tile; rows >= avail and columns >= dim become zero, so padded
+    // lanes never inject NaN/inf into the dot products.
+    static __device__ __forceinline__ void load_rows(T* dst, const T* src, int nrows, int avail, int dim) {
+        if (VEC) {
+            for (int c = threadIdx.x; c < nrows * CPR; c += NT) {
+                const int r = c / CPR, k = (c - r * CPR) * EPC;
+                const bool ok = r < avail && k < dim;
+                const T* s = ok ? src + (i64)r * dim + k : src;
+                cp_async_16(smem_addr(dst + r * LDS + k), s, ok ? 16 : 0);
+            }
+        } else {
+            for (int e = threadIdx.x; e < nrows * DP; e += NT) {
+                const int r = e / DP, k = e - r * DP;
+                T v = T(0);
+                if (r < avail && k < dim) v = src[(i64)r * dim + k];
+                dst[r * LDS + k] = v;
+            }
+        }
+    }
+
+    // A fragments (16 query rows x one k step) for the tile rows starting at row0.
+    static __device__ __forceinline__ void load_a(u32 (&a)[4], const T* sQ, int row0, int kk, int lane) {
+        if (ELEM == 2) {
+            const float* q = reinterpret_cast<const float*>(sQ);
+            const int g = lane >> 2, t = lane & 3, k = kk * KSTEP + t;
+            a[0] = to_tf32(q[(row0 + g) * LDS + k]);
+            a[1] = to_tf32(q[(row0 + g + 8) * LDS + k]);
+            a[2] = to_tf32(q[(row0 + g) * LDS + k + 4]);
+            a[3] = to_tf32(q[(row0 + g + 8) * LDS + k + 4]);
+        } else {
+            const int r = row0 + (lane & 15), k = kk * KSTEP + (lane >> 4) * 8;
+            ldmatrix_x4(a, smem_addr(sQ + r * LDS + k));
+        }
+    }
+
+    // acc[m][n] += Q_tile(warp rows) . D_tile^T over the whole padded dim.
+    static __device__ __forceinline__ void tile_mma(float (&acc)[MT][NN][4], const u32 (&qf)[QREG ? MT : 1][QREG ? NK : 1][4],
+                                                    const T* sQ, const T* sD, int wrow0, int lane) {
+#pragma unroll
+        for (int kk = 0; kk < NK; ++kk) {
+            u32 a[MT][4];
+#pragma unroll
+            for (int m = 0; m < MT; ++m) {
+                if (QREG) {
+#pragma unroll
+                    for (int r = 0; r < 4; ++r) a[m][r] = qf[QREG ? m : 0][QREG ? kk : 0][r];
+                } else {
+                    load_a(a[m], sQ, wrow0 + m * 16, kk, lane);
+                }
+            }
+            if (ELEM == 2) {
+                const float* d = reinterpret_cast<const float*>(sD);
+                const int g = lane >> 2, t = lane & 3, k = kk * KSTEP + t;
+#pragma unroll
+                for (int n = 0; n < NN; ++n) {
+                    const u32 b0 = to_tf32(d[(n * 8 + g) * LDS + k]);
+                    const u32 b1 = to_tf32(d[(n * 8 + g) * LDS + k + 4]);
+#pragma unroll
+                    for (int m = 0; m < MT; ++m) mma<ELEM>(acc[m][n], a[m], b0, b1);
+                }
+            } else {
+                const int nr = (lane & 7) + ((lane >> 4) << 3), kc = kk * KSTEP + ((lane >> 3) & 1) * 8;
+#pragma unroll
+                for (int np = 0; np < NN / 2; ++np) {
+                    u32 b[4];
+                    ldmatrix_x4(b, smem_addr(sD + (np * 16 + nr) * LDS + kc));
+#pragma unroll
+                    for (int m = 0; m < MT; ++m) {
+                        mma<ELEM>(acc[m][2 * np], a[m], b[0], b[1]);
+                        mma<ELEM>(acc[m][2 * np + 1], a[m], b[2], b[3]);
+                    }
+                }
+            }
+        }
+    }
+
+    static __device__ __forceinline__ int doc_len(const int* d_len, i64 doclin, int Ld) {
+        if (!d_len) return Ld;
+        const int l = d_len[doclin];
+        return l < 0 ? 0 : (l > Ld ? Ld : l);
+    }
+
+    static __device__ void run(const T* __restrict__ Q, const T* __restrict__ D, const int* __restrict__ q_len,
+                               const u8* __restrict__ q_mask, const int* __restrict__ d_len,
+                               const u8* __restrict__ d_mask, float* __restrict__ out, int* __restrict__ amax, int Nq,
+                               int Nd, int Lq, int Ld, int dim, int n_qt, int docs_per_cta, int dl_qstride) {
+        extern __shared__ __align__(16) unsigned char smem_raw[];
+        T* sQ = reinterpret_cast<T*>(smem_raw);
+        T* sD = sQ + BM * LDS;
+        float* red = reinterpret_cast<float*>(sD + STAGES * BN * LDS);  // [2][WARPS]
+
+        const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+        const int g = lane >> 2, tq = lane & 3;
+        const int qt = blockIdx.x % n_qt;
+        const int qi = blockIdx.x / n_qt;
+        const int j0 = blockIdx.y * docs_per_cta;
+        const int j1 = min(Nd, j0 + docs_per_cta);
+        if (qi >= Nq || j0 >= j1) return;
+
+        const int s0 = qt * BM;  // first query token of this tile
+        int qlen = Lq;
+        if (q_len) {
+            const int l = q_len[qi];
+            qlen = l < 0 ? 0 : (l > Lq ? Lq : l);
+        }
+        const u8* qm = q_mask ? q_mask + (i64)qi * Lq : nullptr;
+        float* outp = out + (n_qt > 1 ? (i64)qt * Nq * Nd : 0) + (i64)qi * Nd;
+        const i64 doc0 = (i64)qi * dl_qstride;  // linear index of this query's document 0
+
+        // Tile entirely past the query length: contributes 0, argmax -1.
+        if (s0 >= qlen) {
+            for (int j = j0 + threadIdx.x; j < j1; j += NT) outp[j] = 0.f;
+            if (ARGMAX) {
+                const int rows = min(BM, Lq - s0);
+                for (int e = threadIdx.x; e < (j1 - j0) * rows; e += NT) {
+                    const int j = j0 + e / rows, r = e % rows;
+                    amax[((i64)qi * Nd + j) * Lq + s0 + r] = -1;
+                }
+            }
+            return;
+        }
+
+        // Validity of the 2*MT query rows this thread reduces.
+        const int wrow0 = warp * MT * 16;
+        bool rv[MT][2];
+#pragma unroll
+        for (int m = 0; m < MT; ++m)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int s = s0 + wrow0 + m * 16 + g + 8 * h;
+                rv[m][h] = s < qlen && (!qm || qm[s]);
+            }
+
+        const T* Qt = Q + ((i64)qi * Lq + s0) * dim;
+        load_rows(sQ, Qt, BM, min(BM, Lq - s0), dim);
+
+        // Producer cursor: next document tile to stage (crosses document
+        // boundaries so the ring stays full across short documents).
+        int pj = j0, pt = 0, pnt = (doc_len(d_len, doc0 + pj, Ld) + BN - 1) / BN;
+        while (pj < j1 && pt >= pnt) {
+            ++pj;
+            pnt = pj < j1 ? (doc_len(d_len, doc0 + pj, Ld) + BN - 1) / BN : 0;
+        }
+        auto issue = [&](int slot) {
+            if (pj < j1) {
+                const i64 dl = doc0 + pj;
+                const int len = doc_len(d_len, dl, Ld);
+                load_rows(sD + slot * BN * LDS, D + (dl * Ld + (i64)pt * BN) * dim, BN, min(BN, len - pt * BN), dim);
+                ++pt;
+                while (pj < j1 && pt >= pnt) {
+                    ++pj;
+                    pt = 0;
+                    pnt = pj < j1 ? (doc_len(d_len, doc0 + pj, Ld) + BN - 1) / BN : 0;
+                }
+            }
+            cp_async_commit();  // one group per call, possibly empty: keeps wait_group counts exact
+        };
+#pragma unroll
+        for (int s = 0; s < STAGES - 1; ++s) issue(s);
+
+        u32 qf[QREG ? MT : 1][QREG ? NK : 1][4];
+        bool q_ready = !QREG;
+        int cons = 0;  // tiles consumed so far
+
+        for (int j = j0; j < j1; ++j) {
+            const i64 dl = doc0 + j;
+            const int len = doc_len(d_len, dl, Ld);
+            const int nt = (len + BN - 1) / BN;
+            const u8* dm = d_mask ? d_mask + dl * Ld : nullptr;
+
+            float best[MT][2];
+            int bidx[MT][2];
+#pragma unroll
+            for (int m = 0; m < MT; ++m)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) { best[m][h] = LIK_NEG_INF; bidx[m][h] = -1; }
+
+            for (int t = 0; t < nt; ++t) {
+                cp_async_wait<STAGES - 2>();
+                __syncthreads();
+                if (QREG && !q_ready) {
+#pragma unroll
+                    for (int m = 0; m < MT; ++m)
+#pragma unroll
+                        for (int kk = 0; kk < NK; ++kk) load_a(qf[QREG ? m : 0][QREG ? kk : 0], sQ, wrow0 + m * 16, kk, lane);
+                    q_ready = true;
+                }
+                issue((cons + STAGES - 1) % STAGES);
+                const T* sDt = sD + (cons % STAGES) * BN * LDS;
+                ++cons;
+
+                float acc[MT][NN][4];
+#pragma unroll
+                for (int m = 0; m < MT; ++m)
+#pragma unroll
+                    for (int n = 0; n < NN; ++n)
+#pragma unroll
+                        for (int r = 0; r < 4; ++r) acc[m][n][r] = 0.f;
+                tile_mma(acc, qf, sQ, sDt, wrow0, lane);
+
+                const int tok0 = t * BN;
+                const bool full = !dm && tok0 + BN <= len;
+#pragma unroll
+                for (int n = 0; n < NN; ++n)
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        const int tok = tok0 + n * 8 + 2 * tq + e;
+                        const bool ok = full || (tok < len && (!dm || dm[tok]));
+#pragma unroll
+                        for (int m = 0; m < MT; ++m)
+#pragma unroll
+                            for (int h = 0; h < 2; ++h) {
+                                const float v = acc[m][n][2 * h + e];
+                                if (ARGMAX) {
+                                    // Tokens arrive in increasing order per thread, so a strict
+                                    // '>' keeps the lowest index on ties; the first NaN sticks.
+                                    const float b = best[m][h];
+                                    if (ok && (bidx[m][h] < 0 || v > b || (v != v && b == b))) {
+                                        best[m][h] = v;
+                                        bidx[m][h] = tok;
+                                    }
+                                } else {
+                                    best[m][h] = max_nan(best[m][h], ok ? v : LIK_NEG_INF);
+                                }
+                            }
+                    }
+            }
+
+            // Row max across the quad that shares each row, then the sum of valid rows.
+            float part = 0.f;
+#pragma unroll
+            for (int m = 0; m < MT; ++m)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    float v = best[m][h];
+                    int ix = bidx[m][h];
+#pragma unroll
+                    for (int off = 1; off <= 2; off <<= 1) {
+                        const float ov = __shfl_xor_sync(0xffffffffu, v, off);
+                        if (ARGMAX) {
+                            const int oi = __shfl_xor_sync(0xffffffffu, ix, off);
+                            argmax_merge(v, ix, ov, oi);
+                        } else {
+                            v = max_nan(v, ov);
+                        }
+                    }
+                    if (rv[m][h]) part += v;
+                    if (ARGMAX && tq == 0) {
+                        const int s = s0 + wrow0 + m * 16 + g + 8 * h;
+                        if (s < Lq) amax[((i64)qi * Nd + j) * Lq + s] = rv[m][h] ? ix : -1;
+                    }
+                }
+            if (tq != 0) part = 0.f;
+#pragma unroll
+            for (int off = 4; off < 32; off <<= 1) part += __shfl_xor_sync(0xffffffffu, part, off);
+            float* rb = red + (j & 1) * WARPS;  // double buffer: an empty next doc skips the loop barrier
+            if (lane == 0) rb[warp] = part;
+            __syncthreads();
+            if (threadIdx.x == 0) {
+                float s = 0.f;
+#pragma unroll
+                for (int w = 0; w < WARPS; ++w) s += rb[w];
+                outp[j] = s;
+            }
+        }
+        cp_async_wait<0>();
+    }
+};
+
+}  // namespace lik
+
+typedef lik::Fwd<LIK_ELEM, LIK_DP, LIK_WARPS, LIK_MT, LIK_BN, LIK_STAGES, LIK_QREG != 0, LIK_ARGMAX != 0, LIK_VEC != 0>
+    LikFwdCfg;
+
+extern "C" __global__ void __launch_bounds__(LIK_WARPS * 32, 1)
+    LIK_NAME(const void* Q, const void* D, const int* q_len, const u8* q_mask, const int* d_len, const u8* d_mask,
+             float* out, int* amax, int Nq, int Nd, int Lq, int Ld, int dim, int n_qt, int docs_per_cta,
+             int dl_qstride) {
+    LikFwdCfg::run(static_cast<const LikFwdCfg::T*>(Q), static_cast<const LikFwdCfg::T*>(D), q_len, q_mask, d_len, d_mask,
+                   out, amax, Nq, Nd, Lq, Ld, dim, n_qt, docs_per_cta, dl_qstride);
+}
+
+// Deterministic sum of the per-query-tile partial scores: out[x] = sum_q part[q][x], q ascending.
+extern "C" __global__ void lik_sum_partials(const float* __restrict__ part, float* __restrict__ out, long long n,
+                                            int n_qt) {
+    for (long long x = blockIdx.x * (long long)blockDim.x + threadIdx.x; x < n; x += (long long)gridDim.x * blockDim.x) {
+        float s = part[x];
+        for (int q = 1; q < n_qt; ++q) s += part[q * n + x];
+        out[x] = s;
+    }
+}

@@ -1,0 +1,271 @@
+"""Run-time compilation of ``cuda_src/`` with NVRTC, and the kernel caches.
+
+* NVRTC (through cuda-python) turns a kernel source plus its ``-D``
+  configuration into a CUBIN for one architecture. This needs no GPU, so the
+  same path serves the CPU-only compile check in CI.
+* The CUBIN is kept in an on-disk cache whose key covers the contents of the
+  source and of every file it includes, the configuration, the architecture
+  and the NVRTC version. Entries are written atomically and verified by
+  checksum when read; a corrupt entry is discarded and rebuilt.
+* Loaded modules (``cupy.RawModule``) are kept per device in a bounded
+  in-memory cache. Compilation is serialised per key, so concurrent callers
+  asking for the same kernel compile it once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import tempfile
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import __version__
+
+_INCLUDE = re.compile(r'^\s*#\s*include\s*"([^"]+)"', re.M)
+_MEMORY_CACHE_SIZE = 256
+
+
+def source_dir() -> Path:
+    """Directory holding the ``.cu``/``.cuh`` sources (installed wheel or source tree)."""
+    here = Path(__file__).resolve().parent
+    for cand in (here / "cuda_src", here.parent / "cuda_src"):
+        if (cand / "maxsim_fwd.cu").is_file():
+            return cand
+    raise FileNotFoundError(f"kernel sources not found next to {here} (looked for cuda_src/maxsim_fwd.cu)")
+
+
+def cache_dir() -> Path:
+    """On-disk kernel cache (``LIK_CUPY_CACHE_DIR`` overrides the default)."""
+    env = os.environ.get("LIK_CUPY_CACHE_DIR")
+    if env:
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "lik_cupy" / "kernels"
+
+
+def source_digest(name: str) -> str:
+    """sha256 over ``name`` and, recursively, every file it includes with ``#include "..."``."""
+    root = source_dir()
+    h = hashlib.sha256()
+    seen: set[str] = set()
+
+    def visit(rel: str) -> None:
+        if rel in seen:
+            return
+        seen.add(rel)
+        path = root / rel
+        if not path.is_file():
+            raise FileNotFoundError(f"{rel} (included from the kernel sources) is missing in {root}")
+        text = path.read_bytes()
+        h.update(rel.encode() + b"\0" + text + b"\0")
+        for inc in _INCLUDE.findall(text.decode()):
+            visit(inc)
+
+    visit(name)
+    return h.hexdigest()
+
+
+class CompileError(RuntimeError):
+    """NVRTC rejected a kernel; the message carries the compiler log."""
+
+
+def nvrtc_version() -> tuple[int, int]:
+    from cuda.bindings import nvrtc
+
+    err, major, minor = nvrtc.nvrtcVersion()
+    _check(nvrtc, err, "nvrtcVersion")
+    return int(major), int(minor)
+
+
+def _check(nvrtc, err, what: str) -> None:
+    if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+        raise CompileError(f"{what} failed: {err}")
+
+
+@dataclass(frozen=True)
+class Compiled:
+    cubin: bytes
+    log: str  # NVRTC + ptxas (-v) output
+
+
+def nvrtc_compile(name: str, defines: dict, arch: int) -> Compiled:
+    """Compile ``cuda_src/name`` for ``sm_<arch>`` to a CUBIN. No GPU needed."""
+    from cuda.bindings import nvrtc
+
+    root = source_dir()
+    src = (root / name).read_bytes()
+    err, prog = nvrtc.nvrtcCreateProgram(src, name.encode(), 0, [], [])
+    _check(nvrtc, err, "nvrtcCreateProgram")
+    opts = [
+        f"--gpu-architecture=sm_{arch}".encode(),
+        b"--std=c++17",
+        b"--ptxas-options=-v",
+        b"-lineinfo",
+        f"-I{root}".encode(),
+    ] + [f"-D{k}={v}".encode() for k, v in sorted(defines.items())]
+    try:
+        (res,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
+        err, n = nvrtc.nvrtcGetProgramLogSize(prog)
+        log = b" " * n
+        nvrtc.nvrtcGetProgramLog(prog, log)
+        log_s = log.rstrip(b"\0 ").decode(errors="replace")
+        if res != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+            cfg = " ".join(f"{k}={v}" for k, v in sorted(defines.items()))
+            raise CompileError(f"NVRTC failed to compile {name} for sm_{arch} ({cfg}):\n{log_s}")
+        err, size = nvrtc.nvrtcGetCUBINSize(prog)
+        _check(nvrtc, err, "nvrtcGetCUBINSize")
+        cubin = b" " * size
+        (err,) = nvrtc.nvrtcGetCUBIN(prog, cubin)
+        _check(nvrtc, err, "nvrtcGetCUBIN")
+        return Compiled(bytes(cubin), log_s)
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+
+
+_RES = {
+    "registers": re.compile(r"Used (\d+) registers"),
+    "stack": re.compile(r"(\d+) bytes stack frame"),
+    "spill_stores": re.compile(r"(\d+) bytes spill stores"),
+    "spill_loads": re.compile(r"(\d+) bytes spill loads"),
+    "static_smem": re.compile(r"(\d+) bytes smem"),
+}
+
+
+def resource_usage(log: str, kernel: str) -> dict[str, int]:
+    """Registers, stack, spills and static shared memory of ``kernel`` from a ptxas -v log."""
+    block = []
+    capture = False
+    for line in log.splitlines():
+        if "Compiling entry function" in line or "Function properties for" in line:
+            capture = f"'{kernel}'" in line or line.rstrip().endswith(kernel)
+        if capture:
+            block.append(line)
+    text = "\n".join(block)
+    out = {}
+    for key, rx in _RES.items():
+        m = rx.search(text)
+        out[key] = int(m.group(1)) if m else 0
+    return out
+
+
+def cache_key(name: str, defines: dict, arch: int) -> str:
+    payload = json.dumps(
+        {
+            "src": source_digest(name),
+            "file": name,
+            "defines": sorted((k, str(v)) for k, v in defines.items()),
+            "arch": arch,
+            "nvrtc": nvrtc_version(),
+            "lik": __version__,
+        },
+        sort_keys=True,
+    )
+    return hashlib.sha256(payload.encode()).hexdigest()[:40]
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def _read_cached(key: str) -> Path | None:
+    d = cache_dir()
+    cubin, meta = d / f"{key}.cubin", d / f"{key}.json"
+    try:
+        info = json.loads(meta.read_text())
+        data = cubin.read_bytes()
+    except (OSError, ValueError):
+        return None
+    if hashlib.sha256(data).hexdigest() != info.get("sha256"):
+        for p in (cubin, meta):  # corrupt or truncated: drop it and rebuild
+            try:
+                p.unlink()
+            except OSError:
+                pass
+        return None
+    return cubin
+
+
+def cubin_path(name: str, defines: dict, arch: int) -> Path:
+    """Path of a verified CUBIN for this kernel, compiling and caching it if needed."""
+    key = cache_key(name, defines, arch)
+    hit = _read_cached(key)
+    if hit is not None:
+        return hit
+    out = nvrtc_compile(name, defines, arch)
+    d = cache_dir()
+    d.mkdir(parents=True, exist_ok=True)
+    cubin = d / f"{key}.cubin"
+    _atomic_write(cubin, out.cubin)
+    meta = {"sha256": hashlib.sha256(out.cubin).hexdigest(), "file": name, "arch": arch,
+            "defines": {k: str(v) for k, v in defines.items()}, "log": out.log}
+    _atomic_write(d / f"{key}.json", json.dumps(meta, indent=1).encode())
+    return cubin
+
+
+_modules: OrderedDict = OrderedDict()
+_modules_lock = threading.Lock()
+_key_locks: dict = {}
+
+
+def get_module(name: str, defines: dict, arch: int, device_id: int):
+    """A loaded ``cupy.RawModule`` for this kernel on ``device_id`` (compiled once per key)."""
+    import cupy
+
+    mkey = (device_id, name, tuple(sorted((k, str(v)) for k, v in defines.items())), arch)
+    with _modules_lock:
+        mod = _modules.get(mkey)
+        if mod is not None:
+            _modules.move_to_end(mkey)
+            return mod
+        lock = _key_locks.setdefault(mkey, threading.Lock())
+    with lock:
+        with _modules_lock:
+            mod = _modules.get(mkey)
+            if mod is not None:
+                return mod
+        path = cubin_path(name, defines, arch)
+        with cupy.cuda.Device(device_id):
+            mod = cupy.RawModule(path=str(path))
+            mod.get_function(str(defines.get("LIK_NAME", "lik_sum_partials")))  # load now, on this device
+        with _modules_lock:
+            _modules[mkey] = mod
+            while len(_modules) > _MEMORY_CACHE_SIZE:
+                _modules.popitem(last=False)
+            _key_locks.pop(mkey, None)
+        return mod
+
+
+def check_all(archs=None, configs=None) -> list[dict]:
+    """CPU-only: compile every forward configuration for every supported architecture.
+
+    Returns one row per (kernel, arch) with registers, stack, spills, static and
+    dynamic shared memory. Raises ``CompileError`` if any kernel fails.
+    """
+    from .dispatch import SUPPORTED_ARCHS, all_forward_configs
+
+    rows = []
+    for arch in archs or SUPPORTED_ARCHS:
+        for cfg in configs or all_forward_configs(arch):
+            out = nvrtc_compile("maxsim_fwd.cu", cfg.defines(), arch)
+            for kernel in (cfg.name, "lik_sum_partials"):
+                if kernel == "lik_sum_partials" and cfg is not (configs or [cfg])[0]:
+                    continue
+                usage = resource_usage(out.log, kernel)
+                rows.append({"kernel": kernel, "arch": f"sm_{arch}",
+                             "dynamic_smem": cfg.smem_bytes if kernel == cfg.name else 0, **usage})
+    return rows

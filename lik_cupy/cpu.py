@@ -1,0 +1,48 @@
+"""Exact MaxSim on the CPU with NumPy, with the same semantics as the GPU kernels.
+
+Documents are processed in blocks so that the similarity block held at any
+time stays under ``block_bytes`` (default 64 MiB), whatever the corpus size.
+Arithmetic is float32 (inputs are widened first), like the kernels'
+accumulators.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+_BLOCK_BYTES = 64 << 20
+
+
+def maxsim_numpy(Q: np.ndarray, D: np.ndarray, q_valid: np.ndarray, d_valid: np.ndarray, *, candidates: bool,
+                 nd: int, return_argmax: bool, block_bytes: int = _BLOCK_BYTES):
+    """Canonical-shape MaxSim.
+
+    Q: [Nq, Lq, d]; D: [Nd, Ld, d] shared by all queries, or [Nq * nd, Ld, d]
+    when ``candidates`` (query i scores documents i*nd .. i*nd+nd-1).
+    q_valid: bool [Nq, Lq]; d_valid: bool [D.shape[0], Ld].
+    Returns scores float32 [Nq, nd] and, if asked, argmax int32 [Nq, nd, Lq].
+    """
+    nq, lq, _ = Q.shape
+    ld = D.shape[1]
+    scores = np.empty((nq, nd), np.float32)
+    amax = np.empty((nq, nd, lq), np.int32) if return_argmax else None
+    per = max(1, block_bytes // max(1, lq * ld * 4 * (2 if return_argmax else 1)))
+    with np.errstate(invalid="ignore", over="ignore"):
+        for i in range(nq):
+            qi = Q[i].astype(np.float32, copy=False)
+            qv = q_valid[i]
+            base = i * nd if candidates else 0
+            for j0 in range(0, nd, per):
+                j1 = min(nd, j0 + per)
+                blk = D[base + j0 : base + j1].astype(np.float32, copy=False)
+                dv = d_valid[base + j0 : base + j1]
+                sim = np.matmul(blk, qi.T)  # [nb, Ld, Lq]
+                sim[~dv] = -np.inf  # masked document tokens never win
+                best = sim.max(axis=1) if ld else np.full((j1 - j0, lq), -np.inf, np.float32)  # NaN propagates
+                scores[i, j0:j1] = np.where(qv, best, 0.0).sum(axis=1, dtype=np.float32)
+                if amax is not None:
+                    idx = sim.argmax(axis=1).astype(np.int32) if ld else np.zeros((j1 - j0, lq), np.int32)
+                    idx[~dv.any(axis=1)] = -1  # empty document
+                    idx[:, ~qv] = -1  # masked query token
+                    amax[i, j0:j1] = idx
+    return scores, amax

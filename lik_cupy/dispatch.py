@@ -1,0 +1,183 @@
+"""Kernel choice: which compiled forward configuration runs a given problem.
+
+Every rule that maps (architecture, dtype, dim, query length) to tile sizes
+lives here, so that tuning is one table to edit and the CPU-side compile
+check (``lik_cupy.compile.check_all``) can enumerate exactly what can run.
+The preference lists are ordered by measured speed on the GPUs named in
+``bench/results``; a candidate is skipped when its shared memory exceeds the
+architecture's per-block limit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Architectures we build machine code for (compute capability * 10).
+SUPPORTED_ARCHS = (80, 86, 89, 90)
+
+# Largest dynamic shared memory one block may opt into, per architecture.
+_SMEM_PER_BLOCK = {80: 163 * 1024, 86: 99 * 1024, 87: 163 * 1024, 89: 99 * 1024, 90: 227 * 1024}
+_SMEM_PER_SM = {80: 164 * 1024, 86: 100 * 1024, 87: 164 * 1024, 89: 100 * 1024, 90: 228 * 1024}
+
+ELEM_CODES = {"float16": 0, "bfloat16": 1, "float32": 2}
+MAX_DIM = 512
+
+
+@dataclass(frozen=True)
+class FwdConfig:
+    """One compiled variant of ``cuda_src/maxsim_fwd.cu``."""
+
+    elem: int  # 0 fp16, 1 bf16, 2 fp32 (tf32 tensor cores)
+    dp: int  # padded dim (multiple of 16)
+    warps: int
+    mt: int  # 16-row mma tiles per warp
+    bn: int  # document tokens per pipeline stage
+    stages: int
+    qreg: bool  # query fragments in registers
+    argmax: bool
+    vec: bool  # 16-byte cp.async copies
+
+    @property
+    def bm(self) -> int:
+        return self.warps * self.mt * 16
+
+    @property
+    def threads(self) -> int:
+        return self.warps * 32
+
+    @property
+    def esize(self) -> int:
+        return 4 if self.elem == 2 else 2
+
+    @property
+    def smem_bytes(self) -> int:
+        lds = self.dp + 16 // self.esize
+        return (self.bm + self.stages * self.bn) * lds * self.esize + 2 * self.warps * 4
+
+    @property
+    def name(self) -> str:
+        e = ("f16", "bf16", "f32")[self.elem]
+        return (
+            f"lik_maxsim_fwd_{e}_d{self.dp}_w{self.warps}m{self.mt}_n{self.bn}s{self.stages}"
+            f"{'_qreg' if self.qreg else ''}{'_argmax' if self.argmax else ''}{'_vec' if self.vec else ''}"
+        )
+
+    def defines(self) -> dict[str, int | str]:
+        return {
+            "LIK_NAME": self.name,
+            "LIK_ELEM": self.elem,
+            "LIK_DP": self.dp,
+            "LIK_WARPS": self.warps,
+            "LIK_MT": self.mt,
+            "LIK_BN": self.bn,
+            "LIK_STAGES": self.stages,
+            "LIK_QREG": int(self.qreg),
+            "LIK_ARGMAX": int(self.argmax),
+            "LIK_VEC": int(self.vec),
+        }
+
+
+def padded_dim(dim: int) -> int:
+    return max(16, -(-dim // 16) * 16)
+
+
+def _dim_bucket(dp: int) -> int:
+    for b in (64, 128, 256, 512):
+        if dp <= b:
+            return b
+    raise ValueError(f"dim {dp} is above the supported maximum of {MAX_DIM}")
+
+
+# (warps, mt, bn, stages) in order of preference, keyed by
+# (16-bit or fp32, dim bucket, query-length bucket). Short queries use short
+# row tiles so no tensor-core work is spent on padding rows; long queries use
+# 32 rows per warp so each staged document fragment feeds two mma.
+_TABLE: dict[tuple[bool, int, int], tuple[tuple[int, int, int, int], ...]] = {}
+for _wide in (False, True):
+    for _db in (64, 128, 256, 512):
+        for _lb in (32, 64, 128):
+            if not _wide:  # fp16 / bf16
+                if _db <= 128:
+                    pref = {32: ((2, 1, 64, 4), (2, 1, 32, 3)), 64: ((4, 1, 64, 4), (4, 1, 32, 3))}.get(
+                        _lb, ((4, 2, 64, 3), (4, 2, 32, 3), (4, 2, 32, 2))
+                    )
+                elif _db <= 256:
+                    pref = ((2, 1, 64, 3), (2, 1, 32, 2)) if _lb == 32 else ((8, 1, 64, 3), (8, 1, 64, 2), (4, 1, 32, 3), (4, 1, 32, 2))
+                else:
+                    pref = ((2, 1, 64, 2), (2, 1, 32, 2)) if _lb == 32 else ((4, 1, 64, 2), (4, 1, 32, 2), (2, 1, 32, 2))
+            else:  # fp32 on tf32
+                if _db <= 128:
+                    pref = ((2, 1, 64, 3), (2, 1, 32, 2)) if _lb == 32 else ((4, 1, 64, 3), (4, 1, 32, 2))
+                else:
+                    pref = ((2, 1, 32, 2), (2, 1, 16, 2), (1, 1, 16, 2)) if _lb == 32 else (
+                        (4, 1, 32, 2), (2, 1, 32, 2), (2, 1, 16, 2), (1, 1, 16, 2))
+            _TABLE[(_wide, _db, _lb)] = pref
+
+
+def _qreg(elem: int, dp: int, mt: int) -> bool:
+    # Query fragments cost mt * dp / (16 or 8) * 4 registers; keep them at or under 64.
+    per_k = 8 if elem == 2 else 16
+    return mt * (dp // per_k) * 4 <= 64
+
+
+def arch_of(cc: int) -> int:
+    """Map a device's compute capability (e.g. 90) to the table's architecture."""
+    if cc < 80:
+        raise RuntimeError(f"compute capability {cc / 10:.1f} is not supported: lik-cupy needs 8.0 or newer (or backend='cpu')")
+    if cc in _SMEM_PER_BLOCK:
+        return cc
+    return 90 if cc >= 90 else 80
+
+
+def choose_forward(cc: int, dtype: str, dim: int, lq: int, argmax: bool, vec: bool) -> FwdConfig:
+    """The forward configuration for one problem on a device of compute capability ``cc``."""
+    arch = arch_of(cc)
+    elem = ELEM_CODES[dtype]
+    dp = padded_dim(dim)
+    lb = 32 if lq <= 32 else 64 if lq <= 64 else 128
+    limit = _SMEM_PER_BLOCK[arch]
+    for warps, mt, bn, stages in _TABLE[(elem == 2, _dim_bucket(dp), lb)]:
+        cfg = FwdConfig(elem, dp, warps, mt, bn, stages, _qreg(elem, dp, mt), argmax, vec)
+        if cfg.smem_bytes <= limit:
+            return cfg
+    raise ValueError(f"no forward configuration fits dim {dim} on sm_{arch}")
+
+
+def ctas_per_sm(cfg: FwdConfig, cc: int) -> int:
+    arch = arch_of(cc)
+    by_smem = _SMEM_PER_SM[arch] // (cfg.smem_bytes + 1024)
+    by_threads = 2048 // cfg.threads
+    by_regs = 65536 // (cfg.threads * 168)  # conservative register estimate per thread
+    return max(1, min(by_smem, by_threads, max(1, by_regs)))
+
+
+@dataclass(frozen=True)
+class Launch:
+    n_qt: int  # query tiles per query
+    docs_per_cta: int
+    grid: tuple[int, int, int]
+
+
+def plan_launch(cfg: FwdConfig, cc: int, num_sms: int, nq: int, nd: int, lq: int) -> Launch:
+    """Grid shape: query tiles on x (neighbours share document tiles in L2), document runs on y."""
+    n_qt = max(1, -(-lq // cfg.bm))
+    rows = nq * n_qt
+    resident = num_sms * ctas_per_sm(cfg, cc)
+    # Enough CTAs for ~8 waves (tail effects under ~1/8), but each CTA keeps a
+    # few documents so its pipeline prologue and query load are amortised.
+    per = max(1, min(32, (rows * nd) // (8 * resident)))
+    per = max(per, -(-nd // 65535))  # grid.y limit
+    return Launch(n_qt, per, (rows, -(-nd // per), 1))
+
+
+def all_forward_configs(arch: int) -> list[FwdConfig]:
+    """Every configuration ``choose_forward`` can return on ``arch`` (for compile checks and warm-up)."""
+    seen: dict[str, FwdConfig] = {}
+    for dtype in ELEM_CODES:
+        for dim in (64, 128, 256, 512):
+            for lq in (32, 64, 128):
+                for argmax in (False, True):
+                    for vec in (True, False):
+                        c = choose_forward(arch, dtype, dim, lq, argmax, vec)
+                        seen[c.name] = c
+    return list(seen.values())

@@ -1,0 +1,188 @@
+"""Framework interop: any DLPack array in, the caller's framework out.
+
+The frameworks are recognised by the module that defines the array's type,
+so ``import lik_cupy`` never imports torch or jax: if a torch tensor reaches
+us, torch is already in ``sys.modules``.
+
+Device arrays cross into CuPy through DLPack without a copy when they are
+C-contiguous (other strides are copied on the device, never misread).
+bfloat16 travels as its 16-bit pattern (a free view in torch, NumPy and
+CuPy), because the kernels read raw bits and CuPy's own bfloat16 support
+depends on its version.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from dataclasses import dataclass
+
+import numpy as np
+
+FLOAT_DTYPES = ("float16", "bfloat16", "float32")
+_DL_CPU, _DL_CUDA, _DL_CUDA_HOST, _DL_CUDA_MANAGED = 1, 2, 3, 13
+
+
+@dataclass(frozen=True)
+class Info:
+    """What validation needs to know about one array argument, without touching its data."""
+
+    framework: str  # "numpy" | "cupy" | "torch" | "jax" | "dlpack"
+    device: int | None  # CUDA device ordinal, or None for host memory
+    dtype: str  # canonical numpy-style name: "float16", "bfloat16", "bool", "int32", ...
+    shape: tuple[int, ...]
+
+
+def framework_of(x) -> str:
+    if isinstance(x, np.ndarray):
+        return "numpy"
+    mod = type(x).__module__.split(".")[0]
+    if mod == "cupy":
+        return "cupy"
+    if mod == "torch":
+        return "torch"
+    if mod in ("jax", "jaxlib"):
+        return "jax"
+    if hasattr(x, "__dlpack__") and hasattr(x, "__dlpack_device__"):
+        return "dlpack"
+    raise TypeError(f"expected a NumPy, CuPy, PyTorch or JAX array (or any DLPack array), got {type(x).__name__}")
+
+
+def _torch_dtype_name(dt) -> str:
+    return str(dt).replace("torch.", "")
+
+
+def describe(x) -> Info:
+    fw = framework_of(x)
+    if fw == "numpy":
+        return Info(fw, None, np.dtype(x.dtype).name, tuple(x.shape))
+    if fw == "cupy":
+        return Info(fw, int(x.device.id), np.dtype(x.dtype).name, tuple(x.shape))
+    if fw == "torch":
+        dev = x.device.index if x.device.type == "cuda" else None
+        if x.device.type not in ("cuda", "cpu"):
+            raise ValueError(f"torch tensors must be on a CUDA device or the CPU, got device {x.device}")
+        if x.device.type == "cuda" and dev is None:
+            dev = sys.modules["torch"].cuda.current_device()
+        return Info(fw, dev, _torch_dtype_name(x.dtype), tuple(x.shape))
+    if fw == "jax":
+        devs = list(x.devices())
+        if len(devs) != 1:
+            raise ValueError(f"JAX arrays must live on one device, got one sharded over {len(devs)}")
+        d = devs[0]
+        dev = None if d.platform == "cpu" else int(getattr(d, "local_hardware_id", d.id) or 0)
+        return Info(fw, dev, np.dtype(x.dtype).name, tuple(x.shape))
+    kind, ordinal = x.__dlpack_device__()
+    dev = int(ordinal) if kind in (_DL_CUDA, _DL_CUDA_MANAGED) else None
+    import cupy  # a foreign DLPack producer: read its metadata through CuPy (device) or NumPy (host)
+
+    arr = cupy.from_dlpack(x) if dev is not None else np.from_dlpack(x)
+    return Info(fw, dev, np.dtype(arr.dtype).name, tuple(arr.shape))
+
+
+def is_bfloat16(dtype) -> bool:
+    return np.dtype(dtype).name == "bfloat16"
+
+
+# ---------------------------------------------------------------- to CuPy / NumPy
+
+
+def _bits_view_torch(x):
+    torch = sys.modules["torch"]
+    if x.dtype == torch.bfloat16:
+        return x.view(torch.int16)
+    if x.dtype == torch.bool:
+        return x.view(torch.uint8)
+    return x
+
+
+def to_cupy(x, fw: str):
+    """A C-contiguous CuPy view (or device copy) of ``x``; bool comes back as uint8 and
+    torch bfloat16 as int16 bits (the caller, knowing the dtype, views them as uint16)."""
+    import cupy
+
+    if fw == "cupy":
+        a = x
+    elif fw == "torch":
+        a = cupy.from_dlpack(_bits_view_torch(x))
+    elif fw == "jax":
+        try:
+            a = cupy.from_dlpack(x)
+        except (TypeError, NotImplementedError, BufferError, ValueError):
+            if not is_bfloat16(x.dtype):
+                raise
+            jax = sys.modules["jax"]
+            a = cupy.from_dlpack(jax.lax.bitcast_convert_type(x, np.uint16))  # device copy, bit-exact
+    elif fw == "numpy":
+        a = cupy.asarray(to_numpy(x, fw))
+    else:
+        a = cupy.from_dlpack(x)
+    if a.dtype == np.bool_:
+        a = a.view(np.uint8)
+    return cupy.ascontiguousarray(a)
+
+
+def to_numpy(x, fw: str) -> np.ndarray:
+    """A host NumPy array (bfloat16 as ml_dtypes.bfloat16)."""
+    if fw == "numpy":
+        return x
+    if fw == "torch":
+        torch = sys.modules["torch"]
+        t = x.detach()
+        if t.device.type != "cpu":
+            t = t.cpu()
+        if t.dtype == torch.bfloat16:
+            import ml_dtypes
+
+            return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+        return t.numpy()
+    if fw == "cupy":
+        return x.get()
+    return np.asarray(x) if fw == "jax" else np.from_dlpack(x)
+
+
+# ---------------------------------------------------------------- back to the caller
+
+
+def from_cupy(a, fw: str, on_host: bool):
+    """Return a CuPy result in the caller's framework (host results for host inputs)."""
+    if fw == "cupy":
+        return a
+    if fw == "torch":
+        torch = sys.modules["torch"]
+        return torch.from_numpy(a.get()) if on_host else torch.from_dlpack(a)
+    if fw == "jax":
+        jax = sys.modules["jax"]
+        import cupy
+
+        if on_host:
+            return jax.numpy.asarray(a.get())
+        cupy.cuda.get_current_stream().synchronize()  # JAX does not share our stream
+        return jax.dlpack.from_dlpack(a)
+    if fw == "numpy":
+        return a.get()
+    return a
+
+
+def from_numpy(a: np.ndarray, fw: str):
+    """Return a host NumPy result in the caller's framework (CPU path)."""
+    if fw == "torch":
+        return sys.modules["torch"].from_numpy(np.ascontiguousarray(a))
+    if fw == "jax":
+        return sys.modules["jax"].numpy.asarray(a)
+    return a
+
+
+@contextlib.contextmanager
+def caller_stream(fw: str, device: int):
+    """Make CuPy work on the caller's current stream (torch) on ``device``."""
+    import cupy
+
+    with cupy.cuda.Device(device):
+        if fw == "torch":
+            torch = sys.modules["torch"]
+            s = torch.cuda.current_stream(device)
+            with cupy.cuda.ExternalStream(s.cuda_stream, device):
+                yield
+        else:
+            yield

@@ -1,0 +1,152 @@
+"""Argument checking for the scoring functions.
+
+Everything here reads shapes, dtypes, frameworks and devices only (plus the
+values of length arrays, which must be range-checked), and raises a
+``ValueError``/``TypeError`` that names the argument and what was expected,
+before any data moves or any kernel runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .interop import FLOAT_DTYPES, Info, describe
+
+_INT_DTYPES = ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64")
+
+
+@dataclass(frozen=True)
+class Problem:
+    """A validated call, in canonical shapes: Q [nq, lq, dim], D [nsets * nd, ld, dim]."""
+
+    framework: str
+    device: int | None  # CUDA ordinal of the inputs, None for host inputs
+    dtype: str
+    nq: int
+    lq: int
+    nd: int  # documents scored per query
+    ld: int
+    dim: int
+    candidates: bool  # D holds a separate set of nd documents for each query
+    scores_shape: tuple[int, ...]
+    argmax_shape: tuple[int, ...]
+    q_valid: str | None  # "mask" | "lengths" | None
+    d_valid: str | None
+
+
+def _info(name: str, x) -> Info:
+    try:
+        return describe(x)
+    except TypeError as e:
+        raise TypeError(f"{name}: {e}") from None
+
+
+def _lengths_info(name: str, x, q: Info) -> Info | None:
+    if x is None:
+        return None
+    if isinstance(x, (int, np.integer)) and not isinstance(x, bool):
+        x = np.asarray(x)
+    if isinstance(x, (list, tuple)):
+        try:
+            x = np.asarray(x, dtype=np.int64)
+        except (TypeError, ValueError, OverflowError):
+            raise TypeError(f"{name} must hold integers, got {x!r:.80}") from None
+        return Info(q.framework, q.device, "int64", x.shape)  # host list: accepted with any framework
+    return _info(name, x)
+
+
+def check_call(Q, D, q_mask, d_mask, q_lengths, d_lengths, *, pairs: bool) -> Problem:
+    q = _info("Q", Q)
+    d = _info("D", D)
+    if q.framework != d.framework:
+        raise TypeError(f"Q is a {q.framework} array but D is a {d.framework} array: pass both from one framework")
+    if q.device != d.device:
+        raise ValueError(f"Q is on {_where(q.device)} but D is on {_where(d.device)}: put both on one device")
+    for name, info in (("Q", q), ("D", d)):
+        if info.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"{name} has dtype {info.dtype}; expected float16, bfloat16 or float32")
+    if d.dtype != q.dtype:
+        raise TypeError(f"D has dtype {d.dtype} but Q has {q.dtype}: cast one so both match")
+
+    if pairs:
+        if len(q.shape) != 3 or len(d.shape) != 3:
+            raise ValueError(f"maxsim_pairs needs Q [B, Lq, d] and D [B, Ld, d]; got Q {list(q.shape)}, D {list(d.shape)}")
+        if q.shape[0] != d.shape[0]:
+            raise ValueError(f"D has {d.shape[0]} documents but Q has {q.shape[0]} queries: maxsim_pairs scores Q[b] with D[b]")
+    if len(q.shape) not in (2, 3):
+        raise ValueError(f"Q must be [Nq, Lq, d] or [Lq, d]; got shape {list(q.shape)}")
+    if len(d.shape) not in (2, 3, 4):
+        raise ValueError(f"D must be [Nd, Ld, d], [Nq, K, Ld, d] or [Ld, d]; got shape {list(d.shape)}")
+    dim = q.shape[-1]
+    if d.shape[-1] != dim:
+        raise ValueError(f"D has dim {d.shape[-1]} but Q has dim {dim}")
+    if dim < 1:
+        raise ValueError("Q and D have embedding dim 0; expected at least 1")
+
+    nq, lq = (q.shape[0], q.shape[1]) if len(q.shape) == 3 else (1, q.shape[0])
+    ld = d.shape[-2]
+    candidates = pairs or len(d.shape) == 4
+    if len(d.shape) == 4:
+        if len(q.shape) != 3:
+            raise ValueError(f"D [Nq, K, Ld, d] (per-query candidates) needs Q [Nq, Lq, d]; got Q shape {list(q.shape)}")
+        if d.shape[0] != nq:
+            raise ValueError(f"D has candidate sets for {d.shape[0]} queries but Q has {nq} queries")
+        nd = d.shape[1]
+    elif pairs:
+        nd = 1
+    else:
+        nd = d.shape[0] if len(d.shape) == 3 else 1
+
+    if pairs:
+        scores_shape = (nq,)
+    else:
+        scores_shape = tuple(q.shape[:-2]) + tuple(d.shape[1:-2] if candidates else d.shape[:-2])
+    argmax_shape = scores_shape + (lq,)
+
+    q_valid = _check_valid("q", q_mask, q_lengths, q, q.shape[:-1], q.shape[:-2], lq)
+    d_valid = _check_valid("d", d_mask, d_lengths, q, d.shape[:-1], d.shape[:-2], ld)
+    return Problem(q.framework, q.device, q.dtype, nq, lq, nd, ld, dim, candidates, scores_shape, argmax_shape,
+                   q_valid, d_valid)
+
+
+def _where(dev) -> str:
+    return "the host" if dev is None else f"cuda:{dev}"
+
+
+def _check_valid(side: str, mask, lengths, q: Info, mask_shape, len_shape, limit: int) -> str | None:
+    what = "Q" if side == "q" else "D"
+    if mask is not None and lengths is not None:
+        raise ValueError(f"pass either {side}_mask or {side}_lengths, not both")
+    if mask is not None:
+        m = _info(f"{side}_mask", mask)
+        _same_place(f"{side}_mask", m, q)
+        if m.dtype != "bool":
+            raise TypeError(f"{side}_mask must be boolean (True = valid token), got dtype {m.dtype}")
+        if tuple(m.shape) != tuple(mask_shape):
+            raise ValueError(f"{side}_mask has shape {list(m.shape)}; expected {list(mask_shape)} ({what}'s shape without its last axis)")
+        return "mask"
+    if lengths is not None:
+        li = _lengths_info(f"{side}_lengths", lengths, q)
+        _same_place(f"{side}_lengths", li, q)
+        if li.dtype not in _INT_DTYPES:
+            raise TypeError(f"{side}_lengths must be integers, got dtype {li.dtype}")
+        if tuple(li.shape) != tuple(len_shape):
+            raise ValueError(f"{side}_lengths has shape {list(li.shape)}; expected {list(len_shape)} (one length per {'query' if side == 'q' else 'document'})")
+        return "lengths"
+    return None
+
+
+def _same_place(name: str, a: Info, q: Info) -> None:
+    if a.framework != q.framework:
+        raise TypeError(f"{name} is a {a.framework} array but Q is a {q.framework} array: pass both from one framework")
+    if a.device != q.device:
+        raise ValueError(f"{name} is on {_where(a.device)} but Q is on {_where(q.device)}")
+
+
+def check_length_values(name: str, lo: int, hi: int, limit: int) -> None:
+    """``lo``/``hi`` are the smallest and largest lengths given; valid range is [0, limit]."""
+    if lo < 0 or hi > limit:
+        bad = lo if lo < 0 else hi
+        raise ValueError(f"{name} holds {bad}; every length must be in [0, {limit}]")

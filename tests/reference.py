@@ -1,0 +1,29 @@
+"""float64 MaxSim reference used by the tests (deliberately naive)."""
+
+import numpy as np
+
+
+def maxsim_ref(Q, D, q_valid=None, d_valid=None):
+    """Q [Nq, Lq, d], D [Nd, Ld, d] (float64-able) -> scores [Nq, Nd] float64, argmax-free."""
+    Q = np.asarray(Q, np.float64)
+    D = np.asarray(D, np.float64)
+    nq, lq, _ = Q.shape
+    nd, ld, _ = D.shape
+    qv = np.ones((nq, lq), bool) if q_valid is None else np.asarray(q_valid, bool)
+    dv = np.ones((nd, ld), bool) if d_valid is None else np.asarray(d_valid, bool)
+    sim = np.einsum("isk,jtk->ijst", Q, D)
+    sim = np.where(dv[None, :, None, :], sim, -np.inf)
+    with np.errstate(invalid="ignore"):
+        best = sim.max(axis=3) if ld else np.full((nq, nd, lq), -np.inf)
+    return np.where(qv[:, None, :], best, 0.0).sum(axis=2), sim
+
+
+def rel_err(out, ref):
+    out = np.asarray(out, np.float64)
+    ref = np.asarray(ref, np.float64)
+    fin = np.isfinite(ref)
+    assert np.array_equal(np.isfinite(out), fin), "non-finite pattern differs from the reference"
+    assert np.array_equal(out[~fin], ref[~fin]), "infinite scores differ from the reference"
+    if not fin.any():
+        return 0.0
+    return float(np.linalg.norm(out[fin] - ref[fin]) / max(np.linalg.norm(ref[fin]), 1e-30))

@@ -1,0 +1,278 @@
+"""GPU forward against a float64 reference (skipped without a GPU)."""
+
+import numpy as np
+import pytest
+
+import lik_cupy
+from reference import maxsim_ref, rel_err
+
+pytestmark = pytest.mark.gpu
+
+TOL = {"float16": 2e-5, "bfloat16": 2e-5, "float32": 3e-3}  # fp32 runs on TF32 tensor cores
+
+
+def _cast(x, dtype):
+    """Round to the input dtype; returns (array to pass, float64 of exactly what the kernel sees)."""
+    import ml_dtypes
+
+    npd = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float32": np.float32}[dtype]
+    a = np.asarray(x).astype(npd)
+    return a, a.astype(np.float64)
+
+
+def _cp(a):
+    import cupy
+
+    return cupy.asarray(a)
+
+
+def _torch(a):
+    torch = pytest.importorskip("torch")
+    if a.dtype.name == "bfloat16":
+        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16).cuda()
+    return torch.from_numpy(a).cuda()
+
+
+def _unit(rng, *shape):
+    x = rng.standard_normal(shape)
+    return x / np.linalg.norm(x, axis=-1, keepdims=True)
+
+
+def _argmax_ok(amax, sim, q_valid, d_valid, rtol):
+    """Each argmax is a valid token whose similarity equals the row max up to rounding."""
+    nq, nd, lq, ld = sim.shape
+    amax = np.asarray(amax)
+    for i in range(nq):
+        for j in range(nd):
+            empty = not d_valid[j].any()
+            for s in range(lq):
+                a = amax[i, j, s]
+                if not q_valid[i, s] or empty:
+                    assert a == -1, (i, j, s, a)
+                    continue
+                assert 0 <= a < ld and d_valid[j, a], (i, j, s, a)
+                best = sim[i, j, s].max()
+                assert sim[i, j, s, a] >= best - rtol * (abs(best) + 1), (i, j, s, a, sim[i, j, s, a], best)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+@pytest.mark.parametrize("dim", [32, 64, 96, 128, 256, 512])
+def test_random_shapes_vs_float64(rng, dtype, dim):
+    nq, lq, nd, ld = 3, int(rng.integers(1, 150)), 37, int(rng.integers(1, 200))
+    q, q64 = _cast(_unit(rng, nq, lq, dim), dtype)
+    d, d64 = _cast(_unit(rng, nd, ld, dim), dtype)
+    conv = _torch if dtype == "bfloat16" else _cp  # NumPy has no native bf16 array to hand to CuPy
+    out = lik_cupy.maxsim(conv(q), conv(d))
+    ref, _ = maxsim_ref(q64, d64)
+    assert rel_err(_np(out), ref) < TOL[dtype]
+
+
+@pytest.mark.parametrize("lq", [1, 17, 33, 63, 65, 129, 300, 1000])
+def test_query_lengths_and_splits(rng, lq):
+    dim, nd, ld = 128, 29, 77
+    q, q64 = _cast(_unit(rng, 2, lq, dim), "float16")
+    d, d64 = _cast(_unit(rng, nd, ld, dim), "float16")
+    out = lik_cupy.maxsim(_cp(q), _cp(d))
+    assert rel_err(_np(out), maxsim_ref(q64, d64)[0]) < TOL["float16"]
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+@pytest.mark.parametrize("dim", [1, 3, 20, 33, 100])
+def test_dims_not_multiple_of_16(rng, dtype, dim):
+    q, q64 = _cast(rng.standard_normal((2, 19, dim)), dtype)
+    d, d64 = _cast(rng.standard_normal((13, 45, dim)), dtype)
+    out = lik_cupy.maxsim(_cp(q), _cp(d))
+    assert rel_err(_np(out), maxsim_ref(q64, d64)[0]) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_masks_lengths_empty_docs_and_argmax(rng, dtype):
+    nq, lq, nd, ld, dim = 4, 45, 23, 131, 64
+    q, q64 = _cast(_unit(rng, nq, lq, dim), dtype)
+    d, d64 = _cast(_unit(rng, nd, ld, dim), dtype)
+    q_mask = rng.random((nq, lq)) < 0.8
+    q_mask[1] = False  # a query with no valid token scores 0
+    d_mask = rng.random((nd, ld)) < 0.7
+    d_mask[[0, 5, 22]] = False  # empty documents score -inf
+    ref, sim = maxsim_ref(q64, d64, q_mask, d_mask)
+    torch = pytest.importorskip("torch")
+    tq, td = _torch(q), _torch(d)
+    s, a = lik_cupy.maxsim(tq, td, torch.from_numpy(q_mask).cuda(), torch.from_numpy(d_mask).cuda(), return_argmax=True)
+    assert isinstance(s, torch.Tensor) and s.is_cuda and s.dtype == torch.float32
+    assert a.dtype == torch.int32 and tuple(a.shape) == (nq, nd, lq)
+    assert rel_err(s.cpu().numpy(), ref) < TOL[dtype]
+    assert np.all(s.cpu().numpy()[1] == 0)
+    _argmax_ok(a.cpu().numpy(), sim, q_mask, d_mask, 1e-3 if dtype == "float32" else 1e-5)
+
+    q_len = rng.integers(0, lq + 1, nq)
+    d_len = rng.integers(0, ld + 1, nd)
+    d_len[[3, 4]] = 0
+    qv = np.arange(lq)[None] < q_len[:, None]
+    dv = np.arange(ld)[None] < d_len[:, None]
+    ref, sim = maxsim_ref(q64, d64, qv, dv)
+    s, a = lik_cupy.maxsim(tq, td, q_lengths=torch.from_numpy(q_len).cuda(), d_lengths=torch.from_numpy(d_len).cuda(),
+                           return_argmax=True)
+    assert rel_err(s.cpu().numpy(), ref) < TOL[dtype]
+    _argmax_ok(a.cpu().numpy(), sim, qv, dv, 1e-3 if dtype == "float32" else 1e-5)
+
+
+def test_many_ragged_documents(rng):
+    import cupy
+
+    nq, lq, nd, ld, dim = 2, 40, 3000, 70, 128
+    q, q64 = _cast(_unit(rng, nq, lq, dim), "bfloat16")
+    d, d64 = _cast(_unit(rng, nd, ld, dim), "bfloat16")
+    dl = rng.integers(0, ld + 1, nd)
+    dl[rng.random(nd) < 0.3] = 0  # runs of empty documents inside one CTA's range
+    torch = pytest.importorskip("torch")
+    s = lik_cupy.maxsim(_torch(q), _torch(d), d_lengths=torch.from_numpy(dl).cuda()).cpu().numpy()
+    dv = np.arange(ld)[None] < dl[:, None]
+    ref = np.concatenate([maxsim_ref(q64, d64[j : j + 500], None, dv[j : j + 500])[0] for j in range(0, nd, 500)], 1)
+    assert rel_err(s, ref) < 2e-5
+
+
+def test_argmax_ties_take_lowest_index(rng):
+    import cupy
+
+    dim, ld = 64, 150
+    d = _unit(rng, 2, ld, dim).astype(np.float16)
+    q = np.stack([d[0, [5, 70, 149]], d[1, [0, 64, 127]]]).astype(np.float16)  # [2, 3, dim]
+    d[0, 100] = d[0, 5]  # exact duplicates later in the document: ties
+    d[0, 140] = d[0, 70]
+    d[1, 130] = d[1, 0]
+    d[1, 149] = d[1, 64]
+    s, a = lik_cupy.maxsim(cupy.asarray(q), cupy.asarray(d), return_argmax=True)
+    a = a.get()
+    # query i token s was copied from document i; on a tie the earlier token wins
+    assert a[0, 0].tolist() == [5, 70, 149]
+    assert a[1, 1].tolist() == [0, 64, 127]
+
+
+def test_nan_propagates_unless_masked(rng):
+    import cupy
+
+    q = _unit(rng, 2, 20, 32).astype(np.float16)
+    d = _unit(rng, 6, 40, 32).astype(np.float16)
+    d[2, 7, 3] = np.nan
+    d[4, 39, 0] = np.nan
+    mask = np.ones((6, 40), bool)
+    mask[4, 39] = False  # a NaN in a masked token is never seen
+    s = lik_cupy.maxsim(cupy.asarray(q), cupy.asarray(d), d_mask=cupy.asarray(mask)).get()
+    assert np.isnan(s[:, 2]).all()
+    assert np.isfinite(np.delete(s, 2, axis=1)).all()
+
+
+def test_frameworks_round_trip(rng):
+    q, q64 = _cast(_unit(rng, 2, 21, 48), "float16")
+    d, d64 = _cast(_unit(rng, 9, 33, 48), "float16")
+    ref = maxsim_ref(q64, d64)[0]
+    import cupy
+
+    out = lik_cupy.maxsim(q, d)  # NumPy in -> NumPy out (runs on the GPU)
+    assert isinstance(out, np.ndarray) and rel_err(out, ref) < 2e-5
+    out = lik_cupy.maxsim(cupy.asarray(q), cupy.asarray(d))
+    assert isinstance(out, cupy.ndarray) and rel_err(out.get(), ref) < 2e-5
+    torch = pytest.importorskip("torch")
+    out = lik_cupy.maxsim(torch.from_numpy(q), torch.from_numpy(d))  # torch CPU in -> torch CPU out
+    assert isinstance(out, torch.Tensor) and out.device.type == "cpu" and rel_err(out.numpy(), ref) < 2e-5
+    jnp = pytest.importorskip("jax.numpy")
+    import jax
+
+    gpus = [x for x in jax.devices() if x.platform != "cpu"]
+    if gpus:
+        jq, jd = jax.device_put(jnp.asarray(q), gpus[0]), jax.device_put(jnp.asarray(d), gpus[0])
+        out = lik_cupy.maxsim(jq, jd)
+        assert isinstance(out, jax.Array) and list(out.devices())[0].platform != "cpu"
+        assert rel_err(np.asarray(out), ref) < 2e-5
+        jq16 = jax.device_put(jnp.asarray(q.astype(np.float32)).astype(jnp.bfloat16), gpus[0])
+        jd16 = jax.device_put(jnp.asarray(d.astype(np.float32)).astype(jnp.bfloat16), gpus[0])
+        ref16 = maxsim_ref(np.asarray(jq16.astype(jnp.float32)), np.asarray(jd16.astype(jnp.float32)))[0]
+        assert rel_err(np.asarray(lik_cupy.maxsim(jq16, jd16)), ref16) < 2e-5
+
+
+def test_non_contiguous_inputs(rng):
+    torch = pytest.importorskip("torch")
+    q = torch.randn(3, 40, 64, device="cuda", dtype=torch.float16)
+    big = torch.randn(40, 11, 64, device="cuda", dtype=torch.float16)
+    d = big.transpose(0, 1)  # [11, 40, 64] with strides that are not C-contiguous
+    dt = torch.randn(3, 64, 40, device="cuda", dtype=torch.float16).transpose(1, 2)
+    out = lik_cupy.maxsim(q, d)
+    ref = maxsim_ref(q.double().cpu().numpy(), d.double().cpu().numpy())[0]
+    assert rel_err(out.cpu().numpy(), ref) < 2e-5
+    out = lik_cupy.maxsim(dt, d)
+    ref = maxsim_ref(dt.double().cpu().numpy(), d.double().cpu().numpy())[0]
+    assert rel_err(out.cpu().numpy(), ref) < 2e-5
+
+
+def test_torch_non_default_stream(rng):
+    torch = pytest.importorskip("torch")
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        q = torch.randn(4, 50, 128, device="cuda", dtype=torch.float16)
+        d = torch.randn(300, 90, 128, device="cuda", dtype=torch.float16)
+        out = lik_cupy.maxsim(q, d)
+        out2 = out * 2  # consumed on the same stream without a host sync
+    s.synchronize()
+    ref = maxsim_ref(q.double().cpu().numpy(), d.double().cpu().numpy())[0]
+    assert rel_err(out2.cpu().numpy() / 2, ref) < 2e-5
+
+
+def test_candidates_and_pairs(rng):
+    import cupy
+
+    nq, k, lq, ld, dim = 3, 7, 25, 60, 96
+    q, q64 = _cast(_unit(rng, nq, lq, dim), "float16")
+    d, d64 = _cast(_unit(rng, nq, k, ld, dim), "float16")
+    dl = rng.integers(0, ld + 1, (nq, k))
+    s, a = lik_cupy.maxsim(cupy.asarray(q), cupy.asarray(d), d_lengths=cupy.asarray(dl), return_argmax=True)
+    assert s.shape == (nq, k) and a.shape == (nq, k, lq)
+    for i in range(nq):
+        dv = np.arange(ld)[None] < dl[i][:, None]
+        ref, sim = maxsim_ref(q64[i : i + 1], d64[i], None, dv)
+        assert rel_err(s[i : i + 1].get(), ref) < 2e-5
+        _argmax_ok(a[i : i + 1].get(), sim, np.ones((1, lq), bool), dv, 1e-5)
+    b = 5
+    q, q64 = _cast(_unit(rng, b, lq, dim), "float16")
+    d, d64 = _cast(_unit(rng, b, ld, dim), "float16")
+    out = lik_cupy.maxsim_pairs(cupy.asarray(q), cupy.asarray(d)).get()
+    ref = np.array([maxsim_ref(q64[i : i + 1], d64[i : i + 1])[0][0, 0] for i in range(b)])
+    assert out.shape == (b,) and rel_err(out, ref) < 2e-5
+
+
+def test_rank_variants(rng):
+    import cupy
+
+    q, q64 = _cast(_unit(rng, 12, 64), "float16")
+    d, d64 = _cast(_unit(rng, 5, 30, 64), "float16")
+    out = lik_cupy.maxsim(cupy.asarray(q), cupy.asarray(d))
+    assert out.shape == (5,)
+    assert rel_err(out.get(), maxsim_ref(q64[None], d64)[0][0]) < 2e-5
+    one = lik_cupy.maxsim(cupy.asarray(q), cupy.asarray(d[2]))
+    assert one.shape == () and abs(float(one) - out.get()[2]) <= 1e-5 * abs(out.get()[2])
+
+
+def test_deterministic_bits(rng):
+    import cupy
+
+    q = cupy.asarray(_unit(rng, 2, 700, 128).astype(np.float16))
+    d = cupy.asarray(_unit(rng, 400, 200, 128).astype(np.float16))
+    a = lik_cupy.maxsim(q, d)
+    b = lik_cupy.maxsim(q, d)
+    assert cupy.array_equal(a.view(cupy.uint32), b.view(cupy.uint32))
+
+
+def test_cpu_backend_matches_gpu(rng):
+    q, _ = _cast(_unit(rng, 3, 40, 80), "float16")
+    d, _ = _cast(_unit(rng, 17, 70, 80), "float16")
+    dm = rng.random((17, 70)) < 0.9
+    g, ga = lik_cupy.maxsim(q, d, d_mask=dm, return_argmax=True, backend="gpu")
+    c, ca = lik_cupy.maxsim(q, d, d_mask=dm, return_argmax=True, backend="cpu")
+    assert rel_err(g, c) < 2e-5
+
+
+def _np(x):
+    if hasattr(x, "get"):
+        return x.get()
+    if hasattr(x, "cpu"):
+        return x.cpu().numpy()
+    return np.asarray(x)
