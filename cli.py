@@ -12,8 +12,10 @@ import functools
 import json
 import os
 import platform
+import signal
 import sys
 import tempfile
+import threading
 import traceback
 from dataclasses import dataclass, field
 
@@ -332,6 +334,23 @@ def _progress(total: int, label: str):
     return _NoBar()
 
 
+@contextlib.contextmanager
+def _sigterm_as_interrupt():
+    """Treat SIGTERM like Ctrl-C while scoring, so the temp file is cleaned up."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
 def _import_lik():
     try:
         import lik_cupy
@@ -555,6 +574,11 @@ def main():
 @click.option("--debug", is_flag=True, help="Show a traceback on errors.")
 @_cli_errors
 def score(queries, docs, q_lengths, d_lengths, top_k, out, full_matrix, cpu, device, bf16_bits, chunk_docs, debug):
+    with _sigterm_as_interrupt():
+        _score(queries, docs, q_lengths, d_lengths, top_k, out, full_matrix, cpu, device, bf16_bits, chunk_docs)
+
+
+def _score(queries, docs, q_lengths, d_lengths, top_k, out, full_matrix, cpu, device, bf16_bits, chunk_docs):
     run_score(
         queries,
         list(docs),
@@ -619,7 +643,8 @@ def info(debug):
         import lik_cupy
 
         where = os.path.dirname(getattr(lik_cupy, "__file__", None) or "") or "?"
-        echo(f"lik-cupy      {_version('lik-cupy', 'lik_cupy')} ({where})")
+        version = getattr(lik_cupy, "__version__", None) or _version("lik-cupy")
+        echo(f"lik-cupy      {version} ({where})")
     except Exception as e:
         lik_cupy = None
         echo(f"lik-cupy      import failed: {type(e).__name__}: {e}")
@@ -703,10 +728,11 @@ def demo(outdir, top_k, cpu, seed, debug):
         raise LikError(outdir, f"cannot create directory: {e.strerror or e}") from None
     paths, planted = _demo_data(outdir, seed)
     out = os.path.join(outdir, "results.tsv")
-    res = run_score(
-        paths["queries"], paths["docs"], out,
-        q_lengths=paths["q_lengths"], d_lengths=paths["d_lengths"], top_k=top_k, cpu=cpu,
-    )
+    with _sigterm_as_interrupt():
+        res = run_score(
+            paths["queries"], paths["docs"], out,
+            q_lengths=paths["q_lengths"], d_lengths=paths["d_lengths"], top_k=top_k, cpu=cpu,
+        )
     rel = lambda p: os.path.relpath(p, outdir)  # noqa: E731
     click.echo(f"wrote {res.n_queries} queries and {res.n_docs} docs in 2 shards to {outdir}; scored on {res.backend}.")
     click.echo(

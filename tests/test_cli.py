@@ -377,7 +377,7 @@ def _bad_cases(tmp_path):
     write(t / "dl_float.npy", np.ones(11, np.float32))
     (t / "afile").write_text("x")
     (t / "outdir.tsv").mkdir()
-    q, d0, d1, ql, dl0, dl1 = f["q"], f["d"][0], f["d"][1], f["ql"], f["dl"][0], f["dl"][1]
+    q, d0, d1, dl0, dl1 = f["q"], f["d"][0], f["d"][1], f["dl"][0], f["dl"][1]
 
     def S(*extra, queries=q, docs=(d0, d1), o=out):
         return ["score", "--queries", queries, "--docs", *docs, "--out", o, "--cpu", *extra]
@@ -593,3 +593,35 @@ def test_progress_bar_only_on_a_tty(tmp_path):
     os.close(master)
     assert p.returncode == 0
     assert b"scoring" in b"".join(chunks)  # click.progressbar's label on the TTY
+
+
+@pytest.mark.skipif(os.name != "posix", reason="POSIX signals")
+def test_sigterm_mid_run_leaves_nothing(tmp_path):
+    import signal
+    import time
+
+    f, _ = make_data(tmp_path)
+    out = tmp_path / "res.tsv"
+    before = listing(tmp_path)
+    argv = [str(a) for a in score_args(f, out, "--chunk-docs", 1)]
+    # Slow every lik_cupy.maxsim call down so the signal lands mid-run.
+    code = (
+        "import sys, time, lik_cupy, cli\n"
+        "real = lik_cupy.maxsim\n"
+        "def slow(*a, **k):\n"
+        "    time.sleep(0.25)\n"
+        "    return real(*a, **k)\n"
+        "lik_cupy.maxsim = slow\n"
+        "cli.main(sys.argv[1:], prog_name='lik')\n"
+    )
+    p = subprocess.Popen([sys.executable, "-c", code, *argv], cwd=tmp_path, env=_env(),
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not any(n.endswith(".part") for n in listing(tmp_path)):  # scoring has started
+        assert p.poll() is None and time.monotonic() < deadline, p.communicate()
+        time.sleep(0.02)
+    p.send_signal(signal.SIGTERM)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 130, err
+    assert err == "lik: interrupted; no output written\n"
+    assert listing(tmp_path) == before
