@@ -64,6 +64,23 @@ if [ "${SKIP_TESTS:-0}" != "1" ]; then
     echo "pytest exit code: $PYTEST_RC"
 fi
 
+# ---------------------------------------------------------------- portable kernels only, and the SASS check
+if [ "${SKIP_TESTS:-0}" != "1" ]; then
+    echo "== pytest -m gpu with the Hopper kernels forced off (LIK_CUPY_DISABLE_WGMMA=1)"
+    LIK_CUPY_DISABLE_WGMMA=1 timeout -k 10 "$PYTEST_TIMEOUT_S" python3 -m pytest -m gpu -q --maxfail=25 \
+        -p no:cacheprovider tests/test_forward_gpu.py 2>&1 | tail -n 3 | tee -a "$OUT/pytest.log"
+    echo "== SASS check: tensor-core instructions in the compiled forward kernels"
+    python3 - <<'PY' 2>&1 | tee -a "$OUT/pytest.log"
+import json, subprocess
+from lik_cupy.compile import cache_dir
+for meta in sorted(cache_dir().glob("*.json")):
+    info = json.loads(meta.read_text())
+    name = info["defines"].get("LIK_NAME", "?")
+    sass = subprocess.run(["cuobjdump", "--dump-sass", str(meta.with_suffix(".cubin"))], capture_output=True, text=True).stdout
+    print(f"{name:60s} sm_{info['arch']:4s} HGMMA={sass.count('HGMMA'):4d} HMMA={sass.count('HMMA'):4d}")
+PY
+fi
+
 # ---------------------------------------------------------------- bench
 BENCH_RC="skipped"
 if [ "${SKIP_BENCH:-0}" != "1" ]; then

@@ -23,8 +23,19 @@
 //   LIK_QREG    1: query fragments held in registers; 0: re-read from shared memory
 //   LIK_ARGMAX  1: also write the winning document token per query token
 //   LIK_VEC     1: 16-byte copies (dim and base pointers 16-byte aligned)
+//   LIK_WGMMA   1: Hopper warpgroup MMA (sm_90a; needs LIK_MT 1, LIK_WARPS 8,
+//               LIK_DP a multiple of 64): tiles are stored 128B-swizzled and
+//               read by the tensor cores straight from shared memory
 //   LIK_NAME    entry point name
 #include "common.cuh"
+#include "wgmma.cuh"
+
+#ifndef LIK_WGMMA
+#define LIK_WGMMA 0
+#endif
+#if LIK_WGMMA && !LIK_HAS_WGMMA
+#error "LIK_WGMMA kernels must be compiled for sm_90a (the sm_90a feature set is not enabled)"
+#endif
 
 #ifndef LIK_NAME
 #error "LIK_NAME and the tile macros are set by lik_cupy.dispatch"
@@ -41,12 +52,12 @@ struct Elem<1> { typedef u16 T; };
 template <>
 struct Elem<2> { typedef float T; };
 
-template <int ELEM, int DP, int WARPS, int MT, int BN, int STAGES, bool QREG, bool ARGMAX, bool VEC>
+template <int ELEM, int DP, int WARPS, int MT, int BN, int STAGES, bool QREG, bool ARGMAX, bool VEC, bool WG>
 struct Fwd {
     typedef typename Elem<ELEM>::T T;
     static constexpr int ESIZE = sizeof(T);
     static constexpr int EPC = 16 / ESIZE;      // elements per 16-byte chunk
-    static constexpr int LDS = DP + EPC;        // padded row stride: conflict-free ldmatrix / lds
+    static constexpr int LDS = WG ? DP : DP + EPC;  // padded row stride: conflict-free ldmatrix / lds
     static constexpr int KSTEP = ELEM == 2 ? 8 : 16;
     static constexpr int NK = DP / KSTEP;
     static constexpr int BM = WARPS * MT * 16;
@@ -56,6 +67,17 @@ struct Fwd {
     static_assert(DP % 16 == 0, "DP must be a multiple of 16");
     static_assert(BN % 16 == 0, "BN must be a multiple of 16");
     static_assert(STAGES >= 2, "need at least two stages");
+    static_assert(!WG || (MT == 1 && WARPS == 8 && DP % 64 == 0 && ELEM != 2 && !QREG), "wgmma tile shape");
+
+    // Element offset of (row r, column k) in a staged tile of `nrows` rows. The
+    // wgmma layout splits the row into 64-element (128-byte) column blocks and
+    // XORs the 16-byte chunk index with the row, the 128B swizzle the
+    // descriptors in wgmma.cuh declare.
+    static __device__ __forceinline__ int soff(int r, int k, int nrows) {
+        if (!WG) return r * LDS + k;
+        const int kb = k >> 6, c = (k >> 3) & 7;
+        return kb * nrows * 64 + r * 64 + ((c ^ (r & 7)) << 3) + (k & 7);
+    }
 
     // Stage `nrows` rows of `dim` elements (row stride `dim` in global) into a
     // shared tile; rows >= avail and columns >= dim become zero, so padded
@@ -66,14 +88,14 @@ struct Fwd {
                 const int r = c / CPR, k = (c - r * CPR) * EPC;
                 const bool ok = r < avail && k < dim;
                 const T* s = ok ? src + (i64)r * dim + k : src;
-                cp_async_16(smem_addr(dst + r * LDS + k), s, ok ? 16 : 0);
+                cp_async_16(smem_addr(dst + soff(r, k, nrows)), s, ok ? 16 : 0);
             }
         } else {
             for (int e = threadIdx.x; e < nrows * DP; e += NT) {
                 const int r = e / DP, k = e - r * DP;
                 T v = T(0);
                 if (r < avail && k < dim) v = src[(i64)r * dim + k];
-                dst[r * LDS + k] = v;
+                dst[soff(r, k, nrows)] = v;
             }
         }
     }
@@ -96,6 +118,23 @@ struct Fwd {
     // acc[m][n] += Q_tile(warp rows) . D_tile^T over the whole padded dim.
     static __device__ __forceinline__ void tile_mma(float (&acc)[MT][NN][4], const u32 (&qf)[QREG ? MT : 1][QREG ? NK : 1][4],
                                                     const T* sQ, const T* sD, int wrow0, int lane) {
+#if LIK_HAS_WGMMA
+        if (WG) {
+            // The warpgroup's 64 query rows against all BN document rows, k = 16 per instruction.
+            const u32 qa = smem_addr(sQ) + (wrow0 & ~63) * 128, da = smem_addr(sD);
+            float* d = &acc[0][0][0];
+            wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < NK; ++kk) {
+                const u32 ko = (kk & 3) * 32;  // byte offset of this k step inside a 128-byte row
+                wgmma_m64k16<ELEM, BN>(d, wgmma_desc(qa + (kk >> 2) * BM * 128 + ko),
+                                       wgmma_desc(da + (kk >> 2) * BN * 128 + ko), kk > 0);
+            }
+            wgmma_commit();
+            wgmma_wait<0>();
+            return;
+        }
+#endif
 #pragma unroll
         for (int kk = 0; kk < NK; ++kk) {
             u32 a[MT][4];
@@ -145,7 +184,9 @@ struct Fwd {
                                const u8* __restrict__ d_mask, float* __restrict__ out, int* __restrict__ amax, int Nq,
                                int Nd, int Lq, int Ld, int dim, int n_qt, int docs_per_cta, int dl_qstride) {
         extern __shared__ __align__(16) unsigned char smem_raw[];
-        T* sQ = reinterpret_cast<T*>(smem_raw);
+        // Swizzled wgmma tiles need 1024-byte alignment; the host adds that slack to the size.
+        unsigned char* smem_base = WG ? smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023) : smem_raw;
+        T* sQ = reinterpret_cast<T*>(smem_base);
         T* sD = sQ + BM * LDS;
         float* red = reinterpret_cast<float*>(sD + STAGES * BN * LDS);  // [2][WARPS]
 
@@ -237,6 +278,9 @@ struct Fwd {
 
             for (int t = 0; t < nt; ++t) {
                 cp_async_wait<STAGES - 2>();
+#if LIK_HAS_WGMMA
+                if (WG) fence_proxy_async();
+#endif
                 __syncthreads();
                 if (QREG && !q_ready) {
 #pragma unroll
@@ -329,7 +373,8 @@ struct Fwd {
 
 }  // namespace lik
 
-typedef lik::Fwd<LIK_ELEM, LIK_DP, LIK_WARPS, LIK_MT, LIK_BN, LIK_STAGES, LIK_QREG != 0, LIK_ARGMAX != 0, LIK_VEC != 0>
+typedef lik::Fwd<LIK_ELEM, LIK_DP, LIK_WARPS, LIK_MT, LIK_BN, LIK_STAGES, LIK_QREG != 0, LIK_ARGMAX != 0, LIK_VEC != 0,
+                  LIK_WGMMA != 0>
     LikFwdCfg;
 
 extern "C" __global__ void __launch_bounds__(LIK_WARPS * 32, 1)

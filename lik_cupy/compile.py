@@ -93,8 +93,8 @@ class Compiled:
     log: str  # NVRTC + ptxas (-v) output
 
 
-def nvrtc_compile(name: str, defines: dict, arch: int) -> Compiled:
-    """Compile ``cuda_src/name`` for ``sm_<arch>`` to a CUBIN. No GPU needed."""
+def nvrtc_compile(name: str, defines: dict, arch: int | str) -> Compiled:
+    """Compile ``cuda_src/name`` for ``sm_<arch>`` (e.g. 80 or "90a") to a CUBIN. No GPU needed."""
     from cuda.bindings import nvrtc
 
     root = source_dir()
@@ -153,13 +153,13 @@ def resource_usage(log: str, kernel: str) -> dict[str, int]:
     return out
 
 
-def cache_key(name: str, defines: dict, arch: int) -> str:
+def cache_key(name: str, defines: dict, arch: int | str) -> str:
     payload = json.dumps(
         {
             "src": source_digest(name),
             "file": name,
             "defines": sorted((k, str(v)) for k, v in defines.items()),
-            "arch": arch,
+            "arch": str(arch),
             "nvrtc": nvrtc_version(),
             "lik": __version__,
         },
@@ -200,7 +200,7 @@ def _read_cached(key: str) -> Path | None:
     return cubin
 
 
-def cubin_path(name: str, defines: dict, arch: int) -> Path:
+def cubin_path(name: str, defines: dict, arch: int | str) -> Path:
     """Path of a verified CUBIN for this kernel, compiling and caching it if needed."""
     key = cache_key(name, defines, arch)
     hit = _read_cached(key)
@@ -211,7 +211,7 @@ def cubin_path(name: str, defines: dict, arch: int) -> Path:
     d.mkdir(parents=True, exist_ok=True)
     cubin = d / f"{key}.cubin"
     _atomic_write(cubin, out.cubin)
-    meta = {"sha256": hashlib.sha256(out.cubin).hexdigest(), "file": name, "arch": arch,
+    meta = {"sha256": hashlib.sha256(out.cubin).hexdigest(), "file": name, "arch": str(arch),
             "defines": {k: str(v) for k, v in defines.items()}, "log": out.log}
     _atomic_write(d / f"{key}.json", json.dumps(meta, indent=1).encode())
     return cubin
@@ -222,11 +222,11 @@ _modules_lock = threading.Lock()
 _key_locks: dict = {}
 
 
-def get_module(name: str, defines: dict, arch: int, device_id: int):
+def get_module(name: str, defines: dict, arch: int | str, device_id: int):
     """A loaded ``cupy.RawModule`` for this kernel on ``device_id`` (compiled once per key)."""
     import cupy
 
-    mkey = (device_id, name, tuple(sorted((k, str(v)) for k, v in defines.items())), arch)
+    mkey = (device_id, name, tuple(sorted((k, str(v)) for k, v in defines.items())), str(arch))
     with _modules_lock:
         mod = _modules.get(mkey)
         if mod is not None:
@@ -254,18 +254,19 @@ def check_all(archs=None, configs=None) -> list[dict]:
     """CPU-only: compile every forward configuration for every supported architecture.
 
     Returns one row per (kernel, arch) with registers, stack, spills, static and
-    dynamic shared memory. Raises ``CompileError`` if any kernel fails.
+    dynamic shared memory (``lik_sum_partials`` once per architecture). Raises
+    ``CompileError`` if any kernel fails.
     """
     from .dispatch import SUPPORTED_ARCHS, all_forward_configs
 
     rows = []
     for arch in archs or SUPPORTED_ARCHS:
-        for cfg in configs or all_forward_configs(arch):
-            out = nvrtc_compile("maxsim_fwd.cu", cfg.defines(), arch)
-            for kernel in (cfg.name, "lik_sum_partials"):
-                if kernel == "lik_sum_partials" and cfg is not (configs or [cfg])[0]:
-                    continue
-                usage = resource_usage(out.log, kernel)
-                rows.append({"kernel": kernel, "arch": f"sm_{arch}",
-                             "dynamic_smem": cfg.smem_bytes if kernel == cfg.name else 0, **usage})
+        for n, cfg in enumerate(configs or all_forward_configs(arch)):
+            target = cfg.target(arch)
+            out = nvrtc_compile("maxsim_fwd.cu", cfg.defines(), target)
+            rows.append({"kernel": cfg.name, "arch": f"sm_{target}", "dynamic_smem": cfg.smem_bytes,
+                         **resource_usage(out.log, cfg.name)})
+            if n == 0:
+                rows.append({"kernel": "lik_sum_partials", "arch": f"sm_{target}", "dynamic_smem": 0,
+                             **resource_usage(out.log, "lik_sum_partials")})
     return rows

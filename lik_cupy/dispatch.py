@@ -36,6 +36,7 @@ class FwdConfig:
     qreg: bool  # query fragments in registers
     argmax: bool
     vec: bool  # 16-byte cp.async copies
+    wgmma: bool = False  # Hopper warpgroup MMA (sm_90a)
 
     @property
     def bm(self) -> int:
@@ -51,6 +52,8 @@ class FwdConfig:
 
     @property
     def smem_bytes(self) -> int:
+        if self.wgmma:  # unpadded swizzled tiles, plus slack to align them to 1024 bytes
+            return (self.bm + self.stages * self.bn) * self.dp * self.esize + 1024 + 2 * self.warps * 4
         lds = self.dp + 16 // self.esize
         return (self.bm + self.stages * self.bn) * lds * self.esize + 2 * self.warps * 4
 
@@ -60,6 +63,7 @@ class FwdConfig:
         return (
             f"lik_maxsim_fwd_{e}_d{self.dp}_w{self.warps}m{self.mt}_n{self.bn}s{self.stages}"
             f"{'_qreg' if self.qreg else ''}{'_argmax' if self.argmax else ''}{'_vec' if self.vec else ''}"
+            f"{'_wgmma' if self.wgmma else ''}"
         )
 
     def defines(self) -> dict[str, int | str]:
@@ -74,7 +78,12 @@ class FwdConfig:
             "LIK_QREG": int(self.qreg),
             "LIK_ARGMAX": int(self.argmax),
             "LIK_VEC": int(self.vec),
+            "LIK_WGMMA": int(self.wgmma),
         }
+
+    def target(self, arch: int) -> str:
+        """NVRTC architecture suffix: wgmma kernels need the sm_90a feature set."""
+        return "90a" if self.wgmma else str(arch)
 
 
 def padded_dim(dim: int) -> int:
@@ -98,7 +107,7 @@ for _wide in (False, True):
         for _lb in (32, 64, 128):
             if not _wide:  # fp16 / bf16
                 if _db <= 128:
-                    pref = {32: ((2, 1, 64, 4), (2, 1, 32, 3)), 64: ((4, 1, 64, 4), (4, 1, 32, 3))}.get(
+                    pref = {32: ((2, 1, 64, 3), (2, 1, 32, 3)), 64: ((4, 1, 64, 3), (4, 1, 32, 3))}.get(
                         _lb, ((4, 2, 64, 3), (4, 2, 32, 3), (4, 2, 32, 2))
                     )
                 elif _db <= 256:
@@ -129,11 +138,24 @@ def arch_of(cc: int) -> int:
     return 90 if cc >= 90 else 80
 
 
-def choose_forward(cc: int, dtype: str, dim: int, lq: int, argmax: bool, vec: bool) -> FwdConfig:
-    """The forward configuration for one problem on a device of compute capability ``cc``."""
+# Hopper warpgroup-MMA tiles: (bn, stages) in order of preference; 8 warps = 2 warpgroups x 64 query rows.
+_WGMMA_TABLE = ((64, 4), (64, 3), (64, 2))
+
+
+def choose_forward(cc: int, dtype: str, dim: int, lq: int, argmax: bool, vec: bool, wgmma: bool = True) -> FwdConfig:
+    """The forward configuration for one problem on a device of compute capability ``cc``.
+
+    ``wgmma=False`` keeps to the portable mma.sync kernels (the fallback when
+    an sm_90a build fails, and the switch tests use to cover both paths).
+    """
     arch = arch_of(cc)
     elem = ELEM_CODES[dtype]
     dp = padded_dim(dim)
+    if wgmma and arch == 90 and elem != 2 and vec and dim % 64 == 0 and lq > 64:
+        for bn, stages in _WGMMA_TABLE:
+            cfg = FwdConfig(elem, dim, 8, 1, bn, stages, False, argmax, vec, True)
+            if cfg.smem_bytes <= _SMEM_PER_BLOCK[arch]:
+                return cfg
     lb = 32 if lq <= 32 else 64 if lq <= 64 else 128
     limit = _SMEM_PER_BLOCK[arch]
     for warps, mt, bn, stages in _TABLE[(elem == 2, _dim_bucket(dp), lb)]:
@@ -159,13 +181,23 @@ class Launch:
 
 
 def plan_launch(cfg: FwdConfig, cc: int, num_sms: int, nq: int, nd: int, lq: int) -> Launch:
-    """Grid shape: query tiles on x (neighbours share document tiles in L2), document runs on y."""
+    """Grid shape: query tiles on x (neighbours share document tiles in L2), document runs on y.
+
+    The number of CTAs is a whole number of waves of resident CTAs, and each
+    CTA streams a run of documents through one pipeline (its ring crosses
+    document boundaries), so short documents cost no pipeline restarts and the
+    last wave is not left half empty.
+    """
     n_qt = max(1, -(-lq // cfg.bm))
     rows = nq * n_qt
     resident = num_sms * ctas_per_sm(cfg, cc)
-    # Enough CTAs for ~8 waves (tail effects under ~1/8), but each CTA keeps a
-    # few documents so its pipeline prologue and query load are amortised.
-    per = max(1, min(32, (rows * nd) // (8 * resident)))
+    units = rows * nd
+    if units <= resident:
+        per = 1
+    else:
+        waves = -(-units // (resident * 32))  # at most ~32 documents per CTA
+        chunks = max(1, resident * waves // rows)
+        per = -(-nd // chunks)
     per = max(per, -(-nd // 65535))  # grid.y limit
     return Launch(n_qt, per, (rows, -(-nd // per), 1))
 
@@ -178,6 +210,7 @@ def all_forward_configs(arch: int) -> list[FwdConfig]:
             for lq in (32, 64, 128):
                 for argmax in (False, True):
                     for vec in (True, False):
-                        c = choose_forward(arch, dtype, dim, lq, argmax, vec)
-                        seen[c.name] = c
+                        for wg in (True, False):
+                            c = choose_forward(arch, dtype, dim, lq, argmax, vec, wg)
+                            seen[c.name] = c
     return list(seen.values())

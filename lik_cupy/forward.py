@@ -7,6 +7,7 @@ launch (``_launch`` below), or the NumPy path (``cpu.maxsim_numpy``).
 from __future__ import annotations
 
 import os
+import warnings
 
 import numpy as np
 
@@ -175,11 +176,26 @@ def _lengths(a, rows: int, limit: int, name: str):
     return cupy.ascontiguousarray(a, dtype=cupy.int32)
 
 
+def _wgmma_enabled() -> bool:
+    return os.environ.get("LIK_CUPY_DISABLE_WGMMA", "") not in ("1", "true", "yes")
+
+
+_wgmma_warned = False
+
+
+def _warn_wgmma_once(err: Exception) -> None:
+    global _wgmma_warned
+    if not _wgmma_warned:
+        _wgmma_warned = True
+        warnings.warn(f"lik_cupy: the Hopper (sm_90a) kernel failed to build, using the portable kernel instead: {err}",
+                      RuntimeWarning, stacklevel=4)
+
+
 def _launch(p: Problem, q, d, qm, dm, ql, dl, return_argmax: bool, device: int):
     """Choose the kernel configuration and launch it on the current CuPy stream."""
     import cupy
 
-    from .compile import get_module
+    from .compile import CompileError, get_module
 
     scores = cupy.empty((p.nq, p.nd), cupy.float32)
     amax = cupy.empty((p.nq, p.nd, p.lq), cupy.int32) if return_argmax else None
@@ -199,13 +215,21 @@ def _launch(p: Problem, q, d, qm, dm, ql, dl, return_argmax: bool, device: int):
     props = device_properties(device)
     esize = 4 if p.dtype == "float32" else 2
     vec = (p.dim * esize) % 16 == 0 and q.data.ptr % 16 == 0 and d.data.ptr % 16 == 0
-    cfg = dispatch.choose_forward(props.cc, p.dtype, p.dim, p.lq, return_argmax, vec)
+    cfg = dispatch.choose_forward(props.cc, p.dtype, p.dim, p.lq, return_argmax, vec, wgmma=_wgmma_enabled())
+    arch = dispatch.arch_of(props.cc)
+    try:
+        mod = get_module("maxsim_fwd.cu", cfg.defines(), cfg.target(arch), device)
+    except CompileError as e:
+        if not cfg.wgmma:
+            raise
+        _warn_wgmma_once(e)
+        cfg = dispatch.choose_forward(props.cc, p.dtype, p.dim, p.lq, return_argmax, vec, wgmma=False)
+        mod = get_module("maxsim_fwd.cu", cfg.defines(), cfg.target(arch), device)
     plan = dispatch.plan_launch(cfg, props.cc, props.num_sms, p.nq, p.nd, p.lq)
     for n, v in (("Nq", p.nq), ("Nd", p.nd), ("Lq", p.lq), ("Ld", p.ld), ("grid", plan.grid[0])):
         if v >= 2**31:
             raise ValueError(f"{n} = {v} does not fit the kernel's 32-bit index; split the call")
 
-    mod = get_module("maxsim_fwd.cu", cfg.defines(), dispatch.arch_of(props.cc), device)
     kern = mod.get_function(cfg.name)
     if cfg.smem_bytes > 48 * 1024:
         kern.max_dynamic_shared_size_bytes = cfg.smem_bytes

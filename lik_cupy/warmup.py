@@ -35,6 +35,6 @@ def warmup(dims=(128,), dtypes=("float16", "bfloat16"), query_lengths=(32, 1024)
                     for vec in {(dim * (4 if dtype == "float32" else 2)) % 16 == 0, False}:
                         cfg = dispatch.choose_forward(cc, dtype, dim, lq, am, vec)
                         if cfg.name not in names:
-                            get_module("maxsim_fwd.cu", cfg.defines(), arch, dev)
+                            get_module("maxsim_fwd.cu", cfg.defines(), cfg.target(arch), dev)
                             names.add(cfg.name)
     return len(names)
