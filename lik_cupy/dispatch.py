@@ -139,7 +139,10 @@ def arch_of(cc: int) -> int:
 
 
 # Hopper warpgroup-MMA tiles: (bn, stages) in order of preference; 8 warps = 2 warpgroups x 64 query rows.
-_WGMMA_TABLE = ((64, 4), (64, 3), (64, 2))
+# From bench/results/sweep_tiles_nvidia-h200.json: 128-token document tiles beat 64 everywhere; with
+# Lq >= 1024 two stages (two CTAs per SM, one's epilogue hiding under the other's MMA) beat three.
+_WGMMA_TABLE = ((128, 3), (128, 2), (64, 3), (64, 2))
+_WGMMA_TABLE_LONG_Q = ((128, 2), (64, 3), (64, 2))
 
 
 def choose_forward(cc: int, dtype: str, dim: int, lq: int, argmax: bool, vec: bool, wgmma: bool = True) -> FwdConfig:
@@ -152,7 +155,7 @@ def choose_forward(cc: int, dtype: str, dim: int, lq: int, argmax: bool, vec: bo
     elem = ELEM_CODES[dtype]
     dp = padded_dim(dim)
     if wgmma and arch == 90 and elem != 2 and vec and dim % 64 == 0 and lq > 64:
-        for bn, stages in _WGMMA_TABLE:
+        for bn, stages in _WGMMA_TABLE_LONG_Q if lq >= 1024 else _WGMMA_TABLE:
             cfg = FwdConfig(elem, dim, 8, 1, bn, stages, False, argmax, vec, True)
             if cfg.smem_bytes <= _SMEM_PER_BLOCK[arch]:
                 return cfg
