@@ -172,7 +172,8 @@ def ctas_per_sm(cfg: FwdConfig, cc: int) -> int:
     arch = arch_of(cc)
     by_smem = _SMEM_PER_SM[arch] // (cfg.smem_bytes + 1024)
     by_threads = 2048 // cfg.threads
-    by_regs = 65536 // (cfg.threads * 168)  # conservative register estimate per thread
+    regs = 128 if cfg.wgmma else 192  # per-thread ceilings of the compiled kernels (compile.check_all reports them)
+    by_regs = 65536 // (cfg.threads * regs)
     return max(1, min(by_smem, by_threads, max(1, by_regs)))
 
 
