@@ -2,8 +2,10 @@
 
 Documents are processed in blocks so that the similarity block held at any
 time stays under ``block_bytes`` (default 64 MiB), whatever the corpus size.
-Arithmetic is float32 (inputs are widened first), like the kernels'
-accumulators.
+Dot products are taken in float64: BLAS rounds a row differently depending on
+where it falls in its blocking, so in float32 two identical document tokens
+could get different similarities and break the lowest-index tie rule; in
+float64 fp16/bf16 products are summed exactly for practical inputs.
 """
 
 from __future__ import annotations
@@ -26,20 +28,20 @@ def maxsim_numpy(Q: np.ndarray, D: np.ndarray, q_valid: np.ndarray, d_valid: np.
     ld = D.shape[1]
     scores = np.empty((nq, nd), np.float32)
     amax = np.empty((nq, nd, lq), np.int32) if return_argmax else None
-    per = max(1, block_bytes // max(1, lq * ld * 4 * (2 if return_argmax else 1)))
+    per = max(1, block_bytes // max(1, lq * ld * 8 * (2 if return_argmax else 1)))
     with np.errstate(invalid="ignore", over="ignore"):
         for i in range(nq):
-            qi = Q[i].astype(np.float32, copy=False)
+            qi = Q[i].astype(np.float64)
             qv = q_valid[i]
             base = i * nd if candidates else 0
             for j0 in range(0, nd, per):
                 j1 = min(nd, j0 + per)
-                blk = D[base + j0 : base + j1].astype(np.float32, copy=False)
+                blk = D[base + j0 : base + j1].astype(np.float64)
                 dv = d_valid[base + j0 : base + j1]
                 sim = np.matmul(blk, qi.T)  # [nb, Ld, Lq]
                 sim[~dv] = -np.inf  # masked document tokens never win
-                best = sim.max(axis=1) if ld else np.full((j1 - j0, lq), -np.inf, np.float32)  # NaN propagates
-                scores[i, j0:j1] = np.where(qv, best, 0.0).sum(axis=1, dtype=np.float32)
+                best = sim.max(axis=1) if ld else np.full((j1 - j0, lq), -np.inf)  # NaN propagates
+                scores[i, j0:j1] = np.where(qv, best, 0.0).sum(axis=1)
                 if amax is not None:
                     idx = sim.argmax(axis=1).astype(np.int32) if ld else np.zeros((j1 - j0, lq), np.int32)
                     idx[~dv.any(axis=1)] = -1  # empty document

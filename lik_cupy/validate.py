@@ -49,11 +49,10 @@ def _lengths_info(name: str, x, q: Info) -> Info | None:
     if isinstance(x, (int, np.integer)) and not isinstance(x, bool):
         x = np.asarray(x)
     if isinstance(x, (list, tuple)):
-        try:
-            x = np.asarray(x, dtype=np.int64)
-        except (TypeError, ValueError, OverflowError):
-            raise TypeError(f"{name} must hold integers, got {x!r:.80}") from None
-        return Info(q.framework, q.device, "int64", x.shape)  # host list: accepted with any framework
+        arr = np.asarray(x)
+        if arr.size and arr.dtype.kind not in "iu":  # never truncate 1.5 to 1
+            raise TypeError(f"{name} must hold integers, got {str(list(x))[:80]}")
+        return Info(q.framework, q.device, "int64", arr.shape)  # host list: accepted with any framework
     return _info(name, x)
 
 

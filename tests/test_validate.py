@@ -1,0 +1,300 @@
+"""Every argument error is a ValueError/TypeError naming the argument and what was expected,
+raised before any scoring work runs. CPU only."""
+
+from __future__ import annotations
+
+import re
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import lik_cupy
+from lik_cupy import cpu, dispatch, forward
+
+E = re.escape
+
+
+@pytest.fixture(autouse=True)
+def no_scoring(monkeypatch):
+    """Validation must fail before the NumPy path (or any kernel) runs."""
+
+    def boom(*a, **k):
+        raise AssertionError("scoring ran although the arguments were invalid")
+
+    monkeypatch.setattr(cpu, "maxsim_numpy", boom)
+    monkeypatch.setattr(forward, "_gpu", boom)
+
+
+def f16(*shape):
+    return np.zeros(shape, np.float16)
+
+
+def ms(*a, **k):
+    k.setdefault("backend", "cpu")
+    return lik_cupy.maxsim(*a, **k)
+
+
+def pairs(*a, **k):
+    k.setdefault("backend", "cpu")
+    return lik_cupy.maxsim_pairs(*a, **k)
+
+
+class FakeDLPack:
+    """A foreign DLPack producer (host memory) that is not a NumPy array."""
+
+    def __init__(self, a):
+        self._a = a
+
+    def __dlpack__(self, *a, **k):
+        return self._a.__dlpack__(*a, **k)
+
+    def __dlpack_device__(self):
+        return self._a.__dlpack_device__()
+
+
+# ---------------------------------------------------------------- ranks and dims
+
+
+@pytest.mark.parametrize("shape", [(128,), (2, 3, 4, 128), ()])
+def test_q_rank(shape):
+    with pytest.raises(ValueError, match=E("Q must be [Nq, Lq, d] or [Lq, d]; got shape " + str(list(shape)))):
+        ms(f16(*shape), f16(5, 7, 128))
+
+
+@pytest.mark.parametrize("shape", [(128,), (1, 2, 3, 4, 128)])
+def test_d_rank(shape):
+    with pytest.raises(ValueError, match=E("D must be [Nd, Ld, d], [Nq, K, Ld, d] or [Ld, d]; got shape " + str(list(shape)))):
+        ms(f16(2, 3, 128), f16(*shape))
+
+
+@pytest.mark.parametrize("dshape", [(5, 7, 96), (7, 96), (2, 4, 7, 96)])
+def test_dim_mismatch(dshape):
+    with pytest.raises(ValueError, match="D has dim 96 but Q has dim 128"):
+        ms(f16(2, 3, 128), f16(*dshape))
+
+
+def test_dim_zero():
+    with pytest.raises(ValueError, match="embedding dim 0"):
+        ms(f16(2, 3, 0), f16(4, 5, 0))
+
+
+def test_gpu_dim_limit_before_any_launch(monkeypatch):
+    monkeypatch.setattr(forward, "gpu_available", lambda: True)
+    with pytest.raises(ValueError, match=rf"dim 600; the GPU kernels support dim up to {dispatch.MAX_DIM}"):
+        ms(f16(2, 3, 600), f16(4, 5, 600), backend="gpu")
+
+
+def test_candidates_need_3d_query():
+    with pytest.raises(ValueError, match=E("D [Nq, K, Ld, d] (per-query candidates) needs Q [Nq, Lq, d]; got Q shape [3, 64]")):
+        ms(f16(3, 64), f16(3, 4, 5, 64))
+
+
+def test_candidates_wrong_leading_dim():
+    with pytest.raises(ValueError, match="D has candidate sets for 4 queries but Q has 3 queries"):
+        ms(f16(3, 8, 64), f16(4, 2, 5, 64))
+
+
+def test_pairs_batch_mismatch():
+    with pytest.raises(ValueError, match="D has 5 documents but Q has 4 queries: maxsim_pairs scores Q\\[b\\] with D\\[b\\]"):
+        pairs(f16(4, 8, 64), f16(5, 9, 64))
+
+
+@pytest.mark.parametrize("qs,ds", [((8, 64), (4, 9, 64)), ((4, 8, 64), (9, 64)), ((4, 8, 64), (4, 1, 9, 64))])
+def test_pairs_ranks(qs, ds):
+    with pytest.raises(ValueError, match=E("maxsim_pairs needs Q [B, Lq, d] and D [B, Ld, d]")):
+        pairs(f16(*qs), f16(*ds))
+
+
+# ---------------------------------------------------------------- dtypes and frameworks
+
+
+@pytest.mark.parametrize("bad", [np.int32, np.int64, np.float64, np.bool_, np.complex64])
+@pytest.mark.parametrize("which", ["Q", "D"])
+def test_bad_float_dtype(bad, which):
+    q, d = f16(2, 3, 16), f16(4, 5, 16)
+    if which == "Q":
+        q = q.astype(bad)
+    else:
+        d = d.astype(bad)
+    name = np.dtype(bad).name
+    with pytest.raises(TypeError, match=E(f"{which} has dtype {name}; expected float16, bfloat16 or float32")):
+        ms(q, d)
+
+
+@pytest.mark.parametrize("qd,dd", [(np.float16, np.float32), (np.float32, ml_dtypes.bfloat16), (ml_dtypes.bfloat16, np.float16)])
+def test_q_d_dtype_mismatch(qd, dd):
+    q, d = np.zeros((2, 3, 16), qd), np.zeros((4, 5, 16), dd)
+    msg = f"D has dtype {np.dtype(dd).name} but Q has {np.dtype(qd).name}: cast one so both match"
+    with pytest.raises(TypeError, match=E(msg)):
+        ms(q, d)
+
+
+@pytest.mark.parametrize("which", ["Q", "D"])
+def test_not_an_array(which):
+    q, d = f16(2, 3, 16), f16(4, 5, 16)
+    if which == "Q":
+        q = q.tolist()
+    else:
+        d = d.tolist()
+    with pytest.raises(TypeError, match=E(f"{which}: expected a NumPy, CuPy, PyTorch or JAX array (or any DLPack array), got list")):
+        ms(q, d)
+
+
+def test_mixed_frameworks_dlpack():
+    with pytest.raises(TypeError, match="Q is a numpy array but D is a dlpack array: pass both from one framework"):
+        ms(f16(2, 3, 16), FakeDLPack(f16(4, 5, 16)))
+    with pytest.raises(TypeError, match="Q is a dlpack array but D is a numpy array"):
+        ms(FakeDLPack(f16(2, 3, 16)), f16(4, 5, 16))
+    with pytest.raises(TypeError, match="d_mask is a dlpack array but Q is a numpy array"):
+        ms(f16(2, 3, 16), f16(4, 5, 16), d_mask=FakeDLPack(np.ones((4, 5), bool)))
+    with pytest.raises(TypeError, match="q_lengths is a dlpack array but Q is a numpy array"):
+        ms(f16(2, 3, 16), f16(4, 5, 16), q_lengths=FakeDLPack(np.ones(2, np.int32)))
+
+
+def test_mixed_frameworks_torch():
+    torch = pytest.importorskip("torch")
+    with pytest.raises(TypeError, match="Q is a numpy array but D is a torch array"):
+        ms(f16(2, 3, 16), torch.zeros(4, 5, 16, dtype=torch.float16))
+    with pytest.raises(TypeError, match="q_mask is a numpy array but Q is a torch array"):
+        ms(torch.zeros(2, 3, 16, dtype=torch.float16), torch.zeros(4, 5, 16, dtype=torch.float16),
+           q_mask=np.ones((2, 3), bool))
+    with pytest.raises(TypeError, match="D has dtype float32 but Q has bfloat16"):
+        ms(torch.zeros(2, 3, 16, dtype=torch.bfloat16), torch.zeros(4, 5, 16))
+
+
+# ---------------------------------------------------------------- masks and lengths
+
+
+@pytest.mark.parametrize("side", ["q", "d"])
+@pytest.mark.parametrize("bad", [np.uint8, np.int32, np.float32])
+def test_mask_not_boolean(side, bad):
+    q, d = f16(2, 3, 16), f16(4, 5, 16)
+    m = np.ones((2, 3) if side == "q" else (4, 5), bad)
+    with pytest.raises(TypeError, match=E(f"{side}_mask must be boolean (True = valid token), got dtype {np.dtype(bad).name}")):
+        ms(q, d, **{f"{side}_mask": m})
+
+
+@pytest.mark.parametrize(
+    "qs,ds,side,mshape,expect",
+    [
+        ((2, 3, 16), (4, 5, 16), "q", (3, 2), [2, 3]),
+        ((2, 3, 16), (4, 5, 16), "q", (2,), [2, 3]),
+        ((2, 3, 16), (4, 5, 16), "d", (4, 5, 1), [4, 5]),
+        ((2, 3, 16), (4, 5, 16), "d", (5,), [4, 5]),
+        ((3, 16), (4, 5, 16), "q", (1, 3), [3]),
+        ((2, 3, 16), (2, 4, 5, 16), "d", (4, 5), [2, 4, 5]),
+    ],
+)
+def test_mask_shape(qs, ds, side, mshape, expect):
+    what = "Q" if side == "q" else "D"
+    msg = f"{side}_mask has shape {list(mshape)}; expected {expect} ({what}'s shape without its last axis)"
+    with pytest.raises(ValueError, match=E(msg)):
+        ms(f16(*qs), f16(*ds), **{f"{side}_mask": np.ones(mshape, bool)})
+
+
+def test_mask_not_an_array():
+    with pytest.raises(TypeError, match="d_mask: expected a NumPy"):
+        ms(f16(2, 3, 16), f16(4, 5, 16), d_mask=[[True] * 5] * 4)
+
+
+@pytest.mark.parametrize("side", ["q", "d"])
+def test_both_mask_and_lengths(side):
+    q, d = f16(2, 3, 16), f16(4, 5, 16)
+    rows, length = ((2, 3) if side == "q" else (4, 5))
+    kw = {f"{side}_mask": np.ones((rows, length), bool), f"{side}_lengths": np.full(rows, length)}
+    with pytest.raises(ValueError, match=f"pass either {side}_mask or {side}_lengths, not both"):
+        ms(q, d, **kw)
+
+
+@pytest.mark.parametrize("side", ["q", "d"])
+@pytest.mark.parametrize("kind", ["numpy", "list"])
+def test_lengths_out_of_range(side, kind):
+    q, d = f16(2, 3, 16), f16(4, 5, 16)
+    rows, limit = ((2, 3) if side == "q" else (4, 5))
+    for bad, shown in ((-1, -1), (limit + 1, limit + 1), (-(2**40), -(2**40))):
+        lens = np.full(rows, 1, np.int64)
+        lens[-1] = bad
+        arg = lens if kind == "numpy" else lens.tolist()
+        with pytest.raises(ValueError, match=E(f"{side}_lengths holds {shown}; every length must be in [0, {limit}]")):
+            ms(q, d, **{f"{side}_lengths": arg})
+
+
+def test_lengths_out_of_range_candidates_and_pairs():
+    with pytest.raises(ValueError, match=E("d_lengths holds 6; every length must be in [0, 5]")):
+        ms(f16(2, 3, 16), f16(2, 4, 5, 16), d_lengths=np.array([[1, 2, 3, 4], [5, 6, 0, 0]]))
+    with pytest.raises(ValueError, match=E("q_lengths holds 4; every length must be in [0, 3]")):
+        pairs(f16(2, 3, 16), f16(2, 5, 16), q_lengths=[3, 4])
+    with pytest.raises(ValueError, match=E("q_lengths holds -1; every length must be in [0, 3]")):
+        ms(f16(3, 16), f16(2, 5, 16), q_lengths=-1)
+
+
+@pytest.mark.parametrize(
+    "qs,ds,side,lshape,expect,what",
+    [
+        ((2, 3, 16), (4, 5, 16), "q", (3,), [2], "query"),
+        ((2, 3, 16), (4, 5, 16), "q", (2, 1), [2], "query"),
+        ((2, 3, 16), (4, 5, 16), "d", (2,), [4], "document"),
+        ((2, 3, 16), (4, 5, 16), "d", (4, 5), [4], "document"),
+        ((3, 16), (4, 5, 16), "q", (1,), [], "query"),
+        ((2, 3, 16), (2, 4, 5, 16), "d", (4,), [2, 4], "document"),
+    ],
+)
+def test_lengths_shape(qs, ds, side, lshape, expect, what):
+    msg = f"{side}_lengths has shape {list(lshape)}; expected {expect} (one length per {what})"
+    with pytest.raises(ValueError, match=E(msg)):
+        ms(f16(*qs), f16(*ds), **{f"{side}_lengths": np.zeros(lshape, np.int32)})
+
+
+def test_lengths_shape_python_list():
+    with pytest.raises(ValueError, match=E("d_lengths has shape [3]; expected [4] (one length per document)")):
+        ms(f16(2, 3, 16), f16(4, 5, 16), d_lengths=[1, 2, 3])
+
+
+@pytest.mark.parametrize("side", ["q", "d"])
+@pytest.mark.parametrize("bad", [np.float32, np.float64, np.bool_, np.float16])
+def test_lengths_non_integer_dtype(side, bad):
+    rows = 2 if side == "q" else 4
+    with pytest.raises(TypeError, match=E(f"{side}_lengths must be integers, got dtype {np.dtype(bad).name}")):
+        ms(f16(2, 3, 16), f16(4, 5, 16), **{f"{side}_lengths": np.ones(rows, bad)})
+
+
+def test_lengths_non_integer_python_list_of_strings():
+    with pytest.raises(TypeError, match="d_lengths must hold integers"):
+        ms(f16(2, 3, 16), f16(4, 5, 16), d_lengths=["a", "b", "c", "d"])
+
+
+def test_lengths_python_list_of_floats():
+    with pytest.raises(TypeError, match="q_lengths must"):
+        ms(f16(2, 3, 16), f16(4, 5, 16), q_lengths=[1.5, 2.7])
+
+
+# ---------------------------------------------------------------- backend
+
+
+@pytest.mark.parametrize("bad", ["GPU", "cuda", "", None, "numpy"])
+def test_bad_backend(bad):
+    with pytest.raises(ValueError, match=E(f"backend must be one of ('auto', 'gpu', 'cpu'), got {bad!r}")):
+        ms(f16(2, 3, 16), f16(4, 5, 16), backend=bad)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        pairs(f16(2, 3, 16), f16(2, 5, 16), backend=bad)
+
+
+def test_backend_gpu_without_gpu(monkeypatch):
+    monkeypatch.setattr(forward, "gpu_available", lambda: False)
+    with pytest.raises(RuntimeError, match="backend='gpu' but no CUDA GPU is visible"):
+        ms(f16(2, 3, 16), f16(4, 5, 16), backend="gpu")
+    with pytest.raises(RuntimeError, match="backend='gpu' but no CUDA GPU is visible"):
+        pairs(f16(2, 3, 16), f16(2, 5, 16), backend="gpu")
+
+
+def test_argument_errors_come_before_the_backend_check(monkeypatch):
+    monkeypatch.setattr(forward, "gpu_available", lambda: False)
+    with pytest.raises(ValueError, match="D has dim 8 but Q has dim 16"):
+        ms(f16(2, 3, 16), f16(4, 5, 8), backend="gpu")
+
+
+def test_valid_calls_reach_scoring():
+    # the autouse fixture's stand-in proves that valid arguments get through validation
+    with pytest.raises(AssertionError, match="scoring ran"):
+        ms(f16(2, 3, 16), f16(4, 5, 16), q_lengths=[3, 0], d_mask=np.ones((4, 5), bool))
