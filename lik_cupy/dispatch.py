@@ -211,7 +211,7 @@ def all_forward_configs(arch: int) -> list[FwdConfig]:
     seen: dict[str, FwdConfig] = {}
     for dtype in ELEM_CODES:
         for dim in (64, 128, 256, 512):
-            for lq in (32, 64, 128):
+            for lq in (32, 64, 128, 1024):
                 for argmax in (False, True):
                     for vec in (True, False):
                         for wg in (True, False):

@@ -49,8 +49,11 @@ def _lengths_info(name: str, x, q: Info) -> Info | None:
     if isinstance(x, (int, np.integer)) and not isinstance(x, bool):
         x = np.asarray(x)
     if isinstance(x, (list, tuple)):
-        arr = np.asarray(x)
-        if arr.size and arr.dtype.kind not in "iu":  # never truncate 1.5 to 1
+        try:
+            arr = np.asarray(x)
+        except ValueError:  # ragged nesting
+            raise TypeError(f"{name} must be a flat list of integers, got {str(list(x))[:80]}") from None
+        if arr.dtype == object or arr.size and arr.dtype.kind not in "iu":  # never truncate 1.5 to 1
             raise TypeError(f"{name} must hold integers, got {str(list(x))[:80]}")
         return Info(q.framework, q.device, "int64", arr.shape)  # host list: accepted with any framework
     return _info(name, x)

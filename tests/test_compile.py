@@ -239,12 +239,6 @@ def test_choose_forward_fits_shared_memory(cc, dtype):
         dispatch.choose_forward(cc, dtype, dispatch.MAX_DIM + 1, 32, False, True)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="library bug: dispatch.all_forward_configs samples lq in (32, 64, 128) only, but choose_forward switches "
-    "sm_90 wgmma tiles to _WGMMA_TABLE_LONG_Q for lq >= 1024, so e.g. lik_maxsim_fwd_f16_d128_w8m1_n128s2_vec_wgmma "
-    "(8 sm_90a kernels for dims 64/128) is never built by compile.check_all",
-)
 def test_compile_check_covers_the_bucket_dims():
     # everything dispatch picks for the dims all_forward_configs samples is compiled by check_all
     for arch in dispatch.SUPPORTED_ARCHS:

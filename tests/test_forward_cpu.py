@@ -22,7 +22,7 @@ from reference import maxsim_ref, rel_err
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 NP_DTYPES = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float32": np.float32}
-TOL = 1e-5  # float32 accumulation of exactly-rounded inputs
+TOL = 1e-5  # float32 scores of exactly-rounded inputs
 
 
 def _cast(x, dtype):
@@ -186,7 +186,19 @@ def test_argmax_ties_take_lowest_index(rng):
     assert a[0, 0, 0] == 100
 
 
-def test_argmax_ties_between_identical_tokens_with_inexact_products():
+@pytest.mark.parametrize(
+    "dtype",
+    [
+        "float16",
+        "bfloat16",
+        pytest.param("float32", marks=pytest.mark.xfail(
+            strict=True,
+            reason="library bug: cpu.maxsim_numpy takes dot products with float64 BLAS; fp16/bf16 products then sum "
+            "exactly, but float32 products (48-bit) do not, and BLAS rounds a row differently depending on its place "
+            "in the blocking, so identical float32 tokens get different similarities and a later copy can win")),
+    ],
+)
+def test_argmax_ties_between_identical_tokens_with_inexact_products(dtype):
     # Like the GPU test_argmax_ties_take_lowest_index, but with random (inexact) values: every token of a document is
     # the same vector, which is also query token 0, so token 0 must win. Several (Lq, Ld) shapes, because which rows
     # round differently depends on the BLAS kernel (SkylakeX: M-tail rows for small Lq; Haswell: rows 6-11 mod 12
@@ -196,9 +208,9 @@ def test_argmax_ties_between_identical_tokens_with_inexact_products():
     for lq in (2, 3, 8, 30, 64):
         for ld in (37, 150):
             b, dim = 24, 64
-            v = rng.standard_normal((b, 1, dim)).astype(np.float16)
+            v = rng.standard_normal((b, 1, dim)).astype(NP_DTYPES[dtype])
             d = np.repeat(v, ld, axis=1)
-            q = np.concatenate([v, rng.standard_normal((b, lq - 1, dim)).astype(np.float16)], axis=1)
+            q = np.concatenate([v, rng.standard_normal((b, lq - 1, dim)).astype(NP_DTYPES[dtype])], axis=1)
             _, a = lik_cupy.maxsim_pairs(q, d, return_argmax=True, backend="cpu")
             wrong += [(lq, ld, int(x)) for x in a[:, 0] if x != 0]
     assert not wrong, wrong[:10]

@@ -269,6 +269,11 @@ def test_lengths_python_list_of_floats():
         ms(f16(2, 3, 16), f16(4, 5, 16), q_lengths=[1.5, 2.7])
 
 
+def test_lengths_ragged_python_list():
+    with pytest.raises((TypeError, ValueError), match="d_lengths"):
+        ms(f16(2, 3, 16), f16(2, 4, 5, 16), d_lengths=[[1, 2, 3, 4], [3]])
+
+
 # ---------------------------------------------------------------- backend
 
 
