@@ -133,8 +133,8 @@ def arch_of(cc: int) -> int:
     """Map a device's compute capability (e.g. 90) to the table's architecture."""
     if cc < 80:
         raise RuntimeError(f"compute capability {cc / 10:.1f} is not supported: lik-cupy needs 8.0 or newer (or backend='cpu')")
-    if cc in _SMEM_PER_BLOCK:
-        return cc
+    if cc in _SMEM_PER_BLOCK or cc >= 100:
+        return cc  # newer GPUs get machine code built for their own architecture
     return 90 if cc >= 90 else 80
 
 
@@ -160,7 +160,7 @@ def choose_forward(cc: int, dtype: str, dim: int, lq: int, argmax: bool, vec: bo
             if cfg.smem_bytes <= _SMEM_PER_BLOCK[arch]:
                 return cfg
     lb = 32 if lq <= 32 else 64 if lq <= 64 else 128
-    limit = _SMEM_PER_BLOCK[arch]
+    limit = _SMEM_PER_BLOCK.get(arch, 99 * 1024)  # unknown (newer) GPUs: the smallest limit
     for warps, mt, bn, stages in _TABLE[(elem == 2, _dim_bucket(dp), lb)]:
         cfg = FwdConfig(elem, dp, warps, mt, bn, stages, _qreg(elem, dp, mt), argmax, vec)
         if cfg.smem_bytes <= limit:
@@ -170,7 +170,7 @@ def choose_forward(cc: int, dtype: str, dim: int, lq: int, argmax: bool, vec: bo
 
 def ctas_per_sm(cfg: FwdConfig, cc: int) -> int:
     arch = arch_of(cc)
-    by_smem = _SMEM_PER_SM[arch] // (cfg.smem_bytes + 1024)
+    by_smem = _SMEM_PER_SM.get(arch, 100 * 1024) // (cfg.smem_bytes + 1024)
     by_threads = 2048 // cfg.threads
     regs = 128 if cfg.wgmma else 192  # per-thread ceilings of the compiled kernels (compile.check_all reports them)
     by_regs = 65536 // (cfg.threads * regs)
