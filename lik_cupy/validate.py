@@ -107,8 +107,8 @@ def check_call(Q, D, q_mask, d_mask, q_lengths, d_lengths, *, pairs: bool) -> Pr
         scores_shape = tuple(q.shape[:-2]) + tuple(d.shape[1:-2] if candidates else d.shape[:-2])
     argmax_shape = scores_shape + (lq,)
 
-    q_valid = _check_valid("q", q_mask, q_lengths, q, q.shape[:-1], q.shape[:-2], lq)
-    d_valid = _check_valid("d", d_mask, d_lengths, q, d.shape[:-1], d.shape[:-2], ld)
+    q_valid = _check_valid("q", q_mask, q_lengths, q, q.shape[:-1], q.shape[:-2])
+    d_valid = _check_valid("d", d_mask, d_lengths, q, d.shape[:-1], d.shape[:-2])
     return Problem(q.framework, q.device, q.dtype, nq, lq, nd, ld, dim, candidates, scores_shape, argmax_shape,
                    q_valid, d_valid)
 
@@ -117,7 +117,7 @@ def _where(dev) -> str:
     return "the host" if dev is None else f"cuda:{dev}"
 
 
-def _check_valid(side: str, mask, lengths, q: Info, mask_shape, len_shape, limit: int) -> str | None:
+def _check_valid(side: str, mask, lengths, q: Info, mask_shape, len_shape) -> str | None:
     what = "Q" if side == "q" else "D"
     if mask is not None and lengths is not None:
         raise ValueError(f"pass either {side}_mask or {side}_lengths, not both")
