@@ -1,8 +1,10 @@
-"""``lik``: score padded .npy token embeddings with lik_cupy.maxsim from the command line.
+"""``lik``: the command line of lik-cupy. Score a corpus of .npy shards, pack shards, inspect them.
 
-This module is deliberately thin: argument parsing, input checks, streaming the
-document shards chunk by chunk, a running top-k, and atomic output.  All scoring
-goes through :func:`lik_cupy.maxsim`.
+This module is deliberately thin: inputs are opened and checked by
+:mod:`lik_cupy.shards`, the top-k is computed by :func:`lik_cupy.retrieve` (the full
+score matrix by :func:`lik_cupy.maxsim_varlen` / :func:`lik_cupy.maxsim`). What is
+added here: option checks, spreading shards over GPUs and merging their rankings,
+the progress bar, and output written to a temporary file that is renamed at the end.
 """
 
 from __future__ import annotations
@@ -16,35 +18,42 @@ import signal
 import sys
 import tempfile
 import threading
+import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import click
 import numpy as np
 
+import lik_cupy
+from lik_cupy import shards
+from lik_cupy.retrieve import MAX_K
+
 EXIT_BAD_INPUT = 2
 EXIT_INTERRUPTED = 130
 OUTPUT_SUFFIXES = (".tsv", ".jsonl", ".npy")
-# Bytes of document embeddings read (and scores produced) per lik_cupy.maxsim call.
-CHUNK_BYTES = 64 << 20
-NPY_MAGIC = b"\x93NUMPY"
+# Corpus bytes per library call when a shard is scored piece by piece (CPU path, full
+# matrix, dtype casts). GPU top-k calls take whole shards: retrieve overlaps its copies
+# and kernels within one call, so splitting a shard would only add pipeline restarts.
+PART_BYTES = 64 << 20
 
 FORMAT_HELP = """\b
-Input format (NumPy .npy files, zero-padded, one token embedding per row):
-  queries  [Nq, Lq, d]  float16 or float32 (bfloat16: store the bits as
-                        uint16 and pass --bf16-bits)
-  docs     [N, L, d]    one or more shards, same dtype rules; d must match
-                        the queries, L may differ between shards
-  lengths  [Nq] or [N]  optional integer arrays: how many leading token
-                        rows of each query / doc are real (0..L); without
-                        them every row counts. One --d-lengths per shard.
-Doc ids are global: shard 0 gives ids 0..N0-1, shard 1 continues at N0, ...
+Inputs (opened memory-mapped, never unpickled):
+  shard directory  manifest.json  format "lik-shard", version, dim, dtype, counts,
+                                  normalized, model, file names (inside the shard)
+                   tokens.npy     [T, d] float16 | float32 | bfloat16 (as uint16 bits)
+                   offsets.npy    [N+1] int64: doc j = tokens[offsets[j]:offsets[j+1]]
+                   ids.npy        [N] int64 or fixed-width strings (optional)
+  padded .npy      [N, L, d] (queries: [Nq, Lq, d]) + optional lengths [N]
+  flat .npy        [T, d] + doclens [N] (.npy, or ColBERT's doclens.*.json)
+A corpus is one or more shards. Doc ids are the shards' ids.npy values, else global
+positions (shard 0 holds 0..N0-1, shard 1 continues at N0, ...). `lik pack` makes shards.
+"""
 
-\b
-Make the files from Python, e.g.:
-  np.save("q.npy", q.astype(np.float16))     # q: [Nq, Lq, d]
-  np.save("d0.npy", d0.astype(np.float16))   # d0: [N, L, d]
-  np.save("l0.npy", np.asarray(lens, np.int32))
+SCORE_EXAMPLE = """\b
+Example (the bundled example shards, from the repository root):
+  lik score --queries examples/queries.npy \\
+            --docs examples/shard0 examples/shard1 --top-k 5 --out /tmp/lik-top5.tsv
 """
 
 
@@ -60,8 +69,12 @@ class LikError(Exception):
         self.problem = problem
 
 
+class _Cancelled(Exception):
+    """A GPU worker stopped because another one failed or the run was interrupted."""
+
+
 def _cli_errors(fn):
-    """Turn LikError / KeyboardInterrupt / crashes into one stderr line and an exit code.
+    """Turn bad input, Ctrl-C/SIGTERM and crashes into one stderr line and an exit code.
 
     A traceback is printed only when the command got ``--debug``.
     """
@@ -71,13 +84,9 @@ def _cli_errors(fn):
         debug = bool(kwargs.get("debug"))
         try:
             return fn(*args, **kwargs)
-        except click.exceptions.Exit:
+        except (click.exceptions.Exit, click.ClickException, click.Abort):
             raise
-        except click.ClickException:
-            raise
-        except click.Abort:
-            raise
-        except LikError as e:
+        except (LikError, shards.ShardError) as e:
             if debug:
                 traceback.print_exc()
             click.echo(f"lik: error: {e}", err=True)
@@ -97,184 +106,30 @@ def _cli_errors(fn):
     return wrapper
 
 
-# --------------------------------------------------------------------------- input files
+@contextlib.contextmanager
+def _sigterm_as_interrupt():
+    """Treat SIGTERM like Ctrl-C while working, so temporary output is cleaned up."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
 
+    def handler(signum, frame):
+        raise KeyboardInterrupt
 
-def _open_npy(path: str, mmap: bool = True) -> np.ndarray:
-    """np.load(mmap_mode='r', allow_pickle=False) with every failure turned into a LikError."""
-    if not os.path.exists(path):
-        raise LikError(path, "no such file")
-    if os.path.isdir(path):
-        raise LikError(path, "is a directory, expected a .npy file")
+    old = signal.signal(signal.SIGTERM, handler)
     try:
-        with open(path, "rb") as f:
-            magic = f.read(len(NPY_MAGIC))
-    except OSError as e:
-        raise LikError(path, f"cannot read: {e.strerror or e}") from None
-    if not magic:
-        raise LikError(path, "empty file, expected a .npy array")
-    if magic[:2] == b"PK":
-        raise LikError(path, "is a .npz archive; save each array with np.save as its own .npy")
-    if magic != NPY_MAGIC:
-        raise LikError(path, "not a .npy file (bad magic bytes); write it with numpy.save")
-    try:
-        arr = np.load(path, mmap_mode="r" if mmap else None, allow_pickle=False)
-    except ValueError as e:
-        msg = str(e)
-        if "mmap length is greater than file size" in msg or "cannot reshape" in msg:
-            problem = "truncated .npy file: it holds fewer bytes than its header's shape needs"
-        elif "EOF" in msg:
-            problem = f"truncated .npy header ({msg})"
-        elif "object" in msg.lower() or "pickle" in msg.lower():
-            problem = "holds Python objects (object dtype); only numeric arrays are read"
-        else:
-            problem = f"corrupt .npy file ({msg})"
-        raise LikError(path, problem) from None
-    except (OSError, EOFError, SyntaxError, TypeError) as e:
-        raise LikError(path, f"corrupt .npy file ({type(e).__name__}: {e})") from None
-    if not isinstance(arr, np.ndarray):  # pragma: no cover - np.load of a .npy is always an array
-        raise LikError(path, "not a single .npy array")
-    return arr
-
-
-def _dtype_tag(arr: np.ndarray, path: str, bf16_bits: bool) -> str:
-    """'float16' | 'float32' | 'bfloat16' for an embeddings file, else LikError."""
-    dt = arr.dtype
-    if dt.kind == "f" and dt.itemsize in (2, 4):
-        return "float16" if dt.itemsize == 2 else "float32"
-    if dt.kind == "u" and dt.itemsize == 2:
-        if bf16_bits:
-            return "bfloat16"
-        raise LikError(path, "dtype uint16 is not an embedding dtype; if it holds bfloat16 bits pass --bf16-bits")
-    if dt.kind == "V" and dt.itemsize == 2:
-        raise LikError(
-            path,
-            "dtype |V2 (bfloat16 saved via ml_dtypes?) cannot be read back safely; "
-            "save arr.view(np.uint16) instead and pass --bf16-bits",
-        )
-    raise LikError(
-        path,
-        f"unsupported dtype {dt}; expected float16, float32, or bfloat16 bits stored as uint16 (--bf16-bits)",
-    )
-
-
-def _compute_dtype(tag: str):
-    if tag == "bfloat16":
-        import ml_dtypes
-
-        return np.dtype(ml_dtypes.bfloat16)
-    return np.dtype(tag)
-
-
-def _to_compute(a: np.ndarray, tag: str, compute: np.dtype) -> np.ndarray:
-    """Read a (memory-mapped) slice into memory as a native-order array of ``compute`` dtype."""
-    a = np.ascontiguousarray(a)
-    if tag == "bfloat16":
-        import ml_dtypes
-
-        a = a.astype(np.dtype("=u2"), copy=False).view(ml_dtypes.bfloat16)
-    else:
-        a = a.astype(a.dtype.newbyteorder("="), copy=False)
-    if a.dtype != compute:
-        a = a.astype(compute)
-    return a
-
-
-def _load_lengths(path: str, n: int, maxlen: int, rows_of: str) -> np.ndarray:
-    arr = _open_npy(path, mmap=False)
-    if arr.dtype.kind not in "iu":
-        raise LikError(path, f"lengths must be integers, got dtype {arr.dtype}")
-    if arr.ndim != 1 or arr.shape[0] != n:
-        raise LikError(path, f"expected shape ({n},) (one length per row of {rows_of}), got {arr.shape}")
-    if n:
-        bad = np.flatnonzero((arr < 0) | (arr > maxlen))
-        if bad.size:
-            i = int(bad[0])
-            raise LikError(path, f"length {int(arr[i])} at index {i} is out of range 0..{maxlen} (padded length of {rows_of})")
-    return arr.astype(np.int32)
-
-
-@dataclass
-class _Shard:
-    path: str
-    arr: np.ndarray
-    tag: str
-    lengths: np.ndarray | None = None
-    n: int = field(init=False)
-    length: int = field(init=False)
-
-    def __post_init__(self):
-        self.n, self.length = int(self.arr.shape[0]), int(self.arr.shape[1])
-
-
-def _open_embeddings(path: str, role: str, bf16_bits: bool) -> tuple[np.ndarray, str]:
-    arr = _open_npy(path)
-    if arr.ndim != 3:
-        shape = "[Nq, Lq, d]" if role == "queries" else "[N, L, d]"
-        raise LikError(path, f"expected a 3-D {role} array {shape}, got shape {arr.shape}")
-    tag = _dtype_tag(arr, path, bf16_bits)
-    if arr.shape[1] == 0 or arr.shape[2] == 0:
-        raise LikError(path, f"token axis and embedding dim must be non-zero, got shape {arr.shape}")
-    return arr, tag
-
-
-# --------------------------------------------------------------------------- top-k
-
-
-def _desc_keys(v: np.ndarray) -> np.ndarray:
-    """uint32 keys whose ascending order is: +inf, ..., -inf, NaN (descending score, NaN last)."""
-    v = np.asarray(v, dtype=np.float32) + np.float32(0.0)  # -0.0 -> +0.0 so they tie
-    b = v.view(np.uint32)
-    asc = np.where(b & np.uint32(0x80000000), ~b, b | np.uint32(0x80000000))
-    desc = ~asc
-    desc[np.isnan(v)] = np.uint32(0xFFFFFFFF)
-    return desc
-
-
-def _merge_topk(vals, ids, new_vals, first_id: int, k: int):
-    """Merge a score block for ids first_id.. into a running top-k.
-
-    ``vals``/``ids`` [Nq, m<=k] are the current top-k, ordered best first; every id in
-    them is < first_id.  Order: higher score first, ties -> lower doc id, NaN last.
-    """
-    nq, n = new_vals.shape
-    new_ids = np.broadcast_to(np.arange(first_id, first_id + n, dtype=np.int64), (nq, n))
-    V = np.concatenate([vals, np.asarray(new_vals, np.float32)], axis=1)
-    I = np.concatenate([ids, new_ids], axis=1)
-    m = V.shape[1]
-    # Column position grows with doc id, so (score key, position) is a unique, exact sort key.
-    key = (_desc_keys(V).astype(np.uint64) << np.uint64(32)) | np.arange(m, dtype=np.uint64)
-    if m > k:
-        key = np.take_along_axis(key, np.argpartition(key, k - 1, axis=1)[:, :k], axis=1)
-    key = np.sort(key, axis=1)
-    pos = (key & np.uint64(0xFFFFFFFF)).astype(np.intp)
-    return np.take_along_axis(V, pos, axis=1), np.take_along_axis(I, pos, axis=1)
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
 
 
 # --------------------------------------------------------------------------- output
 
 
-def _format_score(x) -> str:
-    return str(np.float32(x))  # shortest repr that round-trips float32; 'nan', '-inf'
-
-
-def _write_tsv(f, vals, ids):
-    f.write("query\trank\tdoc\tscore\n")
-    for q in range(vals.shape[0]):
-        f.write("".join(f"{q}\t{r + 1}\t{int(ids[q, r])}\t{_format_score(vals[q, r])}\n" for r in range(vals.shape[1])))
-
-
-def _write_jsonl(f, vals, ids):
-    for q in range(vals.shape[0]):
-        for r in range(vals.shape[1]):
-            s = vals[q, r]
-            score = float(_format_score(s)) if np.isfinite(s) else None  # JSON has no inf/NaN
-            f.write(json.dumps({"query": q, "rank": r + 1, "doc": int(ids[q, r]), "score": score}) + "\n")
-
-
 def _check_output(out: str, full_matrix: bool, top_k: int) -> tuple[str, str]:
-    if top_k < 1:
-        raise LikError("--top-k", f"must be at least 1, got {top_k}")
+    """The output's suffix and directory; LikError if it cannot be written as asked."""
+    if not full_matrix and not 1 <= top_k <= MAX_K:
+        raise LikError("--top-k", f"must be in 1..{MAX_K}, got {top_k} (--full-matrix writes every score)")
     suffix = os.path.splitext(out)[1].lower()
     if suffix not in OUTPUT_SUFFIXES:
         raise LikError(out, f"unknown output suffix {repr(suffix) if suffix else '(none)'}; use .tsv, .jsonl or .npy")
@@ -292,10 +147,22 @@ def _check_output(out: str, full_matrix: bool, top_k: int) -> tuple[str, str]:
     return suffix, outdir
 
 
+def _check_not_an_input(out: str, files: list[str], shard_dirs: list[str]) -> None:
+    """The output may neither replace an input file nor land inside a shard directory."""
+    target = os.path.realpath(out)
+    for f in files:
+        if os.path.realpath(f) == target:
+            raise LikError(out, f"is an input of this run ({f}); choose another output path")
+    for d in shard_dirs:
+        root = os.path.realpath(d)
+        if os.path.commonpath([root, target]) == root:
+            raise LikError(out, f"lies inside the shard directory {d}; choose a path outside it")
+
+
 @contextlib.contextmanager
 def _atomic_output(out: str, outdir: str):
-    """Yield a temp path in the target directory; os.replace it onto ``out`` on success,
-    delete it on any error or KeyboardInterrupt."""
+    """Yield a temp path in the target directory; rename it onto ``out`` on success,
+    delete it on any error or interrupt, so no partial result is ever left behind."""
     base = os.path.basename(out)
     try:
         fd, tmp = tempfile.mkstemp(dir=outdir, prefix=f".{base}.", suffix=".part")
@@ -314,198 +181,373 @@ def _atomic_output(out: str, outdir: str):
         raise
 
 
-# --------------------------------------------------------------------------- scoring
+def _format_score(x) -> str:
+    return str(np.float32(x))  # shortest repr that round-trips float32; 'nan', '-inf'
 
 
-class _NoBar:
+def _write_tsv(f, qids, docids, vals):
+    f.write("query\trank\tdoc\tscore\n")
+    for q in range(vals.shape[0]):
+        f.write("".join(f"{qids[q]}\t{r + 1}\t{docids[q, r]}\t{_format_score(vals[q, r])}\n" for r in range(vals.shape[1])))
+
+
+def _write_jsonl(f, qids, docids, vals):
+    for q in range(vals.shape[0]):
+        for r in range(vals.shape[1]):
+            s = vals[q, r]
+            score = float(_format_score(s)) if np.isfinite(s) else None  # JSON has no inf/NaN
+            f.write(json.dumps({"query": qids[q].item(), "rank": r + 1, "doc": docids[q, r].item(), "score": score}) + "\n")
+
+
+def _readable_ids(ids: np.ndarray) -> np.ndarray:
+    """int64 ids as they are; byte-string ids decoded to str."""
+    return np.char.decode(ids, "utf-8", errors="backslashreplace") if ids.dtype.kind == "S" else np.asarray(ids)
+
+
+class _DocIds:
+    """Global document positions -> the ids results show: the shards' ids.npy values, else the positions."""
+
+    def __init__(self, corpus: list[shards.Shard]):
+        named = [s for s in corpus if s.ids is not None]
+        if named and len(named) != len(corpus):
+            bare = next(s for s in corpus if s.ids is None)
+            raise LikError(bare.path, f"has no ids but {named[0].path} has; give every shard ids.npy, or none")
+        numeric = [s.ids.dtype.kind in "iu" for s in named]
+        if len(set(numeric)) > 1:
+            odd = named[numeric.index(not numeric[0])]
+            raise LikError(odd.path, f"has {'integer' if not numeric[0] else 'string'} ids but {named[0].path} has "
+                                     f"{'integer' if numeric[0] else 'string'} ids; use one kind in every shard")
+        self.corpus = corpus if named else None
+        self.starts = np.cumsum([0] + [s.num_docs for s in corpus])
+
+    def __call__(self, positions: np.ndarray) -> np.ndarray:
+        """``positions`` int64 [Nq, k] -> ids [Nq, k] (int64, or str)."""
+        if self.corpus is None:
+            return positions
+        which = np.searchsorted(self.starts, positions, side="right") - 1
+        parts = {}
+        for j in np.unique(which):
+            sel = which == j
+            parts[j] = (sel, _readable_ids(self.corpus[j].ids[positions[sel] - self.starts[j]]))
+        dtype = np.result_type(*(v.dtype for _, v in parts.values())) if parts else np.int64
+        out = np.empty(positions.shape, dtype)
+        for sel, values in parts.values():
+            out[sel] = values
+        return out
+
+
+# --------------------------------------------------------------------------- progress
+
+
+class _Progress:
+    """A progress bar with docs/s on stderr when it is a terminal; silent otherwise. Thread-safe."""
+
+    def __init__(self, total: int):
+        self._bar = None
+        if sys.stderr.isatty():
+            self._bar = click.progressbar(length=total, label="scoring", file=sys.stderr, item_show_func=lambda s: s)
+        self._lock = threading.Lock()
+        self._done = 0
+        self._start = time.monotonic()
+
     def __enter__(self):
+        if self._bar is not None:
+            self._bar.__enter__()
         return self
 
     def __exit__(self, *exc):
+        if self._bar is not None:
+            self._bar.__exit__(*exc)
         return False
 
-    def update(self, n):
-        pass
+    def update(self, docs: int) -> None:
+        if self._bar is None:
+            return
+        with self._lock:
+            self._done += docs
+            rate = self._done / max(time.monotonic() - self._start, 1e-9)
+            self._bar.update(docs, f"{rate:,.0f} docs/s")
 
 
-def _progress(total: int, label: str):
-    if sys.stderr.isatty():
-        return click.progressbar(length=total, label=label, file=sys.stderr)
-    return _NoBar()
+# --------------------------------------------------------------------------- devices
 
 
-@contextlib.contextmanager
-def _sigterm_as_interrupt():
-    """Treat SIGTERM like Ctrl-C while scoring, so the temp file is cleaned up."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def handler(signum, frame):
-        raise KeyboardInterrupt
-
-    old = signal.signal(signal.SIGTERM, handler)
+def _gpu_available() -> bool:
     try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, old)
-
-
-def _import_lik():
-    try:
-        import lik_cupy
-    except Exception as e:
-        raise LikError("lik_cupy", f"cannot import the library: {type(e).__name__}: {e}") from None
-    return lik_cupy
-
-
-def _gpu_available(lik) -> bool:
-    try:
-        return bool(lik.gpu_available())
+        return bool(lik_cupy.gpu_available())
     except Exception:
         return False
 
 
-def _device_context(device: int | None):
+def _parse_devices(text: str) -> list[int]:
+    try:
+        devices = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise LikError("--devices", f"expected comma-separated GPU indices such as 0,1; got {text!r}") from None
+    if len(set(devices)) != len(devices):
+        raise LikError("--devices", f"lists a GPU twice: {text}")
+    return devices
+
+
+def _choose_backend(cpu: bool, device: int | None, devices: str | None) -> tuple[str, list[int | None]]:
+    """("gpu" | "cpu", the GPUs to spread shards over; [None] = the current device)."""
+    if device is not None and devices:
+        raise LikError("--devices", "give --device or --devices, not both")
+    option = "--devices" if devices else "--device"
+    wanted = _parse_devices(devices) if devices else None if device is None else [device]
+    if cpu:
+        if wanted is not None:
+            raise LikError(option, "conflicts with --cpu; drop one of them")
+        return "cpu", [None]
+    if not _gpu_available():
+        if wanted is not None:
+            raise LikError(option, "no usable GPU found; drop it to fall back to the CPU, or pass --cpu")
+        click.echo("lik: no usable GPU found, falling back to CPU (pass --cpu to silence this)", err=True)
+        return "cpu", [None]
+    if wanted is None:
+        return "gpu", [None]
+    count = _gpu_count()
+    for d in wanted:
+        if not 0 <= d < count:
+            raise LikError(option, f"no GPU {d}; {count} visible (0..{count - 1})")
+    return "gpu", wanted
+
+
+def _gpu_count() -> int:
+    import cupy
+
+    return cupy.cuda.runtime.getDeviceCount()
+
+
+def _device_scope(device: int | None):
     if device is None:
         return contextlib.nullcontext()
-    try:
-        import cupy
+    import cupy
 
-        count = cupy.cuda.runtime.getDeviceCount()
-    except Exception as e:
-        raise LikError("--device", f"cannot query GPUs: {e}") from None
-    if not 0 <= device < count:
-        raise LikError("--device", f"no GPU {device}; {count} visible (0..{count - 1})")
     return cupy.cuda.Device(device)
 
 
-def _to_numpy(x) -> np.ndarray:
-    if not isinstance(x, np.ndarray) and hasattr(x, "get"):  # CuPy array
-        x = x.get()
-    return np.asarray(x, dtype=np.float32)
+# --------------------------------------------------------------------------- scoring
 
 
-@dataclass
-class ScoreResult:
-    n_queries: int
-    n_docs: int
-    backend: str
-    top_vals: np.ndarray | None = None
-    top_ids: np.ndarray | None = None
+@dataclass(frozen=True)
+class _Part:
+    """Documents ``start..stop-1`` of one shard, scored in one library call; ``first`` is the global position of ``start``."""
+
+    shard: shards.Shard
+    start: int
+    stop: int
+    first: int
+
+    @property
+    def docs(self) -> int:
+        return self.stop - self.start
+
+    @property
+    def nbytes(self) -> int:
+        s = self.shard
+        rows = (self.stop - self.start) * s.tokens.shape[1] if s.padded else int(s.offsets[self.stop] - s.offsets[self.start])
+        return rows * s.dim * s.tokens.dtype.itemsize
+
+    def arrays(self, dtype: np.dtype):
+        """(docs, offsets, lengths) for the library: padded [n, L, d] + lengths, or packed [t, d] + offsets."""
+        s = self.shard
+        if s.padded:
+            lens = None if s.lengths is None else s.lengths[self.start : self.stop]
+            return s.tokens[self.start : self.stop].astype(dtype, copy=False), None, lens
+        tokens, offsets = s.read_chunk(self.start, self.stop)
+        return tokens.astype(dtype, copy=False), offsets, None
 
 
-def run_score(
-    queries: str,
-    docs: list[str] | tuple[str, ...],
-    out: str,
-    *,
-    q_lengths: str | None = None,
-    d_lengths: list[str] | tuple[str, ...] = (),
-    top_k: int = 10,
-    full_matrix: bool = False,
-    cpu: bool = False,
-    device: int | None = None,
-    bf16_bits: bool = False,
-    chunk_docs: int = 0,
-) -> ScoreResult:
-    """Check inputs, stream every shard through lik_cupy.maxsim, write ``out`` atomically."""
-    suffix, outdir = _check_output(out, full_matrix, top_k)
-    if not docs:
-        raise LikError("--docs", "give at least one doc shard .npy")
-    if d_lengths and len(d_lengths) != len(docs):
+def _plan(corpus: list[shards.Shard], dtype: np.dtype, whole_shards: bool) -> list[_Part]:
+    parts, first = [], 0
+    for s in corpus:
+        if whole_shards and s.tokens.dtype == dtype:
+            ranges = [(0, s.num_docs)] if s.num_docs else []
+        else:
+            ranges = s.chunk_ranges(PART_BYTES)
+        parts += [_Part(s, a, b, first + a) for a, b in ranges]
+        first += s.num_docs
+    return parts
+
+
+def _balance(parts: list[_Part], n: int) -> list[list[_Part]]:
+    """Deal parts to n devices, each part to the least-loaded one (by bytes); each keeps corpus order."""
+    groups, loads = [[] for _ in range(n)], [0] * n
+    for p in parts:
+        i = loads.index(min(loads))
+        groups[i].append(p)
+        loads[i] += p.nbytes
+    return groups
+
+
+def _spread(devices: list[int | None], parts: list[_Part], job) -> list:
+    """Run ``job(parts_of_one_device, cancelled)`` per device, inside its device scope; results in device order.
+
+    One device runs in this thread. Several run in threads; the first failure (or
+    Ctrl-C here) sets ``cancelled`` so the others stop at their next part.
+    """
+    groups = _balance(parts, len(devices))
+    cancelled = threading.Event()
+    if len(devices) == 1:
+        with _device_scope(devices[0]):
+            return [job(groups[0], cancelled)]
+    results, errors = [None] * len(devices), []
+
+    def run(i):
+        try:
+            with _device_scope(devices[i]):
+                results[i] = job(groups[i], cancelled)
+        except _Cancelled:
+            pass
+        except BaseException as e:  # handed to the main thread, which reports it
+            errors.append(e)
+            cancelled.set()
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(devices))]
+    for t in threads:
+        t.start()
+    try:
+        for t in threads:
+            t.join()
+    except BaseException:
+        cancelled.set()
+        raise
+    if errors:
+        raise errors[0]
+    return results
+
+
+def _call(part: _Part, fn, *args, **kwargs):
+    """A library call; its ValueError/TypeError (bad input found by the library) becomes a LikError naming the shard."""
+    try:
+        return fn(*args, **kwargs)
+    except shards.ShardError:
+        raise
+    except (ValueError, TypeError) as e:
+        raise LikError(part.shard.tokens_file, f"lik_cupy rejected documents {part.start}..{part.stop - 1}: {e}") from None
+
+
+def _merge_ranked(va, ia, vb, ib, k: int):
+    """Merge two rankings ``[Nq, *]`` of (score, global position) into the top k: score
+    descending, ties to the lower position, NaN last (retrieve's order)."""
+    v = np.concatenate([va, vb], axis=1)
+    i = np.concatenate([ia, ib], axis=1)
+    nan = np.isnan(v)
+    order = np.lexsort((i, -np.where(nan, 0, v), nan), axis=1)[:, :k]
+    return np.take_along_axis(v, order, axis=1), np.take_along_axis(i, order, axis=1)
+
+
+def _top_k(Q, qlen, k, backend, devices, parts, bar):
+    nq = Q.shape[0]
+
+    def job(mine, cancelled):
+        vals, ids = np.empty((nq, 0), np.float32), np.empty((nq, 0), np.int64)
+        for part in mine:
+            if cancelled.is_set():
+                raise _Cancelled
+            D, offsets, lens = part.arrays(Q.dtype)
+            s, i = _call(part, lik_cupy.retrieve, Q, D, k, q_lengths=qlen, d_offsets=offsets, d_lengths=lens, backend=backend)
+            vals, ids = _merge_ranked(vals, ids, np.asarray(s, np.float32), np.asarray(i, np.int64) + part.first, k)
+            bar.update(part.docs)
+        return vals, ids
+
+    vals, ids = np.empty((nq, 0), np.float32), np.empty((nq, 0), np.int64)
+    for v, i in _spread(devices, parts, job):
+        vals, ids = _merge_ranked(vals, ids, v, i, k)
+    return vals, ids
+
+
+def _full_matrix(Q, qlen, backend, devices, parts, bar, matrix):
+    def job(mine, cancelled):
+        for part in mine:
+            if cancelled.is_set():
+                raise _Cancelled
+            D, offsets, lens = part.arrays(Q.dtype)
+            if offsets is None:
+                S = _call(part, lik_cupy.maxsim, Q, D, q_lengths=qlen, d_lengths=lens, backend=backend)
+            else:
+                S = _call(part, lik_cupy.maxsim_varlen, Q, D, offsets, q_lengths=qlen, backend=backend)
+            matrix[:, part.first : part.first + part.docs] = np.asarray(S, np.float32)
+            bar.update(part.docs)
+
+    _spread(devices, parts, job)
+
+
+def _open_corpus(docs, d_lengths, bf16_bits: bool) -> list[shards.Shard]:
+    """Open every --docs input; --d-lengths pair with the .npy inputs (not shard directories), in order."""
+    npy = [p for p in docs if not os.path.isdir(p)]
+    if d_lengths and len(d_lengths) != len(npy):
         raise LikError(
             "--d-lengths",
-            f"got {len(d_lengths)} lengths file(s) for {len(docs)} doc shard(s); give one per shard, in the same order",
+            f"got {len(d_lengths)} lengths file(s) for {len(npy)} .npy doc input(s); give one per .npy input, "
+            "in the same order (shard directories carry their own offsets)",
         )
-    if chunk_docs < 0:
-        raise LikError("--chunk-docs", f"must be >= 0 (0 = automatic), got {chunk_docs}")
+    lengths = dict(zip(npy, d_lengths))
+    return [shards.open_input(p, lengths.get(p), bf16_bits=bf16_bits) for p in docs]
 
-    Q, qtag = _open_embeddings(queries, "queries", bf16_bits)
-    nq, lq, dim = (int(s) for s in Q.shape)
-    if nq == 0:
-        raise LikError(queries, "holds no queries (Nq = 0)")
-    qlen = _load_lengths(q_lengths, nq, lq, queries) if q_lengths else None
 
-    shards = []
-    for i, path in enumerate(docs):
-        arr, tag = _open_embeddings(path, "docs", bf16_bits)
-        if arr.shape[2] != dim:
-            others = f" and from shard {docs[0]}" if i else ""
-            raise LikError(path, f"embedding dim d={arr.shape[2]} differs from the queries' d={dim} ({queries}){others}")
-        shard = _Shard(path, arr, tag)
-        if d_lengths:
-            shard.lengths = _load_lengths(d_lengths[i], shard.n, shard.length, path)
-        shards.append(shard)
-    n_docs = sum(s.n for s in shards)
+def run_score(queries: str, docs, out: str, *, q_lengths: str | None = None, d_lengths=(), top_k: int = 10,
+              full_matrix: bool = False, check: bool = False, cpu: bool = False, device: int | None = None,
+              devices: str | None = None, bf16_bits: bool = False) -> None:
+    """Score every query against every document and write ``out`` (see ``lik score --help``)."""
+    suffix, outdir = _check_output(out, full_matrix, top_k)
+    if not docs:
+        raise LikError("--docs", "give at least one shard directory or .npy file")
+    query = shards.open_input(queries, q_lengths, bf16_bits=bf16_bits)
+    if query.num_docs == 0:
+        raise LikError(queries, "holds no queries")
+    corpus = _open_corpus(list(docs), list(d_lengths), bf16_bits)
+    for i, s in enumerate(corpus):
+        if s.dim != query.dim:
+            also = f" and from {corpus[0].tokens_file}" if i and corpus[0].dim == query.dim else ""
+            raise LikError(s.tokens_file, f"embedding dim d={s.dim} differs from the queries' d={query.dim} ({query.tokens_file}){also}")
+    n_docs = sum(s.num_docs for s in corpus)
     if n_docs == 0:
-        raise LikError(docs[0], "no documents in any shard")
+        raise LikError(docs[0], "no documents in any input")
+    inputs = [queries, *docs, *([q_lengths] if q_lengths else []), *d_lengths]
+    _check_not_an_input(out, [p for p in inputs if not os.path.isdir(p)], [p for p in inputs if os.path.isdir(p)])
+    doc_ids = _DocIds(corpus)
+    if check:
+        for s in [query, *corpus]:
+            shards.check_finite(s)
 
-    tags = {qtag, *(s.tag for s in shards)}
-    ctag = tags.pop() if len(tags) == 1 else "float32"  # mixed dtypes: score in float32
-    compute = _compute_dtype(ctag)
+    # One dtype for the library: the corpus's own when all shards share one (queries are cast to it), else float32.
+    kinds = {s.dtype for s in corpus}
+    dtype = shards.numpy_dtype(kinds.pop() if len(kinds) == 1 else "float32")
+    Q, qlen = shards.load_padded(query)
+    Q = Q.astype(dtype, copy=False)
+    qids = _readable_ids(query.ids) if query.ids is not None else np.arange(query.num_docs)
 
-    lik = _import_lik()
-    if cpu:
-        backend = "cpu"
-    elif _gpu_available(lik):
-        backend = "gpu"
-    else:
-        backend = "cpu"
-        click.echo("lik: no usable GPU found, falling back to CPU (pass --cpu to silence this)", err=True)
-    dev_ctx = _device_context(device) if backend == "gpu" else contextlib.nullcontext()
-
-    k = min(top_k, n_docs)
-    result = ScoreResult(nq, n_docs, backend)
+    backend, gpus = _choose_backend(cpu, device, devices)
+    parts = _plan(corpus, dtype, whole_shards=backend == "gpu" and not full_matrix)
     with _atomic_output(out, outdir) as tmp:
-        matrix = None
-        if full_matrix:
-            matrix = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.float32, shape=(nq, n_docs))
-        top_vals = np.empty((nq, 0), np.float32)
-        top_ids = np.empty((nq, 0), np.int64)
-        Qc = _to_compute(Q, qtag, compute)
-        first = 0
-        with dev_ctx, _progress(n_docs, "scoring") as bar:
-            for shard in shards:
-                per_doc = shard.length * dim * compute.itemsize
-                step = chunk_docs or max(1, min(CHUNK_BYTES // per_doc, CHUNK_BYTES // (4 * nq)))
-                for s in range(0, shard.n, step):
-                    e = min(shard.n, s + step)
-                    Dc = _to_compute(shard.arr[s:e], shard.tag, compute)
-                    dl = shard.lengths[s:e] if shard.lengths is not None else None
-                    try:
-                        S = lik.maxsim(Qc, Dc, q_lengths=qlen, d_lengths=dl, backend=backend)
-                    except (ValueError, TypeError) as err:
-                        raise LikError(shard.path, f"lik_cupy.maxsim rejected docs {s}..{e - 1}: {err}") from None
-                    S = _to_numpy(S)
-                    if S.shape != (nq, e - s):
-                        raise RuntimeError(f"lik_cupy.maxsim returned shape {S.shape}, expected {(nq, e - s)}")
-                    if matrix is not None:
-                        matrix[:, first + s : first + e] = S
-                    else:
-                        top_vals, top_ids = _merge_topk(top_vals, top_ids, S, first + s, k)
-                    bar.update(e - s)
-                first += shard.n
-        if matrix is not None:
-            matrix.flush()
-            del matrix  # close the memmap before the rename
-        elif suffix == ".npy":
-            with open(tmp, "wb") as f:
-                np.save(f, top_ids)
-        else:
-            with open(tmp, "w", encoding="utf-8", newline="\n") as f:
-                (_write_tsv if suffix == ".tsv" else _write_jsonl)(f, top_vals, top_ids)
+        with _Progress(n_docs) as bar:
+            if full_matrix:
+                matrix = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.float32, shape=(Q.shape[0], n_docs))
+                _full_matrix(Q, qlen, backend, gpus, parts, bar, matrix)
+                matrix.flush()
+                del matrix  # close the map before the rename
+            else:
+                vals, positions = _top_k(Q, qlen, min(top_k, n_docs), backend, gpus, parts, bar)
         if not full_matrix:
-            result.top_vals, result.top_ids = top_vals, top_ids
-    return result
+            ids = doc_ids(positions)
+            if suffix == ".npy":
+                with open(tmp, "wb") as f:
+                    np.save(f, ids, allow_pickle=False)
+            else:
+                with open(tmp, "w", encoding="utf-8", newline="\n") as f:
+                    (_write_tsv if suffix == ".tsv" else _write_jsonl)(f, qids, ids, vals)
 
 
 # --------------------------------------------------------------------------- commands
 
 
 class _GreedyCommand(click.Command):
-    """Lets ``--docs a.npy b.npy`` (and ``--d-lengths``) take several values, as in
-    ``--docs a.npy --docs b.npy``."""
+    """Lets the options in ``greedy`` take several values (``--docs a b``), as ``--docs a --docs b`` does."""
+
+    greedy = ("--docs", "--d-lengths")
+    short = {"-d": "--docs"}
 
     def parse_args(self, ctx, args):
         out, current, expecting = [], None, False
@@ -515,10 +557,11 @@ class _GreedyCommand(click.Command):
                 break
             if tok.startswith("-") and len(tok) > 1:
                 name, eq, _ = tok.partition("=")
-                if name in ("--docs", "--d-lengths"):
+                short = next((s for s in self.short if tok.startswith(s) and not tok.startswith("--")), None)
+                if name in self.greedy:
                     current, expecting = name, not eq
-                elif tok.startswith("-d") and not tok.startswith("--"):  # -d FILE or -dFILE
-                    current, expecting = "--docs", tok == "-d"
+                elif short:  # -d FILE or -dFILE
+                    current, expecting = self.short[short], tok == short
                 else:
                     current = None
             elif current is not None:
@@ -530,16 +573,20 @@ class _GreedyCommand(click.Command):
         return super().parse_args(ctx, out)
 
 
+_CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
+
+
 @click.group(
-    help="lik: late-interaction (ColBERT / ColPali) MaxSim scoring with lik_cupy.\n\n"
+    help="lik: late-interaction (ColBERT / ColPali) MaxSim retrieval with lik_cupy.\n\n"
     "score[i, j] = sum over valid query tokens s of max over valid doc tokens t of "
     "<Q[i, s], D[j, t]>. Scoring runs on a GPU through lik_cupy's CUDA kernels when one is "
     "visible, else on the CPU (exact NumPy path).\n\n" + FORMAT_HELP + "\n\b\nExamples:\n"
-    "  lik demo /tmp/lik-demo          # make small example files and score them\n"
-    "  lik score --queries q.npy --docs d0.npy d1.npy \\\n"
-    "            --d-lengths l0.npy l1.npy --top-k 10 --out results.tsv\n"
-    "  lik info                        # versions, GPU, kernel cache\n",
-    context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100},
+    "  lik score --queries examples/queries.npy --docs examples/shard0 examples/shard1 \\\n"
+    "            --top-k 5 --out /tmp/lik-top5.tsv   # rank the bundled example shards\n"
+    "  lik pack docs.npy --lengths lens.npy --out shard0   # padded [N, L, d] -> shard\n"
+    "  lik inspect examples/shard0 --check             # manifest and checks\n"
+    "  lik info                                        # versions, GPUs, kernel cache\n",
+    context_settings=_CONTEXT,
 )
 def main():
     pass
@@ -547,51 +594,169 @@ def main():
 
 @main.command(
     cls=_GreedyCommand,
-    help="Score every query against every doc of the shards and write the top-k per query.\n\n"
+    help="Rank every document of the corpus for every query and write the top-k per query "
+    "(or, with --full-matrix, every score).\n\n"
     + FORMAT_HELP
-    + "\n\b\nOutput (chosen by the suffix of --out; written to a temp file, renamed at the end):\n"
+    + "\n\b\nQueries (--queries) are a padded [Nq, Lq, d] .npy with optional --q-lengths, a flat\n"
+    "[T, d] .npy with --q-lengths as its doclens, or a shard directory (its ids name the queries).\n"
+    "Docs (--docs) are shard directories and/or .npy files; --d-lengths gives one lengths file\n"
+    "per .npy doc input, in order. Mixed dtypes are scored in float32; otherwise the queries\n"
+    "are cast to the corpus's dtype.\n"
+    "\n\b\nOutput (chosen by the suffix of --out; written to a temporary file beside it and renamed\n"
+    "at the end, so a failed or interrupted run leaves nothing behind):\n"
     "  .tsv    header 'query rank doc score', tab-separated, rank 1 = best\n"
     "  .jsonl  one {\"query\", \"rank\", \"doc\", \"score\"} object per line (score null for -inf/NaN)\n"
-    "  .npy    int64 [Nq, min(K, Ndocs)] top doc ids, best first; with --full-matrix\n"
-    "          the float32 [Nq, Ndocs] score matrix instead\n"
-    "Ties go to the lower doc id; NaN scores rank last, after -inf (docs with no valid token).\n"
-    "\n\b\nExample:\n"
-    "  lik score --queries q.npy --q-lengths ql.npy \\\n"
-    "            --docs d0.npy d1.npy --d-lengths l0.npy l1.npy \\\n"
-    "            --top-k 10 --out results.tsv\n",
+    "  .npy    the doc ids [Nq, min(K, Ndocs)], best first; with --full-matrix the float32\n"
+    "          [Nq, Ndocs] score matrix instead (columns in corpus order)\n"
+    "Ties go to the lower global position; NaN scores rank last, after -inf (empty docs).\n"
+    "A progress bar with docs/s appears when stderr is a terminal; piped runs are quiet.\n"
+    "Exit status: 0 ok, 2 bad input (one line naming the file), 1 internal error, 130 interrupted.\n"
+    "\n" + SCORE_EXAMPLE + "\b\n"
+    "  lik score --queries q.npy --docs d0.npy d1.npy --d-lengths l0.npy l1.npy \\\n"
+    "            --top-k 10 --out results.jsonl --devices 0,1\n",
+    context_settings=_CONTEXT,
 )
-@click.option("-q", "--queries", required=True, metavar="Q.npy", help="Padded queries [Nq, Lq, d].")
-@click.option("-d", "--docs", required=True, multiple=True, metavar="D.npy [D2.npy ...]", help="Doc shards [N, L, d], in id order.")
-@click.option("--q-lengths", metavar="QL.npy", help="int [Nq]: valid tokens per query.")
-@click.option("--d-lengths", multiple=True, metavar="DL.npy [DL2.npy ...]", help="int [N] per shard: valid tokens per doc.")
+@click.option("-q", "--queries", required=True, metavar="Q", help="Queries: padded .npy, flat .npy or shard directory.")
+@click.option("-d", "--docs", required=True, multiple=True, metavar="D [D2 ...]", help="Shard directories and/or .npy files, in id order.")
+@click.option("--q-lengths", metavar="QL", help="Lengths [Nq] (.npy or .json) for a .npy --queries.")
+@click.option("--d-lengths", multiple=True, metavar="L [L2 ...]", help="One lengths/doclens file per .npy doc input.")
 @click.option("-k", "--top-k", type=int, default=10, show_default=True, metavar="K", help="Results kept per query.")
 @click.option("-o", "--out", required=True, metavar="FILE", help="results.tsv, results.jsonl or results.npy")
 @click.option("--full-matrix", is_flag=True, help="Write the whole [Nq, Ndocs] float32 matrix (.npy only).")
+@click.option("--check", is_flag=True, help="Read every embedding first and refuse NaN or inf values.")
 @click.option("--cpu", is_flag=True, help="Score on the CPU even if a GPU is visible.")
-@click.option("--device", type=int, default=None, metavar="N", help="GPU index to use (default: current device).")
-@click.option("--bf16-bits", is_flag=True, help="Read uint16 inputs as bfloat16 bit patterns.")
-@click.option("--chunk-docs", type=int, default=0, metavar="N", help="Docs per lik_cupy.maxsim call (0 = ~64 MiB).")
+@click.option("--device", type=int, default=None, metavar="N", help="GPU index to use (default: the current device).")
+@click.option("--devices", metavar="0,1", help="Spread the shards over these GPUs of this machine.")
+@click.option("--bf16-bits", is_flag=True, help="Read uint16 .npy inputs as bfloat16 bit patterns.")
 @click.option("--debug", is_flag=True, help="Show a traceback on errors.")
 @_cli_errors
-def score(queries, docs, q_lengths, d_lengths, top_k, out, full_matrix, cpu, device, bf16_bits, chunk_docs, debug):
+def score(queries, docs, q_lengths, d_lengths, top_k, out, full_matrix, check, cpu, device, devices, bf16_bits, debug):
     with _sigterm_as_interrupt():
-        _score(queries, docs, q_lengths, d_lengths, top_k, out, full_matrix, cpu, device, bf16_bits, chunk_docs)
+        run_score(queries, docs, out, q_lengths=q_lengths, d_lengths=d_lengths, top_k=top_k, full_matrix=full_matrix,
+                  check=check, cpu=cpu, device=device, devices=devices, bf16_bits=bf16_bits)
 
 
-def _score(queries, docs, q_lengths, d_lengths, top_k, out, full_matrix, cpu, device, bf16_bits, chunk_docs):
-    run_score(
-        queries,
-        list(docs),
-        out,
-        q_lengths=q_lengths,
-        d_lengths=list(d_lengths),
-        top_k=top_k,
-        full_matrix=full_matrix,
-        cpu=cpu,
-        device=device,
-        bf16_bits=bf16_bits,
-        chunk_docs=chunk_docs,
-    )
+def _load_ids(path: str) -> np.ndarray:
+    ids = shards.open_npy(path)
+    if ids.dtype.kind not in "iuUS":
+        raise LikError(path, f"ids must be int64 or fixed-width strings, got dtype {ids.dtype}")
+    return ids
+
+
+@main.command(
+    help="Convert embeddings into a shard directory (see the format below): a padded [N, L, d] "
+    ".npy (optionally with --lengths), flat [T, d] tokens with ColBERT-style doclens (--lengths), "
+    "one .npy per document (--per-doc), or another shard (e.g. to change --dtype). The manifest's "
+    "'normalized' is measured while copying. The shard is built in a temporary directory beside "
+    "--out and renamed into place at the end.\n\n"
+    + FORMAT_HELP
+    + "\n\b\nExamples:\n"
+    "  lik pack docs.npy --lengths lens.npy --out shard0 --model colbertv2.0\n"
+    "  lik pack colbert/embs.npy --lengths colbert/doclens.0.json --out shard0\n"
+    "  lik pack --per-doc page1.npy page2.npy --out pages    # ids: page1, page2\n"
+    "  lik pack shard0 --dtype float16 --out shard0-fp16\n",
+    context_settings=_CONTEXT,
+)
+@click.argument("sources", nargs=-1, required=True, metavar="SOURCE [SOURCE ...]")
+@click.option("-o", "--out", required=True, metavar="SHARD_DIR", help="The shard directory to create.")
+@click.option("--lengths", metavar="L", help="Lengths [N] (padded) or doclens (flat), .npy or .json.")
+@click.option("--per-doc", is_flag=True, help="Each SOURCE is one document [L, d]; ids default to the file names.")
+@click.option("--ids", metavar="IDS.npy", help="Document ids [N]: int64 or fixed-width strings.")
+@click.option("--model", metavar="NAME", help="Free-form name of the model that made the embeddings.")
+@click.option("--dtype", type=click.Choice(shards.DTYPES), help="Store as this dtype (default: keep).")
+@click.option("--bf16-bits", is_flag=True, help="Read uint16 .npy inputs as bfloat16 bit patterns.")
+@click.option("--check", is_flag=True, help="Refuse NaN or inf values.")
+@click.option("--force", is_flag=True, help="Replace --out if it is an existing lik shard.")
+@click.option("--debug", is_flag=True, help="Show a traceback on errors.")
+@_cli_errors
+def pack(sources, out, lengths, per_doc, ids, model, dtype, bf16_bits, check, force, debug):
+    ids = _load_ids(ids) if ids else None
+    with _sigterm_as_interrupt():
+        if per_doc:
+            if lengths:
+                raise LikError("--lengths", "does not go with --per-doc (each file is one whole document)")
+            if ids is None:
+                ids = np.array([os.path.splitext(os.path.basename(s))[0] for s in sources])
+            written = shards.pack_arrays(list(sources), out, ids=ids, model=model, dtype=dtype, overwrite=force,
+                                         bf16_bits=bf16_bits, check_finite=check)
+        else:
+            if len(sources) != 1:
+                raise LikError("SOURCE", f"got {len(sources)} inputs; give one (or pass --per-doc for one file per document)")
+            source = shards.open_input(sources[0], lengths, bf16_bits=bf16_bits)
+            written = shards.pack(source, out, ids=ids, model=model, dtype=dtype, overwrite=force, check_finite=check)
+    m = written.manifest
+    click.echo(f"wrote {out}: {m['num_docs']} docs, {m['num_tokens']} tokens, d={m['dim']}, {m['dtype']}, "
+               f"{'normalized' if m['normalized'] else 'not normalized'}{', with ids' if written.ids is not None else ''}")
+
+
+def _size(path: str) -> str:
+    n = float(os.path.getsize(path))
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+
+
+def _describe(s: shards.Shard) -> list[str]:
+    lens = s.doc_lengths()
+    if s.manifest is not None:
+        m = s.manifest
+        kind = f"shard directory ({m['format']} v{m['version']})"
+        files = ", ".join(f"{name} {_size(os.path.join(s.path, name))}" for name in [shards.MANIFEST, *m["files"].values()])
+    else:
+        kind = f"padded .npy {list(s.tokens.shape)}" if s.padded else f"flat .npy {list(s.tokens.shape)} with doclens"
+        files = f"{os.path.basename(s.path)} {_size(s.path)}"
+    rows = [("input", f"{s.path}: {kind}"), ("docs", str(s.num_docs))]
+    if lens.size:
+        rows.append(("tokens", f"{int(lens.sum())} ({int(lens.min())}..{int(lens.max())} per doc, mean {lens.mean():.1f}; "
+                               f"{int((lens == 0).sum())} empty)"))
+    rows += [("dim", str(s.dim)), ("dtype", s.dtype)]
+    if s.manifest is not None:
+        rows += [("normalized", "yes" if s.manifest["normalized"] else "no"), ("model", str(s.manifest["model"]))]
+    if s.ids is not None:
+        ids = _readable_ids(s.ids)
+        kind = "int64" if ids.dtype.kind in "iu" else "str"
+        rows.append(("ids", f"{kind}, {ids[0].item()!r} .. {ids[-1].item()!r}" if ids.size else kind))
+    else:
+        rows.append(("ids", "none (positions)"))
+    rows += [("files", files), ("structure", "ok (manifest, shapes, dtypes, offsets monotone and ending at T, ids)")]
+    return [f"{name:<11}{value}" for name, value in rows]
+
+
+@main.command(
+    name="inspect",
+    help="Print what an input holds (a shard directory, or a .npy input with --lengths) and check "
+    "it: manifest, shapes, dtypes, offsets, ids. With --check also read every embedding: "
+    "NaN/inf values fail, and so does a manifest that says 'normalized' when a token's norm "
+    "is not 1. Exit status 2 when a check fails.\n\n" + FORMAT_HELP + "\n\b\nExample:\n"
+    "  lik inspect examples/shard0 --check\n",
+    context_settings=_CONTEXT,
+)
+@click.argument("path", metavar="SHARD")
+@click.option("--lengths", metavar="L", help="Lengths (padded) or doclens (flat) for a .npy input.")
+@click.option("--check", is_flag=True, help="Also read every value: finite, and normalized as the manifest says.")
+@click.option("--bf16-bits", is_flag=True, help="Read a uint16 .npy input as bfloat16 bit patterns.")
+@click.option("--debug", is_flag=True, help="Show a traceback on errors.")
+@_cli_errors
+def inspect_input(path, lengths, check, bf16_bits, debug):
+    s = shards.open_input(path, lengths, bf16_bits=bf16_bits)
+    for line in _describe(s):
+        click.echo(line)
+    if s.manifest is not None:
+        click.echo("manifest.json:")
+        click.echo(json.dumps(s.manifest, indent=2, sort_keys=True))
+    if not check:
+        click.echo(f"{'values':<11}not read (pass --check)")
+        return
+    scan = shards.scan_values(s)
+    if scan.nonfinite is not None:
+        doc, tok = scan.nonfinite
+        raise LikError(s.tokens_file, f"document {doc}, token {tok} holds NaN or inf; embeddings must be finite")
+    if s.manifest is not None and s.manifest["normalized"] and not scan.normalized:
+        doc, tok, norm = scan.not_unit
+        raise LikError(os.path.join(s.path, shards.MANIFEST),
+                       f"says normalized: true but document {doc}, token {tok} has L2 norm {norm:.4g}")
+    click.echo(f"{'values':<11}all finite; {'every token has norm 1' if scan.normalized else 'not L2-normalised'}")
 
 
 def _version(dist: str, module: str | None = None) -> str:
@@ -633,21 +798,18 @@ def _gpu_lines() -> list[str]:
     return lines
 
 
-@main.command(help="Show versions, visible GPUs and the kernel cache location. Works without a GPU or CuPy.")
+@main.command(
+    help="Show versions, visible GPUs with their compute capability, the kernel cache location "
+    "and the shard format version. Works without a GPU or CuPy.\n\n" + FORMAT_HELP + "\n\b\nExample:\n  lik info\n",
+    context_settings=_CONTEXT,
+)
 @click.option("--debug", is_flag=True, help="Show a traceback on errors.")
 @_cli_errors
 def info(debug):
     echo = click.echo
     echo(f"python        {platform.python_version()} ({sys.executable})")
-    try:
-        import lik_cupy
-
-        where = os.path.dirname(getattr(lik_cupy, "__file__", None) or "") or "?"
-        version = getattr(lik_cupy, "__version__", None) or _version("lik-cupy")
-        echo(f"lik-cupy      {version} ({where})")
-    except Exception as e:
-        lik_cupy = None
-        echo(f"lik-cupy      import failed: {type(e).__name__}: {e}")
+    echo(f"lik-cupy      {lik_cupy.__version__} ({os.path.dirname(lik_cupy.__file__)})")
+    echo(f"shard format  {shards.FORMAT} v{shards.VERSION}")
     echo(f"numpy         {np.__version__}")
     echo(f"click         {_version('click')}")
     echo(f"ml_dtypes     {_version('ml_dtypes', 'ml_dtypes')}")
@@ -662,95 +824,10 @@ def info(debug):
     echo(f"GPU           {gpus[0]}")
     for line in gpus[1:]:
         echo(f"              {line}")
-    if lik_cupy is not None:
-        echo(f"GPU backend   {'available' if _gpu_available(lik_cupy) else 'not available (CPU fallback)'}")
-        try:
-            from lik_cupy import compile as lik_compile
+    echo(f"GPU backend   {'available' if _gpu_available() else 'not available (CPU fallback)'}")
+    from lik_cupy import compile as lik_compile
 
-            echo(f"kernel cache  {lik_compile.cache_dir()}")
-        except Exception as e:
-            echo(f"kernel cache  unknown ({type(e).__name__}: {e})")
-
-
-def _demo_data(outdir: str, seed: int):
-    """Small random unit-normalised queries and 2 doc shards; each query has one 'planted'
-    doc holding noisy copies of its tokens, which MaxSim must rank first."""
-    rng = np.random.default_rng(seed)
-    nq, lq, dim = 4, 8, 64
-    shard_sizes, shard_lens = (24, 16), (32, 24)
-
-    def unit(x):
-        return (x / np.linalg.norm(x, axis=-1, keepdims=True)).astype(np.float32)
-
-    Q = unit(rng.standard_normal((nq, lq, dim)))
-    q_len = np.array([8, 6, 8, 5], np.int32)
-    Q[np.arange(lq)[None, :] >= q_len[:, None]] = 0  # padding rows
-    shards = [unit(rng.standard_normal((n, L, dim))) for n, L in zip(shard_sizes, shard_lens)]
-    lens = [rng.integers(lq, L + 1, size=n).astype(np.int32) for n, L in zip(shard_sizes, shard_lens)]
-    planted = [5, 30, 17, 38]  # global ids; 30 and 38 live in shard 1
-    for qi, g in enumerate(planted):
-        si, j = (0, g) if g < shard_sizes[0] else (1, g - shard_sizes[0])
-        pos = rng.choice(lens[si][j], size=q_len[qi], replace=False)
-        noisy = unit(Q[qi, : q_len[qi]] + 0.15 * rng.standard_normal((q_len[qi], dim)))
-        shards[si][j, pos] = noisy
-    for si in range(len(shards)):
-        shards[si][np.arange(shards[si].shape[1])[None, :] >= lens[si][:, None]] = 0
-
-    paths = {"queries": os.path.join(outdir, "queries.npy"), "q_lengths": os.path.join(outdir, "query_lengths.npy")}
-    np.save(paths["queries"], Q)
-    np.save(paths["q_lengths"], q_len)
-    paths["docs"], paths["d_lengths"] = [], []
-    for si, (D, L) in enumerate(zip(shards, lens)):
-        paths["docs"].append(os.path.join(outdir, f"docs_{si}.npy"))
-        paths["d_lengths"].append(os.path.join(outdir, f"doc_lengths_{si}.npy"))
-        np.save(paths["docs"][-1], D)
-        np.save(paths["d_lengths"][-1], L)
-    return paths, planted
-
-
-@main.command(
-    help="Write a small random example (unit-normalised float32 queries and 2 doc shards "
-    "with lengths) into OUTDIR, score it exactly as `lik score` would, print the top results "
-    "and check that each query's planted doc ranks first (exit 1 if not).\n\n"
-    + FORMAT_HELP
-    + "\n\b\nExample:\n  lik demo /tmp/lik-demo\n  lik demo /tmp/lik-demo --cpu --top-k 5\n",
-)
-@click.argument("outdir", type=click.Path(file_okay=False))
-@click.option("-k", "--top-k", type=int, default=3, show_default=True, metavar="K")
-@click.option("--cpu", is_flag=True, help="Score on the CPU even if a GPU is visible.")
-@click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--debug", is_flag=True, help="Show a traceback on errors.")
-@_cli_errors
-def demo(outdir, top_k, cpu, seed, debug):
-    try:
-        os.makedirs(outdir, exist_ok=True)
-    except OSError as e:
-        raise LikError(outdir, f"cannot create directory: {e.strerror or e}") from None
-    paths, planted = _demo_data(outdir, seed)
-    out = os.path.join(outdir, "results.tsv")
-    with _sigterm_as_interrupt():
-        res = run_score(
-            paths["queries"], paths["docs"], out,
-            q_lengths=paths["q_lengths"], d_lengths=paths["d_lengths"], top_k=top_k, cpu=cpu,
-        )
-    rel = lambda p: os.path.relpath(p, outdir)  # noqa: E731
-    click.echo(f"wrote {res.n_queries} queries and {res.n_docs} docs in 2 shards to {outdir}; scored on {res.backend}.")
-    click.echo(
-        f"same as: (cd {outdir} && lik score --queries {rel(paths['queries'])} --q-lengths {rel(paths['q_lengths'])} "
-        f"--docs {' '.join(map(rel, paths['docs']))} --d-lengths {' '.join(map(rel, paths['d_lengths']))} "
-        f"--top-k {top_k} --out results.tsv{' --cpu' if cpu else ''})"
-    )
-    hits = 0
-    for q in range(res.n_queries):
-        tops = "  ".join(f"doc {int(d):>2} {v:7.3f}" for d, v in zip(res.top_ids[q], res.top_vals[q]))
-        ok = int(res.top_ids[q, 0]) == planted[q]
-        hits += ok
-        click.echo(f"query {q}: {tops}   (planted doc {planted[q]}{' ranked 1' if ok else ' NOT ranked 1'})")
-    click.echo(f"results: {out}")
-    if hits != res.n_queries:
-        click.echo(f"lik: error: demo check failed: planted doc ranked first for {hits}/{res.n_queries} queries", err=True)
-        raise click.exceptions.Exit(1)
-    click.echo(f"check: planted doc ranked first for {hits}/{res.n_queries} queries")
+    echo(f"kernel cache  {lik_compile.cache_dir()}")
 
 
 if __name__ == "__main__":

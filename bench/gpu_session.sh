@@ -1,19 +1,29 @@
 #!/usr/bin/env bash
 # One GPU session: install the baseline wheels, run the GPU tests, run the
-# forward benchmark, print a short summary last.
+# forward benchmark, then the corpus benchmark (bench_corpus.py) with the time
+# that is left, print a short summary last.
 #
 #   bash bench/gpu_session.sh [bench_forward.py args...]      e.g.  bash bench/gpu_session.sh --quick
+#   ONLY_CORPUS=1 CORPUS_ARGS="--quick" bash bench/gpu_session.sh   (corpus bench only)
 #
 # Env knobs:
 #   OUT              output dir (default: <repo>/bench/results)
 #   SESSION_LIMIT_S  wall-clock limit of the whole call (default 570); the bench gets
 #                    --time-budget = what is left minus a margin (a --time-budget you pass wins)
 #   PYTEST_TIMEOUT_S hard cap on the pytest step (default 240)
-#   SKIP_TESTS=1 / SKIP_BENCH=1
+#   SKIP_TESTS=1 / SKIP_BENCH=1 (SKIP_BENCH skips both benchmarks)
 #   PYTEST_ARGS      extra pytest args (e.g. "-k maxsim")
+#   ONLY_CORPUS=1    skip the tests and the forward bench; run only bench_corpus.py
+#   SKIP_CORPUS=1    skip bench_corpus.py
+#   CORPUS_ARGS      extra bench_corpus.py args (e.g. "--quick" or "--cells topk,ragged")
+#   CORPUS_RESERVE_S seconds withheld from the forward bench's budget so the corpus bench
+#                    still gets to run after it (default 0: the corpus bench gets what is left,
+#                    and is skipped when that is under 60 s)
 #
-# Files written to $OUT (flat, <= 7): pytest.log, pytest-junit.xml, bench.log,
-#   forward_<gpu>.json, forward_<gpu>.png, forward_<gpu>.txt, summary.txt
+# Files written to $OUT (flat, <= 8): pytest.log, pytest-junit.xml, bench.log (forward and
+#   corpus output), forward_<gpu>.json, forward_<gpu>.png, forward_<gpu>.txt, corpus_<gpu>.json,
+#   summary.txt; with ONLY_CORPUS=1 also corpus_<gpu>.txt (left out otherwise: the device tool
+#   returns at most 8 files; the corpus table is in summary.txt and bench.log anyway)
 # The baseline wheels live in .whl/ which is git-ignored: the device run must carry it
 # (run(..., carry=[".whl"])).
 
@@ -30,6 +40,16 @@ OUT="${OUT:-$REPO/bench/results}"
 mkdir -p "$OUT"
 SESSION_LIMIT_S="${SESSION_LIMIT_S:-570}"
 PYTEST_TIMEOUT_S="${PYTEST_TIMEOUT_S:-240}"
+CORPUS_RESERVE_S="${CORPUS_RESERVE_S:-0}"
+SKIP_FORWARD=0
+if [ "${ONLY_CORPUS:-0}" = "1" ]; then
+    SKIP_TESTS=1
+    SKIP_FORWARD=1
+fi
+RUN_CORPUS=1
+if [ "${SKIP_BENCH:-0}" = "1" ] || [ "${SKIP_CORPUS:-0}" = "1" ]; then
+    RUN_CORPUS=0
+fi
 
 echo "== gpu_session: repo=$REPO out=$OUT args: $*"
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv,noheader 2>/dev/null || true
@@ -83,10 +103,12 @@ fi
 
 # ---------------------------------------------------------------- bench
 BENCH_RC="skipped"
-if [ "${SKIP_BENCH:-0}" != "1" ]; then
+if [ "${SKIP_BENCH:-0}" != "1" ] && [ "$SKIP_FORWARD" != "1" ]; then
     NOW=$(date +%s)
     LEFT=$(( SESSION_LIMIT_S - (NOW - T0) ))
-    BUDGET=$(( LEFT - 75 ))           # leave room for chart + summary + the last measurement
+    RESERVE=0
+    [ "$RUN_CORPUS" = "1" ] && RESERVE=$CORPUS_RESERVE_S
+    BUDGET=$(( LEFT - 75 - RESERVE )) # leave room for chart + summary + the last measurement (+ the corpus bench)
     [ "$BUDGET" -lt 30 ] && BUDGET=30
     HARD=$(( LEFT - 15 ))             # hard kill so the summary still prints
     [ "$HARD" -lt 40 ] && HARD=40
@@ -95,6 +117,33 @@ if [ "${SKIP_BENCH:-0}" != "1" ]; then
         | tee "$OUT/bench.log"
     BENCH_RC=${PIPESTATUS[0]}
     echo "bench exit code: $BENCH_RC"
+fi
+
+# ---------------------------------------------------------------- corpus bench (after the forward bench)
+CORPUS_RC="skipped"
+if [ "$RUN_CORPUS" = "1" ]; then
+    NOW=$(date +%s)
+    LEFT=$(( SESSION_LIMIT_S - (NOW - T0) ))
+    CBUDGET=$(( LEFT - 60 ))          # room for the summary and the last (outofcore) measurement
+    CHARD=$(( LEFT - 15 ))
+    if [ "$CBUDGET" -lt 60 ]; then
+        echo "== bench_corpus.py skipped: only ${LEFT}s of the session left (set CORPUS_RESERVE_S or ONLY_CORPUS=1)" \
+            | tee -a "$OUT/bench.log"
+        CORPUS_RC="skipped (no time)"
+    else
+        CORPUS_TXT=""
+        TEE_A=""
+        if [ "$BENCH_RC" != "skipped" ]; then
+            CORPUS_TXT="--no-txt"     # keep $OUT at <= 8 files (the table goes to bench.log and summary.txt)
+            TEE_A="-a"                # append to the forward bench's log
+        fi
+        echo "== bench_corpus.py (time budget ${CBUDGET}s, hard limit ${CHARD}s) ${CORPUS_ARGS:-}" | tee $TEE_A "$OUT/bench.log"
+        # shellcheck disable=SC2086
+        timeout -k 10 "$CHARD" python3 bench/bench_corpus.py --out "$OUT" --budget-s "$CBUDGET" \
+            $CORPUS_TXT ${CORPUS_ARGS:-} 2>&1 | tee -a "$OUT/bench.log"
+        CORPUS_RC=${PIPESTATUS[0]}
+        echo "corpus bench exit code: $CORPUS_RC"
+    fi
 fi
 
 # ---------------------------------------------------------------- summary (last)
@@ -127,17 +176,34 @@ PY
     fi
     echo "pytest exit code: $PYTEST_RC   (0 ok, 1 failures, 5 no tests collected, 124 timeout)"
     echo "bench exit code:  $BENCH_RC   (124 = hit the hard time limit; partial JSON still written)"
-    JSON=$(ls -t "$OUT"/forward_*.json 2>/dev/null | head -n 1)
-    if [ -n "$JSON" ]; then
-        echo "bench results: $JSON"
-        python3 bench/bench_forward.py --table-from "$JSON" || echo "(could not render table)"
-    else
-        echo "bench: no results JSON"
+    echo "corpus bench exit code: $CORPUS_RC"
+    if [ "$SKIP_FORWARD" != "1" ]; then
+        JSON=$(ls -t "$OUT"/forward_*.json 2>/dev/null | head -n 1)
+        if [ -n "$JSON" ]; then
+            echo "bench results: $JSON"
+            python3 bench/bench_forward.py --table-from "$JSON" || echo "(could not render table)"
+        else
+            echo "bench: no results JSON"
+        fi
     fi
+    case "$CORPUS_RC" in
+        skipped*) ;;
+        *)
+            CJSON=$(ls -t "$OUT"/corpus_*.json 2>/dev/null | head -n 1)
+            if [ -n "$CJSON" ]; then
+                echo
+                echo "corpus results: $CJSON"
+                python3 bench/bench_corpus.py --table-from "$CJSON" || echo "(could not render corpus table)"
+            else
+                echo "corpus bench: no results JSON"
+            fi
+            ;;
+    esac
     echo "elapsed: $(( $(date +%s) - T0 ))s"
 } 2>&1 | tee "$OUT/summary.txt"
 
 # exit non-zero if either step failed, so a caller can tell at a glance
 [ "$PYTEST_RC" = "0" ] || [ "$PYTEST_RC" = "skipped" ] || exit 1
 [ "$BENCH_RC" = "0" ] || [ "$BENCH_RC" = "skipped" ] || exit 1
+case "$CORPUS_RC" in 0|skipped*) ;; *) exit 1 ;; esac
 exit 0

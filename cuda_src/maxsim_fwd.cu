@@ -2,10 +2,13 @@
 //
 //   score[i, j] = sum_s  valid_q(i, s) * max_{t valid in doc j} <Q[i, s], D[j, t]>
 //
-// One CTA owns a tile of BM query tokens of one query and a contiguous run of
-// documents. Its query tile stays on chip (registers when it fits); document
-// tiles of BN tokens stream through a cp.async ring of STAGES shared-memory
-// buffers. Each BM x BN similarity tile lives only in mma accumulators: it is
+// One CTA owns a tile of BM query tokens and a run of documents. The tile is
+// either BM tokens of one query or, for short queries scored against shared
+// documents, several whole queries (so each document tile read from memory
+// feeds all of them). Documents are padded [Nd, Ld, d] (lengths or masks) or
+// packed [T, d] with int64 offsets. The query tile stays on chip (registers
+// when it fits); document tiles of BN tokens stream through a cp.async ring of
+// STAGES shared-memory buffers. Each BM x BN similarity tile lives only in mma accumulators: it is
 // folded into a running per-row max and dropped, so nothing of size
 // Lq x Ld ever reaches memory.
 //
@@ -26,9 +29,19 @@
 //   LIK_WGMMA   1: Hopper warpgroup MMA (sm_90a; needs LIK_MT 1, LIK_WARPS 8,
 //               LIK_DP a multiple of 64): tiles are stored 128B-swizzled and
 //               read by the tensor cores straight from shared memory
+//   LIK_MULTI   1: a tile may hold several whole queries (qb > 1); 0 keeps the
+//               leaner single-query reduction (qb must be 1)
+//   LIK_PACKED  1: documents are packed tokens with offsets; 0: padded
 //   LIK_NAME    entry point name
 #include "common.cuh"
 #include "wgmma.cuh"
+
+#ifndef LIK_MULTI
+#define LIK_MULTI 0
+#endif
+#ifndef LIK_PACKED
+#define LIK_PACKED 0
+#endif
 
 #ifndef LIK_WGMMA
 #define LIK_WGMMA 0
@@ -52,7 +65,8 @@ struct Elem<1> { typedef u16 T; };
 template <>
 struct Elem<2> { typedef float T; };
 
-template <int ELEM, int DP, int WARPS, int MT, int BN, int STAGES, bool QREG, bool ARGMAX, bool VEC, bool WG>
+template <int ELEM, int DP, int WARPS, int MT, int BN, int STAGES, bool QREG, bool ARGMAX, bool VEC, bool WG,
+          bool MULTI, bool PACKED>
 struct Fwd {
     typedef typename Elem<ELEM>::T T;
     static constexpr int ESIZE = sizeof(T);
@@ -179,79 +193,145 @@ struct Fwd {
         return l < 0 ? 0 : (l > Ld ? Ld : l);
     }
 
+    // Max (and argmax) across the four lanes of a quad, which share an accumulator row.
+    static __device__ __forceinline__ void quad_max(float& v, int& ix) {
+#pragma unroll
+        for (int off = 1; off <= 2; off <<= 1) {
+            const float ov = __shfl_xor_sync(0xffffffffu, v, off);
+            if (ARGMAX) {
+                const int oi = __shfl_xor_sync(0xffffffffu, ix, off);
+                argmax_merge(v, ix, ov, oi);
+            } else {
+                v = max_nan(v, ov);
+            }
+        }
+    }
+
+    // First document index in [0, n) whose first token is >= x (n if none).
+    static __device__ __forceinline__ int first_doc_at(const i64* off, int n, i64 x) {
+        int lo = 0, hi = n;
+        while (lo < hi) {
+            const int mid = (lo + hi) >> 1;
+            if (off[mid] < x) lo = mid + 1; else hi = mid;
+        }
+        return lo;
+    }
+
     static __device__ void run(const T* __restrict__ Q, const T* __restrict__ D, const int* __restrict__ q_len,
                                const u8* __restrict__ q_mask, const int* __restrict__ d_len,
-                               const u8* __restrict__ d_mask, float* __restrict__ out, int* __restrict__ amax, int Nq,
-                               int Nd, int Lq, int Ld, int dim, int n_qt, int docs_per_cta, int dl_qstride) {
+                               const u8* __restrict__ d_mask, const i64* __restrict__ d_off, i64 ntok,
+                               float* __restrict__ out,
+                               int* __restrict__ amax, int Nq, int Nd, int Lq, int Ld, int dim, int n_qt, int qb,
+                               int docs_per_cta, int dl_qstride) {
         extern __shared__ __align__(16) unsigned char smem_raw[];
         // Swizzled wgmma tiles need 1024-byte alignment; the host adds that slack to the size.
         unsigned char* smem_base = WG ? smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023) : smem_raw;
         T* sQ = reinterpret_cast<T*>(smem_base);
         T* sD = sQ + BM * LDS;
-        float* red = reinterpret_cast<float*>(sD + STAGES * BN * LDS);  // [2][WARPS]
+        float* red = reinterpret_cast<float*>(sD + STAGES * BN * LDS);  // [2][MULTI ? BM : WARPS]
 
         const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
         const int g = lane >> 2, tq = lane & 3;
         const int qt = blockIdx.x % n_qt;
-        const int qi = blockIdx.x / n_qt;
-        const int j0 = blockIdx.y * docs_per_cta;
-        const int j1 = min(Nd, j0 + docs_per_cta);
-        if (qi >= Nq || j0 >= j1) return;
+        if (!MULTI) qb = 1;
+        const int qi0 = (blockIdx.x / n_qt) * qb;  // first query of this tile
+        if (qi0 >= Nq) return;
+        // qb > 1: the tile holds whole queries qi0 .. qi0+nqb-1, Lq rows each, so every
+        // document tile staged is scored against all of them (n_qt is then 1).
+        // qb == 1: the tile holds rows s0 .. s0+BM-1 of query qi0.
+        const int nqb = MULTI && qb > 1 ? min(qb, Nq - qi0) : 1;
+        const int span = MULTI && qb > 1 ? Lq : BM;  // tile rows per query
+        const int s0 = qt * BM;
 
-        const int s0 = qt * BM;  // first query token of this tile
-        int qlen = Lq;
-        if (q_len) {
-            const int l = q_len[qi];
-            qlen = l < 0 ? 0 : (l > Lq ? Lq : l);
+        // Documents of this CTA: a run of docs_per_cta, or for packed documents the
+        // documents whose first token falls in this CTA's equal share of the tokens
+        // (ragged corpora then balance by work, not by document count).
+        int j0, j1;
+        if (PACKED) {
+            const i64 t0 = d_off[0], per = (d_off[Nd] - t0 + gridDim.y - 1) / gridDim.y;
+            j0 = blockIdx.y == 0 ? 0 : first_doc_at(d_off, Nd, t0 + (i64)blockIdx.y * per);
+            j1 = blockIdx.y + 1 == gridDim.y ? Nd : first_doc_at(d_off, Nd, t0 + (i64)(blockIdx.y + 1) * per);
+        } else {
+            j0 = blockIdx.y * docs_per_cta;
+            j1 = min(Nd, j0 + docs_per_cta);
         }
-        const u8* qm = q_mask ? q_mask + (i64)qi * Lq : nullptr;
-        float* outp = out + (n_qt > 1 ? (i64)qt * Nq * Nd : 0) + (i64)qi * Nd;
-        const i64 doc0 = (i64)qi * dl_qstride;  // linear index of this query's document 0
+        if (j0 >= j1) return;
+
+        auto query_len = [&](int qi) {
+            if (!q_len) return Lq;
+            const int l = q_len[qi];
+            return l < 0 ? 0 : (l > Lq ? Lq : l);
+        };
+        // Packed documents are clamped to [0, ntok): offsets the caller chose not to
+        // validate can give wrong scores but never reach outside D.
+        auto dstart = [&](i64 dl) -> i64 {
+            if (!PACKED) return dl * Ld;
+            const i64 s = d_off[dl];
+            return s < 0 ? 0 : (s > ntok ? ntok : s);
+        };
+        auto dlength = [&](i64 dl) -> int {
+            if (!PACKED) return doc_len(d_len, dl, Ld);
+            const i64 s = dstart(dl), e = d_off[dl + 1];
+            const i64 l = (e > ntok ? ntok : e) - s;
+            return l < 0 ? 0 : (l > 0x7fffffff ? 0x7fffffff : (int)l);
+        };
+
+        float* outp = out + (n_qt > 1 ? (i64)qt * Nq * Nd : 0) + (i64)qi0 * Nd;
+        const i64 doc0 = (i64)qi0 * dl_qstride;  // linear index of this tile's document 0
 
         // Tile entirely past the query length: contributes 0, argmax -1.
-        if (s0 >= qlen) {
+        if (qb == 1 && s0 >= query_len(qi0)) {
             for (int j = j0 + threadIdx.x; j < j1; j += NT) outp[j] = 0.f;
             if (ARGMAX) {
                 const int rows = min(BM, Lq - s0);
                 for (int e = threadIdx.x; e < (j1 - j0) * rows; e += NT) {
                     const int j = j0 + e / rows, r = e % rows;
-                    amax[((i64)qi * Nd + j) * Lq + s0 + r] = -1;
+                    amax[((i64)qi0 * Nd + j) * Lq + s0 + r] = -1;
                 }
             }
             return;
         }
 
-        // Validity of the 2*MT query rows this thread reduces.
+        // The 2*MT tile rows this thread reduces: their query (relative to qi0),
+        // token (-1: padding row past the queries) and validity.
         const int wrow0 = warp * MT * 16;
+        int rq[MT][2], rs[MT][2];
         bool rv[MT][2];
 #pragma unroll
         for (int m = 0; m < MT; ++m)
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
-                const int s = s0 + wrow0 + m * 16 + g + 8 * h;
-                rv[m][h] = s < qlen && (!qm || qm[s]);
+                const int row = wrow0 + m * 16 + g + 8 * h;
+                // Single-query tiles skip the division: with it the whole kernel ran 10% slower
+                // at Lq=512 on an H200 (same tile-loop instructions, scheduled differently).
+                const int qq = MULTI ? row / span : 0, s = MULTI ? s0 + row - qq * span : s0 + row;
+                const bool exists = qq < nqb && s < Lq;
+                const int qi = qi0 + qq;
+                rq[m][h] = qq;
+                rs[m][h] = exists ? s : -1;
+                rv[m][h] = exists && s < query_len(qi) && (!q_mask || q_mask[(i64)qi * Lq + s]);
             }
 
-        const T* Qt = Q + ((i64)qi * Lq + s0) * dim;
-        load_rows(sQ, Qt, BM, min(BM, Lq - s0), dim);
+        const T* Qt = Q + ((i64)qi0 * Lq + s0) * dim;
+        load_rows(sQ, Qt, BM, qb > 1 ? nqb * Lq : min(BM, Lq - s0), dim);
 
         // Producer cursor: next document tile to stage (crosses document
         // boundaries so the ring stays full across short documents).
-        int pj = j0, pt = 0, pnt = (doc_len(d_len, doc0 + pj, Ld) + BN - 1) / BN;
+        int pj = j0, pt = 0, pnt = (dlength(doc0 + pj) + BN - 1) / BN;
         while (pj < j1 && pt >= pnt) {
             ++pj;
-            pnt = pj < j1 ? (doc_len(d_len, doc0 + pj, Ld) + BN - 1) / BN : 0;
+            pnt = pj < j1 ? (dlength(doc0 + pj) + BN - 1) / BN : 0;
         }
         auto issue = [&](int slot) {
             if (pj < j1) {
                 const i64 dl = doc0 + pj;
-                const int len = doc_len(d_len, dl, Ld);
-                load_rows(sD + slot * BN * LDS, D + (dl * Ld + (i64)pt * BN) * dim, BN, min(BN, len - pt * BN), dim);
+                const int len = dlength(dl);
+                load_rows(sD + slot * BN * LDS, D + (dstart(dl) + (i64)pt * BN) * dim, BN, min(BN, len - pt * BN), dim);
                 ++pt;
                 while (pj < j1 && pt >= pnt) {
                     ++pj;
                     pt = 0;
-                    pnt = pj < j1 ? (doc_len(d_len, doc0 + pj, Ld) + BN - 1) / BN : 0;
+                    pnt = pj < j1 ? (dlength(doc0 + pj) + BN - 1) / BN : 0;
                 }
             }
             cp_async_commit();  // one group per call, possibly empty: keeps wait_group counts exact
@@ -265,9 +345,9 @@ struct Fwd {
 
         for (int j = j0; j < j1; ++j) {
             const i64 dl = doc0 + j;
-            const int len = doc_len(d_len, dl, Ld);
+            const int len = dlength(dl);
             const int nt = (len + BN - 1) / BN;
-            const u8* dm = d_mask ? d_mask + dl * Ld : nullptr;
+            const u8* dm = !PACKED && d_mask ? d_mask + dl * Ld : nullptr;
 
             float best[MT][2];
             int bidx[MT][2];
@@ -330,41 +410,58 @@ struct Fwd {
                     }
             }
 
-            // Row max across the quad that shares each row, then the sum of valid rows.
-            float part = 0.f;
+            if (MULTI) {
+                // Row max across the quad that shares each row, into shared memory (0 for
+                // rows that do not count), then one warp per query sums its rows in a fixed order.
+                float* rowv = red + (j & 1) * BM;  // double buffer: an empty next doc skips the loop barrier
 #pragma unroll
-            for (int m = 0; m < MT; ++m)
+                for (int m = 0; m < MT; ++m)
 #pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    float v = best[m][h];
-                    int ix = bidx[m][h];
-#pragma unroll
-                    for (int off = 1; off <= 2; off <<= 1) {
-                        const float ov = __shfl_xor_sync(0xffffffffu, v, off);
-                        if (ARGMAX) {
-                            const int oi = __shfl_xor_sync(0xffffffffu, ix, off);
-                            argmax_merge(v, ix, ov, oi);
-                        } else {
-                            v = max_nan(v, ov);
+                    for (int h = 0; h < 2; ++h) {
+                        float v = best[m][h];
+                        int ix = bidx[m][h];
+                        quad_max(v, ix);
+                        if (tq == 0) {
+                            rowv[wrow0 + m * 16 + g + 8 * h] = rv[m][h] ? v : 0.f;
+                            if (ARGMAX && rs[m][h] >= 0)
+                                amax[((i64)(qi0 + rq[m][h]) * Nd + j) * Lq + rs[m][h]] = rv[m][h] ? ix : -1;
                         }
                     }
-                    if (rv[m][h]) part += v;
-                    if (ARGMAX && tq == 0) {
-                        const int s = s0 + wrow0 + m * 16 + g + 8 * h;
-                        if (s < Lq) amax[((i64)qi * Nd + j) * Lq + s] = rv[m][h] ? ix : -1;
-                    }
+                __syncthreads();
+                for (int qq = warp; qq < nqb; qq += WARPS) {
+                    const float* rp = rowv + qq * span;
+                    float sum = 0.f;
+                    for (int r = lane; r < span; r += 32) sum += rp[r];
+#pragma unroll
+                    for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+                    if (lane == 0) outp[(i64)qq * Nd + j] = sum;
                 }
-            if (tq != 0) part = 0.f;
+            } else {
+                // Row max across the quad, the sum of valid rows per warp, then across warps.
+                float part = 0.f;
 #pragma unroll
-            for (int off = 4; off < 32; off <<= 1) part += __shfl_xor_sync(0xffffffffu, part, off);
-            float* rb = red + (j & 1) * WARPS;  // double buffer: an empty next doc skips the loop barrier
-            if (lane == 0) rb[warp] = part;
-            __syncthreads();
-            if (threadIdx.x == 0) {
-                float s = 0.f;
+                for (int m = 0; m < MT; ++m)
 #pragma unroll
-                for (int w = 0; w < WARPS; ++w) s += rb[w];
-                outp[j] = s;
+                    for (int h = 0; h < 2; ++h) {
+                        float v = best[m][h];
+                        int ix = bidx[m][h];
+                        quad_max(v, ix);
+                        if (rv[m][h]) part += v;
+                        if (ARGMAX && tq == 0 && rs[m][h] >= 0)
+                            amax[((i64)qi0 * Nd + j) * Lq + rs[m][h]] = rv[m][h] ? ix : -1;
+                    }
+                if (tq != 0) part = 0.f;
+#pragma unroll
+                for (int off = 4; off < 32; off <<= 1) part += __shfl_xor_sync(0xffffffffu, part, off);
+                float* rb = red + (j & 1) * WARPS;  // double buffer: an empty next doc skips the loop barrier
+                if (lane == 0) rb[warp] = part;
+                __syncthreads();
+                if (threadIdx.x == 0) {
+                    float sum = 0.f;
+#pragma unroll
+                    for (int w = 0; w < WARPS; ++w) sum += rb[w];
+                    outp[j] = sum;
+                }
             }
         }
         cp_async_wait<0>();
@@ -374,15 +471,21 @@ struct Fwd {
 }  // namespace lik
 
 typedef lik::Fwd<LIK_ELEM, LIK_DP, LIK_WARPS, LIK_MT, LIK_BN, LIK_STAGES, LIK_QREG != 0, LIK_ARGMAX != 0, LIK_VEC != 0,
-                  LIK_WGMMA != 0>
+                  LIK_WGMMA != 0, LIK_MULTI != 0, LIK_PACKED != 0>
     LikFwdCfg;
 
-extern "C" __global__ void __launch_bounds__(LIK_WARPS * 32, 1)
+// LIK_MIN_BLOCKS: CTAs per SM the launch plan counts on (dispatch sets 2 for Hopper tiles
+// whose shared memory lets two share an SM, one's epilogue running under the other's MMA;
+// that caps registers at 128 per thread).
+#ifndef LIK_MIN_BLOCKS
+#define LIK_MIN_BLOCKS 1
+#endif
+extern "C" __global__ void __launch_bounds__(LIK_WARPS * 32, LIK_MIN_BLOCKS)
     LIK_NAME(const void* Q, const void* D, const int* q_len, const u8* q_mask, const int* d_len, const u8* d_mask,
-             float* out, int* amax, int Nq, int Nd, int Lq, int Ld, int dim, int n_qt, int docs_per_cta,
-             int dl_qstride) {
+             const i64* d_off, long long ntok, float* out, int* amax, int Nq, int Nd, int Lq, int Ld, int dim,
+             int n_qt, int qb, int docs_per_cta, int dl_qstride) {
     LikFwdCfg::run(static_cast<const LikFwdCfg::T*>(Q), static_cast<const LikFwdCfg::T*>(D), q_len, q_mask, d_len, d_mask,
-                   out, amax, Nq, Nd, Lq, Ld, dim, n_qt, docs_per_cta, dl_qstride);
+                   d_off, ntok, out, amax, Nq, Nd, Lq, Ld, dim, n_qt, qb, docs_per_cta, dl_qstride);
 }
 
 // Deterministic sum of the per-query-tile partial scores: out[x] = sum_q part[q][x], q ascending.

@@ -1,6 +1,7 @@
 """lik-cupy: exact late-interaction (MaxSim) scoring with raw-CUDA kernels.
 
-``maxsim`` and ``maxsim_pairs`` take NumPy, CuPy, PyTorch, JAX or any DLPack
+``maxsim``, ``maxsim_pairs``, ``maxsim_varlen`` (packed ragged documents) and
+``retrieve`` (streaming top-k over a corpus of any size) take NumPy, CuPy, PyTorch, JAX or any DLPack
 arrays and return results in the caller's framework. Importing this package
 imports neither torch nor jax (nor CuPy, until a GPU path runs).
 """
@@ -8,7 +9,8 @@ imports neither torch nor jax (nor CuPy, until a GPU path runs).
 __version__ = "0.1.0"
 
 from .device import gpu_available  # noqa: E402
-from .forward import maxsim, maxsim_pairs  # noqa: E402
+from .forward import maxsim, maxsim_pairs, maxsim_varlen  # noqa: E402
+from .retrieve import retrieve  # noqa: E402
 from .warmup import warmup  # noqa: E402
 
-__all__ = ["maxsim", "maxsim_pairs", "warmup", "gpu_available", "__version__"]
+__all__ = ["maxsim", "maxsim_pairs", "maxsim_varlen", "retrieve", "warmup", "gpu_available", "__version__"]

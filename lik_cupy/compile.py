@@ -222,8 +222,12 @@ _modules_lock = threading.Lock()
 _key_locks: dict = {}
 
 
-def get_module(name: str, defines: dict, arch: int | str, device_id: int):
-    """A loaded ``cupy.RawModule`` for this kernel on ``device_id`` (compiled once per key)."""
+def get_module(name: str, defines: dict, arch: int | str, device_id: int, entry: str | None = None):
+    """A loaded ``cupy.RawModule`` for this kernel on ``device_id`` (compiled once per key).
+
+    ``entry`` is a kernel the module defines (default: ``defines["LIK_NAME"]``);
+    it is loaded at once so a bad module fails here, not at the first launch.
+    """
     import cupy
 
     mkey = (device_id, name, tuple(sorted((k, str(v)) for k, v in defines.items())), str(arch))
@@ -241,7 +245,7 @@ def get_module(name: str, defines: dict, arch: int | str, device_id: int):
         path = cubin_path(name, defines, arch)
         with cupy.cuda.Device(device_id):
             mod = cupy.RawModule(path=str(path))
-            mod.get_function(str(defines.get("LIK_NAME", "lik_sum_partials")))  # load now, on this device
+            mod.get_function(entry or str(defines["LIK_NAME"]))  # load now, on this device
         with _modules_lock:
             _modules[mkey] = mod
             while len(_modules) > _MEMORY_CACHE_SIZE:
@@ -254,8 +258,8 @@ def check_all(archs=None, configs=None) -> list[dict]:
     """CPU-only: compile every forward configuration for every supported architecture.
 
     Returns one row per (kernel, arch) with registers, stack, spills, static and
-    dynamic shared memory (``lik_sum_partials`` once per architecture). Raises
-    ``CompileError`` if any kernel fails.
+    dynamic shared memory (``lik_sum_partials`` and the top-k merge once per
+    architecture). Raises ``CompileError`` if any kernel fails.
     """
     from .dispatch import SUPPORTED_ARCHS, all_forward_configs
 
@@ -269,4 +273,8 @@ def check_all(archs=None, configs=None) -> list[dict]:
             if n == 0:
                 rows.append({"kernel": "lik_sum_partials", "arch": f"sm_{target}", "dynamic_smem": 0,
                              **resource_usage(out.log, "lik_sum_partials")})
+        if configs is None:
+            out = nvrtc_compile("topk.cu", {}, arch)
+            rows.append({"kernel": "lik_topk_merge", "arch": f"sm_{arch}", "dynamic_smem": 0,
+                         **resource_usage(out.log, "lik_topk_merge")})
     return rows

@@ -48,3 +48,37 @@ def maxsim_numpy(Q: np.ndarray, D: np.ndarray, q_valid: np.ndarray, d_valid: np.
                     idx[:, ~qv] = -1  # masked query token
                     amax[i, j0:j1] = idx
     return scores, amax
+
+
+def unpack(tokens: np.ndarray, offsets: np.ndarray):
+    """Packed rows [T, d] with int64 offsets [N + 1] -> padded [N, Lmax, d] and bool valid [N, Lmax]."""
+    lens = np.diff(offsets)
+    n, lmax = lens.size, int(lens.max()) if lens.size else 0
+    valid = np.arange(lmax)[None, :] < lens[:, None]
+    out = np.zeros((n, lmax, tokens.shape[1]), tokens.dtype)
+    out[valid] = tokens[offsets[0]:offsets[-1]]
+    return out, valid
+
+
+def maxsim_packed_numpy(Q: np.ndarray, q_valid: np.ndarray, tokens: np.ndarray, offsets: np.ndarray, *,
+                        return_argmax: bool, block_tokens: int = 1 << 16):
+    """MaxSim of padded queries against packed documents (``offsets`` int64 [Nd + 1], checked).
+
+    Documents go in runs of about ``block_tokens`` tokens, each padded only to
+    its own longest document, so memory stays bounded for any corpus.
+    """
+    nq, lq, _ = Q.shape
+    nd = offsets.size - 1
+    scores = np.empty((nq, nd), np.float32)
+    amax = np.empty((nq, nd, lq), np.int32) if return_argmax else None
+    j0 = 0
+    while j0 < nd:
+        j1 = max(j0 + 1, int(np.searchsorted(offsets, offsets[j0] + block_tokens, side="right")) - 1)
+        j1 = min(j1, nd)
+        blk, dv = unpack(tokens, offsets[j0:j1 + 1])
+        s, a = maxsim_numpy(Q, blk, q_valid, dv, candidates=False, nd=j1 - j0, return_argmax=return_argmax)
+        scores[:, j0:j1] = s
+        if amax is not None:
+            amax[:, j0:j1] = a
+        j0 = j1
+    return scores, amax

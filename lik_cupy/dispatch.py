@@ -10,6 +10,7 @@ architecture's per-block limit.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 # Architectures we build machine code for (compute capability * 10).
@@ -37,6 +38,8 @@ class FwdConfig:
     argmax: bool
     vec: bool  # 16-byte cp.async copies
     wgmma: bool = False  # Hopper warpgroup MMA (sm_90a)
+    multi: bool = False  # a tile may hold several whole queries
+    packed: bool = False  # packed documents with offsets
 
     @property
     def bm(self) -> int:
@@ -53,9 +56,13 @@ class FwdConfig:
     @property
     def smem_bytes(self) -> int:
         if self.wgmma:  # unpadded swizzled tiles, plus slack to align them to 1024 bytes
-            return (self.bm + self.stages * self.bn) * self.dp * self.esize + 1024 + 2 * self.warps * 4
+            return (self.bm + self.stages * self.bn) * self.dp * self.esize + 1024 + self._red_bytes
         lds = self.dp + 16 // self.esize
-        return (self.bm + self.stages * self.bn) * lds * self.esize + 2 * self.warps * 4
+        return (self.bm + self.stages * self.bn) * lds * self.esize + self._red_bytes
+
+    @property
+    def _red_bytes(self) -> int:  # double-buffered row maxima (multi) or per-warp sums
+        return 2 * (self.bm if self.multi else self.warps) * 4
 
     @property
     def name(self) -> str:
@@ -63,7 +70,7 @@ class FwdConfig:
         return (
             f"lik_maxsim_fwd_{e}_d{self.dp}_w{self.warps}m{self.mt}_n{self.bn}s{self.stages}"
             f"{'_qreg' if self.qreg else ''}{'_argmax' if self.argmax else ''}{'_vec' if self.vec else ''}"
-            f"{'_wgmma' if self.wgmma else ''}"
+            f"{'_wgmma' if self.wgmma else ''}{'_mq' if self.multi else ''}{'_packed' if self.packed else ''}"
         )
 
     def defines(self) -> dict[str, int | str]:
@@ -79,7 +86,16 @@ class FwdConfig:
             "LIK_ARGMAX": int(self.argmax),
             "LIK_VEC": int(self.vec),
             "LIK_WGMMA": int(self.wgmma),
+            "LIK_MULTI": int(self.multi),
+            "LIK_PACKED": int(self.packed),
+            "LIK_MIN_BLOCKS": self.min_blocks,
         }
+
+    @property
+    def min_blocks(self) -> int:
+        """CTAs per SM the kernel is compiled for: two Hopper CTAs when their shared memory fits
+        (registers then capped at 128), else no register cap."""
+        return 2 if self.wgmma and 2 * (self.smem_bytes + 1024) <= _SMEM_PER_SM[90] else 1
 
     def target(self, arch: int) -> str:
         """NVRTC architecture suffix: wgmma kernels need the sm_90a feature set."""
@@ -138,31 +154,77 @@ def arch_of(cc: int) -> int:
     return 90 if cc >= 90 else 80
 
 
-# Hopper warpgroup-MMA tiles: (bn, stages) in order of preference; 8 warps = 2 warpgroups x 64 query rows.
-# From bench/results/sweep_tiles_nvidia-h200.json: 128-token document tiles beat 64 everywhere; with
-# Lq >= 1024 two stages (two CTAs per SM, one's epilogue hiding under the other's MMA) beat three.
-_WGMMA_TABLE = ((128, 3), (128, 2), (64, 3), (64, 2))
-_WGMMA_TABLE_LONG_Q = ((128, 2), (64, 3), (64, 2))
+# Hopper warpgroup-MMA tiles; 8 warps = 2 warpgroups x 64 query rows. Relative
+# cost per staged document token of each tile width, so that a shorter tile wins
+# where it pads documents less (Ld=180: 192 tokens in 64- or 96-token tiles
+# against 256).
+# - One query per tile, from bench/results/sweep_tiles_nvidia-h200.json:
+#   128-token tiles run about 9% faster per token than 64-token ones.
+# - Several short queries per tile, from bench/results/sweep_bn_multiquery_nvidia-h200.json
+#   (32 queries of 32 tokens, Ld 128..512): 96-token tiles about 10% faster per
+#   token than 64, and 128 (one CTA per SM at three stages) 17-30% slower.
+# With Lq >= 1024 two stages (two CTAs per SM, one's epilogue hiding under the
+# other's MMA) beat three.
+_WGMMA_BN_COST = {128: 1.0, 64: 1.09}
+_WGMMA_BN_COST_MULTI = {96: 0.9, 64: 1.0, 128: 1.25}
 
 
-def choose_forward(cc: int, dtype: str, dim: int, lq: int, argmax: bool, vec: bool, wgmma: bool = True) -> FwdConfig:
+def _wgmma_tiles(lq: int, ld: int, multi: bool) -> list[tuple[int, int]]:
+    """(bn, stages) candidates for the Hopper kernel, best first."""
+    cost = _WGMMA_BN_COST_MULTI if multi else _WGMMA_BN_COST
+    order = sorted(cost, key=lambda bn: -(-max(ld, 1) // bn) * bn * cost[bn])
+    stages = {128: (2, 3) if lq >= 1024 else (3, 2), 96: (3, 2), 64: (3, 2)}
+    return [(bn, st) for bn in order for st in stages[bn]]
+
+
+def tile_rows(lq: int, shared_queries: int) -> int:
+    """Query rows one CTA tile can usefully hold: several whole short queries when
+    ``shared_queries`` queries score the same documents (up to 128 rows)."""
+    if lq >= 128 or shared_queries <= 1:
+        return lq
+    return lq * min(shared_queries, 128 // lq)
+
+
+def queries_per_tile(cfg: FwdConfig, lq: int, shared_queries: int) -> int:
+    """How many whole queries share one CTA tile (1: the tile is part of a single query)."""
+    if not cfg.multi or shared_queries <= 1 or lq > cfg.bm:
+        return 1
+    return max(1, min(shared_queries, cfg.bm // lq))
+
+
+@functools.lru_cache(maxsize=4096)
+def choose_forward(cc: int, dtype: str, dim: int, lq: int, argmax: bool, vec: bool, wgmma: bool = True,
+                   shared_queries: int = 1, ld: int = 1024, packed: bool = False) -> FwdConfig:
     """The forward configuration for one problem on a device of compute capability ``cc``.
 
+    ``shared_queries`` is the number of queries scored against the same
+    documents (1 for per-query candidate sets); short queries are then packed
+    several to a tile, so the tile is chosen by the rows it will hold.
+    ``ld`` is the (padded or mean) document length, which sets how much of a
+    document tile is padding; ``packed`` selects the packed-document variant.
     ``wgmma=False`` keeps to the portable mma.sync kernels (the fallback when
     an sm_90a build fails, and the switch tests use to cover both paths).
     """
     arch = arch_of(cc)
     elem = ELEM_CODES[dtype]
     dp = padded_dim(dim)
+    q_len, lq = lq, tile_rows(lq, shared_queries)
+
+    def multi(bm: int) -> bool:
+        # Whole queries share the tile. The multi-query reduction costs a little on every
+        # document, so single-query tiles keep the leaner one (6-9% on ColPali shapes).
+        return shared_queries > 1 and 2 * q_len <= bm
+
     if wgmma and arch == 90 and elem != 2 and vec and dim % 64 == 0 and lq > 64:
-        for bn, stages in _WGMMA_TABLE_LONG_Q if lq >= 1024 else _WGMMA_TABLE:
-            cfg = FwdConfig(elem, dim, 8, 1, bn, stages, False, argmax, vec, True)
+        for bn, stages in _wgmma_tiles(lq, ld, multi(128)):
+            cfg = FwdConfig(elem, dim, 8, 1, bn, stages, False, argmax, vec, True, multi(128), packed)
             if cfg.smem_bytes <= _SMEM_PER_BLOCK[arch]:
                 return cfg
     lb = 32 if lq <= 32 else 64 if lq <= 64 else 128
     limit = _SMEM_PER_BLOCK.get(arch, 99 * 1024)  # unknown (newer) GPUs: the smallest limit
     for warps, mt, bn, stages in _TABLE[(elem == 2, _dim_bucket(dp), lb)]:
-        cfg = FwdConfig(elem, dp, warps, mt, bn, stages, _qreg(elem, dp, mt), argmax, vec)
+        cfg = FwdConfig(elem, dp, warps, mt, bn, stages, _qreg(elem, dp, mt), argmax, vec, False,
+                        multi(warps * mt * 16), packed)
         if cfg.smem_bytes <= limit:
             return cfg
     raise ValueError(f"no forward configuration fits dim {dim} on sm_{arch}")
@@ -180,11 +242,12 @@ def ctas_per_sm(cfg: FwdConfig, cc: int) -> int:
 @dataclass(frozen=True)
 class Launch:
     n_qt: int  # query tiles per query
+    qb: int  # whole queries per tile (n_qt is 1 when qb > 1)
     docs_per_cta: int
     grid: tuple[int, int, int]
 
 
-def plan_launch(cfg: FwdConfig, cc: int, num_sms: int, nq: int, nd: int, lq: int) -> Launch:
+def plan_launch(cfg: FwdConfig, cc: int, num_sms: int, nq: int, nd: int, lq: int, shared_queries: int = 1) -> Launch:
     """Grid shape: query tiles on x (neighbours share document tiles in L2), document runs on y.
 
     The number of CTAs is a whole number of waves of resident CTAs, and each
@@ -192,8 +255,9 @@ def plan_launch(cfg: FwdConfig, cc: int, num_sms: int, nq: int, nd: int, lq: int
     document boundaries), so short documents cost no pipeline restarts and the
     last wave is not left half empty.
     """
-    n_qt = max(1, -(-lq // cfg.bm))
-    rows = nq * n_qt
+    qb = queries_per_tile(cfg, lq, shared_queries)
+    n_qt = 1 if qb > 1 else max(1, -(-lq // cfg.bm))
+    rows = -(-nq // qb) * n_qt
     resident = num_sms * ctas_per_sm(cfg, cc)
     units = rows * nd
     if units <= resident:
@@ -203,7 +267,7 @@ def plan_launch(cfg: FwdConfig, cc: int, num_sms: int, nq: int, nd: int, lq: int
         chunks = max(1, resident * waves // rows)
         per = -(-nd // chunks)
     per = max(per, -(-nd // 65535))  # grid.y limit
-    return Launch(n_qt, per, (rows, -(-nd // per), 1))
+    return Launch(n_qt, qb, per, (rows, -(-nd // per), 1))
 
 
 def all_forward_configs(arch: int) -> list[FwdConfig]:
@@ -211,10 +275,12 @@ def all_forward_configs(arch: int) -> list[FwdConfig]:
     seen: dict[str, FwdConfig] = {}
     for dtype in ELEM_CODES:
         for dim in (64, 128, 256, 512):
-            for lq in (32, 64, 128, 1024):
-                for argmax in (False, True):
-                    for vec in (True, False):
-                        for wg in (True, False):
-                            c = choose_forward(arch, dtype, dim, lq, argmax, vec, wg)
-                            seen[c.name] = c
+            for lq, shared in ((32, 1), (64, 1), (128, 1), (1024, 1), (8, 2), (32, 2), (32, 4), (64, 2)):
+                for ld in (180, 300, 1024):
+                    for argmax in (False, True):
+                        for vec in (True, False):
+                            for wg in (True, False):
+                                for packed in (False, True):
+                                    c = choose_forward(arch, dtype, dim, lq, argmax, vec, wg, shared, ld, packed)
+                                    seen[c.name] = c
     return list(seen.values())

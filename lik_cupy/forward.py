@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import os
 import warnings
+from dataclasses import replace
 
 import numpy as np
 
 from . import cpu, dispatch, interop
 from .device import device_properties, gpu_available
-from .validate import Problem, check_call, check_length_values
+from .validate import Problem, check_call, check_length_values, check_offset_values, check_varlen
 
 _BACKENDS = ("auto", "gpu", "cpu")
 # Tests set LIK_CUPY_POISON=1 so every output buffer starts as garbage and an
@@ -67,16 +68,59 @@ def maxsim_pairs(Q, D, q_mask=None, d_mask=None, *, q_lengths=None, d_lengths=No
     return _run(Q, D, q_mask, d_mask, q_lengths, d_lengths, return_argmax, backend, pairs=True)
 
 
-def _run(Q, D, q_mask, d_mask, q_lengths, d_lengths, return_argmax, backend, *, pairs):
+def maxsim_varlen(Q, D_tokens, d_offsets, q_mask=None, *, q_lengths=None, q_offsets=None, return_argmax=False,
+                  validate_offsets=True, backend="auto"):
+    """MaxSim against packed (ragged) documents: no work is spent on padding.
+
+    Args:
+        Q: ``[Nq, Lq, d]`` or ``[Lq, d]`` padded queries (with ``q_mask`` / ``q_lengths``
+            as in :func:`maxsim`), or packed query tokens ``[Tq, d]`` with ``q_offsets``.
+        D_tokens: ``[T, d]`` the documents' tokens back to back, same dtype and
+            framework/device as Q (float16, bfloat16 or float32).
+        d_offsets: int32 or int64 ``[Nd + 1]``: document j is ``D_tokens[d_offsets[j]:d_offsets[j + 1]]``
+            (FlashAttention's ``cu_seqlens``). Must start at 0, never decrease and end at T;
+            equal neighbours are empty documents (score -inf). Device offsets are checked
+            with one small reduction and one host synchronisation, never copied to the host.
+        q_offsets: int32 or int64 ``[Nq + 1]`` for packed queries (read on the host:
+            the longest query sets the argmax width).
+        return_argmax: also return int32 ``[Nq, Nd, Lq]`` document-local token indices
+            (``Lq`` = the longest query for packed queries), -1 for masked/absent query
+            tokens and empty documents.
+        validate_offsets: False skips the device check of ``d_offsets`` (and its sync) in
+            a hot loop over offsets already known good. The kernel clamps every document
+            to ``[0, T)``, so bad offsets then give wrong scores but never touch memory
+            outside ``D_tokens``.
+
+    Returns:
+        float32 ``[Nq, Nd]`` (``[Nd]`` for a 2-D padded Q), in the caller's framework
+        and device; semantics as in :func:`maxsim`.
+    """
     if backend not in _BACKENDS:
         raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
-    p = check_call(Q, D, q_mask, d_mask, q_lengths, d_lengths, pairs=pairs)
+    p = check_varlen(Q, D_tokens, d_offsets, q_mask, q_lengths, q_offsets)
+    on_gpu = _use_gpu(p, backend)
+    if on_gpu:
+        scores, amax = _gpu_varlen(p, Q, D_tokens, d_offsets, q_mask, q_lengths, q_offsets, return_argmax,
+                                   validate_offsets)
+    else:
+        scores, amax = _cpu_varlen(p, Q, D_tokens, d_offsets, q_mask, q_lengths, q_offsets, return_argmax)
+    return (scores, amax) if return_argmax else scores
+
+
+def _use_gpu(p: Problem, backend: str) -> bool:
     on_gpu = backend == "gpu" or (backend == "auto" and (p.device is not None or gpu_available()))
     if on_gpu and not gpu_available():
         raise RuntimeError("backend='gpu' but no CUDA GPU is visible (CuPy could not find one)")
     if on_gpu and p.dim > dispatch.MAX_DIM:
         raise ValueError(f"Q and D have dim {p.dim}; the GPU kernels support dim up to {dispatch.MAX_DIM} (backend='cpu' has no limit)")
-    if on_gpu:
+    return on_gpu
+
+
+def _run(Q, D, q_mask, d_mask, q_lengths, d_lengths, return_argmax, backend, *, pairs):
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
+    p = check_call(Q, D, q_mask, d_mask, q_lengths, d_lengths, pairs=pairs)
+    if _use_gpu(p, backend):
         scores, amax = _gpu(p, Q, D, q_mask, d_mask, q_lengths, d_lengths, return_argmax)
     else:
         scores, amax = _cpu(p, Q, D, q_mask, d_mask, q_lengths, d_lengths, return_argmax)
@@ -115,6 +159,31 @@ def _cpu(p: Problem, Q, D, q_mask, d_mask, q_lengths, d_lengths, return_argmax):
     s, a = cpu.maxsim_numpy(q, d, qv, dv, candidates=p.candidates, nd=p.nd, return_argmax=return_argmax)
     s = s.reshape(p.scores_shape)
     a = a.reshape(p.argmax_shape) if a is not None else None
+    return _host_result(s, p), (_host_result(a, p) if a is not None else None)
+
+
+def host_offsets(off: np.ndarray, total: int, name: str) -> np.ndarray:
+    """int64 copy of host offsets after the value checks."""
+    off = np.ascontiguousarray(off, dtype=np.int64).reshape(-1)
+    check_offset_values(name, int(off[0]), int(off[-1]), bool((np.diff(off) < 0).any()), total)
+    return off
+
+
+def _cpu_varlen(p: Problem, Q, D, d_offsets, q_mask, q_lengths, q_offsets, return_argmax):
+    fw = p.framework
+    d = _host(D, fw).reshape(p.ntok, p.dim)
+    doff = host_offsets(_host(d_offsets, fw), p.ntok, "d_offsets")
+    if q_offsets is not None:
+        qt = _host(Q, fw).reshape(-1, p.dim)
+        q, qv = cpu.unpack(qt, host_offsets(_host(q_offsets, fw), qt.shape[0], "q_offsets"))
+    else:
+        q = _host(Q, fw).reshape(p.nq, p.lq, p.dim)
+        qv = _valid_host(None if q_mask is None else _host(q_mask, fw),
+                         None if q_lengths is None else _host(q_lengths, fw), p.nq, p.lq, "q_lengths")
+    s, a = cpu.maxsim_packed_numpy(q, qv, d, doff, return_argmax=return_argmax)
+    lq = q.shape[1]
+    s = s.reshape(p.scores_shape)
+    a = a.reshape(p.scores_shape + (lq,)) if a is not None else None
     return _host_result(s, p), (_host_result(a, p) if a is not None else None)
 
 
@@ -166,6 +235,66 @@ def _gpu(p: Problem, Q, D, q_mask, d_mask, q_lengths, d_lengths, return_argmax):
     return scores, amax
 
 
+def device_offsets(off, total: int, name: str):
+    """int64 device offsets after the value checks (one small reduction and one sync, no copy of the array)."""
+    import cupy
+
+    off = cupy.ascontiguousarray(off.reshape(-1), dtype=cupy.int64)
+    bad = (off[1:] < off[:-1]).any() if off.size > 1 else cupy.zeros((), bool)
+    first, last, dec = (int(v) for v in cupy.stack([off[0], off[-1], bad.astype(cupy.int64)]).get())
+    check_offset_values(name, first, last, bool(dec), total)
+    return off
+
+
+def _gpu_varlen(p: Problem, Q, D, d_offsets, q_mask, q_lengths, q_offsets, return_argmax, validate: bool):
+    import cupy
+
+    fw = p.framework
+    on_host = p.device is None
+    device = p.device if p.device is not None else cupy.cuda.runtime.getDevice()
+    with interop.caller_stream(fw, device):
+        q = _dev_array(Q, fw, on_host)
+        d = _dev_array(D, fw, on_host).reshape(p.ntok, p.dim)
+        if p.dtype == "bfloat16":
+            q, d = q.view(cupy.uint16), d.view(cupy.uint16)
+        doff = _dev_array(d_offsets, fw, on_host)
+        if validate:
+            doff = device_offsets(doff, p.ntok, "d_offsets")
+        else:
+            doff = cupy.ascontiguousarray(doff.reshape(-1), dtype=cupy.int64)
+        qm = ql = None
+        if q_offsets is not None:
+            q, ql = _unpack_queries(q.reshape(-1, p.dim), _dev_array(q_offsets, fw, on_host), p.nq)
+            p = replace(p, lq=q.shape[1], argmax_shape=p.scores_shape + (q.shape[1],))
+        else:
+            q = q.reshape(p.nq, p.lq, p.dim)
+            if q_mask is not None:
+                qm = _dev_array(q_mask, fw, on_host).view(cupy.uint8).reshape(p.nq, p.lq)
+            if q_lengths is not None:
+                ql = _lengths(_dev_array(q_lengths, fw, on_host), p.nq, p.lq, "q_lengths")
+        ld_hint = -(-p.ntok // max(1, p.nd))
+        scores, amax = _launch(p, q, d, qm, None, ql, None, return_argmax, device, d_off=doff, ld_hint=ld_hint)
+        scores = interop.from_cupy(scores.reshape(p.scores_shape), fw, on_host)
+        if amax is not None:
+            amax = interop.from_cupy(amax.reshape(p.argmax_shape), fw, on_host)
+    return scores, amax
+
+
+def _unpack_queries(qt, q_offsets, nq: int):
+    """Packed queries [Tq, d] -> padded [nq, Lq_max, d] plus int32 lengths (queries are small;
+    their offsets are read on the host to size the tile)."""
+    import cupy
+
+    off = host_offsets(cupy.asnumpy(q_offsets), qt.shape[0], "q_offsets")
+    lens = np.diff(off)
+    lq = int(lens.max()) if nq else 0
+    if lq == 0 or qt.shape[0] == 0:
+        return cupy.zeros((nq, lq, qt.shape[1]), qt.dtype), cupy.zeros(nq, cupy.int32)
+    rows = np.minimum(off[:-1, None] + np.arange(lq)[None, :], qt.shape[0] - 1)  # rows past a length are masked
+    q = qt[cupy.asarray(rows)]
+    return cupy.ascontiguousarray(q), cupy.asarray(lens.astype(np.int32))
+
+
 def _lengths(a, rows: int, limit: int, name: str):
     import cupy
 
@@ -191,13 +320,37 @@ def _warn_wgmma_once(err: Exception) -> None:
                       RuntimeWarning, stacklevel=4)
 
 
-def _launch(p: Problem, q, d, qm, dm, ql, dl, return_argmax: bool, device: int):
-    """Choose the kernel configuration and launch it on the current CuPy stream."""
+# (device, kernel name) -> (module, function): spares each call the cache-key building; its
+# size is bounded by the configurations dispatch can return.
+_kernels: dict = {}
+
+
+def _kernel(cfg, arch: int, device: int):
+    from .compile import get_module
+
+    hit = _kernels.get((device, cfg.name))
+    if hit is None:
+        mod = get_module("maxsim_fwd.cu", cfg.defines(), cfg.target(arch), device)
+        kern = mod.get_function(cfg.name)
+        if cfg.smem_bytes > 48 * 1024:
+            kern.max_dynamic_shared_size_bytes = cfg.smem_bytes
+        hit = _kernels[(device, cfg.name)] = (mod, kern)
+    return hit
+
+
+def _launch(p: Problem, q, d, qm, dm, ql, dl, return_argmax: bool, device: int, *, d_off=None, ld_hint=None,
+            out=None):
+    """Choose the kernel configuration and launch it on the current CuPy stream.
+
+    q: [nq, lq, dim] (bfloat16 as uint16); d: padded [rows, ld, dim], or packed
+    tokens [T, dim] when ``d_off`` (int64 [nd + 1] device offsets) is given.
+    ``out``: optional float32 buffer of nq * nd elements for the scores.
+    """
     import cupy
 
-    from .compile import CompileError, get_module
+    from .compile import CompileError
 
-    scores = cupy.empty((p.nq, p.nd), cupy.float32)
+    scores = out.reshape(p.nq, p.nd) if out is not None else cupy.empty((p.nq, p.nd), cupy.float32)
     amax = cupy.empty((p.nq, p.nd, p.lq), cupy.int32) if return_argmax else None
     if _POISON:
         scores.fill(np.float32(-1.2345e33))
@@ -208,40 +361,47 @@ def _launch(p: Problem, q, d, qm, dm, ql, dl, return_argmax: bool, device: int):
     if p.lq == 0:  # no query token: empty sums
         scores.fill(0)
         return scores, amax
-    if p.ld == 0:
+    if d.shape[0] == 0 or (d_off is None and p.ld == 0):  # every document empty
         scores.fill(-np.inf)
+        if amax is not None:
+            amax.fill(-1)
         return scores, amax
 
     props = device_properties(device)
     esize = 4 if p.dtype == "float32" else 2
     vec = (p.dim * esize) % 16 == 0 and q.data.ptr % 16 == 0 and d.data.ptr % 16 == 0
-    cfg = dispatch.choose_forward(props.cc, p.dtype, p.dim, p.lq, return_argmax, vec, wgmma=_wgmma_enabled())
+    shared = 1 if p.candidates else p.nq
+    ld = ld_hint if ld_hint is not None else p.ld
     arch = dispatch.arch_of(props.cc)
+
+    def choose(wgmma: bool):
+        return dispatch.choose_forward(props.cc, p.dtype, p.dim, p.lq, return_argmax, vec, wgmma, shared, ld,
+                                       d_off is not None)
+
+    cfg = choose(_wgmma_enabled())
     try:
-        mod = get_module("maxsim_fwd.cu", cfg.defines(), cfg.target(arch), device)
+        mod, kern = _kernel(cfg, arch, device)
     except CompileError as e:
         if not cfg.wgmma:
             raise
         _warn_wgmma_once(e)
-        cfg = dispatch.choose_forward(props.cc, p.dtype, p.dim, p.lq, return_argmax, vec, wgmma=False)
-        mod = get_module("maxsim_fwd.cu", cfg.defines(), cfg.target(arch), device)
-    plan = dispatch.plan_launch(cfg, props.cc, props.num_sms, p.nq, p.nd, p.lq)
+        cfg = choose(False)
+        mod, kern = _kernel(cfg, arch, device)
+    plan = dispatch.plan_launch(cfg, props.cc, props.num_sms, p.nq, p.nd, p.lq, shared)
     for n, v in (("Nq", p.nq), ("Nd", p.nd), ("Lq", p.lq), ("Ld", p.ld), ("grid", plan.grid[0])):
         if v >= 2**31:
             raise ValueError(f"{n} = {v} does not fit the kernel's 32-bit index; split the call")
 
-    kern = mod.get_function(cfg.name)
-    if cfg.smem_bytes > 48 * 1024:
-        kern.max_dynamic_shared_size_bytes = cfg.smem_bytes
-    out = scores if plan.n_qt == 1 else cupy.empty((plan.n_qt, p.nq, p.nd), cupy.float32)
+    part = scores if plan.n_qt == 1 else cupy.empty((plan.n_qt, p.nq, p.nd), cupy.float32)
     null = np.uint64(0)  # NULL pointer argument
     args = (
         q, d,
         ql if ql is not None else null, qm if qm is not None else null,
         dl if dl is not None else null, dm if dm is not None else null,
-        out, amax if amax is not None else null,
+        d_off if d_off is not None else null, np.int64(d.shape[0] if d_off is not None else 0),
+        part, amax if amax is not None else null,
         np.int32(p.nq), np.int32(p.nd), np.int32(p.lq), np.int32(p.ld), np.int32(p.dim),
-        np.int32(plan.n_qt), np.int32(plan.docs_per_cta), np.int32(p.nd if p.candidates else 0),
+        np.int32(plan.n_qt), np.int32(plan.qb), np.int32(plan.docs_per_cta), np.int32(p.nd if p.candidates else 0),
     )
     try:
         kern(plan.grid, (cfg.threads, 1, 1), args, shared_mem=cfg.smem_bytes)
@@ -249,7 +409,7 @@ def _launch(p: Problem, q, d, qm, dm, ql, dl, return_argmax: bool, device: int):
             n = p.nq * p.nd
             threads = 256
             blocks = min(-(-n // threads), 65535)
-            mod.get_function("lik_sum_partials")((blocks,), (threads,), (out, scores, np.int64(n), np.int32(plan.n_qt)))
+            mod.get_function("lik_sum_partials")((blocks,), (threads,), (part, scores, np.int64(n), np.int32(plan.n_qt)))
     except cupy.cuda.driver.CUDADriverError as e:
         raise RuntimeError(
             f"{cfg.name} failed to launch (grid {plan.grid}, Nq={p.nq}, Nd={p.nd}, Lq={p.lq}, Ld={p.ld}, d={p.dim}): {e}"

@@ -96,6 +96,25 @@ def _bits_view_torch(x):
     return x
 
 
+def _torch_cuda_view(t):
+    """Zero-copy CuPy view of a C-contiguous CUDA tensor from its pointer (the tensor is kept
+    alive as the memory's owner). About ten times cheaper than the DLPack handshake, which
+    matters for small calls; anything unusual takes the DLPack path."""
+    import cupy
+
+    if not t.is_cuda or t.numel() == 0 or not t.is_contiguous():
+        return None
+    dtype = _TORCH_NP.get(str(t.dtype))
+    if dtype is None:
+        return None
+    mem = cupy.cuda.UnownedMemory(t.data_ptr(), t.numel() * t.element_size(), t, t.device.index)
+    return cupy.ndarray(tuple(t.shape), dtype, cupy.cuda.MemoryPointer(mem, 0))
+
+
+_TORCH_NP = {f"torch.{n}": np.dtype(n) for n in ("float16", "float32", "float64", "int16", "int32", "int64",
+                                                  "uint8", "int8")}
+
+
 def to_cupy(x, fw: str):
     """A C-contiguous CuPy view (or device copy) of ``x``; bool comes back as uint8 and
     torch bfloat16 as int16 bits (the caller, knowing the dtype, views them as uint16)."""
@@ -104,7 +123,10 @@ def to_cupy(x, fw: str):
     if fw == "cupy":
         a = x
     elif fw == "torch":
-        a = cupy.from_dlpack(_bits_view_torch(x))
+        t = _bits_view_torch(x.detach())
+        a = _torch_cuda_view(t)
+        if a is None:
+            a = cupy.from_dlpack(t)
     elif fw == "jax":
         try:
             a = cupy.from_dlpack(x)

@@ -32,8 +32,10 @@ class Problem:
     candidates: bool  # D holds a separate set of nd documents for each query
     scores_shape: tuple[int, ...]
     argmax_shape: tuple[int, ...]
-    q_valid: str | None  # "mask" | "lengths" | None
+    q_valid: str | None  # "mask" | "lengths" | "offsets" | None
     d_valid: str | None
+    d_packed: bool = False  # D is packed tokens [ntok, dim] with offsets (ld is then 0)
+    ntok: int = 0  # packed document tokens
 
 
 def _info(name: str, x) -> Info:
@@ -111,6 +113,70 @@ def check_call(Q, D, q_mask, d_mask, q_lengths, d_lengths, *, pairs: bool) -> Pr
     d_valid = _check_valid("d", d_mask, d_lengths, q, d.shape[:-1], d.shape[:-2])
     return Problem(q.framework, q.device, q.dtype, nq, lq, nd, ld, dim, candidates, scores_shape, argmax_shape,
                    q_valid, d_valid)
+
+
+def check_varlen(Q, D, d_offsets, q_mask, q_lengths, q_offsets) -> Problem:
+    """Validate a ``maxsim_varlen`` call: packed documents D [T, d] with offsets [Nd + 1].
+
+    Q is padded [Nq, Lq, d] / [Lq, d] (with q_mask or q_lengths), or packed
+    [Tq, d] with q_offsets [Nq + 1]; for packed queries ``lq`` is left 0 and
+    resolved from the offsets' values by the caller.
+    """
+    q = _info("Q", Q)
+    d = _info("D_tokens", D)
+    _same_place("D_tokens", d, q)
+    for name, info in (("Q", q), ("D_tokens", d)):
+        if info.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"{name} has dtype {info.dtype}; expected float16, bfloat16 or float32")
+    if d.dtype != q.dtype:
+        raise TypeError(f"D_tokens has dtype {d.dtype} but Q has {q.dtype}: cast one so both match")
+    if len(d.shape) != 2:
+        raise ValueError(f"D_tokens must be packed tokens [T, d]; got shape {list(d.shape)}")
+    dim = q.shape[-1] if q.shape else 0
+    if d.shape[1] != dim:
+        raise ValueError(f"D_tokens has dim {d.shape[1]} but Q has dim {dim}")
+    if dim < 1:
+        raise ValueError("Q and D_tokens have embedding dim 0; expected at least 1")
+    nd = offsets_count("d_offsets", d_offsets, q)
+    if q_offsets is not None:
+        if q_mask is not None or q_lengths is not None:
+            raise ValueError("packed queries (q_offsets) take no q_mask or q_lengths: the offsets give the lengths")
+        if len(q.shape) != 2:
+            raise ValueError(f"with q_offsets, Q must be packed tokens [Tq, d]; got shape {list(q.shape)}")
+        nq = offsets_count("q_offsets", q_offsets, q)
+        scores_shape = (nq, nd)
+        return Problem(q.framework, q.device, q.dtype, nq, 0, nd, 0, dim, False, scores_shape, scores_shape + (0,),
+                       "offsets", "offsets", True, d.shape[0])
+    if len(q.shape) not in (2, 3):
+        raise ValueError(f"Q must be [Nq, Lq, d] or [Lq, d] (or packed [Tq, d] with q_offsets); got shape {list(q.shape)}")
+    nq, lq = (q.shape[0], q.shape[1]) if len(q.shape) == 3 else (1, q.shape[0])
+    scores_shape = tuple(q.shape[:-2]) + (nd,)
+    q_valid = _check_valid("q", q_mask, q_lengths, q, q.shape[:-1], q.shape[:-2])
+    return Problem(q.framework, q.device, q.dtype, nq, lq, nd, 0, dim, False, scores_shape, scores_shape + (lq,),
+                   q_valid, "offsets", True, d.shape[0])
+
+
+def offsets_count(name: str, offsets, q: Info) -> int:
+    """Check an offsets argument's type and shape; returns the number of segments it describes."""
+    if offsets is None:
+        raise TypeError(f"{name} is required: int32/int64 [N + 1] offsets into the packed tokens")
+    o = _lengths_info(name, offsets, q)
+    _same_place(name, o, q)
+    if o.dtype not in ("int32", "int64"):
+        raise TypeError(f"{name} must be int32 or int64, got dtype {o.dtype}")
+    if len(o.shape) != 1 or o.shape[0] < 1:
+        raise ValueError(f"{name} must be 1-D [N + 1] with at least one entry; got shape {list(o.shape)}")
+    return o.shape[0] - 1
+
+
+def check_offset_values(name: str, first: int, last: int, decreasing: bool, total: int) -> None:
+    """Offsets must start at 0, never decrease and end at the number of packed tokens."""
+    if first != 0:
+        raise ValueError(f"{name} must start at 0, got {first}")
+    if decreasing:
+        raise ValueError(f"{name} must be non-decreasing (document i spans offsets[i]:offsets[i+1])")
+    if last != total:
+        raise ValueError(f"{name} ends at {last} but there are {total} packed tokens; the last offset must equal T")
 
 
 def _where(dev) -> str:

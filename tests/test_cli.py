@@ -5,6 +5,8 @@ Every ranking is checked against a float64 NumPy MaxSim reference computed here.
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
 import json
 import os
 import pathlib
@@ -16,11 +18,16 @@ import pytest
 from click.testing import CliRunner
 
 import cli
+import lik_cupy
+from lik_cupy import shards
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-
 NQ, LQ, DIM = 3, 7, 20
-SHARDS = ((11, 9), (6, 5))  # (docs, padded length) per shard
+Q_LEN = [7, 4, 0]  # query 2 has no valid token: it scores 0 against every document
+SHARD_DOCS = (11, 6)  # 17 documents; global 14 (shard 1's doc 3) is empty and scores -inf
+EMPTY_DOC = 14
+# The README's main job on the bundled example shards.
+MAIN_JOB = "lik score --queries examples/queries.npy --docs examples/shard0 examples/shard1 --top-k 5 --out /tmp/lik-top5.tsv"
 
 
 # --------------------------------------------------------------------------- helpers
@@ -37,444 +44,596 @@ def run(*args, **kw):
     return _runner().invoke(cli.main, [str(a) for a in args], catch_exceptions=False, **kw)
 
 
-def ref_scores(Q, shards, q_len=None, d_lens=None):
-    """float64 MaxSim reference: [Nq, total docs]."""
+def ref_scores(Q, q_len, docs):
+    """float64 MaxSim of padded queries [Nq, Lq, d] (first q_len[i] rows valid) against ragged docs -> [Nq, Ndocs]."""
     Q = np.asarray(Q, np.float64)
-    nq, lq, _ = Q.shape
-    qmask = np.ones((nq, lq), bool) if q_len is None else np.arange(lq)[None] < np.asarray(q_len)[:, None]
-    cols = []
-    for i, D in enumerate(shards):
-        D = np.asarray(D, np.float64)
-        n, ld, _ = D.shape
-        dl = None if d_lens is None else d_lens[i]
-        dmask = np.ones((n, ld), bool) if dl is None else np.arange(ld)[None] < np.asarray(dl)[:, None]
-        sim = np.einsum("qsd,ntd->qnst", Q, D)
-        sim = np.where(dmask[None, :, None, :], sim, -np.inf)
-        best = sim.max(axis=-1)
-        best = np.where(qmask[:, None, :], best, 0.0)
-        cols.append(best.sum(axis=-1))
-    return np.concatenate(cols, axis=1)
+    S = np.empty((Q.shape[0], len(docs)))
+    for i in range(Q.shape[0]):
+        q = Q[i, : Q.shape[1] if q_len is None else q_len[i]]
+        for j, d in enumerate(docs):
+            d = np.asarray(d, np.float64)
+            S[i, j] = 0.0 if not len(q) else -np.inf if not len(d) else np.einsum("sd,td->st", q, d).max(axis=1).sum()
+    return S
 
 
-def ref_ranking(S, k):
-    """Best first, ties -> lower doc id (stable sort on the negated score)."""
-    return np.argsort(-S, axis=1, kind="stable")[:, :k]
-
-
-def assert_ranking(docs, scores, S, k, tol):
-    """docs/scores: [Nq, k] from the CLI.  Robust to near-ties closer than ``tol``:
-    the reference score of the CLI's doc at each rank must equal the reference's
-    k-th best value at that rank."""
-    docs = np.asarray(docs)
-    assert docs.shape == (S.shape[0], min(k, S.shape[1]))
-    expected = -np.sort(-S, axis=1)[:, : docs.shape[1]]
-    got = np.take_along_axis(S, docs, axis=1)
+def assert_ranking(positions, scores, S, k, tol):
+    """positions/scores [Nq, k] from the CLI. Robust to near-ties closer than ``tol``: the reference
+    score of the CLI's document at each rank must equal the reference's rank-th best score."""
+    positions = np.asarray(positions)
+    assert positions.shape == (S.shape[0], min(k, S.shape[1]))
+    expected = -np.sort(-S, axis=1)[:, : positions.shape[1]]
+    got = np.take_along_axis(S, positions, axis=1)
     np.testing.assert_allclose(got, expected, rtol=tol, atol=tol)
     if scores is not None:
         np.testing.assert_allclose(np.asarray(scores, np.float64), got, rtol=tol, atol=tol)
-    for row in docs:
-        assert len(set(row.tolist())) == len(row), "a doc appears twice in one ranking"
+    for row in positions:
+        assert len(set(row.tolist())) == len(row), "a document appears twice in one ranking"
 
 
-def read_tsv(path):
+def read_tsv(path, doc_type=int, query_type=int):
     lines = pathlib.Path(path).read_text().splitlines()
     assert lines[0] == "query\trank\tdoc\tscore"
     rows = [line.split("\t") for line in lines[1:]]
-    nq = max(int(r[0]) for r in rows) + 1
+    queries = list(dict.fromkeys(query_type(r[0]) for r in rows))
     k = max(int(r[1]) for r in rows)
-    docs = np.full((nq, k), -1, np.int64)
-    scores = np.full((nq, k), np.nan)
+    docs = np.empty((len(queries), k), object)
+    scores = np.full((len(queries), k), np.nan)
     for q, r, d, s in rows:
-        docs[int(q), int(r) - 1] = int(d)
-        scores[int(q), int(r) - 1] = float(s)
-    assert (docs >= 0).all()
-    return docs, scores
-
-
-def write(path, arr):
-    np.save(path, arr)
-    return str(path)
-
-
-def make_data(tmp_path, dtype=np.float32, seed=0):
-    """Awkward sizes: Nq=3, Lq=7, d=20; shards of 11 docs (L=9) and 6 docs (L=5).
-    Query 2 has no valid token (scores 0 everywhere); shard 1's doc 3 (global 14) is empty (-inf)."""
-    rng = np.random.default_rng(seed)
-    Q = rng.standard_normal((NQ, LQ, DIM)).astype(np.float32)
-    q_len = np.array([7, 4, 0], np.int32)
-    shards, d_lens = [], []
-    for n, L in SHARDS:
-        shards.append(rng.standard_normal((n, L, DIM)).astype(np.float32))
-        d_lens.append(rng.integers(1, L + 1, size=n).astype(np.int64))
-    d_lens[1][3] = 0
-    Qs = Q.astype(dtype)
-    Ds = [D.astype(dtype) for D in shards]
-    f = {
-        "q": write(tmp_path / "q.npy", Qs),
-        "ql": write(tmp_path / "ql.npy", q_len),
-        "d": [write(tmp_path / f"d{i}.npy", D) for i, D in enumerate(Ds)],
-        "dl": [write(tmp_path / f"dl{i}.npy", L) for i, L in enumerate(d_lens)],
-    }
-    S = ref_scores(Qs.astype(np.float64), [D.astype(np.float64) for D in Ds], q_len, d_lens)
-    return f, S
-
-
-def score_args(f, out, *extra, lengths=True):
-    args = ["score", "--queries", f["q"], "--docs", *f["d"]]
-    if lengths:
-        args += ["--q-lengths", f["ql"], "--d-lengths", *f["dl"]]
-    return [*args, "--out", out, "--cpu", *extra]
+        docs[queries.index(query_type(q)), int(r) - 1] = doc_type(d)
+        scores[queries.index(query_type(q)), int(r) - 1] = float(s)
+    assert all(d is not None for d in docs.ravel())
+    return queries, docs, scores
 
 
 def listing(path):
     return sorted(p.name for p in pathlib.Path(path).iterdir())
 
 
+class Corpus:
+    """Queries (padded .npy + lengths) and two shard directories of ragged documents, with the reference."""
+
+    def __init__(self, tmp_path, dtype="float32", ids=None, seed=0):
+        rng = np.random.default_rng(seed)
+        Q = rng.standard_normal((NQ, LQ, DIM)).astype(np.float32)
+        lengths = rng.integers(1, 10, size=sum(SHARD_DOCS))
+        lengths[EMPTY_DOC] = 0
+        npdt = shards.numpy_dtype(dtype)
+        self.docs = [rng.standard_normal((int(n), DIM)).astype(np.float32).astype(npdt) for n in lengths]
+        self.q = str(tmp_path / "q.npy")
+        self.ql = str(tmp_path / "ql.npy")
+        np.save(self.q, Q)
+        np.save(self.ql, np.array(Q_LEN, np.int32))
+        self.ids = None if ids is None else [ids(j) for j in range(len(self.docs))]
+        self.shards, first = [], 0
+        for s, n in enumerate(SHARD_DOCS):
+            part = self.docs[first : first + n]
+            offsets = np.concatenate([[0], np.cumsum([len(d) for d in part])])
+            self.shards.append(str(tmp_path / f"shard{s}"))
+            shards.write_shard(self.shards[-1], np.concatenate(part), offsets,
+                               ids=None if ids is None else self.ids[first : first + n])
+            first += n
+        # the CLI casts float32 queries to the corpus dtype
+        self.S = ref_scores(Q.astype(npdt), Q_LEN, self.docs)
+
+    def args(self, out, *extra):
+        return ["score", "--queries", self.q, "--q-lengths", self.ql, "--docs", *self.shards, "--out", out, "--cpu", *extra]
+
+
 # --------------------------------------------------------------------------- correct results
 
 
-@pytest.mark.parametrize("chunk", [0, 1, 4])
-def test_tsv_matches_reference(tmp_path, chunk):
-    f, S = make_data(tmp_path)
+@pytest.mark.parametrize("dtype,tol", [("float32", 1e-4), ("float16", 2e-3), ("bfloat16", 2e-2)])
+def test_shards_tsv_matches_reference(tmp_path, dtype, tol):
+    c = Corpus(tmp_path, dtype)
     out = tmp_path / "res.tsv"
-    r = run(*score_args(f, out, "--top-k", 5, "--chunk-docs", chunk))
-    assert r.exit_code == 0, r.output
-    assert r.stderr == ""  # not a TTY: no progress bar, and --cpu: no fallback note
-    docs, scores = read_tsv(out)
-    assert_ranking(docs, scores, S, 5, 1e-4)
-    # query 2 has no valid token: every doc scores 0 (beats the empty doc's -inf),
-    # and ties go to the lower global doc id.
-    assert docs[2].tolist() == [0, 1, 2, 3, 4]
+    before = {p: listing(p) for p in [tmp_path, *c.shards]}
+    r = run(*c.args(out, "--top-k", 5))
+    assert r.exit_code == 0, r.output + r.stderr
+    assert r.stderr == ""  # not a TTY: no progress bar; --cpu: no fallback note
+    assert {p: listing(p) for p in before} == {**before, tmp_path: sorted(before[tmp_path] + ["res.tsv"])}  # nothing else
+    queries, docs, scores = read_tsv(out)
+    assert queries == [0, 1, 2]
+    assert_ranking(docs.astype(np.int64), scores, c.S, 5, tol)
+    assert docs[2].tolist() == [0, 1, 2, 3, 4]  # query 2: all 0, ties to the lower position
     assert (scores[2] == 0).all()
 
 
-def test_top_k_larger_than_corpus_includes_empty_doc_last(tmp_path):
-    f, S = make_data(tmp_path)
+def test_top_k_larger_than_corpus_puts_the_empty_doc_last(tmp_path):
+    c = Corpus(tmp_path)
     out = tmp_path / "res.tsv"
-    r = run(*score_args(f, out, "--top-k", 100, "--chunk-docs", 3))
-    assert r.exit_code == 0, r.output
-    docs, scores = read_tsv(out)
+    r = run(*c.args(out, "--top-k", 100))
+    assert r.exit_code == 0, r.stderr
+    _, docs, scores = read_tsv(out)
+    docs = docs.astype(np.int64)
     assert docs.shape == (NQ, 17)
-    assert_ranking(docs, scores, S, 100, 1e-4)
-    assert docs[0, -1] == 14 and scores[0, -1] == -np.inf  # empty doc: -inf, ranked last
-    assert docs[1, -1] == 14
-    assert docs[2].tolist() == list(range(17))  # all 0, ties by id (the empty doc too: 0 wins over -inf)
+    assert_ranking(docs, scores, c.S, 100, 1e-4)
+    assert docs[0, -1] == EMPTY_DOC and scores[0, -1] == -np.inf
+    assert docs[2].tolist() == list(range(17))  # every doc scores 0 for the empty query, the empty one too
 
 
-def test_jsonl_output(tmp_path):
-    f, S = make_data(tmp_path)
+def test_jsonl_with_string_ids(tmp_path):
+    c = Corpus(tmp_path, ids=lambda j: f"doc-{j:02d}")
     out = tmp_path / "res.jsonl"
-    r = run(*score_args(f, out, "--top-k", 17))
-    assert r.exit_code == 0, r.output
+    r = run(*c.args(out, "--top-k", 17))
+    assert r.exit_code == 0, r.stderr
     objs = [json.loads(line) for line in out.read_text().splitlines()]
-    assert len(objs) == NQ * 17
-    assert set(objs[0]) == {"query", "rank", "doc", "score"}
-    docs = np.array([[o["doc"] for o in objs if o["query"] == q] for q in range(NQ)])
-    ranks = [[o["rank"] for o in objs if o["query"] == q] for q in range(NQ)]
-    assert all(rk == list(range(1, 18)) for rk in ranks)
-    scores = np.array([[-np.inf if o["score"] is None else o["score"] for o in objs if o["query"] == q] for q in range(NQ)])
-    assert_ranking(docs, scores, S, 17, 1e-4)
-    assert objs[16]["score"] is None  # the empty doc's -inf is JSON null
+    assert len(objs) == NQ * 17 and set(objs[0]) == {"query", "rank", "doc", "score"}
+    for q in range(NQ):
+        mine = [o for o in objs if o["query"] == q]
+        assert [o["rank"] for o in mine] == list(range(1, 18))
+        positions = np.array([[c.ids.index(o["doc"]) for o in mine]])
+        scores = np.array([[-np.inf if o["score"] is None else o["score"] for o in mine]])
+        assert_ranking(positions, scores, c.S[q : q + 1], 17, 1e-4)
+    assert objs[16]["doc"] == f"doc-{EMPTY_DOC}" and objs[16]["score"] is None  # -inf is JSON null
 
 
-def test_npy_topk_indices(tmp_path):
-    f, S = make_data(tmp_path)
+@pytest.mark.parametrize("ids", [None, "int", "str"])
+def test_npy_output_holds_doc_ids(tmp_path, ids):
+    make = {None: None, "int": lambda j: 1000 + j, "str": lambda j: f"d{j}"}[ids]
+    c = Corpus(tmp_path, ids=make)
     out = tmp_path / "top.npy"
-    r = run(*score_args(f, out, "-k", 4, "--chunk-docs", 5))
-    assert r.exit_code == 0, r.output
-    idx = np.load(out)
-    assert idx.shape == (NQ, 4) and idx.dtype == np.int64
-    assert_ranking(idx, None, S, 4, 1e-4)
+    r = run(*c.args(out, "-k", 4))
+    assert r.exit_code == 0, r.stderr
+    top = np.load(out, allow_pickle=False)
+    assert top.shape == (NQ, 4)
+    if ids is None:
+        positions = top
+        assert top.dtype == np.int64
+    elif ids == "int":
+        assert top.dtype == np.int64
+        positions = top - 1000
+    else:
+        assert top.dtype.kind == "U"
+        positions = np.vectorize(lambda s: int(s[1:]))(top)
+    assert_ranking(positions, None, c.S, 4, 1e-4)
 
 
-def test_full_matrix_fp32_equals_reference(tmp_path):
-    f, S = make_data(tmp_path)
+def test_full_matrix_equals_reference(tmp_path):
+    c = Corpus(tmp_path)
     out = tmp_path / "full.npy"
-    r = run(*score_args(f, out, "--full-matrix", "--chunk-docs", 4))
-    assert r.exit_code == 0, r.output
+    r = run(*c.args(out, "--full-matrix"))
+    assert r.exit_code == 0, r.stderr
     M = np.load(out)
     assert M.dtype == np.float32 and M.shape == (NQ, 17)
-    np.testing.assert_allclose(M, S, rtol=1e-5, atol=1e-5)
-    assert M[0, 14] == -np.inf and (M[2] == 0).all()
+    np.testing.assert_allclose(M, c.S, rtol=1e-5, atol=1e-5)
+    assert M[0, EMPTY_DOC] == -np.inf and (M[2] == 0).all()
 
 
-def test_full_matrix_without_lengths(tmp_path):
-    rng = np.random.default_rng(3)
-    Q = rng.standard_normal((2, 5, 8)).astype(np.float32)
-    D = rng.standard_normal((7, 6, 8)).astype(np.float32)
-    f = {"q": write(tmp_path / "q.npy", Q), "d": [write(tmp_path / "d.npy", D)]}
-    out = tmp_path / "m.npy"
-    r = run(*score_args(f, out, "--full-matrix", lengths=False))
-    assert r.exit_code == 0, r.output
-    np.testing.assert_allclose(np.load(out), ref_scores(Q, [D]), rtol=1e-5, atol=1e-5)
-
-
-def test_float16_inputs(tmp_path):
-    f, S = make_data(tmp_path, dtype=np.float16)
-    out = tmp_path / "res.tsv"
-    r = run(*score_args(f, out, "--top-k", 6))
-    assert r.exit_code == 0, r.output
-    docs, scores = read_tsv(out)
-    assert_ranking(docs, scores, S, 6, 2e-3)
-
-
-def test_bfloat16_bits_inputs(tmp_path):
-    ml_dtypes = pytest.importorskip("ml_dtypes")
-    rng = np.random.default_rng(5)
-    Q = rng.standard_normal((NQ, LQ, DIM)).astype(ml_dtypes.bfloat16)
-    Ds = [rng.standard_normal((n, L, DIM)).astype(ml_dtypes.bfloat16) for n, L in SHARDS]
-    f = {
-        "q": write(tmp_path / "q.npy", Q.view(np.uint16)),
-        "d": [write(tmp_path / f"d{i}.npy", D.view(np.uint16)) for i, D in enumerate(Ds)],
-    }
-    S = ref_scores(Q.astype(np.float64), [D.astype(np.float64) for D in Ds])
+def test_padded_flat_and_shard_inputs_mix(tmp_path):
+    """Docs 0..5 as a padded .npy + lengths, 6..10 as ColBERT flat tokens + doclens.json, 11..16 as a shard."""
+    c = Corpus(tmp_path)
+    pad = np.zeros((6, 9, DIM), np.float32)
+    for j in range(6):
+        pad[j, : len(c.docs[j])] = c.docs[j]
+        pad[j, len(c.docs[j]) :] = np.nan  # padding is never read
+    np.save(tmp_path / "pad.npy", pad)
+    np.save(tmp_path / "pad_len.npy", np.array([len(d) for d in c.docs[:6]]))
+    np.save(tmp_path / "flat.npy", np.concatenate(c.docs[6:11]))
+    (tmp_path / "doclens.0.json").write_text(json.dumps([len(d) for d in c.docs[6:11]]))
     out = tmp_path / "full.npy"
-    r = run(*score_args(f, out, "--bf16-bits", "--full-matrix", lengths=False))
-    assert r.exit_code == 0, r.output
-    np.testing.assert_allclose(np.load(out), S, rtol=1e-2, atol=1e-2)
-    out2 = tmp_path / "res.tsv"
-    r = run(*score_args(f, out2, "--bf16-bits", "-k", 5, lengths=False))
-    assert r.exit_code == 0, r.output
-    docs, scores = read_tsv(out2)
-    assert_ranking(docs, scores, S, 5, 1e-2)
+    args = ["score", "-q", c.q, "--q-lengths", c.ql, "--docs", tmp_path / "pad.npy", tmp_path / "flat.npy", c.shards[1],
+            "--d-lengths", tmp_path / "pad_len.npy", tmp_path / "doclens.0.json", "--full-matrix", "-o", out, "--cpu"]
+    r = run(*args)
+    assert r.exit_code == 0, r.stderr
+    np.testing.assert_allclose(np.load(out), c.S, rtol=1e-5, atol=1e-5)
+    top = tmp_path / "top.tsv"
+    r = run(*[top if a == out else a for a in args if a != "--full-matrix"], "-k", 6)
+    assert r.exit_code == 0, r.stderr
+    _, docs, scores = read_tsv(top)
+    assert_ranking(docs.astype(np.int64), scores, c.S, 6, 1e-4)
+
+
+def test_padded_docs_without_lengths_and_repeated_docs_option(tmp_path):
+    rng = np.random.default_rng(3)
+    Q = rng.standard_normal((2, 5, 8)).astype(np.float16)
+    D0 = rng.standard_normal((7, 6, 8)).astype(np.float16)
+    D1 = rng.standard_normal((3, 2, 8)).astype(np.float16)
+    for name, arr in (("q", Q), ("d0", D0), ("d1", D1)):
+        np.save(tmp_path / f"{name}.npy", arr)
+    S = ref_scores(Q, None, list(D0) + list(D1))
+    a, b = tmp_path / "a.tsv", tmp_path / "b.tsv"
+    r = run("score", "-q", tmp_path / "q.npy", "-d", tmp_path / "d0.npy", tmp_path / "d1.npy", "-k", 10, "-o", a, "--cpu")
+    assert r.exit_code == 0, r.stderr
+    r = run("score", "-q", tmp_path / "q.npy", "-d", tmp_path / "d0.npy", "--docs", tmp_path / "d1.npy", "-k", 10, "-o", b, "--cpu")
+    assert r.exit_code == 0, r.stderr
+    assert a.read_text() == b.read_text()
+    _, docs, scores = read_tsv(a)
+    assert_ranking(docs.astype(np.int64), scores, S, 10, 2e-3)
+
+
+def test_query_shard_names_the_queries(tmp_path):
+    c = Corpus(tmp_path)
+    Q = np.load(c.q)
+    qdocs = [Q[i, : Q_LEN[i]] for i in range(NQ)]
+    shards.write_shard(tmp_path / "queries", np.concatenate(qdocs), np.concatenate([[0], np.cumsum(Q_LEN)]),
+                       ids=["what", "who", "empty"])
+    out = tmp_path / "res.tsv"
+    r = run("score", "--queries", tmp_path / "queries", "--docs", *c.shards, "-k", 3, "-o", out, "--cpu")
+    assert r.exit_code == 0, r.stderr
+    queries, docs, scores = read_tsv(out, query_type=str)
+    assert queries == ["what", "who", "empty"]
+    assert_ranking(docs.astype(np.int64), scores, c.S, 3, 1e-4)
 
 
 def test_mixed_dtypes_are_scored_in_float32(tmp_path):
-    f, S = make_data(tmp_path)
-    Q = np.load(f["q"]).astype(np.float16)
-    f["q"] = write(tmp_path / "q16.npy", Q)
-    S = ref_scores(Q.astype(np.float64), [np.load(p).astype(np.float64) for p in f["d"]],
-                   np.load(f["ql"]), [np.load(p) for p in f["dl"]])
+    c = Corpus(tmp_path)
+    first = c.docs[: SHARD_DOCS[0]]
+    half = [d.astype(np.float16) for d in first]
+    shards.write_shard(tmp_path / "shard0", np.concatenate(half), shards.open_shard(c.shards[0]).offsets, overwrite=True)
+    S = ref_scores(np.load(c.q), Q_LEN, half + c.docs[SHARD_DOCS[0] :])
     out = tmp_path / "full.npy"
-    r = run(*score_args(f, out, "--full-matrix"))
-    assert r.exit_code == 0, r.output
+    r = run(*c.args(out, "--full-matrix"))
+    assert r.exit_code == 0, r.stderr
     np.testing.assert_allclose(np.load(out), S, rtol=1e-5, atol=1e-5)
 
 
-def test_repeated_docs_option_equals_list_form(tmp_path):
-    f, _ = make_data(tmp_path)
-    a, b = tmp_path / "a.tsv", tmp_path / "b.tsv"
-    assert run(*score_args(f, a, "-k", 5)).exit_code == 0
-    args = ["score", "-q", f["q"], "-d", f["d"][0], "--docs", f["d"][1], "--q-lengths", f["ql"],
-            "--d-lengths", f["dl"][0], "--d-lengths", f["dl"][1], "-k", 5, "-o", b, "--cpu"]
-    r = run(*args)
-    assert r.exit_code == 0, r.output
-    assert a.read_text() == b.read_text()
-
-
-def test_ties_go_to_lower_global_doc_id(tmp_path):
+def test_ties_go_to_the_lower_global_position(tmp_path):
     # Small-integer data: every dot product is exact in any precision and any order.
     rng = np.random.default_rng(7)
     Q = rng.integers(-1, 2, size=(2, 3, DIM)).astype(np.float32)
-    base = rng.integers(-1, 2, size=(5, 4, DIM)).astype(np.float32)
-    D0 = np.concatenate([base, base[:2]])  # ids 0..6: 5,6 duplicate 0,1
-    D1 = np.concatenate([base[::-1], base])  # ids 7..16
-    f = {"q": write(tmp_path / "q.npy", Q), "d": [write(tmp_path / "d0.npy", D0), write(tmp_path / "d1.npy", D1)]}
-    S = ref_scores(Q, [D0, D1])
+    base = [rng.integers(-1, 2, size=(4, DIM)).astype(np.float32) for _ in range(5)]
+    groups = [base + base[:2], base[::-1] + base]  # positions 5, 6 repeat 0, 1; shard 1 repeats them all
+    np.save(tmp_path / "q.npy", Q)
+    for s, g in enumerate(groups):
+        shards.write_shard(tmp_path / f"s{s}", np.concatenate(g), np.arange(len(g) + 1) * 4)
+    S = ref_scores(Q, None, groups[0] + groups[1])
     out = tmp_path / "r.tsv"
-    r = run(*score_args(f, out, "-k", 17, "--chunk-docs", 3, lengths=False))
-    assert r.exit_code == 0, r.output
-    docs, scores = read_tsv(out)
-    np.testing.assert_array_equal(docs, ref_ranking(S, 17))
-    np.testing.assert_array_equal(scores, np.take_along_axis(S, docs, 1))
+    r = run("score", "-q", tmp_path / "q.npy", "-d", tmp_path / "s0", tmp_path / "s1", "-k", 17, "-o", out, "--cpu")
+    assert r.exit_code == 0, r.stderr
+    _, docs, scores = read_tsv(out)
+    np.testing.assert_array_equal(docs.astype(np.int64), np.argsort(-S, axis=1, kind="stable"))
+    np.testing.assert_array_equal(scores, np.take_along_axis(S, docs.astype(np.int64), 1))
 
 
 @pytest.mark.parametrize("seed", range(20))
-def test_merge_topk_matches_full_sort(seed):
+def test_merge_ranked_matches_a_full_sort(seed):
     rng = np.random.default_rng(seed)
     nq, n, k = 3, int(rng.integers(1, 40)), int(rng.integers(1, 12))
     S = rng.integers(-3, 4, size=(nq, n)).astype(np.float32)  # many ties
-    S[rng.random((nq, n)) < 0.1] = -np.inf
-    S[rng.random((nq, n)) < 0.05] = np.nan
-    S[rng.random((nq, n)) < 0.05] = -0.0
-    S[rng.random((nq, n)) < 0.05] = np.inf
+    for value, share in ((-np.inf, 0.1), (np.nan, 0.05), (-0.0, 0.05), (np.inf, 0.05)):
+        S[rng.random((nq, n)) < share] = value
+    perm = rng.permutation(n)  # parts arrive in any order of positions (several GPUs)
     vals, ids = np.empty((nq, 0), np.float32), np.empty((nq, 0), np.int64)
-    cuts = sorted(set(rng.integers(0, n, size=3).tolist()) | {0, n})
-    for s, e in zip(cuts[:-1], cuts[1:]):
-        vals, ids = cli._merge_topk(vals, ids, S[:, s:e], s, min(k, n))
-    key = np.where(np.isnan(S), np.inf, -S)  # NaN last; -inf before NaN
-    nan_last = np.isnan(S).astype(np.int8)
-    expect = np.array([np.lexsort((np.arange(n), key[q], nan_last[q]))[: min(k, n)] for q in range(nq)])
+    for cut in np.array_split(perm, 3):
+        vals, ids = cli._merge_ranked(vals, ids, S[:, cut], np.broadcast_to(cut, (nq, cut.size)).astype(np.int64), min(k, n))
+    key = np.where(np.isnan(S), np.inf, -S)
+    expect = np.array([np.lexsort((np.arange(n), key[q], np.isnan(S[q])))[: min(k, n)] for q in range(nq)])
     np.testing.assert_array_equal(ids, expect)
 
 
-def test_demo_runs_and_finds_planted_docs(tmp_path):
-    r = run("demo", tmp_path / "demo", "--cpu")
-    assert r.exit_code == 0, r.output + r.stderr
-    assert "4/4" in r.output
-    assert {"queries.npy", "docs_0.npy", "docs_1.npy", "results.tsv"} <= set(listing(tmp_path / "demo"))
-    docs, _ = read_tsv(tmp_path / "demo" / "results.tsv")
-    assert docs[:, 0].tolist() == [5, 30, 17, 38]
+def test_devices_spread_shards_and_merge(tmp_path, monkeypatch):
+    """--devices 0,1 on a pretend two-GPU machine: shards go to both devices; the merged result equals --cpu's."""
+    c = Corpus(tmp_path)
+    c.shards.append(str(tmp_path / "shard2"))  # a third shard: the same documents again (positions 17..33)
+    shards.write_shard(c.shards[-1], np.concatenate(c.docs), np.concatenate([[0], np.cumsum([len(d) for d in c.docs])]))
+    expected = tmp_path / "cpu.tsv"
+    assert run(*c.args(expected, "-k", 8)).exit_code == 0
+
+    seen = []
+    real = lik_cupy.retrieve
+
+    def retrieve_on_cpu(*args, **kwargs):
+        assert kwargs["backend"] == "gpu"
+        seen.append((current[0], args[1].shape[0]))
+        return real(*args, **{**kwargs, "backend": "cpu"})
+
+    current = [None]
+
+    @contextlib.contextmanager
+    def scope(device):
+        current[0] = device
+        yield
+
+    monkeypatch.setattr(cli, "_gpu_available", lambda: True)
+    monkeypatch.setattr(cli, "_gpu_count", lambda: 2)
+    monkeypatch.setattr(cli, "_device_scope", scope)
+    monkeypatch.setattr(lik_cupy, "retrieve", retrieve_on_cpu)
+    out = tmp_path / "gpus.tsv"
+    args = [a for a in c.args(out, "-k", 8, "--devices", "0,1") if a != "--cpu"]
+    r = run(*args)
+    assert r.exit_code == 0, r.stderr
+    assert out.read_text() == expected.read_text()
+    # Whole shards, each to the least-loaded GPU: shard 0 -> GPU 0, shard 1 -> GPU 1, shard 2 -> GPU 1 (6 docs < 11).
+    tokens = [shards.open_shard(s).tokens.shape[0] for s in c.shards]
+    assert sorted(seen) == [(0, tokens[0]), (1, tokens[1]), (1, tokens[2])]
+    r = run(*[a for a in args if a != "--devices" and a != "0,1"], "--devices", "0,2")
+    assert r.exit_code == 2 and "lik: error: --devices: no GPU 2; 2 visible (0..1)" in r.stderr
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,tol", [("float16", 2e-3), ("float32", 1e-2)])  # float32 runs on TF32
+@pytest.mark.parametrize("device", [[], ["--device", "0"], ["--devices", "0"]])
+def test_gpu_score_matches_reference(tmp_path, dtype, tol, device):
+    c = Corpus(tmp_path, dtype)
+    top, full = tmp_path / "top.tsv", tmp_path / "full.npy"
+    r = run(*[a for a in c.args(top, "-k", 17) if a != "--cpu"], *device)
+    assert r.exit_code == 0 and r.stderr == "", r.stderr
+    _, docs, scores = read_tsv(top)
+    assert_ranking(docs.astype(np.int64), scores, c.S, 17, tol)
+    r = run(*[a for a in c.args(full, "--full-matrix") if a != "--cpu"], *device)
+    assert r.exit_code == 0 and r.stderr == "", r.stderr
+    np.testing.assert_allclose(np.load(full), c.S, rtol=tol, atol=tol)
 
 
 def test_cpu_fallback_note(tmp_path, monkeypatch):
-    import lik_cupy
-
-    monkeypatch.setattr(lik_cupy, "gpu_available", lambda: False, raising=False)
-    f, S = make_data(tmp_path)
+    monkeypatch.setattr(lik_cupy, "gpu_available", lambda: False)
+    c = Corpus(tmp_path)
     out = tmp_path / "r.tsv"
-    args = [a for a in score_args(f, out, "-k", 3) if a != "--cpu"]
-    r = run(*args)
-    assert r.exit_code == 0, r.output
-    lines = r.stderr.splitlines()
-    assert len(lines) == 1 and "falling back to CPU" in lines[0]
-    docs, scores = read_tsv(out)
-    assert_ranking(docs, scores, S, 3, 1e-4)
+    r = run(*[a for a in c.args(out, "-k", 3) if a != "--cpu"])
+    assert r.exit_code == 0, r.stderr
+    assert r.stderr == "lik: no usable GPU found, falling back to CPU (pass --cpu to silence this)\n"
+    _, docs, scores = read_tsv(out)
+    assert_ranking(docs.astype(np.int64), scores, c.S, 3, 1e-4)
+    r = run(*[a for a in c.args(out, "-k", 3) if a != "--cpu"], "--device", 0)
+    assert r.exit_code == 2 and r.stderr.startswith("lik: error: --device: no usable GPU found")
 
 
-# --------------------------------------------------------------------------- help / info
+def test_check_refuses_nan_but_plain_runs_rank_it_last(tmp_path):
+    c = Corpus(tmp_path)
+    tokens = np.array(shards.open_shard(c.shards[1]).tokens)
+    tokens[0, 3] = np.nan  # shard 1, document 0 = global 11
+    offsets = shards.open_shard(c.shards[1]).offsets
+    shards.write_shard(c.shards[1], tokens, offsets, overwrite=True)
+    out = tmp_path / "r.tsv"
+    r = run(*c.args(out, "--check"))
+    assert r.exit_code == 2 and not out.exists()
+    assert r.stderr == f"lik: error: {c.shards[1]}/tokens.npy: document 0, token 0 holds NaN or inf; embeddings must be finite\n"
+    r = run(*c.args(out, "-k", 17))
+    assert r.exit_code == 0, r.stderr
+    _, docs, scores = read_tsv(out)
+    assert docs[0, -1] == 11 and np.isnan(scores[0, -1])  # NaN ranks after everything, -inf included
 
 
-@pytest.mark.parametrize("cmd", [[], ["score"], ["demo"], ["info"]])
-def test_help(cmd):
+# --------------------------------------------------------------------------- pack / inspect / info / help
+
+
+def test_pack_padded_then_score(tmp_path):
+    c = Corpus(tmp_path)
+    pad = np.zeros((17, 9, DIM), np.float32)
+    for j, d in enumerate(c.docs):
+        pad[j, : len(d)] = d
+    np.save(tmp_path / "pad.npy", pad)
+    np.save(tmp_path / "lens.npy", np.array([len(d) for d in c.docs]))
+    np.save(tmp_path / "ids.npy", np.array([f"p{j}" for j in range(17)]))
+    r = run("pack", tmp_path / "pad.npy", "--lengths", tmp_path / "lens.npy", "--ids", tmp_path / "ids.npy",
+            "--model", "test-model", "--dtype", "float16", "--out", tmp_path / "packed")
+    assert r.exit_code == 0, r.stderr
+    assert r.output == f"wrote {tmp_path / 'packed'}: 17 docs, {sum(map(len, c.docs))} tokens, d={DIM}, float16, not normalized, with ids\n"
+    m = json.loads((tmp_path / "packed" / "manifest.json").read_text())
+    assert (m["model"], m["dtype"], m["normalized"]) == ("test-model", "float16", False)
+    out = tmp_path / "r.tsv"
+    r = run("score", "-q", c.q, "--q-lengths", c.ql, "-d", tmp_path / "packed", "-k", 5, "-o", out, "--cpu")
+    assert r.exit_code == 0, r.stderr
+    _, docs, scores = read_tsv(out, doc_type=str)
+    S16 = ref_scores(np.load(c.q).astype(np.float16), Q_LEN, [d.astype(np.float16) for d in c.docs])
+    assert_ranking(np.vectorize(lambda s: int(s[1:]))(docs), scores, S16, 5, 2e-3)
+    r = run("pack", tmp_path / "pad.npy", "--out", tmp_path / "packed")
+    assert r.exit_code == 2 and "already exists" in r.stderr
+    r = run("pack", tmp_path / "pad.npy", "--out", tmp_path / "packed", "--force")
+    assert r.exit_code == 0 and "153 tokens" in r.output  # 17 docs x 9 rows: no lengths, every row counts
+
+
+def test_pack_colbert_doclens_and_per_doc_files(tmp_path):
+    c = Corpus(tmp_path)
+    np.save(tmp_path / "embs.npy", np.concatenate(c.docs))
+    (tmp_path / "doclens.0.json").write_text(json.dumps([len(d) for d in c.docs]))
+    r = run("pack", tmp_path / "embs.npy", "--lengths", tmp_path / "doclens.0.json", "--out", tmp_path / "colbert")
+    assert r.exit_code == 0, r.stderr
+    files = []
+    for j, d in enumerate(c.docs):
+        files.append(tmp_path / f"page-{j:02d}.npy")
+        np.save(files[-1], d)
+    r = run("pack", "--per-doc", *files, "--out", tmp_path / "pages")
+    assert r.exit_code == 0, r.stderr
+    assert shards.open_shard(tmp_path / "pages").ids.tolist() == [f"page-{j:02d}" for j in range(17)]
+    for shard in ("colbert", "pages"):
+        out = tmp_path / f"{shard}.npy"
+        r = run("score", "-q", c.q, "--q-lengths", c.ql, "-d", tmp_path / shard, "--full-matrix", "-o", out, "--cpu")
+        assert r.exit_code == 0, r.stderr
+        np.testing.assert_allclose(np.load(out), c.S, rtol=1e-5, atol=1e-5)
+
+
+def test_pack_bad_input_writes_nothing(tmp_path):
+    D = np.ones((3, 2, 4), np.float32)
+    D[1, 0, 2] = np.inf
+    np.save(tmp_path / "d.npy", D)
+    before = listing(tmp_path)
+    cases = [
+        (["pack", tmp_path / "d.npy", "--check", "-o", tmp_path / "s"], f"{tmp_path / 'd.npy'}: document 1, token 0 holds NaN or inf"),
+        (["pack", tmp_path / "d.npy", tmp_path / "d.npy", "-o", tmp_path / "s"], "SOURCE: got 2 inputs"),
+        (["pack", "--per-doc", tmp_path / "d.npy", "-o", tmp_path / "s"], f"{tmp_path / 'd.npy'}: expected one document's token embeddings"),
+        (["pack", tmp_path / "d.npy", "--ids", tmp_path / "nope.npy", "-o", tmp_path / "s"], f"{tmp_path / 'nope.npy'}: no such file"),
+        (["pack", tmp_path / "d.npy", "-o", tmp_path / "no" / "s"], "parent directory"),
+        (["pack", tmp_path / "d.npy", "-o", tmp_path, "--force"], "exists and is not a lik shard"),
+    ]
+    for args, message in cases:
+        r = run(*args)
+        assert r.exit_code == 2 and len(r.stderr.splitlines()) == 1 and message in r.stderr, (args, r.stderr)
+    assert listing(tmp_path) == before
+
+
+def test_inspect(tmp_path):
+    c = Corpus(tmp_path, ids=lambda j: f"doc-{j:02d}")
+    r = run("inspect", c.shards[1], "--check")
+    assert r.exit_code == 0, r.stderr
+    assert "docs       6" in r.output and "dtype      float32" in r.output and "'doc-11' .. 'doc-16'" in r.output
+    assert '"format": "lik-shard"' in r.output and "values     all finite; not L2-normalised" in r.output
+    assert "1 empty" in r.output
+    r = run("inspect", c.shards[1])
+    assert "not read (pass --check)" in r.output
+
+    # a manifest that claims unit vectors is caught by --check
+    mpath = pathlib.Path(c.shards[1]) / "manifest.json"
+    m = json.loads(mpath.read_text())
+    mpath.write_text(json.dumps({**m, "normalized": True}))
+    r = run("inspect", c.shards[1], "--check")
+    assert r.exit_code == 2 and r.stderr.startswith(f"lik: error: {mpath}: says normalized: true but document 0, token 0 has L2 norm")
+    # structural problems are reported without --check
+    np.save(pathlib.Path(c.shards[1]) / "offsets.npy", np.array([0, 5, 4, 9, 9, 12, 20]))
+    r = run("inspect", c.shards[1])
+    assert r.exit_code == 2 and "offsets.npy: offsets are not monotone" in r.stderr and r.stdout == ""
+    # a padded .npy with lengths
+    r = run("inspect", c.q, "--lengths", c.ql, "--check")
+    assert r.exit_code == 0 and f"padded .npy [{NQ}, {LQ}, {DIM}]" in r.output and "tokens     11 (0..7 per doc" in r.output
+
+
+@pytest.mark.parametrize("cmd", [[], ["score"], ["pack"], ["inspect"], ["info"]])
+def test_help_explains_the_format_with_an_example(cmd):
     r = run(*cmd, "--help")
-    assert r.exit_code == 0
-    assert "Usage: " in r.output
-    if cmd != ["info"]:
-        assert "[Nq, Lq, d]" in r.output and "Example" in r.output and "np.save" in r.output
+    assert r.exit_code == 0 and "Usage: " in r.output
+    for words in ("manifest.json", "tokens.npy", "offsets.npy", "[N+1] int64", "[N, L, d]", "doclens", "Example"):
+        assert words in r.output, words
+    if cmd in ([], ["score"]):
+        assert "lik score --queries examples/queries.npy" in r.output
 
 
 def test_info_without_gpu_or_cupy(monkeypatch):
     monkeypatch.setitem(sys.modules, "cupy", None)  # `import cupy` now raises ImportError
     r = run("info")
     assert r.exit_code == 0, r.output
-    for word in ("lik-cupy", "numpy", "cupy", "GPU", "kernel cache"):
-        assert word in r.output
-
-
-def test_info_real():
-    r = run("info")
-    assert r.exit_code == 0, r.output
-    assert "kernel cache" in r.output
+    for words in ("lik-cupy", "numpy", "cupy", "GPU", "kernel cache", "shard format  lik-shard v1"):
+        assert words in r.output
 
 
 # --------------------------------------------------------------------------- bad input
 
 
-def _bad_cases(tmp_path):
-    f, _ = make_data(tmp_path)
-    t = tmp_path
+def _bad_cases(t, c):
+    """(name, args, file named first on the error line). Every case must exit 2 and write nothing."""
+    s0, s1 = map(pathlib.Path, c.shards)
     out = str(t / "out.tsv")
-    good = np.load(f["d"][0])
-    raw = pathlib.Path(f["d"][0]).read_bytes()
+
+    def bad_shard(name, edit):
+        d = t / name
+        shards.write_shard(d, np.array(shards.open_shard(s1).tokens), shards.open_shard(s1).offsets)
+        edit(d)
+        return d
+
+    raw = (s0 / "tokens.npy").read_bytes()
+    trunc = bad_shard("trunc", lambda d: (d / "tokens.npy").write_bytes(raw[:-37]))
+    trunchdr = bad_shard("trunchdr", lambda d: (d / "tokens.npy").write_bytes(raw[:40]))
+    notmono = bad_shard("notmono", lambda d: np.save(d / "offsets.npy", np.array([0, 5, 3, 9, 9, 12, 20])))
+    short = bad_shard("short", lambda d: np.save(d / "offsets.npy", np.array([0, 5, 6, 9, 9, 12, 19])))
+    escape = bad_shard("escape", lambda d: (d / "manifest.json").write_text(
+        (d / "manifest.json").read_text().replace('"tokens.npy"', '"../shard0/tokens.npy"')))
+    nomanifest = bad_shard("nomanifest", lambda d: (d / "manifest.json").unlink())
+    shards.write_shard(t / "dim21", np.zeros((4, 21), np.float32), np.array([0, 4]))
+    shards.write_shard(t / "ided", np.array(shards.open_shard(s1).tokens), shards.open_shard(s1).offsets, ids=np.arange(6))
+    shards.write_shard(t / "strided", np.array(shards.open_shard(s1).tokens), shards.open_shard(s1).offsets,
+                       ids=[str(i) for i in range(6)])
     (t / "text.npy").write_text("this is not numpy\n")
     (t / "empty.npy").write_bytes(b"")
-    (t / "trunc.npy").write_bytes(raw[:-37])
-    (t / "trunchdr.npy").write_bytes(raw[:40])
-    np.savez(t / "arch.npz", a=good)
-    os.replace(t / "arch.npz", t / "arch.npy")
     np.save(t / "obj.npy", np.array([1, "a"], dtype=object), allow_pickle=True)
-    write(t / "q2d.npy", np.zeros((3, 20), np.float32))
-    write(t / "d4d.npy", np.zeros((2, 3, 4, 20), np.float32))
-    write(t / "dimbad.npy", np.zeros((4, 5, 21), np.float32))
-    write(t / "q64.npy", np.zeros((3, 7, 20), np.float64))
-    write(t / "dint.npy", np.zeros((4, 5, 20), np.int32))
-    write(t / "du16.npy", np.zeros((4, 5, 20), np.uint16))
-    write(t / "ql_short.npy", np.array([1, 2], np.int32))
-    write(t / "ql_2d.npy", np.ones((3, 1), np.int32))
-    write(t / "dl_big.npy", np.full(11, 10, np.int32))  # shard 0 has L = 9
-    write(t / "dl_neg.npy", np.array([1] * 10 + [-1], np.int32))
-    write(t / "dl_float.npy", np.ones(11, np.float32))
+    np.save(t / "q2d.npy", np.zeros((3, 20), np.float32))
+    np.save(t / "q64.npy", np.zeros((3, 7, 20), np.float64))
+    np.save(t / "qint.npy", np.zeros((3, 7, 20), np.int32))
+    np.save(t / "qu16.npy", np.zeros((3, 7, 20), np.uint16))
+    np.save(t / "qdim.npy", np.zeros((3, 7, 21), np.float32))
+    np.save(t / "q0.npy", np.zeros((0, 7, 20), np.float32))
+    np.save(t / "ql_short.npy", np.array([1, 2], np.int32))
+    np.save(t / "ql_big.npy", np.array([1, 2, 8], np.int32))
+    np.save(t / "pad.npy", np.zeros((4, 5, 20), np.float32))
+    np.save(t / "flat.npy", np.zeros((4, 20), np.float32))
     (t / "afile").write_text("x")
     (t / "outdir.tsv").mkdir()
-    q, d0, d1, dl0, dl1 = f["q"], f["d"][0], f["d"][1], f["dl"][0], f["dl"][1]
 
-    def S(*extra, queries=q, docs=(d0, d1), o=out):
+    def S(*extra, queries=c.q, docs=(s0, s1), o=out):
         return ["score", "--queries", queries, "--docs", *docs, "--out", o, "--cpu", *extra]
 
     p = lambda name: str(t / name)  # noqa: E731
     return [
         ("missing queries", S(queries=p("nope.npy")), p("nope.npy")),
-        ("missing shard", S(docs=(d0, p("nope1.npy"))), p("nope1.npy")),
-        ("not npy", S(queries=p("text.npy")), p("text.npy")),
-        ("empty file", S(docs=(p("empty.npy"),)), p("empty.npy")),
-        ("truncated data", S(docs=(d1, p("trunc.npy"))), p("trunc.npy")),
-        ("truncated header", S(docs=(p("trunchdr.npy"),)), p("trunchdr.npy")),
-        ("npz", S(docs=(p("arch.npy"),)), p("arch.npy")),
-        ("object dtype", S(docs=(p("obj.npy"),)), p("obj.npy")),
+        ("missing shard", S(docs=(s0, p("nope_shard"))), p("nope_shard")),
+        ("shard without manifest", S(docs=(s0, nomanifest)), f"{nomanifest}/manifest.json"),
+        ("queries not npy", S(queries=p("text.npy")), p("text.npy")),
+        ("empty queries file", S(queries=p("empty.npy")), p("empty.npy")),
+        ("object dtype", S(queries=p("obj.npy")), p("obj.npy")),
+        ("truncated tokens", S(docs=(s0, trunc)), f"{trunc}/tokens.npy"),
+        ("truncated header", S(docs=(trunchdr,)), f"{trunchdr}/tokens.npy"),
+        ("offsets not monotone", S(docs=(s0, notmono)), f"{notmono}/offsets.npy"),
+        ("offsets not ending at T", S(docs=(short,)), f"{short}/offsets.npy"),
+        ("manifest path escapes", S(docs=(escape,)), f"{escape}/manifest.json"),
         ("queries rank", S(queries=p("q2d.npy")), p("q2d.npy")),
-        ("docs rank", S(docs=(d0, p("d4d.npy"))), p("d4d.npy")),
-        ("dim vs queries", S(docs=(p("dimbad.npy"),)), p("dimbad.npy")),
-        ("dim between shards", S(docs=(d0, d1, p("dimbad.npy"))), p("dimbad.npy")),
-        ("float64", S(queries=p("q64.npy")), p("q64.npy")),
-        ("int32", S(docs=(d0, p("dint.npy"))), p("dint.npy")),
-        ("uint16 without --bf16-bits", S(docs=(p("du16.npy"),)), p("du16.npy")),
+        ("queries float64", S(queries=p("q64.npy")), p("q64.npy")),
+        ("queries int32", S(queries=p("qint.npy")), p("qint.npy")),
+        ("uint16 without --bf16-bits", S(queries=p("qu16.npy")), p("qu16.npy")),
+        ("no queries", S(queries=p("q0.npy")), p("q0.npy")),
+        ("dim queries vs docs", S(queries=p("qdim.npy")), f"{s0}/tokens.npy"),
+        ("dim between shards", S(docs=(s0, s1, t / "dim21")), f"{t / 'dim21'}/tokens.npy"),
         ("q lengths count", S("--q-lengths", p("ql_short.npy")), p("ql_short.npy")),
-        ("q lengths rank", S("--q-lengths", p("ql_2d.npy")), p("ql_2d.npy")),
-        ("d lengths too big", S("--d-lengths", p("dl_big.npy"), dl1), p("dl_big.npy")),
-        ("d lengths negative", S("--d-lengths", p("dl_neg.npy"), dl1), p("dl_neg.npy")),
-        ("d lengths float", S("--d-lengths", p("dl_float.npy"), dl1), p("dl_float.npy")),
-        ("d lengths wrong shard", S("--d-lengths", dl1, dl0), dl1),
-        ("d lengths missing file", S("--d-lengths", dl0, p("nol.npy")), p("nol.npy")),
-        ("d lengths count", S("--d-lengths", dl0), "--d-lengths"),
+        ("q lengths too big", S("--q-lengths", p("ql_big.npy")), p("ql_big.npy")),
         ("q lengths missing", S("--q-lengths", p("noql.npy")), p("noql.npy")),
+        ("lengths for a shard dir", S("--d-lengths", p("ql_short.npy")), "--d-lengths"),
+        ("flat docs without doclens", S(docs=(p("flat.npy"),)), p("flat.npy")),
+        ("some shards without ids", S(docs=(s0, t / "ided")), str(s0)),
+        ("int and str ids", S(docs=(t / "ided", t / "strided")), str(t / "strided")),
         ("no such out dir", S(o=p("nodir/out.tsv")), p("nodir/out.tsv")),
         ("out parent is a file", S(o=p("afile/out.tsv")), p("afile/out.tsv")),
         ("out is a directory", S(o=p("outdir.tsv")), p("outdir.tsv")),
+        ("out replaces an input", S(o=c.q), c.q),
+        ("out inside a shard", S(o=f"{s0}/res.tsv"), f"{s0}/res.tsv"),
         ("unknown suffix", S(o=p("out.csv")), p("out.csv")),
         ("no suffix", S(o=p("out")), p("out")),
         ("top-k zero", S("--top-k", 0), "--top-k"),
-        ("top-k negative", S("--top-k", -3), "--top-k"),
+        ("top-k over the limit", S("--top-k", 5000), "--top-k"),
         ("full matrix to tsv", S("--full-matrix"), out),
+        ("devices and cpu", S("--devices", "0,1"), "--devices"),
+        ("devices malformed", [a for a in S("--devices", "0,x") if a != "--cpu"], "--devices"),
+        ("device and devices", S("--device", 0, "--devices", "0,1"), "--devices"),
     ]
 
 
 def test_bad_inputs(tmp_path):
-    cases = _bad_cases(tmp_path)
-    assert len(cases) >= 30
-    before = listing(tmp_path)
+    c = Corpus(tmp_path)
+    cases = _bad_cases(tmp_path, c)
+    before = {p: sorted(os.listdir(p)) for p in [tmp_path, *c.shards]}
     failures = []
     for name, args, culprit in cases:
         r = run(*args)
-        err = r.stderr
-        lines = err.splitlines()
-        ok = (
-            r.exit_code == 2
-            and len(lines) == 1
-            and lines[0].startswith("lik: error: ")
-            and f"lik: error: {culprit}: " in lines[0]
-            and "Traceback" not in err + r.output
-        )
+        lines = r.stderr.splitlines()
+        ok = (r.exit_code == 2 and len(lines) == 1 and lines[0].startswith(f"lik: error: {culprit}: ")
+              and "Traceback" not in r.stderr + r.output)
         if not ok:
-            failures.append(f"{name}: exit {r.exit_code}, stderr {err!r}, stdout {r.output!r}")
+            failures.append(f"{name}: exit {r.exit_code}, stderr {r.stderr!r}, stdout {r.output!r}")
     assert not failures, "\n".join(failures)
-    assert listing(tmp_path) == before, "a failed run left a file behind"
+    assert {p: sorted(os.listdir(p)) for p in before} == before, "a failed run left a file behind"
 
 
 @pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() == 0, reason="root can write anywhere")
 def test_read_only_output_dir(tmp_path):
-    f, _ = make_data(tmp_path)
+    c = Corpus(tmp_path)
     ro = tmp_path / "ro"
     ro.mkdir()
     ro.chmod(0o555)
     try:
-        r = run(*score_args(f, ro / "out.tsv"))
-        assert r.exit_code == 2 and f"lik: error: {ro / 'out.tsv'}: " in r.stderr
+        r = run(*c.args(ro / "out.tsv"))
+        assert r.exit_code == 2 and r.stderr == f"lik: error: {ro / 'out.tsv'}: output directory {ro} is not writable\n"
     finally:
         ro.chmod(0o755)
 
 
+def test_unwritable_output_path(tmp_path, monkeypatch):
+    """The same check as above for any user, root included: the directory reports no write access."""
+    c = Corpus(tmp_path)
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: False if str(p) == str(tmp_path) else real(p, mode))
+    out = tmp_path / "out.tsv"
+    r = run(*c.args(out))
+    assert r.exit_code == 2 and r.stderr == f"lik: error: {out}: output directory {tmp_path} is not writable\n"
+    assert not out.exists()
+
+
 def test_debug_shows_traceback(tmp_path):
-    r = run("score", "--queries", tmp_path / "nope.npy", "--docs", tmp_path / "d.npy", "--out", tmp_path / "o.tsv", "--debug")
+    r = run("score", "--queries", tmp_path / "nope.npy", "--docs", tmp_path, "--out", tmp_path / "o.tsv", "--debug")
     assert r.exit_code == 2
     assert "Traceback" in r.stderr and "lik: error: " in r.stderr
-
-
-def test_bf16_bits_flag_accepts_uint16(tmp_path):
-    # the same uint16 file that is rejected without the flag scores with it
-    rng = np.random.default_rng(1)
-    Q = rng.integers(0x3C00, 0x3F80, size=(2, 3, 4)).astype(np.uint16)  # positive finite bf16
-    D = rng.integers(0x3C00, 0x3F80, size=(5, 2, 4)).astype(np.uint16)
-    f = {"q": write(tmp_path / "q.npy", Q), "d": [write(tmp_path / "d.npy", D)]}
-    assert run(*score_args(f, tmp_path / "a.tsv", lengths=False)).exit_code == 2
-    assert run(*score_args(f, tmp_path / "a.tsv", "--bf16-bits", lengths=False)).exit_code == 0
 
 
 # --------------------------------------------------------------------------- atomic output
 
 
 class _Boom:
-    """Wraps lik_cupy.maxsim; raises ``exc`` on call number ``at``."""
+    """Wraps a library function; raises ``exc`` on call number ``at``."""
 
     def __init__(self, real, exc, at=2):
         self.real, self.exc, self.at, self.calls = real, exc, at, 0
@@ -486,43 +645,38 @@ class _Boom:
         return self.real(*a, **kw)
 
 
-@pytest.mark.parametrize("suffix,extra", [(".tsv", ()), (".npy", ("--full-matrix",)), (".jsonl", ())])
+@pytest.mark.parametrize("suffix,extra,fn", [(".tsv", (), "retrieve"), (".jsonl", (), "retrieve"),
+                                             (".npy", ("--full-matrix",), "maxsim_varlen")])
 @pytest.mark.parametrize("exc,code", [(KeyboardInterrupt(), 130), (RuntimeError("kernel exploded"), 1)])
-def test_interrupted_run_leaves_nothing(tmp_path, monkeypatch, suffix, extra, exc, code):
-    import lik_cupy
-
-    f, _ = make_data(tmp_path)
-    boom = _Boom(lik_cupy.maxsim, exc)
-    monkeypatch.setattr(lik_cupy, "maxsim", boom)
+def test_interrupted_run_leaves_nothing(tmp_path, monkeypatch, suffix, extra, fn, exc, code):
+    c = Corpus(tmp_path)
+    boom = _Boom(getattr(lik_cupy, fn), exc)
+    monkeypatch.setattr(lik_cupy, fn, boom)
     before = listing(tmp_path)
     out = tmp_path / f"res{suffix}"
-    r = run(*score_args(f, out, "--chunk-docs", 4, *extra))
-    assert boom.calls == 2
+    r = run(*c.args(out, *extra))
+    assert boom.calls == 2  # one call per shard: the second one fails
     assert r.exit_code == code
-    assert len(r.stderr.splitlines()) == 1 and r.stderr.startswith("lik: ")
-    assert "Traceback" not in r.stderr
-    assert not out.exists()
-    assert listing(tmp_path) == before  # no temp file either
+    assert len(r.stderr.splitlines()) == 1 and r.stderr.startswith("lik: ") and "Traceback" not in r.stderr
+    assert listing(tmp_path) == before  # neither the output nor its temporary file
 
 
 def test_failed_run_keeps_previous_output(tmp_path, monkeypatch):
-    import lik_cupy
-
-    f, _ = make_data(tmp_path)
+    c = Corpus(tmp_path)
     out = tmp_path / "res.tsv"
     out.write_text("previous results\n")
-    monkeypatch.setattr(lik_cupy, "maxsim", _Boom(lik_cupy.maxsim, KeyboardInterrupt(), at=1))
-    r = run(*score_args(f, out))
+    monkeypatch.setattr(lik_cupy, "retrieve", _Boom(lik_cupy.retrieve, KeyboardInterrupt(), at=1))
+    r = run(*c.args(out))
     assert r.exit_code == 130
     assert out.read_text() == "previous results\n"
 
 
 def test_output_file_permissions_follow_umask(tmp_path):
-    f, _ = make_data(tmp_path)
+    c = Corpus(tmp_path)
     out = tmp_path / "res.tsv"
     old = os.umask(0o022)
     try:
-        assert run(*score_args(f, out)).exit_code == 0
+        assert run(*c.args(out)).exit_code == 0
     finally:
         os.umask(old)
     assert (out.stat().st_mode & 0o777) == 0o644
@@ -537,46 +691,33 @@ def _env():
     return env
 
 
-def test_subprocess_python_m_cli(tmp_path):
-    f, S = make_data(tmp_path)
-    out = tmp_path / "res.tsv"
-    args = [sys.executable, "-m", "cli"] + [str(a) for a in score_args(f, out, "--top-k", 5)]
-    p = subprocess.run(args, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stderr
-    assert p.stderr == ""
-    docs, scores = read_tsv(out)
-    assert_ranking(docs, scores, S, 5, 1e-4)
+def _lik_command():
+    """The installed `lik` console script next to this Python, else `python -m cli`."""
+    lik = pathlib.Path(sys.executable).parent / "lik"
+    return [str(lik)] if lik.exists() else [sys.executable, "-m", "cli"]
 
 
-def test_subprocess_bad_input_has_no_traceback(tmp_path):
-    args = [sys.executable, "-m", "cli", "score", "--queries", str(tmp_path / "missing.npy"),
-            "--docs", str(tmp_path / "d.npy"), "--out", str(tmp_path / "o.tsv")]
+def test_subprocess_run_and_bad_input(tmp_path):
+    c = Corpus(tmp_path)
+    out = tmp_path / "res.jsonl"
+    p = subprocess.run([*_lik_command(), *map(str, c.args(out, "-k", 3))], cwd=tmp_path, env=_env(),
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0 and p.stderr == "", p.stderr
+    objs = [json.loads(line) for line in out.read_text().splitlines()]
+    assert_ranking(np.array([[o["doc"] for o in objs if o["query"] == q] for q in range(NQ)]), None, c.S, 3, 1e-4)
+    args = [*_lik_command(), "score", "--queries", str(tmp_path / "missing.npy"), "--docs", *c.shards, "--out", str(out)]
     p = subprocess.run(args, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
     assert p.returncode == 2
     assert p.stderr == f"lik: error: {tmp_path / 'missing.npy'}: no such file\n"
-
-
-def test_console_script_if_installed(tmp_path):
-    lik = pathlib.Path(sys.executable).parent / "lik"
-    if not lik.exists():
-        pytest.skip("the `lik` entry point is not installed next to this Python (pip install -e .)")
-    f, S = make_data(tmp_path)
-    out = tmp_path / "res.jsonl"
-    p = subprocess.run([str(lik), *map(str, score_args(f, out, "-k", 3))], cwd=tmp_path, env=_env(),
-                       capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stderr
-    objs = [json.loads(line) for line in out.read_text().splitlines()]
-    docs = np.array([[o["doc"] for o in objs if o["query"] == q] for q in range(NQ)])
-    assert_ranking(docs, None, S, 3, 1e-4)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="uses a Linux pty")
 def test_progress_bar_only_on_a_tty(tmp_path):
     import pty
 
-    f, _ = make_data(tmp_path)
+    c = Corpus(tmp_path)
     master, slave = pty.openpty()
-    args = [sys.executable, "-m", "cli"] + [str(a) for a in score_args(f, tmp_path / "r.tsv", "--chunk-docs", 2)]
+    args = [sys.executable, "-m", "cli", *map(str, c.args(tmp_path / "r.tsv"))]
     try:
         p = subprocess.run(args, cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=slave, timeout=300)
     finally:
@@ -592,7 +733,9 @@ def test_progress_bar_only_on_a_tty(tmp_path):
         chunks.append(data)
     os.close(master)
     assert p.returncode == 0
-    assert b"scoring" in b"".join(chunks)  # click.progressbar's label on the TTY
+    assert b"scoring" in b"".join(chunks) and b"docs/s" in b"".join(chunks)
+    piped = subprocess.run(args, cwd=tmp_path, env=_env(), capture_output=True, timeout=300)
+    assert piped.returncode == 0 and piped.stderr == b"" and piped.stdout == b""
 
 
 @pytest.mark.skipif(os.name != "posix", reason="POSIX signals")
@@ -600,21 +743,20 @@ def test_sigterm_mid_run_leaves_nothing(tmp_path):
     import signal
     import time
 
-    f, _ = make_data(tmp_path)
+    c = Corpus(tmp_path)
     out = tmp_path / "res.tsv"
     before = listing(tmp_path)
-    argv = [str(a) for a in score_args(f, out, "--chunk-docs", 1)]
-    # Slow every lik_cupy.maxsim call down so the signal lands mid-run.
+    # Slow every lik_cupy.retrieve call down so the signal lands mid-run.
     code = (
         "import sys, time, lik_cupy, cli\n"
-        "real = lik_cupy.maxsim\n"
+        "real = lik_cupy.retrieve\n"
         "def slow(*a, **k):\n"
-        "    time.sleep(0.25)\n"
+        "    time.sleep(0.5)\n"
         "    return real(*a, **k)\n"
-        "lik_cupy.maxsim = slow\n"
+        "lik_cupy.retrieve = slow\n"
         "cli.main(sys.argv[1:], prog_name='lik')\n"
     )
-    p = subprocess.Popen([sys.executable, "-c", code, *argv], cwd=tmp_path, env=_env(),
+    p = subprocess.Popen([sys.executable, "-c", code, *map(str, c.args(out))], cwd=tmp_path, env=_env(),
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 60
     while not any(n.endswith(".part") for n in listing(tmp_path)):  # scoring has started
@@ -625,3 +767,39 @@ def test_sigterm_mid_run_leaves_nothing(tmp_path):
     assert p.returncode == 130, err
     assert err == "lik: interrupted; no output written\n"
     assert listing(tmp_path) == before
+
+
+# --------------------------------------------------------------------------- bundled examples
+
+
+def _examples_module():
+    spec = importlib.util.spec_from_file_location("make_examples", REPO / "examples" / "make_examples.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_bundled_examples_are_reproducible_and_small(tmp_path):
+    _examples_module().generate(tmp_path)
+    bundled = REPO / "examples"
+    names = ["queries.npy", *(f"shard{s}/{f}" for s in (0, 1) for f in ("manifest.json", "tokens.npy", "offsets.npy", "ids.npy"))]
+    for name in names:
+        assert (bundled / name).read_bytes() == (tmp_path / name).read_bytes(), f"examples/{name} differs from make_examples.py's"
+    assert sum((bundled / n).stat().st_size for n in names) < 400_000
+
+
+def test_readme_main_job_on_the_bundled_examples(tmp_path):
+    assert MAIN_JOB in (REPO / "README.md").read_text(), "the README must show the main-job command"
+    argv = MAIN_JOB.split()[1:]
+    out = tmp_path / "top5.tsv"
+    argv[argv.index("--out") + 1] = str(out)
+    p = subprocess.run([*_lik_command(), *argv], cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert p.stderr in ("", "lik: no usable GPU found, falling back to CPU (pass --cpu to silence this)\n")
+    queries, docs, scores = read_tsv(out, doc_type=str)
+    corpus = [shards.open_shard(REPO / "examples" / f"shard{s}") for s in (0, 1)]
+    ids = [i for s in corpus for i in s.ids.tolist()]
+    ragged = [np.asarray(s.tokens[s.offsets[j] : s.offsets[j + 1]]) for s in corpus for j in range(s.num_docs)]
+    S = ref_scores(np.load(REPO / "examples" / "queries.npy"), None, ragged)
+    assert_ranking(np.vectorize(ids.index)(docs), scores, S, 5, 2e-3)
+    assert docs[:, 0].tolist() == list(_examples_module().PLANTED)

@@ -59,7 +59,7 @@ def test_check_all_compiles_without_spills(tmp_path, request):
         names = {r["kernel"] for r in got}
         missing = set(cfgs) - names
         assert not missing, f"sm_{arch}: no compile result for {sorted(missing)[:5]}"
-        assert "lik_sum_partials" in names
+        assert "lik_sum_partials" in names and "lik_topk_merge" in names
         seen = set()
         for r in got:
             key = (r["kernel"], r["arch"])
@@ -81,6 +81,13 @@ def test_check_all_compiles_without_spills(tmp_path, request):
                     problems.append(f"{what}: {cfg.smem_bytes} + {r['static_smem']} B smem over the sm_{arch} limit")
                 if cfg.threads * (-(-r["registers"] // 8) * 8) > 65536:
                     problems.append(f"{what}: {r['registers']} registers x {cfg.threads} threads cannot launch")
+                # the launch plan's residency estimate must hold for the registers ptxas used
+                regs = -(-r["registers"] // 8) * 8
+                real = max(1, min(dispatch._SMEM_PER_SM[arch] // (cfg.smem_bytes + 1024), 2048 // cfg.threads,
+                                  max(1, 65536 // (cfg.threads * regs))))
+                if real < dispatch.ctas_per_sm(cfg, arch):
+                    problems.append(f"{what}: {r['registers']} registers allow {real} CTAs per SM but the launch plan "
+                                    f"assumes {dispatch.ctas_per_sm(cfg, arch)}")
 
     table = _table(rows)
     (tmp_path / "compile_check.txt").write_text(table)
@@ -246,11 +253,13 @@ def test_compile_check_covers_the_bucket_dims():
         for dtype in dispatch.ELEM_CODES:
             for dim in (64, 128, 256, 512):
                 for lq in (1, 32, 33, 64, 65, 128, 1000, 5000):
-                    for argmax in (False, True):
-                        for vec in (False, True):
-                            for wg in (True, False):
-                                c = dispatch.choose_forward(arch, dtype, dim, lq, argmax, vec, wg)
-                                assert c.name in compiled, (arch, dtype, dim, lq, argmax, vec, wg, c.name)
+                    for shared, ld in ((1, 1024), (1, 180), (3, 180), (32, 180), (32, 1024), (1000, 77)):
+                        for argmax in (False, True):
+                            for vec in (False, True):
+                                for wg in (True, False):
+                                    c = dispatch.choose_forward(arch, dtype, dim, lq, argmax, vec, wg, shared, ld)
+                                    assert c.name in compiled, (arch, dtype, dim, lq, shared, ld, argmax, vec, wg,
+                                                                c.name)
 
 
 @pytest.mark.xfail(
@@ -283,10 +292,15 @@ def test_arch_of():
 def test_plan_launch_grid_limits(nd, nq, lq):
     for cc, sms in ((80, 108), (86, 84), (89, 128), (90, 132)):
         for dtype in ("float16", "float32"):
-            cfg = dispatch.choose_forward(cc, dtype, 128, lq, False, True)
-            plan = dispatch.plan_launch(cfg, cc, sms, nq, nd, lq)
-            gx, gy, gz = plan.grid
-            assert 1 <= gy <= 65535 and gz == 1, (cc, nd, plan)
-            assert plan.n_qt * cfg.bm >= lq > (plan.n_qt - 1) * cfg.bm
-            assert gx == nq * plan.n_qt
-            assert gy * plan.docs_per_cta >= nd > (gy - 1) * plan.docs_per_cta  # every doc covered, no idle CTA row
+            for shared in (1, nq):
+                cfg = dispatch.choose_forward(cc, dtype, 128, lq, False, True, True, shared)
+                plan = dispatch.plan_launch(cfg, cc, sms, nq, nd, lq, shared)
+                gx, gy, gz = plan.grid
+                assert 1 <= gy <= 65535 and gz == 1, (cc, nd, plan)
+                if plan.qb > 1:  # whole queries share a tile
+                    assert plan.n_qt == 1 and plan.qb * lq <= cfg.bm and plan.qb <= nq
+                    assert gx == -(-nq // plan.qb)
+                else:
+                    assert plan.n_qt * cfg.bm >= lq > (plan.n_qt - 1) * cfg.bm
+                    assert gx == nq * plan.n_qt
+                assert gy * plan.docs_per_cta >= nd > (gy - 1) * plan.docs_per_cta  # every doc covered, no idle row

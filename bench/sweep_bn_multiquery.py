@@ -1,0 +1,62 @@
+"""Sweep the Hopper document-tile width (BN) for short queries packed several to a tile.
+
+Backs ``dispatch._WGMMA_BN_COST_MULTI``: times ``lik_cupy.maxsim`` for 32 queries
+(Lq=32) against documents of several lengths with each BN forced in turn, and
+writes ``sweep_bn_multiquery_<gpu>.json`` to $OUT (or bench/results).
+Device time: a sleep kernel is queued first so host overhead stays hidden.
+"""
+
+import json
+import os
+import sys
+
+import cupy as cp
+import torch
+
+import lik_cupy
+from lik_cupy import dispatch
+from lik_cupy.device import device_properties
+
+
+def device_ms(fn, n=20):
+    fn()
+    torch.cuda.synchronize()
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(50_000_000)
+    s.record()
+    for _ in range(n):
+        fn()
+    e.record()
+    e.synchronize()
+    return s.elapsed_time(e) / n
+
+
+def main():
+    out = os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results")
+    props = device_properties(0)
+    rng = cp.random.default_rng(0)
+    nq, lq, d = 32, 32, 128
+    q = rng.standard_normal((nq, lq, d), dtype=cp.float32).astype(cp.float16)
+    table = dispatch._WGMMA_BN_COST_MULTI
+    saved = dict(table)
+    rows = []
+    for ld, nd in ((180, 1024), (180, 20000), (128, 20000), (300, 10000), (512, 5000)):
+        docs = rng.standard_normal((nd, ld, d), dtype=cp.float32).astype(cp.float16)
+        flops = 2 * nq * lq * nd * ld * d
+        for bn in (64, 96, 128):
+            table.clear()
+            table.update({b: (1.0 if b == bn else 100.0) for b in saved})
+            dispatch.choose_forward.cache_clear()
+            ms = device_ms(lambda: lik_cupy.maxsim(q, docs))
+            rows.append({"nq": nq, "lq": lq, "ld": ld, "nd": nd, "bn": bn, "ms": ms, "tflops": flops / ms / 1e9})
+            print(f"Ld={ld:4d} B={nd:6d} BN={bn:3d}: {ms:.4f} ms {flops / ms / 1e9:6.1f} TF/s", flush=True)
+        del docs
+    table.update(saved)
+    dispatch.choose_forward.cache_clear()
+    slug = props.name.lower().replace(" ", "-")
+    with open(os.path.join(out, f"sweep_bn_multiquery_{slug}.json"), "w") as f:
+        json.dump({"gpu": props.name, "cc": props.cc, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,716 @@
+"""The lik shard format, and reading every corpus layout as one kind of ``Shard``.
+
+A shard is a directory of plain ``.npy`` files plus a manifest::
+
+    shard0/
+      manifest.json   {"format": "lik-shard", "version": 1, "dim": 128, "dtype": "float16",
+                       "num_docs": N, "num_tokens": T, "normalized": true, "model": "...",
+                       "files": {"tokens": "tokens.npy", "offsets": "offsets.npy", "ids": "ids.npy"}}
+      tokens.npy      [T, d]  float16 | float32 | bfloat16 stored as its uint16 bit patterns
+      offsets.npy     [N+1]   int64; document j is tokens[offsets[j]:offsets[j+1]]
+      ids.npy         [N]     int64 or fixed-width strings (optional; without it a
+                              document's id is its position in the corpus)
+
+A corpus is one or more shards. :func:`open_input` also reads the layouts people
+already have as the same :class:`Shard`: a padded ``[N, L, d]`` array with optional
+per-document lengths, and ColBERT-style flat ``[T, d]`` tokens with a doclens array.
+
+Every array is opened memory-mapped with ``allow_pickle=False``: a corpus is never
+loaded whole and no file can run code. Paths in a manifest must name files inside the
+shard directory. Problems raise :class:`ShardError` naming the file and what was expected.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+FORMAT = "lik-shard"
+VERSION = 1
+MANIFEST = "manifest.json"
+TOKENS = "tokens.npy"
+OFFSETS = "offsets.npy"
+IDS = "ids.npy"
+DTYPES = ("float16", "float32", "bfloat16")
+# How tokens.npy stores each dtype. bfloat16 is kept as raw uint16 bits: NumPy has no
+# bfloat16, and np.load cannot read ml_dtypes' type back from a .npy header.
+_STORED = {"float16": np.dtype("<f2"), "float32": np.dtype("<f4"), "bfloat16": np.dtype("<u2")}
+# A token counts as L2-normalised when its norm is within this of 1 (bfloat16 keeps ~3 digits).
+NORM_TOLERANCE = 2e-2
+# Bytes of token embeddings per chunk when a shard is read piece by piece.
+CHUNK_BYTES = 256 << 20
+_MAX_MANIFEST_BYTES = 1 << 20
+_NPY_MAGIC = b"\x93NUMPY"
+
+
+class ShardError(ValueError):
+    """A file or shard is missing, corrupt or inconsistent.
+
+    ``path`` names the file at fault and ``problem`` says what is wrong and what was
+    expected; ``str(err)`` is ``"<path>: <problem>"``.
+    """
+
+    def __init__(self, path: object, problem: str):
+        super().__init__(f"{path}: {problem}")
+        self.path = str(path)
+        self.problem = problem
+
+
+# --------------------------------------------------------------------------- .npy files
+
+
+def open_npy(path: str | os.PathLike) -> np.ndarray:
+    """Open one ``.npy`` file memory-mapped, read-only, never unpickling.
+
+    Returns a ``numpy.memmap`` of the file's shape and dtype. Raises ShardError for a
+    missing, empty, truncated or corrupt file, a ``.npz`` archive, or object data.
+    """
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise ShardError(path, "no such file")
+    if os.path.isdir(path):
+        raise ShardError(path, "is a directory, expected a .npy file")
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(len(_NPY_MAGIC))
+    except OSError as e:
+        raise ShardError(path, f"cannot read: {e.strerror or e}") from None
+    if not magic:
+        raise ShardError(path, "empty file, expected a .npy array")
+    if magic[:2] == b"PK":
+        raise ShardError(path, "is a .npz archive; save each array with numpy.save as its own .npy")
+    if magic != _NPY_MAGIC:
+        raise ShardError(path, "not a .npy file (bad magic bytes); write it with numpy.save")
+    try:
+        return np.load(path, mmap_mode="r", allow_pickle=False)
+    except ValueError as e:
+        msg = str(e)
+        if "mmap length is greater than file size" in msg or "cannot reshape" in msg:
+            problem = "truncated .npy file: it holds fewer bytes than its header's shape needs"
+        elif "EOF" in msg:
+            problem = f"truncated .npy header ({msg})"
+        elif "object" in msg.lower() or "pickle" in msg.lower():
+            problem = "holds Python objects (object dtype); only numeric and fixed-width string arrays are read"
+        else:
+            problem = f"corrupt .npy file ({msg})"
+        raise ShardError(path, problem) from None
+    except (OSError, EOFError, SyntaxError, TypeError) as e:
+        raise ShardError(path, f"corrupt .npy file ({type(e).__name__}: {e})") from None
+
+
+def embedding_dtype(arr: np.ndarray, name: str, bf16_bits: bool = False) -> str:
+    """The dtype name (one of ``DTYPES``) of token embeddings read from a file.
+
+    float16 and float32 are taken as they are; uint16 holds bfloat16 bit patterns only
+    when ``bf16_bits`` says so. Big-endian data and any other dtype raise ShardError.
+    """
+    dt = arr.dtype
+    if dt.str.startswith(">"):
+        raise ShardError(name, f"dtype {dt.str} is big-endian; expected little-endian (convert with a.astype(a.dtype.newbyteorder('<')))")
+    if dt.kind == "f" and dt.itemsize in (2, 4):
+        return "float16" if dt.itemsize == 2 else "float32"
+    if dt.kind == "u" and dt.itemsize == 2:
+        if bf16_bits:
+            return "bfloat16"
+        raise ShardError(name, "dtype uint16 is not an embedding dtype; if it holds bfloat16 bits, say so (lik --bf16-bits, bf16_bits=True)")
+    if dt.kind == "V" and dt.itemsize == 2:
+        raise ShardError(name, "dtype |V2 (bfloat16 saved through ml_dtypes?) cannot be read back; save a.view(numpy.uint16) and read it with --bf16-bits")
+    raise ShardError(name, f"unsupported dtype {dt}; expected float16, float32, or bfloat16 bits stored as uint16")
+
+
+def numpy_dtype(name: str) -> np.dtype:
+    """The NumPy dtype the library takes for a dtype name: bfloat16 is ``ml_dtypes.bfloat16``."""
+    if name == "bfloat16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
+
+
+def _as_numpy_dtype(arr: np.ndarray, name: str) -> np.ndarray:
+    return arr.view(numpy_dtype(name)) if name == "bfloat16" else arr
+
+
+def read_lengths(path: str | os.PathLike) -> np.ndarray:
+    """Per-document token counts from a ``.npy`` integer array or a JSON list (ColBERT's ``doclens.*.json``).
+
+    Returns int64 ``[N]``, every value >= 0.
+    """
+    path = os.fspath(path)
+    if path.lower().endswith(".json"):
+        if not os.path.isfile(path):
+            raise ShardError(path, "no such file")
+        try:
+            with open(path, encoding="utf-8") as f:
+                values = json.load(f)
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ShardError(path, f"not a JSON list of integers ({e})") from None
+        if not isinstance(values, list) or not all(type(v) is int for v in values):
+            raise ShardError(path, "expected a JSON list of integers (one token count per document)")
+        arr = np.array(values, dtype=np.int64)
+    else:
+        raw = open_npy(path)
+        if raw.dtype.kind not in "iu":
+            raise ShardError(path, f"lengths must be integers, got dtype {raw.dtype}")
+        if raw.ndim != 1:
+            raise ShardError(path, f"lengths must be 1-D [N], got shape {raw.shape}")
+        arr = np.asarray(raw, dtype=np.int64)
+    if arr.size and arr.min() < 0:
+        i = int(np.argmax(arr < 0))
+        raise ShardError(path, f"length {int(arr[i])} at index {i} is negative")
+    return arr
+
+
+# --------------------------------------------------------------------------- the Shard
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Documents opened for reading: a packed or a padded layout, memory-mapped.
+
+    Attributes:
+        path: what was opened (a shard directory or a ``.npy`` file); names the input in messages.
+        tokens: packed ``[T, d]`` (with ``offsets``) or padded ``[N, L, d]`` (with optional
+            ``lengths``), float16, float32 or ``ml_dtypes.bfloat16``; usually a read-only memmap.
+        offsets: int64 ``[N+1]`` for the packed layout, else None.
+        lengths: int64 ``[N]`` valid leading rows per document of the padded layout;
+            None means every row counts (and for the packed layout).
+        ids: ``[N]`` int64 or fixed-width string ids, or None (ids are then positions).
+        manifest: the shard's manifest.json as a dict; None for a ``.npy`` input.
+        tokens_file: the file ``tokens`` comes from, named in value errors.
+    """
+
+    path: str
+    tokens: np.ndarray
+    offsets: np.ndarray | None = None
+    lengths: np.ndarray | None = None
+    ids: np.ndarray | None = None
+    manifest: dict | None = None
+    tokens_file: str = ""
+
+    @property
+    def padded(self) -> bool:
+        return self.offsets is None
+
+    @property
+    def num_docs(self) -> int:
+        return int(self.tokens.shape[0]) if self.padded else int(self.offsets.shape[0]) - 1
+
+    @property
+    def dim(self) -> int:
+        return int(self.tokens.shape[-1])
+
+    @property
+    def dtype(self) -> str:
+        """One of ``DTYPES``."""
+        return self.tokens.dtype.name
+
+    def doc_lengths(self) -> np.ndarray:
+        """int64 ``[N]``: valid tokens per document."""
+        if not self.padded:
+            return np.diff(self.offsets)
+        if self.lengths is not None:
+            return self.lengths
+        return np.full(self.num_docs, self.tokens.shape[1], np.int64)
+
+    def chunk_ranges(self, max_bytes: int = CHUNK_BYTES, max_docs: int = 0) -> list[tuple[int, int]]:
+        """Document ranges ``[(start, stop), ...]`` covering the shard in order.
+
+        Each range holds about ``max_bytes`` of token embeddings (at least one document)
+        and at most ``max_docs`` documents (0: no limit). Reads only offsets.
+        """
+        n = self.num_docs
+        row = self.dim * self.tokens.dtype.itemsize
+        if self.padded:
+            step = max(1, max_bytes // max(1, row * self.tokens.shape[1]))
+            if max_docs:
+                step = min(step, max_docs)
+            return [(s, min(n, s + step)) for s in range(0, n, step)]
+        budget = max(1, max_bytes // row)
+        ranges, s = [], 0
+        while s < n:
+            e = int(np.searchsorted(self.offsets, self.offsets[s] + budget, side="right")) - 1
+            e = min(n, max(e, s + 1))
+            if max_docs:
+                e = min(e, s + max_docs)
+            ranges.append((s, e))
+            s = e
+        return ranges
+
+    def read_chunk(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
+        """Documents ``start..stop-1`` as packed ``(tokens [t, d], offsets int64 [n+1])``, offsets from 0.
+
+        Packed shards and padded arrays without lengths give memory-mapped views (read
+        when used); a padded array with lengths is copied, keeping only valid rows.
+        """
+        if not self.padded:
+            lo, hi = int(self.offsets[start]), int(self.offsets[stop])
+            return self.tokens[lo:hi], np.asarray(self.offsets[start : stop + 1], np.int64) - lo
+        block = self.tokens[start:stop]
+        n, length = block.shape[0], block.shape[1]
+        if self.lengths is None:
+            return block.reshape(n * length, self.dim), np.arange(n + 1, dtype=np.int64) * length
+        lens = self.lengths[start:stop]
+        valid = np.arange(length)[None, :] < lens[:, None]
+        offsets = np.zeros(n + 1, np.int64)
+        np.cumsum(lens, out=offsets[1:])
+        return block[valid], offsets
+
+
+def _packed(path, tokens, offsets, ids, manifest, tokens_file, offsets_file, ids_file) -> Shard:
+    """Check a packed layout and build its Shard (``tokens`` already in its library dtype)."""
+    if tokens.ndim != 2:
+        raise ShardError(tokens_file, f"expected packed token embeddings [T, d], got shape {tokens.shape}")
+    if tokens.shape[1] == 0:
+        raise ShardError(tokens_file, f"embedding dim is 0 (shape {tokens.shape}); expected d >= 1")
+    offsets = check_offsets(offsets, tokens.shape[0], offsets_file)
+    ids = check_ids(ids, offsets.shape[0] - 1, ids_file) if ids is not None else None
+    return Shard(path, tokens, offsets=offsets, ids=ids, manifest=manifest, tokens_file=tokens_file)
+
+
+def check_offsets(offsets: np.ndarray, num_tokens: int, name: str) -> np.ndarray:
+    """Check document offsets ``[N+1]`` into ``num_tokens`` token rows; returns them as int64.
+
+    offsets[0] must be 0, each offset at least the one before it, and offsets[-1] == T.
+    """
+    if offsets.ndim != 1 or offsets.shape[0] < 1:
+        raise ShardError(name, f"expected 1-D offsets [N+1] (at least [0]), got shape {offsets.shape}")
+    if offsets.dtype.kind not in "iu":
+        raise ShardError(name, f"offsets must be integers (int64), got dtype {offsets.dtype}")
+    offsets = np.asarray(offsets, dtype=np.int64)
+    if offsets[0] != 0:
+        raise ShardError(name, f"offsets[0] is {int(offsets[0])}; expected 0")
+    drops = np.flatnonzero(offsets[1:] < offsets[:-1])
+    if drops.size:
+        i = int(drops[0])
+        raise ShardError(name, f"offsets are not monotone: offsets[{i}] = {int(offsets[i])} > offsets[{i + 1}] = {int(offsets[i + 1])}; expected non-decreasing")
+    if offsets[-1] != num_tokens:
+        raise ShardError(name, f"offsets end at {int(offsets[-1])} but there are {num_tokens} token rows; expected offsets[-1] == T")
+    return offsets
+
+
+def check_ids(ids, n: int, name: str) -> np.ndarray:
+    """Check document ids: ``[n]`` int64 or fixed-width strings without tab or newline (they go into TSV).
+
+    Accepts an array or a list; returns the ids as an array (a memmap stays one).
+    """
+    ids = ids if isinstance(ids, np.ndarray) else np.asarray(ids)
+    if ids.ndim != 1 or ids.shape[0] != n:
+        raise ShardError(name, f"expected {n} ids (one per document), got shape {ids.shape}")
+    if ids.dtype.kind in "iu":
+        if ids.dtype != np.int64:
+            if ids.size and ids.dtype.kind == "u" and int(ids.max()) >= 2**63:
+                raise ShardError(name, "integer ids must fit int64")
+            ids = ids.astype(np.int64)
+        return ids
+    if ids.dtype.kind not in "US":
+        raise ShardError(name, f"ids must be int64 or fixed-width strings, got dtype {ids.dtype}")
+    for ch in ("\t", "\n", "\r"):
+        hit = np.flatnonzero(np.char.find(ids, ch if ids.dtype.kind == "U" else ch.encode()) >= 0)
+        if hit.size:
+            raise ShardError(name, f"id at index {int(hit[0])} ({ids[int(hit[0])]!r}) holds a tab or line break; ids are written to TSV")
+    return ids
+
+
+def _padded(path, tokens, lengths, lengths_file, tokens_file) -> Shard:
+    if tokens.shape[2] == 0:
+        raise ShardError(tokens_file, f"embedding dim is 0 (shape {tokens.shape}); expected d >= 1")
+    if lengths is not None:
+        n, limit = tokens.shape[0], tokens.shape[1]
+        if lengths.shape != (n,):
+            raise ShardError(lengths_file, f"expected {n} lengths (one per row of {tokens_file}), got shape {lengths.shape}")
+        over = np.flatnonzero(lengths > limit)
+        if over.size:
+            i = int(over[0])
+            raise ShardError(lengths_file, f"length {int(lengths[i])} at index {i} is out of range 0..{limit} (padded length of {tokens_file})")
+    return Shard(path, tokens, lengths=lengths, tokens_file=tokens_file)
+
+
+# --------------------------------------------------------------------------- opening
+
+
+def read_manifest(path: str | os.PathLike) -> dict:
+    """Read and check a shard's manifest.json; returns it as a dict.
+
+    Required keys: format (``"lik-shard"``), version (int, at most ``VERSION``), dim
+    (int >= 1), dtype (one of ``DTYPES``), num_docs and num_tokens (int >= 0),
+    normalized (bool), model (str or null), files (``{"tokens": ..., "offsets": ...}``
+    and optionally ``"ids"``, names of files inside the shard directory). Other keys are
+    kept and ignored.
+    """
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise ShardError(path, "no such file; a shard directory holds manifest.json, tokens.npy and offsets.npy (make one with `lik pack`)")
+    if os.path.getsize(path) > _MAX_MANIFEST_BYTES:
+        raise ShardError(path, f"larger than {_MAX_MANIFEST_BYTES} bytes; a manifest is a small JSON object")
+    try:
+        with open(path, encoding="utf-8") as f:
+            m = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ShardError(path, f"not valid JSON ({e})") from None
+    if not isinstance(m, dict):
+        raise ShardError(path, f"expected a JSON object, got {type(m).__name__}")
+    if m.get("format") != FORMAT:
+        raise ShardError(path, f"format is {m.get('format')!r}; expected {FORMAT!r}")
+    version = m.get("version")
+    if type(version) is not int or version < 1:
+        raise ShardError(path, f"version is {version!r}; expected a positive integer")
+    if version > VERSION:
+        raise ShardError(path, f"format version {version} is newer than this lik-cupy reads ({VERSION}); upgrade lik-cupy")
+    for key, least in (("dim", 1), ("num_docs", 0), ("num_tokens", 0)):
+        if type(m.get(key)) is not int or m[key] < least:
+            raise ShardError(path, f"{key} is {m.get(key)!r}; expected an integer >= {least}")
+    if m.get("dtype") not in DTYPES:
+        raise ShardError(path, f"dtype is {m.get('dtype')!r}; expected one of {', '.join(DTYPES)}")
+    if type(m.get("normalized")) is not bool:
+        raise ShardError(path, f"normalized is {m.get('normalized')!r}; expected true or false")
+    if m.get("model") is not None and not isinstance(m.get("model"), str):
+        raise ShardError(path, f"model is {m.get('model')!r}; expected a string or null")
+    files = m.get("files")
+    if not isinstance(files, dict) or not isinstance(files.get("tokens"), str) or not isinstance(files.get("offsets"), str):
+        raise ShardError(path, 'files must be an object naming at least "tokens" and "offsets" (e.g. {"tokens": "tokens.npy", "offsets": "offsets.npy"})')
+    if "ids" in files and not isinstance(files["ids"], str):
+        raise ShardError(path, f"files.ids is {files['ids']!r}; expected a file name")
+    return m
+
+
+def member_path(shard_dir: str, name: str, manifest_path: str) -> str:
+    """The path of file ``name`` of a shard; ShardError unless it lies inside ``shard_dir``.
+
+    Absolute names, ``..`` and symbolic links that lead out of the directory are refused,
+    so a manifest cannot point the reader at other files.
+    """
+    parts = name.replace("\\", "/").split("/")
+    if not name or os.path.isabs(name) or os.path.splitdrive(name)[0] or ".." in parts:
+        raise ShardError(manifest_path, f"file {name!r} is not inside the shard directory; expected a relative name such as 'tokens.npy'")
+    full = os.path.join(shard_dir, name)
+    root = os.path.realpath(shard_dir)
+    if os.path.commonpath([root, os.path.realpath(full)]) != root:
+        raise ShardError(manifest_path, f"file {name!r} leads outside the shard directory (a symbolic link?); expected a file inside it")
+    return full
+
+
+def open_shard(path: str | os.PathLike) -> Shard:
+    """Open a shard directory memory-mapped and check its structure against its manifest.
+
+    Checks the manifest, that tokens.npy is ``[num_tokens, dim]`` of the stored dtype,
+    the offsets (start at 0, non-decreasing, end at T) and the ids. Values are not read:
+    :func:`scan_values` checks them. Returns a packed :class:`Shard` whose ``tokens``
+    are in the library's dtype (bfloat16 as ``ml_dtypes.bfloat16``).
+    """
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise ShardError(path, "no such shard directory")
+    if not os.path.isdir(path):
+        raise ShardError(path, "not a directory; a shard is a directory holding manifest.json, tokens.npy and offsets.npy")
+    mpath = os.path.join(path, MANIFEST)
+    m = read_manifest(mpath)
+    files = {key: member_path(path, name, mpath) for key, name in m["files"].items() if key in ("tokens", "offsets", "ids")}
+    raw = open_npy(files["tokens"])
+    expect = (m["num_tokens"], m["dim"])
+    if raw.shape != expect:
+        raise ShardError(files["tokens"], f"shape {raw.shape} does not match the manifest's [num_tokens, dim] = {list(expect)}")
+    if raw.dtype != _STORED[m["dtype"]]:
+        raise ShardError(files["tokens"], f"dtype {raw.dtype.str} does not match the manifest's dtype {m['dtype']} (stored as {_STORED[m['dtype']].str})")
+    offsets = open_npy(files["offsets"])
+    if offsets.dtype != np.dtype("<i8"):
+        raise ShardError(files["offsets"], f"dtype {offsets.dtype.str}; expected int64 (<i8)")
+    if offsets.shape != (m["num_docs"] + 1,):
+        raise ShardError(files["offsets"], f"shape {offsets.shape} does not match the manifest's num_docs + 1 = {m['num_docs'] + 1}")
+    ids = open_npy(files["ids"]) if "ids" in files else None
+    if ids is not None and ids.dtype.kind in "iu" and ids.dtype != np.dtype("<i8"):
+        raise ShardError(files["ids"], f"integer ids must be int64 (<i8), got {ids.dtype.str}")
+    return _packed(path, _as_numpy_dtype(raw, m["dtype"]), offsets, ids, m, files["tokens"], files["offsets"], files.get("ids", ""))
+
+
+def open_input(path: str | os.PathLike, lengths: str | os.PathLike | None = None, *, bf16_bits: bool = False) -> Shard:
+    """Open any accepted corpus or query input as a :class:`Shard`.
+
+    - a shard directory (``lengths`` must be None: the shard has offsets);
+    - a padded ``[N, L, d]`` ``.npy``, with ``lengths`` an optional file of ``[N]``
+      valid-row counts (each 0..L);
+    - ColBERT-style flat tokens ``[T, d]`` ``.npy`` with ``lengths`` its doclens
+      (``.npy`` or ColBERT's ``doclens.*.json``), summing to T.
+
+    ``lengths`` files may be ``.npy`` integer arrays or JSON lists. uint16 ``.npy`` data
+    is read as bfloat16 bits only with ``bf16_bits``.
+    """
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        if lengths is not None:
+            raise ShardError(lengths, f"{path} is a shard directory with its own offsets; a lengths file goes with a .npy input only")
+        return open_shard(path)
+    arr = open_npy(path)
+    if arr.ndim not in (2, 3):
+        raise ShardError(path, f"expected a padded [N, L, d] array, or flat [T, d] tokens with doclens; got shape {arr.shape}")
+    dtype = embedding_dtype(arr, path, bf16_bits)
+    tokens = _as_numpy_dtype(arr, dtype)
+    lens = read_lengths(lengths) if lengths is not None else None
+    if arr.ndim == 3:
+        return _padded(path, tokens, lens, None if lengths is None else os.fspath(lengths), path)
+    if lens is None:
+        raise ShardError(path, f"flat token embeddings {list(arr.shape)} need per-document token counts (doclens); pass a lengths file")
+    offsets = np.zeros(lens.shape[0] + 1, np.int64)
+    np.cumsum(lens, out=offsets[1:])
+    if offsets[-1] != arr.shape[0]:
+        raise ShardError(os.fspath(lengths), f"doclens sum to {int(offsets[-1])} but {path} holds {arr.shape[0]} token rows; expected them to match")
+    return _packed(path, tokens, offsets, None, None, path, os.fspath(lengths), "")
+
+
+def load_padded(shard: Shard) -> tuple[np.ndarray, np.ndarray | None]:
+    """A whole shard in memory as padded ``[N, Lmax, d]`` plus int64 lengths ``[N]`` (None: all rows valid).
+
+    Meant for queries, which are few; a corpus is read with :meth:`Shard.read_chunk`.
+    """
+    if shard.padded:
+        return np.array(shard.tokens), None if shard.lengths is None else np.array(shard.lengths)
+    lens = shard.doc_lengths()
+    width = max(1, int(lens.max())) if lens.size else 1
+    out = np.zeros((shard.num_docs, width, shard.dim), shard.tokens.dtype)
+    out[np.arange(width)[None, :] < lens[:, None]] = shard.read_chunk(0, shard.num_docs)[0]
+    return out, lens
+
+
+# --------------------------------------------------------------------------- value checks
+
+
+@dataclass(frozen=True)
+class ValueScan:
+    """What :func:`scan_values` found. Positions are ``(document, token within it)``; None if none."""
+
+    nonfinite: tuple[int, int] | None
+    not_unit: tuple[int, int, float] | None  # (document, token, its L2 norm)
+
+    @property
+    def normalized(self) -> bool:
+        return self.not_unit is None
+
+
+def _norms(x32: np.ndarray) -> np.ndarray:
+    """L2 norm of each row of float32 tokens [t, d]; NaN/inf rows give non-finite norms."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        return np.sqrt(np.einsum("td,td->t", x32, x32))
+
+
+def scan_values(shard: Shard, max_bytes: int = CHUNK_BYTES) -> ValueScan:
+    """Read every valid token once: find the first NaN/inf and the first token whose norm is not 1.
+
+    Padding rows of a padded layout are not read as values (they are never scored).
+    """
+    nonfinite = not_unit = None
+    for start, stop in shard.chunk_ranges(max_bytes):
+        tokens, offsets = shard.read_chunk(start, stop)
+        x32 = tokens.astype(np.float32)
+        finite, norms = np.isfinite(x32).all(axis=1), _norms(x32)
+        if nonfinite is None and not finite.all():
+            nonfinite = _position(int(np.argmin(finite)), start, offsets)
+        off = ~(np.abs(norms - 1) <= NORM_TOLERANCE)
+        if not_unit is None and off.any():
+            t = int(np.argmax(off))
+            not_unit = (*_position(t, start, offsets), float(norms[t]))
+        if nonfinite is not None and not_unit is not None:
+            break
+    return ValueScan(nonfinite, not_unit)
+
+
+def _position(row: int, first_doc: int, offsets: np.ndarray) -> tuple[int, int]:
+    j = int(np.searchsorted(offsets, row, side="right")) - 1
+    return first_doc + j, row - int(offsets[j])
+
+
+def check_finite(shard: Shard, max_bytes: int = CHUNK_BYTES) -> None:
+    """Raise ShardError naming the file and the first document with a NaN or infinite token value."""
+    for start, stop in shard.chunk_ranges(max_bytes):
+        tokens, offsets = shard.read_chunk(start, stop)
+        finite = np.isfinite(tokens.astype(np.float32)).all(axis=1)
+        if not finite.all():
+            doc, tok = _position(int(np.argmin(finite)), start, offsets)
+            raise ShardError(shard.tokens_file, f"document {doc}{_id_note(shard, doc)}, token {tok} holds NaN or inf; embeddings must be finite")
+
+
+def _id_note(shard: Shard, doc: int) -> str:
+    return "" if shard.ids is None else f" (id {_plain(shard.ids[doc])!r})"
+
+
+def _plain(v):
+    return v.item() if isinstance(v, np.generic) else v
+
+
+# --------------------------------------------------------------------------- writing
+
+
+def pack(source: Shard, path: str | os.PathLike, *, ids=None, model: str | None = None, dtype: str | None = None,
+         overwrite: bool = False, check_finite: bool = False, max_bytes: int = CHUNK_BYTES) -> Shard:
+    """Write any opened input (padded, flat + doclens, or another shard) as a shard directory.
+
+    Tokens are copied block by block (only valid rows of a padded layout), converted to
+    ``dtype`` (None: keep the source's). ``ids`` ([N] int64 or str) replace the
+    source's ids. With ``check_finite`` a NaN or inf value raises ShardError and nothing
+    is written. The manifest's ``normalized`` is measured while copying. The shard is
+    built in a temporary directory beside ``path`` and renamed into place at the end.
+    Returns the written shard, opened.
+    """
+    blocks = ((source.tokens_file, source.read_chunk(s, e)[0]) for s, e in source.chunk_ranges(max_bytes))
+    lens = source.doc_lengths()
+    offsets = np.zeros(lens.shape[0] + 1, np.int64)
+    np.cumsum(lens, out=offsets[1:])
+    ids = source.ids if ids is None else ids
+    return _write(path, blocks, offsets, ids, source.dim, source.dtype, dtype, model, overwrite, check_finite)
+
+
+def write_shard(path: str | os.PathLike, tokens: np.ndarray, offsets, *, ids=None, model: str | None = None,
+                dtype: str | None = None, overwrite: bool = False, check_finite: bool = False) -> Shard:
+    """Write packed documents as a new shard directory.
+
+    Args:
+        path: the shard directory to create (its parent must exist).
+        tokens: ``[T, d]`` float16, float32 or ``ml_dtypes.bfloat16``; a memmap is copied
+            block by block, never loaded whole.
+        offsets: integer ``[N+1]``; document j is ``tokens[offsets[j]:offsets[j+1]]``
+            (offsets[0] == 0, non-decreasing, offsets[-1] == T).
+        ids: optional ``[N]`` int64 or str document ids.
+        model: free-form name of the model that made the embeddings (stored in the manifest).
+        dtype: store as "float16", "float32" or "bfloat16" (None: tokens' own dtype).
+        overwrite: replace ``path`` if it already is a shard (anything else is never replaced).
+        check_finite: raise ShardError (writing nothing) if a value is NaN or inf.
+
+    Returns:
+        The written :class:`Shard`, opened memory-mapped.
+    """
+    tokens = _check_array_dtype(tokens if isinstance(tokens, np.ndarray) else np.asarray(tokens), "tokens")
+    source = _packed("tokens", tokens, np.asarray(offsets), None, None, "tokens", "offsets", "ids")
+    return pack(source, path, ids=ids, model=model, dtype=dtype, overwrite=overwrite, check_finite=check_finite)
+
+
+def pack_arrays(docs: Sequence, path: str | os.PathLike, *, ids=None, model: str | None = None,
+                dtype: str | None = None, overwrite: bool = False, check_finite: bool = False,
+                bf16_bits: bool = False) -> Shard:
+    """Write one document per array as a shard directory.
+
+    ``docs``: a sequence of ``[L_i, d]`` arrays (float16, float32, ``ml_dtypes.bfloat16``)
+    or of ``.npy`` paths, opened memory-mapped (uint16 files hold bfloat16 bits when
+    ``bf16_bits``). All share d and dtype. Other arguments as in :func:`write_shard`.
+    """
+    if not docs:
+        raise ShardError(path, "no documents given; expected at least one [L, d] array")
+    arrays, names = [], []
+    for i, doc in enumerate(docs):
+        if isinstance(doc, (str, os.PathLike)):
+            name = os.fspath(doc)
+            raw = open_npy(name)
+            doc = _as_numpy_dtype(raw, embedding_dtype(raw, name, bf16_bits))
+        else:
+            name = f"docs[{i}]"
+            doc = _check_array_dtype(doc if isinstance(doc, np.ndarray) else np.asarray(doc), name)
+        if doc.ndim != 2:
+            raise ShardError(name, f"expected one document's token embeddings [L, d], got shape {doc.shape}")
+        if arrays and (doc.shape[1], doc.dtype) != (arrays[0].shape[1], arrays[0].dtype):
+            raise ShardError(name, f"d={doc.shape[1]}, {doc.dtype} differs from {names[0]}'s d={arrays[0].shape[1]}, {arrays[0].dtype}; every document needs the same dim and dtype")
+        arrays.append(doc)
+        names.append(name)
+    if arrays[0].shape[1] == 0:
+        raise ShardError(names[0], "embedding dim is 0; expected d >= 1")
+    offsets = np.zeros(len(arrays) + 1, np.int64)
+    np.cumsum([a.shape[0] for a in arrays], out=offsets[1:])
+    return _write(path, zip(names, arrays), offsets, ids, arrays[0].shape[1], arrays[0].dtype.name, dtype, model,
+                  overwrite, check_finite)
+
+
+def _check_array_dtype(arr: np.ndarray, name: str) -> np.ndarray:
+    if arr.dtype.name not in DTYPES:
+        raise ShardError(name, f"dtype {arr.dtype} is not float16, float32 or ml_dtypes.bfloat16 (bfloat16 bits in uint16: a.view(ml_dtypes.bfloat16))")
+    return arr
+
+
+def _write(path, blocks, offsets: np.ndarray, ids, dim: int, source_dtype: str, dtype: str | None, model, overwrite,
+           check_finite: bool) -> Shard:
+    """Stream ``(source name, token block)`` pairs into a new shard directory at ``path``, atomically."""
+    path = os.fspath(path)
+    dtype = dtype or source_dtype
+    if dtype not in DTYPES:
+        raise ShardError(path, f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    if model is not None and not isinstance(model, str):
+        raise ShardError(path, f"model must be a string, got {type(model).__name__}")
+    num_docs, num_tokens = offsets.shape[0] - 1, int(offsets[-1])
+    if ids is not None:
+        ids = check_ids(ids, num_docs, "ids")
+    parent = _check_target(path, overwrite)
+    tmp = tempfile.mkdtemp(dir=parent, prefix=f".{os.path.basename(os.path.normpath(path))}.", suffix=".tmp")
+    try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes 0700; give the usual permissions
+        out = np.lib.format.open_memmap(os.path.join(tmp, TOKENS), mode="w+", dtype=_STORED[dtype], shape=(num_tokens, dim))
+        target, pos, normalized = numpy_dtype(dtype), 0, True
+        for name, block in blocks:
+            x32 = block.astype(np.float32)
+            if check_finite and not np.isfinite(x32).all():
+                row = pos + int(np.argmin(np.isfinite(x32).all(axis=1)))
+                doc = int(np.searchsorted(offsets, row, side="right")) - 1
+                raise ShardError(name, f"document {doc}, token {row - int(offsets[doc])} holds NaN or inf; embeddings must be finite")
+            normalized = normalized and bool(np.all(np.abs(_norms(x32) - 1) <= NORM_TOLERANCE))
+            out[pos : pos + block.shape[0]] = block.astype(target, copy=False).view(_STORED[dtype])
+            pos += block.shape[0]
+        out.flush()
+        del out  # close the map before the directory is renamed
+        np.save(os.path.join(tmp, OFFSETS), offsets.astype("<i8"))
+        files = {"tokens": TOKENS, "offsets": OFFSETS}
+        if ids is not None:
+            np.save(os.path.join(tmp, IDS), ids, allow_pickle=False)
+            files["ids"] = IDS
+        manifest = {
+            "format": FORMAT, "version": VERSION, "dim": dim, "dtype": dtype, "num_docs": num_docs,
+            "num_tokens": num_tokens, "normalized": normalized, "model": model, "files": files,
+        }
+        with open(os.path.join(tmp, MANIFEST), "w", encoding="utf-8", newline="\n") as f:
+            f.write(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+        _rename_into_place(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return open_shard(path)
+
+
+def _check_target(path: str, overwrite: bool) -> str:
+    """The parent directory of a shard about to be written; ShardError if ``path`` may not be written."""
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise ShardError(path, f"parent directory {parent} does not exist")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ShardError(path, f"parent directory {parent} is not writable")
+    if os.path.lexists(path):
+        if not overwrite:
+            raise ShardError(path, "already exists; choose a new path, or replace a shard with overwrite=True (lik pack --force)")
+        if not (os.path.isdir(path) and not os.path.islink(path) and _is_shard(path)):
+            raise ShardError(path, "exists and is not a lik shard; refusing to replace it")
+    return parent
+
+
+def _is_shard(path: str) -> bool:
+    try:
+        read_manifest(os.path.join(path, MANIFEST))
+    except ShardError:
+        return False
+    return True
+
+
+def _rename_into_place(tmp: str, path: str) -> None:
+    """Move the finished directory ``tmp`` to ``path``; an existing shard there is replaced only after the move succeeds."""
+    if not os.path.lexists(path):
+        os.rename(tmp, path)
+        return
+    old = tempfile.mkdtemp(dir=os.path.dirname(tmp), prefix=f".{os.path.basename(os.path.normpath(path))}.", suffix=".old")
+    os.rmdir(old)  # only its unique name is wanted
+    os.rename(path, old)
+    try:
+        os.rename(tmp, path)
+    except BaseException:
+        os.rename(old, path)
+        raise
+    shutil.rmtree(old, ignore_errors=True)

@@ -1,0 +1,158 @@
+"""CPU corpus scoring: packed documents, retrieve, and their argument checks (run in CI)."""
+
+import numpy as np
+import pytest
+
+import lik_cupy
+from lik_cupy.retrieve import _packed_chunks
+from reference import maxsim_ref
+
+
+def _packed(rng, nd, lo, hi, dim, empty_frac=0.2):
+    lens = rng.integers(lo, hi + 1, size=nd)
+    lens[rng.random(nd) < empty_frac] = 0
+    off = np.concatenate([[0], np.cumsum(lens)])
+    return rng.standard_normal((int(off[-1]), dim)).astype(np.float32), off, lens
+
+
+def _padded(tokens, lens):
+    lmax = max(1, int(lens.max()))
+    out = np.zeros((lens.size, lmax, tokens.shape[1]), tokens.dtype)
+    valid = np.arange(lmax)[None, :] < lens[:, None]
+    out[valid] = tokens
+    return out, valid
+
+
+def _ranked(scores, k):
+    idx = np.broadcast_to(np.arange(scores.shape[1]), scores.shape)
+    nan = np.isnan(scores)
+    order = np.lexsort((idx, -np.where(nan, 0, scores), nan), axis=1)[:, :k]
+    return np.take_along_axis(scores, order, 1), order
+
+
+@pytest.mark.parametrize("off_dtype", [np.int32, np.int64])
+def test_varlen_cpu_vs_float64(rng, off_dtype):
+    tok, off, lens = _packed(rng, 70, 0, 60, 24)
+    q = rng.standard_normal((4, 9, 24)).astype(np.float32)
+    qmask = rng.random((4, 9)) < 0.7
+    s, a = lik_cupy.maxsim_varlen(q, tok, off.astype(off_dtype), q_mask=qmask, return_argmax=True, backend="cpu")
+    dpad, dv = _padded(tok, lens)
+    ref, sim = maxsim_ref(q, dpad, qmask, dv)
+    np.testing.assert_allclose(s, ref, rtol=1e-5)
+    assert s.dtype == np.float32 and a.shape == (4, 70, 9) and a.dtype == np.int32
+    assert np.all(s[:, lens == 0] == -np.inf) and np.all(a[:, lens == 0] == -1)
+    assert np.all(a[~np.broadcast_to(qmask[:, None, :], a.shape)] == -1)
+
+
+def test_varlen_cpu_packed_queries_and_2d(rng):
+    tok, off, lens = _packed(rng, 30, 1, 20, 8)
+    qlens = np.array([3, 0, 7])
+    qt = rng.standard_normal((10, 8)).astype(np.float32)
+    s = lik_cupy.maxsim_varlen(qt, tok, off, q_offsets=np.concatenate([[0], np.cumsum(qlens)]), backend="cpu")
+    assert s.shape == (3, 30) and np.all(s[1] == 0)
+    one = lik_cupy.maxsim_varlen(qt[:3], tok, off, backend="cpu")
+    np.testing.assert_array_equal(one, s[0])
+
+
+@pytest.mark.parametrize(
+    "off,msg",
+    [
+        ([0, 5, 3, 10], "non-decreasing"),
+        ([2, 5, 10], "start at 0"),
+        ([0, 5, 9], "ends at 9 but there are 10"),
+    ],
+)
+def test_varlen_offset_values(off, msg):
+    with pytest.raises(ValueError, match=msg):
+        lik_cupy.maxsim_varlen(np.zeros((2, 3, 4), np.float32), np.zeros((10, 4), np.float32), np.array(off),
+                               backend="cpu")
+
+
+@pytest.mark.parametrize(
+    "kwargs,err,msg",
+    [
+        (dict(d_offsets=np.array([0.0, 10.0])), TypeError, "int32 or int64"),
+        (dict(d_offsets=np.zeros((2, 2), np.int64)), ValueError, r"1-D \[N \+ 1\]"),
+        (dict(d_offsets=np.zeros(0, np.int64)), ValueError, "at least one entry"),
+        (dict(D_tokens=np.zeros((10, 5), np.float32)), ValueError, "D_tokens has dim 5 but Q has dim 4"),
+        (dict(D_tokens=np.zeros((2, 5, 4), np.float32)), ValueError, r"packed tokens \[T, d\]"),
+        (dict(D_tokens=np.zeros((10, 4), np.float16)), TypeError, "D_tokens has dtype float16 but Q has float32"),
+        (dict(q_offsets=np.array([0, 1])), ValueError, r"with q_offsets, Q must be packed tokens \[Tq, d\]"),
+        (dict(q_offsets=np.array([0, 1]), q_lengths=[1, 2]), ValueError, "take no q_mask or q_lengths"),
+    ],
+)
+def test_varlen_argument_errors(kwargs, err, msg):
+    args = dict(Q=np.zeros((2, 3, 4), np.float32), D_tokens=np.zeros((10, 4), np.float32),
+                d_offsets=np.array([0, 4, 10]))
+    args.update(kwargs)
+    with pytest.raises(err, match=msg):
+        lik_cupy.maxsim_varlen(args.pop("Q"), args.pop("D_tokens"), args.pop("d_offsets"), backend="cpu", **args)
+
+
+def test_retrieve_cpu_layouts_agree(rng):
+    tok, off, lens = _packed(rng, 300, 0, 40, 16, empty_frac=0.1)
+    q = rng.standard_normal((5, 6, 16)).astype(np.float32)
+    dpad, dv = _padded(tok, lens)
+    full = lik_cupy.maxsim(q, dpad, d_mask=dv, backend="cpu")
+    want_s, want_i = _ranked(full, 17)
+    got = [
+        lik_cupy.retrieve(q, dpad, 17, d_mask=dv, backend="cpu"),
+        lik_cupy.retrieve(q, dpad, 17, d_lengths=lens, backend="cpu"),
+        lik_cupy.retrieve(q, tok, 17, d_offsets=off, backend="cpu"),
+        lik_cupy.retrieve(q, [(tok[: off[100]], off[:101]), dpad[100:]], 17, backend="cpu"),
+        lik_cupy.retrieve(q, iter([dpad[:1], dpad[1:0], dpad[1:]]), 17, backend="cpu"),  # generator, empty shard
+    ]
+    for s, i in got[:3]:
+        np.testing.assert_array_equal(i, want_i)
+        np.testing.assert_array_equal(s, want_s)
+    for s, i in got[3:]:  # the padded shard is unmasked: different scores, same machinery
+        assert s.shape == (5, 17) and i.dtype == np.int64
+        assert np.all(np.diff(s, axis=1) <= 0)
+
+
+def test_retrieve_cpu_ties_nan_and_k_above_corpus():
+    d = np.zeros((6, 2, 4), np.float32)
+    d[:, 0, 0] = [1, 3, 3, np.nan, -1, 3]
+    q = np.zeros((1, 1, 4), np.float32)
+    q[0, 0, 0] = 1
+    s, i = lik_cupy.retrieve(q, d, 10, d_lengths=[1, 1, 1, 1, 1, 0], backend="cpu")
+    assert i.tolist() == [[1, 2, 0, 4, 5, 3]]  # ties by index, -inf (empty doc 5) above NaN
+    assert s[0, :4].tolist() == [3, 3, 1, -1] and s[0, 4] == -np.inf and np.isnan(s[0, 5])
+    s2, i2 = lik_cupy.retrieve(q[0], d, 2, backend="cpu")  # 2-D Q: 1-D results
+    assert i2.tolist() == [1, 2] and s2.shape == (2,)
+
+
+@pytest.mark.parametrize(
+    "kwargs,err,msg",
+    [
+        (dict(k=0), ValueError, r"k must be an integer in \[1, 4096\]"),
+        (dict(k=5000), ValueError, r"k must be an integer in \[1, 4096\]"),
+        (dict(k=2.0), ValueError, "k must be an integer"),
+        (dict(max_gpu_bytes=-1), ValueError, "max_gpu_bytes must be a positive integer"),
+        (dict(D="corpus.npy"), TypeError, "D must be an array or an iterable of shards"),
+        (dict(D=[np.zeros((3, 2, 4), np.float32), [1, 2]]), TypeError, "shard 1 must be a padded array"),
+        (dict(D=[np.zeros((3, 2, 5), np.float32)]), ValueError, "has dim 5 but Q has dim 4"),
+        (dict(D=[np.zeros((3, 2, 4), np.float16)]), TypeError, "corpus has dtype float16 but Q has float32"),
+        (dict(D=[np.zeros((3, 4), np.float32)]), ValueError, r"padded corpus must be \[Nd, Ld, d\]"),
+        (dict(D=[(np.zeros((3, 4), np.float32), np.array([0, 2]))]), ValueError, "ends at 2 but there are 3"),
+        (dict(D=[np.zeros((3, 2, 4), np.float32)], d_lengths=[1, 2, 3]), TypeError, "go with a single array D"),
+        (dict(d_lengths=[1, 2, 3]), ValueError, r"every length must be in \[0, 2\]"),
+    ],
+)
+def test_retrieve_argument_errors(kwargs, err, msg):
+    args = dict(D=np.zeros((3, 2, 4), np.float32), k=2)
+    args.update(kwargs)
+    with pytest.raises(err, match=msg):
+        lik_cupy.retrieve(np.zeros((2, 3, 4), np.float32), args.pop("D"), args.pop("k"), backend="cpu", **args)
+
+
+def test_packed_chunks_cover_every_document():
+    rng = np.random.default_rng(1)
+    lens = rng.integers(0, 500, size=1000)
+    lens[::50] = 0
+    off = np.concatenate([[0], np.cumsum(lens)])
+    for c in (1, 7, 64, 999, 5000):
+        b = _packed_chunks(off, c)
+        assert b[0][0] == 0 and b[-1][1] == 1000
+        assert all(x[1] == y[0] for x, y in zip(b, b[1:]))
+        assert all(0 < hi - lo <= c for lo, hi in b)

@@ -1,0 +1,409 @@
+"""lik_cupy.shards: writing, opening (memory-mapped) and checking shards and the other input layouts. CPU only."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from lik_cupy import shards
+from lik_cupy.shards import ShardError
+
+DIM = 12
+
+
+def unit(x):
+    return (x / np.linalg.norm(x, axis=-1, keepdims=True)).astype(np.float32)
+
+
+def ragged(rng, lengths, dim=DIM):
+    """One [L, d] float32 unit-norm array per length."""
+    return [unit(rng.standard_normal((int(n), dim))) for n in lengths]
+
+
+def offsets_of(docs):
+    return np.concatenate([[0], np.cumsum([len(d) for d in docs])]).astype(np.int64)
+
+
+def listing(path):
+    return sorted(p.name for p in pathlib.Path(path).iterdir())
+
+
+def write_example(tmp_path, name="s", lengths=(3, 0, 5, 1, 7), ids=None, dtype=np.float16, seed=0):
+    docs = ragged(np.random.default_rng(seed), lengths)
+    tokens = np.concatenate(docs).astype(dtype)
+    return shards.write_shard(tmp_path / name, tokens, offsets_of(docs), ids=ids), docs
+
+
+# --------------------------------------------------------------------------- round trips
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, ml_dtypes.bfloat16])
+@pytest.mark.parametrize("ids", [None, "int", "str"])
+def test_write_then_open_round_trip(tmp_path, dtype, ids):
+    rng = np.random.default_rng(1)
+    lengths = [4, 0, 9, 1, 3, 6]
+    docs = ragged(rng, lengths)
+    tokens = np.concatenate(docs).astype(dtype)
+    id_values = {None: None, "int": np.arange(100, 106), "str": [f"doc {j}" for j in range(6)]}[ids]
+    s = shards.write_shard(tmp_path / "shard", tokens, offsets_of(docs), ids=id_values, model="colbert-test")
+
+    again = shards.open_shard(tmp_path / "shard")
+    for shard in (s, again):
+        assert isinstance(shard.tokens, np.memmap), "tokens must be memory-mapped, not loaded"
+        assert shard.tokens.dtype == np.dtype(dtype)
+        assert (shard.num_docs, shard.dim, shard.dtype) == (6, DIM, np.dtype(dtype).name)
+        np.testing.assert_array_equal(shard.offsets, offsets_of(docs))
+        np.testing.assert_array_equal(np.asarray(shard.tokens), tokens)
+        for j in range(6):
+            t, off = shard.read_chunk(j, j + 1)
+            np.testing.assert_array_equal(t, docs[j].astype(dtype))
+            assert off.tolist() == [0, lengths[j]]
+    m = again.manifest
+    assert m == {"format": "lik-shard", "version": 1, "dim": DIM, "dtype": np.dtype(dtype).name, "num_docs": 6,
+                 "num_tokens": sum(lengths), "normalized": True, "model": "colbert-test",
+                 "files": {"tokens": "tokens.npy", "offsets": "offsets.npy", **({"ids": "ids.npy"} if ids else {})}}
+    stored = np.load(tmp_path / "shard" / "tokens.npy", allow_pickle=False)
+    assert stored.dtype == (np.uint16 if dtype is ml_dtypes.bfloat16 else np.dtype(dtype))  # bf16 kept as bits
+    if ids == "int":
+        assert again.ids.dtype == np.int64 and again.ids.tolist() == list(range(100, 106))
+    elif ids == "str":
+        assert again.ids.tolist() == [f"doc {j}" for j in range(6)]
+    else:
+        assert again.ids is None and not (tmp_path / "shard" / "ids.npy").exists()
+
+
+def test_normalized_is_measured(tmp_path):
+    rng = np.random.default_rng(2)
+    docs = ragged(rng, [3, 4])
+    assert shards.write_shard(tmp_path / "unit", np.concatenate(docs), offsets_of(docs)).manifest["normalized"]
+    scaled = np.concatenate(docs) * 1.5
+    assert not shards.write_shard(tmp_path / "scaled", scaled, offsets_of(docs)).manifest["normalized"]
+
+
+def test_same_input_gives_same_bytes(tmp_path):
+    for name in ("a", "b"):
+        write_example(tmp_path, name, ids=["x", "y", "z", "w", "v"])
+    for f in listing(tmp_path / "a"):
+        assert (tmp_path / "a" / f).read_bytes() == (tmp_path / "b" / f).read_bytes(), f
+    text = (tmp_path / "a" / "manifest.json").read_text()
+    assert text == json.dumps(json.loads(text), indent=2, sort_keys=True) + "\n"
+
+
+def test_shard_directory_gets_usual_permissions(tmp_path):
+    old = os.umask(0o022)
+    try:
+        write_example(tmp_path)
+    finally:
+        os.umask(old)
+    assert (tmp_path / "s").stat().st_mode & 0o777 == 0o755
+
+
+# --------------------------------------------------------------------------- chunks and layouts
+
+
+@pytest.mark.parametrize("max_bytes,max_docs", [(1, 0), (DIM * 2 * 6, 0), (1 << 20, 2), (1 << 20, 0)])
+def test_chunks_cover_every_document_in_order(tmp_path, max_bytes, max_docs):
+    lengths = [3, 0, 5, 1, 7, 0, 2]
+    s, docs = write_example(tmp_path, lengths=lengths)
+    ranges = s.chunk_ranges(max_bytes, max_docs)
+    assert ranges[0][0] == 0 and ranges[-1][1] == len(lengths)
+    assert all(a < b and (not max_docs or b - a <= max_docs) for a, b in ranges)
+    assert all(r[1] == nxt[0] for r, nxt in zip(ranges, ranges[1:]))
+    for a, b in ranges:
+        tokens, off = s.read_chunk(a, b)
+        if b - a > 1:  # a chunk only exceeds the byte budget when one document does
+            assert tokens.nbytes <= max(max_bytes, DIM * 2 * max(lengths[a:b]))
+        for j in range(a, b):
+            np.testing.assert_array_equal(tokens[off[j - a] : off[j - a + 1]], docs[j].astype(np.float16))
+
+
+def test_padded_with_lengths(tmp_path):
+    rng = np.random.default_rng(3)
+    D = rng.standard_normal((5, 4, DIM)).astype(np.float32)
+    lens = np.array([1, 4, 0, 2, 3])
+    np.save(tmp_path / "d.npy", D)
+    np.save(tmp_path / "l.npy", lens)
+    s = shards.open_input(tmp_path / "d.npy", tmp_path / "l.npy")
+    assert s.padded and isinstance(s.tokens, np.memmap)
+    assert s.doc_lengths().tolist() == lens.tolist()
+    for a, b in s.chunk_ranges(max_docs=2):
+        tokens, off = s.read_chunk(a, b)
+        np.testing.assert_array_equal(tokens, np.concatenate([D[j, : lens[j]] for j in range(a, b)]))
+        assert off.tolist() == [0, *np.cumsum(lens[a:b]).tolist()]
+    packed = shards.pack(s, tmp_path / "shard")
+    assert packed.offsets.tolist() == [0, *np.cumsum(lens).tolist()]
+    np.testing.assert_array_equal(np.asarray(packed.tokens), np.concatenate([D[j, : lens[j]] for j in range(5)]))
+    Q, ql = shards.load_padded(packed)
+    assert Q.shape == (5, 4, DIM) and ql.tolist() == lens.tolist()
+    assert (Q[0, 1:] == 0).all() and (Q[2] == 0).all()
+    np.testing.assert_array_equal(Q[1], D[1])
+
+
+def test_padded_without_lengths_is_all_rows(tmp_path):
+    D = np.random.default_rng(4).standard_normal((3, 5, DIM)).astype(np.float16)
+    np.save(tmp_path / "d.npy", D)
+    s = shards.open_input(tmp_path / "d.npy")
+    assert s.doc_lengths().tolist() == [5, 5, 5]
+    tokens, off = s.read_chunk(1, 3)
+    np.testing.assert_array_equal(tokens, D[1:3].reshape(10, DIM))
+    assert off.tolist() == [0, 5, 10]
+
+
+@pytest.mark.parametrize("doclens_format", ["json", "npy"])
+def test_colbert_flat_tokens_with_doclens(tmp_path, doclens_format):
+    rng = np.random.default_rng(5)
+    docs = ragged(rng, [2, 6, 0, 3])
+    np.save(tmp_path / "embs.npy", np.concatenate(docs).astype(np.float16))
+    if doclens_format == "json":
+        (tmp_path / "doclens.0.json").write_text(json.dumps([2, 6, 0, 3]))
+        doclens = tmp_path / "doclens.0.json"
+    else:
+        doclens = tmp_path / "doclens.npy"
+        np.save(doclens, np.array([2, 6, 0, 3], np.int32))
+    s = shards.open_input(tmp_path / "embs.npy", doclens)
+    assert not s.padded and s.offsets.tolist() == [0, 2, 8, 8, 11]
+    packed = shards.pack(s, tmp_path / "shard", model="colbertv2.0")
+    assert packed.manifest["model"] == "colbertv2.0" and packed.manifest["normalized"]
+    np.testing.assert_array_equal(np.asarray(packed.tokens), np.concatenate(docs).astype(np.float16))
+
+
+def test_pack_arrays_and_dtype_conversion(tmp_path):
+    rng = np.random.default_rng(6)
+    docs = ragged(rng, [3, 1, 4])
+    files = []
+    for i, d in enumerate(docs):
+        files.append(tmp_path / f"page{i}.npy")
+        np.save(files[-1], d)
+    s = shards.pack_arrays(files, tmp_path / "pages", ids=["p0", "p1", "p2"], dtype="bfloat16")
+    assert s.dtype == "bfloat16" and s.offsets.tolist() == [0, 3, 4, 8]
+    np.testing.assert_array_equal(np.asarray(s.tokens), np.concatenate(docs).astype(ml_dtypes.bfloat16))
+    from_arrays = shards.pack_arrays(docs, tmp_path / "mem", dtype="float16")
+    np.testing.assert_array_equal(np.asarray(from_arrays.tokens), np.concatenate(docs).astype(np.float16))
+    back = shards.pack(s, tmp_path / "fp32", dtype="float32")
+    np.testing.assert_array_equal(np.asarray(back.tokens), np.concatenate(docs).astype(ml_dtypes.bfloat16).astype(np.float32))
+
+
+def test_pack_arrays_rejects_mixed_dims(tmp_path):
+    with pytest.raises(ShardError, match=r"docs\[1\]: d=5"):
+        shards.pack_arrays([np.zeros((2, 4), np.float32), np.zeros((2, 5), np.float32)], tmp_path / "x")
+    assert listing(tmp_path) == []
+
+
+# --------------------------------------------------------------------------- writing safely
+
+
+def test_overwrite_replaces_only_a_shard(tmp_path):
+    write_example(tmp_path, lengths=(1, 2))
+    with pytest.raises(ShardError, match="already exists"):
+        write_example(tmp_path, lengths=(3,))
+    docs = ragged(np.random.default_rng(0), [3])
+    s = shards.write_shard(tmp_path / "s", np.concatenate(docs), offsets_of(docs), overwrite=True)
+    assert s.num_docs == 1 and listing(tmp_path) == ["s"]
+    (tmp_path / "precious").mkdir()
+    (tmp_path / "precious" / "data.txt").write_text("keep me")
+    with pytest.raises(ShardError, match="not a lik shard"):
+        shards.write_shard(tmp_path / "precious", np.concatenate(docs), offsets_of(docs), overwrite=True)
+    assert (tmp_path / "precious" / "data.txt").read_text() == "keep me"
+
+
+def test_failed_write_leaves_nothing(tmp_path):
+    docs = ragged(np.random.default_rng(7), [2, 3])
+    tokens = np.concatenate(docs)
+    tokens[3, 1] = np.nan  # document 1, token 1
+    with pytest.raises(ShardError, match=r"tokens: document 1, token 1 holds NaN or inf"):
+        shards.write_shard(tmp_path / "s", tokens, offsets_of(docs), check_finite=True)
+    assert listing(tmp_path) == []
+    assert not shards.write_shard(tmp_path / "s", tokens, offsets_of(docs)).manifest["normalized"]  # allowed unless checked
+
+
+def test_write_rejects_bad_arguments(tmp_path):
+    docs = ragged(np.random.default_rng(8), [2, 3])
+    tokens, off = np.concatenate(docs), offsets_of(docs)
+    cases = [
+        (dict(tokens=tokens.astype(np.float64), offsets=off), "tokens: dtype float64"),
+        (dict(tokens=tokens.view(np.uint16).reshape(5, -1)[:, :DIM], offsets=off), "tokens: dtype uint16"),
+        (dict(tokens=tokens, offsets=off[::-1]), "offsets: offsets\\[0\\] is 5"),
+        (dict(tokens=tokens, offsets=np.array([0, 4, 3])), "not monotone"),
+        (dict(tokens=tokens, offsets=np.array([0, 2, 4])), "end at 4 but there are 5"),
+        (dict(tokens=tokens, offsets=off, ids=[1, 2, 3]), "ids: expected 2 ids"),
+        (dict(tokens=tokens, offsets=off, ids=["a", "b\tc"]), "tab or line break"),
+        (dict(tokens=tokens, offsets=off, ids=[1.5, 2.5]), "ids must be int64 or fixed-width strings"),
+        (dict(tokens=tokens, offsets=off, dtype="float64"), "dtype 'float64' is not one of"),
+        (dict(tokens=tokens[None], offsets=off), "expected packed token embeddings"),
+    ]
+    for kwargs, message in cases:
+        with pytest.raises(ShardError, match=message):
+            shards.write_shard(tmp_path / "s", **kwargs)
+    assert listing(tmp_path) == []
+    with pytest.raises(ShardError, match="parent directory .* does not exist"):
+        shards.write_shard(tmp_path / "no" / "s", tokens, off)
+
+
+# --------------------------------------------------------------------------- opening bad shards
+
+
+def _edit_manifest(path, **changes):
+    m = json.loads((path / "manifest.json").read_text())
+    for key, value in changes.items():
+        if value is KeyError:
+            del m[key]
+        else:
+            m[key] = value
+    (path / "manifest.json").write_text(json.dumps(m))
+
+
+def _bad_shards(tmp_path):
+    """(name, mutate(shard_dir), file at fault (relative to the shard), words of the problem)."""
+    def save(name, arr):
+        return lambda d: np.save(d / name, arr, allow_pickle=True)
+
+    def truncate(name, cut):
+        return lambda d: (d / name).write_bytes((d / name).read_bytes()[:-cut])
+
+    def link_outside(d):
+        np.save(tmp_path / "outside.npy", np.zeros(6, np.int64))
+        os.symlink(tmp_path / "outside.npy", d / "evil.npy")
+        _edit_manifest(d, files={"tokens": "tokens.npy", "offsets": "evil.npy"})
+
+    return [
+        ("no manifest", lambda d: (d / "manifest.json").unlink(), "manifest.json", "no such file"),
+        ("manifest not JSON", lambda d: (d / "manifest.json").write_text("{oops"), "manifest.json", "not valid JSON"),
+        ("manifest a list", lambda d: (d / "manifest.json").write_text("[]"), "manifest.json", "expected a JSON object"),
+        ("wrong format", lambda d: _edit_manifest(d, format="other"), "manifest.json", "expected 'lik-shard'"),
+        ("newer version", lambda d: _edit_manifest(d, version=2), "manifest.json", "newer than this lik-cupy reads"),
+        ("no dim", lambda d: _edit_manifest(d, dim=KeyError), "manifest.json", "dim is None"),
+        ("bad dtype", lambda d: _edit_manifest(d, dtype="float64"), "manifest.json", "dtype is 'float64'"),
+        ("normalized not bool", lambda d: _edit_manifest(d, normalized="yes"), "manifest.json", "expected true or false"),
+        ("no files", lambda d: _edit_manifest(d, files=KeyError), "manifest.json", "files must be an object"),
+        ("dot-dot path", lambda d: _edit_manifest(d, files={"tokens": "../tokens.npy", "offsets": "offsets.npy"}),
+         "manifest.json", "not inside the shard directory"),
+        ("absolute path", lambda d: _edit_manifest(d, files={"tokens": "/etc/passwd", "offsets": "offsets.npy"}),
+         "manifest.json", "not inside the shard directory"),
+        ("symlink out", link_outside, "manifest.json", "leads outside the shard directory"),
+        ("tokens missing", lambda d: (d / "tokens.npy").unlink(), "tokens.npy", "no such file"),
+        ("tokens truncated", truncate("tokens.npy", 10), "tokens.npy", "truncated"),
+        ("tokens not npy", lambda d: (d / "tokens.npy").write_text("hello"), "tokens.npy", "not a .npy file"),
+        ("tokens shape", save("tokens.npy", np.zeros((16, DIM + 1), np.float16)), "tokens.npy", "does not match the manifest"),
+        ("tokens dtype", save("tokens.npy", np.zeros((16, DIM), np.float32)), "tokens.npy", "does not match the manifest's dtype"),
+        ("offsets not monotone", save("offsets.npy", np.array([0, 3, 2, 8, 9, 16])), "offsets.npy", "not monotone"),
+        ("offsets short of T", save("offsets.npy", np.array([0, 3, 3, 8, 9, 15])), "offsets.npy", "expected offsets[-1] == T"),
+        ("offsets start", save("offsets.npy", np.array([1, 3, 3, 8, 9, 16])), "offsets.npy", "expected 0"),
+        ("offsets int32", save("offsets.npy", np.array([0, 3, 3, 8, 9, 16], np.int32)), "offsets.npy", "expected int64"),
+        ("offsets count", save("offsets.npy", np.array([0, 3, 8, 9, 16])), "offsets.npy", "num_docs + 1 = 6"),
+        ("ids count", save("ids.npy", np.arange(4)), "ids.npy", "expected 5 ids"),
+        ("ids float", save("ids.npy", np.arange(5.0)), "ids.npy", "ids must be int64 or fixed-width strings"),
+        ("ids int32", save("ids.npy", np.arange(5, dtype=np.int32)), "ids.npy", "must be int64"),
+        ("ids objects", save("ids.npy", np.array([1, "a", 2, 3, 4], dtype=object)), "ids.npy", "Python objects"),
+    ]
+
+
+def test_bad_shards_name_the_file_and_problem(tmp_path):
+    failures = []
+    for i, (name, mutate, culprit, words) in enumerate(_bad_shards(tmp_path)):
+        shard, _ = write_example(tmp_path, f"s{i}", lengths=(3, 0, 5, 1, 7), ids=np.arange(5))
+        mutate(pathlib.Path(shard.path))
+        try:
+            shards.open_shard(shard.path)
+            failures.append(f"{name}: opened without error")
+        except ShardError as e:
+            if e.path != os.path.join(shard.path, culprit) or words not in e.problem:
+                failures.append(f"{name}: {e}")
+    assert not failures, "\n".join(failures)
+
+
+def test_never_unpickles(tmp_path):
+    marker = tmp_path / "pwned"
+
+    class Payload:
+        def __reduce__(self):
+            return (pathlib.Path.touch, (marker,))
+
+    np.save(tmp_path / "evil.npy", np.array([Payload()], dtype=object), allow_pickle=True)
+    with pytest.raises(ShardError, match="Python objects"):
+        shards.open_npy(tmp_path / "evil.npy")
+    with pytest.raises(ShardError, match="Python objects"):
+        shards.open_input(tmp_path / "evil.npy")
+    assert not marker.exists()
+
+
+def test_open_input_rejects(tmp_path):
+    np.save(tmp_path / "four.npy", np.zeros((2, 3, 4, 5), np.float32))
+    np.save(tmp_path / "flat.npy", np.zeros((6, 4), np.float32))
+    np.save(tmp_path / "pad.npy", np.zeros((3, 4, 5), np.float32))
+    np.save(tmp_path / "big.npy", np.zeros((3, 4, 5), np.float32).astype(">f4"))
+    np.save(tmp_path / "f64.npy", np.zeros((3, 4, 5)))
+    np.save(tmp_path / "u16.npy", np.zeros((3, 4, 5), np.uint16))
+    np.save(tmp_path / "d0.npy", np.zeros((3, 4, 0), np.float32))
+    np.save(tmp_path / "lens_big.npy", np.array([1, 5, 2]))
+    np.save(tmp_path / "lens_neg.npy", np.array([1, -1, 2]))
+    np.save(tmp_path / "lens_2.npy", np.array([1, 2]))
+    np.save(tmp_path / "lens_f.npy", np.array([1.0, 2.0, 3.0]))
+    (tmp_path / "lens_str.json").write_text('[1, "2", 3]')
+    (tmp_path / "lens_bad.json").write_text("[1, 2")
+    (tmp_path / "doclens.json").write_text("[1, 2, 2]")
+    np.savez(tmp_path / "arch.npz", a=np.zeros(3))
+    shard, _ = write_example(tmp_path)
+    t = tmp_path
+    cases = [
+        ((t / "nope.npy",), t / "nope.npy", "no such file"),
+        ((t / "four.npy",), t / "four.npy", "expected a padded [N, L, d] array"),
+        ((t / "flat.npy",), t / "flat.npy", "need per-document token counts"),
+        ((t / "flat.npy", t / "doclens.json"), t / "doclens.json", "doclens sum to 5 but"),
+        ((t / "big.npy",), t / "big.npy", "big-endian"),
+        ((t / "f64.npy",), t / "f64.npy", "unsupported dtype float64"),
+        ((t / "u16.npy",), t / "u16.npy", "--bf16-bits"),
+        ((t / "d0.npy",), t / "d0.npy", "embedding dim is 0"),
+        ((t / "pad.npy", t / "lens_big.npy"), t / "lens_big.npy", "length 5 at index 1 is out of range 0..4"),
+        ((t / "pad.npy", t / "lens_neg.npy"), t / "lens_neg.npy", "length -1 at index 1 is negative"),
+        ((t / "pad.npy", t / "lens_2.npy"), t / "lens_2.npy", "expected 3 lengths"),
+        ((t / "pad.npy", t / "lens_f.npy"), t / "lens_f.npy", "lengths must be integers"),
+        ((t / "pad.npy", t / "lens_str.json"), t / "lens_str.json", "JSON list of integers"),
+        ((t / "pad.npy", t / "lens_bad.json"), t / "lens_bad.json", "not a JSON list"),
+        ((t / "pad.npy", t / "nolens.npy"), t / "nolens.npy", "no such file"),
+        ((t / "arch.npz",), t / "arch.npz", ".npz archive"),
+        ((shard.path, t / "lens_2.npy"), t / "lens_2.npy", "a lengths file goes with a .npy input only"),
+    ]
+    for args, culprit, words in cases:
+        with pytest.raises(ShardError) as info:
+            shards.open_input(*args)
+        assert info.value.path == str(culprit) and words in info.value.problem, str(info.value)
+    u16 = shards.open_input(t / "u16.npy", bf16_bits=True)
+    assert u16.dtype == "bfloat16"
+
+
+# --------------------------------------------------------------------------- value scans
+
+
+def test_scan_values_and_check_finite(tmp_path):
+    rng = np.random.default_rng(9)
+    docs = ragged(rng, [2, 3, 4])
+    clean = shards.write_shard(tmp_path / "clean", np.concatenate(docs), offsets_of(docs))
+    assert shards.scan_values(clean) == shards.ValueScan(None, None)
+    shards.check_finite(clean)
+
+    tokens = np.concatenate(docs)
+    tokens[6, 0] = np.inf  # document 2, token 1
+    tokens[3] *= 2  # document 1, token 1: norm 2
+    bad = shards.write_shard(tmp_path / "bad", tokens, offsets_of(docs), ids=["a", "b", "c"])
+    scan = shards.scan_values(bad, max_bytes=1)
+    assert scan.nonfinite == (2, 1)
+    assert scan.not_unit[:2] == (1, 1) and abs(scan.not_unit[2] - 2) < 1e-3 and not scan.normalized
+    with pytest.raises(ShardError, match=r"tokens.npy: document 2 \(id 'c'\), token 1 holds NaN or inf"):
+        shards.check_finite(bad, max_bytes=1)
+
+
+def test_nan_in_padding_is_not_a_value(tmp_path):
+    D = unit(np.random.default_rng(10).standard_normal((3, 4, DIM)))
+    D[1, 2:] = np.nan  # padding of document 1
+    np.save(tmp_path / "d.npy", D)
+    np.save(tmp_path / "l.npy", np.array([4, 2, 4]))
+    s = shards.open_input(tmp_path / "d.npy", tmp_path / "l.npy")
+    shards.check_finite(s)
+    assert shards.scan_values(s).normalized
+    with pytest.raises(ShardError, match=r"d.npy: document 1, token 2 holds NaN"):
+        shards.check_finite(shards.open_input(tmp_path / "d.npy"))
