@@ -4,9 +4,9 @@ The corpus is scored in chunks of documents. Each chunk's ``[Nq, C]`` scores
 are merged on the device into a running top-k (``cuda_src/topk.cu``), so
 ``[Nq, Nd]`` never exists for the whole corpus. A corpus on the GPU is read in
 place; a corpus in host memory (NumPy, memory-mapped ``.npy``) is streamed
-through pinned staging buffers: while the GPU scores chunk c, a copy stream
-uploads chunk c+1 and host threads fill the other staging buffer with chunk
-c+2, so the GPU's memory use stays flat however large the corpus grows.
+through two pinned staging buffers: while the GPU scores chunk c, host
+threads fill the other buffer with chunk c+1 and a copy stream uploads it, so
+the GPU's memory use stays flat however large the corpus grows.
 
 GPU memory used by one call (bytes), with C documents per chunk::
 
