@@ -384,6 +384,20 @@ struct Fwd {
 
                 const int tok0 = t * BN;
                 const bool full = !dm && tok0 + BN <= len;
+                if (!ARGMAX && full) {
+                    // Every token of the tile counts: one max per accumulator, no select (the
+                    // epilogue's instruction count, not the MMA, bounds short-document tiles).
+#pragma unroll
+                    for (int m = 0; m < MT; ++m)
+#pragma unroll
+                        for (int h = 0; h < 2; ++h) {
+                            float b = best[m][h];
+#pragma unroll
+                            for (int n = 0; n < NN; ++n) b = max_nan(b, max_nan(acc[m][n][2 * h], acc[m][n][2 * h + 1]));
+                            best[m][h] = b;
+                        }
+                    continue;
+                }
 #pragma unroll
                 for (int n = 0; n < NN; ++n)
 #pragma unroll
