@@ -136,11 +136,13 @@ def _host(x, fw):
     return interop.to_numpy(x, fw)
 
 
-def _valid_host(mask, lengths, rows: int, length: int, name: str) -> np.ndarray:
+def valid_host(mask, lengths, rows: int, length: int, name: str, fw: str) -> np.ndarray:
+    """One side's valid tokens on the host: bool [rows, length] from a mask, range-checked
+    lengths, or all True."""
     if mask is not None:
-        return mask.reshape(rows, length).astype(bool, copy=False)
+        return _host(mask, fw).reshape(rows, length).astype(bool, copy=False)
     if lengths is not None:
-        lens = lengths.reshape(rows).astype(np.int64)
+        lens = _host(lengths, fw).reshape(rows).astype(np.int64)
         if lens.size:
             check_length_values(name, int(lens.min()), int(lens.max()), length)
         return np.arange(length)[None, :] < lens[:, None]
@@ -152,10 +154,8 @@ def _cpu(p: Problem, Q, D, q_mask, d_mask, q_lengths, d_lengths, return_argmax):
     q = _host(Q, fw).reshape(p.nq, p.lq, p.dim)
     nrows = p.nq * p.nd if p.candidates else p.nd
     d = _host(D, fw).reshape(nrows, p.ld, p.dim)
-    qv = _valid_host(None if q_mask is None else _host(q_mask, fw), None if q_lengths is None else _host(q_lengths, fw),
-                     p.nq, p.lq, "q_lengths")
-    dv = _valid_host(None if d_mask is None else _host(d_mask, fw), None if d_lengths is None else _host(d_lengths, fw),
-                     nrows, p.ld, "d_lengths")
+    qv = valid_host(q_mask, q_lengths, p.nq, p.lq, "q_lengths", fw)
+    dv = valid_host(d_mask, d_lengths, nrows, p.ld, "d_lengths", fw)
     s, a = cpu.maxsim_numpy(q, d, qv, dv, candidates=p.candidates, nd=p.nd, return_argmax=return_argmax)
     s = s.reshape(p.scores_shape)
     a = a.reshape(p.argmax_shape) if a is not None else None
@@ -178,8 +178,7 @@ def _cpu_varlen(p: Problem, Q, D, d_offsets, q_mask, q_lengths, q_offsets, retur
         q, qv = cpu.unpack(qt, host_offsets(_host(q_offsets, fw), qt.shape[0], "q_offsets"))
     else:
         q = _host(Q, fw).reshape(p.nq, p.lq, p.dim)
-        qv = _valid_host(None if q_mask is None else _host(q_mask, fw),
-                         None if q_lengths is None else _host(q_lengths, fw), p.nq, p.lq, "q_lengths")
+        qv = valid_host(q_mask, q_lengths, p.nq, p.lq, "q_lengths", fw)
     s, a = cpu.maxsim_packed_numpy(q, qv, d, doff, return_argmax=return_argmax)
     lq = q.shape[1]
     s = s.reshape(p.scores_shape)
@@ -219,30 +218,40 @@ def _gpu(p: Problem, Q, D, q_mask, d_mask, q_lengths, d_lengths, return_argmax):
         if p.dtype == "bfloat16":
             q, d = q.view(cupy.uint16), d.view(cupy.uint16)
         nrows = p.nq * p.nd if p.candidates else p.nd
-        qm = dm = ql = dl = None
-        if q_mask is not None:
-            qm = _dev_array(q_mask, fw, on_host).view(cupy.uint8).reshape(p.nq, p.lq)
-        if d_mask is not None:
-            dm = _dev_array(d_mask, fw, on_host).view(cupy.uint8).reshape(nrows, p.ld)
-        if q_lengths is not None:
-            ql = _lengths(_dev_array(q_lengths, fw, on_host), p.nq, p.lq, "q_lengths")
-        if d_lengths is not None:
-            dl = _lengths(_dev_array(d_lengths, fw, on_host), nrows, p.ld, "d_lengths")
+        qm, ql = device_valid(q_mask, q_lengths, p.nq, p.lq, "q_lengths", fw, on_host)
+        dm, dl = device_valid(d_mask, d_lengths, nrows, p.ld, "d_lengths", fw, on_host)
         scores, amax = _launch(p, q, d, qm, dm, ql, dl, return_argmax, device)
-        scores = interop.from_cupy(scores.reshape(p.scores_shape), fw, on_host)
-        if amax is not None:
-            amax = interop.from_cupy(amax.reshape(p.argmax_shape), fw, on_host)
+        return _caller_results(p, scores, amax, on_host)
+
+
+def device_valid(mask, lengths, rows: int, length: int, name: str, fw: str, on_host: bool):
+    """One side's valid tokens on the device: (uint8 mask [rows, length] or None,
+    range-checked int32 lengths [rows] or None)."""
+    import cupy
+
+    m = None if mask is None else _dev_array(mask, fw, on_host).view(cupy.uint8).reshape(rows, length)
+    n = None if lengths is None else _lengths(_dev_array(lengths, fw, on_host), rows, length, name)
+    return m, n
+
+
+def _caller_results(p: Problem, scores, amax, on_host: bool):
+    """Scores (and argmax) in the caller's framework and shapes."""
+    scores = interop.from_cupy(scores.reshape(p.scores_shape), p.framework, on_host)
+    if amax is not None:
+        amax = interop.from_cupy(amax.reshape(p.argmax_shape), p.framework, on_host)
     return scores, amax
 
 
-def device_offsets(off, total: int, name: str):
-    """int64 device offsets after the value checks (one small reduction and one sync, no copy of the array)."""
+def device_offsets(off, total: int, name: str, check: bool = True):
+    """int64 contiguous device offsets; ``check`` runs the value checks (one small reduction
+    and one sync, no copy of the array)."""
     import cupy
 
     off = cupy.ascontiguousarray(off.reshape(-1), dtype=cupy.int64)
-    bad = (off[1:] < off[:-1]).any() if off.size > 1 else cupy.zeros((), bool)
-    first, last, dec = (int(v) for v in cupy.stack([off[0], off[-1], bad.astype(cupy.int64)]).get())
-    check_offset_values(name, first, last, bool(dec), total)
+    if check:
+        bad = (off[1:] < off[:-1]).any() if off.size > 1 else cupy.zeros((), bool)
+        first, last, dec = (int(v) for v in cupy.stack([off[0], off[-1], bad.astype(cupy.int64)]).get())
+        check_offset_values(name, first, last, bool(dec), total)
     return off
 
 
@@ -257,27 +266,17 @@ def _gpu_varlen(p: Problem, Q, D, d_offsets, q_mask, q_lengths, q_offsets, retur
         d = _dev_array(D, fw, on_host).reshape(p.ntok, p.dim)
         if p.dtype == "bfloat16":
             q, d = q.view(cupy.uint16), d.view(cupy.uint16)
-        doff = _dev_array(d_offsets, fw, on_host)
-        if validate:
-            doff = device_offsets(doff, p.ntok, "d_offsets")
-        else:
-            doff = cupy.ascontiguousarray(doff.reshape(-1), dtype=cupy.int64)
-        qm = ql = None
+        doff = device_offsets(_dev_array(d_offsets, fw, on_host), p.ntok, "d_offsets", validate)
+        qm = None
         if q_offsets is not None:
             q, ql = _unpack_queries(q.reshape(-1, p.dim), _dev_array(q_offsets, fw, on_host), p.nq)
             p = replace(p, lq=q.shape[1], argmax_shape=p.scores_shape + (q.shape[1],))
         else:
             q = q.reshape(p.nq, p.lq, p.dim)
-            if q_mask is not None:
-                qm = _dev_array(q_mask, fw, on_host).view(cupy.uint8).reshape(p.nq, p.lq)
-            if q_lengths is not None:
-                ql = _lengths(_dev_array(q_lengths, fw, on_host), p.nq, p.lq, "q_lengths")
+            qm, ql = device_valid(q_mask, q_lengths, p.nq, p.lq, "q_lengths", fw, on_host)
         ld_hint = -(-p.ntok // max(1, p.nd))
         scores, amax = _launch(p, q, d, qm, None, ql, None, return_argmax, device, d_off=doff, ld_hint=ld_hint)
-        scores = interop.from_cupy(scores.reshape(p.scores_shape), fw, on_host)
-        if amax is not None:
-            amax = interop.from_cupy(amax.reshape(p.argmax_shape), fw, on_host)
-    return scores, amax
+        return _caller_results(p, scores, amax, on_host)
 
 
 def _unpack_queries(qt, q_offsets, nq: int):

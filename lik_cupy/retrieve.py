@@ -30,7 +30,8 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from . import cpu, dispatch, interop
-from .forward import _BACKENDS, _dev_array, _host, _launch, _lengths, _use_gpu, device_offsets, host_offsets
+from .forward import (_BACKENDS, _dev_array, _host, _launch, _use_gpu, device_offsets, device_valid, host_offsets,
+                      valid_host)
 from .validate import Problem, check_call, check_length_values, check_varlen
 
 MAX_K = 4096  # the merge kernel ranks up to this many candidates in shared memory
@@ -167,15 +168,7 @@ class _Cpu:
         fw = qp.framework
         self.qp, self.k = qp, k
         self.q = _host(Q, fw).reshape(qp.nq, qp.lq, qp.dim)
-        qv = np.ones((qp.nq, qp.lq), bool)
-        if q_mask is not None:
-            qv = _host(q_mask, fw).reshape(qp.nq, qp.lq).astype(bool)
-        elif q_lengths is not None:
-            lens = _host(q_lengths, fw).reshape(qp.nq).astype(np.int64)
-            if lens.size:
-                check_length_values("q_lengths", int(lens.min()), int(lens.max()), qp.lq)
-            qv = np.arange(qp.lq)[None, :] < lens[:, None]
-        self.qv = qv
+        self.qv = valid_host(q_mask, q_lengths, qp.nq, qp.lq, "q_lengths", fw)
         self.s = np.empty((qp.nq, 0), np.float32)
         self.i = np.empty((qp.nq, 0), np.int64)
         self.base = 0
@@ -193,17 +186,14 @@ class _Cpu:
                 self._merge(s)
         else:
             docs = _host(part.docs, fw)
+            mask = None if part.mask is None else _host(part.mask, fw)  # converted once, sliced per chunk
+            lens = None if part.lengths is None else _host(part.lengths, fw)
             for a in range(0, p.nd, step):
                 b = min(p.nd, a + step)
-                dv = np.ones((b - a, p.ld), bool)
-                if part.mask is not None:
-                    dv = _host(part.mask, fw)[a:b].astype(bool)
-                elif part.lengths is not None:
-                    lens = np.asarray(_host(part.lengths, fw)[a:b], dtype=np.int64)
-                    if lens.size:
-                        check_length_values("d_lengths", int(lens.min()), int(lens.max()), p.ld)
-                    dv = np.arange(p.ld)[None, :] < lens[:, None]
-                s, _ = cpu.maxsim_numpy(self.q, docs[a:b], self.qv, dv, candidates=False, nd=b - a, return_argmax=False)
+                dv = valid_host(None if mask is None else mask[a:b], None if lens is None else lens[a:b], b - a, p.ld,
+                                "d_lengths", "numpy")
+                s, _ = cpu.maxsim_numpy(self.q, docs[a:b], self.qv, dv, candidates=False, nd=b - a,
+                                        return_argmax=False)
                 self._merge(s)
 
     def _merge(self, s):
@@ -234,11 +224,7 @@ class _Gpu:
         if qp.dtype == "bfloat16":
             q = q.view(cupy.uint16)
         self.q = q.reshape(qp.nq, qp.lq, qp.dim)
-        self.qm = self.ql = None
-        if q_mask is not None:
-            self.qm = _dev_array(q_mask, fw, self.on_host_q).view(cupy.uint8).reshape(qp.nq, qp.lq)
-        if q_lengths is not None:
-            self.ql = _lengths(_dev_array(q_lengths, fw, self.on_host_q), qp.nq, qp.lq, "q_lengths")
+        self.qm, self.ql = device_valid(q_mask, q_lengths, qp.nq, qp.lq, "q_lengths", fw, self.on_host_q)
         self.s = cupy.empty((qp.nq, 0), cupy.float32)
         self.i = cupy.empty((qp.nq, 0), cupy.int64)
         self.base = 0
@@ -286,11 +272,7 @@ class _Gpu:
                     b = min(p.nd, a + c)
                     self._score(replace(p, nd=b - a), d, None, None, off[a:b + 1], ld_hint)
             else:
-                dm = dl = None
-                if part.mask is not None:
-                    dm = _dev_array(part.mask, fw, False).view(cupy.uint8).reshape(p.nd, p.ld)
-                if part.lengths is not None:
-                    dl = _lengths(_dev_array(part.lengths, fw, False), p.nd, p.ld, "d_lengths")
+                dm, dl = device_valid(part.mask, part.lengths, p.nd, p.ld, "d_lengths", fw, False)
                 c = self._chunk_docs(0, staged=False)
                 for a in range(0, p.nd, c):
                     b = min(p.nd, a + c)

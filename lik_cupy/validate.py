@@ -68,11 +68,7 @@ def check_call(Q, D, q_mask, d_mask, q_lengths, d_lengths, *, pairs: bool) -> Pr
         raise TypeError(f"Q is a {q.framework} array but D is a {d.framework} array: pass both from one framework")
     if q.device != d.device:
         raise ValueError(f"Q is on {_where(q.device)} but D is on {_where(d.device)}: put both on one device")
-    for name, info in (("Q", q), ("D", d)):
-        if info.dtype not in FLOAT_DTYPES:
-            raise TypeError(f"{name} has dtype {info.dtype}; expected float16, bfloat16 or float32")
-    if d.dtype != q.dtype:
-        raise TypeError(f"D has dtype {d.dtype} but Q has {q.dtype}: cast one so both match")
+    _check_float_dtypes(q, "D", d)
 
     if pairs:
         if len(q.shape) != 3 or len(d.shape) != 3:
@@ -125,11 +121,7 @@ def check_varlen(Q, D, d_offsets, q_mask, q_lengths, q_offsets) -> Problem:
     q = _info("Q", Q)
     d = _info("D_tokens", D)
     _same_place("D_tokens", d, q)
-    for name, info in (("Q", q), ("D_tokens", d)):
-        if info.dtype not in FLOAT_DTYPES:
-            raise TypeError(f"{name} has dtype {info.dtype}; expected float16, bfloat16 or float32")
-    if d.dtype != q.dtype:
-        raise TypeError(f"D_tokens has dtype {d.dtype} but Q has {q.dtype}: cast one so both match")
+    _check_float_dtypes(q, "D_tokens", d)
     if len(d.shape) != 2:
         raise ValueError(f"D_tokens must be packed tokens [T, d]; got shape {list(d.shape)}")
     dim = q.shape[-1] if q.shape else 0
@@ -177,6 +169,14 @@ def check_offset_values(name: str, first: int, last: int, decreasing: bool, tota
         raise ValueError(f"{name} must be non-decreasing (document i spans offsets[i]:offsets[i+1])")
     if last != total:
         raise ValueError(f"{name} ends at {last} but there are {total} packed tokens; the last offset must equal T")
+
+
+def _check_float_dtypes(q: Info, dname: str, d: Info) -> None:
+    for name, info in (("Q", q), (dname, d)):
+        if info.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"{name} has dtype {info.dtype}; expected float16, bfloat16 or float32")
+    if d.dtype != q.dtype:
+        raise TypeError(f"{dname} has dtype {d.dtype} but Q has {q.dtype}: cast one so both match")
 
 
 def _where(dev) -> str:
