@@ -15,15 +15,18 @@
 #   PYTEST_ARGS      extra pytest args (e.g. "-k maxsim")
 #   ONLY_CORPUS=1    skip the tests and the forward bench; run only bench_corpus.py
 #   SKIP_CORPUS=1    skip bench_corpus.py
+#   SKIP_SPLIT_D=1   skip bench_split_d.py --no-candidates (wide dims against the baselines;
+#                    it runs after the forward bench, before the corpus bench)
 #   CORPUS_ARGS      extra bench_corpus.py args (e.g. "--quick" or "--cells topk,ragged")
 #   CORPUS_RESERVE_S seconds withheld from the forward bench's budget so the corpus bench
 #                    still gets to run after it (default 0: the corpus bench gets what is left,
 #                    and is skipped when that is under 60 s)
 #
-# Files written to $OUT (flat, <= 8): pytest.log, pytest-junit.xml, bench.log (forward and
-#   corpus output), forward_<gpu>.json, forward_<gpu>.png, forward_<gpu>.txt, corpus_<gpu>.json,
-#   summary.txt; with ONLY_CORPUS=1 also corpus_<gpu>.txt (left out otherwise: the device tool
-#   returns at most 8 files; the corpus table is in summary.txt and bench.log anyway)
+# Files written to $OUT (flat, <= 8): pytest.log, pytest-junit.xml, bench.log (forward, split-d
+#   and corpus output), forward_<gpu>.json, forward_<gpu>.png, split_d_<gpu>.json,
+#   corpus_<gpu>.json, summary.txt; forward_<gpu>.txt only when the split-d bench is skipped,
+#   and corpus_<gpu>.txt with ONLY_CORPUS=1 (the device tool returns at most 8 files; those
+#   tables are in summary.txt and bench.log anyway)
 # The baseline wheels live in .whl/ which is git-ignored: the device run must carry it
 # (run(..., carry=[".whl"])).
 
@@ -88,7 +91,7 @@ fi
 if [ "${SKIP_TESTS:-0}" != "1" ]; then
     echo "== pytest -m gpu with the Hopper kernels forced off (LIK_CUPY_DISABLE_WGMMA=1)"
     LIK_CUPY_DISABLE_WGMMA=1 timeout -k 10 "$PYTEST_TIMEOUT_S" python3 -m pytest -m gpu -q --maxfail=25 \
-        -p no:cacheprovider tests/test_forward_gpu.py 2>&1 | tail -n 3 | tee -a "$OUT/pytest.log"
+        -p no:cacheprovider tests/test_forward_gpu.py tests/test_split_d_gpu.py 2>&1 | tail -n 3 | tee -a "$OUT/pytest.log"
     echo "== SASS check: tensor-core instructions in the compiled forward kernels"
     python3 - <<'PY' 2>&1 | tee -a "$OUT/pytest.log"
 import json, subprocess
@@ -117,6 +120,22 @@ if [ "${SKIP_BENCH:-0}" != "1" ] && [ "$SKIP_FORWARD" != "1" ]; then
         | tee "$OUT/bench.log"
     BENCH_RC=${PIPESTATUS[0]}
     echo "bench exit code: $BENCH_RC"
+fi
+
+# ---------------------------------------------------------------- split-d bench (wide dims)
+SPLIT_RC="skipped"
+if [ "${SKIP_BENCH:-0}" != "1" ] && [ "$SKIP_FORWARD" != "1" ] && [ "${SKIP_SPLIT_D:-0}" != "1" ]; then
+    NOW=$(date +%s)
+    LEFT=$(( SESSION_LIMIT_S - (NOW - T0) ))
+    if [ "$LEFT" -lt 150 ]; then
+        echo "== bench_split_d.py skipped: only ${LEFT}s left" | tee -a "$OUT/bench.log"
+    else
+        echo "== bench_split_d.py --no-candidates" | tee -a "$OUT/bench.log"
+        timeout -k 10 $(( LEFT - 60 )) python3 bench/bench_split_d.py --no-candidates --out "$OUT" \
+            --time-budget $(( LEFT - 120 )) 2>&1 | tee -a "$OUT/bench.log"
+        SPLIT_RC=${PIPESTATUS[0]}
+        rm -f "$OUT"/forward_*.txt   # keep $OUT at <= 8 files; the forward table is in summary.txt
+    fi
 fi
 
 # ---------------------------------------------------------------- corpus bench (after the forward bench)
@@ -186,6 +205,12 @@ PY
             echo "bench: no results JSON"
         fi
     fi
+    SJSON=$(ls -t "$OUT"/split_d_*.json 2>/dev/null | head -n 1)
+    if [ "$SPLIT_RC" != "skipped" ] && [ -n "$SJSON" ]; then
+        echo
+        echo "split-d results: $SJSON (exit code $SPLIT_RC)"
+        python3 bench/bench_split_d.py --table-from "$SJSON" || echo "(could not render split-d table)"
+    fi
     case "$CORPUS_RC" in
         skipped*) ;;
         *)
@@ -205,5 +230,6 @@ PY
 # exit non-zero if either step failed, so a caller can tell at a glance
 [ "$PYTEST_RC" = "0" ] || [ "$PYTEST_RC" = "skipped" ] || exit 1
 [ "$BENCH_RC" = "0" ] || [ "$BENCH_RC" = "skipped" ] || exit 1
+[ "$SPLIT_RC" = "0" ] || [ "$SPLIT_RC" = "skipped" ] || exit 1
 case "$CORPUS_RC" in 0|skipped*) ;; *) exit 1 ;; esac
 exit 0

@@ -3,8 +3,9 @@
 
     python bench/sweep_tiles.py --out DIR      -> DIR/sweep_tiles_<gpu>.json + a table
 
-The winning order becomes dispatch._WGMMA_TABLE; the JSON is committed under
-bench/results/ as the measurement behind it.
+The winning order becomes dispatch._WGMMA_BN_COST (and the stage counts in
+dispatch._wgmma_tiles); the JSON is committed under bench/results/ as the
+measurement behind it.
 """
 
 import argparse
@@ -49,8 +50,13 @@ def main():
         d = rng.standard_normal((b, ld, 128), dtype=cupy.float32).astype(cupy.float16)
         flops = 2.0 * lq * ld * 128 * b
         for bn, stages in CANDIDATES:
-            dispatch._WGMMA_TABLE = dispatch._WGMMA_TABLE_LONG_Q = ((bn, stages),)
-            ms = time_ms(lambda: lik_cupy.maxsim(q, d))
+            cfg = dispatch.FwdConfig(0, 128, 8, 1, bn, stages, False, False, True, True)
+            chosen = dispatch.choose_forward
+            dispatch.choose_forward = lambda *a, **k: cfg  # forced for this measurement
+            try:
+                ms = time_ms(lambda: lik_cupy.maxsim(q, d))
+            finally:
+                dispatch.choose_forward = chosen
             rows.append({"lq": lq, "ld": ld, "B": b, "bn": bn, "stages": stages, "ms": ms, "tflops": flops / ms / 1e9})
             print(f"{lq}x{ld}@{b}  bn={bn:3d} stages={stages}  {ms:.4f} ms  {flops / ms / 1e9:6.1f} TF/s", flush=True)
     slug = re.sub(r"[^a-z0-9]+", "-", props.name.lower()).strip("-")

@@ -8,9 +8,10 @@
 // feeds all of them). Documents are padded [Nd, Ld, d] (lengths or masks) or
 // packed [T, d] with int64 offsets. The query tile stays on chip (registers
 // when it fits); document tiles of BN tokens stream through a cp.async ring of
-// STAGES shared-memory buffers. Each BM x BN similarity tile lives only in mma accumulators: it is
-// folded into a running per-row max and dropped, so nothing of size
-// Lq x Ld ever reaches memory.
+// STAGES shared-memory buffers. Wide embeddings (split-d) stream both sides in
+// chunks of the dim instead, so shared memory does not grow with d. Each
+// BM x BN similarity tile lives only in mma accumulators: it is folded into a
+// running per-row max and dropped, so nothing of size Lq x Ld ever reaches memory.
 //
 // A query longer than BM is split over several CTAs (so the grid fills the GPU);
 // each writes a partial score and lik_sum_partials adds them in a fixed order,
@@ -32,6 +33,10 @@
 //   LIK_MULTI   1: a tile may hold several whole queries (qb > 1); 0 keeps the
 //               leaner single-query reduction (qb must be 1)
 //   LIK_PACKED  1: documents are packed tokens with offsets; 0: padded
+//   LIK_SPLIT   1: split-d: LIK_DP is a chunk of the embedding dim, and each pipeline
+//               stage holds a BM x DP query chunk and a BN x DP document chunk; the
+//               similarity tile accumulates over ceil(dim / DP) stages before its
+//               max-epilogue, so any dim fits in a fixed amount of shared memory
 //   LIK_NAME    entry point name
 #include "common.cuh"
 #include "wgmma.cuh"
@@ -41,6 +46,9 @@
 #endif
 #ifndef LIK_PACKED
 #define LIK_PACKED 0
+#endif
+#ifndef LIK_SPLIT
+#define LIK_SPLIT 0
 #endif
 
 #ifndef LIK_WGMMA
@@ -66,7 +74,7 @@ template <>
 struct Elem<2> { typedef float T; };
 
 template <int ELEM, int DP, int WARPS, int MT, int BN, int STAGES, bool QREG, bool ARGMAX, bool VEC, bool WG,
-          bool MULTI, bool PACKED>
+          bool MULTI, bool PACKED, bool SPLIT>
 struct Fwd {
     typedef typename Elem<ELEM>::T T;
     static constexpr int ESIZE = sizeof(T);
@@ -82,6 +90,13 @@ struct Fwd {
     static_assert(BN % 16 == 0, "BN must be a multiple of 16");
     static_assert(STAGES >= 2, "need at least two stages");
     static_assert(!WG || (MT == 1 && WARPS == 8 && DP % 64 == 0 && ELEM != 2 && !QREG), "wgmma tile shape");
+    static_assert(!SPLIT || !QREG, "split-d re-reads query chunks from shared memory");
+    static constexpr int STAGE = SPLIT ? (BM + BN) * LDS : BN * LDS;  // elements per ring stage
+    // Stages loading ahead of the one consumed. Hopper split-d keeps one chunk's wgmma
+    // in flight while the next is issued, so the slot it reads is not refilled yet.
+    static constexpr bool WG_CHAIN = WG && SPLIT;
+    static constexpr int AHEAD = WG_CHAIN ? STAGES - 2 : STAGES - 1;
+    static_assert(AHEAD >= 1, "split-d wgmma needs at least three stages");
 
     // Element offset of (row r, column k) in a staged tile of `nrows` rows. The
     // wgmma layout splits the row into 64-element (128-byte) column blocks and
@@ -93,23 +108,41 @@ struct Fwd {
         return kb * nrows * 64 + r * 64 + ((c ^ (r & 7)) << 3) + (k & 7);
     }
 
-    // Stage `nrows` rows of `dim` elements (row stride `dim` in global) into a
-    // shared tile; rows >= avail and columns >= dim become zero, so padded
-    // lanes never inject NaN/inf into the dot products.
-    static __device__ __forceinline__ void load_rows(T* dst, const T* src, int nrows, int avail, int dim) {
-        if (VEC) {
-            for (int c = threadIdx.x; c < nrows * CPR; c += NT) {
+    // Stage NROWS rows of `cols` elements (row stride `stride` in global) into a
+    // shared tile of DP columns; rows >= avail and columns >= cols become zero, so
+    // padded lanes never inject NaN/inf into the dot products.
+    template <int NROWS>
+    static __device__ __forceinline__ void load_rows(T* dst, const T* src, int avail, int stride, int cols) {
+        // When the threads tile the rows evenly, each thread keeps one column and steps
+        // through rows RS apart: no division and one address add per 16-byte copy (the
+        // copy issue, not the bytes, bounds the memory-bound shapes).
+        constexpr int RS = NT / CPR;
+        constexpr bool EVEN = VEC && NT % CPR == 0 && (NROWS * CPR) % NT == 0 && (!WG || RS % 8 == 0);
+        if constexpr (EVEN) {
+            const int r0 = threadIdx.x / CPR, k = (threadIdx.x - r0 * CPR) * EPC;
+            const bool kok = k < cols;
+            const T* s = src + (i64)r0 * stride + k;
+            const u32 d0 = smem_addr(dst + soff(r0, k, NROWS));
+            const i64 step = (i64)RS * stride;
+#pragma unroll
+            for (int i = 0; i < NROWS * CPR / NT; ++i) {
+                const bool ok = kok && r0 + i * RS < avail;
+                cp_async_16(d0 + i * RS * (WG ? 64 : LDS) * ESIZE, ok ? s : src, ok ? 16 : 0);
+                s += step;
+            }
+        } else if (VEC) {
+            for (int c = threadIdx.x; c < NROWS * CPR; c += NT) {
                 const int r = c / CPR, k = (c - r * CPR) * EPC;
-                const bool ok = r < avail && k < dim;
-                const T* s = ok ? src + (i64)r * dim + k : src;
-                cp_async_16(smem_addr(dst + soff(r, k, nrows)), s, ok ? 16 : 0);
+                const bool ok = r < avail && k < cols;
+                const T* s = ok ? src + (i64)r * stride + k : src;
+                cp_async_16(smem_addr(dst + soff(r, k, NROWS)), s, ok ? 16 : 0);
             }
         } else {
-            for (int e = threadIdx.x; e < nrows * DP; e += NT) {
+            for (int e = threadIdx.x; e < NROWS * DP; e += NT) {
                 const int r = e / DP, k = e - r * DP;
                 T v = T(0);
-                if (r < avail && k < dim) v = src[(i64)r * dim + k];
-                dst[soff(r, k, nrows)] = v;
+                if (r < avail && k < cols) v = src[(i64)r * stride + k];
+                dst[soff(r, k, NROWS)] = v;
             }
         }
     }
@@ -129,9 +162,11 @@ struct Fwd {
         }
     }
 
-    // acc[m][n] += Q_tile(warp rows) . D_tile^T over the whole padded dim.
+    // acc[m][n] (+)= Q_tile(warp rows) . D_tile^T over DP columns; `add` = 0 overwrites
+    // (the wgmma path; the mma.sync path always adds to zeroed accumulators). With
+    // WG_CHAIN and !last, the wgmma may still run on return (the previous one has finished).
     static __device__ __forceinline__ void tile_mma(float (&acc)[MT][NN][4], const u32 (&qf)[QREG ? MT : 1][QREG ? NK : 1][4],
-                                                    const T* sQ, const T* sD, int wrow0, int lane) {
+                                                    const T* sQ, const T* sD, int wrow0, int lane, bool add, bool last) {
 #if LIK_HAS_WGMMA
         if (WG) {
             // The warpgroup's 64 query rows against all BN document rows, k = 16 per instruction.
@@ -142,10 +177,11 @@ struct Fwd {
             for (int kk = 0; kk < NK; ++kk) {
                 const u32 ko = (kk & 3) * 32;  // byte offset of this k step inside a 128-byte row
                 wgmma_m64k16<ELEM, BN>(d, wgmma_desc(qa + (kk >> 2) * BM * 128 + ko),
-                                       wgmma_desc(da + (kk >> 2) * BN * 128 + ko), kk > 0);
+                                       wgmma_desc(da + (kk >> 2) * BN * 128 + ko), kk > 0 || add);
             }
             wgmma_commit();
-            wgmma_wait<0>();
+            if (WG_CHAIN && !last) wgmma_wait<1>();
+            else wgmma_wait<0>();
             return;
         }
 #endif
@@ -226,9 +262,11 @@ struct Fwd {
         extern __shared__ __align__(16) unsigned char smem_raw[];
         // Swizzled wgmma tiles need 1024-byte alignment; the host adds that slack to the size.
         unsigned char* smem_base = WG ? smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023) : smem_raw;
+        // One-shot: the query tile, then the ring of document tiles. Split-d: the ring
+        // only, each stage a query chunk followed by a document chunk.
         T* sQ = reinterpret_cast<T*>(smem_base);
-        T* sD = sQ + BM * LDS;
-        float* red = reinterpret_cast<float*>(sD + STAGES * BN * LDS);  // [2][MULTI ? BM : WARPS]
+        T* ring = sQ + (SPLIT ? 0 : BM * LDS);
+        float* red = reinterpret_cast<float*>(ring + STAGES * STAGE);  // [2][MULTI ? BM : WARPS]
 
         const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
         const int g = lane >> 2, tq = lane & 3;
@@ -313,11 +351,13 @@ struct Fwd {
             }
 
         const T* Qt = Q + ((i64)qi0 * Lq + s0) * dim;
-        load_rows(sQ, Qt, BM, qb > 1 ? nqb * Lq : min(BM, Lq - s0), dim);
+        const int q_rows = qb > 1 ? nqb * Lq : min(BM, Lq - s0);
+        if (!SPLIT) load_rows<BM>(sQ, Qt, q_rows, dim, dim);
+        const int nk = SPLIT ? (dim + DP - 1) / DP : 1;  // chunks of the dim per tile
 
-        // Producer cursor: next document tile to stage (crosses document
-        // boundaries so the ring stays full across short documents).
-        int pj = j0, pt = 0, pnt = (dlength(doc0 + pj) + BN - 1) / BN;
+        // Producer cursor: next (document tile, dim chunk) to stage. It crosses
+        // document boundaries so the ring stays full across short documents.
+        int pj = j0, pt = 0, pk = 0, pnt = (dlength(doc0 + pj) + BN - 1) / BN;
         while (pj < j1 && pt >= pnt) {
             ++pj;
             pnt = pj < j1 ? (dlength(doc0 + pj) + BN - 1) / BN : 0;
@@ -325,23 +365,29 @@ struct Fwd {
         auto issue = [&](int slot) {
             if (pj < j1) {
                 const i64 dl = doc0 + pj;
-                const int len = dlength(dl);
-                load_rows(sD + slot * BN * LDS, D + (dstart(dl) + (i64)pt * BN) * dim, BN, min(BN, len - pt * BN), dim);
-                ++pt;
-                while (pj < j1 && pt >= pnt) {
-                    ++pj;
-                    pt = 0;
-                    pnt = pj < j1 ? (dlength(doc0 + pj) + BN - 1) / BN : 0;
+                const int len = dlength(dl), k0 = pk * DP;
+                T* st = ring + slot * STAGE;
+                if (SPLIT) load_rows<BM>(st, Qt + k0, q_rows, dim, dim - k0);
+                load_rows<BN>(st + (SPLIT ? BM * LDS : 0), D + (dstart(dl) + (i64)pt * BN) * dim + k0,
+                              min(BN, len - pt * BN), dim, dim - k0);
+                if (++pk == nk) {
+                    pk = 0;
+                    ++pt;
+                    while (pj < j1 && pt >= pnt) {
+                        ++pj;
+                        pt = 0;
+                        pnt = pj < j1 ? (dlength(doc0 + pj) + BN - 1) / BN : 0;
+                    }
                 }
             }
             cp_async_commit();  // one group per call, possibly empty: keeps wait_group counts exact
         };
 #pragma unroll
-        for (int s = 0; s < STAGES - 1; ++s) issue(s);
+        for (int s = 0; s < AHEAD; ++s) issue(s);
 
         u32 qf[QREG ? MT : 1][QREG ? NK : 1][4];
         bool q_ready = !QREG;
-        int cons = 0;  // tiles consumed so far
+        int cons = 0;  // stages consumed so far
 
         for (int j = j0; j < j1; ++j) {
             const i64 dl = doc0 + j;
@@ -357,22 +403,6 @@ struct Fwd {
                 for (int h = 0; h < 2; ++h) { best[m][h] = LIK_NEG_INF; bidx[m][h] = -1; }
 
             for (int t = 0; t < nt; ++t) {
-                cp_async_wait<STAGES - 2>();
-#if LIK_HAS_WGMMA
-                if (WG) fence_proxy_async();
-#endif
-                __syncthreads();
-                if (QREG && !q_ready) {
-#pragma unroll
-                    for (int m = 0; m < MT; ++m)
-#pragma unroll
-                        for (int kk = 0; kk < NK; ++kk) load_a(qf[QREG ? m : 0][QREG ? kk : 0], sQ, wrow0 + m * 16, kk, lane);
-                    q_ready = true;
-                }
-                issue((cons + STAGES - 1) % STAGES);
-                const T* sDt = sD + (cons % STAGES) * BN * LDS;
-                ++cons;
-
                 float acc[MT][NN][4];
 #pragma unroll
                 for (int m = 0; m < MT; ++m)
@@ -380,7 +410,24 @@ struct Fwd {
                     for (int n = 0; n < NN; ++n)
 #pragma unroll
                         for (int r = 0; r < 4; ++r) acc[m][n][r] = 0.f;
-                tile_mma(acc, qf, sQ, sDt, wrow0, lane);
+                for (int kc = 0; kc < nk; ++kc) {
+                    cp_async_wait<AHEAD - 1>();
+#if LIK_HAS_WGMMA
+                    if (WG) fence_proxy_async();
+#endif
+                    __syncthreads();
+                    if (QREG && !q_ready) {
+#pragma unroll
+                        for (int m = 0; m < MT; ++m)
+#pragma unroll
+                            for (int kk = 0; kk < NK; ++kk) load_a(qf[QREG ? m : 0][QREG ? kk : 0], sQ, wrow0 + m * 16, kk, lane);
+                        q_ready = true;
+                    }
+                    issue((cons + AHEAD) % STAGES);
+                    const T* st = ring + (cons % STAGES) * STAGE;
+                    ++cons;
+                    tile_mma(acc, qf, SPLIT ? st : sQ, st + (SPLIT ? BM * LDS : 0), wrow0, lane, kc > 0, kc + 1 == nk);
+                }
 
                 const int tok0 = t * BN;
                 const bool full = !dm && tok0 + BN <= len;
@@ -485,7 +532,7 @@ struct Fwd {
 }  // namespace lik
 
 typedef lik::Fwd<LIK_ELEM, LIK_DP, LIK_WARPS, LIK_MT, LIK_BN, LIK_STAGES, LIK_QREG != 0, LIK_ARGMAX != 0, LIK_VEC != 0,
-                  LIK_WGMMA != 0, LIK_MULTI != 0, LIK_PACKED != 0>
+                  LIK_WGMMA != 0, LIK_MULTI != 0, LIK_PACKED != 0, LIK_SPLIT != 0>
     LikFwdCfg;
 
 // LIK_MIN_BLOCKS: CTAs per SM the launch plan counts on (dispatch sets 2 for Hopper tiles

@@ -21,7 +21,7 @@ _SMEM_PER_BLOCK = {80: 163 * 1024, 86: 99 * 1024, 87: 163 * 1024, 89: 99 * 1024,
 _SMEM_PER_SM = {80: 164 * 1024, 86: 100 * 1024, 87: 164 * 1024, 89: 100 * 1024, 90: 228 * 1024}
 
 ELEM_CODES = {"float16": 0, "bfloat16": 1, "float32": 2}
-MAX_DIM = 512
+MAX_DIM = 8192  # split-d has no inherent limit; this is the widest dim the tests cover
 
 
 @dataclass(frozen=True)
@@ -29,7 +29,7 @@ class FwdConfig:
     """One compiled variant of ``cuda_src/maxsim_fwd.cu``."""
 
     elem: int  # 0 fp16, 1 bf16, 2 fp32 (tf32 tensor cores)
-    dp: int  # padded dim (multiple of 16)
+    dp: int  # padded dim (multiple of 16); split-d: the dim chunk staged per pipeline stage
     warps: int
     mt: int  # 16-row mma tiles per warp
     bn: int  # document tokens per pipeline stage
@@ -40,6 +40,7 @@ class FwdConfig:
     wgmma: bool = False  # Hopper warpgroup MMA (sm_90a)
     multi: bool = False  # a tile may hold several whole queries
     packed: bool = False  # packed documents with offsets
+    split: bool = False  # split-d: query and document chunks of dp columns share each stage
 
     @property
     def bm(self) -> int:
@@ -55,10 +56,10 @@ class FwdConfig:
 
     @property
     def smem_bytes(self) -> int:
+        rows = self.stages * (self.bm + self.bn) if self.split else self.bm + self.stages * self.bn
         if self.wgmma:  # unpadded swizzled tiles, plus slack to align them to 1024 bytes
-            return (self.bm + self.stages * self.bn) * self.dp * self.esize + 1024 + self._red_bytes
-        lds = self.dp + 16 // self.esize
-        return (self.bm + self.stages * self.bn) * lds * self.esize + self._red_bytes
+            return rows * self.dp * self.esize + 1024 + self._red_bytes
+        return rows * (self.dp + 16 // self.esize) * self.esize + self._red_bytes
 
     @property
     def _red_bytes(self) -> int:  # double-buffered row maxima (multi) or per-warp sums
@@ -68,7 +69,7 @@ class FwdConfig:
     def name(self) -> str:
         e = ("f16", "bf16", "f32")[self.elem]
         return (
-            f"lik_maxsim_fwd_{e}_d{self.dp}_w{self.warps}m{self.mt}_n{self.bn}s{self.stages}"
+            f"lik_maxsim_fwd_{e}_{'k' if self.split else 'd'}{self.dp}_w{self.warps}m{self.mt}_n{self.bn}s{self.stages}"
             f"{'_qreg' if self.qreg else ''}{'_argmax' if self.argmax else ''}{'_vec' if self.vec else ''}"
             f"{'_wgmma' if self.wgmma else ''}{'_mq' if self.multi else ''}{'_packed' if self.packed else ''}"
         )
@@ -88,6 +89,7 @@ class FwdConfig:
             "LIK_WGMMA": int(self.wgmma),
             "LIK_MULTI": int(self.multi),
             "LIK_PACKED": int(self.packed),
+            "LIK_SPLIT": int(self.split),
             "LIK_MIN_BLOCKS": self.min_blocks,
         }
 
@@ -110,7 +112,70 @@ def _dim_bucket(dp: int) -> int:
     for b in (64, 128, 256, 512):
         if dp <= b:
             return b
-    raise ValueError(f"dim {dp} is above the supported maximum of {MAX_DIM}")
+    raise ValueError(f"dim {dp} is above the one-shot kernel's maximum of 512")
+
+
+# Buckets of the split-d table: a dim belongs to the first bucket at or above it.
+DIM_BUCKETS = (64, 128, 256, 384, 512, 768, 1024, 2048, 4096, 8192)
+
+
+def dim_bucket(dim: int) -> int:
+    for b in DIM_BUCKETS:
+        if dim <= b:
+            return b
+    raise ValueError(f"dim {dim} is above the supported maximum of {MAX_DIM}")
+
+
+# Smallest dim bucket that runs split-d (dim chunks streamed through the ring
+# with the document tiles) rather than one-shot (the whole dim of the query tile
+# staged once), keyed by (architecture, kernel family, short query). Families:
+#   "wgmma"  Hopper, one-shot wgmma (dim a multiple of 64) against split-d wgmma;
+#   "wgmma-odd"  Hopper, other dims: one-shot mma.sync against split-d wgmma;
+#   "mma"    mma.sync both ways (every other GPU, short queries, fp32, unaligned rows).
+# Short = at most 64 query rows per tile. From bench/results/split_d_nvidia-h200.json
+# (fp16, ColPali Lq=Ld=1024 B=128 and textual Lq=32 Ld=180 B=1024):
+#   - wgmma: one-shot 0.062/0.120 ms at d=128/256 vs split 0.080/0.144; split
+#     0.207 ms at 384 vs one-shot 0.242.
+#   - wgmma-odd: split wgmma beats one-shot mma.sync already at d=128 (0.080 vs 0.102 ms).
+#   - mma, long queries: split 0.222 ms at 256 vs one-shot 0.236, and 0.32 vs 0.55 at 384;
+#     short queries: one-shot stays ahead through 512 (0.059 vs 0.074 ms).
+# The mma rows of sm_80/86/89 reuse the H200 measurement of the same kernels (no such GPU
+# was measured), fp32 reuses the 16-bit rows. An architecture not listed splits only
+# above 512, where one-shot tiles stop fitting.
+_SPLIT_FROM: dict[tuple[int, str, bool], int] = {(90, "wgmma", False): 384, (90, "wgmma-odd", False): 128}
+for _arch in (80, 86, 89, 90):
+    _SPLIT_FROM[(_arch, "mma", False)] = 256
+    _SPLIT_FROM[(_arch, "mma", True)] = 1024
+_SPLIT_FROM_DEFAULT = 1024
+
+# Split-d tiles, best first. Hopper: (bn, dim chunk, stages) for 2 warpgroups x 64 query
+# rows, by dim bucket: 128-token tiles at three stages (two CTAs per SM) up to 1024,
+# 256-token tiles (one CTA, a third less traffic per MMA) from 2048 (1.08 vs 1.11 ms at
+# 2048, 2.27 vs 2.33 at 4096). mma.sync: (warps, mt, bn, dim chunk, stages) keyed by
+# (fp32, query-length bucket); fp32 chunks are 32 wide so a stage's bytes match.
+_WGMMA_SPLIT_NARROW = ((128, 64, 3), (256, 64, 4), (128, 128, 3))
+_WGMMA_SPLIT_WIDE = ((256, 64, 4), (128, 64, 3))
+_WGMMA_SPLIT_WIDE_FROM = 2048
+_SPLIT_TABLE: dict[tuple[bool, int], tuple[tuple[int, int, int, int, int], ...]] = {
+    (False, 32): ((2, 1, 64, 64, 4), (2, 1, 64, 64, 3)),
+    (False, 64): ((4, 1, 64, 64, 4), (4, 1, 64, 64, 3)),
+    (False, 128): ((4, 2, 128, 64, 3), (4, 2, 128, 32, 4), (4, 2, 64, 64, 3)),
+    (True, 32): ((2, 1, 64, 32, 4), (2, 1, 64, 32, 3)),
+    (True, 64): ((4, 1, 64, 32, 4), (4, 1, 64, 32, 3)),
+    (True, 128): ((4, 2, 64, 32, 3), (4, 2, 32, 32, 3)),
+}
+
+
+def split_family(arch: int, hopper: bool, dim: int) -> tuple[int, str]:
+    """The (architecture, family) row of ``_SPLIT_FROM`` a problem reads."""
+    if hopper:
+        return arch, "wgmma" if dim % 64 == 0 else "wgmma-odd"
+    return arch, "mma"
+
+
+def uses_split(arch: int, family: str, short: bool, dim: int) -> bool:
+    """Whether the dispatch table runs ``dim`` split-d (always above 512, the one-shot tiles' limit)."""
+    return dim > 512 or dim_bucket(dim) >= _SPLIT_FROM.get((arch, family, short), _SPLIT_FROM_DEFAULT)
 
 
 # (warps, mt, bn, stages) in order of preference, keyed by
@@ -208,6 +273,7 @@ def choose_forward(cc: int, dtype: str, dim: int, lq: int, argmax: bool, vec: bo
     arch = arch_of(cc)
     elem = ELEM_CODES[dtype]
     dp = padded_dim(dim)
+    dim_bucket(dim)  # range check
     q_len, lq = lq, tile_rows(lq, shared_queries)
 
     def multi(bm: int) -> bool:
@@ -215,17 +281,32 @@ def choose_forward(cc: int, dtype: str, dim: int, lq: int, argmax: bool, vec: bo
         # document, so single-query tiles keep the leaner one (6-9% on ColPali shapes).
         return shared_queries > 1 and 2 * q_len <= bm
 
-    if wgmma and arch == 90 and elem != 2 and vec and dim % 64 == 0 and lq > 64:
-        for bn, stages in _wgmma_tiles(lq, ld, multi(128)):
-            cfg = FwdConfig(elem, dim, 8, 1, bn, stages, False, argmax, vec, True, multi(128), packed)
-            if cfg.smem_bytes <= _SMEM_PER_BLOCK[arch]:
-                return cfg
-    lb = 32 if lq <= 32 else 64 if lq <= 64 else 128
+    hopper = wgmma and arch == 90 and elem != 2 and vec and lq > 64
     limit = _SMEM_PER_BLOCK.get(arch, 99 * 1024)  # unknown (newer) GPUs: the smallest limit
-    for warps, mt, bn, stages in _TABLE[(elem == 2, _dim_bucket(dp), lb)]:
-        cfg = FwdConfig(elem, dp, warps, mt, bn, stages, _qreg(elem, dp, mt), argmax, vec, False,
-                        multi(warps * mt * 16), packed)
-        if cfg.smem_bytes <= limit:
+    lb = 32 if lq <= 32 else 64 if lq <= 64 else 128
+    if not uses_split(*split_family(arch, hopper, dim), lq <= 64, dim):
+        if hopper and dim % 64 == 0:
+            for bn, stages in _wgmma_tiles(lq, ld, multi(128)):
+                cfg = FwdConfig(elem, dim, 8, 1, bn, stages, False, argmax, vec, True, multi(128), packed)
+                if cfg.smem_bytes <= limit:
+                    return cfg
+        for warps, mt, bn, stages in _TABLE[(elem == 2, _dim_bucket(dp), lb)]:
+            cfg = FwdConfig(elem, dp, warps, mt, bn, stages, _qreg(elem, dp, mt), argmax, vec, False,
+                            multi(warps * mt * 16), packed)
+            if cfg.smem_bytes <= limit:
+                return cfg
+    if hopper:
+        for bn, bk, stages in _WGMMA_SPLIT_WIDE if dim_bucket(dim) >= _WGMMA_SPLIT_WIDE_FROM else _WGMMA_SPLIT_NARROW:
+            cfg = FwdConfig(elem, bk, 8, 1, bn, stages, False, argmax, vec, True, multi(128), packed, True)
+            # Two CTAs per SM cap registers at 128: too few for the argmax of several queries.
+            if cfg.smem_bytes <= limit and not (cfg.min_blocks > 1 and argmax and cfg.multi):
+                return cfg
+    for warps, mt, bn, bk, stages in _SPLIT_TABLE[(elem == 2, lb)]:
+        cfg = FwdConfig(elem, bk, warps, mt, bn, stages, False, argmax, vec, False, multi(warps * mt * 16), packed,
+                        True)
+        # 32 x 128 accumulators per warp leave no room for the argmax or multi-query epilogue
+        # without spilling (compile.check_all): those take the 64-token tiles.
+        if cfg.smem_bytes <= limit and not (bn > 64 and mt > 1 and (argmax or cfg.multi)):
             return cfg
     raise ValueError(f"no forward configuration fits dim {dim} on sm_{arch}")
 
@@ -274,7 +355,7 @@ def all_forward_configs(arch: int) -> list[FwdConfig]:
     """Every configuration ``choose_forward`` can return on ``arch`` (for compile checks and warm-up)."""
     seen: dict[str, FwdConfig] = {}
     for dtype in ELEM_CODES:
-        for dim in (64, 128, 256, 512):
+        for dim in (64, 128, 256, 384, 512, 1000, 2048, 4096):
             for lq, shared in ((32, 1), (64, 1), (128, 1), (1024, 1), (8, 2), (32, 2), (32, 4), (64, 2)):
                 for ld in (180, 300, 1024):
                     for argmax in (False, True):

@@ -222,7 +222,8 @@ def test_resource_usage_parses_each_kernel():
 
 
 DIMS = sorted({1, 2, 3, 7, 8, 15, 16, 17, 31, 32, 33, 48, 63, 64, 65, 96, 100, 127, 128, 129, 160, 191, 192, 200,
-               255, 256, 257, 300, 320, 384, 400, 448, 500, 511, 512})
+               255, 256, 257, 300, 320, 384, 400, 448, 500, 511, 512, 513, 640, 768, 1000, 1023, 1024, 2048, 3001,
+               4096, 8192})
 
 
 @pytest.mark.parametrize("cc", [80, 86, 87, 89, 90])
@@ -238,7 +239,10 @@ def test_choose_forward_fits_shared_memory(cc, dtype):
                         c = dispatch.choose_forward(cc, dtype, dim, lq, argmax, vec, wgmma)
                         where = (cc, dtype, dim, lq, argmax, vec, wgmma, c.name)
                         assert c.smem_bytes <= limit, where
-                        assert c.dp == dispatch.padded_dim(dim) >= dim and c.dp % 16 == 0, where
+                        if c.split:  # any dim streams through fixed chunks
+                            assert c.dp in (32, 64, 128) and dim > 64, where
+                        else:
+                            assert c.dp == dispatch.padded_dim(dim) >= dim and c.dp <= 512 and c.dp % 16 == 0, where
                         assert c.elem == dispatch.ELEM_CODES[dtype] and c.argmax == argmax and c.vec == vec, where
                         assert c.bn % 16 == 0 and c.stages >= 2 and c.threads <= 1024, where
                         assert not c.wgmma or (wgmma and arch == 90 and vec), where
@@ -251,7 +255,7 @@ def test_compile_check_covers_the_bucket_dims():
     for arch in dispatch.SUPPORTED_ARCHS:
         compiled = {c.name for c in dispatch.all_forward_configs(arch)}
         for dtype in dispatch.ELEM_CODES:
-            for dim in (64, 128, 256, 512):
+            for dim in (64, 128, 256, 384, 512, 1000, 2048, 4096, 8192):
                 for lq in (1, 32, 33, 64, 65, 128, 1000, 5000):
                     for shared, ld in ((1, 1024), (1, 180), (3, 180), (32, 180), (32, 1024), (1000, 77)):
                         for argmax in (False, True):
@@ -304,3 +308,50 @@ def test_plan_launch_grid_limits(nd, nq, lq):
                     assert plan.n_qt * cfg.bm >= lq > (plan.n_qt - 1) * cfg.bm
                     assert gx == nq * plan.n_qt
                 assert gy * plan.docs_per_cta >= nd > (gy - 1) * plan.docs_per_cta  # every doc covered, no idle row
+
+
+# ---------------------------------------------------------------- (f) the split-d table
+
+SWEEP = os.path.join(os.path.dirname(__file__), "..", "bench", "results", "sweep_split_d_nvidia-h200.json")
+
+
+@pytest.mark.parametrize("dim", [520, 640, 1000, 2048, 4096, 8192])
+def test_wide_dims_always_split(dim):
+    # no one-shot tile holds more than 512 columns, on any architecture or query length
+    for cc in (80, 86, 89, 90, 120):
+        for lq in (1, 32, 77, 1024):
+            for wg in (True, False):
+                for dtype in dispatch.ELEM_CODES:
+                    assert dispatch.choose_forward(cc, dtype, dim, lq, False, True, wg).split
+
+
+@pytest.mark.parametrize("cc", [80, 86, 89, 90, 120])
+def test_split_table_per_bucket_and_arch(cc):
+    arch = dispatch.arch_of(cc)
+    for dim in dispatch.DIM_BUCKETS:
+        for lq in (32, 1024):
+            for wg in (True, False):
+                c = dispatch.choose_forward(cc, "float16", dim, lq, False, True, wg)
+                hopper = wg and arch == 90 and lq > 64
+                arch_key, family = dispatch.split_family(arch, hopper, dim)
+                start = dispatch._SPLIT_FROM.get((arch_key, family, lq <= 64), dispatch._SPLIT_FROM_DEFAULT)
+                assert c.split == (dim > 512 or dim >= start), (cc, dim, lq, wg, c.name)
+                assert c.wgmma == hopper, (cc, dim, lq, wg, c.name)
+    if arch not in (80, 86, 89, 90):  # unknown GPUs: split-d only where one-shot cannot run
+        assert all((arch, f, s) not in dispatch._SPLIT_FROM for f in ("mma", "wgmma") for s in (True, False))
+        assert not dispatch.choose_forward(cc, "float16", 512, 1024, False, True).split
+
+
+def test_split_table_matches_the_committed_sweep():
+    # every Hopper choice the table makes is within 5% of the fastest configuration measured
+    with open(SWEEP) as f:
+        rows = [r for r in json.load(f)["rows"] if "ms" in r and r["shape"] == "colpali"]
+    assert rows, "the sweep has no ColPali rows"
+    by_dim: dict = {}
+    for r in rows:
+        if r["config"] and "wgmma" in r["impl"]:
+            by_dim.setdefault(r["dim"], {})[r["config"]] = r["ms"]
+    for dim, times in by_dim.items():
+        chosen = dispatch.choose_forward(90, "float16", dim, 1024, False, True).name
+        assert chosen in times, (dim, chosen, sorted(times))
+        assert times[chosen] <= 1.05 * min(times.values()), (dim, chosen, times[chosen], min(times.values()))

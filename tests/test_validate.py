@@ -81,8 +81,9 @@ def test_dim_zero():
 
 def test_gpu_dim_limit_before_any_launch(monkeypatch):
     monkeypatch.setattr(forward, "gpu_available", lambda: True)
-    with pytest.raises(ValueError, match=rf"dim 600; the GPU kernels support dim up to {dispatch.MAX_DIM}"):
-        ms(f16(2, 3, 600), f16(4, 5, 600), backend="gpu")
+    wide = dispatch.MAX_DIM + 8
+    with pytest.raises(ValueError, match=rf"dim {wide}; the GPU kernels support dim up to {dispatch.MAX_DIM}"):
+        ms(f16(2, 3, wide), f16(4, 5, wide), backend="gpu")
 
 
 def test_candidates_need_3d_query():
