@@ -223,7 +223,7 @@ def main(argv=None):
                     row["error"] = repr(e)[:300]
                 meta["rows"].append(row)
                 print(_line(row), flush=True)
-            del q, d, ref
+            q = d = ref = None  # free before the next dim is allocated
             torch.cuda.empty_cache()
             path.write_text(json.dumps(meta, indent=1))
     path.write_text(json.dumps(meta, indent=1))

@@ -17,16 +17,18 @@
 #   SKIP_CORPUS=1    skip bench_corpus.py
 #   SKIP_SPLIT_D=1   skip bench_split_d.py --no-candidates (wide dims against the baselines;
 #                    it runs after the forward bench, before the corpus bench)
+#   SKIP_BACKWARD=1  skip bench_backward.py (training step against the baselines; after split-d)
 #   CORPUS_ARGS      extra bench_corpus.py args (e.g. "--quick" or "--cells topk,ragged")
 #   CORPUS_RESERVE_S seconds withheld from the forward bench's budget so the corpus bench
 #                    still gets to run after it (default 0: the corpus bench gets what is left,
 #                    and is skipped when that is under 60 s)
 #
-# Files written to $OUT (flat, <= 8): pytest.log, pytest-junit.xml, bench.log (forward, split-d
-#   and corpus output), forward_<gpu>.json, forward_<gpu>.png, split_d_<gpu>.json,
-#   corpus_<gpu>.json, summary.txt; forward_<gpu>.txt only when the split-d bench is skipped,
-#   and corpus_<gpu>.txt with ONLY_CORPUS=1 (the device tool returns at most 8 files; those
-#   tables are in summary.txt and bench.log anyway)
+# Files written to $OUT (flat, <= 8): pytest.log, bench.log (forward, split-d, backward and
+#   corpus output), forward_<gpu>.json, forward_<gpu>.png, split_d_<gpu>.json,
+#   backward_<gpu>.json, corpus_<gpu>.json, summary.txt; pytest-junit.xml is read into the
+#   summary and removed; forward_<gpu>.txt only when the split-d bench is skipped, and
+#   corpus_<gpu>.txt with ONLY_CORPUS=1 (the device tool returns at most 8 files; those tables
+#   are in summary.txt and bench.log anyway)
 # The baseline wheels live in .whl/ which is git-ignored: the device run must carry it
 # (run(..., carry=[".whl"])).
 
@@ -138,6 +140,20 @@ if [ "${SKIP_BENCH:-0}" != "1" ] && [ "$SKIP_FORWARD" != "1" ] && [ "${SKIP_SPLI
     fi
 fi
 
+# ---------------------------------------------------------------- backward bench (training step)
+BACKWARD_RC="skipped"
+if [ "${SKIP_BENCH:-0}" != "1" ] && [ "$SKIP_FORWARD" != "1" ] && [ "${SKIP_BACKWARD:-0}" != "1" ]; then
+    NOW=$(date +%s)
+    LEFT=$(( SESSION_LIMIT_S - (NOW - T0) ))
+    if [ "$LEFT" -lt 150 ]; then
+        echo "== bench_backward.py skipped: only ${LEFT}s left" | tee -a "$OUT/bench.log"
+    else
+        echo "== bench_backward.py" | tee -a "$OUT/bench.log"
+        timeout -k 10 $(( LEFT - 60 )) python3 bench/bench_backward.py --out "$OUT" 2>&1 | tee -a "$OUT/bench.log"
+        BACKWARD_RC=${PIPESTATUS[0]}
+    fi
+fi
+
 # ---------------------------------------------------------------- corpus bench (after the forward bench)
 CORPUS_RC="skipped"
 if [ "$RUN_CORPUS" = "1" ]; then
@@ -211,6 +227,12 @@ PY
         echo "split-d results: $SJSON (exit code $SPLIT_RC)"
         python3 bench/bench_split_d.py --table-from "$SJSON" || echo "(could not render split-d table)"
     fi
+    BJSON=$(ls -t "$OUT"/backward_*.json 2>/dev/null | head -n 1)
+    if [ "$BACKWARD_RC" != "skipped" ] && [ -n "$BJSON" ]; then
+        echo
+        echo "backward results: $BJSON (exit code $BACKWARD_RC)"
+        python3 bench/bench_backward.py --table-from "$BJSON" || echo "(could not render backward table)"
+    fi
     case "$CORPUS_RC" in
         skipped*) ;;
         *)
@@ -226,10 +248,12 @@ PY
     esac
     echo "elapsed: $(( $(date +%s) - T0 ))s"
 } 2>&1 | tee "$OUT/summary.txt"
+rm -f "$OUT/pytest-junit.xml"  # its counts are in summary.txt; keeps $OUT within 8 files
 
 # exit non-zero if either step failed, so a caller can tell at a glance
 [ "$PYTEST_RC" = "0" ] || [ "$PYTEST_RC" = "skipped" ] || exit 1
 [ "$BENCH_RC" = "0" ] || [ "$BENCH_RC" = "skipped" ] || exit 1
 [ "$SPLIT_RC" = "0" ] || [ "$SPLIT_RC" = "skipped" ] || exit 1
+[ "$BACKWARD_RC" = "0" ] || [ "$BACKWARD_RC" = "skipped" ] || exit 1
 case "$CORPUS_RC" in 0|skipped*) ;; *) exit 1 ;; esac
 exit 0

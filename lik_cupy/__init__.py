@@ -2,15 +2,18 @@
 
 ``maxsim``, ``maxsim_pairs``, ``maxsim_varlen`` (packed ragged documents) and
 ``retrieve`` (streaming top-k over a corpus of any size) take NumPy, CuPy, PyTorch, JAX or any DLPack
-arrays and return results in the caller's framework. Importing this package
+arrays and return results in the caller's framework; ``maxsim_backward`` turns the forward's
+argmax into exact gradients (autograd adapters: ``lik_cupy.torch``, ``lik_cupy.jax``). Importing this package
 imports neither torch nor jax (nor CuPy, until a GPU path runs).
 """
 
 __version__ = "0.1.0"
 
+from .backward import maxsim_backward  # noqa: E402
 from .device import gpu_available  # noqa: E402
 from .forward import maxsim, maxsim_pairs, maxsim_varlen  # noqa: E402
 from .retrieve import retrieve  # noqa: E402
 from .warmup import warmup  # noqa: E402
 
-__all__ = ["maxsim", "maxsim_pairs", "maxsim_varlen", "retrieve", "warmup", "gpu_available", "__version__"]
+__all__ = ["maxsim", "maxsim_pairs", "maxsim_varlen", "maxsim_backward", "retrieve", "warmup", "gpu_available",
+           "__version__"]

@@ -82,3 +82,24 @@ def maxsim_packed_numpy(Q: np.ndarray, q_valid: np.ndarray, tokens: np.ndarray, 
             amax[:, j0:j1] = a
         j0 = j1
     return scores, amax
+
+
+def maxsim_backward_numpy(g: np.ndarray, Q: np.ndarray, D: np.ndarray, amax: np.ndarray, rows: np.ndarray):
+    """Gradients from the argmax, in float64.
+
+    g: [Nq, nd] score gradients; Q: [Nq, Lq, d]; D: [R, d] document rows; amax:
+    int32 [Nq, nd, Lq]; rows: int64 [Nq, nd, Lq], the row of D each argmax entry
+    points at (-1: contributes nothing). Returns dQ [Nq, Lq, d] and dD [R, d].
+    """
+    g64 = g.astype(np.float64)
+    q64 = Q.astype(np.float64)
+    d64 = D.astype(np.float64)
+    ok = (amax >= 0) & (rows >= 0)
+    i, j, s = np.nonzero(ok)
+    r = rows[i, j, s]
+    w = g64[i, j][:, None]
+    dQ = np.zeros(q64.shape)
+    np.add.at(dQ, (i, s), w * d64[r])
+    dD = np.zeros(d64.shape)
+    np.add.at(dD, r, w * q64[i, s])
+    return dQ, dD

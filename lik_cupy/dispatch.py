@@ -365,3 +365,15 @@ def all_forward_configs(arch: int) -> list[FwdConfig]:
                                     c = choose_forward(arch, dtype, dim, lq, argmax, vec, wg, shared, ld, packed)
                                     seen[c.name] = c
     return list(seen.values())
+
+
+def choose_backward(method: str, cc: int, nq: int, nd: int, lq: int, rows: int, dim: int) -> str:
+    """"atomic" or "csr" for ``maxsim_backward``'s dD (an explicit method is kept as asked).
+
+    The fused atomic pass reads the argmax once and needs one fp32 [rows, dim] buffer; CSR
+    adds a key build, a sort of Nq * Nd * Lq keys and a second pass, so "auto" takes the
+    atomic path (measured faster at every shape of bench/results/backward_nvidia-h200.json).
+    """
+    if method != "auto":
+        return method
+    return "atomic"

@@ -186,6 +186,29 @@ def from_cupy(a, fw: str, on_host: bool):
     return a
 
 
+def bfloat16_from_bits(a, fw: str, on_host: bool, like):
+    """A bfloat16 result from its CuPy uint16 bits, in the caller's framework (``like`` is an
+    input of the call, whose dtype object a CuPy caller gets back)."""
+    import ml_dtypes
+
+    if fw == "torch":
+        torch = sys.modules["torch"]
+        bits = a.view(np.int16)
+        t = torch.from_numpy(bits.get()) if on_host else torch.from_dlpack(bits)
+        return t.view(torch.bfloat16)
+    if fw == "jax":
+        jax = sys.modules["jax"]
+        if on_host:
+            return jax.numpy.asarray(a.get().view(ml_dtypes.bfloat16))
+        import cupy
+
+        cupy.cuda.get_current_stream().synchronize()  # JAX does not share our stream
+        return jax.lax.bitcast_convert_type(jax.dlpack.from_dlpack(a), jax.numpy.bfloat16)
+    if fw == "cupy":
+        return a.view(like.dtype)
+    return a.get().view(ml_dtypes.bfloat16)
+
+
 def from_numpy(a: np.ndarray, fw: str):
     """Return a host NumPy result in the caller's framework (CPU path)."""
     if fw == "torch":

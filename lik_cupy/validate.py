@@ -218,3 +218,33 @@ def check_length_values(name: str, lo: int, hi: int, limit: int) -> None:
     if lo < 0 or hi > limit:
         bad = lo if lo < 0 else hi
         raise ValueError(f"{name} holds {bad}; every length must be in [0, {limit}]")
+
+
+def check_backward(grad_scores, Q, D, argmax, d_offsets) -> Problem:
+    """Validate a ``maxsim_backward`` call: the forward's Q and D (padded, per-query candidates,
+    or packed with ``d_offsets``), float scores' gradient and the forward's int32 argmax."""
+    p = check_call(Q, D, None, None, None, None, pairs=False) if d_offsets is None else \
+        check_varlen(Q, D, d_offsets, None, None, None)
+    q = _info("Q", Q)
+    g = _info("grad_scores", grad_scores)
+    _same_place("grad_scores", g, q)
+    if g.dtype not in ("float16", "bfloat16", "float32", "float64"):
+        raise TypeError(f"grad_scores must be floating point, got dtype {g.dtype}")
+    if tuple(g.shape) != tuple(p.scores_shape):
+        raise ValueError(f"grad_scores has shape {list(g.shape)}; expected {list(p.scores_shape)} (the scores' shape)")
+    a = _info("argmax", argmax)
+    _same_place("argmax", a, q)
+    if a.dtype != "int32":
+        raise TypeError(f"argmax must be the forward's int32 argmax, got dtype {a.dtype}")
+    if tuple(a.shape) != tuple(p.argmax_shape):
+        raise ValueError(f"argmax has shape {list(a.shape)}; expected {list(p.argmax_shape)} (scores' shape + (Lq,))")
+    return p
+
+
+def check_argmax_values(lo: int, over: bool, what: str) -> None:
+    """``lo``: smallest argmax entry; ``over``: some entry points past its document's end."""
+    if lo < -1:
+        raise ValueError(f"argmax holds {lo}; entries must be -1 (no token) or a token index of the document")
+    if over:
+        raise ValueError(f"argmax holds a token index past the end of its document ({what}); "
+                         "pass the argmax the forward returned for these Q and D")

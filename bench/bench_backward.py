@@ -1,0 +1,183 @@
+"""Training step (forward + backward) of in-batch MaxSim: ours against LIK and flash-maxsim.
+
+Per case, one process, one GPU, the same inputs: Q [N, Lq, d] and D [N, Ld, d] (fp16,
+unit-normalised tokens, requires_grad), step = scores [N, N] -> (scores * W).sum() ->
+backward. Implementations:
+  ours_atomic / ours_csr   lik_cupy.torch.maxsim(Q, D, method=...)
+  lik                      late_interaction_kernels.maxsim(Q, D) (0.4.5, autograd)
+  flash                    flash_maxsim.flash_maxsim_batched_train(Q, D) (0.3.0)
+  naive                    torch einsum + amax + sum (fp16 autograd), where it fits
+Reported: median step ms (CUDA events around back-to-back steps, host included: the
+step is what a training loop pays), peak extra GPU memory over one step (CuPy allocates
+through torch's allocator, so everything is counted), and dQ/dD error against the naive
+fp32 gradient where that fits.
+
+    python bench/bench_backward.py [--out DIR] [--cases colpali64,colbert32,colpali128]
+
+Writes backward_<gpu>.json and prints a table (ratio = best baseline / ours, above 1
+means ours is faster).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import sys
+from pathlib import Path
+
+os.environ.setdefault("LIK_SUPPRESS_NORM_WARN", "1")
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+CASES = {"colpali64": (64, 1024, 1024), "colbert32": (32, 32, 80), "colpali128": (128, 1024, 1024)}
+D_MODEL = 128
+
+
+def impls(torch):
+    import lik_cupy.torch as lt
+
+    out = {
+        "ours_atomic": lambda q, d: lt.maxsim(q, d, method="atomic"),
+        "ours_csr": lambda q, d: lt.maxsim(q, d, method="csr"),
+    }
+    try:
+        import late_interaction_kernels as likk
+
+        out["lik"] = lambda q, d: likk.maxsim(q, d)
+    except Exception as e:  # noqa: BLE001
+        print("lik unavailable:", e)
+    try:
+        from flash_maxsim import flash_maxsim_batched_train
+
+        out["flash"] = lambda q, d: flash_maxsim_batched_train(q, d, shared_docs=True)
+    except Exception as e:  # noqa: BLE001
+        print("flash unavailable:", e)
+    out["naive"] = lambda q, d: torch.einsum("isk,jtk->ijst", q, d).amax(-1).float().sum(-1)
+    return out
+
+
+def step_ms(torch, fn, q, d, w, reps):
+    def step():
+        q.grad = d.grad = None
+        (fn(q, d) * w).sum().backward()
+
+    step()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(3):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        for _ in range(reps):
+            step()
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) / reps)
+    return statistics.median(times), step
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cases", default=",".join(CASES))
+    ap.add_argument("--out", default=os.environ.get("OUT") or str(REPO / "bench" / "results"))
+    ap.add_argument("--table-from", default=None)
+    args = ap.parse_args(argv)
+    if args.table_from:
+        print(table(json.loads(Path(args.table_from).read_text())))
+        return 0
+
+    import torch
+    import bench_forward as bf
+
+    class _Ctx:
+        pass
+
+    ctx = _Ctx()
+    ctx.torch, ctx.cupy, ctx.cupy_err = torch, None, None
+    bf.setup_cupy(ctx)  # CuPy allocates through torch: one peak-memory counter for all
+    from lik_cupy.device import device_properties
+
+    props = device_properties(torch.cuda.current_device())
+    slug = re.sub(r"[^a-z0-9]+", "-", props.name.lower()).strip("-")
+    meta = {"gpu": props.name, "cc": props.cc, "rows": []}
+    path = Path(args.out) / f"backward_{slug}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fns = impls(torch)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for case in args.cases.split(","):
+        n, lq, ld = CASES[case]
+        q0 = torch.nn.functional.normalize(torch.randn(n, lq, D_MODEL, device="cuda", generator=gen), dim=-1).half()
+        d0 = torch.nn.functional.normalize(torch.randn(n, ld, D_MODEL, device="cuda", generator=gen), dim=-1).half()
+        w = torch.randn(n, n, device="cuda", generator=gen)
+        naive_bytes = n * n * lq * ld * 2 * 3  # sim, its masked copy / grad, in fp16
+        ref = None
+        if naive_bytes < 0.5 * torch.cuda.mem_get_info()[0]:
+            qr, dr = q0.float().requires_grad_(True), d0.float().requires_grad_(True)
+            (torch.einsum("isk,jtk->ijst", qr, dr).amax(-1).sum(-1) * w).sum().backward()
+            ref = (qr.grad, dr.grad)
+            del qr, dr
+            torch.cuda.empty_cache()
+        for name, fn in fns.items():
+            row = {"case": case, "N": n, "lq": lq, "ld": ld, "d": D_MODEL, "impl": name}
+            if name == "naive" and ref is None:
+                row["error"] = f"skipped: the [N, N, Lq, Ld] tensor needs {naive_bytes / 2**30:.1f} GiB"
+                meta["rows"].append(row)
+                print(_line(row), flush=True)
+                continue
+            q, d = q0.clone().requires_grad_(True), d0.clone().requires_grad_(True)
+            try:
+                est, step = step_ms(torch, fn, q, d, w, 2)
+                ms, step = step_ms(torch, fn, q, d, w, max(3, min(50, int(300 / max(est, 1e-3)))))
+                torch.cuda.synchronize()
+                base = torch.cuda.memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
+                step()
+                torch.cuda.synchronize()
+                row.update(ms=ms, peak_extra_gb=(torch.cuda.max_memory_allocated() - base) / 1e9)
+                if ref is not None:
+                    row["rel_err_dq"] = ((q.grad.float() - ref[0]).norm() / ref[0].norm()).item()
+                    row["rel_err_dd"] = ((d.grad.float() - ref[1]).norm() / ref[1].norm()).item()
+            except Exception as e:  # noqa: BLE001
+                row["error"] = repr(e)[:300]
+            del q, d
+            torch.cuda.empty_cache()
+            meta["rows"].append(row)
+            print(_line(row), flush=True)
+            path.write_text(json.dumps(meta, indent=1))
+        del q0, d0, ref
+        torch.cuda.empty_cache()
+    path.write_text(json.dumps(meta, indent=1))
+    print(table(meta))
+    return 0
+
+
+def _line(r):
+    if "error" in r:
+        return f"{r['case']:11s} {r['impl']:12s} {r['error'][:140]}"
+    e = f" err dQ {r['rel_err_dq']:.1e} dD {r['rel_err_dd']:.1e}" if "rel_err_dq" in r else ""
+    return f"{r['case']:11s} {r['impl']:12s} {r['ms']:9.3f} ms  peak +{r['peak_extra_gb']:.3f} GB{e}"
+
+
+def table(meta):
+    lines = [f"GPU {meta['gpu']}: forward + backward step, in-batch, d={D_MODEL}, fp16",
+             f"{'case':11s} {'impl':12s} {'ms':>9s} {'peak GB':>8s} {'vs best baseline':>17s}"]
+    by = {}
+    for r in meta["rows"]:
+        by.setdefault(r["case"], []).append(r)
+    for case, rs in by.items():
+        base = [r["ms"] for r in rs if r["impl"] in ("lik", "flash", "naive") and "ms" in r]
+        best = min(base) if base else None
+        for r in rs:
+            if "ms" not in r:
+                lines.append(f"{case:11s} {r['impl']:12s} {'-':>9s} {'-':>8s}  {r['error'][:60]}")
+                continue
+            ratio = f"{best / r['ms']:.2f}x" if best and r["impl"].startswith("ours") else ""
+            lines.append(f"{case:11s} {r['impl']:12s} {r['ms']:9.3f} {r['peak_extra_gb']:8.3f} {ratio:>17s}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

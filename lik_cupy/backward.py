@@ -1,0 +1,178 @@
+"""MaxSim backward: exact gradients from the forward's argmax.
+
+``maxsim_backward`` is validate (``validate.check_backward``), choose
+(``dispatch.choose_backward``), launch (``cuda_src/maxsim_bwd.cu``), or the
+NumPy path (``cpu.maxsim_backward_numpy``). The autograd adapters in
+``lik_cupy.torch`` and ``lik_cupy.jax`` call it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import cpu, dispatch, interop
+from .device import device_properties, gpu_available
+from .validate import Problem, check_argmax_values, check_backward
+
+_METHODS = ("auto", "csr", "atomic")
+_ELEM = {"float16": 0, "bfloat16": 1, "float32": 2}
+
+
+def maxsim_backward(grad_scores, Q, D, argmax, *, d_offsets=None, method="auto", validate=True, backend="auto"):
+    """Gradients of ``maxsim`` (or ``maxsim_varlen``) with respect to Q and D.
+
+    ``dQ[i, s] = sum_j g[i, j] * D_j[argmax[i, j, s]]`` and
+    ``dD_j[t] = sum of g[i, j] * Q[i, s] over the (i, s) whose argmax in document j is t``:
+    the similarity tensor is never rebuilt. Masks and lengths are not needed: the
+    forward's argmax already marks masked query tokens and empty documents with -1.
+
+    Args:
+        grad_scores: float ``scores.shape`` (any float dtype; used as float32).
+        Q, D: the forward's inputs: Q ``[Nq, Lq, d]`` or ``[Lq, d]``; D ``[Nd, Ld, d]``
+            (every query against every document, the in-batch layout),
+            ``[Nq, K, Ld, d]`` (a candidate set per query) or ``[Ld, d]``; or packed
+            ``D [T, d]`` with ``d_offsets`` (int32/int64 ``[Nd + 1]``, as in ``maxsim_varlen``).
+        argmax: the int32 argmax the forward returned (``return_argmax=True``).
+        method: "atomic": one pass producing dQ and dD, dD accumulated with fp32
+            atomics (fastest; dD's rounding can differ run to run). "csr": the argmax is
+            inverted into a map sorted by (document token, i, j, s) and each row of dD
+            is summed by one writer in that order: bitwise reproducible. "auto": the
+            dispatch rule (``dispatch.choose_backward``). dQ is deterministic either way.
+        validate: check the argmax values on the device first (one reduction and one host
+            synchronisation). Without it, entries out of range are skipped, never written.
+        backend: "auto", "gpu" or "cpu" (float64 NumPy).
+
+    Returns:
+        ``(dQ, dD)`` shaped and typed like Q and D (fp32 accumulation inside), in the
+        caller's framework and on its device.
+    """
+    if method not in _METHODS:
+        raise ValueError(f"method must be one of {_METHODS}, got {method!r}")
+    if backend not in ("auto", "gpu", "cpu"):
+        raise ValueError(f"backend must be one of ('auto', 'gpu', 'cpu'), got {backend!r}")
+    p = check_backward(grad_scores, Q, D, argmax, d_offsets)
+    on_gpu = backend == "gpu" or (backend == "auto" and (p.device is not None or gpu_available()))
+    if on_gpu and not gpu_available():
+        raise RuntimeError("backend='gpu' but no CUDA GPU is visible (CuPy could not find one)")
+    q_shape, d_shape = interop.describe(Q).shape, interop.describe(D).shape
+    if on_gpu:
+        return _gpu(p, grad_scores, Q, D, argmax, d_offsets, method, validate, q_shape, d_shape)
+    return _cpu(p, grad_scores, Q, D, argmax, d_offsets, q_shape, d_shape)
+
+
+def _doc_rows(p: Problem) -> int:
+    if p.d_packed:
+        return p.ntok
+    return (p.nq * p.nd if p.candidates else p.nd) * p.ld
+
+
+# ---------------------------------------------------------------- CPU
+
+
+def _cpu(p: Problem, g, Q, D, argmax, d_offsets, q_shape, d_shape):
+    from .forward import host_offsets
+
+    fw = p.framework
+    g = interop.to_numpy(g, fw).reshape(p.nq, p.nd)
+    q = interop.to_numpy(Q, fw).reshape(p.nq, p.lq, p.dim)
+    d = interop.to_numpy(D, fw).reshape(_doc_rows(p), p.dim)
+    a = interop.to_numpy(argmax, fw).reshape(p.nq, p.nd, p.lq).astype(np.int64)
+    if p.d_packed:
+        off = host_offsets(interop.to_numpy(d_offsets, fw), p.ntok, "d_offsets")
+        start, limit = off[:-1][None, :, None], np.diff(off)[None, :, None]
+    else:
+        base = np.arange(p.nd)[None, :, None] + (np.arange(p.nq)[:, None, None] * p.nd if p.candidates else 0)
+        start, limit = base * p.ld, p.ld
+    check_argmax_values(int(a.min()) if a.size else 0, bool((a >= limit).any()), _limit_words(p))
+    rows = np.where(a >= 0, start + a, -1)
+    dq, dd = cpu.maxsim_backward_numpy(g, q, d, a, rows)
+    return _host_out(dq, q.dtype, q_shape, fw), _host_out(dd, d.dtype, d_shape, fw)
+
+
+def _host_out(x64: np.ndarray, dtype, shape, fw):
+    out = x64.astype(dtype).reshape(shape)
+    if fw == "torch" and interop.is_bfloat16(dtype):
+        torch = __import__("sys").modules["torch"]
+        return torch.from_numpy(out.view(np.int16)).view(torch.bfloat16)
+    return interop.from_numpy(out, fw)
+
+
+def _limit_words(p: Problem) -> str:
+    return "its d_offsets length" if p.d_packed else f"Ld = {p.ld}"
+
+
+# ---------------------------------------------------------------- GPU
+
+
+def _gpu(p: Problem, g, Q, D, argmax, d_offsets, method, validate, q_shape, d_shape):
+    import cupy
+
+    from .compile import get_module
+    from .forward import _dev_array, device_offsets
+
+    fw = p.framework
+    on_host = p.device is None
+    device = p.device if p.device is not None else cupy.cuda.runtime.getDevice()
+    rows = _doc_rows(p)
+    with interop.caller_stream(fw, device):
+        q = _dev_array(Q, fw, on_host).reshape(p.nq * p.lq, p.dim)
+        d = _dev_array(D, fw, on_host).reshape(rows, p.dim)
+        if p.dtype == "bfloat16":
+            q, d = q.view(cupy.uint16), d.view(cupy.uint16)
+        gs = cupy.ascontiguousarray(_dev_array(g, fw, on_host).reshape(p.nq, p.nd), dtype=cupy.float32)
+        a = _dev_array(argmax, fw, on_host).reshape(p.nq, p.nd, p.lq)
+        off = device_offsets(_dev_array(d_offsets, fw, on_host), p.ntok, "d_offsets", validate) if p.d_packed else None
+        if validate and a.size:
+            limit = (off[1:] - off[:-1])[None, :, None] if off is not None else p.ld
+            lo, over = (int(v) for v in cupy.stack([a.min().astype(cupy.int64),
+                                                   (a >= limit).any().astype(cupy.int64)]).get())
+            check_argmax_values(lo, bool(over), _limit_words(p))
+        for n, v in (("Nq", p.nq), ("Nd", p.nd), ("Lq", p.lq), ("Ld", p.ld)):
+            if v >= 2**31:
+                raise ValueError(f"{n} = {v} does not fit the kernel's 32-bit index; split the call")
+        if p.nq * p.nd * p.lq >= 2**62 // max(1, rows):
+            raise ValueError("argmax entries x document rows exceed the CSR key range; split the call")
+
+        cc = device_properties(device).cc
+        how = dispatch.choose_backward(method, cc, p.nq, p.nd, p.lq, rows, p.dim)
+        esize = 4 if p.dtype == "float32" else 2
+        vec = p.dim % 4 == 0 and q.data.ptr % (4 * esize) == 0 and d.data.ptr % (4 * esize) == 0
+        defines = {"LIK_ELEM": _ELEM[p.dtype], "LIK_VEC": int(vec)}
+        mod = get_module("maxsim_bwd.cu", defines, dispatch.arch_of(cc), device, entry="lik_bwd_dq")
+
+        dq = cupy.empty_like(q)
+        dd = cupy.empty_like(d)
+        null = np.uint64(0)
+        chunks = -(-p.dim // 128)
+        common = (np.int32(p.nq), np.int32(p.nd), np.int32(p.lq))
+        if p.nq * p.lq and p.nd and p.dim:
+            dd32 = cupy.zeros((rows, p.dim), cupy.float32) if how == "atomic" else None
+            mod.get_function("lik_bwd_dq")(
+                (-(-p.nq * p.lq // 8), chunks), (256,),
+                (q, d, gs, a, off if off is not None else null, dq, dd32 if dd32 is not None else null, *common,
+                 np.int32(p.ld), np.int32(p.dim), np.int32(p.candidates), np.int64(rows)))
+            if how == "atomic":
+                n = rows * p.dim
+                mod.get_function("lik_bwd_cast")((min(-(-n // 256), 65535 * 8),), (256,), (dd32, dd, np.int64(n)))
+            elif rows:
+                m = p.nq * p.nd * p.lq
+                key = cupy.empty(m, cupy.int64)
+                mod.get_function("lik_bwd_keys")((min(-(-m // 256), 65535 * 8),), (256,),
+                                                 (a, off if off is not None else null, key, *common, np.int32(p.ld),
+                                                  np.int32(p.candidates), np.int64(rows)))
+                key.sort()  # unique keys: the order, and so the summation order, is fixed
+                start = cupy.searchsorted(key, cupy.arange(rows + 1, dtype=cupy.int64) * m)
+                mod.get_function("lik_bwd_dd_csr")((-(-rows // 8), chunks), (256,),
+                                                   (q, gs, key, start, dd, *common, np.int32(p.dim), np.int64(rows)))
+        else:  # nothing contributes
+            dq.fill(0)
+            dd.fill(0)
+        return _out(dq, q_shape, p, Q, fw, on_host), _out(dd, d_shape, p, D, fw, on_host)
+
+
+def _out(x, shape, p: Problem, like, fw: str, on_host: bool):
+    """A gradient in the caller's framework, dtype and shape (bfloat16 from its bits)."""
+    x = x.reshape(shape)
+    if p.dtype != "bfloat16":
+        return interop.from_cupy(x, fw, on_host)
+    return interop.bfloat16_from_bits(x, fw, on_host, like)

@@ -1,0 +1,75 @@
+"""PyTorch autograd for MaxSim: ``lik_cupy.torch.maxsim`` and ``maxsim_varlen``.
+
+Importing this module imports torch (``import lik_cupy`` alone never does). The
+forward keeps only the int32 argmax ``[Nq, Nd, Lq]`` for the backward, never the
+similarity tensor; the backward is ``lik_cupy.maxsim_backward``.
+
+``torch.compile``: the functions are excluded from tracing (``torch.compiler.disable``),
+so a compiled model runs them eagerly behind a graph break; results are never
+silently wrong.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .backward import maxsim_backward
+from .forward import maxsim as _maxsim
+from .forward import maxsim_varlen as _maxsim_varlen
+
+_disable = getattr(getattr(torch, "compiler", None), "disable", lambda f: f)
+
+
+class _MaxSim(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, Q, D, d_offsets, method, call):
+        scores, amax = call(Q.detach(), D.detach())
+        ctx.save_for_backward(Q, D, amax, d_offsets)
+        ctx.method = method
+        ctx.mark_non_differentiable(amax)
+        return scores, amax
+
+    @staticmethod
+    def backward(ctx, g, _g_amax):
+        Q, D, amax, d_offsets = ctx.saved_tensors
+        need_q, need_d = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        if not (need_q or need_d):
+            return None, None, None, None, None
+        dq, dd = maxsim_backward(g.contiguous(), Q.detach(), D.detach(), amax,
+                                 d_offsets=d_offsets if d_offsets.numel() else None, method=ctx.method,
+                                 validate=False)  # the argmax is our own
+        return (dq if need_q else None), (dd if need_d else None), None, None, None
+
+
+@_disable
+def maxsim(Q, D, q_mask=None, d_mask=None, *, q_lengths=None, d_lengths=None, method="auto", return_argmax=False):
+    """``lik_cupy.maxsim`` with gradients for Q and D (torch tensors, CUDA or CPU).
+
+    Arguments and semantics as :func:`lik_cupy.maxsim` (in-batch ``D [Nd, Ld, d]``,
+    candidates ``D [Nq, K, Ld, d]``, masks or lengths); ``method`` is the backward's
+    dD method ("auto", "atomic" or "csr", see :func:`lik_cupy.maxsim_backward`).
+    Masks and lengths take no gradient. Returns float32 scores (and the int32 argmax).
+    """
+    def call(q, d):
+        return _maxsim(q, d, q_mask, d_mask, q_lengths=q_lengths, d_lengths=d_lengths, return_argmax=True)
+
+    return _apply(Q, D, None, method, call, return_argmax)
+
+
+@_disable
+def maxsim_varlen(Q, D_tokens, d_offsets, q_mask=None, *, q_lengths=None, method="auto", return_argmax=False):
+    """``lik_cupy.maxsim_varlen`` (packed documents ``D_tokens [T, d]`` with ``d_offsets``)
+    with gradients for Q and D_tokens. Padded queries only (``q_mask`` / ``q_lengths``)."""
+    def call(q, d):
+        return _maxsim_varlen(q, d, d_offsets, q_mask, q_lengths=q_lengths, return_argmax=True)
+
+    return _apply(Q, D_tokens, d_offsets, method, call, return_argmax)
+
+
+def _apply(Q, D, d_offsets, method, call, return_argmax):
+    if not torch.is_grad_enabled() or not (Q.requires_grad or D.requires_grad):
+        scores, amax = call(Q, D)
+    else:
+        off = torch.as_tensor(d_offsets if d_offsets is not None else [], dtype=torch.int64, device=Q.device)
+        scores, amax = _MaxSim.apply(Q, D, off, method, call)
+    return (scores, amax) if return_argmax else scores

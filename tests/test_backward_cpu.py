@@ -1,0 +1,108 @@
+"""maxsim_backward on the NumPy path, and its argument checks (no GPU needed)."""
+
+import numpy as np
+import pytest
+
+import lik_cupy
+
+
+def _f32(rng, *shape):
+    return rng.standard_normal(shape).astype(np.float32)
+
+
+def _dense_grads(g, Q, Drows, amax, rows):
+    """Reference through a one-hot of the argmax (a different formulation than the code's scatter)."""
+    nq, nd, lq = amax.shape
+    R = Drows.shape[0]
+    onehot = np.zeros((nq, nd, lq, R))
+    i, j, s = np.nonzero((amax >= 0) & (rows >= 0))
+    onehot[i, j, s, rows[i, j, s]] = 1.0
+    dQ = np.einsum("ij,ijsr,rk->isk", g.astype(np.float64), onehot, Drows.astype(np.float64))
+    dD = np.einsum("ij,ijsr,isk->rk", g.astype(np.float64), onehot, Q.astype(np.float64))
+    return dQ, dD
+
+
+def test_in_batch_with_masks(rng):
+    nq, lq, nd, ld, dim = 3, 7, 5, 9, 6
+    Q, D = _f32(rng, nq, lq, dim), _f32(rng, nd, ld, dim)
+    qm = rng.random((nq, lq)) < 0.8
+    dm = rng.random((nd, ld)) < 0.7
+    dm[2] = False  # empty document: argmax -1, no gradient
+    s, a = lik_cupy.maxsim(Q, D, qm, dm, return_argmax=True, backend="cpu")
+    g = _f32(rng, nq, nd)
+    dQ, dD = lik_cupy.maxsim_backward(g, Q, D, a, backend="cpu")
+    assert dQ.dtype == np.float32 and dQ.shape == Q.shape and dD.shape == D.shape
+    rows = np.where(a >= 0, np.arange(nd)[None, :, None] * ld + a, -1)
+    rq, rd = _dense_grads(g, Q, D.reshape(-1, dim), a, rows)
+    np.testing.assert_allclose(dQ, rq, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(dD.reshape(-1, dim), rd, rtol=1e-5, atol=1e-5)
+    assert not dD[2].any()  # the empty document gets nothing
+    assert not dQ[~qm].any()  # masked query tokens get nothing
+
+
+def test_candidates_layout(rng):
+    nq, k, lq, ld, dim = 2, 3, 4, 5, 8
+    Q, D = _f32(rng, nq, lq, dim), _f32(rng, nq, k, ld, dim)
+    _, a = lik_cupy.maxsim(Q, D, return_argmax=True, backend="cpu")
+    g = _f32(rng, nq, k)
+    dQ, dD = lik_cupy.maxsim_backward(g, Q, D, a, backend="cpu")
+    base = (np.arange(nq)[:, None, None] * k + np.arange(k)[None, :, None]) * ld
+    rq, rd = _dense_grads(g, Q, D.reshape(-1, dim), a, base + a)
+    np.testing.assert_allclose(dQ, rq, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(dD.reshape(-1, dim), rd, rtol=1e-5, atol=1e-5)
+
+
+def test_packed_documents_and_2d_query(rng):
+    lens = np.array([3, 0, 5, 1])
+    off = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    lq, dim = 6, 5
+    Q, T = _f32(rng, lq, dim), _f32(rng, int(off[-1]), dim)
+    s, a = lik_cupy.maxsim_varlen(Q, T, off, return_argmax=True, backend="cpu")
+    assert a.shape == (len(lens), lq)
+    g = _f32(rng, len(lens))
+    dQ, dT = lik_cupy.maxsim_backward(g, Q, T, a, d_offsets=off, backend="cpu")
+    assert dQ.shape == Q.shape and dT.shape == T.shape
+    rows = np.where(a >= 0, off[:-1][:, None] + a, -1)
+    rq, rd = _dense_grads(g[None], Q[None], T, a[None], rows[None])
+    np.testing.assert_allclose(dQ, rq[0], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(dT, rd, rtol=1e-5, atol=1e-5)
+
+
+def test_float16_in_float16_out(rng):
+    Q, D = _f32(rng, 2, 4, 8).astype(np.float16), _f32(rng, 3, 5, 8).astype(np.float16)
+    _, a = lik_cupy.maxsim(Q, D, return_argmax=True, backend="cpu")
+    dQ, dD = lik_cupy.maxsim_backward(np.ones((2, 3), np.float32), Q, D, a, backend="cpu")
+    assert dQ.dtype == np.float16 and dD.dtype == np.float16
+
+
+def _setup(rng):
+    Q, D = _f32(rng, 2, 4, 8), _f32(rng, 3, 5, 8)
+    _, a = lik_cupy.maxsim(Q, D, return_argmax=True, backend="cpu")
+    return Q, D, a, np.ones((2, 3), np.float32)
+
+
+def test_argument_errors(rng):
+    Q, D, a, g = _setup(rng)
+    with pytest.raises(ValueError, match="method must be one of"):
+        lik_cupy.maxsim_backward(g, Q, D, a, method="fast", backend="cpu")
+    with pytest.raises(ValueError, match=r"grad_scores has shape \[3, 2\]; expected \[2, 3\]"):
+        lik_cupy.maxsim_backward(g.T, Q, D, a, backend="cpu")
+    with pytest.raises(TypeError, match="argmax must be the forward's int32 argmax, got dtype int64"):
+        lik_cupy.maxsim_backward(g, Q, D, a.astype(np.int64), backend="cpu")
+    with pytest.raises(ValueError, match=r"argmax has shape \[2, 3, 5\]; expected \[2, 3, 4\]"):
+        lik_cupy.maxsim_backward(g, Q, D, np.zeros((2, 3, 5), np.int32), backend="cpu")
+    with pytest.raises(TypeError, match="grad_scores must be floating point"):
+        lik_cupy.maxsim_backward(g.astype(np.int32), Q, D, a, backend="cpu")
+    with pytest.raises(ValueError, match="D has dim 7 but Q has dim 8"):
+        lik_cupy.maxsim_backward(g, Q, D[..., :7], a, backend="cpu")
+
+
+def test_argmax_values_checked(rng):
+    Q, D, a, g = _setup(rng)
+    bad = a.copy()
+    bad[0, 0, 0] = 5  # Ld = 5: one past the end
+    with pytest.raises(ValueError, match="past the end of its document"):
+        lik_cupy.maxsim_backward(g, Q, D, bad, backend="cpu")
+    bad[0, 0, 0] = -2
+    with pytest.raises(ValueError, match="argmax holds -2"):
+        lik_cupy.maxsim_backward(g, Q, D, bad, backend="cpu")

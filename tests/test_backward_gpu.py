@@ -1,0 +1,197 @@
+"""Backward on the GPU against float64 autograd of the naive expression (needs torch and a GPU).
+
+The reference takes the max at the token our forward chose, after checking that token
+is a maximum up to rounding: a near-tie may break either way, and the gradient of
+``max`` follows whichever token wins.
+"""
+
+import zlib
+
+import numpy as np
+import pytest
+
+import lik_cupy
+
+torch = pytest.importorskip("torch")
+pytestmark = pytest.mark.gpu
+
+TOL = {"float16": 2e-3, "bfloat16": 1e-2, "float32": 1e-5}  # gradients come back in the input dtype
+TDT = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def _unit(gen, *shape, dtype):
+    x = torch.randn(*shape, generator=gen, device="cuda", dtype=torch.float64)
+    return torch.nn.functional.normalize(x, dim=-1).to(TDT[dtype])
+
+
+def _ref(Q, Dpad, amax, g, d_valid, candidates):
+    """float64 autograd of sum_s max_t <Q, D> with the max taken at ``amax``."""
+    q = Q.double().detach().requires_grad_(True)
+    d = Dpad.double().detach().requires_grad_(True)
+    sim = torch.einsum("isk,ijtk->ijst", q, d) if candidates else torch.einsum("isk,jtk->ijst", q, d)
+    dv = d_valid if candidates else d_valid[None]
+    sim_m = sim.masked_fill(~dv[:, :, None, :], float("-inf"))
+    a = amax.long()
+    picked = torch.gather(sim_m, 3, a.clamp_min(0)[..., None])[..., 0]
+    ok = a >= 0
+    best = sim_m.max(dim=3).values
+    assert torch.all(picked[ok] >= best[ok] - 1e-3 * (best[ok].abs() + 1)), "argmax is not a maximum"
+    score = torch.where(ok, picked, torch.zeros_like(picked)).sum(-1)
+    (score * g.double()).sum().backward()
+    return q.grad, d.grad
+
+
+def _rel(x, ref):
+    x, ref = x.double(), ref.double()
+    return ((x - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def _cos(x, ref):
+    return torch.nn.functional.cosine_similarity(x.double().flatten(), ref.double().flatten(), dim=0).item()
+
+
+@pytest.mark.parametrize("method", ["atomic", "csr"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_in_batch_masks_empty_docs(method, dtype):
+    gen = torch.Generator(device="cuda").manual_seed(zlib.crc32(f"{method}{dtype}".encode()))
+    nq, lq, nd, ld, dim = 5, 37, 6, 45, 96
+    Q, D = _unit(gen, nq, lq, dim, dtype=dtype), _unit(gen, nd, ld, dim, dtype=dtype)
+    qm = torch.rand(nq, lq, generator=gen, device="cuda") < 0.8
+    dm = torch.rand(nd, ld, generator=gen, device="cuda") < 0.7
+    dm[3] = False  # empty document
+    s, a = lik_cupy.maxsim(Q, D, qm, dm, return_argmax=True)
+    g = torch.randn(nq, nd, generator=gen, device="cuda")
+    dQ, dD = lik_cupy.maxsim_backward(g, Q, D, a, method=method)
+    assert dQ.dtype == Q.dtype and dD.dtype == D.dtype and dQ.shape == Q.shape and dD.shape == D.shape
+    rq, rd = _ref(Q, D, a, g, dm, False)
+    assert _rel(dQ, rq) < TOL[dtype] and _rel(dD, rd) < TOL[dtype]
+    if dtype == "float32":
+        assert _cos(dQ, rq) > 0.99999 and _cos(dD, rd) > 0.99999
+    assert not dD[3].any() and not dQ[~qm].any()
+
+
+@pytest.mark.parametrize("method", ["atomic", "csr"])
+def test_candidates_layout_and_wide_dim(method):
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    nq, k, lq, ld, dim = 3, 4, 21, 33, 300  # dim not a multiple of 128 (or of 4 for the loads)
+    Q, D = _unit(gen, nq, lq, dim, dtype="float16"), _unit(gen, nq, k, ld, dim, dtype="float16")
+    _, a = lik_cupy.maxsim(Q, D, return_argmax=True)
+    g = torch.randn(nq, k, generator=gen, device="cuda")
+    dQ, dD = lik_cupy.maxsim_backward(g, Q, D, a, method=method)
+    rq, rd = _ref(Q, D, a, g, torch.ones(nq, k, ld, dtype=torch.bool, device="cuda"), True)
+    assert _rel(dQ, rq) < TOL["float16"] and _rel(dD, rd) < TOL["float16"]
+
+
+@pytest.mark.parametrize("method", ["atomic", "csr"])
+def test_packed_documents(method):
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    lens = torch.tensor([5, 0, 17, 1, 40, 9])
+    off = torch.cat([torch.zeros(1, dtype=torch.int64), lens.cumsum(0)]).cuda()
+    nq, lq, dim = 4, 19, 64
+    Q, T = _unit(gen, nq, lq, dim, dtype="bfloat16"), _unit(gen, int(off[-1]), dim, dtype="bfloat16")
+    _, a = lik_cupy.maxsim_varlen(Q, T, off, return_argmax=True)
+    g = torch.randn(nq, len(lens), generator=gen, device="cuda")
+    dQ, dT = lik_cupy.maxsim_backward(g, Q, T, a, d_offsets=off, method=method)
+    ld = int(lens.max())
+    pad = torch.zeros(len(lens), ld, dim, dtype=T.dtype, device="cuda")
+    dv = torch.arange(ld, device="cuda")[None] < lens.cuda()[:, None]
+    pad[dv] = T
+    rq, rpad = _ref(Q, pad, a, g, dv, False)
+    assert _rel(dQ, rq) < TOL["bfloat16"] and _rel(dT, rpad[dv]) < TOL["bfloat16"]
+
+
+def test_csr_is_bitwise_reproducible_and_matches_atomic():
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    nq, lq, nd, ld, dim = 16, 64, 16, 50, 128  # many collisions: 16 x 64 query tokens per 50 doc tokens
+    Q, D = _unit(gen, nq, lq, dim, dtype="float32"), _unit(gen, nd, ld, dim, dtype="float32")
+    _, a = lik_cupy.maxsim(Q, D, return_argmax=True)
+    g = torch.randn(nq, nd, generator=gen, device="cuda")
+    q1, d1 = lik_cupy.maxsim_backward(g, Q, D, a, method="csr")
+    q2, d2 = lik_cupy.maxsim_backward(g, Q, D, a, method="csr")
+    assert torch.equal(d1.view(torch.int32), d2.view(torch.int32)) and torch.equal(q1.view(torch.int32), q2.view(torch.int32))
+    q3, d3 = lik_cupy.maxsim_backward(g, Q, D, a, method="atomic")
+    assert torch.equal(q1, q3)  # dQ has one writer per row either way
+    assert _rel(d3, d1) < 1e-6
+
+
+def test_bad_argmax_is_refused_before_any_kernel():
+    Q = torch.randn(2, 5, 32, device="cuda", dtype=torch.float16)
+    D = torch.randn(3, 7, 32, device="cuda", dtype=torch.float16)
+    _, a = lik_cupy.maxsim(Q, D, return_argmax=True)
+    a[1, 2, 3] = 7
+    with pytest.raises(ValueError, match="past the end of its document"):
+        lik_cupy.maxsim_backward(torch.ones(2, 3, device="cuda"), Q, D, a)
+    # unchecked, the bad entry is skipped: nothing is written outside dD
+    dQ, dD = lik_cupy.maxsim_backward(torch.ones(2, 3, device="cuda"), Q, D, a, validate=False)
+    assert torch.isfinite(dQ).all() and torch.isfinite(dD).all()
+
+
+def test_torch_adapter_matches_naive_autograd():
+    from lik_cupy.torch import maxsim
+
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    Q = _unit(gen, 4, 13, 64, dtype="float16").requires_grad_(True)
+    D = _unit(gen, 7, 29, 64, dtype="float16").requires_grad_(True)
+    dl = torch.tensor([29, 3, 0, 10, 29, 1, 17], device="cuda")
+    s = maxsim(Q, D, d_lengths=dl)
+    w = torch.randn(4, 7, generator=gen, device="cuda")
+    (s * w).sum().backward()
+    dv = torch.arange(29, device="cuda")[None] < dl[:, None]
+    _, a = lik_cupy.maxsim(Q.detach(), D.detach(), d_lengths=dl, return_argmax=True)
+    rq, rd = _ref(Q.detach(), D.detach(), a, w, dv, False)
+    assert _rel(Q.grad, rq) < TOL["float16"] and _rel(D.grad, rd) < TOL["float16"]
+    with torch.no_grad():  # no graph, plain forward
+        assert not maxsim(Q, D).requires_grad
+
+
+def test_torch_training_loop_follows_naive_fp32():
+    """200 steps of in-batch InfoNCE on a small random model: the lik_cupy loss curve
+    follows the naive fp32 autograd curve to within 1e-3 per step."""
+    from lik_cupy.torch import maxsim
+
+    n, lq, ld, feat, dim, steps = 8, 16, 24, 32, 64, 200
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    xq = torch.randn(n, lq, feat, generator=gen, device="cuda")
+    xd = torch.randn(n, ld, feat, generator=gen, device="cuda")
+    w0 = torch.randn(feat, dim, generator=gen, device="cuda") / feat**0.5
+
+    def run(score_fn):
+        wq, wd = w0.clone().requires_grad_(True), w0.clone().requires_grad_(True)
+        opt = torch.optim.SGD([wq, wd], lr=0.5)
+        losses = []
+        for _ in range(steps):
+            eq = torch.nn.functional.normalize(xq @ wq, dim=-1).half()
+            ed = torch.nn.functional.normalize(xd @ wd, dim=-1).half()
+            loss = torch.nn.functional.cross_entropy(score_fn(eq, ed) / 0.5, torch.arange(n, device="cuda"))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        return np.array(losses)
+
+    def naive(eq, ed):
+        return torch.einsum("isk,jtk->ijst", eq.float(), ed.float()).amax(-1).sum(-1)
+
+    ours, ref = run(maxsim), run(naive)
+    assert ref[-1] < ref[0] * 0.9  # the model learns
+    assert np.max(np.abs(ours - ref)) < 1e-3, np.max(np.abs(ours - ref))
+
+
+def test_jax_adapter_eager_and_jit_refusal():
+    jax = pytest.importorskip("jax")
+    from lik_cupy.jax import maxsim
+
+    rng = np.random.default_rng(0)
+    # float16: the GPU's fp32 sums of fp16 products match the CPU's float64 argmax
+    q = rng.standard_normal((2, 9, 32)).astype(np.float16)
+    d = rng.standard_normal((3, 11, 32)).astype(np.float16)
+    Q, D = jax.device_put(q), jax.device_put(d)
+    w = rng.standard_normal((2, 3)).astype(np.float32)
+    gq, gd = jax.grad(lambda a, b: (maxsim(a, b) * jax.numpy.asarray(w)).sum(), argnums=(0, 1))(Q, D)
+    assert gq.dtype == jax.numpy.float16 and gd.shape == D.shape
+    _, amax = lik_cupy.maxsim(q, d, return_argmax=True, backend="cpu")
+    rq, rd = lik_cupy.maxsim_backward(w, q, d, amax, backend="cpu")
+    np.testing.assert_allclose(np.asarray(gq, np.float32), rq.astype(np.float32), rtol=1e-2, atol=1e-2)
+    np.testing.assert_allclose(np.asarray(gd, np.float32), rd.astype(np.float32), rtol=1e-2, atol=1e-2)
+    with pytest.raises(TypeError, match="eagerly"):
+        jax.jit(lambda a, b: maxsim(a, b).sum())(Q, D)
