@@ -79,6 +79,18 @@ def step_ms(torch, fn, q, d, w, reps):
     return statistics.median(times), step
 
 
+def step_ms_plain(torch, fn, reps=10):
+    fn()
+    torch.cuda.synchronize()
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    for _ in range(reps):
+        fn()
+    e.record()
+    e.synchronize()
+    return s.elapsed_time(e) / reps
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--cases", default=",".join(CASES))
@@ -137,12 +149,20 @@ def main(argv=None):
                 step()
                 torch.cuda.synchronize()
                 row.update(ms=ms, peak_extra_gb=(torch.cuda.max_memory_allocated() - base) / 1e9)
+                if name == "ours_atomic":  # where the step's time goes
+                    import lik_cupy
+
+                    _, amax = lik_cupy.maxsim(q.detach(), d.detach(), return_argmax=True)
+                    row["fwd_argmax_ms"] = step_ms_plain(torch, lambda: lik_cupy.maxsim(q.detach(), d.detach(),
+                                                                                        return_argmax=True))
+                    row["bwd_ms"] = step_ms_plain(torch, lambda: lik_cupy.maxsim_backward(
+                        w, q.detach(), d.detach(), amax, validate=False))
                 if ref is not None:
                     row["rel_err_dq"] = ((q.grad.float() - ref[0]).norm() / ref[0].norm()).item()
                     row["rel_err_dd"] = ((d.grad.float() - ref[1]).norm() / ref[1].norm()).item()
             except Exception as e:  # noqa: BLE001
                 row["error"] = repr(e)[:300]
-            del q, d
+            q = d = None
             torch.cuda.empty_cache()
             meta["rows"].append(row)
             print(_line(row), flush=True)
@@ -158,7 +178,8 @@ def _line(r):
     if "error" in r:
         return f"{r['case']:11s} {r['impl']:12s} {r['error'][:140]}"
     e = f" err dQ {r['rel_err_dq']:.1e} dD {r['rel_err_dd']:.1e}" if "rel_err_dq" in r else ""
-    return f"{r['case']:11s} {r['impl']:12s} {r['ms']:9.3f} ms  peak +{r['peak_extra_gb']:.3f} GB{e}"
+    split = f" (forward+argmax {r['fwd_argmax_ms']:.3f}, backward {r['bwd_ms']:.3f})" if "bwd_ms" in r else ""
+    return f"{r['case']:11s} {r['impl']:12s} {r['ms']:9.3f} ms  peak +{r['peak_extra_gb']:.3f} GB{e}{split}"
 
 
 def table(meta):

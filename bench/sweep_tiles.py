@@ -1,5 +1,6 @@
-"""Sweep the Hopper (wgmma) tile table: time lik_cupy.maxsim for each candidate
-(bn, stages) at the canonical shapes, one query against B documents, d=128.
+"""Sweep the d=128 tile tables: time lik_cupy.maxsim for each candidate forced in turn,
+one query against B documents: Hopper (wgmma) tiles (bn, stages) at Lq = 128, 512, 1024,
+and the portable short-query tiles (warps, mt, bn, stages) at Lq = 32.
 
     python bench/sweep_tiles.py --out DIR      -> DIR/sweep_tiles_<gpu>.json + a table
 
@@ -22,20 +23,38 @@ from lik_cupy.device import device_properties
 
 CANDIDATES = [(64, 4), (64, 3), (128, 2), (128, 3)]
 SHAPES = [(128, 1024, 1000), (512, 1024, 1000), (1024, 1024, 1000)]
+# Short queries (one query, portable mma.sync tiles): (warps, mt, bn, stages).
+SHORT_CANDIDATES = [(2, 1, 64, 3), (2, 1, 64, 4), (2, 1, 128, 3), (2, 1, 128, 2), (2, 1, 32, 4)]
+SHORT_SHAPES = [(32, 300, 1000), (32, 1024, 1000)]
 
 
-def time_ms(fn, reps=50):
-    # Synchronous per call: includes host launch latency, so compare rows with each other only.
+def time_ms(fn, n=20):
+    """Device ms per call: a spin kernel queued first lets the host run ahead, so launch
+    overhead stays hidden (CuPy and torch share the legacy default stream)."""
+    import torch
+
     fn()
-    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+    torch.cuda.synchronize()
     times = []
-    for _ in range(reps):
+    for _ in range(3):
+        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+        torch.cuda._sleep(20_000_000)
         start.record()
-        fn()
+        for _ in range(n):
+            fn()
         stop.record()
         stop.synchronize()
-        times.append(cupy.cuda.get_elapsed_time(start, stop))
+        times.append(cupy.cuda.get_elapsed_time(start, stop) / n)
     return float(np.median(times))
+
+
+def forced(cfg, fn):
+    chosen = dispatch.choose_forward
+    dispatch.choose_forward = lambda *a, **k: cfg  # forced for this measurement
+    try:
+        return time_ms(fn)
+    finally:
+        dispatch.choose_forward = chosen
 
 
 def main():
@@ -45,20 +64,24 @@ def main():
     props = device_properties(cupy.cuda.runtime.getDevice())
     rows = []
     rng = cupy.random.default_rng(0)
-    for lq, ld, b in SHAPES:
-        q = rng.standard_normal((lq, 128), dtype=cupy.float32).astype(cupy.float16)
-        d = rng.standard_normal((b, ld, 128), dtype=cupy.float32).astype(cupy.float16)
-        flops = 2.0 * lq * ld * 128 * b
-        for bn, stages in CANDIDATES:
-            cfg = dispatch.FwdConfig(0, 128, 8, 1, bn, stages, False, False, True, True)
-            chosen = dispatch.choose_forward
-            dispatch.choose_forward = lambda *a, **k: cfg  # forced for this measurement
-            try:
-                ms = time_ms(lambda: lik_cupy.maxsim(q, d))
-            finally:
-                dispatch.choose_forward = chosen
-            rows.append({"lq": lq, "ld": ld, "B": b, "bn": bn, "stages": stages, "ms": ms, "tflops": flops / ms / 1e9})
-            print(f"{lq}x{ld}@{b}  bn={bn:3d} stages={stages}  {ms:.4f} ms  {flops / ms / 1e9:6.1f} TF/s", flush=True)
+    for kind, shapes, cands in (("wgmma", SHAPES, CANDIDATES), ("short", SHORT_SHAPES, SHORT_CANDIDATES)):
+        for lq, ld, b in shapes:
+            q = rng.standard_normal((lq, 128), dtype=cupy.float32).astype(cupy.float16)
+            d = rng.standard_normal((b, ld, 128), dtype=cupy.float32).astype(cupy.float16)
+            flops = 2.0 * lq * ld * 128 * b
+            for cand in cands:
+                if kind == "wgmma":
+                    bn, stages = cand
+                    cfg = dispatch.FwdConfig(0, 128, 8, 1, bn, stages, False, False, True, True)
+                else:
+                    w, mt, bn, stages = cand
+                    cfg = dispatch.FwdConfig(0, 128, w, mt, bn, stages, dispatch._qreg(0, 128, mt), False, True)
+                ms = forced(cfg, lambda: lik_cupy.maxsim(q, d))
+                rows.append({"kind": kind, "lq": lq, "ld": ld, "B": b, "config": cfg.name, "bn": bn,
+                             "stages": stages, "ms": ms, "tflops": flops / ms / 1e9,
+                             "gbs": b * ld * 128 * 2 / ms / 1e6})
+                print(f"{kind:5s} {lq}x{ld}@{b}  {cfg.name:50s} {ms:.4f} ms  {flops / ms / 1e9:6.1f} TF/s", flush=True)
+
     slug = re.sub(r"[^a-z0-9]+", "-", props.name.lower()).strip("-")
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, f"sweep_tiles_{slug}.json"), "w") as f:

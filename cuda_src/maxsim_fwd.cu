@@ -445,6 +445,38 @@ struct Fwd {
                         }
                     continue;
                 }
+                if (ARGMAX && full) {
+                    // Every token counts: a strict '>' per token in increasing order keeps the
+                    // lowest index on ties, with no validity test. A NaN anywhere in the thread's
+                    // tile sends it through the exact loop below instead (the first NaN wins there).
+                    float nb[MT][2], tmax = LIK_NEG_INF;
+                    int ni[MT][2];
+#pragma unroll
+                    for (int m = 0; m < MT; ++m)
+#pragma unroll
+                        for (int h = 0; h < 2; ++h) {
+                            float b = best[m][h];
+                            int ix = bidx[m][h];
+#pragma unroll
+                            for (int n = 0; n < NN; ++n)
+#pragma unroll
+                                for (int e = 0; e < 2; ++e) {
+                                    const float v = acc[m][n][2 * h + e];
+                                    tmax = max_nan(tmax, v);
+                                    if (v > b) { b = v; ix = tok0 + n * 8 + 2 * tq + e; }
+                                }
+                            if (ix < 0) { b = acc[m][0][2 * h]; ix = tok0 + 2 * tq; }  // all -inf: the first token
+                            nb[m][h] = b;
+                            ni[m][h] = ix;
+                        }
+                    if (tmax == tmax) {
+#pragma unroll
+                        for (int m = 0; m < MT; ++m)
+#pragma unroll
+                            for (int h = 0; h < 2; ++h) { best[m][h] = nb[m][h]; bidx[m][h] = ni[m][h]; }
+                        continue;
+                    }
+                }
 #pragma unroll
                 for (int n = 0; n < NN; ++n)
 #pragma unroll

@@ -187,8 +187,8 @@ for _wide in (False, True):
     for _db in (64, 128, 256, 512):
         for _lb in (32, 64, 128):
             if not _wide:  # fp16 / bf16
-                if _db <= 128:
-                    pref = {32: ((2, 1, 64, 3), (2, 1, 32, 3)), 64: ((4, 1, 64, 3), (4, 1, 32, 3))}.get(
+                if _db <= 128:  # 32 rows: four stages 4-5% ahead of three (sweep_tiles_nvidia-h200.json)
+                    pref = {32: ((2, 1, 64, 4), (2, 1, 64, 3), (2, 1, 32, 3)), 64: ((4, 1, 64, 3), (4, 1, 32, 3))}.get(
                         _lb, ((4, 2, 64, 3), (4, 2, 32, 3), (4, 2, 32, 2))
                     )
                 elif _db <= 256:
@@ -224,13 +224,13 @@ def arch_of(cc: int) -> int:
 # where it pads documents less (Ld=180: 192 tokens in 64- or 96-token tiles
 # against 256).
 # - One query per tile, from bench/results/sweep_tiles_nvidia-h200.json:
-#   128-token tiles run about 9% faster per token than 64-token ones.
+#   128-token tiles run 12-17% faster per token than 64-token ones.
 # - Several short queries per tile, from bench/results/sweep_bn_multiquery_nvidia-h200.json
 #   (32 queries of 32 tokens, Ld 128..512): 96-token tiles about 10% faster per
 #   token than 64, and 128 (one CTA per SM at three stages) 17-30% slower.
-# With Lq >= 1024 two stages (two CTAs per SM, one's epilogue hiding under the
-# other's MMA) beat three.
-_WGMMA_BN_COST = {128: 1.0, 64: 1.09}
+# 128-token tiles: two stages (two CTAs per SM, one's epilogue hiding under the other's
+# MMA) beat three at Lq = 128, 512 and 1024 (7-10%, sweep_tiles_nvidia-h200.json).
+_WGMMA_BN_COST = {128: 1.0, 64: 1.12}
 _WGMMA_BN_COST_MULTI = {96: 0.9, 64: 1.0, 128: 1.25}
 
 
@@ -238,7 +238,7 @@ def _wgmma_tiles(lq: int, ld: int, multi: bool) -> list[tuple[int, int]]:
     """(bn, stages) candidates for the Hopper kernel, best first."""
     cost = _WGMMA_BN_COST_MULTI if multi else _WGMMA_BN_COST
     order = sorted(cost, key=lambda bn: -(-max(ld, 1) // bn) * bn * cost[bn])
-    stages = {128: (2, 3) if lq >= 1024 else (3, 2), 96: (3, 2), 64: (3, 2)}
+    stages = {128: (2, 3), 96: (3, 2), 64: (3, 2)}
     return [(bn, st) for bn in order for st in stages[bn]]
 
 

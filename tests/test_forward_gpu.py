@@ -163,6 +163,26 @@ def test_nan_propagates_unless_masked(rng):
     assert np.isfinite(np.delete(s, 2, axis=1)).all()
 
 
+@pytest.mark.parametrize("lq", [20, 130])  # short-query tiles, and the Hopper tiles
+def test_argmax_with_nan_and_infinite_rows(rng, lq):
+    # full document tiles (Ld = 256): the fast argmax path must hand NaN tiles to the exact
+    # loop (first NaN wins) and give an all -inf row its first token
+    import cupy
+
+    q = _unit(rng, 1, lq, 64).astype(np.float16)
+    d = _unit(rng, 3, 256, 64).astype(np.float16)
+    d[0, 200, 5] = np.nan
+    d[0, 150, 9] = np.nan
+    d[1] = 0  # all-zero document: every similarity 0, every token ties
+    q[0, 0] = -np.inf  # query token 0 against doc 2: -inf wherever the product is defined
+    d[2, :, :] = np.abs(d[2]) + 0.01
+    s, a = lik_cupy.maxsim(cupy.asarray(q), cupy.asarray(d), return_argmax=True)
+    a = a.get()
+    assert (a[0, 0, 1:] == 150).all()  # the lowest-index NaN token wins every valid row
+    assert (a[0, 1] == 0).all()  # ties: the lowest index
+    assert a[0, 2, 0] == 0  # every similarity -inf: the first token
+
+
 def test_frameworks_round_trip(rng):
     q, q64 = _cast(_unit(rng, 2, 21, 48), "float16")
     d, d64 = _cast(_unit(rng, 9, 33, 48), "float16")
