@@ -24,7 +24,6 @@ import argparse
 import json
 import os
 import re
-import statistics
 import sys
 from pathlib import Path
 
@@ -32,6 +31,7 @@ os.environ.setdefault("LIK_SUPPRESS_NORM_WARN", "1")
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from timing import per_call_ms  # noqa: E402
 
 CASES = {"colpali64": (64, 1024, 1024), "colbert32": (32, 32, 80), "colpali128": (128, 1024, 1024)}
 D_MODEL = 128
@@ -60,35 +60,13 @@ def impls(torch):
     return out
 
 
-def step_ms(torch, fn, q, d, w, reps):
+def step_fn(fn, q, d, w):
+    """One training step: scores -> weighted sum -> backward."""
     def step():
         q.grad = d.grad = None
         (fn(q, d) * w).sum().backward()
 
-    step()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(3):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        for _ in range(reps):
-            step()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e) / reps)
-    return statistics.median(times), step
-
-
-def step_ms_plain(torch, fn, reps=10):
-    fn()
-    torch.cuda.synchronize()
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    s.record()
-    for _ in range(reps):
-        fn()
-    e.record()
-    e.synchronize()
-    return s.elapsed_time(e) / reps
+    return step
 
 
 def main(argv=None):
@@ -141,8 +119,9 @@ def main(argv=None):
                 continue
             q, d = q0.clone().requires_grad_(True), d0.clone().requires_grad_(True)
             try:
-                est, step = step_ms(torch, fn, q, d, w, 2)
-                ms, step = step_ms(torch, fn, q, d, w, max(3, min(50, int(300 / max(est, 1e-3)))))
+                step = step_fn(fn, q, d, w)
+                est = per_call_ms(torch, step, 2, rounds=1)
+                ms = per_call_ms(torch, step, max(3, min(50, int(300 / max(est, 1e-3)))))
                 torch.cuda.synchronize()
                 base = torch.cuda.memory_allocated()
                 torch.cuda.reset_peak_memory_stats()
@@ -153,10 +132,10 @@ def main(argv=None):
                     import lik_cupy
 
                     _, amax = lik_cupy.maxsim(q.detach(), d.detach(), return_argmax=True)
-                    row["fwd_argmax_ms"] = step_ms_plain(torch, lambda: lik_cupy.maxsim(q.detach(), d.detach(),
-                                                                                        return_argmax=True))
-                    row["bwd_ms"] = step_ms_plain(torch, lambda: lik_cupy.maxsim_backward(
-                        w, q.detach(), d.detach(), amax, validate=False))
+                    row["fwd_argmax_ms"] = per_call_ms(torch, lambda: lik_cupy.maxsim(
+                        q.detach(), d.detach(), return_argmax=True), 10)
+                    row["bwd_ms"] = per_call_ms(torch, lambda: lik_cupy.maxsim_backward(
+                        w, q.detach(), d.detach(), amax, validate=False), 10)
                 if ref is not None:
                     row["rel_err_dq"] = ((q.grad.float() - ref[0]).norm() / ref[0].norm()).item()
                     row["rel_err_dd"] = ((d.grad.float() - ref[1]).norm() / ref[1].norm()).item()

@@ -26,13 +26,14 @@ import argparse
 import json
 import os
 import re
-import statistics
 import sys
 import time
 from pathlib import Path
 
 os.environ.setdefault("LIK_SUPPRESS_NORM_WARN", "1")
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from timing import per_call_ms  # noqa: E402
 DIMS = (128, 256, 384, 512, 768, 1024, 2048, 4096)
 SHAPES = {"colpali": (1024, 1024, 128), "textual": (32, 180, 1024)}
 
@@ -111,19 +112,7 @@ class forced:
 
 
 def device_ms(torch, fn, n):
-    fn()
-    torch.cuda.synchronize()
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(3):
-        torch.cuda._sleep(20_000_000)
-        s.record()
-        for _ in range(n):
-            fn()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e) / n)
-    return statistics.median(times)
+    return per_call_ms(torch, fn, n, spin_cycles=20_000_000)
 
 
 def cublas_tflops(torch):

@@ -15,11 +15,11 @@ import os
 import re
 
 import cupy
-import numpy as np
 
 import lik_cupy
 from lik_cupy import dispatch
 from lik_cupy.device import device_properties
+from timing import per_call_ms
 
 CANDIDATES = [(64, 4), (64, 3), (128, 2), (128, 3)]
 SHAPES = [(128, 1024, 1000), (512, 1024, 1000), (1024, 1024, 1000)]
@@ -28,24 +28,12 @@ SHORT_CANDIDATES = [(2, 1, 64, 3), (2, 1, 64, 4), (2, 1, 128, 3), (2, 1, 128, 2)
 SHORT_SHAPES = [(32, 300, 1000), (32, 1024, 1000)]
 
 
-def time_ms(fn, n=20):
-    """Device ms per call: a spin kernel queued first lets the host run ahead, so launch
-    overhead stays hidden (CuPy and torch share the legacy default stream)."""
+def time_ms(fn):
+    """Device ms per call (a spin kernel queued first hides launch overhead; CuPy and torch
+    share the legacy default stream)."""
     import torch
 
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(3):
-        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-        torch.cuda._sleep(20_000_000)
-        start.record()
-        for _ in range(n):
-            fn()
-        stop.record()
-        stop.synchronize()
-        times.append(cupy.cuda.get_elapsed_time(start, stop) / n)
-    return float(np.median(times))
+    return per_call_ms(torch, fn, 20, spin_cycles=20_000_000)
 
 
 def forced(cfg, fn):

@@ -1,0 +1,28 @@
+"""Event timing shared by the bench scripts (torch CUDA events on the current stream)."""
+
+from __future__ import annotations
+
+import statistics
+
+
+def per_call_ms(torch, fn, n, *, rounds=3, spin_cycles=0):
+    """Median over ``rounds`` of (time of ``n`` back-to-back calls) / n, after one warm-up call.
+
+    ``spin_cycles`` > 0 queues a spin kernel before each round so the host runs ahead and
+    launch overhead stays hidden (device time); 0 times what a loop of calls pays, host
+    included. CuPy work on the legacy default stream is ordered with torch's.
+    """
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(rounds):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if spin_cycles:
+            torch.cuda._sleep(spin_cycles)
+        s.record()
+        for _ in range(n):
+            fn()
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) / n)
+    return statistics.median(times)
