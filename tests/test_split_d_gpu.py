@@ -1,6 +1,6 @@
 """Wide embeddings (split-d forward) against a float64 reference (skipped without a GPU).
 
-Dims up to 4096, odd dims padded on chip, masks, empty documents, argmax, packed
+Dims up to 8192 (the largest the library accepts), odd dims padded on chip, masks, empty documents, argmax, packed
 documents, multi-query tiles and per-query candidates. The session script runs this
 file a second time with the Hopper kernels forced off.
 """
@@ -14,7 +14,7 @@ from test_forward_gpu import TOL, _argmax_ok, _cast, _np, _torch, _unit
 
 pytestmark = pytest.mark.gpu
 
-DIMS = [1, 3, 17, 384, 512, 513, 768, 1000, 1024, 2048, 4096]
+DIMS = [1, 3, 17, 384, 512, 513, 768, 1000, 1024, 2048, 4096, 8192]
 
 
 def _conv(a):
