@@ -92,8 +92,10 @@ struct Fwd {
     static_assert(!WG || (MT == 1 && WARPS == 8 && DP % 64 == 0 && ELEM != 2 && !QREG), "wgmma tile shape");
     static_assert(!SPLIT || !QREG, "split-d re-reads query chunks from shared memory");
     static constexpr int STAGE = SPLIT ? (BM + BN) * LDS : BN * LDS;  // elements per ring stage
-    // Stages loading ahead of the one consumed. Hopper split-d keeps one chunk's wgmma
-    // in flight while the next is issued, so the slot it reads is not refilled yet.
+    // Stages loading ahead of the one consumed. Hopper split-d leaves one chunk's wgmma in
+    // flight while the next is issued, so the slot it reads is not refilled yet. (ptxas
+    // currently injects a wait of its own before the epilogue, notice C7517, because the
+    // final wait<0> sits behind the runtime `last` branch.)
     static constexpr bool WG_CHAIN = WG && SPLIT;
     static constexpr int AHEAD = WG_CHAIN ? STAGES - 2 : STAGES - 1;
     static_assert(AHEAD >= 1, "split-d wgmma needs at least three stages");
@@ -448,9 +450,9 @@ struct Fwd {
                 if (ARGMAX && full) {
                     // Every token counts: a strict '>' per token in increasing order keeps the
                     // lowest index on ties, with no validity test. A NaN anywhere in the thread's
-                    // tile sends it through the exact loop below instead (the first NaN wins there).
-                    float nb[MT][2], tmax = LIK_NEG_INF;
-                    int ni[MT][2];
+                    // tile sends it on through the exact loop below, which then lands on the first
+                    // NaN whatever this pass chose (a NaN beats any number there).
+                    float tmax = LIK_NEG_INF;
 #pragma unroll
                     for (int m = 0; m < MT; ++m)
 #pragma unroll
@@ -466,16 +468,10 @@ struct Fwd {
                                     if (v > b) { b = v; ix = tok0 + n * 8 + 2 * tq + e; }
                                 }
                             if (ix < 0) { b = acc[m][0][2 * h]; ix = tok0 + 2 * tq; }  // all -inf: the first token
-                            nb[m][h] = b;
-                            ni[m][h] = ix;
+                            best[m][h] = b;
+                            bidx[m][h] = ix;
                         }
-                    if (tmax == tmax) {
-#pragma unroll
-                        for (int m = 0; m < MT; ++m)
-#pragma unroll
-                            for (int h = 0; h < 2; ++h) { best[m][h] = nb[m][h]; bidx[m][h] = ni[m][h]; }
-                        continue;
-                    }
+                    if (tmax == tmax) continue;
                 }
 #pragma unroll
                 for (int n = 0; n < NN; ++n)

@@ -70,7 +70,7 @@ def _doc_rows(p: Problem) -> int:
 
 
 def _cpu(p: Problem, g, Q, D, argmax, d_offsets, q_shape, d_shape):
-    from .forward import host_offsets
+    from .forward import _host, host_offsets
 
     fw = p.framework
     g = interop.to_numpy(g, fw).reshape(p.nq, p.nd)
@@ -78,7 +78,7 @@ def _cpu(p: Problem, g, Q, D, argmax, d_offsets, q_shape, d_shape):
     d = interop.to_numpy(D, fw).reshape(_doc_rows(p), p.dim)
     a = interop.to_numpy(argmax, fw).reshape(p.nq, p.nd, p.lq).astype(np.int64)
     if p.d_packed:
-        off = host_offsets(interop.to_numpy(d_offsets, fw), p.ntok, "d_offsets")
+        off = host_offsets(_host(d_offsets, fw), p.ntok, "d_offsets")
         start, limit = off[:-1][None, :, None], np.diff(off)[None, :, None]
     else:
         base = np.arange(p.nd)[None, :, None] + (np.arange(p.nq)[:, None, None] * p.nd if p.candidates else 0)
@@ -86,15 +86,24 @@ def _cpu(p: Problem, g, Q, D, argmax, d_offsets, q_shape, d_shape):
     check_argmax_values(int(a.min()) if a.size else 0, bool((a >= limit).any()), _limit_words(p))
     rows = np.where(a >= 0, start + a, -1)
     dq, dd = cpu.maxsim_backward_numpy(g, q, d, a, rows)
-    return _host_out(dq, q.dtype, q_shape, fw), _host_out(dd, d.dtype, d_shape, fw)
+    return _host_out(dq, q.dtype, q_shape, p, Q), _host_out(dd, d.dtype, d_shape, p, D)
 
 
-def _host_out(x64: np.ndarray, dtype, shape, fw):
+def _host_out(x64: np.ndarray, dtype, shape, p: Problem, like):
+    """A NumPy-computed gradient in the input's dtype, framework and device (device inputs
+    sent to the CPU path get their results back on their device)."""
     out = x64.astype(dtype).reshape(shape)
-    if fw == "torch" and interop.is_bfloat16(dtype):
+    bf16 = interop.is_bfloat16(dtype)
+    if p.device is not None:
+        import cupy
+
+        with cupy.cuda.Device(p.device):
+            dev = cupy.asarray(out.view(np.uint16) if bf16 else out)
+            return _out(dev, shape, p, like, p.framework, on_host=False)
+    if p.framework == "torch" and bf16:
         torch = __import__("sys").modules["torch"]
         return torch.from_numpy(out.view(np.int16)).view(torch.bfloat16)
-    return interop.from_numpy(out, fw)
+    return interop.from_numpy(out, p.framework)
 
 
 def _limit_words(p: Problem) -> str:
@@ -119,7 +128,7 @@ def _gpu(p: Problem, g, Q, D, argmax, d_offsets, method, validate, q_shape, d_sh
         d = _dev_array(D, fw, on_host).reshape(rows, p.dim)
         if p.dtype == "bfloat16":
             q, d = q.view(cupy.uint16), d.view(cupy.uint16)
-        gs = cupy.ascontiguousarray(_dev_array(g, fw, on_host).reshape(p.nq, p.nd), dtype=cupy.float32)
+        gs = _grad_f32(g, fw, on_host, p)
         a = _dev_array(argmax, fw, on_host).reshape(p.nq, p.nd, p.lq)
         off = device_offsets(_dev_array(d_offsets, fw, on_host), p.ntok, "d_offsets", validate) if p.d_packed else None
         if validate and a.size:
@@ -168,6 +177,19 @@ def _gpu(p: Problem, g, Q, D, argmax, d_offsets, method, validate, q_shape, d_sh
             dq.fill(0)
             dd.fill(0)
         return _out(dq, q_shape, p, Q, fw, on_host), _out(dd, d_shape, p, D, fw, on_host)
+
+
+def _grad_f32(g, fw: str, on_host: bool, p: Problem):
+    """grad_scores as contiguous float32 [nq, nd] on the device (bfloat16 decoded from its bits,
+    which is how bfloat16 crosses into CuPy)."""
+    import cupy
+
+    if on_host:
+        return cupy.asarray(np.ascontiguousarray(interop.to_numpy(g, fw), dtype=np.float32).reshape(p.nq, p.nd))
+    a = interop.to_cupy(g, fw)
+    if interop.describe(g).dtype == "bfloat16":
+        a = (a.view(cupy.uint16).astype(cupy.uint32) << 16).view(cupy.float32)
+    return cupy.ascontiguousarray(a.reshape(p.nq, p.nd), dtype=cupy.float32)
 
 
 def _out(x, shape, p: Problem, like, fw: str, on_host: bool):

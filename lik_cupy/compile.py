@@ -258,8 +258,8 @@ def check_all(archs=None, configs=None) -> list[dict]:
     """CPU-only: compile every forward configuration for every supported architecture.
 
     Returns one row per (kernel, arch) with registers, stack, spills, static and
-    dynamic shared memory (``lik_sum_partials`` and the top-k merge once per
-    architecture). Raises ``CompileError`` if any kernel fails.
+    dynamic shared memory (``lik_sum_partials``, the top-k merge and the backward
+    kernels once per architecture). Raises ``CompileError`` if any kernel fails.
     """
     from .dispatch import SUPPORTED_ARCHS, all_forward_configs
 
@@ -277,4 +277,10 @@ def check_all(archs=None, configs=None) -> list[dict]:
             out = nvrtc_compile("topk.cu", {}, arch)
             rows.append({"kernel": "lik_topk_merge", "arch": f"sm_{arch}", "dynamic_smem": 0,
                          **resource_usage(out.log, "lik_topk_merge")})
+            for elem in (0, 1, 2):  # the backward family, each dtype, with and without vector loads
+                for vec in (0, 1):
+                    out = nvrtc_compile("maxsim_bwd.cu", {"LIK_ELEM": elem, "LIK_VEC": vec}, arch)
+                    for k in ("lik_bwd_dq", "lik_bwd_keys", "lik_bwd_dd_csr", "lik_bwd_cast"):
+                        rows.append({"kernel": f"{k}[elem={elem},vec={vec}]", "arch": f"sm_{arch}",
+                                     "dynamic_smem": 0, **resource_usage(out.log, k)})
     return rows

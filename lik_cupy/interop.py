@@ -211,8 +211,8 @@ def bfloat16_from_bits(a, fw: str, on_host: bool, like):
 
 def from_numpy(a: np.ndarray, fw: str):
     """Return a host NumPy result in the caller's framework (CPU path)."""
-    if fw == "torch":
-        return sys.modules["torch"].from_numpy(np.ascontiguousarray(a))
+    if fw == "torch":  # (ascontiguousarray alone would turn a 0-d result into shape [1])
+        return sys.modules["torch"].from_numpy(np.ascontiguousarray(a).reshape(a.shape))
     if fw == "jax":
         return sys.modules["jax"].numpy.asarray(a)
     return a

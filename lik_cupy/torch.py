@@ -67,6 +67,8 @@ def maxsim_varlen(Q, D_tokens, d_offsets, q_mask=None, *, q_lengths=None, method
 
 
 def _apply(Q, D, d_offsets, method, call, return_argmax):
+    if method not in ("auto", "atomic", "csr"):  # checked here, not first at backward time
+        raise ValueError(f"method must be one of ('auto', 'atomic', 'csr'), got {method!r}")
     if not torch.is_grad_enabled() or not (Q.requires_grad or D.requires_grad):
         scores, amax = call(Q, D)
     else:

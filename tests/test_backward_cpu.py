@@ -106,3 +106,26 @@ def test_argmax_values_checked(rng):
     bad[0, 0, 0] = -2
     with pytest.raises(ValueError, match="argmax holds -2"):
         lik_cupy.maxsim_backward(g, Q, D, bad, backend="cpu")
+
+
+def test_bfloat16_inputs_and_gradient(rng):
+    import ml_dtypes
+
+    bf = ml_dtypes.bfloat16
+    Q, D = _f32(rng, 2, 4, 8).astype(bf), _f32(rng, 3, 5, 8).astype(bf)
+    _, a = lik_cupy.maxsim(Q, D, return_argmax=True, backend="cpu")
+    g = _f32(rng, 2, 3)
+    dQ, dD = lik_cupy.maxsim_backward(g.astype(bf), Q, D, a, backend="cpu")
+    assert dQ.dtype == bf and dD.dtype == bf
+    rq, rd = lik_cupy.maxsim_backward(g.astype(bf).astype(np.float32), Q.astype(np.float32), D.astype(np.float32), a,
+                                      backend="cpu")
+    np.testing.assert_allclose(dQ.astype(np.float32), rq, rtol=1e-2, atol=1e-2)
+    np.testing.assert_allclose(dD.astype(np.float32), rd, rtol=1e-2, atol=1e-2)
+
+
+def test_packed_offsets_as_a_list(rng):
+    Q, T = _f32(rng, 2, 3, 4), _f32(rng, 6, 4)
+    off = [0, 2, 2, 6]
+    _, a = lik_cupy.maxsim_varlen(Q, T, off, return_argmax=True, backend="cpu")
+    dQ, dT = lik_cupy.maxsim_backward(np.ones((2, 3), np.float32), Q, T, a, d_offsets=off, backend="cpu")
+    assert dQ.shape == Q.shape and dT.shape == T.shape and not dT[2:2].any()

@@ -60,6 +60,8 @@ def test_check_all_compiles_without_spills(tmp_path, request):
         missing = set(cfgs) - names
         assert not missing, f"sm_{arch}: no compile result for {sorted(missing)[:5]}"
         assert "lik_sum_partials" in names and "lik_topk_merge" in names
+        assert {f"lik_bwd_{k}[elem={e},vec={v}]" for k in ("dq", "keys", "dd_csr", "cast") for e in (0, 1, 2)
+                for v in (0, 1)} <= names
         seen = set()
         for r in got:
             key = (r["kernel"], r["arch"])
