@@ -124,34 +124,33 @@ if [ "${SKIP_BENCH:-0}" != "1" ] && [ "$SKIP_FORWARD" != "1" ]; then
     echo "bench exit code: $BENCH_RC"
 fi
 
-# ---------------------------------------------------------------- split-d bench (wide dims)
+# ---------------------------------------------------------------- split-d and backward benches
+# run_after_forward SCRIPT ARGS...: bench/SCRIPT --out $OUT ARGS with the session time that is
+# left (skipped under 150 s), output appended to bench.log; its exit code lands in AFTER_RC.
+run_after_forward() {
+    local left=$(( SESSION_LIMIT_S - ($(date +%s) - T0) ))
+    AFTER_RC="skipped"
+    if [ "$left" -lt 150 ]; then
+        echo "== $1 skipped: only ${left}s left" | tee -a "$OUT/bench.log"
+        return
+    fi
+    echo "== $*" | tee -a "$OUT/bench.log"
+    timeout -k 10 $(( left - 60 )) python3 "bench/$1" --out "$OUT" "${@:2}" 2>&1 | tee -a "$OUT/bench.log"
+    AFTER_RC=${PIPESTATUS[0]}
+}
+
 SPLIT_RC="skipped"
 if [ "${SKIP_BENCH:-0}" != "1" ] && [ "$SKIP_FORWARD" != "1" ] && [ "${SKIP_SPLIT_D:-0}" != "1" ]; then
-    NOW=$(date +%s)
-    LEFT=$(( SESSION_LIMIT_S - (NOW - T0) ))
-    if [ "$LEFT" -lt 150 ]; then
-        echo "== bench_split_d.py skipped: only ${LEFT}s left" | tee -a "$OUT/bench.log"
-    else
-        echo "== bench_split_d.py --no-candidates" | tee -a "$OUT/bench.log"
-        timeout -k 10 $(( LEFT - 60 )) python3 bench/bench_split_d.py --no-candidates --out "$OUT" \
-            --time-budget $(( LEFT - 120 )) 2>&1 | tee -a "$OUT/bench.log"
-        SPLIT_RC=${PIPESTATUS[0]}
-        rm -f "$OUT"/forward_*.txt   # keep $OUT at <= 8 files; the forward table is in summary.txt
-    fi
+    run_after_forward bench_split_d.py --no-candidates --time-budget $(( SESSION_LIMIT_S - ($(date +%s) - T0) - 120 ))
+    SPLIT_RC=$AFTER_RC
+    # keep $OUT at <= 8 files; the forward table is in summary.txt
+    [ "$SPLIT_RC" != "skipped" ] && rm -f "$OUT"/forward_*.txt
 fi
 
-# ---------------------------------------------------------------- backward bench (training step)
 BACKWARD_RC="skipped"
 if [ "${SKIP_BENCH:-0}" != "1" ] && [ "$SKIP_FORWARD" != "1" ] && [ "${SKIP_BACKWARD:-0}" != "1" ]; then
-    NOW=$(date +%s)
-    LEFT=$(( SESSION_LIMIT_S - (NOW - T0) ))
-    if [ "$LEFT" -lt 150 ]; then
-        echo "== bench_backward.py skipped: only ${LEFT}s left" | tee -a "$OUT/bench.log"
-    else
-        echo "== bench_backward.py" | tee -a "$OUT/bench.log"
-        timeout -k 10 $(( LEFT - 60 )) python3 bench/bench_backward.py --out "$OUT" 2>&1 | tee -a "$OUT/bench.log"
-        BACKWARD_RC=${PIPESTATUS[0]}
-    fi
+    run_after_forward bench_backward.py
+    BACKWARD_RC=$AFTER_RC
 fi
 
 # ---------------------------------------------------------------- corpus bench (after the forward bench)
