@@ -12,7 +12,7 @@ import numpy as np
 
 from . import cpu, dispatch, interop
 from .device import device_properties, gpu_available
-from .validate import Problem, check_argmax_values, check_backward
+from .validate import Problem, check_32bit, check_argmax_values, check_backward
 
 _METHODS = ("auto", "csr", "atomic")
 _ELEM = {"float16": 0, "bfloat16": 1, "float32": 2}
@@ -136,9 +136,7 @@ def _gpu(p: Problem, g, Q, D, argmax, d_offsets, method, validate, q_shape, d_sh
             lo, over = (int(v) for v in cupy.stack([a.min().astype(cupy.int64),
                                                    (a >= limit).any().astype(cupy.int64)]).get())
             check_argmax_values(lo, bool(over), _limit_words(p))
-        for n, v in (("Nq", p.nq), ("Nd", p.nd), ("Lq", p.lq), ("Ld", p.ld)):
-            if v >= 2**31:
-                raise ValueError(f"{n} = {v} does not fit the kernel's 32-bit index; split the call")
+        check_32bit(Nq=p.nq, Nd=p.nd, Lq=p.lq, Ld=p.ld)
         if p.nq * p.nd * p.lq >= 2**62 // max(1, rows):
             raise ValueError("argmax entries x document rows exceed the CSR key range; split the call")
 

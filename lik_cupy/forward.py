@@ -14,7 +14,7 @@ import numpy as np
 
 from . import cpu, dispatch, interop
 from .device import device_properties, gpu_available
-from .validate import Problem, check_call, check_length_values, check_offset_values, check_varlen
+from .validate import Problem, check_32bit, check_call, check_length_values, check_offset_values, check_varlen
 
 _BACKENDS = ("auto", "gpu", "cpu")
 # Tests set LIK_CUPY_POISON=1 so every output buffer starts as garbage and an
@@ -387,9 +387,7 @@ def _launch(p: Problem, q, d, qm, dm, ql, dl, return_argmax: bool, device: int, 
         cfg = choose(False)
         mod, kern = _kernel(cfg, arch, device)
     plan = dispatch.plan_launch(cfg, props.cc, props.num_sms, p.nq, p.nd, p.lq, shared)
-    for n, v in (("Nq", p.nq), ("Nd", p.nd), ("Lq", p.lq), ("Ld", p.ld), ("grid", plan.grid[0])):
-        if v >= 2**31:
-            raise ValueError(f"{n} = {v} does not fit the kernel's 32-bit index; split the call")
+    check_32bit(Nq=p.nq, Nd=p.nd, Lq=p.lq, Ld=p.ld, grid=plan.grid[0])
 
     part = scores if plan.n_qt == 1 else cupy.empty((plan.n_qt, p.nq, p.nd), cupy.float32)
     null = np.uint64(0)  # NULL pointer argument

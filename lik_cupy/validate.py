@@ -213,6 +213,13 @@ def _same_place(name: str, a: Info, q: Info) -> None:
         raise ValueError(f"{name} is on {_where(a.device)} but Q is on {_where(q.device)}")
 
 
+def check_32bit(**extents: int) -> None:
+    """Every count a kernel indexes with a 32-bit int (``Nq=...``, ``grid=...``) must stay below 2**31."""
+    for n, v in extents.items():
+        if v >= 2**31:
+            raise ValueError(f"{n} = {v} does not fit the kernel's 32-bit index; split the call")
+
+
 def check_length_values(name: str, lo: int, hi: int, limit: int) -> None:
     """``lo``/``hi`` are the smallest and largest lengths given; valid range is [0, limit]."""
     if lo < 0 or hi > limit:

@@ -304,3 +304,11 @@ def test_valid_calls_reach_scoring():
     # the autouse fixture's stand-in proves that valid arguments get through validation
     with pytest.raises(AssertionError, match="scoring ran"):
         ms(f16(2, 3, 16), f16(4, 5, 16), q_lengths=[3, 0], d_mask=np.ones((4, 5), bool))
+
+
+def test_32bit_extents_named_in_the_error():
+    from lik_cupy.validate import check_32bit
+
+    check_32bit(Nq=2**31 - 1, grid=1)
+    with pytest.raises(ValueError, match=r"grid = 2147483648 does not fit the kernel's 32-bit index; split the call"):
+        check_32bit(Nq=5, grid=2**31)
