@@ -18,14 +18,16 @@
 #   SKIP_SPLIT_D=1   skip bench_split_d.py --no-candidates (wide dims against the baselines;
 #                    it runs after the forward bench, before the corpus bench)
 #   SKIP_BACKWARD=1  skip bench_backward.py (training step against the baselines; after split-d)
+#   SKIP_INT8=1      skip bench_int8.py (INT8 speed and fidelity; after the backward bench)
 #   CORPUS_ARGS      extra bench_corpus.py args (e.g. "--quick" or "--cells topk,ragged")
 #   CORPUS_RESERVE_S seconds withheld from the forward bench's budget so the corpus bench
 #                    still gets to run after it (default 0: the corpus bench gets what is left,
 #                    and is skipped when that is under 60 s)
 #
-# Files written to $OUT (flat, <= 8): pytest.log, bench.log (forward, split-d, backward and
-#   corpus output), forward_<gpu>.json, forward_<gpu>.png, split_d_<gpu>.json,
-#   backward_<gpu>.json, corpus_<gpu>.json, summary.txt; pytest-junit.xml is read into the
+# Files written to $OUT (flat, <= 8): pytest.log, bench.log (forward, split-d, backward, int8
+#   and corpus output), forward_<gpu>.json, split_d_<gpu>.json, backward_<gpu>.json,
+#   int8_<gpu>.json, corpus_<gpu>.json, summary.txt (forward_<gpu>.png is removed when the
+#   int8 bench ran); pytest-junit.xml is read into the
 #   summary and removed; forward_<gpu>.txt only when the split-d bench is skipped, and
 #   corpus_<gpu>.txt with ONLY_CORPUS=1 (the device tool returns at most 8 files; those tables
 #   are in summary.txt and bench.log anyway)
@@ -153,6 +155,13 @@ if [ "${SKIP_BENCH:-0}" != "1" ] && [ "$SKIP_FORWARD" != "1" ] && [ "${SKIP_BACK
     BACKWARD_RC=$AFTER_RC
 fi
 
+INT8_RC="skipped"
+if [ "${SKIP_BENCH:-0}" != "1" ] && [ "$SKIP_FORWARD" != "1" ] && [ "${SKIP_INT8:-0}" != "1" ]; then
+    run_after_forward bench_int8.py --time-budget $(( SESSION_LIMIT_S - ($(date +%s) - T0) - 150 ))
+    INT8_RC=$AFTER_RC
+    [ "$INT8_RC" != "skipped" ] && rm -f "$OUT"/forward_*.png  # keep $OUT at <= 8 files
+fi
+
 # ---------------------------------------------------------------- corpus bench (after the forward bench)
 CORPUS_RC="skipped"
 if [ "$RUN_CORPUS" = "1" ]; then
@@ -232,6 +241,12 @@ PY
         echo "backward results: $BJSON (exit code $BACKWARD_RC)"
         python3 bench/bench_backward.py --table-from "$BJSON" || echo "(could not render backward table)"
     fi
+    IJSON=$(ls -t "$OUT"/int8_*.json 2>/dev/null | head -n 1)
+    if [ "$INT8_RC" != "skipped" ] && [ -n "$IJSON" ]; then
+        echo
+        echo "int8 results: $IJSON (exit code $INT8_RC)"
+        python3 bench/bench_int8.py --table-from "$IJSON" || echo "(could not render int8 table)"
+    fi
     case "$CORPUS_RC" in
         skipped*) ;;
         *)
@@ -254,5 +269,6 @@ rm -f "$OUT/pytest-junit.xml"  # its counts are in summary.txt; keeps $OUT withi
 [ "$BENCH_RC" = "0" ] || [ "$BENCH_RC" = "skipped" ] || exit 1
 [ "$SPLIT_RC" = "0" ] || [ "$SPLIT_RC" = "skipped" ] || exit 1
 [ "$BACKWARD_RC" = "0" ] || [ "$BACKWARD_RC" = "skipped" ] || exit 1
+[ "$INT8_RC" = "0" ] || [ "$INT8_RC" = "skipped" ] || exit 1
 case "$CORPUS_RC" in 0|skipped*) ;; *) exit 1 ;; esac
 exit 0

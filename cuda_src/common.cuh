@@ -8,6 +8,7 @@ typedef unsigned int u32;
 typedef unsigned short u16;
 typedef unsigned char u8;
 typedef long long i64;
+typedef signed char i8;
 
 #define LIK_NEG_INF __int_as_float(0xff800000)
 
@@ -56,6 +57,33 @@ __device__ __forceinline__ void mma<2>(float (&c)[4], const u32 (&a)[4], u32 b0,
         "{%0,%1,%2,%3};\n"
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// fp16 / bf16 bit patterns to float (exact).
+__device__ __forceinline__ float f16_bits_to_f32(u16 x) {
+    float f;
+    asm("{ .reg .b16 h; mov.b16 h, %1; cvt.f32.f16 %0, h; }" : "=f"(f) : "h"(x));
+    return f;
+}
+__device__ __forceinline__ float bf16_bits_to_f32(u16 x) { return __int_as_float(((u32)x) << 16); }
+
+// int32 accumulators of the INT8 mma: D = A * B + D with A 16x32 and B 32x8 int8 (the same
+// register layout, in bytes, as the 16-bit m16n8k16, so the ldmatrix paths serve both).
+__device__ __forceinline__ void mma_s8(int (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// int32 -> float, exact for |x| < 2^22, as an integer add and a float subtract: the bits of
+// 1.5 * 2^23 + x are those of 0x4B400000 + x. Both run at full rate, unlike the I2F conversion.
+__device__ __forceinline__ float i2f_small(int x) { return __int_as_float(x + 0x4B400000) - 12582912.f; }
+
+// 4-byte global->shared copy (the per-token INT8 scales); src_bytes == 0 zero-fills.
+__device__ __forceinline__ void cp_async_4(u32 dst, const void* src, int src_bytes) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
 }
 
 __device__ __forceinline__ u32 to_tf32(float x) {

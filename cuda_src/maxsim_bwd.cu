@@ -37,15 +37,7 @@ __device__ __forceinline__ float to_f(T x) { return x; }
 __device__ __forceinline__ T from_f(float x) { return x; }
 #else
 typedef u16 T;
-__device__ __forceinline__ float to_f(T x) {
-#if LIK_ELEM == 0
-    float f;
-    asm("{ .reg .b16 h; mov.b16 h, %1; cvt.f32.f16 %0, h; }" : "=f"(f) : "h"(x));
-    return f;
-#else
-    return __int_as_float(((u32)x) << 16);
-#endif
-}
+__device__ __forceinline__ float to_f(T x) { return LIK_ELEM == 0 ? f16_bits_to_f32(x) : bf16_bits_to_f32(x); }
 __device__ __forceinline__ T from_f(float x) {
     u16 r;
 #if LIK_ELEM == 0

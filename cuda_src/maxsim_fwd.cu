@@ -18,8 +18,12 @@
 // which keeps the result bitwise reproducible (no float atomics anywhere).
 //
 // Compile-time configuration comes from -D flags chosen by lik_cupy/dispatch.py:
-//   LIK_ELEM    0 fp16, 1 bf16 (m16n8k16), 2 fp32 inputs on tf32 m16n8k8
-//   LIK_DP      embedding dim padded to a multiple of 16 (pad lanes are zero)
+//   LIK_ELEM    0 fp16, 1 bf16 (m16n8k16), 2 fp32 inputs on tf32 m16n8k8, 3 INT8 (m16n8k32
+//               or wgmma k32, int32 accumulators) with per-token float scales: each document
+//               token's scale multiplies its int32 dot products before the max (one multiply
+//               per similarity, no dequantised copy of D anywhere), each query token's scale
+//               multiplies the max (scales are non-negative, so the max commutes with it)
+//   LIK_DP      embedding dim padded to a multiple of 16 (32 for INT8; pad lanes are zero)
 //   LIK_WARPS   warps per CTA; each owns LIK_MT*16 query rows
 //   LIK_MT      16-row mma tiles per warp
 //   LIK_BN      document tokens per pipeline stage
@@ -27,8 +31,8 @@
 //   LIK_QREG    1: query fragments held in registers; 0: re-read from shared memory
 //   LIK_ARGMAX  1: also write the winning document token per query token
 //   LIK_VEC     1: 16-byte copies (dim and base pointers 16-byte aligned)
-//   LIK_WGMMA   1: Hopper warpgroup MMA (sm_90a; needs LIK_MT 1, LIK_WARPS 8,
-//               LIK_DP a multiple of 64): tiles are stored 128B-swizzled and
+//   LIK_WGMMA   1: Hopper warpgroup MMA (sm_90a; needs LIK_MT 1, LIK_WARPS 8, rows of
+//               LIK_DP elements a multiple of 128 bytes): tiles are stored 128B-swizzled and
 //               read by the tensor cores straight from shared memory
 //   LIK_MULTI   1: a tile may hold several whole queries (qb > 1); 0 keeps the
 //               leaner single-query reduction (qb must be 1)
@@ -72,15 +76,25 @@ template <>
 struct Elem<1> { typedef u16 T; };
 template <>
 struct Elem<2> { typedef float T; };
+template <>
+struct Elem<3> { typedef i8 T; };
+
+template <bool I8>
+struct Acc { typedef float T; };
+template <>
+struct Acc<true> { typedef int T; };  // INT8 mma accumulates in int32
 
 template <int ELEM, int DP, int WARPS, int MT, int BN, int STAGES, bool QREG, bool ARGMAX, bool VEC, bool WG,
           bool MULTI, bool PACKED, bool SPLIT>
 struct Fwd {
     typedef typename Elem<ELEM>::T T;
+    static constexpr bool I8 = ELEM == 3;
+    typedef typename Acc<I8>::T A;
     static constexpr int ESIZE = sizeof(T);
     static constexpr int EPC = 16 / ESIZE;      // elements per 16-byte chunk
+    static constexpr int BLK = 128 / ESIZE;     // elements per 128-byte swizzle row (wgmma)
     static constexpr int LDS = WG ? DP : DP + EPC;  // padded row stride: conflict-free ldmatrix / lds
-    static constexpr int KSTEP = ELEM == 2 ? 8 : 16;
+    static constexpr int KSTEP = ELEM == 2 ? 8 : I8 ? 32 : 16;  // 32 bytes of K per mma (16 for tf32)
     static constexpr int NK = DP / KSTEP;
     static constexpr int BM = WARPS * MT * 16;
     static constexpr int NT = WARPS * 32;
@@ -89,25 +103,28 @@ struct Fwd {
     static_assert(DP % 16 == 0, "DP must be a multiple of 16");
     static_assert(BN % 16 == 0, "BN must be a multiple of 16");
     static_assert(STAGES >= 2, "need at least two stages");
-    static_assert(!WG || (MT == 1 && WARPS == 8 && DP % 64 == 0 && ELEM != 2 && !QREG), "wgmma tile shape");
+    static_assert(!WG || (MT == 1 && WARPS == 8 && DP * ESIZE % 128 == 0 && ELEM != 2 && !QREG), "wgmma tile shape");
     static_assert(!SPLIT || !QREG, "split-d re-reads query chunks from shared memory");
+    static_assert(!I8 || (!SPLIT && DP % 32 == 0), "INT8 runs one-shot with DP a multiple of 32");
     static constexpr int STAGE = SPLIT ? (BM + BN) * LDS : BN * LDS;  // elements per ring stage
+    static constexpr int SCL = I8 ? BN : 0;  // document token scales staged per ring stage (floats)
+    // INT8 dot products stay below 2^22 in magnitude while DP * 128 * 128 does, and then
+    // convert with two full-rate ops instead of one quarter-rate I2F.
+    static constexpr bool SMALL_DOT = DP * 128 * 128 < (1 << 22);
     // Stages loading ahead of the one consumed. Hopper split-d leaves one chunk's wgmma in
-    // flight while the next is issued, so the slot it reads is not refilled yet. (ptxas
-    // currently injects a wait of its own before the epilogue, notice C7517, because the
-    // final wait<0> sits behind the runtime `last` branch.)
+    // flight while the next is issued, so the slot it reads is not refilled yet.
     static constexpr bool WG_CHAIN = WG && SPLIT;
     static constexpr int AHEAD = WG_CHAIN ? STAGES - 2 : STAGES - 1;
     static_assert(AHEAD >= 1, "split-d wgmma needs at least three stages");
 
     // Element offset of (row r, column k) in a staged tile of `nrows` rows. The
-    // wgmma layout splits the row into 64-element (128-byte) column blocks and
-    // XORs the 16-byte chunk index with the row, the 128B swizzle the
-    // descriptors in wgmma.cuh declare.
+    // wgmma layout splits the row into 128-byte column blocks and XORs the
+    // 16-byte chunk index with the row, the 128B swizzle the descriptors in
+    // wgmma.cuh declare.
     static __device__ __forceinline__ int soff(int r, int k, int nrows) {
         if (!WG) return r * LDS + k;
-        const int kb = k >> 6, c = (k >> 3) & 7;
-        return kb * nrows * 64 + r * 64 + ((c ^ (r & 7)) << 3) + (k & 7);
+        const int kb = k / BLK, c = (k / EPC) & 7;
+        return kb * nrows * BLK + r * BLK + ((c ^ (r & 7)) * EPC) + (k % EPC);
     }
 
     // Stage NROWS rows of `cols` elements (row stride `stride` in global) into a
@@ -129,7 +146,7 @@ struct Fwd {
 #pragma unroll
             for (int i = 0; i < NROWS * CPR / NT; ++i) {
                 const bool ok = kok && r0 + i * RS < avail;
-                cp_async_16(d0 + i * RS * (WG ? 64 : LDS) * ESIZE, ok ? s : src, ok ? 16 : 0);
+                cp_async_16(d0 + i * RS * (WG ? BLK : LDS) * ESIZE, ok ? s : src, ok ? 16 : 0);
                 s += step;
             }
         } else if (VEC) {
@@ -159,30 +176,34 @@ struct Fwd {
             a[2] = to_tf32(q[(row0 + g) * LDS + k + 4]);
             a[3] = to_tf32(q[(row0 + g + 8) * LDS + k + 4]);
         } else {
-            const int r = row0 + (lane & 15), k = kk * KSTEP + (lane >> 4) * 8;
+            const int r = row0 + (lane & 15), k = kk * KSTEP + (lane >> 4) * EPC;
             ldmatrix_x4(a, smem_addr(sQ + r * LDS + k));
         }
     }
 
     // acc[m][n] (+)= Q_tile(warp rows) . D_tile^T over DP columns; `add` = 0 overwrites
     // (the wgmma path; the mma.sync path always adds to zeroed accumulators). With
-    // WG_CHAIN and !last, the wgmma may still run on return (the previous one has finished).
-    static __device__ __forceinline__ void tile_mma(float (&acc)[MT][NN][4], const u32 (&qf)[QREG ? MT : 1][QREG ? NK : 1][4],
-                                                    const T* sQ, const T* sD, int wrow0, int lane, bool add, bool last) {
+    // WG_CHAIN the wgmma may still run on return (the previous one has finished).
+    static __device__ __forceinline__ void tile_mma(A (&acc)[MT][NN][4], const u32 (&qf)[QREG ? MT : 1][QREG ? NK : 1][4],
+                                                    const T* sQ, const T* sD, int wrow0, int lane, bool add) {
 #if LIK_HAS_WGMMA
         if (WG) {
             // The warpgroup's 64 query rows against all BN document rows, k = 16 per instruction.
             const u32 qa = smem_addr(sQ) + (wrow0 & ~63) * 128, da = smem_addr(sD);
-            float* d = &acc[0][0][0];
+            A* d = &acc[0][0][0];
             wgmma_fence();
 #pragma unroll
             for (int kk = 0; kk < NK; ++kk) {
                 const u32 ko = (kk & 3) * 32;  // byte offset of this k step inside a 128-byte row
-                wgmma_m64k16<ELEM, BN>(d, wgmma_desc(qa + (kk >> 2) * BM * 128 + ko),
-                                       wgmma_desc(da + (kk >> 2) * BN * 128 + ko), kk > 0 || add);
+                const unsigned long long dq = wgmma_desc(qa + (kk >> 2) * BM * 128 + ko);
+                const unsigned long long dd = wgmma_desc(da + (kk >> 2) * BN * 128 + ko);
+                if constexpr (I8) wgmma_s8_m64k32<BN>(d, dq, dd, kk > 0 || add);
+                else wgmma_m64k16<ELEM, BN>(d, dq, dd, kk > 0 || add);
             }
             wgmma_commit();
-            if (WG_CHAIN && !last) wgmma_wait<1>();
+            // Split-d keeps this chunk's wgmma running while the next is staged; the caller waits
+            // for the last one after its chunk loop (unconditionally, so ptxas sees it).
+            if (WG_CHAIN) wgmma_wait<1>();
             else wgmma_wait<0>();
             return;
         }
@@ -199,7 +220,7 @@ struct Fwd {
                     load_a(a[m], sQ, wrow0 + m * 16, kk, lane);
                 }
             }
-            if (ELEM == 2) {
+            if constexpr (ELEM == 2) {
                 const float* d = reinterpret_cast<const float*>(sD);
                 const int g = lane >> 2, t = lane & 3, k = kk * KSTEP + t;
 #pragma unroll
@@ -210,15 +231,20 @@ struct Fwd {
                     for (int m = 0; m < MT; ++m) mma<ELEM>(acc[m][n], a[m], b0, b1);
                 }
             } else {
-                const int nr = (lane & 7) + ((lane >> 4) << 3), kc = kk * KSTEP + ((lane >> 3) & 1) * 8;
+                const int nr = (lane & 7) + ((lane >> 4) << 3), kc = kk * KSTEP + ((lane >> 3) & 1) * EPC;
 #pragma unroll
                 for (int np = 0; np < NN / 2; ++np) {
                     u32 b[4];
                     ldmatrix_x4(b, smem_addr(sD + (np * 16 + nr) * LDS + kc));
 #pragma unroll
                     for (int m = 0; m < MT; ++m) {
-                        mma<ELEM>(acc[m][2 * np], a[m], b[0], b[1]);
-                        mma<ELEM>(acc[m][2 * np + 1], a[m], b[2], b[3]);
+                        if constexpr (I8) {
+                            mma_s8(acc[m][2 * np], a[m], b[0], b[1]);
+                            mma_s8(acc[m][2 * np + 1], a[m], b[2], b[3]);
+                        } else {
+                            mma<ELEM>(acc[m][2 * np], a[m], b[0], b[1]);
+                            mma<ELEM>(acc[m][2 * np + 1], a[m], b[2], b[3]);
+                        }
                     }
                 }
             }
@@ -249,13 +275,21 @@ struct Fwd {
     static __device__ __forceinline__ int first_doc_at(const i64* off, int n, i64 x) {
         int lo = 0, hi = n;
         while (lo < hi) {
-            const int mid = (lo + hi) >> 1;
+            const int mid = lo + ((hi - lo) >> 1);  // no overflow past 2^30 documents
             if (off[mid] < x) lo = mid + 1; else hi = mid;
         }
         return lo;
     }
 
-    static __device__ void run(const T* __restrict__ Q, const T* __restrict__ D, const int* __restrict__ q_len,
+    // A similarity from its accumulator: the float itself, or for INT8 the integer dot product
+    // times its document token's scale `sc`.
+    static __device__ __forceinline__ float sim(A a, float sc) {
+        if constexpr (I8) return (SMALL_DOT ? i2f_small(a) : __int2float_rn(a)) * sc;
+        else return a;
+    }
+
+    static __device__ void run(const T* __restrict__ Q, const T* __restrict__ D, const float* __restrict__ q_scale,
+                               const float* __restrict__ d_scale, const int* __restrict__ q_len,
                                const u8* __restrict__ q_mask, const int* __restrict__ d_len,
                                const u8* __restrict__ d_mask, const i64* __restrict__ d_off, i64 ntok,
                                float* __restrict__ out,
@@ -268,7 +302,8 @@ struct Fwd {
         // only, each stage a query chunk followed by a document chunk.
         T* sQ = reinterpret_cast<T*>(smem_base);
         T* ring = sQ + (SPLIT ? 0 : BM * LDS);
-        float* red = reinterpret_cast<float*>(ring + STAGES * STAGE);  // [2][MULTI ? BM : WARPS]
+        float* sS = reinterpret_cast<float*>(ring + STAGES * STAGE);  // [STAGES][SCL] INT8 document scales
+        float* red = sS + STAGES * SCL;  // [2][MULTI ? BM : WARPS]
 
         const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
         const int g = lane >> 2, tq = lane & 3;
@@ -318,14 +353,16 @@ struct Fwd {
 
         float* outp = out + (n_qt > 1 ? (i64)qt * Nq * Nd : 0) + (i64)qi0 * Nd;
         const i64 doc0 = (i64)qi0 * dl_qstride;  // linear index of this tile's document 0
+        // Document j's BN-token tiles (in 64 bits: a packed document may hold up to 2^31 - 1 tokens).
+        auto tiles = [&](int j) { return (int)(((i64)dlength(doc0 + j) + BN - 1) / BN); };
 
         // Tile entirely past the query length: contributes 0, argmax -1.
         if (qb == 1 && s0 >= query_len(qi0)) {
             for (int j = j0 + threadIdx.x; j < j1; j += NT) outp[j] = 0.f;
             if (ARGMAX) {
                 const int rows = min(BM, Lq - s0);
-                for (int e = threadIdx.x; e < (j1 - j0) * rows; e += NT) {
-                    const int j = j0 + e / rows, r = e % rows;
+                for (i64 e = threadIdx.x; e < (i64)(j1 - j0) * rows; e += NT) {
+                    const int j = j0 + (int)(e / rows), r = (int)(e % rows);
                     amax[((i64)qi0 * Nd + j) * Lq + s0 + r] = -1;
                 }
             }
@@ -351,6 +388,15 @@ struct Fwd {
                 rs[m][h] = exists ? s : -1;
                 rv[m][h] = exists && s < query_len(qi) && (!q_mask || q_mask[(i64)qi * Lq + s]);
             }
+        // A valid row's score term: its max, times the query token's scale for INT8 (read per
+        // document from L1 rather than held in registers; an empty document's -inf stays -inf
+        // even against a zero-scale padding token). The max commutes with the scale only when
+        // it is >= 0: a negative (or NaN) scale gives NaN rather than a wrong number.
+        auto term = [&](float v, int m, int h) {
+            if (!I8 || v == LIK_NEG_INF) return v;
+            const float sq = q_scale[(i64)(qi0 + rq[m][h]) * Lq + rs[m][h]];
+            return v * (sq >= 0.f ? sq : __int_as_float(0x7fffffff));
+        };
 
         const T* Qt = Q + ((i64)qi0 * Lq + s0) * dim;
         const int q_rows = qb > 1 ? nqb * Lq : min(BM, Lq - s0);
@@ -359,10 +405,10 @@ struct Fwd {
 
         // Producer cursor: next (document tile, dim chunk) to stage. It crosses
         // document boundaries so the ring stays full across short documents.
-        int pj = j0, pt = 0, pk = 0, pnt = (dlength(doc0 + pj) + BN - 1) / BN;
+        int pj = j0, pt = 0, pk = 0, pnt = tiles(pj);
         while (pj < j1 && pt >= pnt) {
             ++pj;
-            pnt = pj < j1 ? (dlength(doc0 + pj) + BN - 1) / BN : 0;
+            pnt = pj < j1 ? tiles(pj) : 0;
         }
         auto issue = [&](int slot) {
             if (pj < j1) {
@@ -372,13 +418,19 @@ struct Fwd {
                 if (SPLIT) load_rows<BM>(st, Qt + k0, q_rows, dim, dim - k0);
                 load_rows<BN>(st + (SPLIT ? BM * LDS : 0), D + (dstart(dl) + (i64)pt * BN) * dim + k0,
                               min(BN, len - pt * BN), dim, dim - k0);
+                if constexpr (I8) {
+                    const float* src = d_scale + dstart(dl) + (i64)pt * BN;
+                    const int avail = min(BN, len - pt * BN);
+                    for (int c = threadIdx.x; c < BN; c += NT)
+                        cp_async_4(smem_addr(sS + slot * SCL + c), c < avail ? src + c : d_scale, c < avail ? 4 : 0);
+                }
                 if (++pk == nk) {
                     pk = 0;
                     ++pt;
                     while (pj < j1 && pt >= pnt) {
                         ++pj;
                         pt = 0;
-                        pnt = pj < j1 ? (dlength(doc0 + pj) + BN - 1) / BN : 0;
+                        pnt = pj < j1 ? tiles(pj) : 0;
                     }
                 }
             }
@@ -391,167 +443,200 @@ struct Fwd {
         bool q_ready = !QREG;
         int cons = 0;  // stages consumed so far
 
-        for (int j = j0; j < j1; ++j) {
-            const i64 dl = doc0 + j;
-            const int len = dlength(dl);
-            const int nt = (len + BN - 1) / BN;
-            const u8* dm = !PACKED && d_mask ? d_mask + dl * Ld : nullptr;
-
-            float best[MT][2];
-            int bidx[MT][2];
+        // The running max (and argmax) of this thread's rows over the current document.
+        float best[MT][2];
+        int bidx[MT][2];
+        auto reset = [&]() {
 #pragma unroll
             for (int m = 0; m < MT; ++m)
 #pragma unroll
                 for (int h = 0; h < 2; ++h) { best[m][h] = LIK_NEG_INF; bidx[m][h] = -1; }
+        };
+        // Wait for the next staged tile, start the refill of a freed slot, return the tile's slot.
+        auto next_stage = [&]() -> int {
+            cp_async_wait<AHEAD - 1>();
+#if LIK_HAS_WGMMA
+            if (WG) fence_proxy_async();
+#endif
+            __syncthreads();
+            if (QREG && !q_ready) {
+#pragma unroll
+                for (int m = 0; m < MT; ++m)
+#pragma unroll
+                    for (int kk = 0; kk < NK; ++kk) load_a(qf[QREG ? m : 0][QREG ? kk : 0], sQ, wrow0 + m * 16, kk, lane);
+                q_ready = true;
+            }
+            issue((cons + AHEAD) % STAGES);
+            return cons++ % STAGES;
+        };
+        auto dmask = [&](int j) -> const u8* { return !PACKED && d_mask ? d_mask + (doc0 + j) * Ld : nullptr; };
 
+        // Fold the similarity tile in `acc` (document tokens tok0 .. tok0 + BN - 1 of a document of
+        // `len` tokens with mask `dm`, staged in ring slot `slot`) into best / bidx.
+        auto fold = [&](A (&acc)[MT][NN][4], int slot, int tok0, int len, const u8* dm) {
+            const bool full = !dm && tok0 + BN <= len;
+            // INT8: columns n * 8 + 2 * tq + {0, 1} of this thread take their document token
+            // scales from the stage just consumed (read before the next loop-top barrier lets the
+            // producer refill it); one 8-byte load per column pair serves all 2 * MT rows.
+            const float* ss = sS + slot * SCL + 2 * tq;
+            auto scales = [&](int n) {
+                if constexpr (I8) return *reinterpret_cast<const float2*>(ss + n * 8);
+                else return float2{1.f, 1.f};
+            };
+            if (!ARGMAX && full) {
+                // Every token of the tile counts: one max per accumulator, no select (the
+                // epilogue's instruction count, not the MMA, bounds short-document tiles).
+#pragma unroll
+                for (int n = 0; n < NN; ++n) {
+                    const float2 sc = scales(n);
+#pragma unroll
+                    for (int m = 0; m < MT; ++m)
+#pragma unroll
+                        for (int h = 0; h < 2; ++h)
+                            best[m][h] = max_nan(best[m][h], max_nan(sim(acc[m][n][2 * h], sc.x),
+                                                                     sim(acc[m][n][2 * h + 1], sc.y)));
+                }
+                return;
+            }
+            if (ARGMAX && full) {
+                // Every token counts: a strict '>' per token in increasing order keeps the
+                // lowest index on ties, with no validity test. A NaN anywhere in the thread's
+                // tile sends it on through the exact loop below, which then lands on the first
+                // NaN whatever this pass chose (a NaN beats any number there).
+                float tmax = LIK_NEG_INF;
+#pragma unroll
+                for (int n = 0; n < NN; ++n) {
+                    const float2 sc = scales(n);
+#pragma unroll
+                    for (int e = 0; e < 2; ++e)
+#pragma unroll
+                        for (int m = 0; m < MT; ++m)
+#pragma unroll
+                            for (int h = 0; h < 2; ++h) {
+                                const float v = sim(acc[m][n][2 * h + e], e ? sc.y : sc.x);
+                                tmax = max_nan(tmax, v);
+                                if (v > best[m][h]) { best[m][h] = v; bidx[m][h] = tok0 + n * 8 + 2 * tq + e; }
+                            }
+                }
+#pragma unroll
+                for (int m = 0; m < MT; ++m)
+#pragma unroll
+                    for (int h = 0; h < 2; ++h)
+                        if (bidx[m][h] < 0) {  // all -inf so far: the first token
+                            best[m][h] = sim(acc[m][0][2 * h], scales(0).x);
+                            bidx[m][h] = tok0 + 2 * tq;
+                        }
+                if (tmax == tmax) return;
+            }
+#pragma unroll
+            for (int n = 0; n < NN; ++n) {
+                const float2 sc = scales(n);
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int tok = tok0 + n * 8 + 2 * tq + e;
+                    const bool ok = full || (tok < len && (!dm || dm[tok]));
+#pragma unroll
+                    for (int m = 0; m < MT; ++m)
+#pragma unroll
+                        for (int h = 0; h < 2; ++h) {
+                            const float v = sim(acc[m][n][2 * h + e], e ? sc.y : sc.x);
+                            if (ARGMAX) {
+                                // Tokens arrive in increasing order per thread, so a strict
+                                // '>' keeps the lowest index on ties; the first NaN sticks.
+                                const float b = best[m][h];
+                                if (ok && (bidx[m][h] < 0 || v > b || (v != v && b == b))) {
+                                    best[m][h] = v;
+                                    bidx[m][h] = tok;
+                                }
+                            } else {
+                                best[m][h] = max_nan(best[m][h], ok ? v : LIK_NEG_INF);
+                            }
+                        }
+                }
+            }
+        };
+
+        // Document j's score (and argmax) from best / bidx.
+        auto finish = [&](int j) {
+        if (MULTI) {
+            // Row max across the quad that shares each row, into shared memory (0 for
+            // rows that do not count), then one warp per query sums its rows in a fixed order.
+            float* rowv = red + (j & 1) * BM;  // double buffer: an empty next doc skips the loop barrier
+#pragma unroll
+            for (int m = 0; m < MT; ++m)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    float v = best[m][h];
+                    int ix = bidx[m][h];
+                    quad_max(v, ix);
+                    if (tq == 0) {
+                        rowv[wrow0 + m * 16 + g + 8 * h] = rv[m][h] ? term(v, m, h) : 0.f;
+                        if (ARGMAX && rs[m][h] >= 0)
+                            amax[((i64)(qi0 + rq[m][h]) * Nd + j) * Lq + rs[m][h]] = rv[m][h] ? ix : -1;
+                    }
+                }
+            __syncthreads();
+            for (int qq = warp; qq < nqb; qq += WARPS) {
+                const float* rp = rowv + qq * span;
+                float sum = 0.f;
+                for (int r = lane; r < span; r += 32) sum += rp[r];
+#pragma unroll
+                for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+                if (lane == 0) outp[(i64)qq * Nd + j] = sum;
+            }
+        } else {
+            // Row max across the quad, the sum of valid rows per warp, then across warps.
+            float part = 0.f;
+#pragma unroll
+            for (int m = 0; m < MT; ++m)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    float v = best[m][h];
+                    int ix = bidx[m][h];
+                    quad_max(v, ix);
+                    if (rv[m][h]) part += term(v, m, h);
+                    if (ARGMAX && tq == 0 && rs[m][h] >= 0)
+                        amax[((i64)qi0 * Nd + j) * Lq + rs[m][h]] = rv[m][h] ? ix : -1;
+                }
+            if (tq != 0) part = 0.f;
+#pragma unroll
+            for (int off = 4; off < 32; off <<= 1) part += __shfl_xor_sync(0xffffffffu, part, off);
+            float* rb = red + (j & 1) * WARPS;  // double buffer: an empty next doc skips the loop barrier
+            if (lane == 0) rb[warp] = part;
+            __syncthreads();
+            if (threadIdx.x == 0) {
+                float sum = 0.f;
+#pragma unroll
+                for (int w = 0; w < WARPS; ++w) sum += rb[w];
+                outp[j] = sum;
+            }
+        }
+        };
+
+        for (int j = j0; j < j1; ++j) {
+            const int len = dlength(doc0 + j);
+            const int nt = tiles(j);
+            reset();
             for (int t = 0; t < nt; ++t) {
-                float acc[MT][NN][4];
+                A acc[MT][NN][4];
 #pragma unroll
                 for (int m = 0; m < MT; ++m)
 #pragma unroll
                     for (int n = 0; n < NN; ++n)
 #pragma unroll
-                        for (int r = 0; r < 4; ++r) acc[m][n][r] = 0.f;
+                        for (int r = 0; r < 4; ++r) acc[m][n][r] = 0;
+                int slot = 0;
                 for (int kc = 0; kc < nk; ++kc) {
-                    cp_async_wait<AHEAD - 1>();
+                    slot = next_stage();
+                    const T* st = ring + slot * STAGE;
+                    tile_mma(acc, qf, SPLIT ? st : sQ, st + (SPLIT ? BM * LDS : 0), wrow0, lane, kc > 0);
+                }
 #if LIK_HAS_WGMMA
-                    if (WG) fence_proxy_async();
+                if (WG_CHAIN) wgmma_wait<0>();
 #endif
-                    __syncthreads();
-                    if (QREG && !q_ready) {
-#pragma unroll
-                        for (int m = 0; m < MT; ++m)
-#pragma unroll
-                            for (int kk = 0; kk < NK; ++kk) load_a(qf[QREG ? m : 0][QREG ? kk : 0], sQ, wrow0 + m * 16, kk, lane);
-                        q_ready = true;
-                    }
-                    issue((cons + AHEAD) % STAGES);
-                    const T* st = ring + (cons % STAGES) * STAGE;
-                    ++cons;
-                    tile_mma(acc, qf, SPLIT ? st : sQ, st + (SPLIT ? BM * LDS : 0), wrow0, lane, kc > 0, kc + 1 == nk);
-                }
-
-                const int tok0 = t * BN;
-                const bool full = !dm && tok0 + BN <= len;
-                if (!ARGMAX && full) {
-                    // Every token of the tile counts: one max per accumulator, no select (the
-                    // epilogue's instruction count, not the MMA, bounds short-document tiles).
-#pragma unroll
-                    for (int m = 0; m < MT; ++m)
-#pragma unroll
-                        for (int h = 0; h < 2; ++h) {
-                            float b = best[m][h];
-#pragma unroll
-                            for (int n = 0; n < NN; ++n) b = max_nan(b, max_nan(acc[m][n][2 * h], acc[m][n][2 * h + 1]));
-                            best[m][h] = b;
-                        }
-                    continue;
-                }
-                if (ARGMAX && full) {
-                    // Every token counts: a strict '>' per token in increasing order keeps the
-                    // lowest index on ties, with no validity test. A NaN anywhere in the thread's
-                    // tile sends it on through the exact loop below, which then lands on the first
-                    // NaN whatever this pass chose (a NaN beats any number there).
-                    float tmax = LIK_NEG_INF;
-#pragma unroll
-                    for (int m = 0; m < MT; ++m)
-#pragma unroll
-                        for (int h = 0; h < 2; ++h) {
-                            float b = best[m][h];
-                            int ix = bidx[m][h];
-#pragma unroll
-                            for (int n = 0; n < NN; ++n)
-#pragma unroll
-                                for (int e = 0; e < 2; ++e) {
-                                    const float v = acc[m][n][2 * h + e];
-                                    tmax = max_nan(tmax, v);
-                                    if (v > b) { b = v; ix = tok0 + n * 8 + 2 * tq + e; }
-                                }
-                            if (ix < 0) { b = acc[m][0][2 * h]; ix = tok0 + 2 * tq; }  // all -inf: the first token
-                            best[m][h] = b;
-                            bidx[m][h] = ix;
-                        }
-                    if (tmax == tmax) continue;
-                }
-#pragma unroll
-                for (int n = 0; n < NN; ++n)
-#pragma unroll
-                    for (int e = 0; e < 2; ++e) {
-                        const int tok = tok0 + n * 8 + 2 * tq + e;
-                        const bool ok = full || (tok < len && (!dm || dm[tok]));
-#pragma unroll
-                        for (int m = 0; m < MT; ++m)
-#pragma unroll
-                            for (int h = 0; h < 2; ++h) {
-                                const float v = acc[m][n][2 * h + e];
-                                if (ARGMAX) {
-                                    // Tokens arrive in increasing order per thread, so a strict
-                                    // '>' keeps the lowest index on ties; the first NaN sticks.
-                                    const float b = best[m][h];
-                                    if (ok && (bidx[m][h] < 0 || v > b || (v != v && b == b))) {
-                                        best[m][h] = v;
-                                        bidx[m][h] = tok;
-                                    }
-                                } else {
-                                    best[m][h] = max_nan(best[m][h], ok ? v : LIK_NEG_INF);
-                                }
-                            }
-                    }
+                fold(acc, slot, t * BN, len, dmask(j));
             }
-
-            if (MULTI) {
-                // Row max across the quad that shares each row, into shared memory (0 for
-                // rows that do not count), then one warp per query sums its rows in a fixed order.
-                float* rowv = red + (j & 1) * BM;  // double buffer: an empty next doc skips the loop barrier
-#pragma unroll
-                for (int m = 0; m < MT; ++m)
-#pragma unroll
-                    for (int h = 0; h < 2; ++h) {
-                        float v = best[m][h];
-                        int ix = bidx[m][h];
-                        quad_max(v, ix);
-                        if (tq == 0) {
-                            rowv[wrow0 + m * 16 + g + 8 * h] = rv[m][h] ? v : 0.f;
-                            if (ARGMAX && rs[m][h] >= 0)
-                                amax[((i64)(qi0 + rq[m][h]) * Nd + j) * Lq + rs[m][h]] = rv[m][h] ? ix : -1;
-                        }
-                    }
-                __syncthreads();
-                for (int qq = warp; qq < nqb; qq += WARPS) {
-                    const float* rp = rowv + qq * span;
-                    float sum = 0.f;
-                    for (int r = lane; r < span; r += 32) sum += rp[r];
-#pragma unroll
-                    for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
-                    if (lane == 0) outp[(i64)qq * Nd + j] = sum;
-                }
-            } else {
-                // Row max across the quad, the sum of valid rows per warp, then across warps.
-                float part = 0.f;
-#pragma unroll
-                for (int m = 0; m < MT; ++m)
-#pragma unroll
-                    for (int h = 0; h < 2; ++h) {
-                        float v = best[m][h];
-                        int ix = bidx[m][h];
-                        quad_max(v, ix);
-                        if (rv[m][h]) part += v;
-                        if (ARGMAX && tq == 0 && rs[m][h] >= 0)
-                            amax[((i64)qi0 * Nd + j) * Lq + rs[m][h]] = rv[m][h] ? ix : -1;
-                    }
-                if (tq != 0) part = 0.f;
-#pragma unroll
-                for (int off = 4; off < 32; off <<= 1) part += __shfl_xor_sync(0xffffffffu, part, off);
-                float* rb = red + (j & 1) * WARPS;  // double buffer: an empty next doc skips the loop barrier
-                if (lane == 0) rb[warp] = part;
-                __syncthreads();
-                if (threadIdx.x == 0) {
-                    float sum = 0.f;
-#pragma unroll
-                    for (int w = 0; w < WARPS; ++w) sum += rb[w];
-                    outp[j] = sum;
-                }
-            }
+            finish(j);
         }
         cp_async_wait<0>();
     }
@@ -570,10 +655,10 @@ typedef lik::Fwd<LIK_ELEM, LIK_DP, LIK_WARPS, LIK_MT, LIK_BN, LIK_STAGES, LIK_QR
 #define LIK_MIN_BLOCKS 1
 #endif
 extern "C" __global__ void __launch_bounds__(LIK_WARPS * 32, LIK_MIN_BLOCKS)
-    LIK_NAME(const void* Q, const void* D, const int* q_len, const u8* q_mask, const int* d_len, const u8* d_mask,
+    LIK_NAME(const void* Q, const void* D, const float* q_scale, const float* d_scale, const int* q_len, const u8* q_mask, const int* d_len, const u8* d_mask,
              const i64* d_off, long long ntok, float* out, int* amax, int Nq, int Nd, int Lq, int Ld, int dim,
              int n_qt, int qb, int docs_per_cta, int dl_qstride) {
-    LikFwdCfg::run(static_cast<const LikFwdCfg::T*>(Q), static_cast<const LikFwdCfg::T*>(D), q_len, q_mask, d_len, d_mask,
+    LikFwdCfg::run(static_cast<const LikFwdCfg::T*>(Q), static_cast<const LikFwdCfg::T*>(D), q_scale, d_scale, q_len, q_mask, d_len, d_mask,
                    d_off, ntok, out, amax, Nq, Nd, Lq, Ld, dim, n_qt, qb, docs_per_cta, dl_qstride);
 }
 

@@ -1,6 +1,7 @@
 """lik-cupy: exact late-interaction (MaxSim) scoring with raw-CUDA kernels.
 
-``maxsim``, ``maxsim_pairs``, ``maxsim_varlen`` (packed ragged documents) and
+``maxsim``, ``maxsim_pairs``, ``maxsim_varlen`` (packed ragged documents),
+``maxsim_int8`` / ``maxsim_int8_varlen`` (documents stored as INT8 by ``quantize_int8``) and
 ``retrieve`` (streaming top-k over a corpus of any size) take NumPy, CuPy, PyTorch, JAX or any DLPack
 arrays and return results in the caller's framework; ``maxsim_backward`` turns the forward's
 argmax into exact gradients (autograd adapters: ``lik_cupy.torch``, ``lik_cupy.jax``). Importing this package
@@ -12,8 +13,10 @@ __version__ = "0.1.0"
 from .backward import maxsim_backward  # noqa: E402
 from .device import gpu_available  # noqa: E402
 from .forward import maxsim, maxsim_pairs, maxsim_varlen  # noqa: E402
+from .int8 import maxsim_int8, maxsim_int8_varlen  # noqa: E402
+from .quantize import dequantize_int8, quantize_int8  # noqa: E402
 from .retrieve import retrieve  # noqa: E402
 from .warmup import warmup  # noqa: E402
 
-__all__ = ["maxsim", "maxsim_pairs", "maxsim_varlen", "maxsim_backward", "retrieve", "warmup", "gpu_available",
-           "__version__"]
+__all__ = ["maxsim", "maxsim_pairs", "maxsim_varlen", "maxsim_int8", "maxsim_int8_varlen", "quantize_int8",
+           "dequantize_int8", "maxsim_backward", "retrieve", "warmup", "gpu_available", "__version__"]

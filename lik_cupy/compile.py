@@ -190,7 +190,7 @@ def _read_cached(key: str) -> Path | None:
         data = cubin.read_bytes()
     except (OSError, ValueError):
         return None
-    if hashlib.sha256(data).hexdigest() != info.get("sha256"):
+    if not isinstance(info, dict) or hashlib.sha256(data).hexdigest() != info.get("sha256"):
         for p in (cubin, meta):  # corrupt or truncated: drop it and rebuild
             try:
                 p.unlink()
@@ -228,8 +228,6 @@ def get_module(name: str, defines: dict, arch: int | str, device_id: int, entry:
     ``entry`` is a kernel the module defines (default: ``defines["LIK_NAME"]``);
     it is loaded at once so a bad module fails here, not at the first launch.
     """
-    import cupy
-
     mkey = (device_id, name, tuple(sorted((k, str(v)) for k, v in defines.items())), str(arch))
     with _modules_lock:
         mod = _modules.get(mkey)
@@ -237,15 +235,12 @@ def get_module(name: str, defines: dict, arch: int | str, device_id: int, entry:
             _modules.move_to_end(mkey)
             return mod
         lock = _key_locks.setdefault(mkey, threading.Lock())
-    with lock:
+    with lock:  # callers of one key wait for its single compile; other keys go on in parallel
         with _modules_lock:
             mod = _modules.get(mkey)
             if mod is not None:
                 return mod
-        path = cubin_path(name, defines, arch)
-        with cupy.cuda.Device(device_id):
-            mod = cupy.RawModule(path=str(path))
-            mod.get_function(entry or str(defines["LIK_NAME"]))  # load now, on this device
+        mod = _load(cubin_path(name, defines, arch), device_id, entry or str(defines["LIK_NAME"]))
         with _modules_lock:
             _modules[mkey] = mod
             while len(_modules) > _MEMORY_CACHE_SIZE:
@@ -254,12 +249,23 @@ def get_module(name: str, defines: dict, arch: int | str, device_id: int, entry:
         return mod
 
 
+def _load(path: Path, device_id: int, entry: str):
+    """Load a CUBIN on ``device_id`` and resolve ``entry``: the one step of ``get_module`` that
+    needs a GPU (the CPU tests replace it to exercise the caches and their locking)."""
+    import cupy
+
+    with cupy.cuda.Device(device_id):
+        mod = cupy.RawModule(path=str(path))
+        mod.get_function(entry)
+    return mod
+
+
 def check_all(archs=None, configs=None) -> list[dict]:
     """CPU-only: compile every forward configuration for every supported architecture.
 
     Returns one row per (kernel, arch) with registers, stack, spills, static and
-    dynamic shared memory (``lik_sum_partials``, the top-k merge and the backward
-    kernels once per architecture). Raises ``CompileError`` if any kernel fails.
+    dynamic shared memory (``lik_sum_partials``, the top-k merge, the INT8 quantiser and
+    the backward kernels once per architecture). Raises ``CompileError`` if any kernel fails.
     """
     from .dispatch import SUPPORTED_ARCHS, all_forward_configs
 
@@ -277,6 +283,10 @@ def check_all(archs=None, configs=None) -> list[dict]:
             out = nvrtc_compile("topk.cu", {}, arch)
             rows.append({"kernel": "lik_topk_merge", "arch": f"sm_{arch}", "dynamic_smem": 0,
                          **resource_usage(out.log, "lik_topk_merge")})
+            for elem in (0, 1, 2):  # the INT8 quantiser, per input dtype
+                out = nvrtc_compile("quantize.cu", {"LIK_ELEM": elem}, arch)
+                rows.append({"kernel": f"lik_quantize_int8[elem={elem}]", "arch": f"sm_{arch}", "dynamic_smem": 0,
+                             **resource_usage(out.log, "lik_quantize_int8")})
             for elem in (0, 1, 2):  # the backward family, each dtype, with and without vector loads
                 for vec in (0, 1):
                     out = nvrtc_compile("maxsim_bwd.cu", {"LIK_ELEM": elem, "LIK_VEC": vec}, arch)

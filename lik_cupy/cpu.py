@@ -16,12 +16,17 @@ _BLOCK_BYTES = 64 << 20
 
 
 def maxsim_numpy(Q: np.ndarray, D: np.ndarray, q_valid: np.ndarray, d_valid: np.ndarray, *, candidates: bool,
-                 nd: int, return_argmax: bool, block_bytes: int = _BLOCK_BYTES):
+                 nd: int, return_argmax: bool, block_bytes: int = _BLOCK_BYTES, q_scale: np.ndarray | None = None,
+                 d_scale: np.ndarray | None = None):
     """Canonical-shape MaxSim.
 
     Q: [Nq, Lq, d]; D: [Nd, Ld, d] shared by all queries, or [Nq * nd, Ld, d]
     when ``candidates`` (query i scores documents i*nd .. i*nd+nd-1).
     q_valid: bool [Nq, Lq]; d_valid: bool [D.shape[0], Ld].
+    q_scale / d_scale: float32 [Nq, Lq] / [D.shape[0], Ld] for int8 Q and D. The similarity is
+    then the exact integer dot product times the document token's scale, rounded to float32,
+    and the query token's (non-negative) scale multiplies the max: the kernel's arithmetic,
+    so the argmax matches the GPU's exactly.
     Returns scores float32 [Nq, nd] and, if asked, argmax int32 [Nq, nd, Lq].
     """
     nq, lq, _ = Q.shape
@@ -39,9 +44,13 @@ def maxsim_numpy(Q: np.ndarray, D: np.ndarray, q_valid: np.ndarray, d_valid: np.
                 blk = D[base + j0 : base + j1].astype(np.float64)
                 dv = d_valid[base + j0 : base + j1]
                 sim = np.matmul(blk, qi.T)  # [nb, Ld, Lq]
+                if d_scale is not None:
+                    sim = sim.astype(np.float32) * d_scale[base + j0 : base + j1, :, None]
                 sim[~dv] = -np.inf  # masked document tokens never win
                 best = sim.max(axis=1) if ld else np.full((j1 - j0, lq), -np.inf)  # NaN propagates
-                scores[i, j0:j1] = np.where(qv, best, 0.0).sum(axis=1)
+                if q_scale is not None:  # an empty document's -inf stays -inf against a zero scale
+                    best = np.where(best == -np.inf, best, best * q_scale[i])
+                scores[i, j0:j1] = np.where(qv, best, 0.0).sum(axis=1, dtype=np.float64)
                 if amax is not None:
                     idx = sim.argmax(axis=1).astype(np.int32) if ld else np.zeros((j1 - j0, lq), np.int32)
                     idx[~dv.any(axis=1)] = -1  # empty document
@@ -61,11 +70,13 @@ def unpack(tokens: np.ndarray, offsets: np.ndarray):
 
 
 def maxsim_packed_numpy(Q: np.ndarray, q_valid: np.ndarray, tokens: np.ndarray, offsets: np.ndarray, *,
-                        return_argmax: bool, block_tokens: int = 1 << 16):
+                        return_argmax: bool, block_tokens: int = 1 << 16, q_scale: np.ndarray | None = None,
+                        d_scale: np.ndarray | None = None):
     """MaxSim of padded queries against packed documents (``offsets`` int64 [Nd + 1], checked).
 
     Documents go in runs of about ``block_tokens`` tokens, each padded only to
-    its own longest document, so memory stays bounded for any corpus.
+    its own longest document, so memory stays bounded for any corpus. int8 inputs take
+    ``q_scale`` [Nq, Lq] and ``d_scale`` [T] as in :func:`maxsim_numpy`.
     """
     nq, lq, _ = Q.shape
     nd = offsets.size - 1
@@ -76,7 +87,9 @@ def maxsim_packed_numpy(Q: np.ndarray, q_valid: np.ndarray, tokens: np.ndarray, 
         j1 = max(j0 + 1, int(np.searchsorted(offsets, offsets[j0] + block_tokens, side="right")) - 1)
         j1 = min(j1, nd)
         blk, dv = unpack(tokens, offsets[j0:j1 + 1])
-        s, a = maxsim_numpy(Q, blk, q_valid, dv, candidates=False, nd=j1 - j0, return_argmax=return_argmax)
+        sblk = None if d_scale is None else unpack(d_scale.reshape(-1, 1), offsets[j0:j1 + 1])[0][..., 0]
+        s, a = maxsim_numpy(Q, blk, q_valid, dv, candidates=False, nd=j1 - j0, return_argmax=return_argmax,
+                            q_scale=q_scale, d_scale=sblk)
         scores[:, j0:j1] = s
         if amax is not None:
             amax[:, j0:j1] = a

@@ -20,16 +20,18 @@ SUPPORTED_ARCHS = (80, 86, 89, 90)
 _SMEM_PER_BLOCK = {80: 163 * 1024, 86: 99 * 1024, 87: 163 * 1024, 89: 99 * 1024, 90: 227 * 1024}
 _SMEM_PER_SM = {80: 164 * 1024, 86: 100 * 1024, 87: 164 * 1024, 89: 100 * 1024, 90: 228 * 1024}
 
-ELEM_CODES = {"float16": 0, "bfloat16": 1, "float32": 2}
+ELEM_CODES = {"float16": 0, "bfloat16": 1, "float32": 2, "int8": 3}
 MAX_DIM = 8192  # split-d has no inherent limit; this is the widest dim the tests cover
+# INT8 runs one-shot only (no split-d): dims a multiple of 16 up to this.
+MAX_DIM_INT8 = 512
 
 
 @dataclass(frozen=True)
 class FwdConfig:
     """One compiled variant of ``cuda_src/maxsim_fwd.cu``."""
 
-    elem: int  # 0 fp16, 1 bf16, 2 fp32 (tf32 tensor cores)
-    dp: int  # padded dim (multiple of 16); split-d: the dim chunk staged per pipeline stage
+    elem: int  # 0 fp16, 1 bf16, 2 fp32 (tf32 tensor cores), 3 int8 (with per-token scales)
+    dp: int  # padded dim (multiple of 16, 32 for int8); split-d: the dim chunk staged per pipeline stage
     warps: int
     mt: int  # 16-row mma tiles per warp
     bn: int  # document tokens per pipeline stage
@@ -52,22 +54,24 @@ class FwdConfig:
 
     @property
     def esize(self) -> int:
-        return 4 if self.elem == 2 else 2
+        return ELEM_SIZES[self.elem]
 
     @property
     def smem_bytes(self) -> int:
         rows = self.stages * (self.bm + self.bn) if self.split else self.bm + self.stages * self.bn
         if self.wgmma:  # unpadded swizzled tiles, plus slack to align them to 1024 bytes
-            return rows * self.dp * self.esize + 1024 + self._red_bytes
-        return rows * (self.dp + 16 // self.esize) * self.esize + self._red_bytes
+            return rows * self.dp * self.esize + 1024 + self._extra_bytes
+        return rows * (self.dp + 16 // self.esize) * self.esize + self._extra_bytes
 
     @property
-    def _red_bytes(self) -> int:  # double-buffered row maxima (multi) or per-warp sums
-        return 2 * (self.bm if self.multi else self.warps) * 4
+    def _extra_bytes(self) -> int:
+        # double-buffered row maxima (multi) or per-warp sums; int8: each stage's token scales
+        scales = self.stages * self.bn * 4 if self.elem == 3 else 0
+        return 2 * (self.bm if self.multi else self.warps) * 4 + scales
 
     @property
     def name(self) -> str:
-        e = ("f16", "bf16", "f32")[self.elem]
+        e = ("f16", "bf16", "f32", "i8")[self.elem]
         return (
             f"lik_maxsim_fwd_{e}_{'k' if self.split else 'd'}{self.dp}_w{self.warps}m{self.mt}_n{self.bn}s{self.stages}"
             f"{'_qreg' if self.qreg else ''}{'_argmax' if self.argmax else ''}{'_vec' if self.vec else ''}"
@@ -96,16 +100,23 @@ class FwdConfig:
     @property
     def min_blocks(self) -> int:
         """CTAs per SM the kernel is compiled for: two Hopper CTAs when their shared memory fits
-        (registers then capped at 128), else no register cap."""
-        return 2 if self.wgmma and 2 * (self.smem_bytes + 1024) <= _SMEM_PER_SM[90] else 1
+        (registers then capped at 128) and their accumulators do too (at most 128 tokens per
+        tile), else no register cap."""
+        return 2 if (self.wgmma and self.bn <= 128
+                     and 2 * (self.smem_bytes + 1024) <= _SMEM_PER_SM[90]) else 1
 
     def target(self, arch: int) -> str:
         """NVRTC architecture suffix: wgmma kernels need the sm_90a feature set."""
         return "90a" if self.wgmma else str(arch)
 
 
-def padded_dim(dim: int) -> int:
-    return max(16, -(-dim // 16) * 16)
+ELEM_SIZES = (2, 2, 4, 1)
+
+
+def padded_dim(dim: int, elem: int = 0) -> int:
+    """The kernel's dim: a multiple of 16, or of 32 for int8 (32 bytes of K per mma either way)."""
+    step = 32 if elem == 3 else 16
+    return max(step, -(-dim // step) * step)
 
 
 def _dim_bucket(dp: int) -> int:
@@ -205,9 +216,10 @@ for _wide in (False, True):
 
 
 def _qreg(elem: int, dp: int, mt: int) -> bool:
-    # Query fragments cost mt * dp / (16 or 8) * 4 registers; keep them at or under 64.
-    per_k = 8 if elem == 2 else 16
-    return mt * (dp // per_k) * 4 <= 64
+    # Query fragments cost mt * dp / (k per mma) * 4 registers; keep them at or under 64 (32 for
+    # int8, whose scale handling needs the rest: 64 spilled with the argmax, compile.check_all).
+    per_k = {2: 8, 3: 32}.get(elem, 16)
+    return mt * (dp // per_k) * 4 <= (32 if elem == 3 else 64)
 
 
 def arch_of(cc: int) -> int:
@@ -272,7 +284,10 @@ def choose_forward(cc: int, dtype: str, dim: int, lq: int, argmax: bool, vec: bo
     """
     arch = arch_of(cc)
     elem = ELEM_CODES[dtype]
-    dp = padded_dim(dim)
+    int8 = elem == 3
+    if int8 and (dim % 16 or dim > MAX_DIM_INT8):
+        raise ValueError(f"int8 scoring needs dim a multiple of 16 up to {MAX_DIM_INT8}, got {dim}")
+    dp = padded_dim(dim, elem)
     dim_bucket(dim)  # range check
     q_len, lq = lq, tile_rows(lq, shared_queries)
 
@@ -284,17 +299,21 @@ def choose_forward(cc: int, dtype: str, dim: int, lq: int, argmax: bool, vec: bo
     hopper = wgmma and arch == 90 and elem != 2 and vec and lq > 64
     limit = _SMEM_PER_BLOCK.get(arch, 99 * 1024)  # unknown (newer) GPUs: the smallest limit
     lb = 32 if lq <= 32 else 64 if lq <= 64 else 128
-    if not uses_split(*split_family(arch, hopper, dim), lq <= 64, dim):
-        if hopper and dim % 64 == 0:
+    # INT8 runs one-shot only; its rows have the bytes (and fragment registers) of 16-bit rows half as wide.
+    if int8 or not uses_split(*split_family(arch, hopper, dim), lq <= 64, dim):
+        if hopper and dim * ELEM_SIZES[elem] % 128 == 0:
             for bn, stages in _wgmma_tiles(lq, ld, multi(128)):
                 cfg = FwdConfig(elem, dim, 8, 1, bn, stages, False, argmax, vec, True, multi(128), packed)
-                if cfg.smem_bytes <= limit:
+                # int8's argmax of several queries does not fit the 128 registers of two CTAs per SM.
+                if cfg.smem_bytes <= limit and not (int8 and argmax and cfg.multi and cfg.min_blocks > 1):
                     return cfg
-        for warps, mt, bn, stages in _TABLE[(elem == 2, _dim_bucket(dp), lb)]:
+        for warps, mt, bn, stages in _TABLE[(elem == 2, _dim_bucket(dp // 2 if int8 else dp), lb)]:
             cfg = FwdConfig(elem, dp, warps, mt, bn, stages, _qreg(elem, dp, mt), argmax, vec, False,
                             multi(warps * mt * 16), packed)
             if cfg.smem_bytes <= limit:
                 return cfg
+    if int8:
+        raise ValueError(f"no int8 forward configuration fits dim {dim} on sm_{arch}")
     if hopper:
         for bn, bk, stages in _WGMMA_SPLIT_WIDE if dim_bucket(dim) >= _WGMMA_SPLIT_WIDE_FROM else _WGMMA_SPLIT_NARROW:
             cfg = FwdConfig(elem, bk, 8, 1, bn, stages, False, argmax, vec, True, multi(128), packed, True)
@@ -355,7 +374,8 @@ def all_forward_configs(arch: int) -> list[FwdConfig]:
     """Every configuration ``choose_forward`` can return on ``arch`` (for compile checks and warm-up)."""
     seen: dict[str, FwdConfig] = {}
     for dtype in ELEM_CODES:
-        for dim in (64, 128, 256, 384, 512, 1000, 2048, 4096):
+        dims = (64, 96, 128, 256, 384, 512) if dtype == "int8" else (64, 128, 256, 384, 512, 1000, 2048, 4096)
+        for dim in dims:
             for lq, shared in ((32, 1), (64, 1), (128, 1), (1024, 1), (8, 2), (32, 2), (32, 4), (64, 2)):
                 for ld in (180, 300, 1024):
                     for argmax in (False, True):

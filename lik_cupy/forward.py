@@ -13,7 +13,7 @@ from dataclasses import replace
 import numpy as np
 
 from . import cpu, dispatch, interop
-from .device import device_properties, gpu_available
+from .device import allocating, device_properties, empty, gpu_available
 from .validate import Problem, check_32bit, check_call, check_length_values, check_offset_values, check_varlen
 
 _BACKENDS = ("auto", "gpu", "cpu")
@@ -111,6 +111,9 @@ def _use_gpu(p: Problem, backend: str) -> bool:
     on_gpu = backend == "gpu" or (backend == "auto" and (p.device is not None or gpu_available()))
     if on_gpu and not gpu_available():
         raise RuntimeError("backend='gpu' but no CUDA GPU is visible (CuPy could not find one)")
+    if on_gpu and p.dtype == "int8" and (p.dim % 16 or p.dim > dispatch.MAX_DIM_INT8):
+        raise ValueError(f"Q and D have dim {p.dim}; the INT8 kernels need a multiple of 16 up to "
+                         f"{dispatch.MAX_DIM_INT8} (backend='cpu' takes any dim)")
     if on_gpu and p.dim > dispatch.MAX_DIM:
         raise ValueError(f"Q and D have dim {p.dim}; the GPU kernels support dim up to {dispatch.MAX_DIM} (backend='cpu' has no limit)")
     return on_gpu
@@ -203,7 +206,17 @@ def _dev_array(x, fw, on_host: bool):
 
     if isinstance(x, (list, tuple, int, np.integer)):
         return cupy.asarray(np.asarray(x))
-    return cupy.asarray(interop.to_numpy(x, fw)) if on_host else interop.to_cupy(x, fw)
+    if not on_host:
+        return interop.to_cupy(x, fw)
+    h = interop.to_numpy(x, fw)
+    with allocating(f"host array {list(h.shape)} {h.dtype} copied to the GPU", h.nbytes,
+                    "pass device arrays, or split the call"):
+        return cupy.asarray(h)
+
+
+def _name(p: Problem) -> str:
+    """The public function a problem came from, for error messages."""
+    return "maxsim" + ("_int8" if p.dtype == "int8" else "") + ("_varlen" if p.d_packed else "")
 
 
 def _gpu(p: Problem, Q, D, q_mask, d_mask, q_lengths, d_lengths, return_argmax):
@@ -338,19 +351,23 @@ def _kernel(cfg, arch: int, device: int):
 
 
 def _launch(p: Problem, q, d, qm, dm, ql, dl, return_argmax: bool, device: int, *, d_off=None, ld_hint=None,
-            out=None):
+            out=None, q_scale=None, d_scale=None):
     """Choose the kernel configuration and launch it on the current CuPy stream.
 
     q: [nq, lq, dim] (bfloat16 as uint16); d: padded [rows, ld, dim], or packed
     tokens [T, dim] when ``d_off`` (int64 [nd + 1] device offsets) is given.
     ``out``: optional float32 buffer of nq * nd elements for the scores.
+    ``p.dtype == "int8"``: q and d are int8 and ``q_scale`` (float32 [nq * lq], non-negative)
+    and ``d_scale`` (float32 [rows * ld] or [T]) are their contiguous per-token scales.
     """
     import cupy
 
     from .compile import CompileError
 
-    scores = out.reshape(p.nq, p.nd) if out is not None else cupy.empty((p.nq, p.nd), cupy.float32)
-    amax = cupy.empty((p.nq, p.nd, p.lq), cupy.int32) if return_argmax else None
+    fn, split = _name(p), "split the call over fewer queries or documents"
+    scores = out.reshape(p.nq, p.nd) if out is not None else empty((p.nq, p.nd), np.float32, f"{fn}: scores", split)
+    amax = empty((p.nq, p.nd, p.lq), np.int32, f"{fn}: argmax",
+                 f"return_argmax=False needs no argmax buffer; or {split}") if return_argmax else None
     if _POISON:
         scores.fill(np.float32(-1.2345e33))
         if amax is not None:
@@ -360,14 +377,15 @@ def _launch(p: Problem, q, d, qm, dm, ql, dl, return_argmax: bool, device: int, 
     if p.lq == 0:  # no query token: empty sums
         scores.fill(0)
         return scores, amax
-    if d.shape[0] == 0 or (d_off is None and p.ld == 0):  # every document empty
-        scores.fill(-np.inf)
+    if d.shape[0] == 0 or (d_off is None and p.ld == 0):  # every document empty: -inf, or 0 for an empty query
+        valid = (ql > 0) if ql is not None else qm.any(axis=1) if qm is not None else cupy.ones(p.nq, bool)
+        scores[...] = cupy.where(valid.reshape(p.nq, 1), np.float32(-np.inf), np.float32(0))
         if amax is not None:
             amax.fill(-1)
         return scores, amax
 
     props = device_properties(device)
-    esize = 4 if p.dtype == "float32" else 2
+    esize = q.dtype.itemsize
     vec = (p.dim * esize) % 16 == 0 and q.data.ptr % 16 == 0 and d.data.ptr % 16 == 0
     shared = 1 if p.candidates else p.nq
     ld = ld_hint if ld_hint is not None else p.ld
@@ -389,10 +407,11 @@ def _launch(p: Problem, q, d, qm, dm, ql, dl, return_argmax: bool, device: int, 
     plan = dispatch.plan_launch(cfg, props.cc, props.num_sms, p.nq, p.nd, p.lq, shared)
     check_32bit(Nq=p.nq, Nd=p.nd, Lq=p.lq, Ld=p.ld, grid=plan.grid[0])
 
-    part = scores if plan.n_qt == 1 else cupy.empty((plan.n_qt, p.nq, p.nd), cupy.float32)
+    part = scores if plan.n_qt == 1 else empty((plan.n_qt, p.nq, p.nd), np.float32,
+                                               f"{fn}: partial scores of the long queries' tiles", split)
     null = np.uint64(0)  # NULL pointer argument
     args = (
-        q, d,
+        q, d, q_scale if q_scale is not None else null, d_scale if d_scale is not None else null,
         ql if ql is not None else null, qm if qm is not None else null,
         dl if dl is not None else null, dm if dm is not None else null,
         d_off if d_off is not None else null, np.int64(d.shape[0] if d_off is not None else 0),

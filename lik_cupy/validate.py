@@ -49,7 +49,7 @@ def _lengths_info(name: str, x, q: Info) -> Info | None:
     if x is None:
         return None
     if isinstance(x, (int, np.integer)) and not isinstance(x, bool):
-        x = np.asarray(x)
+        return Info(q.framework, q.device, "int64", ())  # a plain int goes with any framework, like a list
     if isinstance(x, (list, tuple)):
         try:
             arr = np.asarray(x)
@@ -61,14 +61,15 @@ def _lengths_info(name: str, x, q: Info) -> Info | None:
     return _info(name, x)
 
 
-def check_call(Q, D, q_mask, d_mask, q_lengths, d_lengths, *, pairs: bool) -> Problem:
+def check_call(Q, D, q_mask, d_mask, q_lengths, d_lengths, *, pairs: bool, int8: bool = False) -> Problem:
+    """``int8``: D is int8 and Q int8 or float (see :func:`check_int8_scales`); the Problem's dtype is "int8"."""
     q = _info("Q", Q)
     d = _info("D", D)
     if q.framework != d.framework:
         raise TypeError(f"Q is a {q.framework} array but D is a {d.framework} array: pass both from one framework")
     if q.device != d.device:
         raise ValueError(f"Q is on {_where(q.device)} but D is on {_where(d.device)}: put both on one device")
-    _check_float_dtypes(q, "D", d)
+    _check_dtypes(q, "D", d, int8)
 
     if pairs:
         if len(q.shape) != 3 or len(d.shape) != 3:
@@ -107,11 +108,11 @@ def check_call(Q, D, q_mask, d_mask, q_lengths, d_lengths, *, pairs: bool) -> Pr
 
     q_valid = _check_valid("q", q_mask, q_lengths, q, q.shape[:-1], q.shape[:-2])
     d_valid = _check_valid("d", d_mask, d_lengths, q, d.shape[:-1], d.shape[:-2])
-    return Problem(q.framework, q.device, q.dtype, nq, lq, nd, ld, dim, candidates, scores_shape, argmax_shape,
-                   q_valid, d_valid)
+    return Problem(q.framework, q.device, d.dtype if int8 else q.dtype, nq, lq, nd, ld, dim, candidates, scores_shape,
+                   argmax_shape, q_valid, d_valid)
 
 
-def check_varlen(Q, D, d_offsets, q_mask, q_lengths, q_offsets) -> Problem:
+def check_varlen(Q, D, d_offsets, q_mask, q_lengths, q_offsets, *, int8: bool = False) -> Problem:
     """Validate a ``maxsim_varlen`` call: packed documents D [T, d] with offsets [Nd + 1].
 
     Q is padded [Nq, Lq, d] / [Lq, d] (with q_mask or q_lengths), or packed
@@ -121,7 +122,7 @@ def check_varlen(Q, D, d_offsets, q_mask, q_lengths, q_offsets) -> Problem:
     q = _info("Q", Q)
     d = _info("D_tokens", D)
     _same_place("D_tokens", d, q)
-    _check_float_dtypes(q, "D_tokens", d)
+    _check_dtypes(q, "D_tokens", d, int8)
     if len(d.shape) != 2:
         raise ValueError(f"D_tokens must be packed tokens [T, d]; got shape {list(d.shape)}")
     dim = q.shape[-1] if q.shape else 0
@@ -137,15 +138,15 @@ def check_varlen(Q, D, d_offsets, q_mask, q_lengths, q_offsets) -> Problem:
             raise ValueError(f"with q_offsets, Q must be packed tokens [Tq, d]; got shape {list(q.shape)}")
         nq = offsets_count("q_offsets", q_offsets, q)
         scores_shape = (nq, nd)
-        return Problem(q.framework, q.device, q.dtype, nq, 0, nd, 0, dim, False, scores_shape, scores_shape + (0,),
+        return Problem(q.framework, q.device, d.dtype if int8 else q.dtype, nq, 0, nd, 0, dim, False, scores_shape, scores_shape + (0,),
                        "offsets", "offsets", True, d.shape[0])
     if len(q.shape) not in (2, 3):
         raise ValueError(f"Q must be [Nq, Lq, d] or [Lq, d] (or packed [Tq, d] with q_offsets); got shape {list(q.shape)}")
     nq, lq = (q.shape[0], q.shape[1]) if len(q.shape) == 3 else (1, q.shape[0])
     scores_shape = tuple(q.shape[:-2]) + (nd,)
     q_valid = _check_valid("q", q_mask, q_lengths, q, q.shape[:-1], q.shape[:-2])
-    return Problem(q.framework, q.device, q.dtype, nq, lq, nd, 0, dim, False, scores_shape, scores_shape + (lq,),
-                   q_valid, "offsets", True, d.shape[0])
+    return Problem(q.framework, q.device, d.dtype if int8 else q.dtype, nq, lq, nd, 0, dim, False, scores_shape,
+                   scores_shape + (lq,), q_valid, "offsets", True, d.shape[0])
 
 
 def offsets_count(name: str, offsets, q: Info) -> int:
@@ -171,12 +172,66 @@ def check_offset_values(name: str, first: int, last: int, decreasing: bool, tota
         raise ValueError(f"{name} ends at {last} but there are {total} packed tokens; the last offset must equal T")
 
 
-def _check_float_dtypes(q: Info, dname: str, d: Info) -> None:
+def _check_dtypes(q: Info, dname: str, d: Info, int8: bool) -> None:
+    if int8:
+        if d.dtype != "int8":
+            raise TypeError(f"{dname} has dtype {d.dtype}; expected int8 (quantize it with lik_cupy.quantize_int8)")
+        if q.dtype not in FLOAT_DTYPES + ("int8",):
+            raise TypeError(f"Q has dtype {q.dtype}; expected int8 (with q_scales) or float16, bfloat16 or float32")
+        return
     for name, info in (("Q", q), (dname, d)):
         if info.dtype not in FLOAT_DTYPES:
             raise TypeError(f"{name} has dtype {info.dtype}; expected float16, bfloat16 or float32")
     if d.dtype != q.dtype:
         raise TypeError(f"{dname} has dtype {d.dtype} but Q has {q.dtype}: cast one so both match")
+
+
+_SCALE_DTYPES = ("float16", "float32", "float64")  # not bfloat16: it travels as raw bits
+
+
+def check_quantized(name: str, X, sname: str, scales) -> Info:
+    """int8 ``X [..., d]`` and float ``scales`` of shape ``X.shape[:-1]``, in one framework and place."""
+    x = _info(name, X)
+    if x.dtype != "int8":
+        raise TypeError(f"{name} has dtype {x.dtype}; expected int8")
+    if len(x.shape) < 1:
+        raise ValueError(f"{name} must have at least one axis (the embedding dim)")
+    _check_scales(sname, scales, x, tuple(x.shape[:-1]), f"{name}'s shape without its last axis", name)
+    return x
+
+
+def check_int8_scales(p: Problem, Q, D, q_scales, d_scales) -> bool:
+    """Scales of an int8 call: ``d_scales`` shaped like D without its last axis (packed: [T]);
+    ``q_scales`` likewise for Q, required when Q is int8 and refused when Q is float.
+    Returns whether Q is already quantised."""
+    q = _info("Q", Q)
+    d = _info("D_tokens" if p.d_packed else "D", D)
+    _check_scales("d_scales", d_scales, q, tuple(d.shape[:-1]), "one per document token")
+    if q.dtype == "int8":
+        if q_scales is None:
+            raise TypeError("Q is int8, so q_scales is required (the float32 per-token scales from quantize_int8)")
+        _check_scales("q_scales", q_scales, q, tuple(q.shape[:-1]), "one per query token")
+        return True
+    if q_scales is not None:
+        raise ValueError(f"q_scales goes with an int8 Q, but Q is {q.dtype} (it is quantised on the fly)")
+    return False
+
+
+def _check_scales(name: str, scales, ref: Info, shape: tuple, what: str, ref_name: str = "Q") -> None:
+    if scales is None:
+        raise TypeError(f"{name} is required: float32 {list(shape)} ({what})")
+    s = _info(name, scales)
+    _same_place(name, s, ref, ref_name)
+    if s.dtype not in _SCALE_DTYPES:
+        raise TypeError(f"{name} has dtype {s.dtype}; expected float32 (or float16 / float64)")
+    if tuple(s.shape) != shape:
+        raise ValueError(f"{name} has shape {list(s.shape)}; expected {list(shape)} ({what})")
+
+
+def check_scale_values(name: str, lo: float) -> None:
+    """Query scales multiply each row's max, which commutes with the max only for scales >= 0."""
+    if not lo >= 0:  # also catches NaN
+        raise ValueError(f"{name} holds {lo}; query token scales must be non-negative numbers (as quantize_int8 makes them)")
 
 
 def _where(dev) -> str:
@@ -206,11 +261,11 @@ def _check_valid(side: str, mask, lengths, q: Info, mask_shape, len_shape) -> st
     return None
 
 
-def _same_place(name: str, a: Info, q: Info) -> None:
+def _same_place(name: str, a: Info, q: Info, qname: str = "Q") -> None:
     if a.framework != q.framework:
-        raise TypeError(f"{name} is a {a.framework} array but Q is a {q.framework} array: pass both from one framework")
+        raise TypeError(f"{name} is a {a.framework} array but {qname} is a {q.framework} array: pass both from one framework")
     if a.device != q.device:
-        raise ValueError(f"{name} is on {_where(a.device)} but Q is on {_where(q.device)}")
+        raise ValueError(f"{name} is on {_where(a.device)} but {qname} is on {_where(q.device)}")
 
 
 def check_32bit(**extents: int) -> None:

@@ -27,3 +27,23 @@ def rel_err(out, ref):
     if not fin.any():
         return 0.0
     return float(np.linalg.norm(out[fin] - ref[fin]) / max(np.linalg.norm(ref[fin]), 1e-30))
+
+
+def spearman(a, b):
+    """Spearman rank correlation of two 1-D score vectors (no ties in practice)."""
+    ra = np.argsort(np.argsort(a)).astype(np.float64)
+    rb = np.argsort(np.argsort(b)).astype(np.float64)
+    return float(np.corrcoef(ra, rb)[0, 1])
+
+
+def topk_overlap(a, b, k):
+    """Fraction of the k best documents by score ``b`` that are also among the k best by ``a``."""
+    return len(set(np.argsort(-a)[:k]) & set(np.argsort(-b)[:k])) / k
+
+
+def clustered(rng, shape, centres=16, spread=0.05):
+    """Unit embeddings crowded around a few centres: many near-duplicate tokens, so rankings
+    hinge on small score differences (the hard case for quantisation)."""
+    c = rng.standard_normal((centres, shape[-1]))
+    x = c[rng.integers(0, centres, shape[:-1])] + spread * rng.standard_normal(shape)
+    return x / np.linalg.norm(x, axis=-1, keepdims=True)

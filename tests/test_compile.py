@@ -228,12 +228,19 @@ DIMS = sorted({1, 2, 3, 7, 8, 15, 16, 17, 31, 32, 33, 48, 63, 64, 65, 96, 100, 1
                4096, 8192})
 
 
+def _dims(dtype, dims=DIMS):
+    """The dims a dtype's kernels take: int8 needs a multiple of 16 up to MAX_DIM_INT8."""
+    if dtype != "int8":
+        return dims
+    return [d for d in dims if d % 16 == 0 and d <= dispatch.MAX_DIM_INT8]
+
+
 @pytest.mark.parametrize("cc", [80, 86, 87, 89, 90])
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "int8"])
 def test_choose_forward_fits_shared_memory(cc, dtype):
     arch = dispatch.arch_of(cc)
     limit = dispatch._SMEM_PER_BLOCK[arch]
-    for dim in DIMS:
+    for dim in _dims(dtype):
         for lq in (1, 31, 32, 33, 64, 65, 128, 1000, 5000):
             for argmax in (False, True):
                 for vec in (False, True):
@@ -244,12 +251,17 @@ def test_choose_forward_fits_shared_memory(cc, dtype):
                         if c.split:  # any dim streams through fixed chunks
                             assert c.dp in (32, 64, 128) and dim > 64, where
                         else:
-                            assert c.dp == dispatch.padded_dim(dim) >= dim and c.dp <= 512 and c.dp % 16 == 0, where
+                            assert not c.split or dtype != "int8", where
+                            assert c.dp == dispatch.padded_dim(dim, c.elem) >= dim and c.dp <= 512 and c.dp % 16 == 0, where
                         assert c.elem == dispatch.ELEM_CODES[dtype] and c.argmax == argmax and c.vec == vec, where
                         assert c.bn % 16 == 0 and c.stages >= 2 and c.threads <= 1024, where
                         assert not c.wgmma or (wgmma and arch == 90 and vec), where
     with pytest.raises(ValueError):
         dispatch.choose_forward(cc, dtype, dispatch.MAX_DIM + 1, 32, False, True)
+    if dtype == "int8":
+        for bad in (8, 100, dispatch.MAX_DIM_INT8 + 16):
+            with pytest.raises(ValueError, match="multiple of 16 up to 512"):
+                dispatch.choose_forward(cc, dtype, bad, 32, False, True)
 
 
 def test_compile_check_covers_the_bucket_dims():
@@ -257,7 +269,7 @@ def test_compile_check_covers_the_bucket_dims():
     for arch in dispatch.SUPPORTED_ARCHS:
         compiled = {c.name for c in dispatch.all_forward_configs(arch)}
         for dtype in dispatch.ELEM_CODES:
-            for dim in (64, 128, 256, 384, 512, 1000, 2048, 4096, 8192):
+            for dim in _dims(dtype, (64, 128, 256, 384, 512, 1000, 2048, 4096, 8192)):
                 for lq in (1, 32, 33, 64, 65, 128, 1000, 5000):
                     for shared, ld in ((1, 1024), (1, 180), (3, 180), (32, 180), (32, 1024), (1000, 77)):
                         for argmax in (False, True):
@@ -279,7 +291,7 @@ def test_compile_check_covers_every_dispatchable_config():
     for arch in dispatch.SUPPORTED_ARCHS:
         compiled = {c.name for c in dispatch.all_forward_configs(arch)}
         for dtype in dispatch.ELEM_CODES:
-            for dim in DIMS:
+            for dim in _dims(dtype):
                 for lq in (1, 33, 65):
                     c = dispatch.choose_forward(arch, dtype, dim, lq, False, True)
                     if c.name not in compiled:
@@ -323,7 +335,7 @@ def test_wide_dims_always_split(dim):
     for cc in (80, 86, 89, 90, 120):
         for lq in (1, 32, 77, 1024):
             for wg in (True, False):
-                for dtype in dispatch.ELEM_CODES:
+                for dtype in ("float16", "bfloat16", "float32"):  # int8 stops at 512 (no split-d)
                     assert dispatch.choose_forward(cc, dtype, dim, lq, False, True, wg).split
 
 

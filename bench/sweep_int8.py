@@ -1,0 +1,69 @@
+"""Sweep the INT8 tiles: time lik_cupy.maxsim_int8 for each candidate configuration forced in
+turn (one query, pre-quantised Q and D, d = 128), next to the fp16 kernel dispatch picks.
+
+    python bench/sweep_int8.py --out DIR      -> DIR/sweep_int8_<gpu>.json + a table
+
+Hopper candidates are (bn, stages); the portable ones (warps, mt, bn, stages). The winners
+become the INT8 choices of lik_cupy.dispatch; the JSON is committed under bench/results/ as
+the measurement behind them.
+"""
+
+import argparse
+import json
+import os
+
+import cupy
+
+import lik_cupy
+from bench_forward import slugify
+from lik_cupy import dispatch
+from lik_cupy.device import device_properties
+from sweep_tiles import forced, time_ms
+
+WGMMA = [(128, 2), (128, 3), (128, 4), (64, 3), (64, 4), (256, 2), (256, 3)]
+PORTABLE = [(2, 1, 64, 4), (2, 1, 128, 3), (4, 1, 64, 3), (4, 2, 64, 3)]
+SHAPES = [(1024, 1024, 2000, WGMMA), (512, 1024, 2000, WGMMA), (32, 1024, 10000, PORTABLE), (32, 300, 10000, PORTABLE)]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
+    args = ap.parse_args()
+    props = device_properties(cupy.cuda.runtime.getDevice())
+    rows = []
+    rng = cupy.random.default_rng(0)
+    for lq, ld, b, cands in SHAPES:
+        q = rng.standard_normal((lq, 128), dtype=cupy.float32)
+        d = rng.standard_normal((b, ld, 128), dtype=cupy.float32)
+        q8, qs = lik_cupy.quantize_int8(q)
+        d8, ds = lik_cupy.quantize_int8(d)
+        q16, d16 = q.astype(cupy.float16), d.astype(cupy.float16)
+        del d
+        ops = 2.0 * lq * ld * 128 * b
+        fp16 = time_ms(lambda: lik_cupy.maxsim(q16, d16))
+        auto = time_ms(lambda: lik_cupy.maxsim_int8(q8, d8, ds, q_scales=qs))
+        print(f"{lq}x{ld}@{b}  fp16 (dispatch) {fp16:.4f} ms   int8 (dispatch) {auto:.4f} ms", flush=True)
+        rows.append({"lq": lq, "ld": ld, "B": b, "config": "fp16-dispatch", "ms": fp16})
+        rows.append({"lq": lq, "ld": ld, "B": b, "config": "int8-dispatch", "ms": auto})
+        for cand in cands:
+            if len(cand) == 2:
+                bn, stages = cand
+                cfg = dispatch.FwdConfig(3, 128, 8, 1, bn, stages, False, False, True, True)
+            else:
+                w, mt, bn, stages = cand
+                cfg = dispatch.FwdConfig(3, 128, w, mt, bn, stages, dispatch._qreg(3, 128, mt), False, True)
+            try:
+                ms = forced(cfg, lambda: lik_cupy.maxsim_int8(q8, d8, ds, q_scales=qs))
+            except Exception as e:  # a candidate that fails to build or launch is reported
+                print(f"  {cfg.name:55s} failed: {str(e)[:200]}", flush=True)
+                continue
+            rows.append({"lq": lq, "ld": ld, "B": b, "config": cfg.name, "ms": ms, "tops": ops / ms / 1e9,
+                         "vs_fp16": ms / fp16})
+            print(f"  {cfg.name:55s} {ms:.4f} ms  {ops / ms / 1e9:7.1f} TOPS  {ms / fp16:5.2f} x fp16", flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, f"sweep_int8_{slugify(props.name)}.json"), "w") as f:
+        json.dump({"gpu": props.name, "cc": props.cc, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,147 @@
+"""INT8 MaxSim: ``maxsim_int8`` and ``maxsim_int8_varlen``.
+
+Documents quantised per token (:func:`lik_cupy.quantize_int8`: int8 values and one
+float32 scale per token) are scored on INT8 tensor cores. Each integer dot product
+is multiplied by its document token's scale before the running max, and each query
+token's scale multiplies the max (deferred dequantisation): no dequantised copy of
+D exists, in HBM or in shared memory. A float Q is quantised on the device first, the
+same way. The result equals MaxSim of the dequantised inputs up to float32 rounding.
+
+Each call is validate (``validate.check_call`` / ``check_varlen`` with ``int8=True``,
+then ``check_int8_scales``), choose and launch (``forward._launch``, which picks the
+INT8 kernel from ``dispatch``), or the NumPy path (``cpu.maxsim_numpy`` with scales).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import cpu, interop
+from .forward import (_BACKENDS, _caller_results, _dev_array, _host, _host_result, _launch, _use_gpu,
+                      device_offsets, device_valid, host_offsets, valid_host)
+from .quantize import quantize_cupy, quantize_numpy
+from .validate import Problem, check_call, check_int8_scales, check_varlen
+
+
+def maxsim_int8(Q, D, d_scales, q_mask=None, d_mask=None, *, q_scales=None, q_lengths=None, d_lengths=None,
+                return_argmax=False, backend="auto"):
+    """MaxSim of queries against INT8 documents, on INT8 tensor cores.
+
+    Args:
+        Q: ``[Nq, Lq, d]`` or ``[Lq, d]``: float16, bfloat16 or float32 (quantised per token
+            on the fly), or int8 with ``q_scales``.
+        D: int8 ``[Nd, Ld, d]`` (shared by all queries -> ``[Nq, Nd]``), ``[Nq, K, Ld, d]``
+            (a candidate set per query -> ``[Nq, K]``) or ``[Ld, d]`` (-> ``[Nq]``), as made by
+            :func:`lik_cupy.quantize_int8`. On the GPU, d must be a multiple of 16, at most 512.
+        d_scales: float32 ``D.shape[:-1]``: each document token's scale.
+        q_mask, d_mask, q_lengths, d_lengths: valid tokens, as in :func:`lik_cupy.maxsim`.
+        q_scales: float32 ``Q.shape[:-1]`` for an int8 Q. They multiply each row's max, so
+            they must be non-negative (as ``quantize_int8`` makes them): a negative or NaN
+            scale makes its query's scores NaN (checked in the kernel, with no host sync).
+        return_argmax: also return int32 ``scores.shape + (Lq,)``, as in :func:`lik_cupy.maxsim`.
+            The max is taken over the document-scaled dot products (float32); the query
+            token's scale comes after it, so a zero-scale query token keeps the token of its
+            largest unscaled product rather than token 0.
+        backend: "auto", "gpu" or "cpu" (the same arithmetic in NumPy).
+
+    Returns:
+        float32 scores (and the argmax) in the caller's framework and device, with the
+        semantics of :func:`lik_cupy.maxsim` (-inf for an empty document, 0 for a query with
+        no valid token, NaN where a query token held NaN or inf).
+    """
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
+    p = check_call(Q, D, q_mask, d_mask, q_lengths, d_lengths, pairs=False, int8=True)
+    q_int8 = check_int8_scales(p, Q, D, q_scales, d_scales)
+    s, a = _score(p, Q, q_scales, q_int8, q_mask, q_lengths, D, d_scales, d_mask, d_lengths, None, False,
+                  return_argmax, backend)
+    return (s, a) if return_argmax else s
+
+
+def maxsim_int8_varlen(Q, D_tokens, d_scales, d_offsets, q_mask=None, *, q_scales=None, q_lengths=None,
+                       return_argmax=False, validate_offsets=True, backend="auto"):
+    """:func:`maxsim_int8` against packed (ragged) INT8 documents.
+
+    Args:
+        Q: padded ``[Nq, Lq, d]`` or ``[Lq, d]``, float or int8 (with ``q_scales``), with
+            ``q_mask`` / ``q_lengths`` as in :func:`lik_cupy.maxsim`.
+        D_tokens: int8 ``[T, d]``, the documents' tokens back to back.
+        d_scales: float32 ``[T]``, each token's scale.
+        d_offsets: int32 or int64 ``[Nd + 1]`` as in :func:`lik_cupy.maxsim_varlen`.
+        validate_offsets, return_argmax, backend: as in :func:`lik_cupy.maxsim_varlen`.
+
+    Returns:
+        float32 ``[Nq, Nd]`` (``[Nd]`` for a 2-D Q), and the int32 argmax ``[Nq, Nd, Lq]``
+        if asked, in the caller's framework and device.
+    """
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
+    p = check_varlen(Q, D_tokens, d_offsets, q_mask, q_lengths, None, int8=True)
+    q_int8 = check_int8_scales(p, Q, D_tokens, q_scales, d_scales)
+    s, a = _score(p, Q, q_scales, q_int8, q_mask, q_lengths, D_tokens, d_scales, None, None, d_offsets,
+                  validate_offsets, return_argmax, backend)
+    return (s, a) if return_argmax else s
+
+
+def _score(p: Problem, Q, q_scales, q_int8: bool, q_mask, q_lengths, D, d_scales, d_mask, d_lengths, d_offsets,
+           validate_offsets: bool, return_argmax: bool, backend: str):
+    """Scores and argmax (or None) of a validated call; documents padded, or packed when ``p.d_packed``."""
+    fw = p.framework
+    nrows = p.ntok if p.d_packed else p.nq * p.nd if p.candidates else p.nd
+    if not _use_gpu(p, backend):
+        q, qs = _host_queries(p, Q, q_scales, q_int8)
+        qv = valid_host(q_mask, q_lengths, p.nq, p.lq, "q_lengths", fw)
+        ds = np.asarray(_host(d_scales, fw), np.float32)
+        if p.d_packed:
+            doff = host_offsets(_host(d_offsets, fw), p.ntok, "d_offsets")
+            s, a = cpu.maxsim_packed_numpy(q, qv, _host(D, fw).reshape(p.ntok, p.dim), doff,
+                                           return_argmax=return_argmax, q_scale=qs, d_scale=ds.reshape(p.ntok))
+        else:
+            dv = valid_host(d_mask, d_lengths, nrows, p.ld, "d_lengths", fw)
+            s, a = cpu.maxsim_numpy(q, _host(D, fw).reshape(nrows, p.ld, p.dim), qv, dv, candidates=p.candidates,
+                                    nd=p.nd, return_argmax=return_argmax, q_scale=qs, d_scale=ds.reshape(nrows, p.ld))
+        return _host_result(s.reshape(p.scores_shape), p), (
+            _host_result(a.reshape(p.argmax_shape), p) if a is not None else None)
+
+    import cupy
+
+    on_host = p.device is None
+    device = p.device if p.device is not None else cupy.cuda.runtime.getDevice()
+    with interop.caller_stream(fw, device):
+        q, qs = _device_queries(p, Q, q_scales, q_int8, on_host)
+        d = _dev_array(D, fw, on_host)
+        ds = cupy.ascontiguousarray(_dev_array(d_scales, fw, on_host).reshape(-1), dtype=cupy.float32)
+        qm, ql = device_valid(q_mask, q_lengths, p.nq, p.lq, "q_lengths", fw, on_host)
+        if p.d_packed:
+            doff = device_offsets(_dev_array(d_offsets, fw, on_host), p.ntok, "d_offsets", validate_offsets)
+            scores, amax = _launch(p, q, d.reshape(p.ntok, p.dim), qm, None, ql, None, return_argmax, device,
+                                   d_off=doff, ld_hint=-(-p.ntok // max(1, p.nd)), q_scale=qs, d_scale=ds)
+        else:
+            dm, dl = device_valid(d_mask, d_lengths, nrows, p.ld, "d_lengths", fw, on_host)
+            scores, amax = _launch(p, q, d, qm, dm, ql, dl, return_argmax, device, q_scale=qs, d_scale=ds)
+        return _caller_results(p, scores, amax, on_host)
+
+
+def _device_queries(p: Problem, Q, q_scales, q_int8: bool, on_host: bool):
+    """int8 queries [nq, lq, dim] and their float32 scales [nq * lq] on the device."""
+    import cupy
+
+    fw = p.framework
+    q = _dev_array(Q, fw, on_host)
+    if q_int8:
+        return q, cupy.ascontiguousarray(_dev_array(q_scales, fw, on_host).reshape(-1), dtype=cupy.float32)
+    dtype = interop.describe(Q).dtype
+    if dtype == "bfloat16":
+        q = q.view(cupy.uint16)
+    q8, qs = quantize_cupy(q, dtype)
+    return q8, qs.reshape(-1)
+
+
+def _host_queries(p: Problem, Q, q_scales, q_int8: bool):
+    """int8 queries [nq, lq, dim] and float32 scales [nq, lq] on the host."""
+    q = _host(Q, p.framework).reshape(p.nq, p.lq, p.dim)
+    if not q_int8:
+        return quantize_numpy(q, strict=False)  # NaN/inf tokens: scale NaN, as on the device
+    qs = np.asarray(_host(q_scales, p.framework), np.float32).reshape(p.nq, p.lq)
+    with np.errstate(invalid="ignore"):
+        return q, np.where(qs >= 0, qs, np.float32(np.nan))  # as the kernel: a negative scale gives NaN

@@ -1,0 +1,206 @@
+"""INT8 scoring on the GPU (skipped without one).
+
+Two references: the float64 MaxSim of the dequantised inputs (which the kernel must match
+to float32 rounding), and the NumPy INT8 path, which does the kernel's arithmetic (exact
+integer dots, float32 scaling) and so must give the same argmax exactly.
+"""
+
+import numpy as np
+import pytest
+
+import lik_cupy
+from reference import maxsim_ref, rel_err
+
+pytestmark = pytest.mark.gpu
+
+TOL = 2e-6  # float32 rounding of the scaled products and of the sum over query tokens
+
+
+def _unit(rng, *shape):
+    x = rng.standard_normal(shape)
+    return (x / np.linalg.norm(x, axis=-1, keepdims=True)).astype(np.float32)
+
+
+def _cp(a):
+    import cupy
+
+    return cupy.asarray(a)
+
+
+def _np(a):
+    import cupy
+
+    return cupy.asnumpy(a) if isinstance(a, cupy.ndarray) else np.asarray(a)
+
+
+def _deq(q, s):
+    return q.astype(np.float64) * s.astype(np.float64)[..., None]
+
+
+@pytest.fixture(params=["wgmma", "mma"])
+def kernel_family(request, monkeypatch):
+    # Both kernel families on Hopper: the warpgroup kernels and the portable mma.sync ones.
+    if request.param == "mma":
+        monkeypatch.setenv("LIK_CUPY_DISABLE_WGMMA", "1")
+    return request.param
+
+
+@pytest.mark.parametrize("dim", [16, 48, 96, 128, 256, 512])
+def test_vs_float64_of_dequantised(rng, dim, kernel_family):
+    nq, lq, nd, ld = 3, int(rng.integers(1, 200)), 41, int(rng.integers(1, 300))
+    q8, qs = lik_cupy.quantize_int8(_unit(rng, nq, lq, dim))
+    d8, ds = lik_cupy.quantize_int8(_unit(rng, nd, ld, dim))
+    out = lik_cupy.maxsim_int8(_cp(q8), _cp(d8), _cp(ds), q_scales=_cp(qs))
+    ref, _ = maxsim_ref(_deq(q8, qs), _deq(d8, ds))
+    assert rel_err(_np(out), ref) < TOL
+
+
+@pytest.mark.parametrize("lq", [1, 31, 32, 100, 300, 1024])
+def test_masks_lengths_empty_docs_and_argmax_match_numpy_path(rng, lq, kernel_family):
+    dim, nq, nd, ld = 128, 2, 23, 151
+    q8, qs = lik_cupy.quantize_int8(_unit(rng, nq, lq, dim))
+    d8, ds = lik_cupy.quantize_int8(_unit(rng, nd, ld, dim))
+    q_mask = rng.random((nq, lq)) < 0.8
+    d_len = rng.integers(0, ld + 1, nd)
+    d_len[[0, 5]] = 0  # empty documents
+    d_len[1] = ld
+    args = dict(q_scales=qs, q_mask=q_mask, d_lengths=d_len, return_argmax=True)
+    s, a = lik_cupy.maxsim_int8(_cp(q8), _cp(d8), _cp(ds), **{k: _cp(v) if isinstance(v, np.ndarray) else v
+                                                              for k, v in args.items()})
+    s_cpu, a_cpu = lik_cupy.maxsim_int8(q8, d8, ds, backend="cpu", **args)
+    assert np.array_equal(_np(a), a_cpu)
+    dv = np.arange(ld)[None, :] < d_len[:, None]
+    ref, _ = maxsim_ref(_deq(q8, qs), _deq(d8, ds), q_mask, dv)
+    assert rel_err(_np(s), ref) < TOL
+    assert rel_err(s_cpu, ref) < TOL
+
+
+def test_float_queries_are_quantised_on_device_like_numpy(rng, kernel_family):
+    import ml_dtypes
+
+    dim = 128
+    d8, ds = lik_cupy.quantize_int8(_unit(rng, 17, 90, dim))
+    for dtype in (np.float16, ml_dtypes.bfloat16, np.float32):
+        q = _unit(rng, 4, 37, dim).astype(dtype)
+        q8, qs = lik_cupy.quantize_int8(q)  # NumPy path
+        if dtype is ml_dtypes.bfloat16:
+            torch = pytest.importorskip("torch")
+            qd = torch.from_numpy(q.view(np.int16)).view(torch.bfloat16).cuda()
+            q8_gpu, qs_gpu = (t.cpu().numpy() for t in lik_cupy.quantize_int8(qd))
+            out = lik_cupy.maxsim_int8(qd, torch.from_numpy(d8).cuda(), torch.from_numpy(ds).cuda()).cpu().numpy()
+        else:
+            q8_gpu, qs_gpu = (_np(t) for t in lik_cupy.quantize_int8(_cp(q)))
+            out = _np(lik_cupy.maxsim_int8(_cp(q), _cp(d8), _cp(ds)))
+        assert np.array_equal(q8_gpu, q8) and np.array_equal(qs_gpu, qs)  # bitwise: same IEEE float32 steps
+        pre = _np(lik_cupy.maxsim_int8(_cp(q8), _cp(d8), _cp(ds), q_scales=_cp(qs)))
+        assert np.array_equal(out, pre)
+
+
+def test_packed_documents_match_padded(rng, kernel_family):
+    dim, nq, lq = 96, 3, 45
+    lens = rng.integers(0, 260, 57)
+    off = np.concatenate([[0], np.cumsum(lens)])
+    tok8, ts = lik_cupy.quantize_int8(_unit(rng, int(off[-1]), dim))
+    q = _unit(rng, nq, lq, dim)
+    s, a = lik_cupy.maxsim_int8_varlen(_cp(q), _cp(tok8), _cp(ts), _cp(off), return_argmax=True)
+    s_cpu, a_cpu = lik_cupy.maxsim_int8_varlen(q, tok8, ts, off, return_argmax=True, backend="cpu")
+    assert np.array_equal(_np(a), a_cpu)
+    assert rel_err(_np(s), s_cpu) < TOL
+    assert np.all(np.isneginf(_np(s)[:, lens == 0]))
+
+
+@pytest.mark.parametrize("nq,lq", [(32, 32), (8, 20), (5, 64)])
+def test_short_queries_share_document_tiles(rng, nq, lq, kernel_family):
+    dim, nd, ld = 128, 300, 130
+    q8, qs = lik_cupy.quantize_int8(_unit(rng, nq, lq, dim))
+    d8, ds = lik_cupy.quantize_int8(_unit(rng, nd, ld, dim))
+    d_len = rng.integers(1, ld + 1, nd)
+    s, a = lik_cupy.maxsim_int8(_cp(q8), _cp(d8), _cp(ds), q_scales=_cp(qs), d_lengths=_cp(d_len),
+                                return_argmax=True)
+    s_cpu, a_cpu = lik_cupy.maxsim_int8(q8, d8, ds, q_scales=qs, d_lengths=d_len, return_argmax=True, backend="cpu")
+    assert np.array_equal(_np(a), a_cpu)
+    assert rel_err(_np(s), s_cpu) < TOL
+
+
+def test_candidates_per_query(rng):
+    dim, nq, k, lq, ld = 64, 4, 9, 33, 70
+    q = _unit(rng, nq, lq, dim)
+    d8, ds = lik_cupy.quantize_int8(_unit(rng, nq, k, ld, dim))
+    s = _np(lik_cupy.maxsim_int8(_cp(q), _cp(d8), _cp(ds)))
+    s_cpu = lik_cupy.maxsim_int8(q, d8, ds, backend="cpu")
+    assert s.shape == (nq, k) and rel_err(s, s_cpu) < TOL
+
+
+@pytest.mark.parametrize("dim", [224, 512])
+def test_extreme_int8_values_are_exact(dim, kernel_family):
+    # -128 everywhere: the largest dot products (16384 * dim), at the edge of the fast
+    # integer-to-float conversion (dim 224) and beyond it (dim 512, the exact conversion).
+    q8 = np.full((1, 100, dim), -128, np.int8)  # 100 query rows: the Hopper kernel where dim allows
+    d8 = np.full((3, 50, dim), -128, np.int8)
+    d8[1, :, ::2] = 127
+    qs = np.ones((1, 100), np.float32)
+    ds = np.ones((3, 50), np.float32)
+    s = _np(lik_cupy.maxsim_int8(_cp(q8), _cp(d8), _cp(ds), q_scales=_cp(qs)))
+    ref, _ = maxsim_ref(q8, d8)
+    assert np.array_equal(s, ref.astype(np.float32))
+
+
+def test_nan_tokens_and_zero_scales(rng, kernel_family):
+    dim = 128
+    q = _unit(rng, 2, 40, dim)
+    q[0, 3, 7] = np.nan  # a float query token with NaN: its scale is NaN, so are query 0's scores
+    q[1, 5] = 0.0  # a zero token: scale 0, contributes 0
+    d8, ds = lik_cupy.quantize_int8(_unit(rng, 6, 77, dim))
+    d_len = np.array([77, 0, 10, 77, 3, 1])
+    s, a = lik_cupy.maxsim_int8(_cp(q), _cp(d8), _cp(ds), d_lengths=_cp(d_len), return_argmax=True)
+    s, a = _np(s), _np(a)
+    assert np.all(np.isnan(s[0, d_len > 0])) and np.all(np.isneginf(s[:, 1]))
+    s_cpu, a_cpu = lik_cupy.maxsim_int8(q, d8, ds, d_lengths=d_len, return_argmax=True, backend="cpu")
+    assert np.array_equal(a[1], a_cpu[1]) and rel_err(s[1], s_cpu[1]) < TOL
+    neg = lik_cupy.maxsim_int8(_cp(np.ones((2, 3, dim), np.int8)), _cp(d8), _cp(ds),
+                               q_scales=_cp(np.array([[1, -1, 1], [1, 1, 1]], np.float32)))
+    neg = _np(neg)  # a negative query scale: NaN scores for that query (never a silently wrong max)
+    assert np.all(np.isnan(neg[0, d_len > 0])) and np.all(np.isfinite(neg[1, d_len > 0]))
+    with pytest.raises(ValueError, match="NaN or inf"):
+        lik_cupy.quantize_int8(_cp(q))
+
+
+def test_frameworks_round_trip(rng):
+    torch = pytest.importorskip("torch")
+    dim = 128
+    q = _unit(rng, 2, 30, dim)
+    d8, ds = lik_cupy.quantize_int8(_unit(rng, 11, 50, dim))
+    want = lik_cupy.maxsim_int8(q, d8, ds, backend="cpu")
+    out = lik_cupy.maxsim_int8(torch.from_numpy(q).cuda(), torch.from_numpy(d8).cuda(), torch.from_numpy(ds).cuda())
+    assert isinstance(out, torch.Tensor) and out.is_cuda and rel_err(out.cpu().numpy(), want) < TOL
+    host = lik_cupy.maxsim_int8(q, d8, ds, backend="gpu")  # NumPy in, NumPy out, GPU in between
+    assert isinstance(host, np.ndarray) and rel_err(host, want) < TOL
+    t8, ts = lik_cupy.quantize_int8(torch.from_numpy(q).cuda())
+    assert t8.dtype == torch.int8 and ts.dtype == torch.float32 and t8.is_cuda
+    back = lik_cupy.dequantize_int8(t8, ts)
+    assert back.dtype == torch.float32 and float((back.cpu() - torch.from_numpy(q)).abs().max()) <= float(ts.max()) / 2 + 1e-7
+
+
+def test_jax_round_trip(rng):
+    jax = pytest.importorskip("jax")
+    try:
+        gpu = jax.devices("gpu")[0]
+    except RuntimeError:
+        pytest.skip("JAX has no GPU backend here")
+    dim = 64
+    q = _unit(rng, 2, 30, dim)
+    d8, ds = lik_cupy.quantize_int8(_unit(rng, 11, 50, dim))
+    want = lik_cupy.maxsim_int8(q, d8, ds, backend="cpu")
+    out = lik_cupy.maxsim_int8(*(jax.device_put(x, gpu) for x in (q, d8, ds)))
+    assert isinstance(out, jax.Array) and rel_err(np.asarray(out), want) < TOL
+    j8, js = lik_cupy.quantize_int8(jax.device_put(q, gpu))
+    assert np.array_equal(np.asarray(j8), lik_cupy.quantize_int8(q)[0])
+
+
+def test_deterministic_bits(rng):
+    dim = 128
+    q = _unit(rng, 3, 300, dim)
+    d8, ds = lik_cupy.quantize_int8(_unit(rng, 64, 200, dim))
+    a = _np(lik_cupy.maxsim_int8(_cp(q), _cp(d8), _cp(ds)))
+    b = _np(lik_cupy.maxsim_int8(_cp(q), _cp(d8), _cp(ds)))
+    assert np.array_equal(a, b)
