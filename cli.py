@@ -2,7 +2,8 @@
 
 This module is deliberately thin: inputs are opened and checked by
 :mod:`lik_cupy.shards`, the top-k is computed by :func:`lik_cupy.retrieve` (the full
-score matrix by :func:`lik_cupy.maxsim_varlen` / :func:`lik_cupy.maxsim`). What is
+score matrix by :func:`lik_cupy.maxsim_varlen` / :func:`lik_cupy.maxsim`, for INT8 shards
+:func:`lik_cupy.maxsim_int8_varlen`). What is
 added here: option checks, spreading shards over GPUs and merging their rankings,
 the progress bar, and output written to a temporary file that is renamed at the end.
 """
@@ -26,7 +27,7 @@ import click
 import numpy as np
 
 import lik_cupy
-from lik_cupy import shards
+from lik_cupy import dispatch, shards
 from lik_cupy.retrieve import MAX_K
 
 EXIT_BAD_INPUT = 2
@@ -41,13 +42,16 @@ FORMAT_HELP = """\b
 Inputs (opened memory-mapped, never unpickled):
   shard directory  manifest.json  format "lik-shard", version, dim, dtype, counts,
                                   normalized, model, file names (inside the shard)
-                   tokens.npy     [T, d] float16 | float32 | bfloat16 (as uint16 bits)
+                   tokens.npy     [T, d] float16 | float32 | bfloat16 (as uint16 bits) | int8
+                   scales.npy     [T] float32, int8 shards only: token = int8 values * scale
                    offsets.npy    [N+1] int64: doc j = tokens[offsets[j]:offsets[j+1]]
                    ids.npy        [N] int64 or fixed-width strings (optional)
   padded .npy      [N, L, d] (queries: [Nq, Lq, d]) + optional lengths [N]
   flat .npy        [T, d] + doclens [N] (.npy, or ColBERT's doclens.*.json)
 A corpus is one or more shards. Doc ids are the shards' ids.npy values, else global
-positions (shard 0 holds 0..N0-1, shard 1 continues at N0, ...). `lik pack` makes shards.
+positions (shard 0 holds 0..N0-1, shard 1 continues at N0, ...). `lik pack` makes shards;
+`lik pack --int8` makes INT8 shards (d + 4 bytes per token, one symmetric scale per token),
+scored on INT8 tensor cores. A corpus is all INT8 or all float.
 """
 
 SCORE_EXAMPLE = """\b
@@ -347,16 +351,18 @@ class _Part:
     def nbytes(self) -> int:
         s = self.shard
         rows = (self.stop - self.start) * s.tokens.shape[1] if s.padded else int(s.offsets[self.stop] - s.offsets[self.start])
-        return rows * s.dim * s.tokens.dtype.itemsize
+        return rows * s.bytes_per_token
 
     def arrays(self, dtype: np.dtype):
-        """(docs, offsets, lengths) for the library: padded [n, L, d] + lengths, or packed [t, d] + offsets."""
+        """(docs, offsets, lengths, scales) for the library: padded [n, L, d] + lengths, or packed
+        [t, d] + offsets; int8 tokens (``dtype`` int8) come with their float32 scales [t], else None."""
         s = self.shard
         if s.padded:
             lens = None if s.lengths is None else s.lengths[self.start : self.stop]
-            return s.tokens[self.start : self.stop].astype(dtype, copy=False), None, lens
+            return s.tokens[self.start : self.stop].astype(dtype, copy=False), None, lens, None
         tokens, offsets = s.read_chunk(self.start, self.stop)
-        return tokens.astype(dtype, copy=False), offsets, None
+        scales = s.read_scales(self.start, self.stop) if s.scales is not None else None
+        return tokens.astype(dtype, copy=False), offsets, None, scales
 
 
 def _plan(corpus: list[shards.Shard], dtype: np.dtype, whole_shards: bool) -> list[_Part]:
@@ -438,7 +444,7 @@ def _merge_ranked(va, ia, vb, ib, k: int):
     return np.take_along_axis(v, order, axis=1), np.take_along_axis(i, order, axis=1)
 
 
-def _top_k(Q, qlen, k, backend, devices, parts, bar):
+def _top_k(Q, qlen, k, backend, devices, parts, bar, dtype):
     nq = Q.shape[0]
 
     def job(mine, cancelled):
@@ -446,8 +452,10 @@ def _top_k(Q, qlen, k, backend, devices, parts, bar):
         for part in mine:
             if cancelled.is_set():
                 raise _Cancelled
-            D, offsets, lens = part.arrays(Q.dtype)
-            s, i = _call(part, lik_cupy.retrieve, Q, D, k, q_lengths=qlen, d_offsets=offsets, d_lengths=lens, backend=backend)
+            D, offsets, lens, scales = part.arrays(dtype)
+            extra = {} if scales is None else {"d_scales": scales}
+            s, i = _call(part, lik_cupy.retrieve, Q, D, k, q_lengths=qlen, d_offsets=offsets, d_lengths=lens,
+                         backend=backend, **extra)
             vals, ids = _merge_ranked(vals, ids, np.asarray(s, np.float32), np.asarray(i, np.int64) + part.first, k)
             bar.update(part.docs)
         return vals, ids
@@ -458,13 +466,15 @@ def _top_k(Q, qlen, k, backend, devices, parts, bar):
     return vals, ids
 
 
-def _full_matrix(Q, qlen, backend, devices, parts, bar, matrix):
+def _full_matrix(Q, qlen, backend, devices, parts, bar, matrix, dtype):
     def job(mine, cancelled):
         for part in mine:
             if cancelled.is_set():
                 raise _Cancelled
-            D, offsets, lens = part.arrays(Q.dtype)
-            if offsets is None:
+            D, offsets, lens, scales = part.arrays(dtype)
+            if scales is not None:
+                S = _call(part, lik_cupy.maxsim_int8_varlen, Q, D, scales, offsets, q_lengths=qlen, backend=backend)
+            elif offsets is None:
                 S = _call(part, lik_cupy.maxsim, Q, D, q_lengths=qlen, d_lengths=lens, backend=backend)
             else:
                 S = _call(part, lik_cupy.maxsim_varlen, Q, D, offsets, q_lengths=qlen, backend=backend)
@@ -502,6 +512,12 @@ def run_score(queries: str, docs, out: str, *, q_lengths: str | None = None, d_l
         if s.dim != query.dim:
             also = f" and from {corpus[0].tokens_file}" if i and corpus[0].dim == query.dim else ""
             raise LikError(s.tokens_file, f"embedding dim d={s.dim} differs from the queries' d={query.dim} ({query.tokens_file}){also}")
+    kinds = {s.dtype for s in corpus}
+    int8 = shards.INT8 in kinds
+    if int8 and len(kinds) > 1:
+        odd = next(s for s in corpus if (s.dtype == shards.INT8) != (corpus[0].dtype == shards.INT8))
+        raise LikError(odd.path, f"holds {odd.dtype} tokens but {corpus[0].path} holds {corpus[0].dtype}; a corpus is "
+                                 "all INT8 or all float (convert a shard with `lik pack SHARD --int8` or --dtype)")
     n_docs = sum(s.num_docs for s in corpus)
     if n_docs == 0:
         raise LikError(docs[0], "no documents in any input")
@@ -513,23 +529,27 @@ def run_score(queries: str, docs, out: str, *, q_lengths: str | None = None, d_l
             shards.check_finite(s)
 
     # One dtype for the library: the corpus's own when all shards share one (queries are cast to it), else float32.
-    kinds = {s.dtype for s in corpus}
+    # An INT8 corpus takes the queries as they are (float; quantized per library call).
     dtype = shards.numpy_dtype(kinds.pop() if len(kinds) == 1 else "float32")
     Q, qlen = shards.load_padded(query)
-    Q = Q.astype(dtype, copy=False)
+    if not int8:
+        Q = Q.astype(dtype, copy=False)
     qids = _readable_ids(query.ids) if query.ids is not None else np.arange(query.num_docs)
 
     backend, gpus = _choose_backend(cpu, device, devices)
+    if int8 and backend == "gpu" and (query.dim % 16 or query.dim > dispatch.MAX_DIM_INT8):
+        raise LikError(corpus[0].path, f"INT8 shards of d={query.dim} cannot be scored on the GPU (the INT8 kernels "
+                                       f"take d a multiple of 16 up to {dispatch.MAX_DIM_INT8}); pass --cpu")
     parts = _plan(corpus, dtype, whole_shards=backend == "gpu" and not full_matrix)
     with _atomic_output(out, outdir) as tmp:
         with _Progress(n_docs) as bar:
             if full_matrix:
                 matrix = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.float32, shape=(Q.shape[0], n_docs))
-                _full_matrix(Q, qlen, backend, gpus, parts, bar, matrix)
+                _full_matrix(Q, qlen, backend, gpus, parts, bar, matrix, dtype)
                 matrix.flush()
                 del matrix  # close the map before the rename
             else:
-                vals, positions = _top_k(Q, qlen, min(top_k, n_docs), backend, gpus, parts, bar)
+                vals, positions = _top_k(Q, qlen, min(top_k, n_docs), backend, gpus, parts, bar, dtype)
         if not full_matrix:
             ids = doc_ids(positions)
             if suffix == ".npy":
@@ -601,7 +621,8 @@ def main():
     "[T, d] .npy with --q-lengths as its doclens, or a shard directory (its ids name the queries).\n"
     "Docs (--docs) are shard directories and/or .npy files; --d-lengths gives one lengths file\n"
     "per .npy doc input, in order. Mixed dtypes are scored in float32; otherwise the queries\n"
-    "are cast to the corpus's dtype.\n"
+    "are cast to the corpus's dtype. INT8 shards are scored as they are (float queries are\n"
+    "quantized per token on the fly); float and INT8 shards do not mix in one corpus.\n"
     "\n\b\nOutput (chosen by the suffix of --out; written to a temporary file beside it and renamed\n"
     "at the end, so a failed or interrupted run leaves nothing behind):\n"
     "  .tsv    header 'query rank doc score', tab-separated, rank 1 = best\n"
@@ -646,15 +667,18 @@ def _load_ids(path: str) -> np.ndarray:
 @main.command(
     help="Convert embeddings into a shard directory (see the format below): a padded [N, L, d] "
     ".npy (optionally with --lengths), flat [T, d] tokens with ColBERT-style doclens (--lengths), "
-    "one .npy per document (--per-doc), or another shard (e.g. to change --dtype). The manifest's "
-    "'normalized' is measured while copying. The shard is built in a temporary directory beside "
-    "--out and renamed into place at the end.\n\n"
+    "one .npy per document (--per-doc), or another shard (e.g. to change --dtype). --int8 quantizes "
+    "each token to int8 with one float32 scale (scale = max|x| / 127), block by block; an INT8 shard "
+    "packed with a float --dtype is dequantized. The manifest's 'normalized' is measured while "
+    "copying. The shard is built in a temporary directory beside --out and renamed into place at "
+    "the end.\n\n"
     + FORMAT_HELP
     + "\n\b\nExamples:\n"
     "  lik pack docs.npy --lengths lens.npy --out shard0 --model colbertv2.0\n"
     "  lik pack colbert/embs.npy --lengths colbert/doclens.0.json --out shard0\n"
     "  lik pack --per-doc page1.npy page2.npy --out pages    # ids: page1, page2\n"
-    "  lik pack shard0 --dtype float16 --out shard0-fp16\n",
+    "  lik pack shard0 --dtype float16 --out shard0-fp16\n"
+    "  lik pack shard0 --int8 --out shard0-int8               # quantize an existing shard\n",
     context_settings=_CONTEXT,
 )
 @click.argument("sources", nargs=-1, required=True, metavar="SOURCE [SOURCE ...]")
@@ -663,13 +687,17 @@ def _load_ids(path: str) -> np.ndarray:
 @click.option("--per-doc", is_flag=True, help="Each SOURCE is one document [L, d]; ids default to the file names.")
 @click.option("--ids", metavar="IDS.npy", help="Document ids [N]: int64 or fixed-width strings.")
 @click.option("--model", metavar="NAME", help="Free-form name of the model that made the embeddings.")
-@click.option("--dtype", type=click.Choice(shards.DTYPES), help="Store as this dtype (default: keep).")
+@click.option("--dtype", type=click.Choice(shards.DTYPES), help="Store as this float dtype (default: keep).")
+@click.option("--int8", "int8", is_flag=True, help="Quantize to int8 with a float32 scale per token (NaN/inf refused).")
 @click.option("--bf16-bits", is_flag=True, help="Read uint16 .npy inputs as bfloat16 bit patterns.")
 @click.option("--check", is_flag=True, help="Refuse NaN or inf values.")
 @click.option("--force", is_flag=True, help="Replace --out if it is an existing lik shard.")
 @click.option("--debug", is_flag=True, help="Show a traceback on errors.")
 @_cli_errors
-def pack(sources, out, lengths, per_doc, ids, model, dtype, bf16_bits, check, force, debug):
+def pack(sources, out, lengths, per_doc, ids, model, dtype, int8, bf16_bits, check, force, debug):
+    if int8 and dtype:
+        raise LikError("--int8", f"conflicts with --dtype {dtype}; give one of them")
+    dtype = shards.INT8 if int8 else dtype
     ids = _load_ids(ids) if ids else None
     with _sigterm_as_interrupt():
         if per_doc:
@@ -710,7 +738,9 @@ def _describe(s: shards.Shard) -> list[str]:
     if lens.size:
         rows.append(("tokens", f"{int(lens.sum())} ({int(lens.min())}..{int(lens.max())} per doc, mean {lens.mean():.1f}; "
                                f"{int((lens == 0).sum())} empty)"))
-    rows += [("dim", str(s.dim)), ("dtype", s.dtype)]
+    int8 = s.scales is not None
+    rows += [("dim", str(s.dim)), ("dtype", f"{s.dtype} (one float32 scale per token)" if int8 else s.dtype),
+             ("token size", f"{s.bytes_per_token} bytes" + (f" ({s.dim} int8 values + a float32 scale)" if int8 else ""))]
     if s.manifest is not None:
         rows += [("normalized", "yes" if s.manifest["normalized"] else "no"), ("model", str(s.manifest["model"]))]
     if s.ids is not None:
@@ -719,7 +749,8 @@ def _describe(s: shards.Shard) -> list[str]:
         rows.append(("ids", f"{kind}, {ids[0].item()!r} .. {ids[-1].item()!r}" if ids.size else kind))
     else:
         rows.append(("ids", "none (positions)"))
-    rows += [("files", files), ("structure", "ok (manifest, shapes, dtypes, offsets monotone and ending at T, ids)")]
+    rows += [("files", files), ("structure", "ok (manifest, shapes, dtypes, offsets monotone and ending at T, ids"
+                                             + (", scales finite and >= 0)" if int8 else ")"))]
     return [f"{name:<11}{value}" for name, value in rows]
 
 
@@ -809,7 +840,8 @@ def info(debug):
     echo = click.echo
     echo(f"python        {platform.python_version()} ({sys.executable})")
     echo(f"lik-cupy      {lik_cupy.__version__} ({os.path.dirname(lik_cupy.__file__)})")
-    echo(f"shard format  {shards.FORMAT} v{shards.VERSION}")
+    echo(f"shard format  {shards.FORMAT} v{shards.VERSION} (reads v1..v{shards.VERSION}; dtypes "
+         f"{', '.join(shards.SHARD_DTYPES)})")
     echo(f"numpy         {np.__version__}")
     echo(f"click         {_version('click')}")
     echo(f"ml_dtypes     {_version('ml_dtypes', 'ml_dtypes')}")

@@ -8,22 +8,39 @@ through two pinned staging buffers: while the GPU scores chunk c, host
 threads fill the other buffer with chunk c+1 and a copy stream uploads it, so
 the GPU's memory use stays flat however large the corpus grows.
 
+INT8 corpora (int8 tokens with one float32 scale per token, as
+``lik_cupy.quantize`` makes them and INT8 shards store them) are scored on INT8
+tensor cores: float queries are quantized once per call (on the device, or with
+NumPy on the CPU path), the scales travel beside the tokens (staged with them for
+host corpora), and a score is the MaxSim of the dequantized tokens. A corpus is
+all INT8 or all float; mixing them in one call is refused.
+
 GPU memory used by one call (bytes), with C documents per chunk::
 
     Q + Nq * C * 4 * (1 + S)             chunk scores; S = ceil(Lq / 32) partial sums
                                          when Lq > 32 (long queries split over tiles)
       + 2 * Nq * k * 12                  running top-k, ping-pong
-      + 2 * C * Ld * (d * e + 1)         staging, host corpora only (e = 2 or 4 bytes;
-                                         + C * 4 for lengths; packed: tokens of C documents)
+      + 2 * C * Ld * (d * e + s + 1)     staging, host corpora only (e = 1, 2 or 4 bytes;
+                                         s = 4 for an INT8 scale, else 0; + C * 4 for
+                                         lengths; packed: tokens of C documents)
 
+Q is its int8 copy plus ``Nq * Lq * 4`` bytes of scales for an INT8 corpus.
 ``max_gpu_bytes`` bounds that sum (C is derived from it); the default is
 1 GiB for host corpora and 256 MiB of chunk scores for device corpora.
+
+If the GPU still runs out of memory (other work holds some of it), the chunk
+is halved, down to one document, and scoring resumes at the first document not
+yet merged; one RuntimeWarning names the old and the new chunk size. When one
+document per chunk does not fit either, MemoryError names the allocation and
+what to do.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+import sys
+import warnings
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
@@ -32,9 +49,11 @@ import numpy as np
 from . import cpu, dispatch, interop
 from .forward import (_BACKENDS, _dev_array, _host, _launch, _use_gpu, device_offsets, device_valid, host_offsets,
                       valid_host)
-from .validate import Problem, check_call, check_length_values, check_varlen
+from .validate import (Problem, _check_valid, check_call, check_length_values, check_scale_values, check_varlen,
+                       offsets_count)
 
 MAX_K = 4096  # the merge kernel ranks up to this many candidates in shared memory
+_MAX_CHUNK_DOCS = 2**31 - 1 - MAX_K  # the merge kernel counts running + chunk candidates in an int
 _DEFAULT_HOST_BUDGET = 1 << 30
 _DEFAULT_SCORE_BYTES = 256 << 20
 _COPY_THREADS = max(1, min(16, os.cpu_count() or 1))
@@ -43,24 +62,33 @@ _BUDGET_SLACK = 0.97  # allocator rounding and small per-chunk buffers stay insi
 
 @dataclass
 class _Part:
-    """One shard of the corpus: padded ``docs [n, L, d]`` (mask or lengths) or packed ``tokens [T, d]`` + offsets."""
+    """One shard of the corpus: padded ``docs [n, L, d]`` (mask or lengths) or packed ``tokens [T, d]`` + offsets;
+    int8 tokens with their float32 ``scales`` (``[n, L]`` or ``[T]``). ``index``: the shard's position in an
+    iterable corpus, None for a single array D."""
 
     docs: object
     offsets: object = None
     mask: object = None
     lengths: object = None
+    scales: object = None
+    index: int | None = None
 
     @property
     def packed(self) -> bool:
         return self.offsets is not None
 
+    @property
+    def name(self) -> str:
+        return "the corpus" if self.index is None else f"shard {self.index}"
 
-def retrieve(Q, D, k, q_mask=None, *, q_lengths=None, d_offsets=None, d_mask=None, d_lengths=None,
-             max_gpu_bytes=None, backend="auto"):
+
+def retrieve(Q, D, k, q_mask=None, *, q_lengths=None, q_scales=None, d_offsets=None, d_mask=None, d_lengths=None,
+             d_scales=None, max_gpu_bytes=None, backend="auto"):
     """Top-k documents per query by MaxSim score, streamed over the corpus.
 
     Args:
-        Q: ``[Nq, Lq, d]`` or ``[Lq, d]`` query tokens (float16, bfloat16 or float32), any framework.
+        Q: ``[Nq, Lq, d]`` or ``[Lq, d]`` query tokens (float16, bfloat16 or float32), any
+            framework; or int8 with ``q_scales`` (INT8 corpora only).
         D: the corpus, one of
             - padded ``[Nd, Ld, d]`` (with ``d_mask [Nd, Ld]`` or ``d_lengths [Nd]``),
             - packed tokens ``[T, d]`` with ``d_offsets [Nd + 1]`` (int32/int64, from 0 to T),
@@ -69,16 +97,33 @@ def retrieve(Q, D, k, q_mask=None, *, q_lengths=None, d_offsets=None, d_mask=Non
             On the GPU (CuPy, PyTorch, JAX: read in place) or in host memory (NumPy or
             memory-mapped ``.npy``: streamed). Host bfloat16 must be NumPy with dtype
             ``ml_dtypes.bfloat16``. Same dtype and dim as Q.
+
+            INT8 corpora: int8 tokens, each with one float32 scale (token = int8 values *
+            scale, as :func:`lik_cupy.quantize_int8` makes them): a single array D with
+            ``d_scales`` (``[Nd, Ld]`` padded, ``[T]`` packed), or shards given as
+            ``(docs [n, L, d], scales [n, L])`` (padded, every row valid) or
+            ``(tokens [T, d], offsets [n + 1], scales [T])`` (packed). Scales (float32) live
+            where their tokens live. A float Q of any float dtype is quantized per token once per
+            call; scores are the MaxSim of the dequantized queries and documents. A corpus
+            is all INT8 or all float (TypeError otherwise). The GPU scores INT8 for d a
+            multiple of 16 up to ``dispatch.MAX_DIM_INT8`` (512).
         k: documents to return per query, 1 .. 4096.
         q_mask / q_lengths: valid query tokens, as in :func:`lik_cupy.maxsim`.
+        q_scales: float32 ``Q.shape[:-1]``, the scales of an int8 Q (same framework and device),
+            each >= 0 (checked: one small reduction).
+        d_offsets / d_mask / d_lengths / d_scales: go with a single array D (see above).
         max_gpu_bytes: bound on the GPU memory this call allocates (see the module
-            docstring for the formula); it sets the chunk size.
-        backend: "auto", "gpu" or "cpu" (exact NumPy path).
+            docstring for the formula); it sets the chunk size. If the GPU runs out of
+            memory anyway, the chunk is halved (one RuntimeWarning) down to one document,
+            then MemoryError.
+        backend: "auto", "gpu" or "cpu" (exact NumPy path; for INT8 the kernels' arithmetic:
+            exact integer dot products, scaled in float32).
 
     Returns:
         ``(scores, indices)``: float32 and int64 ``[Nq, min(k, Nd)]`` (``[min(k, Nd)]`` for a
         2-D Q), best first: score descending, ties to the lower document index, NaN scores
-        last. In Q's framework and on Q's device (NumPy Q: NumPy results).
+        last. In Q's framework and on Q's device (NumPy Q: NumPy results). A query token
+        holding NaN or inf makes its scores against an INT8 corpus NaN.
     """
     if backend not in _BACKENDS:
         raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
@@ -86,42 +131,60 @@ def retrieve(Q, D, k, q_mask=None, *, q_lengths=None, d_offsets=None, d_mask=Non
         raise ValueError(f"k must be an integer in [1, {MAX_K}], got {k!r}")
     if max_gpu_bytes is not None and (not isinstance(max_gpu_bytes, (int, np.integer)) or max_gpu_bytes <= 0):
         raise ValueError(f"max_gpu_bytes must be a positive integer, got {max_gpu_bytes!r}")
-    parts = _parts(D, d_offsets, d_mask, d_lengths)
-    qp = check_call(Q, Q, q_mask, None, q_lengths, None, pairs=False)  # Q's own checks
+    parts = _parts(D, d_offsets, d_mask, d_lengths, d_scales)
+    qp = _query_problem(Q, q_mask, q_lengths, q_scales)
+    if isinstance(parts, list):  # known up front: refuse a mixed corpus before scoring any of it
+        kind = None
+        for part in parts:
+            kind = _same_kind(kind, interop.describe(part.docs).dtype, part)
     squeeze = len(interop.describe(Q).shape) == 2
     if _use_gpu(qp, backend):
         import cupy
 
         device = qp.device if qp.device is not None else cupy.cuda.runtime.getDevice()
-        with interop.caller_stream(qp.framework, device):
-            r = _Gpu(Q, q_mask, q_lengths, qp, int(k), max_gpu_bytes, device)
-            for part in parts:
-                r.add(part)
-            s, i = r.result()
+        try:
+            with interop.caller_stream(qp.framework, device):
+                r = _Gpu(Q, q_mask, q_lengths, q_scales, qp, int(k), max_gpu_bytes, device)
+                for part in parts:
+                    r.add(part)
+                s, i = r.result()
+        except cupy.cuda.memory.OutOfMemoryError as e:  # outside the chunks, which shrink instead
+            raise MemoryError(f"lik_cupy.retrieve: out of GPU memory outside the document chunks ({e}): the "
+                              "queries, their masks or scales, or a shard's offsets or lengths do not fit. Score fewer "
+                              "queries per call or free GPU memory held elsewhere") from e
     else:
-        r = _Cpu(Q, q_mask, q_lengths, qp, int(k))
+        r = _Cpu(Q, q_mask, q_lengths, q_scales, qp, int(k))
         for part in parts:
             r.add(part)
         s, i = r.result()
     return (s[0], i[0]) if squeeze else (s, i)
 
 
-def _parts(D, d_offsets, d_mask, d_lengths) -> Iterable[_Part]:
+def _parts(D, d_offsets, d_mask, d_lengths, d_scales) -> Iterable[_Part]:
+    """The corpus as parts: a list when D is one array or a list/tuple of shards, else a generator."""
     if _is_array(D):
-        return [_Part(D, d_offsets, d_mask, d_lengths)]
-    if d_offsets is not None or d_mask is not None or d_lengths is not None:
-        raise TypeError("d_offsets, d_mask and d_lengths go with a single array D; give each shard as (tokens, offsets)")
+        return [_Part(D, d_offsets, d_mask, d_lengths, d_scales)]
+    if d_offsets is not None or d_mask is not None or d_lengths is not None or d_scales is not None:
+        raise TypeError("d_offsets, d_mask, d_lengths and d_scales go with a single array D; give each shard as "
+                        "(tokens, offsets), or for INT8 as (tokens, offsets, scales) or (docs, scales)")
     if isinstance(D, (str, bytes)) or not isinstance(D, Iterable):
         raise TypeError(f"D must be an array or an iterable of shards, got {type(D).__name__}")
-    return (_shard(i, s) for i, s in enumerate(D))
+    shards = (_shard(i, s) for i, s in enumerate(D))
+    return list(shards) if isinstance(D, (list, tuple)) else shards
 
 
 def _shard(i: int, s) -> _Part:
     if _is_array(s):
-        return _Part(s)
-    if isinstance(s, tuple) and len(s) == 2 and all(_is_array(x) for x in s):
-        return _Part(s[0], s[1])
-    raise TypeError(f"shard {i} must be a padded array [n, L, d] or a (tokens [T, d], offsets [n + 1]) tuple, "
+        return _Part(s, index=i)
+    if isinstance(s, tuple) and len(s) in (2, 3) and all(_is_array(x) for x in s):
+        if len(s) == 3:
+            return _Part(s[0], s[1], scales=s[2], index=i)
+        first = interop.describe(s[0])
+        if first.dtype == "int8" and len(first.shape) == 3:  # padded INT8 docs and their scales
+            return _Part(s[0], scales=s[1], index=i)
+        return _Part(s[0], s[1], index=i)
+    raise TypeError(f"shard {i} must be a padded array [n, L, d], a (tokens [T, d], offsets [n + 1]) tuple, or for "
+                    f"INT8 a (tokens [T, d], offsets [n + 1], scales [T]) or (docs [n, L, d], scales [n, L]) tuple; "
                     f"got {type(s).__name__}")
 
 
@@ -133,11 +196,72 @@ def _is_array(x) -> bool:
         return False
 
 
+def _where(dev) -> str:
+    return "the host" if dev is None else f"cuda:{dev}"
+
+
+def _check_scales(name: str, scales, like: interop.Info, what: str, shape) -> None:
+    """Scales go with int8 tokens ``like`` (``what`` names them): same framework and device,
+    float32, ``shape`` (the tokens' shape without the last axis). Values are not read."""
+    try:
+        info = interop.describe(scales)
+    except TypeError as e:
+        raise TypeError(f"{name}: {e}") from None
+    if info.framework != like.framework:
+        raise TypeError(f"{name} is a {info.framework} array but {what} is a {like.framework} array: pass both "
+                        "from one framework")
+    if info.device != like.device:
+        raise ValueError(f"{name} is on {_where(info.device)} but {what} is on {_where(like.device)}")
+    if info.dtype != "float32":
+        raise TypeError(f"{name} must be float32 (one scale per token), got dtype {info.dtype}")
+    if tuple(info.shape) != tuple(shape):
+        raise ValueError(f"{name} has shape {list(info.shape)}; expected {list(shape)} ({what}'s shape without "
+                         "its last axis: one scale per token)")
+
+
+def _query_problem(Q, q_mask, q_lengths, q_scales) -> Problem:
+    """Check the queries on their own: float Q as :func:`lik_cupy.maxsim` checks it, or int8 Q with q_scales."""
+    try:
+        info = interop.describe(Q)
+    except TypeError as e:
+        raise TypeError(f"Q: {e}") from None
+    if info.dtype != "int8":
+        if q_scales is not None:
+            raise TypeError(f"q_scales go with int8 Q; Q has dtype {info.dtype} (float queries are quantized per call)")
+        return check_call(Q, Q, q_mask, None, q_lengths, None, pairs=False)
+    if q_scales is None:
+        raise TypeError("Q is int8 but q_scales is missing: pass its float32 per-token scales (Q's shape without the "
+                        "last axis), or pass float Q, which is quantized per call")
+    if len(info.shape) not in (2, 3):
+        raise ValueError(f"Q must be [Nq, Lq, d] or [Lq, d]; got shape {list(info.shape)}")
+    if info.shape[-1] < 1:
+        raise ValueError("Q has embedding dim 0; expected at least 1")
+    _check_scales("q_scales", q_scales, info, "Q", info.shape[:-1])
+    q_valid = _check_valid("q", q_mask, q_lengths, info, info.shape[:-1], info.shape[:-2])
+    nq, lq = (info.shape[0], info.shape[1]) if len(info.shape) == 3 else (1, info.shape[0])
+    return Problem(info.framework, info.device, "int8", nq, lq, 0, 0, info.shape[-1], False, (nq, 0), (nq, 0, lq),
+                   q_valid, None)
+
+
+def _same_kind(kind: str | None, dtype: str, part: _Part) -> str:
+    """The corpus's kind ("int8" or the float dtype seen first) after ``part``; TypeError when INT8 and float mix."""
+    if kind is None or (kind == "int8") == (dtype == "int8"):
+        return kind or dtype
+    raise TypeError(f"{part.name} has dtype {dtype} but earlier shards are {kind}: a corpus is all INT8 or all float; "
+                    "quantize the float shards (lik_cupy.quantize_int8, `lik pack --int8`) or score the two "
+                    "kinds in separate calls")
+
+
 def _part_problem(qp: Problem, part: _Part) -> Problem:
     """Check one shard against the queries (before any of it is read) and describe one
     scoring call of Q against the whole shard. Frameworks may differ: a host corpus
     streams to device queries."""
     info = interop.describe(part.docs)
+    if info.dtype == "int8" or part.scales is not None:
+        return _int8_part_problem(qp, part, info)
+    if qp.dtype == "int8":
+        raise TypeError(f"Q is int8 but {part.name} has dtype {info.dtype}: int8 queries score INT8 corpora only; "
+                        "pass float Q")
     if info.dtype != qp.dtype:
         raise TypeError(f"corpus has dtype {info.dtype} but Q has {qp.dtype}: cast one so both match")
     if part.packed:
@@ -154,6 +278,31 @@ def _part_problem(qp: Problem, part: _Part) -> Problem:
                    argmax_shape=(qp.nq, p.nd, qp.lq), q_valid=qp.q_valid)
 
 
+def _int8_part_problem(qp: Problem, part: _Part, info: interop.Info) -> Problem:
+    scales_name = "d_scales" if part.index is None else f"shard {part.index} scales"
+    if info.dtype != "int8":
+        raise TypeError(f"{scales_name} go with int8 tokens, but {part.name} has dtype {info.dtype}")
+    if part.scales is None:
+        raise TypeError(f"{part.name} is int8 but has no scales: pass d_scales (float32, D's shape without its last "
+                        "axis; [T] for packed tokens), or give INT8 shards as (tokens, offsets, scales) or "
+                        "(docs, scales)")
+    if part.packed:
+        if len(info.shape) != 2:
+            raise ValueError(f"packed corpus tokens must be [T, d]; got shape {list(info.shape)}")
+        nd, ld, ntok, d_valid = offsets_count("d_offsets", part.offsets, info), 0, info.shape[0], "offsets"
+    else:
+        if len(info.shape) != 3:
+            raise ValueError(f"a padded corpus must be [Nd, Ld, d]; got shape {list(info.shape)}")
+        d_valid = _check_valid("d", part.mask, part.lengths, info, info.shape[:-1], info.shape[:-2])
+        nd, ld, ntok = info.shape[0], info.shape[1], 0
+    dim = info.shape[-1]
+    if dim != qp.dim:
+        raise ValueError(f"corpus has dim {dim} but Q has dim {qp.dim}")
+    _check_scales(scales_name, part.scales, info, f"{part.name}'s tokens", info.shape[:-1])
+    return Problem(qp.framework, qp.device, "int8", qp.nq, qp.lq, nd, ld, dim, False, (qp.nq, nd),
+                   (qp.nq, nd, qp.lq), qp.q_valid, d_valid, part.packed, ntok)
+
+
 def _merge_host(run_s, run_i, s, base: int, k: int):
     """NumPy merge with the kernel's order: score descending, NaN last, lower index first."""
     idx = np.concatenate([run_i, base + np.broadcast_to(np.arange(s.shape[1], dtype=np.int64), s.shape)], axis=1)
@@ -164,25 +313,45 @@ def _merge_host(run_s, run_i, s, base: int, k: int):
 
 
 class _Cpu:
-    def __init__(self, Q, q_mask, q_lengths, qp: Problem, k: int):
+    def __init__(self, Q, q_mask, q_lengths, q_scales, qp: Problem, k: int):
         fw = qp.framework
         self.qp, self.k = qp, k
         self.q = _host(Q, fw).reshape(qp.nq, qp.lq, qp.dim)
         self.qv = valid_host(q_mask, q_lengths, qp.nq, qp.lq, "q_lengths", fw)
+        self.qs = None
+        if q_scales is not None:
+            self.qs = _host(q_scales, fw).reshape(qp.nq, qp.lq)
+            if self.qs.size:
+                check_scale_values("q_scales", float(self.qs.min()))  # NaN compares as not >= 0
+        self.kind = None
         self.s = np.empty((qp.nq, 0), np.float32)
         self.i = np.empty((qp.nq, 0), np.int64)
         self.base = 0
 
+    def _int8_queries(self) -> dict:
+        """The int8 queries' scales for the NumPy path; float queries are quantized on the first call."""
+        if self.qs is None:
+            from .quantize import quantize_numpy
+
+            # A token holding NaN or inf gets scale NaN (its scores are NaN), as on the device.
+            self.q, self.qs = quantize_numpy(self.q, strict=False)
+        return {"q_scale": self.qs}
+
     def add(self, part: _Part):
         p = _part_problem(self.qp, part)
+        self.kind = _same_kind(self.kind, p.dtype, part)
         fw = interop.framework_of(part.docs)
+        int8 = p.dtype == "int8"
+        q8 = self._int8_queries() if int8 else {}
+        scales = _host(part.scales, fw) if int8 else None
         step = 4096
         if part.packed:
             tokens = _host(part.docs, fw)
             off = host_offsets(_host(part.offsets, fw), p.ntok, "d_offsets")
             for a in range(0, p.nd, step):
                 b = min(p.nd, a + step)
-                s, _ = cpu.maxsim_packed_numpy(self.q, self.qv, tokens, off[a:b + 1], return_argmax=False)
+                kw = {**q8, "d_scale": scales} if int8 else {}  # [T]: read with the same offsets as the tokens
+                s, _ = cpu.maxsim_packed_numpy(self.q, self.qv, tokens, off[a:b + 1], return_argmax=False, **kw)
                 self._merge(s)
         else:
             docs = _host(part.docs, fw)
@@ -192,8 +361,9 @@ class _Cpu:
                 b = min(p.nd, a + step)
                 dv = valid_host(None if mask is None else mask[a:b], None if lens is None else lens[a:b], b - a, p.ld,
                                 "d_lengths", "numpy")
+                kw = {**q8, "d_scale": scales[a:b]} if int8 else {}
                 s, _ = cpu.maxsim_numpy(self.q, docs[a:b], self.qv, dv, candidates=False, nd=b - a,
-                                        return_argmax=False)
+                                        return_argmax=False, **kw)
                 self._merge(s)
 
     def _merge(self, s):
@@ -211,10 +381,79 @@ class _Cpu:
                     interop.from_cupy(cupy.asarray(self.i), fw, on_host=False))
 
 
+class _Chunking:
+    """How many documents a chunk may hold in one call, shrunk when the GPU runs out of memory.
+
+    ``halve`` caps the chunk at half the size that failed (MemoryError when that was one
+    document); ``succeeded``, called after each chunk is merged, warns once per call, at the
+    first chunk that fits after a halving, naming the size that failed and the one in use.
+    ``held`` gives the bytes the call holds whatever the chunk (queries, running top-k).
+    """
+
+    def __init__(self, held: Callable[[], int]):
+        self.cap = None
+        self._held = held
+        self._failed = None  # the chunk size that ran out of memory, until reported
+        self._warned = False
+
+    def limit(self, docs: int) -> int:
+        return docs if self.cap is None else max(1, min(docs, self.cap))
+
+    def halve(self, docs: int, err: BaseException) -> None:
+        if docs <= 1:
+            size = getattr(err, "_size", None)  # cupy's OutOfMemoryError keeps the request here
+            what = f"allocating {size:,} bytes" if isinstance(size, int) else f"({err})"
+            raise MemoryError(
+                f"lik_cupy.retrieve: out of GPU memory {what} with one document per chunk, while the queries and "
+                f"the running top-k hold {self._held():,} bytes. Score fewer queries (or a smaller k) per call, "
+                "free GPU memory held elsewhere, or pass max_gpu_bytes no larger than the free GPU memory") from err
+        if self._failed is None and not self._warned:
+            self._failed = docs
+        self.cap = docs // 2
+
+    def succeeded(self) -> None:
+        if self._failed is not None:
+            warnings.warn(f"lik_cupy.retrieve: out of GPU memory with {self._failed} documents per chunk; continuing "
+                          f"with {self.cap} per chunk (pass max_gpu_bytes to plan smaller chunks from the start)",
+                          RuntimeWarning, stacklevel=_outside_stacklevel())
+            self._failed, self._warned = None, True
+
+
+def _outside_stacklevel() -> int:
+    """The ``stacklevel`` that points a warning raised from here at the first caller outside lik_cupy."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    frame, level = sys._getframe(1), 1
+    while frame is not None and os.path.dirname(os.path.abspath(frame.f_code.co_filename)) == here:
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def _drive(total: int, docs: int, run: Callable[[int, int], None], done: Callable[[], int], chunking: _Chunking,
+           oom: type, on_oom: Callable[[], None] = lambda: None) -> None:
+    """Score documents ``0..total-1`` of one shard, halving the chunk when the GPU runs out of memory.
+
+    ``run(start, c)`` scores documents ``start..total-1`` in chunks of at most ``c``
+    documents, merging each into the running top-k as it goes; ``done()`` counts the
+    documents merged so far. When ``run`` raises ``oom`` the merged chunks stay merged,
+    ``on_oom`` drops cached buffers, the chunk halves (MemoryError below one document)
+    and scoring resumes at the first document not merged.
+    """
+    while True:
+        c = chunking.limit(min(docs, total))  # a plan larger than the shard allocates (and reports) the shard
+        try:
+            run(done(), c)
+            return
+        except oom as e:
+            on_oom()
+            chunking.halve(c, e)
+        if done() >= total:  # the failure came after the last chunk was merged
+            return
+
+
 class _Gpu:
     """Runs inside the caller's stream context (``interop.caller_stream``)."""
 
-    def __init__(self, Q, q_mask, q_lengths, qp: Problem, k: int, max_gpu_bytes, device: int):
+    def __init__(self, Q, q_mask, q_lengths, q_scales, qp: Problem, k: int, max_gpu_bytes, device: int):
         import cupy
 
         fw = qp.framework
@@ -224,27 +463,58 @@ class _Gpu:
         if qp.dtype == "bfloat16":
             q = q.view(cupy.uint16)
         self.q = q.reshape(qp.nq, qp.lq, qp.dim)
+        self.qs = None  # float32 [nq * lq] scales of int8 queries
+        if q_scales is not None:
+            self.qs = cupy.ascontiguousarray(_dev_array(q_scales, fw, self.on_host_q), dtype=cupy.float32).reshape(-1)
+            if self.qs.size:
+                check_scale_values("q_scales", float(self.qs.min()))  # one sync; NaN compares as not >= 0
         self.qm, self.ql = device_valid(q_mask, q_lengths, qp.nq, qp.lq, "q_lengths", fw, self.on_host_q)
+        self.kind = None
         self.s = cupy.empty((qp.nq, 0), cupy.float32)
         self.i = cupy.empty((qp.nq, 0), cupy.int64)
         self.base = 0
         self.scores = None  # chunk score buffer, grown on demand
+        self.chunking = _Chunking(self._held_bytes)
+
+    def _held_bytes(self) -> int:
+        """GPU bytes held whatever the chunk size: queries (and their scales), running top-k ping-pong."""
+        return self.q.nbytes + (0 if self.qs is None else self.qs.nbytes) + 2 * self.qp.nq * self.k * 12
+
+    def _int8_queries(self) -> None:
+        """Quantize float queries on the device, once per call (an int8 Q came with its scales)."""
+        if self.qs is None:
+            from .quantize import quantize_cupy
+
+            q8, qs = quantize_cupy(self.q, self.qp.dtype)
+            self.q, self.qs = q8, qs.reshape(-1)  # the float queries are no longer needed: corpora do not mix
 
     # ------------------------------------------------------------ chunking
 
     def _chunk_docs(self, doc_bytes: float, staged: bool) -> int:
         """Documents per chunk from the memory formula in the module docstring."""
-        nq, k, lq = self.qp.nq, self.k, self.qp.lq
-        fixed = self.q.nbytes + 2 * nq * k * 12
+        nq, lq = self.qp.nq, self.qp.lq
+        fixed = self._held_bytes()
         split = -(-lq // 32) if lq > 32 else 0  # partial scores of a query split over tiles
-        per_doc = nq * 4 * (1 + split) + (2 * doc_bytes if staged else 0)
+        per_doc = max(1, nq * 4 * (1 + split) + (2 * doc_bytes if staged else 0))  # Nq = 0: no scores
         if self.budget is not None:
             room = self.budget * _BUDGET_SLACK - fixed
             if room < per_doc:
                 raise ValueError(f"max_gpu_bytes={self.budget} leaves no room for one document "
                                  f"(queries and top-k take {fixed} bytes, each document {per_doc:.0f}); raise it")
-            return max(1, int(room // per_doc))
-        return max(1, int((_DEFAULT_HOST_BUDGET if staged else _DEFAULT_SCORE_BYTES) // per_doc))
+            return min(_MAX_CHUNK_DOCS, max(1, int(room // per_doc)))
+        return min(_MAX_CHUNK_DOCS, max(1, int((_DEFAULT_HOST_BUDGET if staged else _DEFAULT_SCORE_BYTES) // per_doc)))
+
+    def _chunked(self, nd: int, docs: int, run: Callable[[int, int], None]) -> None:
+        """``_drive`` over one shard of ``nd`` documents: ``run(start, c)`` scores from document ``start`` on."""
+        import cupy
+
+        first = self.base
+
+        def drop_cache():
+            self.scores = None
+
+        _drive(nd, docs, run, lambda: self.base - first, self.chunking, cupy.cuda.memory.OutOfMemoryError,
+               drop_cache)
 
     # ------------------------------------------------------------ scoring
 
@@ -253,42 +523,60 @@ class _Gpu:
 
         info = interop.describe(part.docs)
         p = _part_problem(self.qp, part)
+        self.kind = _same_kind(self.kind, p.dtype, part)
+        if p.dtype == "int8":
+            if p.dim % 16 or p.dim > dispatch.MAX_DIM_INT8:
+                raise ValueError(f"INT8 scoring on the GPU needs dim a multiple of 16 up to {dispatch.MAX_DIM_INT8}; "
+                                 f"got dim {p.dim} (backend='cpu' scores any dim)")
+            self._int8_queries()
         if p.nd == 0:
             return
         if info.device is None:
             self._add_host(part, p)
-        else:
-            if info.device != self.device:
-                raise ValueError(f"corpus is on cuda:{info.device} but Q is on cuda:{self.device}")
-            fw = info.framework
-            d = interop.to_cupy(part.docs, fw)
-            if self.qp.dtype == "bfloat16":
-                d = d.view(cupy.uint16)
-            if part.packed:
-                off = device_offsets(_dev_array(part.offsets, fw, False), p.ntok, "d_offsets")
-                ld_hint = -(-p.ntok // p.nd)
-                c = self._chunk_docs(0, staged=False)
-                for a in range(0, p.nd, c):
+            return
+        if info.device != self.device:
+            raise ValueError(f"corpus is on cuda:{info.device} but Q is on cuda:{self.device}")
+        fw = info.framework
+        d = interop.to_cupy(part.docs, fw)
+        if p.dtype == "bfloat16":  # the corpus's dtype: a bfloat16 Q may score an INT8 corpus
+            d = d.view(cupy.uint16)
+        # INT8 scales, flat as the kernel reads them: [T] packed, [nd * ld] padded.
+        ds = None if p.dtype != "int8" else interop.to_cupy(part.scales, fw).reshape(-1)
+        c = self._chunk_docs(0, staged=False)
+        if part.packed:
+            off = device_offsets(_dev_array(part.offsets, fw, False), p.ntok, "d_offsets")
+            ld_hint = -(-p.ntok // p.nd)
+
+            def run(start, c):
+                for a in range(start, p.nd, c):
                     b = min(p.nd, a + c)
-                    self._score(replace(p, nd=b - a), d, None, None, off[a:b + 1], ld_hint)
-            else:
-                dm, dl = device_valid(part.mask, part.lengths, p.nd, p.ld, "d_lengths", fw, False)
-                c = self._chunk_docs(0, staged=False)
-                for a in range(0, p.nd, c):
+                    self._score(replace(p, nd=b - a), d, None, None, off[a:b + 1], ld_hint, ds)
+        else:
+            dm, dl = device_valid(part.mask, part.lengths, p.nd, p.ld, "d_lengths", fw, False)
+
+            def run(start, c):
+                for a in range(start, p.nd, c):
                     b = min(p.nd, a + c)
                     self._score(replace(p, nd=b - a), d[a:b], None if dm is None else dm[a:b],
-                                None if dl is None else dl[a:b], None, None)
+                                None if dl is None else dl[a:b], None, None,
+                                None if ds is None else ds[a * p.ld : b * p.ld])
+        self._chunked(p.nd, c, run)
 
-    def _score(self, p: Problem, d, dm, dl, d_off, ld_hint):
-        """Score one chunk of p.nd documents into the chunk buffer and merge it into the top-k."""
+    def _score(self, p: Problem, d, dm, dl, d_off, ld_hint, d_scale=None):
+        """Score one chunk of p.nd documents into the chunk buffer and merge it into the top-k.
+
+        INT8 chunks (``p.dtype == "int8"``) take ``d_scale``: float32 contiguous, [rows * ld] or [T]."""
         import cupy
 
         n = p.nq * p.nd
         if self.scores is None or self.scores.size < n:
+            self.scores = None  # hand the smaller buffer back before the larger one is allocated
             self.scores = cupy.empty(n, cupy.float32)
+        kw = {"q_scale": self.qs, "d_scale": d_scale} if p.dtype == "int8" else {}
         s, _ = _launch(p, self.q, d, self.qm, dm, self.ql, dl, False, self.device, d_off=d_off, ld_hint=ld_hint,
-                       out=self.scores[:n])
+                       out=self.scores[:n], **kw)
         self._merge(s, p.nd)
+        self.chunking.succeeded()
 
     def _merge(self, s, nd: int):
         import cupy
@@ -316,32 +604,52 @@ class _Gpu:
 
     def _add_host(self, part: _Part, p: Problem):
         """Stream a host shard: host threads fill pinned buffers, a copy stream uploads, the caller's stream scores."""
-        import cupy
-        import cupyx
-
         fw = interop.framework_of(part.docs)
-        docs = _host(part.docs, fw)
+        src = {"docs": _host(part.docs, fw)}
         if p.dtype == "bfloat16":  # staged and uploaded as raw 16-bit patterns
-            docs = docs.view(np.uint16)
-        esize = 4 if p.dtype == "float32" else 2
+            src["docs"] = src["docs"].view(np.uint16)
+        esize = {"float32": 4, "int8": 1}.get(p.dtype, 2)
+        sbytes = 4 if p.dtype == "int8" else 0  # a float32 scale per token
+        if p.dtype == "int8":
+            src["scales"] = _host(part.scales, fw)
         if part.packed:
-            off = host_offsets(_host(part.offsets, fw), p.ntok, "d_offsets")
-            mean = p.ntok / p.nd
-            c = self._chunk_docs(mean * p.dim * esize + 8, staged=True)
-            bounds = _packed_chunks(off, c)
+            src["off"] = host_offsets(_host(part.offsets, fw), p.ntok, "d_offsets")
+            c = self._chunk_docs(p.ntok / p.nd * (p.dim * esize + sbytes) + 8, staged=True)
         else:
-            off = None
-            c = self._chunk_docs(p.ld * (p.dim * esize + (1 if part.mask is not None else 0)) + 4, staged=True)
-            bounds = [(a, min(p.nd, a + c)) for a in range(0, p.nd, c)]
             mask = None if part.mask is None else _host(part.mask, fw)
             lens = None if part.lengths is None else np.asarray(_host(part.lengths, fw)).reshape(p.nd)
             if lens is not None and lens.size:
                 check_length_values("d_lengths", int(lens.min()), int(lens.max()), p.ld)
+            if mask is not None:
+                src["mask"] = mask
+            if lens is not None:
+                src["lens"] = lens
+            c = self._chunk_docs(p.ld * (p.dim * esize + sbytes + (1 if mask is not None else 0)) + 4, staged=True)
+        self._chunked(p.nd, c, lambda start, c: self._stream(part, p, src, start, c))
+
+    def _stream(self, part: _Part, p: Problem, src: dict, start: int, c: int):
+        """Stream documents ``start..p.nd-1`` of a host shard in chunks of at most ``c`` documents.
+
+        ``src``: the host arrays: "docs", and "off" (packed), "mask"/"lens" (padded),
+        "scales" (INT8). Staging buffers are sized for this ``c``, so a retry after running
+        out of memory allocates smaller ones.
+        """
+        import cupy
+        import cupyx
+
+        docs = src["docs"]
+        off, mask, lens, scales = src.get("off"), src.get("mask"), src.get("lens"), src.get("scales")
+        if part.packed:
+            bounds = [(a + start, b + start) for a, b in _packed_chunks(off[start:] - off[start], c)]
+        else:
+            bounds = [(a, min(p.nd, a + c)) for a in range(start, p.nd, c)]
         # Largest chunk, in elements, of each staged array.
         if part.packed:
-            cap_tok = max(int(off[b] - off[a]) for a, b in bounds)
-            shapes = {"docs": (max(cap_tok, 1), p.dim), "off": (max(b - a for a, b in bounds) + 1,)}
+            cap_tok = max(max(int(off[b] - off[a]) for a, b in bounds), 1)
+            shapes = {"docs": (cap_tok, p.dim), "off": (max(b - a for a, b in bounds) + 1,)}
             dtypes = {"docs": docs.dtype, "off": np.int64}
+            if scales is not None:
+                shapes["scales"], dtypes["scales"] = (cap_tok,), np.float32
         else:
             cap = max(b - a for a, b in bounds)
             shapes = {"docs": (cap, p.ld, p.dim)}
@@ -350,8 +658,10 @@ class _Gpu:
                 shapes["mask"], dtypes["mask"] = (cap, p.ld), np.uint8
             if lens is not None:
                 shapes["lens"], dtypes["lens"] = (cap,), np.int32
-        pinned = [{n: cupyx.empty_pinned(shapes[n], dtypes[n]) for n in shapes} for _ in range(2)]
+            if scales is not None:
+                shapes["scales"], dtypes["scales"] = (cap, p.ld), np.float32
         dev = [{n: cupy.empty(shapes[n], dtypes[n]) for n in shapes} for _ in range(2)]
+        pinned = [{n: cupyx.empty_pinned(shapes[n], dtypes[n]) for n in shapes} for _ in range(2)]
         compute = cupy.cuda.get_current_stream()
         copy = cupy.cuda.Stream(non_blocking=True)
         uploaded = [None, None]  # event: the H2D copy out of pinned[s] finished
@@ -368,6 +678,9 @@ class _Gpu:
                     _parallel_copy(pool, host["docs"][: t1 - t0], docs[t0:t1])
                     host["off"][: b - a + 1] = off[a:b + 1] - t0
                     views = {"docs": (t1 - t0,), "off": (b - a + 1,)}
+                    if scales is not None:
+                        _parallel_copy(pool, host["scales"][: t1 - t0], scales[t0:t1])
+                        views["scales"] = (t1 - t0,)
                 else:
                     _parallel_copy(pool, host["docs"][: b - a], docs[a:b])
                     views = {"docs": (b - a,)}
@@ -377,13 +690,16 @@ class _Gpu:
                     if lens is not None:
                         host["lens"][: b - a] = lens[a:b]
                         views["lens"] = (b - a,)
+                    if scales is not None:
+                        _parallel_copy(pool, host["scales"][: b - a], scales[a:b])
+                        views["scales"] = (b - a,)
                 if consumed[slot] is not None:
                     copy.wait_event(consumed[slot])  # dev[slot] no longer read
                 for n, (rows,) in views.items():
-                    src, dst = host[n], dev[slot][n]
-                    nbytes = rows * (src.nbytes // src.shape[0])
+                    src_buf, dst = host[n], dev[slot][n]
+                    nbytes = rows * (src_buf.nbytes // src_buf.shape[0])
                     if nbytes:
-                        cupy.cuda.runtime.memcpyAsync(dst.data.ptr, src.ctypes.data, nbytes,
+                        cupy.cuda.runtime.memcpyAsync(dst.data.ptr, src_buf.ctypes.data, nbytes,
                                                       cupy.cuda.runtime.memcpyHostToDevice, copy.ptr)
                 uploaded[slot] = copy.record()
                 compute.wait_event(uploaded[slot])
@@ -393,20 +709,35 @@ class _Gpu:
                 if part.packed:
                     t = views["docs"][0]
                     self._score(replace(p, nd=nd, ntok=t), d[:t], None, None, dv["off"][: nd + 1],
-                                -(-t // max(1, nd)))
+                                -(-t // max(1, nd)), None if scales is None else dv["scales"][:t])
                 else:
                     self._score(replace(p, nd=nd), d[:nd], None if mask is None else dv["mask"][:nd],
-                                None if lens is None else dv["lens"][:nd], None, None)
+                                None if lens is None else dv["lens"][:nd], None, None,
+                                None if scales is None else dv["scales"][:nd].reshape(-1))
                 consumed[slot] = compute.record()
-            for e in consumed:
-                if e is not None:
-                    e.synchronize()  # the staging buffers are freed on return
+        except BaseException:
+            # The staging buffers are freed on the way out, and a retry (after running out of
+            # memory) reuses their memory: no copy or kernel may still use them. A sync that
+            # fails too (a sticky CUDA error) must not hide the original error.
+            try:
+                _wait(uploaded + consumed)
+            except Exception:
+                pass
+            raise
+        else:
+            _wait(uploaded + consumed)  # the staging buffers are freed on return
         finally:
             pool.shutdown(wait=True)
 
     def result(self):
         fw = self.qp.framework
         return interop.from_cupy(self.s, fw, self.on_host_q), interop.from_cupy(self.i, fw, self.on_host_q)
+
+
+def _wait(events) -> None:
+    for e in events:
+        if e is not None:
+            e.synchronize()
 
 
 def _packed_chunks(off: np.ndarray, max_docs: int) -> list[tuple[int, int]]:

@@ -6,10 +6,19 @@ A shard is a directory of plain ``.npy`` files plus a manifest::
       manifest.json   {"format": "lik-shard", "version": 1, "dim": 128, "dtype": "float16",
                        "num_docs": N, "num_tokens": T, "normalized": true, "model": "...",
                        "files": {"tokens": "tokens.npy", "offsets": "offsets.npy", "ids": "ids.npy"}}
-      tokens.npy      [T, d]  float16 | float32 | bfloat16 stored as its uint16 bit patterns
+      tokens.npy      [T, d]  float16 | float32 | bfloat16 stored as its uint16 bit patterns | int8
+      scales.npy      [T]     float32, INT8 shards only: token t is tokens[t] * scales[t]
       offsets.npy     [N+1]   int64; document j is tokens[offsets[j]:offsets[j+1]]
       ids.npy         [N]     int64 or fixed-width strings (optional; without it a
                               document's id is its position in the corpus)
+
+An INT8 shard (``"dtype": "int8"``) stores each token as d int8 values and one symmetric
+float32 scale (``lik_cupy.quantize.quantize_numpy``: scale = max|x| / 127, values in
+[-127, 127]; an all-zero token has scale 0), named in the manifest as
+``"files": {..., "scales": "scales.npy"}``: d + 4 bytes per token against 2 d for
+float16. Its manifest says ``"version": 2`` so that readers older than INT8 refuse it
+as too new; float shards are still written as version 1. Scales must be finite and
+>= 0; a reader checks them on opening, like the offsets.
 
 A corpus is one or more shards. :func:`open_input` also reads the layouts people
 already have as the same :class:`Shard`: a padded ``[N, L, d]`` array with optional
@@ -26,21 +35,29 @@ import json
 import os
 import shutil
 import tempfile
+import tokenize
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 FORMAT = "lik-shard"
-VERSION = 1
+VERSION = 2  # the newest version this reader reads
+# The version a shard is written with: the oldest that can read it. Float shards stay at 1,
+# so readers older than INT8 still read them; int8 shards need 2.
+_WRITE_VERSION = {"float16": 1, "float32": 1, "bfloat16": 1, "int8": 2}
 MANIFEST = "manifest.json"
 TOKENS = "tokens.npy"
 OFFSETS = "offsets.npy"
 IDS = "ids.npy"
-DTYPES = ("float16", "float32", "bfloat16")
+SCALES = "scales.npy"
+DTYPES = ("float16", "float32", "bfloat16")  # embedding dtypes the library scores as they are
+INT8 = "int8"
+SHARD_DTYPES = (*DTYPES, INT8)  # what a shard may store
 # How tokens.npy stores each dtype. bfloat16 is kept as raw uint16 bits: NumPy has no
 # bfloat16, and np.load cannot read ml_dtypes' type back from a .npy header.
-_STORED = {"float16": np.dtype("<f2"), "float32": np.dtype("<f4"), "bfloat16": np.dtype("<u2")}
+_STORED = {"float16": np.dtype("<f2"), "float32": np.dtype("<f4"), "bfloat16": np.dtype("<u2"), INT8: np.dtype("i1")}
+_SCALES_STORED = np.dtype("<f4")
 # A token counts as L2-normalised when its norm is within this of 1 (bfloat16 keeps ~3 digits).
 NORM_TOLERANCE = 2e-2
 # Bytes of token embeddings per chunk when a shard is read piece by piece.
@@ -100,7 +117,7 @@ def open_npy(path: str | os.PathLike) -> np.ndarray:
         else:
             problem = f"corrupt .npy file ({msg})"
         raise ShardError(path, problem) from None
-    except (OSError, EOFError, SyntaxError, TypeError) as e:
+    except (OSError, EOFError, SyntaxError, TypeError, tokenize.TokenError) as e:  # TokenError: unbalanced header
         raise ShardError(path, f"corrupt .npy file ({type(e).__name__}: {e})") from None
 
 
@@ -121,6 +138,9 @@ def embedding_dtype(arr: np.ndarray, name: str, bf16_bits: bool = False) -> str:
         raise ShardError(name, "dtype uint16 is not an embedding dtype; if it holds bfloat16 bits, say so (lik --bf16-bits, bf16_bits=True)")
     if dt.kind == "V" and dt.itemsize == 2:
         raise ShardError(name, "dtype |V2 (bfloat16 saved through ml_dtypes?) cannot be read back; save a.view(numpy.uint16) and read it with --bf16-bits")
+    if dt.kind == "i" and dt.itemsize == 1:
+        raise ShardError(name, "dtype int8 needs its per-token scales, which only a shard directory holds; "
+                               "pack the float embeddings with `lik pack --int8` (shards.pack(..., dtype='int8'))")
     raise ShardError(name, f"unsupported dtype {dt}; expected float16, float32, or bfloat16 bits stored as uint16")
 
 
@@ -177,13 +197,16 @@ class Shard:
     Attributes:
         path: what was opened (a shard directory or a ``.npy`` file); names the input in messages.
         tokens: packed ``[T, d]`` (with ``offsets``) or padded ``[N, L, d]`` (with optional
-            ``lengths``), float16, float32 or ``ml_dtypes.bfloat16``; usually a read-only memmap.
+            ``lengths``), float16, float32 or ``ml_dtypes.bfloat16``; or int8 ``[T, d]``
+            (packed, with ``scales``); usually a read-only memmap.
         offsets: int64 ``[N+1]`` for the packed layout, else None.
         lengths: int64 ``[N]`` valid leading rows per document of the padded layout;
             None means every row counts (and for the packed layout).
         ids: ``[N]`` int64 or fixed-width string ids, or None (ids are then positions).
         manifest: the shard's manifest.json as a dict; None for a ``.npy`` input.
         tokens_file: the file ``tokens`` comes from, named in value errors.
+        scales: float32 ``[T]`` per-token scales of an int8 shard (token t is
+            ``tokens[t] * scales[t]``), else None.
     """
 
     path: str
@@ -193,6 +216,7 @@ class Shard:
     ids: np.ndarray | None = None
     manifest: dict | None = None
     tokens_file: str = ""
+    scales: np.ndarray | None = None
 
     @property
     def padded(self) -> bool:
@@ -208,8 +232,13 @@ class Shard:
 
     @property
     def dtype(self) -> str:
-        """One of ``DTYPES``."""
+        """One of ``SHARD_DTYPES``."""
         return self.tokens.dtype.name
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes one token takes: d * the element size, plus 4 for an int8 token's scale."""
+        return self.dim * self.tokens.dtype.itemsize + (4 if self.scales is not None else 0)
 
     def doc_lengths(self) -> np.ndarray:
         """int64 ``[N]``: valid tokens per document."""
@@ -226,7 +255,7 @@ class Shard:
         and at most ``max_docs`` documents (0: no limit). Reads only offsets.
         """
         n = self.num_docs
-        row = self.dim * self.tokens.dtype.itemsize
+        row = self.bytes_per_token
         if self.padded:
             step = max(1, max_bytes // max(1, row * self.tokens.shape[1]))
             if max_docs:
@@ -262,16 +291,59 @@ class Shard:
         np.cumsum(lens, out=offsets[1:])
         return block[valid], offsets
 
+    def read_scales(self, start: int, stop: int) -> np.ndarray:
+        """float32 ``[t]``: the scales of the tokens :meth:`read_chunk` gives for documents
+        ``start..stop-1`` of an int8 shard (a memory-mapped view)."""
+        if self.scales is None:
+            raise ValueError(f"{self.path} holds {self.dtype} tokens, which have no scales")
+        return self.scales[int(self.offsets[start]) : int(self.offsets[stop])]
 
-def _packed(path, tokens, offsets, ids, manifest, tokens_file, offsets_file, ids_file) -> Shard:
-    """Check a packed layout and build its Shard (``tokens`` already in its library dtype)."""
+    def read_values(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
+        """Like :meth:`read_chunk`, with the tokens as float32 values (int8 tokens dequantized)."""
+        tokens, offsets = self.read_chunk(start, stop)
+        x32 = tokens.astype(np.float32)
+        if self.scales is not None:
+            x32 *= self.read_scales(start, stop)[:, None]
+        return x32, offsets
+
+
+def _packed(path, tokens, offsets, ids, manifest, tokens_file, offsets_file, ids_file, scales=None,
+            scales_file="") -> Shard:
+    """Check a packed layout and build its Shard (``tokens`` already in its library dtype;
+    int8 tokens come with their ``scales``)."""
     if tokens.ndim != 2:
         raise ShardError(tokens_file, f"expected packed token embeddings [T, d], got shape {tokens.shape}")
     if tokens.shape[1] == 0:
         raise ShardError(tokens_file, f"embedding dim is 0 (shape {tokens.shape}); expected d >= 1")
     offsets = check_offsets(offsets, tokens.shape[0], offsets_file)
     ids = check_ids(ids, offsets.shape[0] - 1, ids_file) if ids is not None else None
-    return Shard(path, tokens, offsets=offsets, ids=ids, manifest=manifest, tokens_file=tokens_file)
+    if (tokens.dtype == np.int8) != (scales is not None):
+        raise ShardError(scales_file or tokens_file, "int8 tokens need per-token scales, and only int8 tokens have them")
+    if scales is not None:
+        check_scales(scales, offsets, scales_file)
+    return Shard(path, tokens, offsets=offsets, ids=ids, manifest=manifest, tokens_file=tokens_file, scales=scales)
+
+
+def check_scales(scales: np.ndarray, offsets: np.ndarray, name: str, max_bytes: int = CHUNK_BYTES) -> None:
+    """Check an int8 shard's scales: float32 ``[T]`` (T = offsets[-1]), every value finite and >= 0.
+
+    Read block by block (a memmap is never loaded whole); ShardError names the first bad
+    token and its document.
+    """
+    if scales.dtype != _SCALES_STORED:
+        raise ShardError(name, f"dtype {scales.dtype.str}; expected float32 (<f4), one scale per token")
+    num_tokens = int(offsets[-1])
+    if scales.shape != (num_tokens,):
+        raise ShardError(name, f"shape {scales.shape} does not match the {num_tokens} token rows; expected [{num_tokens}] (one scale per token)")
+    step = max(1, max_bytes // 4)
+    for a in range(0, num_tokens, step):
+        block = np.asarray(scales[a : a + step])
+        bad = ~(block >= 0) | np.isinf(block)  # NaN fails the comparison
+        if bad.any():
+            t = a + int(np.argmax(bad))
+            doc, tok = _position(t, 0, offsets)
+            raise ShardError(name, f"scale of token {t} (document {doc}, token {tok}) is {float(scales[t])!r}; "
+                                   "expected a finite value >= 0 (token = int8 values * scale)")
 
 
 def check_offsets(offsets: np.ndarray, num_tokens: int, name: str) -> np.ndarray:
@@ -339,10 +411,10 @@ def read_manifest(path: str | os.PathLike) -> dict:
     """Read and check a shard's manifest.json; returns it as a dict.
 
     Required keys: format (``"lik-shard"``), version (int, at most ``VERSION``), dim
-    (int >= 1), dtype (one of ``DTYPES``), num_docs and num_tokens (int >= 0),
-    normalized (bool), model (str or null), files (``{"tokens": ..., "offsets": ...}``
-    and optionally ``"ids"``, names of files inside the shard directory). Other keys are
-    kept and ignored.
+    (int >= 1), dtype (one of ``SHARD_DTYPES``), num_docs and num_tokens (int >= 0),
+    normalized (bool), model (str or null), files (``{"tokens": ..., "offsets": ...}``,
+    ``"scales"`` exactly when dtype is int8, and optionally ``"ids"``: names of files
+    inside the shard directory). Other keys are kept and ignored.
     """
     path = os.fspath(path)
     if not os.path.isfile(path):
@@ -366,8 +438,8 @@ def read_manifest(path: str | os.PathLike) -> dict:
     for key, least in (("dim", 1), ("num_docs", 0), ("num_tokens", 0)):
         if type(m.get(key)) is not int or m[key] < least:
             raise ShardError(path, f"{key} is {m.get(key)!r}; expected an integer >= {least}")
-    if m.get("dtype") not in DTYPES:
-        raise ShardError(path, f"dtype is {m.get('dtype')!r}; expected one of {', '.join(DTYPES)}")
+    if m.get("dtype") not in SHARD_DTYPES:
+        raise ShardError(path, f"dtype is {m.get('dtype')!r}; expected one of {', '.join(SHARD_DTYPES)}")
     if type(m.get("normalized")) is not bool:
         raise ShardError(path, f"normalized is {m.get('normalized')!r}; expected true or false")
     if m.get("model") is not None and not isinstance(m.get("model"), str):
@@ -375,8 +447,13 @@ def read_manifest(path: str | os.PathLike) -> dict:
     files = m.get("files")
     if not isinstance(files, dict) or not isinstance(files.get("tokens"), str) or not isinstance(files.get("offsets"), str):
         raise ShardError(path, 'files must be an object naming at least "tokens" and "offsets" (e.g. {"tokens": "tokens.npy", "offsets": "offsets.npy"})')
-    if "ids" in files and not isinstance(files["ids"], str):
-        raise ShardError(path, f"files.ids is {files['ids']!r}; expected a file name")
+    for key in ("ids", "scales"):
+        if key in files and not isinstance(files[key], str):
+            raise ShardError(path, f"files.{key} is {files[key]!r}; expected a file name")
+    if m["dtype"] == INT8 and "scales" not in files:
+        raise ShardError(path, 'dtype is int8 but files names no "scales"; expected e.g. "scales": "scales.npy" (one float32 scale per token)')
+    if m["dtype"] != INT8 and "scales" in files:
+        raise ShardError(path, f"files names scales but dtype is {m['dtype']}; only int8 shards have scales")
     return m
 
 
@@ -386,6 +463,13 @@ def member_path(shard_dir: str, name: str, manifest_path: str) -> str:
     Absolute names, ``..`` and symbolic links that lead out of the directory are refused,
     so a manifest cannot point the reader at other files.
     """
+    try:
+        encodable = "\0" not in name and os.fsencode(name) is not None
+    except UnicodeEncodeError:
+        encodable = False
+    if not encodable:
+        raise ShardError(manifest_path, f"file name {name!r} cannot be a path (a NUL or an unencodable character); "
+                         "expected a relative name such as 'tokens.npy'")
     parts = name.replace("\\", "/").split("/")
     if not name or os.path.isabs(name) or os.path.splitdrive(name)[0] or ".." in parts:
         raise ShardError(manifest_path, f"file {name!r} is not inside the shard directory; expected a relative name such as 'tokens.npy'")
@@ -400,9 +484,11 @@ def open_shard(path: str | os.PathLike) -> Shard:
     """Open a shard directory memory-mapped and check its structure against its manifest.
 
     Checks the manifest, that tokens.npy is ``[num_tokens, dim]`` of the stored dtype,
-    the offsets (start at 0, non-decreasing, end at T) and the ids. Values are not read:
-    :func:`scan_values` checks them. Returns a packed :class:`Shard` whose ``tokens``
-    are in the library's dtype (bfloat16 as ``ml_dtypes.bfloat16``).
+    the offsets (start at 0, non-decreasing, end at T), the ids and, for an int8 shard,
+    that scales.npy is float32 ``[num_tokens]`` with every scale finite and >= 0 (read
+    block by block). Token values are not read: :func:`scan_values` checks them. Returns
+    a packed :class:`Shard` whose ``tokens`` are in the library's dtype (bfloat16 as
+    ``ml_dtypes.bfloat16``; int8 with ``scales``).
     """
     path = os.fspath(path)
     if not os.path.exists(path):
@@ -411,7 +497,8 @@ def open_shard(path: str | os.PathLike) -> Shard:
         raise ShardError(path, "not a directory; a shard is a directory holding manifest.json, tokens.npy and offsets.npy")
     mpath = os.path.join(path, MANIFEST)
     m = read_manifest(mpath)
-    files = {key: member_path(path, name, mpath) for key, name in m["files"].items() if key in ("tokens", "offsets", "ids")}
+    files = {key: member_path(path, name, mpath) for key, name in m["files"].items()
+             if key in ("tokens", "offsets", "ids", "scales")}
     raw = open_npy(files["tokens"])
     expect = (m["num_tokens"], m["dim"])
     if raw.shape != expect:
@@ -426,7 +513,9 @@ def open_shard(path: str | os.PathLike) -> Shard:
     ids = open_npy(files["ids"]) if "ids" in files else None
     if ids is not None and ids.dtype.kind in "iu" and ids.dtype != np.dtype("<i8"):
         raise ShardError(files["ids"], f"integer ids must be int64 (<i8), got {ids.dtype.str}")
-    return _packed(path, _as_numpy_dtype(raw, m["dtype"]), offsets, ids, m, files["tokens"], files["offsets"], files.get("ids", ""))
+    scales = open_npy(files["scales"]) if "scales" in files else None
+    return _packed(path, _as_numpy_dtype(raw, m["dtype"]), offsets, ids, m, files["tokens"], files["offsets"],
+                   files.get("ids", ""), scales, files.get("scales", ""))
 
 
 def open_input(path: str | os.PathLike, lengths: str | os.PathLike | None = None, *, bf16_bits: bool = False) -> Shard:
@@ -467,13 +556,15 @@ def load_padded(shard: Shard) -> tuple[np.ndarray, np.ndarray | None]:
     """A whole shard in memory as padded ``[N, Lmax, d]`` plus int64 lengths ``[N]`` (None: all rows valid).
 
     Meant for queries, which are few; a corpus is read with :meth:`Shard.read_chunk`.
+    An int8 shard comes back dequantized, as float32.
     """
     if shard.padded:
         return np.array(shard.tokens), None if shard.lengths is None else np.array(shard.lengths)
     lens = shard.doc_lengths()
     width = max(1, int(lens.max())) if lens.size else 1
-    out = np.zeros((shard.num_docs, width, shard.dim), shard.tokens.dtype)
-    out[np.arange(width)[None, :] < lens[:, None]] = shard.read_chunk(0, shard.num_docs)[0]
+    tokens = shard.read_values(0, shard.num_docs)[0] if shard.scales is not None else shard.read_chunk(0, shard.num_docs)[0]
+    out = np.zeros((shard.num_docs, width, shard.dim), tokens.dtype)
+    out[np.arange(width)[None, :] < lens[:, None]] = tokens
     return out, lens
 
 
@@ -501,12 +592,12 @@ def _norms(x32: np.ndarray) -> np.ndarray:
 def scan_values(shard: Shard, max_bytes: int = CHUNK_BYTES) -> ValueScan:
     """Read every valid token once: find the first NaN/inf and the first token whose norm is not 1.
 
-    Padding rows of a padded layout are not read as values (they are never scored).
+    Padding rows of a padded layout are not read as values (they are never scored); int8
+    tokens are read dequantized.
     """
     nonfinite = not_unit = None
     for start, stop in shard.chunk_ranges(max_bytes):
-        tokens, offsets = shard.read_chunk(start, stop)
-        x32 = tokens.astype(np.float32)
+        x32, offsets = shard.read_values(start, stop)
         finite, norms = np.isfinite(x32).all(axis=1), _norms(x32)
         if nonfinite is None and not finite.all():
             nonfinite = _position(int(np.argmin(finite)), start, offsets)
@@ -527,8 +618,8 @@ def _position(row: int, first_doc: int, offsets: np.ndarray) -> tuple[int, int]:
 def check_finite(shard: Shard, max_bytes: int = CHUNK_BYTES) -> None:
     """Raise ShardError naming the file and the first document with a NaN or infinite token value."""
     for start, stop in shard.chunk_ranges(max_bytes):
-        tokens, offsets = shard.read_chunk(start, stop)
-        finite = np.isfinite(tokens.astype(np.float32)).all(axis=1)
+        x32, offsets = shard.read_values(start, stop)
+        finite = np.isfinite(x32).all(axis=1)
         if not finite.all():
             doc, tok = _position(int(np.argmin(finite)), start, offsets)
             raise ShardError(shard.tokens_file, f"document {doc}{_id_note(shard, doc)}, token {tok} holds NaN or inf; embeddings must be finite")
@@ -550,41 +641,57 @@ def pack(source: Shard, path: str | os.PathLike, *, ids=None, model: str | None 
     """Write any opened input (padded, flat + doclens, or another shard) as a shard directory.
 
     Tokens are copied block by block (only valid rows of a padded layout), converted to
-    ``dtype`` (None: keep the source's). ``ids`` ([N] int64 or str) replace the
-    source's ids. With ``check_finite`` a NaN or inf value raises ShardError and nothing
-    is written. The manifest's ``normalized`` is measured while copying. The shard is
-    built in a temporary directory beside ``path`` and renamed into place at the end.
-    Returns the written shard, opened.
+    ``dtype`` (None: keep the source's). ``dtype="int8"`` quantizes float tokens block by
+    block (``lik_cupy.quantize.quantize_numpy``: one float32 scale per token, stored in
+    scales.npy; NaN or inf cannot be quantized and raise ShardError); an int8 source is
+    copied as it is, or dequantized for a float ``dtype``. ``ids`` ([N] int64 or str)
+    replace the source's ids. With ``check_finite`` a NaN or inf value raises ShardError
+    and nothing is written. The manifest's ``normalized`` is measured while copying (on
+    the stored values: dequantized for int8). The shard is built in a temporary
+    directory beside ``path`` and renamed into place at the end. Returns the written
+    shard, opened.
     """
-    blocks = ((source.tokens_file, source.read_chunk(s, e)[0]) for s, e in source.chunk_ranges(max_bytes))
+    def blocks():
+        for s, e in source.chunk_ranges(max_bytes):
+            scales = source.read_scales(s, e) if source.scales is not None else None
+            yield source.tokens_file, source.read_chunk(s, e)[0], scales
+
     lens = source.doc_lengths()
     offsets = np.zeros(lens.shape[0] + 1, np.int64)
     np.cumsum(lens, out=offsets[1:])
     ids = source.ids if ids is None else ids
-    return _write(path, blocks, offsets, ids, source.dim, source.dtype, dtype, model, overwrite, check_finite)
+    return _write(path, blocks(), offsets, ids, source.dim, source.dtype, dtype, model, overwrite, check_finite)
 
 
 def write_shard(path: str | os.PathLike, tokens: np.ndarray, offsets, *, ids=None, model: str | None = None,
-                dtype: str | None = None, overwrite: bool = False, check_finite: bool = False) -> Shard:
+                dtype: str | None = None, overwrite: bool = False, check_finite: bool = False,
+                scales: np.ndarray | None = None) -> Shard:
     """Write packed documents as a new shard directory.
 
     Args:
         path: the shard directory to create (its parent must exist).
-        tokens: ``[T, d]`` float16, float32 or ``ml_dtypes.bfloat16``; a memmap is copied
-            block by block, never loaded whole.
+        tokens: ``[T, d]`` float16, float32 or ``ml_dtypes.bfloat16``, or int8 with
+            ``scales``; a memmap is copied block by block, never loaded whole.
         offsets: integer ``[N+1]``; document j is ``tokens[offsets[j]:offsets[j+1]]``
             (offsets[0] == 0, non-decreasing, offsets[-1] == T).
         ids: optional ``[N]`` int64 or str document ids.
         model: free-form name of the model that made the embeddings (stored in the manifest).
-        dtype: store as "float16", "float32" or "bfloat16" (None: tokens' own dtype).
+        dtype: store as "float16", "float32", "bfloat16" or "int8" (quantized per token
+            while writing; see :func:`pack`). None: tokens' own dtype.
         overwrite: replace ``path`` if it already is a shard (anything else is never replaced).
         check_finite: raise ShardError (writing nothing) if a value is NaN or inf.
+        scales: float32 ``[T]`` per-token scales of int8 ``tokens`` (each finite, >= 0);
+            None for float tokens.
 
     Returns:
         The written :class:`Shard`, opened memory-mapped.
     """
-    tokens = _check_array_dtype(tokens if isinstance(tokens, np.ndarray) else np.asarray(tokens), "tokens")
-    source = _packed("tokens", tokens, np.asarray(offsets), None, None, "tokens", "offsets", "ids")
+    tokens = tokens if isinstance(tokens, np.ndarray) else np.asarray(tokens)
+    tokens = _check_array_dtype(tokens, "tokens", int8_ok=scales is not None)
+    if scales is not None and tokens.dtype != np.int8:
+        raise ShardError("scales", f"scales go with int8 tokens; tokens have dtype {tokens.dtype}")
+    scales = None if scales is None else scales if isinstance(scales, np.ndarray) else np.asarray(scales)
+    source = _packed("tokens", tokens, np.asarray(offsets), None, None, "tokens", "offsets", "ids", scales, "scales")
     return pack(source, path, ids=ids, model=model, dtype=dtype, overwrite=overwrite, check_finite=check_finite)
 
 
@@ -595,7 +702,8 @@ def pack_arrays(docs: Sequence, path: str | os.PathLike, *, ids=None, model: str
 
     ``docs``: a sequence of ``[L_i, d]`` arrays (float16, float32, ``ml_dtypes.bfloat16``)
     or of ``.npy`` paths, opened memory-mapped (uint16 files hold bfloat16 bits when
-    ``bf16_bits``). All share d and dtype. Other arguments as in :func:`write_shard`.
+    ``bf16_bits``). All share d and dtype. Other arguments as in :func:`write_shard`
+    (``dtype="int8"`` quantizes them).
     """
     if not docs:
         raise ShardError(path, "no documents given; expected at least one [L, d] array")
@@ -618,23 +726,29 @@ def pack_arrays(docs: Sequence, path: str | os.PathLike, *, ids=None, model: str
         raise ShardError(names[0], "embedding dim is 0; expected d >= 1")
     offsets = np.zeros(len(arrays) + 1, np.int64)
     np.cumsum([a.shape[0] for a in arrays], out=offsets[1:])
-    return _write(path, zip(names, arrays), offsets, ids, arrays[0].shape[1], arrays[0].dtype.name, dtype, model,
-                  overwrite, check_finite)
+    blocks = ((name, a, None) for name, a in zip(names, arrays))
+    return _write(path, blocks, offsets, ids, arrays[0].shape[1], arrays[0].dtype.name, dtype, model, overwrite,
+                  check_finite)
 
 
-def _check_array_dtype(arr: np.ndarray, name: str) -> np.ndarray:
-    if arr.dtype.name not in DTYPES:
-        raise ShardError(name, f"dtype {arr.dtype} is not float16, float32 or ml_dtypes.bfloat16 (bfloat16 bits in uint16: a.view(ml_dtypes.bfloat16))")
-    return arr
+def _check_array_dtype(arr: np.ndarray, name: str, int8_ok: bool = False) -> np.ndarray:
+    if arr.dtype.name in DTYPES or (int8_ok and arr.dtype == np.int8):
+        return arr
+    if arr.dtype == np.int8:
+        raise ShardError(name, "dtype int8 needs per-token scales: pass scales= (float32 [T]) to write_shard, "
+                               "or give float embeddings with dtype='int8' to quantize them")
+    raise ShardError(name, f"dtype {arr.dtype} is not float16, float32 or ml_dtypes.bfloat16 (bfloat16 bits in uint16: a.view(ml_dtypes.bfloat16))")
 
 
 def _write(path, blocks, offsets: np.ndarray, ids, dim: int, source_dtype: str, dtype: str | None, model, overwrite,
            check_finite: bool) -> Shard:
-    """Stream ``(source name, token block)`` pairs into a new shard directory at ``path``, atomically."""
+    """Stream ``(source name, token block, its scales or None)`` triples into a new shard directory at
+    ``path``, atomically. Blocks are quantized to int8, dequantized, or converted between float
+    dtypes on the way, one block at a time."""
     path = os.fspath(path)
     dtype = dtype or source_dtype
-    if dtype not in DTYPES:
-        raise ShardError(path, f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    if dtype not in SHARD_DTYPES:
+        raise ShardError(path, f"dtype {dtype!r} is not one of {', '.join(SHARD_DTYPES)}")
     if model is not None and not isinstance(model, str):
         raise ShardError(path, f"model must be a string, got {type(model).__name__}")
     num_docs, num_tokens = offsets.shape[0] - 1, int(offsets[-1])
@@ -647,26 +761,52 @@ def _write(path, blocks, offsets: np.ndarray, ids, dim: int, source_dtype: str, 
         os.umask(umask)
         os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes 0700; give the usual permissions
         out = np.lib.format.open_memmap(os.path.join(tmp, TOKENS), mode="w+", dtype=_STORED[dtype], shape=(num_tokens, dim))
-        target, pos, normalized = numpy_dtype(dtype), 0, True
-        for name, block in blocks:
-            x32 = block.astype(np.float32)
-            if check_finite and not np.isfinite(x32).all():
-                row = pos + int(np.argmin(np.isfinite(x32).all(axis=1)))
-                doc = int(np.searchsorted(offsets, row, side="right")) - 1
-                raise ShardError(name, f"document {doc}, token {row - int(offsets[doc])} holds NaN or inf; embeddings must be finite")
-            normalized = normalized and bool(np.all(np.abs(_norms(x32) - 1) <= NORM_TOLERANCE))
-            out[pos : pos + block.shape[0]] = block.astype(target, copy=False).view(_STORED[dtype])
+        out_scales = None
+        if dtype == INT8:
+            out_scales = np.lib.format.open_memmap(os.path.join(tmp, SCALES), mode="w+", dtype=_SCALES_STORED,
+                                                   shape=(num_tokens,))
+        pos, normalized = 0, True
+        for name, block, scales in blocks:
+            # An int8 block copied as int8 needs no float values: it is finite (its scales were
+            # checked on opening), and norms come from the integers.
+            if not (dtype == INT8 and scales is not None):
+                x32 = block.astype(np.float32)
+                if scales is not None:
+                    x32 *= scales[:, None]
+                if (check_finite or dtype == INT8) and not np.isfinite(x32).all():
+                    row = pos + int(np.argmin(np.isfinite(x32).all(axis=1)))
+                    doc = int(np.searchsorted(offsets, row, side="right")) - 1
+                    why = "embeddings must be finite" if check_finite else "INT8 quantization needs finite values"
+                    raise ShardError(name, f"document {doc}, token {row - int(offsets[doc])} holds NaN or inf; {why}")
+            rows = slice(pos, pos + block.shape[0])
+            if dtype == INT8:
+                if scales is None:
+                    from .quantize import quantize_numpy
+
+                    block, scales = quantize_numpy(x32)
+                out[rows], out_scales[rows] = block, scales
+                norms = np.sqrt(np.square(block, dtype=np.int32).sum(axis=1, dtype=np.float64)) * scales
+            else:
+                # An int8 source is written dequantized; float sources convert directly.
+                src = x32 if scales is not None else block
+                out[rows] = src.astype(numpy_dtype(dtype), copy=False).view(_STORED[dtype])
+                norms = _norms(x32)
+            normalized = normalized and bool(np.all(np.abs(norms - 1) <= NORM_TOLERANCE))
             pos += block.shape[0]
-        out.flush()
-        del out  # close the map before the directory is renamed
+        for m in (out, out_scales):
+            if m is not None:
+                m.flush()
+        del out, out_scales  # close the maps before the directory is renamed
         np.save(os.path.join(tmp, OFFSETS), offsets.astype("<i8"))
         files = {"tokens": TOKENS, "offsets": OFFSETS}
+        if dtype == INT8:
+            files["scales"] = SCALES
         if ids is not None:
             np.save(os.path.join(tmp, IDS), ids, allow_pickle=False)
             files["ids"] = IDS
         manifest = {
-            "format": FORMAT, "version": VERSION, "dim": dim, "dtype": dtype, "num_docs": num_docs,
-            "num_tokens": num_tokens, "normalized": normalized, "model": model, "files": files,
+            "format": FORMAT, "version": _WRITE_VERSION[dtype], "dim": dim, "dtype": dtype,
+            "num_docs": num_docs, "num_tokens": num_tokens, "normalized": normalized, "model": model, "files": files,
         }
         with open(os.path.join(tmp, MANIFEST), "w", encoding="utf-8", newline="\n") as f:
             f.write(json.dumps(manifest, indent=2, sort_keys=True) + "\n")

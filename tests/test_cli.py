@@ -92,13 +92,13 @@ def listing(path):
 class Corpus:
     """Queries (padded .npy + lengths) and two shard directories of ragged documents, with the reference."""
 
-    def __init__(self, tmp_path, dtype="float32", ids=None, seed=0):
+    def __init__(self, tmp_path, dtype="float32", ids=None, seed=0, dim=DIM):
         rng = np.random.default_rng(seed)
-        Q = rng.standard_normal((NQ, LQ, DIM)).astype(np.float32)
+        Q = rng.standard_normal((NQ, LQ, dim)).astype(np.float32)
         lengths = rng.integers(1, 10, size=sum(SHARD_DOCS))
         lengths[EMPTY_DOC] = 0
         npdt = shards.numpy_dtype(dtype)
-        self.docs = [rng.standard_normal((int(n), DIM)).astype(np.float32).astype(npdt) for n in lengths]
+        self.docs = [rng.standard_normal((int(n), dim)).astype(np.float32).astype(npdt) for n in lengths]
         self.q = str(tmp_path / "q.npy")
         self.ql = str(tmp_path / "ql.npy")
         np.save(self.q, Q)
@@ -491,8 +491,163 @@ def test_info_without_gpu_or_cupy(monkeypatch):
     monkeypatch.setitem(sys.modules, "cupy", None)  # `import cupy` now raises ImportError
     r = run("info")
     assert r.exit_code == 0, r.output
-    for words in ("lik-cupy", "numpy", "cupy", "GPU", "kernel cache", "shard format  lik-shard v1"):
+    for words in ("lik-cupy", "numpy", "cupy", "GPU", "kernel cache", "shard format  lik-shard v2 (reads v1..v2; dtypes float16, float32, bfloat16, int8)"):
         assert words in r.output
+
+
+# --------------------------------------------------------------------------- INT8 shards
+
+
+def quantized_reference(c: Corpus, int8_shards):
+    """float64 scores of the INT8 corpus: dequantized stored tokens against the queries as the
+    library quantizes them (per token, from their float32 values)."""
+    from lik_cupy.quantize import quantize_numpy
+
+    q8, qs = quantize_numpy(np.load(c.q))
+    Q = q8.astype(np.float64) * qs[..., None]
+    docs = []
+    for path in int8_shards:
+        s = shards.open_shard(path)
+        x = np.asarray(s.tokens).astype(np.float64) * np.asarray(s.scales)[:, None]
+        docs += [x[s.offsets[j] : s.offsets[j + 1]] for j in range(s.num_docs)]
+    return ref_scores(Q, Q_LEN, docs)
+
+
+def pack_int8(c: Corpus, tmp_path):
+    """`lik pack SHARD --int8` for each of the corpus's float shards; returns the INT8 shard paths."""
+    out = []
+    for i, src in enumerate(c.shards):
+        out.append(str(tmp_path / f"int8_{i}"))
+        r = run("pack", src, "--int8", "--out", out[-1])
+        assert r.exit_code == 0, r.stderr
+        n, t = SHARD_DOCS[i], sum(len(d) for d in c.docs[sum(SHARD_DOCS[:i]) : sum(SHARD_DOCS[: i + 1])])
+        assert r.output == f"wrote {out[-1]}: {n} docs, {t} tokens, d={shards.open_shard(src).dim}, int8, not normalized\n"
+    return out
+
+
+def test_pack_int8_then_score(tmp_path):
+    c = Corpus(tmp_path)
+    int8 = pack_int8(c, tmp_path)
+    S = quantized_reference(c, int8)
+    # INT8 scores are exact up to float32 rounding; far from the float scores they approximate.
+    fin = np.isfinite(c.S)
+    assert np.array_equal(np.isfinite(S), fin) and np.abs(S[fin] - c.S[fin]).max() > 1e-3
+    top, full = tmp_path / "top.tsv", tmp_path / "full.npy"
+    r = run("score", "-q", c.q, "--q-lengths", c.ql, "-d", *int8, "-k", 17, "-o", top, "--cpu")
+    assert r.exit_code == 0 and r.stderr == "", r.stderr
+    _, docs, scores = read_tsv(top)
+    assert_ranking(docs.astype(np.int64), scores, S, 17, 1e-5)
+    assert docs[0, -1] == EMPTY_DOC and scores[0, -1] == -np.inf and (scores[2] == 0).all()
+    r = run("score", "-q", c.q, "--q-lengths", c.ql, "-d", *int8, "--full-matrix", "-o", full, "--cpu")
+    assert r.exit_code == 0 and r.stderr == "", r.stderr
+    np.testing.assert_allclose(np.load(full), S, rtol=1e-5, atol=1e-5)
+    assert np.load(full)[0, EMPTY_DOC] == -np.inf
+
+    # A padded .npy packed straight to INT8 gives the same shard bytes as packing its float shard.
+    pad = np.zeros((SHARD_DOCS[0], 9, DIM), np.float32)
+    for j, d in enumerate(c.docs[: SHARD_DOCS[0]]):
+        pad[j, : len(d)] = d
+    np.save(tmp_path / "pad.npy", pad)
+    np.save(tmp_path / "lens.npy", np.array([len(d) for d in c.docs[: SHARD_DOCS[0]]]))
+    r = run("pack", tmp_path / "pad.npy", "--lengths", tmp_path / "lens.npy", "--int8", "-o", tmp_path / "from_pad")
+    assert r.exit_code == 0, r.stderr
+    for name in ("tokens.npy", "scales.npy", "offsets.npy", "manifest.json"):
+        assert (tmp_path / "from_pad" / name).read_bytes() == (pathlib.Path(int8[0]) / name).read_bytes(), name
+
+    # INT8 queries (a query shard) are read dequantized and score a float corpus as float32.
+    Q = np.load(c.q)
+    qdocs = [Q[i, : Q_LEN[i]] for i in range(NQ)]
+    shards.write_shard(tmp_path / "q8", np.concatenate(qdocs), np.concatenate([[0], np.cumsum(Q_LEN)]), dtype="int8")
+    q8 = shards.open_shard(tmp_path / "q8")
+    deq = np.asarray(q8.tokens).astype(np.float64) * np.asarray(q8.scales)[:, None]
+    Sq = ref_scores(np.stack([np.pad(deq[q8.offsets[i] : q8.offsets[i + 1]], ((0, LQ - Q_LEN[i]), (0, 0)))
+                              for i in range(NQ)]), Q_LEN, c.docs)
+    r = run("score", "-q", tmp_path / "q8", "-d", *c.shards, "--full-matrix", "-o", tmp_path / "qfull.npy", "--cpu")
+    assert r.exit_code == 0, r.stderr
+    np.testing.assert_allclose(np.load(tmp_path / "qfull.npy"), Sq, rtol=1e-5, atol=1e-5)
+
+
+def test_int8_and_float_shards_do_not_mix(tmp_path):
+    c = Corpus(tmp_path)
+    int8 = pack_int8(c, tmp_path)
+    before = listing(tmp_path)
+    for docs, odd, first in (([int8[0], c.shards[1]], c.shards[1], int8[0]), ([c.shards[0], int8[1]], int8[1], c.shards[0])):
+        r = run("score", "-q", c.q, "-d", *docs, "-o", tmp_path / "r.tsv", "--cpu")
+        kinds = ("float32", "int8") if odd == c.shards[1] else ("int8", "float32")
+        assert r.exit_code == 2 and r.stderr == (
+            f"lik: error: {odd}: holds {kinds[0]} tokens but {first} holds {kinds[1]}; a corpus is all INT8 or all "
+            "float (convert a shard with `lik pack SHARD --int8` or --dtype)\n"), r.stderr
+    assert listing(tmp_path) == before
+
+
+def test_int8_dim_the_gpu_cannot_take(tmp_path, monkeypatch):
+    c = Corpus(tmp_path)  # d=20: no multiple of 16
+    int8 = pack_int8(c, tmp_path)
+    monkeypatch.setattr(cli, "_gpu_available", lambda: True)  # refused before any GPU work
+    before = listing(tmp_path)
+    r = run("score", "-q", c.q, "-d", *int8, "-o", tmp_path / "r.tsv")
+    assert r.exit_code == 2 and r.stderr == (
+        f"lik: error: {int8[0]}: INT8 shards of d=20 cannot be scored on the GPU (the INT8 kernels take d a multiple "
+        "of 16 up to 512); pass --cpu\n"), r.stderr
+    assert listing(tmp_path) == before
+
+
+def test_pack_int8_refusals_write_nothing(tmp_path):
+    D = np.ones((3, 2, 4), np.float32)
+    D[2, 1, 3] = np.nan
+    np.save(tmp_path / "d.npy", D)
+    np.save(tmp_path / "d8.npy", np.ones((3, 2, 4), np.int8))
+    before = listing(tmp_path)
+    cases = [
+        (["pack", tmp_path / "d.npy", "--int8", "-o", tmp_path / "s"],
+         f"lik: error: {tmp_path / 'd.npy'}: document 2, token 1 holds NaN or inf; INT8 quantization needs finite values"),
+        (["pack", tmp_path / "d.npy", "--int8", "--dtype", "float16", "-o", tmp_path / "s"],
+         "lik: error: --int8: conflicts with --dtype float16; give one of them"),
+        (["pack", tmp_path / "d8.npy", "-o", tmp_path / "s"],
+         f"lik: error: {tmp_path / 'd8.npy'}: dtype int8 needs its per-token scales"),
+    ]
+    for args, message in cases:
+        r = run(*args)
+        assert r.exit_code == 2 and len(r.stderr.splitlines()) == 1 and r.stderr.startswith(message), (args, r.stderr)
+    assert listing(tmp_path) == before
+
+
+def test_inspect_int8_shard(tmp_path):
+    c = Corpus(tmp_path)
+    int8 = pack_int8(c, tmp_path)
+    r = run("inspect", int8[1], "--check")
+    assert r.exit_code == 0, r.stderr
+    for words in ("dtype      int8 (one float32 scale per token)", f"token size {DIM + 4} bytes ({DIM} int8 values + a float32 scale)",
+                  "scales.npy ", "scales finite and >= 0", '"version": 2',
+                  "values     all finite; not L2-normalised"):
+        assert words in r.output, words
+    r = run("inspect", c.shards[1])
+    assert f"token size {DIM * 4} bytes\n" in r.output
+    scales = pathlib.Path(int8[1]) / "scales.npy"
+    s = np.load(scales)
+    s[2] = -1.0
+    np.save(scales, s)
+    r = run("inspect", int8[1])
+    assert r.exit_code == 2 and r.stderr.startswith(f"lik: error: {scales}: scale of token 2 (document 0, token 2) is -1.0")
+
+
+@pytest.mark.gpu
+def test_gpu_score_int8_matches_reference(tmp_path):
+    c = Corpus(tmp_path, dim=48)  # the INT8 kernels take dims that are multiples of 16
+    int8 = pack_int8(c, tmp_path)
+    S = quantized_reference(c, int8)
+    top, full = tmp_path / "top.tsv", tmp_path / "full.npy"
+    r = run("score", "-q", c.q, "--q-lengths", c.ql, "-d", *int8, "-k", 17, "-o", top)
+    assert r.exit_code == 0 and r.stderr == "", r.stderr
+    _, docs, scores = read_tsv(top)
+    assert_ranking(docs.astype(np.int64), scores, S, 17, 1e-5)
+    assert docs[0, -1] == EMPTY_DOC and scores[0, -1] == -np.inf and (scores[2] == 0).all()
+    r = run("score", "-q", c.q, "--q-lengths", c.ql, "-d", *int8, "--full-matrix", "-o", full, "--devices", "0")
+    assert r.exit_code == 0 and r.stderr == "", r.stderr
+    np.testing.assert_allclose(np.load(full), S, rtol=1e-5, atol=1e-5)
+    r = run("score", "-q", c.q, "--q-lengths", c.ql, "-d", *int8, "-k", 17, "-o", tmp_path / "cpu.tsv", "--cpu")
+    _, cdocs, cscores = read_tsv(tmp_path / "cpu.tsv")
+    np.testing.assert_allclose(scores, cscores, rtol=1e-5, atol=1e-5)
 
 
 # --------------------------------------------------------------------------- bad input

@@ -156,3 +156,82 @@ def test_packed_chunks_cover_every_document():
         assert b[0][0] == 0 and b[-1][1] == 1000
         assert all(x[1] == y[0] for x, y in zip(b, b[1:]))
         assert all(0 < hi - lo <= c for lo, hi in b)
+
+
+# --------------------------------------------------------------------------- out of GPU memory: chunk halving
+
+
+class _FakeOOM(MemoryError):
+    """Stands in for cupy.cuda.memory.OutOfMemoryError (which keeps the request size in ``_size``)."""
+
+    def __init__(self, size):
+        super().__init__(f"Out of memory allocating {size:,} bytes")
+        self._size = size
+
+
+class _Scorer:
+    """Scores documents chunk by chunk like retrieve's GPU runner; a chunk of more than ``fits()``
+    documents runs out of memory. Records every merged range."""
+
+    def __init__(self, total, fits, chunking):
+        self.total, self.fits, self.chunking, self.merged = total, fits, chunking, []
+
+    def done(self):
+        return self.merged[-1][1] if self.merged else 0
+
+    def run(self, start, c):
+        for a in range(start, self.total, c):
+            b = min(self.total, a + c)
+            if b - a > self.fits(self):
+                raise _FakeOOM(512 * (b - a))
+            self.merged.append((a, b))
+            self.chunking.succeeded()
+
+
+def _covered(merged, total):
+    return merged[0][0] == 0 and merged[-1][1] == total and all(x[1] == y[0] for x, y in zip(merged, merged[1:]))
+
+
+def test_chunk_halves_resumes_and_warns_once():
+    import warnings
+
+    from lik_cupy.retrieve import _Chunking, _drive
+
+    chunking = _Chunking(lambda: 4096)
+    # 300 documents fit per chunk until two chunks are merged; then only 70 (memory taken elsewhere).
+    shard = _Scorer(1000, lambda s: 300 if len(s.merged) < 2 else 70, chunking)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _drive(1000, 250, shard.run, shard.done, chunking, _FakeOOM)
+        assert _covered(shard.merged, 1000), "every document merged exactly once, in order"
+        assert shard.merged[:3] == [(0, 250), (250, 500), (500, 562)]  # resumed where it failed: 250 -> 125 -> 62
+        assert all(b - a <= 62 for a, b in shard.merged[2:])
+        # A later shard starts at the reduced size and halves again without a second warning.
+        second = _Scorer(500, lambda s: 40, chunking)
+        _drive(500, 250, second.run, second.done, chunking, _FakeOOM)
+        assert _covered(second.merged, 500) and max(b - a for a, b in second.merged) == 31
+    warned = [w for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert len(warned) == 1 and len(caught) == 1
+    assert str(warned[0].message).startswith(
+        "lik_cupy.retrieve: out of GPU memory with 250 documents per chunk; continuing with 62 per chunk")
+    assert warned[0].filename == __file__  # points at the caller, not into lik_cupy
+
+
+def test_not_even_one_document_fits():
+    import warnings
+
+    from lik_cupy.retrieve import _Chunking, _drive
+
+    chunking = _Chunking(lambda: 123_456)
+    shard = _Scorer(10, lambda s: 0, chunking)
+    dropped = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing fitted: no warning, only the error
+        with pytest.raises(MemoryError) as info:
+            _drive(10, 8, shard.run, shard.done, chunking, _FakeOOM, lambda: dropped.append(1))
+    msg = str(info.value)
+    assert msg.startswith("lik_cupy.retrieve: out of GPU memory allocating 512 bytes with one document per chunk, "
+                          "while the queries and the running top-k hold 123,456 bytes")
+    assert "fewer queries" in msg and "max_gpu_bytes" in msg
+    assert isinstance(info.value.__cause__, _FakeOOM) and not isinstance(info.value, _FakeOOM)
+    assert shard.merged == [] and len(dropped) == 4  # tried 8, 4, 2, 1; cached buffers dropped after each

@@ -241,3 +241,93 @@ def test_varlen_unvalidated_bad_offsets_stay_in_bounds(rng):
         assert out.shape == (2, 3)
     good = lik_cupy.maxsim_varlen(q, tok, _cp(np.array([0, 4, 10])))
     assert np.isfinite(_np(good)).all()
+
+
+@pytest.fixture
+def pool_limit():
+    """Makes every GPU allocation larger than a given size fail as CuPy's pool fails on a full GPU,
+    until the test ends, so that retrieve runs out of memory as it would next to other work on
+    the GPU. (A per-request cap through the allocator: on an H200, MemoryPool.set_limit did not
+    make these requests fail.)"""
+    import cupy
+
+    pool = cupy.get_default_memory_pool()
+
+    def cap(largest: int):
+        def malloc(size):
+            if size > largest:
+                raise cupy.cuda.memory.OutOfMemoryError(size, pool.total_bytes())
+            return pool.malloc(size)
+
+        cupy.cuda.Device().synchronize()
+        cupy.cuda.set_allocator(malloc)
+
+    yield cap
+    cupy.cuda.set_allocator(pool.malloc)
+
+
+@pytest.mark.parametrize("layout", ["device", "host", "device_int8", "host_int8"])
+def test_retrieve_halves_its_chunk_when_gpu_memory_runs_out(rng, pool_limit, layout):
+    import re
+    import warnings
+
+    import cupy
+
+    from lik_cupy.quantize import quantize_numpy
+
+    dim, nd, nq, lq, ld, k = 64, 6007, 31, 29, 41, 10
+    d = _unit(rng, nd, ld, dim).astype(np.float16)
+    q = _cp(_unit(rng, nq, lq, dim).astype(np.float16))
+    lens = rng.integers(0, ld + 1, size=nd)
+    kw = {}
+    if layout.endswith("int8"):
+        d, ds = quantize_numpy(d)
+        kw["d_scales"] = _cp(ds) if layout.startswith("device") else ds
+    D = _cp(d) if layout.startswith("device") else d
+    kw["d_lengths"] = _cp(lens) if layout.startswith("device") else lens
+    want_s, want_i = lik_cupy.retrieve(q, D, k, **kw)  # no limit (and the kernels are compiled)
+    # Device corpora: one chunk of scores (745 KB) does not fit, a quarter does. Host corpora:
+    # the default 1 GiB plan stages all 6007 documents (31.5 MB of fp16 tokens, 15.8 MB INT8)
+    # in one device buffer, which does not fit; a quarter (an eighth for fp16) does.
+    pool_limit((300 << 10) if layout.startswith("device") else (8 << 20))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        s, i = lik_cupy.retrieve(q, D, k, **kw)
+        cupy.cuda.Device().synchronize()
+    warned = [w for w in caught if issubclass(w.category, RuntimeWarning)]
+    msgs = [str(w.message) for w in warned]
+    assert len(msgs) == 1, msgs
+    m = re.fullmatch(r"lik_cupy\.retrieve: out of GPU memory with (\d+) documents per chunk; continuing with (\d+) "
+                     r"per chunk \(pass max_gpu_bytes to plan smaller chunks from the start\)", msgs[0])
+    assert m and 1 <= int(m[2]) < int(m[1]) <= nd, msgs[0]
+    assert warned[0].filename == __file__  # the warning points at the caller
+    # Chunks never change a document's score: the same ranking, bit for bit.
+    np.testing.assert_array_equal(_np(i), _np(want_i))
+    assert _np(s).tobytes() == _np(want_s).tobytes()
+
+
+def test_retrieve_memory_error_when_one_document_does_not_fit(rng, pool_limit):
+    import re
+    import warnings
+
+    import cupy
+
+    nq, lq, dim, nd, ld = 2000, 8, 64, 50, 7  # one document's scores: 2000 * 4 bytes
+    q = _cp(_unit(rng, nq, lq, dim).astype(np.float16))
+    d = _cp(_unit(rng, nd, ld, dim).astype(np.float16))
+    want_s, want_i = lik_cupy.retrieve(q, d, 10)
+    pool_limit(4096)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no chunk ever fitted: no warning, only the error
+        with pytest.raises(MemoryError) as info:
+            lik_cupy.retrieve(q, d, 10)
+    msg = str(info.value)
+    assert not isinstance(info.value, cupy.cuda.memory.OutOfMemoryError)
+    # 8,000 bytes, or 8,192 as CuPy's pool rounds the request
+    assert re.match(r"lik_cupy\.retrieve: out of GPU memory allocating 8,(000|192) bytes with one document per "
+                    r"chunk, while the queries and the running top-k hold [\d,]+ bytes\.", msg), msg
+    assert "Score fewer queries (or a smaller k) per call" in msg and "max_gpu_bytes" in msg
+    cupy.cuda.set_allocator(cupy.get_default_memory_pool().malloc)
+    s, i = lik_cupy.retrieve(q, d, 10)  # usable again once memory is there
+    np.testing.assert_array_equal(_np(i), _np(want_i))
+    np.testing.assert_array_equal(_np(s), _np(want_s))

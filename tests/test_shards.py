@@ -275,7 +275,7 @@ def _bad_shards(tmp_path):
         ("manifest not JSON", lambda d: (d / "manifest.json").write_text("{oops"), "manifest.json", "not valid JSON"),
         ("manifest a list", lambda d: (d / "manifest.json").write_text("[]"), "manifest.json", "expected a JSON object"),
         ("wrong format", lambda d: _edit_manifest(d, format="other"), "manifest.json", "expected 'lik-shard'"),
-        ("newer version", lambda d: _edit_manifest(d, version=2), "manifest.json", "newer than this lik-cupy reads"),
+        ("newer version", lambda d: _edit_manifest(d, version=shards.VERSION + 1), "manifest.json", "newer than this lik-cupy reads"),
         ("no dim", lambda d: _edit_manifest(d, dim=KeyError), "manifest.json", "dim is None"),
         ("bad dtype", lambda d: _edit_manifest(d, dtype="float64"), "manifest.json", "dtype is 'float64'"),
         ("normalized not bool", lambda d: _edit_manifest(d, normalized="yes"), "manifest.json", "expected true or false"),
@@ -302,10 +302,12 @@ def _bad_shards(tmp_path):
     ]
 
 
-def test_bad_shards_name_the_file_and_problem(tmp_path):
+def _check_bad_shards(cases, make):
+    """Each (name, mutate, culprit file, words) case, applied to a fresh shard from ``make(i)``, must
+    make open_shard raise a ShardError naming that file and saying those words."""
     failures = []
-    for i, (name, mutate, culprit, words) in enumerate(_bad_shards(tmp_path)):
-        shard, _ = write_example(tmp_path, f"s{i}", lengths=(3, 0, 5, 1, 7), ids=np.arange(5))
+    for i, (name, mutate, culprit, words) in enumerate(cases):
+        shard = make(i)
         mutate(pathlib.Path(shard.path))
         try:
             shards.open_shard(shard.path)
@@ -314,6 +316,11 @@ def test_bad_shards_name_the_file_and_problem(tmp_path):
             if e.path != os.path.join(shard.path, culprit) or words not in e.problem:
                 failures.append(f"{name}: {e}")
     assert not failures, "\n".join(failures)
+
+
+def test_bad_shards_name_the_file_and_problem(tmp_path):
+    _check_bad_shards(_bad_shards(tmp_path),
+                      lambda i: write_example(tmp_path, f"s{i}", lengths=(3, 0, 5, 1, 7), ids=np.arange(5))[0])
 
 
 def test_never_unpickles(tmp_path):
@@ -407,3 +414,207 @@ def test_nan_in_padding_is_not_a_value(tmp_path):
     assert shards.scan_values(s).normalized
     with pytest.raises(ShardError, match=r"d.npy: document 1, token 2 holds NaN"):
         shards.check_finite(shards.open_input(tmp_path / "d.npy"))
+
+
+# --------------------------------------------------------------------------- INT8 shards
+
+
+def quantized(x):
+    """The reference quantizer, on float32 values: what an INT8 shard must hold."""
+    from lik_cupy.quantize import quantize_numpy
+
+    return quantize_numpy(np.asarray(x).astype(np.float32))
+
+
+def write_int8_example(tmp_path, name="q", lengths=(3, 0, 5, 1, 7), ids=None, seed=0, dim=DIM):
+    docs = ragged(np.random.default_rng(seed), lengths, dim)
+    return shards.write_shard(tmp_path / name, np.concatenate(docs), offsets_of(docs), ids=ids, dtype="int8"), docs
+
+
+@pytest.mark.parametrize("source", [np.float16, np.float32, ml_dtypes.bfloat16])
+def test_int8_write_then_open_round_trip(tmp_path, source):
+    lengths = [4, 0, 9, 1, 3, 6, 17]
+    docs = ragged(np.random.default_rng(11), lengths, 40)
+    tokens = np.concatenate(docs).astype(source)
+    tokens[5] = 0  # an all-zero token: scale 0, values 0
+    s = shards.write_shard(tmp_path / "shard", tokens, offsets_of(docs), ids=np.arange(7), model="m")
+    assert s.dtype == np.dtype(source).name  # the source dtype is kept unless int8 is asked for
+    s8 = shards.write_shard(tmp_path / "shard8", tokens, offsets_of(docs), ids=np.arange(7), model="m", dtype="int8")
+    q, scales = quantized(tokens)
+    assert scales[5] == 0 and (q[5] == 0).all()
+    for shard in (s8, shards.open_shard(tmp_path / "shard8")):
+        assert isinstance(shard.tokens, np.memmap) and isinstance(shard.scales, np.memmap), "must be memory-mapped"
+        assert (shard.dtype, shard.dim, shard.num_docs, shard.bytes_per_token) == ("int8", 40, 7, 44)
+        np.testing.assert_array_equal(np.asarray(shard.tokens), q)
+        np.testing.assert_array_equal(np.asarray(shard.scales), scales)
+        for a, b in [(0, 7), (2, 3), (3, 6)]:
+            t, off = shard.read_chunk(a, b)
+            lo, hi = sum(lengths[:a]), sum(lengths[:b])
+            np.testing.assert_array_equal(t, q[lo:hi])
+            np.testing.assert_array_equal(shard.read_scales(a, b), scales[lo:hi])
+            x32, off2 = shard.read_values(a, b)
+            assert x32.dtype == np.float32 and off2.tolist() == off.tolist()
+            np.testing.assert_array_equal(x32, q[lo:hi].astype(np.float32) * scales[lo:hi, None])
+    m = json.loads((tmp_path / "shard8" / "manifest.json").read_text())
+    assert m == {"format": "lik-shard", "version": 2, "dim": 40, "dtype": "int8", "num_docs": 7, "num_tokens": 40,
+                 "normalized": False, "model": "m",  # the zero token has norm 0
+                 "files": {"tokens": "tokens.npy", "offsets": "offsets.npy", "scales": "scales.npy", "ids": "ids.npy"}}
+    assert np.load(tmp_path / "shard8" / "tokens.npy", allow_pickle=False).dtype == np.int8
+    assert np.load(tmp_path / "shard8" / "scales.npy", allow_pickle=False).dtype == np.dtype("<f4")
+    assert json.loads((tmp_path / "shard" / "manifest.json").read_text())["version"] == 1  # float shards stay v1
+
+
+def test_int8_normalized_is_measured_on_the_stored_values(tmp_path):
+    s, docs = write_int8_example(tmp_path, dim=64)
+    assert s.manifest["normalized"]  # unit vectors stay within NORM_TOLERANCE after quantization
+    scan = shards.scan_values(s)
+    assert scan == shards.ValueScan(None, None)
+    shards.check_finite(s)
+    scaled = [d * 1.5 for d in docs]
+    s2 = shards.write_shard(tmp_path / "scaled", np.concatenate(scaled), offsets_of(docs), dtype="int8")
+    assert not s2.manifest["normalized"] and abs(shards.scan_values(s2).not_unit[2] - 1.5) < 0.02
+
+
+def test_int8_quantizes_block_by_block(tmp_path, monkeypatch):
+    """Packing never quantizes the whole corpus at once, and blocks give the same bytes as one pass."""
+    from lik_cupy import quantize
+
+    lengths = [5, 0, 40, 3, 22, 9, 1, 30]
+    docs = ragged(np.random.default_rng(12), lengths)
+    tokens = np.concatenate(docs).astype(np.float16)
+    np.save(tmp_path / "flat.npy", tokens)
+    np.save(tmp_path / "lens.npy", np.array(lengths))
+    source = shards.open_input(tmp_path / "flat.npy", tmp_path / "lens.npy")
+    seen = []
+    real = quantize.quantize_numpy
+
+    def spy(x, **kw):
+        seen.append(x.shape[0])
+        return real(x, **kw)
+
+    monkeypatch.setattr(quantize, "quantize_numpy", spy)
+    block = 16 * DIM * 2  # about 16 float16 tokens per block (a longer document goes whole)
+    s = shards.pack(source, tmp_path / "blocks", dtype="int8", max_bytes=block)
+    assert len(seen) > 4 and max(seen) <= max(lengths) < tokens.shape[0]
+    q, scales = quantized(tokens)
+    np.testing.assert_array_equal(np.asarray(s.tokens), q)
+    np.testing.assert_array_equal(np.asarray(s.scales), scales)
+
+
+def test_int8_convert_back_and_forth(tmp_path):
+    s8, docs = write_int8_example(tmp_path, ids=["a", "b", "c", "d", "e"])
+    deq = np.asarray(s8.tokens).astype(np.float32) * np.asarray(s8.scales)[:, None]
+    f32 = shards.pack(s8, tmp_path / "f32", dtype="float32")  # dequantized
+    assert f32.dtype == "float32" and f32.manifest["version"] == 1 and f32.ids.tolist() == ["a", "b", "c", "d", "e"]
+    np.testing.assert_array_equal(np.asarray(f32.tokens), deq)
+    shards.pack(s8, tmp_path / "copy")  # int8 -> int8: copied as stored, not re-quantized
+    for name in ("tokens.npy", "scales.npy", "offsets.npy", "ids.npy", "manifest.json"):
+        assert (tmp_path / "q" / name).read_bytes() == (tmp_path / "copy" / name).read_bytes(), name
+    own = shards.write_shard(tmp_path / "own", np.asarray(s8.tokens), s8.offsets, scales=np.asarray(s8.scales))
+    np.testing.assert_array_equal(np.asarray(own.tokens), np.asarray(s8.tokens))
+    arrays = shards.pack_arrays(docs, tmp_path / "arrays", dtype="int8")
+    np.testing.assert_array_equal(np.asarray(arrays.tokens), np.asarray(s8.tokens))
+    Q, lens = shards.load_padded(s8)  # INT8 queries come back dequantized
+    assert Q.dtype == np.float32 and lens.tolist() == [3, 0, 5, 1, 7]
+    np.testing.assert_array_equal(Q[2, :5], deq[3:8])
+
+
+def test_int8_write_failures_leave_nothing(tmp_path, monkeypatch):
+    from lik_cupy import quantize
+
+    docs = ragged(np.random.default_rng(13), [2, 3, 4])
+    tokens, off = np.concatenate(docs), offsets_of(docs)
+    bad = tokens.copy()
+    bad[3, 2] = np.inf  # document 1, token 1
+    with pytest.raises(ShardError, match=r"^tokens: document 1, token 1 holds NaN or inf; INT8 quantization needs finite values$"):
+        shards.write_shard(tmp_path / "s", bad, off, dtype="int8")  # refused even without check_finite
+    assert listing(tmp_path) == []
+    cases = [
+        (dict(tokens=quantized(tokens)[0], offsets=off), "tokens: dtype int8 needs per-token scales"),
+        (dict(tokens=tokens, offsets=off, scales=quantized(tokens)[1]), "scales: scales go with int8 tokens"),
+        (dict(tokens=quantized(tokens)[0], offsets=off, scales=quantized(tokens)[1][:-1]), r"scales: shape \(8,\) does not match the 9 token rows"),
+        (dict(tokens=quantized(tokens)[0], offsets=off, scales=quantized(tokens)[1].astype(np.float64)), r"scales: dtype <f8; expected float32"),
+        (dict(tokens=quantized(tokens)[0], offsets=off, scales=-quantized(tokens)[1]), r"scales: scale of token 0 \(document 0, token 0\) is -"),
+        (dict(tokens=tokens, offsets=off, dtype="int4"), "dtype 'int4' is not one of float16, float32, bfloat16, int8"),
+    ]
+    for kwargs, message in cases:
+        with pytest.raises(ShardError, match=message):
+            shards.write_shard(tmp_path / "s", **kwargs)
+    assert listing(tmp_path) == []
+
+    # A failure in the middle of a write (the second block) leaves no partial shard, and an
+    # existing shard that was to be replaced stays as it was.
+    write_int8_example(tmp_path, name="s")
+    before = {n: (tmp_path / "s" / n).read_bytes() for n in listing(tmp_path / "s")}
+    real, calls = quantize.quantize_numpy, []
+
+    def fail_second(x, **kw):
+        calls.append(1)
+        if len(calls) == 2:
+            raise OSError("disk full")
+        return real(x, **kw)
+
+    monkeypatch.setattr(quantize, "quantize_numpy", fail_second)
+    source = shards.open_input(*_flat_files(tmp_path, tokens, [2, 3, 4]))
+    with pytest.raises(OSError, match="disk full"):
+        shards.pack(source, tmp_path / "s", dtype="int8", overwrite=True, max_bytes=3 * DIM * 4)
+    assert listing(tmp_path) == ["flat.npy", "lens.npy", "s"]
+    assert {n: (tmp_path / "s" / n).read_bytes() for n in listing(tmp_path / "s")} == before
+
+
+def _flat_files(tmp_path, tokens, lengths):
+    np.save(tmp_path / "flat.npy", tokens)
+    np.save(tmp_path / "lens.npy", np.array(lengths))
+    return tmp_path / "flat.npy", tmp_path / "lens.npy"
+
+
+def _bad_int8_shards(tmp_path):
+    """(name, mutate(shard_dir), file at fault (relative to the shard), words of the problem) for an INT8 shard."""
+    def save(name, arr):
+        return lambda d: np.save(d / name, arr, allow_pickle=True)
+
+    def scales_with(value, at=4):
+        def mutate(d):
+            s = np.load(d / "scales.npy")
+            s[at] = value
+            np.save(d / "scales.npy", s)
+        return mutate
+
+    def link_outside(d):
+        np.save(tmp_path / "outside_scales.npy", np.ones(16, np.float32))
+        os.symlink(tmp_path / "outside_scales.npy", d / "evil.npy")
+        _edit_manifest(d, files={"tokens": "tokens.npy", "offsets": "offsets.npy", "scales": "evil.npy"})
+
+    files = {"tokens": "tokens.npy", "offsets": "offsets.npy"}
+    return [
+        ("scales missing", lambda d: (d / "scales.npy").unlink(), "scales.npy", "no such file"),
+        ("scales truncated", lambda d: (d / "scales.npy").write_bytes((d / "scales.npy").read_bytes()[:-8]), "scales.npy", "truncated"),
+        ("scales float64", save("scales.npy", np.ones(16)), "scales.npy", "expected float32 (<f4)"),
+        ("scales float16", save("scales.npy", np.ones(16, np.float16)), "scales.npy", "expected float32 (<f4)"),
+        ("scales short", save("scales.npy", np.ones(15, np.float32)), "scales.npy", "expected [16] (one scale per token)"),
+        ("scales 2-D", save("scales.npy", np.ones((16, 1), np.float32)), "scales.npy", "expected [16]"),
+        ("scales NaN", scales_with(np.nan), "scales.npy", "scale of token 4 (document 2, token 1) is nan; expected a finite value >= 0"),
+        ("scales inf", scales_with(np.inf, 15), "scales.npy", "scale of token 15 (document 4, token 6) is inf"),
+        ("scales negative", scales_with(-0.5, 0), "scales.npy", "scale of token 0 (document 0, token 0) is -0.5"),
+        ("scales objects", save("scales.npy", np.array([1.0] * 15 + ["x"], dtype=object)), "scales.npy", "Python objects"),
+        ("no scales named", lambda d: _edit_manifest(d, files=files), "manifest.json", 'files names no "scales"'),
+        ("scales name not a string", lambda d: _edit_manifest(d, files={**files, "scales": 3}), "manifest.json", "files.scales is 3"),
+        ("scales outside", lambda d: _edit_manifest(d, files={**files, "scales": "../scales.npy"}), "manifest.json", "not inside the shard directory"),
+        ("scales absolute", lambda d: _edit_manifest(d, files={**files, "scales": str(d / "scales.npy")}), "manifest.json", "not inside the shard directory"),
+        ("scales symlink out", link_outside, "manifest.json", "leads outside the shard directory"),
+        ("float dtype with scales", lambda d: (_edit_manifest(d, dtype="float16"), save("tokens.npy", np.zeros((16, DIM), np.float16))(d)),
+         "manifest.json", "only int8 shards have scales"),
+        ("int8 manifest, float tokens", save("tokens.npy", np.zeros((16, DIM), np.float16)), "tokens.npy", "does not match the manifest's dtype int8"),
+        ("tokens uint8", save("tokens.npy", np.zeros((16, DIM), np.uint8)), "tokens.npy", "does not match the manifest's dtype int8"),
+    ]
+
+
+def test_bad_int8_shards_name_the_file_and_problem(tmp_path):
+    _check_bad_shards(_bad_int8_shards(tmp_path), lambda i: write_int8_example(tmp_path, f"s{i}")[0])
+
+
+def test_int8_npy_inputs_are_refused_with_a_hint(tmp_path):
+    np.save(tmp_path / "q8.npy", np.zeros((3, 4, DIM), np.int8))
+    with pytest.raises(ShardError, match="needs its per-token scales.*lik pack --int8") as info:
+        shards.open_input(tmp_path / "q8.npy")
+    assert info.value.path == str(tmp_path / "q8.npy")
