@@ -8,10 +8,12 @@ NumPy path (``cpu.maxsim_backward_numpy``). The autograd adapters in
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from . import cpu, dispatch, interop
-from .device import device_properties, gpu_available
+from .device import allocating, device_properties, empty, gpu_available
 from .validate import Problem, check_32bit, check_argmax_values, check_backward
 
 _METHODS = ("auto", "csr", "atomic")
@@ -123,58 +125,88 @@ def _gpu(p: Problem, g, Q, D, argmax, d_offsets, method, validate, q_shape, d_sh
     on_host = p.device is None
     device = p.device if p.device is not None else cupy.cuda.runtime.getDevice()
     rows = _doc_rows(p)
+    esize = 4 if p.dtype == "float32" else 2
+    staged = (p.nq * p.lq + rows) * p.dim * esize + p.nq * p.nd * (4 + 4 * p.lq)  # Q, D, grad_scores, argmax
     with interop.caller_stream(fw, device):
-        q = _dev_array(Q, fw, on_host).reshape(p.nq * p.lq, p.dim)
-        d = _dev_array(D, fw, on_host).reshape(rows, p.dim)
+        with allocating("maxsim_backward: Q, D, grad_scores and argmax on the GPU", staged,
+                        "pass them as device arrays (host arrays are copied over), or split the call"):
+            q = _dev_array(Q, fw, on_host).reshape(p.nq * p.lq, p.dim)
+            d = _dev_array(D, fw, on_host).reshape(rows, p.dim)
+            gs = _grad_f32(g, fw, on_host, p)
+            a = _dev_array(argmax, fw, on_host).reshape(p.nq, p.nd, p.lq)
         if p.dtype == "bfloat16":
             q, d = q.view(cupy.uint16), d.view(cupy.uint16)
-        gs = _grad_f32(g, fw, on_host, p)
-        a = _dev_array(argmax, fw, on_host).reshape(p.nq, p.nd, p.lq)
         off = device_offsets(_dev_array(d_offsets, fw, on_host), p.ntok, "d_offsets", validate) if p.d_packed else None
         if validate and a.size:
             limit = (off[1:] - off[:-1])[None, :, None] if off is not None else p.ld
             lo, over = (int(v) for v in cupy.stack([a.min().astype(cupy.int64),
                                                    (a >= limit).any().astype(cupy.int64)]).get())
             check_argmax_values(lo, bool(over), _limit_words(p))
-        check_32bit(Nq=p.nq, Nd=p.nd, Lq=p.lq, Ld=p.ld)
+        warps = _THREADS // 32  # one warp per query token (dQ) or document row (CSR dD)
+        check_32bit(Nq=p.nq, Nd=p.nd, Lq=p.lq, Ld=p.ld, **{"Nq * Lq / 8 blocks": -(-p.nq * p.lq // warps),
+                                                            "document rows / 8 blocks": -(-rows // warps)})
         if p.nq * p.nd * p.lq >= 2**62 // max(1, rows):
             raise ValueError("argmax entries x document rows exceed the CSR key range; split the call")
 
         cc = device_properties(device).cc
         how = dispatch.choose_backward(method, cc, p.nq, p.nd, p.lq, rows, p.dim)
-        esize = 4 if p.dtype == "float32" else 2
         vec = p.dim % 4 == 0 and q.data.ptr % (4 * esize) == 0 and d.data.ptr % (4 * esize) == 0
         defines = {"LIK_ELEM": _ELEM[p.dtype], "LIK_VEC": int(vec)}
         mod = get_module("maxsim_bwd.cu", defines, dispatch.arch_of(cc), device, entry="lik_bwd_dq")
 
-        dq = cupy.empty_like(q)
-        dd = cupy.empty_like(d)
+        dq = _empty(q.shape, q.dtype, "dQ", "split the call over fewer queries")
+        dd = _empty(d.shape, d.dtype, "dD", "split the call over fewer documents")
         null = np.uint64(0)
         chunks = -(-p.dim // 128)
         common = (np.int32(p.nq), np.int32(p.nd), np.int32(p.lq))
+        launch = functools.partial(_launch, mod, p)
         if p.nq * p.lq and p.nd and p.dim:
-            dd32 = cupy.zeros((rows, p.dim), cupy.float32) if how == "atomic" else None
-            mod.get_function("lik_bwd_dq")(
-                (-(-p.nq * p.lq // 8), chunks), (256,),
-                (q, d, gs, a, off if off is not None else null, dq, dd32 if dd32 is not None else null, *common,
-                 np.int32(p.ld), np.int32(p.dim), np.int32(p.candidates), np.int64(rows)))
+            dd32 = None
             if how == "atomic":
-                n = rows * p.dim
-                mod.get_function("lik_bwd_cast")((min(-(-n // 256), 65535 * 8),), (256,), (dd32, dd, np.int64(n)))
-            elif rows:
+                dd32 = _empty((rows, p.dim), np.float32, "the atomic method's fp32 dD",
+                              "method='csr' needs no fp32 copy of dD; or split the call over fewer documents",
+                              zeros=True)
+            launch("lik_bwd_dq", (-(-p.nq * p.lq // warps), chunks),
+                   (q, d, gs, a, off if off is not None else null, dq, dd32 if dd32 is not None else null, *common,
+                    np.int32(p.ld), np.int32(p.dim), np.int32(p.candidates), np.int64(rows)))
+            n = rows * p.dim
+            if how == "atomic" and n:
+                launch("lik_bwd_cast", (min(-(-n // _THREADS), 65535 * 8),), (dd32, dd, np.int64(n)))
+            elif how == "csr" and rows:
                 m = p.nq * p.nd * p.lq
-                key = cupy.empty(m, cupy.int64)
-                mod.get_function("lik_bwd_keys")((min(-(-m // 256), 65535 * 8),), (256,),
-                                                 (a, off if off is not None else null, key, *common, np.int32(p.ld),
-                                                  np.int32(p.candidates), np.int64(rows)))
-                key.sort()  # unique keys: the order, and so the summation order, is fixed
-                start = cupy.searchsorted(key, cupy.arange(rows + 1, dtype=cupy.int64) * m)
-                mod.get_function("lik_bwd_dd_csr")((-(-rows // 8), chunks), (256,),
-                                                   (q, gs, key, start, dd, *common, np.int32(p.dim), np.int64(rows)))
+                hint = "method='atomic' needs no key map; or split the call over fewer queries or documents"
+                key = _empty((m,), np.int64, "the CSR method's keys", hint)
+                launch("lik_bwd_keys", (min(-(-m // _THREADS), 65535 * 8),),
+                       (a, off if off is not None else null, key, *common, np.int32(p.ld), np.int32(p.candidates),
+                        np.int64(rows)))
+                with allocating("maxsim_backward: the CSR method's sort scratch and row starts",
+                                key.nbytes + 16 * (rows + 1), hint):
+                    key.sort()  # unique keys: the order, and so the summation order, is fixed
+                    start = cupy.searchsorted(key, cupy.arange(rows + 1, dtype=cupy.int64) * m)
+                launch("lik_bwd_dd_csr", (-(-rows // warps), chunks),
+                       (q, gs, key, start, dd, *common, np.int32(p.dim), np.int64(rows)))
         else:  # nothing contributes
             dq.fill(0)
             dd.fill(0)
         return _out(dq, q_shape, p, Q, fw, on_host), _out(dd, d_shape, p, D, fw, on_host)
+
+
+_THREADS = 256  # per block, every backward kernel (their __launch_bounds__)
+
+
+def _empty(shape, dtype, what: str, hint: str, zeros: bool = False):
+    return empty(shape, dtype, f"maxsim_backward: {what}", hint, zeros=zeros)
+
+
+def _launch(mod, p: Problem, name: str, grid: tuple, args: tuple) -> None:
+    """Launch ``name`` on the current stream; a launch error names the kernel and the call's shapes."""
+    import cupy
+
+    try:
+        mod.get_function(name)(grid, (_THREADS,), args)
+    except cupy.cuda.driver.CUDADriverError as e:
+        raise RuntimeError(f"{name} failed to launch (grid {grid}, block {_THREADS}, Nq={p.nq}, Nd={p.nd}, "
+                           f"Lq={p.lq}, Ld={p.ld}, rows={_doc_rows(p)}, d={p.dim}): {e}") from e
 
 
 def _grad_f32(g, fw: str, on_host: bool, p: Problem):

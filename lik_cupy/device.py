@@ -1,9 +1,14 @@
-"""GPU discovery: whether a GPU is usable, and the per-device facts dispatch needs."""
+"""GPU discovery (whether a GPU is usable, the per-device facts dispatch needs) and GPU
+allocations whose out-of-memory errors say which buffer did not fit and what to do."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import math
 from dataclasses import dataclass
+
+import numpy as np
 
 
 @functools.lru_cache(maxsize=1)
@@ -31,3 +36,51 @@ def device_properties(device: int) -> DeviceProps:
     p = cupy.cuda.runtime.getDeviceProperties(device)
     name = p["name"].decode() if isinstance(p["name"], bytes) else str(p["name"])
     return DeviceProps(name, int(p["major"]) * 10 + int(p["minor"]), int(p["multiProcessorCount"]))
+
+
+_CUDA_ERROR_MEMORY_ALLOCATION = 2  # cudaErrorMemoryAllocation
+
+
+class DeviceMemoryError(MemoryError):
+    """A GPU buffer did not fit. The message names the buffer, its size, the memory left and
+    what to do; ``buffer``, ``nbytes`` and ``device`` carry the same for programs."""
+
+    def __init__(self, message: str, buffer: str, nbytes: int, device: int):
+        super().__init__(message)
+        self.buffer, self.nbytes, self.device = buffer, nbytes, device
+
+
+@contextlib.contextmanager
+def allocating(buffer: str, nbytes: int, hint: str):
+    """Turn a GPU out-of-memory error raised inside the block into a ``DeviceMemoryError`` naming
+    ``buffer`` (e.g. "maxsim_backward: dD [4096, 128] float16") and its ``nbytes``, with ``hint``
+    (what the caller can change) appended. Other errors pass through untouched."""
+    import cupy
+
+    try:
+        yield
+    except (cupy.cuda.memory.OutOfMemoryError, cupy.cuda.runtime.CUDARuntimeError) as e:
+        # Without CuPy's pool (cupy.cuda.set_allocator(None)) cudaMalloc's own error arrives instead.
+        if isinstance(e, cupy.cuda.runtime.CUDARuntimeError) and e.status != _CUDA_ERROR_MEMORY_ALLOCATION:
+            raise
+        device = cupy.cuda.runtime.getDevice()
+        free, total = cupy.cuda.runtime.memGetInfo()
+        limit = cupy.get_default_memory_pool().get_limit()
+        where = f"{free / 2**30:.2f} GiB free of {total / 2**30:.2f} GiB"
+        if limit:
+            where += f", CuPy pool limit {limit / 2**30:.2f} GiB"
+        raise DeviceMemoryError(
+            f"{buffer}: cannot allocate {nbytes:,} bytes ({nbytes / 2**30:.2f} GiB) on cuda:{device} "
+            f"({where}). {hint}", buffer, nbytes, device) from e
+
+
+def empty(shape, dtype, buffer: str, hint: str, *, zeros: bool = False):
+    """``cupy.empty`` (or ``cupy.zeros``) whose out-of-memory error names the buffer; ``buffer``
+    is the function and the buffer's role, the shape and dtype are added here."""
+    import cupy
+
+    shape = tuple(int(n) for n in shape)
+    dt = np.dtype(dtype)
+    nbytes = math.prod(shape) * dt.itemsize
+    with allocating(f"{buffer} {list(shape)} {dt.name}", nbytes, hint):
+        return cupy.zeros(shape, dt) if zeros else cupy.empty(shape, dt)

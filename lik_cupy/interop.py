@@ -227,7 +227,11 @@ def caller_stream(fw: str, device: int):
         if fw == "torch":
             torch = sys.modules["torch"]
             s = torch.cuda.current_stream(device)
-            with cupy.cuda.ExternalStream(s.cuda_stream, device):
+            if hasattr(s, "__cuda_stream__") and hasattr(cupy.cuda.Stream, "from_external"):
+                ext = cupy.cuda.Stream.from_external(s)  # CuPy 14 deprecates ExternalStream (a warning per call)
+            else:
+                ext = cupy.cuda.ExternalStream(s.cuda_stream, device)
+            with ext:
                 yield
         else:
             yield
