@@ -188,7 +188,7 @@ struct Fwd {
                                                     const T* sQ, const T* sD, int wrow0, int lane, bool add) {
 #if LIK_HAS_WGMMA
         if (WG) {
-            // The warpgroup's 64 query rows against all BN document rows, k = 16 per instruction.
+            // The warpgroup's 64 query rows against all BN document rows, 32 bytes of K per instruction.
             const u32 qa = smem_addr(sQ) + (wrow0 & ~63) * 128, da = smem_addr(sD);
             A* d = &acc[0][0][0];
             wgmma_fence();

@@ -38,7 +38,7 @@ extern "C" __global__ void lik_quantize_int8(const T* __restrict__ x, signed cha
         signed char* qr = q + r * dim;
         for (int k = lane; k < dim; k += 32) {
             float v = 0.f;
-            if (finite && m > 0.f) v = fminf(fmaxf(rintf(to_f(xr[k]) / s), -127.f), 127.f);
+            if (finite && s > 0.f) v = fminf(fmaxf(rintf(to_f(xr[k]) / s), -127.f), 127.f);  // s, not m: m / 127 may underflow
             qr[k] = (signed char)(int)v;
         }
         if (lane == 0) {

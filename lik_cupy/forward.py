@@ -351,7 +351,7 @@ def _kernel(cfg, arch: int, device: int):
 
 
 def _launch(p: Problem, q, d, qm, dm, ql, dl, return_argmax: bool, device: int, *, d_off=None, ld_hint=None,
-            out=None, q_scale=None, d_scale=None):
+            out=None, q_scale=None, d_scale=None, caller=None):
     """Choose the kernel configuration and launch it on the current CuPy stream.
 
     q: [nq, lq, dim] (bfloat16 as uint16); d: padded [rows, ld, dim], or packed
@@ -359,12 +359,13 @@ def _launch(p: Problem, q, d, qm, dm, ql, dl, return_argmax: bool, device: int, 
     ``out``: optional float32 buffer of nq * nd elements for the scores.
     ``p.dtype == "int8"``: q and d are int8 and ``q_scale`` (float32 [nq * lq], non-negative)
     and ``d_scale`` (float32 [rows * ld] or [T]) are their contiguous per-token scales.
+    ``caller`` names the public function in error messages (default: the one ``p`` came from).
     """
     import cupy
 
     from .compile import CompileError
 
-    fn, split = _name(p), "split the call over fewer queries or documents"
+    fn, split = caller or _name(p), "split the call over fewer queries or documents"
     scores = out.reshape(p.nq, p.nd) if out is not None else empty((p.nq, p.nd), np.float32, f"{fn}: scores", split)
     amax = empty((p.nq, p.nd, p.lq), np.int32, f"{fn}: argmax",
                  f"return_argmax=False needs no argmax buffer; or {split}") if return_argmax else None

@@ -47,9 +47,10 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from . import cpu, dispatch, interop
+from .device import DeviceMemoryError
 from .forward import (_BACKENDS, _dev_array, _host, _launch, _use_gpu, device_offsets, device_valid, host_offsets,
                       valid_host)
-from .validate import (Problem, _check_valid, check_call, check_length_values, check_scale_values, check_varlen,
+from .validate import (Problem, _check_valid, check_call, check_length_values, check_scales, check_varlen,
                        offsets_count)
 
 MAX_K = 4096  # the merge kernel ranks up to this many candidates in shared memory
@@ -196,29 +197,6 @@ def _is_array(x) -> bool:
         return False
 
 
-def _where(dev) -> str:
-    return "the host" if dev is None else f"cuda:{dev}"
-
-
-def _check_scales(name: str, scales, like: interop.Info, what: str, shape) -> None:
-    """Scales go with int8 tokens ``like`` (``what`` names them): same framework and device,
-    float32, ``shape`` (the tokens' shape without the last axis). Values are not read."""
-    try:
-        info = interop.describe(scales)
-    except TypeError as e:
-        raise TypeError(f"{name}: {e}") from None
-    if info.framework != like.framework:
-        raise TypeError(f"{name} is a {info.framework} array but {what} is a {like.framework} array: pass both "
-                        "from one framework")
-    if info.device != like.device:
-        raise ValueError(f"{name} is on {_where(info.device)} but {what} is on {_where(like.device)}")
-    if info.dtype != "float32":
-        raise TypeError(f"{name} must be float32 (one scale per token), got dtype {info.dtype}")
-    if tuple(info.shape) != tuple(shape):
-        raise ValueError(f"{name} has shape {list(info.shape)}; expected {list(shape)} ({what}'s shape without "
-                         "its last axis: one scale per token)")
-
-
 def _query_problem(Q, q_mask, q_lengths, q_scales) -> Problem:
     """Check the queries on their own: float Q as :func:`lik_cupy.maxsim` checks it, or int8 Q with q_scales."""
     try:
@@ -227,7 +205,7 @@ def _query_problem(Q, q_mask, q_lengths, q_scales) -> Problem:
         raise TypeError(f"Q: {e}") from None
     if info.dtype != "int8":
         if q_scales is not None:
-            raise TypeError(f"q_scales go with int8 Q; Q has dtype {info.dtype} (float queries are quantized per call)")
+            raise ValueError(f"q_scales goes with an int8 Q, but Q is {info.dtype} (it is quantised on the fly)")
         return check_call(Q, Q, q_mask, None, q_lengths, None, pairs=False)
     if q_scales is None:
         raise TypeError("Q is int8 but q_scales is missing: pass its float32 per-token scales (Q's shape without the "
@@ -236,7 +214,7 @@ def _query_problem(Q, q_mask, q_lengths, q_scales) -> Problem:
         raise ValueError(f"Q must be [Nq, Lq, d] or [Lq, d]; got shape {list(info.shape)}")
     if info.shape[-1] < 1:
         raise ValueError("Q has embedding dim 0; expected at least 1")
-    _check_scales("q_scales", q_scales, info, "Q", info.shape[:-1])
+    check_scales("q_scales", q_scales, info, tuple(info.shape[:-1]), "one per query token")
     q_valid = _check_valid("q", q_mask, q_lengths, info, info.shape[:-1], info.shape[:-2])
     nq, lq = (info.shape[0], info.shape[1]) if len(info.shape) == 3 else (1, info.shape[0])
     return Problem(info.framework, info.device, "int8", nq, lq, 0, 0, info.shape[-1], False, (nq, 0), (nq, 0, lq),
@@ -298,7 +276,8 @@ def _int8_part_problem(qp: Problem, part: _Part, info: interop.Info) -> Problem:
     dim = info.shape[-1]
     if dim != qp.dim:
         raise ValueError(f"corpus has dim {dim} but Q has dim {qp.dim}")
-    _check_scales(scales_name, part.scales, info, f"{part.name}'s tokens", info.shape[:-1])
+    check_scales(scales_name, part.scales, info, tuple(info.shape[:-1]), "one per document token",
+                 f"{part.name}'s tokens")
     return Problem(qp.framework, qp.device, "int8", qp.nq, qp.lq, nd, ld, dim, False, (qp.nq, nd),
                    (qp.nq, nd, qp.lq), qp.q_valid, d_valid, part.packed, ntok)
 
@@ -321,8 +300,8 @@ class _Cpu:
         self.qs = None
         if q_scales is not None:
             self.qs = _host(q_scales, fw).reshape(qp.nq, qp.lq)
-            if self.qs.size:
-                check_scale_values("q_scales", float(self.qs.min()))  # NaN compares as not >= 0
+            with np.errstate(invalid="ignore"):  # as the kernel: a negative or NaN scale gives NaN scores
+                self.qs = np.where(self.qs >= 0, self.qs, np.float32(np.nan)).astype(np.float32)
         self.kind = None
         self.s = np.empty((qp.nq, 0), np.float32)
         self.i = np.empty((qp.nq, 0), np.int64)
@@ -401,7 +380,7 @@ class _Chunking:
 
     def halve(self, docs: int, err: BaseException) -> None:
         if docs <= 1:
-            size = getattr(err, "_size", None)  # cupy's OutOfMemoryError keeps the request here
+            size = getattr(err, "_size", getattr(err, "nbytes", None))  # CuPy's error / DeviceMemoryError
             what = f"allocating {size:,} bytes" if isinstance(size, int) else f"({err})"
             raise MemoryError(
                 f"lik_cupy.retrieve: out of GPU memory {what} with one document per chunk, while the queries and "
@@ -429,7 +408,7 @@ def _outside_stacklevel() -> int:
 
 
 def _drive(total: int, docs: int, run: Callable[[int, int], None], done: Callable[[], int], chunking: _Chunking,
-           oom: type, on_oom: Callable[[], None] = lambda: None) -> None:
+           oom: type | tuple, on_oom: Callable[[], None] = lambda: None) -> None:
     """Score documents ``0..total-1`` of one shard, halving the chunk when the GPU runs out of memory.
 
     ``run(start, c)`` scores documents ``start..total-1`` in chunks of at most ``c``
@@ -466,8 +445,6 @@ class _Gpu:
         self.qs = None  # float32 [nq * lq] scales of int8 queries
         if q_scales is not None:
             self.qs = cupy.ascontiguousarray(_dev_array(q_scales, fw, self.on_host_q), dtype=cupy.float32).reshape(-1)
-            if self.qs.size:
-                check_scale_values("q_scales", float(self.qs.min()))  # one sync; NaN compares as not >= 0
         self.qm, self.ql = device_valid(q_mask, q_lengths, qp.nq, qp.lq, "q_lengths", fw, self.on_host_q)
         self.kind = None
         self.s = cupy.empty((qp.nq, 0), cupy.float32)
@@ -513,7 +490,7 @@ class _Gpu:
         def drop_cache():
             self.scores = None
 
-        _drive(nd, docs, run, lambda: self.base - first, self.chunking, cupy.cuda.memory.OutOfMemoryError,
+        _drive(nd, docs, run, lambda: self.base - first, self.chunking, (cupy.cuda.memory.OutOfMemoryError, DeviceMemoryError),
                drop_cache)
 
     # ------------------------------------------------------------ scoring
@@ -574,6 +551,7 @@ class _Gpu:
             self.scores = cupy.empty(n, cupy.float32)
         kw = {"q_scale": self.qs, "d_scale": d_scale} if p.dtype == "int8" else {}
         s, _ = _launch(p, self.q, d, self.qm, dm, self.ql, dl, False, self.device, d_off=d_off, ld_hint=ld_hint,
+                       caller="retrieve",
                        out=self.scores[:n], **kw)
         self._merge(s, p.nd)
         self.chunking.succeeded()
@@ -721,6 +699,7 @@ class _Gpu:
             # fails too (a sticky CUDA error) must not hide the original error.
             try:
                 _wait(uploaded + consumed)
+                compute.synchronize()  # a chunk's kernel queued before the failure may still read them
             except Exception:
                 pass
             raise

@@ -186,7 +186,6 @@ def _check_dtypes(q: Info, dname: str, d: Info, int8: bool) -> None:
         raise TypeError(f"{dname} has dtype {d.dtype} but Q has {q.dtype}: cast one so both match")
 
 
-_SCALE_DTYPES = ("float16", "float32", "float64")  # not bfloat16: it travels as raw bits
 
 
 def check_quantized(name: str, X, sname: str, scales) -> Info:
@@ -196,7 +195,7 @@ def check_quantized(name: str, X, sname: str, scales) -> Info:
         raise TypeError(f"{name} has dtype {x.dtype}; expected int8")
     if len(x.shape) < 1:
         raise ValueError(f"{name} must have at least one axis (the embedding dim)")
-    _check_scales(sname, scales, x, tuple(x.shape[:-1]), f"{name}'s shape without its last axis", name)
+    check_scales(sname, scales, x, tuple(x.shape[:-1]), f"{name}'s shape without its last axis", name)
     return x
 
 
@@ -206,32 +205,27 @@ def check_int8_scales(p: Problem, Q, D, q_scales, d_scales) -> bool:
     Returns whether Q is already quantised."""
     q = _info("Q", Q)
     d = _info("D_tokens" if p.d_packed else "D", D)
-    _check_scales("d_scales", d_scales, q, tuple(d.shape[:-1]), "one per document token")
+    check_scales("d_scales", d_scales, q, tuple(d.shape[:-1]), "one per document token")
     if q.dtype == "int8":
         if q_scales is None:
             raise TypeError("Q is int8, so q_scales is required (the float32 per-token scales from quantize_int8)")
-        _check_scales("q_scales", q_scales, q, tuple(q.shape[:-1]), "one per query token")
+        check_scales("q_scales", q_scales, q, tuple(q.shape[:-1]), "one per query token")
         return True
     if q_scales is not None:
         raise ValueError(f"q_scales goes with an int8 Q, but Q is {q.dtype} (it is quantised on the fly)")
     return False
 
 
-def _check_scales(name: str, scales, ref: Info, shape: tuple, what: str, ref_name: str = "Q") -> None:
+def check_scales(name: str, scales, ref: Info, shape: tuple, what: str, ref_name: str = "Q") -> None:
+    """Per-token INT8 scales: float32 of ``shape``, in ``ref``'s framework and place (values not read)."""
     if scales is None:
         raise TypeError(f"{name} is required: float32 {list(shape)} ({what})")
     s = _info(name, scales)
     _same_place(name, s, ref, ref_name)
-    if s.dtype not in _SCALE_DTYPES:
-        raise TypeError(f"{name} has dtype {s.dtype}; expected float32 (or float16 / float64)")
+    if s.dtype != "float32":
+        raise TypeError(f"{name} has dtype {s.dtype}; expected float32 (one scale per token; cast it)")
     if tuple(s.shape) != shape:
         raise ValueError(f"{name} has shape {list(s.shape)}; expected {list(shape)} ({what})")
-
-
-def check_scale_values(name: str, lo: float) -> None:
-    """Query scales multiply each row's max, which commutes with the max only for scales >= 0."""
-    if not lo >= 0:  # also catches NaN
-        raise ValueError(f"{name} holds {lo}; query token scales must be non-negative numbers (as quantize_int8 makes them)")
 
 
 def _where(dev) -> str:

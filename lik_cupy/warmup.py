@@ -11,7 +11,8 @@ def warmup(dims=(128,), dtypes=("float16", "bfloat16"), query_lengths=(32, 1024)
 
     Args:
         dims: embedding dims the service will see.
-        dtypes: any of "float16", "bfloat16", "float32".
+        dtypes: any of "float16", "bfloat16", "float32", "int8" (INT8 also loads the
+            on-device quantiser for float16/bfloat16/float32 queries).
         query_lengths: typical query lengths (each picks its tile shape).
         argmax: which of (False, True) to prepare.
         device: CUDA ordinal; default the current CuPy device.
@@ -32,9 +33,13 @@ def warmup(dims=(128,), dtypes=("float16", "bfloat16"), query_lengths=(32, 1024)
         for dtype in dtypes:
             for lq in query_lengths:
                 for am in argmax:
-                    for vec in {(dim * (4 if dtype == "float32" else 2)) % 16 == 0, False}:
+                    for vec in {(dim * dispatch.ELEM_SIZES[dispatch.ELEM_CODES[dtype]]) % 16 == 0, False}:
                         cfg = dispatch.choose_forward(cc, dtype, dim, lq, am, vec)
                         if cfg.name not in names:
                             get_module("maxsim_fwd.cu", cfg.defines(), cfg.target(arch), dev)
                             names.add(cfg.name)
+    if "int8" in dtypes:
+        for elem in (0, 1, 2):
+            get_module("quantize.cu", {"LIK_ELEM": elem}, arch, dev, entry="lik_quantize_int8")
+            names.add(f"lik_quantize_int8[{elem}]")
     return len(names)

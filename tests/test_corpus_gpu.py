@@ -266,7 +266,7 @@ def pool_limit():
     cupy.cuda.set_allocator(pool.malloc)
 
 
-@pytest.mark.parametrize("layout", ["device", "host", "device_int8", "host_int8"])
+@pytest.mark.parametrize("layout", ["device", "host", "device_int8", "host_int8", "device_long_query"])
 def test_retrieve_halves_its_chunk_when_gpu_memory_runs_out(rng, pool_limit, layout):
     import re
     import warnings
@@ -275,7 +275,10 @@ def test_retrieve_halves_its_chunk_when_gpu_memory_runs_out(rng, pool_limit, lay
 
     from lik_cupy.quantize import quantize_numpy
 
-    dim, nd, nq, lq, ld, k = 64, 6007, 31, 29, 41, 10
+    # A long query (two tiles) also needs a partial-scores buffer, allocated inside the forward
+    # (a DeviceMemoryError rather than CuPy's own error when it does not fit).
+    dim, nd, nq, ld, k = 64, 6007, 31, 41, 10
+    lq = 200 if layout == "device_long_query" else 29
     d = _unit(rng, nd, ld, dim).astype(np.float16)
     q = _cp(_unit(rng, nq, lq, dim).astype(np.float16))
     lens = rng.integers(0, ld + 1, size=nd)
