@@ -208,7 +208,9 @@ struct Fwd {
             return;
         }
 #endif
-#pragma unroll
+        // Register-resident query fragments need every k step unrolled. Wide tf32 tiles that
+        // re-read them from shared memory (48+ k steps of 8) spilled on sm_90 fully unrolled.
+#pragma unroll(QREG || ELEM != 2 ? NK : 16)
         for (int kk = 0; kk < NK; ++kk) {
             u32 a[MT][4];
 #pragma unroll
