@@ -25,8 +25,9 @@ def maxsim_numpy(Q: np.ndarray, D: np.ndarray, q_valid: np.ndarray, d_valid: np.
     q_valid: bool [Nq, Lq]; d_valid: bool [D.shape[0], Ld].
     q_scale / d_scale: float32 [Nq, Lq] / [D.shape[0], Ld] for int8 Q and D. The similarity is
     then the exact integer dot product times the document token's scale, rounded to float32,
-    and the query token's (non-negative) scale multiplies the max: the kernel's arithmetic,
-    so the argmax matches the GPU's exactly.
+    and the query token's scale multiplies the max (a negative or NaN one gives NaN, since
+    only a non-negative scale commutes with the max): the kernel's arithmetic, so the argmax
+    matches the GPU's exactly.
     Returns scores float32 [Nq, nd] and, if asked, argmax int32 [Nq, nd, Lq].
     """
     nq, lq, _ = Q.shape
@@ -49,7 +50,8 @@ def maxsim_numpy(Q: np.ndarray, D: np.ndarray, q_valid: np.ndarray, d_valid: np.
                 sim[~dv] = -np.inf  # masked document tokens never win
                 best = sim.max(axis=1) if ld else np.full((j1 - j0, lq), -np.inf)  # NaN propagates
                 if q_scale is not None:  # an empty document's -inf stays -inf against a zero scale
-                    best = np.where(best == -np.inf, best, best * q_scale[i])
+                    qs = np.where(q_scale[i] >= 0, q_scale[i], np.float32(np.nan))
+                    best = np.where(best == -np.inf, best, best * qs)
                 scores[i, j0:j1] = np.where(qv, best, 0.0).sum(axis=1, dtype=np.float64)
                 if amax is not None:
                     idx = sim.argmax(axis=1).astype(np.int32) if ld else np.zeros((j1 - j0, lq), np.int32)

@@ -189,7 +189,7 @@ def _cpu_varlen(p: Problem, Q, D, d_offsets, q_mask, q_lengths, q_offsets, retur
     return _host_result(s, p), (_host_result(a, p) if a is not None else None)
 
 
-def _host_result(a: np.ndarray, p: Problem):
+def _host_result(a: np.ndarray, p: Problem | interop.Info):  # anything with .device and .framework
     if p.device is None:
         return interop.from_numpy(a, p.framework)
     import cupy  # device inputs forced onto the CPU path: hand results back on their device

@@ -142,6 +142,4 @@ def _host_queries(p: Problem, Q, q_scales, q_int8: bool):
     q = _host(Q, p.framework).reshape(p.nq, p.lq, p.dim)
     if not q_int8:
         return quantize_numpy(q, strict=False)  # NaN/inf tokens: scale NaN, as on the device
-    qs = np.asarray(_host(q_scales, p.framework), np.float32).reshape(p.nq, p.lq)
-    with np.errstate(invalid="ignore"):
-        return q, np.where(qs >= 0, qs, np.float32(np.nan))  # as the kernel: a negative scale gives NaN
+    return q, np.asarray(_host(q_scales, p.framework), np.float32).reshape(p.nq, p.lq)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import interop
+from .forward import _dev_array, _host_result
 from .validate import check_quantized
 
 _BACKENDS = ("auto", "gpu", "cpu")
@@ -48,9 +49,11 @@ def quantize_int8(X, *, backend="auto"):
         import cupy
 
         with interop.caller_stream(info.framework, _device(info)):
-            x = _device_array(X, info)
+            x = _dev_array(X, info.framework, info.device is None)
             dtype = info.dtype
-            if dtype == "float64":
+            if dtype == "bfloat16":
+                x = x.view(cupy.uint16)  # the kernel reads bfloat16 as its 16-bit patterns
+            elif dtype == "float64":
                 x, dtype = x.astype(cupy.float32), "float32"
             q, s = quantize_cupy(x, dtype, check=True)
             on_host = info.device is None
@@ -63,8 +66,7 @@ def dequantize_int8(X_int8, scales, *, backend="auto"):
     """``X_int8 * scales[..., None]`` as float32 (for checks and round trips).
 
     Args:
-        X_int8: int8 ``[..., d]``; scales: float32 (or any float) ``X_int8.shape[:-1]``,
-            same framework and device.
+        X_int8: int8 ``[..., d]``; scales: float32 ``X_int8.shape[:-1]``, same framework and device.
         backend: as in :func:`quantize_int8`.
 
     Returns:
@@ -75,12 +77,12 @@ def dequantize_int8(X_int8, scales, *, backend="auto"):
         import cupy
 
         with interop.caller_stream(info.framework, _device(info)):
-            q = _device_array(X_int8, info)
-            s = _device_array(scales, interop.describe(scales)).astype(cupy.float32, copy=False)
-            out = q.astype(cupy.float32) * s[..., None]
+            on_host = info.device is None
+            q = _dev_array(X_int8, info.framework, on_host)
+            out = q.astype(cupy.float32) * _dev_array(scales, info.framework, on_host)[..., None]
             return interop.from_cupy(out, info.framework, info.device is None)
     q = interop.to_numpy(X_int8, info.framework)
-    s = np.asarray(interop.to_numpy(scales, info.framework), np.float32)
+    s = interop.to_numpy(scales, info.framework)
     return _host_result(q.astype(np.float32) * s[..., None], info)
 
 
@@ -165,19 +167,3 @@ def _device(info: interop.Info) -> int:
     import cupy
 
     return info.device if info.device is not None else cupy.cuda.runtime.getDevice()
-
-
-def _device_array(x, info: interop.Info):
-    import cupy
-
-    a = cupy.asarray(interop.to_numpy(x, info.framework)) if info.device is None else interop.to_cupy(x, info.framework)
-    return a.view(cupy.uint16) if info.dtype == "bfloat16" else a
-
-
-def _host_result(a: np.ndarray, info: interop.Info):
-    if info.device is None:
-        return interop.from_numpy(a, info.framework)
-    import cupy
-
-    with cupy.cuda.Device(info.device):
-        return interop.from_cupy(cupy.asarray(a), info.framework, on_host=False)

@@ -300,8 +300,6 @@ class _Cpu:
         self.qs = None
         if q_scales is not None:
             self.qs = _host(q_scales, fw).reshape(qp.nq, qp.lq)
-            with np.errstate(invalid="ignore"):  # as the kernel: a negative or NaN scale gives NaN scores
-                self.qs = np.where(self.qs >= 0, self.qs, np.float32(np.nan)).astype(np.float32)
         self.kind = None
         self.s = np.empty((qp.nq, 0), np.float32)
         self.i = np.empty((qp.nq, 0), np.int64)
