@@ -37,6 +37,12 @@
 //   LIK_MULTI   1: a tile may hold several whole queries (qb > 1); 0 keeps the
 //               leaner single-query reduction (qb must be 1)
 //   LIK_PACKED  1: documents are packed tokens with offsets; 0: padded
+//   LIK_TMA     1 (sm_90, one-shot, rows a multiple of 128 bytes): document tiles arrive by TMA from a tensor map
+//               passed as a kernel parameter, one thread issuing each stage and an mbarrier
+//               per ring slot counting its bytes, instead of every thread issuing 16-byte
+//               cp.async copies. INT8 scales come by TMA too, from a second (1D) map: boxes
+//               must start 16-byte aligned, so each box starts at the aligned token at or below
+//               the tile's first and carries 4 scales more
 //   LIK_SPLIT   1: split-d: LIK_DP is a chunk of the embedding dim, and each pipeline
 //               stage holds a BM x DP query chunk and a BN x DP document chunk; the
 //               similarity tile accumulates over ceil(dim / DP) stages before its
@@ -54,11 +60,14 @@
 #ifndef LIK_SPLIT
 #define LIK_SPLIT 0
 #endif
+#ifndef LIK_TMA
+#define LIK_TMA 0
+#endif
 
 #ifndef LIK_WGMMA
 #define LIK_WGMMA 0
 #endif
-#if LIK_WGMMA && !LIK_HAS_WGMMA
+#if (LIK_WGMMA || LIK_TMA) && !LIK_HAS_WGMMA
 #error "LIK_WGMMA kernels must be compiled for sm_90a (the sm_90a feature set is not enabled)"
 #endif
 
@@ -85,7 +94,7 @@ template <>
 struct Acc<true> { typedef int T; };  // INT8 mma accumulates in int32
 
 template <int ELEM, int DP, int WARPS, int MT, int BN, int STAGES, bool QREG, bool ARGMAX, bool VEC, bool WG,
-          bool MULTI, bool PACKED, bool SPLIT>
+          bool MULTI, bool PACKED, bool SPLIT, bool TMA>
 struct Fwd {
     typedef typename Elem<ELEM>::T T;
     static constexpr bool I8 = ELEM == 3;
@@ -93,7 +102,10 @@ struct Fwd {
     static constexpr int ESIZE = sizeof(T);
     static constexpr int EPC = 16 / ESIZE;      // elements per 16-byte chunk
     static constexpr int BLK = 128 / ESIZE;     // elements per 128-byte swizzle row (wgmma)
-    static constexpr int LDS = WG ? DP : DP + EPC;  // padded row stride: conflict-free ldmatrix / lds
+    // Tiles are 128B-swizzled for wgmma (which reads them so) and for TMA (which writes them so;
+    // the swizzle keeps ldmatrix conflict-free too); other tiles pad each row instead.
+    static constexpr bool SWZ = WG || TMA;
+    static constexpr int LDS = SWZ ? DP : DP + EPC;  // row stride: padded rows keep ldmatrix / lds conflict-free
     static constexpr int KSTEP = ELEM == 2 ? 8 : I8 ? 32 : 16;  // 32 bytes of K per mma (16 for tf32)
     static constexpr int NK = DP / KSTEP;
     static constexpr int BM = WARPS * MT * 16;
@@ -106,8 +118,12 @@ struct Fwd {
     static_assert(!WG || (MT == 1 && WARPS == 8 && DP * ESIZE % 128 == 0 && ELEM != 2 && !QREG), "wgmma tile shape");
     static_assert(!SPLIT || !QREG, "split-d re-reads query chunks from shared memory");
     static_assert(!I8 || (!SPLIT && DP % 32 == 0), "INT8 runs one-shot with DP a multiple of 32");
+    static_assert(!TMA || (!SPLIT && ELEM != 2 && DP * ESIZE % 128 == 0), "TMA feeds one-shot 16-bit and INT8 tiles");
     static constexpr int STAGE = SPLIT ? (BM + BN) * LDS : BN * LDS;  // elements per ring stage
-    static constexpr int SCL = I8 ? BN : 0;  // document token scales staged per ring stage (floats)
+    // Document token scales staged per ring stage (floats); TMA boxes of BN + 4 in slots of
+    // 128-byte multiples.
+    static constexpr int SCL = I8 ? (TMA ? BN + 32 : BN) : 0;
+    static_assert(!(TMA && I8) || BN + 4 <= 256, "a TMA box holds at most 256 scales");
     // INT8 dot products stay below 2^22 in magnitude while DP * 128 * 128 does, and then
     // convert with two full-rate ops instead of one quarter-rate I2F.
     static constexpr bool SMALL_DOT = DP * 128 * 128 < (1 << 22);
@@ -122,7 +138,7 @@ struct Fwd {
     // 16-byte chunk index with the row, the 128B swizzle the descriptors in
     // wgmma.cuh declare.
     static __device__ __forceinline__ int soff(int r, int k, int nrows) {
-        if (!WG) return r * LDS + k;
+        if (!SWZ) return r * LDS + k;
         const int kb = k / BLK, c = (k / EPC) & 7;
         return kb * nrows * BLK + r * BLK + ((c ^ (r & 7)) * EPC) + (k % EPC);
     }
@@ -136,7 +152,7 @@ struct Fwd {
         // through rows RS apart: no division and one address add per 16-byte copy (the
         // copy issue, not the bytes, bounds the memory-bound shapes).
         constexpr int RS = NT / CPR;
-        constexpr bool EVEN = VEC && NT % CPR == 0 && (NROWS * CPR) % NT == 0 && (!WG || RS % 8 == 0);
+        constexpr bool EVEN = VEC && NT % CPR == 0 && (NROWS * CPR) % NT == 0 && (!SWZ || RS % 8 == 0);
         if constexpr (EVEN) {
             const int r0 = threadIdx.x / CPR, k = (threadIdx.x - r0 * CPR) * EPC;
             const bool kok = k < cols;
@@ -146,7 +162,7 @@ struct Fwd {
 #pragma unroll
             for (int i = 0; i < NROWS * CPR / NT; ++i) {
                 const bool ok = kok && r0 + i * RS < avail;
-                cp_async_16(d0 + i * RS * (WG ? BLK : LDS) * ESIZE, ok ? s : src, ok ? 16 : 0);
+                cp_async_16(d0 + i * RS * (SWZ ? BLK : LDS) * ESIZE, ok ? s : src, ok ? 16 : 0);
                 s += step;
             }
         } else if (VEC) {
@@ -177,7 +193,7 @@ struct Fwd {
             a[3] = to_tf32(q[(row0 + g + 8) * LDS + k + 4]);
         } else {
             const int r = row0 + (lane & 15), k = kk * KSTEP + (lane >> 4) * EPC;
-            ldmatrix_x4(a, smem_addr(sQ + r * LDS + k));
+            ldmatrix_x4(a, smem_addr(sQ + soff(r, k, BM)));
         }
     }
 
@@ -237,7 +253,7 @@ struct Fwd {
 #pragma unroll
                 for (int np = 0; np < NN / 2; ++np) {
                     u32 b[4];
-                    ldmatrix_x4(b, smem_addr(sD + (np * 16 + nr) * LDS + kc));
+                    ldmatrix_x4(b, smem_addr(sD + soff(np * 16 + nr, kc, BN)));
 #pragma unroll
                     for (int m = 0; m < MT; ++m) {
                         if constexpr (I8) {
@@ -296,16 +312,18 @@ struct Fwd {
                                const u8* __restrict__ d_mask, const i64* __restrict__ d_off, i64 ntok,
                                float* __restrict__ out,
                                int* __restrict__ amax, int Nq, int Nd, int Lq, int Ld, int dim, int n_qt, int qb,
-                               int docs_per_cta, int dl_qstride) {
+                               int docs_per_cta, int dl_qstride, const TmaDesc* tmd,
+                               const TmaDesc* tms) {
         extern __shared__ __align__(16) unsigned char smem_raw[];
-        // Swizzled wgmma tiles need 1024-byte alignment; the host adds that slack to the size.
-        unsigned char* smem_base = WG ? smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023) : smem_raw;
+        // Swizzled tiles need 1024-byte alignment; the host adds that slack to the size.
+        unsigned char* smem_base = SWZ ? smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023) : smem_raw;
         // One-shot: the query tile, then the ring of document tiles. Split-d: the ring
         // only, each stage a query chunk followed by a document chunk.
         T* sQ = reinterpret_cast<T*>(smem_base);
         T* ring = sQ + (SPLIT ? 0 : BM * LDS);
         float* sS = reinterpret_cast<float*>(ring + STAGES * STAGE);  // [STAGES][SCL] INT8 document scales
         float* red = sS + STAGES * SCL;  // [2][MULTI ? BM : WARPS]
+        unsigned long long* mbar = reinterpret_cast<unsigned long long*>(red + 2 * (MULTI ? BM : WARPS));  // [STAGES], TMA
 
         const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
         const int g = lane >> 2, tq = lane & 3;
@@ -403,6 +421,16 @@ struct Fwd {
         const T* Qt = Q + ((i64)qi0 * Lq + s0) * dim;
         const int q_rows = qb > 1 ? nqb * Lq : min(BM, Lq - s0);
         if (!SPLIT) load_rows<BM>(sQ, Qt, q_rows, dim, dim);
+#if LIK_HAS_WGMMA
+        if (TMA) {
+            cp_async_commit();  // the query tile: its own group, awaited at the first stage
+            if (threadIdx.x == 0) {
+                for (int s = 0; s < STAGES; ++s) mbar_init(smem_addr(mbar + s), 1);
+                mbar_init_fence();
+            }
+            __syncthreads();
+        }
+#endif
         const int nk = SPLIT ? (dim + DP - 1) / DP : 1;  // chunks of the dim per tile
 
         // Producer cursor: next (document tile, dim chunk) to stage. It crosses
@@ -417,10 +445,26 @@ struct Fwd {
                 const i64 dl = doc0 + pj;
                 const int len = dlength(dl), k0 = pk * DP;
                 T* st = ring + slot * STAGE;
-                if (SPLIT) load_rows<BM>(st, Qt + k0, q_rows, dim, dim - k0);
-                load_rows<BN>(st + (SPLIT ? BM * LDS : 0), D + (dstart(dl) + (i64)pt * BN) * dim + k0,
-                              min(BN, len - pt * BN), dim, dim - k0);
-                if constexpr (I8) {
+                if (TMA) {
+#if LIK_HAS_WGMMA
+                    // Whole BN-row boxes: rows past this document's end are the next document's
+                    // tokens (or zeros past the tensor's end) and are masked in fold, as are
+                    // their scales. The map covers fewer than 2^31 rows (the host checks).
+                    if (threadIdx.x == 0) {
+                        const u32 bar = smem_addr(mbar + slot);
+                        const int row = (int)(dstart(dl) + (i64)pt * BN);
+                        mbar_arrive_expect_tx(bar, BN * DP * ESIZE + (I8 ? (BN + 4) * 4 : 0));
+#pragma unroll
+                        for (int kb = 0; kb < DP / BLK; ++kb) tma_load_2d(smem_addr(st + kb * BN * BLK), tmd, kb * 128, row, bar);
+                        if constexpr (I8) tma_load_1d(smem_addr(sS + slot * SCL), tms, row & ~3, bar);
+                    }
+#endif
+                } else {
+                    if (SPLIT) load_rows<BM>(st, Qt + k0, q_rows, dim, dim - k0);
+                    load_rows<BN>(st + (SPLIT ? BM * LDS : 0), D + (dstart(dl) + (i64)pt * BN) * dim + k0,
+                                  min(BN, len - pt * BN), dim, dim - k0);
+                }
+                if constexpr (I8 && !TMA) {
                     const float* src = d_scale + dstart(dl) + (i64)pt * BN;
                     const int avail = min(BN, len - pt * BN);
                     for (int c = threadIdx.x; c < BN; c += NT)
@@ -436,7 +480,7 @@ struct Fwd {
                     }
                 }
             }
-            cp_async_commit();  // one group per call, possibly empty: keeps wait_group counts exact
+            if (!TMA) cp_async_commit();  // one group per call, possibly empty: keeps wait_group counts exact
         };
 #pragma unroll
         for (int s = 0; s < AHEAD; ++s) issue(s);
@@ -456,7 +500,10 @@ struct Fwd {
         };
         // Wait for the next staged tile, start the refill of a freed slot, return the tile's slot.
         auto next_stage = [&]() -> int {
-            cp_async_wait<AHEAD - 1>();
+            // The barrier also tells the issuing thread that every warp is done with the slot it
+            // refills (the one consumed last).
+            if (TMA) cp_async_wait<0>();  // only the query tile's copies, before the first stage
+            else cp_async_wait<AHEAD - 1>();
 #if LIK_HAS_WGMMA
             if (WG) fence_proxy_async();
 #endif
@@ -469,20 +516,25 @@ struct Fwd {
                 q_ready = true;
             }
             issue((cons + AHEAD) % STAGES);
+#if LIK_HAS_WGMMA
+            if (TMA) mbar_wait(smem_addr(mbar + cons % STAGES), (cons / STAGES) & 1);
+#endif
             return cons++ % STAGES;
         };
         auto dmask = [&](int j) -> const u8* { return !PACKED && d_mask ? d_mask + (doc0 + j) * Ld : nullptr; };
 
         // Fold the similarity tile in `acc` (document tokens tok0 .. tok0 + BN - 1 of a document of
-        // `len` tokens with mask `dm`, staged in ring slot `slot`) into best / bidx.
-        auto fold = [&](A (&acc)[MT][NN][4], int slot, int tok0, int len, const u8* dm) {
+        // `len` tokens with mask `dm`, staged in ring slot `slot`, INT8 scales `sh` floats into
+        // the slot) into best / bidx.
+        auto fold = [&](A (&acc)[MT][NN][4], int slot, int tok0, int len, const u8* dm, int sh) {
             const bool full = !dm && tok0 + BN <= len;
             // INT8: columns n * 8 + 2 * tq + {0, 1} of this thread take their document token
             // scales from the stage just consumed (read before the next loop-top barrier lets the
             // producer refill it); one 8-byte load per column pair serves all 2 * MT rows.
-            const float* ss = sS + slot * SCL + 2 * tq;
+            const float* ss = sS + slot * SCL + sh + 2 * tq;
             auto scales = [&](int n) {
-                if constexpr (I8) return *reinterpret_cast<const float2*>(ss + n * 8);
+                if constexpr (I8 && TMA) return float2{ss[n * 8], ss[n * 8 + 1]};  // sh may be odd
+                else if constexpr (I8) return *reinterpret_cast<const float2*>(ss + n * 8);
                 else return float2{1.f, 1.f};
             };
             if (!ARGMAX && full) {
@@ -636,7 +688,7 @@ struct Fwd {
 #if LIK_HAS_WGMMA
                 if (WG_CHAIN) wgmma_wait<0>();
 #endif
-                fold(acc, slot, t * BN, len, dmask(j));
+                fold(acc, slot, t * BN, len, dmask(j), TMA && I8 ? (int)(dstart(doc0 + j) & 3) : 0);
             }
             finish(j);
         }
@@ -647,7 +699,7 @@ struct Fwd {
 }  // namespace lik
 
 typedef lik::Fwd<LIK_ELEM, LIK_DP, LIK_WARPS, LIK_MT, LIK_BN, LIK_STAGES, LIK_QREG != 0, LIK_ARGMAX != 0, LIK_VEC != 0,
-                  LIK_WGMMA != 0, LIK_MULTI != 0, LIK_PACKED != 0, LIK_SPLIT != 0>
+                  LIK_WGMMA != 0, LIK_MULTI != 0, LIK_PACKED != 0, LIK_SPLIT != 0, LIK_TMA != 0>
     LikFwdCfg;
 
 // LIK_MIN_BLOCKS: CTAs per SM the launch plan counts on (dispatch sets 2 for Hopper tiles
@@ -659,9 +711,19 @@ typedef lik::Fwd<LIK_ELEM, LIK_DP, LIK_WARPS, LIK_MT, LIK_BN, LIK_STAGES, LIK_QR
 extern "C" __global__ void __launch_bounds__(LIK_WARPS * 32, LIK_MIN_BLOCKS)
     LIK_NAME(const void* Q, const void* D, const float* q_scale, const float* d_scale, const int* q_len, const u8* q_mask, const int* d_len, const u8* d_mask,
              const i64* d_off, long long ntok, float* out, int* amax, int Nq, int Nd, int Lq, int Ld, int dim,
-             int n_qt, int qb, int docs_per_cta, int dl_qstride) {
+             int n_qt, int qb, int docs_per_cta, int dl_qstride
+#if LIK_TMA
+             , const __grid_constant__ TmaDesc tmd  // documents as [rows, dim * esize] bytes
+             , const __grid_constant__ TmaDesc tms  // INT8 document scales [rows] (a copy of tmd otherwise)
+#endif
+    ) {
+#if LIK_TMA
+    const TmaDesc *pd = &tmd, *ps = &tms;
+#else
+    const TmaDesc *pd = nullptr, *ps = nullptr;
+#endif
     LikFwdCfg::run(static_cast<const LikFwdCfg::T*>(Q), static_cast<const LikFwdCfg::T*>(D), q_scale, d_scale, q_len, q_mask, d_len, d_mask,
-                   d_off, ntok, out, amax, Nq, Nd, Lq, Ld, dim, n_qt, qb, docs_per_cta, dl_qstride);
+                   d_off, ntok, out, amax, Nq, Nd, Lq, Ld, dim, n_qt, qb, docs_per_cta, dl_qstride, pd, ps);
 }
 
 // Deterministic sum of the per-query-tile partial scores: out[x] = sum_q part[q][x], q ascending.

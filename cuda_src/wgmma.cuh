@@ -5,6 +5,11 @@
 #pragma once
 #include "common.cuh"
 
+// A tensor map as a kernel parameter (declared everywhere so signatures need no #if).
+struct __align__(64) TmaDesc {
+    unsigned long long v[16];  // the driver's opaque CUtensorMap, built by lik_cupy/tma.py
+};
+
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define LIK_HAS_WGMMA 1
 
@@ -80,6 +85,40 @@ LIK_WGMMA_S8(64, LIK_REGS32, 32, 33, 34, LIK_ACC32("+r"))
 LIK_WGMMA_S8(96, LIK_REGS48, 48, 49, 50, LIK_ACC48("+r"))
 LIK_WGMMA_S8(128, LIK_REGS64, 64, 65, 66, LIK_ACC64("+r"))
 LIK_WGMMA_S8(256, LIK_REGS128, 128, 129, 130, LIK_ACC128("+r"))
+
+// Tensor-memory-accelerator (TMA) loads: a box of a tensor map built on the host
+// (lik_cupy/tma.py) lands in shared memory, swizzled as the map says, and completes as a
+// byte count on an mbarrier. One thread issues a whole tile; no thread computes addresses.
+__device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+// Barrier initialisation must be visible to the async proxy before a TMA completes on it.
+__device__ __forceinline__ void mbar_init_fence() { asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory"); }
+// One arrival that also tells the barrier to wait for `bytes` more of TMA transfers.
+__device__ __forceinline__ void mbar_arrive_expect_tx(u32 bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+// Wait until the barrier's phase with this parity has completed.
+__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
+    asm volatile(
+        "{\n.reg .pred p;\nLIK_MBAR_WAIT:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+        "@!p bra LIK_MBAR_WAIT;\n}\n" ::"r"(bar),
+        "r"(parity)
+        : "memory");
+}
+__device__ __forceinline__ void tma_load_2d(u32 dst, const TmaDesc* map, int c0, int c1, u32 bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(dst),
+        "l"(reinterpret_cast<unsigned long long>(map)), "r"(c0), "r"(c1), "r"(bar)
+        : "memory");
+}
+__device__ __forceinline__ void tma_load_1d(u32 dst, const TmaDesc* map, int c0, u32 bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.1d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2}], [%3];\n" ::"r"(dst),
+        "l"(reinterpret_cast<unsigned long long>(map)), "r"(c0), "r"(bar)
+        : "memory");
+}
 
 #else
 #define LIK_HAS_WGMMA 0

@@ -43,6 +43,7 @@ class FwdConfig:
     multi: bool = False  # a tile may hold several whole queries
     packed: bool = False  # packed documents with offsets
     split: bool = False  # split-d: query and document chunks of dp columns share each stage
+    tma: bool = False  # document tiles staged by TMA from a tensor map (sm_90, one-shot, 128-byte multiple rows)
 
     @property
     def bm(self) -> int:
@@ -59,14 +60,14 @@ class FwdConfig:
     @property
     def smem_bytes(self) -> int:
         rows = self.stages * (self.bm + self.bn) if self.split else self.bm + self.stages * self.bn
-        if self.wgmma:  # unpadded swizzled tiles, plus slack to align them to 1024 bytes
-            return rows * self.dp * self.esize + 1024 + self._extra_bytes
+        if self.wgmma or self.tma:  # unpadded swizzled tiles, slack to align them to 1024 bytes, TMA barriers
+            return rows * self.dp * self.esize + 1024 + self._extra_bytes + (8 * self.stages if self.tma else 0)
         return rows * (self.dp + 16 // self.esize) * self.esize + self._extra_bytes
 
     @property
     def _extra_bytes(self) -> int:
         # double-buffered row maxima (multi) or per-warp sums; int8: each stage's token scales
-        scales = self.stages * self.bn * 4 if self.elem == 3 else 0
+        scales = self.stages * (self.bn + (32 if self.tma else 0)) * 4 if self.elem == 3 else 0  # as SCL in the kernel
         return 2 * (self.bm if self.multi else self.warps) * 4 + scales
 
     @property
@@ -76,6 +77,7 @@ class FwdConfig:
             f"lik_maxsim_fwd_{e}_{'k' if self.split else 'd'}{self.dp}_w{self.warps}m{self.mt}_n{self.bn}s{self.stages}"
             f"{'_qreg' if self.qreg else ''}{'_argmax' if self.argmax else ''}{'_vec' if self.vec else ''}"
             f"{'_wgmma' if self.wgmma else ''}{'_mq' if self.multi else ''}{'_packed' if self.packed else ''}"
+            f"{'_tma' if self.tma else ''}"
         )
 
     def defines(self) -> dict[str, int | str]:
@@ -94,6 +96,7 @@ class FwdConfig:
             "LIK_MULTI": int(self.multi),
             "LIK_PACKED": int(self.packed),
             "LIK_SPLIT": int(self.split),
+            "LIK_TMA": int(self.tma),
             "LIK_MIN_BLOCKS": self.min_blocks,
         }
 
@@ -106,8 +109,9 @@ class FwdConfig:
                      and 2 * (self.smem_bytes + 1024) <= _SMEM_PER_SM[90]) else 1
 
     def target(self, arch: int) -> str:
-        """NVRTC architecture suffix: wgmma kernels need the sm_90a feature set."""
-        return "90a" if self.wgmma else str(arch)
+        """NVRTC architecture suffix: wgmma and TMA kernels are built for sm_90a (the TMA and
+        mbarrier helpers sit beside the wgmma ones)."""
+        return "90a" if self.wgmma or self.tma else str(arch)
 
 
 ELEM_SIZES = (2, 2, 4, 1)
@@ -271,7 +275,7 @@ def queries_per_tile(cfg: FwdConfig, lq: int, shared_queries: int) -> int:
 
 @functools.lru_cache(maxsize=4096)
 def choose_forward(cc: int, dtype: str, dim: int, lq: int, argmax: bool, vec: bool, wgmma: bool = True,
-                   shared_queries: int = 1, ld: int = 1024, packed: bool = False) -> FwdConfig:
+                   shared_queries: int = 1, ld: int = 1024, packed: bool = False, tma: bool = False) -> FwdConfig:
     """The forward configuration for one problem on a device of compute capability ``cc``.
 
     ``shared_queries`` is the number of queries scored against the same
@@ -281,6 +285,8 @@ def choose_forward(cc: int, dtype: str, dim: int, lq: int, argmax: bool, vec: bo
     document tile is padding; ``packed`` selects the packed-document variant.
     ``wgmma=False`` keeps to the portable mma.sync kernels (the fallback when
     an sm_90a build fails, and the switch tests use to cover both paths).
+    ``tma``: the caller can hand the kernel tensor maps of D (and of the INT8 scales);
+    one-shot Hopper tiles then stage documents by TMA.
     """
     arch = arch_of(cc)
     elem = ELEM_CODES[dtype]
@@ -303,13 +309,17 @@ def choose_forward(cc: int, dtype: str, dim: int, lq: int, argmax: bool, vec: bo
     if int8 or not uses_split(*split_family(arch, hopper, dim), lq <= 64, dim):
         if hopper and dim * ELEM_SIZES[elem] % 128 == 0:
             for bn, stages in _wgmma_tiles(lq, ld, multi(128)):
-                cfg = FwdConfig(elem, dim, 8, 1, bn, stages, False, argmax, vec, True, multi(128), packed)
+                # INT8's argmax with TMA spills at two CTAs per SM (compile.check_all): it keeps cp.async.
+                cfg = FwdConfig(elem, dim, 8, 1, bn, stages, False, argmax, vec, True, multi(128), packed,
+                                tma=tma and not (int8 and argmax))
                 # int8's argmax of several queries does not fit the 128 registers of two CTAs per SM.
                 if cfg.smem_bytes <= limit and not (int8 and argmax and cfg.multi and cfg.min_blocks > 1):
                     return cfg
+        # TMA needs whole 128-byte rows (no padding lanes) and swizzled tiles (not the fp32 lds path).
+        tma_mma = tma and vec and arch == 90 and elem != 2 and dim == dp and dp * ELEM_SIZES[elem] % 128 == 0
         for warps, mt, bn, stages in _TABLE[(elem == 2, _dim_bucket(dp // 2 if int8 else dp), lb)]:
             cfg = FwdConfig(elem, dp, warps, mt, bn, stages, _qreg(elem, dp, mt), argmax, vec, False,
-                            multi(warps * mt * 16), packed)
+                            multi(warps * mt * 16), packed, tma=tma_mma)
             if cfg.smem_bytes <= limit:
                 return cfg
     if int8:
@@ -382,8 +392,10 @@ def all_forward_configs(arch: int) -> list[FwdConfig]:
                         for vec in (True, False):
                             for wg in (True, False):
                                 for packed in (False, True):
-                                    c = choose_forward(arch, dtype, dim, lq, argmax, vec, wg, shared, ld, packed)
-                                    seen[c.name] = c
+                                    for tma in (False, True):
+                                        c = choose_forward(arch, dtype, dim, lq, argmax, vec, wg, shared, ld, packed,
+                                                           tma)
+                                        seen[c.name] = c
     return list(seen.values())
 
 

@@ -12,7 +12,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from . import cpu, dispatch, interop
+from . import cpu, dispatch, interop, tma
 from .device import allocating, device_properties, empty, gpu_available
 from .validate import Problem, check_32bit, check_call, check_length_values, check_offset_values, check_varlen
 
@@ -321,6 +321,10 @@ def _wgmma_enabled() -> bool:
     return os.environ.get("LIK_CUPY_DISABLE_WGMMA", "") not in ("1", "true", "yes")
 
 
+def _tma_enabled() -> bool:
+    return os.environ.get("LIK_CUPY_DISABLE_TMA", "") not in ("1", "true", "yes")
+
+
 _wgmma_warned = False
 
 
@@ -392,9 +396,13 @@ def _launch(p: Problem, q, d, qm, dm, ql, dl, return_argmax: bool, device: int, 
     ld = ld_hint if ld_hint is not None else p.ld
     arch = dispatch.arch_of(props.cc)
 
+    rows = d.size // p.dim  # D as [rows, dim] (padded, candidate or packed layout)
+    use_tma = (_tma_enabled() and vec and rows <= tma.MAX_ROWS and tma.available()
+               and (d_scale is None or d_scale.data.ptr % 16 == 0))
+
     def choose(wgmma: bool):
         return dispatch.choose_forward(props.cc, p.dtype, p.dim, p.lq, return_argmax, vec, wgmma, shared, ld,
-                                       d_off is not None)
+                                       d_off is not None, use_tma and wgmma)
 
     cfg = choose(_wgmma_enabled())
     try:
@@ -420,6 +428,10 @@ def _launch(p: Problem, q, d, qm, dm, ql, dl, return_argmax: bool, device: int, 
         np.int32(p.nq), np.int32(p.nd), np.int32(p.lq), np.int32(p.ld), np.int32(p.dim),
         np.int32(plan.n_qt), np.int32(plan.qb), np.int32(plan.docs_per_cta), np.int32(p.nd if p.candidates else 0),
     )
+    if cfg.tma:
+        dmap = tma.tile_map(d.data.ptr, rows, p.dim * esize, cfg.bn)
+        smap = tma.scale_map(d_scale.data.ptr, rows, cfg.bn + 4) if d_scale is not None else dmap
+        args += (dmap.arg, smap.arg)
     try:
         kern(plan.grid, (cfg.threads, 1, 1), args, shared_mem=cfg.smem_bytes)
         if plan.n_qt > 1:

@@ -275,9 +275,30 @@ def test_compile_check_covers_the_bucket_dims():
                         for argmax in (False, True):
                             for vec in (False, True):
                                 for wg in (True, False):
-                                    c = dispatch.choose_forward(arch, dtype, dim, lq, argmax, vec, wg, shared, ld)
-                                    assert c.name in compiled, (arch, dtype, dim, lq, shared, ld, argmax, vec, wg,
-                                                                c.name)
+                                    for tma in (False, True):
+                                        c = dispatch.choose_forward(arch, dtype, dim, lq, argmax, vec, wg, shared, ld,
+                                                                    False, tma)
+                                        assert c.name in compiled, (arch, dtype, dim, lq, shared, ld, argmax, vec, wg,
+                                                                    tma, c.name)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "int8"])
+def test_tma_only_where_the_kernels_take_it(dtype):
+    # TMA stages whole 128-byte rows into swizzled tiles: sm_90, aligned rows, one-shot, 16-bit or
+    # int8 (not the fp32 lds path); int8's argmax keeps cp.async on the wgmma tiles (it spills).
+    esize = dispatch.ELEM_SIZES[dispatch.ELEM_CODES[dtype]]
+    for cc in (80, 86, 89, 90):
+        for dim in _dims(dtype, (32, 64, 96, 128, 192, 256, 384, 512, 1000, 2048)):
+            for lq, shared in ((1, 1), (32, 1), (32, 32), (128, 1), (1000, 1)):
+                for argmax in (False, True):
+                    for vec in (False, True):
+                        c = dispatch.choose_forward(cc, dtype, dim, lq, argmax, vec, True, shared, 300, False, True)
+                        want = (cc == 90 and vec and dtype != "float32" and not c.split and dim * esize % 128 == 0
+                                and not (dtype == "int8" and argmax and c.wgmma))
+                        assert c.tma == want, (cc, dim, lq, shared, argmax, vec, c.name)
+                        assert c.target(dispatch.arch_of(cc)) == ("90a" if c.tma or c.wgmma else str(cc))
+                        off = dispatch.choose_forward(cc, dtype, dim, lq, argmax, vec, True, shared, 300, False, False)
+                        assert not off.tma and off.bn == c.bn and off.stages == c.stages
 
 
 @pytest.mark.xfail(
