@@ -258,6 +258,16 @@ def _wgmma_tiles(lq: int, ld: int, multi: bool) -> list[tuple[int, int]]:
     return [(bn, st) for bn in order for st in stages[bn]]
 
 
+def _wgmma_tma(int8: bool, argmax: bool, multi: bool, q_len: int) -> bool:
+    """Whether a Hopper tile stages documents by TMA (when the caller can). From
+    bench/results/sweep_tma_nvidia-h100-80gb-hbm3.json and the H200 forward runs before and
+    after: TMA is 11-17% faster at Lq=512 and 1024 (argmax too), on multi-query tiles and on
+    INT8, but 1-5% slower on a single query of at most 128 tokens (Lq=128, Ld=1024, B=1000:
+    0.0717 against 0.0681 ms on an H200), which streams D near the HBM rate either way.
+    INT8's argmax with TMA spills at two CTAs per SM (compile.check_all)."""
+    return not (int8 and argmax) and (multi or q_len > 128)
+
+
 def tile_rows(lq: int, shared_queries: int) -> int:
     """Query rows one CTA tile can usefully hold: several whole short queries when
     ``shared_queries`` queries score the same documents (up to 128 rows)."""
@@ -309,9 +319,8 @@ def choose_forward(cc: int, dtype: str, dim: int, lq: int, argmax: bool, vec: bo
     if int8 or not uses_split(*split_family(arch, hopper, dim), lq <= 64, dim):
         if hopper and dim * ELEM_SIZES[elem] % 128 == 0:
             for bn, stages in _wgmma_tiles(lq, ld, multi(128)):
-                # INT8's argmax with TMA spills at two CTAs per SM (compile.check_all): it keeps cp.async.
                 cfg = FwdConfig(elem, dim, 8, 1, bn, stages, False, argmax, vec, True, multi(128), packed,
-                                tma=tma and not (int8 and argmax))
+                                tma=tma and _wgmma_tma(int8, argmax, multi(128), q_len))
                 # int8's argmax of several queries does not fit the 128 registers of two CTAs per SM.
                 if cfg.smem_bytes <= limit and not (int8 and argmax and cfg.multi and cfg.min_blocks > 1):
                     return cfg
