@@ -321,8 +321,10 @@ def _wgmma_enabled() -> bool:
     return os.environ.get("LIK_CUPY_DISABLE_WGMMA", "") not in ("1", "true", "yes")
 
 
-def _tma_enabled() -> bool:
-    return os.environ.get("LIK_CUPY_DISABLE_TMA", "") not in ("1", "true", "yes")
+def tma_usable() -> bool:
+    """Whether Hopper tiles may stage documents by TMA here (not turned off, and the driver
+    can build tensor maps); dispatch decides which tiles do."""
+    return os.environ.get("LIK_CUPY_DISABLE_TMA", "") not in ("1", "true", "yes") and tma.available()
 
 
 _wgmma_warned = False
@@ -397,8 +399,7 @@ def _launch(p: Problem, q, d, qm, dm, ql, dl, return_argmax: bool, device: int, 
     arch = dispatch.arch_of(props.cc)
 
     rows = d.size // p.dim  # D as [rows, dim] (padded, candidate or packed layout)
-    use_tma = (_tma_enabled() and vec and rows <= tma.MAX_ROWS and tma.available()
-               and (d_scale is None or d_scale.data.ptr % 16 == 0))
+    use_tma = tma_usable() and vec and rows <= tma.MAX_ROWS and (d_scale is None or d_scale.data.ptr % 16 == 0)
 
     def choose(wgmma: bool):
         return dispatch.choose_forward(props.cc, p.dtype, p.dim, p.lq, return_argmax, vec, wgmma, shared, ld,
@@ -408,7 +409,7 @@ def _launch(p: Problem, q, d, qm, dm, ql, dl, return_argmax: bool, device: int, 
     try:
         mod, kern = _kernel(cfg, arch, device)
     except CompileError as e:
-        if not cfg.wgmma:
+        if not (cfg.wgmma or cfg.tma):  # only the sm_90a builds have a fallback
             raise
         _warn_wgmma_once(e)
         cfg = choose(False)

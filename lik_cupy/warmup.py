@@ -24,6 +24,7 @@ def warmup(dims=(128,), dtypes=("float16", "bfloat16"), query_lengths=(32, 1024)
     import cupy
 
     from .compile import get_module
+    from .forward import tma_usable
 
     dev = cupy.cuda.runtime.getDevice() if device is None else int(device)
     cc = device_properties(dev).cc
@@ -34,7 +35,7 @@ def warmup(dims=(128,), dtypes=("float16", "bfloat16"), query_lengths=(32, 1024)
             for lq in query_lengths:
                 for am in argmax:
                     for vec in {(dim * dispatch.ELEM_SIZES[dispatch.ELEM_CODES[dtype]]) % 16 == 0, False}:
-                        cfg = dispatch.choose_forward(cc, dtype, dim, lq, am, vec)
+                        cfg = dispatch.choose_forward(cc, dtype, dim, lq, am, vec, tma=vec and tma_usable())
                         if cfg.name not in names:
                             get_module("maxsim_fwd.cu", cfg.defines(), cfg.target(arch), dev)
                             names.add(cfg.name)
