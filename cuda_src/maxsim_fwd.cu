@@ -31,9 +31,10 @@
 //   LIK_QREG    1: query fragments held in registers; 0: re-read from shared memory
 //   LIK_ARGMAX  1: also write the winning document token per query token
 //   LIK_VEC     1: 16-byte copies (dim and base pointers 16-byte aligned)
-//   LIK_WGMMA   1: Hopper warpgroup MMA (sm_90a; needs LIK_MT 1, LIK_WARPS 8, rows of
-//               LIK_DP elements a multiple of 128 bytes): tiles are stored 128B-swizzled and
-//               read by the tensor cores straight from shared memory
+//   LIK_WGMMA   1: Hopper warpgroup MMA (sm_90a; needs LIK_MT 1, LIK_WARPS 4 or 8 (one or two
+//               warpgroups of 64 query rows), rows of LIK_DP elements a multiple of 128 bytes):
+//               tiles are stored 128B-swizzled and read by the tensor cores straight from
+//               shared memory
 //   LIK_MULTI   1: a tile may hold several whole queries (qb > 1); 0 keeps the
 //               leaner single-query reduction (qb must be 1)
 //   LIK_PACKED  1: documents are packed tokens with offsets; 0: padded
@@ -115,7 +116,7 @@ struct Fwd {
     static_assert(DP % 16 == 0, "DP must be a multiple of 16");
     static_assert(BN % 16 == 0, "BN must be a multiple of 16");
     static_assert(STAGES >= 2, "need at least two stages");
-    static_assert(!WG || (MT == 1 && WARPS == 8 && DP * ESIZE % 128 == 0 && ELEM != 2 && !QREG), "wgmma tile shape");
+    static_assert(!WG || (MT == 1 && (WARPS == 4 || WARPS == 8) && DP * ESIZE % 128 == 0 && ELEM != 2 && !QREG), "wgmma tile shape");
     static_assert(!SPLIT || !QREG, "split-d re-reads query chunks from shared memory");
     static_assert(!I8 || (!SPLIT && DP % 32 == 0), "INT8 runs one-shot with DP a multiple of 32");
     static_assert(!TMA || (!SPLIT && ELEM != 2 && DP * ESIZE % 128 == 0), "TMA feeds one-shot 16-bit and INT8 tiles");

@@ -264,8 +264,8 @@ def check_all(archs=None, configs=None) -> list[dict]:
     """CPU-only: compile every forward configuration for every supported architecture.
 
     Returns one row per (kernel, arch) with registers, stack, spills, static and
-    dynamic shared memory (``lik_sum_partials``, the top-k merge, the INT8 quantiser and
-    the backward kernels once per architecture). Raises ``CompileError`` if any kernel fails.
+    dynamic shared memory (``lik_sum_partials``, the top-k merge, the value checks, the INT8
+    quantiser and the backward kernels once per architecture). Raises ``CompileError`` if any kernel fails.
     """
     from .dispatch import SUPPORTED_ARCHS, all_forward_configs
 
@@ -280,9 +280,11 @@ def check_all(archs=None, configs=None) -> list[dict]:
                 rows.append({"kernel": "lik_sum_partials", "arch": f"sm_{target}", "dynamic_smem": 0,
                              **resource_usage(out.log, "lik_sum_partials")})
         if configs is None:
-            out = nvrtc_compile("topk.cu", {}, arch)
-            rows.append({"kernel": "lik_topk_merge", "arch": f"sm_{arch}", "dynamic_smem": 0,
-                         **resource_usage(out.log, "lik_topk_merge")})
+            for src, kernels in (("topk.cu", ("lik_topk_merge",)),
+                                 ("checks.cu", ("lik_check_range_i32", "lik_check_range_i64", "lik_check_offsets"))):
+                out = nvrtc_compile(src, {}, arch)
+                rows += [{"kernel": k, "arch": f"sm_{arch}", "dynamic_smem": 0, **resource_usage(out.log, k)}
+                         for k in kernels]
             for elem in (0, 1, 2):  # the INT8 quantiser, per input dtype
                 out = nvrtc_compile("quantize.cu", {"LIK_ELEM": elem}, arch)
                 rows.append({"kernel": f"lik_quantize_int8[elem={elem}]", "arch": f"sm_{arch}", "dynamic_smem": 0,

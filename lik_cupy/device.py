@@ -80,7 +80,10 @@ def empty(shape, dtype, buffer: str, hint: str, *, zeros: bool = False):
     import cupy
 
     shape = tuple(int(n) for n in shape)
+    try:
+        return cupy.zeros(shape, dtype) if zeros else cupy.empty(shape, dtype)
+    except (cupy.cuda.memory.OutOfMemoryError, cupy.cuda.runtime.CUDARuntimeError):
+        pass  # build the message only on failure (this runs on every call); retry to raise it
     dt = np.dtype(dtype)
-    nbytes = math.prod(shape) * dt.itemsize
-    with allocating(f"{buffer} {list(shape)} {dt.name}", nbytes, hint):
+    with allocating(f"{buffer} {list(shape)} {dt.name}", math.prod(shape) * dt.itemsize, hint):
         return cupy.zeros(shape, dt) if zeros else cupy.empty(shape, dt)

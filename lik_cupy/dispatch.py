@@ -258,6 +258,26 @@ def _wgmma_tiles(lq: int, ld: int, multi: bool) -> list[tuple[int, int]]:
     return [(bn, st) for bn in order for st in stages[bn]]
 
 
+# One warpgroup (4 warps, 64 query rows) for queries of at most 64 rows, from
+# bench/results/sweep_short_nvidia-h200.json: a single query streams D at 4.1-4.5 TB/s on these
+# tiles against 3.7-4.1 on the portable mma.sync tiles (8-15% less time at Lq = 32 and 64,
+# Ld = 180..1024, padded and packed, INT8 too); two warpgroups (half their rows padding) and
+# TMA staging were slower. Relative cost per staged document token: 64- and 128-token tiles
+# are within 2% of each other on long documents, so the shorter one wins where it pads less;
+# INT8's 64-token tiles ran 22% slower (Ld = 1024). Measured at d = 128 (256-byte rows), the
+# widest rows this rule takes.
+_SHORT_WGMMA_COST = {False: {64: 1.0, 128: 0.98}, True: {128: 1.0, 64: 1.22}}
+_SHORT_WGMMA_STAGES = {64: (4, 3), 128: (2, 3)}
+_SHORT_WGMMA_MAX_ROW_BYTES = 256
+
+
+def _short_wgmma_tiles(ld: int, int8: bool) -> list[tuple[int, int]]:
+    """(bn, stages) candidates for the one-warpgroup Hopper tile, best first."""
+    cost = _SHORT_WGMMA_COST[int8]
+    order = sorted(cost, key=lambda bn: -(-max(ld, 1) // bn) * bn * cost[bn])
+    return [(bn, st) for bn in order for st in _SHORT_WGMMA_STAGES[bn]]
+
+
 def _wgmma_tma(int8: bool, argmax: bool, multi: bool, q_len: int) -> bool:
     """Whether a Hopper tile stages documents by TMA (when the caller can). From
     bench/results/sweep_tma_nvidia-h100-80gb-hbm3.json and the H200 forward runs before and
@@ -313,11 +333,20 @@ def choose_forward(cc: int, dtype: str, dim: int, lq: int, argmax: bool, vec: bo
         return shared_queries > 1 and 2 * q_len <= bm
 
     hopper = wgmma and arch == 90 and elem != 2 and vec and lq > 64
+    row_bytes = dim * ELEM_SIZES[elem]
+    short_hopper = (wgmma and arch == 90 and elem != 2 and vec and lq <= 64 and row_bytes % 128 == 0
+                    and row_bytes <= _SHORT_WGMMA_MAX_ROW_BYTES)
     limit = _SMEM_PER_BLOCK.get(arch, 99 * 1024)  # unknown (newer) GPUs: the smallest limit
     lb = 32 if lq <= 32 else 64 if lq <= 64 else 128
     # INT8 runs one-shot only; its rows have the bytes (and fragment registers) of 16-bit rows half as wide.
     if int8 or not uses_split(*split_family(arch, hopper, dim), lq <= 64, dim):
-        if hopper and dim * ELEM_SIZES[elem] % 128 == 0:
+        if short_hopper:
+            for bn, stages in _short_wgmma_tiles(ld, int8):
+                cfg = FwdConfig(elem, dim, 4, 1, bn, stages, False, argmax, vec, True, multi(64), packed,
+                                tma=tma and _wgmma_tma(int8, argmax, multi(64), q_len))
+                if cfg.smem_bytes <= limit:
+                    return cfg
+        if hopper and row_bytes % 128 == 0:
             for bn, stages in _wgmma_tiles(lq, ld, multi(128)):
                 cfg = FwdConfig(elem, dim, 8, 1, bn, stages, False, argmax, vec, True, multi(128), packed,
                                 tma=tma and _wgmma_tma(int8, argmax, multi(128), q_len))
@@ -366,6 +395,7 @@ class Launch:
     grid: tuple[int, int, int]
 
 
+@functools.lru_cache(maxsize=4096)
 def plan_launch(cfg: FwdConfig, cc: int, num_sms: int, nq: int, nd: int, lq: int, shared_queries: int = 1) -> Launch:
     """Grid shape: query tiles on x (neighbours share document tiles in L2), document runs on y.
 

@@ -14,6 +14,7 @@ import numpy as np
 
 from . import cpu, dispatch, interop, tma
 from .device import allocating, device_properties, empty, gpu_available
+from .checks import DeviceChecks
 from .validate import Problem, check_32bit, check_call, check_length_values, check_offset_values, check_varlen
 
 _BACKENDS = ("auto", "gpu", "cpu")
@@ -225,25 +226,37 @@ def _gpu(p: Problem, Q, D, q_mask, d_mask, q_lengths, d_lengths, return_argmax):
     fw = p.framework
     on_host = p.device is None
     device = p.device if p.device is not None else cupy.cuda.runtime.getDevice()
-    with interop.caller_stream(fw, device):
+    with interop.caller_stream(fw, device), DeviceChecks() as checks:
         q = _dev_array(Q, fw, on_host)
         d = _dev_array(D, fw, on_host)
         if p.dtype == "bfloat16":
             q, d = q.view(cupy.uint16), d.view(cupy.uint16)
         nrows = p.nq * p.nd if p.candidates else p.nd
-        qm, ql = device_valid(q_mask, q_lengths, p.nq, p.lq, "q_lengths", fw, on_host)
-        dm, dl = device_valid(d_mask, d_lengths, nrows, p.ld, "d_lengths", fw, on_host)
+        qm, ql = device_valid(q_mask, q_lengths, p.nq, p.lq, "q_lengths", fw, on_host, checks)
+        dm, dl = device_valid(d_mask, d_lengths, nrows, p.ld, "d_lengths", fw, on_host, checks)
+        checks.send()
         scores, amax = _launch(p, q, d, qm, dm, ql, dl, return_argmax, device)
+        checks.verify()  # after the launch: the kernel clamps lengths (checks.py)
         return _caller_results(p, scores, amax, on_host)
 
 
-def device_valid(mask, lengths, rows: int, length: int, name: str, fw: str, on_host: bool):
+def device_valid(mask, lengths, rows: int, length: int, name: str, fw: str, on_host: bool, checks=None):
     """One side's valid tokens on the device: (uint8 mask [rows, length] or None,
-    range-checked int32 lengths [rows] or None)."""
+    range-checked int32 lengths [rows] or None). With ``checks`` (a ``DeviceChecks``) the
+    range check is queued there for the caller to verify; without, it is verified here."""
     import cupy
 
     m = None if mask is None else _dev_array(mask, fw, on_host).view(cupy.uint8).reshape(rows, length)
-    n = None if lengths is None else _lengths(_dev_array(lengths, fw, on_host), rows, length, name)
+    n = None
+    if lengths is not None:
+        a = cupy.ascontiguousarray(_dev_array(lengths, fw, on_host).reshape(rows))
+        if rows:
+            own = checks is None
+            checks = DeviceChecks() if own else checks
+            checks.lengths(a, length, name)
+            if own:
+                checks.verify()
+        n = a if a.dtype == np.int32 else a.astype(cupy.int32)
     return m, n
 
 
@@ -255,16 +268,19 @@ def _caller_results(p: Problem, scores, amax, on_host: bool):
     return scores, amax
 
 
-def device_offsets(off, total: int, name: str, check: bool = True):
-    """int64 contiguous device offsets; ``check`` runs the value checks (one small reduction
-    and one sync, no copy of the array)."""
+def device_offsets(off, total: int, name: str, check: bool = True, checks=None):
+    """int64 contiguous device offsets. ``check`` runs the value checks on the device (no copy
+    of the array): queued on ``checks`` (a ``DeviceChecks``) for the caller to verify, or
+    verified here."""
     import cupy
 
     off = cupy.ascontiguousarray(off.reshape(-1), dtype=cupy.int64)
     if check:
-        bad = (off[1:] < off[:-1]).any() if off.size > 1 else cupy.zeros((), bool)
-        first, last, dec = (int(v) for v in cupy.stack([off[0], off[-1], bad.astype(cupy.int64)]).get())
-        check_offset_values(name, first, last, bool(dec), total)
+        own = checks is None
+        checks = DeviceChecks() if own else checks
+        checks.offsets(off, total, name)
+        if own:
+            checks.verify()
     return off
 
 
@@ -274,21 +290,23 @@ def _gpu_varlen(p: Problem, Q, D, d_offsets, q_mask, q_lengths, q_offsets, retur
     fw = p.framework
     on_host = p.device is None
     device = p.device if p.device is not None else cupy.cuda.runtime.getDevice()
-    with interop.caller_stream(fw, device):
+    with interop.caller_stream(fw, device), DeviceChecks() as checks:
         q = _dev_array(Q, fw, on_host)
         d = _dev_array(D, fw, on_host).reshape(p.ntok, p.dim)
         if p.dtype == "bfloat16":
             q, d = q.view(cupy.uint16), d.view(cupy.uint16)
-        doff = device_offsets(_dev_array(d_offsets, fw, on_host), p.ntok, "d_offsets", validate)
+        doff = device_offsets(_dev_array(d_offsets, fw, on_host), p.ntok, "d_offsets", validate, checks)
         qm = None
         if q_offsets is not None:
             q, ql = _unpack_queries(q.reshape(-1, p.dim), _dev_array(q_offsets, fw, on_host), p.nq)
             p = replace(p, lq=q.shape[1], argmax_shape=p.scores_shape + (q.shape[1],))
         else:
             q = q.reshape(p.nq, p.lq, p.dim)
-            qm, ql = device_valid(q_mask, q_lengths, p.nq, p.lq, "q_lengths", fw, on_host)
+            qm, ql = device_valid(q_mask, q_lengths, p.nq, p.lq, "q_lengths", fw, on_host, checks)
         ld_hint = -(-p.ntok // max(1, p.nd))
+        checks.send()
         scores, amax = _launch(p, q, d, qm, None, ql, None, return_argmax, device, d_off=doff, ld_hint=ld_hint)
+        checks.verify()  # after the launch: the kernel clamps offsets and lengths (checks.py)
         return _caller_results(p, scores, amax, on_host)
 
 
@@ -305,16 +323,6 @@ def _unpack_queries(qt, q_offsets, nq: int):
     rows = np.minimum(off[:-1, None] + np.arange(lq)[None, :], qt.shape[0] - 1)  # rows past a length are masked
     q = qt[cupy.asarray(rows)]
     return cupy.ascontiguousarray(q), cupy.asarray(lens.astype(np.int32))
-
-
-def _lengths(a, rows: int, limit: int, name: str):
-    import cupy
-
-    a = a.reshape(rows)
-    if rows:
-        lo, hi = (int(v) for v in cupy.stack([a.min(), a.max()]).get())  # the one sync: a range check
-        check_length_values(name, lo, hi, limit)
-    return cupy.ascontiguousarray(a, dtype=cupy.int32)
 
 
 def _wgmma_enabled() -> bool:

@@ -11,6 +11,7 @@ import hashlib
 import json
 import multiprocessing
 import os
+import re
 import shutil
 
 import pytest
@@ -59,7 +60,7 @@ def test_check_all_compiles_without_spills(tmp_path, request):
         names = {r["kernel"] for r in got}
         missing = set(cfgs) - names
         assert not missing, f"sm_{arch}: no compile result for {sorted(missing)[:5]}"
-        assert "lik_sum_partials" in names and "lik_topk_merge" in names
+        assert {"lik_sum_partials", "lik_topk_merge", "lik_check_offsets", "lik_check_range_i32"} <= names
         assert {f"lik_bwd_{k}[elem={e},vec={v}]" for k in ("dq", "keys", "dd_csr", "cast") for e in (0, 1, 2)
                 for v in (0, 1)} <= names
         seen = set()
@@ -350,6 +351,7 @@ def test_plan_launch_grid_limits(nd, nq, lq):
 # ---------------------------------------------------------------- (f) the split-d table
 
 SWEEP = os.path.join(os.path.dirname(__file__), "..", "bench", "results", "sweep_split_d_nvidia-h200.json")
+SHORT_SWEEP = os.path.join(os.path.dirname(__file__), "..", "bench", "results", "sweep_short_nvidia-h200.json")
 
 
 @pytest.mark.parametrize("dim", [520, 640, 1000, 2048, 4096, 8192])
@@ -373,10 +375,32 @@ def test_split_table_per_bucket_and_arch(cc):
                 arch_key, family = dispatch.split_family(arch, hopper, dim)
                 start = dispatch._SPLIT_FROM.get((arch_key, family, lq <= 64), dispatch._SPLIT_FROM_DEFAULT)
                 assert c.split == (dim > 512 or dim >= start), (cc, dim, lq, wg, c.name)
-                assert c.wgmma == hopper, (cc, dim, lq, wg, c.name)
+                # short queries: one warpgroup on Hopper for rows of 128 or 256 bytes
+                short = wg and arch == 90 and lq <= 64 and dim in (64, 128)
+                assert c.wgmma == (hopper or short), (cc, dim, lq, wg, c.name)
+                assert c.warps == 4 if short else True, (cc, dim, lq, wg, c.name)
     if arch not in (80, 86, 89, 90):  # unknown GPUs: split-d only where one-shot cannot run
         assert all((arch, f, s) not in dispatch._SPLIT_FROM for f in ("mma", "wgmma") for s in (True, False))
         assert not dispatch.choose_forward(cc, "float16", 512, 1024, False, True).split
+
+
+def test_short_query_tiles_match_the_committed_sweep():
+    # each padded single-query case of the sweep: dispatch's tile is within 3% of the fastest
+    with open(SHORT_SWEEP) as f:
+        rows = json.load(f)["rows"]
+    checked = 0
+    for r in rows:
+        m = re.fullmatch(r"(fp16|int8) (\d+)x(\d+) B=(\d+)", r["case"])
+        if not m:
+            continue
+        dtype = {"fp16": "float16", "int8": "int8"}[m.group(1)]
+        times = {t["config"]: t["ms"] for t in r["tiles"] if "ms" in t}
+        chosen = dispatch.choose_forward(90, dtype, 128, int(m.group(2)), False, True, True, 1, int(m.group(3)),
+                                         False, True).name
+        assert chosen in times, (r["case"], chosen)
+        assert times[chosen] <= 1.03 * min(times.values()), (r["case"], chosen, times[chosen], min(times.values()))
+        checked += 1
+    assert checked >= 5
 
 
 def test_split_table_matches_the_committed_sweep():

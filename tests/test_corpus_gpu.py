@@ -121,6 +121,39 @@ def test_varlen_bad_offsets_raise_before_launch(rng):
             lik_cupy.maxsim_varlen(q, tok, _cp(np.array(off, np.int64)))
 
 
+@pytest.mark.parametrize("where", [1, 255, 256, 262_143, 299_998])
+def test_varlen_offsets_check_finds_one_decrease_anywhere(where):
+    # 300,000 documents: the check kernel strides over more offsets than it has threads, and
+    # one decrease at a block or grid-stride boundary (or the very end) must still be seen.
+    nd = 300_000
+    off = np.arange(nd + 1, dtype=np.int64)
+    tok = _cp(np.zeros((nd, 16), np.float16))
+    q = _cp(np.zeros((1, 2, 16), np.float16))
+    assert _np(lik_cupy.maxsim_varlen(q, tok, _cp(off.astype(np.int32)))).shape == (1, nd)
+    off[where] = off[where + 1] + 1
+    off[-1] = nd
+    with pytest.raises(ValueError, match="non-decreasing"):
+        lik_cupy.maxsim_varlen(q, tok, _cp(off))
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.int64, np.int16])
+@pytest.mark.parametrize("where", [0, 1023, 1024, 4999])
+def test_device_lengths_range_check(dtype, where):
+    # The single-block range kernel over more lengths than threads; the bad value anywhere.
+    nd, ld = 5000, 6
+    q, d = _cp(np.zeros((2, 3, 16), np.float16)), _cp(np.zeros((nd, ld, 16), np.float16))
+    lens = np.full(nd, ld, dtype)
+    assert _np(lik_cupy.maxsim(q, d, d_lengths=_cp(lens))).shape == (2, nd)
+    for bad in (-1, ld + 1):
+        lens[where] = bad
+        with pytest.raises(ValueError, match=rf"d_lengths holds {bad}; every length must be in \[0, {ld}\]"):
+            lik_cupy.maxsim(q, d, d_lengths=_cp(lens))
+        lens[where] = ld
+    # both sides bad: the query side is reported (checked first)
+    with pytest.raises(ValueError, match=r"q_lengths holds 4"):
+        lik_cupy.maxsim(q, d, q_lengths=_cp(np.array([1, 4], dtype)), d_lengths=_cp(np.full(nd, 7, dtype)))
+
+
 @pytest.mark.parametrize("layout", ["padded", "packed", "shards", "host", "host_packed", "host_shards"])
 def test_retrieve_exact_ranking(rng, kernels, layout):
     import cupy

@@ -117,6 +117,34 @@ def test_masks_lengths_empty_docs_and_argmax(rng, dtype, lq):
     _argmax_ok(a.cpu().numpy(), sim, qv, dv, 1e-3 if dtype == "float32" else 1e-5)
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("nq,lq,dim,ld", [(1, 64, 128, 300), (1, 5, 64, 1030), (2, 31, 128, 77), (1, 33, 128, 1024)])
+def test_short_query_tiles_masks_nan_and_argmax(rng, dtype, nq, lq, dim, ld):
+    # One query (or two sharing a tile) of at most 64 rows: the one-warpgroup tiles on Hopper
+    # (64- and 128-token document tiles by Ld), the portable ones elsewhere.
+    import cupy
+
+    nd = 29
+    q, q64 = _cast(_unit(rng, nq, lq, dim), dtype)
+    d, d64 = _cast(_unit(rng, nd, ld, dim), dtype)
+    d[7, ld // 2, 3] = np.nan
+    d64[7, ld // 2, 3] = np.nan
+    q_mask = rng.random((nq, lq)) < 0.8
+    d_mask = rng.random((nd, ld)) < 0.7
+    d_mask[[0, 11]] = False
+    ref, sim = maxsim_ref(q64, d64, q_mask, d_mask)
+    s, a = lik_cupy.maxsim(_cp(q), _cp(d), cupy.asarray(q_mask), cupy.asarray(d_mask), return_argmax=True)
+    s = _np(s)
+    assert np.array_equal(np.isnan(s), np.isnan(ref))
+    fin = ~np.isnan(ref)
+    assert rel_err(np.where(fin, s, 0), np.where(fin, ref, 0)) < TOL[dtype]
+    _argmax_ok(_np(a)[:, fin.all(axis=0)], sim[:, fin.all(axis=0)], q_mask, d_mask[fin.all(axis=0)], 1e-5)
+    s1 = _np(lik_cupy.maxsim(_cp(q[0]), _cp(d)))  # 2-D Q: a single query, no masks
+    ref1, _ = maxsim_ref(q64[:1], d64)
+    assert np.array_equal(np.isnan(s1), np.isnan(ref1[0]))
+    assert rel_err(np.nan_to_num(s1), np.nan_to_num(ref1[0])) < TOL[dtype]
+
+
 def test_many_ragged_documents(rng):
     import cupy
 
