@@ -129,3 +129,12 @@ class DeviceChecks:
                 check_length_values(name, a, b, bound)
             else:
                 check_offset_values(name, a, b, bool(c), bound)
+
+
+def queue_or_verify(checks: DeviceChecks | None, kind: str, *args) -> None:
+    """Queue one check (``kind`` "lengths" or "offsets", with that method's arguments) on
+    ``checks``; with ``checks`` None, run it on its own and verify it at once."""
+    own = DeviceChecks() if checks is None else None
+    getattr(own or checks, kind)(*args)
+    if own is not None:
+        own.verify()

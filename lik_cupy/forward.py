@@ -14,7 +14,7 @@ import numpy as np
 
 from . import cpu, dispatch, interop, tma
 from .device import allocating, device_properties, empty, gpu_available
-from .checks import DeviceChecks
+from .checks import DeviceChecks, queue_or_verify
 from .validate import Problem, check_32bit, check_call, check_length_values, check_offset_values, check_varlen
 
 _BACKENDS = ("auto", "gpu", "cpu")
@@ -251,11 +251,7 @@ def device_valid(mask, lengths, rows: int, length: int, name: str, fw: str, on_h
     if lengths is not None:
         a = cupy.ascontiguousarray(_dev_array(lengths, fw, on_host).reshape(rows))
         if rows:
-            own = checks is None
-            checks = DeviceChecks() if own else checks
-            checks.lengths(a, length, name)
-            if own:
-                checks.verify()
+            queue_or_verify(checks, "lengths", a, length, name)
         n = a if a.dtype == np.int32 else a.astype(cupy.int32)
     return m, n
 
@@ -276,11 +272,7 @@ def device_offsets(off, total: int, name: str, check: bool = True, checks=None):
 
     off = cupy.ascontiguousarray(off.reshape(-1), dtype=cupy.int64)
     if check:
-        own = checks is None
-        checks = DeviceChecks() if own else checks
-        checks.offsets(off, total, name)
-        if own:
-            checks.verify()
+        queue_or_verify(checks, "offsets", off, total, name)
     return off
 
 
