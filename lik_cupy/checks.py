@@ -49,6 +49,8 @@ class DeviceChecks:
         if self._res is None:
             self._res = cupy.empty(3 * _MAX_CHECKS, cupy.int64)
         i = len(self._pending)
+        if i >= _MAX_CHECKS:  # a kernel must never write past the buffer
+            raise RuntimeError(f"DeviceChecks holds at most {_MAX_CHECKS} checks per call")
         return self._res[3 * i:3 * i + 3]
 
     def _kernel(self, name: str):
