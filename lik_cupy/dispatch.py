@@ -382,7 +382,13 @@ def ctas_per_sm(cfg: FwdConfig, cc: int) -> int:
     arch = arch_of(cc)
     by_smem = _SMEM_PER_SM.get(arch, 100 * 1024) // (cfg.smem_bytes + 1024)
     by_threads = 2048 // cfg.threads
-    regs = 128 if cfg.wgmma else 192  # per-thread ceilings of the compiled kernels (compile.check_all reports them)
+    # Per-thread register ceilings of the compiled kernels (compile.check_all checks them): two
+    # warpgroups are capped at 128 by their launch bounds; one warpgroup is not capped, and its
+    # argmax or multi-query epilogue takes up to 168 (INT8's argmax up to 192).
+    if cfg.wgmma and cfg.warps == 4 and (cfg.argmax or cfg.multi):
+        regs = 192 if cfg.argmax and cfg.elem == 3 else 168
+    else:
+        regs = 128 if cfg.wgmma else 192
     by_regs = 65536 // (cfg.threads * regs)
     return max(1, min(by_smem, by_threads, max(1, by_regs)))
 
