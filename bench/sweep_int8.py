@@ -8,17 +8,11 @@ become the INT8 choices of lik_cupy.dispatch; the JSON is committed under bench/
 the measurement behind them.
 """
 
-import argparse
-import json
-import os
-
 import cupy
 
 import lik_cupy
-from bench_forward import slugify
 from lik_cupy import dispatch
-from lik_cupy.device import device_properties
-from sweep_tiles import forced, time_ms
+from sweep_tiles import forced, sweep_setup, time_ms, write_sweep
 
 WGMMA = [(128, 2), (128, 3), (128, 4), (64, 3), (64, 4), (256, 2), (256, 3)]
 PORTABLE = [(2, 1, 64, 4), (2, 1, 128, 3), (4, 1, 64, 3), (4, 2, 64, 3)]
@@ -26,12 +20,8 @@ SHAPES = [(1024, 1024, 2000, WGMMA), (512, 1024, 2000, WGMMA), (32, 1024, 10000,
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
-    args = ap.parse_args()
-    props = device_properties(cupy.cuda.runtime.getDevice())
+    out, props, rng = sweep_setup()
     rows = []
-    rng = cupy.random.default_rng(0)
     for lq, ld, b, cands in SHAPES:
         q = rng.standard_normal((lq, 128), dtype=cupy.float32)
         d = rng.standard_normal((b, ld, 128), dtype=cupy.float32)
@@ -60,9 +50,7 @@ def main():
             rows.append({"lq": lq, "ld": ld, "B": b, "config": cfg.name, "ms": ms, "tops": ops / ms / 1e9,
                          "vs_fp16": ms / fp16})
             print(f"  {cfg.name:55s} {ms:.4f} ms  {ops / ms / 1e9:7.1f} TOPS  {ms / fp16:5.2f} x fp16", flush=True)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, f"sweep_int8_{slugify(props.name)}.json"), "w") as f:
-        json.dump({"gpu": props.name, "cc": props.cc, "rows": rows}, f, indent=1)
+    write_sweep(out, "sweep_int8", props, rows)
 
 
 if __name__ == "__main__":

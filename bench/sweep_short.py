@@ -11,20 +11,16 @@ another order: the JSON records the largest relative difference). The fastest ro
 ``dispatch._SHORT_HOPPER``.
 """
 
-import argparse
 import concurrent.futures
-import json
 import os
 
 import cupy
 import numpy as np
 
 import lik_cupy
-from bench_forward import slugify
 from lik_cupy import compile as kcompile
 from lik_cupy import dispatch
-from lik_cupy.device import device_properties
-from sweep_tiles import forced, time_ms
+from sweep_tiles import forced, forcing, sweep_setup, time_ms, write_sweep
 from sweep_tma import _picked
 
 PORTABLE = [(2, 1, 64, 4), (2, 1, 128, 2)]
@@ -67,17 +63,13 @@ def _candidates(elem: int, packed: bool) -> list:
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
-    args = ap.parse_args()
-    props = device_properties(cupy.cuda.runtime.getDevice())
+    out, props, rng = sweep_setup()
     # Build every candidate first, in parallel (NVRTC is single-threaded per kernel).
     cands = {(e, pk): _candidates(e, pk) for e, pk in ((0, False), (0, True), (3, False))}
     with concurrent.futures.ThreadPoolExecutor(max(1, (os.cpu_count() or 4) - 2)) as ex:
         list(ex.map(lambda c: kcompile.cubin_path("maxsim_fwd.cu", c.defines(), c.target(90)),
                     [c for cs in cands.values() for c in cs]))
     rows = []
-    rng = cupy.random.default_rng(0)
     for name, nbytes, dtype, packed, fn in _cases(rng):
         pick = _picked(fn)
         ref = cupy.asnumpy(fn()).astype(np.float64)
@@ -88,7 +80,8 @@ def main():
         for c in cands[(dispatch.ELEM_CODES[dtype], packed)]:
             try:
                 ms = forced(c, fn)
-                got = cupy.asnumpy(forced_scores(c, fn)).astype(np.float64)
+                with forcing(c):
+                    got = cupy.asnumpy(fn()).astype(np.float64)
             except Exception as e:  # a tile that does not build or launch is reported, not fatal
                 row["tiles"].append({"config": c.name, "error": str(e)[:200]})
                 continue
@@ -100,19 +93,7 @@ def main():
         best = min((t for t in row["tiles"] if "ms" in t), key=lambda t: t["ms"])
         print(f"  best {best['config']} {best['ms']:.4f} ms (dispatch x{base / best['ms']:.3f})", flush=True)
         rows.append(row)
-    path = os.path.join(args.out, f"sweep_short_{slugify(props.name)}.json")
-    with open(path, "w") as f:
-        json.dump({"gpu": props.name, "cc": props.cc, "rows": rows}, f, indent=1)
-    print("wrote", path)
-
-
-def forced_scores(cfg, fn):
-    chosen = dispatch.choose_forward
-    dispatch.choose_forward = lambda *a, **k: cfg
-    try:
-        return fn()
-    finally:
-        dispatch.choose_forward = chosen
+    print("wrote", write_sweep(out, "sweep_short", props, rows))
 
 
 if __name__ == "__main__":

@@ -10,14 +10,15 @@ measurement behind it.
 """
 
 import argparse
+import contextlib
 import json
 import os
-import re
 
 import cupy
 
 import lik_cupy
 from lik_cupy import dispatch
+from bench_forward import slugify
 from lik_cupy.device import device_properties
 from timing import per_call_ms
 
@@ -36,22 +37,44 @@ def time_ms(fn):
     return per_call_ms(torch, fn, 20, spin_cycles=20_000_000)
 
 
-def forced(cfg, fn):
+@contextlib.contextmanager
+def forcing(cfg):
+    """Inside the block, dispatch picks ``cfg`` for every forward call."""
     chosen = dispatch.choose_forward
-    dispatch.choose_forward = lambda *a, **k: cfg  # forced for this measurement
+    dispatch.choose_forward = lambda *a, **k: cfg
     try:
-        return time_ms(fn)
+        yield
     finally:
         dispatch.choose_forward = chosen
 
 
-def main():
+def forced(cfg, fn):
+    """Device ms per call of ``fn`` with ``cfg`` forced."""
+    with forcing(cfg):
+        return time_ms(fn)
+
+
+def sweep_setup():
+    """What every sweep starts from: the output directory (``--out``), this GPU's properties
+    and a seeded CuPy generator."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
     args = ap.parse_args()
-    props = device_properties(cupy.cuda.runtime.getDevice())
+    return args.out, device_properties(cupy.cuda.runtime.getDevice()), cupy.random.default_rng(0)
+
+
+def write_sweep(out: str, name: str, props, rows: list) -> str:
+    """Write ``out/<name>_<gpu>.json`` (GPU, compute capability, rows); returns its path."""
+    os.makedirs(out, exist_ok=True)
+    path = os.path.join(out, f"{name}_{slugify(props.name)}.json")
+    with open(path, "w") as f:
+        json.dump({"gpu": props.name, "cc": props.cc, "rows": rows}, f, indent=1)
+    return path
+
+
+def main():
+    out, props, rng = sweep_setup()
     rows = []
-    rng = cupy.random.default_rng(0)
     for kind, shapes, cands in (("wgmma", SHAPES, CANDIDATES), ("short", SHORT_SHAPES, SHORT_CANDIDATES)):
         for lq, ld, b in shapes:
             q = rng.standard_normal((lq, 128), dtype=cupy.float32).astype(cupy.float16)
@@ -70,10 +93,7 @@ def main():
                              "gbs": b * ld * 128 * 2 / ms / 1e6})
                 print(f"{kind:5s} {lq}x{ld}@{b}  {cfg.name:50s} {ms:.4f} ms  {flops / ms / 1e9:6.1f} TF/s", flush=True)
 
-    slug = re.sub(r"[^a-z0-9]+", "-", props.name.lower()).strip("-")
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, f"sweep_tiles_{slug}.json"), "w") as f:
-        json.dump({"gpu": props.name, "cc": props.cc, "rows": rows}, f, indent=1)
+    write_sweep(out, "sweep_tiles", props, rows)
 
 
 if __name__ == "__main__":

@@ -8,18 +8,14 @@ Hopper tile shapes with TMA. Scores of the two staging paths must agree bit for 
 arithmetic in the same order); the JSON records the largest difference seen.
 """
 
-import argparse
-import json
 import os
 
 import cupy
 import numpy as np
 
 import lik_cupy
-from bench_forward import slugify
 from lik_cupy import dispatch
-from lik_cupy.device import device_properties
-from sweep_tiles import forced, time_ms
+from sweep_tiles import forced, sweep_setup, time_ms, write_sweep
 
 TILES = [(128, 2), (128, 3), (128, 4), (64, 3), (64, 4), (96, 3), (256, 3)]  # Hopper (bn, stages)
 PORTABLE = [(2, 1, 64, 4), (2, 1, 64, 6), (2, 1, 128, 3), (2, 1, 128, 4), (2, 1, 256, 2), (2, 1, 32, 8)]
@@ -76,12 +72,8 @@ def _picked(fn):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
-    args = ap.parse_args()
-    props = device_properties(cupy.cuda.runtime.getDevice())
+    out, props, rng = sweep_setup()
     rows = []
-    rng = cupy.random.default_rng(0)
     for name, ops, fn, sweep in _cases(rng):
         os.environ["LIK_CUPY_DISABLE_TMA"] = "1"
         base_cfg = _picked(fn)
@@ -115,10 +107,7 @@ def main():
                 print(f"    {c.name:60s} {ms:8.4f} ms", flush=True)
         rows.append(row)
     os.environ.pop("LIK_CUPY_DISABLE_TMA", None)
-    path = os.path.join(args.out, f"sweep_tma_{slugify(props.name)}.json")
-    with open(path, "w") as f:
-        json.dump({"gpu": props.name, "cc": props.cc, "rows": rows}, f, indent=1)
-    print("wrote", path)
+    print("wrote", write_sweep(out, "sweep_tma", props, rows))
 
 
 if __name__ == "__main__":

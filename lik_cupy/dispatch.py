@@ -332,10 +332,10 @@ def choose_forward(cc: int, dtype: str, dim: int, lq: int, argmax: bool, vec: bo
         # document, so single-query tiles keep the leaner one (6-9% on ColPali shapes).
         return shared_queries > 1 and 2 * q_len <= bm
 
-    hopper = wgmma and arch == 90 and elem != 2 and vec and lq > 64
+    wgmma_ok = wgmma and arch == 90 and elem != 2 and vec  # Hopper tensor-core tiles can run
+    hopper = wgmma_ok and lq > 64
     row_bytes = dim * ELEM_SIZES[elem]
-    short_hopper = (wgmma and arch == 90 and elem != 2 and vec and lq <= 64 and row_bytes % 128 == 0
-                    and row_bytes <= _SHORT_WGMMA_MAX_ROW_BYTES)
+    short_hopper = wgmma_ok and lq <= 64 and row_bytes % 128 == 0 and row_bytes <= _SHORT_WGMMA_MAX_ROW_BYTES
     limit = _SMEM_PER_BLOCK.get(arch, 99 * 1024)  # unknown (newer) GPUs: the smallest limit
     lb = 32 if lq <= 32 else 64 if lq <= 64 else 128
     # INT8 runs one-shot only; its rows have the bytes (and fragment registers) of 16-bit rows half as wide.
@@ -354,7 +354,7 @@ def choose_forward(cc: int, dtype: str, dim: int, lq: int, argmax: bool, vec: bo
                 if cfg.smem_bytes <= limit and not (int8 and argmax and cfg.multi and cfg.min_blocks > 1):
                     return cfg
         # TMA needs whole 128-byte rows (no padding lanes) and swizzled tiles (not the fp32 lds path).
-        tma_mma = tma and vec and arch == 90 and elem != 2 and dim == dp and dp * ELEM_SIZES[elem] % 128 == 0
+        tma_mma = tma and vec and arch == 90 and elem != 2 and dim == dp and row_bytes % 128 == 0
         for warps, mt, bn, stages in _TABLE[(elem == 2, _dim_bucket(dp // 2 if int8 else dp), lb)]:
             cfg = FwdConfig(elem, dp, warps, mt, bn, stages, _qreg(elem, dp, mt), argmax, vec, False,
                             multi(warps * mt * 16), packed, tma=tma_mma)
