@@ -10,6 +10,10 @@ every length to [0, L] and every document to [0, T), so bad values give a wrong 
 discarded) result, never a read outside the inputs. The host then waits for the checks while
 the scoring kernel is already queued behind them, instead of the GPU waiting for the host.
 The error is still raised before any result is returned.
+
+Inside CUDA graph capture no check runs: reading a result on the host is not allowed while a
+stream is being captured, and a check of the values seen at capture would say nothing about
+the values of later replays. The clamping above still keeps every read inside the inputs.
 """
 
 from __future__ import annotations
@@ -137,9 +141,19 @@ class DeviceChecks:
                 check_offset_values(name, a, b, bool(c), bound)
 
 
+def capturing() -> bool:
+    """Whether the current CuPy stream is being captured into a CUDA graph."""
+    import cupy
+
+    return cupy.cuda.get_current_stream().is_capturing()
+
+
 def queue_or_verify(checks: DeviceChecks | None, kind: str, *args) -> None:
     """Queue one check (``kind`` "lengths" or "offsets", with that method's arguments) on
-    ``checks``; with ``checks`` None, run it on its own and verify it at once."""
+    ``checks``; with ``checks`` None, run it on its own and verify it at once. Skipped inside
+    CUDA graph capture (see the module docstring)."""
+    if capturing():
+        return
     own = DeviceChecks() if checks is None else None
     getattr(own or checks, kind)(*args)
     if own is not None:

@@ -189,7 +189,10 @@ def from_cupy(a, fw: str, on_host: bool):
         return a
     if fw == "torch":
         torch = sys.modules["torch"]
-        return torch.from_numpy(a.get()) if on_host else torch.from_dlpack(a)
+        if on_host:
+            return torch.from_numpy(a.get())
+        t = _torch_owner_view(a)
+        return t if t is not None else torch.from_dlpack(a)
     if fw == "jax":
         jax = sys.modules["jax"]
         import cupy
@@ -203,6 +206,22 @@ def from_cupy(a, fw: str, on_host: bool):
     return a
 
 
+def _torch_owner_view(a):
+    """A C-contiguous CuPy array in memory ``_torch_malloc`` allocated, as a view of the torch
+    tensor owning that memory (several times cheaper than the DLPack handshake); None for any
+    other array."""
+    torch = sys.modules["torch"]
+    owner = getattr(a.data.mem, "_owner", None)
+    dt = _NP_TORCH.get(a.dtype)
+    if type(owner) is not torch.Tensor or owner.dtype != torch.uint8 or dt is None or not a.flags.c_contiguous:
+        return None
+    start = a.data.ptr - owner.data_ptr()
+    return owner[start:start + a.nbytes].view(getattr(torch, dt)).view(a.shape)
+
+
+_NP_TORCH = {np.dtype(n): n for n in ("float16", "float32", "float64", "int16", "int32", "int64", "uint8", "int8")}
+
+
 def bfloat16_from_bits(a, fw: str, on_host: bool, like):
     """A bfloat16 result from its CuPy uint16 bits, in the caller's framework (``like`` is an
     input of the call, whose dtype object a CuPy caller gets back)."""
@@ -211,8 +230,10 @@ def bfloat16_from_bits(a, fw: str, on_host: bool, like):
     if fw == "torch":
         torch = sys.modules["torch"]
         bits = a.view(np.int16)
-        t = torch.from_numpy(bits.get()) if on_host else torch.from_dlpack(bits)
-        return t.view(torch.bfloat16)
+        if on_host:
+            return torch.from_numpy(bits.get()).view(torch.bfloat16)
+        t = _torch_owner_view(bits)
+        return (t if t is not None else torch.from_dlpack(bits)).view(torch.bfloat16)
     if fw == "jax":
         jax = sys.modules["jax"]
         if on_host:
@@ -235,20 +256,51 @@ def from_numpy(a: np.ndarray, fw: str):
     return a
 
 
+# (device, stream handle) -> CuPy's non-owning view of a torch stream, built once (about 10 us
+# per call otherwise); a handle torch reuses for a new stream is the same stream to CuPy.
+_external: dict = {}
+
+
 @contextlib.contextmanager
 def caller_stream(fw: str, device: int):
-    """Make CuPy work on the caller's current stream (torch) on ``device``."""
+    """Make CuPy work on the caller's current stream on ``device``; for torch callers, CuPy's
+    device buffers inside the block (results and scratch) come from torch's caching allocator.
+
+    One pool for both frameworks: memory CuPy frees goes back where torch can reuse it, torch's
+    memory statistics and limits see it, and inside ``torch.cuda.graph`` capture every buffer
+    comes from the graph's private pool, which keeps it for the graph's replays.
+    """
     import cupy
 
     with cupy.cuda.Device(device):
         if fw == "torch":
             torch = sys.modules["torch"]
             s = torch.cuda.current_stream(device)
-            if hasattr(s, "__cuda_stream__") and hasattr(cupy.cuda.Stream, "from_external"):
-                ext = cupy.cuda.Stream.from_external(s)  # CuPy 14 deprecates ExternalStream (a warning per call)
-            else:
-                ext = cupy.cuda.ExternalStream(s.cuda_stream, device)
-            with ext:
+            ext = _external.get((device, s.cuda_stream))
+            if ext is None:
+                if hasattr(s, "__cuda_stream__") and hasattr(cupy.cuda.Stream, "from_external"):
+                    ext = cupy.cuda.Stream.from_external(s)  # CuPy 14 deprecates ExternalStream (a warning per call)
+                else:
+                    ext = cupy.cuda.ExternalStream(s.cuda_stream, device)
+                if len(_external) >= 256:
+                    _external.clear()
+                _external[(device, s.cuda_stream)] = ext
+            with ext, cupy.cuda.using_allocator(_torch_malloc):
                 yield
         else:
             yield
+
+
+def _torch_malloc(size: int):
+    """A CuPy allocation owned by a torch uint8 tensor (allocated on torch's current stream,
+    freed when CuPy drops the memory); torch's out-of-memory error becomes CuPy's, which
+    ``device.allocating`` turns into the named ``DeviceMemoryError``."""
+    import cupy
+
+    torch = sys.modules["torch"]
+    device = cupy.cuda.runtime.getDevice()
+    try:
+        t = torch.empty(max(int(size), 1), dtype=torch.uint8, device=device)
+    except torch.cuda.OutOfMemoryError as e:
+        raise cupy.cuda.memory.OutOfMemoryError(int(size), 0) from e
+    return cupy.cuda.MemoryPointer(cupy.cuda.UnownedMemory(t.data_ptr(), int(size), t, device), 0)

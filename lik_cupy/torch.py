@@ -7,6 +7,14 @@ similarity tensor; the backward is ``lik_cupy.maxsim_backward``.
 ``torch.compile``: the functions are excluded from tracing (``torch.compiler.disable``),
 so a compiled model runs them eagerly behind a graph break; results are never
 silently wrong.
+
+CUDA graphs: a training step that calls these functions can be captured whole with
+``torch.cuda.graph`` (or ``torch.cuda.make_graphed_callables``) and replayed. Every
+kernel runs on torch's current stream and every buffer, scratch included, comes from
+torch's caching allocator, so a capture takes them from the graph's private pool. Warm up
+once outside the capture (the first call compiles its kernels). Inside a capture the
+value checks of lengths and offsets are skipped (they need a host read); the kernels clamp
+those values, so bad ones give wrong scores, never reads outside the inputs.
 """
 
 from __future__ import annotations
@@ -35,9 +43,8 @@ class _MaxSim(torch.autograd.Function):
         need_q, need_d = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if not (need_q or need_d):
             return None, None, None, None, None
-        dq, dd = maxsim_backward(g.contiguous(), Q.detach(), D.detach(), amax,
-                                 d_offsets=d_offsets if d_offsets.numel() else None, method=ctx.method,
-                                 validate=False)  # the argmax is our own
+        dq, dd = maxsim_backward(g.contiguous(), Q.detach(), D.detach(), amax, d_offsets=d_offsets,
+                                 method=ctx.method, validate=False)  # the argmax is our own
         return (dq if need_q else None), (dd if need_d else None), None, None, None
 
 
@@ -72,6 +79,6 @@ def _apply(Q, D, d_offsets, method, call, return_argmax):
     if not torch.is_grad_enabled() or not (Q.requires_grad or D.requires_grad):
         scores, amax = call(Q, D)
     else:
-        off = torch.as_tensor(d_offsets if d_offsets is not None else [], dtype=torch.int64, device=Q.device)
+        off = None if d_offsets is None else torch.as_tensor(d_offsets, dtype=torch.int64, device=Q.device)
         scores, amax = _MaxSim.apply(Q, D, off, method, call)
     return (scores, amax) if return_argmax else scores
