@@ -41,7 +41,8 @@
 //   LIK_TMA     1 (sm_90, one-shot, rows a multiple of 128 bytes): document tiles arrive by TMA from a tensor map
 //               passed as a kernel parameter, one thread issuing each stage and an mbarrier
 //               per ring slot counting its bytes, instead of every thread issuing 16-byte
-//               cp.async copies. INT8 scales come by TMA too, from a second (1D) map: boxes
+//               cp.async copies (16-bit tiles of one query also free slots through a second
+//               mbarrier per slot, see RELEASE). INT8 scales come by TMA too, from a second (1D) map: boxes
 //               must start 16-byte aligned, so each box starts at the aligned token at or below
 //               the tile's first and carries 4 scales more
 //   LIK_SPLIT   1: split-d: LIK_DP is a chunk of the embedding dim, and each pipeline
@@ -132,6 +133,12 @@ struct Fwd {
     // flight while the next is issued, so the slot it reads is not refilled yet.
     static constexpr bool WG_CHAIN = WG && SPLIT;
     static constexpr int AHEAD = WG_CHAIN ? STAGES - 2 : STAGES - 1;
+    // 16-bit TMA tiles of one query free each ring slot by per-warp arrivals on an "empty"
+    // mbarrier instead of a block barrier per tile: 5-6% faster at Lq = 200..1024 on an H100
+    // (bench/results/ab_tma_release_nvidia-h100-80gb-hbm3.json). Several short queries per tile
+    // measured 7-10% slower that way (two tiles per document, and a block barrier per document
+    // anyway), INT8 0-3% slower (its per-similarity arithmetic, not the barrier, holds it).
+    static constexpr bool RELEASE = TMA && !MULTI && !I8;
     static_assert(AHEAD >= 1, "split-d wgmma needs at least three stages");
 
     // Element offset of (row r, column k) in a staged tile of `nrows` rows. The
@@ -324,7 +331,9 @@ struct Fwd {
         T* ring = sQ + (SPLIT ? 0 : BM * LDS);
         float* sS = reinterpret_cast<float*>(ring + STAGES * STAGE);  // [STAGES][SCL] INT8 document scales
         float* red = sS + STAGES * SCL;  // [2][MULTI ? BM : WARPS]
-        unsigned long long* mbar = reinterpret_cast<unsigned long long*>(red + 2 * (MULTI ? BM : WARPS));  // [STAGES], TMA
+        // TMA: [STAGES] "full" barriers (the slot's bytes landed), then [STAGES] "empty" ones (every
+        // warp is done with the slot, so it may be refilled).
+        unsigned long long* mbar = reinterpret_cast<unsigned long long*>(red + 2 * (MULTI ? BM : WARPS));
 
         const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
         const int g = lane >> 2, tq = lane & 3;
@@ -426,7 +435,10 @@ struct Fwd {
         if (TMA) {
             cp_async_commit();  // the query tile: its own group, awaited at the first stage
             if (threadIdx.x == 0) {
-                for (int s = 0; s < STAGES; ++s) mbar_init(smem_addr(mbar + s), 1);
+                for (int s = 0; s < STAGES; ++s) {
+                    mbar_init(smem_addr(mbar + s), 1);
+                    mbar_init(smem_addr(mbar + STAGES + s), WARPS);
+                }
                 mbar_init_fence();
             }
             __syncthreads();
@@ -437,6 +449,7 @@ struct Fwd {
         // Producer cursor: next (document tile, dim chunk) to stage. It crosses
         // document boundaries so the ring stays full across short documents.
         int pj = j0, pt = 0, pk = 0, pnt = tiles(pj);
+        int n_issued = 0;  // stages issued so far (TMA: the slot's fill number is n_issued / STAGES)
         while (pj < j1 && pt >= pnt) {
             ++pj;
             pnt = pj < j1 ? tiles(pj) : 0;
@@ -452,6 +465,8 @@ struct Fwd {
                     // tokens (or zeros past the tensor's end) and are masked in fold, as are
                     // their scales. The map covers fewer than 2^31 rows (the host checks).
                     if (threadIdx.x == 0) {
+                        // The slot's previous fill must be released by every warp first.
+                        if (RELEASE && n_issued >= STAGES) mbar_wait(smem_addr(mbar + STAGES + slot), (n_issued / STAGES - 1) & 1);
                         const u32 bar = smem_addr(mbar + slot);
                         const int row = (int)(dstart(dl) + (i64)pt * BN);
                         mbar_arrive_expect_tx(bar, BN * DP * ESIZE + (I8 ? (BN + 4) * 4 : 0));
@@ -482,6 +497,7 @@ struct Fwd {
                 }
             }
             if (!TMA) cp_async_commit();  // one group per call, possibly empty: keeps wait_group counts exact
+            ++n_issued;
         };
 #pragma unroll
         for (int s = 0; s < AHEAD; ++s) issue(s);
@@ -501,14 +517,17 @@ struct Fwd {
         };
         // Wait for the next staged tile, start the refill of a freed slot, return the tile's slot.
         auto next_stage = [&]() -> int {
-            // The barrier also tells the issuing thread that every warp is done with the slot it
-            // refills (the one consumed last).
-            if (TMA) cp_async_wait<0>();  // only the query tile's copies, before the first stage
-            else cp_async_wait<AHEAD - 1>();
+            // The barrier also tells the issuing threads that every warp is done with the slot they
+            // refill (the one consumed last). RELEASE: each warp releases its slots (release_slot),
+            // so only the query tile's copies need one barrier, before the first stage.
+            if (!RELEASE || cons == 0) {
+                if (TMA) cp_async_wait<0>();
+                else cp_async_wait<AHEAD - 1>();
 #if LIK_HAS_WGMMA
-            if (WG) fence_proxy_async();
+                if (WG) fence_proxy_async();
 #endif
-            __syncthreads();
+                __syncthreads();
+            }
             if (QREG && !q_ready) {
 #pragma unroll
                 for (int m = 0; m < MT; ++m)
@@ -521,6 +540,15 @@ struct Fwd {
             if (TMA) mbar_wait(smem_addr(mbar + cons % STAGES), (cons / STAGES) & 1);
 #endif
             return cons++ % STAGES;
+        };
+        // RELEASE: this warp is done with the tile in `slot` (its MMA waited for, its scales read).
+        auto release_slot = [&](int slot) {
+#if LIK_HAS_WGMMA
+            if (RELEASE) {
+                __syncwarp();
+                if (lane == 0) mbar_arrive(smem_addr(mbar + STAGES + slot));
+            }
+#endif
         };
         auto dmask = [&](int j) -> const u8* { return !PACKED && d_mask ? d_mask + (doc0 + j) * Ld : nullptr; };
 
@@ -690,6 +718,7 @@ struct Fwd {
                 if (WG_CHAIN) wgmma_wait<0>();
 #endif
                 fold(acc, slot, t * BN, len, dmask(j), TMA && I8 ? (int)(dstart(doc0 + j) & 3) : 0);
+                release_slot(slot);
             }
             finish(j);
         }

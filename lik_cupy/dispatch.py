@@ -61,7 +61,7 @@ class FwdConfig:
     def smem_bytes(self) -> int:
         rows = self.stages * (self.bm + self.bn) if self.split else self.bm + self.stages * self.bn
         if self.wgmma or self.tma:  # unpadded swizzled tiles, slack to align them to 1024 bytes, TMA barriers
-            return rows * self.dp * self.esize + 1024 + self._extra_bytes + (8 * self.stages if self.tma else 0)
+            return rows * self.dp * self.esize + 1024 + self._extra_bytes + (16 * self.stages if self.tma else 0)
         return rows * (self.dp + 16 // self.esize) * self.esize + self._extra_bytes
 
     @property
