@@ -219,7 +219,7 @@ def _torch_owner_view(a):
     return owner[start:start + a.nbytes].view(getattr(torch, dt)).view(a.shape)
 
 
-_NP_TORCH = {np.dtype(n): n for n in ("float16", "float32", "float64", "int16", "int32", "int64", "uint8", "int8")}
+_NP_TORCH = {v: k.removeprefix("torch.") for k, v in _TORCH_NP.items()}
 
 
 def bfloat16_from_bits(a, fw: str, on_host: bool, like):
