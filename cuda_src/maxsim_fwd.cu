@@ -449,12 +449,14 @@ struct Fwd {
         // Producer cursor: next (document tile, dim chunk) to stage. It crosses
         // document boundaries so the ring stays full across short documents.
         int pj = j0, pt = 0, pk = 0, pnt = tiles(pj);
-        int n_issued = 0;  // stages issued so far (TMA: the slot's fill number is n_issued / STAGES)
         while (pj < j1 && pt >= pnt) {
             ++pj;
             pnt = pj < j1 ? tiles(pj) : 0;
         }
-        auto issue = [&](int slot) {
+        // Stage `stage` (counted from 0 over the whole run) goes to ring slot stage % STAGES, as
+        // that slot's fill number stage / STAGES.
+        auto issue = [&](int stage) {
+            const int slot = stage % STAGES;
             if (pj < j1) {
                 const i64 dl = doc0 + pj;
                 const int len = dlength(dl), k0 = pk * DP;
@@ -466,7 +468,7 @@ struct Fwd {
                     // their scales. The map covers fewer than 2^31 rows (the host checks).
                     if (threadIdx.x == 0) {
                         // The slot's previous fill must be released by every warp first.
-                        if (RELEASE && n_issued >= STAGES) mbar_wait(smem_addr(mbar + STAGES + slot), (n_issued / STAGES - 1) & 1);
+                        if (RELEASE && stage >= STAGES) mbar_wait(smem_addr(mbar + STAGES + slot), (stage / STAGES - 1) & 1);
                         const u32 bar = smem_addr(mbar + slot);
                         const int row = (int)(dstart(dl) + (i64)pt * BN);
                         mbar_arrive_expect_tx(bar, BN * DP * ESIZE + (I8 ? (BN + 4) * 4 : 0));
@@ -497,7 +499,6 @@ struct Fwd {
                 }
             }
             if (!TMA) cp_async_commit();  // one group per call, possibly empty: keeps wait_group counts exact
-            ++n_issued;
         };
 #pragma unroll
         for (int s = 0; s < AHEAD; ++s) issue(s);
@@ -535,7 +536,7 @@ struct Fwd {
                     for (int kk = 0; kk < NK; ++kk) load_a(qf[QREG ? m : 0][QREG ? kk : 0], sQ, wrow0 + m * 16, kk, lane);
                 q_ready = true;
             }
-            issue((cons + AHEAD) % STAGES);
+            issue(cons + AHEAD);
 #if LIK_HAS_WGMMA
             if (TMA) mbar_wait(smem_addr(mbar + cons % STAGES), (cons / STAGES) & 1);
 #endif

@@ -83,7 +83,8 @@ def empty(shape, dtype, buffer: str, hint: str, *, zeros: bool = False):
     try:
         return cupy.zeros(shape, dtype) if zeros else cupy.empty(shape, dtype)
     except (cupy.cuda.memory.OutOfMemoryError, cupy.cuda.runtime.CUDARuntimeError):
-        pass  # build the message only on failure (this runs on every call); retry to raise it
-    dt = np.dtype(dtype)
-    with allocating(f"{buffer} {list(shape)} {dt.name}", math.prod(shape) * dt.itemsize, hint):
-        return cupy.zeros(shape, dt) if zeros else cupy.empty(shape, dt)
+        # The message is built only on failure (this runs on every call); ``allocating`` turns
+        # the error being handled into the named one (and lets any other CUDA error through).
+        dt = np.dtype(dtype)
+        with allocating(f"{buffer} {list(shape)} {dt.name}", math.prod(shape) * dt.itemsize, hint):
+            raise
