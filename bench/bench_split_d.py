@@ -44,28 +44,34 @@ def candidates(dim: int, lq: int):
 
     limit = _SMEM_PER_BLOCK[90]
     out = []
-    if dim <= 512:  # one-shot: the tables' own choice (wgmma where the one-shot rules allow it)
+    if dim <= 512:  # one-shot: the tables' own choice (wgmma where the one-shot rules allow it), TMA or not
         for wg in (True, False):
-            try:
-                saved = _force_split_from(10**9)
-                c = choose_forward(90, "float16", dim, lq, False, True, wg)
-            finally:
-                _restore(saved)
-            if not c.split and c.name not in {x.name for _, x in out}:
-                out.append((f"oneshot_{'wgmma' if c.wgmma else 'mma'}", c))
+            for tma in (True, False):
+                try:
+                    saved = _force_split_from(10**9)
+                    c = choose_forward(90, "float16", dim, lq, False, True, wg, tma=tma)
+                finally:
+                    _restore(saved)
+                if not c.split and c.name not in {x.name for _, x in out}:
+                    out.append((f"oneshot_{'wgmma' if c.wgmma else 'mma'}{'_tma' if c.tma else ''}", c))
         if lq > 64 and dim % 64 == 0:
             for bn, st in ((128, 2), (64, 2), (64, 3)):
                 c = FwdConfig(0, dim, 8, 1, bn, st, False, False, True, True)
                 if c.smem_bytes <= limit and c.name not in {x.name for _, x in out}:
                     out.append((f"oneshot_wgmma_n{bn}s{st}", c))
+    # Hopper split-d: two warpgroups for long queries, one for short ones; TMA or cp.async staging.
     if lq > 64:
-        for bn, bk, st in ((256, 64, 3), (256, 64, 4), (128, 64, 3), (128, 64, 4), (128, 128, 3)):
-            c = FwdConfig(0, bk, 8, 1, bn, st, False, False, True, True, False, False, True)
-            if c.smem_bytes <= limit:
-                out.append((f"split_wgmma_n{bn}k{bk}s{st}", c))
+        warps, tiles = 8, ((256, 64, 3), (256, 64, 4), (128, 64, 3), (128, 64, 4), (128, 64, 6), (128, 128, 3))
         mma = ((4, 2, 64, 64, 3), (4, 2, 128, 64, 3), (4, 2, 128, 32, 4))
     else:
+        warps, tiles = 4, ((64, 64, 4), (64, 64, 6), (64, 128, 3), (128, 64, 3), (128, 64, 4), (128, 64, 6),
+                           (256, 64, 3), (256, 64, 4))
         mma = ((2, 1, 64, 64, 3), (2, 1, 64, 64, 4), (2, 1, 64, 64, 6), (2, 1, 64, 128, 3), (2, 1, 32, 64, 6))
+    for bn, bk, st in tiles:
+        for tma in (True, False):
+            c = FwdConfig(0, bk, warps, 1, bn, st, False, False, True, True, False, False, True, tma)
+            if c.smem_bytes <= limit:
+                out.append((f"split_wgmma_w{warps}n{bn}k{bk}s{st}{'_tma' if tma else ''}", c))
     for w, mt, bn, bk, st in mma:
         c = FwdConfig(0, bk, w, mt, bn, st, False, False, True, False, False, False, True)
         if c.smem_bytes <= limit:
@@ -112,7 +118,9 @@ class forced:
 
 
 def device_ms(torch, fn, n):
-    return per_call_ms(torch, fn, n, spin_cycles=20_000_000)
+    # The spin must outlast the host's queueing of all n calls (up to ~0.4 ms each through torch
+    # on a slow host), or small shapes time the host instead of the GPU.
+    return per_call_ms(torch, fn, n, spin_cycles=max(20_000_000, n * 1_000_000))
 
 
 def cublas_tflops(torch):
@@ -230,8 +238,9 @@ class _Null:
 
 def _dispatched(cc, dim, lq):
     from lik_cupy import dispatch
+    from lik_cupy.forward import tma_usable
 
-    return dispatch.choose_forward(cc, "float16", dim, lq, False, True).name
+    return dispatch.choose_forward(cc, "float16", dim, lq, False, True, tma=tma_usable()).name
 
 
 def _line(r):

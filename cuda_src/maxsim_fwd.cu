@@ -38,13 +38,14 @@
 //   LIK_MULTI   1: a tile may hold several whole queries (qb > 1); 0 keeps the
 //               leaner single-query reduction (qb must be 1)
 //   LIK_PACKED  1: documents are packed tokens with offsets; 0: padded
-//   LIK_TMA     1 (sm_90, one-shot, rows a multiple of 128 bytes): document tiles arrive by TMA from a tensor map
-//               passed as a kernel parameter, one thread issuing each stage and an mbarrier
-//               per ring slot counting its bytes, instead of every thread issuing 16-byte
-//               cp.async copies (16-bit tiles of one query also free slots through a second
-//               mbarrier per slot, see RELEASE). INT8 scales come by TMA too, from a second (1D) map: boxes
-//               must start 16-byte aligned, so each box starts at the aligned token at or below
-//               the tile's first and carries 4 scales more
+//   LIK_TMA     1 (sm_90; one-shot tiles with rows a multiple of 128 bytes, or split-d wgmma tiles):
+//               document tiles arrive by TMA from a tensor map passed as a kernel parameter, one
+//               thread issuing each stage and an mbarrier per ring slot counting its bytes, instead
+//               of every thread issuing 16-byte cp.async copies (16-bit one-shot tiles of one query
+//               also free slots through a second mbarrier per slot, see RELEASE). Split-d stages take
+//               their query chunk by TMA too, from a map of Q. INT8 scales come by TMA, from a 1D
+//               map: boxes must start 16-byte aligned, so each box starts at the aligned token at or
+//               below the tile's first and carries 4 scales more
 //   LIK_SPLIT   1: split-d: LIK_DP is a chunk of the embedding dim, and each pipeline
 //               stage holds a BM x DP query chunk and a BN x DP document chunk; the
 //               similarity tile accumulates over ceil(dim / DP) stages before its
@@ -120,7 +121,8 @@ struct Fwd {
     static_assert(!WG || (MT == 1 && (WARPS == 4 || WARPS == 8) && DP * ESIZE % 128 == 0 && ELEM != 2 && !QREG), "wgmma tile shape");
     static_assert(!SPLIT || !QREG, "split-d re-reads query chunks from shared memory");
     static_assert(!I8 || (!SPLIT && DP % 32 == 0), "INT8 runs one-shot with DP a multiple of 32");
-    static_assert(!TMA || (!SPLIT && ELEM != 2 && DP * ESIZE % 128 == 0), "TMA feeds one-shot 16-bit and INT8 tiles");
+    static_assert(!TMA || (ELEM != 2 && DP * ESIZE % 128 == 0 && (!SPLIT || WG)),
+                  "TMA feeds one-shot 16-bit and INT8 tiles and split-d wgmma tiles");
     static constexpr int STAGE = SPLIT ? (BM + BN) * LDS : BN * LDS;  // elements per ring stage
     // Document token scales staged per ring stage (floats); TMA boxes of BN + 4 in slots of
     // 128-byte multiples.
@@ -138,7 +140,9 @@ struct Fwd {
     // (bench/results/ab_tma_release_nvidia-h100-80gb-hbm3.json). Several short queries per tile
     // measured 7-10% slower that way (two tiles per document, and a block barrier per document
     // anyway), INT8 0-3% slower (its per-similarity arithmetic, not the barrier, holds it).
-    static constexpr bool RELEASE = TMA && !MULTI && !I8;
+    // Split-d keeps a chunk's wgmma in flight past the next stage, so its slots go back by the
+    // block barrier.
+    static constexpr bool RELEASE = TMA && !MULTI && !I8 && !SPLIT;
     static_assert(AHEAD >= 1, "split-d wgmma needs at least three stages");
 
     // Element offset of (row r, column k) in a staged tile of `nrows` rows. The
@@ -321,7 +325,7 @@ struct Fwd {
                                float* __restrict__ out,
                                int* __restrict__ amax, int Nq, int Nd, int Lq, int Ld, int dim, int n_qt, int qb,
                                int docs_per_cta, int dl_qstride, const TmaDesc* tmd,
-                               const TmaDesc* tms) {
+                               const TmaDesc* tms, const TmaDesc* tmq) {
         extern __shared__ __align__(16) unsigned char smem_raw[];
         // Swizzled tiles need 1024-byte alignment; the host adds that slack to the size.
         unsigned char* smem_base = SWZ ? smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023) : smem_raw;
@@ -471,9 +475,18 @@ struct Fwd {
                         if (RELEASE && stage >= STAGES) mbar_wait(smem_addr(mbar + STAGES + slot), (stage / STAGES - 1) & 1);
                         const u32 bar = smem_addr(mbar + slot);
                         const int row = (int)(dstart(dl) + (i64)pt * BN);
-                        mbar_arrive_expect_tx(bar, BN * DP * ESIZE + (I8 ? (BN + 4) * 4 : 0));
+                        // Split-d: the stage is this chunk of the query tile, then of the document
+                        // tile. Query rows past the tile's queries are other queries' tokens (or
+                        // zeros past Q's end): their rows of the result are never read. Columns
+                        // past dim are zeros (the maps end there).
+                        const int col = k0 * ESIZE;
+                        T* sd = st + (SPLIT ? BM * LDS : 0);
+                        mbar_arrive_expect_tx(bar, (SPLIT ? BM + BN : BN) * DP * ESIZE + (I8 ? (BN + 4) * 4 : 0));
 #pragma unroll
-                        for (int kb = 0; kb < DP / BLK; ++kb) tma_load_2d(smem_addr(st + kb * BN * BLK), tmd, kb * 128, row, bar);
+                        for (int kb = 0; kb < DP / BLK; ++kb) {
+                            if (SPLIT) tma_load_2d(smem_addr(st + kb * BM * BLK), tmq, col + kb * 128, qi0 * Lq + s0, bar);
+                            tma_load_2d(smem_addr(sd + kb * BN * BLK), tmd, col + kb * 128, row, bar);
+                        }
                         if constexpr (I8) tma_load_1d(smem_addr(sS + slot * SCL), tms, row & ~3, bar);
                     }
 #endif
@@ -746,15 +759,16 @@ extern "C" __global__ void __launch_bounds__(LIK_WARPS * 32, LIK_MIN_BLOCKS)
 #if LIK_TMA
              , const __grid_constant__ TmaDesc tmd  // documents as [rows, dim * esize] bytes
              , const __grid_constant__ TmaDesc tms  // INT8 document scales [rows] (a copy of tmd otherwise)
+             , const __grid_constant__ TmaDesc tmq  // split-d: queries as [Nq * Lq, dim * esize] bytes (tmd otherwise)
 #endif
     ) {
 #if LIK_TMA
-    const TmaDesc *pd = &tmd, *ps = &tms;
+    const TmaDesc *pd = &tmd, *ps = &tms, *pq = &tmq;
 #else
-    const TmaDesc *pd = nullptr, *ps = nullptr;
+    const TmaDesc *pd = nullptr, *ps = nullptr, *pq = nullptr;
 #endif
     LikFwdCfg::run(static_cast<const LikFwdCfg::T*>(Q), static_cast<const LikFwdCfg::T*>(D), q_scale, d_scale, q_len, q_mask, d_len, d_mask,
-                   d_off, ntok, out, amax, Nq, Nd, Lq, Ld, dim, n_qt, qb, docs_per_cta, dl_qstride, pd, ps);
+                   d_off, ntok, out, amax, Nq, Nd, Lq, Ld, dim, n_qt, qb, docs_per_cta, dl_qstride, pd, ps, pq);
 }
 
 // Deterministic sum of the per-query-tile partial scores: out[x] = sum_q part[q][x], q ascending.

@@ -43,7 +43,7 @@ class FwdConfig:
     multi: bool = False  # a tile may hold several whole queries
     packed: bool = False  # packed documents with offsets
     split: bool = False  # split-d: query and document chunks of dp columns share each stage
-    tma: bool = False  # document tiles staged by TMA from a tensor map (sm_90, one-shot, 128-byte multiple rows)
+    tma: bool = False  # tiles staged by TMA from tensor maps (sm_90: one-shot with 128-byte multiple rows, or split-d wgmma)
 
     @property
     def bm(self) -> int:
@@ -147,10 +147,15 @@ def dim_bucket(dim: int) -> int:
 #   "wgmma"  Hopper, one-shot wgmma (dim a multiple of 64) against split-d wgmma;
 #   "wgmma-odd"  Hopper, other dims: one-shot mma.sync against split-d wgmma;
 #   "mma"    mma.sync both ways (every other GPU, short queries, fp32, unaligned rows).
-# Short = at most 64 query rows per tile. From bench/results/split_d_nvidia-h200.json
+# Short = at most 64 query rows per tile. From bench/results/sweep_split_d_nvidia-h200.json
 # (fp16, ColPali Lq=Ld=1024 B=128 and textual Lq=32 Ld=180 B=1024):
 #   - wgmma: one-shot 0.062/0.120 ms at d=128/256 vs split 0.080/0.144; split
-#     0.207 ms at 384 vs one-shot 0.242.
+#     0.207 ms at 384 vs one-shot 0.242. With TMA staging on both sides the same split holds
+#     (sweep_split_d_nvidia-h100-80gb-hbm3.json): one-shot 0.091 vs split 0.105 ms at d=256,
+#     split 0.146 vs one-shot 0.164 at 384.
+#   - short queries on Hopper: one-shot (mma.sync, TMA) and the one-warpgroup split tiles are
+#     level at d=384/512 (0.0525 vs 0.0521, 0.0684 vs 0.0679 ms on the H100), so split-d
+#     starts where one-shot tiles stop fitting.
 #   - wgmma-odd: split wgmma beats one-shot mma.sync already at d=128 (0.080 vs 0.102 ms).
 #   - mma, long queries: split 0.222 ms at 256 vs one-shot 0.236, and 0.32 vs 0.55 at 384;
 #     short queries: one-shot stays ahead through 512 (0.059 vs 0.074 ms).
@@ -163,14 +168,26 @@ for _arch in (80, 86, 89, 90):
     _SPLIT_FROM[(_arch, "mma", True)] = 1024
 _SPLIT_FROM_DEFAULT = 1024
 
-# Split-d tiles, best first. Hopper: (bn, dim chunk, stages) for 2 warpgroups x 64 query
-# rows, by dim bucket: 128-token tiles at three stages (two CTAs per SM) up to 1024,
-# 256-token tiles (one CTA, a third less traffic per MMA) from 2048 (1.08 vs 1.11 ms at
-# 2048, 2.27 vs 2.33 at 4096). mma.sync: (warps, mt, bn, dim chunk, stages) keyed by
-# (fp32, query-length bucket); fp32 chunks are 32 wide so a stage's bytes match.
+# Split-d tiles, best first. Hopper: (bn, dim chunk, stages).
+# - Two warpgroups x 64 query rows, both chunks of a stage staged by TMA (the default on an
+#   sm_90 with a CUDA 12+ driver): 256-token tiles at four stages lead at every split bucket,
+#   704-766 TF/s from d=384 to 2048 against 605-667 for the best 128-token tile and 462-575 for
+#   cp.async staging (sweep_split_d_nvidia-h100-80gb-hbm3.json; one-shot TMA tiles give 749 at
+#   d=256).
+# - The same staged by cp.async (TMA turned off), by dim bucket: 128-token tiles at three
+#   stages (two CTAs per SM) up to 1024, 256-token tiles (one CTA, a third less traffic per MMA)
+#   from 2048 (sweep_split_d_nvidia-h200.json: 1.08 vs 1.11 ms at 2048, 2.27 vs 2.33 at 4096).
+# - One warpgroup (64 rows) for a short query: memory-bound, 64-token tiles six stages deep by
+#   cp.async stream D at 2.8-2.9 TB/s on an H100, 3-30% ahead of 128- and 256-token tiles, of
+#   TMA staging (whose whole-box copies pay for the rows past each document) and of the
+#   mma.sync split tiles (same sweep, textual Lq=32, Ld=180, d=768..2048).
+# mma.sync: (warps, mt, bn, dim chunk, stages) keyed by (fp32, query-length bucket); fp32
+# chunks are 32 wide so a stage's bytes match.
+_WGMMA_SPLIT_TMA = ((256, 64, 4), (256, 64, 3), (128, 64, 4))
 _WGMMA_SPLIT_NARROW = ((128, 64, 3), (256, 64, 4), (128, 128, 3))
 _WGMMA_SPLIT_WIDE = ((256, 64, 4), (128, 64, 3))
 _WGMMA_SPLIT_WIDE_FROM = 2048
+_WGMMA_SPLIT_SHORT = ((64, 64, 6), (64, 64, 4))
 _SPLIT_TABLE: dict[tuple[bool, int], tuple[tuple[int, int, int, int, int], ...]] = {
     (False, 32): ((2, 1, 64, 64, 4), (2, 1, 64, 64, 3)),
     (False, 64): ((4, 1, 64, 64, 4), (4, 1, 64, 64, 3)),
@@ -362,11 +379,21 @@ def choose_forward(cc: int, dtype: str, dim: int, lq: int, argmax: bool, vec: bo
                 return cfg
     if int8:
         raise ValueError(f"no int8 forward configuration fits dim {dim} on sm_{arch}")
-    if hopper:
-        for bn, bk, stages in _WGMMA_SPLIT_WIDE if dim_bucket(dim) >= _WGMMA_SPLIT_WIDE_FROM else _WGMMA_SPLIT_NARROW:
-            cfg = FwdConfig(elem, bk, 8, 1, bn, stages, False, argmax, vec, True, multi(128), packed, True)
-            # Two CTAs per SM cap registers at 128: too few for the argmax of several queries.
-            if cfg.smem_bytes <= limit and not (cfg.min_blocks > 1 and argmax and cfg.multi):
+    if wgmma_ok:
+        # Hopper split-d: two warpgroups staged by TMA when the caller can hand over tensor maps,
+        # one warpgroup by cp.async for a short query.
+        warps = 8 if hopper else 4
+        if hopper and tma:
+            tiles = _WGMMA_SPLIT_TMA
+        elif hopper:
+            tiles = _WGMMA_SPLIT_WIDE if dim_bucket(dim) >= _WGMMA_SPLIT_WIDE_FROM else _WGMMA_SPLIT_NARROW
+        else:
+            tiles = _WGMMA_SPLIT_SHORT
+        for bn, bk, stages in tiles:
+            cfg = FwdConfig(elem, bk, warps, 1, bn, stages, False, argmax, vec, True, multi(warps * 16), packed,
+                            True, tma and hopper)
+            # Two CTAs of two warpgroups cap registers at 128: too few for the argmax of several queries.
+            if cfg.smem_bytes <= limit and not (warps == 8 and cfg.min_blocks > 1 and argmax and cfg.multi):
                 return cfg
     for warps, mt, bn, bk, stages in _SPLIT_TABLE[(elem == 2, lb)]:
         cfg = FwdConfig(elem, bk, warps, mt, bn, stages, False, argmax, vec, False, multi(warps * mt * 16), packed,

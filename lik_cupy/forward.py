@@ -399,7 +399,8 @@ def _launch(p: Problem, q, d, qm, dm, ql, dl, return_argmax: bool, device: int, 
     arch = dispatch.arch_of(props.cc)
 
     rows = d.size // p.dim  # D as [rows, dim] (padded, candidate or packed layout)
-    use_tma = tma_usable() and vec and rows <= tma.MAX_ROWS and (d_scale is None or d_scale.data.ptr % 16 == 0)
+    use_tma = (tma_usable() and vec and max(rows, p.nq * p.lq) <= tma.MAX_ROWS
+               and (d_scale is None or d_scale.data.ptr % 16 == 0))
 
     def choose(wgmma: bool):
         return dispatch.choose_forward(props.cc, p.dtype, p.dim, p.lq, return_argmax, vec, wgmma, shared, ld,
@@ -432,7 +433,8 @@ def _launch(p: Problem, q, d, qm, dm, ql, dl, return_argmax: bool, device: int, 
     if cfg.tma:
         dmap = tma.tile_map(d.data.ptr, rows, p.dim * esize, cfg.bn)
         smap = tma.scale_map(d_scale.data.ptr, rows, cfg.bn + 4) if d_scale is not None else dmap
-        args += (dmap.arg, smap.arg)
+        qmap = tma.tile_map(q.data.ptr, p.nq * p.lq, p.dim * esize, cfg.bm) if cfg.split else dmap
+        args += (dmap.arg, smap.arg, qmap.arg)
     try:
         kern(plan.grid, (cfg.threads, 1, 1), args, shared_mem=cfg.smem_bytes)
         if plan.n_qt > 1:

@@ -64,6 +64,13 @@ CASES = [  # (nq, lq, nd, ld, dim): one query tile, several, long queries, share
     (2, 30, 29, 77, 128),
     (2, 300, 19, 130, 192),
     (1, 20, 29, 77, 256),
+    # split-d (query and document chunks both by TMA, two warpgroups): a long query over three
+    # tiles (the last one's rows run past Q), several short queries per tile, and a dim whose
+    # last chunk runs past the row (zeros from the map)
+    (2, 77, 23, 130, 768),
+    (1, 300, 7, 200, 2048),
+    (9, 13, 31, 57, 1024),
+    (3, 40, 17, 99, 1000),
 ]
 
 
