@@ -2,7 +2,8 @@
 
 ``maxsim``, ``maxsim_pairs``, ``maxsim_varlen`` (packed ragged documents),
 ``maxsim_int8`` / ``maxsim_int8_varlen`` (documents stored as INT8 by ``quantize_int8``) and
-``retrieve`` (streaming top-k over a corpus of any size) take NumPy, CuPy, PyTorch, JAX or any DLPack
+``retrieve`` (streaming top-k over a corpus of any size; ``pin_host`` page-locks a host corpus
+so it streams without a staging copy) take NumPy, CuPy, PyTorch, JAX or any DLPack
 arrays and return results in the caller's framework; ``maxsim_backward`` turns the forward's
 argmax into exact gradients (autograd adapters: ``lik_cupy.torch``, ``lik_cupy.jax``). Importing this package
 imports neither torch nor jax (nor CuPy, until a GPU path runs).
@@ -14,9 +15,10 @@ from .backward import maxsim_backward  # noqa: E402
 from .device import gpu_available  # noqa: E402
 from .forward import maxsim, maxsim_pairs, maxsim_varlen  # noqa: E402
 from .int8 import maxsim_int8, maxsim_int8_varlen  # noqa: E402
+from .pinned import pin_host  # noqa: E402
 from .quantize import dequantize_int8, quantize_int8  # noqa: E402
 from .retrieve import retrieve  # noqa: E402
 from .warmup import warmup  # noqa: E402
 
 __all__ = ["maxsim", "maxsim_pairs", "maxsim_varlen", "maxsim_int8", "maxsim_int8_varlen", "quantize_int8",
-           "dequantize_int8", "maxsim_backward", "retrieve", "warmup", "gpu_available", "__version__"]
+           "dequantize_int8", "maxsim_backward", "retrieve", "pin_host", "warmup", "gpu_available", "__version__"]

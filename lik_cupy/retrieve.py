@@ -6,7 +6,10 @@ are merged on the device into a running top-k (``cuda_src/topk.cu``), so
 place; a corpus in host memory (NumPy, memory-mapped ``.npy``) is streamed
 through two pinned staging buffers: while the GPU scores chunk c, host
 threads fill the other buffer with chunk c+1 and a copy stream uploads it, so
-the GPU's memory use stays flat however large the corpus grows.
+the GPU's memory use stays flat however large the corpus grows. Tokens (and
+INT8 scales) that are page-locked already (``lik_cupy.pin_host``, torch's
+``pin_memory()``) skip the staging copy: the copy stream uploads straight from
+them, at the host-to-device DMA rate instead of the host's copy rate.
 
 INT8 corpora (int8 tokens with one float32 scale per token, as
 ``lik_cupy.quantize`` makes them and INT8 shards store them) are scored on INT8
@@ -50,6 +53,7 @@ from . import cpu, dispatch, interop
 from .device import DeviceMemoryError
 from .forward import (_BACKENDS, _dev_array, _host, _launch, _use_gpu, device_offsets, device_valid, host_offsets,
                       valid_host)
+from .pinned import span_page_locked
 from .validate import (Problem, _check_valid, check_call, check_length_values, check_scales, check_varlen,
                        offsets_count)
 
@@ -96,7 +100,8 @@ def retrieve(Q, D, k, q_mask=None, *, q_lengths=None, q_scales=None, d_offsets=N
             - an iterable of shards, each a padded array or a ``(tokens, offsets)`` tuple;
               document indices then run on across shards.
             On the GPU (CuPy, PyTorch, JAX: read in place) or in host memory (NumPy or
-            memory-mapped ``.npy``: streamed). Host bfloat16 must be NumPy with dtype
+            memory-mapped ``.npy``: streamed; page-locked by :func:`lik_cupy.pin_host` or
+            torch's ``pin_memory()``: streamed without a staging copy). Host bfloat16 must be NumPy with dtype
             ``ml_dtypes.bfloat16``. Same dtype and dim as Q.
 
             INT8 corpora: int8 tokens, each with one float32 scale (token = int8 values *
@@ -636,46 +641,51 @@ class _Gpu:
                 shapes["lens"], dtypes["lens"] = (cap,), np.int32
             if scales is not None:
                 shapes["scales"], dtypes["scales"] = (cap, p.ld), np.float32
+        # Tokens and scales already page-locked (pin_host, torch pin_memory) upload from where
+        # they lie; everything else goes through pinned staging buffers that host threads fill.
+        direct = {n for n in ("docs", "scales") if n in src and span_page_locked(src[n])}
         dev = [{n: cupy.empty(shapes[n], dtypes[n]) for n in shapes} for _ in range(2)]
-        pinned = [{n: cupyx.empty_pinned(shapes[n], dtypes[n]) for n in shapes} for _ in range(2)]
+        pinned = [{n: cupyx.empty_pinned(shapes[n], dtypes[n]) for n in shapes if n not in direct} for _ in range(2)]
         compute = cupy.cuda.get_current_stream()
         copy = cupy.cuda.Stream(non_blocking=True)
-        uploaded = [None, None]  # event: the H2D copy out of pinned[s] finished
+        uploaded = [None, None]  # event: chunk slot s's uploads finished (pinned[s] free again)
         consumed = [None, None]  # event: the scoring that reads dev[s] finished
         pool = ThreadPoolExecutor(_COPY_THREADS)
+
+        def stage(host: dict, n: str, rows: np.ndarray) -> np.ndarray:
+            """The host array a chunk's ``rows`` of array ``n`` upload from."""
+            if n in direct:
+                return rows
+            _parallel_copy(pool, host[n][: rows.shape[0]], rows)
+            return host[n][: rows.shape[0]]
+
         try:
             for ci, (a, b) in enumerate(bounds):
                 slot = ci % 2
-                if uploaded[slot] is not None:
+                if uploaded[slot] is not None and pinned[slot]:
                     uploaded[slot].synchronize()  # pinned[slot] is free again
                 host = pinned[slot]
                 if part.packed:
                     t0, t1 = int(off[a]), int(off[b])
-                    _parallel_copy(pool, host["docs"][: t1 - t0], docs[t0:t1])
                     host["off"][: b - a + 1] = off[a:b + 1] - t0
-                    views = {"docs": (t1 - t0,), "off": (b - a + 1,)}
+                    up = {"docs": stage(host, "docs", docs[t0:t1]), "off": host["off"][: b - a + 1]}
                     if scales is not None:
-                        _parallel_copy(pool, host["scales"][: t1 - t0], scales[t0:t1])
-                        views["scales"] = (t1 - t0,)
+                        up["scales"] = stage(host, "scales", scales[t0:t1])
                 else:
-                    _parallel_copy(pool, host["docs"][: b - a], docs[a:b])
-                    views = {"docs": (b - a,)}
+                    up = {"docs": stage(host, "docs", docs[a:b])}
                     if mask is not None:
                         host["mask"][: b - a] = mask[a:b]
-                        views["mask"] = (b - a,)
+                        up["mask"] = host["mask"][: b - a]
                     if lens is not None:
                         host["lens"][: b - a] = lens[a:b]
-                        views["lens"] = (b - a,)
+                        up["lens"] = host["lens"][: b - a]
                     if scales is not None:
-                        _parallel_copy(pool, host["scales"][: b - a], scales[a:b])
-                        views["scales"] = (b - a,)
+                        up["scales"] = stage(host, "scales", scales[a:b])
                 if consumed[slot] is not None:
                     copy.wait_event(consumed[slot])  # dev[slot] no longer read
-                for n, (rows,) in views.items():
-                    src_buf, dst = host[n], dev[slot][n]
-                    nbytes = rows * (src_buf.nbytes // src_buf.shape[0])
-                    if nbytes:
-                        cupy.cuda.runtime.memcpyAsync(dst.data.ptr, src_buf.ctypes.data, nbytes,
+                for n, arr in up.items():
+                    if arr.nbytes:
+                        cupy.cuda.runtime.memcpyAsync(dev[slot][n].data.ptr, arr.ctypes.data, arr.nbytes,
                                                       cupy.cuda.runtime.memcpyHostToDevice, copy.ptr)
                 uploaded[slot] = copy.record()
                 compute.wait_event(uploaded[slot])
@@ -683,7 +693,7 @@ class _Gpu:
                 d = dv["docs"]
                 nd = b - a
                 if part.packed:
-                    t = views["docs"][0]
+                    t = up["docs"].shape[0]
                     self._score(replace(p, nd=nd, ntok=t), d[:t], None, None, dv["off"][: nd + 1],
                                 -(-t // max(1, nd)), None if scales is None else dv["scales"][:t])
                 else:
