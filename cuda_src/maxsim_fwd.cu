@@ -50,6 +50,11 @@
 //               stage holds a BM x DP query chunk and a BN x DP document chunk; the
 //               similarity tile accumulates over ceil(dim / DP) stages before its
 //               max-epilogue, so any dim fits in a fixed amount of shared memory
+//   LIK_QHALF   1 (split-d, one warpgroup, cp.async, one query of at most 32 tokens): each stage
+//               holds 32 query rows, not 64; the wgmma reads its other 32 A rows from whatever
+//               follows (the next chunk or the document rows), finite or not, into result rows
+//               that are never read. A stage is 12 KB instead of 16 at BN = 64, so more stages
+//               and more CTAs fit on an SM
 //   LIK_NAME    entry point name
 #include "common.cuh"
 #include "wgmma.cuh"
@@ -65,6 +70,9 @@
 #endif
 #ifndef LIK_TMA
 #define LIK_TMA 0
+#endif
+#ifndef LIK_QHALF
+#define LIK_QHALF 0
 #endif
 
 #ifndef LIK_WGMMA
@@ -97,7 +105,7 @@ template <>
 struct Acc<true> { typedef int T; };  // INT8 mma accumulates in int32
 
 template <int ELEM, int DP, int WARPS, int MT, int BN, int STAGES, bool QREG, bool ARGMAX, bool VEC, bool WG,
-          bool MULTI, bool PACKED, bool SPLIT, bool TMA>
+          bool MULTI, bool PACKED, bool SPLIT, bool TMA, bool QHALF>
 struct Fwd {
     typedef typename Elem<ELEM>::T T;
     static constexpr bool I8 = ELEM == 3;
@@ -123,7 +131,9 @@ struct Fwd {
     static_assert(!I8 || (!SPLIT && DP % 32 == 0), "INT8 runs one-shot with DP a multiple of 32");
     static_assert(!TMA || (ELEM != 2 && DP * ESIZE % 128 == 0 && (!SPLIT || WG)),
                   "TMA feeds one-shot 16-bit and INT8 tiles and split-d wgmma tiles");
-    static constexpr int STAGE = SPLIT ? (BM + BN) * LDS : BN * LDS;  // elements per ring stage
+    static_assert(!QHALF || (SPLIT && WG && !TMA && !MULTI && WARPS == 4), "half query stages: one-warpgroup split-d tiles");
+    static constexpr int QR = QHALF ? 32 : BM;  // query rows staged per split-d stage
+    static constexpr int STAGE = SPLIT ? (QR + BN) * LDS : BN * LDS;  // elements per ring stage
     // Document token scales staged per ring stage (floats); TMA boxes of BN + 4 in slots of
     // 128-byte multiples.
     static constexpr int SCL = I8 ? (TMA ? BN + 32 : BN) : 0;
@@ -223,7 +233,7 @@ struct Fwd {
 #pragma unroll
             for (int kk = 0; kk < NK; ++kk) {
                 const u32 ko = (kk & 3) * 32;  // byte offset of this k step inside a 128-byte row
-                const unsigned long long dq = wgmma_desc(qa + (kk >> 2) * BM * 128 + ko);
+                const unsigned long long dq = wgmma_desc(qa + (kk >> 2) * (SPLIT ? QR : BM) * 128 + ko);
                 const unsigned long long dd = wgmma_desc(da + (kk >> 2) * BN * 128 + ko);
                 if constexpr (I8) wgmma_s8_m64k32<BN>(d, dq, dd, kk > 0 || add);
                 else wgmma_m64k16<ELEM, BN>(d, dq, dd, kk > 0 || add);
@@ -491,8 +501,8 @@ struct Fwd {
                     }
 #endif
                 } else {
-                    if (SPLIT) load_rows<BM>(st, Qt + k0, q_rows, dim, dim - k0);
-                    load_rows<BN>(st + (SPLIT ? BM * LDS : 0), D + (dstart(dl) + (i64)pt * BN) * dim + k0,
+                    if (SPLIT) load_rows<QR>(st, Qt + k0, q_rows, dim, dim - k0);
+                    load_rows<BN>(st + (SPLIT ? QR * LDS : 0), D + (dstart(dl) + (i64)pt * BN) * dim + k0,
                                   min(BN, len - pt * BN), dim, dim - k0);
                 }
                 if constexpr (I8 && !TMA) {
@@ -726,7 +736,7 @@ struct Fwd {
                 for (int kc = 0; kc < nk; ++kc) {
                     slot = next_stage();
                     const T* st = ring + slot * STAGE;
-                    tile_mma(acc, qf, SPLIT ? st : sQ, st + (SPLIT ? BM * LDS : 0), wrow0, lane, kc > 0);
+                    tile_mma(acc, qf, SPLIT ? st : sQ, st + (SPLIT ? QR * LDS : 0), wrow0, lane, kc > 0);
                 }
 #if LIK_HAS_WGMMA
                 if (WG_CHAIN) wgmma_wait<0>();
@@ -743,7 +753,7 @@ struct Fwd {
 }  // namespace lik
 
 typedef lik::Fwd<LIK_ELEM, LIK_DP, LIK_WARPS, LIK_MT, LIK_BN, LIK_STAGES, LIK_QREG != 0, LIK_ARGMAX != 0, LIK_VEC != 0,
-                  LIK_WGMMA != 0, LIK_MULTI != 0, LIK_PACKED != 0, LIK_SPLIT != 0, LIK_TMA != 0>
+                  LIK_WGMMA != 0, LIK_MULTI != 0, LIK_PACKED != 0, LIK_SPLIT != 0, LIK_TMA != 0, LIK_QHALF != 0>
     LikFwdCfg;
 
 // LIK_MIN_BLOCKS: CTAs per SM the launch plan counts on (dispatch sets 2 for Hopper tiles

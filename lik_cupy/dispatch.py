@@ -44,6 +44,11 @@ class FwdConfig:
     packed: bool = False  # packed documents with offsets
     split: bool = False  # split-d: query and document chunks of dp columns share each stage
     tma: bool = False  # tiles staged by TMA from tensor maps (sm_90: one-shot with 128-byte multiple rows, or split-d wgmma)
+    qhalf: bool = False  # split-d, one warpgroup, one query of <= 32 tokens: stages hold 32 query rows, not 64
+
+    @property
+    def query_rows_staged(self) -> int:
+        return 32 if self.qhalf else self.bm
 
     @property
     def bm(self) -> int:
@@ -59,7 +64,7 @@ class FwdConfig:
 
     @property
     def smem_bytes(self) -> int:
-        rows = self.stages * (self.bm + self.bn) if self.split else self.bm + self.stages * self.bn
+        rows = self.stages * (self.query_rows_staged + self.bn) if self.split else self.bm + self.stages * self.bn
         if self.wgmma or self.tma:  # unpadded swizzled tiles, slack to align them to 1024 bytes, TMA barriers
             return rows * self.dp * self.esize + 1024 + self._extra_bytes + (16 * self.stages if self.tma else 0)
         return rows * (self.dp + 16 // self.esize) * self.esize + self._extra_bytes
@@ -77,7 +82,7 @@ class FwdConfig:
             f"lik_maxsim_fwd_{e}_{'k' if self.split else 'd'}{self.dp}_w{self.warps}m{self.mt}_n{self.bn}s{self.stages}"
             f"{'_qreg' if self.qreg else ''}{'_argmax' if self.argmax else ''}{'_vec' if self.vec else ''}"
             f"{'_wgmma' if self.wgmma else ''}{'_mq' if self.multi else ''}{'_packed' if self.packed else ''}"
-            f"{'_tma' if self.tma else ''}"
+            f"{'_tma' if self.tma else ''}{'_qh' if self.qhalf else ''}"
         )
 
     def defines(self) -> dict[str, int | str]:
@@ -97,6 +102,7 @@ class FwdConfig:
             "LIK_PACKED": int(self.packed),
             "LIK_SPLIT": int(self.split),
             "LIK_TMA": int(self.tma),
+            "LIK_QHALF": int(self.qhalf),
             "LIK_MIN_BLOCKS": self.min_blocks,
         }
 
@@ -181,6 +187,10 @@ _SPLIT_FROM_DEFAULT = 1024
 #   cp.async stream D at 2.8-2.9 TB/s on an H100, 3-30% ahead of 128- and 256-token tiles, of
 #   TMA staging (whose whole-box copies pay for the rows past each document) and of the
 #   mma.sync split tiles (same sweep, textual Lq=32, Ld=180, d=768..2048).
+# - A single query of at most 32 tokens stages 32 query rows per stage instead of 64 (qhalf:
+#   12 KB a stage at 64 x 64): 128-dim chunks four stages deep are fastest or within 1% of it
+#   from d=768 to 4096 on an H100, 2-4% ahead of the 64-row stages and level with flash-maxsim
+#   (0.98-1.04x; sweep_split_short_nvidia-h100-80gb-hbm3.json, textual Lq=32 and 20, Ld=180).
 # mma.sync: (warps, mt, bn, dim chunk, stages) keyed by (fp32, query-length bucket); fp32
 # chunks are 32 wide so a stage's bytes match.
 _WGMMA_SPLIT_TMA = ((256, 64, 4), (256, 64, 3), (128, 64, 4))
@@ -188,6 +198,7 @@ _WGMMA_SPLIT_NARROW = ((128, 64, 3), (256, 64, 4), (128, 128, 3))
 _WGMMA_SPLIT_WIDE = ((256, 64, 4), (128, 64, 3))
 _WGMMA_SPLIT_WIDE_FROM = 2048
 _WGMMA_SPLIT_SHORT = ((64, 64, 6), (64, 64, 4))
+_WGMMA_SPLIT_SHORT_QHALF = ((64, 128, 4), (64, 64, 8), (64, 64, 4))
 _SPLIT_TABLE: dict[tuple[bool, int], tuple[tuple[int, int, int, int, int], ...]] = {
     (False, 32): ((2, 1, 64, 64, 4), (2, 1, 64, 64, 3)),
     (False, 64): ((4, 1, 64, 64, 4), (4, 1, 64, 64, 3)),
@@ -383,15 +394,16 @@ def choose_forward(cc: int, dtype: str, dim: int, lq: int, argmax: bool, vec: bo
         # Hopper split-d: two warpgroups staged by TMA when the caller can hand over tensor maps,
         # one warpgroup by cp.async for a short query.
         warps = 8 if hopper else 4
+        qhalf = not hopper and q_len <= 32 and not multi(64)
         if hopper and tma:
             tiles = _WGMMA_SPLIT_TMA
         elif hopper:
             tiles = _WGMMA_SPLIT_WIDE if dim_bucket(dim) >= _WGMMA_SPLIT_WIDE_FROM else _WGMMA_SPLIT_NARROW
         else:
-            tiles = _WGMMA_SPLIT_SHORT
+            tiles = _WGMMA_SPLIT_SHORT_QHALF if qhalf else _WGMMA_SPLIT_SHORT
         for bn, bk, stages in tiles:
             cfg = FwdConfig(elem, bk, warps, 1, bn, stages, False, argmax, vec, True, multi(warps * 16), packed,
-                            True, tma and hopper)
+                            True, tma and hopper, qhalf)
             # Two CTAs of two warpgroups cap registers at 128: too few for the argmax of several queries.
             if cfg.smem_bytes <= limit and not (warps == 8 and cfg.min_blocks > 1 and argmax and cfg.multi):
                 return cfg

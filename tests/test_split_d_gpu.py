@@ -5,6 +5,8 @@ documents, multi-query tiles and per-query candidates. The session script runs t
 file a second time with the Hopper kernels forced off.
 """
 
+import os
+
 import numpy as np
 import pytest
 
@@ -86,6 +88,56 @@ def test_wide_packed_documents(rng, dim):
     ref, sim = maxsim_ref(q64, dpad, None, dv)
     assert rel_err(_np(s), ref) < TOL["bfloat16"]
     _argmax_ok(_np(a), sim, np.ones((nq, lq), bool), dv, 1e-5)
+
+
+@pytest.mark.parametrize("dim", [768, 1000, 2048])
+@pytest.mark.parametrize("lq", [1, 20, 32])
+@pytest.mark.parametrize("packed", [False, True])
+def test_short_query_half_stages(rng, monkeypatch, dim, lq, packed):
+    # One query of at most 32 tokens stages 32 query rows per split-d stage on Hopper (the
+    # wgmma's other 32 rows read past them into rows that are never used): scores and argmax
+    # must match float64 and be bitwise those of the 64-row stages.
+    import dataclasses
+
+    import cupy
+
+    from lik_cupy import dispatch
+
+    lens = rng.integers(0, 140, 11)
+    lens[3] = 0
+    ld = int(lens.max())
+    q, q64 = _cast(_unit(rng, 1, lq, dim), "float16")
+    d, d64 = _cast(_unit(rng, len(lens), ld, dim), "float16")
+    q_mask = rng.random((1, lq)) < 0.9
+    dv = np.arange(ld)[None] < lens[:, None]
+    off = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+    tokens = np.concatenate([d[j, : lens[j]] for j in range(len(lens))])
+
+    def run():
+        if packed:
+            return lik_cupy.maxsim_varlen(cupy.asarray(q), cupy.asarray(tokens), cupy.asarray(off),
+                                          cupy.asarray(q_mask), return_argmax=True)
+        return lik_cupy.maxsim(cupy.asarray(q), cupy.asarray(d), cupy.asarray(q_mask), cupy.asarray(dv),
+                               return_argmax=True)
+
+    picked = []
+    chosen = dispatch.choose_forward
+
+    def spy(*a, **k):
+        picked.append(chosen(*a, **k))
+        return picked[-1]
+
+    monkeypatch.setattr(dispatch, "choose_forward", spy)
+    s, a = (_np(x) for x in run())
+    hopper = cupy.cuda.Device().compute_capability == "90" and not os.environ.get("LIK_CUPY_DISABLE_WGMMA")
+    if hopper and not picked[-1].qhalf:
+        pytest.fail(f"expected half query stages, dispatch picked {picked[-1].name}")
+    ref, sim = maxsim_ref(q64, d64, q_mask, dv)
+    assert rel_err(s, ref) < TOL["float16"]
+    _argmax_ok(a, sim, q_mask, dv, 1e-5)
+    monkeypatch.setattr(dispatch, "choose_forward", lambda *a, **k: dataclasses.replace(chosen(*a, **k), qhalf=False))
+    s64, a64 = (_np(x) for x in run())
+    assert np.array_equal(s, s64, equal_nan=True) and np.array_equal(a, a64)
 
 
 def test_wide_candidates_layout(rng):
