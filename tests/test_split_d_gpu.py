@@ -13,6 +13,7 @@ import pytest
 import lik_cupy
 from reference import maxsim_ref, rel_err
 from test_forward_gpu import TOL, _argmax_ok, _cast, _np, _torch, _unit
+from test_tma_gpu import record_forward_choices
 
 pytestmark = pytest.mark.gpu
 
@@ -120,14 +121,8 @@ def test_short_query_half_stages(rng, monkeypatch, dim, lq, packed):
         return lik_cupy.maxsim(cupy.asarray(q), cupy.asarray(d), cupy.asarray(q_mask), cupy.asarray(dv),
                                return_argmax=True)
 
-    picked = []
     chosen = dispatch.choose_forward
-
-    def spy(*a, **k):
-        picked.append(chosen(*a, **k))
-        return picked[-1]
-
-    monkeypatch.setattr(dispatch, "choose_forward", spy)
+    picked = record_forward_choices(monkeypatch)
     s, a = (_np(x) for x in run())
     hopper = cupy.cuda.Device().compute_capability == "90" and not os.environ.get("LIK_CUPY_DISABLE_WGMMA")
     if hopper and not picked[-1].qhalf:
@@ -135,7 +130,8 @@ def test_short_query_half_stages(rng, monkeypatch, dim, lq, packed):
     ref, sim = maxsim_ref(q64, d64, q_mask, dv)
     assert rel_err(s, ref) < TOL["float16"]
     _argmax_ok(a, sim, q_mask, dv, 1e-5)
-    monkeypatch.setattr(dispatch, "choose_forward", lambda *a, **k: dataclasses.replace(chosen(*a, **k), qhalf=False))
+    monkeypatch.setattr(dispatch, "choose_forward",
+                        lambda *args, **kw: dataclasses.replace(chosen(*args, **kw), qhalf=False))
     s64, a64 = (_np(x) for x in run())
     assert np.array_equal(s, s64, equal_nan=True) and np.array_equal(a, a64)
 

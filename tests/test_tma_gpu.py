@@ -24,10 +24,8 @@ def _unit(rng, *shape):
     return (x / np.linalg.norm(x, axis=-1, keepdims=True)).astype(np.float32)
 
 
-def _both(monkeypatch, fn):
-    """fn() with TMA staging and with cp.async staging, and the configurations each ran."""
-    import cupy
-
+def record_forward_choices(monkeypatch) -> list:
+    """From now on, each forward configuration dispatch picks is appended to the list returned."""
     picked = []
     chosen = dispatch.choose_forward
 
@@ -36,6 +34,14 @@ def _both(monkeypatch, fn):
         return picked[-1]
 
     monkeypatch.setattr(dispatch, "choose_forward", spy)
+    return picked
+
+
+def _both(monkeypatch, fn):
+    """fn() with TMA staging and with cp.async staging, and the configurations each ran."""
+    import cupy
+
+    picked = record_forward_choices(monkeypatch)
     runs = []
     for off in ("1", ""):
         monkeypatch.setenv("LIK_CUPY_DISABLE_TMA", off)
