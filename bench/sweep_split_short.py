@@ -62,7 +62,7 @@ def main():
                 print(f"  {cfg.name:55s} {ms:.4f} ms {gb / ms * 1e3:5.0f} GB/s  "
                       f"{dispatch.ctas_per_sm(cfg, props.cc)} CTAs/SM  {'same bits' if same else 'DIFFERENT'}",
                       flush=True)
-        del d
+        d = want = None  # free before the next shape is allocated
     print(write_sweep(out, "sweep_split_short", props, rows))
 
 
