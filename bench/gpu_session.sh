@@ -98,13 +98,16 @@ if [ "${SKIP_TESTS:-0}" != "1" ]; then
         -p no:cacheprovider tests/test_forward_gpu.py tests/test_split_d_gpu.py 2>&1 | tail -n 3 | tee -a "$OUT/pytest.log"
     echo "== SASS check: tensor-core instructions in the compiled forward kernels"
     python3 - <<'PY' 2>&1 | tee -a "$OUT/pytest.log"
-import json, subprocess
+import concurrent.futures, json, os, subprocess
 from lik_cupy.compile import cache_dir
-for meta in sorted(cache_dir().glob("*.json")):
+def one(meta):  # a few hundred kernels after the suite: one cuobjdump per core, listed in order
     info = json.loads(meta.read_text())
     name = info["defines"].get("LIK_NAME", "?")
     sass = subprocess.run(["cuobjdump", "--dump-sass", str(meta.with_suffix(".cubin"))], capture_output=True, text=True).stdout
-    print(f"{name:60s} sm_{info['arch']:4s} HGMMA={sass.count('HGMMA'):4d} HMMA={sass.count('HMMA'):4d}")
+    return f"{name:60s} sm_{info['arch']:4s} HGMMA={sass.count('HGMMA'):4d} HMMA={sass.count('HMMA'):4d}"
+with concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 4) as ex:
+    for line in ex.map(one, sorted(cache_dir().glob("*.json"))):
+        print(line)
 PY
 fi
 
