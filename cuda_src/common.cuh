@@ -92,6 +92,15 @@ __device__ __forceinline__ u32 to_tf32(float x) {
     return r;
 }
 
+// Named CTA barriers (id 1..15; 0 is __syncthreads): arrive signals without waiting (and
+// releases this thread's earlier shared-memory writes), sync waits for `threads` arrivals.
+__device__ __forceinline__ void named_arrive(int id, int threads) {
+    asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void named_sync(int id, int threads) {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
 // max that propagates NaN (fmaxf would drop it and hide a broken embedding).
 __device__ __forceinline__ float max_nan(float a, float b) {
     float r;

@@ -55,6 +55,17 @@
 //               follows (the next chunk or the document rows), finite or not, into result rows
 //               that are never read. A stage is 12 KB instead of 16 at BN = 64, so more stages
 //               and more CTAs fit on an SM
+//   LIK_TOKM    1 (INT8, two warpgroups, TMA, 128 x 128 tiles, no argmax, one query per tile):
+//               tokens on the wgmma M side. Each warpgroup multiplies 64 document tokens (A) by
+//               the tile's 128 query rows (B), so a thread's accumulators hold 2 tokens x 32 query
+//               rows and its two token scales sit in registers, instead of 32 column scales read
+//               from shared memory per tile. Accumulators start at 2^22, which makes the int32
+//               dot product x, read as a float, the denormal (x + 2^22) * 2^-149; one fused
+//               multiply-add by (s * 2^100, -s * 2^-27) gives x * s * 2^-49 rounded once (exact
+//               for scales in [2^-77, 2^28)), and a masked token gets (0, -inf). So a similarity
+//               costs an FFMA and a max instead of an IADD, FADD, FMUL, max and a share of the
+//               scale loads. The per-query-row max over the 8 lanes and 8 warps that share a row
+//               is taken once per document
 //   LIK_NAME    entry point name
 #include "common.cuh"
 #include "wgmma.cuh"
@@ -73,6 +84,9 @@
 #endif
 #ifndef LIK_QHALF
 #define LIK_QHALF 0
+#endif
+#ifndef LIK_TOKM
+#define LIK_TOKM 0
 #endif
 
 #ifndef LIK_WGMMA
@@ -105,7 +119,7 @@ template <>
 struct Acc<true> { typedef int T; };  // INT8 mma accumulates in int32
 
 template <int ELEM, int DP, int WARPS, int MT, int BN, int STAGES, bool QREG, bool ARGMAX, bool VEC, bool WG,
-          bool MULTI, bool PACKED, bool SPLIT, bool TMA, bool QHALF>
+          bool MULTI, bool PACKED, bool SPLIT, bool TMA, bool QHALF, bool TOKM>
 struct Fwd {
     typedef typename Elem<ELEM>::T T;
     static constexpr bool I8 = ELEM == 3;
@@ -152,8 +166,15 @@ struct Fwd {
     // anyway), INT8 0-3% slower (its per-similarity arithmetic, not the barrier, holds it).
     // Split-d keeps a chunk's wgmma in flight past the next stage, so its slots go back by the
     // block barrier.
-    static constexpr bool RELEASE = TMA && !MULTI && !I8 && !SPLIT;
+    static constexpr bool RELEASE = TMA && !MULTI && (!I8 || TOKM) && !SPLIT;
+    static_assert(!(MULTI && RELEASE), "several queries per tile sum a document's rows after the next stage's block barrier");
     static_assert(AHEAD >= 1, "split-d wgmma needs at least three stages");
+    static_assert(!TOKM || (I8 && WG && TMA && SMALL_DOT && WARPS == 8 && BM == 128 && BN == 128 && !ARGMAX && !MULTI),
+                  "tokens on M: INT8 two-warpgroup TMA tiles of 128 x 128, one query, no argmax");
+    static constexpr int TOKM_OFFSET = 1 << 22;  // accumulator start: x + 2^22 is in (0, 2^23) while |x| < 2^22
+    // Shared floats for a document's reduction, per buffer: the tokens-on-M row maxima of every
+    // warp, several queries' row maxima, or per-warp sums.
+    static constexpr int RED = TOKM ? WARPS * BM : MULTI ? BM : WARPS;
 
     // Element offset of (row r, column k) in a staged tile of `nrows` rows. The
     // wgmma layout splits the row into 128-byte column blocks and XORs the
@@ -226,9 +247,23 @@ struct Fwd {
                                                     const T* sQ, const T* sD, int wrow0, int lane, bool add) {
 #if LIK_HAS_WGMMA
         if (WG) {
+            A* d = &acc[0][0][0];
+            if constexpr (TOKM) {
+                // The warpgroup's 64 document tokens against all BM query rows, onto the offset.
+                const u32 da = smem_addr(sD) + (threadIdx.x >> 7) * 64 * 128, qa = smem_addr(sQ);
+                wgmma_fence();
+#pragma unroll
+                for (int kk = 0; kk < NK; ++kk) {
+                    const u32 ko = (kk & 3) * 32;
+                    wgmma_s8_m64k32<BM>(d, wgmma_desc(da + (kk >> 2) * BN * 128 + ko),
+                                        wgmma_desc(qa + (kk >> 2) * BM * 128 + ko), 1);
+                }
+                wgmma_commit();
+                wgmma_wait<0>();
+                return;
+            }
             // The warpgroup's 64 query rows against all BN document rows, 32 bytes of K per instruction.
             const u32 qa = smem_addr(sQ) + (wrow0 & ~63) * 128, da = smem_addr(sD);
-            A* d = &acc[0][0][0];
             wgmma_fence();
 #pragma unroll
             for (int kk = 0; kk < NK; ++kk) {
@@ -291,6 +326,19 @@ struct Fwd {
         }
     }
 
+    // One halving exchange of a tokens-on-M reduce-scatter: lanes HALF apart swap halves of the
+    // first 2 * HALF flat entries of v (v[n][e] is entry 2n + e) and keep the max of the half
+    // they hold: the lane with bit HALF set keeps the upper one, in entries 0 .. HALF - 1.
+    template <int HALF>
+    static __device__ __forceinline__ void scatter_max(float (&v)[TOKM ? NN : 1][2], int lane) {
+        const bool up = lane & HALF;
+#pragma unroll
+        for (int i = 0; i < HALF; ++i) {
+            const float lo = v[i / 2][i % 2], hi = v[(i + HALF) / 2][(i + HALF) % 2];
+            v[i / 2][i % 2] = max_nan(up ? hi : lo, __shfl_xor_sync(0xffffffffu, up ? lo : hi, HALF));
+        }
+    }
+
     static __device__ __forceinline__ int doc_len(const int* d_len, i64 doclin, int Ld) {
         if (!d_len) return Ld;
         const int l = d_len[doclin];
@@ -344,10 +392,13 @@ struct Fwd {
         T* sQ = reinterpret_cast<T*>(smem_base);
         T* ring = sQ + (SPLIT ? 0 : BM * LDS);
         float* sS = reinterpret_cast<float*>(ring + STAGES * STAGE);  // [STAGES][SCL] INT8 document scales
-        float* red = sS + STAGES * SCL;  // [2][MULTI ? BM : WARPS]
+        float* red = sS + STAGES * SCL;  // [2][RED]
         // TMA: [STAGES] "full" barriers (the slot's bytes landed), then [STAGES] "empty" ones (every
         // warp is done with the slot, so it may be refilled).
-        unsigned long long* mbar = reinterpret_cast<unsigned long long*>(red + 2 * (MULTI ? BM : WARPS));
+        // Tokens on M: [BM] per query row of the tile, 2^49 (undoing the conversion's scale) times
+        // its INT8 scale (NaN for a negative scale), or -1 for a row that does not count.
+        float* qmul = red + 2 * RED;
+        unsigned long long* mbar = reinterpret_cast<unsigned long long*>(qmul + (TOKM ? BM : 0));
 
         const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
         const int g = lane >> 2, tq = lane & 3;
@@ -458,6 +509,18 @@ struct Fwd {
             __syncthreads();
         }
 #endif
+        if constexpr (TOKM) {  // visible to every warp after the first stage's block barrier
+            const int ql = query_len(qi0);
+            for (int c = threadIdx.x; c < BM; c += NT) {
+                const int s = s0 + c;
+                float qm = -1.f;
+                if (s < ql && (!q_mask || q_mask[(i64)qi0 * Lq + s])) {
+                    const float sq = q_scale[(i64)qi0 * Lq + s];
+                    qm = sq >= 0.f ? sq * 0x1p49f : __int_as_float(0x7fffffff);
+                }
+                qmul[c] = qm;
+            }
+        }
         const int nk = SPLIT ? (dim + DP - 1) / DP : 1;  // chunks of the dim per tile
 
         // Producer cursor: next (document tile, dim chunk) to stage. It crosses
@@ -533,11 +596,17 @@ struct Fwd {
         // The running max (and argmax) of this thread's rows over the current document.
         float best[MT][2];
         int bidx[MT][2];
+        // Tokens on M: the running max of each of this thread's 32 query rows (columns n * 8 + 2 * tq + e).
+        float bq[TOKM ? NN : 1][2];
         auto reset = [&]() {
 #pragma unroll
             for (int m = 0; m < MT; ++m)
 #pragma unroll
                 for (int h = 0; h < 2; ++h) { best[m][h] = LIK_NEG_INF; bidx[m][h] = -1; }
+            if constexpr (TOKM) {
+#pragma unroll
+                for (int n = 0; n < NN; ++n) bq[n][0] = bq[n][1] = LIK_NEG_INF;
+            }
         };
         // Wait for the next staged tile, start the refill of a freed slot, return the tile's slot.
         auto next_stage = [&]() -> int {
@@ -580,6 +649,26 @@ struct Fwd {
         // `len` tokens with mask `dm`, staged in ring slot `slot`, INT8 scales `sh` floats into
         // the slot) into best / bidx.
         auto fold = [&](A (&acc)[MT][NN][4], int slot, int tok0, int len, const u8* dm, int sh) {
+            if constexpr (TOKM) {
+                // This thread's tokens: tile rows r0 and r0 + 8 (accumulators [2 * h + e]).
+                const int r0 = (warp >> 2) * 64 + (warp & 3) * 16 + g;
+                float mul[2], add[2];
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const int tok = tok0 + r0 + 8 * h;
+                    const float sc = sS[slot * SCL + sh + r0 + 8 * h];
+                    const bool ok = tok < len && (!dm || dm[tok]);
+                    mul[h] = ok ? sc * 0x1p100f : 0.f;
+                    add[h] = ok ? sc * -0x1p-27f : LIK_NEG_INF;
+                }
+#pragma unroll
+                for (int n = 0; n < NN; ++n)
+#pragma unroll
+                    for (int e = 0; e < 2; ++e)
+                        bq[n][e] = max_nan(bq[n][e], max_nan(fmaf(__int_as_float(acc[0][n][e]), mul[0], add[0]),
+                                                             fmaf(__int_as_float(acc[0][n][2 + e]), mul[1], add[1])));
+                return;
+            }
             const bool full = !dm && tok0 + BN <= len;
             // INT8: columns n * 8 + 2 * tq + {0, 1} of this thread take their document token
             // scales from the stage just consumed (read before the next loop-top barrier lets the
@@ -602,6 +691,36 @@ struct Fwd {
                         for (int h = 0; h < 2; ++h)
                             best[m][h] = max_nan(best[m][h], max_nan(sim(acc[m][n][2 * h], sc.x),
                                                                      sim(acc[m][n][2 * h + 1], sc.y)));
+                }
+                return;
+            }
+            if (!ARGMAX && !dm && !I8) {
+                // A document's last, partial tile: its whole 8-column blocks take the one-op fold,
+                // the block the document ends in is masked, later blocks are skipped. rem is the
+                // same across the warp, so the branches do not diverge. (INT8 stays on the select
+                // below: there each block's scale loads wait behind its branch, 2% slower on 32
+                // queries x 32 tokens against 180-token documents, H100.)
+                const int rem = len - tok0;
+#pragma unroll
+                for (int n = 0; n < NN; ++n) {
+                    if (n * 8 + 8 <= rem) {
+                        const float2 sc = scales(n);
+#pragma unroll
+                        for (int m = 0; m < MT; ++m)
+#pragma unroll
+                            for (int h = 0; h < 2; ++h)
+                                best[m][h] = max_nan(best[m][h], max_nan(sim(acc[m][n][2 * h], sc.x),
+                                                                         sim(acc[m][n][2 * h + 1], sc.y)));
+                    } else if (n * 8 < rem) {
+                        const float2 sc = scales(n);
+                        const bool ok0 = n * 8 + 2 * tq < rem, ok1 = n * 8 + 2 * tq + 1 < rem;
+#pragma unroll
+                        for (int m = 0; m < MT; ++m)
+#pragma unroll
+                            for (int h = 0; h < 2; ++h)
+                                best[m][h] = max_nan(best[m][h], max_nan(ok0 ? sim(acc[m][n][2 * h], sc.x) : LIK_NEG_INF,
+                                                                         ok1 ? sim(acc[m][n][2 * h + 1], sc.y) : LIK_NEG_INF));
+                    }
                 }
                 return;
             }
@@ -663,12 +782,71 @@ struct Fwd {
             }
         };
 
+        // MULTI: one warp per query sums document j's row maxima from shared memory, in a fixed order.
+        auto sum_rows = [&](int j) {
+            const float* rowv = red + (j & 1) * BM;
+            for (int qq = warp; qq < nqb; qq += WARPS) {
+                const float* rp = rowv + qq * span;
+                float sum = 0.f;
+                for (int r = lane; r < span; r += 32) sum += rp[r];
+#pragma unroll
+                for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+                if (lane == 0) outp[(i64)qq * Nd + j] = sum;
+            }
+        };
+        int pending = -1;  // MULTI: a document whose row maxima wait to be summed after the next barrier
+        auto flush_sums = [&]() {
+            if (MULTI && pending >= 0) {
+                sum_rows(pending);
+                pending = -1;
+            }
+        };
+
         // Document j's score (and argmax) from best / bidx.
         auto finish = [&](int j) {
-        if (MULTI) {
-            // Row max across the quad that shares each row, into shared memory (0 for
-            // rows that do not count), then one warp per query sums its rows in a fixed order.
-            float* rowv = red + (j & 1) * BM;  // double buffer: an empty next doc skips the loop barrier
+        if (TOKM) {
+            // Reduce-scatter over the 8 lanes sharing tq: three halving exchanges leave lane
+            // (g, tq) the maxima of flat indices 4g .. 4g + 3 (n = 2g + k / 2, e = k % 2).
+            scatter_max<16>(bq, lane);
+            scatter_max<8>(bq, lane);
+            scatter_max<4>(bq, lane);
+            // Every warp's maxima go to buffer b = (j - j0) & 1 and the last warp reduces them, with
+            // named barriers instead of a block barrier so the other warps go on to the next
+            // document: FULL[b] (ids 1, 2) the buffer is written, FREE[b] (ids 3, 4) the last warp
+            // has read it (each buffer is reused two documents later).
+            const int b = (j - j0) & 1;
+            float* rw = red + b * RED;  // [WARPS][BM]
+            const bool reducer = warp == WARPS - 1;  // not warp 0, whose thread 0 issues the TMA stages
+            if (!reducer && j - j0 >= 2) named_sync(3 + b, NT);
+#pragma unroll
+            for (int k = 0; k < 4; k += 2)
+                *reinterpret_cast<float2*>(rw + warp * BM + (2 * g + k / 2) * 8 + 2 * tq) = float2{bq[k / 2][0], bq[k / 2][1]};
+            if (!reducer) {
+                named_arrive(1 + b, NT);
+            } else {
+                named_sync(1 + b, NT);
+                // Query row c's max over the 8 warps times its multiplier (qmul); rows summed in a
+                // fixed order.
+                float sum = 0.f;
+#pragma unroll
+                for (int c = lane; c < BM; c += 32) {
+                    float m = rw[c];
+#pragma unroll
+                    for (int w = 1; w < WARPS; ++w) m = max_nan(m, rw[w * BM + c]);
+                    const float qm = qmul[c];
+                    if (!(qm < 0.f)) sum += m == LIK_NEG_INF ? m : m * qm;
+                }
+#pragma unroll
+                for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+                if (lane == 0) outp[j] = sum;
+                if (j + 2 < j1) named_arrive(3 + b, NT);
+            }
+        } else if (MULTI) {
+            // Row max across the quad that shares each row, into shared memory (0 for rows that do
+            // not count). Double-buffered by document: the rows are summed after the next tile's
+            // block barrier (one barrier per document fewer), or after one here when no tile of
+            // this CTA follows.
+            float* rowv = red + (j & 1) * BM;
 #pragma unroll
             for (int m = 0; m < MT; ++m)
 #pragma unroll
@@ -682,15 +860,12 @@ struct Fwd {
                             amax[((i64)(qi0 + rq[m][h]) * Nd + j) * Lq + rs[m][h]] = rv[m][h] ? ix : -1;
                     }
                 }
-            __syncthreads();
-            for (int qq = warp; qq < nqb; qq += WARPS) {
-                const float* rp = rowv + qq * span;
-                float sum = 0.f;
-                for (int r = lane; r < span; r += 32) sum += rp[r];
-#pragma unroll
-                for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
-                if (lane == 0) outp[(i64)qq * Nd + j] = sum;
+            if (j + 1 < j1 && tiles(j + 1) > 0) {
+                pending = j;
+                return;
             }
+            __syncthreads();
+            sum_rows(j);
         } else {
             // Row max across the quad, the sum of valid rows per warp, then across warps.
             float part = 0.f;
@@ -731,13 +906,20 @@ struct Fwd {
 #pragma unroll
                     for (int n = 0; n < NN; ++n)
 #pragma unroll
-                        for (int r = 0; r < 4; ++r) acc[m][n][r] = 0;
+                        for (int r = 0; r < 4; ++r) acc[m][n][r] = TOKM ? TOKM_OFFSET : 0;
                 int slot = 0;
                 for (int kc = 0; kc < nk; ++kc) {
                     slot = next_stage();
+                    // The previous document's row sums (MULTI; every warp has passed next_stage's
+                    // barrier since its rows were written): before this tile's MMA for 16-bit
+                    // tiles, after it for INT8, the faster place for each on an H100 (32 queries
+                    // of 32 tokens against 180-token documents: fp16 3% faster than after, INT8
+                    // 5% faster than before).
+                    if (!I8) flush_sums();
                     const T* st = ring + slot * STAGE;
                     tile_mma(acc, qf, SPLIT ? st : sQ, st + (SPLIT ? QR * LDS : 0), wrow0, lane, kc > 0);
                 }
+                if (I8) flush_sums();
 #if LIK_HAS_WGMMA
                 if (WG_CHAIN) wgmma_wait<0>();
 #endif
@@ -753,7 +935,8 @@ struct Fwd {
 }  // namespace lik
 
 typedef lik::Fwd<LIK_ELEM, LIK_DP, LIK_WARPS, LIK_MT, LIK_BN, LIK_STAGES, LIK_QREG != 0, LIK_ARGMAX != 0, LIK_VEC != 0,
-                  LIK_WGMMA != 0, LIK_MULTI != 0, LIK_PACKED != 0, LIK_SPLIT != 0, LIK_TMA != 0, LIK_QHALF != 0>
+                  LIK_WGMMA != 0, LIK_MULTI != 0, LIK_PACKED != 0, LIK_SPLIT != 0, LIK_TMA != 0, LIK_QHALF != 0,
+                  LIK_TOKM != 0>
     LikFwdCfg;
 
 // LIK_MIN_BLOCKS: CTAs per SM the launch plan counts on (dispatch sets 2 for Hopper tiles

@@ -45,6 +45,7 @@ class FwdConfig:
     split: bool = False  # split-d: query and document chunks of dp columns share each stage
     tma: bool = False  # tiles staged by TMA from tensor maps (sm_90: one-shot with 128-byte multiple rows, or split-d wgmma)
     qhalf: bool = False  # split-d, one warpgroup, one query of <= 32 tokens: stages hold 32 query rows, not 64
+    tokm: bool = False  # int8 Hopper tiles with document tokens on the wgmma M side (per-token scales in registers)
 
     @property
     def query_rows_staged(self) -> int:
@@ -71,9 +72,11 @@ class FwdConfig:
 
     @property
     def _extra_bytes(self) -> int:
-        # double-buffered row maxima (multi) or per-warp sums; int8: each stage's token scales
+        # double-buffered row maxima (every warp's with tokm, the tile's with multi) or per-warp
+        # sums; int8: each stage's token scales
         scales = self.stages * (self.bn + (32 if self.tma else 0)) * 4 if self.elem == 3 else 0  # as SCL in the kernel
-        return 2 * (self.bm if self.multi else self.warps) * 4 + scales
+        red = self.warps * self.bm if self.tokm else self.bm if self.multi else self.warps  # as RED in the kernel
+        return 2 * red * 4 + (self.bm * 4 if self.tokm else 0) + scales
 
     @property
     def name(self) -> str:
@@ -82,7 +85,7 @@ class FwdConfig:
             f"lik_maxsim_fwd_{e}_{'k' if self.split else 'd'}{self.dp}_w{self.warps}m{self.mt}_n{self.bn}s{self.stages}"
             f"{'_qreg' if self.qreg else ''}{'_argmax' if self.argmax else ''}{'_vec' if self.vec else ''}"
             f"{'_wgmma' if self.wgmma else ''}{'_mq' if self.multi else ''}{'_packed' if self.packed else ''}"
-            f"{'_tma' if self.tma else ''}{'_qh' if self.qhalf else ''}"
+            f"{'_tma' if self.tma else ''}{'_qh' if self.qhalf else ''}{'_tokm' if self.tokm else ''}"
         )
 
     def defines(self) -> dict[str, int | str]:
@@ -103,6 +106,7 @@ class FwdConfig:
             "LIK_SPLIT": int(self.split),
             "LIK_TMA": int(self.tma),
             "LIK_QHALF": int(self.qhalf),
+            "LIK_TOKM": int(self.tokm),
             "LIK_MIN_BLOCKS": self.min_blocks,
         }
 
@@ -316,6 +320,22 @@ def _wgmma_tma(int8: bool, argmax: bool, multi: bool, q_len: int) -> bool:
     return not (int8 and argmax) and (multi or q_len > 128)
 
 
+# INT8 tiles with document tokens on the wgmma M side (LIK_TOKM in cuda_src/maxsim_fwd.cu), from
+# bench/results/sweep_int8_tokm_nvidia-h100-80gb-hbm3.json: per-token scales in registers and one
+# fused multiply-add per similarity make Lq >= 100 against documents of 512+ tokens 2-11% faster
+# than the best standard tile (ColPali 1024 x 1024: 8%), two to five stages within 3%; the
+# cross-warp max each document costs makes them level at Ld = 300 and 13% slower at 180. They
+# need the dot products below 2^22 (dim <= 224) and TMA's 128-byte rows, so d = 128.
+_TOKM_MIN_LD = 512
+_TOKM_STAGES = 4
+
+
+def _tokm(int8: bool, argmax: bool, multi: bool, tma: bool, dim: int, ld: int) -> bool:
+    """Whether an INT8 Hopper problem takes the tokens-on-M tiles."""
+    return int8 and not argmax and not multi and tma and dim % 128 == 0 and dim * 128 * 128 < 1 << 22 \
+        and ld >= _TOKM_MIN_LD
+
+
 def tile_rows(lq: int, shared_queries: int) -> int:
     """Query rows one CTA tile can usefully hold: several whole short queries when
     ``shared_queries`` queries score the same documents (up to 128 rows)."""
@@ -375,6 +395,11 @@ def choose_forward(cc: int, dtype: str, dim: int, lq: int, argmax: bool, vec: bo
                 if cfg.smem_bytes <= limit:
                     return cfg
         if hopper and row_bytes % 128 == 0:
+            if _tokm(int8, argmax, multi(128), tma, dim, ld):
+                cfg = FwdConfig(elem, dim, 8, 1, 128, _TOKM_STAGES, False, False, vec, True, False, packed, tma=True,
+                                tokm=True)
+                if cfg.smem_bytes <= limit:
+                    return cfg
             for bn, stages in _wgmma_tiles(lq, ld, multi(128)):
                 cfg = FwdConfig(elem, dim, 8, 1, bn, stages, False, argmax, vec, True, multi(128), packed,
                                 tma=tma and _wgmma_tma(int8, argmax, multi(128), q_len))
@@ -471,7 +496,7 @@ def all_forward_configs(arch: int) -> list[FwdConfig]:
         dims = (64, 96, 128, 256, 384, 512) if dtype == "int8" else (64, 128, 256, 384, 512, 1000, 2048, 4096)
         for dim in dims:
             for lq, shared in ((32, 1), (64, 1), (128, 1), (1024, 1), (8, 2), (32, 2), (32, 4), (64, 2)):
-                for ld in (180, 300, 1024):
+                for ld in (128, 180, 300, 1024):
                     for argmax in (False, True):
                         for vec in (True, False):
                             for wg in (True, False):

@@ -40,3 +40,20 @@ def pytest_report_header(config):
 def rng(request):
     # Fresh inputs every session; LIK_TEST_SEED (printed in the header) replays a run.
     return np.random.default_rng([SESSION_SEED, zlib.crc32(request.node.nodeid.encode())])
+
+
+@pytest.fixture
+def standard_tiles(monkeypatch):
+    """Calling it makes dispatch stop taking the INT8 tokens-on-M tiles (cached choices are dropped
+    then and after the test)."""
+    from lik_cupy import dispatch
+
+    cached = dispatch.choose_forward  # the lru_cache'd function, before any test spy wraps it
+
+    def switch():
+        monkeypatch.setattr(dispatch, "_TOKM_MIN_LD", 1 << 30)
+        cached.cache_clear()
+
+    yield switch
+    monkeypatch.undo()
+    cached.cache_clear()

@@ -357,6 +357,8 @@ def test_plan_launch_grid_limits(nd, nq, lq):
 # ---------------------------------------------------------------- (f) the split-d table
 
 SWEEP = os.path.join(os.path.dirname(__file__), "..", "bench", "results", "sweep_split_d_nvidia-h100-80gb-hbm3.json")
+TOKM_SWEEP = os.path.join(os.path.dirname(__file__), "..", "bench", "results",
+                          "sweep_int8_tokm_nvidia-h100-80gb-hbm3.json")
 SHORT_SWEEP = os.path.join(os.path.dirname(__file__), "..", "bench", "results", "sweep_short_nvidia-h200.json")
 SPLIT_SHORT_SWEEP = os.path.join(os.path.dirname(__file__), "..", "bench", "results",
                                  "sweep_split_short_nvidia-h100-80gb-hbm3.json")
@@ -447,3 +449,28 @@ def test_short_split_table_matches_the_committed_sweep():
         chosen = dispatch.choose_forward(90, "float16", dim, lq, False, True, ld=ld, tma=True).name
         assert chosen.endswith("_qh") and chosen in times, (lq, dim, chosen)
         assert times[chosen] <= 1.03 * min(times.values()), (lq, dim, chosen, times[chosen], min(times.values()))
+
+
+def test_int8_tokens_on_m_rule_matches_the_committed_sweep():
+    # One INT8 query of Lq >= 100 on an sm_90 with TMA: at every shape of the sweep, the tile
+    # dispatch picks is within 3% of the fastest INT8 candidate measured, and the tokens-on-M
+    # tiles are taken exactly from Ld = 512 (never with argmax, several short queries per tile,
+    # dim 256, or without TMA).
+    with open(TOKM_SWEEP) as f:
+        rows = [r for r in json.load(f)["rows"] if r["config"].startswith("lik_")]
+    shapes: dict = {}
+    for r in rows:
+        shapes.setdefault((r["lq"], r["ld"]), {})[r["config"]] = r["ms"]
+    assert len(shapes) >= 6
+    for (lq, ld), times in shapes.items():
+        chosen = dispatch.choose_forward(90, "int8", 128, lq, False, True, True, 1, ld, False, True)
+        assert chosen.tokm == (ld >= 512), (lq, ld, chosen.name)
+        assert chosen.name in times, (lq, ld, chosen.name)
+        assert times[chosen.name] <= 1.03 * min(times.values()), (lq, ld, chosen.name, min(times.values()))
+    for args in (("int8", 128, 1024, True, True, True, 1, 1024, False, True),  # argmax
+                 ("int8", 128, 32, False, True, True, 32, 1024, False, True),  # several queries per tile
+                 ("int8", 256, 1024, False, True, True, 1, 1024, False, True),  # dots past 2^22
+                 ("int8", 128, 1024, False, True, True, 1, 1024, False, False),  # no TMA
+                 ("float16", 128, 1024, False, True, True, 1, 1024, False, True)):
+        assert not dispatch.choose_forward(90, *args).tokm, args
+    assert dispatch.choose_forward(90, "int8", 128, 1024, False, True, True, 1, 1024, True, True).tokm  # packed

@@ -204,3 +204,106 @@ def test_deterministic_bits(rng):
     a = _np(lik_cupy.maxsim_int8(_cp(q), _cp(d8), _cp(ds)))
     b = _np(lik_cupy.maxsim_int8(_cp(q), _cp(d8), _cp(ds)))
     assert np.array_equal(a, b)
+
+
+# Tokens-on-M tiles (LIK_TOKM): dispatch takes them for one query of >= 65 tokens against
+# documents of >= 512 tokens on an sm_90 with TMA; elsewhere these tests still check the scores.
+def _tokm_picks(monkeypatch):
+    from test_tma_gpu import record_forward_choices
+
+    return record_forward_choices(monkeypatch)
+
+
+def _on_hopper_with_tma() -> bool:
+    import cupy
+
+    from lik_cupy.forward import tma_usable
+
+    return cupy.cuda.Device().compute_capability == "90" and tma_usable()
+
+
+@pytest.mark.parametrize("nq,lq,nd,ld", [(2, 1024, 9, 1000), (3, 200, 17, 613), (1, 130, 33, 512), (2, 100, 12, 777)])
+def test_tokens_on_m_tiles_vs_float64_and_standard_tiles(rng, monkeypatch, standard_tiles, nq, lq, nd, ld):
+    dim = 128
+    q8, qs = lik_cupy.quantize_int8(_unit(rng, nq, lq, dim))
+    d8, ds = lik_cupy.quantize_int8(_unit(rng, nd, ld, dim))
+    ds[3, ::5] = 0.0  # zero-scale (padding) tokens inside a document
+    d_len = rng.integers(0, ld + 1, nd)
+    d_len[[0, 4]] = 0  # empty documents: -inf
+    d_len[1] = ld
+    d_mask = rng.random((nd, ld)) < 0.6
+    d_mask[2] = False  # every token masked: -inf
+    q_len = rng.integers(1, lq + 1, nq)
+    q_mask = rng.random((nq, lq)) < 0.8
+    cases = {
+        "plain": dict(),
+        "lengths": dict(d_lengths=d_len, q_lengths=q_len),
+        "masks": dict(d_mask=d_mask, q_mask=q_mask),
+    }
+    picked = _tokm_picks(monkeypatch)
+    out = {}
+    for name, kw in cases.items():
+        out[name] = _np(lik_cupy.maxsim_int8(_cp(q8), _cp(d8), _cp(ds), q_scales=_cp(qs),
+                                             **{k: _cp(v) for k, v in kw.items()}))
+        dv = np.arange(ld)[None, :] < d_len[:, None] if "d_lengths" in kw else kw.get("d_mask")
+        qv = np.arange(lq)[None, :] < q_len[:, None] if "q_lengths" in kw else kw.get("q_mask")
+        ref, _ = maxsim_ref(_deq(q8, qs), _deq(d8, ds), qv, dv)
+        assert rel_err(out[name], ref) < TOL, name
+        assert np.array_equal(np.isneginf(out[name]), np.isneginf(ref)), name
+    if _on_hopper_with_tma():
+        assert picked and all(c.tokm for c in picked), [c.name for c in picked]
+    # Packed documents (tiles chosen by the mean length, rounded up: tokens on M from 512)
+    pl = rng.integers(ld // 2, ld + 1, nd)
+    pl[[0, 4]] = 0
+    off = np.concatenate([[0], np.cumsum(pl)])
+    tok = np.concatenate([d8[j, :pl[j]] for j in range(nd)])
+    ts = np.concatenate([ds[j, :pl[j]] for j in range(nd)])
+    n = len(picked)
+    packed = _np(lik_cupy.maxsim_int8_varlen(_cp(q8), _cp(tok), _cp(ts), _cp(off), q_scales=_cp(qs),
+                                             q_lengths=_cp(q_len)))
+    if _on_hopper_with_tma():
+        assert picked[n].tokm == (-(-off[-1] // nd) >= 512), picked[n].name
+    ref, _ = maxsim_ref(_deq(q8, qs), _deq(d8, ds), np.arange(lq)[None, :] < q_len[:, None],
+                        np.arange(ld)[None, :] < pl[:, None])
+    assert rel_err(packed, ref) < TOL
+    assert np.array_equal(np.isneginf(packed), np.isneginf(ref))
+    standard_tiles()
+    del picked[:]
+    for name, kw in cases.items():
+        std = _np(lik_cupy.maxsim_int8(_cp(q8), _cp(d8), _cp(ds), q_scales=_cp(qs),
+                                       **{k: _cp(v) for k, v in kw.items()}))
+        assert rel_err(out[name], std) < TOL, name
+    assert not any(c.tokm for c in picked)
+
+
+def test_tokens_on_m_tiles_extremes(rng, monkeypatch):
+    # The conversion's edges: dot products of +-2^21 (every value -128 against -128 or 127, d=128,
+    # exact integers in float32); scales from 2^-60 to 2^20 (the exact range is [2^-77, 2^28)); a
+    # NaN document scale and a negative query scale give NaN; a zero query token gives 0.
+    dim, lq, ld = 128, 100, 600
+    picked = _tokm_picks(monkeypatch)
+    q8 = np.full((1, lq, dim), -128, np.int8)
+    d8 = np.full((3, ld, dim), -128, np.int8)
+    d8[1, :, ::2] = 127
+    ones_q, ones_d = np.ones((1, lq), np.float32), np.ones((3, ld), np.float32)
+    s = _np(lik_cupy.maxsim_int8(_cp(q8), _cp(d8), _cp(ones_d), q_scales=_cp(ones_q)))
+    ref, _ = maxsim_ref(q8, d8)
+    assert np.array_equal(s, ref.astype(np.float32))
+
+    q8, qs = lik_cupy.quantize_int8(_unit(rng, 2, lq, dim))
+    d8, ds = lik_cupy.quantize_int8(_unit(rng, 5, ld, dim))
+    ds[0] *= np.float32(2.0**20)
+    ds[1] *= np.float32(2.0**-60)
+    ds[2, 17] = np.nan
+    qs[1, 3] = 0.0  # a zero query token (scale 0): its rows add 0
+    ref, _ = maxsim_ref(_deq(q8, qs), _deq(d8, np.nan_to_num(ds)))
+    s = _np(lik_cupy.maxsim_int8(_cp(q8), _cp(d8), _cp(ds), q_scales=_cp(qs)))
+    fin = np.ones_like(ref, bool)
+    fin[:, 2] = False
+    assert rel_err(s[fin], ref[fin]) < TOL
+    assert np.all(np.isnan(s[:, 2]))
+    qs[0, 5] = -1.0
+    neg = _np(lik_cupy.maxsim_int8(_cp(q8), _cp(d8), _cp(ds), q_scales=_cp(qs)))
+    assert np.all(np.isnan(neg[0])) and rel_err(neg[1][fin[1]], ref[1][fin[1]]) < TOL
+    if _on_hopper_with_tma():
+        assert picked and all(c.tokm for c in picked), [c.name for c in picked]
