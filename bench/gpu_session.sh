@@ -104,7 +104,7 @@ def one(meta):  # a few hundred kernels after the suite: one cuobjdump per core,
     info = json.loads(meta.read_text())
     name = info["defines"].get("LIK_NAME", "?")
     sass = subprocess.run(["cuobjdump", "--dump-sass", str(meta.with_suffix(".cubin"))], capture_output=True, text=True).stdout
-    return f"{name:60s} sm_{info['arch']:4s} HGMMA={sass.count('HGMMA'):4d} HMMA={sass.count('HMMA'):4d}"
+    return f"{name:60s} sm_{info['arch']:4s} HGMMA={sass.count('HGMMA'):4d} IGMMA={sass.count('IGMMA'):4d} HMMA={sass.count('HMMA'):4d} IMMA={sass.count('IMMA'):4d}"
 with concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 4) as ex:
     for line in ex.map(one, sorted(cache_dir().glob("*.json"))):
         print(line)
