@@ -16,6 +16,13 @@
 //      the new ranked list.
 // Reads of the chunk are the only global traffic besides the k outputs, so a
 // merge costs about 4-5 reads of the chunk's scores.
+//
+// A long chunk is merged in two launches (lik_cupy/retrieve.py) so that more than one CTA
+// works on each query: the first splits each row into `groups` slices of `slice` scores and
+// ranks each slice's best k on its own (rows = queries x groups, no running list); the second
+// merges the running list with the queries' slice winners, read with their own document
+// indices (`chunk_i`). Ties still go to the lower index: within a key, slices follow in document
+// order and each winner list in index order, so position order is index order.
 #include "common.cuh"
 
 namespace {
@@ -39,11 +46,14 @@ struct Row {
     const i64* run_i;
     int k_run;
     const float* chunk;
+    const i64* chunk_i;  // the chunk's document indices, or null: base, base + 1, ...
     int n_chunk;
     i64 base;
     __device__ __forceinline__ int size() const { return k_run + n_chunk; }
     __device__ __forceinline__ u32 key(int p) const { return order_key(p < k_run ? run_s[p] : chunk[p - k_run]); }
-    __device__ __forceinline__ i64 index(int p) const { return p < k_run ? run_i[p] : base + (p - k_run); }
+    __device__ __forceinline__ i64 index(int p) const {
+        return p < k_run ? run_i[p] : chunk_i ? chunk_i[p - k_run] : base + (p - k_run);
+    }
 };
 
 // a ranks before b
@@ -51,12 +61,17 @@ __device__ __forceinline__ bool before(u32 ka, i64 ia, u32 kb, i64 ib) { return 
 
 }  // namespace
 
-// run_s/run_i: [nrows, k_run] (k_run may be 0); chunk: [nrows, chunk_stride], first n_chunk used.
-// out_s/out_i: [nrows, k_out] with k_out = min(k, k_run + n_chunk). Dynamic shared memory:
-// kp * (4 + 8) bytes, kp = the power of two >= k_out.
+// One CTA per output row: query q = row / groups, slice g = row % groups.
+// run_s/run_i: [nq, k_run] (k_run may be 0; groups must then be 1); chunk: [nq, chunk_stride], of
+// which slice g is the n_chunk_total scores from g * slice on (at most `slice` of them), documents
+// base + g * slice, ... (or chunk_i[q, g * slice + ...] when chunk_i is not null).
+// out_s/out_i: [nq * groups, k_out], k_out <= k_run + slice; a row with fewer candidates than
+// k_out ends with (NaN, INT64_MAX) entries, which rank after every real one. Dynamic shared
+// memory: kp * (4 + 8) bytes, kp = the power of two >= k_out.
 extern "C" __global__ void __launch_bounds__(kThreads, 1)
     lik_topk_merge(const float* __restrict__ run_s, const i64* __restrict__ run_i, int k_run,
-                   const float* __restrict__ chunk, long long chunk_stride, int n_chunk, long long base,
+                   const float* __restrict__ chunk, const i64* __restrict__ chunk_i, long long chunk_stride,
+                   int n_chunk_total, int groups, int slice, long long base,
                    float* __restrict__ out_s, i64* __restrict__ out_i, int k_out, int kp) {
     extern __shared__ __align__(16) unsigned char smem[];
     i64* c_idx = reinterpret_cast<i64*>(smem);
@@ -68,12 +83,17 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
     __shared__ int s_ngt, s_eq_seen;
 
     const int row = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    Row r{run_s + (i64)row * k_run, run_i + (i64)row * k_run, k_run, chunk + (i64)row * chunk_stride, n_chunk, base};
+    const int q = row / groups, g = row - q * groups;
+    const i64 off = (i64)q * chunk_stride + (i64)g * slice;
+    const int n_chunk = max(0, min(slice, n_chunk_total - g * slice));
+    Row r{run_s + (i64)q * k_run, run_i + (i64)q * k_run, k_run, chunk + off, chunk_i ? chunk_i + off : nullptr,
+          n_chunk, base + (i64)g * slice};
     const int n = r.size();
+    const int k_row = min(k_out, n);  // real entries of this row; the rest are padding
 
     // 1. Radix select: want = rank (1-based, among candidates matching prefix) of the k-th best.
     u32 prefix = 0, pmask = 0;
-    int want = k_out;
+    int want = k_row;
     for (int shift = 24; shift >= 0; shift -= 8) {
         for (int b = tid; b < 256; b += kThreads) hist[b] = 0;
         __syncthreads();
@@ -122,7 +142,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
     }
     const u32 kth = prefix;
     const int need_eq = want;            // candidates equal to kth that make the cut
-    const int n_gt = k_out - need_eq;    // candidates strictly better than kth
+    const int n_gt = k_row - need_eq;    // candidates strictly better than kth
 
     // 2. Collect: all keys above kth (any order) and the first need_eq ties in position order.
     for (int i = tid; i < kp; i += kThreads) {

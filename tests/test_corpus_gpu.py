@@ -222,9 +222,12 @@ def test_retrieve_nan_last_and_small_corpus(rng):
     assert np.all(i[:, -2] == 3) and np.all(s[:, -2] == -np.inf)
 
 
-def test_topk_merge_kernel_ties_and_k(rng):
-    # Heavy ties and every k up to the maximum the kernel supports.
-    nq, nd = 4, 9000
+@pytest.mark.parametrize("chunk", [2500, 16884])
+def test_topk_merge_kernel_ties_and_k(rng, chunk):
+    # Heavy ties and every k up to the maximum the kernel supports. A chunk of more than 4096
+    # scores takes the two-launch merge for k <= 1024 (4096-score slices ranked on their own
+    # CTAs; 16884 = 4 * 4096 + 500 leaves a last slice shorter than k = 1000).
+    nq, nd = 4, 16884
     scores = rng.integers(0, 20, size=(nq, nd)).astype(np.float32)
     scores[0, ::7] = np.nan
     scores[1, ::5] = -np.inf
@@ -238,8 +241,8 @@ def test_topk_merge_kernel_ties_and_k(rng):
         r.qp = type("P", (), {"nq": nq})()
         r.k, r.device, r.base = k, cupy.cuda.runtime.getDevice(), 0
         r.s, r.i = cupy.empty((nq, 0), cupy.float32), cupy.empty((nq, 0), cupy.int64)
-        for a in range(0, nd, 2500):  # several merges
-            b = min(nd, a + 2500)
+        for a in range(0, nd, chunk):  # one merge or several
+            b = min(nd, a + chunk)
             r._merge(cupy.ascontiguousarray(cupy.asarray(scores[:, a:b])), b - a)
         np.testing.assert_array_equal(cupy.asnumpy(r.i), want_i)
         np.testing.assert_array_equal(cupy.asnumpy(r.s), want_s)
