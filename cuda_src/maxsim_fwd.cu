@@ -694,12 +694,14 @@ struct Fwd {
                 }
                 return;
             }
-            if (!ARGMAX && !dm && !I8) {
+            if (MULTI && !ARGMAX && !dm && !I8) {
                 // A document's last, partial tile: its whole 8-column blocks take the one-op fold,
                 // the block the document ends in is masked, later blocks are skipped. rem is the
                 // same across the warp, so the branches do not diverge. (INT8 stays on the select
                 // below: there each block's scale loads wait behind its branch, 2% slower on 32
-                // queries x 32 tokens against 180-token documents, H100.)
+                // queries x 32 tokens against 180-token documents, H100. Single-query tiles keep
+                // it too: the branches cost one-warpgroup wgmma tiles up to 20 registers, past
+                // the 128 that four CTAs per SM allow, for no measured gain there.)
                 const int rem = len - tok0;
 #pragma unroll
                 for (int n = 0; n < NN; ++n) {
