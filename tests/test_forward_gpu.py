@@ -146,8 +146,6 @@ def test_short_query_tiles_masks_nan_and_argmax(rng, dtype, nq, lq, dim, ld):
 
 
 def test_many_ragged_documents(rng):
-    import cupy
-
     nq, lq, nd, ld, dim = 2, 40, 3000, 70, 128
     q, q64 = _cast(_unit(rng, nq, lq, dim), "bfloat16")
     d, d64 = _cast(_unit(rng, nd, ld, dim), "bfloat16")
