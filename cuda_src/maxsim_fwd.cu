@@ -699,9 +699,9 @@ struct Fwd {
                 // the block the document ends in is masked, later blocks are skipped. rem is the
                 // same across the warp, so the branches do not diverge. (INT8 stays on the select
                 // below: there each block's scale loads wait behind its branch, 2% slower on 32
-                // queries x 32 tokens against 180-token documents, H100. Single-query tiles keep
-                // it too: the branches cost one-warpgroup wgmma tiles up to 20 registers, past
-                // the 128 that four CTAs per SM allow, for no measured gain there.)
+                // queries x 32 tokens against 180-token documents, H100. Single-query tiles take
+                // the select too: this fold cost their one-warpgroup wgmma tiles up to 20
+                // registers, past the 128 that four CTAs per SM allow, for no measured gain.)
                 const int rem = len - tok0;
 #pragma unroll
                 for (int n = 0; n < NN; ++n) {

@@ -108,7 +108,6 @@ def test_check_all_compiles_without_spills(tmp_path, request):
     assert not problems, "\n".join(problems)
 
 
-
 @pytest.mark.skipif(not os.environ.get("LIK_COMPILE_ALL_DIMS"),
                     reason="opt-in (LIK_COMPILE_ALL_DIMS=1): 10-15 minutes an architecture on two cores")
 @pytest.mark.parametrize("arch", dispatch.SUPPORTED_ARCHS)
@@ -127,6 +126,7 @@ def test_every_padded_dim_compiles_without_spills(arch):
     assert {r["kernel"] for r in got} >= set(cfgs)
     problems = [p for r in got for p in _row_problems(r, cfgs.get(r["kernel"]), arch)]
     assert not problems, f"{len(problems)} problems in {len(every)} kernels:\n" + "\n".join(problems[:40])
+
 
 # ---------------------------------------------------------------- (b) cache key
 
