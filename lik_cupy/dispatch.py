@@ -127,6 +127,11 @@ class FwdConfig:
 ELEM_SIZES = (2, 2, 4, 1)
 
 
+def int8_dim_ok(dim: int) -> bool:
+    """Whether the INT8 kernels take embedding dim ``dim``: a multiple of 16 up to ``MAX_DIM_INT8``."""
+    return dim % 16 == 0 and dim <= MAX_DIM_INT8
+
+
 def padded_dim(dim: int, elem: int = 0) -> int:
     """The kernel's dim: a multiple of 16, or of 32 for int8 (32 bytes of K per mma either way)."""
     step = 32 if elem == 3 else 16
@@ -369,7 +374,7 @@ def choose_forward(cc: int, dtype: str, dim: int, lq: int, argmax: bool, vec: bo
     arch = arch_of(cc)
     elem = ELEM_CODES[dtype]
     int8 = elem == 3
-    if int8 and (dim % 16 or dim > MAX_DIM_INT8):
+    if int8 and not int8_dim_ok(dim):
         raise ValueError(f"int8 scoring needs dim a multiple of 16 up to {MAX_DIM_INT8}, got {dim}")
     dp = padded_dim(dim, elem)
     dim_bucket(dim)  # range check
@@ -442,14 +447,18 @@ def choose_forward(cc: int, dtype: str, dim: int, lq: int, argmax: bool, vec: bo
     raise ValueError(f"no forward configuration fits dim {dim} on sm_{arch}")
 
 
-def ctas_per_sm(cfg: FwdConfig, cc: int) -> int:
+def ctas_per_sm(cfg: FwdConfig, cc: int, registers: int | None = None) -> int:
+    """CTAs of ``cfg`` resident per SM. ``registers``: a compiled kernel's count per thread (the
+    compile check passes ptxas's); by default the ceilings the kernels are built to stay under."""
     arch = arch_of(cc)
     by_smem = _SMEM_PER_SM.get(arch, 100 * 1024) // (cfg.smem_bytes + 1024)
     by_threads = 2048 // cfg.threads
     # Per-thread register ceilings of the compiled kernels (compile.check_all checks them): two
     # warpgroups are capped at 128 by their launch bounds; one warpgroup is not capped, and its
     # argmax or multi-query epilogue takes up to 168 (INT8's argmax up to 192).
-    if cfg.wgmma and cfg.warps == 4 and (cfg.argmax or cfg.multi):
+    if registers is not None:
+        regs = -(-registers // 8) * 8  # allocated per warp in units of 8 registers a thread
+    elif cfg.wgmma and cfg.warps == 4 and (cfg.argmax or cfg.multi):
         regs = 192 if cfg.argmax and cfg.elem == 3 else 168
     else:
         regs = 128 if cfg.wgmma else 192
@@ -500,7 +509,7 @@ def all_forward_configs(arch: int, dims=None) -> list[FwdConfig]:
     seen: dict[str, FwdConfig] = {}
     for dtype in ELEM_CODES:
         if dims is not None:
-            picked = [d for d in dims if dtype != "int8" or (d % 16 == 0 and d <= MAX_DIM_INT8)]
+            picked = [d for d in dims if dtype != "int8" or int8_dim_ok(d)]
         else:
             picked = (64, 96, 128, 256, 384, 512) if dtype == "int8" else (64, 128, 256, 384, 512, 1000, 2048, 4096)
         for dim in picked:

@@ -112,7 +112,7 @@ def _use_gpu(p: Problem, backend: str) -> bool:
     on_gpu = backend == "gpu" or (backend == "auto" and (p.device is not None or gpu_available()))
     if on_gpu and not gpu_available():
         raise RuntimeError("backend='gpu' but no CUDA GPU is visible (CuPy could not find one)")
-    if on_gpu and p.dtype == "int8" and (p.dim % 16 or p.dim > dispatch.MAX_DIM_INT8):
+    if on_gpu and p.dtype == "int8" and not dispatch.int8_dim_ok(p.dim):
         raise ValueError(f"Q and D have dim {p.dim}; the INT8 kernels need a multiple of 16 up to "
                          f"{dispatch.MAX_DIM_INT8} (backend='cpu' takes any dim)")
     if on_gpu and p.dim > dispatch.MAX_DIM:

@@ -518,7 +518,7 @@ class _Gpu:
         p = _part_problem(self.qp, part)
         self.kind = _same_kind(self.kind, p.dtype, part)
         if p.dtype == "int8":
-            if p.dim % 16 or p.dim > dispatch.MAX_DIM_INT8:
+            if not dispatch.int8_dim_ok(p.dim):
                 raise ValueError(f"INT8 scoring on the GPU needs dim a multiple of 16 up to {dispatch.MAX_DIM_INT8}; "
                                  f"got dim {p.dim} (backend='cpu' scores any dim)")
             self._int8_queries()
