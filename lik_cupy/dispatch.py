@@ -466,6 +466,15 @@ def ctas_per_sm(cfg: FwdConfig, cc: int, registers: int | None = None) -> int:
     return max(1, min(by_smem, by_threads, max(1, by_regs)))
 
 
+# Documents one CTA streams (about, at most): a longer run fills and drains its ring less often, a
+# shorter one leaves a smaller last wave. From bench/results/sweep_docs_per_cta_nvidia-h100-80gb-hbm3.json:
+# 128 makes 32 queries of 32 tokens against 20,000-100,000 documents of 180 tokens 1-2% faster than
+# 32 (top-100 retrieval too), 8 and 16 are 2-5% slower, and single-query, ColPali and ragged shapes
+# do not change. One wave (a run of every document a CTA will ever see) gained another 0.5%, but
+# leaves the grid no slack when fewer CTAs are resident than planned (another kernel beside it).
+_DOCS_PER_CTA = 128
+
+
 @dataclass(frozen=True)
 class Launch:
     n_qt: int  # query tiles per query
@@ -491,7 +500,7 @@ def plan_launch(cfg: FwdConfig, cc: int, num_sms: int, nq: int, nd: int, lq: int
     if units <= resident:
         per = 1
     else:
-        waves = -(-units // (resident * 32))  # at most ~32 documents per CTA
+        waves = -(-units // (resident * _DOCS_PER_CTA))
         chunks = max(1, resident * waves // rows)
         per = -(-nd // chunks)
     per = max(per, -(-nd // 65535))  # grid.y limit

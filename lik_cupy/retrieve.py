@@ -64,6 +64,7 @@ MAX_K = 4096  # the merge kernel ranks up to this many candidates in shared memo
 # 0.34 ms on 32 x 100,000 scores on an H100, against 8.4 ms for the scoring itself), taken
 # while k is at most a quarter of it (the winners then stay a fraction of the chunk).
 _MERGE_SLICE = 4096
+_MERGE_CACHE = 4096  # candidates of a row whose keys the merge kernel keeps in shared memory (kCache in topk.cu)
 _MAX_CHUNK_DOCS = 2**31 - 1 - MAX_K  # the merge kernel counts running + chunk candidates in an int
 _DEFAULT_HOST_BUDGET = 1 << 30
 _DEFAULT_SCORE_BYTES = 256 << 20
@@ -589,11 +590,13 @@ class _Gpu:
 
             def launch(rows, run_s, run_i, k_run, chunk, chunk_i, stride, n, groups, slice_, base, o_s, o_i, k):
                 kp = 1 << max(0, (k - 1).bit_length())
-                if kp * 12 > 40 * 1024:
-                    kern.max_dynamic_shared_size_bytes = kp * 12
+                cache = k_run + min(n, slice_) <= _MERGE_CACHE  # every row's keys fit the kernel's cache
+                smem = kp * 12 + (_MERGE_CACHE * 4 if cache else 0)
+                if smem > 40 * 1024:
+                    kern.max_dynamic_shared_size_bytes = smem
                 kern((rows,), (1024,), (run_s, run_i, np.int32(k_run), chunk, chunk_i, np.int64(stride), np.int32(n),
                                         np.int32(groups), np.int32(slice_), np.int64(base), o_s, o_i, np.int32(k),
-                                        np.int32(kp)), shared_mem=kp * 12)
+                                        np.int32(kp), np.int32(cache)), shared_mem=smem)
 
             groups = -(-nd // _MERGE_SLICE)
             if groups > 1 and self._split_merge():
