@@ -5,13 +5,14 @@
 // One CTA owns a tile of BM query tokens and a run of documents. The tile is
 // either BM tokens of one query or, for short queries scored against shared
 // documents, several whole queries (so each document tile read from memory
-// feeds all of them). Documents are padded [Nd, Ld, d] (lengths or masks) or
-// packed [T, d] with int64 offsets. The query tile stays on chip (registers
-// when it fits); document tiles of BN tokens stream through a cp.async ring of
-// STAGES shared-memory buffers. Wide embeddings (split-d) stream both sides in
-// chunks of the dim instead, so shared memory does not grow with d. Each
-// BM x BN similarity tile lives only in mma accumulators: it is folded into a
-// running per-row max and dropped, so nothing of size Lq x Ld ever reaches memory.
+// feeds all of them). Documents are padded [Nd, Ld, d] (lengths, or masks with
+// the spans masks.cu derives from them) or packed [T, d] with int64 offsets.
+// The query tile stays on chip (registers when it fits); document tiles of BN
+// tokens stream through a cp.async ring of STAGES shared-memory buffers. Wide
+// embeddings (split-d) stream both sides in chunks of the dim instead, so shared
+// memory does not grow with d. Each BM x BN similarity tile lives only in mma
+// accumulators: it is folded into a running per-row max and dropped, so nothing
+// of size Lq x Ld ever reaches memory.
 //
 // A query longer than BM is split over several CTAs (so the grid fills the GPU);
 // each writes a partial score and lik_sum_partials adds them in a fixed order,
@@ -339,9 +340,13 @@ struct Fwd {
         }
     }
 
-    static __device__ __forceinline__ int doc_len(const int* d_len, i64 doclin, int Ld) {
+    // A padded document's tokens: the caller's length (clamped to [0, Ld]), or beside a mask
+    // (`masked`) the span lik_mask_spans derived from it: l >= 0 when the mask is l leading valid
+    // tokens (then not read at all), ~l when it has holes within its first l tokens.
+    static __device__ __forceinline__ int doc_len(const int* d_len, bool masked, i64 doclin, int Ld) {
         if (!d_len) return Ld;
-        const int l = d_len[doclin];
+        int l = d_len[doclin];
+        if (masked && l < 0) l = ~l;
         return l < 0 ? 0 : (l > Ld ? Ld : l);
     }
 
@@ -440,7 +445,7 @@ struct Fwd {
             return s < 0 ? 0 : (s > ntok ? ntok : s);
         };
         auto dlength = [&](i64 dl) -> int {
-            if (!PACKED) return doc_len(d_len, dl, Ld);
+            if (!PACKED) return doc_len(d_len, d_mask != nullptr, dl, Ld);
             const i64 s = dstart(dl), e = d_off[dl + 1];
             const i64 l = (e > ntok ? ntok : e) - s;
             return l < 0 ? 0 : (l > 0x7fffffff ? 0x7fffffff : (int)l);
@@ -643,7 +648,12 @@ struct Fwd {
             }
 #endif
         };
-        auto dmask = [&](int j) -> const u8* { return !PACKED && d_mask ? d_mask + (doc0 + j) * Ld : nullptr; };
+        // Document j's mask, or null when every token of its span counts (INT8 argmax tiles read
+        // it anyway: the test spilled their two-warpgroup tiles past 128 registers).
+        auto dmask = [&](int j) -> const u8* {
+            if (PACKED || !d_mask || (!(I8 && ARGMAX) && d_len && d_len[doc0 + j] >= 0)) return nullptr;
+            return d_mask + (doc0 + j) * Ld;
+        };
 
         // Fold the similarity tile in `acc` (document tokens tok0 .. tok0 + BN - 1 of a document of
         // `len` tokens with mask `dm`, staged in ring slot `slot`, INT8 scales `sh` floats into
@@ -900,6 +910,7 @@ struct Fwd {
         for (int j = j0; j < j1; ++j) {
             const int len = dlength(doc0 + j);
             const int nt = tiles(j);
+            const u8* dm = dmask(j);
             reset();
             for (int t = 0; t < nt; ++t) {
                 A acc[MT][NN][4];
@@ -925,7 +936,7 @@ struct Fwd {
 #if LIK_HAS_WGMMA
                 if (WG_CHAIN) wgmma_wait<0>();
 #endif
-                fold(acc, slot, t * BN, len, dmask(j), TMA && I8 ? (int)(dstart(doc0 + j) & 3) : 0);
+                fold(acc, slot, t * BN, len, dm, TMA && I8 ? (int)(dstart(doc0 + j) & 3) : 0);
                 release_slot(slot);
             }
             finish(j);

@@ -264,8 +264,8 @@ def check_all(archs=None, configs=None) -> list[dict]:
     """CPU-only: compile every forward configuration for every supported architecture.
 
     Returns one row per (kernel, arch) with registers, stack, spills, static and
-    dynamic shared memory (``lik_sum_partials``, the top-k merge, the value checks, the INT8
-    quantiser and the backward kernels once per architecture). Raises ``CompileError`` if any kernel fails.
+    dynamic shared memory (``lik_sum_partials``, the top-k merge, the value checks, the mask spans,
+    the INT8 quantiser and the backward kernels once per architecture). Raises ``CompileError`` if any kernel fails.
     """
     from .dispatch import SUPPORTED_ARCHS, all_forward_configs
 
@@ -281,7 +281,8 @@ def check_all(archs=None, configs=None) -> list[dict]:
                              **resource_usage(out.log, "lik_sum_partials")})
         if configs is None:
             for src, kernels in (("topk.cu", ("lik_topk_merge",)),
-                                 ("checks.cu", ("lik_check_range_i32", "lik_check_range_i64", "lik_check_offsets"))):
+                                 ("checks.cu", ("lik_check_range_i32", "lik_check_range_i64", "lik_check_offsets")),
+                                 ("masks.cu", ("lik_mask_spans",))):
                 out = nvrtc_compile(src, {}, arch)
                 rows += [{"kernel": k, "arch": f"sm_{arch}", "dynamic_smem": 0, **resource_usage(out.log, k)}
                          for k in kernels]

@@ -15,6 +15,7 @@ import numpy as np
 from . import cpu, dispatch, interop, tma
 from .device import allocating, device_properties, empty, gpu_available
 from .checks import DeviceChecks, queue_or_verify
+from .masks import mask_spans
 from .validate import Problem, check_32bit, check_call, check_length_values, check_offset_values, check_varlen
 
 _BACKENDS = ("auto", "gpu", "cpu")
@@ -398,6 +399,8 @@ def _launch(p: Problem, q, d, qm, dm, ql, dl, return_argmax: bool, device: int, 
     ld = ld_hint if ld_hint is not None else p.ld
     arch = dispatch.arch_of(props.cc)
 
+    if dm is not None and dl is None:  # the kernel then skips each document's padding (masks.py)
+        dl = mask_spans(dm, device)
     rows = d.size // p.dim  # D as [rows, dim] (padded, candidate or packed layout)
     use_tma = (tma_usable() and vec and max(rows, p.nq * p.lq) <= tma.MAX_ROWS
                and (d_scale is None or d_scale.data.ptr % 16 == 0))

@@ -27,7 +27,8 @@ GPU memory used by one call (bytes), with C documents per chunk::
                                          C > 4096 (see _merge)
       + 2 * C * Ld * (d * e + s + 1)     staging, host corpora only (e = 1, 2 or 4 bytes;
                                          s = 4 for an INT8 scale, else 0; + C * 4 for
-                                         lengths; packed: tokens of C documents)
+                                         lengths or mask spans; packed: tokens of C documents)
+      + C * 4                            mask spans, masked corpora on the GPU (masks.py)
 
 Q is its int8 copy plus ``Nq * Lq * 4`` bytes of scales for an INT8 corpus.
 ``max_gpu_bytes`` bounds that sum (C is derived from it); the default is
@@ -483,13 +484,15 @@ class _Gpu:
 
     # ------------------------------------------------------------ chunking
 
-    def _chunk_docs(self, doc_bytes: float, staged: bool) -> int:
-        """Documents per chunk from the memory formula in the module docstring."""
+    def _chunk_docs(self, doc_bytes: float, staged: bool, spans: bool = False) -> int:
+        """Documents per chunk from the memory formula in the module docstring (``spans``: a masked
+        corpus on the GPU, whose chunks take the mask spans of masks.py)."""
         nq, lq = self.qp.nq, self.qp.lq
         fixed = self._held_bytes()
         split = -(-lq // 32) if lq > 32 else 0  # partial scores of a query split over tiles
         winners = nq * 12 * self.k / _MERGE_SLICE if self._split_merge() else 0
-        per_doc = max(1, nq * 4 * (1 + split) + winners + (2 * doc_bytes if staged else 0))  # Nq = 0: no scores
+        per_doc = max(1, nq * 4 * (1 + split) + winners + (2 * doc_bytes if staged else 0)  # Nq = 0: no scores
+                      + (4 if spans else 0))
         if self.budget is not None:
             room = self.budget * _BUDGET_SLACK - fixed
             if room < per_doc:
@@ -536,7 +539,7 @@ class _Gpu:
             d = d.view(cupy.uint16)
         # INT8 scales, flat as the kernel reads them: [T] packed, [nd * ld] padded.
         ds = None if p.dtype != "int8" else interop.to_cupy(part.scales, fw).reshape(-1)
-        c = self._chunk_docs(0, staged=False)
+        c = self._chunk_docs(0, staged=False, spans=part.mask is not None)
         if part.packed:
             off = device_offsets(_dev_array(part.offsets, fw, False), p.ntok, "d_offsets")
             ld_hint = -(-p.ntok // p.nd)

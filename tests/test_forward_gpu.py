@@ -145,6 +145,86 @@ def test_short_query_tiles_masks_nan_and_argmax(rng, dtype, nq, lq, dim, ld):
     assert rel_err(np.nan_to_num(s1), np.nan_to_num(ref1[0])) < TOL[dtype]
 
 
+
+def _span_masks(rng, nd, ld):
+    """Document masks of every shape the spans distinguish, and the spans they should give."""
+    lens = rng.integers(0, ld + 1, nd)
+    mask = np.arange(ld)[None] < lens[:, None]  # prefixes (the usual attention mask), some empty
+    holes = rng.random(nd) < 0.3  # some rows with holes inside their span
+    mask[holes] &= rng.random((int(holes.sum()), ld)) < 0.6
+    if nd >= 4:
+        mask[0] = False
+        mask[1] = True
+        mask[2] = False
+        mask[2, ld - 1] = True  # only the last token
+        mask[3] = False
+        mask[3, 0] = True  # only the first: a prefix of one
+    last = np.where(mask.any(1), ld - np.argmax(mask[:, ::-1], axis=1), 0)
+    prefix = mask.sum(1) == last
+    return mask, np.where(prefix, last, ~last).astype(np.int32)
+
+
+def test_mask_spans_kernel(rng):
+    import cupy
+
+    from lik_cupy.masks import mask_spans
+
+    for nd, ld in ((300, 131), (1, 1), (70_000, 3), (5, 1000)):
+        mask, want = _span_masks(rng, nd, ld)
+        got = mask_spans(cupy.asarray(mask).view(cupy.uint8), cupy.cuda.runtime.getDevice())
+        np.testing.assert_array_equal(cupy.asnumpy(got), want)
+
+
+@pytest.mark.parametrize("nq,lq", [(1, 32), (32, 32), (3, 200)])
+def test_masks_skip_padding_past_the_span(rng, nq, lq):
+    # A mask is scored through its spans: documents whose valid tokens come first as if given a
+    # length (bitwise the same scores and argmax), the others under the mask up to their last
+    # valid token. NaN past every document's last valid token must not reach any score.
+    import cupy
+
+    nd, ld, dim = 257, 181, 128
+    q, q64 = _cast(_unit(rng, nq, lq, dim), "float16")
+    d, d64 = _cast(_unit(rng, nd, ld, dim), "float16")
+    mask, spans = _span_masks(rng, nd, ld)
+    end = np.where(spans >= 0, spans, ~spans)
+    for j in range(nd):
+        d[j, end[j]:, 5] = np.nan
+        d64[j, end[j]:, 5] = np.nan
+    ref, sim = maxsim_ref(q64, d64, None, mask)
+    s, a = lik_cupy.maxsim(_cp(q), _cp(d), None, cupy.asarray(mask), return_argmax=True)
+    assert rel_err(_np(s), ref) < TOL["float16"]
+    _argmax_ok(_np(a), sim, np.ones((nq, lq), bool), mask, 1e-5)
+
+    prefix = spans >= 0  # the same documents with lengths: the same bits
+    s_len, a_len = lik_cupy.maxsim(_cp(q), _cp(d[prefix]), d_lengths=cupy.asarray(spans[prefix]), return_argmax=True)
+    assert np.array_equal(_np(s)[:, prefix], _np(s_len))
+    assert np.array_equal(_np(a)[:, prefix], _np(a_len))
+
+    k = 7  # candidate sets per query: masks [Nq, K, Ld] take spans per (query, candidate)
+    cand = rng.integers(0, nd, (nq, k))
+    s_c = lik_cupy.maxsim(_cp(q), _cp(d[cand]), None, cupy.asarray(mask[cand]))
+    assert rel_err(_np(s_c), np.take_along_axis(ref, cand, axis=1)) < TOL["float16"]
+
+    top_s, top_i = lik_cupy.retrieve(_cp(q), _cp(d), 10, d_mask=cupy.asarray(mask))
+    want = np.argsort(-_np(s), axis=1, kind="stable")[:, :10]
+    np.testing.assert_array_equal(_np(top_i), want)
+
+
+@pytest.mark.parametrize("nq,lq", [(4, 32), (2, 100)])  # several queries per tile; one query per two warpgroups
+def test_int8_masks_match_lengths(rng, nq, lq):
+    import cupy
+
+    nd, ld, dim = 90, 140, 128
+    q = _unit(rng, nq, lq, dim).astype(np.float16)
+    d8, ds = lik_cupy.quantize_int8(_unit(rng, nd, ld, dim).astype(np.float32), backend="cpu")
+    lens = rng.integers(0, ld + 1, nd)
+    mask = np.arange(ld)[None] < lens[:, None]
+    for argmax in (False, True):  # INT8 argmax tiles read a prefix mask rather than skip it (registers)
+        got = lik_cupy.maxsim_int8(_cp(q), _cp(d8), _cp(ds), None, cupy.asarray(mask), return_argmax=argmax)
+        want = lik_cupy.maxsim_int8(_cp(q), _cp(d8), _cp(ds), d_lengths=cupy.asarray(lens), return_argmax=argmax)
+        for a, b in zip(got, want) if argmax else [(got, want)]:
+            assert np.array_equal(_np(a), _np(b))
+
 def test_many_ragged_documents(rng):
     nq, lq, nd, ld, dim = 2, 40, 3000, 70, 128
     q, q64 = _cast(_unit(rng, nq, lq, dim), "bfloat16")

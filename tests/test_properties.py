@@ -1054,6 +1054,7 @@ def gpu_kernels():
                             cfg = dispatch.choose_forward(cc, "int8", dim, lq, argmax, True, True, shared, 4, packed)
                             jobs[cfg.name] = ("maxsim_fwd.cu", cfg.defines(), cfg.target(arch))
     jobs["topk"] = ("topk.cu", {}, arch)
+    jobs["masks"] = ("masks.cu", {}, arch)
     with concurrent.futures.ThreadPoolExecutor(16) as ex:
         list(ex.map(lambda job: lc.cubin_path(*job), jobs.values()))
 
