@@ -16,9 +16,9 @@
 //      the new ranked list.
 // Reads of the chunk are the only global traffic besides the k outputs, so a
 // merge costs about 4-5 reads of the chunk's scores. A row of at most kCache
-// candidates (every slice of a two-launch merge, and its second launch for
-// k <= 128) is read once: the first pass keeps its keys in shared memory, the
-// later passes wait on that instead of on L2.
+// candidates (every slice of a two-launch merge, and its second launch while the
+// running list and the slice winners number that few) is read once: the first
+// pass keeps its keys in shared memory, the later passes wait on that, not on L2.
 //
 // A long chunk is merged in two launches (lik_cupy/retrieve.py) so that more than one CTA
 // works on each query: the first splits each row into `groups` slices of `slice` scores and

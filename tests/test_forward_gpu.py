@@ -145,7 +145,6 @@ def test_short_query_tiles_masks_nan_and_argmax(rng, dtype, nq, lq, dim, ld):
     assert rel_err(np.nan_to_num(s1), np.nan_to_num(ref1[0])) < TOL[dtype]
 
 
-
 def _span_masks(rng, nd, ld):
     """Document masks of every shape the spans distinguish, and the spans they should give."""
     lens = rng.integers(0, ld + 1, nd)
