@@ -16,19 +16,7 @@ import torch
 import lik_cupy
 from lik_cupy import dispatch
 from lik_cupy.device import device_properties
-
-
-def device_ms(fn, n=20):
-    fn()
-    torch.cuda.synchronize()
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda._sleep(50_000_000)
-    s.record()
-    for _ in range(n):
-        fn()
-    e.record()
-    e.synchronize()
-    return s.elapsed_time(e) / n
+from timing import per_call_ms  # bench/, the script's own directory
 
 
 def main():
@@ -47,7 +35,7 @@ def main():
             table.clear()
             table.update({b: (1.0 if b == bn else 100.0) for b in saved})
             dispatch.choose_forward.cache_clear()
-            ms = device_ms(lambda: lik_cupy.maxsim(q, docs))
+            ms = per_call_ms(torch, lambda: lik_cupy.maxsim(q, docs), 20, rounds=1, spin_cycles=50_000_000)
             rows.append({"nq": nq, "lq": lq, "ld": ld, "nd": nd, "bn": bn, "ms": ms, "tflops": flops / ms / 1e9})
             print(f"Ld={ld:4d} B={nd:6d} BN={bn:3d}: {ms:.4f} ms {flops / ms / 1e9:6.1f} TF/s", flush=True)
         del docs

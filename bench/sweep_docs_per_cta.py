@@ -21,6 +21,7 @@ import torch
 import lik_cupy
 from lik_cupy import dispatch
 from lik_cupy.device import device_properties
+from timing import per_call_ms  # bench/, the script's own directory
 
 TARGETS = [32, 8, 16, 64, 128, None]  # the first is the reference
 
@@ -28,19 +29,6 @@ TARGETS = [32, 8, 16, 64, 128, None]  # the first is the reference
 def set_target(t):
     dispatch._DOCS_PER_CTA = t if t is not None else 1 << 40
     dispatch.plan_launch.cache_clear()
-
-
-def device_ms(fn, n):
-    fn()
-    torch.cuda.synchronize()
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda._sleep(100_000_000)
-    s.record()
-    for _ in range(n):
-        fn()
-    e.record()
-    e.synchronize()
-    return s.elapsed_time(e) / n
 
 
 def cases(rng, d=128):
@@ -87,7 +75,7 @@ def main():
         for _ in range(3):
             for t in TARGETS:
                 set_target(t)
-                times[t].append(device_ms(fn, n))
+                times[t].append(per_call_ms(torch, fn, n, rounds=1, spin_cycles=100_000_000))
         base = float(np.median(times[TARGETS[0]]))
         for t in TARGETS:
             ms = float(np.median(times[t]))
