@@ -27,7 +27,6 @@ from .validate import check_length_values, check_offset_values
 _MAX_CHECKS = 4  # q_lengths, d_lengths, d_offsets (and a spare)
 _THREADS = 1024
 _local = threading.local()
-_functions: dict = {}  # (device, kernel name) -> loaded function: no cache-key building per call
 
 
 class DeviceChecks:
@@ -61,16 +60,9 @@ class DeviceChecks:
     def _kernel(self, name: str):
         import cupy
 
-        device = cupy.cuda.runtime.getDevice()
-        fn = _functions.get((device, name))
-        if fn is None:
-            from .compile import get_module
-            from .device import device_properties
-            from .dispatch import arch_of
+        from .compile import get_function
 
-            mod = get_module("checks.cu", {}, arch_of(device_properties(device).cc), device, entry=name)
-            fn = _functions[(device, name)] = mod.get_function(name)
-        return fn
+        return get_function("checks.cu", name, cupy.cuda.runtime.getDevice())
 
     def lengths(self, a, limit: int, name: str) -> None:
         """Queue the range check of lengths ``a`` (any integer dtype, C-contiguous, non-empty): [0, limit]."""

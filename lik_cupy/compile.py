@@ -249,6 +249,24 @@ def get_module(name: str, defines: dict, arch: int | str, device_id: int, entry:
         return mod
 
 
+_functions: dict = {}  # (device, source, entry) -> a loaded kernel of a source built without defines
+
+
+def get_function(name: str, entry: str, device_id: int):
+    """Kernel ``entry`` of ``name``, a source built without defines (``checks.cu``, ``masks.cu``,
+    ``topk.cu``), for ``device_id``'s architecture. Looked up once per device: the small kernels
+    launched on every call then build no cache key."""
+    key = (device_id, name, entry)
+    fn = _functions.get(key)
+    if fn is None:
+        from .device import device_properties
+        from .dispatch import arch_of
+
+        mod = get_module(name, {}, arch_of(device_properties(device_id).cc), device_id, entry=entry)
+        fn = _functions[key] = mod.get_function(entry)
+    return fn
+
+
 def _load(path: Path, device_id: int, entry: str):
     """Load a CUBIN on ``device_id`` and resolve ``entry``: the one step of ``get_module`` that
     needs a GPU (the CPU tests replace it to exercise the caches and their locking)."""

@@ -11,19 +11,6 @@ from __future__ import annotations
 import numpy as np
 
 _THREADS = 256
-_functions: dict = {}  # device -> loaded lik_mask_spans
-
-
-def _kernel(device: int):
-    fn = _functions.get(device)
-    if fn is None:
-        from .compile import get_module
-        from .device import device_properties
-        from .dispatch import arch_of
-
-        mod = get_module("masks.cu", {}, arch_of(device_properties(device).cc), device, entry="lik_mask_spans")
-        fn = _functions[device] = mod.get_function("lik_mask_spans")
-    return fn
 
 
 def mask_spans(mask, device: int):
@@ -32,10 +19,13 @@ def mask_spans(mask, device: int):
     ``n`` one past its last valid token."""
     import cupy
 
+    from .compile import get_function
+
     rows, length = mask.shape
     out = cupy.empty(rows, cupy.int32)
     if rows:
         warps_per_block = _THREADS // 32
         blocks = min(-(-rows // warps_per_block), 65535)
-        _kernel(device)((blocks,), (_THREADS,), (mask, np.int64(rows), np.int32(length), out))
+        kern = get_function("masks.cu", "lik_mask_spans", device)
+        kern((blocks,), (_THREADS,), (mask, np.int64(rows), np.int32(length), out))
     return out

@@ -579,16 +579,14 @@ class _Gpu:
     def _merge(self, s, nd: int):
         import cupy
 
-        from .compile import get_module
-        from .device import device_properties
+        from .compile import get_function
 
         nq, k_run = self.qp.nq, self.s.shape[1]
         k_out = min(self.k, k_run + nd)
         out_s = cupy.empty((nq, k_out), cupy.float32)
         out_i = cupy.empty((nq, k_out), cupy.int64)
         if nq:
-            arch = dispatch.arch_of(device_properties(self.device).cc)
-            kern = get_module("topk.cu", {}, arch, self.device, "lik_topk_merge").get_function("lik_topk_merge")
+            kern = get_function("topk.cu", "lik_topk_merge", self.device)
             null = np.uint64(0)
 
             def launch(rows, run_s, run_i, k_run, chunk, chunk_i, stride, n, groups, slice_, base, o_s, o_i, k):

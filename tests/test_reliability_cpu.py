@@ -185,6 +185,27 @@ def test_memory_cache_is_bounded_and_keeps_recent_kernels(monkeypatch):
 # ---------------------------------------------------------------- the on-disk cache
 
 
+def test_small_kernels_are_looked_up_once_per_device(monkeypatch):
+    # checks.cu, masks.cu and topk.cu launch on every scoring call: their functions are resolved
+    # once per (device, source, entry), and each device gets its own architecture's build.
+    import lik_cupy.device
+
+    monkeypatch.setattr(lc, "_functions", {})
+    modules = []
+
+    def get_module(name, defines, arch, device, entry=None):
+        modules.append((name, arch, device, entry))
+        return types.SimpleNamespace(get_function=lambda e: (name, arch, device, e))
+
+    monkeypatch.setattr(lc, "get_module", get_module)
+    monkeypatch.setattr(lik_cupy.device, "device_properties", lambda d: types.SimpleNamespace(cc=(80, 90)[d]))
+    for _ in range(3):
+        assert lc.get_function("masks.cu", "lik_mask_spans", 0) == ("masks.cu", 80, 0, "lik_mask_spans")
+        assert lc.get_function("masks.cu", "lik_mask_spans", 1) == ("masks.cu", 90, 1, "lik_mask_spans")
+        assert lc.get_function("checks.cu", "lik_check_offsets", 0) == ("checks.cu", 80, 0, "lik_check_offsets")
+    assert sorted(modules) == [("checks.cu", 80, 0, "lik_check_offsets"), ("masks.cu", 80, 0, "lik_mask_spans"),
+                               ("masks.cu", 90, 1, "lik_mask_spans")]
+
 def _corruptions():
     """(name, damage(cubin, meta, other_cubin), whether the entry must be rebuilt)."""
     return [
