@@ -3,9 +3,10 @@
 // instead of a chain of array reductions.
 //
 // Each kernel runs as ONE block (blockDim.x a multiple of 32, at most 1024) and writes three
-// int64 slots, so the caller needs no zeroed buffer:
+// int64 slots, so the caller needs no zeroed buffer (the slots may be page-locked host memory,
+// which the GPU writes directly):
 //   lik_check_range_*: out = {min, max, 0} of v[0 .. n)      (n >= 1)
-//   lik_check_offsets: out = {off[0], off[n-1], 1 if some off[i+1] < off[i] else 0}   (n >= 1)
+//   lik_check_offsets_*: out = {off[0], off[n-1], 1 if some off[i+1] < off[i] else 0}   (n >= 1)
 // The caller turns these into its error message.
 #include "common.cuh"
 
@@ -51,13 +52,22 @@ extern "C" __global__ void lik_check_range_i64(const i64* __restrict__ v, long l
     range_block(v, n, out);
 }
 
-extern "C" __global__ void lik_check_offsets(const i64* __restrict__ off, long long n, i64* out) {
+template <typename I>
+__device__ __forceinline__ void offsets_block(const I* __restrict__ off, long long n, i64* out) {
     bool dec = false;
     for (long long i = threadIdx.x; i + 1 < n; i += blockDim.x) dec |= off[i + 1] < off[i];
     dec = __syncthreads_or(dec);
     if (threadIdx.x == 0) {
-        out[0] = off[0];
-        out[1] = off[n - 1];
+        out[0] = (i64)off[0];
+        out[1] = (i64)off[n - 1];
         out[2] = dec ? 1 : 0;
     }
+}
+
+extern "C" __global__ void lik_check_offsets_i32(const int* __restrict__ off, long long n, i64* out) {
+    offsets_block(off, n, out);
+}
+
+extern "C" __global__ void lik_check_offsets_i64(const i64* __restrict__ off, long long n, i64* out) {
+    offsets_block(off, n, out);
 }

@@ -12,6 +12,17 @@ typedef signed char i8;
 
 #define LIK_NEG_INF __int_as_float(0xff800000)
 
+// Segment offsets of packed data as the caller gave them, int32 (FlashAttention's cu_seqlens)
+// or int64, so that a call needs no conversion launch before the kernel.
+struct Offsets {
+    const void* p;
+    int wide;   // 1: int64 entries, 0: int32
+    int whole;  // 1: they run from 0 to the kernel's ntok (the caller's whole array, not a slice)
+    __device__ __forceinline__ i64 operator[](i64 j) const {
+        return wide ? static_cast<const i64*>(p)[j] : static_cast<i64>(static_cast<const int*>(p)[j]);
+    }
+};
+
 __device__ __forceinline__ u32 smem_addr(const void* p) {
     return static_cast<u32>(__cvta_generic_to_shared(p));
 }

@@ -364,14 +364,30 @@ struct Fwd {
         }
     }
 
-    // First document index in [0, n) whose first token is >= x (n if none).
-    static __device__ __forceinline__ int first_doc_at(const i64* off, int n, i64 x) {
-        int lo = 0, hi = n;
-        while (lo < hi) {
-            const int mid = lo + ((hi - lo) >> 1);  // no overflow past 2^30 documents
-            if (off[mid] < x) lo = mid + 1; else hi = mid;
+    // The first documents in [0, n] whose first token is >= x0 and >= x1 (n if none), found by
+    // the whole CTA together: each round, every thread tests one sample of each interval, so
+    // ceil(log_NT(n)) rounds of loads replace two chains of log2(n) dependent ones (which every
+    // CTA waited through before its first tile: several microseconds on a one-query call).
+    // Offsets that decrease (an unchecked call) still give some j in [0, n].
+    static __device__ __forceinline__ void first_docs_at(const Offsets& off, int n, i64 x0, i64 x1, int& j0, int& j1) {
+        int lo0 = 0, hi0 = n, lo1 = 0, hi1 = n;
+        while (lo0 < hi0 || lo1 < hi1) {  // CTA-uniform: every bound comes from block-wide counts
+            const int st0 = (hi0 - lo0 + NT - 1) / NT, st1 = (hi1 - lo1 + NT - 1) / NT;
+            const int i0 = lo0 + (int)threadIdx.x * st0, i1 = lo1 + (int)threadIdx.x * st1;
+            const bool p0 = i0 < hi0 && off[i0] < x0, p1 = i1 < hi1 && off[i1] < x1;
+            const int c0 = __syncthreads_count(p0), c1 = __syncthreads_count(p1);
+            // Samples 0..c-1 lie below x, sample c (if any) does not.
+            if (lo0 < hi0) {
+                hi0 = min(hi0, lo0 + c0 * st0);
+                lo0 = c0 ? lo0 + (c0 - 1) * st0 + 1 : lo0;
+            }
+            if (lo1 < hi1) {
+                hi1 = min(hi1, lo1 + c1 * st1);
+                lo1 = c1 ? lo1 + (c1 - 1) * st1 + 1 : lo1;
+            }
         }
-        return lo;
+        j0 = lo0;
+        j1 = lo1;
     }
 
     // A similarity from its accumulator: the float itself, or for INT8 the integer dot product
@@ -384,7 +400,7 @@ struct Fwd {
     static __device__ void run(const T* __restrict__ Q, const T* __restrict__ D, const float* __restrict__ q_scale,
                                const float* __restrict__ d_scale, const int* __restrict__ q_len,
                                const u8* __restrict__ q_mask, const int* __restrict__ d_len,
-                               const u8* __restrict__ d_mask, const i64* __restrict__ d_off, i64 ntok,
+                               const u8* __restrict__ d_mask, const Offsets d_off, i64 ntok,
                                float* __restrict__ out,
                                int* __restrict__ amax, int Nq, int Nd, int Lq, int Ld, int dim, int n_qt, int qb,
                                int docs_per_cta, int dl_qstride, const TmaDesc* tmd,
@@ -418,19 +434,34 @@ struct Fwd {
         const int span = MULTI && qb > 1 ? Lq : BM;  // tile rows per query
         const int s0 = qt * BM;
 
+        // The query tile (its first row, its rows) and, with packed documents, its copies sent
+        // first, to land while the CTA finds its documents (a tile past its query's length loads
+        // it unused and returns below). Padded ones load it later, as before: loaded here, six
+        // kernels spilled (compile check).
+        auto query_tile = [&]() { return Q + ((i64)qi0 * Lq + s0) * dim; };
+        auto query_rows = [&]() { return qb > 1 ? nqb * Lq : min(BM, Lq - s0); };
+        constexpr bool EARLY_Q = PACKED && !SPLIT;
+        if (EARLY_Q) load_rows<BM>(sQ, query_tile(), query_rows(), dim, dim);
+
         // Documents of this CTA: a run of docs_per_cta, or for packed documents the
         // documents whose first token falls in this CTA's equal share of the tokens
         // (ragged corpora then balance by work, not by document count).
         int j0, j1;
         if (PACKED) {
-            const i64 t0 = d_off[0], per = (d_off[Nd] - t0 + gridDim.y - 1) / gridDim.y;
-            j0 = blockIdx.y == 0 ? 0 : first_doc_at(d_off, Nd, t0 + (i64)blockIdx.y * per);
-            j1 = blockIdx.y + 1 == gridDim.y ? Nd : first_doc_at(d_off, Nd, t0 + (i64)(blockIdx.y + 1) * per);
+            const i64 t0 = d_off.whole ? 0 : d_off[0];
+            const i64 per = ((d_off.whole ? ntok : d_off[Nd]) - t0 + gridDim.y - 1) / gridDim.y;
+            // The first CTA starts at document 0 and the last ends at Nd, whatever the offsets say.
+            const i64 lowest = -0x7fffffffffffffffLL - 1, highest = 0x7fffffffffffffffLL;
+            first_docs_at(d_off, Nd, blockIdx.y == 0 ? lowest : t0 + (i64)blockIdx.y * per,
+                          blockIdx.y + 1 == gridDim.y ? highest : t0 + (i64)(blockIdx.y + 1) * per, j0, j1);
         } else {
             j0 = blockIdx.y * docs_per_cta;
             j1 = min(Nd, j0 + docs_per_cta);
         }
-        if (j0 >= j1) return;
+        if (j0 >= j1) {
+            if (EARLY_Q) cp_async_wait<0>();
+            return;
+        }
 
         auto query_len = [&](int qi) {
             if (!q_len) return Lq;
@@ -466,6 +497,7 @@ struct Fwd {
                     amax[((i64)qi0 * Nd + j) * Lq + s0 + r] = -1;
                 }
             }
+            if (EARLY_Q) cp_async_wait<0>();
             return;
         }
 
@@ -498,9 +530,9 @@ struct Fwd {
             return v * (sq >= 0.f ? sq : __int_as_float(0x7fffffff));
         };
 
-        const T* Qt = Q + ((i64)qi0 * Lq + s0) * dim;
-        const int q_rows = qb > 1 ? nqb * Lq : min(BM, Lq - s0);
-        if (!SPLIT) load_rows<BM>(sQ, Qt, q_rows, dim, dim);
+        const T* Qt = query_tile();
+        const int q_rows = query_rows();
+        if (!SPLIT && !EARLY_Q) load_rows<BM>(sQ, Qt, q_rows, dim, dim);
 #if LIK_HAS_WGMMA
         if (TMA) {
             cp_async_commit();  // the query tile: its own group, awaited at the first stage
@@ -958,9 +990,11 @@ typedef lik::Fwd<LIK_ELEM, LIK_DP, LIK_WARPS, LIK_MT, LIK_BN, LIK_STAGES, LIK_QR
 #ifndef LIK_MIN_BLOCKS
 #define LIK_MIN_BLOCKS 1
 #endif
+// d_off (packed documents): int32 or int64 offsets; d_off_flags bit 0 says int64, bit 1 that they
+// run from 0 to ntok (the CTAs then split the tokens without first reading where they end).
 extern "C" __global__ void __launch_bounds__(LIK_WARPS * 32, LIK_MIN_BLOCKS)
     LIK_NAME(const void* Q, const void* D, const float* q_scale, const float* d_scale, const int* q_len, const u8* q_mask, const int* d_len, const u8* d_mask,
-             const i64* d_off, long long ntok, float* out, int* amax, int Nq, int Nd, int Lq, int Ld, int dim,
+             const void* d_off, int d_off_flags, long long ntok, float* out, int* amax, int Nq, int Nd, int Lq, int Ld, int dim,
              int n_qt, int qb, int docs_per_cta, int dl_qstride
 #if LIK_TMA
              , const __grid_constant__ TmaDesc tmd  // documents as [rows, dim * esize] bytes
@@ -974,7 +1008,7 @@ extern "C" __global__ void __launch_bounds__(LIK_WARPS * 32, LIK_MIN_BLOCKS)
     const TmaDesc *pd = nullptr, *ps = nullptr, *pq = nullptr;
 #endif
     LikFwdCfg::run(static_cast<const LikFwdCfg::T*>(Q), static_cast<const LikFwdCfg::T*>(D), q_scale, d_scale, q_len, q_mask, d_len, d_mask,
-                   d_off, ntok, out, amax, Nq, Nd, Lq, Ld, dim, n_qt, qb, docs_per_cta, dl_qstride, pd, ps, pq);
+                   Offsets{d_off, d_off_flags & 1, (d_off_flags >> 1) & 1}, ntok, out, amax, Nq, Nd, Lq, Ld, dim, n_qt, qb, docs_per_cta, dl_qstride, pd, ps, pq);
 }
 
 // Deterministic sum of the per-query-tile partial scores: out[x] = sum_q part[q][x], q ascending.

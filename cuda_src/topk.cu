@@ -15,7 +15,7 @@
 //   3. A bitonic sort of those k candidates (padded to a power of two) writes
 //      the new ranked list.
 // Reads of the chunk are the only global traffic besides the k outputs, so a
-// merge costs about 4-5 reads of the chunk's scores. A row of at most kCache
+// merge costs about 4-5 reads of the chunk's scores. A row of at most `cache_keys`
 // candidates (every slice of a two-launch merge, and its second launch while the
 // running list and the slice winners number that few) is read once: the first
 // pass keeps its keys in shared memory, the later passes wait on that, not on L2.
@@ -32,7 +32,6 @@ namespace {
 
 constexpr int kThreads = 1024;
 constexpr int kWarps = kThreads / 32;
-constexpr int kCache = 4096;  // candidates whose keys a row may keep in shared memory
 
 // Larger key = better rank. NaN maps to 0, below -inf (0x007fffff).
 __device__ __forceinline__ u32 order_key(float f) {
@@ -71,8 +70,8 @@ __device__ __forceinline__ bool before(u32 ka, i64 ia, u32 kb, i64 ib) { return 
 // base + g * slice, ... (or chunk_i[q, g * slice + ...] when chunk_i is not null).
 // out_s/out_i: [nq * groups, k_out], k_out <= k_run + slice; a row with fewer candidates than
 // k_out ends with (NaN, INT64_MAX) entries, which rank after every real one. Dynamic shared
-// memory: kp * (4 + 8) bytes, kp = the power of two >= k_out, and kCache * 4 more with
-// cache_keys (allowed when no row has more than kCache candidates).
+// memory: kp * (4 + 8) bytes, kp = the power of two >= k_out, and cache_keys * 4 more: room to
+// keep the keys of a row with at most cache_keys candidates (0: no cache).
 extern "C" __global__ void __launch_bounds__(kThreads, 1)
     lik_topk_merge(const float* __restrict__ run_s, const i64* __restrict__ run_i, int k_run,
                    const float* __restrict__ chunk, const i64* __restrict__ chunk_i, long long chunk_stride,
@@ -81,7 +80,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
     extern __shared__ __align__(16) unsigned char smem[];
     i64* c_idx = reinterpret_cast<i64*>(smem);
     u32* c_key = reinterpret_cast<u32*>(c_idx + kp);
-    u32* cache = c_key + kp;  // [kCache] with cache_keys: the row's keys, written by the first pass
+    u32* cache = c_key + kp;  // [cache_keys]: the row's keys, written by the first pass
     __shared__ u32 hist[256];
     __shared__ int s_warp[kWarps];
     __shared__ u32 s_digit;
@@ -96,7 +95,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
           n_chunk, base + (i64)g * slice};
     const int n = r.size();
     const int k_row = min(k_out, n);  // real entries of this row; the rest are padding
-    const bool cached = cache_keys && n <= kCache;
+    const bool cached = n <= cache_keys;
     // The key of candidate p < n: read on the first pass (and kept, when cached), then from the cache.
     auto key_at = [&](int p, bool first) -> u32 {
         if (!cached) return r.key(p);

@@ -137,7 +137,8 @@ def _gpu(p: Problem, g, Q, D, argmax, d_offsets, method, validate, q_shape, d_sh
             a = _dev_array(argmax, fw, on_host).reshape(p.nq, p.nd, p.lq)
         if p.dtype == "bfloat16":
             q, d = q.view(cupy.uint16), d.view(cupy.uint16)
-        off = device_offsets(_dev_array(d_offsets, fw, on_host), p.ntok, "d_offsets", validate) if p.d_packed else None
+        off = device_offsets(_dev_array(d_offsets, fw, on_host), p.ntok, "d_offsets", validate,
+                             wide=True) if p.d_packed else None
         if validate and a.size and not capturing():  # no host read inside graph capture (checks.py)
             limit = (off[1:] - off[:-1])[None, :, None] if off is not None else p.ld
             lo, over = (int(v) for v in cupy.stack([a.min().astype(cupy.int64),

@@ -299,7 +299,8 @@ def check_all(archs=None, configs=None) -> list[dict]:
                              **resource_usage(out.log, "lik_sum_partials")})
         if configs is None:
             for src, kernels in (("topk.cu", ("lik_topk_merge",)),
-                                 ("checks.cu", ("lik_check_range_i32", "lik_check_range_i64", "lik_check_offsets")),
+                                 ("checks.cu", ("lik_check_range_i32", "lik_check_range_i64", "lik_check_offsets_i32",
+                                               "lik_check_offsets_i64")),
                                  ("masks.cu", ("lik_mask_spans",))):
                 out = nvrtc_compile(src, {}, arch)
                 rows += [{"kernel": k, "arch": f"sm_{arch}", "dynamic_smem": 0, **resource_usage(out.log, k)}

@@ -63,7 +63,7 @@ class FwdConfig:
     def esize(self) -> int:
         return ELEM_SIZES[self.elem]
 
-    @property
+    @functools.cached_property  # read on every launch
     def smem_bytes(self) -> int:
         rows = self.stages * (self.query_rows_staged + self.bn) if self.split else self.bm + self.stages * self.bn
         if self.wgmma or self.tma:  # unpadded swizzled tiles, slack to align them to 1024 bytes, TMA barriers
@@ -78,7 +78,7 @@ class FwdConfig:
         red = self.warps * self.bm if self.tokm else self.bm if self.multi else self.warps  # as RED in the kernel
         return 2 * red * 4 + (self.bm * 4 if self.tokm else 0) + scales
 
-    @property
+    @functools.cached_property  # read on every launch
     def name(self) -> str:
         e = ("f16", "bf16", "f32", "i8")[self.elem]
         return (
@@ -110,7 +110,7 @@ class FwdConfig:
             "LIK_MIN_BLOCKS": self.min_blocks,
         }
 
-    @property
+    @functools.cached_property  # read on every launch
     def min_blocks(self) -> int:
         """CTAs per SM the kernel is compiled for: two Hopper CTAs when their shared memory fits
         (registers then capped at 128) and their accumulators do too (at most 128 tokens per

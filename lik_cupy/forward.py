@@ -6,7 +6,10 @@ launch (``_launch`` below), or the NumPy path (``cpu.maxsim_numpy``).
 
 from __future__ import annotations
 
+import ctypes
 import os
+import struct
+import threading
 import warnings
 from dataclasses import replace
 
@@ -81,14 +84,15 @@ def maxsim_varlen(Q, D_tokens, d_offsets, q_mask=None, *, q_lengths=None, q_offs
             framework/device as Q (float16, bfloat16 or float32).
         d_offsets: int32 or int64 ``[Nd + 1]``: document j is ``D_tokens[d_offsets[j]:d_offsets[j + 1]]``
             (FlashAttention's ``cu_seqlens``). Must start at 0, never decrease and end at T;
-            equal neighbours are empty documents (score -inf). Device offsets are checked
-            with one small reduction and one host synchronisation, never copied to the host.
+            equal neighbours are empty documents (score -inf). Device offsets are checked by
+            one small kernel running beside the scoring kernel, never copied to the host; the
+            call waits for the check (not for the scores) before it returns.
         q_offsets: int32 or int64 ``[Nq + 1]`` for packed queries (read on the host:
             the longest query sets the argmax width).
         return_argmax: also return int32 ``[Nq, Nd, Lq]`` document-local token indices
             (``Lq`` = the longest query for packed queries), -1 for masked/absent query
             tokens and empty documents.
-        validate_offsets: False skips the device check of ``d_offsets`` (and its sync) in
+        validate_offsets: False skips the device check of ``d_offsets`` (and the wait for it) in
             a hot loop over offsets already known good. The kernel clamps every document
             to ``[0, T)``, so bad offsets then give wrong scores but never touch memory
             outside ``D_tokens``.
@@ -227,18 +231,19 @@ def _gpu(p: Problem, Q, D, q_mask, d_mask, q_lengths, d_lengths, return_argmax):
     fw = p.framework
     on_host = p.device is None
     device = p.device if p.device is not None else cupy.cuda.runtime.getDevice()
-    with interop.caller_stream(fw, device), DeviceChecks() as checks:
-        q = _dev_array(Q, fw, on_host)
-        d = _dev_array(D, fw, on_host)
-        if p.dtype == "bfloat16":
-            q, d = q.view(cupy.uint16), d.view(cupy.uint16)
-        nrows = p.nq * p.nd if p.candidates else p.nd
-        qm, ql = device_valid(q_mask, q_lengths, p.nq, p.lq, "q_lengths", fw, on_host, checks)
-        dm, dl = device_valid(d_mask, d_lengths, nrows, p.ld, "d_lengths", fw, on_host, checks)
-        checks.send()
-        scores, amax = _launch(p, q, d, qm, dm, ql, dl, return_argmax, device)
-        checks.verify()  # after the launch: the kernel clamps lengths (checks.py)
-        return _caller_results(p, scores, amax, on_host)
+    with DeviceChecks() as checks:
+        with interop.caller_stream(fw, device):
+            q = _dev_array(Q, fw, on_host)
+            d = _dev_array(D, fw, on_host)
+            if p.dtype == "bfloat16":
+                q, d = q.view(cupy.uint16), d.view(cupy.uint16)
+            nrows = p.nq * p.nd if p.candidates else p.nd
+            qm, ql = device_valid(q_mask, q_lengths, p.nq, p.lq, "q_lengths", fw, on_host, checks)
+            dm, dl = device_valid(d_mask, d_lengths, nrows, p.ld, "d_lengths", fw, on_host, checks)
+            scores, amax = _launch(p, q, d, qm, dm, ql, dl, return_argmax, device)
+            results = _caller_results(p, scores, amax, on_host)
+        checks.verify()  # last, while the scoring kernel runs (checks.py)
+    return results
 
 
 def device_valid(mask, lengths, rows: int, length: int, name: str, fw: str, on_host: bool, checks=None):
@@ -265,13 +270,15 @@ def _caller_results(p: Problem, scores, amax, on_host: bool):
     return scores, amax
 
 
-def device_offsets(off, total: int, name: str, check: bool = True, checks=None):
-    """int64 contiguous device offsets. ``check`` runs the value checks on the device (no copy
-    of the array): queued on ``checks`` (a ``DeviceChecks``) for the caller to verify, or
-    verified here."""
+def device_offsets(off, total: int, name: str, check: bool = True, checks=None, *, wide: bool = False):
+    """Contiguous device offsets, int32 kept as given (the forward kernel reads either width)
+    and int64 otherwise, or always int64 with ``wide``. ``check`` runs the value checks on the
+    device (no copy of the array): queued on ``checks`` (a ``DeviceChecks``) for the caller to
+    verify, or verified here."""
     import cupy
 
-    off = cupy.ascontiguousarray(off.reshape(-1), dtype=cupy.int64)
+    off = off.reshape(-1)
+    off = cupy.ascontiguousarray(off, dtype=cupy.int64 if wide or off.dtype != np.int32 else cupy.int32)
     if check:
         queue_or_verify(checks, "offsets", off, total, name)
     return off
@@ -283,24 +290,25 @@ def _gpu_varlen(p: Problem, Q, D, d_offsets, q_mask, q_lengths, q_offsets, retur
     fw = p.framework
     on_host = p.device is None
     device = p.device if p.device is not None else cupy.cuda.runtime.getDevice()
-    with interop.caller_stream(fw, device), DeviceChecks() as checks:
-        q = _dev_array(Q, fw, on_host)
-        d = _dev_array(D, fw, on_host).reshape(p.ntok, p.dim)
-        if p.dtype == "bfloat16":
-            q, d = q.view(cupy.uint16), d.view(cupy.uint16)
-        doff = device_offsets(_dev_array(d_offsets, fw, on_host), p.ntok, "d_offsets", validate, checks)
-        qm = None
-        if q_offsets is not None:
-            q, ql = _unpack_queries(q.reshape(-1, p.dim), _dev_array(q_offsets, fw, on_host), p.nq)
-            p = replace(p, lq=q.shape[1], argmax_shape=p.scores_shape + (q.shape[1],))
-        else:
-            q = q.reshape(p.nq, p.lq, p.dim)
-            qm, ql = device_valid(q_mask, q_lengths, p.nq, p.lq, "q_lengths", fw, on_host, checks)
-        ld_hint = -(-p.ntok // max(1, p.nd))
-        checks.send()
-        scores, amax = _launch(p, q, d, qm, None, ql, None, return_argmax, device, d_off=doff, ld_hint=ld_hint)
-        checks.verify()  # after the launch: the kernel clamps offsets and lengths (checks.py)
-        return _caller_results(p, scores, amax, on_host)
+    with DeviceChecks() as checks:
+        with interop.caller_stream(fw, device):
+            q = _dev_array(Q, fw, on_host)
+            d = _dev_array(D, fw, on_host).reshape(p.ntok, p.dim)
+            if p.dtype == "bfloat16":
+                q, d = q.view(cupy.uint16), d.view(cupy.uint16)
+            doff = device_offsets(_dev_array(d_offsets, fw, on_host), p.ntok, "d_offsets", validate, checks)
+            qm = None
+            if q_offsets is not None:
+                q, ql = _unpack_queries(q.reshape(-1, p.dim), _dev_array(q_offsets, fw, on_host), p.nq)
+                p = replace(p, lq=q.shape[1], argmax_shape=p.scores_shape + (q.shape[1],))
+            else:
+                q = q.reshape(p.nq, p.lq, p.dim)
+                qm, ql = device_valid(q_mask, q_lengths, p.nq, p.lq, "q_lengths", fw, on_host, checks)
+            ld_hint = -(-p.ntok // max(1, p.nd))
+            scores, amax = _launch(p, q, d, qm, None, ql, None, return_argmax, device, d_off=doff, ld_hint=ld_hint)
+            results = _caller_results(p, scores, amax, on_host)
+        checks.verify()  # last, while the scoring kernel runs (checks.py)
+    return results
 
 
 def _unpack_queries(qt, q_offsets, nq: int):
@@ -339,12 +347,13 @@ def _warn_wgmma_once(err: Exception) -> None:
                       RuntimeWarning, stacklevel=4)
 
 
-# (device, kernel name) -> (module, function): spares each call the cache-key building; its
-# size is bounded by the configurations dispatch can return.
+# (device, kernel name) -> (module, the kernel's CUfunction handle on that device): spares each
+# call the cache-key building; its size is bounded by the configurations dispatch can return.
 _kernels: dict = {}
 
 
 def _kernel(cfg, arch: int, device: int):
+    """The loaded module of ``cfg`` and its kernel's driver handle on ``device`` (the current one)."""
     from .compile import get_module
 
     hit = _kernels.get((device, cfg.name))
@@ -353,16 +362,52 @@ def _kernel(cfg, arch: int, device: int):
         kern = mod.get_function(cfg.name)
         if cfg.smem_bytes > 48 * 1024:
             kern.max_dynamic_shared_size_bytes = cfg.smem_bytes
-        hit = _kernels[(device, cfg.name)] = (mod, kern)
+        hit = _kernels[(device, cfg.name)] = (mod, kern.kernel.ptr)
     return hit
 
 
+# The forward kernel's parameters in order, by C type: p pointer, i int, q long long (the TMA
+# descriptors follow as their own 128-byte buffers). Each value gets an 8-byte slot of one buffer
+# packed in a single call, and the driver is handed the slots' addresses: CuPy's own argument
+# conversion took a sixth of a one-query call's host time.
+_FWD_SIGNATURE = "pppppppppiqppiiiiiiiii"
+_FWD_PARAMS = struct.Struct("<" + "".join({"p": "Q", "i": "i4x", "q": "q"}[c] for c in _FWD_SIGNATURE))
+_params = threading.local()
+
+
+def _ptr(a) -> int:
+    """A device array's address, or 0 (NULL) for None."""
+    return a.data.ptr if a is not None else 0
+
+
+def _launch_forward(func: int, grid, threads: int, smem: int, values: tuple, maps: tuple) -> None:
+    """Launch the forward kernel ``func`` (a CUfunction handle) on the current CuPy stream with
+    parameter ``values`` (as ``_FWD_SIGNATURE``) and TMA ``maps`` (tma.TensorMap; none for
+    kernels without them)."""
+    import cupy
+
+    slots = getattr(_params, "slots", None)
+    if slots is None:  # one buffer per thread: the driver copies the values at the launch
+        buf = ctypes.create_string_buffer(_FWD_PARAMS.size)
+        base = ctypes.addressof(buf)
+        addrs = (ctypes.c_void_p * (len(_FWD_SIGNATURE) + 3))(*[base + 8 * i for i in range(len(_FWD_SIGNATURE))])
+        slots = _params.slots = (buf, addrs)
+    buf, addrs = slots
+    _FWD_PARAMS.pack_into(buf, 0, *values)
+    for i, m in enumerate(maps):
+        addrs[len(_FWD_SIGNATURE) + i] = m.address
+    cupy.cuda.driver.launchKernel(func, grid[0], grid[1], grid[2], threads, 1, 1, smem,
+                                  cupy.cuda.get_current_stream().ptr, ctypes.addressof(addrs), 0)
+
+
 def _launch(p: Problem, q, d, qm, dm, ql, dl, return_argmax: bool, device: int, *, d_off=None, ld_hint=None,
-            out=None, q_scale=None, d_scale=None, caller=None):
+            d_off_whole=True, out=None, q_scale=None, d_scale=None, caller=None):
     """Choose the kernel configuration and launch it on the current CuPy stream.
 
     q: [nq, lq, dim] (bfloat16 as uint16); d: padded [rows, ld, dim], or packed
-    tokens [T, dim] when ``d_off`` (int64 [nd + 1] device offsets) is given.
+    tokens [T, dim] when ``d_off`` (int32 or int64 [nd + 1] device offsets) is given.
+    ``d_off_whole``: the offsets run from 0 to T (not a slice of them), so CTAs split the
+    tokens without reading where they start and end (a hint: scores never depend on it).
     ``out``: optional float32 buffer of nq * nd elements for the scores.
     ``p.dtype == "int8"``: q and d are int8 and ``q_scale`` (float32 [nq * lq], non-negative)
     and ``d_scale`` (float32 [rows * ld] or [T]) are their contiguous per-token scales.
@@ -411,35 +456,33 @@ def _launch(p: Problem, q, d, qm, dm, ql, dl, return_argmax: bool, device: int, 
 
     cfg = choose(_wgmma_enabled())
     try:
-        mod, kern = _kernel(cfg, arch, device)
+        mod, func = _kernel(cfg, arch, device)
     except CompileError as e:
         if not (cfg.wgmma or cfg.tma):  # only the sm_90a builds have a fallback
             raise
         _warn_wgmma_once(e)
         cfg = choose(False)
-        mod, kern = _kernel(cfg, arch, device)
+        mod, func = _kernel(cfg, arch, device)
     plan = dispatch.plan_launch(cfg, props.cc, props.num_sms, p.nq, p.nd, p.lq, shared)
-    check_32bit(Nq=p.nq, Nd=p.nd, Lq=p.lq, Ld=p.ld, grid=plan.grid[0])
+    if max(p.nq, p.nd, p.lq, p.ld, plan.grid[0]) >= 2**31:
+        check_32bit(Nq=p.nq, Nd=p.nd, Lq=p.lq, Ld=p.ld, grid=plan.grid[0])
 
     part = scores if plan.n_qt == 1 else empty((plan.n_qt, p.nq, p.nd), np.float32,
                                                f"{fn}: partial scores of the long queries' tiles", split)
-    null = np.uint64(0)  # NULL pointer argument
-    args = (
-        q, d, q_scale if q_scale is not None else null, d_scale if d_scale is not None else null,
-        ql if ql is not None else null, qm if qm is not None else null,
-        dl if dl is not None else null, dm if dm is not None else null,
-        d_off if d_off is not None else null, np.int64(d.shape[0] if d_off is not None else 0),
-        part, amax if amax is not None else null,
-        np.int32(p.nq), np.int32(p.nd), np.int32(p.lq), np.int32(p.ld), np.int32(p.dim),
-        np.int32(plan.n_qt), np.int32(plan.qb), np.int32(plan.docs_per_cta), np.int32(p.nd if p.candidates else 0),
+    off_flags = (1 if d_off is None or d_off.dtype == np.int64 else 0) | (2 if d_off_whole else 0)
+    values = (
+        q.data.ptr, d.data.ptr, _ptr(q_scale), _ptr(d_scale), _ptr(ql), _ptr(qm), _ptr(dl), _ptr(dm), _ptr(d_off),
+        off_flags, d.shape[0] if d_off is not None else 0, part.data.ptr, _ptr(amax),
+        p.nq, p.nd, p.lq, p.ld, p.dim, plan.n_qt, plan.qb, plan.docs_per_cta, p.nd if p.candidates else 0,
     )
+    maps = ()
     if cfg.tma:
         dmap = tma.tile_map(d.data.ptr, rows, p.dim * esize, cfg.bn)
         smap = tma.scale_map(d_scale.data.ptr, rows, cfg.bn + 4) if d_scale is not None else dmap
         qmap = tma.tile_map(q.data.ptr, p.nq * p.lq, p.dim * esize, cfg.bm) if cfg.split else dmap
-        args += (dmap.arg, smap.arg, qmap.arg)
+        maps = (dmap, smap, qmap)
     try:
-        kern(plan.grid, (cfg.threads, 1, 1), args, shared_mem=cfg.smem_bytes)
+        _launch_forward(func, plan.grid, cfg.threads, cfg.smem_bytes, values, maps)
         if plan.n_qt > 1:
             n = p.nq * p.nd
             threads = 256

@@ -108,22 +108,22 @@ def _score(p: Problem, Q, q_scales, q_int8: bool, q_mask, q_lengths, D, d_scales
 
     on_host = p.device is None
     device = p.device if p.device is not None else cupy.cuda.runtime.getDevice()
-    with interop.caller_stream(fw, device), DeviceChecks() as checks:
-        q, qs = _device_queries(p, Q, q_scales, q_int8, on_host)
-        d = _dev_array(D, fw, on_host)
-        ds = cupy.ascontiguousarray(_dev_array(d_scales, fw, on_host).reshape(-1), dtype=cupy.float32)
-        qm, ql = device_valid(q_mask, q_lengths, p.nq, p.lq, "q_lengths", fw, on_host, checks)
-        if p.d_packed:
-            doff = device_offsets(_dev_array(d_offsets, fw, on_host), p.ntok, "d_offsets", validate_offsets, checks)
-            checks.send()
-            scores, amax = _launch(p, q, d.reshape(p.ntok, p.dim), qm, None, ql, None, return_argmax, device,
-                                   d_off=doff, ld_hint=-(-p.ntok // max(1, p.nd)), q_scale=qs, d_scale=ds)
-        else:
-            dm, dl = device_valid(d_mask, d_lengths, nrows, p.ld, "d_lengths", fw, on_host, checks)
-            checks.send()
-            scores, amax = _launch(p, q, d, qm, dm, ql, dl, return_argmax, device, q_scale=qs, d_scale=ds)
-        checks.verify()  # after the launch: the kernel clamps offsets and lengths (checks.py)
-        return _caller_results(p, scores, amax, on_host)
+    with DeviceChecks() as checks:
+        with interop.caller_stream(fw, device):
+            q, qs = _device_queries(p, Q, q_scales, q_int8, on_host)
+            d = _dev_array(D, fw, on_host)
+            ds = cupy.ascontiguousarray(_dev_array(d_scales, fw, on_host).reshape(-1), dtype=cupy.float32)
+            qm, ql = device_valid(q_mask, q_lengths, p.nq, p.lq, "q_lengths", fw, on_host, checks)
+            if p.d_packed:
+                doff = device_offsets(_dev_array(d_offsets, fw, on_host), p.ntok, "d_offsets", validate_offsets, checks)
+                scores, amax = _launch(p, q, d.reshape(p.ntok, p.dim), qm, None, ql, None, return_argmax, device,
+                                       d_off=doff, ld_hint=-(-p.ntok // max(1, p.nd)), q_scale=qs, d_scale=ds)
+            else:
+                dm, dl = device_valid(d_mask, d_lengths, nrows, p.ld, "d_lengths", fw, on_host, checks)
+                scores, amax = _launch(p, q, d, qm, dm, ql, dl, return_argmax, device, q_scale=qs, d_scale=ds)
+            results = _caller_results(p, scores, amax, on_host)
+        checks.verify()  # last, while the scoring kernel runs (checks.py)
+    return results
 
 
 def _device_queries(p: Problem, Q, q_scales, q_int8: bool, on_host: bool):

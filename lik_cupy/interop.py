@@ -48,8 +48,17 @@ def framework_of(x) -> str:
     raise TypeError(f"expected a NumPy, CuPy, PyTorch or JAX array (or any DLPack array), got {type(x).__name__}")
 
 
+_TORCH_DTYPE_NAMES: dict = {}
+
+
 def _torch_dtype_name(dt) -> str:
-    return str(dt).replace("torch.", "")
+    """``torch.float16`` -> "float16", memoised by the dtype object (``str`` of it costs about a
+    microsecond, several times per call)."""
+    try:
+        return _TORCH_DTYPE_NAMES[dt]
+    except KeyError:
+        name = _TORCH_DTYPE_NAMES[dt] = str(dt).replace("torch.", "")
+        return name
 
 
 _DTYPE_NAMES: dict = {}
@@ -76,11 +85,12 @@ def describe(x) -> Info:
     if fw == "cupy":
         return Info(fw, int(x.device.id), dtype_name(x.dtype), tuple(x.shape))
     if fw == "torch":
-        dev = x.device.index if x.device.type == "cuda" else None
-        if x.device.type not in ("cuda", "cpu"):
+        if x.is_cuda:
+            dev = x.get_device()  # (``x.device`` builds an object per access)
+        elif x.device.type == "cpu":
+            dev = None
+        else:
             raise ValueError(f"torch tensors must be on a CUDA device or the CPU, got device {x.device}")
-        if x.device.type == "cuda" and dev is None:
-            dev = sys.modules["torch"].cuda.current_device()
         return Info(fw, dev, _torch_dtype_name(x.dtype), tuple(x.shape))
     if fw == "jax":
         devs = list(x.devices())
@@ -114,22 +124,29 @@ def _bits_view_torch(x):
 
 
 def _torch_cuda_view(t):
-    """Zero-copy CuPy view of a C-contiguous CUDA tensor from its pointer (the tensor is kept
-    alive as the memory's owner). About ten times cheaper than the DLPack handshake, which
-    matters for small calls; anything unusual takes the DLPack path."""
+    """Zero-copy C-contiguous CuPy view of a C-contiguous CUDA tensor from its pointer (the
+    tensor is kept alive as the memory's owner; bfloat16 comes as int16 bits, bool as uint8).
+    About ten times cheaper than the DLPack handshake, which matters for small calls; anything
+    unusual takes the DLPack path."""
     import cupy
 
-    if not t.is_cuda or t.numel() == 0 or not t.is_contiguous():
+    if not t.is_cuda or not t.is_contiguous():
         return None
-    dtype = _TORCH_NP.get(str(t.dtype))
-    if dtype is None:
+    n = t.numel()
+    dtype = _torch_np(t.dtype)
+    if dtype is None or n == 0:
         return None
-    mem = cupy.cuda.UnownedMemory(t.data_ptr(), t.numel() * t.element_size(), t, t.device.index)
+    mem = cupy.cuda.UnownedMemory(t.data_ptr(), n * dtype.itemsize, t, t.get_device())
     return cupy.ndarray(tuple(t.shape), dtype, cupy.cuda.MemoryPointer(mem, 0))
 
 
-_TORCH_NP = {f"torch.{n}": np.dtype(n) for n in ("float16", "float32", "float64", "int16", "int32", "int64",
-                                                  "uint8", "int8")}
+# The NumPy dtype of a torch dtype's elements as the kernels read them, by dtype name.
+_TORCH_NP = {n: np.dtype(n) for n in ("float16", "float32", "float64", "int16", "int32", "int64", "uint8", "int8")}
+_TORCH_NP.update({"bfloat16": np.dtype(np.int16), "bool": np.dtype(np.uint8)})  # their bits
+
+
+def _torch_np(dtype):
+    return _TORCH_NP.get(_torch_dtype_name(dtype))
 
 
 def to_cupy(x, fw: str):
@@ -140,10 +157,10 @@ def to_cupy(x, fw: str):
     if fw == "cupy":
         a = x
     elif fw == "torch":
-        t = _bits_view_torch(x.detach())
-        a = _torch_cuda_view(t)
-        if a is None:
-            a = cupy.from_dlpack(t)
+        a = _torch_cuda_view(x)
+        if a is not None:
+            return a
+        a = cupy.from_dlpack(_bits_view_torch(x.detach()))
     elif fw == "jax":
         try:
             a = cupy.from_dlpack(x)
@@ -216,10 +233,12 @@ def _torch_owner_view(a):
     if type(owner) is not torch.Tensor or owner.dtype != torch.uint8 or dt is None or not a.flags.c_contiguous:
         return None
     start = a.data.ptr - owner.data_ptr()
-    return owner[start:start + a.nbytes].view(getattr(torch, dt)).view(a.shape)
+    if start or owner.numel() != a.nbytes:  # (a buffer of its own, the usual case, needs no slice)
+        owner = owner[start:start + a.nbytes]
+    return owner.view(getattr(torch, dt)).view(a.shape)
 
 
-_NP_TORCH = {v: k.removeprefix("torch.") for k, v in _TORCH_NP.items()}
+_NP_TORCH = {v: k for k, v in _TORCH_NP.items() if k not in ("bfloat16", "bool")}  # (those two come back as bits)
 
 
 def bfloat16_from_bits(a, fw: str, on_host: bool, like):
@@ -275,16 +294,20 @@ def caller_stream(fw: str, device: int):
     with cupy.cuda.Device(device):
         if fw == "torch":
             torch = sys.modules["torch"]
-            s = torch.cuda.current_stream(device)
-            ext = _external.get((device, s.cuda_stream))
+            # The raw handle is what Triton's launcher reads too: a fifth of the cost of the
+            # Stream object, which only a new stream needs.
+            raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+            handle = raw(device) if raw is not None else torch.cuda.current_stream(device).cuda_stream
+            ext = _external.get((device, handle))
             if ext is None:
+                s = torch.cuda.current_stream(device)
                 if hasattr(s, "__cuda_stream__") and hasattr(cupy.cuda.Stream, "from_external"):
                     ext = cupy.cuda.Stream.from_external(s)  # CuPy 14 deprecates ExternalStream (a warning per call)
                 else:
                     ext = cupy.cuda.ExternalStream(s.cuda_stream, device)
                 if len(_external) >= 256:
                     _external.clear()
-                _external[(device, s.cuda_stream)] = ext
+                _external[(device, handle)] = ext
             with ext, cupy.cuda.using_allocator(_torch_malloc):
                 yield
         else:

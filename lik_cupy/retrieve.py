@@ -65,7 +65,7 @@ MAX_K = 4096  # the merge kernel ranks up to this many candidates in shared memo
 # 0.34 ms on 32 x 100,000 scores on an H100, against 8.4 ms for the scoring itself), taken
 # while k is at most a quarter of it (the winners then stay a fraction of the chunk).
 _MERGE_SLICE = 4096
-_MERGE_CACHE = 4096  # candidates of a row whose keys the merge kernel keeps in shared memory (kCache in topk.cu)
+_MERGE_CACHE = 4096  # candidates of a row whose keys the merge kernel keeps in shared memory
 _MAX_CHUNK_DOCS = 2**31 - 1 - MAX_K  # the merge kernel counts running + chunk candidates in an int
 _DEFAULT_HOST_BUDGET = 1 << 30
 _DEFAULT_SCORE_BYTES = 256 << 20
@@ -547,7 +547,8 @@ class _Gpu:
             def run(start, c):
                 for a in range(start, p.nd, c):
                     b = min(p.nd, a + c)
-                    self._score(replace(p, nd=b - a), d, None, None, off[a:b + 1], ld_hint, ds)
+                    self._score(replace(p, nd=b - a), d, None, None, off[a:b + 1], ld_hint, ds,
+                                d_off_whole=a == 0 and b == p.nd)
         else:
             dm, dl = device_valid(part.mask, part.lengths, p.nd, p.ld, "d_lengths", fw, False)
 
@@ -559,7 +560,7 @@ class _Gpu:
                                 None if ds is None else ds[a * p.ld : b * p.ld])
         self._chunked(p.nd, c, run)
 
-    def _score(self, p: Problem, d, dm, dl, d_off, ld_hint, d_scale=None):
+    def _score(self, p: Problem, d, dm, dl, d_off, ld_hint, d_scale=None, d_off_whole=False):
         """Score one chunk of p.nd documents into the chunk buffer and merge it into the top-k.
 
         INT8 chunks (``p.dtype == "int8"``) take ``d_scale``: float32 contiguous, [rows * ld] or [T]."""
@@ -571,6 +572,7 @@ class _Gpu:
             self.scores = cupy.empty(n, cupy.float32)
         kw = {"q_scale": self.qs, "d_scale": d_scale} if p.dtype == "int8" else {}
         s, _ = _launch(p, self.q, d, self.qm, dm, self.ql, dl, False, self.device, d_off=d_off, ld_hint=ld_hint,
+                       d_off_whole=d_off_whole,
                        caller="retrieve",
                        out=self.scores[:n], **kw)
         self._merge(s, p.nd)
@@ -597,7 +599,7 @@ class _Gpu:
                     kern.max_dynamic_shared_size_bytes = smem
                 kern((rows,), (1024,), (run_s, run_i, np.int32(k_run), chunk, chunk_i, np.int64(stride), np.int32(n),
                                         np.int32(groups), np.int32(slice_), np.int64(base), o_s, o_i, np.int32(k),
-                                        np.int32(kp), np.int32(cache)), shared_mem=smem)
+                                        np.int32(kp), np.int32(_MERGE_CACHE if cache else 0)), shared_mem=smem)
 
             groups = -(-nd // _MERGE_SLICE)
             if groups > 1 and self._split_merge():
@@ -728,7 +730,7 @@ class _Gpu:
                 if part.packed:
                     t = up["docs"].shape[0]
                     self._score(replace(p, nd=nd, ntok=t), d[:t], None, None, dv["off"][: nd + 1],
-                                -(-t // max(1, nd)), None if scales is None else dv["scales"][:t])
+                                -(-t // max(1, nd)), None if scales is None else dv["scales"][:t], d_off_whole=True)
                 else:
                     self._score(replace(p, nd=nd), d[:nd], None if mask is None else dv["mask"][:nd],
                                 None if lens is None else dv["lens"][:nd], None, None,

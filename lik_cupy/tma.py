@@ -62,13 +62,6 @@ class TensorMap:
         if err:
             raise RuntimeError(f"cuTensorMapEncodeTiled failed with CUDA error {err} (dims {dims}, box {box})")
 
-    @property
-    def arg(self):
-        """The kernel argument: CuPy hands the driver a pointer to the parameter's bytes."""
-        from cupy.cuda.function import CPointer
-
-        return CPointer(self.address)
-
 
 # A map only encodes an address and a shape, so a cached one is exact for any array that
 # has them (a freed and reused allocation included).

@@ -89,7 +89,8 @@ def test_check_all_compiles_without_spills(tmp_path, request):
         names = {r["kernel"] for r in got}
         missing = set(cfgs) - names
         assert not missing, f"sm_{arch}: no compile result for {sorted(missing)[:5]}"
-        assert {"lik_sum_partials", "lik_topk_merge", "lik_check_offsets", "lik_check_range_i32", "lik_mask_spans"} <= names
+        assert {"lik_sum_partials", "lik_topk_merge", "lik_check_offsets_i32", "lik_check_offsets_i64", "lik_check_range_i32",
+                "lik_mask_spans"} <= names
         assert {f"lik_bwd_{k}[elem={e},vec={v}]" for k in ("dq", "keys", "dd_csr", "cast") for e in (0, 1, 2)
                 for v in (0, 1)} <= names
         seen = set()

@@ -136,6 +136,45 @@ def test_varlen_offsets_check_finds_one_decrease_anywhere(where):
         lik_cupy.maxsim_varlen(q, tok, _cp(off))
 
 
+@pytest.mark.parametrize("framework", ["cupy", "torch"])
+@pytest.mark.parametrize("off_dtype", [np.int32, np.int64])
+def test_checks_see_the_values_the_caller_stream_writes_last(rng, framework, off_dtype):
+    # The checks run on a side stream of their own: they must wait for the caller's stream, so
+    # offsets and lengths written there just before the call (behind a long sleep) are the
+    # values checked, good turned bad raises and bad turned good passes.
+    if framework == "torch":
+        torch = pytest.importorskip("torch")
+        conv, sleep = (lambda a: torch.as_tensor(a, device="cuda")), (lambda: torch.cuda._sleep(200_000_000))
+    else:
+        import cupy
+
+        sleep_k = cupy.RawKernel(r'''extern "C" __global__ void spin(long long n) {
+            long long t0 = clock64(); while (clock64() - t0 < n) {} }''', "spin")
+        conv, sleep = _cp, (lambda: sleep_k((1,), (1,), (np.int64(200_000_000),)))
+    nd, dim = 50, 32
+    lens = rng.integers(0, 9, size=nd)
+    good = np.concatenate([[0], np.cumsum(lens)]).astype(off_dtype)
+    bad = good.copy()
+    bad[nd // 2] = good[-1] + 1
+    tok = conv(_unit(rng, int(good[-1]), dim).astype(np.float16))
+    q = conv(_unit(rng, 2, 5, dim).astype(np.float16))
+    for before, after, raises in ((good, bad, True), (bad, good, False)):
+        off, src = conv(before), conv(after)
+        sleep()
+        off[...] = src  # queued on the caller's stream behind the sleep
+        if raises:
+            with pytest.raises(ValueError, match="non-decreasing"):
+                lik_cupy.maxsim_varlen(q, tok, off)
+        else:
+            assert _np(lik_cupy.maxsim_varlen(q, tok, off)).shape == (2, nd)
+    dpad, _ = _pad(_np(tok), lens)
+    dl = conv(lens.astype(np.int32))
+    sleep()
+    dl[...] = conv(np.full(nd, 99, np.int32))  # past Ld: must raise
+    with pytest.raises(ValueError, match="d_lengths"):
+        lik_cupy.maxsim(q, conv(dpad), d_lengths=dl)
+
+
 @pytest.mark.parametrize("dtype", [np.int32, np.int64, np.int16])
 @pytest.mark.parametrize("where", [0, 1023, 1024, 4999])
 def test_device_lengths_range_check(dtype, where):

@@ -402,3 +402,18 @@ def test_import_does_not_import_torch_jax_or_cupy(tmp_path):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(REPO)]))
     r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
+
+
+def test_forward_launch_packs_the_kernels_parameters_in_order():
+    # forward._launch_forward hands the driver raw parameter slots by _FWD_SIGNATURE: it must
+    # name the forward kernel's parameters (the TMA descriptors after them aside) by C type, in
+    # order, or every launch would read its arguments from the wrong slots.
+    src = (REPO / "cuda_src" / "maxsim_fwd.cu").read_text()
+    params = src[src.index("LIK_NAME(") + len("LIK_NAME("):]
+    params = params[:params.index("#if LIK_TMA")]
+    kinds = []
+    for decl in (d.strip() for d in params.split(",") if d.strip()):
+        ctype = decl.rsplit(None, 1)[0]
+        kinds.append("p" if "*" in decl else "q" if ctype == "long long" else "i" if ctype == "int" else "?" + ctype)
+    assert "".join(kinds) == forward._FWD_SIGNATURE
+    assert forward._FWD_PARAMS.size == 8 * len(forward._FWD_SIGNATURE)

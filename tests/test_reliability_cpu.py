@@ -202,8 +202,8 @@ def test_small_kernels_are_looked_up_once_per_device(monkeypatch):
     for _ in range(3):
         assert lc.get_function("masks.cu", "lik_mask_spans", 0) == ("masks.cu", 80, 0, "lik_mask_spans")
         assert lc.get_function("masks.cu", "lik_mask_spans", 1) == ("masks.cu", 90, 1, "lik_mask_spans")
-        assert lc.get_function("checks.cu", "lik_check_offsets", 0) == ("checks.cu", 80, 0, "lik_check_offsets")
-    assert sorted(modules) == [("checks.cu", 80, 0, "lik_check_offsets"), ("masks.cu", 80, 0, "lik_mask_spans"),
+        assert lc.get_function("checks.cu", "lik_check_offsets_i32", 0) == ("checks.cu", 80, 0, "lik_check_offsets_i32")
+    assert sorted(modules) == [("checks.cu", 80, 0, "lik_check_offsets_i32"), ("masks.cu", 80, 0, "lik_mask_spans"),
                                ("masks.cu", 90, 1, "lik_mask_spans")]
 
 def _corruptions():
