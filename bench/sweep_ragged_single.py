@@ -1,0 +1,148 @@
+"""One query against a ragged packed corpus: tile and grid choices, on one GPU.
+
+The single-query ragged shape of ``bench_corpus.py`` (1,000 documents of 16..512 tokens, Lq=32,
+d=128, fp16) reads 64 MiB in tens of microseconds, so how the tokens are split over CTAs and
+how deep each CTA's ring is decide how close it gets to the HBM rate. This forces, in turn:
+
+- the one-warpgroup Hopper tiles at 64 and 128 tokens and 2..6 stages (CTAs per SM follow from
+  their shared memory), staged by cp.async or by TMA;
+- CTAs over the tokens: the launch plan's count, and multiples of the resident CTAs;
+- the portable mma.sync tiles;
+
+each alternated over rounds with a sleep queued first (device time), with flash-maxsim's packed
+kernel timed beside them, and checks that every variant gives the same scores bit for bit.
+
+Writes ``sweep_ragged_single_<gpu>.json`` to $OUT (or bench/results) and prints a table last.
+"""
+
+import json
+import os
+import sys
+
+import cupy as cp
+import numpy as np
+import torch
+
+import lik_cupy
+from lik_cupy import dispatch
+from lik_cupy.device import device_properties
+from timing import per_call_ms  # bench/, the script's own directory
+
+_plan, _tma = dispatch.plan_launch, dispatch._wgmma_tma
+_stages, _cost = dict(dispatch._SHORT_WGMMA_STAGES), {k: dict(v) for k, v in dispatch._SHORT_WGMMA_COST.items()}
+
+
+def force(tile=None, grid_y=None, portable=False, tma=False):
+    """tile: (bn, stages) of the one-warpgroup Hopper tile, or None for dispatch's; grid_y: CTAs
+    over the documents (int), a multiple of the resident CTAs ("2x"), or None for the plan's;
+    tma: stage the documents by TMA."""
+    dispatch._wgmma_tma = (lambda *a: True) if tma else _tma
+    dispatch._SHORT_WGMMA_STAGES = dict(_stages)
+    dispatch._SHORT_WGMMA_COST = {k: dict(v) for k, v in _cost.items()}
+    if tile is not None:
+        bn, st = tile
+        dispatch._SHORT_WGMMA_STAGES = {bn: (st,)}
+        dispatch._SHORT_WGMMA_COST = {False: {bn: 1.0}, True: {bn: 1.0}}
+    dispatch.choose_forward.cache_clear()
+    os.environ["LIK_CUPY_DISABLE_WGMMA"] = "1" if portable else ""
+
+    def plan(cfg, cc, num_sms, nq, nd, lq, shared=1):
+        p = _plan(cfg, cc, num_sms, nq, nd, lq, shared)
+        if grid_y is None:
+            return p
+        gy = grid_y if isinstance(grid_y, int) else int(float(grid_y[:-1]) * num_sms * dispatch.ctas_per_sm(cfg, cc))
+        gy = max(1, min(gy, nd))
+        return dispatch.Launch(p.n_qt, p.qb, -(-nd // gy), (p.grid[0], gy, 1))
+
+    dispatch.plan_launch = plan
+
+
+def variants():
+    out = [("plan", {})]
+    for tile in ((64, 2), (64, 3), (64, 4), (64, 5), (64, 6), (128, 2), (128, 3)):
+        out.append((f"bn{tile[0]} s{tile[1]}", {"tile": tile}))
+    for tile in ((64, 4), (64, 5), (128, 2)):
+        out.append((f"bn{tile[0]} s{tile[1]} TMA", {"tile": tile, "tma": True}))
+    for gy in ("0.5x", "2x", "4x", "8x", 1000):
+        out.append((f"plan tile, grid.y {gy}", {"grid_y": gy}))
+    for tile in ((64, 3), (64, 5)):
+        for gy in ("2x", "4x"):
+            out.append((f"bn{tile[0]} s{tile[1]}, grid.y {gy}", {"tile": tile, "grid_y": gy}))
+    out.append(("portable mma.sync", {"portable": True}))
+    return out
+
+
+def main():
+    out_dir = os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results")
+    props = device_properties(0)
+    rng = np.random.default_rng(303)
+    nd, lq, d = 1000, 32, 128
+    lens = rng.integers(16, 513, size=nd)
+    off = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    T = int(off[-1])
+    q = cp.asarray(rng.standard_normal((1, lq, d), dtype=np.float32).astype(np.float16))
+    n_sets = 6  # distinct corpora in turn, so no call finds D in L2
+    toks = [cp.asarray(rng.standard_normal((T, d), dtype=np.float32).astype(np.float16)) for _ in range(n_sets)]
+    off_d = cp.asarray(off)
+    tq, toff = torch.as_tensor(q, device="cuda"), torch.as_tensor(off_d, device="cuda")
+    ttoks = [torch.as_tensor(t, device="cuda") for t in toks]
+    nbytes = T * d * 2
+    counter = [0]
+
+    def ours():
+        counter[0] += 1
+        return lik_cupy.maxsim_varlen(q, toks[counter[0] % n_sets], off_d, validate_offsets=False)
+
+    def flash():
+        import flash_maxsim
+
+        counter[0] += 1
+        return flash_maxsim.flash_maxsim(tq[0], ttoks[counter[0] % n_sets], doc_lengths=toff)
+
+    vs = variants()
+    ref, mismatches = None, 0
+    for name, kw in vs:
+        force(**kw)
+        got = lik_cupy.maxsim_varlen(q, toks[0], off_d, validate_offsets=False)
+        if ref is None:
+            ref = got
+        elif not bool(cp.array_equal(got, ref)):
+            mismatches += 1
+            print(f"MISMATCH {name}", flush=True)
+    try:
+        flash()
+        have_flash = True
+    except Exception as e:  # noqa: BLE001
+        print(f"flash-maxsim not timed: {e}", flush=True)
+        have_flash = False
+    times = {name: [] for name, _ in vs}
+    times["flash-maxsim packed"] = []
+    for _ in range(5):
+        for name, kw in vs:
+            force(**kw)
+            times[name].append(per_call_ms(torch, ours, 60, rounds=1, spin_cycles=50_000_000))
+        if have_flash:
+            times["flash-maxsim packed"].append(per_call_ms(torch, flash, 60, rounds=1, spin_cycles=50_000_000))
+    force()
+    rows = []
+    fl = float(np.median(times["flash-maxsim packed"])) if have_flash else None
+    for name, ts in times.items():
+        if not ts:
+            continue
+        ms = float(np.median(ts))
+        rows.append({"variant": name, "ms": ms, "runs": ts, "gbs": nbytes / ms / 1e6,
+                     "flash_over_this": (fl / ms) if fl else None})
+    slug = props.name.lower().replace(" ", "-")
+    with open(os.path.join(out_dir, f"sweep_ragged_single_{slug}.json"), "w") as f:
+        json.dump({"gpu": props.name, "cc": props.cc, "case": f"1 q x {lq} vs {nd} packed docs 16..512, d {d} fp16",
+                   "tokens": T, "rows": rows, "mismatches": mismatches}, f, indent=1)
+    print(f"\n{'variant':34s} {'ms':>8s} {'GB/s':>7s} {'flash/this':>10s}")
+    for r in rows:
+        f = f"{r['flash_over_this']:.3f}" if r["flash_over_this"] else "-"
+        print(f"{r['variant']:34s} {r['ms']:8.4f} {r['gbs']:7.0f} {f:>10s}")
+    print(f"score mismatches: {mismatches}")
+    return 1 if mismatches else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
