@@ -464,8 +464,11 @@ def _launch(p: Problem, q, d, qm, dm, ql, dl, return_argmax: bool, device: int, 
         cfg = choose(False)
         mod, func = _kernel(cfg, arch, device)
     plan = dispatch.plan_launch(cfg, props.cc, props.num_sms, p.nq, p.nd, p.lq, shared)
-    if max(p.nq, p.nd, p.lq, p.ld, plan.grid[0]) >= 2**31:
-        check_32bit(Nq=p.nq, Nd=p.nd, Lq=p.lq, Ld=p.ld, grid=plan.grid[0])
+    # Packed documents: the CTAs' search of the offsets samples up to one block (1,024 threads at
+    # most) past Nd in 32-bit ints.
+    searched = p.nd + 1024 if d_off is not None else 0
+    if max(p.nq, p.nd, p.lq, p.ld, plan.grid[0], searched) >= 2**31:
+        check_32bit(Nq=p.nq, Nd=p.nd, Lq=p.lq, Ld=p.ld, grid=plan.grid[0], **{"packed Nd + 1024": searched})
 
     part = scores if plan.n_qt == 1 else empty((plan.n_qt, p.nq, p.nd), np.float32,
                                                f"{fn}: partial scores of the long queries' tiles", split)
