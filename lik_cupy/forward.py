@@ -53,8 +53,9 @@ def maxsim(Q, D, q_mask=None, d_mask=None, *, q_lengths=None, d_lengths=None, re
         device. A document with no valid token scores -inf; a query with no valid
         token scores 0 (also against an empty document); a NaN in any unmasked
         similarity makes that score NaN. Device work runs on the caller's current
-        CuPy or PyTorch stream without a host synchronisation (except reading the
-        range of device-resident length arrays).
+        CuPy or PyTorch stream without a host synchronisation, except that a call with
+        device-resident lengths waits for their range check (a small kernel on a stream
+        of its own, beside the scoring kernel) before it returns.
     """
     return _run(Q, D, q_mask, d_mask, q_lengths, d_lengths, return_argmax, backend, pairs=False)
 
