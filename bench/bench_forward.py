@@ -50,6 +50,8 @@ import time
 import traceback
 from pathlib import Path
 
+from timing import padded_call_ms  # bench/, the script's own directory
+
 # Must be set before anything imports jax (lik_cupy may import it lazily): JAX
 # would otherwise grab 75% of the GPU memory.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
@@ -243,20 +245,10 @@ def calibrate_sleep(ctx):
 
 
 def time_device(ctx, fn, sets, reps):
-    """Median per-call device ms (host overhead hidden by a spin pad before each call)."""
-    torch = ctx.torch
+    """Per-call device ms over ``reps`` calls rotating through ``sets`` (host overhead hidden by a
+    spin pad before each call)."""
     n = len(sets)
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    torch.cuda.synchronize()
-    for i in range(reps):
-        if ctx.pad_cycles:
-            torch.cuda._sleep(ctx.pad_cycles)
-        starts[i].record()
-        fn(sets[i % n])
-        ends[i].record()
-    torch.cuda.synchronize()
-    return [s.elapsed_time(e) for s, e in zip(starts, ends)]
+    return padded_call_ms(ctx.torch, lambda i: fn(sets[i % n]), reps, ctx.pad_cycles)
 
 
 def time_e2e(ctx, fn, sets, reps):

@@ -29,6 +29,7 @@ import torch
 
 import lik_cupy
 from lik_cupy.device import device_properties
+from timing import padded_call_ms  # bench/, the script's own directory
 
 N_LOOP = 400
 
@@ -66,16 +67,7 @@ def device_ms(fn, reps=200, pad_cycles=500_000):
     """Median ms between events around one call, each call behind its own queued sleep (as
     ``bench_corpus.py`` times): a call that waits for the GPU inside shows that wait here."""
     fn()
-    torch.cuda.synchronize()
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    for i in range(reps):
-        torch.cuda._sleep(pad_cycles)
-        starts[i].record()
-        fn()
-        ends[i].record()
-    torch.cuda.synchronize()
-    return float(np.median([s.elapsed_time(e) for s, e in zip(starts, ends)]))
+    return float(np.median(padded_call_ms(torch, lambda i: fn(), reps, pad_cycles)))
 
 
 def loop_ms(fn, n=N_LOOP):

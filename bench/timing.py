@@ -26,3 +26,20 @@ def per_call_ms(torch, fn, n, *, rounds=3, spin_cycles=0):
         e.synchronize()
         times.append(s.elapsed_time(e) / n)
     return statistics.median(times)
+
+
+def padded_call_ms(torch, fn, reps, pad_cycles):
+    """Per-call ms of ``fn(i)`` for i in range(reps): events around each call, each call behind
+    its own queued sleep of ``pad_cycles`` (0: none) so the host runs ahead and the call's launch
+    overhead stays hidden, while a call that waits inside is charged the wait."""
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    torch.cuda.synchronize()
+    for i in range(reps):
+        if pad_cycles:
+            torch.cuda._sleep(pad_cycles)
+        starts[i].record()
+        fn(i)
+        ends[i].record()
+    torch.cuda.synchronize()
+    return [s.elapsed_time(e) for s, e in zip(starts, ends)]
