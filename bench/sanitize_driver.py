@@ -143,10 +143,19 @@ def forward(r: Runner, rng, portable: bool):
                    (ints(rng, (1, 100, 384), dtype), ints(rng, (5, 40, 384), dtype)), {"return_argmax": True})
             r.same(f"forward {dtype} 3 queries of 40 rows per tile{tag}", lik_cupy.maxsim,
                    (ints(rng, (6, 40, 128), dtype), D), {})
+            # One query against a few long documents: cut over CTAs by token shares, pieces merged.
+            lens = np.array([0, 3000, 17, 0, 2500, 400])
+            offl = np.concatenate([[0], np.cumsum(lens)])
+            r.same(f"forward {dtype} packed documents split over CTAs argmax{tag}", lik_cupy.maxsim_varlen,
+                   (Q[:1], ints(rng, (int(offl[-1]), 128), dtype), offl), {"return_argmax": True})
     Q, T = ints(rng, (2, 16, 64), "float16"), ints(rng, (30, 64), "float16")
     for bad in ([0, 5, 3, 31], [2, 10, 20, 30], [0, 10, 20, 10**6], [-7, 4, 9, 30]):
         r.runs(f"forward unvalidated bad offsets {bad}{tag}", lik_cupy.maxsim_varlen,
                (Q, T, np.array(bad, np.int64)), {"validate_offsets": False})
+    Q1, T1 = ints(rng, (1, 32, 128), "float16"), ints(rng, (6000, 128), "float16")
+    for bad in ([0, 5000, 300, 6000], [0, 10**6, 2, 6000], [-50, 3000, 2999, 6000], [0, 6000, 0, 6000]):
+        r.runs(f"forward unvalidated bad offsets, documents split over CTAs {bad}{tag}", lik_cupy.maxsim_varlen,
+               (Q1, T1, np.array(bad, np.int64)), {"validate_offsets": False})
     os.environ["LIK_CUPY_DISABLE_WGMMA"] = ""
 
 

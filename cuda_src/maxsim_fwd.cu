@@ -103,6 +103,37 @@
 
 namespace lik {
 
+// Scratch of a token-split launch (split_buf), one buffer per stream (lik_cupy/token_split.py):
+// two arrays of LIK_SPLIT_COUNTS u32 arrival counts (one per launch parity, epoch & 1), then per
+// (query tile, share, role) BM row maxima, then as many argmax indices. A launch counts in the
+// array of its parity and zeroes the other for the next launch on the stream, so every count
+// starts at zero whatever an earlier launch (or offsets that did not add up) left. The layout is
+// fixed at compile time, so the tile loop finds a piece's slot from the kernel parameter alone.
+#define LIK_SPLIT_COUNTS 4096  // = dispatch.SPLIT_MAX_CTAS: CTAs of one token-split launch at most
+__device__ __forceinline__ unsigned* split_counts(void* buf, unsigned parity) {
+    return static_cast<unsigned*>(buf) + parity * LIK_SPLIT_COUNTS;
+}
+__device__ __forceinline__ float* split_vals(void* buf) {
+    return reinterpret_cast<float*>(static_cast<unsigned*>(buf) + 2 * LIK_SPLIT_COUNTS);
+}
+__device__ __forceinline__ int* split_idx(void* buf, int bm) {
+    return reinterpret_cast<int*>(split_vals(buf) + (long long)gridDim.x * gridDim.y * 2 * bm);
+}
+
+// Slot `role` of share y's CTA of this query tile (row maxima of bm rows).
+__device__ __forceinline__ long long piece_slot(int y, int role, int bm) {
+    return (((long long)blockIdx.x * gridDim.y + y) * 2 + role) * bm;
+}
+
+// Add one arrival; returns the count before it. Release: this CTA's rows, written before the
+// block barrier that precedes the call, are visible to whoever acquires the count; acquire: the
+// rows of the CTAs counted before are visible to this CTA after the barrier that follows.
+__device__ __forceinline__ unsigned arrive(unsigned* c) {
+    unsigned old;
+    asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(old) : "l"(c) : "memory");
+    return old;
+}
+
 template <int ELEM>
 struct Elem;
 template <>
@@ -176,6 +207,11 @@ struct Fwd {
     // Shared floats for a document's reduction, per buffer: the tokens-on-M row maxima of every
     // warp, several queries' row maxima, or per-warp sums.
     static constexpr int RED = TOKM ? WARPS * BM : MULTI ? BM : WARPS;
+    // Packed single-query one-shot tiles of 16-bit elements may split documents over CTAs
+    // (piece_role); dispatch.FwdConfig.token_split says which. Not fp32 (tf32) or INT8 tiles:
+    // with it the compile check found some of them spilling or over the registers their launch
+    // plan assumes.
+    static constexpr bool TSPLIT = PACKED && !MULTI && !TOKM && !SPLIT && (ELEM == 0 || ELEM == 1);
 
     // Element offset of (row r, column k) in a staged tile of `nrows` rows. The
     // wgmma layout splits the row into 128-byte column blocks and XORs the
@@ -397,15 +433,150 @@ struct Fwd {
         else return a;
     }
 
+    // Packed documents split into gridDim.y token shares: the first token, and tokens per share
+    // (at least a tile, so every share between a document's first and last tile holds one of its
+    // tiles).
+    static __device__ __forceinline__ void shares(const Offsets& off, i64 ntok, int Nd, i64& t0, i64& per) {
+        t0 = off.whole ? 0 : off[0];
+        per = max((i64)BN, ((off.whole ? ntok : off[Nd]) - t0 + gridDim.y - 1) / gridDim.y);
+    }
+
+    // A single-query tile's score of one document from this thread's rows' maxima (and argmax):
+    // the max across each quad, the valid rows' terms summed per thread, across the warp, then
+    // across warps in order (rb: WARPS floats of shared memory). Not `whole`: the document is a
+    // piece, whose rows go to `stash` (and `stash_idx`: its slot of the scratch) instead of a score.
+    template <class Term>
+    static __device__ __forceinline__ void score_single(const float (&best)[MT][2], const int (&bidx)[MT][2],
+                                                        const bool (&rv)[MT][2], const int (&rs)[MT][2], Term term,
+                                                        float* rb, bool whole, float* out_j, int* amax_j, void* split_buf,
+                                                        int role) {
+        const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
+        float part = 0.f;
+#pragma unroll
+        for (int m = 0; m < MT; ++m)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                float v = best[m][h];
+                int ix = bidx[m][h];
+                quad_max(v, ix);
+                if (rv[m][h]) part += term(v, m, h);
+                if (tq == 0) {
+                    if (ARGMAX && whole && rs[m][h] >= 0) amax_j[rs[m][h]] = rv[m][h] ? ix : -1;
+                    if (TSPLIT && !whole) {
+                        const i64 at = piece_slot(blockIdx.y, role, BM) + warp * MT * 16 + m * 16 + g + 8 * h;
+                        split_vals(split_buf)[at] = v;
+                        if (ARGMAX) split_idx(split_buf, BM)[at] = ix;
+                    }
+                }
+            }
+        if (tq != 0) part = 0.f;
+#pragma unroll
+        for (int off = 4; off < 32; off <<= 1) part += __shfl_xor_sync(0xffffffffu, part, off);
+        if (lane == 0) rb[warp] = part;
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            float sum = 0.f;
+#pragma unroll
+            for (int w = 0; w < WARPS; ++w) sum += rb[w];
+            if (whole) *out_j = sum;
+        }
+    }
+
+    // Token split, after the tile loop: count this CTA's pieces in (info: the head and tail
+    // documents, -1 for none, then each one's first and last share); for each document whose
+    // count this completes, merge every piece's rows in token order and score it as score_single
+    // scores a whole document (same code, same order: the bits of an unsplit run). Out of line,
+    // so the tile loop's registers do not grow with it.
+    static __device__ __noinline__ void complete_pieces(const int* info, void* split_buf, unsigned epoch, float* out,
+                                                        int* amax, int Nq,
+                                                        int Nd, int Lq, int n_qt, const int* q_len, const u8* q_mask,
+                                                        const float* q_scale) {
+        __shared__ int last[2];
+        __shared__ float rb[2][WARPS];  // one per document: a warp may start the second before thread 0 reads the first
+        // The block barrier after the pieces' rows were written (score_single's, or this one's)
+        // lets one thread's release publish them all.
+        __syncthreads();
+        if (info[0] < 0 && info[1] < 0) return;  // CTA-uniform
+        const float* vals = split_vals(split_buf);
+        const int* idx = split_idx(split_buf, BM);
+        // The two counts in parallel, by threads of different warps.
+        unsigned* counts = split_counts(split_buf, epoch & 1) + (i64)blockIdx.x * gridDim.y;
+        if (threadIdx.x == 0) last[0] = info[0] >= 0 && arrive(counts + info[2]) == (unsigned)(info[3] - info[2]);
+        if (threadIdx.x == NT - 1) last[1] = info[1] >= 0 && arrive(counts + info[4]) == (unsigned)(info[5] - info[4]);
+        __syncthreads();
+        if (!last[0] && !last[1]) return;
+        const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2;
+        const int qi0 = blockIdx.x / n_qt, s0 = blockIdx.x % n_qt * BM;
+        float* outp = out + (n_qt > 1 ? (i64)(blockIdx.x % n_qt) * Nq * Nd : 0) + (i64)qi0 * Nd;
+        int ql = Lq;
+        if (q_len) ql = q_len[qi0] < 0 ? 0 : min(q_len[qi0], Lq);
+        int rs[MT][2];
+        bool rv[MT][2];
+#pragma unroll
+        for (int m = 0; m < MT; ++m)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int s = s0 + warp * MT * 16 + m * 16 + g + 8 * h;
+                rs[m][h] = s < Lq ? s : -1;
+                rv[m][h] = s < Lq && s < ql && (!q_mask || q_mask[(i64)qi0 * Lq + s]);
+            }
+        auto term = [&](float v, int m, int h) {
+            if (!I8 || v == LIK_NEG_INF) return v;
+            const float sq = q_scale[(i64)qi0 * Lq + rs[m][h]];
+            return v * (sq >= 0.f ? sq : __int_as_float(0x7fffffff));
+        };
+        // Both documents' pieces first, then their scores (the loads are not held up by the
+        // scores' block barriers).
+        float best[2][MT][2];
+        int bidx[2][MT][2];
+#pragma unroll
+        for (int role = 0; role < 2; ++role) {
+            if (!last[role]) continue;
+            const int y0 = info[2 + 2 * role], y1 = info[3 + 2 * role];
+#pragma unroll
+            for (int m = 0; m < MT; ++m)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const int row = warp * MT * 16 + m * 16 + g + 8 * h;
+                    float v = LIK_NEG_INF;
+                    int ix = -1;
+#pragma unroll 4
+                    for (int y = y0; y <= y1; ++y) {
+                        const i64 at = piece_slot(y, y == y0 ? 1 : 0, BM) + row;
+                        const float pv = __ldcg(vals + at);  // L2: other SMs wrote it
+                        if (ARGMAX) argmax_merge(v, ix, pv, __ldcg(idx + at));
+                        else v = max_nan(v, pv);
+                    }
+                    best[role][m][h] = v;
+                    bidx[role][m][h] = ix;
+                }
+        }
+#pragma unroll
+        for (int role = 0; role < 2; ++role) {
+            if (!last[role]) continue;
+            const int j = info[role];
+            score_single(best[role], bidx[role], rv, rs, term, rb[role], true, outp + j,
+                         ARGMAX ? amax + ((i64)qi0 * Nd + j) * Lq : nullptr, nullptr, 0);
+        }
+    }
+
     static __device__ void run(const T* __restrict__ Q, const T* __restrict__ D, const float* __restrict__ q_scale,
                                const float* __restrict__ d_scale, const int* __restrict__ q_len,
                                const u8* __restrict__ q_mask, const int* __restrict__ d_len,
                                const u8* __restrict__ d_mask, const Offsets d_off, i64 ntok,
                                float* __restrict__ out,
                                int* __restrict__ amax, int Nq, int Nd, int Lq, int Ld, int dim, int n_qt, int qb,
-                               int docs_per_cta, int dl_qstride, const TmaDesc* tmd,
+                               int docs_per_cta, int dl_qstride, void* split_buf, unsigned split_epoch, const TmaDesc* tmd,
                                const TmaDesc* tms, const TmaDesc* tmq) {
         extern __shared__ __align__(16) unsigned char smem_raw[];
+        __shared__ int piece_info[TSPLIT ? 6 : 1];  // token split: complete_pieces' info
+        if (TSPLIT && split_buf) {
+            if (threadIdx.x == 0) piece_info[0] = piece_info[1] = -1;
+            // Zero the other parity's counts for the next launch on this stream (all CTAs together).
+            unsigned* other = split_counts(split_buf, (split_epoch & 1) ^ 1);
+            const int ctas = gridDim.x * gridDim.y, me = blockIdx.x * gridDim.y + blockIdx.y;
+            for (int i = me + threadIdx.x * ctas; i < LIK_SPLIT_COUNTS; i += NT * ctas) other[i] = 0;
+        }
         // Swizzled tiles need 1024-byte alignment; the host adds that slack to the size.
         unsigned char* smem_base = SWZ ? smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023) : smem_raw;
         // One-shot: the query tile, then the ring of document tiles. Split-d: the ring
@@ -443,17 +614,76 @@ struct Fwd {
         constexpr bool EARLY_Q = PACKED && !SPLIT;
         if (EARLY_Q) load_rows<BM>(sQ, query_tile(), query_rows(), dim, dim);
 
+        // Packed documents are clamped to [0, ntok): offsets the caller chose not to
+        // validate can give wrong scores but never reach outside D.
+        auto doc_begin = [&](i64 dl) -> i64 {
+            const i64 s = d_off[dl];
+            return s < 0 ? 0 : (s > ntok ? ntok : s);
+        };
+        auto doc_end = [&](i64 dl) -> i64 { return min(d_off[dl + 1], ntok); };
+        auto dlength = [&](i64 dl) -> int {
+            if (!PACKED) return doc_len(d_len, d_mask != nullptr, dl, Ld);
+            const i64 l = doc_end(dl) - doc_begin(dl);
+            return l < 0 ? 0 : (l > 0x7fffffff ? 0x7fffffff : (int)l);
+        };
+        // Document dl's BN-token tiles (in 64 bits: a packed document may hold up to 2^31 - 1 tokens).
+        auto doc_tiles = [&](i64 dl) { return (int)(((i64)dlength(dl) + BN - 1) / BN); };
         // Documents of this CTA: a run of docs_per_cta, or for packed documents the
         // documents whose first token falls in this CTA's equal share of the tokens
         // (ragged corpora then balance by work, not by document count).
         int j0, j1;
+        // Token split (split_buf set): each CTA scores the document tiles whose first token lies
+        // in its share, so a document crossing a share's edge is scored in pieces of whole tiles by
+        // several CTAs, and the last of them to finish merges the pieces' row maxima (complete_pieces).
+        // Otherwise every document is scored whole by the CTA whose share holds its first token.
+        // head_tiles: tiles of document j0 scored before this share; tail_tiles: tiles of document
+        // j1 - 1 up to this share's end (two ints rather than the share's 64-bit bounds: registers
+        // are tight in the tile loop).
+        int head_tiles = 0, tail_tiles = 0x7fffffff;
+        // Tiles of document dl starting before token x.
+        auto tiles_before = [&](i64 dl, i64 x) -> int {
+            const i64 n = x - doc_begin(dl);
+            return n <= 0 ? 0 : (int)min((n + BN - 1) / BN, (i64)0x7fffffff);
+        };
         if (PACKED) {
-            const i64 t0 = d_off.whole ? 0 : d_off[0];
-            const i64 per = ((d_off.whole ? ntok : d_off[Nd]) - t0 + gridDim.y - 1) / gridDim.y;
+            i64 t0, per;
+            shares(d_off, ntok, Nd, t0, per);
             // The first CTA starts at document 0 and the last ends at Nd, whatever the offsets say.
             const i64 lowest = -0x7fffffffffffffffLL - 1, highest = 0x7fffffffffffffffLL;
-            first_docs_at(d_off, Nd, blockIdx.y == 0 ? lowest : t0 + (i64)blockIdx.y * per,
-                          blockIdx.y + 1 == gridDim.y ? highest : t0 + (i64)(blockIdx.y + 1) * per, j0, j1);
+            const i64 lo = blockIdx.y == 0 ? lowest : t0 + (i64)blockIdx.y * per;
+            const i64 hi = blockIdx.y + 1 == gridDim.y ? highest : t0 + (i64)(blockIdx.y + 1) * per;
+            first_docs_at(d_off, Nd, lo, hi, j0, j1);
+            if (TSPLIT && split_buf) {
+                // A split document's first and last share (those of its first tile's and its
+                // last tile's first token), for complete_pieces.
+                auto note = [&](int at, int j, int n) {
+                    auto share = [&](i64 t) -> int {
+                        const i64 y = t < t0 ? 0 : (t - t0) / per;
+                        return (int)(y >= gridDim.y ? gridDim.y - 1 : y);
+                    };
+                    const i64 b = doc_begin(j);
+                    piece_info[at] = j;
+                    piece_info[2 + 2 * at] = share(b);
+                    piece_info[3 + 2 * at] = share(b + (i64)(n - 1) * BN);
+                };
+                // The document begun in an earlier share, if one of its tiles starts in this one.
+                if (j0 > 0 && blockIdx.y > 0) {
+                    const int k = tiles_before(j0 - 1, lo), n = doc_tiles(j0 - 1);
+                    if (k < n) {
+                        --j0;
+                        head_tiles = k;
+                        if (threadIdx.x == 0) note(0, j0, n);
+                    }
+                }
+                if (j0 < j1 && blockIdx.y + 1 < gridDim.y) {
+                    const int k = tiles_before(j1 - 1, hi), n = doc_tiles(j1 - 1);
+                    if (k < n) {  // otherwise whole here
+                        tail_tiles = k;
+                        // A CTA inside one document counts it once, as its head.
+                        if (threadIdx.x == 0 && !(head_tiles > 0 && j1 - 1 == j0)) note(1, j1 - 1, n);
+                    }
+                }
+            }
         } else {
             j0 = blockIdx.y * docs_per_cta;
             j1 = min(Nd, j0 + docs_per_cta);
@@ -468,24 +698,19 @@ struct Fwd {
             const int l = q_len[qi];
             return l < 0 ? 0 : (l > Lq ? Lq : l);
         };
-        // Packed documents are clamped to [0, ntok): offsets the caller chose not to
-        // validate can give wrong scores but never reach outside D.
+        const i64 doc0 = (i64)qi0 * dl_qstride;  // linear index of this tile's document 0
         auto dstart = [&](i64 dl) -> i64 {
             if (!PACKED) return dl * Ld;
-            const i64 s = d_off[dl];
-            return s < 0 ? 0 : (s > ntok ? ntok : s);
-        };
-        auto dlength = [&](i64 dl) -> int {
-            if (!PACKED) return doc_len(d_len, d_mask != nullptr, dl, Ld);
-            const i64 s = dstart(dl), e = d_off[dl + 1];
-            const i64 l = (e > ntok ? ntok : e) - s;
-            return l < 0 ? 0 : (l > 0x7fffffff ? 0x7fffffff : (int)l);
+            return doc_begin(dl);
         };
 
         float* outp = out + (n_qt > 1 ? (i64)qt * Nq * Nd : 0) + (i64)qi0 * Nd;
-        const i64 doc0 = (i64)qi0 * dl_qstride;  // linear index of this tile's document 0
-        // Document j's BN-token tiles (in 64 bits: a packed document may hold up to 2^31 - 1 tokens).
-        auto tiles = [&](int j) { return (int)(((i64)dlength(doc0 + j) + BN - 1) / BN); };
+        // The end of document j's tiles in this CTA (its first: first_tile).
+        auto tiles = [&](int j) {
+            const int n = doc_tiles(doc0 + j);
+            return TSPLIT && j == j1 - 1 ? min(n, tail_tiles) : n;
+        };
+        auto first_tile = [&](int j) { return TSPLIT && j == j0 ? head_tiles : 0; };
 
         // Tile entirely past the query length: contributes 0, argmax -1.
         if (qb == 1 && s0 >= query_len(qi0)) {
@@ -562,7 +787,7 @@ struct Fwd {
 
         // Producer cursor: next (document tile, dim chunk) to stage. It crosses
         // document boundaries so the ring stays full across short documents.
-        int pj = j0, pt = 0, pk = 0, pnt = tiles(pj);
+        int pj = j0, pt = first_tile(j0), pk = 0, pnt = tiles(pj);
         while (pj < j1 && pt >= pnt) {
             ++pj;
             pnt = pj < j1 ? tiles(pj) : 0;
@@ -846,6 +1071,15 @@ struct Fwd {
             }
         };
 
+        // Token split: a document whose tiles this CTA scores only some of is a piece (role 0: it
+        // began in an earlier share, 1: it runs on past this one; a CTA has at most one of each).
+        // Its rows go to this CTA's slot of the scratch instead of a score, and complete_pieces
+        // merges them after the tile loop. -1: whole (always without a token split).
+        auto piece_role = [&](int j) -> int {
+            if (!TSPLIT) return -1;
+            return j == j0 && head_tiles > 0 ? 0 : j == j1 - 1 && tail_tiles != 0x7fffffff ? 1 : -1;
+        };
+
         // Document j's score (and argmax) from best / bidx.
         auto finish = [&](int j) {
         if (TOKM) {
@@ -911,31 +1145,9 @@ struct Fwd {
             __syncthreads();
             sum_rows(j);
         } else {
-            // Row max across the quad, the sum of valid rows per warp, then across warps.
-            float part = 0.f;
-#pragma unroll
-            for (int m = 0; m < MT; ++m)
-#pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    float v = best[m][h];
-                    int ix = bidx[m][h];
-                    quad_max(v, ix);
-                    if (rv[m][h]) part += term(v, m, h);
-                    if (ARGMAX && tq == 0 && rs[m][h] >= 0)
-                        amax[((i64)qi0 * Nd + j) * Lq + rs[m][h]] = rv[m][h] ? ix : -1;
-                }
-            if (tq != 0) part = 0.f;
-#pragma unroll
-            for (int off = 4; off < 32; off <<= 1) part += __shfl_xor_sync(0xffffffffu, part, off);
-            float* rb = red + (j & 1) * WARPS;  // double buffer: an empty next doc skips the loop barrier
-            if (lane == 0) rb[warp] = part;
-            __syncthreads();
-            if (threadIdx.x == 0) {
-                float sum = 0.f;
-#pragma unroll
-                for (int w = 0; w < WARPS; ++w) sum += rb[w];
-                outp[j] = sum;
-            }
+            const int role = piece_role(j);
+            score_single(best, bidx, rv, rs, term, red + (j & 1) * WARPS,  // double buffer: an empty next doc skips the loop barrier
+                         role < 0, outp + j, ARGMAX ? amax + ((i64)qi0 * Nd + j) * Lq : nullptr, split_buf, role);
         }
         };
 
@@ -944,7 +1156,7 @@ struct Fwd {
             const int nt = tiles(j);
             const u8* dm = dmask(j);
             reset();
-            for (int t = 0; t < nt; ++t) {
+            for (int t = first_tile(j); t < nt; ++t) {
                 A acc[MT][NN][4];
 #pragma unroll
                 for (int m = 0; m < MT; ++m)
@@ -974,6 +1186,10 @@ struct Fwd {
             finish(j);
         }
         cp_async_wait<0>();
+        // The rest needs only kernel parameters and shared memory, so nothing else stays live
+        // through the tile loop for it.
+        if constexpr (TSPLIT)
+            if (split_buf) complete_pieces(piece_info, split_buf, split_epoch, out, amax, Nq, Nd, Lq, n_qt, q_len, q_mask, q_scale);
     }
 };
 
@@ -995,7 +1211,7 @@ typedef lik::Fwd<LIK_ELEM, LIK_DP, LIK_WARPS, LIK_MT, LIK_BN, LIK_STAGES, LIK_QR
 extern "C" __global__ void __launch_bounds__(LIK_WARPS * 32, LIK_MIN_BLOCKS)
     LIK_NAME(const void* Q, const void* D, const float* q_scale, const float* d_scale, const int* q_len, const u8* q_mask, const int* d_len, const u8* d_mask,
              const void* d_off, int d_off_flags, long long ntok, float* out, int* amax, int Nq, int Nd, int Lq, int Ld, int dim,
-             int n_qt, int qb, int docs_per_cta, int dl_qstride
+             int n_qt, int qb, int docs_per_cta, int dl_qstride, void* split_buf, unsigned split_epoch
 #if LIK_TMA
              , const __grid_constant__ TmaDesc tmd  // documents as [rows, dim * esize] bytes
              , const __grid_constant__ TmaDesc tms  // INT8 document scales [rows] (a copy of tmd otherwise)
@@ -1008,7 +1224,8 @@ extern "C" __global__ void __launch_bounds__(LIK_WARPS * 32, LIK_MIN_BLOCKS)
     const TmaDesc *pd = nullptr, *ps = nullptr, *pq = nullptr;
 #endif
     LikFwdCfg::run(static_cast<const LikFwdCfg::T*>(Q), static_cast<const LikFwdCfg::T*>(D), q_scale, d_scale, q_len, q_mask, d_len, d_mask,
-                   Offsets{d_off, d_off_flags & 1, (d_off_flags >> 1) & 1}, ntok, out, amax, Nq, Nd, Lq, Ld, dim, n_qt, qb, docs_per_cta, dl_qstride, pd, ps, pq);
+                   Offsets{d_off, d_off_flags & 1, (d_off_flags >> 1) & 1}, ntok, out, amax, Nq, Nd, Lq, Ld, dim, n_qt, qb, docs_per_cta, dl_qstride,
+                   split_buf, split_epoch, pd, ps, pq);
 }
 
 // Deterministic sum of the per-query-tile partial scores: out[x] = sum_q part[q][x], q ascending.

@@ -48,6 +48,12 @@ class FwdConfig:
     tokm: bool = False  # int8 Hopper tiles with document tokens on the wgmma M side (per-token scales in registers)
 
     @property
+    def token_split(self) -> bool:
+        """Whether the kernel can split packed documents over CTAs by token shares (maxsim_fwd.cu's
+        TSPLIT: single-query one-shot tiles of float16 or bfloat16 elements)."""
+        return self.packed and not (self.multi or self.tokm or self.split) and self.elem in (0, 1)
+
+    @property
     def query_rows_staged(self) -> int:
         return 32 if self.qhalf else self.bm
 
@@ -475,27 +481,48 @@ def ctas_per_sm(cfg: FwdConfig, cc: int, registers: int | None = None) -> int:
 _DOCS_PER_CTA = 128
 
 
+# Token split (packed documents, single-query tiles, at most a quarter of a wave of query tiles,
+# and at most a quarter as many documents as the CTAs a query tile may have): the grid's y side
+# cuts the corpus into equal token shares, one wave in all, each share at least this many document
+# tiles. Whole-document CTAs leave most of the wave idle when documents are that few: one query
+# against 62 documents of 4,096 tokens took 33.5 us that way and 24.5 us split (flash-maxsim:
+# 36.9). Merging the pieces of split documents costs about 5 us at the end of the kernel, so
+# corpora of more documents keep whole-document CTAs: 128 of 2,000 tokens 23.7 us whole against
+# 24.5 split, 1,000 of 16..512 tokens 26.7 against 28.8 (H200,
+# bench/results/sweep_token_split_nvidia-h200.json; on an H100, _h100-80gb-hbm3.json: 62 of
+# 4,096 36.0 whole, 30.7 split, flash-maxsim 38.7; 128 of 2,000 28.6 whole, 31.0 split).
+_SPLIT_MIN_TILES = 4
+SPLIT_MAX_CTAS = 4096  # CTAs of one token-split launch at most (the arrival counts it may use)
+
+
 @dataclass(frozen=True)
 class Launch:
     n_qt: int  # query tiles per query
     qb: int  # whole queries per tile (n_qt is 1 when qb > 1)
     docs_per_cta: int
     grid: tuple[int, int, int]
+    token_split: bool = False  # packed documents cut into grid[1] token shares (maxsim_fwd.cu, piece_role)
 
 
 @functools.lru_cache(maxsize=4096)
-def plan_launch(cfg: FwdConfig, cc: int, num_sms: int, nq: int, nd: int, lq: int, shared_queries: int = 1) -> Launch:
+def plan_launch(cfg: FwdConfig, cc: int, num_sms: int, nq: int, nd: int, lq: int, shared_queries: int = 1,
+                ntok: int = 0) -> Launch:
     """Grid shape: query tiles on x (neighbours share document tiles in L2), document runs on y.
 
     The number of CTAs is a whole number of waves of resident CTAs, and each
     CTA streams a run of documents through one pipeline (its ring crosses
     document boundaries), so short documents cost no pipeline restarts and the
-    last wave is not left half empty.
+    last wave is not left half empty. ``ntok``: the token count of packed documents, which
+    single-query tiles may split by token ranges instead (see ``_SPLIT_MIN_TILES``).
     """
     qb = queries_per_tile(cfg, lq, shared_queries)
     n_qt = 1 if qb > 1 else max(1, -(-lq // cfg.bm))
     rows = -(-nq // qb) * n_qt
     resident = num_sms * ctas_per_sm(cfg, cc)
+    if ntok > 0 and cfg.token_split and rows * 4 <= resident and nd * 4 <= resident // rows:
+        shares = min(min(resident, SPLIT_MAX_CTAS) // rows, -(-ntok // (_SPLIT_MIN_TILES * cfg.bn)))
+        if shares > 1:
+            return Launch(n_qt, qb, 0, (rows, shares, 1), True)
     units = rows * nd
     if units <= resident:
         per = 1

@@ -15,7 +15,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from . import cpu, dispatch, interop, tma
+from . import cpu, dispatch, interop, tma, token_split
 from .device import allocating, device_properties, empty, gpu_available
 from .checks import DeviceChecks, queue_or_verify
 from .masks import mask_spans
@@ -367,12 +367,12 @@ def _kernel(cfg, arch: int, device: int):
     return hit
 
 
-# The forward kernel's parameters in order, by C type: p pointer, i int, q long long (the TMA
+# The forward kernel's parameters in order, by C type: p pointer, i int, u unsigned, q long long (the TMA
 # descriptors follow as their own 128-byte buffers). Each value gets an 8-byte slot of one buffer
 # packed in a single call, and the driver is handed the slots' addresses: CuPy's own argument
 # conversion took a sixth of a one-query call's host time.
-_FWD_SIGNATURE = "pppppppppiqppiiiiiiiii"
-_FWD_PARAMS = struct.Struct("<" + "".join({"p": "Q", "i": "i4x", "q": "q"}[c] for c in _FWD_SIGNATURE))
+_FWD_SIGNATURE = "pppppppppiqppiiiiiiiiipu"
+_FWD_PARAMS = struct.Struct("<" + "".join({"p": "Q", "i": "i4x", "u": "I4x", "q": "q"}[c] for c in _FWD_SIGNATURE))
 _params = threading.local()
 
 
@@ -464,7 +464,11 @@ def _launch(p: Problem, q, d, qm, dm, ql, dl, return_argmax: bool, device: int, 
         _warn_wgmma_once(e)
         cfg = choose(False)
         mod, func = _kernel(cfg, arch, device)
-    plan = dispatch.plan_launch(cfg, props.cc, props.num_sms, p.nq, p.nd, p.lq, shared)
+    ntok = d.shape[0] if d_off is not None else 0
+    plan = dispatch.plan_launch(cfg, props.cc, props.num_sms, p.nq, p.nd, p.lq, shared, ntok)
+    stream = cupy.cuda.get_current_stream()
+    if plan.token_split and stream.is_capturing():  # see token_split.py
+        plan = dispatch.plan_launch(cfg, props.cc, props.num_sms, p.nq, p.nd, p.lq, shared)
     # Packed documents: the CTAs' search of the offsets samples up to one block (1,024 threads at
     # most) past Nd in 32-bit ints.
     searched = p.nd + 1024 if d_off is not None else 0
@@ -486,7 +490,12 @@ def _launch(p: Problem, q, d, qm, dm, ql, dl, return_argmax: bool, device: int, 
         qmap = tma.tile_map(q.data.ptr, p.nq * p.lq, p.dim * esize, cfg.bm) if cfg.split else dmap
         maps = (dmap, smap, qmap)
     try:
-        _launch_forward(func, plan.grid, cfg.threads, cfg.smem_bytes, values, maps)
+        if plan.token_split:
+            size = token_split.nbytes(plan.grid[0] * plan.grid[1], cfg.bm, return_argmax)
+            token_split.launch(device, stream, size, lambda split: _launch_forward(
+                func, plan.grid, cfg.threads, cfg.smem_bytes, values + split, maps))
+        else:
+            _launch_forward(func, plan.grid, cfg.threads, cfg.smem_bytes, values + (0, 0), maps)
         if plan.n_qt > 1:
             n = p.nq * p.nd
             threads = 256

@@ -13,6 +13,7 @@ import hashlib
 import json
 import multiprocessing
 import os
+import pathlib
 import re
 import shutil
 
@@ -382,6 +383,43 @@ def test_plan_launch_grid_limits(nd, nq, lq):
                     assert plan.n_qt * cfg.bm >= lq > (plan.n_qt - 1) * cfg.bm
                     assert gx == nq * plan.n_qt
                 assert gy * plan.docs_per_cta >= nd > (gy - 1) * plan.docs_per_cta  # every doc covered, no idle row
+
+
+@pytest.mark.parametrize("nq,lq", [(1, 32), (2, 100), (1, 300), (40, 32), (1000, 32)])
+@pytest.mark.parametrize("nd,ntok", [(1, 0), (1, 100), (3, 257), (10, 5000), (62, 253_952), (1000, 269_332),
+                                     (50, 10**9)])
+def test_plan_launch_token_split(nq, lq, nd, ntok):
+    # Packed documents scored by single-query one-shot tiles split into token shares: one wave of
+    # CTAs for at most a quarter wave of query tiles and at most a quarter as many documents as
+    # the CTAs a query tile may have, each share at least _SPLIT_MIN_TILES tiles.
+    for cc, sms in ((80, 108), (90, 132)):
+        for dtype in ("float16", "int8", "float32"):
+            for packed in (False, True):
+                cfg = dispatch.choose_forward(cc, dtype, 128, lq, False, True, True, 1, 300, packed)
+                plan = dispatch.plan_launch(cfg, cc, sms, nq, nd, lq, 1, ntok)
+                gx, gy, _ = plan.grid
+                resident = sms * dispatch.ctas_per_sm(cfg, cc)
+                shares = min(resident // gx, -(-ntok // (dispatch._SPLIT_MIN_TILES * cfg.bn)))
+                want = cfg.token_split and ntok > 0 and gx * 4 <= resident and nd * 4 <= resident // gx and shares > 1
+                assert plan.token_split == want, (cc, dtype, packed, plan)
+                if want:
+                    assert gy == shares and gx * gy <= min(resident, dispatch.SPLIT_MAX_CTAS)
+                else:
+                    assert plan == dispatch.plan_launch(cfg, cc, sms, nq, nd, lq, 1)
+    # The scratch layout the host sizes (token_split.nbytes) is the one the kernel fixes.
+    src = (pathlib.Path(__file__).parent.parent / "cuda_src" / "maxsim_fwd.cu").read_text()
+    assert f"#define LIK_SPLIT_COUNTS {dispatch.SPLIT_MAX_CTAS} " in src
+    if (nq, lq, nd, ntok) == (1, 32, 62, 253_952):  # the sweep's case that splits
+        cfg = dispatch.choose_forward(90, "float16", 128, 32, False, True, True, 1, 300, True)
+        assert dispatch.plan_launch(cfg, 90, 132, 1, 62, 32, 1, 253_952).token_split
+    # Which tiles split: packed one-shot single-query 16-bit tiles, not fp32, INT8, split-d, multi-query.
+    assert dispatch.choose_forward(90, "float16", 128, 32, False, True, True, 1, 300, True).token_split
+    assert dispatch.choose_forward(80, "bfloat16", 128, 32, True, True, False, 1, 300, True).token_split
+    assert not dispatch.choose_forward(90, "int8", 128, 32, False, True, True, 1, 300, True).token_split
+    assert not dispatch.choose_forward(90, "float16", 128, 32, False, True, True, 1, 300, False).token_split
+    assert not dispatch.choose_forward(90, "float32", 128, 32, False, True, True, 1, 300, True).token_split
+    assert not dispatch.choose_forward(90, "float16", 128, 32, False, True, True, 32, 300, True).token_split
+    assert not dispatch.choose_forward(90, "float16", 2048, 32, False, True, True, 1, 300, True).token_split
 
 
 # ---------------------------------------------------------------- (f) the split-d table

@@ -409,3 +409,134 @@ def test_retrieve_memory_error_when_one_document_does_not_fit(rng, pool_limit):
     s, i = lik_cupy.retrieve(q, d, 10)  # usable again once memory is there
     np.testing.assert_array_equal(_np(i), _np(want_i))
     np.testing.assert_array_equal(_np(s), _np(want_s))
+
+
+def _plans(monkeypatch, *, whole_documents: bool):
+    """Record forward launch plans; ``whole_documents`` plans without a token split (the
+    reference a token-split run must match bit for bit)."""
+    from lik_cupy import dispatch
+
+    plan, seen = dispatch.plan_launch, []
+
+    def recording(*args):
+        got = plan(*args[:7]) if whole_documents else plan(*args)
+        seen.append(got)
+        return got
+
+    monkeypatch.setattr(dispatch, "plan_launch", recording)
+    return seen
+
+
+def _split_corpus(rng, case):
+    """(lens, nq, lq, q_lengths) of a corpus whose documents cross token shares."""
+    # (Few documents: dispatch splits only corpora of at most a quarter as many documents as CTAs.)
+    if case == "ragged":  # empties, short documents and a few over several shares
+        lens = _ragged(rng, 50, 1, 1500, empty_frac=0.2)
+        lens[rng.choice(50, 4, replace=False)] = rng.integers(5000, 9000, size=4)
+        return lens, 1, 32, None
+    if case == "one_long":  # one document over every share, between empty ones
+        return np.array([0, 3, 61_007, 0, 17, 0]), 1, 27, None
+    if case == "long_query":  # query tiles on x, two queries
+        return _ragged(rng, 12, 0, 9000, empty_frac=0.1), 2, 100, np.array([100, 71])
+    raise AssertionError(case)
+
+
+@pytest.mark.parametrize("case", ["ragged", "one_long", "long_query"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("argmax", [False, True])
+def test_token_split_matches_whole_documents_bitwise(rng, kernels, monkeypatch, case, dtype, argmax):
+    # Documents cut over CTAs by token shares are merged from their pieces' row maxima: the
+    # scores (and argmax) must be those of whole-document CTAs bit for bit, and right.
+    dim = 128
+    lens, nq, lq, qlen = _split_corpus(rng, case)
+    off = np.concatenate([[0], np.cumsum(lens)])
+    tok, tok64 = _cast(_unit(rng, int(lens.sum()), dim), dtype)
+    q, q64 = _cast(_unit(rng, nq, lq, dim), dtype)
+    conv = _torch if dtype == "bfloat16" else _cp
+    kw = dict(return_argmax=argmax, q_lengths=None if qlen is None else conv(qlen))
+    runs = []
+    for whole in (False, True):
+        with monkeypatch.context() as m:
+            seen = _plans(m, whole_documents=whole)
+            got = lik_cupy.maxsim_varlen(conv(q), conv(tok), conv(off.astype(np.int32)), **kw)
+        assert seen and all(p.token_split != whole for p in seen)
+        runs.append([_np(x) for x in (got if argmax else (got,))])
+    for a, b in zip(*runs):
+        assert a.tobytes() == b.tobytes()
+    qv = np.ones((nq, lq), bool) if qlen is None else np.arange(lq)[None, :] < qlen[:, None]
+    dpad, dv = _pad(tok64, lens)
+    ref, sim = maxsim_ref(q64, dpad, qv, dv)
+    assert rel_err(runs[0][0], ref) < TOL[dtype]
+    assert np.all(runs[0][0][:, lens == 0] == -np.inf)
+    if argmax:
+        _argmax_ok(runs[0][1], sim, qv, dv, 1e-3)
+
+
+def test_token_split_counts_survive_bad_offsets_and_streams(rng):
+    # The pieces' arrival counts live in one buffer per stream and are never cleared: a launch
+    # whose (unvalidated, wrong) offsets leave counts short, and launches on other streams, must
+    # not change what the next good launch returns.
+    import cupy
+
+    dim = 128
+    lens, nq, lq, _ = _split_corpus(rng, "ragged")
+    off = np.concatenate([[0], np.cumsum(lens)])
+    tok = _cp(_unit(rng, int(lens.sum()), dim).astype(np.float16))
+    q = _cp(_unit(rng, nq, lq, dim).astype(np.float16))
+    good = _cp(off)
+    want = _np(lik_cupy.maxsim_varlen(q, tok, good)).tobytes()
+    bad = off.copy()
+    bad[1:-1] = rng.permutation(bad[1:-1])  # still in range, no longer sorted
+    for _ in range(3):
+        lik_cupy.maxsim_varlen(q, tok, _cp(bad), validate_offsets=False)
+        assert _np(lik_cupy.maxsim_varlen(q, tok, good)).tobytes() == want
+    streams = [cupy.cuda.Stream(non_blocking=True) for _ in range(3)]
+    outs = []
+    for _ in range(4):
+        for s in streams:
+            with s:
+                outs.append(lik_cupy.maxsim_varlen(q, tok, good, validate_offsets=False))
+    cupy.cuda.Device().synchronize()
+    assert all(_np(o).tobytes() == want for o in outs)
+
+
+def test_token_split_is_left_out_of_graph_capture(rng):
+    # A captured launch would replay one epoch (token_split.py): capture scores whole documents,
+    # and its replays give the eager call's bits.
+    import cupy
+
+    dim = 128
+    lens, nq, lq, _ = _split_corpus(rng, "one_long")
+    off = _cp(np.concatenate([[0], np.cumsum(lens)]))
+    tok = _cp(_unit(rng, int(lens.sum()), dim).astype(np.float16))
+    q = _cp(_unit(rng, nq, lq, dim).astype(np.float16))
+    want = _np(lik_cupy.maxsim_varlen(q, tok, off)).tobytes()
+    s = cupy.cuda.Stream(non_blocking=True)
+    with s:
+        s.begin_capture()
+        out = lik_cupy.maxsim_varlen(q, tok, off)
+        graph = s.end_capture()
+        for _ in range(2):
+            out.fill(0)
+            graph.launch()
+            s.synchronize()
+            assert _np(out).tobytes() == want
+
+
+def test_retrieve_one_query_token_split_equals_whole_documents(rng, monkeypatch):
+    # Streamed chunks pass slices of the offsets (not starting at 0): their token shares must give
+    # the same top-k, bit for bit, as whole-document CTAs over the whole corpus.
+    dim = 128
+    lens = _ragged(rng, 40, 0, 9000, empty_frac=0.1)
+    off = np.concatenate([[0], np.cumsum(lens)])
+    tok, _ = _cast(_unit(rng, int(lens.sum()), dim), "float16")
+    q, _ = _cast(_unit(rng, 1, 32, dim), "float16")
+    got = []
+    for whole in (False, True):
+        with monkeypatch.context() as m:
+            seen = _plans(m, whole_documents=whole)
+            for D, kw in ((_cp(tok), dict(d_offsets=_cp(off))), (tok, dict(d_offsets=off, max_gpu_bytes=12 << 20))):
+                s, i = lik_cupy.retrieve(_cp(q), D, 20, **kw)
+                got.append((_np(s).tobytes(), _np(i).tobytes()))
+        assert seen and all(p.token_split != whole for p in seen)
+    assert len(set(got)) == 1

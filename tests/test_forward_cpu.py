@@ -414,6 +414,6 @@ def test_forward_launch_packs_the_kernels_parameters_in_order():
     kinds = []
     for decl in (d.strip() for d in params.split(",") if d.strip()):
         ctype = decl.rsplit(None, 1)[0]
-        kinds.append("p" if "*" in decl else "q" if ctype == "long long" else "i" if ctype == "int" else "?" + ctype)
+        kinds.append("p" if "*" in decl else {"long long": "q", "int": "i", "unsigned": "u"}.get(ctype, "?" + ctype))
     assert "".join(kinds) == forward._FWD_SIGNATURE
     assert forward._FWD_PARAMS.size == 8 * len(forward._FWD_SIGNATURE)
