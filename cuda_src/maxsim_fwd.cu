@@ -441,6 +441,36 @@ struct Fwd {
         per = max((i64)BN, ((off.whole ? ntok : off[Nd]) - t0 + gridDim.y - 1) / gridDim.y);
     }
 
+    // Query qi's length: its q_len entry clamped to [0, Lq], or Lq without lengths.
+    static __device__ __forceinline__ int query_len(const int* q_len, int qi, int Lq) {
+        if (!q_len) return Lq;
+        const int l = q_len[qi];
+        return l < 0 ? 0 : (l > Lq ? Lq : l);
+    }
+
+    // The 2*MT tile rows this thread reduces, of a tile whose rows start at row s0 of query qi0
+    // and hold nqb whole queries of `span` rows (MULTI) or rows of one query: their query
+    // (relative to qi0), token (-1: padding row past the queries) and validity.
+    static __device__ __forceinline__ void tile_rows(int qi0, int s0, int nqb, int span, int Lq, const int* q_len,
+                                                     const u8* q_mask, int (&rq)[MT][2], int (&rs)[MT][2],
+                                                     bool (&rv)[MT][2]) {
+        const int wrow0 = (threadIdx.x >> 5) * MT * 16, g = (threadIdx.x & 31) >> 2;
+#pragma unroll
+        for (int m = 0; m < MT; ++m)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int row = wrow0 + m * 16 + g + 8 * h;
+                // Single-query tiles skip the division: with it the whole kernel ran 10% slower
+                // at Lq=512 on an H200 (same tile-loop instructions, scheduled differently).
+                const int qq = MULTI ? row / span : 0, s = MULTI ? s0 + row - qq * span : s0 + row;
+                const bool exists = qq < nqb && s < Lq;
+                const int qi = qi0 + qq;
+                rq[m][h] = qq;
+                rs[m][h] = exists ? s : -1;
+                rv[m][h] = exists && s < query_len(q_len, qi, Lq) && (!q_mask || q_mask[(i64)qi * Lq + s]);
+            }
+    }
+
     // A single-query tile's score of one document from this thread's rows' maxima (and argmax):
     // the max across each quad, the valid rows' terms summed per thread, across the warp, then
     // across warps in order (rb: WARPS floats of shared memory). Not `whole`: the document is a
@@ -489,8 +519,8 @@ struct Fwd {
     // so the tile loop's registers do not grow with it.
     static __device__ __noinline__ void complete_pieces(const int* info, void* split_buf, unsigned epoch, float* out,
                                                         int* amax, int Nq,
-                                                        int Nd, int Lq, int n_qt, const int* q_len, const u8* q_mask,
-                                                        const float* q_scale) {
+                                                        int Nd, int Lq, int n_qt, const int* q_len, const u8* q_mask) {
+        static_assert(TSPLIT && !I8, "only 16-bit single-query tiles split documents: a score term is the row max");
         __shared__ int last[2];
         __shared__ float rb[2][WARPS];  // one per document: a warp may start the second before thread 0 reads the first
         // The block barrier after the pieces' rows were written (score_single's, or this one's)
@@ -508,23 +538,10 @@ struct Fwd {
         const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2;
         const int qi0 = blockIdx.x / n_qt, s0 = blockIdx.x % n_qt * BM;
         float* outp = out + (n_qt > 1 ? (i64)(blockIdx.x % n_qt) * Nq * Nd : 0) + (i64)qi0 * Nd;
-        int ql = Lq;
-        if (q_len) ql = q_len[qi0] < 0 ? 0 : min(q_len[qi0], Lq);
-        int rs[MT][2];
+        int rq[MT][2], rs[MT][2];
         bool rv[MT][2];
-#pragma unroll
-        for (int m = 0; m < MT; ++m)
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int s = s0 + warp * MT * 16 + m * 16 + g + 8 * h;
-                rs[m][h] = s < Lq ? s : -1;
-                rv[m][h] = s < Lq && s < ql && (!q_mask || q_mask[(i64)qi0 * Lq + s]);
-            }
-        auto term = [&](float v, int m, int h) {
-            if (!I8 || v == LIK_NEG_INF) return v;
-            const float sq = q_scale[(i64)qi0 * Lq + rs[m][h]];
-            return v * (sq >= 0.f ? sq : __int_as_float(0x7fffffff));
-        };
+        tile_rows(qi0, s0, 1, BM, Lq, q_len, q_mask, rq, rs, rv);
+        auto term = [](float v, int, int) { return v; };  // as run's term for 16-bit tiles
         // Both documents' pieces first, then their scores (the loads are not held up by the
         // scores' block barriers).
         float best[2][MT][2];
@@ -693,11 +710,7 @@ struct Fwd {
             return;
         }
 
-        auto query_len = [&](int qi) {
-            if (!q_len) return Lq;
-            const int l = q_len[qi];
-            return l < 0 ? 0 : (l > Lq ? Lq : l);
-        };
+        auto query_len = [&](int qi) { return Fwd::query_len(q_len, qi, Lq); };
         const i64 doc0 = (i64)qi0 * dl_qstride;  // linear index of this tile's document 0
         auto dstart = [&](i64 dl) -> i64 {
             if (!PACKED) return dl * Ld;
@@ -726,25 +739,10 @@ struct Fwd {
             return;
         }
 
-        // The 2*MT tile rows this thread reduces: their query (relative to qi0),
-        // token (-1: padding row past the queries) and validity.
         const int wrow0 = warp * MT * 16;
         int rq[MT][2], rs[MT][2];
         bool rv[MT][2];
-#pragma unroll
-        for (int m = 0; m < MT; ++m)
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int row = wrow0 + m * 16 + g + 8 * h;
-                // Single-query tiles skip the division: with it the whole kernel ran 10% slower
-                // at Lq=512 on an H200 (same tile-loop instructions, scheduled differently).
-                const int qq = MULTI ? row / span : 0, s = MULTI ? s0 + row - qq * span : s0 + row;
-                const bool exists = qq < nqb && s < Lq;
-                const int qi = qi0 + qq;
-                rq[m][h] = qq;
-                rs[m][h] = exists ? s : -1;
-                rv[m][h] = exists && s < query_len(qi) && (!q_mask || q_mask[(i64)qi * Lq + s]);
-            }
+        tile_rows(qi0, s0, nqb, span, Lq, q_len, q_mask, rq, rs, rv);
         // A valid row's score term: its max, times the query token's scale for INT8 (read per
         // document from L1 rather than held in registers; an empty document's -inf stays -inf
         // even against a zero-scale padding token). The max commutes with the scale only when
@@ -1189,7 +1187,7 @@ struct Fwd {
         // The rest needs only kernel parameters and shared memory, so nothing else stays live
         // through the tile loop for it.
         if constexpr (TSPLIT)
-            if (split_buf) complete_pieces(piece_info, split_buf, split_epoch, out, amax, Nq, Nd, Lq, n_qt, q_len, q_mask, q_scale);
+            if (split_buf) complete_pieces(piece_info, split_buf, split_epoch, out, amax, Nq, Nd, Lq, n_qt, q_len, q_mask);
     }
 };
 
