@@ -381,8 +381,8 @@ def _ptr(a) -> int:
     return a.data.ptr if a is not None else 0
 
 
-def _launch_forward(func: int, grid, threads: int, smem: int, values: tuple, maps: tuple) -> None:
-    """Launch the forward kernel ``func`` (a CUfunction handle) on the current CuPy stream with
+def _launch_forward(func: int, grid, threads: int, smem: int, stream: int, values: tuple, maps: tuple) -> None:
+    """Launch the forward kernel ``func`` (a CUfunction handle) on ``stream`` (a handle) with
     parameter ``values`` (as ``_FWD_SIGNATURE``) and TMA ``maps`` (tma.TensorMap; none for
     kernels without them)."""
     import cupy
@@ -397,8 +397,8 @@ def _launch_forward(func: int, grid, threads: int, smem: int, values: tuple, map
     _FWD_PARAMS.pack_into(buf, 0, *values)
     for i, m in enumerate(maps):
         addrs[len(_FWD_SIGNATURE) + i] = m.address
-    cupy.cuda.driver.launchKernel(func, grid[0], grid[1], grid[2], threads, 1, 1, smem,
-                                  cupy.cuda.get_current_stream().ptr, ctypes.addressof(addrs), 0)
+    cupy.cuda.driver.launchKernel(func, grid[0], grid[1], grid[2], threads, 1, 1, smem, stream,
+                                  ctypes.addressof(addrs), 0)
 
 
 def _launch(p: Problem, q, d, qm, dm, ql, dl, return_argmax: bool, device: int, *, d_off=None, ld_hint=None,
@@ -493,9 +493,9 @@ def _launch(p: Problem, q, d, qm, dm, ql, dl, return_argmax: bool, device: int, 
         if plan.token_split:
             size = token_split.nbytes(plan.grid[0] * plan.grid[1], cfg.bm, return_argmax)
             token_split.launch(device, stream, size, lambda split: _launch_forward(
-                func, plan.grid, cfg.threads, cfg.smem_bytes, values + split, maps))
+                func, plan.grid, cfg.threads, cfg.smem_bytes, stream.ptr, values + split, maps))
         else:
-            _launch_forward(func, plan.grid, cfg.threads, cfg.smem_bytes, values + (0, 0), maps)
+            _launch_forward(func, plan.grid, cfg.threads, cfg.smem_bytes, stream.ptr, values + (0, 0), maps)
         if plan.n_qt > 1:
             n = p.nq * p.nd
             threads = 256
