@@ -31,6 +31,12 @@ __device__ __forceinline__ u32 smem_addr(const void* p) {
 __device__ __forceinline__ void cp_async_16(u32 dst, const void* src, int src_bytes) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
 }
+// 16-byte global->shared copy of src, or (ok false) 16 zero bytes without reading src, which may
+// then point anywhere: cp.async's ignore-src form, which spares the caller an address select.
+__device__ __forceinline__ void cp_async_16_or_zero(u32 dst, const void* src, bool ok) {
+    asm volatile("{\n.reg .pred p;\nsetp.eq.u32 p, %2, 0;\ncp.async.cg.shared.global [%0], [%1], 16, p;\n}\n" ::"r"(dst),
+                 "l"(src), "r"((u32)ok));
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }

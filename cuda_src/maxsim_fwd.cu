@@ -242,7 +242,10 @@ struct Fwd {
 #pragma unroll
             for (int i = 0; i < NROWS * CPR / NT; ++i) {
                 const bool ok = kok && r0 + i * RS < avail;
-                cp_async_16(d0 + i * RS * (SWZ ? BLK : LDS) * ESIZE, ok ? s : src, ok ? 16 : 0);
+                // INT8 tiles keep the address select: the ignore-src form took their padded
+                // one-warpgroup tile to 132 registers, past the 128 of four CTAs per SM.
+                if constexpr (I8) cp_async_16(d0 + i * RS * (SWZ ? BLK : LDS) * ESIZE, ok ? s : src, ok ? 16 : 0);
+                else cp_async_16_or_zero(d0 + i * RS * (SWZ ? BLK : LDS) * ESIZE, s, ok);
                 s += step;
             }
         } else if (VEC) {
@@ -300,13 +303,14 @@ struct Fwd {
                 return;
             }
             // The warpgroup's 64 query rows against all BN document rows, 32 bytes of K per instruction.
-            const u32 qa = smem_addr(sQ) + (wrow0 & ~63) * 128, da = smem_addr(sD);
+            // Each k step's descriptors: the tiles' low words plus a constant (wgmma_desc_lo).
+            const u32 dq0 = wgmma_desc_lo(smem_addr(sQ) + (wrow0 & ~63) * 128), dd0 = wgmma_desc_lo(smem_addr(sD));
             wgmma_fence();
 #pragma unroll
             for (int kk = 0; kk < NK; ++kk) {
                 const u32 ko = (kk & 3) * 32;  // byte offset of this k step inside a 128-byte row
-                const unsigned long long dq = wgmma_desc(qa + (kk >> 2) * (SPLIT ? QR : BM) * 128 + ko);
-                const unsigned long long dd = wgmma_desc(da + (kk >> 2) * BN * 128 + ko);
+                const unsigned long long dq = wgmma_desc_at(dq0 + (((kk >> 2) * (SPLIT ? QR : BM) * 128 + ko) >> 4));
+                const unsigned long long dd = wgmma_desc_at(dd0 + (((kk >> 2) * BN * 128 + ko) >> 4));
                 if constexpr (I8) wgmma_s8_m64k32<BN>(d, dq, dd, kk > 0 || add);
                 else wgmma_m64k16<ELEM, BN>(d, dq, dd, kk > 0 || add);
             }
@@ -643,8 +647,10 @@ struct Fwd {
             const i64 l = doc_end(dl) - doc_begin(dl);
             return l < 0 ? 0 : (l > 0x7fffffff ? 0x7fffffff : (int)l);
         };
-        // Document dl's BN-token tiles (in 64 bits: a packed document may hold up to 2^31 - 1 tokens).
-        auto doc_tiles = [&](i64 dl) { return (int)(((i64)dlength(dl) + BN - 1) / BN); };
+        // BN-token tiles of a document of len tokens (in 64 bits: a packed document may hold up
+        // to 2^31 - 1 tokens; 32-bit unsigned division spilled a split-d tile on sm_80).
+        auto len_tiles = [](int len) { return (int)(((i64)len + BN - 1) / BN); };
+        auto doc_tiles = [&](i64 dl) { return len_tiles(dlength(dl)); };
         // Documents of this CTA: a run of docs_per_cta, or for packed documents the
         // documents whose first token falls in this CTA's equal share of the tokens
         // (ragged corpora then balance by work, not by document count).
@@ -716,13 +722,22 @@ struct Fwd {
             if (!PACKED) return dl * Ld;
             return doc_begin(dl);
         };
+        // Document dl's first row in D (begin) and its tokens, from one read of its offsets or
+        // length (once per document: see the producer cursor below).
+        auto doc_span = [&](i64 dl, i64& begin) -> int {
+            begin = dstart(dl);
+            if (!PACKED) return dlength(dl);
+            const i64 l = doc_end(dl) - begin;
+            return l < 0 ? 0 : (l > 0x7fffffff ? 0x7fffffff : (int)l);
+        };
 
         float* outp = out + (n_qt > 1 ? (i64)qt * Nq * Nd : 0) + (i64)qi0 * Nd;
         // The end of document j's tiles in this CTA (its first: first_tile).
-        auto tiles = [&](int j) {
-            const int n = doc_tiles(doc0 + j);
+        auto tiles_of = [&](int j, int len) {
+            const int n = len_tiles(len);
             return TSPLIT && j == j1 - 1 ? min(n, tail_tiles) : n;
         };
+        auto tiles = [&](int j) { return tiles_of(j, dlength(doc0 + j)); };
         auto first_tile = [&](int j) { return TSPLIT && j == j0 ? head_tiles : 0; };
 
         // Tile entirely past the query length: contributes 0, argmax -1.
@@ -785,18 +800,42 @@ struct Fwd {
 
         // Producer cursor: next (document tile, dim chunk) to stage. It crosses
         // document boundaries so the ring stays full across short documents.
-        int pj = j0, pt = first_tile(j0), pk = 0, pnt = tiles(pj);
-        while (pj < j1 && pt >= pnt) {
+        // Padded documents: tile pt of document pj's pnt, its row and rows computed per tile.
+        // Packed documents instead keep prow (the row of D and of the INT8 scales where the next
+        // tile starts) and prem (the rows of pj this CTA stages from there on), from the
+        // document's offsets read once per document: reading and clamping both offsets in 64 bits
+        // per tile was a third of a one-query tile's instructions on 64-token documents, whose
+        // pace the issue of those instructions sets, not HBM (Nsight Compute, bench/NOTES.md).
+        // Padded documents keep the per-tile form, 2.6% faster there
+        // (multi-query tiles, H100); prow and prem in place of pt and pnt cost packed tiles one
+        // register (holding a start and length beside pt and pnt spilled some).
+        int pj = j0, pk = 0, pt = first_tile(j0), pnt = 0, prem = 0;
+        i64 prow = 0;
+        auto enter = [&]() {  // document pj, from tile pt
+            if (pj >= j1) return;
+            if (!PACKED) {
+                pnt = tiles(pj);
+                return;
+            }
+            i64 begin;
+            const int len = doc_span(doc0 + pj, begin), n = tiles_of(pj, len);
+            prow = begin + (i64)pt * BN;
+            prem = (n < len_tiles(len) ? n * BN : len) - pt * BN;  // a piece ends at whole tiles
+        };
+        auto staged_all = [&]() { return PACKED ? prem <= 0 : pt >= pnt; };  // of document pj
+        enter();
+        while (pj < j1 && staged_all()) {
             ++pj;
-            pnt = pj < j1 ? tiles(pj) : 0;
+            pt = 0;
+            enter();
         }
         // Stage `stage` (counted from 0 over the whole run) goes to ring slot stage % STAGES, as
         // that slot's fill number stage / STAGES.
         auto issue = [&](int stage) {
             const int slot = stage % STAGES;
             if (pj < j1) {
-                const i64 dl = doc0 + pj;
-                const int len = dlength(dl), k0 = pk * DP;
+                const int k0 = pk * DP, rows = min(BN, PACKED ? prem : dlength(doc0 + pj) - pt * BN);
+                const i64 row0 = PACKED ? prow : dstart(doc0 + pj) + (i64)pt * BN;  // the tile's first row
                 T* st = ring + slot * STAGE;
                 if (TMA) {
 #if LIK_HAS_WGMMA
@@ -807,7 +846,7 @@ struct Fwd {
                         // The slot's previous fill must be released by every warp first.
                         if (RELEASE && stage >= STAGES) mbar_wait(smem_addr(mbar + STAGES + slot), (stage / STAGES - 1) & 1);
                         const u32 bar = smem_addr(mbar + slot);
-                        const int row = (int)(dstart(dl) + (i64)pt * BN);
+                        const int row = (int)row0;
                         // Split-d: the stage is this chunk of the query tile, then of the document
                         // tile. Query rows past the tile's queries are other queries' tokens (or
                         // zeros past Q's end): their rows of the result are never read. Columns
@@ -825,22 +864,23 @@ struct Fwd {
 #endif
                 } else {
                     if (SPLIT) load_rows<QR>(st, Qt + k0, q_rows, dim, dim - k0);
-                    load_rows<BN>(st + (SPLIT ? QR * LDS : 0), D + (dstart(dl) + (i64)pt * BN) * dim + k0,
-                                  min(BN, len - pt * BN), dim, dim - k0);
+                    load_rows<BN>(st + (SPLIT ? QR * LDS : 0), D + row0 * dim + k0, rows, dim,
+                                  dim - k0);
                 }
                 if constexpr (I8 && !TMA) {
-                    const float* src = d_scale + dstart(dl) + (i64)pt * BN;
-                    const int avail = min(BN, len - pt * BN);
+                    const float* src = d_scale + row0;
                     for (int c = threadIdx.x; c < BN; c += NT)
-                        cp_async_4(smem_addr(sS + slot * SCL + c), c < avail ? src + c : d_scale, c < avail ? 4 : 0);
+                        cp_async_4(smem_addr(sS + slot * SCL + c), c < rows ? src + c : d_scale, c < rows ? 4 : 0);
                 }
                 if (++pk == nk) {
                     pk = 0;
                     ++pt;
-                    while (pj < j1 && pt >= pnt) {
+                    prow += BN;
+                    prem -= BN;
+                    while (pj < j1 && staged_all()) {
                         ++pj;
                         pt = 0;
-                        pnt = pj < j1 ? tiles(pj) : 0;
+                        enter();
                     }
                 }
             }
@@ -1150,8 +1190,9 @@ struct Fwd {
         };
 
         for (int j = j0; j < j1; ++j) {
-            const int len = dlength(doc0 + j);
-            const int nt = tiles(j);
+            i64 begin;
+            const int len = doc_span(doc0 + j, begin);
+            const int nt = tiles_of(j, len);
             const u8* dm = dmask(j);
             reset();
             for (int t = first_tile(j); t < nt; ++t) {
@@ -1178,7 +1219,7 @@ struct Fwd {
 #if LIK_HAS_WGMMA
                 if (WG_CHAIN) wgmma_wait<0>();
 #endif
-                fold(acc, slot, t * BN, len, dm, TMA && I8 ? (int)(dstart(doc0 + j) & 3) : 0);
+                fold(acc, slot, t * BN, len, dm, TMA && I8 ? (int)(begin & 3) : 0);
                 release_slot(slot);
             }
             finish(j);

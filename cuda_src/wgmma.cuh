@@ -15,14 +15,17 @@ struct __align__(64) TmaDesc {
 
 // Shared-memory matrix descriptor for a K-major operand in 128B-swizzle layout:
 // 8-row x 128-byte core groups, 1024 bytes apart (stride byte offset).
-__device__ __forceinline__ unsigned long long wgmma_desc(u32 smem_byte_addr) {
-    unsigned long long d = 0;
-    d |= (unsigned long long)((smem_byte_addr & 0x3FFFF) >> 4);
-    d |= (unsigned long long)1 << 16;             // leading byte offset: unused for swizzled K-major
-    d |= (unsigned long long)(1024 >> 4) << 32;   // stride byte offset
-    d |= (unsigned long long)1 << 62;             // 128-byte swizzle
-    return d;
+// The low word holds the address (byte address / 16, 14 bits) and the leading byte offset, the
+// high word constants, so a k step's descriptor is its tile's low word plus an offset / 16 (the
+// address field never carries: shared memory ends below 2^18 bytes).
+__device__ __forceinline__ u32 wgmma_desc_lo(u32 smem_byte_addr) {
+    return ((smem_byte_addr & 0x3FFFF) >> 4) | (1u << 16);  // leading byte offset: unused for swizzled K-major
 }
+__device__ __forceinline__ unsigned long long wgmma_desc_at(u32 lo) {
+    // stride byte offset 1024 (bits 32-45), 128-byte swizzle (bit 62)
+    return (unsigned long long)lo | ((unsigned long long)((1024 >> 4) | (1u << 30)) << 32);
+}
+__device__ __forceinline__ unsigned long long wgmma_desc(u32 smem_byte_addr) { return wgmma_desc_at(wgmma_desc_lo(smem_byte_addr)); }
 
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
