@@ -642,10 +642,21 @@ struct Fwd {
             return s < 0 ? 0 : (s > ntok ? ntok : s);
         };
         auto doc_end = [&](i64 dl) -> i64 { return min(d_off[dl + 1], ntok); };
-        auto dlength = [&](i64 dl) -> int {
+        auto dstart = [&](i64 dl) -> i64 {
+            if (!PACKED) return dl * Ld;
+            return doc_begin(dl);
+        };
+        // Document dl's first row in D (begin) and its tokens, from one read of its offsets or
+        // length (once per document: see the producer cursor below).
+        auto doc_span = [&](i64 dl, i64& begin) -> int {
+            begin = dstart(dl);
             if (!PACKED) return doc_len(d_len, d_mask != nullptr, dl, Ld);
-            const i64 l = doc_end(dl) - doc_begin(dl);
+            const i64 l = doc_end(dl) - begin;
             return l < 0 ? 0 : (l > 0x7fffffff ? 0x7fffffff : (int)l);
+        };
+        auto dlength = [&](i64 dl) -> int {
+            i64 begin;
+            return doc_span(dl, begin);
         };
         // BN-token tiles of a document of len tokens (in 64 bits: a packed document may hold up
         // to 2^31 - 1 tokens; 32-bit unsigned division spilled a split-d tile on sm_80).
@@ -718,18 +729,6 @@ struct Fwd {
 
         auto query_len = [&](int qi) { return Fwd::query_len(q_len, qi, Lq); };
         const i64 doc0 = (i64)qi0 * dl_qstride;  // linear index of this tile's document 0
-        auto dstart = [&](i64 dl) -> i64 {
-            if (!PACKED) return dl * Ld;
-            return doc_begin(dl);
-        };
-        // Document dl's first row in D (begin) and its tokens, from one read of its offsets or
-        // length (once per document: see the producer cursor below).
-        auto doc_span = [&](i64 dl, i64& begin) -> int {
-            begin = dstart(dl);
-            if (!PACKED) return dlength(dl);
-            const i64 l = doc_end(dl) - begin;
-            return l < 0 ? 0 : (l > 0x7fffffff ? 0x7fffffff : (int)l);
-        };
 
         float* outp = out + (n_qt > 1 ? (i64)qt * Nq * Nd : 0) + (i64)qi0 * Nd;
         // The end of document j's tiles in this CTA (its first: first_tile).
