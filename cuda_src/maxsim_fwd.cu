@@ -280,31 +280,45 @@ struct Fwd {
         }
     }
 
+#if LIK_HAS_WGMMA
+    // The wgmma descriptor's low word of this warp's query rows in sQ (a warpgroup's 64 rows; tokens
+    // on M: all BM rows), warp-uniform. Made once per CTA and held through the tile loop (QLO_HELD),
+    // except by split-d, whose query chunks move with the stages, and by INT8 argmax tiles, whose
+    // two-warpgroup tiles spilled holding it (compile check): those make it per tile.
+    static constexpr bool QLO_HELD = WG && !SPLIT && !(I8 && ARGMAX);
+    static __device__ __forceinline__ u32 query_desc_lo(const T* sQ, int wrow0) {
+        return warp_uniform(wgmma_desc_lo(smem_addr(sQ) + (TOKM ? 0 : (wrow0 & ~63) * 128)));
+    }
+#endif
+
     // acc[m][n] (+)= Q_tile(warp rows) . D_tile^T over DP columns; `add` = 0 overwrites
     // (the wgmma path; the mma.sync path always adds to zeroed accumulators). With
     // WG_CHAIN the wgmma may still run on return (the previous one has finished).
+    // qlo: query_desc_lo(sQ, wrow0) when QLO_HELD.
     static __device__ __forceinline__ void tile_mma(A (&acc)[MT][NN][4], const u32 (&qf)[QREG ? MT : 1][QREG ? NK : 1][4],
-                                                    const T* sQ, const T* sD, int wrow0, int lane, bool add) {
+                                                    const T* sQ, const T* sD, int wrow0, int lane, bool add, u32 qlo) {
 #if LIK_HAS_WGMMA
         if (WG) {
             A* d = &acc[0][0][0];
             if constexpr (TOKM) {
                 // The warpgroup's 64 document tokens against all BM query rows, onto the offset.
-                const u32 da = smem_addr(sD) + (threadIdx.x >> 7) * 64 * 128, qa = smem_addr(sQ);
+                const u32 dd0 = warp_uniform(wgmma_desc_lo(smem_addr(sD) + (threadIdx.x >> 7) * 64 * 128)),
+                          dq0 = QLO_HELD ? qlo : query_desc_lo(sQ, wrow0);
                 wgmma_fence();
 #pragma unroll
                 for (int kk = 0; kk < NK; ++kk) {
                     const u32 ko = (kk & 3) * 32;
-                    wgmma_s8_m64k32<BM>(d, wgmma_desc(da + (kk >> 2) * BN * 128 + ko),
-                                        wgmma_desc(qa + (kk >> 2) * BM * 128 + ko), 1);
+                    wgmma_s8_m64k32<BM>(d, wgmma_desc_at(dd0 + (((kk >> 2) * BN * 128 + ko) >> 4)),
+                                        wgmma_desc_at(dq0 + (((kk >> 2) * BM * 128 + ko) >> 4)), 1);
                 }
                 wgmma_commit();
                 wgmma_wait<0>();
                 return;
             }
             // The warpgroup's 64 query rows against all BN document rows, 32 bytes of K per instruction.
-            // Each k step's descriptors: the tiles' low words plus a constant (wgmma_desc_lo).
-            const u32 dq0 = wgmma_desc_lo(smem_addr(sQ) + (wrow0 & ~63) * 128), dd0 = wgmma_desc_lo(smem_addr(sD));
+            // Each k step's descriptors: the tiles' low words plus a constant (wgmma_desc_lo), in
+            // uniform registers (warp_uniform).
+            const u32 dq0 = QLO_HELD ? qlo : query_desc_lo(sQ, wrow0), dd0 = warp_uniform(wgmma_desc_lo(smem_addr(sD)));
             wgmma_fence();
 #pragma unroll
             for (int kk = 0; kk < NK; ++kk) {
@@ -754,6 +768,11 @@ struct Fwd {
         }
 
         const int wrow0 = warp * MT * 16;
+#if LIK_HAS_WGMMA
+        const u32 qlo = QLO_HELD ? query_desc_lo(sQ, wrow0) : 0;
+#else
+        const u32 qlo = 0;
+#endif
         int rq[MT][2], rs[MT][2];
         bool rv[MT][2];
         tile_rows(qi0, s0, nqb, span, Lq, q_len, q_mask, rq, rs, rv);
@@ -1212,7 +1231,7 @@ struct Fwd {
                     // 5% faster than before).
                     if (!I8) flush_sums();
                     const T* st = ring + slot * STAGE;
-                    tile_mma(acc, qf, SPLIT ? st : sQ, st + (SPLIT ? QR * LDS : 0), wrow0, lane, kc > 0);
+                    tile_mma(acc, qf, SPLIT ? st : sQ, st + (SPLIT ? QR * LDS : 0), wrow0, lane, kc > 0, qlo);
                 }
                 if (I8) flush_sums();
 #if LIK_HAS_WGMMA

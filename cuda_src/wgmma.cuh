@@ -25,7 +25,10 @@ __device__ __forceinline__ unsigned long long wgmma_desc_at(u32 lo) {
     // stride byte offset 1024 (bits 32-45), 128-byte swizzle (bit 62)
     return (unsigned long long)lo | ((unsigned long long)((1024 >> 4) | (1u << 30)) << 32);
 }
-__device__ __forceinline__ unsigned long long wgmma_desc(u32 smem_byte_addr) { return wgmma_desc_at(wgmma_desc_lo(smem_byte_addr)); }
+// The lane-0 copy of a value every lane of the warp holds (a descriptor's low word): the compiler
+// then knows it is warp-uniform and keeps descriptors in uniform registers, stepping them with
+// one uniform add per k step instead of moving each from vector registers before every wgmma.
+__device__ __forceinline__ u32 warp_uniform(u32 x) { return __shfl_sync(0xffffffffu, x, 0); }
 
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
