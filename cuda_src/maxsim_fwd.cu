@@ -67,6 +67,8 @@
 //               costs an FFMA and a max instead of an IADD, FADD, FMUL, max and a share of the
 //               scale loads. The per-query-row max over the 8 lanes and 8 warps that share a row
 //               is taken once per document
+//   LIK_DOC_COST packed documents: tokens of work each document counts for beside its own when
+//               the CTAs share the corpus out (see shares)
 //   LIK_NAME    entry point name
 #include "common.cuh"
 #include "wgmma.cuh"
@@ -88,6 +90,9 @@
 #endif
 #ifndef LIK_TOKM
 #define LIK_TOKM 0
+#endif
+#ifndef LIK_DOC_COST
+#define LIK_DOC_COST 0
 #endif
 
 #ifndef LIK_WGMMA
@@ -418,17 +423,38 @@ struct Fwd {
         }
     }
 
-    // The first documents in [0, n] whose first token is >= x0 and >= x1 (n if none), found by
-    // the whole CTA together: each round, every thread tests one sample of each interval, so
-    // ceil(log_NT(n)) rounds of loads replace two chains of log2(n) dependent ones (which every
-    // CTA waited through before its first tile: several microseconds on a one-query call).
-    // Offsets that decrease (an unchecked call) still give some j in [0, n].
-    static __device__ __forceinline__ void first_docs_at(const Offsets& off, int n, i64 x0, i64 x1, int& j0, int& j1) {
+    // The first documents in [0, n] whose work position off[j] + k * j (its first token, plus k
+    // for each document before it: see shares) is >= x0 and >= x1 (n if none), found by the whole
+    // CTA together. The first round tests the NT documents around where x would fall if the work
+    // were spread evenly over the documents (work runs from `first` for `work`), which settles it
+    // in one round unless lengths drift along the corpus; each later round tests one sample of
+    // each interval per thread, so ceil(log_NT(n)) rounds of loads replace two chains of log2(n)
+    // dependent ones (which every CTA waited through before its first tile: several microseconds
+    // on a one-query call). Offsets that decrease (an unchecked call) still give some j in [0, n].
+    static __device__ __forceinline__ void first_docs_at(const Offsets& off, int n, i64 first, i64 work, i64 k, i64 x0,
+                                                         i64 x1, int& j0, int& j1) {
         int lo0 = 0, hi0 = n, lo1 = 0, hi1 = n;
+        {
+            auto window = [&](i64 x) -> int {
+                const i64 t = min(max(x, first), first + work) - first;
+                const int g = work > 0 ? (int)((float)t / (float)work * n) : 0;
+                return min(max(g - NT / 2, 0), max(n - NT, 0));
+            };
+            const int w0 = window(x0), w1 = window(x1), wn = min(NT, n);
+            const int i0 = w0 + (int)threadIdx.x, i1 = w1 + (int)threadIdx.x;
+            const bool in = (int)threadIdx.x < wn;
+            const bool p0 = in && off[i0] + k * i0 < x0, p1 = in && off[i1] + k * i1 < x1;
+            const int c0 = __syncthreads_count(p0), c1 = __syncthreads_count(p1);
+            // Window entries 0..c-1 lie below x, entry c (if any) does not.
+            if (c0) lo0 = w0 + c0;
+            if (c0 < wn) hi0 = w0 + c0;
+            if (c1) lo1 = w1 + c1;
+            if (c1 < wn) hi1 = w1 + c1;
+        }
         while (lo0 < hi0 || lo1 < hi1) {  // CTA-uniform: every bound comes from block-wide counts
             const int st0 = (hi0 - lo0 + NT - 1) / NT, st1 = (hi1 - lo1 + NT - 1) / NT;
             const int i0 = lo0 + (int)threadIdx.x * st0, i1 = lo1 + (int)threadIdx.x * st1;
-            const bool p0 = i0 < hi0 && off[i0] < x0, p1 = i1 < hi1 && off[i1] < x1;
+            const bool p0 = i0 < hi0 && off[i0] + k * i0 < x0, p1 = i1 < hi1 && off[i1] + k * i1 < x1;
             const int c0 = __syncthreads_count(p0), c1 = __syncthreads_count(p1);
             // Samples 0..c-1 lie below x, sample c (if any) does not.
             if (lo0 < hi0) {
@@ -451,12 +477,16 @@ struct Fwd {
         else return a;
     }
 
-    // Packed documents split into gridDim.y token shares: the first token, and tokens per share
-    // (at least a tile, so every share between a document's first and last tile holds one of its
-    // tiles).
-    static __device__ __forceinline__ void shares(const Offsets& off, i64 ntok, int Nd, i64& t0, i64& per) {
+    // Packed documents split into gridDim.y equal shares of work: a document's tokens plus k more
+    // (LIK_DOC_COST, or 0 to split tokens alone), for the padding of its last tile and its score
+    // cost a CTA about that much again whatever its length. Returned: where the work starts (the
+    // first token), all of it, and each share's (at least a tile, so every share between a
+    // document's first and last tile holds one of its tiles).
+    static __device__ __forceinline__ void shares(const Offsets& off, i64 ntok, int Nd, i64 k, i64& t0, i64& work,
+                                                  i64& per) {
         t0 = off.whole ? 0 : off[0];
-        per = max((i64)BN, ((off.whole ? ntok : off[Nd]) - t0 + gridDim.y - 1) / gridDim.y);
+        work = (off.whole ? ntok : off[Nd]) - t0 + k * Nd;
+        per = max((i64)BN, (work + gridDim.y - 1) / gridDim.y);
     }
 
     // Query qi's length: its q_len entry clamped to [0, Lq], or Lq without lengths.
@@ -677,7 +707,7 @@ struct Fwd {
         auto len_tiles = [](int len) { return (int)(((i64)len + BN - 1) / BN); };
         auto doc_tiles = [&](i64 dl) { return len_tiles(dlength(dl)); };
         // Documents of this CTA: a run of docs_per_cta, or for packed documents the
-        // documents whose first token falls in this CTA's equal share of the tokens
+        // documents whose work position (shares) falls in this CTA's equal share of the work
         // (ragged corpora then balance by work, not by document count).
         int j0, j1;
         // Token split (split_buf set): each CTA scores the document tiles whose first token lies
@@ -694,13 +724,15 @@ struct Fwd {
             return n <= 0 ? 0 : (int)min((n + BN - 1) / BN, (i64)0x7fffffff);
         };
         if (PACKED) {
-            i64 t0, per;
-            shares(d_off, ntok, Nd, t0, per);
+            // A token split places tiles by their first token, so its shares are of tokens alone.
+            const i64 kdoc = TSPLIT && split_buf ? 0 : LIK_DOC_COST;
+            i64 t0, work, per;
+            shares(d_off, ntok, Nd, kdoc, t0, work, per);
             // The first CTA starts at document 0 and the last ends at Nd, whatever the offsets say.
             const i64 lowest = -0x7fffffffffffffffLL - 1, highest = 0x7fffffffffffffffLL;
             const i64 lo = blockIdx.y == 0 ? lowest : t0 + (i64)blockIdx.y * per;
             const i64 hi = blockIdx.y + 1 == gridDim.y ? highest : t0 + (i64)(blockIdx.y + 1) * per;
-            first_docs_at(d_off, Nd, lo, hi, j0, j1);
+            first_docs_at(d_off, Nd, t0, work, kdoc, lo, hi, j0, j1);
             if (TSPLIT && split_buf) {
                 // A split document's first and last share (those of its first tile's and its
                 // last tile's first token), for complete_pieces.

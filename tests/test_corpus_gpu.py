@@ -540,3 +540,41 @@ def test_retrieve_one_query_token_split_equals_whole_documents(rng, monkeypatch)
                 got.append((_np(s).tobytes(), _np(i).tobytes()))
         assert seen and all(p.token_split != whole for p in seen)
     assert len(set(got)) == 1
+
+
+def _packed_ref(q64, qv, tok64, lens):
+    """float64 scores [nq, nd] of packed documents: every token's dot products, maxed per
+    document, summed over the valid query tokens (empty documents -inf)."""
+    sim = np.einsum("qsk,tk->qst", q64, tok64)
+    nz = lens > 0
+    starts = np.concatenate([[0], np.cumsum(lens)[:-1]])[nz]
+    best = np.full(q64.shape[:2] + (lens.size,), -np.inf)
+    best[:, :, nz] = np.maximum.reduceat(sim, starts, axis=2)
+    return np.where(qv[:, :, None], best, 0.0).sum(axis=1)
+
+
+@pytest.mark.parametrize("order", ["short_first", "long_first", "empties_then_long"])
+@pytest.mark.parametrize("nq", [1, 6])
+def test_varlen_lengths_that_drift(rng, kernels, order, nq):
+    # CTAs find their documents by sampling the offsets around where an even spread of the work
+    # would put them; lengths that drift along the corpus put every CTA's documents outside that
+    # window, and the search must go on from it to the right documents.
+    dim = 128
+    short, long_ = rng.integers(1, 20, size=900), rng.integers(400, 700, size=300)
+    if order == "short_first":
+        lens = np.concatenate([short, long_])
+    elif order == "long_first":
+        lens = np.concatenate([long_, short])
+    else:
+        lens = np.concatenate([np.zeros(700, np.int64), long_, short[:50]])
+    off = np.concatenate([[0], np.cumsum(lens)])
+    tok, tok64 = _cast(_unit(rng, int(lens.sum()), dim), "float16")
+    q, q64 = _cast(_unit(rng, nq, 32, dim), "float16")
+    qlen = rng.integers(1, 33, size=nq)
+    out, amax = lik_cupy.maxsim_varlen(_cp(q), _cp(tok), _cp(off.astype(np.int32)), q_lengths=_cp(qlen),
+                                       return_argmax=True)
+    qv = np.arange(32)[None, :] < qlen[:, None]
+    assert rel_err(_np(out), _packed_ref(q64, qv, tok64, lens)) < TOL["float16"]
+    assert np.all(_np(out)[:, lens == 0] == -np.inf)
+    amax = _np(amax)
+    assert np.all(amax[:, lens == 0] == -1) and np.all(amax < lens[None, :, None])
