@@ -29,7 +29,7 @@ import torch
 import lik_cupy
 from lik_cupy import dispatch, forward
 from lik_cupy.device import device_properties
-from timing import per_call_ms  # bench/, the script's own directory
+from timing import packed_calls, per_call_ms  # bench/, the script's own directory
 
 TILES = (0, 1, 1.5, 2, 3)  # doc_cost in tiles of the kernel's document tokens
 _doc_cost = dispatch.FwdConfig.doc_cost
@@ -69,17 +69,7 @@ def main():
         n_sets = 6 if T < 1 << 22 else 2  # distinct corpora in turn, so no call finds D in L2
         toks = [cp.asarray(rng.standard_normal((T, 128), dtype=np.float32).astype(np.float16)) for _ in range(n_sets)]
         off_d = cp.asarray(off)
-        tq, toff = torch.as_tensor(q, device="cuda"), torch.as_tensor(off_d, device="cuda")
-        ttoks = [torch.as_tensor(t, device="cuda") for t in toks]
-        counter = [0]
-
-        def ours():
-            counter[0] += 1
-            return lik_cupy.maxsim_varlen(q, toks[counter[0] % n_sets], off_d, validate_offsets=False)
-
-        def flash():
-            counter[0] += 1
-            return flash_maxsim.flash_maxsim(tq[0], ttoks[counter[0] % n_sets], doc_lengths=toff)
+        ours, flash = packed_calls(torch, q, toks, off_d)
 
         ref = None
         for t in TILES:
@@ -105,7 +95,7 @@ def main():
         for name, ts in times.items():
             rows.append({"case": case, "queries": nq, "variant": name, "us": float(np.median(ts)) * 1e3,
                          "runs_ms": ts})
-        toks = ttoks = None  # freed before the next corpus is made
+        toks = ours = flash = None  # freed before the next corpus is made
         cp.get_default_memory_pool().free_all_blocks()
     dispatch.FwdConfig.doc_cost = _doc_cost
     forward._kernels = {}

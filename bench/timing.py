@@ -43,3 +43,27 @@ def padded_call_ms(torch, fn, reps, pad_cycles):
         ends[i].record()
     torch.cuda.synchronize()
     return [s.elapsed_time(e) for s, e in zip(starts, ends)]
+
+
+def packed_calls(torch, q, toks, off):
+    """(ours, flash): callables making one call each of ``lik_cupy.maxsim_varlen`` (unchecked
+    offsets) and of flash-maxsim's packed kernel (one query: q[0]), each call on the next of the
+    packed corpora ``toks`` (CuPy [T, d] copies, so that no call finds its corpus in L2).
+    q: CuPy [Nq, Lq, d]; off: CuPy [Nd + 1] offsets shared by every corpus."""
+    import lik_cupy
+
+    tq, toff = torch.as_tensor(q, device="cuda"), torch.as_tensor(off, device="cuda")
+    ttoks = [torch.as_tensor(t, device="cuda") for t in toks]
+    counter = [0]
+
+    def ours():
+        counter[0] += 1
+        return lik_cupy.maxsim_varlen(q, toks[counter[0] % len(toks)], off, validate_offsets=False)
+
+    def flash():
+        import flash_maxsim
+
+        counter[0] += 1
+        return flash_maxsim.flash_maxsim(tq[0], ttoks[counter[0] % len(toks)], doc_lengths=toff)
+
+    return ours, flash

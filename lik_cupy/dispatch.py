@@ -124,9 +124,9 @@ class FwdConfig:
         From bench/results/sweep_doc_cost_nvidia-h100-80gb-hbm3.json (one and 32 queries of 32
         tokens), 1.5 tiles against tokens alone: 500 documents of 16 tokens then 500 of 512 in
         29.95 us against 69.07 (flash-maxsim 31.95), 32 queries 169.9 against 863.9; 4,000 of 16
-        and 250 of 1,024 shuffled 43.5 against 103.9 (flash-maxsim 49.0); within 2.2% of the best
-        variant on the ragged corpus and on 20,000 passages in both runs (and _run2.json); with 30%
-        of the documents empty, 3.1-3.4% behind tokens alone for one query, level for 32."""
+        and 250 of 1,024 shuffled 43.5 against 103.9 (flash-maxsim 49.0); within 2.8% of the best
+        variant on the ragged corpus and on 20,000 passages in three runs (_run2.json, _run3.json);
+        with 30% of the documents empty, 3.0-3.4% behind tokens alone for one query, level for 32."""
         return self.bn * 3 // 2 if self.packed else 0
 
     @functools.cached_property  # read on every launch
