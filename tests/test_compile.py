@@ -9,6 +9,7 @@ other padded dims' kernels.
 from __future__ import annotations
 
 import concurrent.futures
+import glob
 import hashlib
 import json
 import multiprocessing
@@ -16,6 +17,7 @@ import os
 import pathlib
 import re
 import shutil
+import statistics
 
 import pytest
 
@@ -542,3 +544,29 @@ def test_int8_tokens_on_m_rule_matches_the_committed_sweep():
                  ("float16", 128, 1024, False, True, True, 1, 1024, False, True)):
         assert not dispatch.choose_forward(90, *args).tokm, args
     assert dispatch.choose_forward(90, "int8", 128, 1024, False, True, True, 1, 1024, True, True).tokm  # packed
+
+
+DOC_COST_SWEEPS = sorted(glob.glob(os.path.join(os.path.dirname(__file__), "..", "bench", "results",
+                                                "sweep_doc_cost_*.json")))
+
+
+def test_doc_cost_matches_the_committed_sweeps():
+    # The work a packed document counts for beside its tokens (FwdConfig.doc_cost, in tiles of the
+    # kernel's document tokens) is within 5% of the fastest variant measured on every corpus (median
+    # over the committed runs), and at least twice as fast as shares of tokens alone where the
+    # lengths drift along the corpus.
+    one, many = (dispatch.choose_forward(90, "float16", 128, 32, False, True, True, nq, 264, True) for nq in (1, 32))
+    tiles = one.doc_cost / one.bn
+    assert many.multi and many.doc_cost == many.bn * tiles  # the sweep's two kernels
+    runs: dict = {}
+    for path in DOC_COST_SWEEPS:
+        with open(path) as f:
+            for r in json.load(f)["rows"]:
+                runs.setdefault((r["case"], r["queries"]), {}).setdefault(r["variant"], []).append(r["us"])
+    assert len(DOC_COST_SWEEPS) >= 2 and len(runs) >= 8
+    chosen = f"{tiles:g} tiles"
+    for key, variants in runs.items():
+        med = {v: statistics.median(ts) for v, ts in variants.items() if v.endswith(" tiles")}
+        assert med[chosen] <= 1.05 * min(med.values()), (key, med)
+        if key[0].startswith("500 x 16, then"):
+            assert 2 * med[chosen] <= med["0 tiles"], (key, med)
