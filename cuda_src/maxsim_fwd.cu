@@ -434,6 +434,7 @@ struct Fwd {
     static __device__ __forceinline__ void first_docs_at(const Offsets& off, int n, i64 first, i64 work, i64 k, i64 x0,
                                                          i64 x1, int& j0, int& j1) {
         int lo0 = 0, hi0 = n, lo1 = 0, hi1 = n;
+        auto below = [&](int i, i64 x) { return off[i] + k * i < x; };  // document i's work position
         {
             auto window = [&](i64 x) -> int {
                 const i64 t = min(max(x, first), first + work) - first;
@@ -443,7 +444,7 @@ struct Fwd {
             const int w0 = window(x0), w1 = window(x1), wn = min(NT, n);
             const int i0 = w0 + (int)threadIdx.x, i1 = w1 + (int)threadIdx.x;
             const bool in = (int)threadIdx.x < wn;
-            const bool p0 = in && off[i0] + k * i0 < x0, p1 = in && off[i1] + k * i1 < x1;
+            const bool p0 = in && below(i0, x0), p1 = in && below(i1, x1);
             const int c0 = __syncthreads_count(p0), c1 = __syncthreads_count(p1);
             // Window entries 0..c-1 lie below x, entry c (if any) does not.
             if (c0) lo0 = w0 + c0;
@@ -454,7 +455,7 @@ struct Fwd {
         while (lo0 < hi0 || lo1 < hi1) {  // CTA-uniform: every bound comes from block-wide counts
             const int st0 = (hi0 - lo0 + NT - 1) / NT, st1 = (hi1 - lo1 + NT - 1) / NT;
             const int i0 = lo0 + (int)threadIdx.x * st0, i1 = lo1 + (int)threadIdx.x * st1;
-            const bool p0 = i0 < hi0 && off[i0] + k * i0 < x0, p1 = i1 < hi1 && off[i1] + k * i1 < x1;
+            const bool p0 = i0 < hi0 && below(i0, x0), p1 = i1 < hi1 && below(i1, x1);
             const int c0 = __syncthreads_count(p0), c1 = __syncthreads_count(p1);
             // Samples 0..c-1 lie below x, sample c (if any) does not.
             if (lo0 < hi0) {
