@@ -29,7 +29,7 @@ import torch
 import lik_cupy
 from lik_cupy import dispatch, forward
 from lik_cupy.device import device_properties
-from timing import packed_calls, per_call_ms  # bench/, the script's own directory
+from timing import count_mismatches, packed_calls, per_call_ms  # bench/, the script's own directory
 
 TILES = (0, 1, 1.5, 2, 3)  # doc_cost in tiles of the kernel's document tokens
 _doc_cost = dispatch.FwdConfig.doc_cost
@@ -71,15 +71,9 @@ def main():
         off_d = cp.asarray(off)
         ours, flash = packed_calls(torch, q, toks, off_d)
 
-        ref = None
-        for t in TILES:
-            use(t)
-            got = lik_cupy.maxsim_varlen(q, toks[0], off_d, validate_offsets=False)
-            if ref is None:
-                ref = got
-            elif not bool(cp.array_equal(got, ref)):
-                mismatches += 1
-                print(f"MISMATCH {case} {nq} q, doc_cost {t} tiles", flush=True)
+        mismatches += count_mismatches(cp, TILES, use,
+                                       lambda: lik_cupy.maxsim_varlen(q, toks[0], off_d, validate_offsets=False),
+                                       lambda t: f"{case} {nq} q, doc_cost {t} tiles")
         times = {f"{t} tiles": [] for t in TILES}
         with_flash = flash_maxsim is not None and nq == 1
         if with_flash:

@@ -21,7 +21,7 @@ import torch
 import lik_cupy
 from lik_cupy import dispatch
 from lik_cupy.device import device_properties
-from timing import per_call_ms  # bench/, the script's own directory
+from timing import count_mismatches, per_call_ms  # bench/, the script's own directory
 
 TARGETS = [32, 8, 16, 64, 128, None]  # the first is the reference
 
@@ -62,16 +62,9 @@ def main():
     saved = dispatch._DOCS_PER_CTA
     rows, mismatches = [], 0
     for name, fn, flops, n in cases(cp.random.default_rng(0)):
-        times, ref = {t: [] for t in TARGETS}, None
-        for t in TARGETS:  # results first: every target gives the same scores
-            set_target(t)
-            got = fn()
-            got = got[0] if isinstance(got, tuple) else got
-            if ref is None:
-                ref = got
-            elif not bool(cp.array_equal(got, ref)):
-                mismatches += 1
-                print(f"MISMATCH {name} target {t}", flush=True)
+        times = {t: [] for t in TARGETS}
+        # results first: every target gives the same scores
+        mismatches += count_mismatches(cp, TARGETS, set_target, fn, lambda t: f"{name} target {t}")
         for _ in range(3):
             for t in TARGETS:
                 set_target(t)

@@ -26,7 +26,7 @@ import torch
 import lik_cupy
 from lik_cupy import dispatch
 from lik_cupy.device import device_properties
-from timing import packed_calls, per_call_ms  # bench/, the script's own directory
+from timing import count_mismatches, packed_calls, per_call_ms  # bench/, the script's own directory
 
 _plan, _tma = dispatch.plan_launch, dispatch._wgmma_tma
 _stages, _cost = dict(dispatch._SHORT_WGMMA_STAGES), {k: dict(v) for k, v in dispatch._SHORT_WGMMA_COST.items()}
@@ -88,15 +88,9 @@ def main():
     ours, flash = packed_calls(torch, q, toks, off_d)
 
     vs = variants()
-    ref, mismatches = None, 0
-    for name, kw in vs:
-        force(**kw)
-        got = lik_cupy.maxsim_varlen(q, toks[0], off_d, validate_offsets=False)
-        if ref is None:
-            ref = got
-        elif not bool(cp.array_equal(got, ref)):
-            mismatches += 1
-            print(f"MISMATCH {name}", flush=True)
+    mismatches = count_mismatches(cp, vs, lambda v: force(**v[1]),
+                                  lambda: lik_cupy.maxsim_varlen(q, toks[0], off_d, validate_offsets=False),
+                                  lambda v: v[0])
     try:
         flash()
         have_flash = True

@@ -67,3 +67,20 @@ def packed_calls(torch, q, toks, off):
         return flash_maxsim.flash_maxsim(tq[0], ttoks[counter[0] % len(toks)], doc_lengths=toff)
 
     return ours, flash
+
+
+def count_mismatches(cp, variants, apply, call, label):
+    """For each variant in turn, ``apply(variant)`` then ``call()`` (a tuple result: its first
+    array); count and print the variants whose result is not bit for bit the first variant's.
+    ``label(variant)`` names a variant in the printed line."""
+    ref, mismatches = None, 0
+    for v in variants:
+        apply(v)
+        got = call()
+        got = got[0] if isinstance(got, tuple) else got
+        if ref is None:
+            ref = got
+        elif not bool(cp.array_equal(got, ref)):
+            mismatches += 1
+            print(f"MISMATCH {label(v)}", flush=True)
+    return mismatches
