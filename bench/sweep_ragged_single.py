@@ -46,8 +46,8 @@ def force(tile=None, grid_y=None, portable=False, tma=False):
     dispatch.choose_forward.cache_clear()
     os.environ["LIK_CUPY_DISABLE_WGMMA"] = "1" if portable else ""
 
-    def plan(cfg, cc, num_sms, nq, nd, lq, shared=1):
-        p = _plan(cfg, cc, num_sms, nq, nd, lq, shared)
+    def plan(cfg, cc, num_sms, nq, nd, lq, shared=1, ntok=0):
+        p = _plan(cfg, cc, num_sms, nq, nd, lq, shared, ntok)
         if grid_y is None:
             return p
         gy = grid_y if isinstance(grid_y, int) else int(float(grid_y[:-1]) * num_sms * dispatch.ctas_per_sm(cfg, cc))
