@@ -12,10 +12,17 @@ import functools
 
 import numpy as np
 
-from . import cpu, dispatch, interop
-from .checks import capturing
-from .device import allocating, device_properties, empty, gpu_available
-from .validate import Problem, check_32bit, check_argmax_values, check_backward
+from . import _cpu as cpu
+from . import _dispatch as dispatch
+from . import _interop as interop
+from ._dispatch.backend import check_backend, use_gpu
+from ._interop import device_array, host_array
+from ._runtime.device import allocating, device_properties, empty
+from ._runtime.device_checks import capturing
+from ._runtime.operands import device_offsets, host_offsets
+from ._validate import Problem, check_32bit, check_argmax_values, check_backward
+
+__all__ = ["maxsim_backward"]
 
 _METHODS = ("auto", "csr", "atomic")
 _ELEM = {"float16": 0, "bfloat16": 1, "float32": 2}
@@ -51,12 +58,9 @@ def maxsim_backward(grad_scores, Q, D, argmax, *, d_offsets=None, method="auto",
     """
     if method not in _METHODS:
         raise ValueError(f"method must be one of {_METHODS}, got {method!r}")
-    if backend not in ("auto", "gpu", "cpu"):
-        raise ValueError(f"backend must be one of ('auto', 'gpu', 'cpu'), got {backend!r}")
+    check_backend(backend)
     p = check_backward(grad_scores, Q, D, argmax, d_offsets)
-    on_gpu = backend == "gpu" or (backend == "auto" and (p.device is not None or gpu_available()))
-    if on_gpu and not gpu_available():
-        raise RuntimeError("backend='gpu' but no CUDA GPU is visible (CuPy could not find one)")
+    on_gpu = use_gpu(backend, p.device)
     q_shape, d_shape = interop.describe(Q).shape, interop.describe(D).shape
     if on_gpu:
         return _gpu(p, grad_scores, Q, D, argmax, d_offsets, method, validate, q_shape, d_shape)
@@ -73,7 +77,6 @@ def _doc_rows(p: Problem) -> int:
 
 
 def _cpu(p: Problem, g, Q, D, argmax, d_offsets, q_shape, d_shape):
-    from .forward import _host, host_offsets
 
     fw = p.framework
     g = interop.to_numpy(g, fw).reshape(p.nq, p.nd)
@@ -81,7 +84,7 @@ def _cpu(p: Problem, g, Q, D, argmax, d_offsets, q_shape, d_shape):
     d = interop.to_numpy(D, fw).reshape(_doc_rows(p), p.dim)
     a = interop.to_numpy(argmax, fw).reshape(p.nq, p.nd, p.lq).astype(np.int64)
     if p.d_packed:
-        off = host_offsets(_host(d_offsets, fw), p.ntok, "d_offsets")
+        off = host_offsets(host_array(d_offsets, fw), p.ntok, "d_offsets")
         start, limit = off[:-1][None, :, None], np.diff(off)[None, :, None]
     else:
         base = np.arange(p.nd)[None, :, None] + (np.arange(p.nq)[:, None, None] * p.nd if p.candidates else 0)
@@ -119,8 +122,7 @@ def _limit_words(p: Problem) -> str:
 def _gpu(p: Problem, g, Q, D, argmax, d_offsets, method, validate, q_shape, d_shape):
     import cupy
 
-    from .compile import get_module
-    from .forward import _dev_array, device_offsets
+    from ._runtime.nvrtc import get_module
 
     fw = p.framework
     on_host = p.device is None
@@ -131,13 +133,13 @@ def _gpu(p: Problem, g, Q, D, argmax, d_offsets, method, validate, q_shape, d_sh
     with interop.caller_stream(fw, device):
         with allocating("maxsim_backward: Q, D, grad_scores and argmax on the GPU", staged,
                         "pass them as device arrays (host arrays are copied over), or split the call"):
-            q = _dev_array(Q, fw, on_host).reshape(p.nq * p.lq, p.dim)
-            d = _dev_array(D, fw, on_host).reshape(rows, p.dim)
+            q = device_array(Q, fw, on_host).reshape(p.nq * p.lq, p.dim)
+            d = device_array(D, fw, on_host).reshape(rows, p.dim)
             gs = _grad_f32(g, fw, on_host, p)
-            a = _dev_array(argmax, fw, on_host).reshape(p.nq, p.nd, p.lq)
+            a = device_array(argmax, fw, on_host).reshape(p.nq, p.nd, p.lq)
         if p.dtype == "bfloat16":
             q, d = q.view(cupy.uint16), d.view(cupy.uint16)
-        off = device_offsets(_dev_array(d_offsets, fw, on_host), p.ntok, "d_offsets", validate,
+        off = device_offsets(device_array(d_offsets, fw, on_host), p.ntok, "d_offsets", validate,
                              wide=True) if p.d_packed else None
         if validate and a.size and not capturing():  # no host read inside graph capture (checks.py)
             limit = (off[1:] - off[:-1])[None, :, None] if off is not None else p.ld

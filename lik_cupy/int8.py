@@ -8,7 +8,7 @@ D exists, in HBM or in shared memory. A float Q is quantised on the device first
 same way. The result equals MaxSim of the dequantised inputs up to float32 rounding.
 
 Each call is validate (``validate.check_call`` / ``check_varlen`` with ``int8=True``,
-then ``check_int8_scales``), choose and launch (``forward._launch``, which picks the
+then ``check_int8_scales``), choose and launch (``lik_cupy._runtime.launch``, which picks the
 INT8 kernel from ``dispatch``), or the NumPy path (``cpu.maxsim_numpy`` with scales).
 """
 
@@ -16,12 +16,17 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import cpu, interop
-from .checks import DeviceChecks
-from .forward import (_BACKENDS, _caller_results, _dev_array, _host, _host_result, _launch, _use_gpu,
-                      device_offsets, device_valid, host_offsets, valid_host)
-from .quantize import quantize_cupy, quantize_numpy
-from .validate import Problem, check_call, check_int8_scales, check_varlen
+from . import _cpu as cpu
+from . import _interop as interop
+from ._cpu import quantize_numpy
+from ._dispatch.backend import check_backend, scoring_on_gpu
+from ._interop import caller_results, device_array, host_array, host_result
+from ._runtime.device_checks import DeviceChecks
+from ._runtime.launch import launch
+from ._runtime.operands import device_offsets, device_valid, host_offsets, valid_host
+from ._validate import Problem, check_call, check_int8_scales, check_varlen
+
+__all__ = ["maxsim_int8", "maxsim_int8_varlen"]
 
 
 def maxsim_int8(Q, D, d_scales, q_mask=None, d_mask=None, *, q_scales=None, q_lengths=None, d_lengths=None,
@@ -50,8 +55,7 @@ def maxsim_int8(Q, D, d_scales, q_mask=None, d_mask=None, *, q_scales=None, q_le
         semantics of :func:`lik_cupy.maxsim` (-inf for an empty document, 0 for a query with
         no valid token, NaN where a query token held NaN or inf).
     """
-    if backend not in _BACKENDS:
-        raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
+    check_backend(backend)
     p = check_call(Q, D, q_mask, d_mask, q_lengths, d_lengths, pairs=False, int8=True)
     q_int8 = check_int8_scales(p, Q, D, q_scales, d_scales)
     s, a = _score(p, Q, q_scales, q_int8, q_mask, q_lengths, D, d_scales, d_mask, d_lengths, None, False,
@@ -75,8 +79,7 @@ def maxsim_int8_varlen(Q, D_tokens, d_scales, d_offsets, q_mask=None, *, q_scale
         float32 ``[Nq, Nd]`` (``[Nd]`` for a 2-D Q), and the int32 argmax ``[Nq, Nd, Lq]``
         if asked, in the caller's framework and device.
     """
-    if backend not in _BACKENDS:
-        raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
+    check_backend(backend)
     p = check_varlen(Q, D_tokens, d_offsets, q_mask, q_lengths, None, int8=True)
     q_int8 = check_int8_scales(p, Q, D_tokens, q_scales, d_scales)
     s, a = _score(p, Q, q_scales, q_int8, q_mask, q_lengths, D_tokens, d_scales, None, None, d_offsets,
@@ -89,20 +92,20 @@ def _score(p: Problem, Q, q_scales, q_int8: bool, q_mask, q_lengths, D, d_scales
     """Scores and argmax (or None) of a validated call; documents padded, or packed when ``p.d_packed``."""
     fw = p.framework
     nrows = p.ntok if p.d_packed else p.nq * p.nd if p.candidates else p.nd
-    if not _use_gpu(p, backend):
+    if not scoring_on_gpu(p, backend):
         q, qs = _host_queries(p, Q, q_scales, q_int8)
         qv = valid_host(q_mask, q_lengths, p.nq, p.lq, "q_lengths", fw)
-        ds = np.asarray(_host(d_scales, fw), np.float32)
+        ds = np.asarray(host_array(d_scales, fw), np.float32)
         if p.d_packed:
-            doff = host_offsets(_host(d_offsets, fw), p.ntok, "d_offsets")
-            s, a = cpu.maxsim_packed_numpy(q, qv, _host(D, fw).reshape(p.ntok, p.dim), doff,
+            doff = host_offsets(host_array(d_offsets, fw), p.ntok, "d_offsets")
+            s, a = cpu.maxsim_packed_numpy(q, qv, host_array(D, fw).reshape(p.ntok, p.dim), doff,
                                            return_argmax=return_argmax, q_scale=qs, d_scale=ds.reshape(p.ntok))
         else:
             dv = valid_host(d_mask, d_lengths, nrows, p.ld, "d_lengths", fw)
-            s, a = cpu.maxsim_numpy(q, _host(D, fw).reshape(nrows, p.ld, p.dim), qv, dv, candidates=p.candidates,
+            s, a = cpu.maxsim_numpy(q, host_array(D, fw).reshape(nrows, p.ld, p.dim), qv, dv, candidates=p.candidates,
                                     nd=p.nd, return_argmax=return_argmax, q_scale=qs, d_scale=ds.reshape(nrows, p.ld))
-        return _host_result(s.reshape(p.scores_shape), p), (
-            _host_result(a.reshape(p.argmax_shape), p) if a is not None else None)
+        return host_result(s.reshape(p.scores_shape), p), (
+            host_result(a.reshape(p.argmax_shape), p) if a is not None else None)
 
     import cupy
 
@@ -111,17 +114,17 @@ def _score(p: Problem, Q, q_scales, q_int8: bool, q_mask, q_lengths, D, d_scales
     with DeviceChecks() as checks:
         with interop.caller_stream(fw, device):
             q, qs = _device_queries(p, Q, q_scales, q_int8, on_host)
-            d = _dev_array(D, fw, on_host)
-            ds = cupy.ascontiguousarray(_dev_array(d_scales, fw, on_host).reshape(-1), dtype=cupy.float32)
+            d = device_array(D, fw, on_host)
+            ds = cupy.ascontiguousarray(device_array(d_scales, fw, on_host).reshape(-1), dtype=cupy.float32)
             qm, ql = device_valid(q_mask, q_lengths, p.nq, p.lq, "q_lengths", fw, on_host, checks)
             if p.d_packed:
-                doff = device_offsets(_dev_array(d_offsets, fw, on_host), p.ntok, "d_offsets", validate_offsets, checks)
-                scores, amax = _launch(p, q, d.reshape(p.ntok, p.dim), qm, None, ql, None, return_argmax, device,
+                doff = device_offsets(device_array(d_offsets, fw, on_host), p.ntok, "d_offsets", validate_offsets, checks)
+                scores, amax = launch(p, q, d.reshape(p.ntok, p.dim), qm, None, ql, None, return_argmax, device,
                                        d_off=doff, ld_hint=-(-p.ntok // max(1, p.nd)), q_scale=qs, d_scale=ds)
             else:
                 dm, dl = device_valid(d_mask, d_lengths, nrows, p.ld, "d_lengths", fw, on_host, checks)
-                scores, amax = _launch(p, q, d, qm, dm, ql, dl, return_argmax, device, q_scale=qs, d_scale=ds)
-            results = _caller_results(p, scores, amax, on_host)
+                scores, amax = launch(p, q, d, qm, dm, ql, dl, return_argmax, device, q_scale=qs, d_scale=ds)
+            results = caller_results(p, scores, amax, on_host)
         checks.verify()  # last, while the scoring kernel runs (checks.py)
     return results
 
@@ -131,19 +134,21 @@ def _device_queries(p: Problem, Q, q_scales, q_int8: bool, on_host: bool):
     import cupy
 
     fw = p.framework
-    q = _dev_array(Q, fw, on_host)
+    q = device_array(Q, fw, on_host)
     if q_int8:
-        return q, cupy.ascontiguousarray(_dev_array(q_scales, fw, on_host).reshape(-1), dtype=cupy.float32)
+        return q, cupy.ascontiguousarray(device_array(q_scales, fw, on_host).reshape(-1), dtype=cupy.float32)
     dtype = interop.describe(Q).dtype
     if dtype == "bfloat16":
         q = q.view(cupy.uint16)
+    from ._runtime.quantize import quantize_cupy
+
     q8, qs = quantize_cupy(q, dtype)
     return q8, qs.reshape(-1)
 
 
 def _host_queries(p: Problem, Q, q_scales, q_int8: bool):
     """int8 queries [nq, lq, dim] and float32 scales [nq, lq] on the host."""
-    q = _host(Q, p.framework).reshape(p.nq, p.lq, p.dim)
+    q = host_array(Q, p.framework).reshape(p.nq, p.lq, p.dim)
     if not q_int8:
         return quantize_numpy(q, strict=False)  # NaN/inf tokens: scale NaN, as on the device
-    return q, np.asarray(_host(q_scales, p.framework), np.float32).reshape(p.nq, p.lq)
+    return q, np.asarray(host_array(q_scales, p.framework), np.float32).reshape(p.nq, p.lq)

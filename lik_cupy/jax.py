@@ -14,6 +14,8 @@ import jax
 from .backward import maxsim_backward
 from .forward import maxsim as _maxsim
 
+__all__ = ["maxsim"]
+
 
 def maxsim(Q, D, q_mask=None, d_mask=None, *, q_lengths=None, d_lengths=None, method="auto"):
     """``lik_cupy.maxsim`` on JAX arrays, differentiable in Q and D (eagerly).

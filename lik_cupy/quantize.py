@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import interop
-from .forward import _dev_array, _host_result
-from .validate import check_quantized
+from . import _interop as interop
+from ._cpu import quantize_numpy
+from ._dispatch.backend import use_gpu
+from ._interop import device_array, host_result
+from ._validate import check_quantized
 
-_BACKENDS = ("auto", "gpu", "cpu")
-_BLOCK_ROWS = 1 << 16  # NumPy path: tokens per block, so float32 temporaries stay small
+__all__ = ["quantize_int8", "dequantize_int8"]
 
 
 def quantize_int8(X, *, backend="auto"):
@@ -45,21 +46,23 @@ def quantize_int8(X, *, backend="auto"):
         raise TypeError(f"X has dtype {info.dtype}; expected float16, bfloat16, float32 or float64")
     if len(info.shape) < 1 or info.shape[-1] == 0:
         raise ValueError(f"X has shape {list(info.shape)}; expected [..., d] with an embedding dim d >= 1")
-    if _on_gpu(info, backend):
+    if use_gpu(backend, info.device, host_to_gpu=False):
         import cupy
 
         with interop.caller_stream(info.framework, _device(info)):
-            x = _dev_array(X, info.framework, info.device is None)
+            x = device_array(X, info.framework, info.device is None)
             dtype = info.dtype
             if dtype == "bfloat16":
                 x = x.view(cupy.uint16)  # the kernel reads bfloat16 as its 16-bit patterns
             elif dtype == "float64":
                 x, dtype = x.astype(cupy.float32), "float32"
+            from ._runtime.quantize import quantize_cupy
+
             q, s = quantize_cupy(x, dtype, check=True)
             on_host = info.device is None
             return interop.from_cupy(q, info.framework, on_host), interop.from_cupy(s, info.framework, on_host)
     q, s = quantize_numpy(interop.to_numpy(X, info.framework))
-    return _host_result(q, info), _host_result(s, info)
+    return host_result(q, info), host_result(s, info)
 
 
 def dequantize_int8(X_int8, scales, *, backend="auto"):
@@ -73,94 +76,17 @@ def dequantize_int8(X_int8, scales, *, backend="auto"):
         float32 ``[..., d]`` in the inputs' framework and on their device.
     """
     info = check_quantized("X_int8", X_int8, "scales", scales)
-    if _on_gpu(info, backend):
+    if use_gpu(backend, info.device, host_to_gpu=False):
         import cupy
 
         with interop.caller_stream(info.framework, _device(info)):
             on_host = info.device is None
-            q = _dev_array(X_int8, info.framework, on_host)
-            out = q.astype(cupy.float32) * _dev_array(scales, info.framework, on_host)[..., None]
+            q = device_array(X_int8, info.framework, on_host)
+            out = q.astype(cupy.float32) * device_array(scales, info.framework, on_host)[..., None]
             return interop.from_cupy(out, info.framework, info.device is None)
     q = interop.to_numpy(X_int8, info.framework)
     s = interop.to_numpy(scales, info.framework)
-    return _host_result(q.astype(np.float32) * s[..., None], info)
-
-
-def quantize_numpy(x: np.ndarray, *, strict: bool = True) -> tuple[np.ndarray, np.ndarray]:
-    """The NumPy quantiser: ``x [..., d]`` (any float dtype, ml_dtypes bfloat16 included)
-    -> int8 ``[..., d]`` and float32 ``[...]``. A token with NaN or inf raises ValueError, or
-    with ``strict=False`` gets scale NaN and q 0, as on the device."""
-    x = np.asarray(x)
-    if x.ndim < 1 or x.shape[-1] == 0:
-        raise ValueError(f"X has shape {list(x.shape)}; expected [..., d] with an embedding dim d >= 1")
-    d = x.shape[-1]
-    flat = x.reshape(-1, d)
-    q = np.empty(flat.shape, np.int8)
-    s = np.empty(flat.shape[0], np.float32)
-    for r0 in range(0, flat.shape[0], _BLOCK_ROWS):
-        blk = flat[r0 : r0 + _BLOCK_ROWS].astype(np.float32)
-        finite = np.isfinite(blk).all(axis=1)
-        if strict and not finite.all():
-            bad = r0 + int(np.argmin(finite))
-            where = np.unravel_index(bad, x.shape[:-1]) if x.ndim > 1 else ()
-            raise ValueError(f"X holds NaN or inf in token {tuple(int(i) for i in where)}; "
-                             "INT8 quantisation needs finite values")
-        amax = np.abs(blk).max(axis=1)
-        sc = np.where(finite, amax / np.float32(127), np.float32(np.nan))
-        div = np.where(sc > 0, sc, np.float32(1))
-        with np.errstate(invalid="ignore"):
-            q[r0 : r0 + _BLOCK_ROWS] = np.where(finite[:, None], np.clip(np.rint(blk / div[:, None]), -127, 127), 0)
-        s[r0 : r0 + _BLOCK_ROWS] = sc
-    return q.reshape(x.shape), s.reshape(x.shape[:-1])
-
-
-def quantize_cupy(x, dtype: str, *, check: bool = False):
-    """Quantise a C-contiguous CuPy array ``x [..., d]`` (float16/float32, or bfloat16 as its
-    uint16 bits with ``dtype="bfloat16"``) on the current stream.
-
-    Returns ``(q int8 [..., d], scales float32 [...])``. A token with NaN or inf gets scale
-    NaN (scores against it are NaN) and no host sync happens, unless ``check``: then one
-    sync, and ValueError naming the first such token.
-    """
-    import cupy
-
-    from .compile import get_module
-    from .device import device_properties
-    from .dispatch import ELEM_CODES, arch_of
-
-    x = cupy.ascontiguousarray(x)
-    d = x.shape[-1] if x.ndim else 0
-    rows = x.size // d if d else (int(np.prod(x.shape[:-1])) if x.ndim else 0)
-    q = cupy.empty(x.shape, cupy.int8)
-    s = cupy.zeros(x.shape[:-1], cupy.float32)
-    if rows == 0 or d == 0:
-        return q, s
-    bad = cupy.zeros((), cupy.int32)
-    device = x.device.id
-    defines = {"LIK_ELEM": ELEM_CODES[dtype]}
-    kern = get_module("quantize.cu", defines, arch_of(device_properties(device).cc), device,
-                      entry="lik_quantize_int8").get_function("lik_quantize_int8")
-    warps = 8
-    blocks = int(min(-(-rows // warps), 65535))
-    kern((blocks,), (warps * 32,), (x, q, s, np.int64(rows), np.int32(d), bad))
-    if check and int(bad.get()):
-        first = int(cupy.argmax(~cupy.isfinite(s.reshape(-1))).get())
-        where = np.unravel_index(first, x.shape[:-1])
-        raise ValueError(f"X holds NaN or inf in token {tuple(int(i) for i in where)}; "
-                         "INT8 quantisation needs finite values")
-    return q, s
-
-
-def _on_gpu(info: interop.Info, backend: str) -> bool:
-    if backend not in _BACKENDS:
-        raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
-    if backend == "gpu":
-        from .device import gpu_available
-
-        if not gpu_available():
-            raise RuntimeError("backend='gpu' but no CUDA GPU is visible (CuPy could not find one)")
-        return True
-    return backend == "auto" and info.device is not None
+    return host_result(q.astype(np.float32) * s[..., None], info)
 
 
 def _device(info: interop.Info) -> int:

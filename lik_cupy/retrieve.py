@@ -52,13 +52,20 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from . import cpu, dispatch, interop
-from .device import DeviceMemoryError
-from .forward import (_BACKENDS, _dev_array, _host, _launch, _use_gpu, device_offsets, device_valid, host_offsets,
-                      valid_host)
-from .pinned import span_page_locked
-from .validate import (Problem, _check_valid, check_call, check_length_values, check_scales, check_varlen,
-                       offsets_count)
+from . import _cpu as cpu
+from . import _dispatch as dispatch
+from . import _interop as interop
+from ._dispatch.backend import check_backend, scoring_on_gpu
+from ._interop import device_array, host_array
+from ._ranking import merge_ranked
+from ._runtime.launch import launch
+from ._runtime.operands import device_offsets, device_valid, host_offsets, valid_host
+from ._runtime.pinned import span_page_locked
+from ._validate import (Problem, check_call, check_length_values, check_scales, check_valid, check_varlen,
+                        offsets_count)
+from .errors import DeviceMemoryError
+
+__all__ = ["retrieve", "MAX_K"]
 
 MAX_K = 4096  # the merge kernel ranks up to this many candidates in shared memory
 # Scores per CTA in the first of a long chunk's two merge launches (one CTA per query spent
@@ -139,8 +146,7 @@ def retrieve(Q, D, k, q_mask=None, *, q_lengths=None, q_scales=None, d_offsets=N
         last. In Q's framework and on Q's device (NumPy Q: NumPy results). A query token
         holding NaN or inf makes its scores against an INT8 corpus NaN.
     """
-    if backend not in _BACKENDS:
-        raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
+    check_backend(backend)
     if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 1 <= k <= MAX_K:
         raise ValueError(f"k must be an integer in [1, {MAX_K}], got {k!r}")
     if max_gpu_bytes is not None and (not isinstance(max_gpu_bytes, (int, np.integer)) or max_gpu_bytes <= 0):
@@ -152,7 +158,7 @@ def retrieve(Q, D, k, q_mask=None, *, q_lengths=None, q_scales=None, d_offsets=N
         for part in parts:
             kind = _same_kind(kind, interop.describe(part.docs).dtype, part)
     squeeze = len(interop.describe(Q).shape) == 2
-    if _use_gpu(qp, backend):
+    if scoring_on_gpu(qp, backend):
         import cupy
 
         device = qp.device if qp.device is not None else cupy.cuda.runtime.getDevice()
@@ -228,10 +234,11 @@ def _query_problem(Q, q_mask, q_lengths, q_scales) -> Problem:
     if info.shape[-1] < 1:
         raise ValueError("Q has embedding dim 0; expected at least 1")
     check_scales("q_scales", q_scales, info, tuple(info.shape[:-1]), "one per query token")
-    q_valid = _check_valid("q", q_mask, q_lengths, info, info.shape[:-1], info.shape[:-2])
+    q_valid = check_valid("q", q_mask, q_lengths, info, info.shape[:-1], info.shape[:-2])
     nq, lq = (info.shape[0], info.shape[1]) if len(info.shape) == 3 else (1, info.shape[0])
-    return Problem(info.framework, info.device, "int8", nq, lq, 0, 0, info.shape[-1], False, (nq, 0), (nq, 0, lq),
-                   q_valid, None)
+    return Problem(framework=info.framework, device=info.device, dtype="int8", nq=nq, lq=lq, nd=0, ld=0,
+                   dim=info.shape[-1], candidates=False, scores_shape=(nq, 0), argmax_shape=(nq, 0, lq),
+                   q_valid=q_valid, d_valid=None)
 
 
 def _same_kind(kind: str | None, dtype: str, part: _Part) -> str:
@@ -284,35 +291,27 @@ def _int8_part_problem(qp: Problem, part: _Part, info: interop.Info) -> Problem:
     else:
         if len(info.shape) != 3:
             raise ValueError(f"a padded corpus must be [Nd, Ld, d]; got shape {list(info.shape)}")
-        d_valid = _check_valid("d", part.mask, part.lengths, info, info.shape[:-1], info.shape[:-2])
+        d_valid = check_valid("d", part.mask, part.lengths, info, info.shape[:-1], info.shape[:-2])
         nd, ld, ntok = info.shape[0], info.shape[1], 0
     dim = info.shape[-1]
     if dim != qp.dim:
         raise ValueError(f"corpus has dim {dim} but Q has dim {qp.dim}")
     check_scales(scales_name, part.scales, info, tuple(info.shape[:-1]), "one per document token",
                  f"{part.name}'s tokens")
-    return Problem(qp.framework, qp.device, "int8", qp.nq, qp.lq, nd, ld, dim, False, (qp.nq, nd),
-                   (qp.nq, nd, qp.lq), qp.q_valid, d_valid, part.packed, ntok)
-
-
-def _merge_host(run_s, run_i, s, base: int, k: int):
-    """NumPy merge with the kernel's order: score descending, NaN last, lower index first."""
-    idx = np.concatenate([run_i, base + np.broadcast_to(np.arange(s.shape[1], dtype=np.int64), s.shape)], axis=1)
-    sc = np.concatenate([run_s, s], axis=1)
-    nan = np.isnan(sc)
-    order = np.lexsort((idx, -np.where(nan, 0, sc), nan), axis=1)[:, :k]
-    return np.take_along_axis(sc, order, 1), np.take_along_axis(idx, order, 1)
+    return Problem(framework=qp.framework, device=qp.device, dtype="int8", nq=qp.nq, lq=qp.lq, nd=nd, ld=ld,
+                   dim=dim, candidates=False, scores_shape=(qp.nq, nd), argmax_shape=(qp.nq, nd, qp.lq),
+                   q_valid=qp.q_valid, d_valid=d_valid, d_packed=part.packed, ntok=ntok)
 
 
 class _Cpu:
     def __init__(self, Q, q_mask, q_lengths, q_scales, qp: Problem, k: int):
         fw = qp.framework
         self.qp, self.k = qp, k
-        self.q = _host(Q, fw).reshape(qp.nq, qp.lq, qp.dim)
+        self.q = host_array(Q, fw).reshape(qp.nq, qp.lq, qp.dim)
         self.qv = valid_host(q_mask, q_lengths, qp.nq, qp.lq, "q_lengths", fw)
         self.qs = None
         if q_scales is not None:
-            self.qs = _host(q_scales, fw).reshape(qp.nq, qp.lq)
+            self.qs = host_array(q_scales, fw).reshape(qp.nq, qp.lq)
         self.kind = None
         self.s = np.empty((qp.nq, 0), np.float32)
         self.i = np.empty((qp.nq, 0), np.int64)
@@ -321,7 +320,7 @@ class _Cpu:
     def _int8_queries(self) -> dict:
         """The int8 queries' scales for the NumPy path; float queries are quantized on the first call."""
         if self.qs is None:
-            from .quantize import quantize_numpy
+            from ._cpu import quantize_numpy
 
             # A token holding NaN or inf gets scale NaN (its scores are NaN), as on the device.
             self.q, self.qs = quantize_numpy(self.q, strict=False)
@@ -333,20 +332,20 @@ class _Cpu:
         fw = interop.framework_of(part.docs)
         int8 = p.dtype == "int8"
         q8 = self._int8_queries() if int8 else {}
-        scales = _host(part.scales, fw) if int8 else None
+        scales = host_array(part.scales, fw) if int8 else None
         step = 4096
         if part.packed:
-            tokens = _host(part.docs, fw)
-            off = host_offsets(_host(part.offsets, fw), p.ntok, "d_offsets")
+            tokens = host_array(part.docs, fw)
+            off = host_offsets(host_array(part.offsets, fw), p.ntok, "d_offsets")
             for a in range(0, p.nd, step):
                 b = min(p.nd, a + step)
                 kw = {**q8, "d_scale": scales} if int8 else {}  # [T]: read with the same offsets as the tokens
                 s, _ = cpu.maxsim_packed_numpy(self.q, self.qv, tokens, off[a:b + 1], return_argmax=False, **kw)
                 self._merge(s)
         else:
-            docs = _host(part.docs, fw)
-            mask = None if part.mask is None else _host(part.mask, fw)  # converted once, sliced per chunk
-            lens = None if part.lengths is None else _host(part.lengths, fw)
+            docs = host_array(part.docs, fw)
+            mask = None if part.mask is None else host_array(part.mask, fw)  # converted once, sliced per chunk
+            lens = None if part.lengths is None else host_array(part.lengths, fw)
             for a in range(0, p.nd, step):
                 b = min(p.nd, a + step)
                 dv = valid_host(None if mask is None else mask[a:b], None if lens is None else lens[a:b], b - a, p.ld,
@@ -357,7 +356,8 @@ class _Cpu:
                 self._merge(s)
 
     def _merge(self, s):
-        self.s, self.i = _merge_host(self.s, self.i, s, self.base, self.k)
+        pos = self.base + np.broadcast_to(np.arange(s.shape[1], dtype=np.int64), s.shape)
+        self.s, self.i = merge_ranked(self.s, self.i, s, pos, self.k)
         self.base += s.shape[1]
 
     def result(self):
@@ -449,13 +449,13 @@ class _Gpu:
         fw = qp.framework
         self.qp, self.k, self.budget, self.device = qp, k, max_gpu_bytes, device
         self.on_host_q = qp.device is None
-        q = _dev_array(Q, fw, self.on_host_q)
+        q = device_array(Q, fw, self.on_host_q)
         if qp.dtype == "bfloat16":
             q = q.view(cupy.uint16)
         self.q = q.reshape(qp.nq, qp.lq, qp.dim)
         self.qs = None  # float32 [nq * lq] scales of int8 queries
         if q_scales is not None:
-            self.qs = cupy.ascontiguousarray(_dev_array(q_scales, fw, self.on_host_q), dtype=cupy.float32).reshape(-1)
+            self.qs = cupy.ascontiguousarray(device_array(q_scales, fw, self.on_host_q), dtype=cupy.float32).reshape(-1)
         self.qm, self.ql = device_valid(q_mask, q_lengths, qp.nq, qp.lq, "q_lengths", fw, self.on_host_q)
         self.kind = None
         self.s = cupy.empty((qp.nq, 0), cupy.float32)
@@ -541,7 +541,7 @@ class _Gpu:
         ds = None if p.dtype != "int8" else interop.to_cupy(part.scales, fw).reshape(-1)
         c = self._chunk_docs(0, staged=False, spans=part.mask is not None)
         if part.packed:
-            off = device_offsets(_dev_array(part.offsets, fw, False), p.ntok, "d_offsets")
+            off = device_offsets(device_array(part.offsets, fw, False), p.ntok, "d_offsets")
             ld_hint = -(-p.ntok // p.nd)
 
             def run(start, c):
@@ -571,7 +571,7 @@ class _Gpu:
             self.scores = None  # hand the smaller buffer back before the larger one is allocated
             self.scores = cupy.empty(n, cupy.float32)
         kw = {"q_scale": self.qs, "d_scale": d_scale} if p.dtype == "int8" else {}
-        s, _ = _launch(p, self.q, d, self.qm, dm, self.ql, dl, False, self.device, d_off=d_off, ld_hint=ld_hint,
+        s, _ = launch(p, self.q, d, self.qm, dm, self.ql, dl, False, self.device, d_off=d_off, ld_hint=ld_hint,
                        d_off_whole=d_off_whole,
                        caller="retrieve",
                        out=self.scores[:n], **kw)
@@ -591,7 +591,7 @@ class _Gpu:
             kern = get_function("topk.cu", "lik_topk_merge", self.device)
             null = np.uint64(0)
 
-            def launch(rows, run_s, run_i, k_run, chunk, chunk_i, stride, n, groups, slice_, base, o_s, o_i, k):
+            def merge_kernel(rows, run_s, run_i, k_run, chunk, chunk_i, stride, n, groups, slice_, base, o_s, o_i, k):
                 kp = 1 << max(0, (k - 1).bit_length())
                 cache = k_run + min(n, slice_) <= _MERGE_CACHE  # every row's keys fit the kernel's cache
                 smem = kp * 12 + (_MERGE_CACHE * 4 if cache else 0)
@@ -608,11 +608,11 @@ class _Gpu:
                 k1 = self.k
                 win_s = cupy.empty((nq * groups, k1), cupy.float32)
                 win_i = cupy.empty((nq * groups, k1), cupy.int64)
-                launch(nq * groups, null, null, 0, s, null, nd, nd, groups, _MERGE_SLICE, self.base, win_s, win_i, k1)
-                launch(nq, self.s, self.i, k_run, win_s, win_i, groups * k1, groups * k1, 1, groups * k1, 0, out_s,
+                merge_kernel(nq * groups, null, null, 0, s, null, nd, nd, groups, _MERGE_SLICE, self.base, win_s, win_i, k1)
+                merge_kernel(nq, self.s, self.i, k_run, win_s, win_i, groups * k1, groups * k1, 1, groups * k1, 0, out_s,
                        out_i, k_out)
             else:
-                launch(nq, self.s, self.i, k_run, s, null, nd, nd, 1, nd, self.base, out_s, out_i, k_out)
+                merge_kernel(nq, self.s, self.i, k_run, s, null, nd, nd, 1, nd, self.base, out_s, out_i, k_out)
         self.s, self.i = out_s, out_i
         self.base += nd
 
@@ -621,19 +621,19 @@ class _Gpu:
     def _add_host(self, part: _Part, p: Problem):
         """Stream a host shard: host threads fill pinned buffers, a copy stream uploads, the caller's stream scores."""
         fw = interop.framework_of(part.docs)
-        src = {"docs": _host(part.docs, fw)}
+        src = {"docs": host_array(part.docs, fw)}
         if p.dtype == "bfloat16":  # staged and uploaded as raw 16-bit patterns
             src["docs"] = src["docs"].view(np.uint16)
         esize = {"float32": 4, "int8": 1}.get(p.dtype, 2)
         sbytes = 4 if p.dtype == "int8" else 0  # a float32 scale per token
         if p.dtype == "int8":
-            src["scales"] = _host(part.scales, fw)
+            src["scales"] = host_array(part.scales, fw)
         if part.packed:
-            src["off"] = host_offsets(_host(part.offsets, fw), p.ntok, "d_offsets")
+            src["off"] = host_offsets(host_array(part.offsets, fw), p.ntok, "d_offsets")
             c = self._chunk_docs(p.ntok / p.nd * (p.dim * esize + sbytes) + 8, staged=True)
         else:
-            mask = None if part.mask is None else _host(part.mask, fw)
-            lens = None if part.lengths is None else np.asarray(_host(part.lengths, fw)).reshape(p.nd)
+            mask = None if part.mask is None else host_array(part.mask, fw)
+            lens = None if part.lengths is None else np.asarray(host_array(part.lengths, fw)).reshape(p.nd)
             if lens is not None and lens.size:
                 check_length_values("d_lengths", int(lens.min()), int(lens.max()), p.ld)
             if mask is not None:

@@ -13,7 +13,7 @@ A shard is a directory of plain ``.npy`` files plus a manifest::
                               document's id is its position in the corpus)
 
 An INT8 shard (``"dtype": "int8"``) stores each token as d int8 values and one symmetric
-float32 scale (``lik_cupy.quantize.quantize_numpy``: scale = max|x| / 127, values in
+float32 scale (``lik_cupy.quantize``: scale = max|x| / 127, values in
 [-127, 127]; an all-zero token has scale 0), named in the manifest as
 ``"files": {..., "scales": "scales.npy"}``: d + 4 bytes per token against 2 d for
 float16. Its manifest says ``"version": 2`` so that readers older than INT8 refuse it
@@ -41,6 +41,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .errors import ShardError
+
+__all__ = ["layout_help", "open_npy", "embedding_dtype", "numpy_dtype", "read_lengths", "Shard", "check_scales",
+           "check_offsets", "check_ids", "read_manifest", "member_path", "open_shard", "open_input", "load_padded",
+           "ValueScan", "scan_values", "check_finite", "pack", "write_shard", "pack_arrays", "FORMAT", "VERSION",
+           "MANIFEST", "TOKENS", "OFFSETS", "IDS", "SCALES", "DTYPES", "INT8", "SHARD_DTYPES", "NORM_TOLERANCE",
+           "CHUNK_BYTES", "ShardError"]
+
 FORMAT = "lik-shard"
 VERSION = 2  # the newest version this reader reads
 # The version a shard is written with: the oldest that can read it. Float shards stay at 1,
@@ -66,17 +74,11 @@ _MAX_MANIFEST_BYTES = 1 << 20
 _NPY_MAGIC = b"\x93NUMPY"
 
 
-class ShardError(ValueError):
-    """A file or shard is missing, corrupt or inconsistent.
-
-    ``path`` names the file at fault and ``problem`` says what is wrong and what was
-    expected; ``str(err)`` is ``"<path>: <problem>"``.
-    """
-
-    def __init__(self, path: object, problem: str):
-        super().__init__(f"{path}: {problem}")
-        self.path = str(path)
-        self.problem = problem
+def layout_help() -> str:
+    """The shard layout drawn in this module's docstring, the one description of the format
+    (``lik --help`` shows it)."""
+    block = __doc__.split("::\n\n", 1)[1].split("\n\n", 1)[0]
+    return "\n".join(line[4:] for line in block.splitlines())
 
 
 # --------------------------------------------------------------------------- .npy files
@@ -642,7 +644,7 @@ def pack(source: Shard, path: str | os.PathLike, *, ids=None, model: str | None 
 
     Tokens are copied block by block (only valid rows of a padded layout), converted to
     ``dtype`` (None: keep the source's). ``dtype="int8"`` quantizes float tokens block by
-    block (``lik_cupy.quantize.quantize_numpy``: one float32 scale per token, stored in
+    block (``lik_cupy.quantize``: one float32 scale per token, stored in
     scales.npy; NaN or inf cannot be quantized and raise ShardError); an int8 source is
     copied as it is, or dequantized for a float ``dtype``. ``ids`` ([N] int64 or str)
     replace the source's ids. With ``check_finite`` a NaN or inf value raises ShardError
@@ -781,7 +783,7 @@ def _write(path, blocks, offsets: np.ndarray, ids, dim: int, source_dtype: str, 
             rows = slice(pos, pos + block.shape[0])
             if dtype == INT8:
                 if scales is None:
-                    from .quantize import quantize_numpy
+                    from ._cpu import quantize_numpy
 
                     block, scales = quantize_numpy(x32)
                 out[rows], out_scales[rows] = block, scales

@@ -25,6 +25,8 @@ from .backward import maxsim_backward
 from .forward import maxsim as _maxsim
 from .forward import maxsim_varlen as _maxsim_varlen
 
+__all__ = ["maxsim", "maxsim_varlen"]
+
 _disable = getattr(getattr(torch, "compiler", None), "disable", lambda f: f)
 
 

@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-import cli
+from lik_cupy import cli
+from lik_cupy._ranking import merge_ranked
 import lik_cupy
 from lik_cupy import shards
 
@@ -295,7 +296,7 @@ def test_merge_ranked_matches_a_full_sort(seed):
     perm = rng.permutation(n)  # parts arrive in any order of positions (several GPUs)
     vals, ids = np.empty((nq, 0), np.float32), np.empty((nq, 0), np.int64)
     for cut in np.array_split(perm, 3):
-        vals, ids = cli._merge_ranked(vals, ids, S[:, cut], np.broadcast_to(cut, (nq, cut.size)).astype(np.int64), min(k, n))
+        vals, ids = merge_ranked(vals, ids, S[:, cut], np.broadcast_to(cut, (nq, cut.size)).astype(np.int64), min(k, n))
     key = np.where(np.isnan(S), np.inf, -S)
     expect = np.array([np.lexsort((np.arange(n), key[q], np.isnan(S[q])))[: min(k, n)] for q in range(nq)])
     np.testing.assert_array_equal(ids, expect)
@@ -501,7 +502,7 @@ def test_info_without_gpu_or_cupy(monkeypatch):
 def quantized_reference(c: Corpus, int8_shards):
     """float64 scores of the INT8 corpus: dequantized stored tokens against the queries as the
     library quantizes them (per token, from their float32 values)."""
-    from lik_cupy.quantize import quantize_numpy
+    from lik_cupy._cpu import quantize_numpy
 
     q8, qs = quantize_numpy(np.load(c.q))
     Q = q8.astype(np.float64) * qs[..., None]

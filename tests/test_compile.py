@@ -21,8 +21,8 @@ import statistics
 
 import pytest
 
-from lik_cupy import compile as lc
-from lik_cupy import dispatch
+from lik_cupy._runtime import nvrtc as lc
+from lik_cupy import _dispatch as dispatch
 
 pytest.importorskip("cuda.bindings.nvrtc", reason="NVRTC (cuda-python) is not installed")
 
@@ -62,7 +62,7 @@ def _row_problems(r, cfg, arch) -> list[str]:
         return problems
     if r["dynamic_smem"] != cfg.smem_bytes:
         problems.append(f"{what}: dynamic smem {r['dynamic_smem']} != config's {cfg.smem_bytes}")
-    if cfg.smem_bytes + r["static_smem"] > dispatch._SMEM_PER_BLOCK[arch]:
+    if cfg.smem_bytes + r["static_smem"] > dispatch.SMEM_PER_BLOCK[arch]:
         problems.append(f"{what}: {cfg.smem_bytes} + {r['static_smem']} B smem over the sm_{arch} limit")
     if r["registers"] <= 0:  # reported above; no residency to compute
         return problems
@@ -273,7 +273,7 @@ def _dims(dtype, dims=DIMS):
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "int8"])
 def test_choose_forward_fits_shared_memory(cc, dtype):
     arch = dispatch.arch_of(cc)
-    limit = dispatch._SMEM_PER_BLOCK[arch]
+    limit = dispatch.SMEM_PER_BLOCK[arch]
     for dim in _dims(dtype):
         for lq in (1, 31, 32, 33, 64, 65, 128, 1000, 5000):
             for argmax in (False, True):
@@ -401,7 +401,7 @@ def test_plan_launch_token_split(nq, lq, nd, ntok):
                 plan = dispatch.plan_launch(cfg, cc, sms, nq, nd, lq, 1, ntok)
                 gx, gy, _ = plan.grid
                 resident = sms * dispatch.ctas_per_sm(cfg, cc)
-                shares = min(resident // gx, -(-ntok // (dispatch._SPLIT_MIN_TILES * cfg.bn)))
+                shares = min(resident // gx, -(-ntok // (dispatch.tables.SPLIT_MIN_TILES * cfg.bn)))
                 want = cfg.token_split and ntok > 0 and gx * 4 <= resident and nd * 4 <= resident // gx and shares > 1
                 assert plan.token_split == want, (cc, dtype, packed, plan)
                 if want:
@@ -453,14 +453,14 @@ def test_split_table_per_bucket_and_arch(cc):
                 c = dispatch.choose_forward(cc, "float16", dim, lq, False, True, wg)
                 hopper = wg and arch == 90 and lq > 64
                 arch_key, family = dispatch.split_family(arch, hopper, dim)
-                start = dispatch._SPLIT_FROM.get((arch_key, family, lq <= 64), dispatch._SPLIT_FROM_DEFAULT)
+                start = dispatch.tables.SPLIT_FROM.get((arch_key, family, lq <= 64), dispatch.tables.SPLIT_FROM_DEFAULT)
                 assert c.split == (dim > 512 or dim >= start), (cc, dim, lq, wg, c.name)
                 # short queries: one warpgroup on Hopper for rows of 128 or 256 bytes, and split-d
                 short = wg and arch == 90 and lq <= 64 and (dim in (64, 128) or c.split)
                 assert c.wgmma == (hopper or short), (cc, dim, lq, wg, c.name)
                 assert c.warps == 4 if short else True, (cc, dim, lq, wg, c.name)
     if arch not in (80, 86, 89, 90):  # unknown GPUs: split-d only where one-shot cannot run
-        assert all((arch, f, s) not in dispatch._SPLIT_FROM for f in ("mma", "wgmma") for s in (True, False))
+        assert all((arch, f, s) not in dispatch.tables.SPLIT_FROM for f in ("mma", "wgmma") for s in (True, False))
         assert not dispatch.choose_forward(cc, "float16", 512, 1024, False, True).split
 
 

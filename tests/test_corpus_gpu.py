@@ -348,7 +348,7 @@ def test_retrieve_halves_its_chunk_when_gpu_memory_runs_out(rng, pool_limit, lay
 
     import cupy
 
-    from lik_cupy.quantize import quantize_numpy
+    from lik_cupy._cpu import quantize_numpy
 
     # A long query (two tiles) also needs a partial-scores buffer, allocated inside the forward
     # (a DeviceMemoryError rather than CuPy's own error when it does not fit).

@@ -17,7 +17,10 @@ import numpy as np
 import pytest
 
 import lik_cupy
-from lik_cupy import cpu, forward
+from lik_cupy import _cpu as cpu
+from lik_cupy import forward
+from lik_cupy._dispatch import backend
+from lik_cupy._runtime import launch
 from reference import maxsim_ref, rel_err
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -361,7 +364,7 @@ def test_auto_falls_back_to_cpu_without_gpu(rng, monkeypatch):
     q, _ = _cast(_unit(rng, 2, 13, 24), "float16")
     d, _ = _cast(_unit(rng, 5, 17, 24), "float16")
     want = _cpu(q, d, return_argmax=True)
-    monkeypatch.setattr(forward, "gpu_available", lambda: False)
+    monkeypatch.setattr(backend, "gpu_available", lambda: False)
     got = lik_cupy.maxsim(q, d, return_argmax=True)
     assert isinstance(got[0], np.ndarray)
     np.testing.assert_array_equal(got[0], want[0])
@@ -405,7 +408,7 @@ def test_import_does_not_import_torch_jax_or_cupy(tmp_path):
 
 
 def test_forward_launch_packs_the_kernels_parameters_in_order():
-    # forward._launch_forward hands the driver raw parameter slots by _FWD_SIGNATURE: it must
+    # launch._launch_forward hands the driver raw parameter slots by _FWD_SIGNATURE: it must
     # name the forward kernel's parameters (the TMA descriptors after them aside) by C type, in
     # order, or every launch would read its arguments from the wrong slots.
     src = (REPO / "cuda_src" / "maxsim_fwd.cu").read_text()
@@ -415,5 +418,5 @@ def test_forward_launch_packs_the_kernels_parameters_in_order():
     for decl in (d.strip() for d in params.split(",") if d.strip()):
         ctype = decl.rsplit(None, 1)[0]
         kinds.append("p" if "*" in decl else {"long long": "q", "int": "i", "unsigned": "u"}.get(ctype, "?" + ctype))
-    assert "".join(kinds) == forward._FWD_SIGNATURE
-    assert forward._FWD_PARAMS.size == 8 * len(forward._FWD_SIGNATURE)
+    assert "".join(kinds) == launch._FWD_SIGNATURE
+    assert launch._FWD_PARAMS.size == 8 * len(launch._FWD_SIGNATURE)

@@ -166,7 +166,7 @@ def _span_masks(rng, nd, ld):
 def test_mask_spans_kernel(rng):
     import cupy
 
-    from lik_cupy.masks import mask_spans
+    from lik_cupy._runtime.masks import mask_spans
 
     for nd, ld in ((300, 131), (1, 1), (70_000, 3), (5, 1000)):
         mask, want = _span_masks(rng, nd, ld)

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 import lik_cupy
-from lik_cupy import cpu
-from lik_cupy.quantize import quantize_numpy
+from lik_cupy import _cpu as cpu
+from lik_cupy._cpu import quantize_numpy
 
 
 def _ragged(rng, nd, lo, hi, empty_frac=0.2):

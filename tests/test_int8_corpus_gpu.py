@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import lik_cupy
-from lik_cupy.quantize import quantize_numpy
+from lik_cupy._cpu import quantize_numpy
 from reference import maxsim_ref
 from test_corpus_gpu import _pad, _ragged, _ranked
 from test_forward_gpu import _cp, _np, _torch, _unit

@@ -217,7 +217,7 @@ def _tokm_picks(monkeypatch):
 def _on_hopper_with_tma() -> bool:
     import cupy
 
-    from lik_cupy.forward import tma_usable
+    from lik_cupy._runtime.launch import tma_usable
 
     return cupy.cuda.Device().compute_capability == "90" and tma_usable()
 

@@ -2,8 +2,8 @@
 
 Runs on a CPU-only machine.  The fresh venv gets its dependencies (numpy, click,
 ml_dtypes, and CuPy if present) from the running interpreter's site-packages through
-a ``.pth`` file, so nothing is downloaded; lik_cupy and cli.py themselves come only
-from the wheel (checked below).  A ``.pth`` line only adds a directory to sys.path:
+a ``.pth`` file, so nothing is downloaded; lik_cupy itself comes only from the wheel
+(checked below), and nothing named ``cli`` is installed at top level.  A ``.pth`` line only adds a directory to sys.path:
 ``.pth`` files inside it (e.g. an editable install of this repo) are not executed.
 """
 
@@ -95,13 +95,16 @@ def test_wheel_installs_and_scores(tmp_path):
     with zipfile.ZipFile(whl) as z:
         names = set(z.namelist())
         entry_points = next((z.read(n).decode() for n in names if n.endswith(".dist-info/entry_points.txt")), "")
-    assert "cli.py" in names
-    assert "lik_cupy/__init__.py" in names
-    kernel_sources = sorted(p.name for p in (REPO / "cuda_src").iterdir() if p.suffix in (".cu", ".cuh"))
+    assert "cli.py" not in names and not any(n.startswith("cli/") for n in names)
+    assert "lik_cupy/__init__.py" in names and "lik_cupy/cli.py" in names and "lik_cupy/__main__.py" in names
+    kernel_sources = sorted(str(p.relative_to(REPO / "cuda_src")) for p in (REPO / "cuda_src").rglob("*")
+                            if p.suffix in (".cu", ".cuh"))
     assert any(n.endswith(".cu") for n in kernel_sources) and any(n.endswith(".cuh") for n in kernel_sources)
     for n in kernel_sources:
         assert f"lik_cupy/cuda_src/{n}" in names, f"{n} missing from the wheel"
-    assert "lik = cli:main" in entry_points
+    for pkg in sorted({p.parent.relative_to(REPO).as_posix() for p in (REPO / "lik_cupy").rglob("*.py")}):
+        assert f"{pkg}/__init__.py" in names, f"package {pkg} missing from the wheel"
+    assert "lik = lik_cupy.cli:main" in entry_points
 
     py = _venv_python(tmp_path / "venv")
     _run([py, "-m", "pip", "install", "--no-deps", "--no-index", "--disable-pip-version-check", whl])
@@ -109,8 +112,9 @@ def test_wheel_installs_and_scores(tmp_path):
     work.mkdir()
 
     where = _run(
-        [py, "-c", "import cli, lik_cupy, importlib.resources as r; print(cli.__file__); print(lik_cupy.__file__);"
-         "print(sorted(p.name for p in r.files('lik_cupy.cuda_src').iterdir() if p.name.endswith(('.cu', '.cuh'))))"],
+        [py, "-c", "import lik_cupy.cli as c, lik_cupy, pathlib; print(c.__file__); print(lik_cupy.__file__);"
+         "r = pathlib.Path(lik_cupy.__file__).parent / 'cuda_src';"
+         "print(sorted(str(p.relative_to(r)) for p in r.rglob('*') if p.suffix in ('.cu', '.cuh')))"],
         cwd=work, env=env,
     ).stdout.splitlines()
     venv_root = str((tmp_path / "venv").resolve())
@@ -120,6 +124,8 @@ def test_wheel_installs_and_scores(tmp_path):
     lik = tmp_path / "venv" / BIN / "lik"
     h = _run([lik, "--help"], cwd=work, env=env).stdout
     assert "[Nq, Lq, d]" in h and "lik score" in h
+    m = _run([py, "-m", "lik_cupy", "--help"], cwd=work, env=env).stdout
+    assert "lik score" in m
 
     rng = np.random.default_rng(11)
     Q = rng.standard_normal((2, 5, 12)).astype(np.float32)

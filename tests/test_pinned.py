@@ -21,7 +21,7 @@ def test_pin_host_refuses_non_numpy_and_strided():
 
 
 def test_pin_host_without_gpu_locks_nothing(monkeypatch):
-    from lik_cupy import device
+    from lik_cupy._runtime import device
 
     monkeypatch.setattr(device, "gpu_available", lambda: False)
     with lik_cupy.pin_host(np.zeros((4, 8), np.float16)) as p:
@@ -51,7 +51,7 @@ def _corpus(rng, nd=700, ld=83, dim=128):
 
 @pytest.mark.gpu
 def test_pinned_padded_corpus_uploads_in_place_and_matches(rng, staged_copies):
-    from lik_cupy.pinned import span_page_locked
+    from lik_cupy._runtime.pinned import span_page_locked
 
     q, d, lens = _corpus(rng)
     want_s, want_i = lik_cupy.retrieve(_cp(q), d, 50, d_lengths=lens, max_gpu_bytes=BUDGET)
@@ -89,7 +89,7 @@ def test_pinned_packed_and_int8_corpora_match(rng, staged_copies):
 
 @pytest.mark.gpu
 def test_pinned_read_only_memmap(rng, tmp_path, staged_copies):
-    from lik_cupy.pinned import span_page_locked
+    from lik_cupy._runtime.pinned import span_page_locked
 
     q, d, lens = _corpus(rng, nd=300)
     np.save(tmp_path / "docs.npy", d)
@@ -108,7 +108,7 @@ def test_pinned_read_only_memmap(rng, tmp_path, staged_copies):
 def test_partly_locked_or_owner_locked_memory(rng, staged_copies):
     import cupyx
 
-    from lik_cupy.pinned import span_page_locked
+    from lik_cupy._runtime.pinned import span_page_locked
 
     q, d, lens = _corpus(rng, nd=400)
     want_s, want_i = lik_cupy.retrieve(_cp(q), d, 30, d_lengths=lens, max_gpu_bytes=BUDGET)

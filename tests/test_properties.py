@@ -1026,9 +1026,9 @@ def gpu_kernels():
 
     import cupy
 
-    from lik_cupy import compile as lc
+    from lik_cupy._runtime import nvrtc as lc
     from lik_cupy import dispatch
-    from lik_cupy.device import device_properties
+    from lik_cupy._runtime.device import device_properties
 
     cc = device_properties(cupy.cuda.runtime.getDevice()).cc
     arch = dispatch.arch_of(cc)

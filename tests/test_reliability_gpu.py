@@ -382,13 +382,14 @@ class _Counted:
 def test_cold_start_from_many_threads_compiles_each_kernel_once(tmp_path, monkeypatch):
     import cupy
 
-    from lik_cupy import compile as lc
-    from lik_cupy import forward
+    from lik_cupy._runtime import launch
+
+    from lik_cupy._runtime import nvrtc as lc
 
     monkeypatch.setenv("LIK_CUPY_CACHE_DIR", str(tmp_path))  # an empty disk cache
     monkeypatch.setattr(lc, "_modules", collections.OrderedDict())
     monkeypatch.setattr(lc, "_key_locks", {})
-    monkeypatch.setattr(forward, "_kernels", {})
+    monkeypatch.setattr(launch, "_kernels", {})
     nvrtc = _Counted(lc.nvrtc_compile)
     monkeypatch.setattr(lc, "nvrtc_compile", nvrtc)
     rng = np.random.default_rng(3)
@@ -508,8 +509,9 @@ def test_10000_mixed_calls_leave_memory_and_caches_flat():
     over the second 5,000 calls, i.e. under ~3 KB per call) and the kernel caches unchanged."""
     import concurrent.futures
 
-    from lik_cupy import compile as lc
-    from lik_cupy import forward
+    from lik_cupy._runtime import launch
+
+    from lik_cupy._runtime import nvrtc as lc
 
     torch = _torch()
     calls = _templates(np.random.default_rng(10))
@@ -519,7 +521,7 @@ def test_10000_mixed_calls_leave_memory_and_caches_flat():
         for _, call in calls:
             call()
     base = _memory(torch)
-    caches = (len(lc._modules), len(forward._kernels))
+    caches = (len(lc._modules), len(launch._kernels))
     series = []
     t0 = time.perf_counter()
     n = 10_000
@@ -540,7 +542,7 @@ def test_10000_mixed_calls_leave_memory_and_caches_flat():
     assert end["cupy_pool_total"] - base["cupy_pool_total"] <= 64 << 20, (base, end)
     assert end["torch_allocated"] == base["torch_allocated"], (base, end)
     assert end["rss"] - base["rss"] <= 64 << 20 and end["rss"] - half["rss"] <= 16 << 20, series
-    assert (len(lc._modules), len(forward._kernels)) == caches and caches[0] <= lc._MEMORY_CACHE_SIZE
+    assert (len(lc._modules), len(launch._kernels)) == caches and caches[0] <= lc._MEMORY_CACHE_SIZE
 
 
 # ---------------------------------------------------------------- determinism
@@ -627,7 +629,9 @@ def test_retrieve_without_queries_returns_empty_results():
 def test_failed_launch_names_the_kernel_and_the_library_recovers(monkeypatch):
     import cupy
 
-    from lik_cupy import backward, dispatch
+    from lik_cupy import _dispatch as dispatch
+
+    from lik_cupy import backward
 
     rng = np.random.default_rng(4)
     Q = cupy.asarray(rng.standard_normal((2, 30, 64)).astype(np.float16))

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from lik_cupy import shards
-from lik_cupy.shards import ShardError
+from lik_cupy.errors import ShardError
 
 DIM = 12
 
@@ -421,7 +421,7 @@ def test_nan_in_padding_is_not_a_value(tmp_path):
 
 def quantized(x):
     """The reference quantizer, on float32 values: what an INT8 shard must hold."""
-    from lik_cupy.quantize import quantize_numpy
+    from lik_cupy._cpu import quantize_numpy
 
     return quantize_numpy(np.asarray(x).astype(np.float32))
 
@@ -477,7 +477,7 @@ def test_int8_normalized_is_measured_on_the_stored_values(tmp_path):
 
 def test_int8_quantizes_block_by_block(tmp_path, monkeypatch):
     """Packing never quantizes the whole corpus at once, and blocks give the same bytes as one pass."""
-    from lik_cupy import quantize
+    from lik_cupy import _cpu as quantize
 
     lengths = [5, 0, 40, 3, 22, 9, 1, 30]
     docs = ragged(np.random.default_rng(12), lengths)
@@ -520,7 +520,7 @@ def test_int8_convert_back_and_forth(tmp_path):
 
 
 def test_int8_write_failures_leave_nothing(tmp_path, monkeypatch):
-    from lik_cupy import quantize
+    from lik_cupy import _cpu as quantize
 
     docs = ragged(np.random.default_rng(13), [2, 3, 4])
     tokens, off = np.concatenate(docs), offsets_of(docs)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import lik_cupy
-from lik_cupy import dispatch
+from lik_cupy import _dispatch as dispatch
 
 pytestmark = pytest.mark.gpu
 

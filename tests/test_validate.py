@@ -10,7 +10,11 @@ import numpy as np
 import pytest
 
 import lik_cupy
-from lik_cupy import cpu, dispatch, forward
+from lik_cupy import _cpu as cpu
+from lik_cupy import _dispatch as dispatch
+from lik_cupy import forward
+from lik_cupy._dispatch import backend
+from lik_cupy._runtime import launch
 
 E = re.escape
 
@@ -80,7 +84,7 @@ def test_dim_zero():
 
 
 def test_gpu_dim_limit_before_any_launch(monkeypatch):
-    monkeypatch.setattr(forward, "gpu_available", lambda: True)
+    monkeypatch.setattr(backend, "gpu_available", lambda: True)
     wide = dispatch.MAX_DIM + 8
     with pytest.raises(ValueError, match=rf"dim {wide}; the GPU kernels support dim up to {dispatch.MAX_DIM}"):
         ms(f16(2, 3, wide), f16(4, 5, wide), backend="gpu")
@@ -287,7 +291,7 @@ def test_bad_backend(bad):
 
 
 def test_backend_gpu_without_gpu(monkeypatch):
-    monkeypatch.setattr(forward, "gpu_available", lambda: False)
+    monkeypatch.setattr(backend, "gpu_available", lambda: False)
     with pytest.raises(RuntimeError, match="backend='gpu' but no CUDA GPU is visible"):
         ms(f16(2, 3, 16), f16(4, 5, 16), backend="gpu")
     with pytest.raises(RuntimeError, match="backend='gpu' but no CUDA GPU is visible"):
@@ -295,7 +299,7 @@ def test_backend_gpu_without_gpu(monkeypatch):
 
 
 def test_argument_errors_come_before_the_backend_check(monkeypatch):
-    monkeypatch.setattr(forward, "gpu_available", lambda: False)
+    monkeypatch.setattr(backend, "gpu_available", lambda: False)
     with pytest.raises(ValueError, match="D has dim 8 but Q has dim 16"):
         ms(f16(2, 3, 16), f16(4, 5, 8), backend="gpu")
 
@@ -307,7 +311,7 @@ def test_valid_calls_reach_scoring():
 
 
 def test_32bit_extents_named_in_the_error():
-    from lik_cupy.validate import check_32bit
+    from lik_cupy._validate import check_32bit
 
     check_32bit(Nq=2**31 - 1, grid=1)
     with pytest.raises(ValueError, match=r"grid = 2147483648 does not fit the kernel's 32-bit index; split the call"):

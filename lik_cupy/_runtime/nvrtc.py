@@ -24,7 +24,9 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import __version__
+from .. import __version__
+from ..errors import CompileError
+from . import env
 
 _INCLUDE = re.compile(r'^\s*#\s*include\s*"([^"]+)"', re.M)
 _MEMORY_CACHE_SIZE = 256
@@ -33,7 +35,7 @@ _MEMORY_CACHE_SIZE = 256
 def source_dir() -> Path:
     """Directory holding the ``.cu``/``.cuh`` sources (installed wheel or source tree)."""
     here = Path(__file__).resolve().parent
-    for cand in (here / "cuda_src", here.parent / "cuda_src"):
+    for cand in (here.parent / "cuda_src", here.parent.parent / "cuda_src"):
         if (cand / "maxsim_fwd.cu").is_file():
             return cand
     raise FileNotFoundError(f"kernel sources not found next to {here} (looked for cuda_src/maxsim_fwd.cu)")
@@ -41,9 +43,9 @@ def source_dir() -> Path:
 
 def cache_dir() -> Path:
     """On-disk kernel cache (``LIK_CUPY_CACHE_DIR`` overrides the default)."""
-    env = os.environ.get("LIK_CUPY_CACHE_DIR")
-    if env:
-        return Path(env)
+    override = env.cache_dir_override()
+    if override:
+        return Path(override)
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "lik_cupy" / "kernels"
 
@@ -68,10 +70,6 @@ def source_digest(name: str) -> str:
 
     visit(name)
     return h.hexdigest()
-
-
-class CompileError(RuntimeError):
-    """NVRTC rejected a kernel; the message carries the compiler log."""
 
 
 def nvrtc_version() -> tuple[int, int]:
@@ -260,7 +258,7 @@ def get_function(name: str, entry: str, device_id: int):
     fn = _functions.get(key)
     if fn is None:
         from .device import device_properties
-        from .dispatch import arch_of
+        from .._dispatch import arch_of
 
         mod = get_module(name, {}, arch_of(device_properties(device_id).cc), device_id, entry=entry)
         fn = _functions[key] = mod.get_function(entry)
@@ -285,7 +283,7 @@ def check_all(archs=None, configs=None) -> list[dict]:
     dynamic shared memory (``lik_sum_partials``, the top-k merge, the value checks, the mask spans,
     the INT8 quantiser and the backward kernels once per architecture). Raises ``CompileError`` if any kernel fails.
     """
-    from .dispatch import SUPPORTED_ARCHS, all_forward_configs
+    from .._dispatch import SUPPORTED_ARCHS, all_forward_configs
 
     rows = []
     for arch in archs or SUPPORTED_ARCHS:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from . import dispatch
+from .. import _dispatch as dispatch
 from .device import device_properties
 
 
@@ -23,8 +23,8 @@ def warmup(dims=(128,), dtypes=("float16", "bfloat16"), query_lengths=(32, 1024)
     """
     import cupy
 
-    from .compile import get_module
-    from .forward import tma_usable
+    from .launch import tma_usable
+    from .nvrtc import get_module
 
     dev = cupy.cuda.runtime.getDevice() if device is None else int(device)
     cc = device_properties(dev).cc

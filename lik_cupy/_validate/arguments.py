@@ -12,12 +12,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .interop import FLOAT_DTYPES, Info, describe
+from .._interop import FLOAT_DTYPES, Info, describe
 
 _INT_DTYPES = ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Problem:
     """A validated call, in canonical shapes: Q [nq, lq, dim], D [nsets * nd, ld, dim]."""
 
@@ -106,10 +106,11 @@ def check_call(Q, D, q_mask, d_mask, q_lengths, d_lengths, *, pairs: bool, int8:
         scores_shape = tuple(q.shape[:-2]) + tuple(d.shape[1:-2] if candidates else d.shape[:-2])
     argmax_shape = scores_shape + (lq,)
 
-    q_valid = _check_valid("q", q_mask, q_lengths, q, q.shape[:-1], q.shape[:-2])
-    d_valid = _check_valid("d", d_mask, d_lengths, q, d.shape[:-1], d.shape[:-2])
-    return Problem(q.framework, q.device, d.dtype if int8 else q.dtype, nq, lq, nd, ld, dim, candidates, scores_shape,
-                   argmax_shape, q_valid, d_valid)
+    q_valid = check_valid("q", q_mask, q_lengths, q, q.shape[:-1], q.shape[:-2])
+    d_valid = check_valid("d", d_mask, d_lengths, q, d.shape[:-1], d.shape[:-2])
+    return Problem(framework=q.framework, device=q.device, dtype=d.dtype if int8 else q.dtype, nq=nq, lq=lq,
+                   nd=nd, ld=ld, dim=dim, candidates=candidates, scores_shape=scores_shape,
+                   argmax_shape=argmax_shape, q_valid=q_valid, d_valid=d_valid)
 
 
 def check_varlen(Q, D, d_offsets, q_mask, q_lengths, q_offsets, *, int8: bool = False) -> Problem:
@@ -138,15 +139,19 @@ def check_varlen(Q, D, d_offsets, q_mask, q_lengths, q_offsets, *, int8: bool = 
             raise ValueError(f"with q_offsets, Q must be packed tokens [Tq, d]; got shape {list(q.shape)}")
         nq = offsets_count("q_offsets", q_offsets, q)
         scores_shape = (nq, nd)
-        return Problem(q.framework, q.device, d.dtype if int8 else q.dtype, nq, 0, nd, 0, dim, False, scores_shape, scores_shape + (0,),
-                       "offsets", "offsets", True, d.shape[0])
+        return Problem(framework=q.framework, device=q.device, dtype=d.dtype if int8 else q.dtype, nq=nq, lq=0,
+                       nd=nd, ld=0, dim=dim, candidates=False, scores_shape=scores_shape,
+                       argmax_shape=scores_shape + (0,), q_valid="offsets", d_valid="offsets", d_packed=True,
+                       ntok=d.shape[0])
     if len(q.shape) not in (2, 3):
         raise ValueError(f"Q must be [Nq, Lq, d] or [Lq, d] (or packed [Tq, d] with q_offsets); got shape {list(q.shape)}")
     nq, lq = (q.shape[0], q.shape[1]) if len(q.shape) == 3 else (1, q.shape[0])
     scores_shape = tuple(q.shape[:-2]) + (nd,)
-    q_valid = _check_valid("q", q_mask, q_lengths, q, q.shape[:-1], q.shape[:-2])
-    return Problem(q.framework, q.device, d.dtype if int8 else q.dtype, nq, lq, nd, 0, dim, False, scores_shape,
-                   scores_shape + (lq,), q_valid, "offsets", True, d.shape[0])
+    q_valid = check_valid("q", q_mask, q_lengths, q, q.shape[:-1], q.shape[:-2])
+    return Problem(framework=q.framework, device=q.device, dtype=d.dtype if int8 else q.dtype, nq=nq, lq=lq,
+                   nd=nd, ld=0, dim=dim, candidates=False, scores_shape=scores_shape,
+                   argmax_shape=scores_shape + (lq,), q_valid=q_valid, d_valid="offsets", d_packed=True,
+                   ntok=d.shape[0])
 
 
 def offsets_count(name: str, offsets, q: Info) -> int:
@@ -232,7 +237,7 @@ def _where(dev) -> str:
     return "the host" if dev is None else f"cuda:{dev}"
 
 
-def _check_valid(side: str, mask, lengths, q: Info, mask_shape, len_shape) -> str | None:
+def check_valid(side: str, mask, lengths, q: Info, mask_shape, len_shape) -> str | None:
     what = "Q" if side == "q" else "D"
     if mask is not None and lengths is not None:
         raise ValueError(f"pass either {side}_mask or {side}_lengths, not both")

@@ -23,7 +23,7 @@ import threading
 
 import numpy as np
 
-from .validate import check_length_values, check_offset_values
+from .._validate import check_length_values, check_offset_values
 
 _MAX_CHECKS = 4  # q_lengths, d_lengths, d_offsets (and a spare)
 _THREADS = 1024
@@ -103,7 +103,7 @@ class DeviceChecks:
     def _launch(self, entry: str, args) -> None:
         import cupy
 
-        from .compile import get_function
+        from .nvrtc import get_function
 
         kern = get_function("checks.cu", entry, cupy.cuda.runtime.getDevice())
         with self._side.stream:

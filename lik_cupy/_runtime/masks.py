@@ -19,7 +19,7 @@ def mask_spans(mask, device: int):
     ``n`` one past its last valid token."""
     import cupy
 
-    from .compile import get_function
+    from .nvrtc import get_function
 
     rows, length = mask.shape
     out = cupy.empty(rows, cupy.int32)

@@ -327,3 +327,48 @@ def _torch_malloc(size: int):
     except torch.cuda.OutOfMemoryError as e:
         raise cupy.cuda.memory.OutOfMemoryError(int(size), 0) from e
     return cupy.cuda.MemoryPointer(cupy.cuda.UnownedMemory(t.data_ptr(), int(size), t, device), 0)
+
+
+# ---------------------------------------------------------------- arguments and results of a call
+
+
+def host_array(x, fw: str) -> np.ndarray:
+    """An argument on the host: lists and ints as NumPy, arrays through ``to_numpy``."""
+    if isinstance(x, (list, tuple, int, np.integer)):
+        return np.asarray(x)
+    return to_numpy(x, fw)
+
+
+def host_result(a: np.ndarray, p):
+    """A CPU-path result in the caller's framework and on the caller's device (``p``: anything with
+    ``.device`` and ``.framework``, a ``Problem`` or an ``Info``)."""
+    if p.device is None:
+        return from_numpy(a, p.framework)
+    import cupy  # device inputs forced onto the CPU path: hand results back on their device
+
+    with cupy.cuda.Device(p.device):
+        return from_cupy(cupy.asarray(a), p.framework, on_host=False)
+
+
+def device_array(x, fw: str, on_host: bool):
+    """An argument as a CuPy array on the current device (host arrays are copied up)."""
+    import cupy
+
+    from .._runtime.device import allocating
+
+    if isinstance(x, (list, tuple, int, np.integer)):
+        return cupy.asarray(np.asarray(x))
+    if not on_host:
+        return to_cupy(x, fw)
+    h = to_numpy(x, fw)
+    with allocating(f"host array {list(h.shape)} {h.dtype} copied to the GPU", h.nbytes,
+                    "pass device arrays, or split the call"):
+        return cupy.asarray(h)
+
+
+def caller_results(p, scores, amax, on_host: bool):
+    """Scores (and argmax) of problem ``p`` in the caller's framework and shapes."""
+    scores = from_cupy(scores.reshape(p.scores_shape), p.framework, on_host)
+    if amax is not None:
+        amax = from_cupy(amax.reshape(p.argmax_shape), p.framework, on_host)
+    return scores, amax

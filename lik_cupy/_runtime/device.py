@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..errors import DeviceMemoryError
+
 
 @functools.lru_cache(maxsize=1)
 def gpu_available() -> bool:
@@ -39,15 +41,6 @@ def device_properties(device: int) -> DeviceProps:
 
 
 _CUDA_ERROR_MEMORY_ALLOCATION = 2  # cudaErrorMemoryAllocation
-
-
-class DeviceMemoryError(MemoryError):
-    """A GPU buffer did not fit. The message names the buffer, its size, the memory left and
-    what to do; ``buffer``, ``nbytes`` and ``device`` carry the same for programs."""
-
-    def __init__(self, message: str, buffer: str, nbytes: int, device: int):
-        super().__init__(message)
-        self.buffer, self.nbytes, self.device = buffer, nbytes, device
 
 
 @contextlib.contextmanager

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import threading
 
-from .dispatch import SPLIT_MAX_CTAS as COUNTS  # counts per parity: one per CTA at most
+from .._dispatch.tables import SPLIT_MAX_CTAS as COUNTS  # counts per parity: one per CTA at most
 
 _MAX_STREAMS = 64  # buffers kept; past that the least recently used is dropped
 _buffers: dict = {}  # (device, stream handle) -> _Scratch

@@ -1,0 +1,41 @@
+"""Where a call runs: the one resolution of ``backend="auto" | "gpu" | "cpu"`` every public
+function shares."""
+
+from __future__ import annotations
+
+from .._runtime.device import gpu_available
+from .config import MAX_DIM, MAX_DIM_INT8, int8_dim_ok
+
+__all__ = ["BACKENDS", "check_backend", "use_gpu", "scoring_on_gpu"]
+
+BACKENDS = ("auto", "gpu", "cpu")
+
+
+def check_backend(backend) -> None:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+
+
+def use_gpu(backend: str, device: int | None, *, host_to_gpu: bool = True) -> bool:
+    """Whether a call runs on the GPU. ``"gpu"`` always (a GPU must be visible), ``"cpu"`` never,
+    ``"auto"`` for device arrays (``device`` is their ordinal) and, with ``host_to_gpu``, for host
+    arrays too when a GPU is present."""
+    check_backend(backend)
+    if backend == "cpu":
+        return False
+    if backend == "auto" and device is None and not (host_to_gpu and gpu_available()):
+        return False
+    if not gpu_available():
+        raise RuntimeError("backend='gpu' but no CUDA GPU is visible (CuPy could not find one)")
+    return True
+
+
+def scoring_on_gpu(p, backend: str) -> bool:
+    """``use_gpu`` for a scoring problem (a ``Problem``), refusing dims the GPU kernels lack."""
+    on_gpu = use_gpu(backend, p.device)
+    if on_gpu and p.dtype == "int8" and not int8_dim_ok(p.dim):
+        raise ValueError(f"Q and D have dim {p.dim}; the INT8 kernels need a multiple of 16 up to "
+                         f"{MAX_DIM_INT8} (backend='cpu' takes any dim)")
+    if on_gpu and p.dim > MAX_DIM:
+        raise ValueError(f"Q and D have dim {p.dim}; the GPU kernels support dim up to {MAX_DIM} (backend='cpu' has no limit)")
+    return on_gpu

@@ -1,0 +1,178 @@
+"""Kernel configuration: what one compiled forward variant is, and the per-architecture facts
+(shared memory, supported dims) that bound which variants can run."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+__all__ = ["SUPPORTED_ARCHS", "SMEM_PER_BLOCK", "SMEM_PER_SM", "ELEM_CODES", "ELEM_SIZES", "MAX_DIM", "MAX_DIM_INT8",
+           "DIM_BUCKETS", "FwdConfig", "int8_dim_ok", "padded_dim", "dim_bucket", "one_shot_bucket", "arch_of"]
+
+# Architectures we build machine code for (compute capability * 10).
+SUPPORTED_ARCHS = (80, 86, 89, 90)
+
+# Largest dynamic shared memory one block may opt into, per architecture.
+SMEM_PER_BLOCK = {80: 163 * 1024, 86: 99 * 1024, 87: 163 * 1024, 89: 99 * 1024, 90: 227 * 1024}
+SMEM_PER_SM = {80: 164 * 1024, 86: 100 * 1024, 87: 164 * 1024, 89: 100 * 1024, 90: 228 * 1024}
+
+ELEM_CODES = {"float16": 0, "bfloat16": 1, "float32": 2, "int8": 3}
+ELEM_SIZES = (2, 2, 4, 1)
+MAX_DIM = 8192  # split-d has no inherent limit; this is the widest dim the tests cover
+# INT8 runs one-shot only (no split-d): dims a multiple of 16 up to this.
+MAX_DIM_INT8 = 512
+
+
+@dataclass(frozen=True, kw_only=True)
+class FwdConfig:
+    """One compiled variant of ``cuda_src/maxsim_fwd.cu``."""
+
+    elem: int  # 0 fp16, 1 bf16, 2 fp32 (tf32 tensor cores), 3 int8 (with per-token scales)
+    dp: int  # padded dim (multiple of 16, 32 for int8); split-d: the dim chunk staged per pipeline stage
+    warps: int
+    mt: int  # 16-row mma tiles per warp
+    bn: int  # document tokens per pipeline stage
+    stages: int
+    qreg: bool  # query fragments in registers
+    argmax: bool
+    vec: bool  # 16-byte cp.async copies
+    wgmma: bool = False  # Hopper warpgroup MMA (sm_90a)
+    multi: bool = False  # a tile may hold several whole queries
+    packed: bool = False  # packed documents with offsets
+    split: bool = False  # split-d: query and document chunks of dp columns share each stage
+    tma: bool = False  # tiles staged by TMA from tensor maps (sm_90: one-shot with 128-byte multiple rows, or split-d wgmma)
+    qhalf: bool = False  # split-d, one warpgroup, one query of <= 32 tokens: stages hold 32 query rows, not 64
+    tokm: bool = False  # int8 Hopper tiles with document tokens on the wgmma M side (per-token scales in registers)
+
+    @property
+    def token_split(self) -> bool:
+        """Whether the kernel can split packed documents over CTAs by token shares (maxsim_fwd.cu's
+        TSPLIT: single-query one-shot tiles of float16 or bfloat16 elements)."""
+        return self.packed and not (self.multi or self.tokm or self.split) and self.elem in (0, 1)
+
+    @property
+    def query_rows_staged(self) -> int:
+        return 32 if self.qhalf else self.bm
+
+    @property
+    def bm(self) -> int:
+        return self.warps * self.mt * 16
+
+    @property
+    def threads(self) -> int:
+        return self.warps * 32
+
+    @property
+    def esize(self) -> int:
+        return ELEM_SIZES[self.elem]
+
+    @functools.cached_property  # read on every launch
+    def smem_bytes(self) -> int:
+        rows = self.stages * (self.query_rows_staged + self.bn) if self.split else self.bm + self.stages * self.bn
+        if self.wgmma or self.tma:  # unpadded swizzled tiles, slack to align them to 1024 bytes, TMA barriers
+            return rows * self.dp * self.esize + 1024 + self._extra_bytes + (16 * self.stages if self.tma else 0)
+        return rows * (self.dp + 16 // self.esize) * self.esize + self._extra_bytes
+
+    @property
+    def _extra_bytes(self) -> int:
+        # double-buffered row maxima (every warp's with tokm, the tile's with multi) or per-warp
+        # sums; int8: each stage's token scales
+        scales = self.stages * (self.bn + (32 if self.tma else 0)) * 4 if self.elem == 3 else 0  # as SCL in the kernel
+        red = self.warps * self.bm if self.tokm else self.bm if self.multi else self.warps  # as RED in the kernel
+        return 2 * red * 4 + (self.bm * 4 if self.tokm else 0) + scales
+
+    @functools.cached_property  # read on every launch
+    def name(self) -> str:
+        e = ("f16", "bf16", "f32", "i8")[self.elem]
+        return (
+            f"lik_maxsim_fwd_{e}_{'k' if self.split else 'd'}{self.dp}_w{self.warps}m{self.mt}_n{self.bn}s{self.stages}"
+            f"{'_qreg' if self.qreg else ''}{'_argmax' if self.argmax else ''}{'_vec' if self.vec else ''}"
+            f"{'_wgmma' if self.wgmma else ''}{'_mq' if self.multi else ''}{'_packed' if self.packed else ''}"
+            f"{'_tma' if self.tma else ''}{'_qh' if self.qhalf else ''}{'_tokm' if self.tokm else ''}"
+        )
+
+    def defines(self) -> dict[str, int | str]:
+        return {
+            "LIK_NAME": self.name,
+            "LIK_ELEM": self.elem,
+            "LIK_DP": self.dp,
+            "LIK_WARPS": self.warps,
+            "LIK_MT": self.mt,
+            "LIK_BN": self.bn,
+            "LIK_STAGES": self.stages,
+            "LIK_QREG": int(self.qreg),
+            "LIK_ARGMAX": int(self.argmax),
+            "LIK_VEC": int(self.vec),
+            "LIK_WGMMA": int(self.wgmma),
+            "LIK_MULTI": int(self.multi),
+            "LIK_PACKED": int(self.packed),
+            "LIK_SPLIT": int(self.split),
+            "LIK_TMA": int(self.tma),
+            "LIK_QHALF": int(self.qhalf),
+            "LIK_TOKM": int(self.tokm),
+            "LIK_MIN_BLOCKS": self.min_blocks,
+            "LIK_DOC_COST": self.doc_cost,
+        }
+
+    @property
+    def doc_cost(self) -> int:
+        """Packed documents: tokens of work each document counts for beside its own when the CTAs
+        share the corpus out (maxsim_fwd.cu, shares), for its last tile's padding and its score.
+        From bench/results/sweep_doc_cost_nvidia-h100-80gb-hbm3.json (one and 32 queries of 32
+        tokens), 1.5 tiles against tokens alone: 500 documents of 16 tokens then 500 of 512 in
+        29.95 us against 69.07 (flash-maxsim 31.95), 32 queries 169.9 against 863.9; 4,000 of 16
+        and 250 of 1,024 shuffled 43.5 against 103.9 (flash-maxsim 49.0); within 2.8% of the best
+        variant on the ragged corpus and on 20,000 passages in three runs (_run2.json, _run3.json);
+        with 30% of the documents empty, 3.0-3.4% behind tokens alone for one query, level for 32."""
+        return self.bn * 3 // 2 if self.packed else 0
+
+    @functools.cached_property  # read on every launch
+    def min_blocks(self) -> int:
+        """CTAs per SM the kernel is compiled for: two Hopper CTAs when their shared memory fits
+        (registers then capped at 128) and their accumulators do too (at most 128 tokens per
+        tile), else no register cap."""
+        return 2 if (self.wgmma and self.bn <= 128
+                     and 2 * (self.smem_bytes + 1024) <= SMEM_PER_SM[90]) else 1
+
+    def target(self, arch: int) -> str:
+        """NVRTC architecture suffix: wgmma and TMA kernels are built for sm_90a (the TMA and
+        mbarrier helpers sit beside the wgmma ones)."""
+        return "90a" if self.wgmma or self.tma else str(arch)
+
+
+def int8_dim_ok(dim: int) -> bool:
+    """Whether the INT8 kernels take embedding dim ``dim``: a multiple of 16 up to ``MAX_DIM_INT8``."""
+    return dim % 16 == 0 and dim <= MAX_DIM_INT8
+
+
+def padded_dim(dim: int, elem: int = 0) -> int:
+    """The kernel's dim: a multiple of 16, or of 32 for int8 (32 bytes of K per mma either way)."""
+    step = 32 if elem == 3 else 16
+    return max(step, -(-dim // step) * step)
+
+
+def one_shot_bucket(dp: int) -> int:
+    for b in (64, 128, 256, 512):
+        if dp <= b:
+            return b
+    raise ValueError(f"dim {dp} is above the one-shot kernel's maximum of 512")
+
+
+# Buckets of the split-d table: a dim belongs to the first bucket at or above it.
+DIM_BUCKETS = (64, 128, 256, 384, 512, 768, 1024, 2048, 4096, 8192)
+
+
+def dim_bucket(dim: int) -> int:
+    for b in DIM_BUCKETS:
+        if dim <= b:
+            return b
+    raise ValueError(f"dim {dim} is above the supported maximum of {MAX_DIM}")
+
+
+def arch_of(cc: int) -> int:
+    """Map a device's compute capability (e.g. 90) to the table's architecture."""
+    if cc < 80:
+        raise RuntimeError(f"compute capability {cc / 10:.1f} is not supported: lik-cupy needs 8.0 or newer (or backend='cpu')")
+    if cc in SMEM_PER_BLOCK or cc >= 100:
+        return cc  # newer GPUs get machine code built for their own architecture
+    return 90 if cc >= 90 else 80

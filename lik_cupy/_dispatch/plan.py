@@ -1,0 +1,87 @@
+"""Launch plan: the grid of one forward launch (query tiles on x, document runs or token shares
+on y) and how many CTAs of a configuration an SM holds."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from . import tables as t
+from .config import SMEM_PER_SM, FwdConfig, arch_of
+
+__all__ = ["Launch", "plan_launch", "ctas_per_sm", "tile_rows", "queries_per_tile", "SPLIT_MAX_CTAS"]
+
+SPLIT_MAX_CTAS = t.SPLIT_MAX_CTAS
+
+
+def tile_rows(lq: int, shared_queries: int) -> int:
+    """Query rows one CTA tile can usefully hold: several whole short queries when
+    ``shared_queries`` queries score the same documents (up to 128 rows)."""
+    if lq >= 128 or shared_queries <= 1:
+        return lq
+    return lq * min(shared_queries, 128 // lq)
+
+
+def queries_per_tile(cfg: FwdConfig, lq: int, shared_queries: int) -> int:
+    """How many whole queries share one CTA tile (1: the tile is part of a single query)."""
+    if not cfg.multi or shared_queries <= 1 or lq > cfg.bm:
+        return 1
+    return max(1, min(shared_queries, cfg.bm // lq))
+
+
+def ctas_per_sm(cfg: FwdConfig, cc: int, registers: int | None = None) -> int:
+    """CTAs of ``cfg`` resident per SM. ``registers``: a compiled kernel's count per thread (the
+    compile check passes ptxas's); by default the ceilings the kernels are built to stay under."""
+    arch = arch_of(cc)
+    by_smem = SMEM_PER_SM.get(arch, 100 * 1024) // (cfg.smem_bytes + 1024)
+    by_threads = 2048 // cfg.threads
+    # Per-thread register ceilings of the compiled kernels (compile.check_all checks them): two
+    # warpgroups are capped at 128 by their launch bounds; one warpgroup is not capped, and its
+    # argmax or multi-query epilogue takes up to 168 (INT8's argmax up to 192).
+    if registers is not None:
+        regs = -(-registers // 8) * 8  # allocated per warp in units of 8 registers a thread
+    elif cfg.wgmma and cfg.warps == 4 and (cfg.argmax or cfg.multi):
+        regs = 192 if cfg.argmax and cfg.elem == 3 else 168
+    else:
+        regs = 128 if cfg.wgmma else 192
+    by_regs = 65536 // (cfg.threads * regs)
+    return max(1, min(by_smem, by_threads, max(1, by_regs)))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Launch:
+    n_qt: int  # query tiles per query
+    qb: int  # whole queries per tile (n_qt is 1 when qb > 1)
+    docs_per_cta: int
+    grid: tuple[int, int, int]
+    token_split: bool = False  # packed documents cut into grid[1] token shares (maxsim_fwd.cu, piece_role)
+
+
+@functools.lru_cache(maxsize=4096)
+def plan_launch(cfg: FwdConfig, cc: int, num_sms: int, nq: int, nd: int, lq: int, shared_queries: int = 1,
+                ntok: int = 0) -> Launch:
+    """Grid shape: query tiles on x (neighbours share document tiles in L2), document runs on y.
+
+    The number of CTAs is a whole number of waves of resident CTAs, and each
+    CTA streams a run of documents through one pipeline (its ring crosses
+    document boundaries), so short documents cost no pipeline restarts and the
+    last wave is not left half empty. ``ntok``: the token count of packed documents, which
+    single-query tiles may split by token ranges instead (see ``tables.SPLIT_MIN_TILES``).
+    """
+    qb = queries_per_tile(cfg, lq, shared_queries)
+    n_qt = 1 if qb > 1 else max(1, -(-lq // cfg.bm))
+    rows = -(-nq // qb) * n_qt
+    resident = num_sms * ctas_per_sm(cfg, cc)
+    if ntok > 0 and cfg.token_split and rows * 4 <= resident and nd * 4 <= resident // rows:
+        shares = min(min(resident, SPLIT_MAX_CTAS) // rows, -(-ntok // (t.SPLIT_MIN_TILES * cfg.bn)))
+        if shares > 1:
+            return Launch(n_qt=n_qt, qb=qb, docs_per_cta=0, grid=(rows, shares, 1), token_split=True)
+    units = rows * nd
+    if units <= resident:
+        per = 1
+    else:
+        waves = -(-units // (resident * t.DOCS_PER_CTA))
+        chunks = max(1, resident * waves // rows)
+        per = -(-nd // chunks)
+    per = max(per, -(-nd // 65535))  # grid.y limit
+    return Launch(n_qt=n_qt, qb=qb, docs_per_cta=per, grid=(rows, -(-nd // per), 1))

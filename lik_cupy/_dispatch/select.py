@@ -1,0 +1,201 @@
+"""Kernel choice: which compiled forward configuration runs a given problem.
+
+Every rule that maps (architecture, dtype, dim, query length) to tile sizes is here, reading the
+measured tables of ``tables.py``, so that the CPU-side compile check
+(``lik_cupy._runtime.nvrtc.check_all``) can enumerate exactly what can run. A candidate is
+skipped when its shared memory exceeds the architecture's per-block limit.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from . import tables as t
+from .config import (ELEM_CODES, ELEM_SIZES, MAX_DIM_INT8, SMEM_PER_BLOCK, FwdConfig, arch_of, dim_bucket,
+                     int8_dim_ok, one_shot_bucket, padded_dim)
+from .plan import tile_rows
+
+__all__ = ["choose_forward", "choose_backward", "all_forward_configs", "split_family", "uses_split"]
+
+
+def split_family(arch: int, hopper: bool, dim: int) -> tuple[int, str]:
+    """The (architecture, family) row of ``tables.SPLIT_FROM`` a problem reads."""
+    if hopper:
+        return arch, "wgmma" if dim % 64 == 0 else "wgmma-odd"
+    return arch, "mma"
+
+
+def uses_split(arch: int, family: str, short: bool, dim: int) -> bool:
+    """Whether the dispatch table runs ``dim`` split-d (always above 512, the one-shot tiles' limit)."""
+    return dim > 512 or dim_bucket(dim) >= t.SPLIT_FROM.get((arch, family, short), t.SPLIT_FROM_DEFAULT)
+
+
+def _qreg(elem: int, dp: int, mt: int) -> bool:
+    # Query fragments cost mt * dp / (k per mma) * 4 registers; keep them at or under 64 (32 for
+    # int8, whose scale handling needs the rest: 64 spilled with the argmax, compile.check_all).
+    per_k = {2: 8, 3: 32}.get(elem, 16)
+    return mt * (dp // per_k) * 4 <= (32 if elem == 3 else 64)
+
+
+def _wgmma_tiles(lq: int, ld: int, multi: bool) -> list[tuple[int, int]]:
+    """(bn, stages) candidates for the Hopper kernel, best first."""
+    cost = t.WGMMA_BN_COST_MULTI if multi else t.WGMMA_BN_COST
+    order = sorted(cost, key=lambda bn: -(-max(ld, 1) // bn) * bn * cost[bn])
+    return [(bn, st) for bn in order for st in t.WGMMA_STAGES[bn]]
+
+
+def _short_wgmma_tiles(ld: int, int8: bool) -> list[tuple[int, int]]:
+    """(bn, stages) candidates for the one-warpgroup Hopper tile, best first."""
+    cost = t.SHORT_WGMMA_COST[int8]
+    order = sorted(cost, key=lambda bn: -(-max(ld, 1) // bn) * bn * cost[bn])
+    return [(bn, st) for bn in order for st in t.SHORT_WGMMA_STAGES[bn]]
+
+
+def _wgmma_tma(int8: bool, argmax: bool, multi: bool, q_len: int) -> bool:
+    """Whether a Hopper tile stages documents by TMA (when the caller can). From
+    bench/results/sweep_tma_nvidia-h100-80gb-hbm3.json and the H200 forward runs before and
+    after: TMA is 11-17% faster at Lq=512 and 1024 (argmax too), on multi-query tiles and on
+    INT8, but 1-5% slower on a single query of at most 128 tokens (Lq=128, Ld=1024, B=1000:
+    0.0717 against 0.0681 ms on an H200), which streams D near the HBM rate either way.
+    INT8's argmax with TMA spills at two CTAs per SM (compile.check_all)."""
+    return not (int8 and argmax) and (multi or q_len > 128)
+
+
+def _tokm(int8: bool, argmax: bool, multi: bool, tma: bool, dim: int, ld: int) -> bool:
+    """Whether an INT8 Hopper problem takes the tokens-on-M tiles."""
+    return int8 and not argmax and not multi and tma and dim % 128 == 0 and dim * 128 * 128 < 1 << 22 \
+        and ld >= t.TOKM_MIN_LD
+
+
+@functools.lru_cache(maxsize=4096)
+def choose_forward(cc: int, dtype: str, dim: int, lq: int, argmax: bool, vec: bool, wgmma: bool = True,
+                   shared_queries: int = 1, ld: int = 1024, packed: bool = False, tma: bool = False) -> FwdConfig:
+    """The forward configuration for one problem on a device of compute capability ``cc``.
+
+    ``shared_queries`` is the number of queries scored against the same
+    documents (1 for per-query candidate sets); short queries are then packed
+    several to a tile, so the tile is chosen by the rows it will hold.
+    ``ld`` is the (padded or mean) document length, which sets how much of a
+    document tile is padding; ``packed`` selects the packed-document variant.
+    ``wgmma=False`` keeps to the portable mma.sync kernels (the fallback when
+    an sm_90a build fails, and the switch tests use to cover both paths).
+    ``tma``: the caller can hand the kernel tensor maps of D (and of the INT8 scales);
+    one-shot Hopper tiles then stage documents by TMA.
+    """
+    arch = arch_of(cc)
+    elem = ELEM_CODES[dtype]
+    int8 = elem == 3
+    if int8 and not int8_dim_ok(dim):
+        raise ValueError(f"int8 scoring needs dim a multiple of 16 up to {MAX_DIM_INT8}, got {dim}")
+    dp = padded_dim(dim, elem)
+    dim_bucket(dim)  # range check
+    q_len, lq = lq, tile_rows(lq, shared_queries)
+
+    def multi(bm: int) -> bool:
+        # Whole queries share the tile. The multi-query reduction costs a little on every
+        # document, so single-query tiles keep the leaner one (6-9% on ColPali shapes).
+        return shared_queries > 1 and 2 * q_len <= bm
+
+    wgmma_ok = wgmma and arch == 90 and elem != 2 and vec  # Hopper tensor-core tiles can run
+    hopper = wgmma_ok and lq > 64
+    row_bytes = dim * ELEM_SIZES[elem]
+    short_hopper = wgmma_ok and lq <= 64 and row_bytes % 128 == 0 and row_bytes <= t.SHORT_WGMMA_MAX_ROW_BYTES
+    limit = SMEM_PER_BLOCK.get(arch, 99 * 1024)  # unknown (newer) GPUs: the smallest limit
+    lb = 32 if lq <= 32 else 64 if lq <= 64 else 128
+    # INT8 runs one-shot only; its rows have the bytes (and fragment registers) of 16-bit rows half as wide.
+    if int8 or not uses_split(*split_family(arch, hopper, dim), lq <= 64, dim):
+        if short_hopper:
+            for bn, stages in _short_wgmma_tiles(ld, int8):
+                cfg = FwdConfig(elem=elem, dp=dim, warps=4, mt=1, bn=bn, stages=stages, qreg=False, argmax=argmax, vec=vec,
+                                wgmma=True, multi=multi(64), packed=packed,
+                                tma=tma and _wgmma_tma(int8, argmax, multi(64), q_len))
+                if cfg.smem_bytes <= limit:
+                    return cfg
+        if hopper and row_bytes % 128 == 0:
+            if _tokm(int8, argmax, multi(128), tma, dim, ld):
+                cfg = FwdConfig(elem=elem, dp=dim, warps=8, mt=1, bn=128, stages=t.TOKM_STAGES, qreg=False, argmax=False,
+                                vec=vec, wgmma=True, multi=False, packed=packed, tma=True, tokm=True)
+                if cfg.smem_bytes <= limit:
+                    return cfg
+            for bn, stages in _wgmma_tiles(lq, ld, multi(128)):
+                cfg = FwdConfig(elem=elem, dp=dim, warps=8, mt=1, bn=bn, stages=stages, qreg=False, argmax=argmax, vec=vec,
+                                wgmma=True, multi=multi(128), packed=packed,
+                                tma=tma and _wgmma_tma(int8, argmax, multi(128), q_len))
+                # int8's argmax of several queries does not fit the 128 registers of two CTAs per SM.
+                if cfg.smem_bytes <= limit and not (int8 and argmax and cfg.multi and cfg.min_blocks > 1):
+                    return cfg
+        # TMA needs whole 128-byte rows (no padding lanes) and swizzled tiles (not the fp32 lds path).
+        tma_mma = tma and vec and arch == 90 and elem != 2 and dim == dp and row_bytes % 128 == 0
+        for warps, mt, bn, stages in t.MMA_TABLE[(elem == 2, one_shot_bucket(dp // 2 if int8 else dp), lb)]:
+            cfg = FwdConfig(elem=elem, dp=dp, warps=warps, mt=mt, bn=bn, stages=stages, qreg=_qreg(elem, dp, mt),
+                            argmax=argmax, vec=vec, multi=multi(warps * mt * 16), packed=packed, tma=tma_mma)
+            if cfg.smem_bytes <= limit:
+                return cfg
+    if int8:
+        raise ValueError(f"no int8 forward configuration fits dim {dim} on sm_{arch}")
+    if wgmma_ok:
+        # Hopper split-d: two warpgroups staged by TMA when the caller can hand over tensor maps,
+        # one warpgroup by cp.async for a short query.
+        warps = 8 if hopper else 4
+        qhalf = not hopper and q_len <= 32 and not multi(64)
+        if hopper and tma:
+            tiles = t.WGMMA_SPLIT_TMA
+        elif hopper:
+            tiles = t.WGMMA_SPLIT_WIDE if dim_bucket(dim) >= t.WGMMA_SPLIT_WIDE_FROM else t.WGMMA_SPLIT_NARROW
+        else:
+            tiles = t.WGMMA_SPLIT_SHORT_QHALF if qhalf else t.WGMMA_SPLIT_SHORT
+        for bn, bk, stages in tiles:
+            cfg = FwdConfig(elem=elem, dp=bk, warps=warps, mt=1, bn=bn, stages=stages, qreg=False, argmax=argmax, vec=vec,
+                            wgmma=True, multi=multi(warps * 16), packed=packed, split=True, tma=tma and hopper,
+                            qhalf=qhalf)
+            # Two CTAs of two warpgroups cap registers at 128: too few for the argmax of several queries.
+            if cfg.smem_bytes <= limit and not (warps == 8 and cfg.min_blocks > 1 and argmax and cfg.multi):
+                return cfg
+    for warps, mt, bn, bk, stages in t.SPLIT_TABLE[(elem == 2, lb)]:
+        cfg = FwdConfig(elem=elem, dp=bk, warps=warps, mt=mt, bn=bn, stages=stages, qreg=False, argmax=argmax, vec=vec,
+                        multi=multi(warps * mt * 16), packed=packed, split=True)
+        # 32 x 128 accumulators per warp leave no room for the argmax or multi-query epilogue
+        # without spilling (compile.check_all): those take the 64-token tiles.
+        if cfg.smem_bytes <= limit and not (bn > 64 and mt > 1 and (argmax or cfg.multi)):
+            return cfg
+    raise ValueError(f"no forward configuration fits dim {dim} on sm_{arch}")
+
+
+def all_forward_configs(arch: int, dims=None) -> list[FwdConfig]:
+    """Every configuration ``choose_forward`` can return on ``arch`` for the embedding ``dims``.
+
+    The default samples a few dims that between them reach every tile family, query / document
+    length rule and flag (the CI compile check builds these); a padded dim of its own names a
+    kernel of its own, so ``dims=range(16, 513, 16)`` plus the split-d widths is the whole set
+    (the opt-in all-dims check in ``tests/test_compile.py``). INT8 keeps the dims it accepts.
+    """
+    seen: dict[str, FwdConfig] = {}
+    for dtype in ELEM_CODES:
+        if dims is not None:
+            picked = [d for d in dims if dtype != "int8" or int8_dim_ok(d)]
+        else:
+            picked = (64, 96, 128, 256, 384, 512) if dtype == "int8" else (64, 128, 256, 384, 512, 1000, 2048, 4096)
+        for dim in picked:
+            for lq, shared in ((32, 1), (64, 1), (128, 1), (1024, 1), (8, 2), (32, 2), (32, 4), (64, 2)):
+                for ld in (128, 180, 300, 1024):
+                    for argmax in (False, True):
+                        for vec in (True, False):
+                            for wg in (True, False):
+                                for packed in (False, True):
+                                    for tma in (False, True):
+                                        c = choose_forward(arch, dtype, dim, lq, argmax, vec, wg, shared, ld, packed,
+                                                           tma)
+                                        seen[c.name] = c
+    return list(seen.values())
+
+
+def choose_backward(method: str, cc: int, nq: int, nd: int, lq: int, rows: int, dim: int) -> str:
+    """"atomic" or "csr" for ``maxsim_backward``'s dD (an explicit method is kept as asked).
+
+    The fused atomic pass reads the argmax once and needs one fp32 [rows, dim] buffer; CSR
+    adds a key build, a sort of Nq * Nd * Lq keys and a second pass, so "auto" takes the
+    atomic path (measured faster at every shape of bench/results/backward_nvidia-h200.json).
+    """
+    if method != "auto":
+        return method
+    return "atomic"

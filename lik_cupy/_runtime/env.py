@@ -1,0 +1,33 @@
+"""Every environment variable the package reads, in one place (documented in docs/environment.md).
+
+Switches are read when used, not at import, so a test or a service can flip them at run time.
+"""
+
+from __future__ import annotations
+
+import os
+
+__all__ = ["cache_dir_override", "poison_outputs", "wgmma_disabled", "tma_disabled"]
+
+_TRUE = ("1", "true", "yes")
+
+
+def cache_dir_override() -> str | None:
+    """``LIK_CUPY_CACHE_DIR``: where compiled kernels are cached (default: ``$XDG_CACHE_HOME/lik-cupy``)."""
+    return os.environ.get("LIK_CUPY_CACHE_DIR") or None
+
+
+def poison_outputs() -> bool:
+    """``LIK_CUPY_POISON=1``: fill every output buffer with garbage before a kernel writes it, so an
+    element a kernel forgot to write cannot pass as a plausible value (the tests set it)."""
+    return os.environ.get("LIK_CUPY_POISON") == "1"
+
+
+def wgmma_disabled() -> bool:
+    """``LIK_CUPY_DISABLE_WGMMA=1``: keep Hopper GPUs on the portable mma.sync kernels."""
+    return os.environ.get("LIK_CUPY_DISABLE_WGMMA", "") in _TRUE
+
+
+def tma_disabled() -> bool:
+    """``LIK_CUPY_DISABLE_TMA=1``: stage tiles by cp.async instead of the tensor memory accelerator."""
+    return os.environ.get("LIK_CUPY_DISABLE_TMA", "") in _TRUE

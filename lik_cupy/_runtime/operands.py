@@ -1,0 +1,78 @@
+"""Which tokens are valid, in the form each path takes: masks, lengths and offsets made into the
+device arrays the kernels read (range checks queued on the device), or into host arrays the
+NumPy path reads (range checks raised at once)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .._interop import device_array, host_array
+from .._validate import check_length_values, check_offset_values
+from .device_checks import queue_or_verify
+
+__all__ = ["valid_host", "host_offsets", "device_valid", "device_offsets", "unpack_queries"]
+
+
+def valid_host(mask, lengths, rows: int, length: int, name: str, fw: str) -> np.ndarray:
+    """One side's valid tokens on the host: bool [rows, length] from a mask, range-checked
+    lengths, or all True."""
+    if mask is not None:
+        return host_array(mask, fw).reshape(rows, length).astype(bool, copy=False)
+    if lengths is not None:
+        lens = host_array(lengths, fw).reshape(rows).astype(np.int64)
+        if lens.size:
+            check_length_values(name, int(lens.min()), int(lens.max()), length)
+        return np.arange(length)[None, :] < lens[:, None]
+    return np.ones((rows, length), bool)
+
+
+def host_offsets(off: np.ndarray, total: int, name: str) -> np.ndarray:
+    """int64 copy of host offsets after the value checks."""
+    off = np.ascontiguousarray(off, dtype=np.int64).reshape(-1)
+    check_offset_values(name, int(off[0]), int(off[-1]), bool((np.diff(off) < 0).any()), total)
+    return off
+
+
+def device_valid(mask, lengths, rows: int, length: int, name: str, fw: str, on_host: bool, checks=None):
+    """One side's valid tokens on the device: (uint8 mask [rows, length] or None,
+    range-checked int32 lengths [rows] or None). With ``checks`` (a ``DeviceChecks``) the
+    range check is queued there for the caller to verify; without, it is verified here."""
+    import cupy
+
+    m = None if mask is None else device_array(mask, fw, on_host).view(cupy.uint8).reshape(rows, length)
+    n = None
+    if lengths is not None:
+        a = cupy.ascontiguousarray(device_array(lengths, fw, on_host).reshape(rows))
+        if rows:
+            queue_or_verify(checks, "lengths", a, length, name)
+        n = a if a.dtype == np.int32 else a.astype(cupy.int32)
+    return m, n
+
+
+def device_offsets(off, total: int, name: str, check: bool = True, checks=None, *, wide: bool = False):
+    """Contiguous device offsets, int32 kept as given (the forward kernel reads either width)
+    and int64 otherwise, or always int64 with ``wide``. ``check`` runs the value checks on the
+    device (no copy of the array): queued on ``checks`` (a ``DeviceChecks``) for the caller to
+    verify, or verified here."""
+    import cupy
+
+    off = off.reshape(-1)
+    off = cupy.ascontiguousarray(off, dtype=cupy.int64 if wide or off.dtype != np.int32 else cupy.int32)
+    if check:
+        queue_or_verify(checks, "offsets", off, total, name)
+    return off
+
+
+def unpack_queries(qt, q_offsets, nq: int):
+    """Packed queries [Tq, d] -> padded [nq, Lq_max, d] plus int32 lengths (queries are small;
+    their offsets are read on the host to size the tile)."""
+    import cupy
+
+    off = host_offsets(cupy.asnumpy(q_offsets), qt.shape[0], "q_offsets")
+    lens = np.diff(off)
+    lq = int(lens.max()) if nq else 0
+    if lq == 0 or qt.shape[0] == 0:
+        return cupy.zeros((nq, lq, qt.shape[1]), qt.dtype), cupy.zeros(nq, cupy.int32)
+    rows = np.minimum(off[:-1, None] + np.arange(lq)[None, :], qt.shape[0] - 1)  # rows past a length are masked
+    q = qt[cupy.asarray(rows)]
+    return cupy.ascontiguousarray(q), cupy.asarray(lens.astype(np.int32))

@@ -1,0 +1,12 @@
+"""Host-side argument checks: every shape, dtype, framework and device rule of the public
+functions, each raising an error that names the argument and what was expected, before any data
+moves or any kernel runs. (Values that live on the GPU are checked there:
+``lik_cupy._runtime.device_checks``.)"""
+
+from .arguments import (Problem, check_32bit, check_argmax_values, check_backward, check_call, check_int8_scales,
+                        check_length_values, check_offset_values, check_quantized, check_scales, check_valid,
+                        check_varlen, offsets_count)
+
+__all__ = ["Problem", "check_32bit", "check_argmax_values", "check_backward", "check_call", "check_int8_scales",
+           "check_length_values", "check_offset_values", "check_quantized", "check_scales", "check_valid",
+           "check_varlen", "offsets_count"]

@@ -1,0 +1,848 @@
+"""``lik``: the command line of lik-cupy. Score a corpus of .npy shards, pack shards, inspect them.
+
+This module is deliberately thin: inputs are opened and checked by
+:mod:`lik_cupy.shards`, the top-k is computed by :func:`lik_cupy.retrieve` (the full
+score matrix by :func:`lik_cupy.maxsim_varlen` / :func:`lik_cupy.maxsim`, for INT8 shards
+:func:`lik_cupy.maxsim_int8_varlen`). What is
+added here: option checks, spreading shards over GPUs and merging their rankings,
+the progress bar, and output written to a temporary file that is renamed at the end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import os
+import platform
+import signal
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+
+import click
+import numpy as np
+
+import lik_cupy
+from lik_cupy import _dispatch as dispatch
+from lik_cupy import shards
+from lik_cupy._ranking import merge_ranked
+from lik_cupy.errors import LikError
+from lik_cupy.retrieve import MAX_K
+
+__all__ = ["main", "run_score", "EXIT_BAD_INPUT", "EXIT_INTERRUPTED"]
+
+EXIT_BAD_INPUT = 2
+EXIT_INTERRUPTED = 130
+_OUTPUT_SUFFIXES = (".tsv", ".jsonl", ".npy")
+# Corpus bytes per library call when a shard is scored piece by piece (CPU path, full
+# matrix, dtype casts). GPU top-k calls take whole shards: retrieve overlaps its copies
+# and kernels within one call, so splitting a shard would only add pipeline restarts.
+_PART_BYTES = 64 << 20
+
+_FORMAT_HELP = ("\b\nInputs (opened memory-mapped, never unpickled):\n" + shards.layout_help() + """
+  padded .npy    [N, L, d] (queries: [Nq, Lq, d]) + optional lengths [N]
+  flat .npy      [T, d] + doclens [N] (.npy, or ColBERT's doclens.*.json)
+A corpus is one or more shards (the format: `python -m pydoc lik_cupy.shards`). Doc ids are
+the shards' ids.npy values, else global positions (shard 0 holds 0..N0-1, shard 1 continues
+at N0, ...). `lik pack` makes shards, `lik pack --int8` INT8 shards (d + 4 bytes per token),
+scored on INT8 tensor cores. A corpus is all INT8 or all float.
+""")
+
+_SCORE_EXAMPLE = """\b
+Example (the bundled example shards, from the repository root):
+  lik score --queries examples/queries.npy \\
+            --docs examples/shard0 examples/shard1 --top-k 5 --out /tmp/lik-top5.tsv
+"""
+
+
+# --------------------------------------------------------------------------- errors
+
+
+class _Cancelled(Exception):
+    """A GPU worker stopped because another one failed or the run was interrupted."""
+
+
+def _cli_errors(fn):
+    """Turn bad input, Ctrl-C/SIGTERM and crashes into one stderr line and an exit code.
+
+    A traceback is printed only when the command got ``--debug``.
+    """
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        debug = bool(kwargs.get("debug"))
+        try:
+            return fn(*args, **kwargs)
+        except (click.exceptions.Exit, click.ClickException, click.Abort):
+            raise
+        except (LikError, shards.ShardError) as e:
+            if debug:
+                traceback.print_exc()
+            click.echo(f"lik: error: {e}", err=True)
+            raise click.exceptions.Exit(EXIT_BAD_INPUT) from None
+        except KeyboardInterrupt:
+            if debug:
+                traceback.print_exc()
+            click.echo("lik: interrupted; no output written", err=True)
+            raise click.exceptions.Exit(EXIT_INTERRUPTED) from None
+        except Exception as e:  # a bug or an environment problem, not bad input
+            if debug:
+                traceback.print_exc()
+            hint = "" if debug else " (rerun with --debug for a traceback)"
+            click.echo(f"lik: error: internal error: {type(e).__name__}: {e}{hint}", err=True)
+            raise click.exceptions.Exit(1) from None
+
+    return wrapper
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt():
+    """Treat SIGTERM like Ctrl-C while working, so temporary output is cleaned up."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
+# --------------------------------------------------------------------------- output
+
+
+def _check_output(out: str, full_matrix: bool, top_k: int) -> tuple[str, str]:
+    """The output's suffix and directory; LikError if it cannot be written as asked."""
+    if not full_matrix and not 1 <= top_k <= MAX_K:
+        raise LikError("--top-k", f"must be in 1..{MAX_K}, got {top_k} (--full-matrix writes every score)")
+    suffix = os.path.splitext(out)[1].lower()
+    if suffix not in _OUTPUT_SUFFIXES:
+        raise LikError(out, f"unknown output suffix {repr(suffix) if suffix else '(none)'}; use .tsv, .jsonl or .npy")
+    if full_matrix and suffix != ".npy":
+        raise LikError(out, "--full-matrix writes the [Nq, Ndocs] float32 score matrix and needs a .npy output")
+    if os.path.isdir(out):
+        raise LikError(out, "is a directory, expected an output file name")
+    outdir = os.path.dirname(os.path.abspath(out))
+    if not os.path.exists(outdir):
+        raise LikError(out, f"output directory {outdir} does not exist")
+    if not os.path.isdir(outdir):
+        raise LikError(out, f"{outdir} is not a directory")
+    if not os.access(outdir, os.W_OK | os.X_OK):
+        raise LikError(out, f"output directory {outdir} is not writable")
+    return suffix, outdir
+
+
+def _check_not_an_input(out: str, files: list[str], shard_dirs: list[str]) -> None:
+    """The output may neither replace an input file nor land inside a shard directory."""
+    target = os.path.realpath(out)
+    for f in files:
+        if os.path.realpath(f) == target:
+            raise LikError(out, f"is an input of this run ({f}); choose another output path")
+    for d in shard_dirs:
+        root = os.path.realpath(d)
+        if os.path.commonpath([root, target]) == root:
+            raise LikError(out, f"lies inside the shard directory {d}; choose a path outside it")
+
+
+@contextlib.contextmanager
+def _atomic_output(out: str, outdir: str):
+    """Yield a temp path in the target directory; rename it onto ``out`` on success,
+    delete it on any error or interrupt, so no partial result is ever left behind."""
+    base = os.path.basename(out)
+    try:
+        fd, tmp = tempfile.mkstemp(dir=outdir, prefix=f".{base}.", suffix=".part")
+    except OSError as e:
+        raise LikError(out, f"cannot create a file in {outdir}: {e.strerror or e}") from None
+    os.close(fd)
+    try:
+        yield tmp
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; give the usual permissions
+        os.replace(tmp, out)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def _format_score(x) -> str:
+    return str(np.float32(x))  # shortest repr that round-trips float32; 'nan', '-inf'
+
+
+def _write_tsv(f, qids, docids, vals):
+    f.write("query\trank\tdoc\tscore\n")
+    for q in range(vals.shape[0]):
+        f.write("".join(f"{qids[q]}\t{r + 1}\t{docids[q, r]}\t{_format_score(vals[q, r])}\n" for r in range(vals.shape[1])))
+
+
+def _write_jsonl(f, qids, docids, vals):
+    for q in range(vals.shape[0]):
+        for r in range(vals.shape[1]):
+            s = vals[q, r]
+            score = float(_format_score(s)) if np.isfinite(s) else None  # JSON has no inf/NaN
+            f.write(json.dumps({"query": qids[q].item(), "rank": r + 1, "doc": docids[q, r].item(), "score": score}) + "\n")
+
+
+def _readable_ids(ids: np.ndarray) -> np.ndarray:
+    """int64 ids as they are; byte-string ids decoded to str."""
+    return np.char.decode(ids, "utf-8", errors="backslashreplace") if ids.dtype.kind == "S" else np.asarray(ids)
+
+
+class _DocIds:
+    """Global document positions -> the ids results show: the shards' ids.npy values, else the positions."""
+
+    def __init__(self, corpus: list[shards.Shard]):
+        named = [s for s in corpus if s.ids is not None]
+        if named and len(named) != len(corpus):
+            bare = next(s for s in corpus if s.ids is None)
+            raise LikError(bare.path, f"has no ids but {named[0].path} has; give every shard ids.npy, or none")
+        numeric = [s.ids.dtype.kind in "iu" for s in named]
+        if len(set(numeric)) > 1:
+            odd = named[numeric.index(not numeric[0])]
+            raise LikError(odd.path, f"has {'integer' if not numeric[0] else 'string'} ids but {named[0].path} has "
+                                     f"{'integer' if numeric[0] else 'string'} ids; use one kind in every shard")
+        self.corpus = corpus if named else None
+        self.starts = np.cumsum([0] + [s.num_docs for s in corpus])
+
+    def __call__(self, positions: np.ndarray) -> np.ndarray:
+        """``positions`` int64 [Nq, k] -> ids [Nq, k] (int64, or str)."""
+        if self.corpus is None:
+            return positions
+        which = np.searchsorted(self.starts, positions, side="right") - 1
+        parts = {}
+        for j in np.unique(which):
+            sel = which == j
+            parts[j] = (sel, _readable_ids(self.corpus[j].ids[positions[sel] - self.starts[j]]))
+        dtype = np.result_type(*(v.dtype for _, v in parts.values())) if parts else np.int64
+        out = np.empty(positions.shape, dtype)
+        for sel, values in parts.values():
+            out[sel] = values
+        return out
+
+
+# --------------------------------------------------------------------------- progress
+
+
+class _Progress:
+    """A progress bar with docs/s on stderr when it is a terminal; silent otherwise. Thread-safe."""
+
+    def __init__(self, total: int):
+        self._bar = None
+        if sys.stderr.isatty():
+            self._bar = click.progressbar(length=total, label="scoring", file=sys.stderr, item_show_func=lambda s: s)
+        self._lock = threading.Lock()
+        self._done = 0
+        self._start = time.monotonic()
+
+    def __enter__(self):
+        if self._bar is not None:
+            self._bar.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self._bar is not None:
+            self._bar.__exit__(*exc)
+        return False
+
+    def update(self, docs: int) -> None:
+        if self._bar is None:
+            return
+        with self._lock:
+            self._done += docs
+            rate = self._done / max(time.monotonic() - self._start, 1e-9)
+            self._bar.update(docs, f"{rate:,.0f} docs/s")
+
+
+# --------------------------------------------------------------------------- devices
+
+
+def _gpu_available() -> bool:
+    try:
+        return bool(lik_cupy.gpu_available())
+    except Exception:
+        return False
+
+
+def _parse_devices(text: str) -> list[int]:
+    try:
+        devices = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise LikError("--devices", f"expected comma-separated GPU indices such as 0,1; got {text!r}") from None
+    if len(set(devices)) != len(devices):
+        raise LikError("--devices", f"lists a GPU twice: {text}")
+    return devices
+
+
+def _choose_backend(cpu: bool, device: int | None, devices: str | None) -> tuple[str, list[int | None]]:
+    """("gpu" | "cpu", the GPUs to spread shards over; [None] = the current device)."""
+    if device is not None and devices:
+        raise LikError("--devices", "give --device or --devices, not both")
+    option = "--devices" if devices else "--device"
+    wanted = _parse_devices(devices) if devices else None if device is None else [device]
+    if cpu:
+        if wanted is not None:
+            raise LikError(option, "conflicts with --cpu; drop one of them")
+        return "cpu", [None]
+    if not _gpu_available():
+        if wanted is not None:
+            raise LikError(option, "no usable GPU found; drop it to fall back to the CPU, or pass --cpu")
+        click.echo("lik: no usable GPU found, falling back to CPU (pass --cpu to silence this)", err=True)
+        return "cpu", [None]
+    if wanted is None:
+        return "gpu", [None]
+    count = _gpu_count()
+    for d in wanted:
+        if not 0 <= d < count:
+            raise LikError(option, f"no GPU {d}; {count} visible (0..{count - 1})")
+    return "gpu", wanted
+
+
+def _gpu_count() -> int:
+    import cupy
+
+    return cupy.cuda.runtime.getDeviceCount()
+
+
+def _device_scope(device: int | None):
+    if device is None:
+        return contextlib.nullcontext()
+    import cupy
+
+    return cupy.cuda.Device(device)
+
+
+# --------------------------------------------------------------------------- scoring
+
+
+@dataclass(frozen=True)
+class _Part:
+    """Documents ``start..stop-1`` of one shard, scored in one library call; ``first`` is the global position of ``start``."""
+
+    shard: shards.Shard
+    start: int
+    stop: int
+    first: int
+
+    @property
+    def docs(self) -> int:
+        return self.stop - self.start
+
+    @property
+    def nbytes(self) -> int:
+        s = self.shard
+        rows = (self.stop - self.start) * s.tokens.shape[1] if s.padded else int(s.offsets[self.stop] - s.offsets[self.start])
+        return rows * s.bytes_per_token
+
+    def arrays(self, dtype: np.dtype):
+        """(docs, offsets, lengths, scales) for the library: padded [n, L, d] + lengths, or packed
+        [t, d] + offsets; int8 tokens (``dtype`` int8) come with their float32 scales [t], else None."""
+        s = self.shard
+        if s.padded:
+            lens = None if s.lengths is None else s.lengths[self.start : self.stop]
+            return s.tokens[self.start : self.stop].astype(dtype, copy=False), None, lens, None
+        tokens, offsets = s.read_chunk(self.start, self.stop)
+        scales = s.read_scales(self.start, self.stop) if s.scales is not None else None
+        return tokens.astype(dtype, copy=False), offsets, None, scales
+
+
+def _plan(corpus: list[shards.Shard], dtype: np.dtype, whole_shards: bool) -> list[_Part]:
+    parts, first = [], 0
+    for s in corpus:
+        if whole_shards and s.tokens.dtype == dtype:
+            ranges = [(0, s.num_docs)] if s.num_docs else []
+        else:
+            ranges = s.chunk_ranges(_PART_BYTES)
+        parts += [_Part(s, a, b, first + a) for a, b in ranges]
+        first += s.num_docs
+    return parts
+
+
+def _balance(parts: list[_Part], n: int) -> list[list[_Part]]:
+    """Deal parts to n devices, each part to the least-loaded one (by bytes); each keeps corpus order."""
+    groups, loads = [[] for _ in range(n)], [0] * n
+    for p in parts:
+        i = loads.index(min(loads))
+        groups[i].append(p)
+        loads[i] += p.nbytes
+    return groups
+
+
+def _spread(devices: list[int | None], parts: list[_Part], job) -> list:
+    """Run ``job(parts_of_one_device, cancelled)`` per device, inside its device scope; results in device order.
+
+    One device runs in this thread. Several run in threads; the first failure (or
+    Ctrl-C here) sets ``cancelled`` so the others stop at their next part.
+    """
+    groups = _balance(parts, len(devices))
+    cancelled = threading.Event()
+    if len(devices) == 1:
+        with _device_scope(devices[0]):
+            return [job(groups[0], cancelled)]
+    results, errors = [None] * len(devices), []
+
+    def run(i):
+        try:
+            with _device_scope(devices[i]):
+                results[i] = job(groups[i], cancelled)
+        except _Cancelled:
+            pass
+        except BaseException as e:  # handed to the main thread, which reports it
+            errors.append(e)
+            cancelled.set()
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(devices))]
+    for t in threads:
+        t.start()
+    try:
+        for t in threads:
+            t.join()
+    except BaseException:
+        cancelled.set()
+        raise
+    if errors:
+        raise errors[0]
+    return results
+
+
+def _call(part: _Part, fn, *args, **kwargs):
+    """A library call; its ValueError/TypeError (bad input found by the library) becomes a LikError naming the shard."""
+    try:
+        return fn(*args, **kwargs)
+    except shards.ShardError:
+        raise
+    except (ValueError, TypeError) as e:
+        raise LikError(part.shard.tokens_file, f"lik_cupy rejected documents {part.start}..{part.stop - 1}: {e}") from None
+
+
+def _top_k(Q, qlen, k, backend, devices, parts, bar, dtype):
+    nq = Q.shape[0]
+
+    def job(mine, cancelled):
+        vals, ids = np.empty((nq, 0), np.float32), np.empty((nq, 0), np.int64)
+        for part in mine:
+            if cancelled.is_set():
+                raise _Cancelled
+            D, offsets, lens, scales = part.arrays(dtype)
+            extra = {} if scales is None else {"d_scales": scales}
+            s, i = _call(part, lik_cupy.retrieve, Q, D, k, q_lengths=qlen, d_offsets=offsets, d_lengths=lens,
+                         backend=backend, **extra)
+            vals, ids = merge_ranked(vals, ids, np.asarray(s, np.float32), np.asarray(i, np.int64) + part.first, k)
+            bar.update(part.docs)
+        return vals, ids
+
+    vals, ids = np.empty((nq, 0), np.float32), np.empty((nq, 0), np.int64)
+    for v, i in _spread(devices, parts, job):
+        vals, ids = merge_ranked(vals, ids, v, i, k)
+    return vals, ids
+
+
+def _full_matrix(Q, qlen, backend, devices, parts, bar, matrix, dtype):
+    def job(mine, cancelled):
+        for part in mine:
+            if cancelled.is_set():
+                raise _Cancelled
+            D, offsets, lens, scales = part.arrays(dtype)
+            if scales is not None:
+                S = _call(part, lik_cupy.maxsim_int8_varlen, Q, D, scales, offsets, q_lengths=qlen, backend=backend)
+            elif offsets is None:
+                S = _call(part, lik_cupy.maxsim, Q, D, q_lengths=qlen, d_lengths=lens, backend=backend)
+            else:
+                S = _call(part, lik_cupy.maxsim_varlen, Q, D, offsets, q_lengths=qlen, backend=backend)
+            matrix[:, part.first : part.first + part.docs] = np.asarray(S, np.float32)
+            bar.update(part.docs)
+
+    _spread(devices, parts, job)
+
+
+def _open_corpus(docs, d_lengths, bf16_bits: bool) -> list[shards.Shard]:
+    """Open every --docs input; --d-lengths pair with the .npy inputs (not shard directories), in order."""
+    npy = [p for p in docs if not os.path.isdir(p)]
+    if d_lengths and len(d_lengths) != len(npy):
+        raise LikError(
+            "--d-lengths",
+            f"got {len(d_lengths)} lengths file(s) for {len(npy)} .npy doc input(s); give one per .npy input, "
+            "in the same order (shard directories carry their own offsets)",
+        )
+    lengths = dict(zip(npy, d_lengths))
+    return [shards.open_input(p, lengths.get(p), bf16_bits=bf16_bits) for p in docs]
+
+
+def run_score(queries: str, docs, out: str, *, q_lengths: str | None = None, d_lengths=(), top_k: int = 10,
+              full_matrix: bool = False, check: bool = False, cpu: bool = False, device: int | None = None,
+              devices: str | None = None, bf16_bits: bool = False) -> None:
+    """Score every query against every document and write ``out`` (see ``lik score --help``)."""
+    suffix, outdir = _check_output(out, full_matrix, top_k)
+    if not docs:
+        raise LikError("--docs", "give at least one shard directory or .npy file")
+    query = shards.open_input(queries, q_lengths, bf16_bits=bf16_bits)
+    if query.num_docs == 0:
+        raise LikError(queries, "holds no queries")
+    corpus = _open_corpus(list(docs), list(d_lengths), bf16_bits)
+    for i, s in enumerate(corpus):
+        if s.dim != query.dim:
+            also = f" and from {corpus[0].tokens_file}" if i and corpus[0].dim == query.dim else ""
+            raise LikError(s.tokens_file, f"embedding dim d={s.dim} differs from the queries' d={query.dim} ({query.tokens_file}){also}")
+    kinds = {s.dtype for s in corpus}
+    int8 = shards.INT8 in kinds
+    if int8 and len(kinds) > 1:
+        odd = next(s for s in corpus if (s.dtype == shards.INT8) != (corpus[0].dtype == shards.INT8))
+        raise LikError(odd.path, f"holds {odd.dtype} tokens but {corpus[0].path} holds {corpus[0].dtype}; a corpus is "
+                                 "all INT8 or all float (convert a shard with `lik pack SHARD --int8` or --dtype)")
+    n_docs = sum(s.num_docs for s in corpus)
+    if n_docs == 0:
+        raise LikError(docs[0], "no documents in any input")
+    inputs = [queries, *docs, *([q_lengths] if q_lengths else []), *d_lengths]
+    _check_not_an_input(out, [p for p in inputs if not os.path.isdir(p)], [p for p in inputs if os.path.isdir(p)])
+    doc_ids = _DocIds(corpus)
+    if check:
+        for s in [query, *corpus]:
+            shards.check_finite(s)
+
+    # One dtype for the library: the corpus's own when all shards share one (queries are cast to it), else float32.
+    # An INT8 corpus takes the queries as they are (float; quantized per library call).
+    dtype = shards.numpy_dtype(kinds.pop() if len(kinds) == 1 else "float32")
+    Q, qlen = shards.load_padded(query)
+    if not int8:
+        Q = Q.astype(dtype, copy=False)
+    qids = _readable_ids(query.ids) if query.ids is not None else np.arange(query.num_docs)
+
+    backend, gpus = _choose_backend(cpu, device, devices)
+    if int8 and backend == "gpu" and (query.dim % 16 or query.dim > dispatch.MAX_DIM_INT8):
+        raise LikError(corpus[0].path, f"INT8 shards of d={query.dim} cannot be scored on the GPU (the INT8 kernels "
+                                       f"take d a multiple of 16 up to {dispatch.MAX_DIM_INT8}); pass --cpu")
+    parts = _plan(corpus, dtype, whole_shards=backend == "gpu" and not full_matrix)
+    with _atomic_output(out, outdir) as tmp:
+        with _Progress(n_docs) as bar:
+            if full_matrix:
+                matrix = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.float32, shape=(Q.shape[0], n_docs))
+                _full_matrix(Q, qlen, backend, gpus, parts, bar, matrix, dtype)
+                matrix.flush()
+                del matrix  # close the map before the rename
+            else:
+                vals, positions = _top_k(Q, qlen, min(top_k, n_docs), backend, gpus, parts, bar, dtype)
+        if not full_matrix:
+            ids = doc_ids(positions)
+            if suffix == ".npy":
+                with open(tmp, "wb") as f:
+                    np.save(f, ids, allow_pickle=False)
+            else:
+                with open(tmp, "w", encoding="utf-8", newline="\n") as f:
+                    (_write_tsv if suffix == ".tsv" else _write_jsonl)(f, qids, ids, vals)
+
+
+# --------------------------------------------------------------------------- commands
+
+
+class _GreedyCommand(click.Command):
+    """Lets the options in ``greedy`` take several values (``--docs a b``), as ``--docs a --docs b`` does."""
+
+    greedy = ("--docs", "--d-lengths")
+    short = {"-d": "--docs"}
+
+    def parse_args(self, ctx, args):
+        out, current, expecting = [], None, False
+        for i, tok in enumerate(args):
+            if tok == "--":
+                out.extend(args[i:])
+                break
+            if tok.startswith("-") and len(tok) > 1:
+                name, eq, _ = tok.partition("=")
+                short = next((s for s in self.short if tok.startswith(s) and not tok.startswith("--")), None)
+                if name in self.greedy:
+                    current, expecting = name, not eq
+                elif short:  # -d FILE or -dFILE
+                    current, expecting = self.short[short], tok == short
+                else:
+                    current = None
+            elif current is not None:
+                if expecting:
+                    expecting = False  # the option's own value
+                else:
+                    out.append(current)  # one more value: repeat the option
+            out.append(tok)
+        return super().parse_args(ctx, out)
+
+
+_CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
+
+
+@click.group(
+    help="lik: late-interaction (ColBERT / ColPali) MaxSim retrieval with lik_cupy.\n\n"
+    "score[i, j] = sum over valid query tokens s of max over valid doc tokens t of "
+    "<Q[i, s], D[j, t]>. Scoring runs on a GPU through lik_cupy's CUDA kernels when one is "
+    "visible, else on the CPU (exact NumPy path).\n\n" + _FORMAT_HELP + "\n\b\nExamples:\n"
+    "  lik score --queries examples/queries.npy --docs examples/shard0 examples/shard1 \\\n"
+    "            --top-k 5 --out /tmp/lik-top5.tsv   # rank the bundled example shards\n"
+    "  lik pack docs.npy --lengths lens.npy --out shard0   # padded [N, L, d] -> shard\n"
+    "  lik inspect examples/shard0 --check             # manifest and checks\n"
+    "  lik info                                        # versions, GPUs, kernel cache\n",
+    context_settings=_CONTEXT,
+)
+def main():
+    pass
+
+
+@main.command(
+    "score",
+    cls=_GreedyCommand,
+    help="Rank every document of the corpus for every query and write the top-k per query "
+    "(or, with --full-matrix, every score).\n\n"
+    + _FORMAT_HELP
+    + "\n\b\nQueries (--queries) are a padded [Nq, Lq, d] .npy with optional --q-lengths, a flat\n"
+    "[T, d] .npy with --q-lengths as its doclens, or a shard directory (its ids name the queries).\n"
+    "Docs (--docs) are shard directories and/or .npy files; --d-lengths gives one lengths file\n"
+    "per .npy doc input, in order. Mixed dtypes are scored in float32; otherwise the queries\n"
+    "are cast to the corpus's dtype. INT8 shards are scored as they are (float queries are\n"
+    "quantized per token on the fly); float and INT8 shards do not mix in one corpus.\n"
+    "\n\b\nOutput (chosen by the suffix of --out; written to a temporary file beside it and renamed\n"
+    "at the end, so a failed or interrupted run leaves nothing behind):\n"
+    "  .tsv    header 'query rank doc score', tab-separated, rank 1 = best\n"
+    "  .jsonl  one {\"query\", \"rank\", \"doc\", \"score\"} object per line (score null for -inf/NaN)\n"
+    "  .npy    the doc ids [Nq, min(K, Ndocs)], best first; with --full-matrix the float32\n"
+    "          [Nq, Ndocs] score matrix instead (columns in corpus order)\n"
+    "Ties go to the lower global position; NaN scores rank last, after -inf (empty docs).\n"
+    "A progress bar with docs/s appears when stderr is a terminal; piped runs are quiet.\n"
+    "Exit status: 0 ok, 2 bad input (one line naming the file), 1 internal error, 130 interrupted.\n"
+    "\n" + _SCORE_EXAMPLE + "\b\n"
+    "  lik score --queries q.npy --docs d0.npy d1.npy --d-lengths l0.npy l1.npy \\\n"
+    "            --top-k 10 --out results.jsonl --devices 0,1\n",
+    context_settings=_CONTEXT,
+)
+@click.option("-q", "--queries", required=True, metavar="Q", help="Queries: padded .npy, flat .npy or shard directory.")
+@click.option("-d", "--docs", required=True, multiple=True, metavar="D [D2 ...]", help="Shard directories and/or .npy files, in id order.")
+@click.option("--q-lengths", metavar="QL", help="Lengths [Nq] (.npy or .json) for a .npy --queries.")
+@click.option("--d-lengths", multiple=True, metavar="L [L2 ...]", help="One lengths/doclens file per .npy doc input.")
+@click.option("-k", "--top-k", type=int, default=10, show_default=True, metavar="K", help="Results kept per query.")
+@click.option("-o", "--out", required=True, metavar="FILE", help="results.tsv, results.jsonl or results.npy")
+@click.option("--full-matrix", is_flag=True, help="Write the whole [Nq, Ndocs] float32 matrix (.npy only).")
+@click.option("--check", is_flag=True, help="Read every embedding first and refuse NaN or inf values.")
+@click.option("--cpu", is_flag=True, help="Score on the CPU even if a GPU is visible.")
+@click.option("--device", type=int, default=None, metavar="N", help="GPU index to use (default: the current device).")
+@click.option("--devices", metavar="0,1", help="Spread the shards over these GPUs of this machine.")
+@click.option("--bf16-bits", is_flag=True, help="Read uint16 .npy inputs as bfloat16 bit patterns.")
+@click.option("--debug", is_flag=True, help="Show a traceback on errors.")
+@_cli_errors
+def _score_command(queries, docs, q_lengths, d_lengths, top_k, out, full_matrix, check, cpu, device, devices, bf16_bits, debug):
+    with _sigterm_as_interrupt():
+        run_score(queries, docs, out, q_lengths=q_lengths, d_lengths=d_lengths, top_k=top_k, full_matrix=full_matrix,
+                  check=check, cpu=cpu, device=device, devices=devices, bf16_bits=bf16_bits)
+
+
+def _load_ids(path: str) -> np.ndarray:
+    ids = shards.open_npy(path)
+    if ids.dtype.kind not in "iuUS":
+        raise LikError(path, f"ids must be int64 or fixed-width strings, got dtype {ids.dtype}")
+    return ids
+
+
+@main.command(
+    "pack",
+    help="Convert embeddings into a shard directory (see the format below): a padded [N, L, d] "
+    ".npy (optionally with --lengths), flat [T, d] tokens with ColBERT-style doclens (--lengths), "
+    "one .npy per document (--per-doc), or another shard (e.g. to change --dtype). --int8 quantizes "
+    "each token to int8 with one float32 scale (scale = max|x| / 127), block by block; an INT8 shard "
+    "packed with a float --dtype is dequantized. The manifest's 'normalized' is measured while "
+    "copying. The shard is built in a temporary directory beside --out and renamed into place at "
+    "the end.\n\n"
+    + _FORMAT_HELP
+    + "\n\b\nExamples:\n"
+    "  lik pack docs.npy --lengths lens.npy --out shard0 --model colbertv2.0\n"
+    "  lik pack colbert/embs.npy --lengths colbert/doclens.0.json --out shard0\n"
+    "  lik pack --per-doc page1.npy page2.npy --out pages    # ids: page1, page2\n"
+    "  lik pack shard0 --dtype float16 --out shard0-fp16\n"
+    "  lik pack shard0 --int8 --out shard0-int8               # quantize an existing shard\n",
+    context_settings=_CONTEXT,
+)
+@click.argument("sources", nargs=-1, required=True, metavar="SOURCE [SOURCE ...]")
+@click.option("-o", "--out", required=True, metavar="SHARD_DIR", help="The shard directory to create.")
+@click.option("--lengths", metavar="L", help="Lengths [N] (padded) or doclens (flat), .npy or .json.")
+@click.option("--per-doc", is_flag=True, help="Each SOURCE is one document [L, d]; ids default to the file names.")
+@click.option("--ids", metavar="IDS.npy", help="Document ids [N]: int64 or fixed-width strings.")
+@click.option("--model", metavar="NAME", help="Free-form name of the model that made the embeddings.")
+@click.option("--dtype", type=click.Choice(shards.DTYPES), help="Store as this float dtype (default: keep).")
+@click.option("--int8", "int8", is_flag=True, help="Quantize to int8 with a float32 scale per token (NaN/inf refused).")
+@click.option("--bf16-bits", is_flag=True, help="Read uint16 .npy inputs as bfloat16 bit patterns.")
+@click.option("--check", is_flag=True, help="Refuse NaN or inf values.")
+@click.option("--force", is_flag=True, help="Replace --out if it is an existing lik shard.")
+@click.option("--debug", is_flag=True, help="Show a traceback on errors.")
+@_cli_errors
+def _pack_command(sources, out, lengths, per_doc, ids, model, dtype, int8, bf16_bits, check, force, debug):
+    if int8 and dtype:
+        raise LikError("--int8", f"conflicts with --dtype {dtype}; give one of them")
+    dtype = shards.INT8 if int8 else dtype
+    ids = _load_ids(ids) if ids else None
+    with _sigterm_as_interrupt():
+        if per_doc:
+            if lengths:
+                raise LikError("--lengths", "does not go with --per-doc (each file is one whole document)")
+            if ids is None:
+                ids = np.array([os.path.splitext(os.path.basename(s))[0] for s in sources])
+            written = shards.pack_arrays(list(sources), out, ids=ids, model=model, dtype=dtype, overwrite=force,
+                                         bf16_bits=bf16_bits, check_finite=check)
+        else:
+            if len(sources) != 1:
+                raise LikError("SOURCE", f"got {len(sources)} inputs; give one (or pass --per-doc for one file per document)")
+            source = shards.open_input(sources[0], lengths, bf16_bits=bf16_bits)
+            written = shards.pack(source, out, ids=ids, model=model, dtype=dtype, overwrite=force, check_finite=check)
+    m = written.manifest
+    click.echo(f"wrote {out}: {m['num_docs']} docs, {m['num_tokens']} tokens, d={m['dim']}, {m['dtype']}, "
+               f"{'normalized' if m['normalized'] else 'not normalized'}{', with ids' if written.ids is not None else ''}")
+
+
+def _size(path: str) -> str:
+    n = float(os.path.getsize(path))
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+
+
+def _describe(s: shards.Shard) -> list[str]:
+    lens = s.doc_lengths()
+    if s.manifest is not None:
+        m = s.manifest
+        kind = f"shard directory ({m['format']} v{m['version']})"
+        files = ", ".join(f"{name} {_size(os.path.join(s.path, name))}" for name in [shards.MANIFEST, *m["files"].values()])
+    else:
+        kind = f"padded .npy {list(s.tokens.shape)}" if s.padded else f"flat .npy {list(s.tokens.shape)} with doclens"
+        files = f"{os.path.basename(s.path)} {_size(s.path)}"
+    rows = [("input", f"{s.path}: {kind}"), ("docs", str(s.num_docs))]
+    if lens.size:
+        rows.append(("tokens", f"{int(lens.sum())} ({int(lens.min())}..{int(lens.max())} per doc, mean {lens.mean():.1f}; "
+                               f"{int((lens == 0).sum())} empty)"))
+    int8 = s.scales is not None
+    rows += [("dim", str(s.dim)), ("dtype", f"{s.dtype} (one float32 scale per token)" if int8 else s.dtype),
+             ("token size", f"{s.bytes_per_token} bytes" + (f" ({s.dim} int8 values + a float32 scale)" if int8 else ""))]
+    if s.manifest is not None:
+        rows += [("normalized", "yes" if s.manifest["normalized"] else "no"), ("model", str(s.manifest["model"]))]
+    if s.ids is not None:
+        ids = _readable_ids(s.ids)
+        kind = "int64" if ids.dtype.kind in "iu" else "str"
+        rows.append(("ids", f"{kind}, {ids[0].item()!r} .. {ids[-1].item()!r}" if ids.size else kind))
+    else:
+        rows.append(("ids", "none (positions)"))
+    rows += [("files", files), ("structure", "ok (manifest, shapes, dtypes, offsets monotone and ending at T, ids"
+                                             + (", scales finite and >= 0)" if int8 else ")"))]
+    return [f"{name:<11}{value}" for name, value in rows]
+
+
+@main.command(
+    name="inspect",
+    help="Print what an input holds (a shard directory, or a .npy input with --lengths) and check "
+    "it: manifest, shapes, dtypes, offsets, ids. With --check also read every embedding: "
+    "NaN/inf values fail, and so does a manifest that says 'normalized' when a token's norm "
+    "is not 1. Exit status 2 when a check fails.\n\n" + _FORMAT_HELP + "\n\b\nExample:\n"
+    "  lik inspect examples/shard0 --check\n",
+    context_settings=_CONTEXT,
+)
+@click.argument("path", metavar="SHARD")
+@click.option("--lengths", metavar="L", help="Lengths (padded) or doclens (flat) for a .npy input.")
+@click.option("--check", is_flag=True, help="Also read every value: finite, and normalized as the manifest says.")
+@click.option("--bf16-bits", is_flag=True, help="Read a uint16 .npy input as bfloat16 bit patterns.")
+@click.option("--debug", is_flag=True, help="Show a traceback on errors.")
+@_cli_errors
+def _inspect_command(path, lengths, check, bf16_bits, debug):
+    s = shards.open_input(path, lengths, bf16_bits=bf16_bits)
+    for line in _describe(s):
+        click.echo(line)
+    if s.manifest is not None:
+        click.echo("manifest.json:")
+        click.echo(json.dumps(s.manifest, indent=2, sort_keys=True))
+    if not check:
+        click.echo(f"{'values':<11}not read (pass --check)")
+        return
+    scan = shards.scan_values(s)
+    if scan.nonfinite is not None:
+        doc, tok = scan.nonfinite
+        raise LikError(s.tokens_file, f"document {doc}, token {tok} holds NaN or inf; embeddings must be finite")
+    if s.manifest is not None and s.manifest["normalized"] and not scan.normalized:
+        doc, tok, norm = scan.not_unit
+        raise LikError(os.path.join(s.path, shards.MANIFEST),
+                       f"says normalized: true but document {doc}, token {tok} has L2 norm {norm:.4g}")
+    click.echo(f"{'values':<11}all finite; {'every token has norm 1' if scan.normalized else 'not L2-normalised'}")
+
+
+def _version(dist: str, module: str | None = None) -> str:
+    try:
+        from importlib.metadata import version
+
+        return version(dist)
+    except Exception:
+        pass
+    if module:
+        try:
+            mod = __import__(module)
+            return str(getattr(mod, "__version__", "unknown version"))
+        except Exception:
+            pass
+    return "not installed"
+
+
+def _gpu_lines() -> list[str]:
+    try:
+        import cupy
+    except Exception as e:
+        return [f"none usable (cupy not importable: {type(e).__name__})"]
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as e:
+        return [f"none visible ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"]
+    if count == 0:
+        return ["none visible"]
+    lines = []
+    for i in range(count):
+        try:
+            p = cupy.cuda.runtime.getDeviceProperties(i)
+            name = p["name"].decode() if isinstance(p["name"], bytes) else str(p["name"])
+            mem = p.get("totalGlobalMem", 0) / 2**30
+            lines.append(f"{i}: {name}, compute capability {p['major']}.{p['minor']} (sm_{p['major']}{p['minor']}), {mem:.0f} GiB")
+        except Exception as e:
+            lines.append(f"{i}: properties unavailable ({type(e).__name__}: {e})")
+    return lines
+
+
+@main.command(
+    "info",
+    help="Show versions, visible GPUs with their compute capability, the kernel cache location "
+    "and the shard format version. Works without a GPU or CuPy.\n\n" + _FORMAT_HELP + "\n\b\nExample:\n  lik info\n",
+    context_settings=_CONTEXT,
+)
+@click.option("--debug", is_flag=True, help="Show a traceback on errors.")
+@_cli_errors
+def _info_command(debug):
+    echo = click.echo
+    echo(f"python        {platform.python_version()} ({sys.executable})")
+    echo(f"lik-cupy      {lik_cupy.__version__} ({os.path.dirname(lik_cupy.__file__)})")
+    echo(f"shard format  {shards.FORMAT} v{shards.VERSION} (reads v1..v{shards.VERSION}; dtypes "
+         f"{', '.join(shards.SHARD_DTYPES)})")
+    echo(f"numpy         {np.__version__}")
+    echo(f"click         {_version('click')}")
+    echo(f"ml_dtypes     {_version('ml_dtypes', 'ml_dtypes')}")
+    try:
+        import cupy
+
+        echo(f"cupy          {cupy.__version__}")
+    except Exception as e:
+        echo(f"cupy          not importable ({type(e).__name__}); the CPU path still works")
+    echo(f"cuda-python   {_version('cuda-python')}")
+    gpus = _gpu_lines()
+    echo(f"GPU           {gpus[0]}")
+    for line in gpus[1:]:
+        echo(f"              {line}")
+    echo(f"GPU backend   {'available' if _gpu_available() else 'not available (CPU fallback)'}")
+    from lik_cupy._runtime import nvrtc
+
+    echo(f"kernel cache  {nvrtc.cache_dir()}")
+
+
+if __name__ == "__main__":
+    main(prog_name="lik")

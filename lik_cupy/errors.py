@@ -1,0 +1,42 @@
+"""Every exception lik-cupy raises of its own (beside Python's ``ValueError`` / ``TypeError`` for
+bad arguments, which name the argument and what was expected)."""
+
+from __future__ import annotations
+
+__all__ = ["CompileError", "DeviceMemoryError", "ShardError", "LikError"]
+
+
+class CompileError(RuntimeError):
+    """NVRTC rejected a kernel; the message carries the compiler log."""
+
+
+class DeviceMemoryError(MemoryError):
+    """A GPU buffer did not fit. The message names the buffer, its size, the memory left and
+    what to do; ``buffer``, ``nbytes`` and ``device`` carry the same for programs."""
+
+    def __init__(self, message: str, buffer: str, nbytes: int, device: int):
+        super().__init__(message)
+        self.buffer, self.nbytes, self.device = buffer, nbytes, device
+
+
+class ShardError(ValueError):
+    """A file or shard is missing, corrupt or inconsistent.
+
+    ``path`` names the file at fault and ``problem`` says what is wrong and what was
+    expected; ``str(err)`` is ``"<path>: <problem>"``.
+    """
+
+    def __init__(self, path: object, problem: str):
+        super().__init__(f"{path}: {problem}")
+        self.path = str(path)
+        self.problem = problem
+
+
+class LikError(Exception):
+    """Bad input or environment for the ``lik`` command: reported as
+    ``lik: error: <what>: <problem>``, exit 2."""
+
+    def __init__(self, what: object, problem: str):
+        super().__init__(f"{what}: {problem}")
+        self.what = str(what)
+        self.problem = problem

@@ -1,0 +1,215 @@
+"""The public API, frozen: every public module's ``__all__`` and the signature of each public
+function. A change here is a change users see: make it on purpose, and keep the old name working
+for a release (``lik_cupy/_moved.py``).
+
+Read from the source with ``ast``, so ``lik_cupy.torch`` and ``lik_cupy.jax`` are covered
+without torch or jax installed.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import pathlib
+import subprocess
+import sys
+import warnings
+
+import pytest
+
+PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "lik_cupy"
+
+# module -> (sorted __all__, {public function: its parameters})
+FROZEN = {'lik_cupy': (['CompileError',
+               'DeviceMemoryError',
+               'LikError',
+               'PinnedHost',
+               'ShardError',
+               '__version__',
+               'dequantize_int8',
+               'gpu_available',
+               'maxsim',
+               'maxsim_backward',
+               'maxsim_int8',
+               'maxsim_int8_varlen',
+               'maxsim_pairs',
+               'maxsim_varlen',
+               'pin_host',
+               'quantize_int8',
+               'retrieve',
+               'warmup'],
+              {}),
+ 'lik_cupy.backward': (['maxsim_backward'],
+                       {'maxsim_backward': "(grad_scores, Q, D, argmax, *, d_offsets=None, method='auto', "
+                                           "validate=True, backend='auto')"}),
+ 'lik_cupy.cli': (['EXIT_BAD_INPUT', 'EXIT_INTERRUPTED', 'main', 'run_score'],
+                  {'main': '()',
+                   'run_score': '(queries: str, docs, out: str, *, q_lengths: str | None=None, d_lengths=(), '
+                                'top_k: int=10, full_matrix: bool=False, check: bool=False, cpu: bool=False, '
+                                'device: int | None=None, devices: str | None=None, bf16_bits: bool=False)'}),
+ 'lik_cupy.errors': (['CompileError', 'DeviceMemoryError', 'LikError', 'ShardError'], {}),
+ 'lik_cupy.forward': (['maxsim', 'maxsim_pairs', 'maxsim_varlen'],
+                      {'maxsim': '(Q, D, q_mask=None, d_mask=None, *, q_lengths=None, d_lengths=None, '
+                                 "return_argmax=False, backend='auto')",
+                       'maxsim_pairs': '(Q, D, q_mask=None, d_mask=None, *, q_lengths=None, d_lengths=None, '
+                                       "return_argmax=False, backend='auto')",
+                       'maxsim_varlen': '(Q, D_tokens, d_offsets, q_mask=None, *, q_lengths=None, q_offsets=None, '
+                                        "return_argmax=False, validate_offsets=True, backend='auto')"}),
+ 'lik_cupy.int8': (['maxsim_int8', 'maxsim_int8_varlen'],
+                   {'maxsim_int8': '(Q, D, d_scales, q_mask=None, d_mask=None, *, q_scales=None, q_lengths=None, '
+                                   "d_lengths=None, return_argmax=False, backend='auto')",
+                    'maxsim_int8_varlen': '(Q, D_tokens, d_scales, d_offsets, q_mask=None, *, q_scales=None, '
+                                          'q_lengths=None, return_argmax=False, validate_offsets=True, '
+                                          "backend='auto')"}),
+ 'lik_cupy.jax': (['maxsim'],
+                  {'maxsim': "(Q, D, q_mask=None, d_mask=None, *, q_lengths=None, d_lengths=None, method='auto')"}),
+ 'lik_cupy.quantize': (['dequantize_int8', 'quantize_int8'],
+                       {'dequantize_int8': "(X_int8, scales, *, backend='auto')",
+                        'quantize_int8': "(X, *, backend='auto')"}),
+ 'lik_cupy.retrieve': (['MAX_K', 'retrieve'],
+                       {'retrieve': '(Q, D, k, q_mask=None, *, q_lengths=None, q_scales=None, d_offsets=None, '
+                                    'd_mask=None, d_lengths=None, d_scales=None, max_gpu_bytes=None, '
+                                    "backend='auto')"}),
+ 'lik_cupy.shards': (['CHUNK_BYTES',
+                      'DTYPES',
+                      'FORMAT',
+                      'IDS',
+                      'INT8',
+                      'MANIFEST',
+                      'NORM_TOLERANCE',
+                      'OFFSETS',
+                      'SCALES',
+                      'SHARD_DTYPES',
+                      'Shard',
+                      'ShardError',
+                      'TOKENS',
+                      'VERSION',
+                      'ValueScan',
+                      'check_finite',
+                      'check_ids',
+                      'check_offsets',
+                      'check_scales',
+                      'embedding_dtype',
+                      'layout_help',
+                      'load_padded',
+                      'member_path',
+                      'numpy_dtype',
+                      'open_input',
+                      'open_npy',
+                      'open_shard',
+                      'pack',
+                      'pack_arrays',
+                      'read_lengths',
+                      'read_manifest',
+                      'scan_values',
+                      'write_shard'],
+                     {'check_finite': '(shard: Shard, max_bytes: int=CHUNK_BYTES)',
+                      'check_ids': '(ids, n: int, name: str)',
+                      'check_offsets': '(offsets: np.ndarray, num_tokens: int, name: str)',
+                      'check_scales': '(scales: np.ndarray, offsets: np.ndarray, name: str, max_bytes: '
+                                      'int=CHUNK_BYTES)',
+                      'embedding_dtype': '(arr: np.ndarray, name: str, bf16_bits: bool=False)',
+                      'layout_help': '()',
+                      'load_padded': '(shard: Shard)',
+                      'member_path': '(shard_dir: str, name: str, manifest_path: str)',
+                      'numpy_dtype': '(name: str)',
+                      'open_input': '(path: str | os.PathLike, lengths: str | os.PathLike | None=None, *, '
+                                    'bf16_bits: bool=False)',
+                      'open_npy': '(path: str | os.PathLike)',
+                      'open_shard': '(path: str | os.PathLike)',
+                      'pack': '(source: Shard, path: str | os.PathLike, *, ids=None, model: str | None=None, '
+                              'dtype: str | None=None, overwrite: bool=False, check_finite: bool=False, max_bytes: '
+                              'int=CHUNK_BYTES)',
+                      'pack_arrays': '(docs: Sequence, path: str | os.PathLike, *, ids=None, model: str | '
+                                     'None=None, dtype: str | None=None, overwrite: bool=False, check_finite: '
+                                     'bool=False, bf16_bits: bool=False)',
+                      'read_lengths': '(path: str | os.PathLike)',
+                      'read_manifest': '(path: str | os.PathLike)',
+                      'scan_values': '(shard: Shard, max_bytes: int=CHUNK_BYTES)',
+                      'write_shard': '(path: str | os.PathLike, tokens: np.ndarray, offsets, *, ids=None, model: '
+                                     'str | None=None, dtype: str | None=None, overwrite: bool=False, '
+                                     'check_finite: bool=False, scales: np.ndarray | None=None)'}),
+ 'lik_cupy.torch': (['maxsim', 'maxsim_varlen'],
+                    {'maxsim': "(Q, D, q_mask=None, d_mask=None, *, q_lengths=None, d_lengths=None, method='auto', "
+                               'return_argmax=False)',
+                     'maxsim_varlen': "(Q, D_tokens, d_offsets, q_mask=None, *, q_lengths=None, method='auto', "
+                                      'return_argmax=False)'})}
+
+
+def _module_file(mod: str) -> pathlib.Path:
+    parts = mod.split(".")[1:]
+    return PACKAGE / "__init__.py" if not parts else PACKAGE / (parts[0] + ".py")
+
+
+def _read(mod: str):
+    tree = ast.parse(_module_file(mod).read_text())
+    names = None
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in node.targets):
+            names = ast.literal_eval(node.value)
+    assert names is not None, f"{mod} has no __all__"
+    sigs = {n.name: "(" + ast.unparse(n.args) + ")" for n in tree.body
+            if isinstance(n, ast.FunctionDef) and n.name in names}
+    defined = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+    defined |= {t.id for n in tree.body if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)}
+    return sorted(names), sigs, defined
+
+
+def test_the_public_modules_are_the_frozen_ones():
+    public = {"lik_cupy"} | {f"lik_cupy.{p.stem}" for p in PACKAGE.glob("*.py") if not p.name.startswith("_")}
+    assert public == set(FROZEN)
+
+
+@pytest.mark.parametrize("mod", sorted(FROZEN))
+def test_names_and_signatures_are_frozen(mod):
+    names, sigs, _ = _read(mod)
+    assert (names, sigs) == FROZEN[mod]
+
+
+@pytest.mark.parametrize("mod", sorted(FROZEN))
+def test_every_other_module_level_name_has_an_underscore(mod):
+    names, _, defined = _read(mod)
+    stray = sorted(n for n in defined - set(names) if not n.startswith("_"))
+    assert not stray, f"{mod}: public-looking names outside __all__: {stray}"
+
+
+def test_internals_live_in_underscored_packages():
+    for p in PACKAGE.iterdir():
+        if p.is_dir() and (p / "__init__.py").exists():
+            assert p.name.startswith("_"), f"lik_cupy/{p.name}/ is a package without an underscore"
+
+
+def test_public_names_resolve_and_keep_torch_and_jax_out():
+    code = ("import sys, lik_cupy; [getattr(lik_cupy, n) for n in lik_cupy.__all__]; "
+            "import lik_cupy.cli, lik_cupy.shards, lik_cupy.errors; "
+            "print(sorted(m for m in ('torch', 'jax', 'cupy') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+@pytest.mark.parametrize("old,new", [("lik_cupy.dispatch", "lik_cupy._dispatch"),
+                                     ("lik_cupy.compile", "lik_cupy._runtime.nvrtc"),
+                                     ("lik_cupy.device", "lik_cupy._runtime.device"),
+                                     ("lik_cupy.pinned", "lik_cupy._runtime.pinned"),
+                                     ("lik_cupy.validate", "lik_cupy._validate")])
+def test_moved_modules_still_import_with_a_warning(old, new):
+    code = (f"import warnings; warnings.simplefilter('error', DeprecationWarning)\n"
+            f"try:\n    import {old}\nexcept DeprecationWarning as e:\n    print('warned:', e)\n"
+            f"warnings.simplefilter('ignore')\nimport importlib, {old.split('.')[0]}\n"
+            f"print(importlib.import_module('{old}') is importlib.import_module('{new}'))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert f"warned: {old} moved to {new}" in out and out.strip().endswith("True")
+
+
+def test_moved_attributes_warn_and_unknown_ones_raise():
+    import lik_cupy
+
+    with pytest.warns(DeprecationWarning, match="lik_cupy.dispatch moved to lik_cupy._dispatch"):
+        assert lik_cupy.dispatch is importlib.import_module("lik_cupy._dispatch")
+    with pytest.raises(AttributeError, match="no attribute 'nonesuch'"):
+        lik_cupy.nonesuch  # noqa: B018
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        from lik_cupy.errors import ShardError
+        from lik_cupy.shards import ShardError as again
+    assert ShardError is again
