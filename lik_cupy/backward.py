@@ -55,6 +55,17 @@ def maxsim_backward(grad_scores, Q, D, argmax, *, d_offsets=None, method="auto",
     Returns:
         ``(dQ, dD)`` shaped and typed like Q and D (fp32 accumulation inside), in the
         caller's framework and on its device.
+    Example::
+
+        >>> import numpy as np, lik_cupy
+        >>> Q = np.array([[[1, 0], [0, 1]]], np.float32)
+        >>> D = np.array([[[2, 0], [0, 3]]], np.float32)
+        >>> s, a = lik_cupy.maxsim(Q, D, return_argmax=True, backend="cpu")
+        >>> dQ, dD = lik_cupy.maxsim_backward(np.ones_like(s), Q, D, a, backend="cpu")
+        >>> dQ[0], dD[0]
+        (array([[2., 0.],
+               [0., 3.]], dtype=float32), array([[1., 0.],
+               [0., 1.]], dtype=float32))
     """
     if method not in _METHODS:
         raise ValueError(f"method must be one of {_METHODS}, got {method!r}")

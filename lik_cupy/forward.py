@@ -48,6 +48,16 @@ def maxsim(Q, D, q_mask=None, d_mask=None, *, q_lengths=None, d_lengths=None, re
         CuPy or PyTorch stream without a host synchronisation, except that a call with
         device-resident lengths waits for their range check (a small kernel on a stream
         of its own, beside the scoring kernel) before it returns.
+    Example (the NumPy path; on a GPU the same call runs the CUDA kernels)::
+
+        >>> import numpy as np, lik_cupy
+        >>> Q = np.array([[[1, 0], [0, 1]]], np.float32)            # 1 query, 2 tokens, d = 2
+        >>> D = np.array([[[1, 0], [0, 0]], [[0, 2], [1, 1]]], np.float32)  # 2 documents
+        >>> lik_cupy.maxsim(Q, D, backend="cpu")
+        array([[1., 3.]], dtype=float32)
+        >>> s, a = lik_cupy.maxsim(Q, D, d_lengths=[1, 2], return_argmax=True, backend="cpu")
+        >>> s, a[0, 1]
+        (array([[1., 3.]], dtype=float32), array([1, 0], dtype=int32))
     """
     return _run(Q, D, q_mask, d_mask, q_lengths, d_lengths, return_argmax, backend, pairs=False)
 
@@ -62,6 +72,13 @@ def maxsim_pairs(Q, D, q_mask=None, d_mask=None, *, q_lengths=None, d_lengths=No
 
     Returns:
         float32 ``[B]`` (and int32 argmax ``[B, Lq]`` if asked).
+    Example::
+
+        >>> import numpy as np, lik_cupy
+        >>> Q = np.ones((3, 2, 4), np.float32)
+        >>> D = np.arange(3 * 5 * 4, dtype=np.float32).reshape(3, 5, 4) / 100
+        >>> lik_cupy.maxsim_pairs(Q, D, backend="cpu")
+        array([1.4, 3. , 4.6], dtype=float32)
     """
     return _run(Q, D, q_mask, d_mask, q_lengths, d_lengths, return_argmax, backend, pairs=True)
 
@@ -93,6 +110,13 @@ def maxsim_varlen(Q, D_tokens, d_offsets, q_mask=None, *, q_lengths=None, q_offs
     Returns:
         float32 ``[Nq, Nd]`` (``[Nd]`` for a 2-D padded Q), in the caller's framework
         and device; semantics as in :func:`maxsim`.
+    Example::
+
+        >>> import numpy as np, lik_cupy
+        >>> Q = np.array([[1, 0], [0, 1]], np.float32)               # one query [Lq, d]
+        >>> tokens = np.array([[1, 0], [0, 2], [1, 1]], np.float32)  # docs of 1 and 2 tokens
+        >>> lik_cupy.maxsim_varlen(Q, tokens, np.array([0, 1, 3]), backend="cpu")
+        array([1., 3.], dtype=float32)
     """
     check_backend(backend)
     p = check_varlen(Q, D_tokens, d_offsets, q_mask, q_lengths, q_offsets)

@@ -54,6 +54,16 @@ def maxsim_int8(Q, D, d_scales, q_mask=None, d_mask=None, *, q_scales=None, q_le
         float32 scores (and the argmax) in the caller's framework and device, with the
         semantics of :func:`lik_cupy.maxsim` (-inf for an empty document, 0 for a query with
         no valid token, NaN where a query token held NaN or inf).
+    Example::
+
+        >>> import numpy as np, lik_cupy
+        >>> rng = np.random.default_rng(0)
+        >>> Q, D = rng.standard_normal((2, 8, 64), np.float32), rng.standard_normal((5, 16, 64), np.float32)
+        >>> D8, scales = lik_cupy.quantize_int8(D, backend="cpu")
+        >>> s = lik_cupy.maxsim_int8(Q, D8, scales, backend="cpu")
+        >>> exact = lik_cupy.maxsim(Q, D, backend="cpu")
+        >>> bool(np.abs(s - exact).max() < 0.05 * np.abs(exact).max())
+        True
     """
     check_backend(backend)
     p = check_call(Q, D, q_mask, d_mask, q_lengths, d_lengths, pairs=False, int8=True)

@@ -40,6 +40,14 @@ def quantize_int8(X, *, backend="auto"):
 
     Raises:
         ValueError: X holds NaN or inf (the message names the first such token).
+    Example::
+
+        >>> import numpy as np, lik_cupy
+        >>> q, s = lik_cupy.quantize_int8(np.array([[0.5, -1.0, 0.25]], np.float32), backend="cpu")
+        >>> q, s
+        (array([[  64, -127,   32]], dtype=int8), array([0.00787402], dtype=float32))
+        >>> lik_cupy.dequantize_int8(q, s, backend="cpu")
+        array([[ 0.503937 , -1.       ,  0.2519685]], dtype=float32)
     """
     info = interop.describe(X)
     if info.dtype not in ("float16", "bfloat16", "float32", "float64"):

@@ -145,6 +145,13 @@ def retrieve(Q, D, k, q_mask=None, *, q_lengths=None, q_scales=None, d_offsets=N
         2-D Q), best first: score descending, ties to the lower document index, NaN scores
         last. In Q's framework and on Q's device (NumPy Q: NumPy results). A query token
         holding NaN or inf makes its scores against an INT8 corpus NaN.
+    Example::
+
+        >>> import numpy as np, lik_cupy
+        >>> Q = np.array([[[1, 0]]], np.float32)
+        >>> D = np.array([[[0.5, 0]], [[2, 0]], [[1, 0]], [[2, 0]]], np.float32)
+        >>> lik_cupy.retrieve(Q, D, k=3, backend="cpu")  # ties go to the lower index
+        (array([[2., 2., 1.]], dtype=float32), array([[1, 3, 2]]))
     """
     check_backend(backend)
     if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 1 <= k <= MAX_K:
