@@ -1,0 +1,64 @@
+"""JAX arrays on one device. jax is never imported here: a JAX array reaching us means jax is in
+``sys.modules`` already. JAX does not share CuPy's stream, so device results are synchronised
+before JAX takes them."""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+
+from .info import Info, dtype_name
+
+FRAMEWORK = "jax"
+
+
+def describe(x) -> Info:
+    devs = list(x.devices())
+    if len(devs) != 1:
+        raise ValueError(f"JAX arrays must live on one device, got one sharded over {len(devs)}")
+    d = devs[0]
+    dev = None if d.platform == "cpu" else int(getattr(d, "local_hardware_id", d.id) or 0)
+    return Info(FRAMEWORK, dev, dtype_name(x.dtype), tuple(x.shape))
+
+
+def to_cupy(x):
+    import cupy
+
+    try:
+        return cupy.from_dlpack(x)
+    except (TypeError, NotImplementedError, BufferError, ValueError):
+        if dtype_name(x.dtype) != "bfloat16":
+            raise
+        jax = sys.modules["jax"]
+        return cupy.from_dlpack(jax.lax.bitcast_convert_type(x, np.uint16))  # device copy, bit-exact
+
+
+def to_numpy(x) -> np.ndarray:
+    return np.asarray(x)
+
+
+def from_cupy(a, on_host: bool):
+    jax = sys.modules["jax"]
+    if on_host:
+        return jax.numpy.asarray(a.get())
+    import cupy
+
+    cupy.cuda.get_current_stream().synchronize()
+    return jax.dlpack.from_dlpack(a)
+
+
+def bfloat16_from_bits(a, on_host: bool, like):
+    jax = sys.modules["jax"]
+    if on_host:
+        import ml_dtypes
+
+        return jax.numpy.asarray(a.get().view(ml_dtypes.bfloat16))
+    import cupy
+
+    cupy.cuda.get_current_stream().synchronize()
+    return jax.lax.bitcast_convert_type(jax.dlpack.from_dlpack(a), jax.numpy.bfloat16)
+
+
+def from_numpy(a: np.ndarray):
+    return sys.modules["jax"].numpy.asarray(a)

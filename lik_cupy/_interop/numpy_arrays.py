@@ -1,0 +1,37 @@
+"""NumPy arrays: host memory, the CPU path's own type."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .info import Info, dtype_name
+
+FRAMEWORK = "numpy"
+
+
+def describe(x) -> Info:
+    return Info(FRAMEWORK, None, dtype_name(x.dtype), tuple(x.shape))
+
+
+def to_numpy(x) -> np.ndarray:
+    return x
+
+
+def to_cupy(x):
+    import cupy
+
+    return cupy.asarray(x)
+
+
+def from_cupy(a, on_host: bool):
+    return a.get()
+
+
+def bfloat16_from_bits(a, on_host: bool, like):
+    import ml_dtypes
+
+    return a.get().view(ml_dtypes.bfloat16)
+
+
+def from_numpy(a: np.ndarray):
+    return a

@@ -1,0 +1,176 @@
+"""PyTorch tensors (CUDA or CPU). torch is never imported here: a tensor reaching us means torch
+is in ``sys.modules`` already.
+
+Hot paths avoid the DLPack handshake, about ten times dearer than reading a pointer: device
+tensors are viewed in CuPy from their pointer, results allocated by torch's caching allocator
+come back as views of the owning tensor, and CuPy runs on torch's current stream.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+
+import numpy as np
+
+from .info import Info, dtype_name
+
+FRAMEWORK = "torch"
+
+_DTYPE_NAMES: dict = {}
+
+
+def _dtype_name(dt) -> str:
+    """``torch.float16`` -> "float16", memoised by the dtype object (``str`` of it costs about a
+    microsecond, several times per call)."""
+    try:
+        return _DTYPE_NAMES[dt]
+    except KeyError:
+        name = _DTYPE_NAMES[dt] = str(dt).replace("torch.", "")
+        return name
+
+
+# The NumPy dtype of a torch dtype's elements as the kernels read them, by dtype name.
+_TORCH_NP = {n: np.dtype(n) for n in ("float16", "float32", "float64", "int16", "int32", "int64", "uint8", "int8")}
+_TORCH_NP.update({"bfloat16": np.dtype(np.int16), "bool": np.dtype(np.uint8)})  # their bits
+_NP_TORCH = {v: k for k, v in _TORCH_NP.items() if k not in ("bfloat16", "bool")}  # (those two come back as bits)
+
+
+def describe(x) -> Info:
+    if x.is_cuda:
+        dev = x.get_device()  # (``x.device`` builds an object per access)
+    elif x.device.type == "cpu":
+        dev = None
+    else:
+        raise ValueError(f"torch tensors must be on a CUDA device or the CPU, got device {x.device}")
+    return Info(FRAMEWORK, dev, _dtype_name(x.dtype), tuple(x.shape))
+
+
+def _bits_view(x):
+    torch = sys.modules["torch"]
+    if x.dtype == torch.bfloat16:
+        return x.view(torch.int16)
+    if x.dtype == torch.bool:
+        return x.view(torch.uint8)
+    return x
+
+
+def cuda_view(t):
+    """Zero-copy C-contiguous CuPy view of a C-contiguous CUDA tensor from its pointer (the
+    tensor is kept alive as the memory's owner; bfloat16 comes as int16 bits, bool as uint8);
+    None for anything unusual, which takes the DLPack path."""
+    import cupy
+
+    if not t.is_cuda or not t.is_contiguous():
+        return None
+    n = t.numel()
+    dtype = _TORCH_NP.get(_dtype_name(t.dtype))
+    if dtype is None or n == 0:
+        return None
+    mem = cupy.cuda.UnownedMemory(t.data_ptr(), n * dtype.itemsize, t, t.get_device())
+    return cupy.ndarray(tuple(t.shape), dtype, cupy.cuda.MemoryPointer(mem, 0))
+
+
+def to_cupy(x):
+    import cupy
+
+    return cupy.from_dlpack(_bits_view(x.detach()))
+
+
+def to_numpy(x) -> np.ndarray:
+    torch = sys.modules["torch"]
+    t = x.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    if t.dtype == torch.bfloat16:
+        import ml_dtypes
+
+        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return t.numpy()
+
+
+def _owner_view(a):
+    """A C-contiguous CuPy array in memory ``_malloc`` allocated, as a view of the torch tensor
+    owning that memory (several times cheaper than the DLPack handshake); None for any other
+    array."""
+    torch = sys.modules["torch"]
+    owner = getattr(a.data.mem, "_owner", None)
+    dt = _NP_TORCH.get(a.dtype)
+    if type(owner) is not torch.Tensor or owner.dtype != torch.uint8 or dt is None or not a.flags.c_contiguous:
+        return None
+    start = a.data.ptr - owner.data_ptr()
+    if start or owner.numel() != a.nbytes:  # (a buffer of its own, the usual case, needs no slice)
+        owner = owner[start:start + a.nbytes]
+    return owner.view(getattr(torch, dt)).view(a.shape)
+
+
+def from_cupy(a, on_host: bool):
+    torch = sys.modules["torch"]
+    if on_host:
+        return torch.from_numpy(a.get())
+    t = _owner_view(a)
+    return t if t is not None else torch.from_dlpack(a)
+
+
+def bfloat16_from_bits(a, on_host: bool, like):
+    torch = sys.modules["torch"]
+    bits = a.view(np.int16)
+    if on_host:
+        return torch.from_numpy(bits.get()).view(torch.bfloat16)
+    t = _owner_view(bits)
+    return (t if t is not None else torch.from_dlpack(bits)).view(torch.bfloat16)
+
+
+def from_numpy(a: np.ndarray):
+    # (ascontiguousarray alone would turn a 0-d result into shape [1])
+    return sys.modules["torch"].from_numpy(np.ascontiguousarray(a).reshape(a.shape))
+
+
+# (device, stream handle) -> CuPy's non-owning view of a torch stream, built once (about 10 us
+# per call otherwise); a handle torch reuses for a new stream is the same stream to CuPy.
+_external: dict = {}
+
+
+@contextlib.contextmanager
+def stream(device: int):
+    """CuPy on torch's current stream of ``device``, its device buffers (results and scratch)
+    from torch's caching allocator.
+
+    One pool for both frameworks: memory CuPy frees goes back where torch can reuse it, torch's
+    memory statistics and limits see it, and inside ``torch.cuda.graph`` capture every buffer
+    comes from the graph's private pool, which keeps it for the graph's replays.
+    """
+    import cupy
+
+    torch = sys.modules["torch"]
+    # The raw handle is what Triton's launcher reads too: a fifth of the cost of the Stream
+    # object, which only a new stream needs.
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    handle = raw(device) if raw is not None else torch.cuda.current_stream(device).cuda_stream
+    ext = _external.get((device, handle))
+    if ext is None:
+        s = torch.cuda.current_stream(device)
+        if hasattr(s, "__cuda_stream__") and hasattr(cupy.cuda.Stream, "from_external"):
+            ext = cupy.cuda.Stream.from_external(s)  # CuPy 14 deprecates ExternalStream (a warning per call)
+        else:
+            ext = cupy.cuda.ExternalStream(s.cuda_stream, device)
+        if len(_external) >= 256:
+            _external.clear()
+        _external[(device, handle)] = ext
+    with ext, cupy.cuda.using_allocator(_malloc):
+        yield
+
+
+def _malloc(size: int):
+    """A CuPy allocation owned by a torch uint8 tensor (allocated on torch's current stream,
+    freed when CuPy drops the memory); torch's out-of-memory error becomes CuPy's, which
+    ``lik_cupy._runtime.device.allocating`` turns into the named ``DeviceMemoryError``."""
+    import cupy
+
+    torch = sys.modules["torch"]
+    device = cupy.cuda.runtime.getDevice()
+    try:
+        t = torch.empty(max(int(size), 1), dtype=torch.uint8, device=device)
+    except torch.cuda.OutOfMemoryError as e:
+        raise cupy.cuda.memory.OutOfMemoryError(int(size), 0) from e
+    return cupy.cuda.MemoryPointer(cupy.cuda.UnownedMemory(t.data_ptr(), int(size), t, device), 0)
