@@ -276,8 +276,9 @@ def _load(path: Path, device_id: int, entry: str):
     return mod
 
 
-def check_all(archs=None, configs=None) -> list[dict]:
-    """CPU-only: compile every forward configuration for every supported architecture.
+def check_all(archs=None, configs=None, *, other_kernels: bool = True) -> list[dict]:
+    """CPU-only: compile every forward configuration (or ``configs``) for every supported
+    architecture (or ``archs``), and with ``other_kernels`` the kernels outside the forward family.
 
     Returns one row per (kernel, arch) with registers, stack, spills, static and
     dynamic shared memory (``lik_sum_partials``, the top-k merge, the value checks, the mask spans,
@@ -287,7 +288,7 @@ def check_all(archs=None, configs=None) -> list[dict]:
 
     rows = []
     for arch in archs or SUPPORTED_ARCHS:
-        for n, cfg in enumerate(configs or all_forward_configs(arch)):
+        for n, cfg in enumerate(configs if configs is not None else all_forward_configs(arch)):
             target = cfg.target(arch)
             out = nvrtc_compile("maxsim_fwd.cu", cfg.defines(), target)
             rows.append({"kernel": cfg.name, "arch": f"sm_{target}", "dynamic_smem": cfg.smem_bytes,
@@ -295,7 +296,7 @@ def check_all(archs=None, configs=None) -> list[dict]:
             if n == 0:
                 rows.append({"kernel": "lik_sum_partials", "arch": f"sm_{target}", "dynamic_smem": 0,
                              **resource_usage(out.log, "lik_sum_partials")})
-        if configs is None:
+        if other_kernels:
             for src, kernels in (("topk.cu", ("lik_topk_merge",)),
                                  ("checks.cu", ("lik_check_range_i32", "lik_check_range_i64", "lik_check_offsets_i32",
                                                "lik_check_offsets_i64")),
