@@ -1,8 +1,15 @@
-"""Event timing shared by the bench scripts (torch CUDA events on the current stream)."""
+"""Event timing shared by the bench scripts (torch CUDA events on the current stream), and the ceilings a
+suite's rates are compared with (cuBLAS fp16 matmul, HBM copy)."""
 
 from __future__ import annotations
 
 import statistics
+import time
+
+from .results import short_err
+
+CEIL_MATMUL_N = 8192          # cuBLAS fp16 ceiling: n^3 torch.matmul
+CEIL_COPY_BYTES = 1 << 30     # HBM ceiling: device-to-device copy of this many bytes (read + write counted)
 
 
 def per_call_ms(torch, fn, n, *, rounds=3, spin_cycles=0):
@@ -45,30 +52,6 @@ def padded_call_ms(torch, fn, reps, pad_cycles):
     return [s.elapsed_time(e) for s, e in zip(starts, ends)]
 
 
-def packed_calls(torch, q, toks, off):
-    """(ours, flash): callables making one call each of ``lik_cupy.maxsim_varlen`` (unchecked
-    offsets) and of flash-maxsim's packed kernel (one query: q[0]), each call on the next of the
-    packed corpora ``toks`` (CuPy [T, d] copies, so that no call finds its corpus in L2).
-    q: CuPy [Nq, Lq, d]; off: CuPy [Nd + 1] offsets shared by every corpus."""
-    import lik_cupy
-
-    tq, toff = torch.as_tensor(q, device="cuda"), torch.as_tensor(off, device="cuda")
-    ttoks = [torch.as_tensor(t, device="cuda") for t in toks]
-    counter = [0]
-
-    def ours():
-        counter[0] += 1
-        return lik_cupy.maxsim_varlen(q, toks[counter[0] % len(toks)], off, validate_offsets=False)
-
-    def flash():
-        import flash_maxsim
-
-        counter[0] += 1
-        return flash_maxsim.flash_maxsim(tq[0], ttoks[counter[0] % len(toks)], doc_lengths=toff)
-
-    return ours, flash
-
-
 def count_mismatches(cp, variants, apply, call, label):
     """For each variant in turn, ``apply(variant)`` then ``call()`` (a tuple result: its first
     array); count and print the variants whose result is not bit for bit the first variant's.
@@ -84,3 +67,112 @@ def count_mismatches(cp, variants, apply, call, label):
             mismatches += 1
             print(f"MISMATCH {label(v)}", flush=True)
     return mismatches
+
+
+# --------------------------------------------------------------------------- the suites' timing (a gpu.Ctx)
+
+def calibrate_sleep(ctx):
+    """Measure ``torch.cuda._sleep``'s cycles per ms into ``ctx.cycles_per_ms`` and set ``ctx.pad_cycles`` to
+    about 250 us of them (the host's head start before each timed call)."""
+    torch = ctx.torch
+    if not hasattr(torch.cuda, "_sleep"):
+        return
+    try:
+        torch.cuda._sleep(1000)
+        torch.cuda.synchronize()
+        n = 2_000_000
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        torch.cuda._sleep(n)
+        e.record()
+        torch.cuda.synchronize()
+        ms = s.elapsed_time(e)
+        if ms > 0:
+            ctx.cycles_per_ms = n / ms
+            ctx.pad_cycles = int(0.25 * ctx.cycles_per_ms)  # ~250 us of host head start
+    except Exception:  # noqa: BLE001
+        ctx.pad_cycles = 0
+
+
+def time_device(ctx, fn, sets, reps):
+    """Per-call device ms over ``reps`` calls rotating through ``sets`` (host overhead hidden by a
+    spin pad before each call)."""
+    n = len(sets)
+    return padded_call_ms(ctx.torch, lambda i: fn(sets[i % n]), reps, ctx.pad_cycles)
+
+
+def time_e2e(ctx, fn, sets, reps):
+    """Mean ms of back-to-back calls (includes host overhead if host-bound)."""
+    torch = ctx.torch
+    n = len(sets)
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    s.record()
+    for i in range(reps):
+        fn(sets[i % n])
+    e.record()
+    torch.cuda.synchronize()
+    return s.elapsed_time(e) / reps
+
+
+# --------------------------------------------------------------------------- ceilings
+
+def measure_ceilings(ctx):
+    """cuBLAS fp16 TF/s (an n^3 matmul), HBM GB/s (a device-to-device copy, read + write) and their ratio."""
+    torch = ctx.torch
+    out = {}
+    try:
+        n = CEIL_MATMUL_N
+        g = torch.Generator(device="cuda").manual_seed(1)
+        a = torch.randn(n, n, device="cuda", dtype=torch.float16, generator=g)
+        b = torch.randn(n, n, device="cuda", dtype=torch.float16, generator=g)
+        c = torch.empty(n, n, device="cuda", dtype=torch.float16)
+        fn = lambda _s: torch.matmul(a, b, out=c)  # noqa: E731
+        t_end = time.time() + 0.5  # let clocks ramp up
+        while time.time() < t_end:
+            fn(None)
+            torch.cuda.synchronize()
+        ms = statistics.median(time_device(ctx, fn, [None], 50))
+        out["matmul_fp16_ms"] = ms
+        out["matmul_fp16_n"] = n
+        out["cublas_fp16_tflops"] = 2 * n ** 3 / (ms * 1e-3) / 1e12
+        del a, b, c
+    except Exception as e:  # noqa: BLE001
+        out["cublas_fp16_error"] = short_err(e)
+    try:
+        nbytes = CEIL_COPY_BYTES
+        src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").fill_(1)
+        dst = torch.empty_like(src)
+        fn = lambda _s: dst.copy_(src)  # noqa: E731
+        for _ in range(3):
+            fn(None)
+        ms = statistics.median(time_device(ctx, fn, [None], 30))
+        out["d2d_copy_ms"] = ms
+        out["d2d_copy_bytes"] = nbytes
+        out["hbm_gbs"] = 2 * nbytes / (ms * 1e-3) / 1e9  # read + write
+        del src, dst
+    except Exception as e:  # noqa: BLE001
+        out["hbm_error"] = short_err(e)
+    torch.cuda.empty_cache()
+    if "cublas_fp16_tflops" in out and "hbm_gbs" in out:
+        out["ridge_flop_per_byte"] = out["cublas_fp16_tflops"] * 1e12 / (out["hbm_gbs"] * 1e9)
+    return out
+
+
+def run_ceilings(ctx, meta):
+    """The ceilings (none with ``--no-ceilings``), stored in ``meta["ceilings"]`` and printed."""
+    out = {} if ctx.args.no_ceilings else measure_ceilings(ctx)
+    meta["ceilings"] = out
+    print("ceilings: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                                   for k, v in out.items()), flush=True)
+    return out
+
+
+def ceiling_fraction(bound, tflops, gbs, ceilings):
+    """The rate as a fraction of its ceiling: TF/s of cuBLAS's when compute-bound, GB/s of HBM's when
+    memory-bound; None without that ceiling."""
+    if bound == "compute" and ceilings.get("cublas_fp16_tflops"):
+        return tflops / ceilings["cublas_fp16_tflops"]
+    if bound == "memory" and ceilings.get("hbm_gbs"):
+        return gbs / ceilings["hbm_gbs"]
+    return None
