@@ -503,12 +503,10 @@ def test_plan_launch_token_split(nq, lq, nd, ntok):
 
 # ---------------------------------------------------------------- (f) the split-d table
 
-SWEEP = os.path.join(os.path.dirname(__file__), "..", "bench", "results", "sweep_split_d_nvidia-h100-80gb-hbm3.json")
-TOKM_SWEEP = os.path.join(os.path.dirname(__file__), "..", "bench", "results",
-                          "sweep_int8_tokm_nvidia-h100-80gb-hbm3.json")
-SHORT_SWEEP = os.path.join(os.path.dirname(__file__), "..", "bench", "results", "sweep_short_nvidia-h200.json")
-SPLIT_SHORT_SWEEP = os.path.join(os.path.dirname(__file__), "..", "bench", "results",
-                                 "sweep_split_short_nvidia-h100-80gb-hbm3.json")
+SWEEP = os.path.join(os.path.dirname(__file__), "data", "sweep_split_d_nvidia-h100-80gb-hbm3.json")
+TOKM_SWEEP = os.path.join(os.path.dirname(__file__), "data", "sweep_int8_tokm_nvidia-h100-80gb-hbm3.json")
+SHORT_SWEEP = os.path.join(os.path.dirname(__file__), "data", "sweep_short_nvidia-h200.json")
+SPLIT_SHORT_SWEEP = os.path.join(os.path.dirname(__file__), "data", "sweep_split_short_nvidia-h100-80gb-hbm3.json")
 
 
 @pytest.mark.parametrize("dim", [520, 640, 1000, 2048, 4096, 8192])
@@ -623,8 +621,7 @@ def test_int8_tokens_on_m_rule_matches_the_committed_sweep():
     assert dispatch.choose_forward(90, "int8", 128, 1024, False, True, True, 1, 1024, True, True).tokm  # packed
 
 
-DOC_COST_SWEEPS = sorted(glob.glob(os.path.join(os.path.dirname(__file__), "..", "bench", "results",
-                                                "sweep_doc_cost_*.json")))
+DOC_COST_SWEEPS = sorted(glob.glob(os.path.join(os.path.dirname(__file__), "data", "sweep_doc_cost_*.json")))
 
 
 def test_doc_cost_matches_the_committed_sweeps():

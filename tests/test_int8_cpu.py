@@ -105,7 +105,7 @@ def test_packed_equals_padded(rng):
 def test_fidelity_against_float_scores(kind):
     # The bar: Spearman >= 0.999 and top-20 overlap >= 95% per query on average. The
     # bar is statistical (top-20 of 1500 close scores), so this test fixes its inputs; the
-    # benchmark (bench/bench_int8.py) reports it on fresh, larger samples and tighter clusters.
+    # benchmark (bench/suites/bench_int8.py) reports it on fresh, larger samples and tighter clusters.
     rng = np.random.default_rng(2026)
     dim, nq, lq, nd, ld = 128, 16, 32, 1500, 48
     make = _unit if kind == "unit" else (lambda r, *s: clustered(r, s, centres=64, spread=0.1))

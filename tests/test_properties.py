@@ -10,7 +10,7 @@ the call, up to float32 rounding). Padding that masks or lengths exclude holds N
 values, which must never show.
 
 The ``gpu`` tests replay the same draws on the GPU (NumPy inputs with ``backend="gpu"``, or CuPy
-arrays) and compare with the CPU path; ``bench/sanitize.sh`` runs them under compute-sanitizer.
+arrays) and compare with the CPU path; ``bench/tools/sanitize.sh`` runs them under compute-sanitizer.
 The GPU also gets calls the CPU refuses but the GPU promises to survive: unvalidated bad offsets
 (``validate_offsets=False``) and out-of-range argmax entries (``validate=False``).
 """

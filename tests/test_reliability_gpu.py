@@ -13,7 +13,7 @@
 
 Everything but the scale tests uses small shapes; the file takes about a minute on an H100 or H200.
 ``LIK_RELIABILITY_JSON=<file or directory>`` writes the measured figures there as JSON
-(a directory gets ``reliability_<gpu>.json``, the name bench/results uses).
+(a directory gets ``reliability_<gpu>.json``, the name bench/results/latest uses).
 """
 
 from __future__ import annotations

@@ -8,20 +8,20 @@ the page cache, then times, on one GPU:
 
   library     lik_cupy.retrieve(Q, [(tokens, offsets) per shard], k) in this process,
               after a warm-up call (kernels compiled, pinned buffers pooled)
-  cli         `lik score` run in this process through cli.main (after a warm-up run):
+  cli         `lik score` run in this process through lik_cupy.cli.main (after a warm-up run):
               opening and checking the shards, the retrieve calls, merging, writing
               the .npy output; no interpreter start or CUDA context creation
-  subprocess  `python -m cli score ...` as a new process: everything a user waits for
+  subprocess  `python -m lik_cupy score ...` as a new process: everything a user waits for
 
 and reports docs/s for each and the CLI's overhead = 1 - library time / cli time
 (target: under 20% when the shards are in the page cache), plus whether the CLI's
 top-k equals the library's. Each timing is the median of ``--repeats`` runs.
 
-    python bench/bench_cli.py --data /tmp/lik-bench                 # the 200,000-doc run
-    python bench/bench_cli.py --data /tmp/lik-bench --quick         # 20,000 docs, 2 shards
-    python bench/bench_cli.py --data /tmp/lik-small --docs 2000 --backend cpu   # harness check, no GPU
+    python bench/suites/bench_cli.py --data /tmp/lik-bench                 # the 200,000-doc run
+    python bench/suites/bench_cli.py --data /tmp/lik-bench --quick         # 20,000 docs, 2 shards
+    python bench/suites/bench_cli.py --data /tmp/lik-small --docs 2000 --backend cpu   # harness check, no GPU
 
-Writes the results as JSON to ``--out`` (default bench/results/cli_<gpu-slug>.json).
+Writes the results as JSON to ``--out`` (default $OUT/cli_<gpu-slug>.json, else bench/results/cli_<gpu-slug>.json).
 Imports lik_cupy and CuPy only when it runs, so --help works anywhere.
 """
 
@@ -32,7 +32,6 @@ import json
 import os
 import pathlib
 import platform
-import re
 import statistics
 import subprocess
 import sys
@@ -41,7 +40,10 @@ import time
 
 import numpy as np
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))  # the repo root: bench.lib, and this checkout's lik_cupy
+from bench.lib.results import out_dir, slugify  # noqa: E402
+
 SEED = 0
 GEN_DOCS = 2048  # documents generated per block (bounds the float32 scratch memory)
 
@@ -50,7 +52,8 @@ def build_argparser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="\n".join(__doc__.splitlines()[2:]))
     p.add_argument("--data", required=True, type=pathlib.Path, help="directory for the generated shards (kept for reuse)")
-    p.add_argument("--out", type=pathlib.Path, help="results JSON file (default bench/results/cli_<gpu-slug>.json)")
+    p.add_argument("--out", type=pathlib.Path,
+                   help="results JSON file (default $OUT or bench/results, file cli_<gpu-slug>.json)")
     p.add_argument("--docs", type=int, default=200_000, help="documents in the corpus (default 200000)")
     p.add_argument("--shards", type=int, default=8, help="shards the corpus is split into (default 8)")
     p.add_argument("--ld", type=int, default=128, help="tokens per document (default 128)")
@@ -62,10 +65,6 @@ def build_argparser() -> argparse.ArgumentParser:
     p.add_argument("--backend", choices=("gpu", "cpu"), default="gpu", help="cpu: check the harness without a GPU")
     p.add_argument("--quick", action="store_true", help="20,000 documents in 2 shards, 2 repeats")
     return p
-
-
-def slugify(s: str) -> str:
-    return re.sub(r"[^a-z0-9]+", "-", s.lower()).strip("-")
 
 
 # --------------------------------------------------------------------------- data
@@ -148,10 +147,7 @@ def main() -> None:
     if args.quick:
         args.docs, args.shards, args.repeats = 20_000, 2, 2
     import lik_cupy
-    from lik_cupy import shards
-
-    sys.path.insert(0, str(REPO))
-    import cli
+    from lik_cupy import cli, shards
 
     spec = corpus_spec(args)
     gen_s = generate(args.data, spec)
@@ -185,7 +181,8 @@ def main() -> None:
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
 
         def subprocess_run():
-            p = subprocess.run([sys.executable, "-m", "cli", *argv], cwd=REPO, env=env, capture_output=True, text=True)
+            p = subprocess.run([sys.executable, "-m", "lik_cupy", *argv], cwd=REPO, env=env, capture_output=True,
+                               text=True)
             if p.returncode != 0:
                 raise RuntimeError(f"lik score failed ({p.returncode}): {p.stderr.strip()}")
 
@@ -208,7 +205,7 @@ def main() -> None:
         "target": "cli_in_process.overhead < 0.20",
         "target_met": (1 - lib_s / cli_s) < 0.20,
     }
-    out_path = args.out or REPO / "bench" / "results" / f"cli_{slugify(gpu['name'])}.json"
+    out_path = args.out or out_dir() / f"cli_{slugify(gpu['name'])}.json"
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps(result, indent=2) + "\n")
     print(f"corpus: {args.docs} docs x {args.ld} tokens x d={args.dim} fp16 in {args.shards} shards "

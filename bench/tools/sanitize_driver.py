@@ -1,4 +1,4 @@
-"""Small calls through every kernel family, for compute-sanitizer (bench/sanitize.sh runs it).
+"""Small calls through every kernel family, for compute-sanitizer (bench/tools/sanitize.sh runs it).
 
 Families: the forward (float16, bfloat16, float32; padded with masks and lengths, per-query
 candidates, packed documents, several short queries per tile, long queries with partial sums,
@@ -10,9 +10,9 @@ chunks, k large enough for more than 48 KB of shared memory).
 Every input is a small integer, so the GPU must equal the CPU path exactly; a mismatch is
 printed and the exit status is 1. Under the sanitizer its own error exit code takes precedence.
 
-    python bench/sanitize_driver.py                         # compile everything and check, no sanitizer
-    compute-sanitizer --tool memcheck python bench/sanitize_driver.py --no-pool
-    compute-sanitizer --tool racecheck python bench/sanitize_driver.py --no-pool --families forward,topk
+    python bench/tools/sanitize_driver.py                   # compile everything and check, no sanitizer
+    compute-sanitizer --tool memcheck python bench/tools/sanitize_driver.py --no-pool
+    compute-sanitizer --tool racecheck python bench/tools/sanitize_driver.py --no-pool --families forward,topk
 """
 
 from __future__ import annotations
@@ -26,10 +26,10 @@ import ml_dtypes
 import numpy as np
 
 os.environ.setdefault("LIK_CUPY_POISON", "1")  # outputs start as garbage: an unwritten element cannot pass
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))  # the repo root
 
 import lik_cupy  # noqa: E402
-from lik_cupy.device import device_properties  # noqa: E402
+from lik_cupy._runtime.device import device_properties  # noqa: E402
 
 NP = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float32": np.float32}
 FAMILIES = ("forward", "backward", "topk")

@@ -42,7 +42,6 @@ import gc
 import json
 import math
 import os
-import platform
 import re
 import statistics
 import sys
@@ -50,15 +49,16 @@ import time
 import traceback
 from pathlib import Path
 
-from timing import padded_call_ms  # bench/, the script's own directory
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: bench.lib, and this checkout's lik_cupy
+from bench.lib.gpu import cupy_stream, safe_cleanup, start, warm_up_ours  # noqa: E402
+from bench.lib.results import out_dir as default_out_dir, short_err, text_table, write_json  # noqa: E402
+from bench.lib.timing import ceiling_fraction, run_ceilings, time_device, time_e2e  # noqa: E402
 
 # Must be set before anything imports jax (lik_cupy may import it lazily): JAX
 # would otherwise grab 75% of the GPU memory.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 # LIK warns once on un-normalized inputs (ours are normalized anyway).
 os.environ.setdefault("LIK_SUPPRESS_NORM_WARN", "1")
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
 
 ALL_IMPLS = ["ours", "ours_cupy", "flash_maxsim", "lik", "torch_naive", "torch_tf32", "cupy_naive"]
 BASELINES_FOR_RATIO = ("flash_maxsim", "lik")
@@ -69,8 +69,6 @@ QUICK_SHAPES = "32x300,1024x1024"
 SHAPE_ALIASES = {"colpali": "1024x1024@10000"}
 DTYPE_ALIASES = {"fp16": "float16", "float16": "float16", "half": "float16",
                  "bf16": "bfloat16", "bfloat16": "bfloat16"}
-CEIL_MATMUL_N = 8192          # cuBLAS fp16 ceiling: n^3 torch.matmul
-CEIL_COPY_BYTES = 1 << 30     # HBM ceiling: device-to-device copy of this many bytes (read + write counted)
 SHORT_DTYPE = {"float16": "fp16", "bfloat16": "bf16"}
 
 
@@ -135,177 +133,6 @@ def build_argparser():
     p.add_argument("--table-from", default=None, metavar="JSON",
                    help="only print the table of an existing forward_*.json (no GPU / torch needed) and exit")
     return p
-
-
-# --------------------------------------------------------------------------- utils
-
-def slugify(s: str) -> str:
-    return re.sub(r"[^a-z0-9]+", "-", s.lower()).strip("-") or "gpu"
-
-
-def short_err(e: BaseException, n: int = 300) -> str:
-    msg = f"{type(e).__name__}: {e}".replace("\n", " ")
-    return msg[:n]
-
-
-def finite_or_str(x):
-    if isinstance(x, float) and not math.isfinite(x):
-        return str(x)
-    return x
-
-
-def sanitize(obj):
-    if isinstance(obj, dict):
-        return {k: sanitize(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [sanitize(v) for v in obj]
-    return finite_or_str(obj)
-
-
-class Ctx:
-    """Holds lazily imported modules and device facts."""
-
-    def __init__(self, args):
-        self.args = args
-        import torch
-        self.torch = torch
-        self.cupy = None
-        self.cupy_err = None
-        self.cycles_per_ms = None
-        self.pad_cycles = 0
-        self.t0 = time.time()
-
-    def over_budget(self):
-        b = self.args.time_budget
-        return b is not None and (time.time() - self.t0) > b
-
-
-# --------------------------------------------------------------------------- cupy <-> torch allocator
-
-def setup_cupy(ctx):
-    try:
-        import cupy
-    except Exception as e:  # noqa: BLE001
-        ctx.cupy_err = short_err(e)
-        return
-    torch = ctx.torch
-
-    def torch_alloc(size):
-        # One allocator for both frameworks: the torch tensor owns the memory and
-        # is kept alive by the UnownedMemory's owner reference.
-        t = torch.empty(max(int(size), 1), dtype=torch.uint8, device="cuda")
-        mem = cupy.cuda.UnownedMemory(t.data_ptr(), int(size), t)
-        return cupy.cuda.MemoryPointer(mem, 0)
-
-    try:
-        cupy.cuda.set_allocator(torch_alloc)
-        ctx.cupy = cupy
-    except Exception as e:  # noqa: BLE001
-        ctx.cupy_err = short_err(e)
-
-
-def cupy_stream(ctx):
-    """Context manager running CuPy work on torch's current stream."""
-    cp = ctx.cupy
-    s = ctx.torch.cuda.current_stream().cuda_stream
-    return cp.cuda.Stream.null if s == 0 else cp.cuda.ExternalStream(s)
-
-
-def safe_cleanup(torch):
-    """gc + empty_cache that never raises (the context may be poisoned by a failed kernel)."""
-    gc.collect()
-    for f in (torch.cuda.synchronize, torch.cuda.empty_cache):
-        try:
-            f()
-        except Exception:  # noqa: BLE001
-            pass
-
-
-# --------------------------------------------------------------------------- timing
-
-def calibrate_sleep(ctx):
-    torch = ctx.torch
-    if not hasattr(torch.cuda, "_sleep"):
-        return
-    try:
-        torch.cuda._sleep(1000)
-        torch.cuda.synchronize()
-        n = 2_000_000
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        torch.cuda._sleep(n)
-        e.record()
-        torch.cuda.synchronize()
-        ms = s.elapsed_time(e)
-        if ms > 0:
-            ctx.cycles_per_ms = n / ms
-            ctx.pad_cycles = int(0.25 * ctx.cycles_per_ms)  # ~250 us of host head start
-    except Exception:  # noqa: BLE001
-        ctx.pad_cycles = 0
-
-
-def time_device(ctx, fn, sets, reps):
-    """Per-call device ms over ``reps`` calls rotating through ``sets`` (host overhead hidden by a
-    spin pad before each call)."""
-    n = len(sets)
-    return padded_call_ms(ctx.torch, lambda i: fn(sets[i % n]), reps, ctx.pad_cycles)
-
-
-def time_e2e(ctx, fn, sets, reps):
-    """Mean ms of back-to-back calls (includes host overhead if host-bound)."""
-    torch = ctx.torch
-    n = len(sets)
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    s.record()
-    for i in range(reps):
-        fn(sets[i % n])
-    e.record()
-    torch.cuda.synchronize()
-    return s.elapsed_time(e) / reps
-
-
-# --------------------------------------------------------------------------- ceilings
-
-def measure_ceilings(ctx):
-    torch = ctx.torch
-    out = {}
-    try:
-        n = CEIL_MATMUL_N
-        g = torch.Generator(device="cuda").manual_seed(1)
-        a = torch.randn(n, n, device="cuda", dtype=torch.float16, generator=g)
-        b = torch.randn(n, n, device="cuda", dtype=torch.float16, generator=g)
-        c = torch.empty(n, n, device="cuda", dtype=torch.float16)
-        fn = lambda _s: torch.matmul(a, b, out=c)  # noqa: E731
-        t_end = time.time() + 0.5  # let clocks ramp up
-        while time.time() < t_end:
-            fn(None)
-            torch.cuda.synchronize()
-        ms = statistics.median(time_device(ctx, fn, [None], 50))
-        out["matmul_fp16_ms"] = ms
-        out["matmul_fp16_n"] = n
-        out["cublas_fp16_tflops"] = 2 * n ** 3 / (ms * 1e-3) / 1e12
-        del a, b, c
-    except Exception as e:  # noqa: BLE001
-        out["cublas_fp16_error"] = short_err(e)
-    try:
-        nbytes = CEIL_COPY_BYTES
-        src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").fill_(1)
-        dst = torch.empty_like(src)
-        fn = lambda _s: dst.copy_(src)  # noqa: E731
-        for _ in range(3):
-            fn(None)
-        ms = statistics.median(time_device(ctx, fn, [None], 30))
-        out["d2d_copy_ms"] = ms
-        out["d2d_copy_bytes"] = nbytes
-        out["hbm_gbs"] = 2 * nbytes / (ms * 1e-3) / 1e9  # read + write
-        del src, dst
-    except Exception as e:  # noqa: BLE001
-        out["hbm_error"] = short_err(e)
-    torch.cuda.empty_cache()
-    if "cublas_fp16_tflops" in out and "hbm_gbs" in out:
-        out["ridge_flop_per_byte"] = out["cublas_fp16_tflops"] * 1e12 / (out["hbm_gbs"] * 1e9)
-    return out
 
 
 # --------------------------------------------------------------------------- data
@@ -527,11 +354,7 @@ def measure(ctx, name, impl, sets, ref, row, ceilings):
         flops, nbytes = row["flops"], row["bytes"]
         tflops = flops / (ms * 1e-3) / 1e12
         gbs = nbytes / (ms * 1e-3) / 1e9
-        frac = None
-        if row["bound"] == "compute" and ceilings.get("cublas_fp16_tflops"):
-            frac = tflops / ceilings["cublas_fp16_tflops"]
-        elif row["bound"] == "memory" and ceilings.get("hbm_gbs"):
-            frac = gbs / ceilings["hbm_gbs"]
+        frac = ceiling_fraction(row["bound"], tflops, gbs, ceilings)
         row.update(status="ok", ms=ms, ms_min=min(times), ms_e2e=ms_e2e, reps=reps,
                    tflops=tflops, gbs=gbs, frac_of_ceiling=frac,
                    peak_extra_bytes=int(peak), max_rel_err=rel, max_abs_err=mabs)
@@ -575,24 +398,8 @@ def render_table(rows, meta):
     lines.append(f"# {meta.get('gpu')}  cuBLAS fp16 {c.get('cublas_fp16_tflops', float('nan')):.0f} TF/s, "
                  f"HBM {c.get('hbm_gbs', float('nan')):.0f} GB/s  (%ceil: c=compute-bound, m=memory-bound; "
                  f"ours/best_bl <1 = ours faster)")
-    body = [fmt_row(r) for r in rows]
-    widths = [max(len(str(x)) for x in col) for col in zip(TABLE_HDR, *body)] if body else [len(h) for h in TABLE_HDR]
-    widths[-1] = 0
-    lines.append("  ".join(str(h).ljust(w) for h, w in zip(TABLE_HDR, widths)).rstrip())
-    prev = None
-    for r, b in zip(rows, body):
-        key = (r["shape"], r["dtype"])
-        if prev is not None and key != prev:
-            lines.append("")
-        prev = key
-        lines.append("  ".join(str(x).ljust(w) for x, w in zip(b, widths)).rstrip())
+    lines += text_table(TABLE_HDR, [fmt_row(r) for r in rows], [(r["shape"], r["dtype"]) for r in rows])
     return "\n".join(lines)
-
-
-def write_json(path, payload):
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(sanitize(payload), indent=1, allow_nan=False))
-    os.replace(tmp, path)
 
 
 def write_chart(path, rows, meta, shapes, dtypes, impls):
@@ -645,27 +452,6 @@ def write_chart(path, rows, meta, shapes, dtypes, impls):
 
 # --------------------------------------------------------------------------- main
 
-def versions(ctx):
-    torch = ctx.torch
-    v = {"python": platform.python_version(), "torch": torch.__version__,
-         "torch_cuda": torch.version.cuda}
-    for mod, key in (("triton", "triton"), ("cupy", "cupy"), ("flash_maxsim", "flash_maxsim"),
-                     ("late_interaction_kernels", "late_interaction_kernels"), ("lik_cupy", "lik_cupy"),
-                     ("matplotlib", "matplotlib")):
-        try:
-            m = __import__(mod)
-            v[key] = getattr(m, "__version__", "?")
-        except Exception as e:  # noqa: BLE001
-            v[key] = f"unavailable ({short_err(e, 120)})"
-    try:
-        if ctx.cupy is not None:
-            v["cupy_cuda_runtime"] = ctx.cupy.cuda.runtime.runtimeGetVersion()
-            v["cuda_driver"] = ctx.cupy.cuda.runtime.driverGetVersion()
-    except Exception:  # noqa: BLE001
-        pass
-    return v
-
-
 def main(argv=None):
     args = build_argparser().parse_args(argv)
     if args.table_from:
@@ -680,31 +466,13 @@ def main(argv=None):
     bad = [s for s in impl_names if s not in ALL_IMPLS]
     if bad:
         raise SystemExit(f"--impls: unknown {bad}; choose from {ALL_IMPLS}")
-    out_dir = Path(args.out or os.environ.get("OUT") or (REPO_ROOT / "bench" / "results"))
+    out_dir = default_out_dir(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    if str(REPO_ROOT) not in sys.path:
-        sys.path.append(str(REPO_ROOT))
 
     # ---- heavy imports only here
-    ctx = Ctx(args)
-    torch = ctx.torch
-    if not torch.cuda.is_available():
-        raise SystemExit("no CUDA device visible to torch")
-    setup_cupy(ctx)  # before anything allocates through CuPy
-    torch.cuda.init()
-    props = torch.cuda.get_device_properties(0)
-    gpu = torch.cuda.get_device_name(0)
-    slug = slugify(gpu)
-    l2 = int(getattr(props, "L2_cache_size", 0) or 50 << 20)
-    calibrate_sleep(ctx)
-
-    meta = {
-        "gpu": gpu, "gpu_slug": slug,
-        "compute_capability": f"{props.major}.{props.minor}",
-        "sm_count": props.multi_processor_count,
-        "total_memory_bytes": int(props.total_memory),
-        "l2_bytes": l2,
-        "versions": versions(ctx),
+    ctx, meta = start(args)
+    torch, props, slug, l2 = ctx.torch, ctx.props, ctx.slug, ctx.l2
+    meta.update({
         "args": vars(args),
         "d": args.d, "Nq": 1,
         "timing": ("CUDA events; ms = median per-call device time with a ~250us torch.cuda._sleep pad before "
@@ -720,16 +488,10 @@ def main(argv=None):
         "flops": "2 * Nq * B * Lq * Ld * d", "bytes": "Q + D (input dtype, read once) + fp32 output",
         "naive_chunk_mb": args.naive_chunk_mb,
         "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-    }
-    print(f"GPU: {gpu} (cc {meta['compute_capability']}, {props.multi_processor_count} SMs, "
-          f"L2 {l2 / 2**20:.0f} MiB, {props.total_memory / 2**30:.0f} GiB)", flush=True)
-    print("versions: " + ", ".join(f"{k}={v}" for k, v in meta["versions"].items()), flush=True)
+    })
 
-    ceilings = {} if args.no_ceilings else measure_ceilings(ctx)
-    meta["ceilings"] = ceilings
+    ceilings = run_ceilings(ctx, meta)
     ridge = ceilings.get("ridge_flop_per_byte")
-    print("ceilings: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
-                                   for k, v in ceilings.items()), flush=True)
 
     json_path = out_dir / f"forward_{slug}.json"
     png_path = out_dir / f"forward_{slug}.png"
@@ -739,13 +501,7 @@ def main(argv=None):
 
     # optional: pre-compile our kernels (ignored if the API is missing / fails)
     if "ours" in impl_names or "ours_cupy" in impl_names:
-        try:
-            import lik_cupy
-            t0 = time.time()
-            lik_cupy.warmup(dims=(args.d,), dtypes=tuple(dtypes))
-            meta["ours_warmup_s"] = time.time() - t0
-        except Exception as e:  # noqa: BLE001
-            meta["ours_warmup_error"] = short_err(e)
+        warm_up_ours(meta, dims=(args.d,), dtypes=tuple(dtypes))
 
     def payload():
         return {"meta": meta, "rows": rows}

@@ -15,30 +15,38 @@ queries of 32 tokens, on:
 and checks that every variant gives the same scores bit for bit (a document is scored whole by
 one CTA whichever it is).
 
-Writes ``sweep_doc_cost_<gpu>.json`` to $OUT (or bench/results) and prints a table last.
+Writes ``sweep_doc_cost_<gpu>.json`` to $OUT (or bench/results) and prints a table last; the committed H100
+runs are in tests/data/ (tests/test_compile.py checks ``FwdConfig.doc_cost`` against them).
+
+    python bench/sweeps/sweep_doc_cost.py
 """
 
-import json
-import os
 import sys
+from pathlib import Path
 
-import cupy as cp
-import numpy as np
-import torch
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: bench.lib, and this checkout's lik_cupy
+import cupy as cp  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
 
-import lik_cupy
-from lik_cupy import dispatch, forward
-from lik_cupy.device import device_properties
-from timing import count_mismatches, packed_calls, per_call_ms  # bench/, the script's own directory
+import lik_cupy  # noqa: E402
+from lik_cupy import _dispatch as dispatch  # noqa: E402
+from lik_cupy._runtime import launch  # noqa: E402
+from lik_cupy._runtime.device import device_properties  # noqa: E402
+
+from bench.lib import baselines  # noqa: E402
+from bench.lib.forcing import rebind  # noqa: E402
+from bench.lib.results import out_dir, write_result  # noqa: E402
+from bench.lib.timing import count_mismatches, per_call_ms  # noqa: E402
 
 TILES = (0, 1, 1.5, 2, 3)  # doc_cost in tiles of the kernel's document tokens
 _doc_cost = dispatch.FwdConfig.doc_cost
-_kernels = {}  # per variant: forward's loaded kernels are keyed by name, which doc_cost does not change
+_kernels = {}  # per variant: the launcher's loaded kernels are keyed by name, which doc_cost does not change
 
 
 def use(tiles):
     dispatch.FwdConfig.doc_cost = property(lambda cfg: int(tiles * cfg.bn) if cfg.packed else 0)
-    forward._kernels = _kernels.setdefault(tiles, {})
+    rebind(launch, "_kernels", _kernels.setdefault(tiles, {}))
 
 
 def corpora(rng):
@@ -53,14 +61,12 @@ def corpora(rng):
 
 
 def main():
-    out_dir = os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results")
+    out = out_dir()
     props = device_properties(0)
     rng = np.random.default_rng(606)
-    try:
-        import flash_maxsim
-    except ImportError as e:
-        print(f"flash-maxsim not timed: {e}", flush=True)
-        flash_maxsim = None
+    flash_maxsim, err = baselines.load(baselines.FLASH)
+    if flash_maxsim is None:
+        print(f"flash-maxsim not timed: {err}", flush=True)
     rows, mismatches = [], 0
     for case, lens, nq in corpora(rng):
         q = cp.asarray(rng.standard_normal((nq, 32, 128), dtype=np.float32).astype(np.float16))
@@ -69,7 +75,7 @@ def main():
         n_sets = 6 if T < 1 << 22 else 2  # distinct corpora in turn, so no call finds D in L2
         toks = [cp.asarray(rng.standard_normal((T, 128), dtype=np.float32).astype(np.float16)) for _ in range(n_sets)]
         off_d = cp.asarray(off)
-        ours, flash = packed_calls(torch, q, toks, off_d)
+        ours, flash = baselines.packed_calls(torch, q, toks, off_d)
 
         mismatches += count_mismatches(cp, TILES, use,
                                        lambda: lik_cupy.maxsim_varlen(q, toks[0], off_d, validate_offsets=False),
@@ -92,11 +98,9 @@ def main():
         toks = ours = flash = None  # freed before the next corpus is made
         cp.get_default_memory_pool().free_all_blocks()
     dispatch.FwdConfig.doc_cost = _doc_cost
-    forward._kernels = {}
-    slug = props.name.lower().replace(" ", "-")
-    with open(os.path.join(out_dir, f"sweep_doc_cost_{slug}.json"), "w") as f:
-        json.dump({"gpu": props.name, "cc": props.cc, "query": "Lq 32, d 128 fp16, unchecked offsets",
-                   "rows": rows, "mismatches": mismatches}, f, indent=1)
+    rebind(launch, "_kernels", {})
+    write_result(out, "sweep_doc_cost", props, query="Lq 32, d 128 fp16, unchecked offsets", rows=rows,
+                 mismatches=mismatches)
     variants = list(dict.fromkeys(r["variant"] for r in rows))
     print(f"\n{'case (us)':34s}" + "".join(f"{v[:12]:>13s}" for v in variants))
     for case, nq in dict.fromkeys((r["case"], r["queries"]) for r in rows):

@@ -1,18 +1,23 @@
 """Sweep the INT8 tiles: time lik_cupy.maxsim_int8 for each candidate configuration forced in
 turn (one query, pre-quantised Q and D, d = 128), next to the fp16 kernel dispatch picks.
 
-    python bench/sweep_int8.py --out DIR      -> DIR/sweep_int8_<gpu>.json + a table
+    python bench/sweeps/sweep_int8.py --out DIR      -> DIR/sweep_int8_<gpu>.json + a table
 
 Hopper candidates are (bn, stages); the portable ones (warps, mt, bn, stages). The winners
-become the INT8 choices of lik_cupy.dispatch; the JSON is committed under bench/results/ as
+become the INT8 choices of lik_cupy's dispatch; the JSON is committed under bench/results/archive/ as
 the measurement behind them.
 """
 
-import cupy
+import sys
+from pathlib import Path
 
-import lik_cupy
-from lik_cupy import dispatch
-from sweep_tiles import forced, sweep_setup, time_ms, write_sweep
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: bench.lib, and this checkout's lik_cupy
+import cupy  # noqa: E402
+
+import lik_cupy  # noqa: E402
+from lik_cupy import _dispatch as dispatch  # noqa: E402
+
+from bench.lib.sweep import forced, sweep_setup, time_ms, write_sweep  # noqa: E402
 
 WGMMA = [(128, 2), (128, 3), (128, 4), (64, 3), (64, 4), (256, 2), (256, 3)]
 PORTABLE = [(2, 1, 64, 4), (2, 1, 128, 3), (4, 1, 64, 3), (4, 2, 64, 3)]
@@ -38,10 +43,12 @@ def main():
         for cand in cands:
             if len(cand) == 2:
                 bn, stages = cand
-                cfg = dispatch.FwdConfig(3, 128, 8, 1, bn, stages, False, False, True, True)
+                cfg = dispatch.FwdConfig(elem=3, dp=128, warps=8, mt=1, bn=bn, stages=stages, qreg=False, argmax=False,
+                                         vec=True, wgmma=True)
             else:
                 w, mt, bn, stages = cand
-                cfg = dispatch.FwdConfig(3, 128, w, mt, bn, stages, dispatch._qreg(3, 128, mt), False, True)
+                cfg = dispatch.FwdConfig(elem=3, dp=128, warps=w, mt=mt, bn=bn, stages=stages,
+                                         qreg=dispatch._qreg(3, 128, mt), argmax=False, vec=True)
             try:
                 ms = forced(cfg, lambda: lik_cupy.maxsim_int8(q8, d8, ds, q_scales=qs))
             except Exception as e:  # a candidate that fails to build or launch is reported

@@ -51,7 +51,7 @@ process on one GPU and on the same inputs (L2-normalized random tokens):
 
 Metrics per row: ``ms`` = median device time per call (CUDA events, a ~250 us
 ``torch.cuda._sleep`` pad before each call so host overhead is hidden;
-bench_forward.time_device), ``ms_e2e`` = back-to-back calls / count (host
+bench/lib/timing.py: time_device), ``ms_e2e`` = back-to-back calls / count (host
 overhead included); outofcore host rows: ``ms`` = median wall time (host clock,
 synchronized). TFLOP/s with FLOPs = 2*Nq*Lq*sum(doc lengths)*d (top-k counts the
 same); ``%ceil`` = fraction of the measured cuBLAS fp16 rate (c) or of the
@@ -61,7 +61,7 @@ faster); ``rel_err`` = max |out - ref| / |ref| vs a float64 reference (torch,
 GPU, doc-chunked) from the same rounded inputs.
 
 Peak memory (cells 1-3): CuPy allocates through torch's caching allocator
-(bench_forward.setup_cupy), and peak_extra_bytes = torch.cuda.max_memory_allocated()
+(bench/lib/gpu.py: setup_cupy), and peak_extra_bytes = torch.cuda.max_memory_allocated()
 - memory_allocated() over one call (inputs resident, outputs included).
 Outofcore: CuPy is switched back to its own default memory pool (what a user
 gets), the pool's unused blocks are freed before the measured call, and the
@@ -83,7 +83,6 @@ import contextlib
 import gc
 import json
 import math
-import os
 import statistics
 import sys
 import threading
@@ -91,13 +90,10 @@ import time
 import traceback
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-if str(HERE) not in sys.path:
-    sys.path.insert(0, str(HERE))
-
-import bench_forward as bf  # noqa: E402  (no heavy imports at module level)
-
-REPO_ROOT = bf.REPO_ROOT
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: bench.lib, and this checkout's lik_cupy
+from bench.lib.gpu import cupy_stream, safe_cleanup, setup_cupy, start, warm_up_ours  # noqa: E402
+from bench.lib.results import out_dir as default_out_dir, short_err, text_table, write_json  # noqa: E402
+from bench.lib.timing import ceiling_fraction, run_ceilings, time_device, time_e2e  # noqa: E402
 D_DIM = 128
 ALL_CELLS = ["multiquery", "topk", "ragged", "outofcore"]
 CELL_IMPLS = {
@@ -135,7 +131,7 @@ HOST_IMPLS = ("ours_host", "ours_host_pinned")
 
 def record_failure(row, name, e):
     """Mark a row skipped (time budget) or failed, and print the tail of the traceback."""
-    row.update(status="skipped" if isinstance(e, TimeoutError) else "error", error=bf.short_err(e))
+    row.update(status="skipped" if isinstance(e, TimeoutError) else "error", error=short_err(e))
     if row["status"] == "error":
         print(f"    [{name}] " + row["error"] + "\n" + "\n".join(
             "      " + ln for ln in traceback.format_exc(limit=4).splitlines()[-6:]), flush=True)
@@ -321,7 +317,7 @@ def measure(ctx, row, prep, call, check, sets, ceilings, note=None):
             for j in range(max(2, min(3, n))):   # JIT / autotune / NVRTC, >= 2 calls
                 call(csets[j % n])
             torch.cuda.synchronize()
-            ms_e2e = bf.time_e2e(ctx, call, csets, max(args.min_reps, 30))
+            ms_e2e = time_e2e(ctx, call, csets, max(args.min_reps, 30))
             # The sleep before each timed call must outlast the call's host time, or a call that
             # waits inside (our checked calls wait for their value checks) is charged for host
             # work done before its kernel was even queued.
@@ -329,10 +325,10 @@ def measure(ctx, row, prep, call, check, sets, ceilings, note=None):
             if pad and getattr(ctx, "cycles_per_ms", None):
                 ctx.pad_cycles = max(pad, int(2 * ms_e2e * ctx.cycles_per_ms))
             try:
-                t = bf.time_device(ctx, call, csets, min(3, n))
+                t = time_device(ctx, call, csets, min(3, n))
                 est = max(statistics.median(t), 1e-3)
                 reps = int(max(args.min_reps, min(args.max_reps, (args.target_s * 1e3) / est)))
-                times = bf.time_device(ctx, call, csets, reps)
+                times = time_device(ctx, call, csets, reps)
             finally:
                 ctx.pad_cycles = pad
             ms = statistics.median(times)
@@ -346,16 +342,12 @@ def measure(ctx, row, prep, call, check, sets, ceilings, note=None):
             try:
                 row.update(check(out))
             except Exception as e:  # noqa: BLE001  (keep the timing; the table shows the check failure)
-                row["check_error"] = bf.short_err(e)
+                row["check_error"] = short_err(e)
                 print(f"    [{row['impl']}] output check failed: {row['check_error']}", flush=True)
             del out
         tflops = row["flops"] / (ms * 1e-3) / 1e12
         gbs = row["bytes"] / (ms * 1e-3) / 1e9
-        frac = None
-        if row["bound"] == "compute" and ceilings.get("cublas_fp16_tflops"):
-            frac = tflops / ceilings["cublas_fp16_tflops"]
-        elif row["bound"] == "memory" and ceilings.get("hbm_gbs"):
-            frac = gbs / ceilings["hbm_gbs"]
+        frac = ceiling_fraction(row["bound"], tflops, gbs, ceilings)
         row.update(status="ok", ms=ms, ms_min=min(times), ms_e2e=ms_e2e, reps=reps, tflops=tflops, gbs=gbs,
                    frac_of_ceiling=frac, peak_extra_bytes=int(peak))
         if row.get("check_error"):
@@ -363,13 +355,13 @@ def measure(ctx, row, prep, call, check, sets, ceilings, note=None):
         elif note:
             row["note"] = note
     except Exception as e:  # noqa: BLE001
-        row.update(status="error", error=bf.short_err(e))
+        row.update(status="error", error=short_err(e))
         tb = traceback.format_exc(limit=4)
         print(f"    [{row['impl']}] {row['error']}\n" + "\n".join("      " + ln for ln in tb.splitlines()[-6:]),
               flush=True)
     finally:
         row["wall_s"] = time.time() - t_start
-        bf.safe_cleanup(torch)
+        safe_cleanup(torch)
     return row
 
 
@@ -430,8 +422,6 @@ def ok_row(rows, impl):
 
 
 def lik_cupy_mod():
-    if str(REPO_ROOT) not in sys.path:
-        sys.path.append(str(REPO_ROOT))
     import lik_cupy
     return lik_cupy
 
@@ -478,7 +468,7 @@ def cell_multiquery(ctx, C, ceilings, impl_names, rows, targets, save):
         return out
 
     def ours_cupy(s):
-        with bf.cupy_stream(ctx):
+        with cupy_stream(ctx):
             return lik_cupy_mod().maxsim(s["Q"], s["D"])
 
     impls = {
@@ -503,7 +493,7 @@ def cell_multiquery(ctx, C, ceilings, impl_names, rows, targets, save):
                    (bl / o["ms"]) if (o and bl) else None, ">=", 3.0,
                    f"ours {o['ms']:.4f} ms, best baseline {bl:.4f} ms" if (o and bl) else "missing rows")
     del sets                 # (ref goes with the closures when the function returns)
-    bf.safe_cleanup(torch)
+    safe_cleanup(torch)
     save()
 
 
@@ -604,7 +594,7 @@ def cell_topk(ctx, C, ceilings, impl_names, rows, targets, save):
                    (bl / o["ms"]) if (o and bl) else None, ">=", 3.0,
                    f"ours {o['ms']:.4g} ms, best baseline {bl:.4g} ms" if (o and bl) else "missing")
     del sets, idx
-    bf.safe_cleanup(torch)
+    safe_cleanup(torch)
     save()
 
 
@@ -733,7 +723,7 @@ def cell_ragged(ctx, C, ceilings, impl_names, rows, targets, save):
         del sets
         save()
     del data, ref_all
-    bf.safe_cleanup(torch)
+    safe_cleanup(torch)
     save()
 
 
@@ -827,8 +817,8 @@ def measure_h2d(ctx, nbytes=None):
         out["h2d_pinned_gbs"] = nbytes / (ms * 1e-3) / 1e9
         out["h2d_pageable_gbs"] = nbytes / (statistics.median(tp) * 1e-3) / 1e9
     except Exception as e:  # noqa: BLE001
-        out["h2d_error"] = bf.short_err(e)
-    bf.safe_cleanup(torch)
+        out["h2d_error"] = short_err(e)
+    safe_cleanup(torch)
     return out
 
 
@@ -903,7 +893,7 @@ def cupy_default_pool(ctx):
             pool.free_all_blocks()
         except Exception:  # noqa: BLE001
             pass
-        bf.setup_cupy(ctx)
+        setup_cupy(ctx)
 
 
 def sync_all(ctx):
@@ -996,7 +986,7 @@ def cell_outofcore(ctx, C, ceilings, impl_names, rows, targets, save):
         return Qt.cpu().numpy()
 
     def stream_ctx(kind):
-        return bf.cupy_stream(ctx) if (kind == "cupy" and cp is not None) else contextlib.nullcontext()
+        return cupy_stream(ctx) if (kind == "cupy" and cp is not None) else contextlib.nullcontext()
 
     case_rows = []
     idx = {}  # impl -> top-k indices (CPU)
@@ -1022,7 +1012,7 @@ def cell_outofcore(ctx, C, ceilings, impl_names, rows, targets, save):
                         kind = kd
                         break
                     except Exception as e:  # noqa: BLE001
-                        probe_errs.append(f"Q as {kd}: {bf.short_err(e, 160)}")
+                        probe_errs.append(f"Q as {kd}: {short_err(e, 160)}")
                 if kind is None:
                     raise RuntimeError("retrieve(Q, D_host_numpy) rejected every Q kind: " + " | ".join(probe_errs))
                 row["q_kind"] = kind
@@ -1075,7 +1065,7 @@ def cell_outofcore(ctx, C, ceilings, impl_names, rows, targets, save):
                 if locked is not None:
                     locked.release()
                 row["wall_s"] = time.time() - t_start
-                bf.safe_cleanup(torch)
+                safe_cleanup(torch)
             case_rows.append(row)
 
         for impl, pin in (("ours_host", False), ("ours_host_pinned", True)):
@@ -1109,9 +1099,9 @@ def cell_outofcore(ctx, C, ceilings, impl_names, rows, targets, save):
                     print(f"   corpus uploaded in {up_s:.1f}s (pageable), float64 reference {time.time() - t0:.1f}s",
                           flush=True)
             except Exception as e:  # noqa: BLE001
-                gpu_note = f"error: {bf.short_err(e)}"
+                gpu_note = f"error: {short_err(e)}"
                 D_gpu = ref = None
-                bf.safe_cleanup(torch)
+                safe_cleanup(torch)
 
         # ---------------------------------------------------------------- ours_gpu
         if "ours_gpu" in impl_names:
@@ -1140,12 +1130,12 @@ def cell_outofcore(ctx, C, ceilings, impl_names, rows, targets, save):
                     row.update(mem)
                     row["ms_mem_call"] = wall_mem * 1e3
                     sets = [None]
-                    t = bf.time_device(ctx, call_gpu, sets, 2)
+                    t = time_device(ctx, call_gpu, sets, 2)
                     reps = int(max(args.min_reps, min(args.max_reps, (args.target_s * 1e3) / max(1e-3, max(t)))))
                     reps = min(reps, 20)
-                    times = bf.time_device(ctx, call_gpu, sets, reps)
+                    times = time_device(ctx, call_gpu, sets, reps)
                     ms = statistics.median(times)
-                    ms_e2e = bf.time_e2e(ctx, call_gpu, sets, max(3, min(reps, 10)))
+                    ms_e2e = time_e2e(ctx, call_gpu, sets, max(3, min(reps, 10)))
                 frac = None
                 tflops = flops / (ms * 1e-3) / 1e12
                 gbs = nbytes / (ms * 1e-3) / 1e9
@@ -1162,7 +1152,7 @@ def cell_outofcore(ctx, C, ceilings, impl_names, rows, targets, save):
                 record_failure(row, "ours_gpu", e)
             finally:
                 row["wall_s"] = time.time() - t_start
-                bf.safe_cleanup(torch)
+                safe_cleanup(torch)
             case_rows.append(row)
 
         # ---------------------------------------------------------------- checks
@@ -1177,7 +1167,7 @@ def cell_outofcore(ctx, C, ceilings, impl_names, rows, targets, save):
                 idx[r["impl"]] = res["_indices"]
                 r.update({kk: v for kk, v in res.items() if not kk.startswith("_")})
             except Exception as e:  # noqa: BLE001
-                r["check_error"] = bf.short_err(e)
+                r["check_error"] = short_err(e)
         for r in case_rows:
             if r["impl"] in HOST_IMPLS and r["impl"] in idx and "ours_gpu" in idx:
                 r["overlap_vs"] = "ours_gpu"
@@ -1282,17 +1272,7 @@ def render_table(payload):
              f"HBM {c.get('hbm_gbs', nan):.0f} GB/s, H2D pinned {c.get('h2d_pinned_gbs', nan):.1f} GB/s "
              f"(pageable {c.get('h2d_pageable_gbs', nan):.1f})  (%ceil: c=cuBLAS, m=HBM, h=H2D; "
              f"ours/bl < 1 = ours faster; ms = device median, outofcore ours_host: wall median)"]
-    body = [fmt_row(r) for r in rows]
-    widths = [max(len(str(x)) for x in col) for col in zip(TABLE_HDR, *body)] if body else [len(h) for h in TABLE_HDR]
-    widths[-1] = 0
-    lines.append("  ".join(str(h).ljust(w) for h, w in zip(TABLE_HDR, widths)).rstrip())
-    prev = None
-    for r, b in zip(rows, body):
-        key = (r.get("cell"), r.get("case"))
-        if prev is not None and key != prev:
-            lines.append("")
-        prev = key
-        lines.append("  ".join(str(x).ljust(w) for x, w in zip(b, widths)).rstrip())
+    lines += text_table(TABLE_HDR, [fmt_row(r) for r in rows], [(r.get("cell"), r.get("case")) for r in rows])
     if targets:
         lines.append("")
         lines.append("targets:")
@@ -1315,7 +1295,7 @@ def main(argv=None):
     if args.table_from:
         print(render_table(json.loads(Path(args.table_from).read_text())))
         return 0
-    args.time_budget = args.budget_s            # bench_forward.Ctx.over_budget reads this
+    args.time_budget = args.budget_s            # bench.lib.gpu.Ctx.over_budget reads this
     if args.target_s is None:
         args.target_s = 0.15 if args.quick else 0.5
     cells = [c.strip() for c in args.cells.split(",") if c.strip()]
@@ -1334,29 +1314,14 @@ def main(argv=None):
         sizes["outofcore"]["Nd"] = args.ooc_docs
     if args.ooc_max_gpu_bytes:
         sizes["outofcore"]["max_gpu_bytes"] = args.ooc_max_gpu_bytes
-    out_dir = Path(args.out or os.environ.get("OUT") or (REPO_ROOT / "bench" / "results"))
+    out_dir = default_out_dir(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    if str(REPO_ROOT) not in sys.path:
-        sys.path.append(str(REPO_ROOT))
 
     # ---- heavy imports only here
-    ctx = bf.Ctx(args)
-    torch = ctx.torch
-    if not torch.cuda.is_available():
-        raise SystemExit("no CUDA device visible to torch")
-    bf.setup_cupy(ctx)   # CuPy through torch's allocator (cells 1-3), before anything allocates through CuPy
-    torch.cuda.init()
-    props = torch.cuda.get_device_properties(0)
-    gpu = torch.cuda.get_device_name(0)
-    slug = bf.slugify(gpu)
-    ctx.l2 = int(getattr(props, "L2_cache_size", 0) or 50 << 20)
-    ctx.total_memory = int(props.total_memory)
-    bf.calibrate_sleep(ctx)
-
-    meta = {
-        "gpu": gpu, "gpu_slug": slug, "compute_capability": f"{props.major}.{props.minor}",
-        "sm_count": props.multi_processor_count, "total_memory_bytes": int(props.total_memory), "l2_bytes": ctx.l2,
-        "versions": bf.versions(ctx), "args": vars(args), "cells": cells, "sizes": sizes, "d": D_DIM,
+    ctx, meta = start(args)  # CuPy through torch's allocator (cells 1-3), before anything allocates through CuPy
+    torch, slug = ctx.torch, ctx.slug
+    meta.update({
+        "args": vars(args), "cells": cells, "sizes": sizes, "d": D_DIM,
         "timing": ("CUDA events; ms = median per-call device time with a ~250us torch.cuda._sleep pad before each "
                    "call (host overhead hidden); ms_e2e = back-to-back calls / count; inputs rotate over n_sets "
                    f"distinct sets with total bytes >= {args.l2_factor}x L2 (topk: one set, corpus >> L2). "
@@ -1377,14 +1342,8 @@ def main(argv=None):
         "flops": "2 * Nq * Lq * sum(doc lengths) * d (top-k: the same)",
         "bytes": "Q + D (useful tokens, read once) + outputs; padded impls read more",
         "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-    }
-    print(f"GPU: {gpu} (cc {meta['compute_capability']}, {props.multi_processor_count} SMs, "
-          f"L2 {ctx.l2 / 2**20:.0f} MiB, {props.total_memory / 2**30:.0f} GiB)", flush=True)
-    print("versions: " + ", ".join(f"{k}={v}" for k, v in meta["versions"].items()), flush=True)
-    ceilings = {} if args.no_ceilings else bf.measure_ceilings(ctx)
-    meta["ceilings"] = ceilings
-    print("ceilings: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
-                                   for k, v in ceilings.items()), flush=True)
+    })
+    ceilings = run_ceilings(ctx, meta)
 
     json_path = out_dir / f"corpus_{slug}.json"
     txt_path = out_dir / f"corpus_{slug}.txt"
@@ -1395,16 +1354,10 @@ def main(argv=None):
 
     def save():
         strip_private(rows)
-        bf.write_json(json_path, payload())
+        write_json(json_path, payload())
 
     if any(n.startswith("ours") for n in impl_names):
-        try:
-            import lik_cupy
-            t0 = time.time()
-            lik_cupy.warmup(dims=(D_DIM,), dtypes=("float16",), query_lengths=(32,))
-            meta["ours_warmup_s"] = time.time() - t0
-        except Exception as e:  # noqa: BLE001
-            meta["ours_warmup_error"] = bf.short_err(e)
+        warm_up_ours(meta, dims=(D_DIM,), dtypes=("float16",), query_lengths=(32,))
 
     for cell in cells:
         if ctx.over_budget():
@@ -1418,13 +1371,13 @@ def main(argv=None):
         try:
             CELL_FUNCS[cell](ctx, sizes[cell], ceilings, set(names), rows, targets, save)
         except Exception as e:  # noqa: BLE001  (input / reference setup, OOM, ...)
-            err = f"cell setup failed: {bf.short_err(e)}"
+            err = f"cell setup failed: {short_err(e)}"
             print(f"   {cell}: {err}\n" + "\n".join("      " + ln for ln in
                                                    traceback.format_exc(limit=5).splitlines()[-8:]), flush=True)
             rows.append(dict(cell=cell, case="", impl="(cell)", status="error", error=err))
         finally:
             meta.setdefault("cell_wall_s", {})[cell] = time.time() - t0
-            bf.safe_cleanup(torch)
+            safe_cleanup(torch)
             save()
 
     meta["finished"] = time.strftime("%Y-%m-%d %H:%M:%S %Z")

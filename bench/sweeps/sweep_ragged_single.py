@@ -13,20 +13,27 @@ each alternated over rounds with a sleep queued first (device time), with flash-
 kernel timed beside them, and checks that every variant gives the same scores bit for bit.
 
 Writes ``sweep_ragged_single_<gpu>.json`` to $OUT (or bench/results) and prints a table last.
+
+    python bench/sweeps/sweep_ragged_single.py
 """
 
-import json
 import os
 import sys
+from pathlib import Path
 
-import cupy as cp
-import numpy as np
-import torch
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: bench.lib, and this checkout's lik_cupy
+import cupy as cp  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
 
-import lik_cupy
-from lik_cupy import dispatch
-from lik_cupy.device import device_properties
-from timing import count_mismatches, packed_calls, per_call_ms  # bench/, the script's own directory
+import lik_cupy  # noqa: E402
+from lik_cupy import _dispatch as dispatch  # noqa: E402
+from lik_cupy._runtime.device import device_properties  # noqa: E402
+
+from bench.lib.baselines import packed_calls  # noqa: E402
+from bench.lib.forcing import rebind  # noqa: E402
+from bench.lib.results import out_dir, write_result  # noqa: E402
+from bench.lib.timing import count_mismatches, per_call_ms  # noqa: E402
 
 _plan, _tma = dispatch.plan_launch, dispatch._wgmma_tma
 _stages, _cost = dict(dispatch._SHORT_WGMMA_STAGES), {k: dict(v) for k, v in dispatch._SHORT_WGMMA_COST.items()}
@@ -36,13 +43,13 @@ def force(tile=None, grid_y=None, portable=False, tma=False):
     """tile: (bn, stages) of the one-warpgroup Hopper tile, or None for dispatch's; grid_y: CTAs
     over the documents (int), a multiple of the resident CTAs ("2x"), or None for the plan's;
     tma: stage the documents by TMA."""
-    dispatch._wgmma_tma = (lambda *a: True) if tma else _tma
-    dispatch._SHORT_WGMMA_STAGES = dict(_stages)
-    dispatch._SHORT_WGMMA_COST = {k: dict(v) for k, v in _cost.items()}
+    rebind(dispatch, "_wgmma_tma", (lambda *a: True) if tma else _tma)
+    stages, cost = dict(_stages), {k: dict(v) for k, v in _cost.items()}
     if tile is not None:
         bn, st = tile
-        dispatch._SHORT_WGMMA_STAGES = {bn: (st,)}
-        dispatch._SHORT_WGMMA_COST = {False: {bn: 1.0}, True: {bn: 1.0}}
+        stages, cost = {bn: (st,)}, {False: {bn: 1.0}, True: {bn: 1.0}}
+    rebind(dispatch, "_SHORT_WGMMA_STAGES", stages)
+    rebind(dispatch, "_SHORT_WGMMA_COST", cost)
     dispatch.choose_forward.cache_clear()
     os.environ["LIK_CUPY_DISABLE_WGMMA"] = "1" if portable else ""
 
@@ -54,7 +61,7 @@ def force(tile=None, grid_y=None, portable=False, tma=False):
         gy = max(1, min(gy, nd))
         return dispatch.Launch(p.n_qt, p.qb, -(-nd // gy), (p.grid[0], gy, 1))
 
-    dispatch.plan_launch = plan
+    rebind(dispatch, "plan_launch", plan)
 
 
 def variants():
@@ -73,7 +80,7 @@ def variants():
 
 
 def main():
-    out_dir = os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results")
+    out = out_dir()
     props = device_properties(0)
     rng = np.random.default_rng(303)
     nd, lq, d = 1000, 32, 128
@@ -114,10 +121,8 @@ def main():
         ms = float(np.median(ts))
         rows.append({"variant": name, "ms": ms, "runs": ts, "gbs": nbytes / ms / 1e6,
                      "flash_over_this": (fl / ms) if fl else None})
-    slug = props.name.lower().replace(" ", "-")
-    with open(os.path.join(out_dir, f"sweep_ragged_single_{slug}.json"), "w") as f:
-        json.dump({"gpu": props.name, "cc": props.cc, "case": f"1 q x {lq} vs {nd} packed docs 16..512, d {d} fp16",
-                   "tokens": T, "rows": rows, "mismatches": mismatches}, f, indent=1)
+    write_result(out, "sweep_ragged_single", props, case=f"1 q x {lq} vs {nd} packed docs 16..512, d {d} fp16",
+                 tokens=T, rows=rows, mismatches=mismatches)
     print(f"\n{'variant':34s} {'ms':>8s} {'GB/s':>7s} {'flash/this':>10s}")
     for r in rows:
         f = f"{r['flash_over_this']:.3f}" if r["flash_over_this"] else "-"

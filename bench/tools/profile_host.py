@@ -13,23 +13,28 @@ ragged single-query shape of ``bench_corpus.py`` (torch and CuPy inputs):
   is built from.
 
 Writes ``profile_host_<gpu>.json`` to $OUT (or bench/results) and prints a table last.
+
+    python bench/tools/profile_host.py
 """
 
 import cProfile
 import io
-import json
-import os
 import pstats
 import sys
 import time
+from pathlib import Path
 
-import cupy as cp
-import numpy as np
-import torch
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: bench.lib, and this checkout's lik_cupy
+import cupy as cp  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
 
-import lik_cupy
-from lik_cupy.device import device_properties
-from timing import padded_call_ms  # bench/, the script's own directory
+import lik_cupy  # noqa: E402
+from lik_cupy._runtime.device import device_properties  # noqa: E402
+
+from bench.lib.forcing import rebind  # noqa: E402
+from bench.lib.results import out_dir, write_result  # noqa: E402
+from bench.lib.timing import padded_call_ms  # noqa: E402
 
 N_LOOP = 400
 
@@ -100,7 +105,7 @@ def profile(fn, n=N_LOOP, top=22):
 def after_checks_us(fn, n=200):
     """Mean microseconds a checked call spends waiting for its checks, and after them until it
     returns (the part not hidden under the scoring kernel)."""
-    from lik_cupy import checks
+    from lik_cupy._runtime import device_checks as checks
 
     wait = checks.DeviceChecks._wait
     marks = []
@@ -129,11 +134,16 @@ def after_checks_us(fn, n=200):
 
 def stages(fn, n=N_LOOP):
     """Mean microseconds per call inside each named piece of the library (inclusive; the pieces
-    are wrapped with timers, so nested ones overlap), the launch itself included."""
+    are wrapped with timers, so nested ones overlap), the launch itself included. A piece is wrapped
+    wherever lik_cupy binds it (``rebind``); one this version of lik_cupy lacks is left out, and named."""
     import contextlib
     import functools
 
-    from lik_cupy import checks, dispatch, forward, interop
+    from lik_cupy import _dispatch as dispatch
+    from lik_cupy import _interop as interop
+    from lik_cupy import _validate as validate
+    from lik_cupy._runtime import device, launch, operands
+    from lik_cupy._runtime import device_checks as checks
 
     acc: dict[str, float] = {}
 
@@ -159,24 +169,27 @@ def stages(fn, n=N_LOOP):
         acc["caller_stream exit"] = acc.get("caller_stream exit", 0.0) + time.perf_counter() - t
 
     pieces = [
-        (forward, "check_varlen", "validate (check_varlen / check_call)"),
-        (forward, "check_call", "validate (check_varlen / check_call)"),
-        (forward, "_dev_array", "inputs to CuPy (_dev_array)"),
-        (forward, "device_offsets", "device_offsets"),
-        (forward, "device_valid", "device_valid"),
-        (forward, "_launch", "_launch (all of it)"),
-        (forward, "empty", "output buffers (device.empty)"),
-        (forward, "_caller_results", "results to the caller"),
-        (forward, "_launch_forward", "kernel launch (driver call)"),
+        (validate, "check_varlen", "validate (check_varlen / check_call)"),
+        (validate, "check_call", "validate (check_varlen / check_call)"),
+        (interop, "device_array", "inputs to CuPy (device_array)"),
+        (operands, "device_offsets", "device_offsets"),
+        (operands, "device_valid", "device_valid"),
+        (launch, "launch", "launch (all of it)"),
+        (device, "empty", "output buffers (device.empty)"),
+        (interop, "caller_results", "results to the caller"),
+        (launch, "_launch_forward", "kernel launch (driver call)"),
         (dispatch, "choose_forward", "choose_forward (cached)"),
         (dispatch, "plan_launch", "plan_launch (cached)"),
         (checks.DeviceChecks, "verify", "checks.verify"),
     ]
-    patches = [(m, a, timed(label, getattr(m, a))) for m, a, label in pieces]
+    missing = [f"{getattr(m, '__name__', m)}.{a}" for m, a, _ in pieces if not hasattr(m, a)]
+    if missing:
+        print(f"not timed (not in this lik_cupy): {', '.join(missing)}", flush=True)
+    patches = [(m, a, timed(label, getattr(m, a))) for m, a, label in pieces if hasattr(m, a)]
     patches.append((interop, "caller_stream", timed_stream))
-    saved = [(m, a, getattr(m, a)) for m, a, _ in patches]
+    saved = []
     for m, a, f in patches:
-        setattr(m, a, f)
+        saved.append((m, a, rebind(m, a, f)))
     try:
         fn()
         torch.cuda.synchronize()
@@ -187,8 +200,8 @@ def stages(fn, n=N_LOOP):
         total = time.perf_counter() - t
         torch.cuda.synchronize()
     finally:
-        for m, a, f in saved:
-            setattr(m, a, f)
+        for m, a, f in reversed(saved):
+            rebind(m, a, f)
     out = {k: v * 1e6 / n for k, v in sorted(acc.items(), key=lambda kv: -kv[1])}
     out["whole call"] = total * 1e6 / n
     return out
@@ -237,7 +250,7 @@ def primitives(s):
 
 
 def main():
-    out_dir = os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results")
+    out = out_dir()
     props = device_properties(0)
     rows, profiles, pieces = [], {}, {}
     for fw in ("torch", "cupy"):
@@ -258,10 +271,7 @@ def main():
     s = inputs("torch")
     s["off_cp"] = cp.asarray(s["off"].cpu().numpy())
     prims = primitives(s)
-    slug = props.name.lower().replace(" ", "-")
-    with open(os.path.join(out_dir, f"profile_host_{slug}.json"), "w") as f:
-        json.dump({"gpu": props.name, "rows": rows, "primitives_us": prims, "pieces_us": pieces,
-                   "profiles": profiles}, f, indent=1)
+    write_result(out, "profile_host", props, rows=rows, primitives_us=prims, pieces_us=pieces, profiles=profiles)
     for k, v in profiles.items():
         print(f"\n---- cProfile {k} ({N_LOOP} calls)\n{v}")
     for k, v in pieces.items():

@@ -2,17 +2,22 @@
 with each configuration forced in turn (one query, pre-quantised Q and D, d = 128, TMA staging),
 next to the fp16 kernel dispatch picks.
 
-    python bench/sweep_int8_tokm.py --out DIR      -> DIR/sweep_int8_tokm_<gpu>.json + a table
+    python bench/sweeps/sweep_int8_tokm.py --out DIR      -> DIR/sweep_int8_tokm_<gpu>.json + a table
 
-The JSON is committed under bench/results/ as the measurement behind lik_cupy.dispatch's
-_TOKM_MIN_LD and _TOKM_STAGES.
+The H100 JSON is committed as tests/data/sweep_int8_tokm_nvidia-h100-80gb-hbm3.json, the measurement behind
+lik_cupy's dispatch _TOKM_MIN_LD and _TOKM_STAGES (a CPU test in tests/test_compile.py reads it).
 """
 
-import cupy
+import sys
+from pathlib import Path
 
-import lik_cupy
-from lik_cupy import dispatch
-from sweep_tiles import forced, sweep_setup, time_ms, write_sweep
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: bench.lib, and this checkout's lik_cupy
+import cupy  # noqa: E402
+
+import lik_cupy  # noqa: E402
+from lik_cupy import _dispatch as dispatch  # noqa: E402
+
+from bench.lib.sweep import forced, sweep_setup, time_ms, write_sweep  # noqa: E402
 
 # (bn, stages) of the standard two-warpgroup INT8 tile, and stages of the tokens-on-M one.
 STANDARD = [(128, 2), (64, 3)]
@@ -36,9 +41,9 @@ def main():
         d16 = None  # rebound, not deleted: the timed lambda closes over the name
         print(f"{lq}x{ld}@{b}  fp16 (dispatch) {fp16:.4f} ms", flush=True)
         rows.append({"lq": lq, "ld": ld, "B": b, "config": "fp16-dispatch", "ms": fp16})
-        cands = [dispatch.FwdConfig(3, 128, 8, 1, bn, st, False, False, True, True, tma=True) for bn, st in STANDARD]
-        cands += [dispatch.FwdConfig(3, 128, 8, 1, 128, st, False, False, True, True, tma=True, tokm=True)
-                  for st in TOKM_STAGES]
+        tile = dict(elem=3, dp=128, warps=8, mt=1, qreg=False, argmax=False, vec=True, wgmma=True, tma=True)
+        cands = [dispatch.FwdConfig(**tile, bn=bn, stages=st) for bn, st in STANDARD]
+        cands += [dispatch.FwdConfig(**tile, bn=128, stages=st, tokm=True) for st in TOKM_STAGES]
         for cfg in cands:
             try:
                 ms = forced(cfg, lambda: lik_cupy.maxsim_int8(q8, d8, ds, q_scales=qs))

@@ -1,6 +1,6 @@
 """Short queries on Hopper: the portable mma.sync tiles against one- and two-warpgroup wgmma tiles.
 
-    python bench/sweep_short.py --out DIR      -> DIR/sweep_short_<gpu>.json + a table
+    python bench/sweeps/sweep_short.py --out DIR      -> DIR/sweep_short_<gpu>.json + a table
 
 One query of Lq <= 64 tokens against B documents is memory-bound: its time is the time to
 stream D. For each shape the configuration dispatch picks is timed, then every candidate
@@ -8,20 +8,25 @@ forced in turn: portable tiles (warps, mt, bn, stages), and wgmma tiles of 4 war
 warpgroup, 64 query rows) or 8 warps (128 rows) with (bn, stages), each with TMA staging on
 and off. Every candidate's scores are compared with the dispatch pick's (same sums, maybe in
 another order: the JSON records the largest relative difference). The fastest rows back
-``dispatch._SHORT_HOPPER``.
+``dispatch._SHORT_HOPPER``; the committed H200 run is tests/data/sweep_short_nvidia-h200.json
+(tests/test_compile.py::test_short_query_tiles_match_the_committed_sweep).
 """
 
 import concurrent.futures
 import os
+import sys
+from pathlib import Path
 
-import cupy
-import numpy as np
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: bench.lib, and this checkout's lik_cupy
+import cupy  # noqa: E402
+import numpy as np  # noqa: E402
 
-import lik_cupy
-from lik_cupy import compile as kcompile
-from lik_cupy import dispatch
-from sweep_tiles import forced, forcing, sweep_setup, time_ms, write_sweep
-from sweep_tma import _picked
+import lik_cupy  # noqa: E402
+from lik_cupy import _dispatch as dispatch  # noqa: E402
+from lik_cupy._runtime import nvrtc as kcompile  # noqa: E402
+
+from bench.lib.forcing import forcing, picked  # noqa: E402
+from bench.lib.sweep import forced, sweep_setup, time_ms, write_sweep  # noqa: E402
 
 PORTABLE = [(2, 1, 64, 4), (2, 1, 128, 2)]
 WGMMA = [(4, 64, 3), (4, 64, 4), (4, 64, 6), (4, 96, 4), (4, 128, 2), (4, 128, 3), (4, 128, 4), (4, 256, 2),
@@ -52,13 +57,14 @@ def _candidates(elem: int, packed: bool) -> list:
     out = []
     for tma in (True, False):
         for warps, mt, bn, stages in PORTABLE:
-            out.append(dispatch.FwdConfig(elem, 128, warps, mt, bn, stages, dispatch._qreg(elem, 128, mt), False, True,
-                                          packed=packed, tma=tma))
+            out.append(dispatch.FwdConfig(elem=elem, dp=128, warps=warps, mt=mt, bn=bn, stages=stages,
+                                          qreg=dispatch._qreg(elem, 128, mt), argmax=False, vec=True, packed=packed,
+                                          tma=tma))
         for warps, bn, stages in WGMMA:
             if elem == 3 and tma and bn == 256:
                 continue  # a TMA box holds at most 256 scales
-            out.append(dispatch.FwdConfig(elem, 128, warps, 1, bn, stages, False, False, True, True, packed=packed,
-                                          tma=tma))
+            out.append(dispatch.FwdConfig(elem=elem, dp=128, warps=warps, mt=1, bn=bn, stages=stages, qreg=False,
+                                          argmax=False, vec=True, wgmma=True, packed=packed, tma=tma))
     return [c for c in out if c.smem_bytes <= 227 * 1024]
 
 
@@ -71,7 +77,7 @@ def main():
                     [c for cs in cands.values() for c in cs]))
     rows = []
     for name, nbytes, dtype, packed, fn in _cases(rng):
-        pick = _picked(fn)
+        pick = picked(fn)
         ref = cupy.asnumpy(fn()).astype(np.float64)
         base = time_ms(fn)
         row = {"case": name, "bytes": nbytes, "dispatch": {"config": pick.name, "ms": base,

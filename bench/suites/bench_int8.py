@@ -14,8 +14,8 @@ with float64 scores of the float inputs, and top-20 overlap, averaged over queri
 unit-normalised random tokens and clustered tokens (64 centres, spread 0.1, and the
 harder 16 centres, spread 0.05).
 
-    python bench/bench_int8.py --out bench/results            # JSON: int8_<gpu>.json
-    python bench/bench_int8.py --table-from bench/results/int8_nvidia-h200.json
+    python bench/suites/bench_int8.py --out bench/results      # JSON: int8_<gpu>.json
+    python bench/suites/bench_int8.py --table-from bench/results/latest/int8_nvidia-h200.json
 """
 
 from __future__ import annotations
@@ -29,10 +29,10 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from bench_forward import slugify  # noqa: E402
-from timing import per_call_ms  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: bench.lib, and this checkout's lik_cupy
+from bench.lib import baselines  # noqa: E402
+from bench.lib.results import slugify  # noqa: E402
+from bench.lib.timing import per_call_ms  # noqa: E402
 
 SHAPES = {"colpali": (1024, 1024, 128), "long-doc": (32, 1024, 128), "textual": (32, 300, 128)}
 FIDELITY_KINDS = {"unit": None, "clustered-64-0.1": (64, 0.1), "clustered-16-0.05": (16, 0.05)}
@@ -96,13 +96,8 @@ def run(args):
     gpu = torch.cuda.get_device_name()
     res = {"gpu": gpu, "torch": torch.__version__, "python": platform.python_version(), "seed": args.seed,
            "when": time.strftime("%Y-%m-%d %H:%M:%S"), "shapes": {}}
-    try:
-        import flash_maxsim
-
-        res["flash_maxsim"] = getattr(flash_maxsim, "__version__", "0.3.0")
-    except Exception as e:  # a missing baseline is reported, not fatal
-        flash_maxsim = None
-        res["flash_maxsim"] = f"import failed: {e}"
+    flash_maxsim, err = baselines.load(baselines.FLASH)  # a missing baseline is reported, not fatal
+    res["flash_maxsim"] = getattr(flash_maxsim, "__version__", "0.3.0") if flash_maxsim else f"import failed: {err}"
     res["int8_ceiling_tops"] = int8_ceiling(torch)
     print(f"{gpu}: cuBLAS INT8 GEMM {res['int8_ceiling_tops']:.0f} TOPS", flush=True)
     t_end = time.time() + args.time_budget

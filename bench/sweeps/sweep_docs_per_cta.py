@@ -8,26 +8,31 @@ hidden, and checks that the scores do not change (they must be bitwise equal: a 
 score never depends on which CTA computes it).
 
 Writes ``sweep_docs_per_cta_<gpu>.json`` to $OUT (or bench/results) and prints a table.
+
+    python bench/sweeps/sweep_docs_per_cta.py
 """
 
-import json
-import os
 import sys
+from pathlib import Path
 
-import cupy as cp
-import numpy as np
-import torch
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: bench.lib, and this checkout's lik_cupy
+import cupy as cp  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
 
-import lik_cupy
-from lik_cupy import dispatch
-from lik_cupy.device import device_properties
-from timing import count_mismatches, per_call_ms  # bench/, the script's own directory
+import lik_cupy  # noqa: E402
+from lik_cupy import _dispatch as dispatch  # noqa: E402
+from lik_cupy._runtime.device import device_properties  # noqa: E402
+
+from bench.lib.forcing import rebind  # noqa: E402
+from bench.lib.results import out_dir, write_result  # noqa: E402
+from bench.lib.timing import count_mismatches, per_call_ms  # noqa: E402
 
 TARGETS = [32, 8, 16, 64, 128, None]  # the first is the reference
 
 
 def set_target(t):
-    dispatch._DOCS_PER_CTA = t if t is not None else 1 << 40
+    rebind(dispatch, "_DOCS_PER_CTA", t if t is not None else 1 << 40)
     dispatch.plan_launch.cache_clear()
 
 
@@ -57,7 +62,7 @@ def cases(rng, d=128):
 
 
 def main():
-    out_dir = os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results")
+    out = out_dir()
     props = device_properties(0)
     saved = dispatch._DOCS_PER_CTA
     rows, mismatches = [], 0
@@ -77,10 +82,7 @@ def main():
             print(f"{name:36s} docs/CTA {str(t):>5s}: {ms:8.4f} ms {flops / ms / 1e9:6.1f} TF/s  {ms / base:.3f}x",
                   flush=True)
     set_target(saved)
-    slug = props.name.lower().replace(" ", "-")
-    with open(os.path.join(out_dir, f"sweep_docs_per_cta_{slug}.json"), "w") as f:
-        json.dump({"gpu": props.name, "cc": props.cc, "targets": TARGETS, "rows": rows, "mismatches": mismatches}, f,
-                  indent=1)
+    write_result(out, "sweep_docs_per_cta", props, targets=TARGETS, rows=rows, mismatches=mismatches)
     print(f"score mismatches: {mismatches}")
     return 1 if mismatches else 0
 

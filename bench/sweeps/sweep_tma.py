@@ -1,6 +1,6 @@
 """TMA against cp.async staging of the Hopper forward tiles, side by side in one process.
 
-    python bench/sweep_tma.py --out DIR      -> DIR/sweep_tma_<gpu>.json + a table
+    python bench/sweeps/sweep_tma.py --out DIR      -> DIR/sweep_tma_<gpu>.json + a table
 
 For each shape: the configuration dispatch picks, timed with document tiles staged by TMA
 (tensor maps) and by per-thread cp.async (LIK_CUPY_DISABLE_TMA=1), then a few forced
@@ -9,13 +9,18 @@ arithmetic in the same order); the JSON records the largest difference seen.
 """
 
 import os
+import sys
+from pathlib import Path
 
-import cupy
-import numpy as np
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: bench.lib, and this checkout's lik_cupy
+import cupy  # noqa: E402
+import numpy as np  # noqa: E402
 
-import lik_cupy
-from lik_cupy import dispatch
-from sweep_tiles import forced, sweep_setup, time_ms, write_sweep
+import lik_cupy  # noqa: E402
+from lik_cupy import _dispatch as dispatch  # noqa: E402
+
+from bench.lib.forcing import picked  # noqa: E402
+from bench.lib.sweep import forced, sweep_setup, time_ms, write_sweep  # noqa: E402
 
 TILES = [(128, 2), (128, 3), (128, 4), (64, 3), (64, 4), (96, 3), (256, 3)]  # Hopper (bn, stages)
 PORTABLE = [(2, 1, 64, 4), (2, 1, 64, 6), (2, 1, 128, 3), (2, 1, 128, 4), (2, 1, 256, 2), (2, 1, 32, 8)]
@@ -53,34 +58,16 @@ def _cases(rng):
         lambda: lik_cupy.maxsim_int8(q8, d8, ds, q_scales=qs)), False
 
 
-def _picked(fn):
-    """The configuration dispatch picks for fn's call (recorded by wrapping choose_forward)."""
-    seen = []
-    chosen = dispatch.choose_forward
-
-    def spy(*a, **k):
-        c = chosen(*a, **k)
-        seen.append(c)
-        return c
-
-    dispatch.choose_forward = spy
-    try:
-        fn()
-    finally:
-        dispatch.choose_forward = chosen
-    return seen[-1]
-
-
 def main():
     out, props, rng = sweep_setup()
     rows = []
     for name, ops, fn, sweep in _cases(rng):
         os.environ["LIK_CUPY_DISABLE_TMA"] = "1"
-        base_cfg = _picked(fn)
+        base_cfg = picked(fn)
         ref = cupy.asnumpy(fn())
         off_ms = time_ms(fn)
         os.environ["LIK_CUPY_DISABLE_TMA"] = ""
-        cfg = _picked(fn)
+        cfg = picked(fn)
         got = cupy.asnumpy(fn())
         on_ms = time_ms(fn)
         diff = float(np.nanmax(np.abs(got - ref))) if got.size else 0.0
@@ -94,8 +81,9 @@ def main():
             row["tiles"] = []
             cands = ([(8, 1, bn, st) for bn, st in TILES] if cfg.wgmma else PORTABLE)
             for warps, mt, bn, stages in cands:
-                c = dispatch.FwdConfig(cfg.elem, cfg.dp, warps, mt, bn, stages, cfg.qreg, cfg.argmax, cfg.vec,
-                                       cfg.wgmma, cfg.multi, cfg.packed, tma=True)
+                c = dispatch.FwdConfig(elem=cfg.elem, dp=cfg.dp, warps=warps, mt=mt, bn=bn, stages=stages,
+                                       qreg=cfg.qreg, argmax=cfg.argmax, vec=cfg.vec, wgmma=cfg.wgmma,
+                                       multi=cfg.multi, packed=cfg.packed, tma=True)
                 if c.smem_bytes > 227 * 1024:
                     continue
                 try:

@@ -3,8 +3,10 @@
 # forward benchmark, then the corpus benchmark (bench_corpus.py) with the time
 # that is left, print a short summary last.
 #
-#   bash bench/gpu_session.sh [bench_forward.py args...]      e.g.  bash bench/gpu_session.sh --quick
-#   ONLY_CORPUS=1 CORPUS_ARGS="--quick" bash bench/gpu_session.sh   (corpus bench only)
+#   bash bench/tools/gpu_session.sh [bench_forward.py args...]      e.g.  bash bench/tools/gpu_session.sh --quick
+#   ONLY_CORPUS=1 CORPUS_ARGS="--quick" bash bench/tools/gpu_session.sh   (corpus bench only)
+#
+# The suites it runs are bench/suites/bench_*.py; it works from any directory (it cd's to the repo root).
 #
 # Env knobs:
 #   OUT              output dir (default: <repo>/bench/results)
@@ -41,7 +43,7 @@ export XLA_PYTHON_CLIENT_PREALLOCATE=false
 export LIK_SUPPRESS_NORM_WARN=1
 
 T0=$(date +%s)
-REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$REPO" || exit 2
 OUT="${OUT:-$REPO/bench/results}"
 mkdir -p "$OUT"
@@ -99,7 +101,7 @@ if [ "${SKIP_TESTS:-0}" != "1" ]; then
     echo "== SASS check: tensor-core instructions in the compiled forward kernels"
     python3 - <<'PY' 2>&1 | tee -a "$OUT/pytest.log"
 import concurrent.futures, json, os, subprocess
-from lik_cupy.compile import cache_dir
+from lik_cupy._runtime.nvrtc import cache_dir
 def one(meta):  # a few hundred kernels after the suite: one cuobjdump per core, listed in order
     info = json.loads(meta.read_text())
     name = info["defines"].get("LIK_NAME", "?")
@@ -123,14 +125,14 @@ if [ "${SKIP_BENCH:-0}" != "1" ] && [ "$SKIP_FORWARD" != "1" ]; then
     HARD=$(( LEFT - 15 ))             # hard kill so the summary still prints
     [ "$HARD" -lt 40 ] && HARD=40
     echo "== bench_forward.py (time budget ${BUDGET}s, hard limit ${HARD}s)"
-    timeout -k 10 "$HARD" python3 bench/bench_forward.py --out "$OUT" --time-budget "$BUDGET" "$@" 2>&1 \
+    timeout -k 10 "$HARD" python3 bench/suites/bench_forward.py --out "$OUT" --time-budget "$BUDGET" "$@" 2>&1 \
         | tee "$OUT/bench.log"
     BENCH_RC=${PIPESTATUS[0]}
     echo "bench exit code: $BENCH_RC"
 fi
 
 # ---------------------------------------------------------------- split-d and backward benches
-# run_after_forward SCRIPT ARGS...: bench/SCRIPT --out $OUT ARGS with the session time that is
+# run_after_forward SCRIPT ARGS...: bench/suites/SCRIPT --out $OUT ARGS with the session time that is
 # left (skipped under 150 s), output appended to bench.log; its exit code lands in AFTER_RC.
 run_after_forward() {
     local left=$(( SESSION_LIMIT_S - ($(date +%s) - T0) ))
@@ -140,7 +142,7 @@ run_after_forward() {
         return
     fi
     echo "== $*" | tee -a "$OUT/bench.log"
-    timeout -k 10 $(( left - 60 )) python3 "bench/$1" --out "$OUT" "${@:2}" 2>&1 | tee -a "$OUT/bench.log"
+    timeout -k 10 $(( left - 60 )) python3 "bench/suites/$1" --out "$OUT" "${@:2}" 2>&1 | tee -a "$OUT/bench.log"
     AFTER_RC=${PIPESTATUS[0]}
 }
 
@@ -185,7 +187,7 @@ if [ "$RUN_CORPUS" = "1" ]; then
         fi
         echo "== bench_corpus.py (time budget ${CBUDGET}s, hard limit ${CHARD}s) ${CORPUS_ARGS:-}" | tee $TEE_A "$OUT/bench.log"
         # shellcheck disable=SC2086
-        timeout -k 10 "$CHARD" python3 bench/bench_corpus.py --out "$OUT" --budget-s "$CBUDGET" \
+        timeout -k 10 "$CHARD" python3 bench/suites/bench_corpus.py --out "$OUT" --budget-s "$CBUDGET" \
             $CORPUS_TXT ${CORPUS_ARGS:-} 2>&1 | tee -a "$OUT/bench.log"
         CORPUS_RC=${PIPESTATUS[0]}
         echo "corpus bench exit code: $CORPUS_RC"
@@ -227,7 +229,7 @@ PY
         JSON=$(ls -t "$OUT"/forward_*.json 2>/dev/null | head -n 1)
         if [ -n "$JSON" ]; then
             echo "bench results: $JSON"
-            python3 bench/bench_forward.py --table-from "$JSON" || echo "(could not render table)"
+            python3 bench/suites/bench_forward.py --table-from "$JSON" || echo "(could not render table)"
         else
             echo "bench: no results JSON"
         fi
@@ -236,19 +238,19 @@ PY
     if [ "$SPLIT_RC" != "skipped" ] && [ -n "$SJSON" ]; then
         echo
         echo "split-d results: $SJSON (exit code $SPLIT_RC)"
-        python3 bench/bench_split_d.py --table-from "$SJSON" || echo "(could not render split-d table)"
+        python3 bench/suites/bench_split_d.py --table-from "$SJSON" || echo "(could not render split-d table)"
     fi
     BJSON=$(ls -t "$OUT"/backward_*.json 2>/dev/null | head -n 1)
     if [ "$BACKWARD_RC" != "skipped" ] && [ -n "$BJSON" ]; then
         echo
         echo "backward results: $BJSON (exit code $BACKWARD_RC)"
-        python3 bench/bench_backward.py --table-from "$BJSON" || echo "(could not render backward table)"
+        python3 bench/suites/bench_backward.py --table-from "$BJSON" || echo "(could not render backward table)"
     fi
     IJSON=$(ls -t "$OUT"/int8_*.json 2>/dev/null | head -n 1)
     if [ "$INT8_RC" != "skipped" ] && [ -n "$IJSON" ]; then
         echo
         echo "int8 results: $IJSON (exit code $INT8_RC)"
-        python3 bench/bench_int8.py --table-from "$IJSON" || echo "(could not render int8 table)"
+        python3 bench/suites/bench_int8.py --table-from "$IJSON" || echo "(could not render int8 table)"
     fi
     case "$CORPUS_RC" in
         skipped*) ;;
@@ -257,7 +259,7 @@ PY
             if [ -n "$CJSON" ]; then
                 echo
                 echo "corpus results: $CJSON"
-                python3 bench/bench_corpus.py --table-from "$CJSON" || echo "(could not render corpus table)"
+                python3 bench/suites/bench_corpus.py --table-from "$CJSON" || echo "(could not render corpus table)"
             else
                 echo "corpus bench: no results JSON"
             fi

@@ -3,24 +3,28 @@
 Backs ``dispatch._WGMMA_BN_COST_MULTI``: times ``lik_cupy.maxsim`` for 32 queries
 (Lq=32) against documents of several lengths with each BN forced in turn, and
 writes ``sweep_bn_multiquery_<gpu>.json`` to $OUT (or bench/results).
+
+    python bench/sweeps/sweep_bn_multiquery.py
 Device time: a sleep kernel is queued first so host overhead stays hidden.
 """
 
-import json
-import os
 import sys
+from pathlib import Path
 
-import cupy as cp
-import torch
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: bench.lib, and this checkout's lik_cupy
+import cupy as cp  # noqa: E402
+import torch  # noqa: E402
 
-import lik_cupy
-from lik_cupy import dispatch
-from lik_cupy.device import device_properties
-from timing import per_call_ms  # bench/, the script's own directory
+import lik_cupy  # noqa: E402
+from lik_cupy import _dispatch as dispatch  # noqa: E402
+from lik_cupy._runtime.device import device_properties  # noqa: E402
+
+from bench.lib.results import out_dir, write_result  # noqa: E402
+from bench.lib.timing import per_call_ms  # noqa: E402
 
 
 def main():
-    out = os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results")
+    out = out_dir()
     props = device_properties(0)
     rng = cp.random.default_rng(0)
     nq, lq, d = 32, 32, 128
@@ -41,9 +45,7 @@ def main():
         del docs
     table.update(saved)
     dispatch.choose_forward.cache_clear()
-    slug = props.name.lower().replace(" ", "-")
-    with open(os.path.join(out, f"sweep_bn_multiquery_{slug}.json"), "w") as f:
-        json.dump({"gpu": props.name, "cc": props.cc, "rows": rows}, f, indent=1)
+    write_result(out, "sweep_bn_multiquery", props, rows=rows)
 
 
 if __name__ == "__main__":

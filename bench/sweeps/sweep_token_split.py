@@ -14,19 +14,26 @@ each timed as 60 calls back to back behind a queued sleep (device time), five ro
 and checks that every plan gives the same scores bit for bit.
 
 Writes ``sweep_token_split_<gpu>.json`` to $OUT (or bench/results) and prints a table last.
+
+    python bench/sweeps/sweep_token_split.py
 """
 
-import json
-import os
+import sys
+from pathlib import Path
 
-import cupy as cp
-import numpy as np
-import torch
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: bench.lib, and this checkout's lik_cupy
+import cupy as cp  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
 
-import lik_cupy
-from lik_cupy import dispatch
-from lik_cupy.device import device_properties
-from timing import per_call_ms  # bench/, the script's own directory
+import lik_cupy  # noqa: E402
+from lik_cupy import _dispatch as dispatch  # noqa: E402
+from lik_cupy._runtime.device import device_properties  # noqa: E402
+
+from bench.lib import baselines  # noqa: E402
+from bench.lib.forcing import rebind  # noqa: E402
+from bench.lib.results import out_dir, write_result  # noqa: E402
+from bench.lib.timing import per_call_ms  # noqa: E402
 
 _READ = r'''
 extern "C" __global__ void read_all(const uint4* __restrict__ p, long long n, unsigned* out) {
@@ -51,7 +58,7 @@ def corpora(rng):
 
 
 def main():
-    out_dir = os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results")
+    out = out_dir()
     props = device_properties(0)
     rng = np.random.default_rng(303)
     lq, d, n_sets = 32, 128, 6
@@ -80,11 +87,9 @@ def main():
         counter[0] += 1
         return counter[0] % n_sets
 
-    try:
-        import flash_maxsim
-    except ImportError as e:
-        print(f"flash-maxsim not timed: {e}", flush=True)
-        flash_maxsim = None
+    flash_maxsim, err = baselines.load(baselines.FLASH)
+    if flash_maxsim is None:
+        print(f"flash-maxsim not timed: {err}", flush=True)
     rows = []
     for name, lens in cases:
         off = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
@@ -93,9 +98,9 @@ def main():
         nbytes = t * d * 2
         got = {}
         for k, plan in plans.items():
-            dispatch.plan_launch = plan
+            rebind(dispatch, "plan_launch", plan)
             got[k] = lik_cupy.maxsim_varlen(q, toks[0][:t], off_d, validate_offsets=False).get().tobytes()
-        dispatch.plan_launch = real_plan
+        rebind(dispatch, "plan_launch", real_plan)
         ours = lambda: lik_cupy.maxsim_varlen(q, toks[nxt()][:t], off_d, validate_offsets=False)  # noqa: E731
         fns = {k: ours for k in plans}
         fns["read floor"] = lambda: read((8 * props.num_sms,), (256,), (toks[nxt()], np.int64(nbytes // 16), sink))
@@ -104,18 +109,16 @@ def main():
         times = {k: [] for k in fns}
         for _ in range(5):
             for k, fn in fns.items():
-                dispatch.plan_launch = plans.get(k, real_plan)
+                rebind(dispatch, "plan_launch", plans.get(k, real_plan))
                 times[k].append(per_call_ms(torch, fn, 60, rounds=1, spin_cycles=50_000_000))
-        dispatch.plan_launch = real_plan
+        rebind(dispatch, "plan_launch", real_plan)
         med = {k: float(np.median(v)) for k, v in times.items()}
         for k, ms in med.items():
             rows.append({"corpus": name, "docs": int(lens.size), "tokens": t, "impl": k, "ms": ms, "runs": times[k],
                          "gbs": nbytes / ms / 1e6, "over_read_floor": ms / med["read floor"],
                          "flash_over_this": med["flash-maxsim packed"] / ms if flash_maxsim else None,
                          "bitwise_equal_plans": len(set(got.values())) == 1})
-    slug = props.name.lower().replace(" ", "-")
-    with open(os.path.join(out_dir, f"sweep_token_split_{slug}.json"), "w") as f:
-        json.dump({"gpu": props.name, "cc": props.cc, "query": f"1 x {lq}, d {d} fp16", "rows": rows}, f, indent=1)
+    write_result(out, "sweep_token_split", props, query=f"1 x {lq}, d {d} fp16", rows=rows)
     print(f"\n{'corpus':22s} {'impl':20s} {'us':>7s} {'GB/s':>6s} {'/floor':>6s} {'flash/this':>10s} bitwise")
     for r in rows:
         fl = f"{r['flash_over_this']:.3f}" if r["flash_over_this"] else "-"

@@ -14,7 +14,7 @@ step is what a training loop pays), peak extra GPU memory over one step (CuPy al
 through torch's allocator, so everything is counted), and dQ/dD error against the naive
 fp32 gradient where that fits.
 
-    python bench/bench_backward.py [--out DIR] [--cases colpali64,colbert32,colpali128]
+    python bench/suites/bench_backward.py [--out DIR] [--cases colpali64,colbert32,colpali128]
 
 Writes backward_<gpu>.json and prints a table (ratio = best baseline / ours, above 1
 means ours is faster: against the best eager baseline, and against the best baseline
@@ -26,15 +26,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import sys
 from pathlib import Path
 
 os.environ.setdefault("LIK_SUPPRESS_NORM_WARN", "1")
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from timing import per_call_ms  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: bench.lib, and this checkout's lik_cupy
+from bench.lib import baselines  # noqa: E402
+from bench.lib.gpu import setup_cupy  # noqa: E402
+from bench.lib.results import out_dir, slugify  # noqa: E402
+from bench.lib.timing import per_call_ms  # noqa: E402
 
 CASES = {"colpali64": (64, 1024, 1024), "colbert32": (32, 32, 80), "colpali128": (128, 1024, 1024)}
 D_MODEL = 128
@@ -47,18 +47,17 @@ def impls(torch):
         "ours_atomic": lambda q, d: lt.maxsim(q, d, method="atomic"),
         "ours_csr": lambda q, d: lt.maxsim(q, d, method="csr"),
     }
-    try:
-        import late_interaction_kernels as likk
-
+    likk, err = baselines.load(baselines.LIK)
+    if likk is not None:
         out["lik"] = lambda q, d: likk.maxsim(q, d)
-    except Exception as e:  # noqa: BLE001
-        print("lik unavailable:", e)
-    try:
-        from flash_maxsim import flash_maxsim_batched_train
-
-        out["flash"] = lambda q, d: flash_maxsim_batched_train(q, d, shared_docs=True)
-    except Exception as e:  # noqa: BLE001
-        print("flash unavailable:", e)
+    else:
+        print("lik unavailable:", err)
+    flash, err = baselines.load(baselines.FLASH)
+    train = getattr(flash, "flash_maxsim_batched_train", None)
+    if train is not None:
+        out["flash"] = lambda q, d: train(q, d, shared_docs=True)
+    else:
+        print("flash unavailable:", err or "no flash_maxsim_batched_train")
     out["naive"] = lambda q, d: torch.einsum("isk,jtk->ijst", q, d).amax(-1).float().sum(-1)
     return out
 
@@ -100,7 +99,7 @@ def graphed(torch, fn, q, d, w):
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--cases", default=",".join(CASES))
-    ap.add_argument("--out", default=os.environ.get("OUT") or str(REPO / "bench" / "results"))
+    ap.add_argument("--out", default=str(out_dir()))
     ap.add_argument("--table-from", default=None)
     args = ap.parse_args(argv)
     if args.table_from:
@@ -108,18 +107,17 @@ def main(argv=None):
         return 0
 
     import torch
-    import bench_forward as bf
 
     class _Ctx:
         pass
 
     ctx = _Ctx()
     ctx.torch, ctx.cupy, ctx.cupy_err = torch, None, None
-    bf.setup_cupy(ctx)  # CuPy allocates through torch: one peak-memory counter for all
-    from lik_cupy.device import device_properties
+    setup_cupy(ctx)  # CuPy allocates through torch: one peak-memory counter for all
+    from lik_cupy._runtime.device import device_properties
 
     props = device_properties(torch.cuda.current_device())
-    slug = re.sub(r"[^a-z0-9]+", "-", props.name.lower()).strip("-")
+    slug = slugify(props.name)
     meta = {"gpu": props.name, "cc": props.cc, "rows": []}
     path = Path(args.out) / f"backward_{slug}.json"
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -12,9 +12,9 @@ against B documents, fp16. Device time: a spin kernel is queued before each time
 batch so host overhead stays hidden. Each candidate's scores are checked against an
 fp32 torch reference (max relative error recorded).
 
-    python bench/bench_split_d.py [--dims 128,256,...] [--out DIR] [--time-budget S]
-    python bench/bench_split_d.py --no-candidates      (ours and the baselines only)
-    python bench/bench_split_d.py --table-from bench/results/split_d_<gpu>.json
+    python bench/suites/bench_split_d.py [--dims 128,256,...] [--out DIR] [--time-budget S]
+    python bench/suites/bench_split_d.py --no-candidates      (ours and the baselines only)
+    python bench/suites/bench_split_d.py --table-from bench/results/latest/split_d_<gpu>.json
 
 Writes ``sweep_split_d_<gpu>.json`` (``split_d_<gpu>.json`` with --no-candidates) and
 prints a table ("vs" columns: baseline time / our time, above 1 means ours is faster).
@@ -25,24 +25,26 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import sys
 import time
 from pathlib import Path
 
 os.environ.setdefault("LIK_SUPPRESS_NORM_WARN", "1")
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from timing import per_call_ms  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: bench.lib, and this checkout's lik_cupy
+from bench.lib import baselines  # noqa: E402
+from bench.lib.forcing import forcing as forced, rebind  # noqa: E402
+from bench.lib.results import out_dir, slugify  # noqa: E402
+from bench.lib.timing import per_call_ms  # noqa: E402
+
 DIMS = (128, 256, 384, 512, 768, 1024, 2048, 4096)
 SHAPES = {"colpali": (1024, 1024, 128), "textual": (32, 180, 1024)}
 
 
 def candidates(dim: int, lq: int):
     """(label, FwdConfig) pairs to force, for fp16 on an sm_90 device."""
-    from lik_cupy.dispatch import _SMEM_PER_BLOCK, FwdConfig, choose_forward
+    from lik_cupy._dispatch import SMEM_PER_BLOCK, FwdConfig, choose_forward
 
-    limit = _SMEM_PER_BLOCK[90]
+    limit = SMEM_PER_BLOCK[90]
     out = []
     if dim <= 512:  # one-shot: the tables' own choice (wgmma where the one-shot rules allow it), TMA or not
         for wg in (True, False):
@@ -56,7 +58,8 @@ def candidates(dim: int, lq: int):
                     out.append((f"oneshot_{'wgmma' if c.wgmma else 'mma'}{'_tma' if c.tma else ''}", c))
         if lq > 64 and dim % 64 == 0:
             for bn, st in ((128, 2), (64, 2), (64, 3)):
-                c = FwdConfig(0, dim, 8, 1, bn, st, False, False, True, True)
+                c = FwdConfig(elem=0, dp=dim, warps=8, mt=1, bn=bn, stages=st, qreg=False, argmax=False, vec=True,
+                              wgmma=True)
                 if c.smem_bytes <= limit and c.name not in {x.name for _, x in out}:
                     out.append((f"oneshot_wgmma_n{bn}s{st}", c))
     # Hopper split-d: two warpgroups for long queries, one for short ones; TMA or cp.async staging.
@@ -69,52 +72,36 @@ def candidates(dim: int, lq: int):
         mma = ((2, 1, 64, 64, 3), (2, 1, 64, 64, 4), (2, 1, 64, 64, 6), (2, 1, 64, 128, 3), (2, 1, 32, 64, 6))
     for bn, bk, st in tiles:
         for tma in (True, False):
-            c = FwdConfig(0, bk, warps, 1, bn, st, False, False, True, True, False, False, True, tma)
+            c = FwdConfig(elem=0, dp=bk, warps=warps, mt=1, bn=bn, stages=st, qreg=False, argmax=False, vec=True,
+                          wgmma=True, multi=False, packed=False, split=True, tma=tma)
             if c.smem_bytes <= limit:
                 out.append((f"split_wgmma_w{warps}n{bn}k{bk}s{st}{'_tma' if tma else ''}", c))
     for w, mt, bn, bk, st in mma:
-        c = FwdConfig(0, bk, w, mt, bn, st, False, False, True, False, False, False, True)
+        c = FwdConfig(elem=0, dp=bk, warps=w, mt=mt, bn=bn, stages=st, qreg=False, argmax=False, vec=True,
+                      wgmma=False, multi=False, packed=False, split=True)
         if c.smem_bytes <= limit:
             out.append((f"split_mma_w{w}m{mt}n{bn}k{bk}s{st}", c))
     return out
 
 
 def _force_split_from(value):
-    from lik_cupy import dispatch
+    from lik_cupy import _dispatch as dispatch
 
     saved = dict(dispatch._SPLIT_FROM), dispatch._SPLIT_FROM_DEFAULT
     for k in dispatch._SPLIT_FROM:
         dispatch._SPLIT_FROM[k] = value
-    dispatch._SPLIT_FROM_DEFAULT = value
+    rebind(dispatch, "_SPLIT_FROM_DEFAULT", value)
     dispatch.choose_forward.cache_clear()
     return saved
 
 
 def _restore(saved):
-    from lik_cupy import dispatch
+    from lik_cupy import _dispatch as dispatch
 
     dispatch._SPLIT_FROM.clear()
     dispatch._SPLIT_FROM.update(saved[0])
-    dispatch._SPLIT_FROM_DEFAULT = saved[1]
+    rebind(dispatch, "_SPLIT_FROM_DEFAULT", saved[1])
     dispatch.choose_forward.cache_clear()
-
-
-class forced:
-    """Make lik_cupy's dispatch return ``cfg`` for every call inside the block."""
-
-    def __init__(self, cfg):
-        self.cfg = cfg
-
-    def __enter__(self):
-        from lik_cupy import dispatch
-
-        self.saved = dispatch.choose_forward
-        dispatch.choose_forward = lambda *a, **k: self.cfg
-
-    def __exit__(self, *exc):
-        from lik_cupy import dispatch
-
-        dispatch.choose_forward = self.saved
 
 
 def device_ms(torch, fn, n):
@@ -147,7 +134,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--dims", default=",".join(map(str, DIMS)))
     ap.add_argument("--shapes", default="colpali,textual")
-    ap.add_argument("--out", default=os.environ.get("OUT") or str(REPO / "bench" / "results"))
+    ap.add_argument("--out", default=str(out_dir()))
     ap.add_argument("--time-budget", type=float, default=480.0)
     ap.add_argument("--no-candidates", action="store_true", help="only the dispatched kernel and the baselines")
     ap.add_argument("--table-from", default=None)
@@ -158,30 +145,27 @@ def main(argv=None):
 
     import torch
 
-    sys.path.insert(0, str(REPO))
     import lik_cupy
-    from lik_cupy.device import device_properties
+    from lik_cupy._runtime.device import device_properties
 
     t0 = time.time()
     props = device_properties(torch.cuda.current_device())
-    slug = re.sub(r"[^a-z0-9]+", "-", props.name.lower()).strip("-")
+    slug = slugify(props.name)
     meta = {"gpu": props.name, "cc": props.cc, "cublas_fp16_tflops": cublas_tflops(torch), "rows": []}
     # The candidate sweep backs the dispatch table; the dispatched-only run backs the speed claims.
     path = Path(args.out) / f"{'split_d' if args.no_candidates else 'sweep_split_d'}_{slug}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     impls = {}
-    try:
-        import flash_maxsim
-
+    flash_maxsim, err = baselines.load(baselines.FLASH)
+    if flash_maxsim is not None:
         impls["flash_maxsim"] = lambda q, d: flash_maxsim.flash_maxsim(q, d)
-    except Exception as e:  # noqa: BLE001
-        meta["flash_maxsim_error"] = repr(e)[:200]
-    try:
-        import late_interaction_kernels as likk
-
+    else:
+        meta["flash_maxsim_error"] = err
+    likk, err = baselines.load(baselines.LIK)
+    if likk is not None:
         impls["lik"] = lambda q, d: likk.maxsim(q, d)
-    except Exception as e:  # noqa: BLE001
-        meta["lik_error"] = repr(e)[:200]
+    else:
+        meta["lik_error"] = err
 
     g = torch.Generator(device="cuda").manual_seed(0)
     for shape in args.shapes.split(","):
@@ -237,8 +221,8 @@ class _Null:
 
 
 def _dispatched(cc, dim, lq):
-    from lik_cupy import dispatch
-    from lik_cupy.forward import tma_usable
+    from lik_cupy import _dispatch as dispatch
+    from lik_cupy._runtime.launch import tma_usable
 
     return dispatch.choose_forward(cc, "float16", dim, lq, False, True, tma=tma_usable()).name
 

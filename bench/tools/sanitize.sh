@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# compute-sanitizer over every kernel family: memcheck and racecheck on bench/sanitize_driver.py
+# compute-sanitizer over every kernel family: memcheck and racecheck on bench/tools/sanitize_driver.py
 # (small calls through the forward, backward and top-k kernels, each checked bit for bit against
 # the CPU path), then memcheck on the GPU property tests (tests/test_properties.py -m gpu: random
 # shapes, masks, lengths and offsets, unvalidated bad offsets and argmax entries included).
 #
-#   bash bench/sanitize.sh
+#   bash bench/tools/sanitize.sh        (from anywhere; it runs in the repo root)
 #
 # Env knobs:
 #   OUT          where the logs go (default: <repo>/bench/results/sanitize); 8 files: memcheck.log,
@@ -21,7 +21,7 @@
 # Exit status: 0 only if every sanitized run reports 0 errors (racecheck: 0 hazards) and every check passes.
 
 set -u -o pipefail
-REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$REPO" || exit 2
 OUT="${OUT:-$REPO/bench/results/sanitize}"
 mkdir -p "$OUT"
@@ -63,7 +63,7 @@ NO_POOL="import sys, cupy, pytest; cupy.cuda.set_allocator(None); cupy.cuda.set_
 sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', '-m', 'gpu', 'tests/test_properties.py']))"
 
 say "== without the sanitizer (compiles every kernel and checks the results)"
-"$PY" bench/sanitize_driver.py > "$OUT/plain.txt" 2>&1 || STATUS=1
+"$PY" bench/tools/sanitize_driver.py > "$OUT/plain.txt" 2>&1 || STATUS=1
 say "driver: $(tail -n 1 "$OUT/plain.txt")"
 if [ "${SKIP_PROPERTIES:-0}" != "1" ]; then
     "$PY" "${PYTEST_PROPS[@]}" >> "$OUT/plain.txt" 2>&1 || STATUS=1
@@ -72,7 +72,7 @@ fi
 
 say "== planted errors: each tool must report its own (else a clean run would prove nothing)"
 for tool in memcheck racecheck; do
-    "$SAN" --tool "$tool" --error-exitcode 99 "$PY" bench/sanitize_driver.py --no-pool --planted "$tool" \
+    "$SAN" --tool "$tool" --error-exitcode 99 "$PY" bench/tools/sanitize_driver.py --no-pool --planted "$tool" \
         > "$OUT/planted.txt" 2>&1
     rc=$?
     found=$(grep -E "(ERROR|RACECHECK) SUMMARY" "$OUT/planted.txt" | tail -n 1)
@@ -87,10 +87,10 @@ rm -f "$OUT/planted.txt"
 say "== under compute-sanitizer"
 run "memcheck  (forward, backward, top-k)" memcheck.log memcheck.txt -- \
     "$SAN" --tool memcheck --error-exitcode 99 --log-file "$OUT/memcheck.log" \
-    "$PY" bench/sanitize_driver.py --no-pool
+    "$PY" bench/tools/sanitize_driver.py --no-pool
 run "racecheck (forward, top-k: the shared-memory pipelines)" racecheck.log racecheck.txt -- \
     "$SAN" --tool racecheck --error-exitcode 99 --log-file "$OUT/racecheck.log" \
-    "$PY" bench/sanitize_driver.py --no-pool --families forward,topk
+    "$PY" bench/tools/sanitize_driver.py --no-pool --families forward,topk
 if [ "${SKIP_PROPERTIES:-0}" != "1" ]; then
     run "memcheck  (GPU property tests)" memcheck_properties.log memcheck_properties.txt -- \
         "$SAN" --tool memcheck --error-exitcode 99 --log-file "$OUT/memcheck_properties.log" "$PY" -c "$NO_POOL"

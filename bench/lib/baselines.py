@@ -1,0 +1,43 @@
+"""The peers we time against: flash-maxsim 0.3.0 (``flash_maxsim``) and late-interaction-kernels 0.4.5
+(``late_interaction_kernels``, LIK), installed from the wheels in ``.whl/`` (``bench/tools/gpu_session.sh``
+does it on the device). A missing one is reported, not fatal."""
+
+from __future__ import annotations
+
+import importlib
+
+FLASH = "flash_maxsim"
+LIK = "late_interaction_kernels"
+
+
+def load(name: str):
+    """``(module, None)``, or ``(None, why)`` when ``name`` does not import (the reason as ``repr``, at most 200
+    characters)."""
+    try:
+        return importlib.import_module(name), None
+    except Exception as e:  # noqa: BLE001  (not installed, or fails on this machine)
+        return None, repr(e)[:200]
+
+
+def packed_calls(torch, q, toks, off):
+    """(ours, flash): callables making one call each of ``lik_cupy.maxsim_varlen`` (unchecked
+    offsets) and of flash-maxsim's packed kernel (one query: q[0]), each call on the next of the
+    packed corpora ``toks`` (CuPy [T, d] copies, so that no call finds its corpus in L2).
+    q: CuPy [Nq, Lq, d]; off: CuPy [Nd + 1] offsets shared by every corpus."""
+    import lik_cupy
+
+    tq, toff = torch.as_tensor(q, device="cuda"), torch.as_tensor(off, device="cuda")
+    ttoks = [torch.as_tensor(t, device="cuda") for t in toks]
+    counter = [0]
+
+    def ours():
+        counter[0] += 1
+        return lik_cupy.maxsim_varlen(q, toks[counter[0] % len(toks)], off, validate_offsets=False)
+
+    def flash():
+        import flash_maxsim
+
+        counter[0] += 1
+        return flash_maxsim.flash_maxsim(tq[0], ttoks[counter[0] % len(toks)], doc_lengths=toff)
+
+    return ours, flash

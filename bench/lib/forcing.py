@@ -1,0 +1,64 @@
+"""Making lik_cupy pick what a sweep wants to time: a forced configuration, a forced launch plan, a changed
+tuning table.
+
+A name such as ``choose_forward`` may be bound in several of lik_cupy's modules (the dispatch package
+re-exports it, a caller may have imported it by name), so ``rebind`` replaces it in every loaded lik_cupy
+module that holds the same object, not only in the one named.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+
+_MISSING = object()
+
+
+def rebind(owner, name: str, value):
+    """Set ``owner.name`` to ``value``, and ``name`` in every loaded ``lik_cupy`` module that binds the object
+    ``owner.name`` held; returns that object (``rebind(owner, name, old)`` puts everything back)."""
+    old = getattr(owner, name)
+    places = [owner]
+    for key, mod in list(sys.modules.items()):
+        if (key == "lik_cupy" or key.startswith("lik_cupy.")) and mod is not None and mod is not owner:
+            if getattr(mod, "__dict__", {}).get(name, _MISSING) is old:
+                places.append(mod)
+    for place in places:
+        setattr(place, name, value)
+    return old
+
+
+def dispatch():
+    """lik_cupy's dispatch package (``lik_cupy._dispatch``)."""
+    from lik_cupy import _dispatch
+
+    return _dispatch
+
+
+@contextlib.contextmanager
+def forcing(cfg):
+    """Inside the block, dispatch picks ``cfg`` (a ``FwdConfig``) for every forward call."""
+    d = dispatch()
+    chosen = rebind(d, "choose_forward", lambda *a, **k: cfg)
+    try:
+        yield
+    finally:
+        rebind(d, "choose_forward", chosen)
+
+
+def picked(fn):
+    """The configuration dispatch picks for ``fn()``'s call (recorded by wrapping choose_forward)."""
+    d = dispatch()
+    seen = []
+
+    def spy(*a, **k):
+        c = chosen(*a, **k)
+        seen.append(c)
+        return c
+
+    chosen = rebind(d, "choose_forward", spy)
+    try:
+        fn()
+    finally:
+        rebind(d, "choose_forward", chosen)
+    return seen[-1]
