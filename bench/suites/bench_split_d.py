@@ -3,7 +3,7 @@
 For each d it times, in one process on one GPU and on the same inputs:
   * every candidate kernel configuration (one-shot and split-d, Hopper wgmma and
     portable mma.sync), each forced in turn: the sweep behind
-    ``dispatch._SPLIT_FROM`` / ``_WGMMA_SPLIT`` / ``_SPLIT_TABLE``;
+    ``dispatch.tables.SPLIT_FROM`` / ``_WGMMA_SPLIT`` / ``tables.SPLIT_TABLE``;
   * ``lik_cupy.maxsim`` as dispatched ("ours");
   * flash-maxsim 0.3.0 ``flash_maxsim`` and LIK 0.4.5 ``maxsim``.
 
@@ -87,10 +87,10 @@ def candidates(dim: int, lq: int):
 def _force_split_from(value):
     from lik_cupy import _dispatch as dispatch
 
-    saved = dict(dispatch._SPLIT_FROM), dispatch._SPLIT_FROM_DEFAULT
-    for k in dispatch._SPLIT_FROM:
-        dispatch._SPLIT_FROM[k] = value
-    rebind(dispatch, "_SPLIT_FROM_DEFAULT", value)
+    saved = dict(dispatch.tables.SPLIT_FROM), dispatch.tables.SPLIT_FROM_DEFAULT
+    for k in dispatch.tables.SPLIT_FROM:
+        dispatch.tables.SPLIT_FROM[k] = value
+    rebind(dispatch.tables, "SPLIT_FROM_DEFAULT", value)
     dispatch.choose_forward.cache_clear()
     return saved
 
@@ -98,9 +98,9 @@ def _force_split_from(value):
 def _restore(saved):
     from lik_cupy import _dispatch as dispatch
 
-    dispatch._SPLIT_FROM.clear()
-    dispatch._SPLIT_FROM.update(saved[0])
-    rebind(dispatch, "_SPLIT_FROM_DEFAULT", saved[1])
+    dispatch.tables.SPLIT_FROM.clear()
+    dispatch.tables.SPLIT_FROM.update(saved[0])
+    rebind(dispatch.tables, "SPLIT_FROM_DEFAULT", saved[1])
     dispatch.choose_forward.cache_clear()
 
 

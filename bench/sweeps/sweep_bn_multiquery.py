@@ -1,6 +1,6 @@
 """Sweep the Hopper document-tile width (BN) for short queries packed several to a tile.
 
-Backs ``dispatch._WGMMA_BN_COST_MULTI``: times ``lik_cupy.maxsim`` for 32 queries
+Backs ``dispatch.tables.WGMMA_BN_COST_MULTI``: times ``lik_cupy.maxsim`` for 32 queries
 (Lq=32) against documents of several lengths with each BN forced in turn, and
 writes ``sweep_bn_multiquery_<gpu>.json`` to $OUT (or bench/results).
 
@@ -29,7 +29,7 @@ def main():
     rng = cp.random.default_rng(0)
     nq, lq, d = 32, 32, 128
     q = rng.standard_normal((nq, lq, d), dtype=cp.float32).astype(cp.float16)
-    table = dispatch._WGMMA_BN_COST_MULTI
+    table = dispatch.tables.WGMMA_BN_COST_MULTI
     saved = dict(table)
     rows = []
     for ld, nd in ((180, 1024), (180, 20000), (128, 20000), (300, 10000), (512, 5000)):

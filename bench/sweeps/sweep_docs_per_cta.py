@@ -1,4 +1,4 @@
-"""How many documents each CTA streams (``dispatch._DOCS_PER_CTA``), on one GPU.
+"""How many documents each CTA streams (``dispatch.tables.DOCS_PER_CTA``), on one GPU.
 
 A CTA fills its ring, streams a run of documents and drains; a longer run pays that less
 often, a shorter one leaves a smaller last wave. This forces each target in turn (None: one
@@ -32,7 +32,7 @@ TARGETS = [32, 8, 16, 64, 128, None]  # the first is the reference
 
 
 def set_target(t):
-    rebind(dispatch, "_DOCS_PER_CTA", t if t is not None else 1 << 40)
+    rebind(dispatch.tables, "DOCS_PER_CTA", t if t is not None else 1 << 40)
     dispatch.plan_launch.cache_clear()
 
 
@@ -64,7 +64,7 @@ def cases(rng, d=128):
 def main():
     out = out_dir()
     props = device_properties(0)
-    saved = dispatch._DOCS_PER_CTA
+    saved = dispatch.tables.DOCS_PER_CTA
     rows, mismatches = [], 0
     for name, fn, flops, n in cases(cp.random.default_rng(0)):
         times = {t: [] for t in TARGETS}

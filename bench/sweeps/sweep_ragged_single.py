@@ -35,21 +35,21 @@ from bench.lib.forcing import rebind  # noqa: E402
 from bench.lib.results import out_dir, write_result  # noqa: E402
 from bench.lib.timing import count_mismatches, per_call_ms  # noqa: E402
 
-_plan, _tma = dispatch.plan_launch, dispatch._wgmma_tma
-_stages, _cost = dict(dispatch._SHORT_WGMMA_STAGES), {k: dict(v) for k, v in dispatch._SHORT_WGMMA_COST.items()}
+_plan, _tma = dispatch.plan_launch, dispatch.select._wgmma_tma
+_stages, _cost = dict(dispatch.tables.SHORT_WGMMA_STAGES), {k: dict(v) for k, v in dispatch.tables.SHORT_WGMMA_COST.items()}
 
 
 def force(tile=None, grid_y=None, portable=False, tma=False):
     """tile: (bn, stages) of the one-warpgroup Hopper tile, or None for dispatch's; grid_y: CTAs
     over the documents (int), a multiple of the resident CTAs ("2x"), or None for the plan's;
     tma: stage the documents by TMA."""
-    rebind(dispatch, "_wgmma_tma", (lambda *a: True) if tma else _tma)
+    rebind(dispatch.select, "_wgmma_tma", (lambda *a: True) if tma else _tma)
     stages, cost = dict(_stages), {k: dict(v) for k, v in _cost.items()}
     if tile is not None:
         bn, st = tile
         stages, cost = {bn: (st,)}, {False: {bn: 1.0}, True: {bn: 1.0}}
-    rebind(dispatch, "_SHORT_WGMMA_STAGES", stages)
-    rebind(dispatch, "_SHORT_WGMMA_COST", cost)
+    rebind(dispatch.tables, "SHORT_WGMMA_STAGES", stages)
+    rebind(dispatch.tables, "SHORT_WGMMA_COST", cost)
     dispatch.choose_forward.cache_clear()
     os.environ["LIK_CUPY_DISABLE_WGMMA"] = "1" if portable else ""
 

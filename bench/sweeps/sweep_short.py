@@ -8,7 +8,7 @@ forced in turn: portable tiles (warps, mt, bn, stages), and wgmma tiles of 4 war
 warpgroup, 64 query rows) or 8 warps (128 rows) with (bn, stages), each with TMA staging on
 and off. Every candidate's scores are compared with the dispatch pick's (same sums, maybe in
 another order: the JSON records the largest relative difference). The fastest rows back
-``dispatch._SHORT_HOPPER``; the committed H200 run is tests/data/sweep_short_nvidia-h200.json
+``dispatch.tables.SHORT_WGMMA_COST``; the committed H200 run is tests/data/sweep_short_nvidia-h200.json
 (tests/test_compile.py::test_short_query_tiles_match_the_committed_sweep).
 """
 
@@ -58,7 +58,7 @@ def _candidates(elem: int, packed: bool) -> list:
     for tma in (True, False):
         for warps, mt, bn, stages in PORTABLE:
             out.append(dispatch.FwdConfig(elem=elem, dp=128, warps=warps, mt=mt, bn=bn, stages=stages,
-                                          qreg=dispatch._qreg(elem, 128, mt), argmax=False, vec=True, packed=packed,
+                                          qreg=dispatch.select._qreg(elem, 128, mt), argmax=False, vec=True, packed=packed,
                                           tma=tma))
         for warps, bn, stages in WGMMA:
             if elem == 3 and tma and bn == 256:

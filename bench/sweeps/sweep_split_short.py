@@ -8,7 +8,7 @@ with every document chunk; with ``qhalf`` it stages 32 rows (the wgmma's other 3
 whatever follows into result rows that are never used), so a stage shrinks from 16 to 12 KB at
 64 tokens x 64 dims and more stages or CTAs fit on an SM. Every candidate is forced in turn,
 two rounds, next to flash-maxsim when it is installed; each candidate's scores are compared
-bitwise with the dispatch pick's. The fastest rows back ``dispatch._WGMMA_SPLIT_SHORT_QHALF``; the committed
+bitwise with the dispatch pick's. The fastest rows back ``dispatch.tables.WGMMA_SPLIT_SHORT_QHALF``; the committed
 H100 run is tests/data/sweep_split_short_nvidia-h100-80gb-hbm3.json.
 """
 

@@ -4,7 +4,7 @@ and the portable short-query tiles (warps, mt, bn, stages) at Lq = 32.
 
     python bench/sweeps/sweep_tiles.py --out DIR      -> DIR/sweep_tiles_<gpu>.json + a table
 
-The winning order becomes dispatch._WGMMA_BN_COST (and the stage counts in
+The winning order becomes dispatch.tables.WGMMA_BN_COST (and the stage counts in
 dispatch._wgmma_tiles); the JSON is committed under bench/results/archive/ as the
 measurement behind it.
 """
@@ -43,7 +43,7 @@ def main():
                 else:
                     w, mt, bn, stages = cand
                     cfg = dispatch.FwdConfig(elem=0, dp=128, warps=w, mt=mt, bn=bn, stages=stages,
-                                             qreg=dispatch._qreg(0, 128, mt), argmax=False, vec=True)
+                                             qreg=dispatch.select._qreg(0, 128, mt), argmax=False, vec=True)
                 ms = forced(cfg, lambda: lik_cupy.maxsim(q, d))
                 rows.append({"kind": kind, "lq": lq, "ld": ld, "B": b, "config": cfg.name, "bn": bn,
                              "stages": stages, "ms": ms, "tflops": flops / ms / 1e9,

@@ -1,7 +1,7 @@
 """One query against packed corpora: token shares against whole-document CTAs, on one GPU.
 
 Packed single-query launches may cut the corpus into equal token shares, one per CTA, with a
-document crossing a share's edge scored in pieces and merged (``dispatch._SPLIT_MIN_TILES``,
+document crossing a share's edge scored in pieces and merged (``dispatch.tables.SPLIT_MIN_TILES``,
 ``maxsim_fwd.cu``'s ``piece_role``). Whole-document CTAs instead take the documents whose first
 token falls in their share. This times both plans forced, the plan dispatch picks, flash-maxsim's
 packed kernel, and a plain read of the same bytes (the floor), on:
@@ -77,7 +77,7 @@ def main():
     def split(cfg, cc, num_sms, nq, nd, lq, shared, ntok):  # token shares whatever the corpus
         p = real_plan(cfg, cc, num_sms, nq, nd, lq, shared)
         rows = p.grid[0]
-        shares = min(num_sms * dispatch.ctas_per_sm(cfg, cc) // rows, -(-ntok // (dispatch._SPLIT_MIN_TILES * cfg.bn)))
+        shares = min(num_sms * dispatch.ctas_per_sm(cfg, cc) // rows, -(-ntok // (dispatch.tables.SPLIT_MIN_TILES * cfg.bn)))
         return dispatch.Launch(p.n_qt, p.qb, 0, (rows, shares, 1), True)
 
     plans = {"token shares": split, "whole documents": whole, "dispatch": real_plan}
