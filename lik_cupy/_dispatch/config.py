@@ -118,7 +118,7 @@ class FwdConfig:
     def doc_cost(self) -> int:
         """Packed documents: tokens of work each document counts for beside its own when the CTAs
         share the corpus out (maxsim_fwd.cu, shares), for its last tile's padding and its score.
-        From bench/results/sweep_doc_cost_nvidia-h100-80gb-hbm3.json (one and 32 queries of 32
+        From tests/data/sweep_doc_cost_nvidia-h100-80gb-hbm3.json (one and 32 queries of 32
         tokens), 1.5 tiles against tokens alone: 500 documents of 16 tokens then 500 of 512 in
         29.95 us against 69.07 (flash-maxsim 31.95), 32 queries 169.9 against 863.9; 4,000 of 16
         and 250 of 1,024 shuffled 43.5 against 103.9 (flash-maxsim 49.0); within 2.8% of the best

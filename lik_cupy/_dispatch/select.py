@@ -53,7 +53,7 @@ def _short_wgmma_tiles(ld: int, int8: bool) -> list[tuple[int, int]]:
 
 def _wgmma_tma(int8: bool, argmax: bool, multi: bool, q_len: int) -> bool:
     """Whether a Hopper tile stages documents by TMA (when the caller can). From
-    bench/results/sweep_tma_nvidia-h100-80gb-hbm3.json and the H200 forward runs before and
+    bench/results/archive/sweep_tma_nvidia-h100-80gb-hbm3.json and the H200 forward runs before and
     after: TMA is 11-17% faster at Lq=512 and 1024 (argmax too), on multi-query tiles and on
     INT8, but 1-5% slower on a single query of at most 128 tokens (Lq=128, Ld=1024, B=1000:
     0.0717 against 0.0681 ms on an H200), which streams D near the HBM rate either way.
@@ -194,7 +194,7 @@ def choose_backward(method: str, cc: int, nq: int, nd: int, lq: int, rows: int, 
 
     The fused atomic pass reads the argmax once and needs one fp32 [rows, dim] buffer; CSR
     adds a key build, a sort of Nq * Nd * Lq keys and a second pass, so "auto" takes the
-    atomic path (measured faster at every shape of bench/results/backward_nvidia-h200.json).
+    atomic path (measured faster at every shape of bench/results/latest/backward_nvidia-h200.json).
     """
     if method != "auto":
         return method

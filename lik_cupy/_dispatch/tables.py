@@ -3,7 +3,7 @@
 Each table says which tiles to try first for a class of problems; ``select.py`` reads them and
 ``plan.py`` reads the grid constants. The comment above each table names the sweep behind it
 (``tests/data/`` holds the sweeps tests check the rules against; the rest are in
-``bench/results/``). Re-tuning means editing a table here and committing the sweep beside it.
+``bench/results/archive/``). Re-tuning means editing a table here and committing the sweep beside it.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 #   "wgmma"  Hopper, one-shot wgmma (dim a multiple of 64) against split-d wgmma;
 #   "wgmma-odd"  Hopper, other dims: one-shot mma.sync against split-d wgmma;
 #   "mma"    mma.sync both ways (every other GPU, short queries, fp32, unaligned rows).
-# Short = at most 64 query rows per tile. From bench/results/sweep_split_d_nvidia-h200.json
+# Short = at most 64 query rows per tile. From bench/results/archive/sweep_split_d_nvidia-h200.json
 # (fp16, ColPali Lq=Ld=1024 B=128 and textual Lq=32 Ld=180 B=1024):
 #   - wgmma: one-shot 0.062/0.120 ms at d=128/256 vs split 0.080/0.144; split
 #     0.207 ms at 384 vs one-shot 0.242. With TMA staging on both sides the same split holds
@@ -111,9 +111,9 @@ MMA_TABLE: dict[tuple[bool, int, int], tuple[tuple[int, int, int, int], ...]] = 
 # cost per staged document token of each tile width, so that a shorter tile wins
 # where it pads documents less (Ld=180: 192 tokens in 64- or 96-token tiles
 # against 256).
-# - One query per tile, from bench/results/sweep_tiles_nvidia-h200.json:
+# - One query per tile, from bench/results/archive/sweep_tiles_nvidia-h200.json:
 #   128-token tiles run 12-17% faster per token than 64-token ones.
-# - Several short queries per tile, from bench/results/sweep_bn_multiquery_nvidia-h200.json
+# - Several short queries per tile, from bench/results/archive/sweep_bn_multiquery_nvidia-h200.json
 #   (32 queries of 32 tokens, Ld 128..512): 96-token tiles about 10% faster per
 #   token than 64, and 128 (one CTA per SM at three stages) 17-30% slower.
 # 128-token tiles: two stages (two CTAs per SM, one's epilogue hiding under the other's
@@ -126,7 +126,7 @@ WGMMA_STAGES = {128: (2, 3), 96: (3, 2), 64: (3, 2)}
 
 
 # One warpgroup (4 warps, 64 query rows) for queries of at most 64 rows, from
-# bench/results/sweep_short_nvidia-h200.json: a single query streams D at 4.1-4.5 TB/s on these
+# tests/data/sweep_short_nvidia-h200.json: a single query streams D at 4.1-4.5 TB/s on these
 # tiles against 3.7-4.1 on the portable mma.sync tiles (8-15% less time at Lq = 32 and 64,
 # Ld = 180..1024, padded and packed, INT8 too); two warpgroups (half their rows padding) and
 # TMA staging were slower. Relative cost per staged document token: 64- and 128-token tiles
@@ -139,7 +139,7 @@ SHORT_WGMMA_MAX_ROW_BYTES = 256
 
 
 # INT8 tiles with document tokens on the wgmma M side (LIK_TOKM in cuda_src/maxsim_fwd.cu), from
-# bench/results/sweep_int8_tokm_nvidia-h100-80gb-hbm3.json: per-token scales in registers and one
+# tests/data/sweep_int8_tokm_nvidia-h100-80gb-hbm3.json: per-token scales in registers and one
 # fused multiply-add per similarity make Lq >= 100 against documents of 512+ tokens 2-11% faster
 # than the best standard tile (ColPali 1024 x 1024: 8%), two to five stages within 3%; the
 # cross-warp max each document costs makes them level at Ld = 300 and 13% slower at 180. They
@@ -149,7 +149,7 @@ TOKM_STAGES = 4
 
 
 # Documents one CTA streams (about, at most): a longer run fills and drains its ring less often, a
-# shorter one leaves a smaller last wave. From bench/results/sweep_docs_per_cta_nvidia-h100-80gb-hbm3.json:
+# shorter one leaves a smaller last wave. From bench/results/archive/sweep_docs_per_cta_nvidia-h100-80gb-hbm3.json:
 # 128 makes 32 queries of 32 tokens against 20,000-100,000 documents of 180 tokens 1-2% faster than
 # 32 (top-100 retrieval too), 8 and 16 are 2-5% slower, and single-query, ColPali and ragged shapes
 # do not change. One wave (a run of every document a CTA will ever see) gained another 0.5%, but
@@ -165,7 +165,7 @@ DOCS_PER_CTA = 128
 # 36.9). Merging the pieces of split documents costs about 5 us at the end of the kernel, so
 # corpora of more documents keep whole-document CTAs: 128 of 2,000 tokens 23.7 us whole against
 # 24.5 split, 1,000 of 16..512 tokens 26.7 against 28.8 (H200,
-# bench/results/sweep_token_split_nvidia-h200.json; on an H100, _h100-80gb-hbm3.json: 62 of
+# bench/results/archive/sweep_token_split_nvidia-h200.json; on an H100, _h100-80gb-hbm3.json: 62 of
 # 4,096 36.0 whole, 30.7 split, flash-maxsim 38.7; 128 of 2,000 28.6 whole, 31.0 split).
 SPLIT_MIN_TILES = 4
 SPLIT_MAX_CTAS = 4096  # CTAs of one token-split launch at most (the arrival counts it may use)
