@@ -149,8 +149,8 @@ def _alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except (PermissionError, OverflowError, OSError):
-        return True  # someone else's process, or no answer: keep its files
+    except (OverflowError, OSError):
+        return True  # someone else's process (EPERM), or no answer: keep its files
     return True
 
 
@@ -203,7 +203,7 @@ def _lock(target: str) -> Iterator[None]:
     The lock file is unlinked while still held; a process that locked it in the meantime
     finds it no longer linked and locks the new one, so two processes never both hold it.
     """
-    import fcntl
+    import fcntl  # POSIX only: imported here, where the fallback needs it
 
     directory, _ = _split(target)
     path = os.path.join(directory, os.fsdecode(_prefix(target)[: -len(_TAG)] + b".lik-lock"))

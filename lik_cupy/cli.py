@@ -776,7 +776,8 @@ def main():
 @click.option("-k", "--top-k", type=int, default=10, show_default=True, metavar="K", help="Results kept per query.")
 @click.option("-o", "--out", required=True, metavar="FILE", help="results.tsv, results.jsonl or results.npy")
 @click.option("--full-matrix", is_flag=True, help="Write the whole [Nq, Ndocs] float32 matrix (.npy only).")
-@click.option("--check", is_flag=True, help="Read every embedding first and refuse NaN or inf values.")
+@click.option("--check", is_flag=True, help="Read every embedding first and refuse NaN or inf values "
+              "(the queries also after their cast to the corpus's dtype).")
 @click.option("--cpu", is_flag=True, help="Score on the CPU even if a GPU is visible.")
 @click.option("--device", type=int, default=None, metavar="N", help="GPU index to use (default: the current device).")
 @click.option("--devices", metavar="0,1", help="Spread the shards over these GPUs of this machine.")
@@ -793,7 +794,7 @@ def _load_ids(path: str) -> np.ndarray:
     ids = shards.open_npy(path)
     if ids.dtype.kind not in "iuUS":
         raise LikError(path, f"ids must be int64 or fixed-width strings, got dtype {ids.dtype}")
-    return ids
+    return shards.check_ids(ids, ids.shape[0] if ids.ndim else 1, path)  # the file named in what is wrong
 
 
 @main.command(
@@ -823,8 +824,8 @@ def _load_ids(path: str) -> np.ndarray:
 @click.option("--dtype", type=click.Choice(shards.DTYPES), help="Store as this float dtype (default: keep).")
 @click.option("--int8", "int8", is_flag=True, help="Quantize to int8 with a float32 scale per token (NaN/inf refused).")
 @click.option("--bf16-bits", is_flag=True, help="Read uint16 .npy inputs as bfloat16 bit patterns.")
-@click.option("--check", is_flag=True, help="Refuse NaN or inf values.")
-@click.option("--force", is_flag=True, help="Replace --out if it is an existing lik shard.")
+@click.option("--check", is_flag=True, help="Refuse NaN or inf values, as stored (after the --dtype cast).")
+@click.option("--force", is_flag=True, help="Replace --out if it is a lik shard holding only its own files.")
 @click.option("--debug", is_flag=True, help="Show a traceback on errors.")
 @_cli_errors
 def _pack_command(sources, out, lengths, per_doc, ids, model, dtype, int8, bf16_bits, check, force, debug):
