@@ -46,7 +46,10 @@ def problem(e: OSError) -> str:
         return e.strerror or str(e)
     words = _PROBLEMS.get(e.errno, (e.strerror or str(e)).lower())
     if e.errno == errno.ENAMETOOLONG and e.filename is not None:
-        words += f" (a name may hold at most {name_max(os.path.dirname(os.fspath(e.filename)))} bytes)"
+        path = os.fspath(e.filename)
+        limit = name_max(os.path.dirname(path))
+        if len(os.fsencode(os.path.basename(path))) > limit:
+            words += f" (a name may hold at most {limit} bytes)"
     return words
 
 

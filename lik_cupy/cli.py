@@ -29,6 +29,7 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass
+from typing import NoReturn
 
 import click
 import numpy as np
@@ -55,12 +56,12 @@ _PART_BYTES = 64 << 20
 # Queries are padded in groups of similar length whenever padding them all to the longest would
 # take more than this and more than twice their own bytes (see _query_groups).
 _QUERY_BYTES = 64 << 20
-_MEMORY_HELP = """\b
+_MEMORY_HELP = f"""\b
 Host memory is bounded by bytes, whatever the corpus: documents reach the library about
-64 MiB at a time (a larger document alone, copied only when its dtype is cast), and its CPU
-path works on at most 64 MiB more (a long document in runs of its tokens, a wide d counted);
+{_PART_BYTES >> 20} MiB at a time (a larger document alone, copied only when its dtype is cast), and the CPU
+path works on blocks of about 64 MiB more (a long document in runs of its tokens, a wide d counted);
 the queries are held padded in groups of similar length, at most twice their own bytes (or
-64 MiB, if more); the top-k is [Nq, k]; the full matrix goes to disk 64 MiB at a time.
+{_QUERY_BYTES >> 20} MiB, if more); the top-k is [Nq, k]; the full matrix goes to disk {_PART_BYTES >> 20} MiB at a time.
 """
 
 _FORMAT_HELP = ("\b\nInputs (opened memory-mapped, never unpickled):\n" + shards.layout_help() + """
@@ -120,14 +121,14 @@ def _cli_errors(fn):
     return wrapper
 
 
-def _bad_input(line: str, debug: bool):
+def _bad_input(line: str, debug: bool) -> NoReturn:
     if debug:
         traceback.print_exc()
     click.echo(f"lik: error: {line}", err=True)
     raise click.exceptions.Exit(EXIT_BAD_INPUT) from None
 
 
-def _internal(e: BaseException, debug: bool):
+def _internal(e: BaseException, debug: bool) -> NoReturn:
     if debug:
         traceback.print_exc()
     hint = "" if debug else " (rerun with --debug for a traceback)"
@@ -185,7 +186,7 @@ def _check_output(out: str, full_matrix: bool, top_k: int) -> str:
         raise LikError(out, f"{outdir} is not a directory")
     if not os.access(outdir, os.W_OK | os.X_OK):
         raise LikError(out, f"output directory {outdir} is not writable")
-    _atomic.sweep(out)  # first: a killed run's directory moved aside is put back before the target is judged
+    _atomic.sweep(out)  # a killed run's temporaries go before anything is judged or written
     why = _replaceable_output(out)
     if why is not None:
         raise LikError(out, why)

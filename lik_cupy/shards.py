@@ -25,8 +25,10 @@ already have as the same :class:`Shard`: a padded ``[N, L, d]`` array with optio
 per-document lengths, and ColBERT-style flat ``[T, d]`` tokens with a doclens array.
 
 Every array is opened memory-mapped with ``allow_pickle=False``: a corpus is never
-loaded whole and no file can run code. Paths in a manifest must name files inside the
-shard directory. Problems raise :class:`ShardError` naming the file and what was expected.
+loaded whole and no file can run code. Inputs must be regular files (``lik_cupy._files``:
+a FIFO or a device is refused, never waited on). Paths in a manifest must name files
+inside the shard directory. Problems raise :class:`ShardError` naming the file and what
+was expected.
 """
 
 from __future__ import annotations
@@ -347,10 +349,7 @@ class Shard:
     def read_values(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
         """Like :meth:`read_chunk`, with the tokens as float32 values (int8 tokens dequantized)."""
         tokens, offsets = self.read_chunk(start, stop)
-        x32 = tokens.astype(np.float32)
-        if self.scales is not None:
-            x32 *= self.read_scales(start, stop)[:, None]
-        return x32, offsets
+        return _values(tokens, None if self.scales is None else self.read_scales(start, stop)), offsets
 
     def _row_offsets(self) -> np.ndarray:
         """int64 ``[N+1]``: where each document's valid tokens start among all valid token rows."""
@@ -777,8 +776,10 @@ def pack(source: Shard, path: str | os.PathLike, *, ids=None, model: str | None 
     replace the source's ids. With ``check_finite`` a NaN or inf value raises ShardError
     and nothing is written. The manifest's ``normalized`` is measured while copying (on
     the stored values: dequantized for int8). The shard is built in a temporary
-    directory beside ``path`` and renamed into place at the end. Returns the written
-    shard, opened.
+    directory beside ``path`` and renamed into place at the end (``lik_cupy._atomic``):
+    whatever appears at ``path`` meanwhile is never replaced, a full disk raises OSError
+    naming ``path`` and leaves nothing, and ``max_bytes`` of tokens are read at a time.
+    Returns the written shard, opened.
     """
     blocks = ((source.tokens_file, tokens, scales) for _, tokens, scales in source._row_blocks(max_bytes))
     ids = source.ids if ids is None else ids
@@ -801,7 +802,8 @@ def write_shard(path: str | os.PathLike, tokens: np.ndarray, offsets, *, ids=Non
         model: free-form name of the model that made the embeddings (stored in the manifest).
         dtype: store as "float16", "float32", "bfloat16" or "int8" (quantized per token
             while writing; see :func:`pack`). None: tokens' own dtype.
-        overwrite: replace ``path`` if it already is a shard (anything else is never replaced).
+        overwrite: replace ``path`` if it already is a shard holding only its own files
+            (anything else is never replaced).
         check_finite: raise ShardError (writing nothing) if a value is NaN or inf.
         scales: float32 ``[T]`` per-token scales of int8 ``tokens`` (each finite, >= 0);
             None for float tokens.
@@ -984,7 +986,7 @@ def _check_target(path: str, overwrite: bool) -> None:
         _atomic.check_name(path)
     except OSError as e:
         raise ShardError(path, _files.problem(e)) from None
-    _atomic.sweep(path)  # first: a killed run's shard moved aside is put back before the target is judged
+    _atomic.sweep(path)  # first: a shard a killed run left moved aside is put back before the target is judged
     if os.path.lexists(path):
         if not overwrite:
             raise ShardError(path, "already exists; choose a new path, or replace a shard with overwrite=True (lik pack --force)")

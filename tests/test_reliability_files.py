@@ -15,7 +15,6 @@ The conditions are real where the machine allows, and a test skips (never fails)
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import json
 import os
