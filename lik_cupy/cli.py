@@ -5,30 +5,38 @@ This module is deliberately thin: inputs are opened and checked by
 score matrix by :func:`lik_cupy.maxsim_varlen` / :func:`lik_cupy.maxsim`, for INT8 shards
 :func:`lik_cupy.maxsim_int8_varlen`). What is
 added here: option checks, spreading shards over GPUs and merging their rankings,
-the progress bar, and output written to a temporary file that is renamed at the end.
+the progress bar, and the output, written through :mod:`lik_cupy._atomic` (complete or
+absent, never clobbering, space reserved up front where the size is known).
+
+Host memory is bounded by bytes on every path (``_MEMORY_HELP`` states the bound that
+``lik score --help`` shows): documents go to the library about ``_PART_BYTES`` at a time,
+the library's CPU path blocks them again by bytes (a long document in runs of tokens),
+the queries are padded in groups of similar length (``_query_groups``), and the full
+score matrix goes to disk part by part.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import io
 import json
 import os
 import platform
 import signal
 import sys
-import tempfile
 import threading
 import time
 import traceback
 from dataclasses import dataclass
+from typing import NoReturn
 
 import click
 import numpy as np
 
 import lik_cupy
 from lik_cupy import _dispatch as dispatch
-from lik_cupy import shards
+from lik_cupy import _atomic, _files, shards
 from lik_cupy._ranking import merge_ranked
 from lik_cupy.errors import LikError
 from lik_cupy.retrieve import MAX_K
@@ -37,11 +45,24 @@ __all__ = ["main", "run_score", "EXIT_BAD_INPUT", "EXIT_INTERRUPTED"]
 
 EXIT_BAD_INPUT = 2
 EXIT_INTERRUPTED = 130
+# stdout's reader went away (`lik inspect ... | head -1`): 128 + SIGPIPE, what a shell reports for a
+# program that SIGPIPE ended, as 130 is 128 + SIGINT.
+_EXIT_BROKEN_PIPE = 141
 _OUTPUT_SUFFIXES = (".tsv", ".jsonl", ".npy")
 # Corpus bytes per library call when a shard is scored piece by piece (CPU path, full
 # matrix, dtype casts). GPU top-k calls take whole shards: retrieve overlaps its copies
 # and kernels within one call, so splitting a shard would only add pipeline restarts.
 _PART_BYTES = 64 << 20
+# Queries are padded in groups of similar length whenever padding them all to the longest would
+# take more than this and more than twice their own bytes (see _query_groups).
+_QUERY_BYTES = 64 << 20
+_MEMORY_HELP = f"""\b
+Host memory is bounded by bytes, whatever the corpus: documents reach the library about
+{_PART_BYTES >> 20} MiB at a time (a larger document alone, copied only when its dtype is cast), and the CPU
+path works on blocks of about 64 MiB more (a long document in runs of its tokens, a wide d counted);
+the queries are held padded in groups of similar length, at most twice their own bytes (or
+{_QUERY_BYTES >> 20} MiB, if more); the top-k is [Nq, k]; the full matrix goes to disk {_PART_BYTES >> 20} MiB at a time.
+"""
 
 _FORMAT_HELP = ("\b\nInputs (opened memory-mapped, never unpickled):\n" + shards.layout_help() + """
   padded .npy    [N, L, d] (queries: [Nq, Lq, d]) + optional lengths [N]
@@ -80,23 +101,51 @@ def _cli_errors(fn):
         except (click.exceptions.Exit, click.ClickException, click.Abort):
             raise
         except (LikError, shards.ShardError) as e:
-            if debug:
-                traceback.print_exc()
-            click.echo(f"lik: error: {e}", err=True)
-            raise click.exceptions.Exit(EXIT_BAD_INPUT) from None
+            _bad_input(str(e), debug)
         except KeyboardInterrupt:
             if debug:
                 traceback.print_exc()
             click.echo("lik: interrupted; no output written", err=True)
             raise click.exceptions.Exit(EXIT_INTERRUPTED) from None
+        except BrokenPipeError:
+            _silence_stdout()
+            raise click.exceptions.Exit(_EXIT_BROKEN_PIPE) from None
+        except OSError as e:
+            if e.filename is None:
+                _internal(e, debug)
+            # The environment, about one file: no space left, permission denied, a name too long, ...
+            _bad_input(f"{e.filename}: {_files.problem(e)}", debug)
         except Exception as e:  # a bug or an environment problem, not bad input
-            if debug:
-                traceback.print_exc()
-            hint = "" if debug else " (rerun with --debug for a traceback)"
-            click.echo(f"lik: error: internal error: {type(e).__name__}: {e}{hint}", err=True)
-            raise click.exceptions.Exit(1) from None
+            _internal(e, debug)
 
     return wrapper
+
+
+def _bad_input(line: str, debug: bool) -> NoReturn:
+    if debug:
+        traceback.print_exc()
+    click.echo(f"lik: error: {line}", err=True)
+    raise click.exceptions.Exit(EXIT_BAD_INPUT) from None
+
+
+def _internal(e: BaseException, debug: bool) -> NoReturn:
+    if debug:
+        traceback.print_exc()
+    hint = "" if debug else " (rerun with --debug for a traceback)"
+    click.echo(f"lik: error: internal error: {type(e).__name__}: {e}{hint}", err=True)
+    raise click.exceptions.Exit(1) from None
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null: its reader is gone, and Python would otherwise complain when it
+    flushes stdout on the way out."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, ValueError, io.UnsupportedOperation):
+        return  # not a real file (a test's capture): nothing to flush into a closed pipe
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, fd)
+    os.close(devnull)
 
 
 @contextlib.contextmanager
@@ -119,8 +168,8 @@ def _sigterm_as_interrupt():
 # --------------------------------------------------------------------------- output
 
 
-def _check_output(out: str, full_matrix: bool, top_k: int) -> tuple[str, str]:
-    """The output's suffix and directory; LikError if it cannot be written as asked."""
+def _check_output(out: str, full_matrix: bool, top_k: int) -> str:
+    """The output's suffix; LikError (or OSError naming it) if it cannot be written as asked."""
     if not full_matrix and not 1 <= top_k <= MAX_K:
         raise LikError("--top-k", f"must be in 1..{MAX_K}, got {top_k} (--full-matrix writes every score)")
     suffix = os.path.splitext(out)[1].lower()
@@ -137,7 +186,25 @@ def _check_output(out: str, full_matrix: bool, top_k: int) -> tuple[str, str]:
         raise LikError(out, f"{outdir} is not a directory")
     if not os.access(outdir, os.W_OK | os.X_OK):
         raise LikError(out, f"output directory {outdir} is not writable")
-    return suffix, outdir
+    _atomic.sweep(out)  # a killed run's temporaries go before anything is judged or written
+    why = _replaceable_output(out)
+    if why is not None:
+        raise LikError(out, why)
+    _atomic.check_name(out)
+    return suffix
+
+
+def _replaceable_output(path: str) -> str | None:
+    """None if an output may replace what is at ``path`` (nothing, a regular file, or a symbolic
+    link to one: the link itself is replaced), else why not. A FIFO or a device is never
+    replaced: the result would not reach whoever reads it, and the special file would be gone."""
+    try:
+        what = _files.file_kind(path)
+    except shards.ShardError as e:
+        return e.problem
+    if what in (None, "a regular file"):
+        return None
+    return f"is {what}; an output replaces a regular file, never anything else (name a new file)"
 
 
 def _check_not_an_input(out: str, files: list[str], shard_dirs: list[str]) -> None:
@@ -150,28 +217,6 @@ def _check_not_an_input(out: str, files: list[str], shard_dirs: list[str]) -> No
         root = os.path.realpath(d)
         if os.path.commonpath([root, target]) == root:
             raise LikError(out, f"lies inside the shard directory {d}; choose a path outside it")
-
-
-@contextlib.contextmanager
-def _atomic_output(out: str, outdir: str):
-    """Yield a temp path in the target directory; rename it onto ``out`` on success,
-    delete it on any error or interrupt, so no partial result is ever left behind."""
-    base = os.path.basename(out)
-    try:
-        fd, tmp = tempfile.mkstemp(dir=outdir, prefix=f".{base}.", suffix=".part")
-    except OSError as e:
-        raise LikError(out, f"cannot create a file in {outdir}: {e.strerror or e}") from None
-    os.close(fd)
-    try:
-        yield tmp
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; give the usual permissions
-        os.replace(tmp, out)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
 
 
 def _format_score(x) -> str:
@@ -354,13 +399,15 @@ class _Part:
         return tokens.astype(dtype, copy=False), offsets, None, scales
 
 
-def _plan(corpus: list[shards.Shard], dtype: np.dtype, whole_shards: bool) -> list[_Part]:
+def _plan(corpus: list[shards.Shard], dtype: np.dtype, whole_shards: bool, max_docs: int = 0) -> list[_Part]:
+    """The library calls: whole shards, or about _PART_BYTES of documents each (and at most
+    ``max_docs`` documents, 0: any number)."""
     parts, first = [], 0
     for s in corpus:
         if whole_shards and s.tokens.dtype == dtype:
             ranges = [(0, s.num_docs)] if s.num_docs else []
         else:
-            ranges = s.chunk_ranges(_PART_BYTES)
+            ranges = s.chunk_ranges(_PART_BYTES, max_docs)
         parts += [_Part(s, a, b, first + a) for a, b in ranges]
         first += s.num_docs
     return parts
@@ -423,9 +470,7 @@ def _call(part: _Part, fn, *args, **kwargs):
         raise LikError(part.shard.tokens_file, f"lik_cupy rejected documents {part.start}..{part.stop - 1}: {e}") from None
 
 
-def _top_k(Q, qlen, k, backend, devices, parts, bar, dtype):
-    nq = Q.shape[0]
-
+def _top_k(groups: list[_QueryGroup], nq: int, k, backend, devices, parts, bar, dtype):
     def job(mine, cancelled):
         vals, ids = np.empty((nq, 0), np.float32), np.empty((nq, 0), np.int64)
         for part in mine:
@@ -433,9 +478,14 @@ def _top_k(Q, qlen, k, backend, devices, parts, bar, dtype):
                 raise _Cancelled
             D, offsets, lens, scales = part.arrays(dtype)
             extra = {} if scales is None else {"d_scales": scales}
-            s, i = _call(part, lik_cupy.retrieve, Q, D, k, q_lengths=qlen, d_offsets=offsets, d_lengths=lens,
-                         backend=backend, **extra)
-            vals, ids = merge_ranked(vals, ids, np.asarray(s, np.float32), np.asarray(i, np.int64) + part.first, k)
+            s = i = None
+            for g in groups:
+                gs, gi = _call(part, lik_cupy.retrieve, g.Q, D, k, q_lengths=g.lengths, d_offsets=offsets,
+                               d_lengths=lens, backend=backend, **extra)
+                if s is None:
+                    s, i = np.empty((nq, gs.shape[1]), np.float32), np.empty((nq, gs.shape[1]), np.int64)
+                s[g.rows], i[g.rows] = np.asarray(gs, np.float32), np.asarray(gi, np.int64)
+            vals, ids = merge_ranked(vals, ids, s, i + part.first, k)
             bar.update(part.docs)
         return vals, ids
 
@@ -445,22 +495,122 @@ def _top_k(Q, qlen, k, backend, devices, parts, bar, dtype):
     return vals, ids
 
 
-def _full_matrix(Q, qlen, backend, devices, parts, bar, matrix, dtype):
+def _full_matrix(groups: list[_QueryGroup], backend, devices, parts, bar, matrix: _MatrixFile, dtype):
     def job(mine, cancelled):
         for part in mine:
             if cancelled.is_set():
                 raise _Cancelled
             D, offsets, lens, scales = part.arrays(dtype)
-            if scales is not None:
-                S = _call(part, lik_cupy.maxsim_int8_varlen, Q, D, scales, offsets, q_lengths=qlen, backend=backend)
-            elif offsets is None:
-                S = _call(part, lik_cupy.maxsim, Q, D, q_lengths=qlen, d_lengths=lens, backend=backend)
-            else:
-                S = _call(part, lik_cupy.maxsim_varlen, Q, D, offsets, q_lengths=qlen, backend=backend)
-            matrix[:, part.first : part.first + part.docs] = np.asarray(S, np.float32)
+            for g in groups:
+                if scales is not None:
+                    S = _call(part, lik_cupy.maxsim_int8_varlen, g.Q, D, scales, offsets, q_lengths=g.lengths,
+                              backend=backend)
+                elif offsets is None:
+                    S = _call(part, lik_cupy.maxsim, g.Q, D, q_lengths=g.lengths, d_lengths=lens, backend=backend)
+                else:
+                    S = _call(part, lik_cupy.maxsim_varlen, g.Q, D, offsets, q_lengths=g.lengths, backend=backend)
+                matrix.write(g.rows, part.first, np.asarray(S, np.float32))
             bar.update(part.docs)
 
     _spread(devices, parts, job)
+
+
+class _MatrixFile:
+    """The full score matrix, a float32 [Nq, Ndocs] .npy, as it is written: the header, the whole
+    size reserved (a disk too small fails before scoring), then blocks of columns by positioned
+    writes. Never a writable memory map: a full disk under one kills the process with SIGBUS."""
+
+    def __init__(self, f, out: str, shape: tuple[int, int]):
+        np.lib.format.write_array_header_1_0(f, {"descr": "<f4", "fortran_order": False, "shape": shape})
+        f.flush()
+        self._fd, self._start, self._width = f.fileno(), f.tell(), shape[1]
+        _atomic.allocate(f, self._start + shape[0] * shape[1] * 4, out)
+
+    def write(self, rows: np.ndarray, first: int, S: np.ndarray) -> None:
+        """Scores ``S`` [len(rows), n] of queries ``rows`` against documents ``first .. first+n-1``."""
+        S = np.ascontiguousarray(S, "<f4")
+        for r, values in zip(rows, S):
+            data, at = memoryview(values).cast("B"), self._start + (int(r) * self._width + first) * 4
+            while data:  # a regular file takes it all unless the disk fills, which then raises
+                n = os.pwrite(self._fd, data, at)
+                data, at = data[n:], at + n
+
+
+@dataclass(frozen=True)
+class _QueryGroup:
+    """Queries ``rows`` (int64 positions in the query input) padded together: ``Q`` [n, L, d] and
+    their lengths [n] (None: all L rows valid)."""
+
+    rows: np.ndarray
+    Q: np.ndarray
+    lengths: np.ndarray | None
+
+
+def _query_groups(query: shards.Shard, dtype: np.dtype | None) -> list[_QueryGroup]:
+    """Every query in memory, padded, cast to ``dtype`` (None: float, int8 dequantized).
+
+    Usually one group, padded as the input is (a padded file's own width, a packed one's
+    longest query): whenever that takes at most twice the queries' own bytes, or 64 MiB.
+    Past that (a few queries far longer than the rest) they are grouped: longest first, each
+    group as long as padding it to its longest takes at most twice its own bytes, the
+    queries without tokens together. So the queries never hold more than twice their bytes
+    (or 64 MiB), plus one row per empty query.
+    """
+    lens, n = query.doc_lengths(), query.num_docs
+    row = query.dim * (4 if dtype is None and query.scales is not None else (dtype or query.tokens.dtype).itemsize)
+    width = query.tokens.shape[1] if query.padded else max(1, int(lens.max()))
+    if n * width * row <= max(_QUERY_BYTES, 2 * int(lens.sum()) * row):
+        return [_query_group(query, np.arange(n), width, dtype)]
+    order = np.argsort(-lens, kind="stable")
+    groups, i = [], 0
+    while i < n:
+        top = int(lens[order[i]])
+        # Lengths fall, so once padding costs more than twice the tokens it only gets worse.
+        fits = np.arange(1, n - i + 1) * top <= 2 * np.cumsum(lens[order[i:]]) if top else np.ones(n - i, bool)
+        take = n - i if fits.all() else int(np.argmin(fits))
+        groups.append(_query_group(query, np.sort(order[i : i + take]), max(top, 1), dtype))
+        i += take
+    return groups
+
+
+def _query_group(query: shards.Shard, rows: np.ndarray, width: int, dtype: np.dtype | None) -> _QueryGroup:
+    if query.padded and rows.size == query.num_docs and width == query.tokens.shape[1]:  # the whole input
+        Q, lengths = np.array(query.tokens), None if query.lengths is None else np.array(query.lengths)
+    elif query.padded:
+        Q, lengths = np.asarray(query.tokens[rows, :width]), query.doc_lengths()[rows]
+    else:
+        lengths = query.doc_lengths()[rows]
+        valid = np.arange(width)[None, :] < lengths[:, None]
+        src = (query.offsets[rows][:, None] + np.arange(width)[None, :])[valid]
+        tokens = np.asarray(query.tokens[src])
+        if query.scales is not None:
+            tokens = tokens.astype(np.float32) * query.scales[src][:, None]
+        Q = np.zeros((rows.size, width, query.dim), tokens.dtype)
+        Q[valid] = tokens
+    if dtype is not None:
+        with np.errstate(over="ignore"):  # a value past the dtype's range: refused by --check (_check_cast)
+            Q = Q.astype(dtype, copy=False)
+    return _QueryGroup(rows, Q, lengths)
+
+
+def _check_cast(groups: list[_QueryGroup], query: shards.Shard, dtype: np.dtype) -> None:
+    """--check on the values scored: queries cast to the corpus's dtype must still be finite
+    (a float32 70000 is inf as float16). Padding rows are never scored, so never checked."""
+    bad = []
+    for g in groups:
+        finite = np.isfinite(g.Q.astype(np.float32)).all(axis=2)
+        if g.lengths is not None:
+            finite |= np.arange(g.Q.shape[1])[None, :] >= g.lengths[:, None]
+        if not finite.all():
+            r, t = np.argwhere(~finite)[0]
+            bad.append((int(g.rows[r]), int(t)))
+    if bad:
+        q, t = min(bad)
+        row = (q, t) if query.padded else int(query.offsets[q]) + t
+        value = np.asarray(query.tokens[row], np.float32) * (1 if query.scales is None else query.scales[row])
+        largest = float(np.abs(value).max())
+        raise LikError(query.tokens_file, f"query {q}, token {t} holds {largest:g}, which is inf as {dtype.name}, "
+                                          "the corpus's dtype the queries are cast to; embeddings must be finite")
 
 
 def _open_corpus(docs, d_lengths, bf16_bits: bool) -> list[shards.Shard]:
@@ -472,15 +622,15 @@ def _open_corpus(docs, d_lengths, bf16_bits: bool) -> list[shards.Shard]:
             f"got {len(d_lengths)} lengths file(s) for {len(npy)} .npy doc input(s); give one per .npy input, "
             "in the same order (shard directories carry their own offsets)",
         )
-    lengths = dict(zip(npy, d_lengths))
-    return [shards.open_input(p, lengths.get(p), bf16_bits=bf16_bits) for p in docs]
+    lengths = iter(d_lengths)  # by position: one .npy given twice may come with two lengths files
+    return [shards.open_input(p, None if os.path.isdir(p) else next(lengths, None), bf16_bits=bf16_bits) for p in docs]
 
 
 def run_score(queries: str, docs, out: str, *, q_lengths: str | None = None, d_lengths=(), top_k: int = 10,
               full_matrix: bool = False, check: bool = False, cpu: bool = False, device: int | None = None,
               devices: str | None = None, bf16_bits: bool = False) -> None:
     """Score every query against every document and write ``out`` (see ``lik score --help``)."""
-    suffix, outdir = _check_output(out, full_matrix, top_k)
+    suffix = _check_output(out, full_matrix, top_k)
     if not docs:
         raise LikError("--docs", "give at least one shard directory or .npy file")
     query = shards.open_input(queries, q_lengths, bf16_bits=bf16_bits)
@@ -510,33 +660,34 @@ def run_score(queries: str, docs, out: str, *, q_lengths: str | None = None, d_l
     # One dtype for the library: the corpus's own when all shards share one (queries are cast to it), else float32.
     # An INT8 corpus takes the queries as they are (float; quantized per library call).
     dtype = shards.numpy_dtype(kinds.pop() if len(kinds) == 1 else "float32")
-    Q, qlen = shards.load_padded(query)
-    if not int8:
-        Q = Q.astype(dtype, copy=False)
+    groups = _query_groups(query, None if int8 else dtype)
+    if check and not int8 and dtype != query.tokens.dtype:
+        _check_cast(groups, query, dtype)
     qids = _readable_ids(query.ids) if query.ids is not None else np.arange(query.num_docs)
+    nq = query.num_docs
 
     backend, gpus = _choose_backend(cpu, device, devices)
     if int8 and backend == "gpu" and (query.dim % 16 or query.dim > dispatch.MAX_DIM_INT8):
         raise LikError(corpus[0].path, f"INT8 shards of d={query.dim} cannot be scored on the GPU (the INT8 kernels "
                                        f"take d a multiple of 16 up to {dispatch.MAX_DIM_INT8}); pass --cpu")
-    parts = _plan(corpus, dtype, whole_shards=backend == "gpu" and not full_matrix)
-    with _atomic_output(out, outdir) as tmp:
+    # A full matrix part's scores [Nq, docs] stay within _PART_BYTES too.
+    parts = _plan(corpus, dtype, whole_shards=backend == "gpu" and not full_matrix,
+                  max_docs=max(1, _PART_BYTES // (4 * nq)) if full_matrix else 0)
+    with _atomic.output_file(out, _replaceable_output) as f:
         with _Progress(n_docs) as bar:
             if full_matrix:
-                matrix = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.float32, shape=(Q.shape[0], n_docs))
-                _full_matrix(Q, qlen, backend, gpus, parts, bar, matrix, dtype)
-                matrix.flush()
-                del matrix  # close the map before the rename
+                _full_matrix(groups, backend, gpus, parts, bar, _MatrixFile(f, out, (nq, n_docs)), dtype)
             else:
-                vals, positions = _top_k(Q, qlen, min(top_k, n_docs), backend, gpus, parts, bar, dtype)
+                vals, positions = _top_k(groups, nq, min(top_k, n_docs), backend, gpus, parts, bar, dtype)
         if not full_matrix:
             ids = doc_ids(positions)
             if suffix == ".npy":
-                with open(tmp, "wb") as f:
-                    np.save(f, ids, allow_pickle=False)
+                np.save(f, ids, allow_pickle=False)
             else:
-                with open(tmp, "w", encoding="utf-8", newline="\n") as f:
-                    (_write_tsv if suffix == ".tsv" else _write_jsonl)(f, qids, ids, vals)
+                text = io.TextIOWrapper(f, encoding="utf-8", newline="\n")
+                (_write_tsv if suffix == ".tsv" else _write_jsonl)(text, qids, ids, vals)
+                text.flush()
+                text.detach()  # ``f`` stays open; output_file closes it
 
 
 # --------------------------------------------------------------------------- commands
@@ -604,15 +755,17 @@ def main():
     "are cast to the corpus's dtype. INT8 shards are scored as they are (float queries are\n"
     "quantized per token on the fly); float and INT8 shards do not mix in one corpus.\n"
     "\n\b\nOutput (chosen by the suffix of --out; written to a temporary file beside it and renamed\n"
-    "at the end, so a failed or interrupted run leaves nothing behind):\n"
+    "at the end, so a failed, interrupted or killed run leaves no partial result; an existing\n"
+    "regular file is replaced, never anything else):\n"
     "  .tsv    header 'query rank doc score', tab-separated, rank 1 = best\n"
     "  .jsonl  one {\"query\", \"rank\", \"doc\", \"score\"} object per line (score null for -inf/NaN)\n"
     "  .npy    the doc ids [Nq, min(K, Ndocs)], best first; with --full-matrix the float32\n"
     "          [Nq, Ndocs] score matrix instead (columns in corpus order)\n"
     "Ties go to the lower global position; NaN scores rank last, after -inf (empty docs).\n"
     "A progress bar with docs/s appears when stderr is a terminal; piped runs are quiet.\n"
-    "Exit status: 0 ok, 2 bad input (one line naming the file), 1 internal error, 130 interrupted.\n"
-    "\n" + _SCORE_EXAMPLE + "\b\n"
+    "Exit status: 0 ok; 2 bad input or environment (one line naming the file: missing, unreadable,\n"
+    "corrupt, a full disk, ...); 1 internal error; 130 interrupted; 141 stdout closed (quietly).\n"
+    "\n" + _MEMORY_HELP + "\n" + _SCORE_EXAMPLE + "\b\n"
     "  lik score --queries q.npy --docs d0.npy d1.npy --d-lengths l0.npy l1.npy \\\n"
     "            --top-k 10 --out results.jsonl --devices 0,1\n",
     context_settings=_CONTEXT,
@@ -624,7 +777,8 @@ def main():
 @click.option("-k", "--top-k", type=int, default=10, show_default=True, metavar="K", help="Results kept per query.")
 @click.option("-o", "--out", required=True, metavar="FILE", help="results.tsv, results.jsonl or results.npy")
 @click.option("--full-matrix", is_flag=True, help="Write the whole [Nq, Ndocs] float32 matrix (.npy only).")
-@click.option("--check", is_flag=True, help="Read every embedding first and refuse NaN or inf values.")
+@click.option("--check", is_flag=True, help="Read every embedding first and refuse NaN or inf values "
+              "(the queries also after their cast to the corpus's dtype).")
 @click.option("--cpu", is_flag=True, help="Score on the CPU even if a GPU is visible.")
 @click.option("--device", type=int, default=None, metavar="N", help="GPU index to use (default: the current device).")
 @click.option("--devices", metavar="0,1", help="Spread the shards over these GPUs of this machine.")
@@ -641,7 +795,7 @@ def _load_ids(path: str) -> np.ndarray:
     ids = shards.open_npy(path)
     if ids.dtype.kind not in "iuUS":
         raise LikError(path, f"ids must be int64 or fixed-width strings, got dtype {ids.dtype}")
-    return ids
+    return shards.check_ids(ids, ids.shape[0] if ids.ndim else 1, path)  # the file named in what is wrong
 
 
 @main.command(
@@ -671,8 +825,8 @@ def _load_ids(path: str) -> np.ndarray:
 @click.option("--dtype", type=click.Choice(shards.DTYPES), help="Store as this float dtype (default: keep).")
 @click.option("--int8", "int8", is_flag=True, help="Quantize to int8 with a float32 scale per token (NaN/inf refused).")
 @click.option("--bf16-bits", is_flag=True, help="Read uint16 .npy inputs as bfloat16 bit patterns.")
-@click.option("--check", is_flag=True, help="Refuse NaN or inf values.")
-@click.option("--force", is_flag=True, help="Replace --out if it is an existing lik shard.")
+@click.option("--check", is_flag=True, help="Refuse NaN or inf values, as stored (after the --dtype cast).")
+@click.option("--force", is_flag=True, help="Replace --out if it is a lik shard holding only its own files.")
 @click.option("--debug", is_flag=True, help="Show a traceback on errors.")
 @_cli_errors
 def _pack_command(sources, out, lengths, per_doc, ids, model, dtype, int8, bf16_bits, check, force, debug):
@@ -711,7 +865,10 @@ def _describe(s: shards.Shard) -> list[str]:
     if s.manifest is not None:
         m = s.manifest
         kind = f"shard directory ({m['format']} v{m['version']})"
-        files = ", ".join(f"{name} {_size(os.path.join(s.path, name))}" for name in [shards.MANIFEST, *m["files"].values()])
+        # Only the files the shard was opened from (checked to lie inside it), not whatever else
+        # the manifest's "files" names: inspect reads nothing outside the shard.
+        names = [shards.MANIFEST, *(m["files"][k] for k in ("tokens", "offsets", "ids", "scales") if k in m["files"])]
+        files = ", ".join(f"{name} {_size(os.path.join(s.path, name))}" for name in names)
     else:
         kind = f"padded .npy {list(s.tokens.shape)}" if s.padded else f"flat .npy {list(s.tokens.shape)} with doclens"
         files = f"{os.path.basename(s.path)} {_size(s.path)}"

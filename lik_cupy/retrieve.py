@@ -76,6 +76,7 @@ _MERGE_CACHE = 4096  # candidates of a row whose keys the merge kernel keeps in 
 _MAX_CHUNK_DOCS = 2**31 - 1 - MAX_K  # the merge kernel counts running + chunk candidates in an int
 _DEFAULT_HOST_BUDGET = 1 << 30
 _DEFAULT_SCORE_BYTES = 256 << 20
+_CPU_STEP_BYTES = 64 << 20
 _COPY_THREADS = max(1, min(16, os.cpu_count() or 1))
 _BUDGET_SLACK = 0.97  # allocator rounding and small per-chunk buffers stay inside max_gpu_bytes
 
@@ -340,7 +341,10 @@ class _Cpu:
         int8 = p.dtype == "int8"
         q8 = self._int8_queries() if int8 else {}
         scales = host_array(part.scales, fw) if int8 else None
-        step = 4096
+        # Documents per NumPy call: 4096, fewer where their scores [Nq, step] or (padded) validity
+        # mask [step, Ld] would pass _CPU_STEP_BYTES, so that many queries or very long documents
+        # cost bytes, not a count of tokens.
+        step = max(1, min(4096, _CPU_STEP_BYTES // max(1, 4 * self.qp.nq + (0 if part.packed else p.ld))))
         if part.packed:
             tokens = host_array(part.docs, fw)
             off = host_offsets(host_array(part.offsets, fw), p.ntok, "d_offsets")

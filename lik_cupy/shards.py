@@ -25,22 +25,25 @@ already have as the same :class:`Shard`: a padded ``[N, L, d]`` array with optio
 per-document lengths, and ColBERT-style flat ``[T, d]`` tokens with a doclens array.
 
 Every array is opened memory-mapped with ``allow_pickle=False``: a corpus is never
-loaded whole and no file can run code. Paths in a manifest must name files inside the
-shard directory. Problems raise :class:`ShardError` naming the file and what was expected.
+loaded whole and no file can run code. Inputs must be regular files (``lik_cupy._files``:
+a FIFO or a device is refused, never waited on). Paths in a manifest must name files
+inside the shard directory. Problems raise :class:`ShardError` naming the file and what
+was expected.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import math
 import os
-import shutil
-import tempfile
 import tokenize
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
+from . import _atomic, _files
 from .errors import ShardError
 
 __all__ = ["layout_help", "open_npy", "embedding_dtype", "numpy_dtype", "read_lengths", "Shard", "check_scales",
@@ -88,39 +91,70 @@ def open_npy(path: str | os.PathLike) -> np.ndarray:
     """Open one ``.npy`` file memory-mapped, read-only, never unpickling.
 
     Returns a ``numpy.memmap`` of the file's shape and dtype. Raises ShardError for a
-    missing, empty, truncated or corrupt file, a ``.npz`` archive, or object data.
+    missing, unreadable, empty, truncated or corrupt file, a special file (a FIFO, a
+    device) or a directory, a header whose shape no file could hold, a ``.npz``
+    archive, or object data.
     """
     path = os.fspath(path)
-    if not os.path.exists(path):
-        raise ShardError(path, "no such file")
-    if os.path.isdir(path):
-        raise ShardError(path, "is a directory, expected a .npy file")
-    try:
-        with open(path, "rb") as f:
-            magic = f.read(len(_NPY_MAGIC))
-    except OSError as e:
-        raise ShardError(path, f"cannot read: {e.strerror or e}") from None
-    if not magic:
-        raise ShardError(path, "empty file, expected a .npy array")
-    if magic[:2] == b"PK":
-        raise ShardError(path, "is a .npz archive; save each array with numpy.save as its own .npy")
-    if magic != _NPY_MAGIC:
-        raise ShardError(path, "not a .npy file (bad magic bytes); write it with numpy.save")
+    with _files.open_regular(path, "a .npy file") as f:
+        magic = f.read(len(_NPY_MAGIC))
+        if not magic:
+            raise ShardError(path, "empty file, expected a .npy array")
+        if magic[:2] == b"PK":
+            raise ShardError(path, "is a .npz archive; save each array with numpy.save as its own .npy")
+        if magic != _NPY_MAGIC:
+            raise ShardError(path, "not a .npy file (bad magic bytes); write it with numpy.save")
+        f.seek(0)
+        try:
+            _check_npy_header(path, f)
+        except (ValueError, OSError, EOFError, SyntaxError, TypeError, tokenize.TokenError) as e:
+            raise ShardError(path, _npy_problem(e)) from None
     try:
         return np.load(path, mmap_mode="r", allow_pickle=False)
-    except ValueError as e:
-        msg = str(e)
-        if "mmap length is greater than file size" in msg or "cannot reshape" in msg:
-            problem = "truncated .npy file: it holds fewer bytes than its header's shape needs"
-        elif "EOF" in msg:
-            problem = f"truncated .npy header ({msg})"
-        elif "object" in msg.lower() or "pickle" in msg.lower():
-            problem = "holds Python objects (object dtype); only numeric and fixed-width string arrays are read"
-        else:
-            problem = f"corrupt .npy file ({msg})"
-        raise ShardError(path, problem) from None
-    except (OSError, EOFError, SyntaxError, TypeError, tokenize.TokenError) as e:  # TokenError: unbalanced header
-        raise ShardError(path, f"corrupt .npy file ({type(e).__name__}: {e})") from None
+    except (ValueError, OSError, EOFError, SyntaxError, TypeError, tokenize.TokenError) as e:
+        raise ShardError(path, _npy_problem(e)) from None
+
+
+def _check_npy_header(path: str, f) -> None:
+    """Refuse, before NumPy maps it, a header whose shape is negative, needs more than 2**63 bytes
+    (NumPy's own size arithmetic would overflow) or more bytes than the file holds."""
+    version = np.lib.format.read_magic(f)
+    if version == (1, 0):
+        shape, _, dtype = np.lib.format.read_array_header_1_0(f)
+    elif version == (2, 0):
+        shape, _, dtype = np.lib.format.read_array_header_2_0(f)
+    else:
+        return  # version 3 (utf-8 field names): np.load reads and checks it
+    if dtype.hasobject:
+        raise ShardError(path, "holds Python objects (object dtype); only numeric and fixed-width string arrays are read")
+    if any(n < 0 for n in shape):
+        raise ShardError(path, f"header's shape {shape} has a negative dimension")
+    room = max(dtype.itemsize, 1)
+    for n in shape:
+        room *= max(n, 1)
+    if room >= 2**63:
+        raise ShardError(path, f"header's shape {shape} of {dtype} would take more than 2**63 bytes; no array is that large")
+    need = math.prod(shape) * dtype.itemsize
+    have = os.fstat(f.fileno()).st_size - f.tell()
+    if need > have:
+        raise ShardError(path, f"truncated .npy file: it holds fewer bytes than its header's shape needs "
+                               f"({shape} {dtype}: {need:,} bytes of data, {max(have, 0):,} in the file)")
+
+
+def _npy_problem(e: BaseException) -> str:
+    """What an error of NumPy's .npy reader says about the file."""
+    msg = str(e)
+    if "mmap length is greater than file size" in msg or "cannot reshape" in msg:
+        return "truncated .npy file: it holds fewer bytes than its header's shape needs"
+    if "EOF" in msg:
+        return f"truncated .npy header ({msg})"
+    if "object" in msg.lower() or "pickle" in msg.lower():
+        return "holds Python objects (object dtype); only numeric and fixed-width string arrays are read"
+    if isinstance(e, OSError):
+        return f"cannot read: {_files.problem(e)}"
+    if isinstance(e, ValueError):
+        return f"corrupt .npy file ({msg})"
+    return f"corrupt .npy file ({type(e).__name__}: {msg})"  # TokenError: an unbalanced header
 
 
 def embedding_dtype(arr: np.ndarray, name: str, bf16_bits: bool = False) -> str:
@@ -166,15 +200,12 @@ def read_lengths(path: str | os.PathLike) -> np.ndarray:
     """
     path = os.fspath(path)
     if path.lower().endswith(".json"):
-        if not os.path.isfile(path):
-            raise ShardError(path, "no such file")
-        try:
-            with open(path, encoding="utf-8") as f:
-                values = json.load(f)
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ShardError(path, f"not a JSON list of integers ({e})") from None
+        values = _read_json(path, "not a JSON list of integers", "a JSON list of integers (one token count per document)")
         if not isinstance(values, list) or not all(type(v) is int for v in values):
             raise ShardError(path, "expected a JSON list of integers (one token count per document)")
+        big = next((i for i, v in enumerate(values) if not -2**63 <= v < 2**63), None)
+        if big is not None:
+            raise ShardError(path, f"length {values[big]} at index {big} does not fit int64; expected a token count")
         arr = np.array(values, dtype=np.int64)
     else:
         raw = open_npy(path)
@@ -182,11 +213,26 @@ def read_lengths(path: str | os.PathLike) -> np.ndarray:
             raise ShardError(path, f"lengths must be integers, got dtype {raw.dtype}")
         if raw.ndim != 1:
             raise ShardError(path, f"lengths must be 1-D [N], got shape {raw.shape}")
+        if raw.dtype.kind == "u" and raw.size and int(raw.max()) >= 2**63:
+            raise ShardError(path, f"length {int(raw.max())} does not fit int64; expected a token count")
         arr = np.asarray(raw, dtype=np.int64)
     if arr.size and arr.min() < 0:
         i = int(np.argmax(arr < 0))
         raise ShardError(path, f"length {int(arr[i])} at index {i} is negative")
     return arr
+
+
+def _read_json(path: str, invalid: str, expected: str, limit: int | None = None):
+    """The JSON value in a regular file (UTF-8). ShardError naming the file, ``invalid`` and why for
+    anything that is not one: bad syntax or encoding, nesting too deep for the parser, an integer
+    too long to convert; for a special file, or more than ``limit`` bytes, naming ``expected``."""
+    data = _files.read_regular(path, expected, limit)
+    try:
+        return json.loads(data.decode("utf-8"))
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, int digits over the limit
+        raise ShardError(path, f"{invalid} ({e})") from None
+    except RecursionError:
+        raise ShardError(path, f"{invalid} (nested too deeply to read)") from None
 
 
 # --------------------------------------------------------------------------- the Shard
@@ -303,10 +349,42 @@ class Shard:
     def read_values(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
         """Like :meth:`read_chunk`, with the tokens as float32 values (int8 tokens dequantized)."""
         tokens, offsets = self.read_chunk(start, stop)
-        x32 = tokens.astype(np.float32)
-        if self.scales is not None:
-            x32 *= self.read_scales(start, stop)[:, None]
-        return x32, offsets
+        return _values(tokens, None if self.scales is None else self.read_scales(start, stop)), offsets
+
+    def _row_offsets(self) -> np.ndarray:
+        """int64 ``[N+1]``: where each document's valid tokens start among all valid token rows."""
+        if not self.padded:
+            return self.offsets
+        offsets = np.zeros(self.num_docs + 1, np.int64)
+        np.cumsum(self.doc_lengths(), out=offsets[1:])
+        return offsets
+
+    def _row_blocks(self, max_bytes: int):
+        """Every valid token row in order, as ``(first row, tokens [t, d], scales [t] or None)``.
+
+        Rows are numbered as in :meth:`_row_offsets` (a padded layout's padding is skipped).
+        A block holds at most ``max_bytes`` of tokens (at least one row), so a document longer
+        than that comes in pieces: reading any shard costs ``max_bytes``, whatever the length
+        of its longest document or its dim. Packed blocks are memory-mapped views.
+        """
+        rows = max(1, max_bytes // self.bytes_per_token)
+        if not self.padded:
+            total = int(self.offsets[-1])
+            for a in range(0, total, rows):
+                b = min(total, a + rows)
+                yield a, self.tokens[a:b], None if self.scales is None else self.scales[a:b]
+            return
+        lens, first = self.doc_lengths(), 0
+        for start, stop in self.chunk_ranges(max_bytes):
+            if stop - start > 1:  # several documents fit: their valid rows, copied together
+                tokens, _ = self.read_chunk(start, stop)
+                yield first, tokens, None
+                first += tokens.shape[0]
+                continue
+            n = int(lens[start])
+            for a in range(0, n, rows):
+                yield first + a, self.tokens[start, a : min(n, a + rows)], None
+            first += n
 
 
 def _packed(path, tokens, offsets, ids, manifest, tokens_file, offsets_file, ids_file, scales=None,
@@ -343,7 +421,7 @@ def check_scales(scales: np.ndarray, offsets: np.ndarray, name: str, max_bytes: 
         bad = ~(block >= 0) | np.isinf(block)  # NaN fails the comparison
         if bad.any():
             t = a + int(np.argmax(bad))
-            doc, tok = _position(t, 0, offsets)
+            doc, tok = _position(t, offsets)
             raise ShardError(name, f"scale of token {t} (document {doc}, token {tok}) is {float(scales[t])!r}; "
                                    "expected a finite value >= 0 (token = int8 values * scale)")
 
@@ -370,8 +448,11 @@ def check_offsets(offsets: np.ndarray, num_tokens: int, name: str) -> np.ndarray
 
 
 def check_ids(ids, n: int, name: str) -> np.ndarray:
-    """Check document ids: ``[n]`` int64 or fixed-width strings without tab or newline (they go into TSV).
+    """Check document ids: ``[n]`` int64 or fixed-width strings.
 
+    A string id may not hold a tab, a line break of any kind (what ``str.splitlines``
+    splits at: LF, CR, VT, FF, FS, GS, RS, NEL, U+2028, U+2029) or a NUL: ids are written
+    one result per line to TSV, and a reader must never see a line where none was meant.
     Accepts an array or a list; returns the ids as an array (a memmap stays one).
     """
     ids = ids if isinstance(ids, np.ndarray) else np.asarray(ids)
@@ -385,11 +466,46 @@ def check_ids(ids, n: int, name: str) -> np.ndarray:
         return ids
     if ids.dtype.kind not in "US":
         raise ShardError(name, f"ids must be int64 or fixed-width strings, got dtype {ids.dtype}")
-    for ch in ("\t", "\n", "\r"):
-        hit = np.flatnonzero(np.char.find(ids, ch if ids.dtype.kind == "U" else ch.encode()) >= 0)
-        if hit.size:
-            raise ShardError(name, f"id at index {int(hit[0])} ({ids[int(hit[0])]!r}) holds a tab or line break; ids are written to TSV")
+    bad = _first_id_with_a_break(ids)
+    if bad is not None:
+        raise ShardError(name, f"id at index {bad} ({_plain(ids[bad])!r}) holds a tab or line break (or a NUL); "
+                               "ids are written one result per line to TSV")
     return ids
+
+
+# Code points no id may hold (see check_ids); in UTF-8 bytes ids, NEL, U+2028 and U+2029 are
+# the multi-byte sequences below.
+_ID_BREAKS = np.array([0x09, 0x0A, 0x0B, 0x0C, 0x0D, 0x1C, 0x1D, 0x1E, 0x85, 0x2028, 0x2029], np.uint32)
+_ID_BREAKS_UTF8 = (b"\xc2\x85", b"\xe2\x80\xa8", b"\xe2\x80\xa9")
+_ID_BLOCK_BYTES = 8 << 20
+
+
+def _first_id_with_a_break(ids: np.ndarray) -> int | None:
+    """Index of the first string id holding a character ``check_ids`` refuses, or None.
+
+    Reads the ids block by block as their code units (a memmap is never loaded whole). A NUL
+    counts only inside an id: NumPy pads fixed-width strings with NULs and drops them when read.
+    """
+    unicode = ids.dtype.kind == "U"
+    width = ids.dtype.itemsize // 4 if unicode else ids.dtype.itemsize
+    if width == 0:
+        return None
+    step = max(1, _ID_BLOCK_BYTES // ids.dtype.itemsize)
+    for a in range(0, ids.shape[0], step):
+        block = np.ascontiguousarray(ids[a : a + step]).astype(ids.dtype.newbyteorder("="))
+        codes = block.view(np.uint32 if unicode else np.uint8).reshape(block.shape[0], width)
+        hit = np.isin(codes, _ID_BREAKS if unicode else _ID_BREAKS[_ID_BREAKS < 0x80]).any(axis=1)
+        used = codes != 0
+        after = np.logical_or.accumulate(used[:, ::-1], axis=1)[:, ::-1]  # a code at or after this one
+        hit |= (~used[:, :-1] & after[:, 1:]).any(axis=1)
+        if not unicode:
+            for seq in _ID_BREAKS_UTF8:
+                if width >= len(seq):
+                    windows = np.lib.stride_tricks.sliding_window_view(codes, len(seq), axis=1)
+                    hit |= (windows == np.frombuffer(seq, np.uint8)).all(axis=2).any(axis=1)
+        if hit.any():
+            return a + int(np.argmax(hit))
+    return None
 
 
 def _padded(path, tokens, lengths, lengths_file, tokens_file) -> Shard:
@@ -419,15 +535,13 @@ def read_manifest(path: str | os.PathLike) -> dict:
     inside the shard directory). Other keys are kept and ignored.
     """
     path = os.fspath(path)
-    if not os.path.isfile(path):
-        raise ShardError(path, "no such file; a shard directory holds manifest.json, tokens.npy and offsets.npy (make one with `lik pack`)")
-    if os.path.getsize(path) > _MAX_MANIFEST_BYTES:
-        raise ShardError(path, f"larger than {_MAX_MANIFEST_BYTES} bytes; a manifest is a small JSON object")
     try:
-        with open(path, encoding="utf-8") as f:
-            m = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ShardError(path, f"not valid JSON ({e})") from None
+        os.lstat(path)
+    except FileNotFoundError:
+        raise ShardError(path, "no such file; a shard directory holds manifest.json, tokens.npy and offsets.npy (make one with `lik pack`)") from None
+    except OSError:
+        pass  # reported below as what it is (permission denied, ...)
+    m = _read_json(path, "not valid JSON", "a manifest (a small JSON object)", _MAX_MANIFEST_BYTES)
     if not isinstance(m, dict):
         raise ShardError(path, f"expected a JSON object, got {type(m).__name__}")
     if m.get("format") != FORMAT:
@@ -493,10 +607,11 @@ def open_shard(path: str | os.PathLike) -> Shard:
     ``ml_dtypes.bfloat16``; int8 with ``scales``).
     """
     path = os.fspath(path)
-    if not os.path.exists(path):
+    what = _files.file_kind(path)
+    if what is None:
         raise ShardError(path, "no such shard directory")
-    if not os.path.isdir(path):
-        raise ShardError(path, "not a directory; a shard is a directory holding manifest.json, tokens.npy and offsets.npy")
+    if what != "a directory":
+        raise ShardError(path, f"is {what}, not a directory; a shard is a directory holding manifest.json, tokens.npy and offsets.npy")
     mpath = os.path.join(path, MANIFEST)
     m = read_manifest(mpath)
     files = {key: member_path(path, name, mpath) for key, name in m["files"].items()
@@ -595,35 +710,46 @@ def scan_values(shard: Shard, max_bytes: int = CHUNK_BYTES) -> ValueScan:
     """Read every valid token once: find the first NaN/inf and the first token whose norm is not 1.
 
     Padding rows of a padded layout are not read as values (they are never scored); int8
-    tokens are read dequantized.
+    tokens are read dequantized. Tokens are read ``max_bytes`` at a time, a long document
+    in pieces.
     """
+    offsets = shard._row_offsets()
     nonfinite = not_unit = None
-    for start, stop in shard.chunk_ranges(max_bytes):
-        x32, offsets = shard.read_values(start, stop)
+    for first, tokens, scales in shard._row_blocks(max_bytes):
+        x32 = _values(tokens, scales)
         finite, norms = np.isfinite(x32).all(axis=1), _norms(x32)
         if nonfinite is None and not finite.all():
-            nonfinite = _position(int(np.argmin(finite)), start, offsets)
+            nonfinite = _position(first + int(np.argmin(finite)), offsets)
         off = ~(np.abs(norms - 1) <= NORM_TOLERANCE)
         if not_unit is None and off.any():
             t = int(np.argmax(off))
-            not_unit = (*_position(t, start, offsets), float(norms[t]))
+            not_unit = (*_position(first + t, offsets), float(norms[t]))
         if nonfinite is not None and not_unit is not None:
             break
     return ValueScan(nonfinite, not_unit)
 
 
-def _position(row: int, first_doc: int, offsets: np.ndarray) -> tuple[int, int]:
+def _values(tokens: np.ndarray, scales: np.ndarray | None) -> np.ndarray:
+    """float32 values of a block of tokens (int8 ones dequantized with their scales)."""
+    x32 = tokens.astype(np.float32)
+    if scales is not None:
+        x32 *= scales[:, None]
+    return x32
+
+
+def _position(row: int, offsets: np.ndarray) -> tuple[int, int]:
+    """(document, token within it) of a valid token row; ``offsets`` as in ``Shard._row_offsets``."""
     j = int(np.searchsorted(offsets, row, side="right")) - 1
-    return first_doc + j, row - int(offsets[j])
+    return j, row - int(offsets[j])
 
 
 def check_finite(shard: Shard, max_bytes: int = CHUNK_BYTES) -> None:
     """Raise ShardError naming the file and the first document with a NaN or infinite token value."""
-    for start, stop in shard.chunk_ranges(max_bytes):
-        x32, offsets = shard.read_values(start, stop)
-        finite = np.isfinite(x32).all(axis=1)
+    offsets = shard._row_offsets()
+    for first, tokens, scales in shard._row_blocks(max_bytes):
+        finite = np.isfinite(_values(tokens, scales)).all(axis=1)
         if not finite.all():
-            doc, tok = _position(int(np.argmin(finite)), start, offsets)
+            doc, tok = _position(first + int(np.argmin(finite)), offsets)
             raise ShardError(shard.tokens_file, f"document {doc}{_id_note(shard, doc)}, token {tok} holds NaN or inf; embeddings must be finite")
 
 
@@ -650,19 +776,15 @@ def pack(source: Shard, path: str | os.PathLike, *, ids=None, model: str | None 
     replace the source's ids. With ``check_finite`` a NaN or inf value raises ShardError
     and nothing is written. The manifest's ``normalized`` is measured while copying (on
     the stored values: dequantized for int8). The shard is built in a temporary
-    directory beside ``path`` and renamed into place at the end. Returns the written
-    shard, opened.
+    directory beside ``path`` and renamed into place at the end (``lik_cupy._atomic``):
+    whatever appears at ``path`` meanwhile is never replaced, a full disk raises OSError
+    naming ``path`` and leaves nothing, and ``max_bytes`` of tokens are read at a time.
+    Returns the written shard, opened.
     """
-    def blocks():
-        for s, e in source.chunk_ranges(max_bytes):
-            scales = source.read_scales(s, e) if source.scales is not None else None
-            yield source.tokens_file, source.read_chunk(s, e)[0], scales
-
-    lens = source.doc_lengths()
-    offsets = np.zeros(lens.shape[0] + 1, np.int64)
-    np.cumsum(lens, out=offsets[1:])
+    blocks = ((source.tokens_file, tokens, scales) for _, tokens, scales in source._row_blocks(max_bytes))
     ids = source.ids if ids is None else ids
-    return _write(path, blocks(), offsets, ids, source.dim, source.dtype, dtype, model, overwrite, check_finite)
+    return _write(path, blocks, source._row_offsets(), ids, source.dim, source.dtype, dtype, model, overwrite,
+                  check_finite, max_bytes)
 
 
 def write_shard(path: str | os.PathLike, tokens: np.ndarray, offsets, *, ids=None, model: str | None = None,
@@ -680,7 +802,8 @@ def write_shard(path: str | os.PathLike, tokens: np.ndarray, offsets, *, ids=Non
         model: free-form name of the model that made the embeddings (stored in the manifest).
         dtype: store as "float16", "float32", "bfloat16" or "int8" (quantized per token
             while writing; see :func:`pack`). None: tokens' own dtype.
-        overwrite: replace ``path`` if it already is a shard (anything else is never replaced).
+        overwrite: replace ``path`` if it already is a shard holding only its own files
+            (anything else is never replaced).
         check_finite: raise ShardError (writing nothing) if a value is NaN or inf.
         scales: float32 ``[T]`` per-token scales of int8 ``tokens`` (each finite, >= 0);
             None for float tokens.
@@ -743,10 +866,10 @@ def _check_array_dtype(arr: np.ndarray, name: str, int8_ok: bool = False) -> np.
 
 
 def _write(path, blocks, offsets: np.ndarray, ids, dim: int, source_dtype: str, dtype: str | None, model, overwrite,
-           check_finite: bool) -> Shard:
-    """Stream ``(source name, token block, its scales or None)`` triples into a new shard directory at
-    ``path``, atomically. Blocks are quantized to int8, dequantized, or converted between float
-    dtypes on the way, one block at a time."""
+           check_finite: bool, max_bytes: int = CHUNK_BYTES) -> Shard:
+    """Stream ``(source name, token rows, their scales or None)`` triples into a new shard directory at
+    ``path``, atomically (``lik_cupy._atomic``). Rows are quantized to int8, dequantized, or converted
+    between float dtypes on the way, at most ``max_bytes`` of them at a time."""
     path = os.fspath(path)
     dtype = dtype or source_dtype
     if dtype not in SHARD_DTYPES:
@@ -756,103 +879,141 @@ def _write(path, blocks, offsets: np.ndarray, ids, dim: int, source_dtype: str, 
     num_docs, num_tokens = offsets.shape[0] - 1, int(offsets[-1])
     if ids is not None:
         ids = check_ids(ids, num_docs, "ids")
-    parent = _check_target(path, overwrite)
-    tmp = tempfile.mkdtemp(dir=parent, prefix=f".{os.path.basename(os.path.normpath(path))}.", suffix=".tmp")
+    _check_target(path, overwrite)
     try:
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes 0700; give the usual permissions
-        out = np.lib.format.open_memmap(os.path.join(tmp, TOKENS), mode="w+", dtype=_STORED[dtype], shape=(num_tokens, dim))
-        out_scales = None
-        if dtype == INT8:
-            out_scales = np.lib.format.open_memmap(os.path.join(tmp, SCALES), mode="w+", dtype=_SCALES_STORED,
-                                                   shape=(num_tokens,))
-        pos, normalized = 0, True
-        for name, block, scales in blocks:
-            # An int8 block copied as int8 needs no float values: it is finite (its scales were
-            # checked on opening), and norms come from the integers.
-            if not (dtype == INT8 and scales is not None):
-                x32 = block.astype(np.float32)
-                if scales is not None:
-                    x32 *= scales[:, None]
-                if (check_finite or dtype == INT8) and not np.isfinite(x32).all():
-                    row = pos + int(np.argmin(np.isfinite(x32).all(axis=1)))
-                    doc = int(np.searchsorted(offsets, row, side="right")) - 1
-                    why = "embeddings must be finite" if check_finite else "INT8 quantization needs finite values"
-                    raise ShardError(name, f"document {doc}, token {row - int(offsets[doc])} holds NaN or inf; {why}")
-            rows = slice(pos, pos + block.shape[0])
+        with _atomic.output_dir(path, _replaceable_shard if overwrite else None) as tmp:
+            normalized = _write_tokens(tmp, path, blocks, offsets, dim, dtype, check_finite, max_bytes)
+            np.save(os.path.join(tmp, OFFSETS), offsets.astype("<i8"))
+            files = {"tokens": TOKENS, "offsets": OFFSETS}
             if dtype == INT8:
-                if scales is None:
-                    from ._cpu import quantize_numpy
-
-                    block, scales = quantize_numpy(x32)
-                out[rows], out_scales[rows] = block, scales
-                norms = np.sqrt(np.square(block, dtype=np.int32).sum(axis=1, dtype=np.float64)) * scales
-            else:
-                # An int8 source is written dequantized; float sources convert directly.
-                src = x32 if scales is not None else block
-                out[rows] = src.astype(numpy_dtype(dtype), copy=False).view(_STORED[dtype])
-                norms = _norms(x32)
-            normalized = normalized and bool(np.all(np.abs(norms - 1) <= NORM_TOLERANCE))
-            pos += block.shape[0]
-        for m in (out, out_scales):
-            if m is not None:
-                m.flush()
-        del out, out_scales  # close the maps before the directory is renamed
-        np.save(os.path.join(tmp, OFFSETS), offsets.astype("<i8"))
-        files = {"tokens": TOKENS, "offsets": OFFSETS}
-        if dtype == INT8:
-            files["scales"] = SCALES
-        if ids is not None:
-            np.save(os.path.join(tmp, IDS), ids, allow_pickle=False)
-            files["ids"] = IDS
-        manifest = {
-            "format": FORMAT, "version": _WRITE_VERSION[dtype], "dim": dim, "dtype": dtype,
-            "num_docs": num_docs, "num_tokens": num_tokens, "normalized": normalized, "model": model, "files": files,
-        }
-        with open(os.path.join(tmp, MANIFEST), "w", encoding="utf-8", newline="\n") as f:
-            f.write(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
-        _rename_into_place(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+                files["scales"] = SCALES
+            if ids is not None:
+                np.save(os.path.join(tmp, IDS), ids, allow_pickle=False)
+                files["ids"] = IDS
+            manifest = {
+                "format": FORMAT, "version": _WRITE_VERSION[dtype], "dim": dim, "dtype": dtype,
+                "num_docs": num_docs, "num_tokens": num_tokens, "normalized": normalized, "model": model,
+                "files": files,
+            }
+            with open(os.path.join(tmp, MANIFEST), "x", encoding="utf-8", newline="\n") as f:
+                f.write(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    except FileExistsError as e:  # what was at ``path`` when the shard was renamed there
+        raise ShardError(path, _files.problem(e)) from None
     return open_shard(path)
 
 
-def _check_target(path: str, overwrite: bool) -> str:
-    """The parent directory of a shard about to be written; ShardError if ``path`` may not be written."""
+def _write_tokens(tmp: str, path: str, blocks, offsets: np.ndarray, dim: int, dtype: str, check_finite: bool,
+                  max_bytes: int) -> bool:
+    """Write tokens.npy (and for int8 scales.npy) into ``tmp``; returns whether every token has norm 1.
+
+    Both files are allocated at their full size before the first row is converted, so a disk
+    too small fails at once, and are filled by plain sequential writes: a disk that fills up
+    anyway raises OSError, never SIGBUS as a writable memory map would.
+    """
+    num_tokens = int(offsets[-1])
+    files = [(TOKENS, _STORED[dtype], (num_tokens, dim))] + ([(SCALES, _SCALES_STORED, (num_tokens,))] if dtype == INT8 else [])
+    with contextlib.ExitStack() as stack:
+        out = []
+        for name, stored, shape in files:
+            f = stack.enter_context(open(os.path.join(tmp, name), "xb"))
+            np.lib.format.write_array_header_1_0(f, {"descr": np.lib.format.dtype_to_descr(stored),
+                                                     "fortran_order": False, "shape": shape})
+            _atomic.allocate(f, f.tell() + math.prod(shape) * stored.itemsize, path)
+            out.append(f)
+        pos, normalized = 0, True
+        for name, rows, row_scales in blocks:
+            step = max(1, max_bytes // max(1, rows.shape[1] * rows.dtype.itemsize))
+            for a in range(0, rows.shape[0], step):  # a long document in pieces
+                block = rows[a : a + step]
+                scales = None if row_scales is None else row_scales[a : a + step]
+                normalized &= _write_block(out, name, block, scales, pos, offsets, dtype, check_finite)
+                pos += block.shape[0]
+    return normalized
+
+
+def _write_block(out, name: str, block: np.ndarray, scales, pos: int, offsets: np.ndarray, dtype: str,
+                 check_finite: bool) -> bool:
+    """Convert one block of token rows (the first is row ``pos``) to ``dtype`` and append it to the
+    open files ``out`` (tokens, and scales for int8); returns whether each of its tokens has norm 1."""
+
+    def refuse(bad: np.ndarray, why: str):
+        row = pos + int(np.argmax(bad))
+        doc, tok = _position(row, offsets)
+        raise ShardError(name, f"document {doc}, token {tok} {why}")
+
+    # An int8 block copied as int8 needs no float values: it is finite (its scales were
+    # checked on opening), and norms come from the integers.
+    if not (dtype == INT8 and scales is not None):
+        x32 = _values(block, scales)
+        if (check_finite or dtype == INT8) and not np.isfinite(x32).all():
+            why = "embeddings must be finite" if check_finite else "INT8 quantization needs finite values"
+            refuse(~np.isfinite(x32).all(axis=1), f"holds NaN or inf; {why}")
+    if dtype == INT8:
+        if scales is None:
+            from ._cpu import quantize_numpy
+
+            block, scales = quantize_numpy(x32)
+        out[0].write(np.ascontiguousarray(block, np.int8).data)
+        out[1].write(np.ascontiguousarray(scales, _SCALES_STORED).data)
+        norms = np.sqrt(np.square(block, dtype=np.int32).sum(axis=1, dtype=np.float64)) * scales
+    else:
+        # An int8 source is written dequantized; float sources convert directly.
+        with np.errstate(over="ignore"):  # a value past the dtype's range: refused below with --check
+            stored = (x32 if scales is not None else block).astype(numpy_dtype(dtype), copy=False)
+        if check_finite and stored.dtype != block.dtype:
+            # The values as stored: a float32 value past float16's range becomes inf in the cast.
+            over = ~np.isfinite(stored.astype(np.float32)).all(axis=1)
+            if over.any():
+                largest = float(np.abs(x32[int(np.argmax(over))]).max())
+                refuse(over, f"holds {largest:g}, which is inf as {dtype} (outside its range); embeddings must be finite")
+        out[0].write(np.ascontiguousarray(stored).view(_STORED[dtype]).data)
+        norms = _norms(x32)
+    return bool(np.all(np.abs(norms - 1) <= NORM_TOLERANCE))
+
+
+def _check_target(path: str, overwrite: bool) -> None:
+    """ShardError if a shard may not be written at ``path``: its parent is missing or not writable,
+    its name too long, or something is there that may not be replaced."""
     parent = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(parent):
+    what = _files.file_kind(parent)
+    if what is None:
         raise ShardError(path, f"parent directory {parent} does not exist")
+    if what != "a directory":
+        raise ShardError(path, f"{parent} is {what}, not a directory")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise ShardError(path, f"parent directory {parent} is not writable")
+    try:
+        _atomic.check_name(path)
+    except OSError as e:
+        raise ShardError(path, _files.problem(e)) from None
+    _atomic.sweep(path)  # first: a shard a killed run left moved aside is put back before the target is judged
     if os.path.lexists(path):
         if not overwrite:
             raise ShardError(path, "already exists; choose a new path, or replace a shard with overwrite=True (lik pack --force)")
-        if not (os.path.isdir(path) and not os.path.islink(path) and _is_shard(path)):
-            raise ShardError(path, "exists and is not a lik shard; refusing to replace it")
-    return parent
+        why = _replaceable_shard(path)
+        if why is not None:
+            raise ShardError(path, why)
 
 
-def _is_shard(path: str) -> bool:
+def _replaceable_shard(path: str) -> str | None:
+    """None if ``path`` is a lik shard that ``overwrite`` may replace, else why not.
+
+    A shard is replaced whole, so it may hold nothing but its own files: its manifest and
+    the files the manifest names. Anything else in the directory (notes, another
+    program's data, a subdirectory) makes it not a shard to replace.
+    """
+    refusing = "refusing to replace it (overwrite / lik pack --force replaces a lik shard, never anything else)"
+    if os.path.islink(path) or not os.path.isdir(path):
+        return f"exists and is not a lik shard; {refusing}"
     try:
-        read_manifest(os.path.join(path, MANIFEST))
-    except ShardError:
-        return False
-    return True
-
-
-def _rename_into_place(tmp: str, path: str) -> None:
-    """Move the finished directory ``tmp`` to ``path``; an existing shard there is replaced only after the move succeeds."""
-    if not os.path.lexists(path):
-        os.rename(tmp, path)
-        return
-    old = tempfile.mkdtemp(dir=os.path.dirname(tmp), prefix=f".{os.path.basename(os.path.normpath(path))}.", suffix=".old")
-    os.rmdir(old)  # only its unique name is wanted
-    os.rename(path, old)
-    try:
-        os.rename(tmp, path)
-    except BaseException:
-        os.rename(old, path)
-        raise
-    shutil.rmtree(old, ignore_errors=True)
+        m = read_manifest(os.path.join(path, MANIFEST))
+        entries = os.listdir(path)
+    except (ShardError, OSError):
+        return f"exists and is not a lik shard (no readable manifest.json); {refusing}"
+    own = {MANIFEST} | {name for key, name in m["files"].items() if key in ("tokens", "offsets", "ids", "scales")}
+    others = sorted(n for n in entries if n not in own or os.path.isdir(os.path.join(path, n))
+                    and not os.path.islink(os.path.join(path, n)))
+    if others:
+        listed = ", ".join(others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
+        return f"is a lik shard but also holds {listed}, which are not its files; {refusing}"
+    return None

@@ -915,7 +915,7 @@ def test_sigterm_mid_run_leaves_nothing(tmp_path):
     p = subprocess.Popen([sys.executable, "-c", code, *map(str, c.args(out))], cwd=tmp_path, env=_env(),
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 60
-    while not any(n.endswith(".part") for n in listing(tmp_path)):  # scoring has started
+    while not any(".lik-tmp." in n for n in listing(tmp_path)):  # scoring has started
         assert p.poll() is None and time.monotonic() < deadline, p.communicate()
         time.sleep(0.02)
     p.send_signal(signal.SIGTERM)

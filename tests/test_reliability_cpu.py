@@ -31,7 +31,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from lik_cupy import cli
+from lik_cupy import _atomic, cli
 from lik_cupy._runtime import nvrtc as lc
 from lik_cupy import _dispatch as dispatch
 from lik_cupy import shards
@@ -396,10 +396,14 @@ def test_cli_writes_its_output_and_nothing_else(tmp_path, monkeypatch, kind):
         monkeypatch.setenv(var, str(root / sub))
     monkeypatch.setattr(tempfile, "tempdir", None)  # forget a temporary directory chosen before TMPDIR changed
     monkeypatch.chdir(root / "cwd")
-    made_in = []
-    for fn in ("mkstemp", "mkdtemp"):
-        real = getattr(tempfile, fn)
-        monkeypatch.setattr(tempfile, fn, lambda *a, _real=real, **kw: made_in.append(kw.get("dir")) or _real(*a, **kw))
+    made_in, real = [], _atomic._temp_path
+
+    def temp_path(*a, **kw):
+        path = real(*a, **kw)
+        made_in.append(os.path.dirname(path))
+        return path
+
+    monkeypatch.setattr(_atomic, "_temp_path", temp_path)
 
     score = ["score", "--queries", root / "in" / "q.npy", "--docs", root / "in" / "shard", root / "in" / "docs.npy",
              "--d-lengths", root / "in" / "lens.npy", "--top-k", "3", "--cpu", "--out"]

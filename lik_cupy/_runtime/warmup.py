@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from .. import _dispatch as dispatch
-from .device import device_properties
+from .device import device_properties, gpu_available
 
 
 def warmup(dims=(128,), dtypes=("float16", "bfloat16"), query_lengths=(32, 1024), argmax=(False,), device=None) -> int:
@@ -20,7 +20,13 @@ def warmup(dims=(128,), dtypes=("float16", "bfloat16"), query_lengths=(32, 1024)
     Returns:
         The number of distinct kernels now loaded. Later calls reuse them from
         memory, and later processes from the on-disk cache.
+
+    Raises:
+        RuntimeError: no CUDA GPU is visible (or CuPy is missing); the CPU path needs no warm-up.
     """
+    if not gpu_available():
+        raise RuntimeError("lik_cupy.warmup: no CUDA GPU is visible (CuPy could not find one, or is not installed); "
+                           "warmup compiles GPU kernels, and the CPU path (backend='cpu') needs none")
     import cupy
 
     from .launch import tma_usable
