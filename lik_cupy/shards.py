@@ -8,7 +8,7 @@ A shard is a directory of plain ``.npy`` files plus a manifest::
                        "files": {"tokens": "tokens.npy", "offsets": "offsets.npy", "ids": "ids.npy"}}
       tokens.npy      [T, d]  float16 | float32 | bfloat16 stored as its uint16 bit patterns | int8
       scales.npy      [T]     float32, INT8 shards only: token t is tokens[t] * scales[t]
-      offsets.npy     [N+1]   int64; document j is tokens[offsets[j]:offsets[j+1]]
+      offsets.npy     [N+1] int64: document j is tokens[offsets[j]:offsets[j+1]]
       ids.npy         [N]     int64 or fixed-width strings (optional; without it a
                               document's id is its position in the corpus)
 
