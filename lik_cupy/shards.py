@@ -20,9 +20,24 @@ float16. Its manifest says ``"version": 2`` so that readers older than INT8 refu
 as too new; float shards are still written as version 1. Scales must be finite and
 >= 0; a reader checks them on opening, like the offsets.
 
+The rules a reader holds a shard to:
+
+- offsets start at 0, never decrease and end at ``T``; equal neighbours are an empty
+  document, which scores -inf;
+- ``"normalized": true`` promises every token has unit L2 norm (within ``NORM_TOLERANCE``;
+  ``lik inspect --check`` verifies it); ``"model"`` names the encoder, for people: neither
+  changes how a shard is scored;
+- the files named under ``"files"`` lie inside the shard directory (absolute paths, ``..``
+  and symbolic links leading out are refused); unknown manifest keys are ignored, and a
+  ``"version"`` newer than ``VERSION`` is refused;
+- ids are integers or strings; across the shards of one corpus all have ids of one kind or
+  none do, and a string id holds no tab, line break (any that ``str.splitlines`` splits at)
+  or NUL, since results are written one per line.
+
 A corpus is one or more shards. :func:`open_input` also reads the layouts people
 already have as the same :class:`Shard`: a padded ``[N, L, d]`` array with optional
-per-document lengths, and ColBERT-style flat ``[T, d]`` tokens with a doclens array.
+per-document lengths, and ColBERT-style flat ``[T, d]`` tokens with a doclens array
+(lengths and doclens as an integer ``.npy`` or a JSON list, as ColBERT writes them).
 
 Every array is opened memory-mapped with ``allow_pickle=False``: a corpus is never
 loaded whole and no file can run code. Inputs must be regular files (``lik_cupy._files``:

@@ -1,4 +1,4 @@
-"""Reliability promises that need no GPU (RELIABILITY.md maps every promise to its test).
+"""Reliability promises that need no GPU (docs/reliability.md maps every promise to its test).
 
 * Kernel compilation under concurrency: one NVRTC compile per kernel however many threads ask
   for it at the same moment, other kernels compiling meanwhile; processes sharing the on-disk

@@ -1,5 +1,5 @@
 """Files and processes that never lose data: full disks, races, kills, casts, duplicate inputs,
-hostile files and hostile environments (RELIABILITY.md, "Files and processes", maps each
+hostile files and hostile environments (docs/reliability.md, "Files and processes", maps each
 promise to its test here). CPU only.
 
 The conditions are real where the machine allows, and a test skips (never fails) where not:

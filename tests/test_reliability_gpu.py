@@ -1,4 +1,4 @@
-"""Reliability on the GPU (RELIABILITY.md maps each promise to its test here):
+"""Reliability on the GPU (docs/reliability.md maps each promise to its test here):
 
 * scale: a packed corpus of 20 million tokens at d=128 (2.56e9 elements) and an argmax of more than
   2**31 entries, checked at their far ends against float64 (skipped when the GPU lacks the memory);

@@ -13,7 +13,7 @@ _TRUE = ("1", "true", "yes")
 
 
 def cache_dir_override() -> str | None:
-    """``LIK_CUPY_CACHE_DIR``: where compiled kernels are cached (default: ``$XDG_CACHE_HOME/lik-cupy``)."""
+    """``LIK_CUPY_CACHE_DIR``: where compiled kernels are cached (default: ``$XDG_CACHE_HOME/lik_cupy/kernels``, ``~/.cache`` without ``XDG_CACHE_HOME``)."""
     return os.environ.get("LIK_CUPY_CACHE_DIR") or None
 
 
