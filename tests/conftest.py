@@ -46,7 +46,7 @@ def rng(request):
 def standard_tiles(monkeypatch):
     """Calling it makes dispatch stop taking the INT8 tokens-on-M tiles (cached choices are dropped
     then and after the test)."""
-    from lik_cupy import dispatch
+    from lik_cupy import _dispatch as dispatch
 
     cached = dispatch.choose_forward  # the lru_cache'd function, before any test spy wraps it
 

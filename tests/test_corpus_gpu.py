@@ -414,7 +414,7 @@ def test_retrieve_memory_error_when_one_document_does_not_fit(rng, pool_limit):
 def _plans(monkeypatch, *, whole_documents: bool):
     """Record forward launch plans; ``whole_documents`` plans without a token split (the
     reference a token-split run must match bit for bit)."""
-    from lik_cupy import dispatch
+    from lik_cupy import _dispatch as dispatch
 
     plan, seen = dispatch.plan_launch, []
 

@@ -1027,7 +1027,7 @@ def gpu_kernels():
     import cupy
 
     from lik_cupy._runtime import nvrtc as lc
-    from lik_cupy import dispatch
+    from lik_cupy import _dispatch as dispatch
     from lik_cupy._runtime.device import device_properties
 
     cc = device_properties(cupy.cuda.runtime.getDevice()).cc

@@ -16,7 +16,6 @@ CUBIN, ``compile._load``) is replaced here by a stand-in that records what it wa
 from __future__ import annotations
 
 import ast
-import collections
 import hashlib
 import json
 import multiprocessing
@@ -33,6 +32,7 @@ from click.testing import CliRunner
 
 from lik_cupy import _atomic, cli
 from lik_cupy._runtime import nvrtc as lc
+from lik_cupy._runtime.cache import DeviceCache
 from lik_cupy import _dispatch as dispatch
 from lik_cupy import shards
 
@@ -71,8 +71,7 @@ def kernel_cache(tmp_path, monkeypatch):
     """An empty disk cache, empty in-memory caches, counted NVRTC compiles and stand-in loads."""
     pytest.importorskip("cuda.bindings.nvrtc", reason="NVRTC (cuda-python) is not installed")
     monkeypatch.setenv("LIK_CUPY_CACHE_DIR", str(tmp_path / "kc"))
-    monkeypatch.setattr(lc, "_modules", collections.OrderedDict())
-    monkeypatch.setattr(lc, "_key_locks", {})
+    monkeypatch.setattr(lc, "_modules", DeviceCache(lc._MEMORY_CACHE_SIZE, lru=True))
     nvrtc = Counting(lc.nvrtc_compile, delay=0.2)
     load = Counting(lambda path, device, entry: types.SimpleNamespace(path=path, device=device, entry=entry))
     monkeypatch.setattr(lc, "nvrtc_compile", nvrtc)
@@ -115,7 +114,7 @@ def test_concurrent_callers_compile_each_kernel_once(kernel_cache):
     lc._modules.clear()  # a new process: the disk cache serves it, NVRTC stays idle
     lc.get_module(SRC, cfgs[0].defines(), 80, 0)
     assert kernel_cache.nvrtc.calls == 2 and kernel_cache.load.calls == 3
-    assert not lc._key_locks  # per-key locks do not pile up
+    assert lc._modules.building() == 0  # per-key locks do not pile up
 
 
 def _compile_in_process(cache: str, barrier, out):
@@ -167,8 +166,7 @@ def test_failed_compile_reaches_every_caller_with_the_log_and_is_not_cached(kern
 
 
 def test_memory_cache_is_bounded_and_keeps_recent_kernels(monkeypatch):
-    monkeypatch.setattr(lc, "_modules", collections.OrderedDict())
-    monkeypatch.setattr(lc, "_key_locks", {})
+    monkeypatch.setattr(lc, "_modules", DeviceCache(lc._MEMORY_CACHE_SIZE, lru=True))
     monkeypatch.setattr(lc, "cubin_path", lambda name, defines, arch: pathlib.Path(defines["LIK_NAME"]))
     monkeypatch.setattr(lc, "_load", lambda path, device, entry: types.SimpleNamespace(name=entry))
     size = lc._MEMORY_CACHE_SIZE
@@ -180,7 +178,7 @@ def test_memory_cache_is_bounded_and_keeps_recent_kernels(monkeypatch):
         assert len(lc._modules) <= size
     names = [m.name for m in lc._modules.values()]
     assert len(names) == size and "k0" in names and "k1" not in names and f"k{2 * size - 1}" in names
-    assert not lc._key_locks
+    assert lc._modules.building() == 0
 
 
 # ---------------------------------------------------------------- the on-disk cache
@@ -191,7 +189,7 @@ def test_small_kernels_are_looked_up_once_per_device(monkeypatch):
     # once per (device, source, entry), and each device gets its own architecture's build.
     import lik_cupy._runtime.device
 
-    monkeypatch.setattr(lc, "_functions", {})
+    monkeypatch.setattr(lc, "_functions", DeviceCache(1024))
     modules = []
 
     def get_module(name, defines, arch, device, entry=None):

@@ -386,10 +386,11 @@ def test_cold_start_from_many_threads_compiles_each_kernel_once(tmp_path, monkey
 
     from lik_cupy._runtime import nvrtc as lc
 
+    from lik_cupy._runtime.cache import DeviceCache
+
     monkeypatch.setenv("LIK_CUPY_CACHE_DIR", str(tmp_path))  # an empty disk cache
-    monkeypatch.setattr(lc, "_modules", collections.OrderedDict())
-    monkeypatch.setattr(lc, "_key_locks", {})
-    monkeypatch.setattr(launch, "_kernels", {})
+    monkeypatch.setattr(lc, "_modules", DeviceCache(lc._MEMORY_CACHE_SIZE, lru=True))
+    monkeypatch.setattr(launch, "_kernels", DeviceCache(4096))
     nvrtc = _Counted(lc.nvrtc_compile)
     monkeypatch.setattr(lc, "nvrtc_compile", nvrtc)
     rng = np.random.default_rng(3)
@@ -512,6 +513,8 @@ def test_10000_mixed_calls_leave_memory_and_caches_flat():
     from lik_cupy._runtime import launch
 
     from lik_cupy._runtime import nvrtc as lc
+
+    from lik_cupy._runtime.cache import DeviceCache
 
     torch = _torch()
     calls = _templates(np.random.default_rng(10))

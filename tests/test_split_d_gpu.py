@@ -102,7 +102,7 @@ def test_short_query_half_stages(rng, monkeypatch, dim, lq, packed):
 
     import cupy
 
-    from lik_cupy import dispatch
+    from lik_cupy import _dispatch as dispatch
 
     lens = rng.integers(0, 140, 11)
     lens[3] = 0

@@ -13,6 +13,7 @@ import sys
 
 import numpy as np
 
+from .._runtime.cache import DeviceCache
 from .info import Info, dtype_name
 
 FRAMEWORK = "torch"
@@ -128,7 +129,16 @@ def from_numpy(a: np.ndarray):
 
 # (device, stream handle) -> CuPy's non-owning view of a torch stream, built once (about 10 us
 # per call otherwise); a handle torch reuses for a new stream is the same stream to CuPy.
-_external: dict = {}
+_external = DeviceCache(256)
+
+
+def _external_stream(device: int):
+    import cupy
+
+    s = sys.modules["torch"].cuda.current_stream(device)
+    if hasattr(s, "__cuda_stream__") and hasattr(cupy.cuda.Stream, "from_external"):
+        return cupy.cuda.Stream.from_external(s)  # CuPy 14 deprecates ExternalStream (a warning per call)
+    return cupy.cuda.ExternalStream(s.cuda_stream, device)
 
 
 @contextlib.contextmanager
@@ -147,16 +157,7 @@ def stream(device: int):
     # object, which only a new stream needs.
     raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
     handle = raw(device) if raw is not None else torch.cuda.current_stream(device).cuda_stream
-    ext = _external.get((device, handle))
-    if ext is None:
-        s = torch.cuda.current_stream(device)
-        if hasattr(s, "__cuda_stream__") and hasattr(cupy.cuda.Stream, "from_external"):
-            ext = cupy.cuda.Stream.from_external(s)  # CuPy 14 deprecates ExternalStream (a warning per call)
-        else:
-            ext = cupy.cuda.ExternalStream(s.cuda_stream, device)
-        if len(_external) >= 256:
-            _external.clear()
-        _external[(device, handle)] = ext
+    ext = _external.lookup(device, handle) or _external.get(device, handle, lambda: _external_stream(device))
     with ext, cupy.cuda.using_allocator(_malloc):
         yield
 

@@ -17,6 +17,7 @@ import numpy as np
 from .. import _dispatch as dispatch
 from .._validate import Problem, check_32bit
 from . import env, tma, token_split
+from .cache import DeviceCache
 from .device import device_properties, empty
 from .masks import mask_spans
 
@@ -47,21 +48,22 @@ def _warn_wgmma_once(err: Exception) -> None:
 
 # (device, kernel name) -> (module, the kernel's CUfunction handle on that device): spares each
 # call the cache-key building; its size is bounded by the configurations dispatch can return.
-_kernels: dict = {}
+_kernels = DeviceCache(4096)
 
 
 def _kernel(cfg, arch: int, device: int):
     """The loaded module of ``cfg`` and its kernel's driver handle on ``device`` (the current one)."""
+    return _kernels.lookup(device, cfg.name) or _kernels.get(device, cfg.name, lambda: _load_kernel(cfg, arch, device))
+
+
+def _load_kernel(cfg, arch: int, device: int):
     from .nvrtc import get_module
 
-    hit = _kernels.get((device, cfg.name))
-    if hit is None:
-        mod = get_module("maxsim_fwd.cu", cfg.defines(), cfg.target(arch), device)
-        kern = mod.get_function(cfg.name)
-        if cfg.smem_bytes > 48 * 1024:
-            kern.max_dynamic_shared_size_bytes = cfg.smem_bytes
-        hit = _kernels[(device, cfg.name)] = (mod, kern.kernel.ptr)
-    return hit
+    mod = get_module("maxsim_fwd.cu", cfg.defines(), cfg.target(arch), device)
+    kern = mod.get_function(cfg.name)
+    if cfg.smem_bytes > 48 * 1024:
+        kern.max_dynamic_shared_size_bytes = cfg.smem_bytes
+    return mod, kern.kernel.ptr
 
 
 # The forward kernel's parameters in order, by C type: p pointer, i int, u unsigned, q long long (the TMA

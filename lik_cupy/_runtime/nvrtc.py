@@ -19,14 +19,13 @@ import json
 import os
 import re
 import tempfile
-import threading
-from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
 from .. import __version__
 from ..errors import CompileError
 from . import env
+from .cache import DeviceCache
 
 _INCLUDE = re.compile(r'^\s*#\s*include\s*"([^"]+)"', re.M)
 _MEMORY_CACHE_SIZE = 256
@@ -215,9 +214,8 @@ def cubin_path(name: str, defines: dict, arch: int | str) -> Path:
     return cubin
 
 
-_modules: OrderedDict = OrderedDict()
-_modules_lock = threading.Lock()
-_key_locks: dict = {}
+_modules = DeviceCache(_MEMORY_CACHE_SIZE, lru=True)  # loaded modules, compiled once per key
+_functions = DeviceCache(1024)  # small kernels of sources built without defines, per (source, entry)
 
 
 def get_module(name: str, defines: dict, arch: int | str, device_id: int, entry: str | None = None):
@@ -226,43 +224,24 @@ def get_module(name: str, defines: dict, arch: int | str, device_id: int, entry:
     ``entry`` is a kernel the module defines (default: ``defines["LIK_NAME"]``);
     it is loaded at once so a bad module fails here, not at the first launch.
     """
-    mkey = (device_id, name, tuple(sorted((k, str(v)) for k, v in defines.items())), str(arch))
-    with _modules_lock:
-        mod = _modules.get(mkey)
-        if mod is not None:
-            _modules.move_to_end(mkey)
-            return mod
-        lock = _key_locks.setdefault(mkey, threading.Lock())
-    with lock:  # callers of one key wait for its single compile; other keys go on in parallel
-        with _modules_lock:
-            mod = _modules.get(mkey)
-            if mod is not None:
-                return mod
-        mod = _load(cubin_path(name, defines, arch), device_id, entry or str(defines["LIK_NAME"]))
-        with _modules_lock:
-            _modules[mkey] = mod
-            while len(_modules) > _MEMORY_CACHE_SIZE:
-                _modules.popitem(last=False)
-            _key_locks.pop(mkey, None)
-        return mod
-
-
-_functions: dict = {}  # (device, source, entry) -> a loaded kernel of a source built without defines
+    key = (name, tuple(sorted((k, str(v)) for k, v in defines.items())), str(arch))
+    return _modules.get(device_id, key, lambda: _load(cubin_path(name, defines, arch), device_id,
+                                                       entry or str(defines["LIK_NAME"])))
 
 
 def get_function(name: str, entry: str, device_id: int):
     """Kernel ``entry`` of ``name``, a source built without defines (``checks.cu``, ``masks.cu``,
     ``topk.cu``), for ``device_id``'s architecture. Looked up once per device: the small kernels
     launched on every call then build no cache key."""
-    key = (device_id, name, entry)
-    fn = _functions.get(key)
-    if fn is None:
-        from .device import device_properties
-        from .._dispatch import arch_of
+    return _functions.lookup(device_id, (name, entry)) or _functions.get(
+        device_id, (name, entry), lambda: _small_kernel(name, entry, device_id))
 
-        mod = get_module(name, {}, arch_of(device_properties(device_id).cc), device_id, entry=entry)
-        fn = _functions[key] = mod.get_function(entry)
-    return fn
+
+def _small_kernel(name: str, entry: str, device_id: int):
+    from .._dispatch import arch_of
+    from .device import device_properties
+
+    return get_module(name, {}, arch_of(device_properties(device_id).cc), device_id, entry=entry).get_function(entry)
 
 
 def _load(path: Path, device_id: int, entry: str):
