@@ -51,7 +51,7 @@ def standard_tiles(monkeypatch):
     cached = dispatch.choose_forward  # the lru_cache'd function, before any test spy wraps it
 
     def switch():
-        monkeypatch.setattr(dispatch, "_TOKM_MIN_LD", 1 << 30)
+        monkeypatch.setattr(dispatch.tables, "TOKM_MIN_LD", 1 << 30)
         cached.cache_clear()
 
     yield switch

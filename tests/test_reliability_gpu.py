@@ -644,7 +644,7 @@ def test_failed_launch_names_the_kernel_and_the_library_recovers(monkeypatch):
     grads = _hosts(lik_cupy.maxsim_backward(g, Q, D, cupy.asarray(am), method="csr"))
 
     real = dispatch.plan_launch
-    monkeypatch.setattr(dispatch, "plan_launch", lambda *a, **k: dispatch.Launch(1, 1, 1, (1, 70_000, 1)))
+    monkeypatch.setattr(dispatch, "plan_launch", lambda *a, **k: dispatch.Launch(n_qt=1, qb=1, docs_per_cta=1, grid=(1, 70_000, 1)))
     with pytest.raises(RuntimeError) as e:  # grid.y above 65535: the driver refuses the launch
         lik_cupy.maxsim(Q, D, return_argmax=True)
     fwd_msg = str(e.value)

@@ -59,7 +59,7 @@ def force(tile=None, grid_y=None, portable=False, tma=False):
             return p
         gy = grid_y if isinstance(grid_y, int) else int(float(grid_y[:-1]) * num_sms * dispatch.ctas_per_sm(cfg, cc))
         gy = max(1, min(gy, nd))
-        return dispatch.Launch(p.n_qt, p.qb, -(-nd // gy), (p.grid[0], gy, 1))
+        return dispatch.Launch(n_qt=p.n_qt, qb=p.qb, docs_per_cta=-(-nd // gy), grid=(p.grid[0], gy, 1))
 
     rebind(dispatch, "plan_launch", plan)
 

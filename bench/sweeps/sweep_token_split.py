@@ -78,7 +78,7 @@ def main():
         p = real_plan(cfg, cc, num_sms, nq, nd, lq, shared)
         rows = p.grid[0]
         shares = min(num_sms * dispatch.ctas_per_sm(cfg, cc) // rows, -(-ntok // (dispatch.tables.SPLIT_MIN_TILES * cfg.bn)))
-        return dispatch.Launch(p.n_qt, p.qb, 0, (rows, shares, 1), True)
+        return dispatch.Launch(n_qt=p.n_qt, qb=p.qb, docs_per_cta=0, grid=(rows, shares, 1), token_split=True)
 
     plans = {"token shares": split, "whole documents": whole, "dispatch": real_plan}
     counter = [0]
