@@ -488,7 +488,7 @@ class _Gpu:
     def _int8_queries(self) -> None:
         """Quantize float queries on the device, once per call (an int8 Q came with its scales)."""
         if self.qs is None:
-            from .quantize import quantize_cupy
+            from ._runtime.quantize import quantize_cupy
 
             q8, qs = quantize_cupy(self.q, self.qp.dtype)
             self.q, self.qs = q8, qs.reshape(-1)  # the float queries are no longer needed: corpora do not mix
@@ -592,7 +592,7 @@ class _Gpu:
     def _merge(self, s, nd: int):
         import cupy
 
-        from .compile import get_function
+        from ._runtime.nvrtc import get_function
 
         nq, k_run = self.qp.nq, self.s.shape[1]
         k_out = min(self.k, k_run + nd)
