@@ -6,7 +6,8 @@
 so it streams without a staging copy) take NumPy, CuPy, PyTorch, JAX or any DLPack
 arrays and return results in the caller's framework; ``maxsim_backward`` turns the forward's
 argmax into exact gradients (autograd adapters: ``lik_cupy.torch``, ``lik_cupy.jax``). Importing this package
-imports neither torch nor jax (nor CuPy, until a GPU path runs).
+imports neither torch nor jax (nor CuPy, until a GPU path runs). Scale-out over a Dask cluster:
+``lik_cupy.distributed`` (the ``[distributed]`` extra; this package never imports Dask).
 
 >>> import numpy as np, lik_cupy
 >>> Q = np.ones((1, 2, 4), np.float32)
@@ -17,23 +18,56 @@ array([[8., 8., 8.]], dtype=float32)
 
 __version__ = "0.1.0"
 
+import importlib  # noqa: E402
+import sys  # noqa: E402
+import types  # noqa: E402
+
 from . import _moved  # noqa: E402
-from ._runtime.device import gpu_available  # noqa: E402
-from ._runtime.pinned import PinnedHost, pin_host  # noqa: E402
-from ._runtime.warmup import warmup  # noqa: E402
-from .backward import maxsim_backward  # noqa: E402
 from .errors import CompileError, DeviceMemoryError, LikError, ShardError  # noqa: E402
-from .forward import maxsim, maxsim_pairs, maxsim_varlen  # noqa: E402
-from .int8 import maxsim_int8, maxsim_int8_varlen  # noqa: E402
-from .quantize import dequantize_int8, quantize_int8  # noqa: E402
-from .retrieve import retrieve  # noqa: E402
 
 __all__ = ["maxsim", "maxsim_pairs", "maxsim_varlen", "maxsim_int8", "maxsim_int8_varlen", "quantize_int8",
            "dequantize_int8", "maxsim_backward", "retrieve", "pin_host", "PinnedHost", "warmup", "gpu_available",
            "CompileError", "DeviceMemoryError", "ShardError", "LikError", "__version__"]
 
+# Public name -> the module defining it, imported on first use (PEP 562): `import lik_cupy`, and so
+# the `lik` command's start, pays only for the modules a program touches (`lik info` needs none
+# of the scoring code).
+_HOMES = {
+    "maxsim": ".forward", "maxsim_pairs": ".forward", "maxsim_varlen": ".forward",
+    "maxsim_int8": ".int8", "maxsim_int8_varlen": ".int8",
+    "quantize_int8": ".quantize", "dequantize_int8": ".quantize",
+    "maxsim_backward": ".backward",
+    "retrieve": ".retrieve",
+    "pin_host": "._runtime.pinned", "PinnedHost": "._runtime.pinned",
+    "warmup": "._runtime.warmup",
+    "gpu_available": "._runtime.device",
+}
+
 _moved.install()
 
 
 def __getattr__(name: str):
-    return _moved.attribute(name)
+    home = _HOMES.get(name)
+    if home is None:
+        return _moved.attribute(name)
+    value = getattr(importlib.import_module(home, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))
+
+
+class _Package(types.ModuleType):
+    """This package's module type. Importing a submodule binds it as an attribute of the package;
+    ``lik_cupy.retrieve`` (the module) would then hide ``lik_cupy.retrieve`` (the function), so a
+    module bound under a public name is replaced by that name's value."""
+
+    def __setattr__(self, name, value):
+        if isinstance(value, types.ModuleType) and name in _HOMES:
+            value = getattr(importlib.import_module(_HOMES[name], __name__), name)
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

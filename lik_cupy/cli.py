@@ -35,11 +35,12 @@ import click
 import numpy as np
 
 import lik_cupy
-from lik_cupy import _dispatch as dispatch
 from lik_cupy import _atomic, _files, shards
 from lik_cupy._ranking import merge_ranked
 from lik_cupy.errors import LikError
-from lik_cupy.retrieve import MAX_K
+
+# The scoring modules (lik_cupy.retrieve, lik_cupy._dispatch, ...) are imported by `lik score`
+# alone, where it needs them: `lik info`, `pack`, `inspect` and `--help` start without them.
 
 __all__ = ["main", "run_score", "EXIT_BAD_INPUT", "EXIT_INTERRUPTED"]
 
@@ -170,6 +171,8 @@ def _sigterm_as_interrupt():
 
 def _check_output(out: str, full_matrix: bool, top_k: int) -> str:
     """The output's suffix; LikError (or OSError naming it) if it cannot be written as asked."""
+    from lik_cupy.retrieve import MAX_K
+
     if not full_matrix and not 1 <= top_k <= MAX_K:
         raise LikError("--top-k", f"must be in 1..{MAX_K}, got {top_k} (--full-matrix writes every score)")
     suffix = os.path.splitext(out)[1].lower()
@@ -613,6 +616,86 @@ def _check_cast(groups: list[_QueryGroup], query: shards.Shard, dtype: np.dtype)
                                           "the corpus's dtype the queries are cast to; embeddings must be finite")
 
 
+# --------------------------------------------------------------------------- scoring on Dask
+# --scheduler, and --devices with two or more GPUs when dask-cuda is installed, score on a Dask
+# cluster through lik_cupy.distributed: shards resident on the workers, rankings merged there.
+
+
+_CONNECT_TIMEOUT = 30  # seconds to reach a --scheduler
+
+
+def _cluster_backend(cpu: bool, device: int | None, devices: str | None) -> tuple[str, list]:
+    """The backend the cluster's workers use (each finds its own GPU); --device/--devices name this machine's GPUs."""
+    if device is not None or devices:
+        raise LikError("--scheduler", "scores on the cluster's workers, each on its own GPU; drop --device/--devices")
+    return ("cpu" if cpu else "auto"), []
+
+
+def _dask_cuda_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("dask_cuda") is not None
+
+
+@contextlib.contextmanager
+def _dask_corpus(scheduler: str | None, gpus: list, backend: str, docs, d_lengths, bf16_bits: bool, dtype: str | None):
+    """The --docs inputs resident on a Dask cluster: the one at ``scheduler``, else a LocalCUDACluster
+    of ``gpus`` (two or more, with dask-cuda installed) started for this run. Yields a
+    ``lik_cupy.distributed.DistributedCorpus``, or None to score in this process."""
+    if scheduler is None and (len(gpus) < 2 or not _dask_cuda_installed()):
+        if len(gpus) > 1:
+            click.echo("lik: dask-cuda is not installed, so --devices spreads shards over threads of this process; "
+                       "pip install 'lik-cupy[distributed-gpu]' for one worker process per GPU", err=True)
+        yield None
+        return
+    import logging
+
+    from distributed import Client
+
+    from lik_cupy.distributed import DistributedCorpus
+
+    lengths = iter(d_lengths)  # --d-lengths pair with the .npy inputs by position, as _open_corpus reads them
+    sources = [p if os.path.isdir(p) else (p, next(lengths, None)) for p in docs]
+    with contextlib.ExitStack() as stack:
+        if scheduler is None:
+            from dask_cuda import LocalCUDACluster
+
+            # A free port for the scheduler's web server (another cluster may hold 8787); workers'
+            # logs silenced, since their errors reach the user as the one-line error below.
+            cluster = stack.enter_context(LocalCUDACluster(
+                CUDA_VISIBLE_DEVICES=",".join(map(str, gpus)), n_workers=len(gpus), threads_per_worker=1,
+                dashboard_address=":0", silence_logs=logging.CRITICAL))
+            client = stack.enter_context(Client(cluster))
+        else:
+            try:
+                client = stack.enter_context(Client(scheduler, timeout=_CONNECT_TIMEOUT))
+            except (OSError, ValueError) as e:  # unreachable (TimeoutError is an OSError), or not an address
+                raise LikError("--scheduler", f"cannot reach a Dask scheduler at {scheduler}: {e}") from None
+        try:
+            yield stack.enter_context(DistributedCorpus(client, sources, dtype=dtype, bf16_bits=bf16_bits,
+                                                        backend=backend))
+        except TimeoutError as e:  # the cluster's trouble, not a bug here: its own message, exit status 2
+            raise LikError("--scheduler" if scheduler else "--devices", str(e)) from None
+
+
+def _on_dask(fn, *args, **kwargs):
+    """``fn`` (a DistributedCorpus method); bad input the workers' lik_cupy calls found becomes a LikError."""
+    try:
+        return fn(*args, **kwargs)
+    except shards.ShardError:
+        raise
+    except (ValueError, TypeError) as e:
+        raise LikError("--docs", f"lik_cupy rejected the corpus on the Dask workers: {e}") from None
+
+
+def _dask_top_k(corpus, groups: list[_QueryGroup], nq: int, k: int):
+    """The top ``k`` of every query group on the cluster, in query order."""
+    vals, ids = np.empty((nq, k), np.float32), np.empty((nq, k), np.int64)
+    for g in groups:
+        vals[g.rows], ids[g.rows] = _on_dask(corpus.search, g.Q, k, q_lengths=g.lengths)
+    return vals, ids
+
+
 def _open_corpus(docs, d_lengths, bf16_bits: bool) -> list[shards.Shard]:
     """Open every --docs input; --d-lengths pair with the .npy inputs (not shard directories), in order."""
     npy = [p for p in docs if not os.path.isdir(p)]
@@ -628,7 +711,7 @@ def _open_corpus(docs, d_lengths, bf16_bits: bool) -> list[shards.Shard]:
 
 def run_score(queries: str, docs, out: str, *, q_lengths: str | None = None, d_lengths=(), top_k: int = 10,
               full_matrix: bool = False, check: bool = False, cpu: bool = False, device: int | None = None,
-              devices: str | None = None, bf16_bits: bool = False) -> None:
+              devices: str | None = None, bf16_bits: bool = False, scheduler: str | None = None) -> None:
     """Score every query against every document and write ``out`` (see ``lik score --help``)."""
     suffix = _check_output(out, full_matrix, top_k)
     if not docs:
@@ -666,19 +749,35 @@ def run_score(queries: str, docs, out: str, *, q_lengths: str | None = None, d_l
     qids = _readable_ids(query.ids) if query.ids is not None else np.arange(query.num_docs)
     nq = query.num_docs
 
-    backend, gpus = _choose_backend(cpu, device, devices)
+    if scheduler is None:
+        backend, gpus = _choose_backend(cpu, device, devices)
+    else:
+        backend, gpus = _cluster_backend(cpu, device, devices)
+    from lik_cupy import _dispatch as dispatch
+
     if int8 and backend == "gpu" and (query.dim % 16 or query.dim > dispatch.MAX_DIM_INT8):
         raise LikError(corpus[0].path, f"INT8 shards of d={query.dim} cannot be scored on the GPU (the INT8 kernels "
                                        f"take d a multiple of 16 up to {dispatch.MAX_DIM_INT8}); pass --cpu")
     # A full matrix part's scores [Nq, docs] stay within _PART_BYTES too.
     parts = _plan(corpus, dtype, whole_shards=backend == "gpu" and not full_matrix,
                   max_docs=max(1, _PART_BYTES // (4 * nq)) if full_matrix else 0)
-    with _atomic.output_file(out, _replaceable_output) as f:
+    cast = None if int8 else dtype.name
+    with (_atomic.output_file(out, _replaceable_output) as f,
+          _dask_corpus(scheduler, gpus, backend, docs, d_lengths, bf16_bits, cast) as on_dask):
         with _Progress(n_docs) as bar:
             if full_matrix:
-                _full_matrix(groups, backend, gpus, parts, bar, _MatrixFile(f, out, (nq, n_docs)), dtype)
-            else:
+                matrix = _MatrixFile(f, out, (nq, n_docs))
+                if on_dask is None:
+                    _full_matrix(groups, backend, gpus, parts, bar, matrix, dtype)
+                else:
+                    for g in groups:
+                        _on_dask(on_dask.score, g.Q, q_lengths=g.lengths, write=functools.partial(matrix.write, g.rows))
+                    bar.update(n_docs)
+            elif on_dask is None:
                 vals, positions = _top_k(groups, nq, min(top_k, n_docs), backend, gpus, parts, bar, dtype)
+            else:
+                vals, positions = _dask_top_k(on_dask, groups, nq, min(top_k, n_docs))
+                bar.update(n_docs)
         if not full_matrix:
             ids = doc_ids(positions)
             if suffix == ".npy":
@@ -781,14 +880,18 @@ def main():
               "(the queries also after their cast to the corpus's dtype).")
 @click.option("--cpu", is_flag=True, help="Score on the CPU even if a GPU is visible.")
 @click.option("--device", type=int, default=None, metavar="N", help="GPU index to use (default: the current device).")
-@click.option("--devices", metavar="0,1", help="Spread the shards over these GPUs of this machine.")
+@click.option("--devices", metavar="0,1", help="Spread the shards over these GPUs of this machine (one Dask worker "
+              "per GPU with the [distributed-gpu] extra, else threads).")
+@click.option("--scheduler", metavar="ADDRESS", help="Score on the Dask cluster at ADDRESS (tcp://host:8786): shards "
+              "resident on its workers (docs/distributed.md).")
 @click.option("--bf16-bits", is_flag=True, help="Read uint16 .npy inputs as bfloat16 bit patterns.")
 @click.option("--debug", is_flag=True, help="Show a traceback on errors.")
 @_cli_errors
-def _score_command(queries, docs, q_lengths, d_lengths, top_k, out, full_matrix, check, cpu, device, devices, bf16_bits, debug):
+def _score_command(queries, docs, q_lengths, d_lengths, top_k, out, full_matrix, check, cpu, device, devices, scheduler,
+                   bf16_bits, debug):
     with _sigterm_as_interrupt():
         run_score(queries, docs, out, q_lengths=q_lengths, d_lengths=d_lengths, top_k=top_k, full_matrix=full_matrix,
-                  check=check, cpu=cpu, device=device, devices=devices, bf16_bits=bf16_bits)
+                  check=check, cpu=cpu, device=device, devices=devices, bf16_bits=bf16_bits, scheduler=scheduler)
 
 
 def _load_ids(path: str) -> np.ndarray:

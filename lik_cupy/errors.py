@@ -1,5 +1,8 @@
 """Every exception lik-cupy raises of its own (beside Python's ``ValueError`` / ``TypeError`` for
-bad arguments, which name the argument and what was expected)."""
+bad arguments, which name the argument and what was expected).
+
+Each survives pickling with its fields (``__reduce__``): errors raised in Dask workers
+(``lik_cupy.distributed``) or other processes reach the caller as the same exception."""
 
 from __future__ import annotations
 
@@ -18,6 +21,9 @@ class DeviceMemoryError(MemoryError):
         super().__init__(message)
         self.buffer, self.nbytes, self.device = buffer, nbytes, device
 
+    def __reduce__(self):
+        return type(self), (str(self), self.buffer, self.nbytes, self.device)
+
 
 class ShardError(ValueError):
     """A file or shard is missing, corrupt or inconsistent.
@@ -31,6 +37,9 @@ class ShardError(ValueError):
         self.path = str(path)
         self.problem = problem
 
+    def __reduce__(self):  # pickle rebuilds an exception from its args, here one string: pass both parts
+        return type(self), (self.path, self.problem)
+
 
 class LikError(Exception):
     """Bad input or environment for the ``lik`` command: reported as
@@ -40,3 +49,6 @@ class LikError(Exception):
         super().__init__(f"{what}: {problem}")
         self.what = str(what)
         self.problem = problem
+
+    def __reduce__(self):
+        return type(self), (self.what, self.problem)

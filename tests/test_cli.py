@@ -12,6 +12,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
@@ -315,19 +316,20 @@ def test_devices_spread_shards_and_merge(tmp_path, monkeypatch):
 
     def retrieve_on_cpu(*args, **kwargs):
         assert kwargs["backend"] == "gpu"
-        seen.append((current[0], args[1].shape[0]))
+        seen.append((current.device, args[1].shape[0]))
         return real(*args, **{**kwargs, "backend": "cpu"})
 
-    current = [None]
+    current = threading.local()  # each device's thread has its own scope
 
     @contextlib.contextmanager
     def scope(device):
-        current[0] = device
+        current.device = device
         yield
 
     monkeypatch.setattr(cli, "_gpu_available", lambda: True)
     monkeypatch.setattr(cli, "_gpu_count", lambda: 2)
     monkeypatch.setattr(cli, "_device_scope", scope)
+    monkeypatch.setattr(cli, "_dask_cuda_installed", lambda: False)  # the threads, not a LocalCUDACluster
     monkeypatch.setattr(lik_cupy, "retrieve", retrieve_on_cpu)
     out = tmp_path / "gpus.tsv"
     args = [a for a in c.args(out, "-k", 8, "--devices", "0,1") if a != "--cpu"]

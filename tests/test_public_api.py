@@ -46,7 +46,9 @@ FROZEN = {'lik_cupy': (['CompileError',
                   {'main': '()',
                    'run_score': '(queries: str, docs, out: str, *, q_lengths: str | None=None, d_lengths=(), '
                                 'top_k: int=10, full_matrix: bool=False, check: bool=False, cpu: bool=False, '
-                                'device: int | None=None, devices: str | None=None, bf16_bits: bool=False)'}),
+                                'device: int | None=None, devices: str | None=None, bf16_bits: bool=False, '
+                                'scheduler: str | None=None)'}),
+ 'lik_cupy.distributed': (['DistributedCorpus'], {}),
  'lik_cupy.errors': (['CompileError', 'DeviceMemoryError', 'LikError', 'ShardError'], {}),
  'lik_cupy.forward': (['maxsim', 'maxsim_pairs', 'maxsim_varlen'],
                       {'maxsim': '(Q, D, q_mask=None, d_mask=None, *, q_lengths=None, d_lengths=None, '
@@ -179,10 +181,10 @@ def test_internals_live_in_underscored_packages():
             assert p.name.startswith("_"), f"lik_cupy/{p.name}/ is a package without an underscore"
 
 
-def test_public_names_resolve_and_keep_torch_and_jax_out():
+def test_public_names_resolve_and_keep_torch_jax_and_dask_out():
     code = ("import sys, lik_cupy; [getattr(lik_cupy, n) for n in lik_cupy.__all__]; "
             "import lik_cupy.cli, lik_cupy.shards, lik_cupy.errors; "
-            "print(sorted(m for m in ('torch', 'jax', 'cupy') if m in sys.modules))")
+            "print(sorted(m for m in ('torch', 'jax', 'cupy', 'dask', 'distributed') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 

@@ -1,0 +1,153 @@
+"""Check docs/distributed.md's cost model of one query batch against a real Dask cluster, up to 64 workers.
+
+The model (Nq queries of Lq tokens, dim d, e bytes per element, N workers holding shards, top-k,
+fan-in f = lik_cupy.distributed._FAN_IN):
+
+- queries: B_Q = Nq * Lq * d * e (+ 8 * Nq of lengths) bytes, sent once by the client and copied
+  worker to worker by Dask's replicate: N - 1 copies in ceil(log3 N) rounds (each holder feeds
+  two more per round).
+- partial rankings: P = Nq * k * 12 bytes each (float32 score + int64 position). Merge tasks
+  take them f at a time until at most f are left (ceil(log_f N) - 1 levels); a merge of g
+  partials runs where one of them is and fetches g - 1. The client fetches the last m <= f and
+  merges them, the tree's root: depth ceil(log_f N) in all, N - m partials moved between
+  workers, m * P bytes into the client.
+
+For each N this script starts an in-process LocalCluster of N single-thread workers (inproc
+transport; the CPU path), builds a DistributedCorpus of 2 N small shards, runs one search and
+counts, from Dask itself: the workers holding Q (``who_has``), the bytes of partial rankings
+workers fetched from each other (their ``transfer_incoming_log``), the tasks that ran and the
+merge levels on workers (the task stream's keys), and the rankings the client fetched.
+The tiny shards keep scoring out of the way; only the counts matter. Prints a table and writes
+JSON (``$OUT`` or bench/results/latest/distributed_model.json).
+
+    PYTHONPATH=. python bench/sweeps/distributed_model.py            # N = 1, 2, 4, ..., 64
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import pathlib
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+NQ, LQ, DIM, K = 64, 32, 128, 100  # float32 queries: B_Q = 1 MiB
+DOCS_PER_SHARD = 60  # 2 shards per worker: each worker's partial has k = 100 rows
+
+
+def model(n: int, nq: int = NQ, lq: int = LQ, d: int = DIM, e: int = 4, k: int = K, fan_in: int = 4) -> dict:
+    """The paper model of one search batch over n workers (bytes and depths)."""
+    b_q = nq * lq * d * e + 8 * nq
+    p = nq * k * 12
+    levels = tasks = 0
+    parts = n
+    while parts > fan_in:  # as DistributedCorpus._search groups them
+        groups = [min(fan_in, parts - i) for i in range(0, parts, fan_in)]
+        tasks += sum(g > 1 for g in groups)
+        parts, levels = len(groups), levels + 1
+    return {
+        "query_bytes": b_q,
+        "query_copies_between_workers": n - 1,
+        "query_rounds": math.ceil(math.log(n, 3) - 1e-9) if n > 1 else 0,
+        "partial_bytes": p,
+        "worker_merge_levels": levels,
+        "merge_tasks": tasks,
+        "merge_depth": levels + (n > 1),  # the client's merge is the root
+        "partials_moved": n - parts,
+        "merge_bytes_between_workers": (n - parts) * p,
+        "client_partials": parts,
+        "client_bytes_out": b_q,
+        "client_bytes_in": parts * p,
+    }
+
+
+def measure(n: int, root: pathlib.Path) -> dict:
+    import distributed
+
+    from lik_cupy import shards
+    from lik_cupy.distributed import _FAN_IN, DistributedCorpus
+
+    rng = np.random.default_rng(n)
+    paths = []
+    for j in range(2 * n):
+        path = root / f"n{n}-shard{j}"
+        if not path.exists():
+            lens = rng.integers(1, 16, DOCS_PER_SHARD)
+            off = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+            shards.write_shard(path, rng.standard_normal((int(off[-1]), DIM)).astype(np.float32), off)
+        paths.append(str(path))
+    Q = rng.standard_normal((NQ, LQ, DIM)).astype(np.float32)
+    with distributed.LocalCluster(n_workers=n, threads_per_worker=1, processes=False, dashboard_address=":0",
+                                  silence_logs=logging.ERROR) as cluster, distributed.Client(cluster) as client:
+        with DistributedCorpus(client, paths, backend="cpu") as corpus:
+            corpus.search(Q, K)  # warm: imports, first-call costs
+            client.run(lambda dask_worker: dask_worker.transfer_incoming_log.clear())
+            seen = {}
+            real_scatter = corpus._scatter
+
+            def scatter(query):  # who holds the batch's queries once the broadcast returns (before
+                future = real_scatter(query)  # Dask's memory manager drops copies no task needs anymore)
+                seen["holders"] = len(client.who_has([future])[future.key])
+                return future
+
+            corpus._scatter = scatter
+            real_results = corpus._results
+
+            def results(futures, workers, what):  # the rankings the client fetches at the root
+                seen["fetched"] = len(futures)
+                return real_results(futures, workers, what)
+
+            corpus._results = results
+            with distributed.get_task_stream(client) as stream:
+                t0 = time.perf_counter()
+                corpus.search(Q, K)
+                seconds = time.perf_counter() - t0
+            logs = client.run(lambda dask_worker: list(dask_worker.transfer_incoming_log))
+    moved = [(key, size) for log in logs.values() for entry in log for key, size in entry["keys"].items()
+             if key.startswith(("lik-cupy-top-k", "lik-cupy-merge"))]
+    ran = [str(t["key"]) for t in stream.data]
+    levels = {int(key.split("-")[-2]) for key in ran if key.startswith("lik-cupy-merge")}
+    return {
+        "workers_holding_query": seen["holders"],
+        "partials_moved": len(moved),
+        "merge_bytes_between_workers": sum(size for _, size in moved),
+        "worker_merge_levels": max(levels) + 1 if levels else 0,
+        "search_tasks": sum(key.startswith("lik-cupy-top-k") for key in ran),
+        "merge_tasks": sum(key.startswith("lik-cupy-merge") for key in ran),
+        "client_partials": seen["fetched"],
+        "search_seconds": round(seconds, 4),
+        "fan_in": _FAN_IN,
+    }
+
+
+def main() -> None:
+    sizes = [int(a) for a in sys.argv[1:]] or [1, 2, 3, 4, 8, 16, 32, 64]
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="lik-model-") as tmp:
+        for n in sizes:
+            row = {"workers": n, "model": model(n), "dask": measure(n, pathlib.Path(tmp))}
+            rows.append(row)
+            m, d = row["model"], row["dask"]
+            print(f"N={n:3d}  Q copies {d['workers_holding_query'] - 1:3d} (model {m['query_copies_between_workers']}, "
+                  f"{m['query_rounds']} rounds)  partials moved {d['partials_moved']:3d} "
+                  f"(model {m['partials_moved']})  "
+                  f"merge bytes {d['merge_bytes_between_workers']:9d} (model {m['merge_bytes_between_workers']})  "
+                  f"worker merge levels {d['worker_merge_levels']} (model {m['worker_merge_levels']}), merge tasks "
+                  f"{d['merge_tasks']} (model {m['merge_tasks']}), client fetches {d['client_partials']} "
+                  f"(model {m['client_partials']})  search {d['search_seconds'] * 1e3:.0f} ms",
+                  flush=True)
+    out = pathlib.Path(os.environ.get("OUT") or pathlib.Path(__file__).resolve().parents[1] / "results" / "latest")
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {"nq": NQ, "lq": LQ, "dim": DIM, "dtype": "float32", "k": K,
+            "note": "in-process LocalCluster (inproc transport), CPU path"}
+    (out / "distributed_model.json").write_text(json.dumps({"config": meta, "rows": rows}, indent=2) + "\n")
+    print(f"wrote {out / 'distributed_model.json'}")
+
+
+if __name__ == "__main__":
+    main()

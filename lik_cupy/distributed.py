@@ -1,0 +1,738 @@
+"""Scale out on Dask: one corpus of shards kept resident over many workers (GPUs, machines), its
+top-k merged exactly.
+
+    from distributed import Client
+    from dask_cuda import LocalCUDACluster            # one worker process per GPU of this machine
+    from lik_cupy.distributed import DistributedCorpus
+
+    with LocalCUDACluster() as cluster, Client(cluster) as client:
+        with DistributedCorpus(client, ["shard0", "shard1"]) as corpus:
+            scores, ids = corpus.search(Q, 100)   # bitwise lik_cupy.retrieve(Q, [both shards], 100)
+
+Everything runs on Dask's own machinery (a worker plugin, tasks pinned to workers, scatter,
+the scheduler's worker list); this module schedules nothing itself. Requires the
+``[distributed]`` extra (``[distributed-gpu]`` adds dask-cuda); ``import lik_cupy`` never
+imports Dask, this module does.
+
+- **Residency.** A worker plugin (``_Store``) holds each worker's shards. A task pinned to the
+  worker (``workers=[address]``) loads each shard once, packed. It goes onto the worker's GPU
+  when the worker has one and the shard fits in ``device_memory_fraction`` of the GPU's memory,
+  else into page-locked host memory (streamed through the GPU by each query), or into host
+  memory on a worker without a GPU. Resident shards are not Dask data, so Dask never spills,
+  moves or copies them.
+- **Placement** (``_place``). Shards go to workers by size, largest first, each to the worker
+  whose share of its capacity stays lowest. Each call first asks the scheduler which workers are
+  alive: the shards of a worker that left go to the others the same way, and shards move to a
+  worker that joined while that evens the shares out. Moved shards load on their new worker
+  before the old one drops them.
+- **A query batch** (``search``). Q is scattered once and broadcast (Dask copies it worker to
+  worker in a tree). Every worker holding shards runs one task: one ``retrieve`` over its
+  resident shards in corpus order, positions mapped to global ones. A tree of tasks merges those
+  partial rankings ``_FAN_IN`` at a time with ``merge_ranked``, down to ``_FAN_IN`` at most, which
+  the client fetches and merges: the root of the tree. Its order is total (score
+  descending, lower position first, NaN last), so every merge tree gives exactly the
+  single-process ranking. ``score`` returns the full matrix, fetched shard piece by shard piece.
+- **Faults.** While it waits, the client polls the scheduler's worker list. When a worker
+  holding shards leaves mid-call, the call's tasks are dropped, the shards reload on the
+  remaining workers, the call runs again (still exact), and a RuntimeWarning says what happened.
+  An unreadable shard raises :class:`lik_cupy.ShardError` naming the file. Every wait is bounded
+  by ``timeout``, and a TimeoutError says what did not finish.
+
+docs/distributed.md has the recipes (one host, many nodes) and the cost model: bytes per query
+batch and merge depth against the number of workers.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import uuid
+import warnings
+from collections import Counter, defaultdict, deque
+from dataclasses import dataclass
+
+import numpy as np
+
+try:
+    import distributed
+except ImportError as e:
+    raise ImportError("lik_cupy.distributed needs Dask's distributed scheduler: pip install 'lik-cupy[distributed]' "
+                      "(or 'lik-cupy[distributed-gpu]', which adds dask-cuda for one worker per GPU)") from e
+
+from . import shards
+from ._ranking import merge_ranked
+from ._runtime.device import gpu_available
+from .retrieve import MAX_K, _outside_stacklevel, retrieve
+
+__all__ = ["DistributedCorpus"]
+
+# Partial rankings merged per reduction task. Each merge moves FAN_IN - 1 rankings onto the
+# worker that holds one of them already, so depth and bytes trade off (docs/distributed.md).
+_FAN_IN = 4
+_POLL = 0.25  # seconds between looks at the scheduler's worker list while a call waits
+_ATTEMPTS = 4  # a call runs at most this often when workers keep leaving mid-call
+_PIECE_BYTES = 64 << 20  # float32 scores per task of score(): bounds worker and client memory
+_PIECES_PER_WORKER = 2  # score() tasks queued per worker: one runs while the other's result is fetched
+
+
+# --------------------------------------------------------------------------- placement
+
+
+def _place(sizes: dict[int, int], weights: dict[str, float], current: dict[int, str]) -> dict[int, str]:
+    """Decide which worker holds each shard.
+
+    Args:
+        sizes: bytes of each shard, by shard index.
+        weights: the living workers' capacities in bytes. A worker's share of the corpus
+            grows with its weight.
+        current: where shards are resident now, on living workers. They stay there unless
+            the rebalance below moves them.
+
+    Returns:
+        shard index -> worker address. The shards not in ``current`` (all of them the first
+        time) go largest first to the worker whose load / weight stays lowest. Then shards move
+        one at a time from the fullest worker to the emptiest while a move lowers
+        sum(load**2 / weight). A worker that joined fills up that way, and the loop ends
+        because that sum only falls. Deterministic: ties are broken by shard index and address.
+    """
+    workers = sorted(weights)
+    w = {a: max(float(weights[a]), 1.0) for a in workers}
+    placement = {i: a for i, a in current.items() if a in w and i in sizes}
+    load = dict.fromkeys(workers, 0)
+    for i, a in placement.items():
+        load[a] += sizes[i]
+    for i in sorted((i for i in sizes if i not in placement), key=lambda i: (-sizes[i], i)):
+        a = min(workers, key=lambda a: ((load[a] + sizes[i]) / w[a], a))
+        placement[i] = a
+        load[a] += sizes[i]
+    for _ in range(len(sizes) * len(workers)):  # a bound only: the potential falls with each move
+        hi = max(workers, key=lambda a: (load[a] / w[a], a))
+        lo = min(workers, key=lambda a: (load[a] / w[a], a))
+        # Moving s bytes from hi to lo lowers the potential iff (2 lo + s) / w_lo < (2 hi - s) / w_hi.
+        movable = [i for i, a in placement.items() if a == hi and sizes[i] > 0
+                   and (2 * load[lo] + sizes[i]) / w[lo] < (2 * load[hi] - sizes[i]) / w[hi]]
+        if not movable:
+            break
+        i = max(movable, key=lambda i: (sizes[i], -i))
+        placement[i] = lo
+        load[hi] -= sizes[i]
+        load[lo] += sizes[i]
+    return placement
+
+
+# --------------------------------------------------------------------------- worker side
+
+
+@dataclass(frozen=True)
+class _Info:
+    """What the client needs to know of a shard before loading it."""
+
+    num_docs: int
+    nbytes: int  # what residency costs: tokens (valid rows only), scales, offsets
+    dim: int
+    dtype: str  # one of shards.SHARD_DTYPES
+
+
+def _describe(source: tuple[str, str | None], bf16_bits: bool) -> _Info:
+    shard = shards.open_input(source[0], source[1], bf16_bits=bf16_bits)
+    nbytes = int(shard.doc_lengths().sum()) * shard.bytes_per_token + 8 * (shard.num_docs + 1)
+    return _Info(shard.num_docs, nbytes, shard.dim, shard.dtype)
+
+
+@dataclass
+class _Resident:
+    """One shard held by a worker, packed whatever its layout on disk (a padded input keeps its valid rows).
+
+    ``part``: ``(tokens [T, d], offsets int64 [N + 1])``, plus float32 ``scales [T]`` for int8
+    tokens: a shard as :func:`lik_cupy.retrieve` takes it, CuPy arrays when ``where == "GPU"``,
+    NumPy arrays otherwise. ``offsets``: a host copy of the offsets, to slice pieces in :meth:`scores`.
+    """
+
+    part: tuple
+    offsets: np.ndarray
+    where: str  # "GPU", "pinned host memory" or "host memory"
+    nbytes: int
+    pinned: object = None  # the PinnedHost that page-locks host arrays, released with the shard
+
+    @property
+    def num_docs(self) -> int:
+        return self.offsets.shape[0] - 1
+
+    def scores(self, Q: np.ndarray, q_lengths, start: int, stop: int, backend: str) -> np.ndarray:
+        """float32 ``[Nq, stop - start]``: the MaxSim of every query against documents ``start..stop-1``."""
+        from .forward import maxsim_varlen
+        from .int8 import maxsim_int8_varlen
+
+        t0, t1 = int(self.offsets[start]), int(self.offsets[stop])
+        offsets = self.offsets[start : stop + 1] - t0
+        on_gpu = self.where == "GPU"
+        if on_gpu:  # the documents are CuPy arrays: queries and offsets go to the same device
+            import cupy
+
+            Q, offsets = cupy.asarray(Q), cupy.asarray(offsets)
+            q_lengths = None if q_lengths is None else cupy.asarray(q_lengths)
+        tokens = self.part[0][t0:t1]
+        if len(self.part) == 3:
+            S = maxsim_int8_varlen(Q, tokens, self.part[2][t0:t1], offsets, q_lengths=q_lengths, backend=backend)
+        else:
+            S = maxsim_varlen(Q, tokens, offsets, q_lengths=q_lengths, backend=backend)
+        return S.get() if on_gpu else np.asarray(S, np.float32)
+
+    def release(self) -> None:
+        if self.pinned is not None:
+            self.pinned.release()
+        self.part = ()
+
+
+def _make_resident(shard: shards.Shard, dtype: str | None, gpu_room: float | None) -> _Resident:
+    """Hold ``shard`` in memory: on the GPU when ``gpu_room`` (bytes; None: no GPU) takes it, else in host memory."""
+    tokens, offsets = shard.read_chunk(0, shard.num_docs)
+    if dtype is not None:
+        tokens = tokens.astype(shards.numpy_dtype(dtype), copy=False)
+    arrays = [tokens, offsets] + ([shard.read_scales(0, shard.num_docs)] if shard.scales is not None else [])
+    nbytes = sum(a.nbytes for a in arrays)
+    host_offsets = np.array(offsets, np.int64)
+    # CuPy has no bfloat16 dtype: such shards stay in host memory and stream through the GPU.
+    if gpu_room is not None and nbytes <= gpu_room and tokens.dtype.name != "bfloat16":
+        import cupy
+
+        try:
+            return _Resident(tuple(cupy.asarray(a) for a in arrays), host_offsets, "GPU", nbytes)
+        except cupy.cuda.memory.OutOfMemoryError:
+            cupy.get_default_memory_pool().free_all_blocks()  # other work holds the memory: stream instead
+    host = tuple(np.array(a) for a in arrays)  # read once: later queries never touch the files
+    if gpu_room is None:
+        return _Resident(host, host_offsets, "host memory", nbytes)
+    from ._runtime.pinned import pin_host
+
+    try:
+        pinned = pin_host(host[0], *host[2:])  # tokens and scales, which retrieve uploads as they lie
+    except RuntimeError:  # the driver refused to lock that much (ulimit -l): pageable memory still streams
+        return _Resident(host, host_offsets, "host memory", nbytes)
+    return _Resident(host, host_offsets, "pinned host memory", nbytes, pinned)
+
+
+class _Store(distributed.WorkerPlugin):
+    """The shards one worker holds for one corpus: a Dask worker plugin, set up on every worker
+    (workers that join later too) and torn down when the corpus closes or the worker stops."""
+
+    def __init__(self, fraction: float, backend: str, dtype: str | None, bf16_bits: bool):
+        self.fraction, self.backend, self.dtype, self.bf16_bits = fraction, backend, dtype, bf16_bits
+
+    def setup(self, worker) -> None:
+        self.resident: dict[int, _Resident] = {}
+        self.gpu_bytes = 0
+        self.lock = threading.RLock()  # a worker with several threads may load and search at once
+
+    def teardown(self, worker) -> None:
+        self.drop(list(self.resident))
+
+    def gpu(self) -> bool:
+        return self.backend != "cpu" and gpu_available()
+
+    def capacity(self) -> float:
+        """Bytes of shards this worker should hold: ``fraction`` of its GPU's memory, or its host memory limit."""
+        if self.gpu():
+            import cupy
+
+            return self.fraction * cupy.cuda.runtime.memGetInfo()[1]
+        limit = distributed.get_worker().memory_manager.memory_limit
+        if not limit:  # a worker started without a limit
+            import psutil
+
+            limit = psutil.virtual_memory().total
+        return float(limit)
+
+    def get(self, index: int, source: tuple[str, str | None]) -> _Resident:
+        """Shard ``index``, loaded from ``source`` first if this worker does not hold it (a worker
+        restarted under the same address comes back empty)."""
+        with self.lock:
+            r = self.resident.get(index)
+            if r is None:
+                shard = shards.open_input(source[0], source[1], bf16_bits=self.bf16_bits)
+                room = self.capacity() - self.gpu_bytes if self.gpu() else None
+                r = self.resident[index] = _make_resident(shard, self.dtype, room)
+                self.gpu_bytes += r.nbytes if r.where == "GPU" else 0
+            return r
+
+    def drop(self, indices) -> None:
+        with self.lock:
+            for i in indices:
+                r = self.resident.pop(i, None)
+                if r is not None:
+                    self.gpu_bytes -= r.nbytes if r.where == "GPU" else 0
+                    r.release()
+            if self.gpu():  # hand the memory back to the device, for other processes
+                import cupy
+
+                cupy.get_default_memory_pool().free_all_blocks()
+
+
+def _store(name: str) -> _Store:
+    worker = distributed.get_worker()
+    try:
+        return worker.plugins[name]
+    except KeyError:
+        raise RuntimeError(f"lik_cupy.distributed: worker {worker.address} has no corpus {name}; it was closed, "
+                           "or the worker missed the plugin's registration") from None
+
+
+# Task bodies. They run on the workers; each takes the corpus's plugin name.
+
+
+def _probe(name: str) -> float:
+    """This worker's capacity in bytes (its weight in the placement)."""
+    return _store(name).capacity()
+
+
+def _load(name: str, work: list[tuple[int, tuple[str, str | None]]]) -> list[tuple[int, str]]:
+    store = _store(name)
+    return [(index, store.get(index, source).where) for index, source in work]
+
+
+def _drop(name: str, indices: list[int]) -> None:
+    _store(name).drop(indices)
+
+
+def _top_k(name: str, query: tuple, k: int, work: list[tuple[int, int, tuple[str, str | None]]]):
+    """This worker's ranking of its shards ``work`` = [(index, first global position, source)], in
+    index order: float32 scores and int64 global positions ``[Nq, <= k]``.
+
+    One ``retrieve`` over the shards, as a single process would call it: the device merges the
+    chunks, and positions count on across the shards. The worker's shards are in corpus order, so
+    mapping a position to its shard's global range keeps every tie in the same order.
+    """
+    Q, q_lengths = query
+    store = _store(name)
+    held = [store.get(index, source) for index, _, source in work]
+    scores, local = retrieve(Q, [r.part for r in held], k, q_lengths=q_lengths, backend=store.backend)
+    ends = np.cumsum([r.num_docs for r in held])
+    shard = np.searchsorted(ends, local, side="right")  # the shard each local position falls in
+    offset = np.array([first for _, first, _ in work], np.int64) - (ends - [r.num_docs for r in held])
+    return scores, local + offset[shard]
+
+
+def _merge(k: int, *parts):
+    scores, positions = parts[0]
+    for s, i in parts[1:]:
+        scores, positions = merge_ranked(scores, positions, s, i, k)
+    return scores, positions
+
+
+def _piece(name: str, query: tuple, index: int, source: tuple[str, str | None], start: int, stop: int) -> np.ndarray:
+    Q, q_lengths = query
+    store = _store(name)
+    return store.get(index, source).scores(Q, q_lengths, start, stop, store.backend)
+
+
+# --------------------------------------------------------------------------- client side
+
+
+class _Departed(Exception):
+    """Workers that a pending call depends on left the cluster (the message lists them)."""
+
+
+def _source(s, i: int) -> tuple[str, str | None]:
+    if isinstance(s, (str, os.PathLike)):
+        return os.fspath(s), None
+    if (isinstance(s, tuple) and len(s) == 2 and isinstance(s[0], (str, os.PathLike))
+            and (s[1] is None or isinstance(s[1], (str, os.PathLike)))):
+        return os.fspath(s[0]), None if s[1] is None else os.fspath(s[1])
+    raise TypeError(f"shard_paths[{i}] must be a path (a shard directory, or a padded [N, L, d] .npy) or a "
+                    f"(.npy path, lengths path) tuple; got {s!r}")
+
+
+class DistributedCorpus:
+    """A corpus of shards kept resident on the workers of a Dask cluster, searched there.
+
+    Args:
+        client: a ``distributed.Client``. Every worker (and the scheduler, which unpickles the
+            tasks) needs lik-cupy installed, and must read the shard paths under the same names
+            (a shared file system).
+        shard_paths: the corpus, in order. Each item is a shard directory, a padded
+            ``[N, L, d]`` ``.npy``, or a ``(.npy path, lengths path)`` tuple: whatever
+            :func:`lik_cupy.shards.open_input` reads. Document positions run on across the
+            shards, as in :func:`lik_cupy.retrieve`.
+        device_memory_fraction: the share of each worker GPU's memory that resident shards may
+            take; the rest is left for scoring. A shard that does not fit stays in page-locked
+            host memory and streams through the GPU with each query. Workers' shares of the
+            corpus follow these capacities (host memory limits on workers without a GPU).
+        dtype: cast float shards to this dtype ("float16", "float32", "bfloat16") as they
+            load; None keeps each shard's dtype, which must then be the same for all of them.
+        bf16_bits: read uint16 ``.npy`` inputs as bfloat16 bit patterns.
+        backend: "auto", "gpu" or "cpu", for :func:`lik_cupy.retrieve` on the workers.
+        timeout: seconds any one wait may take: a scheduler call, loading the shards, a query
+            batch, one piece of :meth:`score`. Past it, TimeoutError says what was pending.
+
+    Raises:
+        ShardError: a shard cannot be read (the message names the file).
+        TimeoutError: no worker joined, or loading did not finish, within ``timeout``.
+
+    The corpus holds the workers' memory until :meth:`close` (or the end of a ``with`` block).
+    """
+
+    def __init__(self, client, shard_paths, *, device_memory_fraction: float = 0.8, dtype: str | None = None,
+                 bf16_bits: bool = False, backend: str = "auto", timeout: float = 300.0):
+        if isinstance(shard_paths, (str, os.PathLike)):
+            raise TypeError("shard_paths must be a list of paths (a corpus is one or more shards), got one path; "
+                            "wrap it in a list")
+        self._sources = [_source(s, i) for i, s in enumerate(shard_paths)]
+        if not self._sources:
+            raise ValueError("shard_paths is empty; give at least one shard")
+        if isinstance(device_memory_fraction, bool) or not 0 < device_memory_fraction <= 1:
+            raise ValueError(f"device_memory_fraction must be in (0, 1], got {device_memory_fraction!r}")
+        if dtype is not None and dtype not in shards.DTYPES:
+            raise ValueError(f"dtype must be None or one of {', '.join(shards.DTYPES)}, got {dtype!r}")
+        if backend not in ("auto", "gpu", "cpu"):
+            raise ValueError(f"backend must be 'auto', 'gpu' or 'cpu', got {backend!r}")
+        if isinstance(timeout, bool) or not timeout > 0:
+            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        self.client, self.timeout = client, float(timeout)
+        self._name = f"lik-cupy-corpus-{uuid.uuid4().hex[:12]}"
+        self._weights: dict[str, float] = {}  # known living workers -> capacity in bytes
+        self._placement: dict[int, str] = {}  # shard -> the worker that should hold it
+        self._resident: dict[int, str] = {}  # shard -> the worker that holds it (loaded and confirmed)
+        self._where: dict[int, str] = {}  # shard -> "GPU", "pinned host memory", "host memory"
+        self._closed = True  # until the plugin is registered: close() then has nothing to undo
+        self._live()  # at least one worker, or TimeoutError
+        self._call("registering the corpus with the workers", client.register_plugin,
+                   _Store(float(device_memory_fraction), backend, dtype, bf16_bits), name=self._name)
+        self._closed = False
+        try:
+            infos = self._results([client.submit(_describe, s, bf16_bits, pure=False, key=f"lik-cupy-describe-{i}-"
+                                                 f"{uuid.uuid4().hex[:8]}") for i, s in enumerate(self._sources)],
+                                  set(), "reading the shards' manifests")
+            self.dim, self.dtype = self._check(infos, dtype)
+            self._sizes = {i: info.nbytes for i, info in enumerate(infos)}
+            self._docs = [info.num_docs for info in infos]
+            self._first = np.concatenate([[0], np.cumsum(self._docs)]).astype(np.int64)
+            self._ready("while the corpus loaded")
+        except BaseException:
+            self.close()
+            raise
+
+    # ------------------------------------------------------------ public
+
+    @property
+    def num_docs(self) -> int:
+        return int(self._first[-1])
+
+    @property
+    def placement(self) -> dict[int, tuple[str, str]]:
+        """shard index -> (worker address, "GPU" | "pinned host memory" | "host memory")."""
+        return {i: (w, self._where[i]) for i, w in sorted(self._resident.items())}
+
+    def search(self, Q: np.ndarray, k: int, *, q_lengths=None):
+        """Top-k documents per query, as :func:`lik_cupy.retrieve` over all shards in one process.
+
+        Args:
+            Q: NumPy ``[Nq, Lq, d]`` or ``[Lq, d]`` query tokens, of the corpus's dtype (any float
+                dtype for an INT8 corpus: quantized on the workers).
+            k: documents per query, 1 .. 4096.
+            q_lengths: optional int ``[Nq]`` valid tokens per query (``Q``'s leading rows).
+
+        Returns:
+            ``(scores, positions)``: float32 and int64 ``[Nq, min(k, num_docs)]`` (``[min(k,
+            num_docs)]`` for a 2-D Q), best first: score descending, ties to the lower global
+            position, NaN last. Bitwise the single-process result when the workers score as one
+            process would (the same backend and residency: ``retrieve`` over the same arrays).
+        """
+        if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 1 <= k <= MAX_K:
+            raise ValueError(f"k must be an integer in [1, {MAX_K}], got {k!r}")
+        Q, q_lengths, squeeze = self._queries(Q, q_lengths)
+        s, i = self._rerun("during a search", lambda: self._search(Q, q_lengths, int(k)))
+        return (s[0], i[0]) if squeeze else (s, i)
+
+    def score(self, Q: np.ndarray, *, q_lengths=None, out: np.ndarray | None = None, write=None) -> np.ndarray | None:
+        """Every score: float32 ``[Nq, num_docs]`` (``[num_docs]`` for a 2-D Q), columns in corpus order.
+
+        The workers score pieces of at most 64 MiB of scores; the client writes each into ``out``
+        as it arrives (None: a new array) and returns it. Or, with ``write``, hands each piece to
+        ``write(first_doc, scores [Nq, n])`` as it arrives and returns None: a result larger than
+        memory goes to a file that way (``lik score --full-matrix`` writes each piece in place).
+        """
+        Q, q_lengths, squeeze = self._queries(Q, q_lengths)
+        shape = (Q.shape[0], self.num_docs)
+        if write is not None:
+            out = None
+        elif out is None:
+            out = np.empty(shape, np.float32)
+        elif not isinstance(out, np.ndarray) or out.shape != shape or out.dtype != np.float32:
+            raise ValueError(f"out must be a float32 NumPy array of shape {list(shape)}, got "
+                             f"{getattr(out, 'dtype', type(out).__name__)} {list(getattr(out, 'shape', []))}")
+        per = max(1, _PIECE_BYTES // max(1, 4 * Q.shape[0]))
+        todo = {(i, a, min(n, a + per)): None for i, n in enumerate(self._docs) for a in range(0, n, per)}
+        def into_out(first: int, S: np.ndarray) -> None:
+            out[:, first : first + S.shape[1]] = S
+
+        sink = write if write is not None else into_out
+        self._rerun("while scoring", lambda: self._fill(Q, q_lengths, todo, sink))
+        return None if out is None else out[0] if squeeze else out
+
+    def close(self) -> None:
+        """Drop the shards from every worker (GPU memory included). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.client.status in ("running", "connecting"):
+            self._call("removing the corpus from the workers", self.client.unregister_worker_plugin, self._name)
+
+    def __enter__(self) -> DistributedCorpus:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        per = defaultdict(list)
+        for i, w in sorted(self._resident.items()):
+            per[w].append(i)
+        where = "; ".join(f"{w}: shards {', '.join(map(str, ix))}" for w, ix in sorted(per.items()))
+        state = "closed" if self._closed else f"on {len(per)} workers ({where})"
+        return (f"DistributedCorpus({len(self._sources)} shards, {self.num_docs} docs, {self.dtype}, d={self.dim}, "
+                f"{state})")
+
+    # ------------------------------------------------------------ checks
+
+    def _check(self, infos: list[_Info], dtype: str | None) -> tuple[int, str]:
+        """(d, the dtype the workers hold) for shards of one dim and kind; else the error retrieve would give."""
+        first = infos[0]
+        for (path, _), info in zip(self._sources, infos):
+            if info.dim != first.dim:
+                raise ValueError(f"{path} has d={info.dim} but {self._sources[0][0]} has d={first.dim}; every shard "
+                                 "needs the same embedding dim")
+            if (info.dtype == shards.INT8) != (first.dtype == shards.INT8):
+                raise TypeError(f"{path} holds {info.dtype} tokens but {self._sources[0][0]} holds {first.dtype}: a "
+                                "corpus is all INT8 or all float (`lik pack --int8` quantizes a shard)")
+            if dtype is None and info.dtype != first.dtype:
+                raise ValueError(f"{path} holds {info.dtype} tokens but {self._sources[0][0]} holds {first.dtype}; "
+                                 "pass dtype= to cast every shard to one dtype as it loads")
+        if dtype is not None and first.dtype == shards.INT8:
+            raise ValueError(f"dtype={dtype!r} casts float shards, but the corpus is INT8; leave dtype=None")
+        return first.dim, dtype or first.dtype
+
+    def _queries(self, Q, q_lengths):
+        """(Q as contiguous [Nq, Lq, d], q_lengths as [Nq] or None, whether Q was 2-D)."""
+        if self._closed:
+            raise RuntimeError("this DistributedCorpus is closed; open a new one")
+        if not isinstance(Q, np.ndarray):
+            raise TypeError(f"Q must be a NumPy array (it is sent to the workers), got {type(Q).__module__}."
+                            f"{type(Q).__name__}; copy it to the host first")
+        if Q.ndim not in (2, 3) or Q.shape[-1] != self.dim:
+            raise ValueError(f"Q must be [Nq, Lq, d] or [Lq, d] with d={self.dim} (the corpus's dim); got shape "
+                             f"{list(Q.shape)}")
+        if self.dtype == shards.INT8:
+            if Q.dtype.kind != "f" and Q.dtype.name != "bfloat16":
+                raise TypeError(f"Q must hold float tokens (quantized on the workers) for an INT8 corpus; got "
+                                f"{Q.dtype}")
+        elif Q.dtype != shards.numpy_dtype(self.dtype):
+            raise TypeError(f"Q is {Q.dtype} but the corpus holds {self.dtype}; cast Q (Q.astype(...)) to it")
+        squeeze = Q.ndim == 2
+        Q = np.ascontiguousarray(Q[None] if squeeze else Q)
+        if q_lengths is not None:
+            q_lengths = np.ascontiguousarray(np.asarray(q_lengths).reshape(Q.shape[0]))
+        return Q, q_lengths, squeeze
+
+    # ------------------------------------------------------------ waiting
+
+    def _call(self, what: str, fn, *args, **kwargs):
+        """``fn(*args, **kwargs)``, a blocking Dask call without a timeout of its own, bounded by ``timeout``."""
+        box = {}
+
+        def run():
+            try:
+                box["value"] = fn(*args, **kwargs)
+            except BaseException as e:  # handed to the caller below
+                box["error"] = e
+
+        t = threading.Thread(target=run, name="lik-cupy-dask-call", daemon=True)
+        t.start()
+        t.join(self.timeout)
+        if t.is_alive():
+            raise TimeoutError(f"lik_cupy.distributed: {what}: the scheduler at {self._address()} did not answer "
+                               f"within {self.timeout:g} s (timeout=)")
+        if "error" in box:
+            raise box["error"]
+        return box.get("value")
+
+    def _address(self) -> str:
+        return getattr(self.client.scheduler, "address", None) or "(unknown address)"
+
+    def _live(self) -> set[str]:
+        """The workers connected to the scheduler now; waits for one when there is none."""
+        workers = self._call("listing the workers", self.client.nthreads)
+        if not workers:
+            try:
+                self._call("waiting for a worker", self.client.wait_for_workers, 1, timeout=self.timeout)
+            except (TimeoutError, distributed.TimeoutError):
+                raise TimeoutError(f"lik_cupy.distributed: no Dask worker is connected to the scheduler at "
+                                   f"{self._address()}, and none joined within {self.timeout:g} s (timeout=); start "
+                                   "workers (`dask worker ADDRESS`, or `dask cuda worker ADDRESS` for one per GPU)"
+                                   ) from None
+            workers = self._call("listing the workers", self.client.nthreads)
+        return set(workers)
+
+    def _wait(self, futures: list, workers: set[str], what: str, any_done: bool = False) -> set:
+        """The done futures, once all (or, with ``any_done``, at least one) of ``futures`` are done.
+
+        Raises the first failed task's own error; _Departed when one of ``workers`` (those the
+        pending tasks are pinned to) left; TimeoutError when nothing finished within ``timeout``.
+        """
+        deadline = time.monotonic() + self.timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                busy = f" on {', '.join(sorted(workers))}" if workers else ""
+                raise TimeoutError(f"lik_cupy.distributed: {what} did not finish within {self.timeout:g} s "
+                                   f"(timeout=){busy}; the workers may be overloaded or stuck (see the Dask "
+                                   "dashboard), or the work needs a larger timeout")
+            try:
+                with self.client.as_current():
+                    distributed.wait(futures, timeout=min(_POLL, left),
+                                     return_when="FIRST_COMPLETED" if any_done else "ALL_COMPLETED")
+            except (TimeoutError, distributed.TimeoutError):
+                pass
+            failed = [f for f in futures if f.status in ("error", "cancelled")]
+            if failed:
+                failed[0].result()  # raises the task's exception (ShardError, ValueError, ...)
+            done = {f for f in futures if f.status == "finished"}
+            if len(done) == len(futures) or (any_done and done):
+                return done
+            gone = workers - self._live()
+            if gone:
+                raise _Departed(", ".join(sorted(gone)))
+
+    def _results(self, futures: list, workers: set[str], what: str) -> list:
+        self._wait(futures, workers, what)
+        return [f.result() for f in futures]
+
+    def _rerun(self, during: str, run):
+        """``run()``, again after re-placing shards whenever workers left while it ran."""
+        context = "since the last call"
+        for _ in range(_ATTEMPTS):
+            self._ready(context)
+            try:
+                return run()
+            except _Departed:
+                context = f"{during}, which then ran again"
+        raise RuntimeError(f"lik_cupy.distributed: workers left {during} {_ATTEMPTS} times in a row; the cluster is "
+                           "losing workers faster than the shards reload")
+
+    # ------------------------------------------------------------ placement
+
+    def _ready(self, context: str) -> None:
+        """Make every shard resident on the worker the placement gives it, after workers left or joined."""
+        lost: dict[str, list[int]] = {}  # departed worker -> the shards it held
+        for _ in range(_ATTEMPTS):
+            live = self._live()
+            for w in [w for w in self._weights if w not in live]:
+                lost[w] = sorted(i for i, x in self._resident.items() if x == w)
+                del self._weights[w]
+            self._resident = {i: w for i, w in self._resident.items() if w in live}
+            try:
+                joined = sorted(live - set(self._weights))
+                if joined:
+                    probes = [self.client.submit(_probe, self._name, workers=[w], allow_other_workers=False,
+                                                 pure=False, key=f"lik-cupy-probe-{uuid.uuid4().hex[:8]}")
+                              for w in joined]
+                    self._weights.update(zip(joined, self._results(probes, set(joined), "probing the workers")))
+                self._placement = _place(self._sizes, self._weights, self._resident)
+                self._move({i: w for i, w in self._placement.items() if self._resident.get(i) != w})
+            except _Departed:
+                continue  # the next round drops the departed workers too
+            moved = {w: ix for w, ix in lost.items() if ix}
+            if moved:
+                warnings.warn(self._story(moved, context), RuntimeWarning, stacklevel=_outside_stacklevel())
+            return
+        raise RuntimeError(f"lik_cupy.distributed: workers kept leaving while shards reloaded ({_ATTEMPTS} rounds); "
+                           "the cluster is losing workers faster than the shards load")
+
+    def _move(self, moves: dict[int, str]) -> None:
+        """Load shards on their new workers, then drop them where they were."""
+        if not moves:
+            return
+        work = defaultdict(list)
+        for i, w in sorted(moves.items()):
+            work[w].append((i, self._sources[i]))
+        futures = [self.client.submit(_load, self._name, items, workers=[w], allow_other_workers=False, pure=False,
+                                      key=f"lik-cupy-load-{uuid.uuid4().hex[:8]}") for w, items in work.items()]
+        names = ", ".join(self._sources[i][0] for i in sorted(moves))
+        stale = defaultdict(list)
+        try:
+            self._wait(futures, set(work), f"loading {names}")
+        finally:  # record what did load, also when another worker failed or left: it is resident there
+            for w, f in zip(work, futures):
+                for i, where in f.result() if f.status == "finished" else ():
+                    if i in self._resident:
+                        stale[self._resident[i]].append(i)
+                    self._resident[i], self._where[i] = w, where
+        drops = [self.client.submit(_drop, self._name, ix, workers=[w], allow_other_workers=False, pure=False,
+                                    key=f"lik-cupy-drop-{uuid.uuid4().hex[:8]}") for w, ix in stale.items()]
+        try:
+            self._results(drops, set(stale), "dropping moved shards")
+        except _Departed:
+            pass  # a worker that left holds nothing anymore
+
+    def _story(self, lost: dict[str, list[int]], context: str) -> str:
+        parts = []
+        for w, ix in sorted(lost.items()):
+            homes = "; ".join(f"{self._sources[i][0]} -> {self._resident[i]}" for i in ix)
+            parts.append(f"worker {w} left {context}; its shards reloaded elsewhere ({homes})")
+        return "lik_cupy.distributed: " + ". ".join(parts) + ". The results are exact"
+
+    # ------------------------------------------------------------ queries
+
+    def _scatter(self, query: tuple):
+        """One future holding ``query`` on every worker (Dask's scatter: one copy sent, then a tree of copies)."""
+        try:
+            [future] = self.client.scatter([query], broadcast=True, hash=False, timeout=self.timeout)
+        except (TimeoutError, distributed.TimeoutError):
+            raise TimeoutError(f"lik_cupy.distributed: sending the queries to the workers did not finish within "
+                               f"{self.timeout:g} s (timeout=)") from None
+        return future
+
+    def _search(self, Q: np.ndarray, q_lengths, k: int):
+        query = self._scatter((Q, q_lengths))
+        work = defaultdict(list)
+        for i, w in sorted(self._placement.items()):
+            work[w].append((i, int(self._first[i]), self._sources[i]))
+        tag = uuid.uuid4().hex[:8]
+        parts = [self.client.submit(_top_k, self._name, query, k, items, workers=[w], allow_other_workers=False,
+                                    pure=False, key=f"lik-cupy-top-k-{tag}-{n}")
+                 for n, (w, items) in enumerate(work.items())]
+        level = 0
+        while len(parts) > _FAN_IN:  # the reduction tree; a lone leftover goes up a level as it is
+            parts = [self.client.submit(_merge, k, *group, pure=False, key=f"lik-cupy-merge-{tag}-{level}-{j}")
+                     if len(group) > 1 else group[0]
+                     for j, group in enumerate(parts[n : n + _FAN_IN] for n in range(0, len(parts), _FAN_IN))]
+            level += 1
+        # The root merges here: fetching its (at most _FAN_IN) inputs costs one round trip less
+        # than a merge task on a worker and fetching that.
+        return _merge(k, *self._results(parts, set(work), "a search batch"))
+
+    def _fill(self, Q: np.ndarray, q_lengths, todo: dict, sink) -> None:
+        """Score the pieces ``todo`` ((shard, start, stop) -> None), handing each to ``sink(first_doc, scores)``
+        and removing it once written."""
+        query = self._scatter((Q, q_lengths))
+        queues = defaultdict(deque)
+        for piece in todo:
+            queues[self._placement[piece[0]]].append(piece)
+        running: dict = {}  # future -> piece
+        busy = Counter()  # worker -> its pieces in flight
+        while queues or running:
+            for w in list(queues):
+                while queues[w] and busy[w] < _PIECES_PER_WORKER:
+                    i, a, b = piece = queues[w].popleft()
+                    f = self.client.submit(_piece, self._name, query, i, self._sources[i], a, b, workers=[w],
+                                           allow_other_workers=False, pure=False,
+                                           key=f"lik-cupy-score-{uuid.uuid4().hex[:8]}")
+                    running[f] = (w, piece)
+                    busy[w] += 1
+                if not queues[w]:
+                    del queues[w]
+            for f in self._wait(list(running), {w for w, _ in running.values()}, "a piece of score()", any_done=True):
+                w, (i, a, b) = running.pop(f)
+                busy[w] -= 1
+                sink(self._first[i] + a, f.result())
+                del todo[(i, a, b)]

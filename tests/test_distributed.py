@@ -1,0 +1,326 @@
+"""lik_cupy.distributed on a real Dask cluster: results bitwise those of single-process ``retrieve``.
+
+CPU (CI): one module-wide ``LocalCluster`` of two worker processes on the NumPy path. Covers
+ties, NaN and empty documents, a worker killed in the middle of a query (its shards reload, the
+batch reruns, a RuntimeWarning says so), a worker joining (shards move to it), a corrupt shard,
+timeouts, and ``lik score --scheduler``. GPU (marked ``gpu``; needs two GPUs and dask-cuda): the
+same checks on a ``LocalCUDACluster``, shards resident on the GPUs.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+distributed = pytest.importorskip("distributed")
+
+from click.testing import CliRunner  # noqa: E402
+
+from lik_cupy import cli, maxsim_varlen, retrieve, shards  # noqa: E402
+from lik_cupy.distributed import DistributedCorpus, _place  # noqa: E402
+from lik_cupy.errors import ShardError  # noqa: E402
+
+DIM = 16
+# Documents per shard: a shard without documents, and one far larger than the rest.
+SHARD_DOCS = (23, 0, 9, 41, 17, 30)
+
+
+def _make_corpus(root, rng, dtype=np.float32):
+    """Random shards with exact ties (documents repeated across shards), NaN tokens and empty
+    documents. Returns (shard paths, [(tokens, offsets)])."""
+    parts = []
+    for n in SHARD_DOCS:
+        lens = rng.integers(1, 9, n)
+        lens[rng.random(n) < 0.15] = 0  # empty documents score -inf
+        off = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+        tok = rng.standard_normal((int(off[-1]), DIM)).astype(dtype)
+        parts.append([tok, off])
+    # Ties: shard 3 ends with copies of shard 0's first documents, shard 5 with shard 2's.
+    for (dst, src, m) in ((3, 0, 6), (5, 2, 5)):
+        tok, off = parts[dst]
+        stok, soff = parts[src]
+        lens = np.concatenate([np.diff(off)[:-m], np.diff(soff)[:m]])
+        tok = np.concatenate([tok[: off[-m - 1]], stok[: soff[m]]])
+        parts[dst] = [tok, np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)]
+    for j in (0, 4):  # NaN: a token of one document in shards 0 and 4
+        tok, off = parts[j]
+        doc = int(np.flatnonzero(np.diff(off) > 0)[1])
+        tok[off[doc], 3] = np.nan
+    paths = []
+    for j, (tok, off) in enumerate(parts):
+        paths.append(str(root / f"shard{j}"))
+        shards.write_shard(paths[-1], tok, off)
+    return paths, [tuple(p) for p in parts]
+
+
+def _queries(rng, nq=5, lq=6, dtype=np.float32):
+    Q = rng.standard_normal((nq, lq, DIM)).astype(dtype)
+    q_lengths = rng.integers(1, lq + 1, nq)
+    q_lengths[1] = 0  # a query without tokens scores 0 against every document: all ties
+    return Q, q_lengths
+
+
+def _same(got, expected):
+    """Bitwise equal rankings: scores (NaN included) and positions."""
+    (s, i), (es, ei) = got, expected
+    assert s.dtype == np.float32 and i.dtype == np.int64 and s.shape == es.shape
+    np.testing.assert_array_equal(i, ei)
+    np.testing.assert_array_equal(s.view(np.uint32), np.asarray(es, np.float32).view(np.uint32))
+
+
+# --------------------------------------------------------------------------- placement (no cluster)
+
+
+def test_place_balances_by_size_and_keeps_shards_where_they_are():
+    sizes = {0: 80, 1: 20, 2: 40, 3: 40, 4: 20}
+    first = _place(sizes, {"a": 1, "b": 1}, {})
+    load = {w: sum(sizes[i] for i, x in first.items() if x == w) for w in "ab"}
+    assert sorted(load.values()) == [100, 100]
+    assert _place(sizes, {"a": 1, "b": 1}, first) == first  # nothing moves without a reason
+    # A worker joins: shards move to it until the shares are as even as single moves make them.
+    third = _place(sizes, {"a": 1, "b": 1, "c": 1}, first)
+    moved = [i for i in sizes if third[i] != first[i]]
+    assert moved and all(third[i] == "c" for i in moved)
+    assert max(sum(sizes[i] for i, x in third.items() if x == w) for w in "abc") <= 80
+    # A worker leaves: its shards go to the others; the survivors keep theirs.
+    survivors = {i: w for i, w in first.items() if w == "a"}
+    after = _place(sizes, {"a": 1, "c": 1}, survivors)
+    assert all(after[i] == "a" for i in survivors) and set(after) == set(sizes)
+    # Capacities weigh the shares: a worker with three times the memory takes about three quarters.
+    big = _place({i: 10 for i in range(8)}, {"small": 1, "big": 3}, {})
+    assert sum(w == "big" for w in big.values()) == 6
+
+
+# --------------------------------------------------------------------------- CPU cluster
+
+
+@pytest.fixture(scope="module")
+def client():
+    with distributed.LocalCluster(n_workers=2, processes=True, threads_per_worker=1, dashboard_address=":0",
+                                  silence_logs=logging.ERROR) as cluster, distributed.Client(cluster) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def corpus_files(tmp_path_factory):
+    rng = np.random.default_rng(31)
+    return _make_corpus(tmp_path_factory.mktemp("distributed"), rng)
+
+
+@pytest.fixture(scope="module")
+def corpus(client, corpus_files):
+    with DistributedCorpus(client, corpus_files[0], backend="cpu") as c:
+        yield c
+
+
+def test_search_is_retrieve_bitwise(corpus, corpus_files, rng):
+    parts = corpus_files[1]
+    assert corpus.num_docs == sum(SHARD_DOCS) and corpus.dtype == "float32" and corpus.dim == DIM
+    assert {w for w, _ in corpus.placement.values()} == set(corpus.client.nthreads())  # both workers hold shards
+    assert {where for _, where in corpus.placement.values()} == {"host memory"}
+    Q, q_lengths = _queries(rng)
+    for k in (1, 7, 200):  # 200 > the corpus's 120 documents: every document, ranked
+        _same(corpus.search(Q, k, q_lengths=q_lengths), retrieve(Q, parts, k, q_lengths=q_lengths, backend="cpu"))
+    got = corpus.search(Q, 200, q_lengths=q_lengths)
+    assert np.isnan(got[0]).any() and np.isneginf(got[0]).any()  # NaN and empty documents took part
+    _same(corpus.search(Q[2], 9), retrieve(Q[2], parts, 9, backend="cpu"))  # one query, [Lq, d]
+
+
+def test_score_is_the_full_matrix(corpus, corpus_files, rng):
+    Q, q_lengths = _queries(rng)
+    expected = np.concatenate([maxsim_varlen(Q, t, o, q_lengths=q_lengths, backend="cpu") for t, o in corpus_files[1]],
+                              axis=1)
+    got = corpus.score(Q, q_lengths=q_lengths)
+    np.testing.assert_array_equal(got.view(np.uint32), expected.view(np.uint32))
+
+
+def test_bad_queries_are_refused_on_the_client(corpus, rng):
+    Q, _ = _queries(rng)
+    with pytest.raises(ValueError, match="k must be an integer in"):
+        corpus.search(Q, 0)
+    with pytest.raises(ValueError, match=f"d={DIM}"):
+        corpus.search(Q[..., :3].copy(), 5)
+    with pytest.raises(TypeError, match="Q is float16 but the corpus holds float32"):
+        corpus.search(Q.astype(np.float16), 5)
+
+
+def test_a_corrupt_or_missing_shard_fails_naming_the_file(client, corpus_files, tmp_path):
+    bad = tmp_path / "bad"
+    shutil.copytree(corpus_files[0][0], bad)
+    tokens = bad / shards.TOKENS
+    tokens.write_bytes(tokens.read_bytes()[:-40])
+    with pytest.raises(ShardError, match="truncated .npy file") as e:
+        DistributedCorpus(client, [corpus_files[0][2], str(bad)], backend="cpu")
+    assert e.value.path == str(tokens) and "\n" not in str(e.value)
+    with pytest.raises(ShardError, match="missing: no such file"):
+        DistributedCorpus(client, [str(tmp_path / "missing")], backend="cpu")
+
+
+def test_waits_time_out_with_a_clear_message(corpus, corpus_files, rng):
+    Q, _ = _queries(rng)
+    corpus.client.register_plugin(_staller(1.5), name="lik-test-staller")
+    corpus.timeout = 0.5
+    try:
+        with pytest.raises(TimeoutError, match=r"a search batch did not finish within 0.5 s \(timeout=\) on tcp://"):
+            corpus.search(Q, 3)
+    finally:
+        corpus.timeout = 300.0
+        corpus.client.unregister_worker_plugin("lik-test-staller")
+    with distributed.LocalCluster(n_workers=0, processes=False, dashboard_address=":0") as empty, \
+            distributed.Client(empty) as c:
+        with pytest.raises(TimeoutError, match="no Dask worker is connected to the scheduler at .* within 0.5 s"):
+            DistributedCorpus(c, corpus_files[0], timeout=0.5)
+
+
+def _staller(seconds: float):
+    """A worker plugin that holds each search task ``seconds`` before it runs."""
+
+    class Staller(distributed.WorkerPlugin):
+        def transition(self, key, start, finish, **kwargs):
+            if finish == "executing" and str(key).startswith("lik-cupy-top-k"):
+                import time
+
+                time.sleep(seconds)
+
+    return Staller()
+
+
+def _run(*args):
+    try:
+        runner = CliRunner(mix_stderr=False)  # click 8.1
+    except TypeError:
+        runner = CliRunner()
+    return runner.invoke(cli.main, [str(a) for a in args], catch_exceptions=False)
+
+
+def test_lik_score_on_a_scheduler(client, corpus_files, tmp_path, rng):
+    """`lik score --scheduler` writes what `lik score --cpu` writes in one process: top-k and the full
+    matrix, over shard directories and a padded .npy input with its lengths."""
+    Q, q_lengths = _queries(rng)
+    np.save(tmp_path / "q.npy", Q)
+    np.save(tmp_path / "ql.npy", q_lengths)
+    tok, off = corpus_files[1][0]
+    lens = np.diff(off)
+    padded = np.zeros((len(lens), int(lens.max()), DIM), np.float32)
+    padded[np.arange(padded.shape[1])[None, :] < lens[:, None]] = tok
+    np.save(tmp_path / "padded.npy", padded)
+    np.save(tmp_path / "lens.npy", lens)
+    address = client.scheduler.address
+    base = ["score", "-q", tmp_path / "q.npy", "--q-lengths", tmp_path / "ql.npy", "-d", *corpus_files[0],
+            tmp_path / "padded.npy", "--d-lengths", tmp_path / "lens.npy", "--cpu"]
+    for suffix, extra in ((".tsv", ["-k", 9]), (".npy", ["--full-matrix"])):
+        here, there = tmp_path / f"here{suffix}", tmp_path / f"there{suffix}"
+        assert _run(*base, *extra, "-o", here).exit_code == 0
+        r = _run(*base, *extra, "-o", there, "--scheduler", address)
+        assert r.exit_code == 0, r.stderr
+        assert there.read_bytes() == here.read_bytes()
+    r = _run(*base, "-o", tmp_path / "x.tsv", "--scheduler", "tcp://127.0.0.1:1", "--devices", "0,1")
+    assert r.exit_code == 2 and "lik: error: --scheduler: scores on the cluster's workers" in r.stderr
+
+
+def test_a_worker_killed_mid_query_reloads_its_shards_and_the_query_reruns(client, corpus_files, rng):
+    """A worker plugin kills one worker's process as its search task starts. The shards it held
+    reload on the other worker, the batch reruns, and the result is still exact. The nanny then
+    restarts the worker, and the next search moves shards back to it (a worker joining)."""
+    Q, q_lengths = _queries(rng)
+    expected = retrieve(Q, corpus_files[1], 11, q_lengths=q_lengths, backend="cpu")
+    with DistributedCorpus(client, corpus_files[0], backend="cpu") as corpus:
+        victim = corpus.placement[3][0]
+        client.register_plugin(_killer(victim), name="lik-test-killer")
+        try:
+            with pytest.warns(RuntimeWarning, match=f"worker {victim} left during a search, which then ran again"):
+                got = corpus.search(Q, 11, q_lengths=q_lengths)
+        finally:
+            client.unregister_worker_plugin("lik-test-killer")
+        _same(got, expected)
+        assert victim not in {w for w, _ in corpus.placement.values()}
+        client.wait_for_workers(2, timeout=60)  # the nanny's new process, under a new address
+        _same(corpus.search(Q, 11, q_lengths=q_lengths), expected)
+        assert {w for w, _ in corpus.placement.values()} == set(client.nthreads())
+
+
+def _killer(address: str):
+    """A worker plugin that ends the process of worker ``address`` when a search task starts there
+    (defined in a function so that cloudpickle ships it by value to the workers)."""
+
+    class Killer(distributed.WorkerPlugin):
+        def setup(self, worker):
+            self.worker = worker
+
+        def transition(self, key, start, finish, **kwargs):
+            if finish == "executing" and str(key).startswith("lik-cupy-top-k") and self.worker.address == address:
+                os._exit(1)
+
+    return Killer()
+
+
+# --------------------------------------------------------------------------- two GPUs
+
+
+@pytest.fixture(scope="module")
+def gpu_client():
+    dask_cuda = pytest.importorskip("dask_cuda")
+    import cupy
+
+    if cupy.cuda.runtime.getDeviceCount() < 2:
+        pytest.skip("needs two GPUs")
+    with dask_cuda.LocalCUDACluster(CUDA_VISIBLE_DEVICES="0,1", threads_per_worker=1, dashboard_address=":0",
+                                    silence_logs=logging.ERROR) as cluster, distributed.Client(cluster) as c:
+        yield c
+
+
+@pytest.mark.gpu
+def test_gpu_search_is_in_process_retrieve_bitwise(gpu_client, tmp_path, rng):
+    """Shards resident on two GPUs rank exactly as ``retrieve`` over the same shards on one GPU,
+    also when a worker dies mid-query."""
+    import cupy
+
+    paths, parts = _make_corpus(tmp_path, rng, np.float16)
+    Q, q_lengths = _queries(rng, dtype=np.float16)
+    with cupy.cuda.Device(0):
+        resident = [(cupy.asarray(t), cupy.asarray(o)) for t, o in parts]
+        expected = {k: retrieve(Q, resident, k, q_lengths=q_lengths) for k in (1, 7, 200)}
+    with DistributedCorpus(gpu_client, paths) as corpus:
+        assert {where for _, where in corpus.placement.values()} == {"GPU"}
+        assert len({w for w, _ in corpus.placement.values()}) == 2
+        for k, e in expected.items():
+            _same(corpus.search(Q, k, q_lengths=q_lengths), e)
+        victim = corpus.placement[3][0]
+        gpu_client.register_plugin(_killer(victim), name="lik-test-killer")
+        try:
+            with pytest.warns(RuntimeWarning, match=f"worker {victim} left during a search"):
+                _same(corpus.search(Q, 7, q_lengths=q_lengths), expected[7])
+        finally:
+            gpu_client.unregister_worker_plugin("lik-test-killer")
+        gpu_client.wait_for_workers(2, timeout=120)
+        _same(corpus.search(Q, 7, q_lengths=q_lengths), expected[7])
+    bad = tmp_path / "bad"
+    shutil.copytree(paths[0], bad)
+    (bad / shards.TOKENS).write_bytes((bad / shards.TOKENS).read_bytes()[:-40])
+    with pytest.raises(ShardError, match="truncated .npy file"):
+        DistributedCorpus(gpu_client, [paths[2], str(bad)])
+
+
+@pytest.mark.gpu
+def test_gpu_lik_score_devices_starts_a_local_cuda_cluster(tmp_path, rng):
+    """`lik score --devices 0,1` (dask-cuda installed) ranks as retrieve over the GPU-resident shards."""
+    pytest.importorskip("dask_cuda")
+    import cupy
+
+    if cupy.cuda.runtime.getDeviceCount() < 2:
+        pytest.skip("needs two GPUs")
+    paths, parts = _make_corpus(tmp_path, rng, np.float16)
+    Q, q_lengths = _queries(rng, dtype=np.float16)
+    np.save(tmp_path / "q.npy", Q)
+    np.save(tmp_path / "ql.npy", q_lengths)
+    out = tmp_path / "top.npy"
+    r = _run("score", "-q", tmp_path / "q.npy", "--q-lengths", tmp_path / "ql.npy", "-d", *paths, "-k", 7, "-o", out,
+             "--devices", "0,1")
+    assert r.exit_code == 0, r.stderr
+    with cupy.cuda.Device(0):
+        _, expected = retrieve(Q, [(cupy.asarray(t), cupy.asarray(o)) for t, o in parts], 7, q_lengths=q_lengths)
+    np.testing.assert_array_equal(np.load(out), expected)
