@@ -78,6 +78,26 @@ def test_dim_mismatch(dshape):
         ms(f16(2, 3, 128), f16(*dshape))
 
 
+@pytest.mark.parametrize("qshape", [(64,), (2, 3, 4, 64), (2, 3, 64, 4)])
+@pytest.mark.parametrize("int8", [False, True])
+def test_varlen_checks_ranks_before_dims(qshape, int8):
+    # a Q of the wrong rank is reported as such, whatever its last axis (it was "D_tokens has dim 64 but Q has dim 4")
+    q, d = f16(*qshape), f16(10, 64)
+    call = lik_cupy.maxsim_varlen
+    if int8:
+        d8, ds = np.zeros((10, 64), np.int8), np.ones(10, np.float32)
+
+        def call(q, d, off, **k):
+            return lik_cupy.maxsim_int8_varlen(q, d8, ds, off, **k)
+    msg = f"Q must be [Nq, Lq, d] or [Lq, d] (or packed [Tq, d] with q_offsets); got shape {list(qshape)}"
+    with pytest.raises(ValueError, match=E(msg)):
+        call(q, d, [0, 4, 10], backend="cpu")
+    with pytest.raises(ValueError, match=E("with q_offsets, Q must be packed tokens [Tq, d]; got shape [2, 3, 64]")):
+        lik_cupy.maxsim_varlen(f16(2, 3, 64), d, [0, 4, 10], q_offsets=[0, 1, 2], backend="cpu")
+    with pytest.raises(ValueError, match=E("D_tokens has dim 64 but Q has dim 32")):  # dims once the ranks are right
+        lik_cupy.maxsim_varlen(f16(2, 3, 32), d, [0, 4, 10], backend="cpu")
+
+
 def test_dim_zero():
     with pytest.raises(ValueError, match="embedding dim 0"):
         ms(f16(2, 3, 0), f16(4, 5, 0))

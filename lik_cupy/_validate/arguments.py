@@ -126,25 +126,25 @@ def check_varlen(Q, D, d_offsets, q_mask, q_lengths, q_offsets, *, int8: bool = 
     _check_dtypes(q, "D_tokens", d, int8)
     if len(d.shape) != 2:
         raise ValueError(f"D_tokens must be packed tokens [T, d]; got shape {list(d.shape)}")
-    dim = q.shape[-1] if q.shape else 0
+    if q_offsets is not None and (q_mask is not None or q_lengths is not None):
+        raise ValueError("packed queries (q_offsets) take no q_mask or q_lengths: the offsets give the lengths")
+    if q_offsets is not None and len(q.shape) != 2:  # ranks first, as check_call does: then dims
+        raise ValueError(f"with q_offsets, Q must be packed tokens [Tq, d]; got shape {list(q.shape)}")
+    if q_offsets is None and len(q.shape) not in (2, 3):
+        raise ValueError(f"Q must be [Nq, Lq, d] or [Lq, d] (or packed [Tq, d] with q_offsets); got shape {list(q.shape)}")
+    dim = q.shape[-1]
     if d.shape[1] != dim:
         raise ValueError(f"D_tokens has dim {d.shape[1]} but Q has dim {dim}")
     if dim < 1:
         raise ValueError("Q and D_tokens have embedding dim 0; expected at least 1")
     nd = offsets_count("d_offsets", d_offsets, q)
     if q_offsets is not None:
-        if q_mask is not None or q_lengths is not None:
-            raise ValueError("packed queries (q_offsets) take no q_mask or q_lengths: the offsets give the lengths")
-        if len(q.shape) != 2:
-            raise ValueError(f"with q_offsets, Q must be packed tokens [Tq, d]; got shape {list(q.shape)}")
         nq = offsets_count("q_offsets", q_offsets, q)
         scores_shape = (nq, nd)
         return Problem(framework=q.framework, device=q.device, dtype=d.dtype if int8 else q.dtype, nq=nq, lq=0,
                        nd=nd, ld=0, dim=dim, candidates=False, scores_shape=scores_shape,
                        argmax_shape=scores_shape + (0,), q_valid="offsets", d_valid="offsets", d_packed=True,
                        ntok=d.shape[0])
-    if len(q.shape) not in (2, 3):
-        raise ValueError(f"Q must be [Nq, Lq, d] or [Lq, d] (or packed [Tq, d] with q_offsets); got shape {list(q.shape)}")
     nq, lq = (q.shape[0], q.shape[1]) if len(q.shape) == 3 else (1, q.shape[0])
     scores_shape = tuple(q.shape[:-2]) + (nd,)
     q_valid = check_valid("q", q_mask, q_lengths, q, q.shape[:-1], q.shape[:-2])
