@@ -486,7 +486,7 @@ def test_plan_launch_token_split(nq, lq, nd, ntok):
                 else:
                     assert plan == dispatch.plan_launch(cfg, cc, sms, nq, nd, lq, 1)
     # The scratch layout the host sizes (token_split.nbytes) is the one the kernel fixes.
-    src = (pathlib.Path(__file__).parent.parent / "cuda_src" / "maxsim_fwd.cu").read_text()
+    src = (pathlib.Path(__file__).parent.parent / "cuda_src" / "fwd" / "tile_scheduler.cuh").read_text()
     assert f"#define LIK_SPLIT_COUNTS {dispatch.SPLIT_MAX_CTAS} " in src
     if (nq, lq, nd, ntok) == (1, 32, 62, 253_952):  # the sweep's case that splits
         cfg = dispatch.choose_forward(90, "float16", 128, 32, False, True, True, 1, 300, True)
