@@ -46,7 +46,7 @@ class FwdConfig:
 
     @property
     def token_split(self) -> bool:
-        """Whether the kernel can split packed documents over CTAs by token shares (maxsim_fwd.cu's
+        """Whether the kernel can split packed documents over CTAs by token shares (cuda_src/fwd/config.cuh's
         TSPLIT: single-query one-shot tiles of float16 or bfloat16 elements)."""
         return self.packed and not (self.multi or self.tokm or self.split) and self.elem in (0, 1)
 
@@ -117,7 +117,7 @@ class FwdConfig:
     @property
     def doc_cost(self) -> int:
         """Packed documents: tokens of work each document counts for beside its own when the CTAs
-        share the corpus out (maxsim_fwd.cu, shares), for its last tile's padding and its score.
+        share the corpus out (cuda_src/fwd/tile_scheduler.cuh, shares), for its last tile's padding and its score.
         From tests/data/sweep_doc_cost_nvidia-h100-80gb-hbm3.json (one and 32 queries of 32
         tokens), 1.5 tiles against tokens alone: 500 documents of 16 tokens then 500 of 512 in
         29.95 us against 69.07 (flash-maxsim 31.95), 32 queries 169.9 against 863.9; 4,000 of 16

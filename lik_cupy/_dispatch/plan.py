@@ -54,7 +54,7 @@ class Launch:
     qb: int  # whole queries per tile (n_qt is 1 when qb > 1)
     docs_per_cta: int
     grid: tuple[int, int, int]
-    token_split: bool = False  # packed documents cut into grid[1] token shares (maxsim_fwd.cu, piece_role)
+    token_split: bool = False  # packed documents cut into grid[1] token shares (cuda_src/fwd/tile_scheduler.cuh, piece_role)
 
 
 @functools.lru_cache(maxsize=4096)

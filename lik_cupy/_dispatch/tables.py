@@ -138,7 +138,7 @@ SHORT_WGMMA_STAGES = {64: (4, 3), 128: (2, 3)}
 SHORT_WGMMA_MAX_ROW_BYTES = 256
 
 
-# INT8 tiles with document tokens on the wgmma M side (LIK_TOKM in cuda_src/maxsim_fwd.cu), from
+# INT8 tiles with document tokens on the wgmma M side (LIK_TOKM in cuda_src/fwd/config.cuh), from
 # tests/data/sweep_int8_tokm_nvidia-h100-80gb-hbm3.json: per-token scales in registers and one
 # fused multiply-add per similarity make Lq >= 100 against documents of 512+ tokens 2-11% faster
 # than the best standard tile (ColPali 1024 x 1024: 8%), two to five stages within 3%; the

@@ -2,7 +2,7 @@
 
 A packed document cut by the edge of a CTA's token share is scored in pieces by several CTAs.
 Each piece leaves its row maxima here and adds one to the document's arrival count, and the CTA
-whose arrival completes the count merges the pieces (``cuda_src/maxsim_fwd.cu``,
+whose arrival completes the count merges the pieces (``cuda_src/fwd/epilogue.cuh``,
 ``complete_pieces``).
 
 The counts must read zero when a launch starts, and clearing them with a memset would cost a
@@ -37,7 +37,7 @@ class _Scratch:
 
 def nbytes(ctas: int, bm: int, argmax: bool) -> int:
     """Scratch bytes of a launch of ``ctas`` CTAs with ``bm``-row query tiles: two arrays of
-    ``COUNTS`` uint32 counts (the layout ``maxsim_fwd.cu`` fixes as ``LIK_SPLIT_COUNTS``), then
+    ``COUNTS`` uint32 counts (the layout ``cuda_src/fwd/tile_scheduler.cuh`` fixes as ``LIK_SPLIT_COUNTS``), then
     two slots of ``bm`` row maxima (and argmax indices) per CTA."""
     return 2 * 4 * COUNTS + ctas * 2 * bm * 4 * (2 if argmax else 1)
 
