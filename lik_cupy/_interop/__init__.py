@@ -91,13 +91,14 @@ def from_numpy(a: np.ndarray, fw: str):
 
 @contextlib.contextmanager
 def caller_stream(fw: str, device: int):
-    """Make CuPy work on the caller's current stream on ``device`` (for torch callers, with
-    torch's caching allocator: ``torch_tensors.stream``)."""
+    """Make CuPy work on the caller's current stream on ``device``: for torch callers torch's
+    stream, with every CuPy buffer inside the block from torch's caching allocator
+    (``torch_tensors.malloc``)."""
     import cupy
 
     with cupy.cuda.Device(device):
         if fw == "torch":
-            with torch_tensors.stream(device):
+            with torch_tensors.current_stream(device), cupy.cuda.using_allocator(torch_tensors.malloc):
                 yield
         else:
             yield

@@ -8,7 +8,6 @@ come back as views of the owning tensor, and CuPy runs on torch's current stream
 
 from __future__ import annotations
 
-import contextlib
 import sys
 
 import numpy as np
@@ -91,7 +90,7 @@ def to_numpy(x) -> np.ndarray:
 
 
 def _owner_view(a):
-    """A C-contiguous CuPy array in memory ``_malloc`` allocated, as a view of the torch tensor
+    """A C-contiguous CuPy array in memory ``malloc`` allocated, as a view of the torch tensor
     owning that memory (several times cheaper than the DLPack handshake); None for any other
     array."""
     torch = sys.modules["torch"]
@@ -141,30 +140,22 @@ def _external_stream(device: int):
     return cupy.cuda.ExternalStream(s.cuda_stream, device)
 
 
-@contextlib.contextmanager
-def stream(device: int):
-    """CuPy on torch's current stream of ``device``, its device buffers (results and scratch)
-    from torch's caching allocator.
-
-    One pool for both frameworks: memory CuPy frees goes back where torch can reuse it, torch's
-    memory statistics and limits see it, and inside ``torch.cuda.graph`` capture every buffer
-    comes from the graph's private pool, which keeps it for the graph's replays.
-    """
-    import cupy
-
+def current_stream(device: int):
+    """CuPy's view of torch's current stream on ``device`` (built once per stream)."""
     torch = sys.modules["torch"]
     # The raw handle is what Triton's launcher reads too: a fifth of the cost of the Stream
     # object, which only a new stream needs.
     raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
     handle = raw(device) if raw is not None else torch.cuda.current_stream(device).cuda_stream
-    ext = _external.lookup(device, handle) or _external.get(device, handle, lambda: _external_stream(device))
-    with ext, cupy.cuda.using_allocator(_malloc):
-        yield
+    return _external.lookup(device, handle) or _external.get(device, handle, lambda: _external_stream(device))
 
 
-def _malloc(size: int):
+def malloc(size: int):
     """A CuPy allocation owned by a torch uint8 tensor (allocated on torch's current stream,
-    freed when CuPy drops the memory); torch's out-of-memory error becomes CuPy's, which
+    freed when CuPy drops the memory): inside ``caller_stream`` every CuPy buffer of a torch
+    caller comes from torch's caching allocator, so torch's memory statistics and limits see it
+    and ``torch.cuda.graph`` capture takes it from the graph's pool. torch's out-of-memory error
+    becomes CuPy's, which
     ``lik_cupy._runtime.device.allocating`` turns into the named ``DeviceMemoryError``."""
     import cupy
 
