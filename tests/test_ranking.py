@@ -1,0 +1,33 @@
+"""The one ranked merge (lik_cupy._ranking): score descending, lower position first, NaN last,
+bit for bit the order of a three-key sort, whatever the values and however wide the positions."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from lik_cupy._ranking import merge_ranked
+
+ODD = np.array([np.nan, -np.inf, np.inf, 0.0, -0.0, 1.0, -1.0, 1e-45, -1e-45, 3.4e38, -3.4e38, 0.5, 0.5], np.float32)
+
+
+def _three_keys(va, ia, vb, ib, k):
+    v, i = np.concatenate([va, vb], axis=1), np.concatenate([ia, ib], axis=1)
+    nan = np.isnan(v)
+    order = np.lexsort((i, -np.where(nan, 0, v), nan), axis=1)[:, :k]
+    return np.take_along_axis(v, order, 1), np.take_along_axis(i, order, 1)
+
+
+@pytest.mark.parametrize("offset", [0, 1 << 33])  # positions within 32 bits, and past them
+def test_merge_is_the_three_key_sort(rng, offset):
+    for trial in range(200):
+        nq, na, nb, k = (int(x) for x in rng.integers(1, [5, 25, 25, 40]))
+        if trial % 2:  # ties, NaN, infinities, signed zeros, subnormals
+            va, vb = rng.choice(ODD, (nq, na)), rng.choice(ODD, (nq, nb))
+        else:
+            va, vb = (np.round(rng.standard_normal((nq, n)), 1).astype(np.float32) for n in (na, nb))
+        perm = rng.permutation(na + nb) + offset
+        ia, ib = (np.broadcast_to(p, (nq, p.size)).astype(np.int64) for p in (perm[:na], perm[na:]))
+        got, want = merge_ranked(va, ia, vb, ib, k), _three_keys(va, ia, vb, ib, k)
+        assert np.array_equal(got[1], want[1])
+        assert np.array_equal(got[0].view(np.uint32), want[0].view(np.uint32))  # -0.0 stays -0.0
