@@ -42,10 +42,10 @@ import numpy as np
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))  # the repo root: bench.lib, and this checkout's lik_cupy
+from bench.lib.corpus import generate, warm_page_cache  # noqa: E402
 from bench.lib.results import out_dir, slugify  # noqa: E402
 
 SEED = 0
-GEN_DOCS = 2048  # documents generated per block (bounds the float32 scratch memory)
 
 
 def build_argparser() -> argparse.ArgumentParser:
@@ -73,50 +73,6 @@ def build_argparser() -> argparse.ArgumentParser:
 def corpus_spec(args) -> dict:
     return {"docs": args.docs, "shards": args.shards, "ld": args.ld, "dim": args.dim, "nq": args.nq, "lq": args.lq,
             "dtype": "float16", "seed": SEED}
-
-
-def generate(data: pathlib.Path, spec: dict) -> float:
-    """Write queries.npy and shard0..shardN-1 into ``data`` unless the same corpus is there; returns seconds spent."""
-    from lik_cupy import shards
-
-    marker = data / "corpus.json"
-    if marker.exists() and json.loads(marker.read_text()) == spec:
-        return 0.0
-    t0 = time.perf_counter()
-    data.mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng(spec["seed"])
-
-    def unit_fp16(shape):
-        x = rng.standard_normal(shape, dtype=np.float32)
-        x /= np.sqrt(np.einsum("...d,...d->...", x, x))[..., None]
-        return x.astype(np.float16)
-
-    np.save(data / "queries.npy", unit_fp16((spec["nq"], spec["lq"], spec["dim"])))
-    sizes = [len(a) for a in np.array_split(np.arange(spec["docs"]), spec["shards"])]
-    for s, n in enumerate(sizes):
-        # Build tokens in a memory-mapped scratch file, then write_shard copies it block by block.
-        with tempfile.TemporaryDirectory(dir=data) as scratch:
-            tokens = np.lib.format.open_memmap(os.path.join(scratch, "t.npy"), mode="w+", dtype=np.float16,
-                                               shape=(n * spec["ld"], spec["dim"]))
-            for a in range(0, n, GEN_DOCS):
-                b = min(n, a + GEN_DOCS)
-                tokens[a * spec["ld"] : b * spec["ld"]] = unit_fp16(((b - a) * spec["ld"], spec["dim"]))
-            tokens.flush()
-            shards.write_shard(data / f"shard{s}", tokens, np.arange(n + 1, dtype=np.int64) * spec["ld"],
-                               model="random (bench_cli.py)", overwrite=True)
-            del tokens
-    marker.write_text(json.dumps(spec) + "\n")
-    return time.perf_counter() - t0
-
-
-def warm_page_cache(data: pathlib.Path) -> tuple[float, int]:
-    """Read every file of the corpus once; returns (seconds, bytes)."""
-    t0, total = time.perf_counter(), 0
-    for f in sorted(data.rglob("*.npy")):
-        with open(f, "rb") as fh:
-            while chunk := fh.read(64 << 20):
-                total += len(chunk)
-    return time.perf_counter() - t0, total
 
 
 # --------------------------------------------------------------------------- timing
@@ -150,7 +106,8 @@ def main() -> None:
     from lik_cupy import cli, shards
 
     spec = corpus_spec(args)
-    gen_s = generate(args.data, spec)
+    sizes = [len(a) for a in np.array_split(np.arange(spec["docs"]), spec["shards"])]
+    gen_s = generate(args.data, spec, spec["nq"], lambda rng, s: np.full(sizes[s], spec["ld"]), "random (bench_cli.py)")
     cache_s, cache_bytes = warm_page_cache(args.data)
     shard_dirs = [str(args.data / f"shard{s}") for s in range(args.shards)]
     queries = str(args.data / "queries.npy")

@@ -20,7 +20,7 @@ queries, top-100:
 Targets (issue 31): 1,024 queries on two GPUs >= 1.8x one GPU's throughput; resident batches >=
 90% of the summed in-process rate of the two GPUs; rankings identical to one GPU's.
 
-Self-contained (imports nothing from bench/). The device image lacks Dask: carry the wheels
+The device image lacks Dask: carry the wheels
 listed in docs/distributed.md in .whl/ and run, from the repository root,
 
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -49,8 +49,10 @@ import time
 import numpy as np
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))  # the repo root: bench.lib, and this checkout's lik_cupy
+from bench.lib.corpus import generate, warm_page_cache  # noqa: E402
+
 SEED = 31
-GEN_TOKENS = 1 << 20  # tokens generated per block (bounds the float32 scratch memory)
 
 
 def build_argparser() -> argparse.ArgumentParser:
@@ -94,49 +96,6 @@ def median_time(fn, repeats: int) -> tuple[float, list[float], object]:
 
 
 # --------------------------------------------------------------------------- data
-
-
-def generate(data: pathlib.Path, spec: dict) -> float:
-    """Write queries.npy and shard0..shardN-1 into ``data`` unless the same corpus is there; seconds spent."""
-    from lik_cupy import shards
-
-    marker = data / "corpus.json"
-    if marker.exists() and json.loads(marker.read_text()) == spec:
-        return 0.0
-    t0 = time.perf_counter()
-    data.mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng(spec["seed"])
-
-    def unit_fp16(shape):
-        x = rng.standard_normal(shape, dtype=np.float32)
-        x /= np.sqrt(np.einsum("...d,...d->...", x, x))[..., None]
-        return x.astype(np.float16)
-
-    np.save(data / "queries.npy", unit_fp16((max(spec["nq"]), spec["lq"], spec["dim"])))
-    for s in range(spec["shards"]):
-        lens = rng.integers(spec["min_len"], spec["max_len"] + 1, spec["docs_per_shard"])
-        offsets = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
-        with tempfile.TemporaryDirectory(dir=data) as scratch:  # tokens built in a mapped file, then packed
-            tokens = np.lib.format.open_memmap(os.path.join(scratch, "t.npy"), mode="w+", dtype=np.float16,
-                                               shape=(int(offsets[-1]), spec["dim"]))
-            for a in range(0, tokens.shape[0], GEN_TOKENS):
-                b = min(tokens.shape[0], a + GEN_TOKENS)
-                tokens[a:b] = unit_fp16((b - a, spec["dim"]))
-            tokens.flush()
-            shards.write_shard(data / f"shard{s}", tokens, offsets, model="random (bench_distributed.py)",
-                               overwrite=True)
-            del tokens
-    marker.write_text(json.dumps(spec) + "\n")
-    return time.perf_counter() - t0
-
-
-def warm_page_cache(data: pathlib.Path) -> tuple[float, int]:
-    t0, total = time.perf_counter(), 0
-    for f in sorted(data.rglob("*.npy")):
-        with open(f, "rb") as fh:
-            while chunk := fh.read(64 << 20):
-                total += len(chunk)
-    return time.perf_counter() - t0, total
 
 
 # --------------------------------------------------------------------------- modes
@@ -283,7 +242,9 @@ def main() -> None:
     spec = {"shards": args.shards, "docs_per_shard": args.docs_per_shard, "min_len": args.min_len,
             "max_len": args.max_len, "dim": args.dim, "nq": sorted(args.nq), "lq": args.lq, "dtype": "float16",
             "seed": SEED}
-    gen_s = generate(args.data, spec)
+    gen_s = generate(args.data, spec, max(spec["nq"]),
+                     lambda rng, s: rng.integers(spec["min_len"], spec["max_len"] + 1, spec["docs_per_shard"]),
+                     "random (bench_distributed.py)")
     cache_s, cache_bytes = warm_page_cache(args.data)
     paths = [str(args.data / f"shard{s}") for s in range(args.shards)]
     queries = str(args.data / "queries.npy")
