@@ -16,8 +16,8 @@ import threading
 
 import numpy as np
 import pytest
-from click.testing import CliRunner
 
+from lik_command import run_lik as run
 from lik_cupy import cli
 from lik_cupy._ranking import merge_ranked
 import lik_cupy
@@ -33,17 +33,6 @@ MAIN_JOB = "lik score --queries examples/queries.npy --docs examples/shard0 exam
 
 
 # --------------------------------------------------------------------------- helpers
-
-
-def _runner() -> CliRunner:
-    try:
-        return CliRunner(mix_stderr=False)  # click 8.1
-    except TypeError:
-        return CliRunner()  # click >= 8.2 keeps stderr apart by default
-
-
-def run(*args, **kw):
-    return _runner().invoke(cli.main, [str(a) for a in args], catch_exceptions=False, **kw)
 
 
 def ref_scores(Q, q_len, docs):

@@ -18,9 +18,9 @@ import pytest
 
 distributed = pytest.importorskip("distributed")
 
-from click.testing import CliRunner  # noqa: E402
+from lik_command import run_lik  # noqa: E402
 
-from lik_cupy import cli, maxsim_varlen, retrieve, shards  # noqa: E402
+from lik_cupy import maxsim_varlen, retrieve, shards  # noqa: E402
 from lik_cupy.distributed import DistributedCorpus, _place  # noqa: E402
 from lik_cupy.errors import ShardError  # noqa: E402
 
@@ -189,14 +189,6 @@ def _staller(seconds: float):
     return Staller()
 
 
-def _run(*args):
-    try:
-        runner = CliRunner(mix_stderr=False)  # click 8.1
-    except TypeError:
-        runner = CliRunner()
-    return runner.invoke(cli.main, [str(a) for a in args], catch_exceptions=False)
-
-
 def test_lik_score_on_a_scheduler(client, corpus_files, tmp_path, rng):
     """`lik score --scheduler` writes what `lik score --cpu` writes in one process: top-k and the full
     matrix, over shard directories and a padded .npy input with its lengths."""
@@ -214,11 +206,11 @@ def test_lik_score_on_a_scheduler(client, corpus_files, tmp_path, rng):
             tmp_path / "padded.npy", "--d-lengths", tmp_path / "lens.npy", "--cpu"]
     for suffix, extra in ((".tsv", ["-k", 9]), (".npy", ["--full-matrix"])):
         here, there = tmp_path / f"here{suffix}", tmp_path / f"there{suffix}"
-        assert _run(*base, *extra, "-o", here).exit_code == 0
-        r = _run(*base, *extra, "-o", there, "--scheduler", address)
+        assert run_lik(*base, *extra, "-o", here).exit_code == 0
+        r = run_lik(*base, *extra, "-o", there, "--scheduler", address)
         assert r.exit_code == 0, r.stderr
         assert there.read_bytes() == here.read_bytes()
-    r = _run(*base, "-o", tmp_path / "x.tsv", "--scheduler", "tcp://127.0.0.1:1", "--devices", "0,1")
+    r = run_lik(*base, "-o", tmp_path / "x.tsv", "--scheduler", "tcp://127.0.0.1:1", "--devices", "0,1")
     assert r.exit_code == 2 and "lik: error: --scheduler: scores on the cluster's workers" in r.stderr
 
 
@@ -318,7 +310,7 @@ def test_gpu_lik_score_devices_starts_a_local_cuda_cluster(tmp_path, rng):
     np.save(tmp_path / "q.npy", Q)
     np.save(tmp_path / "ql.npy", q_lengths)
     out = tmp_path / "top.npy"
-    r = _run("score", "-q", tmp_path / "q.npy", "--q-lengths", tmp_path / "ql.npy", "-d", *paths, "-k", 7, "-o", out,
+    r = run_lik("score", "-q", tmp_path / "q.npy", "--q-lengths", tmp_path / "ql.npy", "-d", *paths, "-k", 7, "-o", out,
              "--devices", "0,1")
     assert r.exit_code == 0, r.stderr
     with cupy.cuda.Device(0):

@@ -127,9 +127,7 @@ def test_readme_shows_the_cli():
 
 @pytest.mark.parametrize("line, cmd", LIK_LINES, ids=[f"README.md:{n}" for n, _ in LIK_LINES])
 def test_readme_cli_example(line, cmd, tmp_path, monkeypatch):
-    from click.testing import CliRunner
-
-    from lik_cupy.cli import main
+    from lik_command import run_lik
 
     argv = shlex.split(cmd, comments=True)[1:]
     moved = {}
@@ -137,11 +135,7 @@ def test_readme_cli_example(line, cmd, tmp_path, monkeypatch):
         if arg.startswith("/tmp/"):
             moved[arg] = argv[i] = str(tmp_path / pathlib.PurePosixPath(arg).relative_to("/tmp"))
     monkeypatch.chdir(REPO)
-    try:
-        runner = CliRunner(mix_stderr=False)  # click 8.1
-    except TypeError:
-        runner = CliRunner()  # click >= 8.2 keeps stderr apart by default
-    result = runner.invoke(main, argv, catch_exceptions=False)
+    result = run_lik(*argv)
     assert result.exit_code == 0, f"README.md:{line}: `{cmd}` exited {result.exit_code}:\n{result.output}"
     if argv[0] == "score":
         out = pathlib.Path(argv[argv.index("--out") + 1])

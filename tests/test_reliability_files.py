@@ -30,9 +30,9 @@ import zlib
 
 import numpy as np
 import pytest
-from click.testing import CliRunner
 
 import lik_cupy
+from lik_command import run_lik as run
 from lik_cupy import _cpu as cpu
 from lik_cupy import cli, shards
 
@@ -43,15 +43,6 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Li
 
 
 # --------------------------------------------------------------------------- helpers
-
-
-def run(*args):
-    """``lik`` in this process."""
-    try:
-        runner = CliRunner(mix_stderr=False)  # click 8.1
-    except TypeError:
-        runner = CliRunner()
-    return runner.invoke(cli.main, [str(a) for a in args], catch_exceptions=False)
 
 
 def lik(*args, prelude="", preexec_fn=None, timeout=120, **kw):
