@@ -18,7 +18,6 @@ import pytest
 
 import lik_cupy
 from lik_cupy import _cpu as cpu
-from lik_cupy import forward
 from lik_cupy._dispatch import backend
 from lik_cupy._runtime import launch
 from reference import maxsim_ref, rel_err

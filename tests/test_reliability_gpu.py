@@ -514,7 +514,6 @@ def test_10000_mixed_calls_leave_memory_and_caches_flat():
 
     from lik_cupy._runtime import nvrtc as lc
 
-    from lik_cupy._runtime.cache import DeviceCache
 
     torch = _torch()
     calls = _templates(np.random.default_rng(10))

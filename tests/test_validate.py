@@ -14,7 +14,6 @@ from lik_cupy import _cpu as cpu
 from lik_cupy import _dispatch as dispatch
 from lik_cupy import forward
 from lik_cupy._dispatch import backend
-from lik_cupy._runtime import launch
 
 E = re.escape
 

@@ -13,7 +13,7 @@ import sys
 import numpy as np
 
 from .._runtime.cache import DeviceCache
-from .info import Info, dtype_name
+from .info import Info
 
 FRAMEWORK = "torch"
 

@@ -42,21 +42,3 @@ def quantize_cupy(x, dtype: str, *, check: bool = False):
         raise ValueError(f"X holds NaN or inf in token {tuple(int(i) for i in where)}; "
                          "INT8 quantisation needs finite values")
     return q, s
-
-
-def _on_gpu(info: interop.Info, backend: str) -> bool:
-    if backend not in _BACKENDS:
-        raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
-    if backend == "gpu":
-        from .device import gpu_available
-
-        if not gpu_available():
-            raise RuntimeError("backend='gpu' but no CUDA GPU is visible (CuPy could not find one)")
-        return True
-    return backend == "auto" and info.device is not None
-
-
-def _device(info: interop.Info) -> int:
-    import cupy
-
-    return info.device if info.device is not None else cupy.cuda.runtime.getDevice()
