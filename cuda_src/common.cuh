@@ -109,6 +109,15 @@ __device__ __forceinline__ u32 to_tf32(float x) {
     return r;
 }
 
+// x as hi + lo, both tf32: hi = tf32(x) and lo = tf32(x - hi) (x - hi is exact in fp32). An
+// infinite or NaN x gets lo = 0, so hi * y carries it as the one-product path does (x - hi would
+// be NaN for an infinite x).
+__device__ __forceinline__ void split_tf32(float x, u32& hi, u32& lo) {
+    hi = to_tf32(x);
+    const float r = x - __uint_as_float(hi);
+    lo = to_tf32(r == r ? r : 0.f);
+}
+
 // Named CTA barriers (id 1..15; 0 is __syncthreads): arrive signals without waiting (and
 // releases this thread's earlier shared-memory writes), sync waits for `threads` arrivals.
 __device__ __forceinline__ void named_arrive(int id, int threads) {

@@ -27,6 +27,7 @@ from .errors import CompileError, DeviceMemoryError, LikError, ShardError  # noq
 
 __all__ = ["maxsim", "maxsim_pairs", "maxsim_varlen", "maxsim_int8", "maxsim_int8_varlen", "quantize_int8",
            "dequantize_int8", "maxsim_backward", "retrieve", "pin_host", "PinnedHost", "warmup", "gpu_available",
+           "set_precision", "get_precision",
            "CompileError", "DeviceMemoryError", "ShardError", "LikError", "__version__"]
 
 # Public name -> the module defining it, imported on first use (PEP 562): `import lik_cupy`, and so
@@ -41,6 +42,7 @@ _HOMES = {
     "pin_host": "._runtime.pinned", "PinnedHost": "._runtime.pinned",
     "warmup": "._runtime.warmup",
     "gpu_available": "._runtime.device",
+    "set_precision": ".precision", "get_precision": ".precision",
 }
 
 _moved.install()

@@ -885,10 +885,15 @@ def main():
 @click.option("--scheduler", metavar="ADDRESS", help="Score on the Dask cluster at ADDRESS (tcp://host:8786): shards "
               "resident on its workers (docs/distributed.md).")
 @click.option("--bf16-bits", is_flag=True, help="Read uint16 .npy inputs as bfloat16 bit patterns.")
+@click.option("--precision", type=click.Choice(["fp32", "tf32"]), default=None,
+              help="float32 corpora on the GPU: fp32 (float32 accuracy, the default) or tf32 (faster, ~1e-3 "
+              "relative error). Sets LIK_PRECISION, which local Dask workers inherit.")
 @click.option("--debug", is_flag=True, help="Show a traceback on errors.")
 @_cli_errors
 def _score_command(queries, docs, q_lengths, d_lengths, top_k, out, full_matrix, check, cpu, device, devices, scheduler,
-                   bf16_bits, debug):
+                   bf16_bits, precision, debug):
+    if precision is not None:
+        os.environ["LIK_PRECISION"] = precision  # the process default (lik_cupy.precision), for workers too
     with _sigterm_as_interrupt():
         run_score(queries, docs, out, q_lengths=q_lengths, d_lengths=d_lengths, top_k=top_k, full_matrix=full_matrix,
                   check=check, cpu=cpu, device=device, devices=devices, bf16_bits=bf16_bits, scheduler=scheduler)

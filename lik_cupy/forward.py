@@ -10,6 +10,7 @@ from dataclasses import replace
 
 from . import _cpu as cpu
 from ._dispatch.backend import check_backend, scoring_on_gpu
+from .precision import _resolve as _fp32_accurate
 from ._interop import caller_results, caller_stream, device_array, host_array, host_result
 from ._runtime.device_checks import DeviceChecks
 from ._runtime.launch import launch
@@ -19,7 +20,8 @@ from ._validate import Problem, check_call, check_varlen
 __all__ = ["maxsim", "maxsim_pairs", "maxsim_varlen"]
 
 
-def maxsim(Q, D, q_mask=None, d_mask=None, *, q_lengths=None, d_lengths=None, return_argmax=False, backend="auto"):
+def maxsim(Q, D, q_mask=None, d_mask=None, *, q_lengths=None, d_lengths=None, return_argmax=False, backend="auto",
+           precision=None):
     """Late-interaction score ``sum_s max_t <Q[i, s], D[j, t]>`` without the ``[Nq, Nd, Lq, Ld]`` tensor.
 
     Args:
@@ -27,8 +29,8 @@ def maxsim(Q, D, q_mask=None, d_mask=None, *, q_lengths=None, d_lengths=None, re
         D: ``[Nd, Ld, d]`` documents scored against every query -> scores ``[Nq, Nd]``;
             ``[Nq, K, Ld, d]`` a candidate set per query (reranking) -> ``[Nq, K]``;
             ``[Ld, d]`` one document -> ``[Nq]``. A 2-D ``Q`` drops the leading axis.
-            Q and D share a dtype: float16, bfloat16 or float32 (float32 runs on
-            TF32 tensor cores, about 1e-3 relative error), and a framework: NumPy,
+            Q and D share a dtype: float16, bfloat16 or float32 (float32 accuracy on
+            the GPU unless ``precision="tf32"``), and a framework: NumPy,
             CuPy, PyTorch (CUDA or CPU), JAX, or any DLPack producer.
         q_mask: bool ``Q.shape[:-1]``, True = valid token. Masked query tokens add nothing.
         d_mask: bool ``D.shape[:-1]``. Masked document tokens never win the max.
@@ -39,6 +41,9 @@ def maxsim(Q, D, q_mask=None, d_mask=None, *, q_lengths=None, d_lengths=None, re
             empty documents.
         backend: "auto" (GPU for device arrays, and for host arrays when a GPU is
             present), "gpu", or "cpu" (exact NumPy path).
+        precision: float32 inputs on the GPU: "fp32" (float32 accuracy, 3xTF32) or "tf32"
+            (one TF32 product, ~1e-3 relative error, faster); None follows the process
+            default and then the caller's framework (``lik_cupy.precision``).
 
     Returns:
         float32 scores (and the argmax) in the caller's framework, on the caller's
@@ -59,11 +64,11 @@ def maxsim(Q, D, q_mask=None, d_mask=None, *, q_lengths=None, d_lengths=None, re
         >>> s, a[0, 1]
         (array([[1., 3.]], dtype=float32), array([1, 0], dtype=int32))
     """
-    return _run(Q, D, q_mask, d_mask, q_lengths, d_lengths, return_argmax, backend, pairs=False)
+    return _run(Q, D, q_mask, d_mask, q_lengths, d_lengths, return_argmax, backend, precision, pairs=False)
 
 
 def maxsim_pairs(Q, D, q_mask=None, d_mask=None, *, q_lengths=None, d_lengths=None, return_argmax=False,
-                 backend="auto"):
+                 backend="auto", precision=None):
     """Diagonal MaxSim: ``score[b] = maxsim(Q[b], D[b])``.
 
     Args:
@@ -80,11 +85,11 @@ def maxsim_pairs(Q, D, q_mask=None, d_mask=None, *, q_lengths=None, d_lengths=No
         >>> lik_cupy.maxsim_pairs(Q, D, backend="cpu")
         array([1.4, 3. , 4.6], dtype=float32)
     """
-    return _run(Q, D, q_mask, d_mask, q_lengths, d_lengths, return_argmax, backend, pairs=True)
+    return _run(Q, D, q_mask, d_mask, q_lengths, d_lengths, return_argmax, backend, precision, pairs=True)
 
 
 def maxsim_varlen(Q, D_tokens, d_offsets, q_mask=None, *, q_lengths=None, q_offsets=None, return_argmax=False,
-                  validate_offsets=True, backend="auto"):
+                  validate_offsets=True, backend="auto", precision=None):
     """MaxSim against packed (ragged) documents: no work is spent on padding.
 
     Args:
@@ -106,6 +111,7 @@ def maxsim_varlen(Q, D_tokens, d_offsets, q_mask=None, *, q_lengths=None, q_offs
             a hot loop over offsets already known good. The kernel clamps every document
             to ``[0, T)``, so bad offsets then give wrong scores but never touch memory
             outside ``D_tokens``.
+        backend, precision: as in :func:`maxsim`.
 
     Returns:
         float32 ``[Nq, Nd]`` (``[Nd]`` for a 2-D padded Q), in the caller's framework
@@ -120,20 +126,21 @@ def maxsim_varlen(Q, D_tokens, d_offsets, q_mask=None, *, q_lengths=None, q_offs
     """
     check_backend(backend)
     p = check_varlen(Q, D_tokens, d_offsets, q_mask, q_lengths, q_offsets)
-    on_gpu = scoring_on_gpu(p, backend)
-    if on_gpu:
+    x3 = _fp32_accurate(precision, p.framework, p.dtype)
+    if scoring_on_gpu(p, backend):
         scores, amax = _gpu_varlen(p, Q, D_tokens, d_offsets, q_mask, q_lengths, q_offsets, return_argmax,
-                                   validate_offsets)
+                                   validate_offsets, x3)
     else:
         scores, amax = _cpu_varlen(p, Q, D_tokens, d_offsets, q_mask, q_lengths, q_offsets, return_argmax)
     return (scores, amax) if return_argmax else scores
 
 
-def _run(Q, D, q_mask, d_mask, q_lengths, d_lengths, return_argmax, backend, *, pairs):
+def _run(Q, D, q_mask, d_mask, q_lengths, d_lengths, return_argmax, backend, precision, *, pairs):
     check_backend(backend)
     p = check_call(Q, D, q_mask, d_mask, q_lengths, d_lengths, pairs=pairs)
+    x3 = _fp32_accurate(precision, p.framework, p.dtype)
     if scoring_on_gpu(p, backend):
-        scores, amax = _gpu(p, Q, D, q_mask, d_mask, q_lengths, d_lengths, return_argmax)
+        scores, amax = _gpu(p, Q, D, q_mask, d_mask, q_lengths, d_lengths, return_argmax, x3)
     else:
         scores, amax = _cpu(p, Q, D, q_mask, d_mask, q_lengths, d_lengths, return_argmax)
     return (scores, amax) if return_argmax else scores
@@ -175,7 +182,7 @@ def _cpu_varlen(p: Problem, Q, D, d_offsets, q_mask, q_lengths, q_offsets, retur
 # ---------------------------------------------------------------- GPU
 
 
-def _gpu(p: Problem, Q, D, q_mask, d_mask, q_lengths, d_lengths, return_argmax):
+def _gpu(p: Problem, Q, D, q_mask, d_mask, q_lengths, d_lengths, return_argmax, x3: bool):
     import cupy
 
     fw = p.framework
@@ -190,13 +197,13 @@ def _gpu(p: Problem, Q, D, q_mask, d_mask, q_lengths, d_lengths, return_argmax):
             nrows = p.nq * p.nd if p.candidates else p.nd
             qm, ql = device_valid(q_mask, q_lengths, p.nq, p.lq, "q_lengths", fw, on_host, checks)
             dm, dl = device_valid(d_mask, d_lengths, nrows, p.ld, "d_lengths", fw, on_host, checks)
-            scores, amax = launch(p, q, d, qm, dm, ql, dl, return_argmax, device)
+            scores, amax = launch(p, q, d, qm, dm, ql, dl, return_argmax, device, x3=x3)
             results = caller_results(p, scores, amax, on_host)
         checks.verify()  # last, while the scoring kernel runs (lik_cupy._runtime.device_checks)
     return results
 
 
-def _gpu_varlen(p: Problem, Q, D, d_offsets, q_mask, q_lengths, q_offsets, return_argmax, validate: bool):
+def _gpu_varlen(p: Problem, Q, D, d_offsets, q_mask, q_lengths, q_offsets, return_argmax, validate: bool, x3: bool):
     import cupy
 
     fw = p.framework
@@ -217,7 +224,8 @@ def _gpu_varlen(p: Problem, Q, D, d_offsets, q_mask, q_lengths, q_offsets, retur
                 q = q.reshape(p.nq, p.lq, p.dim)
                 qm, ql = device_valid(q_mask, q_lengths, p.nq, p.lq, "q_lengths", fw, on_host, checks)
             ld_hint = -(-p.ntok // max(1, p.nd))
-            scores, amax = launch(p, q, d, qm, None, ql, None, return_argmax, device, d_off=doff, ld_hint=ld_hint)
+            scores, amax = launch(p, q, d, qm, None, ql, None, return_argmax, device, d_off=doff, ld_hint=ld_hint,
+                                  x3=x3)
             results = caller_results(p, scores, amax, on_host)
         checks.verify()  # last, while the scoring kernel runs (lik_cupy._runtime.device_checks)
     return results

@@ -17,11 +17,12 @@ from .forward import maxsim as _maxsim
 __all__ = ["maxsim"]
 
 
-def maxsim(Q, D, q_mask=None, d_mask=None, *, q_lengths=None, d_lengths=None, method="auto"):
+def maxsim(Q, D, q_mask=None, d_mask=None, *, q_lengths=None, d_lengths=None, method="auto", precision=None):
     """``lik_cupy.maxsim`` on JAX arrays, differentiable in Q and D (eagerly).
 
     Arguments and semantics as :func:`lik_cupy.maxsim`; masks and lengths take no
-    gradient; ``method`` is the backward's dD method (see :func:`lik_cupy.maxsim_backward`).
+    gradient; ``method`` is the backward's dD method (see :func:`lik_cupy.maxsim_backward`);
+    ``precision`` as in :func:`lik_cupy.maxsim` (None follows ``jax_default_matmul_precision``).
     Returns float32 scores.
     """
     def forward(q, d):
@@ -30,7 +31,8 @@ def maxsim(Q, D, q_mask=None, d_mask=None, *, q_lengths=None, d_lengths=None, me
             if isinstance(x, jax.core.Tracer):
                 raise TypeError(f"lik_cupy.jax.maxsim got a traced {name} (inside jax.jit, vmap or scan): it runs "
                                 "eagerly on concrete arrays only; call it outside the jitted function")
-        return _maxsim(q, d, q_mask, d_mask, q_lengths=q_lengths, d_lengths=d_lengths, return_argmax=True)
+        return _maxsim(q, d, q_mask, d_mask, q_lengths=q_lengths, d_lengths=d_lengths, return_argmax=True,
+                       precision=precision)
 
     @jax.custom_vjp
     def f(q, d):

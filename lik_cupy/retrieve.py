@@ -55,6 +55,7 @@ import numpy as np
 from . import _cpu as cpu
 from . import _dispatch as dispatch
 from . import _interop as interop
+from .precision import _resolve as _fp32_accurate
 from ._dispatch.backend import check_backend, scoring_on_gpu
 from ._interop import device_array, host_array
 from ._ranking import merge_ranked
@@ -104,7 +105,7 @@ class _Part:
 
 
 def retrieve(Q, D, k, q_mask=None, *, q_lengths=None, q_scales=None, d_offsets=None, d_mask=None, d_lengths=None,
-             d_scales=None, max_gpu_bytes=None, backend="auto"):
+             d_scales=None, max_gpu_bytes=None, backend="auto", precision=None):
     """Top-k documents per query by MaxSim score, streamed over the corpus.
 
     Args:
@@ -140,6 +141,7 @@ def retrieve(Q, D, k, q_mask=None, *, q_lengths=None, q_scales=None, d_offsets=N
             then MemoryError.
         backend: "auto", "gpu" or "cpu" (exact NumPy path; for INT8 the kernels' arithmetic:
             exact integer dot products, scaled in float32).
+        precision: float32 corpora on the GPU, "fp32" or "tf32", as in :func:`lik_cupy.maxsim`.
 
     Returns:
         ``(scores, indices)``: float32 and int64 ``[Nq, min(k, Nd)]`` (``[min(k, Nd)]`` for a
@@ -166,13 +168,14 @@ def retrieve(Q, D, k, q_mask=None, *, q_lengths=None, q_scales=None, d_offsets=N
         for part in parts:
             kind = _same_kind(kind, interop.describe(part.docs).dtype, part)
     squeeze = len(interop.describe(Q).shape) == 2
+    x3 = _fp32_accurate(precision, qp.framework, qp.dtype)
     if scoring_on_gpu(qp, backend):
         import cupy
 
         device = qp.device if qp.device is not None else cupy.cuda.runtime.getDevice()
         try:
             with interop.caller_stream(qp.framework, device):
-                r = _Gpu(Q, q_mask, q_lengths, q_scales, qp, int(k), max_gpu_bytes, device)
+                r = _Gpu(Q, q_mask, q_lengths, q_scales, qp, int(k), max_gpu_bytes, device, x3)
                 for part in parts:
                     r.add(part)
                 s, i = r.result()
@@ -454,11 +457,11 @@ def _drive(total: int, docs: int, run: Callable[[int, int], None], done: Callabl
 class _Gpu:
     """Runs inside the caller's stream context (``interop.caller_stream``)."""
 
-    def __init__(self, Q, q_mask, q_lengths, q_scales, qp: Problem, k: int, max_gpu_bytes, device: int):
+    def __init__(self, Q, q_mask, q_lengths, q_scales, qp: Problem, k: int, max_gpu_bytes, device: int, x3: bool):
         import cupy
 
         fw = qp.framework
-        self.qp, self.k, self.budget, self.device = qp, k, max_gpu_bytes, device
+        self.qp, self.k, self.budget, self.device, self.x3 = qp, k, max_gpu_bytes, device, x3
         self.on_host_q = qp.device is None
         q = device_array(Q, fw, self.on_host_q)
         if qp.dtype == "bfloat16":
@@ -583,9 +586,7 @@ class _Gpu:
             self.scores = cupy.empty(n, cupy.float32)
         kw = {"q_scale": self.qs, "d_scale": d_scale} if p.dtype == "int8" else {}
         s, _ = launch(p, self.q, d, self.qm, dm, self.ql, dl, False, self.device, d_off=d_off, ld_hint=ld_hint,
-                       d_off_whole=d_off_whole,
-                       caller="retrieve",
-                       out=self.scores[:n], **kw)
+                      d_off_whole=d_off_whole, caller="retrieve", out=self.scores[:n], x3=self.x3, **kw)
         self._merge(s, p.nd)
         self.chunking.succeeded()
 

@@ -51,26 +51,30 @@ class _MaxSim(torch.autograd.Function):
 
 
 @_disable
-def maxsim(Q, D, q_mask=None, d_mask=None, *, q_lengths=None, d_lengths=None, method="auto", return_argmax=False):
+def maxsim(Q, D, q_mask=None, d_mask=None, *, q_lengths=None, d_lengths=None, method="auto", return_argmax=False,
+           precision=None):
     """``lik_cupy.maxsim`` with gradients for Q and D (torch tensors, CUDA or CPU).
 
     Arguments and semantics as :func:`lik_cupy.maxsim` (in-batch ``D [Nd, Ld, d]``,
     candidates ``D [Nq, K, Ld, d]``, masks or lengths); ``method`` is the backward's
     dD method ("auto", "atomic" or "csr", see :func:`lik_cupy.maxsim_backward`).
+    ``precision`` as in :func:`lik_cupy.maxsim` (None follows ``torch.backends.cuda.matmul``).
     Masks and lengths take no gradient. Returns float32 scores (and the int32 argmax).
     """
     def call(q, d):
-        return _maxsim(q, d, q_mask, d_mask, q_lengths=q_lengths, d_lengths=d_lengths, return_argmax=True)
+        return _maxsim(q, d, q_mask, d_mask, q_lengths=q_lengths, d_lengths=d_lengths, return_argmax=True,
+                       precision=precision)
 
     return _apply(Q, D, None, method, call, return_argmax)
 
 
 @_disable
-def maxsim_varlen(Q, D_tokens, d_offsets, q_mask=None, *, q_lengths=None, method="auto", return_argmax=False):
+def maxsim_varlen(Q, D_tokens, d_offsets, q_mask=None, *, q_lengths=None, method="auto", return_argmax=False,
+                  precision=None):
     """``lik_cupy.maxsim_varlen`` (packed documents ``D_tokens [T, d]`` with ``d_offsets``)
     with gradients for Q and D_tokens. Padded queries only (``q_mask`` / ``q_lengths``)."""
     def call(q, d):
-        return _maxsim_varlen(q, d, d_offsets, q_mask, q_lengths=q_lengths, return_argmax=True)
+        return _maxsim_varlen(q, d, d_offsets, q_mask, q_lengths=q_lengths, return_argmax=True, precision=precision)
 
     return _apply(Q, D_tokens, d_offsets, method, call, return_argmax)
 

@@ -307,3 +307,37 @@ def test_tokens_on_m_tiles_extremes(rng, monkeypatch):
     assert np.all(np.isnan(neg[0])) and rel_err(neg[1][fin[1]], ref[1][fin[1]]) < TOL
     if _on_hopper_with_tma():
         assert picked and all(c.tokm for c in picked), [c.name for c in picked]
+
+
+@pytest.mark.parametrize("dim", [528, 1024, 2048, 4096])
+@pytest.mark.parametrize("nq,lq", [(1, 32), (6, 20), (2, 150)])
+def test_wide_dims_split_d_vs_float64_and_numpy(rng, dim, nq, lq, kernel_family):
+    # Above 512 INT8 runs split-d: int32 dot products accumulate over dim chunks.
+    nd, ld = 13, 75
+    q8, qs = lik_cupy.quantize_int8(_unit(rng, nq, lq, dim))
+    d8, ds = lik_cupy.quantize_int8(_unit(rng, nd, ld, dim))
+    d_len = rng.integers(0, ld + 1, nd)
+    d_len[0] = ld
+    s, a = lik_cupy.maxsim_int8(_cp(q8), _cp(d8), _cp(ds), q_scales=_cp(qs), d_lengths=_cp(d_len), return_argmax=True)
+    s_cpu, a_cpu = lik_cupy.maxsim_int8(q8, d8, ds, q_scales=qs, d_lengths=d_len, return_argmax=True, backend="cpu")
+    assert np.array_equal(_np(a), a_cpu)
+    dv = np.arange(ld)[None, :] < d_len[:, None]
+    assert rel_err(_np(s), maxsim_ref(_deq(q8, qs), _deq(d8, ds), d_valid=dv)[0]) < TOL
+    lens = d_len.copy()
+    off = np.concatenate([[0], np.cumsum(lens)])
+    tok8 = np.concatenate([d8[j, :lens[j]] for j in range(nd)])
+    ts = np.concatenate([ds[j, :lens[j]] for j in range(nd)])
+    sp = lik_cupy.maxsim_int8_varlen(_cp(q8), _cp(tok8), _cp(ts), _cp(off), q_scales=_cp(qs))
+    assert rel_err(_np(sp), s_cpu) < TOL
+
+
+def test_wide_dims_extreme_values_are_exact(kernel_family):
+    # 16384 * 4096 = 2^26: past the fast conversion and float32's integers, well inside int32.
+    dim = 4096
+    q8 = np.full((1, 64, dim), -128, np.int8)
+    d8 = np.full((2, 40, dim), -128, np.int8)
+    d8[1, :, ::2] = 127
+    ones = np.ones((1, 64), np.float32)
+    s = _np(lik_cupy.maxsim_int8(_cp(q8), _cp(d8), _cp(np.ones((2, 40), np.float32)), q_scales=_cp(ones)))
+    ref = (q8[0, 0].astype(np.int64) @ d8[:, 0].astype(np.int64).T) * 64
+    assert np.array_equal(s[0], ref.astype(np.float32))

@@ -27,6 +27,7 @@ FROZEN = {'lik_cupy': (['CompileError',
                'ShardError',
                '__version__',
                'dequantize_int8',
+               'get_precision',
                'gpu_available',
                'maxsim',
                'maxsim_backward',
@@ -37,6 +38,7 @@ FROZEN = {'lik_cupy': (['CompileError',
                'pin_host',
                'quantize_int8',
                'retrieve',
+               'set_precision',
                'warmup'],
               {}),
  'lik_cupy.backward': (['maxsim_backward'],
@@ -44,19 +46,19 @@ FROZEN = {'lik_cupy': (['CompileError',
                                            "validate=True, backend='auto')"}),
  'lik_cupy.cli': (['EXIT_BAD_INPUT', 'EXIT_INTERRUPTED', 'main', 'run_score'],
                   {'main': '()',
-                   'run_score': '(queries: str, docs, out: str, *, q_lengths: str | None=None, d_lengths=(), '
-                                'top_k: int=10, full_matrix: bool=False, check: bool=False, cpu: bool=False, '
-                                'device: int | None=None, devices: str | None=None, bf16_bits: bool=False, '
-                                'scheduler: str | None=None)'}),
+                   'run_score': '(queries: str, docs, out: str, *, q_lengths: str | None=None, d_lengths=(), top_k: '
+                                'int=10, full_matrix: bool=False, check: bool=False, cpu: bool=False, device: int | '
+                                'None=None, devices: str | None=None, bf16_bits: bool=False, scheduler: str | '
+                                'None=None)'}),
  'lik_cupy.distributed': (['DistributedCorpus'], {}),
  'lik_cupy.errors': (['CompileError', 'DeviceMemoryError', 'LikError', 'ShardError'], {}),
  'lik_cupy.forward': (['maxsim', 'maxsim_pairs', 'maxsim_varlen'],
                       {'maxsim': '(Q, D, q_mask=None, d_mask=None, *, q_lengths=None, d_lengths=None, '
-                                 "return_argmax=False, backend='auto')",
+                                 "return_argmax=False, backend='auto', precision=None)",
                        'maxsim_pairs': '(Q, D, q_mask=None, d_mask=None, *, q_lengths=None, d_lengths=None, '
-                                       "return_argmax=False, backend='auto')",
+                                       "return_argmax=False, backend='auto', precision=None)",
                        'maxsim_varlen': '(Q, D_tokens, d_offsets, q_mask=None, *, q_lengths=None, q_offsets=None, '
-                                        "return_argmax=False, validate_offsets=True, backend='auto')"}),
+                                        "return_argmax=False, validate_offsets=True, backend='auto', precision=None)"}),
  'lik_cupy.int8': (['maxsim_int8', 'maxsim_int8_varlen'],
                    {'maxsim_int8': '(Q, D, d_scales, q_mask=None, d_mask=None, *, q_scales=None, q_lengths=None, '
                                    "d_lengths=None, return_argmax=False, backend='auto')",
@@ -64,14 +66,17 @@ FROZEN = {'lik_cupy': (['CompileError',
                                           'q_lengths=None, return_argmax=False, validate_offsets=True, '
                                           "backend='auto')"}),
  'lik_cupy.jax': (['maxsim'],
-                  {'maxsim': "(Q, D, q_mask=None, d_mask=None, *, q_lengths=None, d_lengths=None, method='auto')"}),
+                  {'maxsim': "(Q, D, q_mask=None, d_mask=None, *, q_lengths=None, d_lengths=None, method='auto', "
+                             'precision=None)'}),
+ 'lik_cupy.precision': (['PRECISIONS', 'get_precision', 'set_precision'],
+                        {'get_precision': '()', 'set_precision': '(precision: str | None)'}),
  'lik_cupy.quantize': (['dequantize_int8', 'quantize_int8'],
                        {'dequantize_int8': "(X_int8, scales, *, backend='auto')",
                         'quantize_int8': "(X, *, backend='auto')"}),
  'lik_cupy.retrieve': (['MAX_K', 'retrieve'],
                        {'retrieve': '(Q, D, k, q_mask=None, *, q_lengths=None, q_scales=None, d_offsets=None, '
-                                    'd_mask=None, d_lengths=None, d_scales=None, max_gpu_bytes=None, '
-                                    "backend='auto')"}),
+                                    "d_mask=None, d_lengths=None, d_scales=None, max_gpu_bytes=None, backend='auto', "
+                                    'precision=None)'}),
  'lik_cupy.shards': (['CHUNK_BYTES',
                       'DTYPES',
                       'FORMAT',
@@ -115,27 +120,27 @@ FROZEN = {'lik_cupy': (['CompileError',
                       'load_padded': '(shard: Shard)',
                       'member_path': '(shard_dir: str, name: str, manifest_path: str)',
                       'numpy_dtype': '(name: str)',
-                      'open_input': '(path: str | os.PathLike, lengths: str | os.PathLike | None=None, *, '
-                                    'bf16_bits: bool=False)',
+                      'open_input': '(path: str | os.PathLike, lengths: str | os.PathLike | None=None, *, bf16_bits: '
+                                    'bool=False)',
                       'open_npy': '(path: str | os.PathLike)',
                       'open_shard': '(path: str | os.PathLike)',
-                      'pack': '(source: Shard, path: str | os.PathLike, *, ids=None, model: str | None=None, '
-                              'dtype: str | None=None, overwrite: bool=False, check_finite: bool=False, max_bytes: '
+                      'pack': '(source: Shard, path: str | os.PathLike, *, ids=None, model: str | None=None, dtype: '
+                              'str | None=None, overwrite: bool=False, check_finite: bool=False, max_bytes: '
                               'int=CHUNK_BYTES)',
-                      'pack_arrays': '(docs: Sequence, path: str | os.PathLike, *, ids=None, model: str | '
-                                     'None=None, dtype: str | None=None, overwrite: bool=False, check_finite: '
-                                     'bool=False, bf16_bits: bool=False)',
+                      'pack_arrays': '(docs: Sequence, path: str | os.PathLike, *, ids=None, model: str | None=None, '
+                                     'dtype: str | None=None, overwrite: bool=False, check_finite: bool=False, '
+                                     'bf16_bits: bool=False)',
                       'read_lengths': '(path: str | os.PathLike)',
                       'read_manifest': '(path: str | os.PathLike)',
                       'scan_values': '(shard: Shard, max_bytes: int=CHUNK_BYTES)',
-                      'write_shard': '(path: str | os.PathLike, tokens: np.ndarray, offsets, *, ids=None, model: '
-                                     'str | None=None, dtype: str | None=None, overwrite: bool=False, '
-                                     'check_finite: bool=False, scales: np.ndarray | None=None)'}),
+                      'write_shard': '(path: str | os.PathLike, tokens: np.ndarray, offsets, *, ids=None, model: str | '
+                                     'None=None, dtype: str | None=None, overwrite: bool=False, check_finite: '
+                                     'bool=False, scales: np.ndarray | None=None)'}),
  'lik_cupy.torch': (['maxsim', 'maxsim_varlen'],
                     {'maxsim': "(Q, D, q_mask=None, d_mask=None, *, q_lengths=None, d_lengths=None, method='auto', "
-                               'return_argmax=False)',
+                               'return_argmax=False, precision=None)',
                      'maxsim_varlen': "(Q, D_tokens, d_offsets, q_mask=None, *, q_lengths=None, method='auto', "
-                                      'return_argmax=False)'})}
+                                      'return_argmax=False, precision=None)'})}
 
 
 def _module_file(mod: str) -> pathlib.Path:

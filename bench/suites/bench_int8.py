@@ -15,6 +15,7 @@ unit-normalised random tokens and clustered tokens (64 centres, spread 0.1, and 
 harder 16 centres, spread 0.05).
 
     python bench/suites/bench_int8.py --out bench/results      # JSON: int8_<gpu>.json
+    python bench/suites/bench_int8.py --shapes wide-1024,wide-2048,wide-4096 --docs 500 --out bench/results/wide
     python bench/suites/bench_int8.py --table-from bench/results/latest/int8_nvidia-h200.json
 """
 
@@ -34,7 +35,9 @@ from bench.lib import baselines  # noqa: E402
 from bench.lib.results import slugify  # noqa: E402
 from bench.lib.timing import per_call_ms  # noqa: E402
 
-SHAPES = {"colpali": (1024, 1024, 128), "long-doc": (32, 1024, 128), "textual": (32, 300, 128)}
+SHAPES = {"colpali": (1024, 1024, 128), "long-doc": (32, 1024, 128), "textual": (32, 300, 128),
+          # wide embeddings run split-d (dim chunks accumulated in int32); time them with --docs 500
+          "wide-1024": (1024, 1024, 1024), "wide-2048": (1024, 1024, 2048), "wide-4096": (1024, 512, 4096)}
 FIDELITY_KINDS = {"unit": None, "clustered-64-0.1": (64, 0.1), "clustered-16-0.05": (16, 0.05)}
 
 

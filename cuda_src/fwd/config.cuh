@@ -12,6 +12,11 @@
 //               token's scale multiplies its int32 dot products before the max (one multiply
 //               per similarity, no dequantised copy of D anywhere), each query token's scale
 //               multiplies the max (scales are non-negative, so the max commutes with it)
+//   LIK_X3      1 (fp32 only): float32 accuracy from tf32 tensor cores. Each operand x splits into
+//               hi = tf32(x) and lo = tf32(x - hi), and a product is accumulated as lo*hi + hi*lo +
+//               hi*hi (the lo*lo term, ~2^-22 of it, is dropped): three mma per tile instead of one,
+//               relative error ~1e-6 instead of ~1e-3. Query fragments are re-read from shared
+//               memory (LIK_QREG 0): holding hi and lo in registers would double them
 //   LIK_DP      embedding dim padded to a multiple of 16 (32 for INT8; pad lanes are zero)
 //   LIK_WARPS   warps per CTA; each owns LIK_MT*16 query rows
 //   LIK_MT      16-row mma tiles per warp
@@ -80,6 +85,9 @@
 #ifndef LIK_TOKM
 #define LIK_TOKM 0
 #endif
+#ifndef LIK_X3
+#define LIK_X3 0
+#endif
 #ifndef LIK_DOC_COST
 #define LIK_DOC_COST 0
 #endif
@@ -118,6 +126,7 @@ template <int ELEM, int DP, int WARPS, int MT, int BN, int STAGES, bool QREG, bo
 struct Fwd {
     typedef typename Elem<ELEM>::T T;
     static constexpr bool I8 = ELEM == 3;
+    static constexpr bool X3 = LIK_X3 != 0;  // fp32 by three tf32 products (see LIK_X3)
     typedef typename Acc<I8>::T A;
     static constexpr int ESIZE = sizeof(T);
     static constexpr int EPC = 16 / ESIZE;      // elements per 16-byte chunk
@@ -137,7 +146,8 @@ struct Fwd {
     static_assert(STAGES >= 2, "need at least two stages");
     static_assert(!WG || (MT == 1 && (WARPS == 4 || WARPS == 8) && DP * ESIZE % 128 == 0 && ELEM != 2 && !QREG), "wgmma tile shape");
     static_assert(!SPLIT || !QREG, "split-d re-reads query chunks from shared memory");
-    static_assert(!I8 || (!SPLIT && DP % 32 == 0), "INT8 runs one-shot with DP a multiple of 32");
+    static_assert(!I8 || DP % 32 == 0, "INT8 tiles (and split-d chunks) hold a multiple of 32 elements");
+    static_assert(!X3 || (ELEM == 2 && !QREG), "3xTF32 takes fp32 tiles and re-reads query fragments");
     static_assert(!TMA || (ELEM != 2 && DP * ESIZE % 128 == 0 && (!SPLIT || WG)),
                   "TMA feeds one-shot 16-bit and INT8 tiles and split-d wgmma tiles");
     static_assert(!QHALF || (SPLIT && WG && !TMA && !MULTI && WARPS == 4), "half query stages: one-warpgroup split-d tiles");
@@ -149,7 +159,8 @@ struct Fwd {
     static_assert(!(TMA && I8) || BN + 4 <= 256, "a TMA box holds at most 256 scales");
     // INT8 dot products stay below 2^22 in magnitude while DP * 128 * 128 does, and then
     // convert with two full-rate ops instead of one quarter-rate I2F.
-    static constexpr bool SMALL_DOT = DP * 128 * 128 < (1 << 22);
+    // Split-d dot products span the whole dim, so they take the exact conversion.
+    static constexpr bool SMALL_DOT = !SPLIT && DP * 128 * 128 < (1 << 22);
     // Stages loading ahead of the one consumed. Hopper split-d leaves one chunk's wgmma in
     // flight while the next is issued, so the slot it reads is not refilled yet.
     static constexpr bool WG_CHAIN = WG && SPLIT;
@@ -233,6 +244,7 @@ struct Fwd {
     template <int NROWS>
     static __device__ __forceinline__ void load_rows(T* dst, const T* src, int avail, int stride, int cols);
     static __device__ __forceinline__ void load_a(u32 (&a)[4], const T* sQ, int row0, int kk, int lane);
+    static __device__ __forceinline__ void load_a_x3(u32 (&hi)[4], u32 (&lo)[4], const T* sQ, int row0, int kk, int lane);
 #if LIK_HAS_WGMMA
     static __device__ __forceinline__ u32 query_desc_lo(const T* sQ, int wrow0);
 #endif

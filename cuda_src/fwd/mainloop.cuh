@@ -80,6 +80,18 @@ __device__ __forceinline__ void LIK_FWD::load_a(u32 (&a)[4], const T* sQ, int ro
     }
 }
 
+// The same fp32 fragments split into their tf32 hi and lo parts (split_tf32), for 3xTF32.
+LIK_FWD_TEMPLATE
+__device__ __forceinline__ void LIK_FWD::load_a_x3(u32 (&hi)[4], u32 (&lo)[4], const T* sQ, int row0, int kk,
+                                                   int lane) {
+    const float* q = reinterpret_cast<const float*>(sQ);
+    const int g = lane >> 2, t = lane & 3, k = kk * KSTEP + t;
+    split_tf32(q[(row0 + g) * LDS + k], hi[0], lo[0]);
+    split_tf32(q[(row0 + g + 8) * LDS + k], hi[1], lo[1]);
+    split_tf32(q[(row0 + g) * LDS + k + 4], hi[2], lo[2]);
+    split_tf32(q[(row0 + g + 8) * LDS + k + 4], hi[3], lo[3]);
+}
+
 #if LIK_HAS_WGMMA
 LIK_FWD_TEMPLATE
 __device__ __forceinline__ u32 LIK_FWD::query_desc_lo(const T* sQ, int wrow0) {
@@ -137,12 +149,14 @@ __device__ __forceinline__ void LIK_FWD::tile_mma(A (&acc)[MT][NN][4], const u32
     // re-read them from shared memory (48+ k steps of 8) spilled on sm_90 fully unrolled.
 #pragma unroll(QREG || ELEM != 2 ? NK : 16)
     for (int kk = 0; kk < NK; ++kk) {
-        u32 a[MT][4];
+        u32 a[MT][4], alo[X3 ? MT : 1][4];
 #pragma unroll
         for (int m = 0; m < MT; ++m) {
             if (QREG) {
 #pragma unroll
                 for (int r = 0; r < 4; ++r) a[m][r] = qf[QREG ? m : 0][QREG ? kk : 0][r];
+            } else if (X3) {
+                load_a_x3(a[m], alo[X3 ? m : 0], sQ, wrow0 + m * 16, kk, lane);
             } else {
                 load_a(a[m], sQ, wrow0 + m * 16, kk, lane);
             }
@@ -152,8 +166,21 @@ __device__ __forceinline__ void LIK_FWD::tile_mma(A (&acc)[MT][NN][4], const u32
             const int g = lane >> 2, t = lane & 3, k = kk * KSTEP + t;
 #pragma unroll
             for (int n = 0; n < NN; ++n) {
-                const u32 b0 = to_tf32(d[(n * 8 + g) * LDS + k]);
-                const u32 b1 = to_tf32(d[(n * 8 + g) * LDS + k + 4]);
+                u32 b0, b1;
+                if constexpr (X3) {
+                    // The small products first, then hi * hi: lo * hi + hi * lo + hi * hi.
+                    u32 l0, l1;
+                    split_tf32(d[(n * 8 + g) * LDS + k], b0, l0);
+                    split_tf32(d[(n * 8 + g) * LDS + k + 4], b1, l1);
+#pragma unroll
+                    for (int m = 0; m < MT; ++m) {
+                        mma<ELEM>(acc[m][n], alo[X3 ? m : 0], b0, b1);
+                        mma<ELEM>(acc[m][n], a[m], l0, l1);
+                    }
+                } else {
+                    b0 = to_tf32(d[(n * 8 + g) * LDS + k]);
+                    b1 = to_tf32(d[(n * 8 + g) * LDS + k + 4]);
+                }
 #pragma unroll
                 for (int m = 0; m < MT; ++m) mma<ELEM>(acc[m][n], a[m], b0, b1);
             }

@@ -19,8 +19,9 @@ SMEM_PER_SM = {80: 164 * 1024, 86: 100 * 1024, 87: 164 * 1024, 89: 100 * 1024, 9
 ELEM_CODES = {"float16": 0, "bfloat16": 1, "float32": 2, "int8": 3}
 ELEM_SIZES = (2, 2, 4, 1)
 MAX_DIM = 8192  # split-d has no inherent limit; this is the widest dim the tests cover
-# INT8 runs one-shot only (no split-d): dims a multiple of 16 up to this.
-MAX_DIM_INT8 = 512
+# INT8 takes dims a multiple of 16 up to this (one-shot up to 512, split-d above; int32 dot
+# products stay exact: 127 * 127 * 4096 < 2^31).
+MAX_DIM_INT8 = 4096
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -43,6 +44,7 @@ class FwdConfig:
     tma: bool = False  # tiles staged by TMA from tensor maps (sm_90: one-shot with 128-byte multiple rows, or split-d wgmma)
     qhalf: bool = False  # split-d, one warpgroup, one query of <= 32 tokens: stages hold 32 query rows, not 64
     tokm: bool = False  # int8 Hopper tiles with document tokens on the wgmma M side (per-token scales in registers)
+    x3: bool = False  # fp32 at float32 accuracy: three tf32 products per product (3xTF32, cuda_src/fwd/config.cuh)
 
     @property
     def token_split(self) -> bool:
@@ -89,6 +91,7 @@ class FwdConfig:
             f"{'_qreg' if self.qreg else ''}{'_argmax' if self.argmax else ''}{'_vec' if self.vec else ''}"
             f"{'_wgmma' if self.wgmma else ''}{'_mq' if self.multi else ''}{'_packed' if self.packed else ''}"
             f"{'_tma' if self.tma else ''}{'_qh' if self.qhalf else ''}{'_tokm' if self.tokm else ''}"
+            f"{'_x3' if self.x3 else ''}"
         )
 
     def defines(self) -> dict[str, int | str]:
@@ -110,6 +113,7 @@ class FwdConfig:
             "LIK_TMA": int(self.tma),
             "LIK_QHALF": int(self.qhalf),
             "LIK_TOKM": int(self.tokm),
+            "LIK_X3": int(self.x3),
             "LIK_MIN_BLOCKS": self.min_blocks,
             "LIK_DOC_COST": self.doc_cost,
         }

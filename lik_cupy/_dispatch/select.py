@@ -69,7 +69,8 @@ def _tokm(int8: bool, argmax: bool, multi: bool, tma: bool, dim: int, ld: int) -
 
 @functools.lru_cache(maxsize=4096)
 def choose_forward(cc: int, dtype: str, dim: int, lq: int, argmax: bool, vec: bool, wgmma: bool = True,
-                   shared_queries: int = 1, ld: int = 1024, packed: bool = False, tma: bool = False) -> FwdConfig:
+                   shared_queries: int = 1, ld: int = 1024, packed: bool = False, tma: bool = False,
+                   x3: bool = False) -> FwdConfig:
     """The forward configuration for one problem on a device of compute capability ``cc``.
 
     ``shared_queries`` is the number of queries scored against the same
@@ -81,14 +82,19 @@ def choose_forward(cc: int, dtype: str, dim: int, lq: int, argmax: bool, vec: bo
     an sm_90a build fails, and the switch tests use to cover both paths).
     ``tma``: the caller can hand the kernel tensor maps of D (and of the INT8 scales);
     one-shot Hopper tiles then stage documents by TMA.
+    ``x3``: float32 at float32 accuracy (precision "fp32": three tf32 products per product,
+    query fragments re-read from shared memory); ignored for other dtypes.
     """
     arch = arch_of(cc)
     elem = ELEM_CODES[dtype]
     int8 = elem == 3
     if int8 and not int8_dim_ok(dim):
         raise ValueError(f"int8 scoring needs dim a multiple of 16 up to {MAX_DIM_INT8}, got {dim}")
+    x3 = x3 and elem == 2
     dp = padded_dim(dim, elem)
     dim_bucket(dim)  # range check
+    # Split-d chunks hold as many bytes per row for every dtype: INT8 takes twice the elements.
+    chunk = 2 if int8 else 1
     q_len, lq = lq, tile_rows(lq, shared_queries)
 
     def multi(bm: int) -> bool:
@@ -102,8 +108,9 @@ def choose_forward(cc: int, dtype: str, dim: int, lq: int, argmax: bool, vec: bo
     short_hopper = wgmma_ok and lq <= 64 and row_bytes % 128 == 0 and row_bytes <= t.SHORT_WGMMA_MAX_ROW_BYTES
     limit = SMEM_PER_BLOCK.get(arch, 99 * 1024)  # unknown (newer) GPUs: the smallest limit
     lb = 32 if lq <= 32 else 64 if lq <= 64 else 128
-    # INT8 runs one-shot only; its rows have the bytes (and fragment registers) of 16-bit rows half as wide.
-    if int8 or not uses_split(*split_family(arch, hopper, dim), lq <= 64, dim):
+    # INT8 runs one-shot up to 512 (its rows have the bytes, and fragment registers, of 16-bit rows
+    # half as wide), split-d above.
+    if (int8 and dim <= 512) or (not int8 and not uses_split(*split_family(arch, hopper, dim), lq <= 64, dim)):
         if short_hopper:
             for bn, stages in _short_wgmma_tiles(ld, int8):
                 cfg = FwdConfig(elem=elem, dp=dim, warps=4, mt=1, bn=bn, stages=stages, qreg=False, argmax=argmax, vec=vec,
@@ -127,17 +134,18 @@ def choose_forward(cc: int, dtype: str, dim: int, lq: int, argmax: bool, vec: bo
         # TMA needs whole 128-byte rows (no padding lanes) and swizzled tiles (not the fp32 lds path).
         tma_mma = tma and vec and arch == 90 and elem != 2 and dim == dp and row_bytes % 128 == 0
         for warps, mt, bn, stages in t.MMA_TABLE[(elem == 2, one_shot_bucket(dp // 2 if int8 else dp), lb)]:
-            cfg = FwdConfig(elem=elem, dp=dp, warps=warps, mt=mt, bn=bn, stages=stages, qreg=_qreg(elem, dp, mt),
-                            argmax=argmax, vec=vec, multi=multi(warps * mt * 16), packed=packed, tma=tma_mma)
+            cfg = FwdConfig(elem=elem, dp=dp, warps=warps, mt=mt, bn=bn, stages=stages,
+                            qreg=_qreg(elem, dp, mt) and not x3, argmax=argmax, vec=vec, multi=multi(warps * mt * 16),
+                            packed=packed, tma=tma_mma, x3=x3)
             if cfg.smem_bytes <= limit:
                 return cfg
-    if int8:
+    if int8 and dim <= 512:
         raise ValueError(f"no int8 forward configuration fits dim {dim} on sm_{arch}")
     if wgmma_ok:
         # Hopper split-d: two warpgroups staged by TMA when the caller can hand over tensor maps,
         # one warpgroup by cp.async for a short query.
         warps = 8 if hopper else 4
-        qhalf = not hopper and q_len <= 32 and not multi(64)
+        qhalf = not hopper and q_len <= 32 and not multi(64) and not int8
         if hopper and tma:
             tiles = t.WGMMA_SPLIT_TMA
         elif hopper:
@@ -145,18 +153,25 @@ def choose_forward(cc: int, dtype: str, dim: int, lq: int, argmax: bool, vec: bo
         else:
             tiles = t.WGMMA_SPLIT_SHORT_QHALF if qhalf else t.WGMMA_SPLIT_SHORT
         for bn, bk, stages in tiles:
-            cfg = FwdConfig(elem=elem, dp=bk, warps=warps, mt=1, bn=bn, stages=stages, qreg=False, argmax=argmax, vec=vec,
+            cfg = FwdConfig(elem=elem, dp=bk * chunk, warps=warps, mt=1, bn=bn, stages=stages, qreg=False, argmax=argmax, vec=vec,
                             wgmma=True, multi=multi(warps * 16), packed=packed, split=True, tma=tma and hopper,
                             qhalf=qhalf)
             # Two CTAs of two warpgroups cap registers at 128: too few for the argmax of several queries.
-            if cfg.smem_bytes <= limit and not (warps == 8 and cfg.min_blocks > 1 and argmax and cfg.multi):
+            # A TMA box carries at most 256 INT8 scales (BN + 4 of them).
+            if cfg.smem_bytes <= limit and not (warps == 8 and cfg.min_blocks > 1 and argmax and cfg.multi) \
+                    and not (int8 and cfg.tma and bn + 4 > 256) \
+                    and not (int8 and argmax and (cfg.min_blocks > 1 or (cfg.multi and bn > 128))):
                 return cfg
-    for warps, mt, bn, bk, stages in t.SPLIT_TABLE[(elem == 2, lb)]:
-        cfg = FwdConfig(elem=elem, dp=bk, warps=warps, mt=mt, bn=bn, stages=stages, qreg=False, argmax=argmax, vec=vec,
-                        multi=multi(warps * mt * 16), packed=packed, split=True)
+    # 3xTF32's split fragments leave two m-tiles too few registers for the argmax of several
+    # queries: those take the one m-tile rows.
+    rows = t.SPLIT_TABLE[(elem == 2, lb)] + (t.SPLIT_TABLE[(True, 64)] if x3 and argmax else ())
+    for warps, mt, bn, bk, stages in rows:
+        cfg = FwdConfig(elem=elem, dp=bk * chunk, warps=warps, mt=mt, bn=bn, stages=stages, qreg=False, argmax=argmax,
+                        vec=vec, multi=multi(warps * mt * 16), packed=packed, split=True, x3=x3)
         # 32 x 128 accumulators per warp leave no room for the argmax or multi-query epilogue
         # without spilling (compile.check_all): those take the 64-token tiles.
-        if cfg.smem_bytes <= limit and not (bn > 64 and mt > 1 and (argmax or cfg.multi)):
+        if cfg.smem_bytes <= limit and not (bn > 64 and mt > 1 and (argmax or cfg.multi)) \
+                and not (x3 and mt > 1 and argmax and cfg.multi):
             return cfg
     raise ValueError(f"no forward configuration fits dim {dim} on sm_{arch}")
 
@@ -174,7 +189,8 @@ def all_forward_configs(arch: int, dims=None) -> list[FwdConfig]:
         if dims is not None:
             picked = [d for d in dims if dtype != "int8" or int8_dim_ok(d)]
         else:
-            picked = (64, 96, 128, 256, 384, 512) if dtype == "int8" else (64, 128, 256, 384, 512, 1000, 2048, 4096)
+            picked = (64, 96, 128, 256, 384, 512, 1024, 4096) if dtype == "int8" else (64, 128, 256, 384, 512, 1000,
+                                                                                          2048, 4096)
         for dim in picked:
             for lq, shared in ((32, 1), (64, 1), (128, 1), (1024, 1), (8, 2), (32, 2), (32, 4), (64, 2)):
                 for ld in (128, 180, 300, 1024):
@@ -183,9 +199,10 @@ def all_forward_configs(arch: int, dims=None) -> list[FwdConfig]:
                             for wg in (True, False):
                                 for packed in (False, True):
                                     for tma in (False, True):
-                                        c = choose_forward(arch, dtype, dim, lq, argmax, vec, wg, shared, ld, packed,
-                                                           tma)
-                                        seen[c.name] = c
+                                        for x3 in (False, True) if dtype == "float32" else (False,):
+                                            c = choose_forward(arch, dtype, dim, lq, argmax, vec, wg, shared, ld, packed,
+                                                               tma, x3)
+                                            seen[c.name] = c
     return list(seen.values())
 
 

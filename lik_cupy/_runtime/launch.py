@@ -101,7 +101,7 @@ def _launch_forward(func: int, grid, threads: int, smem: int, stream: int, value
 
 
 def launch(p: Problem, q, d, qm, dm, ql, dl, return_argmax: bool, device: int, *, d_off=None, ld_hint=None,
-            d_off_whole=True, out=None, q_scale=None, d_scale=None, caller=None):
+           d_off_whole=True, out=None, q_scale=None, d_scale=None, caller=None, x3=False):
     """Choose the kernel configuration and launch it on the current CuPy stream.
 
     q: [nq, lq, dim] (bfloat16 as uint16); d: padded [rows, ld, dim], or packed
@@ -112,6 +112,7 @@ def launch(p: Problem, q, d, qm, dm, ql, dl, return_argmax: bool, device: int, *
     ``p.dtype == "int8"``: q and d are int8 and ``q_scale`` (float32 [nq * lq], non-negative)
     and ``d_scale`` (float32 [rows * ld] or [T]) are their contiguous per-token scales.
     ``caller`` names the public function in error messages (default: the one ``p`` came from).
+    ``x3``: float32 at float32 accuracy (``lik_cupy.precision``), for float32 q and d.
     """
     import cupy
 
@@ -152,7 +153,7 @@ def launch(p: Problem, q, d, qm, dm, ql, dl, return_argmax: bool, device: int, *
 
     def choose(wgmma: bool):
         return dispatch.choose_forward(props.cc, p.dtype, p.dim, p.lq, return_argmax, vec, wgmma, shared, ld,
-                                       d_off is not None, use_tma and wgmma)
+                                       d_off is not None, use_tma and wgmma, x3)
 
     cfg = choose(not env.wgmma_disabled())
     try:

@@ -1,0 +1,125 @@
+"""The precision contract's rules (``lik_cupy.precision``) and the kernels they choose, without a GPU.
+The GPU's accuracy under each precision is tests/test_precision_gpu.py."""
+
+import sys
+import types
+
+import numpy as np
+import pytest
+
+import lik_cupy
+from lik_cupy import _dispatch as dispatch
+from lik_cupy.precision import _resolve
+
+
+@pytest.fixture(autouse=True)
+def _no_process_default(monkeypatch):
+    monkeypatch.delenv("LIK_PRECISION", raising=False)
+    monkeypatch.delenv("CUPY_TF32", raising=False)
+    lik_cupy.set_precision(None)
+    yield
+    lik_cupy.set_precision(None)
+
+
+def _fake_torch(monkeypatch, *, fp32_precision=None, allow_tf32=False, matmul_precision="highest"):
+    matmul = types.SimpleNamespace(allow_tf32=allow_tf32)
+    if fp32_precision is not None:
+        matmul.fp32_precision = fp32_precision
+    torch = types.SimpleNamespace(backends=types.SimpleNamespace(cuda=types.SimpleNamespace(matmul=matmul)),
+                                  get_float32_matmul_precision=lambda: matmul_precision)
+    monkeypatch.setitem(sys.modules, "torch", torch)
+
+
+def _fake_jax(monkeypatch, value):
+    monkeypatch.setitem(sys.modules, "jax", types.SimpleNamespace(config=types.SimpleNamespace(
+        jax_default_matmul_precision=value)))
+
+
+def test_float32_defaults_to_float32_accuracy():
+    for fw in ("numpy", "cupy", "dlpack"):
+        assert _resolve(None, fw, "float32") is True
+        assert _resolve(None, fw, "float64") is True
+
+
+def test_other_dtypes_have_no_tf32_choice():
+    for dtype in ("float16", "bfloat16", "int8"):
+        assert _resolve(None, "cupy", dtype) is False
+        assert _resolve("fp32", "cupy", dtype) is False
+
+
+@pytest.mark.parametrize("kw,expect", [
+    ({}, True),
+    ({"allow_tf32": True}, False),
+    ({"matmul_precision": "high"}, False),
+    ({"matmul_precision": "medium"}, False),
+    ({"fp32_precision": "tf32"}, False),
+    ({"fp32_precision": "ieee", "allow_tf32": True}, True),  # the newer switch speaks first
+    ({"fp32_precision": "none", "allow_tf32": True}, False),  # "none": the older ones decide
+])
+def test_torch_tensors_follow_torch(monkeypatch, kw, expect):
+    _fake_torch(monkeypatch, **kw)
+    assert _resolve(None, "torch", "float32") is expect
+    assert _resolve(None, "cupy", "float32") is True  # only torch tensors follow torch
+
+
+@pytest.mark.parametrize("value,expect", [(None, True), ("highest", True), ("float32", True), ("high", True),
+                                          ("tensorfloat32", False), ("bfloat16", False), ("default", False),
+                                          ("fastest", False)])
+def test_jax_arrays_follow_jax(monkeypatch, value, expect):
+    _fake_jax(monkeypatch, value)
+    assert _resolve(None, "jax", "float32") is expect
+
+
+def test_cupy_arrays_follow_cupy_tf32(monkeypatch):
+    monkeypatch.setenv("CUPY_TF32", "1")
+    assert _resolve(None, "cupy", "float32") is False
+    assert _resolve(None, "numpy", "float32") is True
+
+
+def test_order_call_then_process_default_then_framework(monkeypatch):
+    _fake_torch(monkeypatch, allow_tf32=True)
+    monkeypatch.setenv("LIK_PRECISION", "fp32")
+    assert _resolve(None, "torch", "float32") is True  # the process default beats torch
+    assert _resolve("tf32", "torch", "float32") is False  # the call beats both
+    lik_cupy.set_precision("tf32")
+    assert lik_cupy.get_precision() == "tf32"  # set_precision beats the environment
+    assert _resolve(None, "numpy", "float32") is False
+    lik_cupy.set_precision(None)
+    assert lik_cupy.get_precision() == "fp32"
+
+
+def test_bad_values_are_refused_with_what_was_expected(monkeypatch):
+    with pytest.raises(ValueError, match=r"precision must be one of 'fp32', 'tf32', got 'fp64'"):
+        lik_cupy.maxsim(np.ones((1, 2, 4), np.float32), np.ones((3, 5, 4), np.float32), backend="cpu",
+                        precision="fp64")
+    with pytest.raises(ValueError, match="precision must be one of"):  # checked for every dtype
+        lik_cupy.maxsim(np.ones((1, 2, 4), np.float16), np.ones((3, 5, 4), np.float16), backend="cpu",
+                        precision="TF32")
+    with pytest.raises(ValueError, match="set_precision must be one of"):
+        lik_cupy.set_precision("half")
+    monkeypatch.setenv("LIK_PRECISION", "bf16")
+    with pytest.raises(ValueError, match="LIK_PRECISION must be one of 'fp32', 'tf32', got 'bf16'"):
+        lik_cupy.get_precision()
+
+
+@pytest.mark.parametrize("arch", [80, 90])
+@pytest.mark.parametrize("dim", [64, 128, 200, 1000])
+def test_fp32_precision_chooses_the_3xtf32_kernels(arch, dim):
+    for lq, shared, argmax in ((32, 1, False), (32, 8, True), (1024, 1, True)):
+        x3 = dispatch.choose_forward(arch, "float32", dim, lq, argmax, True, True, shared, 300, False, False, True)
+        one = dispatch.choose_forward(arch, "float32", dim, lq, argmax, True, True, shared, 300, False, False, False)
+        assert x3.x3 and not x3.qreg and x3.name.endswith("_x3") and x3.defines()["LIK_X3"] == 1
+        assert not one.x3 and one.defines()["LIK_X3"] == 0
+        assert not dispatch.choose_forward(arch, "float16", dim, lq, argmax, True, True, shared, 300, False, False,
+                                           True).x3
+
+
+@pytest.mark.parametrize("arch", [80, 90])
+@pytest.mark.parametrize("dim", [528, 1024, 2048, 4096])
+def test_int8_takes_split_d_above_512(arch, dim):
+    for lq, shared, argmax, tma in ((32, 1, False, False), (1024, 1, True, True), (32, 4, True, True)):
+        cfg = dispatch.choose_forward(arch, "int8", dim, lq, argmax, True, True, shared, 300, False, tma)
+        assert cfg.split and cfg.elem == 3 and cfg.dp % 32 == 0 and not cfg.tokm and not cfg.qhalf
+        assert not (cfg.tma and cfg.bn + 4 > 256)  # a TMA box carries at most 256 scales
+    assert dispatch.int8_dim_ok(dim)
+    assert not dispatch.int8_dim_ok(dispatch.MAX_DIM_INT8 + 16)
