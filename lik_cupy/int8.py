@@ -38,7 +38,7 @@ def maxsim_int8(Q, D, d_scales, q_mask=None, d_mask=None, *, q_scales=None, q_le
             on the fly), or int8 with ``q_scales``.
         D: int8 ``[Nd, Ld, d]`` (shared by all queries -> ``[Nq, Nd]``), ``[Nq, K, Ld, d]``
             (a candidate set per query -> ``[Nq, K]``) or ``[Ld, d]`` (-> ``[Nq]``), as made by
-            :func:`lik_cupy.quantize_int8`. On the GPU, d must be a multiple of 16, at most 512.
+            :func:`lik_cupy.quantize_int8`. On the GPU, d must be a multiple of 16, at most 4096.
         d_scales: float32 ``D.shape[:-1]``: each document token's scale.
         q_mask, d_mask, q_lengths, d_lengths: valid tokens, as in :func:`lik_cupy.maxsim`.
         q_scales: float32 ``Q.shape[:-1]`` for an int8 Q. They multiply each row's max, so

@@ -24,8 +24,9 @@ Which precision a call gets, first match wins:
 
 from __future__ import annotations
 
-import os
 import sys
+
+from ._runtime import env
 
 __all__ = ["PRECISIONS", "set_precision", "get_precision"]
 
@@ -60,8 +61,8 @@ def get_precision() -> str | None:
     each call follows its framework."""
     if _default is not None:
         return _default
-    env = os.environ.get("LIK_PRECISION", "").strip().lower()
-    return _checked(env, "LIK_PRECISION") if env else None
+    value = env.precision_default()
+    return _checked(value, "LIK_PRECISION") if value else None
 
 
 def _framework_says(framework: str) -> str | None:
@@ -87,7 +88,7 @@ def _framework_says(framework: str) -> str | None:
         value = jax.config.jax_default_matmul_precision
         return "tf32" if value is not None and str(value).lower() in _JAX_TF32 else "fp32"
     if framework == "cupy":
-        return "tf32" if os.environ.get("CUPY_TF32", "0") == "1" else "fp32"
+        return "tf32" if env.cupy_tf32() else "fp32"
     return None
 
 

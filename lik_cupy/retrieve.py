@@ -129,7 +129,7 @@ def retrieve(Q, D, k, q_mask=None, *, q_lengths=None, q_scales=None, d_offsets=N
             where their tokens live. A float Q of any float dtype is quantized per token once per
             call; scores are the MaxSim of the dequantized queries and documents. A corpus
             is all INT8 or all float (TypeError otherwise). The GPU scores INT8 for d a
-            multiple of 16 up to ``dispatch.MAX_DIM_INT8`` (512).
+            multiple of 16 up to ``dispatch.MAX_DIM_INT8`` (4096).
         k: documents to return per query, 1 .. 4096.
         q_mask / q_lengths: valid query tokens, as in :func:`lik_cupy.maxsim`.
         q_scales: float32 ``Q.shape[:-1]``, the scales of an int8 Q (same framework and device),

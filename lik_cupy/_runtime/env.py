@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["cache_dir_override", "poison_outputs", "wgmma_disabled", "tma_disabled"]
+__all__ = ["cache_dir_override", "poison_outputs", "wgmma_disabled", "tma_disabled", "precision_default", "cupy_tf32"]
 
 _TRUE = ("1", "true", "yes")
 
@@ -31,3 +31,15 @@ def wgmma_disabled() -> bool:
 def tma_disabled() -> bool:
     """``LIK_CUPY_DISABLE_TMA=1``: stage tiles by cp.async instead of the tensor memory accelerator."""
     return os.environ.get("LIK_CUPY_DISABLE_TMA", "") in _TRUE
+
+
+def precision_default() -> str | None:
+    """``LIK_PRECISION``: the process default of the float32 precision, ``fp32`` or ``tf32``
+    (``lik_cupy.precision``; ``lik_cupy.set_precision`` overrides it). Unset or empty: none."""
+    return os.environ.get("LIK_PRECISION", "").strip().lower() or None
+
+
+def cupy_tf32() -> bool:
+    """``CUPY_TF32=1``: CuPy's own switch to TF32 matmuls, which float32 CuPy arrays follow when no
+    precision is set (``lik_cupy.precision``)."""
+    return os.environ.get("CUPY_TF32", "0") == "1"
