@@ -133,7 +133,8 @@ def choose_forward(cc: int, dtype: str, dim: int, lq: int, argmax: bool, vec: bo
                     return cfg
         # TMA needs whole 128-byte rows (no padding lanes) and swizzled tiles (not the fp32 lds path).
         tma_mma = tma and vec and arch == 90 and elem != 2 and dim == dp and row_bytes % 128 == 0
-        for warps, mt, bn, stages in t.MMA_TABLE[(elem == 2, one_shot_bucket(dp // 2 if int8 else dp), lb)]:
+        rows = t.MMA_TABLE[(elem == 2, one_shot_bucket(dp // 2 if int8 else dp), lb)]
+        for warps, mt, bn, stages in (t.X3_TABLE[lb] + rows if x3 else rows):
             cfg = FwdConfig(elem=elem, dp=dp, warps=warps, mt=mt, bn=bn, stages=stages,
                             qreg=_qreg(elem, dp, mt) and not x3, argmax=argmax, vec=vec, multi=multi(warps * mt * 16),
                             packed=packed, tma=tma_mma, x3=x3)
@@ -170,7 +171,8 @@ def choose_forward(cc: int, dtype: str, dim: int, lq: int, argmax: bool, vec: bo
                         vec=vec, multi=multi(warps * mt * 16), packed=packed, split=True, x3=x3)
         # 32 x 128 accumulators per warp leave no room for the argmax or multi-query epilogue
         # without spilling (compile.check_all): those take the 64-token tiles.
-        if cfg.smem_bytes <= limit and not (bn > 64 and mt > 1 and (argmax or cfg.multi)) \
+        # INT8's scale handling spills them even without (compile check).
+        if cfg.smem_bytes <= limit and not (bn > 64 and mt > 1 and (argmax or cfg.multi or int8)) \
                 and not (x3 and mt > 1 and argmax and cfg.multi):
             return cfg
     raise ValueError(f"no forward configuration fits dim {dim} on sm_{arch}")

@@ -107,6 +107,18 @@ MMA_TABLE: dict[tuple[bool, int, int], tuple[tuple[int, int, int, int], ...]] = 
 }
 
 
+# 3xTF32 one-shot tiles (precision "fp32"), (warps, mt, bn, stages) by query-length bucket, tried
+# before the fp32 rows of MMA_TABLE (bench/results/archive/sweep_x3_nvidia-h200.json, d = 128):
+# every warp splits the whole staged document tile into TF32 halves for its own rows, so two
+# m-tiles per warp (32 rows) at 32 query tokens and eight warps at 128+ pay that once for more
+# MMAs: 16% less time than the TF32 pick at 32 x 300 and 32 x 1024, 32-39% at 128 x 1024 and
+# 1024 x 1024.
+X3_TABLE: dict[int, tuple[tuple[int, int, int, int], ...]] = {
+    32: ((2, 2, 32, 3),),
+    64: ((4, 1, 64, 3),),
+    128: ((8, 1, 64, 3), (4, 2, 64, 3)),
+}
+
 # Hopper warpgroup-MMA tiles; 8 warps = 2 warpgroups x 64 query rows. Relative
 # cost per staged document token of each tile width, so that a shorter tile wins
 # where it pads documents less (Ld=180: 192 tokens in 64- or 96-token tiles
