@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["cache_dir_override", "poison_outputs", "wgmma_disabled", "tma_disabled"]
+__all__ = ["cache_dir_override", "poison_outputs", "wgmma_disabled", "tma_disabled", "pylate_scores_backend",
+           "colpali_scores_backend"]
 
 _TRUE = ("1", "true", "yes")
 
@@ -31,3 +32,15 @@ def wgmma_disabled() -> bool:
 def tma_disabled() -> bool:
     """``LIK_CUPY_DISABLE_TMA=1``: stage tiles by cp.async instead of the tensor memory accelerator."""
     return os.environ.get("LIK_CUPY_DISABLE_TMA", "") in _TRUE
+
+
+def pylate_scores_backend() -> str:
+    """``PYLATE_SCORES_BACKEND`` (PyLate's own variable): the backend ``lik_cupy.integrations.pylate``
+    takes when a call names none, as PyLate does (``torch`` and ``flash`` hand the call to PyLate)."""
+    return os.environ.get("PYLATE_SCORES_BACKEND", "auto")
+
+
+def colpali_scores_backend() -> str:
+    """``COLPALI_SCORES_BACKEND`` (colpali-engine's own variable): ``torch`` hands
+    ``lik_cupy.integrations.colpali``'s calls to colpali-engine's torch reference."""
+    return os.environ.get("COLPALI_SCORES_BACKEND", "auto")

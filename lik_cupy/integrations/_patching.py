@@ -9,14 +9,28 @@ __all__ = ["Patches", "Patched", "swap", "SwappedProperty", "SwappedAttribute"]
 
 class Patches:
     """Attribute replacements on modules and classes, each undone exactly: an attribute the owner
-    held itself gets its old value back, one it inherited (or lacked) is deleted again."""
+    held itself gets its old value back, one it inherited (or lacked) is deleted again.
+    ``originals`` holds what the patch set aside (the library's own functions), while it is active."""
 
     def __init__(self):
         self._saved = []  # (owner, name, had its own attribute, the old value)
+        self.originals: dict = {}
 
     @property
     def active(self) -> bool:
         return bool(self._saved)
+
+    def patch(self, apply) -> Patched:
+        """Run ``apply`` (which calls ``set``) unless the patch is already in place; a failure
+        half way undoes what it did. Returns the handle ``patch_*()`` hands back."""
+        was_active = self.active
+        if not was_active:
+            try:
+                apply()
+            except BaseException:
+                self.undo()
+                raise
+        return Patched(self.undo, was_active)
 
     def set(self, owner, name: str, value) -> None:
         own = vars(owner)
@@ -38,6 +52,7 @@ class Patches:
             else:
                 delattr(owner, name)
         self._saved.clear()
+        self.originals.clear()
 
 
 class Patched:

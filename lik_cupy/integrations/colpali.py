@@ -24,11 +24,10 @@ Importing this module imports torch, not colpali-engine.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from .. import torch as _lik
+from .._runtime import env
 from ._patching import Patched, Patches
 from ._scoring import kernel_operands
 
@@ -42,8 +41,7 @@ _IMPORTERS = ("colpali_engine.loss.late_interaction_losses", "colpali_engine.uti
 # bytes (colpali-engine's own step holds a [batch, batch, Lq, Ld] similarity tensor, which is larger).
 _CHUNK_BYTES = 512 << 20
 
-_patches = Patches()
-_originals: dict = {}  # while patched: colpali-engine's functions by name
+_patches = Patches()  # its originals: colpali-engine's functions by name
 
 
 def maxsim_inbatch(query, doc):
@@ -160,16 +158,12 @@ def patch_colpali_engine() -> Patched:
         with patch_colpali_engine():
             scores = processor.score_multi_vector(query_embeddings, page_embeddings)
     """
-    was_active = _patches.active
-    if not was_active:
-        _apply()
-    return Patched(unpatch_colpali_engine, was_active)
+    return _patches.patch(_apply)
 
 
 def unpatch_colpali_engine() -> None:
     """Undo :func:`patch_colpali_engine`: every replaced attribute gets colpali-engine's own back."""
     _patches.undo()
-    _originals.clear()
 
 
 # ---------------------------------------------------------------- internals
@@ -182,29 +176,24 @@ def _apply() -> None:
     processor = importlib.import_module("colpali_engine.utils.processing_utils").BaseVisualRetrieverProcessor
     ours = {name: globals()[name] for name in _NAMES}
     originals = {name: getattr(maxsim, name) for name in _NAMES}
-    _originals.update(originals)
-    _originals["score_multi_vector"] = processor.score_multi_vector
-    try:
-        _patches.set_globals("colpali_engine.utils.maxsim", originals, ours)
-        for module in _IMPORTERS:
-            _patches.set_globals(module, originals, ours)
-        _patches.set(processor, "score_multi_vector", staticmethod(score_multi_vector))
-    except BaseException:
-        unpatch_colpali_engine()
-        raise
+    _patches.originals.update(originals, score_multi_vector=processor.score_multi_vector)
+    _patches.set_globals("colpali_engine.utils.maxsim", originals, ours)
+    for module in _IMPORTERS:
+        _patches.set_globals(module, originals, ours)
+    _patches.set(processor, "score_multi_vector", staticmethod(score_multi_vector))
 
 
 def _use_colpali() -> bool:
     """Whether ``COLPALI_SCORES_BACKEND`` asks for colpali-engine's torch reference."""
-    backend = os.environ.get("COLPALI_SCORES_BACKEND", "auto").lower()
+    backend = env.colpali_scores_backend().lower()
     if backend not in _BACKENDS:
         raise ValueError(f"COLPALI_SCORES_BACKEND must be one of {_BACKENDS}, got {backend!r}.")
     return backend == "torch"
 
 
 def _original(name: str):
-    if name in _originals:
-        return _originals[name]
+    if name in _patches.originals:
+        return _patches.originals[name]
     try:
         if name == "score_multi_vector":
             from colpali_engine.utils.processing_utils import BaseVisualRetrieverProcessor

@@ -27,12 +27,11 @@ Importing this module imports torch, not PyLate.
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import torch
 
 from .. import torch as _lik
+from .._runtime import env
 from ._patching import Patched, Patches, SwappedAttribute, SwappedProperty
 from ._scoring import kernel_operands
 
@@ -46,8 +45,7 @@ _NAMES = ("colbert_scores", "colbert_scores_pairwise", "colbert_kd_scores")
 _IMPORTERS = ("pylate.scores", "pylate.rank.rank", "pylate.losses.distillation",
               "pylate.evaluation.colbert_distillation", "pylate.evaluation.colbert_triplet")
 
-_patches = Patches()
-_originals: dict = {}  # while patched: PyLate's functions by name, and "ColBERTScores.__call__"
+_patches = Patches()  # its originals: PyLate's functions by name, and "ColBERTScores.__call__"
 
 
 def colbert_scores(queries_embeddings, documents_embeddings, queries_mask=None, documents_mask=None, backend=None):
@@ -191,15 +189,16 @@ class ColBERTScores:
 def patch_pylate() -> Patched:
     """Route PyLate's scoring through this module until :func:`unpatch_pylate`.
 
-    Covers ``pylate.scores``' three functions and ``ColBERTScores`` (so the ``Contrastive`` and
-    ``CachedContrastive`` losses, existing instances included), the copies ``rank.rerank`` (hence
-    ``retrieve``), the ``Distillation`` loss and the distillation and triplet evaluators imported
-    when PyLate loaded, ``Distillation`` objects' stored default ``score_metric``, and the
-    similarity functions a ``ColBERT`` model stores (``model.similarity``, used by the
-    information-retrieval evaluators), for models made before or during the patch. A score
-    function you passed yourself is yours and left alone (PyLate's own three are replaced
-    wherever they are read from these objects). ``SimilarityFunction.to_similarity_fn`` itself
-    still returns PyLate's functions.
+    Covers ``pylate.scores``' three functions; ``ColBERTScores`` (the ``Contrastive`` and
+    ``CachedContrastive`` losses' default scorer, existing instances included); the copies that
+    ``rank`` (so ``rerank`` and ``retrieve``), the ``Distillation`` loss and the distillation and
+    triplet evaluators took when PyLate loaded; the ``score_metric`` a ``Distillation`` loss stored;
+    and the similarity functions a ``ColBERT`` model stored (``model.similarity``, which the
+    information-retrieval evaluators call). Objects made before the patch are covered as well as new
+    ones. A score function of your own that you passed is left alone; PyLate's three are replaced
+    wherever these objects read them. ``SimilarityFunction.to_similarity_fn`` itself still returns
+    PyLate's functions (a model stores what it returns, and the patch must not outlive
+    :func:`unpatch_pylate` in models made meanwhile).
 
     Imports PyLate (and through it sentence-transformers). Patching twice is harmless. Returns a
     handle that is also a context manager::
@@ -207,16 +206,12 @@ def patch_pylate() -> Patched:
         with patch_pylate():
             results = rank.rerank(...)   # scored by lik-cupy
     """
-    was_active = _patches.active
-    if not was_active:
-        _apply()
-    return Patched(unpatch_pylate, was_active)
+    return _patches.patch(_apply)
 
 
 def unpatch_pylate() -> None:
     """Undo :func:`patch_pylate`: every replaced attribute gets PyLate's own back."""
     _patches.undo()
-    _originals.clear()
 
 
 # ---------------------------------------------------------------- internals
@@ -229,27 +224,22 @@ def _apply() -> None:
     ours = {name: globals()[name] for name in _NAMES}
     originals = {name: getattr(colbert, name) for name in _NAMES}
     table = {originals[name]: ours[name] for name in _NAMES}
-    _originals.update(originals)
-    _originals["ColBERTScores.__call__"] = colbert.ColBERTScores.__call__
-    try:
-        _patches.set_globals("pylate.scores.colbert", originals, ours)
-        _patches.set(colbert.ColBERTScores, "__call__", ColBERTScores.__call__)
-        for module in _IMPORTERS:
-            _patches.set_globals(module, originals, ours)
-        distillation = importlib.import_module("pylate.losses.distillation").Distillation
-        _patches.set(distillation, "score_metric", SwappedAttribute("score_metric", table))
-        model = importlib.import_module("pylate.models.colbert").ColBERT
-        for name in ("similarity", "similarity_pairwise"):
-            base = getattr(model, name)  # sentence-transformers' property
-            _patches.set(model, name, SwappedProperty(base, table))
-    except BaseException:
-        unpatch_pylate()
-        raise
+    _patches.originals.update(originals, **{"ColBERTScores.__call__": colbert.ColBERTScores.__call__})
+    _patches.set_globals("pylate.scores.colbert", originals, ours)
+    _patches.set(colbert.ColBERTScores, "__call__", ColBERTScores.__call__)
+    for module in _IMPORTERS:
+        _patches.set_globals(module, originals, ours)
+    distillation = importlib.import_module("pylate.losses.distillation").Distillation
+    _patches.set(distillation, "score_metric", SwappedAttribute("score_metric", table))
+    model = importlib.import_module("pylate.models.colbert").ColBERT
+    for name in ("similarity", "similarity_pairwise"):
+        base = getattr(model, name)  # sentence-transformers' property
+        _patches.set(model, name, SwappedProperty(base, table))
 
 
 def _use_pylate(backend) -> bool:
     """Whether PyLate's own backend was asked for (validated as PyLate validates it)."""
-    name = backend if backend is not None else os.environ.get("PYLATE_SCORES_BACKEND", "auto")
+    name = backend if backend is not None else env.pylate_scores_backend()
     name = name.lower()
     if name not in _BACKENDS:
         raise ValueError(f"backend must be one of 'auto', 'torch', 'flash', 'lik'; got {name!r}")
@@ -258,8 +248,8 @@ def _use_pylate(backend) -> bool:
 
 def _original(name: str):
     """PyLate's own function (or ``ColBERTScores.__call__``), patched or not."""
-    if name in _originals:
-        return _originals[name]
+    if name in _patches.originals:
+        return _patches.originals[name]
     try:
         from pylate.scores import colbert
     except ImportError as e:
