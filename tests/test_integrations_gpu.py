@@ -103,7 +103,10 @@ def test_colpali_score_multi_vector_on_cuda(rng, monkeypatch):
 
 
 def test_patched_pylate_rerank_on_cuda(rng, monkeypatch):
-    rank = pytest.importorskip("pylate.rank")
+    try:
+        from pylate import rank
+    except Exception as e:  # noqa: BLE001  (absent, or its dependencies incomplete, as on a machine given only wheels)
+        pytest.skip(f"pylate.rank does not import here: {e!r}")
     queries = [torch.from_numpy(rng.standard_normal((32, 128)).astype(np.float32)) for _ in range(2)]
     docs = [[torch.from_numpy(rng.standard_normal((n, 128)).astype(np.float32)) for n in rng.integers(5, 300, 50)]
             for _ in range(2)]
