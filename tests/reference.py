@@ -47,3 +47,42 @@ def clustered(rng, shape, centres=16, spread=0.05):
     c = rng.standard_normal((centres, shape[-1]))
     x = c[rng.integers(0, centres, shape[:-1])] + spread * rng.standard_normal(shape)
     return x / np.linalg.norm(x, axis=-1, keepdims=True)
+
+
+def negative_token_inputs(rng, q_shape, d_shape):
+    """float32 Q ``q_shape`` and D ``d_shape`` (in-batch ``[Nd, Ld, d]`` or candidates
+    ``[Nq, K, Ld, d]``) where query 0's token 1 has a negative similarity with every document
+    token: its max is below 0 everywhere, so it scores differently where padding scores 0 (PyLate's
+    torch path, colpali-engine's zero pads) and where padding is left out (lik-cupy's masks)."""
+    D = 0.3 * rng.standard_normal(d_shape)
+    D[..., 0] = np.abs(D[..., 0]) + 1.0
+    Q = rng.standard_normal(q_shape)
+    Q[0, 1] = 0.0
+    Q[0, 1, 0] = -1.0
+    return Q.astype(np.float32), D.astype(np.float32)
+
+
+def padding_mask(rng, shape):
+    """A bool ``[..., L]`` mask with random gaps, its first row full (no padding: a negative max
+    stays negative there) and its second row empty."""
+    m = rng.random(shape) < 0.7
+    flat = m.reshape(-1, shape[-1])
+    flat[0] = True
+    flat[1] = False
+    return m
+
+
+def masked_maxsim_ref(Q, D, q_mask=None, d_mask=None):
+    """float64 torch reference of PyLate's torch path: ``sum_s max_t <Q_s, D_t> * q_mask_s * d_mask_t``
+    (masks multiply the similarities, so a masked document token scores 0); without masks it is
+    colpali-engine's torch reference too. D is in-batch ``[Nd, Ld, d]`` (scores ``[Nq, Nd]``) or
+    candidates ``[Nq, K, Ld, d]`` (``[Nq, K]``); differentiable in Q and D."""
+    import torch
+
+    cand = D.ndim == 4
+    sim = torch.einsum("isk,ijtk->ijst" if cand else "isk,jtk->ijst", Q.double(), D.double())
+    if q_mask is not None:
+        sim = sim * q_mask.double()[:, None, :, None]
+    if d_mask is not None:
+        sim = sim * (d_mask.double()[:, :, None, :] if cand else d_mask.double()[None, :, None, :])
+    return sim.max(dim=3).values.sum(dim=2)

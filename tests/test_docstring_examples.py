@@ -10,13 +10,15 @@ import pytest
 
 MODULES = ["lik_cupy", "lik_cupy.forward", "lik_cupy.int8", "lik_cupy.quantize", "lik_cupy.backward",
            "lik_cupy.retrieve", "lik_cupy.shards", "lik_cupy.errors", "lik_cupy.cli", "lik_cupy.torch",
-           "lik_cupy.jax"]
+           "lik_cupy.jax", "lik_cupy.integrations.pylate", "lik_cupy.integrations.colpali"]
 
 
 @pytest.mark.parametrize("name", MODULES)
 def test_docstring_examples_run(name):
     if name in ("lik_cupy.torch", "lik_cupy.jax"):
         pytest.importorskip(name.rsplit(".", 1)[1])
+    if name.startswith("lik_cupy.integrations."):
+        pytest.importorskip("torch")
     mod = importlib.import_module(name)
     with np.printoptions(legacy=False):
         result = doctest.testmod(mod, optionflags=doctest.NORMALIZE_WHITESPACE, raise_on_error=False, verbose=False)

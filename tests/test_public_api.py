@@ -65,6 +65,31 @@ FROZEN = {'lik_cupy': (['CompileError',
                     'maxsim_int8_varlen': '(Q, D_tokens, d_scales, d_offsets, q_mask=None, *, q_scales=None, '
                                           'q_lengths=None, return_argmax=False, validate_offsets=True, '
                                           "backend='auto')"}),
+ 'lik_cupy.integrations': ([], {}),
+ 'lik_cupy.integrations.colpali': (['maxsim_inbatch',
+                                    'maxsim_kd',
+                                    'patch_colpali_engine',
+                                    'score_multi_vector',
+                                    'unpatch_colpali_engine'],
+                                   {'maxsim_inbatch': '(query, doc)',
+                                    'maxsim_kd': '(query, doc)',
+                                    'patch_colpali_engine': '()',
+                                    'score_multi_vector': '(qs, ps, batch_size: int=128, device=None)',
+                                    'unpatch_colpali_engine': '()'}),
+ 'lik_cupy.integrations.pylate': (['ColBERTScores',
+                                   'colbert_kd_scores',
+                                   'colbert_scores',
+                                   'colbert_scores_pairwise',
+                                   'patch_pylate',
+                                   'unpatch_pylate'],
+                                  {'colbert_kd_scores': '(queries_embeddings, documents_embeddings, queries_mask=None, '
+                                                        'documents_mask=None, backend=None)',
+                                   'colbert_scores': '(queries_embeddings, documents_embeddings, queries_mask=None, '
+                                                     'documents_mask=None, backend=None)',
+                                   'colbert_scores_pairwise': '(queries_embeddings, documents_embeddings, '
+                                                              'backend=None)',
+                                   'patch_pylate': '()',
+                                   'unpatch_pylate': '()'}),
  'lik_cupy.jax': (['maxsim'],
                   {'maxsim': "(Q, D, q_mask=None, d_mask=None, *, q_lengths=None, d_lengths=None, method='auto', "
                              'precision=None)'}),
@@ -142,10 +167,17 @@ FROZEN = {'lik_cupy': (['CompileError',
                      'maxsim_varlen': "(Q, D_tokens, d_offsets, q_mask=None, *, q_lengths=None, method='auto', "
                                       'return_argmax=False, precision=None)'})}
 
+# The one public subpackage; every other package under lik_cupy/ is private (underscored).
+SUBPACKAGES = ("integrations",)
+
 
 def _module_file(mod: str) -> pathlib.Path:
     parts = mod.split(".")[1:]
-    return PACKAGE / "__init__.py" if not parts else PACKAGE / (parts[0] + ".py")
+    if not parts:
+        return PACKAGE / "__init__.py"
+    if len(parts) == 1 and parts[0] in SUBPACKAGES:
+        return PACKAGE / parts[0] / "__init__.py"
+    return PACKAGE.joinpath(*parts[:-1], parts[-1] + ".py")
 
 
 def _read(mod: str):
@@ -164,6 +196,9 @@ def _read(mod: str):
 
 def test_the_public_modules_are_the_frozen_ones():
     public = {"lik_cupy"} | {f"lik_cupy.{p.stem}" for p in PACKAGE.glob("*.py") if not p.name.startswith("_")}
+    for sub in SUBPACKAGES:
+        public |= {f"lik_cupy.{sub}"} | {f"lik_cupy.{sub}.{p.stem}" for p in (PACKAGE / sub).glob("*.py")
+                                         if not p.name.startswith("_")}
     assert public == set(FROZEN)
 
 
@@ -182,13 +217,13 @@ def test_every_other_module_level_name_has_an_underscore(mod):
 
 def test_internals_live_in_underscored_packages():
     for p in PACKAGE.iterdir():
-        if p.is_dir() and (p / "__init__.py").exists():
+        if p.is_dir() and (p / "__init__.py").exists() and p.name not in SUBPACKAGES:
             assert p.name.startswith("_"), f"lik_cupy/{p.name}/ is a package without an underscore"
 
 
 def test_public_names_resolve_and_keep_torch_jax_and_dask_out():
     code = ("import sys, lik_cupy; [getattr(lik_cupy, n) for n in lik_cupy.__all__]; "
-            "import lik_cupy.cli, lik_cupy.shards, lik_cupy.errors; "
+            "import lik_cupy.cli, lik_cupy.shards, lik_cupy.errors, lik_cupy.integrations; "
             "print(sorted(m for m in ('torch', 'jax', 'cupy', 'dask', 'distributed') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

@@ -3,7 +3,8 @@
 Each ```python block is executed on its own. A block whose first line is
 ``# requires: gpu`` / ``torch`` / ``jax`` (comma-separated for several) is skipped where that is
 missing: ``gpu`` means CuPy sees a CUDA device (such blocks are also marked ``gpu``, so
-``pytest -m gpu`` runs them); ``torch`` and ``jax`` mean the package imports. A block with no
+``pytest -m gpu`` runs them); ``torch``, ``jax``, ``pylate`` and ``colpali_engine`` mean the package
+imports. A block with no
 ``requires`` line runs everywhere, CI's CPU-only machine included. The examples check their own
 results (asserts), so a wrong example fails here.
 
@@ -27,7 +28,7 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
 _FENCE = re.compile(r"^```([\w-]*)[^\n]*\n(.*?)^```[ \t]*$", re.S | re.M)
 _REQUIRES = re.compile(r"#\s*requires:\s*(.+)")
-KNOWN = ("gpu", "torch", "jax", "distributed")
+KNOWN = ("gpu", "torch", "jax", "distributed", "pylate", "colpali_engine")
 
 
 def _blocks(langs: tuple[str, ...]) -> list[tuple[int, str]]:

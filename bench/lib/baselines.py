@@ -1,10 +1,13 @@
 """The peers we time against: flash-maxsim 0.3.0 (``flash_maxsim``) and late-interaction-kernels 0.4.5
 (``late_interaction_kernels``, LIK), installed from the wheels in ``.whl/`` (``bench/tools/gpu_session.sh``
-does it on the device). A missing one is reported, not fatal."""
+does it on the device), and PyLate's and colpali-engine's scoring (``load_without_init``). A missing one
+is reported, not fatal."""
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import sys
 
 FLASH = "flash_maxsim"
 LIK = "late_interaction_kernels"
@@ -15,6 +18,26 @@ def load(name: str):
     characters)."""
     try:
         return importlib.import_module(name), None
+    except Exception as e:  # noqa: BLE001  (not installed, or fails on this machine)
+        return None, repr(e)[:200]
+
+
+def load_without_init(module: str, package: str):
+    """``(module, None)``, or ``(None, why)``: ``module`` imported with ``package`` standing as a bare
+    package (its path only, its ``__init__.py`` not run). How bench_integrations.py reaches PyLate's and
+    colpali-engine's scoring modules on the device, which has their wheels but not the dependencies
+    their package ``__init__`` files import (datasets; every colpali-engine model class): pylate.scores
+    itself needs only ``pylate.utils.tensor`` (NumPy, torch), colpali_engine.utils.maxsim only torch."""
+    try:
+        if package not in sys.modules:
+            parent = package.rpartition(".")[0]
+            if parent:
+                importlib.import_module(parent)
+            spec = importlib.util.find_spec(package)
+            if spec is None or spec.submodule_search_locations is None:
+                return None, f"{package} is not installed as a package"
+            sys.modules[package] = importlib.util.module_from_spec(spec)
+        return importlib.import_module(module), None
     except Exception as e:  # noqa: BLE001  (not installed, or fails on this machine)
         return None, repr(e)[:200]
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["cache_dir_override", "poison_outputs", "wgmma_disabled", "tma_disabled", "precision_default", "cupy_tf32"]
+__all__ = ["cache_dir_override", "poison_outputs", "wgmma_disabled", "tma_disabled", "precision_default", "cupy_tf32",
+           "pylate_scores_backend", "colpali_scores_backend"]
 
 _TRUE = ("1", "true", "yes")
 
@@ -43,3 +44,15 @@ def cupy_tf32() -> bool:
     """``CUPY_TF32=1``: CuPy's own switch to TF32 matmuls, which float32 CuPy arrays follow when no
     precision is set (``lik_cupy.precision``)."""
     return os.environ.get("CUPY_TF32", "0") == "1"
+
+
+def pylate_scores_backend() -> str:
+    """``PYLATE_SCORES_BACKEND`` (PyLate's own variable): the backend ``lik_cupy.integrations.pylate``
+    takes when a call names none, as PyLate does (``torch`` and ``flash`` hand the call to PyLate)."""
+    return os.environ.get("PYLATE_SCORES_BACKEND", "auto")
+
+
+def colpali_scores_backend() -> str:
+    """``COLPALI_SCORES_BACKEND`` (colpali-engine's own variable): ``torch`` hands
+    ``lik_cupy.integrations.colpali``'s calls to colpali-engine's torch reference."""
+    return os.environ.get("COLPALI_SCORES_BACKEND", "auto")

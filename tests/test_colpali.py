@@ -1,0 +1,181 @@
+"""lik_cupy.integrations.colpali against colpali-engine 0.3's own torch reference, and
+patch_colpali_engine (CPU torch).
+
+The reference is colpali-engine's torch path on float64 copies of the inputs. The inputs hold a
+query token whose true max is negative against every document, with zero-padded documents, where
+colpali-engine's zero pads (which count, scoring 0) and left-out padding differ.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from reference import masked_maxsim_ref, negative_token_inputs
+
+torch = pytest.importorskip("torch")
+colpali_maxsim = pytest.importorskip("colpali_engine.utils.maxsim")
+
+import lik_cupy  # noqa: E402
+from lik_cupy.integrations import colpali as lc  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _no_backend_variable(monkeypatch):
+    monkeypatch.delenv("COLPALI_SCORES_BACKEND", raising=False)
+
+
+def _zero_padded(rng, d_shape):
+    """Q, D with each document's tail zeroed (colpali-engine's padding), the first document whole."""
+    Q, D = negative_token_inputs(rng, (5, 7, 24), d_shape)
+    lengths = rng.integers(1, d_shape[-2] + 1, d_shape[:-2])
+    lengths.reshape(-1)[0] = d_shape[-2]
+    D[np.arange(d_shape[-2]) >= lengths[..., None]] = 0.0
+    return torch.from_numpy(Q), torch.from_numpy(D)
+
+
+def _check(out, ref, tol=1e-5):
+    assert out.dtype == torch.float32 and out.shape == ref.shape
+    err = (out.double() - ref.detach()).norm() / ref.detach().norm()
+    assert err < tol, f"relative error {err:.2e}"
+
+
+def _check_doc_grad(out, ref, D):
+    """dD, where a max shared by several zero pads goes to the first of them (the argmax) and torch's
+    ``amax`` splits it between them: equal on every other token, and in sum over each document's pads."""
+    pads = (D == 0).all(-1, keepdim=True)
+    _check(torch.where(pads, 0, out), torch.where(pads, 0, ref))
+    per_doc = lambda g: torch.where(pads, g, 0).sum(-2)  # noqa: E731
+    assert torch.allclose(per_doc(out).double(), per_doc(ref).double(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("layout", ["inbatch", "kd"])
+def test_maxsim_and_gradients_match_colpali(rng, layout):
+    if layout == "inbatch":
+        Q, D = _zero_padded(rng, (6, 11, 24))
+        ours, theirs = lc.maxsim_inbatch, colpali_maxsim._torch_maxsim
+    else:
+        Q, D = _zero_padded(rng, (5, 3, 9, 24))
+        ours, theirs = lc.maxsim_kd, colpali_maxsim._torch_maxsim_kd
+    Q64, D64 = (x.double().requires_grad_(True) for x in (Q, D))
+    ref = theirs(Q64, D64)
+    assert torch.allclose(ref, masked_maxsim_ref(Q, D))  # the reference the GPU tests use is colpali-engine's
+    Q.requires_grad_(True)
+    D.requires_grad_(True)
+    out = ours(Q, D)
+    _check(out, ref)
+    g = torch.from_numpy(rng.standard_normal(ref.shape))
+    (out * g.float()).sum().backward()
+    (ref * g).sum().backward()
+    _check(Q.grad, Q64.grad)
+    _check_doc_grad(D.grad, D64.grad, D.detach())
+
+
+def test_zero_pads_count_as_tokens(rng):
+    Q, D = _zero_padded(rng, (6, 11, 24))
+    pads = (D == 0).all(-1)
+    assert pads.any()
+    # lik-cupy's own masks would leave the pads out; colpali-engine's convention keeps them.
+    assert not torch.allclose(lik_cupy.maxsim(Q, D, d_mask=~pads), lc.maxsim_inbatch(Q, D))
+
+
+@pytest.mark.parametrize("form", ["lists", "tensors"])
+def test_score_multi_vector_matches_colpali(rng, form, monkeypatch):
+    from colpali_engine.utils.processing_utils import BaseVisualRetrieverProcessor
+
+    qs = [torch.from_numpy(rng.standard_normal((n, 16)).astype(np.float32)) for n in (3, 7, 5)]
+    qs[0][1] = 0.0
+    qs[0][1, 0] = -1.0
+    ps = [torch.from_numpy((0.3 * rng.standard_normal((n, 16))).astype(np.float32)) for n in rng.integers(1, 13, 11)]
+    for p in ps:
+        p[:, 0] = p[:, 0].abs() + 1.0  # query 0's token 1 has a negative max on every page
+    if form == "tensors":
+        qs = torch.nn.utils.rnn.pad_sequence(qs, batch_first=True)
+        ps = torch.nn.utils.rnn.pad_sequence(ps, batch_first=True)
+    monkeypatch.setattr(lc, "_CHUNK_BYTES", 2 * 13 * 16 * 4)  # pages scored in several calls
+    for batch_size in (1, 3, 4, 128):
+        ref = BaseVisualRetrieverProcessor.score_multi_vector(
+            [q.double() for q in qs], [p.double() for p in ps], batch_size=batch_size, device="cpu")
+        out = lc.score_multi_vector(qs, ps, batch_size=batch_size, device="cpu")
+        assert out.device.type == "cpu"
+        _check(out, ref)
+
+
+def test_score_multi_vector_refuses_empty_inputs():
+    with pytest.raises(ValueError, match="No queries provided"):
+        lc.score_multi_vector([], [torch.ones(2, 4)])
+    with pytest.raises(ValueError, match="No passages provided"):
+        lc.score_multi_vector([torch.ones(2, 4)], [])
+
+
+def test_backend_variable_picks_colpali_or_lik_cupy(rng, monkeypatch):
+    Q, D = (x.half() for x in _zero_padded(rng, (4, 5, 24)))
+    theirs = colpali_maxsim.maxsim_inbatch(Q, D)
+    assert theirs.dtype == torch.float16  # the torch reference keeps the inputs' dtype; we return float32
+    assert lc.maxsim_inbatch(Q, D).dtype == torch.float32
+    monkeypatch.setenv("COLPALI_SCORES_BACKEND", "torch")
+    assert torch.equal(lc.maxsim_inbatch(Q, D), theirs)
+    monkeypatch.setenv("COLPALI_SCORES_BACKEND", "flash")
+    with pytest.raises(ValueError, match="COLPALI_SCORES_BACKEND must be one of"):
+        lc.maxsim_kd(Q, D[:, None])
+
+
+def _unit(rng, shape):
+    x = rng.standard_normal(shape)
+    return torch.from_numpy((x / np.linalg.norm(x, axis=-1, keepdims=True)).astype(np.float32))
+
+
+@pytest.mark.parametrize("loss", ["ColbertLoss", "ColbertNegativeCELoss", "ColbertPairwiseNegativeCELoss",
+                                  "ColbertSigmoidLoss"])
+def test_patched_loss_step_matches_colpali(rng, loss, monkeypatch):
+    from colpali_engine import loss as losses
+
+    q, d, neg = _unit(rng, (4, 6, 16)), _unit(rng, (4, 9, 16)), _unit(rng, (4, 2, 9, 16))
+    q[:, 5:] = 0.0  # zero-padded queries and documents, as colpali-engine's collator leaves them
+    d[1, 4:] = 0.0
+    neg[0, 1, 3:] = 0.0
+    args = (q, d, neg) if "Negative" in loss else (q, d)
+
+    def step():
+        xs = [x.clone().requires_grad_(True) for x in args]
+        out = getattr(losses, loss)()(*xs)
+        out.backward()
+        return out.detach(), [x.grad for x in xs]
+
+    ref_loss, ref_grads = step()
+    calls = []
+    orig = lik_cupy.torch.maxsim
+    monkeypatch.setattr(lik_cupy.torch, "maxsim", lambda *a, **k: calls.append(1) or orig(*a, **k))
+    with lc.patch_colpali_engine():
+        out_loss, out_grads = step()
+    assert calls, "the patched loss did not score through lik-cupy"
+    assert torch.allclose(out_loss, ref_loss, rtol=1e-5, atol=1e-6)
+    # A zero query pad ties on every document token: its gradient is D at the first token here and
+    # the mean over all of them in torch (colpali-engine's models zero the pads' gradient anyway).
+    real = ~(q == 0).all(-1, keepdim=True)
+    assert torch.allclose(torch.where(real, out_grads[0], 0), torch.where(real, ref_grads[0], 0), rtol=1e-4, atol=1e-6)
+    for mine, theirs, x in zip(out_grads[1:], ref_grads[1:], args[1:]):
+        _check_doc_grad(mine, theirs, x)
+
+
+def test_patch_covers_every_copy_and_unpatch_restores_them(rng):
+    import colpali_engine.loss.late_interaction_losses as losses
+    import colpali_engine.utils.processing_utils as processing
+    from colpali_engine.models import ColQwen2Processor
+
+    places = [(colpali_maxsim, "maxsim_inbatch"), (colpali_maxsim, "maxsim_kd"), (losses, "maxsim_inbatch"),
+              (losses, "maxsim_kd"), (processing, "maxsim_inbatch")]
+    before = {(m.__name__, n): getattr(m, n) for m, n in places}
+    smv = vars(processing.BaseVisualRetrieverProcessor)["score_multi_vector"]
+    qs = [_unit(rng, (n, 16)) for n in (4, 6)]
+    ps = [_unit(rng, (n, 16)) for n in (9, 3, 5)]
+    ref = ColQwen2Processor.score_multi_vector(qs, ps, batch_size=2, device="cpu")
+    with lc.patch_colpali_engine():
+        for m, n in places:
+            assert getattr(m, n) is getattr(lc, n), f"{m.__name__}.{n} not patched"
+        assert ColQwen2Processor.score_multi_vector is lc.score_multi_vector
+        assert torch.allclose(ColQwen2Processor.score_multi_vector(qs, ps, batch_size=2, device="cpu"), ref,
+                              rtol=1e-5, atol=1e-6)
+    for m, n in places:
+        assert getattr(m, n) is before[(m.__name__, n)]
+    assert vars(processing.BaseVisualRetrieverProcessor)["score_multi_vector"] is smv

@@ -1,0 +1,265 @@
+"""lik_cupy.integrations.pylate against PyLate 1.6's own torch path, and patch_pylate (CPU torch).
+
+The reference is PyLate's function itself (backend="torch") on float64 copies of the inputs. Every
+input set has a query token whose true max is negative against every document, and masks with a
+full row and an empty one, so the test fails if masked tokens are left out instead of scoring 0.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from reference import masked_maxsim_ref, negative_token_inputs, padding_mask
+
+torch = pytest.importorskip("torch")
+pylate_scores = pytest.importorskip("pylate.scores")
+
+import lik_cupy  # noqa: E402
+from lik_cupy.integrations import pylate as lp  # noqa: E402
+
+MASKS = ["none", "queries", "documents", "both"]
+
+
+def _inputs(rng, d_shape, masks, mask_dtype):
+    Q, D = negative_token_inputs(rng, (5, 7, 24), d_shape)
+    qm = padding_mask(rng, Q.shape[:-1]) if masks in ("queries", "both") else None
+    dm = padding_mask(rng, D.shape[:-1]) if masks in ("documents", "both") else None
+    if mask_dtype == "float":
+        qm = None if qm is None else qm.astype(np.float32)
+        dm = None if dm is None else dm.astype(np.float32)
+    t = lambda x: None if x is None else torch.from_numpy(x)  # noqa: E731
+    return torch.from_numpy(Q), torch.from_numpy(D), t(qm), t(dm)
+
+
+def _double(*xs):
+    return [None if x is None else x.double().detach().requires_grad_(x.dtype.is_floating_point) for x in xs]
+
+
+def _check(out, ref, tol=1e-5):
+    assert out.dtype == torch.float32 and out.shape == ref.shape
+    err = (out.double() - ref.detach()).norm() / ref.detach().norm()
+    assert err < tol, f"relative error {err:.2e}"
+
+
+def _grads_match(ours, ref, Q, D, Q64, D64, rng):
+    g = torch.from_numpy(rng.standard_normal(ref.shape))
+    (ours * g.float()).sum().backward()
+    (ref * g).sum().backward()
+    for mine, theirs in ((Q.grad, Q64.grad), (D.grad, D64.grad)):
+        assert mine is not None
+        _check(mine, theirs)
+
+
+@pytest.mark.parametrize("mask_dtype", ["bool", "float"])
+@pytest.mark.parametrize("masks", MASKS)
+def test_colbert_scores_and_gradients_match_pylate(rng, masks, mask_dtype):
+    Q, D, qm, dm = _inputs(rng, (6, 11, 24), masks, mask_dtype)
+    Q64, D64 = _double(Q, D)
+    ref = pylate_scores.colbert_scores(Q64, D64, qm, dm, backend="torch")
+    assert torch.allclose(ref, masked_maxsim_ref(Q, D, qm, dm))  # the reference the GPU tests use is PyLate's
+    Q.requires_grad_(True)
+    D.requires_grad_(True)
+    out = lp.colbert_scores(Q, D, qm, dm)
+    _check(out, ref)
+    if dm is not None:  # PyLate's convention is not lik-cupy's: the test would see masks leave tokens out
+        left_out = lik_cupy.maxsim(Q.detach(), D.detach(), None if qm is None else qm != 0, dm != 0)
+        assert not torch.allclose(left_out, out.detach())
+    _grads_match(out, ref, Q, D, Q64, D64, rng)
+
+
+@pytest.mark.parametrize("masks", MASKS)
+def test_colbert_kd_scores_and_gradients_match_pylate(rng, masks):
+    Q, D, qm, dm = _inputs(rng, (5, 3, 9, 24), masks, "bool")
+    Q64, D64 = _double(Q, D)
+    ref = pylate_scores.colbert_kd_scores(Q64, D64, qm, dm, backend="torch")
+    assert torch.allclose(ref, masked_maxsim_ref(Q, D, qm, dm))
+    Q.requires_grad_(True)
+    D.requires_grad_(True)
+    out = lp.colbert_kd_scores(Q, D, qm, dm)
+    _check(out, ref)
+    _grads_match(out, ref, Q, D, Q64, D64, rng)
+
+
+@pytest.mark.parametrize("masks", MASKS)
+def test_colbert_scores_class_matches_pylate(rng, masks):
+    Q, D, qm, dm = _inputs(rng, (4, 3, 10, 24), masks, "float")
+    Q64, D64 = _double(Q, D)
+    ref = pylate_scores.ColBERTScores()(Q64, D64, qm, dm, backend="torch")
+    Q.requires_grad_(True)
+    D.requires_grad_(True)
+    out = lp.ColBERTScores()(Q, D, qm, dm)
+    _check(out, ref)
+    _grads_match(out, ref, Q, D, Q64, D64, rng)
+
+
+def test_pairwise_matches_pylate_on_tensors_and_ragged_lists(rng):
+    Q, D = negative_token_inputs(rng, (5, 7, 24), (5, 9, 24))
+    Q, D = torch.from_numpy(Q), torch.from_numpy(D)
+    _check(lp.colbert_scores_pairwise(Q, D), pylate_scores.colbert_scores_pairwise(Q.double(), D.double(),
+                                                                                    backend="torch"))
+    qs = [torch.from_numpy(rng.standard_normal((n, 24)).astype(np.float32)) for n in (3, 8, 1, 5)]
+    ds = [rng.standard_normal((n, 24)).astype(np.float32) for n in (6, 2, 9, 4, 7)]  # one more: ignored
+    ref = pylate_scores.colbert_scores_pairwise([q.double() for q in qs], [torch.from_numpy(d).double() for d in ds],
+                                                backend="torch")
+    _check(lp.colbert_scores_pairwise(qs, ds), ref)
+
+
+def test_numpy_and_list_inputs_like_convert_to_tensor(rng):
+    Q, D = negative_token_inputs(rng, (3, 4, 16), (5, 6, 16))
+    ref = pylate_scores.colbert_scores(torch.from_numpy(Q).double(), torch.from_numpy(D).double(), backend="torch")
+    _check(lp.colbert_scores(Q, list(D)), ref)
+
+
+def test_float64_inputs_give_float64_scores(rng):
+    Q, D = (torch.from_numpy(x).double() for x in negative_token_inputs(rng, (2, 3, 8), (4, 5, 8)))
+    out = lp.colbert_scores(Q, D)
+    assert out.dtype == torch.float64
+    assert torch.allclose(out, pylate_scores.colbert_scores(Q, D, backend="torch"), rtol=1e-5)
+
+
+def test_backend_names_pick_pylate_or_lik_cupy(rng, monkeypatch):
+    Q, D = (torch.from_numpy(x).half() for x in negative_token_inputs(rng, (2, 3, 8), (4, 5, 8)))
+    theirs = pylate_scores.colbert_scores(Q, D, backend="torch")
+    assert theirs.dtype == torch.float16  # PyLate's torch path keeps the inputs' dtype; we return float32
+    assert torch.equal(lp.colbert_scores(Q, D, backend="torch"), theirs)
+    assert lp.colbert_scores(Q, D, backend="lik").dtype == torch.float32
+    monkeypatch.setenv("PYLATE_SCORES_BACKEND", "torch")
+    assert torch.equal(lp.colbert_scores(Q, D), theirs)
+    assert lp.colbert_scores(Q, D, backend="auto").dtype == torch.float32  # the argument wins over the variable
+    monkeypatch.setenv("PYLATE_SCORES_BACKEND", "cuda")
+    with pytest.raises(ValueError, match="backend must be one of 'auto', 'torch', 'flash', 'lik'; got 'cuda'"):
+        lp.colbert_scores(Q, D)
+
+
+def test_bad_shapes_and_dtypes_are_named():
+    with pytest.raises(ValueError, match=r"documents_embeddings must be \[Nd, Ld, H\], got shape \[2, 3, 4, 8\]"):
+        lp.colbert_scores(torch.zeros(1, 2, 8), torch.zeros(2, 3, 4, 8))
+    with pytest.raises(TypeError, match="queries are torch.float32 but documents are torch.float16"):
+        lp.colbert_kd_scores(torch.zeros(1, 2, 8), torch.zeros(1, 3, 4, 8, dtype=torch.float16))
+
+
+# ---------------------------------------------------------------- patch_pylate
+
+
+class _TinyColBERT(torch.nn.Module):
+    """What PyLate's losses read from a model: token embeddings of the features' input ids, a
+    skiplist and the query-expansion flag (an embedding table stands in for the encoder)."""
+
+    def __init__(self, vocab=50, dim=24, seed=0):
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, dim)
+        torch.nn.init.normal_(self.emb.weight, generator=torch.Generator().manual_seed(seed))
+        self.skiplist = [3, 4]  # "punctuation": masked out of the documents
+        self.do_query_expansion = False
+
+    def forward(self, features):
+        return {"token_embeddings": self.emb(features["input_ids"])}
+
+
+def _features(rng, n, length, vocab=50):
+    ids = rng.integers(5, vocab, (n, length))
+    ids[rng.random((n, length)) < 0.2] = 3
+    lengths = rng.integers(2, length + 1, n)
+    att = np.arange(length)[None, :] < lengths[:, None]
+    ids[~att] = 0
+    return {"input_ids": torch.from_numpy(ids), "attention_mask": torch.from_numpy(att.astype(np.int64))}
+
+
+def _loss_step(make_loss, features, labels=None):
+    model = _TinyColBERT()
+    loss = make_loss(model)(features, labels) if labels is not None else make_loss(model)(features)
+    loss.backward()
+    return loss.detach(), model.emb.weight.grad.clone()
+
+
+@pytest.mark.parametrize("loss", ["Contrastive", "CachedContrastive", "Distillation"])
+def test_patched_loss_step_matches_pylate(rng, loss, monkeypatch):
+    losses = pytest.importorskip("pylate.losses")
+    calls = []
+    orig = lik_cupy.torch.maxsim
+
+    def counting(*a, **k):
+        calls.append(1)
+        return orig(*a, **k)
+
+    if loss == "Distillation":
+        feats = [_features(rng, 4, 6), _features(rng, 4 * 3, 9)]
+        labels = torch.from_numpy(rng.standard_normal((4, 3)).astype(np.float32))
+        make = losses.Distillation
+    else:
+        feats = [_features(rng, 4, 6), _features(rng, 4, 9), _features(rng, 4, 9)]
+        labels = None
+        make = losses.Contrastive if loss == "Contrastive" else (lambda m: losses.CachedContrastive(m, mini_batch_size=3))
+    ref_loss, ref_grad = _loss_step(make, feats, labels)
+    monkeypatch.setattr(lik_cupy.torch, "maxsim", counting)
+    with lp.patch_pylate():
+        out_loss, out_grad = _loss_step(make, feats, labels)
+    assert calls, "the patched loss did not score through lik-cupy"
+    assert torch.allclose(out_loss, ref_loss, rtol=1e-5, atol=1e-6)
+    assert torch.allclose(out_grad, ref_grad, rtol=1e-4, atol=1e-6)
+
+
+def test_patched_rerank_matches_pylate(rng):
+    from pylate import rank
+
+    queries = [rng.standard_normal((6, 16)).astype(np.float32) for _ in range(3)]
+    docs = [[rng.standard_normal((n, 16)).astype(np.float32) for n in rng.integers(1, 12, k)] for k in (4, 7, 2)]
+    # Query 0's token 1 has a negative max over the first (padded) document: its zero padding counts.
+    queries[0][1] = 0.0
+    queries[0][1, 0] = -1.0
+    docs[0][0] = np.abs(docs[0][0][:2]) + np.eye(1, 16, dtype=np.float32)
+    docs[0][1] = docs[0][1][:1].repeat(9, axis=0)
+    ids = [[f"d{i}-{j}" for j in range(len(d))] for i, d in enumerate(docs)]
+    ref = rank.rerank(ids, queries, docs)
+    with lp.patch_pylate():
+        assert rank.rerank.__globals__["colbert_scores"] is lp.colbert_scores
+        out = rank.rerank(ids, queries, docs)
+    for mine, theirs in zip(out, ref):
+        assert [r["id"] for r in mine] == [r["id"] for r in theirs]
+        assert np.allclose([r["score"] for r in mine], [r["score"] for r in theirs], rtol=1e-5, atol=1e-5)
+
+
+def test_patch_covers_every_copy_and_unpatch_restores_them():
+    import pylate.evaluation.colbert_distillation as ev_dist
+    import pylate.evaluation.colbert_triplet as ev_trip
+    import pylate.losses.distillation as distillation
+    import pylate.models.colbert as models
+    import pylate.rank.rank as rank
+    import pylate.scores.colbert as colbert
+
+    places = [(colbert, "colbert_scores"), (colbert, "colbert_scores_pairwise"), (colbert, "colbert_kd_scores"),
+              (pylate_scores, "colbert_scores"), (pylate_scores, "colbert_kd_scores"), (rank, "colbert_scores"),
+              (distillation, "colbert_kd_scores"), (ev_dist, "colbert_kd_scores"),
+              (ev_trip, "colbert_scores_pairwise")]
+    before = {(m.__name__, n): getattr(m, n) for m, n in places}
+    call_before = colbert.ColBERTScores.__call__
+    old = distillation.Distillation.__new__(distillation.Distillation)  # made before the patch
+    torch.nn.Module.__init__(old)
+    old.score_metric = colbert.colbert_kd_scores
+    model = models.ColBERT.__new__(models.ColBERT)  # a model's stored similarity, without loading weights
+    torch.nn.Module.__init__(model)
+    model.similarity_fn_name = "MaxSim"
+    assert model.similarity is colbert.colbert_scores
+
+    handle = lp.patch_pylate()
+    try:
+        assert lp.patch_pylate() is not None  # twice is harmless
+        for m, n in places:
+            assert getattr(m, n) is getattr(lp, n), f"{m.__name__}.{n} not patched"
+        assert colbert.ColBERTScores.__call__ is lp.ColBERTScores.__call__
+        assert old.score_metric is lp.colbert_kd_scores
+        assert model.similarity is lp.colbert_scores and model.similarity_pairwise is lp.colbert_scores_pairwise
+        with lp.patch_pylate():  # a with-block inside a patch leaves it in place
+            pass
+        assert rank.colbert_scores is lp.colbert_scores
+    finally:
+        lp.unpatch_pylate()
+    for m, n in places:
+        assert getattr(m, n) is before[(m.__name__, n)]
+    assert colbert.ColBERTScores.__call__ is call_before
+    assert old.score_metric is colbert.colbert_kd_scores and "score_metric" not in vars(distillation.Distillation)
+    assert model.similarity is colbert.colbert_scores and "similarity" not in vars(models.ColBERT)
+    with handle:
+        pass  # exiting the first handle after unpatch_pylate changes nothing
+    assert rank.colbert_scores is before[("pylate.rank.rank", "colbert_scores")]
