@@ -32,6 +32,7 @@ these tools pack them.
 from __future__ import annotations
 
 import os
+
 import numpy as np
 
 from ._cpu.residual import Tokens, decompress, residual_maxsim_numpy
@@ -199,7 +200,7 @@ def _score(rp: ResidualProblem, Q, codes, residuals, lens_or_offsets, centroids,
 
 
 def _cpu(rp: ResidualProblem, Q, codes, residuals, lens_or_offsets, centroids, weights, q_mask, q_lengths,
-         candidates, normalize, return_argmax):
+         candidates, normalize, return_argmax, check_codes=True):
     from ._runtime.operands import host_offsets, valid_host
 
     p, fw = rp.p, rp.p.framework
@@ -208,7 +209,8 @@ def _cpu(rp: ResidualProblem, Q, codes, residuals, lens_or_offsets, centroids, w
     c = np.asarray(host_array(codes, fw)).reshape(-1)
     r = np.asarray(host_array(residuals, fw)).reshape(c.size, rp.rbytes)
     cen, w = np.asarray(host_array(centroids, fw)), np.asarray(host_array(weights, fw))
-    _check_codes(c, rp.n_centroids)
+    if check_codes:
+        _check_codes(c, rp.n_centroids)
     sets = None
     if p.d_packed:
         off = host_offsets(host_array(lens_or_offsets, fw), p.ntok, "d_offsets")
@@ -385,11 +387,14 @@ class PlaidIndex:
         fw = q.framework
         if not use_gpu(backend, q.device):
             host = [None if a is None else np.asarray(host_array(a, fw)) for a in (Q, q_mask, q_lengths, candidate_ids)]
-            res = maxsim_residual_varlen(host[0], self.codes, self.residual_bits, self.offsets, self.centroids,
-                                         self.bucket_weights, self.nbits, host[1], q_lengths=host[2],
-                                         candidates=host[3].astype(np.int64), return_argmax=return_argmax,
-                                         backend="cpu")
-            return tuple(host_result(r, q) for r in res) if return_argmax else host_result(res, q)
+            ids = host[3].astype(np.int64)
+            rp = check_residual(host[0], self.codes, self.residual_bits, self.offsets, self.centroids,
+                                self.bucket_weights, self.nbits, host[1], host[2], packed=True, candidates=ids)
+            # The codes were checked when the index was read; the ids are checked on every call.
+            s, a = _cpu(rp, host[0], self.codes, self.residual_bits, self.offsets, self.centroids,
+                        self.bucket_weights, host[1], host[2], ids, True, return_argmax, check_codes=False)
+            s, a = host_result(s, q), None if a is None else host_result(a, q)
+            return (s, a) if return_argmax else s
         import cupy
 
         from ._interop import from_cupy

@@ -46,12 +46,17 @@ def _queries(rng, shape, dtype):
     return q.astype(ml_dtypes.bfloat16 if dtype == "bfloat16" else dtype)
 
 
-CASES = [(128, 3, 32), (96, 2, 7), (8, 1, 1), (40, 2, 65), (256, 1, 300), (512, 2, 16)]
+# Every layout at every nbits for ColBERT's d = 128; other dims (one pass per row of the 8-dim
+# chunks a lane decompresses: 8 -> one lane per row, 40 -> four of them with one idle, 96, 256,
+# 512 -> 32 lanes) and query lengths (1; 65 and 300 on eight-warp tiles, 300 over three CTAs)
+# each with two layouts. Each case compiles a kernel of its own, so the list stays short.
+CASES = [(128, 3, 32, nbits, layout) for nbits in (1, 2, 4) for layout in ("padded", "sets", "packed", "candidates")]
+CASES += [(96, 2, 7, 2, "packed"), (96, 2, 7, 1, "candidates"), (8, 1, 1, 4, "padded"), (8, 1, 1, 2, "candidates"),
+          (40, 2, 65, 1, "sets"), (40, 2, 65, 4, "packed"), (256, 1, 300, 2, "candidates"), (256, 1, 300, 4, "padded"),
+          (512, 2, 16, 4, "candidates"), (512, 2, 16, 1, "padded")]
 
 
-@pytest.mark.parametrize("nbits", [1, 2, 4])
-@pytest.mark.parametrize("dim,nq,lq", CASES)
-@pytest.mark.parametrize("layout", ["padded", "sets", "packed", "candidates"])
+@pytest.mark.parametrize("dim,nq,lq,nbits,layout", CASES)
 def test_matches_float64(rng, nbits, dim, nq, lq, layout):
     cen, w = codec(rng, 97, dim, nbits)
     Q = _queries(rng, (nq, lq, dim), np.float16)

@@ -7,7 +7,7 @@ import functools
 from dataclasses import dataclass
 
 __all__ = ["SUPPORTED_ARCHS", "SMEM_PER_BLOCK", "SMEM_PER_SM", "ELEM_CODES", "ELEM_SIZES", "MAX_DIM", "MAX_DIM_INT8",
-           "MAX_DIM_RESIDUAL", "RESIDUAL_REGISTERS",
+           "MAX_DIM_RESIDUAL", "RESIDUAL_REGISTERS", "RESIDUAL_REGISTERS_MULTI",
            "DIM_BUCKETS", "FwdConfig", "int8_dim_ok", "padded_dim", "dim_bucket", "one_shot_bucket", "arch_of"]
 
 # Architectures we build machine code for (compute capability * 10).
@@ -24,9 +24,11 @@ MAX_DIM = 8192  # split-d has no inherent limit; this is the widest dim the test
 MAX_DIM_INT8 = 512
 # PLAID residual documents (cuda_src/fwd/residual.cuh): one-shot mma.sync tiles of whole 8-dim
 # centroid chunks, so a dim that is a multiple of 8 up to this; registers a thread at most, so
-# that several CTAs share an SM (their loads wait behind the others' decompression).
+# that several CTAs share an SM (their loads wait behind the others' decompression): 128, and 168
+# for tiles of several queries (their row-max reduction spilled a few bytes at 128 on sm_90).
 MAX_DIM_RESIDUAL = 512
 RESIDUAL_REGISTERS = 128
+RESIDUAL_REGISTERS_MULTI = 168
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -148,8 +150,8 @@ class FwdConfig:
         """CTAs per SM the kernel is compiled for: two Hopper CTAs when their shared memory fits
         (registers then capped at 128) and their accumulators do too (at most 128 tokens per
         tile), else no register cap."""
-        if self.residual:  # as many CTAs as fit 128 registers a thread: their decompression hides loads
-            return 65536 // (self.threads * RESIDUAL_REGISTERS)
+        if self.residual:  # as many CTAs as their register budget allows: their decompression hides loads
+            return max(1, 65536 // (self.threads * (RESIDUAL_REGISTERS_MULTI if self.multi else RESIDUAL_REGISTERS)))
         return 2 if (self.wgmma and self.bn <= 128
                      and 2 * (self.smem_bytes + 1024) <= SMEM_PER_SM[90]) else 1
 
