@@ -40,6 +40,7 @@
 #include "fwd/config.cuh"
 #include "fwd/tile_scheduler.cuh"
 #include "fwd/mainloop.cuh"
+#include "fwd/residual.cuh"
 #include "fwd/epilogue.cuh"
 
 namespace lik {
@@ -52,7 +53,11 @@ __device__ void LIK_FWD::run(const T* __restrict__ Q, const T* __restrict__ D, c
                              float* __restrict__ out,
                              int* __restrict__ amax, int Nq, int Nd, int Lq, int Ld, int dim, int n_qt, int qb,
                              int docs_per_cta, int dl_qstride, void* split_buf, unsigned split_epoch,
-                             const TmaDesc* tmd, const TmaDesc* tms, const TmaDesc* tmq) {
+                             const TmaDesc* tmd, const TmaDesc* tms, const TmaDesc* tmq
+#if LIK_RESIDUAL
+                             , const ResidualSrc& rsrc
+#endif
+) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     __shared__ int piece_info[TSPLIT ? 6 : 1];  // token split: complete_pieces' info
     PieceCounts{split_buf, split_epoch, piece_info}.start();
@@ -61,7 +66,14 @@ __device__ void LIK_FWD::run(const T* __restrict__ Q, const T* __restrict__ D, c
     T *sQ, *ring;
     float *sS, *red, *qmul;
     unsigned long long* mbar;
+#if LIK_RESIDUAL
+    u8* rbuf;
+    float* rtab;
+    int* rcode;
+    SmemLayout{smem_raw, sQ, ring, sS, red, qmul, mbar, rbuf, rtab, rcode}.carve();
+#else
     SmemLayout{smem_raw, sQ, ring, sS, red, qmul, mbar}.carve();
+#endif
 
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int g = lane >> 2, tq = lane & 3;
@@ -85,7 +97,11 @@ __device__ void LIK_FWD::run(const T* __restrict__ Q, const T* __restrict__ D, c
     if (EARLY_Q) load_rows<BM>(sQ, qtile.query_tile(), qtile.query_rows(), dim, dim);
 
     const TileCount lt{};
-    DocRange range{d_off, ntok};
+    DocRange range{d_off, ntok
+#if LIK_CAND
+                   , rsrc
+#endif
+    };
     Docs docs{Ld, range, d_len, d_mask, lt};
     // Documents of this CTA: a run of docs_per_cta, or for packed documents the
     // documents whose work position (shares) falls in this CTA's equal share of the work
@@ -158,11 +174,23 @@ __device__ void LIK_FWD::run(const T* __restrict__ Q, const T* __restrict__ D, c
         pt = 0;
         cur.enter();
     }
+#if LIK_RESIDUAL
+    int creg[ResidualLoader::CREG];
+    ResidualLoader res{rsrc, dim, rbuf, rtab, rcode, creg, ring};
+    res.init_table();
+#endif
     Producer prod{pj, j1, pk, prem, docs, doc0, pt, prow, ring,
 #if LIK_HAS_WGMMA
                   mbar, tmq, qi0, Lq, s0, tmd, tms,
 #endif
-                  Qt, q_rows, dim, D, sS, d_scale, nk, cur};
+                  Qt, q_rows, dim, D, sS, d_scale, nk, cur
+#if LIK_RESIDUAL
+                  , res
+#endif
+    };
+#if LIK_RESIDUAL
+    prod.prefetch_codes();  // the first tile's (published by its issue)
+#endif
 #pragma unroll
     for (int s = 0; s < AHEAD; ++s) prod.issue(s);
 
@@ -255,6 +283,9 @@ extern "C" __global__ void __launch_bounds__(LIK_WARPS * 32, LIK_MIN_BLOCKS)
              , const __grid_constant__ TmaDesc tms  // INT8 document scales [rows] (a copy of tmd otherwise)
              , const __grid_constant__ TmaDesc tmq  // split-d: queries as [Nq * Lq, dim * esize] bytes (tmd otherwise)
 #endif
+#if LIK_RESIDUAL
+             , const __grid_constant__ lik::ResidualSrc rsrc  // PLAID residual documents (D is unused)
+#endif
     ) {
 #if LIK_TMA
     const TmaDesc *pd = &tmd, *ps = &tms, *pq = &tmq;
@@ -263,7 +294,11 @@ extern "C" __global__ void __launch_bounds__(LIK_WARPS * 32, LIK_MIN_BLOCKS)
 #endif
     LikFwdCfg::run(static_cast<const LikFwdCfg::T*>(Q), static_cast<const LikFwdCfg::T*>(D), q_scale, d_scale, q_len, q_mask, d_len, d_mask,
                    Offsets{d_off, d_off_flags & 1, (d_off_flags >> 1) & 1}, ntok, out, amax, Nq, Nd, Lq, Ld, dim, n_qt, qb, docs_per_cta, dl_qstride,
-                   split_buf, split_epoch, pd, ps, pq);
+                   split_buf, split_epoch, pd, ps, pq
+#if LIK_RESIDUAL
+                   , rsrc
+#endif
+    );
 }
 
 // Deterministic sum of the per-query-tile partial scores: out[x] = sum_q part[q][x], q ascending.

@@ -1,7 +1,9 @@
 """lik-cupy: exact late-interaction (MaxSim) scoring with raw-CUDA kernels.
 
 ``maxsim``, ``maxsim_pairs``, ``maxsim_varlen`` (packed ragged documents),
-``maxsim_int8`` / ``maxsim_int8_varlen`` (documents stored as INT8 by ``quantize_int8``) and
+``maxsim_int8`` / ``maxsim_int8_varlen`` (documents stored as INT8 by ``quantize_int8``),
+``maxsim_residual`` / ``maxsim_residual_varlen`` (PLAID-compressed documents, as fast-plaid and
+ColBERTv2 store them; ``PlaidIndex`` reads their index directories) and
 ``retrieve`` (streaming top-k over a corpus of any size; ``pin_host`` page-locks a host corpus
 so it streams without a staging copy) take NumPy, CuPy, PyTorch, JAX or any DLPack
 arrays and return results in the caller's framework; ``maxsim_backward`` turns the forward's
@@ -25,10 +27,10 @@ import types  # noqa: E402
 from . import _moved  # noqa: E402
 from .errors import CompileError, DeviceMemoryError, LikError, ShardError  # noqa: E402
 
-__all__ = ["maxsim", "maxsim_pairs", "maxsim_varlen", "maxsim_int8", "maxsim_int8_varlen", "quantize_int8",
-           "dequantize_int8", "maxsim_backward", "retrieve", "pin_host", "PinnedHost", "warmup", "gpu_available",
-           "set_precision", "get_precision",
-           "CompileError", "DeviceMemoryError", "ShardError", "LikError", "__version__"]
+__all__ = ["maxsim", "maxsim_pairs", "maxsim_varlen", "maxsim_int8", "maxsim_int8_varlen", "maxsim_residual",
+           "maxsim_residual_varlen", "PlaidIndex", "quantize_int8", "dequantize_int8", "maxsim_backward", "retrieve",
+           "pin_host", "PinnedHost", "warmup", "gpu_available", "set_precision", "get_precision", "CompileError",
+           "DeviceMemoryError", "ShardError", "LikError", "__version__"]
 
 # Public name -> the module defining it, imported on first use (PEP 562): `import lik_cupy`, and so
 # the `lik` command's start, pays only for the modules a program touches (`lik info` needs none
@@ -36,6 +38,7 @@ __all__ = ["maxsim", "maxsim_pairs", "maxsim_varlen", "maxsim_int8", "maxsim_int
 _HOMES = {
     "maxsim": ".forward", "maxsim_pairs": ".forward", "maxsim_varlen": ".forward",
     "maxsim_int8": ".int8", "maxsim_int8_varlen": ".int8",
+    "maxsim_residual": ".plaid", "maxsim_residual_varlen": ".plaid", "PlaidIndex": ".plaid",
     "quantize_int8": ".quantize", "dequantize_int8": ".quantize",
     "maxsim_backward": ".backward",
     "retrieve": ".retrieve",

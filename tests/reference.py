@@ -86,3 +86,45 @@ def masked_maxsim_ref(Q, D, q_mask=None, d_mask=None):
     if d_mask is not None:
         sim = sim * (d_mask.double()[:, :, None, :] if cand else d_mask.double()[None, :, None, :])
     return sim.max(dim=3).values.sum(dim=2)
+
+
+# ---------------------------------------------------------------- PLAID residual compression, as ColBERTv2 does it
+
+
+def plaid_pack_ref(buckets, nbits):
+    """Bucket indices [n, d] -> packed uint8 [n, d * nbits / 8], as ColBERTv2's ResidualCodec.binarize
+    writes them: each index expanded to its nbits bits least significant first, the whole stream
+    packed with np.packbits (most significant bit of each byte first)."""
+    buckets = np.asarray(buckets, np.uint8)
+    n, d = buckets.shape
+    bits = (buckets[..., None] >> np.arange(nbits, dtype=np.uint8)) & 1
+    return np.packbits(bits.reshape(-1)).reshape(n, d * nbits // 8)
+
+
+def plaid_decompress_ref(codes, residuals, centroids, weights, nbits, normalize=True):
+    """float64 [n, d] embeddings, decompressed the way ColBERTv2's ResidualCodec.decompress does:
+    each byte through reversed_bit_map, then decompression_lookup_table (all index tuples of a
+    byte, most significant first), bucket_weights, plus the centroid, then L2-normalised."""
+    import itertools
+
+    codes = np.asarray(codes).reshape(-1)
+    residuals = np.asarray(residuals).reshape(codes.size, -1)
+    mask = (1 << nbits) - 1
+    reversed_bit_map = np.zeros(256, np.int64)
+    for i in range(256):
+        z = 0
+        for j in range(8, 0, -nbits):
+            x = (i >> (j - nbits)) & mask
+            y = 0
+            for k in range(nbits - 1, -1, -1):
+                y += ((x >> (nbits - k - 1)) & 1) * (2**k)
+            z |= y
+            if j > nbits:
+                z <<= nbits
+        reversed_bit_map[i] = z
+    table = np.array(list(itertools.product(range(1 << nbits), repeat=8 // nbits)), np.int64)
+    idx = table[reversed_bit_map[residuals]].reshape(codes.size, -1)
+    x = np.asarray(centroids, np.float64)[codes] + np.asarray(weights, np.float64)[idx]
+    if normalize:
+        x = x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-12)
+    return x

@@ -88,7 +88,7 @@ def _row_problems(r, cfg, arch) -> list[str]:
 
 # What can make two forward configurations compile differently (registers, spills, shared memory).
 _FEATURES = ("elem", "dp", "warps", "mt", "bn", "stages", "qreg", "argmax", "vec", "wgmma", "multi", "packed",
-             "split", "tma", "qhalf", "tokm", "min_blocks")
+             "split", "tma", "qhalf", "tokm", "residual", "cand", "min_blocks")
 ROTATING_PER_ARCH = 12
 
 
@@ -97,7 +97,8 @@ def _ci_sample(cfgs: list, seed: int) -> list:
     - a greedy cover of every pair of feature values that occurs together in ``cfgs``, so each
       flag meets each other flag's values and each tile size at least once;
     - per kernel family (dtype, argmax, several queries a tile, wgmma, split-d, TMA, tokens on M,
-      half query stages) the tile with the most accumulator and fragment state, where spills show
+      half query stages, residual bits, candidate ids) the tile with the most accumulator and
+      fragment state, where spills show
       first;
     - ``ROTATING_PER_ARCH`` more drawn with ``seed``, so that successive runs reach the rest.
     """
@@ -111,7 +112,7 @@ def _ci_sample(cfgs: list, seed: int) -> list:
         uncovered -= pairs[best.name]
     families: dict[tuple, object] = {}
     for c in sorted(cfgs, key=lambda c: c.name):
-        key = (c.elem, c.argmax, c.multi, c.wgmma, c.split, c.tma, c.tokm, c.qhalf)
+        key = (c.elem, c.argmax, c.multi, c.wgmma, c.split, c.tma, c.tokm, c.qhalf, bool(c.residual), c.cand)
         weight = (c.dp * c.mt * c.bn, c.warps, c.stages)
         if key not in families or weight > families[key][0]:
             families[key] = (weight, c)

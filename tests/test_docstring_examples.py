@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 MODULES = ["lik_cupy", "lik_cupy.forward", "lik_cupy.int8", "lik_cupy.quantize", "lik_cupy.backward",
-           "lik_cupy.retrieve", "lik_cupy.shards", "lik_cupy.errors", "lik_cupy.cli", "lik_cupy.torch",
-           "lik_cupy.jax", "lik_cupy.integrations.pylate", "lik_cupy.integrations.colpali"]
+           "lik_cupy.retrieve", "lik_cupy.plaid", "lik_cupy.shards", "lik_cupy.errors", "lik_cupy.cli",
+           "lik_cupy.torch", "lik_cupy.jax", "lik_cupy.integrations.pylate", "lik_cupy.integrations.colpali"]
 
 
 @pytest.mark.parametrize("name", MODULES)
@@ -29,5 +29,5 @@ def test_the_ops_have_examples():
     import lik_cupy
 
     for fn in ("maxsim", "maxsim_pairs", "maxsim_varlen", "maxsim_int8", "quantize_int8", "maxsim_backward",
-               "retrieve"):
+               "retrieve", "maxsim_residual", "maxsim_residual_varlen"):
         assert ">>> " in getattr(lik_cupy, fn).__doc__, f"{fn} has no example"

@@ -28,7 +28,7 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
 _FENCE = re.compile(r"^```([\w-]*)[^\n]*\n(.*?)^```[ \t]*$", re.S | re.M)
 _REQUIRES = re.compile(r"#\s*requires:\s*(.+)")
-KNOWN = ("gpu", "torch", "jax", "distributed", "pylate", "colpali_engine")
+KNOWN = ("gpu", "torch", "jax", "distributed", "pylate", "colpali_engine", "fast_plaid")
 
 
 def _blocks(langs: tuple[str, ...]) -> list[tuple[int, str]]:

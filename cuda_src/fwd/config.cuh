@@ -62,6 +62,13 @@
 //               is taken once per document
 //   LIK_DOC_COST packed documents: tokens of work each document counts for beside its own when
 //               the CTAs share the corpus out (see shares)
+//   LIK_RESIDUAL 1, 2 or 4: documents are PLAID-compressed (fast-plaid / ColBERTv2): per token a
+//               centroid code and that many residual bits per dim. The loader gathers each
+//               token's centroid row and residual bits into the ring slot by cp.async and
+//               decompresses them there, in place, into the fp16 / bf16 tile the tensor cores
+//               read (fwd/residual.cuh); 0: documents are embeddings
+//   LIK_CAND    1 (with LIK_RESIDUAL and LIK_PACKED): query i scores the packed documents whose ids
+//               are row i of a candidate array, in place (a PLAID rerank), instead of all of them
 //   LIK_NAME    entry point name
 #pragma once
 #include "common.cuh"
@@ -91,6 +98,12 @@
 #ifndef LIK_DOC_COST
 #define LIK_DOC_COST 0
 #endif
+#ifndef LIK_RESIDUAL
+#define LIK_RESIDUAL 0
+#endif
+#ifndef LIK_CAND
+#define LIK_CAND 0
+#endif
 
 #ifndef LIK_WGMMA
 #define LIK_WGMMA 0
@@ -115,6 +128,21 @@ template <>
 struct Elem<2> { typedef float T; };
 template <>
 struct Elem<3> { typedef i8 T; };
+
+// PLAID-compressed documents (LIK_RESIDUAL): where the loader reads them, a kernel parameter.
+struct ResidualSrc {
+    const void* codes;        // int32 or int64 [rows]: each document token's centroid
+    const u8* bits;           // uint8 [rows, rbytes]: its residual buckets, nbits per dim
+    const u16* centroids;     // float16 [n_cent, dim]
+    const float* weights;     // float32 [2^nbits]: the value each bucket adds
+    const void* cand;         // LIK_CAND: int32 or int64 [Nq, Nd], the packed documents query i scores
+    int n_cent;               // codes outside [0, n_cent) read centroid 0
+    int rbytes;               // dim * nbits / 8
+    int codes_wide;           // 1: int64 codes
+    int cand_wide;            // 1: int64 candidate ids
+    int n_docs;               // LIK_CAND: documents the offsets describe (other ids score as empty)
+    int normalize;            // 1: each decompressed token is scaled to unit length
+};
 
 template <bool I8>
 struct Acc { typedef float T; };
@@ -185,7 +213,20 @@ struct Fwd {
     // (piece_role); dispatch.FwdConfig.token_split says which. Not fp32 (tf32) or INT8 tiles:
     // with it the compile check found some of them spilling or over the registers their launch
     // plan assumes.
-    static constexpr bool TSPLIT = PACKED && !MULTI && !TOKM && !SPLIT && (ELEM == 0 || ELEM == 1);
+    static constexpr bool TSPLIT = PACKED && !MULTI && !TOKM && !SPLIT && (ELEM == 0 || ELEM == 1) && !LIK_RESIDUAL;
+    // PLAID residual documents (fwd/residual.cuh): nbits per dim, or 0. The loader writes each
+    // slot's tile itself after its copies land, one tile ahead of the MMA, so it needs a ring of
+    // three stages at least; it reads whole 16-byte centroid chunks (VEC) into padded mma.sync tiles.
+    static constexpr int RES = LIK_RESIDUAL;
+    static constexpr bool CAND = LIK_CAND != 0;
+    static_assert(RES == 0 || RES == 1 || RES == 2 || RES == 4, "LIK_RESIDUAL is 0 or nbits 1, 2 or 4");
+    static_assert(!RES || ((ELEM == 0 || ELEM == 1) && !WG && !TMA && !SPLIT && VEC && STAGES >= 3),
+                  "residual tiles: fp16 or bf16 mma.sync one-shot tiles, 16-byte copies, three stages at least");
+    static_assert(!CAND || (RES && PACKED && !MULTI), "candidate ids pick packed residual documents, one query per tile");
+    // Bytes of a slot's residual bits: BN rows of at most DP * RES / 8 bytes, copied from the
+    // 16-byte boundary at or before the first (up to 15 bytes early), and read as whole words
+    // (up to 12 bytes past the last).
+    static constexpr int RBYTES = BN * DP * RES / 8 + 32;
 #if LIK_HAS_WGMMA
     // The wgmma descriptor's low word of this warp's query rows in sQ (a warpgroup's 64 rows; tokens
     // on M: all BM rows), warp-uniform. Made once per CTA and held through the tile loop (QLO_HELD),
@@ -202,7 +243,11 @@ struct Fwd {
                                float* __restrict__ out,
                                int* __restrict__ amax, int Nq, int Nd, int Lq, int Ld, int dim, int n_qt, int qb,
                                int docs_per_cta, int dl_qstride, void* split_buf, unsigned split_epoch, const TmaDesc* tmd,
-                               const TmaDesc* tms, const TmaDesc* tmq);
+                               const TmaDesc* tms, const TmaDesc* tmq
+#if LIK_RESIDUAL
+                               , const ResidualSrc& rsrc
+#endif
+    );
 
     // The role objects run builds, in the order it builds them (see the note in maxsim_fwd.cu): each
     // refers to the parameters and locals of run that its functions use.
@@ -224,6 +269,8 @@ struct Fwd {
     struct Cursor;       // the producer's next (document, tile)
     struct Producer;     // stages the next tile into the ring
     struct Consumer;     // waits for a staged tile and refills the slot freed last
+    // fwd/residual.cuh
+    struct ResidualLoader;  // PLAID residual documents: gathers and decompresses a slot's tile
     // fwd/epilogue.cuh
     struct EmptyTile;    // a tile past its query's length: scores 0, argmax -1
     struct RowTerm;      // a query row's score term

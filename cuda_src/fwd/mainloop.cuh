@@ -215,6 +215,11 @@ struct LIK_FWD::SmemLayout {
     float*& red;
     float*& qmul;
     unsigned long long*& mbar;
+#if LIK_RESIDUAL
+    u8*& rbuf;
+    float*& rtab;
+    int*& rcode;
+#endif
 
     __device__ __forceinline__ void carve() const {
         // Swizzled tiles need 1024-byte alignment; the host adds that slack to the size.
@@ -231,6 +236,15 @@ struct LIK_FWD::SmemLayout {
         // its INT8 scale (NaN for a negative scale), or -1 for a row that does not count.
         qmul = red + 2 * RED;
         mbar = reinterpret_cast<unsigned long long*>(qmul + (TOKM ? BM : 0));
+#if LIK_RESIDUAL
+        // Residual documents (fwd/residual.cuh), from the next 16-byte boundary: the bucket table
+        // (128 bytes), the codes of the next two tiles to gather and each slot's byte shift, then
+        // each slot's residual bytes.
+        const int at = ((int)(reinterpret_cast<unsigned char*>(qmul) - smem_base) + 15) & ~15;
+        rtab = reinterpret_cast<float*>(smem_base + at);
+        rcode = reinterpret_cast<int*>(smem_base + at + 128);
+        rbuf = smem_base + at + 128 + (((2 * BN + STAGES) * 4 + 15) & ~15);
+#endif
     }
 };
 
@@ -342,11 +356,22 @@ struct LIK_FWD::Producer {
     const float* __restrict__ const& d_scale;
     const int& nk;  // chunks of the dim per tile
     const Cursor& cur;
+#if LIK_RESIDUAL
+    const ResidualLoader& res;
+#endif
 
     // Stage `stage` (counted from 0 over the whole run) goes to ring slot stage % STAGES, as
     // that slot's fill number stage / STAGES.
     __device__ void issue(int stage) const {
         const int slot = stage % STAGES;
+#if LIK_RESIDUAL
+        // The first stages' codes: published here, each behind a block barrier (later stages'
+        // are published in next_stage, before the barrier it has anyway).
+        if (stage < AHEAD) {
+            res.publish(stage);
+            __syncthreads();
+        }
+#endif
         if (pj < j1) {
             const int k0 = pk * DP, rows = min(BN, PACKED ? prem : docs.dlength(doc0 + pj) - pt * BN);
             const i64 row0 = PACKED ? prow : docs.dstart(doc0 + pj) + (i64)pt * BN;  // the tile's first row
@@ -378,8 +403,12 @@ struct LIK_FWD::Producer {
 #endif
             } else {
                 if (SPLIT) load_rows<QR>(st, Qt + k0, q_rows, dim, dim - k0);
+#if LIK_RESIDUAL
+                res.gather(st, slot, stage, row0, rows);
+#else
                 load_rows<BN>(st + (SPLIT ? QR * LDS : 0), D + row0 * dim + k0, rows, dim,
                               dim - k0);
+#endif
             }
             if constexpr (I8 && !TMA) {
                 const float* src = d_scale + row0;
@@ -396,10 +425,21 @@ struct LIK_FWD::Producer {
                     pt = 0;
                     cur.enter();
                 }
+#if LIK_RESIDUAL
+                prefetch_codes();
+#endif
             }
         }
         if (!TMA) cp_async_commit();  // one group per call, possibly empty: keeps wait_group counts exact
     }
+#if LIK_RESIDUAL
+    // Start loading the codes of the tile the cursor is at (the next one to stage).
+    __device__ void prefetch_codes() const {
+        if (pj < j1)
+            res.prefetch(PACKED ? prow : docs.dstart(doc0 + pj) + (i64)pt * BN,
+                         min(BN, PACKED ? prem : docs.dlength(doc0 + pj) - pt * BN));
+    }
+#endif
 };
 
 // Waits for the next staged tile and starts the refill of the slot freed last (next_stage); with
@@ -422,8 +462,22 @@ struct LIK_FWD::Consumer {
         // refill (the one consumed last). RELEASE: each warp releases its slots (release_slot),
         // so only the query tile's copies need one barrier, before the first stage.
         if (!RELEASE || cons == 0) {
+#if LIK_RESIDUAL
+            // Residual tiles are decompressed one stage ahead of the MMA (fwd/residual.cuh): the
+            // first tile here, behind a barrier of its own; then the one after this, once its
+            // copies land (this barrier also publishes the tile decompressed last, and the codes
+            // of the tile issued below).
+            if (cons == 0) {
+                cp_async_wait<AHEAD - 1>();
+                __syncthreads();
+                prod.res.decompress(0);
+            }
+            prod.res.publish(cons + AHEAD);
+            cp_async_wait<AHEAD - 2>();
+#else
             if (TMA) cp_async_wait<0>();
             else cp_async_wait<AHEAD - 1>();
+#endif
 #if LIK_HAS_WGMMA
             if (WG) fence_proxy_async();
 #endif
@@ -437,6 +491,9 @@ struct LIK_FWD::Consumer {
             q_ready = true;
         }
         prod.issue(cons + AHEAD);
+#if LIK_RESIDUAL
+        prod.res.decompress((cons + 1) % STAGES);
+#endif
 #if LIK_HAS_WGMMA
         if (TMA) mbar_wait(smem_addr(mbar + cons % STAGES), (cons / STAGES) & 1);
 #endif

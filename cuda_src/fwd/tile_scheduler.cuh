@@ -144,14 +144,35 @@ LIK_FWD_TEMPLATE
 struct LIK_FWD::DocRange {
     const Offsets& d_off;
     const i64& ntok;
+#if LIK_CAND
+    const ResidualSrc& rs;  // the candidate ids
+#endif
 
     // Packed documents are clamped to [0, ntok): offsets the caller chose not to
     // validate can give wrong scores but never reach outside D.
     __device__ i64 doc_begin(i64 dl) const {
+#if LIK_CAND
+        const i64 id = cand_doc(dl);
+        const i64 s = id < 0 ? 0 : d_off[id];
+#else
         const i64 s = d_off[dl];
+#endif
         return s < 0 ? 0 : (s > ntok ? ntok : s);
     }
+#if LIK_CAND
+    __device__ i64 doc_end(i64 dl) const {
+        const i64 id = cand_doc(dl);
+        return id < 0 ? 0 : min(d_off[id + 1], ntok);
+    }
+    // Candidate dl's document, or -1 for an id outside the offsets' documents (it scores as an
+    // empty document; the host checks the ids unless told not to).
+    __device__ i64 cand_doc(i64 dl) const {
+        const i64 id = rs.cand_wide ? static_cast<const i64*>(rs.cand)[dl] : static_cast<const int*>(rs.cand)[dl];
+        return id >= 0 && id < rs.n_docs ? id : -1;
+    }
+#else
     __device__ i64 doc_end(i64 dl) const { return min(d_off[dl + 1], ntok); }
+#endif
     // Tiles of document dl starting before token x.
     __device__ int tiles_before(i64 dl, i64 x) const {
         const i64 n = x - doc_begin(dl);
@@ -208,7 +229,7 @@ struct LIK_FWD::Shares {
     const Docs& docs;
 
     __device__ __forceinline__ void assign() const {
-        if (PACKED) {
+        if (PACKED && !CAND) {  // candidate ids: runs of docs_per_cta, as padded documents
             // A token split places tiles by their first token, so its shares are of tokens alone.
             const i64 kdoc = TSPLIT && split_buf ? 0 : LIK_DOC_COST;
             i64 t0, work, per;

@@ -7,6 +7,7 @@ import functools
 from dataclasses import dataclass
 
 __all__ = ["SUPPORTED_ARCHS", "SMEM_PER_BLOCK", "SMEM_PER_SM", "ELEM_CODES", "ELEM_SIZES", "MAX_DIM", "MAX_DIM_INT8",
+           "MAX_DIM_RESIDUAL", "RESIDUAL_REGISTERS", "RESIDUAL_REGISTERS_MULTI",
            "DIM_BUCKETS", "FwdConfig", "int8_dim_ok", "padded_dim", "dim_bucket", "one_shot_bucket", "arch_of"]
 
 # Architectures we build machine code for (compute capability * 10).
@@ -22,6 +23,13 @@ MAX_DIM = 8192  # split-d has no inherent limit; this is the widest dim the test
 # INT8 takes dims a multiple of 16 up to this (one-shot up to 512, split-d above; int32 dot
 # products stay exact: 127 * 127 * 4096 < 2^31).
 MAX_DIM_INT8 = 4096
+# PLAID residual documents (cuda_src/fwd/residual.cuh): one-shot mma.sync tiles of whole 8-dim
+# centroid chunks, so a dim that is a multiple of 8 up to this; registers a thread at most, so
+# that several CTAs share an SM (their loads wait behind the others' decompression): 128, and 168
+# for tiles of several queries (their row-max reduction spilled a few bytes at 128 on sm_90).
+MAX_DIM_RESIDUAL = 512
+RESIDUAL_REGISTERS = 128
+RESIDUAL_REGISTERS_MULTI = 168
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -45,12 +53,14 @@ class FwdConfig:
     qhalf: bool = False  # split-d, one warpgroup, one query of <= 32 tokens: stages hold 32 query rows, not 64
     tokm: bool = False  # int8 Hopper tiles with document tokens on the wgmma M side (per-token scales in registers)
     x3: bool = False  # fp32 at float32 accuracy: three tf32 products per product (3xTF32, cuda_src/fwd/config.cuh)
+    residual: int = 0  # PLAID residual documents: nbits (1, 2 or 4) per dim, decompressed by the tile loader
+    cand: bool = False  # residual packed documents picked per query by candidate ids
 
     @property
     def token_split(self) -> bool:
         """Whether the kernel can split packed documents over CTAs by token shares (cuda_src/fwd/config.cuh's
         TSPLIT: single-query one-shot tiles of float16 or bfloat16 elements)."""
-        return self.packed and not (self.multi or self.tokm or self.split) and self.elem in (0, 1)
+        return self.packed and not (self.multi or self.tokm or self.split or self.residual) and self.elem in (0, 1)
 
     @property
     def query_rows_staged(self) -> int:
@@ -73,7 +83,14 @@ class FwdConfig:
         rows = self.stages * (self.query_rows_staged + self.bn) if self.split else self.bm + self.stages * self.bn
         if self.wgmma or self.tma:  # unpadded swizzled tiles, slack to align them to 1024 bytes, TMA barriers
             return rows * self.dp * self.esize + 1024 + self._extra_bytes + (16 * self.stages if self.tma else 0)
-        return rows * (self.dp + 16 // self.esize) * self.esize + self._extra_bytes
+        used = rows * (self.dp + 16 // self.esize) * self.esize + self._extra_bytes
+        if not self.residual:
+            return used
+        # From the next 16-byte boundary, as cuda_src/fwd/mainloop.cuh carves it: the bucket table, the
+        # codes of two tiles and each slot's byte shift, then each slot's residual bytes (RBYTES).
+        pad16 = lambda n: -(-n // 16) * 16  # noqa: E731
+        return pad16(used) + 128 + pad16(4 * (2 * self.bn + self.stages)) + \
+            self.stages * (self.bn * self.dp * self.residual // 8 + 32)
 
     @property
     def _extra_bytes(self) -> int:
@@ -92,10 +109,12 @@ class FwdConfig:
             f"{'_wgmma' if self.wgmma else ''}{'_mq' if self.multi else ''}{'_packed' if self.packed else ''}"
             f"{'_tma' if self.tma else ''}{'_qh' if self.qhalf else ''}{'_tokm' if self.tokm else ''}"
             f"{'_x3' if self.x3 else ''}"
+            f"{f'_r{self.residual}' if self.residual else ''}{'_cand' if self.cand else ''}"
         )
 
     def defines(self) -> dict[str, int | str]:
-        return {
+        residual = {"LIK_RESIDUAL": self.residual, "LIK_CAND": int(self.cand)} if self.residual else {}
+        return residual | {
             "LIK_NAME": self.name,
             "LIK_ELEM": self.elem,
             "LIK_DP": self.dp,
@@ -135,6 +154,8 @@ class FwdConfig:
         """CTAs per SM the kernel is compiled for: two Hopper CTAs when their shared memory fits
         (registers then capped at 128) and their accumulators do too (at most 128 tokens per
         tile), else no register cap."""
+        if self.residual:  # as many CTAs as their register budget allows: their decompression hides loads
+            return max(1, 65536 // (self.threads * (RESIDUAL_REGISTERS_MULTI if self.multi else RESIDUAL_REGISTERS)))
         return 2 if (self.wgmma and self.bn <= 128
                      and 2 * (self.smem_bytes + 1024) <= SMEM_PER_SM[90]) else 1
 

@@ -11,11 +11,12 @@ from __future__ import annotations
 import functools
 
 from . import tables as t
-from .config import (ELEM_CODES, ELEM_SIZES, MAX_DIM_INT8, SMEM_PER_BLOCK, FwdConfig, arch_of, dim_bucket,
-                     int8_dim_ok, one_shot_bucket, padded_dim)
+from .config import (ELEM_CODES, ELEM_SIZES, MAX_DIM_INT8, MAX_DIM_RESIDUAL, SMEM_PER_BLOCK, FwdConfig, arch_of,
+                     dim_bucket, int8_dim_ok, one_shot_bucket, padded_dim)
 from .plan import tile_rows
 
-__all__ = ["choose_forward", "choose_backward", "all_forward_configs", "split_family", "uses_split"]
+__all__ = ["choose_forward", "choose_residual", "choose_backward", "all_forward_configs", "all_residual_configs",
+           "residual_dim_ok", "split_family", "uses_split"]
 
 
 def split_family(arch: int, hopper: bool, dim: int) -> tuple[int, str]:
@@ -178,8 +179,62 @@ def choose_forward(cc: int, dtype: str, dim: int, lq: int, argmax: bool, vec: bo
     raise ValueError(f"no forward configuration fits dim {dim} on sm_{arch}")
 
 
+def residual_dim_ok(dim: int) -> bool:
+    """Whether the residual kernels take embedding dim ``dim``: a multiple of 8 up to ``MAX_DIM_RESIDUAL``."""
+    return dim % 8 == 0 and 0 < dim <= MAX_DIM_RESIDUAL
+
+
+@functools.lru_cache(maxsize=1024)
+def choose_residual(cc: int, dtype: str, dim: int, lq: int, nbits: int, argmax: bool, shared_queries: int = 1,
+                    packed: bool = False, cand: bool = False) -> FwdConfig:
+    """The forward configuration for PLAID residual documents (``LIK_RESIDUAL``): one-shot
+    mma.sync tiles of ``dtype`` ("float16" or "bfloat16": the tile the loader decompresses into,
+    the queries' dtype) from ``tables.RESIDUAL_TILES``, the first whose shared memory fits.
+    ``shared_queries`` as in :func:`choose_forward`; ``cand``: packed documents picked per query
+    by candidate ids (one query per tile).
+    """
+    arch = arch_of(cc)
+    if not residual_dim_ok(dim):
+        raise ValueError(f"the residual kernels need dim a multiple of 8 up to {MAX_DIM_RESIDUAL}, got {dim}")
+    if nbits not in (1, 2, 4):
+        raise ValueError(f"nbits must be 1, 2 or 4, got {nbits}")
+    elem = ELEM_CODES[dtype]
+    if elem not in (0, 1):
+        raise ValueError(f"residual tiles are float16 or bfloat16, not {dtype}")
+    dp = padded_dim(dim)
+    q_len, lq = lq, tile_rows(lq, 1 if cand else shared_queries)
+    lb = 32 if lq <= 32 else 64 if lq <= 64 else 128
+    limit = SMEM_PER_BLOCK.get(arch, 99 * 1024)
+    for warps, mt, bn, stages in t.RESIDUAL_TILES[lb]:
+        bm = warps * mt * 16
+        cfg = FwdConfig(elem=elem, dp=dp, warps=warps, mt=mt, bn=bn, stages=stages, qreg=_qreg(elem, dp, mt),
+                        argmax=argmax, vec=True, multi=not cand and shared_queries > 1 and 2 * q_len <= bm,
+                        packed=packed, residual=nbits, cand=cand)
+        if cfg.smem_bytes <= limit:
+            return cfg
+    raise ValueError(f"no residual configuration fits dim {dim} on sm_{arch}")
+
+
+def all_residual_configs(arch: int, dims=None) -> list[FwdConfig]:
+    """Every configuration ``choose_residual`` can return on ``arch`` for the embedding ``dims``
+    (by default a sample reaching every tile of ``tables.RESIDUAL_TILES`` and both gather loops: 96, 128, 512)."""
+    seen: dict[str, FwdConfig] = {}
+    for dtype in ("float16", "bfloat16"):
+        for dim in (dims if dims is not None else (96, 128, 512)):
+            if not residual_dim_ok(dim):
+                continue
+            for nbits in (1, 2, 4):
+                for lq, shared in ((32, 1), (64, 1), (128, 1), (300, 1), (8, 2), (32, 4)):
+                    for argmax in (False, True):
+                        for packed, cand in ((False, False), (True, False), (True, True)):
+                            c = choose_residual(arch, dtype, dim, lq, nbits, argmax, shared, packed, cand)
+                            seen[c.name] = c
+    return list(seen.values())
+
+
 def all_forward_configs(arch: int, dims=None) -> list[FwdConfig]:
-    """Every configuration ``choose_forward`` can return on ``arch`` for the embedding ``dims``.
+    """Every configuration ``choose_forward`` (and ``choose_residual``) can return on ``arch`` for the
+    embedding ``dims``.
 
     The default samples a few dims that between them reach every tile family, query / document
     length rule and flag (the CI compile check builds these); a padded dim of its own names a
@@ -205,6 +260,8 @@ def all_forward_configs(arch: int, dims=None) -> list[FwdConfig]:
                                             c = choose_forward(arch, dtype, dim, lq, argmax, vec, wg, shared, ld, packed,
                                                                tma, x3)
                                             seen[c.name] = c
+    seen.update((c.name, c) for c in all_residual_configs(arch, None if dims is None else
+                                                          [d for d in dims if residual_dim_ok(d)]))
     return list(seen.values())
 
 

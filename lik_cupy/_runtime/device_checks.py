@@ -23,9 +23,9 @@ import threading
 
 import numpy as np
 
-from .._validate import check_length_values, check_offset_values
+from .._validate import check_id_values, check_length_values, check_offset_values
 
-_MAX_CHECKS = 4  # q_lengths, d_lengths, d_offsets (and a spare)
+_MAX_CHECKS = 4  # q_lengths, d_lengths or d_offsets, candidate ids (and a spare)
 _THREADS = 1024
 _local = threading.local()
 
@@ -120,6 +120,13 @@ class DeviceChecks:
         self._reading.append(a)
         self._pending.append(("lengths", name, limit))
 
+    def ids(self, a, n: int, name: str, what: str) -> None:
+        """Queue the range check of int32 or int64 ids ``a`` (C-contiguous, non-empty): [0, n)."""
+        entry = "lik_check_range_i32" if a.dtype == np.int32 else "lik_check_range_i64"
+        self._launch(entry, (a, np.int64(a.size), self._slot()))
+        self._reading.append(a)
+        self._pending.append(("ids", name, (n, what)))
+
     def offsets(self, off, total: int, name: str) -> None:
         """Queue the value check of int32 or int64 offsets ``off`` [N + 1]: start at 0, never
         decrease, end at ``total``."""
@@ -149,6 +156,8 @@ class DeviceChecks:
         for (kind, name, bound), (a, b, c) in zip(pending, vals.tolist()):
             if kind == "lengths":
                 check_length_values(name, a, b, bound)
+            elif kind == "ids":
+                check_id_values(name, a, b, *bound)
             else:
                 check_offset_values(name, a, b, bool(c), bound)
 
@@ -161,7 +170,7 @@ def capturing() -> bool:
 
 
 def queue_or_verify(checks: DeviceChecks | None, kind: str, *args) -> None:
-    """Queue one check (``kind`` "lengths" or "offsets", with that method's arguments) on
+    """Queue one check (``kind`` "lengths", "ids" or "offsets", with that method's arguments) on
     ``checks``; with ``checks`` None, run it on its own and verify it at once. Skipped inside
     CUDA graph capture (see the module docstring)."""
     if capturing():

@@ -82,8 +82,9 @@ def _ptr(a) -> int:
 
 def _launch_forward(func: int, grid, threads: int, smem: int, stream: int, values: tuple, maps: tuple) -> None:
     """Launch the forward kernel ``func`` (a CUfunction handle) on ``stream`` (a handle) with
-    parameter ``values`` (as ``_FWD_SIGNATURE``) and TMA ``maps`` (tma.TensorMap; none for
-    kernels without them)."""
+    parameter ``values`` (as ``_FWD_SIGNATURE``) and the parameters after them, each an object
+    whose ``address`` holds its bytes: TMA ``maps`` (tma.TensorMap) or the residual kernel's
+    ``ResidualSrc`` (none for other kernels)."""
     import cupy
 
     slots = getattr(_params, "slots", None)
@@ -101,7 +102,7 @@ def _launch_forward(func: int, grid, threads: int, smem: int, stream: int, value
 
 
 def launch(p: Problem, q, d, qm, dm, ql, dl, return_argmax: bool, device: int, *, d_off=None, ld_hint=None,
-           d_off_whole=True, out=None, q_scale=None, d_scale=None, caller=None, x3=False):
+           d_off_whole=True, out=None, q_scale=None, d_scale=None, caller=None, x3=False, residual=None):
     """Choose the kernel configuration and launch it on the current CuPy stream.
 
     q: [nq, lq, dim] (bfloat16 as uint16); d: padded [rows, ld, dim], or packed
@@ -113,6 +114,9 @@ def launch(p: Problem, q, d, qm, dm, ql, dl, return_argmax: bool, device: int, *
     and ``d_scale`` (float32 [rows * ld] or [T]) are their contiguous per-token scales.
     ``caller`` names the public function in error messages (default: the one ``p`` came from).
     ``x3``: float32 at float32 accuracy (``lik_cupy.precision``), for float32 q and d.
+    ``residual`` (a ``lik_cupy._runtime.residual.ResidualOperands``): the documents are
+    PLAID-compressed and ``d`` is their codes ([rows] or, padded, [rows, ld]); the kernel's tile
+    loader decompresses them (``p.dtype``, float16 or bfloat16, is the tile's dtype).
     """
     import cupy
 
@@ -140,7 +144,9 @@ def launch(p: Problem, q, d, qm, dm, ql, dl, return_argmax: bool, device: int, *
 
     props = device_properties(device)
     esize = q.dtype.itemsize
-    vec = (p.dim * esize) % 16 == 0 and q.data.ptr % 16 == 0 and d.data.ptr % 16 == 0
+    if residual is not None and q.data.ptr % 16:  # the residual tiles copy 16-byte query chunks
+        q = q.copy()
+    vec = (p.dim * esize) % 16 == 0 and q.data.ptr % 16 == 0 and (residual is not None or d.data.ptr % 16 == 0)
     shared = 1 if p.candidates else p.nq
     ld = ld_hint if ld_hint is not None else p.ld
     arch = dispatch.arch_of(props.cc)
@@ -148,10 +154,13 @@ def launch(p: Problem, q, d, qm, dm, ql, dl, return_argmax: bool, device: int, *
     if dm is not None and dl is None:  # the kernel then skips each document's padding (masks.py)
         dl = mask_spans(dm, device)
     rows = d.size // p.dim  # D as [rows, dim] (padded, candidate or packed layout)
-    use_tma = (tma_usable() and vec and max(rows, p.nq * p.lq) <= tma.MAX_ROWS
+    use_tma = (residual is None and tma_usable() and vec and max(rows, p.nq * p.lq) <= tma.MAX_ROWS
                and (d_scale is None or d_scale.data.ptr % 16 == 0))
 
     def choose(wgmma: bool):
+        if residual is not None:
+            return dispatch.choose_residual(props.cc, p.dtype, p.dim, p.lq, residual.nbits, return_argmax, shared,
+                                            d_off is not None, residual.cand)
         return dispatch.choose_forward(props.cc, p.dtype, p.dim, p.lq, return_argmax, vec, wgmma, shared, ld,
                                        d_off is not None, use_tma and wgmma, x3)
 
@@ -183,7 +192,7 @@ def launch(p: Problem, q, d, qm, dm, ql, dl, return_argmax: bool, device: int, *
         off_flags, d.shape[0] if d_off is not None else 0, part.data.ptr, _ptr(amax),
         p.nq, p.nd, p.lq, p.ld, p.dim, plan.n_qt, plan.qb, plan.docs_per_cta, p.nd if p.candidates else 0,
     )
-    maps = ()
+    maps = () if residual is None else (residual,)  # the residual kernel's by-value parameter
     if cfg.tma:
         dmap = tma.tile_map(d.data.ptr, rows, p.dim * esize, cfg.bn)
         smap = tma.scale_map(d_scale.data.ptr, rows, cfg.bn + 4) if d_scale is not None else dmap

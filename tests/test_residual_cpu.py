@@ -1,0 +1,464 @@
+"""PLAID residual documents on the CPU: bit unpacking and decompression against ColBERTv2's own
+procedure, scoring (padded, packed, per-query candidates) against float64 MaxSim of the decompressed
+embeddings, the argument checks, and the index readers (synthetic fast-plaid and ColBERTv2 layouts;
+an index built by fast-plaid itself where it installs)."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import zipfile
+
+import numpy as np
+import pytest
+
+import lik_cupy
+from lik_cupy import plaid
+from lik_cupy._cpu.residual import unpack_buckets
+from lik_cupy._plaid_files import read_torch_file
+from reference import maxsim_ref, plaid_decompress_ref, plaid_pack_ref
+
+
+def codec(rng, n_cent, dim, nbits, dtype=np.float16):
+    cen = rng.standard_normal((n_cent, dim)).astype(dtype)
+    w = np.sort(rng.standard_normal(1 << nbits) * 0.2).astype(np.float32)
+    return cen, w
+
+
+def tokens(rng, n, n_cent, dim, nbits):
+    """Random codes (int64) and residual bytes of n tokens, packed from random buckets as ColBERTv2 does."""
+    codes = rng.integers(0, n_cent, n)
+    bits = plaid_pack_ref(rng.integers(0, 1 << nbits, (n, dim)), nbits)
+    return codes, bits
+
+
+def ragged(rng, nd, lo, hi, empty=0.15):
+    lens = rng.integers(lo, hi + 1, nd)
+    lens[rng.random(nd) < empty] = 0
+    return lens
+
+
+def ref_scores(Q, emb_docs, q_valid=None):
+    """float64 scores of Q [nq, lq, d] against a list of documents [len_j, d] (-inf when empty)."""
+    ld = max([len(e) for e in emb_docs] + [1])
+    d = np.zeros((len(emb_docs), ld, Q.shape[-1]))
+    dv = np.zeros((len(emb_docs), ld), bool)
+    for j, e in enumerate(emb_docs):
+        d[j, :len(e)], dv[j, :len(e)] = e, True
+    s, _ = maxsim_ref(Q, d, q_valid, dv)
+    return s
+
+
+# ---------------------------------------------------------------- unpacking and decompression
+
+
+@pytest.mark.parametrize("nbits", [1, 2, 4])
+@pytest.mark.parametrize("dim", [8, 24, 40, 100, 128])
+def test_unpack_reads_colbert_packing(rng, nbits, dim):
+    if dim * nbits % 8:
+        pytest.skip("does not pack into whole bytes")
+    b = rng.integers(0, 1 << nbits, (37, dim))
+    np.testing.assert_array_equal(unpack_buckets(plaid_pack_ref(b, nbits), nbits, dim), b)
+
+
+@pytest.mark.parametrize("nbits", [1, 2, 4])
+@pytest.mark.parametrize("normalize", [True, False])
+def test_decompress_matches_colbert_procedure(rng, nbits, normalize):
+    dim = 48
+    cen, w = codec(rng, 23, dim, nbits)
+    codes = rng.integers(0, 23, 301)
+    bits = rng.integers(0, 256, (301, dim * nbits // 8), dtype=np.uint8)  # every byte pattern
+    got = plaid.decompress_residuals(codes, bits, cen, w, nbits, normalize=normalize)
+    want = plaid_decompress_ref(codes, bits, cen, w, nbits, normalize)
+    assert got.dtype == np.float32 and got.shape == (301, dim)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+    if normalize:
+        np.testing.assert_allclose(np.linalg.norm(got, axis=1), 1, rtol=1e-6)
+    # other shapes: codes [2, 3] -> [2, 3, d]
+    got2 = plaid.decompress_residuals(codes[:6].reshape(2, 3), bits[:6].reshape(2, 3, -1), cen, w, nbits,
+                                      normalize=normalize)
+    np.testing.assert_array_equal(got2.reshape(6, dim), got[:6])
+
+
+def test_zero_embedding_stays_zero():
+    cen = np.zeros((1, 8), np.float16)
+    w = np.zeros(2, np.float32)
+    got = plaid.decompress_residuals(np.array([0]), np.zeros((1, 1), np.uint8), cen, w, 1)
+    np.testing.assert_array_equal(got, 0)
+
+
+# ---------------------------------------------------------------- scoring
+
+
+@pytest.mark.parametrize("nbits", [1, 2, 4])
+@pytest.mark.parametrize("dim,nq,lq", [(128, 3, 32), (40, 1, 7), (8, 2, 1)])
+def test_padded_scores_and_argmax(rng, nbits, dim, nq, lq):
+    cen, w = codec(rng, 31, dim, nbits, np.float32 if dim == 40 else np.float16)
+    nd, ld = 13, 21
+    lens = ragged(rng, nd, 1, ld)
+    codes, bits = tokens(rng, nd * ld, 31, dim, nbits)
+    codes, bits = codes.reshape(nd, ld), bits.reshape(nd, ld, -1)
+    Q = rng.standard_normal((nq, lq, dim)).astype(np.float16)
+    qm = rng.random((nq, lq)) < 0.8
+    s, a = lik_cupy.maxsim_residual(Q, codes, bits, lens, cen, w, nbits, qm, return_argmax=True, backend="cpu")
+    emb = plaid_decompress_ref(codes, bits, cen, w, nbits).reshape(nd, ld, dim)
+    want = ref_scores(Q, [emb[j, :lens[j]] for j in range(nd)], qm)
+    np.testing.assert_allclose(s, want, rtol=1e-6, atol=1e-6)
+    assert s.dtype == np.float32 and a.shape == (nq, nd, lq) and a.dtype == np.int32
+    sim = np.einsum("isk,jtk->ijst", Q.astype(np.float64), emb)
+    for i in range(nq):
+        for j in range(nd):
+            for t in range(lq):
+                if not qm[i, t] or lens[j] == 0:
+                    assert a[i, j, t] == -1
+                else:
+                    assert 0 <= a[i, j, t] < lens[j]
+                    best = sim[i, j, t, :lens[j]].max()
+                    assert sim[i, j, t, a[i, j, t]] >= best - 1e-9 * abs(best)
+
+
+def test_padded_candidate_sets_and_no_lengths(rng):
+    nbits, dim, nq, k, ld = 2, 64, 3, 5, 9
+    cen, w = codec(rng, 17, dim, nbits)
+    codes, bits = tokens(rng, nq * k * ld, 17, dim, nbits)
+    codes, bits = codes.reshape(nq, k, ld), bits.reshape(nq, k, ld, -1)
+    Q = rng.standard_normal((nq, 4, dim)).astype(np.float32)
+    s = lik_cupy.maxsim_residual(Q, codes, bits, None, cen, w, nbits, backend="cpu")
+    emb = plaid_decompress_ref(codes, bits, cen, w, nbits).reshape(nq, k, ld, dim)
+    for i in range(nq):
+        np.testing.assert_allclose(s[i], ref_scores(Q[i:i + 1], list(emb[i]))[0], rtol=1e-6)
+    one = lik_cupy.maxsim_residual(Q[0], codes[0], bits[0], None, cen, w, nbits, backend="cpu")  # 2-D Q
+    np.testing.assert_array_equal(one, s[0])
+
+
+@pytest.mark.parametrize("nbits", [1, 2, 4])
+def test_packed_every_document_and_candidates(rng, nbits):
+    dim, nd, nq, lq = 96, 41, 4, 11
+    cen, w = codec(rng, 64, dim, nbits)
+    lens = ragged(rng, nd, 1, 70)
+    off = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    codes, bits = tokens(rng, int(off[-1]), 64, dim, nbits)
+    codes = codes.astype(np.int32)
+    Q = rng.standard_normal((nq, lq, dim)).astype(np.float16)
+    ql = rng.integers(0, lq + 1, nq)
+    emb = plaid_decompress_ref(codes, bits, cen, w, nbits)
+    docs = [emb[off[j]:off[j + 1]] for j in range(nd)]
+    qv = np.arange(lq)[None, :] < ql[:, None]
+    every = lik_cupy.maxsim_residual_varlen(Q, codes, bits, off, cen, w, nbits, q_lengths=ql, backend="cpu")
+    np.testing.assert_allclose(every, ref_scores(Q, docs, qv), rtol=1e-6, atol=1e-6)
+    cand = rng.integers(0, nd, (nq, 17))
+    s, a = lik_cupy.maxsim_residual_varlen(Q, codes, bits, off, cen, w, nbits, q_lengths=ql, candidates=cand,
+                                           return_argmax=True, backend="cpu")
+    np.testing.assert_array_equal(s, np.take_along_axis(every, cand, axis=1))
+    _, a_all = lik_cupy.maxsim_residual_varlen(Q, codes, bits, off, cen, w, nbits, q_lengths=ql, return_argmax=True,
+                                               backend="cpu")
+    np.testing.assert_array_equal(a, np.take_along_axis(a_all, cand[..., None], axis=1))
+
+
+def test_packed_runs_bound_memory(rng, monkeypatch):
+    # A tiny block size decompresses one document at a time: the same scores.
+    from lik_cupy._cpu import residual as res
+
+    dim, nbits = 32, 2
+    cen, w = codec(rng, 9, dim, nbits)
+    lens = ragged(rng, 30, 1, 40)
+    off = np.concatenate([[0], np.cumsum(lens)])
+    codes, bits = tokens(rng, int(off[-1]), 9, dim, nbits)
+    Q = rng.standard_normal((2, 5, dim)).astype(np.float32)
+    whole = lik_cupy.maxsim_residual_varlen(Q, codes, bits, off, cen, w, nbits, backend="cpu")
+    seen = []
+    real = res.Tokens.padded
+    monkeypatch.setattr(res, "_BLOCK_BYTES", 8 * dim * 3)
+    monkeypatch.setattr(res.Tokens, "padded", lambda self, docs: seen.append(docs.size) or real(self, docs))
+    small = lik_cupy.maxsim_residual_varlen(Q, codes, bits, off, cen, w, nbits, backend="cpu")
+    np.testing.assert_array_equal(small, whole)
+    assert max(seen) <= 3 and len(seen) >= 10
+
+
+def test_unnormalized_and_empty(rng):
+    dim, nbits = 16, 4
+    cen, w = codec(rng, 5, dim, nbits)
+    off = np.array([0, 0, 3, 3])
+    codes, bits = tokens(rng, 3, 5, dim, nbits)
+    Q = rng.standard_normal((2, 3, dim)).astype(np.float32)
+    s = lik_cupy.maxsim_residual_varlen(Q, codes, bits, off, cen, w, nbits, normalize=False, backend="cpu")
+    emb = plaid_decompress_ref(codes, bits, cen, w, nbits, normalize=False)
+    np.testing.assert_allclose(s[:, 1], ref_scores(Q, [emb])[:, 0], rtol=1e-6)
+    assert np.all(s[:, [0, 2]] == -np.inf)
+    z = lik_cupy.maxsim_residual_varlen(Q, codes, bits, off, cen, w, nbits, q_lengths=[0, 3], backend="cpu")
+    assert np.all(z[0] == 0) and np.all(z[1, [0, 2]] == -np.inf)
+
+
+def test_bfloat16_queries_and_lists(rng):
+    import ml_dtypes
+
+    dim, nbits = 32, 1
+    cen, w = codec(rng, 7, dim, nbits)
+    codes, bits = tokens(rng, 10, 7, dim, nbits)
+    Q = rng.standard_normal((3, dim)).astype(ml_dtypes.bfloat16)
+    s = lik_cupy.maxsim_residual_varlen(Q, codes, bits, [0, 4, 10], cen, w, nbits, candidates=[1, 1, 0],
+                                        backend="cpu")
+    emb = plaid_decompress_ref(codes, bits, cen, w, nbits)
+    want = ref_scores(Q.astype(np.float64)[None], [emb[4:], emb[4:], emb[:4]])[0]
+    np.testing.assert_allclose(s, want, rtol=1e-6)
+
+
+# ---------------------------------------------------------------- argument checks
+
+
+def test_argument_errors(rng):
+    dim, nbits = 16, 2
+    cen, w = codec(rng, 5, dim, nbits)
+    codes, bits = tokens(rng, 6, 5, dim, nbits)
+    off = np.array([0, 2, 6])
+    Q = rng.standard_normal((1, 3, dim)).astype(np.float32)
+    f = lik_cupy.maxsim_residual_varlen
+    with pytest.raises(ValueError, match="nbits must be 1, 2 or 4"):
+        f(Q, codes, bits, off, cen, w, 3, backend="cpu")
+    with pytest.raises(ValueError, match=r"residuals rows hold 3 bytes; expected 4"):
+        f(Q, codes, bits[:, :3], off, cen, w, nbits, backend="cpu")
+    with pytest.raises(ValueError, match=r"bucket_weights has shape \[2\]; expected \[4\]"):
+        f(Q, codes, bits, off, cen, w[:2], nbits, backend="cpu")
+    with pytest.raises(ValueError, match="centroids have dim 8 but Q has dim 16"):
+        f(Q, codes, bits, off, cen[:, :8], w, nbits, backend="cpu")
+    with pytest.raises(TypeError, match="residuals has dtype int8"):
+        f(Q, codes, bits.view(np.int8), off, cen, w, nbits, backend="cpu")
+    with pytest.raises(ValueError, match=r"codes holds 5; every entry must be in \[0, 4\]"):
+        f(Q, np.where(np.arange(6) == 3, 5, codes), bits, off, cen, w, nbits, backend="cpu")
+    with pytest.raises(ValueError, match=r"candidates holds 2; every entry must be in \[0, 1\]"):
+        f(Q, codes, bits, off, cen, w, nbits, candidates=np.array([[0, 2]]), backend="cpu")
+    with pytest.raises(ValueError, match=r"candidates has shape \[2, 2\]; expected \[Nq, K\] with Nq = 1"):
+        f(Q, codes, bits, off, cen, w, nbits, candidates=np.zeros((2, 2), np.int64), backend="cpu")
+    with pytest.raises(ValueError, match="d_offsets ends at 5"):
+        f(Q, codes, bits, np.array([0, 2, 5]), cen, w, nbits, backend="cpu")
+    with pytest.raises(ValueError, match="dim 12 with nbits 1 does not pack"):
+        f(Q[..., :12], codes, bits[:, :1], off, cen[:, :12], w[:2], 1, backend="cpu")
+    with pytest.raises(ValueError, match=r"d_lengths holds 4; every length must be in \[0, 3\]"):
+        lik_cupy.maxsim_residual(Q, codes.reshape(2, 3), bits.reshape(2, 3, 4), [1, 4], cen, w, nbits, backend="cpu")
+    with pytest.raises(ValueError, match="codes has candidate sets for 2 queries but Q has 1"):
+        lik_cupy.maxsim_residual(Q, codes.reshape(2, 1, 3), bits.reshape(2, 1, 3, 4), None, cen, w, nbits,
+                                 backend="cpu")
+
+
+# ---------------------------------------------------------------- index directories
+
+
+def _write_fast_plaid(path, cen, w, nbits, lens_per_chunk, codes, bits, merged: bool, pad_rows=0):
+    """A fast-plaid index directory as its documentation and sources lay it out."""
+    os.makedirs(path, exist_ok=True)
+    np.save(os.path.join(path, "centroids.npy"), cen)
+    np.save(os.path.join(path, "bucket_weights.npy"), w)
+    with open(os.path.join(path, "metadata.json"), "w") as f:
+        json.dump({"num_chunks": len(lens_per_chunk), "nbits": nbits, "num_documents": 0}, f)
+    at, manifest_c, manifest_r = 0, {}, {}
+    for i, lens in enumerate(lens_per_chunk):
+        with open(os.path.join(path, f"doclens.{i}.json"), "w") as f:
+            json.dump([int(n) for n in lens], f)
+        n = int(sum(lens))
+        if not merged:
+            np.save(os.path.join(path, f"{i}.codes.npy"), codes[at:at + n])
+            np.save(os.path.join(path, f"{i}.residuals.npy"), bits[at:at + n])
+        manifest_c[f"{i}.codes.npy"] = {"rows": n, "merged": True}
+        manifest_r[f"{i}.residuals.npy"] = {"rows": n, "merged": True}
+        at += n
+    if merged:
+        np.save(os.path.join(path, "merged_codes.npy"), np.concatenate([codes, np.zeros(pad_rows, codes.dtype)]))
+        np.save(os.path.join(path, "merged_residuals.npy"),
+                np.concatenate([bits, np.zeros((pad_rows, bits.shape[1]), np.uint8)]))
+        for name, m in (("codes", manifest_c), ("residuals", manifest_r)):
+            with open(os.path.join(path, f"merged_{name}.manifest.json"), "w") as f:
+                json.dump(m, f)
+
+
+@pytest.mark.parametrize("merged", [True, False])
+def test_fast_plaid_layout(rng, tmp_path, merged):
+    dim, nbits = 64, 2
+    cen, w = codec(rng, 40, dim, nbits)
+    chunks = [ragged(rng, 12, 1, 30), ragged(rng, 9, 1, 30), ragged(rng, 5, 1, 30)]
+    t = int(sum(c.sum() for c in chunks))
+    codes, bits = tokens(rng, t, 40, dim, nbits)
+    _write_fast_plaid(tmp_path, cen, w.astype(np.float32), nbits, chunks, codes, bits, merged, pad_rows=7)
+    idx = plaid.PlaidIndex.open(tmp_path)
+    assert idx.kind == "fast-plaid" and len(idx) == 26 and idx.dim == dim and idx.nbits == nbits
+    np.testing.assert_array_equal(idx.codes, codes)
+    np.testing.assert_array_equal(idx.residual_bits, bits)
+    np.testing.assert_array_equal(idx.bucket_weights, w.astype(np.float16).astype(np.float32))
+    lens = np.concatenate(chunks)
+    off = np.concatenate([[0], np.cumsum(lens)])
+    ids = np.array([3, 25, 0, 12, 3])
+    c, b, o = idx.residuals(ids)
+    np.testing.assert_array_equal(o, np.concatenate([[0], np.cumsum(lens[ids])]))
+    np.testing.assert_array_equal(c, np.concatenate([codes[off[i]:off[i + 1]] for i in ids]))
+    np.testing.assert_array_equal(b, np.concatenate([bits[off[i]:off[i + 1]] for i in ids]))
+    emb = plaid_decompress_ref(codes, bits, cen, idx.bucket_weights, nbits)
+    for got, i in zip(idx.embeddings(ids), ids):
+        np.testing.assert_allclose(got, emb[off[i]:off[i + 1]], rtol=1e-6, atol=1e-7)
+    Q = rng.standard_normal((2, 6, dim)).astype(np.float16)
+    cand = np.array([[25, 3, 3, 0], [1, 2, 24, 13]])
+    s = idx.rerank(Q, cand, backend="cpu")
+    docs = [emb[off[i]:off[i + 1]] for i in range(26)]
+    for i in range(2):
+        np.testing.assert_allclose(s[i], ref_scores(Q[i:i + 1], [docs[j] for j in cand[i]])[0], rtol=1e-6)
+    with pytest.raises(ValueError, match=r"candidates holds 26; every entry must be in \[0, 25\]"):
+        idx.rerank(Q, cand + 1, backend="cpu")
+
+
+def test_fast_plaid_unmerged_chunk_wins(rng, tmp_path):
+    # A chunk written by an update and not merged yet: its own file is read, the merged rows of the
+    # others at the manifest's offsets.
+    dim, nbits = 32, 4
+    cen, w = codec(rng, 8, dim, nbits)
+    chunks = [ragged(rng, 4, 1, 9, 0), ragged(rng, 3, 1, 9, 0)]
+    t0, t = int(chunks[0].sum()), int(sum(c.sum() for c in chunks))
+    codes, bits = tokens(rng, t, 8, dim, nbits)
+    _write_fast_plaid(tmp_path, cen, w, nbits, chunks, codes, bits, merged=True)
+    new_codes = rng.integers(0, 8, t - t0)
+    np.save(tmp_path / "1.codes.npy", new_codes)
+    np.save(tmp_path / "1.residuals.npy", bits[t0:][::-1].copy())
+    idx = plaid.PlaidIndex.open(tmp_path)
+    np.testing.assert_array_equal(idx.codes, np.concatenate([codes[:t0], new_codes]))
+    np.testing.assert_array_equal(idx.residual_bits, np.concatenate([bits[:t0], bits[t0:][::-1]]))
+
+
+def test_bad_index_directories(rng, tmp_path):
+    with pytest.raises(FileNotFoundError, match="neither a fast-plaid index"):
+        plaid.PlaidIndex.open(tmp_path)
+    dim, nbits = 16, 2
+    cen, w = codec(rng, 4, dim, nbits)
+    codes, bits = tokens(rng, 5, 4, dim, nbits)
+    codes[2] = 9
+    _write_fast_plaid(tmp_path / "x", cen, w, nbits, [np.array([2, 3])], codes, bits, merged=False)
+    with pytest.raises(ValueError, match="a code lies outside the 4 centroids"):
+        plaid.PlaidIndex.open(tmp_path / "x")
+
+
+def test_torch_reader_refuses_code(tmp_path):
+    class Evil:
+        def __reduce__(self):
+            return (os.system, ("echo pwned",))
+
+    path = tmp_path / "evil.pt"
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr("archive/data.pkl", pickle.dumps(Evil()))
+    with pytest.raises(ValueError, match="posix.system is not a tensor or container; refusing"):
+        read_torch_file(str(path))
+
+
+def test_torch_reader_reads_what_torch_saves(rng, tmp_path):
+    torch = pytest.importorskip("torch")
+    base = torch.from_numpy(rng.standard_normal(6).astype(np.float32))
+    objs = {"half": torch.from_numpy(rng.standard_normal((7, 5))).half(), "scalar": torch.tensor(3.5),
+            "empty": torch.zeros(0, 4, dtype=torch.int64), "pair": (torch.arange(5, dtype=torch.int32), base),
+            "list": [torch.ones(2, dtype=torch.uint8)], "view": torch.arange(20).reshape(4, 5)[1:, ::2],
+            "dict": {"a": base}, "shared": (base, base[1:]), "wide": torch.tensor([1 << 40, -3])}
+
+    def same(a, b):
+        if isinstance(b, torch.Tensor):
+            return isinstance(a, np.ndarray) and a.shape == tuple(b.shape) and bool((a == b.numpy()).all())
+        if isinstance(b, (tuple, list)):
+            return type(a) is type(b) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in b)
+
+    for name, obj in objs.items():
+        torch.save(obj, tmp_path / f"{name}.pt")
+        assert same(read_torch_file(str(tmp_path / f"{name}.pt")), obj), name
+
+
+def test_colbertv2_layout(rng, tmp_path):
+    torch = pytest.importorskip("torch")
+    dim, nbits = 32, 2
+    cen, w = codec(rng, 12, dim, nbits)
+    chunks = [ragged(rng, 6, 1, 20, 0), ragged(rng, 4, 1, 20, 0)]
+    t = int(sum(c.sum() for c in chunks))
+    codes, bits = tokens(rng, t, 12, dim, nbits)
+    torch.save(torch.from_numpy(cen), tmp_path / "centroids.pt")
+    torch.save((torch.zeros(3), torch.from_numpy(w)), tmp_path / "buckets.pt")
+    with open(tmp_path / "metadata.json", "w") as f:
+        json.dump({"config": {"dim": dim, "nbits": nbits}, "num_chunks": 2, "num_partitions": 12}, f)
+    at = 0
+    for i, lens in enumerate(chunks):
+        n = int(lens.sum())
+        torch.save(torch.from_numpy(codes[at:at + n].astype(np.int32)), tmp_path / f"{i}.codes.pt")
+        # a non-contiguous view saved as such: the reader follows its strides
+        torch.save(torch.from_numpy(np.ascontiguousarray(bits[at:at + n].T)).T, tmp_path / f"{i}.residuals.pt")
+        with open(tmp_path / f"doclens.{i}.json", "w") as f:
+            json.dump([int(x) for x in lens], f)
+        at += n
+    idx = plaid.PlaidIndex.open(tmp_path)
+    assert idx.kind == "colbertv2" and len(idx) == 10
+    np.testing.assert_array_equal(idx.codes, codes)
+    np.testing.assert_array_equal(idx.residual_bits, bits)
+    np.testing.assert_array_equal(idx.centroids, cen)
+    Q = rng.standard_normal((1, 5, dim)).astype(np.float32)
+    emb = plaid_decompress_ref(codes, bits, cen, idx.bucket_weights, nbits)
+    off = np.concatenate([[0], np.cumsum(np.concatenate(chunks))])
+    s = idx.rerank(Q, np.array([[9, 0]]), backend="cpu")
+    np.testing.assert_allclose(s[0], ref_scores(Q, [emb[off[9]:off[10]], emb[:off[1]]])[0], rtol=1e-6)
+
+
+def test_fast_plaid_built_index(rng, tmp_path):
+    # An index built by fast-plaid itself (on the CPU): our embeddings against its get_embeddings
+    # (it decompresses in float16, so to about 2^-11 of each value), and our exact scores of the
+    # documents its search returns against the scores its exact stage gave them.
+    search = pytest.importorskip("fast_plaid.search")
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(int(rng.integers(1 << 30)))
+    for nbits in (1, 2, 4):
+        docs = [torch.nn.functional.normalize(torch.randn(int(n), 128), dim=-1) for n in rng.integers(3, 60, 150)]
+        path = tmp_path / f"fp{nbits}"
+        fp = search.FastPlaid(index=str(path), device="cpu")
+        fp.create(documents_embeddings=docs, nbits=nbits)
+        idx = plaid.PlaidIndex.open(path)
+        assert idx.kind == "fast-plaid" and len(idx) == 150 and idx.nbits == nbits
+        ids = [0, 7, 149, 75]
+        for theirs, ours in zip(fp.get_embeddings(ids), idx.embeddings(ids)):
+            np.testing.assert_allclose(ours, theirs.float().numpy(), atol=2e-3)
+        q = torch.nn.functional.normalize(torch.randn(3, 16, 128), dim=-1)
+        for i, r in enumerate(fp.search(queries_embeddings=q, top_k=40, n_full_scores=4096)):
+            pids = np.array([p for p, _ in r])
+            theirs = np.array([s for _, s in r])
+            ours = idx.rerank(q[i].numpy(), pids, backend="cpu")
+            np.testing.assert_allclose(ours, theirs, atol=16 * 2e-3)
+
+
+# ---------------------------------------------------------------- kernel choice (no GPU needed)
+
+
+def test_residual_tiles_fit_and_follow_the_rules():
+    from lik_cupy import _dispatch as dispatch
+
+    for cc in (80, 86, 89, 90, 120):
+        arch = dispatch.arch_of(cc)
+        for dim in range(8, 513, 8):
+            for lq, shared in ((1, 1), (32, 1), (64, 1), (300, 1), (8, 16)):
+                for packed, cand in ((False, False), (True, False), (True, True)):
+                    c = dispatch.choose_residual(cc, "float16", dim, lq, 2, True, shared, packed, cand)
+                    where = (cc, dim, lq, shared, packed, cand, c.name)
+                    assert c.smem_bytes <= dispatch.SMEM_PER_BLOCK.get(arch, 99 * 1024), where
+                    assert c.residual == 2 and c.cand == cand and c.packed == packed and not c.token_split, where
+                    assert not (c.wgmma or c.tma or c.split) and c.vec and c.stages >= 3, where
+                    assert c.dp == dispatch.padded_dim(dim) and c.multi == (shared > 1 and not cand), where
+                    assert c.threads * (168 if c.multi else 128) * c.min_blocks <= 65536, where
+                    assert dispatch.ctas_per_sm(c, cc) >= 1, where
+    assert dispatch.choose_residual(90, "bfloat16", 128, 32, 4, False).elem == 1
+    for bad in (12, 0, 520):
+        with pytest.raises(ValueError, match="multiple of 8 up to 512"):
+            dispatch.choose_residual(90, "float16", bad, 32, 2, False)
+    with pytest.raises(ValueError, match="nbits must be 1, 2 or 4"):
+        dispatch.choose_residual(90, "float16", 128, 32, 3, False)
+    # the compile check builds them: every kernel they can name is among all_forward_configs
+    names = {c.name for c in dispatch.all_forward_configs(90)}
+    assert {c.name for c in dispatch.all_residual_configs(90)} <= names
+    assert dispatch.choose_residual(90, "float16", 128, 32, 2, False, 1, True, True).name in names
+
+
+def test_residual_kernel_parameter_layout():
+    # ResidualSrc in cuda_src/fwd/config.cuh: five pointers, then six ints
+    from lik_cupy._runtime.residual import _SRC
+
+    assert _SRC.size == 64
+    src = (open(os.path.join(os.path.dirname(__file__), "..", "cuda_src", "fwd", "config.cuh")).read())
+    body = src[src.index("struct ResidualSrc {"):src.index("};", src.index("struct ResidualSrc {"))]
+    fields = [line.split("//")[0].strip() for line in body.splitlines()[1:] if line.split("//")[0].strip()]
+    assert [f.split()[0] for f in fields] == ["const"] * 5 + ["int"] * 6, fields
