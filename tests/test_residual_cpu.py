@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import pickle
 import zipfile
 
@@ -462,3 +463,19 @@ def test_residual_kernel_parameter_layout():
     body = src[src.index("struct ResidualSrc {"):src.index("};", src.index("struct ResidualSrc {"))]
     fields = [line.split("//")[0].strip() for line in body.splitlines()[1:] if line.split("//")[0].strip()]
     assert [f.split()[0] for f in fields] == ["const"] * 5 + ["int"] * 6, fields
+
+
+@pytest.mark.parametrize("nbits", [1, 2, 4])
+def test_indexes_fast_plaid_built(nbits):
+    # Indexes fast-plaid 1.7 built (tests/data/fast_plaid/make_fixture.py), with what its
+    # get_embeddings and its exact stage returned: CI checks the real tool's files without it.
+    data = pathlib.Path(__file__).parent / "data" / "fast_plaid"
+    idx = plaid.PlaidIndex.open(data / f"fast_plaid_nbits{nbits}")
+    want = np.load(data / f"fast_plaid_nbits{nbits}_expected.npz")
+    assert idx.kind == "fast-plaid" and len(idx) == 60 and idx.nbits == nbits
+    ours = idx.embeddings(want["ids"])
+    assert [len(e) for e in ours] == want["lengths"].tolist()
+    np.testing.assert_allclose(np.concatenate(ours), want["embeddings"], atol=2e-3)  # theirs: float16
+    for q, pids, scores in zip(want["queries"], want["pids"], want["scores"]):
+        found = pids >= 0
+        np.testing.assert_allclose(idx.rerank(q, pids[found], backend="cpu"), scores[found], atol=16 * 2e-3)
