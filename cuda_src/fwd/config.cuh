@@ -60,6 +60,12 @@
 //               costs an FFMA and a max instead of an IADD, FADD, FMUL, max and a share of the
 //               scale loads. The per-query-row max over the 8 lanes and 8 warps that share a row
 //               is taken once per document
+//   LIK_STRIDED 1 (with LIK_PACKED, token-split tiles only): padded documents [Nd, Ld, d] (lengths,
+//               masks, per-query candidates) scored by the packed path's token split, with no
+//               offsets array: the CTAs share out padded token positions (document j at j * Ld,
+//               in the query's own set of candidates), and each document's rows and tokens are
+//               the padded layout's (its length, its mask). Few long documents then fill the GPU
+//               instead of one CTA scoring each whole
 //   LIK_DOC_COST packed documents: tokens of work each document counts for beside its own when
 //               the CTAs share the corpus out (see shares)
 //   LIK_NAME    entry point name
@@ -90,6 +96,9 @@
 #endif
 #ifndef LIK_DOC_COST
 #define LIK_DOC_COST 0
+#endif
+#ifndef LIK_STRIDED
+#define LIK_STRIDED 0
 #endif
 
 #ifndef LIK_WGMMA
@@ -186,6 +195,10 @@ struct Fwd {
     // with it the compile check found some of them spilling or over the registers their launch
     // plan assumes.
     static constexpr bool TSPLIT = PACKED && !MULTI && !TOKM && !SPLIT && (ELEM == 0 || ELEM == 1);
+    // Padded documents through the token split (LIK_STRIDED): Docs and DocMask read them as padded
+    // kernels do, the shares place them at j * Ld (Offsets::stride).
+    static constexpr bool STRIDED = LIK_STRIDED != 0;
+    static_assert(!STRIDED || TSPLIT, "strided documents take the token split's tiles");
 #if LIK_HAS_WGMMA
     // The wgmma descriptor's low word of this warp's query rows in sQ (a warpgroup's 64 rows; tokens
     // on M: all BM rows), warp-uniform. Made once per CTA and held through the tile loop (QLO_HELD),
@@ -234,6 +247,7 @@ struct Fwd {
 
     // ---- tile scheduler (fwd/tile_scheduler.cuh)
     static __device__ __forceinline__ int doc_len(const int* d_len, bool masked, i64 doclin, int Ld);
+    static __device__ __forceinline__ i64 offset(const Offsets& off, i64 j);
     static __device__ __forceinline__ void first_docs_at(const Offsets& off, int n, i64 first, i64 work, i64 k, i64 x0,
                                                          i64 x1, int& j0, int& j1);
     static __device__ __forceinline__ void shares(const Offsets& off, i64 ntok, int Nd, i64 k, i64& t0, i64& work,
