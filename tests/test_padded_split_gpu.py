@@ -44,9 +44,9 @@ def _problem(rng, case, dtype):
         nq, lq, nd, ld = 1, 27, 4, 40_000
         dlen = np.array([ld, 0, 3, int(rng.integers(1, ld))])
     elif case == "two_tiles":  # two query tiles; the second query's second tile lies past its length
-        nq, lq, nd, ld = 2, 200, 5, 5003
+        nq, lq, nd, ld = 2, 200, 4, 3003
         qlen = np.array([200, 100])
-        dlen = np.array([0, ld, 1, int(rng.integers(2, ld)), int(rng.integers(2, ld))])
+        dlen = np.array([0, ld, 1, int(rng.integers(2, ld))])
     elif case == "tiny":  # one-token documents: most shares hold nothing
         nq, lq, nd, ld = 1, 5, 4, 1
     elif case == "short":  # documents shorter than a tile
@@ -144,11 +144,11 @@ def test_padded_split_matches_whole_documents_bitwise(rng, monkeypatch, dtype, a
         _check_reference(case, got, ref64, cand, dtype, argmax)
 
 
-@pytest.mark.parametrize("dtype,argmax", [("float16", True), ("bfloat16", False)])
-def test_padded_split_portable_tiles(rng, monkeypatch, dtype, argmax):
+def test_padded_split_portable_tiles(rng, monkeypatch):
     # The mma.sync tiles (LIK_CUPY_DISABLE_WGMMA) take the same split.
     monkeypatch.setenv("LIK_CUPY_DISABLE_WGMMA", "1")
-    for case in ("one_long", "two_tiles", "mask", "candidates"):
+    dtype, argmax = "float16", True
+    for case in ("one_long", "mask", "candidates"):
         Q, D, kw, ref64, cand = _problem(rng, case, dtype)
         got = _split_and_whole(monkeypatch, Q, D, kw, argmax, 23)
         _check_reference(case, got, ref64, cand, dtype, argmax)
