@@ -18,6 +18,10 @@ struct Offsets {
     const void* p;
     int wide;   // 1: int64 entries, 0: int32
     int whole;  // 1: they run from 0 to the kernel's ntok (the caller's whole array, not a slice)
+    // Padded documents on the packed path (the forward's LIK_STRIDED kernels, which read no array):
+    // document j's work position is j * stride, and it is document base + j of D (a query's
+    // candidates; 0 for a corpus every query shares).
+    i64 stride, base;
     __device__ __forceinline__ i64 operator[](i64 j) const {
         return wide ? static_cast<const i64*>(p)[j] : static_cast<i64>(static_cast<const int*>(p)[j]);
     }

@@ -274,6 +274,8 @@ typedef lik::Fwd<LIK_ELEM, LIK_DP, LIK_WARPS, LIK_MT, LIK_BN, LIK_STAGES, LIK_QR
 #endif
 // d_off (packed documents): int32 or int64 offsets; d_off_flags bit 0 says int64, bit 1 that they
 // run from 0 to ntok (the CTAs then split the tokens without first reading where they end).
+// LIK_STRIDED kernels read no offsets (d_off null): ntok is Nd * Ld, and a query's candidates
+// start at document (query) * dl_qstride of D (their tiles hold one query: blockIdx.x / n_qt).
 extern "C" __global__ void __launch_bounds__(LIK_WARPS * 32, LIK_MIN_BLOCKS)
     LIK_NAME(const void* Q, const void* D, const float* q_scale, const float* d_scale, const int* q_len, const u8* q_mask, const int* d_len, const u8* d_mask,
              const void* d_off, int d_off_flags, long long ntok, float* out, int* amax, int Nq, int Nd, int Lq, int Ld, int dim,
@@ -293,7 +295,7 @@ extern "C" __global__ void __launch_bounds__(LIK_WARPS * 32, LIK_MIN_BLOCKS)
     const TmaDesc *pd = nullptr, *ps = nullptr, *pq = nullptr;
 #endif
     LikFwdCfg::run(static_cast<const LikFwdCfg::T*>(Q), static_cast<const LikFwdCfg::T*>(D), q_scale, d_scale, q_len, q_mask, d_len, d_mask,
-                   Offsets{d_off, d_off_flags & 1, (d_off_flags >> 1) & 1}, ntok, out, amax, Nq, Nd, Lq, Ld, dim, n_qt, qb, docs_per_cta, dl_qstride,
+                   Offsets{d_off, d_off_flags & 1, (d_off_flags >> 1) & 1, Ld, LIK_STRIDED ? (long long)(blockIdx.x / n_qt) * dl_qstride : 0}, ntok, out, amax, Nq, Nd, Lq, Ld, dim, n_qt, qb, docs_per_cta, dl_qstride,
                    split_buf, split_epoch, pd, ps, pq
 #if LIK_RESIDUAL
                    , rsrc

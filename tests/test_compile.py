@@ -12,6 +12,7 @@ whole check, 30-60 minutes on two cores); ``test_every_padded_dim_compiles_witho
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import datetime
 import glob
 import hashlib
@@ -88,7 +89,7 @@ def _row_problems(r, cfg, arch) -> list[str]:
 
 # What can make two forward configurations compile differently (registers, spills, shared memory).
 _FEATURES = ("elem", "dp", "warps", "mt", "bn", "stages", "qreg", "argmax", "vec", "wgmma", "multi", "packed",
-             "split", "tma", "qhalf", "tokm", "residual", "cand", "min_blocks")
+             "split", "tma", "qhalf", "tokm", "residual", "cand", "strided", "x3", "min_blocks")
 ROTATING_PER_ARCH = 12
 
 
@@ -112,7 +113,8 @@ def _ci_sample(cfgs: list, seed: int) -> list:
         uncovered -= pairs[best.name]
     families: dict[tuple, object] = {}
     for c in sorted(cfgs, key=lambda c: c.name):
-        key = (c.elem, c.argmax, c.multi, c.wgmma, c.split, c.tma, c.tokm, c.qhalf, bool(c.residual), c.cand)
+        key = (c.elem, c.argmax, c.multi, c.wgmma, c.split, c.tma, c.tokm, c.qhalf, bool(c.residual), c.cand, c.strided,
+               c.x3)
         weight = (c.dp * c.mt * c.bn, c.warps, c.stages)
         if key not in families or weight > families[key][0]:
             families[key] = (weight, c)
@@ -500,6 +502,72 @@ def test_plan_launch_token_split(nq, lq, nd, ntok):
     assert not dispatch.choose_forward(90, "float32", 128, 32, False, True, True, 1, 300, True).token_split
     assert not dispatch.choose_forward(90, "float16", 128, 32, False, True, True, 32, 300, True).token_split
     assert not dispatch.choose_forward(90, "float16", 2048, 32, False, True, True, 1, 300, True).token_split
+
+
+# One run on an H200 (d = 128, fp16, one query, bench/suites/bench_small_grid.py): (Lq, Ld, B, padded
+# ms with whole documents, ms of the same documents packed through maxsim_varlen's token split), the
+# measurements tables.PADDED_SPLIT_MIN_LD cites.
+_SPLIT_EVIDENCE_H200 = [
+    (32, 1024, 1, .0078, .0088), (32, 1024, 8, .0081, .0089), (32, 1024, 64, .0083, .0094),
+    (256, 1024, 1, .0105, .0117), (256, 1024, 32, .0109, .0122), (1024, 1024, 2, .0107, .0120),
+    (1024, 1024, 4, .0172, .0652), (1024, 1024, 8, .0283, .0512),
+    (32, 4096, 1, .0240, .0089), (32, 4096, 8, .0245, .0091), (32, 4096, 32, .0247, .0120),
+    (32, 4096, 64, .0319, .0246), (256, 4096, 1, .0294, .0516), (256, 4096, 8, .0297, .0475),
+    (256, 4096, 32, .0300, .0463), (1024, 4096, 1, .0296, .0346), (1024, 4096, 4, .0299, .0694),
+    (1024, 4096, 8, .0302, .0688),
+    (32, 32768, 1, .1767, .0144), (32, 32768, 8, .2014, .0284), (32, 32768, 64, .2211, .1277),
+    (256, 32768, 1, .2064, .0404), (256, 32768, 4, .2078, .0368), (256, 32768, 32, .2097, .1008),
+    (1024, 32768, 1, .2131, .0509), (1024, 32768, 2, .2085, .0336), (1024, 32768, 8, .2095, .0967),
+]
+
+
+@pytest.mark.parametrize("lq,ld,b,whole_ms,split_ms", _SPLIT_EVIDENCE_H200)
+def test_padded_token_split_rule_follows_the_measurements(lq, ld, b, whole_ms, split_ms):
+    # The rule splits padded documents where the split measured at least 10% faster, and never where
+    # it measured slower (H200: 132 SMs, the Hopper tiles dispatch picks there).
+    cfg = dispatch.choose_forward(90, "float16", 128, lq, False, True, True, 1, ld, False, True).strided_tile
+    split = dispatch.plan_launch(cfg, 90, 132, 1, b, lq, 1, b * ld).token_split
+    if split:
+        assert split_ms < 0.9 * whole_ms
+    if split_ms > whole_ms:
+        assert not split
+    if split_ms < 0.5 * whole_ms:  # the cases issue 30 is about
+        assert split
+
+
+@pytest.mark.parametrize("nq,lq", [(1, 32), (2, 100), (1, 300), (3, 1024), (40, 32)])
+@pytest.mark.parametrize("nd,ld", [(1, 1), (1, 40_000), (3, 4096), (8, 4095), (5, 16_384), (62, 32_768),
+                                   (300, 32_768)])
+def test_plan_launch_padded_token_split(nq, lq, nd, ld):
+    # Padded documents split under the packed rule's grid conditions from PADDED_SPLIT_MIN_LD tokens,
+    # on the padded tile's strided twin (16-bit single-query one-shot tiles only).
+    for cc, sms in ((80, 108), (90, 132)):
+        for dtype in ("float16", "bfloat16", "int8", "float32"):
+            for shared in (1, nq):
+                cfg = dispatch.choose_forward(cc, dtype, 128, lq, False, True, True, shared, ld, False, cc == 90)
+                strided = cfg.strided_tile
+                if strided is None:
+                    assert dtype in ("int8", "float32") or cfg.multi or cfg.split
+                    continue
+                assert dtype in ("float16", "bfloat16") and strided.packed and strided.token_split
+                assert strided.name.endswith("_strided") and strided.name != cfg.name
+                assert dataclasses.replace(strided, packed=False, strided=False) == cfg
+                assert strided.smem_bytes == cfg.smem_bytes and strided.min_blocks == cfg.min_blocks
+                plan = dispatch.plan_launch(strided, cc, sms, nq, nd, lq, shared, nd * ld)
+                whole = dispatch.plan_launch(strided, cc, sms, nq, nd, lq, shared)
+                rows = whole.grid[0]
+                resident = sms * dispatch.ctas_per_sm(strided, cc)
+                min_ld = dispatch.tables.PADDED_SPLIT_MIN_LD[0 if strided.bm <= 64 else 1]
+                shares = min(resident // rows, -(-nd * ld // (dispatch.tables.SPLIT_MIN_TILES * strided.bn)))
+                want = rows * 4 <= resident and nd * 4 <= resident // rows and ld >= min_ld and shares > 1
+                assert plan.token_split == want, (cc, dtype, plan)
+                if want:
+                    assert plan.grid == (rows, shares, 1) and rows * shares <= dispatch.SPLIT_MAX_CTAS
+    assert dispatch.padded_split_min_ld(dispatch.choose_forward(90, "float16", 128, 32, False, True).strided_tile) \
+        == dispatch.tables.PADDED_SPLIT_MIN_LD[0]
+    with pytest.raises(ValueError, match="token-split tile"):
+        dispatch.FwdConfig(elem=3, dp=128, warps=4, mt=1, bn=64, stages=2, qreg=False, argmax=False, vec=True,
+                           packed=True, strided=True)
 
 
 # ---------------------------------------------------------------- (f) the split-d table

@@ -62,3 +62,45 @@ def picked(fn):
     finally:
         rebind(d, "choose_forward", chosen)
     return seen[-1]
+
+
+@contextlib.contextmanager
+def padded_split(on: bool):
+    """Inside the block, padded documents take the token split (``FwdConfig.strided_tile``) wherever the
+    launch plan's grid rule allows it, whatever their length (``on``: ``tables.PADDED_SPLIT_MIN_LD`` set
+    aside), or never (``on`` False: whole documents, the reference a split must match)."""
+    d = dispatch()
+    plan = d.plan_launch
+    if on:
+        old = d.tables.PADDED_SPLIT_MIN_LD
+        d.tables.PADDED_SPLIT_MIN_LD = (1, 1)
+        plan.cache_clear()
+        try:
+            yield
+        finally:
+            d.tables.PADDED_SPLIT_MIN_LD = old
+            plan.cache_clear()
+        return
+    rebind(d, "plan_launch", lambda cfg, *a: plan(cfg, *a[:6]) if cfg.strided else plan(cfg, *a))
+    try:
+        yield
+    finally:
+        rebind(d, "plan_launch", plan)
+
+
+def planned(fn):
+    """(configuration name, grid + [docs_per_cta, token_split]) of the last forward launch ``fn()`` makes."""
+    d = dispatch()
+    seen = {}
+
+    def spy(cfg, *a, **k):
+        launch = plan(cfg, *a, **k)
+        seen.update(cfg=cfg.name, grid=list(launch.grid) + [launch.docs_per_cta, launch.token_split])
+        return launch
+
+    plan = rebind(d, "plan_launch", spy)
+    try:
+        fn()
+    finally:
+        rebind(d, "plan_launch", plan)
+    return seen.get("cfg"), seen.get("grid")

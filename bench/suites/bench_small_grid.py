@@ -6,17 +6,22 @@ Cells: B documents of Ld tokens against Nq queries of Lq tokens, d = 128, fp16, 
   packed     lik_cupy.maxsim_varlen(Q, tokens, offsets) (the same documents, unchecked offsets)
   lik        late_interaction_kernels.maxsim(Q, D)
   flash      flash_maxsim.flash_maxsim(Q, D)
+With --ab, the padded call twice more, A/B of the padded token split (bench/lib/forcing.padded_split):
+  padded_split  split wherever the launch plan's grid rule allows, whatever Ld
+  padded_whole  never split (whole documents, one CTA each)
 Kernel time: back-to-back calls behind a spin kernel (host cost hidden; the other issue's). Each cell
 records the configuration and grid lik_cupy chose. ``ratio`` = ours (padded) / the faster peer;
 TFLOP/s counts 2 * Nq * Lq * Ld * d * B, and ``frac_cublas`` compares it with a cuBLAS fp16 GEMM
 measured in the same run.
 
     python bench/suites/bench_small_grid.py --out bench/results     # JSON: small_grid_<gpu>.json
+    python bench/suites/bench_small_grid.py --ab --queries 1 --out $OUT  # small_grid_ab_<gpu>.json
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
@@ -47,7 +52,7 @@ def _cublas_tflops(torch):
     return 2 * 8192 ** 3 / ms / 1e9
 
 
-def run_cell(torch, lk, mods, nq, lq, ld, b, gen, seen):
+def run_cell(torch, lk, mods, nq, lq, ld, b, gen, ab):
     q = torch.randn(nq, lq, DIM, device="cuda", generator=gen, dtype=torch.float16)
     d = torch.randn(b, ld, DIM, device="cuda", generator=gen, dtype=torch.float16)
     toks = d.reshape(-1, DIM)
@@ -55,26 +60,31 @@ def run_cell(torch, lk, mods, nq, lq, ld, b, gen, seen):
     q1 = q[0] if nq == 1 else q
     impls = {"padded": lambda: lk.maxsim(q, d),
              "packed": lambda: lk.maxsim_varlen(q, toks, off, validate_offsets=False)}
+    if ab:
+        impls["padded_split"] = impls["padded_whole"] = impls["padded"]
     if mods.get("lik"):
         impls["lik"] = lambda: mods["lik"].maxsim(q, d)
     if mods.get("flash"):
         impls["flash"] = lambda: mods["flash"].flash_maxsim(q1, d)
     cell = {"case": f"{nq}x{lq} vs {b}x{ld}", "Nq": nq, "B": b, "Lq": lq, "Ld": ld, "dim": DIM, "ms": {}, "errors": {}}
     ref = None
+    ours = ("padded", "packed", "padded_split", "padded_whole")
     for name, fn in impls.items():
+        split = {"padded_split": True, "padded_whole": False}.get(name)
         try:
-            seen.clear()
-            out = fn().float().reshape(nq, b)
-            if name in ("padded", "packed"):
-                cell[f"{name}_config"], cell[f"{name}_grid"] = seen.get("cfg"), seen.get("grid")
-            if ref is None:
-                ref = out
-            elif name in ("padded", "packed"):
-                cell[f"{name}_bitwise_padded"] = bool(torch.equal(out, ref))
-            t0 = time.perf_counter()
-            fn()
-            torch.cuda.synchronize()
-            cell["ms"][name] = per_call_ms(torch, fn, _reps((time.perf_counter() - t0) * 1e3), spin_cycles=20_000_000)
+            with forcing.padded_split(split) if split is not None else contextlib.nullcontext():
+                if name in ours:
+                    cell[f"{name}_config"], cell[f"{name}_grid"] = forcing.planned(fn)
+                out = fn().float().reshape(nq, b)
+                if ref is None:
+                    ref = out
+                elif name in ours:
+                    cell[f"{name}_bitwise_padded"] = bool(torch.equal(out, ref))
+                t0 = time.perf_counter()
+                fn()
+                torch.cuda.synchronize()
+                cell["ms"][name] = per_call_ms(torch, fn, _reps((time.perf_counter() - t0) * 1e3),
+                                               spin_cycles=20_000_000)
         except Exception as e:  # noqa: BLE001  (a peer that cannot run a cell is reported)
             cell["errors"][name] = f"{type(e).__name__}: {str(e)[:200]}"
     ms = cell["ms"]
@@ -94,6 +104,7 @@ def main():
     ap.add_argument("--ld", default=",".join(map(str, LDS)))
     ap.add_argument("--b", default=",".join(map(str, BS)))
     ap.add_argument("--time-budget", type=float, default=400)
+    ap.add_argument("--ab", action="store_true", help="also time the padded call forced split and forced whole")
     args = ap.parse_args()
 
     import torch
@@ -106,15 +117,6 @@ def main():
         mods[key], err = baselines.load(name)
         if err:
             print(f"{name}: {err}", flush=True)
-    seen = {}
-    plan0 = forcing.dispatch().plan_launch
-
-    def spy(cfg, *a, **k):  # records what the call chose
-        launch = plan0(cfg, *a, **k)
-        seen.update(cfg=cfg.name, grid=list(launch.grid) + [launch.docs_per_cta, launch.token_split])
-        return launch
-
-    forcing.rebind(forcing.dispatch(), "plan_launch", spy)
     cublas = _cublas_tflops(torch)
     print(f"cuBLAS fp16 {cublas:.0f} TFLOP/s", flush=True)
     t_end = time.time() + args.time_budget
@@ -125,7 +127,7 @@ def main():
                 for b in map(int, args.b.split(",")):
                     if nq * lq * ld * b > MAX_WORK or time.time() > t_end:
                         continue
-                    c = run_cell(torch, lk, mods, nq, lq, ld, b, gen, seen)
+                    c = run_cell(torch, lk, mods, nq, lq, ld, b, gen, args.ab)
                     c["frac_cublas"] = c["tflops"] / cublas if c["tflops"] else None
                     cells.append(c)
                     torch.cuda.empty_cache()
@@ -134,13 +136,15 @@ def main():
                           c.get("padded_grid"), c["errors"] or "", flush=True)
     gpu = torch.cuda.get_device_name()
     if args.out:
-        path = Path(args.out) / f"small_grid_{slugify(gpu)}.json"
+        path = Path(args.out) / f"small_grid{'_ab' if args.ab else ''}_{slugify(gpu)}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         write_json(path, {"gpu": gpu, "when": time.strftime("%Y-%m-%d %H:%M:%S"), "cublas_fp16_tflops": cublas,
                           "cells": cells})
         print(f"wrote {path}")
-    header = ["case", "ours", "packed", "lik", "flash", "ratio", "TF/s", "of cuBLAS"]
-    body = [[c["case"]] + [f"{c['ms'][k]:.4f}" if k in c["ms"] else "-" for k in ("padded", "packed", "lik", "flash")]
+    shown = ("padded", "packed") + (("padded_split", "padded_whole") if args.ab else ()) + ("lik", "flash")
+    header = ["case", "ours", "packed"] + (["split", "whole"] if args.ab else []) + ["lik", "flash", "ratio", "TF/s",
+                                                                                    "of cuBLAS"]
+    body = [[c["case"]] + [f"{c['ms'][k]:.4f}" if k in c["ms"] else "-" for k in shown]
             + [f"{c['ratio']:.2f}" if c["ratio"] else "-", f"{c['tflops'] or 0:.0f}", f"{c['frac_cublas'] or 0:.2f}"]
             for c in cells]
     print("\n".join(text_table(header, body, [(c["Nq"], c["Ld"], c["Lq"]) for c in cells])))

@@ -60,6 +60,12 @@
 //               costs an FFMA and a max instead of an IADD, FADD, FMUL, max and a share of the
 //               scale loads. The per-query-row max over the 8 lanes and 8 warps that share a row
 //               is taken once per document
+//   LIK_STRIDED 1 (with LIK_PACKED, token-split tiles only): padded documents [Nd, Ld, d] (lengths,
+//               masks, per-query candidates) scored by the packed path's token split, with no
+//               offsets array: the CTAs share out padded token positions (document j at j * Ld,
+//               in the query's own set of candidates), and each document's rows and tokens are
+//               the padded layout's (its length, its mask). Few long documents then fill the GPU
+//               instead of one CTA scoring each whole
 //   LIK_DOC_COST packed documents: tokens of work each document counts for beside its own when
 //               the CTAs share the corpus out (see shares)
 //   LIK_RESIDUAL 1, 2 or 4: documents are PLAID-compressed (fast-plaid / ColBERTv2): per token a
@@ -103,6 +109,9 @@
 #endif
 #ifndef LIK_CAND
 #define LIK_CAND 0
+#endif
+#ifndef LIK_STRIDED
+#define LIK_STRIDED 0
 #endif
 
 #ifndef LIK_WGMMA
@@ -214,6 +223,10 @@ struct Fwd {
     // with it the compile check found some of them spilling or over the registers their launch
     // plan assumes.
     static constexpr bool TSPLIT = PACKED && !MULTI && !TOKM && !SPLIT && (ELEM == 0 || ELEM == 1) && !LIK_RESIDUAL;
+    // Padded documents through the token split (LIK_STRIDED): Docs and DocMask read them as padded
+    // kernels do, the shares place them at j * Ld (Offsets::stride).
+    static constexpr bool STRIDED = LIK_STRIDED != 0;
+    static_assert(!STRIDED || TSPLIT, "strided documents take the token split's tiles");
     // PLAID residual documents (fwd/residual.cuh): nbits per dim, or 0. The loader writes each
     // slot's tile itself after its copies land, one tile ahead of the MMA, so it needs a ring of
     // three stages at least; it reads whole 16-byte centroid chunks (VEC) into padded mma.sync tiles.
@@ -281,6 +294,7 @@ struct Fwd {
 
     // ---- tile scheduler (fwd/tile_scheduler.cuh)
     static __device__ __forceinline__ int doc_len(const int* d_len, bool masked, i64 doclin, int Ld);
+    static __device__ __forceinline__ i64 offset(const Offsets& off, i64 j);
     static __device__ __forceinline__ void first_docs_at(const Offsets& off, int n, i64 first, i64 work, i64 k, i64 x0,
                                                          i64 x1, int& j0, int& j1);
     static __device__ __forceinline__ void shares(const Offsets& off, i64 ntok, int Nd, i64 k, i64& t0, i64& work,

@@ -51,6 +51,12 @@ __device__ __forceinline__ int LIK_FWD::doc_len(const int* d_len, bool masked, i
     return l < 0 ? 0 : (l > Ld ? Ld : l);
 }
 
+// Document j's offset: its first token, or for strided (padded) documents its padded position.
+LIK_FWD_TEMPLATE
+__device__ __forceinline__ i64 LIK_FWD::offset(const Offsets& off, i64 j) {
+    return STRIDED ? j * off.stride : off[j];
+}
+
 // The first documents in [0, n] whose work position off[j] + k * j (its first token, plus k
 // for each document before it: see shares) is >= x0 and >= x1 (n if none), found by the whole
 // CTA together. The first round tests the NT documents around where x would fall if the work
@@ -63,7 +69,7 @@ LIK_FWD_TEMPLATE
 __device__ __forceinline__ void LIK_FWD::first_docs_at(const Offsets& off, int n, i64 first, i64 work, i64 k, i64 x0,
                                                        i64 x1, int& j0, int& j1) {
     int lo0 = 0, hi0 = n, lo1 = 0, hi1 = n;
-    auto below = [&](int i, i64 x) { return off[i] + k * i < x; };  // document i's work position
+    auto below = [&](int i, i64 x) { return offset(off, i) + k * i < x; };  // document i's work position
     {
         auto window = [&](i64 x) -> int {
             const i64 t = min(max(x, first), first + work) - first;
@@ -108,8 +114,9 @@ __device__ __forceinline__ void LIK_FWD::first_docs_at(const Offsets& off, int n
 LIK_FWD_TEMPLATE
 __device__ __forceinline__ void LIK_FWD::shares(const Offsets& off, i64 ntok, int Nd, i64 k, i64& t0, i64& work,
                                                 i64& per) {
-    t0 = off.whole ? 0 : off[0];
-    work = (off.whole ? ntok : off[Nd]) - t0 + k * Nd;
+    const bool whole = STRIDED || off.whole;
+    t0 = whole ? 0 : offset(off, 0);
+    work = (whole ? ntok : offset(off, Nd)) - t0 + k * Nd;
     per = max((i64)BN, (work + gridDim.y - 1) / gridDim.y);
 }
 
@@ -155,7 +162,7 @@ struct LIK_FWD::DocRange {
         const i64 id = cand_doc(dl);
         const i64 s = id < 0 ? 0 : d_off[id];
 #else
-        const i64 s = d_off[dl];
+        const i64 s = offset(d_off, dl);
 #endif
         return s < 0 ? 0 : (s > ntok ? ntok : s);
     }
@@ -171,7 +178,7 @@ struct LIK_FWD::DocRange {
         return id >= 0 && id < rs.n_docs ? id : -1;
     }
 #else
-    __device__ i64 doc_end(i64 dl) const { return min(d_off[dl + 1], ntok); }
+    __device__ i64 doc_end(i64 dl) const { return min(offset(d_off, dl + 1), ntok); }
 #endif
     // Tiles of document dl starting before token x.
     __device__ int tiles_before(i64 dl, i64 x) const {
@@ -180,7 +187,8 @@ struct LIK_FWD::DocRange {
     }
 };
 
-// Where a document starts in D and its tokens (padded: its length or mask span), and its tiles.
+// Where a document starts in D and its tokens (padded, strided included: its length or mask
+// span), and its tiles. dl: the document's index in D (a candidate's: doc0 + j).
 LIK_FWD_TEMPLATE
 struct LIK_FWD::Docs {
     const int& Ld;
@@ -190,14 +198,14 @@ struct LIK_FWD::Docs {
     const TileCount& lt;
 
     __device__ i64 dstart(i64 dl) const {
-        if (!PACKED) return dl * Ld;
+        if (!PACKED || STRIDED) return dl * Ld;
         return range.doc_begin(dl);
     }
     // Document dl's first row in D (begin) and its tokens, from one read of its offsets or
     // length (once per document: see the producer cursor, mainloop.cuh).
     __device__ int doc_span(i64 dl, i64& begin) const {
         begin = dstart(dl);
-        if (!PACKED) return doc_len(d_len, d_mask != nullptr, dl, Ld);
+        if (!PACKED || STRIDED) return doc_len(d_len, d_mask != nullptr, dl, Ld);
         const i64 l = range.doc_end(dl) - begin;
         return l < 0 ? 0 : (l > 0x7fffffff ? 0x7fffffff : (int)l);
     }
@@ -216,7 +224,8 @@ struct LIK_FWD::Docs {
 // Otherwise every document is scored whole by the CTA whose share holds its first token.
 // head_tiles: tiles of document j0 scored before this share; tail_tiles: tiles of document
 // j1 - 1 up to this share's end (two ints rather than the share's 64-bit bounds: registers
-// are tight in the tile loop).
+// are tight in the tile loop). Strided documents: j counts in the query's set of candidates
+// (Offsets::base + j in D), as the work positions do.
 LIK_FWD_TEMPLATE
 struct LIK_FWD::Shares {
     const Offsets& d_off;
@@ -227,6 +236,9 @@ struct LIK_FWD::Shares {
     int* piece_info;
     const DocRange& range;
     const Docs& docs;
+
+    // Tiles of the CTA's document j.
+    __device__ __forceinline__ int tiles_of(int j) const { return docs.doc_tiles(STRIDED ? d_off.base + j : j); }
 
     __device__ __forceinline__ void assign() const {
         if (PACKED && !CAND) {  // candidate ids: runs of docs_per_cta, as padded documents
@@ -254,7 +266,7 @@ struct LIK_FWD::Shares {
                 };
                 // The document begun in an earlier share, if one of its tiles starts in this one.
                 if (j0 > 0 && blockIdx.y > 0) {
-                    const int k = range.tiles_before(j0 - 1, lo), n = docs.doc_tiles(j0 - 1);
+                    const int k = range.tiles_before(j0 - 1, lo), n = tiles_of(j0 - 1);
                     if (k < n) {
                         --j0;
                         head_tiles = k;
@@ -262,7 +274,7 @@ struct LIK_FWD::Shares {
                     }
                 }
                 if (j0 < j1 && blockIdx.y + 1 < gridDim.y) {
-                    const int k = range.tiles_before(j1 - 1, hi), n = docs.doc_tiles(j1 - 1);
+                    const int k = range.tiles_before(j1 - 1, hi), n = tiles_of(j1 - 1);
                     if (k < n) {  // otherwise whole here
                         tail_tiles = k;
                         // A CTA inside one document counts it once, as its head.
@@ -334,7 +346,7 @@ struct LIK_FWD::DocMask {
     // Document j's mask, or null when every token of its span counts (INT8 argmax tiles read
     // it anyway: the test spilled their two-warpgroup tiles past 128 registers).
     __device__ const u8* dmask(int j) const {
-        if (PACKED || !d_mask || (!(I8 && ARGMAX) && d_len && d_len[doc0 + j] >= 0)) return nullptr;
+        if ((PACKED && !STRIDED) || !d_mask || (!(I8 && ARGMAX) && d_len && d_len[doc0 + j] >= 0)) return nullptr;
         return d_mask + (doc0 + j) * Ld;
     }
 };

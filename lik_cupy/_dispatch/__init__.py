@@ -11,12 +11,13 @@ from .backend import BACKENDS, check_backend, scoring_on_gpu, use_gpu
 from .config import (DIM_BUCKETS, ELEM_CODES, ELEM_SIZES, MAX_DIM, MAX_DIM_INT8, MAX_DIM_RESIDUAL, SMEM_PER_BLOCK,
                      SMEM_PER_SM, SUPPORTED_ARCHS, FwdConfig, arch_of, dim_bucket, int8_dim_ok, one_shot_bucket,
                      padded_dim)
-from .plan import SPLIT_MAX_CTAS, Launch, ctas_per_sm, plan_launch, queries_per_tile, tile_rows
+from .plan import SPLIT_MAX_CTAS, Launch, ctas_per_sm, padded_split_min_ld, plan_launch, queries_per_tile, tile_rows
 from .select import (all_forward_configs, all_residual_configs, choose_backward, choose_forward, choose_residual,
                      residual_dim_ok, split_family, uses_split)
 
 __all__ = ["BACKENDS", "check_backend", "scoring_on_gpu", "use_gpu", "DIM_BUCKETS", "ELEM_CODES", "ELEM_SIZES",
            "MAX_DIM", "MAX_DIM_INT8", "MAX_DIM_RESIDUAL", "SMEM_PER_BLOCK", "SMEM_PER_SM", "SUPPORTED_ARCHS",
-           "FwdConfig", "arch_of", "dim_bucket", "int8_dim_ok", "one_shot_bucket", "padded_dim", "SPLIT_MAX_CTAS", "Launch", "ctas_per_sm",
-           "plan_launch", "queries_per_tile", "tile_rows", "all_forward_configs", "all_residual_configs",
-           "choose_backward", "choose_forward", "choose_residual", "residual_dim_ok", "split_family", "uses_split"]
+           "FwdConfig", "arch_of", "dim_bucket", "int8_dim_ok", "one_shot_bucket", "padded_dim", "SPLIT_MAX_CTAS",
+           "Launch", "ctas_per_sm", "padded_split_min_ld", "plan_launch", "queries_per_tile", "tile_rows",
+           "all_forward_configs", "all_residual_configs", "choose_backward", "choose_forward", "choose_residual",
+           "residual_dim_ok", "split_family", "uses_split"]

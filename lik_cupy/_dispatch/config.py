@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 __all__ = ["SUPPORTED_ARCHS", "SMEM_PER_BLOCK", "SMEM_PER_SM", "ELEM_CODES", "ELEM_SIZES", "MAX_DIM", "MAX_DIM_INT8",
            "MAX_DIM_RESIDUAL", "RESIDUAL_REGISTERS", "RESIDUAL_REGISTERS_MULTI",
@@ -55,6 +55,20 @@ class FwdConfig:
     x3: bool = False  # fp32 at float32 accuracy: three tf32 products per product (3xTF32, cuda_src/fwd/config.cuh)
     residual: int = 0  # PLAID residual documents: nbits (1, 2 or 4) per dim, decompressed by the tile loader
     cand: bool = False  # residual packed documents picked per query by candidate ids
+    strided: bool = False  # padded documents on the packed token-split path (LIK_STRIDED; packed is set too)
+
+    def __post_init__(self):
+        if self.strided and not self.token_split:
+            raise ValueError(f"strided (padded token-split) tiles need a token-split tile, not {self}")
+
+    @functools.cached_property  # read on every padded launch
+    def strided_tile(self) -> FwdConfig | None:
+        """This padded configuration's tile on the token-split path for padded documents
+        (``strided``), or None where the tile cannot split documents."""
+        if self.packed:
+            return None
+        v = replace(self, packed=True)
+        return replace(v, strided=True) if v.token_split else None
 
     @property
     def token_split(self) -> bool:
@@ -108,7 +122,7 @@ class FwdConfig:
             f"{'_qreg' if self.qreg else ''}{'_argmax' if self.argmax else ''}{'_vec' if self.vec else ''}"
             f"{'_wgmma' if self.wgmma else ''}{'_mq' if self.multi else ''}{'_packed' if self.packed else ''}"
             f"{'_tma' if self.tma else ''}{'_qh' if self.qhalf else ''}{'_tokm' if self.tokm else ''}"
-            f"{'_x3' if self.x3 else ''}"
+            f"{'_x3' if self.x3 else ''}{'_strided' if self.strided else ''}"
             f"{f'_r{self.residual}' if self.residual else ''}{'_cand' if self.cand else ''}"
         )
 
@@ -133,6 +147,7 @@ class FwdConfig:
             "LIK_QHALF": int(self.qhalf),
             "LIK_TOKM": int(self.tokm),
             "LIK_X3": int(self.x3),
+            "LIK_STRIDED": int(self.strided),
             "LIK_MIN_BLOCKS": self.min_blocks,
             "LIK_DOC_COST": self.doc_cost,
         }

@@ -9,7 +9,8 @@ from dataclasses import dataclass
 from . import tables as t
 from .config import SMEM_PER_SM, FwdConfig, arch_of
 
-__all__ = ["Launch", "plan_launch", "ctas_per_sm", "tile_rows", "queries_per_tile", "SPLIT_MAX_CTAS"]
+__all__ = ["Launch", "plan_launch", "ctas_per_sm", "tile_rows", "queries_per_tile", "padded_split_min_ld",
+           "SPLIT_MAX_CTAS"]
 
 SPLIT_MAX_CTAS = t.SPLIT_MAX_CTAS
 
@@ -52,13 +53,18 @@ def ctas_per_sm(cfg: FwdConfig, cc: int, registers: int | None = None) -> int:
     return max(1, min(by_smem, by_threads, max(1, by_regs)))
 
 
+def padded_split_min_ld(cfg: FwdConfig) -> int:
+    """The padded length from which padded documents may take a token split (``tables.PADDED_SPLIT_MIN_LD``)."""
+    return t.PADDED_SPLIT_MIN_LD[0 if cfg.bm <= 64 else 1]
+
+
 @dataclass(frozen=True, kw_only=True)
 class Launch:
     n_qt: int  # query tiles per query
     qb: int  # whole queries per tile (n_qt is 1 when qb > 1)
     docs_per_cta: int
     grid: tuple[int, int, int]
-    token_split: bool = False  # packed documents cut into grid[1] token shares (cuda_src/fwd/tile_scheduler.cuh, piece_role)
+    token_split: bool = False  # documents cut into grid[1] token shares (cuda_src/fwd/tile_scheduler.cuh, piece_role)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -70,13 +76,16 @@ def plan_launch(cfg: FwdConfig, cc: int, num_sms: int, nq: int, nd: int, lq: int
     CTA streams a run of documents through one pipeline (its ring crosses
     document boundaries), so short documents cost no pipeline restarts and the
     last wave is not left half empty. ``ntok``: the token count of packed documents, which
-    single-query tiles may split by token ranges instead (see ``tables.SPLIT_MIN_TILES``).
+    single-query tiles may split by token ranges instead (see ``tables.SPLIT_MIN_TILES``); for a
+    ``strided`` configuration (padded documents), ``nd * Ld`` of one query's documents, split
+    from ``padded_split_min_ld`` tokens a document.
     """
     qb = queries_per_tile(cfg, lq, shared_queries)
     n_qt = 1 if qb > 1 else max(1, -(-lq // cfg.bm))
     rows = -(-nq // qb) * n_qt
     resident = num_sms * ctas_per_sm(cfg, cc)
-    if ntok > 0 and cfg.token_split and rows * 4 <= resident and nd * 4 <= resident // rows:
+    if ntok > 0 and cfg.token_split and rows * 4 <= resident and nd * 4 <= resident // rows \
+            and (not cfg.strided or ntok >= nd * padded_split_min_ld(cfg)):
         shares = min(min(resident, SPLIT_MAX_CTAS) // rows, -(-ntok // (t.SPLIT_MIN_TILES * cfg.bn)))
         if shares > 1:
             return Launch(n_qt=n_qt, qb=qb, docs_per_cta=0, grid=(rows, shares, 1), token_split=True)

@@ -240,6 +240,8 @@ def all_forward_configs(arch: int, dims=None) -> list[FwdConfig]:
     length rule and flag (the CI compile check builds these); a padded dim of its own names a
     kernel of its own, so ``dims=range(16, 513, 16)`` plus the split-d widths is the whole set
     (the opt-in all-dims check in ``tests/test_compile.py``). INT8 keeps the dims it accepts.
+    Padded configurations bring their token-split tiles (``FwdConfig.strided_tile``), which the
+    launch takes for few long documents.
     """
     seen: dict[str, FwdConfig] = {}
     for dtype in ELEM_CODES:
@@ -260,6 +262,9 @@ def all_forward_configs(arch: int, dims=None) -> list[FwdConfig]:
                                             c = choose_forward(arch, dtype, dim, lq, argmax, vec, wg, shared, ld, packed,
                                                                tma, x3)
                                             seen[c.name] = c
+                                            s = c.strided_tile
+                                            if s is not None:
+                                                seen[s.name] = s
     seen.update((c.name, c) for c in all_residual_configs(arch, None if dims is None else
                                                           [d for d in dims if residual_dim_ok(d)]))
     return list(seen.values())

@@ -101,6 +101,30 @@ def _launch_forward(func: int, grid, threads: int, smem: int, stream: int, value
                                   ctypes.addressof(addrs), 0)
 
 
+def _padded_split(cfg, func, plan, p: Problem, props, arch: int, device: int, shared: int, stream):
+    """(cfg, func, plan, ntok) for padded documents: ``cfg``'s tile on the token split
+    (``FwdConfig.strided_tile``: ``ntok`` is then one query's documents' padded tokens) where
+    the launch plan splits them and the stream is not being captured (token_split.py), else the
+    arguments as they came (ntok 0)."""
+    from ..errors import CompileError
+
+    strided = cfg.strided_tile
+    if strided is None or p.ld < dispatch.padded_split_min_ld(strided):
+        return cfg, func, plan, 0
+    ntok = p.nd * p.ld
+    split = dispatch.plan_launch(strided, props.cc, props.num_sms, p.nq, p.nd, p.lq, shared, ntok)
+    if not split.token_split or stream.is_capturing():
+        return cfg, func, plan, 0
+    try:
+        _, sfunc = _kernel(strided, arch, device)
+    except CompileError as e:  # the sm_90a build of this variant failed: whole documents, as planned
+        if not (strided.wgmma or strided.tma):
+            raise
+        _warn_wgmma_once(e)
+        return cfg, func, plan, 0
+    return strided, sfunc, split, ntok
+
+
 def launch(p: Problem, q, d, qm, dm, ql, dl, return_argmax: bool, device: int, *, d_off=None, ld_hint=None,
            d_off_whole=True, out=None, q_scale=None, d_scale=None, caller=None, x3=False, residual=None):
     """Choose the kernel configuration and launch it on the current CuPy stream.
@@ -178,6 +202,8 @@ def launch(p: Problem, q, d, qm, dm, ql, dl, return_argmax: bool, device: int, *
     stream = cupy.cuda.get_current_stream()
     if plan.token_split and stream.is_capturing():  # see token_split.py
         plan = dispatch.plan_launch(cfg, props.cc, props.num_sms, p.nq, p.nd, p.lq, shared)
+    if d_off is None:  # few long padded documents: the same tile on the token split (strided)
+        cfg, func, plan, ntok = _padded_split(cfg, func, plan, p, props, arch, device, shared, stream)
     # Packed documents: the CTAs' search of the offsets samples up to one block (1,024 threads at
     # most) past Nd in 32-bit ints.
     searched = p.nd + 1024 if d_off is not None else 0
@@ -189,7 +215,7 @@ def launch(p: Problem, q, d, qm, dm, ql, dl, return_argmax: bool, device: int, *
     off_flags = (1 if d_off is None or d_off.dtype == np.int64 else 0) | (2 if d_off_whole else 0)
     values = (
         q.data.ptr, d.data.ptr, _ptr(q_scale), _ptr(d_scale), _ptr(ql), _ptr(qm), _ptr(dl), _ptr(dm), _ptr(d_off),
-        off_flags, d.shape[0] if d_off is not None else 0, part.data.ptr, _ptr(amax),
+        off_flags, ntok, part.data.ptr, _ptr(amax),
         p.nq, p.nd, p.lq, p.ld, p.dim, plan.n_qt, plan.qb, plan.docs_per_cta, p.nd if p.candidates else 0,
     )
     maps = () if residual is None else (residual,)  # the residual kernel's by-value parameter
