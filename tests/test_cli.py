@@ -580,7 +580,7 @@ def test_int8_dim_the_gpu_cannot_take(tmp_path, monkeypatch):
     r = run("score", "-q", c.q, "-d", *int8, "-o", tmp_path / "r.tsv")
     assert r.exit_code == 2 and r.stderr == (
         f"lik: error: {int8[0]}: INT8 shards of d=20 cannot be scored on the GPU (the INT8 kernels take d a multiple "
-        "of 16 up to 512); pass --cpu\n"), r.stderr
+        "of 16 up to 4096); pass --cpu\n"), r.stderr
     assert listing(tmp_path) == before
 
 

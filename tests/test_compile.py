@@ -374,7 +374,7 @@ def test_choose_forward_fits_shared_memory(cc, dtype):
         dispatch.choose_forward(cc, dtype, dispatch.MAX_DIM + 1, 32, False, True)
     if dtype == "int8":
         for bad in (8, 100, dispatch.MAX_DIM_INT8 + 16):
-            with pytest.raises(ValueError, match="multiple of 16 up to 512"):
+            with pytest.raises(ValueError, match=f"multiple of 16 up to {dispatch.MAX_DIM_INT8}"):
                 dispatch.choose_forward(cc, dtype, bad, 32, False, True)
 
 
@@ -418,7 +418,10 @@ def test_tma_only_where_the_kernels_take_it(dtype):
                         assert c.tma == want, (cc, dim, lq, shared, argmax, vec, c.name)
                         assert c.target(dispatch.arch_of(cc)) == ("90a" if c.tma or c.wgmma else str(cc))
                         off = dispatch.choose_forward(cc, dtype, dim, lq, argmax, vec, True, shared, 300, False, False)
-                        assert not off.tma and off.split == c.split and off.wgmma == c.wgmma
+                        # INT8 split-d with the argmax of several queries spills on the cp.async wgmma
+                        # tiles, so without TMA it takes the portable ones.
+                        int8_fallback = dtype == "int8" and c.split and argmax and shared > 1
+                        assert not off.tma and off.split == c.split and (off.wgmma == c.wgmma or int8_fallback)
                         if not c.split:  # split-d tiles differ with their staging (the sweep's order)
                             assert off.bn == c.bn and off.stages == c.stages
 
