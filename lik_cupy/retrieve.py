@@ -541,6 +541,8 @@ class _Gpu:
                                  f"got dim {p.dim} (backend='cpu' scores any dim)")
             self._int8_queries()
         if p.nd == 0:
+            if part.packed and info.device is None:  # host offsets are checked on the host, as the CPU path does
+                host_offsets(host_array(part.offsets, info.framework), p.ntok, "d_offsets")
             return
         if info.device is None:
             self._add_host(part, p)
