@@ -142,7 +142,9 @@ struct LIK_FWD::ResidualLoader {
         T* st = ring + slot * STAGE;
         const u8* rb = rbuf + slot * RBYTES;
         const u32* rw = reinterpret_cast<const u32*>(rb);
-        const int sh = rcode[2 * BN + slot], rbytes = rs.rbytes;
+        // & 15: a slot no tile was gathered into (a CTA with fewer tiles than stages) holds no
+        // shift of its own, and its garbage must not steer the reads below out of the slot.
+        const int sh = rcode[2 * BN + slot] & 15, rbytes = rs.rbytes;
         const int p = threadIdx.x % LPR;                 // this lane's pair
         const bool real = p < PPR && p * 16 < dim;       // dims past dim (whole chunks: dim % 8 == 0)
         const bool second = p * 16 + 8 < dim;            // its second chunk is within dim
