@@ -510,29 +510,24 @@ def test_plan_launch_token_split(nq, lq, nd, ntok):
 # One run on an H200 (d = 128, fp16, one query, bench/suites/bench_small_grid.py): (Lq, Ld, B, padded
 # ms with whole documents, ms of the same documents packed through maxsim_varlen's token split), the
 # measurements tables.PADDED_SPLIT_MIN_LD cites.
-_SPLIT_EVIDENCE_H200 = [
-    (32, 1024, 1, .0078, .0088), (32, 1024, 8, .0081, .0089), (32, 1024, 64, .0083, .0094),
-    (256, 1024, 1, .0105, .0117), (256, 1024, 32, .0109, .0122), (1024, 1024, 2, .0107, .0120),
-    (1024, 1024, 4, .0172, .0652), (1024, 1024, 8, .0283, .0512),
-    (32, 4096, 1, .0240, .0089), (32, 4096, 8, .0245, .0091), (32, 4096, 32, .0247, .0120),
-    (32, 4096, 64, .0319, .0246), (256, 4096, 1, .0294, .0516), (256, 4096, 8, .0297, .0475),
-    (256, 4096, 32, .0300, .0463), (1024, 4096, 1, .0296, .0346), (1024, 4096, 4, .0299, .0694),
-    (1024, 4096, 8, .0302, .0688),
-    (32, 32768, 1, .1767, .0144), (32, 32768, 8, .2014, .0284), (32, 32768, 64, .2211, .1277),
-    (256, 32768, 1, .2064, .0404), (256, 32768, 4, .2078, .0368), (256, 32768, 32, .2097, .1008),
-    (1024, 32768, 1, .2131, .0509), (1024, 32768, 2, .2085, .0336), (1024, 32768, 8, .2095, .0967),
-]
+def _split_evidence():
+    """(Lq, Ld, B, whole ms, split ms) of each one-query cell of the committed A/B run behind
+    tables.PADDED_SPLIT_MIN_LD (bench_small_grid.py --ab on an H200)."""
+    data = json.loads((pathlib.Path(__file__).parent / "data" / "small_grid_ab_nvidia-h200.json").read_text())
+    return [(c["Lq"], c["Ld"], c["B"], c["ms"]["padded_whole"], c["ms"]["padded_split"]) for c in data["cells"]
+            if c["Nq"] == 1 and "padded_whole" in c["ms"] and "padded_split" in c["ms"]]
 
 
-@pytest.mark.parametrize("lq,ld,b,whole_ms,split_ms", _SPLIT_EVIDENCE_H200)
+@pytest.mark.parametrize("lq,ld,b,whole_ms,split_ms", _split_evidence())
 def test_padded_token_split_rule_follows_the_measurements(lq, ld, b, whole_ms, split_ms):
-    # The rule splits padded documents where the split measured at least 10% faster, and never where
-    # it measured slower (H200: 132 SMs, the Hopper tiles dispatch picks there).
+    # The rule splits padded documents where the split measured at least 10% faster, never where
+    # it measured more than 5% slower (H200: 132 SMs, the Hopper tiles dispatch picks there), and
+    # always where it measured twice as fast.
     cfg = dispatch.choose_forward(90, "float16", 128, lq, False, True, True, 1, ld, False, True).strided_tile
     split = dispatch.plan_launch(cfg, 90, 132, 1, b, lq, 1, b * ld).token_split
     if split:
         assert split_ms < 0.9 * whole_ms
-    if split_ms > whole_ms:
+    if split_ms > 1.05 * whole_ms:
         assert not split
     if split_ms < 0.5 * whole_ms:  # the cases issue 30 is about
         assert split

@@ -201,13 +201,11 @@ RESIDUAL_TILES: dict[int, tuple[tuple[int, int, int, int], ...]] = {
 # Token split of padded documents (LIK_STRIDED: the packed path's shares over padded token
 # positions, FwdConfig.strided_tile), under the packed rule's grid conditions, from this padded
 # length up: (query tiles of at most 64 rows, longer ones). Whole-document CTAs stream a
-# document's Ld tokens each, so one query against a few long pages leaves most SMs idle. The
-# packed split stood in for it (H200, d = 128, fp16, bench/suites/bench_small_grid.py, the
-# packed and padded cells of one run): one query of 32 tokens against 1 to 64 documents of
-# 4,096 tokens 0.009-0.025 ms split against 0.024-0.032 whole, of 32,768 tokens 0.014-0.128
-# against 0.177-0.221; 256 tokens against 1 to 32 documents of 32,768 tokens and 1,024 against 1
-# to 8, 0.034-0.101 against 0.206-0.213. At 1,024 tokens the split gained nothing (0.009 against
-# 0.008), and at 4,096 only the one-warpgroup tiles (32 tokens) gained: 256 and 1,024 tokens
-# were 1.2-2.3x slower split at 1 to 32 documents (but one cell, 1,024 tokens against 2, 0.79x).
-# bench_small_grid.py --ab A/Bs the padded split itself.
-PADDED_SPLIT_MIN_LD = (4096, 16384)
+# document's Ld tokens each, so one query against a few long pages leaves most SMs idle. From
+# tests/data/small_grid_ab_nvidia-h200.json (bench_small_grid.py --ab, fp16, d = 128, one query,
+# the split and whole plans of the same tile in one run): at 4,096 tokens the split takes 0.009-0.024
+# ms against 0.024-0.032 whole (32 query tokens, 1 to 64 documents), 0.012-0.022 against 0.030
+# (256 tokens, 1 to 32) and 0.012-0.021 against 0.030 (1,024 tokens, 1 to 8); at 32,768 tokens
+# 0.014-0.213 against 0.18-0.22. At 1,024 tokens it gains nothing (equal, or up to 2x slower on
+# one or two documents), so it starts at 4,096 for every tile.
+PADDED_SPLIT_MIN_LD = (4096, 4096)
