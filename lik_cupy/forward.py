@@ -28,7 +28,9 @@ def maxsim(Q, D, q_mask=None, d_mask=None, *, q_lengths=None, d_lengths=None, re
             ``[Nq, K, Ld, d]`` a candidate set per query (reranking) -> ``[Nq, K]``;
             ``[Ld, d]`` one document -> ``[Nq]``. A 2-D ``Q`` drops the leading axis.
             Q and D share a dtype: float16, bfloat16 or float32 (float32 runs on
-            TF32 tensor cores, about 1e-3 relative error), and a framework: NumPy,
+            TF32 tensor cores on the GPU, about 1e-3 relative error), or float64 (the
+            CPU only: host arrays with backend "auto" or "cpu" score in float64; the GPU
+            refuses float64 with a TypeError rather than round it), and a framework: NumPy,
             CuPy, PyTorch (CUDA or CPU), JAX, or any DLPack producer.
         q_mask: bool ``Q.shape[:-1]``, True = valid token. Masked query tokens add nothing.
         d_mask: bool ``D.shape[:-1]``. Masked document tokens never win the max.
@@ -38,11 +40,14 @@ def maxsim(Q, D, q_mask=None, d_mask=None, *, q_lengths=None, d_lengths=None, re
             token per query token (lowest index on ties), -1 for masked query tokens and
             empty documents.
         backend: "auto" (GPU for device arrays, and for host arrays when a GPU is
-            present), "gpu", or "cpu" (exact NumPy path).
+            present; float64 host arrays: the CPU), "gpu", or "cpu" (the NumPy path: BLAS
+            float32 similarities, float64 for float64 inputs, with the argmax of the float64
+            similarities exactly; each query token's max is the BLAS one, within one dot
+            product's rounding, ``d * 6e-8 * |q| * max |t|``, of float64's; see ``lik_cupy._cpu.maxsim``).
 
     Returns:
-        float32 scores (and the argmax) in the caller's framework, on the caller's
-        device. A document with no valid token scores -inf; a query with no valid
+        float32 scores (float64 for float64 inputs) and the argmax, in the caller's framework,
+        on the caller's device. A document with no valid token scores -inf; a query with no valid
         token scores 0 (also against an empty document); a NaN in any unmasked
         similarity makes that score NaN. Device work runs on the caller's current
         CuPy or PyTorch stream without a host synchronisation, except that a call with
@@ -71,7 +76,7 @@ def maxsim_pairs(Q, D, q_mask=None, d_mask=None, *, q_lengths=None, d_lengths=No
         Other arguments as in :func:`maxsim`.
 
     Returns:
-        float32 ``[B]`` (and int32 argmax ``[B, Lq]`` if asked).
+        float32 ``[B]`` (float64 for float64 inputs), and int32 argmax ``[B, Lq]`` if asked.
     Example::
 
         >>> import numpy as np, lik_cupy
@@ -91,7 +96,7 @@ def maxsim_varlen(Q, D_tokens, d_offsets, q_mask=None, *, q_lengths=None, q_offs
         Q: ``[Nq, Lq, d]`` or ``[Lq, d]`` padded queries (with ``q_mask`` / ``q_lengths``
             as in :func:`maxsim`), or packed query tokens ``[Tq, d]`` with ``q_offsets``.
         D_tokens: ``[T, d]`` the documents' tokens back to back, same dtype and
-            framework/device as Q (float16, bfloat16 or float32).
+            framework/device as Q (float16, bfloat16, float32, or float64 on the CPU as in :func:`maxsim`).
         d_offsets: int32 or int64 ``[Nd + 1]``: document j is ``D_tokens[d_offsets[j]:d_offsets[j + 1]]``
             (FlashAttention's ``cu_seqlens``). Must start at 0, never decrease and end at T;
             equal neighbours are empty documents (score -inf). Device offsets are checked by
@@ -108,7 +113,7 @@ def maxsim_varlen(Q, D_tokens, d_offsets, q_mask=None, *, q_lengths=None, q_offs
             outside ``D_tokens``.
 
     Returns:
-        float32 ``[Nq, Nd]`` (``[Nd]`` for a 2-D padded Q), in the caller's framework
+        float32 ``[Nq, Nd]`` (``[Nd]`` for a 2-D padded Q; float64 for float64 inputs), in the caller's framework
         and device; semantics as in :func:`maxsim`.
     Example::
 

@@ -22,7 +22,7 @@ def maxsim(Q, D, q_mask=None, d_mask=None, *, q_lengths=None, d_lengths=None, me
 
     Arguments and semantics as :func:`lik_cupy.maxsim`; masks and lengths take no
     gradient; ``method`` is the backward's dD method (see :func:`lik_cupy.maxsim_backward`).
-    Returns float32 scores.
+    Returns float32 scores (float64 for float64 CPU arrays, which score on the CPU).
     """
     def forward(q, d):
         # jax.grad hands the custom_vjp concrete primals; jit, vmap and scan hand tracers.

@@ -57,7 +57,8 @@ def maxsim(Q, D, q_mask=None, d_mask=None, *, q_lengths=None, d_lengths=None, me
     Arguments and semantics as :func:`lik_cupy.maxsim` (in-batch ``D [Nd, Ld, d]``,
     candidates ``D [Nq, K, Ld, d]``, masks or lengths); ``method`` is the backward's
     dD method ("auto", "atomic" or "csr", see :func:`lik_cupy.maxsim_backward`).
-    Masks and lengths take no gradient. Returns float32 scores (and the int32 argmax).
+    Masks and lengths take no gradient. Returns float32 scores (float64 for float64 CPU tensors, which
+    score on the CPU) and, if asked, the int32 argmax.
     """
     def call(q, d):
         return _maxsim(q, d, q_mask, d_mask, q_lengths=q_lengths, d_lengths=d_lengths, return_argmax=True)

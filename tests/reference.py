@@ -47,3 +47,35 @@ def clustered(rng, shape, centres=16, spread=0.05):
     c = rng.standard_normal((centres, shape[-1]))
     x = c[rng.integers(0, centres, shape[:-1])] + spread * rng.standard_normal(shape)
     return x / np.linalg.norm(x, axis=-1, keepdims=True)
+
+
+def rounding_bound(Q, D, q_valid=None, d_valid=None, dtype=np.float32):
+    """[Nq, Nd]: how far the CPU path's scores may lie from the float64 MaxSim (``lik_cupy._cpu.maxsim``):
+    each valid query token's max is the BLAS one, within one dot product's rounding,
+    ``gamma_d * ||q_s|| * max_t ||t||`` (``dtype``: the GEMM's), plus the rounding of the score
+    itself to ``dtype``, ``|score| * eps``."""
+    Q = np.asarray(Q, np.float64)
+    D = np.asarray(D, np.float64)
+    nq, lq, dim = Q.shape
+    nd, ld, _ = D.shape
+    qv = np.ones((nq, lq), bool) if q_valid is None else np.asarray(q_valid, bool)
+    dv = np.ones((nd, ld), bool) if d_valid is None else np.asarray(d_valid, bool)
+    u = float(np.finfo(dtype).eps) / 2
+    gamma = dim * u / (1 - dim * u)
+    qn = np.where(qv, np.linalg.norm(Q, axis=-1), 0).sum(axis=1)
+    dn = np.where(dv, np.linalg.norm(D, axis=-1), 0).max(axis=1, initial=0)
+    ref = maxsim_ref(Q, D, qv, dv)[0]
+    with np.errstate(invalid="ignore"):
+        return gamma * qn[:, None] * dn[None, :] + 2 * u * np.abs(np.where(np.isfinite(ref), ref, 0))
+
+
+def assert_within_rounding(out, ref, bound):
+    """``out`` equals ``ref`` where ``ref`` is not finite, and lies within ``bound`` of it elsewhere."""
+    out = np.asarray(out, np.float64)
+    ref = np.asarray(ref, np.float64)
+    fin = np.isfinite(ref)
+    assert np.array_equal(np.isfinite(out), fin), "non-finite pattern differs from the reference"
+    assert np.array_equal(out[~fin], ref[~fin], equal_nan=True), "non-finite scores differ from the reference"
+    err = np.abs(out[fin] - ref[fin])
+    assert np.all(err <= bound[fin]), f"max error {err.max():.3g} beyond the rounding bound (worst excess " \
+                                      f"{(err - bound[fin]).max():.3g})"
