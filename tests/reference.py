@@ -51,22 +51,23 @@ def clustered(rng, shape, centres=16, spread=0.05):
 
 def rounding_bound(Q, D, q_valid=None, d_valid=None, dtype=np.float32):
     """[Nq, Nd]: how far the CPU path's scores may lie from the float64 MaxSim (``lik_cupy._cpu.maxsim``):
-    each valid query token's max is the BLAS one, within one dot product's rounding,
-    ``gamma_d * ||q_s|| * max_t ||t||`` (``dtype``: the GEMM's), plus the rounding of the score
-    itself to ``dtype``, ``|score| * eps``."""
+    each valid query token's term is its winner's float64 dot product and the terms are summed in
+    float64 (each within ``gamma_n * ||q_s|| * max_t ||t||`` of exact, as is the reference), then
+    rounded to ``dtype``, ``|score| * eps``. A float32 GEMM's rounding (``d * 6e-8`` relative) is far
+    outside it."""
     Q = np.asarray(Q, np.float64)
     D = np.asarray(D, np.float64)
     nq, lq, dim = Q.shape
     nd, ld, _ = D.shape
     qv = np.ones((nq, lq), bool) if q_valid is None else np.asarray(q_valid, bool)
     dv = np.ones((nd, ld), bool) if d_valid is None else np.asarray(d_valid, bool)
-    u = float(np.finfo(dtype).eps) / 2
-    gamma = dim * u / (1 - dim * u)
+    u64 = float(np.finfo(np.float64).eps) / 2
+    gamma = (dim + lq) * u64 / (1 - (dim + lq) * u64)
     qn = np.where(qv, np.linalg.norm(Q, axis=-1), 0).sum(axis=1)
     dn = np.where(dv, np.linalg.norm(D, axis=-1), 0).max(axis=1, initial=0)
     ref = maxsim_ref(Q, D, qv, dv)[0]
     with np.errstate(invalid="ignore"):
-        return gamma * qn[:, None] * dn[None, :] + 2 * u * np.abs(np.where(np.isfinite(ref), ref, 0))
+        return 4 * gamma * qn[:, None] * dn[None, :] + float(np.finfo(dtype).eps) * np.abs(np.where(np.isfinite(ref), ref, 0))
 
 
 def assert_within_rounding(out, ref, bound):

@@ -1,6 +1,8 @@
 """The CPU path's promises at BLAS speed (``lik_cupy._cpu``): the argmax is float64's with ties to the
-lowest index on every path, however the float32 GEMM rounds; scores lie within one dot product's
-rounding per query token of float64's; float64 in, float64 out; temporaries bounded in bytes."""
+lowest index on every path, however the float32 GEMM rounds; each score is its winners' float64
+similarities summed, so it depends on the query and the document alone (bit for bit, whatever the
+blocks, layout, padding or other documents) and lies within float64 rounding of the float64 MaxSim;
+float64 in, float64 out; temporaries bounded in bytes, however long one document is."""
 
 from __future__ import annotations
 
@@ -228,6 +230,7 @@ def test_temporaries_stay_within_block_bytes(rng, layout, argmax):
     block = 1 << 20
     per_query = nd  # documents each query scores
     if layout == "candidates":
+        nd *= 2  # a query's whole similarity matrix well past the block
         per_query = nd // nq
         d = _unit(rng, nd, ld, dim).astype(np.float16)
         dv = rng.random(d.shape[:2]) < 0.9
@@ -260,6 +263,41 @@ def test_temporaries_stay_within_block_bytes(rng, layout, argmax):
     assert _peak(lambda: run(1 << 30)) > one_query / 2  # one block: a query's whole similarity matrix at once
 
 
+@pytest.mark.parametrize("argmax", [False, True])
+@pytest.mark.parametrize("layout", ["padded", "packed", "int8"])
+def test_a_long_document_stays_within_block_bytes(rng, layout, argmax):
+    # one document of 100,000 tokens (3.2 MB as float32 similarities with 8 query tokens, 6.4 MB of tokens
+    # in float32) among short ones: scored in runs of its tokens, with the whole document's scores and argmax
+    lq, dim, long = 8, 16, 100_000
+    q = _unit(rng, 2, lq, dim).astype(np.float16)
+    qv = np.ones((2, lq), bool)
+    lens = np.array([3, long, 0, 5])
+    tok = _unit(rng, int(lens.sum()), dim).astype(np.float16)
+    tok[50_000 + 3] = q[1, 2]  # a winner with a copy in a later run
+    tok[90_000 + 3] = q[1, 2]
+    off = np.concatenate([[0], np.cumsum(lens)])
+    d, dv = cpu.unpack(tok, off)
+    kw = {}
+    if layout == "int8":
+        q, qs = lik_cupy.quantize_int8(q, backend="cpu")
+        d, ds = lik_cupy.quantize_int8(d, backend="cpu")
+        kw = {"q_scale": qs, "d_scale": ds}
+    block = 1 << 20
+
+    def run(b):
+        if layout == "packed":
+            return cpu.maxsim_packed_numpy(q, qv, tok, off, return_argmax=argmax, block_bytes=b)
+        return cpu.maxsim_numpy(q, d, qv, dv, candidates=False, nd=4, return_argmax=argmax, block_bytes=b, **kw)
+    small = _peak(lambda: run(block))
+    assert small < block * 9 // 8 + NUMPY_BUFFERS, small
+    s, a = run(block)
+    s1, a1 = run(1 << 30)  # the whole document at once
+    np.testing.assert_array_equal(s, s1)
+    if argmax:
+        np.testing.assert_array_equal(a, a1)
+        assert a[1, 1, 2] == 50_000
+
+
 def test_backward_temporaries_stay_within_block_bytes(rng):
     nq, lq, nd, ld, dim = 4, 16, 3000, 40, 32
     q = _unit(rng, nq, lq, dim).astype(np.float32)
@@ -280,6 +318,63 @@ def test_backward_temporaries_stay_within_block_bytes(rng):
 
 
 # ---------------------------------------------------------------- what the scores promise
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_scores_depend_on_the_query_and_the_document_alone(rng, dtype):
+    """The same query against the same document scores bit for bit alike whatever the blocks (a
+    long document in runs of its tokens included), the layout (padded, masked, packed, candidate
+    sets, pairs), the query's padding and the documents beside it: what the distributed scorer
+    and lik score's chunks rely on. Near ties, identical tokens and NaN included."""
+    nq, lq, nd, ld, dim = 3, 9, 60, 33, 24
+    q = _unit(rng, nq, lq, dim).astype(DTYPES[dtype])
+    d = _unit(rng, nd, ld, dim).astype(DTYPES[dtype])
+    d[::7, 5:9] = d[::7, 2:3]  # identical tokens
+    d[3::11, 4] = q[0, 1]  # winners with copies
+    d[3::11, 20] = q[0, 1]
+    d[5, 7, 0] = np.nan
+    qv = rng.random((nq, lq)) < 0.8
+    dv = rng.random((nd, ld)) < 0.75
+    dv[9] = False
+    s, a = lik_cupy.maxsim(q, d, qv, dv, return_argmax=True, backend="cpu")
+    assert_within_rounding(s, maxsim_ref(q, d, qv, dv)[0], rounding_bound(q, d, qv, dv, dtype=s.dtype))
+    np.testing.assert_array_equal(a, _argmax64(q, d, qv, dv))
+
+    def same(got, argmax=None):
+        np.testing.assert_array_equal(got, s)
+        if argmax is not None:
+            np.testing.assert_array_equal(argmax, a)
+
+    for block in (3000, 40_000):  # runs of a few tokens, many documents per block
+        same(*cpu.maxsim_numpy(q, d, qv, dv, candidates=False, nd=nd, return_argmax=True, block_bytes=block))
+    got = cpu.maxsim_numpy(q, d[:8], qv, dv[:8], candidates=False, nd=8, return_argmax=True, block_bytes=1)
+    np.testing.assert_array_equal(got[0], s[:, :8])  # a token at a time
+    np.testing.assert_array_equal(got[1], a[:, :8])
+    lens = dv.sum(1)
+    tok = np.concatenate([d[j, dv[j]] for j in range(nd)])
+    off = np.concatenate([[0], np.cumsum(lens)])
+    local = np.where(a >= 0, np.cumsum(dv, axis=1)[np.arange(nd)[None, :, None], np.maximum(a, 0)] - 1, -1)
+    for block in (3000, 1 << 26):
+        got = cpu.maxsim_packed_numpy(q, qv, tok, off, return_argmax=True, block_bytes=block)
+        np.testing.assert_array_equal(got[0], s)
+        np.testing.assert_array_equal(got[1], local)  # the same winners, counted among the valid tokens
+    wide = np.zeros((nq, lq + 6, dim), q.dtype)  # padded further, the padding garbage
+    wide[:, :lq] = q
+    wide[:, lq:] = 7
+    wv = np.zeros((nq, lq + 6), bool)
+    wv[:, :lq] = qv
+    same(lik_cupy.maxsim(wide, d, wv, dv, backend="cpu"))
+    perm = np.stack([rng.permutation(nd) for _ in range(nq)])  # candidate sets: each query its own order
+    sc = lik_cupy.maxsim(q, d[perm], qv, dv[perm], backend="cpu")
+    np.testing.assert_array_equal(sc, np.take_along_axis(s, perm, 1))
+    for i in range(nq):
+        sp = lik_cupy.maxsim_pairs(np.repeat(q[i:i + 1], nd, 0), d, np.repeat(qv[i:i + 1], nd, 0), dv, backend="cpu")
+        np.testing.assert_array_equal(sp, s[i])
+        one = lik_cupy.maxsim(q[i, qv[i]], d[20:45], d_mask=dv[20:45], backend="cpu")  # the query alone, unpadded
+        np.testing.assert_array_equal(one, s[i, 20:45])
+    shards = [(tok[:off[25]], off[:26]), (tok[off[25]:], off[25:] - off[25])]  # a corpus in two shards
+    rs, ri = lik_cupy.retrieve(q, shards, 10, qv, backend="cpu")
+    np.testing.assert_array_equal(rs, np.take_along_axis(s, ri, 1))
 
 
 def test_a_query_scores_alike_whatever_the_other_queries(rng):

@@ -52,6 +52,30 @@ class Runs:
         """Documents in the block."""
         return self.start.size
 
+    def chunks(self, columns: int):
+        """The block in chunks of whole documents of about ``columns`` columns (one document at
+        least): ``(j0, j1, c0, c1, runs)``, documents ``j0 .. j1`` in columns ``c0 .. c1``, and their
+        runs relative to ``c0``."""
+        nb = self.count
+        if self.width is not None:
+            step = max(1, columns // max(1, self.width))
+            for j0 in range(0, nb, step):
+                j1 = min(nb, j0 + step)
+                c0, c1 = j0 * self.width, j1 * self.width
+                valid = None if self.valid is None else self.valid[:, c0:c1]
+                yield j0, j1, c0, c1, Runs(self.start[:j1 - j0], self.length[:j1 - j0], self.width, valid,
+                                           self.nonempty[:, j0:j1])
+            return
+        end = self.start + self.length
+        j0 = 0
+        while j0 < nb:
+            c0 = int(self.start[j0])
+            j1 = min(nb, max(j0 + 1, int(np.searchsorted(end, c0 + columns, side="right"))))
+            c1 = int(end[j1 - 1])
+            yield j0, j1, c0, c1, Runs(self.start[j0:j1] - c0, self.length[j0:j1], None, None,
+                                       self.nonempty[:, j0:j1])
+            j0 = j1
+
     def mask_invalid(self, S: np.ndarray, row_set: np.ndarray) -> None:
         """Masked columns never win: -inf, in place (``row_set [M]``: each row's document set, the
         rows of a set consecutive)."""
@@ -89,6 +113,20 @@ class Runs:
             return np.zeros((m, nb), np.int64), np.full((m, nb), -np.inf, S.dtype)
         first = S.reshape(m, nb, w).argmax(axis=2)
         return first, S.reshape(m * nb, w)[np.arange(m * nb), first.reshape(-1)].reshape(m, nb)
+
+    def second_max(self, S: np.ndarray, first: np.ndarray) -> np.ndarray:
+        """Per-document max ``[M, nb]`` of the columns other than ``first`` (local, ``[M, nb]``; -inf for
+        a document of one column). Padded runs only; ``S`` (C-contiguous) is left as it was."""
+        m, nb, w = S.shape[0], self.count, self.width
+        if not w:
+            return np.full((m, nb), -np.inf, S.dtype)
+        flat = S.reshape(-1)
+        at = np.arange(m * nb, dtype=np.int64) * w + first.reshape(-1)
+        kept = flat[at]
+        flat[at] = -np.inf
+        second = np.maximum.reduceat(S, self.start, axis=1)  # (faster here than a reshaped max)
+        flat[at] = kept
+        return second
 
     def first_hit(self, hit: np.ndarray) -> np.ndarray:
         """For bool ``hit [M, N]``: each document's first hit column, local to it (``[M, nb]``; 0 where
