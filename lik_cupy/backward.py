@@ -38,7 +38,8 @@ def maxsim_backward(grad_scores, Q, D, argmax, *, d_offsets=None, method="auto",
 
     Args:
         grad_scores: float ``scores.shape`` (any float dtype; used as float32).
-        Q, D: the forward's inputs: Q ``[Nq, Lq, d]`` or ``[Lq, d]``; D ``[Nd, Ld, d]``
+        Q, D: the forward's inputs (float16, bfloat16, float32 or float64 (float32 arithmetic on the GPU), as in
+            :func:`lik_cupy.maxsim`): Q ``[Nq, Lq, d]`` or ``[Lq, d]``; D ``[Nd, Ld, d]``
             (every query against every document, the in-batch layout),
             ``[Nq, K, Ld, d]`` (a candidate set per query) or ``[Ld, d]``; or packed
             ``D [T, d]`` with ``d_offsets`` (int32/int64 ``[Nd + 1]``, as in ``maxsim_varlen``).
@@ -50,11 +51,12 @@ def maxsim_backward(grad_scores, Q, D, argmax, *, d_offsets=None, method="auto",
             dispatch rule (``dispatch.choose_backward``). dQ is deterministic either way.
         validate: check the argmax values on the device first (one reduction and one host
             synchronisation). Without it, entries out of range are skipped, never written.
-        backend: "auto", "gpu" or "cpu" (float64 NumPy).
+        backend: "auto", "gpu" or "cpu" (NumPy, accumulating in float64 in blocks bounded in
+            bytes: ``lik_cupy._cpu.backward``).
 
     Returns:
-        ``(dQ, dD)`` shaped and typed like Q and D (fp32 accumulation inside), in the
-        caller's framework and on its device.
+        ``(dQ, dD)`` shaped and typed like Q and D (fp32 accumulation inside on the GPU, float64
+        on the CPU), in the caller's framework and on its device.
     Example::
 
         >>> import numpy as np, lik_cupy
@@ -71,7 +73,7 @@ def maxsim_backward(grad_scores, Q, D, argmax, *, d_offsets=None, method="auto",
         raise ValueError(f"method must be one of {_METHODS}, got {method!r}")
     check_backend(backend)
     p = check_backward(grad_scores, Q, D, argmax, d_offsets)
-    on_gpu = use_gpu(backend, p.device)
+    on_gpu = use_gpu(backend, p.device, float64=p.dtype == "float64", float64_gpu=True)
     q_shape, d_shape = interop.describe(Q).shape, interop.describe(D).shape
     if on_gpu:
         return _gpu(p, grad_scores, Q, D, argmax, d_offsets, method, validate, q_shape, d_shape)
@@ -93,16 +95,15 @@ def _cpu(p: Problem, g, Q, D, argmax, d_offsets, q_shape, d_shape):
     g = interop.to_numpy(g, fw).reshape(p.nq, p.nd)
     q = interop.to_numpy(Q, fw).reshape(p.nq, p.lq, p.dim)
     d = interop.to_numpy(D, fw).reshape(_doc_rows(p), p.dim)
-    a = interop.to_numpy(argmax, fw).reshape(p.nq, p.nd, p.lq).astype(np.int64)
+    a = interop.to_numpy(argmax, fw).reshape(p.nq, p.nd, p.lq)
     if p.d_packed:
         off = host_offsets(host_array(d_offsets, fw), p.ntok, "d_offsets")
-        start, limit = off[:-1][None, :, None], np.diff(off)[None, :, None]
+        start, limit = np.broadcast_to(off[:-1], (p.nq, p.nd)), np.diff(off)[None, :, None]
     else:
-        base = np.arange(p.nd)[None, :, None] + (np.arange(p.nq)[:, None, None] * p.nd if p.candidates else 0)
-        start, limit = base * p.ld, p.ld
+        base = np.arange(p.nd)[None, :] + (np.arange(p.nq)[:, None] * p.nd if p.candidates else 0)
+        start, limit = np.broadcast_to(base * p.ld, (p.nq, p.nd)), p.ld
     check_argmax_values(int(a.min()) if a.size else 0, bool((a >= limit).any()), _limit_words(p))
-    rows = np.where(a >= 0, start + a, -1)
-    dq, dd = cpu.maxsim_backward_numpy(g, q, d, a, rows)
+    dq, dd = cpu.maxsim_backward_numpy(g, q, d, a, start)
     return _host_out(dq, q.dtype, q_shape, p, Q), _host_out(dd, d.dtype, d_shape, p, D)
 
 
@@ -139,7 +140,7 @@ def _gpu(p: Problem, g, Q, D, argmax, d_offsets, method, validate, q_shape, d_sh
     on_host = p.device is None
     device = p.device if p.device is not None else cupy.cuda.runtime.getDevice()
     rows = _doc_rows(p)
-    esize = 4 if p.dtype == "float32" else 2
+    esize = {"float64": 8, "float32": 4}.get(p.dtype, 2)
     staged = (p.nq * p.lq + rows) * p.dim * esize + p.nq * p.nd * (4 + 4 * p.lq)  # Q, D, grad_scores, argmax
     with interop.caller_stream(fw, device):
         with allocating("maxsim_backward: Q, D, grad_scores and argmax on the GPU", staged,
@@ -148,8 +149,11 @@ def _gpu(p: Problem, g, Q, D, argmax, d_offsets, method, validate, q_shape, d_sh
             d = device_array(D, fw, on_host).reshape(rows, p.dim)
             gs = _grad_f32(g, fw, on_host, p)
             a = device_array(argmax, fw, on_host).reshape(p.nq, p.nd, p.lq)
+        kdtype = p.dtype
         if p.dtype == "bfloat16":
             q, d = q.view(cupy.uint16), d.view(cupy.uint16)
+        elif p.dtype == "float64":  # the forward's float32 rounding (forward._kernel_operands); float64 gradients
+            q, d, kdtype, esize = q.astype(cupy.float32), d.astype(cupy.float32), "float32", 4
         off = device_offsets(device_array(d_offsets, fw, on_host), p.ntok, "d_offsets", validate,
                              wide=True) if p.d_packed else None
         if validate and a.size and not capturing():  # no host read inside graph capture (checks.py)
@@ -166,7 +170,7 @@ def _gpu(p: Problem, g, Q, D, argmax, d_offsets, method, validate, q_shape, d_sh
         cc = device_properties(device).cc
         how = dispatch.choose_backward(method, cc, p.nq, p.nd, p.lq, rows, p.dim)
         vec = p.dim % 4 == 0 and q.data.ptr % (4 * esize) == 0 and d.data.ptr % (4 * esize) == 0
-        defines = {"LIK_ELEM": _ELEM[p.dtype], "LIK_VEC": int(vec)}
+        defines = {"LIK_ELEM": _ELEM[kdtype], "LIK_VEC": int(vec)}
         mod = get_module("maxsim_bwd.cu", defines, dispatch.arch_of(cc), device, entry="lik_bwd_dq")
 
         dq = _empty(q.shape, q.dtype, "dQ", "split the call over fewer queries")
@@ -203,6 +207,8 @@ def _gpu(p: Problem, g, Q, D, argmax, d_offsets, method, validate, q_shape, d_sh
         else:  # nothing contributes
             dq.fill(0)
             dd.fill(0)
+        if p.dtype == "float64":
+            dq, dd = dq.astype(cupy.float64), dd.astype(cupy.float64)
         return _out(dq, q_shape, p, Q, fw, on_host), _out(dd, d_shape, p, D, fw, on_host)
 
 

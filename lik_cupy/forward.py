@@ -29,8 +29,9 @@ def maxsim(Q, D, q_mask=None, d_mask=None, *, q_lengths=None, d_lengths=None, re
         D: ``[Nd, Ld, d]`` documents scored against every query -> scores ``[Nq, Nd]``;
             ``[Nq, K, Ld, d]`` a candidate set per query (reranking) -> ``[Nq, K]``;
             ``[Ld, d]`` one document -> ``[Nq]``. A 2-D ``Q`` drops the leading axis.
-            Q and D share a dtype: float16, bfloat16 or float32 (float32 accuracy on
-            the GPU unless ``precision="tf32"``), and a framework: NumPy,
+            Q and D share a dtype: float16, bfloat16, float32 (float32 accuracy on the GPU
+            unless ``precision="tf32"``) or float64 (float64 on the CPU; on the GPU rounded
+            to float32 and scored at "fp32", float64 scores), and a framework: NumPy,
             CuPy, PyTorch (CUDA or CPU), JAX, or any DLPack producer.
         q_mask: bool ``Q.shape[:-1]``, True = valid token. Masked query tokens add nothing.
         d_mask: bool ``D.shape[:-1]``. Masked document tokens never win the max.
@@ -40,14 +41,17 @@ def maxsim(Q, D, q_mask=None, d_mask=None, *, q_lengths=None, d_lengths=None, re
             token per query token (lowest index on ties), -1 for masked query tokens and
             empty documents.
         backend: "auto" (GPU for device arrays, and for host arrays when a GPU is
-            present), "gpu", or "cpu" (exact NumPy path).
+            present; float64 host arrays: the CPU), "gpu", or "cpu" (the NumPy path: BLAS
+            float32 similarities, float64 for float64 inputs, with the argmax of the float64
+            similarities exactly and each score the sum of its winners' float64 similarities;
+            see ``lik_cupy._cpu.maxsim``).
         precision: float32 inputs on the GPU: "fp32" (float32 accuracy, 3xTF32) or "tf32"
             (one TF32 product, ~1e-3 relative error, faster); None follows the process
             default and then the caller's framework (``lik_cupy.precision``).
 
     Returns:
-        float32 scores (and the argmax) in the caller's framework, on the caller's
-        device. A document with no valid token scores -inf; a query with no valid
+        float32 scores (float64 for float64 inputs) and the argmax, in the caller's framework,
+        on the caller's device. A document with no valid token scores -inf; a query with no valid
         token scores 0 (also against an empty document); a NaN in any unmasked
         similarity makes that score NaN. Device work runs on the caller's current
         CuPy or PyTorch stream without a host synchronisation, except that a call with
@@ -76,7 +80,7 @@ def maxsim_pairs(Q, D, q_mask=None, d_mask=None, *, q_lengths=None, d_lengths=No
         Other arguments as in :func:`maxsim`.
 
     Returns:
-        float32 ``[B]`` (and int32 argmax ``[B, Lq]`` if asked).
+        float32 ``[B]`` (float64 for float64 inputs), and int32 argmax ``[B, Lq]`` if asked.
     Example::
 
         >>> import numpy as np, lik_cupy
@@ -96,7 +100,7 @@ def maxsim_varlen(Q, D_tokens, d_offsets, q_mask=None, *, q_lengths=None, q_offs
         Q: ``[Nq, Lq, d]`` or ``[Lq, d]`` padded queries (with ``q_mask`` / ``q_lengths``
             as in :func:`maxsim`), or packed query tokens ``[Tq, d]`` with ``q_offsets``.
         D_tokens: ``[T, d]`` the documents' tokens back to back, same dtype and
-            framework/device as Q (float16, bfloat16 or float32).
+            framework/device as Q (float16, bfloat16, float32, or float64 on the CPU as in :func:`maxsim`).
         d_offsets: int32 or int64 ``[Nd + 1]``: document j is ``D_tokens[d_offsets[j]:d_offsets[j + 1]]``
             (FlashAttention's ``cu_seqlens``). Must start at 0, never decrease and end at T;
             equal neighbours are empty documents (score -inf). Device offsets are checked by
@@ -114,7 +118,7 @@ def maxsim_varlen(Q, D_tokens, d_offsets, q_mask=None, *, q_lengths=None, q_offs
         backend, precision: as in :func:`maxsim`.
 
     Returns:
-        float32 ``[Nq, Nd]`` (``[Nd]`` for a 2-D padded Q), in the caller's framework
+        float32 ``[Nq, Nd]`` (``[Nd]`` for a 2-D padded Q; float64 for float64 inputs), in the caller's framework
         and device; semantics as in :func:`maxsim`.
     Example::
 
@@ -127,7 +131,7 @@ def maxsim_varlen(Q, D_tokens, d_offsets, q_mask=None, *, q_lengths=None, q_offs
     check_backend(backend)
     p = check_varlen(Q, D_tokens, d_offsets, q_mask, q_lengths, q_offsets)
     x3 = _fp32_accurate(precision, p.framework, p.dtype)
-    if scoring_on_gpu(p, backend):
+    if scoring_on_gpu(p, backend, float64_gpu=True):
         scores, amax = _gpu_varlen(p, Q, D_tokens, d_offsets, q_mask, q_lengths, q_offsets, return_argmax,
                                    validate_offsets, x3)
     else:
@@ -139,7 +143,7 @@ def _run(Q, D, q_mask, d_mask, q_lengths, d_lengths, return_argmax, backend, pre
     check_backend(backend)
     p = check_call(Q, D, q_mask, d_mask, q_lengths, d_lengths, pairs=pairs)
     x3 = _fp32_accurate(precision, p.framework, p.dtype)
-    if scoring_on_gpu(p, backend):
+    if scoring_on_gpu(p, backend, float64_gpu=True):
         scores, amax = _gpu(p, Q, D, q_mask, d_mask, q_lengths, d_lengths, return_argmax, x3)
     else:
         scores, amax = _cpu(p, Q, D, q_mask, d_mask, q_lengths, d_lengths, return_argmax)
@@ -192,13 +196,13 @@ def _gpu(p: Problem, Q, D, q_mask, d_mask, q_lengths, d_lengths, return_argmax, 
         with caller_stream(fw, device):
             q = device_array(Q, fw, on_host)
             d = device_array(D, fw, on_host)
-            if p.dtype == "bfloat16":
-                q, d = q.view(cupy.uint16), d.view(cupy.uint16)
+            q, d = _kernel_operands(p, q, d)
             nrows = p.nq * p.nd if p.candidates else p.nd
             qm, ql = device_valid(q_mask, q_lengths, p.nq, p.lq, "q_lengths", fw, on_host, checks)
             dm, dl = device_valid(d_mask, d_lengths, nrows, p.ld, "d_lengths", fw, on_host, checks)
-            scores, amax = launch(p, q, d, qm, dm, ql, dl, return_argmax, device, x3=x3)
-            results = caller_results(p, scores, amax, on_host)
+            scores, amax = launch(_kernel_problem(p), q, d, qm, dm, ql, dl, return_argmax, device,
+                                  x3=x3 or p.dtype == "float64")
+            results = caller_results(p, scores.astype("float64") if p.dtype == "float64" else scores, amax, on_host)
         checks.verify()  # last, while the scoring kernel runs (lik_cupy._runtime.device_checks)
     return results
 
@@ -213,8 +217,7 @@ def _gpu_varlen(p: Problem, Q, D, d_offsets, q_mask, q_lengths, q_offsets, retur
         with caller_stream(fw, device):
             q = device_array(Q, fw, on_host)
             d = device_array(D, fw, on_host).reshape(p.ntok, p.dim)
-            if p.dtype == "bfloat16":
-                q, d = q.view(cupy.uint16), d.view(cupy.uint16)
+            q, d = _kernel_operands(p, q, d)
             doff = device_offsets(device_array(d_offsets, fw, on_host), p.ntok, "d_offsets", validate, checks)
             qm = None
             if q_offsets is not None:
@@ -224,8 +227,25 @@ def _gpu_varlen(p: Problem, Q, D, d_offsets, q_mask, q_lengths, q_offsets, retur
                 q = q.reshape(p.nq, p.lq, p.dim)
                 qm, ql = device_valid(q_mask, q_lengths, p.nq, p.lq, "q_lengths", fw, on_host, checks)
             ld_hint = -(-p.ntok // max(1, p.nd))
-            scores, amax = launch(p, q, d, qm, None, ql, None, return_argmax, device, d_off=doff, ld_hint=ld_hint,
-                                  x3=x3)
-            results = caller_results(p, scores, amax, on_host)
+            scores, amax = launch(_kernel_problem(p), q, d, qm, None, ql, None, return_argmax, device, d_off=doff,
+                                  ld_hint=ld_hint, x3=x3 or p.dtype == "float64")
+            results = caller_results(p, scores.astype("float64") if p.dtype == "float64" else scores, amax, on_host)
         checks.verify()  # last, while the scoring kernel runs (lik_cupy._runtime.device_checks)
     return results
+
+
+def _kernel_operands(p: Problem, q, d):
+    """q and d as the kernels take them: bfloat16 as its uint16 bits, float64 rounded to float32
+    (scored at float32 accuracy, ``lik_cupy.precision``; the caller still gets float64 scores)."""
+    import cupy
+
+    if p.dtype == "bfloat16":
+        return q.view(cupy.uint16), d.view(cupy.uint16)
+    if p.dtype == "float64":
+        return q.astype(cupy.float32), d.astype(cupy.float32)
+    return q, d
+
+
+def _kernel_problem(p: Problem) -> Problem:
+    """The problem the kernels see: float64 runs as float32 (see _kernel_operands)."""
+    return replace(p, dtype="float32") if p.dtype == "float64" else p

@@ -35,7 +35,8 @@ def maxsim_int8(Q, D, d_scales, q_mask=None, d_mask=None, *, q_scales=None, q_le
 
     Args:
         Q: ``[Nq, Lq, d]`` or ``[Lq, d]``: float16, bfloat16 or float32 (quantised per token
-            on the fly), or int8 with ``q_scales``.
+            on the fly), or int8 with ``q_scales``. A float64 Q is quantised on the CPU path only
+            (``backend="auto"`` with host arrays, or ``"cpu"``; the GPU refuses it with a TypeError).
         D: int8 ``[Nd, Ld, d]`` (shared by all queries -> ``[Nq, Nd]``), ``[Nq, K, Ld, d]``
             (a candidate set per query -> ``[Nq, K]``) or ``[Ld, d]`` (-> ``[Nq]``), as made by
             :func:`lik_cupy.quantize_int8`. On the GPU, d must be a multiple of 16, at most 4096.
@@ -102,7 +103,7 @@ def _score(p: Problem, Q, q_scales, q_int8: bool, q_mask, q_lengths, D, d_scales
     """Scores and argmax (or None) of a validated call; documents padded, or packed when ``p.d_packed``."""
     fw = p.framework
     nrows = p.ntok if p.d_packed else p.nq * p.nd if p.candidates else p.nd
-    if not scoring_on_gpu(p, backend):
+    if not scoring_on_gpu(p, backend, float64=not q_int8 and interop.describe(Q).dtype == "float64"):
         q, qs = _host_queries(p, Q, q_scales, q_int8)
         qv = valid_host(q_mask, q_lengths, p.nq, p.lq, "q_lengths", fw)
         ds = np.asarray(host_array(d_scales, fw), np.float32)

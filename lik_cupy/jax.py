@@ -23,7 +23,7 @@ def maxsim(Q, D, q_mask=None, d_mask=None, *, q_lengths=None, d_lengths=None, me
     Arguments and semantics as :func:`lik_cupy.maxsim`; masks and lengths take no
     gradient; ``method`` is the backward's dD method (see :func:`lik_cupy.maxsim_backward`);
     ``precision`` as in :func:`lik_cupy.maxsim` (None follows ``jax_default_matmul_precision``).
-    Returns float32 scores.
+    Returns float32 scores (float64 for float64 arrays).
     """
     def forward(q, d):
         # jax.grad hands the custom_vjp concrete primals; jit, vmap and scan hand tracers.

@@ -109,8 +109,9 @@ def retrieve(Q, D, k, q_mask=None, *, q_lengths=None, q_scales=None, d_offsets=N
     """Top-k documents per query by MaxSim score, streamed over the corpus.
 
     Args:
-        Q: ``[Nq, Lq, d]`` or ``[Lq, d]`` query tokens (float16, bfloat16 or float32), any
-            framework; or int8 with ``q_scales`` (INT8 corpora only).
+        Q: ``[Nq, Lq, d]`` or ``[Lq, d]`` query tokens (float16, bfloat16 or float32, any
+            framework; float64 on the CPU only, as in :func:`lik_cupy.maxsim`); or int8 with
+            ``q_scales`` (INT8 corpora only).
         D: the corpus, one of
             - padded ``[Nd, Ld, d]`` (with ``d_mask [Nd, Ld]`` or ``d_lengths [Nd]``),
             - packed tokens ``[T, d]`` with ``d_offsets [Nd + 1]`` (int32/int64, from 0 to T),
@@ -139,12 +140,13 @@ def retrieve(Q, D, k, q_mask=None, *, q_lengths=None, q_scales=None, d_offsets=N
             docstring for the formula); it sets the chunk size. If the GPU runs out of
             memory anyway, the chunk is halved (one RuntimeWarning) down to one document,
             then MemoryError.
-        backend: "auto", "gpu" or "cpu" (exact NumPy path; for INT8 the kernels' arithmetic:
-            exact integer dot products, scaled in float32).
+        backend: "auto", "gpu" or "cpu" (the NumPy path of :func:`lik_cupy.maxsim`; for INT8
+            the kernels' arithmetic: exact integer dot products, scaled in float32).
         precision: float32 corpora on the GPU, "fp32" or "tf32", as in :func:`lik_cupy.maxsim`.
 
     Returns:
-        ``(scores, indices)``: float32 and int64 ``[Nq, min(k, Nd)]`` (``[min(k, Nd)]`` for a
+        ``(scores, indices)``: float32 (float64 for a float64 Q and corpus) and int64
+        ``[Nq, min(k, Nd)]`` (``[min(k, Nd)]`` for a
         2-D Q), best first: score descending, ties to the lower document index, NaN scores
         last. In Q's framework and on Q's device (NumPy Q: NumPy results). A query token
         holding NaN or inf makes its scores against an INT8 corpus NaN.
@@ -324,7 +326,7 @@ class _Cpu:
         if q_scales is not None:
             self.qs = host_array(q_scales, fw).reshape(qp.nq, qp.lq)
         self.kind = None
-        self.s = np.empty((qp.nq, 0), np.float32)
+        self.s = np.empty((qp.nq, 0), np.float64 if qp.dtype == "float64" else np.float32)
         self.i = np.empty((qp.nq, 0), np.int64)
         self.base = 0
 
@@ -376,6 +378,8 @@ class _Cpu:
 
     def result(self):
         fw = self.qp.framework
+        if self.kind == "int8":  # INT8 scores are float32 whatever the queries were
+            self.s = self.s.astype(np.float32, copy=False)
         if self.qp.device is None:
             return interop.from_numpy(self.s, fw), interop.from_numpy(self.i, fw)
         import cupy

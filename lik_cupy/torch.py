@@ -59,7 +59,8 @@ def maxsim(Q, D, q_mask=None, d_mask=None, *, q_lengths=None, d_lengths=None, me
     candidates ``D [Nq, K, Ld, d]``, masks or lengths); ``method`` is the backward's
     dD method ("auto", "atomic" or "csr", see :func:`lik_cupy.maxsim_backward`).
     ``precision`` as in :func:`lik_cupy.maxsim` (None follows ``torch.backends.cuda.matmul``).
-    Masks and lengths take no gradient. Returns float32 scores (and the int32 argmax).
+    Masks and lengths take no gradient. Returns float32 scores (float64 for float64 tensors) and,
+    if asked, the int32 argmax.
     """
     def call(q, d):
         return _maxsim(q, d, q_mask, d_mask, q_lengths=q_lengths, d_lengths=d_lengths, return_argmax=True,

@@ -5,7 +5,7 @@ import pytest
 
 import lik_cupy
 from lik_cupy.retrieve import _packed_chunks
-from reference import maxsim_ref
+from reference import assert_within_rounding, maxsim_ref, rounding_bound
 
 
 def _packed(rng, nd, lo, hi, dim, empty_frac=0.2):
@@ -38,7 +38,8 @@ def test_varlen_cpu_vs_float64(rng, off_dtype):
     s, a = lik_cupy.maxsim_varlen(q, tok, off.astype(off_dtype), q_mask=qmask, return_argmax=True, backend="cpu")
     dpad, dv = _padded(tok, lens)
     ref, sim = maxsim_ref(q, dpad, qmask, dv)
-    np.testing.assert_allclose(s, ref, rtol=1e-5)
+    assert_within_rounding(s, ref, rounding_bound(q, dpad, qmask, dv))
+    np.testing.assert_array_equal(a, np.where(qmask[:, None, :] & (lens > 0)[None, :, None], sim.argmax(axis=3), -1))
     assert s.dtype == np.float32 and a.shape == (4, 70, 9) and a.dtype == np.int32
     assert np.all(s[:, lens == 0] == -np.inf) and np.all(a[:, lens == 0] == -1)
     assert np.all(a[~np.broadcast_to(qmask[:, None, :], a.shape)] == -1)
@@ -51,7 +52,12 @@ def test_varlen_cpu_packed_queries_and_2d(rng):
     s = lik_cupy.maxsim_varlen(qt, tok, off, q_offsets=np.concatenate([[0], np.cumsum(qlens)]), backend="cpu")
     assert s.shape == (3, 30) and np.all(s[1] == 0)
     one = lik_cupy.maxsim_varlen(qt[:3], tok, off, backend="cpu")
+    # The 3-token query alone and padded to 7 among others: GEMMs of different shapes, the same scores
+    # bit for bit (each term is its winner's float64 dot product, lik_cupy._cpu.maxsim)
     np.testing.assert_array_equal(one, s[0])
+    dpad, dv = _padded(tok, lens)
+    assert_within_rounding(one, maxsim_ref(qt[None, :3], dpad, None, dv)[0][0],
+                           rounding_bound(qt[None, :3], dpad, None, dv)[0])
 
 
 @pytest.mark.parametrize(
@@ -102,9 +108,11 @@ def test_retrieve_cpu_layouts_agree(rng):
         lik_cupy.retrieve(q, [(tok[: off[100]], off[:101]), dpad[100:]], 17, backend="cpu"),
         lik_cupy.retrieve(q, iter([dpad[:1], dpad[1:0], dpad[1:]]), 17, backend="cpu"),  # generator, empty shard
     ]
-    for s, i in got[:3]:
+    for s, i in got[:3]:  # every layout and chunking scores bit for bit alike (lik_cupy._cpu.maxsim)
         np.testing.assert_array_equal(i, want_i)
         np.testing.assert_array_equal(s, want_s)
+    ref, bound = maxsim_ref(q, dpad, None, dv)[0], rounding_bound(q, dpad, None, dv)
+    assert_within_rounding(full, ref, bound)
     for s, i in got[3:]:  # the padded shard is unmasked: different scores, same machinery
         assert s.shape == (5, 17) and i.dtype == np.int64
         assert np.all(np.diff(s, axis=1) <= 0)

@@ -177,7 +177,7 @@ def _int8_args():
         (dict(Q="q8", q_scales="qs_shape"), ValueError, r"q_scales has shape \[3\]; expected \[2, 3\]"),
         (dict(Q="q8", q_scales="qs", D="f16"), TypeError, "Q is int8 but the corpus has dtype float16: int8 queries score INT8 corpora only"),
         (dict(q_scales="qs"), ValueError, "q_scales goes with an int8 Q, but Q is float16"),
-        (dict(Q="q64"), TypeError, "Q has dtype float64"),
+        (dict(Q="q32"), TypeError, "Q has dtype int32"),
         (dict(Q="q_dim"), ValueError, "corpus has dim 16 but Q has dim 8"),
     ],
 )
@@ -188,7 +188,7 @@ def test_retrieve_int8_argument_errors(kwargs, err, msg):
     named = {
         "d8": d8, "ds": ds, "t8": t8, "ts": ts, "ds64": ds.astype(np.float64), "f16": d8.astype(np.float16),
         "shard": (d8, ds), "packed_no_scales": (t8, np.array([0, 24])), "bad_scales": (t8, np.array([0, 24]), ts[:-1]),
-        "q8": q8, "qs": qs, "qs_shape": qs[0], "qs_neg": -np.ones_like(qs), "q64": q.astype(np.float64),
+        "q8": q8, "qs": qs, "qs_shape": qs[0], "qs_neg": -np.ones_like(qs), "q32": q.astype(np.int32),
         "q_dim": np.zeros((2, 3, 8), np.float16),
     }
 

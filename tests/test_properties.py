@@ -37,7 +37,7 @@ from hypothesis import strategies as st  # noqa: E402
 ALLOWED = (ValueError, TypeError)
 NP = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float32": np.float32}
 FLOATS = tuple(NP)
-BAD_DTYPES = (np.float64, np.int32, np.int8, np.bool_)
+BAD_DTYPES = (np.complex64, np.int32, np.int8, np.bool_)  # (float64 is taken: it scores on the CPU)
 GARBAGE = (np.nan, np.inf, -np.inf, 6e4)  # what padding may hold (6e4: near float16's largest)
 EXTENT = st.integers(0, 4) | st.integers(1, 4)  # every count may be 0, but most are not
 
@@ -978,7 +978,7 @@ def _q_scales_for_float_q(draw, a):
 
 
 _INT8_BREAKS = {
-    "Q dtype": _swap_dtype("Q", (np.float64, np.int32, np.uint8, np.bool_)), "D not int8": _d_not_int8, "backend": _backend, "dim 0": _dim_zero,
+    "Q dtype": _swap_dtype("Q", (np.complex64, np.int32, np.uint8, np.bool_)), "D not int8": _d_not_int8, "backend": _backend, "dim 0": _dim_zero,
     "q_scales for a float Q": _q_scales_for_float_q,
     **{f"{key} {how}": _scales_break(key, how) for key in ("d_scales", "q_scales") for how in ("shape", "dtype", "missing")},
     **{f"{what} ({side})": make(side) for side in "qd" for what, make in (

@@ -133,7 +133,7 @@ def test_pairs_ranks(qs, ds):
 # ---------------------------------------------------------------- dtypes and frameworks
 
 
-@pytest.mark.parametrize("bad", [np.int32, np.int64, np.float64, np.bool_, np.complex64])
+@pytest.mark.parametrize("bad", [np.int32, np.int64, np.bool_, np.complex64, np.complex128])
 @pytest.mark.parametrize("which", ["Q", "D"])
 def test_bad_float_dtype(bad, which):
     q, d = f16(2, 3, 16), f16(4, 5, 16)
@@ -142,8 +142,30 @@ def test_bad_float_dtype(bad, which):
     else:
         d = d.astype(bad)
     name = np.dtype(bad).name
-    with pytest.raises(TypeError, match=E(f"{which} has dtype {name}; expected float16, bfloat16 or float32")):
+    with pytest.raises(TypeError, match=E(f"{which} has dtype {name}; expected float16, bfloat16, float32 or float64")):
         ms(q, d)
+
+
+def test_float64_host_arrays_score_on_the_cpu_and_where_the_gpu_takes_them(monkeypatch):
+    q, d = np.zeros((2, 3, 16)), np.zeros((4, 5, 16))
+    with pytest.raises(AssertionError, match="scoring ran"):  # valid: it reaches the NumPy path
+        ms(q, d)
+    monkeypatch.setattr(backend, "gpu_available", lambda: True)
+    with pytest.raises(AssertionError, match="scoring ran"):  # "auto" with host float64: the CPU, GPU or not
+        ms(q, d, backend="auto")
+    # The forward and the backward take float64 on the GPU (at float32 accuracy, float64 results);
+    # retrieve and the INT8 functions refuse it there rather than round it silently.
+    assert backend.use_gpu("gpu", None, float64=True, float64_gpu=True)
+    assert backend.use_gpu("auto", 0, float64=True, float64_gpu=True)
+    assert not backend.use_gpu("auto", None, float64=True, float64_gpu=True)
+    msg = "float64 inputs with backend='gpu': this call's GPU kernels take float16, bfloat16 or float32. Cast to float32"
+    with pytest.raises(TypeError, match=E(msg)):
+        lik_cupy.retrieve(q, d, 2, backend="gpu")
+    d8, ds = lik_cupy.quantize_int8(np.ones((4, 5, 16), np.float32), backend="cpu")
+    with pytest.raises(TypeError, match=E(msg)):  # a float64 Q quantised on the fly: the CPU only too
+        lik_cupy.maxsim_int8(q, d8, ds, backend="gpu")
+    with pytest.raises(TypeError, match=E("float64 inputs with arrays on the GPU")):  # device arrays, "auto"
+        backend.use_gpu("auto", 0, float64=True)
 
 
 @pytest.mark.parametrize("qd,dd", [(np.float16, np.float32), (np.float32, ml_dtypes.bfloat16), (ml_dtypes.bfloat16, np.float16)])

@@ -1,7 +1,9 @@
-"""The NumPy path: exact MaxSim, its gradients and the INT8 quantiser on the CPU, with the same
-semantics as the GPU kernels."""
+"""The NumPy path: MaxSim at BLAS speed with the exact float64 argmax, its gradients and the INT8
+quantiser on the CPU, with the same semantics as the GPU kernels (``maxsim.py`` says what the
+scores promise)."""
 
-from .maxsim import maxsim_backward_numpy, maxsim_numpy, maxsim_packed_numpy, unpack
+from .backward import maxsim_backward_numpy
+from .maxsim import BLOCK_BYTES, maxsim_numpy, maxsim_packed_numpy, unpack
 from .quantize import quantize_numpy
 
-__all__ = ["maxsim_numpy", "maxsim_packed_numpy", "maxsim_backward_numpy", "unpack", "quantize_numpy"]
+__all__ = ["maxsim_numpy", "maxsim_packed_numpy", "maxsim_backward_numpy", "unpack", "quantize_numpy", "BLOCK_BYTES"]

@@ -1,91 +1,252 @@
-"""Exact MaxSim on the CPU with NumPy, with the same semantics as the GPU kernels.
+"""MaxSim on the CPU with NumPy, with the same semantics as the GPU kernels.
 
-Memory is bounded by bytes, whatever the corpus: documents are processed in blocks so that
-the float64 copy of a block's tokens and its similarities stay under ``block_bytes``
-(default 64 MiB), counting the embedding dim; a document too long for that alone is
-processed in runs of its tokens, whose maxima combine exactly (the max of the runs' maxima,
-the first index of a tie or NaN as ``argmax`` gives it). Packed documents are padded
-``_RUN_BYTES`` at a time. Dot products are taken in float64: BLAS rounds a row differently
-depending on where it falls in its blocking, so in float32 two identical document tokens
-could get different similarities and break the lowest-index tie rule; in float64
-fp16/bf16 products are summed exactly for practical inputs.
+Similarities come from BLAS GEMMs (multithreaded as NumPy's BLAS is), several queries' tokens to one
+GEMM where documents are shared. The arithmetic:
+
+- float16, bfloat16 and float32 inputs: a float32 GEMM (float16 and bfloat16 blocks are upcast to
+  float32 first, exactly); float64 inputs: a float64 GEMM, and float64 scores.
+- The winner of each query token in each document is exactly the argmax of the *reference
+  similarity* (``refine.py``: the float64 dot product of the two vectors, summed in one fixed
+  order, a function of the two vectors alone), the lowest index on ties. The GEMM only points at
+  it: where no other column lies within the GEMM's rounding of a document's max (a margin from a
+  bound on the query token's and the document tokens' norms), the max's column is the winner; the
+  pairs where one does (near ties, identical tokens), and those whose max comes out NaN or
+  infinite, are decided in float64 (``refine.Pending``).
+- Scores: each valid query token's winner similarity, recomputed as the reference similarity (one
+  dot product per query token and document: ``1 / Ld`` of the GEMM's products), summed in float64
+  in query-token order and rounded to float32 (float64 for float64 inputs). So a score depends on
+  the query and the document alone, never on the blocks, the other documents or queries of the
+  call, the query's padding, the layout (padded, packed, candidates) or BLAS's threads: bit for bit
+  the same however a corpus is split over calls, processes or machines (for one NumPy build). It
+  lies within float64 rounding of the float64 MaxSim (float32 inputs' products are exact in
+  float64); NaN and inf scores are exactly those of float64.
+- INT8 (``q_scale`` / ``d_scale``): the integer dot products are exact in the float32 GEMM (no
+  partial sum of int8 products passes 2**24 for ``d <= 1024``; a float64 GEMM beyond), each times
+  its document token's scale in float32: the kernels' arithmetic, bit for bit, whatever the blocks
+  (nothing to refine or recompute).
+
+Speed: a block goes through the GEMM in chunks of documents whose similarities and tokens fit
+``_CACHE_BYTES``; each chunk's tokens are read once for their norm bound just before its GEMM, and
+everything after the GEMM (argmax, second max, the winners' dot products) reads from the cache.
+The norm bound and the winners' dot products are what exactness costs over a plain GEMM and max:
+a pass over the tokens and ``Lq * Nd`` dot products, most visible with few short queries
+(``docs/benchmarks.md``).
+
+Memory: the temporaries of one block (similarities, document tokens converted for the GEMM, their
+norm bounds, the per-document maxima, thresholds and winners) stay under ``block_bytes`` (default
+64 MiB), whatever the corpus size and however long one document is: a document whose tokens alone
+pass the bound is scored in runs of its tokens, whose winners combine exactly (the larger reference
+similarity, the earlier run on ties, the first NaN). The winners' dot products and the float64
+decisions work through their pairs in pieces of an eighth of that bound: ``9/8 * block_bytes`` in
+all (plus NumPy's own casting buffers, a fixed few hundred kilobytes), except that a run holds one
+query against one document token at least.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
-_BLOCK_BYTES = 64 << 20
-_RUN_BYTES = 16 << 20  # packed documents padded at a time, as stored (maxsim_numpy blocks them again)
+from .refine import Pending, dot64, margin, norm_bound
+from .runs import Runs
+
+__all__ = ["maxsim_numpy", "maxsim_packed_numpy", "unpack", "BLOCK_BYTES"]
+
+BLOCK_BYTES = 64 << 20
+_INT8_EXACT_DIM = 1024  # d * 128 * 128 <= 2**24: every partial sum of int8 products is exact in float32
+_PER_MAX = 128  # bytes per (query token, document): its max, threshold, margin, masks, winner, reference value
+_DOT_CHUNK = 2 << 20  # bytes the winners' dot products gather and convert at a time (cache-sized)
+_GROUP_DOCS = 32  # documents a block holds at least before queries share its GEMM
+_NORM_TOKENS = 16  # consecutive document tokens whose norm is bounded together (the margin's looseness: its sqrt)
+_CACHE_BYTES = 8 << 20  # a chunk's similarities and tokens at most: what follows its GEMM reads them from cache
+
+
+@dataclass(frozen=True)
+class _Arith:
+    """How a call computes: the GEMM's dtype, whether its similarities are exact (INT8: nothing to
+    refine or recompute) and the scores' dtype."""
+
+    gemm: np.dtype
+    exact: bool
+    out: np.dtype
+
+    @staticmethod
+    def of(dtype, dim: int, int8: bool) -> _Arith:
+        if int8:
+            return _Arith(np.dtype(np.float32 if dim <= _INT8_EXACT_DIM else np.float64), True, np.dtype(np.float32))
+        if np.dtype(dtype) == np.float64:
+            return _Arith(np.dtype(np.float64), False, np.dtype(np.float64))
+        return _Arith(np.dtype(np.float32), False, np.dtype(np.float32))
+
+    def element_bytes(self, argmax: bool, packed: bool) -> int:
+        """Temporary bytes per similarity: the block itself (and its float32 copy after a float64 INT8
+        GEMM), and where a winner is looked for in packed documents, the boolean test, the per-column
+        float64 thresholds and first-hit codes. Inexact similarities always look for the winner (the scores
+        are its reference similarity)."""
+        n = self.gemm.itemsize + (4 if self.exact and self.gemm.itemsize == 8 else 0)
+        if packed and (argmax or not self.exact):
+            n += 1 + 8 + 4
+        return n
+
+
+@dataclass(frozen=True)
+class _Budget:
+    """How one call's blocks fit ``block_bytes``: the temporary bytes held per query (its tokens in the
+    GEMM's dtype, their norms), per document token (its similarities with the query's tokens and the
+    argmax test; its copy in the GEMM's dtype where it needs converting, and its norm) and per
+    document (the query's per-document maxima, thresholds, winners and masks)."""
+
+    fixed: int
+    per_token: int
+    per_doc: int
+
+    @staticmethod
+    def of(lq: int, dim: int, dtype, ar: _Arith, argmax: bool, *, packed: bool) -> _Budget:
+        g = ar.gemm.itemsize
+        converted = dim * g if np.dtype(dtype) != ar.gemm else 0
+        return _Budget(lq * (dim * g + 16), lq * ar.element_bytes(argmax, packed) + converted + g + 1, lq * _PER_MAX)
+
+    def run_tokens(self, block_bytes: int) -> int:
+        """Tokens of one document a block may hold (one at least)."""
+        return max(1, (block_bytes - self.fixed - self.per_doc) // max(1, self.per_token))
 
 
 def maxsim_numpy(Q: np.ndarray, D: np.ndarray, q_valid: np.ndarray, d_valid: np.ndarray, *, candidates: bool,
-                 nd: int, return_argmax: bool, block_bytes: int = _BLOCK_BYTES, q_scale: np.ndarray | None = None,
+                 nd: int, return_argmax: bool, block_bytes: int = BLOCK_BYTES, q_scale: np.ndarray | None = None,
                  d_scale: np.ndarray | None = None):
-    """Canonical-shape MaxSim.
+    """Canonical-shape MaxSim (module docstring: the arithmetic and the memory bound).
 
     Q: [Nq, Lq, d]; D: [Nd, Ld, d] shared by all queries, or [Nq * nd, Ld, d]
-    when ``candidates`` (query i scores documents i*nd .. i*nd+nd-1).
+    when ``candidates`` (query i scores documents i*nd .. i*nd+nd-1). float16, bfloat16, float32 or
+    float64 (both alike), or int8 with scales.
     q_valid: bool [Nq, Lq]; d_valid: bool [D.shape[0], Ld].
     q_scale / d_scale: float32 [Nq, Lq] / [D.shape[0], Ld] for int8 Q and D. The similarity is
     then the exact integer dot product times the document token's scale, rounded to float32,
     and the query token's scale multiplies the max (a negative or NaN one gives NaN, since
     only a non-negative scale commutes with the max): the kernel's arithmetic, so the argmax
     matches the GPU's exactly.
-    Returns scores float32 [Nq, nd] and, if asked, argmax int32 [Nq, nd, Lq].
+    Returns scores float32 [Nq, nd] (float64 for float64 inputs) and, if asked, argmax int32 [Nq, nd, Lq].
     """
     nq, lq, dim = Q.shape
     ld = D.shape[1]
-    scores = np.empty((nq, nd), np.float32)
+    ar = _Arith.of(D.dtype, dim, d_scale is not None)
+    scores = np.empty((nq, nd), ar.out)
     amax = np.empty((nq, nd, lq), np.int32) if return_argmax else None
-    # Bytes one document token costs in a block: its float64 copy and its similarities (and their argmax).
-    per_token = 8 * dim + 8 * lq * (2 if return_argmax else 1)
-    run = max(1, min(ld, block_bytes // per_token))  # tokens of a document taken at once
-    per = max(1, block_bytes // max(1, ld * per_token)) if run >= ld else 1
-    with np.errstate(invalid="ignore", over="ignore"):
+    b = _Budget.of(lq, dim, D.dtype, ar, return_argmax, packed=False)
+    per_doc = ld * b.per_token + b.per_doc
+    out: dict = {}
+
+    def put(i0: int, i1: int, j0: int, j1: int, res: tuple) -> None:
+        scores[i0:i1, j0:j1] = _scores(res[0], q_valid[i0:i1], None if q_scale is None else q_scale[i0:i1])
+        if amax is not None:
+            amax[i0:i1, j0:j1] = _argmax_out(res[1], i1 - i0, lq)
+
+    if b.fixed + per_doc > block_bytes:  # one document passes the bound: each in runs of its tokens
+        run = b.run_tokens(block_bytes)
+        for i0, rows, queries in _document_sets(nq, nd, candidates):
+            for j in range(nd):
+                res = _long_document(Q, q_valid, queries, D[rows.start + j], d_valid[rows.start + j],
+                                     None if d_scale is None else d_scale[rows.start + j], ar, return_argmax,
+                                     block_bytes, run, out)
+                for k, i in enumerate(queries):
+                    put(i, i + 1, j, j + 1, (res[0][k][:, None], None if res[1] is None else res[1][k][:, None]))
+        return scores, amax
+    docs_per_block = max(1, (block_bytes - b.fixed) // max(1, per_doc))
+    if candidates and docs_per_block >= nd:  # whole candidate sets fit: several queries' sets per block
+        sets = max(1, min(nq, block_bytes // max(1, b.fixed + nd * per_doc)))
+        for i0 in range(0, nq, sets):
+            i1 = min(nq, i0 + sets)
+            rows = slice(i0 * nd, i1 * nd)
+            blk = _DocBlock(_tokens(D[rows], ar, i1 - i0), Runs.padded(nd, ld, d_valid[rows].reshape(i1 - i0, -1)),
+                            None if d_scale is None else d_scale[rows].reshape(i1 - i0, -1), out)
+            put(i0, i1, 0, nd, _block_maxima(Q[i0:i1], q_valid[i0:i1], blk, ar, return_argmax, block_bytes))
+        return scores, amax
+    if candidates:
         for i in range(nq):
-            qi = Q[i].astype(np.float64)
-            qv = q_valid[i]
-            base = i * nd if candidates else 0
-            for j0 in range(0, nd, per):
-                j1 = min(nd, j0 + per)
-                rows = slice(base + j0, base + j1)
-                best = idx = None
-                for t0 in range(0, max(ld, 1), run):
-                    t1 = min(ld, t0 + run)
-                    scale = None if d_scale is None else d_scale[rows, t0:t1]
-                    b, a = _block_max(D[rows, t0:t1], d_valid[rows, t0:t1], qi, scale, amax is not None)
-                    if best is None:
-                        best, idx = b, a
-                        continue
-                    # Later tokens win only by more, or with the first NaN (np.max / np.argmax over the whole).
-                    take = (b > best) | (np.isnan(b) & ~np.isnan(best))
-                    best = np.where(take, b, best)
-                    if idx is not None:
-                        idx = np.where(take, a + np.int32(t0), idx)
-                if q_scale is not None:  # an empty document's -inf stays -inf against a zero scale
-                    qs = np.where(q_scale[i] >= 0, q_scale[i], np.float32(np.nan))
-                    best = np.where(best == -np.inf, best, best * qs)
-                scores[i, j0:j1] = np.where(qv, best, 0.0).sum(axis=1, dtype=np.float64)
-                if amax is not None:
-                    idx[~d_valid[rows].any(axis=1)] = -1  # empty document
-                    idx[:, ~qv] = -1  # masked query token
-                    amax[i, j0:j1] = idx
+            for j0 in range(0, nd, docs_per_block):
+                j1 = min(nd, j0 + docs_per_block)
+                sl = slice(i * nd + j0, i * nd + j1)
+                blk = _DocBlock(_tokens(D[sl], ar, 1), Runs.padded(j1 - j0, ld, d_valid[sl].reshape(1, -1)),
+                                None if d_scale is None else d_scale[sl].reshape(1, -1), out)
+                put(i, i + 1, j0, j1, _block_maxima(Q[i:i + 1], q_valid[i:i + 1], blk, ar, return_argmax, block_bytes))
+        return scores, amax
+    # Documents shared by every query: several queries to one GEMM (the more rows, the better BLAS does),
+    # as many as leave a block room for a few dozen documents.
+    group = max(1, min(nq, (block_bytes // 2) // max(1, b.fixed + min(nd, _GROUP_DOCS) * per_doc)))
+    bg = _Budget.of(group * lq, dim, D.dtype, ar, return_argmax, packed=False)
+    docs_per_block = max(1, (block_bytes - bg.fixed) // max(1, ld * bg.per_token + bg.per_doc))
+    for j0 in range(0, nd, docs_per_block):  # each block's tokens are converted once for all its queries
+        j1 = min(nd, j0 + docs_per_block)
+        blk = _DocBlock(_tokens(D[j0:j1], ar, 1), Runs.padded(j1 - j0, ld, d_valid[j0:j1].reshape(1, -1)),
+                        None if d_scale is None else d_scale[j0:j1].reshape(1, -1), out)
+        for i0 in range(0, nq, group):
+            i1 = min(nq, i0 + group)
+            put(i0, i1, j0, j1, _block_maxima(Q[i0:i1], q_valid[i0:i1], blk, ar, return_argmax, block_bytes))
+        del blk
     return scores, amax
 
 
-def _block_max(blk: np.ndarray, dv: np.ndarray, qi: np.ndarray, d_scale: np.ndarray | None, want_idx: bool):
-    """Over the tokens of a block of documents [n, t, d]: each query token's best similarity [n, Lq]
-    and, if asked, the first token giving it (int32 [n, Lq]; 0 for a block without tokens)."""
-    n, t = blk.shape[:2]
-    if t == 0:
-        return np.full((n, qi.shape[0]), -np.inf), (np.zeros((n, qi.shape[0]), np.int32) if want_idx else None)
-    sim = np.matmul(blk.astype(np.float64), qi.T)  # [n, t, Lq]
-    if d_scale is not None:
-        sim = sim.astype(np.float32) * d_scale[:, :, None]
-    sim[~dv] = -np.inf  # masked document tokens never win
-    best = sim.max(axis=1)  # NaN propagates
-    return best, (sim.argmax(axis=1).astype(np.int32) if want_idx else None)
+def _document_sets(nq: int, nd: int, candidates: bool):
+    """(first query, rows of D, the queries that score them): one set shared by every query, or one
+    candidate set per query."""
+    if candidates:
+        return [(i, slice(i * nd, (i + 1) * nd), range(i, i + 1)) for i in range(nq)]
+    return [(0, slice(0, nd), range(nq))]
+
+
+def maxsim_packed_numpy(Q: np.ndarray, q_valid: np.ndarray, tokens: np.ndarray, offsets: np.ndarray, *,
+                        return_argmax: bool, block_bytes: int = BLOCK_BYTES, q_scale: np.ndarray | None = None,
+                        d_scale: np.ndarray | None = None):
+    """MaxSim of padded queries against packed documents (``offsets`` int64 [Nd + 1], checked), with
+    the arithmetic and memory bound of :func:`maxsim_numpy`.
+
+    Documents go in runs of whole documents whose temporaries fit ``block_bytes``, never padded; a
+    document that passes the bound alone goes in runs of its tokens. int8 inputs take ``q_scale``
+    [Nq, Lq] and ``d_scale`` [T] as in :func:`maxsim_numpy`.
+    """
+    nq, lq, dim = Q.shape
+    nd = offsets.size - 1
+    ar = _Arith.of(tokens.dtype, dim, d_scale is not None)
+    scores = np.empty((nq, nd), ar.out)
+    amax = np.empty((nq, nd, lq), np.int32) if return_argmax else None
+    lens = np.diff(offsets)
+    b1 = _Budget.of(lq, dim, tokens.dtype, ar, return_argmax, packed=True)
+    mean = max(1, -(-int(offsets[-1] - offsets[0]) // max(1, nd)))
+    group = max(1, min(nq, (block_bytes // 2) // max(1, b1.fixed + _GROUP_DOCS * (mean * b1.per_token + b1.per_doc))))
+    b = _Budget.of(group * lq, dim, tokens.dtype, ar, return_argmax, packed=True)
+    cost = np.cumsum(lens * b.per_token + b.per_doc)  # bytes of documents 0 .. j, with a group of queries
+    room = block_bytes - b.fixed
+    run = b1.run_tokens(block_bytes)
+    out: dict = {}
+    j0 = 0
+    while j0 < nd:
+        spent = int(cost[j0 - 1]) if j0 else 0
+        j1 = min(nd, max(j0 + 1, int(np.searchsorted(cost, spent + room, side="right"))))
+        t0, t1 = int(offsets[j0]), int(offsets[j1])
+        if j1 == j0 + 1 and t1 - t0 > run:  # one document passes the bound alone: in runs of its tokens
+            vals, idxs = _long_document(Q, q_valid, range(nq), tokens[t0:t1], None,
+                                        None if d_scale is None else d_scale[t0:t1], ar, return_argmax, block_bytes,
+                                        run, out)
+            for i in range(nq):
+                qs = None if q_scale is None else q_scale[i:i + 1]
+                scores[i, j0] = _scores(vals[i][:, None], q_valid[i:i + 1], qs)[0, 0]
+                if amax is not None:
+                    amax[i, j0] = idxs[i]
+            j0 = j1
+            continue
+        blk = _DocBlock(_tokens(tokens[t0:t1], ar, 1), Runs.packed(offsets[j0:j1 + 1]),
+                        None if d_scale is None else d_scale[None, t0:t1], out)
+        g = group if int(cost[j1 - 1]) - spent <= room else 1  # (one document too large for a group's rows)
+        for i0 in range(0, nq, g):  # several queries to one GEMM
+            i1 = min(nq, i0 + g)
+            val, idx = _block_maxima(Q[i0:i1], q_valid[i0:i1], blk, ar, return_argmax, block_bytes)
+            scores[i0:i1, j0:j1] = _scores(val, q_valid[i0:i1], None if q_scale is None else q_scale[i0:i1])
+            if amax is not None:
+                amax[i0:i1, j0:j1] = _argmax_out(idx, i1 - i0, lq)
+        del blk
+        j0 = j1
+    return scores, amax
 
 
 def unpack(tokens: np.ndarray, offsets: np.ndarray):
@@ -98,71 +259,201 @@ def unpack(tokens: np.ndarray, offsets: np.ndarray):
     return out, valid
 
 
-def maxsim_packed_numpy(Q: np.ndarray, q_valid: np.ndarray, tokens: np.ndarray, offsets: np.ndarray, *,
-                        return_argmax: bool, run_bytes: int = _RUN_BYTES, q_scale: np.ndarray | None = None,
-                        d_scale: np.ndarray | None = None):
-    """MaxSim of padded queries against packed documents (``offsets`` int64 [Nd + 1], checked).
-
-    Documents go in runs padded only to their own longest document, each run at most
-    ``run_bytes`` once padded (one document at least, which is then not copied at all), so
-    memory stays bounded by bytes for any corpus, however long one document is. int8
-    inputs take ``q_scale`` [Nq, Lq] and ``d_scale`` [T] as in :func:`maxsim_numpy`.
-    """
-    nq, lq, _ = Q.shape
-    nd = offsets.size - 1
-    scores = np.empty((nq, nd), np.float32)
-    amax = np.empty((nq, nd, lq), np.int32) if return_argmax else None
-    lens = np.diff(offsets)
-    row = max(1, tokens.shape[1] * tokens.dtype.itemsize + (4 if d_scale is not None else 0))
-    j0 = 0
-    while j0 < nd:
-        j1 = _run_end(lens, j0, max(1, run_bytes // row))
-        o0, o1 = int(offsets[j0]), int(offsets[j1])
-        if j1 == j0 + 1:  # one document: a view of its rows, nothing padded
-            blk, dv = tokens[o0:o1][None], np.ones((1, o1 - o0), bool)
-            sblk = None if d_scale is None else d_scale[o0:o1][None]
-        else:
-            blk, dv = unpack(tokens, offsets[j0:j1 + 1])
-            sblk = None if d_scale is None else unpack(d_scale.reshape(-1, 1), offsets[j0:j1 + 1])[0][..., 0]
-        s, a = maxsim_numpy(Q, blk, q_valid, dv, candidates=False, nd=j1 - j0, return_argmax=return_argmax,
-                            q_scale=q_scale, d_scale=sblk)
-        scores[:, j0:j1] = s
-        if amax is not None:
-            amax[:, j0:j1] = a
-        j0 = j1
-    return scores, amax
+def _tokens(x: np.ndarray, ar: _Arith, sets: int) -> np.ndarray:
+    """Document tokens [..., d] as ``sets`` sets of GEMM rows [sets, n, d] (a view when they already are)."""
+    return np.ascontiguousarray(x.reshape(sets, -1, x.shape[-1]), dtype=ar.gemm)
 
 
-def _run_end(lens: np.ndarray, j0: int, rows: int) -> int:
-    """The end of the run of documents starting at ``j0`` whose padded size (documents times the
-    longest) stays within ``rows`` token rows; one document at least. Looks ahead only as far as
-    needed, doubling, so a corpus costs time in proportion to its documents."""
-    nd, ahead = lens.size, 64
-    while True:
-        window = lens[j0 : j0 + ahead]
-        padded = np.arange(1, window.size + 1) * np.maximum.accumulate(window)
-        n = max(1, int(np.searchsorted(padded, rows, side="right")))
-        if n < window.size or j0 + window.size >= nd:
-            return j0 + min(n, window.size)
-        ahead *= 2
+def _scores(val: np.ndarray, q_valid: np.ndarray, q_scale: np.ndarray | None) -> np.ndarray:
+    """Scores float64 [G, nb] from each query token's max ``val [G * Lq, nb]``: INT8 maxima times the
+    query token's scale, then the valid tokens' terms summed in query-token order, so that a score
+    depends on the terms alone (not on the number of documents beside it, nor on the query's
+    padding: a masked token adds -0.0, which changes no sum; the + 0.0 makes an all -0.0 sum +0.0)."""
+    g, lq = q_valid.shape
+    if lq == 0:
+        return np.zeros((g, val.shape[1]))
+    with np.errstate(invalid="ignore", over="ignore"):
+        if q_scale is not None:  # an empty document's -inf stays -inf against a zero scale
+            qs = np.where(q_scale >= 0, q_scale, np.float32(np.nan)).reshape(-1, 1)
+            val = np.where(val == -np.inf, val, val * qs)
+        terms = np.where(q_valid.reshape(-1, 1), val, -0.0).reshape(g, lq, -1)
+        return np.add.accumulate(terms, axis=1, dtype=np.float64)[:, -1] + 0.0
 
 
-def maxsim_backward_numpy(g: np.ndarray, Q: np.ndarray, D: np.ndarray, amax: np.ndarray, rows: np.ndarray):
-    """Gradients from the argmax, in float64.
+def _argmax_out(idx: np.ndarray, g: int, lq: int) -> np.ndarray:
+    """int32 [G, nb, Lq] from local winners [G * Lq, nb] (-1: masked query token or empty document)."""
+    return idx.reshape(g, lq, idx.shape[1]).transpose(0, 2, 1).astype(np.int32)
 
-    g: [Nq, nd] score gradients; Q: [Nq, Lq, d]; D: [R, d] document rows; amax:
-    int32 [Nq, nd, Lq]; rows: int64 [Nq, nd, Lq], the row of D each argmax entry
-    points at (-1: contributes nothing). Returns dQ [Nq, Lq, d] and dD [R, d].
-    """
-    g64 = g.astype(np.float64)
-    q64 = Q.astype(np.float64)
-    d64 = D.astype(np.float64)
-    ok = (amax >= 0) & (rows >= 0)
-    i, j, s = np.nonzero(ok)
-    r = rows[i, j, s]
-    w = g64[i, j][:, None]
-    dQ = np.zeros(q64.shape)
-    np.add.at(dQ, (i, s), w * d64[r])
-    dD = np.zeros(d64.shape)
-    np.add.at(dD, r, w * q64[i, s])
-    return dQ, dD
+
+def _long_document(Q: np.ndarray, q_valid: np.ndarray, queries, tokens: np.ndarray, valid: np.ndarray | None,
+                   d_scale: np.ndarray | None, ar: _Arith, want_argmax: bool, budget: int, run: int, out: dict):
+    """The queries ``queries`` against one document ``tokens [L, d]`` (``valid`` bool [L] or None,
+    ``d_scale`` [L] for INT8) taken ``run`` tokens at a time. Each run's winners and maxima combine
+    exactly into the whole document's: a later run's winner replaces the one so far only with a
+    larger value, or with the first NaN (as ``argmax`` over the whole document), or where the
+    document had no valid token so far. Returns, per query, its maxima [Lq] and winners [Lq] (or
+    None)."""
+    n = tokens.shape[0]
+    vals: list = [None] * len(queries)
+    idxs: list = [None] * len(queries)
+    for t0 in range(0, max(n, 1), run):
+        t1 = min(n, t0 + run)
+        v = np.ones((1, t1 - t0), bool) if valid is None else valid[None, t0:t1]
+        blk = _DocBlock(_tokens(tokens[t0:t1], ar, 1), Runs.padded(1, t1 - t0, v),
+                        None if d_scale is None else d_scale[None, t0:t1], out)
+        for k, i in enumerate(queries):
+            val, idx = _block_maxima(Q[i:i + 1], q_valid[i:i + 1], blk, ar, want_argmax, budget)
+            val = val[:, 0]
+            idx = None if idx is None else np.where(idx[:, 0] >= 0, idx[:, 0] + t0, -1)
+            if vals[k] is None:
+                vals[k], idxs[k] = val, idx
+                continue
+            take = (val > vals[k]) | (np.isnan(val) & ~np.isnan(vals[k]))
+            if idx is not None:
+                take |= (idxs[k] < 0) & (idx >= 0)
+                idxs[k] = np.where(take, idx, idxs[k])
+            vals[k] = np.where(take, val, vals[k])
+        del blk
+    return vals, (idxs if want_argmax else None)
+
+
+class _DocBlock:
+    """One block of documents: ``T [sets, N, d]`` in the GEMM's dtype (one set shared by every query,
+    or one candidate set per query), their ``runs`` (the same columns in every set) and INT8 scales
+    ``d_scale [sets, N]`` (or None). ``out`` is the call's similarity buffer, which every GEMM writes
+    into: a fresh array per GEMM would cost its page faults every time."""
+
+    def __init__(self, T: np.ndarray, runs: Runs, d_scale: np.ndarray | None, out: dict):
+        self.T, self.runs, self.d_scale, self._out = T, runs, d_scale, out
+
+    def similarities(self, A: np.ndarray, c0: int, c1: int) -> np.ndarray:
+        """``A [G, Lq, d]`` against the block's columns ``c0 .. c1`` (G = sets, or any G for one shared
+        set) -> ``[G * Lq, c1 - c0]`` in the call's buffer (valid until the next call): one GEMM per
+        set, every query's rows in it."""
+        g, lq, dim = A.shape
+        sets = self.T.shape[0]
+        n = c1 - c0
+        buf = self._out.get("S")
+        if buf is None or buf.size < g * lq * n or buf.dtype != A.dtype:
+            buf = self._out["S"] = np.empty(g * lq * n, A.dtype)
+        S = buf[:g * lq * n].reshape(sets, g * lq // sets, n)
+        np.matmul(A.reshape(sets, g * lq // sets, dim), self.T[:, c0:c1].transpose(0, 2, 1), out=S)
+        return S.reshape(g * lq, n)
+
+
+def _doc_norms(T: np.ndarray, runs: Runs) -> np.ndarray:
+    """float64 [sets, nb]: an upper bound on the norm of each document's tokens (``T [sets, N, d]``,
+    documents ``runs``): the largest norm bound of the runs of ``_NORM_TOKENS`` consecutive columns
+    it overlaps (a run's norm bounds each of its tokens'; masked tokens count too, still a bound; NaN
+    or inf where there is none). One BLAS dot product per run rather than a reduction per token;
+    reading the tokens, it brings them into the cache for the GEMM that follows."""
+    sets, n, dim = T.shape
+    out = np.zeros((sets, runs.count))
+    some = runs.length > 0
+    if not n or not some.any():
+        return out
+    k = _NORM_TOKENS
+    whole = n // k * k
+    parts = [norm_bound(T[:, :whole].reshape(-1, k * dim)).reshape(sets, -1)] if whole else []
+    if whole < n:
+        parts.append(norm_bound(np.ascontiguousarray(T[:, whole:]).reshape(sets, -1)).reshape(sets, 1))
+    g = (np.concatenate(parts, axis=1) if len(parts) > 1 else parts[0]).astype(np.float64)
+    lo = runs.start[some] // k
+    hi = (runs.start[some] + runs.length[some] - 1) // k
+    out[:, some] = np.maximum(np.maximum.reduceat(g, lo, axis=1), g[:, hi])
+    return out
+
+
+def _block_maxima(Q: np.ndarray, q_valid: np.ndarray, blk: _DocBlock, ar: _Arith, want_argmax: bool,
+                  budget: int) -> tuple[np.ndarray, np.ndarray | None]:
+    """Queries Q [G, Lq, d] against a block of documents (G = 1, or one query per candidate set) ->
+    each query token's max over each document, ``[G * Lq, nb]`` (the reference similarity of its
+    winner, float64; INT8: the exact similarity, float32), and its winner, the local column (int64
+    ``[G * Lq, nb]``, -1 for masked query tokens and empty documents), or None when not asked
+    (INT8 only: inexact similarities always need the winner).
+
+    The block goes through the GEMM in chunks of documents whose similarities and tokens fit
+    ``_CACHE_BYTES``: each chunk's passes (norms, then GEMM, argmax, second max, the winners' dot
+    products) read from the cache. The pairs float64 must decide are collected over the chunks and
+    decided together."""
+    runs = blk.runs
+    g, lq, dim = Q.shape
+    m = g * lq
+    sets = blk.T.shape[0]
+    A = np.ascontiguousarray(Q, dtype=ar.gemm).reshape(m, dim)
+    row_set = np.repeat(np.arange(g), lq) if sets > 1 else np.zeros(m, np.intp)
+    live = q_valid.reshape(-1, 1) & runs.nonempty[row_set]
+    want_idx = want_argmax or not ar.exact
+    val = np.full((m, runs.count), -np.inf, np.float32 if ar.exact else np.float64)
+    idx = np.full((m, runs.count), -1, np.int64) if want_idx else None
+    pending = Pending(None if ar.exact else A, blk.T, row_set, runs.start, idx if want_idx else
+                      np.empty((m, runs.count), np.int64), val, budget // 8)
+    qn = None if ar.exact else norm_bound(A)
+    A64 = None if ar.exact else A.astype(np.float64)  # (once: the winners' dot products take it in every chunk)
+    columns = max(1, _CACHE_BYTES // ((m // sets + dim) * sets * ar.gemm.itemsize))
+    with np.errstate(invalid="ignore", over="ignore"):
+        for j0, j1, c0, c1, sub in runs.chunks(columns):
+            dn = None if ar.exact else _doc_norms(blk.T[:, c0:c1], sub)[row_set]  # (first: caches the tokens)
+            S = blk.similarities(A.reshape(g, lq, dim), c0, c1)
+            if blk.d_scale is not None:  # INT8: the exact integer dot product times the token's scale, in float32
+                S = S.astype(np.float32, copy=False)
+                S.reshape(sets, m // sets, c1 - c0)[...] *= blk.d_scale[:, None, c0:c1]
+            sub.mask_invalid(S, row_set)
+            lv = live[:, j0:j1]
+            if sub.width is not None and want_idx:
+                first, best = sub.argmax(S)  # the max and where it is, in one pass
+            else:
+                first, best = None, sub.max(S)
+            bad = lv & ~np.isfinite(best)  # NaN or infinite: every valid column decided in float64
+            if ar.exact:
+                val[:, j0:j1] = best
+                if want_idx:
+                    if first is None:
+                        first = sub.first_hit(sub.compare(S, np.where(lv & ~bad, best, np.nan)))
+                    idx[:, j0:j1] = np.where(lv, first, -1)
+                pending.add(S, sub, c0, j0, *np.nonzero(bad), None)
+                continue
+            thr = best - margin(qn, dn, dim, ar.gemm)  # float64: compared with S exactly
+            thr[~lv | bad] = np.nan
+            if sub.width is not None:  # another column within the margin of the max: float64 decides
+                r, j = np.nonzero(sub.second_max(S, first) >= thr)
+            else:
+                hit = sub.compare(S, thr)  # NaN: no column passes
+                first = sub.first_hit(hit)  # where no other column passes, the max's
+                r, j = sub.second_hits(hit, first, lv & ~bad, budget // 4)
+                del hit
+            idx[:, j0:j1] = np.where(lv, first, -1)
+            val[:, j0:j1] = _winner_similarities(A64, blk.T[:, c0:c1], row_set, sub.start + first, lv, budget // 8)
+            pending.add(S, sub, c0, j0, r, j, thr)
+            pending.add(S, sub, c0, j0, *np.nonzero(bad), None)
+    pending.flush()
+    return val, idx
+
+
+def _winner_similarities(A64: np.ndarray, T: np.ndarray, row_set: np.ndarray, cols: np.ndarray, live: np.ndarray,
+                         budget: int) -> np.ndarray:
+    """The reference similarity (``refine.dot64``) of query row ``A64[r]`` (float64) and token
+    ``T[row_set[r], cols[r, j]]`` for every ``live`` pair, float64 ``[M, nb]`` (-inf elsewhere): one
+    dot product per query token and document. Takes the pairs in chunks of about ``_DOT_CHUNK``
+    bytes (``budget`` at most, one pair at least)."""
+    m, nb = cols.shape
+    dim = A64.shape[1]
+    val = np.full((m, nb), -np.inf)
+    rows = np.flatnonzero(live.any(axis=1))
+    if not rows.size or not nb:
+        return val
+    cols = np.minimum(cols, T.shape[1] - 1)  # (an empty document may start past the last column)
+    pairs = max(1, min(_DOT_CHUNK, budget) // (dim * (8 + T.itemsize)))  # a pair's row gathered and in float64
+    per_rows, per_docs = (max(1, pairs // nb), nb) if pairs >= nb else (1, pairs)
+    one_set = T.shape[0] == 1
+    for r0 in range(0, rows.size, per_rows):
+        rr = rows[r0:r0 + per_rows]
+        if rr[-1] - rr[0] == rr.size - 1:
+            rr = slice(int(rr[0]), int(rr[-1]) + 1)  # (consecutive rows: views, not copies)
+        for j0 in range(0, nb, per_docs):
+            j1 = min(nb, j0 + per_docs)
+            c = cols[rr, j0:j1]
+            W = np.take(T[0], c, axis=0) if one_set else T[row_set[rr][:, None], c]  # [rows, docs, d]
+            val[rr, j0:j1] = dot64(A64[rr][:, None, :], W)
+    val[~live] = -np.inf
+    return val

@@ -16,13 +16,27 @@ def check_backend(backend) -> None:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
 
 
-def use_gpu(backend: str, device: int | None, *, host_to_gpu: bool = True) -> bool:
+def use_gpu(backend: str, device: int | None, *, host_to_gpu: bool = True, float64: bool = False,
+            float64_gpu: bool = False) -> bool:
     """Whether a call runs on the GPU. ``"gpu"`` always (a GPU must be visible), ``"cpu"`` never,
     ``"auto"`` for device arrays (``device`` is their ordinal) and, with ``host_to_gpu``, for host
-    arrays too when a GPU is present."""
+    arrays too when a GPU is present.
+
+    ``float64`` inputs: ``"auto"`` sends host arrays to the CPU, which computes in float64. On the
+    GPU only the calls that say so (``float64_gpu``: the forward and the backward, which score
+    float64 at float32 accuracy and return float64) take them; the others refuse them with a
+    TypeError saying what to do rather than round them silently."""
     check_backend(backend)
     if backend == "cpu":
         return False
+    if float64:
+        if backend == "auto" and device is None:
+            return False
+        where = "backend='gpu'" if backend == "gpu" else "arrays on the GPU"
+        if not float64_gpu:
+            raise TypeError(f"float64 inputs with {where}: this call's GPU kernels take float16, bfloat16 or float32. "
+                            "Cast to float32 to score on the GPU, or pass host arrays with backend='cpu' (or 'auto') to score "
+                            "in float64 on the CPU")
     if backend == "auto" and device is None and not (host_to_gpu and gpu_available()):
         return False
     if not gpu_available():
@@ -30,9 +44,11 @@ def use_gpu(backend: str, device: int | None, *, host_to_gpu: bool = True) -> bo
     return True
 
 
-def scoring_on_gpu(p, backend: str) -> bool:
-    """``use_gpu`` for a scoring problem (a ``Problem``), refusing dims the GPU kernels lack."""
-    on_gpu = use_gpu(backend, p.device)
+def scoring_on_gpu(p, backend: str, *, float64: bool = False, float64_gpu: bool = False) -> bool:
+    """``use_gpu`` for a scoring problem (a ``Problem``), refusing dims the GPU kernels lack.
+    ``float64``: a float64 input the Problem's dtype does not show (an INT8 call's float Q);
+    ``float64_gpu``: the caller scores float64 on the GPU (see ``use_gpu``)."""
+    on_gpu = use_gpu(backend, p.device, float64=float64 or p.dtype == "float64", float64_gpu=float64_gpu)
     if on_gpu and p.dtype == "int8" and not int8_dim_ok(p.dim):
         raise ValueError(f"Q and D have dim {p.dim}; the INT8 kernels need a multiple of 16 up to "
                          f"{MAX_DIM_INT8} (backend='cpu' takes any dim)")

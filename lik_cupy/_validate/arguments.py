@@ -177,20 +177,23 @@ def check_offset_values(name: str, first: int, last: int, decreasing: bool, tota
         raise ValueError(f"{name} ends at {last} but there are {total} packed tokens; the last offset must equal T")
 
 
+# Scoring inputs: the GPU's dtypes, and float64, which runs on the CPU (lik_cupy._dispatch.backend).
+_SCORING_DTYPES = FLOAT_DTYPES + ("float64",)
+
+
 def _check_dtypes(q: Info, dname: str, d: Info, int8: bool) -> None:
     if int8:
         if d.dtype != "int8":
             raise TypeError(f"{dname} has dtype {d.dtype}; expected int8 (quantize it with lik_cupy.quantize_int8)")
-        if q.dtype not in FLOAT_DTYPES + ("int8",):
-            raise TypeError(f"Q has dtype {q.dtype}; expected int8 (with q_scales) or float16, bfloat16 or float32")
+        if q.dtype not in _SCORING_DTYPES + ("int8",):
+            raise TypeError(f"Q has dtype {q.dtype}; expected int8 (with q_scales) or float16, bfloat16, float32 "
+                            "or float64")
         return
     for name, info in (("Q", q), (dname, d)):
-        if info.dtype not in FLOAT_DTYPES:
-            raise TypeError(f"{name} has dtype {info.dtype}; expected float16, bfloat16 or float32")
+        if info.dtype not in _SCORING_DTYPES:
+            raise TypeError(f"{name} has dtype {info.dtype}; expected float16, bfloat16, float32 or float64")
     if d.dtype != q.dtype:
         raise TypeError(f"{dname} has dtype {d.dtype} but Q has {q.dtype}: cast one so both match")
-
-
 
 
 def check_quantized(name: str, X, sname: str, scales) -> Info:

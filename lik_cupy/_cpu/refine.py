@@ -1,0 +1,161 @@
+"""Where BLAS rounding could decide the argmax, decide in float64.
+
+The similarity block comes from one GEMM in float32 (float64 for float64 inputs). BLAS rounds
+each dot product a little differently depending on where it falls in its blocking, so two
+bitwise-identical document tokens can get different similarities, and two tokens whose float64
+similarities are a hair apart can come out in the wrong order. The argmax the CPU path returns is
+the argmax of the *reference similarity* ``r(q, t)``: the float64 dot product of the two vectors
+summed in one fixed order (:func:`dot64`; the products are exact for float16, bfloat16 and float32
+inputs), a function of the two vectors alone. Ties go to the lowest
+index.
+
+The rounding bound. For a dot product of length ``d`` evaluated with any summation order, FMA or
+not, ``|fl(q.t) - q.t| <= gamma_d * sum_i |q_i t_i| <= gamma_d * ||q|| * ||t||`` with
+``gamma_d = d u / (1 - d u)`` (``u``: unit roundoff; plus ``d`` times the smallest subnormal for
+underflow). Let ``g`` be the GEMM's similarities and ``r`` the reference; both are within such a bound
+of the exact value, so ``|g(t) - r(t)| <= B(t) = (gamma_g + gamma_r) ||q|| ||t||``. If ``t*`` is the
+reference argmax and ``t_g`` the GEMM's, ``g(t*) >= r(t*) - B(t*) >= r(t_g) - B(t*) >=
+g(t_g) - B(t_g) - B(t*)``: every reference maximiser lies within ``margin = 2 (gamma_g + gamma_r)
+||q|| max_t ||t||`` of the GEMM's max. :func:`margin` adds ``4 u`` times the same product, far more
+than the float64 rounding of the margin and of the threshold ``max - margin`` (both in float64, so
+the GEMM's values compare with it exactly). So a document whose GEMM max has no other column within
+the margin has its reference argmax there; one with two or more is *refined*: ``r`` is computed for
+the columns within the margin and the first of their maxima wins. ``||q||`` and ``max_t ||t||`` come
+from :func:`norm_bound`, an upper bound however the squares round or underflow (for the documents,
+taken over runs of consecutive tokens: a run's norm bounds each of its tokens').
+
+Overflow never hides from the argmax: a float32 dot product that overflows stays inf or NaN (an
+infinity never becomes finite again), so its document's GEMM max is non-finite, or, for an overflow
+to -inf, its norms' product is beyond float32's range and the margin is infinite. Documents whose
+GEMM max is NaN or infinite are recomputed whole in float64 (:class:`Pending`, every valid column):
+their max and argmax are then the reference's, and a NaN score means a NaN reference similarity.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["margin", "norm_bound", "dot64", "Pending"]
+
+
+def _gamma(dim: int, u: float) -> float:
+    return dim * u / (1 - dim * u) if dim * u < 0.5 else np.inf
+
+
+def margin(qn: np.ndarray, dn: np.ndarray, dim: int, dtype) -> np.ndarray:
+    """float64 ``[M, nb]``: a rounding margin for query tokens of norm at most ``qn [M]`` against
+    documents whose tokens have norm at most ``dn [M, nb]``, for a GEMM in ``dtype`` (module
+    docstring), infinite where it overflows or cannot be bounded. Its ``4 u`` (GEMM's ``u``) more
+    than the bound covers the float64 rounding of the margin and of the threshold ``max - margin``."""
+    u_gemm = float(np.finfo(dtype).eps) / 2
+    u_ref = float(np.finfo(np.float64).eps) / 2
+    tiny = 2.0 * (dim + 1) * float(np.finfo(dtype).smallest_subnormal)  # underflow, the GEMM's and the reference's
+    c = 2 * (_gamma(dim, u_gemm) + _gamma(dim, u_ref)) + 4 * u_gemm
+    with np.errstate(over="ignore", invalid="ignore"):
+        m = (c * qn.astype(np.float64))[:, None] * dn + tiny
+    m[np.isnan(m)] = np.inf  # NaN norms: no bound
+    return m
+
+
+def norm_bound(x: np.ndarray) -> np.ndarray:
+    """An upper bound on the Euclidean norm of each row of ``x [n, d]`` (float32 or float64), in its
+    dtype: the sum of squares plus what underflow can lose, inflated by its rounding bound, and the
+    square root by ``4 u`` for the last three roundings (each at most ``u``, relative)."""
+    f = np.finfo(x.dtype)
+    d = x.shape[1]
+    u = float(f.eps) / 2
+    with np.errstate(over="ignore", under="ignore", invalid="ignore"):
+        sq = np.vecdot(x, x)
+        sq += x.dtype.type(d * float(f.smallest_subnormal))
+        sq *= x.dtype.type(1 + 2 * _gamma(d + 1, u))
+        out = np.sqrt(sq, out=sq)
+        out *= x.dtype.type(1 + 4 * u)
+        return out
+
+
+def dot64(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """The reference similarity of row pairs ``a[..., :] . b[..., :]`` (broadcast, ``[..., d]``) ->
+    float64 ``[...]``: the rows in float64 (exact for float16, bfloat16 and float32, whose products
+    then are exact too), multiplied and summed along ``d`` by ``einsum``'s kernel for two
+    contiguous rows, in an order fixed by ``d`` and NumPy's build alone: the value depends on the
+    two vectors only, never on where they sit, on the rows beside them or on BLAS. (float64 inputs'
+    products round, fused or not as the build's SIMD baseline has it: the same on one architecture.)"""
+    a = np.ascontiguousarray(a, dtype=np.float64)
+    b = np.ascontiguousarray(b, dtype=np.float64)
+    with np.errstate(invalid="ignore", over="ignore"):
+        return np.einsum("...d,...d->...", a, b)
+
+
+class Pending:
+    """The (query row, document) pairs of a block whose winner the reference similarity decides, with
+    their candidate columns, collected over the block's chunks while each chunk's similarities are at
+    hand, and decided together (one batch of dot products), or sooner once they pass half of
+    ``budget`` bytes. A decided pair's winner (the first of its candidates' maxima; a NaN is the max)
+    goes to ``idx`` (local to its document) and its reference similarity to ``val``.
+
+    ``A [M, d]``: the query rows (None: exact similarities, decided by their own values);
+    ``T [sets, N, d]``: the block's tokens; ``row_set [M]``: each row's document set; ``start [nb]``:
+    each document's first column."""
+
+    def __init__(self, A, T, row_set, start, idx, val, budget: int):
+        self.A, self.T, self.row_set, self.start, self.idx, self.val = A, T, row_set, start, idx, val
+        self.budget = budget
+        self._clear()
+
+    def _clear(self) -> None:
+        self._parts: list = []
+        self._pairs = 0
+        self._bytes = 0
+
+    def add(self, S, runs, c0: int, j0: int, rows, docs, thr) -> None:
+        """Pairs ``rows``, ``docs`` (int ``[G]``; documents of ``runs``, a chunk whose first document
+        is the block's ``j0`` and whose columns, from the block's ``c0``, ``S`` holds). Their
+        candidates: the valid columns with ``S >= thr[row, doc]`` (``thr`` None: every valid column)."""
+        if not rows.size:
+            return
+        lengths = runs.length[docs]
+        cum = np.cumsum(lengths * 40)  # a column's index, mask and value as gathered
+        g0 = 0
+        while g0 < rows.size:  # pieces of the budget (one pair at least)
+            spent = int(cum[g0 - 1]) if g0 else 0
+            g1 = max(g0 + 1, int(np.searchsorted(cum, spent + self.budget // 4, side="right")))
+            r, j = rows[g0:g1], docs[g0:g1]
+            local = np.arange(int(lengths[g0:g1].max()))
+            cand = local[None, :] < lengths[g0:g1][:, None]
+            cols = np.where(cand, runs.start[j][:, None] + local[None, :], 0)
+            if runs.valid is not None:
+                cand &= runs.valid[self.row_set[r][:, None], cols]
+            vals = S[r[:, None], cols]
+            if thr is not None:
+                cand &= vals >= thr[r, j][:, None]
+            g, c = np.nonzero(cand)  # every pair has one: its max column, or a valid one
+            given = vals[g, c].astype(np.float64) if self.A is None else None
+            self._parts.append((r, j + j0, g + self._pairs, cols[g, c] + c0, given))
+            self._pairs += r.size
+            self._bytes += 24 * g.size + 16 * r.size
+            if self._bytes > self.budget // 2:
+                self.flush()
+            g0 = g1
+
+    def flush(self) -> None:
+        """Decide every pair collected so far."""
+        if not self._parts:
+            return
+        rows, docs, pair, col, given = (np.concatenate(p) if p[0] is not None else None for p in zip(*self._parts))
+        self._clear()
+        if given is not None:
+            val = given
+        else:
+            val = np.empty(pair.size)
+            step = max(1, self.budget // 2 // (32 * self.A.shape[1] + 32))  # a pair's two rows, as given and in float64
+            for p0 in range(0, pair.size, step):
+                p = slice(p0, p0 + step)
+                rr = rows[pair[p]]
+                val[p] = dot64(self.A[rr], self.T[self.row_set[rr], col[p]])
+        starts = np.flatnonzero(np.r_[True, pair[1:] != pair[:-1]])
+        gmax = np.maximum.reduceat(val, starts)  # NaN propagates
+        each = np.repeat(gmax, np.diff(np.r_[starts, pair.size]))
+        hit = np.flatnonzero((val == each) | (np.isnan(val) & np.isnan(each)))
+        first = hit[np.r_[True, pair[hit][1:] != pair[hit][:-1]]]  # candidates are in column order
+        self.idx[rows, docs] = col[first] - self.start[docs]
+        self.val[rows, docs] = gmax

@@ -1,0 +1,402 @@
+"""The CPU path's promises at BLAS speed (``lik_cupy._cpu``): the argmax is float64's with ties to the
+lowest index on every path, however the float32 GEMM rounds; each score is its winners' float64
+similarities summed, so it depends on the query and the document alone (bit for bit, whatever the
+blocks, layout, padding or other documents) and lies within float64 rounding of the float64 MaxSim;
+float64 in, float64 out; temporaries bounded in bytes, however long one document is."""
+
+from __future__ import annotations
+
+import tracemalloc
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import lik_cupy
+from lik_cupy import _cpu as cpu
+from reference import assert_within_rounding, maxsim_ref, rounding_bound
+
+DTYPES = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float32": np.float32, "float64": np.float64}
+NUMPY_BUFFERS = 256 << 10  # NumPy's own: a casting ufunc or reduction buffers 8192 elements, whatever the sizes
+
+
+def _unit(rng, *shape):
+    x = rng.standard_normal(shape)
+    return x / np.linalg.norm(x, axis=-1, keepdims=True)
+
+
+def _argmax64(q, d, q_valid=None, d_valid=None):
+    """The float64 argmax (lowest index on ties; -1 for masked query tokens and empty documents)."""
+    q64, d64 = np.asarray(q, np.float64), np.asarray(d, np.float64)
+    nq, lq, _ = q64.shape
+    nd, ld, _ = d64.shape
+    qv = np.ones((nq, lq), bool) if q_valid is None else q_valid
+    dv = np.ones((nd, ld), bool) if d_valid is None else d_valid
+    _, sim = maxsim_ref(q64, d64, qv, dv)
+    a = sim.argmax(axis=3) if ld else np.zeros((nq, nd, lq), np.int64)
+    a[:, ~dv.any(axis=1)] = -1
+    a[np.broadcast_to(~qv[:, None, :], a.shape)] = -1
+    return a
+
+
+# ---------------------------------------------------------------- ties and near-ties on every path
+
+
+def _copies(rng, dtype, nd=40, ld=90, lq=6, dim=64):
+    """Random documents each holding several bitwise-identical copies of the vector that wins for
+    query token 0 (the query token itself), at scattered positions: the first copy must win."""
+    d = _unit(rng, nd, ld, dim).astype(dtype)
+    q = _unit(rng, 2, lq, dim).astype(dtype)
+    first = rng.integers(0, ld // 2, nd)
+    for j in range(nd):
+        for t in (first[j], first[j] + 1 + rng.integers(0, ld // 2 - 1), ld - 1):
+            d[j, t] = q[0, 0]
+    return q, d, first
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_identical_tokens_take_the_lowest_index_on_every_path(rng, dtype):
+    q, d, first = _copies(rng, DTYPES[dtype])
+    nd, ld, dim = d.shape
+    want = np.broadcast_to(first, (nd,))
+    _, a = lik_cupy.maxsim(q, d, return_argmax=True, backend="cpu")
+    np.testing.assert_array_equal(a[0, :, 0], want)
+    np.testing.assert_array_equal(a, _argmax64(q, d))
+    lens = np.full(nd, ld)  # lengths and masks: the same
+    _, a = lik_cupy.maxsim(q, d, d_lengths=lens, return_argmax=True, backend="cpu")
+    np.testing.assert_array_equal(a[0, :, 0], want)
+    _, a = lik_cupy.maxsim(q, np.stack([d, d[::-1]]), return_argmax=True, backend="cpu")  # candidates
+    np.testing.assert_array_equal(a[0, :, 0], want)
+    np.testing.assert_array_equal(a[1, :, 0], _argmax64(q[1:], d[::-1])[0, :, 0])
+    _, a = lik_cupy.maxsim_pairs(np.repeat(q[:1], nd, axis=0), d, return_argmax=True, backend="cpu")
+    np.testing.assert_array_equal(a[:, 0], want)
+    off = np.arange(nd + 1) * ld  # packed
+    _, a = lik_cupy.maxsim_varlen(q, d.reshape(-1, dim), off, return_argmax=True, backend="cpu")
+    np.testing.assert_array_equal(a[0, :, 0], want)
+    # the backward follows the argmax: only the first copy gets the gradient
+    s, a = lik_cupy.maxsim(q[:1], d, return_argmax=True, backend="cpu")
+    _, dD = lik_cupy.maxsim_backward(np.ones_like(s), q[:1], d, a, backend="cpu")
+    for j in range(nd):
+        got = set(np.flatnonzero(np.any(dD[j] != 0, axis=1)))
+        copies = {t for t in range(ld) if np.array_equal(d[j, t], q[0, 0])}
+        assert first[j] in got and not (got & copies) - {first[j]}
+
+
+def test_identical_tokens_int8_and_retrieve(rng):
+    q, d, first = _copies(rng, np.float32)
+    nd, ld, dim = d.shape
+    d8, ds = lik_cupy.quantize_int8(d, backend="cpu")
+    _, a = lik_cupy.maxsim_int8(q, d8, ds, return_argmax=True, backend="cpu")
+    np.testing.assert_array_equal(a[0, :, 0], first)
+    _, a = lik_cupy.maxsim_int8_varlen(q, d8.reshape(-1, dim), ds.reshape(-1), np.arange(nd + 1) * ld,
+                                       return_argmax=True, backend="cpu")
+    np.testing.assert_array_equal(a[0, :, 0], first)
+    # retrieve scores with the same functions (and INT8 is exact: every layout agrees bit for bit)
+    s, i = lik_cupy.retrieve(q, d8, 5, d_scales=ds, backend="cpu")
+    full = lik_cupy.maxsim_int8(q, d8, ds, backend="cpu")
+    np.testing.assert_array_equal(s, np.take_along_axis(full, i, 1))
+    s, i = lik_cupy.retrieve(q, d, 5, backend="cpu")
+    bound = rounding_bound(q, d)
+    assert_within_rounding(s, np.take_along_axis(maxsim_ref(q, d)[0], i, 1), np.take_along_axis(bound, i, 1))
+
+
+def _near_tie(dtype):
+    """Query and document where tokens' exact similarities are base, base + 1 and base + 2 but round to
+    one float32 value (base passes 2**24), the largest not first: the float32 GEMM alone would give the
+    tie to the lowest index, the wrong token. float16 needs large products to pass 2**24."""
+    q0, big = (2.0**15, 2.0**15) if dtype == np.float16 else (1.0, 2.0**25)
+    dim = 16
+    q = np.zeros((1, 3, dim))
+    q[0, :, 0], q[0, :, 1] = q0, 1
+    q[0, 2, 2] = 1  # query token 2 sees a third component, which every document token lacks
+    d = np.zeros((1, 7, dim))
+    d[0, :, 0] = big
+    d[0, :, 1] = [0, 1, 0, 2, 1, 0, 0]  # base, base + 1, base, base + 2, base + 1, then two small ones
+    d[0, 5:, 0] = 1
+    return q.astype(dtype), d.astype(dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_near_ties_resolve_as_float64_does(dtype):
+    q, d = _near_tie(DTYPES[dtype])
+    g = q.astype(np.float32)[0] @ d.astype(np.float32)[0].T
+    assert g[0, 1] == g[0, 3]  # float32 rounds the two apart by nothing ...
+    want = _argmax64(q, d)
+    assert want[0, 0, 0] == 3  # ... but base + 2 wins
+    _, a = lik_cupy.maxsim(q, d, return_argmax=True, backend="cpu")
+    np.testing.assert_array_equal(a, want)
+    nd = 50  # many documents, the near-tie at every position, so BLAS's blocking varies
+    dd = np.repeat(d, nd, axis=0)
+    s, a = lik_cupy.maxsim(q, dd, return_argmax=True, backend="cpu")
+    np.testing.assert_array_equal(a, np.broadcast_to(want, a.shape))
+    assert_within_rounding(s, maxsim_ref(q, dd)[0], rounding_bound(q, dd))
+    _, a = lik_cupy.maxsim_varlen(q, dd.reshape(-1, 16), np.arange(nd + 1) * 7, return_argmax=True, backend="cpu")
+    np.testing.assert_array_equal(a, np.broadcast_to(want, a.shape))
+    _, a = lik_cupy.maxsim(np.repeat(q, 3, 0), np.repeat(dd[None, :4], 3, 0), return_argmax=True, backend="cpu")
+    np.testing.assert_array_equal(a, np.broadcast_to(want, a.shape))
+
+
+def test_all_tied_documents_refine_within_the_memory_bound(rng):
+    # every token of every document is zero: each query token ties over the whole document, all of it refined
+    q = _unit(rng, 2, 8, 32).astype(np.float32)
+    d = np.zeros((2000, 64, 32), np.float32)
+    qv, dv = np.ones((2, 8), bool), np.ones((2000, 64), bool)
+    block = 1 << 20
+    tracemalloc.start()
+    try:
+        s, a = cpu.maxsim_numpy(q, d, qv, dv, candidates=False, nd=2000, return_argmax=True, block_bytes=block)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert np.all(s == 0) and np.all(a == 0)
+    assert peak < s.nbytes + a.nbytes + block * 9 // 8 + NUMPY_BUFFERS
+
+
+# ---------------------------------------------------------------- float64
+
+
+def test_float64_in_float64_out(rng):
+    nq, lq, nd, ld, dim = 3, 11, 17, 23, 40
+    q, d = _unit(rng, nq, lq, dim), _unit(rng, nd, ld, dim)
+    qm, dm = rng.random((nq, lq)) < 0.8, rng.random((nd, ld)) < 0.7
+    dm[4] = False
+    ref, bound = maxsim_ref(q, d, qm, dm)[0], rounding_bound(q, d, qm, dm, dtype=np.float64)
+    s, a = lik_cupy.maxsim(q, d, qm, dm, return_argmax=True)  # "auto" with host float64: the CPU
+    assert s.dtype == np.float64 and a.dtype == np.int32
+    assert_within_rounding(s, ref, bound)
+    fin = np.isfinite(ref)
+    assert np.max(np.abs(s[fin] - ref[fin])) < 1e-13  # not float32
+    np.testing.assert_array_equal(a, _argmax64(q, d, qm, dm))
+    sp = lik_cupy.maxsim_pairs(q, d[:nq], backend="cpu")
+    assert sp.dtype == np.float64
+    assert_within_rounding(sp, np.diagonal(maxsim_ref(q, d[:nq])[0]),
+                           np.diagonal(rounding_bound(q, d[:nq], dtype=np.float64)))
+    lens = dm.sum(1)
+    tok = np.concatenate([d[j, dm[j]] for j in range(nd)])
+    off = np.concatenate([[0], np.cumsum(lens)])
+    sv, av = lik_cupy.maxsim_varlen(q, tok, off, qm, return_argmax=True, backend="cpu")
+    assert sv.dtype == np.float64
+    assert_within_rounding(sv, ref, bound)
+    g = rng.standard_normal((nq, nd))
+    dQ, dD = lik_cupy.maxsim_backward(g, q, d, a, backend="cpu")
+    assert dQ.dtype == np.float64 and dD.dtype == np.float64
+    rows = np.where(a >= 0, np.arange(nd)[None, :, None] * ld + a, 0)
+    want = np.einsum("ijs,ijsk->isk", np.where(a >= 0, g[:, :, None], 0), d.reshape(-1, dim)[rows])
+    np.testing.assert_allclose(dQ, want, rtol=1e-12, atol=1e-12)
+    rs, ri = lik_cupy.retrieve(q, d, 5, qm, d_mask=dm, backend="cpu")
+    assert rs.dtype == np.float64 and ri.dtype == np.int64
+    np.testing.assert_array_equal(rs, np.take_along_axis(s, ri, 1))  # the same arithmetic, same blocks
+    d8, ds = lik_cupy.quantize_int8(d, backend="cpu")  # a float64 Q against INT8: quantised, float32 scores
+    s8 = lik_cupy.maxsim_int8(q, d8, ds, backend="cpu")
+    assert s8.dtype == np.float32
+    np.testing.assert_array_equal(s8, lik_cupy.maxsim_int8(q.astype(np.float32), d8, ds, backend="cpu"))
+
+
+# ---------------------------------------------------------------- INT8 past d = 1024
+
+
+def test_int8_wide_dim_stays_exact(rng):
+    dim = 1100  # partial sums of int8 products may pass 2**24: the GEMM runs in float64
+    q8 = rng.integers(-127, 128, (2, 5, dim)).astype(np.int8)
+    d8 = np.full((3, 7, dim), 127, np.int8)
+    d8[1] = rng.integers(-127, 128, (7, dim))
+    qs, ds = rng.random((2, 5)).astype(np.float32), rng.random((3, 7)).astype(np.float32)
+    s, a = lik_cupy.maxsim_int8(q8, d8, ds, q_scales=qs, return_argmax=True, backend="cpu")
+    exact = np.einsum("isk,jtk->ijst", q8.astype(np.int64), d8.astype(np.int64))
+    sim = exact.astype(np.float32) * ds[None, :, None, :]  # the kernels' arithmetic
+    np.testing.assert_array_equal(a, sim.argmax(axis=3))
+    want = (sim.max(axis=3) * qs[:, None, :]).astype(np.float32).sum(axis=2, dtype=np.float64).astype(np.float32)
+    np.testing.assert_array_equal(s, want)
+
+
+# ---------------------------------------------------------------- memory
+
+
+def _peak(fn) -> int:
+    tracemalloc.start()
+    try:
+        fn()
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+@pytest.mark.parametrize("argmax", [False, True])
+@pytest.mark.parametrize("layout", ["padded", "candidates", "packed", "int8"])
+def test_temporaries_stay_within_block_bytes(rng, layout, argmax):
+    nq, lq, nd, ld, dim = 3, 16, 3000, 40, 32
+    q = _unit(rng, nq, lq, dim).astype(np.float16)
+    qv = np.ones((nq, lq), bool)
+    block = 1 << 20
+    per_query = nd  # documents each query scores
+    if layout == "candidates":
+        nd *= 2  # a query's whole similarity matrix well past the block
+        per_query = nd // nq
+        d = _unit(rng, nd, ld, dim).astype(np.float16)
+        dv = rng.random(d.shape[:2]) < 0.9
+
+        def run(b):
+            return cpu.maxsim_numpy(q, d, qv, dv, candidates=True, nd=per_query, return_argmax=argmax, block_bytes=b)
+    elif layout == "packed":
+        lens = rng.integers(0, 2 * ld, nd)
+        tok = _unit(rng, int(lens.sum()), dim).astype(np.float16)
+        off = np.concatenate([[0], np.cumsum(lens)])
+
+        def run(b):
+            return cpu.maxsim_packed_numpy(q, qv, tok, off, return_argmax=argmax, block_bytes=b)
+    else:
+        d = _unit(rng, nd, ld, dim).astype(np.float16)
+        dv = rng.random((nd, ld)) < 0.9
+        kw = {}
+        if layout == "int8":
+            q8, qs = lik_cupy.quantize_int8(q, backend="cpu")
+            d8, ds = lik_cupy.quantize_int8(d, backend="cpu")
+            q, d, kw = q8, d8, {"q_scale": qs, "d_scale": ds}
+
+        def run(b):
+            return cpu.maxsim_numpy(q, d, qv, dv, candidates=False, nd=nd, return_argmax=argmax, block_bytes=b, **kw)
+    outputs = nq * per_query * (4 + (lq * 4 if argmax else 0))  # scores and argmax
+    one_query = per_query * lq * ld * 4  # a query's similarities with every document it scores
+    small = _peak(lambda: run(block))
+    assert small < outputs + block * 9 // 8 + NUMPY_BUFFERS, (small, outputs, block)
+    assert small < one_query / 2
+    assert _peak(lambda: run(1 << 30)) > one_query / 2  # one block: a query's whole similarity matrix at once
+
+
+@pytest.mark.parametrize("argmax", [False, True])
+@pytest.mark.parametrize("layout", ["padded", "packed", "int8"])
+def test_a_long_document_stays_within_block_bytes(rng, layout, argmax):
+    # one document of 100,000 tokens (3.2 MB as float32 similarities with 8 query tokens, 6.4 MB of tokens
+    # in float32) among short ones: scored in runs of its tokens, with the whole document's scores and argmax
+    lq, dim, long = 8, 16, 100_000
+    q = _unit(rng, 2, lq, dim).astype(np.float16)
+    qv = np.ones((2, lq), bool)
+    lens = np.array([3, long, 0, 5])
+    tok = _unit(rng, int(lens.sum()), dim).astype(np.float16)
+    tok[50_000 + 3] = q[1, 2]  # a winner with a copy in a later run
+    tok[90_000 + 3] = q[1, 2]
+    off = np.concatenate([[0], np.cumsum(lens)])
+    d, dv = cpu.unpack(tok, off)
+    kw = {}
+    if layout == "int8":
+        q, qs = lik_cupy.quantize_int8(q, backend="cpu")
+        d, ds = lik_cupy.quantize_int8(d, backend="cpu")
+        kw = {"q_scale": qs, "d_scale": ds}
+    block = 1 << 20
+
+    def run(b):
+        if layout == "packed":
+            return cpu.maxsim_packed_numpy(q, qv, tok, off, return_argmax=argmax, block_bytes=b)
+        return cpu.maxsim_numpy(q, d, qv, dv, candidates=False, nd=4, return_argmax=argmax, block_bytes=b, **kw)
+    small = _peak(lambda: run(block))
+    assert small < block * 9 // 8 + NUMPY_BUFFERS, small
+    s, a = run(block)
+    s1, a1 = run(1 << 30)  # the whole document at once
+    np.testing.assert_array_equal(s, s1)
+    if argmax:
+        np.testing.assert_array_equal(a, a1)
+        assert a[1, 1, 2] == 50_000
+
+
+def test_backward_temporaries_stay_within_block_bytes(rng):
+    nq, lq, nd, ld, dim = 4, 16, 3000, 40, 32
+    q = _unit(rng, nq, lq, dim).astype(np.float32)
+    d = _unit(rng, nd, ld, dim).astype(np.float32)
+    _, a = lik_cupy.maxsim(q, d, return_argmax=True, backend="cpu")
+    g = rng.standard_normal((nq, nd)).astype(np.float32)
+    start = np.broadcast_to(np.arange(nd) * ld, (nq, nd))
+    dflat = d.reshape(-1, dim)
+    outputs = q.nbytes * 2 + dflat.nbytes * 2  # dQ and dD in float64
+    block = 1 << 20
+    peak = _peak(lambda: cpu.maxsim_backward_numpy(g, q, dflat, a, start, block_bytes=block))
+    assert peak < outputs + block + NUMPY_BUFFERS
+    assert peak < outputs + nq * nd * lq * dim * 8 / 4  # the old path gathered every entry's row in float64
+    dq, dd = cpu.maxsim_backward_numpy(g, q, dflat, a, start, block_bytes=block)
+    dq1, dd1 = cpu.maxsim_backward_numpy(g, q, dflat, a, start, block_bytes=1 << 30)
+    np.testing.assert_allclose(dq, dq1, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(dd, dd1, rtol=1e-12, atol=1e-12)
+
+
+# ---------------------------------------------------------------- what the scores promise
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_scores_depend_on_the_query_and_the_document_alone(rng, dtype):
+    """The same query against the same document scores bit for bit alike whatever the blocks (a
+    long document in runs of its tokens included), the layout (padded, masked, packed, candidate
+    sets, pairs), the query's padding and the documents beside it: what the distributed scorer
+    and lik score's chunks rely on. Near ties, identical tokens and NaN included."""
+    nq, lq, nd, ld, dim = 3, 9, 60, 33, 24
+    q = _unit(rng, nq, lq, dim).astype(DTYPES[dtype])
+    d = _unit(rng, nd, ld, dim).astype(DTYPES[dtype])
+    d[::7, 5:9] = d[::7, 2:3]  # identical tokens
+    d[3::11, 4] = q[0, 1]  # winners with copies
+    d[3::11, 20] = q[0, 1]
+    d[5, 7, 0] = np.nan
+    qv = rng.random((nq, lq)) < 0.8
+    dv = rng.random((nd, ld)) < 0.75
+    dv[9] = False
+    s, a = lik_cupy.maxsim(q, d, qv, dv, return_argmax=True, backend="cpu")
+    assert_within_rounding(s, maxsim_ref(q, d, qv, dv)[0], rounding_bound(q, d, qv, dv, dtype=s.dtype))
+    np.testing.assert_array_equal(a, _argmax64(q, d, qv, dv))
+
+    def same(got, argmax=None):
+        np.testing.assert_array_equal(got, s)
+        if argmax is not None:
+            np.testing.assert_array_equal(argmax, a)
+
+    for block in (3000, 40_000):  # runs of a few tokens, many documents per block
+        same(*cpu.maxsim_numpy(q, d, qv, dv, candidates=False, nd=nd, return_argmax=True, block_bytes=block))
+    got = cpu.maxsim_numpy(q, d[:8], qv, dv[:8], candidates=False, nd=8, return_argmax=True, block_bytes=1)
+    np.testing.assert_array_equal(got[0], s[:, :8])  # a token at a time
+    np.testing.assert_array_equal(got[1], a[:, :8])
+    lens = dv.sum(1)
+    tok = np.concatenate([d[j, dv[j]] for j in range(nd)])
+    off = np.concatenate([[0], np.cumsum(lens)])
+    local = np.where(a >= 0, np.cumsum(dv, axis=1)[np.arange(nd)[None, :, None], np.maximum(a, 0)] - 1, -1)
+    for block in (3000, 1 << 26):
+        got = cpu.maxsim_packed_numpy(q, qv, tok, off, return_argmax=True, block_bytes=block)
+        np.testing.assert_array_equal(got[0], s)
+        np.testing.assert_array_equal(got[1], local)  # the same winners, counted among the valid tokens
+    wide = np.zeros((nq, lq + 6, dim), q.dtype)  # padded further, the padding garbage
+    wide[:, :lq] = q
+    wide[:, lq:] = 7
+    wv = np.zeros((nq, lq + 6), bool)
+    wv[:, :lq] = qv
+    same(lik_cupy.maxsim(wide, d, wv, dv, backend="cpu"))
+    perm = np.stack([rng.permutation(nd) for _ in range(nq)])  # candidate sets: each query its own order
+    sc = lik_cupy.maxsim(q, d[perm], qv, dv[perm], backend="cpu")
+    np.testing.assert_array_equal(sc, np.take_along_axis(s, perm, 1))
+    for i in range(nq):
+        sp = lik_cupy.maxsim_pairs(np.repeat(q[i:i + 1], nd, 0), d, np.repeat(qv[i:i + 1], nd, 0), dv, backend="cpu")
+        np.testing.assert_array_equal(sp, s[i])
+        one = lik_cupy.maxsim(q[i, qv[i]], d[20:45], d_mask=dv[20:45], backend="cpu")  # the query alone, unpadded
+        np.testing.assert_array_equal(one, s[i, 20:45])
+    shards = [(tok[:off[25]], off[:26]), (tok[off[25]:], off[25:] - off[25])]  # a corpus in two shards
+    rs, ri = lik_cupy.retrieve(q, shards, 10, qv, backend="cpu")
+    np.testing.assert_array_equal(rs, np.take_along_axis(s, ri, 1))
+
+
+def test_a_query_scores_alike_whatever_the_other_queries(rng):
+    q = _unit(rng, 6, 20, 64).astype(np.float32)
+    d = _unit(rng, 70, 50, 64).astype(np.float32)
+    s, a = lik_cupy.maxsim(q, d, return_argmax=True, backend="cpu")
+    for i in (0, 3, 5):
+        si, ai = lik_cupy.maxsim(q[i:i + 1], d, return_argmax=True, backend="cpu")
+        np.testing.assert_array_equal(si[0], s[i])
+        np.testing.assert_array_equal(ai[0], a[i])
+
+
+def test_nan_and_overflow_follow_float64():
+    # 3e38 * 2 overflows float32 but not float64: the GEMM's inf max is recomputed, and the score is float64's
+    q = np.zeros((1, 2, 4), np.float32)
+    q[0, 0, :2] = [3e38, 3e38]
+    q[0, 1, 0] = 1
+    d = np.zeros((2, 3, 4), np.float32)
+    d[0, 1, :2] = [2, -1.5]  # 3e38 * 0.5 exactly, after an overflowing partial sum
+    d[1, 0, 0] = np.nan
+    s, a = lik_cupy.maxsim(q, d, return_argmax=True, backend="cpu")
+    ref = maxsim_ref(q, d)[0]
+    assert np.isnan(s[0, 1]) and np.isnan(ref[0, 1])
+    assert s[0, 0] == np.float32(ref[0, 0]) and np.isfinite(s[0, 0])
+    assert a[0, 0].tolist() == [1, 1] and a[0, 1].tolist() == [0, 0]  # NaN wins, at its first index
