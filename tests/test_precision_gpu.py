@@ -167,3 +167,31 @@ def test_default_follows_jax(rng):
     assert np.array_equal(np.asarray(lik_cupy.maxsim(jq, jd)), fp32)
     with jax.default_matmul_precision("tensorfloat32"):
         assert np.array_equal(np.asarray(lik_cupy.maxsim(jq, jd)), tf32)
+
+
+def test_float64_in_float64_out_at_float32_accuracy(rng):
+    # float64 device arrays score on the GPU from their float32 rounding at precision "fp32" and
+    # come back as float64: padded with lengths and argmax, packed, and through torch's autograd.
+    q, d = _unit(rng, 3, 40, 96).astype(np.float64), _unit(rng, 20, 70, 96).astype(np.float64)
+    lens = rng.integers(0, 71, 20)
+    dv = np.arange(70)[None, :] < lens[:, None]
+    ref, sim = maxsim_ref(q, d, d_valid=dv)
+    s, a = lik_cupy.maxsim(_cp(q), _cp(d), d_lengths=_cp(lens), return_argmax=True)
+    assert s.dtype == np.float64 and rel_err(_np(s), ref) < FP32_TOL
+    tok = np.concatenate([d[j, :lens[j]] for j in range(20)])
+    off = np.concatenate([[0], np.cumsum(lens)])
+    sp = lik_cupy.maxsim_varlen(_cp(q), _cp(tok), _cp(off))
+    assert sp.dtype == np.float64 and rel_err(_np(sp), ref) < FP32_TOL
+    torch = pytest.importorskip("torch")
+    import lik_cupy.torch as lt
+
+    tq = torch.from_numpy(q).cuda().requires_grad_()
+    td = torch.from_numpy(d).cuda().requires_grad_()
+    out = lt.maxsim(tq, td)
+    assert out.dtype == torch.float64
+    out.sum().backward()
+    assert tq.grad.dtype == torch.float64 and td.grad.dtype == torch.float64
+    rq = torch.from_numpy(q).requires_grad_()
+    rd = torch.from_numpy(d).requires_grad_()
+    torch.einsum("isk,jtk->ijst", rq, rd).amax(dim=3).sum().backward()
+    assert torch.allclose(tq.grad.cpu(), rq.grad, atol=1e-5) and torch.allclose(td.grad.cpu(), rd.grad, atol=1e-5)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .maxsim import _run_end, maxsim_numpy
+from .maxsim import maxsim_numpy
 
 _BLOCK_BYTES = 64 << 20
 
@@ -63,6 +63,20 @@ class Tokens:
         out[valid] = decompress(self.codes[rows], self.residuals[rows], self.centroids, self.weights, self.nbits,
                                 self.normalize)
         return out, valid
+
+
+def _run_end(lens: np.ndarray, j0: int, rows: int) -> int:
+    """The end of the run of documents starting at ``j0`` whose padded size (documents times the
+    longest) stays within ``rows`` token rows; one document at least. Looks ahead only as far as
+    needed, doubling, so a corpus costs time in proportion to its documents."""
+    nd, ahead = lens.size, 64
+    while True:
+        window = lens[j0 : j0 + ahead]
+        padded = np.arange(1, window.size + 1) * np.maximum.accumulate(window)
+        n = max(1, int(np.searchsorted(padded, rows, side="right")))
+        if n < window.size or j0 + window.size >= nd:
+            return j0 + min(n, window.size)
+        ahead *= 2
 
 
 def residual_maxsim_numpy(Q: np.ndarray, q_valid: np.ndarray, tokens: Tokens, sets: np.ndarray | None, *,
