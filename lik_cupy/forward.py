@@ -31,7 +31,7 @@ def maxsim(Q, D, q_mask=None, d_mask=None, *, q_lengths=None, d_lengths=None, re
             ``[Ld, d]`` one document -> ``[Nq]``. A 2-D ``Q`` drops the leading axis.
             Q and D share a dtype: float16, bfloat16, float32 (float32 accuracy on the GPU
             unless ``precision="tf32"``) or float64 (float64 on the CPU; on the GPU rounded
-            to float32 and scored at "fp32", float64 scores), and a framework: NumPy,
+            to float32 and scored as float32, with float64 scores), and a framework: NumPy,
             CuPy, PyTorch (CUDA or CPU), JAX, or any DLPack producer.
         q_mask: bool ``Q.shape[:-1]``, True = valid token. Masked query tokens add nothing.
         d_mask: bool ``D.shape[:-1]``. Masked document tokens never win the max.
@@ -100,7 +100,7 @@ def maxsim_varlen(Q, D_tokens, d_offsets, q_mask=None, *, q_lengths=None, q_offs
         Q: ``[Nq, Lq, d]`` or ``[Lq, d]`` padded queries (with ``q_mask`` / ``q_lengths``
             as in :func:`maxsim`), or packed query tokens ``[Tq, d]`` with ``q_offsets``.
         D_tokens: ``[T, d]`` the documents' tokens back to back, same dtype and
-            framework/device as Q (float16, bfloat16, float32, or float64 on the CPU as in :func:`maxsim`).
+            framework/device as Q (float16, bfloat16, float32 or float64, as in :func:`maxsim`).
         d_offsets: int32 or int64 ``[Nd + 1]``: document j is ``D_tokens[d_offsets[j]:d_offsets[j + 1]]``
             (FlashAttention's ``cu_seqlens``). Must start at 0, never decrease and end at T;
             equal neighbours are empty documents (score -inf). Device offsets are checked by
@@ -201,7 +201,7 @@ def _gpu(p: Problem, Q, D, q_mask, d_mask, q_lengths, d_lengths, return_argmax, 
             qm, ql = device_valid(q_mask, q_lengths, p.nq, p.lq, "q_lengths", fw, on_host, checks)
             dm, dl = device_valid(d_mask, d_lengths, nrows, p.ld, "d_lengths", fw, on_host, checks)
             scores, amax = launch(_kernel_problem(p), q, d, qm, dm, ql, dl, return_argmax, device,
-                                  x3=x3 or p.dtype == "float64")
+                                  x3=x3)
             results = caller_results(p, scores.astype("float64") if p.dtype == "float64" else scores, amax, on_host)
         checks.verify()  # last, while the scoring kernel runs (lik_cupy._runtime.device_checks)
     return results
@@ -228,7 +228,7 @@ def _gpu_varlen(p: Problem, Q, D, d_offsets, q_mask, q_lengths, q_offsets, retur
                 qm, ql = device_valid(q_mask, q_lengths, p.nq, p.lq, "q_lengths", fw, on_host, checks)
             ld_hint = -(-p.ntok // max(1, p.nd))
             scores, amax = launch(_kernel_problem(p), q, d, qm, None, ql, None, return_argmax, device, d_off=doff,
-                                  ld_hint=ld_hint, x3=x3 or p.dtype == "float64")
+                                  ld_hint=ld_hint, x3=x3)
             results = caller_results(p, scores.astype("float64") if p.dtype == "float64" else scores, amax, on_host)
         checks.verify()  # last, while the scoring kernel runs (lik_cupy._runtime.device_checks)
     return results
