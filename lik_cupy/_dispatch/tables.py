@@ -185,13 +185,13 @@ SPLIT_MAX_CTAS = 4096  # CTAs of one token-split launch at most (the arrival cou
 
 # PLAID residual documents (cuda_src/fwd/residual.cuh): (warps, mt, bn, stages) in order of
 # preference, keyed by query-length bucket (rows of a tile: 32, 64, 128). Decompressing a tile's
-# tokens costs far more instructions than its MMA, so the tiles favour threads and resident CTAs
-# over query rows: four warps of 16 rows even for a 32-token query (its other 32 rows are
-# padding), 32-token tiles three stages deep (about 47 KB at d = 128: four CTAs of 128 threads an
-# SM, the most that 128 registers a thread allow). Two rows of 16 per warp spilled with the
-# argmax on sm_80 (compile check), so long queries take eight warps. The last rows are for wide
-# dims where the first do not fit (d = 512 on an sm_86 needs 16-token tiles). Not measured on a
-# GPU yet: bench/suites/bench_residual.py --sweep times the first rows against each other.
+# tokens costs far more instructions than its MMA, so the tiles favour resident CTAs over query
+# rows: four warps of 16 rows even for a 32-token query, 32-token tiles three stages deep. Two rows
+# of 16 per warp spilled with the argmax on sm_80 (compile check), so long queries take eight
+# warps. The last rows are for wide dims where the first do not fit. The first sweep
+# (bench/results/latest/residual_nvidia-h200.json, 4,096 candidates of 32-token queries, d = 128)
+# timed two warps of 16-token tiles 5-45% faster than the first row; they lead once the GPU tests
+# have covered them at these dims (they only ran on wide dims so far).
 RESIDUAL_TILES: dict[int, tuple[tuple[int, int, int, int], ...]] = {
     32: ((4, 1, 32, 3), (4, 1, 64, 3), (2, 1, 32, 3), (2, 1, 16, 3)),
     64: ((4, 1, 32, 3), (4, 1, 64, 3), (2, 1, 32, 3), (2, 1, 16, 3)),
