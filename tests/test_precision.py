@@ -97,6 +97,8 @@ def test_bad_values_are_refused_with_what_was_expected(monkeypatch):
                         precision="TF32")
     with pytest.raises(ValueError, match="set_precision must be one of"):
         lik_cupy.set_precision("half")
+    with pytest.raises(ValueError, match="precision must be one of 'fp32', 'tf32', got 'fp64'"):  # before any GPU work
+        lik_cupy.warmup(precision="fp64")
     monkeypatch.setenv("LIK_PRECISION", "bf16")
     with pytest.raises(ValueError, match="LIK_PRECISION must be one of 'fp32', 'tf32', got 'bf16'"):
         lik_cupy.get_precision()

@@ -6,7 +6,8 @@ from .. import _dispatch as dispatch
 from .device import device_properties, gpu_available
 
 
-def warmup(dims=(128,), dtypes=("float16", "bfloat16"), query_lengths=(32, 1024), argmax=(False,), device=None) -> int:
+def warmup(dims=(128,), dtypes=("float16", "bfloat16"), query_lengths=(32, 1024), argmax=(False,), device=None,
+           precision=None) -> int:
     """Compile and load the forward kernels for these problem classes on ``device``.
 
     Args:
@@ -16,6 +17,9 @@ def warmup(dims=(128,), dtypes=("float16", "bfloat16"), query_lengths=(32, 1024)
         query_lengths: typical query lengths (each picks its tile shape).
         argmax: which of (False, True) to prepare.
         device: CUDA ordinal; default the current CuPy device.
+        precision: the float32 kernels to prepare, "fp32" or "tf32" (``lik_cupy.precision``); None:
+            the process default (``set_precision``, ``LIK_PRECISION``), else "fp32". A framework's
+            own switch is read by each call, not here: pass the precision a service's calls get.
 
     Returns:
         The number of distinct kernels now loaded. Later calls reuse them from
@@ -24,6 +28,9 @@ def warmup(dims=(128,), dtypes=("float16", "bfloat16"), query_lengths=(32, 1024)
     Raises:
         RuntimeError: no CUDA GPU is visible (or CuPy is missing); the CPU path needs no warm-up.
     """
+    from ..precision import _checked, get_precision
+
+    x3 = _checked(precision or get_precision() or "fp32", "precision") == "fp32"
     if not gpu_available():
         raise RuntimeError("lik_cupy.warmup: no CUDA GPU is visible (CuPy could not find one, or is not installed); "
                            "warmup compiles GPU kernels, and the CPU path (backend='cpu') needs none")
@@ -41,7 +48,7 @@ def warmup(dims=(128,), dtypes=("float16", "bfloat16"), query_lengths=(32, 1024)
             for lq in query_lengths:
                 for am in argmax:
                     for vec in {(dim * dispatch.ELEM_SIZES[dispatch.ELEM_CODES[dtype]]) % 16 == 0, False}:
-                        cfg = dispatch.choose_forward(cc, dtype, dim, lq, am, vec, tma=vec and tma_usable())
+                        cfg = dispatch.choose_forward(cc, dtype, dim, lq, am, vec, tma=vec and tma_usable(), x3=x3)
                         if cfg.name not in names:
                             get_module("maxsim_fwd.cu", cfg.defines(), cfg.target(arch), dev)
                             names.add(cfg.name)
