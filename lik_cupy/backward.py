@@ -19,7 +19,7 @@ from ._dispatch.backend import check_backend, use_gpu
 from ._interop import device_array, host_array
 from ._runtime.device import allocating, device_properties, empty
 from ._runtime.device_checks import capturing
-from ._runtime.operands import device_offsets, host_offsets
+from ._runtime.operands import device_offsets, host_offsets, kernel_dtype, kernel_operands
 from ._validate import Problem, check_32bit, check_argmax_values, check_backward
 
 __all__ = ["maxsim_backward"]
@@ -149,11 +149,8 @@ def _gpu(p: Problem, g, Q, D, argmax, d_offsets, method, validate, q_shape, d_sh
             d = device_array(D, fw, on_host).reshape(rows, p.dim)
             gs = _grad_f32(g, fw, on_host, p)
             a = device_array(argmax, fw, on_host).reshape(p.nq, p.nd, p.lq)
-        kdtype = p.dtype
-        if p.dtype == "bfloat16":
-            q, d = q.view(cupy.uint16), d.view(cupy.uint16)
-        elif p.dtype == "float64":  # the forward's float32 rounding (forward._kernel_operands); float64 gradients
-            q, d, kdtype, esize = q.astype(cupy.float32), d.astype(cupy.float32), "float32", 4
+        q, d = kernel_operands(p.dtype, q, d)  # float64: the forward's float32 rounding; float64 gradients
+        esize = q.dtype.itemsize
         off = device_offsets(device_array(d_offsets, fw, on_host), p.ntok, "d_offsets", validate,
                              wide=True) if p.d_packed else None
         if validate and a.size and not capturing():  # no host read inside graph capture (checks.py)
@@ -170,7 +167,7 @@ def _gpu(p: Problem, g, Q, D, argmax, d_offsets, method, validate, q_shape, d_sh
         cc = device_properties(device).cc
         how = dispatch.choose_backward(method, cc, p.nq, p.nd, p.lq, rows, p.dim)
         vec = p.dim % 4 == 0 and q.data.ptr % (4 * esize) == 0 and d.data.ptr % (4 * esize) == 0
-        defines = {"LIK_ELEM": _ELEM[kdtype], "LIK_VEC": int(vec)}
+        defines = {"LIK_ELEM": _ELEM[kernel_dtype(p.dtype)], "LIK_VEC": int(vec)}
         mod = get_module("maxsim_bwd.cu", defines, dispatch.arch_of(cc), device, entry="lik_bwd_dq")
 
         dq = _empty(q.shape, q.dtype, "dQ", "split the call over fewer queries")

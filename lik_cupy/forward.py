@@ -10,12 +10,13 @@ from dataclasses import replace
 
 from . import _cpu as cpu
 from ._dispatch.backend import check_backend, scoring_on_gpu
-from .precision import _resolve as _fp32_accurate
 from ._interop import caller_results, caller_stream, device_array, host_array, host_result
 from ._runtime.device_checks import DeviceChecks
 from ._runtime.launch import launch
-from ._runtime.operands import device_offsets, device_valid, host_offsets, unpack_queries, valid_host
+from ._runtime.operands import (device_offsets, device_valid, host_offsets, kernel_dtype, kernel_operands,
+                                unpack_queries, valid_host)
 from ._validate import Problem, check_call, check_varlen
+from .precision import _resolve as _fp32_accurate
 
 __all__ = ["maxsim", "maxsim_pairs", "maxsim_varlen"]
 
@@ -196,12 +197,12 @@ def _gpu(p: Problem, Q, D, q_mask, d_mask, q_lengths, d_lengths, return_argmax, 
         with caller_stream(fw, device):
             q = device_array(Q, fw, on_host)
             d = device_array(D, fw, on_host)
-            q, d = _kernel_operands(p, q, d)
+            q, d = kernel_operands(p.dtype, q, d)
             nrows = p.nq * p.nd if p.candidates else p.nd
             qm, ql = device_valid(q_mask, q_lengths, p.nq, p.lq, "q_lengths", fw, on_host, checks)
             dm, dl = device_valid(d_mask, d_lengths, nrows, p.ld, "d_lengths", fw, on_host, checks)
-            scores, amax = launch(_kernel_problem(p), q, d, qm, dm, ql, dl, return_argmax, device,
-                                  x3=x3)
+            kp = replace(p, dtype=kernel_dtype(p.dtype))
+            scores, amax = launch(kp, q, d, qm, dm, ql, dl, return_argmax, device, x3=x3)
             results = caller_results(p, scores.astype("float64") if p.dtype == "float64" else scores, amax, on_host)
         checks.verify()  # last, while the scoring kernel runs (lik_cupy._runtime.device_checks)
     return results
@@ -217,7 +218,7 @@ def _gpu_varlen(p: Problem, Q, D, d_offsets, q_mask, q_lengths, q_offsets, retur
         with caller_stream(fw, device):
             q = device_array(Q, fw, on_host)
             d = device_array(D, fw, on_host).reshape(p.ntok, p.dim)
-            q, d = _kernel_operands(p, q, d)
+            q, d = kernel_operands(p.dtype, q, d)
             doff = device_offsets(device_array(d_offsets, fw, on_host), p.ntok, "d_offsets", validate, checks)
             qm = None
             if q_offsets is not None:
@@ -227,25 +228,10 @@ def _gpu_varlen(p: Problem, Q, D, d_offsets, q_mask, q_lengths, q_offsets, retur
                 q = q.reshape(p.nq, p.lq, p.dim)
                 qm, ql = device_valid(q_mask, q_lengths, p.nq, p.lq, "q_lengths", fw, on_host, checks)
             ld_hint = -(-p.ntok // max(1, p.nd))
-            scores, amax = launch(_kernel_problem(p), q, d, qm, None, ql, None, return_argmax, device, d_off=doff,
-                                  ld_hint=ld_hint, x3=x3)
+            kp = replace(p, dtype=kernel_dtype(p.dtype))
+            scores, amax = launch(kp, q, d, qm, None, ql, None, return_argmax, device, d_off=doff, ld_hint=ld_hint,
+                                  x3=x3)
             results = caller_results(p, scores.astype("float64") if p.dtype == "float64" else scores, amax, on_host)
         checks.verify()  # last, while the scoring kernel runs (lik_cupy._runtime.device_checks)
     return results
 
-
-def _kernel_operands(p: Problem, q, d):
-    """q and d as the kernels take them: bfloat16 as its uint16 bits, float64 rounded to float32
-    (scored at float32 accuracy, ``lik_cupy.precision``; the caller still gets float64 scores)."""
-    import cupy
-
-    if p.dtype == "bfloat16":
-        return q.view(cupy.uint16), d.view(cupy.uint16)
-    if p.dtype == "float64":
-        return q.astype(cupy.float32), d.astype(cupy.float32)
-    return q, d
-
-
-def _kernel_problem(p: Problem) -> Problem:
-    """The problem the kernels see: float64 runs as float32 (see _kernel_operands)."""
-    return replace(p, dtype="float32") if p.dtype == "float64" else p

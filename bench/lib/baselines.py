@@ -13,6 +13,16 @@ FLASH = "flash_maxsim"
 LIK = "late_interaction_kernels"
 
 
+def load_peers() -> dict:
+    """``{"lik": module or None, "flash": module or None}``, printing why a peer did not import."""
+    peers = {}
+    for key, name in (("lik", LIK), ("flash", FLASH)):
+        peers[key], err = load(name)
+        if err:
+            print(f"{name}: {err}", flush=True)
+    return peers
+
+
 def load(name: str):
     """``(module, None)``, or ``(None, why)`` when ``name`` does not import (the reason as ``repr``, at most 200
     characters)."""

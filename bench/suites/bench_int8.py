@@ -32,6 +32,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: bench.lib, and this checkout's lik_cupy
 from bench.lib import baselines  # noqa: E402
+from bench.lib.reference import exact_scores  # noqa: E402
 from bench.lib.results import slugify  # noqa: E402
 from bench.lib.timing import per_call_ms  # noqa: E402
 
@@ -52,16 +53,6 @@ def embeddings(torch, shape, kind, gen):
     return x / x.norm(dim=-1, keepdim=True)
 
 
-def exact_scores(torch, q, d, chunk=32):
-    """float64 MaxSim [Nq, B] of float32 q [Nq, Lq, dim] and d [B, Ld, dim], chunked over documents."""
-    q64 = q.double()
-    out = []
-    for j in range(0, d.shape[0], chunk):
-        sim = torch.einsum("isk,jtk->ijst", q64, d[j:j + chunk].double())
-        out.append(sim.amax(dim=3).sum(dim=2))
-    return torch.cat(out, dim=1)
-
-
 def spearman_rows(torch, a, b):
     ra = a.argsort(dim=1).argsort(dim=1).double()
     rb = b.argsort(dim=1).argsort(dim=1).double()
@@ -72,7 +63,7 @@ def spearman_rows(torch, a, b):
 def fidelity(torch, lk, lq, ld, dim, nd, kind, gen):
     q = embeddings(torch, (8, lq, dim), kind, gen)
     d = embeddings(torch, (nd, ld, dim), kind, gen)
-    exact = exact_scores(torch, q, d)
+    exact = exact_scores(torch, q, d, chunk=32)
     d8, ds = lk.quantize_int8(d)
     got = lk.maxsim_int8(q, d8, ds).double()
     rho = spearman_rows(torch, got, exact)

@@ -26,6 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from bench.lib import baselines  # noqa: E402
+from bench.lib.reference import exact_scores  # noqa: E402
 from bench.lib.results import slugify, text_table, write_json  # noqa: E402
 from bench.lib.timing import per_call_ms  # noqa: E402
 
@@ -45,18 +46,11 @@ CELLS = {
 PEERS = ("lik_f32", "flash_f32")
 
 
-def _exact(torch, q, d, chunk):
-    """float64 MaxSim [B] of q [Lq, dim] against d [B, Ld, dim], chunked over documents."""
-    q64 = q.double()
-    return torch.cat([torch.einsum("sk,jtk->jst", q64, d[j:j + chunk].double()).amax(dim=2).sum(dim=1)
-                      for j in range(0, d.shape[0], chunk)])
-
-
 def run_cell(torch, lk, mods, name, lq, ld, b, dim, reps, gen):
     q = torch.randn(lq, dim, device="cuda", generator=gen)
     d = torch.randn(b, ld, dim, device="cuda", generator=gen)
     q, d = q / q.norm(dim=-1, keepdim=True), d / d.norm(dim=-1, keepdim=True)
-    exact = _exact(torch, q, d, max(1, (1 << 30) // (lq * ld * 8)))
+    exact = exact_scores(torch, q[None], d)[0]
     q16, d16 = q.half(), d.half()
     impls = {
         "ours_fp32": lambda: lk.maxsim(q, d, precision="fp32"),
@@ -101,11 +95,7 @@ def main():
     import lik_cupy as lk
 
     gen = torch.Generator(device="cuda").manual_seed(34)
-    mods = {}
-    for key, name in (("lik", baselines.LIK), ("flash", baselines.FLASH)):
-        mods[key], err = baselines.load(name)
-        if err:
-            print(f"{name}: {err}", flush=True)
+    mods = baselines.load_peers()
     cells = []
     for name in args.cells.split(","):
         lq, ld, b, dim, _ = CELLS[name]

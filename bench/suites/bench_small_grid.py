@@ -112,11 +112,7 @@ def main():
     import lik_cupy as lk
 
     gen = torch.Generator(device="cuda").manual_seed(30)
-    mods = {}
-    for key, name in (("lik", baselines.LIK), ("flash", baselines.FLASH)):
-        mods[key], err = baselines.load(name)
-        if err:
-            print(f"{name}: {err}", flush=True)
+    mods = baselines.load_peers()
     cublas = _cublas_tflops(torch)
     print(f"cuBLAS fp16 {cublas:.0f} TFLOP/s", flush=True)
     t_end = time.time() + args.time_budget

@@ -1,6 +1,7 @@
-"""Which tokens are valid, in the form each path takes: masks, lengths and offsets made into the
-device arrays the kernels read (range checks queued on the device), or into host arrays the
-NumPy path reads (range checks raised at once)."""
+"""The operands in the form each path takes: which tokens are valid (masks, lengths and offsets made
+into the device arrays the kernels read, range checks queued on the device, or into host arrays
+the NumPy path reads, range checks raised at once), and the embeddings' dtype as the kernels
+take it (kernel_operands)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from .._interop import device_array, host_array
 from .._validate import check_length_values, check_offset_values
 from .device_checks import queue_or_verify
 
-__all__ = ["valid_host", "host_offsets", "device_valid", "device_offsets", "unpack_queries"]
+__all__ = ["valid_host", "host_offsets", "device_valid", "device_offsets", "unpack_queries", "kernel_dtype",
+           "kernel_operands"]
 
 
 def valid_host(mask, lengths, rows: int, length: int, name: str, fw: str) -> np.ndarray:
@@ -76,3 +78,21 @@ def unpack_queries(qt, q_offsets, nq: int):
     rows = np.minimum(off[:-1, None] + np.arange(lq)[None, :], qt.shape[0] - 1)  # rows past a length are masked
     q = qt[cupy.asarray(rows)]
     return cupy.ascontiguousarray(q), cupy.asarray(lens.astype(np.int32))
+
+
+def kernel_dtype(dtype: str) -> str:
+    """The dtype the kernels compute in for inputs of ``dtype``: float64 runs as float32 (at float32
+    accuracy, ``lik_cupy.precision``; its callers get float64 results back)."""
+    return "float32" if dtype == "float64" else dtype
+
+
+def kernel_operands(dtype: str, *arrays):
+    """Device ``arrays`` of ``dtype`` as the kernels take them: bfloat16 as its uint16 bits, float64
+    rounded to float32 (kernel_dtype), the rest as they are."""
+    import cupy
+
+    if dtype == "bfloat16":
+        return tuple(a.view(cupy.uint16) for a in arrays)
+    if dtype == "float64":
+        return tuple(a.astype(cupy.float32) for a in arrays)
+    return arrays
