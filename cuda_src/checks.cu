@@ -7,7 +7,12 @@
 // which the GPU writes directly):
 //   lik_check_range_*: out = {min, max, 0} of v[0 .. n)      (n >= 1)
 //   lik_check_offsets_*: out = {off[0], off[n-1], 1 if some off[i+1] < off[i] else 0}   (n >= 1)
-// The caller turns these into its error message.
+// The caller turns these into its error message (strict mode, validate=True).
+//
+// By default a call reads no check on the host. lik_nan_invalid instead runs after the scoring
+// kernel, on its stream, and writes NaN into exactly the scores an invalid value touches (and -1
+// into their argmax rows). The scoring kernels clamp every length to [0, L] and every document
+// to [0, T), so those values were never read out of bounds; this pass only marks what they gave.
 #include "common.cuh"
 
 #define LIK_I64_MAX 0x7fffffffffffffffLL
@@ -70,4 +75,70 @@ extern "C" __global__ void lik_check_offsets_i32(const int* __restrict__ off, lo
 
 extern "C" __global__ void lik_check_offsets_i64(const i64* __restrict__ off, long long n, i64* out) {
     offsets_block(off, n, out);
+}
+
+// An int32 or int64 entry of a caller's array, widened.
+__device__ __forceinline__ i64 entry_at(const void* p, int wide, i64 i) {
+    return wide ? static_cast<const i64*>(p)[i] : static_cast<i64>(static_cast<const int*>(p)[i]);
+}
+
+// One warp per document row r (a column j of the scores, or with per_cell a single cell r =
+// i * nd + j: per-query candidates and pairs). A row is invalid when
+//   d_len[r] is outside [0, d_limit];
+//   d_off (packed documents, shared by every query): d_off[j] < 0, d_off[j + 1] < d_off[j],
+//     d_off[j + 1] > ntok, or the array as a whole does not run from 0 to ntok;
+//   d_scale (INT8): a scale of one of its valid tokens is negative or NaN (padded rows: tokens
+//     r * ld .. r * ld + ld, the first d_len[r] or those d_mask keeps; packed: d_off[j] ..
+//     d_off[j + 1]).
+// A cell (i, j) is invalid when its row is, or when q_len[i] is outside [0, q_limit].
+// Invalid cells get NaN scores and an argmax row of -1 (lq entries, when amax is given).
+extern "C" __global__ void lik_nan_invalid(float* __restrict__ scores, int* __restrict__ amax, long long nq,
+                                           long long nd, int lq, int per_cell,
+                                           const void* q_len, int q_wide, long long q_limit,
+                                           const void* d_len, int d_wide, long long d_limit,
+                                           const void* d_off, int off_wide, long long ntok,
+                                           const float* __restrict__ d_scale, const u8* __restrict__ d_mask,
+                                           long long ld) {
+    const int lane = threadIdx.x & 31;
+    const long long rows = per_cell ? nq * nd : nd;
+    const long long warps = ((long long)gridDim.x * blockDim.x) >> 5;
+    bool whole_bad = false;
+    if (d_off) whole_bad = entry_at(d_off, off_wide, 0) != 0 || entry_at(d_off, off_wide, nd) != ntok;
+    for (long long r = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5; r < rows; r += warps) {
+        const long long j = per_cell ? r % nd : r;
+        bool bad = whole_bad;
+        long long lo = r * ld, hi = r * ld + ld;  // the row's scale tokens (padded)
+        if (d_len) {
+            const i64 v = entry_at(d_len, d_wide, r);
+            bad |= v < 0 || v > d_limit;
+            hi = lo + (v < 0 ? 0 : v > ld ? ld : v);
+        }
+        if (d_off) {
+            lo = entry_at(d_off, off_wide, j);
+            hi = entry_at(d_off, off_wide, j + 1);
+            bad |= lo < 0 || hi < lo || hi > ntok;
+        }
+        if (d_scale && !bad) {
+            bool neg = false;
+            for (long long t = lo + lane; t < hi; t += 32)
+                neg |= (!d_mask || d_mask[t]) && !(d_scale[t] >= 0.f);
+            bad = __any_sync(0xffffffffu, neg);
+        }
+        // Cells of this row: one (per_cell) or a column of nq, lanes taking queries in turn.
+        const long long i0 = per_cell ? r / nd : lane, step = per_cell ? 1 : 32;
+        const long long i1 = per_cell ? (lane == 0 ? i0 + 1 : i0) : nq;
+        for (long long i = i0; i < i1; i += step) {
+            bool cell_bad = bad;
+            if (q_len) {
+                const i64 v = entry_at(q_len, q_wide, i);
+                cell_bad |= v < 0 || v > q_limit;
+            }
+            if (cell_bad) {
+                const long long c = i * nd + j;
+                scores[c] = __int_as_float(0x7fc00000);
+                if (amax)
+                    for (int s = 0; s < lq; ++s) amax[c * lq + s] = -1;
+            }
+        }
+    }
 }

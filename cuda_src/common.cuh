@@ -27,6 +27,15 @@ struct Offsets {
     }
 };
 
+// Entry i of a lengths array as the caller gave it: int32, or int64 when the low bit of its address
+// is set (arrays are at least 4-byte aligned, so the bit is free), so that int64 lengths need no
+// conversion launch. An int64 length's low word is its value for every length in [0, 2^31); an
+// invalid one reads as some int32 the kernels clamp, and the NaN pass (checks.cu) marks its scores.
+__device__ __forceinline__ int length_at(const int* p, i64 i) {
+    const unsigned long long a = reinterpret_cast<unsigned long long>(p);
+    return (a & 1) ? reinterpret_cast<const int*>(a & ~1ull)[2 * i] : p[i];
+}
+
 __device__ __forceinline__ u32 smem_addr(const void* p) {
     return static_cast<u32>(__cvta_generic_to_shared(p));
 }

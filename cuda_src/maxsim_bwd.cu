@@ -8,8 +8,9 @@
 //   in-batch  D [Nd, Ld, d]:        j * Ld + a
 //   candidates D [Nq, Nd, Ld, d]:   (i * Nd + j) * Ld + a
 //   packed    D [T, d] + offsets:   off[j] + a
-// Entries whose row falls outside [0, rows) are skipped (the host checks the argmax first;
-// this keeps unchecked input from writing outside dD).
+// An entry that is neither -1 nor a token of its document (row outside [0, rows) included) makes
+// dQ[i, s] NaN and adds nothing to dD: unchecked input never writes outside dD (strict mode
+// checks the argmax on the host first).
 //
 // Every kernel gives one warp a (row, 128-column chunk): each lane owns 4 columns, keeps
 // its fp32 sums in registers and writes them once. dQ has a single writer per row and adds
@@ -122,11 +123,15 @@ extern "C" __global__ void __launch_bounds__(256) lik_bwd_dq(const T* __restrict
     if (dD32) load4(q, Q + tok * dim, k < dim ? k : 0, k < dim ? dim : 0);
     const int* ap = amax + (i64)i * Nd * Lq + s;
     const float* gp = g + (i64)i * Nd;
+    bool invalid = false;
     for (int j = 0; j < Nd; ++j) {
         const int a = ap[(i64)j * Lq];
-        if (a < 0) continue;
-        const i64 r = doc_row(d_off, i, j, a, Nd, Ld, cand != 0, rows);
-        if (r < 0) continue;
+        if (a == -1) continue;
+        const i64 r = a < 0 ? -1 : doc_row(d_off, i, j, a, Nd, Ld, cand != 0, rows);
+        if (r < 0) {
+            invalid = true;
+            continue;
+        }
         const float gij = gp[j];
         if (k < dim) {
             float v[4];
@@ -140,6 +145,10 @@ extern "C" __global__ void __launch_bounds__(256) lik_bwd_dq(const T* __restrict
                 atomic_add4(dD32 + r * dim, k, dim, w);
             }
         }
+    }
+    if (invalid) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[e] = __int_as_float(0x7fc00000);
     }
     if (k < dim) store4(dQ + tok * dim, k, dim, acc);
 }

@@ -18,8 +18,9 @@ from . import _interop as interop
 from ._dispatch.backend import check_backend, use_gpu
 from ._interop import device_array, host_array
 from ._runtime.device import allocating, device_properties, empty
-from ._runtime.device_checks import capturing
+from ._runtime.device_checks import capturing, strict
 from ._runtime.operands import device_offsets, host_offsets, kernel_dtype, kernel_operands
+from ._runtime.prepared_calls import PreparedBackward, call_key, lookup, store
 from ._validate import Problem, check_32bit, check_argmax_values, check_backward
 
 __all__ = ["maxsim_backward"]
@@ -28,7 +29,7 @@ _METHODS = ("auto", "csr", "atomic")
 _ELEM = {"float16": 0, "bfloat16": 1, "float32": 2}
 
 
-def maxsim_backward(grad_scores, Q, D, argmax, *, d_offsets=None, method="auto", validate=True, backend="auto"):
+def maxsim_backward(grad_scores, Q, D, argmax, *, d_offsets=None, method="auto", validate=None, backend="auto"):
     """Gradients of ``maxsim`` (or ``maxsim_varlen``) with respect to Q and D.
 
     ``dQ[i, s] = sum_j g[i, j] * D_j[argmax[i, j, s]]`` and
@@ -49,8 +50,10 @@ def maxsim_backward(grad_scores, Q, D, argmax, *, d_offsets=None, method="auto",
             inverted into a map sorted by (document token, i, j, s) and each row of dD
             is summed by one writer in that order: bitwise reproducible. "auto": the
             dispatch rule (``dispatch.choose_backward``). dQ is deterministic either way.
-        validate: check the argmax values on the device first (one reduction and one host
-            synchronisation). Without it, entries out of range are skipped, never written.
+        validate: None (default): no host synchronisation; an argmax entry that is neither -1
+            nor a token of its document makes that query token's dQ row NaN and adds nothing
+            to dD. True (or ``LIK_VALIDATE=1``): check the argmax values first (one reduction
+            and one host synchronisation) and raise a ValueError. False: as None.
         backend: "auto", "gpu" or "cpu" (NumPy, accumulating in float64 in blocks bounded in
             bytes: ``lik_cupy._cpu.backward``).
 
@@ -69,6 +72,10 @@ def maxsim_backward(grad_scores, Q, D, argmax, *, d_offsets=None, method="auto",
                [0., 3.]], dtype=float32), array([[1., 0.],
                [0., 1.]], dtype=float32))
     """
+    key = call_key("backward", (validate, method, backend), grad_scores, (Q, D, argmax, d_offsets), precision=False)
+    call = lookup(key) if key is not None else None
+    if call is not None:
+        return call(grad_scores, Q, D, argmax, d_offsets)
     if method not in _METHODS:
         raise ValueError(f"method must be one of {_METHODS}, got {method!r}")
     check_backend(backend)
@@ -76,6 +83,9 @@ def maxsim_backward(grad_scores, Q, D, argmax, *, d_offsets=None, method="auto",
     on_gpu = use_gpu(backend, p.device, float64=p.dtype == "float64", float64_gpu=True)
     q_shape, d_shape = interop.describe(Q).shape, interop.describe(D).shape
     if on_gpu:
+        call = _prepared(key, p, method, q_shape, d_shape)
+        if call is not None:
+            return call(grad_scores, Q, D, argmax, d_offsets)
         return _gpu(p, grad_scores, Q, D, argmax, d_offsets, method, validate, q_shape, d_shape)
     return _cpu(p, grad_scores, Q, D, argmax, d_offsets, q_shape, d_shape)
 
@@ -136,6 +146,7 @@ def _gpu(p: Problem, g, Q, D, argmax, d_offsets, method, validate, q_shape, d_sh
 
     from ._runtime.nvrtc import get_module
 
+    validate = strict(validate)
     fw = p.framework
     on_host = p.device is None
     device = p.device if p.device is not None else cupy.cuda.runtime.getDevice()
@@ -159,8 +170,7 @@ def _gpu(p: Problem, g, Q, D, argmax, d_offsets, method, validate, q_shape, d_sh
                                                    (a >= limit).any().astype(cupy.int64)]).get())
             check_argmax_values(lo, bool(over), _limit_words(p))
         warps = _THREADS // 32  # one warp per query token (dQ) or document row (CSR dD)
-        check_32bit(Nq=p.nq, Nd=p.nd, Lq=p.lq, Ld=p.ld, **{"Nq * Lq / 8 blocks": -(-p.nq * p.lq // warps),
-                                                            "document rows / 8 blocks": -(-rows // warps)})
+        dq_grid, cast_grid = _grids(p)
         if p.nq * p.nd * p.lq >= 2**62 // max(1, rows):
             raise ValueError("argmax entries x document rows exceed the CSR key range; split the call")
 
@@ -182,12 +192,12 @@ def _gpu(p: Problem, g, Q, D, argmax, d_offsets, method, validate, q_shape, d_sh
                 dd32 = _empty((rows, p.dim), np.float32, "the atomic method's fp32 dD",
                               "method='csr' needs no fp32 copy of dD; or split the call over fewer documents",
                               zeros=True)
-            launch("lik_bwd_dq", (-(-p.nq * p.lq // warps), chunks),
+            launch("lik_bwd_dq", dq_grid[:2],
                    (q, d, gs, a, off if off is not None else null, dq, dd32 if dd32 is not None else null, *common,
                     np.int32(p.ld), np.int32(p.dim), np.int32(p.candidates), np.int64(rows)))
             n = rows * p.dim
             if how == "atomic" and n:
-                launch("lik_bwd_cast", (min(-(-n // _THREADS), 65535 * 8),), (dd32, dd, np.int64(n)))
+                launch("lik_bwd_cast", cast_grid[:1], (dd32, dd, np.int64(n)))
             elif how == "csr" and rows:
                 m = p.nq * p.nd * p.lq
                 hint = "method='atomic' needs no key map; or split the call over fewer queries or documents"
@@ -210,6 +220,48 @@ def _gpu(p: Problem, g, Q, D, argmax, d_offsets, method, validate, q_shape, d_sh
 
 
 _THREADS = 256  # per block, every backward kernel (their __launch_bounds__)
+
+
+def _grids(p: Problem) -> tuple:
+    """(dQ pass grid, cast grid) of a problem, and the 32-bit checks of their sizes."""
+    rows, warps = _doc_rows(p), _THREADS // 32  # one warp per query token (dQ) or document row (CSR dD)
+    check_32bit(Nq=p.nq, Nd=p.nd, Lq=p.lq, Ld=p.ld, **{"Nq * Lq / 8 blocks": -(-p.nq * p.lq // warps),
+                                                        "document rows / 8 blocks": -(-rows // warps)})
+    n = rows * p.dim
+    return (-(-p.nq * p.lq // warps), -(-p.dim // 128), 1), (min(-(-n // _THREADS), 65535 * 8), 1, 1)
+
+
+def _prepared(key, p: Problem, method: str, q_shape, d_shape):
+    """The :class:`PreparedBackward` of a validated GPU call whose signature ``key`` can take the
+    repeat path (device arrays of torch or CuPy, C-contiguous and 16-byte aligned, float32
+    grad_scores, int64 offsets, the atomic method), made and stored; None otherwise."""
+    if key is None or p.dtype not in _ELEM or (p.dtype == "bfloat16" and p.framework != "torch"):
+        return None
+    sigs = key[2:]  # grad_scores, Q, D, argmax, d_offsets: (shape, dtype, device, aligned, contiguous)
+    if any(s is not None and (s[2] < 0 or not s[3] or not s[4]) for s in sigs):
+        return None
+    g_dtype, off = interop.dtype_name(sigs[0][1]) if p.framework == "cupy" else str(sigs[0][1]), sigs[4]
+    if not g_dtype.endswith("float32") or (off is not None and not str(off[1]).endswith("int64")):
+        return None
+    rows = _doc_rows(p)
+    if not (p.nq * p.lq and p.nd and p.dim and rows):
+        return None
+    cc = device_properties(p.device).cc
+    if dispatch.choose_backward(method, cc, p.nq, p.nd, p.lq, rows, p.dim) != "atomic":
+        return None
+    import cupy
+
+    from ._runtime.nvrtc import get_module
+
+    dq_grid, cast_grid = _grids(p)
+    defines = {"LIK_ELEM": _ELEM[p.dtype], "LIK_VEC": int(p.dim % 4 == 0)}
+    with cupy.cuda.Device(p.device):
+        mod = get_module("maxsim_bwd.cu", defines, dispatch.arch_of(cc), p.device, entry="lik_bwd_dq")
+        dq, cast = (mod.get_function(k).kernel.ptr for k in ("lik_bwd_dq", "lik_bwd_cast"))
+    call = PreparedBackward(p.framework, p, p.device, dq, cast, dq_grid, cast_grid, _THREADS,
+                            (p.nq, p.nd, p.lq, p.ld, p.dim, int(p.candidates), rows), (q_shape, d_shape), p.dtype)
+    store(key, call)
+    return call
 
 
 def _empty(shape, dtype, what: str, hint: str, zeros: bool = False):

@@ -11,8 +11,9 @@ from dataclasses import replace
 from . import _cpu as cpu
 from ._dispatch.backend import check_backend, scoring_on_gpu
 from ._interop import caller_results, caller_stream, device_array, host_array, host_result
-from ._runtime.device_checks import DeviceChecks
-from ._runtime.launch import launch
+from ._runtime.device_checks import call_checks
+from ._runtime.launch import launch, prepare, use_tma_for
+from ._runtime.prepared_calls import PreparedCall, call_key, lookup, store
 from ._runtime.operands import (device_offsets, device_valid, host_offsets, kernel_dtype, kernel_operands,
                                 unpack_queries, valid_host)
 from ._validate import Problem, check_call, check_varlen
@@ -22,7 +23,7 @@ __all__ = ["maxsim", "maxsim_pairs", "maxsim_varlen"]
 
 
 def maxsim(Q, D, q_mask=None, d_mask=None, *, q_lengths=None, d_lengths=None, return_argmax=False, backend="auto",
-           precision=None):
+           precision=None, validate=None):
     """Late-interaction score ``sum_s max_t <Q[i, s], D[j, t]>`` without the ``[Nq, Nd, Lq, Ld]`` tensor.
 
     Args:
@@ -49,15 +50,21 @@ def maxsim(Q, D, q_mask=None, d_mask=None, *, q_lengths=None, d_lengths=None, re
         precision: float32 inputs on the GPU: "fp32" (float32 accuracy, 3xTF32) or "tf32"
             (one TF32 product, ~1e-3 relative error, faster); None follows the process
             default and then the caller's framework (``lik_cupy.precision``).
+        validate: device-resident lengths. None (default): an invalid value (negative, or past
+            ``Lq`` / ``Ld``) makes exactly the scores it touches NaN (their argmax rows -1),
+            checked on the device with no host synchronisation; True (or ``LIK_VALIDATE=1``):
+            strict, the call waits for the check and raises a ValueError; False: no check (an
+            invalid value gives wrong scores, never a read out of bounds). Host-resident
+            lengths are always checked on the host and raise.
 
     Returns:
         float32 scores (float64 for float64 inputs) and the argmax, in the caller's framework,
         on the caller's device. A document with no valid token scores -inf; a query with no valid
         token scores 0 (also against an empty document); a NaN in any unmasked
         similarity makes that score NaN. Device work runs on the caller's current
-        CuPy or PyTorch stream without a host synchronisation, except that a call with
-        device-resident lengths waits for their range check (a small kernel on a stream
-        of its own, beside the scoring kernel) before it returns.
+        CuPy or PyTorch stream and the call returns without waiting for it (strict
+        validation aside). A repeat call with the same shapes, dtypes and flags reuses
+        the first one's kernel choice and launch plan (``lik_cupy._runtime.prepared_calls``).
     Example (the NumPy path; on a GPU the same call runs the CUDA kernels)::
 
         >>> import numpy as np, lik_cupy
@@ -69,16 +76,16 @@ def maxsim(Q, D, q_mask=None, d_mask=None, *, q_lengths=None, d_lengths=None, re
         >>> s, a[0, 1]
         (array([[1., 3.]], dtype=float32), array([1, 0], dtype=int32))
     """
-    return _run(Q, D, q_mask, d_mask, q_lengths, d_lengths, return_argmax, backend, precision, pairs=False)
+    return _run(Q, D, q_mask, d_mask, q_lengths, d_lengths, return_argmax, backend, precision, validate, pairs=False)
 
 
 def maxsim_pairs(Q, D, q_mask=None, d_mask=None, *, q_lengths=None, d_lengths=None, return_argmax=False,
-                 backend="auto", precision=None):
+                 backend="auto", precision=None, validate=None):
     """Diagonal MaxSim: ``score[b] = maxsim(Q[b], D[b])``.
 
     Args:
         Q: ``[B, Lq, d]``; D: ``[B, Ld, d]``; masks ``[B, Lq]`` / ``[B, Ld]`` or lengths ``[B]``.
-        Other arguments as in :func:`maxsim`.
+        Other arguments (``validate`` too) as in :func:`maxsim`.
 
     Returns:
         float32 ``[B]`` (float64 for float64 inputs), and int32 argmax ``[B, Lq]`` if asked.
@@ -90,11 +97,11 @@ def maxsim_pairs(Q, D, q_mask=None, d_mask=None, *, q_lengths=None, d_lengths=No
         >>> lik_cupy.maxsim_pairs(Q, D, backend="cpu")
         array([1.4, 3. , 4.6], dtype=float32)
     """
-    return _run(Q, D, q_mask, d_mask, q_lengths, d_lengths, return_argmax, backend, precision, pairs=True)
+    return _run(Q, D, q_mask, d_mask, q_lengths, d_lengths, return_argmax, backend, precision, validate, pairs=True)
 
 
 def maxsim_varlen(Q, D_tokens, d_offsets, q_mask=None, *, q_lengths=None, q_offsets=None, return_argmax=False,
-                  validate_offsets=True, backend="auto", precision=None):
+                  validate_offsets=True, backend="auto", precision=None, validate=None):
     """MaxSim against packed (ragged) documents: no work is spent on padding.
 
     Args:
@@ -104,19 +111,20 @@ def maxsim_varlen(Q, D_tokens, d_offsets, q_mask=None, *, q_lengths=None, q_offs
             framework/device as Q (float16, bfloat16, float32 or float64, as in :func:`maxsim`).
         d_offsets: int32 or int64 ``[Nd + 1]``: document j is ``D_tokens[d_offsets[j]:d_offsets[j + 1]]``
             (FlashAttention's ``cu_seqlens``). Must start at 0, never decrease and end at T;
-            equal neighbours are empty documents (score -inf). Device offsets are checked by
-            one small kernel running beside the scoring kernel, never copied to the host; the
-            call waits for the check (not for the scores) before it returns.
+            equal neighbours are empty documents (score -inf). Device offsets are checked on
+            the device after the scoring kernel, never copied to the host: a document whose
+            offsets are negative, decreasing or past T scores NaN, and every score is NaN
+            when the offsets do not run from 0 to T (``validate`` as in :func:`maxsim`).
         q_offsets: int32 or int64 ``[Nq + 1]`` for packed queries (read on the host:
             the longest query sets the argmax width).
         return_argmax: also return int32 ``[Nq, Nd, Lq]`` document-local token indices
             (``Lq`` = the longest query for packed queries), -1 for masked/absent query
             tokens and empty documents.
-        validate_offsets: False skips the device check of ``d_offsets`` (and the wait for it) in
-            a hot loop over offsets already known good. The kernel clamps every document
+        validate_offsets: False is ``validate=False``: no check of ``d_offsets`` (nor of
+            ``q_lengths``) for offsets already known good. The kernel clamps every document
             to ``[0, T)``, so bad offsets then give wrong scores but never touch memory
             outside ``D_tokens``.
-        backend, precision: as in :func:`maxsim`.
+        backend, precision, validate: as in :func:`maxsim`.
 
     Returns:
         float32 ``[Nq, Nd]`` (``[Nd]`` for a 2-D padded Q; float64 for float64 inputs), in the caller's framework
@@ -129,26 +137,72 @@ def maxsim_varlen(Q, D_tokens, d_offsets, q_mask=None, *, q_lengths=None, q_offs
         >>> lik_cupy.maxsim_varlen(Q, tokens, np.array([0, 1, 3]), backend="cpu")
         array([1., 3.], dtype=float32)
     """
+    validate = False if validate_offsets is False and validate is None else validate
+    key = call_key("varlen", (validate, return_argmax, backend, precision), Q, (D_tokens, d_offsets, q_mask, q_lengths)) \
+        if q_offsets is None else None
+    call = lookup(key) if key is not None else None
+    if call is not None:
+        return call(Q, D_tokens, q_mask, None, q_lengths, None, d_offsets)
     check_backend(backend)
     p = check_varlen(Q, D_tokens, d_offsets, q_mask, q_lengths, q_offsets)
     x3 = _fp32_accurate(precision, p.framework, p.dtype)
     if scoring_on_gpu(p, backend, float64_gpu=True):
+        call = _prepared(key, p, return_argmax, validate, x3, (q_lengths, None, d_offsets), packed=True)
+        if call is not None:
+            return call(Q, D_tokens, q_mask, None, q_lengths, None, d_offsets)
         scores, amax = _gpu_varlen(p, Q, D_tokens, d_offsets, q_mask, q_lengths, q_offsets, return_argmax,
-                                   validate_offsets, x3)
+                                   validate, x3)
     else:
         scores, amax = _cpu_varlen(p, Q, D_tokens, d_offsets, q_mask, q_lengths, q_offsets, return_argmax)
     return (scores, amax) if return_argmax else scores
 
 
-def _run(Q, D, q_mask, d_mask, q_lengths, d_lengths, return_argmax, backend, precision, *, pairs):
+def _run(Q, D, q_mask, d_mask, q_lengths, d_lengths, return_argmax, backend, precision, validate, *, pairs):
+    key = call_key("pairs" if pairs else "maxsim", (validate, return_argmax, backend, precision), Q,
+                   (D, q_mask, d_mask, q_lengths, d_lengths))
+    call = lookup(key) if key is not None else None
+    if call is not None:
+        return call(Q, D, q_mask, d_mask, q_lengths, d_lengths, None)
     check_backend(backend)
     p = check_call(Q, D, q_mask, d_mask, q_lengths, d_lengths, pairs=pairs)
     x3 = _fp32_accurate(precision, p.framework, p.dtype)
     if scoring_on_gpu(p, backend, float64_gpu=True):
-        scores, amax = _gpu(p, Q, D, q_mask, d_mask, q_lengths, d_lengths, return_argmax, x3)
+        call = _prepared(key, p, return_argmax, validate, x3, (q_lengths, d_lengths, None), packed=False)
+        if call is not None:
+            return call(Q, D, q_mask, d_mask, q_lengths, d_lengths, None)
+        scores, amax = _gpu(p, Q, D, q_mask, d_mask, q_lengths, d_lengths, return_argmax, validate, x3)
     else:
         scores, amax = _cpu(p, Q, D, q_mask, d_mask, q_lengths, d_lengths, return_argmax)
     return (scores, amax) if return_argmax else scores
+
+
+def _prepared(key, p: Problem, return_argmax: bool, validate, x3: bool, metadata: tuple, *, packed: bool):
+    """The :class:`PreparedCall` of a validated GPU call whose signature ``key`` can take the repeat
+    path (``lik_cupy._runtime.prepared_calls``), made and stored; None where the call needs the
+    general path. ``metadata``: its (q_lengths, d_lengths, d_offsets)."""
+    if key is None or p.dtype not in ("float16", "bfloat16", "float32") or not (p.nq and p.nd and p.lq) \
+            or not (p.ntok if packed else p.ld):
+        return None
+    # every array on the device (not -1, torch's CPU) and C-contiguous (signature: shape, dtype,
+    # device, aligned, contiguous)
+    if any(isinstance(s, tuple) and (s[2] < 0 or not s[4]) for s in key[2:]):
+        return None
+    import cupy
+
+    q_len, d_len, d_off = metadata
+    wide = tuple(x is not None and x.dtype.itemsize == 8 for x in (q_len, d_len, d_off))
+    if any(x is not None and x.dtype.itemsize not in (4, 8) for x in metadata):
+        return None
+    esize = 2 if p.dtype != "float32" else 4
+    aligned = key[2][3] and key[3][3]  # Q's and D's 16-byte alignment
+    vec = (p.dim * esize) % 16 == 0 and aligned
+    rows = p.ntok if packed else (p.nq * p.nd if p.candidates else p.nd) * p.ld
+    with cupy.cuda.Device(p.device):
+        fwd = prepare(p, p.device, esize=esize, vec=vec, use_tma=use_tma_for(p, vec, rows), argmax=return_argmax,
+                      packed=packed, off_wide=wide[2], ld_hint=-(-p.ntok // p.nd) if packed else None, x3=x3)
+    call = PreparedCall(p.framework, p, p.device, fwd, return_argmax, wide, mark=validate is not False)
+    store(key, call)
+    return call
 
 
 # ---------------------------------------------------------------- CPU
@@ -187,13 +241,13 @@ def _cpu_varlen(p: Problem, Q, D, d_offsets, q_mask, q_lengths, q_offsets, retur
 # ---------------------------------------------------------------- GPU
 
 
-def _gpu(p: Problem, Q, D, q_mask, d_mask, q_lengths, d_lengths, return_argmax, x3: bool):
+def _gpu(p: Problem, Q, D, q_mask, d_mask, q_lengths, d_lengths, return_argmax, validate, x3: bool):
     import cupy
 
     fw = p.framework
     on_host = p.device is None
     device = p.device if p.device is not None else cupy.cuda.runtime.getDevice()
-    with DeviceChecks() as checks:
+    with call_checks(validate) as checks:
         with caller_stream(fw, device):
             q = device_array(Q, fw, on_host)
             d = device_array(D, fw, on_host)
@@ -203,23 +257,24 @@ def _gpu(p: Problem, Q, D, q_mask, d_mask, q_lengths, d_lengths, return_argmax, 
             dm, dl = device_valid(d_mask, d_lengths, nrows, p.ld, "d_lengths", fw, on_host, checks)
             kp = replace(p, dtype=kernel_dtype(p.dtype))
             scores, amax = launch(kp, q, d, qm, dm, ql, dl, return_argmax, device, x3=x3)
+            checks.apply(p, scores, amax, device)
             results = caller_results(p, scores.astype("float64") if p.dtype == "float64" else scores, amax, on_host)
         checks.verify()  # last, while the scoring kernel runs (lik_cupy._runtime.device_checks)
     return results
 
 
-def _gpu_varlen(p: Problem, Q, D, d_offsets, q_mask, q_lengths, q_offsets, return_argmax, validate: bool, x3: bool):
+def _gpu_varlen(p: Problem, Q, D, d_offsets, q_mask, q_lengths, q_offsets, return_argmax, validate, x3: bool):
     import cupy
 
     fw = p.framework
     on_host = p.device is None
     device = p.device if p.device is not None else cupy.cuda.runtime.getDevice()
-    with DeviceChecks() as checks:
+    with call_checks(validate) as checks:
         with caller_stream(fw, device):
             q = device_array(Q, fw, on_host)
             d = device_array(D, fw, on_host).reshape(p.ntok, p.dim)
             q, d = kernel_operands(p.dtype, q, d)
-            doff = device_offsets(device_array(d_offsets, fw, on_host), p.ntok, "d_offsets", validate, checks)
+            doff = device_offsets(device_array(d_offsets, fw, on_host), p.ntok, "d_offsets", True, checks)
             qm = None
             if q_offsets is not None:
                 q, ql = unpack_queries(q.reshape(-1, p.dim), device_array(q_offsets, fw, on_host), p.nq)
@@ -231,6 +286,7 @@ def _gpu_varlen(p: Problem, Q, D, d_offsets, q_mask, q_lengths, q_offsets, retur
             kp = replace(p, dtype=kernel_dtype(p.dtype))
             scores, amax = launch(kp, q, d, qm, None, ql, None, return_argmax, device, d_off=doff, ld_hint=ld_hint,
                                   x3=x3)
+            checks.apply(p, scores, amax, device)
             results = caller_results(p, scores.astype("float64") if p.dtype == "float64" else scores, amax, on_host)
         checks.verify()  # last, while the scoring kernel runs (lik_cupy._runtime.device_checks)
     return results

@@ -21,7 +21,7 @@ from . import _interop as interop
 from ._cpu import quantize_numpy
 from ._dispatch.backend import check_backend, scoring_on_gpu
 from ._interop import caller_results, device_array, host_array, host_result
-from ._runtime.device_checks import DeviceChecks
+from ._runtime.device_checks import call_checks
 from ._runtime.launch import launch
 from ._runtime.operands import device_offsets, device_valid, host_offsets, valid_host
 from ._validate import Problem, check_call, check_int8_scales, check_varlen
@@ -30,7 +30,7 @@ __all__ = ["maxsim_int8", "maxsim_int8_varlen"]
 
 
 def maxsim_int8(Q, D, d_scales, q_mask=None, d_mask=None, *, q_scales=None, q_lengths=None, d_lengths=None,
-                return_argmax=False, backend="auto"):
+                return_argmax=False, backend="auto", validate=None):
     """MaxSim of queries against INT8 documents, on INT8 tensor cores.
 
     Args:
@@ -50,6 +50,9 @@ def maxsim_int8(Q, D, d_scales, q_mask=None, d_mask=None, *, q_scales=None, q_le
             token's scale comes after it, so a zero-scale query token keeps the token of its
             largest unscaled product rather than token 0.
         backend: "auto", "gpu" or "cpu" (the same arithmetic in NumPy).
+        validate: device lengths, offsets and document scales, as in :func:`lik_cupy.maxsim`: by
+            default a negative or NaN document scale of a valid token makes its document's scores
+            NaN, with no host sync; ``True`` raises for invalid lengths and offsets instead.
 
     Returns:
         float32 scores (and the argmax) in the caller's framework and device, with the
@@ -69,13 +72,13 @@ def maxsim_int8(Q, D, d_scales, q_mask=None, d_mask=None, *, q_scales=None, q_le
     check_backend(backend)
     p = check_call(Q, D, q_mask, d_mask, q_lengths, d_lengths, pairs=False, int8=True)
     q_int8 = check_int8_scales(p, Q, D, q_scales, d_scales)
-    s, a = _score(p, Q, q_scales, q_int8, q_mask, q_lengths, D, d_scales, d_mask, d_lengths, None, False,
+    s, a = _score(p, Q, q_scales, q_int8, q_mask, q_lengths, D, d_scales, d_mask, d_lengths, None, validate,
                   return_argmax, backend)
     return (s, a) if return_argmax else s
 
 
 def maxsim_int8_varlen(Q, D_tokens, d_scales, d_offsets, q_mask=None, *, q_scales=None, q_lengths=None,
-                       return_argmax=False, validate_offsets=True, backend="auto"):
+                       return_argmax=False, validate_offsets=True, backend="auto", validate=None):
     """:func:`maxsim_int8` against packed (ragged) INT8 documents.
 
     Args:
@@ -84,7 +87,8 @@ def maxsim_int8_varlen(Q, D_tokens, d_scales, d_offsets, q_mask=None, *, q_scale
         D_tokens: int8 ``[T, d]``, the documents' tokens back to back.
         d_scales: float32 ``[T]``, each token's scale.
         d_offsets: int32 or int64 ``[Nd + 1]`` as in :func:`lik_cupy.maxsim_varlen`.
-        validate_offsets, return_argmax, backend: as in :func:`lik_cupy.maxsim_varlen`.
+        validate_offsets, return_argmax, backend, validate: as in :func:`lik_cupy.maxsim_varlen`
+            (document scales as in :func:`maxsim_int8`).
 
     Returns:
         float32 ``[Nq, Nd]`` (``[Nd]`` for a 2-D Q), and the int32 argmax ``[Nq, Nd, Lq]``
@@ -93,13 +97,14 @@ def maxsim_int8_varlen(Q, D_tokens, d_scales, d_offsets, q_mask=None, *, q_scale
     check_backend(backend)
     p = check_varlen(Q, D_tokens, d_offsets, q_mask, q_lengths, None, int8=True)
     q_int8 = check_int8_scales(p, Q, D_tokens, q_scales, d_scales)
+    validate = False if validate_offsets is False and validate is None else validate
     s, a = _score(p, Q, q_scales, q_int8, q_mask, q_lengths, D_tokens, d_scales, None, None, d_offsets,
-                  validate_offsets, return_argmax, backend)
+                  validate, return_argmax, backend)
     return (s, a) if return_argmax else s
 
 
 def _score(p: Problem, Q, q_scales, q_int8: bool, q_mask, q_lengths, D, d_scales, d_mask, d_lengths, d_offsets,
-           validate_offsets: bool, return_argmax: bool, backend: str):
+           validate, return_argmax: bool, backend: str):
     """Scores and argmax (or None) of a validated call; documents padded, or packed when ``p.d_packed``."""
     fw = p.framework
     nrows = p.ntok if p.d_packed else p.nq * p.nd if p.candidates else p.nd
@@ -122,19 +127,22 @@ def _score(p: Problem, Q, q_scales, q_int8: bool, q_mask, q_lengths, D, d_scales
 
     on_host = p.device is None
     device = p.device if p.device is not None else cupy.cuda.runtime.getDevice()
-    with DeviceChecks() as checks:
+    with call_checks(validate) as checks:
         with interop.caller_stream(fw, device):
             q, qs = _device_queries(p, Q, q_scales, q_int8, on_host)
             d = device_array(D, fw, on_host)
             ds = cupy.ascontiguousarray(device_array(d_scales, fw, on_host).reshape(-1), dtype=cupy.float32)
             qm, ql = device_valid(q_mask, q_lengths, p.nq, p.lq, "q_lengths", fw, on_host, checks)
             if p.d_packed:
-                doff = device_offsets(device_array(d_offsets, fw, on_host), p.ntok, "d_offsets", validate_offsets, checks)
+                doff = device_offsets(device_array(d_offsets, fw, on_host), p.ntok, "d_offsets", True, checks)
+                checks.scales(ds)
                 scores, amax = launch(p, q, d.reshape(p.ntok, p.dim), qm, None, ql, None, return_argmax, device,
                                        d_off=doff, ld_hint=-(-p.ntok // max(1, p.nd)), q_scale=qs, d_scale=ds)
             else:
                 dm, dl = device_valid(d_mask, d_lengths, nrows, p.ld, "d_lengths", fw, on_host, checks)
+                checks.scales(ds, dm)
                 scores, amax = launch(p, q, d, qm, dm, ql, dl, return_argmax, device, q_scale=qs, d_scale=ds)
+            checks.apply(p, scores, amax, device)
             results = caller_results(p, scores, amax, on_host)
         checks.verify()  # last, while the scoring kernel runs (checks.py)
     return results

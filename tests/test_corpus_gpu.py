@@ -113,12 +113,12 @@ def test_varlen_matches_padded_bitwise(rng, kernels):
     assert rel_err(a, b) < 1e-6
 
 
-def test_varlen_bad_offsets_raise_before_launch(rng):
+def test_varlen_bad_offsets_raise_in_strict_mode(rng):
     tok = _cp(np.zeros((10, 64), np.float16))
     q = _cp(np.zeros((2, 4, 64), np.float16))
     for off, msg in (([0, 5, 3, 10], "non-decreasing"), ([1, 5, 10], "start at 0"), ([0, 5, 9], "ends at 9")):
         with pytest.raises(ValueError, match=msg):
-            lik_cupy.maxsim_varlen(q, tok, _cp(np.array(off, np.int64)))
+            lik_cupy.maxsim_varlen(q, tok, _cp(np.array(off, np.int64)), validate=True)
 
 
 @pytest.mark.parametrize("where", [1, 255, 256, 262_143, 299_998])
@@ -133,7 +133,7 @@ def test_varlen_offsets_check_finds_one_decrease_anywhere(where):
     off[where] = off[where + 1] + 1
     off[-1] = nd
     with pytest.raises(ValueError, match="non-decreasing"):
-        lik_cupy.maxsim_varlen(q, tok, _cp(off))
+        lik_cupy.maxsim_varlen(q, tok, _cp(off), validate=True)
 
 
 @pytest.mark.parametrize("framework", ["cupy", "torch"])
@@ -164,15 +164,15 @@ def test_checks_see_the_values_the_caller_stream_writes_last(rng, framework, off
         off[...] = src  # queued on the caller's stream behind the sleep
         if raises:
             with pytest.raises(ValueError, match="non-decreasing"):
-                lik_cupy.maxsim_varlen(q, tok, off)
+                lik_cupy.maxsim_varlen(q, tok, off, validate=True)
         else:
-            assert _np(lik_cupy.maxsim_varlen(q, tok, off)).shape == (2, nd)
+            assert _np(lik_cupy.maxsim_varlen(q, tok, off, validate=True)).shape == (2, nd)
     dpad, _ = _pad(_np(tok), lens)
     dl = conv(lens.astype(np.int32))
     sleep()
     dl[...] = conv(np.full(nd, 99, np.int32))  # past Ld: must raise
     with pytest.raises(ValueError, match="d_lengths"):
-        lik_cupy.maxsim(q, conv(dpad), d_lengths=dl)
+        lik_cupy.maxsim(q, conv(dpad), d_lengths=dl, validate=True)
 
 
 @pytest.mark.parametrize("dtype", [np.int32, np.int64, np.int16])
@@ -186,11 +186,12 @@ def test_device_lengths_range_check(dtype, where):
     for bad in (-1, ld + 1):
         lens[where] = bad
         with pytest.raises(ValueError, match=rf"d_lengths holds {bad}; every length must be in \[0, {ld}\]"):
-            lik_cupy.maxsim(q, d, d_lengths=_cp(lens))
+            lik_cupy.maxsim(q, d, d_lengths=_cp(lens), validate=True)
         lens[where] = ld
     # both sides bad: the query side is reported (checked first)
     with pytest.raises(ValueError, match=r"q_lengths holds 4"):
-        lik_cupy.maxsim(q, d, q_lengths=_cp(np.array([1, 4], dtype)), d_lengths=_cp(np.full(nd, 7, dtype)))
+        lik_cupy.maxsim(q, d, q_lengths=_cp(np.array([1, 4], dtype)), d_lengths=_cp(np.full(nd, 7, dtype)),
+                        validate=True)
 
 
 @pytest.mark.parametrize("layout", ["padded", "packed", "shards", "host", "host_packed", "host_shards"])

@@ -46,7 +46,7 @@ FROZEN = {'lik_cupy': (['CompileError',
               {}),
  'lik_cupy.backward': (['maxsim_backward'],
                        {'maxsim_backward': "(grad_scores, Q, D, argmax, *, d_offsets=None, method='auto', "
-                                           "validate=True, backend='auto')"}),
+                                           "validate=None, backend='auto')"}),
  'lik_cupy.cli': (['EXIT_BAD_INPUT', 'EXIT_INTERRUPTED', 'main', 'run_score'],
                   {'main': '()',
                    'run_score': '(queries: str, docs, out: str, *, q_lengths: str | None=None, d_lengths=(), top_k: '
@@ -57,17 +57,18 @@ FROZEN = {'lik_cupy': (['CompileError',
  'lik_cupy.errors': (['CompileError', 'DeviceMemoryError', 'LikError', 'ShardError'], {}),
  'lik_cupy.forward': (['maxsim', 'maxsim_pairs', 'maxsim_varlen'],
                       {'maxsim': '(Q, D, q_mask=None, d_mask=None, *, q_lengths=None, d_lengths=None, '
-                                 "return_argmax=False, backend='auto', precision=None)",
+                                 "return_argmax=False, backend='auto', precision=None, validate=None)",
                        'maxsim_pairs': '(Q, D, q_mask=None, d_mask=None, *, q_lengths=None, d_lengths=None, '
-                                       "return_argmax=False, backend='auto', precision=None)",
+                                       "return_argmax=False, backend='auto', precision=None, validate=None)",
                        'maxsim_varlen': '(Q, D_tokens, d_offsets, q_mask=None, *, q_lengths=None, q_offsets=None, '
-                                        "return_argmax=False, validate_offsets=True, backend='auto', precision=None)"}),
+                                        "return_argmax=False, validate_offsets=True, backend='auto', precision=None, "
+                                        'validate=None)'}),
  'lik_cupy.int8': (['maxsim_int8', 'maxsim_int8_varlen'],
                    {'maxsim_int8': '(Q, D, d_scales, q_mask=None, d_mask=None, *, q_scales=None, q_lengths=None, '
-                                   "d_lengths=None, return_argmax=False, backend='auto')",
+                                   "d_lengths=None, return_argmax=False, backend='auto', validate=None)",
                     'maxsim_int8_varlen': '(Q, D_tokens, d_scales, d_offsets, q_mask=None, *, q_scales=None, '
-                                          'q_lengths=None, return_argmax=False, validate_offsets=True, '
-                                          "backend='auto')"}),
+                                          "q_lengths=None, return_argmax=False, validate_offsets=True, backend='auto', "
+                                          'validate=None)'}),
  'lik_cupy.integrations': ([], {}),
  'lik_cupy.integrations.colpali': (['maxsim_inbatch',
                                     'maxsim_kd',

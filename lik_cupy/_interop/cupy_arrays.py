@@ -31,3 +31,38 @@ def bfloat16_from_bits(a, on_host: bool, like):
 
 def from_numpy(a: np.ndarray):
     return a
+
+
+# ---------------------------------------------------------------- the repeat-call path (lik_cupy._runtime.prepared_calls)
+
+
+def signature(x):
+    """What a prepared call depends on: (shape, dtype, device, 16-byte aligned, C-contiguous)."""
+    return x.shape, x.dtype, x.data.device_id, not x.data.ptr & 15, x._c_contiguous
+
+
+def address(x) -> int:
+    return x.data.ptr
+
+
+def stream_handle(device: int) -> int:
+    import cupy
+
+    return cupy.cuda.get_current_stream().ptr
+
+
+_DTYPES = {n: np.dtype(n) for n in ("float16", "float32", "int32")}
+
+
+def new_empty(shape, dtype: str, device: int):
+    import cupy
+
+    return cupy.empty(shape, _DTYPES.get(dtype) or dtype)
+
+
+def is_float32(x) -> bool:
+    return x.dtype == np.float32
+
+
+def fill(x, value) -> None:
+    x.fill(value)

@@ -166,3 +166,43 @@ def malloc(size: int):
     except torch.cuda.OutOfMemoryError as e:
         raise cupy.cuda.memory.OutOfMemoryError(int(size), 0) from e
     return cupy.cuda.MemoryPointer(cupy.cuda.UnownedMemory(t.data_ptr(), int(size), t, device), 0)
+
+
+# ---------------------------------------------------------------- the repeat-call path (lik_cupy._runtime.prepared_calls)
+
+
+def signature(x):
+    """What a prepared call depends on: (shape, dtype, device (-1: the CPU), 16-byte aligned,
+    C-contiguous)."""
+    return x.shape, x.dtype, x.get_device(), not x.data_ptr() & 15, x.is_contiguous()
+
+
+def address(x) -> int:
+    return x.data_ptr()
+
+
+def stream_handle(device: int) -> int:
+    """torch's current stream on ``device``, as a raw handle (what Triton's launcher reads)."""
+    torch = sys.modules["torch"]
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    return raw(device) if raw is not None else torch.cuda.current_stream(device).cuda_stream
+
+
+_DEVICES: dict = {}  # ordinal -> torch.device
+
+
+def new_empty(shape, dtype: str, device: int):
+    """An uninitialised tensor from torch's caching allocator (on its current stream)."""
+    torch = sys.modules["torch"]
+    dev = _DEVICES.get(device)
+    if dev is None:
+        dev = _DEVICES[device] = torch.device("cuda", device)
+    return torch.empty(shape, dtype=getattr(torch, dtype), device=dev)
+
+
+def is_float32(x) -> bool:
+    return x.dtype == sys.modules["torch"].float32
+
+
+def fill(x, value) -> None:
+    x.fill_(value)

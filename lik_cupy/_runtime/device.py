@@ -81,3 +81,22 @@ def empty(shape, dtype, buffer: str, hint: str, *, zeros: bool = False):
         dt = np.dtype(dtype)
         with allocating(f"{buffer} {list(shape)} {dt.name}", math.prod(shape) * dt.itemsize, hint):
             raise
+
+
+class _StreamHandle:
+    """A raw stream handle in the CUDA stream protocol (``__cuda_stream__``)."""
+
+    def __init__(self, handle: int):
+        self.handle = handle
+
+    def __cuda_stream__(self):
+        return 0, self.handle
+
+
+def external_stream(handle: int, device: int):
+    """CuPy's non-owning view of the stream with handle ``handle`` on ``device``."""
+    import cupy
+
+    if hasattr(cupy.cuda.Stream, "from_external"):  # CuPy 14 deprecates ExternalStream (a warning per use)
+        return cupy.cuda.Stream.from_external(_StreamHandle(handle))
+    return cupy.cuda.ExternalStream(handle, device)

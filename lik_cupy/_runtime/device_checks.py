@@ -1,5 +1,14 @@
-"""Value checks of device lengths and offsets (shapes and dtypes are checked in validate.py).
+"""Value checks of device lengths, offsets and scales (shapes and dtypes are checked in
+``lik_cupy._validate``).
 
+By default nothing here waits for the GPU: :func:`mark_invalid` queues one small kernel after the
+scoring kernel, on the caller's stream, that writes NaN into exactly the scores an invalid value
+touches (``cuda_src/checks.cu``, ``lik_nan_invalid``; the contract is in docs/semantics.md). The
+scoring kernels clamp every length to [0, L] and every document to [0, T), so an invalid value
+is never read out of bounds; the pass only marks what it gave. It runs inside CUDA graph capture
+too, reading the values of each replay.
+
+Strict mode (``validate=True``, or ``LIK_VALIDATE=1``) raises instead, with :class:`DeviceChecks`.
 Each check is one single-block kernel (``cuda_src/checks.cu``) that writes three int64 slots
 straight into page-locked host memory; ``verify`` waits for the checks and raises the
 ``ValueError`` of the first bad array. The arrays themselves are never copied to the host.
@@ -12,7 +21,7 @@ kernel then run side by side, and the host waits for the checks alone while the 
 kernel runs, instead of the kernel waiting behind them. The error is still raised before any
 result is returned.
 
-Inside CUDA graph capture no check runs: reading a result on the host is not allowed while a
+Inside CUDA graph capture no strict check runs: reading a result on the host is not allowed while a
 stream is being captured, and a check of the values seen at capture would say nothing about
 the values of later replays. The clamping above still keeps every read inside the inputs.
 """
@@ -24,6 +33,8 @@ import threading
 import numpy as np
 
 from .._validate import check_id_values, check_length_values, check_offset_values
+from .env import validate_strict
+from .raw_launch import launch_raw, signature
 
 _MAX_CHECKS = 4  # q_lengths, d_lengths or d_offsets, candidate ids (and a spare)
 _THREADS = 1024
@@ -147,6 +158,12 @@ class DeviceChecks:
         self._host = None
         return vals
 
+    def scales(self, *args) -> None:
+        """Document scales are checked by the scoring kernel's NaN contract only."""
+
+    def apply(self, *args) -> None:
+        """Nothing to queue after the scoring kernel (``verify`` raises instead)."""
+
     def verify(self) -> None:
         """Wait for the checks and raise the first failure."""
         if not self._running:
@@ -169,13 +186,146 @@ def capturing() -> bool:
     return cupy.cuda.get_current_stream().is_capturing()
 
 
-def queue_or_verify(checks: DeviceChecks | None, kind: str, *args) -> None:
+def queue_or_verify(checks, kind: str, *args) -> None:
     """Queue one check (``kind`` "lengths", "ids" or "offsets", with that method's arguments) on
-    ``checks``; with ``checks`` None, run it on its own and verify it at once. Skipped inside
-    CUDA graph capture (see the module docstring)."""
+    ``checks``, a :class:`DeviceChecks` (strict: skipped inside CUDA graph capture, see the module
+    docstring) or :class:`Marks` (the NaN pass); with ``checks`` None, run a strict check on its
+    own and verify it at once."""
+    if checks is not None and not isinstance(checks, DeviceChecks):
+        getattr(checks, kind)(*args)
+        return
     if capturing():
         return
     own = DeviceChecks() if checks is None else None
     getattr(own or checks, kind)(*args)
     if own is not None:
         own.verify()
+
+
+def strict(validate) -> bool:
+    """Whether a call raises on invalid device values (strict mode) rather than marking NaN:
+    ``validate`` True, or None with ``LIK_VALIDATE=1``."""
+    return validate_strict() if validate is None else bool(validate)
+
+
+class Checked:
+    """A device array whose values the marking pass checks: its address, whether its entries are
+    int64, and the bound of its values (a length's limit, or the packed token count)."""
+
+    __slots__ = ("ptr", "wide", "bound")
+
+    def __init__(self, ptr: int, wide: bool, bound: int):
+        self.ptr, self.wide, self.bound = ptr, wide, bound
+
+    @classmethod
+    def of(cls, a, bound: int):
+        """From a CuPy array (None gives None)."""
+        return None if a is None else cls(a.data.ptr, a.dtype.itemsize == 8, bound)
+
+
+_MARK_PARAMS = signature("ppqqiipiqpiqpiqppq")  # lik_nan_invalid's parameters
+_MARK_THREADS = 256
+
+
+def mark_invalid(stream: int, device: int, scores: int, amax: int, nq: int, nd: int, lq: int, per_cell: bool, *,
+                 q_len: Checked | None = None, d_len: Checked | None = None, d_off: Checked | None = None,
+                 d_scale: int = 0, d_mask: int = 0, ld: int = 0) -> None:
+    """Queue on ``stream`` (a handle) the pass that makes the scores NaN (and their argmax rows -1)
+    where ``q_len`` [nq], ``d_len`` ([nd], or [nq * nd] cells with ``per_cell``), ``d_off``
+    [nd + 1] or the float32 document scales ``d_scale`` (padded rows of ``ld`` tokens, kept by
+    ``d_len`` or the uint8 ``d_mask``, or the tokens of ``d_off``) hold an invalid value.
+    ``scores``, ``amax``: device addresses of [nq, nd] float32 and [nq, nd, lq] int32 (0: none)."""
+    from .nvrtc import get_function
+
+    rows = nq * nd if per_cell else nd
+    if not rows or not nq or not (q_len or d_len or d_off or d_scale):
+        return
+    func = get_function("checks.cu", "lik_nan_invalid", device).kernel.ptr
+    blocks = min(-(-rows // (_MARK_THREADS // 32)), 65535)
+    z = Checked(0, False, 0)
+    ql, dl, off = q_len or z, d_len or z, d_off or z
+    launch_raw(func, (blocks, 1, 1), _MARK_THREADS, 0, stream, _MARK_PARAMS,
+               (scores, amax, nq, nd, lq, int(per_cell), ql.ptr, int(ql.wide), ql.bound, dl.ptr, int(dl.wide), dl.bound,
+                off.ptr, int(off.wide), off.bound, d_scale, d_mask, ld))
+
+
+class Marks:
+    """The device arrays of one call whose values the NaN pass checks (:func:`mark_invalid`),
+    collected as :class:`DeviceChecks` collects its checks (the same methods), and queued by
+    :meth:`apply` after the scoring kernel. A context manager, like DeviceChecks."""
+
+    def __init__(self):
+        self.q_len = self.d_len = self.d_off = None
+        self.d_scale = self.d_mask = None
+        self._keep: list = []  # the arrays, alive until the pass is queued
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._keep.clear()
+
+    def lengths(self, a, limit: int, name: str) -> None:
+        if a.dtype.itemsize not in (4, 8) or a.dtype.kind not in "iu":
+            import cupy
+
+            a = a.astype(cupy.int64)
+        self._keep.append(a)
+        c = Checked(a.data.ptr, a.dtype.itemsize == 8, limit)
+        if name.startswith("q"):
+            self.q_len = c
+        else:
+            self.d_len = c
+
+    def offsets(self, off, total: int, name: str) -> None:
+        self._keep.append(off)
+        self.d_off = Checked.of(off, total)
+
+    def scales(self, d_scale, d_mask=None) -> None:
+        """float32 document scales (contiguous), with the uint8 mask that keeps their tokens."""
+        self._keep += [d_scale, d_mask]
+        self.d_scale, self.d_mask = d_scale, d_mask
+
+    def apply(self, p, scores, amax, device: int) -> None:
+        """Queue the NaN pass of problem ``p``'s CuPy ``scores`` [nq, nd] and ``amax`` on the current stream."""
+        import cupy
+
+        if self.q_len is None and self.d_len is None and self.d_off is None and self.d_scale is None:
+            return
+        mark_invalid(cupy.cuda.get_current_stream().ptr, device, scores.data.ptr,
+                     amax.data.ptr if amax is not None else 0, p.nq, p.nd, p.lq, p.candidates,
+                     q_len=self.q_len, d_len=self.d_len, d_off=self.d_off,
+                     d_scale=self.d_scale.data.ptr if self.d_scale is not None else 0,
+                     d_mask=self.d_mask.data.ptr if self.d_mask is not None else 0, ld=p.ld)
+
+    def verify(self) -> None:
+        """Nothing to wait for (the pass marks, it does not raise)."""
+
+
+class _Unchecked:
+    """validate=False: no check and no NaN pass."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+    def lengths(self, *args) -> None:
+        pass
+
+    offsets = ids = scales = lengths
+
+    def apply(self, *args) -> None:
+        pass
+
+    def verify(self) -> None:
+        pass
+
+
+def call_checks(validate):
+    """The checks of one scoring call: :class:`DeviceChecks` in strict mode (``validate`` True, or
+    None with ``LIK_VALIDATE=1``), nothing with ``validate=False``, else :class:`Marks`."""
+    if strict(validate):
+        return DeviceChecks()
+    return _Unchecked() if validate is False else Marks()

@@ -7,10 +7,22 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["cache_dir_override", "poison_outputs", "wgmma_disabled", "tma_disabled", "precision_default", "cupy_tf32",
+__all__ = ["cache_dir_override", "validate_strict", "poison_outputs", "wgmma_disabled", "tma_disabled", "precision_default", "cupy_tf32",
            "pylate_scores_backend", "colpali_scores_backend"]
 
 _TRUE = ("1", "true", "yes")
+_TRUE_BYTES = (b"1", b"true", b"yes")
+
+# The switches a scoring call reads every time, straight from the process environment's byte
+# mapping where the platform keeps one (POSIX): ``os.environ.get`` encodes and decodes on each
+# read, a microsecond of a repeat call's budget for four reads.
+_RAW = getattr(os.environ, "_data", None) if os.name == "posix" else None
+
+
+def _switch(name: str, raw: bytes) -> bool:
+    if _RAW is not None:
+        return _RAW.get(raw) in _TRUE_BYTES
+    return os.environ.get(name, "") in _TRUE
 
 
 def cache_dir_override() -> str | None:
@@ -18,20 +30,26 @@ def cache_dir_override() -> str | None:
     return os.environ.get("LIK_CUPY_CACHE_DIR") or None
 
 
+def validate_strict() -> bool:
+    """``LIK_VALIDATE=1``: calls check device lengths, offsets and ids on the host and raise
+    (strict mode), as ``validate=True`` does, instead of marking the affected scores NaN."""
+    return _switch("LIK_VALIDATE", b"LIK_VALIDATE")
+
+
 def poison_outputs() -> bool:
     """``LIK_CUPY_POISON=1``: fill every output buffer with garbage before a kernel writes it, so an
     element a kernel forgot to write cannot pass as a plausible value (the tests set it)."""
-    return os.environ.get("LIK_CUPY_POISON") == "1"
+    return (_RAW.get(b"LIK_CUPY_POISON") == b"1") if _RAW is not None else os.environ.get("LIK_CUPY_POISON") == "1"
 
 
 def wgmma_disabled() -> bool:
     """``LIK_CUPY_DISABLE_WGMMA=1``: keep Hopper GPUs on the portable mma.sync kernels."""
-    return os.environ.get("LIK_CUPY_DISABLE_WGMMA", "") in _TRUE
+    return _switch("LIK_CUPY_DISABLE_WGMMA", b"LIK_CUPY_DISABLE_WGMMA")
 
 
 def tma_disabled() -> bool:
     """``LIK_CUPY_DISABLE_TMA=1``: stage tiles by cp.async instead of the tensor memory accelerator."""
-    return os.environ.get("LIK_CUPY_DISABLE_TMA", "") in _TRUE
+    return _switch("LIK_CUPY_DISABLE_TMA", b"LIK_CUPY_DISABLE_TMA")
 
 
 def precision_default() -> str | None:

@@ -7,10 +7,9 @@ configuration compiled (or found), its grid planned and the kernel queued on the
 
 from __future__ import annotations
 
-import ctypes
-import struct
-import threading
 import warnings
+
+from dataclasses import replace
 
 import numpy as np
 
@@ -20,8 +19,9 @@ from . import env, tma, token_split
 from .cache import DeviceCache
 from .device import device_properties, empty
 from .masks import mask_spans
+from .raw_launch import is_capturing, launch_raw, signature
 
-__all__ = ["launch", "tma_usable", "caller_name"]
+__all__ = ["launch", "prepare", "ForwardLaunch", "clear_prepared", "use_tma_for", "tma_usable", "caller_name"]
 
 
 def caller_name(p: Problem) -> str:
@@ -66,13 +66,10 @@ def _load_kernel(cfg, arch: int, device: int):
     return mod, kern.kernel.ptr
 
 
-# The forward kernel's parameters in order, by C type: p pointer, i int, u unsigned, q long long (the TMA
-# descriptors follow as their own 128-byte buffers). Each value gets an 8-byte slot of one buffer
-# packed in a single call, and the driver is handed the slots' addresses: CuPy's own argument
-# conversion took a sixth of a one-query call's host time.
+# The forward kernel's parameters in order, by C type (``raw_launch.signature``); the TMA
+# descriptors follow as their own 128-byte buffers.
 _FWD_SIGNATURE = "pppppppppiqppiiiiiiiiipu"
-_FWD_PARAMS = struct.Struct("<" + "".join({"p": "Q", "i": "i4x", "u": "I4x", "q": "q"}[c] for c in _FWD_SIGNATURE))
-_params = threading.local()
+_FWD_PARAMS = signature(_FWD_SIGNATURE)
 
 
 def _ptr(a) -> int:
@@ -80,49 +77,180 @@ def _ptr(a) -> int:
     return a.data.ptr if a is not None else 0
 
 
-def _launch_forward(func: int, grid, threads: int, smem: int, stream: int, values: tuple, maps: tuple) -> None:
-    """Launch the forward kernel ``func`` (a CUfunction handle) on ``stream`` (a handle) with
-    parameter ``values`` (as ``_FWD_SIGNATURE``) and the parameters after them, each an object
-    whose ``address`` holds its bytes: TMA ``maps`` (tma.TensorMap) or the residual kernel's
-    ``ResidualSrc`` (none for other kernels)."""
-    import cupy
-
-    slots = getattr(_params, "slots", None)
-    if slots is None:  # one buffer per thread: the driver copies the values at the launch
-        buf = ctypes.create_string_buffer(_FWD_PARAMS.size)
-        base = ctypes.addressof(buf)
-        addrs = (ctypes.c_void_p * (len(_FWD_SIGNATURE) + 3))(*[base + 8 * i for i in range(len(_FWD_SIGNATURE))])
-        slots = _params.slots = (buf, addrs)
-    buf, addrs = slots
-    _FWD_PARAMS.pack_into(buf, 0, *values)
-    for i, m in enumerate(maps):
-        addrs[len(_FWD_SIGNATURE) + i] = m.address
-    cupy.cuda.driver.launchKernel(func, grid[0], grid[1], grid[2], threads, 1, 1, smem, stream,
-                                  ctypes.addressof(addrs), 0)
+def lengths_ptr(a) -> int:
+    """The address the kernels take for int32 or int64 lengths ``a``: int64 ones tagged by the low
+    bit (``length_at`` in cuda_src/common.cuh); 0 for None."""
+    return 0 if a is None else a.data.ptr | (a.dtype.itemsize == 8)
 
 
-def _padded_split(cfg, func, plan, p: Problem, props, arch: int, device: int, shared: int, stream):
-    """(cfg, func, plan, ntok) for padded documents: ``cfg``'s tile on the token split
-    (``FwdConfig.strided_tile``: ``ntok`` is then one query's documents' padded tokens) where
-    the launch plan splits them and the stream is not being captured (token_split.py), else the
-    arguments as they came (ntok 0)."""
+_SUM_PARAMS = signature("ppqi")
+
+
+class ForwardLaunch:
+    """Everything a forward launch needs that depends on the call's signature alone (shapes, dtypes,
+    flags, alignment), made once per signature by :func:`prepare`: the configuration, its compiled
+    kernel, the launch plans and the scalar parameters. :meth:`run` then only reads pointers."""
+
+    def __init__(self, p: Problem, device: int, cfg, mod, func: int, plan, whole, ntok: int, rows: int, esize: int,
+                 off_flags: int, argmax: bool):
+        self.p, self.device, self.cfg, self.mod, self.func, self.plan = p, device, cfg, mod, func, plan
+        # (cfg, func, plan, ntok) without a token split, for a stream being captured (token_split.py):
+        # the padded split's whole-document plan, or the same tile planned without one (packed
+        # documents keep their token count, which bounds every document), made when first needed.
+        self._whole = whole
+        self._shared = 1 if p.candidates else p.nq
+        self.ntok, self.rows, self.esize, self.argmax = ntok, rows, esize, argmax
+        self.off_flags = off_flags
+        self.partials = plan.n_qt * p.nq * p.nd if plan.n_qt > 1 else 0  # float32 scratch elements
+        self.sum_func = mod.get_function("lik_sum_partials").kernel.ptr if plan.n_qt > 1 else 0
+        self._made_with = _made_with()
+
+    def whole(self):
+        if self._whole is None:
+            props = device_properties(self.device)
+            p = self.p
+            self._whole = (self.cfg, self.func, dispatch.plan_launch(self.cfg, props.cc, props.num_sms, p.nq, p.nd,
+                                                                     p.lq, self._shared), self.ntok)
+        return self._whole
+
+    def current(self) -> bool:
+        """Whether dispatch would still prepare this launch (no cache cleared, no dispatch function
+        swapped since)."""
+        return self._made_with == _made_with()
+
+    def run(self, stream: int, q: int, d: int, q_scale: int, d_scale: int, ql: int, qm: int, dl: int, dm: int,
+            d_off: int, scores: int, amax: int, partials: int = 0, by_value: tuple = ()) -> None:
+        """Queue the kernel on ``stream`` (a handle); every other argument is a device address (0 for
+        none). ``partials``: float32 scratch of ``self.partials`` elements when that is nonzero."""
+        cfg, func, plan, ntok = self.cfg, self.func, self.plan, self.ntok
+        if plan.token_split and is_capturing(stream):
+            cfg, func, plan, ntok = self.whole()
+        p = self.p
+        part = partials if plan.n_qt > 1 else scores
+        values = (q, d, q_scale, d_scale, ql, qm, dl, dm, d_off, self.off_flags, ntok, part, amax,
+                  p.nq, p.nd, p.lq, p.ld, p.dim, plan.n_qt, plan.qb, plan.docs_per_cta, p.nd if p.candidates else 0)
+        if cfg.tma:
+            dmap = tma.tile_map(d, self.rows, p.dim * self.esize, cfg.bn)
+            smap = tma.scale_map(d_scale, self.rows, cfg.bn + 4) if d_scale else dmap
+            qmap = tma.tile_map(q, p.nq * p.lq, p.dim * self.esize, cfg.bm) if cfg.split else dmap
+            by_value = (dmap, smap, qmap)
+        try:
+            if plan.token_split:
+                size = token_split.nbytes(plan.grid[0] * plan.grid[1], cfg.bm, self.argmax)
+                token_split.launch(self.device, stream, size, lambda split: launch_raw(
+                    func, plan.grid, cfg.threads, cfg.smem_bytes, stream, _FWD_PARAMS, values + split, by_value))
+            else:
+                launch_raw(func, plan.grid, cfg.threads, cfg.smem_bytes, stream, _FWD_PARAMS, values + (0, 0), by_value)
+            if plan.n_qt > 1:
+                n = p.nq * p.nd
+                launch_raw(self.sum_func, (min(-(-n // 256), 65535), 1, 1), 256, 0, stream, _SUM_PARAMS,
+                           (partials, scores, n, plan.n_qt))
+        except Exception as e:
+            import cupy
+
+            if not isinstance(e, cupy.cuda.driver.CUDADriverError):
+                raise
+            raise RuntimeError(f"{cfg.name} failed to launch (grid {plan.grid}, Nq={p.nq}, Nd={p.nd}, Lq={p.lq}, "
+                               f"Ld={p.ld}, d={p.dim}): {e}") from e
+
+
+# Prepared launches by signature, bounded. Each remembers the dispatch functions it was made with
+# and the generation of the caches, so that a test or a sweep that swaps them in
+# (bench/lib/forcing.py) or changes a table and clears the caches gets a fresh plan.
+_prepared = DeviceCache(1024, lru=True)
+_generation = [0]
+
+
+def _made_with():
+    return dispatch.choose_forward, dispatch.plan_launch, _generation[0], env.wgmma_disabled(), env.tma_disabled()
+
+
+def clear_prepared() -> None:
+    """Forget every prepared launch and call (after a change to the dispatch tables)."""
+    _generation[0] += 1
+    _prepared.clear()
+
+
+def prepare(p: Problem, device: int, *, esize: int, vec: bool, use_tma: bool, argmax: bool, packed: bool = False,
+            off_wide: bool = False, ld_hint=None, d_off_whole: bool = True, x3: bool = False, residual=None,
+            scales: bool = False) -> ForwardLaunch:
+    """The :class:`ForwardLaunch` of a problem on ``device`` (the current one), made once per
+    signature. ``residual``: (nbits, cand) of PLAID-compressed documents, or None."""
+    key = (p, esize, vec, use_tma, argmax, packed, off_wide, ld_hint, d_off_whole, x3, residual, scales, _made_with())
+    return _prepared.lookup(device, key) or _prepared.get(device, key, lambda: _prepare(
+        p, device, esize, vec, use_tma, argmax, packed, off_wide, ld_hint, d_off_whole, x3, residual))
+
+
+def _prepare(p: Problem, device: int, esize: int, vec: bool, use_tma: bool, argmax: bool, packed: bool,
+             off_wide: bool, ld_hint, d_off_whole: bool, x3: bool, residual) -> ForwardLaunch:
+    from ..errors import CompileError
+
+    props = device_properties(device)
+    shared = 1 if p.candidates else p.nq
+    ld = ld_hint if ld_hint is not None else p.ld
+    arch = dispatch.arch_of(props.cc)
+
+    def choose(wgmma: bool):
+        if residual is not None:
+            return dispatch.choose_residual(props.cc, p.dtype, p.dim, p.lq, residual[0], argmax, shared, packed,
+                                            residual[1])
+        return dispatch.choose_forward(props.cc, p.dtype, p.dim, p.lq, argmax, vec, wgmma, shared, ld, packed,
+                                       use_tma and wgmma, x3)
+
+    cfg = choose(not env.wgmma_disabled())
+    try:
+        mod, func = _kernel(cfg, arch, device)
+    except CompileError as e:
+        if not (cfg.wgmma or cfg.tma):  # only the sm_90a builds have a fallback
+            raise
+        _warn_wgmma_once(e)
+        cfg = choose(False)
+        mod, func = _kernel(cfg, arch, device)
+    rows = p.ntok if packed else (p.nq * p.nd if p.candidates else p.nd) * p.ld
+    ntok = p.ntok if packed else 0
+    plan = dispatch.plan_launch(cfg, props.cc, props.num_sms, p.nq, p.nd, p.lq, shared, ntok)
+    whole = None  # made at the first launch on a captured stream (ForwardLaunch.whole)
+    if not packed and not plan.token_split:  # few long padded documents: the same tile on the token split
+        split = _padded_split(cfg, p, props, arch, device, shared)
+        if split is not None:
+            whole = (cfg, func, plan, 0)
+            cfg, func, plan, ntok = split
+    # Packed documents: the CTAs' search of the offsets samples up to one block (1,024 threads at
+    # most) past Nd in 32-bit ints.
+    searched = p.nd + 1024 if packed else 0
+    if max(p.nq, p.nd, p.lq, p.ld, plan.grid[0], searched) >= 2**31:
+        check_32bit(Nq=p.nq, Nd=p.nd, Lq=p.lq, Ld=p.ld, grid=plan.grid[0], **{"packed Nd + 1024": searched})
+    off_flags = (1 if not packed or off_wide else 0) | (2 if d_off_whole else 0)
+    return ForwardLaunch(p, device, cfg, mod, func, plan, whole, ntok, rows, esize, off_flags, argmax)
+
+
+def _padded_split(cfg, p: Problem, props, arch: int, device: int, shared: int):
+    """(cfg, func, plan, ntok) of ``cfg``'s tile on the token split (``FwdConfig.strided_tile``:
+    ``ntok`` is then one query's documents' padded tokens) where the launch plan splits padded
+    documents (token_split.py), else None."""
     from ..errors import CompileError
 
     strided = cfg.strided_tile
     if strided is None or p.ld < dispatch.padded_split_min_ld(strided):
-        return cfg, func, plan, 0
+        return None
     ntok = p.nd * p.ld
     split = dispatch.plan_launch(strided, props.cc, props.num_sms, p.nq, p.nd, p.lq, shared, ntok)
-    if not split.token_split or stream.is_capturing():
-        return cfg, func, plan, 0
+    if not split.token_split:
+        return None
     try:
         _, sfunc = _kernel(strided, arch, device)
     except CompileError as e:  # the sm_90a build of this variant failed: whole documents, as planned
         if not (strided.wgmma or strided.tma):
             raise
         _warn_wgmma_once(e)
-        return cfg, func, plan, 0
+        return None
     return strided, sfunc, split, ntok
+
+
+def use_tma_for(p: Problem, vec: bool, rows: int, d_scale=None, residual=None) -> bool:
+    """Whether the caller can hand the kernel tensor maps of D (and of the INT8 scales)."""
+    return (residual is None and tma_usable() and vec and max(rows, p.nq * p.lq) <= tma.MAX_ROWS
+            and (d_scale is None or d_scale.data.ptr % 16 == 0))
 
 
 def launch(p: Problem, q, d, qm, dm, ql, dl, return_argmax: bool, device: int, *, d_off=None, ld_hint=None,
@@ -144,8 +272,6 @@ def launch(p: Problem, q, d, qm, dm, ql, dl, return_argmax: bool, device: int, *
     """
     import cupy
 
-    from ..errors import CompileError
-
     fn, split = caller or caller_name(p), "split the call over fewer queries or documents"
     scores = out.reshape(p.nq, p.nd) if out is not None else empty((p.nq, p.nd), np.float32, f"{fn}: scores", split)
     amax = empty((p.nq, p.nd, p.lq), np.int32, f"{fn}: argmax",
@@ -166,78 +292,21 @@ def launch(p: Problem, q, d, qm, dm, ql, dl, return_argmax: bool, device: int, *
             amax.fill(-1)
         return scores, amax
 
-    props = device_properties(device)
     esize = q.dtype.itemsize
     if residual is not None and q.data.ptr % 16:  # the residual tiles copy 16-byte query chunks
         q = q.copy()
     vec = (p.dim * esize) % 16 == 0 and q.data.ptr % 16 == 0 and (residual is not None or d.data.ptr % 16 == 0)
-    shared = 1 if p.candidates else p.nq
-    ld = ld_hint if ld_hint is not None else p.ld
-    arch = dispatch.arch_of(props.cc)
-
     if dm is not None and dl is None:  # the kernel then skips each document's padding (masks.py)
         dl = mask_spans(dm, device)
-    rows = d.size // p.dim  # D as [rows, dim] (padded, candidate or packed layout)
-    use_tma = (residual is None and tma_usable() and vec and max(rows, p.nq * p.lq) <= tma.MAX_ROWS
-               and (d_scale is None or d_scale.data.ptr % 16 == 0))
-
-    def choose(wgmma: bool):
-        if residual is not None:
-            return dispatch.choose_residual(props.cc, p.dtype, p.dim, p.lq, residual.nbits, return_argmax, shared,
-                                            d_off is not None, residual.cand)
-        return dispatch.choose_forward(props.cc, p.dtype, p.dim, p.lq, return_argmax, vec, wgmma, shared, ld,
-                                       d_off is not None, use_tma and wgmma, x3)
-
-    cfg = choose(not env.wgmma_disabled())
-    try:
-        mod, func = _kernel(cfg, arch, device)
-    except CompileError as e:
-        if not (cfg.wgmma or cfg.tma):  # only the sm_90a builds have a fallback
-            raise
-        _warn_wgmma_once(e)
-        cfg = choose(False)
-        mod, func = _kernel(cfg, arch, device)
-    ntok = d.shape[0] if d_off is not None else 0
-    plan = dispatch.plan_launch(cfg, props.cc, props.num_sms, p.nq, p.nd, p.lq, shared, ntok)
-    stream = cupy.cuda.get_current_stream()
-    if plan.token_split and stream.is_capturing():  # see token_split.py
-        plan = dispatch.plan_launch(cfg, props.cc, props.num_sms, p.nq, p.nd, p.lq, shared)
-    if d_off is None:  # few long padded documents: the same tile on the token split (strided)
-        cfg, func, plan, ntok = _padded_split(cfg, func, plan, p, props, arch, device, shared, stream)
-    # Packed documents: the CTAs' search of the offsets samples up to one block (1,024 threads at
-    # most) past Nd in 32-bit ints.
-    searched = p.nd + 1024 if d_off is not None else 0
-    if max(p.nq, p.nd, p.lq, p.ld, plan.grid[0], searched) >= 2**31:
-        check_32bit(Nq=p.nq, Nd=p.nd, Lq=p.lq, Ld=p.ld, grid=plan.grid[0], **{"packed Nd + 1024": searched})
-
-    part = scores if plan.n_qt == 1 else empty((plan.n_qt, p.nq, p.nd), np.float32,
-                                               f"{fn}: partial scores of the long queries' tiles", split)
-    off_flags = (1 if d_off is None or d_off.dtype == np.int64 else 0) | (2 if d_off_whole else 0)
-    values = (
-        q.data.ptr, d.data.ptr, _ptr(q_scale), _ptr(d_scale), _ptr(ql), _ptr(qm), _ptr(dl), _ptr(dm), _ptr(d_off),
-        off_flags, ntok, part.data.ptr, _ptr(amax),
-        p.nq, p.nd, p.lq, p.ld, p.dim, plan.n_qt, plan.qb, plan.docs_per_cta, p.nd if p.candidates else 0,
-    )
-    maps = () if residual is None else (residual,)  # the residual kernel's by-value parameter
-    if cfg.tma:
-        dmap = tma.tile_map(d.data.ptr, rows, p.dim * esize, cfg.bn)
-        smap = tma.scale_map(d_scale.data.ptr, rows, cfg.bn + 4) if d_scale is not None else dmap
-        qmap = tma.tile_map(q.data.ptr, p.nq * p.lq, p.dim * esize, cfg.bm) if cfg.split else dmap
-        maps = (dmap, smap, qmap)
-    try:
-        if plan.token_split:
-            size = token_split.nbytes(plan.grid[0] * plan.grid[1], cfg.bm, return_argmax)
-            token_split.launch(device, stream, size, lambda split: _launch_forward(
-                func, plan.grid, cfg.threads, cfg.smem_bytes, stream.ptr, values + split, maps))
-        else:
-            _launch_forward(func, plan.grid, cfg.threads, cfg.smem_bytes, stream.ptr, values + (0, 0), maps)
-        if plan.n_qt > 1:
-            n = p.nq * p.nd
-            threads = 256
-            blocks = min(-(-n // threads), 65535)
-            mod.get_function("lik_sum_partials")((blocks,), (threads,), (part, scores, np.int64(n), np.int32(plan.n_qt)))
-    except cupy.cuda.driver.CUDADriverError as e:
-        raise RuntimeError(
-            f"{cfg.name} failed to launch (grid {plan.grid}, Nq={p.nq}, Nd={p.nd}, Lq={p.lq}, Ld={p.ld}, d={p.dim}): {e}"
-        ) from e
+    if d_off is not None and p.ntok != d.shape[0]:
+        p = replace(p, ntok=d.shape[0])
+    res = None if residual is None else (residual.nbits, residual.cand)
+    fwd = prepare(p, device, esize=esize, vec=vec, use_tma=use_tma_for(p, vec, d.size // p.dim, d_scale, residual),
+                  argmax=return_argmax, packed=d_off is not None, off_wide=d_off is not None and d_off.dtype == np.int64,
+                  ld_hint=ld_hint, d_off_whole=d_off_whole, x3=x3, residual=res, scales=d_scale is not None)
+    part = empty((fwd.partials,), np.float32, f"{fn}: partial scores of the long queries' tiles", split) \
+        if fwd.partials else None
+    fwd.run(cupy.cuda.get_current_stream().ptr, q.data.ptr, d.data.ptr, _ptr(q_scale), _ptr(d_scale), lengths_ptr(ql),
+            _ptr(qm), lengths_ptr(dl), _ptr(dm), _ptr(d_off), scores.data.ptr, _ptr(amax), _ptr(part),
+            () if residual is None else (residual,))
     return scores, amax

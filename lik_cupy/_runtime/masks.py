@@ -8,7 +8,8 @@ first, so a mask costs what the same lengths cost (one small kernel more, readin
 
 from __future__ import annotations
 
-import numpy as np
+from .nvrtc import get_function
+from .raw_launch import launch_raw, signature
 
 _THREADS = 256
 
@@ -19,13 +20,21 @@ def mask_spans(mask, device: int):
     ``n`` one past its last valid token."""
     import cupy
 
-    from .nvrtc import get_function
-
     rows, length = mask.shape
     out = cupy.empty(rows, cupy.int32)
-    if rows:
-        warps_per_block = _THREADS // 32
-        blocks = min(-(-rows // warps_per_block), 65535)
-        kern = get_function("masks.cu", "lik_mask_spans", device)
-        kern((blocks,), (_THREADS,), (mask, np.int64(rows), np.int32(length), out))
+    queue_mask_spans(cupy.cuda.get_current_stream().ptr, device, mask.data.ptr, rows, length, out.data.ptr)
     return out
+
+
+_PARAMS = signature("pqip")
+
+
+def queue_mask_spans(stream: int, device: int, mask: int, rows: int, length: int, out: int) -> None:
+    """``mask_spans`` by addresses: the uint8 mask ``[rows, length]`` at ``mask`` into int32 ``[rows]``
+    at ``out``, queued on ``stream`` (a handle)."""
+    if not rows:
+        return
+    warps_per_block = _THREADS // 32
+    func = get_function("masks.cu", "lik_mask_spans", device).kernel.ptr
+    launch_raw(func, (min(-(-rows // warps_per_block), 65535), 1, 1), _THREADS, 0, stream, _PARAMS,
+               (mask, rows, length, out))

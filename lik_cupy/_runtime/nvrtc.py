@@ -278,7 +278,7 @@ def check_all(archs=None, configs=None, *, other_kernels: bool = True) -> list[d
         if other_kernels:
             for src, kernels in (("topk.cu", ("lik_topk_merge",)),
                                  ("checks.cu", ("lik_check_range_i32", "lik_check_range_i64", "lik_check_offsets_i32",
-                                               "lik_check_offsets_i64")),
+                                               "lik_check_offsets_i64", "lik_nan_invalid")),
                                  ("masks.cu", ("lik_mask_spans",))):
                 out = nvrtc_compile(src, {}, arch)
                 rows += [{"kernel": k, "arch": f"sm_{arch}", "dynamic_smem": 0, **resource_usage(out.log, k)}

@@ -36,9 +36,9 @@ def host_offsets(off: np.ndarray, total: int, name: str) -> np.ndarray:
 
 
 def device_valid(mask, lengths, rows: int, length: int, name: str, fw: str, on_host: bool, checks=None):
-    """One side's valid tokens on the device: (uint8 mask [rows, length] or None,
-    range-checked int32 lengths [rows] or None). With ``checks`` (a ``DeviceChecks``) the
-    range check is queued there for the caller to verify; without, it is verified here."""
+    """One side's valid tokens on the device: (uint8 mask [rows, length] or None, int32 or int64
+    lengths [rows] or None). ``checks`` (``device_checks.call_checks``) queues their value check
+    (strict) or notes them for the NaN pass; without, a strict check is verified here."""
     import cupy
 
     m = None if mask is None else device_array(mask, fw, on_host).view(cupy.uint8).reshape(rows, length)
@@ -47,7 +47,7 @@ def device_valid(mask, lengths, rows: int, length: int, name: str, fw: str, on_h
         a = cupy.ascontiguousarray(device_array(lengths, fw, on_host).reshape(rows))
         if rows:
             queue_or_verify(checks, "lengths", a, length, name)
-        n = a if a.dtype == np.int32 else a.astype(cupy.int32)
+        n = a if a.dtype in (np.int32, np.int64) else a.astype(cupy.int32)  # the kernels read either
     return m, n
 
 

@@ -27,10 +27,15 @@ _lock = threading.Lock()
 
 
 class _Scratch:
-    def __init__(self, size: int):
+    def __init__(self, size: int, device: int, stream: int):
         import cupy
 
-        self.buf = cupy.zeros(size, cupy.uint8)  # zeroed on the current stream, before the launch
+        from .device import external_stream
+
+        # Allocated and zeroed on the launch's stream, before the launch (CuPy's pool then hands
+        # the memory out again only in that stream's order).
+        with external_stream(stream, device):
+            self.buf = cupy.zeros(size, cupy.uint8)
         self.epoch = 0
         self.lock = threading.Lock()
 
@@ -42,10 +47,11 @@ def nbytes(ctas: int, bm: int, argmax: bool) -> int:
     return 2 * 4 * COUNTS + ctas * 2 * bm * 4 * (2 if argmax else 1)
 
 
-def launch(device: int, stream, size: int, queue) -> None:
+def launch(device: int, stream: int, size: int, queue) -> None:
     """Queue a token-split launch: ``queue(split)``, with ``split`` the (address, epoch) of the
-    current stream's scratch of at least ``size`` bytes on ``device``, under the buffer's lock."""
-    key = (device, stream.ptr)
+    scratch of stream ``stream`` (a handle) of at least ``size`` bytes on ``device``, under the
+    buffer's lock."""
+    key = (device, stream)
     entry = _buffers.get(key)
     if entry is None or entry.buf.nbytes < size:
         with _lock:
@@ -53,7 +59,7 @@ def launch(device: int, stream, size: int, queue) -> None:
                 _drop_oldest()
             # A smaller buffer it replaces goes back to CuPy's pool under this stream, which hands
             # it out again only in stream order.
-            entry = _buffers[key] = _Scratch(max(size, 1 << 16))
+            entry = _buffers[key] = _Scratch(max(size, 1 << 16), device, stream)
     else:  # most recently used last
         _buffers[key] = _buffers.pop(key, entry)
     with entry.lock:

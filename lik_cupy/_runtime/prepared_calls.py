@@ -1,0 +1,198 @@
+"""The repeat-call path: a call whose signature was seen before does only what the call changed.
+
+A signature is what validation, dispatch, the kernel lookup and the grid plan read: the kind of
+call, its flags, and each array's shape, dtype, device, layout and 16-byte alignment. The first
+call of a signature runs the whole path (``lik_cupy.forward``) and leaves here a
+:class:`PreparedCall`; every later call with that signature reads the arrays' addresses and the
+caller's stream, allocates its results in the caller's framework and queues the kernels: no
+validation, no DLPack round trip, no CuPy array of the caller's data, no host synchronisation.
+
+Only C-contiguous PyTorch CUDA tensors and CuPy arrays take this path, with masks, lengths and
+offsets (if any) on the device in the same framework; everything else (host arrays, lists of
+lengths, other frameworks, float64, strict validation, empty problems) runs the whole path each
+time. The cache is bounded (least recently used first out) and safe to share between threads:
+a prepared call holds no per-call state.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+
+from .._interop import cupy_arrays, torch_tensors
+from .device_checks import Checked, mark_invalid, strict
+from .env import poison_outputs
+from .masks import queue_mask_spans
+from .raw_launch import launch_raw, signature
+
+__all__ = ["call_key", "lookup", "store", "PreparedCall", "PreparedBackward", "clear", "MAX_CALLS"]
+
+MAX_CALLS = 512  # signatures kept per process
+_ADAPTERS = {"torch": torch_tensors, "cupy": cupy_arrays}
+_calls: OrderedDict = OrderedDict()
+_lock = threading.Lock()
+
+
+_BY_TYPE: dict = {}  # array type -> its adapter module, or None
+
+
+def _adapter(x):
+    t = type(x)
+    try:
+        return _BY_TYPE[t]
+    except KeyError:
+        mod = t.__module__.split(".")[0]
+        a = _BY_TYPE[t] = _ADAPTERS.get(mod)
+        return a
+
+
+def call_key(kind: str, flags: tuple, Q, arrays: tuple, *, precision: bool = True):
+    """The signature of a call, or None when it cannot take the repeat path. ``flags``: the call's
+    non-array arguments, ``validate`` first and ``precision`` last; ``arrays``: its other array
+    arguments (None where absent); ``precision``: a float32 call resolves its precision."""
+    a = _adapter(Q)
+    if a is None or strict(flags[0]):
+        return None
+    sig = a.signature
+    key = [kind, flags, sig(Q)]
+    for x in arrays:
+        if x is None:
+            key.append(None)
+        elif _adapter(x) is a:
+            key.append(sig(x))
+        else:
+            return None
+    if precision and a.is_float32(Q):  # the precision the call resolves to is part of what it runs
+        from ..precision import _resolve
+
+        key.append(_resolve(flags[-1], a.FRAMEWORK, "float32"))
+    return tuple(key)
+
+
+def lookup(key):
+    """The prepared call of ``key``, or None."""
+    call = _calls.get(key)
+    if call is not None and call.current():
+        return call
+    return None
+
+
+def store(key, call: PreparedCall) -> None:
+    with _lock:
+        _calls[key] = call
+        _calls.move_to_end(key)
+        while len(_calls) > MAX_CALLS:
+            _calls.popitem(last=False)
+
+
+def clear() -> None:
+    """Forget every prepared call."""
+    with _lock:
+        _calls.clear()
+
+
+class PreparedCall:
+    """One signature's call, ready to run: the forward launch (``launch.ForwardLaunch``) and how each
+    argument reaches it.
+
+    ``wide``: whether (q_lengths, d_lengths, d_offsets) are int64; the kernels and the NaN pass
+    read them as they are. ``mark``: queue that pass after the kernel.
+    """
+
+    def __init__(self, fw: str, p, device: int, fwd, argmax: bool, wide: tuple, mark: bool):
+        self.a = _ADAPTERS[fw]
+        self.p, self.device, self.fwd, self.argmax = p, device, fwd, argmax
+        self.q_wide, self.d_wide, self.off_wide = (int(w) for w in wide)
+        self.mark = mark
+        self.rows = p.nq * p.nd if p.candidates else p.nd  # document rows of padded D
+
+    def current(self) -> bool:
+        return self.fwd.current()
+
+    def __call__(self, Q, D, q_mask, d_mask, q_lengths, d_lengths, d_offsets):
+        import cupy
+
+        if cupy.cuda.runtime.getDevice() != self.device:
+            with cupy.cuda.Device(self.device):
+                return self._run(Q, D, q_mask, d_mask, q_lengths, d_lengths, d_offsets)
+        return self._run(Q, D, q_mask, d_mask, q_lengths, d_lengths, d_offsets)
+
+    def _run(self, Q, D, q_mask, d_mask, q_lengths, d_lengths, d_offsets):
+        a, p, dev = self.a, self.p, self.device
+        stream = a.stream_handle(dev)
+        scores = a.new_empty(p.scores_shape, "float32", dev)
+        amax = a.new_empty(p.argmax_shape, "int32", dev) if self.argmax else None
+        if poison_outputs():
+            a.fill(scores, -1.2345e33)
+            if amax is not None:
+                a.fill(amax, -77)
+        s_ptr, a_ptr = a.address(scores), (a.address(amax) if amax is not None else 0)
+        # int64 lengths go as they are, their address tagged (launch.lengths_ptr)
+        ql = 0 if q_lengths is None else a.address(q_lengths) | self.q_wide
+        dl = 0 if d_lengths is None else a.address(d_lengths) | self.d_wide
+        spans = None
+        if d_mask is not None:  # the kernel skips each document's padding (masks.py)
+            spans = a.new_empty((self.rows,), "int32", dev)
+            dl = a.address(spans)
+            queue_mask_spans(stream, dev, a.address(d_mask), self.rows, p.ld, dl)
+        fwd = self.fwd
+        part = a.new_empty((fwd.partials,), "float32", dev) if fwd.partials else None
+        fwd.run(stream, a.address(Q), a.address(D), 0, 0, ql, 0 if q_mask is None else a.address(q_mask), dl,
+                0 if d_mask is None else a.address(d_mask), 0 if d_offsets is None else a.address(d_offsets),
+                s_ptr, a_ptr, 0 if part is None else a.address(part))
+        if self.mark and (q_lengths is not None or d_lengths is not None or d_offsets is not None):
+            mark_invalid(stream, dev, s_ptr, a_ptr, p.nq, p.nd, p.lq, p.candidates,
+                         q_len=None if q_lengths is None else Checked(a.address(q_lengths), self.q_wide, p.lq),
+                         d_len=None if d_lengths is None else Checked(a.address(d_lengths), self.d_wide, p.ld),
+                         d_off=None if d_offsets is None else Checked(a.address(d_offsets), self.off_wide, p.ntok))
+        return (scores, amax) if self.argmax else scores
+
+
+_DQ_PARAMS = signature("pppppppiiiiiiq")  # lik_bwd_dq (cuda_src/maxsim_bwd.cu)
+_CAST_PARAMS = signature("ppq")  # lik_bwd_cast
+
+
+class PreparedBackward:
+    """One signature's ``maxsim_backward`` with the atomic method: dQ and the fp32 dD in one pass,
+    then dD cast to D's dtype (``lik_cupy.backward``). ``dq``, ``cast``: the kernels' handles;
+    ``dims``: (Nq, Nd, Lq, Ld, dim, candidates, rows); grids as the general path plans them."""
+
+    def __init__(self, fw: str, p, device: int, dq: int, cast: int, dq_grid, cast_grid, threads: int, dims: tuple,
+                 shapes: tuple, dtype: str):
+        self.a = _ADAPTERS[fw]
+        self.device, self.dq, self.cast = device, dq, cast
+        self.dq_grid, self.cast_grid, self.threads, self.dims = dq_grid, cast_grid, threads, dims
+        self.q_shape, self.d_shape = shapes
+        self.dtype = dtype
+
+    @staticmethod
+    def current() -> bool:
+        return True  # its kernels are chosen by no table
+
+    def __call__(self, g, Q, D, argmax, d_offsets):
+        import cupy
+
+        if cupy.cuda.runtime.getDevice() != self.device:
+            with cupy.cuda.Device(self.device):
+                return self._run(g, Q, D, argmax, d_offsets)
+        return self._run(g, Q, D, argmax, d_offsets)
+
+    def _run(self, g, Q, D, argmax, d_offsets):
+        import cupy
+
+        a, dev = self.a, self.device
+        stream = a.stream_handle(dev)
+        nq, nd, lq, ld, dim, cand, rows = self.dims
+        dq = a.new_empty(self.q_shape, self.dtype, dev)
+        dd = a.new_empty(self.d_shape, self.dtype, dev)
+        dd32 = a.new_empty((rows * dim,), "float32", dev)
+        dd32_ptr = a.address(dd32)
+        cupy.cuda.runtime.memsetAsync(dd32_ptr, 0, rows * dim * 4, stream)
+        launch_raw(self.dq, self.dq_grid, self.threads, 0, stream, _DQ_PARAMS,
+                   (a.address(Q), a.address(D), a.address(g), a.address(argmax),
+                    0 if d_offsets is None else a.address(d_offsets), a.address(dq), dd32_ptr,
+                    nq, nd, lq, ld, dim, cand, rows))
+        launch_raw(self.cast, self.cast_grid, self.threads, 0, stream, _CAST_PARAMS,
+                   (dd32_ptr, a.address(dd), rows * dim))
+        return dq, dd
+

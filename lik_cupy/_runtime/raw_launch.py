@@ -1,0 +1,53 @@
+"""Kernel launches by driver handle: a kernel's parameters packed into 8-byte slots in one call and
+handed to ``cuLaunchKernel`` (CuPy's own argument conversion took a sixth of a one-query call's
+host time), and the capture state of a stream by its handle."""
+
+from __future__ import annotations
+
+import ctypes
+import struct
+import threading
+
+__all__ = ["signature", "launch_raw", "is_capturing"]
+
+_SLOT = {"p": "Q", "i": "i4x", "u": "I4x", "q": "q"}
+_params = threading.local()
+
+
+def signature(kinds: str) -> struct.Struct:
+    """The packed 8-byte slots of a kernel whose parameters are ``kinds`` in order, by C type: p
+    pointer, i int, u unsigned, q long long."""
+    return struct.Struct("<" + "".join(_SLOT[c] for c in kinds))
+
+
+def launch_raw(func: int, grid, threads: int, smem: int, stream: int, params: struct.Struct, values: tuple,
+               by_value: tuple = ()) -> None:
+    """Launch kernel ``func`` (a CUfunction handle) on ``stream`` (a handle) with ``values`` packed
+    as ``params``, then the parameters ``by_value``, each an object whose ``address`` holds its
+    bytes (TMA maps, the residual kernel's ``ResidualSrc``)."""
+    import cupy
+
+    slots = getattr(_params, "slots", None)
+    if slots is None:
+        slots = _params.slots = {}
+    key = (params, len(by_value))
+    entry = slots.get(key)
+    if entry is None:  # one buffer per thread and signature: the driver copies the values at the launch
+        n = params.size // 8
+        buf = ctypes.create_string_buffer(params.size)
+        base = ctypes.addressof(buf)
+        addrs = (ctypes.c_void_p * (n + len(by_value)))(*[base + 8 * i for i in range(n)])
+        entry = slots[key] = (buf, addrs, n)
+    buf, addrs, n = entry
+    params.pack_into(buf, 0, *values)
+    for i, m in enumerate(by_value):
+        addrs[n + i] = m.address
+    cupy.cuda.driver.launchKernel(func, grid[0], grid[1], grid[2], threads, 1, 1, smem, stream,
+                                  ctypes.addressof(addrs), 0)
+
+
+def is_capturing(stream: int) -> bool:
+    """Whether the stream with handle ``stream`` is being captured into a CUDA graph."""
+    import cupy
+
+    return cupy.cuda.runtime.streamIsCapturing(stream) != 0

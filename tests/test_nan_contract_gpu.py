@@ -1,0 +1,224 @@
+"""The device-value contract (docs/semantics.md, "Invalid device values"): invalid device lengths,
+offsets and document scales make exactly the scores they touch NaN, with no host synchronisation;
+strict mode raises; every other score is bitwise what valid inputs give. And the repeat-call path
+(``lik_cupy._runtime.prepared_calls``): a repeat call gives what the first gave. Skipped without a GPU.
+"""
+
+import numpy as np
+import pytest
+
+import lik_cupy
+from test_forward_gpu import _unit
+
+pytestmark = pytest.mark.gpu
+
+
+def _conv(framework):
+    if framework == "torch":
+        torch = pytest.importorskip("torch")
+        return lambda a: torch.as_tensor(np.ascontiguousarray(a), device="cuda")
+    import cupy
+
+    return cupy.asarray
+
+
+def _np(x):
+    if hasattr(x, "get"):
+        return x.get()
+    if hasattr(x, "cpu"):
+        return x.cpu().numpy()
+    return np.asarray(x)
+
+
+def _expect(scores_ok, amax_ok, bad_cells, scores, amax=None):
+    """NaN exactly in ``bad_cells`` (bool, scores' shape), and elsewhere bitwise the valid call's
+    results; -1 argmax rows in the bad cells."""
+    s = _np(scores)
+    assert np.array_equal(np.isnan(s), bad_cells), (np.argwhere(np.isnan(s) != bad_cells)[:5])
+    assert np.array_equal(s[~bad_cells], _np(scores_ok)[~bad_cells])
+    if amax is not None:
+        a = _np(amax)
+        assert (a[bad_cells] == -1).all()
+        assert np.array_equal(a[~bad_cells], _np(amax_ok)[~bad_cells])
+
+
+@pytest.mark.parametrize("framework", ["cupy", "torch"])
+@pytest.mark.parametrize("ldtype", [np.int32, np.int64])
+def test_padded_lengths(rng, framework, ldtype):
+    conv = _conv(framework)
+    nq, lq, nd, ld, dim = 5, 9, 37, 23, 64
+    q = conv(_unit(rng, nq, lq, dim).astype(np.float16))
+    d = conv(_unit(rng, nd, ld, dim).astype(np.float16))
+    ql = rng.integers(0, lq + 1, nq).astype(ldtype)
+    dl = rng.integers(0, ld + 1, nd).astype(ldtype)
+    ok, ok_a = lik_cupy.maxsim(q, d, q_lengths=conv(ql), d_lengths=conv(dl), return_argmax=True)
+    qb, db = ql.copy(), dl.copy()
+    qb[1], db[[0, 17, 36]] = lq + 1, [-1, ld + 1, np.iinfo(ldtype).min]
+    for _ in range(2):  # the first call and the repeat path
+        s, a = lik_cupy.maxsim(q, d, q_lengths=conv(qb), d_lengths=conv(db), return_argmax=True)
+        bad = np.zeros((nq, nd), bool)
+        bad[1, :] = True
+        bad[:, [0, 17, 36]] = True
+        _expect(ok, ok_a, bad, s, a)
+    with pytest.raises(ValueError, match="q_lengths"):
+        lik_cupy.maxsim(q, d, q_lengths=conv(qb), d_lengths=conv(db), validate=True)
+    # validate=False: no check, no marking; nothing is read out of bounds and valid cells are unchanged
+    s = _np(lik_cupy.maxsim(q, d, q_lengths=conv(qb), d_lengths=conv(db), validate=False))
+    keep = np.ones((nq, nd), bool)
+    keep[1, :] = False
+    keep[:, [0, 17, 36]] = False
+    assert np.array_equal(s[keep], _np(ok)[keep])
+
+
+def test_candidates_and_pairs_mark_single_cells(rng):
+    import cupy
+
+    nq, k, lq, ld, dim = 4, 6, 8, 19, 128
+    q = cupy.asarray(_unit(rng, nq, lq, dim).astype(np.float16))
+    d = cupy.asarray(_unit(rng, nq, k, ld, dim).astype(np.float16))
+    dl = rng.integers(0, ld + 1, (nq, k)).astype(np.int64)
+    ok, ok_a = lik_cupy.maxsim(q, d, d_lengths=cupy.asarray(dl), return_argmax=True)
+    dl[2, 3] = -5
+    s, a = lik_cupy.maxsim(q, d, d_lengths=cupy.asarray(dl), return_argmax=True)
+    bad = np.zeros((nq, k), bool)
+    bad[2, 3] = True
+    _expect(ok, ok_a, bad, s, a)
+    dp = cupy.ascontiguousarray(d[:, 0])
+    pl = rng.integers(0, ld + 1, nq).astype(np.int32)
+    ok = lik_cupy.maxsim_pairs(q, dp, d_lengths=cupy.asarray(pl))
+    pl[0] = ld + 1
+    _expect(ok, None, np.array([True, False, False, False]), lik_cupy.maxsim_pairs(q, dp, d_lengths=cupy.asarray(pl)))
+
+
+@pytest.mark.parametrize("framework", ["cupy", "torch"])
+@pytest.mark.parametrize("odtype", [np.int32, np.int64])
+def test_packed_offsets(rng, framework, odtype):
+    conv = _conv(framework)
+    nq, lq, dim = 3, 7, 96
+    lens = rng.integers(0, 40, 50)
+    off = np.concatenate([[0], np.cumsum(lens)]).astype(odtype)
+    T = int(off[-1])
+    q = conv(_unit(rng, nq, lq, dim).astype(np.float16))
+    tok = conv(_unit(rng, T, dim).astype(np.float16))
+    ok, ok_a = lik_cupy.maxsim_varlen(q, tok, conv(off), return_argmax=True)
+    for k, v in ((10, -1), (30, T + 5)):  # documents k - 1 and k: negative / decreasing, past T / decreasing
+        b = off.copy()
+        b[k] = v
+        s, a = lik_cupy.maxsim_varlen(q, tok, conv(b), return_argmax=True)
+        bad = np.zeros((nq, 50), bool)
+        bad[:, [k - 1, k]] = True
+        _expect(ok, ok_a, bad, s, a)
+    for whole in ([1] + list(off[1:]), list(off[:-1]) + [T - 1]):  # not from 0, or not to T: all NaN
+        s = lik_cupy.maxsim_varlen(q, tok, conv(np.array(whole, odtype)))
+        assert np.isnan(_np(s)).all()
+
+
+def test_int8_negative_document_scale_and_lengths(rng):
+    import cupy
+
+    nq, lq, nd, ld, dim = 3, 16, 20, 24, 128
+    q = cupy.asarray(_unit(rng, nq, lq, dim).astype(np.float16))
+    d = _unit(rng, nd, ld, dim).astype(np.float32)
+    d8, sc = lik_cupy.quantize_int8(cupy.asarray(d))
+    dl = cupy.asarray(rng.integers(1, ld + 1, nd).astype(np.int32))
+    ok, ok_a = lik_cupy.maxsim_int8(q, d8, sc, d_lengths=dl, return_argmax=True)
+    sc2 = sc.copy()
+    sc2[4, 0] = -1.0  # a valid token of document 4
+    sc2[6, ld - 1] = -1.0 if int(dl[6]) < ld else 1.0  # a padding token: no effect
+    dl2 = dl.copy()
+    dl2[11] = ld + 3
+    s, a = lik_cupy.maxsim_int8(q, d8, sc2, d_lengths=dl2, return_argmax=True)
+    bad = np.zeros((nq, nd), bool)
+    bad[:, [4, 11]] = True
+    _expect(ok, ok_a, bad, s, a)
+    # packed
+    lens = _np(dl)
+    off = cupy.asarray(np.concatenate([[0], np.cumsum(lens)]).astype(np.int64))
+    tok8 = cupy.concatenate([d8[j, :lens[j]] for j in range(nd)])
+    tsc = cupy.concatenate([sc[j, :lens[j]] for j in range(nd)])
+    ok = lik_cupy.maxsim_int8_varlen(q, tok8, tsc, off)
+    tsc[int(off[7]) + 1 if lens[7] > 1 else int(off[7])] = float("nan")
+    bad = np.zeros((nq, nd), bool)
+    bad[:, 7] = True
+    _expect(ok, None, bad, lik_cupy.maxsim_int8_varlen(q, tok8, tsc, off))
+
+
+def test_marking_is_captured_in_cuda_graphs_and_reads_each_replays_values(rng):
+    torch = pytest.importorskip("torch")
+    nq, lq, nd, ld, dim = 2, 8, 30, 16, 64
+    q = torch.randn(nq, lq, dim, device="cuda", dtype=torch.float16)
+    d = torch.randn(nd, ld, dim, device="cuda", dtype=torch.float16)
+    dl = torch.full((nd,), ld, device="cuda", dtype=torch.int64)
+    lik_cupy.maxsim(q, d, d_lengths=dl)  # compile outside the capture
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        lik_cupy.maxsim(q, d, d_lengths=dl)
+        with torch.cuda.graph(g, stream=s):
+            out = lik_cupy.maxsim(q, d, d_lengths=dl)
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.isfinite(out).all()
+    dl[5] = ld + 1
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.isnan(out[:, 5]).all() and torch.isfinite(out[:, :5]).all() and torch.isfinite(out[:, 6:]).all()
+
+
+@pytest.mark.parametrize("framework", ["cupy", "torch"])
+def test_repeat_calls_match_the_first_and_follow_changed_arguments(rng, framework):
+    from lik_cupy._runtime import prepared_calls
+
+    conv = _conv(framework)
+    prepared_calls.clear()
+    nq, lq, nd, ld, dim = 3, 32, 100, 48, 128
+    q = conv(_unit(rng, nq, lq, dim).astype(np.float16))
+    d = conv(_unit(rng, nd, ld, dim).astype(np.float16))
+    mask = conv(rng.random((nd, ld)) < 0.8)
+    first = [_np(x) for x in lik_cupy.maxsim(q, d, d_mask=mask, return_argmax=True)]
+    assert len(prepared_calls._calls) == 1
+    for _ in range(3):
+        again = [_np(x) for x in lik_cupy.maxsim(q, d, d_mask=mask, return_argmax=True)]
+        assert all(np.array_equal(a, b) for a, b in zip(first, again))
+    assert len(prepared_calls._calls) == 1
+    # new data in the same buffers is read afresh; a different shape is a new signature
+    q2 = conv(_unit(rng, nq, lq, dim).astype(np.float16))
+    ref = _np(lik_cupy.maxsim(q2, d, d_mask=mask, backend="gpu", validate=True))  # strict: the general path
+    assert np.array_equal(_np(lik_cupy.maxsim(q2, d, d_mask=mask)), ref)
+    assert len(prepared_calls._calls) == 2  # return_argmax=False: a signature of its own
+    lik_cupy.maxsim(q2[:2], d, d_mask=mask)
+    assert len(prepared_calls._calls) == 3
+    # a misaligned view (another signature) is scored right too
+    flat = conv(np.zeros(nq * lq * dim + 4, np.float16))
+    view = flat[4:].reshape(nq, lq, dim)
+    view[...] = q
+    assert np.array_equal(_np(lik_cupy.maxsim(view, d, d_mask=mask)), first[0])
+
+
+def test_repeat_calls_from_many_threads(rng):
+    import threading
+
+    import cupy
+
+    nq, lq, nd, ld, dim = 2, 32, 300, 64, 128
+    qs = [cupy.asarray(_unit(rng, nq, lq, dim).astype(np.float16)) for _ in range(8)]
+    d = cupy.asarray(_unit(rng, nd, ld, dim).astype(np.float16))
+    want = [_np(lik_cupy.maxsim(q, d, validate=True)) for q in qs]
+    errors = []
+
+    def work(i):
+        try:
+            with cupy.cuda.Stream(non_blocking=True) as s:
+                for _ in range(50):
+                    got = lik_cupy.maxsim(qs[i], d)
+                s.synchronize()
+                assert np.array_equal(_np(got), want[i])
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors

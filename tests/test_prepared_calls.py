@@ -1,0 +1,105 @@
+"""The repeat-call path without a GPU: what a prepared launch hands the driver, when a prepared
+launch or call is made again, and which calls can take the path (``lik_cupy._runtime.launch``,
+``lik_cupy._runtime.prepared_calls``). The GPU side is in tests/test_nan_contract_gpu.py."""
+
+import numpy as np
+import pytest
+
+from lik_cupy import _dispatch as dispatch
+from lik_cupy._runtime import launch, prepared_calls
+from lik_cupy._runtime.device import DeviceProps
+from lik_cupy._validate import check_call, check_varlen
+
+
+class _Mod:
+    def get_function(self, name):
+        raise AssertionError(f"no kernel but the forward one should be looked up here ({name})")
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """An H100-like device whose kernels are never built: ``launches`` records every launch."""
+    launches, built = [], []
+    monkeypatch.setattr(launch, "device_properties", lambda device: DeviceProps("fake", 90, 132))
+    monkeypatch.setattr(launch, "_kernel", lambda cfg, arch, device: built.append(cfg.name) or (_Mod(), 4242))
+    monkeypatch.setattr(launch, "launch_raw", lambda *a: launches.append(a))
+    monkeypatch.setattr(launch, "is_capturing", lambda stream: False)
+    monkeypatch.setattr(launch.tma, "tile_map", lambda *a: ("map", a))  # no driver here to encode maps
+    monkeypatch.setattr(launch.tma, "scale_map", lambda *a: ("scales", a))
+    launch.clear_prepared()
+    yield launches, built
+    launch.clear_prepared()
+
+
+def _problem(nq=2, lq=32, nd=50, ld=300, dim=128):
+    return check_call(np.zeros((nq, lq, dim), np.float16), np.zeros((nd, ld, dim), np.float16), None, None, None,
+                      None, pairs=False)
+
+
+def test_a_prepared_launch_hands_the_driver_what_the_problem_says(fake_gpu):
+    launches, built = fake_gpu
+    p = _problem()
+    fwd = launch.prepare(p, 0, esize=2, vec=True, use_tma=True, argmax=True)
+    fwd.run(77, 1000, 2000, 0, 0, 3000, 0, 4000, 0, 0, 5000, 6000)
+    (func, grid, threads, smem, stream, params, values, by_value), = launches
+    assert (func, stream, threads, smem) == (4242, 77, fwd.cfg.threads, fwd.cfg.smem_bytes)
+    assert params is launch._FWD_PARAMS and len(values) == len(launch._FWD_SIGNATURE)
+    assert values[:9] == (1000, 2000, 0, 0, 3000, 0, 4000, 0, 0)
+    assert values[11:18] == (5000, 6000, p.nq, p.nd, p.lq, p.ld, p.dim)
+    assert grid == fwd.plan.grid
+    assert len(by_value) == (3 if fwd.cfg.tma else 0)
+    # the same signature is prepared once; a swapped dispatch function or a cleared cache prepares anew
+    assert launch.prepare(p, 0, esize=2, vec=True, use_tma=True, argmax=True) is fwd and fwd.current()
+    launch.clear_prepared()
+    assert not fwd.current()
+    again = launch.prepare(p, 0, esize=2, vec=True, use_tma=True, argmax=True)
+    assert again is not fwd and built.count(fwd.cfg.name) == 2
+
+
+def test_a_swapped_choice_is_seen_by_the_next_call(fake_gpu, monkeypatch):
+    p = _problem()
+    fwd = launch.prepare(p, 0, esize=2, vec=True, use_tma=False, argmax=False)
+    forced = dispatch.choose_forward(90, "float16", 128, 32, False, False, False, 2, 300)
+    monkeypatch.setattr(dispatch, "choose_forward", lambda *a, **k: forced)
+    assert not fwd.current()
+    assert launch.prepare(p, 0, esize=2, vec=True, use_tma=False, argmax=False).cfg == forced
+
+
+def test_packed_documents_keep_their_token_count_in_graph_capture(fake_gpu, monkeypatch):
+    # A token-split plan falls back to whole documents inside capture, with the same token count
+    # (it bounds every packed document).
+    launches, _ = fake_gpu
+    q, t = np.zeros((1, 32, 128), np.float16), np.zeros((200_000, 128), np.float16)
+    p = check_varlen(q, t, np.array([0, 100_000, 200_000]), None, None, None)
+    fwd = launch.prepare(p, 0, esize=2, vec=True, use_tma=False, argmax=False, packed=True, ld_hint=100_000)
+    assert fwd.plan.token_split
+    monkeypatch.setattr(launch, "is_capturing", lambda stream: True)
+    monkeypatch.setattr(launch.token_split, "launch", lambda *a: pytest.fail("no token split in capture"))
+    fwd.run(1, 1, 1, 0, 0, 0, 0, 0, 0, 9, 1, 0)
+    values = launches[-1][6]
+    assert values[10] == 200_000 and launches[-1][1] == fwd.whole()[2].grid and not fwd.whole()[2].token_split
+
+
+def test_only_device_arrays_of_one_framework_take_the_repeat_path():
+    q = np.zeros((1, 4, 8), np.float16)
+    assert prepared_calls.call_key("maxsim", (None, False, "auto", None), q, (q,)) is None
+    assert prepared_calls.call_key("maxsim", (True, False, "auto", None), [[0.0]], ()) is None
+
+
+def test_the_call_cache_is_bounded_and_least_recently_used_goes_first(monkeypatch):
+    monkeypatch.setattr(prepared_calls, "MAX_CALLS", 3)
+    prepared_calls.clear()
+
+    class Call:
+        @staticmethod
+        def current():
+            return True
+
+    for k in range(3):
+        prepared_calls.store(k, Call())
+    assert prepared_calls.lookup(0) is not None
+    prepared_calls.store(0, Call())  # used again: most recent
+    prepared_calls.store(3, Call())
+    assert sorted(prepared_calls._calls) == [0, 2, 3]
+    prepared_calls.clear()
+    assert prepared_calls.lookup(2) is None
