@@ -22,7 +22,12 @@ For each: an eager call on inputs that need no gradient, and an eager forward + 
 (``torch.autograd.backward`` of the scores). The styles take turns within each round, so a busy
 machine slows them alike; prints microseconds per call, the best of the rounds.
 
-    python bench/tools/torch_op_overhead.py [--calls 20000] [--rounds 7]
+``--cuda`` then times lik_cupy's real work on a small float16 problem on the GPU, where the host is
+the bottleneck (back-to-back calls, one synchronisation per round): ``lik_cupy.maxsim``,
+``lik_cupy.torch.maxsim`` and ``torch.ops.lik_cupy.maxsim``, what a serving call (and a training
+step) pays on the host in total.
+
+    python bench/tools/torch_op_overhead.py [--calls 20000] [--rounds 7] [--cuda]
 """
 
 import argparse
@@ -153,25 +158,53 @@ def build(lib):
     }
 
 
-def best_us(fns: dict, calls: int, rounds: int) -> dict:
-    """Per-call microseconds of each function, the best of ``rounds``, the functions taking turns."""
+def best_us(fns: dict, calls: int, rounds: int, sync=lambda: None) -> dict:
+    """Per-call microseconds of each function, the best of ``rounds``, the functions taking turns
+    (``sync()`` ends each timed loop)."""
     for fn in fns.values():
         for _ in range(min(calls, 500)):
             fn()
+    sync()
     best = dict.fromkeys(fns, float("inf"))
     for _ in range(rounds):
         for name, fn in fns.items():
             t0 = time.perf_counter()
             for _ in range(calls):
                 fn()
+            sync()
             best[name] = min(best[name], (time.perf_counter() - t0) / calls * 1e6)
     return best
+
+
+def cuda_table(calls: int, rounds: int) -> None:
+    import lik_cupy
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    Q = torch.randn(2, 32, 128, generator=gen, device="cuda", dtype=torch.float16)
+    D = torch.randn(16, 64, 128, generator=gen, device="cuda", dtype=torch.float16)
+    Qg, Dg = Q.clone().requires_grad_(True), D.clone().requires_grad_(True)
+    g = torch.ones(2, 16, device="cuda")
+    op = torch.ops.lik_cupy.maxsim.default
+    fns = {
+        "lik_cupy.maxsim": lambda Q, D: lik_cupy.maxsim(Q, D),
+        "lik_cupy.torch.maxsim": lik_torch.maxsim,
+        "torch.ops.lik_cupy.maxsim": lambda Q, D: op(Q, D, None, None, None, None, "auto", Q.requires_grad, None)[0],
+    }
+    call = best_us({n: (lambda f=f: f(Q, D)) for n, f in fns.items()}, calls, rounds, torch.cuda.synchronize)
+    step = best_us({n: (lambda f=f: torch.autograd.backward(f(Qg, Dg), g)) for n, f in fns.items()
+                    if n != "lik_cupy.maxsim"}, calls // 4, rounds, torch.cuda.synchronize)
+    print(f"\n{torch.cuda.get_device_name()}: Q {list(Q.shape)}, D {list(D.shape)} float16; microseconds per call "
+          "(host-bound: the kernels take a few)")
+    print(f"{'call':34s} {'eager call':>10s} {'fwd + bwd':>10s}")
+    for name in fns:
+        print(f"{name:34s} {call[name]:10.2f} {step.get(name, float('nan')):10.2f}")
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--calls", type=int, default=20000)
     ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--cuda", action="store_true", help="also time lik_cupy's real calls on the GPU")
     args = ap.parse_args()
     torch.set_num_threads(1)
     lib = torch.library.Library(_NS, "DEF")
@@ -198,6 +231,8 @@ def main():
         s = step.get(name, float("nan"))
         print(f"{name:34s} {call[name]:10.2f} {call[name] - base_call:15.2f} {s:10.2f} {s - base_step:25.2f}")
     del lib
+    if args.cuda:
+        cuda_table(args.calls // 4, args.rounds)
 
 
 if __name__ == "__main__":
