@@ -152,11 +152,13 @@ def test_torch_adapter_matches_naive_autograd():
         assert not maxsim(Q, D).requires_grad
 
 
+@pytest.mark.parametrize("compiled", [False, True])
 @pytest.mark.parametrize("method", ["atomic", "csr"])
-def test_torch_step_replays_from_a_cuda_graph(method):
-    """Forward and backward captured in one torch CUDA graph: each replay, with new values
-    copied into the captured inputs (lengths included) and other allocations made between
-    replays, gives the eager step's scores and gradients."""
+def test_torch_step_replays_from_a_cuda_graph(method, compiled):
+    """Forward and backward, eager or compiled whole by ``torch.compile(fullgraph=True)``
+    (inductor, lik_cupy's torch.library operators inside), captured in one torch CUDA graph: each
+    replay, with new values copied into the captured inputs (lengths included) and other
+    allocations made between replays, gives the step's scores and gradients run outside the graph."""
     from lik_cupy.torch import maxsim
 
     gen = torch.Generator(device="cuda").manual_seed(11)
@@ -166,9 +168,15 @@ def test_torch_step_replays_from_a_cuda_graph(method):
     dl = torch.full((nd,), ld, device="cuda", dtype=torch.int32)
     w = torch.randn(nq, nd, generator=gen, device="cuda")
 
-    def step(q, d):
+    def loss(q, d):
         s = maxsim(q, d, d_lengths=dl, method=method)
-        (s * w).sum().backward()
+        return s, (s * w).sum()
+
+    fn = torch.compile(loss, fullgraph=True) if compiled else loss
+
+    def step(q, d):
+        s, total = fn(q, d)
+        total.backward()
         return s
 
     side = torch.cuda.Stream()
