@@ -48,12 +48,10 @@ def standard_tiles(monkeypatch):
     then and after the test)."""
     from lik_cupy import _dispatch as dispatch
 
-    cached = dispatch.choose_forward  # the lru_cache'd function, before any test spy wraps it
-
     def switch():
         monkeypatch.setattr(dispatch.tables, "TOKM_MIN_LD", 1 << 30)
-        cached.cache_clear()
+        dispatch.clear_caches()
 
     yield switch
     monkeypatch.undo()
-    cached.cache_clear()
+    dispatch.clear_caches()

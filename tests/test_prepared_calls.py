@@ -50,7 +50,7 @@ def test_a_prepared_launch_hands_the_driver_what_the_problem_says(fake_gpu):
     assert len(by_value) == (3 if fwd.cfg.tma else 0)
     # the same signature is prepared once; a swapped dispatch function or a cleared cache prepares anew
     assert launch.prepare(p, 0, esize=2, vec=True, use_tma=True, argmax=True) is fwd and fwd.current()
-    launch.clear_prepared()
+    dispatch.clear_caches()  # what a sweep or a test does after changing a table
     assert not fwd.current()
     again = launch.prepare(p, 0, esize=2, vec=True, use_tma=True, argmax=True)
     assert again is not fwd and built.count(fwd.cfg.name) == 2

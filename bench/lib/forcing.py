@@ -74,12 +74,12 @@ def padded_split(on: bool):
     if on:
         old = d.tables.PADDED_SPLIT_MIN_LD
         d.tables.PADDED_SPLIT_MIN_LD = (1, 1)
-        plan.cache_clear()
+        d.clear_caches()
         try:
             yield
         finally:
             d.tables.PADDED_SPLIT_MIN_LD = old
-            plan.cache_clear()
+            d.clear_caches()
         return
     rebind(d, "plan_launch", lambda cfg, *a: plan(cfg, *a[:6]) if cfg.strided else plan(cfg, *a))
     try:

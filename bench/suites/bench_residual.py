@@ -244,7 +244,7 @@ def sweep(ctx, dispatch, fn, case, reps):
                 continue
             for tile in order:
                 dispatch.tables.RESIDUAL_TILES[lb] = (tile,) + tuple(t for t in order if t != tile)
-                dispatch.choose_residual.cache_clear()
+                dispatch.clear_caches()
                 try:
                     fn()
                     rows.append({"case": case, "tile": list(tile), **timed(ctx, fn, reps)})
@@ -252,7 +252,7 @@ def sweep(ctx, dispatch, fn, case, reps):
                     rows.append({"case": case, "tile": list(tile), "error": short_err(e)})
     finally:
         dispatch.tables.RESIDUAL_TILES.update(tiles)
-        dispatch.choose_residual.cache_clear()
+        dispatch.clear_caches()
     return rows
 
 

@@ -91,7 +91,7 @@ def _force_split_from(value):
     for k in dispatch.tables.SPLIT_FROM:
         dispatch.tables.SPLIT_FROM[k] = value
     rebind(dispatch.tables, "SPLIT_FROM_DEFAULT", value)
-    dispatch.choose_forward.cache_clear()
+    dispatch.clear_caches()
     return saved
 
 
@@ -101,7 +101,7 @@ def _restore(saved):
     dispatch.tables.SPLIT_FROM.clear()
     dispatch.tables.SPLIT_FROM.update(saved[0])
     rebind(dispatch.tables, "SPLIT_FROM_DEFAULT", saved[1])
-    dispatch.choose_forward.cache_clear()
+    dispatch.clear_caches()
 
 
 def device_ms(torch, fn, n):

@@ -38,13 +38,13 @@ def main():
         for bn in (64, 96, 128):
             table.clear()
             table.update({b: (1.0 if b == bn else 100.0) for b in saved})
-            dispatch.choose_forward.cache_clear()
+            dispatch.clear_caches()
             ms = per_call_ms(torch, lambda: lik_cupy.maxsim(q, docs), 20, rounds=1, spin_cycles=50_000_000)
             rows.append({"nq": nq, "lq": lq, "ld": ld, "nd": nd, "bn": bn, "ms": ms, "tflops": flops / ms / 1e9})
             print(f"Ld={ld:4d} B={nd:6d} BN={bn:3d}: {ms:.4f} ms {flops / ms / 1e9:6.1f} TF/s", flush=True)
         del docs
     table.update(saved)
-    dispatch.choose_forward.cache_clear()
+    dispatch.clear_caches()
     write_result(out, "sweep_bn_multiquery", props, rows=rows)
 
 

@@ -33,7 +33,7 @@ TARGETS = [32, 8, 16, 64, 128, None]  # the first is the reference
 
 def set_target(t):
     rebind(dispatch.tables, "DOCS_PER_CTA", t if t is not None else 1 << 40)
-    dispatch.plan_launch.cache_clear()
+    dispatch.clear_caches()
 
 
 def cases(rng, d=128):

@@ -50,7 +50,7 @@ def force(tile=None, grid_y=None, portable=False, tma=False):
         stages, cost = {bn: (st,)}, {False: {bn: 1.0}, True: {bn: 1.0}}
     rebind(dispatch.tables, "SHORT_WGMMA_STAGES", stages)
     rebind(dispatch.tables, "SHORT_WGMMA_COST", cost)
-    dispatch.choose_forward.cache_clear()
+    dispatch.clear_caches()
     os.environ["LIK_CUPY_DISABLE_WGMMA"] = "1" if portable else ""
 
     def plan(cfg, cc, num_sms, nq, nd, lq, shared=1, ntok=0):

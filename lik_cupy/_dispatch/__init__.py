@@ -20,4 +20,23 @@ __all__ = ["BACKENDS", "check_backend", "scoring_on_gpu", "use_gpu", "DIM_BUCKET
            "FwdConfig", "arch_of", "dim_bucket", "int8_dim_ok", "one_shot_bucket", "padded_dim", "SPLIT_MAX_CTAS",
            "Launch", "ctas_per_sm", "padded_split_min_ld", "plan_launch", "queries_per_tile", "tile_rows",
            "all_forward_configs", "all_residual_configs", "choose_backward", "choose_forward", "choose_residual",
-           "residual_dim_ok", "split_family", "uses_split"]
+           "residual_dim_ok", "split_family", "uses_split", "clear_caches", "on_clear"]
+
+_listeners: list = []
+_memoised = (choose_forward, choose_residual, plan_launch)  # as defined, whatever a test swaps in later
+
+
+def on_clear(fn) -> None:
+    """Call ``fn()`` whenever :func:`clear_caches` runs (the launch module forgets its prepared
+    launches, which hold the choices)."""
+    _listeners.append(fn)
+
+
+def clear_caches() -> None:
+    """Forget every cached choice and plan, after a change to the tables (a sweep, a test): the
+    memoised ``choose_forward``, ``choose_residual`` and ``plan_launch``, and what was prepared
+    from them."""
+    for f in _memoised:
+        f.cache_clear()
+    for fn in _listeners:
+        fn()

@@ -166,9 +166,12 @@ def _made_with():
 
 
 def clear_prepared() -> None:
-    """Forget every prepared launch and call (after a change to the dispatch tables)."""
+    """Forget every prepared launch, and so every prepared call (``dispatch.clear_caches`` calls it)."""
     _generation[0] += 1
     _prepared.clear()
+
+
+dispatch.on_clear(clear_prepared)
 
 
 def prepare(p: Problem, device: int, *, esize: int, vec: bool, use_tma: bool, argmax: bool, packed: bool = False,
