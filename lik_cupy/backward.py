@@ -73,7 +73,7 @@ def maxsim_backward(grad_scores, Q, D, argmax, *, d_offsets=None, method="auto",
                [0., 1.]], dtype=float32))
     """
     key = call_key("backward", (validate, method, backend), grad_scores, (Q, D, argmax, d_offsets), precision=False)
-    call = lookup(key) if key is not None else None
+    call = lookup(key)
     if call is not None:
         return call(grad_scores, Q, D, argmax, d_offsets)
     if method not in _METHODS:

@@ -140,7 +140,7 @@ def maxsim_varlen(Q, D_tokens, d_offsets, q_mask=None, *, q_lengths=None, q_offs
     validate = False if validate_offsets is False and validate is None else validate
     key = call_key("varlen", (validate, return_argmax, backend, precision), Q, (D_tokens, d_offsets, q_mask, q_lengths)) \
         if q_offsets is None else None
-    call = lookup(key) if key is not None else None
+    call = lookup(key)
     if call is not None:
         return call(Q, D_tokens, q_mask, None, q_lengths, None, d_offsets)
     check_backend(backend)
@@ -160,7 +160,7 @@ def maxsim_varlen(Q, D_tokens, d_offsets, q_mask=None, *, q_lengths=None, q_offs
 def _run(Q, D, q_mask, d_mask, q_lengths, d_lengths, return_argmax, backend, precision, validate, *, pairs):
     key = call_key("pairs" if pairs else "maxsim", (validate, return_argmax, backend, precision), Q,
                    (D, q_mask, d_mask, q_lengths, d_lengths))
-    call = lookup(key) if key is not None else None
+    call = lookup(key)
     if call is not None:
         return call(Q, D, q_mask, d_mask, q_lengths, d_lengths, None)
     check_backend(backend)

@@ -94,48 +94,55 @@ def serving_cells(torch):
 
 def serving_impls(torch, peers, cells):
     """(cell, variant) -> {impl: fn}."""
+    out = {}
+    for name, c in cells.items():
+        out.update(_cell_impls(torch, peers, name, c))
+    return out
+
+
+def _cell_impls(torch, peers, name, c):
+    """One cell's calls (a function of its own, so that each closure holds this cell's arrays).
+    Peers take the equivalent of each variant: flash-maxsim lengths for a mask, LIK a mask for lengths."""
     import cupy
 
     import lik_cupy
 
     flash, lik = peers.get("flash"), peers.get("lik")
+    q, d, lens, mask = c["q"], c["d"], c["lens"], c["mask"]
+    qc, dc = cupy.from_dlpack(q), cupy.from_dlpack(d)
     out = {}
-    for name, c in cells.items():
-        q, d, lens, mask = c["q"], c["d"], c["lens"], c["mask"]
-        qc, dc = cupy.from_dlpack(q), cupy.from_dlpack(d)
-        lens32c, maskc = cupy.from_dlpack(lens.int()), cupy.from_dlpack(mask)
-        plain = {"torch": lambda q=q, d=d: lik_cupy.maxsim(q, d), "cupy": lambda: lik_cupy.maxsim(qc, dc)}
-        if lik is not None:
-            plain["lik"] = lambda q=q, d=d: lik.maxsim(q, d)
-        if flash is not None:
-            if q.shape[0] == 1:
-                plain["flash"] = lambda q=q, d=d: flash.flash_maxsim(q[0], d)
-            else:
-                plain["flash"] = lambda q=q, d=d: flash.flash_maxsim_batched(q, d)
-        out[(name, "")] = plain
-        if name != "1x1000":
-            continue
-        lengths = {"torch": lambda: lik_cupy.maxsim(q, d, d_lengths=lens),
-                   "cupy": lambda: lik_cupy.maxsim(qc, dc, d_lengths=lens32c)}
-        if flash is not None:
-            lengths["flash"] = lambda: flash.flash_maxsim(q[0], d, doc_lengths=lens.int())
-        out[(name, "d_lengths")] = lengths
-        masked = {"torch": lambda: lik_cupy.maxsim(q, d, d_mask=mask),
-                  "cupy": lambda: lik_cupy.maxsim(qc, dc, d_mask=maskc)}
-        if lik is not None:
-            masked["lik"] = lambda: lik.maxsim(q, d, d_mask=mask)
-        out[(name, "d_mask")] = masked
-        toks = d[mask].contiguous()
-        off = torch.zeros(d.shape[0] + 1, dtype=torch.int32, device="cuda")
-        off[1:] = torch.cumsum(lens, 0)
-        tc, oc = cupy.from_dlpack(toks), cupy.from_dlpack(off)
-        packed = {"torch": lambda: lik_cupy.maxsim_varlen(q, toks, off),
-                  "torch_unchecked": lambda: lik_cupy.maxsim_varlen(q, toks, off, validate=False),
-                  "cupy": lambda: lik_cupy.maxsim_varlen(qc, tc, oc),
-                  "cupy_unchecked": lambda: lik_cupy.maxsim_varlen(qc, tc, oc, validate=False)}
-        if flash is not None:
-            packed["flash"] = lambda: flash.flash_maxsim(q[0], toks, doc_lengths=off)
-        out[(name, "packed")] = packed
+    plain = {"torch": lambda: lik_cupy.maxsim(q, d), "cupy": lambda: lik_cupy.maxsim(qc, dc)}
+    if lik is not None:
+        plain["lik"] = lambda: lik.maxsim(q, d)
+    if flash is not None:
+        plain["flash"] = (lambda: flash.flash_maxsim(q[0], d)) if q.shape[0] == 1 else \
+            (lambda: flash.flash_maxsim_batched(q, d))
+    out[(name, "")] = plain
+    if name != "1x1000":
+        return out
+    lens32 = lens.int()
+    lens32c, maskc = cupy.from_dlpack(lens32), cupy.from_dlpack(mask)
+    lengths = {"torch": lambda: lik_cupy.maxsim(q, d, d_lengths=lens),
+               "cupy": lambda: lik_cupy.maxsim(qc, dc, d_lengths=lens32c)}
+    masked = {"torch": lambda: lik_cupy.maxsim(q, d, d_mask=mask),
+              "cupy": lambda: lik_cupy.maxsim(qc, dc, d_mask=maskc)}
+    if flash is not None:
+        lengths["flash"] = masked["flash"] = lambda: flash.flash_maxsim(q[0], d, doc_lengths=lens32)
+    if lik is not None:
+        lengths["lik"] = masked["lik"] = lambda: lik.maxsim(q, d, d_mask=mask)
+    out[(name, "d_lengths")] = lengths
+    out[(name, "d_mask")] = masked
+    toks = d[mask].contiguous()
+    off = torch.zeros(d.shape[0] + 1, dtype=torch.int32, device="cuda")
+    off[1:] = torch.cumsum(lens, 0)
+    tc, oc = cupy.from_dlpack(toks), cupy.from_dlpack(off)
+    packed = {"torch": lambda: lik_cupy.maxsim_varlen(q, toks, off),
+              "torch_unchecked": lambda: lik_cupy.maxsim_varlen(q, toks, off, validate=False),
+              "cupy": lambda: lik_cupy.maxsim_varlen(qc, tc, oc),
+              "cupy_unchecked": lambda: lik_cupy.maxsim_varlen(qc, tc, oc, validate=False)}
+    if flash is not None:
+        packed["flash"] = lambda: flash.flash_maxsim(q[0], toks, doc_lengths=off)
+    out[(name, "packed")] = packed
     return out
 
 

@@ -70,7 +70,9 @@ def call_key(kind: str, flags: tuple, Q, arrays: tuple, *, precision: bool = Tru
 
 
 def lookup(key):
-    """The prepared call of ``key``, or None."""
+    """The prepared call of ``key`` (None: none), or None."""
+    if key is None:
+        return None
     call = _calls.get(key)
     if call is not None and call.current():
         return call
@@ -110,14 +112,11 @@ class PreparedCall:
         return self.fwd.current()
 
     def __call__(self, Q, D, q_mask, d_mask, q_lengths, d_lengths, d_offsets):
-        import cupy
+        if _device() != self.device:
+            import cupy
 
-        if cupy.cuda.runtime.getDevice() != self.device:
             with cupy.cuda.Device(self.device):
-                return self._run(Q, D, q_mask, d_mask, q_lengths, d_lengths, d_offsets)
-        return self._run(Q, D, q_mask, d_mask, q_lengths, d_lengths, d_offsets)
-
-    def _run(self, Q, D, q_mask, d_mask, q_lengths, d_lengths, d_offsets):
+                return self(Q, D, q_mask, d_mask, q_lengths, d_lengths, d_offsets)
         a, p, dev = self.a, self.p, self.device
         stream = a.stream_handle(dev)
         scores = a.new_empty(p.scores_shape, "float32", dev)
@@ -172,14 +171,9 @@ class PreparedBackward:
     def __call__(self, g, Q, D, argmax, d_offsets):
         import cupy
 
-        if cupy.cuda.runtime.getDevice() != self.device:
+        if _device() != self.device:
             with cupy.cuda.Device(self.device):
-                return self._run(g, Q, D, argmax, d_offsets)
-        return self._run(g, Q, D, argmax, d_offsets)
-
-    def _run(self, g, Q, D, argmax, d_offsets):
-        import cupy
-
+                return self(g, Q, D, argmax, d_offsets)
         a, dev = self.a, self.device
         stream = a.stream_handle(dev)
         nq, nd, lq, ld, dim, cand, rows = self.dims
@@ -196,3 +190,11 @@ class PreparedBackward:
                    (dd32_ptr, a.address(dd), rows * dim))
         return dq, dd
 
+
+def _device() -> int:
+    """The current CUDA device (bound at the first call: CuPy is imported only then)."""
+    global _device
+    import cupy
+
+    _device = cupy.cuda.runtime.getDevice
+    return _device()

@@ -25,10 +25,9 @@ def launch_raw(func: int, grid, threads: int, smem: int, stream: int, params: st
     """Launch kernel ``func`` (a CUfunction handle) on ``stream`` (a handle) with ``values`` packed
     as ``params``, then the parameters ``by_value``, each an object whose ``address`` holds its
     bytes (TMA maps, the residual kernel's ``ResidualSrc``)."""
-    import cupy
-
-    slots = getattr(_params, "slots", None)
-    if slots is None:
+    try:
+        slots = _params.slots
+    except AttributeError:
         slots = _params.slots = {}
     key = (params, len(by_value))
     entry = slots.get(key)
@@ -37,13 +36,21 @@ def launch_raw(func: int, grid, threads: int, smem: int, stream: int, params: st
         buf = ctypes.create_string_buffer(params.size)
         base = ctypes.addressof(buf)
         addrs = (ctypes.c_void_p * (n + len(by_value)))(*[base + 8 * i for i in range(n)])
-        entry = slots[key] = (buf, addrs, n)
-    buf, addrs, n = entry
+        entry = slots[key] = (buf, addrs, n, ctypes.addressof(addrs))
+    buf, addrs, n, addrs_ptr = entry
     params.pack_into(buf, 0, *values)
     for i, m in enumerate(by_value):
         addrs[n + i] = m.address
-    cupy.cuda.driver.launchKernel(func, grid[0], grid[1], grid[2], threads, 1, 1, smem, stream,
-                                  ctypes.addressof(addrs), 0)
+    _driver_launch(func, grid[0], grid[1], grid[2], threads, 1, 1, smem, stream, addrs_ptr, 0)
+
+
+def _driver_launch(*args) -> None:
+    """``cupy.cuda.driver.launchKernel``, bound at the first launch (CuPy is imported only then)."""
+    global _driver_launch
+    import cupy
+
+    _driver_launch = cupy.cuda.driver.launchKernel
+    _driver_launch(*args)
 
 
 def is_capturing(stream: int) -> bool:
