@@ -7,9 +7,9 @@ ragged single-query shape of ``bench_corpus.py`` (torch and CuPy inputs):
 - ``loop_ms``: back-to-back calls, then one synchronisation (what a loop of calls pays);
 - ``device_ms``: one call at a time behind a queued sleep, so the host runs ahead (GPU time,
   plus whatever the call waits for inside);
-- for checked calls, how long they wait for their checks and how long they take after them;
-- a cProfile of the loop (top functions by own time), the time inside each piece of the library
-  (validation, interop, choice, launch), and the cost of the CUDA and interop primitives a call
+- a cProfile of the loop (top functions by own time), the host microseconds of a repeat call and
+  of each step it takes (``lik_cupy._runtime.prepared_calls``: signature, lookup, the caller's
+  stream, the results buffer, the launch), and the cost of the CUDA and interop primitives a call
   is built from.
 
 Writes ``profile_host_<gpu>.json`` to $OUT (or bench/results) and prints a table last.
@@ -32,7 +32,6 @@ import torch  # noqa: E402
 import lik_cupy  # noqa: E402
 from lik_cupy._runtime.device import device_properties  # noqa: E402
 
-from bench.lib.forcing import rebind  # noqa: E402
 from bench.lib.results import out_dir, write_result  # noqa: E402
 from bench.lib.timing import padded_call_ms  # noqa: E402
 
@@ -61,7 +60,7 @@ def calls(s):
     return {
         "varlen": lambda: m.maxsim_varlen(s["Q"], s["Dt"], s["off"]),
         "varlen_int64_offsets": lambda: m.maxsim_varlen(s["Q"], s["Dt"], s["off64"]),
-        "varlen_unchecked": lambda: m.maxsim_varlen(s["Q"], s["Dt"], s["off"], validate_offsets=False),
+        "varlen_unchecked": lambda: m.maxsim_varlen(s["Q"], s["Dt"], s["off"], validate=False),
         "padded_d_mask": lambda: m.maxsim(s["Q"], s["Dp"], d_mask=s["mask"]),
         "padded_d_lengths": lambda: m.maxsim(s["Q"], s["Dp"], d_lengths=s["lens"]),
         "padded": lambda: m.maxsim(s["Q"], s["Dp"]),
@@ -102,109 +101,47 @@ def profile(fn, n=N_LOOP, top=22):
     return buf.getvalue()
 
 
-def after_checks_us(fn, n=200):
-    """Mean microseconds a checked call spends waiting for its checks, and after them until it
-    returns (the part not hidden under the scoring kernel)."""
-    from lik_cupy._runtime import device_checks as checks
-
-    wait = checks.DeviceChecks._wait
-    marks = []
-
-    def timed(self):
-        t = time.perf_counter()
-        out = wait(self)
-        marks.append((t, time.perf_counter()))
-        return out
-
-    checks.DeviceChecks._wait = timed
-    try:
-        waits, afters = [], []
-        for _ in range(n):
-            torch.cuda._sleep(500_000)
-            fn()
-            end = time.perf_counter()
-            t0, t1 = marks[-1]
-            waits.append(t1 - t0)
-            afters.append(end - t1)
-        torch.cuda.synchronize()
-    finally:
-        checks.DeviceChecks._wait = wait
-    return float(np.median(waits)) * 1e6, float(np.median(afters)) * 1e6
-
-
-def stages(fn, n=N_LOOP):
-    """Mean microseconds per call inside each named piece of the library (inclusive; the pieces
-    are wrapped with timers, so nested ones overlap), the launch itself included. A piece is wrapped
-    wherever lik_cupy binds it (``rebind``); one this version of lik_cupy lacks is left out, and named."""
-    import contextlib
-    import functools
-
-    from lik_cupy import _dispatch as dispatch
-    from lik_cupy import _interop as interop
-    from lik_cupy import _validate as validate
-    from lik_cupy._runtime import device, launch, operands
-    from lik_cupy._runtime import device_checks as checks
-
-    acc: dict[str, float] = {}
-
-    def timed(name, f):
-        @functools.wraps(f)
-        def w(*a, **k):
-            t = time.perf_counter()
-            try:
-                return f(*a, **k)
-            finally:
-                acc[name] = acc.get(name, 0.0) + time.perf_counter() - t
-        return w
-
-    stream = interop.caller_stream
-
-    @contextlib.contextmanager
-    def timed_stream(*a, **k):
-        t = time.perf_counter()
-        with stream(*a, **k):
-            acc["caller_stream enter"] = acc.get("caller_stream enter", 0.0) + time.perf_counter() - t
-            yield
-            t = time.perf_counter()
-        acc["caller_stream exit"] = acc.get("caller_stream exit", 0.0) + time.perf_counter() - t
-
-    pieces = [
-        (validate, "check_varlen", "validate (check_varlen / check_call)"),
-        (validate, "check_call", "validate (check_varlen / check_call)"),
-        (interop, "device_array", "inputs to CuPy (device_array)"),
-        (operands, "device_offsets", "device_offsets"),
-        (operands, "device_valid", "device_valid"),
-        (launch, "launch", "launch (all of it)"),
-        (device, "empty", "output buffers (device.empty)"),
-        (interop, "caller_results", "results to the caller"),
-        (launch, "_launch_forward", "kernel launch (driver call)"),
-        (dispatch, "choose_forward", "choose_forward (cached)"),
-        (dispatch, "plan_launch", "plan_launch (cached)"),
-        (checks.DeviceChecks, "verify", "checks.verify"),
-    ]
-    missing = [f"{getattr(m, '__name__', m)}.{a}" for m, a, _ in pieces if not hasattr(m, a)]
-    if missing:
-        print(f"not timed (not in this lik_cupy): {', '.join(missing)}", flush=True)
-    patches = [(m, a, timed(label, getattr(m, a))) for m, a, label in pieces if hasattr(m, a)]
-    patches.append((interop, "caller_stream", timed_stream))
-    saved = []
-    for m, a, f in patches:
-        saved.append((m, a, rebind(m, a, f)))
-    try:
+def best_us(fn, n=2000, rounds=5):
+    """Fastest of ``rounds`` mean host microseconds of ``n`` back-to-back ``fn()`` (a GPU sync between rounds)."""
+    for _ in range(100):
         fn()
-        torch.cuda.synchronize()
-        acc.clear()
-        t = time.perf_counter()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(rounds):
+        t = time.perf_counter_ns()
         for _ in range(n):
             fn()
-        total = time.perf_counter() - t
+        best = min(best, (time.perf_counter_ns() - t) / n / 1e3)
         torch.cuda.synchronize()
-    finally:
-        for m, a, f in reversed(saved):
-            rebind(m, a, f)
-    out = {k: v * 1e6 / n for k, v in sorted(acc.items(), key=lambda kv: -kv[1])}
-    out["whole call"] = total * 1e6 / n
-    return out
+    return best
+
+
+def repeat_path(fw: str):
+    """Host microseconds of a repeat call and of each step it takes (``lik_cupy._runtime.prepared_calls``),
+    for a one-query call against 100 documents (a 4 us kernel, so the GPU keeps up with the host)."""
+    from lik_cupy._runtime import prepared_calls as pc
+
+    rng = np.random.default_rng(5)
+    q, d = (rng.standard_normal(s, dtype=np.float32).astype(np.float16) for s in ((1, 32, 128), (100, 180, 128)))
+    Q, D = (torch.from_numpy(x).cuda() for x in (q, d)) if fw == "torch" else (cp.asarray(x) for x in (q, d))
+    flags = (None, False, "auto", None)
+    arrays = (D, None, None, None, None)
+    lik_cupy.maxsim(Q, D)
+    key = pc.call_key("maxsim", flags, Q, arrays)
+    call = pc.lookup(key)
+    a, fwd = call.a, call.fwd
+    scores = a.new_empty((1, 100), "float32", 0)
+    qp, dp, sp, st = a.address(Q), a.address(D), a.address(scores), a.stream_handle(0)
+    return {
+        "whole call (lik_cupy.maxsim)": best_us(lambda: lik_cupy.maxsim(Q, D)),
+        "signature (call_key)": best_us(lambda: pc.call_key("maxsim", flags, Q, arrays)),
+        "lookup": best_us(lambda: pc.lookup(key)),
+        "prepared call (all that follows)": best_us(lambda: call(Q, D, None, None, None, None, None)),
+        "  caller's stream": best_us(lambda: a.stream_handle(0)),
+        "  scores buffer (caller's framework)": best_us(lambda: a.new_empty((1, 100), "float32", 0)),
+        "  ForwardLaunch.run (pack + driver launch)": best_us(
+            lambda: fwd.run(st, qp, dp, 0, 0, 0, 0, 0, 0, 0, sp, 0, 0)),
+    }
 
 
 def primitives(s):
@@ -260,14 +197,9 @@ def main():
             dv = device_ms(fn)
             rows.append({"framework": fw, "call": name, "loop_ms": lp, "device_ms": dv})
             print(f"{fw:6s} {name:22s} loop {lp:7.4f} ms  device {dv:7.4f} ms", flush=True)
-        for name in ("varlen", "padded_d_lengths"):
-            w, a = after_checks_us(calls(s)[name])
-            rows.append({"framework": fw, "call": name, "check_wait_us": w, "after_checks_us": a})
-            print(f"{fw:6s} {name:22s} waits {w:6.1f} us for its checks, returns {a:6.1f} us after", flush=True)
-        for name in ("varlen", "varlen_unchecked", "padded_d_mask"):
+        for name in ("varlen", "padded_d_mask"):
             profiles[f"{fw} {name}"] = profile(calls(s)[name])
-        for name in ("varlen", "varlen_unchecked", "padded"):
-            pieces[f"{fw} {name}"] = stages(calls(s)[name])
+        pieces[f"{fw} repeat call"] = repeat_path(fw)
     s = inputs("torch")
     s["off_cp"] = cp.asarray(s["off"].cpu().numpy())
     prims = primitives(s)
@@ -275,7 +207,7 @@ def main():
     for k, v in profiles.items():
         print(f"\n---- cProfile {k} ({N_LOOP} calls)\n{v}")
     for k, v in pieces.items():
-        print(f"\n---- {k}: microseconds per call in each piece (timed, inclusive)")
+        print(f"\n---- {k}: host microseconds per call, and of each step alone")
         for name, us in v.items():
             print(f"  {name:40s} {us:8.2f}")
     print("\nprimitives (us per call):")
@@ -285,10 +217,6 @@ def main():
     for r in rows:
         if "loop_ms" in r:
             print(f"{r['framework']:9s} {r['call']:22s} {r['loop_ms']:8.4f} {r['device_ms']:9.4f}")
-    for r in rows:
-        if "check_wait_us" in r:
-            print(f"{r['framework']:9s} {r['call']:22s} waits {r['check_wait_us']:6.1f} us for its checks, "
-                  f"returns {r['after_checks_us']:6.1f} us after")
     return 0
 
 

@@ -107,6 +107,17 @@
 #ifndef LIK_RESIDUAL
 #define LIK_RESIDUAL 0
 #endif
+// Lengths as the caller gave them (length_at, common.cuh), except in INT8 argmax tiles, which read
+// int32 ones (the host narrows int64 lengths for them: launch.py, tagged_lengths): the tag's
+// registers spilled their two-warpgroup tiles at 255 (compile.check_all).
+__device__ __forceinline__ int fwd_length(const int* p, i64 i) {
+#if LIK_ELEM == 3 && LIK_ARGMAX
+    return p[i];
+#else
+    return length_at(p, i);
+#endif
+}
+
 #ifndef LIK_CAND
 #define LIK_CAND 0
 #endif

@@ -46,7 +46,7 @@ __device__ __forceinline__ unsigned arrive(unsigned* c) {
 LIK_FWD_TEMPLATE
 __device__ __forceinline__ int LIK_FWD::doc_len(const int* d_len, bool masked, i64 doclin, int Ld) {
     if (!d_len) return Ld;
-    int l = length_at(d_len, doclin);
+    int l = fwd_length(d_len, doclin);
     if (masked && l < 0) l = ~l;
     return l < 0 ? 0 : (l > Ld ? Ld : l);
 }
@@ -346,7 +346,7 @@ struct LIK_FWD::DocMask {
     // Document j's mask, or null when every token of its span counts (INT8 argmax tiles read
     // it anyway: the test spilled their two-warpgroup tiles past 128 registers).
     __device__ const u8* dmask(int j) const {
-        if ((PACKED && !STRIDED) || !d_mask || (!(I8 && ARGMAX) && d_len && length_at(d_len, doc0 + j) >= 0)) return nullptr;
+        if ((PACKED && !STRIDED) || !d_mask || (!(I8 && ARGMAX) && d_len && d_len[doc0 + j] >= 0)) return nullptr;
         return d_mask + (doc0 + j) * Ld;
     }
 };

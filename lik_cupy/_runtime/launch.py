@@ -102,6 +102,8 @@ class ForwardLaunch:
         self.ntok, self.rows, self.esize, self.argmax = ntok, rows, esize, argmax
         self.off_flags = off_flags
         self.partials = plan.n_qt * p.nq * p.nd if plan.n_qt > 1 else 0  # float32 scratch elements
+        # INT8 argmax tiles read int32 lengths only (fwd_length in cuda_src/fwd/config.cuh)
+        self.tagged_lengths = not (cfg.elem == 3 and cfg.argmax)
         self.sum_func = mod.get_function("lik_sum_partials").kernel.ptr if plan.n_qt > 1 else 0
         self._made_with = _made_with()
 
@@ -309,6 +311,8 @@ def launch(p: Problem, q, d, qm, dm, ql, dl, return_argmax: bool, device: int, *
                   ld_hint=ld_hint, d_off_whole=d_off_whole, x3=x3, residual=res, scales=d_scale is not None)
     part = empty((fwd.partials,), np.float32, f"{fn}: partial scores of the long queries' tiles", split) \
         if fwd.partials else None
+    if not fwd.tagged_lengths:
+        ql, dl = (x.astype(np.int32) if x is not None and x.dtype == np.int64 else x for x in (ql, dl))
     fwd.run(cupy.cuda.get_current_stream().ptr, q.data.ptr, d.data.ptr, _ptr(q_scale), _ptr(d_scale), lengths_ptr(ql),
             _ptr(qm), lengths_ptr(dl), _ptr(dm), _ptr(d_off), scores.data.ptr, _ptr(amax), _ptr(part),
             () if residual is None else (residual,))
