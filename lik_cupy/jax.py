@@ -1,50 +1,277 @@
-"""JAX gradients for MaxSim: ``lik_cupy.jax.maxsim`` (a ``jax.custom_vjp``).
+"""JAX: ``maxsim`` and ``maxsim_varlen`` with gradients, ``maxsim_int8`` and ``maxsim_int8_varlen``,
+under ``jax.jit``, ``jax.grad`` and ``jax.vmap`` as well as eagerly.
 
-Importing this module imports jax. Eager use only: the kernels run through CuPy on
-concrete device arrays, so inside ``jax.jit`` (or ``grad`` of a jitted function,
-``vmap``, ``scan``) the inputs are tracers and the call raises a TypeError saying so.
-Take the gradient eagerly (``jax.grad`` / ``jax.value_and_grad`` of a Python function
-that is not jitted) and jit the rest of the model around it.
+Importing this module imports jax (``import lik_cupy`` alone never does).
+
+Each call is one custom call in XLA's computation (``lik_cupy._jax_ops``), jitted or not:
+
+- on a CUDA device, a ``jax.experimental.buffer_callback`` (jax >= 0.7): the kernels read XLA's
+  buffers and run on XLA's stream, and the host never waits for the device. The public
+  functions have no ``out=``, so each result is computed in CuPy's memory pool and copied into
+  XLA's buffer on the device: leave CuPy room beside JAX's preallocation
+  (``XLA_PYTHON_CLIENT_MEM_FRACTION``, or ``XLA_PYTHON_CLIENT_PREALLOCATE=false``).
+- on the CPU, a ``jax.pure_callback`` running the NumPy path (``backend="cpu"``).
+
+``backend``: "auto" (where XLA runs the computation), "gpu", or "cpu" (the NumPy path; device
+arrays go to the host and back).
+
+Tracing a call compiles its forward kernels (``lik_cupy.warmup`` for its dtype, dim and query
+length), so a first run does not hold XLA's stream while NVRTC works; a kernel variant that
+warm-up did not prepare compiles on its first run. The precision of float32 inputs is fixed
+then too: ``precision=``, else ``lik_cupy.set_precision``, else ``jax_default_matmul_precision``
+as it is while tracing.
+
+Gradients: ``maxsim`` and ``maxsim_varlen`` are ``jax.custom_vjp`` functions whose forward keeps
+only the int32 argmax ``[*scores.shape, Lq]`` and whose backward is :func:`lik_cupy.maxsim_backward`,
+a custom call of its own. The INT8 functions have no gradient: differentiating them raises
+``TypeError``.
+
+``jax.vmap``: one kernel launch for a batch of queries (``Q`` with its mask, lengths or scales)
+against shared documents, and for a batch of single queries ``[Lq, d]`` each with its own
+documents ``[Nd, Ld, d]`` (they become per-query candidates, in the backward too). Any other
+batch runs one call per batch element, all in one custom call (``lik_cupy._batched_calls``);
+so does the backward of a batch of queries against shared documents, each element having a
+``dD`` of its own: pass such a batch as one ``[Nq, Lq, d]`` call where you can.
+``method="csr"`` sorts with CuPy (thrust), which can wait on the host for XLA's stream; the
+default ``"auto"`` (atomic) does not.
+
+Lengths and offsets are never read on the host. A length outside ``[0, L]`` makes its query's
+(or document's) scores NaN, and ``d_offsets`` that do not start at 0, decrease, or end
+elsewhere than at ``T`` make every score NaN, where ``lik_cupy.maxsim`` raises ``ValueError``.
 """
 
 from __future__ import annotations
 
+import functools
+import math
+from dataclasses import dataclass
+
 import jax
+import jax.numpy as jnp
+import numpy as np
 
-from .backward import maxsim_backward
-from .forward import maxsim as _maxsim
+from . import _jax_ops
+from ._dispatch.backend import check_backend
+from ._validate import Problem, check_call, check_int8_scales, check_varlen
+from .backward import _METHODS
+from .precision import _resolve
 
-__all__ = ["maxsim"]
+__all__ = ["maxsim", "maxsim_varlen", "maxsim_int8", "maxsim_int8_varlen"]
 
 
-def maxsim(Q, D, q_mask=None, d_mask=None, *, q_lengths=None, d_lengths=None, method="auto", precision=None):
-    """``lik_cupy.maxsim`` on JAX arrays, differentiable in Q and D (eagerly).
+def maxsim(Q, D, q_mask=None, d_mask=None, *, q_lengths=None, d_lengths=None, method="auto", precision=None,
+           backend="auto"):
+    """:func:`lik_cupy.maxsim` as a JAX operation, differentiable in Q and D.
 
-    Arguments and semantics as :func:`lik_cupy.maxsim`; masks and lengths take no
-    gradient; ``method`` is the backward's dD method (see :func:`lik_cupy.maxsim_backward`);
-    ``precision`` as in :func:`lik_cupy.maxsim` (None follows ``jax_default_matmul_precision``).
-    Returns float32 scores (float64 for float64 arrays).
+    Arguments and semantics as :func:`lik_cupy.maxsim` (``[Nq, Lq, d]`` or ``[Lq, d]`` queries;
+    ``[Nd, Ld, d]``, ``[Nq, K, Ld, d]`` or ``[Ld, d]`` documents; float16, bfloat16, float32, or
+    float64 with ``jax_enable_x64``), except that lengths outside ``[0, L]`` give NaN scores (the
+    module docstring). Masks and lengths take no gradient. ``method``: the backward's dD method
+    (:func:`lik_cupy.maxsim_backward`). ``precision``: as in :func:`lik_cupy.maxsim`, resolved
+    when traced. ``backend``: "auto", "gpu" or "cpu" (the module docstring).
+
+    Returns:
+        float32 scores (float64 for float64 inputs), a ``jax.Array``.
+    Example (on the CPU, the NumPy path; on a CUDA device the same code runs the kernels)::
+
+        >>> import jax, jax.numpy as jnp
+        >>> from lik_cupy.jax import maxsim
+        >>> Q = jnp.array([[[1., 0.], [0., 1.]]])                           # 1 query, 2 tokens
+        >>> D = jnp.array([[[1., 0.], [0., 0.]], [[0., 2.], [1., 1.]]])     # 2 documents
+        >>> jax.jit(maxsim)(Q, D)
+        Array([[1., 3.]], dtype=float32)
+        >>> jax.jit(jax.grad(lambda q: maxsim(q, D).sum()))(Q)
+        Array([[[2., 1.],
+                [1., 2.]]], dtype=float32)
     """
-    def forward(q, d):
-        # jax.grad hands the custom_vjp concrete primals; jit, vmap and scan hand tracers.
-        for name, x in (("Q", q), ("D", d)):
-            if isinstance(x, jax.core.Tracer):
-                raise TypeError(f"lik_cupy.jax.maxsim got a traced {name} (inside jax.jit, vmap or scan): it runs "
-                                "eagerly on concrete arrays only; call it outside the jitted function")
-        return _maxsim(q, d, q_mask, d_mask, q_lengths=q_lengths, d_lengths=d_lengths, return_argmax=True,
-                       precision=precision)
+    args = _arrays(Q=Q, D=D, q_mask=q_mask, d_mask=d_mask, q_lengths=q_lengths, d_lengths=d_lengths)
+    p = check_call(*_stand_ins(args, "Q", "D", "q_mask", "d_mask", "q_lengths", "d_lengths"), pairs=False)
+    return _staged(args, call=_Call.of("maxsim", p, method, precision, backend))
 
-    @jax.custom_vjp
-    def f(q, d):
-        return forward(q, d)[0]
 
-    def f_fwd(q, d):
-        scores, amax = forward(q, d)
-        return scores, (q, d, amax)
+def maxsim_varlen(Q, D_tokens, d_offsets, q_mask=None, *, q_lengths=None, method="auto", precision=None,
+                  backend="auto"):
+    """:func:`lik_cupy.maxsim_varlen` (packed documents ``D_tokens [T, d]``, ``d_offsets [Nd + 1]``)
+    as a JAX operation, differentiable in Q and D_tokens.
 
-    def f_bwd(res, g):
-        q, d, amax = res
-        return maxsim_backward(g, q, d, amax, method=method, validate=False)
+    Padded queries only (``Q [Nq, Lq, d]`` or ``[Lq, d]`` with ``q_mask`` or ``q_lengths``): the
+    scores' shape must be known when traced. Offsets that break the contract give NaN scores
+    (the module docstring). Other arguments as in :func:`maxsim`.
 
-    f.defvjp(f_fwd, f_bwd)
-    return f(Q, D)
+    Returns:
+        float32 ``[Nq, Nd]`` (``[Nd]`` for a 2-D Q; float64 for float64 inputs).
+    Example::
+
+        >>> import jax, jax.numpy as jnp
+        >>> from lik_cupy.jax import maxsim_varlen
+        >>> Q = jnp.array([[1., 0.], [0., 1.]])                    # one query [Lq, d]
+        >>> tokens = jnp.array([[1., 0.], [0., 2.], [1., 1.]])     # documents of 1 and 2 tokens
+        >>> jax.jit(maxsim_varlen)(Q, tokens, jnp.array([0, 1, 3]))
+        Array([1., 3.], dtype=float32)
+    """
+    args = _arrays(Q=Q, D_tokens=D_tokens, d_offsets=d_offsets, q_mask=q_mask, q_lengths=q_lengths)
+    p = check_varlen(*_stand_ins(args, "Q", "D_tokens", "d_offsets", "q_mask", "q_lengths"), None)
+    return _staged(args, call=_Call.of("maxsim_varlen", p, method, precision, backend))
+
+
+def maxsim_int8(Q, D, d_scales, q_mask=None, d_mask=None, *, q_scales=None, q_lengths=None, d_lengths=None,
+                backend="auto"):
+    """:func:`lik_cupy.maxsim_int8` (INT8 documents with per-token scales) as a JAX operation.
+
+    Arguments as :func:`lik_cupy.maxsim_int8`; lengths as in :func:`maxsim`. Not differentiable.
+
+    Returns:
+        float32 scores, a ``jax.Array``.
+    """
+    args = _arrays(Q=Q, D=D, d_scales=d_scales, q_mask=q_mask, d_mask=d_mask, q_scales=q_scales,
+                   q_lengths=q_lengths, d_lengths=d_lengths)
+    stand_ins = _stand_ins(args, "Q", "D", "d_scales", "q_mask", "d_mask", "q_scales", "q_lengths", "d_lengths")
+    q, d, ds, qm, dm, qs, ql, dl = stand_ins
+    p = check_call(q, d, qm, dm, ql, dl, pairs=False, int8=True)
+    check_int8_scales(p, q, d, qs, ds)
+    return _staged(args, call=_Call.of("maxsim_int8", p, "auto", None, backend))
+
+
+def maxsim_int8_varlen(Q, D_tokens, d_scales, d_offsets, q_mask=None, *, q_scales=None, q_lengths=None,
+                       backend="auto"):
+    """:func:`lik_cupy.maxsim_int8_varlen` (packed INT8 documents) as a JAX operation.
+
+    Arguments as :func:`lik_cupy.maxsim_int8_varlen`; offsets as in :func:`maxsim_varlen`. Not
+    differentiable.
+
+    Returns:
+        float32 ``[Nq, Nd]`` (``[Nd]`` for a 2-D Q).
+    """
+    args = _arrays(Q=Q, D_tokens=D_tokens, d_scales=d_scales, d_offsets=d_offsets, q_mask=q_mask,
+                   q_scales=q_scales, q_lengths=q_lengths)
+    q, d, ds, off, qm, qs, ql = _stand_ins(args, "Q", "D_tokens", "d_scales", "d_offsets", "q_mask", "q_scales",
+                                          "q_lengths")
+    p = check_varlen(q, d, off, qm, ql, None, int8=True)
+    check_int8_scales(p, q, d, qs, ds)
+    return _staged(args, call=_Call.of("maxsim_int8_varlen", p, "auto", None, backend))
+
+
+# ---------------------------------------------------------------- the staged computation
+
+
+@dataclass(frozen=True)
+class _Call:
+    """What a call's computation depends on besides its arrays (a static argument of ``jax.jit``)."""
+
+    fn: str
+    problem: Problem
+    method: str
+    precision: str | None  # resolved, for float32 and float64 inputs
+    backend: str
+
+    @classmethod
+    def of(cls, fn: str, p: Problem, method: str, precision, backend: str) -> _Call:
+        if method not in _METHODS:
+            raise ValueError(f"method must be one of {_METHODS}, got {method!r}")
+        check_backend(backend)
+        x3 = _resolve(precision, "jax", p.dtype)  # also checks the value
+        resolved = ("fp32" if x3 else "tf32") if p.dtype in ("float32", "float64") else None
+        return cls(fn, p, method, resolved, backend)
+
+    @property
+    def d_name(self) -> str:
+        return "D_tokens" if self.problem.d_packed else "D"
+
+    @property
+    def scores_dtype(self):
+        return jnp.float64 if self.problem.dtype == "float64" else jnp.float32
+
+
+def _arrays(**named) -> dict:
+    """The given arguments as JAX arrays (or tracers), by name; lists and ints become arrays."""
+    return {k: v if isinstance(v, jax.Array) else jnp.asarray(v) for k, v in named.items() if v is not None}
+
+
+def _stand_ins(args: dict, *names) -> list:
+    """Zero-byte NumPy arrays with each argument's shape and dtype (or None), for the shared
+    argument checks, which read shapes and dtypes only."""
+    return [None if n not in args else np.broadcast_to(np.zeros((), args[n].dtype), args[n].shape) for n in names]
+
+
+@functools.partial(jax.jit, static_argnames=("call",))
+def _staged(args: dict, call: _Call):
+    p = call.problem
+    if math.prod(p.scores_shape) == 0:
+        return jnp.zeros(p.scores_shape, call.scores_dtype)
+    args, bad = _clamped(dict(args), p)
+    if call.fn in ("maxsim", "maxsim_varlen"):
+        rest = {k: v for k, v in args.items() if k not in ("Q", call.d_name)}
+        scores = _differentiable(call, args["Q"], args[call.d_name], rest)
+    else:
+        scores = _not_differentiable(call, args)
+    return scores if bad is None else jnp.where(bad, jnp.asarray(jnp.nan, scores.dtype), scores)
+
+
+def _clamped(args: dict, p: Problem):
+    """Lengths clamped to ``[0, L]`` and offsets replaced by valid ones where they break the
+    contract, so the kernels and the NumPy path never see bad values; and where the scores are
+    NaN instead (bool, broadcastable to the scores; None when no lengths or offsets)."""
+    bad = None
+    for side, limit in (("q", p.lq), ("d", p.ld)):
+        lengths = args.get(f"{side}_lengths")
+        if lengths is None:
+            continue
+        wrong = (lengths < 0) | (lengths > limit)
+        args[f"{side}_lengths"] = jnp.clip(lengths, 0, limit).astype(lengths.dtype)
+        if side == "q":  # the query axes lead the scores' axes; the documents' axes end them
+            wrong = wrong.reshape(wrong.shape + (1,) * (len(p.scores_shape) - wrong.ndim))
+        bad = wrong if bad is None else bad | wrong
+    off = args.get("d_offsets")
+    if off is not None:
+        wrong = (off[0] != 0) | (off[-1] != p.ntok) | jnp.any(off[1:] < off[:-1])
+        args["d_offsets"] = jnp.where(wrong, jnp.zeros_like(off).at[-1].set(p.ntok), off)
+        bad = wrong if bad is None else bad | wrong
+    return args, bad
+
+
+def _forward(call: _Call, arrays: dict, argmax: bool) -> tuple:
+    p = call.problem
+    outs = [jax.ShapeDtypeStruct(p.scores_shape, call.scores_dtype)]
+    if argmax:
+        outs.append(jax.ShapeDtypeStruct(p.argmax_shape, jnp.int32))
+    kwargs = {"return_argmax": argmax}
+    if call.fn in ("maxsim", "maxsim_varlen"):
+        kwargs["precision"] = call.precision
+    warm = functools.partial(_jax_ops.compile_ahead, p.dtype, p.dim, p.lq, argmax, call.precision)
+    return _jax_ops.call(call.fn, arrays, outs, kwargs, call.backend, warm)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _differentiable(call: _Call, q, d, rest: dict):
+    return _forward(call, {"Q": q, call.d_name: d, **rest}, argmax=False)[0]
+
+
+def _differentiable_fwd(call: _Call, q, d, rest: dict):
+    scores, amax = _forward(call, {"Q": q, call.d_name: d, **rest}, argmax=True)
+    return scores, (q, d, amax, rest.get("d_offsets"))
+
+
+def _differentiable_bwd(call: _Call, residuals, g):
+    q, d, amax, off = residuals
+    arrays = {"grad_scores": g, "Q": q, "D": d, "argmax": amax}
+    if off is not None:
+        arrays["d_offsets"] = off
+    outs = [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(d.shape, d.dtype)]
+    dq, dd = _jax_ops.call("maxsim_backward", arrays, outs, {"method": call.method, "validate": False}, call.backend)
+    return dq, dd, None  # masks, lengths and offsets take no gradient
+
+
+_differentiable.defvjp(_differentiable_fwd, _differentiable_bwd)
+
+
+def _not_differentiable(call: _Call, args: dict):
+    @jax.custom_jvp
+    def scores(args):
+        return _forward(call, args, argmax=False)[0]
+
+    @scores.defjvp
+    def _no_gradient(primals, tangents):
+        raise TypeError(f"lik_cupy.jax.{call.fn} has no gradient (INT8 scores are not differentiable); "
+                        "train through lik_cupy.jax.maxsim on float inputs")
+
+    return scores(args)

@@ -94,9 +94,15 @@ FROZEN = {'lik_cupy': (['CompileError',
                                                               'backend=None)',
                                    'patch_pylate': '()',
                                    'unpatch_pylate': '()'}),
- 'lik_cupy.jax': (['maxsim'],
+ 'lik_cupy.jax': (['maxsim', 'maxsim_int8', 'maxsim_int8_varlen', 'maxsim_varlen'],
                   {'maxsim': "(Q, D, q_mask=None, d_mask=None, *, q_lengths=None, d_lengths=None, method='auto', "
-                             'precision=None)'}),
+                             "precision=None, backend='auto')",
+                   'maxsim_int8': '(Q, D, d_scales, q_mask=None, d_mask=None, *, q_scales=None, q_lengths=None, '
+                                  "d_lengths=None, backend='auto')",
+                   'maxsim_int8_varlen': '(Q, D_tokens, d_scales, d_offsets, q_mask=None, *, q_scales=None, '
+                                         "q_lengths=None, backend='auto')",
+                   'maxsim_varlen': "(Q, D_tokens, d_offsets, q_mask=None, *, q_lengths=None, method='auto', "
+                                    "precision=None, backend='auto')"}),
  'lik_cupy.plaid': (['PlaidIndex', 'decompress_residuals', 'maxsim_residual', 'maxsim_residual_varlen'],
                     {'decompress_residuals': '(codes, residuals, centroids, bucket_weights, nbits, *, normalize=True)',
                      'maxsim_residual': '(Q, codes, residuals, d_lengths, centroids, bucket_weights, nbits, '

@@ -1,0 +1,499 @@
+"""lik_cupy.jax under jax.jit, jax.grad and jax.vmap: the NumPy path through jax.pure_callback on the
+CPU (CI), the kernels through jax.experimental.buffer_callback on a CUDA device (marked gpu)."""
+
+from __future__ import annotations
+
+import os
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from reference import maxsim_ref, rel_err
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # CuPy's pool needs room beside XLA's
+jax = pytest.importorskip("jax")
+jnp = pytest.importorskip("jax.numpy")
+
+import lik_cupy  # noqa: E402
+from lik_cupy import _batched_calls, _jax_ops  # noqa: E402
+from lik_cupy.jax import maxsim, maxsim_int8, maxsim_int8_varlen, maxsim_varlen  # noqa: E402
+
+NP_DTYPES = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float32": np.float32}
+# Gradients come back in the inputs' dtype: their rounding, relative to the largest entry.
+GRAD_TOL = {"float16": 2e-3, "bfloat16": 1.6e-2, "float32": 2e-6, "float64": 1e-12}
+
+
+def _x64():
+    enable = getattr(jax, "enable_x64", None)  # jax >= 0.9; jax.experimental.enable_x64 before
+    if enable is None:
+        from jax.experimental import enable_x64 as enable
+    return enable(True)
+
+
+def _inputs(rng, dtype, *shapes):
+    return [rng.standard_normal(s).astype(np.float32).astype(NP_DTYPES.get(dtype, dtype)) for s in shapes]
+
+
+def _valid(lengths, n):
+    return np.arange(n)[None, :] < np.asarray(lengths)[:, None]
+
+
+def _grads_ref(Q, D, qv, dv, W):
+    """float64 dQ, dD of sum(W * maxsim(Q, D)) for Q [Nq, Lq, d], D [Nd, Ld, d]: each query token's
+    gradient is its winning document token (the first of equal maxima) and vice versa."""
+    Q, D, W = (np.asarray(x, np.float64) for x in (Q, D, W))
+    sim = np.einsum("isk,jtk->ijst", Q, D)
+    sim = np.where(dv[None, :, None, :], sim, -np.inf)
+    win = sim.argmax(axis=3)  # [Nq, Nd, Lq]
+    live = qv[:, None, :] & dv.any(axis=1)[None, :, None]
+    dQ, dD = np.zeros_like(Q), np.zeros_like(D)
+    for i, j, s in zip(*np.nonzero(live)):
+        dQ[i, s] += W[i, j] * D[j, win[i, j, s]]
+        dD[j, win[i, j, s]] += W[i, j] * Q[i, s]
+    return dQ, dD
+
+
+def _close(out, ref, dtype):
+    out = np.asarray(out, np.float64)
+    scale = max(float(np.abs(ref).max()), 1e-30)
+    assert np.abs(out - ref).max() <= GRAD_TOL[dtype] * scale, (np.abs(out - ref).max(), scale)
+
+
+# ---------------------------------------------------------------- CPU (the NumPy path, in CI)
+
+
+@pytest.fixture(autouse=True)
+def _cpu_unless_gpu_test(request):
+    """Tests not marked gpu run on JAX's CPU device, where "auto" takes the NumPy path, also on
+    a machine whose jax sees a GPU."""
+    if request.node.get_closest_marker("gpu"):
+        yield
+        return
+    with jax.default_device(jax.devices("cpu")[0]):
+        yield
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_jit_scores_match_float64(rng, dtype):
+    nq, lq, nd, ld, dim = 3, 7, 5, 11, 13
+    q, d = _inputs(rng, dtype, (nq, lq, dim), (nd, ld, dim))
+    ql, dl = np.array([7, 1, 4]), np.array([11, 0, 3, 9, 1])
+    ref, _ = maxsim_ref(q, d, _valid(ql, lq), _valid(dl, ld))
+    out = jax.jit(lambda a, b, x, y: maxsim(a, b, q_lengths=x, d_lengths=y))(q, d, ql, dl)
+    assert out.dtype == jnp.float32 and out.shape == (nq, nd)
+    assert rel_err(out, ref) < 1e-6
+    qm, dm = rng.random((nq, lq)) < 0.7, rng.random((nd, ld)) < 0.6
+    ref, _ = maxsim_ref(q, d, qm, dm)
+    assert rel_err(jax.jit(maxsim)(q, d, qm, dm), ref) < 1e-6
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_jit_grad_matches_float64(rng, dtype):
+    nq, lq, nd, ld, dim = 4, 9, 6, 5, 7
+    q, d = _inputs(rng, dtype, (nq, lq, dim), (nd, ld, dim))
+    ql, dl = np.array([9, 3, 0, 5]), np.array([5, 1, 0, 4, 2, 5])
+    w = rng.standard_normal((nq, nd)).astype(np.float32)
+
+    def loss(a, b):
+        return (maxsim(a, b, q_lengths=ql, d_lengths=dl) * w).sum()
+
+    gq, gd = jax.jit(jax.grad(loss, argnums=(0, 1)))(q, d)
+    assert gq.dtype == q.dtype and gd.dtype == d.dtype and gq.shape == q.shape and gd.shape == d.shape
+    rq, rd = _grads_ref(q, d, _valid(ql, lq), _valid(dl, ld), w)
+    _close(gq, rq, dtype)
+    _close(gd, rd, dtype)
+    eager = jax.grad(loss, argnums=(0, 1))(q, d)  # not jitted: the same staged call
+    assert all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(eager, (gq, gd)))
+
+
+def test_value_and_grad_inside_jit(rng):
+    """A contrastive step: in-batch cross-entropy over maxsim scores, loss and gradients in one jit."""
+    b, lq, ld, dim = 5, 6, 8, 16
+    q, d = _inputs(rng, "float32", (b, lq, dim), (b, ld, dim))
+    dl = rng.integers(1, ld + 1, b)
+
+    def from_scores(s):
+        return -jnp.mean(jnp.diagonal(jax.nn.log_softmax(s / 0.1, axis=1)))
+
+    value, (gq, gd) = jax.jit(jax.value_and_grad(lambda a, c: from_scores(maxsim(a, c, d_lengths=dl)),
+                                                 argnums=(0, 1)))(q, d)
+    s = maxsim_ref(q, d, None, _valid(dl, ld))[0]
+    assert abs(float(value) - float(from_scores(s))) <= 1e-6 * max(1.0, float(np.abs(s).max()) / 0.1)
+    # the scores' gradient as JAX computes it in float32; the rest is ours
+    w = np.asarray(jax.grad(from_scores)(s.astype(np.float32)), np.float64)
+    rq, rd = _grads_ref(q, d, np.ones((b, lq), bool), _valid(dl, ld), w)
+    _close(gq, rq, "float32")
+    _close(gd, rd, "float32")
+
+
+def test_candidates_and_single_query_layouts(rng):
+    nq, k, lq, ld, dim = 3, 4, 5, 6, 8
+    q, d = _inputs(rng, "float32", (nq, lq, dim), (nq, k, ld, dim))
+    dl = rng.integers(0, ld + 1, (nq, k))
+    out = jax.jit(lambda a, b: maxsim(a, b, d_lengths=dl))(q, d)
+    assert out.shape == (nq, k)
+    np.testing.assert_array_equal(np.asarray(out), lik_cupy.maxsim(q, d, d_lengths=dl, backend="cpu"))
+    one = jax.jit(maxsim)(q[0], d[0, 0])  # [Lq, d] against [Ld, d]: a scalar
+    assert one.shape == () and float(one) == float(lik_cupy.maxsim(q[0], d[0, 0], backend="cpu"))
+
+
+def test_lengths_out_of_range_give_nan_not_errors(rng):
+    nq, lq, nd, ld, dim = 3, 4, 4, 5, 6
+    q, d = _inputs(rng, "float32", (nq, lq, dim), (nd, ld, dim))
+    ql, dl = jnp.array([4, -1, 2]), jnp.array([5, 2, 6, 0])
+    out = np.asarray(jax.jit(lambda a, b, x, y: maxsim(a, b, q_lengths=x, d_lengths=y))(q, d, ql, dl))
+    assert np.isnan(out[1]).all() and np.isnan(out[:, 2]).all()
+    good = np.ix_([0, 2], [0, 1, 3])
+    want = lik_cupy.maxsim(q, d, q_lengths=[4, 0, 2], d_lengths=[5, 2, 0, 0], backend="cpu")
+    np.testing.assert_array_equal(out[good], want[good])
+    # the gradient of the valid scores is untouched by the invalid ones
+    gq = jax.grad(lambda a: jnp.where(jnp.isnan(out), 0.0, maxsim(a, d, q_lengths=ql, d_lengths=dl)).sum())(q)
+    assert np.isfinite(np.asarray(gq)).all() and not np.asarray(gq)[1].any()
+
+
+def test_varlen_jit_and_grad_match_float64(rng):
+    lens = np.array([3, 0, 7, 1, 5])
+    off = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    nq, lq, dim = 3, 6, 9
+    q, t = _inputs(rng, "float32", (nq, lq, dim), (int(off[-1]), dim))
+    ql = np.array([6, 2, 4])
+    ld = int(lens.max())
+    padded = np.zeros((len(lens), ld, dim), np.float32)
+    for j, n in enumerate(lens):
+        padded[j, :n] = t[off[j]:off[j + 1]]
+    ref, _ = maxsim_ref(q, padded, _valid(ql, lq), _valid(lens, ld))
+    out = jax.jit(lambda a, b, o: maxsim_varlen(a, b, o, q_lengths=ql))(q, t, off)
+    assert out.shape == (nq, len(lens)) and rel_err(out, ref) < 1e-6
+    w = rng.standard_normal((nq, len(lens))).astype(np.float32)
+    gq, gt = jax.jit(jax.grad(lambda a, b: (maxsim_varlen(a, b, off, q_lengths=ql) * w).sum(), argnums=(0, 1)))(q, t)
+    rq, rd = _grads_ref(q, padded, _valid(ql, lq), _valid(lens, ld), w)
+    _close(gq, rq, "float32")
+    _close(gt, np.concatenate([rd[j, :n] for j, n in enumerate(lens)]), "float32")
+
+
+@pytest.mark.parametrize("bad", [[1, 2, 4], [0, 3, 2, 4], [0, 2, 5]])
+def test_varlen_bad_offsets_give_nan(rng, bad):
+    q, t = _inputs(rng, "float32", (2, 3, 4), (4, 4))
+    out = np.asarray(jax.jit(maxsim_varlen)(q, t, jnp.array(bad)))
+    assert out.shape == (2, len(bad) - 1) and np.isnan(out).all()
+
+
+def _plans(monkeypatch):
+    """The batching plans that the callbacks chose, in order."""
+    seen = []
+    real = _batched_calls.plan
+
+    def spy(spec, arrays):
+        seen.append(real(spec, arrays))
+        return seen[-1]
+
+    monkeypatch.setattr(_batched_calls, "plan", spy)
+    return seen
+
+
+def test_vmap_over_queries_is_one_call(rng, monkeypatch):
+    b, nq, lq, nd, ld, dim = 4, 3, 5, 6, 7, 8
+    q, d = _inputs(rng, "float32", (b, nq, lq, dim), (nd, ld, dim))
+    ql = rng.integers(0, lq + 1, (b, nq))
+    seen = _plans(monkeypatch)
+    out = jax.jit(jax.vmap(lambda a, x: maxsim(a, d, q_lengths=x)))(q, ql)
+    assert seen == ["queries"] and out.shape == (b, nq, nd)
+    want = np.stack([lik_cupy.maxsim(q[i], d, q_lengths=ql[i], backend="cpu") for i in range(b)])
+    np.testing.assert_array_equal(np.asarray(out), want)
+    single = jax.vmap(lambda a: maxsim(a, d))(q[:, 0])  # single queries [Lq, d]: [B, Nd]
+    np.testing.assert_array_equal(np.asarray(single), lik_cupy.maxsim(q[:, 0], d, backend="cpu"))
+    # only the lengths mapped: the one (bfloat16) Q is repeated for the batch, still one call
+    qb, db = q[0].astype(ml_dtypes.bfloat16), d.astype(ml_dtypes.bfloat16)
+    lengths = jax.jit(jax.vmap(lambda x: maxsim(qb, db, q_lengths=x)))(ql)
+    assert seen[-1] == "queries"
+    np.testing.assert_array_equal(np.asarray(lengths), np.stack([lik_cupy.maxsim(qb, db, q_lengths=x, backend="cpu")
+                                                                 for x in ql]))
+
+
+def test_vmap_of_queries_with_own_documents_is_one_call_forward_and_backward(rng, monkeypatch):
+    b, lq, nd, ld, dim = 5, 4, 3, 6, 8
+    q, d = _inputs(rng, "float32", (b, lq, dim), (b, nd, ld, dim))
+    dl = rng.integers(0, ld + 1, (b, nd))
+    seen = _plans(monkeypatch)
+    w = rng.standard_normal((b, nd)).astype(np.float32)
+    f = jax.vmap(lambda a, c, y: maxsim(a, c, d_lengths=y))
+    out = jax.jit(f)(q, d, dl)
+    gq, gd = jax.jit(jax.grad(lambda a, c: (f(a, c, dl) * w).sum(), argnums=(0, 1)))(q, d)
+    assert seen == ["pairs", "pairs", "pairs"]  # forward; forward with argmax, backward
+    for i in range(b):
+        np.testing.assert_array_equal(np.asarray(out[i]), lik_cupy.maxsim(q[i], d[i], d_lengths=dl[i], backend="cpu"))
+        rq, rd = _grads_ref(q[i][None], d[i], np.ones((1, lq), bool), _valid(dl[i], ld), w[i][None])
+        _close(gq[i], rq[0], "float32")
+        _close(gd[i], rd, "float32")
+
+
+def test_vmap_other_batches_loop_in_one_callback(rng, monkeypatch):
+    b, nq, lq, nd, ld, dim = 3, 2, 4, 5, 3, 6
+    q, d = _inputs(rng, "float32", (b, nq, lq, dim), (b, nd, ld, dim))
+    seen = _plans(monkeypatch)
+    out = jax.jit(jax.vmap(maxsim))(q, d)
+    assert seen == ["loop"]
+    np.testing.assert_array_equal(np.asarray(out), np.stack([lik_cupy.maxsim(q[i], d[i], backend="cpu")
+                                                             for i in range(b)]))
+    # nested: every query of q[0] alone against each batch element's documents, which are not
+    # copied once per query (that would be "pairs"), so the b * nq calls loop
+    nested = jax.jit(jax.vmap(jax.vmap(maxsim, in_axes=(0, None)), in_axes=(None, 0)))(q[0], d)
+    assert seen == ["loop", "loop"] and nested.shape == (b, nq, nd)
+    np.testing.assert_array_equal(np.asarray(nested), np.stack([lik_cupy.maxsim(q[0], d[i], backend="cpu")
+                                                                for i in range(b)]))
+
+
+def test_vmap_of_grad_and_grad_of_vmap(rng):
+    """Per-example gradients (vmap of grad) and the batch's gradient (grad of vmap), against shared
+    documents: the backward runs once per batch element, each with its own dD."""
+    b, nq, lq, nd, ld, dim = 3, 2, 5, 4, 6, 7
+    q, d = _inputs(rng, "float32", (b, nq, lq, dim), (nd, ld, dim))
+    w = rng.standard_normal((nq, nd)).astype(np.float32)
+
+    def loss(a, c):
+        return (maxsim(a, c) * w).sum()
+
+    per_q, per_d = jax.jit(jax.vmap(jax.grad(loss, argnums=(0, 1)), in_axes=(0, None)))(q, d)
+    assert per_q.shape == q.shape and per_d.shape == (b,) + d.shape
+    sum_q, sum_d = jax.jit(jax.grad(lambda a, c: jax.vmap(loss, in_axes=(0, None))(a, c).sum(), argnums=(0, 1)))(q, d)
+    ok = np.ones((nq, lq), bool), np.ones((nd, ld), bool)
+    refs = [_grads_ref(q[i], d, *ok, w) for i in range(b)]
+    for i in range(b):
+        _close(per_q[i], refs[i][0], "float32")
+        _close(per_d[i], refs[i][1], "float32")
+        _close(sum_q[i], refs[i][0], "float32")
+    _close(sum_d, sum(r[1] for r in refs), "float32")
+
+
+def test_int8_jit_vmap_and_no_gradient(rng):
+    nq, lq, nd, ld, dim = 3, 5, 4, 7, 32
+    q, d = _inputs(rng, "float32", (nq, lq, dim), (nd, ld, dim))
+    d8, ds = lik_cupy.quantize_int8(d, backend="cpu")
+    dl = np.array([7, 0, 3, 5])
+    want = lik_cupy.maxsim_int8(q, d8, ds, d_lengths=dl, backend="cpu")
+    out = jax.jit(lambda a, x, s: maxsim_int8(a, x, s, d_lengths=dl))(q, d8, ds)
+    np.testing.assert_array_equal(np.asarray(out), want)
+    batched = jax.jit(jax.vmap(lambda a: maxsim_int8(a, d8, ds, d_lengths=dl)))(q[:, None])
+    np.testing.assert_array_equal(np.asarray(batched)[:, 0], want)
+    with pytest.raises(TypeError, match="no gradient"):
+        jax.grad(lambda a: maxsim_int8(a, d8, ds).sum())(q)
+    q8, qs = lik_cupy.quantize_int8(q, backend="cpu")
+    off = np.array([0, 2, 2, 9], np.int32)
+    t8, ts = lik_cupy.quantize_int8(rng.standard_normal((9, dim)).astype(np.float32), backend="cpu")
+    packed = jax.jit(lambda a, s: maxsim_int8_varlen(a, t8, ts, off, q_scales=s))(q8, qs)
+    np.testing.assert_array_equal(np.asarray(packed), lik_cupy.maxsim_int8_varlen(q8, t8, ts, off, q_scales=qs,
+                                                                                   backend="cpu"))
+
+
+def test_float64_with_x64(rng):
+    with _x64():
+        q, d = rng.standard_normal((2, 5, 6)), rng.standard_normal((3, 4, 6))
+        out = jax.jit(maxsim)(q, d)
+        assert out.dtype == jnp.float64
+        assert rel_err(out, maxsim_ref(q, d)[0]) < 1e-14
+        gq, gd = jax.jit(jax.grad(lambda a, b: maxsim(a, b).sum(), argnums=(0, 1)))(q, d)
+        assert gq.dtype == jnp.float64
+        rq, rd = _grads_ref(q, d, np.ones((2, 5), bool), np.ones((3, 4), bool), np.ones((2, 3)))
+        _close(gq, rq, "float64")
+        _close(gd, rd, "float64")
+
+
+def test_empty_problems(rng):
+    q, d = _inputs(rng, "float32", (2, 3, 4), (0, 5, 4))
+    out = jax.jit(maxsim)(q, d)
+    assert out.shape == (2, 0)
+    assert not np.asarray(jax.grad(lambda a: maxsim(a, d).sum())(q)).any()
+    docs = np.zeros((0, 4), np.float32)  # three empty packed documents
+    np.testing.assert_array_equal(np.asarray(jax.jit(maxsim_varlen)(q, docs, np.zeros(4, np.int32))),
+                                  np.full((2, 3), -np.inf, np.float32))
+
+
+def test_argument_errors_at_trace_time(rng):
+    q, d = _inputs(rng, "float32", (2, 3, 8), (4, 5, 6))
+    with pytest.raises(ValueError, match="D has dim 6 but Q has dim 8"):
+        jax.jit(maxsim)(q, d)
+    q, d = _inputs(rng, "float32", (2, 3, 8), (4, 5, 8))
+    with pytest.raises(ValueError, match="d_lengths has shape"):
+        maxsim(q, d, d_lengths=jnp.ones(3, jnp.int32))
+    with pytest.raises(ValueError, match="method"):
+        maxsim(q, d, method="fast")
+    with pytest.raises(ValueError, match="backend"):
+        maxsim(q, d, backend="tpu")
+    with pytest.raises(ValueError, match="precision"):
+        maxsim(q, d, precision="fp16")
+    with pytest.raises(TypeError, match="D has dtype float16 but Q has float32"):
+        maxsim(q, d.astype(np.float16))
+
+
+def test_missing_buffer_callback_names_the_jax_needed(rng, monkeypatch):
+    monkeypatch.setattr(_jax_ops, "_buffer_callback", lambda: None)
+    q, d = _inputs(rng, "float32", (2, 3, 8), (4, 5, 8))
+    with pytest.raises(RuntimeError, match=f"jax >= {_jax_ops.BUFFER_CALLBACK_JAX}"):
+        maxsim(q, d, backend="gpu")
+    if jax.default_backend() == "cpu":  # "auto" on a CPU-only jax still scores, through the NumPy path
+        np.testing.assert_array_equal(np.asarray(maxsim(q, d)), lik_cupy.maxsim(q, d, backend="cpu"))
+
+
+def test_backend_gpu_refuses_a_computation_on_the_cpu(rng):
+    q, d = _inputs(rng, "float32", (2, 3, 8), (4, 5, 8))
+    with pytest.raises(RuntimeError, match="needs the computation on a CUDA device"):
+        jax.block_until_ready(maxsim(q, d, backend="gpu"))
+
+
+def test_precision_is_resolved_when_traced(rng, monkeypatch):
+    """float32 precision follows jax_default_matmul_precision as it is while tracing."""
+    asked = []
+    real = _jax_ops.call
+
+    def spy(fn, arrays, outs, kwargs, backend, warm=None):
+        asked.append(kwargs.get("precision"))
+        return real(fn, arrays, outs, kwargs, backend, warm)
+
+    monkeypatch.setattr(_jax_ops, "call", spy)
+    q, d = _inputs(rng, "float32", (2, 3, 17), (4, 5, 17))  # dims no other test traces, one per step
+    with jax.default_matmul_precision("tensorfloat32"):
+        jax.jit(maxsim)(q, d)
+    jax.jit(maxsim)(q[..., :16], d[..., :16])
+    maxsim(q[..., :15], d[..., :15], precision="tf32")
+    assert asked == ["tf32", "fp32", "tf32"]
+    np.testing.assert_array_equal(np.asarray(maxsim(q, d, precision="fp32")), lik_cupy.maxsim(q, d, backend="cpu"))
+
+
+def test_batched_call_plans_without_jax_arrays(rng):
+    """run_batched on NumPy arrays with batch axes in front, as the callbacks see them."""
+    spec = _batched_calls.CallSpec("maxsim", ("Q", "D", "d_lengths"), (3, 3, 1), (("backend", "cpu"),))
+    q, d = _inputs(rng, "float32", (2, 3, 4, 5, 8), (1, 1, 6, 7, 8))
+    dl = rng.integers(0, 8, (1, 1, 6))
+    outs = [np.empty((2, 3, 4, 6), np.float32)]
+
+    def write(out, r):
+        out[...] = r
+
+    assert _batched_calls.plan(spec, {"Q": q, "D": d, "d_lengths": dl}) == "queries"
+    _batched_calls.run_batched(spec, lambda **kw: lik_cupy.maxsim(**kw, backend="cpu"), [q, d, dl], outs, write, np)
+    want = lik_cupy.maxsim(q.reshape(24, 5, 8), d[0, 0], d_lengths=dl[0, 0], backend="cpu").reshape(2, 3, 4, 6)
+    np.testing.assert_array_equal(outs[0], want)
+    d2 = np.broadcast_to(d, (2, 1, 6, 7, 8))
+    assert _batched_calls.plan(spec, {"Q": q, "D": d2, "d_lengths": dl}) == "loop"
+    one = np.empty((1, 1, 4, 6), np.float32)
+    assert _batched_calls.plan(spec, {"Q": q[:1, :1], "D": d, "d_lengths": dl}) == "single"
+    _batched_calls.run_batched(spec, lambda **kw: lik_cupy.maxsim(**kw, backend="cpu"), [q[:1, :1], d, dl], [one],
+                               write, np)
+    np.testing.assert_array_equal(one, want[:1, :1])
+
+
+# ---------------------------------------------------------------- GPU (jax with CUDA; the kernels on XLA's stream)
+
+
+def _gpu():
+    try:
+        return jax.devices("gpu")[0]
+    except RuntimeError:
+        pytest.skip("jax sees no CUDA device (install jax[cuda12])")
+
+
+TOL = {"float16": 2e-5, "bfloat16": 2e-5, "float32": 1e-5}  # float32: 3xTF32 ("fp32", jax's default)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_gpu_jit_and_grad_match_float64(rng, dtype):
+    gpu = _gpu()
+    nq, lq, nd, ld, dim = 5, 33, 70, 45, 128
+    q, d = _inputs(rng, dtype, (nq, lq, dim), (nd, ld, dim))
+    ql, dl = rng.integers(1, lq + 1, nq), rng.integers(0, ld + 1, nd)
+    Q, D, QL, DL = (jax.device_put(x, gpu) for x in (q, d, ql, dl))
+    out = jax.jit(lambda a, b: maxsim(a, b, q_lengths=QL, d_lengths=DL))(Q, D)
+    assert next(iter(out.devices())).platform == "gpu"
+    ref, _ = maxsim_ref(q, d, _valid(ql, lq), _valid(dl, ld))
+    assert rel_err(out, ref) < TOL[dtype]
+
+    # gradients: few enough argmaxes that a near tie (which float32 may break the other way) is unlikely
+    nq, lq, nd, ld, dim = 3, 9, 11, 13, 64
+    q, d = _inputs(rng, dtype, (nq, lq, dim), (nd, ld, dim))
+    ql, dl = rng.integers(1, lq + 1, nq), rng.integers(0, ld + 1, nd)
+    w = rng.standard_normal((nq, nd)).astype(np.float32)
+    Q, D, QL, DL, W = (jax.device_put(x, gpu) for x in (q, d, ql, dl, w))
+
+    def loss(a, b):
+        return (maxsim(a, b, q_lengths=QL, d_lengths=DL) * W).sum()
+
+    gq, gd = jax.jit(jax.grad(loss, argnums=(0, 1)))(Q, D)
+    assert gq.dtype == Q.dtype and gd.dtype == D.dtype
+    rq, rd = _grads_ref(q, d, _valid(ql, lq), _valid(dl, ld), w)
+    _close(gq, rq, dtype if dtype != "float32" else "float16")  # fp32 accumulation on the device
+    _close(gd, rd, dtype if dtype != "float32" else "float16")
+
+
+@pytest.mark.gpu
+def test_gpu_back_to_back_calls_on_xla_stream(rng):
+    """Many jitted calls queued without blocking, each reading what an XLA kernel just wrote and
+    feeding the next XLA kernel: any read off XLA's stream order would show in some result."""
+    gpu = _gpu()
+    n, nq, lq, nd, ld, dim = 200, 2, 32, 300, 64, 128
+    q, d = _inputs(rng, "float16", (nq, lq, dim), (nd, ld, dim))
+    Q, D = jax.device_put(q, gpu), jax.device_put(d, gpu)
+
+    @jax.jit
+    def step(q, d, i):
+        d = d * (1 + i).astype(d.dtype)  # written by XLA right before the custom call reads it
+        return maxsim(q, d) * 2 + 1  # read by XLA right after
+
+    outs = [step(Q, D, jnp.float16(i % 3)) for i in range(n)]
+    got = np.stack([np.asarray(o) for o in jax.block_until_ready(outs)])
+    for k in range(3):
+        ref = maxsim_ref(q, (d.astype(np.float32) * np.float16(1 + k)).astype(np.float16))[0] * 2 + 1
+        for i in range(k, n, 3):
+            assert rel_err(got[i], ref) < 1e-4, i
+
+
+@pytest.mark.gpu
+def test_gpu_varlen_vmap_and_bad_values(rng):
+    gpu = _gpu()
+    lens = rng.integers(0, 40, 50)
+    off = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    q, t = _inputs(rng, "bfloat16", (6, 20, 64), (int(off[-1]), 64))
+    Q, T, OFF = (jax.device_put(x, gpu) for x in (q, t, off))
+    out = jax.jit(maxsim_varlen)(Q, T, OFF)
+    want = lik_cupy.maxsim_varlen(q, t, off, backend="cpu")
+    assert rel_err(out, want) < TOL["bfloat16"]
+    gt = jax.jit(jax.grad(lambda b: maxsim_varlen(Q, b, OFF).sum()))(T)
+    assert gt.dtype == T.dtype and np.isfinite(np.asarray(gt, np.float32)).all()
+    bad = jax.jit(maxsim_varlen)(Q, T, OFF.at[3].set(-5))
+    assert np.isnan(np.asarray(bad)).all()
+    per = jax.jit(jax.vmap(lambda a: maxsim_varlen(a, T, OFF)))(Q[:, None])  # "queries": one launch
+    assert rel_err(np.asarray(per)[:, 0], want) < TOL["bfloat16"]
+    d = _inputs(rng, "bfloat16", (6, 9, 30, 64))[0]
+    pairs = jax.jit(jax.vmap(maxsim))(Q, jax.device_put(d, gpu))  # single queries, own documents
+    assert rel_err(pairs, np.stack([lik_cupy.maxsim(q[i], d[i], backend="cpu") for i in range(6)])) < TOL["bfloat16"]
+    loop = jax.jit(jax.vmap(maxsim))(Q.reshape(3, 2, 20, 64), jax.device_put(d[:3], gpu))
+    assert rel_err(loop, np.stack([lik_cupy.maxsim(q[2 * i:2 * i + 2], d[i], backend="cpu")
+                                   for i in range(3)])) < TOL["bfloat16"]
+    ql = jnp.array([20, 21, 0, -1, 5, 20])
+    masked = np.asarray(jax.jit(lambda a: maxsim(a, jax.device_put(d[0], gpu), q_lengths=ql))(Q))
+    assert np.isnan(masked[[1, 3]]).all() and np.isfinite(masked[[0, 2, 4, 5]]).all()
+
+
+@pytest.mark.gpu
+def test_gpu_int8_jit(rng):
+    gpu = _gpu()
+    q, d = _inputs(rng, "float16", (4, 32, 128), (60, 50, 128))
+    d8, ds = lik_cupy.quantize_int8(d, backend="cpu")
+    dl = rng.integers(0, 51, 60)
+    Q, D8, DS, DL = (jax.device_put(x, gpu) for x in (q, d8, ds, dl))
+    out = jax.jit(lambda a: maxsim_int8(a, D8, DS, d_lengths=DL))(Q)
+    want = lik_cupy.maxsim_int8(q, d8, ds, d_lengths=dl, backend="cpu")
+    assert rel_err(out, want) < 1e-5
+
+
+@pytest.mark.gpu
+def test_gpu_float64_with_x64(rng):
+    gpu = _gpu()
+    with _x64():
+        q, d = rng.standard_normal((3, 20, 64)), rng.standard_normal((30, 25, 64))
+        Q, D = jax.device_put(q, gpu), jax.device_put(d, gpu)
+        out = jax.jit(maxsim)(Q, D)
+        assert out.dtype == jnp.float64 and rel_err(out, maxsim_ref(q, d)[0]) < TOL["float32"]
+        gq = jax.jit(jax.grad(lambda a: maxsim(a, D).sum()))(Q)
+        assert gq.dtype == jnp.float64 and gq.shape == Q.shape
