@@ -51,7 +51,7 @@ __device__ __forceinline__ float LIK_FWD::sim(A a, float sc) {
 LIK_FWD_TEMPLATE
 __device__ __forceinline__ int LIK_FWD::query_len(const int* q_len, int qi, int Lq) {
     if (!q_len) return Lq;
-    const int l = fwd_length(q_len, qi);
+    const int l = q_len[qi];  // int32 (the host narrows int64 query lengths)
     return l < 0 ? 0 : (l > Lq ? Lq : l);
 }
 

@@ -60,6 +60,10 @@ def new_empty(shape, dtype: str, device: int):
     return cupy.ndarray(shape, _DTYPES.get(dtype) or dtype)  # cupy.empty without its Python layer
 
 
+def to_int32(x):
+    return x.astype(np.int32)
+
+
 def is_float32(x) -> bool:
     return x.dtype == np.float32
 

@@ -200,6 +200,10 @@ def new_empty(shape, dtype: str, device: int):
     return torch.empty(shape, dtype=getattr(torch, dtype), device=dev)
 
 
+def to_int32(x):
+    return x.to(sys.modules["torch"].int32)
+
+
 def is_float32(x) -> bool:
     return x.dtype == sys.modules["torch"].float32
 

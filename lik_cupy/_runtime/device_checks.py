@@ -34,6 +34,7 @@ import numpy as np
 
 from .._validate import check_id_values, check_length_values, check_offset_values
 from .env import validate_strict
+from .nvrtc import function_handle
 from .raw_launch import launch_raw, signature
 
 _MAX_CHECKS = 4  # q_lengths, d_lengths or d_offsets, candidate ids (and a spare)
@@ -215,7 +216,7 @@ class Checked:
     __slots__ = ("ptr", "wide", "bound")
 
     def __init__(self, ptr: int, wide: bool, bound: int):
-        self.ptr, self.wide, self.bound = ptr, wide, bound
+        self.ptr, self.wide, self.bound = ptr, int(wide), bound
 
     @classmethod
     def of(cls, a, bound: int):
@@ -225,28 +226,28 @@ class Checked:
 
 _MARK_PARAMS = signature("ppqqiipiqpiqpiqppq")  # lik_nan_invalid's parameters
 _MARK_THREADS = 256
+_MARK_WARPS = _MARK_THREADS // 32  # one warp per document row
 
 
 def mark_invalid(stream: int, device: int, scores: int, amax: int, nq: int, nd: int, lq: int, per_cell: bool, *,
                  q_len: Checked | None = None, d_len: Checked | None = None, d_off: Checked | None = None,
                  d_scale: int = 0, d_mask: int = 0, ld: int = 0) -> None:
     """Queue on ``stream`` (a handle) the pass that makes the scores NaN (and their argmax rows -1)
-    where ``q_len`` [nq], ``d_len`` ([nd], or [nq * nd] cells with ``per_cell``), ``d_off``
-    [nd + 1] or the float32 document scales ``d_scale`` (padded rows of ``ld`` tokens, kept by
-    ``d_len`` or the uint8 ``d_mask``, or the tokens of ``d_off``) hold an invalid value.
+    where ``q_len`` [nq], ``d_len`` ([nd], or [nq * nd] cells with ``per_cell``), ``d_off`` [nd + 1]
+    or the float32 document scales ``d_scale`` (padded rows of ``ld`` tokens, kept by ``d_len`` or
+    the uint8 ``d_mask``, or the tokens of ``d_off``) hold an invalid value.
     ``scores``, ``amax``: device addresses of [nq, nd] float32 and [nq, nd, lq] int32 (0: none)."""
-    from .nvrtc import get_function
-
     rows = nq * nd if per_cell else nd
     if not rows or not nq or not (q_len or d_len or d_off or d_scale):
         return
-    func = get_function("checks.cu", "lik_nan_invalid", device).kernel.ptr
-    blocks = min(-(-rows // (_MARK_THREADS // 32)), 65535)
-    z = Checked(0, False, 0)
-    ql, dl, off = q_len or z, d_len or z, d_off or z
-    launch_raw(func, (blocks, 1, 1), _MARK_THREADS, 0, stream, _MARK_PARAMS,
-               (scores, amax, nq, nd, lq, int(per_cell), ql.ptr, int(ql.wide), ql.bound, dl.ptr, int(dl.wide), dl.bound,
-                off.ptr, int(off.wide), off.bound, d_scale, d_mask, ld))
+    ql, dl, off = q_len or _NONE, d_len or _NONE, d_off or _NONE
+    launch_raw(function_handle("checks.cu", "lik_nan_invalid", device), (min(-(-rows // _MARK_WARPS), 65535), 1, 1),
+               _MARK_THREADS, 0, stream, _MARK_PARAMS,
+               (scores, amax, nq, nd, lq, per_cell, ql.ptr, ql.wide, ql.bound, dl.ptr, dl.wide, dl.bound,
+                off.ptr, off.wide, off.bound, d_scale, d_mask, ld))
+
+
+_NONE = Checked(0, False, 0)
 
 
 class Marks:

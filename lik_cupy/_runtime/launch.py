@@ -78,8 +78,8 @@ def _ptr(a) -> int:
 
 
 def lengths_ptr(a) -> int:
-    """The address the kernels take for int32 or int64 lengths ``a``: int64 ones tagged by the low
-    bit (``length_at`` in cuda_src/common.cuh); 0 for None."""
+    """The address the kernels take for int32 or int64 document lengths ``a``: int64 ones tagged by
+    the low bit (``length_at`` in cuda_src/common.cuh); 0 for None."""
     return 0 if a is None else a.data.ptr | (a.dtype.itemsize == 8)
 
 
@@ -102,8 +102,9 @@ class ForwardLaunch:
         self.ntok, self.rows, self.esize, self.argmax = ntok, rows, esize, argmax
         self.off_flags = off_flags
         self.partials = plan.n_qt * p.nq * p.nd if plan.n_qt > 1 else 0  # float32 scratch elements
-        # INT8 argmax tiles read int32 lengths only (fwd_length in cuda_src/fwd/config.cuh)
-        self.tagged_lengths = not (cfg.elem == 3 and cfg.argmax)
+        # document lengths may be int64 (a tagged address), except in INT8 argmax tiles (fwd_length in
+        # cuda_src/fwd/config.cuh); query lengths are int32 in every tile
+        self.tagged_doc_lengths = not (cfg.elem == 3 and cfg.argmax)
         self.sum_func = mod.get_function("lik_sum_partials").kernel.ptr if plan.n_qt > 1 else 0
         self._made_with = _made_with()
 
@@ -311,8 +312,10 @@ def launch(p: Problem, q, d, qm, dm, ql, dl, return_argmax: bool, device: int, *
                   ld_hint=ld_hint, d_off_whole=d_off_whole, x3=x3, residual=res, scales=d_scale is not None)
     part = empty((fwd.partials,), np.float32, f"{fn}: partial scores of the long queries' tiles", split) \
         if fwd.partials else None
-    if not fwd.tagged_lengths:
-        ql, dl = (x.astype(np.int32) if x is not None and x.dtype == np.int64 else x for x in (ql, dl))
+    if ql is not None and ql.dtype == np.int64:
+        ql = ql.astype(np.int32)
+    if dl is not None and dl.dtype == np.int64 and not fwd.tagged_doc_lengths:
+        dl = dl.astype(np.int32)
     fwd.run(cupy.cuda.get_current_stream().ptr, q.data.ptr, d.data.ptr, _ptr(q_scale), _ptr(d_scale), lengths_ptr(ql),
             _ptr(qm), lengths_ptr(dl), _ptr(dm), _ptr(d_off), scores.data.ptr, _ptr(amax), _ptr(part),
             () if residual is None else (residual,))

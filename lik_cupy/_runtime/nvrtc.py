@@ -237,6 +237,19 @@ def get_function(name: str, entry: str, device_id: int):
         device_id, (name, entry), lambda: _small_kernel(name, entry, device_id))
 
 
+_handles: dict = {}  # (device, source, entry) -> CUfunction handle of a small kernel
+
+
+def function_handle(name: str, entry: str, device_id: int) -> int:
+    """The driver handle of :func:`get_function`'s kernel, for launches by handle (``raw_launch``):
+    one dictionary read on a repeat call."""
+    key = (device_id, name, entry)
+    h = _handles.get(key)
+    if h is None:
+        h = _handles[key] = get_function(name, entry, device_id).kernel.ptr
+    return h
+
+
 def _small_kernel(name: str, entry: str, device_id: int):
     from .._dispatch import arch_of
     from .device import device_properties

@@ -97,8 +97,9 @@ class PreparedCall:
     """One signature's call, ready to run: the forward launch (``launch.ForwardLaunch``) and how each
     argument reaches it.
 
-    ``wide``: whether (q_lengths, d_lengths, d_offsets) are int64; the kernels and the NaN pass
-    read them as they are. ``mark``: queue that pass after the kernel.
+    ``wide``: whether (q_lengths, d_lengths, d_offsets) are int64; the kernels read them as they are
+    (int64 query lengths narrowed first), and so does the NaN pass. ``mark``: queue that pass after
+    the kernel.
     """
 
     def __init__(self, fw: str, p, device: int, fwd, argmax: bool, wide: tuple, mark: bool):
@@ -126,8 +127,10 @@ class PreparedCall:
             if amax is not None:
                 a.fill(amax, -77)
         s_ptr, a_ptr = a.address(scores), (a.address(amax) if amax is not None else 0)
-        # int64 lengths go as they are, their address tagged (launch.lengths_ptr)
-        ql = 0 if q_lengths is None else a.address(q_lengths) | self.q_wide
+        # int64 document lengths go as they are, their address tagged (launch.lengths_ptr); query
+        # lengths are int32 in the kernels
+        q32 = q_lengths if q_lengths is None or not self.q_wide else a.to_int32(q_lengths)
+        ql = 0 if q32 is None else a.address(q32)
         dl = 0 if d_lengths is None else a.address(d_lengths) | self.d_wide
         spans = None
         if d_mask is not None:  # the kernel skips each document's padding (masks.py)
