@@ -83,8 +83,8 @@ def _ptr(a) -> int:
 def _launch_forward(func: int, grid, threads: int, smem: int, stream: int, values: tuple, maps: tuple) -> None:
     """Launch the forward kernel ``func`` (a CUfunction handle) on ``stream`` (a handle) with
     parameter ``values`` (as ``_FWD_SIGNATURE``) and the parameters after them, each an object
-    whose ``address`` holds its bytes: TMA ``maps`` (tma.TensorMap) or the residual kernel's
-    ``ResidualSrc`` (none for other kernels)."""
+    whose ``address`` holds its bytes: TMA ``maps`` (tma.TensorMap), the residual kernel's
+    ``ResidualSrc``, the candidate ids' ``CandSrc`` (none for other kernels)."""
     import cupy
 
     slots = getattr(_params, "slots", None)
@@ -126,7 +126,7 @@ def _padded_split(cfg, func, plan, p: Problem, props, arch: int, device: int, sh
 
 
 def launch(p: Problem, q, d, qm, dm, ql, dl, return_argmax: bool, device: int, *, d_off=None, ld_hint=None,
-           d_off_whole=True, out=None, q_scale=None, d_scale=None, caller=None, x3=False, residual=None):
+           d_off_whole=True, out=None, q_scale=None, d_scale=None, caller=None, x3=False, residual=None, cand=None):
     """Choose the kernel configuration and launch it on the current CuPy stream.
 
     q: [nq, lq, dim] (bfloat16 as uint16); d: padded [rows, ld, dim], or packed
@@ -141,6 +141,9 @@ def launch(p: Problem, q, d, qm, dm, ql, dl, return_argmax: bool, device: int, *
     ``residual`` (a ``lik_cupy._runtime.residual.ResidualOperands``): the documents are
     PLAID-compressed and ``d`` is their codes ([rows] or, padded, [rows, ld]); the kernel's tile
     loader decompresses them (``p.dtype``, float16 or bfloat16, is the tile's dtype).
+    ``cand`` (a ``lik_cupy._runtime.candidates.CandidateIds`` [nq, p.nd], with ``p.candidates``):
+    query i scores the documents of ``d`` its row of ids names, in place (an id outside the
+    corpus scores NaN).
     """
     import cupy
 
@@ -184,9 +187,9 @@ def launch(p: Problem, q, d, qm, dm, ql, dl, return_argmax: bool, device: int, *
     def choose(wgmma: bool):
         if residual is not None:
             return dispatch.choose_residual(props.cc, p.dtype, p.dim, p.lq, residual.nbits, return_argmax, shared,
-                                            d_off is not None, residual.cand)
+                                            d_off is not None, cand is not None)
         return dispatch.choose_forward(props.cc, p.dtype, p.dim, p.lq, return_argmax, vec, wgmma, shared, ld,
-                                       d_off is not None, use_tma and wgmma, x3)
+                                       d_off is not None, use_tma and wgmma, x3, cand is not None)
 
     cfg = choose(not env.wgmma_disabled())
     try:
@@ -218,7 +221,8 @@ def launch(p: Problem, q, d, qm, dm, ql, dl, return_argmax: bool, device: int, *
         off_flags, ntok, part.data.ptr, _ptr(amax),
         p.nq, p.nd, p.lq, p.ld, p.dim, plan.n_qt, plan.qb, plan.docs_per_cta, p.nd if p.candidates else 0,
     )
-    maps = () if residual is None else (residual,)  # the residual kernel's by-value parameter
+    # The by-value parameters after the fixed ones: the residual kernel's, then the candidate ids'.
+    maps = (() if residual is None else (residual,)) + (() if cand is None else (cand,))
     if cfg.tma:
         dmap = tma.tile_map(d.data.ptr, rows, p.dim * esize, cfg.bn)
         smap = tma.scale_map(d_scale.data.ptr, rows, cfg.bn + 4) if d_scale is not None else dmap
