@@ -11,6 +11,7 @@ typedef long long i64;
 typedef signed char i8;
 
 #define LIK_NEG_INF __int_as_float(0xff800000)
+#define LIK_NAN __int_as_float(0x7fffffff)
 
 // Segment offsets of packed data as the caller gave them, int32 (FlashAttention's cu_seqlens)
 // or int64, so that a call needs no conversion launch before the kernel.

@@ -57,6 +57,9 @@ __device__ void LIK_FWD::run(const T* __restrict__ Q, const T* __restrict__ D, c
 #if LIK_RESIDUAL
                              , const ResidualSrc& rsrc
 #endif
+#if LIK_CAND
+                             , const CandSrc& csrc
+#endif
 ) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     __shared__ int piece_info[TSPLIT ? 6 : 1];  // token split: complete_pieces' info
@@ -99,7 +102,7 @@ __device__ void LIK_FWD::run(const T* __restrict__ Q, const T* __restrict__ D, c
     const TileCount lt{};
     DocRange range{d_off, ntok
 #if LIK_CAND
-                   , rsrc
+                   , csrc
 #endif
     };
     Docs docs{Ld, range, d_len, d_mask, lt};
@@ -127,7 +130,11 @@ __device__ void LIK_FWD::run(const T* __restrict__ Q, const T* __restrict__ D, c
 
     // Tile entirely past the query length: contributes 0, argmax -1.
     if (qb == 1 && s0 >= query_len(qi0)) {
-        EmptyTile{j0, j1, outp, Lq, s0, amax, qi0, Nd}.write();
+        EmptyTile{j0, j1, outp, Lq, s0, amax, qi0, Nd
+#if LIK_CAND
+                  , range, doc0
+#endif
+        }.write();
         if (EARLY_Q) cp_async_wait<0>();
         return;
     }
@@ -209,7 +216,11 @@ __device__ void LIK_FWD::run(const T* __restrict__ Q, const T* __restrict__ D, c
                       , mbar
 #endif
     };
-    DocMask mask{d_mask, d_len, doc0, Ld};
+    DocMask mask{d_mask, d_len, doc0, Ld
+#if LIK_CAND
+                 , range
+#endif
+    };
     PieceRole pr{j0, head_tiles, j1, tail_tiles};
     SumRows sr{red, warp, nqb, span, lane, outp, Nd};
     int pending = -1;  // MULTI: a document whose row maxima wait to be summed after the next barrier
@@ -288,6 +299,9 @@ extern "C" __global__ void __launch_bounds__(LIK_WARPS * 32, LIK_MIN_BLOCKS)
 #if LIK_RESIDUAL
              , const __grid_constant__ lik::ResidualSrc rsrc  // PLAID residual documents (D is unused)
 #endif
+#if LIK_CAND
+             , const __grid_constant__ lik::CandSrc csrc  // the documents each query scores
+#endif
     ) {
 #if LIK_TMA
     const TmaDesc *pd = &tmd, *ps = &tms, *pq = &tmq;
@@ -299,6 +313,9 @@ extern "C" __global__ void __launch_bounds__(LIK_WARPS * 32, LIK_MIN_BLOCKS)
                    split_buf, split_epoch, pd, ps, pq
 #if LIK_RESIDUAL
                    , rsrc
+#endif
+#if LIK_CAND
+                   , csrc
 #endif
     );
 }

@@ -5,7 +5,8 @@
 ``maxsim_residual`` / ``maxsim_residual_varlen`` (PLAID-compressed documents, as fast-plaid and
 ColBERTv2 store them; ``PlaidIndex`` reads their index directories) and
 ``retrieve`` (streaming top-k over a corpus of any size; ``pin_host`` page-locks a host corpus
-so it streams without a staging copy) take NumPy, CuPy, PyTorch, JAX or any DLPack
+so it streams without a staging copy) and ``Corpus`` (a corpus checked once and kept resident
+for a search service: score, search, rerank by candidate ids in place) take NumPy, CuPy, PyTorch, JAX or any DLPack
 arrays and return results in the caller's framework; ``maxsim_backward`` turns the forward's
 argmax into exact gradients (autograd adapters: ``lik_cupy.torch``, ``lik_cupy.jax``). Importing this package
 imports neither torch nor jax (nor CuPy, until a GPU path runs). Scale-out over a Dask cluster:
@@ -29,7 +30,7 @@ from .errors import CompileError, DeviceMemoryError, LikError, ShardError  # noq
 
 __all__ = ["maxsim", "maxsim_pairs", "maxsim_varlen", "maxsim_int8", "maxsim_int8_varlen", "maxsim_residual",
            "maxsim_residual_varlen", "PlaidIndex", "quantize_int8", "dequantize_int8", "maxsim_backward", "retrieve",
-           "pin_host", "PinnedHost", "warmup", "gpu_available", "set_precision", "get_precision", "CompileError",
+           "Corpus", "pin_host", "PinnedHost", "warmup", "gpu_available", "set_precision", "get_precision", "CompileError",
            "DeviceMemoryError", "ShardError", "LikError", "__version__"]
 
 # Public name -> the module defining it, imported on first use (PEP 562): `import lik_cupy`, and so
@@ -42,6 +43,7 @@ _HOMES = {
     "quantize_int8": ".quantize", "dequantize_int8": ".quantize",
     "maxsim_backward": ".backward",
     "retrieve": ".retrieve",
+    "Corpus": ".corpus",
     "pin_host": "._runtime.pinned", "PinnedHost": "._runtime.pinned",
     "warmup": "._runtime.warmup",
     "gpu_available": "._runtime.device",

@@ -113,7 +113,7 @@ def maxsim_residual_varlen(Q, codes, residuals, d_offsets, centroids, bucket_wei
         validate: check the offsets and candidate ids on the device (one small kernel each,
             beside the scoring kernel, as :func:`lik_cupy.maxsim_varlen` does). False skips them;
             the kernel then clamps every read to the inputs, and an id outside ``[0, N)`` scores
-            as an empty document.
+            NaN.
         q_mask, q_lengths, return_argmax, backend: as in :func:`maxsim_residual`.
 
     Returns:
@@ -242,6 +242,7 @@ def _gpu(rp: ResidualProblem, Q, codes, residuals, lens_or_offsets, centroids, w
     import cupy
 
     from ._runtime.device_checks import DeviceChecks, queue_or_verify
+    from ._runtime.candidates import CandidateIds
     from ._runtime.launch import launch
     from ._runtime.operands import device_offsets, device_valid
     from ._runtime.residual import residual_operands
@@ -257,19 +258,19 @@ def _gpu(rp: ResidualProblem, Q, codes, residuals, lens_or_offsets, centroids, w
                 q = q.view(cupy.uint16)
             elif rp.q_dtype == "float32":
                 q = q.astype(cupy.float16)
-            ids = None if candidates is None else device_array(candidates, fw, on_host)
+            cand = None if candidates is None else CandidateIds(device_array(candidates, fw, on_host), rp.n_docs)
             ops = residual_operands(device_array(codes, fw, on_host), device_array(residuals, fw, on_host),
-                                    device_array(centroids, fw, on_host), device_array(weights, fw, on_host), ids,
-                                    nbits=rp.nbits, n_docs=rp.n_docs, normalize=normalize)
+                                    device_array(centroids, fw, on_host), device_array(weights, fw, on_host),
+                                    nbits=rp.nbits, normalize=normalize)
             qm, ql = device_valid(q_mask, q_lengths, p.nq, p.lq, "q_lengths", fw, on_host, checks)
-            if check_ids and ops.ids is not None and ops.ids.size:
-                queue_or_verify(checks, "ids", ops.ids, rp.n_docs, "candidates",
+            if check_ids and cand is not None and cand.ids.size:
+                queue_or_verify(checks, "ids", cand.ids, rp.n_docs, "candidates",
                                 f"ids of the {rp.n_docs} documents of d_offsets")
             if p.d_packed:
                 doff = device_offsets(device_array(lens_or_offsets, fw, on_host), p.ntok, "d_offsets", check_offsets,
                                       checks)
                 scores, amax = launch(p, q, ops.codes, qm, None, ql, None, return_argmax, device, d_off=doff,
-                                      caller=fn, residual=ops)
+                                      caller=fn, residual=ops, cand=cand)
             else:
                 rows = p.nq * p.nd if p.candidates else p.nd
                 _, dl = device_valid(None, lens_or_offsets, rows, p.ld, "d_lengths", fw, on_host, checks)

@@ -268,28 +268,40 @@ def _part_problem(qp: Problem, part: _Part) -> Problem:
     scoring call of Q against the whole shard. Frameworks may differ: a host corpus
     streams to device queries."""
     info = interop.describe(part.docs)
+    if info.dtype != "int8" and part.scales is None:
+        if qp.dtype == "int8":
+            raise TypeError(f"Q is int8 but {part.name} has dtype {info.dtype}: int8 queries score INT8 corpora only; "
+                            "pass float Q")
+        if info.dtype != qp.dtype:
+            raise TypeError(f"corpus has dtype {info.dtype} but Q has {qp.dtype}: cast one so both match")
+    return _with_queries(qp, _doc_problem(part, info))
+
+
+def _doc_problem(part: _Part, info: interop.Info) -> Problem:
+    """Check one shard on its own (``info``: its tokens' description): layout, shapes, dtypes, validity
+    and INT8 scales, before any of it is read. The Problem describes its documents (no queries yet:
+    ``_with_queries`` adds them)."""
     if info.dtype == "int8" or part.scales is not None:
-        return _int8_part_problem(qp, part, info)
-    if qp.dtype == "int8":
-        raise TypeError(f"Q is int8 but {part.name} has dtype {info.dtype}: int8 queries score INT8 corpora only; "
-                        "pass float Q")
-    if info.dtype != qp.dtype:
-        raise TypeError(f"corpus has dtype {info.dtype} but Q has {qp.dtype}: cast one so both match")
+        return _int8_doc_problem(part, info)
     if part.packed:
         if len(info.shape) != 2:
             raise ValueError(f"packed corpus tokens must be [T, d]; got shape {list(info.shape)}")
-        p = check_varlen(part.docs[:0], part.docs, part.offsets, None, None, None)
-    else:
-        if len(info.shape) != 3:
-            raise ValueError(f"a padded corpus must be [Nd, Ld, d]; got shape {list(info.shape)}")
-        p = check_call(part.docs[:0, :1], part.docs, None, part.mask, None, part.lengths, pairs=False)
+        return check_varlen(part.docs[:0], part.docs, part.offsets, None, None, None)
+    if len(info.shape) != 3:
+        raise ValueError(f"a padded corpus must be [Nd, Ld, d]; got shape {list(info.shape)}")
+    return check_call(part.docs[:0, :1], part.docs, None, part.mask, None, part.lengths, pairs=False)
+
+
+def _with_queries(qp: Problem, p: Problem) -> Problem:
+    """One scoring call of the queries ``qp`` against the documents ``p`` (``_doc_problem``), whose
+    dtype the caller has matched to the queries'."""
     if p.dim != qp.dim:
         raise ValueError(f"corpus has dim {p.dim} but Q has dim {qp.dim}")
     return replace(p, framework=qp.framework, device=qp.device, nq=qp.nq, lq=qp.lq, scores_shape=(qp.nq, p.nd),
                    argmax_shape=(qp.nq, p.nd, qp.lq), q_valid=qp.q_valid)
 
 
-def _int8_part_problem(qp: Problem, part: _Part, info: interop.Info) -> Problem:
+def _int8_doc_problem(part: _Part, info: interop.Info) -> Problem:
     scales_name = "d_scales" if part.index is None else f"shard {part.index} scales"
     if info.dtype != "int8":
         raise TypeError(f"{scales_name} go with int8 tokens, but {part.name} has dtype {info.dtype}")
@@ -306,14 +318,93 @@ def _int8_part_problem(qp: Problem, part: _Part, info: interop.Info) -> Problem:
             raise ValueError(f"a padded corpus must be [Nd, Ld, d]; got shape {list(info.shape)}")
         d_valid = check_valid("d", part.mask, part.lengths, info, info.shape[:-1], info.shape[:-2])
         nd, ld, ntok = info.shape[0], info.shape[1], 0
-    dim = info.shape[-1]
-    if dim != qp.dim:
-        raise ValueError(f"corpus has dim {dim} but Q has dim {qp.dim}")
+    if info.shape[-1] < 1:
+        raise ValueError(f"{part.name} has embedding dim 0; expected at least 1")
     check_scales(scales_name, part.scales, info, tuple(info.shape[:-1]), "one per document token",
                  f"{part.name}'s tokens")
-    return Problem(framework=qp.framework, device=qp.device, dtype="int8", nq=qp.nq, lq=qp.lq, nd=nd, ld=ld,
-                   dim=dim, candidates=False, scores_shape=(qp.nq, nd), argmax_shape=(qp.nq, nd, qp.lq),
-                   q_valid=qp.q_valid, d_valid=d_valid, d_packed=part.packed, ntok=ntok)
+    return Problem(framework=info.framework, device=info.device, dtype="int8", nq=0, lq=0, nd=nd, ld=ld,
+                   dim=info.shape[-1], candidates=False, scores_shape=(0, nd), argmax_shape=(0, nd, 0), q_valid=None,
+                   d_valid=d_valid, d_packed=part.packed, ntok=ntok)
+
+
+@dataclass
+class _HostDocs:
+    """A shard's documents on the host, checked, as the NumPy path reads them: packed ``tokens [T, d]``
+    with int64 ``offsets``, or padded ``tokens [Nd, Ld, d]`` with a bool ``mask`` or range-checked
+    ``lengths`` (or neither); float32 INT8 ``scales`` shaped like the tokens without their last axis."""
+
+    tokens: np.ndarray
+    offsets: np.ndarray | None = None
+    mask: np.ndarray | None = None
+    lengths: np.ndarray | None = None
+    scales: np.ndarray | None = None
+
+    def valid(self, rows) -> np.ndarray:
+        """bool ``[n, Ld]``: the valid tokens of the padded documents ``rows`` (a slice or an index array)."""
+        if self.mask is not None:
+            return self.mask[rows].astype(bool, copy=False)
+        n = len(range(*rows.indices(self.tokens.shape[0]))) if isinstance(rows, slice) else len(rows)
+        if self.lengths is not None:
+            return np.arange(self.tokens.shape[1])[None, :] < self.lengths[rows].reshape(n, 1)
+        return np.ones((n, self.tokens.shape[1]), bool)
+
+
+def _host_docs(part: _Part, p: Problem) -> _HostDocs:
+    """``part`` (checked by ``_doc_problem``) on the host, its offsets and lengths value-checked."""
+    fw = interop.framework_of(part.docs)
+    scales = None if p.dtype != "int8" else np.asarray(host_array(part.scales, fw), np.float32)
+    if part.packed:
+        return _HostDocs(host_array(part.docs, fw), offsets=host_offsets(host_array(part.offsets, fw), p.ntok,
+                                                                         "d_offsets"), scales=scales)
+    lens = None
+    if part.lengths is not None:
+        lens = np.asarray(host_array(part.lengths, fw)).reshape(p.nd).astype(np.int64, copy=False)
+        if lens.size:
+            check_length_values("d_lengths", int(lens.min()), int(lens.max()), p.ld)
+    mask = None if part.mask is None else host_array(part.mask, fw)
+    return _HostDocs(host_array(part.docs, fw), mask=mask, lengths=lens, scales=scales)
+
+
+def _staged_source(docs: _HostDocs, p: Problem) -> dict:
+    """The host arrays a streamed shard's chunks are staged from (``_Gpu._stream``): "docs" (bfloat16
+    as its 16-bit patterns), and "off" (packed), "mask" / "lens" (padded), "scales" (INT8)."""
+    src = {"docs": docs.tokens.view(np.uint16) if p.dtype == "bfloat16" else docs.tokens}
+    for name, a in (("off", docs.offsets), ("mask", docs.mask), ("lens", docs.lengths), ("scales", docs.scales)):
+        if a is not None:
+            src[name] = a
+    return src
+
+
+@dataclass
+class _DeviceDocs:
+    """A shard's documents on the device, checked, as the kernels read them: ``tokens`` (bfloat16 as its
+    uint16 bits) packed ``[T, d]`` with device ``offsets``, or padded ``[Nd, Ld, d]`` with a uint8
+    ``mask`` and / or int32 ``lengths`` (beside a mask: its spans, ``_runtime/masks.py``); INT8
+    ``scales`` float32, flat ([T] or [Nd * Ld])."""
+
+    tokens: object
+    offsets: object = None
+    mask: object = None
+    lengths: object = None
+    scales: object = None
+
+
+def _device_docs(part: _Part, p: Problem) -> _DeviceDocs:
+    """``part`` (on the current device, checked by ``_doc_problem``) in the kernels' form, its offsets
+    and lengths value-checked on the device."""
+    import cupy
+
+    fw = interop.framework_of(part.docs)
+    d = interop.to_cupy(part.docs, fw)
+    if p.dtype == "bfloat16":  # the corpus's dtype: a bfloat16 Q may score an INT8 corpus
+        d = d.view(cupy.uint16)
+    # INT8 scales, flat as the kernel reads them: [T] packed, [nd * ld] padded.
+    ds = None if p.dtype != "int8" else interop.to_cupy(part.scales, fw).reshape(-1)
+    if part.packed:
+        return _DeviceDocs(d, offsets=device_offsets(device_array(part.offsets, fw, False), p.ntok, "d_offsets"),
+                           scales=ds)
+    dm, dl = device_valid(part.mask, part.lengths, p.nd, p.ld, "d_lengths", fw, False)
+    return _DeviceDocs(d, mask=dm, lengths=dl, scales=ds)
 
 
 class _Cpu:
@@ -342,33 +433,31 @@ class _Cpu:
     def add(self, part: _Part):
         p = _part_problem(self.qp, part)
         self.kind = _same_kind(self.kind, p.dtype, part)
-        fw = interop.framework_of(part.docs)
+        self.add_docs(p, _host_docs(part, p))
+
+    def add_docs(self, p: Problem, docs: _HostDocs):
+        """Merge the scores of checked documents ``docs`` (problem ``p``, as ``_with_queries`` makes it)
+        into the running top-k."""
+        self.kind = self.kind or p.dtype
         int8 = p.dtype == "int8"
         q8 = self._int8_queries() if int8 else {}
-        scales = host_array(part.scales, fw) if int8 else None
         # Documents per NumPy call: 4096, fewer where their scores [Nq, step] or (padded) validity
         # mask [step, Ld] would pass _CPU_STEP_BYTES, so that many queries or very long documents
         # cost bytes, not a count of tokens.
-        step = max(1, min(4096, _CPU_STEP_BYTES // max(1, 4 * self.qp.nq + (0 if part.packed else p.ld))))
-        if part.packed:
-            tokens = host_array(part.docs, fw)
-            off = host_offsets(host_array(part.offsets, fw), p.ntok, "d_offsets")
+        step = max(1, min(4096, _CPU_STEP_BYTES // max(1, 4 * self.qp.nq + (0 if p.d_packed else p.ld))))
+        if p.d_packed:
             for a in range(0, p.nd, step):
                 b = min(p.nd, a + step)
-                kw = {**q8, "d_scale": scales} if int8 else {}  # [T]: read with the same offsets as the tokens
-                s, _ = cpu.maxsim_packed_numpy(self.q, self.qv, tokens, off[a:b + 1], return_argmax=False, **kw)
+                kw = {**q8, "d_scale": docs.scales} if int8 else {}  # [T]: read with the same offsets as the tokens
+                s, _ = cpu.maxsim_packed_numpy(self.q, self.qv, docs.tokens, docs.offsets[a:b + 1],
+                                               return_argmax=False, **kw)
                 self._merge(s)
         else:
-            docs = host_array(part.docs, fw)
-            mask = None if part.mask is None else host_array(part.mask, fw)  # converted once, sliced per chunk
-            lens = None if part.lengths is None else host_array(part.lengths, fw)
             for a in range(0, p.nd, step):
                 b = min(p.nd, a + step)
-                dv = valid_host(None if mask is None else mask[a:b], None if lens is None else lens[a:b], b - a, p.ld,
-                                "d_lengths", "numpy")
-                kw = {**q8, "d_scale": scales[a:b]} if int8 else {}
-                s, _ = cpu.maxsim_numpy(self.q, docs[a:b], self.qv, dv, candidates=False, nd=b - a,
-                                        return_argmax=False, **kw)
+                kw = {**q8, "d_scale": docs.scales[a:b]} if int8 else {}
+                s, _ = cpu.maxsim_numpy(self.q, docs.tokens[a:b], self.qv, docs.valid(slice(a, b)), candidates=False,
+                                        nd=b - a, return_argmax=False, **kw)
                 self._merge(s)
 
     def _merge(self, s):
@@ -459,9 +548,11 @@ def _drive(total: int, docs: int, run: Callable[[int, int], None], done: Callabl
 
 
 class _Gpu:
-    """Runs inside the caller's stream context (``interop.caller_stream``)."""
+    """Runs inside the caller's stream context (``interop.caller_stream``). ``k`` None: no top-k, every
+    score goes to ``[Nq, nd]`` (``keep_every``) instead."""
 
-    def __init__(self, Q, q_mask, q_lengths, q_scales, qp: Problem, k: int, max_gpu_bytes, device: int, x3: bool):
+    def __init__(self, Q, q_mask, q_lengths, q_scales, qp: Problem, k: int | None, max_gpu_bytes, device: int,
+                 x3: bool):
         import cupy
 
         fw = qp.framework
@@ -480,16 +571,24 @@ class _Gpu:
         self.i = cupy.empty((qp.nq, 0), cupy.int64)
         self.base = 0
         self.scores = None  # chunk score buffer, grown on demand
+        self.every = None  # k None: float32 [Nq, nd], every score (keep_every)
         self.chunking = _Chunking(self._held_bytes)
+
+    def keep_every(self, nd: int, caller: str) -> None:
+        """Keep every score of the ``nd`` documents to come, ``[Nq, nd]``, instead of a top-k (``k`` None)."""
+        from ._runtime.device import empty
+
+        self.every = empty((self.qp.nq, nd), np.float32, f"{caller}: scores", "score fewer queries per call")
 
     def _split_merge(self) -> bool:
         """Whether chunks of more than _MERGE_SLICE documents take the two-launch merge."""
-        return 4 * self.k <= _MERGE_SLICE
+        return self.k is not None and 4 * self.k <= _MERGE_SLICE
 
     def _held_bytes(self) -> int:
         """GPU bytes held whatever the chunk size: queries (and their scales), running top-k ping-pong
-        (and one slice's winners, the rounding up of the two-launch merge's)."""
-        held = self.q.nbytes + (0 if self.qs is None else self.qs.nbytes) + 2 * self.qp.nq * self.k * 12
+        (and one slice's winners, the rounding up of the two-launch merge's), or every score."""
+        held = self.q.nbytes + (0 if self.qs is None else self.qs.nbytes) + 2 * self.qp.nq * (self.k or 0) * 12
+        held += 0 if self.every is None else self.every.nbytes
         return held + (self.qp.nq * self.k * 12 if self._split_merge() else 0)
 
     def _int8_queries(self) -> None:
@@ -534,34 +633,36 @@ class _Gpu:
     # ------------------------------------------------------------ scoring
 
     def add(self, part: _Part):
-        import cupy
-
         info = interop.describe(part.docs)
         p = _part_problem(self.qp, part)
         self.kind = _same_kind(self.kind, p.dtype, part)
-        if p.dtype == "int8":
-            if not dispatch.int8_dim_ok(p.dim):
-                raise ValueError(f"INT8 scoring on the GPU needs dim a multiple of 16 up to {dispatch.MAX_DIM_INT8}; "
-                                 f"got dim {p.dim} (backend='cpu' scores any dim)")
-            self._int8_queries()
+        if p.dtype == "int8" and not dispatch.int8_dim_ok(p.dim):
+            raise ValueError(f"INT8 scoring on the GPU needs dim a multiple of 16 up to {dispatch.MAX_DIM_INT8}; "
+                             f"got dim {p.dim} (backend='cpu' scores any dim)")
         if p.nd == 0:
             if part.packed and info.device is None:  # host offsets are checked on the host, as the CPU path does
                 host_offsets(host_array(part.offsets, info.framework), p.ntok, "d_offsets")
+            if p.dtype == "int8":
+                self._int8_queries()
             return
         if info.device is None:
-            self._add_host(part, p)
+            self.add_staged(p, _staged_source(_host_docs(part, p), p))
             return
         if info.device != self.device:
             raise ValueError(f"corpus is on cuda:{info.device} but Q is on cuda:{self.device}")
-        fw = info.framework
-        d = interop.to_cupy(part.docs, fw)
-        if p.dtype == "bfloat16":  # the corpus's dtype: a bfloat16 Q may score an INT8 corpus
-            d = d.view(cupy.uint16)
-        # INT8 scales, flat as the kernel reads them: [T] packed, [nd * ld] padded.
-        ds = None if p.dtype != "int8" else interop.to_cupy(part.scales, fw).reshape(-1)
-        c = self._chunk_docs(0, staged=False, spans=part.mask is not None)
-        if part.packed:
-            off = device_offsets(device_array(part.offsets, fw, False), p.ntok, "d_offsets")
+        self.add_device(p, _device_docs(part, p))
+
+    def add_device(self, p: Problem, docs: _DeviceDocs):
+        """Score documents on this device (``docs``, checked; problem ``p`` as ``_with_queries`` makes
+        it) in chunks, merging each into the top-k."""
+        if p.dtype == "int8":
+            self._int8_queries()
+        if p.nd == 0:
+            return
+        d, ds, dm, dl = docs.tokens, docs.scales, docs.mask, docs.lengths
+        c = self._chunk_docs(0, staged=False, spans=dm is not None and dl is None)
+        if docs.offsets is not None:
+            off = docs.offsets
             ld_hint = -(-p.ntok // p.nd)
 
             def run(start, c):
@@ -570,8 +671,6 @@ class _Gpu:
                     self._score(replace(p, nd=b - a), d, None, None, off[a:b + 1], ld_hint, ds,
                                 d_off_whole=a == 0 and b == p.nd)
         else:
-            dm, dl = device_valid(part.mask, part.lengths, p.nd, p.ld, "d_lengths", fw, False)
-
             def run(start, c):
                 for a in range(start, p.nd, c):
                     b = min(p.nd, a + c)
@@ -581,7 +680,7 @@ class _Gpu:
         self._chunked(p.nd, c, run)
 
     def _score(self, p: Problem, d, dm, dl, d_off, ld_hint, d_scale=None, d_off_whole=False):
-        """Score one chunk of p.nd documents into the chunk buffer and merge it into the top-k.
+        """Score one chunk of p.nd documents into the chunk buffer and merge it into the top-k (or keep it).
 
         INT8 chunks (``p.dtype == "int8"``) take ``d_scale``: float32 contiguous, [rows * ld] or [T]."""
         import cupy
@@ -593,7 +692,11 @@ class _Gpu:
         kw = {"q_scale": self.qs, "d_scale": d_scale} if p.dtype == "int8" else {}
         s, _ = launch(p, self.q, d, self.qm, dm, self.ql, dl, False, self.device, d_off=d_off, ld_hint=ld_hint,
                       d_off_whole=d_off_whole, caller="retrieve", out=self.scores[:n], x3=self.x3, **kw)
-        self._merge(s, p.nd)
+        if self.every is not None:
+            self.every[:, self.base:self.base + p.nd] = s
+            self.base += p.nd
+        else:
+            self._merge(s, p.nd)
         self.chunking.succeeded()
 
     def _merge(self, s, nd: int):
@@ -636,32 +739,22 @@ class _Gpu:
 
     # ------------------------------------------------------------ host corpora
 
-    def _add_host(self, part: _Part, p: Problem):
-        """Stream a host shard: host threads fill pinned buffers, a copy stream uploads, the caller's stream scores."""
-        fw = interop.framework_of(part.docs)
-        src = {"docs": host_array(part.docs, fw)}
-        if p.dtype == "bfloat16":  # staged and uploaded as raw 16-bit patterns
-            src["docs"] = src["docs"].view(np.uint16)
+    def add_staged(self, p: Problem, src: dict):
+        """Stream a host shard (``src``, from ``_staged_source``): host threads fill pinned buffers, a
+        copy stream uploads, the caller's stream scores."""
+        if p.dtype == "int8":
+            self._int8_queries()
+        if p.nd == 0:
+            return
         esize = {"float32": 4, "int8": 1}.get(p.dtype, 2)
         sbytes = 4 if p.dtype == "int8" else 0  # a float32 scale per token
-        if p.dtype == "int8":
-            src["scales"] = host_array(part.scales, fw)
-        if part.packed:
-            src["off"] = host_offsets(host_array(part.offsets, fw), p.ntok, "d_offsets")
+        if "off" in src:
             c = self._chunk_docs(p.ntok / p.nd * (p.dim * esize + sbytes) + 8, staged=True)
         else:
-            mask = None if part.mask is None else host_array(part.mask, fw)
-            lens = None if part.lengths is None else np.asarray(host_array(part.lengths, fw)).reshape(p.nd)
-            if lens is not None and lens.size:
-                check_length_values("d_lengths", int(lens.min()), int(lens.max()), p.ld)
-            if mask is not None:
-                src["mask"] = mask
-            if lens is not None:
-                src["lens"] = lens
-            c = self._chunk_docs(p.ld * (p.dim * esize + sbytes + (1 if mask is not None else 0)) + 4, staged=True)
-        self._chunked(p.nd, c, lambda start, c: self._stream(part, p, src, start, c))
+            c = self._chunk_docs(p.ld * (p.dim * esize + sbytes + (1 if "mask" in src else 0)) + 4, staged=True)
+        self._chunked(p.nd, c, lambda start, c: self._stream(p, src, start, c))
 
-    def _stream(self, part: _Part, p: Problem, src: dict, start: int, c: int):
+    def _stream(self, p: Problem, src: dict, start: int, c: int):
         """Stream documents ``start..p.nd-1`` of a host shard in chunks of at most ``c`` documents.
 
         ``src``: the host arrays: "docs", and "off" (packed), "mask"/"lens" (padded),
@@ -673,12 +766,13 @@ class _Gpu:
 
         docs = src["docs"]
         off, mask, lens, scales = src.get("off"), src.get("mask"), src.get("lens"), src.get("scales")
-        if part.packed:
+        packed = off is not None
+        if packed:
             bounds = [(a + start, b + start) for a, b in _packed_chunks(off[start:] - off[start], c)]
         else:
             bounds = [(a, min(p.nd, a + c)) for a in range(start, p.nd, c)]
         # Largest chunk, in elements, of each staged array.
-        if part.packed:
+        if packed:
             cap_tok = max(max(int(off[b] - off[a]) for a, b in bounds), 1)
             shapes = {"docs": (cap_tok, p.dim), "off": (max(b - a for a, b in bounds) + 1,)}
             dtypes = {"docs": docs.dtype, "off": np.int64}
@@ -718,7 +812,7 @@ class _Gpu:
                 if uploaded[slot] is not None and pinned[slot]:
                     uploaded[slot].synchronize()  # pinned[slot] is free again
                 host = pinned[slot]
-                if part.packed:
+                if packed:
                     t0, t1 = int(off[a]), int(off[b])
                     host["off"][: b - a + 1] = off[a:b + 1] - t0
                     up = {"docs": stage(host, "docs", docs[t0:t1]), "off": host["off"][: b - a + 1]}
@@ -745,7 +839,7 @@ class _Gpu:
                 dv = dev[slot]
                 d = dv["docs"]
                 nd = b - a
-                if part.packed:
+                if packed:
                     t = up["docs"].shape[0]
                     self._score(replace(p, nd=nd, ntok=t), d[:t], None, None, dv["off"][: nd + 1],
                                 -(-t // max(1, nd)), None if scales is None else dv["scales"][:t], d_off_whole=True)

@@ -21,6 +21,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "lik_cupy"
 
 # module -> (sorted __all__, {public function: its parameters})
 FROZEN = {'lik_cupy': (['CompileError',
+               'Corpus',
                'DeviceMemoryError',
                'LikError',
                'PinnedHost',
@@ -53,6 +54,7 @@ FROZEN = {'lik_cupy': (['CompileError',
                                 'int=10, full_matrix: bool=False, check: bool=False, cpu: bool=False, device: int | '
                                 'None=None, devices: str | None=None, bf16_bits: bool=False, scheduler: str | '
                                 'None=None)'}),
+ 'lik_cupy.corpus': (['Corpus'], {}),
  'lik_cupy.distributed': (['DistributedCorpus'], {}),
  'lik_cupy.errors': (['CompileError', 'DeviceMemoryError', 'LikError', 'ShardError'], {}),
  'lik_cupy.forward': (['maxsim', 'maxsim_pairs', 'maxsim_varlen'],

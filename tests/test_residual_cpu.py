@@ -455,14 +455,14 @@ def test_residual_tiles_fit_and_follow_the_rules():
 
 
 def test_residual_kernel_parameter_layout():
-    # ResidualSrc in cuda_src/fwd/config.cuh: five pointers, then six ints
+    # ResidualSrc in cuda_src/fwd/config.cuh: four pointers, then four ints
     from lik_cupy._runtime.residual import _SRC
 
-    assert _SRC.size == 64
+    assert _SRC.size == 48
     src = (open(os.path.join(os.path.dirname(__file__), "..", "cuda_src", "fwd", "config.cuh")).read())
     body = src[src.index("struct ResidualSrc {"):src.index("};", src.index("struct ResidualSrc {"))]
     fields = [line.split("//")[0].strip() for line in body.splitlines()[1:] if line.split("//")[0].strip()]
-    assert [f.split()[0] for f in fields] == ["const"] * 5 + ["int"] * 6, fields
+    assert [f.split()[0] for f in fields] == ["const"] * 4 + ["int"] * 4, fields
 
 
 @pytest.mark.parametrize("nbits", [1, 2, 4])

@@ -157,10 +157,10 @@ def test_edges(rng):
     np.testing.assert_allclose(s[1, [1, 3]], want, rtol=2e-3)
     with pytest.raises(ValueError, match=r"candidates holds 4; every entry must be in \[0, 3\]"):
         lik_cupy.maxsim_residual_varlen(_cp(Q), *args, candidates=_cp(np.array([[0, 4], [1, 1]])))
-    # unchecked, an id outside the documents scores as an empty document
-    s = _np(lik_cupy.maxsim_residual_varlen(_cp(Q), *args, candidates=_cp(np.array([[1, 4], [-1, 3]])),
+    # unchecked, an id outside the documents reads nothing and scores NaN (document 0 is empty: -inf)
+    s = _np(lik_cupy.maxsim_residual_varlen(_cp(Q), *args, candidates=_cp(np.array([[1, 4], [-1, 0]])),
                                             validate=False))
-    assert np.isfinite(s[0, 0]) and s[0, 1] == -np.inf and s[1, 0] == -np.inf and np.isfinite(s[1, 1])
+    assert np.isfinite(s[0, 0]) and np.isnan(s[0, 1]) and np.isnan(s[1, 0]) and s[1, 1] == -np.inf
     q12 = _queries(rng, (1, 2, 12), np.float16)
     cen12, w12 = codec(rng, 6, 12, 2)
     c12, b12 = tokens(rng, 9, 6, 12, 2)

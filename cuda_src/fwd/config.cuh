@@ -73,8 +73,11 @@
 //               token's centroid row and residual bits into the ring slot by cp.async and
 //               decompresses them there, in place, into the fp16 / bf16 tile the tensor cores
 //               read (fwd/residual.cuh); 0: documents are embeddings
-//   LIK_CAND    1 (with LIK_RESIDUAL and LIK_PACKED): query i scores the packed documents whose ids
-//               are row i of a candidate array, in place (a PLAID rerank), instead of all of them
+//   LIK_CAND    1 (one query per tile, no TMA, no token split): query i scores the documents whose
+//               ids are row i of a candidate array (CandSrc), in place, instead of all of them: packed
+//               documents by their offsets, padded ones as rows of D (their lengths or masks too),
+//               PLAID residual ones either way (a rerank). Tile j of query i is candidate
+//               doc0 + j of the array; an id outside [0, n_docs) reads nothing and scores NaN
 //   LIK_NAME    entry point name
 #pragma once
 #include "common.cuh"
@@ -156,13 +159,17 @@ struct ResidualSrc {
     const u8* bits;           // uint8 [rows, rbytes]: its residual buckets, nbits per dim
     const u16* centroids;     // float16 [n_cent, dim]
     const float* weights;     // float32 [2^nbits]: the value each bucket adds
-    const void* cand;         // LIK_CAND: int32 or int64 [Nq, Nd], the packed documents query i scores
     int n_cent;               // codes outside [0, n_cent) read centroid 0
     int rbytes;               // dim * nbits / 8
     int codes_wide;           // 1: int64 codes
-    int cand_wide;            // 1: int64 candidate ids
-    int n_docs;               // LIK_CAND: documents the offsets describe (other ids score as empty)
     int normalize;            // 1: each decompressed token is scaled to unit length
+};
+
+// Candidate ids (LIK_CAND): the documents each query scores, a kernel parameter.
+struct CandSrc {
+    const void* ids;  // int32 or int64 [Nq, K]: query i scores documents ids[i, 0..K)
+    i64 n_docs;       // documents of D (padded rows, or the offsets' documents); other ids score NaN
+    int wide;         // 1: int64 ids
 };
 
 template <bool I8>
@@ -234,7 +241,8 @@ struct Fwd {
     // (piece_role); dispatch.FwdConfig.token_split says which. Not fp32 (tf32) or INT8 tiles:
     // with it the compile check found some of them spilling or over the registers their launch
     // plan assumes.
-    static constexpr bool TSPLIT = PACKED && !MULTI && !TOKM && !SPLIT && (ELEM == 0 || ELEM == 1) && !LIK_RESIDUAL;
+    static constexpr bool TSPLIT = PACKED && !MULTI && !TOKM && !SPLIT && (ELEM == 0 || ELEM == 1) && !LIK_RESIDUAL &&
+                                   !LIK_CAND;
     // Padded documents through the token split (LIK_STRIDED): Docs and DocMask read them as padded
     // kernels do, the shares place them at j * Ld (Offsets::stride).
     static constexpr bool STRIDED = LIK_STRIDED != 0;
@@ -247,7 +255,7 @@ struct Fwd {
     static_assert(RES == 0 || RES == 1 || RES == 2 || RES == 4, "LIK_RESIDUAL is 0 or nbits 1, 2 or 4");
     static_assert(!RES || ((ELEM == 0 || ELEM == 1) && !WG && !TMA && !SPLIT && VEC && STAGES >= 3),
                   "residual tiles: fp16 or bf16 mma.sync one-shot tiles, 16-byte copies, three stages at least");
-    static_assert(!CAND || (RES && PACKED && !MULTI), "candidate ids pick packed residual documents, one query per tile");
+    static_assert(!CAND || (!MULTI && !TMA && !STRIDED), "candidate ids: one query per tile, cp.async, no token split");
     // Bytes of a slot's residual bits: BN rows of at most DP * RES / 8 bytes, copied from the
     // 16-byte boundary at or before the first (up to 15 bytes early), and read as whole words
     // (up to 12 bytes past the last).
@@ -271,6 +279,9 @@ struct Fwd {
                                const TmaDesc* tms, const TmaDesc* tmq
 #if LIK_RESIDUAL
                                , const ResidualSrc& rsrc
+#endif
+#if LIK_CAND
+                               , const CandSrc& csrc
 #endif
     );
 

@@ -187,7 +187,8 @@ __device__ __noinline__ void LIK_FWD::complete_pieces(const int* info, void* spl
     }
 }
 
-// A tile past its query's length: each document's score 0 and each row's argmax -1.
+// A tile past its query's length: each document's score 0 (NaN for a candidate id outside the
+// corpus) and each row's argmax -1.
 LIK_FWD_TEMPLATE
 struct LIK_FWD::EmptyTile {
     const int &j0, &j1;
@@ -195,9 +196,17 @@ struct LIK_FWD::EmptyTile {
     const int &Lq, &s0;
     int* __restrict__ const& amax;
     const int &qi0, &Nd;
+#if LIK_CAND
+    const DocRange& range;
+    const i64& doc0;
+#endif
 
     __device__ __forceinline__ void write() const {
+#if LIK_CAND
+        for (int j = j0 + threadIdx.x; j < j1; j += NT) outp[j] = range.cand_doc(doc0 + j) < 0 ? LIK_NAN : 0.f;
+#else
         for (int j = j0 + threadIdx.x; j < j1; j += NT) outp[j] = 0.f;
+#endif
         if (ARGMAX) {
             const int rows = min(BM, Lq - s0);
             for (i64 e = threadIdx.x; e < (i64)(j1 - j0) * rows; e += NT) {
@@ -518,6 +527,11 @@ struct LIK_FWD::Finish {
             const int role = pr.piece_role(j);
             score_single(best, bidx, rv, rs, term, red + (j & 1) * WARPS,  // double buffer: an empty next doc skips the loop barrier
                          role < 0, outp + j, ARGMAX ? amax + ((i64)qi0 * Nd + j) * Lq : nullptr, split_buf, role);
+#if LIK_CAND
+            // A candidate id outside the corpus was scored as a document without tokens: its score
+            // is NaN instead (the thread that wrote the sum).
+            if (threadIdx.x == 0 && dt.docs.range.cand_doc(dt.doc0 + j) < 0) outp[j] = LIK_NAN;
+#endif
         }
     }
 };

@@ -146,13 +146,14 @@ struct LIK_FWD::TileCount {  // no state: as the captureless lambda it was
     __device__ int len_tiles(int len) const { return (int)(((i64)len + BN - 1) / BN); }
 };
 
-// A packed document's bounds in D from its offsets, and its tiles starting before a token.
+// A packed document's bounds in D from its offsets, and its tiles starting before a token; with
+// candidate ids, which document of D a candidate is.
 LIK_FWD_TEMPLATE
 struct LIK_FWD::DocRange {
     const Offsets& d_off;
     const i64& ntok;
 #if LIK_CAND
-    const ResidualSrc& rs;  // the candidate ids
+    const CandSrc& cs;  // the candidate ids
 #endif
 
     // Packed documents are clamped to [0, ntok): offsets the caller chose not to
@@ -171,11 +172,11 @@ struct LIK_FWD::DocRange {
         const i64 id = cand_doc(dl);
         return id < 0 ? 0 : min(d_off[id + 1], ntok);
     }
-    // Candidate dl's document, or -1 for an id outside the offsets' documents (it scores as an
-    // empty document; the host checks the ids unless told not to).
+    // Candidate dl's document in D, or -1 for an id outside its documents (nothing of it is
+    // read, and Finish scores it NaN).
     __device__ i64 cand_doc(i64 dl) const {
-        const i64 id = rs.cand_wide ? static_cast<const i64*>(rs.cand)[dl] : static_cast<const int*>(rs.cand)[dl];
-        return id >= 0 && id < rs.n_docs ? id : -1;
+        const i64 id = cs.wide ? static_cast<const i64*>(cs.ids)[dl] : static_cast<const int*>(cs.ids)[dl];
+        return id >= 0 && id < cs.n_docs ? id : -1;
     }
 #else
     __device__ i64 doc_end(i64 dl) const { return min(offset(d_off, dl + 1), ntok); }
@@ -188,7 +189,8 @@ struct LIK_FWD::DocRange {
 };
 
 // Where a document starts in D and its tokens (padded, strided included: its length or mask
-// span), and its tiles. dl: the document's index in D (a candidate's: doc0 + j).
+// span), and its tiles. dl: the document's index in D (a candidate's: doc0 + j; with candidate
+// ids, the entry of the id array that names it).
 LIK_FWD_TEMPLATE
 struct LIK_FWD::Docs {
     const int& Ld;
@@ -198,12 +200,22 @@ struct LIK_FWD::Docs {
     const TileCount& lt;
 
     __device__ i64 dstart(i64 dl) const {
+#if LIK_CAND
+        if (!PACKED) return max(range.cand_doc(dl), (i64)0) * Ld;
+#endif
         if (!PACKED || STRIDED) return dl * Ld;
         return range.doc_begin(dl);
     }
     // Document dl's first row in D (begin) and its tokens, from one read of its offsets or
     // length (once per document: see the producer cursor, mainloop.cuh).
     __device__ int doc_span(i64 dl, i64& begin) const {
+#if LIK_CAND
+        if (!PACKED) {  // candidate dl is row id of D (an id outside D: no token)
+            const i64 id = range.cand_doc(dl);
+            begin = max(id, (i64)0) * Ld;
+            return id < 0 ? 0 : doc_len(d_len, d_mask != nullptr, id, Ld);
+        }
+#endif
         begin = dstart(dl);
         if (!PACKED || STRIDED) return doc_len(d_len, d_mask != nullptr, dl, Ld);
         const i64 l = range.doc_end(dl) - begin;
@@ -342,12 +354,21 @@ struct LIK_FWD::DocMask {
     const int* __restrict__ const& d_len;
     const i64& doc0;
     const int& Ld;
+#if LIK_CAND
+    const DocRange& range;  // candidate j's row of D
+#endif
 
     // Document j's mask, or null when every token of its span counts (INT8 argmax tiles read
     // it anyway: the test spilled their two-warpgroup tiles past 128 registers).
     __device__ const u8* dmask(int j) const {
+#if LIK_CAND
+        const i64 r = PACKED ? -1 : range.cand_doc(doc0 + j);  // an id outside D has no token to mask
+        if (r < 0 || !d_mask || (!(I8 && ARGMAX) && d_len && d_len[r] >= 0)) return nullptr;
+        return d_mask + r * Ld;
+#else
         if ((PACKED && !STRIDED) || !d_mask || (!(I8 && ARGMAX) && d_len && d_len[doc0 + j] >= 0)) return nullptr;
         return d_mask + (doc0 + j) * Ld;
+#endif
     }
 };
 

@@ -54,7 +54,7 @@ class FwdConfig:
     tokm: bool = False  # int8 Hopper tiles with document tokens on the wgmma M side (per-token scales in registers)
     x3: bool = False  # fp32 at float32 accuracy: three tf32 products per product (3xTF32, cuda_src/fwd/config.cuh)
     residual: int = 0  # PLAID residual documents: nbits (1, 2 or 4) per dim, decompressed by the tile loader
-    cand: bool = False  # residual packed documents picked per query by candidate ids
+    cand: bool = False  # each query scores the documents a candidate id array names (in place; one query a tile)
     strided: bool = False  # padded documents on the packed token-split path (LIK_STRIDED; packed is set too)
 
     def __post_init__(self):
@@ -65,7 +65,7 @@ class FwdConfig:
     def strided_tile(self) -> FwdConfig | None:
         """This padded configuration's tile on the token-split path for padded documents
         (``strided``), or None where the tile cannot split documents."""
-        if self.packed:
+        if self.packed or self.cand:
             return None
         v = replace(self, packed=True)
         return replace(v, strided=True) if v.token_split else None
@@ -74,7 +74,8 @@ class FwdConfig:
     def token_split(self) -> bool:
         """Whether the kernel can split packed documents over CTAs by token shares (cuda_src/fwd/config.cuh's
         TSPLIT: single-query one-shot tiles of float16 or bfloat16 elements)."""
-        return self.packed and not (self.multi or self.tokm or self.split or self.residual) and self.elem in (0, 1)
+        return self.packed and not (self.multi or self.tokm or self.split or self.residual or self.cand) \
+            and self.elem in (0, 1)
 
     @property
     def query_rows_staged(self) -> int:
@@ -127,8 +128,9 @@ class FwdConfig:
         )
 
     def defines(self) -> dict[str, int | str]:
-        residual = {"LIK_RESIDUAL": self.residual, "LIK_CAND": int(self.cand)} if self.residual else {}
-        return residual | {
+        residual = {"LIK_RESIDUAL": self.residual} if self.residual else {}
+        cand = {"LIK_CAND": 1} if self.cand else {}
+        return residual | cand | {
             "LIK_NAME": self.name,
             "LIK_ELEM": self.elem,
             "LIK_DP": self.dp,

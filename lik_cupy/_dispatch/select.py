@@ -71,7 +71,7 @@ def _tokm(int8: bool, argmax: bool, multi: bool, tma: bool, dim: int, ld: int) -
 @functools.lru_cache(maxsize=4096)
 def choose_forward(cc: int, dtype: str, dim: int, lq: int, argmax: bool, vec: bool, wgmma: bool = True,
                    shared_queries: int = 1, ld: int = 1024, packed: bool = False, tma: bool = False,
-                   x3: bool = False) -> FwdConfig:
+                   x3: bool = False, cand: bool = False) -> FwdConfig:
     """The forward configuration for one problem on a device of compute capability ``cc``.
 
     ``shared_queries`` is the number of queries scored against the same
@@ -85,7 +85,11 @@ def choose_forward(cc: int, dtype: str, dim: int, lq: int, argmax: bool, vec: bo
     one-shot Hopper tiles then stage documents by TMA.
     ``x3``: float32 at float32 accuracy (precision "fp32": three tf32 products per product,
     query fragments re-read from shared memory); ignored for other dtypes.
+    ``cand``: each query scores the documents of its row of a candidate id array, in place
+    (``LIK_CAND``): the tile of a single query, staged by cp.async (the same tile shape as without).
     """
+    if cand:
+        shared_queries, tma = 1, False
     arch = arch_of(cc)
     elem = ELEM_CODES[dtype]
     int8 = elem == 3
@@ -103,7 +107,9 @@ def choose_forward(cc: int, dtype: str, dim: int, lq: int, argmax: bool, vec: bo
         # document, so single-query tiles keep the leaner one (6-9% on ColPali shapes).
         return shared_queries > 1 and 2 * q_len <= bm
 
-    wgmma_ok = wgmma and arch == 90 and elem != 2 and vec  # Hopper tensor-core tiles can run
+    # Hopper tensor-core tiles can run. INT8's argmax over candidate ids spilled on the two-warpgroup
+    # tiles (compile check): those take the mma.sync ones.
+    wgmma_ok = wgmma and arch == 90 and elem != 2 and vec and not (cand and int8 and argmax)
     hopper = wgmma_ok and lq > 64
     row_bytes = dim * ELEM_SIZES[elem]
     short_hopper = wgmma_ok and lq <= 64 and row_bytes % 128 == 0 and row_bytes <= t.SHORT_WGMMA_MAX_ROW_BYTES
@@ -115,19 +121,19 @@ def choose_forward(cc: int, dtype: str, dim: int, lq: int, argmax: bool, vec: bo
         if short_hopper:
             for bn, stages in _short_wgmma_tiles(ld, int8):
                 cfg = FwdConfig(elem=elem, dp=dim, warps=4, mt=1, bn=bn, stages=stages, qreg=False, argmax=argmax, vec=vec,
-                                wgmma=True, multi=multi(64), packed=packed,
+                                wgmma=True, multi=multi(64), packed=packed, cand=cand,
                                 tma=tma and _wgmma_tma(int8, argmax, multi(64), q_len))
                 if cfg.smem_bytes <= limit:
                     return cfg
         if hopper and row_bytes % 128 == 0:
             if _tokm(int8, argmax, multi(128), tma, dim, ld):
                 cfg = FwdConfig(elem=elem, dp=dim, warps=8, mt=1, bn=128, stages=t.TOKM_STAGES, qreg=False, argmax=False,
-                                vec=vec, wgmma=True, multi=False, packed=packed, tma=True, tokm=True)
+                                vec=vec, wgmma=True, multi=False, packed=packed, cand=cand, tma=True, tokm=True)
                 if cfg.smem_bytes <= limit:
                     return cfg
             for bn, stages in _wgmma_tiles(lq, ld, multi(128)):
                 cfg = FwdConfig(elem=elem, dp=dim, warps=8, mt=1, bn=bn, stages=stages, qreg=False, argmax=argmax, vec=vec,
-                                wgmma=True, multi=multi(128), packed=packed,
+                                wgmma=True, multi=multi(128), packed=packed, cand=cand,
                                 tma=tma and _wgmma_tma(int8, argmax, multi(128), q_len))
                 # int8's argmax of several queries does not fit the 128 registers of two CTAs per SM.
                 if cfg.smem_bytes <= limit and not (int8 and argmax and cfg.multi and cfg.min_blocks > 1):
@@ -138,7 +144,7 @@ def choose_forward(cc: int, dtype: str, dim: int, lq: int, argmax: bool, vec: bo
         for warps, mt, bn, stages in (t.X3_TABLE[lb] + rows if x3 else rows):
             cfg = FwdConfig(elem=elem, dp=dp, warps=warps, mt=mt, bn=bn, stages=stages,
                             qreg=_qreg(elem, dp, mt) and not x3, argmax=argmax, vec=vec, multi=multi(warps * mt * 16),
-                            packed=packed, tma=tma_mma, x3=x3)
+                            packed=packed, cand=cand, tma=tma_mma, x3=x3)
             if cfg.smem_bytes <= limit:
                 return cfg
     if int8 and dim <= 512:
@@ -156,8 +162,8 @@ def choose_forward(cc: int, dtype: str, dim: int, lq: int, argmax: bool, vec: bo
             tiles = t.WGMMA_SPLIT_SHORT_QHALF if qhalf else t.WGMMA_SPLIT_SHORT
         for bn, bk, stages in tiles:
             cfg = FwdConfig(elem=elem, dp=bk * chunk, warps=warps, mt=1, bn=bn, stages=stages, qreg=False, argmax=argmax, vec=vec,
-                            wgmma=True, multi=multi(warps * 16), packed=packed, split=True, tma=tma and hopper,
-                            qhalf=qhalf)
+                            wgmma=True, multi=multi(warps * 16), packed=packed, cand=cand, split=True,
+                            tma=tma and hopper, qhalf=qhalf)
             # Two CTAs of two warpgroups cap registers at 128: too few for the argmax of several queries.
             # A TMA box carries at most 256 INT8 scales (BN + 4 of them).
             if cfg.smem_bytes <= limit and not (warps == 8 and cfg.min_blocks > 1 and argmax and cfg.multi) \
@@ -169,11 +175,13 @@ def choose_forward(cc: int, dtype: str, dim: int, lq: int, argmax: bool, vec: bo
     rows = t.SPLIT_TABLE[(elem == 2, lb)] + (t.SPLIT_TABLE[(True, 64)] if x3 and argmax else ())
     for warps, mt, bn, bk, stages in rows:
         cfg = FwdConfig(elem=elem, dp=bk * chunk, warps=warps, mt=mt, bn=bn, stages=stages, qreg=False, argmax=argmax,
-                        vec=vec, multi=multi(warps * mt * 16), packed=packed, split=True, x3=x3)
+                        vec=vec, multi=multi(warps * mt * 16), packed=packed, cand=cand, split=True, x3=x3)
         # 32 x 128 accumulators per warp leave no room for the argmax or multi-query epilogue
         # without spilling (compile.check_all): those take the 64-token tiles.
-        # INT8's scale handling spills them even without (compile check).
-        if cfg.smem_bytes <= limit and not (bn > 64 and mt > 1 and (argmax or cfg.multi or int8)) \
+        # INT8's scale handling spills them even without (compile check), as do padded documents
+        # picked by candidate ids (the same warps and rows per warp, so the same scores).
+        if cfg.smem_bytes <= limit \
+                and not (bn > 64 and mt > 1 and (argmax or cfg.multi or int8 or (cand and not packed))) \
                 and not (x3 and mt > 1 and argmax and cfg.multi):
             return cfg
     raise ValueError(f"no forward configuration fits dim {dim} on sm_{arch}")
@@ -241,7 +249,7 @@ def all_forward_configs(arch: int, dims=None) -> list[FwdConfig]:
     kernel of its own, so ``dims=range(16, 513, 16)`` plus the split-d widths is the whole set
     (the opt-in all-dims check in ``tests/test_compile.py``). INT8 keeps the dims it accepts.
     Padded configurations bring their token-split tiles (``FwdConfig.strided_tile``), which the
-    launch takes for few long documents.
+    launch takes for few long documents; single-query ones their candidate-id tiles (``cand``).
     """
     seen: dict[str, FwdConfig] = {}
     for dtype in ELEM_CODES:
@@ -265,6 +273,10 @@ def all_forward_configs(arch: int, dims=None) -> list[FwdConfig]:
                                             s = c.strided_tile
                                             if s is not None:
                                                 seen[s.name] = s
+                                            if shared == 1 and not tma:  # candidate ids: one query a tile, no TMA
+                                                c = choose_forward(arch, dtype, dim, lq, argmax, vec, wg, 1, ld, packed,
+                                                                   False, x3, True)
+                                                seen[c.name] = c
     seen.update((c.name, c) for c in all_residual_configs(arch, None if dims is None else
                                                           [d for d in dims if residual_dim_ok(d)]))
     return list(seen.values())

@@ -179,16 +179,18 @@ dispatch.on_clear(clear_prepared)
 
 def prepare(p: Problem, device: int, *, esize: int, vec: bool, use_tma: bool, argmax: bool, packed: bool = False,
             off_wide: bool = False, ld_hint=None, d_off_whole: bool = True, x3: bool = False, residual=None,
-            scales: bool = False) -> ForwardLaunch:
+            scales: bool = False, cand: bool = False) -> ForwardLaunch:
     """The :class:`ForwardLaunch` of a problem on ``device`` (the current one), made once per
-    signature. ``residual``: (nbits, cand) of PLAID-compressed documents, or None."""
-    key = (p, esize, vec, use_tma, argmax, packed, off_wide, ld_hint, d_off_whole, x3, residual, scales, _made_with())
+    signature. ``residual``: nbits of PLAID-compressed documents, or None; ``cand``: candidate ids
+    pick each query's documents (``candidates.CandidateIds``)."""
+    key = (p, esize, vec, use_tma, argmax, packed, off_wide, ld_hint, d_off_whole, x3, residual, scales, cand,
+           _made_with())
     return _prepared.lookup(device, key) or _prepared.get(device, key, lambda: _prepare(
-        p, device, esize, vec, use_tma, argmax, packed, off_wide, ld_hint, d_off_whole, x3, residual))
+        p, device, esize, vec, use_tma, argmax, packed, off_wide, ld_hint, d_off_whole, x3, residual, cand))
 
 
 def _prepare(p: Problem, device: int, esize: int, vec: bool, use_tma: bool, argmax: bool, packed: bool,
-             off_wide: bool, ld_hint, d_off_whole: bool, x3: bool, residual) -> ForwardLaunch:
+             off_wide: bool, ld_hint, d_off_whole: bool, x3: bool, residual, cand: bool) -> ForwardLaunch:
     from ..errors import CompileError
 
     props = device_properties(device)
@@ -198,10 +200,9 @@ def _prepare(p: Problem, device: int, esize: int, vec: bool, use_tma: bool, argm
 
     def choose(wgmma: bool):
         if residual is not None:
-            return dispatch.choose_residual(props.cc, p.dtype, p.dim, p.lq, residual[0], argmax, shared, packed,
-                                            residual[1])
+            return dispatch.choose_residual(props.cc, p.dtype, p.dim, p.lq, residual, argmax, shared, packed, cand)
         return dispatch.choose_forward(props.cc, p.dtype, p.dim, p.lq, argmax, vec, wgmma, shared, ld, packed,
-                                       use_tma and wgmma, x3)
+                                       use_tma and wgmma, x3, cand)
 
     cfg = choose(not env.wgmma_disabled())
     try:
@@ -260,7 +261,7 @@ def use_tma_for(p: Problem, vec: bool, rows: int, d_scale=None, residual=None) -
 
 
 def launch(p: Problem, q, d, qm, dm, ql, dl, return_argmax: bool, device: int, *, d_off=None, ld_hint=None,
-           d_off_whole=True, out=None, q_scale=None, d_scale=None, caller=None, x3=False, residual=None):
+           d_off_whole=True, out=None, q_scale=None, d_scale=None, caller=None, x3=False, residual=None, cand=None):
     """Choose the kernel configuration and launch it on the current CuPy stream.
 
     q: [nq, lq, dim] (bfloat16 as uint16); d: padded [rows, ld, dim], or packed
@@ -275,6 +276,9 @@ def launch(p: Problem, q, d, qm, dm, ql, dl, return_argmax: bool, device: int, *
     ``residual`` (a ``lik_cupy._runtime.residual.ResidualOperands``): the documents are
     PLAID-compressed and ``d`` is their codes ([rows] or, padded, [rows, ld]); the kernel's tile
     loader decompresses them (``p.dtype``, float16 or bfloat16, is the tile's dtype).
+    ``cand`` (a ``lik_cupy._runtime.candidates.CandidateIds`` [nq, p.nd], with ``p.candidates``):
+    query i scores the documents of ``d`` its row of ids names, in place (an id outside the
+    corpus scores NaN).
     """
     import cupy
 
@@ -306,10 +310,10 @@ def launch(p: Problem, q, d, qm, dm, ql, dl, return_argmax: bool, device: int, *
         dl = mask_spans(dm, device)
     if d_off is not None and p.ntok != d.shape[0]:
         p = replace(p, ntok=d.shape[0])
-    res = None if residual is None else (residual.nbits, residual.cand)
     fwd = prepare(p, device, esize=esize, vec=vec, use_tma=use_tma_for(p, vec, d.size // p.dim, d_scale, residual),
                   argmax=return_argmax, packed=d_off is not None, off_wide=d_off is not None and d_off.dtype == np.int64,
-                  ld_hint=ld_hint, d_off_whole=d_off_whole, x3=x3, residual=res, scales=d_scale is not None)
+                  ld_hint=ld_hint, d_off_whole=d_off_whole, x3=x3, residual=None if residual is None else residual.nbits,
+                  scales=d_scale is not None, cand=cand is not None)
     part = empty((fwd.partials,), np.float32, f"{fn}: partial scores of the long queries' tiles", split) \
         if fwd.partials else None
     if ql is not None and ql.dtype == np.int64:
@@ -318,5 +322,6 @@ def launch(p: Problem, q, d, qm, dm, ql, dl, return_argmax: bool, device: int, *
         dl = dl.astype(np.int32)
     fwd.run(cupy.cuda.get_current_stream().ptr, q.data.ptr, d.data.ptr, _ptr(q_scale), _ptr(d_scale), lengths_ptr(ql),
             _ptr(qm), lengths_ptr(dl), _ptr(dm), _ptr(d_off), scores.data.ptr, _ptr(amax), _ptr(part),
-            () if residual is None else (residual,))
+            # the by-value parameters after the fixed ones: the residual kernel's, then the candidate ids'
+            (() if residual is None else (residual,)) + (() if cand is None else (cand,)))
     return scores, amax

@@ -12,8 +12,8 @@ import numpy as np
 
 __all__ = ["ResidualOperands", "residual_operands"]
 
-# ResidualSrc: five pointers, then six ints (64 bytes, 8-byte aligned), as the kernel declares it.
-_SRC = struct.Struct("<QQQQQiiiiii")
+# ResidualSrc: four pointers, then four ints (48 bytes, 8-byte aligned), as the kernel declares it.
+_SRC = struct.Struct("<QQQQiiii")
 
 
 def _aligned(a, dtype):
@@ -28,40 +28,34 @@ def _aligned(a, dtype):
 @dataclass
 class ResidualOperands:
     """The device arrays of one residual call and its kernel parameter (``address``: its bytes, as
-    the driver takes a by-value parameter)."""
+    the driver takes a by-value parameter). Candidate ids travel apart (``candidates.CandidateIds``)."""
 
     nbits: int
-    cand: bool
     codes: object  # int32 or int64 [rows]
     bits: object  # uint8 [rows, rbytes]
     centroids: object  # float16 [n_cent, dim]
     weights: object  # float32 [2^nbits]
-    ids: object  # int32 or int64 [Nq, K] candidate ids, or None
     _param: ctypes.Array = None
 
-    def pack(self, n_docs: int, normalize: bool) -> None:
+    def pack(self, normalize: bool) -> None:
         rows = self.codes.size
         self._param = ctypes.create_string_buffer(_SRC.size)
         _SRC.pack_into(self._param, 0, self.codes.data.ptr, self.bits.data.ptr, self.centroids.data.ptr,
-                       self.weights.data.ptr, self.ids.data.ptr if self.ids is not None else 0,
-                       self.centroids.shape[0], self.bits.size // max(rows, 1) if rows else 0,
-                       int(self.codes.dtype == np.int64), int(self.ids is not None and self.ids.dtype == np.int64),
-                       n_docs, int(normalize))
+                       self.weights.data.ptr, self.centroids.shape[0], self.bits.size // max(rows, 1) if rows else 0,
+                       int(self.codes.dtype == np.int64), int(normalize))
 
     @property
     def address(self) -> int:
         return ctypes.addressof(self._param)
 
 
-def residual_operands(codes, bits, centroids, weights, ids, *, nbits: int, n_docs: int, normalize: bool):
+def residual_operands(codes, bits, centroids, weights, *, nbits: int, normalize: bool):
     """CuPy device arrays (on the current device) -> the operands the residual kernel reads: codes
     kept as int32 or int64 (other integer dtypes become int32), residual bits uint8, centroids
-    float16 (float32 ones are rounded), bucket weights float32, candidate ids int32 or int64."""
+    float16 (float32 ones are rounded), bucket weights float32."""
     codes = codes.reshape(-1)
     cdt = codes.dtype if codes.dtype in (np.int32, np.int64) else np.int32
-    ops = ResidualOperands(
-        nbits=nbits, cand=ids is not None, codes=_aligned(codes, cdt), bits=_aligned(bits, np.uint8),
-        centroids=_aligned(centroids, np.float16), weights=_aligned(weights, np.float32),
-        ids=None if ids is None else _aligned(ids, ids.dtype if ids.dtype in (np.int32, np.int64) else np.int64))
-    ops.pack(n_docs, normalize)
+    ops = ResidualOperands(nbits=nbits, codes=_aligned(codes, cdt), bits=_aligned(bits, np.uint8),
+                           centroids=_aligned(centroids, np.float16), weights=_aligned(weights, np.float32))
+    ops.pack(normalize)
     return ops

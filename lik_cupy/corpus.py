@@ -1,0 +1,561 @@
+"""A corpus kept resident for a search service: :class:`Corpus`.
+
+A service scores query after query against one corpus. ``Corpus`` checks the documents once
+(layout, shapes, dtype, offsets, lengths, INT8 scales) and keeps them where they stay:
+
+- on the GPU, when they fit in ``max_gpu_bytes`` (or are there already);
+- else in page-locked host memory: :meth:`Corpus.score` and :meth:`Corpus.search` stream them
+  through the GPU as :func:`lik_cupy.retrieve` streams a host corpus (two staging buffers on the
+  device, uploads straight from the locked pages), and :meth:`Corpus.rerank` reads its
+  candidates' tokens where they lie, over the bus;
+- on a machine without a GPU (or with ``device="cpu"``) in host memory, for the NumPy path.
+
+Each call then checks only its queries. On a GPU-resident corpus ``score`` and ``rerank`` are one
+launch of the forward kernel on the already-checked device arrays, and ``search`` runs the
+streaming top-k of :func:`lik_cupy.retrieve` over them. ``rerank`` scores each query against its
+own candidate documents, given by index, in place: the forward kernel's candidate-id tiles find
+each candidate's tokens in the packed or padded corpus, so no gathered copy exists. Scores follow
+:func:`lik_cupy.maxsim` (-inf for a document without valid tokens, 0 for a query without one) and
+come back in the queries' framework and place.
+
+Calls may come from many threads at once: the corpus is only read after construction, and each
+call's work is its own (launches go to each thread's current CuPy or torch stream).
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from . import _cpu as cpu
+from . import _interop as interop
+from . import shards
+from dataclasses import replace
+
+from ._interop import caller_results, caller_stream, device_array, host_array, host_result
+from ._runtime.device import gpu_available
+from ._runtime.operands import kernel_operands, valid_host
+from ._validate import Problem, check_id_values
+from .precision import _resolve as _fp32_accurate
+from .retrieve import (MAX_K, _Cpu, _DeviceDocs, _doc_problem, _Gpu, _HostDocs, _host_docs, _Part, _query_problem,
+                       _staged_source, _with_queries)
+
+__all__ = ["Corpus"]
+
+_DTYPES = ("float16", "bfloat16", "float32", "int8")
+_GPU_SHARE = 0.75  # of the device's free memory a host corpus may take by default
+_RERANK_BLOCK = 64 << 20  # bytes of gathered candidate tokens per NumPy rerank step
+
+
+class Corpus:
+    """Documents checked once and kept resident, scored by many calls (see the module docstring).
+
+    Args:
+        D: the documents, one of
+            - padded ``[Nd, Ld, d]``, with ``d_mask`` (bool ``[Nd, Ld]``) or ``d_lengths``
+              (integer ``[Nd]``) or neither;
+            - packed tokens ``[T, d]`` with ``d_offsets`` (int32 / int64 ``[Nd + 1]``, from 0 to T);
+            - either, int8 (``lik_cupy.quantize_int8``) with ``d_scales`` (float32, D's shape
+              without its last axis).
+            float16, bfloat16 (host arrays: ``ml_dtypes.bfloat16``), float32 or int8, in any
+            framework; the other arguments in D's framework and place.
+        ids: ``[Nd]`` integers or strings, each document's external id, which :meth:`search`
+            returns instead of the document's index (a host array or list).
+        device: the CUDA device to keep the corpus on (default: D's, or the current one); "cpu"
+            keeps it in host memory for the NumPy path (the default without a GPU).
+        max_gpu_bytes: the GPU memory a host D may take there (default: 3/4 of the device's free
+            memory); a larger corpus stays in page-locked host memory. A D on the GPU stays there.
+
+    Attributes: ``dim``, ``dtype`` (one of "float16", "bfloat16", "float32", "int8"), ``nbytes``
+    (the resident documents: tokens, scales, masks, lengths and offsets), ``where`` ("GPU",
+    "pinned host memory" or "host memory"), ``device`` (the CUDA ordinal, None in host memory);
+    ``len()`` is the number of documents.
+
+    Example::
+
+        >>> import numpy as np, lik_cupy
+        >>> D = np.array([[[1, 0], [0, 1]], [[2, 0], [0, 0]], [[0, 3], [0, 0]]], np.float32)
+        >>> corpus = lik_cupy.Corpus(D, d_lengths=[2, 1, 1], ids=["a", "b", "c"], device="cpu")
+        >>> Q = np.array([[[1, 0], [0, 1]]], np.float32)
+        >>> corpus.score(Q)
+        array([[2., 2., 3.]], dtype=float32)
+        >>> corpus.search(Q, 2)
+        (array([[3., 2.]], dtype=float32), array([['c', 'a']], dtype='<U1'))
+        >>> corpus.rerank(Q, np.array([[1, 1, 2]]))
+        array([[2., 2., 3.]], dtype=float32)
+    """
+
+    def __init__(self, D, *, d_mask=None, d_lengths=None, d_offsets=None, d_scales=None, ids=None, device=None,
+                 max_gpu_bytes=None):
+        try:
+            info = interop.describe(D)
+        except TypeError as e:
+            raise TypeError(f"D: {e}") from None
+        if max_gpu_bytes is not None and (isinstance(max_gpu_bytes, bool) or max_gpu_bytes < 0
+                                          or not isinstance(max_gpu_bytes, (int, np.integer))):
+            raise ValueError(f"max_gpu_bytes must be a non-negative integer, got {max_gpu_bytes!r}")
+        part = _Part(D, d_offsets, d_mask, d_lengths, d_scales)
+        p = _doc_problem(part, info)
+        if p.dtype not in _DTYPES:
+            raise TypeError(f"D has dtype {p.dtype}; a Corpus holds float16, bfloat16, float32 or int8 tokens")
+        self._p = p
+        self._ids = _check_ids(ids, p.nd)
+        self._ids_dev = None  # integer ids on the corpus's device
+        self._host: _HostDocs | None = None  # host memory (the NumPy path) or page-locked memory (streamed)
+        self._dev: _DeviceDocs | None = None  # the kernels' operands: device arrays, or views of the locked pages
+        self._src: dict | None = None  # page-locked: the arrays score and search stream from
+        if device == "cpu" or (device is None and info.device is None and not gpu_available()):
+            self._host = _host_docs(part, p)
+            self.where, self.device = "host memory", None
+        else:
+            self._resident(part, info, device, max_gpu_bytes)
+        # Bytes held: the host arrays and the device ones (in page-locked memory the device reads the
+        # host arrays themselves, through views that hold nothing of their own).
+        held = _fields(self._host) + (_fields(self._dev) if self.where == "GPU" else
+                                      [self._dev.offsets, self._dev.lengths] if self._dev is not None else [])
+        self.nbytes = sum(int(a.nbytes) for a in held if a is not None)
+        if self._ids is not None and self._ids.dtype.kind == "i" and self.device is not None:
+            import cupy
+
+            with cupy.cuda.Device(self.device):
+                self._ids_dev = cupy.asarray(self._ids)
+
+    @classmethod
+    def from_shards(cls, paths, device=None, *, max_gpu_bytes=None) -> Corpus:
+        """A corpus of the documents of one or more shards (``lik_cupy.shards``: shard directories, or
+        padded ``[N, L, d]`` ``.npy`` files), in order, as one packed corpus; document ids are the
+        shards' ``ids.npy`` values (every shard has them, of one kind, or none does).
+
+        Args:
+            paths: a path or a sequence of paths.
+            device, max_gpu_bytes: as for :class:`Corpus`.
+        """
+        if isinstance(paths, (str, bytes, os.PathLike)):
+            paths = [paths]
+        opened = [shards.open_input(p) for p in paths]
+        if not opened:
+            raise ValueError("from_shards needs at least one shard path")
+        first = opened[0]
+        for s in opened[1:]:
+            if s.dtype != first.dtype or s.dim != first.dim:
+                raise ValueError(f"{s.path} holds {s.dtype} tokens of dim {s.dim} but {first.path} holds {first.dtype} "
+                                 f"of dim {first.dim}; a corpus has one dtype and dim")
+        named = [s for s in opened if s.ids is not None]
+        if named and len(named) != len(opened):
+            bare = next(s for s in opened if s.ids is None)
+            raise ValueError(f"{bare.path} has no ids but {named[0].path} has; give every shard ids.npy, or none")
+        if named and len({s.ids.dtype.kind in "iu" for s in named}) > 1:
+            raise ValueError("the shards mix integer and string ids; use one kind in every shard")
+        chunks = [s.read_chunk(0, s.num_docs) for s in opened]
+        tokens = chunks[0][0] if len(chunks) == 1 else np.concatenate([t for t, _ in chunks])
+        offsets = np.zeros(1 + sum(s.num_docs for s in opened), np.int64)
+        at = 0
+        for (_, off), s in zip(chunks, opened):
+            offsets[at + 1:at + 1 + s.num_docs] = off[1:] + offsets[at]
+            at += s.num_docs
+        scales = None
+        if first.scales is not None:
+            parts = [s.read_scales(0, s.num_docs) for s in opened]
+            scales = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        ids = None if not named else np.concatenate([np.asarray(s.ids) for s in opened])
+        return cls(tokens, d_offsets=offsets, d_scales=scales, ids=ids, device=device, max_gpu_bytes=max_gpu_bytes)
+
+    def __len__(self) -> int:
+        return self._p.nd
+
+    @property
+    def dim(self) -> int:
+        return self._p.dim
+
+    @property
+    def dtype(self) -> str:
+        return self._p.dtype
+
+    def __repr__(self) -> str:
+        layout = f"packed, {self._p.ntok} tokens" if self._p.d_packed else f"padded to {self._p.ld} tokens"
+        where = self.where if self.device is None else f"{self.where} of cuda:{self.device}"
+        return (f"Corpus({len(self)} documents, {layout}, dim {self.dim}, {self.dtype}, {self.nbytes:,} bytes in "
+                f"{where})")
+
+    # ------------------------------------------------------------ calls
+
+    def score(self, Q, q_mask=None, *, q_lengths=None, precision=None):
+        """MaxSim of every query against every document.
+
+        Args:
+            Q: ``[Nq, Lq, d]`` or ``[Lq, d]``, the corpus's dtype (an INT8 corpus takes float Q,
+                quantised per token on each call), in any framework; on the corpus's GPU or on the host.
+            q_mask / q_lengths: valid query tokens, as in :func:`lik_cupy.maxsim`.
+            precision: float32 corpora on the GPU, "fp32" or "tf32", as in :func:`lik_cupy.maxsim`.
+
+        Returns:
+            float32 ``[Nq, Nd]`` (``[Nd]`` for a 2-D Q) in Q's framework and place.
+        """
+        qp, p = self._problem(Q, q_mask, q_lengths)
+        if self.where == "host memory":
+            s = self._host_scores(qp, Q, q_mask, q_lengths)
+            return host_result(s.reshape(p.scores_shape), qp)
+        x3 = _fp32_accurate(precision, qp.framework, qp.dtype)
+        if self.where == "pinned host memory":
+            return self._streamed(qp, p, Q, q_mask, q_lengths, None, x3)
+        return self._launch(qp, p, Q, q_mask, q_lengths, x3, "Corpus.score")
+
+    def search(self, Q, k, q_mask=None, *, q_lengths=None, precision=None):
+        """The ``k`` best documents of each query, as :func:`lik_cupy.retrieve` ranks them.
+
+        Args:
+            Q, q_mask, q_lengths, precision: as in :meth:`score`.
+            k: documents to return per query, 1 .. 4096.
+
+        Returns:
+            ``(scores, ids)``: float32 ``[Nq, min(k, Nd)]`` (``[min(k, Nd)]`` for a 2-D Q), best first
+            (score descending, ties to the lower index, NaN last), in Q's framework and place;
+            and the documents' ``ids`` (int64 indices without them), alike, except that string
+            ids come as a NumPy array.
+        """
+        if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 1 <= k <= MAX_K:
+            raise ValueError(f"k must be an integer in [1, {MAX_K}], got {k!r}")
+        qp, p = self._problem(Q, q_mask, q_lengths)
+        if self.where == "host memory":
+            r = _Cpu(Q, q_mask, q_lengths, None, qp, int(k))
+            r.add_docs(p, self._host)
+            s, i = r.s.astype(np.float32, copy=False), r.i
+            if self._ids is not None:
+                i = self._ids[i]
+            squeeze = len(p.scores_shape) == 1
+            s, i = (s[0], i[0]) if squeeze else (s, i)
+            return host_result(s, qp), (i if i.dtype.kind in "US" else host_result(i, qp))
+        x3 = _fp32_accurate(precision, qp.framework, qp.dtype)
+        return self._streamed(qp, p, Q, q_mask, q_lengths, int(k), x3)
+
+    def rerank(self, Q, candidates, q_mask=None, *, q_lengths=None, precision=None):
+        """MaxSim of each query against its own candidate documents, read where they lie.
+
+        Args:
+            Q, q_mask, q_lengths, precision: as in :meth:`score`.
+            candidates: integer ``[Nq, K]`` (``[K]`` for a 2-D Q) document indices (positions in
+                the corpus, not ``ids``), in Q's framework and place, or a host array or list.
+                Host indices are checked: one outside ``[0, Nd)`` raises ValueError. Indices on
+                the GPU are not read back; one outside ``[0, Nd)`` scores NaN.
+
+        Returns:
+            float32 ``[Nq, K]`` (``[K]`` for a 2-D Q), in the candidates' order, in Q's framework and place.
+        """
+        qp, p = self._problem(Q, q_mask, q_lengths)
+        cand, on_device, shape = self._candidates(candidates, qp, one_query=len(p.scores_shape) == 1)
+        p = Problem(framework=qp.framework, device=qp.device, dtype=p.dtype, nq=qp.nq, lq=qp.lq, nd=shape[1],
+                    ld=self._p.ld, dim=qp.dim, candidates=True, scores_shape=p.scores_shape[:-1] + (shape[1],),
+                    argmax_shape=(), q_valid=qp.q_valid, d_valid=self._p.d_valid, d_packed=self._p.d_packed,
+                    ntok=self._p.ntok)
+        if self.where == "host memory":
+            s = self._host_rerank(qp, Q, q_mask, q_lengths, cand)
+            return host_result(s.reshape(p.scores_shape), qp)
+        import cupy
+
+        from ._runtime.candidates import CandidateIds
+
+        x3 = _fp32_accurate(precision, qp.framework, qp.dtype)
+        with cupy.cuda.Device(self.device), caller_stream(qp.framework, self.device):
+            ids = cand if on_device else cupy.asarray(cand)
+            ids = CandidateIds(ids.reshape(shape), self._p.nd)
+            return self._launch(qp, p, Q, q_mask, q_lengths, x3, "Corpus.rerank", ids)
+
+    # ------------------------------------------------------------ residency
+
+    def _resident(self, part: _Part, info, device, max_gpu_bytes) -> None:
+        """Keep the documents on a GPU: in place when they are there, else uploaded when they fit, else
+        in page-locked host memory."""
+        import cupy
+
+        from .retrieve import _device_docs
+
+        p = self._p
+        if device is not None and (isinstance(device, bool) or not isinstance(device, (int, np.integer))):
+            raise ValueError(f"device must be a CUDA device ordinal, 'cpu' or None, got {device!r}")
+        if info.device is not None:
+            if device is not None and device != info.device:
+                raise ValueError(f"D is on cuda:{info.device} but device={device}; move D there, or pass device=None")
+            device = info.device
+        elif device is None:
+            device = cupy.cuda.runtime.getDevice()
+        self.device = int(device)
+        if p.dtype == "int8":
+            from . import _dispatch as dispatch
+
+            if not dispatch.int8_dim_ok(p.dim):
+                raise ValueError(f"INT8 scoring on the GPU needs dim a multiple of 16 up to {dispatch.MAX_DIM_INT8}; "
+                                 f"got dim {p.dim} (device='cpu' scores any dim)")
+        with cupy.cuda.Device(self.device):
+            if info.device is not None:
+                self._dev = _with_spans(_device_docs(part, p), self.device)
+                self.where = "GPU"
+                return
+            host = _host_docs(part, p)
+            need = sum(int(a.nbytes) for a in (host.tokens, host.offsets, host.mask, host.scales) if a is not None)
+            need += 4 * p.nd if not p.d_packed and (host.mask is not None or host.lengths is not None) else 0
+            if max_gpu_bytes is None:
+                free = cupy.cuda.runtime.memGetInfo()[0] + cupy.get_default_memory_pool().free_bytes()
+                max_gpu_bytes = int(_GPU_SHARE * free)
+            if need <= max_gpu_bytes:
+                try:
+                    self._dev = _upload(host, p, self.device)
+                    self.where = "GPU"
+                    return
+                except cupy.cuda.memory.OutOfMemoryError:  # other work holds the memory: page-locked host memory
+                    self._dev = None
+            self._lock_pages(host, p)
+
+    def _lock_pages(self, host: _HostDocs, p: Problem) -> None:
+        """Copy the tokens, scales and mask into page-locked host memory (which the GPU reads by the host
+        address); offsets and lengths go to the GPU as well, for the kernels."""
+        import cupy
+        import cupyx
+
+        def locked(a):
+            if a is None:
+                return None
+            a = a.view(np.uint16) if a.dtype.name == "bfloat16" else a
+            try:
+                out = cupyx.empty_pinned(a.shape, a.dtype)
+            except cupy.cuda.runtime.CUDARuntimeError as e:
+                raise MemoryError(f"Corpus: cannot page-lock {a.nbytes:,} bytes of host memory for the documents "
+                                  f"({e}); pass a smaller corpus, or raise max_gpu_bytes to keep it on the GPU") from e
+            np.copyto(out, a)
+            return out
+
+        mask = None if host.mask is None else host.mask.view(np.uint8)
+        self._host = _HostDocs(locked(host.tokens), offsets=host.offsets, mask=locked(mask), lengths=host.lengths,
+                               scales=None if host.scales is None else locked(host.scales.reshape(-1)))
+        if not p.d_packed and self._host.scales is not None:
+            self._host.scales = self._host.scales.reshape(p.nd, p.ld)
+        self._src = _staged_source(self._host, p)
+        # The kernels' view of the same pages (unified addressing: page-locked memory is mapped at its
+        # host address), beside device copies of the small arrays.
+        mapped = [_mapped(a, self.device) for a in (self._host.tokens, self._host.mask, self._host.scales)]
+        dev = _DeviceDocs(mapped[0], mask=mapped[1], scales=None if mapped[2] is None else mapped[2].reshape(-1))
+        dev.offsets = None if host.offsets is None else cupy.asarray(host.offsets)
+        dev.lengths = None if host.lengths is None else cupy.asarray(host.lengths.astype(np.int32))
+        self._dev = _with_spans(dev, self.device)
+        self.where = "pinned host memory"
+
+    # ------------------------------------------------------------ one call
+
+    def _problem(self, Q, q_mask, q_lengths) -> tuple[Problem, Problem]:
+        """The queries checked (and nothing of the corpus): (their problem, the call's)."""
+        try:
+            q = interop.describe(Q)
+        except TypeError as e:
+            raise TypeError(f"Q: {e}") from None
+        if q.dtype == "int8":
+            raise TypeError("Q is int8; a Corpus takes float queries (an INT8 corpus quantises them per call)")
+        qp = _query_problem(Q, q_mask, q_lengths, None)
+        if self.dtype != "int8" and qp.dtype != self.dtype:
+            raise TypeError(f"corpus has dtype {self.dtype} but Q has {qp.dtype}: cast Q to {self.dtype}")
+        if self.device is not None:
+            if qp.device is not None and qp.device != self.device:
+                raise ValueError(f"corpus is on cuda:{self.device} but Q is on cuda:{qp.device}")
+            if qp.dtype == "float64":
+                raise TypeError("Q is float64, which the GPU kernels do not take: cast it to float32 (an INT8 corpus "
+                                "quantises float16, bfloat16 or float32 queries)")
+        p = _with_queries(qp, self._p)
+        return qp, replace(p, scores_shape=(p.nd,)) if len(q.shape) == 2 else p
+
+    def _launch(self, qp: Problem, p: Problem, Q, q_mask, q_lengths, x3: bool, caller: str, cand=None):
+        """One launch of the forward kernel on the resident operands (``cand``: candidate ids)."""
+        import cupy
+
+        from ._runtime.device_checks import DeviceChecks
+        from ._runtime.launch import launch
+        from ._runtime.operands import device_valid
+
+        fw, on_host, docs = qp.framework, qp.device is None, self._dev
+        with DeviceChecks() as checks:
+            with cupy.cuda.Device(self.device), caller_stream(fw, self.device):
+                q = device_array(Q, fw, on_host).reshape(qp.nq, qp.lq, qp.dim)
+                qm, ql = device_valid(q_mask, q_lengths, qp.nq, qp.lq, "q_lengths", fw, on_host, checks)
+                kw = {}
+                if p.dtype == "int8":
+                    from ._runtime.quantize import quantize_cupy
+
+                    q, qs = quantize_cupy(q.view(cupy.uint16) if qp.dtype == "bfloat16" else q, qp.dtype)
+                    kw = {"q_scale": qs.reshape(-1), "d_scale": docs.scales}
+                else:
+                    (q,) = kernel_operands(p.dtype, q)
+                ld_hint = -(-p.ntok // max(1, self._p.nd)) if p.d_packed else None
+                scores, _ = launch(p, q, docs.tokens, qm, docs.mask, ql, docs.lengths, False, self.device,
+                                   d_off=docs.offsets, ld_hint=ld_hint, caller=caller, x3=x3, cand=cand, **kw)
+                if cand is not None and (p.lq == 0 or docs.tokens.shape[0] == 0 or (not p.d_packed and p.ld == 0)):
+                    # No kernel ran (launch's empty cases): ids outside the corpus still score NaN.
+                    ok = (cand.ids >= 0) & (cand.ids < self._p.nd)
+                    scores = cupy.where(ok.reshape(scores.shape), scores, np.float32(np.nan))
+                results, _ = caller_results(p, scores, None, on_host)
+            checks.verify()
+        return results
+
+    def _streamed(self, qp: Problem, p: Problem, Q, q_mask, q_lengths, k: int | None, x3: bool):
+        """``score`` (``k`` None) or ``search`` through retrieve's chunks: over the device arrays, or
+        streamed from the page-locked ones."""
+        import cupy
+
+        fw, on_host = qp.framework, qp.device is None
+        with cupy.cuda.Device(self.device), caller_stream(fw, self.device):
+            r = _Gpu(Q, q_mask, q_lengths, None, qp, k, None, self.device, x3)
+            if k is None:
+                r.keep_every(self._p.nd, "Corpus.score")
+            if self.where == "GPU":
+                r.add_device(p, self._dev)
+            else:
+                r.add_staged(p, self._src)
+            if k is None:
+                return interop.from_cupy(r.every.reshape(p.scores_shape), fw, on_host)
+            s, i = r.s, r.i
+            if len(p.scores_shape) == 1:
+                s, i = s[0], i[0]
+            if self._ids is not None and self._ids.dtype.kind in "US":
+                return interop.from_cupy(s, fw, on_host), self._ids[cupy.asnumpy(i)]
+            if self._ids_dev is not None:
+                i = self._ids_dev[i]
+            return interop.from_cupy(s, fw, on_host), interop.from_cupy(i, fw, on_host)
+
+    # ------------------------------------------------------------ the NumPy path
+
+    def _host_queries(self, qp: Problem, Q, q_mask, q_lengths):
+        """(queries [nq, lq, d], their valid tokens, INT8 scales or None) on the host."""
+        q = host_array(Q, qp.framework).reshape(qp.nq, qp.lq, qp.dim)
+        qv = valid_host(q_mask, q_lengths, qp.nq, qp.lq, "q_lengths", qp.framework)
+        if self.dtype != "int8":
+            return q, qv, None
+        q, qs = cpu.quantize_numpy(q, strict=False)  # a NaN or inf token: scale NaN, as on the device
+        return q, qv, qs
+
+    def _host_scores(self, qp: Problem, Q, q_mask, q_lengths) -> np.ndarray:
+        q, qv, qs = self._host_queries(qp, Q, q_mask, q_lengths)
+        h, kw = self._host, {}
+        if qs is not None:
+            kw = {"q_scale": qs, "d_scale": h.scales}
+        if self._p.d_packed:
+            s, _ = cpu.maxsim_packed_numpy(q, qv, h.tokens, h.offsets, return_argmax=False, **kw)
+        else:
+            s, _ = cpu.maxsim_numpy(q, h.tokens, qv, h.valid(slice(None)), candidates=False, nd=self._p.nd,
+                                    return_argmax=False, **kw)
+        return s.astype(np.float32, copy=False)
+
+    def _host_rerank(self, qp: Problem, Q, q_mask, q_lengths, cand: np.ndarray) -> np.ndarray:
+        """Each query against its candidates, gathered a few queries at a time (NumPy needs them side by side)."""
+        q, qv, qs = self._host_queries(qp, Q, q_mask, q_lengths)
+        h, (nq, k) = self._host, cand.shape
+        out = np.empty((nq, k), np.float32)
+        if self._p.d_packed:
+            for i in range(nq):
+                sel = cand[i]
+                lens = h.offsets[sel + 1] - h.offsets[sel]
+                rows = np.repeat(h.offsets[sel] - np.cumsum(lens) + lens, lens) + np.arange(int(lens.sum()))
+                off = np.concatenate([[0], np.cumsum(lens)])
+                kw = {} if qs is None else {"q_scale": qs[i:i + 1], "d_scale": h.scales[rows]}
+                s, _ = cpu.maxsim_packed_numpy(q[i:i + 1], qv[i:i + 1], h.tokens[rows], off, return_argmax=False, **kw)
+                out[i] = s[0]
+            return out
+        per_query = max(1, k * self._p.ld * self.dim * h.tokens.dtype.itemsize)
+        step = max(1, _RERANK_BLOCK // per_query)
+        for a in range(0, nq, step):
+            b = min(nq, a + step)
+            sel = cand[a:b].reshape(-1)
+            kw = {} if qs is None else {"q_scale": qs[a:b], "d_scale": h.scales[sel]}
+            s, _ = cpu.maxsim_numpy(q[a:b], h.tokens[sel], qv[a:b], h.valid(sel), candidates=True, nd=k,
+                                    return_argmax=False, **kw)
+            out[a:b] = s
+        return out
+
+    def _candidates(self, candidates, qp: Problem, one_query: bool):
+        """(ids, whether they stay on the device, [Nq, K]): host ids as int64, checked against the
+        corpus (as are device ids for a corpus in host memory); device ids as a CuPy array on the
+        corpus's device, unread."""
+        if isinstance(candidates, (list, tuple)):
+            candidates = np.asarray(candidates)
+            if candidates.size == 0:
+                candidates = candidates.astype(np.int64)
+        try:
+            c = interop.describe(candidates)
+        except TypeError as e:
+            raise TypeError(f"candidates: {e}") from None
+        if c.dtype not in ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64"):
+            raise TypeError(f"candidates must be integer document indices, got dtype {c.dtype}")
+        want = 1 if one_query else 2
+        if len(c.shape) != want or (want == 2 and c.shape[0] != qp.nq):
+            raise ValueError(f"candidates has shape {list(c.shape)}; expected "
+                             f"{'[Nq, K] with Nq = ' + str(qp.nq) if want == 2 else '[K] (Q is one query)'}")
+        shape = (qp.nq, c.shape[-1])
+        if c.device is not None and self.device is not None:
+            if c.device != self.device:
+                raise ValueError(f"candidates are on cuda:{c.device} but the corpus is on cuda:{self.device}")
+            return interop.to_cupy(candidates, c.framework), True, shape
+        ids = np.asarray(host_array(candidates, c.framework)).reshape(shape)
+        if ids.size:
+            lo, hi = int(ids.min()), int(ids.max())
+            check_id_values("candidates", lo, hi, self._p.nd, f"indices of the {self._p.nd} documents of the corpus")
+        return ids.astype(np.int64, copy=False), False, shape
+
+
+def _check_ids(ids, nd: int) -> np.ndarray | None:
+    """External ids ``[nd]``: int64 or strings, on the host."""
+    if ids is None:
+        return None
+    if not isinstance(ids, (list, tuple, np.ndarray)):
+        try:
+            ids = interop.to_numpy(ids, interop.framework_of(ids))
+        except TypeError:
+            raise TypeError(f"ids must be an array or a list of integers or strings, got {type(ids).__name__}") \
+                from None
+    a = np.asarray(ids)
+    if a.ndim != 1 or a.shape[0] != nd:
+        raise ValueError(f"ids has shape {list(a.shape)}; expected [{nd}] (one per document)")
+    if a.dtype.kind in "iu":
+        if a.size and a.dtype.kind == "u" and int(a.max()) >= 2**63:
+            raise ValueError("ids must fit int64")
+        return a.astype(np.int64)
+    if a.dtype.kind in "US":
+        return a
+    raise TypeError(f"ids must be integers or strings, got dtype {a.dtype}")
+
+
+def _fields(docs) -> list:
+    """The arrays of a ``_HostDocs`` or ``_DeviceDocs`` (none for None)."""
+    return [] if docs is None else [docs.tokens, docs.offsets, docs.mask, docs.lengths, docs.scales]
+
+
+def _with_spans(docs: _DeviceDocs, device: int) -> _DeviceDocs:
+    """``docs`` with its mask's spans (``_runtime/masks.py``) as its lengths, made once for every call."""
+    if docs.mask is not None and docs.lengths is None:
+        from ._runtime.masks import mask_spans
+
+        docs.lengths = mask_spans(docs.mask, device)
+    return docs
+
+
+def _upload(host: _HostDocs, p: Problem, device: int) -> _DeviceDocs:
+    """Checked host documents copied to the current device, as the kernels read them."""
+    import cupy
+
+    def up(a):
+        return None if a is None else cupy.asarray(np.ascontiguousarray(a))
+
+    tokens = host.tokens.view(np.uint16) if p.dtype == "bfloat16" else host.tokens
+    lengths = None if host.lengths is None else host.lengths.astype(np.int32)
+    mask = None if host.mask is None else host.mask.view(np.uint8)
+    scales = None if host.scales is None else host.scales.reshape(-1)
+    dev = _DeviceDocs(up(tokens), offsets=up(host.offsets), mask=up(mask), lengths=up(lengths), scales=up(scales))
+    return _with_spans(dev, device)
+
+
+def _mapped(a: np.ndarray | None, device: int):
+    """A CuPy array over page-locked host memory ``a``, for kernels on ``device`` to read in place
+    (unified addressing maps page-locked memory at its host address)."""
+    if a is None:
+        return None
+    import cupy
+
+    if a.nbytes == 0:
+        return cupy.empty(a.shape, a.dtype)
+    mem = cupy.cuda.UnownedMemory(a.ctypes.data, a.nbytes, a, device)
+    return cupy.ndarray(a.shape, a.dtype, cupy.cuda.MemoryPointer(mem, 0))

@@ -1,0 +1,342 @@
+"""lik_cupy.Corpus on the NumPy path (``device="cpu"``): every layout against maxsim / retrieve / a
+float64 reference, candidate ids, external ids, shards, threads. tests/test_corpus_object_gpu.py
+holds the GPU side."""
+
+import os
+import threading
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+import lik_cupy
+from lik_cupy import shards
+from reference import assert_within_rounding, maxsim_ref, rounding_bound
+
+LAYOUTS = ["padded-mask", "padded-lengths", "padded", "packed", "int8-padded", "int8-packed"]
+
+
+def _ragged(rng, nd, hi):
+    lens = rng.integers(1, hi + 1, nd)
+    lens[rng.random(nd) < 0.15] = 0  # some documents without tokens: -inf
+    return lens
+
+
+def corpus_case(rng, layout, nd=23, ld=13, dim=24, dtype=np.float32):
+    """(Corpus keyword arguments, D as padded [nd, ld, dim] float64 values, its valid tokens, its lengths)."""
+    lens = _ragged(rng, nd, ld)
+    valid = np.arange(ld)[None, :] < lens[:, None]
+    if layout == "padded-mask":  # holes anywhere, not just a prefix
+        valid = rng.random((nd, ld)) < 0.6
+        valid[0] = False
+    D = rng.standard_normal((nd, ld, dim)).astype(dtype)
+    if layout.startswith("int8"):
+        D8, s8 = lik_cupy.quantize_int8(D, backend="cpu")
+        values = D8.astype(np.float64) * s8[..., None]
+        if layout == "int8-padded":
+            return dict(D=D8, d_scales=s8, d_lengths=lens), values, valid, lens
+        off = np.concatenate([[0], np.cumsum(lens)])
+        return dict(D=D8[valid], d_scales=s8[valid], d_offsets=off), values, valid, lens
+    values = D.astype(np.float64)
+    if layout == "padded-mask":
+        return dict(D=D, d_mask=valid), values, valid, None
+    if layout == "padded-lengths":
+        return dict(D=D, d_lengths=lens), values, valid, lens
+    if layout == "padded":
+        return dict(D=D), values, np.ones((nd, ld), bool), None
+    off = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    return dict(D=D[valid], d_offsets=off), values, valid, lens
+
+
+def direct_scores(kw, Q, q_lengths):
+    """The same scores from the stateless functions (backend="cpu")."""
+    kw = dict(kw)
+    D = kw.pop("D")
+    if "d_scales" in kw:
+        if "d_offsets" in kw:
+            return lik_cupy.maxsim_int8_varlen(Q, D, kw["d_scales"], kw["d_offsets"], q_lengths=q_lengths,
+                                               backend="cpu")
+        return lik_cupy.maxsim_int8(Q, D, kw["d_scales"], d_lengths=kw.get("d_lengths"), q_lengths=q_lengths,
+                                    backend="cpu")
+    if "d_offsets" in kw:
+        return lik_cupy.maxsim_varlen(Q, D, kw["d_offsets"], q_lengths=q_lengths, backend="cpu")
+    return lik_cupy.maxsim(Q, D, d_mask=kw.get("d_mask"), d_lengths=kw.get("d_lengths"), q_lengths=q_lengths,
+                           backend="cpu")
+
+
+def retrieve_direct(kw, Q, k, q_lengths):
+    kw = dict(kw)
+    return lik_cupy.retrieve(Q, kw.pop("D"), k, q_lengths=q_lengths, backend="cpu", **kw)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_every_layout_matches_maxsim_retrieve_and_float64(rng, layout):
+    kw, values, valid, _ = corpus_case(rng, layout)
+    nq, lq = 5, 7
+    Q = rng.standard_normal((nq, lq, 24)).astype(np.float32)
+    ql = rng.integers(0, lq + 1, nq)
+    corpus = lik_cupy.Corpus(**kw, device="cpu")
+    assert corpus.where == "host memory" and corpus.device is None
+    s = corpus.score(Q, q_lengths=ql)
+    assert s.dtype == np.float32 and s.shape == (nq, 23)
+    np.testing.assert_array_equal(s, direct_scores(kw, Q, ql))  # one NumPy path: the same bits
+    qv = np.arange(lq)[None, :] < ql[:, None]
+    if layout.startswith("int8"):  # quantised queries: near the float64 MaxSim of the dequantised corpus
+        ref = maxsim_ref(Q, values, qv, valid)[0]
+        fin = np.isfinite(ref)
+        assert np.array_equal(np.isfinite(s), fin) and np.array_equal(s[~fin], ref[~fin])
+        assert np.abs(s[fin] - ref[fin]).max() < 0.02 * np.abs(ref[fin]).max()
+    else:
+        assert_within_rounding(s, maxsim_ref(Q, values, qv, valid)[0], rounding_bound(Q, values, qv, valid))
+
+    for k in (1, 6, 40):
+        got_s, got_i = corpus.search(Q, k, q_lengths=ql)
+        want_s, want_i = retrieve_direct(kw, Q, k, ql)
+        np.testing.assert_array_equal(got_i, want_i)
+        np.testing.assert_array_equal(got_s, want_s)
+        assert got_i.dtype == np.int64
+
+    cand = rng.integers(0, 23, (nq, 9))
+    cand[0, :3] = cand[0, 3]  # duplicates are scored each time
+    r = corpus.rerank(Q, cand, q_lengths=ql)
+    assert r.dtype == np.float32 and r.shape == (nq, 9)
+    np.testing.assert_array_equal(r, np.take_along_axis(s, cand, 1))
+    np.testing.assert_array_equal(corpus.rerank(Q, cand.astype(np.int32).tolist(), q_lengths=ql), r)
+
+
+@pytest.mark.parametrize("layout", ["padded-mask", "packed", "int8-packed"])
+def test_one_query_and_query_masks(rng, layout):
+    kw, *_ = corpus_case(rng, layout, nd=11, ld=5, dim=16)
+    corpus = lik_cupy.Corpus(**kw, device="cpu")
+    Q = rng.standard_normal((6, 16)).astype(np.float32)
+    qm = rng.random(6) < 0.7
+    s = corpus.score(Q, qm)
+    assert s.shape == (11,)
+    np.testing.assert_array_equal(s, corpus.score(Q[None], qm[None])[0])
+    sv, si = corpus.search(Q, 4, qm)
+    assert sv.shape == (4,) and si.shape == (4,)
+    np.testing.assert_array_equal(si, corpus.search(Q[None], 4, qm[None])[1][0])
+    r = corpus.rerank(Q, [3, 0, 10], qm)
+    np.testing.assert_array_equal(r, s[[3, 0, 10]])
+
+
+def test_rerank_ids_outside_the_corpus_raise(rng):
+    for layout in ("padded-lengths", "packed"):
+        kw, *_ = corpus_case(rng, layout, nd=10, ld=4, dim=8)
+        corpus = lik_cupy.Corpus(**kw, device="cpu")
+        Q = rng.standard_normal((2, 3, 8)).astype(np.float32)
+        for bad, shown in (([[0, 10], [1, 2]], 10), ([[0, 1], [-1, 2]], -1), ([[0, 1], [2, 2**40]], 2**40)):
+            with pytest.raises(ValueError, match=rf"candidates holds {shown}; every entry must be in \[0, 9\] "
+                                                 r"\(indices of the 10 documents of the corpus\)"):
+                corpus.rerank(Q, np.array(bad))
+        with pytest.raises(ValueError, match=r"candidates has shape \[3, 2\]; expected \[Nq, K\] with Nq = 2"):
+            corpus.rerank(Q, np.zeros((3, 2), np.int64))
+        with pytest.raises(ValueError, match=r"expected \[K\] \(Q is one query\)"):
+            corpus.rerank(Q[0], np.zeros((1, 2), np.int64))
+        with pytest.raises(TypeError, match="candidates must be integer document indices"):
+            corpus.rerank(Q, np.zeros((2, 2), np.float32))
+        assert corpus.rerank(Q, np.zeros((2, 0), np.int64)).shape == (2, 0)
+
+
+def test_ids_map_search_results(rng):
+    kw, *_ = corpus_case(rng, "packed", nd=30, ld=6, dim=8)
+    Q = rng.standard_normal((3, 4, 8)).astype(np.float32)
+    plain = lik_cupy.Corpus(**kw, device="cpu")
+    s, i = plain.search(Q, 7)
+    for ids in (np.arange(30) * 7 + 1000, [f"doc-{j}" for j in range(30)], np.arange(30, dtype=np.uint16)):
+        corpus = lik_cupy.Corpus(**kw, ids=ids, device="cpu")
+        s2, i2 = corpus.search(Q, 7)
+        np.testing.assert_array_equal(s2, s)
+        np.testing.assert_array_equal(i2, np.asarray(ids)[i])
+        # rerank and score stay by position
+        np.testing.assert_array_equal(corpus.score(Q), plain.score(Q))
+        np.testing.assert_array_equal(corpus.rerank(Q, i), s)
+    assert lik_cupy.Corpus(**kw, ids=[f"d{j}" for j in range(30)], device="cpu").search(Q, 2)[1].dtype.kind == "U"
+    with pytest.raises(ValueError, match=r"ids has shape \[29\]; expected \[30\] \(one per document\)"):
+        lik_cupy.Corpus(**kw, ids=np.arange(29), device="cpu")
+    with pytest.raises(TypeError, match="ids must be integers or strings, got dtype float64"):
+        lik_cupy.Corpus(**kw, ids=np.zeros(30), device="cpu")
+
+
+def test_len_dim_dtype_nbytes(rng):
+    nd, ld, dim = 9, 5, 16
+    D = rng.standard_normal((nd, ld, dim)).astype(np.float16)
+    lens = rng.integers(0, ld + 1, nd)
+    valid = np.arange(ld)[None, :] < lens[:, None]
+    c = lik_cupy.Corpus(D, d_mask=valid, device="cpu")
+    assert (len(c), c.dim, c.dtype, c.nbytes) == (nd, dim, "float16", D.nbytes + valid.nbytes)
+    c = lik_cupy.Corpus(D, d_lengths=lens, device="cpu")
+    assert c.nbytes == D.nbytes + 8 * nd
+    tok, off = D[valid], np.concatenate([[0], np.cumsum(lens)])
+    c = lik_cupy.Corpus(tok, d_offsets=off, device="cpu")
+    assert (len(c), c.dim, c.dtype, c.nbytes) == (nd, dim, "float16", tok.nbytes + 8 * (nd + 1))
+    t8, s8 = lik_cupy.quantize_int8(tok.astype(np.float32), backend="cpu")
+    c = lik_cupy.Corpus(t8, d_scales=s8, d_offsets=off, device="cpu")
+    assert (len(c), c.dim, c.dtype, c.nbytes) == (nd, dim, "int8", t8.nbytes + s8.nbytes + 8 * (nd + 1))
+    assert "9 documents, packed" in repr(c) and "host memory" in repr(c)
+
+
+def test_bfloat16_and_float16_corpora(rng):
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    for dt in (np.float16, ml_dtypes.bfloat16):
+        kw, *_ = corpus_case(rng, "padded-lengths", nd=8, ld=6, dim=16, dtype=dt)
+        Q = rng.standard_normal((2, 3, 16)).astype(dt)
+        corpus = lik_cupy.Corpus(**kw, device="cpu")
+        assert corpus.dtype == np.dtype(dt).name
+        np.testing.assert_array_equal(corpus.score(Q), direct_scores(kw, Q, None))
+        np.testing.assert_array_equal(corpus.search(Q, 3)[1], retrieve_direct(kw, Q, 3, None)[1])
+
+
+def test_empty_corpus_and_empty_queries(rng):
+    corpus = lik_cupy.Corpus(np.zeros((0, 8), np.float32), d_offsets=np.array([0]), device="cpu")
+    Q = rng.standard_normal((2, 3, 8)).astype(np.float32)
+    assert len(corpus) == 0 and corpus.score(Q).shape == (2, 0)
+    s, i = corpus.search(Q, 5)
+    assert s.shape == (2, 0) and i.shape == (2, 0)
+    kw, *_ = corpus_case(rng, "packed", nd=6, ld=4, dim=8)
+    corpus = lik_cupy.Corpus(**kw, device="cpu")
+    np.testing.assert_array_equal(corpus.score(np.zeros((2, 0, 8), np.float32)), np.zeros((2, 6), np.float32))
+
+
+def test_from_shards(rng, tmp_path):
+    dim = 16
+    parts, ids = [], []
+    for n, (nd, first) in enumerate(((7, 0), (5, 100))):
+        lens = _ragged(rng, nd, 9)
+        tok = rng.standard_normal((int(lens.sum()), dim)).astype(np.float16)
+        off = np.concatenate([[0], np.cumsum(lens)])
+        parts.append((tok, off))
+        ids.append(np.arange(nd) + first)
+        shards.write_shard(tmp_path / f"s{n}", tok, off, ids=ids[-1])
+    tok = np.concatenate([t for t, _ in parts])
+    off = np.concatenate([[0], np.cumsum(np.concatenate([np.diff(o) for _, o in parts]))])
+    corpus = lik_cupy.Corpus.from_shards([tmp_path / "s0", str(tmp_path / "s1")], device="cpu")
+    assert (len(corpus), corpus.dim, corpus.dtype) == (12, dim, "float16")
+    Q = rng.standard_normal((3, 5, dim)).astype(np.float16)
+    np.testing.assert_array_equal(corpus.score(Q), lik_cupy.maxsim_varlen(Q, tok, off, backend="cpu"))
+    s, i = corpus.search(Q, 4)
+    want_s, want_i = lik_cupy.retrieve(Q, tok, 4, d_offsets=off, backend="cpu")
+    np.testing.assert_array_equal(s, want_s)
+    np.testing.assert_array_equal(i, np.concatenate(ids)[want_i])
+    one = lik_cupy.Corpus.from_shards(tmp_path / "s1", device="cpu")
+    np.testing.assert_array_equal(one.score(Q), lik_cupy.maxsim_varlen(Q, *parts[1], backend="cpu"))
+    # INT8 shards keep their scales; a padded .npy input (no ids) joins no shard that has ids
+    shards.write_shard(tmp_path / "q8", parts[0][0], parts[0][1], dtype="int8")
+    q8 = lik_cupy.Corpus.from_shards([tmp_path / "q8"], device="cpu")
+    assert q8.dtype == "int8"
+    t8 = shards.open_shard(tmp_path / "q8")
+    np.testing.assert_array_equal(q8.score(Q.astype(np.float32)),
+                                  lik_cupy.maxsim_int8_varlen(Q.astype(np.float32), t8.tokens, t8.scales, t8.offsets,
+                                                              backend="cpu"))
+    np.save(tmp_path / "padded.npy", rng.standard_normal((4, 3, dim)).astype(np.float16))
+    with pytest.raises(ValueError, match="has no ids but"):
+        lik_cupy.Corpus.from_shards([tmp_path / "s0", tmp_path / "padded.npy"], device="cpu")
+    with pytest.raises(ValueError, match="a corpus has one dtype and dim"):
+        lik_cupy.Corpus.from_shards([tmp_path / "s0", tmp_path / "q8"], device="cpu")
+    with pytest.raises(lik_cupy.ShardError, match="missing: no such file"):
+        lik_cupy.Corpus.from_shards([tmp_path / "missing"], device="cpu")
+    with pytest.raises(ValueError, match="at least one shard"):
+        lik_cupy.Corpus.from_shards([], device="cpu")
+
+
+def test_eight_threads_get_the_serial_results(rng):
+    kw, *_ = corpus_case(rng, "padded-lengths", nd=200, ld=20, dim=32)
+    corpus = lik_cupy.Corpus(**kw, device="cpu")
+    queries = [rng.standard_normal((3, 6, 32)).astype(np.float32) for _ in range(8)]
+    cands = [rng.integers(0, 200, (3, 15)) for _ in range(8)]
+
+    def run(t):
+        return corpus.score(queries[t]), corpus.search(queries[t], 10), corpus.rerank(queries[t], cands[t])
+
+    want = [run(t) for t in range(8)]
+    got, errors = [None] * 8, []
+    barrier = threading.Barrier(8)
+
+    def work(t):
+        try:
+            barrier.wait()
+            got[t] = [run(t) for _ in range(3)]
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(8)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors, errors
+    for t in range(8):
+        for s, (ss, si), r in got[t]:
+            np.testing.assert_array_equal(s, want[t][0])
+            np.testing.assert_array_equal(ss, want[t][1][0])
+            np.testing.assert_array_equal(si, want[t][1][1])
+            np.testing.assert_array_equal(r, want[t][2])
+
+
+@pytest.mark.parametrize(
+    "make,call,err,msg",
+    [
+        (dict(D=np.zeros((3, 2, 4), np.float64)), None, TypeError, "a Corpus holds float16, bfloat16, float32 or int8"),
+        (dict(D=np.zeros((3, 2, 4), np.float32), d_lengths=[1, 2, 3]), None, ValueError,
+         r"every length must be in \[0, 2\]"),
+        (dict(D=np.zeros((3, 4), np.float32), d_offsets=np.array([0, 2])), None, ValueError,
+         "ends at 2 but there are 3"),
+        (dict(D=np.zeros((3, 2, 4), np.int8)), None, TypeError, "is int8 but has no scales"),
+        (dict(D="docs.npy"), None, TypeError, "D: expected a NumPy"),
+        (dict(D=np.zeros((3, 2, 4), np.float32), max_gpu_bytes=-1), None, ValueError, "max_gpu_bytes must be"),
+        (dict(D=np.zeros((3, 2, 4), np.float32)), ("score", np.zeros((1, 2, 5), np.float32)), ValueError,
+         "corpus has dim 4 but Q has dim 5"),
+        (dict(D=np.zeros((3, 2, 4), np.float32)), ("score", np.zeros((1, 2, 4), np.float16)), TypeError,
+         "corpus has dtype float32 but Q has float16"),
+        (dict(D=np.zeros((3, 2, 4), np.float32)), ("score", np.zeros((1, 2, 4), np.int8)), TypeError,
+         "a Corpus takes float queries"),
+        (dict(D=np.zeros((3, 2, 4), np.float32)), ("search", np.zeros((1, 2, 4), np.float32), 0), ValueError,
+         r"k must be an integer in \[1, 4096\]"),
+        (dict(D=np.zeros((3, 2, 4), np.float32)), ("score", np.zeros((1, 1, 2, 4), np.float32)), ValueError,
+         r"Q must be \[Nq, Lq, d\] or \[Lq, d\]"),
+    ],
+)
+def test_argument_errors(make, call, err, msg):
+    with pytest.raises(err, match=msg):
+        corpus = lik_cupy.Corpus(**make, device="cpu")
+        getattr(corpus, call[0])(*call[1:])
+
+
+def test_candidate_ids_kernel_parameter_layout():
+    # CandSrc in cuda_src/fwd/config.cuh: a pointer, an int64 and an int (24 bytes with its padding)
+    from lik_cupy._runtime.candidates import _SRC
+
+    assert _SRC.size == 24
+    src = open(os.path.join(os.path.dirname(__file__), "..", "cuda_src", "fwd", "config.cuh")).read()
+    body = src[src.index("struct CandSrc {"):src.index("};", src.index("struct CandSrc {"))]
+    fields = [line.split("//")[0].strip() for line in body.splitlines()[1:] if line.split("//")[0].strip()]
+    assert [f.split()[0] for f in fields] == ["const", "i64", "int"], fields
+
+
+def test_candidate_tiles_are_enumerated_and_keep_the_rows_of_the_same_problem():
+    from lik_cupy import _dispatch as dispatch
+
+    names = {c.name for c in dispatch.all_forward_configs(90)}  # sm_90 has every family sm_80 has, and wgmma
+    for arch in (80, 90):
+        for dtype, dim in (("float16", 128), ("bfloat16", 256), ("float32", 64), ("int8", 96), ("float16", 2048)):
+            for lq in (8, 32, 200):
+                for packed in (False, True):
+                    for argmax in (False, True):
+                        c = dispatch.choose_forward(arch, dtype, dim, lq, argmax, True, True, 1, 180, packed, False,
+                                                    True, True)
+                        plain = dispatch.choose_forward(arch, dtype, dim, lq, argmax, True, True, 1, 180, packed,
+                                                        False, True)
+                        assert c.cand and not (c.multi or c.tma or c.token_split) and c.strided_tile is None, c.name
+                        assert arch != 90 or c.name in names, c.name
+                        # Several queries or TMA asked for: still one query a tile, staged by cp.async.
+                        assert dispatch.choose_forward(arch, dtype, dim, lq, argmax, True, True, 4, 180, packed, True,
+                                                       True, True) == c
+                        if dtype == "int8" and argmax and arch == 90:
+                            assert not c.wgmma  # INT8's argmax over ids spilled on the wgmma tiles
+                            continue
+                        # The tile the same problem takes without ids, or (padded split-d tiles of two
+                        # m-tiles, which spilled) one of the same warps and rows per warp: the same scores.
+                        assert (c.warps, c.mt, c.wgmma, c.split, c.elem) == (plain.warps, plain.mt, plain.wgmma,
+                                                                              plain.split, plain.elem), c.name
+                        if not (c.split and c.mt > 1 and not packed):
+                            assert replace(c, cand=False) == plain

@@ -1,0 +1,259 @@
+"""lik_cupy.Corpus on the GPU (skipped without one): resident and page-locked corpora against the
+stateless functions, rerank in place against a gathered copy (bit for bit), candidate ids outside
+the corpus, torch queries, threads."""
+
+import threading
+
+import numpy as np
+import pytest
+
+import lik_cupy
+from reference import maxsim_ref, rel_err
+from test_corpus_object import LAYOUTS, corpus_case
+from test_forward_gpu import _cp, _np, _torch
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture
+def same_tiles(monkeypatch):
+    """Candidate-id tiles stage by cp.async; keep the calls compared with them off TMA too, so both
+    run the same tile (TMA changes no bits of a tile's arithmetic, but INT8 takes other tiles with it)."""
+    monkeypatch.setenv("LIK_CUPY_DISABLE_TMA", "1")
+
+
+def _on_gpu(kw):
+    """The corpus arguments as CuPy arrays (lists as they are)."""
+    return {k: (_cp(v) if isinstance(v, np.ndarray) else v) for k, v in kw.items()}
+
+
+def _gathered(kw, cand):
+    """The candidates' documents copied out, as the stateless calls take them: padded
+    [Nq, K, Ld, d] (+ masks, lengths, scales) or, packed, per query (tokens, offsets, scales)."""
+    D = kw["D"]
+    if "d_offsets" not in kw:
+        out = {"D": D[cand]}
+        for name in ("d_mask", "d_lengths", "d_scales"):
+            if name in kw:
+                out[name] = np.asarray(kw[name])[cand]
+        return out
+    off = np.asarray(kw["d_offsets"], np.int64)
+    per_query = []
+    for row in cand:
+        rows = np.concatenate([np.arange(off[j], off[j + 1]) for j in row]).astype(np.int64)
+        o = np.concatenate([[0], np.cumsum(off[row + 1] - off[row])])
+        per_query.append((D[rows], o, None if "d_scales" not in kw else kw["d_scales"][rows]))
+    return per_query
+
+
+def _stateless(kw, Q, ql):
+    """The corpus's scores from maxsim / maxsim_varlen / maxsim_int8(_varlen), on the GPU."""
+    kw = _on_gpu(kw)
+    D = kw.pop("D")
+    if "d_scales" in kw:
+        if "d_offsets" in kw:
+            return lik_cupy.maxsim_int8_varlen(Q, D, kw["d_scales"], kw["d_offsets"], q_lengths=ql)
+        return lik_cupy.maxsim_int8(Q, D, kw["d_scales"], d_lengths=kw.get("d_lengths"), q_lengths=ql)
+    if "d_offsets" in kw:
+        return lik_cupy.maxsim_varlen(Q, D, kw["d_offsets"], q_lengths=ql)
+    return lik_cupy.maxsim(Q, D, d_mask=kw.get("d_mask"), d_lengths=kw.get("d_lengths"), q_lengths=ql)
+
+
+def _rerank_gathered(kw, Q, ql, cand):
+    """maxsim on a gathered copy of each query's candidates: the reference rerank must equal bit for bit."""
+    g = _gathered(kw, cand)
+    if isinstance(g, dict):
+        g = _on_gpu(g)
+        if "d_scales" in g:
+            return _np(lik_cupy.maxsim_int8(Q, g["D"], g["d_scales"], d_lengths=g.get("d_lengths"), q_lengths=ql))
+        return _np(lik_cupy.maxsim(Q, g["D"], d_mask=g.get("d_mask"), d_lengths=g.get("d_lengths"), q_lengths=ql))
+    rows = []
+    for i, (tok, off, sc) in enumerate(g):
+        qi, li = Q[i:i + 1], ql[i:i + 1]
+        if sc is None:
+            rows.append(_np(lik_cupy.maxsim_varlen(qi, _cp(tok), _cp(off), q_lengths=li)))
+        else:
+            rows.append(_np(lik_cupy.maxsim_int8_varlen(qi, _cp(tok), _cp(sc), _cp(off), q_lengths=li)))
+    return np.concatenate(rows)
+
+
+@pytest.mark.parametrize("where", ["gpu", "host-to-gpu", "pinned"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_every_layout_against_the_stateless_calls(rng, same_tiles, layout, where):
+    dim = 64 if layout.startswith("int8") else 40  # INT8 kernels take multiples of 16
+    kw, values, valid, _ = corpus_case(rng, layout, nd=300, ld=37, dim=dim)
+    nq, lq = 6, 19
+    Q = _cp(rng.standard_normal((nq, lq, dim)).astype(np.float32))
+    ql = _cp(rng.integers(0, lq + 1, nq))
+    if where == "gpu":
+        corpus = lik_cupy.Corpus(**_on_gpu(kw))
+    else:
+        corpus = lik_cupy.Corpus(**kw, max_gpu_bytes=0 if where == "pinned" else None)
+    assert corpus.where == {"gpu": "GPU", "host-to-gpu": "GPU", "pinned": "pinned host memory"}[where]
+    assert len(corpus) == 300 and corpus.dim == dim and corpus.device == 0
+    want = _np(_stateless(kw, Q, ql))
+    s = corpus.score(Q, q_lengths=ql)
+    assert type(s) is type(Q) and s.shape == (nq, 300)
+    np.testing.assert_array_equal(_np(s), want)  # the same kernel on the same operands
+    qv = np.arange(lq)[None, :] < _np(ql)[:, None]
+    ref = maxsim_ref(_np(Q), values, qv, valid)[0]
+    assert rel_err(_np(s), ref) < (2e-2 if layout.startswith("int8") else 3e-5)
+
+    for k in (1, 10, 300):
+        got_s, got_i = corpus.search(Q, k, q_lengths=ql)
+        want_s, want_i = lik_cupy.retrieve(Q, k=k, q_lengths=ql, **_on_gpu(kw))
+        np.testing.assert_array_equal(_np(got_s), _np(want_s))
+        np.testing.assert_array_equal(_np(got_i), _np(want_i))
+
+    cand = rng.integers(0, 300, (nq, 33))
+    cand[1, :5] = cand[1, 5]
+    r = corpus.rerank(Q, _cp(cand), q_lengths=ql)
+    assert r.shape == (nq, 33)
+    np.testing.assert_array_equal(_np(r), _rerank_gathered(kw, Q, ql, cand))
+    np.testing.assert_array_equal(_np(r), np.take_along_axis(want, cand, 1))
+    np.testing.assert_array_equal(_np(corpus.rerank(Q, cand.astype(np.int32), q_lengths=ql)), _np(r))  # host ids
+
+
+@pytest.mark.parametrize("layout", ["padded-mask", "padded-lengths", "packed", "int8-packed"])
+@pytest.mark.parametrize("id_dtype", [np.int32, np.int64])
+def test_device_ids_outside_the_corpus_score_nan_exactly_there(rng, same_tiles, layout, id_dtype):
+    dim = 32
+    kw, *_ = corpus_case(rng, layout, nd=50, ld=20, dim=dim)
+    Q = _cp(rng.standard_normal((4, 150, dim)).astype(np.float32))  # 150 tokens: several query tiles
+    ql = _cp(np.array([150, 0, 77, 1]))  # query 1 has no token: 0, or NaN for a bad id
+    for corpus in (lik_cupy.Corpus(**_on_gpu(kw)), lik_cupy.Corpus(**kw, max_gpu_bytes=0)):
+        cand = rng.integers(0, 50, (4, 40))
+        bad = rng.random(cand.shape) < 0.25
+        cand[bad] = rng.choice([-1, -(2**31), 50, 51, 2**31 - 1], int(bad.sum()))
+        r = _np(corpus.rerank(Q, _cp(cand.astype(id_dtype)), q_lengths=ql))
+        assert np.array_equal(np.isnan(r), bad)
+        good = np.where(bad, 0, cand)
+        want = np.take_along_axis(_np(corpus.score(Q, q_lengths=ql)), good, 1)
+        np.testing.assert_array_equal(r[~bad], want[~bad])
+        with pytest.raises(ValueError, match=r"candidates holds 50; every entry must be in \[0, 49\]"):
+            corpus.rerank(Q, np.where(bad, 50, cand), q_lengths=ql)  # host ids are checked
+
+
+def test_empty_queries_and_documents_with_device_ids(rng):
+    kw, *_ = corpus_case(rng, "padded", nd=5, ld=4, dim=16)
+    corpus = lik_cupy.Corpus(**_on_gpu(kw))
+    cand = _cp(np.array([[0, 7, 4]]))
+    r = _np(corpus.rerank(_cp(np.zeros((1, 0, 16), np.float32)), cand))  # no query token: 0, NaN for id 7
+    assert r[0, 0] == 0 and np.isnan(r[0, 1]) and r[0, 2] == 0
+    empty = lik_cupy.Corpus(_cp(np.zeros((0, 16), np.float32)), d_offsets=_cp(np.array([0, 0, 0])))
+    r = _np(empty.rerank(_cp(np.ones((1, 2, 16), np.float32)), _cp(np.array([[1, 2, -1]]))))
+    assert r[0, 0] == -np.inf and np.isnan(r[0, 1]) and np.isnan(r[0, 2])
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_torch_queries(rng, dtype):
+    torch = pytest.importorskip("torch")
+    import ml_dtypes
+
+    npd = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float32": np.float32}[dtype]
+    kw, *_ = corpus_case(rng, "packed", nd=120, ld=30, dim=64, dtype=npd)
+    corpus = lik_cupy.Corpus(**kw)  # host arrays (bfloat16 as ml_dtypes) uploaded
+    Qn = rng.standard_normal((3, 9, 64)).astype(npd)
+    Q = _torch(Qn)
+    s = corpus.score(Q)
+    assert isinstance(s, torch.Tensor) and s.is_cuda and s.dtype == torch.float32
+    want = _np(lik_cupy.maxsim_varlen(Q, _torch(kw["D"]), _torch(kw["d_offsets"])))
+    np.testing.assert_array_equal(s.cpu().numpy(), want)
+    vals, ids = corpus.search(Q, 5)
+    assert isinstance(ids, torch.Tensor) and ids.dtype == torch.int64
+    cand = torch.tensor(rng.integers(0, 120, (3, 11)), device="cuda")
+    r = corpus.rerank(Q, cand)
+    np.testing.assert_array_equal(r.cpu().numpy(), np.take_along_axis(want, cand.cpu().numpy(), 1))
+    if dtype != "bfloat16":  # CuPy holds no bfloat16: host bfloat16 queries are torch's to upload
+        host = corpus.score(Qn)  # host queries: host results
+        assert isinstance(host, np.ndarray)
+        np.testing.assert_array_equal(host, want)
+
+
+def test_ids_and_one_query(rng):
+    kw, *_ = corpus_case(rng, "padded-lengths", nd=80, ld=10, dim=32)
+    Q = _cp(rng.standard_normal((7, 32)).astype(np.float32))
+    plain = lik_cupy.Corpus(**_on_gpu(kw))
+    s, i = plain.search(Q, 6)
+    assert s.shape == (6,) and i.shape == (6,)
+    for ids in (np.arange(80) + 10**12, np.array([f"p{j}" for j in range(80)])):
+        named = lik_cupy.Corpus(**_on_gpu(kw), ids=ids)
+        s2, i2 = named.search(Q, 6)
+        np.testing.assert_array_equal(_np(s2), _np(s))
+        np.testing.assert_array_equal(_np(i2), ids[_np(i)])
+        assert isinstance(i2, np.ndarray) == (ids.dtype.kind == "U")
+    np.testing.assert_array_equal(_np(plain.rerank(Q, _cp(np.array([4, 2])))), _np(plain.score(Q))[[4, 2]])
+
+
+def test_small_budget_keeps_the_corpus_in_pinned_memory(rng):
+    kw, *_ = corpus_case(rng, "padded-mask", nd=400, ld=33, dim=48)
+    big = lik_cupy.Corpus(**kw, max_gpu_bytes=kw["D"].nbytes // 2)
+    resident = lik_cupy.Corpus(**kw)
+    assert big.where == "pinned host memory" and resident.where == "GPU"
+    from lik_cupy._runtime.pinned import span_page_locked
+
+    assert span_page_locked(big._host.tokens)
+    Q = _cp(rng.standard_normal((5, 12, 48)).astype(np.float32))
+    np.testing.assert_array_equal(_np(big.score(Q)), _np(resident.score(Q)))
+    for a, b in zip(big.search(Q, 20), resident.search(Q, 20)):
+        np.testing.assert_array_equal(_np(a), _np(b))
+    cand = _cp(rng.integers(0, 400, (5, 64)))
+    np.testing.assert_array_equal(_np(big.rerank(Q, cand)), _np(resident.rerank(Q, cand)))
+
+
+def test_eight_threads_get_the_serial_results(rng):
+    kw, *_ = corpus_case(rng, "packed", nd=2000, ld=60, dim=64)
+    corpora = [lik_cupy.Corpus(**_on_gpu(kw)), lik_cupy.Corpus(**kw, max_gpu_bytes=0)]
+    queries = [_cp(rng.standard_normal((4, 20, 64)).astype(np.float32)) for _ in range(8)]
+    cands = [_cp(rng.integers(-2, 2002, (4, 50))) for _ in range(8)]  # a few outside: NaN
+
+    def run(corpus, t):
+        s = corpus.score(queries[t])
+        v, i = corpus.search(queries[t], 10)
+        return [_np(x) for x in (s, v, i, corpus.rerank(queries[t], cands[t]))]
+
+    for corpus in corpora:
+        want = [run(corpus, t) for t in range(8)]
+        got, errors = [None] * 8, []
+        barrier = threading.Barrier(8)
+
+        def work(t):
+            try:
+                barrier.wait()
+                got[t] = [run(corpus, t) for _ in range(3)]
+            except Exception as e:  # noqa: BLE001 - reported below
+                errors.append(e)
+
+        threads = [threading.Thread(target=work, args=(t,)) for t in range(8)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        assert not errors, errors
+        for t in range(8):
+            for rep in got[t]:
+                for a, b in zip(rep, want[t]):
+                    np.testing.assert_array_equal(a, b)
+
+
+def test_from_shards_on_the_gpu(rng, tmp_path):
+    from lik_cupy import shards
+
+    lens = rng.integers(0, 40, 90)
+    tok = rng.standard_normal((int(lens.sum()), 64)).astype(np.float16)
+    off = np.concatenate([[0], np.cumsum(lens)])
+    shards.write_shard(tmp_path / "a", tok[: off[50]], off[:51], ids=np.arange(50))
+    shards.write_shard(tmp_path / "b", tok[off[50]:], off[50:] - off[50], ids=np.arange(50, 90))
+    corpus = lik_cupy.Corpus.from_shards([tmp_path / "a", tmp_path / "b"])
+    assert corpus.where == "GPU" and len(corpus) == 90
+    Q = _cp(rng.standard_normal((2, 8, 64)).astype(np.float16))
+    np.testing.assert_array_equal(_np(corpus.score(Q)), _np(lik_cupy.maxsim_varlen(Q, _cp(tok), _cp(off))))
+
+
+def test_queries_on_another_framework_or_device_are_refused(rng):
+    kw, *_ = corpus_case(rng, "packed", nd=10, ld=5, dim=16)
+    corpus = lik_cupy.Corpus(**_on_gpu(kw))
+    with pytest.raises(TypeError, match="corpus has dtype float32 but Q has float16"):
+        corpus.score(_cp(np.zeros((1, 2, 16), np.float16)))
+    with pytest.raises(ValueError, match=r"D is on cuda:0 but device=1"):
+        lik_cupy.Corpus(**_on_gpu(kw), device=1)
