@@ -19,7 +19,7 @@ from ._dispatch.backend import check_backend, use_gpu
 from ._interop import device_array, host_array
 from ._runtime.device import allocating, device_properties, empty
 from ._runtime.device_checks import capturing, strict
-from ._runtime.operands import device_offsets, host_offsets, kernel_dtype, kernel_operands
+from ._runtime.operands import device_offsets, host_metadata, host_offsets, kernel_dtype, kernel_operands
 from ._runtime.prepared_calls import PreparedBackward, call_key, lookup, store
 from ._validate import Problem, check_32bit, check_argmax_values, check_backward
 
@@ -53,7 +53,8 @@ def maxsim_backward(grad_scores, Q, D, argmax, *, d_offsets=None, method="auto",
         validate: None (default): no host synchronisation; an argmax entry that is neither -1
             nor a token of its document makes that query token's dQ row NaN and adds nothing
             to dD. True (or ``LIK_VALIDATE=1``): check the argmax values first (one reduction
-            and one host synchronisation) and raise a ValueError. False: as None.
+            and one host synchronisation) and raise a ValueError. A host-resident argmax (or
+            offsets) is checked on the host and raises, unless False. False: no check.
         backend: "auto", "gpu" or "cpu" (NumPy, accumulating in float64 in blocks bounded in
             bytes: ``lik_cupy._cpu.backward``).
 
@@ -146,7 +147,8 @@ def _gpu(p: Problem, g, Q, D, argmax, d_offsets, method, validate, q_shape, d_sh
 
     from ._runtime.nvrtc import get_module
 
-    validate = strict(validate)
+    # host values raise (operands.host_metadata) unless the caller said validate=False
+    validate = strict(validate) or (validate is not False and host_metadata(argmax, d_offsets))
     fw = p.framework
     on_host = p.device is None
     device = p.device if p.device is not None else cupy.cuda.runtime.getDevice()

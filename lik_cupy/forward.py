@@ -14,7 +14,7 @@ from ._interop import caller_results, caller_stream, device_array, host_array, h
 from ._runtime.device_checks import call_checks
 from ._runtime.launch import launch, prepare, use_tma_for
 from ._runtime.prepared_calls import PreparedCall, call_key, lookup, store
-from ._runtime.operands import (device_offsets, device_valid, host_offsets, kernel_dtype, kernel_operands,
+from ._runtime.operands import (device_offsets, host_metadata, device_valid, host_offsets, kernel_dtype, kernel_operands,
                                 unpack_queries, valid_host)
 from ._validate import Problem, check_call, check_varlen
 from .precision import _resolve as _fp32_accurate
@@ -55,7 +55,7 @@ def maxsim(Q, D, q_mask=None, d_mask=None, *, q_lengths=None, d_lengths=None, re
             checked on the device with no host synchronisation; True (or ``LIK_VALIDATE=1``):
             strict, the call waits for the check and raises a ValueError; False: no check (an
             invalid value gives wrong scores, never a read out of bounds). Host-resident
-            lengths are always checked on the host and raise.
+            lengths (lists, NumPy, CPU tensors) are checked on the host and raise, unless False.
 
     Returns:
         float32 scores (float64 for float64 inputs) and the argmax, in the caller's framework,
@@ -200,7 +200,8 @@ def _prepared(key, p: Problem, return_argmax: bool, validate, x3: bool, metadata
     with cupy.cuda.Device(p.device):
         fwd = prepare(p, p.device, esize=esize, vec=vec, use_tma=use_tma_for(p, vec, rows), argmax=return_argmax,
                       packed=packed, off_wide=wide[2], ld_hint=-(-p.ntok // p.nd) if packed else None, x3=x3)
-    call = PreparedCall(p.framework, p, p.device, fwd, return_argmax, wide, mark=validate is not False)
+    caller = {"maxsim": "maxsim", "pairs": "maxsim_pairs", "varlen": "maxsim_varlen"}[key[0]]
+    call = PreparedCall(p.framework, p, p.device, fwd, return_argmax, wide, mark=validate is not False, caller=caller)
     store(key, call)
     return call
 
@@ -247,7 +248,7 @@ def _gpu(p: Problem, Q, D, q_mask, d_mask, q_lengths, d_lengths, return_argmax, 
     fw = p.framework
     on_host = p.device is None
     device = p.device if p.device is not None else cupy.cuda.runtime.getDevice()
-    with call_checks(validate) as checks:
+    with call_checks(True if validate is not False and host_metadata(q_lengths, d_lengths) else validate) as checks:
         with caller_stream(fw, device):
             q = device_array(Q, fw, on_host)
             d = device_array(D, fw, on_host)
@@ -269,7 +270,7 @@ def _gpu_varlen(p: Problem, Q, D, d_offsets, q_mask, q_lengths, q_offsets, retur
     fw = p.framework
     on_host = p.device is None
     device = p.device if p.device is not None else cupy.cuda.runtime.getDevice()
-    with call_checks(validate) as checks:
+    with call_checks(True if validate is not False and host_metadata(q_lengths, d_offsets) else validate) as checks:
         with caller_stream(fw, device):
             q = device_array(Q, fw, on_host)
             d = device_array(D, fw, on_host).reshape(p.ntok, p.dim)

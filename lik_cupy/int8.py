@@ -23,7 +23,7 @@ from ._dispatch.backend import check_backend, scoring_on_gpu
 from ._interop import caller_results, device_array, host_array, host_result
 from ._runtime.device_checks import call_checks
 from ._runtime.launch import launch
-from ._runtime.operands import device_offsets, device_valid, host_offsets, valid_host
+from ._runtime.operands import device_offsets, device_valid, host_metadata, host_offsets, valid_host
 from ._validate import Problem, check_call, check_int8_scales, check_varlen
 
 __all__ = ["maxsim_int8", "maxsim_int8_varlen"]
@@ -127,7 +127,7 @@ def _score(p: Problem, Q, q_scales, q_int8: bool, q_mask, q_lengths, D, d_scales
 
     on_host = p.device is None
     device = p.device if p.device is not None else cupy.cuda.runtime.getDevice()
-    with call_checks(validate) as checks:
+    with call_checks(True if validate is not False and host_metadata(q_lengths, d_lengths, d_offsets) else validate) as checks:
         with interop.caller_stream(fw, device):
             q, qs = _device_queries(p, Q, q_scales, q_int8, on_host)
             d = device_array(D, fw, on_host)

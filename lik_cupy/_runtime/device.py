@@ -52,9 +52,13 @@ def allocating(buffer: str, nbytes: int, hint: str):
 
     try:
         yield
-    except (cupy.cuda.memory.OutOfMemoryError, cupy.cuda.runtime.CUDARuntimeError) as e:
-        # Without CuPy's pool (cupy.cuda.set_allocator(None)) cudaMalloc's own error arrives instead.
-        if isinstance(e, cupy.cuda.runtime.CUDARuntimeError) and e.status != _CUDA_ERROR_MEMORY_ALLOCATION:
+    except Exception as e:
+        # Without CuPy's pool (cupy.cuda.set_allocator(None)) cudaMalloc's own error arrives instead;
+        # torch's caching allocator raises torch.OutOfMemoryError (the repeat-call path allocates there).
+        oom = isinstance(e, cupy.cuda.memory.OutOfMemoryError) or (
+            isinstance(e, cupy.cuda.runtime.CUDARuntimeError) and e.status == _CUDA_ERROR_MEMORY_ALLOCATION) or (
+            type(e).__name__ == "OutOfMemoryError" and type(e).__module__.startswith("torch"))
+        if not oom:
             raise
         device = cupy.cuda.runtime.getDevice()
         free, total = cupy.cuda.runtime.memGetInfo()

@@ -11,8 +11,22 @@ from .._interop import device_array, host_array
 from .._validate import check_length_values, check_offset_values
 from .device_checks import queue_or_verify
 
-__all__ = ["valid_host", "host_offsets", "device_valid", "device_offsets", "unpack_queries", "kernel_dtype",
+__all__ = ["host_metadata", "valid_host", "host_offsets", "device_valid", "device_offsets", "unpack_queries", "kernel_dtype",
            "kernel_operands"]
+
+
+def host_metadata(*xs) -> bool:
+    """Whether any of the lengths, offsets or argmax ``xs`` is host-resident (a list, an int, a NumPy
+    array or a CPU tensor): such values are checked on the host and raise, whatever ``validate``
+    says (only device values follow the NaN contract, docs in ``lik_cupy.forward.maxsim``)."""
+    from .._interop import describe
+
+    for x in xs:
+        if x is None:
+            continue
+        if isinstance(x, (list, tuple, int, np.integer, np.ndarray)) or describe(x).device is None:
+            return True
+    return False
 
 
 def valid_host(mask, lengths, rows: int, length: int, name: str, fw: str) -> np.ndarray:

@@ -102,12 +102,13 @@ class PreparedCall:
     the kernel.
     """
 
-    def __init__(self, fw: str, p, device: int, fwd, argmax: bool, wide: tuple, mark: bool):
+    def __init__(self, fw: str, p, device: int, fwd, argmax: bool, wide: tuple, mark: bool, caller: str):
         self.a = _ADAPTERS[fw]
         self.p, self.device, self.fwd, self.argmax = p, device, fwd, argmax
         self.q_wide, self.d_wide, self.off_wide = (int(w) for w in wide)
         self.mark = mark
         self.rows = p.nq * p.nd if p.candidates else p.nd  # document rows of padded D
+        self.caller = caller  # the public function, for error messages
 
     def current(self) -> bool:
         return self.fwd.current()
@@ -120,8 +121,16 @@ class PreparedCall:
                 return self(Q, D, q_mask, d_mask, q_lengths, d_lengths, d_offsets)
         a, p, dev = self.a, self.p, self.device
         stream = a.stream_handle(dev)
-        scores = a.new_empty(p.scores_shape, "float32", dev)
-        amax = a.new_empty(p.argmax_shape, "int32", dev) if self.argmax else None
+        scores = amax = None
+        try:
+            scores = a.new_empty(p.scores_shape, "float32", dev)
+            amax = a.new_empty(p.argmax_shape, "int32", dev) if self.argmax else None
+        except Exception:
+            fn, split = self.caller, "split the call over fewer queries or documents"
+            if scores is None:
+                _named_oom(f"{fn}: scores {list(p.scores_shape)} float32", 4 * p.nq * p.nd, split)
+            _named_oom(f"{fn}: argmax {list(p.argmax_shape)} int32", 4 * p.nq * p.nd * p.lq,
+                       f"return_argmax=False needs no argmax buffer; or {split}")
         if poison_outputs():
             a.fill(scores, -1.2345e33)
             if amax is not None:
@@ -180,9 +189,17 @@ class PreparedBackward:
         a, dev = self.a, self.device
         stream = a.stream_handle(dev)
         nq, nd, lq, ld, dim, cand, rows = self.dims
-        dq = a.new_empty(self.q_shape, self.dtype, dev)
-        dd = a.new_empty(self.d_shape, self.dtype, dev)
-        dd32 = a.new_empty((rows * dim,), "float32", dev)
+        try:
+            dq = a.new_empty(self.q_shape, self.dtype, dev)
+            dd = a.new_empty(self.d_shape, self.dtype, dev)
+        except Exception:
+            _named_oom(f"maxsim_backward: dQ and dD {list(self.q_shape)}, {list(self.d_shape)} {self.dtype}",
+                       (nq * lq + rows) * dim * (4 if self.dtype == "float32" else 2), "split the call")
+        try:
+            dd32 = a.new_empty((rows * dim,), "float32", dev)
+        except Exception:
+            _named_oom(f"maxsim_backward: the atomic method's fp32 dD [{rows}, {dim}] float32", rows * dim * 4,
+                       "method='csr' needs no fp32 copy of dD; or split the call over fewer documents")
         dd32_ptr = a.address(dd32)
         cupy.cuda.runtime.memsetAsync(dd32_ptr, 0, rows * dim * 4, stream)
         launch_raw(self.dq, self.dq_grid, self.threads, 0, stream, _DQ_PARAMS,
@@ -201,3 +218,12 @@ def _device() -> int:
 
     _device = cupy.cuda.runtime.getDevice
     return _device()
+
+
+def _named_oom(buffer: str, nbytes: int, hint: str) -> None:
+    """Inside an ``except``: the error being handled, as ``device.allocating`` names an out-of-memory
+    error (a ``DeviceMemoryError`` naming ``buffer``), or re-raised as it is."""
+    from .device import allocating
+
+    with allocating(buffer, nbytes, hint):
+        raise
