@@ -110,12 +110,12 @@
 #ifndef LIK_RESIDUAL
 #define LIK_RESIDUAL 0
 #endif
-// Document lengths as the caller gave them (length_at, common.cuh), except in INT8 argmax tiles,
-// which read int32 ones (the host narrows int64 lengths for them: launch.py, tagged_doc_lengths):
-// the tag's registers spilled their two-warpgroup tiles at 255 (compile.check_all). Query lengths
+// Document lengths as the caller gave them (length_at, common.cuh), except in INT8 and multi-query
+// argmax tiles, which read int32 ones (the host narrows int64 lengths for them: launch.py,
+// tagged_doc_lengths): the tag's registers spilled them at 255 (compile.check_all). Query lengths
 // are int32 everywhere: the tag in the rows' validity test spilled multi-query argmax tiles.
 __device__ __forceinline__ int fwd_length(const int* p, i64 i) {
-#if LIK_ELEM == 3 && LIK_ARGMAX
+#if LIK_ARGMAX && (LIK_ELEM == 3 || LIK_MULTI)
     return p[i];
 #else
     return length_at(p, i);

@@ -102,9 +102,9 @@ class ForwardLaunch:
         self.ntok, self.rows, self.esize, self.argmax = ntok, rows, esize, argmax
         self.off_flags = off_flags
         self.partials = plan.n_qt * p.nq * p.nd if plan.n_qt > 1 else 0  # float32 scratch elements
-        # document lengths may be int64 (a tagged address), except in INT8 argmax tiles (fwd_length in
-        # cuda_src/fwd/config.cuh); query lengths are int32 in every tile
-        self.tagged_doc_lengths = not (cfg.elem == 3 and cfg.argmax)
+        # document lengths may be int64 (a tagged address), except in INT8 and multi-query argmax tiles
+        # (fwd_length in cuda_src/fwd/config.cuh); query lengths are int32 in every tile
+        self.tagged_doc_lengths = not (cfg.argmax and (cfg.elem == 3 or cfg.multi))
         self.sum_func = mod.get_function("lik_sum_partials").kernel.ptr if plan.n_qt > 1 else 0
         self._made_with = _made_with()
 
