@@ -86,7 +86,7 @@ def test_only_device_arrays_of_one_framework_take_the_repeat_path():
     assert prepared_calls.call_key("maxsim", (True, False, "auto", None), [[0.0]], ()) is None
 
 
-def test_the_call_cache_is_bounded_and_least_recently_used_goes_first(monkeypatch):
+def test_the_call_cache_is_bounded_and_the_oldest_stored_goes_first(monkeypatch):
     monkeypatch.setattr(prepared_calls, "MAX_CALLS", 3)
     prepared_calls.clear()
 
@@ -98,7 +98,7 @@ def test_the_call_cache_is_bounded_and_least_recently_used_goes_first(monkeypatc
     for k in range(3):
         prepared_calls.store(k, Call())
     assert prepared_calls.lookup(0) is not None
-    prepared_calls.store(0, Call())  # used again: most recent
+    prepared_calls.store(0, Call())  # stored again: the newest
     prepared_calls.store(3, Call())
     assert sorted(prepared_calls._calls) == [0, 2, 3]
     prepared_calls.clear()

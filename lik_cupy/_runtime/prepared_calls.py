@@ -10,8 +10,8 @@ validation, no DLPack round trip, no CuPy array of the caller's data, no host sy
 Only C-contiguous PyTorch CUDA tensors and CuPy arrays take this path, with masks, lengths and
 offsets (if any) on the device in the same framework; everything else (host arrays, lists of
 lengths, other frameworks, float64, strict validation, empty problems) runs the whole path each
-time. The cache is bounded (least recently used first out) and safe to share between threads:
-a prepared call holds no per-call state.
+time. The cache is bounded (the oldest stored goes first; a hit moves nothing, so lookups take no
+lock) and safe to share between threads: a prepared call holds no per-call state.
 """
 
 from __future__ import annotations
