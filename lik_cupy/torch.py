@@ -24,9 +24,10 @@ CUDA graphs: a training step that calls these functions, eager or compiled, can 
 whole with ``torch.cuda.graph`` (or ``torch.cuda.make_graphed_callables``) and replayed. Every
 kernel runs on torch's current stream and every buffer, scratch included, comes from torch's
 caching allocator, so a capture takes them from the graph's private pool. Warm up once outside
-the capture (the first call compiles its kernels). Inside a capture the value checks of lengths
-and offsets are skipped (they need a host read); the kernels clamp those values, so bad ones
-give wrong scores, never reads outside the inputs.
+the capture (the first call compiles its kernels). The pass that makes the scores of invalid
+device lengths and offsets NaN is captured too and reads each replay's values; strict checks
+(``validate=True``) are skipped inside a capture (they need a host read), and the kernels clamp
+those values, so bad ones never read outside the inputs.
 """
 
 from __future__ import annotations
