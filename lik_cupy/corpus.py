@@ -365,12 +365,13 @@ class Corpus:
         """One launch of the forward kernel on the resident operands (``cand``: candidate ids)."""
         import cupy
 
-        from ._runtime.device_checks import DeviceChecks
+        from ._runtime.device_checks import call_checks
         from ._runtime.launch import launch
-        from ._runtime.operands import device_valid
+        from ._runtime.operands import device_valid, host_metadata
 
         fw, on_host, docs = qp.framework, qp.device is None, self._dev
-        with DeviceChecks() as checks:
+        # device query lengths: the NaN contract, with no host wait; host ones raise (lik_cupy.maxsim)
+        with call_checks(True if host_metadata(q_lengths) else None) as checks:
             with cupy.cuda.Device(self.device), caller_stream(fw, self.device):
                 q = device_array(Q, fw, on_host).reshape(qp.nq, qp.lq, qp.dim)
                 qm, ql = device_valid(q_mask, q_lengths, qp.nq, qp.lq, "q_lengths", fw, on_host, checks)
@@ -389,6 +390,7 @@ class Corpus:
                     # No kernel ran (launch's empty cases): ids outside the corpus still score NaN.
                     ok = (cand.ids >= 0) & (cand.ids < self._p.nd)
                     scores = cupy.where(ok.reshape(scores.shape), scores, np.float32(np.nan))
+                checks.apply(p, scores, None, self.device)
                 results, _ = caller_results(p, scores, None, on_host)
             checks.verify()
         return results
