@@ -3,7 +3,6 @@ float64 reference, candidate ids, external ids, shards, threads. tests/test_corp
 holds the GPU side."""
 
 import os
-import threading
 from dataclasses import replace
 
 import numpy as np
@@ -12,6 +11,7 @@ import pytest
 import lik_cupy
 from lik_cupy import shards
 from reference import assert_within_rounding, maxsim_ref, rounding_bound
+from threads import run_threads
 
 LAYOUTS = ["padded-mask", "padded-lengths", "padded", "packed", "int8-padded", "int8-packed"]
 
@@ -249,22 +249,12 @@ def test_eight_threads_get_the_serial_results(rng):
         return corpus.score(queries[t]), corpus.search(queries[t], 10), corpus.rerank(queries[t], cands[t])
 
     want = [run(t) for t in range(8)]
-    got, errors = [None] * 8, []
-    barrier = threading.Barrier(8)
+    got = [None] * 8
 
     def work(t):
-        try:
-            barrier.wait()
-            got[t] = [run(t) for _ in range(3)]
-        except Exception as e:  # noqa: BLE001 - reported below
-            errors.append(e)
+        got[t] = [run(t) for _ in range(3)]
 
-    threads = [threading.Thread(target=work, args=(t,)) for t in range(8)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
-    assert not errors, errors
+    run_threads(8, work)
     for t in range(8):
         for s, (ss, si), r in got[t]:
             np.testing.assert_array_equal(s, want[t][0])

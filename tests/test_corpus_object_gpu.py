@@ -2,8 +2,6 @@
 stateless functions, rerank in place against a gathered copy (bit for bit), candidate ids outside
 the corpus, torch queries, threads."""
 
-import threading
-
 import numpy as np
 import pytest
 
@@ -11,6 +9,7 @@ import lik_cupy
 from reference import maxsim_ref, rel_err
 from test_corpus_object import LAYOUTS, corpus_case
 from test_forward_gpu import _cp, _np, _torch
+from threads import run_threads
 
 pytestmark = pytest.mark.gpu
 
@@ -215,22 +214,12 @@ def test_eight_threads_get_the_serial_results(rng):
 
     for corpus in corpora:
         want = [run(corpus, t) for t in range(8)]
-        got, errors = [None] * 8, []
-        barrier = threading.Barrier(8)
+        got = [None] * 8
 
-        def work(t):
-            try:
-                barrier.wait()
-                got[t] = [run(corpus, t) for _ in range(3)]
-            except Exception as e:  # noqa: BLE001 - reported below
-                errors.append(e)
+        def work(t, corpus=corpus):
+            got[t] = [run(corpus, t) for _ in range(3)]
 
-        threads = [threading.Thread(target=work, args=(t,)) for t in range(8)]
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join()
-        assert not errors, errors
+        run_threads(8, work)
         for t in range(8):
             for rep in got[t]:
                 for a, b in zip(rep, want[t]):

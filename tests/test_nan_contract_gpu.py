@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 import lik_cupy
-from test_forward_gpu import _unit
+from test_forward_gpu import _np, _unit
+from threads import run_threads
 
 pytestmark = pytest.mark.gpu
 
@@ -20,14 +21,6 @@ def _conv(framework):
     import cupy
 
     return cupy.asarray
-
-
-def _np(x):
-    if hasattr(x, "get"):
-        return x.get()
-    if hasattr(x, "cpu"):
-        return x.cpu().numpy()
-    return np.asarray(x)
 
 
 def _expect(scores_ok, amax_ok, bad_cells, scores, amax=None):
@@ -196,29 +189,18 @@ def test_repeat_calls_match_the_first_and_follow_changed_arguments(rng, framewor
 
 
 def test_repeat_calls_from_many_threads(rng):
-    import threading
-
     import cupy
 
     nq, lq, nd, ld, dim = 2, 32, 300, 64, 128
     qs = [cupy.asarray(_unit(rng, nq, lq, dim).astype(np.float16)) for _ in range(8)]
     d = cupy.asarray(_unit(rng, nd, ld, dim).astype(np.float16))
     want = [_np(lik_cupy.maxsim(q, d, validate=True)) for q in qs]
-    errors = []
 
     def work(i):
-        try:
-            with cupy.cuda.Stream(non_blocking=True) as s:
-                for _ in range(50):
-                    got = lik_cupy.maxsim(qs[i], d)
-                s.synchronize()
-                assert np.array_equal(_np(got), want[i])
-        except Exception as e:  # noqa: BLE001 - reported below
-            errors.append(e)
+        with cupy.cuda.Stream(non_blocking=True) as s:
+            for _ in range(50):
+                got = lik_cupy.maxsim(qs[i], d)
+            s.synchronize()
+            assert np.array_equal(_np(got), want[i])
 
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
+    run_threads(8, work)

@@ -35,6 +35,7 @@ import numpy as np
 import pytest
 
 import lik_cupy
+from threads import run_threads
 
 pytestmark = pytest.mark.gpu
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # JAX, if a test imports it, takes no 75% share
@@ -265,26 +266,6 @@ def _cupy_jobs(seed=0):
     }
 
 
-def _run_threads(n, work):
-    """Run work(k) in n threads started together; re-raise the first error."""
-    barrier, errors = threading.Barrier(n), []
-
-    def body(k):
-        try:
-            barrier.wait()
-            work(k)
-        except BaseException as e:  # noqa: BLE001 - handed to the main thread
-            errors.append(e)
-
-    threads = [threading.Thread(target=body, args=(k,)) for k in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
-
-
 def _threads_match_serial(jobs, n_threads, rounds, stream_of):
     serial = {name: fn() for name, fn in jobs.items()}
     mismatches, calls = [], collections.Counter()
@@ -299,7 +280,7 @@ def _threads_match_serial(jobs, n_threads, rounds, stream_of):
                         mismatches.append((k, r, name))
 
     t0 = time.perf_counter()
-    _run_threads(n_threads, work)
+    run_threads(n_threads, work)
     assert not mismatches, mismatches[:5]
     return {"threads": n_threads, "calls": sum(calls.values()), "kinds": sorted(jobs),
             "s": time.perf_counter() - t0, "bitwise_equal_to_serial": True}
@@ -361,7 +342,7 @@ def test_two_gpus_at_once_match_serial():
                     if not _bitwise_equal(fn(), serial[dev][name]):
                         mismatches.append((dev, name))
 
-    _run_threads(8, work)
+    run_threads(8, work)
     assert not mismatches, mismatches[:5]
     names = {cupy.cuda.runtime.getDeviceProperties(d)["name"] for d in (0, 1)}
     if len(names) == 1:  # the same model: the same kernels, so the same bits
@@ -402,7 +383,7 @@ def test_cold_start_from_many_threads_compiles_each_kernel_once(tmp_path, monkey
         out[k] = _hosts(lik_cupy.maxsim(Q, D, return_argmax=bool(k % 2)))
 
     t0 = time.perf_counter()
-    _run_threads(16, work)
+    run_threads(16, work)
     assert nvrtc.calls == 2  # two kernels (with and without argmax), sixteen callers
     assert all(_bitwise_equal(out[k], out[k % 2]) for k in range(16))
     FIGURES["cold_start"] = {"threads": 16, "kernels": 2, "nvrtc_compiles": nvrtc.calls,

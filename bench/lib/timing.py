@@ -35,6 +35,21 @@ def per_call_ms(torch, fn, n, *, rounds=3, spin_cycles=0):
     return statistics.median(times)
 
 
+def wall_ms(torch, fn, n, *, rounds=3):
+    """Best of ``rounds`` of (wall time of ``n`` back-to-back calls, one synchronisation after them) / n,
+    after one warm-up call: what a loop of calls pays, host included."""
+    fn()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(rounds):
+        t = time.perf_counter()
+        for _ in range(n):
+            fn()
+        torch.cuda.synchronize()
+        best = min(best, (time.perf_counter() - t) * 1e3 / n)
+    return best
+
+
 def padded_call_ms(torch, fn, reps, pad_cycles):
     """Per-call ms of ``fn(i)`` for i in range(reps): events around each call, each call behind
     its own queued sleep of ``pad_cycles`` (0: none) so the host runs ahead and the call's launch

@@ -24,34 +24,20 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 from pathlib import Path
 
 os.environ.setdefault("LIK_SUPPRESS_NORM_WARN", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: bench.lib, and this checkout's lik_cupy
 from bench.lib import baselines  # noqa: E402
 from bench.lib.results import out_dir, slugify, text_table, write_json  # noqa: E402
+from bench.lib.timing import wall_ms  # noqa: E402
 
 D = 128
 SPIN = 40_000_000  # cycles: ~20 ms, longer than the host needs for 300 calls
 
 
-def wall_ms(torch, fn, calls: int) -> float:
-    """Best of three rounds of ``calls`` back-to-back calls, one synchronisation after each round."""
-    fn()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(3):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-        best = min(best, (time.perf_counter() - t0) * 1e3 / calls)
-    return best
-
-
 def kernel_ms(torch, fn, calls: int) -> float:
-    """GPU time per call: the calls queued behind a spin kernel, between two events."""
+    """GPU time per call: the calls queued behind a spin kernel, between two events (best of two)."""
     fn()
     torch.cuda.synchronize()
     best = float("inf")

@@ -33,7 +33,7 @@ import lik_cupy  # noqa: E402
 from lik_cupy._runtime.device import device_properties  # noqa: E402
 
 from bench.lib.results import out_dir, write_result  # noqa: E402
-from bench.lib.timing import padded_call_ms  # noqa: E402
+from bench.lib.timing import padded_call_ms, wall_ms  # noqa: E402
 
 N_LOOP = 400
 
@@ -72,19 +72,6 @@ def device_ms(fn, reps=200, pad_cycles=500_000):
     ``bench_corpus.py`` times): a call that waits for the GPU inside shows that wait here."""
     fn()
     return float(np.median(padded_call_ms(torch, lambda i: fn(), reps, pad_cycles)))
-
-
-def loop_ms(fn, n=N_LOOP):
-    fn()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(3):
-        t = time.perf_counter()
-        for _ in range(n):
-            fn()
-        torch.cuda.synchronize()
-        best = min(best, (time.perf_counter() - t) * 1e3 / n)
-    return best
 
 
 def profile(fn, n=N_LOOP, top=22):
@@ -193,7 +180,7 @@ def main():
     for fw in ("torch", "cupy"):
         s = inputs(fw)
         for name, fn in calls(s).items():
-            lp = loop_ms(fn)
+            lp = wall_ms(torch, fn, N_LOOP)
             dv = device_ms(fn)
             rows.append({"framework": fw, "call": name, "loop_ms": lp, "device_ms": dv})
             print(f"{fw:6s} {name:22s} loop {lp:7.4f} ms  device {dv:7.4f} ms", flush=True)
