@@ -103,3 +103,64 @@ def test_the_call_cache_is_bounded_and_the_oldest_stored_goes_first(monkeypatch)
     assert sorted(prepared_calls._calls) == [0, 2, 3]
     prepared_calls.clear()
     assert prepared_calls.lookup(2) is None
+
+
+class _FakeArray:
+    def __init__(self, ptr, wide=False):
+        self.ptr, self.wide = ptr, wide
+
+
+class _FakeAdapter:
+    """The adapter calls a PreparedCall makes, over fake arrays (addresses only)."""
+
+    def __init__(self):
+        self.narrowed = []
+
+    def address(self, x):
+        return x.ptr
+
+    def stream_handle(self, device):
+        return 7
+
+    def new_empty(self, shape, dtype, device):
+        return _FakeArray(0x1000)
+
+    def to_int32(self, x):
+        self.narrowed.append(x)
+        return _FakeArray(x.ptr + 0x100)
+
+    def fill(self, x, value):
+        pass
+
+
+class _FakeLaunch:
+    partials = 0
+
+    def __init__(self, tagged):
+        self.tagged_doc_lengths = tagged
+        self.runs = []
+
+    def run(self, *args):
+        self.runs.append(args)
+
+
+@pytest.mark.parametrize("tagged", [True, False])
+def test_repeat_call_passes_int64_document_lengths_as_the_tile_reads_them(monkeypatch, tagged):
+    # Tiles that read int64 document lengths get the tagged address; the others (INT8 and multi-query
+    # argmax tiles) an int32 copy; query lengths are narrowed for every tile. The NaN pass reads the
+    # caller's arrays.
+    adapter, fwd, marked = _FakeAdapter(), _FakeLaunch(tagged), []
+    monkeypatch.setitem(prepared_calls._ADAPTERS, "fake", adapter)
+    monkeypatch.setattr(prepared_calls, "_device", lambda: 0)
+    monkeypatch.setattr(prepared_calls, "mark_invalid", lambda *a, **k: marked.append(k))
+    p = _problem(nq=2, lq=8, nd=5, ld=16, dim=64)
+    call = prepared_calls.PreparedCall("fake", p, 0, fwd, False, (True, True, False), mark=True, caller="maxsim")
+    ql, dl = _FakeArray(0x2000, True), _FakeArray(0x3000, True)
+    call(_FakeArray(0x4000), _FakeArray(0x5000), None, None, ql, dl, None)
+    (args,) = fwd.runs
+    q_arg, d_arg = args[5], args[7]  # run(stream, q, d, q_scale, d_scale, ql, qm, dl, ...)
+    assert q_arg == 0x2100
+    assert d_arg == (0x3001 if tagged else 0x3100)
+    assert adapter.narrowed == ([ql] if tagged else [ql, dl])
+    (k,) = marked
+    assert (k["q_len"].ptr, k["q_len"].wide, k["d_len"].ptr, k["d_len"].wide) == (0x2000, 1, 0x3000, 1)

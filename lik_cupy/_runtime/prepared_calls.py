@@ -106,6 +106,10 @@ class PreparedCall:
         self.a = _ADAPTERS[fw]
         self.p, self.device, self.fwd, self.argmax = p, device, fwd, argmax
         self.q_wide, self.d_wide, self.off_wide = (int(w) for w in wide)
+        # int64 document lengths go as they are, their address tagged (launch.lengths_ptr), where the
+        # tile reads them so (ForwardLaunch.tagged_doc_lengths); else, like query lengths, narrowed
+        self.d_tagged = self.d_wide and fwd.tagged_doc_lengths
+        self.d_narrowed = self.d_wide and not fwd.tagged_doc_lengths
         self.mark = mark
         self.rows = p.nq * p.nd if p.candidates else p.nd  # document rows of padded D
         self.caller = caller  # the public function, for error messages
@@ -136,11 +140,10 @@ class PreparedCall:
             if amax is not None:
                 a.fill(amax, -77)
         s_ptr, a_ptr = a.address(scores), (a.address(amax) if amax is not None else 0)
-        # int64 document lengths go as they are, their address tagged (launch.lengths_ptr); query
-        # lengths are int32 in the kernels
-        q32 = q_lengths if q_lengths is None or not self.q_wide else a.to_int32(q_lengths)
+        q32 = q_lengths if q_lengths is None or not self.q_wide else a.to_int32(q_lengths)  # int32 in every tile
         ql = 0 if q32 is None else a.address(q32)
-        dl = 0 if d_lengths is None else a.address(d_lengths) | self.d_wide
+        d_in = a.to_int32(d_lengths) if self.d_narrowed else d_lengths
+        dl = 0 if d_in is None else a.address(d_in) | self.d_tagged
         spans = None
         if d_mask is not None:  # the kernel skips each document's padding (masks.py)
             spans = a.new_empty((self.rows,), "int32", dev)
