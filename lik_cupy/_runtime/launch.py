@@ -179,11 +179,11 @@ dispatch.on_clear(clear_prepared)
 
 def prepare(p: Problem, device: int, *, esize: int, vec: bool, use_tma: bool, argmax: bool, packed: bool = False,
             off_wide: bool = False, ld_hint=None, d_off_whole: bool = True, x3: bool = False, residual=None,
-            scales: bool = False, cand: bool = False) -> ForwardLaunch:
+            cand: bool = False) -> ForwardLaunch:
     """The :class:`ForwardLaunch` of a problem on ``device`` (the current one), made once per
     signature. ``residual``: nbits of PLAID-compressed documents, or None; ``cand``: candidate ids
     pick each query's documents (``candidates.CandidateIds``)."""
-    key = (p, esize, vec, use_tma, argmax, packed, off_wide, ld_hint, d_off_whole, x3, residual, scales, cand,
+    key = (p, esize, vec, use_tma, argmax, packed, off_wide, ld_hint, d_off_whole, x3, residual, cand,
            _made_with())
     return _prepared.lookup(device, key) or _prepared.get(device, key, lambda: _prepare(
         p, device, esize, vec, use_tma, argmax, packed, off_wide, ld_hint, d_off_whole, x3, residual, cand))
@@ -313,14 +313,14 @@ def launch(p: Problem, q, d, qm, dm, ql, dl, return_argmax: bool, device: int, *
     fwd = prepare(p, device, esize=esize, vec=vec, use_tma=use_tma_for(p, vec, d.size // p.dim, d_scale, residual),
                   argmax=return_argmax, packed=d_off is not None, off_wide=d_off is not None and d_off.dtype == np.int64,
                   ld_hint=ld_hint, d_off_whole=d_off_whole, x3=x3, residual=None if residual is None else residual.nbits,
-                  scales=d_scale is not None, cand=cand is not None)
+                  cand=cand is not None)
     part = empty((fwd.partials,), np.float32, f"{fn}: partial scores of the long queries' tiles", split) \
         if fwd.partials else None
     if ql is not None and ql.dtype == np.int64:
         ql = ql.astype(np.int32)
     if dl is not None and dl.dtype == np.int64 and not fwd.tagged_doc_lengths:
         dl = dl.astype(np.int32)
-    fwd.run(cupy.cuda.get_current_stream().ptr, q.data.ptr, d.data.ptr, _ptr(q_scale), _ptr(d_scale), lengths_ptr(ql),
+    fwd.run(cupy.cuda.get_current_stream().ptr, q.data.ptr, d.data.ptr, _ptr(q_scale), _ptr(d_scale), _ptr(ql),
             _ptr(qm), lengths_ptr(dl), _ptr(dm), _ptr(d_off), scores.data.ptr, _ptr(amax), _ptr(part),
             # the by-value parameters after the fixed ones: the residual kernel's, then the candidate ids'
             (() if residual is None else (residual,)) + (() if cand is None else (cand,)))
