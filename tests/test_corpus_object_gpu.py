@@ -109,8 +109,10 @@ def test_every_layout_against_the_stateless_calls(rng, same_tiles, layout, where
     r = corpus.rerank(Q, _cp(cand), q_lengths=ql)
     assert r.shape == (nq, 33)
     np.testing.assert_array_equal(_np(r), _rerank_gathered(kw, Q, ql, cand))
-    # score ran tiles of several queries, which sum a query's rows in another order
-    np.testing.assert_allclose(_np(r), np.take_along_axis(want, cand, 1), rtol=1e-5, atol=1e-6)
+    # score ran tiles of several queries, which sum a query's rows in another order: a rounding
+    # of the largest row maximum apart (a score near 0 is a sum of rows that cancel)
+    scale = np.abs(want[np.isfinite(want)]).max()
+    np.testing.assert_allclose(_np(r), np.take_along_axis(want, cand, 1), rtol=1e-5, atol=1e-6 * scale)
     np.testing.assert_array_equal(_np(corpus.rerank(Q, cand.astype(np.int32), q_lengths=ql)), _np(r))  # host ids
 
 
