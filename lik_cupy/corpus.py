@@ -25,6 +25,7 @@ call's work is its own (launches go to each thread's current CuPy or torch strea
 from __future__ import annotations
 
 import os
+import threading
 
 import numpy as np
 
@@ -36,6 +37,7 @@ from dataclasses import replace
 from ._interop import caller_results, caller_stream, device_array, host_array, host_result
 from ._runtime.device import gpu_available
 from ._runtime.operands import kernel_operands, valid_host
+from ._runtime.prepared_calls import call_key
 from ._validate import Problem, check_id_values
 from .precision import _resolve as _fp32_accurate
 from .retrieve import (MAX_K, _Cpu, _DeviceDocs, _doc_problem, _Gpu, _HostDocs, _host_docs, _Part, _query_problem,
@@ -46,6 +48,7 @@ __all__ = ["Corpus"]
 _DTYPES = ("float16", "bfloat16", "float32", "int8")
 _GPU_SHARE = 0.75  # of the device's free memory a host corpus may take by default
 _RERANK_BLOCK = 64 << 20  # bytes of gathered candidate tokens per NumPy rerank step
+_MAX_CALLS = 64  # repeat-path signatures kept per corpus
 
 
 class Corpus:
@@ -105,6 +108,8 @@ class Corpus:
         self._host: _HostDocs | None = None  # host memory (the NumPy path) or page-locked memory (streamed)
         self._dev: _DeviceDocs | None = None  # the kernels' operands: device arrays, or views of the locked pages
         self._src: dict | None = None  # page-locked: the arrays score and search stream from
+        self._calls: dict = {}  # call signature -> PreparedCall: score and rerank's repeat path
+        self._calls_lock = threading.Lock()
         if device == "cpu" or (device is None and info.device is None and not gpu_available()):
             self._host = _host_docs(part, p)
             self.where, self.device = "host memory", None
@@ -192,6 +197,10 @@ class Corpus:
         Returns:
             float32 ``[Nq, Nd]`` (``[Nd]`` for a 2-D Q) in Q's framework and place.
         """
+        key = call_key("Corpus.score", (None, precision), Q, (q_mask, q_lengths))
+        call = self._calls.get(key)
+        if call is not None and call.current():
+            return call(Q, None, q_mask, None, q_lengths, None, None)
         qp, p = self._problem(Q, q_mask, q_lengths)
         if self.where == "host memory":
             s = self._host_scores(qp, Q, q_mask, q_lengths)
@@ -199,7 +208,7 @@ class Corpus:
         x3 = _fp32_accurate(precision, qp.framework, qp.dtype)
         if self.where == "pinned host memory":
             return self._streamed(qp, p, Q, q_mask, q_lengths, None, x3)
-        return self._launch(qp, p, Q, q_mask, q_lengths, x3, "Corpus.score")
+        return self._launch(qp, p, Q, q_mask, q_lengths, x3, "Corpus.score", key=key)
 
     def search(self, Q, k, q_mask=None, *, q_lengths=None, precision=None):
         """The ``k`` best documents of each query, as :func:`lik_cupy.retrieve` ranks them.
@@ -242,6 +251,10 @@ class Corpus:
         Returns:
             float32 ``[Nq, K]`` (``[K]`` for a 2-D Q), in the candidates' order, in Q's framework and place.
         """
+        key = call_key("Corpus.rerank", (None, precision), Q, (candidates, q_mask, q_lengths))
+        call = self._calls.get(key)
+        if call is not None and call.current():
+            return call(Q, None, q_mask, None, q_lengths, None, None, candidates)
         qp, p = self._problem(Q, q_mask, q_lengths)
         cand, on_device, shape = self._candidates(candidates, qp, one_query=len(p.scores_shape) == 1)
         p = Problem(framework=qp.framework, device=qp.device, dtype=p.dtype, nq=qp.nq, lq=qp.lq, nd=shape[1],
@@ -259,7 +272,8 @@ class Corpus:
         with cupy.cuda.Device(self.device), caller_stream(qp.framework, self.device):
             ids = cand if on_device else cupy.asarray(cand)
             ids = CandidateIds(ids.reshape(shape), self._p.nd)
-            return self._launch(qp, p, Q, q_mask, q_lengths, x3, "Corpus.rerank", ids)
+            return self._launch(qp, p, Q, q_mask, q_lengths, x3, "Corpus.rerank", ids,
+                                key=key if on_device else None)
 
     # ------------------------------------------------------------ residency
 
@@ -361,8 +375,9 @@ class Corpus:
         p = _with_queries(qp, self._p)
         return qp, replace(p, scores_shape=(p.nd,)) if len(q.shape) == 2 else p
 
-    def _launch(self, qp: Problem, p: Problem, Q, q_mask, q_lengths, x3: bool, caller: str, cand=None):
-        """One launch of the forward kernel on the resident operands (``cand``: candidate ids)."""
+    def _launch(self, qp: Problem, p: Problem, Q, q_mask, q_lengths, x3: bool, caller: str, cand=None, key=None):
+        """One launch of the forward kernel on the resident operands (``cand``: candidate ids), and
+        the repeat path's prepared call of its signature ``key`` (None: the call cannot take it)."""
         import cupy
 
         from ._runtime.device_checks import call_checks
@@ -392,8 +407,42 @@ class Corpus:
                     scores = cupy.where(ok.reshape(scores.shape), scores, np.float32(np.nan))
                 checks.apply(p, scores, None, self.device)
                 results, _ = caller_results(p, scores, None, on_host)
+                self._prepare_repeat(key, p, q, q_lengths, x3, caller, cand)
             checks.verify()
         return results
+
+    def _prepare_repeat(self, key, p: Problem, q, q_lengths, x3: bool, caller: str, cand) -> None:
+        """Keep the :class:`PreparedCall` of ``key``, a call just launched on the current device, where
+        its signature allows one: float queries, ids, masks and lengths on the device in Q's framework,
+        C-contiguous, and a problem with work (``lik_cupy._runtime.prepared_calls``)."""
+        from ._runtime.launch import prepare, use_tma_for
+        from ._runtime.prepared_calls import PreparedCall, ResidentDocs
+
+        docs = self._dev
+        if key is None or p.dtype == "int8" or not (p.nq and p.nd and p.lq) or docs.tokens.shape[0] == 0 \
+                or (not p.d_packed and p.ld == 0):
+            return
+        if any(isinstance(k, tuple) and (k[2] < 0 or not k[4]) for k in key[2:]):
+            return
+        if (q_lengths is not None and q_lengths.dtype.itemsize not in (4, 8)) or \
+                (cand is not None and cand.ids.dtype.itemsize != (8 if key[3][1].itemsize == 8 else 4)):
+            return  # lengths or ids of another width: the call copies them
+        d = docs.tokens
+        esize = q.dtype.itemsize
+        vec = (p.dim * esize) % 16 == 0 and key[2][3] and d.data.ptr % 16 == 0
+        packed = docs.offsets is not None
+        ld_hint = -(-p.ntok // max(1, self._p.nd)) if packed else None
+        fwd = prepare(p, self.device, esize=esize, vec=vec, use_tma=use_tma_for(p, vec, d.size // p.dim),
+                      argmax=False, packed=packed, off_wide=packed and docs.offsets.dtype == np.int64,
+                      ld_hint=ld_hint, x3=x3, cand=cand is not None)
+        wide = (q_lengths is not None and q_lengths.dtype.itemsize == 8, False, packed and docs.offsets.dtype.itemsize == 8)
+        resident = ResidentDocs(d.data.ptr, _ptr(docs.mask), _ptr(docs.lengths), _ptr(docs.offsets), self._p.nd)
+        call = PreparedCall(p.framework, p, self.device, fwd, False, wide, mark=True, caller=caller, docs=resident,
+                            cand_wide=cand is not None and cand.ids.dtype == np.int64)
+        with self._calls_lock:
+            if len(self._calls) >= _MAX_CALLS:
+                self._calls.pop(next(iter(self._calls)))
+            self._calls[key] = call
 
     def _streamed(self, qp: Problem, p: Problem, Q, q_mask, q_lengths, k: int | None, x3: bool):
         """``score`` (``k`` None) or ``search`` through retrieve's chunks: over the device arrays, or
@@ -527,12 +576,19 @@ def _fields(docs) -> list:
 
 
 def _with_spans(docs: _DeviceDocs, device: int) -> _DeviceDocs:
-    """``docs`` with its mask's spans (``_runtime/masks.py``) as its lengths, made once for every call."""
+    """``docs`` with its mask's spans (``_runtime/masks.py``) as its lengths, made once for every call;
+    int64 lengths (checked) narrowed once, as every tile reads int32 ones."""
     if docs.mask is not None and docs.lengths is None:
         from ._runtime.masks import mask_spans
 
         docs.lengths = mask_spans(docs.mask, device)
+    elif docs.lengths is not None and docs.lengths.dtype != np.int32:
+        docs.lengths = docs.lengths.astype(np.int32)
     return docs
+
+
+def _ptr(a) -> int:
+    return 0 if a is None else a.data.ptr
 
 
 def _upload(host: _HostDocs, p: Problem, device: int) -> _DeviceDocs:

@@ -249,3 +249,42 @@ def test_queries_on_another_framework_or_device_are_refused(rng):
         corpus.score(_cp(np.zeros((1, 2, 16), np.float16)))
     with pytest.raises(ValueError, match=r"D is on cuda:0 but device=1"):
         lik_cupy.Corpus(**_on_gpu(kw), device=1)
+
+
+@pytest.mark.parametrize("fw", ["cupy", "torch"])
+@pytest.mark.parametrize("where", ["gpu", "pinned"])
+@pytest.mark.parametrize("layout", ["padded-mask", "padded-lengths", "padded", "packed"])
+def test_repeat_calls_read_each_calls_arrays(rng, same_tiles, layout, where, fw):
+    """score and rerank keep a prepared call per signature (the repeat path): a repeat call scores
+    the values its arrays hold now, with the NaN contract of device query lengths and ids, exactly
+    as a fresh corpus's first call does."""
+    to = _cp if fw == "cupy" else _torch
+    kw, *_ = corpus_case(rng, layout, nd=210, ld=29, dim=48)
+    corpus = lik_cupy.Corpus(**kw, max_gpu_bytes=0 if where == "pinned" else None)
+    nq, lq = 5, 23
+    Q = to(rng.standard_normal((nq, lq, 48)).astype(np.float32))
+    ql = to(rng.integers(0, lq + 1, nq))  # int64
+    cand = to(rng.integers(0, 210, (nq, 17)).astype(np.int32))
+    corpus.score(Q, q_lengths=ql)
+    corpus.rerank(Q, cand, q_lengths=ql)
+    assert len(corpus._calls) == (1 if where == "pinned" else 2)  # score streams a page-locked corpus
+    for _ in range(2):  # new values in the same arrays: the prepared calls read them
+        Q[...] = to(rng.standard_normal((nq, lq, 48)).astype(np.float32))
+        new_ql = rng.integers(0, lq + 1, nq)
+        new_ql[2] = lq + 1  # invalid: NaN in its row, nowhere else
+        ql[...] = to(new_ql)
+        c = rng.integers(0, 210, (nq, 17))
+        c[0, 3], c[4, 0] = 210, -1  # outside the corpus: NaN exactly there
+        cand[...] = to(c.astype(np.int32))
+        fresh = lik_cupy.Corpus(**kw, max_gpu_bytes=0 if where == "pinned" else None)
+        bad = np.zeros((nq, 17), bool)
+        bad[2] = bad[0, 3] = bad[4, 0] = True
+        for got, want, nan in ((corpus.score(Q, q_lengths=ql), fresh.score(Q, q_lengths=ql), bad[:, 5:6]),  # row 2 alone
+                               (corpus.rerank(Q, cand, q_lengths=ql), fresh.rerank(Q, cand, q_lengths=ql), bad)):
+            got, want = _np(got), _np(want)
+            np.testing.assert_array_equal(got, want)
+            np.testing.assert_array_equal(np.isnan(got), np.broadcast_to(nan, got.shape))
+    assert len(corpus._calls) == (1 if where == "pinned" else 2)
+    one = Q[1]  # one query [Lq, d] and its [K] ids: a signature of its own
+    for _ in range(2):
+        np.testing.assert_array_equal(_np(corpus.rerank(one, cand[1])), _np(corpus.rerank(Q[1:2], cand[1:2]))[0])

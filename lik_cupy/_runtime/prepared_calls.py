@@ -18,14 +18,16 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from typing import NamedTuple
 
 from .._interop import cupy_arrays, torch_tensors
+from .candidates import CandidateParam
 from .device_checks import Checked, mark_invalid, strict
 from .env import poison_outputs
 from .masks import queue_mask_spans
 from .raw_launch import launch_raw, signature
 
-__all__ = ["call_key", "lookup", "store", "PreparedCall", "PreparedBackward", "clear", "MAX_CALLS"]
+__all__ = ["call_key", "lookup", "store", "PreparedCall", "PreparedBackward", "ResidentDocs", "clear", "MAX_CALLS"]
 
 MAX_CALLS = 512  # signatures kept per process
 _ADAPTERS = {"torch": torch_tensors, "cupy": cupy_arrays}
@@ -99,11 +101,15 @@ class PreparedCall:
 
     ``wide``: whether (q_lengths, d_lengths, d_offsets) are int64; the kernels read them as they are
     (int64 query lengths narrowed first), and so does the NaN pass. ``mark``: queue that pass after
-    the kernel.
+    the kernel. ``docs``: a :class:`lik_cupy.Corpus`'s documents, which every call scores (its D,
+    d_mask, d_lengths and d_offsets are then None), and ``cand_wide``: its candidate ids (the
+    ``cand`` of a call, ``[Nq, K]``) are int64, else int32.
     """
 
-    def __init__(self, fw: str, p, device: int, fwd, argmax: bool, wide: tuple, mark: bool, caller: str):
+    def __init__(self, fw: str, p, device: int, fwd, argmax: bool, wide: tuple, mark: bool, caller: str,
+                 docs: ResidentDocs | None = None, cand_wide: bool = False):
         self.a = _ADAPTERS[fw]
+        self.docs, self.cand_wide = docs, cand_wide
         self.p, self.device, self.fwd, self.argmax = p, device, fwd, argmax
         self.q_wide, self.d_wide, self.off_wide = (int(w) for w in wide)
         # int64 document lengths go as they are, their address tagged (launch.lengths_ptr), where the
@@ -117,12 +123,12 @@ class PreparedCall:
     def current(self) -> bool:
         return self.fwd.current()
 
-    def __call__(self, Q, D, q_mask, d_mask, q_lengths, d_lengths, d_offsets):
+    def __call__(self, Q, D, q_mask, d_mask, q_lengths, d_lengths, d_offsets, cand=None):
         if _device() != self.device:
             import cupy
 
             with cupy.cuda.Device(self.device):
-                return self(Q, D, q_mask, d_mask, q_lengths, d_lengths, d_offsets)
+                return self(Q, D, q_mask, d_mask, q_lengths, d_lengths, d_offsets, cand)
         a, p, dev = self.a, self.p, self.device
         stream = a.stream_handle(dev)
         scores = amax = None
@@ -142,24 +148,47 @@ class PreparedCall:
         s_ptr, a_ptr = a.address(scores), (a.address(amax) if amax is not None else 0)
         q32 = q_lengths if q_lengths is None or not self.q_wide else a.to_int32(q_lengths)  # int32 in every tile
         ql = 0 if q32 is None else a.address(q32)
-        d_in = a.to_int32(d_lengths) if self.d_narrowed else d_lengths
-        dl = 0 if d_in is None else a.address(d_in) | self.d_tagged
-        spans = None
-        if d_mask is not None:  # the kernel skips each document's padding (masks.py)
-            spans = a.new_empty((self.rows,), "int32", dev)
-            dl = a.address(spans)
-            queue_mask_spans(stream, dev, a.address(d_mask), self.rows, p.ld, dl)
+        if self.docs is None:
+            d, dm, dl, off, _keep = self._documents(a, stream, D, d_mask, d_lengths, d_offsets)
+            by_value = ()
+        else:
+            d, dm, dl, off, n_docs = self.docs
+            by_value = () if cand is None else (CandidateParam(a.address(cand), n_docs, self.cand_wide),)
         fwd = self.fwd
         part = a.new_empty((fwd.partials,), "float32", dev) if fwd.partials else None
-        fwd.run(stream, a.address(Q), a.address(D), 0, 0, ql, 0 if q_mask is None else a.address(q_mask), dl,
-                0 if d_mask is None else a.address(d_mask), 0 if d_offsets is None else a.address(d_offsets),
-                s_ptr, a_ptr, 0 if part is None else a.address(part))
+        fwd.run(stream, a.address(Q), d, 0, 0, ql, 0 if q_mask is None else a.address(q_mask), dl, dm, off,
+                s_ptr, a_ptr, 0 if part is None else a.address(part), by_value)
         if self.mark and (q_lengths is not None or d_lengths is not None or d_offsets is not None):
             mark_invalid(stream, dev, s_ptr, a_ptr, p.nq, p.nd, p.lq, p.candidates,
                          q_len=None if q_lengths is None else Checked(a.address(q_lengths), self.q_wide, p.lq),
                          d_len=None if d_lengths is None else Checked(a.address(d_lengths), self.d_wide, p.ld),
                          d_off=None if d_offsets is None else Checked(a.address(d_offsets), self.off_wide, p.ntok))
         return (scores, amax) if self.argmax else scores
+
+    def _documents(self, a, stream: int, D, d_mask, d_lengths, d_offsets) -> tuple:
+        """The call's documents as the kernel reads them: addresses of (D, d_mask, its lengths or
+        the mask's spans, d_offsets), and the arrays made for them (alive until the launch)."""
+        d_in = a.to_int32(d_lengths) if self.d_narrowed else d_lengths
+        dl = 0 if d_in is None else a.address(d_in) | self.d_tagged
+        spans = None
+        if d_mask is not None:  # the kernel skips each document's padding (masks.py)
+            spans = a.new_empty((self.rows,), "int32", self.device)
+            dl = a.address(spans)
+            queue_mask_spans(stream, self.device, a.address(d_mask), self.rows, self.p.ld, dl)
+        return (a.address(D), 0 if d_mask is None else a.address(d_mask), dl,
+                0 if d_offsets is None else a.address(d_offsets), (d_in, spans))
+
+
+class ResidentDocs(NamedTuple):
+    """A :class:`lik_cupy.Corpus`'s checked documents as its prepared calls read them: device
+    addresses (0: none) of the tokens, the uint8 mask, the int32 lengths (a mask's spans) and the
+    offsets, and the number of documents (which bounds candidate ids)."""
+
+    tokens: int
+    mask: int
+    lengths: int
+    offsets: int
+    n_docs: int
 
 
 _DQ_PARAMS = signature("pppppppiiiiiiq")  # lik_bwd_dq (cuda_src/maxsim_bwd.cu)
