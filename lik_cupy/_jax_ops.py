@@ -6,9 +6,13 @@ lowers it for (``jax.lax.platform_dependent``):
 - CUDA: a ``jax.experimental.buffer_callback`` (jax >= 0.7). When XLA reaches it, XLA's input
   and output buffers are viewed as CuPy arrays (no copy), the public function runs on them
   on XLA's stream (CuPy's view of it, ``_cupy_stream``), and each result is copied device to device
-  on that stream into XLA's output buffer (the public functions have no ``out=``). The host
-  queues work and returns: it never waits for the device. Masks and lengths reach the kernels
-  without host-side value checks (``_device_arguments``).
+  on that stream into XLA's output buffer (the public functions have no ``out=``). A repeat run
+  of ``maxsim`` or ``maxsim_varlen`` with the buffers' shapes, dtypes and alignment takes the
+  forward's repeat-call path instead: its prepared call, rebound to XLA's buffers
+  (``_interop/xla_buffers.py``), reads their addresses and writes the scores (and argmax) into
+  XLA's outputs; no CuPy array, no copy. The host queues work and returns: it never waits for
+  the device. Masks and lengths reach the kernels without host-side value checks
+  (``_device_arguments``).
 - anything else (CPU): a ``jax.pure_callback`` running the NumPy path (``backend="cpu"``).
 
 Both take ``vmap_method="expand_dims"``, and ``lik_cupy._batched_calls`` folds the batch axes
@@ -24,7 +28,7 @@ import math
 import jax
 import numpy as np
 
-from ._batched_calls import CallSpec, run_batched
+from ._batched_calls import CallSpec, plan, run_batched
 
 __all__ = ["call", "compile_ahead", "BUFFER_CALLBACK_JAX"]
 
@@ -122,20 +126,53 @@ def _device_arguments(fn: str, arrays: dict, kwargs: dict) -> tuple[dict, dict]:
     return arrays, dict(kwargs, validate=False)
 
 
+_LEAN = frozenset({"maxsim", "maxsim_varlen"})  # the functions with a repeat-call path (lik_cupy.forward)
+_MAX_LEAN = 64  # prepared calls kept per callback
+
+
 @functools.cache
 def _device_callback(spec: CallSpec):
     function = functools.partial(_public(spec.fn), **dict(spec.kwargs))
+    # (device, each buffer's shape, dtype and 16-byte alignment) -> the forward's prepared call
+    # rebound to XLA's buffers: a repeat run reads their addresses and writes XLA's outputs directly
+    lean: dict = {}
 
     def callback(ctx, outs, *buffers):
         import cupy
 
         device = _device_of(buffers + tuple(outs))  # first: it names a host buffer's problem
         stream = ctx.stream() if callable(ctx.stream) else ctx.stream  # a method in some jax releases
+        key = (device,) + tuple((b.shape, b.dtype, not _interface(b)["data"][0] & 15) for b in buffers) \
+            if spec.fn in _LEAN else None
+        call = lean.get(key)
         with cupy.cuda.Device(device), _cupy_stream(int(stream), device):
-            run_batched(spec, function, [_cupy_view(b, device) for b in buffers],
-                        [_cupy_view(o, device) for o in outs], _device_write, cupy)
+            if call is not None and call.current():
+                by = dict(zip(spec.names, buffers))
+                call(by["Q"], by.get("D", by.get("D_tokens")), by.get("q_mask"), by.get("d_mask"), by.get("q_lengths"),
+                     by.get("d_lengths"), by.get("d_offsets"), out=tuple(outs) if len(outs) > 1 else outs[0])
+                return
+            views = [_cupy_view(b, device) for b in buffers]
+            run_batched(spec, function, views, [_cupy_view(o, device) for o in outs], _device_write, cupy)
+            if key is not None and (key in lean or len(lean) < _MAX_LEAN):
+                call = _rebound(spec, views)
+                if call is not None:
+                    lean[key] = call
 
     return callback
+
+
+def _rebound(spec: CallSpec, views: list):
+    """The prepared call (``lik_cupy._runtime.prepared_calls``) of a one-call run of ``spec`` just
+    made on CuPy views of XLA's buffers, rebound to the buffers themselves; None for a batched
+    run, or one the repeat path does not take."""
+    from .forward import _prepared_call
+
+    args = dict(zip(spec.names, views))
+    if plan(spec, args) != "single":
+        return None
+    k = views[0].ndim - spec.ranks[0]
+    call = _prepared_call(spec.fn, **{n: a.reshape(a.shape[k:]) for n, a in args.items()}, **dict(spec.kwargs))
+    return None if call is None else call.rebound("jax")
 
 
 class _StreamHandle:

@@ -138,7 +138,7 @@ def maxsim_varlen(Q, D_tokens, d_offsets, q_mask=None, *, q_lengths=None, q_offs
         array([1., 3.], dtype=float32)
     """
     validate = False if validate_offsets is False and validate is None else validate
-    key = call_key("varlen", (validate, return_argmax, backend, precision), Q, (D_tokens, d_offsets, q_mask, q_lengths)) \
+    key = _varlen_key(Q, D_tokens, d_offsets, q_mask, q_lengths, return_argmax, backend, precision, validate) \
         if q_offsets is None else None
     call = lookup(key)
     if call is not None:
@@ -157,9 +157,27 @@ def maxsim_varlen(Q, D_tokens, d_offsets, q_mask=None, *, q_lengths=None, q_offs
     return (scores, amax) if return_argmax else scores
 
 
+def _varlen_key(Q, D_tokens, d_offsets, q_mask, q_lengths, return_argmax, backend, precision, validate):
+    return call_key("varlen", (validate, return_argmax, backend, precision), Q, (D_tokens, d_offsets, q_mask, q_lengths))
+
+
+def _maxsim_key(Q, D, q_mask, d_mask, q_lengths, d_lengths, return_argmax, backend, precision, validate, pairs=False):
+    return call_key("pairs" if pairs else "maxsim", (validate, return_argmax, backend, precision), Q,
+                    (D, q_mask, d_mask, q_lengths, d_lengths))
+
+
+def _prepared_call(fn: str, Q, D=None, D_tokens=None, d_offsets=None, q_mask=None, d_mask=None, q_lengths=None,
+                   d_lengths=None, return_argmax=False, backend="auto", precision=None, validate=None):
+    """The :class:`PreparedCall` that a repeat of ``lik_cupy.<fn>`` ("maxsim" or "maxsim_varlen")
+    with these arguments would run, if one is kept (``lik_cupy.jax`` rebinds it to XLA's buffers)."""
+    if fn == "maxsim_varlen":
+        return lookup(_varlen_key(Q, D_tokens, d_offsets, q_mask, q_lengths, return_argmax, backend, precision,
+                                  validate))
+    return lookup(_maxsim_key(Q, D, q_mask, d_mask, q_lengths, d_lengths, return_argmax, backend, precision, validate))
+
+
 def _run(Q, D, q_mask, d_mask, q_lengths, d_lengths, return_argmax, backend, precision, validate, *, pairs):
-    key = call_key("pairs" if pairs else "maxsim", (validate, return_argmax, backend, precision), Q,
-                   (D, q_mask, d_mask, q_lengths, d_lengths))
+    key = _maxsim_key(Q, D, q_mask, d_mask, q_lengths, d_lengths, return_argmax, backend, precision, validate, pairs)
     call = lookup(key)
     if call is not None:
         return call(Q, D, q_mask, d_mask, q_lengths, d_lengths, None)

@@ -6,10 +6,12 @@ Importing this module imports jax (``import lik_cupy`` alone never does).
 Each call is one custom call in XLA's computation (``lik_cupy._jax_ops``), jitted or not:
 
 - on a CUDA device, a ``jax.experimental.buffer_callback`` (jax >= 0.7): the kernels read XLA's
-  buffers and run on XLA's stream, and the host never waits for the device. The public
-  functions have no ``out=``, so each result is computed in CuPy's memory pool and copied into
-  XLA's buffer on the device: leave CuPy room beside JAX's preallocation
-  (``XLA_PYTHON_CLIENT_MEM_FRACTION``, or ``XLA_PYTHON_CLIENT_PREALLOCATE=false``).
+  buffers and run on XLA's stream, and the host never waits for the device. A first run (and
+  every run of the INT8 functions, the backward and batched calls) computes its results in
+  CuPy's memory pool and copies them into XLA's buffers on the device; repeat runs of
+  ``maxsim`` and ``maxsim_varlen`` write XLA's buffers directly. Scratch still comes from CuPy's
+  pool: leave CuPy room beside JAX's preallocation (``XLA_PYTHON_CLIENT_MEM_FRACTION``, or
+  ``XLA_PYTHON_CLIENT_PREALLOCATE=false``).
 - on the CPU, a ``jax.pure_callback`` running the NumPy path (``backend="cpu"``).
 
 ``backend``: "auto" (where XLA runs the computation), "gpu", or "cpu" (the NumPy path; device

@@ -449,6 +449,39 @@ def test_gpu_back_to_back_calls_on_xla_stream(rng):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fn", ["maxsim", "maxsim_varlen"])
+def test_gpu_repeat_runs_write_xla_buffers_directly(rng, monkeypatch, fn):
+    """A repeat run of a signature takes the forward's prepared call: it makes no CuPy view of XLA's
+    buffers, and writes the scores (under grad, with the argmax) into XLA's outputs."""
+    gpu = _gpu()
+    nq, lq, nd, ld, dim = 3, 21, 40, 17, 64
+    ql = rng.integers(1, lq + 1, nq).astype(np.int32)
+    lens = rng.integers(0, ld + 1, nd)
+    off = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    QL, OFF, DL = (jax.device_put(x, gpu) for x in (ql, off, lens.astype(np.int32)))
+    if fn == "maxsim":
+        def score(a, b):
+            return maxsim(a, b, q_lengths=QL, d_lengths=DL)
+    else:
+        def score(a, b):
+            return maxsim_varlen(a, b, OFF, q_lengths=QL)
+    run = jax.jit(score)
+    grad = jax.jit(jax.grad(lambda a, b: score(a, b).sum()))
+    views = []
+    real = _jax_ops._cupy_view
+    monkeypatch.setattr(_jax_ops, "_cupy_view", lambda b, dev: views.append(b.shape) or real(b, dev))
+    for i in range(4):
+        q, d = _inputs(rng, "float16", (nq, lq, dim), (nd, ld, dim))
+        Q, D = jax.device_put(q, gpu), jax.device_put(d if fn == "maxsim" else d[_valid(lens, ld)], gpu)
+        views.clear()
+        out = jax.block_until_ready(run(Q, D))
+        assert bool(views) == (i == 0), (i, views)  # only the first run views XLA's buffers
+        assert rel_err(out, maxsim_ref(q, d, _valid(ql, lq), _valid(lens, ld))[0]) < TOL["float16"], i
+        gq = grad(Q, D)  # its forward writes the argmax into XLA's buffer as well
+        _close(gq, _grads_ref(q, d, _valid(ql, lq), _valid(lens, ld), np.ones((nq, nd)))[0], "float16")
+
+
+@pytest.mark.gpu
 def test_gpu_varlen_vmap_and_bad_values(rng):
     gpu = _gpu()
     lens = rng.integers(0, 40, 50)

@@ -16,11 +16,12 @@ lock) and safe to share between threads: a prepared call holds no per-call state
 
 from __future__ import annotations
 
+import copy
 import threading
 from collections import OrderedDict
 from typing import NamedTuple
 
-from .._interop import cupy_arrays, torch_tensors
+from .._interop import cupy_arrays, torch_tensors, xla_buffers
 from .candidates import CandidateParam
 from .device_checks import Checked, mark_invalid, strict
 from .env import poison_outputs
@@ -30,7 +31,8 @@ from .raw_launch import launch_raw, signature
 __all__ = ["call_key", "lookup", "store", "PreparedCall", "PreparedBackward", "ResidentDocs", "clear", "MAX_CALLS"]
 
 MAX_CALLS = 512  # signatures kept per process
-_ADAPTERS = {"torch": torch_tensors, "cupy": cupy_arrays}
+_CALLERS = {"torch": torch_tensors, "cupy": cupy_arrays}  # by the top module of an argument's type
+_ADAPTERS = {**_CALLERS, "jax": xla_buffers}  # "jax": XLA's buffers in lik_cupy.jax's callbacks
 _calls: OrderedDict = OrderedDict()
 _lock = threading.Lock()
 
@@ -44,7 +46,7 @@ def _adapter(x):
         return _BY_TYPE[t]
     except KeyError:
         mod = t.__module__.split(".")[0]
-        a = _BY_TYPE[t] = _ADAPTERS.get(mod)
+        a = _BY_TYPE[t] = _CALLERS.get(mod)
         return a
 
 
@@ -123,18 +125,29 @@ class PreparedCall:
     def current(self) -> bool:
         return self.fwd.current()
 
-    def __call__(self, Q, D, q_mask, d_mask, q_lengths, d_lengths, d_offsets, cand=None):
+    def rebound(self, framework: str) -> PreparedCall:
+        """This call for arrays of another kind (``"jax"``: XLA's buffers in a callback)."""
+        twin = copy.copy(self)
+        twin.a = _ADAPTERS[framework]
+        return twin
+
+    def __call__(self, Q, D, q_mask, d_mask, q_lengths, d_lengths, d_offsets, cand=None, out=None):
+        """Queue the call; returns its results, new arrays, or ``out`` (scores, or with argmax
+        (scores, argmax), the caller's arrays of the result's shape and dtype) written."""
         if _device() != self.device:
             import cupy
 
             with cupy.cuda.Device(self.device):
-                return self(Q, D, q_mask, d_mask, q_lengths, d_lengths, d_offsets, cand)
+                return self(Q, D, q_mask, d_mask, q_lengths, d_lengths, d_offsets, cand, out)
         a, p, dev = self.a, self.p, self.device
         stream = a.stream_handle(dev)
         scores = amax = None
         try:
-            scores = a.new_empty(p.scores_shape, "float32", dev)
-            amax = a.new_empty(p.argmax_shape, "int32", dev) if self.argmax else None
+            if out is not None:
+                scores, amax = out if self.argmax else (out, None)
+            else:
+                scores = a.new_empty(p.scores_shape, "float32", dev)
+                amax = a.new_empty(p.argmax_shape, "int32", dev) if self.argmax else None
         except Exception:
             fn, split = self.caller, "split the call over fewer queries or documents"
             if scores is None:
