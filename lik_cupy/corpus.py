@@ -211,7 +211,8 @@ class Corpus:
         return self._launch(qp, p, Q, q_mask, q_lengths, x3, "Corpus.score", key=key)
 
     def search(self, Q, k, q_mask=None, *, q_lengths=None, precision=None):
-        """The ``k`` best documents of each query, as :func:`lik_cupy.retrieve` ranks them.
+        """The ``k`` best documents of each query, as :func:`lik_cupy.retrieve` ranks them (a device
+        query length outside ``[0, Lq]``: that query's scores NaN, ranked last).
 
         Args:
             Q, q_mask, q_lengths, precision: as in :meth:`score`.

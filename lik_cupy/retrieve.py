@@ -60,7 +60,8 @@ from ._dispatch.backend import check_backend, scoring_on_gpu
 from ._interop import device_array, host_array
 from ._ranking import merge_ranked
 from ._runtime.launch import launch
-from ._runtime.operands import device_offsets, device_valid, host_offsets, valid_host
+from ._runtime.device_checks import call_checks
+from ._runtime.operands import device_offsets, device_valid, host_metadata, host_offsets, valid_host
 from ._runtime.pinned import span_page_locked
 from ._validate import (Problem, check_call, check_length_values, check_scales, check_valid, check_varlen,
                         offsets_count)
@@ -132,7 +133,11 @@ def retrieve(Q, D, k, q_mask=None, *, q_lengths=None, q_scales=None, d_offsets=N
             is all INT8 or all float (TypeError otherwise). The GPU scores INT8 for d a
             multiple of 16 up to ``dispatch.MAX_DIM_INT8`` (4096).
         k: documents to return per query, 1 .. 4096.
-        q_mask / q_lengths: valid query tokens, as in :func:`lik_cupy.maxsim`.
+        q_mask / q_lengths: valid query tokens, as in :func:`lik_cupy.maxsim`: device lengths are not
+            read back, and a query whose length is outside ``[0, Lq]`` scores NaN against every
+            document (host lengths, or ``LIK_VALIDATE=1``, raise ``ValueError``). The corpus's
+            lengths and offsets are checked on each call, with a wait on the host for device
+            ones (:class:`lik_cupy.Corpus` checks them once).
         q_scales: float32 ``Q.shape[:-1]``, the scales of an int8 Q (same framework and device),
             each >= 0 (checked: one small reduction).
         d_offsets / d_mask / d_lengths / d_scales: go with a single array D (see above).
@@ -565,7 +570,11 @@ class _Gpu:
         self.qs = None  # float32 [nq * lq] scales of int8 queries
         if q_scales is not None:
             self.qs = cupy.ascontiguousarray(device_array(q_scales, fw, self.on_host_q), dtype=cupy.float32).reshape(-1)
-        self.qm, self.ql = device_valid(q_mask, q_lengths, qp.nq, qp.lq, "q_lengths", fw, self.on_host_q)
+        # Device query lengths: the NaN contract, no host wait (a query with an invalid length scores
+        # NaN against every document, ranked last); host ones, and strict mode, raise here.
+        self.checks = call_checks(True if self.on_host_q or host_metadata(q_lengths) else None)
+        self.qm, self.ql = device_valid(q_mask, q_lengths, qp.nq, qp.lq, "q_lengths", fw, self.on_host_q, self.checks)
+        self.checks.verify()
         self.kind = None
         self.s = cupy.empty((qp.nq, 0), cupy.float32)
         self.i = cupy.empty((qp.nq, 0), cupy.int64)
@@ -692,6 +701,7 @@ class _Gpu:
         kw = {"q_scale": self.qs, "d_scale": d_scale} if p.dtype == "int8" else {}
         s, _ = launch(p, self.q, d, self.qm, dm, self.ql, dl, False, self.device, d_off=d_off, ld_hint=ld_hint,
                       d_off_whole=d_off_whole, caller="retrieve", out=self.scores[:n], x3=self.x3, **kw)
+        self.checks.apply(p, s, None, self.device)  # NaN where a query length is invalid
         if self.every is not None:
             self.every[:, self.base:self.base + p.nd] = s
             self.base += p.nd

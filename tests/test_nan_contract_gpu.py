@@ -204,3 +204,33 @@ def test_repeat_calls_from_many_threads(rng):
             assert np.array_equal(_np(got), want[i])
 
     run_threads(8, work)
+
+
+@pytest.mark.parametrize("framework", ["cupy", "torch"])
+@pytest.mark.parametrize("corpus", ["device", "host", "Corpus"])
+def test_retrieve_and_search_rank_an_invalid_query_last(rng, monkeypatch, framework, corpus):
+    """retrieve and Corpus.search: a device query length outside [0, Lq] makes that query's every
+    score NaN (its top-k: NaN scores, the lowest indices) with no host wait; the other queries
+    rank as with valid lengths; strict mode raises."""
+    conv = _conv(framework)
+    nq, lq, nd, ld, dim, k = 4, 11, 300, 19, 32, 7
+    q = conv(_unit(rng, nq, lq, dim).astype(np.float16))
+    dn = _unit(rng, nd, ld, dim).astype(np.float16)
+    d = conv(dn) if corpus == "device" else dn
+    good = rng.integers(1, lq + 1, nq)
+    bad = good.copy()
+    bad[2] = lq + 1
+
+    def top(lengths):
+        if corpus == "Corpus":
+            return lik_cupy.Corpus(d).search(q, k, q_lengths=conv(lengths))
+        return lik_cupy.retrieve(q, d, k, q_lengths=conv(lengths))
+
+    ok_s, ok_i = (_np(x) for x in top(good))
+    s, i = (_np(x) for x in top(bad))
+    assert np.isnan(s[2]).all() and np.array_equal(i[2], np.arange(k))
+    keep = np.arange(nq) != 2
+    assert np.array_equal(s[keep], ok_s[keep]) and np.array_equal(i[keep], ok_i[keep])
+    monkeypatch.setenv("LIK_VALIDATE", "1")
+    with pytest.raises(ValueError, match=rf"q_lengths holds {lq + 1}"):
+        top(bad)
