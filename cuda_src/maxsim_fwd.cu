@@ -267,7 +267,7 @@ __device__ void LIK_FWD::run(const T* __restrict__ Q, const T* __restrict__ D, c
     // The rest needs only kernel parameters and shared memory, so nothing else stays live
     // through the tile loop for it.
     if constexpr (TSPLIT)
-        if (split_buf) complete_pieces(piece_info, split_buf, split_epoch, out, amax, Nq, Nd, Lq, n_qt, q_len, q_mask);
+        if (split_buf) complete_pieces(piece_info, split_buf, split_epoch, out, amax, Nq, Nd, Lq, n_qt, q_len, q_mask, q_scale);
 }
 
 }  // namespace lik

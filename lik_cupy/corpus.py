@@ -425,9 +425,10 @@ class Corpus:
             return
         if any(isinstance(k, tuple) and (k[2] < 0 or not k[4]) for k in key[2:]):
             return
-        if (q_lengths is not None and q_lengths.dtype.itemsize not in (4, 8)) or \
-                (cand is not None and cand.ids.dtype.itemsize != (8 if key[3][1].itemsize == 8 else 4)):
-            return  # lengths or ids of another width: the call copies them
+        if q_lengths is not None and q_lengths.dtype.itemsize not in (4, 8):
+            return  # narrowed by a copy on each call
+        if cand is not None and cand.ids.dtype.itemsize != key[3][1].itemsize:
+            return  # ids of another width: CandidateIds copies them on each call
         d = docs.tokens
         esize = q.dtype.itemsize
         vec = (p.dim * esize) % 16 == 0 and key[2][3] and d.data.ptr % 16 == 0
@@ -436,7 +437,8 @@ class Corpus:
         fwd = prepare(p, self.device, esize=esize, vec=vec, use_tma=use_tma_for(p, vec, d.size // p.dim),
                       argmax=False, packed=packed, off_wide=packed and docs.offsets.dtype == np.int64,
                       ld_hint=ld_hint, x3=x3, cand=cand is not None)
-        wide = (q_lengths is not None and q_lengths.dtype.itemsize == 8, False, packed and docs.offsets.dtype.itemsize == 8)
+        wide = (q_lengths is not None and q_lengths.dtype.itemsize == 8, False,
+                packed and docs.offsets.dtype.itemsize == 8)
         resident = ResidentDocs(d.data.ptr, _ptr(docs.mask), _ptr(docs.lengths), _ptr(docs.offsets), self._p.nd)
         call = PreparedCall(p.framework, p, self.device, fwd, False, wide, mark=True, caller=caller, docs=resident,
                             cand_wide=cand is not None and cand.ids.dtype == np.int64)

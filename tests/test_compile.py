@@ -497,10 +497,11 @@ def test_plan_launch_token_split(nq, lq, nd, ntok):
     if (nq, lq, nd, ntok) == (1, 32, 62, 253_952):  # the sweep's case that splits
         cfg = dispatch.choose_forward(90, "float16", 128, 32, False, True, True, 1, 300, True)
         assert dispatch.plan_launch(cfg, 90, 132, 1, 62, 32, 1, 253_952).token_split
-    # Which tiles split: packed one-shot single-query 16-bit tiles, not fp32, INT8, split-d, multi-query.
+    # Which tiles split: packed one-shot single-query 16-bit and INT8 tiles, not fp32, split-d, multi-query.
     assert dispatch.choose_forward(90, "float16", 128, 32, False, True, True, 1, 300, True).token_split
     assert dispatch.choose_forward(80, "bfloat16", 128, 32, True, True, False, 1, 300, True).token_split
-    assert not dispatch.choose_forward(90, "int8", 128, 32, False, True, True, 1, 300, True).token_split
+    assert dispatch.choose_forward(90, "int8", 128, 32, False, True, True, 1, 300, True).token_split
+    assert not dispatch.choose_forward(90, "int8", 2048, 32, False, True, True, 1, 300, True).token_split
     assert not dispatch.choose_forward(90, "float16", 128, 32, False, True, True, 1, 300, False).token_split
     assert not dispatch.choose_forward(90, "float32", 128, 32, False, True, True, 1, 300, True).token_split
     assert not dispatch.choose_forward(90, "float16", 128, 32, False, True, True, 32, 300, True).token_split
@@ -538,16 +539,16 @@ def test_padded_token_split_rule_follows_the_measurements(lq, ld, b, whole_ms, s
                                    (300, 32_768)])
 def test_plan_launch_padded_token_split(nq, lq, nd, ld):
     # Padded documents split under the packed rule's grid conditions from PADDED_SPLIT_MIN_LD tokens,
-    # on the padded tile's strided twin (16-bit single-query one-shot tiles only).
+    # on the padded tile's strided twin (16-bit and INT8 single-query one-shot tiles only).
     for cc, sms in ((80, 108), (90, 132)):
         for dtype in ("float16", "bfloat16", "int8", "float32"):
             for shared in (1, nq):
                 cfg = dispatch.choose_forward(cc, dtype, 128, lq, False, True, True, shared, ld, False, cc == 90)
                 strided = cfg.strided_tile
                 if strided is None:
-                    assert dtype in ("int8", "float32") or cfg.multi or cfg.split
+                    assert dtype == "float32" or cfg.multi or cfg.split or cfg.tokm
                     continue
-                assert dtype in ("float16", "bfloat16") and strided.packed and strided.token_split
+                assert dtype in ("float16", "bfloat16", "int8") and strided.packed and strided.token_split
                 assert strided.name.endswith("_strided") and strided.name != cfg.name
                 assert dataclasses.replace(strided, packed=False, strided=False) == cfg
                 assert strided.smem_bytes == cfg.smem_bytes and strided.min_blocks == cfg.min_blocks
@@ -564,7 +565,7 @@ def test_plan_launch_padded_token_split(nq, lq, nd, ld):
     assert dispatch.padded_split_min_ld(dispatch.choose_forward(90, "float16", 128, 32, False, True).strided_tile) \
         == dispatch.tables.PADDED_SPLIT_MIN_LD[0]
     with pytest.raises(ValueError, match="token-split tile"):
-        dispatch.FwdConfig(elem=3, dp=128, warps=4, mt=1, bn=64, stages=2, qreg=False, argmax=False, vec=True,
+        dispatch.FwdConfig(elem=2, dp=128, warps=4, mt=1, bn=64, stages=2, qreg=False, argmax=False, vec=True,
                            packed=True, strided=True)
 
 

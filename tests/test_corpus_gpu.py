@@ -473,6 +473,35 @@ def test_token_split_matches_whole_documents_bitwise(rng, kernels, monkeypatch, 
         _argmax_ok(runs[0][1], sim, qv, dv, 1e-3)
 
 
+@pytest.mark.parametrize("case", ["ragged", "one_long", "long_query"])
+@pytest.mark.parametrize("argmax", [False, True])
+def test_int8_token_split_matches_whole_documents_bitwise(rng, kernels, monkeypatch, case, argmax):
+    # Packed INT8 documents cut over CTAs: the pieces' row maxima (dequantised products) merged,
+    # then scaled by the query token's scale, as a whole-document CTA does: the same bits.
+    dim = 128
+    lens, nq, lq, qlen = _split_corpus(rng, case)
+    off = _cp(np.concatenate([[0], np.cumsum(lens)]).astype(np.int32))
+    tok = _unit(rng, int(lens.sum()), dim).astype(np.float32)
+    t8, ts = lik_cupy.quantize_int8(_cp(tok))
+    q = _unit(rng, nq, lq, dim).astype(np.float16)
+    kw = dict(return_argmax=argmax, q_lengths=None if qlen is None else _cp(qlen))
+    runs = []
+    for whole in (False, True):
+        with monkeypatch.context() as m:
+            seen = _plans(m, whole_documents=whole)
+            got = lik_cupy.maxsim_int8_varlen(_cp(q), t8, ts, off, **kw)
+        assert seen and all(p.token_split != whole for p in seen)
+        runs.append([_np(x) for x in (got if argmax else (got,))])
+    for a, b in zip(*runs):
+        assert a.tobytes() == b.tobytes()
+    qv = np.ones((nq, lq), bool) if qlen is None else np.arange(lq)[None, :] < qlen[:, None]
+    deq = _np(lik_cupy.dequantize_int8(t8, ts)).astype(np.float64)
+    dpad, dv = _pad(deq, lens)
+    ref, _ = maxsim_ref(q.astype(np.float64), dpad, qv, dv)
+    assert rel_err(runs[0][0], ref) < 2e-2  # the queries are quantised per token too
+    assert np.all(runs[0][0][:, lens == 0] == -np.inf)
+
+
 def test_token_split_counts_survive_bad_offsets_and_streams(rng):
     # The pieces' arrival counts live in one buffer per stream and are never cleared: a launch
     # whose (unvalidated, wrong) offsets leave counts short, and launches on other streams, must

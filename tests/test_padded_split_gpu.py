@@ -198,3 +198,30 @@ def test_padded_split_is_left_out_of_graph_capture(rng):
             graph.launch()
             s.synchronize()
             assert _np(out).tobytes() == want
+
+
+@pytest.mark.parametrize("argmax", [False, True])
+def test_int8_padded_split_matches_whole_documents_bitwise(rng, monkeypatch, argmax):
+    # INT8 documents take the same split: each piece's rows are maxima of dequantised products,
+    # and the merge scales them by the query token's scale as the unsplit tile does.
+    for case in ("one_long", "two_tiles", "short", "mask", "candidates"):
+        Q, D, kw, (q64, d64, qv, dv), cand = _problem(rng, case, "float16")
+        d8, ds = lik_cupy.quantize_int8(D)
+        for shares in (7, 131):
+            runs = []
+            for s in (shares, None):
+                with monkeypatch.context() as m:
+                    seen = _forced(m, s)
+                    got = lik_cupy.maxsim_int8(Q, d8, ds, return_argmax=argmax, **kw)
+                taken = [split for strided, split in seen if strided]
+                assert (taken and all(taken)) if s is not None else not any(taken), seen
+                runs.append([_np(x) for x in (got if argmax else (got,))])
+            for a, b in zip(*runs):
+                assert a.tobytes() == b.tobytes(), case
+        deq = _np(lik_cupy.dequantize_int8(d8, ds)).astype(np.float64)
+        for i in range(Q.shape[0]) if cand else (slice(None),):
+            qs = slice(i, i + 1) if cand else i
+            di = deq[i] if cand else deq
+            dvi = dv[i * di.shape[0]:(i + 1) * di.shape[0]] if cand else dv
+            ref, _ = maxsim_ref(q64[qs], di, qv[qs], dvi)
+            assert rel_err(runs[0][0][qs], ref) < 2e-2, case  # the queries are quantised per token too

@@ -6,6 +6,9 @@ Cells: B documents of Ld tokens against Nq queries of Lq tokens, d = 128, fp16, 
   packed     lik_cupy.maxsim_varlen(Q, tokens, offsets) (the same documents, unchecked offsets)
   lik        late_interaction_kernels.maxsim(Q, D)
   flash      flash_maxsim.flash_maxsim(Q, D)
+With --dtype int8, ours score the documents quantised (lik_cupy.quantize_int8; maxsim_int8 and
+maxsim_int8_varlen, the float16 queries quantised per call) and the peers stay float16 (they have no
+INT8 path here): the cells then compare byte budgets, and --ab decides the INT8 split rule.
 With --ab, the padded call twice more, A/B of the padded token split (bench/lib/forcing.padded_split):
   padded_split  split wherever the launch plan's grid rule allows, whatever Ld
   padded_whole  never split (whole documents, one CTA each)
@@ -52,21 +55,28 @@ def _cublas_tflops(torch):
     return 2 * 8192 ** 3 / ms / 1e9
 
 
-def run_cell(torch, lk, mods, nq, lq, ld, b, gen, ab):
+def run_cell(torch, lk, mods, nq, lq, ld, b, gen, ab, dtype="float16"):
     q = torch.randn(nq, lq, DIM, device="cuda", generator=gen, dtype=torch.float16)
     d = torch.randn(b, ld, DIM, device="cuda", generator=gen, dtype=torch.float16)
     toks = d.reshape(-1, DIM)
     off = torch.arange(0, (b + 1) * ld, ld, device="cuda", dtype=torch.int64)
     q1 = q[0] if nq == 1 else q
-    impls = {"padded": lambda: lk.maxsim(q, d),
-             "packed": lambda: lk.maxsim_varlen(q, toks, off, validate_offsets=False)}
+    if dtype == "int8":
+        d8, ds = lk.quantize_int8(d)
+        t8, ts = d8.reshape(-1, DIM), ds.reshape(-1)
+        impls = {"padded": lambda: lk.maxsim_int8(q, d8, ds),
+                 "packed": lambda: lk.maxsim_int8_varlen(q, t8, ts, off, validate_offsets=False)}
+    else:
+        impls = {"padded": lambda: lk.maxsim(q, d),
+                 "packed": lambda: lk.maxsim_varlen(q, toks, off, validate_offsets=False)}
     if ab:
         impls["padded_split"] = impls["padded_whole"] = impls["padded"]
     if mods.get("lik"):
         impls["lik"] = lambda: mods["lik"].maxsim(q, d)
     if mods.get("flash"):
         impls["flash"] = lambda: mods["flash"].flash_maxsim(q1, d)
-    cell = {"case": f"{nq}x{lq} vs {b}x{ld}", "Nq": nq, "B": b, "Lq": lq, "Ld": ld, "dim": DIM, "ms": {}, "errors": {}}
+    cell = {"case": f"{nq}x{lq} vs {b}x{ld}", "Nq": nq, "B": b, "Lq": lq, "Ld": ld, "dim": DIM, "dtype": dtype,
+            "ms": {}, "errors": {}}
     ref = None
     ours = ("padded", "packed", "padded_split", "padded_whole")
     for name, fn in impls.items():
@@ -80,6 +90,8 @@ def run_cell(torch, lk, mods, nq, lq, ld, b, gen, ab):
                     ref = out
                 elif name in ours:
                     cell[f"{name}_bitwise_padded"] = bool(torch.equal(out, ref))
+                elif dtype == "int8":  # a float16 peer against INT8 scores: their agreement, for the record
+                    cell[f"{name}_rel_diff"] = float((out - ref).abs().max() / ref.abs().max())
                 t0 = time.perf_counter()
                 fn()
                 torch.cuda.synchronize()
@@ -105,6 +117,7 @@ def main():
     ap.add_argument("--b", default=",".join(map(str, BS)))
     ap.add_argument("--time-budget", type=float, default=400)
     ap.add_argument("--ab", action="store_true", help="also time the padded call forced split and forced whole")
+    ap.add_argument("--dtype", default="float16", choices=("float16", "int8"), help="our documents' dtype")
     args = ap.parse_args()
 
     import torch
@@ -123,7 +136,7 @@ def main():
                 for b in map(int, args.b.split(",")):
                     if nq * lq * ld * b > MAX_WORK or time.time() > t_end:
                         continue
-                    c = run_cell(torch, lk, mods, nq, lq, ld, b, gen, args.ab)
+                    c = run_cell(torch, lk, mods, nq, lq, ld, b, gen, args.ab, args.dtype)
                     c["frac_cublas"] = c["tflops"] / cublas if c["tflops"] else None
                     cells.append(c)
                     torch.cuda.empty_cache()
@@ -132,10 +145,11 @@ def main():
                           c.get("padded_grid"), c["errors"] or "", flush=True)
     gpu = torch.cuda.get_device_name()
     if args.out:
-        path = Path(args.out) / f"small_grid{'_ab' if args.ab else ''}_{slugify(gpu)}.json"
+        kind = ("_ab" if args.ab else "") + ("_int8" if args.dtype == "int8" else "")
+        path = Path(args.out) / f"small_grid{kind}_{slugify(gpu)}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         write_json(path, {"gpu": gpu, "when": time.strftime("%Y-%m-%d %H:%M:%S"), "cublas_fp16_tflops": cublas,
-                          "cells": cells})
+                          "dtype": args.dtype, "cells": cells})
         print(f"wrote {path}")
     shown = ("padded", "packed") + (("padded_split", "padded_whole") if args.ab else ()) + ("lik", "flash")
     header = ["case", "ours", "packed"] + (["split", "whole"] if args.ab else []) + ["lik", "flash", "ratio", "TF/s",

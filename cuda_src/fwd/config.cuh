@@ -237,12 +237,11 @@ struct Fwd {
     // Shared floats for a document's reduction, per buffer: the tokens-on-M row maxima of every
     // warp, several queries' row maxima, or per-warp sums.
     static constexpr int RED = TOKM ? WARPS * BM : MULTI ? BM : WARPS;
-    // Packed single-query one-shot tiles of 16-bit elements may split documents over CTAs
-    // (piece_role); dispatch.FwdConfig.token_split says which. Not fp32 (tf32) or INT8 tiles:
-    // with it the compile check found some of them spilling or over the registers their launch
-    // plan assumes.
-    static constexpr bool TSPLIT = PACKED && !MULTI && !TOKM && !SPLIT && (ELEM == 0 || ELEM == 1) && !LIK_RESIDUAL &&
-                                   !LIK_CAND;
+    // Packed single-query one-shot tiles of 16-bit or INT8 elements may split documents over CTAs
+    // (piece_role); dispatch.FwdConfig.token_split says which. Not fp32 (tf32) tiles: with it the
+    // compile check found some of them spilling or over the registers their launch plan assumes.
+    static constexpr bool TSPLIT = PACKED && !MULTI && !TOKM && !SPLIT && (ELEM == 0 || ELEM == 1 || ELEM == 3) &&
+                                   !LIK_RESIDUAL && !LIK_CAND;
     // Padded documents through the token split (LIK_STRIDED): Docs and DocMask read them as padded
     // kernels do, the shares place them at j * Ld (Offsets::stride).
     static constexpr bool STRIDED = LIK_STRIDED != 0;
@@ -350,8 +349,8 @@ struct Fwd {
                                                         float* rb, bool whole, float* out_j, int* amax_j, void* split_buf,
                                                         int role);
     static __device__ __noinline__ void complete_pieces(const int* info, void* split_buf, unsigned epoch, float* out,
-                                                        int* amax, int Nq,
-                                                        int Nd, int Lq, int n_qt, const int* q_len, const u8* q_mask);
+                                                        int* amax, int Nq, int Nd, int Lq, int n_qt, const int* q_len,
+                                                        const u8* q_mask, const float* q_scale);
 };
 
 // The head of an out-of-class member definition: LIK_FWD_TEMPLATE ... LIK_FWD::name(...).

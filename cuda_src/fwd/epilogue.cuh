@@ -128,9 +128,9 @@ __device__ __forceinline__ void LIK_FWD::score_single(const float (&best)[MT][2]
 // so the tile loop's registers do not grow with it.
 LIK_FWD_TEMPLATE
 __device__ __noinline__ void LIK_FWD::complete_pieces(const int* info, void* split_buf, unsigned epoch, float* out,
-                                                      int* amax, int Nq,
-                                                      int Nd, int Lq, int n_qt, const int* q_len, const u8* q_mask) {
-    static_assert(TSPLIT && !I8, "only 16-bit single-query tiles split documents: a score term is the row max");
+                                                      int* amax, int Nq, int Nd, int Lq, int n_qt, const int* q_len,
+                                                      const u8* q_mask, const float* q_scale) {
+    static_assert(TSPLIT, "only token-split tiles leave pieces");
     __shared__ int last[2];
     __shared__ float rb[2][WARPS];  // one per document: a warp may start the second before thread 0 reads the first
     // The block barrier after the pieces' rows were written (score_single's, or this one's)
@@ -151,7 +151,7 @@ __device__ __noinline__ void LIK_FWD::complete_pieces(const int* info, void* spl
     int rq[MT][2], rs[MT][2];
     bool rv[MT][2];
     tile_rows(qi0, s0, 1, BM, Lq, q_len, q_mask, rq, rs, rv);
-    auto term = [](float v, int, int) { return v; };  // as run's term for 16-bit tiles
+    const RowTerm term{q_scale, qi0, rq, rs, Lq};  // run's term: the row max, times the query token's INT8 scale
     // Both documents' pieces first, then their scores (the loads are not held up by the
     // scores' block barriers).
     float best[2][MT][2];

@@ -65,17 +65,17 @@ class FwdConfig:
     def strided_tile(self) -> FwdConfig | None:
         """This padded configuration's tile on the token-split path for padded documents
         (``strided``), or None where the tile cannot split documents."""
-        if self.packed or self.cand:
-            return None
+        if self.packed or self.cand or (self.elem == 3 and self.argmax and self.wgmma and self.warps == 8):
+            return None  # INT8's two-warpgroup argmax tiles spill with the strided reads (compile check)
         v = replace(self, packed=True)
         return replace(v, strided=True) if v.token_split else None
 
     @property
     def token_split(self) -> bool:
         """Whether the kernel can split packed documents over CTAs by token shares (cuda_src/fwd/config.cuh's
-        TSPLIT: single-query one-shot tiles of float16 or bfloat16 elements)."""
+        TSPLIT: single-query one-shot tiles of float16, bfloat16 or INT8 elements)."""
         return self.packed and not (self.multi or self.tokm or self.split or self.residual or self.cand) \
-            and self.elem in (0, 1)
+            and self.elem in (0, 1, 3)
 
     @property
     def query_rows_staged(self) -> int:
