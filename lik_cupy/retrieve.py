@@ -648,9 +648,11 @@ class _Gpu:
         if p.dtype == "int8" and not dispatch.int8_dim_ok(p.dim):
             raise ValueError(f"INT8 scoring on the GPU needs dim a multiple of 16 up to {dispatch.MAX_DIM_INT8}; "
                              f"got dim {p.dim} (backend='cpu' scores any dim)")
-        if p.nd == 0:
+        if p.nd == 0:  # no document to score, but offsets that cannot be right still raise
             if part.packed and info.device is None:  # host offsets are checked on the host, as the CPU path does
                 host_offsets(host_array(part.offsets, info.framework), p.ntok, "d_offsets")
+            elif part.packed:
+                device_offsets(device_array(part.offsets, info.framework, False), p.ntok, "d_offsets")
             if p.dtype == "int8":
                 self._int8_queries()
             return

@@ -473,11 +473,12 @@ def test_token_split_matches_whole_documents_bitwise(rng, kernels, monkeypatch, 
         _argmax_ok(runs[0][1], sim, qv, dv, 1e-3)
 
 
-@pytest.mark.parametrize("case", ["ragged", "one_long", "long_query"])
+@pytest.mark.parametrize("case", ["ragged", "one_long"])
 @pytest.mark.parametrize("argmax", [False, True])
 def test_int8_token_split_matches_whole_documents_bitwise(rng, kernels, monkeypatch, case, argmax):
     # Packed INT8 documents cut over CTAs: the pieces' row maxima (dequantised products) merged,
-    # then scaled by the query token's scale, as a whole-document CTA does: the same bits.
+    # then scaled by the query token's scale, as a whole-document CTA does: the same bits. (Two
+    # long queries share INT8's multi-query or tokens-on-M tiles, which score whole documents.)
     dim = 128
     lens, nq, lq, qlen = _split_corpus(rng, case)
     off = _cp(np.concatenate([[0], np.cumsum(lens)]).astype(np.int32))
