@@ -175,25 +175,13 @@ def _rebound(spec: CallSpec, views: list):
     return None if call is None else call.rebound("jax")
 
 
-class _StreamHandle:
-    """XLA's stream as the CUDA stream protocol hands one over."""
-
-    def __init__(self, ptr: int):
-        self.ptr = ptr
-
-    def __cuda_stream__(self):
-        return (0, self.ptr)
-
-
 @functools.lru_cache(maxsize=64)
 def _cupy_stream(ptr: int, device: int):
     """CuPy's non-owning view of XLA's stream ``ptr``, built once (a handle XLA reuses for a new
     stream is the same stream to CuPy)."""
-    import cupy
+    from ._runtime.device import external_stream
 
-    if hasattr(cupy.cuda.Stream, "from_external"):
-        return cupy.cuda.Stream.from_external(_StreamHandle(ptr))  # CuPy 14 deprecates ExternalStream
-    return cupy.cuda.ExternalStream(ptr, device)
+    return external_stream(ptr, device)
 
 
 def _interface(buffer) -> dict:

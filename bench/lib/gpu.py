@@ -56,9 +56,10 @@ def setup_cupy(ctx):
 
 def cupy_stream(ctx):
     """Context manager running CuPy work on torch's current stream."""
-    cp = ctx.cupy
-    s = ctx.torch.cuda.current_stream().cuda_stream
-    return cp.cuda.Stream.null if s == 0 else cp.cuda.ExternalStream(s)
+    from lik_cupy._runtime.device import external_stream
+
+    s = ctx.torch.cuda.current_stream()
+    return ctx.cupy.cuda.Stream.null if s.cuda_stream == 0 else external_stream(s.cuda_stream, s.device.index)
 
 
 def safe_cleanup(torch):
