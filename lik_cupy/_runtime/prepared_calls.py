@@ -117,12 +117,12 @@ class PreparedCall:
     def current(self) -> bool:
         return self.fwd.current()
 
-    def __call__(self, Q, D, q_mask, d_mask, q_lengths, d_lengths, d_offsets):
+    def __call__(self, Q, D, q_mask, d_mask, q_lengths, d_lengths, d_offsets, zero_pad=None):
         if _device() != self.device:
             import cupy
 
             with cupy.cuda.Device(self.device):
-                return self(Q, D, q_mask, d_mask, q_lengths, d_lengths, d_offsets)
+                return self(Q, D, q_mask, d_mask, q_lengths, d_lengths, d_offsets, zero_pad)
         a, p, dev = self.a, self.p, self.device
         stream = a.stream_handle(dev)
         scores = amax = None
@@ -153,7 +153,8 @@ class PreparedCall:
         part = a.new_empty((fwd.partials,), "float32", dev) if fwd.partials else None
         fwd.run(stream, a.address(Q), a.address(D), 0, 0, ql, 0 if q_mask is None else a.address(q_mask), dl,
                 0 if d_mask is None else a.address(d_mask), 0 if d_offsets is None else a.address(d_offsets),
-                s_ptr, a_ptr, 0 if part is None else a.address(part))
+                s_ptr, a_ptr, 0 if part is None else a.address(part),
+                zero_pad=0 if zero_pad is None else a.address(zero_pad))
         if self.mark and (q_lengths is not None or d_lengths is not None or d_offsets is not None):
             mark_invalid(stream, dev, s_ptr, a_ptr, p.nq, p.nd, p.lq, p.candidates,
                          q_len=None if q_lengths is None else Checked(a.address(q_lengths), self.q_wide, p.lq),
