@@ -18,6 +18,13 @@
 // each writes a partial score and lik_sum_partials adds them in a fixed order,
 // which keeps the result bitwise reproducible (no float atomics anywhere).
 //
+// Zero-vector padding (d_zero_pad, uint8 per document row of D, as its length is indexed; null:
+// none): PyLate's and colpali-engine's torch paths score a padding token as a zero vector, so a
+// flagged document's row maxima are floored at 0 where they are final (Finish, and after a token
+// split's merge), NaN kept; where the floor wins the row's argmax is -1 (no token: the backward
+// gives it no gradient). The padding itself is skipped by the length or mask, never multiplied.
+// Tokens-on-M INT8 tiles ignore it; the host passes it only to fp16, bf16 and fp32 calls.
+//
 // This file is the NVRTC entry point: the extern "C" kernels and Fwd::run, the kernel's body. The
 // rest lives in fwd/, split by role the way FlashAttention-3's hopper/ splits its kernels:
 // fwd/config.cuh (the -D flags, types, constants and struct Fwd's index), fwd/tile_scheduler.cuh
@@ -52,8 +59,8 @@ __device__ void LIK_FWD::run(const T* __restrict__ Q, const T* __restrict__ D, c
                              const u8* __restrict__ d_mask, const Offsets d_off, i64 ntok,
                              float* __restrict__ out,
                              int* __restrict__ amax, int Nq, int Nd, int Lq, int Ld, int dim, int n_qt, int qb,
-                             int docs_per_cta, int dl_qstride, void* split_buf, unsigned split_epoch,
-                             const TmaDesc* tmd, const TmaDesc* tms, const TmaDesc* tmq
+                             int docs_per_cta, int dl_qstride, const u8* __restrict__ d_zero_pad, void* split_buf,
+                             unsigned split_epoch, const TmaDesc* tmd, const TmaDesc* tms, const TmaDesc* tmq
 #if LIK_RESIDUAL
                              , const ResidualSrc& rsrc
 #endif
@@ -226,7 +233,7 @@ __device__ void LIK_FWD::run(const T* __restrict__ Q, const T* __restrict__ D, c
     int pending = -1;  // MULTI: a document whose row maxima wait to be summed after the next barrier
     Flush flush{pending, sr};
     Finish fin{bq, lane, j0, red, warp, g, tq, qmul, outp, j1, best, bidx, wrow0, rv, term,
-               rq, amax, qi0, Nd, Lq, rs, dt, pending, sr, pr, split_buf};
+               rq, amax, qi0, Nd, Lq, rs, dt, pending, sr, pr, split_buf, d_zero_pad};
 
     for (int j = j0; j < j1; ++j) {
         i64 begin;
@@ -267,7 +274,8 @@ __device__ void LIK_FWD::run(const T* __restrict__ Q, const T* __restrict__ D, c
     // The rest needs only kernel parameters and shared memory, so nothing else stays live
     // through the tile loop for it.
     if constexpr (TSPLIT)
-        if (split_buf) complete_pieces(piece_info, split_buf, split_epoch, out, amax, Nq, Nd, Lq, n_qt, q_len, q_mask, q_scale);
+        if (split_buf) complete_pieces(piece_info, split_buf, split_epoch, out, amax, Nq, Nd, Lq, n_qt, q_len, q_mask,
+                                        q_scale, d_zero_pad, dl_qstride);
 }
 
 }  // namespace lik
@@ -290,7 +298,8 @@ typedef lik::Fwd<LIK_ELEM, LIK_DP, LIK_WARPS, LIK_MT, LIK_BN, LIK_STAGES, LIK_QR
 extern "C" __global__ void __launch_bounds__(LIK_WARPS * 32, LIK_MIN_BLOCKS)
     LIK_NAME(const void* Q, const void* D, const float* q_scale, const float* d_scale, const int* q_len, const u8* q_mask, const int* d_len, const u8* d_mask,
              const void* d_off, int d_off_flags, long long ntok, float* out, int* amax, int Nq, int Nd, int Lq, int Ld, int dim,
-             int n_qt, int qb, int docs_per_cta, int dl_qstride, void* split_buf, unsigned split_epoch
+             int n_qt, int qb, int docs_per_cta, int dl_qstride, const u8* d_zero_pad, void* split_buf,
+             unsigned split_epoch
 #if LIK_TMA
              , const __grid_constant__ TmaDesc tmd  // documents as [rows, dim * esize] bytes
              , const __grid_constant__ TmaDesc tms  // INT8 document scales [rows] (a copy of tmd otherwise)
@@ -310,7 +319,7 @@ extern "C" __global__ void __launch_bounds__(LIK_WARPS * 32, LIK_MIN_BLOCKS)
 #endif
     LikFwdCfg::run(static_cast<const LikFwdCfg::T*>(Q), static_cast<const LikFwdCfg::T*>(D), q_scale, d_scale, q_len, q_mask, d_len, d_mask,
                    Offsets{d_off, d_off_flags & 1, (d_off_flags >> 1) & 1, Ld, LIK_STRIDED ? (long long)(blockIdx.x / n_qt) * dl_qstride : 0}, ntok, out, amax, Nq, Nd, Lq, Ld, dim, n_qt, qb, docs_per_cta, dl_qstride,
-                   split_buf, split_epoch, pd, ps, pq
+                   d_zero_pad, split_buf, split_epoch, pd, ps, pq
 #if LIK_RESIDUAL
                    , rsrc
 #endif

@@ -255,7 +255,7 @@ class Corpus:
         key = call_key("Corpus.rerank", (None, precision), Q, (candidates, q_mask, q_lengths))
         call = self._calls.get(key)
         if call is not None and call.current():
-            return call(Q, None, q_mask, None, q_lengths, None, None, candidates)
+            return call(Q, None, q_mask, None, q_lengths, None, None, cand=candidates)
         qp, p = self._problem(Q, q_mask, q_lengths)
         cand, on_device, shape = self._candidates(candidates, qp, one_query=len(p.scores_shape) == 1)
         p = Problem(framework=qp.framework, device=qp.device, dtype=p.dtype, nq=qp.nq, lq=qp.lq, nd=shape[1],

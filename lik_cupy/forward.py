@@ -10,13 +10,13 @@ from dataclasses import replace
 
 from . import _cpu as cpu
 from ._dispatch.backend import check_backend, scoring_on_gpu
-from ._interop import caller_results, caller_stream, device_array, host_array, host_result
+from ._interop import caller_results, caller_stream, describe, device_array, host_array, host_result
 from ._runtime.device_checks import call_checks
 from ._runtime.launch import launch, prepare, use_tma_for
 from ._runtime.prepared_calls import PreparedCall, call_key, lookup, store
 from ._runtime.operands import (device_offsets, host_metadata, device_valid, host_offsets, kernel_dtype, kernel_operands,
                                 unpack_queries, valid_host)
-from ._validate import Problem, check_call, check_varlen
+from ._validate import Problem, check_call, check_varlen, check_zero_pad
 from .precision import _resolve as _fp32_accurate
 
 __all__ = ["maxsim", "maxsim_pairs", "maxsim_varlen"]
@@ -138,32 +138,42 @@ def maxsim_varlen(Q, D_tokens, d_offsets, q_mask=None, *, q_lengths=None, q_offs
         array([1., 3.], dtype=float32)
     """
     validate = False if validate_offsets is False and validate is None else validate
-    key = _varlen_key(Q, D_tokens, d_offsets, q_mask, q_lengths, return_argmax, backend, precision, validate) \
-        if q_offsets is None else None
-    call = lookup(key)
-    if call is not None:
-        return call(Q, D_tokens, q_mask, None, q_lengths, None, d_offsets)
-    check_backend(backend)
-    p = check_varlen(Q, D_tokens, d_offsets, q_mask, q_lengths, q_offsets)
-    x3 = _fp32_accurate(precision, p.framework, p.dtype)
-    if scoring_on_gpu(p, backend, float64_gpu=True):
-        call = _prepared(key, p, return_argmax, validate, x3, (q_lengths, None, d_offsets), packed=True)
-        if call is not None:
-            return call(Q, D_tokens, q_mask, None, q_lengths, None, d_offsets)
-        scores, amax = _gpu_varlen(p, Q, D_tokens, d_offsets, q_mask, q_lengths, q_offsets, return_argmax,
-                                   validate, x3)
-    else:
-        scores, amax = _cpu_varlen(p, Q, D_tokens, d_offsets, q_mask, q_lengths, q_offsets, return_argmax)
-    return (scores, amax) if return_argmax else scores
+    return _run_varlen(Q, D_tokens, d_offsets, q_mask, q_lengths, q_offsets, return_argmax, backend, precision,
+                       validate)
 
 
-def _varlen_key(Q, D_tokens, d_offsets, q_mask, q_lengths, return_argmax, backend, precision, validate):
-    return call_key("varlen", (validate, return_argmax, backend, precision), Q, (D_tokens, d_offsets, q_mask, q_lengths))
+def _maxsim_zero_pad(Q, D, zero_pad, q_mask=None, d_mask=None, *, q_lengths=None, d_lengths=None,
+                     return_argmax=False, backend="auto", precision=None, validate=None):
+    """:func:`maxsim` of documents with zero-vector padding, as PyLate's and colpali-engine's torch
+    paths score them (for ``lik_cupy.integrations``).
+
+    ``zero_pad``: bool ``D.shape[:-2]``, True for a document whose padding (the tokens past its
+    ``d_lengths``, or masked out by ``d_mask``) is zero vectors that count as tokens: each query
+    token's max over it is at least 0 (a NaN max stays NaN), and where 0 wins its argmax is -1 (no
+    token, so the backward gives it no gradient). The padding is skipped, not read, so it need not
+    hold zeros. Other arguments as in :func:`maxsim`; Q and D float16, bfloat16, float32 or float64.
+    """
+    return _run(Q, D, q_mask, d_mask, q_lengths, d_lengths, return_argmax, backend, precision, validate, pairs=False,
+                zero_pad=zero_pad)
 
 
-def _maxsim_key(Q, D, q_mask, d_mask, q_lengths, d_lengths, return_argmax, backend, precision, validate, pairs=False):
+def _maxsim_varlen_zero_pad(Q, D_tokens, d_offsets, zero_pad, q_mask=None, *, q_lengths=None, return_argmax=False,
+                            backend="auto", precision=None, validate=None):
+    """:func:`maxsim_varlen` of documents with zero-vector padding (``zero_pad`` bool ``[Nd]``, as in
+    :func:`_maxsim_zero_pad`: the packed documents hold their real tokens only). Padded queries."""
+    return _run_varlen(Q, D_tokens, d_offsets, q_mask, q_lengths, None, return_argmax, backend, precision, validate,
+                       zero_pad=zero_pad)
+
+
+def _varlen_key(Q, D_tokens, d_offsets, q_mask, q_lengths, return_argmax, backend, precision, validate, zero_pad=None):
+    return call_key("varlen", (validate, return_argmax, backend, precision), Q,
+                    (D_tokens, d_offsets, q_mask, q_lengths, zero_pad))
+
+
+def _maxsim_key(Q, D, q_mask, d_mask, q_lengths, d_lengths, return_argmax, backend, precision, validate, pairs=False,
+                zero_pad=None):
     return call_key("pairs" if pairs else "maxsim", (validate, return_argmax, backend, precision), Q,
-                    (D, q_mask, d_mask, q_lengths, d_lengths))
+                    (D, q_mask, d_mask, q_lengths, d_lengths, zero_pad))
 
 
 def _prepared_call(fn: str, Q, D=None, D_tokens=None, d_offsets=None, q_mask=None, d_mask=None, q_lengths=None,
@@ -176,21 +186,48 @@ def _prepared_call(fn: str, Q, D=None, D_tokens=None, d_offsets=None, q_mask=Non
     return lookup(_maxsim_key(Q, D, q_mask, d_mask, q_lengths, d_lengths, return_argmax, backend, precision, validate))
 
 
-def _run(Q, D, q_mask, d_mask, q_lengths, d_lengths, return_argmax, backend, precision, validate, *, pairs):
-    key = _maxsim_key(Q, D, q_mask, d_mask, q_lengths, d_lengths, return_argmax, backend, precision, validate, pairs)
+def _run(Q, D, q_mask, d_mask, q_lengths, d_lengths, return_argmax, backend, precision, validate, *, pairs,
+         zero_pad=None):
+    key = _maxsim_key(Q, D, q_mask, d_mask, q_lengths, d_lengths, return_argmax, backend, precision, validate, pairs,
+                      zero_pad)
     call = lookup(key)
     if call is not None:
-        return call(Q, D, q_mask, d_mask, q_lengths, d_lengths, None)
+        return call(Q, D, q_mask, d_mask, q_lengths, d_lengths, None, zero_pad)
     check_backend(backend)
     p = check_call(Q, D, q_mask, d_mask, q_lengths, d_lengths, pairs=pairs)
+    if zero_pad is not None:
+        check_zero_pad(zero_pad, p, describe(D).shape[:-2])
     x3 = _fp32_accurate(precision, p.framework, p.dtype)
     if scoring_on_gpu(p, backend, float64_gpu=True):
         call = _prepared(key, p, return_argmax, validate, x3, (q_lengths, d_lengths, None), packed=False)
         if call is not None:
-            return call(Q, D, q_mask, d_mask, q_lengths, d_lengths, None)
-        scores, amax = _gpu(p, Q, D, q_mask, d_mask, q_lengths, d_lengths, return_argmax, validate, x3)
+            return call(Q, D, q_mask, d_mask, q_lengths, d_lengths, None, zero_pad)
+        scores, amax = _gpu(p, Q, D, q_mask, d_mask, q_lengths, d_lengths, return_argmax, validate, x3, zero_pad)
     else:
-        scores, amax = _cpu(p, Q, D, q_mask, d_mask, q_lengths, d_lengths, return_argmax)
+        scores, amax = _cpu(p, Q, D, q_mask, d_mask, q_lengths, d_lengths, return_argmax, zero_pad)
+    return (scores, amax) if return_argmax else scores
+
+
+def _run_varlen(Q, D_tokens, d_offsets, q_mask, q_lengths, q_offsets, return_argmax, backend, precision, validate,
+                zero_pad=None):
+    key = _varlen_key(Q, D_tokens, d_offsets, q_mask, q_lengths, return_argmax, backend, precision, validate,
+                      zero_pad) if q_offsets is None else None
+    call = lookup(key)
+    if call is not None:
+        return call(Q, D_tokens, q_mask, None, q_lengths, None, d_offsets, zero_pad)
+    check_backend(backend)
+    p = check_varlen(Q, D_tokens, d_offsets, q_mask, q_lengths, q_offsets)
+    if zero_pad is not None:
+        check_zero_pad(zero_pad, p, (p.nd,))
+    x3 = _fp32_accurate(precision, p.framework, p.dtype)
+    if scoring_on_gpu(p, backend, float64_gpu=True):
+        call = _prepared(key, p, return_argmax, validate, x3, (q_lengths, None, d_offsets), packed=True)
+        if call is not None:
+            return call(Q, D_tokens, q_mask, None, q_lengths, None, d_offsets, zero_pad)
+        scores, amax = _gpu_varlen(p, Q, D_tokens, d_offsets, q_mask, q_lengths, q_offsets, return_argmax,
+                                   validate, x3, zero_pad)
+    else:
+        scores, amax = _cpu_varlen(p, Q, D_tokens, d_offsets, q_mask, q_lengths, q_offsets, return_argmax, zero_pad)
     return (scores, amax) if return_argmax else scores
 
 
@@ -227,20 +264,21 @@ def _prepared(key, p: Problem, return_argmax: bool, validate, x3: bool, metadata
 # ---------------------------------------------------------------- CPU
 
 
-def _cpu(p: Problem, Q, D, q_mask, d_mask, q_lengths, d_lengths, return_argmax):
+def _cpu(p: Problem, Q, D, q_mask, d_mask, q_lengths, d_lengths, return_argmax, zero_pad=None):
     fw = p.framework
     q = host_array(Q, fw).reshape(p.nq, p.lq, p.dim)
     nrows = p.nq * p.nd if p.candidates else p.nd
     d = host_array(D, fw).reshape(nrows, p.ld, p.dim)
     qv = valid_host(q_mask, q_lengths, p.nq, p.lq, "q_lengths", fw)
     dv = valid_host(d_mask, d_lengths, nrows, p.ld, "d_lengths", fw)
-    s, a = cpu.maxsim_numpy(q, d, qv, dv, candidates=p.candidates, nd=p.nd, return_argmax=return_argmax)
+    zp = None if zero_pad is None else host_array(zero_pad, fw).reshape(nrows)
+    s, a = cpu.maxsim_numpy(q, d, qv, dv, candidates=p.candidates, nd=p.nd, return_argmax=return_argmax, zero_pad=zp)
     s = s.reshape(p.scores_shape)
     a = a.reshape(p.argmax_shape) if a is not None else None
     return host_result(s, p), (host_result(a, p) if a is not None else None)
 
 
-def _cpu_varlen(p: Problem, Q, D, d_offsets, q_mask, q_lengths, q_offsets, return_argmax):
+def _cpu_varlen(p: Problem, Q, D, d_offsets, q_mask, q_lengths, q_offsets, return_argmax, zero_pad=None):
     fw = p.framework
     d = host_array(D, fw).reshape(p.ntok, p.dim)
     doff = host_offsets(host_array(d_offsets, fw), p.ntok, "d_offsets")
@@ -250,7 +288,8 @@ def _cpu_varlen(p: Problem, Q, D, d_offsets, q_mask, q_lengths, q_offsets, retur
     else:
         q = host_array(Q, fw).reshape(p.nq, p.lq, p.dim)
         qv = valid_host(q_mask, q_lengths, p.nq, p.lq, "q_lengths", fw)
-    s, a = cpu.maxsim_packed_numpy(q, qv, d, doff, return_argmax=return_argmax)
+    zp = None if zero_pad is None else host_array(zero_pad, fw).reshape(p.nd)
+    s, a = cpu.maxsim_packed_numpy(q, qv, d, doff, return_argmax=return_argmax, zero_pad=zp)
     lq = q.shape[1]
     s = s.reshape(p.scores_shape)
     a = a.reshape(p.scores_shape + (lq,)) if a is not None else None
@@ -260,7 +299,7 @@ def _cpu_varlen(p: Problem, Q, D, d_offsets, q_mask, q_lengths, q_offsets, retur
 # ---------------------------------------------------------------- GPU
 
 
-def _gpu(p: Problem, Q, D, q_mask, d_mask, q_lengths, d_lengths, return_argmax, validate, x3: bool):
+def _gpu(p: Problem, Q, D, q_mask, d_mask, q_lengths, d_lengths, return_argmax, validate, x3: bool, zero_pad=None):
     import cupy
 
     fw = p.framework
@@ -274,15 +313,17 @@ def _gpu(p: Problem, Q, D, q_mask, d_mask, q_lengths, d_lengths, return_argmax, 
             nrows = p.nq * p.nd if p.candidates else p.nd
             qm, ql = device_valid(q_mask, q_lengths, p.nq, p.lq, "q_lengths", fw, on_host, checks)
             dm, dl = device_valid(d_mask, d_lengths, nrows, p.ld, "d_lengths", fw, on_host, checks)
+            zp = _device_zero_pad(zero_pad, nrows, fw, on_host)
             kp = replace(p, dtype=kernel_dtype(p.dtype))
-            scores, amax = launch(kp, q, d, qm, dm, ql, dl, return_argmax, device, x3=x3)
+            scores, amax = launch(kp, q, d, qm, dm, ql, dl, return_argmax, device, x3=x3, zero_pad=zp)
             checks.apply(p, scores, amax, device)
             results = caller_results(p, scores.astype("float64") if p.dtype == "float64" else scores, amax, on_host)
         checks.verify()  # last, while the scoring kernel runs (lik_cupy._runtime.device_checks)
     return results
 
 
-def _gpu_varlen(p: Problem, Q, D, d_offsets, q_mask, q_lengths, q_offsets, return_argmax, validate, x3: bool):
+def _gpu_varlen(p: Problem, Q, D, d_offsets, q_mask, q_lengths, q_offsets, return_argmax, validate, x3: bool,
+                zero_pad=None):
     import cupy
 
     fw = p.framework
@@ -302,11 +343,20 @@ def _gpu_varlen(p: Problem, Q, D, d_offsets, q_mask, q_lengths, q_offsets, retur
                 q = q.reshape(p.nq, p.lq, p.dim)
                 qm, ql = device_valid(q_mask, q_lengths, p.nq, p.lq, "q_lengths", fw, on_host, checks)
             ld_hint = -(-p.ntok // max(1, p.nd))
+            zp = _device_zero_pad(zero_pad, p.nd, fw, on_host)
             kp = replace(p, dtype=kernel_dtype(p.dtype))
             scores, amax = launch(kp, q, d, qm, None, ql, None, return_argmax, device, d_off=doff, ld_hint=ld_hint,
-                                  x3=x3)
+                                  x3=x3, zero_pad=zp)
             checks.apply(p, scores, amax, device)
             results = caller_results(p, scores.astype("float64") if p.dtype == "float64" else scores, amax, on_host)
         checks.verify()  # last, while the scoring kernel runs (lik_cupy._runtime.device_checks)
     return results
 
+
+def _device_zero_pad(zero_pad, rows: int, fw: str, on_host: bool):
+    """The zero-vector padding flags as the kernels read them: contiguous uint8 [rows], or None."""
+    if zero_pad is None:
+        return None
+    import cupy
+
+    return cupy.ascontiguousarray(device_array(zero_pad, fw, on_host).reshape(rows)).view(cupy.uint8)

@@ -40,6 +40,7 @@ import torch
 from ._validate import check_backward, check_call, check_varlen
 from .backward import _METHODS
 from .backward import maxsim_backward as _maxsim_backward
+from .forward import _maxsim_varlen_zero_pad, _maxsim_zero_pad
 from .forward import maxsim as _maxsim
 from .forward import maxsim_varlen as _maxsim_varlen
 from .precision import _checked as _checked_precision
@@ -98,6 +99,40 @@ def maxsim_varlen(Q, D_tokens, d_offsets, q_mask=None, *, q_lengths=None, method
     return _apply(Q, D_tokens, offsets, method, call, return_argmax)
 
 
+def _maxsim_zero_pad_grad(Q, D, zero_pad, q_mask=None, d_mask=None, *, q_lengths=None, d_lengths=None,
+                          method="auto", precision=None, validate=None):
+    """:func:`maxsim` of documents with zero-vector padding (``lik_cupy.forward._maxsim_zero_pad``:
+    ``zero_pad`` bool ``D.shape[:-2]``), with gradients; eager calls only (the operators take no such
+    flags: ``lik_cupy.integrations`` score the padding as zero vectors while tracing)."""
+    _check_method(method)
+    _check_eager(Q)
+
+    def call(q, d, argmax=True):
+        return _maxsim_zero_pad(q, d, zero_pad, q_mask, d_mask, q_lengths=q_lengths, d_lengths=d_lengths,
+                                return_argmax=argmax, backend=_backend(q), precision=precision, validate=validate)
+
+    return _apply(Q, D, None, method, call, False) if _needs_grad(Q, D) else call(Q, D, False)
+
+
+def _maxsim_varlen_zero_pad_grad(Q, D_tokens, d_offsets, zero_pad, q_mask=None, *, q_lengths=None, method="auto",
+                                 precision=None, validate=None):
+    """:func:`maxsim_varlen` of documents with zero-vector padding (``zero_pad`` bool ``[Nd]``), as
+    :func:`_maxsim_zero_pad_grad`; ``validate`` as in :func:`lik_cupy.maxsim_varlen` (False: offsets
+    known good)."""
+    _check_method(method)
+    _check_eager(Q)
+    if not _needs_grad(Q, D_tokens):
+        return _maxsim_varlen_zero_pad(Q, D_tokens, d_offsets, zero_pad, q_mask, q_lengths=q_lengths,
+                                       backend=_backend(Q), precision=precision, validate=validate)
+    offsets = _tensor(d_offsets, Q)  # the backward reads them too
+
+    def call(q, d):
+        return _maxsim_varlen_zero_pad(q, d, offsets, zero_pad, q_mask, q_lengths=q_lengths, return_argmax=True,
+                                       backend=_backend(q), precision=precision, validate=validate)
+
+    return _apply(Q, D_tokens, offsets, method, call, False)
+
+
 # ---------------------------------------------------------------- eager
 
 
@@ -131,6 +166,12 @@ def _traced(Q) -> bool:
     """Whether the call goes through the registered operators: while torch.compile or torch.export
     traces, and for tensor subclasses (fake tensors among them), whose data lik_cupy cannot read."""
     return torch.compiler.is_compiling() or (type(Q) not in _PLAIN and isinstance(Q, torch.Tensor))
+
+
+def _check_eager(Q) -> None:
+    if _traced(Q):
+        raise RuntimeError("zero-vector padding flags are for eager calls: while tracing, score the padding "
+                           "as zero vectors (lik_cupy.integrations does)")
 
 
 def _needs_grad(Q, D) -> bool:

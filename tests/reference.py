@@ -18,6 +18,27 @@ def maxsim_ref(Q, D, q_valid=None, d_valid=None):
     return np.where(qv[:, None, :], best, 0.0).sum(axis=2), sim
 
 
+def zero_pad_ref(Q, D, q_valid, d_valid, zero_pad, near_tol=1e-4):
+    """float64 reference of documents with zero-vector padding (``lik_cupy.forward._maxsim_zero_pad``):
+    a flagged document (``zero_pad`` bool [Nd]) also holds a zero token, so each query token's max
+    over it is max(its max over the valid tokens, 0), a NaN max staying NaN. Q [Nq, Lq, d], D
+    [Nd, Ld, d], validity bool [Nq, Lq] / [Nd, Ld]. Returns (scores [Nq, Nd], argmax [Nq, Nd, Lq]:
+    the first of the valid tokens' max (the first NaN where there is one), -1 for a masked query
+    token, an empty document or where the zero wins, and near [Nq, Nd, Lq]: where a flagged
+    document's true max lies within ``near_tol`` of 0, so a kernel's rounding may floor it or not)."""
+    _, sim = maxsim_ref(Q, D, q_valid, d_valid)
+    nq, nd, lq, ld = sim.shape
+    qv = np.asarray(q_valid, bool)
+    with np.errstate(invalid="ignore"):
+        best = sim.max(axis=3) if ld else np.full((nq, nd, lq), -np.inf)
+        amax = (np.where(np.isnan(sim), np.inf, sim).argmax(axis=3) if ld else np.zeros((nq, nd, lq), int))
+        floored = np.asarray(zero_pad, bool)[None, :, None] & (best < 0)
+        near = np.asarray(zero_pad, bool)[None, :, None] & (np.abs(best) < near_tol)
+    best = np.where(floored, 0.0, best)
+    amax = np.where(floored | (best == -np.inf) | ~qv[:, None, :], -1, amax).astype(np.int32)
+    return np.where(qv[:, None, :], best, 0.0).sum(axis=2), amax, near
+
+
 def rel_err(out, ref):
     out = np.asarray(out, np.float64)
     ref = np.asarray(ref, np.float64)

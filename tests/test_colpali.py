@@ -79,14 +79,16 @@ def test_zero_pads_count_as_tokens(rng):
     assert not torch.allclose(lik_cupy.maxsim(Q, D, d_mask=~pads), lc.maxsim_inbatch(Q, D))
 
 
-@pytest.mark.parametrize("form", ["lists", "tensors"])
+@pytest.mark.parametrize("form", ["lists", "tensors", "mixed"])
 def test_score_multi_vector_matches_colpali(rng, form, monkeypatch):
+    # "mixed": a run of pages of one length (chunks of them stacked, the others packed)
     from colpali_engine.utils.processing_utils import BaseVisualRetrieverProcessor
 
     qs = [torch.from_numpy(rng.standard_normal((n, 16)).astype(np.float32)) for n in (3, 7, 5)]
     qs[0][1] = 0.0
     qs[0][1, 0] = -1.0
-    ps = [torch.from_numpy((0.3 * rng.standard_normal((n, 16))).astype(np.float32)) for n in rng.integers(1, 13, 11)]
+    lens = list(rng.integers(1, 13, 11)) if form != "mixed" else [9] * 6 + list(rng.integers(1, 13, 7))
+    ps = [torch.from_numpy((0.3 * rng.standard_normal((n, 16))).astype(np.float32)) for n in lens]
     for p in ps:
         p[:, 0] = p[:, 0].abs() + 1.0  # query 0's token 1 has a negative max on every page
     if form == "tensors":

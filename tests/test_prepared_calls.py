@@ -46,6 +46,9 @@ def test_a_prepared_launch_hands_the_driver_what_the_problem_says(fake_gpu):
     assert params is launch._FWD_PARAMS and len(values) == len(launch._FWD_SIGNATURE)
     assert values[:9] == (1000, 2000, 0, 0, 3000, 0, 4000, 0, 0)
     assert values[11:18] == (5000, 6000, p.nq, p.nd, p.lq, p.ld, p.dim)
+    assert values[22] == 0  # no zero-vector padding flags
+    fwd.run(77, 1000, 2000, 0, 0, 3000, 0, 4000, 0, 0, 5000, 6000, zero_pad=7000)
+    assert launches[-1][6][:22] == values[:22] and launches[-1][6][22] == 7000
     assert grid == fwd.plan.grid
     assert len(by_value) == (3 if fwd.cfg.tma else 0)
     # the same signature is prepared once; a swapped dispatch function or a cleared cache prepares anew
@@ -140,8 +143,8 @@ class _FakeLaunch:
         self.tagged_doc_lengths = tagged
         self.runs = []
 
-    def run(self, *args):
-        self.runs.append(args)
+    def run(self, *args, **kw):
+        self.runs.append(args + tuple(kw.items()))
 
 
 @pytest.mark.parametrize("tagged", [True, False])
@@ -164,3 +167,14 @@ def test_repeat_call_passes_int64_document_lengths_as_the_tile_reads_them(monkey
     assert adapter.narrowed == ([ql] if tagged else [ql, dl])
     (k,) = marked
     assert (k["q_len"].ptr, k["q_len"].wide, k["d_len"].ptr, k["d_len"].wide) == (0x2000, 1, 0x3000, 1)
+
+
+def test_repeat_call_hands_the_zero_padding_flags_to_the_kernel(monkeypatch):
+    adapter, fwd = _FakeAdapter(), _FakeLaunch(True)
+    monkeypatch.setitem(prepared_calls._ADAPTERS, "fake", adapter)
+    monkeypatch.setattr(prepared_calls, "_device", lambda: 0)
+    p = _problem(nq=2, lq=8, nd=5, ld=16, dim=64)
+    call = prepared_calls.PreparedCall("fake", p, 0, fwd, False, (False, False, False), mark=False, caller="maxsim")
+    call(_FakeArray(0x4000), _FakeArray(0x5000), None, None, None, None, None)
+    call(_FakeArray(0x4000), _FakeArray(0x5000), None, None, None, None, None, _FakeArray(0x6000))
+    assert fwd.runs[0][-1] == ("zero_pad", 0) and fwd.runs[1][-1] == ("zero_pad", 0x6000)

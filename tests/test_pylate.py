@@ -105,6 +105,35 @@ def test_pairwise_matches_pylate_on_tensors_and_ragged_lists(rng):
     _check(lp.colbert_scores_pairwise(qs, ds), ref)
 
 
+def test_masked_tokens_are_only_valid_or_not(rng):
+    # The two differences from PyLate's torch path the module states: a mask value is valid (nonzero)
+    # or not, never a weight; and a masked token is never read, where the torch path's 0 times a NaN
+    # or infinite similarity is NaN.
+    Q, D, qm, dm = _inputs(rng, (6, 11, 24), "both", "float")
+    want = lp.colbert_scores(Q, D, qm != 0, dm != 0)
+    assert torch.equal(lp.colbert_scores(Q, D, 3 * qm, 0.5 * dm), want)
+    Qbad, Dbad = Q.clone(), D.clone()
+    Qbad[qm == 0] = float("inf")
+    Dbad[dm == 0] = float("nan")
+    assert torch.equal(lp.colbert_scores(Qbad, Dbad, qm, dm), want) and torch.isfinite(want).all()
+    assert torch.isnan(pylate_scores.colbert_scores(Qbad, Dbad, qm, dm, backend="torch")).any()
+
+
+def test_masked_scores_compile_and_match_eager(rng):
+    # While torch.compile traces, masked tokens are scored as zero vectors (the operators take no
+    # zero-padding flags): the eager call's scores and gradients.
+    Q, D, qm, dm = _inputs(rng, (6, 11, 24), "both", "bool")
+    fn = torch.compile(lambda q, d: lp.colbert_scores(q, d, qm, dm), fullgraph=True, backend="aot_eager")
+    grads = []
+    for f in (fn, lambda q, d: lp.colbert_scores(q, d, qm, dm)):
+        q, d = Q.clone().requires_grad_(True), D.clone().requires_grad_(True)
+        out = f(q, d)
+        out.sum().backward()
+        grads.append((out.detach(), q.grad, d.grad))
+    for mine, theirs in zip(*grads):
+        assert torch.allclose(mine, theirs, rtol=1e-5, atol=1e-6)
+
+
 def test_numpy_and_list_inputs_like_convert_to_tensor(rng):
     Q, D = negative_token_inputs(rng, (3, 4, 16), (5, 6, 16))
     ref = pylate_scores.colbert_scores(torch.from_numpy(Q).double(), torch.from_numpy(D).double(), backend="torch")
@@ -177,11 +206,9 @@ def _loss_step(make_loss, features, labels=None):
 def test_patched_loss_step_matches_pylate(rng, loss, monkeypatch):
     losses = pytest.importorskip("pylate.losses")
     calls = []
-    orig = lik_cupy.torch.maxsim
 
-    def counting(*a, **k):
-        calls.append(1)
-        return orig(*a, **k)
+    def counting(orig):  # masked scores go through the zero-vector padding form
+        return lambda *a, **k: calls.append(1) or orig(*a, **k)
 
     if loss == "Distillation":
         feats = [_features(rng, 4, 6), _features(rng, 4 * 3, 9)]
@@ -192,7 +219,8 @@ def test_patched_loss_step_matches_pylate(rng, loss, monkeypatch):
         labels = None
         make = losses.Contrastive if loss == "Contrastive" else (lambda m: losses.CachedContrastive(m, mini_batch_size=3))
     ref_loss, ref_grad = _loss_step(make, feats, labels)
-    monkeypatch.setattr(lik_cupy.torch, "maxsim", counting)
+    for name in ("maxsim", "_maxsim_zero_pad_grad"):
+        monkeypatch.setattr(lik_cupy.torch, name, counting(getattr(lik_cupy.torch, name)))
     with lp.patch_pylate():
         out_loss, out_grad = _loss_step(make, feats, labels)
     assert calls, "the patched loss did not score through lik-cupy"

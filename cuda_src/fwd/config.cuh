@@ -274,8 +274,8 @@ struct Fwd {
                                const u8* __restrict__ d_mask, const Offsets d_off, i64 ntok,
                                float* __restrict__ out,
                                int* __restrict__ amax, int Nq, int Nd, int Lq, int Ld, int dim, int n_qt, int qb,
-                               int docs_per_cta, int dl_qstride, void* split_buf, unsigned split_epoch, const TmaDesc* tmd,
-                               const TmaDesc* tms, const TmaDesc* tmq
+                               int docs_per_cta, int dl_qstride, const u8* __restrict__ d_zero_pad, void* split_buf,
+                               unsigned split_epoch, const TmaDesc* tmd, const TmaDesc* tms, const TmaDesc* tmq
 #if LIK_RESIDUAL
                                , const ResidualSrc& rsrc
 #endif
@@ -338,6 +338,7 @@ struct Fwd {
     template <int HALF>
     static __device__ __forceinline__ void scatter_max(float (&v)[TOKM ? NN : 1][2], int lane);
     static __device__ __forceinline__ void quad_max(float& v, int& ix);
+    static __device__ __forceinline__ void zero_floor(float& v, int& ix);
     static __device__ __forceinline__ float sim(A a, float sc);
     static __device__ __forceinline__ int query_len(const int* q_len, int qi, int Lq);
     static __device__ __forceinline__ void tile_rows(int qi0, int s0, int nqb, int span, int Lq, const int* q_len,
@@ -346,11 +347,12 @@ struct Fwd {
     template <class Term>
     static __device__ __forceinline__ void score_single(const float (&best)[MT][2], const int (&bidx)[MT][2],
                                                         const bool (&rv)[MT][2], const int (&rs)[MT][2], Term term,
-                                                        float* rb, bool whole, float* out_j, int* amax_j, void* split_buf,
-                                                        int role);
+                                                        float* rb, bool whole, bool zero_pad, float* out_j, int* amax_j,
+                                                        void* split_buf, int role);
     static __device__ __noinline__ void complete_pieces(const int* info, void* split_buf, unsigned epoch, float* out,
                                                         int* amax, int Nq, int Nd, int Lq, int n_qt, const int* q_len,
-                                                        const u8* q_mask, const float* q_scale);
+                                                        const u8* q_mask, const float* q_scale, const u8* d_zero_pad,
+                                                        int dl_qstride);
 };
 
 // The head of an out-of-class member definition: LIK_FWD_TEMPLATE ... LIK_FWD::name(...).

@@ -39,6 +39,32 @@ __device__ __forceinline__ void LIK_FWD::quad_max(float& v, int& ix) {
     }
 }
 
+// Zero-vector padding (see maxsim_fwd.cu): a final row max of a document with zero-vector padding
+// is at least 0, the padding's similarity (NaN stays NaN); where 0 wins, no token does (argmax -1).
+LIK_FWD_TEMPLATE
+__device__ __forceinline__ void LIK_FWD::zero_floor(float& v, int& ix) {
+    if (v < 0.f) {
+        v = 0.f;
+        ix = -1;
+    }
+}
+
+// Whether document row base + j has zero-vector padding (false where flags is null: no flags). One
+// predicated load in volatile asm, its address computed inside it, so that it stays where the row
+// maxima are final and costs no branch: a plain load was issued early in the document's tile loop
+// with its address held through it, and a branch around the load moved code, each spilling tiles
+// at 254-255 registers (split-d fp16, INT8 argmax wgmma, 3xTF32 argmax; compile check).
+__device__ __forceinline__ bool zero_pad_flag(const u8* flags, i64 base, int j) {
+    unsigned v;
+    asm volatile(
+        "{\n\t.reg .u64 a, b;\n\t.reg .pred p;\n\tsetp.ne.u64 p, %1, 0;\n\tmov.u32 %0, 0;\n\t"
+        "cvt.s64.s32 b, %3;\n\tadd.s64 a, %1, %2;\n\tadd.s64 a, a, b;\n\t"
+        "@p ld.global.nc.u8 %0, [a];\n\t}"
+        : "=r"(v)
+        : "l"(flags), "l"(base), "r"(j));
+    return v != 0;
+}
+
 // A similarity from its accumulator: the float itself, or for INT8 the integer dot product
 // times its document token's scale `sc`.
 LIK_FWD_TEMPLATE
@@ -83,12 +109,13 @@ __device__ __forceinline__ void LIK_FWD::tile_rows(int qi0, int s0, int nqb, int
 // the max across each quad, the valid rows' terms summed per thread, across the warp, then
 // across warps in order (rb: WARPS floats of shared memory). Not `whole`: the document is a
 // piece, whose rows go to `stash` (and `stash_idx`: its slot of the scratch) instead of a score.
+// `zero_pad` (whole documents only): its rows' maxima are floored at 0 (zero_floor).
 LIK_FWD_TEMPLATE
 template <class Term>
 __device__ __forceinline__ void LIK_FWD::score_single(const float (&best)[MT][2], const int (&bidx)[MT][2],
                                                       const bool (&rv)[MT][2], const int (&rs)[MT][2], Term term,
-                                                      float* rb, bool whole, float* out_j, int* amax_j, void* split_buf,
-                                                      int role) {
+                                                      float* rb, bool whole, bool zero_pad, float* out_j, int* amax_j,
+                                                      void* split_buf, int role) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
     float part = 0.f;
 #pragma unroll
@@ -98,6 +125,7 @@ __device__ __forceinline__ void LIK_FWD::score_single(const float (&best)[MT][2]
             float v = best[m][h];
             int ix = bidx[m][h];
             quad_max(v, ix);
+            if (zero_pad) zero_floor(v, ix);
             if (rv[m][h]) part += term(v, m, h);
             if (tq == 0) {
                 if (ARGMAX && whole && rs[m][h] >= 0) amax_j[rs[m][h]] = rv[m][h] ? ix : -1;
@@ -124,12 +152,13 @@ __device__ __forceinline__ void LIK_FWD::score_single(const float (&best)[MT][2]
 // Token split, after the tile loop: count this CTA's pieces in (info: the head and tail
 // documents, -1 for none, then each one's first and last share); for each document whose
 // count this completes, merge every piece's rows in token order and score it as score_single
-// scores a whole document (same code, same order: the bits of an unsplit run). Out of line,
-// so the tile loop's registers do not grow with it.
+// scores a whole document (same code, same order: the bits of an unsplit run; zero-vector padding,
+// d_zero_pad, floors the merged maxima). Out of line, so the tile loop's registers do not grow with it.
 LIK_FWD_TEMPLATE
 __device__ __noinline__ void LIK_FWD::complete_pieces(const int* info, void* split_buf, unsigned epoch, float* out,
                                                       int* amax, int Nq, int Nd, int Lq, int n_qt, const int* q_len,
-                                                      const u8* q_mask, const float* q_scale) {
+                                                      const u8* q_mask, const float* q_scale, const u8* d_zero_pad,
+                                                      int dl_qstride) {
     static_assert(TSPLIT, "only token-split tiles leave pieces");
     __shared__ int last[2];
     __shared__ float rb[2][WARPS];  // one per document: a warp may start the second before thread 0 reads the first
@@ -182,7 +211,8 @@ __device__ __noinline__ void LIK_FWD::complete_pieces(const int* info, void* spl
     for (int role = 0; role < 2; ++role) {
         if (!last[role]) continue;
         const int j = info[role];
-        score_single(best[role], bidx[role], rv, rs, term, rb[role], true, outp + j,
+        const bool zp = zero_pad_flag(d_zero_pad, (i64)qi0 * dl_qstride, j);
+        score_single(best[role], bidx[role], rv, rs, term, rb[role], true, zp, outp + j,
                      ARGMAX ? amax + ((i64)qi0 * Nd + j) * Lq : nullptr, nullptr, 0);
     }
 }
@@ -458,6 +488,10 @@ struct LIK_FWD::Finish {
     const SumRows& sr;
     const PieceRole& pr;
     void* const& split_buf;
+    const u8* __restrict__ const& d_zero_pad;
+
+    // Document j's zero-vector padding flag (false without flags).
+    __device__ bool zero_pad(int j) const { return zero_pad_flag(d_zero_pad, dt.doc0, j); }
 
     // Document j's score (and argmax) from best / bidx.
     __device__ void finish(int j) const {
@@ -504,6 +538,7 @@ struct LIK_FWD::Finish {
             // block barrier (one barrier per document fewer), or after one here when no tile of
             // this CTA follows.
             float* rowv = red + (j & 1) * BM;
+            const bool zp = zero_pad(j);
 #pragma unroll
             for (int m = 0; m < MT; ++m)
 #pragma unroll
@@ -511,6 +546,7 @@ struct LIK_FWD::Finish {
                     float v = best[m][h];
                     int ix = bidx[m][h];
                     quad_max(v, ix);
+                    if (zp) zero_floor(v, ix);
                     if (tq == 0) {
                         rowv[wrow0 + m * 16 + g + 8 * h] = rv[m][h] ? term(v, m, h) : 0.f;
                         if (ARGMAX && rs[m][h] >= 0)
@@ -526,7 +562,8 @@ struct LIK_FWD::Finish {
         } else {
             const int role = pr.piece_role(j);
             score_single(best, bidx, rv, rs, term, red + (j & 1) * WARPS,  // double buffer: an empty next doc skips the loop barrier
-                         role < 0, outp + j, ARGMAX ? amax + ((i64)qi0 * Nd + j) * Lq : nullptr, split_buf, role);
+                         role < 0, role < 0 && zero_pad(j), outp + j,
+                         ARGMAX ? amax + ((i64)qi0 * Nd + j) * Lq : nullptr, split_buf, role);
 #if LIK_CAND
             // A candidate id outside the corpus was scored as a document without tokens: its score
             // is NaN instead (the thread that wrote the sum).

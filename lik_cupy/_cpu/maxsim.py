@@ -114,7 +114,7 @@ class _Budget:
 
 def maxsim_numpy(Q: np.ndarray, D: np.ndarray, q_valid: np.ndarray, d_valid: np.ndarray, *, candidates: bool,
                  nd: int, return_argmax: bool, block_bytes: int = BLOCK_BYTES, q_scale: np.ndarray | None = None,
-                 d_scale: np.ndarray | None = None):
+                 d_scale: np.ndarray | None = None, zero_pad: np.ndarray | None = None):
     """Canonical-shape MaxSim (module docstring: the arithmetic and the memory bound).
 
     Q: [Nq, Lq, d]; D: [Nd, Ld, d] shared by all queries, or [Nq * nd, Ld, d]
@@ -126,10 +126,12 @@ def maxsim_numpy(Q: np.ndarray, D: np.ndarray, q_valid: np.ndarray, d_valid: np.
     and the query token's scale multiplies the max (a negative or NaN one gives NaN, since
     only a non-negative scale commutes with the max): the kernel's arithmetic, so the argmax
     matches the GPU's exactly.
+    zero_pad: bool [D.shape[0]] or None: the documents with zero-vector padding (``_zero_floor``).
     Returns scores float32 [Nq, nd] (float64 for float64 inputs) and, if asked, argmax int32 [Nq, nd, Lq].
     """
     nq, lq, dim = Q.shape
     ld = D.shape[1]
+    zp = None if zero_pad is None else zero_pad.reshape(nq if candidates else 1, nd)
     ar = _Arith.of(D.dtype, dim, d_scale is not None)
     scores = np.empty((nq, nd), ar.out)
     amax = np.empty((nq, nd, lq), np.int32) if return_argmax else None
@@ -138,6 +140,8 @@ def maxsim_numpy(Q: np.ndarray, D: np.ndarray, q_valid: np.ndarray, d_valid: np.
     out: dict = {}
 
     def put(i0: int, i1: int, j0: int, j1: int, res: tuple) -> None:
+        if zp is not None:
+            res = _zero_floor(*res, zp[i0:i1, j0:j1] if candidates else zp[:, j0:j1], lq)
         scores[i0:i1, j0:j1] = _scores(res[0], q_valid[i0:i1], None if q_scale is None else q_scale[i0:i1])
         if amax is not None:
             amax[i0:i1, j0:j1] = _argmax_out(res[1], i1 - i0, lq)
@@ -197,13 +201,13 @@ def _document_sets(nq: int, nd: int, candidates: bool):
 
 def maxsim_packed_numpy(Q: np.ndarray, q_valid: np.ndarray, tokens: np.ndarray, offsets: np.ndarray, *,
                         return_argmax: bool, block_bytes: int = BLOCK_BYTES, q_scale: np.ndarray | None = None,
-                        d_scale: np.ndarray | None = None):
+                        d_scale: np.ndarray | None = None, zero_pad: np.ndarray | None = None):
     """MaxSim of padded queries against packed documents (``offsets`` int64 [Nd + 1], checked), with
     the arithmetic and memory bound of :func:`maxsim_numpy`.
 
     Documents go in runs of whole documents whose temporaries fit ``block_bytes``, never padded; a
     document that passes the bound alone goes in runs of its tokens. int8 inputs take ``q_scale``
-    [Nq, Lq] and ``d_scale`` [T] as in :func:`maxsim_numpy`.
+    [Nq, Lq] and ``d_scale`` [T] as in :func:`maxsim_numpy`; ``zero_pad`` bool [Nd] as there.
     """
     nq, lq, dim = Q.shape
     nd = offsets.size - 1
@@ -230,9 +234,12 @@ def maxsim_packed_numpy(Q: np.ndarray, q_valid: np.ndarray, tokens: np.ndarray, 
                                         run, out)
             for i in range(nq):
                 qs = None if q_scale is None else q_scale[i:i + 1]
-                scores[i, j0] = _scores(vals[i][:, None], q_valid[i:i + 1], qs)[0, 0]
+                val, idx = vals[i][:, None], None if idxs is None else idxs[i][:, None]
+                if zero_pad is not None:
+                    val, idx = _zero_floor(val, idx, zero_pad[None, j0:j1], lq)
+                scores[i, j0] = _scores(val, q_valid[i:i + 1], qs)[0, 0]
                 if amax is not None:
-                    amax[i, j0] = idxs[i]
+                    amax[i, j0] = idx[:, 0]
             j0 = j1
             continue
         blk = _DocBlock(_tokens(tokens[t0:t1], ar, 1), Runs.packed(offsets[j0:j1 + 1]),
@@ -241,6 +248,8 @@ def maxsim_packed_numpy(Q: np.ndarray, q_valid: np.ndarray, tokens: np.ndarray, 
         for i0 in range(0, nq, g):  # several queries to one GEMM
             i1 = min(nq, i0 + g)
             val, idx = _block_maxima(Q[i0:i1], q_valid[i0:i1], blk, ar, return_argmax, block_bytes)
+            if zero_pad is not None:
+                val, idx = _zero_floor(val, idx, zero_pad[None, j0:j1], lq)
             scores[i0:i1, j0:j1] = _scores(val, q_valid[i0:i1], None if q_scale is None else q_scale[i0:i1])
             if amax is not None:
                 amax[i0:i1, j0:j1] = _argmax_out(idx, i1 - i0, lq)
@@ -278,6 +287,16 @@ def _scores(val: np.ndarray, q_valid: np.ndarray, q_scale: np.ndarray | None) ->
             val = np.where(val == -np.inf, val, val * qs)
         terms = np.where(q_valid.reshape(-1, 1), val, -0.0).reshape(g, lq, -1)
         return np.add.accumulate(terms, axis=1, dtype=np.float64)[:, -1] + 0.0
+
+
+def _zero_floor(val: np.ndarray, idx: np.ndarray | None, flags: np.ndarray, lq: int):
+    """Zero-vector padding, as the kernels apply it: each query token's max ``val [G * Lq, nb]`` over a
+    flagged document (``flags`` bool [G or 1, nb]) floored at 0, the padding's similarity (NaN kept),
+    and its winner ``idx`` (or None) -1 where 0 wins."""
+    g, nb = val.shape[0] // max(1, lq), val.shape[1]
+    with np.errstate(invalid="ignore"):
+        floor = (flags[:, None, :] & (val.reshape(g, lq, nb) < 0)).reshape(val.shape)
+    return np.where(floor, 0, val).astype(val.dtype, copy=False), None if idx is None else np.where(floor, -1, idx)
 
 
 def _argmax_out(idx: np.ndarray, g: int, lq: int) -> np.ndarray:

@@ -68,7 +68,7 @@ def _load_kernel(cfg, arch: int, device: int):
 
 # The forward kernel's parameters in order, by C type (``raw_launch.signature``); the TMA
 # descriptors follow as their own 128-byte buffers.
-_FWD_SIGNATURE = "pppppppppiqppiiiiiiiiipu"
+_FWD_SIGNATURE = "pppppppppiqppiiiiiiiiippu"
 _FWD_PARAMS = signature(_FWD_SIGNATURE)
 
 
@@ -122,16 +122,18 @@ class ForwardLaunch:
         return self._made_with == _made_with()
 
     def run(self, stream: int, q: int, d: int, q_scale: int, d_scale: int, ql: int, qm: int, dl: int, dm: int,
-            d_off: int, scores: int, amax: int, partials: int = 0, by_value: tuple = ()) -> None:
+            d_off: int, scores: int, amax: int, partials: int = 0, by_value: tuple = (), zero_pad: int = 0) -> None:
         """Queue the kernel on ``stream`` (a handle); every other argument is a device address (0 for
-        none). ``partials``: float32 scratch of ``self.partials`` elements when that is nonzero."""
+        none). ``partials``: float32 scratch of ``self.partials`` elements when that is nonzero;
+        ``zero_pad``: uint8 per document row of D, the documents with zero-vector padding (``launch``)."""
         cfg, func, plan, ntok = self.cfg, self.func, self.plan, self.ntok
         if plan.token_split and is_capturing(stream):
             cfg, func, plan, ntok = self.whole()
         p = self.p
         part = partials if plan.n_qt > 1 else scores
         values = (q, d, q_scale, d_scale, ql, qm, dl, dm, d_off, self.off_flags, ntok, part, amax,
-                  p.nq, p.nd, p.lq, p.ld, p.dim, plan.n_qt, plan.qb, plan.docs_per_cta, p.nd if p.candidates else 0)
+                  p.nq, p.nd, p.lq, p.ld, p.dim, plan.n_qt, plan.qb, plan.docs_per_cta, p.nd if p.candidates else 0,
+                  zero_pad)
         if cfg.tma:
             dmap = tma.tile_map(d, self.rows, p.dim * self.esize, cfg.bn)
             smap = tma.scale_map(d_scale, self.rows, cfg.bn + 4) if d_scale else dmap
@@ -261,7 +263,8 @@ def use_tma_for(p: Problem, vec: bool, rows: int, d_scale=None, residual=None) -
 
 
 def launch(p: Problem, q, d, qm, dm, ql, dl, return_argmax: bool, device: int, *, d_off=None, ld_hint=None,
-           d_off_whole=True, out=None, q_scale=None, d_scale=None, caller=None, x3=False, residual=None, cand=None):
+           d_off_whole=True, out=None, q_scale=None, d_scale=None, caller=None, x3=False, residual=None, cand=None,
+           zero_pad=None):
     """Choose the kernel configuration and launch it on the current CuPy stream.
 
     q: [nq, lq, dim] (bfloat16 as uint16); d: padded [rows, ld, dim], or packed
@@ -279,10 +282,17 @@ def launch(p: Problem, q, d, qm, dm, ql, dl, return_argmax: bool, device: int, *
     ``cand`` (a ``lik_cupy._runtime.candidates.CandidateIds`` [nq, p.nd], with ``p.candidates``):
     query i scores the documents of ``d`` its row of ids names, in place (an id outside the
     corpus scores NaN).
+    ``zero_pad`` (uint8 [rows of d, or nd packed documents], 16-bit and float32 calls without
+    candidate ids): the documents whose padding is zero vectors that count, as in PyLate's and
+    colpali-engine's torch paths: each query token's max over a flagged document is floored at 0
+    (NaN kept), and where the floor wins its argmax is -1. The padding is skipped all the same (by
+    ``dl``, ``dm`` or the offsets), never read.
     """
     import cupy
 
     fn, split = caller or caller_name(p), "split the call over fewer queries or documents"
+    if zero_pad is not None and (p.dtype == "int8" or residual is not None or cand is not None):
+        raise ValueError(f"{fn}: zero-vector padding is for float16, bfloat16 and float32 documents scored whole")
     scores = out.reshape(p.nq, p.nd) if out is not None else empty((p.nq, p.nd), np.float32, f"{fn}: scores", split)
     amax = empty((p.nq, p.nd, p.lq), np.int32, f"{fn}: argmax",
                  f"return_argmax=False needs no argmax buffer; or {split}") if return_argmax else None
@@ -297,7 +307,10 @@ def launch(p: Problem, q, d, qm, dm, ql, dl, return_argmax: bool, device: int, *
         return scores, amax
     if d.shape[0] == 0 or (d_off is None and p.ld == 0):  # every document empty: -inf, or 0 for an empty query
         valid = (ql > 0) if ql is not None else qm.any(axis=1) if qm is not None else cupy.ones(p.nq, bool)
-        scores[...] = cupy.where(valid.reshape(p.nq, 1), np.float32(-np.inf), np.float32(0))
+        valid = valid.reshape(p.nq, 1)
+        if zero_pad is not None:  # and 0 for a document of zero-vector padding
+            valid = valid & (zero_pad.reshape(p.nq if p.candidates else 1, p.nd) == 0)
+        scores[...] = cupy.where(valid, np.float32(-np.inf), np.float32(0))
         if amax is not None:
             amax.fill(-1)
         return scores, amax
@@ -323,5 +336,5 @@ def launch(p: Problem, q, d, qm, dm, ql, dl, return_argmax: bool, device: int, *
     fwd.run(cupy.cuda.get_current_stream().ptr, q.data.ptr, d.data.ptr, _ptr(q_scale), _ptr(d_scale), _ptr(ql),
             _ptr(qm), lengths_ptr(dl), _ptr(dm), _ptr(d_off), scores.data.ptr, _ptr(amax), _ptr(part),
             # the by-value parameters after the fixed ones: the residual kernel's, then the candidate ids'
-            (() if residual is None else (residual,)) + (() if cand is None else (cand,)))
+            (() if residual is None else (residual,)) + (() if cand is None else (cand,)), _ptr(zero_pad))
     return scores, amax

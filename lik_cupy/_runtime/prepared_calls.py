@@ -131,14 +131,14 @@ class PreparedCall:
         twin.a = _ADAPTERS[framework]
         return twin
 
-    def __call__(self, Q, D, q_mask, d_mask, q_lengths, d_lengths, d_offsets, cand=None, out=None):
+    def __call__(self, Q, D, q_mask, d_mask, q_lengths, d_lengths, d_offsets, zero_pad=None, cand=None, out=None):
         """Queue the call; returns its results, new arrays, or ``out`` (scores, or with argmax
         (scores, argmax), the caller's arrays of the result's shape and dtype) written."""
         if _device() != self.device:
             import cupy
 
             with cupy.cuda.Device(self.device):
-                return self(Q, D, q_mask, d_mask, q_lengths, d_lengths, d_offsets, cand, out)
+                return self(Q, D, q_mask, d_mask, q_lengths, d_lengths, d_offsets, zero_pad, cand, out)
         a, p, dev = self.a, self.p, self.device
         stream = a.stream_handle(dev)
         scores = amax = None
@@ -170,7 +170,8 @@ class PreparedCall:
         fwd = self.fwd
         part = a.new_empty((fwd.partials,), "float32", dev) if fwd.partials else None
         fwd.run(stream, a.address(Q), d, 0, 0, ql, 0 if q_mask is None else a.address(q_mask), dl, dm, off,
-                s_ptr, a_ptr, 0 if part is None else a.address(part), by_value)
+                s_ptr, a_ptr, 0 if part is None else a.address(part), by_value,
+                zero_pad=0 if zero_pad is None else a.address(zero_pad))
         if self.mark and (q_lengths is not None or d_lengths is not None or d_offsets is not None):
             mark_invalid(stream, dev, s_ptr, a_ptr, p.nq, p.nd, p.lq, p.candidates,
                          q_len=None if q_lengths is None else Checked(a.address(q_lengths), self.q_wide, p.lq),

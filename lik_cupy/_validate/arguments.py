@@ -263,6 +263,18 @@ def check_valid(side: str, mask, lengths, q: Info, mask_shape, len_shape) -> str
     return None
 
 
+def check_zero_pad(zero_pad, p: Problem, shape) -> None:
+    """The zero-vector padding flags of a call (``lik_cupy.forward._maxsim_zero_pad``): bool, one per
+    document (``shape``: D's shape without its last two axes, or ``(Nd,)`` for packed documents), in
+    Q's framework and place."""
+    z = _info("zero_pad", zero_pad)
+    _same_place("zero_pad", z, Info(p.framework, p.device, p.dtype, ()))
+    if z.dtype != "bool":
+        raise TypeError(f"zero_pad must be boolean (True = the document has zero-vector padding), got dtype {z.dtype}")
+    if tuple(z.shape) != tuple(shape):
+        raise ValueError(f"zero_pad has shape {list(z.shape)}; expected {list(shape)} (one flag per document)")
+
+
 def _same_place(name: str, a: Info, q: Info, qname: str = "Q") -> None:
     if a.framework != q.framework:
         raise TypeError(f"{name} is a {a.framework} array but {qname} is a {q.framework} array: pass both from one framework")

@@ -24,6 +24,7 @@ Importing this module imports torch, not colpali-engine.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from .. import torch as _lik
@@ -104,9 +105,11 @@ def score_multi_vector(qs, ps, batch_size: int = 128, device=None):
         ps: page (passage) embeddings, a list of ``[Ld_j, d]`` tensors or one ``[Np, Ld, d]`` tensor.
         batch_size: colpali-engine zero-pads pages to the longest in their batch of
             ``batch_size``, and those zero tokens count: a page shorter than the longest of its
-            batch has every query token's max lifted to at least 0. The same batches are used
-            here, so the scores are colpali-engine's; the pages are scored in as few kernel calls
-            as memory allows, not batch by batch.
+            batch has every query token's max lifted to at least 0. The same batches decide it
+            here, so the scores are colpali-engine's, but no page is padded: the pages are packed
+            back to back (one copy of the lot), a short page's row maxima floored at 0 in the
+            kernel (its zero-vector padding flag), and scored in as few kernel calls as memory
+            allows, not batch by batch.
         device: where to score (default: ``"cuda:0"`` when CUDA is available, else the CPU).
 
     Returns:
@@ -133,17 +136,29 @@ def score_multi_vector(qs, ps, batch_size: int = 128, device=None):
         raise ValueError(f"batch_size must be at least 1, got {batch_size}")
     device = device or ("cuda:0" if torch.cuda.is_available() else "cpu")
     Q, q_len = _padded(qs, device)
-    page_len = [ps.shape[1]] * len(ps) if isinstance(ps, torch.Tensor) else [len(p) for p in ps]
-    # Each page's scored length: the longest page of its batch (colpali-engine's zero padding).
+    if isinstance(ps, torch.Tensor):
+        _check_rows(ps)
+        page_len = [ps.shape[1]] * len(ps)
+    else:
+        page_len = [len(p) for p in ps]
+    # colpali-engine pads a page to the longest of its batch: the pages shorter than that have zero vectors.
     batch_max = [max(page_len[b:b + batch_size]) for b in range(0, len(ps), batch_size)]
-    scored_len = [batch_max[j // batch_size] for j in range(len(ps))]
+    short = [page_len[j] < batch_max[j // batch_size] for j in range(len(ps))]
     row_bytes = max(page_len) * Q.shape[-1] * Q.element_size()
     chunk = batch_size * max(1, _CHUNK_BYTES // max(1, batch_size * row_bytes))
     scores = []
     for c in range(0, len(ps), chunk):
-        D, d_len = _padded(ps[c:c + chunk], device, scored_len[c:c + chunk])
-        Qk, Dk, _ = kernel_operands(Q, D)
-        scores.append(_lik.maxsim(Qk, Dk, q_lengths=q_len, d_lengths=d_len))
+        pages, lens = ps[c:c + chunk], page_len[c:c + chunk]
+        if isinstance(pages, torch.Tensor) or all(n == lens[0] for n in lens):  # no padding: dense pages
+            D = pages.to(device) if isinstance(pages, torch.Tensor) else torch.stack(list(pages)).to(device)
+            Qk, Dk, _ = kernel_operands(Q, D)
+            scores.append(_lik.maxsim(Qk, Dk, q_lengths=q_len))
+            continue
+        tokens = torch.cat(list(pages)).to(device)
+        offsets = torch.from_numpy(np.concatenate([[0], np.cumsum(lens)])).to(device)
+        zero_pad = torch.tensor(short[c:c + chunk], device=device)
+        Qk, Tk, _ = kernel_operands(Q, tokens)
+        scores.append(_lik._maxsim_varlen_zero_pad_grad(Qk, Tk, offsets, zero_pad, q_lengths=q_len, validate=False))
     return torch.cat(scores, dim=1).cpu().to(torch.float32)
 
 
@@ -213,17 +228,27 @@ def _check_ndim(query, doc, d_ndim: int, d_layout: str) -> None:
         raise ValueError(f"doc must be {d_layout}, got shape {list(doc.shape)}")
 
 
-def _padded(xs, device, scored=None):
-    """``(X, lengths)``: ``xs`` (a list of ``[L_i, d]`` or one ``[N, L, d]`` tensor) zero-padded
-    into ``[N, L, d]`` on ``device``, and the tokens to score per row (``scored``, else each row's
-    own length) as a device tensor, or None when every row is scored whole."""
+def _check_rows(xs: torch.Tensor) -> None:
+    if xs.ndim != 3:
+        raise ValueError(f"embeddings must be a list of [L, d] tensors or one [N, L, d] tensor, "
+                         f"got shape {list(xs.shape)}")
+
+
+def _padded(xs, device):
+    """``(X, lengths)``: ``xs`` (a list of ``[L_i, d]`` or one ``[N, L, d]`` tensor) zero-padded into
+    ``[N, L, d]`` on ``device`` with one copy of each row (stacked when the lengths agree, else
+    concatenated and scattered into place), and the rows' lengths as a device tensor, or None when
+    every row is whole."""
     if isinstance(xs, torch.Tensor):
-        if xs.ndim != 3:
-            raise ValueError(f"embeddings must be a list of [L, d] tensors or one [N, L, d] tensor, "
-                             f"got shape {list(xs.shape)}")
+        _check_rows(xs)
         return xs.to(device), None
-    X = torch.nn.utils.rnn.pad_sequence(list(xs), batch_first=True, padding_value=0).to(device)
-    lengths = scored if scored is not None else [len(x) for x in xs]
-    if all(n == X.shape[1] for n in lengths):
-        return X, None
-    return X, torch.tensor(lengths, device=X.device)
+    lens = np.array([len(x) for x in xs])
+    width = int(lens.max())
+    if (lens == width).all():
+        return torch.stack(list(xs)).to(device), None
+    flat = torch.cat(list(xs)).to(device)
+    X = flat.new_zeros((len(lens), width, flat.shape[-1]))
+    starts = np.cumsum(lens) - lens
+    rows = np.arange(flat.shape[0]) + np.repeat(np.arange(len(lens)) * width - starts, lens)  # each token's padded row
+    X.view(-1, X.shape[-1]).index_copy_(0, torch.from_numpy(rows).to(device), flat)
+    return X, torch.from_numpy(lens).to(device)

@@ -6,14 +6,21 @@ PyLate's arguments and give the results of PyLate's torch path, computed by lik-
 ``[Nq, Nd, Lq, Ld]`` similarity tensor is never built). On CUDA tensors the CUDA kernels run, on
 CPU tensors the exact NumPy path.
 
-Masks (float, int or bool, any values) multiply the similarities, as in PyLate's torch path: a
+Masks (float, int or bool; nonzero = valid, as PyLate's ``flash`` and ``lik`` backends read them)
+zero the similarities of masked tokens, as PyLate's torch path does by multiplying by them: a
 masked document token is not left out, it scores 0 against every query token. So where a document
 has a masked token, each query token's max over that document is ``max(true max, 0)``, and an
 all-masked document scores 0 rather than -inf (lik-cupy's own ``d_mask`` leaves masked tokens out
 instead: PyLate's ``flash`` and ``lik`` backends follow that convention, its torch path does not).
-This module reproduces the torch path by scaling the embeddings by their masks (one elementwise
-pass over the masked side) and scoring without masks; calls without masks (``rank.rerank``, the
-evaluators) pay nothing for it.
+This module gets the torch path's scores without touching the embeddings: masked tokens are
+skipped and each masked document's row maxima floored at 0 in the kernel (its zero-vector padding
+flag, ``lik_cupy.forward._maxsim_zero_pad``), the gradient of a floored max is 0 as through the
+torch path's zeroed similarity. Two differences remain, both where the torch path multiplies
+rather than zeroes: a mask value other than 0 and 1 scales the torch path's similarities but is
+just "valid" here; and a NaN or infinite embedding of a masked token makes the torch path's score
+NaN (``nan * 0``, ``inf * 0``), where an eager call here never reads a masked token. While
+``torch.compile`` traces, masked document tokens are scored as zero vectors instead (the embeddings
+times their masks, which the compiled graph fuses), so a NaN there is NaN again.
 
 Scores come back float32 (float64 for float64 inputs, which are scored in float32), as PyLate's
 ``flash`` and ``lik`` backends return them; its torch path returns the inputs' dtype.
@@ -283,11 +290,20 @@ def _check_ndim(Q, D, d_ndim: int, d_layout: str) -> None:
 
 
 def _masked_maxsim(Q, D, q_mask, d_mask):
-    """MaxSim with PyLate's torch-path masks: similarities times the masks, which is MaxSim of the
-    mask-scaled embeddings (a masked token becomes a zero vector and scores 0)."""
+    """MaxSim with PyLate's torch-path masks (a masked token's similarities are 0): a masked query
+    token adds nothing; masked document tokens are skipped and the row maxima of a document with any
+    floored at 0 (its zero-vector padding flag), what their zero similarities give."""
     Q, D, out = kernel_operands(Q, D)
-    if q_mask is not None:
-        Q = Q * _tensor(q_mask).to(device=Q.device, dtype=Q.dtype).unsqueeze(-1)
-    if d_mask is not None:
-        D = D * _tensor(d_mask).to(device=D.device, dtype=D.dtype).unsqueeze(-1)
-    return _lik.maxsim(Q, D).to(out)
+    qm = None if q_mask is None else _valid(q_mask, Q)
+    if d_mask is None:
+        return _lik.maxsim(Q, D, qm).to(out)
+    dm = _valid(d_mask, D)
+    if _lik._traced(Q):  # the operators take no zero-padding flags: masked tokens as zero vectors
+        return _lik.maxsim(Q, D * dm.unsqueeze(-1).to(D.dtype), qm).to(out)
+    return _lik._maxsim_zero_pad_grad(Q, D, ~dm.all(-1), qm, dm).to(out)
+
+
+def _valid(mask, like) -> torch.Tensor:
+    """A PyLate mask as a lik-cupy one: bool on ``like``'s device, True where the mask is nonzero."""
+    m = _tensor(mask).to(like.device)
+    return m if m.dtype == torch.bool else m != 0
