@@ -107,21 +107,21 @@ def repeat_path(fw: str):
     """Host microseconds of a repeat call and of each step it takes (``lik_cupy._runtime.prepared_calls``),
     for a one-query call against 100 documents (a 4 us kernel, so the GPU keeps up with the host)."""
     from lik_cupy._runtime import prepared_calls as pc
+    from lik_cupy.forward import _maxsim_key
 
     rng = np.random.default_rng(5)
     q, d = (rng.standard_normal(s, dtype=np.float32).astype(np.float16) for s in ((1, 32, 128), (100, 180, 128)))
     Q, D = (torch.from_numpy(x).cuda() for x in (q, d)) if fw == "torch" else (cp.asarray(x) for x in (q, d))
-    flags = (None, False, "auto", None)
-    arrays = (D, None, None, None, None)
     lik_cupy.maxsim(Q, D)
-    key = pc.call_key("maxsim", flags, Q, arrays)
+    args = (Q, D, None, None, None, None, False, "auto", None, None)  # maxsim(Q, D)'s, as forward keys them
+    key = _maxsim_key(*args)
     call = pc.lookup(key)
     a, fwd = call.a, call.fwd
     scores = a.new_empty((1, 100), "float32", 0)
     qp, dp, sp, st = a.address(Q), a.address(D), a.address(scores), a.stream_handle(0)
     return {
         "whole call (lik_cupy.maxsim)": best_us(lambda: lik_cupy.maxsim(Q, D)),
-        "signature (call_key)": best_us(lambda: pc.call_key("maxsim", flags, Q, arrays)),
+        "signature (call_key)": best_us(lambda: _maxsim_key(*args)),
         "lookup": best_us(lambda: pc.lookup(key)),
         "prepared call (all that follows)": best_us(lambda: call(Q, D, None, None, None, None, None)),
         "  caller's stream": best_us(lambda: a.stream_handle(0)),
