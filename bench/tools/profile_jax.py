@@ -4,14 +4,21 @@ buffers' interface (bc_touch_cai), one that makes CuPy views (bc_views), then li
 them (bc_views_maxsim) and a copy into XLA's output (bc_views_maxsim_copy); lik_cupy.jax.maxsim
 under jit; lik_cupy.maxsim from CuPy. 1 query (32) x 1,000 docs (300), d = 128, fp16.
 
-    python3 bench/tools/profile_jax.py   # -> $OUT/profile_jax_<gpu>.json (or /tmp)
+    PYTHONPATH=. python3 bench/tools/profile_jax.py   # -> $OUT/profile_jax.json (or /tmp)
 """
-import time, json, os, sys
-import numpy as np
-import jax, jax.numpy as jnp
-from jax.experimental.buffer_callback import buffer_callback
+
+import json
+import os
+import time
+
 import cupy
-import lik_cupy, lik_cupy.jax as lj
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental.buffer_callback import buffer_callback
+
+import lik_cupy
+import lik_cupy.jax as lj
 from lik_cupy import _jax_ops
 
 def per_call(f, *a, n=300):
