@@ -23,7 +23,8 @@
 // flagged document's row maxima are floored at 0 where they are final (Finish, and after a token
 // split's merge), NaN kept; where the floor wins the row's argmax is -1 (no token: the backward
 // gives it no gradient). The padding itself is skipped by the length or mask, never multiplied.
-// Tokens-on-M INT8 tiles ignore it; the host passes it only to fp16, bf16 and fp32 calls.
+// INT8, candidate-id and PLAID residual tiles compile it out; the host passes it only to fp16, bf16
+// and fp32 calls of maxsim and maxsim_varlen.
 //
 // This file is the NVRTC entry point: the extern "C" kernels and Fwd::run, the kernel's body. The
 // rest lives in fwd/, split by role the way FlashAttention-3's hopper/ splits its kernels:
@@ -240,6 +241,7 @@ __device__ void LIK_FWD::run(const T* __restrict__ Q, const T* __restrict__ D, c
         const int len = docs.doc_span(doc0 + j, begin);
         const int nt = last.tiles_of(j, len);
         const u8* dm = mask.dmask(j);
+        const bool zp = X3 && !MULTI && fin.zero_pad(j);  // zero-vector padding (Finish::finish says why here)
         rowmax.reset();
         for (int t = first.first_tile(j); t < nt; ++t) {
             A acc[MT][NN][4];
@@ -268,7 +270,7 @@ __device__ void LIK_FWD::run(const T* __restrict__ Q, const T* __restrict__ D, c
             rowmax.fold(acc, slot, t * BN, len, dm, TMA && I8 ? (int)(begin & 3) : 0);
             consumer.release_slot(slot);
         }
-        fin.finish(j);
+        fin.finish(j, zp);
     }
     cp_async_wait<0>();
     // The rest needs only kernel parameters and shared memory, so nothing else stays live

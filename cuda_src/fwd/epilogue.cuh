@@ -50,10 +50,10 @@ __device__ __forceinline__ void LIK_FWD::zero_floor(float& v, int& ix) {
 }
 
 // Whether document row base + j has zero-vector padding (false where flags is null: no flags). One
-// predicated load in volatile asm, its address computed inside it, so that it stays where the row
-// maxima are final and costs no branch: a plain load was issued early in the document's tile loop
-// with its address held through it, and a branch around the load moved code, each spilling tiles
-// at 254-255 registers (split-d fp16, INT8 argmax wgmma, 3xTF32 argmax; compile check).
+// predicated load in volatile asm, its address computed inside it, so that it stays where its caller
+// puts it and costs no branch: a plain load moved into the document's tile loop with its address held
+// through it, and a branch around the load moved code, each spilling tiles at 254-255 registers
+// (split-d fp16, INT8 argmax wgmma, 3xTF32 argmax; compile check).
 __device__ __forceinline__ bool zero_pad_flag(const u8* flags, i64 base, int j) {
     unsigned v;
     asm volatile(
@@ -490,11 +490,15 @@ struct LIK_FWD::Finish {
     void* const& split_buf;
     const u8* __restrict__ const& d_zero_pad;
 
-    // Document j's zero-vector padding flag (false without flags).
-    __device__ bool zero_pad(int j) const { return zero_pad_flag(d_zero_pad, dt.doc0, j); }
+    // Document j's zero-vector padding flag (false without flags, and in INT8, candidate-id and PLAID
+    // residual tiles, which are never given flags).
+    __device__ bool zero_pad(int j) const { return !I8 && !CAND && !RES && zero_pad_flag(d_zero_pad, dt.doc0, j); }
 
-    // Document j's score (and argmax) from best / bidx.
-    __device__ void finish(int j) const {
+    // Document j's score (and argmax) from best / bidx. Its zero-vector padding flag is read here,
+    // where the row maxima are final, except by single-query 3xTF32 tiles, whose run reads it as the
+    // document starts (`zp`): read here, it spilled their 250-register argmax tile on sm_90, and read
+    // there, it cost other tiles registers through the tile loop (compile check).
+    __device__ void finish(int j, bool zp) const {
         if (TOKM) {
             // Reduce-scatter over the 8 lanes sharing tq: three halving exchanges leave lane
             // (g, tq) the maxima of flat indices 4g .. 4g + 3 (n = 2g + k / 2, e = k % 2).
@@ -562,7 +566,7 @@ struct LIK_FWD::Finish {
         } else {
             const int role = pr.piece_role(j);
             score_single(best, bidx, rv, rs, term, red + (j & 1) * WARPS,  // double buffer: an empty next doc skips the loop barrier
-                         role < 0, role < 0 && zero_pad(j), outp + j,
+                         role < 0, role < 0 && (X3 ? zp : zero_pad(j)), outp + j,
                          ARGMAX ? amax + ((i64)qi0 * Nd + j) * Lq : nullptr, split_buf, role);
 #if LIK_CAND
             // A candidate id outside the corpus was scored as a document without tokens: its score
