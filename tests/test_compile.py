@@ -512,18 +512,21 @@ def test_plan_launch_token_split(nq, lq, nd, ntok):
 # ms with whole documents, ms of the same documents packed through maxsim_varlen's token split), the
 # measurements tables.PADDED_SPLIT_MIN_LD cites.
 def _split_evidence():
-    """(Lq, Ld, B, whole ms, split ms) of each one-query cell of the committed A/B run behind
-    tables.PADDED_SPLIT_MIN_LD (bench_small_grid.py --ab on an H200)."""
-    data = json.loads((pathlib.Path(__file__).parent / "data" / "small_grid_ab_nvidia-h200.json").read_text())
-    return [(c["Lq"], c["Ld"], c["B"], c["ms"]["padded_whole"], c["ms"]["padded_split"]) for c in data["cells"]
-            if c["Nq"] == 1 and "padded_whole" in c["ms"] and "padded_split" in c["ms"]]
+    """(gpu, Lq, Ld, B, whole ms, split ms) of each one-query cell of the committed A/B runs behind
+    tables.PADDED_SPLIT_MIN_LD (bench_small_grid.py --ab on an H200 and an H100)."""
+    cells = []
+    for gpu in ("nvidia-h200", "nvidia-h100-80gb-hbm3"):
+        data = json.loads((pathlib.Path(__file__).parent / "data" / f"small_grid_ab_{gpu}.json").read_text())
+        cells += [(gpu, c["Lq"], c["Ld"], c["B"], c["ms"]["padded_whole"], c["ms"]["padded_split"])
+                  for c in data["cells"] if c["Nq"] == 1 and "padded_whole" in c["ms"] and "padded_split" in c["ms"]]
+    return cells
 
 
-@pytest.mark.parametrize("lq,ld,b,whole_ms,split_ms", _split_evidence())
-def test_padded_token_split_rule_follows_the_measurements(lq, ld, b, whole_ms, split_ms):
+@pytest.mark.parametrize("gpu,lq,ld,b,whole_ms,split_ms", _split_evidence())
+def test_padded_token_split_rule_follows_the_measurements(gpu, lq, ld, b, whole_ms, split_ms):
     # The rule splits padded documents where the split measured at least 10% faster, never where
-    # it measured more than 5% slower (H200: 132 SMs, the Hopper tiles dispatch picks there), and
-    # always where it measured twice as fast.
+    # it measured more than 5% slower (H200 and H100 SXM: 132 SMs, the Hopper tiles dispatch picks
+    # there), and always where it measured twice as fast.
     cfg = dispatch.choose_forward(90, "float16", 128, lq, False, True, True, 1, ld, False, True).strided_tile
     split = dispatch.plan_launch(cfg, 90, 132, 1, b, lq, 1, b * ld).token_split
     if split:
@@ -539,18 +542,26 @@ def test_padded_token_split_rule_follows_the_measurements(lq, ld, b, whole_ms, s
                                    (300, 32_768)])
 def test_plan_launch_padded_token_split(nq, lq, nd, ld):
     # Padded documents split under the packed rule's grid conditions from PADDED_SPLIT_MIN_LD tokens,
-    # on the padded tile's strided twin (16-bit and INT8 single-query one-shot tiles only).
+    # on the padded tile's strided twin (16-bit and INT8 single-query one-shot tiles only; a
+    # tokens-on-M INT8 tile's twin has the query rows on M, as below TOKM_MIN_LD).
     for cc, sms in ((80, 108), (90, 132)):
         for dtype in ("float16", "bfloat16", "int8", "float32"):
             for shared in (1, nq):
                 cfg = dispatch.choose_forward(cc, dtype, 128, lq, False, True, True, shared, ld, False, cc == 90)
                 strided = cfg.strided_tile
                 if strided is None:
-                    assert dtype == "float32" or cfg.multi or cfg.split or cfg.tokm
+                    assert dtype == "float32" or cfg.multi or cfg.split
                     continue
                 assert dtype in ("float16", "bfloat16", "int8") and strided.packed and strided.token_split
                 assert strided.name.endswith("_strided") and strided.name != cfg.name
-                assert dataclasses.replace(strided, packed=False, strided=False) == cfg
+                base = dataclasses.replace(strided, packed=False, strided=False)
+                if cfg.tokm:
+                    assert base == dataclasses.replace(cfg, tokm=False, stages=2) == cfg.queries_on_m
+                    below = dispatch.choose_forward(cc, dtype, 128, lq, False, True, True, shared,
+                                                    dispatch.tables.TOKM_MIN_LD - 1, False, True)
+                    assert base == dataclasses.replace(below, tma=True)  # (tokens-on-M tiles take TMA at any Lq)
+                    cfg = base
+                assert base == cfg
                 assert strided.smem_bytes == cfg.smem_bytes and strided.min_blocks == cfg.min_blocks
                 plan = dispatch.plan_launch(strided, cc, sms, nq, nd, lq, shared, nd * ld)
                 whole = dispatch.plan_launch(strided, cc, sms, nq, nd, lq, shared)

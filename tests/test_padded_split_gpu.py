@@ -203,9 +203,10 @@ def test_padded_split_is_left_out_of_graph_capture(rng):
 @pytest.mark.parametrize("argmax", [False, True])
 def test_int8_padded_split_matches_whole_documents_bitwise(rng, monkeypatch, argmax):
     # INT8 documents take the same split: each piece's rows are maxima of dequantised products,
-    # and the merge scales them by the query token's scale as the unsplit tile does. (Short queries:
-    # longer ones take INT8's tokens-on-M tiles on Hopper, which score whole documents.)
-    for case in ("one_long", "short", "mask", "candidates"):
+    # and the merge scales them by the query token's scale as the unsplit tile does. Long queries
+    # ("two_tiles") take INT8's tokens-on-M tiles on Hopper whole, and their queries-on-M twins
+    # split: the same bits from the other operand order. (INT8's long-query argmax tiles never split.)
+    for case in ("one_long", "short", "mask", "candidates") + (() if argmax else ("two_tiles",)):
         Q, D, kw, (q64, d64, qv, dv), cand = _problem(rng, case, "float16")
         d8, ds = lik_cupy.quantize_int8(D)
         for shares in (7, 131):

@@ -6,9 +6,10 @@ Cells: B documents of Ld tokens against Nq queries of Lq tokens, d = 128, fp16, 
   packed     lik_cupy.maxsim_varlen(Q, tokens, offsets) (the same documents, unchecked offsets)
   lik        late_interaction_kernels.maxsim(Q, D)
   flash      flash_maxsim.flash_maxsim(Q, D)
-With --dtype int8, ours score the documents quantised (lik_cupy.quantize_int8; maxsim_int8 and
-maxsim_int8_varlen, the float16 queries quantised per call) and the peers stay float16 (they have no
-INT8 path here): the cells then compare byte budgets, and --ab decides the INT8 split rule.
+With --dtype int8, ours score the documents and queries quantised once, outside the timed calls
+(lik_cupy.quantize_int8; maxsim_int8 and maxsim_int8_varlen with q_scales), so that a cell times
+the INT8 kernel alone; the peers stay float16 (they have no INT8 path here): the cells then
+compare byte budgets, and --ab decides the INT8 split rule.
 With --ab, the padded call twice more, A/B of the padded token split (bench/lib/forcing.padded_split):
   padded_split  split wherever the launch plan's grid rule allows, whatever Ld
   padded_whole  never split (whole documents, one CTA each)
@@ -63,9 +64,10 @@ def run_cell(torch, lk, mods, nq, lq, ld, b, gen, ab, dtype="float16"):
     q1 = q[0] if nq == 1 else q
     if dtype == "int8":
         d8, ds = lk.quantize_int8(d)
+        q8, qs = lk.quantize_int8(q)
         t8, ts = d8.reshape(-1, DIM), ds.reshape(-1)
-        impls = {"padded": lambda: lk.maxsim_int8(q, d8, ds),
-                 "packed": lambda: lk.maxsim_int8_varlen(q, t8, ts, off, validate_offsets=False)}
+        impls = {"padded": lambda: lk.maxsim_int8(q8, d8, ds, q_scales=qs),
+                 "packed": lambda: lk.maxsim_int8_varlen(q8, t8, ts, off, q_scales=qs, validate_offsets=False)}
     else:
         impls = {"padded": lambda: lk.maxsim(q, d),
                  "packed": lambda: lk.maxsim_varlen(q, toks, off, validate_offsets=False)}

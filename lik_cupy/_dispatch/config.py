@@ -61,13 +61,22 @@ class FwdConfig:
         if self.strided and not self.token_split:
             raise ValueError(f"strided (padded token-split) tiles need a token-split tile, not {self}")
 
+    @functools.cached_property
+    def queries_on_m(self) -> FwdConfig:
+        """The tile that splits documents over CTAs in place of a tokens-on-M INT8 tile: the same
+        one with query rows on the wgmma M side, as dispatch takes it below ``TOKM_MIN_LD`` (two
+        stages of 128 tokens; tokens-on-M tiles never split, their cross-warp maxima are per
+        document). Other tiles: themselves."""
+        return replace(self, tokm=False, stages=2) if self.tokm else self
+
     @functools.cached_property  # read on every padded launch
     def strided_tile(self) -> FwdConfig | None:
         """This padded configuration's tile on the token-split path for padded documents
-        (``strided``), or None where the tile cannot split documents."""
+        (``strided``; a tokens-on-M tile's is its ``queries_on_m`` tile's), or None where the
+        tile cannot split documents."""
         if self.packed or self.cand or (self.elem == 3 and self.argmax and self.wgmma and self.warps == 8):
             return None  # INT8's two-warpgroup argmax tiles spill with the strided reads (compile check)
-        v = replace(self, packed=True)
+        v = replace(self.queries_on_m, packed=True)
         return replace(v, strided=True) if v.token_split else None
 
     @property

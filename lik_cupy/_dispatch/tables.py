@@ -207,5 +207,8 @@ RESIDUAL_TILES: dict[int, tuple[tuple[int, int, int, int], ...]] = {
 # ms against 0.024-0.032 whole (32 query tokens, 1 to 64 documents), 0.012-0.022 against 0.030
 # (256 tokens, 1 to 32) and 0.012-0.021 against 0.030 (1,024 tokens, 1 to 8); at 32,768 tokens
 # 0.014-0.213 against 0.18-0.22. At 1,024 tokens it gains nothing (equal, or up to 2x slower on
-# one or two documents), so it starts at 4,096 for every tile.
+# one or two documents), so it starts at 4,096 for every tile. The H100 run beside it
+# (small_grid_ab_nvidia-h100-80gb-hbm3.json) agrees: 5-12% slower split at 1,024 tokens, 0.37-0.50
+# of whole at 4,096 up to 32 documents of 32 query tokens. A tokens-on-M INT8 tile splits on its
+# queries-on-M twin (FwdConfig.queries_on_m) under the same rule.
 PADDED_SPLIT_MIN_LD = (4096, 4096)

@@ -95,8 +95,9 @@ class ForwardLaunch:
                  off_flags: int, argmax: bool):
         self.p, self.device, self.cfg, self.mod, self.func, self.plan = p, device, cfg, mod, func, plan
         # (cfg, func, plan, ntok) without a token split, for a stream being captured (token_split.py):
-        # the padded split's whole-document plan, or the same tile planned without one (packed
-        # documents keep their token count, which bounds every document), made when first needed.
+        # the whole-document tile and plan a split replaced (padded documents, tokens-on-M INT8
+        # tiles), or the same tile planned without one (packed documents keep their token count,
+        # which bounds every document), made when first needed.
         self._whole = whole
         self._shared = 1 if p.candidates else p.nq
         self.ntok, self.rows, self.esize, self.argmax = ntok, rows, esize, argmax
@@ -219,10 +220,10 @@ def _prepare(p: Problem, device: int, esize: int, vec: bool, use_tma: bool, argm
     ntok = p.ntok if packed else 0
     plan = dispatch.plan_launch(cfg, props.cc, props.num_sms, p.nq, p.nd, p.lq, shared, ntok)
     whole = None  # made at the first launch on a captured stream (ForwardLaunch.whole)
-    if not packed and not plan.token_split:  # few long padded documents: the same tile on the token split
-        split = _padded_split(cfg, p, props, arch, device, shared)
+    if not plan.token_split and (not packed or cfg.tokm):  # few long documents: a tile that splits them
+        split = _token_split(cfg, p, props, arch, device, shared, packed)
         if split is not None:
-            whole = (cfg, func, plan, 0)
+            whole = (cfg, func, plan, ntok)
             cfg, func, plan, ntok = split
     # Packed documents: the CTAs' search of the offsets samples up to one block (1,024 threads at
     # most) past Nd in 32-bit ints.
@@ -233,27 +234,28 @@ def _prepare(p: Problem, device: int, esize: int, vec: bool, use_tma: bool, argm
     return ForwardLaunch(p, device, cfg, mod, func, plan, whole, ntok, rows, esize, off_flags, argmax)
 
 
-def _padded_split(cfg, p: Problem, props, arch: int, device: int, shared: int):
-    """(cfg, func, plan, ntok) of ``cfg``'s tile on the token split (``FwdConfig.strided_tile``:
-    ``ntok`` is then one query's documents' padded tokens) where the launch plan splits padded
-    documents (token_split.py), else None."""
+def _token_split(cfg, p: Problem, props, arch: int, device: int, shared: int, packed: bool):
+    """(cfg, func, plan, ntok) of the tile that splits the documents ``cfg`` would score whole,
+    where the launch plan splits them (token_split.py), else None: padded documents take
+    ``cfg``'s strided tile (``ntok`` is then one query's documents' padded tokens), packed ones
+    under a tokens-on-M INT8 tile its ``queries_on_m`` tile."""
     from ..errors import CompileError
 
-    strided = cfg.strided_tile
-    if strided is None or p.ld < dispatch.padded_split_min_ld(strided):
+    tile = cfg.queries_on_m if packed else cfg.strided_tile
+    if tile is None or not tile.token_split or (not packed and p.ld < dispatch.padded_split_min_ld(tile)):
         return None
-    ntok = p.nd * p.ld
-    split = dispatch.plan_launch(strided, props.cc, props.num_sms, p.nq, p.nd, p.lq, shared, ntok)
+    ntok = p.ntok if packed else p.nd * p.ld
+    split = dispatch.plan_launch(tile, props.cc, props.num_sms, p.nq, p.nd, p.lq, shared, ntok)
     if not split.token_split:
         return None
     try:
-        _, sfunc = _kernel(strided, arch, device)
+        _, sfunc = _kernel(tile, arch, device)
     except CompileError as e:  # the sm_90a build of this variant failed: whole documents, as planned
         if not (strided.wgmma or strided.tma):
             raise
         _warn_wgmma_once(e)
         return None
-    return strided, sfunc, split, ntok
+    return tile, sfunc, split, ntok
 
 
 def use_tma_for(p: Problem, vec: bool, rows: int, d_scale=None, residual=None) -> bool:
