@@ -520,19 +520,33 @@ struct LIK_FWD::Finish {
                 named_arrive(1 + b, NT);
             } else {
                 named_sync(1 + b, NT);
-                // Query row c's max over the 8 warps times its multiplier (qmul); rows summed in a
-                // fixed order.
+                // Query row c's max over the 8 warps times its multiplier (qmul), summed in
+                // score_single's order, so that the queries-on-M tile a token split takes instead
+                // has the same bits: in each group of 16 rows, rows g and g + 8 from 0, the eight
+                // pairs by a butterfly, then the groups in order. Lane (k, q) has group k's pairs
+                // g = 2q, 2q + 1.
+                static_assert(!TOKM || BM == 8 * 16, "tokens-on-M tiles hold 128 query rows");
+                const int k = lane >> 2, q = lane & 3;
+                float grp = 0.f;
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    float pair = 0.f;
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        const int c = k * 16 + 2 * q + e + 8 * h;
+                        float m = rw[c];
+#pragma unroll
+                        for (int w = 1; w < WARPS; ++w) m = max_nan(m, rw[w * BM + c]);
+                        const float qm = qmul[c];
+                        if (!(qm < 0.f)) pair += m == LIK_NEG_INF ? m : m * qm;
+                    }
+                    grp = e ? grp + pair : pair;
+                }
+                grp += __shfl_xor_sync(0xffffffffu, grp, 1);
+                grp += __shfl_xor_sync(0xffffffffu, grp, 2);
                 float sum = 0.f;
 #pragma unroll
-                for (int c = lane; c < BM; c += 32) {
-                    float m = rw[c];
-#pragma unroll
-                    for (int w = 1; w < WARPS; ++w) m = max_nan(m, rw[w * BM + c]);
-                    const float qm = qmul[c];
-                    if (!(qm < 0.f)) sum += m == LIK_NEG_INF ? m : m * qm;
-                }
-#pragma unroll
-                for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+                for (int g8 = 0; g8 < 8; ++g8) sum += __shfl_sync(0xffffffffu, grp, 4 * g8);
                 if (lane == 0) outp[j] = sum;
                 if (j + 2 < j1) named_arrive(3 + b, NT);
             }
