@@ -85,7 +85,7 @@ def plan_launch(cfg: FwdConfig, cc: int, num_sms: int, nq: int, nd: int, lq: int
     rows = -(-nq // qb) * n_qt
     resident = num_sms * ctas_per_sm(cfg, cc)
     if ntok > 0 and cfg.token_split and rows * 4 <= resident and nd * 4 <= resident // rows \
-            and (not cfg.strided or ntok >= nd * padded_split_min_ld(cfg)):
+            and 2 * rows * nd <= num_sms and (not cfg.strided or ntok >= nd * padded_split_min_ld(cfg)):
         shares = min(min(resident, SPLIT_MAX_CTAS) // rows, -(-ntok // (t.SPLIT_MIN_TILES * cfg.bn)))
         if shares > 1:
             return Launch(n_qt=n_qt, qb=qb, docs_per_cta=0, grid=(rows, shares, 1), token_split=True)

@@ -170,7 +170,10 @@ DOCS_PER_CTA = 128
 
 
 # Token split (packed documents, single-query tiles, at most a quarter of a wave of query tiles,
-# and at most a quarter as many documents as the CTAs a query tile may have): the grid's y side
+# at most a quarter as many documents as the CTAs a query tile may have, and whole-document CTAs
+# for at most half the SMs: INT8's small tiles, several to an SM, passed the second test at 128
+# documents of 4,096 tokens, where one CTA a document already fills the GPU and the split took
+# 0.050 ms against 0.043 whole; small_grid_ab_int8_nvidia-h100-80gb-hbm3.json): the grid's y side
 # cuts the corpus into equal token shares, one wave in all, each share at least this many document
 # tiles. Whole-document CTAs leave most of the wave idle when documents are that few: one query
 # against 62 documents of 4,096 tokens took 33.5 us that way and 24.5 us split (flash-maxsim:
