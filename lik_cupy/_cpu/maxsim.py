@@ -63,7 +63,7 @@ _DOT_CHUNK = 2 << 20  # bytes the winners' dot products gather and convert at a 
 _GROUP_DOCS = 32  # documents a block holds at least before queries share its GEMM
 _NORM_TOKENS = 16  # consecutive document tokens whose norm is bounded together (the margin's looseness: its sqrt)
 _CACHE_BYTES = 8 << 20  # a chunk's similarities and tokens at most: what follows its GEMM reads them from cache
-_PIECE_COLUMNS = 2048  # columns of a chunk's GEMM at a time, each piece's tokens first read for their norm bounds
+_PIECE_COLUMNS = 2048  # columns of a chunk's GEMM at a time (a multiple of _NORM_TOKENS), read first for their norm bounds
 _SPLIT_MACS = 1 << 24  # multiply-adds of a block's GEMM per thread at least, for its chunks to be shared
 
 
