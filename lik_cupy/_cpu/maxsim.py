@@ -258,6 +258,7 @@ def maxsim_packed_numpy(Q: np.ndarray, q_valid: np.ndarray, tokens: np.ndarray, 
             scores[i0:i1, j0:j1] = _scores(val, q_valid[i0:i1], None if q_scale is None else q_scale[i0:i1])
             if amax is not None:
                 amax[i0:i1, j0:j1] = _argmax_out(idx, i1 - i0, lq)
+            del val, idx  # (not alive through the next block's maxima)
         del blk
         j0 = j1
     return scores, amax
