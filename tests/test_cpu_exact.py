@@ -6,6 +6,7 @@ float64 in, float64 out; temporaries bounded in bytes, however long one document
 
 from __future__ import annotations
 
+import importlib
 import tracemalloc
 
 import ml_dtypes
@@ -14,10 +15,54 @@ import pytest
 
 import lik_cupy
 from lik_cupy import _cpu as cpu
+from lik_cupy._cpu import cores
 from reference import assert_within_rounding, maxsim_ref, rounding_bound
+from threads import run_threads
 
 DTYPES = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float32": np.float32, "float64": np.float64}
 NUMPY_BUFFERS = 256 << 10  # NumPy's own: a casting ufunc or reduction buffers 8192 elements, whatever the sizes
+
+
+_maxsim_module = importlib.import_module("lik_cupy._cpu.maxsim")
+
+
+def _before_each_call(monkeypatch, module, name: str, hook) -> None:
+    """``module.name`` calls ``hook`` with its positional arguments first."""
+    real = getattr(module, name)
+
+    def patched(*a, **kw):
+        hook(*a)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(module, name, patched)
+
+
+def _thread_counts(monkeypatch) -> list:
+    """The thread counts that blocks' chunks run with from now on, as they run."""
+    counts = []
+    _before_each_call(monkeypatch, cores, "run_chunks", lambda items, work, threads: counts.append(threads))
+    return counts
+
+
+def _share_chunks(monkeypatch) -> list:
+    """Every block's chunks shared by three threads, however small the block, in chunks of a few
+    documents; returns the thread counts the blocks ran with."""
+    monkeypatch.setattr(cores, "chunk_threads", lambda: 3)
+    monkeypatch.setattr(_maxsim_module, "_SPLIT_MACS", 1)
+    monkeypatch.setattr(_maxsim_module, "_CACHE_BYTES", 64 << 10)
+    return _thread_counts(monkeypatch)
+
+
+@pytest.fixture(params=["one-thread", "chunk-threads"])
+def chunk_threads(request, monkeypatch):
+    """The test runs twice: as the machine has it (small blocks: one thread), and with every
+    block's chunks shared by three threads."""
+    if request.param == "one-thread":
+        yield
+        return
+    counts = _share_chunks(monkeypatch)
+    yield
+    assert max(counts, default=1) > 1, "no block's chunks were shared by threads"
 
 
 def _unit(rng, *shape):
@@ -55,7 +100,7 @@ def _copies(rng, dtype, nd=40, ld=90, lq=6, dim=64):
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
-def test_identical_tokens_take_the_lowest_index_on_every_path(rng, dtype):
+def test_identical_tokens_take_the_lowest_index_on_every_path(rng, dtype, chunk_threads):
     q, d, first = _copies(rng, DTYPES[dtype])
     nd, ld, dim = d.shape
     want = np.broadcast_to(first, (nd,))
@@ -223,7 +268,7 @@ def _peak(fn) -> int:
 
 @pytest.mark.parametrize("argmax", [False, True])
 @pytest.mark.parametrize("layout", ["padded", "candidates", "packed", "int8"])
-def test_temporaries_stay_within_block_bytes(rng, layout, argmax):
+def test_temporaries_stay_within_block_bytes(rng, layout, argmax, chunk_threads):
     nq, lq, nd, ld, dim = 3, 16, 3000, 40, 32
     q = _unit(rng, nq, lq, dim).astype(np.float16)
     qv = np.ones((nq, lq), bool)
@@ -257,6 +302,7 @@ def test_temporaries_stay_within_block_bytes(rng, layout, argmax):
             return cpu.maxsim_numpy(q, d, qv, dv, candidates=False, nd=nd, return_argmax=argmax, block_bytes=b, **kw)
     outputs = nq * per_query * (4 + (lq * 4 if argmax else 0))  # scores and argmax
     one_query = per_query * lq * ld * 4  # a query's similarities with every document it scores
+    run(block)  # (once first: the chunk threads' pool and NumPy's lazy imports are made once a process)
     small = _peak(lambda: run(block))
     assert small < outputs + block * 9 // 8 + NUMPY_BUFFERS, (small, outputs, block)
     assert small < one_query / 2
@@ -321,7 +367,7 @@ def test_backward_temporaries_stay_within_block_bytes(rng):
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
-def test_scores_depend_on_the_query_and_the_document_alone(rng, dtype):
+def test_scores_depend_on_the_query_and_the_document_alone(rng, dtype, chunk_threads):
     """The same query against the same document scores bit for bit alike whatever the blocks (a
     long document in runs of its tokens included), the layout (padded, masked, packed, candidate
     sets, pairs), the query's padding and the documents beside it: what the distributed scorer
@@ -400,3 +446,125 @@ def test_nan_and_overflow_follow_float64():
     assert np.isnan(s[0, 1]) and np.isnan(ref[0, 1])
     assert s[0, 0] == np.float32(ref[0, 0]) and np.isfinite(s[0, 0])
     assert a[0, 0].tolist() == [1, 1] and a[0, 1].tolist() == [0, 0]  # NaN wins, at its first index
+
+
+# ---------------------------------------------------------------- chunk threads
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32", "float64", "int8"])
+def test_chunk_threads_change_no_bit(rng, monkeypatch, dtype):
+    """A block's chunks shared by threads: the same scores and argmax bit for bit on every layout,
+    near ties, identical tokens, NaN and masks included."""
+    nq, lq, nd, ld, dim = 3, 7, 150, 29, 24
+    q = _unit(rng, nq, lq, dim)
+    d = _unit(rng, nd, ld, dim)
+    d[::5, 3:6] = d[::5, 1:2]  # identical tokens
+    d[2::9, 4] = d[2::9, 20] = q[0, 1]  # winners with copies
+    d[7, 2, 0] = np.nan
+    qv = rng.random((nq, lq)) < 0.85
+    dv = rng.random((nd, ld)) < 0.8
+    dv[11] = False
+    lens = dv.sum(1)
+    off = np.concatenate([[0], np.cumsum(lens)])
+    perm = np.stack([rng.permutation(nd) for _ in range(nq)])
+    kw = {}
+    if dtype == "int8":
+        d[7, 2, 0] = 0
+        q, qs = lik_cupy.quantize_int8(q.astype(np.float32), backend="cpu")
+        d, ds = lik_cupy.quantize_int8(d.astype(np.float32), backend="cpu")
+        kw = {"q_scale": qs, "d_scale": ds}
+    else:
+        q, d = q.astype(DTYPES[dtype]), d.astype(DTYPES[dtype])
+    tok = np.concatenate([d[j, dv[j]] for j in range(nd)])
+
+    def every_layout():
+        out = [cpu.maxsim_numpy(q, d, qv, dv, candidates=False, nd=nd, return_argmax=True, **kw),
+               cpu.maxsim_numpy(q, d, qv, dv, candidates=False, nd=nd, return_argmax=False, **kw),
+               cpu.maxsim_numpy(q, d[:4], qv, dv[:4], candidates=False, nd=4, return_argmax=True,
+                                block_bytes=3000, **{k: v[:4] if k == "d_scale" else v for k, v in kw.items()})]
+        if dtype != "int8":
+            out += [cpu.maxsim_numpy(q, d[perm].reshape(-1, ld, dim), qv, dv[perm].reshape(-1, ld),
+                                     candidates=True, nd=nd, return_argmax=True),
+                    cpu.maxsim_packed_numpy(q, qv, tok, off, return_argmax=True),
+                    cpu.maxsim_packed_numpy(q, qv, tok, off, return_argmax=True, block_bytes=40_000)]
+        return out
+
+    want = every_layout()
+    counts = _share_chunks(monkeypatch)
+    got = every_layout()
+    assert max(counts) > 1
+    for (s0, a0), (s1, a1) in zip(want, got):
+        np.testing.assert_array_equal(s1, s0)
+        if a0 is not None:
+            np.testing.assert_array_equal(a1, a0)
+    if dtype != "int8":
+        np.testing.assert_array_equal(got[0][1], _argmax64(q, d, qv, dv))
+
+
+def _numpy_openblas():
+    blas = cores._numpy_openblas()
+    if blas is None or blas.get() < 2:
+        pytest.skip("NumPy's BLAS is not a multithreaded OpenBLAS whose threads lik_cupy sets")
+    return blas
+
+
+def _one_query_corpus(rng, nq=1):
+    return _unit(rng, nq, 8, 32).astype(np.float32), _unit(rng, 300, 20, 32).astype(np.float32)
+
+
+def test_blas_threads_come_back_after_concurrent_calls(rng, monkeypatch):
+    blas = _numpy_openblas()
+    before = blas.get()
+    _share_chunks(monkeypatch)
+    during = []
+    _before_each_call(monkeypatch, _maxsim_module, "_winner_similarities", lambda *a: during.append(blas.get()))
+    q, d = _one_query_corpus(rng, 2)
+    want = lik_cupy.maxsim(q, d, return_argmax=True, backend="cpu")
+    results = [None] * 4
+
+    def call(k):
+        results[k] = lik_cupy.maxsim(q, d, return_argmax=True, backend="cpu")
+
+    run_threads(4, call)
+    assert blas.get() == before
+    assert set(during) == {1}  # every GEMM beside the chunk threads ran on one core
+    for s, a in results:
+        np.testing.assert_array_equal(s, want[0])
+        np.testing.assert_array_equal(a, want[1])
+
+
+def test_blas_threads_come_back_after_an_error(rng, monkeypatch):
+    blas = _numpy_openblas()
+    before = blas.get()
+    _share_chunks(monkeypatch)
+    calls = []
+
+    def fifth_fails(*a):
+        calls.append(1)
+        if len(calls) == 5:
+            raise MemoryError("a chunk failed")
+
+    _before_each_call(monkeypatch, _maxsim_module, "_winner_similarities", fifth_fails)
+    q, d = _one_query_corpus(rng)
+    with pytest.raises(MemoryError, match="a chunk failed"):
+        lik_cupy.maxsim(q, d, backend="cpu")
+    assert blas.get() == before
+
+
+def test_one_blas_thread_set_by_the_caller_runs_chunks_on_one_thread(rng, monkeypatch):
+    blas = _numpy_openblas()
+    before = blas.get()
+    counts = _thread_counts(monkeypatch)
+    monkeypatch.setattr(_maxsim_module, "_SPLIT_MACS", 1)
+    q, d = _one_query_corpus(rng)
+    want = lik_cupy.maxsim(q, d, backend="cpu")
+    assert max(counts) > 1
+    counts.clear()
+    blas.set(1)
+    try:
+        got = lik_cupy.maxsim(q, d, backend="cpu")
+        assert blas.get() == 1
+    finally:
+        blas.set(before)
+    assert counts and set(counts) == {1}
+    np.testing.assert_array_equal(got, want)

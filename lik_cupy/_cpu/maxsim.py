@@ -26,10 +26,12 @@ GEMM where documents are shared. The arithmetic:
   (nothing to refine or recompute).
 
 Speed: a block goes through the GEMM in chunks of documents whose similarities and tokens fit
-``_CACHE_BYTES``; each chunk's tokens are read once for their norm bound just before its GEMM, and
-everything after the GEMM (argmax, second max, the winners' dot products) reads from the cache.
-The norm bound and the winners' dot products are what exactness costs over a plain GEMM and max:
-a pass over the tokens and ``Lq * Nd`` dot products, most visible with few short queries
+``_CACHE_BYTES``, each chunk's GEMM in pieces whose tokens are read once for their norm bound just
+before; everything after the GEMM (argmax, second max, the winners' dot products) reads from the
+cache. A large block's chunks are shared by a thread per core (``cores.py``), each running its
+chunks' GEMMs single-threaded and every pass after them, so that the NumPy passes use every core
+too. The norm bound and the winners' dot products are what exactness costs over a plain GEMM and
+max: a pass over the tokens and ``Lq * Nd`` dot products, most visible with few short queries
 (``docs/benchmarks.md``).
 
 Memory: the temporaries of one block (similarities, document tokens converted for the GEMM, their
@@ -37,9 +39,9 @@ norm bounds, the per-document maxima, thresholds and winners) stay under ``block
 64 MiB), whatever the corpus size and however long one document is: a document whose tokens alone
 pass the bound is scored in runs of its tokens, whose winners combine exactly (the larger reference
 similarity, the earlier run on ties, the first NaN). The winners' dot products and the float64
-decisions work through their pairs in pieces of an eighth of that bound: ``9/8 * block_bytes`` in
-all (plus NumPy's own casting buffers, a fixed few hundred kilobytes), except that a run holds one
-query against one document token at least.
+decisions work through their pairs in pieces of an eighth of that bound (all chunk threads
+together): ``9/8 * block_bytes`` in all (plus NumPy's own casting buffers, a fixed few hundred
+kilobytes), except that a run holds one query against one document token at least.
 """
 
 from __future__ import annotations
@@ -48,7 +50,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .refine import Pending, dot64, margin, norm_bound
+from . import cores
+from .refine import Pending, bound_norms, dot64, margin, norm_bound
 from .runs import Runs
 
 __all__ = ["maxsim_numpy", "maxsim_packed_numpy", "unpack", "BLOCK_BYTES"]
@@ -60,6 +63,8 @@ _DOT_CHUNK = 2 << 20  # bytes the winners' dot products gather and convert at a 
 _GROUP_DOCS = 32  # documents a block holds at least before queries share its GEMM
 _NORM_TOKENS = 16  # consecutive document tokens whose norm is bounded together (the margin's looseness: its sqrt)
 _CACHE_BYTES = 8 << 20  # a chunk's similarities and tokens at most: what follows its GEMM reads them from cache
+_PIECE_COLUMNS = 2048  # columns of a chunk's GEMM at a time (a multiple of _NORM_TOKENS), read first for their norm bounds
+_SPLIT_MACS = 1 << 24  # multiply-adds of a block's GEMM per thread at least, for its chunks to be shared
 
 
 @dataclass(frozen=True)
@@ -253,6 +258,7 @@ def maxsim_packed_numpy(Q: np.ndarray, q_valid: np.ndarray, tokens: np.ndarray, 
             scores[i0:i1, j0:j1] = _scores(val, q_valid[i0:i1], None if q_scale is None else q_scale[i0:i1])
             if amax is not None:
                 amax[i0:i1, j0:j1] = _argmax_out(idx, i1 - i0, lq)
+            del val, idx  # (not alive through the next block's maxima)
         del blk
         j0 = j1
     return scores, amax
@@ -339,46 +345,60 @@ def _long_document(Q: np.ndarray, q_valid: np.ndarray, queries, tokens: np.ndarr
 class _DocBlock:
     """One block of documents: ``T [sets, N, d]`` in the GEMM's dtype (one set shared by every query,
     or one candidate set per query), their ``runs`` (the same columns in every set) and INT8 scales
-    ``d_scale [sets, N]`` (or None). ``out`` is the call's similarity buffer, which every GEMM writes
-    into: a fresh array per GEMM would cost its page faults every time."""
+    ``d_scale [sets, N]`` (or None). ``out`` holds the call's similarity buffers, one per chunk
+    thread, which every GEMM writes into: a fresh array per GEMM would cost its page faults every
+    time."""
 
     def __init__(self, T: np.ndarray, runs: Runs, d_scale: np.ndarray | None, out: dict):
         self.T, self.runs, self.d_scale, self._out = T, runs, d_scale, out
 
-    def similarities(self, A: np.ndarray, c0: int, c1: int) -> np.ndarray:
+    def similarities(self, A: np.ndarray, c0: int, c1: int, thread: int = 0, runs: Runs | None = None):
         """``A [G, Lq, d]`` against the block's columns ``c0 .. c1`` (G = sets, or any G for one shared
-        set) -> ``[G * Lq, c1 - c0]`` in the call's buffer (valid until the next call): one GEMM per
-        set, every query's rows in it."""
+        set) -> ``[G * Lq, c1 - c0]`` in chunk thread ``thread``'s buffer (valid until its next call):
+        one GEMM per set, every query's rows in it; and, given the documents ``runs`` of those columns,
+        their norm bounds (``_doc_norms``), else None. The GEMM goes in pieces of ``_PIECE_COLUMNS``,
+        each piece's tokens read for their norm bounds just before: the GEMM then reads them from
+        the cache. (Called with NumPy's over- and underflow ignored.)"""
         g, lq, dim = A.shape
         sets = self.T.shape[0]
         n = c1 - c0
-        buf = self._out.get("S")
+        buf = self._out.get(thread)
         if buf is None or buf.size < g * lq * n or buf.dtype != A.dtype:
-            buf = self._out["S"] = np.empty(g * lq * n, A.dtype)
+            buf = self._out[thread] = np.empty(g * lq * n, A.dtype)
         S = buf[:g * lq * n].reshape(sets, g * lq // sets, n)
-        np.matmul(A.reshape(sets, g * lq // sets, dim), self.T[:, c0:c1].transpose(0, 2, 1), out=S)
-        return S.reshape(g * lq, n)
+        A = A.reshape(sets, g * lq // sets, dim)
+        k = _NORM_TOKENS
+        squares = None if runs is None else np.empty((sets, -(-n // k)), self.T.dtype)
+        for p0 in range(0, n, _PIECE_COLUMNS):
+            p1 = min(n, p0 + _PIECE_COLUMNS)
+            piece = self.T[:, c0 + p0:c0 + p1]
+            if squares is not None:  # each run of k tokens' sum of squares: one dot product (a short last run)
+                whole = (p1 - p0) // k * k
+                if whole:
+                    runs_of_k = piece[:, :whole].reshape(sets, -1, k * dim)
+                    np.vecdot(runs_of_k, runs_of_k, out=squares[:, p0 // k:(p0 + whole) // k])
+                if whole < p1 - p0:
+                    last = piece[:, whole:].reshape(sets, 1, -1)
+                    np.vecdot(last, last, out=squares[:, -1:])
+            np.matmul(A, piece.transpose(0, 2, 1), out=S[:, :, p0:p1])
+        if runs is None:
+            return S.reshape(g * lq, n), None
+        return S.reshape(g * lq, n), _doc_norms(bound_norms(squares, k * dim), runs)
 
 
-def _doc_norms(T: np.ndarray, runs: Runs) -> np.ndarray:
-    """float64 [sets, nb]: an upper bound on the norm of each document's tokens (``T [sets, N, d]``,
-    documents ``runs``): the largest norm bound of the runs of ``_NORM_TOKENS`` consecutive columns
-    it overlaps (a run's norm bounds each of its tokens'; masked tokens count too, still a bound; NaN
-    or inf where there is none). One BLAS dot product per run rather than a reduction per token;
-    reading the tokens, it brings them into the cache for the GEMM that follows."""
-    sets, n, dim = T.shape
-    out = np.zeros((sets, runs.count))
+def _doc_norms(groups: np.ndarray, runs: Runs) -> np.ndarray:
+    """float64 [sets, nb]: an upper bound on the norm of each document's tokens (documents ``runs``),
+    the largest of the norm bounds ``groups [sets, ceil(N / _NORM_TOKENS)]`` of the runs of
+    ``_NORM_TOKENS`` consecutive columns it overlaps (a run's norm bounds each of its tokens'; masked
+    tokens count too, still a bound; NaN or inf where there is none). One dot product per run rather
+    than a reduction per token."""
+    out = np.zeros((groups.shape[0], runs.count))
     some = runs.length > 0
-    if not n or not some.any():
+    if not groups.shape[1] or not some.any():
         return out
-    k = _NORM_TOKENS
-    whole = n // k * k
-    parts = [norm_bound(T[:, :whole].reshape(-1, k * dim)).reshape(sets, -1)] if whole else []
-    if whole < n:
-        parts.append(norm_bound(np.ascontiguousarray(T[:, whole:]).reshape(sets, -1)).reshape(sets, 1))
-    g = (np.concatenate(parts, axis=1) if len(parts) > 1 else parts[0]).astype(np.float64)
-    lo = runs.start[some] // k
-    hi = (runs.start[some] + runs.length[some] - 1) // k
+    g = groups.astype(np.float64)
+    lo = runs.start[some] // _NORM_TOKENS
+    hi = (runs.start[some] + runs.length[some] - 1) // _NORM_TOKENS
     out[:, some] = np.maximum(np.maximum.reduceat(g, lo, axis=1), g[:, hi])
     return out
 
@@ -393,8 +413,9 @@ def _block_maxima(Q: np.ndarray, q_valid: np.ndarray, blk: _DocBlock, ar: _Arith
 
     The block goes through the GEMM in chunks of documents whose similarities and tokens fit
     ``_CACHE_BYTES``: each chunk's passes (norms, then GEMM, argmax, second max, the winners' dot
-    products) read from the cache. The pairs float64 must decide are collected over the chunks and
-    decided together."""
+    products) read from the cache. The chunks are shared by the threads of ``cores`` where the
+    block is large enough; each thread collects the pairs float64 must decide over its chunks and
+    decides them together. A chunk's results are its own documents' whatever the thread."""
     runs = blk.runs
     g, lq, dim = Q.shape
     m = g * lq
@@ -405,48 +426,69 @@ def _block_maxima(Q: np.ndarray, q_valid: np.ndarray, blk: _DocBlock, ar: _Arith
     want_idx = want_argmax or not ar.exact
     val = np.full((m, runs.count), -np.inf, np.float32 if ar.exact else np.float64)
     idx = np.full((m, runs.count), -1, np.int64) if want_idx else None
-    pending = Pending(None if ar.exact else A, blk.T, row_set, runs.start, idx if want_idx else
-                      np.empty((m, runs.count), np.int64), val, budget // 8)
+    winners = idx if want_idx else np.empty((m, runs.count), np.int64)
     qn = None if ar.exact else norm_bound(A)
     A64 = None if ar.exact else A.astype(np.float64)  # (once: the winners' dot products take it in every chunk)
-    columns = max(1, _CACHE_BYTES // ((m // sets + dim) * sets * ar.gemm.itemsize))
-    with np.errstate(invalid="ignore", over="ignore"):
-        for j0, j1, c0, c1, sub in runs.chunks(columns):
-            dn = None if ar.exact else _doc_norms(blk.T[:, c0:c1], sub)[row_set]  # (first: caches the tokens)
-            S = blk.similarities(A.reshape(g, lq, dim), c0, c1)
-            if blk.d_scale is not None:  # INT8: the exact integer dot product times the token's scale, in float32
-                S = S.astype(np.float32, copy=False)
-                S.reshape(sets, m // sets, c1 - c0)[...] *= blk.d_scale[:, None, c0:c1]
-            sub.mask_invalid(S, row_set)
-            lv = live[:, j0:j1]
-            if sub.width is not None and want_idx:
-                first, best = sub.argmax(S)  # the max and where it is, in one pass
-            else:
-                first, best = None, sub.max(S)
-            bad = lv & ~np.isfinite(best)  # NaN or infinite: every valid column decided in float64
-            if ar.exact:
-                val[:, j0:j1] = best
-                if want_idx:
-                    if first is None:
-                        first = sub.first_hit(sub.compare(S, np.where(lv & ~bad, best, np.nan)))
-                    idx[:, j0:j1] = np.where(lv, first, -1)
+    chunks, threads = _chunk_plan(runs, m, sets, dim, blk.T.shape[1], ar.gemm.itemsize)
+    part = budget // threads  # each thread's share of the bound's pieces
+
+    def work(thread: int, claims) -> None:
+        pending = Pending(None if ar.exact else A, blk.T, row_set, runs.start, winners, val, part // 8)
+        with np.errstate(invalid="ignore", over="ignore", under="ignore"):
+            for j0, j1, c0, c1, sub in claims:
+                S, dn = blk.similarities(A.reshape(g, lq, dim), c0, c1, thread, None if ar.exact else sub)
+                dn = None if dn is None else dn[row_set]
+                if blk.d_scale is not None:  # INT8: the exact integer dot product times the token's scale, in float32
+                    S = S.astype(np.float32, copy=False)
+                    S.reshape(sets, m // sets, c1 - c0)[...] *= blk.d_scale[:, None, c0:c1]
+                sub.mask_invalid(S, row_set)
+                lv = live[:, j0:j1]
+                if sub.width is not None and want_idx:
+                    first, best = sub.argmax(S)  # the max and where it is, in one pass
+                else:
+                    first, best = None, sub.max(S)
+                bad = lv & ~np.isfinite(best)  # NaN or infinite: every valid column decided in float64
+                if ar.exact:
+                    val[:, j0:j1] = best
+                    if want_idx:
+                        if first is None:
+                            first = sub.first_hit(sub.compare(S, np.where(lv & ~bad, best, np.nan)))
+                        idx[:, j0:j1] = np.where(lv, first, -1)
+                    pending.add(S, sub, c0, j0, *np.nonzero(bad), None)
+                    continue
+                thr = best - margin(qn, dn, dim, ar.gemm)  # float64: compared with S exactly
+                thr[~lv | bad] = np.nan
+                if sub.width is not None:  # another column within the margin of the max: float64 decides
+                    r, j = np.nonzero(sub.second_max(S, first) >= thr)
+                else:
+                    hit = sub.compare(S, thr)  # NaN: no column passes
+                    first = sub.first_hit(hit)  # where no other column passes, the max's
+                    r, j = sub.second_hits(hit, first, lv & ~bad, part // 4)
+                    del hit
+                idx[:, j0:j1] = np.where(lv, first, -1)
+                val[:, j0:j1] = _winner_similarities(A64, blk.T[:, c0:c1], row_set, sub.start + first, lv, part // 8)
+                pending.add(S, sub, c0, j0, r, j, thr)
                 pending.add(S, sub, c0, j0, *np.nonzero(bad), None)
-                continue
-            thr = best - margin(qn, dn, dim, ar.gemm)  # float64: compared with S exactly
-            thr[~lv | bad] = np.nan
-            if sub.width is not None:  # another column within the margin of the max: float64 decides
-                r, j = np.nonzero(sub.second_max(S, first) >= thr)
-            else:
-                hit = sub.compare(S, thr)  # NaN: no column passes
-                first = sub.first_hit(hit)  # where no other column passes, the max's
-                r, j = sub.second_hits(hit, first, lv & ~bad, budget // 4)
-                del hit
-            idx[:, j0:j1] = np.where(lv, first, -1)
-            val[:, j0:j1] = _winner_similarities(A64, blk.T[:, c0:c1], row_set, sub.start + first, lv, budget // 8)
-            pending.add(S, sub, c0, j0, r, j, thr)
-            pending.add(S, sub, c0, j0, *np.nonzero(bad), None)
-    pending.flush()
+        pending.flush()
+
+    cores.run_chunks(chunks, work, threads)
     return val, idx
+
+
+def _chunk_plan(runs: Runs, m: int, sets: int, dim: int, n: int, itemsize: int):
+    """A block's chunks (``Runs.chunks``: ``m`` query rows against ``n`` columns in ``sets`` sets) and
+    the threads that share them. A chunk's similarities and tokens fit ``_CACHE_BYTES``; with several
+    threads, no chunk holds more than an equal share of the columns either, so that the threads'
+    buffers together hold no more than the block's similarities. A thread for each ``_SPLIT_MACS``
+    of the block's GEMM at most: a shorter share does not pay for the hand-over."""
+    columns = max(1, _CACHE_BYTES // ((m // sets + dim) * sets * itemsize))
+    macs = m * n * dim
+    threads = min(cores.chunk_threads(), macs // _SPLIT_MACS) if macs >= 2 * _SPLIT_MACS else 1
+    if threads > 1:
+        chunks = list(runs.chunks(min(columns, n // threads)))
+        if len(chunks) >= threads and max(c[3] - c[2] for c in chunks) * threads <= n:
+            return chunks, threads
+    return runs.chunks(columns), 1
 
 
 def _winner_similarities(A64: np.ndarray, T: np.ndarray, row_set: np.ndarray, cols: np.ndarray, live: np.ndarray,

@@ -33,13 +33,24 @@ their max and argmax are then the reference's, and a NaN score means a NaN refer
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
-__all__ = ["margin", "norm_bound", "dot64", "Pending"]
+__all__ = ["margin", "norm_bound", "bound_norms", "dot64", "Pending"]
 
 
 def _gamma(dim: int, u: float) -> float:
     return dim * u / (1 - dim * u) if dim * u < 0.5 else np.inf
+
+
+@functools.cache
+def _margin_terms(dim: int, dtype: np.dtype) -> tuple[float, float]:
+    """The margin's factor of the norms' product, and its underflow term (:func:`margin`)."""
+    u_gemm = float(np.finfo(dtype).eps) / 2
+    u_ref = float(np.finfo(np.float64).eps) / 2
+    tiny = 2.0 * (dim + 1) * float(np.finfo(dtype).smallest_subnormal)  # underflow, the GEMM's and the reference's
+    return 2 * (_gamma(dim, u_gemm) + _gamma(dim, u_ref)) + 4 * u_gemm, tiny
 
 
 def margin(qn: np.ndarray, dn: np.ndarray, dim: int, dtype) -> np.ndarray:
@@ -47,30 +58,40 @@ def margin(qn: np.ndarray, dn: np.ndarray, dim: int, dtype) -> np.ndarray:
     documents whose tokens have norm at most ``dn [M, nb]``, for a GEMM in ``dtype`` (module
     docstring), infinite where it overflows or cannot be bounded. Its ``4 u`` (GEMM's ``u``) more
     than the bound covers the float64 rounding of the margin and of the threshold ``max - margin``."""
-    u_gemm = float(np.finfo(dtype).eps) / 2
-    u_ref = float(np.finfo(np.float64).eps) / 2
-    tiny = 2.0 * (dim + 1) * float(np.finfo(dtype).smallest_subnormal)  # underflow, the GEMM's and the reference's
-    c = 2 * (_gamma(dim, u_gemm) + _gamma(dim, u_ref)) + 4 * u_gemm
+    c, tiny = _margin_terms(dim, np.dtype(dtype))
     with np.errstate(over="ignore", invalid="ignore"):
         m = (c * qn.astype(np.float64))[:, None] * dn + tiny
     m[np.isnan(m)] = np.inf  # NaN norms: no bound
     return m
 
 
+@functools.cache
+def _norm_terms(d: int, dtype: np.dtype) -> tuple:
+    """What :func:`norm_bound` adds to and multiplies rows of ``d`` elements by, in ``dtype``."""
+    f = np.finfo(dtype)
+    u = float(f.eps) / 2
+    t = dtype.type
+    return t(d * float(f.smallest_subnormal)), t(1 + 2 * _gamma(d + 1, u)), t(1 + 4 * u)
+
+
 def norm_bound(x: np.ndarray) -> np.ndarray:
     """An upper bound on the Euclidean norm of each row of ``x [n, d]`` (float32 or float64), in its
     dtype: the sum of squares plus what underflow can lose, inflated by its rounding bound, and the
     square root by ``4 u`` for the last three roundings (each at most ``u``, relative)."""
-    f = np.finfo(x.dtype)
-    d = x.shape[1]
-    u = float(f.eps) / 2
     with np.errstate(over="ignore", under="ignore", invalid="ignore"):
-        sq = np.vecdot(x, x)
-        sq += x.dtype.type(d * float(f.smallest_subnormal))
-        sq *= x.dtype.type(1 + 2 * _gamma(d + 1, u))
-        out = np.sqrt(sq, out=sq)
-        out *= x.dtype.type(1 + 4 * u)
-        return out
+        return bound_norms(np.vecdot(x, x), x.shape[1])
+
+
+def bound_norms(squares: np.ndarray, d: int) -> np.ndarray:
+    """:func:`norm_bound` from the sums of squares ``np.vecdot`` gave for rows of ``d`` elements or
+    fewer (float32 or float64), in place."""
+    underflow, inflate, root = _norm_terms(d, squares.dtype)
+    with np.errstate(over="ignore", under="ignore", invalid="ignore"):
+        squares += underflow
+        squares *= inflate
+        np.sqrt(squares, out=squares)
+        squares *= root
+    return squares
 
 
 def dot64(a: np.ndarray, b: np.ndarray) -> np.ndarray:
