@@ -74,10 +74,17 @@ class FwdConfig:
         """This padded configuration's tile on the token-split path for padded documents
         (``strided``; a tokens-on-M tile's is its ``queries_on_m`` tile's), or None where the
         tile cannot split documents."""
-        if self.packed or self.cand or (self.elem == 3 and self.argmax and self.wgmma and self.warps == 8):
-            return None  # INT8's two-warpgroup argmax tiles spill with the strided reads (compile check)
+        if self.packed or self.cand:
+            return None
         v = replace(self.queries_on_m, packed=True)
         return replace(v, strided=True) if v.token_split else None
+
+    @property
+    def int8_argmax_strided(self) -> bool:
+        """INT8's two-warpgroup argmax tile on the padded token split: compiled for one CTA an SM,
+        whose strided reads took 16 B of spills at two (193 registers at one; compile check). A
+        split fills the GPU with one a SM anyway."""
+        return self.strided and self.elem == 3 and self.argmax and self.wgmma and self.warps == 8
 
     @property
     def token_split(self) -> bool:
@@ -182,6 +189,8 @@ class FwdConfig:
         tile), else no register cap."""
         if self.residual:  # as many CTAs as their register budget allows: their decompression hides loads
             return max(1, 65536 // (self.threads * (RESIDUAL_REGISTERS_MULTI if self.multi else RESIDUAL_REGISTERS)))
+        if self.int8_argmax_strided:
+            return 1
         return 2 if (self.wgmma and self.bn <= 128
                      and 2 * (self.smem_bytes + 1024) <= SMEM_PER_SM[90]) else 1
 

@@ -47,6 +47,8 @@ def ctas_per_sm(cfg: FwdConfig, cc: int, registers: int | None = None) -> int:
         regs = 192 if cfg.argmax and cfg.elem == 3 else 168
     elif cfg.x3 and cfg.mt > 1:  # two m-tiles of 3xTF32 fragments with the argmax or several queries: up to 256
         regs = 256
+    elif cfg.int8_argmax_strided:  # one CTA an SM (FwdConfig.min_blocks)
+        regs = 256
     else:
         regs = 128 if cfg.wgmma else 192
     by_regs = 65536 // (cfg.threads * regs)
