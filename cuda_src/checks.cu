@@ -86,7 +86,8 @@ __device__ __forceinline__ i64 entry_at(const void* p, int wide, i64 i) {
 // i * nd + j: per-query candidates and pairs). A row is invalid when
 //   d_len[r] is outside [0, d_limit];
 //   d_off (packed documents, shared by every query): d_off[j] < 0, d_off[j + 1] < d_off[j],
-//     d_off[j + 1] > ntok, or the array as a whole does not run from 0 to ntok;
+//     d_off[j + 1] > ntok, or the whole array, off_all [nd_all + 1], does not run from 0 to ntok
+//     (d_off may be a slice of it: retrieve's chunks);
 //   d_scale (INT8): a scale of one of its valid tokens is negative or NaN (padded rows: tokens
 //     r * ld .. r * ld + ld, the first d_len[r] or those d_mask keeps; packed: d_off[j] ..
 //     d_off[j + 1]).
@@ -98,12 +99,12 @@ extern "C" __global__ void lik_nan_invalid(float* __restrict__ scores, int* __re
                                            const void* d_len, int d_wide, long long d_limit,
                                            const void* d_off, int off_wide, long long ntok,
                                            const float* __restrict__ d_scale, const u8* __restrict__ d_mask,
-                                           long long ld) {
+                                           long long ld, const void* off_all, long long nd_all) {
     const int lane = threadIdx.x & 31;
     const long long rows = per_cell ? nq * nd : nd;
     const long long warps = ((long long)gridDim.x * blockDim.x) >> 5;
     bool whole_bad = false;
-    if (d_off) whole_bad = entry_at(d_off, off_wide, 0) != 0 || entry_at(d_off, off_wide, nd) != ntok;
+    if (d_off) whole_bad = entry_at(off_all, off_wide, 0) != 0 || entry_at(off_all, off_wide, nd_all) != ntok;
     for (long long r = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5; r < rows; r += warps) {
         const long long j = per_cell ? r % nd : r;
         bool bad = whole_bad;

@@ -60,7 +60,7 @@ from ._dispatch.backend import check_backend, scoring_on_gpu
 from ._interop import device_array, host_array
 from ._ranking import merge_ranked
 from ._runtime.launch import launch
-from ._runtime.device_checks import call_checks
+from ._runtime.device_checks import Marks, call_checks, strict
 from ._runtime.operands import device_offsets, device_valid, host_metadata, host_offsets, valid_host
 from ._runtime.pinned import span_page_locked
 from ._validate import (Problem, check_call, check_length_values, check_scales, check_valid, check_varlen,
@@ -136,8 +136,10 @@ def retrieve(Q, D, k, q_mask=None, *, q_lengths=None, q_scales=None, d_offsets=N
         q_mask / q_lengths: valid query tokens, as in :func:`lik_cupy.maxsim`: device lengths are not
             read back, and a query whose length is outside ``[0, Lq]`` scores NaN against every
             document (host lengths, or ``LIK_VALIDATE=1``, raise ``ValueError``). The corpus's
-            lengths and offsets are checked on each call, with a wait on the host for device
-            ones (:class:`lik_cupy.Corpus` checks them once).
+            device lengths and offsets follow the same contract (a document with an invalid
+            length, or offsets that are negative, decrease or pass T, scores NaN for every
+            query; offsets that do not run from 0 to T, every document), with no host wait;
+            host ones, and ``LIK_VALIDATE=1``, raise.
         q_scales: float32 ``Q.shape[:-1]``, the scales of an int8 Q (same framework and device),
             each >= 0 (checked: one small reduction).
         d_offsets / d_mask / d_lengths / d_scales: go with a single array D (see above).
@@ -394,9 +396,10 @@ class _DeviceDocs:
     scales: object = None
 
 
-def _device_docs(part: _Part, p: Problem) -> _DeviceDocs:
+def _device_docs(part: _Part, p: Problem, verify: bool = True) -> _DeviceDocs:
     """``part`` (on the current device, checked by ``_doc_problem``) in the kernels' form, its offsets
-    and lengths value-checked on the device."""
+    and lengths value-checked on the device (``verify``: with a host wait, raising; else left to
+    the caller's NaN pass)."""
     import cupy
 
     fw = interop.framework_of(part.docs)
@@ -406,9 +409,10 @@ def _device_docs(part: _Part, p: Problem) -> _DeviceDocs:
     # INT8 scales, flat as the kernel reads them: [T] packed, [nd * ld] padded.
     ds = None if p.dtype != "int8" else interop.to_cupy(part.scales, fw).reshape(-1)
     if part.packed:
-        return _DeviceDocs(d, offsets=device_offsets(device_array(part.offsets, fw, False), p.ntok, "d_offsets"),
-                           scales=ds)
-    dm, dl = device_valid(part.mask, part.lengths, p.nd, p.ld, "d_lengths", fw, False)
+        return _DeviceDocs(d, offsets=device_offsets(device_array(part.offsets, fw, False), p.ntok, "d_offsets",
+                                                     check=verify), scales=ds)
+    dm, dl = device_valid(part.mask, part.lengths, p.nd, p.ld, "d_lengths", fw, False,
+                          None if verify else call_checks(False))
     return _DeviceDocs(d, mask=dm, lengths=dl, scales=ds)
 
 
@@ -573,6 +577,9 @@ class _Gpu:
         # Device query lengths: the NaN contract, no host wait (a query with an invalid length scores
         # NaN against every document, ranked last); host ones, and strict mode, raise here.
         self.checks = call_checks(True if self.on_host_q or host_metadata(q_lengths) else None)
+        # Device corpora: their lengths and offsets follow the NaN contract too (each chunk's
+        # documents marked after its kernel), unless strict mode raises.
+        self.mark_docs = not strict(None)
         self.qm, self.ql = device_valid(q_mask, q_lengths, qp.nq, qp.lq, "q_lengths", fw, self.on_host_q, self.checks)
         self.checks.verify()
         self.kind = None
@@ -661,7 +668,7 @@ class _Gpu:
             return
         if info.device != self.device:
             raise ValueError(f"corpus is on cuda:{info.device} but Q is on cuda:{self.device}")
-        self.add_device(p, _device_docs(part, p))
+        self.add_device(p, _device_docs(part, p, verify=not self.mark_docs))
 
     def add_device(self, p: Problem, docs: _DeviceDocs):
         """Score documents on this device (``docs``, checked; problem ``p`` as ``_with_queries`` makes
@@ -680,7 +687,7 @@ class _Gpu:
                 for a in range(start, p.nd, c):
                     b = min(p.nd, a + c)
                     self._score(replace(p, nd=b - a), d, None, None, off[a:b + 1], ld_hint, ds,
-                                d_off_whole=a == 0 and b == p.nd)
+                                d_off_whole=a == 0 and b == p.nd, off_all=off)
         else:
             def run(start, c):
                 for a in range(start, p.nd, c):
@@ -690,10 +697,11 @@ class _Gpu:
                                 None if ds is None else ds[a * p.ld : b * p.ld])
         self._chunked(p.nd, c, run)
 
-    def _score(self, p: Problem, d, dm, dl, d_off, ld_hint, d_scale=None, d_off_whole=False):
+    def _score(self, p: Problem, d, dm, dl, d_off, ld_hint, d_scale=None, d_off_whole=False, off_all=None):
         """Score one chunk of p.nd documents into the chunk buffer and merge it into the top-k (or keep it).
 
-        INT8 chunks (``p.dtype == "int8"``) take ``d_scale``: float32 contiguous, [rows * ld] or [T]."""
+        INT8 chunks (``p.dtype == "int8"``) take ``d_scale``: float32 contiguous, [rows * ld] or [T].
+        Packed chunks: ``d_off`` is a slice of the part's offsets ``off_all``."""
         import cupy
 
         n = p.nq * p.nd
@@ -703,7 +711,14 @@ class _Gpu:
         kw = {"q_scale": self.qs, "d_scale": d_scale} if p.dtype == "int8" else {}
         s, _ = launch(p, self.q, d, self.qm, dm, self.ql, dl, False, self.device, d_off=d_off, ld_hint=ld_hint,
                       d_off_whole=d_off_whole, caller="retrieve", out=self.scores[:n], x3=self.x3, **kw)
-        self.checks.apply(p, s, None, self.device)  # NaN where a query length is invalid
+        marks = self.checks
+        if self.mark_docs and (dl is not None or d_off is not None):
+            marks = self.checks.chunk() if isinstance(self.checks, Marks) else Marks()  # (host queries: raised)
+            if dl is not None:
+                marks.lengths(dl, p.ld, "d_lengths")
+            if d_off is not None:
+                marks.offsets(d_off, p.ntok, "d_offsets", whole=off_all)
+        marks.apply(p, s, None, self.device)  # NaN where a query's or a document's length is invalid
         if self.every is not None:
             self.every[:, self.base:self.base + p.nd] = s
             self.base += p.nd

@@ -4,6 +4,8 @@ strict mode raises; every other score is bitwise what valid inputs give. And the
 (``lik_cupy._runtime.prepared_calls``): a repeat call gives what the first gave. Skipped without a GPU.
 """
 
+import sys
+
 import numpy as np
 import pytest
 
@@ -234,3 +236,54 @@ def test_retrieve_and_search_rank_an_invalid_query_last(rng, monkeypatch, framew
     monkeypatch.setenv("LIK_VALIDATE", "1")
     with pytest.raises(ValueError, match=rf"q_lengths holds {lq + 1}"):
         top(bad)
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+@pytest.mark.parametrize("chunks", [1, 4])
+def test_retrieve_ranks_invalid_device_documents_last(rng, monkeypatch, layout, chunks):
+    """retrieve over a device corpus: a document whose length is outside [0, Ld], or whose offsets
+    are negative, decrease or pass T, scores NaN for every query and ranks last, with no host
+    wait; offsets that do not run from 0 to T make every score NaN; every chunk of the corpus
+    (``max_gpu_bytes`` cuts it in several) marks its own documents. Strict mode raises."""
+    import cupy
+
+    nq, lq, nd, ld, dim = 3, 9, 240, 17, 32
+    q = cupy.asarray(_unit(rng, nq, lq, dim).astype(np.float16))
+    dn = _unit(rng, nd, ld, dim).astype(np.float16)
+    lens = rng.integers(1, ld + 1, nd)
+    monkeypatch.setattr(sys.modules["lik_cupy.retrieve"], "_MAX_CHUNK_DOCS", -(-nd // chunks))
+    bad_docs = [5, 77, 200]
+    tok = cupy.asarray(np.concatenate([dn[j, :lens[j]] for j in range(nd)]))
+
+    def top(lengths=None, offsets=None):
+        if layout == "padded":
+            return lik_cupy.retrieve(q, cupy.asarray(dn), nd, d_lengths=cupy.asarray(lengths))
+        return lik_cupy.retrieve(q, tok, nd, d_offsets=cupy.asarray(offsets))
+
+    off = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+    ok_s, ok_i = (_np(x) for x in top(lens, off))
+    if layout == "padded":
+        bad = lens.copy()
+        bad[bad_docs] = [-1, ld + 1, ld + 5]
+        s, i = (_np(x) for x in top(bad))
+    else:
+        bad = off.copy()
+        bad[78] = off[-1] + 5  # documents 77 (its end past T) and 78 (its start past its end)
+        bad[5] = -3  # documents 4 (its end before its start) and 5 (a negative start)
+        s, i = (_np(x) for x in top(offsets=bad))
+        bad_docs = [4, 5, 77, 78]
+    # every query: the bad documents NaN, ranked after every other document, the rest as before
+    for r in range(nq):
+        nan = np.isnan(s[r])
+        assert sorted(i[r][nan].tolist()) == sorted(bad_docs)
+        assert not nan[: nd - len(bad_docs)].any()
+        keep = ~np.isin(ok_i[r], bad_docs)
+        assert np.array_equal(i[r][~nan], ok_i[r][keep]) and np.array_equal(s[r][~nan], ok_s[r][keep])
+    if layout == "packed":  # offsets that end short of T: every score NaN
+        short = off.copy()
+        short[-1] -= 1
+        s, _ = top(offsets=short)
+        assert np.isnan(_np(s)).all()
+    monkeypatch.setenv("LIK_VALIDATE", "1")
+    with pytest.raises(ValueError, match="d_lengths" if layout == "padded" else "d_offsets"):
+        top(bad) if layout == "padded" else top(offsets=bad)

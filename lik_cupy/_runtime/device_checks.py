@@ -224,27 +224,30 @@ class Checked:
         return None if a is None else cls(a.data.ptr, a.dtype.itemsize == 8, bound)
 
 
-_MARK_PARAMS = signature("ppqqiipiqpiqpiqppq")  # lik_nan_invalid's parameters
+_MARK_PARAMS = signature("ppqqiipiqpiqpiqppqpq")  # lik_nan_invalid's parameters
 _MARK_THREADS = 256
 _MARK_WARPS = _MARK_THREADS // 32  # one warp per document row
 
 
 def mark_invalid(stream: int, device: int, scores: int, amax: int, nq: int, nd: int, lq: int, per_cell: bool, *,
                  q_len: Checked | None = None, d_len: Checked | None = None, d_off: Checked | None = None,
-                 d_scale: int = 0, d_mask: int = 0, ld: int = 0) -> None:
+                 d_scale: int = 0, d_mask: int = 0, ld: int = 0, off_all: tuple[int, int] | None = None) -> None:
     """Queue on ``stream`` (a handle) the pass that makes the scores NaN (and their argmax rows -1)
     where ``q_len`` [nq], ``d_len`` ([nd], or [nq * nd] cells with ``per_cell``), ``d_off`` [nd + 1]
     or the float32 document scales ``d_scale`` (padded rows of ``ld`` tokens, kept by ``d_len`` or
     the uint8 ``d_mask``, or the tokens of ``d_off``) hold an invalid value.
-    ``scores``, ``amax``: device addresses of [nq, nd] float32 and [nq, nd, lq] int32 (0: none)."""
+    ``scores``, ``amax``: device addresses of [nq, nd] float32 and [nq, nd, lq] int32 (0: none).
+    ``off_all``: (address, documents) of the whole offsets array ``d_off`` is a slice of (None: the
+    same array), which must run from 0 to the token count."""
     rows = nq * nd if per_cell else nd
     if not rows or not nq or not (q_len or d_len or d_off or d_scale):
         return
     ql, dl, off = q_len or _NONE, d_len or _NONE, d_off or _NONE
+    whole, nd_all = off_all or (off.ptr, nd)
     launch_raw(function_handle("checks.cu", "lik_nan_invalid", device), (min(-(-rows // _MARK_WARPS), 65535), 1, 1),
                _MARK_THREADS, 0, stream, _MARK_PARAMS,
                (scores, amax, nq, nd, lq, per_cell, ql.ptr, ql.wide, ql.bound, dl.ptr, dl.wide, dl.bound,
-                off.ptr, off.wide, off.bound, d_scale, d_mask, ld))
+                off.ptr, off.wide, off.bound, d_scale, d_mask, ld, whole, nd_all))
 
 
 _NONE = Checked(0, False, 0)
@@ -258,6 +261,7 @@ class Marks:
     def __init__(self):
         self.q_len = self.d_len = self.d_off = None
         self.d_scale = self.d_mask = None
+        self.off_all = None  # (address, documents) of the whole array d_off is a slice of
         self._keep: list = []  # the arrays, alive until the pass is queued
 
     def __enter__(self):
@@ -278,9 +282,17 @@ class Marks:
         else:
             self.d_len = c
 
-    def offsets(self, off, total: int, name: str) -> None:
-        self._keep.append(off)
+    def offsets(self, off, total: int, name: str, whole=None) -> None:
+        """``off`` [nd + 1], or a slice of the offsets ``whole`` (the documents of a chunk)."""
+        self._keep += [off, whole]
         self.d_off = Checked.of(off, total)
+        self.off_all = None if whole is None else (whole.data.ptr, whole.size - 1)
+
+    def chunk(self) -> Marks:
+        """A new Marks with this one's query lengths, for one chunk's documents."""
+        m = Marks()
+        m.q_len = self.q_len
+        return m
 
     def scales(self, d_scale, d_mask=None) -> None:
         """float32 document scales (contiguous), with the uint8 mask that keeps their tokens."""
@@ -297,7 +309,7 @@ class Marks:
                      amax.data.ptr if amax is not None else 0, p.nq, p.nd, p.lq, p.candidates,
                      q_len=self.q_len, d_len=self.d_len, d_off=self.d_off,
                      d_scale=self.d_scale.data.ptr if self.d_scale is not None else 0,
-                     d_mask=self.d_mask.data.ptr if self.d_mask is not None else 0, ld=p.ld)
+                     d_mask=self.d_mask.data.ptr if self.d_mask is not None else 0, ld=p.ld, off_all=self.off_all)
 
     def verify(self) -> None:
         """Nothing to wait for (the pass marks, it does not raise)."""
