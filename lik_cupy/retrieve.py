@@ -668,17 +668,19 @@ class _Gpu:
             return
         if info.device != self.device:
             raise ValueError(f"corpus is on cuda:{info.device} but Q is on cuda:{self.device}")
-        self.add_device(p, _device_docs(part, p, verify=not self.mark_docs))
+        self.add_device(p, _device_docs(part, p, verify=not self.mark_docs), marked=self.mark_docs)
 
-    def add_device(self, p: Problem, docs: _DeviceDocs):
-        """Score documents on this device (``docs``, checked; problem ``p`` as ``_with_queries`` makes
-        it) in chunks, merging each into the top-k."""
+    def add_device(self, p: Problem, docs: _DeviceDocs, marked: bool = False):
+        """Score documents on this device (``docs``, checked, or with ``marked`` not: their lengths
+        and offsets are then marked NaN chunk by chunk; problem ``p`` as ``_with_queries`` makes it)
+        in chunks, merging each into the top-k."""
         if p.dtype == "int8":
             self._int8_queries()
         if p.nd == 0:
             return
         d, ds, dm, dl = docs.tokens, docs.scales, docs.mask, docs.lengths
         c = self._chunk_docs(0, staged=False, spans=dm is not None and dl is None)
+        marked = marked and dm is None  # (lengths beside a mask are its spans, made valid)
         if docs.offsets is not None:
             off = docs.offsets
             ld_hint = -(-p.ntok // p.nd)
@@ -687,21 +689,23 @@ class _Gpu:
                 for a in range(start, p.nd, c):
                     b = min(p.nd, a + c)
                     self._score(replace(p, nd=b - a), d, None, None, off[a:b + 1], ld_hint, ds,
-                                d_off_whole=a == 0 and b == p.nd, off_all=off)
+                                d_off_whole=a == 0 and b == p.nd, off_all=off if marked else None)
         else:
             def run(start, c):
                 for a in range(start, p.nd, c):
                     b = min(p.nd, a + c)
                     self._score(replace(p, nd=b - a), d[a:b], None if dm is None else dm[a:b],
                                 None if dl is None else dl[a:b], None, None,
-                                None if ds is None else ds[a * p.ld : b * p.ld])
+                                None if ds is None else ds[a * p.ld : b * p.ld], marked=marked)
         self._chunked(p.nd, c, run)
 
-    def _score(self, p: Problem, d, dm, dl, d_off, ld_hint, d_scale=None, d_off_whole=False, off_all=None):
+    def _score(self, p: Problem, d, dm, dl, d_off, ld_hint, d_scale=None, d_off_whole=False, off_all=None,
+               marked=False):
         """Score one chunk of p.nd documents into the chunk buffer and merge it into the top-k (or keep it).
 
         INT8 chunks (``p.dtype == "int8"``) take ``d_scale``: float32 contiguous, [rows * ld] or [T].
-        Packed chunks: ``d_off`` is a slice of the part's offsets ``off_all``."""
+        Unchecked documents are marked NaN where invalid: padded ones' lengths ``dl`` (``marked``),
+        packed ones' offsets ``d_off``, a slice of the part's offsets ``off_all`` (given)."""
         import cupy
 
         n = p.nq * p.nd
@@ -712,11 +716,11 @@ class _Gpu:
         s, _ = launch(p, self.q, d, self.qm, dm, self.ql, dl, False, self.device, d_off=d_off, ld_hint=ld_hint,
                       d_off_whole=d_off_whole, caller="retrieve", out=self.scores[:n], x3=self.x3, **kw)
         marks = self.checks
-        if self.mark_docs and (dl is not None or d_off is not None):
+        if (marked and dl is not None) or off_all is not None:
             marks = self.checks.chunk() if isinstance(self.checks, Marks) else Marks()  # (host queries: raised)
-            if dl is not None:
+            if marked and dl is not None:
                 marks.lengths(dl, p.ld, "d_lengths")
-            if d_off is not None:
+            if off_all is not None:
                 marks.offsets(d_off, p.ntok, "d_offsets", whole=off_all)
         marks.apply(p, s, None, self.device)  # NaN where a query's or a document's length is invalid
         if self.every is not None:
