@@ -83,7 +83,7 @@ class FwdConfig:
     def int8_argmax_strided(self) -> bool:
         """INT8's two-warpgroup argmax tile on the padded token split: compiled for one CTA an SM,
         whose strided reads took 16 B of spills at two (193 registers at one; compile check). A
-        split fills the GPU with one a SM anyway."""
+        split fills the GPU with one an SM anyway."""
         return self.strided and self.elem == 3 and self.argmax and self.wgmma and self.warps == 8
 
     @property

@@ -251,7 +251,7 @@ def _token_split(cfg, p: Problem, props, arch: int, device: int, shared: int, pa
     try:
         _, sfunc = _kernel(tile, arch, device)
     except CompileError as e:  # the sm_90a build of this variant failed: whole documents, as planned
-        if not (strided.wgmma or strided.tma):
+        if not (tile.wgmma or tile.tma):
             raise
         _warn_wgmma_once(e)
         return None
