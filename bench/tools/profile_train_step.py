@@ -1,0 +1,103 @@
+"""Where an eager in-batch training step's time goes, on one GPU (issue 29's training rows).
+
+The step of ``bench_e2e.py``: ``(lik_cupy.torch.maxsim(Q, D) * W).sum().backward()`` with
+in-batch documents, float16, d = 128. For each shape this times, back to back (best of three
+rounds of 300, one sync a round):
+
+- ``step``: the whole step; ``step_backward_g``: ``maxsim(Q, D).backward(G)``, without torch's
+  multiply and sum;
+- ``torch_only``: the same multiply, sum and backward on a leaf ``[N, N]`` tensor (what torch's
+  autograd costs around our op);
+- ``forward_argmax`` and ``backward``: our two calls alone;
+
+and, for each, ``gpu_ms``: the GPU time of the same calls queued behind a sleep (the host runs
+ahead), so ``wall - gpu`` is what the host adds. Writes ``profile_train_step_<gpu>.json`` to $OUT
+(or bench/results) and prints a table.
+
+    python bench/tools/profile_train_step.py
+"""
+
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+import torch  # noqa: E402
+
+import lik_cupy  # noqa: E402
+import lik_cupy.torch as lt  # noqa: E402
+from lik_cupy._runtime.device import device_properties  # noqa: E402
+
+from bench.lib.results import out_dir, write_result  # noqa: E402
+
+SHAPES = {"n32_32x80": (32, 32, 80), "n64_32x300": (64, 32, 300)}
+
+
+def unit(n, length, d=128):
+    x = torch.randn(n, length, d, device="cuda", dtype=torch.float16)
+    return x / x.norm(dim=-1, keepdim=True)
+
+
+def wall_ms(fn, n=300):
+    for _ in range(30):
+        fn()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(3):
+        t = time.perf_counter()
+        for _ in range(n):
+            fn()
+        torch.cuda.synchronize()
+        best = min(best, (time.perf_counter() - t) / n * 1e3)
+    return best
+
+
+def gpu_ms(fn, n=50):
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(int(2e8))  # the host queues every call before the GPU starts them
+    a.record()
+    for _ in range(n):
+        fn()
+    b.record()
+    torch.cuda.synchronize()
+    return a.elapsed_time(b) / n
+
+
+def main():
+    rows = []
+    for name, (n, lq, ld) in SHAPES.items():
+        q, d = unit(n, lq).requires_grad_(), unit(n, ld).requires_grad_()
+        w, g = torch.randn(n, n, device="cuda"), torch.randn(n, n, device="cuda")
+        leaf = torch.randn(n, n, device="cuda", requires_grad=True)
+        qd, dd = q.detach(), d.detach()
+        _, amax = lik_cupy.maxsim(qd, dd, return_argmax=True)
+
+        def step():
+            q.grad = d.grad = None
+            (lt.maxsim(q, d) * w).sum().backward()
+
+        def step_backward_g():
+            q.grad = d.grad = None
+            lt.maxsim(q, d).backward(g)
+
+        def torch_only():
+            leaf.grad = None
+            (leaf * w).sum().backward()
+
+        calls = {"step": step, "step_backward_g": step_backward_g, "torch_only": torch_only,
+                 "forward_argmax": lambda: lik_cupy.maxsim(qd, dd, return_argmax=True),
+                 "backward": lambda: lik_cupy.maxsim_backward(g, qd, dd, amax)}
+        for call, fn in calls.items():
+            rows.append({"shape": name, "call": call, "wall_ms": wall_ms(fn), "gpu_ms": gpu_ms(fn)})
+    path = write_result(out_dir(), "profile_train_step", device_properties(0), torch=torch.__version__, rows=rows)
+    print(f"wrote {path}")
+    print(f"{'shape':12s} {'call':16s} {'wall ms':>8s} {'gpu ms':>8s}")
+    for r in rows:
+        print(f"{r['shape']:12s} {r['call']:16s} {r['wall_ms']:8.4f} {r['gpu_ms']:8.4f}")
+
+
+if __name__ == "__main__":
+    main()
