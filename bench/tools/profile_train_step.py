@@ -11,14 +11,13 @@ rounds of 300, one sync a round):
 - ``forward_argmax`` and ``backward``: our two calls alone;
 
 and, for each, ``gpu_ms``: the GPU time of the same calls queued behind a sleep (the host runs
-ahead), so ``wall - gpu`` is what the host adds. Writes ``profile_train_step_<gpu>.json`` to $OUT
+ahead; median of three rounds of 50), so ``wall - gpu`` is what the host adds. Writes ``profile_train_step_<gpu>.json`` to $OUT
 (or bench/results) and prints a table.
 
     python bench/tools/profile_train_step.py
 """
 
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -29,6 +28,7 @@ import lik_cupy.torch as lt  # noqa: E402
 from lik_cupy._runtime.device import device_properties  # noqa: E402
 
 from bench.lib.results import out_dir, write_result  # noqa: E402
+from bench.lib.timing import per_call_ms, wall_ms  # noqa: E402
 
 SHAPES = {"n32_32x80": (32, 32, 80), "n64_32x300": (64, 32, 300)}
 
@@ -36,34 +36,6 @@ SHAPES = {"n32_32x80": (32, 32, 80), "n64_32x300": (64, 32, 300)}
 def unit(n, length, d=128):
     x = torch.randn(n, length, d, device="cuda", dtype=torch.float16)
     return x / x.norm(dim=-1, keepdim=True)
-
-
-def wall_ms(fn, n=300):
-    for _ in range(30):
-        fn()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(3):
-        t = time.perf_counter()
-        for _ in range(n):
-            fn()
-        torch.cuda.synchronize()
-        best = min(best, (time.perf_counter() - t) / n * 1e3)
-    return best
-
-
-def gpu_ms(fn, n=50):
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda._sleep(int(2e8))  # the host queues every call before the GPU starts them
-    a.record()
-    for _ in range(n):
-        fn()
-    b.record()
-    torch.cuda.synchronize()
-    return a.elapsed_time(b) / n
 
 
 def main():
@@ -91,7 +63,9 @@ def main():
                  "forward_argmax": lambda: lik_cupy.maxsim(qd, dd, return_argmax=True),
                  "backward": lambda: lik_cupy.maxsim_backward(g, qd, dd, amax)}
         for call, fn in calls.items():
-            rows.append({"shape": name, "call": call, "wall_ms": wall_ms(fn), "gpu_ms": gpu_ms(fn)})
+            # GPU time: 50 calls behind a sleep of 0.1 s, which outlasts their host time
+            rows.append({"shape": name, "call": call, "wall_ms": wall_ms(torch, fn, 300),
+                         "gpu_ms": per_call_ms(torch, fn, 50, spin_cycles=200_000_000)})
     path = write_result(out_dir(), "profile_train_step", device_properties(0), torch=torch.__version__, rows=rows)
     print(f"wrote {path}")
     print(f"{'shape':12s} {'call':16s} {'wall ms':>8s} {'gpu ms':>8s}")
