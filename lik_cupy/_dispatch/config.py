@@ -6,6 +6,8 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, replace
 
+from . import tables
+
 __all__ = ["SUPPORTED_ARCHS", "SMEM_PER_BLOCK", "SMEM_PER_SM", "ELEM_CODES", "ELEM_SIZES", "MAX_DIM", "MAX_DIM_INT8",
            "MAX_DIM_RESIDUAL", "RESIDUAL_REGISTERS", "RESIDUAL_REGISTERS_MULTI",
            "DIM_BUCKETS", "FwdConfig", "int8_dim_ok", "padded_dim", "dim_bucket", "one_shot_bucket", "arch_of"]
@@ -64,10 +66,10 @@ class FwdConfig:
     @functools.cached_property
     def queries_on_m(self) -> FwdConfig:
         """The tile that splits documents over CTAs in place of a tokens-on-M INT8 tile: the same
-        one with query rows on the wgmma M side, as dispatch takes it below ``TOKM_MIN_LD`` (two
-        stages of 128 tokens; tokens-on-M tiles never split, their cross-warp maxima are per
-        document). Other tiles: themselves."""
-        return replace(self, tokm=False, stages=2) if self.tokm else self
+        one with query rows on the wgmma M side, as dispatch takes it below ``TOKM_MIN_LD`` (the
+        first stage count of ``WGMMA_STAGES`` for its tokens; tokens-on-M tiles never split, their
+        cross-warp maxima are per document). Other tiles: themselves."""
+        return replace(self, tokm=False, stages=tables.WGMMA_STAGES[self.bn][0]) if self.tokm else self
 
     @functools.cached_property  # read on every padded launch
     def strided_tile(self) -> FwdConfig | None:
