@@ -151,7 +151,10 @@ def _maxsim_zero_pad(Q, D, zero_pad, q_mask=None, d_mask=None, *, q_lengths=None
     ``d_lengths``, or masked out by ``d_mask``) is zero vectors that count as tokens: each query
     token's max over it is at least 0 (a NaN max stays NaN), and where 0 wins its argmax is -1 (no
     token, so the backward gives it no gradient). The padding is skipped, not read, so it need not
-    hold zeros. Other arguments as in :func:`maxsim`; Q and D float16, bfloat16, float32 or float64.
+    hold zeros. ``"masked"`` (``lik_cupy._runtime.masks.MASKED``) flags every document with a
+    masked token in ``d_mask`` (PyLate's masks); the GPU makes the flags while it reads the mask,
+    with no kernel of their own. Other arguments as in :func:`maxsim`; Q and D float16, bfloat16,
+    float32 or float64.
     """
     return _run(Q, D, q_mask, d_mask, q_lengths, d_lengths, return_argmax, backend, precision, validate, pairs=False,
                 zero_pad=zero_pad)
@@ -172,6 +175,9 @@ def _varlen_key(Q, D_tokens, d_offsets, q_mask, q_lengths, return_argmax, backen
 
 def _maxsim_key(Q, D, q_mask, d_mask, q_lengths, d_lengths, return_argmax, backend, precision, validate, pairs=False,
                 zero_pad=None):
+    if isinstance(zero_pad, str):  # MASKED: a flag of the call, not an array
+        return call_key("pairs" if pairs else "maxsim", (validate, return_argmax, backend, zero_pad, precision), Q,
+                        (D, q_mask, d_mask, q_lengths, d_lengths, None))
     return call_key("pairs" if pairs else "maxsim", (validate, return_argmax, backend, precision), Q,
                     (D, q_mask, d_mask, q_lengths, d_lengths, zero_pad))
 
@@ -196,7 +202,7 @@ def _run(Q, D, q_mask, d_mask, q_lengths, d_lengths, return_argmax, backend, pre
     check_backend(backend)
     p = check_call(Q, D, q_mask, d_mask, q_lengths, d_lengths, pairs=pairs)
     if zero_pad is not None:
-        check_zero_pad(zero_pad, p, describe(D).shape[:-2])
+        check_zero_pad(zero_pad, p, describe(D).shape[:-2], d_mask)
     x3 = _fp32_accurate(precision, p.framework, p.dtype)
     if scoring_on_gpu(p, backend, float64_gpu=True):
         call = _prepared(key, p, return_argmax, validate, x3, (q_lengths, d_lengths, None), packed=False)
@@ -271,7 +277,8 @@ def _cpu(p: Problem, Q, D, q_mask, d_mask, q_lengths, d_lengths, return_argmax, 
     d = host_array(D, fw).reshape(nrows, p.ld, p.dim)
     qv = valid_host(q_mask, q_lengths, p.nq, p.lq, "q_lengths", fw)
     dv = valid_host(d_mask, d_lengths, nrows, p.ld, "d_lengths", fw)
-    zp = None if zero_pad is None else host_array(zero_pad, fw).reshape(nrows)
+    zp = None if zero_pad is None else ~dv.all(axis=1) if isinstance(zero_pad, str) else \
+        host_array(zero_pad, fw).reshape(nrows)
     s, a = cpu.maxsim_numpy(q, d, qv, dv, candidates=p.candidates, nd=p.nd, return_argmax=return_argmax, zero_pad=zp)
     s = s.reshape(p.scores_shape)
     a = a.reshape(p.argmax_shape) if a is not None else None
@@ -354,9 +361,10 @@ def _gpu_varlen(p: Problem, Q, D, d_offsets, q_mask, q_lengths, q_offsets, retur
 
 
 def _device_zero_pad(zero_pad, rows: int, fw: str, on_host: bool):
-    """The zero-vector padding flags as the kernels read them: contiguous uint8 [rows], or None."""
-    if zero_pad is None:
-        return None
+    """The zero-vector padding flags as the kernels read them: contiguous uint8 [rows], None, or
+    ``"masked"`` (``launch`` makes them with the mask's spans)."""
+    if zero_pad is None or isinstance(zero_pad, str):
+        return zero_pad
     import cupy
 
     return cupy.ascontiguousarray(device_array(zero_pad, fw, on_host).reshape(rows)).view(cupy.uint8)

@@ -178,3 +178,22 @@ def test_repeat_call_hands_the_zero_padding_flags_to_the_kernel(monkeypatch):
     call(_FakeArray(0x4000), _FakeArray(0x5000), None, None, None, None, None)
     call(_FakeArray(0x4000), _FakeArray(0x5000), None, None, None, None, None, _FakeArray(0x6000))
     assert fwd.runs[0][-1] == ("zero_pad", 0) and fwd.runs[1][-1] == ("zero_pad", 0x6000)
+
+
+def test_repeat_call_makes_masked_flags_with_the_mask_spans(monkeypatch):
+    # zero_pad="masked": one buffer holds the int32 spans [rows], then the uint8 flags the spans
+    # kernel writes; the forward reads the flags from there.
+    adapter, fwd, queued, sizes = _FakeAdapter(), _FakeLaunch(False), [], []
+    monkeypatch.setitem(prepared_calls._ADAPTERS, "fake", adapter)
+    monkeypatch.setattr(prepared_calls, "_device", lambda: 0)
+    monkeypatch.setattr(adapter, "new_empty", lambda shape, dtype, device: sizes.append((shape, dtype)) or
+                        _FakeArray(0x1000))
+    monkeypatch.setattr(prepared_calls, "queue_mask_spans", lambda *a: queued.append(a))
+    p = check_call(np.zeros((2, 8, 64), np.float16), np.zeros((5, 16, 64), np.float16), None,
+                   np.ones((5, 16), bool), None, None, pairs=False)
+    call = prepared_calls.PreparedCall("fake", p, 0, fwd, False, (False, False, False), mark=False, caller="maxsim")
+    call(_FakeArray(0x4000), _FakeArray(0x5000), None, _FakeArray(0x6000), None, None, None, "masked")
+    call(_FakeArray(0x4000), _FakeArray(0x5000), None, _FakeArray(0x6000), None, None, None)
+    assert ((5 + 2,), "int32") in sizes and ((5,), "int32") in sizes
+    assert queued[0][2:] == (0x6000, 5, 16, 0x1000, 0x1000 + 4 * 5) and queued[1][-1] == 0
+    assert fwd.runs[0][-1] == ("zero_pad", 0x1000 + 4 * 5) and fwd.runs[1][-1] == ("zero_pad", 0)

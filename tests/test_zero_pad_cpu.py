@@ -124,6 +124,18 @@ def test_packed_documents(rng, monkeypatch):
     assert all(x.tobytes() == y.tobytes() for x, y in zip((s, a), small))
 
 
+@pytest.mark.parametrize("layout", ["padded", "candidates"])
+def test_masked_flags_are_the_documents_with_a_masked_token(rng, layout):
+    # zero_pad="masked" (PyLate's masks): the same scores, bit for bit, as flags computed from the mask
+    q, d, _, _, qv, dv, _ = _inputs(rng, 3, 6, 8, 12, 16)
+    if layout == "candidates":
+        d, dv = np.stack([d, d[::-1]])[:, :, :, :], np.stack([dv, dv[::-1]])
+        q, qv = q[:2], qv[:2]
+    got = _maxsim_zero_pad(q, d, "masked", qv, dv, return_argmax=True, backend="cpu")
+    want = _maxsim_zero_pad(q, d, ~dv.all(-1), qv, dv, return_argmax=True, backend="cpu")
+    assert all(x.tobytes() == y.tobytes() for x, y in zip(got, want))
+
+
 def test_bad_flags_are_named(rng):
     q, d = np.zeros((2, 3, 8), np.float32), np.zeros((4, 5, 8), np.float32)
     with pytest.raises(TypeError, match="zero_pad must be boolean"):
@@ -132,6 +144,12 @@ def test_bad_flags_are_named(rng):
         _maxsim_zero_pad(q, d, np.zeros(5, bool), backend="cpu")
     with pytest.raises(ValueError, match=r"zero_pad has shape \[4\]; expected \[3\]"):
         _maxsim_varlen_zero_pad(q, d.reshape(-1, 8), [0, 5, 9, 20], np.zeros(4, bool), backend="cpu")
+    with pytest.raises(ValueError, match="zero_pad='masked' .* needs a d_mask"):
+        _maxsim_zero_pad(q, d, "masked", d_lengths=np.array([1, 2, 3, 4]), backend="cpu")
+    with pytest.raises(ValueError, match="zero_pad='masked' .* needs a d_mask"):
+        _maxsim_varlen_zero_pad(q, d.reshape(-1, 8), [0, 5, 9, 20], "masked", backend="cpu")
+    with pytest.raises(ValueError, match="zero_pad must be a boolean array or 'masked', got 'all'"):
+        _maxsim_zero_pad(q, d, "all", d_mask=np.ones((4, 5), bool), backend="cpu")
     torch = pytest.importorskip("torch")
     with pytest.raises(TypeError, match="zero_pad is a torch array but Q is a numpy array"):
         _maxsim_zero_pad(q, d, torch.zeros(4, dtype=torch.bool), backend="cpu")

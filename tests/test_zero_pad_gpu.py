@@ -255,6 +255,27 @@ def test_repeat_and_general_paths_agree(rng):
     assert torch.equal(plain, lik_cupy.maxsim(Q, D, None, dm))
 
 
+@pytest.mark.parametrize("layout", ["padded", "candidates"])
+def test_masked_flags_come_with_the_mask_spans(rng, layout):
+    # zero_pad="masked" (PyLate's masks): the flags the spans kernel writes give the bits that flags
+    # computed from the mask give, on the general path (first call) and the repeat path, for full,
+    # empty, prefix and holed masks; with no document token, no document is masked.
+    torch = pytest.importorskip("torch")
+    d_shape = (37, 70, 128) if layout == "padded" else (4, 9, 70, 128)
+    q, _, d, _ = _embeddings(rng, (4, 32, 128), d_shape, "float16")
+    dm = rng.random(d_shape[:-1]) < 0.8
+    rows = dm.reshape(-1, 70)
+    rows[0], rows[1], rows[2] = True, False, np.arange(70) < 33
+    Q, D, DM = torch.from_numpy(q).cuda(), torch.from_numpy(d).cuda(), torch.from_numpy(dm).cuda()
+    want = _maxsim_zero_pad(Q, D, ~DM.all(-1), None, DM, return_argmax=True)
+    for _ in range(2):
+        got = _maxsim_zero_pad(Q, D, "masked", None, DM, return_argmax=True)
+        assert got[0].cpu().numpy().tobytes() == want[0].cpu().numpy().tobytes()
+        assert torch.equal(got[1], want[1])
+    empty = _maxsim_zero_pad(Q, D[..., :0, :], "masked", None, DM[..., :0])
+    assert bool((empty == -float("inf")).all())
+
+
 # ---------------------------------------------------------------- the integrations built on it
 
 GRAD_TOL = {"float16": 2e-3, "bfloat16": 1e-2, "float32": 1e-4}

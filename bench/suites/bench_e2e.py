@@ -30,34 +30,9 @@ os.environ.setdefault("LIK_SUPPRESS_NORM_WARN", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: bench.lib, and this checkout's lik_cupy
 from bench.lib import baselines  # noqa: E402
 from bench.lib.results import out_dir, slugify, text_table, write_json  # noqa: E402
-from bench.lib.timing import wall_ms  # noqa: E402
+from bench.lib.timing import queued_call_ms, wall_ms  # noqa: E402
 
 D = 128
-SPIN = 40_000_000  # cycles: ~20 ms, longer than the host needs for 300 calls
-
-
-def kernel_ms(torch, fn, calls: int, wall: float) -> float:
-    """GPU time per call: the calls queued behind a spin kernel, between two events (best of two).
-    The spin outlasts twice the host time of the calls (``wall`` ms each, at 2 GHz), and calls of
-    over 0.1 ms (training steps: several launches each) are timed 50 at a time, which CUDA's launch
-    queue holds: a longer queue blocks the host until the GPU drains it, and host time shows."""
-    n = calls if wall < 0.1 else min(calls, 50)
-    spin = max(SPIN, int(2 * n * wall * 1e-3 * 2e9))
-    fn()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(2):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(spin)
-        s.record()
-        for _ in range(n):
-            fn()
-        e.record()
-        e.synchronize()
-        best = min(best, s.elapsed_time(e) / n)
-    return best
-
-
 def unit(torch, *shape, dtype=None):
     x = torch.randn(*shape, device="cuda", dtype=torch.float32)
     x = x / x.norm(dim=-1, keepdim=True)
@@ -266,7 +241,7 @@ def main():
                 row = {"case": label, "impl": impl}
                 try:
                     row["wall_ms"] = wall_ms(torch, fn, args.calls)
-                    row["kernel_ms"] = kernel_ms(torch, fn, args.calls, row["wall_ms"])
+                    row["kernel_ms"] = queued_call_ms(torch, fn, args.calls, row["wall_ms"])
                     row["overhead_us"] = (row["wall_ms"] - row["kernel_ms"]) * 1e3
                     got.setdefault(label, {})[impl] = row
                 except Exception as e:  # noqa: BLE001 - a failing implementation is recorded

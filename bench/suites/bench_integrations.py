@@ -19,11 +19,14 @@ tokens, bf16 lists on the GPU, the result on the CPU as colpali-engine returns i
   ours                          lik_cupy.integrations.colpali.score_multi_vector
 
 Timing (CUDA events, as bench_forward.py): ``call_ms`` is back-to-back calls (or steps) over their
-count, host included: what a PyLate or colpali-engine user pays; ``device_ms`` puts a spin kernel
-before each call so the host runs ahead (launch overhead hidden). ``score_multi_vector`` ends in a copy
-to the CPU, so its two times are alike. Each implementation of each case first runs back to back for
-``WARM_MS`` (kernels built, caches, prepared calls and the allocator's pool filled, clocks up), so
-no case pays for coming first.
+count, host included: what a PyLate or colpali-engine user pays. A case's implementations are timed
+together, in ``ROUNDS`` interleaved rounds (the order rotating), and each reports its median round
+(``call_ms_rounds`` holds them all): these calls are host-bound, and the host's speed drifts by
+tens of percent over a run. ``device_ms`` queues the calls behind a spin kernel that outlasts their
+host time (launch overhead hidden). ``score_multi_vector`` ends in a copy to the CPU, so its two
+times are alike. Each implementation of each case first runs back to back for ``WARM_MS`` (kernels
+built, caches, prepared calls and the allocator's pool filled, clocks up), so no case pays for
+coming first.
 
 PyLate and colpali-engine are imported through ``bench.lib.baselines.load_without_init`` (their scoring
 modules only), flash-maxsim and LIK as the other suites import them. On the device:
@@ -52,7 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: b
 from bench.lib import baselines  # noqa: E402
 from bench.lib.gpu import safe_cleanup, start, warm_up_ours  # noqa: E402
 from bench.lib.results import out_dir, short_err, text_table, write_json  # noqa: E402
-from bench.lib.timing import padded_call_ms, per_call_ms  # noqa: E402
+from bench.lib.timing import per_call_ms, queued_call_ms  # noqa: E402
 
 DIM = 128
 # name -> (Nq, Nd, Lq, Ld, training step)
@@ -68,6 +71,8 @@ PYLATE_CASES = {
 COLPALI_CASES = {"colpali_16x1000": (16, 1000, (15, 25), 1030)}
 PYLATE_BACKENDS = ("torch", "flash", "lik")
 WARM_MS = 300  # back-to-back calls of each implementation of each case before it is timed
+ROUNDS = 7  # timed rounds of each implementation of a case, interleaved
+ROUND_MS = 60  # calls per round: about this long
 
 
 def _pylate_impls():
@@ -146,15 +151,36 @@ def _warm(torch, call):
     torch.cuda.synchronize()
 
 
-def _time(ctx, call, reps):
-    """(call_ms, device_ms) after a warm-up: back-to-back calls, and calls behind a spin kernel (median)."""
+def _time_together(ctx, calls, reps):
+    """name -> (call_ms, device_ms, call_ms of each round) for ``calls`` (name -> callable), timed
+    together: each warmed up, then ``ROUNDS`` rounds in which each runs ``n`` calls back to back
+    (its own ``n``: about ``ROUND_MS``), the order rotating from round to round, so that the
+    machine's drift (the host's clocks, other tenants) falls on every implementation alike;
+    ``call_ms`` is the median round. ``device_ms``: the calls queued behind a spin kernel longer
+    than their host time (``timing.queued_call_ms``)."""
     torch = ctx.torch
-    _warm(torch, call)
-    est = per_call_ms(torch, call, 1, rounds=1)
-    n = max(3, min(reps, int(200 / max(est, 1e-3))))
-    call_ms = per_call_ms(torch, call, n)
-    device_ms = statistics.median(padded_call_ms(torch, lambda _i: call(), n, ctx.pad_cycles))
-    return call_ms, device_ms
+    for call in calls.values():
+        _warm(torch, call)
+    n = {k: max(3, min(reps, int(ROUND_MS / max(per_call_ms(torch, c, 1, rounds=1), 1e-3))))
+         for k, c in calls.items()}
+    names, rounds = list(calls), {k: [] for k in calls}
+    for r in range(ROUNDS):
+        for k in names[r % len(names):] + names[:r % len(names)]:
+            rounds[k].append(per_call_ms(torch, calls[k], n[k], rounds=1))
+    out = {}
+    for k, call in calls.items():
+        call_ms = statistics.median(rounds[k])
+        out[k] = (call_ms, queued_call_ms(torch, call, n[k], call_ms, ctx.cycles_per_ms), rounds[k])
+    return out
+
+
+def _time_rows(ctx, case_rows, calls, reps):
+    """Time the implementations that ran (``calls``) together and write their times into their rows."""
+    for name, (call_ms, device_ms, rounds) in _time_together(ctx, calls, reps).items():
+        row = case_rows[name]
+        row["call_ms"], row["device_ms"], row["call_ms_rounds"] = call_ms, device_ms, rounds
+    for row in case_rows.values():
+        print(_line(row), flush=True)
 
 
 def run_pylate(ctx, name, rows, reps):
@@ -172,9 +198,11 @@ def run_pylate(ctx, name, rows, reps):
         ref = _reference(torch, Q0, D0, dm)
         for impl in errors:
             rows.append({"case": case, "impl": impl, "error": errors[impl]})
+        case_rows, calls = {}, {}
         for impl, fn in impls.items():
-            row = {"case": case, "impl": impl, "Nq": nq, "Nd": nd, "Lq": lq, "Ld": ld, "masked": masked,
-                   "step": "forward+backward" if train else "forward"}
+            row = case_rows[impl] = {"case": case, "impl": impl, "Nq": nq, "Nd": nd, "Lq": lq, "Ld": ld,
+                                     "masked": masked, "step": "forward+backward" if train else "forward"}
+            rows.append(row)
             try:
                 if train:
                     Q, D = Q0.clone().requires_grad_(True), D0.clone().requires_grad_(True)
@@ -189,12 +217,12 @@ def run_pylate(ctx, name, rows, reps):
                 with torch.no_grad():
                     out = fn(Q0, D0, dm).double()
                 row["rel_err"] = ((out - ref).norm() / ref.norm()).item()
-                row["call_ms"], row["device_ms"] = _time(ctx, call, reps)
+                call()
+                calls[impl] = call
             except Exception as e:  # noqa: BLE001
                 row["error"] = short_err(e)
-            rows.append(row)
-            print(_line(row), flush=True)
-            safe_cleanup(torch)
+        _time_rows(ctx, case_rows, calls, reps)
+        safe_cleanup(torch)
 
 
 def run_colpali(ctx, name, rows, reps):
@@ -209,18 +237,19 @@ def run_colpali(ctx, name, rows, reps):
     ref = _reference(torch, Qpad, torch.stack(ps), None).cpu()
     for impl in errors:
         rows.append({"case": name, "impl": impl, "error": errors[impl]})
+    case_rows, calls = {}, {}
     for impl, fn in impls.items():
-        row = {"case": name, "impl": impl, "Nq": nq, "Nd": npages, "Lq": f"{lq_lo}..{lq_hi}", "Ld": ld,
-               "masked": False, "step": "score_multi_vector"}
+        row = case_rows[impl] = {"case": name, "impl": impl, "Nq": nq, "Nd": npages, "Lq": f"{lq_lo}..{lq_hi}",
+                                 "Ld": ld, "masked": False, "step": "score_multi_vector"}
+        rows.append(row)
         try:
             out = fn(qs, ps).double()
             row["rel_err"] = ((out - ref).norm() / ref.norm()).item()
-            row["call_ms"], row["device_ms"] = _time(ctx, lambda fn=fn: fn(qs, ps), reps)
+            calls[impl] = lambda fn=fn: fn(qs, ps)
         except Exception as e:  # noqa: BLE001
             row["error"] = short_err(e)
-        rows.append(row)
-        print(_line(row), flush=True)
-        safe_cleanup(torch)
+    _time_rows(ctx, case_rows, calls, reps)
+    safe_cleanup(torch)
 
 
 def cells(rows):

@@ -288,7 +288,8 @@ def launch(p: Problem, q, d, qm, dm, ql, dl, return_argmax: bool, device: int, *
     candidate ids): the documents whose padding is zero vectors that count, as in PyLate's and
     colpali-engine's torch paths: each query token's max over a flagged document is floored at 0
     (NaN kept), and where the floor wins its argmax is -1. The padding is skipped all the same (by
-    ``dl``, ``dm`` or the offsets), never read.
+    ``dl``, ``dm`` or the offsets), never read. ``masks.MASKED`` (with ``dm``): the documents with a
+    masked token, flagged by the kernel that reads the mask's spans.
     """
     import cupy
 
@@ -308,6 +309,8 @@ def launch(p: Problem, q, d, qm, dm, ql, dl, return_argmax: bool, device: int, *
         scores.fill(0)
         return scores, amax
     if d.shape[0] == 0 or (d_off is None and p.ld == 0):  # every document empty: -inf, or 0 for an empty query
+        if isinstance(zero_pad, str):  # MASKED: no token, so none masked
+            zero_pad = None
         valid = (ql > 0) if ql is not None else qm.any(axis=1) if qm is not None else cupy.ones(p.nq, bool)
         valid = valid.reshape(p.nq, 1)
         if zero_pad is not None:  # and 0 for a document of zero-vector padding
@@ -322,7 +325,10 @@ def launch(p: Problem, q, d, qm, dm, ql, dl, return_argmax: bool, device: int, *
         q = q.copy()
     vec = (p.dim * esize) % 16 == 0 and q.data.ptr % 16 == 0 and (residual is not None or d.data.ptr % 16 == 0)
     if dm is not None and dl is None:  # the kernel then skips each document's padding (masks.py)
-        dl = mask_spans(dm, device)
+        if isinstance(zero_pad, str):  # MASKED: the flags come with the spans
+            dl, zero_pad = mask_spans(dm, device, masked=True)
+        else:
+            dl = mask_spans(dm, device)
     if d_off is not None and p.ntok != d.shape[0]:
         p = replace(p, ntok=d.shape[0])
     fwd = prepare(p, device, esize=esize, vec=vec, use_tma=use_tma_for(p, vec, d.size // p.dim, d_scale, residual),

@@ -161,8 +161,11 @@ class PreparedCall:
         s_ptr, a_ptr = a.address(scores), (a.address(amax) if amax is not None else 0)
         q32 = q_lengths if q_lengths is None or not self.q_wide else a.to_int32(q_lengths)  # int32 in every tile
         ql = 0 if q32 is None else a.address(q32)
+        masked = isinstance(zero_pad, str)  # masks.MASKED: the flags come with the mask's spans
+        zp = 0 if zero_pad is None or masked else a.address(zero_pad)
         if self.docs is None:
-            d, dm, dl, off, _keep = self._documents(a, stream, D, d_mask, d_lengths, d_offsets)
+            d, dm, dl, off, flags, _keep = self._documents(a, stream, D, d_mask, d_lengths, d_offsets, masked)
+            zp = zp or flags
             by_value = ()
         else:
             d, dm, dl, off, n_docs = self.docs
@@ -170,8 +173,7 @@ class PreparedCall:
         fwd = self.fwd
         part = a.new_empty((fwd.partials,), "float32", dev) if fwd.partials else None
         fwd.run(stream, a.address(Q), d, 0, 0, ql, 0 if q_mask is None else a.address(q_mask), dl, dm, off,
-                s_ptr, a_ptr, 0 if part is None else a.address(part), by_value,
-                zero_pad=0 if zero_pad is None else a.address(zero_pad))
+                s_ptr, a_ptr, 0 if part is None else a.address(part), by_value, zero_pad=zp)
         if self.mark and (q_lengths is not None or d_lengths is not None or d_offsets is not None):
             mark_invalid(stream, dev, s_ptr, a_ptr, p.nq, p.nd, p.lq, p.candidates,
                          q_len=None if q_lengths is None else Checked(a.address(q_lengths), self.q_wide, p.lq),
@@ -179,18 +181,21 @@ class PreparedCall:
                          d_off=None if d_offsets is None else Checked(a.address(d_offsets), self.off_wide, p.ntok))
         return (scores, amax) if self.argmax else scores
 
-    def _documents(self, a, stream: int, D, d_mask, d_lengths, d_offsets) -> tuple:
+    def _documents(self, a, stream: int, D, d_mask, d_lengths, d_offsets, masked: bool) -> tuple:
         """The call's documents as the kernel reads them: addresses of (D, d_mask, its lengths or
-        the mask's spans, d_offsets), and the arrays made for them (alive until the launch)."""
+        the mask's spans, d_offsets, with ``masked`` the mask's zero-padding flags (else 0)), and the
+        arrays made for them (alive until the launch)."""
         d_in = a.to_int32(d_lengths) if self.d_narrowed else d_lengths
         dl = 0 if d_in is None else a.address(d_in) | self.d_tagged
-        spans = None
+        spans, flags = None, 0
         if d_mask is not None:  # the kernel skips each document's padding (masks.py)
-            spans = a.new_empty((self.rows,), "int32", self.device)
+            # int32 spans [rows], then (masked) uint8 flags [rows]: one buffer
+            spans = a.new_empty((self.rows + (-(-self.rows // 4) if masked else 0),), "int32", self.device)
             dl = a.address(spans)
-            queue_mask_spans(stream, self.device, a.address(d_mask), self.rows, self.p.ld, dl)
+            flags = dl + 4 * self.rows if masked else 0
+            queue_mask_spans(stream, self.device, a.address(d_mask), self.rows, self.p.ld, dl, flags)
         return (a.address(D), 0 if d_mask is None else a.address(d_mask), dl,
-                0 if d_offsets is None else a.address(d_offsets), (d_in, spans))
+                0 if d_offsets is None else a.address(d_offsets), flags, (d_in, spans))
 
 
 class ResidentDocs(NamedTuple):

@@ -263,10 +263,17 @@ def check_valid(side: str, mask, lengths, q: Info, mask_shape, len_shape) -> str
     return None
 
 
-def check_zero_pad(zero_pad, p: Problem, shape) -> None:
+def check_zero_pad(zero_pad, p: Problem, shape, d_mask=None) -> None:
     """The zero-vector padding flags of a call (``lik_cupy.forward._maxsim_zero_pad``): bool, one per
     document (``shape``: D's shape without its last two axes, or ``(Nd,)`` for packed documents), in
-    Q's framework and place."""
+    Q's framework and place; or ``"masked"`` (the documents with a masked token), which needs the
+    call's ``d_mask``."""
+    if isinstance(zero_pad, str):
+        if zero_pad != "masked":
+            raise ValueError(f"zero_pad must be a boolean array or 'masked', got {zero_pad!r}")
+        if d_mask is None:
+            raise ValueError("zero_pad='masked' flags the documents with a masked token, so it needs a d_mask")
+        return
     z = _info("zero_pad", zero_pad)
     _same_place("zero_pad", z, Info(p.framework, p.device, p.dtype, ()))
     if z.dtype != "bool":

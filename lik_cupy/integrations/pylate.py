@@ -39,6 +39,7 @@ import torch
 
 from .. import torch as _lik
 from .._runtime import env
+from .._runtime.masks import MASKED
 from ._patching import Patched, Patches, SwappedAttribute, SwappedProperty
 from ._scoring import kernel_operands
 
@@ -292,7 +293,8 @@ def _check_ndim(Q, D, d_ndim: int, d_layout: str) -> None:
 def _masked_maxsim(Q, D, q_mask, d_mask):
     """MaxSim with PyLate's torch-path masks (a masked token's similarities are 0): a masked query
     token adds nothing; masked document tokens are skipped and the row maxima of a document with any
-    floored at 0 (its zero-vector padding flag), what their zero similarities give."""
+    floored at 0 (its zero-vector padding flag, made on the GPU with the mask's spans), what their
+    zero similarities give."""
     Q, D, out = kernel_operands(Q, D)
     qm = None if q_mask is None else _valid(q_mask, Q)
     if d_mask is None:
@@ -300,7 +302,7 @@ def _masked_maxsim(Q, D, q_mask, d_mask):
     dm = _valid(d_mask, D)
     if _lik._traced(Q):  # the operators take no zero-padding flags: masked tokens as zero vectors
         return _lik.maxsim(Q, D * dm.unsqueeze(-1).to(D.dtype), qm).to(out)
-    return _lik._maxsim_zero_pad_grad(Q, D, ~dm.all(-1), qm, dm).to(out)
+    return _lik._maxsim_zero_pad_grad(Q, D, MASKED, qm, dm).to(out)
 
 
 def _valid(mask, like) -> torch.Tensor:
