@@ -8,7 +8,8 @@ lengths, in one run on one GPU:
 
   wall_ms    best of three rounds of 300 back-to-back calls, one synchronisation after each round
   kernel_ms  the same calls queued behind a spin kernel long enough that the host runs ahead: the
-             GPU's time per call (every kernel the call launches)
+             GPU's time per call (every kernel the call launches); none for JAX, whose kernels run
+             on its own stream, out of the reach of torch's events
   overhead   wall - kernel, in microseconds
 
     python3 bench/suites/bench_e2e.py [--out DIR] [--cells 1x1000,...] [--calls 300]
@@ -232,7 +233,9 @@ def main():
     keep_case = (lambda key: True) if keep is None else (lambda key: key[0] in keep)
     rows, got = [], {}
 
-    def time_all(todo):
+    def time_all(todo, on_torch_stream=True):
+        """Time every implementation of every kept case; ``on_torch_stream``: their kernels run on
+        torch's current stream, so torch's events time them (JAX's do not: no kernel_ms for it)."""
         for key, impls in todo.items():
             if not keep_case(key):
                 continue
@@ -241,8 +244,9 @@ def main():
                 row = {"case": label, "impl": impl}
                 try:
                     row["wall_ms"] = wall_ms(torch, fn, args.calls)
-                    row["kernel_ms"] = queued_call_ms(torch, fn, args.calls, row["wall_ms"])
-                    row["overhead_us"] = (row["wall_ms"] - row["kernel_ms"]) * 1e3
+                    if on_torch_stream:
+                        row["kernel_ms"] = queued_call_ms(torch, fn, args.calls, row["wall_ms"])
+                        row["overhead_us"] = (row["wall_ms"] - row["kernel_ms"]) * 1e3
                     got.setdefault(label, {})[impl] = row
                 except Exception as e:  # noqa: BLE001 - a failing implementation is recorded
                     row["error"] = repr(e)[:300]
@@ -257,7 +261,7 @@ def main():
         if jax_err:
             print("jax:", jax_err)
         else:
-            time_all(jax_impls(cells_in, jax_mod))
+            time_all(jax_impls(cells_in, jax_mod), on_torch_stream=False)
 
     cells = []
     for label, impls in got.items():
@@ -265,8 +269,8 @@ def main():
         for impl in OURS:
             if impl in impls:
                 r = impls[impl]
-                cells.append({"case": label, "caller": impl, "ours_ms": r["wall_ms"], "kernel_ms": r["kernel_ms"],
-                              "overhead_us": r["overhead_us"], "best_peer": peer[1] if peer else None,
+                cells.append({"case": label, "caller": impl, "ours_ms": r["wall_ms"], "kernel_ms": r.get("kernel_ms"),
+                              "overhead_us": r.get("overhead_us"), "best_peer": peer[1] if peer else None,
                               "best_peer_ms": peer[0] if peer else None,
                               "ratio": r["wall_ms"] / peer[0] if peer else None})
     name = slugify(props.name)
@@ -275,7 +279,9 @@ def main():
                       "jax_error": jax_err, "torch": torch.__version__})
     print(f"wrote {path}")
     header = ["case", "caller", "ours_ms", "kernel_ms", "overhead_us", "best_peer", "best_peer_ms", "ratio"]
-    body = [[c["case"], c["caller"], f"{c['ours_ms']:.4f}", f"{c['kernel_ms']:.4f}", f"{c['overhead_us']:.1f}",
+    body = [[c["case"], c["caller"], f"{c['ours_ms']:.4f}",
+             "-" if c["kernel_ms"] is None else f"{c['kernel_ms']:.4f}",
+             "-" if c["overhead_us"] is None else f"{c['overhead_us']:.1f}",
              c["best_peer"] or "-", "-" if c["best_peer_ms"] is None else f"{c['best_peer_ms']:.4f}",
              "-" if c["ratio"] is None else f"{c['ratio']:.2f}"] for c in cells]
     print("\n".join(text_table(header, body, [c["case"] for c in cells])))
