@@ -71,8 +71,8 @@ PYLATE_CASES = {
 COLPALI_CASES = {"colpali_16x1000": (16, 1000, (15, 25), 1030)}
 PYLATE_BACKENDS = ("torch", "flash", "lik")
 WARM_MS = 300  # back-to-back calls of each implementation of each case before it is timed
-ROUNDS = 11  # timed rounds of each implementation of a case, interleaved
-ROUND_MS = 60  # calls per round: about this long
+ROUNDS = 31  # timed rounds of each implementation of a case, interleaved
+ROUND_MS = 20  # calls per round: about this long
 
 
 def _pylate_impls():
