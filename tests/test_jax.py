@@ -54,10 +54,10 @@ def _grads_ref(Q, D, qv, dv, W):
     return dQ, dD
 
 
-def _close(out, ref, dtype):
+def _close(out, ref, dtype, tol=None):
     out = np.asarray(out, np.float64)
     scale = max(float(np.abs(ref).max()), 1e-30)
-    assert np.abs(out - ref).max() <= GRAD_TOL[dtype] * scale, (np.abs(out - ref).max(), scale)
+    assert np.abs(out - ref).max() <= (tol or GRAD_TOL[dtype]) * scale, (np.abs(out - ref).max(), scale)
 
 
 # ---------------------------------------------------------------- CPU (the NumPy path, in CI)
@@ -120,11 +120,14 @@ def test_value_and_grad_inside_jit(rng):
                                                  argnums=(0, 1)))(q, d)
     s = maxsim_ref(q, d, None, _valid(dl, ld))[0]
     assert abs(float(value) - float(from_scores(s))) <= 1e-6 * max(1.0, float(np.abs(s).max()) / 0.1)
-    # the scores' gradient as JAX computes it in float32; the rest is ours
-    w = np.asarray(jax.grad(from_scores)(s.astype(np.float32)), np.float64)
+    # The scores' gradient as JAX computes it in float32 from our scores; the rest is ours. That
+    # gradient is a softmax of logits s / 0.1 of up to ~100, whose float32 rounding (6e-8 x 100) moves
+    # it by ~6e-6 relative, and XLA's fused order inside the jit differs from this recomputation: the
+    # gradients match to 2e-5 (300 seeds: at most 5e-6), not to float32 rounding.
+    w = np.asarray(jax.grad(from_scores)(jax.jit(lambda a, c: maxsim(a, c, d_lengths=dl))(q, d)), np.float64)
     rq, rd = _grads_ref(q, d, np.ones((b, lq), bool), _valid(dl, ld), w)
-    _close(gq, rq, "float32")
-    _close(gd, rd, "float32")
+    _close(gq, rq, "float32", tol=2e-5)
+    _close(gd, rd, "float32", tol=2e-5)
 
 
 def test_candidates_and_single_query_layouts(rng):
