@@ -9,6 +9,10 @@ rounds of 300, one sync a round):
 - ``torch_only``: the same multiply, sum and backward on a leaf ``[N, N]`` tensor (what torch's
   autograd costs around our op);
 - ``forward_argmax`` and ``backward``: our two calls alone;
+- ``step_one_thread``: ``step`` with autograd's multithreading off (the backward runs on the calling
+  thread, not handed to autograd's CUDA device thread and back), and ``flash_step`` /
+  ``flash_step_one_thread``: flash-maxsim's training call in the same step, both ways (where it
+  imports), to show what the hand-over costs every backend;
 
 and, for each, ``gpu_ms``: the GPU time of the same calls queued behind a sleep (the host runs
 ahead; median of three rounds of 50), so ``wall - gpu`` is what the host adds. Writes ``profile_train_step_<gpu>.json`` to $OUT
@@ -27,6 +31,7 @@ import lik_cupy  # noqa: E402
 import lik_cupy.torch as lt  # noqa: E402
 from lik_cupy._runtime.device import device_properties  # noqa: E402
 
+from bench.lib import baselines  # noqa: E402
 from bench.lib.results import out_dir, write_result  # noqa: E402
 from bench.lib.timing import per_call_ms, wall_ms  # noqa: E402
 
@@ -38,7 +43,20 @@ def unit(n, length, d=128):
     return x / x.norm(dim=-1, keepdim=True)
 
 
+def _one_thread(fn):
+    """``fn`` with autograd's multithreading off while it runs."""
+    def call():
+        torch.autograd.set_multithreading_enabled(False)
+        try:
+            fn()
+        finally:
+            torch.autograd.set_multithreading_enabled(True)
+    return call
+
+
 def main():
+    flash, _ = baselines.load(baselines.FLASH)
+    train = getattr(flash, "flash_maxsim_batched_train", None)
     rows = []
     for name, (n, lq, ld) in SHAPES.items():
         q, d = unit(n, lq).requires_grad_(), unit(n, ld).requires_grad_()
@@ -61,7 +79,14 @@ def main():
 
         calls = {"step": step, "step_backward_g": step_backward_g, "torch_only": torch_only,
                  "forward_argmax": lambda: lik_cupy.maxsim(qd, dd, return_argmax=True),
-                 "backward": lambda: lik_cupy.maxsim_backward(g, qd, dd, amax)}
+                 "backward": lambda: lik_cupy.maxsim_backward(g, qd, dd, amax),
+                 "step_one_thread": _one_thread(step)}
+        if train is not None:
+            def flash_step():
+                q.grad = d.grad = None
+                (train(q, d, shared_docs=True) * w).sum().backward()
+
+            calls.update(flash_step=flash_step, flash_step_one_thread=_one_thread(flash_step))
         for call, fn in calls.items():
             # GPU time: 50 calls behind a sleep of 0.1 s, which outlasts their host time
             rows.append({"shape": name, "call": call, "wall_ms": wall_ms(torch, fn, 300),
