@@ -51,26 +51,13 @@ def wall_ms(torch, fn, n, *, rounds=3):
 
 
 def queued_call_ms(torch, fn, calls: int, wall: float, cycles_per_ms: float | None = None) -> float:
-    """GPU time per call: the calls queued behind a spin kernel, between two events (best of two).
-    The spin outlasts twice the host time of the calls (``wall`` ms each; ``cycles_per_ms`` of the
-    spin, from ``calibrate_sleep``, else 2 GHz), and calls of over 0.1 ms (training steps: several
-    launches each) are timed 50 at a time, which CUDA's launch queue holds: a longer queue blocks
-    the host until the GPU drains it, and host time shows."""
+    """GPU time per call: ``per_call_ms`` with the calls queued behind a spin kernel that outlasts
+    twice their host time (``wall`` ms each; ``cycles_per_ms`` of the spin, from ``calibrate_sleep``,
+    else 2 GHz). Calls of over 0.1 ms (training steps: several launches each) are timed 50 at a time,
+    which CUDA's launch queue holds: a longer queue blocks the host until the GPU drains it, and host
+    time shows."""
     n = calls if wall < 0.1 else min(calls, 50)
-    spin = max(40_000_000, int(2 * n * wall * (cycles_per_ms or 2e6)))
-    fn()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(2):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(spin)
-        s.record()
-        for _ in range(n):
-            fn()
-        e.record()
-        e.synchronize()
-        best = min(best, s.elapsed_time(e) / n)
-    return best
+    return per_call_ms(torch, fn, n, spin_cycles=max(40_000_000, int(2 * n * wall * (cycles_per_ms or 2e6))))
 
 
 def padded_call_ms(torch, fn, reps, pad_cycles):
