@@ -293,8 +293,8 @@ def _check_ndim(Q, D, d_ndim: int, d_layout: str) -> None:
 def _masked_maxsim(Q, D, q_mask, d_mask):
     """MaxSim with PyLate's torch-path masks (a masked token's similarities are 0): a masked query
     token adds nothing; masked document tokens are skipped and the row maxima of a document with any
-    floored at 0 (its zero-vector padding flag, made on the GPU with the mask's spans), what their
-    zero similarities give."""
+    floored at 0 (its zero-vector padding flag, ``zero_pad="masked"``: made from the mask where the
+    mask is read), what their zero similarities give."""
     Q, D, out = kernel_operands(Q, D)
     qm = None if q_mask is None else _valid(q_mask, Q)
     if d_mask is None:
