@@ -175,11 +175,10 @@ def _varlen_key(Q, D_tokens, d_offsets, q_mask, q_lengths, return_argmax, backen
 
 def _maxsim_key(Q, D, q_mask, d_mask, q_lengths, d_lengths, return_argmax, backend, precision, validate, pairs=False,
                 zero_pad=None):
-    if isinstance(zero_pad, str):  # MASKED: a flag of the call, not an array
-        return call_key("pairs" if pairs else "maxsim", (validate, return_argmax, backend, zero_pad, precision), Q,
-                        (D, q_mask, d_mask, q_lengths, d_lengths, None))
-    return call_key("pairs" if pairs else "maxsim", (validate, return_argmax, backend, precision), Q,
-                    (D, q_mask, d_mask, q_lengths, d_lengths, zero_pad))
+    masked = isinstance(zero_pad, str)  # MASKED: a flag of the call, not an array
+    flags = (validate, return_argmax, backend) + ((zero_pad,) if masked else ()) + (precision,)
+    return call_key("pairs" if pairs else "maxsim", flags, Q,
+                    (D, q_mask, d_mask, q_lengths, d_lengths, None if masked else zero_pad))
 
 
 def _prepared_call(fn: str, Q, D=None, D_tokens=None, d_offsets=None, q_mask=None, d_mask=None, q_lengths=None,

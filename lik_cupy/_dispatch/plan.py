@@ -41,13 +41,11 @@ def ctas_per_sm(cfg: FwdConfig, cc: int, registers: int | None = None) -> int:
     # argmax or multi-query epilogue takes up to 168 (INT8's argmax up to 192).
     if registers is not None:
         regs = -(-registers // 8) * 8  # allocated per warp in units of 8 registers a thread
-    elif cfg.residual:  # built for min_blocks CTAs of RESIDUAL_REGISTERS a thread
+    elif cfg.residual or cfg.int8_argmax_strided:  # built for min_blocks CTAs an SM (FwdConfig.min_blocks)
         regs = 65536 // (cfg.threads * cfg.min_blocks)
     elif cfg.wgmma and cfg.warps == 4 and (cfg.argmax or cfg.multi):
         regs = 192 if cfg.argmax and cfg.elem == 3 else 168
     elif cfg.x3 and cfg.mt > 1:  # two m-tiles of 3xTF32 fragments with the argmax or several queries: up to 256
-        regs = 256
-    elif cfg.int8_argmax_strided:  # one CTA an SM (FwdConfig.min_blocks)
         regs = 256
     else:
         regs = 128 if cfg.wgmma else 192
