@@ -30,16 +30,11 @@ from pathlib import Path
 os.environ.setdefault("LIK_SUPPRESS_NORM_WARN", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: bench.lib, and this checkout's lik_cupy
 from bench.lib import baselines  # noqa: E402
+from bench.lib.gpu import unit_tokens  # noqa: E402
 from bench.lib.results import out_dir, slugify, text_table, write_json  # noqa: E402
 from bench.lib.timing import queued_call_ms, wall_ms  # noqa: E402
 
 D = 128
-def unit(torch, *shape, dtype=None):
-    x = torch.randn(*shape, device="cuda", dtype=torch.float32)
-    x = x / x.norm(dim=-1, keepdim=True)
-    return x.to(dtype or torch.float16)
-
-
 def serving_cells(torch):
     """name -> dict of inputs (torch) for the serving rows."""
     g = torch.Generator(device="cuda").manual_seed(29)
@@ -47,7 +42,7 @@ def serving_cells(torch):
     cells = {}
 
     def padded(name, nq, lq, nd, ld):
-        q, d = unit(torch, nq, lq, D), unit(torch, nd, ld, D)
+        q, d = unit_tokens(torch, nq, lq, D), unit_tokens(torch, nd, ld, D)
         lens = torch.randint(ld // 4, ld + 1, (nd,), device="cuda", generator=g)
         mask = torch.arange(ld, device="cuda")[None, :] < lens[:, None]
         cells[name] = dict(q=q, d=d, lens=lens, mask=mask)
@@ -121,8 +116,8 @@ def training_impls(torch, peers):
     train = getattr(flash, "flash_maxsim_batched_train", None)
     out = {}
     for name, (n, lq, ld) in {"train_n32_32x80": (32, 32, 80), "train_n64_32x300": (64, 32, 300)}.items():
-        q = unit(torch, n, lq, D).requires_grad_()
-        d = unit(torch, n, ld, D).requires_grad_()
+        q = unit_tokens(torch, n, lq, D).requires_grad_()
+        d = unit_tokens(torch, n, ld, D).requires_grad_()
         w = torch.randn(n, n, device="cuda")
 
         def step(fn, q=q, d=d, w=w):
@@ -157,16 +152,16 @@ def corpus_impls(torch, peers):
     if not hasattr(lik_cupy, "Corpus"):
         return {}
     flash, lik = peers.get("flash"), peers.get("lik")
-    d = unit(torch, 100_000, 180, D)
+    d = unit_tokens(torch, 100_000, 180, D)
     corpus = lik_cupy.Corpus(d)
     out = {}
-    q1 = unit(torch, 1, 32, D)
+    q1 = unit_tokens(torch, 1, 32, D)
     search = {"torch": lambda: corpus.search(q1, 10)}
     if flash is not None:
         search["flash"] = lambda: torch.topk(flash.flash_maxsim(q1[0], d), 10)
     out[("corpus_search_1x100k", "")] = search
     for nq in (1, 32):
-        q = unit(torch, nq, 32, D)
+        q = unit_tokens(torch, nq, 32, D)
         ids = torch.randint(0, 100_000, (nq, 100), device="cuda")
         rerank = {"torch": lambda q=q, ids=ids: corpus.rerank(q, ids)}
         if lik is not None:

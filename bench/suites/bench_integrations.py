@@ -53,7 +53,7 @@ from pathlib import Path
 os.environ.setdefault("LIK_SUPPRESS_NORM_WARN", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: bench.lib, and this checkout's lik_cupy
 from bench.lib import baselines  # noqa: E402
-from bench.lib.gpu import safe_cleanup, start, warm_up_ours  # noqa: E402
+from bench.lib.gpu import safe_cleanup, start, unit_tokens, warm_up_ours  # noqa: E402
 from bench.lib.results import out_dir, short_err, text_table, write_json  # noqa: E402
 from bench.lib.timing import per_call_ms, queued_call_ms  # noqa: E402
 
@@ -123,11 +123,6 @@ def _env(name, value):
             os.environ[name] = old
 
 
-def _unit(torch, gen, *shape, dtype):
-    x = torch.randn(*shape, device="cuda", generator=gen)
-    return torch.nn.functional.normalize(x, dim=-1).to(dtype)
-
-
 def _reference(torch, Q, D, dm):
     """float64 scores with PyLate's torch-path semantics (a masked token scores 0), documents chunked."""
     out = []
@@ -188,7 +183,8 @@ def run_pylate(ctx, name, rows, reps):
     nq, nd, lq, ld, train = PYLATE_CASES[name]
     impls, errors = _pylate_impls()
     gen = torch.Generator(device="cuda").manual_seed(0)
-    Q0, D0 = _unit(torch, gen, nq, lq, DIM, dtype=torch.float16), _unit(torch, gen, nd, ld, DIM, dtype=torch.float16)
+    Q0 = unit_tokens(torch, nq, lq, DIM, generator=gen)
+    D0 = unit_tokens(torch, nd, ld, DIM, generator=gen)
     lengths = torch.randint(ld // 4, ld + 1, (nd,), device="cuda", generator=gen)
     mask = torch.arange(ld, device="cuda")[None, :] < lengths[:, None]
     W = torch.randn(nq, nd, device="cuda", generator=gen)
@@ -231,8 +227,8 @@ def run_colpali(ctx, name, rows, reps):
     impls, errors = _colpali_impls()
     gen = torch.Generator(device="cuda").manual_seed(1)
     lqs = torch.randint(lq_lo, lq_hi + 1, (nq,), generator=torch.Generator().manual_seed(1)).tolist()
-    qs = [_unit(torch, gen, n, DIM, dtype=torch.bfloat16) for n in lqs]
-    ps = [_unit(torch, gen, ld, DIM, dtype=torch.bfloat16) for _ in range(npages)]
+    qs = [unit_tokens(torch, n, DIM, dtype=torch.bfloat16, generator=gen) for n in lqs]
+    ps = [unit_tokens(torch, ld, DIM, dtype=torch.bfloat16, generator=gen) for _ in range(npages)]
     Qpad = torch.nn.utils.rnn.pad_sequence(qs, batch_first=True)
     ref = _reference(torch, Qpad, torch.stack(ps), None).cpu()
     for impl in errors:

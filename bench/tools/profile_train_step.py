@@ -32,15 +32,11 @@ import lik_cupy.torch as lt  # noqa: E402
 from lik_cupy._runtime.device import device_properties  # noqa: E402
 
 from bench.lib import baselines  # noqa: E402
+from bench.lib.gpu import unit_tokens  # noqa: E402
 from bench.lib.results import out_dir, write_result  # noqa: E402
 from bench.lib.timing import per_call_ms, wall_ms  # noqa: E402
 
 SHAPES = {"n32_32x80": (32, 32, 80), "n64_32x300": (64, 32, 300)}
-
-
-def unit(n, length, d=128):
-    x = torch.randn(n, length, d, device="cuda", dtype=torch.float16)
-    return x / x.norm(dim=-1, keepdim=True)
 
 
 def _one_thread(fn):
@@ -59,7 +55,7 @@ def main():
     train = getattr(flash, "flash_maxsim_batched_train", None)
     rows = []
     for name, (n, lq, ld) in SHAPES.items():
-        q, d = unit(n, lq).requires_grad_(), unit(n, ld).requires_grad_()
+        q, d = unit_tokens(torch, n, lq, 128).requires_grad_(), unit_tokens(torch, n, ld, 128).requires_grad_()
         w, g = torch.randn(n, n, device="cuda"), torch.randn(n, n, device="cuda")
         leaf = torch.randn(n, n, device="cuda", requires_grad=True)
         qd, dd = q.detach(), d.detach()
