@@ -11,6 +11,8 @@ from __future__ import annotations
 from .nvrtc import function_handle
 from .raw_launch import launch_raw, signature
 
+__all__ = ["MASKED", "mask_spans", "queue_mask_spans"]
+
 _THREADS = 256
 MASKED = "masked"  # zero_pad of lik_cupy.forward._maxsim_zero_pad: the documents with a masked token
 
