@@ -50,6 +50,7 @@
 #include "fwd/mainloop.cuh"
 #include "fwd/residual.cuh"
 #include "fwd/epilogue.cuh"
+#include "fwd/refine.cuh"
 
 namespace lik {
 
@@ -219,6 +220,13 @@ __device__ void LIK_FWD::run(const T* __restrict__ Q, const T* __restrict__ D, c
     // Tokens on M: the running max of each of this thread's 32 query rows (columns n * 8 + 2 * tq + e).
     float bq[TOKM ? NN : 1][2];
     RowMax rowmax{best, bidx, bq, warp, g, sS, tq};
+#if LIK_REFINE
+    // float32 accuracy from TF32 tiles (fwd/refine.cuh): its per-slot norm parts follow the barriers.
+    float* const tnorm = reinterpret_cast<float*>(mbar + 2 * STAGES);
+    double xbest[2];
+    float lo[2], cq[2] = {-1.f, -1.f};
+    const Refine refine{sQ, tnorm, wrow0, lane, warp, best, bidx, rv, xbest, lo, cq};
+#endif
     Consumer consumer{cons, qf, q_ready, sQ, wrow0, lane, prod
 #if LIK_HAS_WGMMA
                       , mbar
@@ -242,7 +250,11 @@ __device__ void LIK_FWD::run(const T* __restrict__ Q, const T* __restrict__ D, c
         const int nt = last.tiles_of(j, len);
         const u8* dm = mask.dmask(j);
         const bool zp = X3 && !MULTI && fin.zero_pad(j);  // zero-vector padding (Finish::finish says why here)
+#if LIK_REFINE
+        refine.reset();
+#else
         rowmax.reset();
+#endif
         for (int t = first.first_tile(j); t < nt; ++t) {
             A acc[MT][NN][4];
 #pragma unroll
@@ -267,7 +279,11 @@ __device__ void LIK_FWD::run(const T* __restrict__ Q, const T* __restrict__ D, c
 #if LIK_HAS_WGMMA
             if (WG_CHAIN) wgmma_wait<0>();
 #endif
+#if LIK_REFINE
+            refine.fold(acc, ring + slot * STAGE, slot, t * BN, len, dm);
+#else
             rowmax.fold(acc, slot, t * BN, len, dm, TMA && I8 ? (int)(begin & 3) : 0);
+#endif
             consumer.release_slot(slot);
         }
         fin.finish(j, zp);

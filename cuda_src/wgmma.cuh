@@ -1,7 +1,8 @@
 // Hopper warpgroup MMA (sm_90a only): D[64 x N] (+)= A[64 x 16] * B[N x 16]^T with
 // both operands K-major in 128-byte-swizzled shared memory, fp32 accumulators.
-// Shapes: N = 64, 96, 128 and 256, fp16 (ELEM 0) and bf16 (ELEM 1), and INT8 (k = 32, int32
-// accumulators); each specialisation lists its N/2 accumulator registers per thread.
+// Shapes: N = 64, 96, 128 and 256, fp16 (ELEM 0), bf16 (ELEM 1) and float32 on TF32 (ELEM 2, k = 8),
+// and INT8 (k = 32, int32 accumulators); each specialisation lists its N/2 accumulator registers
+// per thread. Every form takes 32 bytes of K per instruction.
 #pragma once
 #include "common.cuh"
 
@@ -74,6 +75,25 @@ LIK_WGMMA_FP16_BF16(64, LIK_REGS32, 32, 33, 34, LIK_ACC32("+f"))
 LIK_WGMMA_FP16_BF16(96, LIK_REGS48, 48, 49, 50, LIK_ACC48("+f"))
 LIK_WGMMA_FP16_BF16(128, LIK_REGS64, 64, 65, 66, LIK_ACC64("+f"))
 LIK_WGMMA_FP16_BF16(256, LIK_REGS128, 128, 129, 130, LIK_ACC128("+f"))
+
+// float32 (ELEM 2) on TF32: k = 8 floats, the same 32 bytes of K per instruction as the 16-bit
+// forms, so the descriptors step identically. The tensor cores read the float32 tile as it lies
+// in shared memory and use each value's top 19 bits (its TF32 truncation); TF32 takes no
+// transpose immediates (both operands are K-major here anyway).
+#define LIK_WGMMA_TF32(N, REGS, IA, IB, IP, ...)                                                               \
+    template <>                                                                                              \
+    __device__ __forceinline__ void wgmma_m64k16<2, N>(float* d, unsigned long long da, unsigned long long db, \
+                                                      int acc) {                                               \
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" #IP ", 0;\n"                                        \
+                     "wgmma.mma_async.sync.aligned.m64n" #N "k8.f32.tf32.tf32 {" REGS "}, %" #IA ", %" #IB     \
+                     ", p, 1, 1;\n}\n"                                                                         \
+                     : __VA_ARGS__                                                                            \
+                     : "l"(da), "l"(db), "r"(acc));                                                           \
+    }
+LIK_WGMMA_TF32(64, LIK_REGS32, 32, 33, 34, LIK_ACC32("+f"))
+LIK_WGMMA_TF32(96, LIK_REGS48, 48, 49, 50, LIK_ACC48("+f"))
+LIK_WGMMA_TF32(128, LIK_REGS64, 64, 65, 66, LIK_ACC64("+f"))
+LIK_WGMMA_TF32(256, LIK_REGS128, 128, 129, 130, LIK_ACC128("+f"))
 
 // INT8: D[64 x N] (+)= A[64 x 32] * B[N x 32]^T, int32 accumulators, the same 32 bytes of K
 // per instruction as the 16-bit forms (so descriptors step identically).

@@ -195,3 +195,123 @@ def test_float64_in_float64_out_at_float32_accuracy(rng):
     rd = torch.from_numpy(d).requires_grad_()
     torch.einsum("isk,jtk->ijst", rq, rd).amax(dim=3).sum().backward()
     assert torch.allclose(tq.grad.cpu(), rq.grad, atol=1e-5) and torch.allclose(td.grad.cpu(), rd.grad, atol=1e-5)
+
+
+# The float32-accuracy contract (README, Semantics): every score within 2e-6 of float64, relative
+# to |score| + 1, and the argmax float64's wherever the two best products differ by more than
+# float32 rounding. On Hopper the default takes TF32 wgmma tiles and recomputes the near-max
+# similarities exactly (cuda_src/fwd/refine.cuh); elsewhere 3xTF32.
+CONTRACT_TOL = 2e-6
+
+
+def _contract_err(out, ref):
+    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+    fin = np.isfinite(ref)
+    assert np.array_equal(np.isfinite(out), fin) and np.array_equal(out[~fin], ref[~fin])
+    return float(np.max(np.abs(out[fin] - ref[fin]) / (np.abs(ref[fin]) + 1.0), initial=0.0))
+
+
+def _ulp_ties(rng, nd, ld, dim, ulps, winner_first):
+    """Documents whose tokens all share one vector except component 0, where two of them lead: the
+    winner by `ulps` float32 ulps of that component over the runner-up, the rest far below. The
+    TF32 values of all of them agree, so only exact arithmetic finds the winner."""
+    q = _unit(rng, 1, 1, dim)
+    q[0, 0, 0] = 0.75
+    base = _unit(rng, dim)
+    base[0] = 0.5
+    d = np.repeat(np.repeat(base[None, None], ld, axis=1), nd, axis=0)
+    d[:, :, 0] -= np.float32(1e-4) * rng.random((nd, ld)).astype(np.float32) + np.float32(1e-5)
+    want = np.empty(nd, np.int64)
+    for j in range(nd):
+        a, b = rng.choice(ld, 2, replace=False)
+        win, lose = (min(a, b), max(a, b)) if winner_first else (max(a, b), min(a, b))
+        d[j, lose, 0] = np.float32(0.5)
+        d[j, win, 0] = np.nextafter(np.float32(0.5), np.float32(1.0)) if ulps == 1 else \
+            np.float32(0.5) + np.float32(ulps) * np.spacing(np.float32(0.5))
+        want[j] = win
+    return q, d.astype(np.float32), want
+
+
+@pytest.mark.parametrize("ulps", [1, 3, 10, 100])
+@pytest.mark.parametrize("winner_first", [False, True])
+def test_default_argmax_follows_float64_on_ulp_near_ties(rng, ulps, winner_first):
+    nd, ld, dim = 37, 150, 128
+    q, d, want = _ulp_ties(rng, nd, ld, dim, ulps, winner_first)
+    ref, sim = maxsim_ref(q, d)
+    assert np.array_equal(sim[0, :, 0].argmax(axis=1), want)
+    s, a = lik_cupy.maxsim(_cp(q), _cp(d), return_argmax=True)
+    assert np.array_equal(_np(a)[0, :, 0], want)
+    assert _contract_err(_np(s), ref) < CONTRACT_TOL
+    # packed, and the same documents picked by candidate ids
+    tok, off = _packed(d, np.full(nd, ld))
+    sp, ap = lik_cupy.maxsim_varlen(_cp(q), _cp(tok), _cp(off), return_argmax=True)
+    assert np.array_equal(_np(ap)[0, :, 0], want) and _contract_err(_np(sp), ref) < CONTRACT_TOL
+    dc = np.stack([d[::-1]])
+    sc, ac = lik_cupy.maxsim(_cp(q), _cp(dc), return_argmax=True)
+    assert np.array_equal(_np(ac)[0, :, 0], want[::-1])
+
+
+@pytest.mark.parametrize("dim", [64, 96, 128, 256])
+@pytest.mark.parametrize("lq,nq,shared", [(32, 1, True), (32, 9, True), (100, 2, True), (1024, 1, True),
+                                          (40, 3, False)])
+def test_default_meets_the_float32_contract(rng, dim, lq, nq, shared):
+    # random (not unit) vectors of awkward sizes, lengths with empty documents, argmax compared
+    # where float64's two best products differ by more than float32 rounding (the refined TF32
+    # tiles, whose rows of at most 512 bytes run one-shot; wider rows run split-d on 3xTF32, whose
+    # float32 accumulation decides gaps of a few ulps either way, so there the scores alone)
+    strict = dim * 4 <= 512
+    nd, ld = 29, int(rng.integers(1, 260))
+    q = rng.standard_normal((nq, lq, dim)).astype(np.float32)
+    d = rng.standard_normal((nd if shared else nq, ld, dim) if shared else (nq, nd, ld, dim)).astype(np.float32)
+    if not shared:
+        s, a = lik_cupy.maxsim(_cp(q), _cp(d), return_argmax=True)
+        for i in range(nq):
+            ref_i, sim_i = maxsim_ref(q[i:i + 1], d[i])
+            assert _contract_err(_np(s)[i:i + 1], ref_i) < CONTRACT_TOL
+            exact = sim_i.argmax(axis=3)
+            top2 = np.sort(sim_i, axis=3)[..., -2:]
+            clear = top2[..., 1] - top2[..., 0] > 4 * np.spacing(np.abs(top2[..., 1]).astype(np.float32))
+            assert not strict or np.array_equal(_np(a)[i:i + 1][clear], exact[clear])
+        return
+    lens = rng.integers(0, ld + 1, nd).astype(np.int32)
+    dv = np.arange(ld)[None, :] < lens[:, None]
+    ref, sim = maxsim_ref(q, d, d_valid=dv)
+    s, a = lik_cupy.maxsim(_cp(q), _cp(d), d_lengths=_cp(lens), return_argmax=True)
+    assert _contract_err(_np(s), ref) < CONTRACT_TOL
+    masked = np.where(dv[None, :, None, :], sim, -np.inf)
+    top2 = np.sort(masked, axis=3)[..., -2:]
+    gap = top2[..., 1] - top2[..., 0]
+    clear = (gap > 4 * np.spacing(np.abs(top2[..., 1]).astype(np.float32))) & (lens[None, :, None] > 1)
+    assert not strict or np.array_equal(_np(a)[clear], masked.argmax(axis=3)[clear])
+    tok, off = _packed(d, lens)
+    sp = lik_cupy.maxsim_varlen(_cp(q), _cp(tok), _cp(off))
+    assert _contract_err(_np(sp), ref) < CONTRACT_TOL
+
+
+def test_tf32_error_stays_within_its_bound(rng):
+    # "tf32": each similarity within 2^-9 |q| |d| (+ accumulation) of float64, on every layout
+    q, d = _unit(rng, 5, 40, 128), _unit(rng, 40, 120, 128)
+    ref = maxsim_ref(q, d)[0]
+    bound = 40 * (2.0 ** -9 + 2.0 ** -12)  # per score: 40 query tokens of unit vectors
+    s = _np(lik_cupy.maxsim(_cp(q), _cp(d), precision="tf32"))
+    assert np.all(np.abs(s - ref) <= bound)
+    tok, off = _packed(d, np.full(40, 120))
+    sp = _np(lik_cupy.maxsim_varlen(_cp(q), _cp(tok), _cp(off), precision="tf32"))
+    assert np.all(np.abs(sp - ref) <= bound)
+
+
+def test_default_few_long_documents_split_over_ctas(rng):
+    # few long packed documents: the token split's pieces each refine their rows, and the merge
+    # keeps the float32 contract and float64's argmax
+    q = rng.standard_normal((1, 64, 128)).astype(np.float32)
+    lens = np.array([9000, 1, 7000, 0])
+    d = rng.standard_normal((4, 9000, 128)).astype(np.float32)
+    dv = np.arange(9000)[None, :] < lens[:, None]
+    ref, sim = maxsim_ref(q, d, d_valid=dv)
+    tok, off = _packed(d, lens)
+    s, a = lik_cupy.maxsim_varlen(_cp(q), _cp(tok), _cp(off), return_argmax=True)
+    assert _contract_err(_np(s), ref) < CONTRACT_TOL
+    masked = np.where(dv[None, :, None, :], sim, -np.inf)
+    top2 = np.sort(masked, axis=3)[..., -2:]
+    clear = (top2[..., 1] - top2[..., 0] > 1e-5) & (lens[None, :, None] > 1)
+    assert np.array_equal(_np(a)[clear], masked.argmax(axis=3)[clear])

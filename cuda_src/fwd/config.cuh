@@ -7,7 +7,8 @@
 // steps in order through the role objects declared below.
 //
 // Compile-time configuration comes from -D flags chosen by lik_cupy/dispatch.py:
-//   LIK_ELEM    0 fp16, 1 bf16 (m16n8k16), 2 fp32 inputs on tf32 m16n8k8, 3 INT8 (m16n8k32
+//   LIK_ELEM    0 fp16, 1 bf16 (m16n8k16), 2 fp32 inputs on tf32 (m16n8k8, or wgmma k8 from the
+//               float32 tile in shared memory), 3 INT8 (m16n8k32
 //               or wgmma k32, int32 accumulators) with per-token float scales: each document
 //               token's scale multiplies its int32 dot products before the max (one multiply
 //               per similarity, no dequantised copy of D anywhere), each query token's scale
@@ -17,6 +18,9 @@
 //               hi*hi (the lo*lo term, ~2^-22 of it, is dropped): three mma per tile instead of one,
 //               relative error ~1e-6 instead of ~1e-3. Query fragments are re-read from shared
 //               memory (LIK_QREG 0): holding hi and lo in registers would double them
+//   LIK_REFINE  1 (fp32 one-shot wgmma tiles): float32 accuracy at TF32 speed. The tile runs on TF32
+//               wgmma, and the similarities within the TF32 error bound of a row's best lower bound
+//               are recomputed exactly from the float32 tiles in shared memory (fwd/refine.cuh)
 //   LIK_DP      embedding dim padded to a multiple of 16 (32 for INT8; pad lanes are zero)
 //   LIK_WARPS   warps per CTA; each owns LIK_MT*16 query rows
 //   LIK_MT      16-row mma tiles per warp
@@ -110,6 +114,9 @@
 #ifndef LIK_RESIDUAL
 #define LIK_RESIDUAL 0
 #endif
+#ifndef LIK_REFINE
+#define LIK_REFINE 0
+#endif
 // Document lengths as the caller gave them (length_at, common.cuh), except in INT8 and multi-query
 // argmax tiles, which read int32 ones (the host narrows int64 lengths for them: launch.py,
 // tagged_doc_lengths): the tag's registers spilled them at 255 (compile.check_all). Query lengths
@@ -200,12 +207,15 @@ struct Fwd {
     static_assert(DP % 16 == 0, "DP must be a multiple of 16");
     static_assert(BN % 16 == 0, "BN must be a multiple of 16");
     static_assert(STAGES >= 2, "need at least two stages");
-    static_assert(!WG || (MT == 1 && (WARPS == 4 || WARPS == 8) && DP * ESIZE % 128 == 0 && ELEM != 2 && !QREG), "wgmma tile shape");
+    static_assert(!WG || (MT == 1 && (WARPS == 4 || WARPS == 8) && DP * ESIZE % 128 == 0 && !X3 && !QREG), "wgmma tile shape");
     static_assert(!SPLIT || !QREG, "split-d re-reads query chunks from shared memory");
     static_assert(!I8 || DP % 32 == 0, "INT8 tiles (and split-d chunks) hold a multiple of 32 elements");
     static_assert(!X3 || (ELEM == 2 && !QREG), "3xTF32 takes fp32 tiles and re-reads query fragments");
-    static_assert(!TMA || (ELEM != 2 && DP * ESIZE % 128 == 0 && (!SPLIT || WG)),
-                  "TMA feeds one-shot 16-bit and INT8 tiles and split-d wgmma tiles");
+    static constexpr bool REFINE = LIK_REFINE != 0;  // float32 accuracy on TF32 wgmma (see LIK_REFINE)
+    static_assert(!REFINE || (ELEM == 2 && WG && !SPLIT && !TOKM && MT == 1 && BN <= 128 && !X3),
+                  "refined TF32 takes one-shot float32 wgmma tiles of at most 128 tokens");
+    static_assert(!TMA || ((ELEM != 2 || WG) && DP * ESIZE % 128 == 0 && (!SPLIT || WG)),
+                  "TMA feeds one-shot 16-bit and INT8 tiles, float32 wgmma tiles and split-d wgmma tiles");
     static_assert(!QHALF || (SPLIT && WG && !TMA && !MULTI && WARPS == 4), "half query stages: one-warpgroup split-d tiles");
     static constexpr int QR = QHALF ? 32 : BM;  // query rows staged per split-d stage
     static constexpr int STAGE = SPLIT ? (QR + BN) * LDS : BN * LDS;  // elements per ring stage
@@ -237,11 +247,12 @@ struct Fwd {
     // Shared floats for a document's reduction, per buffer: the tokens-on-M row maxima of every
     // warp, several queries' row maxima, or per-warp sums.
     static constexpr int RED = TOKM ? WARPS * BM : MULTI ? BM : WARPS;
-    // Packed single-query one-shot tiles of 16-bit or INT8 elements may split documents over CTAs
-    // (piece_role); dispatch.FwdConfig.token_split says which. Not fp32 (tf32) tiles: with it the
-    // compile check found some of them spilling or over the registers their launch plan assumes.
-    static constexpr bool TSPLIT = PACKED && !MULTI && !TOKM && !SPLIT && (ELEM == 0 || ELEM == 1 || ELEM == 3) &&
-                                   !LIK_RESIDUAL && !LIK_CAND;
+    // Packed single-query one-shot tiles of 16-bit or INT8 elements, and float32 wgmma tiles, may
+    // split documents over CTAs (piece_role); FwdConfig.token_split says which. Not the mma.sync
+    // fp32 tiles: with it the compile check found some of them spilling or over the registers their
+    // launch plan assumes.
+    static constexpr bool TSPLIT = PACKED && !MULTI && !TOKM && !SPLIT && (ELEM != 2 || WG) && !LIK_RESIDUAL &&
+                                   !LIK_CAND;
     // Padded documents through the token split (LIK_STRIDED): Docs and DocMask read them as padded
     // kernels do, the shares place them at j * Ld (Offsets::stride).
     static constexpr bool STRIDED = LIK_STRIDED != 0;
@@ -306,6 +317,8 @@ struct Fwd {
     struct Consumer;     // waits for a staged tile and refills the slot freed last
     // fwd/residual.cuh
     struct ResidualLoader;  // PLAID residual documents: gathers and decompresses a slot's tile
+    // fwd/refine.cuh
+    struct Refine;       // float32 accuracy from TF32 tiles: the rows' exact maxima
     // fwd/epilogue.cuh
     struct EmptyTile;    // a tile past its query's length: scores 0, argmax -1
     struct RowTerm;      // a query row's score term

@@ -55,6 +55,7 @@ class FwdConfig:
     qhalf: bool = False  # split-d, one warpgroup, one query of <= 32 tokens: stages hold 32 query rows, not 64
     tokm: bool = False  # int8 Hopper tiles with document tokens on the wgmma M side (per-token scales in registers)
     x3: bool = False  # fp32 at float32 accuracy: three tf32 products per product (3xTF32, cuda_src/fwd/config.cuh)
+    refine: bool = False  # fp32 at float32 accuracy on TF32 wgmma: near-max similarities recomputed exactly (fwd/refine.cuh)
     residual: int = 0  # PLAID residual documents: nbits (1, 2 or 4) per dim, decompressed by the tile loader
     cand: bool = False  # each query scores the documents a candidate id array names (in place; one query a tile)
     strided: bool = False  # padded documents on the packed token-split path (LIK_STRIDED; packed is set too)
@@ -91,9 +92,9 @@ class FwdConfig:
     @property
     def token_split(self) -> bool:
         """Whether the kernel can split packed documents over CTAs by token shares (cuda_src/fwd/config.cuh's
-        TSPLIT: single-query one-shot tiles of float16, bfloat16 or INT8 elements)."""
+        TSPLIT: single-query one-shot tiles of float16, bfloat16 or INT8 elements, or float32 wgmma ones)."""
         return self.packed and not (self.multi or self.tokm or self.split or self.residual or self.cand) \
-            and self.elem in (0, 1, 3)
+            and (self.elem != 2 or self.wgmma)
 
     @property
     def query_rows_staged(self) -> int:
@@ -115,7 +116,9 @@ class FwdConfig:
     def smem_bytes(self) -> int:
         rows = self.stages * (self.query_rows_staged + self.bn) if self.split else self.bm + self.stages * self.bn
         if self.wgmma or self.tma:  # unpadded swizzled tiles, slack to align them to 1024 bytes, TMA barriers
-            return rows * self.dp * self.esize + 1024 + self._extra_bytes + (16 * self.stages if self.tma else 0)
+            # (refined TF32 tiles: their per-slot norm parts follow the barriers' place)
+            refine = (0 if self.tma else 16 * self.stages) + 4 * self.stages * self.warps if self.refine else 0
+            return rows * self.dp * self.esize + 1024 + self._extra_bytes + (16 * self.stages if self.tma else 0) + refine
         used = rows * (self.dp + 16 // self.esize) * self.esize + self._extra_bytes
         if not self.residual:
             return used
@@ -141,14 +144,15 @@ class FwdConfig:
             f"{'_qreg' if self.qreg else ''}{'_argmax' if self.argmax else ''}{'_vec' if self.vec else ''}"
             f"{'_wgmma' if self.wgmma else ''}{'_mq' if self.multi else ''}{'_packed' if self.packed else ''}"
             f"{'_tma' if self.tma else ''}{'_qh' if self.qhalf else ''}{'_tokm' if self.tokm else ''}"
-            f"{'_x3' if self.x3 else ''}{'_strided' if self.strided else ''}"
+            f"{'_x3' if self.x3 else ''}{'_rf' if self.refine else ''}{'_strided' if self.strided else ''}"
             f"{f'_r{self.residual}' if self.residual else ''}{'_cand' if self.cand else ''}"
         )
 
     def defines(self) -> dict[str, int | str]:
         residual = {"LIK_RESIDUAL": self.residual} if self.residual else {}
         cand = {"LIK_CAND": 1} if self.cand else {}
-        return residual | cand | {
+        refine = {"LIK_REFINE": 1} if self.refine else {}
+        return residual | cand | refine | {
             "LIK_NAME": self.name,
             "LIK_ELEM": self.elem,
             "LIK_DP": self.dp,

@@ -19,16 +19,19 @@ __all__ = ["choose_forward", "choose_residual", "choose_backward", "all_forward_
            "residual_dim_ok", "split_family", "uses_split"]
 
 
-def split_family(arch: int, hopper: bool, dim: int) -> tuple[int, str]:
-    """The (architecture, family) row of ``tables.SPLIT_FROM`` a problem reads."""
+def split_family(arch: int, hopper: bool, dim: int, esize: int = 2) -> tuple[int, str]:
+    """The (architecture, family) row of ``tables.SPLIT_FROM`` a problem of ``esize``-byte elements reads."""
     if hopper:
-        return arch, "wgmma" if dim % 64 == 0 else "wgmma-odd"
+        return arch, "wgmma" if dim * esize % 128 == 0 else "wgmma-odd"
     return arch, "mma"
 
 
-def uses_split(arch: int, family: str, short: bool, dim: int) -> bool:
-    """Whether the dispatch table runs ``dim`` split-d (always above 512, the one-shot tiles' limit)."""
-    return dim > 512 or dim_bucket(dim) >= t.SPLIT_FROM.get((arch, family, short), t.SPLIT_FROM_DEFAULT)
+def uses_split(arch: int, family: str, short: bool, dim: int, esize: int = 2) -> bool:
+    """Whether the dispatch table runs ``dim`` split-d (always above 512, the one-shot tiles' limit).
+    The wgmma families' thresholds are in 16-bit elements: a float32 row of ``dim`` holds the
+    bytes of a 16-bit row twice as wide, and stages as much."""
+    width = dim * esize // 2 if family.startswith("wgmma") else dim
+    return dim > 512 or dim_bucket(min(width, 8192)) >= t.SPLIT_FROM.get((arch, family, short), t.SPLIT_FROM_DEFAULT)
 
 
 def _qreg(elem: int, dp: int, mt: int) -> bool:
@@ -107,21 +110,24 @@ def choose_forward(cc: int, dtype: str, dim: int, lq: int, argmax: bool, vec: bo
         # document, so single-query tiles keep the leaner one (6-9% on ColPali shapes).
         return shared_queries > 1 and 2 * q_len <= bm
 
-    # Hopper tensor-core tiles can run. INT8's argmax over candidate ids spilled on the two-warpgroup
-    # tiles (compile check): those take the mma.sync ones.
-    wgmma_ok = wgmma and arch == 90 and elem != 2 and vec and not (cand and int8 and argmax)
+    # Hopper tensor-core tiles can run (float32 on TF32: float32 accuracy, x3, refines the one-shot
+    # tiles' near-max similarities, and keeps split-d to mma.sync's 3xTF32). INT8's argmax over
+    # candidate ids spilled on the two-warpgroup tiles (compile check): those take the mma.sync ones.
+    esize = ELEM_SIZES[elem]
+    wgmma_ok = wgmma and arch == 90 and vec and not (cand and int8 and argmax)
     hopper = wgmma_ok and lq > 64
-    row_bytes = dim * ELEM_SIZES[elem]
-    short_hopper = wgmma_ok and lq <= 64 and row_bytes % 128 == 0 and row_bytes <= t.SHORT_WGMMA_MAX_ROW_BYTES
+    row_bytes = dim * esize
+    short_hopper = wgmma_ok and lq <= 64 and row_bytes % 128 == 0 and row_bytes <= t.SHORT_WGMMA_MAX_ROW_BYTES[esize]
     limit = SMEM_PER_BLOCK.get(arch, 99 * 1024)  # unknown (newer) GPUs: the smallest limit
     lb = 32 if lq <= 32 else 64 if lq <= 64 else 128
     # INT8 runs one-shot up to 512 (its rows have the bytes, and fragment registers, of 16-bit rows
     # half as wide), split-d above.
-    if (int8 and dim <= 512) or (not int8 and not uses_split(*split_family(arch, hopper, dim), lq <= 64, dim)):
+    if (int8 and dim <= 512) or (not int8 and not uses_split(*split_family(arch, hopper, dim, esize), lq <= 64, dim,
+                                                               esize)):
         if short_hopper:
             for bn, stages in _short_wgmma_tiles(ld, int8):
                 cfg = FwdConfig(elem=elem, dp=dim, warps=4, mt=1, bn=bn, stages=stages, qreg=False, argmax=argmax, vec=vec,
-                                wgmma=True, multi=multi(64), packed=packed, cand=cand,
+                                wgmma=True, multi=multi(64), packed=packed, cand=cand, refine=x3,
                                 tma=tma and _wgmma_tma(int8, argmax, multi(64), q_len))
                 if cfg.smem_bytes <= limit:
                     return cfg
@@ -133,7 +139,7 @@ def choose_forward(cc: int, dtype: str, dim: int, lq: int, argmax: bool, vec: bo
                     return cfg
             for bn, stages in _wgmma_tiles(lq, ld, multi(128)):
                 cfg = FwdConfig(elem=elem, dp=dim, warps=8, mt=1, bn=bn, stages=stages, qreg=False, argmax=argmax, vec=vec,
-                                wgmma=True, multi=multi(128), packed=packed, cand=cand,
+                                wgmma=True, multi=multi(128), packed=packed, cand=cand, refine=x3,
                                 tma=tma and _wgmma_tma(int8, argmax, multi(128), q_len))
                 # int8's argmax of several queries does not fit the 128 registers of two CTAs per SM.
                 if cfg.smem_bytes <= limit and not (int8 and argmax and cfg.multi and cfg.min_blocks > 1):
@@ -149,7 +155,7 @@ def choose_forward(cc: int, dtype: str, dim: int, lq: int, argmax: bool, vec: bo
                 return cfg
     if int8 and dim <= 512:
         raise ValueError(f"no int8 forward configuration fits dim {dim} on sm_{arch}")
-    if wgmma_ok:
+    if wgmma_ok and not x3:
         # Hopper split-d: two warpgroups staged by TMA when the caller can hand over tensor maps,
         # one warpgroup by cp.async for a short query.
         warps = 8 if hopper else 4
@@ -160,8 +166,8 @@ def choose_forward(cc: int, dtype: str, dim: int, lq: int, argmax: bool, vec: bo
             tiles = t.WGMMA_SPLIT_WIDE if dim_bucket(dim) >= t.WGMMA_SPLIT_WIDE_FROM else t.WGMMA_SPLIT_NARROW
         else:
             tiles = t.WGMMA_SPLIT_SHORT_QHALF if qhalf else t.WGMMA_SPLIT_SHORT
-        for bn, bk, stages in tiles:
-            cfg = FwdConfig(elem=elem, dp=bk * chunk, warps=warps, mt=1, bn=bn, stages=stages, qreg=False, argmax=argmax, vec=vec,
+        for bn, bk, stages in tiles:  # bk: 16-bit elements of a chunk (its bytes / 2)
+            cfg = FwdConfig(elem=elem, dp=bk * 2 // esize, warps=warps, mt=1, bn=bn, stages=stages, qreg=False, argmax=argmax, vec=vec,
                             wgmma=True, multi=multi(warps * 16), packed=packed, cand=cand, split=True,
                             tma=tma and hopper, qhalf=qhalf)
             # Two CTAs of two warpgroups cap registers at 128: too few for the argmax of several queries.

@@ -147,7 +147,9 @@ WGMMA_STAGES = {128: (2, 3), 96: (3, 2), 64: (3, 2)}
 # widest rows this rule takes.
 SHORT_WGMMA_COST = {False: {64: 1.0, 128: 0.98}, True: {128: 1.0, 64: 1.22}}
 SHORT_WGMMA_STAGES = {64: (4, 3), 128: (2, 3)}
-SHORT_WGMMA_MAX_ROW_BYTES = 256
+# Keyed by element bytes: float32 (TF32 wgmma) takes d = 128 too, whose 512-byte rows stage as many
+# tokens per byte as a 16-bit d = 256.
+SHORT_WGMMA_MAX_ROW_BYTES = {1: 256, 2: 256, 4: 512}
 
 
 # INT8 tiles with document tokens on the wgmma M side (LIK_TOKM in cuda_src/fwd/config.cuh), from
