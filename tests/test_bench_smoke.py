@@ -1,0 +1,66 @@
+"""The float32 benchmark (bench/suites/bench_precision.py) in its ``--smoke`` mode: tiny shapes on the CPU
+path, no GPU, no peers. Checks the JSON the issue-43 gate reads and the table printed last; the GPU run
+itself is the lead's (``python bench/suites/bench_precision.py --time-budget 480``)."""
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+
+SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "suites" / "bench_precision.py"
+GATE_KEYS = {"case", "kind", "ours_default_ms", "ours_tf32_ms", "best_peer", "best_peer_ms", "ratio_default",
+             "ratio_tf32", "err_default", "err_tf32", "peer_err"}
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_precision", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # its dataclasses look their module up there
+    try:
+        spec.loader.exec_module(mod)
+        yield mod
+    finally:
+        del sys.modules[spec.name]
+
+
+def test_smoke_run_writes_every_cell_in_the_gate_schema(bench, tmp_path, capsys):
+    # one cell of each workload (forward, many queries, rerank, training step), one by its old name
+    cells = "textual,32q-1000,rerank-100,colpali-16,train-32"
+    assert bench.main(["--smoke", "--out", str(tmp_path), "--cells", cells, "--target-ms", "1"]) == 0
+    data = json.loads((tmp_path / "precision_cpu-smoke.json").read_text())
+    assert data["gpu"] == "cpu smoke" and data["skipped"] == []
+    assert data["ours_default_precision"] == "fp32"
+    assert [c["case"] for c in data["cells"]] == ["textual", "32q-1000", "rerank-100", "few-long-16", "train-32"]
+    for c in data["cells"]:
+        assert GATE_KEYS <= set(c), c["case"]
+        assert c["kind"] in ("compute", "memory")
+        assert c["ours_default_ms"] > 0 and c["ours_tf32_ms"] > 0
+        # no peer runs on the CPU: no best peer, no ratio
+        assert c["best_peer"] is c["best_peer_ms"] is c["ratio_default"] is c["peer_err"] is None
+        # the CPU path scores exactly (float32 rounding of the sum only)
+        assert 0 <= c["err_default"] < 1e-6 and 0 <= c["err_tf32"] < 1e-6
+        assert c["failures"] == {}
+    assert set(data["cells"][-1]["grad_err"]) == {"ours_default", "ours_tf32"}
+    assert max(data["cells"][-1]["grad_err"].values()) < 1e-5
+    lines = capsys.readouterr().out.rstrip().splitlines()
+    table_at = next(i for i, ln in enumerate(lines) if ln.startswith("case "))
+    assert [ln.split()[0] for ln in lines[table_at + 1:] if ln] == [c["case"] for c in data["cells"]]
+
+
+def test_time_budget_skips_the_remaining_cells(bench, tmp_path):
+    assert bench.main(["--smoke", "--out", str(tmp_path), "--cells", "textual,train-64", "--time-budget", "0"]) == 0
+    data = json.loads((tmp_path / "precision_cpu-smoke.json").read_text())
+    assert data["cells"] == [] and data["skipped"] == ["textual", "train-64"]
+
+
+def test_cells_filter(bench):
+    assert bench.parse_cells("text-1000,textual,1q-1000,colpali-256") == ["textual", "few-long-256"]
+    assert bench.parse_cells("all")[:len(bench.DEFAULT_CELLS)] == list(bench.DEFAULT_CELLS)
+    assert "text-40k" in bench.parse_cells("all") and "text-40k" not in bench.DEFAULT_CELLS
+    with pytest.raises(SystemExit, match="unknown cell 'colpali-5'"):
+        bench.parse_cells("colpali-5")
