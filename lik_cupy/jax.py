@@ -14,8 +14,9 @@ Each call is one custom call in XLA's computation (``lik_cupy._jax_ops``), jitte
   ``XLA_PYTHON_CLIENT_PREALLOCATE=false``).
 - on the CPU, a ``jax.pure_callback`` running the NumPy path (``backend="cpu"``).
 
-``backend``: "auto" (where XLA runs the computation), "gpu", or "cpu" (the NumPy path; device
-arrays go to the host and back).
+``backend``: "auto" (where XLA runs the computation), "gpu" (a call or trace with no CUDA GPU
+visible, or no CuPy, raises RuntimeError), or "cpu" (the NumPy path; device arrays go to the
+host and back).
 
 Tracing a call compiles its forward kernels (``lik_cupy.warmup`` for its dtype, dim and query
 length), so a first run does not hold XLA's stream while NVRTC works; a kernel variant that

@@ -4,6 +4,7 @@ CPU (CI), the kernels through jax.experimental.buffer_callback on a CUDA device 
 from __future__ import annotations
 
 import os
+import sys
 
 import ml_dtypes
 import numpy as np
@@ -247,6 +248,28 @@ def test_vmap_other_batches_loop_in_one_callback(rng, monkeypatch):
                                                                 for i in range(b)]))
 
 
+def test_vmap_with_scalar_results_and_nested_vmap_match_float64(rng):
+    """One query [Lq, d] against one document [Ld, d] is a scalar: vmapped over the documents, and
+    nested over queries and documents, each batch element runs alone (the "loop" plan), writing
+    and, in the backward, reading 0-d elements."""
+    nq, lq, nd, ld, dim = 3, 5, 4, 6, 8
+    q, d = _inputs(rng, "float32", (nq, lq, dim), (nd, ld, dim))
+    ref, _ = maxsim_ref(q, d)
+    one = jax.vmap(lambda c: maxsim(q[0], c))(d)
+    assert one.shape == (nd,) and rel_err(one, ref[0]) < 1e-6
+
+    def nested(a, c):
+        return jax.vmap(lambda x: jax.vmap(lambda y: maxsim(x, y))(c))(a)
+
+    both = jax.jit(nested)(q, d)
+    assert both.shape == (nq, nd) and rel_err(both, ref) < 1e-6
+    w = rng.standard_normal((nq, nd)).astype(np.float32)
+    gq, gd = jax.jit(jax.grad(lambda a, c: (nested(a, c) * w).sum(), argnums=(0, 1)))(q, d)
+    rq, rd = _grads_ref(q, d, np.ones((nq, lq), bool), np.ones((nd, ld), bool), w)
+    _close(gq, rq, "float32")
+    _close(gd, rd, "float32")
+
+
 def test_vmap_of_grad_and_grad_of_vmap(rng):
     """Per-example gradients (vmap of grad) and the batch's gradient (grad of vmap), against shared
     documents: the backward runs once per batch element, each with its own dD."""
@@ -338,9 +361,22 @@ def test_missing_buffer_callback_names_the_jax_needed(rng, monkeypatch):
         np.testing.assert_array_equal(np.asarray(maxsim(q, d)), lik_cupy.maxsim(q, d, backend="cpu"))
 
 
+def test_backend_gpu_without_cupy_raises_the_documented_error_when_traced(rng, monkeypatch):
+    """Not an error from inside XLA's run (a JaxRuntimeError naming the missing module)."""
+    monkeypatch.setitem(sys.modules, "cupy", None)  # import cupy raises ImportError
+    q, d = _inputs(rng, "float32", (2, 3, 8), (4, 5, 8))
+    for run in (lambda: maxsim(q, d, backend="gpu"), lambda: jax.jit(lambda a: maxsim(a, d, backend="gpu"))(q),
+                lambda: jax.grad(lambda a: maxsim(a, d, backend="gpu").sum())(q)):
+        with pytest.raises(RuntimeError, match="backend='gpu' but no CUDA GPU is visible") as error:
+            jax.block_until_ready(run())
+        assert type(error.value) is RuntimeError
+
+
+@pytest.mark.gpu
 def test_backend_gpu_refuses_a_computation_on_the_cpu(rng):
     q, d = _inputs(rng, "float32", (2, 3, 8), (4, 5, 8))
-    with pytest.raises(RuntimeError, match="needs the computation on a CUDA device"):
+    with jax.default_device(jax.devices("cpu")[0]), \
+            pytest.raises(RuntimeError, match="needs the computation on a CUDA device"):
         jax.block_until_ready(maxsim(q, d, backend="gpu"))
 
 
