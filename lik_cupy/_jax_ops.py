@@ -29,7 +29,6 @@ import jax
 import numpy as np
 
 from ._batched_calls import CallSpec, plan, run_batched
-from ._dispatch.backend import use_gpu
 
 __all__ = ["call", "compile_ahead", "BUFFER_CALLBACK_JAX"]
 
@@ -56,7 +55,6 @@ def call(fn: str, arrays: dict, outs: list, kwargs: dict, backend: str, warm=Non
             raise RuntimeError(_needs_newer_jax())
         return on_cpu(*values)
     if backend == "gpu":
-        use_gpu("gpu", None)  # no GPU or no CuPy: the documented error now, not from inside XLA's run
         return on_gpu(*values)
     return tuple(jax.lax.platform_dependent(*values, cuda=on_gpu, default=on_cpu))
 

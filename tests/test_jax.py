@@ -18,6 +18,7 @@ jnp = pytest.importorskip("jax.numpy")
 
 import lik_cupy  # noqa: E402
 from lik_cupy import _batched_calls, _jax_ops  # noqa: E402
+from lik_cupy._dispatch import jax_paths  # noqa: E402
 from lik_cupy.jax import maxsim, maxsim_int8, maxsim_int8_varlen, maxsim_varlen  # noqa: E402
 
 NP_DTYPES = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float32": np.float32}
@@ -69,7 +70,9 @@ def _cpu_unless_gpu_test(request):
     """Tests not marked gpu run on JAX's CPU device, where "auto" takes the NumPy path, also on
     a machine whose jax sees a GPU."""
     if request.node.get_closest_marker("gpu"):
-        yield
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("LIK_JAX_PATH", "kernel")  # the kernels under test, not XLA's einsum where the rule prefers it
+            yield
         return
     with jax.default_device(jax.devices("cpu")[0]):
         yield
@@ -354,6 +357,8 @@ def test_argument_errors_at_trace_time(rng):
 
 def test_missing_buffer_callback_names_the_jax_needed(rng, monkeypatch):
     monkeypatch.setattr(_jax_ops, "_buffer_callback", lambda: None)
+    monkeypatch.setattr(lik_cupy._dispatch.backend, "gpu_available", lambda: True)  # past the no-GPU error
+    monkeypatch.setenv("LIK_JAX_PATH", "kernel")
     q, d = _inputs(rng, "float32", (2, 3, 8), (4, 5, 8))
     with pytest.raises(RuntimeError, match=f"jax >= {_jax_ops.BUFFER_CALLBACK_JAX}"):
         maxsim(q, d, backend="gpu")
@@ -420,6 +425,85 @@ def test_batched_call_plans_without_jax_arrays(rng):
     _batched_calls.run_batched(spec, lambda **kw: lik_cupy.maxsim(**kw, backend="cpu"), [q[:1, :1], d, dl], [one],
                                write, np)
     np.testing.assert_array_equal(one, want[:1, :1])
+
+
+# ---------------------------------------------------------------- XLA's einsum where the measured rule prefers it
+
+
+def test_grad_through_the_path_rule_on_both_sides_matches_float64(rng, monkeypatch):
+    """A rule of two measured cells for XLA on the CPU: the small step takes XLA's einsum (no
+    callback), the large one the NumPy path; each step's scores and gradients match float64."""
+    monkeypatch.delenv("LIK_JAX_PATH", raising=False)
+    monkeypatch.setattr(jax_paths, "JAX_PATHS", {"cpu": ((4, 8, 8, "xla"), (16, 16, 64, "kernel"))})
+    seen = _plans(monkeypatch)  # one per callback run (the CUDA branch is traced too, never run)
+    for (n, lq, ld), want in (((4, 8, 8), []), ((8, 16, 48), ["single", "single"])):
+        q, d = _inputs(rng, "float32", (n, lq, 16), (n, ld, 16))
+        ql, dl = rng.integers(1, lq + 1, n), rng.integers(1, ld + 1, n)
+        w = rng.standard_normal((n, n)).astype(np.float32)
+        seen.clear()
+        scores, (gq, gd) = jax.jit(jax.value_and_grad(
+            lambda a, b: (maxsim(a, b, q_lengths=ql, d_lengths=dl) * w).sum(), argnums=(0, 1)))(q, d)
+        assert seen == want
+        qv, dv = _valid(ql, lq), _valid(dl, ld)
+        ref, _ = maxsim_ref(q, d, qv, dv)
+        assert abs(float(scores) - float((ref * w).sum())) <= 1e-5 * float(np.abs(ref * w).sum())
+        rq, rd = _grads_ref(q, d, qv, dv, w)
+        _close(gq, rq, "float32")
+        _close(gd, rd, "float32")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_xla_path_has_the_kernels_semantics(rng, monkeypatch, dtype):
+    """Forced onto XLA's einsum, the scores of the NumPy path: every layout, masks and lengths
+    (empty documents and queries, bad lengths), NaN in masked tokens (ignored) and in valid ones
+    (a NaN score); ties (integer tokens) give the gradient to the first winner, as the argmax does."""
+    nq, lq, nd, ld, dim = 3, 6, 4, 7, 8
+    q, d = _inputs(rng, dtype, (nq, lq, dim), (nd, ld, dim))
+    qm, dm = rng.random((nq, lq)) < 0.7, rng.random((nd, ld)) < 0.6
+    qm[1], dm[2] = False, False
+    q[0, ~qm[0]], d[0, ~dm[0]] = np.nan, np.nan
+    d[3, np.argmax(dm[3])] = np.nan
+    cand = _inputs(rng, dtype, (nq, 2, ld, dim))[0]
+    calls = [lambda: jax.jit(maxsim)(q, d, qm, dm), lambda: maxsim(q, d),
+             lambda: maxsim(q, d, q_lengths=np.array([6, 0, 9]), d_lengths=np.array([7, 0, -1, 3])),
+             lambda: maxsim(q, cand), lambda: maxsim(q, d[1]), lambda: maxsim(q[2], d), lambda: maxsim(q[2], d[1])]
+    seen = _plans(monkeypatch)
+    monkeypatch.setenv("LIK_JAX_PATH", "xla")
+    xla = [np.asarray(f()) for f in calls]
+    assert seen == []
+    monkeypatch.setenv("LIK_JAX_PATH", "kernel")
+    for got, f in zip(xla, calls):
+        np.testing.assert_allclose(got, np.asarray(f()), rtol=1e-6)
+    # the cases are there: an all-masked query, an empty document, a NaN in a valid token, bad lengths
+    assert (xla[0][1] == 0).all() and (xla[0][[0, 2], 2] == -np.inf).all() and np.isnan(xla[0][[0, 2], 3]).all()
+    assert np.isnan(xla[2][2]).all() and np.isnan(xla[2][:, 2]).all()
+    monkeypatch.setenv("LIK_JAX_PATH", "xla")
+    qi = rng.integers(-2, 3, (nq, lq, dim)).astype(NP_DTYPES[dtype])  # many equal maxima
+    di = rng.integers(-2, 3, (nd, ld, dim)).astype(NP_DTYPES[dtype])
+    w = rng.standard_normal((nq, nd)).astype(np.float32)
+    gq, gd = jax.grad(lambda a, b: (maxsim(a, b, qm, dm) * w).sum(), argnums=(0, 1))(qi, di)
+    rq, rd = _grads_ref(qi, di, qm, dm, w)
+    _close(gq, rq, dtype)
+    _close(gd, rd, dtype)
+
+
+def test_path_rule_takes_the_nearest_cell_and_never_xla_beyond_it(monkeypatch):
+    monkeypatch.delenv("LIK_JAX_PATH", raising=False)
+    cells = {"gpu": ((8, 32, 80, "xla"), (64, 32, 80, "kernel"), (32, 128, 256, "xla"))}
+    monkeypatch.setattr(jax_paths, "JAX_PATHS", cells)
+    choose = jax_paths.choose_jax_path
+    assert choose("gpu", 8, 8, 32, 80) == "xla"
+    assert choose("gpu", 64, 64, 32, 80) == "kernel"
+    assert choose("gpu", 16, 16, 32, 100) == "xla"  # nearer (8, 32, 80) than (64, 32, 80)
+    assert choose("gpu", 32, 32, 128, 256) == "xla"
+    assert choose("gpu", 32, 32, 128, 257) == "kernel"  # more similarities than any cell XLA won
+    assert choose("cpu", 8, 8, 32, 80) == "kernel"  # no cells: the NumPy path
+    assert choose("gpu", 8, 8, 32, 0) == "kernel"  # no document tokens: nothing to materialise
+    monkeypatch.setenv("LIK_JAX_PATH", "xla")
+    assert choose("cpu", 64, 64, 32, 80) == "xla"
+    monkeypatch.setenv("LIK_JAX_PATH", "fast")
+    with pytest.raises(ValueError, match="LIK_JAX_PATH must be one of"):
+        choose("gpu", 8, 8, 32, 80)
 
 
 # ---------------------------------------------------------------- GPU (jax with CUDA; the kernels on XLA's stream)
