@@ -3,12 +3,13 @@ under ``jax.jit``, ``jax.grad`` and ``jax.vmap`` as well as eagerly.
 
 Importing this module imports jax (``import lik_cupy`` alone never does).
 
-Where XLA's own einsum is faster (small problems, by the measured rule of
-``lik_cupy._dispatch.jax_paths``; ``LIK_JAX_PATH=xla`` or ``kernel`` forces a path), ``maxsim`` is
-XLA's computation: an einsum, each query token's maximum and their sum, with the kernels'
-semantics (masks, lengths, the NaN contract, the gradient to the first winner), which
-``jax.grad`` differentiates with no callback (``lik_cupy._jax_xla``). Otherwise each call is one
-custom call in XLA's computation (``lik_cupy._jax_ops``), jitted or not:
+Training steps: where XLA's own einsum makes a faster ``jit(grad)`` step (small problems, by the
+measured rule of ``lik_cupy._dispatch.jax_paths``; ``LIK_JAX_PATH=xla`` or ``kernel`` forces a
+path), a differentiated ``maxsim`` is XLA's computation: an einsum, each query token's maximum
+and their sum, with the kernels' semantics (masks, lengths, the NaN contract, the gradient to the
+first winner), which JAX differentiates with no callback (``lik_cupy._jax_xla``). A call not
+differentiated, and every other call, is one custom call in XLA's computation
+(``lik_cupy._jax_ops``), jitted or not:
 
 - on a CUDA device, a ``jax.experimental.buffer_callback`` (jax >= 0.7): the kernels read XLA's
   buffers and run on XLA's stream, and the host never waits for the device. A first run (and
@@ -172,7 +173,7 @@ class _Call:
     method: str
     precision: str | None  # resolved, for float32 and float64 inputs
     backend: str
-    xla_on: frozenset  # the backends ("gpu", "cpu") where XLA's einsum computes the call, not the kernels
+    xla_on: frozenset  # the backends ("gpu", "cpu") where a differentiated call is XLA's einsum, not the kernels
 
     @classmethod
     def of(cls, fn: str, p: Problem, method: str, precision, backend: str) -> _Call:
@@ -251,20 +252,34 @@ def _clamped(args: dict, p: Problem):
 
 
 def _scores(call: _Call, q, d, rest: dict):
-    """The differentiable scores: XLA's einsum where ``call.xla_on`` names the platform XLA runs
-    on, else the kernels (the NumPy path on the CPU)."""
-    def xla(q, d, rest):
-        return _jax_xla.maxsim(call.problem, q, d, rest, call.precision)
-
-    def kernels(q, d, rest):
-        return _differentiable(call, q, d, rest)
-
+    """The differentiable scores: the kernels (the NumPy path on the CPU), differentiated through
+    XLA's einsum where ``call.xla_on`` names the platform XLA runs on."""
     if not call.xla_on:
-        return kernels(q, d, rest)
+        return _differentiable(call, q, d, rest)
     if call.backend != "auto" or len(call.xla_on) == 2:
-        return xla(q, d, rest)
-    return jax.lax.platform_dependent(q, d, rest, cuda=xla if "gpu" in call.xla_on else kernels,
-                                      default=xla if "cpu" in call.xla_on else kernels)
+        return _trained_on_xla(call, q, d, rest)
+    return jax.lax.platform_dependent(
+        q, d, rest, cuda=functools.partial(_trained_on_xla if "gpu" in call.xla_on else _differentiable, call),
+        default=functools.partial(_trained_on_xla if "cpu" in call.xla_on else _differentiable, call))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _trained_on_xla(call: _Call, q, d, rest: dict):
+    """Scores that a call not differentiated takes from the kernels (one custom call, nothing
+    materialised), and a differentiated one from XLA's einsum, whose own VJP is the backward."""
+    return _forward(call, {"Q": q, call.d_name: d, **rest}, argmax=False)[0]
+
+
+def _trained_on_xla_fwd(call: _Call, q, d, rest: dict):
+    scores, vjp = jax.vjp(lambda a, b: _jax_xla.maxsim(call.problem, a, b, rest, call.precision), q, d)
+    return scores, vjp
+
+
+def _trained_on_xla_bwd(call: _Call, vjp, g):
+    return (*vjp(g), None)  # masks and lengths take no gradient
+
+
+_trained_on_xla.defvjp(_trained_on_xla_fwd, _trained_on_xla_bwd)
 
 
 def _forward(call: _Call, arrays: dict, argmax: bool) -> tuple:

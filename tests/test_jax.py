@@ -395,6 +395,7 @@ def test_precision_is_resolved_when_traced(rng, monkeypatch):
         return real(fn, arrays, outs, kwargs, backend, warm)
 
     monkeypatch.setattr(_jax_ops, "call", spy)
+    monkeypatch.setenv("LIK_JAX_PATH", "kernel")  # one staged call per trace (no XLA branch beside it)
     q, d = _inputs(rng, "float32", (2, 3, 17), (4, 5, 17))  # dims no other test traces, one per step
     with jax.default_matmul_precision("tensorfloat32"):
         jax.jit(maxsim)(q, d)
@@ -454,9 +455,10 @@ def test_grad_through_the_path_rule_on_both_sides_matches_float64(rng, monkeypat
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 def test_xla_path_has_the_kernels_semantics(rng, monkeypatch, dtype):
-    """Forced onto XLA's einsum, the scores of the NumPy path: every layout, masks and lengths
-    (empty documents and queries, bad lengths), NaN in masked tokens (ignored) and in valid ones
-    (a NaN score); ties (integer tokens) give the gradient to the first winner, as the argmax does."""
+    """Differentiated calls forced onto XLA's einsum, the scores of the NumPy path: every layout,
+    masks and lengths (empty documents and queries, bad lengths), NaN in masked tokens (ignored)
+    and in valid ones (a NaN score); ties (integer tokens) give the gradient to the first winner,
+    as the argmax does. A call not differentiated keeps the kernels (here the NumPy path)."""
     nq, lq, nd, ld, dim = 3, 6, 4, 7, 8
     q, d = _inputs(rng, dtype, (nq, lq, dim), (nd, ld, dim))
     qm, dm = rng.random((nq, lq)) < 0.7, rng.random((nd, ld)) < 0.6
@@ -464,9 +466,16 @@ def test_xla_path_has_the_kernels_semantics(rng, monkeypatch, dtype):
     q[0, ~qm[0]], d[0, ~dm[0]] = np.nan, np.nan
     d[3, np.argmax(dm[3])] = np.nan
     cand = _inputs(rng, dtype, (nq, 2, ld, dim))[0]
-    calls = [lambda: jax.jit(maxsim)(q, d, qm, dm), lambda: maxsim(q, d),
-             lambda: maxsim(q, d, q_lengths=np.array([6, 0, 9]), d_lengths=np.array([7, 0, -1, 3])),
-             lambda: maxsim(q, cand), lambda: maxsim(q, d[1]), lambda: maxsim(q[2], d), lambda: maxsim(q[2], d[1])]
+
+    def trained(f, a, b):  # the scores of a differentiated call (jax.vjp's forward), as a training step sees them
+        return jax.vjp(f, a, b)[0]
+
+    calls = [lambda: jax.jit(lambda a, b: trained(lambda x, y: maxsim(x, y, qm, dm), a, b))(q, d),
+             lambda: trained(maxsim, q, d),
+             lambda: trained(lambda a, b: maxsim(a, b, q_lengths=np.array([6, 0, 9]), d_lengths=np.array([7, 0, -1, 3])),
+                             q, d),
+             lambda: trained(maxsim, q, cand), lambda: trained(maxsim, q, d[1]), lambda: trained(maxsim, q[2], d),
+             lambda: trained(maxsim, q[2], d[1])]
     seen = _plans(monkeypatch)
     monkeypatch.setenv("LIK_JAX_PATH", "xla")
     xla = [np.asarray(f()) for f in calls]
@@ -478,6 +487,9 @@ def test_xla_path_has_the_kernels_semantics(rng, monkeypatch, dtype):
     assert (xla[0][1] == 0).all() and (xla[0][[0, 2], 2] == -np.inf).all() and np.isnan(xla[0][[0, 2], 3]).all()
     assert np.isnan(xla[2][2]).all() and np.isnan(xla[2][:, 2]).all()
     monkeypatch.setenv("LIK_JAX_PATH", "xla")
+    seen.clear()
+    np.testing.assert_array_equal(np.asarray(maxsim(q, d, qm, dm)), lik_cupy.maxsim(q, d, qm, dm, backend="cpu"))
+    assert seen == ["single"]
     qi = rng.integers(-2, 3, (nq, lq, dim)).astype(NP_DTYPES[dtype])  # many equal maxima
     di = rng.integers(-2, 3, (nd, ld, dim)).astype(NP_DTYPES[dtype])
     w = rng.standard_normal((nq, nd)).astype(np.float32)
@@ -547,6 +559,31 @@ def test_gpu_jit_and_grad_match_float64(rng, dtype):
     rq, rd = _grads_ref(q, d, _valid(ql, lq), _valid(dl, ld), w)
     _close(gq, rq, dtype if dtype != "float32" else "float16")  # fp32 accumulation on the device
     _close(gd, rd, dtype if dtype != "float32" else "float16")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_gpu_xla_path_grad_matches_float64(rng, monkeypatch, dtype):
+    """The XLA path on a CUDA device (forced, as the measured rule takes it for small steps): a
+    jitted value_and_grad with lengths runs no callback and matches float64."""
+    gpu = _gpu()
+    monkeypatch.setenv("LIK_JAX_PATH", "xla")
+    seen = _plans(monkeypatch)
+    nq, lq, nd, ld, dim = 4, 16, 6, 40, 128
+    q, d = _inputs(rng, dtype, (nq, lq, dim), (nd, ld, dim))
+    ql, dl = rng.integers(1, lq + 1, nq), rng.integers(0, ld + 1, nd)
+    w = rng.standard_normal((nq, nd)).astype(np.float32)
+    Q, D, QL, DL, W = (jax.device_put(x, gpu) for x in (q, d, ql, dl, w))
+    step = jax.jit(jax.value_and_grad(lambda a, b: (jnp.where(DL > 0, maxsim(a, b, q_lengths=QL, d_lengths=DL), 0)
+                                                     * W).sum(), argnums=(0, 1)))
+    value, (gq, gd) = step(Q, D)
+    assert seen == [] and next(iter(gq.devices())).platform == "gpu"
+    ref, _ = maxsim_ref(q, d, _valid(ql, lq), _valid(dl, ld))
+    want = float((np.where(dl > 0, ref, 0) * w).sum())
+    assert abs(float(value) - want) <= 1e-4 * float(np.abs(np.where(dl > 0, ref, 0) * w).sum())
+    rq, rd = _grads_ref(q, d, _valid(ql, lq), _valid(dl, ld), w)
+    _close(gq, rq, "float16")
+    _close(gd, rd, "float16")
 
 
 @pytest.mark.gpu

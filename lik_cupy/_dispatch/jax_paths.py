@@ -1,5 +1,6 @@
-"""Which path a ``lik_cupy.jax.maxsim`` call takes: XLA's own einsum (``"xla"``) or lik-cupy's
-kernels (``"kernel"``), by a measured rule kept as data.
+"""Which path a differentiated ``lik_cupy.jax.maxsim`` call takes: XLA's own einsum (``"xla"``,
+which JAX differentiates) or lik-cupy's kernels (``"kernel"``), by a measured rule kept as data.
+A call not differentiated always takes the kernels (one custom call, nothing materialised).
 
 A jitted training step through the kernels pays for two host callbacks (the forward with its
 argmax, the backward) whatever its size; XLA's einsum pays for its work, the similarities
