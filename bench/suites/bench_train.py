@@ -43,7 +43,6 @@ rows' verdicts into ``lik_cupy/_dispatch/jax_paths.py``.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import platform
 import sys
@@ -53,6 +52,7 @@ from pathlib import Path
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # before jax is imported: CuPy needs its room
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: bench.lib, and this checkout's lik_cupy
 from bench.lib import baselines  # noqa: E402
+from bench.lib.forcing import environment  # noqa: E402
 from bench.lib.results import out_dir, short_err, slugify, text_table, write_json  # noqa: E402
 
 DIM, TAU = 128, 0.05
@@ -236,7 +236,7 @@ def _time_jax_step(jax, jnp, args, score, path, q, d) -> dict:
         return -jnp.mean(jnp.diagonal(jax.nn.log_softmax(score(a, b) / TAU, axis=1)))
 
     step_fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
-    with _env("LIK_JAX_PATH", path):  # read when the step is traced, on its first call
+    with environment("LIK_JAX_PATH", path):  # read when the step is traced, on its first call
         value = float(jax.block_until_ready(step_fn(q, d))[0])
     last = []
 
@@ -255,22 +255,6 @@ def _unit_np(rng, shape, dtype):
 
     x = rng.standard_normal(shape).astype(np.float32)
     return (x / np.linalg.norm(x, axis=-1, keepdims=True)).astype(dtype)
-
-
-@contextlib.contextmanager
-def _env(name: str, value):
-    old = os.environ.get(name)
-    if value is None:
-        os.environ.pop(name, None)
-    else:
-        os.environ[name] = value
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = old
 
 
 # ---------------------------------------------------------------- timing and the report
