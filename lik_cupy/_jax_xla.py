@@ -1,6 +1,6 @@
 """``lik_cupy.jax.maxsim`` as XLA's own computation: an einsum, each query token's maximum and
-their sum, which ``jax.grad`` differentiates natively (no callback). ``lik_cupy.jax`` takes it
-where the measured rule (``lik_cupy._dispatch.jax_paths``) says XLA is faster.
+their sum, which ``jax.grad`` differentiates natively (no callback). ``lik_cupy.jax`` takes it for
+a differentiated call where the measured rule (``lik_cupy._dispatch.jax_paths``) says XLA is faster.
 
 The kernels' semantics:
 

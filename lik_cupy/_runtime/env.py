@@ -77,6 +77,6 @@ def colpali_scores_backend() -> str:
 
 
 def jax_path_forced() -> str | None:
-    """``LIK_JAX_PATH``: ``xla`` or ``kernel`` forces the path of ``lik_cupy.jax.maxsim`` calls
+    """``LIK_JAX_PATH``: ``xla`` or ``kernel`` forces the path of differentiated ``lik_cupy.jax.maxsim`` calls
     (``lik_cupy._dispatch.jax_paths``), read when a call is traced. Unset or empty: the measured rule."""
     return os.environ.get("LIK_JAX_PATH", "").strip().lower() or None
