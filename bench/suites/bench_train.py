@@ -32,7 +32,11 @@ Each row keeps its loss, to compare across rows.
 ``--smoke``: a tiny run on the CPU (torch eager and ``torch.compile(backend="aot_eager")``, JAX on
 its CPU device, a few steps) that the tests run; its numbers mean nothing.
 
-Writes ``train_<gpu-slug>.json`` (``gpu``, ``torch_rows``, ``jax_rows``, ``summary``: ours over the
+A whole run takes longer than one device command may (every compile mode recompiles per row):
+split it by ``--torch-cells`` / ``--modes`` / ``--jax-cells`` (``none`` skips a framework), each
+part with its own ``--tag``.
+
+Writes ``train_<gpu-slug>[_<tag>].json`` (``gpu``, ``torch_rows``, ``jax_rows``, ``summary``: ours over the
 best other contender per torch cell and mode, and the JAX rows over ``einsum`` per cell) to ``--out``
 (default $OUT, else bench/results). ``python bench/tools/jax_paths.py <that json>`` writes the JAX
 rows' verdicts into ``lik_cupy/_dispatch/jax_paths.py``.
@@ -76,7 +80,9 @@ def main(argv=None) -> int:
     ap.add_argument("--contenders", default=",".join(CONTENDERS))
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--round-s", type=float, default=3.0, help="fewer steps where a round would take longer")
+    ap.add_argument("--round-s", type=float, default=1.0, help="fewer steps where a round would take longer")
+    ap.add_argument("--tag", default=None, help="appended to the file name: train_<gpu>_<tag>.json (a run split "
+                                                "by --modes or cells)")
     ap.add_argument("--xla-max-gib", type=float, default=24.0, help="skip XLA rows whose similarities pass this")
     ap.add_argument("--smoke", action="store_true", help="a tiny CPU run (the tests' check of this script)")
     args = ap.parse_args(argv)
@@ -87,7 +93,7 @@ def main(argv=None) -> int:
     rows_j, jax_backend = ([], None) if args.jax_cells == "none" else jax_rows(args)
     name, gpu = _device_name(args.smoke)
     summary = _summary(rows_t, rows_j)
-    path = out_dir(args.out) / f"train_{slugify(name)}.json"
+    path = out_dir(args.out) / f"train_{slugify(name)}{'_' + slugify(args.tag) if args.tag else ''}.json"
     os.makedirs(path.parent, exist_ok=True)
     write_json(path, {"gpu": gpu, "device": name, "smoke": args.smoke, "dim": SMOKE_DIM if args.smoke else DIM,
                       "dtype": "float32" if args.smoke else "float16", "tau": TAU, "jax_backend": jax_backend,

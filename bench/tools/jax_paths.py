@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Write the JAX rows of a ``bench/suites/bench_train.py`` run into ``lik_cupy/_dispatch/jax_paths.py``.
+"""Write the JAX rows of a ``bench/suites/bench_train.py`` run (one file, or the parts of a run split by
+``--tag``) into ``lik_cupy/_dispatch/jax_paths.py``.
 
 For each JAX cell (N, Lq, Ld) of the run, the faster of ``lik_cupy.jax.maxsim``'s two paths, the
 kernels (row ``kernel``) and its XLA einsum (row ``xla``), becomes the cell's verdict (``"kernel"``
@@ -7,7 +8,7 @@ where the XLA row was skipped or failed); the cells replace the table's rows for
 (``jax_backend``: "gpu", or "cpu" for a CPU run) and ``JAX_PATHS_SOURCE`` names the file and the GPU.
 The other backends' rows are kept.
 
-    python3 bench/tools/jax_paths.py bench/results/latest/train_nvidia-h200.json [--module PATH] [--dry-run]
+    python3 bench/tools/jax_paths.py bench/results/latest/train_nvidia-h200_jax*.json [--module PATH] [--dry-run]
 """
 
 from __future__ import annotations
@@ -62,31 +63,33 @@ def rewrite(text: str, backend: str, cells: list, source: str) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("run", help="a bench_train.py JSON")
+    ap.add_argument("runs", nargs="+", help="bench_train.py JSON files of one device (a run split by --tag)")
     ap.add_argument("--module", default=str(MODULE), help="the module to rewrite (default: lik_cupy's own)")
     ap.add_argument("--dry-run", action="store_true", help="print the new module instead of writing it")
     args = ap.parse_args(argv)
-    path = Path(args.run)
-    run = json.loads(path.read_text())
-    if run.get("smoke") and not args.dry_run and Path(args.module).resolve() == MODULE:
-        raise SystemExit(f"{path} is a --smoke run: its times mean nothing; not writing lik_cupy's table from it")
-    cells = verdicts(run)
+    paths = [Path(r) for r in args.runs]
+    runs = [json.loads(p.read_text()) for p in paths]
+    if any(r.get("smoke") for r in runs) and not args.dry_run and Path(args.module).resolve() == MODULE:
+        raise SystemExit("a --smoke run's times mean nothing; not writing lik_cupy's table from it")
+    devices = {(r.get("device"), r.get("jax_backend")) for r in runs}
+    if len(devices) != 1:
+        raise SystemExit(f"the runs come from different devices or backends: {sorted(map(str, devices))}")
+    (device, backend), = devices
+    cells = verdicts({"jax_rows": [row for r in runs for row in r["jax_rows"]]})
     if not cells:
-        raise SystemExit(f"{path} has no timed JAX kernel rows")
-    try:
-        shown = path.resolve().relative_to(REPO)
-    except ValueError:
-        shown = path
-    source = f"{shown} ({run.get('gpu') or run.get('device')}, jit(value_and_grad) in-batch steps)"
+        raise SystemExit("the runs have no timed JAX kernel rows")
+    shown = ", ".join(str(p.resolve().relative_to(REPO)) if p.resolve().is_relative_to(REPO) else str(p)
+                      for p in paths)
+    source = f"{shown} ({device}, jit(value_and_grad) in-batch steps)"
     module = Path(args.module)
-    text = rewrite(module.read_text(), run["jax_backend"], cells, source)
+    text = rewrite(module.read_text(), backend, cells, source)
     if args.dry_run:
         print(text)
         return 0
     tmp = module.with_suffix(".py.tmp")
     tmp.write_text(text)
     os.replace(tmp, module)
-    print(f"wrote {len(cells)} {run['jax_backend']} cells to {module}")
+    print(f"wrote {len(cells)} {backend} cells to {module}")
     return 0
 
 
