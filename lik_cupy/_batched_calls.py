@@ -74,10 +74,12 @@ def run_batched(spec: CallSpec, call, arrays: list, outs: list, write, xp) -> No
     batch = tuple(outs[0].shape[:k])
     how = plan(spec, args)
     if how == "loop":
+        # Indexed with a trailing ellipsis: a view, also of a 0-d element (a scalar result, or a
+        # scalar grad_scores), where a plain index returns a NumPy scalar, a copy.
         for idx in np.ndindex(*batch):
-            sub = {n: a[tuple(i if s != 1 else 0 for i, s in zip(idx, a.shape[:k]))] for n, a in args.items()}
+            sub = {n: a[tuple(i if s != 1 else 0 for i, s in zip(idx, a.shape[:k])) + (...,)] for n, a in args.items()}
             for out, r in zip(outs, _results(call(**sub))):
-                write(out[idx], r)
+                write(out[idx + (...,)], r)
         return
     n = math.prod(batch)
     if how == "single":

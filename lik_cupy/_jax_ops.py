@@ -50,12 +50,12 @@ def call(fn: str, arrays: dict, outs: list, kwargs: dict, backend: str, warm=Non
 
     if backend == "cpu":
         return on_cpu(*values)
-    if backend == "gpu":
-        return on_gpu(*values)
     if _buffer_callback() is None:
-        if jax.default_backend() == "gpu":
+        if backend == "gpu" or jax.default_backend() == "gpu":
             raise RuntimeError(_needs_newer_jax())
         return on_cpu(*values)
+    if backend == "gpu":
+        return on_gpu(*values)
     return tuple(jax.lax.platform_dependent(*values, cuda=on_gpu, default=on_cpu))
 
 
@@ -109,14 +109,11 @@ def _needs_newer_jax() -> str:
 
 
 def _device_call(fn: str, arrays: dict, outs: list, kwargs: dict, warm) -> tuple:
-    buffer_callback = _buffer_callback()
-    if buffer_callback is None:
-        raise RuntimeError(_needs_newer_jax())
     arrays, kwargs = _device_arguments(fn, arrays, kwargs)
     if warm is not None:
         warm()
     spec = _spec(fn, arrays, {**kwargs, "backend": "gpu"})
-    staged = buffer_callback(_device_callback(spec), tuple(outs), vmap_method="expand_dims")
+    staged = _buffer_callback()(_device_callback(spec), tuple(outs), vmap_method="expand_dims")
     return tuple(staged(*arrays.values()))
 
 

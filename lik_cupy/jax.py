@@ -3,7 +3,13 @@ under ``jax.jit``, ``jax.grad`` and ``jax.vmap`` as well as eagerly.
 
 Importing this module imports jax (``import lik_cupy`` alone never does).
 
-Each call is one custom call in XLA's computation (``lik_cupy._jax_ops``), jitted or not:
+Training steps: where XLA's own einsum makes a faster ``jit(grad)`` step (small problems, by the
+measured rule of ``lik_cupy._dispatch.jax_paths``; ``LIK_JAX_PATH=xla`` or ``kernel`` forces a
+path), a differentiated ``maxsim`` is XLA's computation: an einsum, each query token's maximum
+and their sum, with the kernels' semantics (masks, lengths, the NaN contract, the gradient to the
+first winner), which JAX differentiates with no callback (``lik_cupy._jax_xla``). A call not
+differentiated, and every other call, is one custom call in XLA's computation
+(``lik_cupy._jax_ops``), jitted or not:
 
 - on a CUDA device, a ``jax.experimental.buffer_callback`` (jax >= 0.7): the kernels read XLA's
   buffers and run on XLA's stream, and the host never waits for the device. A first run (and
@@ -14,8 +20,9 @@ Each call is one custom call in XLA's computation (``lik_cupy._jax_ops``), jitte
   ``XLA_PYTHON_CLIENT_PREALLOCATE=false``).
 - on the CPU, a ``jax.pure_callback`` running the NumPy path (``backend="cpu"``).
 
-``backend``: "auto" (where XLA runs the computation), "gpu", or "cpu" (the NumPy path; device
-arrays go to the host and back).
+``backend``: "auto" (where XLA runs the computation), "gpu" (a call or trace with no CUDA GPU
+visible, or no CuPy, raises RuntimeError), or "cpu" (the NumPy path; device arrays go to the
+host and back).
 
 Tracing a call compiles its forward kernels (``lik_cupy.warmup`` for its dtype, dim and query
 length), so a first run does not hold XLA's stream while NVRTC works; a kernel variant that
@@ -52,8 +59,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _jax_ops
-from ._dispatch.backend import check_backend
+from . import _jax_ops, _jax_xla
+from ._dispatch.backend import check_backend, use_gpu
+from ._dispatch.jax_paths import choose_jax_path
 from ._validate import Problem, check_call, check_int8_scales, check_varlen
 from .backward import _METHODS
 from .precision import _resolve
@@ -165,15 +173,18 @@ class _Call:
     method: str
     precision: str | None  # resolved, for float32 and float64 inputs
     backend: str
+    xla_on: frozenset  # the backends ("gpu", "cpu") where a differentiated call is XLA's einsum, not the kernels
 
     @classmethod
     def of(cls, fn: str, p: Problem, method: str, precision, backend: str) -> _Call:
         if method not in _METHODS:
             raise ValueError(f"method must be one of {_METHODS}, got {method!r}")
+        if backend == "gpu":  # no GPU or no CuPy: the documented error now, not from inside XLA's run
+            use_gpu(backend, None)
         check_backend(backend)
         x3 = _resolve(precision, "jax", p.dtype)  # also checks the value
         resolved = ("fp32" if x3 else "tf32") if p.dtype in ("float32", "float64") else None
-        return cls(fn, p, method, resolved, backend)
+        return cls(fn, p, method, resolved, backend, _xla_on(fn, p, backend))
 
     @property
     def d_name(self) -> str:
@@ -182,6 +193,15 @@ class _Call:
     @property
     def scores_dtype(self):
         return jnp.float64 if self.problem.dtype == "float64" else jnp.float32
+
+
+def _xla_on(fn: str, p: Problem, backend: str) -> frozenset:
+    """Where ``maxsim`` takes XLA's einsum (``lik_cupy._jax_xla``) by the measured rule; the packed
+    and INT8 functions always take the kernels (or the NumPy path)."""
+    if fn != "maxsim":
+        return frozenset()
+    sides = ("gpu", "cpu") if backend == "auto" else (backend,)
+    return frozenset(b for b in sides if choose_jax_path(b, p.nq, p.nd, p.lq, p.ld) == "xla")
 
 
 def _arrays(**named) -> dict:
@@ -203,7 +223,7 @@ def _staged(args: dict, call: _Call):
     args, bad = _clamped(dict(args), p)
     if call.fn in ("maxsim", "maxsim_varlen"):
         rest = {k: v for k, v in args.items() if k not in ("Q", call.d_name)}
-        scores = _differentiable(call, args["Q"], args[call.d_name], rest)
+        scores = _scores(call, args["Q"], args[call.d_name], rest)
     else:
         scores = _not_differentiable(call, args)
     return scores if bad is None else jnp.where(bad, jnp.asarray(jnp.nan, scores.dtype), scores)
@@ -229,6 +249,37 @@ def _clamped(args: dict, p: Problem):
         args["d_offsets"] = jnp.where(wrong, jnp.zeros_like(off).at[-1].set(p.ntok), off)
         bad = wrong if bad is None else bad | wrong
     return args, bad
+
+
+def _scores(call: _Call, q, d, rest: dict):
+    """The differentiable scores: the kernels (the NumPy path on the CPU), differentiated through
+    XLA's einsum where ``call.xla_on`` names the platform XLA runs on."""
+    if not call.xla_on:
+        return _differentiable(call, q, d, rest)
+    if call.backend != "auto" or len(call.xla_on) == 2:
+        return _trained_on_xla(call, q, d, rest)
+    return jax.lax.platform_dependent(
+        q, d, rest, cuda=functools.partial(_trained_on_xla if "gpu" in call.xla_on else _differentiable, call),
+        default=functools.partial(_trained_on_xla if "cpu" in call.xla_on else _differentiable, call))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _trained_on_xla(call: _Call, q, d, rest: dict):
+    """Scores that a call not differentiated takes from the kernels (one custom call, nothing
+    materialised), and a differentiated one from XLA's einsum, whose own VJP is the backward."""
+    return _forward(call, {"Q": q, call.d_name: d, **rest}, argmax=False)[0]
+
+
+def _trained_on_xla_fwd(call: _Call, q, d, rest: dict):
+    scores, vjp = jax.vjp(lambda a, b: _jax_xla.maxsim(call.problem, a, b, rest, call.precision), q, d)
+    return scores, vjp
+
+
+def _trained_on_xla_bwd(call: _Call, vjp, g):
+    return (*vjp(g), None)  # masks and lengths take no gradient
+
+
+_trained_on_xla.defvjp(_trained_on_xla_fwd, _trained_on_xla_bwd)
 
 
 def _forward(call: _Call, arrays: dict, argmax: bool) -> tuple:

@@ -4,6 +4,7 @@ CPU (CI), the kernels through jax.experimental.buffer_callback on a CUDA device 
 from __future__ import annotations
 
 import os
+import sys
 
 import ml_dtypes
 import numpy as np
@@ -17,6 +18,7 @@ jnp = pytest.importorskip("jax.numpy")
 
 import lik_cupy  # noqa: E402
 from lik_cupy import _batched_calls, _jax_ops  # noqa: E402
+from lik_cupy._dispatch import jax_paths  # noqa: E402
 from lik_cupy.jax import maxsim, maxsim_int8, maxsim_int8_varlen, maxsim_varlen  # noqa: E402
 
 NP_DTYPES = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float32": np.float32}
@@ -68,7 +70,9 @@ def _cpu_unless_gpu_test(request):
     """Tests not marked gpu run on JAX's CPU device, where "auto" takes the NumPy path, also on
     a machine whose jax sees a GPU."""
     if request.node.get_closest_marker("gpu"):
-        yield
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("LIK_JAX_PATH", "kernel")  # the kernels under test, not XLA's einsum where the rule prefers it
+            yield
         return
     with jax.default_device(jax.devices("cpu")[0]):
         yield
@@ -247,6 +251,28 @@ def test_vmap_other_batches_loop_in_one_callback(rng, monkeypatch):
                                                                 for i in range(b)]))
 
 
+def test_vmap_with_scalar_results_and_nested_vmap_match_float64(rng):
+    """One query [Lq, d] against one document [Ld, d] is a scalar: vmapped over the documents, and
+    nested over queries and documents, each batch element runs alone (the "loop" plan), writing
+    and, in the backward, reading 0-d elements."""
+    nq, lq, nd, ld, dim = 3, 5, 4, 6, 8
+    q, d = _inputs(rng, "float32", (nq, lq, dim), (nd, ld, dim))
+    ref, _ = maxsim_ref(q, d)
+    one = jax.vmap(lambda c: maxsim(q[0], c))(d)
+    assert one.shape == (nd,) and rel_err(one, ref[0]) < 1e-6
+
+    def nested(a, c):
+        return jax.vmap(lambda x: jax.vmap(lambda y: maxsim(x, y))(c))(a)
+
+    both = jax.jit(nested)(q, d)
+    assert both.shape == (nq, nd) and rel_err(both, ref) < 1e-6
+    w = rng.standard_normal((nq, nd)).astype(np.float32)
+    gq, gd = jax.jit(jax.grad(lambda a, c: (nested(a, c) * w).sum(), argnums=(0, 1)))(q, d)
+    rq, rd = _grads_ref(q, d, np.ones((nq, lq), bool), np.ones((nd, ld), bool), w)
+    _close(gq, rq, "float32")
+    _close(gd, rd, "float32")
+
+
 def test_vmap_of_grad_and_grad_of_vmap(rng):
     """Per-example gradients (vmap of grad) and the batch's gradient (grad of vmap), against shared
     documents: the backward runs once per batch element, each with its own dD."""
@@ -331,6 +357,8 @@ def test_argument_errors_at_trace_time(rng):
 
 def test_missing_buffer_callback_names_the_jax_needed(rng, monkeypatch):
     monkeypatch.setattr(_jax_ops, "_buffer_callback", lambda: None)
+    monkeypatch.setattr(lik_cupy._dispatch.backend, "gpu_available", lambda: True)  # past the no-GPU error
+    monkeypatch.setenv("LIK_JAX_PATH", "kernel")
     q, d = _inputs(rng, "float32", (2, 3, 8), (4, 5, 8))
     with pytest.raises(RuntimeError, match=f"jax >= {_jax_ops.BUFFER_CALLBACK_JAX}"):
         maxsim(q, d, backend="gpu")
@@ -338,9 +366,22 @@ def test_missing_buffer_callback_names_the_jax_needed(rng, monkeypatch):
         np.testing.assert_array_equal(np.asarray(maxsim(q, d)), lik_cupy.maxsim(q, d, backend="cpu"))
 
 
+def test_backend_gpu_without_cupy_raises_the_documented_error_when_traced(rng, monkeypatch):
+    """Not an error from inside XLA's run (a JaxRuntimeError naming the missing module)."""
+    monkeypatch.setitem(sys.modules, "cupy", None)  # import cupy raises ImportError
+    q, d = _inputs(rng, "float32", (2, 3, 8), (4, 5, 8))
+    for run in (lambda: maxsim(q, d, backend="gpu"), lambda: jax.jit(lambda a: maxsim(a, d, backend="gpu"))(q),
+                lambda: jax.grad(lambda a: maxsim(a, d, backend="gpu").sum())(q)):
+        with pytest.raises(RuntimeError, match="backend='gpu' but no CUDA GPU is visible") as error:
+            jax.block_until_ready(run())
+        assert type(error.value) is RuntimeError
+
+
+@pytest.mark.gpu
 def test_backend_gpu_refuses_a_computation_on_the_cpu(rng):
     q, d = _inputs(rng, "float32", (2, 3, 8), (4, 5, 8))
-    with pytest.raises(RuntimeError, match="needs the computation on a CUDA device"):
+    with jax.default_device(jax.devices("cpu")[0]), \
+            pytest.raises(RuntimeError, match="needs the computation on a CUDA device"):
         jax.block_until_ready(maxsim(q, d, backend="gpu"))
 
 
@@ -354,6 +395,7 @@ def test_precision_is_resolved_when_traced(rng, monkeypatch):
         return real(fn, arrays, outs, kwargs, backend, warm)
 
     monkeypatch.setattr(_jax_ops, "call", spy)
+    monkeypatch.setenv("LIK_JAX_PATH", "kernel")  # one staged call per trace (no XLA branch beside it)
     q, d = _inputs(rng, "float32", (2, 3, 17), (4, 5, 17))  # dims no other test traces, one per step
     with jax.default_matmul_precision("tensorfloat32"):
         jax.jit(maxsim)(q, d)
@@ -384,6 +426,96 @@ def test_batched_call_plans_without_jax_arrays(rng):
     _batched_calls.run_batched(spec, lambda **kw: lik_cupy.maxsim(**kw, backend="cpu"), [q[:1, :1], d, dl], [one],
                                write, np)
     np.testing.assert_array_equal(one, want[:1, :1])
+
+
+# ---------------------------------------------------------------- XLA's einsum where the measured rule prefers it
+
+
+def test_grad_through_the_path_rule_on_both_sides_matches_float64(rng, monkeypatch):
+    """A rule of two measured cells for XLA on the CPU: the small step takes XLA's einsum (no
+    callback), the large one the NumPy path; each step's scores and gradients match float64."""
+    monkeypatch.delenv("LIK_JAX_PATH", raising=False)
+    monkeypatch.setattr(jax_paths, "JAX_PATHS", {"cpu": ((4, 8, 8, "xla"), (16, 16, 64, "kernel"))})
+    seen = _plans(monkeypatch)  # one per callback run (the CUDA branch is traced too, never run)
+    for (n, lq, ld), want in (((4, 8, 8), []), ((8, 16, 48), ["single", "single"])):
+        q, d = _inputs(rng, "float32", (n, lq, 16), (n, ld, 16))
+        ql, dl = rng.integers(1, lq + 1, n), rng.integers(1, ld + 1, n)
+        w = rng.standard_normal((n, n)).astype(np.float32)
+        seen.clear()
+        scores, (gq, gd) = jax.jit(jax.value_and_grad(
+            lambda a, b: (maxsim(a, b, q_lengths=ql, d_lengths=dl) * w).sum(), argnums=(0, 1)))(q, d)
+        assert seen == want
+        qv, dv = _valid(ql, lq), _valid(dl, ld)
+        ref, _ = maxsim_ref(q, d, qv, dv)
+        assert abs(float(scores) - float((ref * w).sum())) <= 1e-5 * float(np.abs(ref * w).sum())
+        rq, rd = _grads_ref(q, d, qv, dv, w)
+        _close(gq, rq, "float32")
+        _close(gd, rd, "float32")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_xla_path_has_the_kernels_semantics(rng, monkeypatch, dtype):
+    """Differentiated calls forced onto XLA's einsum, the scores of the NumPy path: every layout,
+    masks and lengths (empty documents and queries, bad lengths), NaN in masked tokens (ignored)
+    and in valid ones (a NaN score); ties (integer tokens) give the gradient to the first winner,
+    as the argmax does. A call not differentiated keeps the kernels (here the NumPy path)."""
+    nq, lq, nd, ld, dim = 3, 6, 4, 7, 8
+    q, d = _inputs(rng, dtype, (nq, lq, dim), (nd, ld, dim))
+    qm, dm = rng.random((nq, lq)) < 0.7, rng.random((nd, ld)) < 0.6
+    qm[1], dm[2] = False, False
+    q[0, ~qm[0]], d[0, ~dm[0]] = np.nan, np.nan
+    d[3, np.argmax(dm[3])] = np.nan
+    cand = _inputs(rng, dtype, (nq, 2, ld, dim))[0]
+
+    def trained(f, a, b):  # the scores of a differentiated call (jax.vjp's forward), as a training step sees them
+        return jax.vjp(f, a, b)[0]
+
+    calls = [lambda: jax.jit(lambda a, b: trained(lambda x, y: maxsim(x, y, qm, dm), a, b))(q, d),
+             lambda: trained(maxsim, q, d),
+             lambda: trained(lambda a, b: maxsim(a, b, q_lengths=np.array([6, 0, 9]), d_lengths=np.array([7, 0, -1, 3])),
+                             q, d),
+             lambda: trained(maxsim, q, cand), lambda: trained(maxsim, q, d[1]), lambda: trained(maxsim, q[2], d),
+             lambda: trained(maxsim, q[2], d[1])]
+    seen = _plans(monkeypatch)
+    monkeypatch.setenv("LIK_JAX_PATH", "xla")
+    xla = [np.asarray(f()) for f in calls]
+    assert seen == []
+    monkeypatch.setenv("LIK_JAX_PATH", "kernel")
+    for got, f in zip(xla, calls):
+        np.testing.assert_allclose(got, np.asarray(f()), rtol=1e-6)
+    # the cases are there: an all-masked query, an empty document, a NaN in a valid token, bad lengths
+    assert (xla[0][1] == 0).all() and (xla[0][[0, 2], 2] == -np.inf).all() and np.isnan(xla[0][[0, 2], 3]).all()
+    assert np.isnan(xla[2][2]).all() and np.isnan(xla[2][:, 2]).all()
+    monkeypatch.setenv("LIK_JAX_PATH", "xla")
+    seen.clear()
+    np.testing.assert_array_equal(np.asarray(maxsim(q, d, qm, dm)), lik_cupy.maxsim(q, d, qm, dm, backend="cpu"))
+    assert seen == ["single"]
+    qi = rng.integers(-2, 3, (nq, lq, dim)).astype(NP_DTYPES[dtype])  # many equal maxima
+    di = rng.integers(-2, 3, (nd, ld, dim)).astype(NP_DTYPES[dtype])
+    w = rng.standard_normal((nq, nd)).astype(np.float32)
+    gq, gd = jax.grad(lambda a, b: (maxsim(a, b, qm, dm) * w).sum(), argnums=(0, 1))(qi, di)
+    rq, rd = _grads_ref(qi, di, qm, dm, w)
+    _close(gq, rq, dtype)
+    _close(gd, rd, dtype)
+
+
+def test_path_rule_takes_the_nearest_cell_and_never_xla_beyond_it(monkeypatch):
+    monkeypatch.delenv("LIK_JAX_PATH", raising=False)
+    cells = {"gpu": ((8, 32, 80, "xla"), (64, 32, 80, "kernel"), (32, 128, 256, "xla"))}
+    monkeypatch.setattr(jax_paths, "JAX_PATHS", cells)
+    choose = jax_paths.choose_jax_path
+    assert choose("gpu", 8, 8, 32, 80) == "xla"
+    assert choose("gpu", 64, 64, 32, 80) == "kernel"
+    assert choose("gpu", 16, 16, 32, 100) == "xla"  # nearer (8, 32, 80) than (64, 32, 80)
+    assert choose("gpu", 32, 32, 128, 256) == "xla"
+    assert choose("gpu", 32, 32, 128, 257) == "kernel"  # more similarities than any cell XLA won
+    assert choose("cpu", 8, 8, 32, 80) == "kernel"  # no cells: the NumPy path
+    assert choose("gpu", 8, 8, 32, 0) == "kernel"  # no document tokens: nothing to materialise
+    monkeypatch.setenv("LIK_JAX_PATH", "xla")
+    assert choose("cpu", 64, 64, 32, 80) == "xla"
+    monkeypatch.setenv("LIK_JAX_PATH", "fast")
+    with pytest.raises(ValueError, match="LIK_JAX_PATH must be one of"):
+        choose("gpu", 8, 8, 32, 80)
 
 
 # ---------------------------------------------------------------- GPU (jax with CUDA; the kernels on XLA's stream)
@@ -427,6 +559,31 @@ def test_gpu_jit_and_grad_match_float64(rng, dtype):
     rq, rd = _grads_ref(q, d, _valid(ql, lq), _valid(dl, ld), w)
     _close(gq, rq, dtype if dtype != "float32" else "float16")  # fp32 accumulation on the device
     _close(gd, rd, dtype if dtype != "float32" else "float16")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_gpu_xla_path_grad_matches_float64(rng, monkeypatch, dtype):
+    """The XLA path on a CUDA device (forced, as the measured rule takes it for small steps): a
+    jitted value_and_grad with lengths runs no callback and matches float64."""
+    gpu = _gpu()
+    monkeypatch.setenv("LIK_JAX_PATH", "xla")
+    seen = _plans(monkeypatch)
+    nq, lq, nd, ld, dim = 4, 16, 6, 40, 128
+    q, d = _inputs(rng, dtype, (nq, lq, dim), (nd, ld, dim))
+    ql, dl = rng.integers(1, lq + 1, nq), rng.integers(0, ld + 1, nd)
+    w = rng.standard_normal((nq, nd)).astype(np.float32)
+    Q, D, QL, DL, W = (jax.device_put(x, gpu) for x in (q, d, ql, dl, w))
+    step = jax.jit(jax.value_and_grad(lambda a, b: (jnp.where(DL > 0, maxsim(a, b, q_lengths=QL, d_lengths=DL), 0)
+                                                     * W).sum(), argnums=(0, 1)))
+    value, (gq, gd) = step(Q, D)
+    assert seen == [] and next(iter(gq.devices())).platform == "gpu"
+    ref, _ = maxsim_ref(q, d, _valid(ql, lq), _valid(dl, ld))
+    want = float((np.where(dl > 0, ref, 0) * w).sum())
+    assert abs(float(value) - want) <= 1e-4 * float(np.abs(np.where(dl > 0, ref, 0) * w).sum())
+    rq, rd = _grads_ref(q, d, _valid(ql, lq), _valid(dl, ld), w)
+    _close(gq, rq, "float16")
+    _close(gd, rd, "float16")
 
 
 @pytest.mark.gpu

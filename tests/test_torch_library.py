@@ -172,6 +172,23 @@ def test_compiled_training_step_matches_eager_and_float64(rng, kind, dtype):
         assert _rel(gc, gr) < 10 * tol
 
 
+@pytest.mark.parametrize("kind", ["in-batch", "candidates", "varlen"])
+def test_compiled_step_graphs_are_cudagraph_safe(rng, kind):
+    """What inductor checks before it takes a graph into CUDA graphs (mode="reduce-overhead"): no
+    operator tagged cudagraph_unsafe or in its forbidden set, and no output of data-dependent
+    shape. The operators' fake implementations give static shapes, so both graphs of each step pass."""
+    from torch._inductor.utils import get_first_incompatible_cudagraph_node
+
+    loss_fn, tensors, rest, _ = _training_case(rng, kind, torch.float32)
+    graphs = {}
+    _grads(torch.compile(loss_fn, fullgraph=True, backend=_recording(graphs)), tensors, (*rest, "auto"))
+    for op in (OPS.maxsim.default, OPS.maxsim_varlen.default, OPS.maxsim_backward.default):
+        assert torch.Tag.cudagraph_unsafe not in op.tags
+    assert graphs["fw"] and graphs["bw"]
+    for gm in graphs["fw"] + graphs["bw"]:
+        assert get_first_incompatible_cudagraph_node(gm) is None, gm.graph
+
+
 def test_compiled_lengths_as_lists_and_tensors_agree(rng):
     """Lengths given as a Python list become a tensor inside the compiled graph."""
     Q, D = _t(rng, 3, 6, 16), _t(rng, 5, 8, 16)
@@ -404,22 +421,39 @@ def test_inductor_colbert_step_matches_eager(dtype):
 
 
 @pytest.mark.gpu
-def test_reduce_overhead_captures_the_operators():
+def test_reduce_overhead_captures_the_operators_and_replays_no_host_code(monkeypatch):
     """``torch.compile(mode="reduce-overhead")``: inductor's CUDA graphs take the step, operators
-    included (no cudagraph skip), and every replay gives the eager step's loss and gradients."""
+    included (no cudagraph skip); once it has warmed up and recorded them, a step is the graphs
+    alone: lik_cupy's Python (validation, kernel choice, launches) never runs in a replay. Every
+    replay, on new inputs, gives the eager step's loss and gradients."""
     from torch._dynamo.utils import counters
 
+    calls = []
+    for name in ("_maxsim", "_maxsim_backward"):  # what the operators' CUDA implementations call
+        real = getattr(lt, name)
+
+        def counted(*args, _real=real, _name=name, **kwargs):
+            calls.append(_name)
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(lt, name, counted)
     gen = torch.Generator(device="cuda").manual_seed(37)
     nq, lq, nd, ld, dim = 6, 24, 10, 64, 96
     d_len = torch.randint(1, ld + 1, (nd,), generator=gen, device="cuda")
     counters.clear()
     fn = torch.compile(_in_batch_loss, fullgraph=True, mode="reduce-overhead")
-    for _ in range(4):
+    during = []
+    for _ in range(6):
         Q = _unit(gen, nq, lq, dim, dtype=torch.float16)
         D = _unit(gen, nd, ld, dim, dtype=torch.float16)
+        torch.compiler.cudagraph_mark_step_begin()
+        before = len(calls)
         loss_c, grads_c = _grads(fn, (Q, D), (None, d_len, "csr"))
+        during.append(calls[before:])
         loss_e, grads_e = _grads(_in_batch_loss, (Q, D), (None, d_len, "csr"))
         torch.testing.assert_close(loss_c, loss_e, rtol=1e-5, atol=0)  # inductor's cross-entropy: last bits
         for gc, ge in zip(grads_c, grads_e):
             assert _rel(gc, ge) < 1e-3
     assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])
+    assert "_maxsim" in during[0] and "_maxsim_backward" in during[0]  # the warm-up ran them
+    assert during[-3:] == [[], [], []], during

@@ -1,5 +1,5 @@
 """Making lik_cupy pick what a sweep wants to time: a forced configuration, a forced launch plan, a changed
-tuning table.
+tuning table, an environment variable set for a block.
 
 A name such as ``choose_forward`` may be bound in several of lik_cupy's modules (the dispatch package
 re-exports it, a caller may have imported it by name), so ``rebind`` replaces it in every loaded lik_cupy
@@ -9,6 +9,7 @@ module that holds the same object, not only in the one named.
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 
 _MISSING = object()
@@ -26,6 +27,23 @@ def rebind(owner, name: str, value):
     for place in places:
         setattr(place, name, value)
     return old
+
+
+@contextlib.contextmanager
+def environment(name: str, value: str | None):
+    """Inside the block, the environment variable ``name`` is ``value`` (None: unset); then as it was."""
+    old = os.environ.get(name)
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = old
 
 
 def dispatch():

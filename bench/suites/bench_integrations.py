@@ -43,7 +43,6 @@ case's best peer may be a backend that scores something else).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import statistics
 import sys
@@ -53,6 +52,7 @@ from pathlib import Path
 os.environ.setdefault("LIK_SUPPRESS_NORM_WARN", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: bench.lib, and this checkout's lik_cupy
 from bench.lib import baselines  # noqa: E402
+from bench.lib.forcing import environment  # noqa: E402
 from bench.lib.gpu import safe_cleanup, start, unit_tokens, warm_up_ours  # noqa: E402
 from bench.lib.results import out_dir, short_err, text_table, write_json  # noqa: E402
 from bench.lib.timing import per_call_ms, queued_call_ms  # noqa: E402
@@ -102,25 +102,12 @@ def _colpali_impls():
             continue
 
         def call(qs, ps, b=backend):
-            with _env("COLPALI_SCORES_BACKEND", b):
+            with environment("COLPALI_SCORES_BACKEND", b):
                 return proc.BaseVisualRetrieverProcessor.score_multi_vector(qs, ps, device="cuda")
 
         impls[f"colpali_{backend}"] = call
     impls["ours"] = lambda qs, ps: ours.score_multi_vector(qs, ps, device="cuda")
     return impls, errors
-
-
-@contextlib.contextmanager
-def _env(name, value):
-    old = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = old
 
 
 def _reference(torch, Q, D, dm):

@@ -4,7 +4,8 @@
 - ``tables.py``: the measured tuning tables, as literal data;
 - ``select.py``: the rules that read them (``choose_forward``, ``choose_residual``, ``choose_backward``);
 - ``plan.py``: the grid of a launch (``plan_launch``);
-- ``backend.py``: GPU or CPU (``use_gpu``).
+- ``backend.py``: GPU or CPU (``use_gpu``);
+- ``jax_paths.py``: XLA's einsum or the kernels for a differentiated ``lik_cupy.jax.maxsim`` call (``choose_jax_path``).
 """
 
 from .backend import BACKENDS, check_backend, scoring_on_gpu, use_gpu

@@ -40,7 +40,7 @@ def use_gpu(backend: str, device: int | None, *, host_to_gpu: bool = True, float
     if backend == "auto" and device is None and not (host_to_gpu and gpu_available()):
         return False
     if not gpu_available():
-        raise RuntimeError("backend='gpu' but no CUDA GPU is visible (CuPy could not find one)")
+        raise RuntimeError("backend='gpu' but no CUDA GPU is visible (CuPy could not find one, or is not installed)")
     return True
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 
 __all__ = ["cache_dir_override", "validate_strict", "poison_outputs", "wgmma_disabled", "tma_disabled", "precision_default", "cupy_tf32",
-           "pylate_scores_backend", "colpali_scores_backend"]
+           "pylate_scores_backend", "colpali_scores_backend", "jax_path_forced"]
 
 _TRUE = ("1", "true", "yes")
 _TRUE_BYTES = (b"1", b"true", b"yes")
@@ -74,3 +74,9 @@ def colpali_scores_backend() -> str:
     """``COLPALI_SCORES_BACKEND`` (colpali-engine's own variable): ``torch`` hands
     ``lik_cupy.integrations.colpali``'s calls to colpali-engine's torch reference."""
     return os.environ.get("COLPALI_SCORES_BACKEND", "auto")
+
+
+def jax_path_forced() -> str | None:
+    """``LIK_JAX_PATH``: ``xla`` or ``kernel`` forces the path of differentiated ``lik_cupy.jax.maxsim`` calls
+    (``lik_cupy._dispatch.jax_paths``), read when a call is traced. Unset or empty: the measured rule."""
+    return os.environ.get("LIK_JAX_PATH", "").strip().lower() or None
