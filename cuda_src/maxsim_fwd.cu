@@ -224,8 +224,8 @@ __device__ void LIK_FWD::run(const T* __restrict__ Q, const T* __restrict__ D, c
     // float32 accuracy from TF32 tiles (fwd/refine.cuh): its per-slot norm parts follow the barriers.
     float* const tnorm = reinterpret_cast<float*>(mbar + 2 * STAGES);
     double xbest[2];
-    float lo[2], cq[2] = {-1.f, -1.f};
-    const Refine refine{sQ, tnorm, wrow0, lane, warp, best, bidx, rv, xbest, lo, cq};
+    float lo[2], a1[2] = {-1.f, -1.f}, a2[2];
+    const Refine refine{sQ, tnorm, wrow0, lane, warp, best, bidx, rv, xbest, lo, a1, a2};
 #endif
     Consumer consumer{cons, qf, q_ready, sQ, wrow0, lane, prod
 #if LIK_HAS_WGMMA
@@ -273,7 +273,11 @@ __device__ void LIK_FWD::run(const T* __restrict__ Q, const T* __restrict__ D, c
                 // 5% faster than before).
                 if (!I8) flush.flush_sums();
                 const T* st = ring + slot * STAGE;
+#if LIK_REFINE
+                tile_mma(acc, qf, sQ, st, wrow0, lane, false, qlo, tnorm + slot * WARPS * 2);
+#else
                 tile_mma(acc, qf, SPLIT ? st : sQ, st + (SPLIT ? QR * LDS : 0), wrow0, lane, kc > 0, qlo);
+#endif
             }
             if (I8) flush.flush_sums();
 #if LIK_HAS_WGMMA

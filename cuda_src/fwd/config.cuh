@@ -345,7 +345,8 @@ struct Fwd {
     static __device__ __forceinline__ u32 query_desc_lo(const T* sQ, int wrow0);
 #endif
     static __device__ __forceinline__ void tile_mma(A (&acc)[MT][NN][4], const u32 (&qf)[QREG ? MT : 1][QREG ? NK : 1][4],
-                                                    const T* sQ, const T* sD, int wrow0, int lane, bool add, u32 qlo);
+                                                    const T* sQ, const T* sD, int wrow0, int lane, bool add, u32 qlo,
+                                                    float* tn = nullptr);
 
     // ---- epilogue (fwd/epilogue.cuh)
     template <int HALF>

@@ -101,11 +101,13 @@ __device__ __forceinline__ u32 LIK_FWD::query_desc_lo(const T* sQ, int wrow0) {
 
 // acc[m][n] (+)= Q_tile(warp rows) . D_tile^T over DP columns; `add` = 0 overwrites
 // (the wgmma path; the mma.sync path always adds to zeroed accumulators). With
-// WG_CHAIN the wgmma may still run on return (the previous one has finished).
+// WG_CHAIN the wgmma may still run on return (the previous one has finished). tn: refined TF32
+// tiles' norm parts of this slot.
 // qlo: query_desc_lo(sQ, wrow0) when QLO_HELD.
 LIK_FWD_TEMPLATE
 __device__ __forceinline__ void LIK_FWD::tile_mma(A (&acc)[MT][NN][4], const u32 (&qf)[QREG ? MT : 1][QREG ? NK : 1][4],
-                                                  const T* sQ, const T* sD, int wrow0, int lane, bool add, u32 qlo) {
+                                                  const T* sQ, const T* sD, int wrow0, int lane, bool add, u32 qlo,
+                                                  float* tn) {
 #if LIK_HAS_WGMMA
     if (WG) {
         A* d = &acc[0][0][0];
@@ -138,6 +140,9 @@ __device__ __forceinline__ void LIK_FWD::tile_mma(A (&acc)[MT][NN][4], const u32
             else wgmma_m64k16<ELEM, BN>(d, dq, dd, kk > 0 || add);
         }
         wgmma_commit();
+        // Refined TF32 tiles: the tile's row norms while the tensor cores multiply (tn: the slot's
+        // per-warp parts, fwd/refine.cuh).
+        if constexpr (REFINE) Refine::norm_part(sD, tn);
         // Split-d keeps this chunk's wgmma running while the next is staged; the caller waits
         // for the last one after its chunk loop (unconditionally, so ptxas sees it).
         if (WG_CHAIN) wgmma_wait<1>();
