@@ -211,8 +211,7 @@ struct Fwd {
     static_assert(!SPLIT || !QREG, "split-d re-reads query chunks from shared memory");
     static_assert(!I8 || DP % 32 == 0, "INT8 tiles (and split-d chunks) hold a multiple of 32 elements");
     static_assert(!X3 || (ELEM == 2 && !QREG), "3xTF32 takes fp32 tiles and re-reads query fragments");
-    static constexpr bool REFINE = LIK_REFINE != 0;  // float32 accuracy on TF32 wgmma (see LIK_REFINE)
-    static_assert(!REFINE || (ELEM == 2 && WG && !SPLIT && !TOKM && MT == 1 && BN <= 128 && !X3),
+    static_assert(!LIK_REFINE || (ELEM == 2 && WG && !SPLIT && !TOKM && MT == 1 && BN <= 128 && !X3),
                   "refined TF32 takes one-shot float32 wgmma tiles of at most 128 tokens");
     static_assert(!TMA || ((ELEM != 2 || WG) && DP * ESIZE % 128 == 0 && (!SPLIT || WG)),
                   "TMA feeds one-shot 16-bit and INT8 tiles, float32 wgmma tiles and split-d wgmma tiles");

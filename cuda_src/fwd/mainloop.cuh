@@ -142,7 +142,9 @@ __device__ __forceinline__ void LIK_FWD::tile_mma(A (&acc)[MT][NN][4], const u32
         wgmma_commit();
         // Refined TF32 tiles: the tile's row norms while the tensor cores multiply (tn: the slot's
         // per-warp parts, fwd/refine.cuh).
-        if constexpr (REFINE) Refine::norm_part(sD, tn);
+#if LIK_REFINE
+        Refine::norm_part(sD, tn);
+#endif
         // Split-d keeps this chunk's wgmma running while the next is staged; the caller waits
         // for the last one after its chunk loop (unconditionally, so ptxas sees it).
         if (WG_CHAIN) wgmma_wait<1>();
