@@ -146,20 +146,22 @@ struct LIK_FWD::Refine {
     }
 
     // Lane tq's part of the exact similarity of tile row r and slot row c (every fourth 16-byte chunk),
-    // as s + e, in two independent chains.
+    // as s + e, in four independent chains (one per float of a chunk) merged at the end.
     __device__ float2 exact_part(const T* sD, int r, int c, int tq) const {
-        float s0 = 0.f, e0 = 0.f, s1 = 0.f, e1 = 0.f;
+        float s[4] = {0.f, 0.f, 0.f, 0.f}, e[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll 4
         for (int kc = tq; kc < DP / 4; kc += 4) {
             const float4 a = *reinterpret_cast<const float4*>(sQ + soff(r, 4 * kc, BM));
             const float4 b = *reinterpret_cast<const float4*>(sD + soff(c, 4 * kc, BN));
-            two_sum_product(s0, e0, a.x, b.x);
-            two_sum_product(s1, e1, a.y, b.y);
-            two_sum_product(s0, e0, a.z, b.z);
-            two_sum_product(s1, e1, a.w, b.w);
+            two_sum_product(s[0], e[0], a.x, b.x);
+            two_sum_product(s[1], e[1], a.y, b.y);
+            two_sum_product(s[2], e[2], a.z, b.z);
+            two_sum_product(s[3], e[3], a.w, b.w);
         }
-        two_sum_product(s0, e0, s1, 1.f);
-        return float2{s0, e0 + e1};
+        two_sum_product(s[0], e[0], s[1], 1.f);
+        two_sum_product(s[2], e[2], s[3], 1.f);
+        two_sum_product(s[0], e[0], s[2], 1.f);
+        return float2{s[0], e[0] + e[1] + e[2] + e[3]};
     }
 
     // Whether exact value x at token tok beats the row's (xb, ix): larger, or equal at a lower token;
