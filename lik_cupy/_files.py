@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import os
 import stat
 
@@ -108,6 +109,19 @@ def read_regular(path: str, expected: str, limit: int | None = None) -> bytes:
     if limit is not None and len(data) > limit:
         raise ShardError(path, f"larger than {limit} bytes; expected {expected}")
     return data
+
+
+def read_json(path: str, invalid: str, expected: str, limit: int | None = None):
+    """The JSON value in a regular file (UTF-8). ShardError naming the file, ``invalid`` and why for
+    anything that is not one: bad syntax or encoding, nesting too deep for the parser, an integer
+    too long to convert; for a special file, or more than ``limit`` bytes, naming ``expected``."""
+    data = read_regular(path, expected, limit)
+    try:
+        return json.loads(data.decode("utf-8"))
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, int digits over the limit
+        raise ShardError(path, f"{invalid} ({e})") from None
+    except RecursionError:
+        raise ShardError(path, f"{invalid} (nested too deeply to read)") from None
 
 
 def file_kind(path: str) -> str | None:

@@ -215,7 +215,7 @@ def read_lengths(path: str | os.PathLike) -> np.ndarray:
     """
     path = os.fspath(path)
     if path.lower().endswith(".json"):
-        values = _read_json(path, "not a JSON list of integers", "a JSON list of integers (one token count per document)")
+        values = _files.read_json(path, "not a JSON list of integers", "a JSON list of integers (one token count per document)")
         if not isinstance(values, list) or not all(type(v) is int for v in values):
             raise ShardError(path, "expected a JSON list of integers (one token count per document)")
         big = next((i for i, v in enumerate(values) if not -2**63 <= v < 2**63), None)
@@ -235,19 +235,6 @@ def read_lengths(path: str | os.PathLike) -> np.ndarray:
         i = int(np.argmax(arr < 0))
         raise ShardError(path, f"length {int(arr[i])} at index {i} is negative")
     return arr
-
-
-def _read_json(path: str, invalid: str, expected: str, limit: int | None = None):
-    """The JSON value in a regular file (UTF-8). ShardError naming the file, ``invalid`` and why for
-    anything that is not one: bad syntax or encoding, nesting too deep for the parser, an integer
-    too long to convert; for a special file, or more than ``limit`` bytes, naming ``expected``."""
-    data = _files.read_regular(path, expected, limit)
-    try:
-        return json.loads(data.decode("utf-8"))
-    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, int digits over the limit
-        raise ShardError(path, f"{invalid} ({e})") from None
-    except RecursionError:
-        raise ShardError(path, f"{invalid} (nested too deeply to read)") from None
 
 
 # --------------------------------------------------------------------------- the Shard
@@ -556,7 +543,7 @@ def read_manifest(path: str | os.PathLike) -> dict:
         raise ShardError(path, "no such file; a shard directory holds manifest.json, tokens.npy and offsets.npy (make one with `lik pack`)") from None
     except OSError:
         pass  # reported below as what it is (permission denied, ...)
-    m = _read_json(path, "not valid JSON", "a manifest (a small JSON object)", _MAX_MANIFEST_BYTES)
+    m = _files.read_json(path, "not valid JSON", "a manifest (a small JSON object)", _MAX_MANIFEST_BYTES)
     if not isinstance(m, dict):
         raise ShardError(path, f"expected a JSON object, got {type(m).__name__}")
     if m.get("format") != FORMAT:
