@@ -67,9 +67,9 @@ def read_index(path: str | os.PathLike) -> IndexArrays:
     pylate = os.path.join(path, "fast_plaid_index")  # PyLate's PLAID: a fast-plaid index inside it
     if _files.file_kind(pylate) == "a directory" and _files.file_kind(os.path.join(pylate, "centroids.npy")):
         path = pylate
-    if _files.file_kind(os.path.join(path, "centroids.npy")):
+    if _present(os.path.join(path, "centroids.npy")):
         return _read_fast_plaid(path)
-    if _files.file_kind(os.path.join(path, "centroids.pt")):
+    if _present(os.path.join(path, "centroids.pt")):
         return _read_colbert(path)
     raise ShardError(path, "neither a fast-plaid index (centroids.npy), a PyLate index (fast_plaid_index/) nor a "
                            "ColBERTv2 index (centroids.pt)")
@@ -104,7 +104,7 @@ def _doclens(path: str, chunks: int) -> tuple[np.ndarray, list[int]]:
     pieces, rows, total = [np.zeros(1, np.int64)], [], 0
     for i in range(chunks):
         name = os.path.join(path, f"doclens.{i}.json")
-        if _files.file_kind(name) is None:
+        if not _present(name):
             raise ShardError(name, f"no such file; metadata.json says the index has {chunks} chunks")
         cum = np.cumsum(read_lengths(name))
         # lengths are >= 0 and below 2**63: a sum past int64 shows as a step down where it wraps
@@ -146,9 +146,9 @@ def _what(a) -> str:
 
 def _payload(part, suffix: str, row_bytes: int, name: str):
     """``part`` if it is what a chunk's codes (integers [n]) or residuals (uint8 [n, row_bytes]) must be."""
-    if suffix == "codes":
-        ok = isinstance(part, np.ndarray) and part.ndim == 1 and part.dtype.kind in "iu"
-        expected = "integer codes [n]"
+    if suffix == "codes":  # the dtypes the scoring functions take as ids
+        ok = isinstance(part, np.ndarray) and part.ndim == 1 and part.dtype in (np.dtype("<i4"), np.dtype("<i8"))
+        expected = "int32 or int64 codes [n]"
     else:
         ok = isinstance(part, np.ndarray) and part.dtype == np.uint8 and part.shape[1:] == (row_bytes,)
         expected = f"uint8 residual bits [n, {row_bytes}]"
@@ -182,14 +182,13 @@ def _chunked(path: str, suffix: str, rows: list[int], row_bytes: int) -> np.ndar
     yet, or an index from before merged files), else its rows of ``merged_{suffix}.npy`` at the
     offset the manifest gives (the chunks' rows in order when there is no manifest)."""
     merged_path = os.path.join(path, f"merged_{suffix}.npy")
-    merged = _payload(open_npy(merged_path), suffix, row_bytes, merged_path) if _files.file_kind(merged_path) \
-        else None
+    merged = _payload(open_npy(merged_path), suffix, row_bytes, merged_path) if _present(merged_path) else None
     manifest = _manifest(path, suffix)
     parts, at = [], 0
     for i, n in enumerate(rows):
         own = os.path.join(path, f"{i}.{suffix}.npy")
         entry = manifest.get(f"{i}.{suffix}.npy")
-        if _files.file_kind(own):
+        if _present(own):
             part = _payload(open_npy(own), suffix, row_bytes, own)
             where = own
         elif merged is not None:
@@ -223,7 +222,7 @@ def _concatenated(parts: list[np.ndarray], suffix: str, row_bytes: int) -> np.nd
 def _manifest(path: str, suffix: str) -> dict[str, int]:
     """merged_{suffix}.manifest.json as {file name: rows} (empty when there is none)."""
     name = os.path.join(path, f"merged_{suffix}.manifest.json")
-    if not _files.file_kind(name):
+    if not _present(name):
         return {}
     m = _files.read_json(name, "not valid JSON", "a fast-plaid manifest (a JSON object)")
     if not isinstance(m, dict):
@@ -235,6 +234,12 @@ def _manifest(path: str, suffix: str) -> dict[str, int]:
             raise ShardError(name, f"{_short(key)} has rows {_short(rows)}; expected an integer >= 0")
         out[key] = rows
     return out
+
+
+def _present(name: str) -> bool:
+    """Whether anything is at ``name``: a dangling link where an optional file goes is read (and
+    refused as missing), not taken for no file."""
+    return os.path.islink(name) or _files.file_kind(name) is not None
 
 
 def _contiguous_merged(parts: list[np.ndarray], merged) -> bool:
