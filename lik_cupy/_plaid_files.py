@@ -1,5 +1,5 @@
-"""The on-disk layouts of fast-plaid and ColBERTv2 (PLAID) indexes, read into NumPy arrays for
-``lik_cupy.plaid.PlaidIndex``. Nothing here writes to the index directory.
+"""The on-disk layouts of fast-plaid, ColBERTv2 and PyLate (PLAID) indexes, read into NumPy arrays
+for ``lik_cupy.plaid.PlaidIndex``. Nothing here writes to the index directory.
 
 fast-plaid (``metadata.json`` beside ``centroids.npy``):
     metadata.json                    {"nbits", "num_chunks", ...}
@@ -16,10 +16,22 @@ ColBERTv2 (``metadata.json`` with a "config" beside ``centroids.pt``):
     centroids.pt                     [C, d] float16 (torch.save)
     buckets.pt                       (bucket_cutoffs, bucket_weights)
     doclens.{i}.json, {i}.codes.pt (int32 [n]), {i}.residuals.pt (uint8 [n, d * nbits / 8])
+PyLate (its PLAID index directory):
+    fast_plaid_index/                a fast-plaid index, read as above
+    *.pkl                            PyLate's document-id maps: pickles, never read (ids are positions)
 
 ``.pt`` files are torch zip archives, read by a small interpreter of the pickle opcodes torch.save
 writes for tensors, which builds NumPy arrays and refuses any other object (so torch is not needed,
 and a file cannot run code: nothing here imports pickle).
+
+Every file is hostile until checked, and every problem is a ShardError naming the file: each is
+opened as a regular file (``lik_cupy._files``: a FIFO or a device is refused, never waited on);
+``.npy`` headers are checked against the file's size before it is mapped (``shards.open_npy``); a
+``.pt`` member's claimed size against the file, a compressed one's expansion against
+``_MAX_EXPANSION``, and every tensor's elements against its storage's bytes before any view is made;
+counts must agree across files (metadata's chunks, each chunk's doclens, codes and residual rows,
+the manifests' rows); codes are int32 or int64 naming a centroid, lengths integers >= 0 whose sum
+fits int64; centroids and bucket weights finite. Memory is bounded by what the files hold.
 """
 
 from __future__ import annotations
@@ -76,8 +88,8 @@ def read_index(path: str | os.PathLike) -> IndexArrays:
 
 
 def _metadata(path: str) -> tuple[dict, int, int]:
-    """metadata.json, its nbits (from its "config" for ColBERTv2) and its number of chunks, which
-    may not exceed the directory's entries (each chunk has files of its own)."""
+    """metadata.json's config (its "config" for ColBERTv2, else itself), nbits and number of chunks,
+    which may not exceed the directory's entries (each chunk has files of its own)."""
     name = os.path.join(path, "metadata.json")
     meta = _files.read_json(name, "not valid JSON", "an index's metadata (a small JSON object)", _MAX_METADATA_BYTES)
     config = meta.get("config", meta) if isinstance(meta, dict) else None
@@ -86,9 +98,13 @@ def _metadata(path: str) -> tuple[dict, int, int]:
     nbits, chunks = config.get("nbits"), meta.get("num_chunks")
     if type(nbits) is not int or nbits not in (1, 2, 4):
         raise ShardError(name, f"nbits is {_short(nbits)}; expected 1, 2 or 4")
-    if type(chunks) is not int or not 0 <= chunks <= len(os.listdir(path)):
+    try:
+        entries = len(os.listdir(path))
+    except OSError as e:
+        raise ShardError(path, f"cannot list the index directory: {_files.problem(e)}") from None
+    if type(chunks) is not int or not 0 <= chunks <= entries:
         raise ShardError(name, f"num_chunks is {_short(chunks)}; expected an integer from 0 to the files in the index")
-    return meta, nbits, chunks
+    return config, nbits, chunks
 
 
 def _short(value) -> str:
@@ -255,9 +271,12 @@ def _contiguous_merged(parts: list[np.ndarray], merged) -> bool:
 
 
 def _read_colbert(path: str) -> IndexArrays:
-    _, nbits, chunks = _metadata(path)
+    config, nbits, chunks = _metadata(path)
+    dim = config.get("dim")
     name = os.path.join(path, "centroids.pt")
     centroids = _centroids(read_torch_file(name), name)
+    if dim is not None and dim != centroids.shape[1]:
+        raise ShardError(name, f"centroids of dim {centroids.shape[1]}, but metadata.json says dim {_short(dim)}")
     name = os.path.join(path, "buckets.pt")
     buckets = read_torch_file(name)
     if not isinstance(buckets, (tuple, list)) or len(buckets) != 2:
@@ -321,8 +340,8 @@ def _rebuild_tensor(storage, offset, size, stride, *_):
     into a large array by overlapping strides)."""
     if not isinstance(storage, np.ndarray):
         raise _Refused("a tensor's storage is not a storage")
-    if not (type(offset) is int and _ints(size) and _ints(stride) and len(size) == len(stride)):
-        raise _Refused("a tensor's offset, size and stride are not integers of one rank")
+    if not (type(offset) is int and _ints(size) and _ints(stride) and len(size) == len(stride) <= 64):
+        raise _Refused("a tensor's offset, size and stride are not integers of one rank (at most 64)")
     if offset < 0 or any(n < 0 for n in size) or any(st < 0 for st in stride):
         raise _Refused(f"a tensor has a negative offset, size or stride (offset {offset}, rank {len(size)})")
     numel, room = 1, storage.dtype.itemsize

@@ -285,12 +285,14 @@ def _gpu(rp: ResidualProblem, Q, codes, residuals, lens_or_offsets, centroids, w
 
 
 class PlaidIndex:
-    """A fast-plaid or ColBERTv2 index, read for exact reranking by candidate ids.
+    """A fast-plaid, ColBERTv2 or PyLate PLAID index, read for exact reranking by candidate ids.
 
     ``PlaidIndex.open(index_dir)`` reads the codec (centroids, bucket weights), every document's
     codes and packed residual bits (memory-mapped where the files allow) and the document
-    offsets (``lik_cupy._plaid_files`` describes both layouts), checks that every code names a
-    centroid, and decompresses nothing. Bucket weights are rounded to float16, as both tools
+    offsets (``lik_cupy._plaid_files`` describes the layouts), checks that every code names a
+    centroid, and decompresses nothing. Index files are read as hostile: anything missing,
+    special, truncated, inconsistent across files or of the wrong type raises
+    :class:`lik_cupy.errors.ShardError` naming the file. Bucket weights are rounded to float16, as both tools
     decompress with them on the GPU.
 
     Attributes: ``kind`` ("fast-plaid" or "colbertv2"), ``nbits``, ``dim``, ``centroids``
@@ -316,7 +318,8 @@ class PlaidIndex:
 
     @classmethod
     def open(cls, index_dir: str | os.PathLike) -> PlaidIndex:
-        """Read the fast-plaid or ColBERTv2 index in directory ``index_dir``."""
+        """Read the fast-plaid, ColBERTv2 or PyLate index in directory ``index_dir`` (ShardError naming
+        the file for any file that is not what the layout says)."""
         from ._plaid_files import read_index
 
         return cls(read_index(index_dir))

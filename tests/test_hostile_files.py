@@ -346,6 +346,8 @@ def test_torch_reader_refuses_hostile_archives(tmp_path):
         "negative stride": lambda: pt_bytes(tensor(arr, offset=7, size=(8,), stride=(-1,))[0], st),
         "negative offset": lambda: pt_bytes(tensor(arr, offset=-4)[0], st),
         "huge size": lambda: pt_bytes(tensor(arr, size=(2**62, 2**62), stride=(0, 0))[0], st),
+        "rank 65": lambda: pt_bytes(tensor(arr, size=(1,) * 65, stride=(1,) * 65)[0], st),
+        "rank 100000": lambda: pt_bytes(tensor(arr, size=(2,) * 100_000, stride=(0,) * 100_000)[0], st),
         "float size": lambda: pt_bytes(tensor(arr)[0].replace(b"(K\x08t", b"(G" + struct.pack(">d", 8.0) + b"t"), st),
         "not a zip": lambda: b"\x80\x02N.",
     }
@@ -355,6 +357,14 @@ def test_torch_reader_refuses_hostile_archives(tmp_path):
         special(tmp_path / f"{what}.pt", what)
     results = open_in_child([(name, "pt", [str(tmp_path / f"{name}.pt")]) for name in [*data, *SPECIALS]])
     check(results, dict.fromkeys(results, "error"), tmp_path)
+    why = {"bomb": "more than 64 times", "deep key": "a dict key is a tuple", "big pickle": "expected at most 1048576",
+           "forged storage type": "expected a storage", "no storage": "no member 'archive/data/0'",
+           "truncated storage": "holds 31 bytes, not the 32", "overlapping strides": "claims 8000 elements",
+           "negative stride": "negative", "negative offset": "negative", "huge size": "more than 2**63 bytes",
+           "rank 65": "at most 64", "rank 100000": "at most 64", "float size": "not integers",
+           "not a zip": "not a torch zip archive", "fifo": "is a FIFO", "dev zero": "is a character device",
+           "directory": "is a directory", "dangling": "no such file"}
+    assert not [n for n, r in results.items() if why[n] not in r["message"]], results
 
 
 # --------------------------------------------------------------------------- fuzz: PLAID indexes
@@ -553,6 +563,8 @@ def test_fuzz_colbertv2_indexes(tmp_path):
                          ("2-D codes", lambda d: save_pt(d / "0.codes.pt", codes[:cut].astype(np.int32)[:, None])),
                          ("residuals of nbits 4", lambda d: save_pt(d / "1.residuals.pt", np.repeat(bits[cut:], 2, 1))),
                          ("a tensor where buckets were", lambda d: save_pt(d / "buckets.pt", w)),
+                         ("dim 64", lambda d: (d / "metadata.json").write_text(
+                             json.dumps({"config": {"nbits": 2, "dim": 64}, "num_chunks": 2}))),
                          ("nbits 3", lambda d: (d / "metadata.json").write_text(
                              json.dumps({"config": {"nbits": 3}, "num_chunks": 2}))),
                          ("config a list", lambda d: (d / "metadata.json").write_text(
