@@ -108,7 +108,9 @@ def open_npy(path: str | os.PathLike) -> np.ndarray:
     Returns a ``numpy.memmap`` of the file's shape and dtype. Raises ShardError for a
     missing, unreadable, empty, truncated or corrupt file, a special file (a FIFO, a
     device) or a directory, a header whose shape no file could hold, a ``.npz``
-    archive, or object data.
+    archive, object data, or format version 3.0 (structured dtypes with non-Latin-1
+    field names, which no embedding, length or id array has). The file checked is the
+    file mapped: one descriptor, so a FIFO swapped in after the check is never opened.
     """
     path = os.fspath(path)
     with _files.open_regular(path, "a .npy file") as f:
@@ -121,25 +123,26 @@ def open_npy(path: str | os.PathLike) -> np.ndarray:
             raise ShardError(path, "not a .npy file (bad magic bytes); write it with numpy.save")
         f.seek(0)
         try:
-            _check_npy_header(path, f)
+            shape, fortran, dtype = _check_npy_header(path, f)
+            return np.memmap(f, dtype=dtype, mode="r", shape=shape, order="F" if fortran else "C", offset=f.tell())
+        except ShardError:
+            raise
         except (ValueError, OSError, EOFError, SyntaxError, TypeError, tokenize.TokenError) as e:
             raise ShardError(path, _npy_problem(e)) from None
-    try:
-        return np.load(path, mmap_mode="r", allow_pickle=False)
-    except (ValueError, OSError, EOFError, SyntaxError, TypeError, tokenize.TokenError) as e:
-        raise ShardError(path, _npy_problem(e)) from None
 
 
-def _check_npy_header(path: str, f) -> None:
-    """Refuse, before NumPy maps it, a header whose shape is negative, needs more than 2**63 bytes
-    (NumPy's own size arithmetic would overflow) or more bytes than the file holds."""
+def _check_npy_header(path: str, f) -> tuple[tuple[int, ...], bool, np.dtype]:
+    """The header's (shape, fortran order, dtype), leaving ``f`` at the data. Refuses a header
+    whose shape is negative, needs more than 2**63 bytes (NumPy's own size arithmetic would
+    overflow) or more bytes than the file holds, before anything is mapped."""
     version = np.lib.format.read_magic(f)
     if version == (1, 0):
-        shape, _, dtype = np.lib.format.read_array_header_1_0(f)
+        shape, fortran, dtype = np.lib.format.read_array_header_1_0(f)
     elif version == (2, 0):
-        shape, _, dtype = np.lib.format.read_array_header_2_0(f)
+        shape, fortran, dtype = np.lib.format.read_array_header_2_0(f)
     else:
-        return  # version 3 (utf-8 field names): np.load reads and checks it
+        raise ShardError(path, f".npy format version {version[0]}.{version[1]} is not read; expected 1.0 or 2.0 "
+                               "(numpy.save writes them for every numeric or string array)")
     if dtype.hasobject:
         raise ShardError(path, "holds Python objects (object dtype); only numeric and fixed-width string arrays are read")
     if any(n < 0 for n in shape):
@@ -154,6 +157,7 @@ def _check_npy_header(path: str, f) -> None:
     if need > have:
         raise ShardError(path, f"truncated .npy file: it holds fewer bytes than its header's shape needs "
                                f"({shape} {dtype}: {need:,} bytes of data, {max(have, 0):,} in the file)")
+    return shape, fortran, dtype
 
 
 def _npy_problem(e: BaseException) -> str:

@@ -647,3 +647,39 @@ def test_fuzz_shards_and_npy_inputs(tmp_path):
     for prefix, original in originals.items():
         check(results, {k: v for k, v in expect.items() if k.startswith(prefix + " ")}, tmp_path, original)
     check(results, {k: v for k, v in expect.items() if k.split()[0] not in originals}, tmp_path)
+
+
+def test_the_npy_file_checked_is_the_file_mapped(tmp_path):
+    # A FIFO renamed over a .npy between its check and its mapping is never opened: the old
+    # reader checked one descriptor, then np.load opened the path again and waited on the FIFO.
+    np.save(tmp_path / "x.npy", np.arange(5, dtype=np.int64))
+    os.mkfifo(tmp_path / "fifo")
+    code = f"""
+import numpy as np
+from lik_cupy import shards
+check = shards._check_npy_header
+def swapped(path, f):
+    out = check(path, f)
+    import os
+    os.replace({str(tmp_path / 'fifo')!r}, path)
+    return out
+shards._check_npy_header = swapped
+print(shards.open_npy({str(tmp_path / 'x.npy')!r}).tolist())
+"""
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    try:
+        p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=SECONDS)
+    except subprocess.TimeoutExpired:
+        pytest.fail("open_npy waited on the FIFO swapped in after its check")
+    assert p.returncode == 0 and p.stdout.strip() == "[0, 1, 2, 3, 4]", p.stderr
+
+
+def test_npy_errors_name_the_file_once_and_version_3_is_refused(tmp_path):
+    (tmp_path / "neg.npy").write_bytes(npy_bytes(np.zeros(3), shape=(-1,)))
+    with pytest.raises(shards.ShardError) as e:
+        shards.open_npy(tmp_path / "neg.npy")
+    assert str(e.value) == f"{tmp_path / 'neg.npy'}: header's shape (-1,) has a negative dimension"
+    with open(tmp_path / "v3.npy", "wb") as f:
+        np.lib.format.write_array(f, np.zeros(3), version=(3, 0))
+    with pytest.raises(shards.ShardError, match=r"v3.npy: .npy format version 3.0 is not read"):
+        shards.open_npy(tmp_path / "v3.npy")
