@@ -260,8 +260,11 @@ def write_pylate(path: pathlib.Path) -> None:
     (path / "documents_ids_to_plaid_ids.pkl").write_bytes(b"cos\nsystem\n(S'exit 3'\ntR.")
 
 
-def original_digest(kind: str, *args) -> str:
-    return open_in_child([("original", kind, list(map(str, args)))])["original"]["digest"]
+def with_original(cases: list, kind: str, *args) -> tuple[dict[str, dict], str]:
+    """Run ``cases`` in one child after the unmutated input: (their results, its digest)."""
+    results = open_in_child([("original", kind, list(map(str, args))), *cases])
+    assert results["original"]["outcome"] == "ok", results["original"]
+    return results, results["original"]["digest"]
 
 
 # --------------------------------------------------------------------------- the repros of issue 44
@@ -491,8 +494,7 @@ def test_fuzz_fast_plaid_and_pylate_indexes(tmp_path):
     write_pylate(pylate)
     case(pylate, "pylate", "documents_ids_to_plaid_ids.pkl", lambda p: None, "same")
     case(pylate, "pylate codes fifo", "fast_plaid_index/merged_codes.npy", lambda p: special(p, "fifo"), "error")
-    original = original_digest("plaid", fixture)
-    results = open_in_child(cases)
+    results, original = with_original(cases, "plaid", fixture)
     check(results, expect, tmp_path, original)
     assert len(cases) > 250
 
@@ -574,8 +576,7 @@ def test_fuzz_colbertv2_indexes(tmp_path):
         mutate(d)
         cases.append((name, "plaid", [str(d)]))
         expect[name] = "same" if name == "int64 codes" else "error"
-    original = original_digest("plaid", base)
-    results = open_in_child(cases)
+    results, original = with_original(cases, "plaid", base)
     check(results, expect, tmp_path, original)
 
 
@@ -641,9 +642,10 @@ def test_fuzz_shards_and_npy_inputs(tmp_path):
     case(base, "manifest names a file outside", "manifest.json", lambda p: p.write_text(json.dumps(
         {**json.loads(p.read_text()), "files": {"tokens": "/dev/zero", "offsets": "offsets.npy"}})), "error",
          shard_args)
-    originals = {src.name: open_in_child([("o", "shard", args(src))])["o"]["digest"]
-                 for src, args in ((base, shard_args), (int8, shard_args), (flat, flat_args))}
-    results = open_in_child(cases)
+    sources = ((base, shard_args), (int8, shard_args), (flat, flat_args))
+    results = open_in_child([(src.name, "shard", args(src)) for src, args in sources] + cases)
+    assert all(results[src.name]["outcome"] == "ok" for src, _ in sources), results
+    originals = {src.name: results[src.name]["digest"] for src, _ in sources}
     for prefix, original in originals.items():
         check(results, {k: v for k, v in expect.items() if k.startswith(prefix + " ")}, tmp_path, original)
     check(results, {k: v for k, v in expect.items() if k.split()[0] not in originals}, tmp_path)
