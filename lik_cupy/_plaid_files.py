@@ -206,17 +206,18 @@ def _chunked(path: str, suffix: str, rows: list[int], row_bytes: int) -> np.ndar
         entry = manifest.get(f"{i}.{suffix}.npy")
         if _present(own):
             part = _payload(open_npy(own), suffix, row_bytes, own)
-            where = own
+            where, rows_of = own, f"chunk {i}"
         elif merged is not None:
             if entry is not None and entry != n:
                 raise ShardError(os.path.join(path, f"merged_{suffix}.manifest.json"),
                                  f"chunk {i} has {entry} rows but its doclens add up to {n}")
             part = merged[at:at + n]
-            where = f"{merged_path} (chunk {i}'s rows from {at})"
+            where, rows_of = merged_path, f"chunk {i} from row {at}"
         else:
             raise ShardError(own, f"no such file, and no merged_{suffix}.npy holds chunk {i}'s rows")
         if part.shape[0] != n:
-            raise ShardError(where, f"{part.shape[0]} rows of {suffix} for chunk {i}, whose doclens add up to {n}")
+            raise ShardError(where, f"{part.shape[0]} rows of {suffix} for {rows_of}, but doclens.{i}.json adds up "
+                                    f"to {n} tokens")
         parts.append(part)
         at += n if entry is None else entry
     if _contiguous_merged(parts, merged):  # one view of the merged file: nothing copied
@@ -542,8 +543,9 @@ def read_torch_file(path: str):
             raise ShardError(path, str(e)) from None
         except ShardError:
             raise
+        # a malformed pickle or archive (RecursionError is a RuntimeError)
         except (ValueError, KeyError, IndexError, TypeError, AttributeError, EOFError, NotImplementedError,
-                RuntimeError, zipfile.LargeZipFile, zlib.error, lzma.LZMAError) as e:  # a malformed pickle or archive: RecursionError too
+                RuntimeError, zipfile.LargeZipFile, zlib.error, lzma.LZMAError) as e:
             raise ShardError(path, f"corrupt torch archive ({type(e).__name__}: {_short(str(e))})") from None
 
 
