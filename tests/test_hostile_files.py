@@ -683,3 +683,24 @@ def test_npy_errors_name_the_file_once_and_version_3_is_refused(tmp_path):
         np.lib.format.write_array(f, np.zeros(3), version=(3, 0))
     with pytest.raises(shards.ShardError, match=r"v3.npy: .npy format version 3.0 is not read"):
         shards.open_npy(tmp_path / "v3.npy")
+
+
+def test_special_files_are_judged_without_being_opened(tmp_path, monkeypatch):
+    # Opening a device can act (a tape rewinds, a watchdog starts): a link to one is refused by
+    # stat alone, for every reader.
+    from lik_cupy import PlaidIndex
+    from lik_cupy._plaid_files import read_torch_file
+
+    opened = []
+    real_open = os.open
+    monkeypatch.setattr(os, "open", lambda path, *a, **k: opened.append(os.fspath(path)) or real_open(path, *a, **k))
+    idx = tmp_path / "idx"
+    shutil.copytree(FIXTURE, idx)
+    special(idx / "merged_codes.npy", "dev zero")
+    (tmp_path / "x.pt").symlink_to("/dev/null")
+    (tmp_path / "lens.json").symlink_to("/dev/null")
+    for read, path in ((PlaidIndex.open, idx), (read_torch_file, tmp_path / "x.pt"),
+                       (shards.read_lengths, tmp_path / "lens.json"), (shards.open_npy, idx / "merged_codes.npy")):
+        with pytest.raises(shards.ShardError, match="is a character device"):
+            read(path)
+    assert not [p for p in opened if os.path.realpath(p).startswith("/dev/")], opened
