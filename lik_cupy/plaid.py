@@ -20,7 +20,7 @@ and scores them exactly.
 - :func:`maxsim_residual_varlen` - packed documents ``codes [T]`` with offsets, all of them or, with
   ``candidates [Nq, K]``, each query's own candidates scored in place (a PLAID search's rerank);
 - :func:`decompress_residuals` - the embeddings themselves (NumPy), to check against a tool's own;
-- :class:`PlaidIndex` - a fast-plaid or ColBERTv2 index directory, read for exact reranking by
+- :class:`PlaidIndex` - a fast-plaid, ColBERTv2 or PyLate index directory, read for exact reranking by
   candidate ids.
 
 Queries are used as given (ColBERT models emit unit-length query tokens). Unlike LIK 0.4.5's
