@@ -129,6 +129,9 @@ def _doclens(path: str, chunks: int) -> tuple[np.ndarray, list[int]]:
         pieces.append(cum + total)
         rows.append(int(cum[-1]) if cum.size else 0)
         total += rows[-1]
+    extra = os.path.join(path, f"doclens.{chunks}.json")
+    if _present(extra):
+        raise ShardError(extra, f"a chunk that metadata.json does not count (it says {chunks} chunks)")
     return np.concatenate(pieces), rows
 
 

@@ -488,6 +488,8 @@ def test_fuzz_fast_plaid_and_pylate_indexes(tmp_path):
          lambda p: p.write_bytes(npy_bytes(np.where(np.arange(codes.size) == 7, 512, codes))), "error")
     case(fixture, "num_chunks 2", "metadata.json",
          lambda p: p.write_text(json.dumps({**json.loads(p.read_text()), "num_chunks": 2})), "error")
+    case(fixture, "num_chunks 0", "metadata.json",
+         lambda p: p.write_text(json.dumps({**json.loads(p.read_text()), "num_chunks": 0})), "error")
     pylate = tmp_path / "pylate"
     write_pylate(pylate)
     case(pylate, "pylate", "documents_ids_to_plaid_ids.pkl", lambda p: None, "same")
