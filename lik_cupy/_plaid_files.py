@@ -330,6 +330,15 @@ class _Refused(Exception):
 
 
 @dataclass(frozen=True)
+class _Storage:
+    """A storage's elements, contiguous: made only by ``read_torch_file``, so a tensor can be
+    rebuilt over nothing else (a tensor rebuilt over a strided view of another could reach past
+    the bytes the checks counted)."""
+
+    array: np.ndarray
+
+
+@dataclass(frozen=True)
 class _StorageType:
     """A storage type the pickle named (``torch.HalfStorage``, ...): made only by ``resolve``, so a
     pickle cannot forge one of another dtype."""
@@ -342,8 +351,9 @@ def _rebuild_tensor(storage, offset, size, stride, *_):
     that every element the view reaches lies inside the storage and that it claims no more
     elements than the storage holds (so a file cannot read past its bytes, nor expand a few bytes
     into a large array by overlapping strides)."""
-    if not isinstance(storage, np.ndarray):
-        raise _Refused("a tensor's storage is not a storage")
+    if not isinstance(storage, _Storage):
+        raise _Refused(f"a tensor's storage is a {type(storage).__name__}, not a storage")
+    storage = storage.array
     if not (type(offset) is int and _ints(size) and _ints(stride) and len(size) == len(stride) <= 64):
         raise _Refused("a tensor's offset, size and stride are not integers of one rank (at most 64)")
     if offset < 0 or any(n < 0 for n in size) or any(st < 0 for st in stride):
@@ -582,12 +592,12 @@ def _read_archive(archive: zipfile.ZipFile, file_bytes: int):
         raise _Refused("big-endian tensors are not read")
     storages: dict[str, bytes] = {}  # each member read once, however often the pickle names it
 
-    def storage(key: str, dtype: type, numel: int) -> np.ndarray:
+    def storage(key: str, dtype: type, numel: int) -> _Storage:
         if key not in storages:
             storages[key] = member(f"{prefix}data/{key}", 2**63)
         data, need = storages[key], numel * np.dtype(dtype).itemsize
         if len(data) < need:
             raise _Refused(f"storage {_short(key)} holds {len(data)} bytes, not the {need} its {numel} elements need")
-        return np.frombuffer(data, dtype, count=numel)
+        return _Storage(np.frombuffer(data, dtype, count=numel))
 
     return _unpickle(member(pkl[0], _MAX_PICKLE_BYTES), storage)

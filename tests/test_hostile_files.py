@@ -351,6 +351,10 @@ def test_torch_reader_refuses_hostile_archives(tmp_path):
         "rank 100000": lambda: pt_bytes(tensor(arr, size=(2,) * 100_000, stride=(0,) * 100_000)[0], st),
         "float size": lambda: pt_bytes(tensor(arr)[0].replace(b"(K\x08t", b"(G" + struct.pack(">d", 8.0) + b"t"), st),
         "not a zip": lambda: b"\x80\x02N.",
+        # a view 10 long over element 9 alone, then a tensor over that view as if it were contiguous
+        "tensor over a tensor": lambda: pt_bytes(b"ctorch._utils\n_rebuild_tensor_v2\n" + _tuple(
+            [tensor_pickle("0", "IntStorage", 8, 7, (8,), (0,)), _int(0), _tuple([_int(8)]), _tuple([_int(1)]),
+             b"\x89", b"ccollections\nOrderedDict\n)R"]) + b"R", st),
     }
     for case, make in data.items():
         (tmp_path / f"{case}.pt").write_bytes(make())
@@ -364,7 +368,8 @@ def test_torch_reader_refuses_hostile_archives(tmp_path):
            "negative stride": "negative", "negative offset": "negative", "huge size": "more than 2**63 bytes",
            "rank 65": "at most 64", "rank 100000": "at most 64", "float size": "not integers",
            "not a zip": "not a torch zip archive", "fifo": "is a FIFO", "dev zero": "is a character device",
-           "directory": "is a directory", "dangling": "no such file"}
+           "directory": "is a directory", "dangling": "no such file",
+           "tensor over a tensor": "storage is a ndarray, not a storage"}
     assert not [n for n, r in results.items() if why[n] not in r["message"]], results
 
 
