@@ -292,8 +292,8 @@ class PlaidIndex:
     offsets (``lik_cupy._plaid_files`` describes the layouts), checks that every code names a
     centroid, and decompresses nothing. Index files are read as hostile: anything missing,
     special, truncated, inconsistent across files or of the wrong type raises
-    :class:`lik_cupy.errors.ShardError` naming the file. Bucket weights are rounded to float16, as both tools
-    decompress with them on the GPU.
+    :class:`lik_cupy.errors.ShardError` naming the file. Bucket weights are rounded to float16,
+    as both tools decompress with them on the GPU.
 
     Attributes: ``kind`` ("fast-plaid" or "colbertv2"), ``nbits``, ``dim``, ``centroids``
     (float16 ``[C, d]``), ``bucket_weights`` (float32 ``[2**nbits]``), ``codes`` (``[T]``),
