@@ -1,18 +1,20 @@
 """Input files as the operating system sees them: what a path is, and what went wrong, in words.
 
-Every input the package reads (``.npy`` arrays, lengths and manifests) is first opened here
-with ``O_NONBLOCK``, so that a FIFO given as an input is refused at once instead of blocking
-until some writer appears, and ``fstat`` decides what it is: anything but a regular file
-(a FIFO, ``/dev/zero``, a socket, a directory) is refused before a byte is read. Failures
-become a :class:`ShardError` naming the path and saying what the error was (no such file,
-permission denied, a name too long, ...) rather than a guess: a file that cannot be seen
-for lack of permission is not reported as missing.
+Every input the package reads (``.npy`` arrays, lengths, manifests, PLAID index files) is
+first judged here by ``stat``: anything but a regular file (a FIFO, ``/dev/zero``, a socket, a
+directory) is refused without being opened. A regular file is then opened with ``O_NONBLOCK``
+and judged again by ``fstat``, so that a FIFO renamed into its place in between is refused at
+once instead of blocking until some writer appears. Failures become a :class:`ShardError`
+naming the path and saying what the error was (no such file, permission denied, a name too
+long, ...) rather than a guess: a file that cannot be seen for lack of permission is not
+reported as missing.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import os
 import stat
 
@@ -77,9 +79,14 @@ def open_regular(path: str, expected: str):
 
     ``expected`` names what the path should be ("a .npy file") in the error. Raises
     ShardError naming the path for a missing file, a special file, a directory, or any
-    other OSError (permission denied, ...).
+    other OSError (permission denied, ...). A special file is judged by ``stat`` and never
+    opened (opening some devices acts); what is opened is judged again by ``fstat``, in case
+    another file took the name in between.
     """
     try:
+        mode = os.stat(path).st_mode
+        if not stat.S_ISREG(mode):
+            raise ShardError(path, f"is {kind(mode)}, expected {expected}")
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except OSError as e:
         if e.errno == errno.EISDIR:  # some systems refuse to open a directory at all
@@ -108,6 +115,19 @@ def read_regular(path: str, expected: str, limit: int | None = None) -> bytes:
     if limit is not None and len(data) > limit:
         raise ShardError(path, f"larger than {limit} bytes; expected {expected}")
     return data
+
+
+def read_json(path: str, invalid: str, expected: str, limit: int | None = None):
+    """The JSON value in a regular file (UTF-8). ShardError naming the file, ``invalid`` and why for
+    anything that is not one: bad syntax or encoding, nesting too deep for the parser, an integer
+    too long to convert; for a special file, or more than ``limit`` bytes, naming ``expected``."""
+    data = read_regular(path, expected, limit)
+    try:
+        return json.loads(data.decode("utf-8"))
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, int digits over the limit
+        raise ShardError(path, f"{invalid} ({e})") from None
+    except RecursionError:
+        raise ShardError(path, f"{invalid} (nested too deeply to read)") from None
 
 
 def file_kind(path: str) -> str | None:

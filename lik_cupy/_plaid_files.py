@@ -1,5 +1,5 @@
-"""The on-disk layouts of fast-plaid and ColBERTv2 (PLAID) indexes, read into NumPy arrays for
-``lik_cupy.plaid.PlaidIndex``. Nothing here writes to the index directory.
+"""The on-disk layouts of fast-plaid, ColBERTv2 and PyLate (PLAID) indexes, read into NumPy arrays
+for ``lik_cupy.plaid.PlaidIndex``. Nothing here writes to the index directory.
 
 fast-plaid (``metadata.json`` beside ``centroids.npy``):
     metadata.json                    {"nbits", "num_chunks", ...}
@@ -16,22 +16,42 @@ ColBERTv2 (``metadata.json`` with a "config" beside ``centroids.pt``):
     centroids.pt                     [C, d] float16 (torch.save)
     buckets.pt                       (bucket_cutoffs, bucket_weights)
     doclens.{i}.json, {i}.codes.pt (int32 [n]), {i}.residuals.pt (uint8 [n, d * nbits / 8])
+PyLate (its PLAID index directory):
+    fast_plaid_index/                a fast-plaid index, read as above
+    *.pkl                            PyLate's document-id maps: pickles, never read (ids are positions)
 
 ``.pt`` files are torch zip archives, read by a small interpreter of the pickle opcodes torch.save
 writes for tensors, which builds NumPy arrays and refuses any other object (so torch is not needed,
 and a file cannot run code: nothing here imports pickle).
+
+Every file is hostile until checked, and every problem is a ShardError naming the file: each is
+opened as a regular file (``lik_cupy._files``: a FIFO or a device is refused, never waited on);
+``.npy`` headers are checked against the file's size before it is mapped (``shards.open_npy``); a
+``.pt`` member's claimed size against the file, a compressed one's expansion against
+``_MAX_EXPANSION``, and every tensor's elements against its storage's bytes before any view is made;
+counts must agree across files (metadata's chunks, each chunk's doclens, codes and residual rows,
+the manifests' rows); codes are int32 or int64 naming a centroid, lengths integers >= 0 whose sum
+fits int64; centroids and bucket weights finite. Memory is bounded by what the files hold.
 """
 
 from __future__ import annotations
 
-import json
+import lzma
 import os
 import zipfile
+import zlib
 from dataclasses import dataclass
 
 import numpy as np
 
+from . import _files
+from .errors import ShardError
+from .shards import open_npy, read_lengths
+
 __all__ = ["IndexArrays", "read_index", "read_torch_file"]
+
+# metadata.json is a few hundred bytes; anything near this is not an index's.
+_MAX_METADATA_BYTES = 1 << 20
 
 
 @dataclass
@@ -46,87 +66,200 @@ class IndexArrays:
 
 
 def read_index(path: str | os.PathLike) -> IndexArrays:
-    """Read the fast-plaid or ColBERTv2 index in directory ``path``."""
+    """Read the fast-plaid, ColBERTv2 or PyLate PLAID index in directory ``path``.
+
+    Every file is treated as hostile: ShardError names the file and the problem for anything
+    missing, special (a FIFO, a device), truncated, of the wrong type or shape, or inconsistent
+    with the other files; memory is bounded by what the files hold."""
     path = os.fspath(path)
-    if not os.path.isdir(path):
-        raise FileNotFoundError(f"{path}: not a directory (expected a fast-plaid or ColBERTv2 index)")
-    if os.path.exists(os.path.join(path, "centroids.npy")):
+    what = _files.file_kind(path)
+    if what != "a directory":
+        raise ShardError(path, f"{'no such directory' if what is None else 'is ' + what}; expected a fast-plaid, "
+                               f"ColBERTv2 or PyLate PLAID index directory")
+    pylate = os.path.join(path, "fast_plaid_index")  # PyLate's PLAID: a fast-plaid index inside it
+    if _files.file_kind(pylate) == "a directory" and _files.file_kind(os.path.join(pylate, "centroids.npy")):
+        path = pylate
+    if _present(os.path.join(path, "centroids.npy")):
         return _read_fast_plaid(path)
-    if os.path.exists(os.path.join(path, "centroids.pt")):
+    if _present(os.path.join(path, "centroids.pt")):
         return _read_colbert(path)
-    raise FileNotFoundError(f"{path}: neither a fast-plaid index (centroids.npy) nor a ColBERTv2 index "
-                            f"(centroids.pt)")
+    raise ShardError(path, "neither a fast-plaid index (centroids.npy), a PyLate index (fast_plaid_index/) nor a "
+                           "ColBERTv2 index (centroids.pt)")
 
 
-def _json(path: str, name: str):
-    with open(os.path.join(path, name)) as f:
-        return json.load(f)
+def _metadata(path: str) -> tuple[dict, int, int]:
+    """metadata.json's config (its "config" for ColBERTv2, else itself), nbits and number of chunks,
+    which may not exceed the directory's entries (each chunk has files of its own)."""
+    name = os.path.join(path, "metadata.json")
+    meta = _files.read_json(name, "not valid JSON", "an index's metadata (a small JSON object)", _MAX_METADATA_BYTES)
+    config = meta.get("config", meta) if isinstance(meta, dict) else None
+    if not isinstance(config, dict):
+        raise ShardError(name, "expected a JSON object (with a \"config\" object for ColBERTv2)")
+    nbits, chunks = config.get("nbits"), meta.get("num_chunks")
+    if type(nbits) is not int or nbits not in (1, 2, 4):
+        raise ShardError(name, f"nbits is {_short(nbits)}; expected 1, 2 or 4")
+    try:
+        entries = len(os.listdir(path))
+    except OSError as e:
+        raise ShardError(path, f"cannot list the index directory: {_files.problem(e)}") from None
+    if type(chunks) is not int or not 0 <= chunks <= entries:
+        raise ShardError(name, f"num_chunks is {_short(chunks)}; expected an integer from 0 to the files in the index")
+    return config, nbits, chunks
 
 
-def _doclens(path: str, chunks: int) -> list[list[int]]:
-    out = []
+def _short(value) -> str:
+    """A JSON value for a message: its repr when short, else its type (a value of any depth)."""
+    if isinstance(value, (int, float, str, bool)) or value is None:
+        text = repr(value)
+        return text if len(text) <= 40 else f"a {type(value).__name__} of {len(text)} characters"
+    return f"a {type(value).__name__}"
+
+
+def _doclens(path: str, chunks: int) -> tuple[np.ndarray, list[int]]:
+    """Every chunk's doclens.{i}.json: (int64 offsets [N + 1], each chunk's token count)."""
+    pieces, rows, total = [np.zeros(1, np.int64)], [], 0
     for i in range(chunks):
-        name = f"doclens.{i}.json"
-        out.append([int(n) for n in _json(path, name)] if os.path.exists(os.path.join(path, name)) else [])
-    return out
+        name = os.path.join(path, f"doclens.{i}.json")
+        if not _present(name):
+            raise ShardError(name, f"no such file; metadata.json says the index has {chunks} chunks")
+        cum = np.cumsum(read_lengths(name))
+        # lengths are >= 0 and below 2**63: a sum past int64 shows as a step down where it wraps
+        if (cum[1:] < cum[:-1]).any() or total + (int(cum[-1]) if cum.size else 0) >= 2**63:
+            raise ShardError(name, "document lengths add up to 2**63 tokens or more; expected token counts")
+        pieces.append(cum + total)
+        rows.append(int(cum[-1]) if cum.size else 0)
+        total += rows[-1]
+    extra = os.path.join(path, f"doclens.{chunks}.json")
+    if _present(extra):
+        raise ShardError(extra, f"a chunk that metadata.json does not count (it says {chunks} chunks)")
+    return np.concatenate(pieces), rows
 
 
-def _weights(w: np.ndarray, nbits: int, where: str) -> np.ndarray:
-    w = np.asarray(w).reshape(-1)
+def _weights(w: np.ndarray, nbits: int, name: str) -> np.ndarray:
+    if not isinstance(w, np.ndarray) or w.dtype.kind != "f":
+        raise ShardError(name, f"bucket weights are {_what(w)}; expected floats")
+    w = w.reshape(-1)
     if w.size != 1 << nbits:
-        raise ValueError(f"{where}: {w.size} bucket weights for nbits {nbits}; expected {1 << nbits}")
-    return w.astype(np.float16).astype(np.float32)  # as both tools decompress on the GPU
+        raise ShardError(name, f"{w.size} bucket weights for nbits {nbits}; expected {1 << nbits}")
+    w = w.astype(np.float16).astype(np.float32)  # as both tools decompress on the GPU
+    if not np.isfinite(w).all():
+        raise ShardError(name, "a bucket weight is not finite (as float16); expected finite values")
+    return w
 
 
-def _offsets(doclens: list[list[int]]) -> np.ndarray:
-    lens = np.array([n for chunk in doclens for n in chunk], np.int64)
-    if (lens < 0).any():
-        raise ValueError("a doclens file holds a negative document length")
-    return np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+def _centroids(c, name: str) -> np.ndarray:
+    if not isinstance(c, np.ndarray) or c.dtype.kind != "f" or c.ndim != 2 or c.shape[1] < 1:
+        raise ShardError(name, f"centroids are {_what(c)}; expected floats [C, d]")
+    c = c.astype(np.float16)
+    if not np.isfinite(c).all():
+        raise ShardError(name, "a centroid is not finite (as float16); expected finite values")
+    return c
+
+
+def _what(a) -> str:
+    """What a value read from a file is, for a message."""
+    if isinstance(a, np.ndarray):
+        return f"{a.dtype} of shape {list(a.shape)}"
+    return _short(a)
+
+
+def _payload(part, suffix: str, row_bytes: int, name: str):
+    """``part`` if it is what a chunk's codes (integers [n]) or residuals (uint8 [n, row_bytes]) must be."""
+    if suffix == "codes":  # the dtypes the scoring functions take as ids
+        ok = isinstance(part, np.ndarray) and part.ndim == 1 and part.dtype in (np.dtype("<i4"), np.dtype("<i8"))
+        expected = "int32 or int64 codes [n]"
+    else:
+        ok = isinstance(part, np.ndarray) and part.dtype == np.uint8 and part.shape[1:] == (row_bytes,)
+        expected = f"uint8 residual bits [n, {row_bytes}]"
+    if not ok:
+        raise ShardError(name, f"holds {_what(part)}; expected {expected}")
+    return part
 
 
 def _read_fast_plaid(path: str) -> IndexArrays:
-    meta = _json(path, "metadata.json")
-    nbits, chunks = int(meta["nbits"]), int(meta["num_chunks"])
-    centroids = np.load(os.path.join(path, "centroids.npy"), allow_pickle=False).astype(np.float16)
-    weights = _weights(np.load(os.path.join(path, "bucket_weights.npy"), allow_pickle=False), nbits, path)
-    doclens = _doclens(path, chunks)
-    rows = [sum(c) for c in doclens]
-    codes = _chunked(path, "codes", rows)
-    residuals = _chunked(path, "residuals", rows)
-    return _checked(IndexArrays("fast-plaid", nbits, centroids, weights, codes, residuals, _offsets(doclens)), path)
+    _, nbits, chunks = _metadata(path)
+    centroids = _centroids(open_npy(os.path.join(path, "centroids.npy")), os.path.join(path, "centroids.npy"))
+    name = os.path.join(path, "bucket_weights.npy")
+    weights = _weights(open_npy(name), nbits, name)
+    offsets, rows = _doclens(path, chunks)
+    row_bytes = _row_bytes(centroids, nbits, path)
+    codes = _chunked(path, "codes", rows, row_bytes)
+    residuals = _chunked(path, "residuals", rows, row_bytes)
+    return _checked(IndexArrays("fast-plaid", nbits, centroids, weights, codes, residuals, offsets), path)
 
 
-def _chunked(path: str, suffix: str, rows: list[int]) -> np.ndarray:
+def _row_bytes(centroids: np.ndarray, nbits: int, path: str) -> int:
+    dim = centroids.shape[1]
+    if dim * nbits % 8:
+        raise ShardError(path, f"nbits {nbits} with centroids of dim {dim} is not a PLAID layout this reader "
+                               f"knows (dim * nbits must be a multiple of 8)")
+    return dim * nbits // 8
+
+
+def _chunked(path: str, suffix: str, rows: list[int], row_bytes: int) -> np.ndarray:
     """A payload's rows, chunk by chunk: a chunk's own ``{i}.{suffix}.npy`` if present (not merged
     yet, or an index from before merged files), else its rows of ``merged_{suffix}.npy`` at the
     offset the manifest gives (the chunks' rows in order when there is no manifest)."""
     merged_path = os.path.join(path, f"merged_{suffix}.npy")
-    merged = np.load(merged_path, mmap_mode="r", allow_pickle=False) if os.path.exists(merged_path) else None
-    manifest_path = os.path.join(path, f"merged_{suffix}.manifest.json")
-    manifest = _json(path, os.path.basename(manifest_path)) if os.path.exists(manifest_path) else {}
+    merged = _payload(open_npy(merged_path), suffix, row_bytes, merged_path) if _present(merged_path) else None
+    manifest = _manifest(path, suffix)
     parts, at = [], 0
     for i, n in enumerate(rows):
         own = os.path.join(path, f"{i}.{suffix}.npy")
         entry = manifest.get(f"{i}.{suffix}.npy")
-        if os.path.exists(own):
-            part = np.load(own, mmap_mode="r", allow_pickle=False)
+        if _present(own):
+            part = _payload(open_npy(own), suffix, row_bytes, own)
+            where, rows_of = own, f"chunk {i}"
         elif merged is not None:
+            if entry is not None and entry != n:
+                raise ShardError(os.path.join(path, f"merged_{suffix}.manifest.json"),
+                                 f"chunk {i} has {entry} rows but its doclens add up to {n}")
             part = merged[at:at + n]
+            where, rows_of = merged_path, f"chunk {i} from row {at}"
         else:
-            raise FileNotFoundError(f"{path}: chunk {i} has neither {i}.{suffix}.npy nor rows in merged_{suffix}.npy")
+            raise ShardError(own, f"no such file, and no merged_{suffix}.npy holds chunk {i}'s rows")
         if part.shape[0] != n:
-            raise ValueError(f"{path}: chunk {i} has {part.shape[0]} rows of {suffix} but its doclens add up to {n}")
+            raise ShardError(where, f"{part.shape[0]} rows of {suffix} for {rows_of}, but doclens.{i}.json adds up "
+                                    f"to {n} tokens")
         parts.append(part)
-        at += int(entry["rows"]) if entry else n
+        at += n if entry is None else entry
     if _contiguous_merged(parts, merged):  # one view of the merged file: nothing copied
         return merged[:sum(rows)]
     if len(parts) == 1:
         return parts[0]
-    if parts:
-        return np.concatenate(parts)
-    return np.zeros((0,) + (tuple(merged.shape[1:]) if merged is not None else ()), merged.dtype if merged is not None
-                    else np.int64)
+    return _concatenated(parts, suffix, row_bytes)
+
+
+def _concatenated(parts: list[np.ndarray], suffix: str, row_bytes: int) -> np.ndarray:
+    """The chunks' rows back to back; codes of mixed integer types as int64 (never promoted to float)."""
+    if not parts:
+        return np.zeros((0,) if suffix == "codes" else (0, row_bytes), np.int64 if suffix == "codes" else np.uint8)
+    if len({p.dtype for p in parts}) > 1:
+        parts = [p.astype(np.int64) for p in parts]
+    return np.concatenate(parts)
+
+
+def _manifest(path: str, suffix: str) -> dict[str, int]:
+    """merged_{suffix}.manifest.json as {file name: rows} (empty when there is none)."""
+    name = os.path.join(path, f"merged_{suffix}.manifest.json")
+    if not _present(name):
+        return {}
+    m = _files.read_json(name, "not valid JSON", "a fast-plaid manifest (a JSON object)")
+    if not isinstance(m, dict):
+        raise ShardError(name, f"holds {_short(m)}; expected an object of {{file name: {{\"rows\": n}}}}")
+    out = {}
+    for key, entry in m.items():
+        rows = entry.get("rows") if isinstance(entry, dict) else None
+        if type(rows) is not int or rows < 0:
+            raise ShardError(name, f"{_short(key)} has rows {_short(rows)}; expected an integer >= 0")
+        out[key] = rows
+    return out
+
+
+def _present(name: str) -> bool:
+    """Whether anything is at ``name``: a dangling link where an optional file goes is read (and
+    refused as missing), not taken for no file."""
+    return os.path.islink(name) or _files.file_kind(name) is not None
 
 
 def _contiguous_merged(parts: list[np.ndarray], merged) -> bool:
@@ -142,46 +275,39 @@ def _contiguous_merged(parts: list[np.ndarray], merged) -> bool:
 
 
 def _read_colbert(path: str) -> IndexArrays:
-    meta = _json(path, "metadata.json")
-    config = meta.get("config", meta)
-    nbits, chunks = int(config["nbits"]), int(meta["num_chunks"])
-    centroids = np.asarray(read_torch_file(os.path.join(path, "centroids.pt"))).astype(np.float16)
-    buckets = read_torch_file(os.path.join(path, "buckets.pt"))
+    config, nbits, chunks = _metadata(path)
+    dim = config.get("dim")
+    name = os.path.join(path, "centroids.pt")
+    centroids = _centroids(read_torch_file(name), name)
+    if dim is not None and dim != centroids.shape[1]:
+        raise ShardError(name, f"centroids of dim {centroids.shape[1]}, but metadata.json says dim {_short(dim)}")
+    name = os.path.join(path, "buckets.pt")
+    buckets = read_torch_file(name)
     if not isinstance(buckets, (tuple, list)) or len(buckets) != 2:
-        raise ValueError(f"{path}/buckets.pt: expected (bucket_cutoffs, bucket_weights)")
-    weights = _weights(buckets[1], nbits, path)
-    doclens = _doclens(path, chunks)
+        raise ShardError(name, f"holds {_what(buckets)}; expected (bucket_cutoffs, bucket_weights)")
+    weights = _weights(buckets[1], nbits, name)
+    offsets, rows = _doclens(path, chunks)
+    row_bytes = _row_bytes(centroids, nbits, path)
     codes, residuals = [], []
     for i in range(chunks):
-        codes.append(np.asarray(read_torch_file(os.path.join(path, f"{i}.codes.pt"))).reshape(-1))
-        residuals.append(np.asarray(read_torch_file(os.path.join(path, f"{i}.residuals.pt"))))
-        if codes[-1].shape[0] != sum(doclens[i]) or residuals[-1].shape[0] != codes[-1].shape[0]:
-            raise ValueError(f"{path}: chunk {i} has {codes[-1].shape[0]} codes and {residuals[-1].shape[0]} "
-                             f"residual rows but its doclens add up to {sum(doclens[i])}")
-    rb = centroids.shape[1] * nbits // 8
-    arrays = IndexArrays("colbertv2", nbits, centroids, weights,
-                         np.concatenate(codes) if codes else np.zeros(0, np.int32),
-                         np.concatenate(residuals) if residuals else np.zeros((0, rb), np.uint8), _offsets(doclens))
-    return _checked(arrays, path)
+        for suffix, out in (("codes", codes), ("residuals", residuals)):
+            name = os.path.join(path, f"{i}.{suffix}.pt")
+            out.append(_payload(read_torch_file(name), suffix, row_bytes, name))
+            if out[-1].shape[0] != rows[i]:
+                raise ShardError(name, f"{out[-1].shape[0]} rows of {suffix}, but doclens.{i}.json adds up to "
+                                       f"{rows[i]} tokens")
+    return _checked(IndexArrays("colbertv2", nbits, centroids, weights, _concatenated(codes, "codes", row_bytes),
+                                _concatenated(residuals, "residuals", row_bytes), offsets), path)
 
 
 def _checked(a: IndexArrays, path: str) -> IndexArrays:
-    """The shapes agree, and every code names a centroid (read once here, so scoring need not)."""
-    dim = a.centroids.shape[1] if a.centroids.ndim == 2 else -1
-    if a.nbits not in (1, 2, 4) or dim < 1 or dim * a.nbits % 8:
-        raise ValueError(f"{path}: nbits {a.nbits} with centroids of shape {list(a.centroids.shape)} is not a "
-                         f"PLAID layout this reader knows")
-    t = int(a.offsets[-1])
-    if a.codes.shape != (t,) or a.residuals.shape != (t, dim * a.nbits // 8) or a.residuals.dtype != np.uint8:
-        raise ValueError(f"{path}: codes {list(a.codes.shape)} and residuals {list(a.residuals.shape)} "
-                         f"{a.residuals.dtype} do not match {t} tokens of dim {dim} at {a.nbits} bits")
-    if a.codes.dtype.kind not in "iu":
-        raise ValueError(f"{path}: codes have dtype {a.codes.dtype}; expected integers")
+    """Every code names a centroid (read once here, so scoring need not)."""
     step = 1 << 24
-    for s in range(0, t, step):
+    for s in range(0, a.codes.shape[0], step):
         c = a.codes[s:s + step]
         if c.min() < 0 or c.max() >= a.centroids.shape[0]:
-            raise ValueError(f"{path}: a code lies outside the {a.centroids.shape[0]} centroids")
+            raise ShardError(path, f"a code lies outside the {a.centroids.shape[0]} centroids; expected ids in "
+                                   f"[0, {a.centroids.shape[0] - 1}]")
     return a
 
 
@@ -192,26 +318,76 @@ def _checked(a: IndexArrays, path: str) -> IndexArrays:
 _STORAGES = {"HalfStorage": np.float16, "FloatStorage": np.float32, "DoubleStorage": np.float64,
              "ByteStorage": np.uint8, "CharStorage": np.int8, "ShortStorage": np.int16, "IntStorage": np.int32,
              "LongStorage": np.int64, "BoolStorage": np.bool_}
+# torch.save stores its members uncompressed; a compressed member may expand at most this much.
+_MAX_EXPANSION = 64
+# data.pkl describes tensors and containers: a few hundred bytes for any index file (this bounds
+# the Python objects a pickle can make).
+_MAX_PICKLE_BYTES = 1 << 20
 
 
-def _rebuild_tensor(storage, offset, size, stride, requires_grad=False, hooks=None, metadata=None):
-    """torch._utils._rebuild_tensor_v2, as a contiguous NumPy copy of the strided view."""
-    if not size:
-        return storage[offset:offset + 1].reshape(()).copy()
-    view = np.lib.stride_tricks.as_strided(storage[offset:], shape=tuple(size),
-                                           strides=tuple(s * storage.dtype.itemsize for s in stride))
-    return np.ascontiguousarray(view)
+class _Refused(Exception):
+    """A problem with a .pt file; read_torch_file names the file."""
 
 
-class _Mark:
-    pass
+@dataclass(frozen=True)
+class _Storage:
+    """A storage's elements, contiguous: made only by ``read_torch_file``, so a tensor can be
+    rebuilt over nothing else (a tensor rebuilt over a strided view of another could reach past
+    the bytes the checks counted)."""
+
+    array: np.ndarray
 
 
-def _unpickle(data: bytes, storage, name: str):
+@dataclass(frozen=True)
+class _StorageType:
+    """A storage type the pickle named (``torch.HalfStorage``, ...): made only by ``resolve``, so a
+    pickle cannot forge one of another dtype."""
+
+    dtype: type
+
+
+def _rebuild_tensor(storage, offset, size, stride, *_):
+    """torch._utils._rebuild_tensor_v2, as a read-only NumPy view of the storage, after checking
+    that every element the view reaches lies inside the storage and that it claims no more
+    elements than the storage holds (so a file cannot read past its bytes, nor expand a few bytes
+    into a large array by overlapping strides)."""
+    if not isinstance(storage, _Storage):
+        raise _Refused(f"a tensor's storage is a {type(storage).__name__}, not a storage")
+    storage = storage.array
+    if not (type(offset) is int and _ints(size) and _ints(stride) and len(size) == len(stride) <= 64):
+        raise _Refused("a tensor's offset, size and stride are not integers of one rank (at most 64)")
+    if offset < 0 or any(n < 0 for n in size) or any(st < 0 for st in stride):
+        raise _Refused(f"a tensor has a negative offset, size or stride (offset {offset}, rank {len(size)})")
+    numel, room = 1, storage.dtype.itemsize
+    for n in size:
+        numel *= n
+        room *= max(n, 1)
+    if room >= 2**63:
+        raise _Refused(f"a tensor's size needs more than 2**63 bytes (rank {len(size)})")
+    if numel == 0:
+        return np.zeros(tuple(size), storage.dtype)
+    last = offset + sum((n - 1) * st for n, st in zip(size, stride))
+    if last >= storage.size:
+        raise _Refused(f"a tensor reaches element {last} of a storage of {storage.size} elements "
+                       f"(offset {offset}, its size and stride lead past the storage's bytes)")
+    if numel > storage.size:
+        raise _Refused(f"a tensor claims {numel} elements of a storage of {storage.size} (overlapping strides)")
+    strides = tuple(0 if n == 1 else st * storage.itemsize for n, st in zip(size, stride))
+    return np.lib.stride_tricks.as_strided(storage[offset:], shape=tuple(size), strides=strides, writeable=False)
+
+
+def _ints(values) -> bool:
+    return isinstance(values, tuple) and all(type(v) is int for v in values)
+
+
+def _unpickle(data: bytes, storage):
     """The value of a torch data.pkl (pickle protocol 2, as torch.save writes it), by a small
     interpreter of the opcodes torch.save uses: containers, numbers, strings and the names in
     ``_STORAGES`` / ``_rebuild_tensor``. Nothing is imported and no other callable is run, so a
-    crafted file cannot execute code. ``storage(key, dtype, numel)`` returns a storage's array."""
+    crafted file cannot execute code; it runs no recursion (a pickle nested deep is read as deep
+    as it is) and hashes nothing but numbers and strings (dict keys). ``storage(key, dtype,
+    numel)`` returns a storage's array. Raises _Refused, or IndexError / KeyError / ... for a
+    malformed stream (read_torch_file says so)."""
     import struct
 
     stack: list = []
@@ -223,13 +399,15 @@ def _unpickle(data: bytes, storage, name: str):
         nonlocal pos
         b = data[pos:pos + n]
         if len(b) != n:
-            raise ValueError(f"{name}: truncated pickle")
+            raise _Refused("truncated pickle")
         pos += n
         return b
 
     def line():
         nonlocal pos
-        end = data.index(b"\n", pos)
+        end = data.find(b"\n", pos)
+        if end < 0:
+            raise _Refused("truncated pickle")
         s = data[pos:end].decode("utf-8")
         pos = end + 1
         return s
@@ -240,14 +418,20 @@ def _unpickle(data: bytes, storage, name: str):
         del stack[at:]
         return items
 
+    def key(k):
+        if not isinstance(k, (str, int, float)) and k is not None:
+            raise _Refused(f"a dict key is a {type(k).__name__}; torch.save writes strings and numbers")
+        return k
+
     def resolve(module, attr):
         if module == "torch._utils" and attr == "_rebuild_tensor_v2":
             return _rebuild_tensor
         if module == "torch" and attr in _STORAGES:
-            return ("storage-type", _STORAGES[attr])
+            return _StorageType(_STORAGES[attr])
         if module == "collections" and attr == "OrderedDict":
             return dict
-        raise ValueError(f"{name}: {module}.{attr} is not a tensor or container; refusing to load it")
+        name = f"{module}.{attr}" if isinstance(module, str) and isinstance(attr, str) else "a name that is no string"
+        raise _Refused(f"{name[:80]} is not a tensor or container; refusing to load it")
 
     while True:
         op = take(1)
@@ -267,23 +451,26 @@ def _unpickle(data: bytes, storage, name: str):
         elif op == b"Q":  # BINPERSID
             pid = stack.pop()
             if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"
-                    and isinstance(pid[1], tuple) and pid[1][0] == "storage-type"):
-                raise ValueError(f"{name}: unexpected persistent id {pid!r}")
-            stack.append(storage(str(pid[2]), pid[1][1], int(pid[4])))
+                    and isinstance(pid[1], _StorageType) and type(pid[2]) is str and type(pid[4]) is int
+                    and pid[4] >= 0):
+                raise _Refused(f"unexpected persistent id (a {type(pid).__name__}); expected a storage")
+            stack.append(storage(pid[2], pid[1].dtype, pid[4]))
         elif op == b"R":  # REDUCE
             args, fn = stack.pop(), stack.pop()
-            if fn is _rebuild_tensor:
+            if fn is _rebuild_tensor and isinstance(args, tuple) and 4 <= len(args) <= 7:
                 stack.append(_rebuild_tensor(*args))
             elif fn is dict and args == ():
                 stack.append({})
             else:
-                raise ValueError(f"{name}: refusing to call {fn!r}")
+                raise _Refused(f"refusing to call a {type(fn).__name__} with {type(args).__name__} arguments")
         elif op == b")":  # EMPTY_TUPLE
             stack.append(())
         elif op == b"t":  # TUPLE
             stack.append(tuple(pop_mark()))
         elif op in (b"\x85", b"\x86", b"\x87"):  # TUPLE1..3
             n = op[0] - 0x84
+            if len(stack) < n:
+                raise _Refused("a tuple of more items than the stack holds")
             items = tuple(stack[-n:])
             del stack[-n:]
             stack.append(items)
@@ -299,10 +486,10 @@ def _unpickle(data: bytes, storage, name: str):
             stack.append({})
         elif op == b"s":  # SETITEM
             v, k = stack.pop(), stack.pop()
-            stack[-1][k] = v
+            stack[-1][key(k)] = v
         elif op == b"u":  # SETITEMS
             items = pop_mark()
-            stack[-1].update(zip(items[::2], items[1::2]))
+            stack[-1].update(zip(map(key, items[::2]), items[1::2]))
         elif op == b"N":
             stack.append(None)
         elif op == b"\x88":
@@ -337,32 +524,80 @@ def _unpickle(data: bytes, storage, name: str):
             stack.append(memo[struct.unpack("<I", take(4))[0]])
         elif op == b"b":  # BUILD: only an empty state onto a plain container
             state = stack.pop()
-            if state not in (None, {}, ()):
-                raise ValueError(f"{name}: unexpected object state in the pickle")
+            if not (state is None or state == {} or state == ()):
+                raise _Refused("unexpected object state in the pickle")
         else:
-            raise ValueError(f"{name}: pickle opcode {op!r} is not one torch.save writes for tensors")
+            raise _Refused(f"pickle opcode {op!r} is not one torch.save writes for tensors")
 
 
 def read_torch_file(path: str):
-    """The tensors (as NumPy arrays) and containers of a ``torch.save`` zip archive."""
-    try:
-        archive = zipfile.ZipFile(path)
-    except zipfile.BadZipFile:
-        raise ValueError(f"{path}: not a torch zip archive (torch.save before 1.6 wrote another format; "
-                         f"re-save it with a recent torch)") from None
-    with archive:
-        pkl = [n for n in archive.namelist() if n.endswith("data.pkl")]
-        if len(pkl) != 1:
-            raise ValueError(f"{path}: a torch archive has one data.pkl; found {len(pkl)}")
-        prefix = pkl[0][: -len("data.pkl")]
-        order = f"{prefix}byteorder"
-        if order in archive.namelist() and archive.read(order).strip() != b"little":
-            raise ValueError(f"{path}: big-endian tensors are not read")
+    """The tensors (as read-only NumPy views of their storages) and containers of a ``torch.save``
+    zip archive.
 
-        def storage(key, dtype, numel):
-            arr = np.frombuffer(archive.read(f"{prefix}data/{key}"), dtype)
-            if arr.size < numel:
-                raise ValueError(f"{path}: storage {key} holds {arr.size} values, not {numel}")
-            return arr[:numel]
+    The file must be a regular file (a FIFO or a device is refused without blocking). Every
+    member's claimed size is checked against the file before it is read (a compressed member may
+    expand at most ``_MAX_EXPANSION`` times), each storage is read once, and every tensor's
+    elements must lie inside its storage: memory is bounded by what the file holds. Anything
+    else (a malformed archive or pickle, a callable other than the tensor rebuilder) raises
+    ShardError naming the file and the problem.
+    """
+    path = os.fspath(path)
+    with _files.open_regular(path, "a torch .pt file") as f:
+        file_bytes = os.fstat(f.fileno()).st_size
+        try:
+            with zipfile.ZipFile(f) as archive:
+                return _read_archive(archive, file_bytes)
+        except zipfile.BadZipFile as e:
+            if "File is not a zip file" in str(e):
+                raise ShardError(path, "not a torch zip archive (torch.save before 1.6 wrote another format; "
+                                       "re-save it with a recent torch)") from None
+            raise ShardError(path, f"corrupt zip archive ({e})") from None
+        except _Refused as e:
+            raise ShardError(path, str(e)) from None
+        except ShardError:
+            raise
+        # a malformed pickle or archive (RecursionError is a RuntimeError)
+        except (ValueError, KeyError, IndexError, TypeError, AttributeError, EOFError, NotImplementedError,
+                RuntimeError, zipfile.LargeZipFile, zlib.error, lzma.LZMAError) as e:
+            raise ShardError(path, f"corrupt torch archive ({type(e).__name__}: {_short(str(e))})") from None
 
-        return _unpickle(archive.read(pkl[0]), storage, path)
+
+def _read_archive(archive: zipfile.ZipFile, file_bytes: int):
+    names = archive.namelist()
+    pkl = [n for n in names if n.endswith("data.pkl")]
+    if len(pkl) != 1:
+        raise _Refused(f"a torch archive has one data.pkl; found {len(pkl)}")
+    prefix = pkl[0][: -len("data.pkl")]
+
+    def member(name: str, limit: int) -> bytes:
+        try:
+            info = archive.getinfo(name)
+        except KeyError:
+            raise _Refused(f"the archive has no member {_short(name)}") from None
+        stored = info.compress_type == zipfile.ZIP_STORED
+        if info.compress_size > file_bytes or (stored and info.file_size != info.compress_size):
+            raise _Refused(f"member {_short(name)} claims more bytes than the file holds")
+        if info.file_size > max(info.compress_size, 1) * _MAX_EXPANSION:
+            raise _Refused(f"member {_short(name)} expands {info.file_size} bytes from {info.compress_size}, more "
+                           f"than {_MAX_EXPANSION} times (torch.save stores members uncompressed)")
+        if info.file_size > limit:
+            raise _Refused(f"member {_short(name)} holds {info.file_size} bytes; expected at most {limit}")
+        data = archive.read(info)
+        if len(data) != info.file_size:
+            raise _Refused(f"member {_short(name)} is truncated")
+        return data
+
+    order = f"{prefix}byteorder"
+    if order in names and member(order, 16).strip() != b"little":
+        raise _Refused("big-endian tensors are not read")
+    storages: dict[str, bytes] = {}  # each member read once, however often the pickle names it
+
+    def storage(key: str, dtype: type, numel: int) -> _Storage:
+        if key not in storages:
+            storages[key] = member(f"{prefix}data/{key}", 2**63)
+        data, need = storages[key], numel * np.dtype(dtype).itemsize
+        if len(data) < need:
+            raise _Refused(f"storage {_short(key)} holds {len(data)} bytes, not the {need} its {numel} elements need")
+        return _Storage(np.frombuffer(data, dtype, count=numel))
+
+    return _unpickle(member(pkl[0], _MAX_PICKLE_BYTES), storage)

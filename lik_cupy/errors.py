@@ -26,7 +26,8 @@ class DeviceMemoryError(MemoryError):
 
 
 class ShardError(ValueError):
-    """A file or shard is missing, corrupt or inconsistent.
+    """A file or shard is missing, corrupt or inconsistent: any input file the package reads (a
+    shard, a ``.npy`` or JSON input, a PLAID index's ``.npy``, ``.pt`` and JSON files).
 
     ``path`` names the file at fault and ``problem`` says what is wrong and what was
     expected; ``str(err)`` is ``"<path>: <problem>"``.

@@ -20,7 +20,7 @@ and scores them exactly.
 - :func:`maxsim_residual_varlen` - packed documents ``codes [T]`` with offsets, all of them or, with
   ``candidates [Nq, K]``, each query's own candidates scored in place (a PLAID search's rerank);
 - :func:`decompress_residuals` - the embeddings themselves (NumPy), to check against a tool's own;
-- :class:`PlaidIndex` - a fast-plaid or ColBERTv2 index directory, read for exact reranking by
+- :class:`PlaidIndex` - a fast-plaid, ColBERTv2 or PyLate index directory, read for exact reranking by
   candidate ids.
 
 Queries are used as given (ColBERT models emit unit-length query tokens). Unlike LIK 0.4.5's
@@ -285,13 +285,15 @@ def _gpu(rp: ResidualProblem, Q, codes, residuals, lens_or_offsets, centroids, w
 
 
 class PlaidIndex:
-    """A fast-plaid or ColBERTv2 index, read for exact reranking by candidate ids.
+    """A fast-plaid, ColBERTv2 or PyLate PLAID index, read for exact reranking by candidate ids.
 
     ``PlaidIndex.open(index_dir)`` reads the codec (centroids, bucket weights), every document's
     codes and packed residual bits (memory-mapped where the files allow) and the document
-    offsets (``lik_cupy._plaid_files`` describes both layouts), checks that every code names a
-    centroid, and decompresses nothing. Bucket weights are rounded to float16, as both tools
-    decompress with them on the GPU.
+    offsets (``lik_cupy._plaid_files`` describes the layouts), checks that every code names a
+    centroid, and decompresses nothing. Index files are read as hostile: anything missing,
+    special, truncated, inconsistent across files or of the wrong type raises
+    :class:`lik_cupy.errors.ShardError` naming the file. Bucket weights are rounded to float16,
+    as both tools decompress with them on the GPU.
 
     Attributes: ``kind`` ("fast-plaid" or "colbertv2"), ``nbits``, ``dim``, ``centroids``
     (float16 ``[C, d]``), ``bucket_weights`` (float32 ``[2**nbits]``), ``codes`` (``[T]``),
@@ -316,7 +318,8 @@ class PlaidIndex:
 
     @classmethod
     def open(cls, index_dir: str | os.PathLike) -> PlaidIndex:
-        """Read the fast-plaid or ColBERTv2 index in directory ``index_dir``."""
+        """Read the fast-plaid, ColBERTv2 or PyLate index in directory ``index_dir`` (ShardError naming
+        the file for any file that is not what the layout says)."""
         from ._plaid_files import read_index
 
         return cls(read_index(index_dir))

@@ -108,7 +108,9 @@ def open_npy(path: str | os.PathLike) -> np.ndarray:
     Returns a ``numpy.memmap`` of the file's shape and dtype. Raises ShardError for a
     missing, unreadable, empty, truncated or corrupt file, a special file (a FIFO, a
     device) or a directory, a header whose shape no file could hold, a ``.npz``
-    archive, or object data.
+    archive, object data, or format version 3.0 (structured dtypes with non-Latin-1
+    field names, which no embedding, length or id array has). The file checked is the
+    file mapped: one descriptor, so a FIFO swapped in after the check is never opened.
     """
     path = os.fspath(path)
     with _files.open_regular(path, "a .npy file") as f:
@@ -121,25 +123,26 @@ def open_npy(path: str | os.PathLike) -> np.ndarray:
             raise ShardError(path, "not a .npy file (bad magic bytes); write it with numpy.save")
         f.seek(0)
         try:
-            _check_npy_header(path, f)
+            shape, fortran, dtype = _check_npy_header(path, f)
+            return np.memmap(f, dtype=dtype, mode="r", shape=shape, order="F" if fortran else "C", offset=f.tell())
+        except ShardError:
+            raise
         except (ValueError, OSError, EOFError, SyntaxError, TypeError, tokenize.TokenError) as e:
             raise ShardError(path, _npy_problem(e)) from None
-    try:
-        return np.load(path, mmap_mode="r", allow_pickle=False)
-    except (ValueError, OSError, EOFError, SyntaxError, TypeError, tokenize.TokenError) as e:
-        raise ShardError(path, _npy_problem(e)) from None
 
 
-def _check_npy_header(path: str, f) -> None:
-    """Refuse, before NumPy maps it, a header whose shape is negative, needs more than 2**63 bytes
-    (NumPy's own size arithmetic would overflow) or more bytes than the file holds."""
+def _check_npy_header(path: str, f) -> tuple[tuple[int, ...], bool, np.dtype]:
+    """The header's (shape, fortran order, dtype), leaving ``f`` at the data. Refuses a header
+    whose shape is negative, needs more than 2**63 bytes (NumPy's own size arithmetic would
+    overflow) or more bytes than the file holds, before anything is mapped."""
     version = np.lib.format.read_magic(f)
     if version == (1, 0):
-        shape, _, dtype = np.lib.format.read_array_header_1_0(f)
+        shape, fortran, dtype = np.lib.format.read_array_header_1_0(f)
     elif version == (2, 0):
-        shape, _, dtype = np.lib.format.read_array_header_2_0(f)
+        shape, fortran, dtype = np.lib.format.read_array_header_2_0(f)
     else:
-        return  # version 3 (utf-8 field names): np.load reads and checks it
+        raise ShardError(path, f".npy format version {version[0]}.{version[1]} is not read; expected 1.0 or 2.0 "
+                               "(numpy.save writes them for every numeric or string array)")
     if dtype.hasobject:
         raise ShardError(path, "holds Python objects (object dtype); only numeric and fixed-width string arrays are read")
     if any(n < 0 for n in shape):
@@ -154,6 +157,7 @@ def _check_npy_header(path: str, f) -> None:
     if need > have:
         raise ShardError(path, f"truncated .npy file: it holds fewer bytes than its header's shape needs "
                                f"({shape} {dtype}: {need:,} bytes of data, {max(have, 0):,} in the file)")
+    return shape, fortran, dtype
 
 
 def _npy_problem(e: BaseException) -> str:
@@ -215,7 +219,7 @@ def read_lengths(path: str | os.PathLike) -> np.ndarray:
     """
     path = os.fspath(path)
     if path.lower().endswith(".json"):
-        values = _read_json(path, "not a JSON list of integers", "a JSON list of integers (one token count per document)")
+        values = _files.read_json(path, "not a JSON list of integers", "a JSON list of integers (one token count per document)")
         if not isinstance(values, list) or not all(type(v) is int for v in values):
             raise ShardError(path, "expected a JSON list of integers (one token count per document)")
         big = next((i for i, v in enumerate(values) if not -2**63 <= v < 2**63), None)
@@ -235,19 +239,6 @@ def read_lengths(path: str | os.PathLike) -> np.ndarray:
         i = int(np.argmax(arr < 0))
         raise ShardError(path, f"length {int(arr[i])} at index {i} is negative")
     return arr
-
-
-def _read_json(path: str, invalid: str, expected: str, limit: int | None = None):
-    """The JSON value in a regular file (UTF-8). ShardError naming the file, ``invalid`` and why for
-    anything that is not one: bad syntax or encoding, nesting too deep for the parser, an integer
-    too long to convert; for a special file, or more than ``limit`` bytes, naming ``expected``."""
-    data = _files.read_regular(path, expected, limit)
-    try:
-        return json.loads(data.decode("utf-8"))
-    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, int digits over the limit
-        raise ShardError(path, f"{invalid} ({e})") from None
-    except RecursionError:
-        raise ShardError(path, f"{invalid} (nested too deeply to read)") from None
 
 
 # --------------------------------------------------------------------------- the Shard
@@ -556,7 +547,7 @@ def read_manifest(path: str | os.PathLike) -> dict:
         raise ShardError(path, "no such file; a shard directory holds manifest.json, tokens.npy and offsets.npy (make one with `lik pack`)") from None
     except OSError:
         pass  # reported below as what it is (permission denied, ...)
-    m = _read_json(path, "not valid JSON", "a manifest (a small JSON object)", _MAX_MANIFEST_BYTES)
+    m = _files.read_json(path, "not valid JSON", "a manifest (a small JSON object)", _MAX_MANIFEST_BYTES)
     if not isinstance(m, dict):
         raise ShardError(path, f"expected a JSON object, got {type(m).__name__}")
     if m.get("format") != FORMAT:

@@ -18,6 +18,7 @@ import lik_cupy
 from lik_cupy import plaid
 from lik_cupy._cpu.residual import unpack_buckets
 from lik_cupy._plaid_files import read_torch_file
+from lik_cupy.errors import ShardError
 from reference import maxsim_ref, plaid_decompress_ref, plaid_pack_ref
 
 
@@ -323,14 +324,14 @@ def test_fast_plaid_unmerged_chunk_wins(rng, tmp_path):
 
 
 def test_bad_index_directories(rng, tmp_path):
-    with pytest.raises(FileNotFoundError, match="neither a fast-plaid index"):
+    with pytest.raises(ShardError, match="neither a fast-plaid index"):
         plaid.PlaidIndex.open(tmp_path)
     dim, nbits = 16, 2
     cen, w = codec(rng, 4, dim, nbits)
     codes, bits = tokens(rng, 5, 4, dim, nbits)
     codes[2] = 9
     _write_fast_plaid(tmp_path / "x", cen, w, nbits, [np.array([2, 3])], codes, bits, merged=False)
-    with pytest.raises(ValueError, match="a code lies outside the 4 centroids"):
+    with pytest.raises(ShardError, match="a code lies outside the 4 centroids"):
         plaid.PlaidIndex.open(tmp_path / "x")
 
 
@@ -342,7 +343,7 @@ def test_torch_reader_refuses_code(tmp_path):
     path = tmp_path / "evil.pt"
     with zipfile.ZipFile(path, "w") as z:
         z.writestr("archive/data.pkl", pickle.dumps(Evil()))
-    with pytest.raises(ValueError, match="posix.system is not a tensor or container; refusing"):
+    with pytest.raises(ShardError, match="posix.system is not a tensor or container; refusing"):
         read_torch_file(str(path))
 
 
