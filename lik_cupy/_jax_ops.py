@@ -247,11 +247,10 @@ def compile_ahead(dtype: str, dim: int, lq: int, argmax: bool, precision: str | 
     not a GPU: the CUDA form is traced for every platform, and lowered only for CUDA."""
     import lik_cupy
 
-    from ._dispatch.config import MAX_DIM, int8_dim_ok
+    from ._dispatch import elem_spec
 
     default = jax.config.jax_default_device
     on_gpu = jax.default_backend() == "gpu" and (default is None or getattr(default, "platform", default) == "gpu")
-    fits = int8_dim_ok(dim) if dtype == "int8" else 1 <= dim <= MAX_DIM
-    if on_gpu and lq >= 1 and fits and lik_cupy.gpu_available():
-        kernel = "float32" if dtype == "float64" else dtype
+    kernel = "float32" if dtype == "float64" else dtype
+    if on_gpu and lq >= 1 and dim >= 1 and elem_spec(kernel).dim_ok(dim) and lik_cupy.gpu_available():
         lik_cupy.warmup(dims=(dim,), dtypes=(kernel,), query_lengths=(lq,), argmax=(argmax,), precision=precision)

@@ -30,6 +30,7 @@ import threading
 import numpy as np
 
 from . import _cpu as cpu
+from . import _dispatch as dispatch
 from . import _interop as interop
 from . import shards
 from dataclasses import replace
@@ -45,7 +46,7 @@ from .retrieve import (MAX_K, _Cpu, _DeviceDocs, _doc_problem, _Gpu, _HostDocs, 
 
 __all__ = ["Corpus"]
 
-_DTYPES = ("float16", "bfloat16", "float32", "int8")
+_DTYPES = tuple(e.name for e in dispatch.ELEMS)
 _GPU_SHARE = 0.75  # of the device's free memory a host corpus may take by default
 _RERANK_BLOCK = 64 << 20  # bytes of gathered candidate tokens per NumPy rerank step
 _MAX_CALLS = 64  # repeat-path signatures kept per corpus
@@ -295,12 +296,7 @@ class Corpus:
         elif device is None:
             device = cupy.cuda.runtime.getDevice()
         self.device = int(device)
-        if p.dtype == "int8":
-            from . import _dispatch as dispatch
-
-            if not dispatch.int8_dim_ok(p.dim):
-                raise ValueError(f"INT8 scoring on the GPU needs dim a multiple of 16 up to {dispatch.MAX_DIM_INT8}; "
-                                 f"got dim {p.dim} (device='cpu' scores any dim)")
+        dispatch.check_gpu_dim(p.dtype, p.dim, "device='cpu'")
         with cupy.cuda.Device(self.device):
             if info.device is not None:
                 self._dev = _with_spans(_device_docs(part, p), self.device)
@@ -362,10 +358,10 @@ class Corpus:
             q = interop.describe(Q)
         except TypeError as e:
             raise TypeError(f"Q: {e}") from None
-        if q.dtype == "int8":
-            raise TypeError("Q is int8; a Corpus takes float queries (an INT8 corpus quantises them per call)")
+        if dispatch.scaled_dtype(q.dtype):
+            raise TypeError(f"Q is {q.dtype}; a Corpus takes float queries (an INT8 corpus quantises them per call)")
         qp = _query_problem(Q, q_mask, q_lengths, None)
-        if self.dtype != "int8" and qp.dtype != self.dtype:
+        if not dispatch.scaled_dtype(self.dtype) and qp.dtype != self.dtype:
             raise TypeError(f"corpus has dtype {self.dtype} but Q has {qp.dtype}: cast Q to {self.dtype}")
         if self.device is not None:
             if qp.device is not None and qp.device != self.device:
@@ -392,7 +388,7 @@ class Corpus:
                 q = device_array(Q, fw, on_host).reshape(qp.nq, qp.lq, qp.dim)
                 qm, ql = device_valid(q_mask, q_lengths, qp.nq, qp.lq, "q_lengths", fw, on_host, checks)
                 kw = {}
-                if p.dtype == "int8":
+                if dispatch.scaled_dtype(p.dtype):
                     from ._runtime.quantize import quantize_cupy
 
                     q, qs = quantize_cupy(q.view(cupy.uint16) if qp.dtype == "bfloat16" else q, qp.dtype)
@@ -420,7 +416,7 @@ class Corpus:
         from ._runtime.prepared_calls import PreparedCall, ResidentDocs
 
         docs = self._dev
-        if key is None or p.dtype == "int8" or not (p.nq and p.nd and p.lq) or docs.tokens.shape[0] == 0 \
+        if key is None or dispatch.scaled_dtype(p.dtype) or not (p.nq and p.nd and p.lq) or docs.tokens.shape[0] == 0 \
                 or (not p.d_packed and p.ld == 0):
             return
         if any(isinstance(k, tuple) and (k[2] < 0 or not k[4]) for k in key[2:]):
@@ -478,7 +474,7 @@ class Corpus:
         """(queries [nq, lq, d], their valid tokens, INT8 scales or None) on the host."""
         q = host_array(Q, qp.framework).reshape(qp.nq, qp.lq, qp.dim)
         qv = valid_host(q_mask, q_lengths, qp.nq, qp.lq, "q_lengths", qp.framework)
-        if self.dtype != "int8":
+        if not dispatch.scaled_dtype(self.dtype):
             return q, qv, None
         q, qs = cpu.quantize_numpy(q, strict=False)  # a NaN or inf token: scale NaN, as on the device
         return q, qv, qs

@@ -131,7 +131,7 @@ def retrieve(Q, D, k, q_mask=None, *, q_lengths=None, q_scales=None, d_offsets=N
             where their tokens live. A float Q of any float dtype is quantized per token once per
             call; scores are the MaxSim of the dequantized queries and documents. A corpus
             is all INT8 or all float (TypeError otherwise). The GPU scores INT8 for d a
-            multiple of 16 up to ``dispatch.MAX_DIM_INT8`` (4096).
+            multiple of 16 up to 4096 (``ElemSpec.dim_rule`` in ``lik_cupy/_dispatch/elements.py``).
         k: documents to return per query, 1 .. 4096.
         q_mask / q_lengths: valid query tokens, as in :func:`lik_cupy.maxsim`: device lengths are not
             read back, and a query whose length is outside ``[0, Lq]`` scores NaN against every
@@ -220,7 +220,7 @@ def _shard(i: int, s) -> _Part:
         if len(s) == 3:
             return _Part(s[0], s[1], scales=s[2], index=i)
         first = interop.describe(s[0])
-        if first.dtype == "int8" and len(first.shape) == 3:  # padded INT8 docs and their scales
+        if dispatch.scaled_dtype(first.dtype) and len(first.shape) == 3:  # padded INT8 docs and their scales
             return _Part(s[0], scales=s[1], index=i)
         return _Part(s[0], s[1], index=i)
     raise TypeError(f"shard {i} must be a padded array [n, L, d], a (tokens [T, d], offsets [n + 1]) tuple, or for "
@@ -242,7 +242,7 @@ def _query_problem(Q, q_mask, q_lengths, q_scales) -> Problem:
         info = interop.describe(Q)
     except TypeError as e:
         raise TypeError(f"Q: {e}") from None
-    if info.dtype != "int8":
+    if not dispatch.scaled_dtype(info.dtype):
         if q_scales is not None:
             raise ValueError(f"q_scales goes with an int8 Q, but Q is {info.dtype} (it is quantised on the fly)")
         return check_call(Q, Q, q_mask, None, q_lengths, None, pairs=False)
@@ -256,14 +256,15 @@ def _query_problem(Q, q_mask, q_lengths, q_scales) -> Problem:
     check_scales("q_scales", q_scales, info, tuple(info.shape[:-1]), "one per query token")
     q_valid = check_valid("q", q_mask, q_lengths, info, info.shape[:-1], info.shape[:-2])
     nq, lq = (info.shape[0], info.shape[1]) if len(info.shape) == 3 else (1, info.shape[0])
-    return Problem(framework=info.framework, device=info.device, dtype="int8", nq=nq, lq=lq, nd=0, ld=0,
+    return Problem(framework=info.framework, device=info.device, dtype=info.dtype, nq=nq, lq=lq, nd=0, ld=0,
                    dim=info.shape[-1], candidates=False, scores_shape=(nq, 0), argmax_shape=(nq, 0, lq),
                    q_valid=q_valid, d_valid=None)
 
 
 def _same_kind(kind: str | None, dtype: str, part: _Part) -> str:
-    """The corpus's kind ("int8" or the float dtype seen first) after ``part``; TypeError when INT8 and float mix."""
-    if kind is None or (kind == "int8") == (dtype == "int8"):
+    """The corpus's kind (the scaled dtype, INT8, or the float dtype seen first) after ``part``; TypeError when
+    INT8 and float mix."""
+    if kind is None or dispatch.scaled_dtype(kind) == dispatch.scaled_dtype(dtype):
         return kind or dtype
     raise TypeError(f"{part.name} has dtype {dtype} but earlier shards are {kind}: a corpus is all INT8 or all float; "
                     "quantize the float shards (lik_cupy.quantize_int8, `lik pack --int8`) or score the two "
@@ -275,8 +276,8 @@ def _part_problem(qp: Problem, part: _Part) -> Problem:
     scoring call of Q against the whole shard. Frameworks may differ: a host corpus
     streams to device queries."""
     info = interop.describe(part.docs)
-    if info.dtype != "int8" and part.scales is None:
-        if qp.dtype == "int8":
+    if not dispatch.scaled_dtype(info.dtype) and part.scales is None:
+        if dispatch.scaled_dtype(qp.dtype):
             raise TypeError(f"Q is int8 but {part.name} has dtype {info.dtype}: int8 queries score INT8 corpora only; "
                             "pass float Q")
         if info.dtype != qp.dtype:
@@ -288,7 +289,7 @@ def _doc_problem(part: _Part, info: interop.Info) -> Problem:
     """Check one shard on its own (``info``: its tokens' description): layout, shapes, dtypes, validity
     and INT8 scales, before any of it is read. The Problem describes its documents (no queries yet:
     ``_with_queries`` adds them)."""
-    if info.dtype == "int8" or part.scales is not None:
+    if dispatch.scaled_dtype(info.dtype) or part.scales is not None:
         return _int8_doc_problem(part, info)
     if part.packed:
         if len(info.shape) != 2:
@@ -310,7 +311,7 @@ def _with_queries(qp: Problem, p: Problem) -> Problem:
 
 def _int8_doc_problem(part: _Part, info: interop.Info) -> Problem:
     scales_name = "d_scales" if part.index is None else f"shard {part.index} scales"
-    if info.dtype != "int8":
+    if not dispatch.scaled_dtype(info.dtype):
         raise TypeError(f"{scales_name} go with int8 tokens, but {part.name} has dtype {info.dtype}")
     if part.scales is None:
         raise TypeError(f"{part.name} is int8 but has no scales: pass d_scales (float32, D's shape without its last "
@@ -329,7 +330,7 @@ def _int8_doc_problem(part: _Part, info: interop.Info) -> Problem:
         raise ValueError(f"{part.name} has embedding dim 0; expected at least 1")
     check_scales(scales_name, part.scales, info, tuple(info.shape[:-1]), "one per document token",
                  f"{part.name}'s tokens")
-    return Problem(framework=info.framework, device=info.device, dtype="int8", nq=0, lq=0, nd=nd, ld=ld,
+    return Problem(framework=info.framework, device=info.device, dtype=info.dtype, nq=0, lq=0, nd=nd, ld=ld,
                    dim=info.shape[-1], candidates=False, scores_shape=(0, nd), argmax_shape=(0, nd, 0), q_valid=None,
                    d_valid=d_valid, d_packed=part.packed, ntok=ntok)
 
@@ -359,7 +360,7 @@ class _HostDocs:
 def _host_docs(part: _Part, p: Problem) -> _HostDocs:
     """``part`` (checked by ``_doc_problem``) on the host, its offsets and lengths value-checked."""
     fw = interop.framework_of(part.docs)
-    scales = None if p.dtype != "int8" else np.asarray(host_array(part.scales, fw), np.float32)
+    scales = np.asarray(host_array(part.scales, fw), np.float32) if dispatch.scaled_dtype(p.dtype) else None
     if part.packed:
         return _HostDocs(host_array(part.docs, fw), offsets=host_offsets(host_array(part.offsets, fw), p.ntok,
                                                                          "d_offsets"), scales=scales)
@@ -407,7 +408,7 @@ def _device_docs(part: _Part, p: Problem, verify: bool = True) -> _DeviceDocs:
     if p.dtype == "bfloat16":  # the corpus's dtype: a bfloat16 Q may score an INT8 corpus
         d = d.view(cupy.uint16)
     # INT8 scales, flat as the kernel reads them: [T] packed, [nd * ld] padded.
-    ds = None if p.dtype != "int8" else interop.to_cupy(part.scales, fw).reshape(-1)
+    ds = interop.to_cupy(part.scales, fw).reshape(-1) if dispatch.scaled_dtype(p.dtype) else None
     if part.packed:
         return _DeviceDocs(d, offsets=device_offsets(device_array(part.offsets, fw, False), p.ntok, "d_offsets",
                                                      check=verify), scales=ds)
@@ -448,7 +449,7 @@ class _Cpu:
         """Merge the scores of checked documents ``docs`` (problem ``p``, as ``_with_queries`` makes it)
         into the running top-k."""
         self.kind = self.kind or p.dtype
-        int8 = p.dtype == "int8"
+        int8 = dispatch.scaled_dtype(p.dtype)
         q8 = self._int8_queries() if int8 else {}
         # Documents per NumPy call: 4096, fewer where their scores [Nq, step] or (padded) validity
         # mask [step, Ld] would pass _CPU_STEP_BYTES, so that many queries or very long documents
@@ -476,7 +477,7 @@ class _Cpu:
 
     def result(self):
         fw = self.qp.framework
-        if self.kind == "int8":  # INT8 scores are float32 whatever the queries were
+        if dispatch.scaled_dtype(self.kind):  # INT8 scores are float32 whatever the queries were
             self.s = self.s.astype(np.float32, copy=False)
         if self.qp.device is None:
             return interop.from_numpy(self.s, fw), interop.from_numpy(self.i, fw)
@@ -652,15 +653,13 @@ class _Gpu:
         info = interop.describe(part.docs)
         p = _part_problem(self.qp, part)
         self.kind = _same_kind(self.kind, p.dtype, part)
-        if p.dtype == "int8" and not dispatch.int8_dim_ok(p.dim):
-            raise ValueError(f"INT8 scoring on the GPU needs dim a multiple of 16 up to {dispatch.MAX_DIM_INT8}; "
-                             f"got dim {p.dim} (backend='cpu' scores any dim)")
+        dispatch.check_gpu_dim(p.dtype, p.dim)
         if p.nd == 0:  # no document to score, but offsets that cannot be right still raise
             if part.packed and info.device is None:  # host offsets are checked on the host, as the CPU path does
                 host_offsets(host_array(part.offsets, info.framework), p.ntok, "d_offsets")
             elif part.packed:
                 device_offsets(device_array(part.offsets, info.framework, False), p.ntok, "d_offsets")
-            if p.dtype == "int8":
+            if dispatch.scaled_dtype(p.dtype):
                 self._int8_queries()
             return
         if info.device is None:
@@ -674,7 +673,7 @@ class _Gpu:
         """Score documents on this device (``docs``, checked, or with ``marked`` not: their lengths
         and offsets are then marked NaN chunk by chunk; problem ``p`` as ``_with_queries`` makes it)
         in chunks, merging each into the top-k."""
-        if p.dtype == "int8":
+        if dispatch.scaled_dtype(p.dtype):
             self._int8_queries()
         if p.nd == 0:
             return
@@ -703,7 +702,7 @@ class _Gpu:
                marked=False):
         """Score one chunk of p.nd documents into the chunk buffer and merge it into the top-k (or keep it).
 
-        INT8 chunks (``p.dtype == "int8"``) take ``d_scale``: float32 contiguous, [rows * ld] or [T].
+        Chunks of a scaled dtype (INT8) take ``d_scale``: float32 contiguous, [rows * ld] or [T].
         Unchecked documents are marked NaN where invalid: padded ones' lengths ``dl`` (``marked``),
         packed ones' offsets ``d_off``, a slice of the part's offsets ``off_all`` (given)."""
         import cupy
@@ -712,7 +711,7 @@ class _Gpu:
         if self.scores is None or self.scores.size < n:
             self.scores = None  # hand the smaller buffer back before the larger one is allocated
             self.scores = cupy.empty(n, cupy.float32)
-        kw = {"q_scale": self.qs, "d_scale": d_scale} if p.dtype == "int8" else {}
+        kw = {"q_scale": self.qs, "d_scale": d_scale} if dispatch.scaled_dtype(p.dtype) else {}
         s, _ = launch(p, self.q, d, self.qm, dm, self.ql, dl, False, self.device, d_off=d_off, ld_hint=ld_hint,
                       d_off_whole=d_off_whole, caller="retrieve", out=self.scores[:n], x3=self.x3, **kw)
         marks = self.checks
@@ -773,12 +772,13 @@ class _Gpu:
     def add_staged(self, p: Problem, src: dict):
         """Stream a host shard (``src``, from ``_staged_source``): host threads fill pinned buffers, a
         copy stream uploads, the caller's stream scores."""
-        if p.dtype == "int8":
+        spec = dispatch.elem_spec(p.dtype)
+        if spec.scaled:
             self._int8_queries()
         if p.nd == 0:
             return
-        esize = {"float32": 4, "int8": 1}.get(p.dtype, 2)
-        sbytes = 4 if p.dtype == "int8" else 0  # a float32 scale per token
+        esize = spec.bytes
+        sbytes = 4 if spec.scaled else 0  # a float32 scale per token
         if "off" in src:
             c = self._chunk_docs(p.ntok / p.nd * (p.dim * esize + sbytes) + 8, staged=True)
         else:

@@ -343,10 +343,8 @@ DIMS = sorted({1, 2, 3, 7, 8, 15, 16, 17, 31, 32, 33, 48, 63, 64, 65, 96, 100, 1
 
 
 def _dims(dtype, dims=DIMS):
-    """The dims a dtype's kernels take: int8 needs a multiple of 16 up to MAX_DIM_INT8."""
-    if dtype != "int8":
-        return dims
-    return [d for d in dims if dispatch.int8_dim_ok(d)]
+    """The dims a dtype's kernels take: int8 needs a multiple of 16 up to 4096."""
+    return [d for d in dims if dispatch.elem_spec(dtype).dim_ok(d)]
 
 
 @pytest.mark.parametrize("cc", [80, 86, 87, 89, 90])
@@ -366,15 +364,15 @@ def test_choose_forward_fits_shared_memory(cc, dtype):
                             assert c.dp in (32, 64, 128) and dim > 64, where
                         else:
                             assert not c.split or dtype != "int8", where
-                            assert c.dp == dispatch.padded_dim(dim, c.elem) >= dim and c.dp <= 512 and c.dp % 16 == 0, where
-                        assert c.elem == dispatch.ELEM_CODES[dtype] and c.argmax == argmax and c.vec == vec, where
+                            assert c.dp == dispatch.padded_dim(dim, c.spec) >= dim and c.dp <= 512 and c.dp % 16 == 0, where
+                        assert c.elem == dispatch.elem_spec(dtype).code and c.argmax == argmax and c.vec == vec, where
                         assert c.bn % 16 == 0 and c.stages >= 2 and c.threads <= 1024, where
                         assert not c.wgmma or (wgmma and arch == 90 and vec), where
     with pytest.raises(ValueError):
         dispatch.choose_forward(cc, dtype, dispatch.MAX_DIM + 1, 32, False, True)
     if dtype == "int8":
-        for bad in (8, 100, dispatch.MAX_DIM_INT8 + 16):
-            with pytest.raises(ValueError, match=f"multiple of 16 up to {dispatch.MAX_DIM_INT8}"):
+        for bad in (8, 100, 4096 + 16):
+            with pytest.raises(ValueError, match="multiple of 16 up to 4096"):
                 dispatch.choose_forward(cc, dtype, bad, 32, False, True)
 
 
@@ -382,7 +380,7 @@ def test_compile_check_covers_the_bucket_dims():
     # everything dispatch picks for the dims all_forward_configs samples is compiled by check_all
     for arch in dispatch.SUPPORTED_ARCHS:
         compiled = {c.name for c in dispatch.all_forward_configs(arch)}
-        for dtype in dispatch.ELEM_CODES:
+        for dtype in (e.name for e in dispatch.ELEMS):
             for dim in _dims(dtype, (64, 128, 256, 384, 512, 1000, 2048, 4096, 8192)):
                 for lq in (1, 32, 33, 64, 65, 128, 1000, 5000):
                     for shared, ld in ((1, 1024), (1, 180), (3, 180), (32, 180), (32, 1024), (1000, 77)):
@@ -403,7 +401,7 @@ def test_tma_only_where_the_kernels_take_it(dtype):
     # so does a single query of at most 128 tokens on them (measured slower). Split-d stages both
     # chunks by TMA on the two-warpgroup tiles (any 16-byte aligned dim: the maps zero-fill past
     # the row), never on the one-warpgroup short-query tiles (measured slower).
-    esize = dispatch.ELEM_SIZES[dispatch.ELEM_CODES[dtype]]
+    esize = dispatch.elem_spec(dtype).bytes
     for cc in (80, 86, 89, 90):
         for dim in _dims(dtype, (32, 64, 96, 128, 192, 256, 384, 512, 1000, 2048)):
             for lq, shared in ((1, 1), (32, 1), (32, 32), (128, 1), (1000, 1)):
@@ -436,7 +434,7 @@ def test_compile_check_covers_every_dispatchable_config():
     missing = set()
     for arch in dispatch.SUPPORTED_ARCHS:
         compiled = {c.name for c in dispatch.all_forward_configs(arch)}
-        for dtype in dispatch.ELEM_CODES:
+        for dtype in (e.name for e in dispatch.ELEMS):
             for dim in _dims(dtype):
                 for lq in (1, 33, 65):
                     c = dispatch.choose_forward(arch, dtype, dim, lq, False, True)

@@ -123,5 +123,6 @@ def test_int8_takes_split_d_above_512(arch, dim):
         cfg = dispatch.choose_forward(arch, "int8", dim, lq, argmax, True, True, shared, 300, False, tma)
         assert cfg.split and cfg.elem == 3 and cfg.dp % 32 == 0 and not cfg.tokm and not cfg.qhalf
         assert not (cfg.tma and cfg.bn + 4 > 256)  # a TMA box carries at most 256 scales
-    assert dispatch.int8_dim_ok(dim)
-    assert not dispatch.int8_dim_ok(dispatch.MAX_DIM_INT8 + 16)
+    spec = dispatch.elem_spec("int8")
+    assert spec.dim_ok(dim) and spec.max_dim == 4096
+    assert not spec.dim_ok(spec.max_dim + 16)

@@ -144,8 +144,9 @@ WGMMA_STAGES = {128: (2, 3), 96: (3, 2), 64: (3, 2)}
 # TMA staging were slower. Relative cost per staged document token: 64- and 128-token tiles
 # are within 2% of each other on long documents, so the shorter one wins where it pads less;
 # INT8's 64-token tiles ran 22% slower (Ld = 1024). Measured at d = 128 (256-byte rows), the
-# widest rows this rule takes.
-SHORT_WGMMA_COST = {False: {64: 1.0, 128: 0.98}, True: {128: 1.0, 64: 1.22}}
+# widest rows this rule takes. By element type (every one with wgmma tiles has a row).
+_SHORT_WGMMA_COST_16BIT = {64: 1.0, 128: 0.98}
+SHORT_WGMMA_COST = {"float16": _SHORT_WGMMA_COST_16BIT, "bfloat16": _SHORT_WGMMA_COST_16BIT, "int8": {128: 1.0, 64: 1.22}}
 SHORT_WGMMA_STAGES = {64: (4, 3), 128: (2, 3)}
 SHORT_WGMMA_MAX_ROW_BYTES = 256
 

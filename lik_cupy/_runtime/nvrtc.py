@@ -276,7 +276,8 @@ def check_all(archs=None, configs=None, *, other_kernels: bool = True) -> list[d
     dynamic shared memory (``lik_sum_partials``, the top-k merge, the value checks, the mask spans,
     the INT8 quantiser and the backward kernels once per architecture). Raises ``CompileError`` if any kernel fails.
     """
-    from .._dispatch import SUPPORTED_ARCHS, all_forward_configs
+    from .._dispatch import ELEMS, SUPPORTED_ARCHS, all_forward_configs
+    from .quantize import QUANTISED_FROM
 
     rows = []
     for arch in archs or SUPPORTED_ARCHS:
@@ -296,11 +297,13 @@ def check_all(archs=None, configs=None, *, other_kernels: bool = True) -> list[d
                 out = nvrtc_compile(src, {}, arch)
                 rows += [{"kernel": k, "arch": f"sm_{arch}", "dynamic_smem": 0, **resource_usage(out.log, k)}
                          for k in kernels]
-            for elem in (0, 1, 2):  # the INT8 quantiser, per input dtype
-                out = nvrtc_compile("quantize.cu", {"LIK_ELEM": elem}, arch)
-                rows.append({"kernel": f"lik_quantize_int8[elem={elem}]", "arch": f"sm_{arch}", "dynamic_smem": 0,
-                             **resource_usage(out.log, "lik_quantize_int8")})
-            for elem in (0, 1, 2):  # the backward family, each dtype, with and without vector loads
+            for entry in (e.quantiser_kernel for e in ELEMS if e.quantiser_kernel):  # each quantiser, per input dtype
+                for elem in (e.code for e in QUANTISED_FROM):
+                    out = nvrtc_compile("quantize.cu", {"LIK_ELEM": elem}, arch)
+                    rows.append({"kernel": f"{entry}[elem={elem}]", "arch": f"sm_{arch}", "dynamic_smem": 0,
+                                 **resource_usage(out.log, entry)})
+            # the backward family, each float dtype, with and without vector loads
+            for elem in (e.code for e in ELEMS if not e.scaled):
                 for vec in (0, 1):
                     out = nvrtc_compile("maxsim_bwd.cu", {"LIK_ELEM": elem, "LIK_VEC": vec}, arch)
                     for k in ("lik_bwd_dq", "lik_bwd_keys", "lik_bwd_dd_csr", "lik_bwd_cast"):
