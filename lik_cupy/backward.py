@@ -15,9 +15,9 @@ import numpy as np
 from . import _cpu as cpu
 from . import _dispatch as dispatch
 from . import _interop as interop
+from ._base.device import allocating, device_properties, empty
 from ._dispatch.backend import check_backend, use_gpu
 from ._interop import device_array, host_array
-from ._runtime.device import allocating, device_properties, empty
 from ._runtime.device_checks import capturing, strict
 from ._runtime.operands import device_offsets, host_metadata, host_offsets, kernel_dtype, kernel_operands
 from ._runtime.prepared_calls import PreparedBackward, call_key, lookup, store

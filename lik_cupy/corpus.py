@@ -35,8 +35,8 @@ from . import _interop as interop
 from . import shards
 from dataclasses import replace
 
+from ._base.device import gpu_available
 from ._interop import caller_results, caller_stream, device_array, host_array, host_result
-from ._runtime.device import gpu_available
 from ._runtime.operands import kernel_operands, valid_host
 from ._runtime.prepared_calls import call_key
 from ._validate import Problem, check_id_values

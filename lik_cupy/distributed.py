@@ -61,8 +61,8 @@ except ImportError as e:
                       "(or 'lik-cupy[distributed-gpu]', which adds dask-cuda for one worker per GPU)") from e
 
 from . import shards
+from ._base.device import gpu_available
 from ._ranking import merge_ranked
-from ._runtime.device import gpu_available
 from .retrieve import MAX_K, _outside_stacklevel, retrieve
 
 __all__ = ["DistributedCorpus"]

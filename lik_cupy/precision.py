@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import sys
 
-from ._runtime import env
+from ._base import env
 
 __all__ = ["PRECISIONS", "set_precision", "get_precision"]
 

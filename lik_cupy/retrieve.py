@@ -593,7 +593,7 @@ class _Gpu:
 
     def keep_every(self, nd: int, caller: str) -> None:
         """Keep every score of the ``nd`` documents to come, ``[Nq, nd]``, instead of a top-k (``k`` None)."""
-        from ._runtime.device import empty
+        from ._base.device import empty
 
         self.every = empty((self.qp.nq, nd), np.float32, f"{caller}: scores", "score fewer queries per call")
 

@@ -21,7 +21,7 @@ def test_pin_host_refuses_non_numpy_and_strided():
 
 
 def test_pin_host_without_gpu_locks_nothing(monkeypatch):
-    from lik_cupy._runtime import device
+    from lik_cupy._base import device
 
     monkeypatch.setattr(device, "gpu_available", lambda: False)
     with lik_cupy.pin_host(np.zeros((4, 8), np.float16)) as p:

@@ -1028,7 +1028,7 @@ def gpu_kernels():
 
     from lik_cupy._runtime import nvrtc as lc
     from lik_cupy import _dispatch as dispatch
-    from lik_cupy._runtime.device import device_properties
+    from lik_cupy._base.device import device_properties
 
     cc = device_properties(cupy.cuda.runtime.getDevice()).cc
     arch = dispatch.arch_of(cc)

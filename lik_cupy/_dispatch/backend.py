@@ -3,7 +3,7 @@ function shares."""
 
 from __future__ import annotations
 
-from .._runtime.device import gpu_available
+from .._base.device import gpu_available
 from .elements import elem_spec
 
 __all__ = ["BACKENDS", "check_backend", "use_gpu", "scoring_on_gpu", "check_gpu_dim"]

@@ -32,8 +32,8 @@ import threading
 
 import numpy as np
 
+from .._base.env import validate_strict
 from .._validate import check_id_values, check_length_values, check_offset_values
-from .env import validate_strict
 from .nvrtc import function_handle
 from .raw_launch import launch_raw, signature
 

@@ -14,10 +14,11 @@ from dataclasses import replace
 import numpy as np
 
 from .. import _dispatch as dispatch
+from .._base import env
+from .._base.cache import DeviceCache
+from .._base.device import device_properties, empty
 from .._validate import Problem, check_32bit
-from . import env, tma, token_split
-from .cache import DeviceCache
-from .device import device_properties, empty
+from . import tma, token_split
 from .masks import mask_spans
 from .raw_launch import is_capturing, launch_raw, signature
 

@@ -22,10 +22,10 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from .. import __version__
+from .._base import env
+from .._base.cache import DeviceCache
+from .._version import __version__
 from ..errors import CompileError
-from . import env
-from .cache import DeviceCache
 
 _INCLUDE = re.compile(r'^\s*#\s*include\s*"([^"]+)"', re.M)
 _MEMORY_CACHE_SIZE = 256
@@ -252,7 +252,7 @@ def function_handle(name: str, entry: str, device_id: int) -> int:
 
 def _small_kernel(name: str, entry: str, device_id: int):
     from .._dispatch import arch_of
-    from .device import device_properties
+    from .._base.device import device_properties
 
     return get_module(name, {}, arch_of(device_properties(device_id).cc), device_id, entry=entry).get_function(entry)
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .._base.device import device_properties
 from .._dispatch import arch_of, elem_spec
-from .device import device_properties
 from .nvrtc import get_module
 
 __all__ = ["quantize_cupy", "QUANTISED_FROM"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from .. import _dispatch as dispatch
 from .quantize import QUANTISED_FROM
-from .device import device_properties, gpu_available
+from .._base.device import device_properties, gpu_available
 
 
 def warmup(dims=(128,), dtypes=("float16", "bfloat16"), query_lengths=(32, 1024), argmax=(False,), device=None,
