@@ -19,6 +19,7 @@ from ._base.device import allocating, device_properties, empty
 from ._dispatch.backend import check_backend, use_gpu
 from ._interop import device_array, host_array
 from ._runtime.device_checks import capturing, strict
+from ._runtime.kernels import BACKWARD, BACKWARD_DTYPES
 from ._runtime.operands import device_offsets, host_metadata, host_offsets, kernel_dtype, kernel_operands
 from ._runtime.prepared_calls import PreparedBackward, call_key, lookup, store
 from ._validate import Problem, check_32bit, check_argmax_values, check_backward
@@ -26,7 +27,6 @@ from ._validate import Problem, check_32bit, check_argmax_values, check_backward
 __all__ = ["maxsim_backward"]
 
 _METHODS = ("auto", "csr", "atomic")
-_ELEM = {"float16": 0, "bfloat16": 1, "float32": 2}
 
 
 def maxsim_backward(grad_scores, Q, D, argmax, *, d_offsets=None, method="auto", validate=None, backend="auto"):
@@ -179,8 +179,8 @@ def _gpu(p: Problem, g, Q, D, argmax, d_offsets, method, validate, q_shape, d_sh
         cc = device_properties(device).cc
         how = dispatch.choose_backward(method, cc, p.nq, p.nd, p.lq, rows, p.dim)
         vec = p.dim % 4 == 0 and q.data.ptr % (4 * esize) == 0 and d.data.ptr % (4 * esize) == 0
-        defines = {"LIK_ELEM": _ELEM[kernel_dtype(p.dtype)], "LIK_VEC": int(vec)}
-        mod = get_module("maxsim_bwd.cu", defines, dispatch.arch_of(cc), device, entry="lik_bwd_dq")
+        defines = {"LIK_ELEM": dispatch.elem_spec(kernel_dtype(p.dtype)).code, "LIK_VEC": int(vec)}
+        mod = get_module(BACKWARD.file, defines, dispatch.arch_of(cc), device, entry="lik_bwd_dq")
 
         dq = _empty(q.shape, q.dtype, "dQ", "split the call over fewer queries")
         dd = _empty(d.shape, d.dtype, "dD", "split the call over fewer documents")
@@ -237,7 +237,7 @@ def _prepared(key, p: Problem, method: str, q_shape, d_shape):
     """The :class:`PreparedBackward` of a validated GPU call whose signature ``key`` can take the
     repeat path (device arrays of torch or CuPy, C-contiguous and 16-byte aligned, float32
     grad_scores, int64 offsets, the atomic method), made and stored; None otherwise."""
-    if key is None or p.dtype not in _ELEM or (p.dtype == "bfloat16" and p.framework != "torch"):
+    if key is None or p.dtype not in BACKWARD_DTYPES or (p.dtype == "bfloat16" and p.framework != "torch"):
         return None
     sigs = key[2:]  # grad_scores, Q, D, argmax, d_offsets: (shape, dtype, device, aligned, contiguous)
     if any(s is not None and (s[2] < 0 or not s[3] or not s[4]) for s in sigs):
@@ -256,9 +256,9 @@ def _prepared(key, p: Problem, method: str, q_shape, d_shape):
     from ._runtime.nvrtc import get_module
 
     dq_grid, cast_grid = _grids(p)
-    defines = {"LIK_ELEM": _ELEM[p.dtype], "LIK_VEC": int(p.dim % 4 == 0)}
+    defines = {"LIK_ELEM": dispatch.elem_spec(p.dtype).code, "LIK_VEC": int(p.dim % 4 == 0)}
     with cupy.cuda.Device(p.device):
-        mod = get_module("maxsim_bwd.cu", defines, dispatch.arch_of(cc), p.device, entry="lik_bwd_dq")
+        mod = get_module(BACKWARD.file, defines, dispatch.arch_of(cc), p.device, entry="lik_bwd_dq")
         dq, cast = (mod.get_function(k).kernel.ptr for k in ("lik_bwd_dq", "lik_bwd_cast"))
     call = PreparedBackward(p.framework, p, p.device, dq, cast, dq_grid, cast_grid, _THREADS,
                             (p.nq, p.nd, p.lq, p.ld, p.dim, int(p.candidates), rows), (q_shape, d_shape), p.dtype)

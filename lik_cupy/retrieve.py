@@ -61,6 +61,7 @@ from ._interop import device_array, host_array
 from ._ranking import merge_ranked
 from ._runtime.launch import launch
 from ._runtime.device_checks import Marks, call_checks, strict
+from ._runtime.kernels import TOPK
 from ._runtime.operands import device_offsets, device_valid, host_metadata, host_offsets, valid_host
 from ._runtime.pinned import span_page_locked
 from ._validate import (Problem, check_call, check_length_values, check_scales, check_valid, check_varlen,
@@ -739,7 +740,7 @@ class _Gpu:
         out_s = cupy.empty((nq, k_out), cupy.float32)
         out_i = cupy.empty((nq, k_out), cupy.int64)
         if nq:
-            kern = get_function("topk.cu", "lik_topk_merge", self.device)
+            kern = get_function(TOPK.file, "lik_topk_merge", self.device)
             null = np.uint64(0)
 
             def merge_kernel(rows, run_s, run_i, k_run, chunk, chunk_i, stride, n, groups, slice_, base, o_s, o_i, k):

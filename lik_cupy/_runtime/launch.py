@@ -19,6 +19,7 @@ from .._base.cache import DeviceCache
 from .._base.device import device_properties, empty
 from .._validate import Problem, check_32bit
 from . import tma, token_split
+from .kernels import FORWARD
 from .masks import mask_spans
 from .raw_launch import is_capturing, launch_raw, signature
 
@@ -60,7 +61,7 @@ def _kernel(cfg, arch: int, device: int):
 def _load_kernel(cfg, arch: int, device: int):
     from .nvrtc import get_module
 
-    mod = get_module("maxsim_fwd.cu", cfg.defines(), cfg.target(arch), device)
+    mod = get_module(FORWARD.file, cfg.defines(), cfg.target(arch), device)
     kern = mod.get_function(cfg.name)
     if cfg.smem_bytes > 48 * 1024:
         kern.max_dynamic_shared_size_bytes = cfg.smem_bytes

@@ -7,12 +7,11 @@ import numpy as np
 
 from .._base.device import device_properties
 from .._dispatch import arch_of, elem_spec
+from .kernels import QUANTIZE
 from .nvrtc import get_module
 
-__all__ = ["quantize_cupy", "QUANTISED_FROM"]
+__all__ = ["quantize_cupy"]
 
-# The float element types the quantiser reads (its LIK_ELEM builds).
-QUANTISED_FROM = tuple(map(elem_spec, ("float16", "bfloat16", "float32")))
 _INT8 = elem_spec("int8")
 
 
@@ -37,7 +36,7 @@ def quantize_cupy(x, dtype: str, *, check: bool = False):
     device = x.device.id
     defines = {"LIK_ELEM": elem_spec(dtype).code}
     entry = _INT8.quantiser_kernel
-    kern = get_module("quantize.cu", defines, arch_of(device_properties(device).cc), device, entry=entry).get_function(entry)
+    kern = get_module(QUANTIZE.file, defines, arch_of(device_properties(device).cc), device, entry=entry).get_function(entry)
     warps = 8
     blocks = int(min(-(-rows // warps), 65535))
     kern((blocks,), (warps * 32,), (x, q, s, np.int64(rows), np.int32(d), bad))

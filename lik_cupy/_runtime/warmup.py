@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from .. import _dispatch as dispatch
-from .quantize import QUANTISED_FROM
+from .kernels import FORWARD, QUANTIZE
 from .._base.device import device_properties, gpu_available
 
 
@@ -52,11 +52,11 @@ def warmup(dims=(128,), dtypes=("float16", "bfloat16"), query_lengths=(32, 1024)
                     for vec in {(dim * spec.bytes) % 16 == 0, False}:
                         cfg = dispatch.choose_forward(cc, dtype, dim, lq, am, vec, tma=vec and tma_usable(), x3=x3)
                         if cfg.name not in names:
-                            get_module("maxsim_fwd.cu", cfg.defines(), cfg.target(arch), dev)
+                            get_module(FORWARD.file, cfg.defines(), cfg.target(arch), dev)
                             names.add(cfg.name)
     for spec in map(dispatch.elem_spec, dtypes):
         if spec.quantiser_kernel:
-            for elem in QUANTISED_FROM:
-                get_module("quantize.cu", {"LIK_ELEM": elem.code}, arch, dev, entry=spec.quantiser_kernel)
-                names.add(f"{spec.quantiser_kernel}[{elem.code}]")
+            for defines in QUANTIZE.variants:
+                get_module(QUANTIZE.file, defines, arch, dev, entry=spec.quantiser_kernel)
+                names.add(QUANTIZE.row_name(spec.quantiser_kernel, defines))
     return len(names)
