@@ -246,11 +246,11 @@ def compile_ahead(dtype: str, dim: int, lq: int, argmax: bool, precision: str | 
     first run does not hold XLA's stream while NVRTC works. Skipped where jax's default device is
     not a GPU: the CUDA form is traced for every platform, and lowered only for CUDA."""
     from ._base.device import gpu_available
-    from ._dispatch import elem_spec
+    from ._dispatch import elem_spec, kernel_dtype
     from ._runtime.warmup import warmup
 
     default = jax.config.jax_default_device
     on_gpu = jax.default_backend() == "gpu" and (default is None or getattr(default, "platform", default) == "gpu")
-    kernel = "float32" if dtype == "float64" else dtype
+    kernel = kernel_dtype(dtype)
     if on_gpu and lq >= 1 and dim >= 1 and elem_spec(kernel).dim_ok(dim) and gpu_available():
         warmup(dims=(dim,), dtypes=(kernel,), query_lengths=(lq,), argmax=(argmax,), precision=precision)

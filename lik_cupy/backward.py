@@ -20,7 +20,7 @@ from ._dispatch.backend import check_backend, use_gpu
 from ._interop import device_array, host_array
 from ._runtime.device_checks import capturing, strict
 from ._runtime.kernels import BACKWARD, BACKWARD_DTYPES
-from ._runtime.operands import device_offsets, host_metadata, host_offsets, kernel_dtype, kernel_operands
+from ._runtime.operands import device_offsets, host_metadata, host_offsets, kernel_operands
 from ._runtime.prepared_calls import PreparedBackward, call_key, lookup, store
 from ._validate import Problem, check_32bit, check_argmax_values, check_backward
 
@@ -179,7 +179,7 @@ def _gpu(p: Problem, g, Q, D, argmax, d_offsets, method, validate, q_shape, d_sh
         cc = device_properties(device).cc
         how = dispatch.choose_backward(method, cc, p.nq, p.nd, p.lq, rows, p.dim)
         vec = p.dim % 4 == 0 and q.data.ptr % (4 * esize) == 0 and d.data.ptr % (4 * esize) == 0
-        defines = {"LIK_ELEM": dispatch.elem_spec(kernel_dtype(p.dtype)).code, "LIK_VEC": int(vec)}
+        defines = {"LIK_ELEM": dispatch.elem_spec(dispatch.kernel_dtype(p.dtype)).code, "LIK_VEC": int(vec)}
         mod = get_module(BACKWARD.file, defines, dispatch.arch_of(cc), device, entry="lik_bwd_dq")
 
         dq = _empty(q.shape, q.dtype, "dQ", "split the call over fewer queries")

@@ -9,12 +9,13 @@ from __future__ import annotations
 from dataclasses import replace
 
 from . import _cpu as cpu
+from ._dispatch import kernel_dtype
 from ._dispatch.backend import check_backend, scoring_on_gpu
 from ._interop import caller_results, caller_stream, describe, device_array, host_array, host_result
 from ._runtime.device_checks import call_checks
 from ._runtime.launch import launch, prepare, use_tma_for
 from ._runtime.prepared_calls import PreparedCall, call_key, lookup, store
-from ._runtime.operands import (device_offsets, host_metadata, device_valid, host_offsets, kernel_dtype, kernel_operands,
+from ._runtime.operands import (device_offsets, host_metadata, device_valid, host_offsets, kernel_operands,
                                 unpack_queries, valid_host)
 from ._validate import Problem, check_call, check_varlen, check_zero_pad
 from .precision import _resolve as _fp32_accurate

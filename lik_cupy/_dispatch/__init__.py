@@ -11,14 +11,14 @@
 from .backend import BACKENDS, check_backend, check_gpu_dim, scoring_on_gpu, use_gpu
 from .config import (DIM_BUCKETS, MAX_DIM, MAX_DIM_RESIDUAL, SMEM_PER_BLOCK, SMEM_PER_SM, SUPPORTED_ARCHS, FwdConfig,
                      arch_of, dim_bucket, one_shot_bucket, padded_dim)
-from .elements import ELEMS, SCALED_DTYPES, ElemSpec, elem_of_code, elem_spec, scaled_dtype
+from .elements import ELEMS, SCALED_DTYPES, ElemSpec, elem_of_code, elem_spec, kernel_dtype, scaled_dtype
 from .plan import SPLIT_MAX_CTAS, Launch, ctas_per_sm, padded_split_min_ld, plan_launch, queries_per_tile, tile_rows
 from .select import (RESIDUAL_DTYPES, all_forward_configs, all_residual_configs, choose_backward, choose_forward,
                      choose_residual, residual_dim_ok, split_family, uses_split)
 
 __all__ = ["BACKENDS", "check_backend", "check_gpu_dim", "scoring_on_gpu", "use_gpu", "DIM_BUCKETS", "MAX_DIM", "MAX_DIM_RESIDUAL",
            "SMEM_PER_BLOCK", "SMEM_PER_SM", "SUPPORTED_ARCHS", "FwdConfig", "arch_of", "dim_bucket", "one_shot_bucket",
-           "padded_dim", "ELEMS", "SCALED_DTYPES", "ElemSpec", "elem_of_code", "elem_spec", "scaled_dtype",
+           "padded_dim", "ELEMS", "SCALED_DTYPES", "ElemSpec", "elem_of_code", "elem_spec", "kernel_dtype", "scaled_dtype",
            "SPLIT_MAX_CTAS", "Launch", "ctas_per_sm", "padded_split_min_ld", "plan_launch", "queries_per_tile",
            "tile_rows", "RESIDUAL_DTYPES", "all_forward_configs", "all_residual_configs", "choose_backward",
            "choose_forward", "choose_residual", "residual_dim_ok", "split_family", "uses_split", "clear_caches",

@@ -4,7 +4,7 @@ function shares."""
 from __future__ import annotations
 
 from .._base.device import gpu_available
-from .elements import elem_spec
+from .elements import elem_spec, kernel_dtype
 
 __all__ = ["BACKENDS", "check_backend", "use_gpu", "scoring_on_gpu", "check_gpu_dim"]
 
@@ -57,7 +57,7 @@ def scoring_on_gpu(p, backend: str, *, float64: bool = False, float64_gpu: bool 
 def check_gpu_dim(dtype: str, dim: int, cpu: str = "backend='cpu'") -> None:
     """ValueError unless the GPU kernels of element type ``dtype`` take embedding dim ``dim``
     (float64 is scored on float32's kernels); ``cpu``: the caller's way to the CPU, for the message."""
-    spec = elem_spec("float32" if dtype == "float64" else dtype)
+    spec = elem_spec(kernel_dtype(dtype))
     if not spec.dim_ok(dim):
         raise ValueError(f"{spec.name} scoring on the GPU needs dim {spec.dim_rule()}; got dim {dim} "
                          f"({cpu} scores any dim)")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["ElemSpec", "ELEMS", "elem_spec", "elem_of_code", "scaled_dtype", "SCALED_DTYPES"]
+__all__ = ["ElemSpec", "ELEMS", "elem_spec", "elem_of_code", "scaled_dtype", "kernel_dtype", "SCALED_DTYPES"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -87,6 +87,12 @@ def elem_spec(dtype: str) -> ElemSpec:
 def elem_of_code(code: int) -> ElemSpec:
     """The row whose ``LIK_ELEM`` is ``code``."""
     return _BY_CODE[code]
+
+
+def kernel_dtype(dtype: str) -> str:
+    """The element type the kernels compute in for inputs of ``dtype``: float64 runs as float32 (at
+    float32 accuracy, ``lik_cupy.precision``; its callers get float64 results back)."""
+    return "float32" if dtype == "float64" else dtype
 
 
 def scaled_dtype(dtype: str) -> bool:
