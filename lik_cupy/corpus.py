@@ -36,11 +36,11 @@ from . import shards
 from dataclasses import replace
 
 from ._base.device import gpu_available
+from ._dispatch.precision import fp32_accurate
 from ._interop import caller_results, caller_stream, device_array, host_array, host_result
 from ._runtime.operands import kernel_operands, valid_host
 from ._runtime.prepared_calls import call_key
 from ._validate import Problem, check_id_values
-from .precision import _resolve as _fp32_accurate
 from .retrieve import (MAX_K, _Cpu, _DeviceDocs, _doc_problem, _Gpu, _HostDocs, _host_docs, _Part, _query_problem,
                        _staged_source, _with_queries)
 
@@ -206,7 +206,7 @@ class Corpus:
         if self.where == "host memory":
             s = self._host_scores(qp, Q, q_mask, q_lengths)
             return host_result(s.reshape(p.scores_shape), qp)
-        x3 = _fp32_accurate(precision, qp.framework, qp.dtype)
+        x3 = fp32_accurate(precision, qp.framework, qp.dtype)
         if self.where == "pinned host memory":
             return self._streamed(qp, p, Q, q_mask, q_lengths, None, x3)
         return self._launch(qp, p, Q, q_mask, q_lengths, x3, "Corpus.score", key=key)
@@ -237,7 +237,7 @@ class Corpus:
             squeeze = len(p.scores_shape) == 1
             s, i = (s[0], i[0]) if squeeze else (s, i)
             return host_result(s, qp), (i if i.dtype.kind in "US" else host_result(i, qp))
-        x3 = _fp32_accurate(precision, qp.framework, qp.dtype)
+        x3 = fp32_accurate(precision, qp.framework, qp.dtype)
         return self._streamed(qp, p, Q, q_mask, q_lengths, int(k), x3)
 
     def rerank(self, Q, candidates, q_mask=None, *, q_lengths=None, precision=None):
@@ -270,7 +270,7 @@ class Corpus:
 
         from ._runtime.candidates import CandidateIds
 
-        x3 = _fp32_accurate(precision, qp.framework, qp.dtype)
+        x3 = fp32_accurate(precision, qp.framework, qp.dtype)
         with cupy.cuda.Device(self.device), caller_stream(qp.framework, self.device):
             ids = cand if on_device else cupy.asarray(cand)
             ids = CandidateIds(ids.reshape(shape), self._p.nd)

@@ -56,7 +56,7 @@ from . import _jax_ops
 from ._dispatch.backend import check_backend
 from ._validate import Problem, check_call, check_int8_scales, check_varlen
 from .backward import _METHODS
-from .precision import _resolve
+from ._dispatch.precision import fp32_accurate
 
 __all__ = ["maxsim", "maxsim_varlen", "maxsim_int8", "maxsim_int8_varlen"]
 
@@ -171,7 +171,7 @@ class _Call:
         if method not in _METHODS:
             raise ValueError(f"method must be one of {_METHODS}, got {method!r}")
         check_backend(backend)
-        x3 = _resolve(precision, "jax", p.dtype)  # also checks the value
+        x3 = fp32_accurate(precision, "jax", p.dtype)  # also checks the value
         resolved = ("fp32" if x3 else "tf32") if p.dtype in ("float32", "float64") else None
         return cls(fn, p, method, resolved, backend)
 

@@ -55,8 +55,8 @@ import numpy as np
 from . import _cpu as cpu
 from . import _dispatch as dispatch
 from . import _interop as interop
-from .precision import _resolve as _fp32_accurate
 from ._dispatch.backend import check_backend, scoring_on_gpu
+from ._dispatch.precision import fp32_accurate
 from ._interop import device_array, host_array
 from ._ranking import merge_ranked
 from ._runtime.launch import launch
@@ -178,7 +178,7 @@ def retrieve(Q, D, k, q_mask=None, *, q_lengths=None, q_scales=None, d_offsets=N
         for part in parts:
             kind = _same_kind(kind, interop.describe(part.docs).dtype, part)
     squeeze = len(interop.describe(Q).shape) == 2
-    x3 = _fp32_accurate(precision, qp.framework, qp.dtype)
+    x3 = fp32_accurate(precision, qp.framework, qp.dtype)
     if scoring_on_gpu(qp, backend):
         import cupy
 

@@ -15,10 +15,10 @@ ROOT = pathlib.Path(lik_cupy.__file__).parent
 LAYERS = (
     ("errors", "_version"),
     ("_base", "_files", "_cpu", "_ranking", "_plaid_files", "_batched_calls"),
-    ("_dispatch", "_interop", "_atomic", "precision"),
+    ("_dispatch", "_interop", "_atomic"),
     ("_validate",),
     ("_runtime",),
-    ("forward", "int8", "quantize", "backward", "plaid", "retrieve", "shards"),
+    ("forward", "int8", "quantize", "backward", "plaid", "retrieve", "shards", "precision"),
     ("corpus", "torch", "_jax_ops"),
     ("distributed", "jax", "integrations"),
     ("_moved",),

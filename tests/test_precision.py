@@ -9,7 +9,7 @@ import pytest
 
 import lik_cupy
 from lik_cupy import _dispatch as dispatch
-from lik_cupy.precision import _resolve
+from lik_cupy._dispatch.precision import fp32_accurate
 
 
 @pytest.fixture(autouse=True)
@@ -37,14 +37,14 @@ def _fake_jax(monkeypatch, value):
 
 def test_float32_defaults_to_float32_accuracy():
     for fw in ("numpy", "cupy", "dlpack"):
-        assert _resolve(None, fw, "float32") is True
-        assert _resolve(None, fw, "float64") is True
+        assert fp32_accurate(None, fw, "float32") is True
+        assert fp32_accurate(None, fw, "float64") is True
 
 
 def test_other_dtypes_have_no_tf32_choice():
     for dtype in ("float16", "bfloat16", "int8"):
-        assert _resolve(None, "cupy", dtype) is False
-        assert _resolve("fp32", "cupy", dtype) is False
+        assert fp32_accurate(None, "cupy", dtype) is False
+        assert fp32_accurate("fp32", "cupy", dtype) is False
 
 
 @pytest.mark.parametrize("kw,expect", [
@@ -58,8 +58,8 @@ def test_other_dtypes_have_no_tf32_choice():
 ])
 def test_torch_tensors_follow_torch(monkeypatch, kw, expect):
     _fake_torch(monkeypatch, **kw)
-    assert _resolve(None, "torch", "float32") is expect
-    assert _resolve(None, "cupy", "float32") is True  # only torch tensors follow torch
+    assert fp32_accurate(None, "torch", "float32") is expect
+    assert fp32_accurate(None, "cupy", "float32") is True  # only torch tensors follow torch
 
 
 @pytest.mark.parametrize("value,expect", [(None, True), ("highest", True), ("float32", True), ("high", True),
@@ -67,23 +67,23 @@ def test_torch_tensors_follow_torch(monkeypatch, kw, expect):
                                           ("fastest", False)])
 def test_jax_arrays_follow_jax(monkeypatch, value, expect):
     _fake_jax(monkeypatch, value)
-    assert _resolve(None, "jax", "float32") is expect
+    assert fp32_accurate(None, "jax", "float32") is expect
 
 
 def test_cupy_arrays_follow_cupy_tf32(monkeypatch):
     monkeypatch.setenv("CUPY_TF32", "1")
-    assert _resolve(None, "cupy", "float32") is False
-    assert _resolve(None, "numpy", "float32") is True
+    assert fp32_accurate(None, "cupy", "float32") is False
+    assert fp32_accurate(None, "numpy", "float32") is True
 
 
 def test_order_call_then_process_default_then_framework(monkeypatch):
     _fake_torch(monkeypatch, allow_tf32=True)
     monkeypatch.setenv("LIK_PRECISION", "fp32")
-    assert _resolve(None, "torch", "float32") is True  # the process default beats torch
-    assert _resolve("tf32", "torch", "float32") is False  # the call beats both
+    assert fp32_accurate(None, "torch", "float32") is True  # the process default beats torch
+    assert fp32_accurate("tf32", "torch", "float32") is False  # the call beats both
     lik_cupy.set_precision("tf32")
     assert lik_cupy.get_precision() == "tf32"  # set_precision beats the environment
-    assert _resolve(None, "numpy", "float32") is False
+    assert fp32_accurate(None, "numpy", "float32") is False
     lik_cupy.set_precision(None)
     assert lik_cupy.get_precision() == "fp32"
 

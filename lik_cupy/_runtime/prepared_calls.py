@@ -67,9 +67,9 @@ def call_key(kind: str, flags: tuple, Q, arrays: tuple, *, precision: bool = Tru
         else:
             return None
     if precision and a.is_float32(Q):  # the precision the call resolves to is part of what it runs
-        from ..precision import _resolve
+        from .._dispatch.precision import fp32_accurate
 
-        key.append(_resolve(flags[-1], a.FRAMEWORK, "float32"))
+        key.append(fp32_accurate(flags[-1], a.FRAMEWORK, "float32"))
     return tuple(key)
 
 

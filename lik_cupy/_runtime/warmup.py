@@ -29,9 +29,9 @@ def warmup(dims=(128,), dtypes=("float16", "bfloat16"), query_lengths=(32, 1024)
     Raises:
         RuntimeError: no CUDA GPU is visible (or CuPy is missing); the CPU path needs no warm-up.
     """
-    from ..precision import _checked, get_precision
+    from .._dispatch.precision import checked, default
 
-    x3 = _checked(precision or get_precision() or "fp32", "precision") == "fp32"
+    x3 = checked(precision or default() or "fp32", "precision") == "fp32"
     if not gpu_available():
         raise RuntimeError("lik_cupy.warmup: no CUDA GPU is visible (CuPy could not find one, or is not installed); "
                            "warmup compiles GPU kernels, and the CPU path (backend='cpu') needs none")
