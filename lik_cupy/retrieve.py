@@ -24,7 +24,7 @@ GPU memory used by one call (bytes), with C documents per chunk::
                                          when Lq > 32 (long queries split over tiles)
       + 2 * Nq * k * 12                  running top-k, ping-pong
       + Nq * (C / 4096 + 1) * k * 12     slice winners of the merge, when k <= 1024 and
-                                         C > 4096 (see _merge)
+                                         C > 4096 (``lik_cupy._runtime.topk``)
       + 2 * C * Ld * (d * e + s + 1)     staging, host corpora only (e = 1, 2 or 4 bytes;
                                          s = 4 for an INT8 scale, else 0; + C * 4 for
                                          lengths or mask spans; packed: tokens of C documents)
@@ -61,21 +61,15 @@ from ._interop import device_array, host_array
 from ._ranking import merge_ranked
 from ._runtime.launch import launch
 from ._runtime.device_checks import Marks, call_checks, strict
-from ._runtime.kernels import TOPK
 from ._runtime.operands import device_offsets, device_valid, host_metadata, host_offsets, valid_host
 from ._runtime.pinned import span_page_locked
+from ._runtime.topk import MAX_K, MERGE_SLICE, merge_topk, split_merge
 from ._validate import (Problem, check_call, check_length_values, check_scales, check_valid, check_varlen,
                         offsets_count)
 from .errors import DeviceMemoryError
 
 __all__ = ["retrieve", "MAX_K"]
 
-MAX_K = 4096  # the merge kernel ranks up to this many candidates in shared memory
-# Scores per CTA in the first of a long chunk's two merge launches (one CTA per query spent
-# 0.34 ms on 32 x 100,000 scores on an H100, against 8.4 ms for the scoring itself), taken
-# while k is at most a quarter of it (the winners then stay a fraction of the chunk).
-_MERGE_SLICE = 4096
-_MERGE_CACHE = 4096  # candidates of a row whose keys the merge kernel keeps in shared memory
 _MAX_CHUNK_DOCS = 2**31 - 1 - MAX_K  # the merge kernel counts running + chunk candidates in an int
 _DEFAULT_HOST_BUDGET = 1 << 30
 _DEFAULT_SCORE_BYTES = 256 << 20
@@ -599,8 +593,8 @@ class _Gpu:
         self.every = empty((self.qp.nq, nd), np.float32, f"{caller}: scores", "score fewer queries per call")
 
     def _split_merge(self) -> bool:
-        """Whether chunks of more than _MERGE_SLICE documents take the two-launch merge."""
-        return self.k is not None and 4 * self.k <= _MERGE_SLICE
+        """Whether chunks of more than MERGE_SLICE documents take the two-launch merge."""
+        return self.k is not None and split_merge(self.k)
 
     def _held_bytes(self) -> int:
         """GPU bytes held whatever the chunk size: queries (and their scales), running top-k ping-pong
@@ -625,7 +619,7 @@ class _Gpu:
         nq, lq = self.qp.nq, self.qp.lq
         fixed = self._held_bytes()
         split = -(-lq // 32) if lq > 32 else 0  # partial scores of a query split over tiles
-        winners = nq * 12 * self.k / _MERGE_SLICE if self._split_merge() else 0
+        winners = nq * 12 * self.k / MERGE_SLICE if self._split_merge() else 0
         per_doc = max(1, nq * 4 * (1 + split) + winners + (2 * doc_bytes if staged else 0)  # Nq = 0: no scores
                       + (4 if spans else 0))
         if self.budget is not None:
@@ -731,41 +725,7 @@ class _Gpu:
         self.chunking.succeeded()
 
     def _merge(self, s, nd: int):
-        import cupy
-
-        from ._runtime.nvrtc import get_function
-
-        nq, k_run = self.qp.nq, self.s.shape[1]
-        k_out = min(self.k, k_run + nd)
-        out_s = cupy.empty((nq, k_out), cupy.float32)
-        out_i = cupy.empty((nq, k_out), cupy.int64)
-        if nq:
-            kern = get_function(TOPK.file, "lik_topk_merge", self.device)
-            null = np.uint64(0)
-
-            def merge_kernel(rows, run_s, run_i, k_run, chunk, chunk_i, stride, n, groups, slice_, base, o_s, o_i, k):
-                kp = 1 << max(0, (k - 1).bit_length())
-                cache = k_run + min(n, slice_) <= _MERGE_CACHE  # every row's keys fit the kernel's cache
-                smem = kp * 12 + (_MERGE_CACHE * 4 if cache else 0)
-                if smem > 40 * 1024:
-                    kern.max_dynamic_shared_size_bytes = smem
-                kern((rows,), (1024,), (run_s, run_i, np.int32(k_run), chunk, chunk_i, np.int64(stride), np.int32(n),
-                                        np.int32(groups), np.int32(slice_), np.int64(base), o_s, o_i, np.int32(k),
-                                        np.int32(kp), np.int32(_MERGE_CACHE if cache else 0)), shared_mem=smem)
-
-            groups = -(-nd // _MERGE_SLICE)
-            if groups > 1 and self._split_merge():
-                # One CTA per query walks the whole chunk several times; first rank each slice's
-                # best k on its own CTA, then merge the running list with the slice winners.
-                k1 = self.k
-                win_s = cupy.empty((nq * groups, k1), cupy.float32)
-                win_i = cupy.empty((nq * groups, k1), cupy.int64)
-                merge_kernel(nq * groups, null, null, 0, s, null, nd, nd, groups, _MERGE_SLICE, self.base, win_s, win_i, k1)
-                merge_kernel(nq, self.s, self.i, k_run, win_s, win_i, groups * k1, groups * k1, 1, groups * k1, 0, out_s,
-                       out_i, k_out)
-            else:
-                merge_kernel(nq, self.s, self.i, k_run, s, null, nd, nd, 1, nd, self.base, out_s, out_i, k_out)
-        self.s, self.i = out_s, out_i
+        self.s, self.i = merge_topk(self.device, self.s, self.i, s, nd, self.base, self.k)
         self.base += nd
 
     # ------------------------------------------------------------ host corpora

@@ -1,6 +1,7 @@
 """The kernel registry (lik_cupy/_runtime/kernels.py): every source it names defines the entries
 it lists, and the package launches no kernel it does not list."""
 
+import ast
 import pathlib
 import re
 
@@ -35,3 +36,16 @@ def test_row_names():
     assert kernels.TOPK.row_name("lik_topk_merge", {}) == "lik_topk_merge"
     assert [v["LIK_ELEM"] for v in kernels.QUANTIZE.variants] == [0, 1, 2]
     assert kernels.BACKWARD_DTYPES == ("float16", "bfloat16", "float32")
+
+
+def test_kernels_are_loaded_only_in_the_runtime():
+    # every kernel is compiled, loaded and launched from lik_cupy/_runtime (the public modules call it)
+    loaders = {"get_module", "get_function", "function_handle", "launch_raw", "cubin_path"}
+    outside = []
+    for path in sorted(ROOT.rglob("*.py")):
+        if path.is_relative_to(ROOT / "_runtime"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and any(a.name in loaders for a in node.names):
+                outside.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert not outside, outside
