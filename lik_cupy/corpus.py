@@ -40,9 +40,12 @@ from ._dispatch.precision import fp32_accurate
 from ._interop import caller_results, caller_stream, device_array, host_array, host_result
 from ._runtime.operands import kernel_operands, valid_host
 from ._runtime.prepared_calls import call_key
+from ._runtime.topk import MAX_K
+from ._streaming.cpu import CpuTopK
+from ._streaming.docs import DeviceDocs, HostDocs, device_docs, host_docs, staged_source
+from ._streaming.gpu import GpuTopK
+from ._streaming.parts import Part, doc_problem, query_problem, with_queries
 from ._validate import Problem, check_id_values
-from .retrieve import (MAX_K, _Cpu, _DeviceDocs, _doc_problem, _Gpu, _HostDocs, _host_docs, _Part, _query_problem,
-                       _staged_source, _with_queries)
 
 __all__ = ["Corpus"]
 
@@ -99,20 +102,20 @@ class Corpus:
         if max_gpu_bytes is not None and (isinstance(max_gpu_bytes, bool) or max_gpu_bytes < 0
                                           or not isinstance(max_gpu_bytes, (int, np.integer))):
             raise ValueError(f"max_gpu_bytes must be a non-negative integer, got {max_gpu_bytes!r}")
-        part = _Part(D, d_offsets, d_mask, d_lengths, d_scales)
-        p = _doc_problem(part, info)
+        part = Part(D, d_offsets, d_mask, d_lengths, d_scales)
+        p = doc_problem(part, info)
         if p.dtype not in _DTYPES:
             raise TypeError(f"D has dtype {p.dtype}; a Corpus holds float16, bfloat16, float32 or int8 tokens")
         self._p = p
         self._ids = _check_ids(ids, p.nd)
         self._ids_dev = None  # integer ids on the corpus's device
-        self._host: _HostDocs | None = None  # host memory (the NumPy path) or page-locked memory (streamed)
-        self._dev: _DeviceDocs | None = None  # the kernels' operands: device arrays, or views of the locked pages
+        self._host: HostDocs | None = None  # host memory (the NumPy path) or page-locked memory (streamed)
+        self._dev: DeviceDocs | None = None  # the kernels' operands: device arrays, or views of the locked pages
         self._src: dict | None = None  # page-locked: the arrays score and search stream from
         self._calls: dict = {}  # call signature -> PreparedCall: score and rerank's repeat path
         self._calls_lock = threading.Lock()
         if device == "cpu" or (device is None and info.device is None and not gpu_available()):
-            self._host = _host_docs(part, p)
+            self._host = host_docs(part, p)
             self.where, self.device = "host memory", None
         else:
             self._resident(part, info, device, max_gpu_bytes)
@@ -229,7 +232,7 @@ class Corpus:
             raise ValueError(f"k must be an integer in [1, {MAX_K}], got {k!r}")
         qp, p = self._problem(Q, q_mask, q_lengths)
         if self.where == "host memory":
-            r = _Cpu(Q, q_mask, q_lengths, None, qp, int(k))
+            r = CpuTopK(Q, q_mask, q_lengths, None, qp, int(k))
             r.add_docs(p, self._host)
             s, i = r.s.astype(np.float32, copy=False), r.i
             if self._ids is not None:
@@ -279,12 +282,10 @@ class Corpus:
 
     # ------------------------------------------------------------ residency
 
-    def _resident(self, part: _Part, info, device, max_gpu_bytes) -> None:
+    def _resident(self, part: Part, info, device, max_gpu_bytes) -> None:
         """Keep the documents on a GPU: in place when they are there, else uploaded when they fit, else
         in page-locked host memory."""
         import cupy
-
-        from .retrieve import _device_docs
 
         p = self._p
         if device is not None and (isinstance(device, bool) or not isinstance(device, (int, np.integer))):
@@ -299,10 +300,10 @@ class Corpus:
         dispatch.check_gpu_dim(p.dtype, p.dim, "device='cpu'")
         with cupy.cuda.Device(self.device):
             if info.device is not None:
-                self._dev = _with_spans(_device_docs(part, p), self.device)
+                self._dev = _with_spans(device_docs(part, p), self.device)
                 self.where = "GPU"
                 return
-            host = _host_docs(part, p)
+            host = host_docs(part, p)
             need = sum(int(a.nbytes) for a in (host.tokens, host.offsets, host.mask, host.scales) if a is not None)
             need += 4 * p.nd if not p.d_packed and (host.mask is not None or host.lengths is not None) else 0
             if max_gpu_bytes is None:
@@ -317,7 +318,7 @@ class Corpus:
                     self._dev = None
             self._lock_pages(host, p)
 
-    def _lock_pages(self, host: _HostDocs, p: Problem) -> None:
+    def _lock_pages(self, host: HostDocs, p: Problem) -> None:
         """Copy the tokens, scales and mask into page-locked host memory (which the GPU reads by the host
         address); offsets and lengths go to the GPU as well, for the kernels."""
         import cupy
@@ -336,15 +337,15 @@ class Corpus:
             return out
 
         mask = None if host.mask is None else host.mask.view(np.uint8)
-        self._host = _HostDocs(locked(host.tokens), offsets=host.offsets, mask=locked(mask), lengths=host.lengths,
+        self._host = HostDocs(locked(host.tokens), offsets=host.offsets, mask=locked(mask), lengths=host.lengths,
                                scales=None if host.scales is None else locked(host.scales.reshape(-1)))
         if not p.d_packed and self._host.scales is not None:
             self._host.scales = self._host.scales.reshape(p.nd, p.ld)
-        self._src = _staged_source(self._host, p)
+        self._src = staged_source(self._host, p)
         # The kernels' view of the same pages (unified addressing: page-locked memory is mapped at its
         # host address), beside device copies of the small arrays.
         mapped = [_mapped(a, self.device) for a in (self._host.tokens, self._host.mask, self._host.scales)]
-        dev = _DeviceDocs(mapped[0], mask=mapped[1], scales=None if mapped[2] is None else mapped[2].reshape(-1))
+        dev = DeviceDocs(mapped[0], mask=mapped[1], scales=None if mapped[2] is None else mapped[2].reshape(-1))
         dev.offsets = None if host.offsets is None else cupy.asarray(host.offsets)
         dev.lengths = None if host.lengths is None else cupy.asarray(host.lengths.astype(np.int32))
         self._dev = _with_spans(dev, self.device)
@@ -360,7 +361,7 @@ class Corpus:
             raise TypeError(f"Q: {e}") from None
         if dispatch.scaled_dtype(q.dtype):
             raise TypeError(f"Q is {q.dtype}; a Corpus takes float queries (an INT8 corpus quantises them per call)")
-        qp = _query_problem(Q, q_mask, q_lengths, None)
+        qp = query_problem(Q, q_mask, q_lengths, None)
         if not dispatch.scaled_dtype(self.dtype) and qp.dtype != self.dtype:
             raise TypeError(f"corpus has dtype {self.dtype} but Q has {qp.dtype}: cast Q to {self.dtype}")
         if self.device is not None:
@@ -369,7 +370,7 @@ class Corpus:
             if qp.dtype == "float64":
                 raise TypeError("Q is float64, which the GPU kernels do not take: cast it to float32 (an INT8 corpus "
                                 "quantises float16, bfloat16 or float32 queries)")
-        p = _with_queries(qp, self._p)
+        p = with_queries(qp, self._p)
         return qp, replace(p, scores_shape=(p.nd,)) if len(q.shape) == 2 else p
 
     def _launch(self, qp: Problem, p: Problem, Q, q_mask, q_lengths, x3: bool, caller: str, cand=None, key=None):
@@ -444,13 +445,13 @@ class Corpus:
             self._calls[key] = call
 
     def _streamed(self, qp: Problem, p: Problem, Q, q_mask, q_lengths, k: int | None, x3: bool):
-        """``score`` (``k`` None) or ``search`` through retrieve's chunks: over the device arrays, or
+        """``score`` (``k`` None) or ``search`` through the streaming engine's chunks (``_streaming.gpu``): over the device arrays, or
         streamed from the page-locked ones."""
         import cupy
 
         fw, on_host = qp.framework, qp.device is None
         with cupy.cuda.Device(self.device), caller_stream(fw, self.device):
-            r = _Gpu(Q, q_mask, q_lengths, None, qp, k, None, self.device, x3)
+            r = GpuTopK(Q, q_mask, q_lengths, None, qp, k, None, self.device, x3)
             if k is None:
                 r.keep_every(self._p.nd, "Corpus.score")
             if self.where == "GPU":
@@ -570,11 +571,11 @@ def _check_ids(ids, nd: int) -> np.ndarray | None:
 
 
 def _fields(docs) -> list:
-    """The arrays of a ``_HostDocs`` or ``_DeviceDocs`` (none for None)."""
+    """The arrays of a ``HostDocs`` or ``DeviceDocs`` (none for None)."""
     return [] if docs is None else [docs.tokens, docs.offsets, docs.mask, docs.lengths, docs.scales]
 
 
-def _with_spans(docs: _DeviceDocs, device: int) -> _DeviceDocs:
+def _with_spans(docs: DeviceDocs, device: int) -> DeviceDocs:
     """``docs`` with its mask's spans (``_runtime/masks.py``) as its lengths, made once for every call;
     int64 lengths (checked) narrowed once, as every tile reads int32 ones."""
     if docs.mask is not None and docs.lengths is None:
@@ -590,7 +591,7 @@ def _ptr(a) -> int:
     return 0 if a is None else a.data.ptr
 
 
-def _upload(host: _HostDocs, p: Problem, device: int) -> _DeviceDocs:
+def _upload(host: HostDocs, p: Problem, device: int) -> DeviceDocs:
     """Checked host documents copied to the current device, as the kernels read them."""
     import cupy
 
@@ -601,7 +602,7 @@ def _upload(host: _HostDocs, p: Problem, device: int) -> _DeviceDocs:
     lengths = None if host.lengths is None else host.lengths.astype(np.int32)
     mask = None if host.mask is None else host.mask.view(np.uint8)
     scales = None if host.scales is None else host.scales.reshape(-1)
-    dev = _DeviceDocs(up(tokens), offsets=up(host.offsets), mask=up(mask), lengths=up(lengths), scales=up(scales))
+    dev = DeviceDocs(up(tokens), offsets=up(host.offsets), mask=up(mask), lengths=up(lengths), scales=up(scales))
     return _with_spans(dev, device)
 
 

@@ -18,6 +18,7 @@ LAYERS = (
     ("_dispatch", "_interop", "_atomic"),
     ("_validate",),
     ("_runtime",),
+    ("_streaming",),
     ("forward", "int8", "quantize", "backward", "plaid", "retrieve", "shards", "precision"),
     ("corpus", "torch", "_jax_ops"),
     ("distributed", "jax", "integrations"),
@@ -91,3 +92,16 @@ def test_walker_resolves_relative_and_lazy_imports():
     cli = [n for _, n in imports(ROOT / "cli.py")]
     assert "lik_cupy.distributed.DistributedCorpus" in cli  # imported in a function
     assert _unit_of("lik_cupy") == _unit_of("lik_cupy.maxsim") == "" and _unit_of("lik_cupy._base.env") == "_base"
+
+
+def _module_exists(dotted: str) -> bool:
+    path = ROOT.parent.joinpath(*dotted.split("."))
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+
+def test_every_import_of_the_package_resolves():
+    # a relative import one dot short (in a function, where no import-time error shows it) names
+    # a module that does not exist
+    bad = [f"{path.relative_to(ROOT.parent)}:{line} imports {name}" for path in sorted(ROOT.rglob("*.py"))
+           for line, name in imports(path) if not (_module_exists(name) or _module_exists(name.rsplit(".", 1)[0]))]
+    assert not bad, "\n".join(bad)
