@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from .. import _dispatch as dispatch
-from .kernels import FORWARD, QUANTIZE
 from .._base.device import device_properties, gpu_available
+from .kernels import FORWARD, QUANTIZE
 
 
 def warmup(dims=(128,), dtypes=("float16", "bfloat16"), query_lengths=(32, 1024), argmax=(False,), device=None,
