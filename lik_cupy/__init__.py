@@ -19,14 +19,13 @@ imports neither torch nor jax (nor CuPy, until a GPU path runs). Scale-out over 
 array([[8., 8., 8.]], dtype=float32)
 """
 
-__version__ = "0.1.0"
+import importlib
+import sys
+import types
 
-import importlib  # noqa: E402
-import sys  # noqa: E402
-import types  # noqa: E402
-
-from . import _moved  # noqa: E402
-from .errors import CompileError, DeviceMemoryError, LikError, ShardError  # noqa: E402
+from . import _moved
+from ._version import __version__
+from .errors import CompileError, DeviceMemoryError, LikError, ShardError
 
 __all__ = ["maxsim", "maxsim_pairs", "maxsim_varlen", "maxsim_int8", "maxsim_int8_varlen", "maxsim_residual",
            "maxsim_residual_varlen", "PlaidIndex", "quantize_int8", "dequantize_int8", "maxsim_backward", "retrieve",
@@ -46,7 +45,7 @@ _HOMES = {
     "Corpus": ".corpus",
     "pin_host": "._runtime.pinned", "PinnedHost": "._runtime.pinned",
     "warmup": "._runtime.warmup",
-    "gpu_available": "._runtime.device",
+    "gpu_available": "._base.device",
     "set_precision": ".precision", "get_precision": ".precision",
 }
 

@@ -176,7 +176,7 @@ def _rebound(spec: CallSpec, views: list):
 def _cupy_stream(ptr: int, device: int):
     """CuPy's non-owning view of XLA's stream ``ptr``, built once (a handle XLA reuses for a new
     stream is the same stream to CuPy)."""
-    from ._runtime.device import external_stream
+    from ._base.device import external_stream
 
     return external_stream(ptr, device)
 
@@ -242,13 +242,12 @@ def compile_ahead(dtype: str, dim: int, lq: int, argmax: bool, precision: str | 
     """Compile and load the forward kernels a call of this class takes (``lik_cupy.warmup``), so the
     first run does not hold XLA's stream while NVRTC works. Skipped where jax's default device is
     not a GPU: the CUDA form is traced for every platform, and lowered only for CUDA."""
-    import lik_cupy
-
-    from ._dispatch.config import MAX_DIM, int8_dim_ok
+    from ._base.device import gpu_available
+    from ._dispatch import elem_spec, kernel_dtype
+    from ._runtime.warmup import warmup
 
     default = jax.config.jax_default_device
     on_gpu = jax.default_backend() == "gpu" and (default is None or getattr(default, "platform", default) == "gpu")
-    fits = int8_dim_ok(dim) if dtype == "int8" else 1 <= dim <= MAX_DIM
-    if on_gpu and lq >= 1 and fits and lik_cupy.gpu_available():
-        kernel = "float32" if dtype == "float64" else dtype
-        lik_cupy.warmup(dims=(dim,), dtypes=(kernel,), query_lengths=(lq,), argmax=(argmax,), precision=precision)
+    kernel = kernel_dtype(dtype)
+    if on_gpu and lq >= 1 and dim >= 1 and elem_spec(kernel).dim_ok(dim) and gpu_available():
+        warmup(dims=(dim,), dtypes=(kernel,), query_lengths=(lq,), argmax=(argmax,), precision=precision)

@@ -17,7 +17,7 @@ import warnings
 MODULES = {
     "lik_cupy.dispatch": "lik_cupy._dispatch",
     "lik_cupy.compile": "lik_cupy._runtime.nvrtc",
-    "lik_cupy.device": "lik_cupy._runtime.device",
+    "lik_cupy.device": "lik_cupy._base.device",
     "lik_cupy.checks": "lik_cupy._runtime.device_checks",
     "lik_cupy.masks": "lik_cupy._runtime.masks",
     "lik_cupy.tma": "lik_cupy._runtime.tma",

@@ -1,32 +1,31 @@
 """MaxSim backward: exact gradients from the forward's argmax.
 
 ``maxsim_backward`` is validate (``validate.check_backward``), choose
-(``dispatch.choose_backward``), launch (``cuda_src/maxsim_bwd.cu``), or the
+(``dispatch.choose_backward``), launch (``lik_cupy._runtime.backward``), or the
 NumPy path (``cpu.maxsim_backward_numpy``). The autograd adapters in
 ``lik_cupy.torch`` and ``lik_cupy.jax`` call it.
 """
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 
 from . import _cpu as cpu
 from . import _dispatch as dispatch
 from . import _interop as interop
+from ._base.device import allocating, device_properties
 from ._dispatch.backend import check_backend, use_gpu
 from ._interop import device_array, host_array
-from ._runtime.device import allocating, device_properties, empty
 from ._runtime.device_checks import capturing, strict
-from ._runtime.operands import device_offsets, host_metadata, host_offsets, kernel_dtype, kernel_operands
+from ._runtime.backward import THREADS, atomic_functions, doc_rows, launch_backward
+from ._runtime.kernels import BACKWARD_DTYPES
+from ._runtime.operands import device_offsets, host_metadata, host_offsets, kernel_operands
 from ._runtime.prepared_calls import PreparedBackward, call_key, lookup, store
-from ._validate import Problem, check_32bit, check_argmax_values, check_backward
+from ._validate import Problem, check_argmax_values, check_backward
 
 __all__ = ["maxsim_backward"]
 
 _METHODS = ("auto", "csr", "atomic")
-_ELEM = {"float16": 0, "bfloat16": 1, "float32": 2}
 
 
 def maxsim_backward(grad_scores, Q, D, argmax, *, d_offsets=None, method="auto", validate=None, backend="auto"):
@@ -91,12 +90,6 @@ def maxsim_backward(grad_scores, Q, D, argmax, *, d_offsets=None, method="auto",
     return _cpu(p, grad_scores, Q, D, argmax, d_offsets, q_shape, d_shape)
 
 
-def _doc_rows(p: Problem) -> int:
-    if p.d_packed:
-        return p.ntok
-    return (p.nq * p.nd if p.candidates else p.nd) * p.ld
-
-
 # ---------------------------------------------------------------- CPU
 
 
@@ -105,7 +98,7 @@ def _cpu(p: Problem, g, Q, D, argmax, d_offsets, q_shape, d_shape):
     fw = p.framework
     g = interop.to_numpy(g, fw).reshape(p.nq, p.nd)
     q = interop.to_numpy(Q, fw).reshape(p.nq, p.lq, p.dim)
-    d = interop.to_numpy(D, fw).reshape(_doc_rows(p), p.dim)
+    d = interop.to_numpy(D, fw).reshape(doc_rows(p), p.dim)
     a = interop.to_numpy(argmax, fw).reshape(p.nq, p.nd, p.lq)
     if p.d_packed:
         off = host_offsets(host_array(d_offsets, fw), p.ntok, "d_offsets")
@@ -145,14 +138,12 @@ def _limit_words(p: Problem) -> str:
 def _gpu(p: Problem, g, Q, D, argmax, d_offsets, method, validate, q_shape, d_shape):
     import cupy
 
-    from ._runtime.nvrtc import get_module
-
     # host values raise (operands.host_metadata) unless the caller said validate=False
     validate = strict(validate) or (validate is not False and host_metadata(argmax, d_offsets))
     fw = p.framework
     on_host = p.device is None
     device = p.device if p.device is not None else cupy.cuda.runtime.getDevice()
-    rows = _doc_rows(p)
+    rows = doc_rows(p)
     esize = {"float64": 8, "float32": 4}.get(p.dtype, 2)
     staged = (p.nq * p.lq + rows) * p.dim * esize + p.nq * p.nd * (4 + 4 * p.lq)  # Q, D, grad_scores, argmax
     with interop.caller_stream(fw, device):
@@ -163,7 +154,6 @@ def _gpu(p: Problem, g, Q, D, argmax, d_offsets, method, validate, q_shape, d_sh
             gs = _grad_f32(g, fw, on_host, p)
             a = device_array(argmax, fw, on_host).reshape(p.nq, p.nd, p.lq)
         q, d = kernel_operands(p.dtype, q, d)  # float64: the forward's float32 rounding; float64 gradients
-        esize = q.dtype.itemsize
         off = device_offsets(device_array(d_offsets, fw, on_host), p.ntok, "d_offsets", validate,
                              wide=True) if p.d_packed else None
         if validate and a.size and not capturing():  # no host read inside graph capture (checks.py)
@@ -171,73 +161,17 @@ def _gpu(p: Problem, g, Q, D, argmax, d_offsets, method, validate, q_shape, d_sh
             lo, over = (int(v) for v in cupy.stack([a.min().astype(cupy.int64),
                                                    (a >= limit).any().astype(cupy.int64)]).get())
             check_argmax_values(lo, bool(over), _limit_words(p))
-        warps = _THREADS // 32  # one warp per query token (dQ) or document row (CSR dD)
-        dq_grid, cast_grid = _grids(p)
-        if p.nq * p.nd * p.lq >= 2**62 // max(1, rows):
-            raise ValueError("argmax entries x document rows exceed the CSR key range; split the call")
-
-        cc = device_properties(device).cc
-        how = dispatch.choose_backward(method, cc, p.nq, p.nd, p.lq, rows, p.dim)
-        vec = p.dim % 4 == 0 and q.data.ptr % (4 * esize) == 0 and d.data.ptr % (4 * esize) == 0
-        defines = {"LIK_ELEM": _ELEM[kernel_dtype(p.dtype)], "LIK_VEC": int(vec)}
-        mod = get_module("maxsim_bwd.cu", defines, dispatch.arch_of(cc), device, entry="lik_bwd_dq")
-
-        dq = _empty(q.shape, q.dtype, "dQ", "split the call over fewer queries")
-        dd = _empty(d.shape, d.dtype, "dD", "split the call over fewer documents")
-        null = np.uint64(0)
-        chunks = -(-p.dim // 128)
-        common = (np.int32(p.nq), np.int32(p.nd), np.int32(p.lq))
-        launch = functools.partial(_launch, mod, p)
-        if p.nq * p.lq and p.nd and p.dim:
-            dd32 = None
-            if how == "atomic":
-                dd32 = _empty((rows, p.dim), np.float32, "the atomic method's fp32 dD",
-                              "method='csr' needs no fp32 copy of dD; or split the call over fewer documents",
-                              zeros=True)
-            launch("lik_bwd_dq", dq_grid[:2],
-                   (q, d, gs, a, off if off is not None else null, dq, dd32 if dd32 is not None else null, *common,
-                    np.int32(p.ld), np.int32(p.dim), np.int32(p.candidates), np.int64(rows)))
-            n = rows * p.dim
-            if how == "atomic" and n:
-                launch("lik_bwd_cast", cast_grid[:1], (dd32, dd, np.int64(n)))
-            elif how == "csr" and rows:
-                m = p.nq * p.nd * p.lq
-                hint = "method='atomic' needs no key map; or split the call over fewer queries or documents"
-                key = _empty((m,), np.int64, "the CSR method's keys", hint)
-                launch("lik_bwd_keys", (min(-(-m // _THREADS), 65535 * 8),),
-                       (a, off if off is not None else null, key, *common, np.int32(p.ld), np.int32(p.candidates),
-                        np.int64(rows)))
-                with allocating("maxsim_backward: the CSR method's sort scratch and row starts",
-                                key.nbytes + 16 * (rows + 1), hint):
-                    key.sort()  # unique keys: the order, and so the summation order, is fixed
-                    start = cupy.searchsorted(key, cupy.arange(rows + 1, dtype=cupy.int64) * m)
-                launch("lik_bwd_dd_csr", (-(-rows // warps), chunks),
-                       (q, gs, key, start, dd, *common, np.int32(p.dim), np.int64(rows)))
-        else:  # nothing contributes
-            dq.fill(0)
-            dd.fill(0)
+        dq, dd = launch_backward(p, q, d, gs, a, off, method, device)
         if p.dtype == "float64":
             dq, dd = dq.astype(cupy.float64), dd.astype(cupy.float64)
         return _out(dq, q_shape, p, Q, fw, on_host), _out(dd, d_shape, p, D, fw, on_host)
-
-
-_THREADS = 256  # per block, every backward kernel (their __launch_bounds__)
-
-
-def _grids(p: Problem) -> tuple:
-    """(dQ pass grid, cast grid) of a problem, and the 32-bit checks of their sizes."""
-    rows, warps = _doc_rows(p), _THREADS // 32  # one warp per query token (dQ) or document row (CSR dD)
-    check_32bit(Nq=p.nq, Nd=p.nd, Lq=p.lq, Ld=p.ld, **{"Nq * Lq / 8 blocks": -(-p.nq * p.lq // warps),
-                                                        "document rows / 8 blocks": -(-rows // warps)})
-    n = rows * p.dim
-    return (-(-p.nq * p.lq // warps), -(-p.dim // 128), 1), (min(-(-n // _THREADS), 65535 * 8), 1, 1)
 
 
 def _prepared(key, p: Problem, method: str, q_shape, d_shape):
     """The :class:`PreparedBackward` of a validated GPU call whose signature ``key`` can take the
     repeat path (device arrays of torch or CuPy, C-contiguous and 16-byte aligned, float32
     grad_scores, int64 offsets, the atomic method), made and stored; None otherwise."""
-    if key is None or p.dtype not in _ELEM or (p.dtype == "bfloat16" and p.framework != "torch"):
+    if key is None or p.dtype not in BACKWARD_DTYPES or (p.dtype == "bfloat16" and p.framework != "torch"):
         return None
     sigs = key[2:]  # grad_scores, Q, D, argmax, d_offsets: (shape, dtype, device, aligned, contiguous)
     if any(s is not None and (s[2] < 0 or not s[3] or not s[4]) for s in sigs):
@@ -245,40 +179,17 @@ def _prepared(key, p: Problem, method: str, q_shape, d_shape):
     g_dtype, off = interop.dtype_name(sigs[0][1]) if p.framework == "cupy" else str(sigs[0][1]), sigs[4]
     if not g_dtype.endswith("float32") or (off is not None and not str(off[1]).endswith("int64")):
         return None
-    rows = _doc_rows(p)
+    rows = doc_rows(p)
     if not (p.nq * p.lq and p.nd and p.dim and rows):
         return None
     cc = device_properties(p.device).cc
     if dispatch.choose_backward(method, cc, p.nq, p.nd, p.lq, rows, p.dim) != "atomic":
         return None
-    import cupy
-
-    from ._runtime.nvrtc import get_module
-
-    dq_grid, cast_grid = _grids(p)
-    defines = {"LIK_ELEM": _ELEM[p.dtype], "LIK_VEC": int(p.dim % 4 == 0)}
-    with cupy.cuda.Device(p.device):
-        mod = get_module("maxsim_bwd.cu", defines, dispatch.arch_of(cc), p.device, entry="lik_bwd_dq")
-        dq, cast = (mod.get_function(k).kernel.ptr for k in ("lik_bwd_dq", "lik_bwd_cast"))
-    call = PreparedBackward(p.framework, p, p.device, dq, cast, dq_grid, cast_grid, _THREADS,
+    dq, cast, dq_grid, cast_grid = atomic_functions(p, cc)
+    call = PreparedBackward(p.framework, p, p.device, dq, cast, dq_grid, cast_grid, THREADS,
                             (p.nq, p.nd, p.lq, p.ld, p.dim, int(p.candidates), rows), (q_shape, d_shape), p.dtype)
     store(key, call)
     return call
-
-
-def _empty(shape, dtype, what: str, hint: str, zeros: bool = False):
-    return empty(shape, dtype, f"maxsim_backward: {what}", hint, zeros=zeros)
-
-
-def _launch(mod, p: Problem, name: str, grid: tuple, args: tuple) -> None:
-    """Launch ``name`` on the current stream; a launch error names the kernel and the call's shapes."""
-    import cupy
-
-    try:
-        mod.get_function(name)(grid, (_THREADS,), args)
-    except cupy.cuda.driver.CUDADriverError as e:
-        raise RuntimeError(f"{name} failed to launch (grid {grid}, block {_THREADS}, Nq={p.nq}, Nd={p.nd}, "
-                           f"Lq={p.lq}, Ld={p.ld}, rows={_doc_rows(p)}, d={p.dim}): {e}") from e
 
 
 def _grad_f32(g, fw: str, on_host: bool, p: Problem):

@@ -755,9 +755,10 @@ def run_score(queries: str, docs, out: str, *, q_lengths: str | None = None, d_l
         backend, gpus = _cluster_backend(cpu, device, devices)
     from lik_cupy import _dispatch as dispatch
 
-    if int8 and backend == "gpu" and (query.dim % 16 or query.dim > dispatch.MAX_DIM_INT8):
+    spec = dispatch.elem_spec(shards.INT8)
+    if int8 and backend == "gpu" and not spec.dim_ok(query.dim):
         raise LikError(corpus[0].path, f"INT8 shards of d={query.dim} cannot be scored on the GPU (the INT8 kernels "
-                                       f"take d a multiple of 16 up to {dispatch.MAX_DIM_INT8}); pass --cpu")
+                                       f"take d {spec.dim_rule()}); pass --cpu")
     # A full matrix part's scores [Nq, docs] stay within _PART_BYTES too.
     parts = _plan(corpus, dtype, whole_shards=backend == "gpu" and not full_matrix,
                   max_docs=max(1, _PART_BYTES // (4 * nq)) if full_matrix else 0)

@@ -30,22 +30,26 @@ import threading
 import numpy as np
 
 from . import _cpu as cpu
+from . import _dispatch as dispatch
 from . import _interop as interop
 from . import shards
 from dataclasses import replace
 
+from ._base.device import gpu_available
+from ._dispatch.precision import fp32_accurate
 from ._interop import caller_results, caller_stream, device_array, host_array, host_result
-from ._runtime.device import gpu_available
 from ._runtime.operands import kernel_operands, valid_host
 from ._runtime.prepared_calls import call_key
+from ._runtime.topk import MAX_K
+from ._streaming.cpu import CpuTopK
+from ._streaming.docs import DeviceDocs, HostDocs, device_docs, host_docs, staged_source
+from ._streaming.gpu import GpuTopK
+from ._streaming.parts import Part, doc_problem, query_problem, with_queries
 from ._validate import Problem, check_id_values
-from .precision import _resolve as _fp32_accurate
-from .retrieve import (MAX_K, _Cpu, _DeviceDocs, _doc_problem, _Gpu, _HostDocs, _host_docs, _Part, _query_problem,
-                       _staged_source, _with_queries)
 
 __all__ = ["Corpus"]
 
-_DTYPES = ("float16", "bfloat16", "float32", "int8")
+_DTYPES = tuple(e.name for e in dispatch.ELEMS)
 _GPU_SHARE = 0.75  # of the device's free memory a host corpus may take by default
 _RERANK_BLOCK = 64 << 20  # bytes of gathered candidate tokens per NumPy rerank step
 _MAX_CALLS = 64  # repeat-path signatures kept per corpus
@@ -98,20 +102,20 @@ class Corpus:
         if max_gpu_bytes is not None and (isinstance(max_gpu_bytes, bool) or max_gpu_bytes < 0
                                           or not isinstance(max_gpu_bytes, (int, np.integer))):
             raise ValueError(f"max_gpu_bytes must be a non-negative integer, got {max_gpu_bytes!r}")
-        part = _Part(D, d_offsets, d_mask, d_lengths, d_scales)
-        p = _doc_problem(part, info)
+        part = Part(D, d_offsets, d_mask, d_lengths, d_scales)
+        p = doc_problem(part, info)
         if p.dtype not in _DTYPES:
             raise TypeError(f"D has dtype {p.dtype}; a Corpus holds float16, bfloat16, float32 or int8 tokens")
         self._p = p
         self._ids = _check_ids(ids, p.nd)
         self._ids_dev = None  # integer ids on the corpus's device
-        self._host: _HostDocs | None = None  # host memory (the NumPy path) or page-locked memory (streamed)
-        self._dev: _DeviceDocs | None = None  # the kernels' operands: device arrays, or views of the locked pages
+        self._host: HostDocs | None = None  # host memory (the NumPy path) or page-locked memory (streamed)
+        self._dev: DeviceDocs | None = None  # the kernels' operands: device arrays, or views of the locked pages
         self._src: dict | None = None  # page-locked: the arrays score and search stream from
         self._calls: dict = {}  # call signature -> PreparedCall: score and rerank's repeat path
         self._calls_lock = threading.Lock()
         if device == "cpu" or (device is None and info.device is None and not gpu_available()):
-            self._host = _host_docs(part, p)
+            self._host = host_docs(part, p)
             self.where, self.device = "host memory", None
         else:
             self._resident(part, info, device, max_gpu_bytes)
@@ -205,7 +209,7 @@ class Corpus:
         if self.where == "host memory":
             s = self._host_scores(qp, Q, q_mask, q_lengths)
             return host_result(s.reshape(p.scores_shape), qp)
-        x3 = _fp32_accurate(precision, qp.framework, qp.dtype)
+        x3 = fp32_accurate(precision, qp.framework, qp.dtype)
         if self.where == "pinned host memory":
             return self._streamed(qp, p, Q, q_mask, q_lengths, None, x3)
         return self._launch(qp, p, Q, q_mask, q_lengths, x3, "Corpus.score", key=key)
@@ -228,7 +232,7 @@ class Corpus:
             raise ValueError(f"k must be an integer in [1, {MAX_K}], got {k!r}")
         qp, p = self._problem(Q, q_mask, q_lengths)
         if self.where == "host memory":
-            r = _Cpu(Q, q_mask, q_lengths, None, qp, int(k))
+            r = CpuTopK(Q, q_mask, q_lengths, None, qp, int(k))
             r.add_docs(p, self._host)
             s, i = r.s.astype(np.float32, copy=False), r.i
             if self._ids is not None:
@@ -236,7 +240,7 @@ class Corpus:
             squeeze = len(p.scores_shape) == 1
             s, i = (s[0], i[0]) if squeeze else (s, i)
             return host_result(s, qp), (i if i.dtype.kind in "US" else host_result(i, qp))
-        x3 = _fp32_accurate(precision, qp.framework, qp.dtype)
+        x3 = fp32_accurate(precision, qp.framework, qp.dtype)
         return self._streamed(qp, p, Q, q_mask, q_lengths, int(k), x3)
 
     def rerank(self, Q, candidates, q_mask=None, *, q_lengths=None, precision=None):
@@ -269,7 +273,7 @@ class Corpus:
 
         from ._runtime.candidates import CandidateIds
 
-        x3 = _fp32_accurate(precision, qp.framework, qp.dtype)
+        x3 = fp32_accurate(precision, qp.framework, qp.dtype)
         with cupy.cuda.Device(self.device), caller_stream(qp.framework, self.device):
             ids = cand if on_device else cupy.asarray(cand)
             ids = CandidateIds(ids.reshape(shape), self._p.nd)
@@ -278,12 +282,10 @@ class Corpus:
 
     # ------------------------------------------------------------ residency
 
-    def _resident(self, part: _Part, info, device, max_gpu_bytes) -> None:
+    def _resident(self, part: Part, info, device, max_gpu_bytes) -> None:
         """Keep the documents on a GPU: in place when they are there, else uploaded when they fit, else
         in page-locked host memory."""
         import cupy
-
-        from .retrieve import _device_docs
 
         p = self._p
         if device is not None and (isinstance(device, bool) or not isinstance(device, (int, np.integer))):
@@ -295,18 +297,13 @@ class Corpus:
         elif device is None:
             device = cupy.cuda.runtime.getDevice()
         self.device = int(device)
-        if p.dtype == "int8":
-            from . import _dispatch as dispatch
-
-            if not dispatch.int8_dim_ok(p.dim):
-                raise ValueError(f"INT8 scoring on the GPU needs dim a multiple of 16 up to {dispatch.MAX_DIM_INT8}; "
-                                 f"got dim {p.dim} (device='cpu' scores any dim)")
+        dispatch.check_gpu_dim(p.dtype, p.dim, "device='cpu'")
         with cupy.cuda.Device(self.device):
             if info.device is not None:
-                self._dev = _with_spans(_device_docs(part, p), self.device)
+                self._dev = _with_spans(device_docs(part, p), self.device)
                 self.where = "GPU"
                 return
-            host = _host_docs(part, p)
+            host = host_docs(part, p)
             need = sum(int(a.nbytes) for a in (host.tokens, host.offsets, host.mask, host.scales) if a is not None)
             need += 4 * p.nd if not p.d_packed and (host.mask is not None or host.lengths is not None) else 0
             if max_gpu_bytes is None:
@@ -321,7 +318,7 @@ class Corpus:
                     self._dev = None
             self._lock_pages(host, p)
 
-    def _lock_pages(self, host: _HostDocs, p: Problem) -> None:
+    def _lock_pages(self, host: HostDocs, p: Problem) -> None:
         """Copy the tokens, scales and mask into page-locked host memory (which the GPU reads by the host
         address); offsets and lengths go to the GPU as well, for the kernels."""
         import cupy
@@ -340,15 +337,15 @@ class Corpus:
             return out
 
         mask = None if host.mask is None else host.mask.view(np.uint8)
-        self._host = _HostDocs(locked(host.tokens), offsets=host.offsets, mask=locked(mask), lengths=host.lengths,
+        self._host = HostDocs(locked(host.tokens), offsets=host.offsets, mask=locked(mask), lengths=host.lengths,
                                scales=None if host.scales is None else locked(host.scales.reshape(-1)))
         if not p.d_packed and self._host.scales is not None:
             self._host.scales = self._host.scales.reshape(p.nd, p.ld)
-        self._src = _staged_source(self._host, p)
+        self._src = staged_source(self._host, p)
         # The kernels' view of the same pages (unified addressing: page-locked memory is mapped at its
         # host address), beside device copies of the small arrays.
         mapped = [_mapped(a, self.device) for a in (self._host.tokens, self._host.mask, self._host.scales)]
-        dev = _DeviceDocs(mapped[0], mask=mapped[1], scales=None if mapped[2] is None else mapped[2].reshape(-1))
+        dev = DeviceDocs(mapped[0], mask=mapped[1], scales=None if mapped[2] is None else mapped[2].reshape(-1))
         dev.offsets = None if host.offsets is None else cupy.asarray(host.offsets)
         dev.lengths = None if host.lengths is None else cupy.asarray(host.lengths.astype(np.int32))
         self._dev = _with_spans(dev, self.device)
@@ -362,10 +359,10 @@ class Corpus:
             q = interop.describe(Q)
         except TypeError as e:
             raise TypeError(f"Q: {e}") from None
-        if q.dtype == "int8":
-            raise TypeError("Q is int8; a Corpus takes float queries (an INT8 corpus quantises them per call)")
-        qp = _query_problem(Q, q_mask, q_lengths, None)
-        if self.dtype != "int8" and qp.dtype != self.dtype:
+        if dispatch.scaled_dtype(q.dtype):
+            raise TypeError(f"Q is {q.dtype}; a Corpus takes float queries (an INT8 corpus quantises them per call)")
+        qp = query_problem(Q, q_mask, q_lengths, None)
+        if not dispatch.scaled_dtype(self.dtype) and qp.dtype != self.dtype:
             raise TypeError(f"corpus has dtype {self.dtype} but Q has {qp.dtype}: cast Q to {self.dtype}")
         if self.device is not None:
             if qp.device is not None and qp.device != self.device:
@@ -373,7 +370,7 @@ class Corpus:
             if qp.dtype == "float64":
                 raise TypeError("Q is float64, which the GPU kernels do not take: cast it to float32 (an INT8 corpus "
                                 "quantises float16, bfloat16 or float32 queries)")
-        p = _with_queries(qp, self._p)
+        p = with_queries(qp, self._p)
         return qp, replace(p, scores_shape=(p.nd,)) if len(q.shape) == 2 else p
 
     def _launch(self, qp: Problem, p: Problem, Q, q_mask, q_lengths, x3: bool, caller: str, cand=None, key=None):
@@ -392,7 +389,7 @@ class Corpus:
                 q = device_array(Q, fw, on_host).reshape(qp.nq, qp.lq, qp.dim)
                 qm, ql = device_valid(q_mask, q_lengths, qp.nq, qp.lq, "q_lengths", fw, on_host, checks)
                 kw = {}
-                if p.dtype == "int8":
+                if dispatch.scaled_dtype(p.dtype):
                     from ._runtime.quantize import quantize_cupy
 
                     q, qs = quantize_cupy(q.view(cupy.uint16) if qp.dtype == "bfloat16" else q, qp.dtype)
@@ -420,7 +417,7 @@ class Corpus:
         from ._runtime.prepared_calls import PreparedCall, ResidentDocs
 
         docs = self._dev
-        if key is None or p.dtype == "int8" or not (p.nq and p.nd and p.lq) or docs.tokens.shape[0] == 0 \
+        if key is None or dispatch.scaled_dtype(p.dtype) or not (p.nq and p.nd and p.lq) or docs.tokens.shape[0] == 0 \
                 or (not p.d_packed and p.ld == 0):
             return
         if any(isinstance(k, tuple) and (k[2] < 0 or not k[4]) for k in key[2:]):
@@ -448,13 +445,13 @@ class Corpus:
             self._calls[key] = call
 
     def _streamed(self, qp: Problem, p: Problem, Q, q_mask, q_lengths, k: int | None, x3: bool):
-        """``score`` (``k`` None) or ``search`` through retrieve's chunks: over the device arrays, or
+        """``score`` (``k`` None) or ``search`` through the streaming engine's chunks (``_streaming.gpu``): over the device arrays, or
         streamed from the page-locked ones."""
         import cupy
 
         fw, on_host = qp.framework, qp.device is None
         with cupy.cuda.Device(self.device), caller_stream(fw, self.device):
-            r = _Gpu(Q, q_mask, q_lengths, None, qp, k, None, self.device, x3)
+            r = GpuTopK(Q, q_mask, q_lengths, None, qp, k, None, self.device, x3)
             if k is None:
                 r.keep_every(self._p.nd, "Corpus.score")
             if self.where == "GPU":
@@ -478,7 +475,7 @@ class Corpus:
         """(queries [nq, lq, d], their valid tokens, INT8 scales or None) on the host."""
         q = host_array(Q, qp.framework).reshape(qp.nq, qp.lq, qp.dim)
         qv = valid_host(q_mask, q_lengths, qp.nq, qp.lq, "q_lengths", qp.framework)
-        if self.dtype != "int8":
+        if not dispatch.scaled_dtype(self.dtype):
             return q, qv, None
         q, qs = cpu.quantize_numpy(q, strict=False)  # a NaN or inf token: scale NaN, as on the device
         return q, qv, qs
@@ -574,11 +571,11 @@ def _check_ids(ids, nd: int) -> np.ndarray | None:
 
 
 def _fields(docs) -> list:
-    """The arrays of a ``_HostDocs`` or ``_DeviceDocs`` (none for None)."""
+    """The arrays of a ``HostDocs`` or ``DeviceDocs`` (none for None)."""
     return [] if docs is None else [docs.tokens, docs.offsets, docs.mask, docs.lengths, docs.scales]
 
 
-def _with_spans(docs: _DeviceDocs, device: int) -> _DeviceDocs:
+def _with_spans(docs: DeviceDocs, device: int) -> DeviceDocs:
     """``docs`` with its mask's spans (``_runtime/masks.py``) as its lengths, made once for every call;
     int64 lengths (checked) narrowed once, as every tile reads int32 ones."""
     if docs.mask is not None and docs.lengths is None:
@@ -594,7 +591,7 @@ def _ptr(a) -> int:
     return 0 if a is None else a.data.ptr
 
 
-def _upload(host: _HostDocs, p: Problem, device: int) -> _DeviceDocs:
+def _upload(host: HostDocs, p: Problem, device: int) -> DeviceDocs:
     """Checked host documents copied to the current device, as the kernels read them."""
     import cupy
 
@@ -605,7 +602,7 @@ def _upload(host: _HostDocs, p: Problem, device: int) -> _DeviceDocs:
     lengths = None if host.lengths is None else host.lengths.astype(np.int32)
     mask = None if host.mask is None else host.mask.view(np.uint8)
     scales = None if host.scales is None else host.scales.reshape(-1)
-    dev = _DeviceDocs(up(tokens), offsets=up(host.offsets), mask=up(mask), lengths=up(lengths), scales=up(scales))
+    dev = DeviceDocs(up(tokens), offsets=up(host.offsets), mask=up(mask), lengths=up(lengths), scales=up(scales))
     return _with_spans(dev, device)
 
 

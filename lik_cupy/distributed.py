@@ -61,9 +61,11 @@ except ImportError as e:
                       "(or 'lik-cupy[distributed-gpu]', which adds dask-cuda for one worker per GPU)") from e
 
 from . import shards
+from ._base.device import gpu_available
 from ._ranking import merge_ranked
-from ._runtime.device import gpu_available
-from .retrieve import MAX_K, _outside_stacklevel, retrieve
+from ._runtime.topk import MAX_K
+from ._streaming.gpu import outside_stacklevel
+from .retrieve import retrieve
 
 __all__ = ["DistributedCorpus"]
 
@@ -643,7 +645,7 @@ class DistributedCorpus:
                 continue  # the next round drops the departed workers too
             moved = {w: ix for w, ix in lost.items() if ix}
             if moved:
-                warnings.warn(self._story(moved, context), RuntimeWarning, stacklevel=_outside_stacklevel())
+                warnings.warn(self._story(moved, context), RuntimeWarning, stacklevel=outside_stacklevel())
             return
         raise RuntimeError(f"lik_cupy.distributed: workers kept leaving while shards reloaded ({_ATTEMPTS} rounds); "
                            "the cluster is losing workers faster than the shards load")

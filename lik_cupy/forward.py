@@ -9,15 +9,16 @@ from __future__ import annotations
 from dataclasses import replace
 
 from . import _cpu as cpu
+from ._dispatch import kernel_dtype
 from ._dispatch.backend import check_backend, scoring_on_gpu
+from ._dispatch.precision import fp32_accurate
 from ._interop import caller_results, caller_stream, describe, device_array, host_array, host_result
 from ._runtime.device_checks import call_checks
 from ._runtime.launch import launch, prepare, use_tma_for
 from ._runtime.prepared_calls import PreparedCall, call_key, lookup, store
-from ._runtime.operands import (device_offsets, host_metadata, device_valid, host_offsets, kernel_dtype, kernel_operands,
+from ._runtime.operands import (device_offsets, host_metadata, device_valid, host_offsets, kernel_operands,
                                 unpack_queries, valid_host)
 from ._validate import Problem, check_call, check_varlen, check_zero_pad
-from .precision import _resolve as _fp32_accurate
 
 __all__ = ["maxsim", "maxsim_pairs", "maxsim_varlen"]
 
@@ -202,7 +203,7 @@ def _run(Q, D, q_mask, d_mask, q_lengths, d_lengths, return_argmax, backend, pre
     p = check_call(Q, D, q_mask, d_mask, q_lengths, d_lengths, pairs=pairs)
     if zero_pad is not None:
         check_zero_pad(zero_pad, p, describe(D).shape[:-2], d_mask)
-    x3 = _fp32_accurate(precision, p.framework, p.dtype)
+    x3 = fp32_accurate(precision, p.framework, p.dtype)
     if scoring_on_gpu(p, backend, float64_gpu=True):
         call = _prepared(key, p, return_argmax, validate, x3, (q_lengths, d_lengths, None), packed=False)
         if call is not None:
@@ -224,7 +225,7 @@ def _run_varlen(Q, D_tokens, d_offsets, q_mask, q_lengths, q_offsets, return_arg
     p = check_varlen(Q, D_tokens, d_offsets, q_mask, q_lengths, q_offsets)
     if zero_pad is not None:
         check_zero_pad(zero_pad, p, (p.nd,))
-    x3 = _fp32_accurate(precision, p.framework, p.dtype)
+    x3 = fp32_accurate(precision, p.framework, p.dtype)
     if scoring_on_gpu(p, backend, float64_gpu=True):
         call = _prepared(key, p, return_argmax, validate, x3, (q_lengths, None, d_offsets), packed=True)
         if call is not None:

@@ -64,7 +64,7 @@ from ._dispatch.backend import check_backend, use_gpu
 from ._dispatch.jax_paths import choose_jax_path
 from ._validate import Problem, check_call, check_int8_scales, check_varlen
 from .backward import _METHODS
-from .precision import _resolve
+from ._dispatch.precision import fp32_accurate
 
 __all__ = ["maxsim", "maxsim_varlen", "maxsim_int8", "maxsim_int8_varlen"]
 
@@ -182,7 +182,7 @@ class _Call:
         if backend == "gpu":  # no GPU or no CuPy: the documented error now, not from inside XLA's run
             use_gpu(backend, None)
         check_backend(backend)
-        x3 = _resolve(precision, "jax", p.dtype)  # also checks the value
+        x3 = fp32_accurate(precision, "jax", p.dtype)  # also checks the value
         resolved = ("fp32" if x3 else "tf32") if p.dtype in ("float32", "float64") else None
         return cls(fn, p, method, resolved, backend, _xla_on(fn, p, backend))
 

@@ -24,22 +24,11 @@ Which precision a call gets, first match wins:
 
 from __future__ import annotations
 
-import sys
-
-from ._runtime import env
+from ._dispatch import precision as _rule
 
 __all__ = ["PRECISIONS", "set_precision", "get_precision"]
 
-PRECISIONS = ("fp32", "tf32")
-
-_default: str | None = None
-_JAX_TF32 = ("tensorfloat32", "bfloat16", "fastest", "default")
-
-
-def _checked(precision, what: str) -> str:
-    if precision not in PRECISIONS:
-        raise ValueError(f"{what} must be one of {', '.join(map(repr, PRECISIONS))}, got {precision!r}")
-    return precision
+PRECISIONS = _rule.PRECISIONS
 
 
 def set_precision(precision: str | None) -> None:
@@ -52,53 +41,10 @@ def set_precision(precision: str | None) -> None:
     >>> lik_cupy.set_precision(None); lik_cupy.get_precision() is None
     True
     """
-    global _default
-    _default = None if precision is None else _checked(precision, "set_precision")
+    _rule.set_default(precision)
 
 
 def get_precision() -> str | None:
     """The process default set by :func:`set_precision` (else ``LIK_PRECISION``), or None when
     each call follows its framework."""
-    if _default is not None:
-        return _default
-    value = env.precision_default()
-    return _checked(value, "LIK_PRECISION") if value else None
-
-
-def _framework_says(framework: str) -> str | None:
-    """What the caller's framework asks of its own float32 matmuls, if anything. Read only when
-    that framework is already imported (an array of it was passed, so it is)."""
-    if framework == "torch":
-        torch = sys.modules.get("torch")
-        if torch is None:
-            return None
-        matmul = torch.backends.cuda.matmul
-        fp32 = getattr(matmul, "fp32_precision", None)  # PyTorch 2.9+
-        if fp32 in ("tf32", "ieee"):
-            return "tf32" if fp32 == "tf32" else "fp32"
-        try:
-            tf32 = matmul.allow_tf32 or torch.get_float32_matmul_precision() in ("high", "medium")
-        except RuntimeError:  # PyTorch refuses the older switches once the newer ones were set
-            return None
-        return "tf32" if tf32 else "fp32"
-    if framework == "jax":
-        jax = sys.modules.get("jax")
-        if jax is None:
-            return None
-        value = jax.config.jax_default_matmul_precision
-        return "tf32" if value is not None and str(value).lower() in _JAX_TF32 else "fp32"
-    if framework == "cupy":
-        return "tf32" if env.cupy_tf32() else "fp32"
-    return None
-
-
-def _resolve(precision: str | None, framework: str, dtype: str) -> bool:
-    """Whether a call scores at float32 accuracy (3xTF32): True or False for float32 and float64
-    inputs by the rule in this module's docstring; False for every other dtype (no TF32 there)."""
-    if dtype not in ("float32", "float64"):
-        if precision is not None:
-            _checked(precision, "precision")
-        return False
-    if precision is None:
-        precision = get_precision() or _framework_says(framework) or "fp32"
-    return _checked(precision, "precision") == "fp32"
+    return _rule.default()

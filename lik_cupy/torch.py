@@ -46,7 +46,7 @@ from .backward import maxsim_backward as _maxsim_backward
 from .forward import _maxsim_varlen_zero_pad, _maxsim_zero_pad
 from .forward import maxsim as _maxsim
 from .forward import maxsim_varlen as _maxsim_varlen
-from .precision import _checked as _checked_precision
+from ._dispatch.precision import checked as _checked_precision
 
 __all__ = ["maxsim", "maxsim_varlen"]
 

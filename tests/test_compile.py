@@ -343,10 +343,8 @@ DIMS = sorted({1, 2, 3, 7, 8, 15, 16, 17, 31, 32, 33, 48, 63, 64, 65, 96, 100, 1
 
 
 def _dims(dtype, dims=DIMS):
-    """The dims a dtype's kernels take: int8 needs a multiple of 16 up to MAX_DIM_INT8."""
-    if dtype != "int8":
-        return dims
-    return [d for d in dims if dispatch.int8_dim_ok(d)]
+    """The dims a dtype's kernels take: int8 needs a multiple of 16 up to 4096."""
+    return [d for d in dims if dispatch.elem_spec(dtype).dim_ok(d)]
 
 
 @pytest.mark.parametrize("cc", [80, 86, 87, 89, 90])
@@ -362,19 +360,19 @@ def test_choose_forward_fits_shared_memory(cc, dtype):
                         c = dispatch.choose_forward(cc, dtype, dim, lq, argmax, vec, wgmma)
                         where = (cc, dtype, dim, lq, argmax, vec, wgmma, c.name)
                         assert c.smem_bytes <= limit, where
-                        if c.split:  # any dim streams through fixed chunks
-                            assert c.dp in (32, 64, 128) and dim > 64, where
+                        if c.split:  # any dim streams through fixed chunks (rows past 128 bytes)
+                            assert c.dp in (32, 64, 128) and dim * c.esize > 128, where
                         else:
                             assert not c.split or dtype != "int8", where
-                            assert c.dp == dispatch.padded_dim(dim, c.elem) >= dim and c.dp <= 512 and c.dp % 16 == 0, where
-                        assert c.elem == dispatch.ELEM_CODES[dtype] and c.argmax == argmax and c.vec == vec, where
+                            assert c.dp == dispatch.padded_dim(dim, c.spec) >= dim and c.dp <= 512 and c.dp % 16 == 0, where
+                        assert c.elem == dispatch.elem_spec(dtype).code and c.argmax == argmax and c.vec == vec, where
                         assert c.bn % 16 == 0 and c.stages >= 2 and c.threads <= 1024, where
                         assert not c.wgmma or (wgmma and arch == 90 and vec), where
     with pytest.raises(ValueError):
         dispatch.choose_forward(cc, dtype, dispatch.MAX_DIM + 1, 32, False, True)
     if dtype == "int8":
-        for bad in (8, 100, dispatch.MAX_DIM_INT8 + 16):
-            with pytest.raises(ValueError, match=f"multiple of 16 up to {dispatch.MAX_DIM_INT8}"):
+        for bad in (8, 100, 4096 + 16):
+            with pytest.raises(ValueError, match="multiple of 16 up to 4096"):
                 dispatch.choose_forward(cc, dtype, bad, 32, False, True)
 
 
@@ -382,7 +380,7 @@ def test_compile_check_covers_the_bucket_dims():
     # everything dispatch picks for the dims all_forward_configs samples is compiled by check_all
     for arch in dispatch.SUPPORTED_ARCHS:
         compiled = {c.name for c in dispatch.all_forward_configs(arch)}
-        for dtype in dispatch.ELEM_CODES:
+        for dtype in (e.name for e in dispatch.ELEMS):
             for dim in _dims(dtype, (64, 128, 256, 384, 512, 1000, 2048, 4096, 8192)):
                 for lq in (1, 32, 33, 64, 65, 128, 1000, 5000):
                     for shared, ld in ((1, 1024), (1, 180), (3, 180), (32, 180), (32, 1024), (1000, 77)):
@@ -403,18 +401,20 @@ def test_tma_only_where_the_kernels_take_it(dtype):
     # so does a single query of at most 128 tokens on them (measured slower). Split-d stages both
     # chunks by TMA on the two-warpgroup tiles (any 16-byte aligned dim: the maps zero-fill past
     # the row), never on the one-warpgroup short-query tiles (measured slower).
-    esize = dispatch.ELEM_SIZES[dispatch.ELEM_CODES[dtype]]
+    esize = dispatch.elem_spec(dtype).bytes
     for cc in (80, 86, 89, 90):
         for dim in _dims(dtype, (32, 64, 96, 128, 192, 256, 384, 512, 1000, 2048)):
             for lq, shared in ((1, 1), (32, 1), (32, 32), (128, 1), (1000, 1)):
                 for argmax in (False, True):
                     for vec in (False, True):
                         c = dispatch.choose_forward(cc, dtype, dim, lq, argmax, vec, True, shared, 300, False, True)
+                        # float32: its wgmma tiles take TMA for single short queries too (measured
+                        # faster), its mma.sync tiles never (the lds path)
                         one_shot = (not c.split and dim * esize % 128 == 0
                                     and not (c.wgmma and dtype == "int8" and argmax)
-                                    and not (c.wgmma and not c.multi and lq <= 128))
+                                    and not (c.wgmma and not c.multi and lq <= 128 and dtype != "float32"))
                         split = c.split and c.wgmma and c.warps == 8
-                        want = cc == 90 and vec and dtype != "float32" and (one_shot or split)
+                        want = cc == 90 and vec and (dtype != "float32" or c.wgmma) and (one_shot or split)
                         assert c.tma == want, (cc, dim, lq, shared, argmax, vec, c.name)
                         assert c.target(dispatch.arch_of(cc)) == ("90a" if c.tma or c.wgmma else str(cc))
                         off = dispatch.choose_forward(cc, dtype, dim, lq, argmax, vec, True, shared, 300, False, False)
@@ -436,7 +436,7 @@ def test_compile_check_covers_every_dispatchable_config():
     missing = set()
     for arch in dispatch.SUPPORTED_ARCHS:
         compiled = {c.name for c in dispatch.all_forward_configs(arch)}
-        for dtype in dispatch.ELEM_CODES:
+        for dtype in (e.name for e in dispatch.ELEMS):
             for dim in _dims(dtype):
                 for lq in (1, 33, 65):
                     c = dispatch.choose_forward(arch, dtype, dim, lq, False, True)
@@ -499,13 +499,16 @@ def test_plan_launch_token_split(nq, lq, nd, ntok):
     if (nq, lq, nd, ntok) == (1, 32, 62, 253_952):  # the sweep's case that splits
         cfg = dispatch.choose_forward(90, "float16", 128, 32, False, True, True, 1, 300, True)
         assert dispatch.plan_launch(cfg, 90, 132, 1, 62, 32, 1, 253_952).token_split
-    # Which tiles split: packed one-shot single-query 16-bit and INT8 tiles, not fp32, split-d, multi-query.
+    # Which tiles split: packed one-shot single-query 16-bit and INT8 tiles, and float32's wgmma ones
+    # (not its mma.sync ones), not split-d, not multi-query.
     assert dispatch.choose_forward(90, "float16", 128, 32, False, True, True, 1, 300, True).token_split
     assert dispatch.choose_forward(80, "bfloat16", 128, 32, True, True, False, 1, 300, True).token_split
     assert dispatch.choose_forward(90, "int8", 128, 32, False, True, True, 1, 300, True).token_split
     assert not dispatch.choose_forward(90, "int8", 2048, 32, False, True, True, 1, 300, True).token_split
     assert not dispatch.choose_forward(90, "float16", 128, 32, False, True, True, 1, 300, False).token_split
-    assert not dispatch.choose_forward(90, "float32", 128, 32, False, True, True, 1, 300, True).token_split
+    assert dispatch.choose_forward(90, "float32", 128, 32, False, True, True, 1, 300, True).token_split
+    assert dispatch.choose_forward(90, "float32", 128, 32, False, True, True, 1, 300, True, False, True).token_split
+    assert not dispatch.choose_forward(80, "float32", 128, 32, False, True, True, 1, 300, True).token_split
     assert not dispatch.choose_forward(90, "float16", 128, 32, False, True, True, 32, 300, True).token_split
     assert not dispatch.choose_forward(90, "float16", 2048, 32, False, True, True, 1, 300, True).token_split
 
@@ -555,10 +558,10 @@ def test_plan_launch_padded_token_split(nq, lq, nd, ld):
             for shared in (1, nq):
                 cfg = dispatch.choose_forward(cc, dtype, 128, lq, False, True, True, shared, ld, False, cc == 90)
                 strided = cfg.strided_tile
-                if strided is None:
-                    assert dtype == "float32" or cfg.multi or cfg.split
+                if strided is None:  # float32 splits on its wgmma tiles only
+                    assert (dtype == "float32" and not cfg.wgmma) or cfg.multi or cfg.split
                     continue
-                assert dtype in ("float16", "bfloat16", "int8") and strided.packed and strided.token_split
+                assert (dtype != "float32" or cfg.wgmma) and strided.packed and strided.token_split
                 assert strided.name.endswith("_strided") and strided.name != cfg.name
                 base = dataclasses.replace(strided, packed=False, strided=False)
                 if cfg.tokm:

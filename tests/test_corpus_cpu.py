@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 import lik_cupy
-from lik_cupy.retrieve import _packed_chunks
+from lik_cupy._streaming.gpu import packed_chunks
 from reference import assert_within_rounding, maxsim_ref, rounding_bound
 
 
@@ -160,7 +160,7 @@ def test_packed_chunks_cover_every_document():
     lens[::50] = 0
     off = np.concatenate([[0], np.cumsum(lens)])
     for c in (1, 7, 64, 999, 5000):
-        b = _packed_chunks(off, c)
+        b = packed_chunks(off, c)
         assert b[0][0] == 0 and b[-1][1] == 1000
         assert all(x[1] == y[0] for x, y in zip(b, b[1:]))
         assert all(0 < hi - lo <= c for lo, hi in b)
@@ -203,20 +203,20 @@ def _covered(merged, total):
 def test_chunk_halves_resumes_and_warns_once():
     import warnings
 
-    from lik_cupy.retrieve import _Chunking, _drive
+    from lik_cupy._streaming.gpu import Chunking, drive
 
-    chunking = _Chunking(lambda: 4096)
+    chunking = Chunking(lambda: 4096)
     # 300 documents fit per chunk until two chunks are merged; then only 70 (memory taken elsewhere).
     shard = _Scorer(1000, lambda s: 300 if len(s.merged) < 2 else 70, chunking)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        _drive(1000, 250, shard.run, shard.done, chunking, _FakeOOM)
+        drive(1000, 250, shard.run, shard.done, chunking, _FakeOOM)
         assert _covered(shard.merged, 1000), "every document merged exactly once, in order"
         assert shard.merged[:3] == [(0, 250), (250, 500), (500, 562)]  # resumed where it failed: 250 -> 125 -> 62
         assert all(b - a <= 62 for a, b in shard.merged[2:])
         # A later shard starts at the reduced size and halves again without a second warning.
         second = _Scorer(500, lambda s: 40, chunking)
-        _drive(500, 250, second.run, second.done, chunking, _FakeOOM)
+        drive(500, 250, second.run, second.done, chunking, _FakeOOM)
         assert _covered(second.merged, 500) and max(b - a for a, b in second.merged) == 31
     warned = [w for w in caught if issubclass(w.category, RuntimeWarning)]
     assert len(warned) == 1 and len(caught) == 1
@@ -228,15 +228,15 @@ def test_chunk_halves_resumes_and_warns_once():
 def test_not_even_one_document_fits():
     import warnings
 
-    from lik_cupy.retrieve import _Chunking, _drive
+    from lik_cupy._streaming.gpu import Chunking, drive
 
-    chunking = _Chunking(lambda: 123_456)
+    chunking = Chunking(lambda: 123_456)
     shard = _Scorer(10, lambda s: 0, chunking)
     dropped = []
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # nothing fitted: no warning, only the error
         with pytest.raises(MemoryError) as info:
-            _drive(10, 8, shard.run, shard.done, chunking, _FakeOOM, lambda: dropped.append(1))
+            drive(10, 8, shard.run, shard.done, chunking, _FakeOOM, lambda: dropped.append(1))
     msg = str(info.value)
     assert msg.startswith("lik_cupy.retrieve: out of GPU memory allocating 512 bytes with one document per chunk, "
                           "while the queries and the running top-k hold 123,456 bytes")

@@ -271,21 +271,19 @@ def test_topk_merge_kernel_ties_and_k(rng, chunk):
     scores = rng.integers(0, 20, size=(nq, nd)).astype(np.float32)
     scores[0, ::7] = np.nan
     scores[1, ::5] = -np.inf
+    import cupy
+
+    from lik_cupy._runtime.topk import merge_topk
+
     for k in (1, 2, 3, 100, 1000, 4096):
         want_s, want_i = _ranked(scores, k)
-        from lik_cupy.retrieve import _Gpu
-
-        r = object.__new__(_Gpu)
-        import cupy
-
-        r.qp = type("P", (), {"nq": nq})()
-        r.k, r.device, r.base = k, cupy.cuda.runtime.getDevice(), 0
-        r.s, r.i = cupy.empty((nq, 0), cupy.float32), cupy.empty((nq, 0), cupy.int64)
+        run_s, run_i = cupy.empty((nq, 0), cupy.float32), cupy.empty((nq, 0), cupy.int64)
         for a in range(0, nd, chunk):  # one merge or several
             b = min(nd, a + chunk)
-            r._merge(cupy.ascontiguousarray(cupy.asarray(scores[:, a:b])), b - a)
-        np.testing.assert_array_equal(cupy.asnumpy(r.i), want_i)
-        np.testing.assert_array_equal(cupy.asnumpy(r.s), want_s)
+            run_s, run_i = merge_topk(cupy.cuda.runtime.getDevice(), run_s, run_i,
+                                      cupy.ascontiguousarray(cupy.asarray(scores[:, a:b])), b - a, a, k)
+        np.testing.assert_array_equal(cupy.asnumpy(run_i), want_i)
+        np.testing.assert_array_equal(cupy.asnumpy(run_s), want_s)
 
 
 def test_retrieve_memory_budget_respected(rng):

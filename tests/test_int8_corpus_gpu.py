@@ -130,7 +130,7 @@ def test_retrieve_int8_padded_shards_nan_query_and_checks(rng):
     assert np.isnan(s[1]).all() and i[1].tolist() == list(range(59))
     keep = [0, 2, 3]
     np.testing.assert_allclose(s[keep], cs[keep], rtol=1e-5, atol=1e-5)
-    with pytest.raises(ValueError, match="INT8 scoring on the GPU needs dim a multiple of 16"):
+    with pytest.raises(ValueError, match="int8 scoring on the GPU needs dim a multiple of 16"):
         t8, ts = quantize_numpy(_unit(rng, 10, 24))
         lik_cupy.retrieve(_cp(q[:, :, :24]), _cp(t8), 3, d_offsets=_cp(np.array([0, 4, 10])), d_scales=_cp(ts))
     with pytest.raises(TypeError, match="shard 1 has dtype float32 but earlier shards are int8"):

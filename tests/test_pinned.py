@@ -8,7 +8,7 @@ import pytest
 import lik_cupy
 from test_forward_gpu import _cp, _np, _unit
 
-retrieve_mod = importlib.import_module("lik_cupy.retrieve")  # the module, not the function of that name
+gpu_engine = importlib.import_module("lik_cupy._streaming.gpu")
 BUDGET = 4 << 20  # forces many chunks
 
 
@@ -21,7 +21,7 @@ def test_pin_host_refuses_non_numpy_and_strided():
 
 
 def test_pin_host_without_gpu_locks_nothing(monkeypatch):
-    from lik_cupy._runtime import device
+    from lik_cupy._base import device
 
     monkeypatch.setattr(device, "gpu_available", lambda: False)
     with lik_cupy.pin_host(np.zeros((4, 8), np.float16)) as p:
@@ -32,13 +32,13 @@ def test_pin_host_without_gpu_locks_nothing(monkeypatch):
 def staged_copies(monkeypatch):
     """The shapes of the host staging copies retrieve makes (none for page-locked tokens)."""
     seen = []
-    real = retrieve_mod._parallel_copy
+    real = gpu_engine.parallel_copy
 
     def spy(pool, dst, src):
         seen.append((src.dtype.name, src.shape))
         real(pool, dst, src)
 
-    monkeypatch.setattr(retrieve_mod, "_parallel_copy", spy)
+    monkeypatch.setattr(gpu_engine, "parallel_copy", spy)
     return seen
 
 

@@ -9,7 +9,7 @@ import pytest
 
 import lik_cupy
 from lik_cupy import _dispatch as dispatch
-from lik_cupy.precision import _resolve
+from lik_cupy._dispatch.precision import fp32_accurate
 
 
 @pytest.fixture(autouse=True)
@@ -37,14 +37,14 @@ def _fake_jax(monkeypatch, value):
 
 def test_float32_defaults_to_float32_accuracy():
     for fw in ("numpy", "cupy", "dlpack"):
-        assert _resolve(None, fw, "float32") is True
-        assert _resolve(None, fw, "float64") is True
+        assert fp32_accurate(None, fw, "float32") is True
+        assert fp32_accurate(None, fw, "float64") is True
 
 
 def test_other_dtypes_have_no_tf32_choice():
     for dtype in ("float16", "bfloat16", "int8"):
-        assert _resolve(None, "cupy", dtype) is False
-        assert _resolve("fp32", "cupy", dtype) is False
+        assert fp32_accurate(None, "cupy", dtype) is False
+        assert fp32_accurate("fp32", "cupy", dtype) is False
 
 
 @pytest.mark.parametrize("kw,expect", [
@@ -58,8 +58,8 @@ def test_other_dtypes_have_no_tf32_choice():
 ])
 def test_torch_tensors_follow_torch(monkeypatch, kw, expect):
     _fake_torch(monkeypatch, **kw)
-    assert _resolve(None, "torch", "float32") is expect
-    assert _resolve(None, "cupy", "float32") is True  # only torch tensors follow torch
+    assert fp32_accurate(None, "torch", "float32") is expect
+    assert fp32_accurate(None, "cupy", "float32") is True  # only torch tensors follow torch
 
 
 @pytest.mark.parametrize("value,expect", [(None, True), ("highest", True), ("float32", True), ("high", True),
@@ -67,23 +67,23 @@ def test_torch_tensors_follow_torch(monkeypatch, kw, expect):
                                           ("fastest", False)])
 def test_jax_arrays_follow_jax(monkeypatch, value, expect):
     _fake_jax(monkeypatch, value)
-    assert _resolve(None, "jax", "float32") is expect
+    assert fp32_accurate(None, "jax", "float32") is expect
 
 
 def test_cupy_arrays_follow_cupy_tf32(monkeypatch):
     monkeypatch.setenv("CUPY_TF32", "1")
-    assert _resolve(None, "cupy", "float32") is False
-    assert _resolve(None, "numpy", "float32") is True
+    assert fp32_accurate(None, "cupy", "float32") is False
+    assert fp32_accurate(None, "numpy", "float32") is True
 
 
 def test_order_call_then_process_default_then_framework(monkeypatch):
     _fake_torch(monkeypatch, allow_tf32=True)
     monkeypatch.setenv("LIK_PRECISION", "fp32")
-    assert _resolve(None, "torch", "float32") is True  # the process default beats torch
-    assert _resolve("tf32", "torch", "float32") is False  # the call beats both
+    assert fp32_accurate(None, "torch", "float32") is True  # the process default beats torch
+    assert fp32_accurate("tf32", "torch", "float32") is False  # the call beats both
     lik_cupy.set_precision("tf32")
     assert lik_cupy.get_precision() == "tf32"  # set_precision beats the environment
-    assert _resolve(None, "numpy", "float32") is False
+    assert fp32_accurate(None, "numpy", "float32") is False
     lik_cupy.set_precision(None)
     assert lik_cupy.get_precision() == "fp32"
 
@@ -106,12 +106,19 @@ def test_bad_values_are_refused_with_what_was_expected(monkeypatch):
 
 @pytest.mark.parametrize("arch", [80, 90])
 @pytest.mark.parametrize("dim", [64, 128, 200, 1000])
-def test_fp32_precision_chooses_the_3xtf32_kernels(arch, dim):
+def test_fp32_precision_chooses_float32_accurate_kernels(arch, dim):
+    # float32 accuracy: refined TF32 wgmma tiles on Hopper where float32 rows of 128-byte multiples
+    # run one-shot (d <= 128), 3xTF32 mma.sync tiles elsewhere; "tf32" takes neither
     for lq, shared, argmax in ((32, 1, False), (32, 8, True), (1024, 1, True)):
-        x3 = dispatch.choose_forward(arch, "float32", dim, lq, argmax, True, True, shared, 300, False, False, True)
+        acc = dispatch.choose_forward(arch, "float32", dim, lq, argmax, True, True, shared, 300, False, False, True)
         one = dispatch.choose_forward(arch, "float32", dim, lq, argmax, True, True, shared, 300, False, False, False)
-        assert x3.x3 and not x3.qreg and x3.name.endswith("_x3") and x3.defines()["LIK_X3"] == 1
-        assert not one.x3 and one.defines()["LIK_X3"] == 0
+        if arch == 90 and dim in (64, 128):
+            assert acc.refine and acc.wgmma and not acc.x3 and acc.name.endswith("_rf")
+            assert acc.defines()["LIK_REFINE"] == 1 and "LIK_REFINE" not in one.defines()
+            assert one.wgmma and not one.refine
+        else:
+            assert acc.x3 and not acc.qreg and acc.name.endswith("_x3") and acc.defines()["LIK_X3"] == 1
+        assert not one.x3 and one.defines()["LIK_X3"] == 0 and not one.refine
         assert not dispatch.choose_forward(arch, "float16", dim, lq, argmax, True, True, shared, 300, False, False,
                                            True).x3
 
@@ -123,5 +130,6 @@ def test_int8_takes_split_d_above_512(arch, dim):
         cfg = dispatch.choose_forward(arch, "int8", dim, lq, argmax, True, True, shared, 300, False, tma)
         assert cfg.split and cfg.elem == 3 and cfg.dp % 32 == 0 and not cfg.tokm and not cfg.qhalf
         assert not (cfg.tma and cfg.bn + 4 > 256)  # a TMA box carries at most 256 scales
-    assert dispatch.int8_dim_ok(dim)
-    assert not dispatch.int8_dim_ok(dispatch.MAX_DIM_INT8 + 16)
+    spec = dispatch.elem_spec("int8")
+    assert spec.dim_ok(dim) and spec.max_dim == 4096
+    assert not spec.dim_ok(spec.max_dim + 16)

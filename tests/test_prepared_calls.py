@@ -7,7 +7,7 @@ import pytest
 
 from lik_cupy import _dispatch as dispatch
 from lik_cupy._runtime import launch, prepared_calls
-from lik_cupy._runtime.device import DeviceProps
+from lik_cupy._base.device import DeviceProps
 from lik_cupy._validate import check_call, check_varlen
 
 

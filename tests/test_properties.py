@@ -1028,7 +1028,7 @@ def gpu_kernels():
 
     from lik_cupy._runtime import nvrtc as lc
     from lik_cupy import _dispatch as dispatch
-    from lik_cupy._runtime.device import device_properties
+    from lik_cupy._base.device import device_properties
 
     cc = device_properties(cupy.cuda.runtime.getDevice()).cc
     arch = dispatch.arch_of(cc)
@@ -1044,14 +1044,14 @@ def gpu_kernels():
                                 cfg = dispatch.choose_forward(cc, dtype, dim, lq, argmax, vec, True, shared, 4, packed)
                                 jobs[cfg.name] = ("maxsim_fwd.cu", cfg.defines(), cfg.target(arch))
         for vec in (0, 1):
-            jobs[f"bwd{dtype}{vec}"] = ("maxsim_bwd.cu", {"LIK_ELEM": dispatch.ELEM_CODES[dtype], "LIK_VEC": vec}, arch)
-    if "int8" in dispatch.ELEM_CODES:
+            jobs[f"bwd{dtype}{vec}"] = ("maxsim_bwd.cu", {"LIK_ELEM": dispatch.elem_spec(dtype).code, "LIK_VEC": vec}, arch)
+    for int8 in dispatch.SCALED_DTYPES:
         for dim in (16, 32):
             for lq in range(1, 5):
                 for shared in range(1, 5):
                     for argmax in (False, True):
                         for packed in (False, True):
-                            cfg = dispatch.choose_forward(cc, "int8", dim, lq, argmax, True, True, shared, 4, packed)
+                            cfg = dispatch.choose_forward(cc, int8, dim, lq, argmax, True, True, shared, 4, packed)
                             jobs[cfg.name] = ("maxsim_fwd.cu", cfg.defines(), cfg.target(arch))
     jobs["topk"] = ("topk.cu", {}, arch)
     jobs["masks"] = ("masks.cu", {}, arch)

@@ -251,7 +251,7 @@ def test_public_names_resolve_and_keep_torch_jax_and_dask_out():
 
 @pytest.mark.parametrize("old,new", [("lik_cupy.dispatch", "lik_cupy._dispatch"),
                                      ("lik_cupy.compile", "lik_cupy._runtime.nvrtc"),
-                                     ("lik_cupy.device", "lik_cupy._runtime.device"),
+                                     ("lik_cupy.device", "lik_cupy._base.device"),
                                      ("lik_cupy.pinned", "lik_cupy._runtime.pinned"),
                                      ("lik_cupy.validate", "lik_cupy._validate")])
 def test_moved_modules_still_import_with_a_warning(old, new):

@@ -32,7 +32,7 @@ from click.testing import CliRunner
 
 from lik_cupy import _atomic, cli
 from lik_cupy._runtime import nvrtc as lc
-from lik_cupy._runtime.cache import DeviceCache
+from lik_cupy._base.cache import DeviceCache
 from lik_cupy import _dispatch as dispatch
 from lik_cupy import shards
 
@@ -187,7 +187,7 @@ def test_memory_cache_is_bounded_and_keeps_recent_kernels(monkeypatch):
 def test_small_kernels_are_looked_up_once_per_device(monkeypatch):
     # checks.cu, masks.cu and topk.cu launch on every scoring call: their functions are resolved
     # once per (device, source, entry), and each device gets its own architecture's build.
-    import lik_cupy._runtime.device
+    import lik_cupy._base.device
 
     monkeypatch.setattr(lc, "_functions", DeviceCache(1024))
     modules = []
@@ -197,7 +197,7 @@ def test_small_kernels_are_looked_up_once_per_device(monkeypatch):
         return types.SimpleNamespace(get_function=lambda e: (name, arch, device, e))
 
     monkeypatch.setattr(lc, "get_module", get_module)
-    monkeypatch.setattr(lik_cupy._runtime.device, "device_properties", lambda d: types.SimpleNamespace(cc=(80, 90)[d]))
+    monkeypatch.setattr(lik_cupy._base.device, "device_properties", lambda d: types.SimpleNamespace(cc=(80, 90)[d]))
     for _ in range(3):
         assert lc.get_function("masks.cu", "lik_mask_spans", 0) == ("masks.cu", 80, 0, "lik_mask_spans")
         assert lc.get_function("masks.cu", "lik_mask_spans", 1) == ("masks.cu", 90, 1, "lik_mask_spans")

@@ -105,7 +105,7 @@ def test_dim_zero():
 def test_gpu_dim_limit_before_any_launch(monkeypatch):
     monkeypatch.setattr(backend, "gpu_available", lambda: True)
     wide = dispatch.MAX_DIM + 8
-    with pytest.raises(ValueError, match=rf"dim {wide}; the GPU kernels support dim up to {dispatch.MAX_DIM}"):
+    with pytest.raises(ValueError, match=rf"float16 scoring on the GPU needs dim up to {dispatch.MAX_DIM}; got dim {wide}"):
         ms(f16(2, 3, wide), f16(4, 5, wide), backend="gpu")
 
 

@@ -64,7 +64,7 @@ def setup_cupy(ctx):
 
 def cupy_stream(ctx):
     """Context manager running CuPy work on torch's current stream."""
-    from lik_cupy._runtime.device import external_stream
+    from lik_cupy._base.device import external_stream
 
     s = ctx.torch.cuda.current_stream()
     return ctx.cupy.cuda.Stream.null if s.cuda_stream == 0 else external_stream(s.cuda_stream, s.device.index)

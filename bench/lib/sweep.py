@@ -15,7 +15,7 @@ def sweep_setup():
     (lik_cupy's) and a seeded CuPy generator."""
     import cupy
 
-    from lik_cupy._runtime.device import device_properties
+    from lik_cupy._base.device import device_properties
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=str(out_dir()))

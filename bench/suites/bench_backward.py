@@ -114,7 +114,7 @@ def main(argv=None):
     ctx = _Ctx()
     ctx.torch, ctx.cupy, ctx.cupy_err = torch, None, None
     setup_cupy(ctx)  # CuPy allocates through torch: one peak-memory counter for all
-    from lik_cupy._runtime.device import device_properties
+    from lik_cupy._base.device import device_properties
 
     props = device_properties(torch.cuda.current_device())
     slug = slugify(props.name)

@@ -760,23 +760,23 @@ def measure_h2d(ctx, nbytes=None):
             # and while a DMA out of pinned memory runs, as it does inside retrieve.
             from concurrent.futures import ThreadPoolExecutor
 
-            from lik_cupy.retrieve import _COPY_THREADS, _parallel_copy
+            from lik_cupy._streaming.gpu import COPY_THREADS, parallel_copy
             src_pg = np.ones(nbytes, np.uint8)
             mem2 = cp.cuda.alloc_pinned_memory(nbytes)
             dst_pin = np.frombuffer(mem2, np.uint8, nbytes)
-            with ThreadPoolExecutor(_COPY_THREADS) as tpool:
-                _parallel_copy(tpool, dst_pin, src_pg)
+            with ThreadPoolExecutor(COPY_THREADS) as tpool:
+                parallel_copy(tpool, dst_pin, src_pg)
                 t0 = time.perf_counter()
-                _parallel_copy(tpool, dst_pin, src_pg)
+                parallel_copy(tpool, dst_pin, src_pg)
                 out["host_copy_gbs"] = nbytes / (time.perf_counter() - t0) / 1e9
                 for _ in range(4):
                     dev.set(h, stream=st)
                 t0 = time.perf_counter()
                 for _ in range(2):
-                    _parallel_copy(tpool, dst_pin, src_pg)
+                    parallel_copy(tpool, dst_pin, src_pg)
                 out["host_copy_under_dma_gbs"] = 2 * nbytes / (time.perf_counter() - t0) / 1e9
                 st.synchronize()
-            out["host_copy_threads"] = _COPY_THREADS
+            out["host_copy_threads"] = COPY_THREADS
             del src_pg, dst_pin, mem2
             hp = np.ones(nbytes, np.uint8)
             tp = []

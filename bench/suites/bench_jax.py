@@ -54,7 +54,7 @@ def main(argv=None) -> int:
 
     import lik_cupy
     import lik_cupy.jax as lj
-    from lik_cupy._runtime.device import device_properties
+    from lik_cupy._base.device import device_properties
 
     gpu = jax.devices("gpu")[0]
     dim = 128

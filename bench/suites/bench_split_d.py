@@ -146,7 +146,7 @@ def main(argv=None):
     import torch
 
     import lik_cupy
-    from lik_cupy._runtime.device import device_properties
+    from lik_cupy._base.device import device_properties
 
     t0 = time.time()
     props = device_properties(torch.cuda.current_device())

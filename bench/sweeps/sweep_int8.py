@@ -48,7 +48,7 @@ def main():
             else:
                 w, mt, bn, stages = cand
                 cfg = dispatch.FwdConfig(elem=3, dp=128, warps=w, mt=mt, bn=bn, stages=stages,
-                                         qreg=dispatch.select._qreg(3, 128, mt), argmax=False, vec=True)
+                                         qreg=dispatch.select._qreg(dispatch.elem_spec("int8"), 128, mt), argmax=False, vec=True)
             try:
                 ms = forced(cfg, lambda: lik_cupy.maxsim_int8(q8, d8, ds, q_scales=qs))
             except Exception as e:  # a candidate that fails to build or launch is reported

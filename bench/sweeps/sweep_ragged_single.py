@@ -28,7 +28,7 @@ import torch  # noqa: E402
 
 import lik_cupy  # noqa: E402
 from lik_cupy import _dispatch as dispatch  # noqa: E402
-from lik_cupy._runtime.device import device_properties  # noqa: E402
+from lik_cupy._base.device import device_properties  # noqa: E402
 
 from bench.lib.baselines import packed_calls  # noqa: E402
 from bench.lib.forcing import rebind  # noqa: E402
@@ -47,7 +47,7 @@ def force(tile=None, grid_y=None, portable=False, tma=False):
     stages, cost = dict(_stages), {k: dict(v) for k, v in _cost.items()}
     if tile is not None:
         bn, st = tile
-        stages, cost = {bn: (st,)}, {False: {bn: 1.0}, True: {bn: 1.0}}
+        stages, cost = {bn: (st,)}, {dtype: {bn: 1.0} for dtype in _cost}
     rebind(dispatch.tables, "SHORT_WGMMA_STAGES", stages)
     rebind(dispatch.tables, "SHORT_WGMMA_COST", cost)
     dispatch.clear_caches()

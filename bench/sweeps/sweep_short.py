@@ -58,10 +58,10 @@ def _candidates(elem: int, packed: bool) -> list:
     for tma in (True, False):
         for warps, mt, bn, stages in PORTABLE:
             out.append(dispatch.FwdConfig(elem=elem, dp=128, warps=warps, mt=mt, bn=bn, stages=stages,
-                                          qreg=dispatch.select._qreg(elem, 128, mt), argmax=False, vec=True, packed=packed,
-                                          tma=tma))
+                                          qreg=dispatch.select._qreg(dispatch.elem_of_code(elem), 128, mt), argmax=False,
+                                          vec=True, packed=packed, tma=tma))
         for warps, bn, stages in WGMMA:
-            if elem == 3 and tma and bn == 256:
+            if dispatch.elem_of_code(elem).scaled and tma and bn == 256:
                 continue  # a TMA box holds at most 256 scales
             out.append(dispatch.FwdConfig(elem=elem, dp=128, warps=warps, mt=1, bn=bn, stages=stages, qreg=False,
                                           argmax=False, vec=True, wgmma=True, packed=packed, tma=tma))
@@ -83,7 +83,7 @@ def main():
         row = {"case": name, "bytes": nbytes, "dispatch": {"config": pick.name, "ms": base,
                                                            "tb_s": nbytes / base / 1e9}, "tiles": []}
         print(f"{name:34s} dispatch {base:8.4f} ms {nbytes / base / 1e9:5.2f} TB/s  {pick.name}", flush=True)
-        for c in cands[(dispatch.ELEM_CODES[dtype], packed)]:
+        for c in cands[(dispatch.elem_spec(dtype).code, packed)]:
             try:
                 ms = forced(c, fn)
                 with forcing(c):

@@ -43,7 +43,8 @@ def main():
                 else:
                     w, mt, bn, stages = cand
                     cfg = dispatch.FwdConfig(elem=0, dp=128, warps=w, mt=mt, bn=bn, stages=stages,
-                                             qreg=dispatch.select._qreg(0, 128, mt), argmax=False, vec=True)
+                                             qreg=dispatch.select._qreg(dispatch.elem_spec("float16"), 128, mt),
+                                             argmax=False, vec=True)
                 ms = forced(cfg, lambda: lik_cupy.maxsim(q, d))
                 rows.append({"kind": kind, "lq": lq, "ld": ld, "B": b, "config": cfg.name, "bn": bn,
                              "stages": stages, "ms": ms, "tflops": flops / ms / 1e9,

@@ -28,7 +28,7 @@ import torch  # noqa: E402
 
 import lik_cupy  # noqa: E402
 from lik_cupy import _dispatch as dispatch  # noqa: E402
-from lik_cupy._runtime.device import device_properties  # noqa: E402
+from lik_cupy._base.device import device_properties  # noqa: E402
 
 from bench.lib import baselines  # noqa: E402
 from bench.lib.forcing import rebind  # noqa: E402

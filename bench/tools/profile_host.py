@@ -30,7 +30,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import lik_cupy  # noqa: E402
-from lik_cupy._runtime.device import device_properties  # noqa: E402
+from lik_cupy._base.device import device_properties  # noqa: E402
 
 from bench.lib.results import out_dir, write_result  # noqa: E402
 from bench.lib.timing import padded_call_ms, wall_ms  # noqa: E402

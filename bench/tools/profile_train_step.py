@@ -29,7 +29,7 @@ import torch  # noqa: E402
 
 import lik_cupy  # noqa: E402
 import lik_cupy.torch as lt  # noqa: E402
-from lik_cupy._runtime.device import device_properties  # noqa: E402
+from lik_cupy._base.device import device_properties  # noqa: E402
 
 from bench.lib import baselines  # noqa: E402
 from bench.lib.gpu import unit_tokens  # noqa: E402

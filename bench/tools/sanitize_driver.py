@@ -29,7 +29,7 @@ os.environ.setdefault("LIK_CUPY_POISON", "1")  # outputs start as garbage: an un
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))  # the repo root
 
 import lik_cupy  # noqa: E402
-from lik_cupy._runtime.device import device_properties  # noqa: E402
+from lik_cupy._base.device import device_properties  # noqa: E402
 
 NP = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float32": np.float32}
 FAMILIES = ("forward", "backward", "topk")

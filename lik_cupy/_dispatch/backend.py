@@ -3,10 +3,10 @@ function shares."""
 
 from __future__ import annotations
 
-from .._runtime.device import gpu_available
-from .config import MAX_DIM, MAX_DIM_INT8, int8_dim_ok
+from .._base.device import gpu_available
+from .elements import elem_spec, kernel_dtype
 
-__all__ = ["BACKENDS", "check_backend", "use_gpu", "scoring_on_gpu"]
+__all__ = ["BACKENDS", "check_backend", "use_gpu", "scoring_on_gpu", "check_gpu_dim"]
 
 BACKENDS = ("auto", "gpu", "cpu")
 
@@ -49,9 +49,15 @@ def scoring_on_gpu(p, backend: str, *, float64: bool = False, float64_gpu: bool 
     ``float64``: a float64 input the Problem's dtype does not show (an INT8 call's float Q);
     ``float64_gpu``: the caller scores float64 on the GPU (see ``use_gpu``)."""
     on_gpu = use_gpu(backend, p.device, float64=float64 or p.dtype == "float64", float64_gpu=float64_gpu)
-    if on_gpu and p.dtype == "int8" and not int8_dim_ok(p.dim):
-        raise ValueError(f"Q and D have dim {p.dim}; the INT8 kernels need a multiple of 16 up to "
-                         f"{MAX_DIM_INT8} (backend='cpu' takes any dim)")
-    if on_gpu and p.dim > MAX_DIM:
-        raise ValueError(f"Q and D have dim {p.dim}; the GPU kernels support dim up to {MAX_DIM} (backend='cpu' has no limit)")
+    if on_gpu:
+        check_gpu_dim(p.dtype, p.dim)
     return on_gpu
+
+
+def check_gpu_dim(dtype: str, dim: int, cpu: str = "backend='cpu'") -> None:
+    """ValueError unless the GPU kernels of element type ``dtype`` take embedding dim ``dim``
+    (float64 is scored on float32's kernels); ``cpu``: the caller's way to the CPU, for the message."""
+    spec = elem_spec(kernel_dtype(dtype))
+    if not spec.dim_ok(dim):
+        raise ValueError(f"{spec.name} scoring on the GPU needs dim {spec.dim_rule()}; got dim {dim} "
+                         f"({cpu} scores any dim)")

@@ -7,10 +7,10 @@ import functools
 from dataclasses import dataclass, replace
 
 from . import tables
+from .elements import ELEMS, ElemSpec, elem_of_code
 
-__all__ = ["SUPPORTED_ARCHS", "SMEM_PER_BLOCK", "SMEM_PER_SM", "ELEM_CODES", "ELEM_SIZES", "MAX_DIM", "MAX_DIM_INT8",
-           "MAX_DIM_RESIDUAL", "RESIDUAL_REGISTERS", "RESIDUAL_REGISTERS_MULTI",
-           "DIM_BUCKETS", "FwdConfig", "int8_dim_ok", "padded_dim", "dim_bucket", "one_shot_bucket", "arch_of"]
+__all__ = ["SUPPORTED_ARCHS", "SMEM_PER_BLOCK", "SMEM_PER_SM", "MAX_DIM", "MAX_DIM_RESIDUAL", "RESIDUAL_REGISTERS",
+           "RESIDUAL_REGISTERS_MULTI", "DIM_BUCKETS", "FwdConfig", "padded_dim", "dim_bucket", "one_shot_bucket", "arch_of"]
 
 # Architectures we build machine code for (compute capability * 10).
 SUPPORTED_ARCHS = (80, 86, 89, 90)
@@ -19,12 +19,7 @@ SUPPORTED_ARCHS = (80, 86, 89, 90)
 SMEM_PER_BLOCK = {80: 163 * 1024, 86: 99 * 1024, 87: 163 * 1024, 89: 99 * 1024, 90: 227 * 1024}
 SMEM_PER_SM = {80: 164 * 1024, 86: 100 * 1024, 87: 164 * 1024, 89: 100 * 1024, 90: 228 * 1024}
 
-ELEM_CODES = {"float16": 0, "bfloat16": 1, "float32": 2, "int8": 3}
-ELEM_SIZES = (2, 2, 4, 1)
-MAX_DIM = 8192  # split-d has no inherent limit; this is the widest dim the tests cover
-# INT8 takes dims a multiple of 16 up to this (one-shot up to 512, split-d above; int32 dot
-# products stay exact: 127 * 127 * 4096 < 2^31).
-MAX_DIM_INT8 = 4096
+MAX_DIM = max(e.max_dim for e in ELEMS)  # split-d has no inherent limit; this is the widest dim the tests cover
 # PLAID residual documents (cuda_src/fwd/residual.cuh): one-shot mma.sync tiles of whole 8-dim
 # centroid chunks, so a dim that is a multiple of 8 up to this; registers a thread at most, so
 # that several CTAs share an SM (their loads wait behind the others' decompression): 128, and 168
@@ -38,8 +33,8 @@ RESIDUAL_REGISTERS_MULTI = 168
 class FwdConfig:
     """One compiled variant of ``cuda_src/maxsim_fwd.cu``."""
 
-    elem: int  # 0 fp16, 1 bf16, 2 fp32 (tf32 tensor cores), 3 int8 (with per-token scales)
-    dp: int  # padded dim (multiple of 16, 32 for int8); split-d: the dim chunk staged per pipeline stage
+    elem: int  # LIK_ELEM: the code of its element type's row (``spec``, lik_cupy/_dispatch/elements.py)
+    dp: int  # padded dim (a multiple of spec.dim_step); split-d: the dim chunk staged per pipeline stage
     warps: int
     mt: int  # 16-row mma tiles per warp
     bn: int  # document tokens per pipeline stage
@@ -53,12 +48,17 @@ class FwdConfig:
     split: bool = False  # split-d: query and document chunks of dp columns share each stage
     tma: bool = False  # tiles staged by TMA from tensor maps (sm_90: one-shot with 128-byte multiple rows, or split-d wgmma)
     qhalf: bool = False  # split-d, one warpgroup, one query of <= 32 tokens: stages hold 32 query rows, not 64
-    tokm: bool = False  # int8 Hopper tiles with document tokens on the wgmma M side (per-token scales in registers)
+    tokm: bool = False  # scaled (INT8) Hopper tiles with document tokens on the wgmma M side (per-token scales in registers)
     x3: bool = False  # fp32 at float32 accuracy: three tf32 products per product (3xTF32, cuda_src/fwd/config.cuh)
     refine: bool = False  # fp32 at float32 accuracy on TF32 wgmma: near-max similarities recomputed exactly (fwd/refine.cuh)
     residual: int = 0  # PLAID residual documents: nbits (1, 2 or 4) per dim, decompressed by the tile loader
     cand: bool = False  # each query scores the documents a candidate id array names (in place; one query a tile)
     strided: bool = False  # padded documents on the packed token-split path (LIK_STRIDED; packed is set too)
+
+    @property
+    def spec(self) -> ElemSpec:
+        """The element type's row."""
+        return elem_of_code(self.elem)
 
     def __post_init__(self):
         if self.strided and not self.token_split:
@@ -87,14 +87,14 @@ class FwdConfig:
         """INT8's two-warpgroup argmax tile on the padded token split: compiled for one CTA an SM,
         whose strided reads took 16 B of spills at two (193 registers at one; compile check). A
         split fills the GPU with one an SM anyway."""
-        return self.strided and self.elem == 3 and self.argmax and self.wgmma and self.warps == 8
+        return self.strided and self.spec.scaled and self.argmax and self.wgmma and self.warps == 8
 
     @property
     def token_split(self) -> bool:
         """Whether the kernel can split packed documents over CTAs by token shares (cuda_src/fwd/config.cuh's
-        TSPLIT: single-query one-shot tiles of float16, bfloat16 or INT8 elements, or float32 wgmma ones)."""
+        TSPLIT: single-query one-shot tiles of element types with ``token_split``, and wgmma tiles of any)."""
         return self.packed and not (self.multi or self.tokm or self.split or self.residual or self.cand) \
-            and (self.elem != 2 or self.wgmma)
+            and (self.spec.token_split or self.wgmma)
 
     @property
     def query_rows_staged(self) -> int:
@@ -110,7 +110,7 @@ class FwdConfig:
 
     @property
     def esize(self) -> int:
-        return ELEM_SIZES[self.elem]
+        return self.spec.bytes
 
     @functools.cached_property  # read on every launch
     def smem_bytes(self) -> int:
@@ -131,16 +131,15 @@ class FwdConfig:
     @property
     def _extra_bytes(self) -> int:
         # double-buffered row maxima (every warp's with tokm, the tile's with multi) or per-warp
-        # sums; int8: each stage's token scales
-        scales = self.stages * (self.bn + (32 if self.tma else 0)) * 4 if self.elem == 3 else 0  # as SCL in the kernel
+        # sums; scaled elements: each stage's token scales
+        scales = self.stages * (self.bn + (32 if self.tma else 0)) * 4 if self.spec.scaled else 0  # as SCL in the kernel
         red = self.warps * self.bm if self.tokm else self.bm if self.multi else self.warps  # as RED in the kernel
         return 2 * red * 4 + (self.bm * 4 if self.tokm else 0) + scales
 
     @functools.cached_property  # read on every launch
     def name(self) -> str:
-        e = ("f16", "bf16", "f32", "i8")[self.elem]
         return (
-            f"lik_maxsim_fwd_{e}_{'k' if self.split else 'd'}{self.dp}_w{self.warps}m{self.mt}_n{self.bn}s{self.stages}"
+            f"lik_maxsim_fwd_{self.spec.tag}_{'k' if self.split else 'd'}{self.dp}_w{self.warps}m{self.mt}_n{self.bn}s{self.stages}"
             f"{'_qreg' if self.qreg else ''}{'_argmax' if self.argmax else ''}{'_vec' if self.vec else ''}"
             f"{'_wgmma' if self.wgmma else ''}{'_mq' if self.multi else ''}{'_packed' if self.packed else ''}"
             f"{'_tma' if self.tma else ''}{'_qh' if self.qhalf else ''}{'_tokm' if self.tokm else ''}"
@@ -206,14 +205,9 @@ class FwdConfig:
         return "90a" if self.wgmma or self.tma else str(arch)
 
 
-def int8_dim_ok(dim: int) -> bool:
-    """Whether the INT8 kernels take embedding dim ``dim``: a multiple of 16 up to ``MAX_DIM_INT8``."""
-    return dim % 16 == 0 and dim <= MAX_DIM_INT8
-
-
-def padded_dim(dim: int, elem: int = 0) -> int:
-    """The kernel's dim: a multiple of 16, or of 32 for int8 (32 bytes of K per mma either way)."""
-    step = 32 if elem == 3 else 16
+def padded_dim(dim: int, spec: ElemSpec = ELEMS[0]) -> int:
+    """The kernel's dim: a multiple of the element type's ``dim_step`` (32 bytes of K per mma)."""
+    step = spec.dim_step
     return max(step, -(-dim // step) * step)
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 
-from .._runtime.env import jax_path_forced
+from .._base.env import jax_path_forced
 
 __all__ = ["JAX_PATHS", "JAX_PATHS_SOURCE", "PATHS", "choose_jax_path"]
 

@@ -38,13 +38,13 @@ def ctas_per_sm(cfg: FwdConfig, cc: int, registers: int | None = None) -> int:
     by_threads = 2048 // cfg.threads
     # Per-thread register ceilings of the compiled kernels (compile.check_all checks them): two
     # warpgroups are capped at 128 by their launch bounds; one warpgroup is not capped, and its
-    # argmax or multi-query epilogue takes up to 168 (INT8's argmax up to 192).
+    # argmax or multi-query epilogue takes up to 168 (a scaled type's argmax, INT8's, up to 192).
     if registers is not None:
         regs = -(-registers // 8) * 8  # allocated per warp in units of 8 registers a thread
     elif cfg.residual or cfg.int8_argmax_strided:  # built for min_blocks CTAs an SM (FwdConfig.min_blocks)
         regs = 65536 // (cfg.threads * cfg.min_blocks)
     elif cfg.wgmma and cfg.warps == 4 and (cfg.argmax or cfg.multi):
-        regs = 192 if cfg.argmax and cfg.elem == 3 else 168
+        regs = 192 if cfg.argmax and cfg.spec.scaled else 168
     elif cfg.x3 and cfg.mt > 1:  # two m-tiles of 3xTF32 fragments with the argmax or several queries: up to 256
         regs = 256
     else:

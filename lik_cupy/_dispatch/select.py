@@ -11,12 +11,15 @@ from __future__ import annotations
 import functools
 
 from . import tables as t
-from .config import (ELEM_CODES, ELEM_SIZES, MAX_DIM_INT8, MAX_DIM_RESIDUAL, SMEM_PER_BLOCK, FwdConfig, arch_of,
-                     dim_bucket, int8_dim_ok, one_shot_bucket, padded_dim)
+from .config import MAX_DIM_RESIDUAL, SMEM_PER_BLOCK, FwdConfig, arch_of, dim_bucket, one_shot_bucket, padded_dim
+from .elements import ELEMS, ElemSpec, elem_spec
 from .plan import tile_rows
 
 __all__ = ["choose_forward", "choose_residual", "choose_backward", "all_forward_configs", "all_residual_configs",
-           "residual_dim_ok", "split_family", "uses_split"]
+           "residual_dim_ok", "split_family", "uses_split", "RESIDUAL_DTYPES"]
+
+# The element types PLAID residual tiles decompress into (the queries' dtype).
+RESIDUAL_DTYPES = ("float16", "bfloat16")
 
 
 def split_family(arch: int, hopper: bool, dim: int, esize: int = 2) -> tuple[int, str]:
@@ -34,11 +37,10 @@ def uses_split(arch: int, family: str, short: bool, dim: int, esize: int = 2) ->
     return dim > 512 or dim_bucket(min(width, 8192)) >= t.SPLIT_FROM.get((arch, family, short), t.SPLIT_FROM_DEFAULT)
 
 
-def _qreg(elem: int, dp: int, mt: int) -> bool:
+def _qreg(spec: ElemSpec, dp: int, mt: int) -> bool:
     # Query fragments cost mt * dp / (k per mma) * 4 registers; keep them at or under 64 (32 for
-    # int8, whose scale handling needs the rest: 64 spilled with the argmax, compile.check_all).
-    per_k = {2: 8, 3: 32}.get(elem, 16)
-    return mt * (dp // per_k) * 4 <= (32 if elem == 3 else 64)
+    # scaled types, whose scale handling needs the rest: INT8 spilled at 64 with the argmax, compile.check_all).
+    return mt * (dp // spec.k) * 4 <= (32 if spec.scaled else 64)
 
 
 def _wgmma_tiles(lq: int, ld: int, multi: bool) -> list[tuple[int, int]]:
@@ -48,26 +50,30 @@ def _wgmma_tiles(lq: int, ld: int, multi: bool) -> list[tuple[int, int]]:
     return [(bn, st) for bn in order for st in t.WGMMA_STAGES[bn]]
 
 
-def _short_wgmma_tiles(ld: int, int8: bool) -> list[tuple[int, int]]:
+def _short_wgmma_tiles(ld: int, spec: ElemSpec) -> list[tuple[int, int]]:
     """(bn, stages) candidates for the one-warpgroup Hopper tile, best first."""
-    cost = t.SHORT_WGMMA_COST[int8]
+    cost = t.SHORT_WGMMA_COST[spec.name]
+    stages = t.SHORT_WGMMA_STAGES_TF32 if spec.tf32 else t.SHORT_WGMMA_STAGES
     order = sorted(cost, key=lambda bn: -(-max(ld, 1) // bn) * bn * cost[bn])
-    return [(bn, st) for bn in order for st in t.SHORT_WGMMA_STAGES[bn]]
+    return [(bn, st) for bn in order for st in stages[bn]]
 
 
-def _wgmma_tma(int8: bool, argmax: bool, multi: bool, q_len: int) -> bool:
+def _wgmma_tma(spec: ElemSpec, argmax: bool, multi: bool, q_len: int) -> bool:
     """Whether a Hopper tile stages documents by TMA (when the caller can). From
     bench/results/archive/sweep_tma_nvidia-h100-80gb-hbm3.json and the H200 forward runs before and
     after: TMA is 11-17% faster at Lq=512 and 1024 (argmax too), on multi-query tiles and on
     INT8, but 1-5% slower on a single query of at most 128 tokens (Lq=128, Ld=1024, B=1000:
     0.0717 against 0.0681 ms on an H200), which streams D near the HBM rate either way.
-    INT8's argmax with TMA spills at two CTAs per SM (compile.check_all)."""
-    return not (int8 and argmax) and (multi or q_len > 128)
+    INT8's argmax with TMA (its scales' registers) spills at two CTAs per SM (compile.check_all).
+    float32 tiles (512-byte rows at d = 128) take TMA for short single queries too: 0.0411 against
+    0.0508 ms, packed 0.0457 against 0.0680, for 32 tokens x 1,000 documents of 300 on an H200
+    (bench/results/latest/fp32_wgmma_sweep_nvidia-h200.json)."""
+    return not (spec.scaled and argmax) and (multi or q_len > 128 or spec.bytes == 4)
 
 
-def _tokm(int8: bool, argmax: bool, multi: bool, tma: bool, dim: int, ld: int) -> bool:
-    """Whether an INT8 Hopper problem takes the tokens-on-M tiles."""
-    return int8 and not argmax and not multi and tma and dim % 128 == 0 and dim * 128 * 128 < 1 << 22 \
+def _tokm(scaled: bool, argmax: bool, multi: bool, tma: bool, dim: int, ld: int) -> bool:
+    """Whether a scaled (INT8) Hopper problem takes the tokens-on-M tiles (per-token scales in registers)."""
+    return scaled and not argmax and not multi and tma and dim % 128 == 0 and dim * 128 * 128 < 1 << 22 \
         and ld >= t.TOKM_MIN_LD
 
 
@@ -94,15 +100,17 @@ def choose_forward(cc: int, dtype: str, dim: int, lq: int, argmax: bool, vec: bo
     if cand:
         shared_queries, tma = 1, False
     arch = arch_of(cc)
-    elem = ELEM_CODES[dtype]
-    int8 = elem == 3
-    if int8 and not int8_dim_ok(dim):
-        raise ValueError(f"int8 scoring needs dim a multiple of 16 up to {MAX_DIM_INT8}, got {dim}")
-    x3 = x3 and elem == 2
-    dp = padded_dim(dim, elem)
+    spec = elem_spec(dtype)
+    if not spec.dim_ok(dim):
+        raise ValueError(f"{dtype} scoring needs dim {spec.dim_rule()}, got {dim}")
+    if arch < spec.min_arch:
+        raise ValueError(f"{dtype} scoring needs sm_{spec.min_arch} or newer, not sm_{arch}")
+    elem, scaled = spec.code, spec.scaled
+    x3 = x3 and spec.tf32
+    dp = padded_dim(dim, spec)
     dim_bucket(dim)  # range check
-    # Split-d chunks hold as many bytes per row for every dtype: INT8 takes twice the elements.
-    chunk = 2 if int8 else 1
+    # Split-d chunks hold as many bytes per row for every dtype: one-byte types take twice the elements.
+    chunk = spec.per_16bit
     q_len, lq = lq, tile_rows(lq, shared_queries)
 
     def multi(bm: int) -> bool:
@@ -110,29 +118,30 @@ def choose_forward(cc: int, dtype: str, dim: int, lq: int, argmax: bool, vec: bo
         # document, so single-query tiles keep the leaner one (6-9% on ColPali shapes).
         return shared_queries > 1 and 2 * q_len <= bm
 
-    # Hopper tensor-core tiles can run (float32 on TF32: float32 accuracy, x3, refines the one-shot
-    # tiles' near-max similarities, and keeps split-d to mma.sync's 3xTF32). INT8's argmax over
-    # candidate ids spilled on the two-warpgroup tiles (compile check): those take the mma.sync ones.
-    esize = ELEM_SIZES[elem]
-    wgmma_ok = wgmma and arch == 90 and vec and not (cand and int8 and argmax)
+    # Hopper tensor-core tiles can run (float32 on TF32: at float32 accuracy, x3, the one-shot tiles
+    # refine their near-max similarities, and split-d keeps to mma.sync's 3xTF32). A scaled type's
+    # argmax over candidate ids spilled on the two-warpgroup tiles (compile check): those take the
+    # mma.sync ones.
+    esize = spec.bytes
+    wgmma_ok = wgmma and arch == 90 and spec.wgmma and vec and not (cand and scaled and argmax)
     hopper = wgmma_ok and lq > 64
     row_bytes = dim * esize
     short_hopper = wgmma_ok and lq <= 64 and row_bytes % 128 == 0 and row_bytes <= t.SHORT_WGMMA_MAX_ROW_BYTES[esize]
     limit = SMEM_PER_BLOCK.get(arch, 99 * 1024)  # unknown (newer) GPUs: the smallest limit
     lb = 32 if lq <= 32 else 64 if lq <= 64 else 128
-    # INT8 runs one-shot up to 512 (its rows have the bytes, and fragment registers, of 16-bit rows
-    # half as wide), split-d above.
-    if (int8 and dim <= 512) or (not int8 and not uses_split(*split_family(arch, hopper, dim, esize), lq <= 64, dim,
-                                                               esize)):
+    # A type with one_shot_max (INT8) runs one-shot up to it, split-d above; the others as SPLIT_FROM says.
+    one_shot = dim <= spec.one_shot_max if spec.one_shot_max else not uses_split(
+        *split_family(arch, hopper, dim, esize), lq <= 64, dim, esize)
+    if one_shot:
         if short_hopper:
-            for bn, stages in _short_wgmma_tiles(ld, int8):
+            for bn, stages in _short_wgmma_tiles(ld, spec):
                 cfg = FwdConfig(elem=elem, dp=dim, warps=4, mt=1, bn=bn, stages=stages, qreg=False, argmax=argmax, vec=vec,
                                 wgmma=True, multi=multi(64), packed=packed, cand=cand, refine=x3,
-                                tma=tma and _wgmma_tma(int8, argmax, multi(64), q_len))
+                                tma=tma and _wgmma_tma(spec, argmax, multi(64), q_len))
                 if cfg.smem_bytes <= limit:
                     return cfg
         if hopper and row_bytes % 128 == 0:
-            if _tokm(int8, argmax, multi(128), tma, dim, ld):
+            if _tokm(scaled, argmax, multi(128), tma, dim, ld):
                 cfg = FwdConfig(elem=elem, dp=dim, warps=8, mt=1, bn=128, stages=t.TOKM_STAGES, qreg=False, argmax=False,
                                 vec=vec, wgmma=True, multi=False, packed=packed, cand=cand, tma=True, tokm=True)
                 if cfg.smem_bytes <= limit:
@@ -140,26 +149,26 @@ def choose_forward(cc: int, dtype: str, dim: int, lq: int, argmax: bool, vec: bo
             for bn, stages in _wgmma_tiles(lq, ld, multi(128)):
                 cfg = FwdConfig(elem=elem, dp=dim, warps=8, mt=1, bn=bn, stages=stages, qreg=False, argmax=argmax, vec=vec,
                                 wgmma=True, multi=multi(128), packed=packed, cand=cand, refine=x3,
-                                tma=tma and _wgmma_tma(int8, argmax, multi(128), q_len))
-                # int8's argmax of several queries does not fit the 128 registers of two CTAs per SM.
-                if cfg.smem_bytes <= limit and not (int8 and argmax and cfg.multi and cfg.min_blocks > 1):
+                                tma=tma and _wgmma_tma(spec, argmax, multi(128), q_len))
+                # INT8's argmax of several queries does not fit the 128 registers of two CTAs per SM.
+                if cfg.smem_bytes <= limit and not (scaled and argmax and cfg.multi and cfg.min_blocks > 1):
                     return cfg
-        # TMA needs whole 128-byte rows (no padding lanes) and swizzled tiles (not the fp32 lds path).
-        tma_mma = tma and vec and arch == 90 and elem != 2 and dim == dp and row_bytes % 128 == 0
-        rows = t.MMA_TABLE[(elem == 2, one_shot_bucket(dp // 2 if int8 else dp), lb)]
+        # TMA needs whole 128-byte rows (no padding lanes) and swizzled tiles (not the tf32 lds path).
+        tma_mma = tma and vec and arch == 90 and not spec.tf32 and dim == dp and row_bytes % 128 == 0
+        rows = t.MMA_TABLE[(spec.tf32, one_shot_bucket(dp // spec.per_16bit), lb)]
         for warps, mt, bn, stages in (t.X3_TABLE[lb] + rows if x3 else rows):
             cfg = FwdConfig(elem=elem, dp=dp, warps=warps, mt=mt, bn=bn, stages=stages,
-                            qreg=_qreg(elem, dp, mt) and not x3, argmax=argmax, vec=vec, multi=multi(warps * mt * 16),
+                            qreg=_qreg(spec, dp, mt) and not x3, argmax=argmax, vec=vec, multi=multi(warps * mt * 16),
                             packed=packed, cand=cand, tma=tma_mma, x3=x3)
             if cfg.smem_bytes <= limit:
                 return cfg
-    if int8 and dim <= 512:
-        raise ValueError(f"no int8 forward configuration fits dim {dim} on sm_{arch}")
+    if spec.one_shot_max and one_shot:
+        raise ValueError(f"no {dtype} forward configuration fits dim {dim} on sm_{arch}")
     if wgmma_ok and not x3:
         # Hopper split-d: two warpgroups staged by TMA when the caller can hand over tensor maps,
         # one warpgroup by cp.async for a short query.
         warps = 8 if hopper else 4
-        qhalf = not hopper and q_len <= 32 and not multi(64) and not int8
+        qhalf = not hopper and q_len <= 32 and not multi(64) and not scaled
         if hopper and tma:
             tiles = t.WGMMA_SPLIT_TMA
         elif hopper:
@@ -171,14 +180,14 @@ def choose_forward(cc: int, dtype: str, dim: int, lq: int, argmax: bool, vec: bo
                             wgmma=True, multi=multi(warps * 16), packed=packed, cand=cand, split=True,
                             tma=tma and hopper, qhalf=qhalf)
             # Two CTAs of two warpgroups cap registers at 128: too few for the argmax of several queries.
-            # A TMA box carries at most 256 INT8 scales (BN + 4 of them).
+            # A TMA box carries at most 256 scales (BN + 4 of them).
             if cfg.smem_bytes <= limit and not (warps == 8 and cfg.min_blocks > 1 and argmax and cfg.multi) \
-                    and not (int8 and cfg.tma and bn + 4 > 256) \
-                    and not (int8 and argmax and (cfg.min_blocks > 1 or (cfg.multi and bn > 128))):
+                    and not (scaled and cfg.tma and bn + 4 > 256) \
+                    and not (scaled and argmax and (cfg.min_blocks > 1 or (cfg.multi and bn > 128))):
                 return cfg
     # 3xTF32's split fragments leave two m-tiles too few registers for the argmax of several
     # queries: those take the one m-tile rows.
-    rows = t.SPLIT_TABLE[(elem == 2, lb)] + (t.SPLIT_TABLE[(True, 64)] if x3 and argmax else ())
+    rows = t.SPLIT_TABLE[(spec.tf32, lb)] + (t.SPLIT_TABLE[(True, 64)] if x3 and argmax else ())
     for warps, mt, bn, bk, stages in rows:
         cfg = FwdConfig(elem=elem, dp=bk * chunk, warps=warps, mt=mt, bn=bn, stages=stages, qreg=False, argmax=argmax,
                         vec=vec, multi=multi(warps * mt * 16), packed=packed, cand=cand, split=True, x3=x3)
@@ -187,7 +196,7 @@ def choose_forward(cc: int, dtype: str, dim: int, lq: int, argmax: bool, vec: bo
         # INT8's scale handling spills them even without (compile check), as do padded documents
         # picked by candidate ids (the same warps and rows per warp, so the same scores).
         if cfg.smem_bytes <= limit \
-                and not (bn > 64 and mt > 1 and (argmax or cfg.multi or int8 or (cand and not packed))) \
+                and not (bn > 64 and mt > 1 and (argmax or cfg.multi or scaled or (cand and not packed))) \
                 and not (x3 and mt > 1 and argmax and cfg.multi):
             return cfg
     raise ValueError(f"no forward configuration fits dim {dim} on sm_{arch}")
@@ -212,16 +221,16 @@ def choose_residual(cc: int, dtype: str, dim: int, lq: int, nbits: int, argmax: 
         raise ValueError(f"the residual kernels need dim a multiple of 8 up to {MAX_DIM_RESIDUAL}, got {dim}")
     if nbits not in (1, 2, 4):
         raise ValueError(f"nbits must be 1, 2 or 4, got {nbits}")
-    elem = ELEM_CODES[dtype]
-    if elem not in (0, 1):
+    spec = elem_spec(dtype)
+    if spec.name not in RESIDUAL_DTYPES:
         raise ValueError(f"residual tiles are float16 or bfloat16, not {dtype}")
-    dp = padded_dim(dim)
+    dp = padded_dim(dim, spec)
     q_len, lq = lq, tile_rows(lq, 1 if cand else shared_queries)
     lb = 32 if lq <= 32 else 64 if lq <= 64 else 128
     limit = SMEM_PER_BLOCK.get(arch, 99 * 1024)
     for warps, mt, bn, stages in t.RESIDUAL_TILES[lb]:
         bm = warps * mt * 16
-        cfg = FwdConfig(elem=elem, dp=dp, warps=warps, mt=mt, bn=bn, stages=stages, qreg=_qreg(elem, dp, mt),
+        cfg = FwdConfig(elem=spec.code, dp=dp, warps=warps, mt=mt, bn=bn, stages=stages, qreg=_qreg(spec, dp, mt),
                         argmax=argmax, vec=True, multi=not cand and shared_queries > 1 and 2 * q_len <= bm,
                         packed=packed, residual=nbits, cand=cand)
         if cfg.smem_bytes <= limit:
@@ -233,7 +242,7 @@ def all_residual_configs(arch: int, dims=None) -> list[FwdConfig]:
     """Every configuration ``choose_residual`` can return on ``arch`` for the embedding ``dims``
     (by default a sample reaching every tile of ``tables.RESIDUAL_TILES`` and both gather loops: 96, 128, 512)."""
     seen: dict[str, FwdConfig] = {}
-    for dtype in ("float16", "bfloat16"):
+    for dtype in RESIDUAL_DTYPES:
         for dim in (dims if dims is not None else (96, 128, 512)):
             if not residual_dim_ok(dim):
                 continue
@@ -253,17 +262,18 @@ def all_forward_configs(arch: int, dims=None) -> list[FwdConfig]:
     The default samples a few dims that between them reach every tile family, query / document
     length rule and flag (the CI compile check builds these); a padded dim of its own names a
     kernel of its own, so ``dims=range(16, 513, 16)`` plus the split-d widths is the whole set
-    (the opt-in all-dims check in ``tests/test_compile.py``). INT8 keeps the dims it accepts.
+    (the opt-in all-dims check in ``tests/test_compile.py``). Each element type keeps the dims it accepts.
     Padded configurations bring their token-split tiles (``FwdConfig.strided_tile``), which the
     launch takes for few long documents; single-query ones their candidate-id tiles (``cand``).
     """
     seen: dict[str, FwdConfig] = {}
-    for dtype in ELEM_CODES:
+    for spec in ELEMS:
+        dtype = spec.name
         if dims is not None:
-            picked = [d for d in dims if dtype != "int8" or int8_dim_ok(d)]
-        else:
-            picked = (64, 96, 128, 256, 384, 512, 1024, 4096) if dtype == "int8" else (64, 128, 256, 384, 512, 1000,
-                                                                                          2048, 4096)
+            picked = [d for d in dims if spec.dim_ok(d)]
+        else:  # a float's odd width (1000) pads; a scaled type's (96) has a one-shot bucket of its own
+            picked = (64, 96, 128, 256, 384, 512, 1024, 4096) if spec.scaled else (64, 128, 256, 384, 512, 1000, 2048,
+                                                                                    4096)
         for dim in picked:
             for lq, shared in ((32, 1), (64, 1), (128, 1), (1024, 1), (8, 2), (32, 2), (32, 4), (64, 2)):
                 for ld in (128, 180, 300, 1024):
@@ -272,7 +282,7 @@ def all_forward_configs(arch: int, dims=None) -> list[FwdConfig]:
                             for wg in (True, False):
                                 for packed in (False, True):
                                     for tma in (False, True):
-                                        for x3 in (False, True) if dtype == "float32" else (False,):
+                                        for x3 in (False, True) if spec.tf32 else (False,):
                                             c = choose_forward(arch, dtype, dim, lq, argmax, vec, wg, shared, ld, packed,
                                                                tma, x3)
                                             seen[c.name] = c

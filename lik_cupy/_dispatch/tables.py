@@ -144,9 +144,15 @@ WGMMA_STAGES = {128: (2, 3), 96: (3, 2), 64: (3, 2)}
 # TMA staging were slower. Relative cost per staged document token: 64- and 128-token tiles
 # are within 2% of each other on long documents, so the shorter one wins where it pads less;
 # INT8's 64-token tiles ran 22% slower (Ld = 1024). Measured at d = 128 (256-byte rows), the
-# widest rows this rule takes.
-SHORT_WGMMA_COST = {False: {64: 1.0, 128: 0.98}, True: {128: 1.0, 64: 1.22}}
+# widest rows this rule takes. By element type (every one with wgmma tiles has a row).
+_SHORT_WGMMA_COST_16BIT = {64: 1.0, 128: 0.98}
+SHORT_WGMMA_COST = {"float16": _SHORT_WGMMA_COST_16BIT, "bfloat16": _SHORT_WGMMA_COST_16BIT, "int8": {128: 1.0, 64: 1.22},
+                    "float32": {64: 1.0, 128: 1.0}}
 SHORT_WGMMA_STAGES = {64: (4, 3), 128: (2, 3)}
+# float32 (TF32 wgmma, d = 128): 64-token tiles two stages deep by TMA lead, 64 and 128 tokens at
+# two or three stages within 1% (0.0411-0.0416 ms for 32 tokens x 1,000 documents of 300, H200);
+# four stages (one CTA an SM) 16% behind (bench/results/latest/fp32_wgmma_sweep_nvidia-h200.json).
+SHORT_WGMMA_STAGES_TF32 = {64: (2, 3), 128: (3, 2)}
 # Keyed by element bytes: float32 (TF32 wgmma) takes d = 128 too, whose 512-byte rows stage as many
 # tokens per byte as a 16-bit d = 256.
 SHORT_WGMMA_MAX_ROW_BYTES = {1: 256, 2: 256, 4: 512}

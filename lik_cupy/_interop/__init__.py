@@ -129,7 +129,7 @@ def device_array(x, fw: str, on_host: bool):
     """An argument as a CuPy array on the current device (host arrays are copied up)."""
     import cupy
 
-    from .._runtime.device import allocating
+    from .._base.device import allocating
 
     if isinstance(x, (list, tuple, int, np.integer)):
         return cupy.asarray(np.asarray(x))

@@ -12,7 +12,7 @@ import sys
 
 import numpy as np
 
-from .._runtime.cache import DeviceCache
+from .._base.cache import DeviceCache
 from .info import Info
 
 FRAMEWORK = "torch"
@@ -156,7 +156,7 @@ def malloc(size: int):
     caller comes from torch's caching allocator, so torch's memory statistics and limits see it
     and ``torch.cuda.graph`` capture takes it from the graph's pool. torch's out-of-memory error
     becomes CuPy's, which
-    ``lik_cupy._runtime.device.allocating`` turns into the named ``DeviceMemoryError``."""
+    ``lik_cupy._base.device.allocating`` turns into the named ``DeviceMemoryError``."""
     import cupy
 
     torch = sys.modules["torch"]

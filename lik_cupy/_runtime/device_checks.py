@@ -32,8 +32,9 @@ import threading
 
 import numpy as np
 
+from .._base.env import validate_strict
 from .._validate import check_id_values, check_length_values, check_offset_values
-from .env import validate_strict
+from .kernels import CHECKS
 from .nvrtc import function_handle
 from .raw_launch import launch_raw, signature
 
@@ -117,7 +118,7 @@ class DeviceChecks:
 
         from .nvrtc import get_function
 
-        kern = get_function("checks.cu", entry, cupy.cuda.runtime.getDevice())
+        kern = get_function(CHECKS.file, entry, cupy.cuda.runtime.getDevice())
         with self._side.stream:
             kern((1,), (_THREADS,), args)
 
@@ -244,7 +245,7 @@ def mark_invalid(stream: int, device: int, scores: int, amax: int, nq: int, nd: 
         return
     ql, dl, off = q_len or _NONE, d_len or _NONE, d_off or _NONE
     whole, nd_all = off_all or (off.ptr, nd)
-    launch_raw(function_handle("checks.cu", "lik_nan_invalid", device), (min(-(-rows // _MARK_WARPS), 65535), 1, 1),
+    launch_raw(function_handle(CHECKS.file, "lik_nan_invalid", device), (min(-(-rows // _MARK_WARPS), 65535), 1, 1),
                _MARK_THREADS, 0, stream, _MARK_PARAMS,
                (scores, amax, nq, nd, lq, per_cell, ql.ptr, ql.wide, ql.bound, dl.ptr, dl.wide, dl.bound,
                 off.ptr, off.wide, off.bound, d_scale, d_mask, ld, whole, nd_all))

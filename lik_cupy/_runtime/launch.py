@@ -14,10 +14,12 @@ from dataclasses import replace
 import numpy as np
 
 from .. import _dispatch as dispatch
+from .._base import env
+from .._base.cache import DeviceCache
+from .._base.device import device_properties, empty
 from .._validate import Problem, check_32bit
-from . import env, tma, token_split
-from .cache import DeviceCache
-from .device import device_properties, empty
+from . import tma, token_split
+from .kernels import FORWARD
 from .masks import mask_spans
 from .raw_launch import is_capturing, launch_raw, signature
 
@@ -26,7 +28,7 @@ __all__ = ["launch", "prepare", "ForwardLaunch", "clear_prepared", "use_tma_for"
 
 def caller_name(p: Problem) -> str:
     """The public function a problem came from, for error messages."""
-    return "maxsim" + ("_int8" if p.dtype == "int8" else "") + ("_varlen" if p.d_packed else "")
+    return "maxsim" + (f"_{p.dtype}" if dispatch.scaled_dtype(p.dtype) else "") + ("_varlen" if p.d_packed else "")
 
 
 def tma_usable() -> bool:
@@ -59,7 +61,7 @@ def _kernel(cfg, arch: int, device: int):
 def _load_kernel(cfg, arch: int, device: int):
     from .nvrtc import get_module
 
-    mod = get_module("maxsim_fwd.cu", cfg.defines(), cfg.target(arch), device)
+    mod = get_module(FORWARD.file, cfg.defines(), cfg.target(arch), device)
     kern = mod.get_function(cfg.name)
     if cfg.smem_bytes > 48 * 1024:
         kern.max_dynamic_shared_size_bytes = cfg.smem_bytes
@@ -103,9 +105,9 @@ class ForwardLaunch:
         self.ntok, self.rows, self.esize, self.argmax = ntok, rows, esize, argmax
         self.off_flags = off_flags
         self.partials = plan.n_qt * p.nq * p.nd if plan.n_qt > 1 else 0  # float32 scratch elements
-        # document lengths may be int64 (a tagged address), except in INT8 and multi-query argmax tiles
-        # (fwd_length in cuda_src/fwd/config.cuh); query lengths are int32 in every tile
-        self.tagged_doc_lengths = not (cfg.argmax and (cfg.elem == 3 or cfg.multi))
+        # document lengths may be int64 (a tagged address), except in scaled (INT8) and multi-query argmax
+        # tiles (fwd_length in cuda_src/fwd/config.cuh); query lengths are int32 in every tile
+        self.tagged_doc_lengths = not (cfg.argmax and (cfg.spec.scaled or cfg.multi))
         self.sum_func = mod.get_function("lik_sum_partials").kernel.ptr if plan.n_qt > 1 else 0
         self._made_with = _made_with()
 
@@ -259,7 +261,7 @@ def _token_split(cfg, p: Problem, props, arch: int, device: int, shared: int, pa
 
 
 def use_tma_for(p: Problem, vec: bool, rows: int, d_scale=None, residual=None) -> bool:
-    """Whether the caller can hand the kernel tensor maps of D (and of the INT8 scales)."""
+    """Whether the caller can hand the kernel tensor maps of D (and of its scales)."""
     return (residual is None and tma_usable() and vec and max(rows, p.nq * p.lq) <= tma.MAX_ROWS
             and (d_scale is None or d_scale.data.ptr % 16 == 0))
 
@@ -274,8 +276,8 @@ def launch(p: Problem, q, d, qm, dm, ql, dl, return_argmax: bool, device: int, *
     ``d_off_whole``: the offsets run from 0 to T (not a slice of them), so CTAs split the
     tokens without reading where they start and end (a hint: scores never depend on it).
     ``out``: optional float32 buffer of nq * nd elements for the scores.
-    ``p.dtype == "int8"``: q and d are int8 and ``q_scale`` (float32 [nq * lq], non-negative)
-    and ``d_scale`` (float32 [rows * ld] or [T]) are their contiguous per-token scales.
+    A scaled ``p.dtype`` (INT8, ``ElemSpec.scaled``): q and d are of it and ``q_scale`` (float32 [nq * lq],
+    non-negative) and ``d_scale`` (float32 [rows * ld] or [T]) are their contiguous per-token scales.
     ``caller`` names the public function in error messages (default: the one ``p`` came from).
     ``x3``: float32 at float32 accuracy (``lik_cupy.precision``), for float32 q and d.
     ``residual`` (a ``lik_cupy._runtime.residual.ResidualOperands``): the documents are
@@ -294,7 +296,7 @@ def launch(p: Problem, q, d, qm, dm, ql, dl, return_argmax: bool, device: int, *
     import cupy
 
     fn, split = caller or caller_name(p), "split the call over fewer queries or documents"
-    if zero_pad is not None and (p.dtype == "int8" or residual is not None or cand is not None):
+    if zero_pad is not None and (dispatch.scaled_dtype(p.dtype) or residual is not None or cand is not None):
         raise ValueError(f"{fn}: zero-vector padding is for float16, bfloat16 and float32 documents scored whole")
     scores = out.reshape(p.nq, p.nd) if out is not None else empty((p.nq, p.nd), np.float32, f"{fn}: scores", split)
     amax = empty((p.nq, p.nd, p.lq), np.int32, f"{fn}: argmax",

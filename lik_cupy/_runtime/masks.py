@@ -8,6 +8,7 @@ first, so a mask costs what the same lengths cost (one small kernel more, readin
 
 from __future__ import annotations
 
+from .kernels import MASKS
 from .nvrtc import function_handle
 from .raw_launch import launch_raw, signature
 
@@ -42,5 +43,5 @@ def queue_mask_spans(stream: int, device: int, mask: int, rows: int, length: int
     if not rows:
         return
     warps_per_block = _THREADS // 32
-    launch_raw(function_handle("masks.cu", "lik_mask_spans", device), (min(-(-rows // warps_per_block), 65535), 1, 1),
+    launch_raw(function_handle(MASKS.file, "lik_mask_spans", device), (min(-(-rows // warps_per_block), 65535), 1, 1),
                _THREADS, 0, stream, _PARAMS, (mask, rows, length, out, masked))

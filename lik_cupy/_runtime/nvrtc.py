@@ -22,10 +22,11 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from .. import __version__
+from .._base import env
+from .._base.cache import DeviceCache
+from .kernels import FORWARD, SOURCES
+from .._version import __version__
 from ..errors import CompileError
-from . import env
-from .cache import DeviceCache
 
 _INCLUDE = re.compile(r'^\s*#\s*include\s*"([^"]+)"', re.M)
 _MEMORY_CACHE_SIZE = 256
@@ -35,9 +36,9 @@ def source_dir() -> Path:
     """Directory holding the ``.cu``/``.cuh`` sources (installed wheel or source tree)."""
     here = Path(__file__).resolve().parent
     for cand in (here.parent / "cuda_src", here.parent.parent / "cuda_src"):
-        if (cand / "maxsim_fwd.cu").is_file():
+        if (cand / FORWARD.file).is_file():
             return cand
-    raise FileNotFoundError(f"kernel sources not found next to {here} (looked for cuda_src/maxsim_fwd.cu)")
+    raise FileNotFoundError(f"kernel sources not found next to {here} (looked for cuda_src/{FORWARD.file})")
 
 
 def cache_dir() -> Path:
@@ -252,7 +253,7 @@ def function_handle(name: str, entry: str, device_id: int) -> int:
 
 def _small_kernel(name: str, entry: str, device_id: int):
     from .._dispatch import arch_of
-    from .device import device_properties
+    from .._base.device import device_properties
 
     return get_module(name, {}, arch_of(device_properties(device_id).cc), device_id, entry=entry).get_function(entry)
 
@@ -274,7 +275,8 @@ def check_all(archs=None, configs=None, *, other_kernels: bool = True) -> list[d
 
     Returns one row per (kernel, arch) with registers, stack, spills, static and
     dynamic shared memory (``lik_sum_partials``, the top-k merge, the value checks, the mask spans,
-    the INT8 quantiser and the backward kernels once per architecture). Raises ``CompileError`` if any kernel fails.
+    the INT8 quantiser and the backward kernels once per architecture: every source of
+    ``kernels.SOURCES`` in each of its variants). Raises ``CompileError`` if any kernel fails.
     """
     from .._dispatch import SUPPORTED_ARCHS, all_forward_configs
 
@@ -282,28 +284,16 @@ def check_all(archs=None, configs=None, *, other_kernels: bool = True) -> list[d
     for arch in archs or SUPPORTED_ARCHS:
         for n, cfg in enumerate(configs if configs is not None else all_forward_configs(arch)):
             target = cfg.target(arch)
-            out = nvrtc_compile("maxsim_fwd.cu", cfg.defines(), target)
+            out = nvrtc_compile(FORWARD.file, cfg.defines(), target)
             rows.append({"kernel": cfg.name, "arch": f"sm_{target}", "dynamic_smem": cfg.smem_bytes,
                          **resource_usage(out.log, cfg.name)})
             if n == 0:
-                rows.append({"kernel": "lik_sum_partials", "arch": f"sm_{target}", "dynamic_smem": 0,
-                             **resource_usage(out.log, "lik_sum_partials")})
+                rows += [{"kernel": k, "arch": f"sm_{target}", "dynamic_smem": 0, **resource_usage(out.log, k)}
+                         for k in FORWARD.entries]
         if other_kernels:
-            for src, kernels in (("topk.cu", ("lik_topk_merge",)),
-                                 ("checks.cu", ("lik_check_range_i32", "lik_check_range_i64", "lik_check_offsets_i32",
-                                               "lik_check_offsets_i64", "lik_nan_invalid")),
-                                 ("masks.cu", ("lik_mask_spans",))):
-                out = nvrtc_compile(src, {}, arch)
-                rows += [{"kernel": k, "arch": f"sm_{arch}", "dynamic_smem": 0, **resource_usage(out.log, k)}
-                         for k in kernels]
-            for elem in (0, 1, 2):  # the INT8 quantiser, per input dtype
-                out = nvrtc_compile("quantize.cu", {"LIK_ELEM": elem}, arch)
-                rows.append({"kernel": f"lik_quantize_int8[elem={elem}]", "arch": f"sm_{arch}", "dynamic_smem": 0,
-                             **resource_usage(out.log, "lik_quantize_int8")})
-            for elem in (0, 1, 2):  # the backward family, each dtype, with and without vector loads
-                for vec in (0, 1):
-                    out = nvrtc_compile("maxsim_bwd.cu", {"LIK_ELEM": elem, "LIK_VEC": vec}, arch)
-                    for k in ("lik_bwd_dq", "lik_bwd_keys", "lik_bwd_dd_csr", "lik_bwd_cast"):
-                        rows.append({"kernel": f"{k}[elem={elem},vec={vec}]", "arch": f"sm_{arch}",
-                                     "dynamic_smem": 0, **resource_usage(out.log, k)})
+            for src in SOURCES:
+                for defines in src.variants:
+                    out = nvrtc_compile(src.file, defines, arch)
+                    rows += [{"kernel": src.row_name(k, defines), "arch": f"sm_{arch}", "dynamic_smem": 0,
+                              **resource_usage(out.log, k)} for k in src.entries]
     return rows

@@ -11,7 +11,7 @@ from .._interop import device_array, host_array
 from .._validate import check_length_values, check_offset_values
 from .device_checks import queue_or_verify
 
-__all__ = ["host_metadata", "valid_host", "host_offsets", "device_valid", "device_offsets", "unpack_queries", "kernel_dtype",
+__all__ = ["host_metadata", "valid_host", "host_offsets", "device_valid", "device_offsets", "unpack_queries",
            "kernel_operands"]
 
 
@@ -92,12 +92,6 @@ def unpack_queries(qt, q_offsets, nq: int):
     rows = np.minimum(off[:-1, None] + np.arange(lq)[None, :], qt.shape[0] - 1)  # rows past a length are masked
     q = qt[cupy.asarray(rows)]
     return cupy.ascontiguousarray(q), cupy.asarray(lens.astype(np.int32))
-
-
-def kernel_dtype(dtype: str) -> str:
-    """The dtype the kernels compute in for inputs of ``dtype``: float64 runs as float32 (at float32
-    accuracy, ``lik_cupy.precision``; its callers get float64 results back)."""
-    return "float32" if dtype == "float64" else dtype
 
 
 def kernel_operands(dtype: str, *arrays):

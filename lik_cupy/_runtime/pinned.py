@@ -113,7 +113,7 @@ def pin_host(*arrays) -> PinnedHost:
         ValueError: an array is not C-contiguous (lock the array it is a view of).
         RuntimeError: the driver refused to lock the memory (the message says why it may have).
     """
-    from .device import gpu_available
+    from .._base.device import gpu_available
 
     out = []
     for i, a in enumerate(arrays):

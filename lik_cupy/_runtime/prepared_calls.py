@@ -24,7 +24,7 @@ from typing import NamedTuple
 from .._interop import cupy_arrays, torch_tensors, xla_buffers
 from .candidates import CandidateParam
 from .device_checks import Checked, mark_invalid, strict
-from .env import poison_outputs
+from .._base.env import poison_outputs
 from .masks import queue_mask_spans
 from .raw_launch import launch_raw, signature
 
@@ -67,9 +67,9 @@ def call_key(kind: str, flags: tuple, Q, arrays: tuple, *, precision: bool = Tru
         else:
             return None
     if precision and a.is_float32(Q):  # the precision the call resolves to is part of what it runs
-        from ..precision import _resolve
+        from .._dispatch.precision import fp32_accurate
 
-        key.append(_resolve(flags[-1], a.FRAMEWORK, "float32"))
+        key.append(fp32_accurate(flags[-1], a.FRAMEWORK, "float32"))
     return tuple(key)
 
 
@@ -274,7 +274,7 @@ def _device() -> int:
 def _named_oom(buffer: str, nbytes: int, hint: str) -> None:
     """Inside an ``except``: the error being handled, as ``device.allocating`` names an out-of-memory
     error (a ``DeviceMemoryError`` naming ``buffer``), or re-raised as it is."""
-    from .device import allocating
+    from .._base.device import allocating
 
     with allocating(buffer, nbytes, hint):
         raise

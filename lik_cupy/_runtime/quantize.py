@@ -1,14 +1,18 @@
-"""The INT8 quantiser on the GPU (``cuda_src/quantize.cu``), same bytes as the NumPy one."""
+"""The INT8 quantiser on the GPU (``cuda_src/quantize.cu``, built once per float element type of
+its input), same bytes as the NumPy one."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from .._dispatch import ELEM_CODES, arch_of
-from .device import device_properties
+from .._base.device import device_properties
+from .._dispatch import arch_of, elem_spec
+from .kernels import QUANTIZE
 from .nvrtc import get_module
 
 __all__ = ["quantize_cupy"]
+
+_INT8 = elem_spec("int8")
 
 
 def quantize_cupy(x, dtype: str, *, check: bool = False):
@@ -30,9 +34,9 @@ def quantize_cupy(x, dtype: str, *, check: bool = False):
         return q, s
     bad = cupy.zeros((), cupy.int32)
     device = x.device.id
-    defines = {"LIK_ELEM": ELEM_CODES[dtype]}
-    kern = get_module("quantize.cu", defines, arch_of(device_properties(device).cc), device,
-                      entry="lik_quantize_int8").get_function("lik_quantize_int8")
+    defines = {"LIK_ELEM": elem_spec(dtype).code}
+    entry = _INT8.quantiser_kernel
+    kern = get_module(QUANTIZE.file, defines, arch_of(device_properties(device).cc), device, entry=entry).get_function(entry)
     warps = 8
     blocks = int(min(-(-rows // warps), 65535))
     kern((blocks,), (warps * 32,), (x, q, s, np.int64(rows), np.int32(d), bad))

@@ -30,7 +30,7 @@ class _Scratch:
     def __init__(self, size: int, device: int, stream: int):
         import cupy
 
-        from .device import external_stream
+        from .._base.device import external_stream
 
         # Allocated and zeroed on the launch's stream, before the launch (CuPy's pool then hands
         # the memory out again only in that stream's order).

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from .. import _dispatch as dispatch
-from .device import device_properties, gpu_available
+from .._base.device import device_properties, gpu_available
+from .kernels import FORWARD, QUANTIZE
 
 
 def warmup(dims=(128,), dtypes=("float16", "bfloat16"), query_lengths=(32, 1024), argmax=(False,), device=None,
@@ -12,8 +13,8 @@ def warmup(dims=(128,), dtypes=("float16", "bfloat16"), query_lengths=(32, 1024)
 
     Args:
         dims: embedding dims the service will see.
-        dtypes: any of "float16", "bfloat16", "float32", "int8" (INT8 also loads the
-            on-device quantiser for float16/bfloat16/float32 queries).
+        dtypes: any of "float16", "bfloat16", "float32", "int8" (a scaled type, INT8, also loads
+            its on-device quantiser for float16/bfloat16/float32 queries).
         query_lengths: typical query lengths (each picks its tile shape).
         argmax: which of (False, True) to prepare.
         device: CUDA ordinal; default the current CuPy device.
@@ -28,9 +29,9 @@ def warmup(dims=(128,), dtypes=("float16", "bfloat16"), query_lengths=(32, 1024)
     Raises:
         RuntimeError: no CUDA GPU is visible (or CuPy is missing); the CPU path needs no warm-up.
     """
-    from ..precision import _checked, get_precision
+    from .._dispatch.precision import checked, default
 
-    x3 = _checked(precision or get_precision() or "fp32", "precision") == "fp32"
+    x3 = checked(precision or default() or "fp32", "precision") == "fp32"
     if not gpu_available():
         raise RuntimeError("lik_cupy.warmup: no CUDA GPU is visible (CuPy could not find one, or is not installed); "
                            "warmup compiles GPU kernels, and the CPU path (backend='cpu') needs none")
@@ -45,15 +46,17 @@ def warmup(dims=(128,), dtypes=("float16", "bfloat16"), query_lengths=(32, 1024)
     names = set()
     for dim in dims:
         for dtype in dtypes:
+            spec = dispatch.elem_spec(dtype)
             for lq in query_lengths:
                 for am in argmax:
-                    for vec in {(dim * dispatch.ELEM_SIZES[dispatch.ELEM_CODES[dtype]]) % 16 == 0, False}:
+                    for vec in {(dim * spec.bytes) % 16 == 0, False}:
                         cfg = dispatch.choose_forward(cc, dtype, dim, lq, am, vec, tma=vec and tma_usable(), x3=x3)
                         if cfg.name not in names:
-                            get_module("maxsim_fwd.cu", cfg.defines(), cfg.target(arch), dev)
+                            get_module(FORWARD.file, cfg.defines(), cfg.target(arch), dev)
                             names.add(cfg.name)
-    if "int8" in dtypes:
-        for elem in (0, 1, 2):
-            get_module("quantize.cu", {"LIK_ELEM": elem}, arch, dev, entry="lik_quantize_int8")
-            names.add(f"lik_quantize_int8[{elem}]")
+    for spec in map(dispatch.elem_spec, dtypes):
+        if spec.quantiser_kernel:
+            for defines in QUANTIZE.variants:
+                get_module(QUANTIZE.file, defines, arch, dev, entry=spec.quantiser_kernel)
+                names.add(QUANTIZE.row_name(spec.quantiser_kernel, defines))
     return len(names)

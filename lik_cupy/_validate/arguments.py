@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .._dispatch.elements import SCALED_DTYPES, scaled_dtype
 from .._interop import FLOAT_DTYPES, Info, describe
 
 _INT_DTYPES = ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64")
@@ -183,9 +184,9 @@ _SCORING_DTYPES = FLOAT_DTYPES + ("float64",)
 
 def _check_dtypes(q: Info, dname: str, d: Info, int8: bool) -> None:
     if int8:
-        if d.dtype != "int8":
+        if not scaled_dtype(d.dtype):
             raise TypeError(f"{dname} has dtype {d.dtype}; expected int8 (quantize it with lik_cupy.quantize_int8)")
-        if q.dtype not in _SCORING_DTYPES + ("int8",):
+        if q.dtype not in _SCORING_DTYPES + SCALED_DTYPES:
             raise TypeError(f"Q has dtype {q.dtype}; expected int8 (with q_scales) or float16, bfloat16, float32 "
                             "or float64")
         return
@@ -199,7 +200,7 @@ def _check_dtypes(q: Info, dname: str, d: Info, int8: bool) -> None:
 def check_quantized(name: str, X, sname: str, scales) -> Info:
     """int8 ``X [..., d]`` and float ``scales`` of shape ``X.shape[:-1]``, in one framework and place."""
     x = _info(name, X)
-    if x.dtype != "int8":
+    if not scaled_dtype(x.dtype):
         raise TypeError(f"{name} has dtype {x.dtype}; expected int8")
     if len(x.shape) < 1:
         raise ValueError(f"{name} must have at least one axis (the embedding dim)")
@@ -214,7 +215,7 @@ def check_int8_scales(p: Problem, Q, D, q_scales, d_scales) -> bool:
     q = _info("Q", Q)
     d = _info("D_tokens" if p.d_packed else "D", D)
     check_scales("d_scales", d_scales, q, tuple(d.shape[:-1]), "one per document token")
-    if q.dtype == "int8":
+    if scaled_dtype(q.dtype):
         if q_scales is None:
             raise TypeError("Q is int8, so q_scales is required (the float32 per-token scales from quantize_int8)")
         check_scales("q_scales", q_scales, q, tuple(q.shape[:-1]), "one per query token")

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from .. import torch as _lik
-from .._runtime import env
+from .._base import env
 from ._patching import Patched, Patches
 from ._scoring import kernel_operands
 

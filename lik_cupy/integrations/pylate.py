@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from .. import torch as _lik
-from .._runtime import env
+from .._base import env
 from .._runtime.masks import MASKED
 from ._patching import Patched, Patches, SwappedAttribute, SwappedProperty
 from ._scoring import kernel_operands

@@ -1,0 +1,45 @@
+"""The kernel registry: every source of ``cuda_src/`` the package compiles, its entry points and
+the ``-D`` sets it is built with. The launches, ``warmup`` and the compile check
+(``nvrtc.check_all``) reach the sources through it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .._dispatch import ELEMS, elem_spec
+
+__all__ = ["KernelSource", "FORWARD", "TOPK", "CHECKS", "MASKS", "QUANTIZE", "BACKWARD", "SOURCES", "QUANTISED_FROM",
+           "BACKWARD_DTYPES"]
+
+
+@dataclass(frozen=True)
+class KernelSource:
+    """One NVRTC entry source and its kernels."""
+
+    file: str  # under cuda_src/
+    entries: tuple[str, ...]  # its kernels (the forward's: beside each configuration's own, LIK_NAME)
+    variants: tuple[dict[str, int], ...] = ({},)  # the -D sets the compile check builds (the forward's: dispatch's)
+
+    def row_name(self, entry: str, defines: dict[str, int]) -> str:
+        """The compile check's name of ``entry`` built with ``defines``: ``lik_bwd_dq[elem=0,vec=1]``."""
+        if not defines:
+            return entry
+        return entry + "[" + ",".join(f"{k.removeprefix('LIK_').lower()}={v}" for k, v in defines.items()) + "]"
+
+
+# The float element types the quantiser reads, and those the backward kernels take.
+QUANTISED_FROM = tuple(map(elem_spec, ("float16", "bfloat16", "float32")))
+BACKWARD_DTYPES = tuple(e.name for e in ELEMS if not e.scaled)
+
+FORWARD = KernelSource("maxsim_fwd.cu", ("lik_sum_partials",), ())
+TOPK = KernelSource("topk.cu", ("lik_topk_merge",))
+CHECKS = KernelSource("checks.cu", ("lik_check_range_i32", "lik_check_range_i64", "lik_check_offsets_i32",
+                                    "lik_check_offsets_i64", "lik_nan_invalid"))
+MASKS = KernelSource("masks.cu", ("lik_mask_spans",))
+QUANTIZE = KernelSource("quantize.cu", tuple(e.quantiser_kernel for e in ELEMS if e.quantiser_kernel),
+                        tuple({"LIK_ELEM": e.code} for e in QUANTISED_FROM))
+BACKWARD = KernelSource("maxsim_bwd.cu", ("lik_bwd_dq", "lik_bwd_keys", "lik_bwd_dd_csr", "lik_bwd_cast"),
+                        tuple({"LIK_ELEM": elem_spec(d).code, "LIK_VEC": vec} for d in BACKWARD_DTYPES for vec in (0, 1)))
+
+# In the compile check's order.
+SOURCES = (FORWARD, TOPK, CHECKS, MASKS, QUANTIZE, BACKWARD)

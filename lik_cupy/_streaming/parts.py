@@ -1,0 +1,171 @@
+"""The corpus as parts (a single array or shards) and the checks that describe each as a
+``Problem`` before any of it is read: the queries, a shard, one scoring call of the two."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
+
+from .. import _dispatch as dispatch
+from .. import _interop as interop
+from .._validate import Problem, check_call, check_scales, check_valid, check_varlen, offsets_count
+
+__all__ = ["Part", "corpus_parts", "query_problem", "same_kind", "part_problem", "doc_problem", "with_queries"]
+
+
+
+@dataclass
+class Part:
+    """One shard of the corpus: padded ``docs [n, L, d]`` (mask or lengths) or packed ``tokens [T, d]`` + offsets;
+    int8 tokens with their float32 ``scales`` (``[n, L]`` or ``[T]``). ``index``: the shard's position in an
+    iterable corpus, None for a single array D."""
+
+    docs: object
+    offsets: object = None
+    mask: object = None
+    lengths: object = None
+    scales: object = None
+    index: int | None = None
+
+    @property
+    def packed(self) -> bool:
+        return self.offsets is not None
+
+    @property
+    def name(self) -> str:
+        return "the corpus" if self.index is None else f"shard {self.index}"
+
+
+def corpus_parts(D, d_offsets, d_mask, d_lengths, d_scales) -> Iterable[Part]:
+    """The corpus as parts: a list when D is one array or a list/tuple of shards, else a generator."""
+    if _is_array(D):
+        return [Part(D, d_offsets, d_mask, d_lengths, d_scales)]
+    if d_offsets is not None or d_mask is not None or d_lengths is not None or d_scales is not None:
+        raise TypeError("d_offsets, d_mask, d_lengths and d_scales go with a single array D; give each shard as "
+                        "(tokens, offsets), or for INT8 as (tokens, offsets, scales) or (docs, scales)")
+    if isinstance(D, (str, bytes)) or not isinstance(D, Iterable):
+        raise TypeError(f"D must be an array or an iterable of shards, got {type(D).__name__}")
+    shards = (_shard(i, s) for i, s in enumerate(D))
+    return list(shards) if isinstance(D, (list, tuple)) else shards
+
+
+def _shard(i: int, s) -> Part:
+    if _is_array(s):
+        return Part(s, index=i)
+    if isinstance(s, tuple) and len(s) in (2, 3) and all(_is_array(x) for x in s):
+        if len(s) == 3:
+            return Part(s[0], s[1], scales=s[2], index=i)
+        first = interop.describe(s[0])
+        if dispatch.scaled_dtype(first.dtype) and len(first.shape) == 3:  # padded INT8 docs and their scales
+            return Part(s[0], scales=s[1], index=i)
+        return Part(s[0], s[1], index=i)
+    raise TypeError(f"shard {i} must be a padded array [n, L, d], a (tokens [T, d], offsets [n + 1]) tuple, or for "
+                    f"INT8 a (tokens [T, d], offsets [n + 1], scales [T]) or (docs [n, L, d], scales [n, L]) tuple; "
+                    f"got {type(s).__name__}")
+
+
+def _is_array(x) -> bool:
+    try:
+        interop.framework_of(x)
+        return not isinstance(x, (list, tuple))
+    except TypeError:
+        return False
+
+
+def query_problem(Q, q_mask, q_lengths, q_scales) -> Problem:
+    """Check the queries on their own: float Q as :func:`lik_cupy.maxsim` checks it, or int8 Q with q_scales."""
+    try:
+        info = interop.describe(Q)
+    except TypeError as e:
+        raise TypeError(f"Q: {e}") from None
+    if not dispatch.scaled_dtype(info.dtype):
+        if q_scales is not None:
+            raise ValueError(f"q_scales goes with an int8 Q, but Q is {info.dtype} (it is quantised on the fly)")
+        return check_call(Q, Q, q_mask, None, q_lengths, None, pairs=False)
+    if q_scales is None:
+        raise TypeError("Q is int8 but q_scales is missing: pass its float32 per-token scales (Q's shape without the "
+                        "last axis), or pass float Q, which is quantized per call")
+    if len(info.shape) not in (2, 3):
+        raise ValueError(f"Q must be [Nq, Lq, d] or [Lq, d]; got shape {list(info.shape)}")
+    if info.shape[-1] < 1:
+        raise ValueError("Q has embedding dim 0; expected at least 1")
+    check_scales("q_scales", q_scales, info, tuple(info.shape[:-1]), "one per query token")
+    q_valid = check_valid("q", q_mask, q_lengths, info, info.shape[:-1], info.shape[:-2])
+    nq, lq = (info.shape[0], info.shape[1]) if len(info.shape) == 3 else (1, info.shape[0])
+    return Problem(framework=info.framework, device=info.device, dtype=info.dtype, nq=nq, lq=lq, nd=0, ld=0,
+                   dim=info.shape[-1], candidates=False, scores_shape=(nq, 0), argmax_shape=(nq, 0, lq),
+                   q_valid=q_valid, d_valid=None)
+
+
+def same_kind(kind: str | None, dtype: str, part: Part) -> str:
+    """The corpus's kind (the scaled dtype, INT8, or the float dtype seen first) after ``part``; TypeError when
+    INT8 and float mix."""
+    if kind is None or dispatch.scaled_dtype(kind) == dispatch.scaled_dtype(dtype):
+        return kind or dtype
+    raise TypeError(f"{part.name} has dtype {dtype} but earlier shards are {kind}: a corpus is all INT8 or all float; "
+                    "quantize the float shards (lik_cupy.quantize_int8, `lik pack --int8`) or score the two "
+                    "kinds in separate calls")
+
+
+def part_problem(qp: Problem, part: Part) -> Problem:
+    """Check one shard against the queries (before any of it is read) and describe one
+    scoring call of Q against the whole shard. Frameworks may differ: a host corpus
+    streams to device queries."""
+    info = interop.describe(part.docs)
+    if not dispatch.scaled_dtype(info.dtype) and part.scales is None:
+        if dispatch.scaled_dtype(qp.dtype):
+            raise TypeError(f"Q is int8 but {part.name} has dtype {info.dtype}: int8 queries score INT8 corpora only; "
+                            "pass float Q")
+        if info.dtype != qp.dtype:
+            raise TypeError(f"corpus has dtype {info.dtype} but Q has {qp.dtype}: cast one so both match")
+    return with_queries(qp, doc_problem(part, info))
+
+
+def doc_problem(part: Part, info: interop.Info) -> Problem:
+    """Check one shard on its own (``info``: its tokens' description): layout, shapes, dtypes, validity
+    and INT8 scales, before any of it is read. The Problem describes its documents (no queries yet:
+    ``with_queries`` adds them)."""
+    if dispatch.scaled_dtype(info.dtype) or part.scales is not None:
+        return _scaled_doc_problem(part, info)
+    if part.packed:
+        if len(info.shape) != 2:
+            raise ValueError(f"packed corpus tokens must be [T, d]; got shape {list(info.shape)}")
+        return check_varlen(part.docs[:0], part.docs, part.offsets, None, None, None)
+    if len(info.shape) != 3:
+        raise ValueError(f"a padded corpus must be [Nd, Ld, d]; got shape {list(info.shape)}")
+    return check_call(part.docs[:0, :1], part.docs, None, part.mask, None, part.lengths, pairs=False)
+
+
+def with_queries(qp: Problem, p: Problem) -> Problem:
+    """One scoring call of the queries ``qp`` against the documents ``p`` (``doc_problem``), whose
+    dtype the caller has matched to the queries'."""
+    if p.dim != qp.dim:
+        raise ValueError(f"corpus has dim {p.dim} but Q has dim {qp.dim}")
+    return replace(p, framework=qp.framework, device=qp.device, nq=qp.nq, lq=qp.lq, scores_shape=(qp.nq, p.nd),
+                   argmax_shape=(qp.nq, p.nd, qp.lq), q_valid=qp.q_valid)
+
+
+def _scaled_doc_problem(part: Part, info: interop.Info) -> Problem:
+    scales_name = "d_scales" if part.index is None else f"shard {part.index} scales"
+    if not dispatch.scaled_dtype(info.dtype):
+        raise TypeError(f"{scales_name} go with int8 tokens, but {part.name} has dtype {info.dtype}")
+    if part.scales is None:
+        raise TypeError(f"{part.name} is int8 but has no scales: pass d_scales (float32, D's shape without its last "
+                        "axis; [T] for packed tokens), or give INT8 shards as (tokens, offsets, scales) or "
+                        "(docs, scales)")
+    if part.packed:
+        if len(info.shape) != 2:
+            raise ValueError(f"packed corpus tokens must be [T, d]; got shape {list(info.shape)}")
+        nd, ld, ntok, d_valid = offsets_count("d_offsets", part.offsets, info), 0, info.shape[0], "offsets"
+    else:
+        if len(info.shape) != 3:
+            raise ValueError(f"a padded corpus must be [Nd, Ld, d]; got shape {list(info.shape)}")
+        d_valid = check_valid("d", part.mask, part.lengths, info, info.shape[:-1], info.shape[:-2])
+        nd, ld, ntok = info.shape[0], info.shape[1], 0
+    if info.shape[-1] < 1:
+        raise ValueError(f"{part.name} has embedding dim 0; expected at least 1")
+    check_scales(scales_name, part.scales, info, tuple(info.shape[:-1]), "one per document token",
+                 f"{part.name}'s tokens")
+    return Problem(framework=info.framework, device=info.device, dtype=info.dtype, nq=0, lq=0, nd=nd, ld=ld,
+                   dim=info.shape[-1], candidates=False, scores_shape=(0, nd), argmax_shape=(0, nd, 0), q_valid=None,
+                   d_valid=d_valid, d_packed=part.packed, ntok=ntok)
