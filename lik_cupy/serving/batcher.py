@@ -188,10 +188,11 @@ class Batcher:
             seen.add(id(q.corpus))
             c = q.corpus
             for n in sorted({1, self.max_batch}):
-                tokens = np.zeros((n * lq, c.dim), numpy_dtype(dtype))
+                # random tokens: all-equal ones tie everywhere, the CPU path's slowest case
+                tokens = np.random.default_rng(0).standard_normal((n * lq, c.dim)).astype(numpy_dtype(dtype))
                 offsets = np.arange(0, n * lq + 1, lq, dtype=np.int64)
                 c.search(tokens, min(10, MAX_K), q_offsets=offsets)
-                c.rerank(tokens, np.zeros((n, min(len(c), 100)), np.int64), q_offsets=offsets)
+                c.rerank(tokens, np.arange(n * min(len(c), 100)).reshape(n, -1) % max(1, len(c)), q_offsets=offsets)
                 c.score(tokens, q_offsets=offsets)
 
     def close(self, timeout: float | None = None) -> None:
