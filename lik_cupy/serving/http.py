@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gzip
+import signal
 import socket
 import sys
 import threading
@@ -166,7 +167,15 @@ def serve(paths, *, host: str = "127.0.0.1", port: int = 8000, devices=None, max
     bound = sock.getsockname()
     shown = f"[{bound[0]}]" if ":" in bound[0] else bound[0]
     print(f"lik serve: listening on http://{shown}:{bound[1]}", file=sys.stderr, flush=True)
-    server.run(sockets=[sock])
+    # uvicorn stops gracefully on SIGINT or SIGTERM, then raises the signal again for the handler it
+    # found; the queue is drained by then, so that handler does nothing and serve returns.
+    stops = (signal.SIGINT, signal.SIGTERM)
+    before = [signal.signal(s, lambda *_: None) for s in stops]
+    try:
+        server.run(sockets=[sock])
+    finally:
+        for s, h in zip(stops, before):
+            signal.signal(s, h)
     if svc.failure is not None:
         raise LikError("lik serve", f"loading the corpus failed: {svc.failure}")
 
