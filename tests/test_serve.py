@@ -455,3 +455,18 @@ def test_sigterm_under_load_answers_every_accepted_request(shard, local):
     answered, accepted = int(m.group(1)), int(m.group(2))
     assert server.proc.returncode == 0 and not wrong
     assert answered == accepted == len(ok)
+
+
+def test_bench_serve_smoke_run(tmp_path):
+    for m in ("starlette", "uvicorn", "prometheus_client"):
+        pytest.importorskip(m)
+    subprocess.run([sys.executable, str(ROOT / "bench" / "suites" / "bench_serve.py"), "--smoke", "--out", str(tmp_path)],
+                   check=True, cwd=ROOT, capture_output=True, timeout=300)
+    res = json.loads((tmp_path / "serve_cpu.json").read_text())
+    assert res["gpu"] == "cpu" and [w["workload"] for w in res["workloads"]] == ["search", "rerank"]
+    for w in res["workloads"]:
+        assert w["inprocess_qps"] > 0 and set(w["servers"]) == {"batched", "unbatched"}
+        for server in w["servers"].values():
+            assert [r["clients"] for r in server["closed"]] == [1, 4]
+            assert all(r["qps"] > 0 and r["errors"] == 0 and r["histogram"] for r in server["closed"])
+        assert all(r["mean_batch"] == 1 for r in w["servers"]["unbatched"]["closed"])

@@ -45,7 +45,7 @@ from ._metrics import Metrics
 from .batcher import OPERATIONS, Batcher
 from .errors import DeadlineExceeded, Overloaded, ShuttingDown
 
-__all__ = ["MODELS", "make_app", "serve"]
+__all__ = ["MODELS", "make_app", "run", "serve"]
 
 MODELS = OPERATIONS
 _OUTPUTS = {"search": ("SCORES", "IDS"), "rerank": ("SCORES",), "score": ("SCORES",)}
@@ -142,18 +142,24 @@ def make_app(load, *, max_body_bytes: int = _MAX_BODY) -> Starlette:
 
 def serve(paths, *, host: str = "127.0.0.1", port: int = 8000, devices=None, max_batch: int = 64,
           max_tokens: int = 65536, max_delay_us: int = 0, max_queue: int = 1024) -> None:
-    """Serve the documents of shard ``paths`` until SIGINT or SIGTERM, then answer every accepted
-    request and stop (:meth:`Batcher.from_shards` for ``devices``; the rest as for :class:`Batcher`).
-    Prints ``lik serve: listening on http://HOST:PORT`` (``port`` 0: an ephemeral port) once bound."""
-    import uvicorn
-
-    from ..errors import LikError
+    """Serve the documents of shard ``paths`` (:meth:`Batcher.from_shards` for ``devices``; the rest
+    as for :class:`Batcher`) with :func:`run`."""
 
     def load(observer):
         return Batcher.from_shards(paths, devices, max_batch=max_batch, max_tokens=max_tokens,
                                    max_delay_us=max_delay_us, max_queue=max_queue, observer=observer)
 
-    app = make_app(load)
+    run(make_app(load), host=host, port=port)
+
+
+def run(app: Starlette, *, host: str = "127.0.0.1", port: int = 8000) -> None:
+    """Serve ``app`` (:func:`make_app`) until SIGINT or SIGTERM, then answer every accepted request and
+    return. Prints ``lik serve: listening on http://HOST:PORT`` once bound (``port`` 0: a free one);
+    LikError when it cannot listen there or the corpus fails to load."""
+    import uvicorn
+
+    from ..errors import LikError
+
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
@@ -168,7 +174,7 @@ def serve(paths, *, host: str = "127.0.0.1", port: int = 8000, devices=None, max
     shown = f"[{bound[0]}]" if ":" in bound[0] else bound[0]
     print(f"lik serve: listening on http://{shown}:{bound[1]}", file=sys.stderr, flush=True)
     # uvicorn stops gracefully on SIGINT or SIGTERM, then raises the signal again for the handler it
-    # found; the queue is drained by then, so that handler does nothing and serve returns.
+    # found; the queue is drained by then, so that handler does nothing and run returns.
     stops = (signal.SIGINT, signal.SIGTERM)
     before = [signal.signal(s, lambda *_: None) for s in stops]
     try:
