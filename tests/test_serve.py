@@ -51,11 +51,11 @@ class _Record(Observer):
     def __init__(self):
         self.batches, self.rejects, self.lock = [], [], threading.Lock()
 
-    def batch(self, device, requests, queries, compute_s):
+    def batch(self, device, op, requests, queries, compute_s):
         with self.lock:
             self.batches.append((device, requests, queries))
 
-    def rejected(self, reason):
+    def rejected(self, op, reason):
         with self.lock:
             self.rejects.append(reason)
 
@@ -292,6 +292,12 @@ def test_health_metadata_and_metrics(served):
     assert meta["inputs"][0] == {"name": "Q", "datatype": "FP32", "shape": [-1, DIM]}
     assert [o["name"] for o in meta["outputs"]] == ["SCORES", "IDS"]
     assert served.get("/v2/models/nope")[0] == 404
+    config = json.loads(served.get("/v2/models/rerank/config")[2])
+    assert config["max_batch_size"] == 0 and config["instance_group"] == [{"count": 2, "kind": "KIND_CPU"}]
+    assert config["input"] == [{"name": "Q", "data_type": "TYPE_FP32", "dims": [-1, DIM]},
+                               {"name": "IDS", "data_type": "TYPE_INT64", "dims": [-1]}]
+    stats = json.loads(served.get("/v2/models/stats")[2])["model_stats"]
+    assert [m["name"] for m in stats] == ["search", "rerank", "score"]
     status, _, body = served.get("/metrics")
     text = body.decode()
     for name in ("lik_serve_queue_seconds", "lik_serve_compute_seconds", "lik_serve_request_seconds",
@@ -337,6 +343,9 @@ def test_tritonclient_binary_requests_equal_in_process_calls(served, local):
     assert np.array_equal(r.as_numpy("SCORES"), local.rerank(q, [[0, 1, 2, 199]]))
     r = client.infer("score", [Q], timeout=10_000_000)
     assert np.array_equal(r.as_numpy("SCORES"), local.score(q))
+    assert client.get_model_config("score")["name"] == "score"
+    stats = client.get_inference_statistics("score")["model_stats"][0]
+    assert stats["inference_count"] >= 1 and stats["inference_stats"]["success"]["count"] >= 1
 
 
 def test_many_concurrent_clients_each_get_their_own_rows(served, local):
@@ -413,8 +422,8 @@ def test_backpressure_503_and_deadline_504(shard):
         t.join()
         assert late["r"][0] == 504 and "deadline passed" in json.loads(late["r"][2])["error"]
         text = server.get("/metrics")[2].decode()
-        assert 'lik_serve_rejected_total{reason="overloaded"} 1.0' in text
-        assert 'lik_serve_rejected_total{reason="deadline"} 1.0' in text
+        assert 'lik_serve_rejected_total{model="score",reason="overloaded"} 1.0' in text
+        assert 'lik_serve_rejected_total{model="score",reason="deadline"} 1.0' in text
     finally:
         server.stop()
 

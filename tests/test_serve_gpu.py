@@ -23,7 +23,7 @@ class _Devices(Observer):
     def __init__(self):
         self.batches, self.lock = [], threading.Lock()
 
-    def batch(self, device, requests, queries, compute_s):
+    def batch(self, device, op, requests, queries, compute_s):
         with self.lock:
             self.batches.append((device, queries))
 

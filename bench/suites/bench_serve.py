@@ -286,9 +286,9 @@ def batch_histogram(before: dict, after: dict) -> dict:
     """Calls per batch-size bucket (queries) between two scrapes, summed over devices, and the mean."""
     cum = {}
     for key, v in after.items():
-        m = re.fullmatch(r'lik_serve_batch_queries_bucket\{device="[^"]*",le="([^"]+)"\}', key)
-        if m:
-            cum[m.group(1)] = cum.get(m.group(1), 0) + v - before.get(key, 0)
+        if key.startswith("lik_serve_batch_queries_bucket{"):
+            le = re.search(r'le="([^"]+)"', key).group(1)
+            cum[le] = cum.get(le, 0) + v - before.get(key, 0)
     les = sorted(cum, key=lambda x: float(x))
     hist, prev = {}, 0
     for le in les:

@@ -107,7 +107,7 @@ class DeviceQueue:
             for r in expired:
                 r.future.set_exception(DeadlineExceeded(f"the request's deadline passed after "
                                                         f"{time.monotonic() - r.arrival:.3f} s in the queue"))
-                self._observer.rejected("deadline")
+                self._observer.rejected(r.op, "deadline")
             if batch is None:
                 return
             if batch:
@@ -176,13 +176,13 @@ class DeviceQueue:
                     except Exception as e1:  # noqa: BLE001
                         results.append(e1)
         done = time.monotonic()
-        self._observer.batch(self.name, len(batch), sum(r.n for r in batch), done - start)
+        self._observer.batch(self.name, batch[0].op, len(batch), sum(r.n for r in batch), done - start)
         for r, res in zip(batch, results):
             if isinstance(res, BaseException):
                 r.future.set_exception(res)
             else:
                 r.future.set_result(res)
-            self._observer.answered(self.name, start - r.arrival, done - start)
+            self._observer.answered(self.name, r.op, start - r.arrival, done - start)
 
 
 def _scored(corpus, batch: list[Request]) -> list:

@@ -33,17 +33,18 @@ OPERATIONS = ("search", "rerank", "score")
 
 
 class Observer:
-    """What a :class:`Batcher` reports as it works (for metrics); these do nothing. Called from the
-    worker threads (``batch``, ``answered``, ``rejected("deadline")``) and from :meth:`Batcher.submit`
-    (``rejected("overloaded")``): keep them short and thread-safe."""
+    """What a :class:`Batcher` reports as it works (for metrics); these do nothing. ``device`` names
+    the replica (``cuda:N``, ``cpu:N``), ``op`` the operation. Called from the worker threads
+    (``batch``, ``answered``, ``rejected`` for a deadline) and from :meth:`Batcher.submit`
+    (``rejected`` when overloaded): keep them short and thread-safe."""
 
-    def batch(self, device: str, requests: int, queries: int, compute_s: float) -> None:
+    def batch(self, device: str, op: str, requests: int, queries: int, compute_s: float) -> None:
         """One corpus call of ``requests`` requests, ``queries`` queries in all, took ``compute_s``."""
 
-    def answered(self, device: str, queue_s: float, compute_s: float) -> None:
+    def answered(self, device: str, op: str, queue_s: float, compute_s: float) -> None:
         """A request waited ``queue_s`` and was scored in a call of ``compute_s``."""
 
-    def rejected(self, reason: str) -> None:
+    def rejected(self, op: str, reason: str) -> None:
         """A request was refused: ``"overloaded"`` (every queue full) or ``"deadline"`` (expired in the queue)."""
 
 
@@ -161,7 +162,7 @@ class Batcher:
             for q in sorted(self._queues, key=lambda q: q.load):
                 if q.put(req):
                     return req.future
-        self._observer.rejected("overloaded")
+        self._observer.rejected(op, "overloaded")
         raise Overloaded(f"all {len(self._queues)} replica queues are full ({self.max_queue} requests each); "
                          f"retry later")
 

@@ -2,9 +2,10 @@
 starlette on uvicorn, metrics by prometheus-client (the ``[serve]`` extra). ``lik serve`` runs it.
 
 Endpoints: ``GET /v2/health/live``, ``GET /v2/health/ready`` (200 once the corpus is resident and
-its kernels warm, else 503), ``GET /v2``, ``GET /v2/models/{model}``, ``GET /v2/models/{model}/ready``,
-``POST /v2/models/{model}[/versions/1]/infer`` (JSON, or the binary tensor extension:
-``lik_cupy/serving/_tensors.py``), ``GET /metrics`` (Prometheus). Models:
+its kernels warm, else 503), ``GET /v2``, and per model (also under ``/versions/1``):
+``GET /v2/models/{model}`` (metadata), ``.../ready``, ``.../config`` and ``.../stats`` (Triton's model
+configuration and statistics extensions, which perf_analyzer reads), ``POST .../infer`` (JSON, or
+the binary tensor extension: ``lik_cupy/serving/_tensors.py``); ``GET /metrics`` (Prometheus). Models:
 
 - ``search``: inputs ``Q`` ([Lq, d] or [Nq, Lq, d], the corpus's datatype) and ``K`` (INT32 or
   INT64, one value); outputs ``SCORES`` (FP32) and ``IDS`` (the shards' ids: INT64, or BYTES for
@@ -124,6 +125,15 @@ def make_app(load, *, max_body_bytes: int = _MAX_BODY) -> Starlette:
     async def model_ready(request):
         return _model_ready(svc, request.path_params["model"])
 
+    async def config(request):
+        return _config(svc, request.path_params["model"])
+
+    async def stats(request):
+        model = request.path_params.get("model")
+        if model is not None and model not in MODELS:
+            return _unknown(model)
+        return JSONResponse({"model_stats": [svc.metrics.statistics(m) for m in ([model] if model else MODELS)]})
+
     async def infer(request):
         return await _infer(svc, request)
 
@@ -132,8 +142,10 @@ def make_app(load, *, max_body_bytes: int = _MAX_BODY) -> Starlette:
 
     model, version = "/v2/models/{model}", "/v2/models/{model}/versions/{version}"
     routes = [Route("/v2/health/live", live), Route("/v2/health/ready", ready), Route("/v2", server),
-              Route(model, metadata), Route(version, metadata), Route(f"{model}/ready", model_ready),
-              Route(f"{version}/ready", model_ready), Route(f"{model}/infer", infer, methods=["POST"]),
+              Route("/v2/models/stats", stats), Route(model, metadata), Route(version, metadata), Route(f"{model}/ready", model_ready),
+              Route(f"{version}/ready", model_ready), Route(f"{model}/config", config),
+              Route(f"{version}/config", config), Route(f"{model}/stats", stats),
+              Route(f"{version}/stats", stats), Route(f"{model}/infer", infer, methods=["POST"]),
               Route(f"{version}/infer", infer, methods=["POST"]), Route("/metrics", metrics)]
     app = Starlette(routes=routes, lifespan=lifespan)
     app.state.service = svc
@@ -193,36 +205,62 @@ def _error(status: int, message: str, **headers) -> JSONResponse:
     return JSONResponse({"error": message}, status_code=status, headers=headers or None)
 
 
-def _metadata(svc: _Service, model: str) -> Response:
-    if model not in MODELS:
-        return _error(404, f"unknown model {model!r}; the models are {', '.join(MODELS)}")
+def _unknown(model: str) -> Response:
+    return _error(404, f"unknown model {model!r}; the models are {', '.join(MODELS)}")
+
+
+def _tensor_specs(svc: _Service, model: str) -> tuple[list, list] | None:
+    """(inputs, outputs) of ``model``: name, datatype and shape each; None while the corpus loads."""
     if svc.batcher is None:
-        return _error(503, "the corpus is still loading", **{"Retry-After": _RETRY_AFTER_S})
+        return None
     c = svc.batcher.corpus
     qtype = "FP32" if c.dtype == "int8" else _tensors.DATATYPES[c.dtype]
     ids = "BYTES" if svc.ids.kind == "string" else "INT64"
-    inputs = {"Q": {"datatype": qtype, "shape": [-1, c.dim]}, "K": {"datatype": "INT32", "shape": [1]},
-              "IDS": {"datatype": ids, "shape": [-1]}}
-    outputs = {"SCORES": {"datatype": "FP32", "shape": [-1]}, "IDS": {"datatype": ids, "shape": [-1]}}
-    return JSONResponse({"name": model, "versions": ["1"], "platform": "lik_cupy",
-                         "inputs": [{"name": n, **inputs[n]} for n in _INPUTS[model]],
-                         "outputs": [{"name": n, **outputs[n]} for n in _OUTPUTS[model]]})
+    specs = {"Q": (qtype, [-1, c.dim]), "K": ("INT32", [1]), "IDS": (ids, [-1]), "SCORES": ("FP32", [-1])}
+    return ([(n, *specs[n]) for n in _INPUTS[model]], [(n, *specs[n]) for n in _OUTPUTS[model]])
+
+
+def _metadata(svc: _Service, model: str) -> Response:
+    if model not in MODELS:
+        return _unknown(model)
+    specs = _tensor_specs(svc, model)
+    if specs is None:
+        return _error(503, "the corpus is still loading", **{"Retry-After": _RETRY_AFTER_S})
+    inputs, outputs = ([{"name": n, "datatype": t, "shape": s} for n, t, s in part] for part in specs)
+    return JSONResponse({"name": model, "versions": ["1"], "platform": "lik_cupy", "inputs": inputs,
+                         "outputs": outputs})
+
+
+def _config(svc: _Service, model: str) -> Response:
+    """Triton's model configuration (perf_analyzer reads it): no batch axis of its own (each request
+    holds its queries), one instance per replica."""
+    if model not in MODELS:
+        return _unknown(model)
+    specs = _tensor_specs(svc, model)
+    if specs is None:
+        return _error(503, "the corpus is still loading", **{"Retry-After": _RETRY_AFTER_S})
+    inputs, outputs = ([{"name": n, "data_type": f"TYPE_{'STRING' if t == 'BYTES' else t}", "dims": s}
+                        for n, t, s in part] for part in specs)
+    gpus = sum(d.startswith("cuda") for d in svc.batcher.devices)
+    groups = [{"count": n, "kind": kind} for n, kind in ((gpus, "KIND_GPU"), (len(svc.batcher.devices) - gpus,
+                                                                              "KIND_CPU")) if n]
+    return JSONResponse({"name": model, "platform": "lik_cupy", "backend": "lik_cupy", "max_batch_size": 0,
+                         "input": inputs, "output": outputs, "instance_group": groups})
 
 
 def _model_ready(svc: _Service, model: str) -> Response:
     if model not in MODELS:
-        return _error(404, f"unknown model {model!r}; the models are {', '.join(MODELS)}")
+        return _unknown(model)
     return Response(status_code=200 if svc.ready else 503)
 
 
 async def _infer(svc: _Service, request: Request) -> Response:
     model = request.path_params["model"]
     if model not in MODELS:
-        return _error(404, f"unknown model {model!r}; the models are {', '.join(MODELS)}")
+        return _unknown(model)
     start = time.perf_counter()
     response = await _answer(svc, model, request)
-    svc.metrics.request.labels(model).observe(time.perf_counter() - start)
-    svc.metrics.responses.labels(model, str(response.status_code)).inc()
+    svc.metrics.responded(model, response.status_code, time.perf_counter() - start)
     return response
 
 
