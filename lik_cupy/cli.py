@@ -1111,10 +1111,17 @@ def _info_command(debug):
 
 def _serve_devices(text: str) -> list:
     """--devices of ``lik serve``: GPU indices and 'cpu' entries, in order."""
-    entries = [x.strip() for x in text.split(",")]
-    gpus = [x for x in entries if x != "cpu"]
-    ordinals = iter(_parse_devices(",".join(gpus)) if gpus else ())
-    return [x if x == "cpu" else next(ordinals) for x in entries]
+    devices = []
+    for x in (x.strip() for x in text.split(",")):
+        try:
+            devices.append(x if x == "cpu" else int(x))
+        except ValueError:
+            raise LikError("--devices", f"expected GPU indices and/or cpu, comma-separated (0,1 or cpu); got {text!r}") \
+                from None
+    gpus = [d for d in devices if d != "cpu"]
+    if len(set(gpus)) != len(gpus):
+        raise LikError("--devices", f"lists a GPU twice: {text}")
+    return devices
 
 
 @main.command(

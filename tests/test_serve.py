@@ -25,6 +25,7 @@ import lik_cupy
 from lik_cupy import shards
 from lik_cupy.serving import Batcher, DeadlineExceeded, Observer, Overloaded, ShuttingDown
 from lik_cupy.serving._ids import IdIndex
+from lik_command import run_lik
 from threads import run_threads
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -283,6 +284,22 @@ def _json_q(q, name="Q"):
     return {"name": name, "shape": list(q.shape), "datatype": "FP32", "data": q.reshape(-1).tolist()}
 
 
+def test_serve_help_and_bad_devices(shard):
+    r = run_lik("serve", "--help")
+    assert r.exit_code == 0 and "Open Inference Protocol" in r.output and "--max-delay-us" in r.output
+    r = run_lik("serve", shard, "--devices", "0,x")
+    assert r.exit_code == 2 and "--devices: expected GPU indices and/or cpu" in r.stderr
+
+
+def test_a_corpus_that_fails_to_load_stops_the_server_with_exit_2(tmp_path):
+    for m in ("starlette", "uvicorn", "prometheus_client"):
+        pytest.importorskip(m)
+    r = subprocess.run([sys.executable, "-m", "lik_cupy", "serve", str(tmp_path / "missing"), "--port", "0"],
+                       capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert r.returncode == 2 and "lik: error: lik serve: loading the corpus failed:" in r.stderr, r.stderr
+    assert "missing" in r.stderr
+
+
 def test_health_metadata_and_metrics(served):
     assert served.get("/v2/health/live")[0] == 200
     assert served.get("/v2/models/rerank/ready")[0] == 200
@@ -366,7 +383,8 @@ def test_many_concurrent_clients_each_get_their_own_rows(served, local):
 
 @pytest.mark.parametrize("model,payload,headers,match", [
     ("search", {"inputs": [{"name": "Q", "shape": [DIM], "datatype": "FP32", "data": [0.0] * DIM},
-                           {"name": "K", "shape": [1], "datatype": "INT32", "data": [3]}]}, None, r"Q has shape \[16\]"),
+                           {"name": "K", "shape": [1], "datatype": "INT32", "data": [3]}]}, None,
+     r"Q has shape \[16\]"),
     ("search", {"inputs": [{"name": "Q", "shape": [2, DIM], "datatype": "FP16", "data": [0.0] * 2 * DIM},
                            {"name": "K", "shape": [1], "datatype": "INT32", "data": [3]}]}, None,
      "corpus has dtype float32 but Q has float16"),
@@ -374,7 +392,8 @@ def test_many_concurrent_clients_each_get_their_own_rows(served, local):
                            {"name": "K", "shape": [1], "datatype": "INT32", "data": [3]}]}, None,
      "Q must be FP16, BF16 or FP32"),
     ("search", {"inputs": [{"name": "Q", "shape": [2, DIM], "datatype": "FP32", "data": [0.0] * 2 * DIM},
-                           {"name": "K", "shape": [1], "datatype": "INT32", "data": [0]}]}, None, "k must be an integer"),
+                           {"name": "K", "shape": [1], "datatype": "INT32", "data": [0]}]}, None,
+     "k must be an integer"),
     ("search", {"inputs": [{"name": "Q", "shape": [2, DIM], "datatype": "FP32", "data": [0.0] * 2 * DIM},
                            {"name": "K", "shape": [2], "datatype": "INT32", "data": [1, 2]}]}, None,
      "K must hold one INT32"),
@@ -469,8 +488,9 @@ def test_sigterm_under_load_answers_every_accepted_request(shard, local):
 def test_bench_serve_smoke_run(tmp_path):
     for m in ("starlette", "uvicorn", "prometheus_client"):
         pytest.importorskip(m)
-    subprocess.run([sys.executable, str(ROOT / "bench" / "suites" / "bench_serve.py"), "--smoke", "--out", str(tmp_path)],
-                   check=True, cwd=ROOT, capture_output=True, timeout=300)
+    script = ROOT / "bench" / "suites" / "bench_serve.py"
+    subprocess.run([sys.executable, str(script), "--smoke", "--out", str(tmp_path)], check=True, cwd=ROOT,
+                   capture_output=True, timeout=300)
     res = json.loads((tmp_path / "serve_cpu.json").read_text())
     assert res["gpu"] == "cpu" and [w["workload"] for w in res["workloads"]] == ["search", "rerank"]
     for w in res["workloads"]:

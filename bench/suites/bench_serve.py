@@ -402,7 +402,8 @@ def run(args) -> dict:
             print(f"{docs} documents: in process", flush=True)
             local = in_process(args, docs, workloads, qs, cand)
             rows = {w: {"workload": w, "docs": docs, "k": K if w == "search" else None,
-                        "ids": args.rerank_ids if w == "rerank" else None, **local[w], "servers": {}} for w in workloads}
+                        "ids": args.rerank_ids if w == "rerank" else None, **local[w], "servers": {}}
+                    for w in workloads}
             for label, max_batch in (("batched", args.max_batch), ("unbatched", 1)):
                 print(f"{docs} documents: {label} server (--max-batch {max_batch})", flush=True)
                 server = Server(args, docs, max_batch)
@@ -414,7 +415,8 @@ def run(args) -> dict:
                     server.stop()
             for w, row in rows.items():
                 b, u = row["servers"]["batched"], row["servers"]["unbatched"]
-                row["sustained_over_unbatched"] = b["sustained_qps"] / u["sustained_qps"] if u["sustained_qps"] else None
+                row["sustained_over_unbatched"] = \
+                    b["sustained_qps"] / u["sustained_qps"] if u["sustained_qps"] else None
                 if b["low_load_p50_ms"] is not None:
                     row["p50_over_kernel"] = b["low_load_p50_ms"] / row["kernel_ms"]
                     row["p50_minus_call_ms"] = b["low_load_p50_ms"] - row["call_ms"]

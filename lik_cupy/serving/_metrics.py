@@ -14,8 +14,8 @@ from .batcher import OPERATIONS, Observer
 
 _SECONDS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 _QUERIES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
-_TOTALS = ("inference_count", "execution_count", "scored", "success_count", "success_ns", "fail_count", "fail_ns", "queue_ns",
-           "compute_ns", "last_inference")
+_TOTALS = ("inference_count", "execution_count", "scored", "success_count", "success_ns", "fail_count", "fail_ns",
+           "queue_ns", "compute_ns", "last_inference")
 
 
 class Metrics(Observer):

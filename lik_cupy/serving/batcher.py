@@ -75,8 +75,8 @@ class Batcher:
         for c in replicas[1:]:
             if (len(c), c.dim, c.dtype) != (len(first), first.dim, first.dtype):
                 raise ValueError(f"replicas differ: {c!r} against {first!r}; every replica holds the same documents")
-        for name, v, lo in (("max_batch", max_batch, 1), ("max_tokens", max_tokens, 1), ("max_delay_us", max_delay_us, 0),
-                            ("max_queue", max_queue, 1)):
+        for name, v, lo in (("max_batch", max_batch, 1), ("max_tokens", max_tokens, 1),
+                            ("max_delay_us", max_delay_us, 0), ("max_queue", max_queue, 1)):
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < lo:
                 raise ValueError(f"{name} must be an integer >= {lo}, got {v!r}")
         self.corpus = first

@@ -78,9 +78,8 @@ class _Service:
                 b.warm()
                 self.ready = True
                 print(f"lik serve: ready: {b.corpus!r} on {', '.join(b.devices)}", file=sys.stderr, flush=True)
-            except BaseException as e:  # noqa: BLE001 - reported, and the server stops
+            except BaseException as e:  # noqa: BLE001 - run() reports it once the server has stopped
                 self.failure = e
-                print(f"lik serve: error: loading the corpus failed: {e}", file=sys.stderr, flush=True)
                 if self.on_failure is not None:
                     self.on_failure()
 
@@ -142,11 +141,10 @@ def make_app(load, *, max_body_bytes: int = _MAX_BODY) -> Starlette:
 
     model, version = "/v2/models/{model}", "/v2/models/{model}/versions/{version}"
     routes = [Route("/v2/health/live", live), Route("/v2/health/ready", ready), Route("/v2", server),
-              Route("/v2/models/stats", stats), Route(model, metadata), Route(version, metadata), Route(f"{model}/ready", model_ready),
-              Route(f"{version}/ready", model_ready), Route(f"{model}/config", config),
-              Route(f"{version}/config", config), Route(f"{model}/stats", stats),
-              Route(f"{version}/stats", stats), Route(f"{model}/infer", infer, methods=["POST"]),
-              Route(f"{version}/infer", infer, methods=["POST"]), Route("/metrics", metrics)]
+              Route("/v2/models/stats", stats), Route("/metrics", metrics)]
+    for base in (model, version):
+        routes += [Route(base, metadata), Route(f"{base}/ready", model_ready), Route(f"{base}/config", config),
+                   Route(f"{base}/stats", stats), Route(f"{base}/infer", infer, methods=["POST"])]
     app = Starlette(routes=routes, lifespan=lifespan)
     app.state.service = svc
     return app
@@ -266,7 +264,8 @@ async def _infer(svc: _Service, request: Request) -> Response:
 
 async def _answer(svc: _Service, model: str, request: Request) -> Response:
     if not svc.ready:
-        return _error(503, "the server is not ready (loading the corpus, or stopping)", **{"Retry-After": _RETRY_AFTER_S})
+        return _error(503, "the server is not ready (loading the corpus, or stopping)",
+                      **{"Retry-After": _RETRY_AFTER_S})
     body = await _body(request, svc.max_body)
     if body is None:
         return _error(413, f"the request body is over {svc.max_body} bytes")
@@ -338,7 +337,7 @@ def _arguments(svc: _Service, model: str, inputs: dict) -> tuple[np.ndarray, obj
                          + (f"; missing {', '.join(missing)}" if missing else "")
                          + (f"; unexpected {', '.join(extra)}" if extra else ""))
     Q = inputs["Q"]
-    if Q.dtype.kind in "US" or Q.dtype.kind in "iub":
+    if Q.dtype.kind in "USiub":
         raise ValueError(f"Q must be FP16, BF16 or FP32 embeddings, got {_datatype(Q)}")
     if model == "search":
         K = inputs["K"]
