@@ -64,27 +64,6 @@ class _Record(Observer):
 # ---------------------------------------------------------------- the Batcher in process
 
 
-def test_corpus_packed_queries_score_as_each_alone(corpus):
-    rng = np.random.default_rng(1)
-    qs = _queries(rng, 5)
-    off = np.concatenate([[0], np.cumsum([len(q) for q in qs])])
-    tokens = np.concatenate(qs)
-    cand = rng.integers(0, len(corpus), (5, 30))
-    S, (s, i), R = (corpus.score(tokens, q_offsets=off), corpus.search(tokens, 7, q_offsets=off),
-                    corpus.rerank(tokens, cand, q_offsets=off))
-    for j, q in enumerate(qs):
-        assert np.array_equal(S[j], corpus.score(q))
-        s1, i1 = corpus.search(q, 7)
-        assert np.array_equal(s[j], s1) and np.array_equal(i[j], i1)
-        assert np.array_equal(R[j], corpus.rerank(q, cand[j]))
-    with pytest.raises(ValueError, match="take no q_mask or q_lengths"):
-        corpus.score(tokens, q_lengths=[1], q_offsets=off)
-    with pytest.raises(ValueError, match="must be packed tokens"):
-        corpus.score(tokens[None], q_offsets=off)
-    with pytest.raises(ValueError, match="q_offsets must start at 0"):
-        corpus.score(tokens, q_offsets=off + 1)
-
-
 def test_concurrent_requests_are_batched_and_bitwise_the_unbatched_calls(corpus):
     rng = np.random.default_rng(2)
     qs = _queries(rng, 96)
