@@ -1129,8 +1129,8 @@ def _serve_devices(text: str) -> list:
     help="Serve MaxSim over HTTP with the Open Inference Protocol (KServe v2; tritonclient and "
     "perf_analyzer work as clients): models search (Q, K -> SCORES, IDS), rerank (Q, IDS -> SCORES) "
     "and score (Q -> SCORES) over the documents of SHARD..., kept resident (a replica per device, "
-    "requests routed to the least loaded). Concurrent requests are batched into multi-query calls, "
-    "each answer bitwise the single call's. /v2/health/ready turns 200 once the corpus is resident "
+    "requests routed to the least loaded). Concurrent requests are batched into multi-query calls; "
+    "each caller gets its own rows. /v2/health/ready turns 200 once the corpus is resident "
     "and warm; /metrics is Prometheus. A full queue answers 503 with Retry-After; SIGTERM or Ctrl-C "
     "answers every accepted request, then stops. Needs the [serve] extra; see docs/serving.md.\n\n\b\nExample:\n"
     "  lik serve examples/shard0 examples/shard1 --port 8000 --max-delay-us 200\n",

@@ -151,6 +151,16 @@ def test_a_request_past_its_deadline_in_the_queue_is_never_scored(corpus):
     assert [(r, n) for _, r, n in seen.batches] == [(1, 1)]
 
 
+def test_a_request_cancelled_in_the_queue_is_dropped(corpus):
+    qs = _queries(np.random.default_rng(9), 2)
+    seen = _Record()
+    with Batcher(corpus, max_batch=64, max_delay_us=30_000_000, observer=seen) as b:
+        gone, kept = b.submit("score", qs[0]), b.submit("score", qs[1])
+        assert gone.cancel()
+    assert np.array_equal(kept.result(), corpus.score(qs[1]))
+    assert [(r, n) for _, r, n in seen.batches] == [(1, 1)]
+
+
 @pytest.mark.parametrize("op,Q,arg,error,match", [
     ("search", np.zeros((4, DIM + 1), np.float32), 3, ValueError, "Q has dim 17 but the corpus has dim 16"),
     ("search", np.zeros((4, DIM), np.float16), 3, TypeError, "corpus has dtype float32 but Q has float16"),

@@ -451,7 +451,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.smoke:
         args.docs, args.ld, args.dim, args.rerank_ids = [300], 12, 32, 50
-        args.clients, args.open_fractions, args.duration, args.devices, args.procs = [1, 4], [0.5], 0.5, "cpu", 1
+        args.clients, args.open_fractions, args.duration, args.devices, args.procs = [1, 4], [0.5], 0.3, "cpu", 1
     if args.role == "server":
         serve_synthetic(args)
     else:

@@ -142,21 +142,20 @@ class DeviceQueue:
         group, n, lq = None, 0, 0
         while self._pending:
             r = self._pending.popleft()
-            if r.future.cancelled():
+            fits = group is None or (r.group == group and n + r.n <= self._max_batch
+                                     and (n + r.n) * max(lq, r.lq) <= self._max_tokens)
+            expires = r.deadline is not None and r.deadline < now
+            if not (fits or expires):
+                keep.append(r)
+            elif not r.future.set_running_or_notify_cancel():  # cancelled by its caller: drop it
                 self._queued -= r.n
-            elif r.deadline is not None and r.deadline < now:
+            elif expires:
                 expired.append(r)
-            elif (group is None or r.group == group and n + r.n <= self._max_batch
-                  and (n + r.n) * max(lq, r.lq) <= self._max_tokens):
-                if r.future.set_running_or_notify_cancel():
-                    group, n, lq = r.group, n + r.n, max(lq, r.lq)
-                    batch.append(r)
-                else:
-                    self._queued -= r.n
+            else:
+                group, n, lq = r.group, n + r.n, max(lq, r.lq)
+                batch.append(r)
                 if n >= self._max_batch:
                     break
-            else:
-                keep.append(r)
         keep.extend(self._pending)
         self._pending = keep
         return batch, expired

@@ -36,7 +36,7 @@ class Observer:
     """What a :class:`Batcher` reports as it works (for metrics); these do nothing. ``device`` names
     the replica (``cuda:N``, ``cpu:N``), ``op`` the operation. Called from the worker threads
     (``batch``, ``answered``, ``rejected`` for a deadline) and from :meth:`Batcher.submit`
-    (``rejected`` when overloaded): keep them short and thread-safe."""
+    (``rejected`` when overloaded): keep them short and thread-safe, and let them not raise."""
 
     def batch(self, device: str, op: str, requests: int, queries: int, compute_s: float) -> None:
         """One corpus call of ``requests`` requests, ``queries`` queries in all, took ``compute_s``."""
