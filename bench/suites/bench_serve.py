@@ -53,6 +53,8 @@ from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_context
 from pathlib import Path
 
+import numpy as np
+
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))  # the repo root: bench.lib, and this checkout's lik_cupy
 
@@ -66,8 +68,6 @@ OPEN_FRACTIONS = (0.25, 0.5, 0.7, 0.8, 0.9, 1.0)
 
 def build_corpus(docs: int, ld: int, dim: int, device, seed: int):
     """``docs`` documents of ``ld`` unit random float16 tokens on ``device`` (a CUDA ordinal, or "cpu")."""
-    import numpy as np
-
     import lik_cupy
 
     if device == "cpu":
@@ -90,8 +90,6 @@ def build_corpus(docs: int, ld: int, dim: int, device, seed: int):
 
 
 def queries(n: int, lq: int, dim: int, seed: int):
-    import numpy as np
-
     x = np.random.default_rng(seed).standard_normal((n, lq, dim), np.float32)
     return (x / np.linalg.norm(x, axis=-1, keepdims=True)).astype(np.float16)
 
@@ -171,8 +169,6 @@ class Server:
 
 def request_bytes(model: str, q, ids=None, k: int = K) -> bytes:
     """One binary-protocol request (tritonclient's layout): the HTTP head and body."""
-    import numpy as np
-
     second = {"name": "K", "shape": [1], "datatype": "INT32", "parameters": {"binary_data_size": 4}}
     raw = np.array([k], "<i4").tobytes()
     if model == "rerank":
@@ -308,44 +304,74 @@ def batch_histogram(before: dict, after: dict) -> dict:
 
 
 def in_process(args, docs: int, workloads, qs, cand):
-    """One call per request, back to back, on the first device: {workload: {inprocess_qps, call_ms, kernel_ms}}."""
+    """One call per request with host queries, back to back, on the first device, and the GPU time of
+    one call: {workload: {inprocess_qps, call_ms, kernel_ms}}."""
+    device = args.devices.split(",")[0]
+    on_gpu = device != "cpu"
+    corpus = build_corpus(docs, args.ld, args.dim, int(device) if on_gpu else "cpu", args.seed)
+    out = timed_calls(corpus, workloads, qs, cand, args.duration, on_gpu)
+    del corpus
+    if on_gpu:
+        import cupy
+
+        cupy.get_default_memory_pool().free_all_blocks()
+    return out
+
+
+def timed_calls(corpus, workloads, qs, cand, duration: float, on_gpu: bool) -> dict:
     import statistics
 
-    device = args.devices.split(",")[0]
-    corpus = build_corpus(docs, args.ld, args.dim, "cpu" if device == "cpu" else int(device), args.seed)
-    calls = {"search": lambda j: corpus.search(qs[j % len(qs)], K),
-             "rerank": lambda j: corpus.rerank(qs[j % len(qs)], cand[j % len(cand)])}
-    out = {}
+    def calls(q, c):
+        return {"search": lambda j: corpus.search(q[j % len(q)], K),
+                "rerank": lambda j: corpus.rerank(q[j % len(q)], c[j % len(c)])}
+
+    host, out = calls(qs, cand), {}
     for w in workloads:
-        fn = calls[w]
+        fn = host[w]
         for j in range(3):
             fn(j)
-        times, t_end, j = [], time.perf_counter() + args.duration, 0
+        times, t_end, j = [], time.perf_counter() + duration, 0
         while time.perf_counter() < t_end:
             t0 = time.perf_counter()
             fn(j)
             times.append(time.perf_counter() - t0)
             j += 1
-        row = {"inprocess_qps": len(times) / sum(times), "call_ms": 1e3 * statistics.median(times)}
-        if device != "cpu":
-            import cupy
-
-            ev = [(cupy.cuda.Event(), cupy.cuda.Event()) for _ in range(20)]
-            for j, (a, b) in enumerate(ev):
-                a.record()
-                fn(j)
-                b.record()
-            b.synchronize()
-            row["kernel_ms"] = statistics.median(cupy.cuda.get_elapsed_time(a, b) for a, b in ev)
-        else:
-            row["kernel_ms"] = row["call_ms"]
-        out[w] = row
-    del corpus
-    if device != "cpu":
+        out[w] = {"inprocess_qps": len(times) / sum(times), "call_ms": 1e3 * statistics.median(times),
+                  "kernel_ms": 1e3 * statistics.median(times)}
+    if on_gpu:
         import cupy
 
-        cupy.get_default_memory_pool().free_all_blocks()
+        on_device = calls(cupy.asarray(qs), cupy.asarray(np.stack(cand)))
+        for w in workloads:
+            out[w]["kernel_ms"] = gpu_ms(on_device[w])
     return out
+
+
+_SPIN = r'''extern "C" __global__ void lik_bench_spin(long long cycles) {
+    long long t0 = clock64();
+    while (clock64() - t0 < cycles) {}
+}'''
+
+
+def gpu_ms(fn, reps: int = 20) -> float:
+    """Median GPU time of ``fn(j)`` (device queries): each call queued behind a spin kernel of about
+    10 ms, so the host's time to queue it is hidden where the call does not wait on the device."""
+    import statistics
+
+    import cupy
+
+    spin = cupy.RawKernel(_SPIN, "lik_bench_spin")
+    fn(0)
+    times = []
+    for j in range(reps):
+        a, b = cupy.cuda.Event(), cupy.cuda.Event()
+        spin((1,), (1,), (np.int64(20_000_000),))
+        a.record()
+        fn(j)
+        b.record()
+        b.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(a, b))
+    return statistics.median(times)
 
 
 def measure(args, pool, server: Server, workload: str, payloads) -> dict:
@@ -376,8 +402,6 @@ def measure(args, pool, server: Server, workload: str, payloads) -> dict:
 
 
 def run(args) -> dict:
-    import numpy as np
-
     from bench.lib.results import out_dir, slugify, write_json
 
     gpu = "cpu"
@@ -396,7 +420,7 @@ def run(args) -> dict:
     try:
         for n, docs in enumerate(args.docs):
             workloads = ["search"] + (["rerank"] if n == 0 else [])
-            cand = [rng.choice(docs, min(args.rerank_ids, docs), replace=False) for _ in range(len(qs))]
+            cand = [rng.choice(docs, min(args.rerank_ids, docs), replace=False) for _ in qs] if n == 0 else []
             payloads = {"search": [request_bytes("search", q) for q in qs],
                         "rerank": [request_bytes("rerank", q, c) for q, c in zip(qs, cand)]}
             print(f"{docs} documents: in process", flush=True)
