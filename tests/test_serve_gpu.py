@@ -44,6 +44,7 @@ def _check_batched_equals_single(corpus, qs, precision, replicas=None, workers=1
     cands = [rng.integers(0, len(corpus), 100) for _ in qs]
     seen = _Devices()
     with Batcher(replicas or corpus, max_batch=32, max_delay_us=2000, observer=seen) as b:
+        b.warm()
         def client(t):
             for j in range(t, len(qs), workers):
                 q, kw = qs[j], {"precision": precision}

@@ -179,20 +179,16 @@ class Batcher:
         return self.submit("score", Q, precision=precision, timeout=timeout).result()
 
     def warm(self, lq: int = 32) -> None:
-        """Score a batch of one query and one of ``max_batch`` queries of ``lq`` tokens with each
-        operation on every replica, so that the kernels of those shapes are compiled before the first request."""
+        """Run each operation on every GPU replica at the batch sizes whose kernels differ for queries
+        of ``lq`` tokens (1 up to as many as share a 128-row tile, and ``max_batch``), so that those
+        kernels are compiled before the first request. Host-memory replicas need nothing."""
         dtype = "float32" if self.corpus.dtype == "int8" else self.corpus.dtype
-        seen = set()
-        for q in self._queues:
-            if id(q.corpus) in seen:
-                continue
-            seen.add(id(q.corpus))
-            c = q.corpus
-            for n in sorted({1, self.max_batch}):
-                # random tokens: all-equal ones tie everywhere, the CPU path's slowest case
-                tokens = np.random.default_rng(0).standard_normal((n * lq, c.dim)).astype(numpy_dtype(dtype))
+        rng = np.random.default_rng(0)
+        for c in {id(q.corpus): q.corpus for q in self._queues if q.corpus.device is not None}.values():
+            for n in sorted({*range(1, min(self.max_batch, max(1, 128 // lq)) + 1), self.max_batch}):
+                tokens = rng.standard_normal((n * lq, c.dim)).astype(numpy_dtype(dtype))
                 offsets = np.arange(0, n * lq + 1, lq, dtype=np.int64)
-                c.search(tokens, min(10, MAX_K), q_offsets=offsets)
+                c.search(tokens, min(10, max(1, len(c))), q_offsets=offsets)
                 c.rerank(tokens, np.arange(n * min(len(c), 100)).reshape(n, -1) % max(1, len(c)), q_offsets=offsets)
                 c.score(tokens, q_offsets=offsets)
 
