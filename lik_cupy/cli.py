@@ -1118,9 +1118,6 @@ def _serve_devices(text: str) -> list:
         except ValueError:
             raise LikError("--devices", f"expected GPU indices and/or cpu, comma-separated (0,1 or cpu); got {text!r}") \
                 from None
-    gpus = [d for d in devices if d != "cpu"]
-    if len(set(gpus)) != len(gpus):
-        raise LikError("--devices", f"lists a GPU twice: {text}")
     return devices
 
 
@@ -1140,8 +1137,8 @@ def _serve_devices(text: str) -> list:
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True,
               help="Port to listen on (0: any free one; the line 'listening on' names it).")
-@click.option("--devices", metavar="LIST", help="Comma-separated GPU indices and/or 'cpu' (one worker each; "
-              "'cpu' entries share one host-memory corpus). Default: every GPU, else cpu.")
+@click.option("--devices", metavar="LIST", help="Comma-separated GPU indices and/or 'cpu', one worker each; "
+              "entries naming one device share its corpus (0,0: two workers on GPU 0). Default: every GPU, else cpu.")
 @click.option("--max-batch", type=click.IntRange(1), default=64, show_default=True, help="Queries per call.")
 @click.option("--max-tokens", type=click.IntRange(1), default=65536, show_default=True,
               help="Padded query tokens per call (queries x the longest).")

@@ -94,3 +94,11 @@ def test_two_gpus_share_the_load():
     qs = [rng.standard_normal((32, DIM)).astype(np.float16) for _ in range(192)]
     seen = _check_batched_equals_single(replicas[0], qs, None, replicas=replicas, workers=32)
     assert {d for d, _ in seen.batches} == {"cuda:0", "cuda:1"}
+
+
+def test_two_workers_on_one_gpu_each_on_its_own_stream():
+    rng = np.random.default_rng(6)
+    corpus = _corpus(rng, "float16")
+    qs = [rng.standard_normal((32, DIM)).astype(np.float16) for _ in range(96)]
+    seen = _check_batched_equals_single(corpus, qs, None, replicas=[corpus, corpus], workers=32)
+    assert {d for d, _ in seen.batches} == {"cuda:0", "cuda:0#1"}

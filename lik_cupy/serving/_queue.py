@@ -14,6 +14,7 @@ other queries of a call, so each result is bitwise the unbatched call's.
 from __future__ import annotations
 
 import collections
+import contextlib
 import threading
 import time
 from concurrent.futures import Future
@@ -102,18 +103,31 @@ class DeviceQueue:
     # ------------------------------------------------------------ the worker
 
     def _work(self) -> None:
-        while True:
-            batch, expired = self._next()
-            for r in expired:
-                r.future.set_exception(DeadlineExceeded(f"the request's deadline passed after "
-                                                        f"{time.monotonic() - r.arrival:.3f} s in the queue"))
-                self._observer.rejected(r.op, "deadline")
-            if batch is None:
-                return
-            if batch:
-                self._run(batch)
-            with self._cv:
-                self._running = 0
+        with self._own_stream():
+            while True:
+                batch, expired = self._next()
+                for r in expired:
+                    r.future.set_exception(DeadlineExceeded(f"the request's deadline passed after "
+                                                            f"{time.monotonic() - r.arrival:.3f} s in the queue"))
+                    self._observer.rejected(r.op, "deadline")
+                if batch is None:
+                    return
+                if batch:
+                    self._run(batch)
+                with self._cv:
+                    self._running = 0
+
+    def _own_stream(self):
+        """On a GPU, the corpus's device and a stream of this worker's own for its calls, so that
+        workers sharing a GPU overlap (nothing on the host path)."""
+        if self.corpus.device is None:
+            return contextlib.nullcontext()
+        import cupy
+
+        stack = contextlib.ExitStack()
+        stack.enter_context(cupy.cuda.Device(self.corpus.device))
+        stack.enter_context(cupy.cuda.Stream(non_blocking=True))
+        return stack
 
     def _next(self) -> tuple[list[Request] | None, list[Request]]:
         """(the next batch, possibly empty when only expired or cancelled requests were queued, or

@@ -53,7 +53,7 @@ class Batcher:
 
     Args:
         replicas: a :class:`lik_cupy.Corpus` or a sequence of them holding the same documents, one
-            worker each (the same host-memory corpus may repeat: several CPU workers over it).
+            worker each (a corpus may repeat: several workers over it).
         max_batch: queries per call, at most.
         max_tokens: padded query tokens per call (queries x the longest of them), at most; a
             request larger than either cap is scored alone.
@@ -82,13 +82,10 @@ class Batcher:
         self.corpus = first
         self.max_batch, self.max_tokens, self.max_queue = int(max_batch), int(max_tokens), int(max_queue)
         self._observer = observer or Observer()
-        names, cpus = [], 0
-        for c in replicas:
-            if c.device is None:
-                names.append(f"cpu:{cpus}")
-                cpus += 1
-            else:
-                names.append(f"cuda:{c.device}")
+        names, workers = [], {}
+        for c in replicas:  # cpu:0, cpu:1, ...; cuda:0, then cuda:0#1 for a second worker on GPU 0
+            n = workers[c.device] = workers.get(c.device, -1) + 1
+            names.append(f"cpu:{n}" if c.device is None else f"cuda:{c.device}" + (f"#{n}" if n else ""))
         self._queues = [DeviceQueue(c, n, max_batch=self.max_batch, max_tokens=self.max_tokens,
                                     max_delay_s=max_delay_us * 1e-6, max_queue=self.max_queue, observer=self._observer)
                         for c, n in zip(replicas, names)]
@@ -98,8 +95,9 @@ class Batcher:
     @classmethod
     def from_shards(cls, paths, devices=None, **kwargs) -> Batcher:
         """A batcher over the documents of shard paths (:meth:`lik_cupy.Corpus.from_shards`), one
-        replica per entry of ``devices``: CUDA ordinals, or ``"cpu"`` (the CPU entries share one
-        host-memory corpus). Default: every GPU, else one CPU worker. ``kwargs``: as for the class."""
+        worker per entry of ``devices``: CUDA ordinals, or ``"cpu"``; entries naming one device share
+        its one corpus (a second worker on a GPU queues its call while the first one's runs).
+        Default: every GPU, else one CPU worker. ``kwargs``: as for the class."""
         if devices is None:
             from .._runtime.device import gpu_available
 
@@ -112,15 +110,11 @@ class Batcher:
         devices = list(devices)
         if not devices:
             raise ValueError("devices is empty; give CUDA ordinals or 'cpu'")
-        host = None
-        replicas = []
+        loaded = {}
         for d in devices:
-            if d == "cpu":
-                host = host or Corpus.from_shards(paths, device="cpu")
-                replicas.append(host)
-            else:
-                replicas.append(Corpus.from_shards(paths, device=d))
-        return cls(replicas, **kwargs)
+            if d not in loaded:
+                loaded[d] = Corpus.from_shards(paths, device=d)
+        return cls([loaded[d] for d in devices], **kwargs)
 
     @property
     def devices(self) -> list[str]:
