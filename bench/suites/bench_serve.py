@@ -102,8 +102,11 @@ def serve_synthetic(args) -> None:
     devices = ["cpu" if d == "cpu" else int(d) for d in args.devices.split(",")]
 
     def load(observer):
-        replicas = [build_corpus(args.docs[0], args.ld, args.dim, d, args.seed) for d in devices]
-        return Batcher(replicas, max_batch=args.max_batch, max_delay_us=args.max_delay_us, max_queue=args.max_queue,
+        loaded = {}  # entries naming one device share its corpus (--devices 0,0: two workers on GPU 0)
+        for d in devices:
+            if d not in loaded:
+                loaded[d] = build_corpus(args.docs[0], args.ld, args.dim, d, args.seed)
+        return Batcher([loaded[d] for d in devices], max_batch=args.max_batch, max_delay_us=args.max_delay_us, max_queue=args.max_queue,
                        observer=observer)
 
     run(make_app(load), host="127.0.0.1", port=0)
@@ -464,7 +467,7 @@ def main(argv=None):
     ap.add_argument("--clients", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128, 256])
     ap.add_argument("--open-fractions", type=float, nargs="+", default=list(OPEN_FRACTIONS))
     ap.add_argument("--duration", type=float, default=3.0, help="seconds per load point")
-    ap.add_argument("--devices", default="0", help="the server's devices (GPU indices or cpu)")
+    ap.add_argument("--devices", default="0", help="the server's workers: GPU indices or cpu (0,0: two on GPU 0)")
     ap.add_argument("--max-batch", type=int, default=64)
     ap.add_argument("--max-delay-us", type=int, default=0)
     ap.add_argument("--max-queue", type=int, default=4096)
