@@ -99,16 +99,20 @@ def test_a_free_worker_takes_up_to_max_batch_queries_of_one_group(corpus):
     assert [(r, n) for _, r, n in seen.batches] == [(4, 4), (4, 4)]
 
 
-def test_batches_never_mix_operations_or_k(corpus):
+def test_batches_never_mix_operations_k_or_length_classes(corpus):
     rng = np.random.default_rng(4)
     seen = _Record()
     with Batcher(corpus, max_batch=64, max_delay_us=30_000_000, observer=seen) as b:
-        qs = _queries(rng, 4)
+        qs = [rng.standard_normal((n, DIM)).astype(np.float32) for n in (7, 20, 9, 32, 33, 64, 31)]
         futures = [b.submit("search", qs[0], 5), b.submit("search", qs[1], 6), b.submit("score", qs[2]),
-                   b.submit("search", qs[3], 5)]
-    # close() cut the wait: [search k=5 x2], [search k=6], [score], in arrival order of each group's head
-    assert [(r, n) for _, r, n in seen.batches] == [(2, 2), (1, 1), (1, 1)]
-    assert np.array_equal(futures[3].result()[1], corpus.search(qs[3], 5)[1])
+                   b.submit("search", qs[3], 5), b.submit("search", qs[4], 5), b.submit("search", qs[5], 5),
+                   b.submit("search", qs[6], 5)]
+    # close() cut the wait; in arrival order of each group's head: [search k=5, up to 32 tokens: 7, 32,
+    # 31], [search k=6], [score], [search k=5, 33 to 64 tokens: 33, 64]
+    assert [(r, n) for _, r, n in seen.batches] == [(3, 3), (1, 1), (1, 1), (2, 2)]
+    for f, q in zip(futures, qs):
+        if f is not futures[2]:
+            assert np.array_equal(f.result()[1], corpus.search(q, 5 if f is not futures[1] else 6)[1])
 
 
 async def _gather(b, qs):

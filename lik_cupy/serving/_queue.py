@@ -4,9 +4,10 @@ serving.
 The worker sleeps until a request arrives. When it is free it takes what is queued (after waiting up
 to ``max_delay_s`` from the oldest request's arrival for more, unless ``max_batch`` queries are
 already there): the oldest request's group (operation, k or candidate count, precision, query
-dtype) and every later request of that group that fits, in arrival order, capped by queries and
-by padded query tokens (queries x the longest of them: the kernels read queries padded to the
-longest, so that is the work). The batch's queries go to the corpus packed back to back with
+dtype, query length class: up to 32, 64 or 128 tokens, then whole blocks of 128) and every later
+request of that group that fits, in arrival order, capped by queries and by padded query tokens
+(queries x the longest of them: the kernels read queries padded to the longest, so that is the
+work). The batch's queries go to the corpus packed back to back with
 ``q_offsets``, one call; each request gets copies of its own rows. Scores do not depend on the
 other queries of a call, so each result is bitwise the unbatched call's.
 """
@@ -50,7 +51,7 @@ class Request:
     def group(self) -> tuple:
         """Requests of one group can share a call."""
         width = self.arg if self.op == "search" else self.arg.shape[1] if self.op == "rerank" else 0
-        return self.op, width, self.precision, self.Q.dtype.str
+        return self.op, width, self.precision, self.Q.dtype.str, _length_class(self.lq)
 
 
 class DeviceQueue:
@@ -196,6 +197,13 @@ class DeviceQueue:
             else:
                 r.future.set_result(res)
             self._observer.answered(self.name, r.op, start - r.arrival, done - start)
+
+
+def _length_class(lq: int) -> int:
+    """Queries padded to the longest of their class take the kernel tile of their own length (the
+    forward kernels' query tiles are sized for up to 32, 64 or 128 tokens, longer queries cut in
+    blocks of 128), and padding stays under twice the tokens."""
+    return 32 if lq <= 32 else 64 if lq <= 64 else 128 * -(-lq // 128)
 
 
 def _scored(corpus, batch: list[Request]) -> list:
