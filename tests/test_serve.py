@@ -418,6 +418,18 @@ def test_bad_requests_get_a_400_naming_the_problem_and_the_server_keeps_serving(
     assert status == 200
 
 
+def test_compressed_bodies_are_bounded_after_inflating(served):
+    import gzip
+
+    bomb = gzip.compress(bytes(65 << 20))  # 64 MiB is the most a body may hold
+    status, _, body = served.infer("score", bomb, {"Content-Encoding": "gzip"})
+    assert status == 413 and "over 67108864 bytes" in json.loads(body)["error"]
+    status, _, body = served.infer("score", gzip.compress(b'{"inputs": []}')[:-9], {"Content-Encoding": "gzip"})
+    assert status == 400 and "not valid gzip data" in json.loads(body)["error"]
+    status, _, body = served.infer("score", b"{}", {"Content-Encoding": "br"})
+    assert status == 400 and "Content-Encoding 'br' is not supported" in json.loads(body)["error"]
+
+
 def test_backpressure_503_and_deadline_504(shard):
     # One request waits out the 1.5 s delay in a queue of one, and expires there (timeout 1 ms);
     # meanwhile a second finds the queue full.

@@ -15,7 +15,7 @@ the binary tensor extension: ``lik_cupy/serving/_tensors.py``); ``GET /metrics``
 
 Request parameters: ``timeout`` (microseconds the request may wait in the queue, as tritonclient's
 ``timeout=`` sends it), ``precision`` ("fp32" or "tf32"). Answers: 400 for a bad request (the
-message names the problem), 404 for an unknown model, 413 for a body over ``max_body_bytes``, 503
+message names the problem), 404 for an unknown model, 413 for a body over ``max_body_bytes`` (decompressed too), 503
 with ``Retry-After`` when every queue is full or the server is not ready or stopping, 504 when the
 deadline passed in the queue. See docs/serving.md.
 """
@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gzip
 import signal
 import socket
 import sys
@@ -266,11 +265,14 @@ async def _answer(svc: _Service, model: str, request: Request) -> Response:
     if not svc.ready:
         return _error(503, "the server is not ready (loading the corpus, or stopping)",
                       **{"Retry-After": _RETRY_AFTER_S})
+    too_large = _error(413, f"the request body is over {svc.max_body} bytes")
     body = await _body(request, svc.max_body)
     if body is None:
-        return _error(413, f"the request body is over {svc.max_body} bytes")
+        return too_large
     try:
-        body = _decoded(body, request.headers.get("content-encoding"))
+        body = _decoded(body, request.headers.get("content-encoding"), svc.max_body)
+        if body is None:
+            return too_large
         header, inputs = _tensors.read_request(body, request.headers.get("inference-header-content-length"))
         names, binary = _tensors.binary_outputs(header, _OUTPUTS[model])
         Q, arg = _arguments(svc, model, inputs)
@@ -314,17 +316,22 @@ async def _body(request: Request, limit: int) -> bytes | None:
     return b"".join(chunks)
 
 
-def _decoded(body: bytes, encoding: str | None) -> bytes:
+def _decoded(body: bytes, encoding: str | None, limit: int) -> bytes | None:
+    """The body decompressed as its Content-Encoding says; None past ``limit`` bytes (inflated no further)."""
     if encoding in (None, "identity"):
         return body
+    if encoding not in ("gzip", "deflate"):
+        raise ValueError(f"Content-Encoding {encoding!r} is not supported; use gzip, deflate or none")
+    inflate = zlib.decompressobj(wbits=31 if encoding == "gzip" else 15)  # a gzip member, or a zlib stream
     try:
-        if encoding == "gzip":
-            return gzip.decompress(body)
-        if encoding == "deflate":
-            return zlib.decompress(body)
-    except (OSError, zlib.error, EOFError) as e:
+        out = inflate.decompress(body, limit + 1)
+    except zlib.error as e:
         raise ValueError(f"the body is not valid {encoding} data: {e}") from None
-    raise ValueError(f"Content-Encoding {encoding!r} is not supported; use gzip, deflate or none")
+    if len(out) > limit:
+        return None
+    if not inflate.eof:
+        raise ValueError(f"the body is not valid {encoding} data: it ends early")
+    return out
 
 
 def _arguments(svc: _Service, model: str, inputs: dict) -> tuple[np.ndarray, object]:
