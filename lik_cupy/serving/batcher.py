@@ -2,12 +2,14 @@
 
 A service that forwards each request to :class:`lik_cupy.Corpus` as its own call pays one pass over
 the corpus per query; queries that arrive together can share it. ``Batcher`` keeps one bounded queue
-and one worker thread per corpus replica (one per GPU, or several over one host-memory corpus on the
-CPU path). Requests from any number of threads (or from asyncio, through :meth:`Batcher.submit`'s
-future) are checked at once, routed to the least loaded replica, and scored there in batches: when
-the worker frees it takes what is queued (lik_cupy/serving/_queue.py says how), packs the queries
-ragged with ``q_offsets`` and makes one ``search``, ``rerank`` or ``score`` call. Each caller gets its
-own rows, bitwise those of the unbatched call.
+and one worker thread per corpus replica (one per GPU, or several over one corpus). Requests from
+any number of threads (or from asyncio, through :meth:`Batcher.submit`'s future) are checked at
+once, routed to the least loaded worker, and scored there in batches: when the worker frees it
+takes what is queued (lik_cupy/serving/_queue.py says how), packs the queries ragged with
+``q_offsets`` and makes one ``search``, ``rerank`` or ``score`` call. Each caller gets its own rows:
+bitwise those of the unbatched call on the CPU path and for rerank on the GPU (GPU search and score
+of several short queries run multi-query tiles, which sum a query's rows in another order:
+docs/serving.md).
 """
 
 from __future__ import annotations
