@@ -200,7 +200,7 @@ class Corpus:
                 in any framework; on the corpus's GPU or on the host.
             q_mask / q_lengths: valid query tokens, as in :func:`lik_cupy.maxsim`.
             q_offsets: int32 or int64 ``[Nq + 1]`` for packed queries, as in :func:`lik_cupy.maxsim_varlen`
-                (read on the host); their scores are each query's alone, as if scored by itself.
+                (read on the host): the call of the same queries padded to the longest, with their lengths.
             precision: float32 corpora on the GPU, "fp32" or "tf32", as in :func:`lik_cupy.maxsim`.
 
         Returns:
