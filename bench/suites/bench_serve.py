@@ -344,7 +344,7 @@ def timed_calls(corpus, workloads, qs, cand, duration: float, on_gpu: bool) -> d
     if on_gpu:
         import cupy
 
-        on_device = calls(cupy.asarray(qs), cupy.asarray(np.stack(cand)))
+        on_device = calls(cupy.asarray(qs), cupy.asarray(np.stack(cand)) if cand else None)
         for w in workloads:
             out[w]["kernel_ms"] = gpu_ms(on_device[w])
     return out
