@@ -459,7 +459,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", help="output directory (default $OUT, else bench/results)")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU: check the harness")
-    ap.add_argument("--docs", type=int, nargs="+", default=[100_000, 1_000_000])
+    ap.add_argument("--docs", type=int, nargs="+", help="corpus sizes (default 100000 1000000; --smoke: 300)")
     ap.add_argument("--ld", type=int, default=LD)
     ap.add_argument("--dim", type=int, default=DIM)
     ap.add_argument("--lq", type=int, default=LQ)
@@ -477,8 +477,9 @@ def main(argv=None):
     ap.add_argument("--role", choices=("driver", "server"), default="driver", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.smoke:
-        args.docs, args.ld, args.dim, args.rerank_ids = [300], 12, 32, 50
+        args.docs, args.ld, args.dim, args.rerank_ids = args.docs or [300], 12, 32, 50
         args.clients, args.open_fractions, args.duration, args.devices, args.procs = [1, 4], [0.5], 0.3, "cpu", 1
+    args.docs = args.docs or [100_000, 1_000_000]
     if args.role == "server":
         serve_synthetic(args)
     else:
