@@ -165,6 +165,28 @@ def test_a_request_cancelled_in_the_queue_is_dropped(corpus):
     assert [(r, n) for _, r, n in seen.batches] == [(1, 1)]
 
 
+class _FailsOnNaN(lik_cupy.Corpus):
+    """A corpus whose score raises for a call with a NaN query token."""
+
+    def score(self, Q, *args, **kwargs):
+        if np.isnan(np.asarray(Q, np.float32)).any():
+            raise FloatingPointError("a NaN query token")
+        return super().score(Q, *args, **kwargs)
+
+
+def test_a_failing_call_fails_only_the_request_at_fault():
+    rng = np.random.default_rng(10)
+    docs = np.concatenate(_docs(rng, 20))
+    corpus = _FailsOnNaN(docs, d_offsets=np.array([0, len(docs) // 2, len(docs)]), device="cpu")
+    good, bad = _queries(rng, 2, hi=20)
+    bad[0, 0] = np.nan
+    with Batcher(corpus, max_batch=64, max_delay_us=30_000_000) as b:
+        failing, fine = b.submit("score", bad), b.submit("score", good)
+    with pytest.raises(FloatingPointError, match="NaN query token"):
+        failing.result()
+    assert np.array_equal(fine.result(), corpus.score(good))
+
+
 @pytest.mark.parametrize("op,Q,arg,error,match", [
     ("search", np.zeros((4, DIM + 1), np.float32), 3, ValueError, "Q has dim 17 but the corpus has dim 16"),
     ("search", np.zeros((4, DIM), np.float16), 3, TypeError, "corpus has dtype float32 but Q has float16"),
