@@ -97,6 +97,7 @@ def test_a_free_worker_takes_up_to_max_batch_queries_of_one_group(corpus):
         for f in futures:
             f.result()
     assert [(r, n) for _, r, n in seen.batches] == [(4, 4), (4, 4)]
+    assert [f.timing.batch_queries for f in futures] == [4] * 8
 
 
 def test_batches_never_mix_operations_k_or_length_classes(corpus):
@@ -345,6 +346,8 @@ def test_json_requests_equal_in_process_calls(served, local):
     out = {o["name"]: o for o in json.loads(body)["outputs"]}
     s, i = local.search(q, 4)
     assert status == 200 and json.loads(body)["id"] == "r1"
+    timing = json.loads(body)["parameters"]
+    assert timing["batch_queries"] >= 1 and timing["queue_us"] >= 0 and timing["compute_us"] >= 0
     assert out["IDS"]["data"] == i.tolist() and out["IDS"]["datatype"] == "INT64"
     assert np.array_equal(np.array(out["SCORES"]["data"], np.float32), s)
     ids = np.array([[8, 5, 602]])

@@ -26,6 +26,16 @@ import numpy as np
 from .errors import DeadlineExceeded, ShuttingDown
 
 
+@dataclass(frozen=True)
+class Timing:
+    """Where a scored request's time went: ``queue_s`` waiting, ``compute_s`` in its batched corpus
+    call, which held ``batch_queries`` queries (set as its future's ``timing``)."""
+
+    queue_s: float
+    compute_s: float
+    batch_queries: int
+
+
 @dataclass(eq=False)
 class Request:
     """One caller's queries ``Q`` [n, lq, d] (host, contiguous) and what to do with them."""
@@ -191,7 +201,9 @@ class DeviceQueue:
                         results.append(e1)
         done = time.monotonic()
         self._observer.batch(self.name, batch[0].op, len(batch), sum(r.n for r in batch), done - start)
+        queries = sum(r.n for r in batch)
         for r, res in zip(batch, results):
+            r.future.timing = Timing(start - r.arrival, done - start, queries)
             if isinstance(res, BaseException):
                 r.future.set_exception(res)
             else:

@@ -145,6 +145,8 @@ class Batcher:
             a ``concurrent.futures.Future`` (``asyncio.wrap_future`` awaits it) of ``(scores, ids)``
             for search (float32 and the corpus's ids, ``[k']`` or ``[Nq, k']``, k' = min(k, Nd)),
             float32 ``[K]`` / ``[Nq, K]`` for rerank, float32 ``[Nd]`` / ``[Nq, Nd]`` for score.
+            Once scored, its ``timing`` attribute holds the request's queue and compute time and
+            its batch's size (``queue_s``, ``compute_s``, ``batch_queries``).
 
         Raises:
             ValueError / TypeError: a bad request (nothing is queued); :class:`Overloaded`: every

@@ -14,10 +14,11 @@ the binary tensor extension: ``lik_cupy/serving/_tensors.py``); ``GET /metrics``
 - ``score``: input ``Q``; output ``SCORES`` ([Nd] or [Nq, Nd]).
 
 Request parameters: ``timeout`` (microseconds the request may wait in the queue, as tritonclient's
-``timeout=`` sends it), ``precision`` ("fp32" or "tf32"). Answers: 400 for a bad request (the
-message names the problem), 404 for an unknown model, 413 for a body over ``max_body_bytes`` (decompressed too), 503
-with ``Retry-After`` when every queue is full or the server is not ready or stopping, 504 when the
-deadline passed in the queue. See docs/serving.md.
+``timeout=`` sends it), ``precision`` ("fp32" or "tf32"). Response parameters: ``queue_us``,
+``compute_us`` (its batched corpus call) and ``batch_queries`` (that call's queries). Answers: 400
+for a bad request (the message names the problem), 404 for an unknown model, 413 for a body over
+``max_body_bytes`` (decompressed too), 503 with ``Retry-After`` when every queue is full or the
+server is not ready or stopping, 504 when the deadline passed in the queue. See docs/serving.md.
 """
 
 from __future__ import annotations
@@ -294,7 +295,10 @@ async def _answer(svc: _Service, model: str, request: Request) -> Response:
         svc.count("answered")
         return _error(500, f"{type(e).__name__}: {e}")
     out = dict(zip(_OUTPUTS[model], result if model == "search" else (result,)))
-    head = {"model_name": model, "model_version": "1"}
+    t = future.timing
+    head = {"model_name": model, "model_version": "1",
+            "parameters": {"queue_us": round(t.queue_s * 1e6), "compute_us": round(t.compute_s * 1e6),
+                           "batch_queries": t.batch_queries}}
     if isinstance(header.get("id"), str):
         head["id"] = header["id"]
     content, json_size = _tensors.write_response(head, [(n, out[n]) for n in names], binary)
