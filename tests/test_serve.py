@@ -243,15 +243,20 @@ class _Server:
                     listening.set()
 
         threading.Thread(target=drain, daemon=True).start()
-        assert listening.wait(60), f"lik serve did not start: {''.join(self.lines)}"
-        for _ in range(600):
-            try:
-                if self.get("/v2/health/ready")[0] == 200:
-                    return
-            except ConnectionRefusedError:  # bound, not yet listening
-                pass
-            time.sleep(0.1)
-        raise AssertionError(f"lik serve did not turn ready: {''.join(self.lines)}")
+        try:
+            assert listening.wait(60), f"lik serve did not start: {''.join(self.lines)}"
+            for _ in range(600):
+                try:
+                    if self.get("/v2/health/ready")[0] == 200:
+                        return
+                except ConnectionRefusedError:  # bound, not yet listening
+                    pass
+                time.sleep(0.1)
+            raise AssertionError(f"lik serve did not turn ready: {''.join(self.lines)}")
+        except BaseException:
+            self.proc.kill()  # no server outlives a failed start
+            self.proc.wait(60)
+            raise
 
     def request(self, method, path, body=None, headers=None):
         c = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)

@@ -131,11 +131,10 @@ class Server:
                     bound.set()
 
         threading.Thread(target=drain, daemon=True).start()
-        if not bound.wait(120):
-            raise SystemExit(f"the server did not start: {''.join(self.lines)}")
         deadline = time.time() + 1800
-        while self.get("/v2/health/ready")[0] != 200:
+        while not bound.is_set() or self.get("/v2/health/ready")[0] != 200:
             if self.proc.poll() is not None or time.time() > deadline:
+                self.proc.kill()
                 raise SystemExit(f"the server did not turn ready: {''.join(self.lines)}")
             time.sleep(0.2)
 
