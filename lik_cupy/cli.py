@@ -1110,5 +1110,53 @@ def _info_command(debug):
     echo(f"kernel cache  {nvrtc.cache_dir()}")
 
 
+def _serve_devices(text: str) -> list:
+    """--devices of ``lik serve``: GPU indices and 'cpu' entries, in order."""
+    devices = []
+    for x in (x.strip() for x in text.split(",")):
+        try:
+            devices.append(x if x == "cpu" else int(x))
+        except ValueError:
+            raise LikError("--devices", f"expected GPU indices and/or cpu, comma-separated (0,1 or cpu); got {text!r}") \
+                from None
+    return devices
+
+
+@main.command(
+    "serve",
+    help="Serve MaxSim over HTTP with the Open Inference Protocol (KServe v2; tritonclient and "
+    "perf_analyzer work as clients): models search (Q, K -> SCORES, IDS), rerank (Q, IDS -> SCORES) "
+    "and score (Q -> SCORES) over the documents of SHARD..., kept resident (a replica per device, "
+    "requests routed to the least loaded). Concurrent requests are batched into multi-query calls; "
+    "each caller gets its own rows. /v2/health/ready turns 200 once the corpus is resident "
+    "and warm; /metrics is Prometheus. A full queue answers 503 with Retry-After; SIGTERM or Ctrl-C "
+    "answers every accepted request, then stops. Needs the [serve] extra; see docs/serving.md.\n\n\b\nExample:\n"
+    "  lik serve examples/shard0 examples/shard1 --port 8000 --max-delay-us 200\n",
+    context_settings=_CONTEXT,
+)
+@click.argument("paths", nargs=-1, required=True, metavar="SHARD...")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True,
+              help="Port to listen on (0: any free one; the line 'listening on' names it).")
+@click.option("--devices", metavar="LIST", help="Comma-separated GPU indices and/or 'cpu', one worker each; "
+              "entries naming one device share its corpus (0,0: two workers on GPU 0). Default: every GPU, else cpu.")
+@click.option("--max-batch", type=click.IntRange(1), default=64, show_default=True, help="Queries per call.")
+@click.option("--max-tokens", type=click.IntRange(1), default=65536, show_default=True,
+              help="Padded query tokens per call (queries x the longest).")
+@click.option("--max-delay-us", type=click.IntRange(0), default=0, show_default=True,
+              help="How long a free device waits for more requests before it scores what it has.")
+@click.option("--max-queue", type=click.IntRange(1), default=1024, show_default=True,
+              help="Requests waiting per device; beyond, 503.")
+@click.option("--debug", is_flag=True, help="Show a traceback on errors.")
+@_cli_errors
+def _serve_command(paths, host, port, devices, max_batch, max_tokens, max_delay_us, max_queue, debug):
+    try:
+        from lik_cupy.serving.http import serve
+    except ImportError as e:
+        raise LikError("lik serve", f"needs the [serve] extra (pip install 'lik-cupy[serve]'): {e}") from None
+    serve(list(paths), host=host, port=port, devices=_serve_devices(devices) if devices else None,
+          max_batch=max_batch, max_tokens=max_tokens, max_delay_us=max_delay_us, max_queue=max_queue)
+
+
 if __name__ == "__main__":
     main(prog_name="lik")

@@ -10,7 +10,8 @@ A service scores query after query against one corpus. ``Corpus`` checks the doc
   candidates' tokens where they lie, over the bus;
 - on a machine without a GPU (or with ``device="cpu"``) in host memory, for the NumPy path.
 
-Each call then checks only its queries. On a GPU-resident corpus ``score`` and ``rerank`` are one
+Each call then checks only its queries, padded ``[Nq, Lq, d]`` or packed ``[Tq, d]`` with ``q_offsets``
+(as :func:`lik_cupy.maxsim_varlen` takes them). On a GPU-resident corpus ``score`` and ``rerank`` are one
 launch of the forward kernel on the already-checked device arrays, and ``search`` runs the
 streaming top-k of :func:`lik_cupy.retrieve` over them. ``rerank`` scores each query against its
 own candidate documents, given by index, in place: the forward kernel's candidate-id tiles find
@@ -38,14 +39,14 @@ from dataclasses import replace
 from ._base.device import gpu_available
 from ._dispatch.precision import fp32_accurate
 from ._interop import caller_results, caller_stream, device_array, host_array, host_result
-from ._runtime.operands import kernel_operands, valid_host
+from ._runtime.operands import host_offsets, kernel_operands, unpack_queries, valid_host
 from ._runtime.prepared_calls import call_key
 from ._runtime.topk import MAX_K
 from ._streaming.cpu import CpuTopK
 from ._streaming.docs import DeviceDocs, HostDocs, device_docs, host_docs, staged_source
 from ._streaming.gpu import GpuTopK
 from ._streaming.parts import Part, doc_problem, query_problem, with_queries
-from ._validate import Problem, check_id_values
+from ._validate import Problem, check_id_values, offsets_count
 
 __all__ = ["Corpus"]
 
@@ -181,6 +182,11 @@ class Corpus:
     def dtype(self) -> str:
         return self._p.dtype
 
+    @property
+    def ids(self) -> np.ndarray | None:
+        """The documents' external ids ``[Nd]`` (int64 or strings, on the host), or None."""
+        return self._ids
+
     def __repr__(self) -> str:
         layout = f"packed, {self._p.ntok} tokens" if self._p.d_packed else f"padded to {self._p.ld} tokens"
         where = self.where if self.device is None else f"{self.where} of cuda:{self.device}"
@@ -189,18 +195,22 @@ class Corpus:
 
     # ------------------------------------------------------------ calls
 
-    def score(self, Q, q_mask=None, *, q_lengths=None, precision=None):
+    def score(self, Q, q_mask=None, *, q_lengths=None, q_offsets=None, precision=None):
         """MaxSim of every query against every document.
 
         Args:
-            Q: ``[Nq, Lq, d]`` or ``[Lq, d]``, the corpus's dtype (an INT8 corpus takes float Q,
-                quantised per token on each call), in any framework; on the corpus's GPU or on the host.
+            Q: ``[Nq, Lq, d]`` or ``[Lq, d]``, or packed query tokens ``[Tq, d]`` with ``q_offsets``;
+                the corpus's dtype (an INT8 corpus takes float Q, quantised per token on each call),
+                in any framework; on the corpus's GPU or on the host.
             q_mask / q_lengths: valid query tokens, as in :func:`lik_cupy.maxsim`.
+            q_offsets: int32 or int64 ``[Nq + 1]`` for packed queries, as in :func:`lik_cupy.maxsim_varlen`
+                (read on the host): the call of the same queries padded to the longest, with their lengths.
             precision: float32 corpora on the GPU, "fp32" or "tf32", as in :func:`lik_cupy.maxsim`.
 
         Returns:
-            float32 ``[Nq, Nd]`` (``[Nd]`` for a 2-D Q) in Q's framework and place.
+            float32 ``[Nq, Nd]`` (``[Nd]`` for a 2-D padded Q) in Q's framework and place.
         """
+        Q, q_lengths = _unpacked(Q, q_mask, q_lengths, q_offsets)
         key = call_key("Corpus.score", (None, precision), Q, (q_mask, q_lengths))
         call = self._calls.get(key)
         if call is not None and call.current():
@@ -214,12 +224,12 @@ class Corpus:
             return self._streamed(qp, p, Q, q_mask, q_lengths, None, x3)
         return self._launch(qp, p, Q, q_mask, q_lengths, x3, "Corpus.score", key=key)
 
-    def search(self, Q, k, q_mask=None, *, q_lengths=None, precision=None):
+    def search(self, Q, k, q_mask=None, *, q_lengths=None, q_offsets=None, precision=None):
         """The ``k`` best documents of each query, as :func:`lik_cupy.retrieve` ranks them (a device
         query length outside ``[0, Lq]``: that query's scores NaN, ranked last).
 
         Args:
-            Q, q_mask, q_lengths, precision: as in :meth:`score`.
+            Q, q_mask, q_lengths, q_offsets, precision: as in :meth:`score`.
             k: documents to return per query, 1 .. 4096.
 
         Returns:
@@ -230,6 +240,7 @@ class Corpus:
         """
         if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 1 <= k <= MAX_K:
             raise ValueError(f"k must be an integer in [1, {MAX_K}], got {k!r}")
+        Q, q_lengths = _unpacked(Q, q_mask, q_lengths, q_offsets)
         qp, p = self._problem(Q, q_mask, q_lengths)
         if self.where == "host memory":
             r = CpuTopK(Q, q_mask, q_lengths, None, qp, int(k))
@@ -243,11 +254,11 @@ class Corpus:
         x3 = fp32_accurate(precision, qp.framework, qp.dtype)
         return self._streamed(qp, p, Q, q_mask, q_lengths, int(k), x3)
 
-    def rerank(self, Q, candidates, q_mask=None, *, q_lengths=None, precision=None):
+    def rerank(self, Q, candidates, q_mask=None, *, q_lengths=None, q_offsets=None, precision=None):
         """MaxSim of each query against its own candidate documents, read where they lie.
 
         Args:
-            Q, q_mask, q_lengths, precision: as in :meth:`score`.
+            Q, q_mask, q_lengths, q_offsets, precision: as in :meth:`score`.
             candidates: integer ``[Nq, K]`` (``[K]`` for a 2-D Q) document indices (positions in
                 the corpus, not ``ids``), in Q's framework and place, or a host array or list.
                 Host indices are checked: one outside ``[0, Nd)`` raises ValueError. Indices on
@@ -256,6 +267,7 @@ class Corpus:
         Returns:
             float32 ``[Nq, K]`` (``[K]`` for a 2-D Q), in the candidates' order, in Q's framework and place.
         """
+        Q, q_lengths = _unpacked(Q, q_mask, q_lengths, q_offsets)
         key = call_key("Corpus.rerank", (None, precision), Q, (candidates, q_mask, q_lengths))
         call = self._calls.get(key)
         if call is not None and call.current():
@@ -546,6 +558,37 @@ class Corpus:
             lo, hi = int(ids.min()), int(ids.max())
             check_id_values("candidates", lo, hi, self._p.nd, f"indices of the {self._p.nd} documents of the corpus")
         return ids.astype(np.int64, copy=False), False, shape
+
+
+def _unpacked(Q, q_mask, q_lengths, q_offsets):
+    """(Q, q_lengths) of a call: packed queries ``[Tq, d]`` with ``q_offsets`` as padded ``[Nq, Lq, d]``
+    (Lq the longest) and their lengths, in Q's framework and place, as maxsim_varlen hands them to the
+    kernels; Q and q_lengths as they are without offsets."""
+    if q_offsets is None:
+        return Q, q_lengths
+    if q_mask is not None or q_lengths is not None:
+        raise ValueError("packed queries (q_offsets) take no q_mask or q_lengths: the offsets give the lengths")
+    try:
+        q = interop.describe(Q)
+    except TypeError as e:
+        raise TypeError(f"Q: {e}") from None
+    if len(q.shape) != 2:
+        raise ValueError(f"with q_offsets, Q must be packed tokens [Tq, d]; got shape {list(q.shape)}")
+    nq = offsets_count("q_offsets", q_offsets, q)
+    fw = q.framework
+    if q.device is None:
+        off = host_offsets(host_array(q_offsets, fw), q.shape[0], "q_offsets")
+        padded, _ = cpu.unpack(host_array(Q, fw), off)
+        return interop.from_numpy(padded, fw), interop.from_numpy(np.diff(off), fw)
+    import cupy
+
+    with cupy.cuda.Device(q.device):
+        tokens = interop.to_cupy(Q, fw)
+        padded, lengths = unpack_queries(tokens, interop.to_cupy(q_offsets, fw), nq)
+        if q.dtype == "bfloat16":
+            return interop.bfloat16_from_bits(padded.view(cupy.uint16), fw, False, Q), \
+                interop.from_cupy(lengths, fw, False)
+        return interop.from_cupy(padded, fw, False), interop.from_cupy(lengths, fw, False)
 
 
 def _check_ids(ids, nd: int) -> np.ndarray | None:

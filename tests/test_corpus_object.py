@@ -120,6 +120,29 @@ def test_one_query_and_query_masks(rng, layout):
     np.testing.assert_array_equal(r, s[[3, 0, 10]])
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_packed_queries_score_as_each_query_alone(rng, layout):
+    kw, _, _, _ = corpus_case(rng, layout)
+    corpus = lik_cupy.Corpus(**kw, device="cpu")
+    qs = [rng.standard_normal((int(n), 24)).astype(np.float32) for n in (3, 9, 1, 13, 6)]
+    off = np.concatenate([[0], np.cumsum([len(q) for q in qs])])
+    tokens = np.concatenate(qs)
+    cand = rng.integers(0, len(corpus), (len(qs), 8))
+    S, (s, i), R = (corpus.score(tokens, q_offsets=off), corpus.search(tokens, 4, q_offsets=off),
+                    corpus.rerank(tokens, cand, q_offsets=off))
+    for j, q in enumerate(qs):
+        assert np.array_equal(S[j], corpus.score(q))
+        s1, i1 = corpus.search(q, 4)
+        assert np.array_equal(s[j], s1) and np.array_equal(i[j], i1)
+        assert np.array_equal(R[j], corpus.rerank(q, cand[j]))
+    with pytest.raises(ValueError, match="take no q_mask or q_lengths"):
+        corpus.score(tokens, q_lengths=[1], q_offsets=off)
+    with pytest.raises(ValueError, match="must be packed tokens"):
+        corpus.score(tokens[None], q_offsets=off)
+    with pytest.raises(ValueError, match="q_offsets must start at 0"):
+        corpus.score(tokens, q_offsets=off + 1)
+
+
 def test_rerank_ids_outside_the_corpus_raise(rng):
     for layout in ("padded-lengths", "packed"):
         kw, *_ = corpus_case(rng, layout, nd=10, ld=4, dim=8)

@@ -288,3 +288,28 @@ def test_repeat_calls_read_each_calls_arrays(rng, same_tiles, layout, where, fw)
     one = Q[1]  # one query [Lq, d] and its [K] ids: a signature of its own
     for _ in range(2):
         np.testing.assert_array_equal(_np(corpus.rerank(one, cand[1])), _np(corpus.rerank(Q[1:2], cand[1:2]))[0])
+
+
+@pytest.mark.parametrize("dtype,to", [("float16", _cp), ("bfloat16", _torch), ("float16", np.asarray)])
+def test_packed_queries_are_the_padded_call(rng, dtype, to):
+    """Packed queries with q_offsets (device or host) score as the same queries padded with q_lengths."""
+    from lik_cupy.shards import numpy_dtype
+
+    nd, dim = 200, 64
+    lens = rng.integers(1, 40, nd)
+    D = rng.standard_normal((int(lens.sum()), dim)).astype(numpy_dtype(dtype))
+    corpus = lik_cupy.Corpus(D, d_offsets=np.concatenate([[0], np.cumsum(lens)]))
+    ql = np.array([5, 32, 1, 17])
+    padded = rng.standard_normal((len(ql), ql.max(), dim)).astype(numpy_dtype(dtype))
+    tokens = np.concatenate([padded[j, :n] for j, n in enumerate(ql)])
+    off = np.concatenate([[0], np.cumsum(ql)])
+    cand = rng.integers(0, nd, (len(ql), 16))
+    for j, n in enumerate(ql):
+        padded[j, n:] = 0  # unpacking pads with zeros
+    got = (corpus.score(to(tokens), q_offsets=to(off)), corpus.search(to(tokens), 5, q_offsets=to(off)),
+           corpus.rerank(to(tokens), to(cand), q_offsets=to(off)))
+    want = (corpus.score(to(padded), q_lengths=to(ql)), corpus.search(to(padded), 5, q_lengths=to(ql)),
+            corpus.rerank(to(padded), to(cand), q_lengths=to(ql)))
+    assert np.array_equal(_np(got[0]), _np(want[0]))
+    assert all(np.array_equal(_np(a), _np(b)) for a, b in zip(got[1], want[1]))
+    assert np.array_equal(_np(got[2]), _np(want[2]))

@@ -23,7 +23,7 @@ LAYERS = (
     ("_plaid_files",),  # PLAID index files, read through the shard format's checked .npy reader
     ("plaid",),
     ("corpus", "torch", "_jax_ops", "_jax_xla"),
-    ("distributed", "jax", "integrations"),
+    ("distributed", "jax", "integrations", "serving"),
     ("_moved",),
     ("",),
     ("cli",),

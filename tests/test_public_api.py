@@ -122,6 +122,14 @@ FROZEN = {'lik_cupy': (['CompileError',
                        {'retrieve': '(Q, D, k, q_mask=None, *, q_lengths=None, q_scales=None, d_offsets=None, '
                                     "d_mask=None, d_lengths=None, d_scales=None, max_gpu_bytes=None, backend='auto', "
                                     'precision=None)'}),
+ 'lik_cupy.serving': (['Batcher', 'DeadlineExceeded', 'OPERATIONS', 'Observer', 'Overloaded', 'ShuttingDown'], {}),
+ 'lik_cupy.serving.batcher': (['Batcher', 'OPERATIONS', 'Observer'], {}),
+ 'lik_cupy.serving.errors': (['DeadlineExceeded', 'Overloaded', 'ShuttingDown'], {}),
+ 'lik_cupy.serving.http': (['MODELS', 'make_app', 'run', 'serve'],
+                           {'make_app': '(load, *, max_body_bytes: int=_MAX_BODY)',
+                            'run': "(app: Starlette, *, host: str='127.0.0.1', port: int=8000)",
+                            'serve': "(paths, *, host: str='127.0.0.1', port: int=8000, devices=None, max_batch: "
+                                     "int=64, max_tokens: int=65536, max_delay_us: int=0, max_queue: int=1024)"}),
  'lik_cupy.shards': (['CHUNK_BYTES',
                       'DTYPES',
                       'FORMAT',
@@ -187,8 +195,8 @@ FROZEN = {'lik_cupy': (['CompileError',
                      'maxsim_varlen': "(Q, D_tokens, d_offsets, q_mask=None, *, q_lengths=None, method='auto', "
                                       'return_argmax=False, precision=None)'})}
 
-# The one public subpackage; every other package under lik_cupy/ is private (underscored).
-SUBPACKAGES = ("integrations",)
+# The public subpackages; every other package under lik_cupy/ is private (underscored).
+SUBPACKAGES = ("integrations", "serving")
 
 
 def _module_file(mod: str) -> pathlib.Path:
@@ -243,7 +251,7 @@ def test_internals_live_in_underscored_packages():
 
 def test_public_names_resolve_and_keep_torch_jax_and_dask_out():
     code = ("import sys, lik_cupy; [getattr(lik_cupy, n) for n in lik_cupy.__all__]; "
-            "import lik_cupy.cli, lik_cupy.shards, lik_cupy.errors, lik_cupy.integrations; "
+            "import lik_cupy.cli, lik_cupy.shards, lik_cupy.errors, lik_cupy.integrations, lik_cupy.serving; "
             "print(sorted(m for m in ('torch', 'jax', 'cupy', 'dask', 'distributed') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

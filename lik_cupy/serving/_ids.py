@@ -1,0 +1,46 @@
+"""External document ids (the shards' ``ids.npy``) back to corpus positions, for rerank requests."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+class IdIndex:
+    """Positions of a corpus's external ids: sorted once (``[Nd]`` int64 or strings), looked up by
+    binary search; without ids, the ids are the positions. A repeated id finds its first document."""
+
+    def __init__(self, ids: np.ndarray | None, nd: int):
+        self._nd = nd
+        self._kind = None if ids is None else "string" if ids.dtype.kind in "US" else "integer"
+        if ids is not None:
+            self._order = np.argsort(ids, kind="stable")
+            self._sorted = ids[self._order]
+
+    @property
+    def kind(self) -> str:
+        """"string" or "integer": what a request's ids must be."""
+        return self._kind or "integer"
+
+    def positions(self, ids: np.ndarray) -> np.ndarray:
+        """int64 positions of ``ids`` (any shape); ValueError naming the first few unknown ones."""
+        want = "US" if self.kind == "string" else "iu"
+        if ids.dtype.kind not in want:
+            raise TypeError(f"ids must be {self.kind}s (this corpus's ids are), got dtype {ids.dtype}")
+        if self._kind is None:
+            bad = ids[(ids < 0) | (ids >= self._nd)]
+            if bad.size:
+                raise ValueError(f"unknown ids {bad[:5].tolist()}: this corpus has no ids, so ids are positions in "
+                                 f"[0, {self._nd})")
+            return ids.astype(np.int64)
+        if self._kind == "integer" and ids.dtype.kind == "u" and ids.size and int(ids.max()) >= 2**63:
+            raise ValueError(f"unknown id {int(ids.max())}")
+        flat = ids.reshape(-1).astype(np.int64) if self._kind == "integer" else ids.reshape(-1)
+        if not flat.size:
+            return np.zeros(ids.shape, np.int64)
+        if not self._sorted.size:
+            raise ValueError(f"unknown ids {flat[:5].tolist()}: the corpus is empty")
+        at = np.minimum(np.searchsorted(self._sorted, flat), self._sorted.size - 1)
+        found = self._sorted[at] == flat
+        if not found.all():
+            raise ValueError(f"unknown ids {flat[~found][:5].tolist()}")
+        return self._order[at].astype(np.int64).reshape(ids.shape)

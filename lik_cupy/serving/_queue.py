@@ -1,0 +1,242 @@
+"""One device's bounded queue and the worker thread that batches it: the MaxSim-specific part of
+serving.
+
+The worker sleeps until a request arrives. When it is free it takes what is queued (after waiting up
+to ``max_delay_s`` from the oldest request's arrival for more, unless ``max_batch`` queries are
+already there): the oldest request's group (operation, k or candidate count, precision, query
+dtype, query length class: up to 32, 64 or 128 tokens, then whole blocks of 128) and every later
+request of that group that fits, in arrival order, capped by queries and by padded query tokens
+(queries x the longest of them: the kernels read queries padded to the longest, so that is the
+work). The batch's queries go to the corpus packed back to back with
+``q_offsets``, one call; each request gets copies of its own rows. Scores do not depend on the
+other queries of a call, so each result is bitwise the unbatched call's.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import numpy as np
+
+from .errors import DeadlineExceeded, ShuttingDown
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Where a scored request's time went: ``queue_s`` waiting, ``compute_s`` in its batched corpus
+    call, which held ``batch_queries`` queries (set as its future's ``timing``)."""
+
+    queue_s: float
+    compute_s: float
+    batch_queries: int
+
+
+@dataclass(eq=False)
+class Request:
+    """One caller's queries ``Q`` [n, lq, d] (host, contiguous) and what to do with them."""
+
+    op: str  # "search", "rerank" or "score"
+    Q: np.ndarray
+    arg: object  # search: k; rerank: int64 candidates [n, K]; score: None
+    precision: str | None
+    squeeze: bool  # one query given as [lq, d]: its rows come back without the query axis
+    deadline: float | None  # time.monotonic() seconds
+    future: Future
+    arrival: float
+
+    @property
+    def n(self) -> int:
+        return self.Q.shape[0]
+
+    @property
+    def lq(self) -> int:
+        return self.Q.shape[1]
+
+    @property
+    def group(self) -> tuple:
+        """Requests of one group can share a call."""
+        width = self.arg if self.op == "search" else self.arg.shape[1] if self.op == "rerank" else 0
+        return self.op, width, self.precision, self.Q.dtype.str, _length_class(self.lq)
+
+
+class DeviceQueue:
+    """The bounded queue of one corpus replica and its worker thread (see the module docstring)."""
+
+    def __init__(self, corpus, name: str, *, max_batch: int, max_tokens: int, max_delay_s: float, max_queue: int,
+                 observer):
+        self.corpus, self.name = corpus, name
+        self._max_batch, self._max_tokens, self._max_delay = max_batch, max_tokens, max_delay_s
+        self._max_queue, self._observer = max_queue, observer
+        self._pending: collections.deque[Request] = collections.deque()
+        self._cv = threading.Condition()
+        self._queued = 0  # queries waiting
+        self._running = 0  # queries being scored
+        self._closing = False
+        self._thread = threading.Thread(target=self._work, name=f"lik-serve-{name}", daemon=True)
+        self._thread.start()
+
+    @property
+    def load(self) -> int:
+        """Queries waiting or being scored (read without the lock: a routing hint)."""
+        return self._queued + self._running
+
+    @property
+    def depth(self) -> int:
+        """Requests waiting."""
+        return len(self._pending)
+
+    def put(self, req: Request) -> bool:
+        """Queue ``req``; False when the queue is full."""
+        with self._cv:
+            if self._closing:
+                raise ShuttingDown("the batcher is shutting down and takes no new requests")
+            if len(self._pending) >= self._max_queue:
+                return False
+            self._pending.append(req)
+            self._queued += req.n
+            self._cv.notify()
+        return True
+
+    def close(self) -> None:
+        """Take no more requests; the worker answers those queued, then ends."""
+        with self._cv:
+            self._closing = True
+            self._cv.notify_all()
+
+    def join(self, timeout: float | None = None) -> None:
+        self._thread.join(timeout)
+
+    # ------------------------------------------------------------ the worker
+
+    def _work(self) -> None:
+        with self._own_stream():
+            while True:
+                batch, expired = self._next()
+                for r in expired:
+                    r.future.set_exception(DeadlineExceeded(f"the request's deadline passed after "
+                                                            f"{time.monotonic() - r.arrival:.3f} s in the queue"))
+                    self._observer.rejected(r.op, "deadline")
+                if batch is None:
+                    return
+                if batch:
+                    self._run(batch)
+                with self._cv:
+                    self._running = 0
+
+    def _own_stream(self):
+        """On a GPU, the corpus's device and a stream of this worker's own for its calls, so that
+        workers sharing a GPU overlap (nothing on the host path)."""
+        if self.corpus.device is None:
+            return contextlib.nullcontext()
+        import cupy
+
+        stack = contextlib.ExitStack()
+        stack.enter_context(cupy.cuda.Device(self.corpus.device))
+        stack.enter_context(cupy.cuda.Stream(non_blocking=True))
+        return stack
+
+    def _next(self) -> tuple[list[Request] | None, list[Request]]:
+        """(the next batch, possibly empty when only expired or cancelled requests were queued, or
+        None once closed and drained; the requests whose deadline passed)."""
+        with self._cv:
+            while not self._pending and not self._closing:
+                self._cv.wait()
+            if not self._pending:
+                return None, []
+            if self._max_delay > 0:
+                until = self._pending[0].arrival + self._max_delay
+                while not self._closing and self._queued < self._max_batch:
+                    left = until - time.monotonic()
+                    if left <= 0:
+                        break
+                    self._cv.wait(left)
+            batch, expired = self._take()
+            self._queued -= sum(r.n for r in batch) + sum(r.n for r in expired)
+            self._running = sum(r.n for r in batch)
+            return batch, expired
+
+    def _take(self) -> tuple[list[Request], list[Request]]:
+        """The oldest live request's group, in arrival order, within the caps (under the lock)."""
+        now = time.monotonic()
+        batch, expired, keep = [], [], collections.deque()
+        group, n, lq = None, 0, 0
+        while self._pending:
+            r = self._pending.popleft()
+            fits = group is None or (r.group == group and n + r.n <= self._max_batch
+                                     and (n + r.n) * max(lq, r.lq) <= self._max_tokens)
+            expires = r.deadline is not None and r.deadline < now
+            if not (fits or expires):
+                keep.append(r)
+            elif not r.future.set_running_or_notify_cancel():  # cancelled by its caller: drop it
+                self._queued -= r.n
+            elif expires:
+                expired.append(r)
+            else:
+                group, n, lq = r.group, n + r.n, max(lq, r.lq)
+                batch.append(r)
+                if n >= self._max_batch:
+                    break
+        keep.extend(self._pending)
+        self._pending = keep
+        return batch, expired
+
+    def _run(self, batch: list[Request]) -> None:
+        start = time.monotonic()
+        try:
+            results = _scored(self.corpus, batch)
+        except Exception as e:  # noqa: BLE001 - handed to the callers
+            if len(batch) == 1:
+                results = [e]
+            else:  # one request at fault must not fail the others: each alone
+                results = []
+                for r in batch:
+                    try:
+                        results.append(_scored(self.corpus, [r])[0])
+                    except Exception as e1:  # noqa: BLE001
+                        results.append(e1)
+        done = time.monotonic()
+        self._observer.batch(self.name, batch[0].op, len(batch), sum(r.n for r in batch), done - start)
+        queries = sum(r.n for r in batch)
+        for r, res in zip(batch, results):
+            r.future.timing = Timing(start - r.arrival, done - start, queries)
+            if isinstance(res, BaseException):
+                r.future.set_exception(res)
+            else:
+                r.future.set_result(res)
+            self._observer.answered(self.name, r.op, start - r.arrival, done - start)
+
+
+def _length_class(lq: int) -> int:
+    """Queries padded to the longest of their class take the kernel tile of their own length (the
+    forward kernels' query tiles are sized for up to 32, 64 or 128 tokens, longer queries cut in
+    blocks of 128), and padding stays under twice the tokens."""
+    return 32 if lq <= 32 else 64 if lq <= 64 else 128 * -(-lq // 128)
+
+
+def _scored(corpus, batch: list[Request]) -> list:
+    """One corpus call for ``batch`` (one group), split into each request's result."""
+    first = batch[0]
+    tokens = np.concatenate([r.Q.reshape(-1, r.Q.shape[2]) for r in batch]) if len(batch) > 1 else \
+        first.Q.reshape(-1, first.Q.shape[2])
+    lengths = np.repeat([r.lq for r in batch], [r.n for r in batch])
+    offsets = np.zeros(lengths.size + 1, np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    if first.op == "search":
+        out = corpus.search(tokens, first.arg, q_offsets=offsets, precision=first.precision)
+    elif first.op == "rerank":
+        cand = np.concatenate([r.arg for r in batch]) if len(batch) > 1 else first.arg
+        out = (corpus.rerank(tokens, cand, q_offsets=offsets, precision=first.precision),)
+    else:
+        out = (corpus.score(tokens, q_offsets=offsets, precision=first.precision),)
+    results, at = [], 0
+    for r in batch:
+        rows = tuple(a[at] if r.squeeze else a[at:at + r.n] for a in out)
+        rows = tuple(np.array(a) for a in rows)  # its own copy, not a view of the whole batch
+        results.append(rows if first.op == "search" else rows[0])
+        at += r.n
+    return results

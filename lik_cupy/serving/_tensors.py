@@ -1,0 +1,190 @@
+"""Tensors of the Open Inference Protocol (KServe v2) over HTTP: a request's inputs from JSON or from
+the binary tensor extension, and a response's outputs back.
+
+The binary extension: the body is a JSON header of ``Inference-Header-Content-Length`` bytes, then
+each input that names a ``binary_data_size`` parameter, in input order, as raw little-endian bytes
+(BYTES elements each as a 4-byte little-endian length and the bytes). Responses do the same for the
+outputs asked for in binary (``binary_data`` per output, or ``binary_data_output`` for all).
+Every malformed part raises ``ValueError`` naming it.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import numpy as np
+
+from ..shards import numpy_dtype
+
+DTYPES = {"BOOL": "bool", "UINT8": "uint8", "UINT16": "uint16", "UINT32": "uint32", "UINT64": "uint64",
+          "INT8": "int8", "INT16": "int16", "INT32": "int32", "INT64": "int64", "FP16": "float16",
+          "FP32": "float32", "FP64": "float64", "BF16": "bfloat16"}
+DATATYPES = {v: k for k, v in DTYPES.items()}
+MAX_ELEMENTS = 1 << 28  # per input: a header cannot ask for more than this
+
+
+def read_request(body: bytes, header_length: str | None) -> tuple[dict, dict[str, np.ndarray]]:
+    """(the request's JSON header, its inputs by name)."""
+    if header_length is None:
+        header, binary = _json(body), b""
+    else:
+        try:
+            n = int(header_length)
+        except ValueError:
+            raise ValueError(f"Inference-Header-Content-Length must be an integer, got {header_length!r}") from None
+        if not 0 <= n <= len(body):
+            raise ValueError(f"Inference-Header-Content-Length is {n} but the body has {len(body)} bytes")
+        header, binary = _json(body[:n]), memoryview(body)[n:]
+    if not isinstance(header, dict) or not isinstance(header.get("inputs"), list):
+        raise ValueError("the request must be a JSON object with an 'inputs' list")
+    inputs, at = {}, 0
+    for i, t in enumerate(header["inputs"]):
+        if not isinstance(t, dict) or not isinstance(t.get("name"), str):
+            raise ValueError(f"input {i} must be an object with a 'name'")
+        name = t["name"]
+        if name in inputs:
+            raise ValueError(f"input {name} is given twice")
+        shape, datatype = _shape(name, t.get("shape")), t.get("datatype")
+        if datatype != "BYTES" and datatype not in DTYPES:
+            raise ValueError(f"input {name} has datatype {datatype!r}; expected one of {', '.join(DTYPES)} or BYTES")
+        params = t.get("parameters") or {}
+        if not isinstance(params, dict):
+            raise ValueError(f"input {name}: parameters must be an object")
+        size = params.get("binary_data_size")
+        if size is not None:
+            if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+                raise ValueError(f"input {name}: binary_data_size must be a non-negative integer, got {size!r}")
+            if at + size > len(binary):
+                raise ValueError(f"input {name}: binary_data_size {size} runs past the {len(binary)} bytes of "
+                                 f"binary data after the header (from byte {at})")
+            inputs[name] = _from_bytes(name, binary[at:at + size], shape, datatype)
+            at += size
+        elif "data" in t:
+            inputs[name] = _from_json(name, t["data"], shape, datatype)
+        else:
+            raise ValueError(f"input {name} has neither 'data' nor a binary_data_size parameter")
+    if at != len(binary):
+        raise ValueError(f"the body has {len(binary) - at} bytes of binary data that no input's binary_data_size "
+                         f"accounts for")
+    return header, inputs
+
+
+def write_response(header: dict, outputs: list[tuple[str, np.ndarray]], binary: set[str]) -> tuple[bytes, int | None]:
+    """(the body, its JSON header's length when some output is binary, else None): ``header`` (the
+    response's fields) with ``outputs`` added, those named in ``binary`` as raw bytes after it."""
+    tensors, chunks = [], []
+    for name, a in outputs:
+        datatype = "BYTES" if a.dtype.kind in "US" else DATATYPES[str(a.dtype)]
+        t = {"name": name, "datatype": datatype, "shape": list(a.shape)}
+        if name in binary:
+            raw = _bytes_elements(a) if datatype == "BYTES" else \
+                np.ascontiguousarray(a, dtype=a.dtype.newbyteorder("<")).tobytes()
+            t["parameters"] = {"binary_data_size": len(raw)}
+            chunks.append(raw)
+        else:
+            t["data"] = [str(x) for x in a.reshape(-1)] if datatype == "BYTES" else a.reshape(-1).tolist()
+        tensors.append(t)
+    text = json.dumps({**header, "outputs": tensors}, allow_nan=True).encode()
+    if not chunks:
+        return text, None
+    return b"".join([text, *chunks]), len(text)
+
+
+def binary_outputs(header: dict, names: tuple[str, ...]) -> tuple[list[str], set[str]]:
+    """(the outputs to send, in ``names`` order; those to send as binary) as the request asks."""
+    params = header.get("parameters") or {}
+    every = bool(isinstance(params, dict) and params.get("binary_data_output"))
+    asked = header.get("outputs")
+    if asked is None:
+        return list(names), set(names) if every else set()
+    if not isinstance(asked, list) or not all(isinstance(o, dict) and isinstance(o.get("name"), str) for o in asked):
+        raise ValueError("'outputs' must be a list of objects with a 'name'")
+    wanted, binary = [], set()
+    for o in asked:
+        if o["name"] not in names:
+            raise ValueError(f"unknown output {o['name']!r}; this model has {', '.join(names)}")
+        wanted.append(o["name"])
+        p = o.get("parameters") or {}
+        if every or (isinstance(p, dict) and p.get("binary_data")):
+            binary.add(o["name"])
+    return [n for n in names if n in wanted], binary
+
+
+def _json(raw) -> object:
+    try:
+        return json.loads(bytes(raw))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"the request header is not JSON: {e}") from None
+
+
+def _shape(name: str, shape) -> tuple[int, ...]:
+    if not isinstance(shape, list) or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0
+                                              for s in shape):
+        raise ValueError(f"input {name}: shape must be a list of non-negative integers, got {shape!r}")
+    if int(np.prod(shape, dtype=np.float64)) > MAX_ELEMENTS:
+        raise ValueError(f"input {name}: shape {shape} has more than {MAX_ELEMENTS} elements")
+    return tuple(shape)
+
+
+def _from_bytes(name: str, raw: memoryview, shape: tuple[int, ...], datatype: str) -> np.ndarray:
+    count = int(np.prod(shape, dtype=np.int64))
+    if datatype == "BYTES":
+        items, at = [], 0
+        while at < len(raw):
+            if at + 4 > len(raw):
+                raise ValueError(f"input {name}: BYTES element {len(items)} has a truncated length prefix")
+            (n,) = struct.unpack_from("<I", raw, at)
+            if at + 4 + n > len(raw):
+                raise ValueError(f"input {name}: BYTES element {len(items)} of {n} bytes runs past its data")
+            items.append(bytes(raw[at + 4:at + 4 + n]))
+            at += 4 + n
+        if len(items) != count:
+            raise ValueError(f"input {name}: shape {list(shape)} needs {count} BYTES elements, got {len(items)}")
+        return _strings(name, items).reshape(shape)
+    dt = numpy_dtype(DTYPES[datatype]).newbyteorder("<")
+    if len(raw) != count * dt.itemsize:
+        raise ValueError(f"input {name}: shape {list(shape)} of {datatype} is {count * dt.itemsize} bytes, but "
+                         f"binary_data_size is {len(raw)}")
+    return np.frombuffer(raw, dt).reshape(shape)
+
+
+def _from_json(name: str, data, shape: tuple[int, ...], datatype: str) -> np.ndarray:
+    count = int(np.prod(shape, dtype=np.int64))
+    flat = _flatten(data)
+    if len(flat) != count:
+        raise ValueError(f"input {name}: shape {list(shape)} needs {count} values, got {len(flat)}")
+    if datatype == "BYTES":
+        if not all(isinstance(x, str) for x in flat):
+            raise ValueError(f"input {name}: BYTES data must be strings")
+        return _strings(name, [x.encode() for x in flat]).reshape(shape)
+    if not all(isinstance(x, (int, float)) for x in flat):
+        raise ValueError(f"input {name}: {datatype} data must be numbers")
+    try:
+        return np.asarray(flat, dtype=numpy_dtype(DTYPES[datatype])).reshape(shape)
+    except OverflowError:
+        raise ValueError(f"input {name}: a value does not fit {datatype}") from None
+
+
+def _flatten(data) -> list:
+    if not isinstance(data, list):
+        return [data]
+    out = []
+    for x in data:
+        out.extend(_flatten(x) if isinstance(x, list) else [x])
+    return out
+
+
+def _strings(name: str, items: list[bytes]) -> np.ndarray:
+    try:
+        return np.array([b.decode() for b in items], dtype=str)
+    except UnicodeDecodeError:
+        raise ValueError(f"input {name}: BYTES elements must be UTF-8 text") from None
+
+
+def _bytes_elements(a: np.ndarray) -> bytes:
+    parts = []
+    for x in a.reshape(-1):
+        b = str(x).encode()
+        parts += [struct.pack("<I", len(b)), b]
+    return b"".join(parts)

@@ -1,0 +1,536 @@
+"""lik_cupy.serving on the CPU path: the Batcher in process (bitwise equality with the unbatched calls,
+its caps, backpressure, deadlines, shutdown), and ``lik serve`` as a real process on a loopback port
+with real clients (tritonclient's binary protocol and plain JSON): answers equal to in-process
+Corpus calls, concurrent clients, bad requests, 503 and 504, and SIGTERM under load.
+The GPU side: tests/test_serve_gpu.py."""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import lik_cupy
+from lik_cupy import shards
+from lik_cupy.serving import Batcher, DeadlineExceeded, Observer, Overloaded, ShuttingDown
+from lik_cupy.serving._ids import IdIndex
+from lik_command import run_lik
+from threads import run_threads
+
+ROOT = Path(__file__).resolve().parents[1]
+DIM = 16
+
+
+def _docs(rng, n=300, hi=24):
+    return [rng.standard_normal((int(L), DIM)).astype(np.float32) for L in rng.integers(1, hi, n)]
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    rng = np.random.default_rng(7)
+    docs = _docs(rng)
+    off = np.concatenate([[0], np.cumsum([len(d) for d in docs])])
+    return lik_cupy.Corpus(np.concatenate(docs), d_offsets=off, ids=np.arange(len(docs)) * 3 + 5, device="cpu")
+
+
+def _queries(rng, n, lo=1, hi=40):
+    return [rng.standard_normal((int(L), DIM)).astype(np.float32) for L in rng.integers(lo, hi, n)]
+
+
+class _Record(Observer):
+    def __init__(self):
+        self.batches, self.rejects, self.lock = [], [], threading.Lock()
+
+    def batch(self, device, op, requests, queries, compute_s):
+        with self.lock:
+            self.batches.append((device, requests, queries))
+
+    def rejected(self, op, reason):
+        with self.lock:
+            self.rejects.append(reason)
+
+
+# ---------------------------------------------------------------- the Batcher in process
+
+
+def test_concurrent_requests_are_batched_and_bitwise_the_unbatched_calls(corpus):
+    rng = np.random.default_rng(2)
+    qs = _queries(rng, 96)
+    cands = [rng.integers(0, len(corpus), 20) for _ in qs]
+    seen = _Record()
+    with Batcher([corpus, corpus], max_batch=8, max_tokens=8 * 40, max_delay_us=20_000, observer=seen) as b:
+        def client(t):  # 16 threads, 6 requests each
+            for j in range(t, len(qs), 16):
+                q = qs[j]
+                if j % 3 == 0:
+                    s, i = b.search(q, 10)
+                    s1, i1 = corpus.search(q, 10)
+                    assert np.array_equal(s, s1) and np.array_equal(i, i1)
+                elif j % 3 == 1:
+                    assert np.array_equal(b.rerank(q, cands[j]), corpus.rerank(q, cands[j]))
+                else:
+                    assert np.array_equal(b.score(q[None]), corpus.score(q[None]))
+
+        run_threads(16, client)
+    assert {d for d, _, _ in seen.batches} <= {"cpu:0", "cpu:1"}
+    assert sum(n for _, _, n in seen.batches) == len(qs)
+    assert max(n for _, _, n in seen.batches) <= 8
+
+
+def test_a_free_worker_takes_up_to_max_batch_queries_of_one_group(corpus):
+    rng = np.random.default_rng(3)
+    seen = _Record()
+    with Batcher(corpus, max_batch=4, max_delay_us=30_000_000, observer=seen) as b:
+        # the worker waits (30 s at most) until max_batch queries are queued, then takes them
+        futures = [b.submit("score", q) for q in _queries(rng, 8, hi=33)]  # one length class
+        for f in futures:
+            f.result()
+    assert [(r, n) for _, r, n in seen.batches] == [(4, 4), (4, 4)]
+    assert [f.timing.batch_queries for f in futures] == [4] * 8
+
+
+def test_batches_never_mix_operations_k_or_length_classes(corpus):
+    rng = np.random.default_rng(4)
+    seen = _Record()
+    with Batcher(corpus, max_batch=64, max_delay_us=30_000_000, observer=seen) as b:
+        qs = [rng.standard_normal((n, DIM)).astype(np.float32) for n in (7, 20, 9, 32, 33, 64, 31)]
+        futures = [b.submit("search", qs[0], 5), b.submit("search", qs[1], 6), b.submit("score", qs[2]),
+                   b.submit("search", qs[3], 5), b.submit("search", qs[4], 5), b.submit("search", qs[5], 5),
+                   b.submit("search", qs[6], 5)]
+    # close() cut the wait; in arrival order of each group's head: [search k=5, up to 32 tokens: 7, 32,
+    # 31], [search k=6], [score], [search k=5, 33 to 64 tokens: 33, 64]
+    assert [(r, n) for _, r, n in seen.batches] == [(3, 3), (1, 1), (1, 1), (2, 2)]
+    for f, q in zip(futures, qs):
+        if f is not futures[2]:
+            assert np.array_equal(f.result()[1], corpus.search(q, 5 if f is not futures[1] else 6)[1])
+
+
+async def _gather(b, qs):
+    return await asyncio.gather(*(asyncio.wrap_future(b.submit("search", q, 3)) for q in qs))
+
+
+def test_asyncio_callers(corpus):
+    qs = _queries(np.random.default_rng(5), 12)
+    with Batcher(corpus, max_batch=16, max_delay_us=5_000) as b:
+        got = asyncio.run(_gather(b, qs))
+    for (s, i), q in zip(got, qs):
+        assert np.array_equal(i, corpus.search(q, 3)[1])
+
+
+def test_a_full_queue_is_overloaded_and_close_drains_it(corpus):
+    qs = _queries(np.random.default_rng(6), 3)
+    seen = _Record()
+    b = Batcher(corpus, max_batch=64, max_queue=2, max_delay_us=30_000_000, observer=seen)
+    held = [b.submit("score", q) for q in qs[:2]]
+    with pytest.raises(Overloaded, match="queues are full"):
+        b.submit("score", qs[2])
+    assert seen.rejects == ["overloaded"]
+    b.close()
+    for f, q in zip(held, qs):
+        assert np.array_equal(f.result(), corpus.score(q))
+    with pytest.raises(ShuttingDown):
+        b.submit("score", qs[0])
+
+
+def test_a_request_past_its_deadline_in_the_queue_is_never_scored(corpus):
+    qs = _queries(np.random.default_rng(8), 2)
+    seen = _Record()
+    with Batcher(corpus, max_batch=64, max_delay_us=300_000, observer=seen) as b:
+        late = b.submit("score", qs[0], timeout=1e-4)
+        on_time = b.submit("score", qs[1])
+        with pytest.raises(DeadlineExceeded, match="deadline passed"):
+            late.result()
+        assert np.array_equal(on_time.result(), corpus.score(qs[1]))
+    assert seen.rejects == ["deadline"]
+    assert [(r, n) for _, r, n in seen.batches] == [(1, 1)]
+
+
+def test_a_request_cancelled_in_the_queue_is_dropped(corpus):
+    qs = _queries(np.random.default_rng(9), 2)
+    seen = _Record()
+    with Batcher(corpus, max_batch=64, max_delay_us=30_000_000, observer=seen) as b:
+        gone, kept = b.submit("score", qs[0]), b.submit("score", qs[1])
+        assert gone.cancel()
+    assert np.array_equal(kept.result(), corpus.score(qs[1]))
+    assert [(r, n) for _, r, n in seen.batches] == [(1, 1)]
+
+
+class _FailsOnNaN(lik_cupy.Corpus):
+    """A corpus whose score raises for a call with a NaN query token."""
+
+    def score(self, Q, *args, **kwargs):
+        if np.isnan(np.asarray(Q, np.float32)).any():
+            raise FloatingPointError("a NaN query token")
+        return super().score(Q, *args, **kwargs)
+
+
+def test_a_failing_call_fails_only_the_request_at_fault():
+    rng = np.random.default_rng(10)
+    docs = np.concatenate(_docs(rng, 20))
+    corpus = _FailsOnNaN(docs, d_offsets=np.array([0, len(docs) // 2, len(docs)]), device="cpu")
+    good, bad = _queries(rng, 2, hi=20)
+    bad[0, 0] = np.nan
+    with Batcher(corpus, max_batch=64, max_delay_us=30_000_000) as b:
+        failing, fine = b.submit("score", bad), b.submit("score", good)
+    with pytest.raises(FloatingPointError, match="NaN query token"):
+        failing.result()
+    assert np.array_equal(fine.result(), corpus.score(good))
+
+
+@pytest.mark.parametrize("op,Q,arg,error,match", [
+    ("search", np.zeros((4, DIM + 1), np.float32), 3, ValueError, "Q has dim 17 but the corpus has dim 16"),
+    ("search", np.zeros((4, DIM), np.float16), 3, TypeError, "corpus has dtype float32 but Q has float16"),
+    ("search", np.zeros(DIM, np.float32), 3, ValueError, r"Q has shape \[16\]"),
+    ("search", np.zeros((4, DIM), np.float32), 0, ValueError, r"k must be an integer in \[1, 4096\]"),
+    ("search", np.zeros((4, DIM), np.float32), 5000, ValueError, r"k must be an integer in \[1, 4096\]"),
+    ("rerank", np.zeros((4, DIM), np.float32), [0, 300], ValueError, r"candidate 300 is outside"),
+    ("rerank", np.zeros((4, DIM), np.float32), [[0, 1]], ValueError, r"candidates has shape \[1, 2\]"),
+    ("rerank", np.zeros((4, DIM), np.float32), [0.5], TypeError, "integer document indices"),
+    ("score", np.zeros((4, DIM), np.float32), 3, ValueError, "score takes no argument"),
+    ("count", np.zeros((4, DIM), np.float32), None, ValueError, "op must be one of"),
+])
+def test_bad_requests_raise_before_they_are_queued(corpus, op, Q, arg, error, match):
+    with Batcher(corpus) as b:
+        with pytest.raises(error, match=match):
+            b.submit(op, Q, arg)
+        assert b.queue_depths() == {"cpu:0": 0}
+
+
+def test_id_index():
+    idx = IdIndex(np.array(["b", "a", "c", "a"]), 4)
+    assert idx.positions(np.array([["a", "c"]])).tolist() == [[1, 2]]
+    with pytest.raises(ValueError, match=r"unknown ids \['z'\]"):
+        idx.positions(np.array(["a", "z"]))
+    with pytest.raises(TypeError, match="ids must be strings"):
+        idx.positions(np.array([1]))
+    plain = IdIndex(None, 3)
+    assert plain.positions(np.array([2, 0])).tolist() == [2, 0]
+    with pytest.raises(ValueError, match=r"unknown ids \[3\]"):
+        plain.positions(np.array([3]))
+
+
+# ---------------------------------------------------------------- lik serve, a real process
+
+class _Server:
+    """``lik serve`` on an ephemeral loopback port; its stderr kept."""
+
+    def __init__(self, *args):
+        for m in ("starlette", "uvicorn", "prometheus_client"):  # the [serve] extra
+            pytest.importorskip(m)
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        self.proc = subprocess.Popen([sys.executable, "-m", "lik_cupy", "serve", *map(str, args), "--port", "0"],
+                                     stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+        self.lines, self.port = [], None
+        listening = threading.Event()
+
+        def drain():
+            for line in self.proc.stderr:
+                self.lines.append(line)
+                m = re.search(r"listening on http://127\.0\.0\.1:(\d+)", line)
+                if m:
+                    self.port = int(m.group(1))
+                    listening.set()
+
+        threading.Thread(target=drain, daemon=True).start()
+        try:
+            assert listening.wait(60), f"lik serve did not start: {''.join(self.lines)}"
+            for _ in range(600):
+                try:
+                    if self.get("/v2/health/ready")[0] == 200:
+                        return
+                except ConnectionRefusedError:  # bound, not yet listening
+                    pass
+                time.sleep(0.1)
+            raise AssertionError(f"lik serve did not turn ready: {''.join(self.lines)}")
+        except BaseException:
+            self.proc.kill()  # no server outlives a failed start
+            self.proc.wait(60)
+            raise
+
+    def request(self, method, path, body=None, headers=None):
+        c = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
+        try:
+            c.request(method, path, body=body, headers=headers or {})
+            r = c.getresponse()
+            return r.status, {k.lower(): v for k, v in r.getheaders()}, r.read()
+        finally:
+            c.close()
+
+    def get(self, path):
+        return self.request("GET", path)
+
+    def infer(self, model, payload, headers=None):
+        body = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+        return self.request("POST", f"/v2/models/{model}/infer", body, headers)
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        self.proc.wait(60)
+        return "".join(self.lines)
+
+
+@pytest.fixture(scope="module")
+def shard(tmp_path_factory):
+    rng = np.random.default_rng(11)
+    path = tmp_path_factory.mktemp("serve") / "shard0"
+    shards.pack_arrays(_docs(rng, 200), path, ids=np.arange(200) * 3 + 5)
+    return path
+
+
+@pytest.fixture(scope="module")
+def served(shard):
+    s = _Server(shard, "--devices", "cpu,cpu", "--max-batch", "8", "--max-delay-us", "2000")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def local(shard):
+    return lik_cupy.Corpus.from_shards(shard, device="cpu")
+
+
+def _json_q(q, name="Q"):
+    return {"name": name, "shape": list(q.shape), "datatype": "FP32", "data": q.reshape(-1).tolist()}
+
+
+def test_serve_help_and_bad_devices(shard):
+    r = run_lik("serve", "--help")
+    assert r.exit_code == 0 and "Open Inference Protocol" in r.output and "--max-delay-us" in r.output
+    r = run_lik("serve", shard, "--devices", "0,x")
+    assert r.exit_code == 2 and "--devices: expected GPU indices and/or cpu" in r.stderr
+
+
+def test_a_corpus_that_fails_to_load_stops_the_server_with_exit_2(tmp_path):
+    for m in ("starlette", "uvicorn", "prometheus_client"):
+        pytest.importorskip(m)
+    r = subprocess.run([sys.executable, "-m", "lik_cupy", "serve", str(tmp_path / "missing"), "--port", "0"],
+                       capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert r.returncode == 2 and "lik: error: lik serve: loading the corpus failed:" in r.stderr, r.stderr
+    assert "missing" in r.stderr
+
+
+def test_health_metadata_and_metrics(served):
+    assert served.get("/v2/health/live")[0] == 200
+    assert served.get("/v2/models/rerank/ready")[0] == 200
+    status, _, body = served.get("/v2/models/search")
+    meta = json.loads(body)
+    assert status == 200 and [i["name"] for i in meta["inputs"]] == ["Q", "K"]
+    assert meta["inputs"][0] == {"name": "Q", "datatype": "FP32", "shape": [-1, DIM]}
+    assert [o["name"] for o in meta["outputs"]] == ["SCORES", "IDS"]
+    assert served.get("/v2/models/nope")[0] == 404
+    config = json.loads(served.get("/v2/models/rerank/config")[2])
+    assert config["max_batch_size"] == 0 and config["instance_group"] == [{"count": 2, "kind": "KIND_CPU"}]
+    assert config["input"] == [{"name": "Q", "data_type": "TYPE_FP32", "dims": [-1, DIM]},
+                               {"name": "IDS", "data_type": "TYPE_INT64", "dims": [-1]}]
+    stats = json.loads(served.get("/v2/models/stats")[2])["model_stats"]
+    assert [m["name"] for m in stats] == ["search", "rerank", "score"]
+    status, _, body = served.get("/metrics")
+    text = body.decode()
+    for name in ("lik_serve_queue_seconds", "lik_serve_compute_seconds", "lik_serve_request_seconds",
+                 "lik_serve_batch_queries", "lik_serve_rejected", "lik_serve_queue_depth"):
+        assert name in text
+
+
+def test_json_requests_equal_in_process_calls(served, local):
+    rng = np.random.default_rng(12)
+    q = rng.standard_normal((9, DIM)).astype(np.float32)
+    status, _, body = served.infer("search", {"id": "r1", "inputs": [
+        _json_q(q), {"name": "K", "shape": [1], "datatype": "INT32", "data": [4]}]})
+    out = {o["name"]: o for o in json.loads(body)["outputs"]}
+    s, i = local.search(q, 4)
+    assert status == 200 and json.loads(body)["id"] == "r1"
+    timing = json.loads(body)["parameters"]
+    assert timing["batch_queries"] >= 1 and timing["queue_us"] >= 0 and timing["compute_us"] >= 0
+    assert out["IDS"]["data"] == i.tolist() and out["IDS"]["datatype"] == "INT64"
+    assert np.array_equal(np.array(out["SCORES"]["data"], np.float32), s)
+    ids = np.array([[8, 5, 602]])
+    status, _, body = served.infer("rerank", {"inputs": [
+        _json_q(q[None]), {"name": "IDS", "shape": [1, 3], "datatype": "INT64", "data": ids.tolist()}]})
+    out = json.loads(body)["outputs"][0]
+    assert status == 200 and out["shape"] == [1, 3]
+    assert np.array_equal(np.array(out["data"], np.float32), local.rerank(q[None], (ids - 5) // 3)[0])
+
+
+def test_tritonclient_binary_requests_equal_in_process_calls(served, local):
+    th = pytest.importorskip("tritonclient.http")
+    rng = np.random.default_rng(13)
+    client = th.InferenceServerClient(f"127.0.0.1:{served.port}")
+    assert client.is_server_live() and client.is_server_ready() and client.is_model_ready("search")
+    q = rng.standard_normal((1, 20, DIM)).astype(np.float32)
+    Q = th.InferInput("Q", list(q.shape), "FP32")
+    Q.set_data_from_numpy(q, binary_data=True)
+    K = th.InferInput("K", [1], "INT32")
+    K.set_data_from_numpy(np.array([10], np.int32))
+    r = client.infer("search", [Q, K])  # binary outputs too
+    s, i = local.search(q, 10)
+    assert np.array_equal(r.as_numpy("SCORES"), s) and np.array_equal(r.as_numpy("IDS"), i)
+    ids = th.InferInput("IDS", [1, 4], "INT64")
+    ids.set_data_from_numpy(np.array([[5, 8, 11, 602]]))
+    r = client.infer("rerank", [Q, ids], outputs=[th.InferRequestedOutput("SCORES", binary_data=False)],
+                     request_compression_algorithm="gzip")
+    assert np.array_equal(r.as_numpy("SCORES"), local.rerank(q, [[0, 1, 2, 199]]))
+    r = client.infer("score", [Q], timeout=10_000_000)
+    assert np.array_equal(r.as_numpy("SCORES"), local.score(q))
+    assert client.get_model_config("score")["name"] == "score"
+    stats = client.get_inference_statistics("score")["model_stats"][0]
+    assert stats["inference_count"] >= 1 and stats["inference_stats"]["success"]["count"] >= 1
+
+
+def test_many_concurrent_clients_each_get_their_own_rows(served, local):
+    rng = np.random.default_rng(14)
+    qs = _queries(rng, 48, hi=33)
+
+    def client(t):  # 16 clients, 3 requests each
+        for j in range(t, len(qs), 16):
+            q, k = qs[j], 3 + j % 4
+            status, _, body = served.infer("search", {"inputs": [
+                _json_q(q), {"name": "K", "shape": [1], "datatype": "INT32", "data": [k]}]})
+            out = {o["name"]: o["data"] for o in json.loads(body)["outputs"]}
+            s, i = local.search(q, k)
+            assert status == 200 and out["IDS"] == i.tolist() and np.array_equal(np.float32(out["SCORES"]), s)
+
+    run_threads(16, client)
+
+
+@pytest.mark.parametrize("model,payload,headers,match", [
+    ("search", {"inputs": [{"name": "Q", "shape": [DIM], "datatype": "FP32", "data": [0.0] * DIM},
+                           {"name": "K", "shape": [1], "datatype": "INT32", "data": [3]}]}, None,
+     r"Q has shape \[16\]"),
+    ("search", {"inputs": [{"name": "Q", "shape": [2, DIM], "datatype": "FP16", "data": [0.0] * 2 * DIM},
+                           {"name": "K", "shape": [1], "datatype": "INT32", "data": [3]}]}, None,
+     "corpus has dtype float32 but Q has float16"),
+    ("search", {"inputs": [{"name": "Q", "shape": [2, DIM], "datatype": "INT32", "data": [0] * 2 * DIM},
+                           {"name": "K", "shape": [1], "datatype": "INT32", "data": [3]}]}, None,
+     "Q must be FP16, BF16 or FP32"),
+    ("search", {"inputs": [{"name": "Q", "shape": [2, DIM], "datatype": "FP32", "data": [0.0] * 2 * DIM},
+                           {"name": "K", "shape": [1], "datatype": "INT32", "data": [0]}]}, None,
+     "k must be an integer"),
+    ("search", {"inputs": [{"name": "Q", "shape": [2, DIM], "datatype": "FP32", "data": [0.0] * 2 * DIM},
+                           {"name": "K", "shape": [2], "datatype": "INT32", "data": [1, 2]}]}, None,
+     "K must hold one INT32"),
+    ("rerank", {"inputs": [{"name": "Q", "shape": [2, DIM], "datatype": "FP32", "data": [0.0] * 2 * DIM},
+                           {"name": "IDS", "shape": [2], "datatype": "INT64", "data": [5, 6]}]}, None,
+     r"unknown ids \[6\]"),
+    ("score", {"inputs": [{"name": "Q", "shape": [2, DIM], "datatype": "FP32", "data": [0.0] * 3}]}, None,
+     "needs 32 values, got 3"),
+    ("score", b'{"inputs": [{"name": "Q", "shape": [2, 16], "datatype": "FP32", '
+              b'"parameters": {"binary_data_size": 128}}]}' + bytes(64), None, "runs past the 64 bytes"),
+    ("score", b'{"inputs": [{"name": "Q", "shape": [1, 16], "datatype": "FP32", '
+              b'"parameters": {"binary_data_size": 64}}]}' + bytes(64), {"Inference-Header-Content-Length": "999"},
+     "Inference-Header-Content-Length is 999"),
+    ("score", b'{"inputs": [', None, "the request header is not JSON"),
+    ("score", {"inputs": [{"name": "Q", "shape": [1, DIM], "datatype": "FP32", "data": [0.0] * DIM}],
+               "outputs": [{"name": "IDS"}]}, None, "unknown output 'IDS'"),
+    ("score", {"inputs": [{"name": "Q", "shape": [1, DIM], "datatype": "FP32", "data": [0.0] * DIM}],
+               "parameters": {"timeout": -1}}, None, "timeout must be a positive number"),
+])
+def test_bad_requests_get_a_400_naming_the_problem_and_the_server_keeps_serving(served, model, payload, headers,
+                                                                               match):
+    if isinstance(payload, bytes) and headers is None and payload.startswith(b'{"inputs": [{'):
+        headers = {"Inference-Header-Content-Length": str(payload.index(b"}]}") + 3)}
+    status, _, body = served.infer(model, payload, headers)
+    assert status == 400, body
+    assert re.search(match, json.loads(body)["error"]), body
+    q = np.ones((2, DIM), np.float32)
+    status, _, _ = served.infer("score", {"inputs": [_json_q(q)]})
+    assert status == 200
+
+
+def test_compressed_bodies_are_bounded_after_inflating(served):
+    import gzip
+
+    bomb = gzip.compress(bytes(65 << 20))  # 64 MiB is the most a body may hold
+    status, _, body = served.infer("score", bomb, {"Content-Encoding": "gzip"})
+    assert status == 413 and "over 67108864 bytes" in json.loads(body)["error"]
+    status, _, body = served.infer("score", gzip.compress(b'{"inputs": []}')[:-9], {"Content-Encoding": "gzip"})
+    assert status == 400 and "not valid gzip data" in json.loads(body)["error"]
+    status, _, body = served.infer("score", b"{}", {"Content-Encoding": "br"})
+    assert status == 400 and "Content-Encoding 'br' is not supported" in json.loads(body)["error"]
+
+
+def test_backpressure_503_and_deadline_504(shard):
+    # One request waits out the 1.5 s delay in a queue of one, and expires there (timeout 1 ms);
+    # meanwhile a second finds the queue full.
+    server = _Server(shard, "--devices", "cpu", "--max-queue", "1", "--max-delay-us", "1500000", "--max-batch", "8")
+    try:
+        payload = {"inputs": [_json_q(np.ones((2, DIM), np.float32))], "parameters": {"timeout": 1000}}
+        late = {}
+        t = threading.Thread(target=lambda: late.update(r=server.infer("score", payload)))
+        t.start()
+        while 'lik_serve_queue_depth{device="cpu:0"} 1.0' not in server.get("/metrics")[2].decode():
+            assert t.is_alive(), late
+        status, headers, body = server.infer("score", {"inputs": [_json_q(np.ones((2, DIM), np.float32))]})
+        assert status == 503 and headers["retry-after"] == "1" and "queues are full" in json.loads(body)["error"]
+        t.join()
+        assert late["r"][0] == 504 and "deadline passed" in json.loads(late["r"][2])["error"]
+        text = server.get("/metrics")[2].decode()
+        assert 'lik_serve_rejected_total{model="score",reason="overloaded"} 1.0' in text
+        assert 'lik_serve_rejected_total{model="score",reason="deadline"} 1.0' in text
+    finally:
+        server.stop()
+
+
+def test_sigterm_under_load_answers_every_accepted_request(shard, local):
+    server = _Server(shard, "--devices", "cpu", "--max-batch", "4", "--max-delay-us", "20000")
+    rng = np.random.default_rng(15)
+    qs = _queries(rng, 16, hi=33)
+    ok, wrong, done = [], [], threading.Event()
+
+    def client(j):
+        c = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+        body = json.dumps({"inputs": [_json_q(qs[j])]}).encode()
+        want = local.score(qs[j])
+        while True:
+            try:
+                c.request("POST", "/v2/models/score/infer", body=body)
+                r = c.getresponse()
+                data = r.read()
+            except (OSError, http.client.HTTPException):
+                return  # the server closed the connection: this request was never accepted
+            if r.status != 200:
+                return
+            same = np.array_equal(np.float32(json.loads(data)["outputs"][0]["data"]), want)
+            (ok if same else wrong).append(j)
+            if len(ok) >= 40:
+                done.set()
+
+    threads = [threading.Thread(target=client, args=(j,)) for j in range(len(qs))]
+    for t in threads:
+        t.start()
+    assert done.wait(60)
+    log = server.stop()
+    for t in threads:
+        t.join(60)
+    m = re.search(r"answered (\d+) of (\d+) accepted requests", log)
+    assert m, log
+    answered, accepted = int(m.group(1)), int(m.group(2))
+    assert server.proc.returncode == 0 and not wrong
+    assert answered == accepted == len(ok)
+
+
+def test_bench_serve_smoke_run(tmp_path):
+    for m in ("starlette", "uvicorn", "prometheus_client"):
+        pytest.importorskip(m)
+    script = ROOT / "bench" / "suites" / "bench_serve.py"
+    subprocess.run([sys.executable, str(script), "--smoke", "--out", str(tmp_path)], check=True, cwd=ROOT,
+                   capture_output=True, timeout=300)
+    res = json.loads((tmp_path / "serve_cpu.json").read_text())
+    assert res["gpu"] == "cpu" and [w["workload"] for w in res["workloads"]] == ["search", "rerank"]
+    for w in res["workloads"]:
+        assert w["inprocess_qps"] > 0 and set(w["servers"]) == {"batched", "unbatched"}
+        for server in w["servers"].values():
+            assert [r["clients"] for r in server["closed"]] == [1, 4]
+            assert all(r["qps"] > 0 and r["errors"] == 0 and r["histogram"] for r in server["closed"])
+        assert all(r["mean_batch"] == 1 for r in w["servers"]["unbatched"]["closed"])

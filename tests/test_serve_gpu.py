@@ -1,0 +1,104 @@
+"""lik_cupy.serving on the GPU: batched requests bitwise the unbatched Corpus calls (float16, bfloat16,
+float32 at both precisions, INT8; queries of one length and of mixed lengths; a corpus in GPU memory and
+one in page-locked host memory), and routing over two GPUs. The CPU side: tests/test_serve.py."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+import lik_cupy
+from lik_cupy.serving import Batcher, Observer
+from lik_cupy.shards import numpy_dtype
+from threads import run_threads
+
+pytestmark = pytest.mark.gpu
+
+DIM = 128
+
+
+class _Devices(Observer):
+    def __init__(self):
+        self.batches, self.lock = [], threading.Lock()
+
+    def batch(self, device, op, requests, queries, compute_s):
+        with self.lock:
+            self.batches.append((device, queries))
+
+
+def _corpus(rng, dtype, device=0, nd=3000, max_gpu_bytes=None):
+    lens = rng.integers(1, 200, nd)
+    off = np.concatenate([[0], np.cumsum(lens)])
+    D = rng.standard_normal((int(off[-1]), DIM)).astype(np.float32)
+    D /= np.linalg.norm(D, axis=1, keepdims=True)
+    if dtype == "int8":
+        D8, s8 = lik_cupy.quantize_int8(D, backend="cpu")
+        return lik_cupy.Corpus(D8, d_offsets=off, d_scales=s8, device=device, max_gpu_bytes=max_gpu_bytes)
+    return lik_cupy.Corpus(D.astype(numpy_dtype(dtype)), d_offsets=off, device=device, max_gpu_bytes=max_gpu_bytes)
+
+
+def _check_batched_equals_single(corpus, qs, precision, replicas=None, workers=16):
+    rng = np.random.default_rng(3)
+    cands = [rng.integers(0, len(corpus), 100) for _ in qs]
+    seen = _Devices()
+    with Batcher(replicas or corpus, max_batch=32, max_delay_us=2000, observer=seen) as b:
+        b.warm()
+        def client(t):
+            for j in range(t, len(qs), workers):
+                q, kw = qs[j], {"precision": precision}
+                if j % 3 == 0:
+                    s, i = b.search(q, 10, **kw)
+                    s1, i1 = corpus.search(q, 10, **kw)
+                    assert np.array_equal(s, s1, equal_nan=True) and np.array_equal(i, i1), f"search, query {j}"
+                elif j % 3 == 1:
+                    got, want = b.rerank(q, cands[j], **kw), corpus.rerank(q, cands[j], **kw)
+                    assert np.array_equal(got, want, equal_nan=True), f"rerank, query {j}"
+                else:
+                    got, want = b.score(q, **kw), corpus.score(q, **kw)
+                    assert np.array_equal(got, want, equal_nan=True), f"score, query {j}"
+
+        run_threads(workers, client)
+    assert max(n for _, n in seen.batches) > 1  # some requests did share a call
+    return seen
+
+
+@pytest.mark.parametrize("dtype,precision", [("float16", None), ("bfloat16", None), ("float32", "fp32"),
+                                             ("float32", "tf32"), ("int8", None)])
+@pytest.mark.parametrize("lengths", ["32", "mixed"])
+def test_batched_requests_are_bitwise_the_unbatched_calls(dtype, precision, lengths):
+    rng = np.random.default_rng(1)
+    corpus = _corpus(rng, dtype)
+    lq = np.full(96, 32) if lengths == "32" else rng.integers(1, 300, 96)
+    qdtype = "float32" if dtype == "int8" else dtype
+    qs = [rng.standard_normal((int(n), DIM)).astype(numpy_dtype(qdtype)) for n in lq]
+    _check_batched_equals_single(corpus, qs, precision)
+
+
+def test_batched_requests_on_a_page_locked_corpus_are_bitwise_the_unbatched_calls():
+    rng = np.random.default_rng(2)
+    corpus = _corpus(rng, "float16", max_gpu_bytes=0)
+    assert corpus.where == "pinned host memory"
+    qs = [rng.standard_normal((32, DIM)).astype(np.float16) for _ in range(48)]
+    _check_batched_equals_single(corpus, qs, None)
+
+
+def test_two_gpus_share_the_load():
+    import cupy
+
+    if cupy.cuda.runtime.getDeviceCount() < 2:
+        pytest.skip("needs two GPUs")
+    rng = np.random.default_rng(4)
+    replicas = [_corpus(np.random.default_rng(5), "float16", device=d) for d in (0, 1)]
+    qs = [rng.standard_normal((32, DIM)).astype(np.float16) for _ in range(192)]
+    seen = _check_batched_equals_single(replicas[0], qs, None, replicas=replicas, workers=32)
+    assert {d for d, _ in seen.batches} == {"cuda:0", "cuda:1"}
+
+
+def test_two_workers_on_one_gpu_each_on_its_own_stream():
+    rng = np.random.default_rng(6)
+    corpus = _corpus(rng, "float16")
+    qs = [rng.standard_normal((32, DIM)).astype(np.float16) for _ in range(96)]
+    seen = _check_batched_equals_single(corpus, qs, None, replicas=[corpus, corpus], workers=32)
+    assert {d for d, _ in seen.batches} == {"cuda:0", "cuda:0#1"}
