@@ -436,15 +436,26 @@ struct LIK_FWD::SumRows {
     float* const& outp;
     const int& Nd;
 
-    // MULTI: one warp per query sums document j's row maxima from shared memory, in a fixed order.
+    // MULTI: one warp per query sums document j's row maxima from shared memory, in score_single's
+    // order for one-m-tile warps (wgmma tiles): per 16 rows, each quad's rows g and g + 8, a butterfly
+    // over the quads, and the groups in order. A query scored with others then has the bits it has
+    // scored alone (a server's batches, lik_cupy.serving); rows that do not count hold 0.
     __device__ void sum_rows(int j) const {
         const float* rowv = red + (j & 1) * BM;
+        const int g = lane >> 2, tq = lane & 3;
         for (int qq = warp; qq < nqb; qq += WARPS) {
             const float* rp = rowv + qq * span;
             float sum = 0.f;
-            for (int r = lane; r < span; r += 32) sum += rp[r];
+            for (int k = 0; k < span; k += 16) {
+                float part = 0.f;
+                if (tq == 0) {
+                    if (k + g < span) part += rp[k + g];
+                    if (k + g + 8 < span) part += rp[k + g + 8];
+                }
 #pragma unroll
-            for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+                for (int off = 4; off < 32; off <<= 1) part += __shfl_xor_sync(0xffffffffu, part, off);
+                sum += part;
+            }
             if (lane == 0) outp[(i64)qq * Nd + j] = sum;
         }
     }
