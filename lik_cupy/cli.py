@@ -39,7 +39,7 @@ from lik_cupy import _atomic, _files, shards
 from lik_cupy._ranking import merge_ranked
 from lik_cupy.errors import LikError
 
-# The scoring modules (lik_cupy.retrieve, lik_cupy._dispatch, ...) are imported by `lik score`
+# The scoring modules (lik_cupy.retrieval, lik_cupy._dispatch, ...) are imported by `lik score`
 # alone, where it needs them: `lik info`, `pack`, `inspect` and `--help` start without them.
 
 __all__ = ["main", "run_score", "EXIT_BAD_INPUT", "EXIT_INTERRUPTED"]
@@ -171,7 +171,7 @@ def _sigterm_as_interrupt():
 
 def _check_output(out: str, full_matrix: bool, top_k: int) -> str:
     """The output's suffix; LikError (or OSError naming it) if it cannot be written as asked."""
-    from lik_cupy.retrieve import MAX_K
+    from lik_cupy.retrieval import MAX_K
 
     if not full_matrix and not 1 <= top_k <= MAX_K:
         raise LikError("--top-k", f"must be in 1..{MAX_K}, got {top_k} (--full-matrix writes every score)")

@@ -40,7 +40,7 @@ from ._runtime.operands import kernel_operands, valid_host
 from ._runtime.prepared_calls import call_key
 from ._validate import Problem, check_id_values
 from .precision import _resolve as _fp32_accurate
-from .retrieve import (MAX_K, _Cpu, _DeviceDocs, _doc_problem, _Gpu, _HostDocs, _host_docs, _Part, _query_problem,
+from .retrieval import (MAX_K, _Cpu, _DeviceDocs, _doc_problem, _Gpu, _HostDocs, _host_docs, _Part, _query_problem,
                        _staged_source, _with_queries)
 
 __all__ = ["Corpus"]
@@ -283,7 +283,7 @@ class Corpus:
         in page-locked host memory."""
         import cupy
 
-        from .retrieve import _device_docs
+        from .retrieval import _device_docs
 
         p = self._p
         if device is not None and (isinstance(device, bool) or not isinstance(device, (int, np.integer))):

@@ -63,7 +63,7 @@ except ImportError as e:
 from . import shards
 from ._ranking import merge_ranked
 from ._runtime.device import gpu_available
-from .retrieve import MAX_K, _outside_stacklevel, retrieve
+from .retrieval import MAX_K, _outside_stacklevel, retrieve
 
 __all__ = ["DistributedCorpus"]
 

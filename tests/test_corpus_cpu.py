@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 import lik_cupy
-from lik_cupy.retrieve import _packed_chunks
+from lik_cupy.retrieval import _packed_chunks
 from reference import assert_within_rounding, maxsim_ref, rounding_bound
 
 
@@ -203,7 +203,7 @@ def _covered(merged, total):
 def test_chunk_halves_resumes_and_warns_once():
     import warnings
 
-    from lik_cupy.retrieve import _Chunking, _drive
+    from lik_cupy.retrieval import _Chunking, _drive
 
     chunking = _Chunking(lambda: 4096)
     # 300 documents fit per chunk until two chunks are merged; then only 70 (memory taken elsewhere).
@@ -228,7 +228,7 @@ def test_chunk_halves_resumes_and_warns_once():
 def test_not_even_one_document_fits():
     import warnings
 
-    from lik_cupy.retrieve import _Chunking, _drive
+    from lik_cupy.retrieval import _Chunking, _drive
 
     chunking = _Chunking(lambda: 123_456)
     shard = _Scorer(10, lambda s: 0, chunking)

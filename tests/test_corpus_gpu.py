@@ -273,7 +273,7 @@ def test_topk_merge_kernel_ties_and_k(rng, chunk):
     scores[1, ::5] = -np.inf
     for k in (1, 2, 3, 100, 1000, 4096):
         want_s, want_i = _ranked(scores, k)
-        from lik_cupy.retrieve import _Gpu
+        from lik_cupy.retrieval import _Gpu
 
         r = object.__new__(_Gpu)
         import cupy

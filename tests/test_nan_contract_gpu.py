@@ -251,7 +251,7 @@ def test_retrieve_ranks_invalid_device_documents_last(rng, monkeypatch, layout, 
     q = cupy.asarray(_unit(rng, nq, lq, dim).astype(np.float16))
     dn = _unit(rng, nd, ld, dim).astype(np.float16)
     lens = rng.integers(1, ld + 1, nd)
-    monkeypatch.setattr(sys.modules["lik_cupy.retrieve"], "_MAX_CHUNK_DOCS", -(-nd // chunks))
+    monkeypatch.setattr(sys.modules["lik_cupy.retrieval"], "_MAX_CHUNK_DOCS", -(-nd // chunks))
     bad_docs = [5, 77, 200]
     tok = cupy.asarray(np.concatenate([dn[j, :lens[j]] for j in range(nd)]))
 

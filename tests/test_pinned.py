@@ -1,14 +1,12 @@
 """pin_host: page-locked host corpora stream without staging copies and score bit for bit as staged ones."""
 
-import importlib
-
 import numpy as np
 import pytest
 
 import lik_cupy
+from lik_cupy import retrieval
 from test_forward_gpu import _cp, _np, _unit
 
-retrieve_mod = importlib.import_module("lik_cupy.retrieve")  # the module, not the function of that name
 BUDGET = 4 << 20  # forces many chunks
 
 
@@ -32,13 +30,13 @@ def test_pin_host_without_gpu_locks_nothing(monkeypatch):
 def staged_copies(monkeypatch):
     """The shapes of the host staging copies retrieve makes (none for page-locked tokens)."""
     seen = []
-    real = retrieve_mod._parallel_copy
+    real = retrieval._parallel_copy
 
     def spy(pool, dst, src):
         seen.append((src.dtype.name, src.shape))
         real(pool, dst, src)
 
-    monkeypatch.setattr(retrieve_mod, "_parallel_copy", spy)
+    monkeypatch.setattr(retrieval, "_parallel_copy", spy)
     return seen
 
 

@@ -1,6 +1,5 @@
 """The public API, frozen: every public module's ``__all__`` and the signature of each public
-function. A change here is a change users see: make it on purpose, and keep the old name working
-for a release (``lik_cupy/_moved.py``).
+function. A change here is a change users see: make it on purpose.
 
 Read from the source with ``ast``, so ``lik_cupy.torch`` and ``lik_cupy.jax`` are covered
 without torch or jax installed.
@@ -9,7 +8,6 @@ without torch or jax installed.
 from __future__ import annotations
 
 import ast
-import importlib
 import pathlib
 import subprocess
 import sys
@@ -118,7 +116,7 @@ FROZEN = {'lik_cupy': (['CompileError',
  'lik_cupy.quantize': (['dequantize_int8', 'quantize_int8'],
                        {'dequantize_int8': "(X_int8, scales, *, backend='auto')",
                         'quantize_int8': "(X, *, backend='auto')"}),
- 'lik_cupy.retrieve': (['MAX_K', 'retrieve'],
+ 'lik_cupy.retrieval': (['MAX_K', 'retrieve'],
                        {'retrieve': '(Q, D, k, q_mask=None, *, q_lengths=None, q_scales=None, d_offsets=None, '
                                     "d_mask=None, d_lengths=None, d_scales=None, max_gpu_bytes=None, backend='auto', "
                                     'precision=None)'}),
@@ -249,27 +247,33 @@ def test_public_names_resolve_and_keep_torch_jax_and_dask_out():
     assert out.strip() == "[]"
 
 
-@pytest.mark.parametrize("old,new", [("lik_cupy.dispatch", "lik_cupy._dispatch"),
-                                     ("lik_cupy.compile", "lik_cupy._runtime.nvrtc"),
-                                     ("lik_cupy.device", "lik_cupy._runtime.device"),
-                                     ("lik_cupy.pinned", "lik_cupy._runtime.pinned"),
-                                     ("lik_cupy.validate", "lik_cupy._validate")])
-def test_moved_modules_still_import_with_a_warning(old, new):
-    code = (f"import warnings; warnings.simplefilter('error', DeprecationWarning)\n"
-            f"try:\n    import {old}\nexcept DeprecationWarning as e:\n    print('warned:', e)\n"
-            f"warnings.simplefilter('ignore')\nimport importlib, {old.split('.')[0]}\n"
-            f"print(importlib.import_module('{old}') is importlib.import_module('{new}'))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert f"warned: {old} moved to {new}" in out and out.strip().endswith("True")
-
-
-def test_moved_attributes_warn_and_unknown_ones_raise():
+def test_no_public_module_shares_a_name_with_a_public_function():
+    # A submodule's import binds it as an attribute of its package: `lik_cupy.retrieve` the module
+    # would hide `lik_cupy.retrieve` the function once anything imported it.
     import lik_cupy
 
-    with pytest.warns(DeprecationWarning, match="lik_cupy.dispatch moved to lik_cupy._dispatch"):
-        assert lik_cupy.dispatch is importlib.import_module("lik_cupy._dispatch")
+    functions = set(lik_cupy.__all__) | {n for names, _ in FROZEN.values() for n in names}
+    clashes = sorted(m for m in FROZEN if m.rsplit(".", 1)[-1] in functions)
+    assert not clashes, f"modules named like a public function: {clashes}"
+
+
+def test_no_public_name_is_a_module_once_every_module_is_imported():
+    mods = sorted(m for m in FROZEN if m not in ("lik_cupy.torch", "lik_cupy.jax", "lik_cupy.distributed")
+                  and not m.startswith("lik_cupy.integrations."))
+    code = (f"import importlib, types, lik_cupy\n[importlib.import_module(m) for m in {mods!r}]\n"
+            "print(sorted(n for n in lik_cupy.__all__ if isinstance(getattr(lik_cupy, n), types.ModuleType)), "
+            "lik_cupy.retrieve is lik_cupy.retrieval.retrieve)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[] True"
+
+
+def test_unknown_attributes_raise():
+    import lik_cupy
+
     with pytest.raises(AttributeError, match="no attribute 'nonesuch'"):
         lik_cupy.nonesuch  # noqa: B018
+    with pytest.raises(AttributeError, match="no attribute 'dispatch'"):
+        lik_cupy.dispatch  # noqa: B018
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         from lik_cupy.errors import ShardError

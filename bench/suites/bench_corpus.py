@@ -760,7 +760,7 @@ def measure_h2d(ctx, nbytes=None):
             # and while a DMA out of pinned memory runs, as it does inside retrieve.
             from concurrent.futures import ThreadPoolExecutor
 
-            from lik_cupy.retrieve import _COPY_THREADS, _parallel_copy
+            from lik_cupy.retrieval import _COPY_THREADS, _parallel_copy
             src_pg = np.ones(nbytes, np.uint8)
             mem2 = cp.cuda.alloc_pinned_memory(nbytes)
             dst_pin = np.frombuffer(mem2, np.uint8, nbytes)
