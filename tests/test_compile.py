@@ -321,7 +321,8 @@ def test_compile_error_carries_the_log(tmp_path, monkeypatch):
     assert not (tmp_path / "kc").exists() or not any((tmp_path / "kc").iterdir())  # nothing cached
 
     no_name = {k: v for k, v in _small_cfg().defines().items() if k != "LIK_NAME"}
-    with pytest.raises(lc.CompileError, match="LIK_NAME and the tile macros are set by lik_cupy.dispatch"):
+    with pytest.raises(lc.CompileError, match=r"LIK_NAME and the tile macros are set by lik_cupy\._dispatch "
+                                              r"\(FwdConfig\.defines\)"):
         lc.nvrtc_compile(SRC, no_name, 80)
 
 
