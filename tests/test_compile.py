@@ -269,7 +269,7 @@ def test_cache_key_covers_defines_and_arch():
 
 
 def test_disk_cache_hit_and_corruption(tmp_path, monkeypatch):
-    monkeypatch.setenv("LIK_CUPY_CACHE_DIR", str(tmp_path / "kc"))
+    monkeypatch.setenv("LIK_CACHE_DIR", str(tmp_path / "kc"))
     assert lc.cache_dir() == tmp_path / "kc"
     cfg = _small_cfg()
     p1 = lc.cubin_path(SRC, cfg.defines(), 80)
@@ -309,7 +309,7 @@ def test_disk_cache_hit_and_corruption(tmp_path, monkeypatch):
 
 
 def test_compile_error_carries_the_log(tmp_path, monkeypatch):
-    monkeypatch.setenv("LIK_CUPY_CACHE_DIR", str(tmp_path / "kc"))
+    monkeypatch.setenv("LIK_CACHE_DIR", str(tmp_path / "kc"))
     defines = {**_small_cfg().defines(), "LIK_DP": 15}
     with pytest.raises(lc.CompileError) as ei:
         lc.nvrtc_compile(SRC, defines, 80)

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.gpu
 def same_tiles(monkeypatch):
     """Candidate-id tiles stage by cp.async; keep the calls compared with them off TMA too, so both
     run the same tile (TMA changes no bits of a tile's arithmetic, but INT8 takes other tiles with it)."""
-    monkeypatch.setenv("LIK_CUPY_DISABLE_TMA", "1")
+    monkeypatch.setenv("LIK_DISABLE_TMA", "1")
 
 
 def _on_gpu(kw):

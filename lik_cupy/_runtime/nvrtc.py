@@ -41,7 +41,7 @@ def source_dir() -> Path:
 
 
 def cache_dir() -> Path:
-    """On-disk kernel cache (``LIK_CUPY_CACHE_DIR`` overrides the default)."""
+    """On-disk kernel cache (``LIK_CACHE_DIR`` overrides the default)."""
     override = env.cache_dir_override()
     if override:
         return Path(override)
