@@ -61,7 +61,8 @@ def test_every_package_variable_is_documented():
 
 
 def test_nothing_outside_the_alias_table_uses_an_old_name():
-    exempt = {REPO / "lik_cupy" / "_runtime" / "env.py", REPO / "tests" / "test_env.py", REPO / "docs" / "environment.md"}
+    exempt = {REPO / "lik_cupy" / "_runtime" / "env.py", REPO / "tests" / "test_env.py",
+              REPO / "docs" / "environment.md"}
     files = [p for top in ("lik_cupy", "tests", "bench", "docs", ".ci") for p in (REPO / top).rglob("*")
              if p.is_file() and p.suffix in (".py", ".sh", ".md", "") and "results" not in p.parts
              and "__pycache__" not in p.parts and p not in exempt]
