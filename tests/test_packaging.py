@@ -41,7 +41,7 @@ def _run(cmd, **kw):
 
 
 def _build_wheel(src: pathlib.Path, outdir: pathlib.Path) -> pathlib.Path:
-    local_backend = _version_tuple("setuptools") >= (68,) and importlib.util.find_spec("wheel") is not None
+    local_backend = _version_tuple("setuptools") >= (77,) and importlib.util.find_spec("wheel") is not None
     if local_backend and importlib.util.find_spec("build") is not None:
         cmd = [sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir", outdir, src]
     elif local_backend:
