@@ -300,9 +300,9 @@ def _write_log(key: str, log: str) -> None:
 def compile_logs(builds: list[tuple], *, workers: int = 1, cache: bool = True) -> list[str]:
     """The ptxas -v logs of ``(source, defines, arch)`` builds, in order.
 
-    With ``cache``, a build whose :func:`cache_key` (the sources and every file they include, the
-    defines, the architecture, the NVRTC version) a build has proven before reads that log from
-    ``cache_dir()/logs`` instead of compiling; a missing or unwritable cache only means compiling.
+    With ``cache``, a build whose :func:`cache_key` (the source and every file it includes, the
+    defines, the NVRTC options, the architecture, the NVRTC version) was compiled before reads that
+    log from ``cache_dir()/logs`` instead; a missing or unwritable cache only means compiling.
     The rest compile on ``workers`` processes, the sm_90a builds (the slowest) first. Raises
     ``CompileError`` if any build fails; a failure is never cached.
     """
