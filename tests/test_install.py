@@ -9,6 +9,7 @@ they never combine; every other extra, documented or CI's own, joins both unions
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import pathlib
 import subprocess
@@ -33,12 +34,21 @@ def _pip(*args, timeout=900):
                           text=True, timeout=timeout)
 
 
+def _union(cuda: str) -> list[str]:
+    return [e for e in _extras() if e not in ALTERNATIVES or e == cuda]
+
+
 @pytest.fixture(scope="module")
-def source(tmp_path_factory):
+def resolutions(tmp_path_factory):
+    """pip's dry run of each union, both at once (they wait on the network, not the CPU)."""
     probe = _pip("index", "versions", "pylate", "--retries", "0", "--timeout", "20", timeout=120)
     if probe.returncode != 0:
         pytest.skip(f"no package index reachable (pip index versions pylate: {probe.stderr.strip()[-300:]})")
-    return _source_copy(tmp_path_factory.mktemp("resolve") / "src")
+    source = _source_copy(tmp_path_factory.mktemp("resolve") / "src")
+    with concurrent.futures.ThreadPoolExecutor(len(ALTERNATIVES)) as ex:
+        runs = {cuda: ex.submit(_pip, "install", "--dry-run", "--ignore-installed", "--no-build-isolation", "--quiet",
+                                "--report", "-", f"{source}[{','.join(_union(cuda))}]") for cuda in ALTERNATIVES}
+        return {cuda: run.result() for cuda, run in runs.items()}
 
 
 def test_the_alternatives_are_extras_and_every_other_extra_joins_them():
@@ -47,11 +57,9 @@ def test_the_alternatives_are_extras_and_every_other_extra_joins_them():
 
 
 @pytest.mark.parametrize("cuda", ALTERNATIVES)
-def test_every_extra_resolves_together(source, cuda):
-    extras = [e for e in _extras() if e not in ALTERNATIVES or e == cuda]
-    p = _pip("install", "--dry-run", "--ignore-installed", "--no-build-isolation", "--quiet", "--report", "-",
-             f"{source}[{','.join(extras)}]")
-    assert p.returncode == 0, f"pip cannot resolve lik-cupy[{','.join(extras)}]:\n{p.stderr[-3000:]}"
+def test_every_extra_resolves_together(resolutions, cuda):
+    p = resolutions[cuda]
+    assert p.returncode == 0, f"pip cannot resolve lik-cupy[{','.join(_union(cuda))}]:\n{p.stderr[-3000:]}"
     report = json.loads(p.stdout)
     got = {i["metadata"]["name"].lower().replace("_", "-"): i["metadata"]["version"] for i in report["install"]}
     assert "lik-cupy" in got and "pylate" in got and "fast-plaid" in got, sorted(got)
