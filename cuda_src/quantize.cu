@@ -11,7 +11,7 @@
 #include "common.cuh"
 
 #ifndef LIK_ELEM
-#error "LIK_ELEM is set by lik_cupy.quantize"
+#error "LIK_ELEM is set by lik_cupy._runtime.quantize"
 #endif
 
 #if LIK_ELEM == 2

@@ -20,7 +20,7 @@
 // running list and the slice winners number that few) is read once: the first
 // pass keeps its keys in shared memory, the later passes wait on that, not on L2.
 //
-// A long chunk is merged in two launches (lik_cupy/retrieve.py) so that more than one CTA
+// A long chunk is merged in two launches (lik_cupy/retrieval.py) so that more than one CTA
 // works on each query: the first splits each row into `groups` slices of `slice` scores and
 // ranks each slice's best k on its own (rows = queries x groups, no running list); the second
 // merges the running list with the queries' slice winners, read with their own document

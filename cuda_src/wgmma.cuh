@@ -8,7 +8,7 @@
 
 // A tensor map as a kernel parameter (declared everywhere so signatures need no #if).
 struct __align__(64) TmaDesc {
-    unsigned long long v[16];  // the driver's opaque CUtensorMap, built by lik_cupy/tma.py
+    unsigned long long v[16];  // the driver's opaque CUtensorMap, built by lik_cupy/_runtime/tma.py
 };
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -113,7 +113,7 @@ LIK_WGMMA_S8(128, LIK_REGS64, 64, 65, 66, LIK_ACC64("+r"))
 LIK_WGMMA_S8(256, LIK_REGS128, 128, 129, 130, LIK_ACC128("+r"))
 
 // Tensor-memory-accelerator (TMA) loads: a box of a tensor map built on the host
-// (lik_cupy/tma.py) lands in shared memory, swizzled as the map says, and completes as a
+// (lik_cupy/_runtime/tma.py) lands in shared memory, swizzled as the map says, and completes as a
 // byte count on an mbarrier. One thread issues a whole tile; no thread computes addresses.
 __device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");

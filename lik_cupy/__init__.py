@@ -21,10 +21,7 @@ array([[8., 8., 8.]], dtype=float32)
 """
 
 import importlib
-import sys
-import types
 
-from . import _moved
 from ._version import __version__
 from .errors import CompileError, DeviceMemoryError, LikError, ShardError
 
@@ -35,14 +32,15 @@ __all__ = ["maxsim", "maxsim_pairs", "maxsim_varlen", "maxsim_int8", "maxsim_int
 
 # Public name -> the module defining it, imported on first use (PEP 562): `import lik_cupy`, and so
 # the `lik` command's start, pays only for the modules a program touches (`lik info` needs none
-# of the scoring code).
+# of the scoring code). No public module shares its name with a public function (`retrieve` lives
+# in `retrieval`), so importing a module never rebinds a name of this package.
 _HOMES = {
     "maxsim": ".forward", "maxsim_pairs": ".forward", "maxsim_varlen": ".forward",
     "maxsim_int8": ".int8", "maxsim_int8_varlen": ".int8",
     "maxsim_residual": ".plaid", "maxsim_residual_varlen": ".plaid", "PlaidIndex": ".plaid",
     "quantize_int8": ".quantize", "dequantize_int8": ".quantize",
     "maxsim_backward": ".backward",
-    "retrieve": ".retrieve",
+    "retrieve": ".retrieval",
     "Corpus": ".corpus",
     "pin_host": "._runtime.pinned", "PinnedHost": "._runtime.pinned",
     "warmup": "._runtime.warmup",
@@ -50,13 +48,11 @@ _HOMES = {
     "set_precision": ".precision", "get_precision": ".precision",
 }
 
-_moved.install()
-
 
 def __getattr__(name: str):
     home = _HOMES.get(name)
     if home is None:
-        return _moved.attribute(name)
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     value = getattr(importlib.import_module(home, __name__), name)
     globals()[name] = value
     return value
@@ -65,16 +61,3 @@ def __getattr__(name: str):
 def __dir__():
     return sorted(set(globals()) | set(__all__))
 
-
-class _Package(types.ModuleType):
-    """This package's module type. Importing a submodule binds it as an attribute of the package;
-    ``lik_cupy.retrieve`` (the module) would then hide ``lik_cupy.retrieve`` (the function), so a
-    module bound under a public name is replaced by that name's value."""
-
-    def __setattr__(self, name, value):
-        if isinstance(value, types.ModuleType) and name in _HOMES:
-            value = getattr(importlib.import_module(_HOMES[name], __name__), name)
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package

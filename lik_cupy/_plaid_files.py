@@ -26,7 +26,7 @@ and a file cannot run code: nothing here imports pickle).
 
 Every file is hostile until checked, and every problem is a ShardError naming the file: each is
 opened as a regular file (``lik_cupy._files``: a FIFO or a device is refused, never waited on);
-``.npy`` headers are checked against the file's size before it is mapped (``shards.open_npy``); a
+``.npy`` headers are checked against the file's size before it is mapped (``shards._open_npy``); a
 ``.pt`` member's claimed size against the file, a compressed one's expansion against
 ``_MAX_EXPANSION``, and every tensor's elements against its storage's bytes before any view is made;
 counts must agree across files (metadata's chunks, each chunk's doclens, codes and residual rows,
@@ -46,7 +46,7 @@ import numpy as np
 
 from . import _files
 from .errors import ShardError
-from .shards import open_npy, read_lengths
+from .shards import _open_npy as open_npy, _read_lengths as read_lengths
 
 __all__ = ["IndexArrays", "read_index", "read_torch_file"]
 

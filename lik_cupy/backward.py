@@ -156,7 +156,7 @@ def _gpu(p: Problem, g, Q, D, argmax, d_offsets, method, validate, q_shape, d_sh
         q, d = kernel_operands(p.dtype, q, d)  # float64: the forward's float32 rounding; float64 gradients
         off = device_offsets(device_array(d_offsets, fw, on_host), p.ntok, "d_offsets", validate,
                              wide=True) if p.d_packed else None
-        if validate and a.size and not capturing():  # no host read inside graph capture (checks.py)
+        if validate and a.size and not capturing():  # no host read inside graph capture (device_checks.py)
             limit = (off[1:] - off[:-1])[None, :, None] if off is not None else p.ld
             lo, over = (int(v) for v in cupy.stack([a.min().astype(cupy.int64),
                                                    (a >= limit).any().astype(cupy.int64)]).get())

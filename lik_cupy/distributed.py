@@ -65,7 +65,7 @@ from ._base.device import gpu_available
 from ._ranking import merge_ranked
 from ._runtime.topk import MAX_K
 from ._streaming.gpu import outside_stacklevel
-from .retrieve import retrieve
+from .retrieval import retrieve
 
 __all__ = ["DistributedCorpus"]
 
@@ -133,7 +133,7 @@ class _Info:
     num_docs: int
     nbytes: int  # what residency costs: tokens (valid rows only), scales, offsets
     dim: int
-    dtype: str  # one of shards.SHARD_DTYPES
+    dtype: str  # one of shards._SHARD_DTYPES
 
 
 def _describe(source: tuple[str, str | None], bf16_bits: bool) -> _Info:
@@ -191,7 +191,7 @@ def _make_resident(shard: shards.Shard, dtype: str | None, gpu_room: float | Non
     """Hold ``shard`` in memory: on the GPU when ``gpu_room`` (bytes; None: no GPU) takes it, else in host memory."""
     tokens, offsets = shard.read_chunk(0, shard.num_docs)
     if dtype is not None:
-        tokens = tokens.astype(shards.numpy_dtype(dtype), copy=False)
+        tokens = tokens.astype(shards._numpy_dtype(dtype), copy=False)
     arrays = [tokens, offsets] + ([shard.read_scales(0, shard.num_docs)] if shard.scales is not None else [])
     nbytes = sum(a.nbytes for a in arrays)
     host_offsets = np.array(offsets, np.int64)
@@ -384,8 +384,8 @@ class DistributedCorpus:
             raise ValueError("shard_paths is empty; give at least one shard")
         if isinstance(device_memory_fraction, bool) or not 0 < device_memory_fraction <= 1:
             raise ValueError(f"device_memory_fraction must be in (0, 1], got {device_memory_fraction!r}")
-        if dtype is not None and dtype not in shards.DTYPES:
-            raise ValueError(f"dtype must be None or one of {', '.join(shards.DTYPES)}, got {dtype!r}")
+        if dtype is not None and dtype not in shards._DTYPES:
+            raise ValueError(f"dtype must be None or one of {', '.join(shards._DTYPES)}, got {dtype!r}")
         if backend not in ("auto", "gpu", "cpu"):
             raise ValueError(f"backend must be 'auto', 'gpu' or 'cpu', got {backend!r}")
         if isinstance(timeout, bool) or not timeout > 0:
@@ -504,13 +504,13 @@ class DistributedCorpus:
             if info.dim != first.dim:
                 raise ValueError(f"{path} has d={info.dim} but {self._sources[0][0]} has d={first.dim}; every shard "
                                  "needs the same embedding dim")
-            if (info.dtype == shards.INT8) != (first.dtype == shards.INT8):
+            if (info.dtype == shards._INT8) != (first.dtype == shards._INT8):
                 raise TypeError(f"{path} holds {info.dtype} tokens but {self._sources[0][0]} holds {first.dtype}: a "
                                 "corpus is all INT8 or all float (`lik pack --int8` quantizes a shard)")
             if dtype is None and info.dtype != first.dtype:
                 raise ValueError(f"{path} holds {info.dtype} tokens but {self._sources[0][0]} holds {first.dtype}; "
                                  "pass dtype= to cast every shard to one dtype as it loads")
-        if dtype is not None and first.dtype == shards.INT8:
+        if dtype is not None and first.dtype == shards._INT8:
             raise ValueError(f"dtype={dtype!r} casts float shards, but the corpus is INT8; leave dtype=None")
         return first.dim, dtype or first.dtype
 
@@ -524,11 +524,11 @@ class DistributedCorpus:
         if Q.ndim not in (2, 3) or Q.shape[-1] != self.dim:
             raise ValueError(f"Q must be [Nq, Lq, d] or [Lq, d] with d={self.dim} (the corpus's dim); got shape "
                              f"{list(Q.shape)}")
-        if self.dtype == shards.INT8:
+        if self.dtype == shards._INT8:
             if Q.dtype.kind != "f" and Q.dtype.name != "bfloat16":
                 raise TypeError(f"Q must hold float tokens (quantized on the workers) for an INT8 corpus; got "
                                 f"{Q.dtype}")
-        elif Q.dtype != shards.numpy_dtype(self.dtype):
+        elif Q.dtype != shards._numpy_dtype(self.dtype):
             raise TypeError(f"Q is {Q.dtype} but the corpus holds {self.dtype}; cast Q (Q.astype(...)) to it")
         squeeze = Q.ndim == 2
         Q = np.ascontiguousarray(Q[None] if squeeze else Q)

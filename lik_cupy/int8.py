@@ -144,7 +144,7 @@ def _score(p: Problem, Q, q_scales, q_int8: bool, q_mask, q_lengths, D, d_scales
                 scores, amax = launch(p, q, d, qm, dm, ql, dl, return_argmax, device, q_scale=qs, d_scale=ds)
             checks.apply(p, scores, amax, device)
             results = caller_results(p, scores, amax, on_host)
-        checks.verify()  # last, while the scoring kernel runs (checks.py)
+        checks.verify()  # last, while the scoring kernel runs (device_checks.py)
     return results
 
 

@@ -40,7 +40,9 @@ per-document lengths, and ColBERT-style flat ``[T, d]`` tokens with a doclens ar
 (lengths and doclens as an integer ``.npy`` or a JSON list, as ColBERT writes them).
 
 Every array is opened memory-mapped with ``allow_pickle=False``: a corpus is never
-loaded whole and no file can run code. Inputs must be regular files (``lik_cupy._files``:
+loaded whole (whatever reads every token, :func:`pack`, :func:`scan_values` and
+:func:`check_finite`, reads ``CHUNK_BYTES`` of them at a time unless told otherwise) and no
+file can run code. Inputs must be regular files (``lik_cupy._files``:
 a FIFO or a device is refused, never waited on). Paths in a manifest must name files
 inside the shard directory. Problems raise :class:`ShardError` naming the file and what
 was expected.
@@ -61,28 +63,25 @@ import numpy as np
 from . import _atomic, _files
 from .errors import ShardError
 
-__all__ = ["layout_help", "open_npy", "embedding_dtype", "numpy_dtype", "read_lengths", "Shard", "check_scales",
-           "check_offsets", "check_ids", "read_manifest", "member_path", "open_shard", "open_input", "load_padded",
-           "ValueScan", "scan_values", "check_finite", "pack", "write_shard", "pack_arrays", "FORMAT", "VERSION",
-           "MANIFEST", "TOKENS", "OFFSETS", "IDS", "SCALES", "DTYPES", "INT8", "SHARD_DTYPES", "NORM_TOLERANCE",
-           "CHUNK_BYTES", "ShardError"]
+__all__ = ["Shard", "open_shard", "open_input", "write_shard", "pack", "pack_arrays", "scan_values", "ValueScan",
+           "check_finite", "VERSION", "NORM_TOLERANCE", "CHUNK_BYTES", "ShardError"]
 
-FORMAT = "lik-shard"
+_FORMAT = "lik-shard"
 VERSION = 2  # the newest version this reader reads
 # The version a shard is written with: the oldest that can read it. Float shards stay at 1,
 # so readers older than INT8 still read them; int8 shards need 2.
 _WRITE_VERSION = {"float16": 1, "float32": 1, "bfloat16": 1, "int8": 2}
-MANIFEST = "manifest.json"
-TOKENS = "tokens.npy"
-OFFSETS = "offsets.npy"
-IDS = "ids.npy"
-SCALES = "scales.npy"
-DTYPES = ("float16", "float32", "bfloat16")  # embedding dtypes the library scores as they are
-INT8 = "int8"
-SHARD_DTYPES = (*DTYPES, INT8)  # what a shard may store
+_MANIFEST = "manifest.json"
+_TOKENS = "tokens.npy"
+_OFFSETS = "offsets.npy"
+_IDS = "ids.npy"
+_SCALES = "scales.npy"
+_DTYPES = ("float16", "float32", "bfloat16")  # embedding dtypes the library scores as they are
+_INT8 = "int8"
+_SHARD_DTYPES = (*_DTYPES, _INT8)  # what a shard may store
 # How tokens.npy stores each dtype. bfloat16 is kept as raw uint16 bits: NumPy has no
 # bfloat16, and np.load cannot read ml_dtypes' type back from a .npy header.
-_STORED = {"float16": np.dtype("<f2"), "float32": np.dtype("<f4"), "bfloat16": np.dtype("<u2"), INT8: np.dtype("i1")}
+_STORED = {"float16": np.dtype("<f2"), "float32": np.dtype("<f4"), "bfloat16": np.dtype("<u2"), _INT8: np.dtype("i1")}
 _SCALES_STORED = np.dtype("<f4")
 # A token counts as L2-normalised when its norm is within this of 1 (bfloat16 keeps ~3 digits).
 NORM_TOLERANCE = 2e-2
@@ -92,7 +91,7 @@ _MAX_MANIFEST_BYTES = 1 << 20
 _NPY_MAGIC = b"\x93NUMPY"
 
 
-def layout_help() -> str:
+def _layout_help() -> str:
     """The shard layout drawn in this module's docstring, the one description of the format
     (``lik --help`` shows it)."""
     block = __doc__.split("::\n\n", 1)[1].split("\n\n", 1)[0]
@@ -102,7 +101,7 @@ def layout_help() -> str:
 # --------------------------------------------------------------------------- .npy files
 
 
-def open_npy(path: str | os.PathLike) -> np.ndarray:
+def _open_npy(path: str | os.PathLike) -> np.ndarray:
     """Open one ``.npy`` file memory-mapped, read-only, never unpickling.
 
     Returns a ``numpy.memmap`` of the file's shape and dtype. Raises ShardError for a
@@ -176,8 +175,8 @@ def _npy_problem(e: BaseException) -> str:
     return f"corrupt .npy file ({type(e).__name__}: {msg})"  # TokenError: an unbalanced header
 
 
-def embedding_dtype(arr: np.ndarray, name: str, bf16_bits: bool = False) -> str:
-    """The dtype name (one of ``DTYPES``) of token embeddings read from a file.
+def _embedding_dtype(arr: np.ndarray, name: str, bf16_bits: bool = False) -> str:
+    """The dtype name (one of ``_DTYPES``) of token embeddings read from a file.
 
     float16 and float32 are taken as they are; uint16 holds bfloat16 bit patterns only
     when ``bf16_bits`` says so. Big-endian data and any other dtype raise ShardError.
@@ -199,7 +198,7 @@ def embedding_dtype(arr: np.ndarray, name: str, bf16_bits: bool = False) -> str:
     raise ShardError(name, f"unsupported dtype {dt}; expected float16, float32, or bfloat16 bits stored as uint16")
 
 
-def numpy_dtype(name: str) -> np.dtype:
+def _numpy_dtype(name: str) -> np.dtype:
     """The NumPy dtype the library takes for a dtype name: bfloat16 is ``ml_dtypes.bfloat16``."""
     if name == "bfloat16":
         import ml_dtypes
@@ -209,10 +208,10 @@ def numpy_dtype(name: str) -> np.dtype:
 
 
 def _as_numpy_dtype(arr: np.ndarray, name: str) -> np.ndarray:
-    return arr.view(numpy_dtype(name)) if name == "bfloat16" else arr
+    return arr.view(_numpy_dtype(name)) if name == "bfloat16" else arr
 
 
-def read_lengths(path: str | os.PathLike) -> np.ndarray:
+def _read_lengths(path: str | os.PathLike) -> np.ndarray:
     """Per-document token counts from a ``.npy`` integer array or a JSON list (ColBERT's ``doclens.*.json``).
 
     Returns int64 ``[N]``, every value >= 0.
@@ -227,7 +226,7 @@ def read_lengths(path: str | os.PathLike) -> np.ndarray:
             raise ShardError(path, f"length {values[big]} at index {big} does not fit int64; expected a token count")
         arr = np.array(values, dtype=np.int64)
     else:
-        raw = open_npy(path)
+        raw = _open_npy(path)
         if raw.dtype.kind not in "iu":
             raise ShardError(path, f"lengths must be integers, got dtype {raw.dtype}")
         if raw.ndim != 1:
@@ -401,16 +400,16 @@ def _packed(path, tokens, offsets, ids, manifest, tokens_file, offsets_file, ids
         raise ShardError(tokens_file, f"expected packed token embeddings [T, d], got shape {tokens.shape}")
     if tokens.shape[1] == 0:
         raise ShardError(tokens_file, f"embedding dim is 0 (shape {tokens.shape}); expected d >= 1")
-    offsets = check_offsets(offsets, tokens.shape[0], offsets_file)
-    ids = check_ids(ids, offsets.shape[0] - 1, ids_file) if ids is not None else None
+    offsets = _check_offsets(offsets, tokens.shape[0], offsets_file)
+    ids = _check_ids(ids, offsets.shape[0] - 1, ids_file) if ids is not None else None
     if (tokens.dtype == np.int8) != (scales is not None):
         raise ShardError(scales_file or tokens_file, "int8 tokens need per-token scales, and only int8 tokens have them")
     if scales is not None:
-        check_scales(scales, offsets, scales_file)
+        _check_scales(scales, offsets, scales_file)
     return Shard(path, tokens, offsets=offsets, ids=ids, manifest=manifest, tokens_file=tokens_file, scales=scales)
 
 
-def check_scales(scales: np.ndarray, offsets: np.ndarray, name: str, max_bytes: int = CHUNK_BYTES) -> None:
+def _check_scales(scales: np.ndarray, offsets: np.ndarray, name: str, max_bytes: int = CHUNK_BYTES) -> None:
     """Check an int8 shard's scales: float32 ``[T]`` (T = offsets[-1]), every value finite and >= 0.
 
     Read block by block (a memmap is never loaded whole); ShardError names the first bad
@@ -432,7 +431,7 @@ def check_scales(scales: np.ndarray, offsets: np.ndarray, name: str, max_bytes: 
                                    "expected a finite value >= 0 (token = int8 values * scale)")
 
 
-def check_offsets(offsets: np.ndarray, num_tokens: int, name: str) -> np.ndarray:
+def _check_offsets(offsets: np.ndarray, num_tokens: int, name: str) -> np.ndarray:
     """Check document offsets ``[N+1]`` into ``num_tokens`` token rows; returns them as int64.
 
     offsets[0] must be 0, each offset at least the one before it, and offsets[-1] == T.
@@ -453,7 +452,7 @@ def check_offsets(offsets: np.ndarray, num_tokens: int, name: str) -> np.ndarray
     return offsets
 
 
-def check_ids(ids, n: int, name: str) -> np.ndarray:
+def _check_ids(ids, n: int, name: str) -> np.ndarray:
     """Check document ids: ``[n]`` int64 or fixed-width strings.
 
     A string id may not hold a tab, a line break of any kind (what ``str.splitlines``
@@ -479,7 +478,7 @@ def check_ids(ids, n: int, name: str) -> np.ndarray:
     return ids
 
 
-# Code points no id may hold (see check_ids); in UTF-8 bytes ids, NEL, U+2028 and U+2029 are
+# Code points no id may hold (see _check_ids); in UTF-8 bytes ids, NEL, U+2028 and U+2029 are
 # the multi-byte sequences below.
 _ID_BREAKS = np.array([0x09, 0x0A, 0x0B, 0x0C, 0x0D, 0x1C, 0x1D, 0x1E, 0x85, 0x2028, 0x2029], np.uint32)
 _ID_BREAKS_UTF8 = (b"\xc2\x85", b"\xe2\x80\xa8", b"\xe2\x80\xa9")
@@ -487,7 +486,7 @@ _ID_BLOCK_BYTES = 8 << 20
 
 
 def _first_id_with_a_break(ids: np.ndarray) -> int | None:
-    """Index of the first string id holding a character ``check_ids`` refuses, or None.
+    """Index of the first string id holding a character ``_check_ids`` refuses, or None.
 
     Reads the ids block by block as their code units (a memmap is never loaded whole). A NUL
     counts only inside an id: NumPy pads fixed-width strings with NULs and drops them when read.
@@ -531,7 +530,7 @@ def _padded(path, tokens, lengths, lengths_file, tokens_file) -> Shard:
 # --------------------------------------------------------------------------- opening
 
 
-def read_manifest(path: str | os.PathLike) -> dict:
+def _read_manifest(path: str | os.PathLike) -> dict:
     """Read and check a shard's manifest.json; returns it as a dict.
 
     Required keys: format (``"lik-shard"``), version (int, at most ``VERSION``), dim
@@ -550,8 +549,8 @@ def read_manifest(path: str | os.PathLike) -> dict:
     m = _files.read_json(path, "not valid JSON", "a manifest (a small JSON object)", _MAX_MANIFEST_BYTES)
     if not isinstance(m, dict):
         raise ShardError(path, f"expected a JSON object, got {type(m).__name__}")
-    if m.get("format") != FORMAT:
-        raise ShardError(path, f"format is {m.get('format')!r}; expected {FORMAT!r}")
+    if m.get("format") != _FORMAT:
+        raise ShardError(path, f"format is {m.get('format')!r}; expected {_FORMAT!r}")
     version = m.get("version")
     if type(version) is not int or version < 1:
         raise ShardError(path, f"version is {version!r}; expected a positive integer")
@@ -560,8 +559,8 @@ def read_manifest(path: str | os.PathLike) -> dict:
     for key, least in (("dim", 1), ("num_docs", 0), ("num_tokens", 0)):
         if type(m.get(key)) is not int or m[key] < least:
             raise ShardError(path, f"{key} is {m.get(key)!r}; expected an integer >= {least}")
-    if m.get("dtype") not in SHARD_DTYPES:
-        raise ShardError(path, f"dtype is {m.get('dtype')!r}; expected one of {', '.join(SHARD_DTYPES)}")
+    if m.get("dtype") not in _SHARD_DTYPES:
+        raise ShardError(path, f"dtype is {m.get('dtype')!r}; expected one of {', '.join(_SHARD_DTYPES)}")
     if type(m.get("normalized")) is not bool:
         raise ShardError(path, f"normalized is {m.get('normalized')!r}; expected true or false")
     if m.get("model") is not None and not isinstance(m.get("model"), str):
@@ -572,14 +571,14 @@ def read_manifest(path: str | os.PathLike) -> dict:
     for key in ("ids", "scales"):
         if key in files and not isinstance(files[key], str):
             raise ShardError(path, f"files.{key} is {files[key]!r}; expected a file name")
-    if m["dtype"] == INT8 and "scales" not in files:
+    if m["dtype"] == _INT8 and "scales" not in files:
         raise ShardError(path, 'dtype is int8 but files names no "scales"; expected e.g. "scales": "scales.npy" (one float32 scale per token)')
-    if m["dtype"] != INT8 and "scales" in files:
+    if m["dtype"] != _INT8 and "scales" in files:
         raise ShardError(path, f"files names scales but dtype is {m['dtype']}; only int8 shards have scales")
     return m
 
 
-def member_path(shard_dir: str, name: str, manifest_path: str) -> str:
+def _member_path(shard_dir: str, name: str, manifest_path: str) -> str:
     """The path of file ``name`` of a shard; ShardError unless it lies inside ``shard_dir``.
 
     Absolute names, ``..`` and symbolic links that lead out of the directory are refused,
@@ -618,25 +617,25 @@ def open_shard(path: str | os.PathLike) -> Shard:
         raise ShardError(path, "no such shard directory")
     if what != "a directory":
         raise ShardError(path, f"is {what}, not a directory; a shard is a directory holding manifest.json, tokens.npy and offsets.npy")
-    mpath = os.path.join(path, MANIFEST)
-    m = read_manifest(mpath)
-    files = {key: member_path(path, name, mpath) for key, name in m["files"].items()
+    mpath = os.path.join(path, _MANIFEST)
+    m = _read_manifest(mpath)
+    files = {key: _member_path(path, name, mpath) for key, name in m["files"].items()
              if key in ("tokens", "offsets", "ids", "scales")}
-    raw = open_npy(files["tokens"])
+    raw = _open_npy(files["tokens"])
     expect = (m["num_tokens"], m["dim"])
     if raw.shape != expect:
         raise ShardError(files["tokens"], f"shape {raw.shape} does not match the manifest's [num_tokens, dim] = {list(expect)}")
     if raw.dtype != _STORED[m["dtype"]]:
         raise ShardError(files["tokens"], f"dtype {raw.dtype.str} does not match the manifest's dtype {m['dtype']} (stored as {_STORED[m['dtype']].str})")
-    offsets = open_npy(files["offsets"])
+    offsets = _open_npy(files["offsets"])
     if offsets.dtype != np.dtype("<i8"):
         raise ShardError(files["offsets"], f"dtype {offsets.dtype.str}; expected int64 (<i8)")
     if offsets.shape != (m["num_docs"] + 1,):
         raise ShardError(files["offsets"], f"shape {offsets.shape} does not match the manifest's num_docs + 1 = {m['num_docs'] + 1}")
-    ids = open_npy(files["ids"]) if "ids" in files else None
+    ids = _open_npy(files["ids"]) if "ids" in files else None
     if ids is not None and ids.dtype.kind in "iu" and ids.dtype != np.dtype("<i8"):
         raise ShardError(files["ids"], f"integer ids must be int64 (<i8), got {ids.dtype.str}")
-    scales = open_npy(files["scales"]) if "scales" in files else None
+    scales = _open_npy(files["scales"]) if "scales" in files else None
     return _packed(path, _as_numpy_dtype(raw, m["dtype"]), offsets, ids, m, files["tokens"], files["offsets"],
                    files.get("ids", ""), scales, files.get("scales", ""))
 
@@ -658,12 +657,12 @@ def open_input(path: str | os.PathLike, lengths: str | os.PathLike | None = None
         if lengths is not None:
             raise ShardError(lengths, f"{path} is a shard directory with its own offsets; a lengths file goes with a .npy input only")
         return open_shard(path)
-    arr = open_npy(path)
+    arr = _open_npy(path)
     if arr.ndim not in (2, 3):
         raise ShardError(path, f"expected a padded [N, L, d] array, or flat [T, d] tokens with doclens; got shape {arr.shape}")
-    dtype = embedding_dtype(arr, path, bf16_bits)
+    dtype = _embedding_dtype(arr, path, bf16_bits)
     tokens = _as_numpy_dtype(arr, dtype)
-    lens = read_lengths(lengths) if lengths is not None else None
+    lens = _read_lengths(lengths) if lengths is not None else None
     if arr.ndim == 3:
         return _padded(path, tokens, lens, None if lengths is None else os.fspath(lengths), path)
     if lens is None:
@@ -675,7 +674,7 @@ def open_input(path: str | os.PathLike, lengths: str | os.PathLike | None = None
     return _packed(path, tokens, offsets, None, None, path, os.fspath(lengths), "")
 
 
-def load_padded(shard: Shard) -> tuple[np.ndarray, np.ndarray | None]:
+def _load_padded(shard: Shard) -> tuple[np.ndarray, np.ndarray | None]:
     """A whole shard in memory as padded ``[N, Lmax, d]`` plus int64 lengths ``[N]`` (None: all rows valid).
 
     Meant for queries, which are few; a corpus is read with :meth:`Shard.read_chunk`.
@@ -842,8 +841,8 @@ def pack_arrays(docs: Sequence, path: str | os.PathLike, *, ids=None, model: str
     for i, doc in enumerate(docs):
         if isinstance(doc, (str, os.PathLike)):
             name = os.fspath(doc)
-            raw = open_npy(name)
-            doc = _as_numpy_dtype(raw, embedding_dtype(raw, name, bf16_bits))
+            raw = _open_npy(name)
+            doc = _as_numpy_dtype(raw, _embedding_dtype(raw, name, bf16_bits))
         else:
             name = f"docs[{i}]"
             doc = _check_array_dtype(doc if isinstance(doc, np.ndarray) else np.asarray(doc), name)
@@ -863,7 +862,7 @@ def pack_arrays(docs: Sequence, path: str | os.PathLike, *, ids=None, model: str
 
 
 def _check_array_dtype(arr: np.ndarray, name: str, int8_ok: bool = False) -> np.ndarray:
-    if arr.dtype.name in DTYPES or (int8_ok and arr.dtype == np.int8):
+    if arr.dtype.name in _DTYPES or (int8_ok and arr.dtype == np.int8):
         return arr
     if arr.dtype == np.int8:
         raise ShardError(name, "dtype int8 needs per-token scales: pass scales= (float32 [T]) to write_shard, "
@@ -878,30 +877,30 @@ def _write(path, blocks, offsets: np.ndarray, ids, dim: int, source_dtype: str, 
     between float dtypes on the way, at most ``max_bytes`` of them at a time."""
     path = os.fspath(path)
     dtype = dtype or source_dtype
-    if dtype not in SHARD_DTYPES:
-        raise ShardError(path, f"dtype {dtype!r} is not one of {', '.join(SHARD_DTYPES)}")
+    if dtype not in _SHARD_DTYPES:
+        raise ShardError(path, f"dtype {dtype!r} is not one of {', '.join(_SHARD_DTYPES)}")
     if model is not None and not isinstance(model, str):
         raise ShardError(path, f"model must be a string, got {type(model).__name__}")
     num_docs, num_tokens = offsets.shape[0] - 1, int(offsets[-1])
     if ids is not None:
-        ids = check_ids(ids, num_docs, "ids")
+        ids = _check_ids(ids, num_docs, "ids")
     _check_target(path, overwrite)
     try:
         with _atomic.output_dir(path, _replaceable_shard if overwrite else None) as tmp:
             normalized = _write_tokens(tmp, path, blocks, offsets, dim, dtype, check_finite, max_bytes)
-            np.save(os.path.join(tmp, OFFSETS), offsets.astype("<i8"))
-            files = {"tokens": TOKENS, "offsets": OFFSETS}
-            if dtype == INT8:
-                files["scales"] = SCALES
+            np.save(os.path.join(tmp, _OFFSETS), offsets.astype("<i8"))
+            files = {"tokens": _TOKENS, "offsets": _OFFSETS}
+            if dtype == _INT8:
+                files["scales"] = _SCALES
             if ids is not None:
-                np.save(os.path.join(tmp, IDS), ids, allow_pickle=False)
-                files["ids"] = IDS
+                np.save(os.path.join(tmp, _IDS), ids, allow_pickle=False)
+                files["ids"] = _IDS
             manifest = {
-                "format": FORMAT, "version": _WRITE_VERSION[dtype], "dim": dim, "dtype": dtype,
+                "format": _FORMAT, "version": _WRITE_VERSION[dtype], "dim": dim, "dtype": dtype,
                 "num_docs": num_docs, "num_tokens": num_tokens, "normalized": normalized, "model": model,
                 "files": files,
             }
-            with open(os.path.join(tmp, MANIFEST), "x", encoding="utf-8", newline="\n") as f:
+            with open(os.path.join(tmp, _MANIFEST), "x", encoding="utf-8", newline="\n") as f:
                 f.write(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
     except FileExistsError as e:  # what was at ``path`` when the shard was renamed there
         raise ShardError(path, _files.problem(e)) from None
@@ -917,7 +916,7 @@ def _write_tokens(tmp: str, path: str, blocks, offsets: np.ndarray, dim: int, dt
     anyway raises OSError, never SIGBUS as a writable memory map would.
     """
     num_tokens = int(offsets[-1])
-    files = [(TOKENS, _STORED[dtype], (num_tokens, dim))] + ([(SCALES, _SCALES_STORED, (num_tokens,))] if dtype == INT8 else [])
+    files = [(_TOKENS, _STORED[dtype], (num_tokens, dim))] + ([(_SCALES, _SCALES_STORED, (num_tokens,))] if dtype == _INT8 else [])
     with contextlib.ExitStack() as stack:
         out = []
         for name, stored, shape in files:
@@ -949,12 +948,12 @@ def _write_block(out, name: str, block: np.ndarray, scales, pos: int, offsets: n
 
     # An int8 block copied as int8 needs no float values: it is finite (its scales were
     # checked on opening), and norms come from the integers.
-    if not (dtype == INT8 and scales is not None):
+    if not (dtype == _INT8 and scales is not None):
         x32 = _values(block, scales)
-        if (check_finite or dtype == INT8) and not np.isfinite(x32).all():
+        if (check_finite or dtype == _INT8) and not np.isfinite(x32).all():
             why = "embeddings must be finite" if check_finite else "INT8 quantization needs finite values"
             refuse(~np.isfinite(x32).all(axis=1), f"holds NaN or inf; {why}")
-    if dtype == INT8:
+    if dtype == _INT8:
         if scales is None:
             from ._cpu import quantize_numpy
 
@@ -965,7 +964,7 @@ def _write_block(out, name: str, block: np.ndarray, scales, pos: int, offsets: n
     else:
         # An int8 source is written dequantized; float sources convert directly.
         with np.errstate(over="ignore"):  # a value past the dtype's range: refused below with --check
-            stored = (x32 if scales is not None else block).astype(numpy_dtype(dtype), copy=False)
+            stored = (x32 if scales is not None else block).astype(_numpy_dtype(dtype), copy=False)
         if check_finite and stored.dtype != block.dtype:
             # The values as stored: a float32 value past float16's range becomes inf in the cast.
             over = ~np.isfinite(stored.astype(np.float32)).all(axis=1)
@@ -1012,11 +1011,11 @@ def _replaceable_shard(path: str) -> str | None:
     if os.path.islink(path) or not os.path.isdir(path):
         return f"exists and is not a lik shard; {refusing}"
     try:
-        m = read_manifest(os.path.join(path, MANIFEST))
+        m = _read_manifest(os.path.join(path, _MANIFEST))
         entries = os.listdir(path)
     except (ShardError, OSError):
         return f"exists and is not a lik shard (no readable manifest.json); {refusing}"
-    own = {MANIFEST} | {name for key, name in m["files"].items() if key in ("tokens", "offsets", "ids", "scales")}
+    own = {_MANIFEST} | {name for key, name in m["files"].items() if key in ("tokens", "offsets", "ids", "scales")}
     others = sorted(n for n in entries if n not in own or os.path.isdir(os.path.join(path, n))
                     and not os.path.islink(os.path.join(path, n)))
     if others:

@@ -2,7 +2,7 @@ import os
 import zlib
 
 # Every output buffer starts as garbage, so an element a kernel forgets to write fails the comparison.
-os.environ.setdefault("LIK_CUPY_POISON", "1")
+os.environ.setdefault("LIK_POISON", "1")
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402

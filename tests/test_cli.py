@@ -88,7 +88,7 @@ class Corpus:
         Q = rng.standard_normal((NQ, LQ, dim)).astype(np.float32)
         lengths = rng.integers(1, 10, size=sum(SHARD_DOCS))
         lengths[EMPTY_DOC] = 0
-        npdt = shards.numpy_dtype(dtype)
+        npdt = shards._numpy_dtype(dtype)
         self.docs = [rng.standard_normal((int(n), dim)).astype(np.float32).astype(npdt) for n in lengths]
         self.q = str(tmp_path / "q.npy")
         self.ql = str(tmp_path / "ql.npy")

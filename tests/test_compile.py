@@ -6,18 +6,18 @@ it builds a sample that still reaches every way the kernels can differ (``_ci_sa
 pair of configuration values that occurs together, the register-heaviest tile of each kernel
 family, and a rotating share of the rest. ``LIK_COMPILE_ALL=1`` builds every configuration (the
 whole check, 30-60 minutes on two cores); ``test_every_padded_dim_compiles_without_spills``
-(opt-in, ``LIK_COMPILE_ALL_DIMS=1``) builds the other padded dims' kernels too.
+(opt-in, ``LIK_COMPILE_ALL_DIMS=1``) builds the other padded dims' kernels too. Both compile on
+every core and read what an earlier check proved under the same key from the kernel cache
+(``nvrtc.compile_logs``; ``LIK_COMPILE_FRESH=1`` compiles everything).
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import datetime
 import glob
 import hashlib
 import json
-import multiprocessing
 import os
 import pathlib
 import random
@@ -35,10 +35,13 @@ pytest.importorskip("cuda.bindings.nvrtc", reason="NVRTC (cuda-python) is not in
 SRC = "maxsim_fwd.cu"
 
 
-def _check(job):
-    """``lc.check_all`` of one (archs, configs, other_kernels) work item (a pool's picklable target)."""
-    archs, configs, other = job
-    return lc.check_all(archs, configs or [], other_kernels=other)
+# The compile check's processes: every core (the CI machine has two).
+WORKERS = os.cpu_count() or 1
+
+
+def _cached() -> bool:
+    """Whether the compile checks may read what an earlier check proved (``LIK_COMPILE_FRESH`` says no)."""
+    return not os.environ.get("LIK_COMPILE_FRESH")
 
 
 def _small_cfg(arch=80, argmax=False):
@@ -148,15 +151,9 @@ def test_check_all_compiles_without_spills(tmp_path, request):
     seed = _compile_seed()
     all_cfgs = {arch: dispatch.all_forward_configs(arch) for arch in archs}
     built = {arch: (cfgs if everything else _ci_sample(cfgs, seed)) for arch, cfgs in all_cfgs.items()}
-    # Work items of a few kernels each, spread over both cores; the other kernels once per arch.
-    jobs = [([arch], chunk, False) for arch in archs for chunk in (built[arch][i::8] for i in range(8)) if chunk]
-    jobs += [([arch], [], True) for arch in archs]
-    ctx = multiprocessing.get_context("spawn")  # fresh interpreters: no NVRTC state shared over fork
-    with concurrent.futures.ProcessPoolExecutor(max_workers=min(2, os.cpu_count() or 1), mp_context=ctx) as ex:
-        results = list(ex.map(_check, jobs))
     per_arch = {arch: [] for arch in archs}
-    for (arch_list, _, _), got in zip(jobs, results):
-        per_arch[arch_list[0]] += got
+    for r in lc.check_all(archs, built, workers=WORKERS, cache=_cached()):
+        per_arch[int(r["arch"][3:].rstrip("a"))].append(r)
     print(f"\ncompile check: seed {seed}, " + ", ".join(
         f"sm_{a} {len(built[a])} of {len(all_cfgs[a])} forward configurations" for a in archs))
 
@@ -202,10 +199,7 @@ def test_every_padded_dim_compiles_without_spills(arch):
     every = [c for c in dispatch.all_forward_configs(arch, sorted(set(range(16, 513, 16)) | set(DIMS)))
              if c.name not in sampled]
     assert every, "every padded dim adds nothing to the sampled configurations"
-    workers = min(2, os.cpu_count() or 1)
-    ctx = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as ex:
-        got = sum(ex.map(_check, [([arch], every[i::workers], False) for i in range(workers)]), [])
+    got = lc.check_all([arch], every, other_kernels=False, workers=WORKERS, cache=_cached())
     cfgs = {c.name: c for c in every}
     assert {r["kernel"] for r in got} >= set(cfgs)
     problems = [p for r in got for p in _row_problems(r, cfgs.get(r["kernel"]), arch)]
@@ -269,7 +263,7 @@ def test_cache_key_covers_defines_and_arch():
 
 
 def test_disk_cache_hit_and_corruption(tmp_path, monkeypatch):
-    monkeypatch.setenv("LIK_CUPY_CACHE_DIR", str(tmp_path / "kc"))
+    monkeypatch.setenv("LIK_CACHE_DIR", str(tmp_path / "kc"))
     assert lc.cache_dir() == tmp_path / "kc"
     cfg = _small_cfg()
     p1 = lc.cubin_path(SRC, cfg.defines(), 80)
@@ -305,11 +299,46 @@ def test_disk_cache_hit_and_corruption(tmp_path, monkeypatch):
     assert left == sorted([p1.name, meta_path.name]), left  # no temporary files left behind
 
 
+def test_compile_check_reads_what_it_proved_and_compiles_what_changed(tmp_path, monkeypatch, src_copy):
+    monkeypatch.setenv("LIK_CACHE_DIR", str(tmp_path / "kc"))
+    calls = []
+    real = lc.nvrtc_compile
+    monkeypatch.setattr(lc, "nvrtc_compile", lambda *a, **k: calls.append(a) or real(*a, **k))
+    cfg = _small_cfg()
+    rows = lc.check_all([80], [cfg], other_kernels=False)
+    assert len(calls) == 1 and rows[0]["kernel"] == cfg.name and rows[0]["registers"] > 0
+    assert lc.check_all([80], [cfg], other_kernels=False) == rows and len(calls) == 1  # proven: read back
+    assert lc.check_all([80], [cfg], other_kernels=False, cache=False) == rows and len(calls) == 2
+    assert [p.suffix for p in (tmp_path / "kc" / "logs").iterdir()] == [".json"]  # no temporary left
+
+    (log,) = (tmp_path / "kc" / "logs").iterdir()
+    log.write_text('{"key": "another", "log": ""}')  # damaged or foreign: compiled again and rewritten
+    assert lc.check_all([80], [cfg], other_kernels=False) == rows and len(calls) == 3
+    assert json.loads(log.read_text())["log"]
+    with open(src_copy / "common.cuh", "a") as f:
+        f.write("\n// a changed source is a new key\n")
+    assert lc.check_all([80], [cfg], other_kernels=False) == rows and len(calls) == 4
+    assert len(list((tmp_path / "kc" / "logs").iterdir())) == 2
+
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("LIK_CACHE_DIR", str(tmp_path / "file"))  # no cache can be written there
+    assert lc.check_all([80], [cfg], other_kernels=False) == rows and len(calls) == 5
+
+
+def test_compile_check_on_several_processes_matches_one(tmp_path, monkeypatch):
+    monkeypatch.setenv("LIK_CACHE_DIR", str(tmp_path / "kc"))
+    cfgs = [_small_cfg(), _small_cfg(argmax=True)]
+    serial = lc.check_all([80], cfgs, other_kernels=False, cache=False)
+    assert lc.check_all([80], cfgs, other_kernels=False, workers=2, cache=False) == serial
+    assert [r["kernel"] for r in serial] == [cfgs[0].name, "lik_sum_partials", cfgs[1].name]
+    assert not (tmp_path / "kc").exists()  # cache=False writes nothing
+
+
 # ---------------------------------------------------------------- (d) compile errors
 
 
 def test_compile_error_carries_the_log(tmp_path, monkeypatch):
-    monkeypatch.setenv("LIK_CUPY_CACHE_DIR", str(tmp_path / "kc"))
+    monkeypatch.setenv("LIK_CACHE_DIR", str(tmp_path / "kc"))
     defines = {**_small_cfg().defines(), "LIK_DP": 15}
     with pytest.raises(lc.CompileError) as ei:
         lc.nvrtc_compile(SRC, defines, 80)
@@ -321,7 +350,8 @@ def test_compile_error_carries_the_log(tmp_path, monkeypatch):
     assert not (tmp_path / "kc").exists() or not any((tmp_path / "kc").iterdir())  # nothing cached
 
     no_name = {k: v for k, v in _small_cfg().defines().items() if k != "LIK_NAME"}
-    with pytest.raises(lc.CompileError, match="LIK_NAME and the tile macros are set by lik_cupy.dispatch"):
+    with pytest.raises(lc.CompileError, match=r"LIK_NAME and the tile macros are set by lik_cupy\._dispatch "
+                                              r"\(FwdConfig\.defines\)"):
         lc.nvrtc_compile(SRC, no_name, 80)
 
 

@@ -42,7 +42,7 @@ def _ranked(scores, k):
 @pytest.fixture(params=[True, False], ids=["wgmma", "portable"])
 def kernels(request, monkeypatch):
     if not request.param:
-        monkeypatch.setenv("LIK_CUPY_DISABLE_WGMMA", "1")
+        monkeypatch.setenv("LIK_DISABLE_WGMMA", "1")
     return request.param
 
 

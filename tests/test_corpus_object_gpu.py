@@ -18,7 +18,7 @@ pytestmark = pytest.mark.gpu
 def same_tiles(monkeypatch):
     """Candidate-id tiles stage by cp.async; keep the calls compared with them off TMA too, so both
     run the same tile (TMA changes no bits of a tile's arithmetic, but INT8 takes other tiles with it)."""
-    monkeypatch.setenv("LIK_CUPY_DISABLE_TMA", "1")
+    monkeypatch.setenv("LIK_DISABLE_TMA", "1")
 
 
 def _on_gpu(kw):
@@ -293,7 +293,7 @@ def test_repeat_calls_read_each_calls_arrays(rng, same_tiles, layout, where, fw)
 @pytest.mark.parametrize("dtype,to", [("float16", _cp), ("bfloat16", _torch), ("float16", np.asarray)])
 def test_packed_queries_are_the_padded_call(rng, dtype, to):
     """Packed queries with q_offsets (device or host) score as the same queries padded with q_lengths."""
-    from lik_cupy.shards import numpy_dtype
+    from lik_cupy.shards import _numpy_dtype as numpy_dtype
 
     nd, dim = 200, 64
     lens = rng.integers(1, 40, nd)

@@ -151,7 +151,7 @@ def test_bad_queries_are_refused_on_the_client(corpus, rng):
 def test_a_corrupt_or_missing_shard_fails_naming_the_file(client, corpus_files, tmp_path):
     bad = tmp_path / "bad"
     shutil.copytree(corpus_files[0][0], bad)
-    tokens = bad / shards.TOKENS
+    tokens = bad / shards._TOKENS
     tokens.write_bytes(tokens.read_bytes()[:-40])
     with pytest.raises(ShardError, match="truncated .npy file") as e:
         DistributedCorpus(client, [corpus_files[0][2], str(bad)], backend="cpu")
@@ -292,7 +292,7 @@ def test_gpu_search_is_in_process_retrieve_bitwise(gpu_client, tmp_path, rng):
         _same(corpus.search(Q, 7, q_lengths=q_lengths), expected[7])
     bad = tmp_path / "bad"
     shutil.copytree(paths[0], bad)
-    (bad / shards.TOKENS).write_bytes((bad / shards.TOKENS).read_bytes()[:-40])
+    (bad / shards._TOKENS).write_bytes((bad / shards._TOKENS).read_bytes()[:-40])
     with pytest.raises(ShardError, match="truncated .npy file"):
         DistributedCorpus(gpu_client, [paths[2], str(bad)])
 

@@ -41,7 +41,7 @@ def _deq(q, s):
 def kernel_family(request, monkeypatch):
     # Both kernel families on Hopper: the warpgroup kernels and the portable mma.sync ones.
     if request.param == "mma":
-        monkeypatch.setenv("LIK_CUPY_DISABLE_WGMMA", "1")
+        monkeypatch.setenv("LIK_DISABLE_WGMMA", "1")
     return request.param
 
 

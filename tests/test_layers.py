@@ -19,12 +19,11 @@ LAYERS = (
     ("_validate",),
     ("_runtime",),
     ("_streaming",),
-    ("forward", "int8", "quantize", "backward", "retrieve", "shards", "precision"),
+    ("forward", "int8", "quantize", "backward", "retrieval", "shards", "precision"),
     ("_plaid_files",),  # PLAID index files, read through the shard format's checked .npy reader
     ("plaid",),
     ("corpus", "torch", "_jax_ops", "_jax_xla"),
     ("distributed", "jax", "integrations", "serving"),
-    ("_moved",),
     ("",),
     ("cli",),
     ("__main__",),

@@ -1,4 +1,4 @@
-"""The device-value contract (README, Semantics: "Invalid device values"): invalid device lengths,
+"""The device-value contract (docs/api.md, Semantics: "Invalid device values"): invalid device lengths,
 offsets and document scales make exactly the scores they touch NaN, with no host synchronisation;
 strict mode raises; every other score is bitwise what valid inputs give. And the repeat-call path
 (``lik_cupy._runtime.prepared_calls``): a repeat call gives what the first gave. Skipped without a GPU.

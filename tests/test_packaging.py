@@ -41,7 +41,7 @@ def _run(cmd, **kw):
 
 
 def _build_wheel(src: pathlib.Path, outdir: pathlib.Path) -> pathlib.Path:
-    local_backend = _version_tuple("setuptools") >= (68,) and importlib.util.find_spec("wheel") is not None
+    local_backend = _version_tuple("setuptools") >= (77,) and importlib.util.find_spec("wheel") is not None
     if local_backend and importlib.util.find_spec("build") is not None:
         cmd = [sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir", outdir, src]
     elif local_backend:
@@ -105,6 +105,11 @@ def test_wheel_installs_and_scores(tmp_path):
     for pkg in sorted({p.parent.relative_to(REPO).as_posix() for p in (REPO / "lik_cupy").rglob("*.py")}):
         assert f"{pkg}/__init__.py" in names, f"package {pkg} missing from the wheel"
     assert "lik = lik_cupy.cli:main" in entry_points
+    licenses = [n for n in names if ".dist-info/" in n and n.rsplit("/", 1)[-1] == "LICENSE"]
+    assert licenses, "the wheel carries no LICENSE"
+    with zipfile.ZipFile(whl) as z:
+        license_text = z.read(licenses[0]).decode()
+    assert "Apache License" in license_text and "Version 2.0, January 2004" in license_text
 
     py = _venv_python(tmp_path / "venv")
     _run([py, "-m", "pip", "install", "--no-deps", "--no-index", "--disable-pip-version-check", whl])

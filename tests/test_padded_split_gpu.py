@@ -147,8 +147,8 @@ def test_padded_split_matches_whole_documents_bitwise(rng, monkeypatch, dtype, a
 
 
 def test_padded_split_portable_tiles(rng, monkeypatch):
-    # The mma.sync tiles (LIK_CUPY_DISABLE_WGMMA) take the same split.
-    monkeypatch.setenv("LIK_CUPY_DISABLE_WGMMA", "1")
+    # The mma.sync tiles (LIK_DISABLE_WGMMA) take the same split.
+    monkeypatch.setenv("LIK_DISABLE_WGMMA", "1")
     dtype, argmax = "float16", True
     for case in ("one_long", "mask", "candidates"):
         Q, D, kw, ref64, cand = _problem(rng, case, dtype)

@@ -1,14 +1,12 @@
 """pin_host: page-locked host corpora stream without staging copies and score bit for bit as staged ones."""
 
-import importlib
-
 import numpy as np
 import pytest
 
 import lik_cupy
+from lik_cupy._streaming import gpu as gpu_engine
 from test_forward_gpu import _cp, _np, _unit
 
-gpu_engine = importlib.import_module("lik_cupy._streaming.gpu")
 BUDGET = 4 << 20  # forces many chunks
 
 

@@ -1,6 +1,5 @@
 """The public API, frozen: every public module's ``__all__`` and the signature of each public
-function. A change here is a change users see: make it on purpose, and keep the old name working
-for a release (``lik_cupy/_moved.py``).
+function. A change here is a change users see: make it on purpose.
 
 Read from the source with ``ast``, so ``lik_cupy.torch`` and ``lik_cupy.jax`` are covered
 without torch or jax installed.
@@ -9,8 +8,8 @@ without torch or jax installed.
 from __future__ import annotations
 
 import ast
-import importlib
 import pathlib
+import re
 import subprocess
 import sys
 import warnings
@@ -118,7 +117,7 @@ FROZEN = {'lik_cupy': (['CompileError',
  'lik_cupy.quantize': (['dequantize_int8', 'quantize_int8'],
                        {'dequantize_int8': "(X_int8, scales, *, backend='auto')",
                         'quantize_int8': "(X, *, backend='auto')"}),
- 'lik_cupy.retrieve': (['MAX_K', 'retrieve'],
+ 'lik_cupy.retrieval': (['MAX_K', 'retrieve'],
                        {'retrieve': '(Q, D, k, q_mask=None, *, q_lengths=None, q_scales=None, d_offsets=None, '
                                     "d_mask=None, d_lengths=None, d_scales=None, max_gpu_bytes=None, backend='auto', "
                                     'precision=None)'}),
@@ -131,51 +130,21 @@ FROZEN = {'lik_cupy': (['CompileError',
                             'serve': "(paths, *, host: str='127.0.0.1', port: int=8000, devices=None, max_batch: "
                                      "int=64, max_tokens: int=65536, max_delay_us: int=0, max_queue: int=1024)"}),
  'lik_cupy.shards': (['CHUNK_BYTES',
-                      'DTYPES',
-                      'FORMAT',
-                      'IDS',
-                      'INT8',
-                      'MANIFEST',
                       'NORM_TOLERANCE',
-                      'OFFSETS',
-                      'SCALES',
-                      'SHARD_DTYPES',
                       'Shard',
                       'ShardError',
-                      'TOKENS',
                       'VERSION',
                       'ValueScan',
                       'check_finite',
-                      'check_ids',
-                      'check_offsets',
-                      'check_scales',
-                      'embedding_dtype',
-                      'layout_help',
-                      'load_padded',
-                      'member_path',
-                      'numpy_dtype',
                       'open_input',
-                      'open_npy',
                       'open_shard',
                       'pack',
                       'pack_arrays',
-                      'read_lengths',
-                      'read_manifest',
                       'scan_values',
                       'write_shard'],
                      {'check_finite': '(shard: Shard, max_bytes: int=CHUNK_BYTES)',
-                      'check_ids': '(ids, n: int, name: str)',
-                      'check_offsets': '(offsets: np.ndarray, num_tokens: int, name: str)',
-                      'check_scales': '(scales: np.ndarray, offsets: np.ndarray, name: str, max_bytes: '
-                                      'int=CHUNK_BYTES)',
-                      'embedding_dtype': '(arr: np.ndarray, name: str, bf16_bits: bool=False)',
-                      'layout_help': '()',
-                      'load_padded': '(shard: Shard)',
-                      'member_path': '(shard_dir: str, name: str, manifest_path: str)',
-                      'numpy_dtype': '(name: str)',
                       'open_input': '(path: str | os.PathLike, lengths: str | os.PathLike | None=None, *, bf16_bits: '
                                     'bool=False)',
-                      'open_npy': '(path: str | os.PathLike)',
                       'open_shard': '(path: str | os.PathLike)',
                       'pack': '(source: Shard, path: str | os.PathLike, *, ids=None, model: str | None=None, dtype: '
                               'str | None=None, overwrite: bool=False, check_finite: bool=False, max_bytes: '
@@ -183,8 +152,6 @@ FROZEN = {'lik_cupy': (['CompileError',
                       'pack_arrays': '(docs: Sequence, path: str | os.PathLike, *, ids=None, model: str | None=None, '
                                      'dtype: str | None=None, overwrite: bool=False, check_finite: bool=False, '
                                      'bf16_bits: bool=False)',
-                      'read_lengths': '(path: str | os.PathLike)',
-                      'read_manifest': '(path: str | os.PathLike)',
                       'scan_values': '(shard: Shard, max_bytes: int=CHUNK_BYTES)',
                       'write_shard': '(path: str | os.PathLike, tokens: np.ndarray, offsets, *, ids=None, model: str | '
                                      'None=None, dtype: str | None=None, overwrite: bool=False, check_finite: '
@@ -257,27 +224,45 @@ def test_public_names_resolve_and_keep_torch_jax_and_dask_out():
     assert out.strip() == "[]"
 
 
-@pytest.mark.parametrize("old,new", [("lik_cupy.dispatch", "lik_cupy._dispatch"),
-                                     ("lik_cupy.compile", "lik_cupy._runtime.nvrtc"),
-                                     ("lik_cupy.device", "lik_cupy._base.device"),
-                                     ("lik_cupy.pinned", "lik_cupy._runtime.pinned"),
-                                     ("lik_cupy.validate", "lik_cupy._validate")])
-def test_moved_modules_still_import_with_a_warning(old, new):
-    code = (f"import warnings; warnings.simplefilter('error', DeprecationWarning)\n"
-            f"try:\n    import {old}\nexcept DeprecationWarning as e:\n    print('warned:', e)\n"
-            f"warnings.simplefilter('ignore')\nimport importlib, {old.split('.')[0]}\n"
-            f"print(importlib.import_module('{old}') is importlib.import_module('{new}'))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert f"warned: {old} moved to {new}" in out and out.strip().endswith("True")
+def test_every_public_name_of_shards_is_documented():
+    # The API table's row of the module (docs/api.md), or its docstring (the format's specification).
+    import lik_cupy.shards
+
+    api = (PACKAGE.parent / "docs" / "api.md").read_text()
+    row = next(line for line in api.splitlines() if line.startswith("| `lik_cupy.shards`"))
+    documented = set(re.findall(r"`(\w+)`", row))
+    documented |= {n for pair in re.findall(r"``(\w+)``|:\w+:`(\w+)`", lik_cupy.shards.__doc__) for n in pair}
+    documented |= {"ShardError"}  # re-exported from lik_cupy.errors, documented there
+    assert sorted(set(lik_cupy.shards.__all__) - documented) == []
 
 
-def test_moved_attributes_warn_and_unknown_ones_raise():
+def test_no_public_module_shares_a_name_with_a_public_function():
+    # A submodule's import binds it as an attribute of its package: `lik_cupy.retrieve` the module
+    # would hide `lik_cupy.retrieve` the function once anything imported it.
     import lik_cupy
 
-    with pytest.warns(DeprecationWarning, match="lik_cupy.dispatch moved to lik_cupy._dispatch"):
-        assert lik_cupy.dispatch is importlib.import_module("lik_cupy._dispatch")
+    functions = set(lik_cupy.__all__) | {n for names, _ in FROZEN.values() for n in names}
+    clashes = sorted(m for m in FROZEN if m.rsplit(".", 1)[-1] in functions)
+    assert not clashes, f"modules named like a public function: {clashes}"
+
+
+def test_no_public_name_is_a_module_once_every_module_is_imported():
+    mods = sorted(m for m in FROZEN if m not in ("lik_cupy.torch", "lik_cupy.jax", "lik_cupy.distributed")
+                  and not m.startswith("lik_cupy.integrations."))
+    code = (f"import importlib, types, lik_cupy\n[importlib.import_module(m) for m in {mods!r}]\n"
+            "print(sorted(n for n in lik_cupy.__all__ if isinstance(getattr(lik_cupy, n), types.ModuleType)), "
+            "lik_cupy.retrieve is lik_cupy.retrieval.retrieve)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[] True"
+
+
+def test_unknown_attributes_raise():
+    import lik_cupy
+
     with pytest.raises(AttributeError, match="no attribute 'nonesuch'"):
         lik_cupy.nonesuch  # noqa: B018
+    with pytest.raises(AttributeError, match="no attribute 'dispatch'"):
+        lik_cupy.dispatch  # noqa: B018
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         from lik_cupy.errors import ShardError

@@ -70,7 +70,7 @@ class Counting:
 def kernel_cache(tmp_path, monkeypatch):
     """An empty disk cache, empty in-memory caches, counted NVRTC compiles and stand-in loads."""
     pytest.importorskip("cuda.bindings.nvrtc", reason="NVRTC (cuda-python) is not installed")
-    monkeypatch.setenv("LIK_CUPY_CACHE_DIR", str(tmp_path / "kc"))
+    monkeypatch.setenv("LIK_CACHE_DIR", str(tmp_path / "kc"))
     monkeypatch.setattr(lc, "_modules", DeviceCache(lc._MEMORY_CACHE_SIZE, lru=True))
     nvrtc = Counting(lc.nvrtc_compile, delay=0.2)
     load = Counting(lambda path, device, entry: types.SimpleNamespace(path=path, device=device, entry=entry))
@@ -118,7 +118,7 @@ def test_concurrent_callers_compile_each_kernel_once(kernel_cache):
 
 
 def _compile_in_process(cache: str, barrier, out):
-    os.environ["LIK_CUPY_CACHE_DIR"] = cache
+    os.environ["LIK_CACHE_DIR"] = cache
     barrier.wait()
     path = lc.cubin_path(SRC, _cfg().defines(), 80)
     out.put(hashlib.sha256(path.read_bytes()).hexdigest())
@@ -367,7 +367,7 @@ def test_unbalanced_npy_header_is_a_shard_error(tmp_path):
     header = (text + " " * (64 - (10 + len(text) + 1) % 64) + "\n").encode()
     (tmp_path / "x.npy").write_bytes(b"\x93NUMPY\x01\x00" + len(header).to_bytes(2, "little") + header + b"\0" * 8)
     with pytest.raises(shards.ShardError, match="x.npy"):
-        shards.open_npy(tmp_path / "x.npy")
+        shards._open_npy(tmp_path / "x.npy")
 
 
 # ---------------------------------------------------------------- the CLI writes its output and nothing else
@@ -390,7 +390,7 @@ def test_cli_writes_its_output_and_nothing_else(tmp_path, monkeypatch, kind):
     np.save(root / "in" / "docs.npy", rng.standard_normal((4, 5, 8)).astype(np.float32))
     np.save(root / "in" / "lens.npy", np.array([5, 0, 3, 1]))
     shards.write_shard(root / "in" / "shard", rng.standard_normal((9, 8)).astype(np.float32), np.array([0, 4, 4, 9]))
-    for var, sub in (("TMPDIR", "tmp"), ("HOME", "home"), ("XDG_CACHE_HOME", "cache"), ("LIK_CUPY_CACHE_DIR", "cache")):
+    for var, sub in (("TMPDIR", "tmp"), ("HOME", "home"), ("XDG_CACHE_HOME", "cache"), ("LIK_CACHE_DIR", "cache")):
         monkeypatch.setenv(var, str(root / sub))
     monkeypatch.setattr(tempfile, "tempdir", None)  # forget a temporary directory chosen before TMPDIR changed
     monkeypatch.chdir(root / "cwd")

@@ -369,7 +369,7 @@ def test_cold_start_from_many_threads_compiles_each_kernel_once(tmp_path, monkey
 
     from lik_cupy._base.cache import DeviceCache
 
-    monkeypatch.setenv("LIK_CUPY_CACHE_DIR", str(tmp_path))  # an empty disk cache
+    monkeypatch.setenv("LIK_CACHE_DIR", str(tmp_path))  # an empty disk cache
     monkeypatch.setattr(lc, "_modules", DeviceCache(lc._MEMORY_CACHE_SIZE, lru=True))
     monkeypatch.setattr(launch, "_kernels", DeviceCache(4096))
     nvrtc = _Counted(lc.nvrtc_compile)

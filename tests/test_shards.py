@@ -138,7 +138,7 @@ def test_padded_with_lengths(tmp_path):
     packed = shards.pack(s, tmp_path / "shard")
     assert packed.offsets.tolist() == [0, *np.cumsum(lens).tolist()]
     np.testing.assert_array_equal(np.asarray(packed.tokens), np.concatenate([D[j, : lens[j]] for j in range(5)]))
-    Q, ql = shards.load_padded(packed)
+    Q, ql = shards._load_padded(packed)
     assert Q.shape == (5, 4, DIM) and ql.tolist() == lens.tolist()
     assert (Q[0, 1:] == 0).all() and (Q[2] == 0).all()
     np.testing.assert_array_equal(Q[1], D[1])
@@ -332,7 +332,7 @@ def test_never_unpickles(tmp_path):
 
     np.save(tmp_path / "evil.npy", np.array([Payload()], dtype=object), allow_pickle=True)
     with pytest.raises(ShardError, match="Python objects"):
-        shards.open_npy(tmp_path / "evil.npy")
+        shards._open_npy(tmp_path / "evil.npy")
     with pytest.raises(ShardError, match="Python objects"):
         shards.open_input(tmp_path / "evil.npy")
     assert not marker.exists()
@@ -514,7 +514,7 @@ def test_int8_convert_back_and_forth(tmp_path):
     np.testing.assert_array_equal(np.asarray(own.tokens), np.asarray(s8.tokens))
     arrays = shards.pack_arrays(docs, tmp_path / "arrays", dtype="int8")
     np.testing.assert_array_equal(np.asarray(arrays.tokens), np.asarray(s8.tokens))
-    Q, lens = shards.load_padded(s8)  # INT8 queries come back dequantized
+    Q, lens = shards._load_padded(s8)  # INT8 queries come back dequantized
     assert Q.dtype == np.float32 and lens.tolist() == [3, 0, 5, 1, 7]
     np.testing.assert_array_equal(Q[2, :5], deq[3:8])
 

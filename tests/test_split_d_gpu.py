@@ -124,7 +124,7 @@ def test_short_query_half_stages(rng, monkeypatch, dim, lq, packed):
     chosen = dispatch.choose_forward
     picked = record_forward_choices(monkeypatch)
     s, a = (_np(x) for x in run())
-    hopper = cupy.cuda.Device().compute_capability == "90" and not os.environ.get("LIK_CUPY_DISABLE_WGMMA")
+    hopper = cupy.cuda.Device().compute_capability == "90" and not os.environ.get("LIK_DISABLE_WGMMA")
     if hopper and not picked[-1].qhalf:
         pytest.fail(f"expected half query stages, dispatch picked {picked[-1].name}")
     ref, sim = maxsim_ref(q64, d64, q_mask, dv)

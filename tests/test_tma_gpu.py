@@ -44,7 +44,7 @@ def _both(monkeypatch, fn):
     picked = record_forward_choices(monkeypatch)
     runs = []
     for off in ("1", ""):
-        monkeypatch.setenv("LIK_CUPY_DISABLE_TMA", off)
+        monkeypatch.setenv("LIK_DISABLE_TMA", off)
         out = fn()
         if not isinstance(out, tuple):  # scores only
             out = (out, None)

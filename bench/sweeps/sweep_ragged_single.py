@@ -51,7 +51,7 @@ def force(tile=None, grid_y=None, portable=False, tma=False):
     rebind(dispatch.tables, "SHORT_WGMMA_STAGES", stages)
     rebind(dispatch.tables, "SHORT_WGMMA_COST", cost)
     dispatch.clear_caches()
-    os.environ["LIK_CUPY_DISABLE_WGMMA"] = "1" if portable else ""
+    os.environ["LIK_DISABLE_WGMMA"] = "1" if portable else ""
 
     def plan(cfg, cc, num_sms, nq, nd, lq, shared=1, ntok=0):
         p = _plan(cfg, cc, num_sms, nq, nd, lq, shared, ntok)

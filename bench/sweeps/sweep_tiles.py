@@ -4,8 +4,8 @@ and the portable short-query tiles (warps, mt, bn, stages) at Lq = 32.
 
     python bench/sweeps/sweep_tiles.py --out DIR      -> DIR/sweep_tiles_<gpu>.json + a table
 
-The winning order becomes dispatch.tables.WGMMA_BN_COST (and the stage counts in
-dispatch._wgmma_tiles); the JSON is committed under bench/results/archive/ as the
+The winning order becomes lik_cupy/_dispatch/tables.py's WGMMA_BN_COST (and the stage counts in
+lik_cupy/_dispatch/select.py's _wgmma_tiles); the JSON is committed under bench/results/archive/ as the
 measurement behind it.
 """
 

@@ -3,7 +3,7 @@
     python bench/sweeps/sweep_tma.py --out DIR      -> DIR/sweep_tma_<gpu>.json + a table
 
 For each shape: the configuration dispatch picks, timed with document tiles staged by TMA
-(tensor maps) and by per-thread cp.async (LIK_CUPY_DISABLE_TMA=1), then a few forced
+(tensor maps) and by per-thread cp.async (LIK_DISABLE_TMA=1), then a few forced
 Hopper tile shapes with TMA. Scores of the two staging paths must agree bit for bit (same
 arithmetic in the same order); the JSON records the largest difference seen.
 """
@@ -62,11 +62,11 @@ def main():
     out, props, rng = sweep_setup()
     rows = []
     for name, ops, fn, sweep in _cases(rng):
-        os.environ["LIK_CUPY_DISABLE_TMA"] = "1"
+        os.environ["LIK_DISABLE_TMA"] = "1"
         base_cfg = picked(fn)
         ref = cupy.asnumpy(fn())
         off_ms = time_ms(fn)
-        os.environ["LIK_CUPY_DISABLE_TMA"] = ""
+        os.environ["LIK_DISABLE_TMA"] = ""
         cfg = picked(fn)
         got = cupy.asnumpy(fn())
         on_ms = time_ms(fn)
@@ -94,7 +94,7 @@ def main():
                 row["tiles"].append({"config": c.name, "warps": warps, "bn": bn, "stages": stages, "ms": ms})
                 print(f"    {c.name:60s} {ms:8.4f} ms", flush=True)
         rows.append(row)
-    os.environ.pop("LIK_CUPY_DISABLE_TMA", None)
+    os.environ.pop("LIK_DISABLE_TMA", None)
     print("wrote", write_sweep(out, "sweep_tma", props, rows))
 
 

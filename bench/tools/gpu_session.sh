@@ -95,8 +95,8 @@ fi
 
 # ---------------------------------------------------------------- portable kernels only, and the SASS check
 if [ "${SKIP_TESTS:-0}" != "1" ]; then
-    echo "== pytest -m gpu with the Hopper kernels forced off (LIK_CUPY_DISABLE_WGMMA=1)"
-    LIK_CUPY_DISABLE_WGMMA=1 timeout -k 10 "$PYTEST_TIMEOUT_S" python3 -m pytest -m gpu -q --maxfail=25 \
+    echo "== pytest -m gpu with the Hopper kernels forced off (LIK_DISABLE_WGMMA=1)"
+    LIK_DISABLE_WGMMA=1 timeout -k 10 "$PYTEST_TIMEOUT_S" python3 -m pytest -m gpu -q --maxfail=25 \
         -p no:cacheprovider tests/test_forward_gpu.py tests/test_split_d_gpu.py 2>&1 | tail -n 3 | tee -a "$OUT/pytest.log"
     echo "== SASS check: tensor-core instructions in the compiled forward kernels"
     python3 - <<'PY' 2>&1 | tee -a "$OUT/pytest.log"

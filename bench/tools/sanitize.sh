@@ -27,7 +27,7 @@ OUT="${OUT:-$REPO/bench/results/sanitize}"
 mkdir -p "$OUT"
 PY="${PYTHON:-python3}"
 SAN="${SANITIZER:-$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)}"
-export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false LIK_CUPY_POISON=1
+export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false LIK_POISON=1
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
 export LIK_GPU_PROPERTY_EXAMPLES="${PROPERTY_EXAMPLES:-100}"
 T0=$(date +%s)

@@ -25,7 +25,7 @@ import time
 import ml_dtypes
 import numpy as np
 
-os.environ.setdefault("LIK_CUPY_POISON", "1")  # outputs start as garbage: an unwritten element cannot pass
+os.environ.setdefault("LIK_POISON", "1")  # outputs start as garbage: an unwritten element cannot pass
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))  # the repo root
 
 import lik_cupy  # noqa: E402
@@ -108,7 +108,7 @@ class Runner:
 
 def forward(r: Runner, rng, portable: bool):
     tag = " (portable)" if portable else ""
-    os.environ["LIK_CUPY_DISABLE_WGMMA"] = "1" if portable else ""
+    os.environ["LIK_DISABLE_WGMMA"] = "1" if portable else ""
     for dtype in ("float16", "bfloat16", "float32"):
         Q, D = ints(rng, (3, 32, 128), dtype), ints(rng, (9, 70, 128), dtype)
         qm, dl = rng.random((3, 32)) < 0.8, rng.integers(0, 71, 9)
@@ -156,7 +156,7 @@ def forward(r: Runner, rng, portable: bool):
     for bad in ([0, 5000, 300, 6000], [0, 10**6, 2, 6000], [-50, 3000, 2999, 6000], [0, 6000, 0, 6000]):
         r.runs(f"forward unvalidated bad offsets, documents split over CTAs {bad}{tag}", lik_cupy.maxsim_varlen,
                (Q1, T1, np.array(bad, np.int64)), {"validate_offsets": False})
-    os.environ["LIK_CUPY_DISABLE_WGMMA"] = ""
+    os.environ["LIK_DISABLE_WGMMA"] = ""
 
 
 def backward(r: Runner, rng):

@@ -6,7 +6,7 @@
 // maxsim_fwd.cu, the NVRTC entry point, holds Fwd::run, the kernel's body, which runs the CTA's
 // steps in order through the role objects declared below.
 //
-// Compile-time configuration comes from -D flags chosen by lik_cupy/dispatch.py:
+// Compile-time configuration comes from -D flags chosen by lik_cupy/_dispatch/ (FwdConfig.defines):
 //   LIK_ELEM    0 fp16, 1 bf16 (m16n8k16), 2 fp32 inputs on tf32 (m16n8k8, or wgmma k8 from the
 //               float32 tile in shared memory), 3 INT8 (m16n8k32
 //               or wgmma k32, int32 accumulators) with per-token float scales: each document
@@ -119,7 +119,7 @@
 #endif
 // Document lengths as the caller gave them (length_at, common.cuh), except in INT8 and multi-query
 // argmax tiles, which read int32 ones (the host narrows int64 lengths for them: launch.py,
-// tagged_doc_lengths): the tag's registers spilled them at 255 (compile.check_all). Query lengths
+// tagged_doc_lengths): the tag's registers spilled them at 255 (nvrtc.check_all). Query lengths
 // are int32 everywhere: the tag in the rows' validity test spilled multi-query argmax tiles.
 __device__ __forceinline__ int fwd_length(const int* p, i64 i) {
 #if LIK_ARGMAX && (LIK_ELEM == 3 || LIK_MULTI)
@@ -144,7 +144,7 @@ __device__ __forceinline__ int fwd_length(const int* p, i64 i) {
 #endif
 
 #ifndef LIK_NAME
-#error "LIK_NAME and the tile macros are set by lik_cupy.dispatch"
+#error "LIK_NAME and the tile macros are set by lik_cupy._dispatch (FwdConfig.defines)"
 #endif
 
 namespace lik {
@@ -232,7 +232,7 @@ struct Fwd {
     static constexpr int AHEAD = WG_CHAIN ? STAGES - 2 : STAGES - 1;
     // 16-bit TMA tiles of one query free each ring slot by per-warp arrivals on an "empty"
     // mbarrier instead of a block barrier per tile: 5-6% faster at Lq = 200..1024 on an H100
-    // (bench/results/ab_tma_release_nvidia-h100-80gb-hbm3.json). Several short queries per tile
+    // (bench/results/archive/ab_tma_release_nvidia-h100-80gb-hbm3.json). Several short queries per tile
     // measured 7-10% slower that way (two tiles per document, and a block barrier per document
     // anyway), INT8 0-3% slower (its per-similarity arithmetic, not the barrier, holds it).
     // Split-d keeps a chunk's wgmma in flight past the next stage, so its slots go back by the

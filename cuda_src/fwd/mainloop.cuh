@@ -307,7 +307,7 @@ struct LIK_FWD::QueryStage {
 // tile starts) and prem (the rows of pj this CTA stages from there on), from the
 // document's offsets read once per document: reading and clamping both offsets in 64 bits
 // per tile was a third of a one-query tile's instructions on 64-token documents, whose
-// pace the issue of those instructions sets, not HBM (Nsight Compute, bench/NOTES.md).
+// pace the issue of those instructions sets, not HBM (Nsight Compute, docs/kernels.md).
 // Padded documents keep the per-tile form, 2.6% faster there
 // (multi-query tiles, H100); prow and prem in place of pt and pnt cost packed tiles one
 // register (holding a start and length beside pt and pnt spilled some).

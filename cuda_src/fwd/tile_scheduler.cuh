@@ -9,7 +9,7 @@
 
 namespace lik {
 
-// Scratch of a token-split launch (split_buf), one buffer per stream (lik_cupy/token_split.py):
+// Scratch of a token-split launch (split_buf), one buffer per stream (lik_cupy/_runtime/token_split.py):
 // two arrays of LIK_SPLIT_COUNTS u32 arrival counts (one per launch parity, epoch & 1), then per
 // (query tile, share, role) BM row maxima, then as many argmax indices. A launch counts in the
 // array of its parity and zeroes the other for the next launch on the stream, so every count

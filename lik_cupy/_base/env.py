@@ -1,11 +1,14 @@
 """Every environment variable the package reads, in one place (documented in docs/environment.md).
 
 Switches are read when used, not at import, so a test or a service can flip them at run time.
+The package's own variables share the prefix ``LIK_``; the four that were once spelled
+``LIK_CUPY_...`` still work under that name, with a DeprecationWarning, where the new one is unset.
 """
 
 from __future__ import annotations
 
 import os
+import warnings
 
 __all__ = ["cache_dir_override", "validate_strict", "poison_outputs", "wgmma_disabled", "tma_disabled", "precision_default", "cupy_tf32",
            "pylate_scores_backend", "colpali_scores_backend", "jax_path_forced"]
@@ -19,15 +22,43 @@ _TRUE_BYTES = (b"1", b"true", b"yes")
 _RAW = getattr(os.environ, "_data", None) if os.name == "posix" else None
 
 
+# new name -> the old one it replaces
+_OLD_NAMES = {"LIK_CACHE_DIR": "LIK_CUPY_CACHE_DIR", "LIK_POISON": "LIK_CUPY_POISON",
+              "LIK_DISABLE_WGMMA": "LIK_CUPY_DISABLE_WGMMA", "LIK_DISABLE_TMA": "LIK_CUPY_DISABLE_TMA"}
+_OLD_RAW = {new.encode(): old.encode() for new, old in _OLD_NAMES.items()}
+_warned: set[str] = set()
+
+
+def _get(name: str) -> str | None:
+    """``name``'s value, else its old spelling's (warned once per process), else None."""
+    value = os.environ.get(name)
+    old = _OLD_NAMES.get(name)
+    if value is None and old is not None and old in os.environ:
+        if old not in _warned:
+            _warned.add(old)
+            warnings.warn(f"environment variable {old} is deprecated; set {name} instead", DeprecationWarning,
+                          stacklevel=2)
+        return os.environ[old]
+    return value
+
+
+def _raw_get(raw: bytes) -> bytes | None:
+    # The hot path: one lookup in the byte mapping when the new name is set, two when neither is.
+    value = _RAW.get(raw)
+    if value is None and _RAW.get(_OLD_RAW.get(raw)) is not None:
+        return _get(raw.decode()).encode()
+    return value
+
+
 def _switch(name: str, raw: bytes) -> bool:
     if _RAW is not None:
-        return _RAW.get(raw) in _TRUE_BYTES
-    return os.environ.get(name, "") in _TRUE
+        return _raw_get(raw) in _TRUE_BYTES
+    return (_get(name) or "") in _TRUE
 
 
 def cache_dir_override() -> str | None:
-    """``LIK_CUPY_CACHE_DIR``: where compiled kernels are cached (default: ``$XDG_CACHE_HOME/lik_cupy/kernels``, ``~/.cache`` without ``XDG_CACHE_HOME``)."""
-    return os.environ.get("LIK_CUPY_CACHE_DIR") or None
+    """``LIK_CACHE_DIR``: where compiled kernels are cached (default: ``$XDG_CACHE_HOME/lik_cupy/kernels``, ``~/.cache`` without ``XDG_CACHE_HOME``)."""
+    return _get("LIK_CACHE_DIR") or None
 
 
 def validate_strict() -> bool:
@@ -37,19 +68,19 @@ def validate_strict() -> bool:
 
 
 def poison_outputs() -> bool:
-    """``LIK_CUPY_POISON=1``: fill every output buffer with garbage before a kernel writes it, so an
+    """``LIK_POISON=1``: fill every output buffer with garbage before a kernel writes it, so an
     element a kernel forgot to write cannot pass as a plausible value (the tests set it)."""
-    return (_RAW.get(b"LIK_CUPY_POISON") == b"1") if _RAW is not None else os.environ.get("LIK_CUPY_POISON") == "1"
+    return (_raw_get(b"LIK_POISON") == b"1") if _RAW is not None else _get("LIK_POISON") == "1"
 
 
 def wgmma_disabled() -> bool:
-    """``LIK_CUPY_DISABLE_WGMMA=1``: keep Hopper GPUs on the portable mma.sync kernels."""
-    return _switch("LIK_CUPY_DISABLE_WGMMA", b"LIK_CUPY_DISABLE_WGMMA")
+    """``LIK_DISABLE_WGMMA=1``: keep Hopper GPUs on the portable mma.sync kernels."""
+    return _switch("LIK_DISABLE_WGMMA", b"LIK_DISABLE_WGMMA")
 
 
 def tma_disabled() -> bool:
-    """``LIK_CUPY_DISABLE_TMA=1``: stage tiles by cp.async instead of the tensor memory accelerator."""
-    return _switch("LIK_CUPY_DISABLE_TMA", b"LIK_CUPY_DISABLE_TMA")
+    """``LIK_DISABLE_TMA=1``: stage tiles by cp.async instead of the tensor memory accelerator."""
+    return _switch("LIK_DISABLE_TMA", b"LIK_DISABLE_TMA")
 
 
 def precision_default() -> str | None:

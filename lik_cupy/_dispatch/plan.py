@@ -36,7 +36,7 @@ def ctas_per_sm(cfg: FwdConfig, cc: int, registers: int | None = None) -> int:
     arch = arch_of(cc)
     by_smem = SMEM_PER_SM.get(arch, 100 * 1024) // (cfg.smem_bytes + 1024)
     by_threads = 2048 // cfg.threads
-    # Per-thread register ceilings of the compiled kernels (compile.check_all checks them): two
+    # Per-thread register ceilings of the compiled kernels (nvrtc.check_all checks them): two
     # warpgroups are capped at 128 by their launch bounds; one warpgroup is not capped, and its
     # argmax or multi-query epilogue takes up to 168 (a scaled type's argmax, INT8's, up to 192).
     if registers is not None:

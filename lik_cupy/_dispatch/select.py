@@ -39,7 +39,7 @@ def uses_split(arch: int, family: str, short: bool, dim: int, esize: int = 2) ->
 
 def _qreg(spec: ElemSpec, dp: int, mt: int) -> bool:
     # Query fragments cost mt * dp / (k per mma) * 4 registers; keep them at or under 64 (32 for
-    # scaled types, whose scale handling needs the rest: INT8 spilled at 64 with the argmax, compile.check_all).
+    # scaled types, whose scale handling needs the rest: INT8 spilled at 64 with the argmax, nvrtc.check_all).
     return mt * (dp // spec.k) * 4 <= (32 if spec.scaled else 64)
 
 
@@ -64,7 +64,7 @@ def _wgmma_tma(spec: ElemSpec, argmax: bool, multi: bool, q_len: int) -> bool:
     after: TMA is 11-17% faster at Lq=512 and 1024 (argmax too), on multi-query tiles and on
     INT8, but 1-5% slower on a single query of at most 128 tokens (Lq=128, Ld=1024, B=1000:
     0.0717 against 0.0681 ms on an H200), which streams D near the HBM rate either way.
-    INT8's argmax with TMA (its scales' registers) spills at two CTAs per SM (compile.check_all).
+    INT8's argmax with TMA (its scales' registers) spills at two CTAs per SM (nvrtc.check_all).
     float32 tiles (512-byte rows at d = 128) take TMA for short single queries too: 0.0411 against
     0.0508 ms, packed 0.0457 against 0.0680, for 32 tokens x 1,000 documents of 300 on an H200
     (bench/results/latest/fp32_wgmma_sweep_nvidia-h200.json)."""
@@ -192,7 +192,7 @@ def choose_forward(cc: int, dtype: str, dim: int, lq: int, argmax: bool, vec: bo
         cfg = FwdConfig(elem=elem, dp=bk * chunk, warps=warps, mt=mt, bn=bn, stages=stages, qreg=False, argmax=argmax,
                         vec=vec, multi=multi(warps * mt * 16), packed=packed, cand=cand, split=True, x3=x3)
         # 32 x 128 accumulators per warp leave no room for the argmax or multi-query epilogue
-        # without spilling (compile.check_all): those take the 64-token tiles.
+        # without spilling (nvrtc.check_all): those take the 64-token tiles.
         # INT8's scale handling spills them even without (compile check), as do padded documents
         # picked by candidate ids (the same warps and rows per warp, so the same scores).
         if cfg.smem_bytes <= limit \

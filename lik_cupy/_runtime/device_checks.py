@@ -3,7 +3,7 @@
 
 By default nothing here waits for the GPU: :func:`mark_invalid` queues one small kernel after the
 scoring kernel, on the caller's stream, that writes NaN into exactly the scores an invalid value
-touches (``cuda_src/checks.cu``, ``lik_nan_invalid``; the contract: README, "Invalid device values"). The
+touches (``cuda_src/checks.cu``, ``lik_nan_invalid``; the contract: docs/api.md, "Invalid device values"). The
 scoring kernels clamp every length to [0, L] and every document to [0, T), so an invalid value
 is never read out of bounds; the pass only marks what it gave. It runs inside CUDA graph capture
 too, reading the values of each replay.

@@ -4,9 +4,12 @@
   configuration into a CUBIN for one architecture. This needs no GPU, so the
   same path serves the CPU-only compile check in CI.
 * The CUBIN is kept in an on-disk cache whose key covers the contents of the
-  source and of every file it includes, the configuration, the architecture
-  and the NVRTC version. Entries are written atomically and verified by
-  checksum when read; a corrupt entry is discarded and rebuilt.
+  source and of every file it includes, the configuration, the NVRTC options,
+  the architecture and the NVRTC version. Entries are written atomically and
+  verified by checksum when read; a corrupt entry is discarded and rebuilt.
+* The compile check (``check_all``) reads each build's ptxas report; under the
+  same key it keeps only that report (``logs/``), so a later check compiles
+  only what changed.
 * Loaded modules (``cupy.RawModule``) are kept per device in a bounded
   in-memory cache. Compilation is serialised per key, so concurrent callers
   asking for the same kernel compile it once.
@@ -29,6 +32,8 @@ from .._version import __version__
 from ..errors import CompileError
 
 _INCLUDE = re.compile(r'^\s*#\s*include\s*"([^"]+)"', re.M)
+# Every NVRTC option besides the architecture, the include path and the defines (part of the cache key).
+_FLAGS = ("--std=c++17", "--ptxas-options=-v", "-lineinfo")
 _MEMORY_CACHE_SIZE = 256
 
 
@@ -42,7 +47,7 @@ def source_dir() -> Path:
 
 
 def cache_dir() -> Path:
-    """On-disk kernel cache (``LIK_CUPY_CACHE_DIR`` overrides the default)."""
+    """On-disk kernel cache (``LIK_CACHE_DIR`` overrides the default)."""
     override = env.cache_dir_override()
     if override:
         return Path(override)
@@ -99,13 +104,8 @@ def nvrtc_compile(name: str, defines: dict, arch: int | str) -> Compiled:
     src = (root / name).read_bytes()
     err, prog = nvrtc.nvrtcCreateProgram(src, name.encode(), 0, [], [])
     _check(nvrtc, err, "nvrtcCreateProgram")
-    opts = [
-        f"--gpu-architecture=sm_{arch}".encode(),
-        b"--std=c++17",
-        b"--ptxas-options=-v",
-        b"-lineinfo",
-        f"-I{root}".encode(),
-    ] + [f"-D{k}={v}".encode() for k, v in sorted(defines.items())]
+    opts = [f"--gpu-architecture=sm_{arch}".encode(), *(f.encode() for f in _FLAGS), f"-I{root}".encode()]
+    opts += [f"-D{k}={v}".encode() for k, v in sorted(defines.items())]
     try:
         (res,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
         err, n = nvrtc.nvrtcGetProgramLogSize(prog)
@@ -158,6 +158,7 @@ def cache_key(name: str, defines: dict, arch: int | str) -> str:
             "file": name,
             "defines": sorted((k, str(v)) for k, v in defines.items()),
             "arch": str(arch),
+            "flags": _FLAGS,
             "nvrtc": nvrtc_version(),
             "lik": __version__,
         },
@@ -269,9 +270,68 @@ def _load(path: Path, device_id: int, entry: str):
     return mod
 
 
-def check_all(archs=None, configs=None, *, other_kernels: bool = True) -> list[dict]:
-    """CPU-only: compile every forward configuration (or ``configs``) for every supported
-    architecture (or ``archs``), and with ``other_kernels`` the kernels outside the forward family.
+def _build_log(build: tuple) -> str:
+    """The ptxas -v log of one ``(source, defines, arch)`` build (a process pool's picklable target)."""
+    return nvrtc_compile(*build).log
+
+
+def _log_path(key: str) -> Path:
+    return cache_dir() / "logs" / f"{key}.json"
+
+
+def _read_log(key: str) -> str | None:
+    try:
+        entry = json.loads(_log_path(key).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(entry, dict) or entry.get("key") != key or not isinstance(entry.get("log"), str):
+        return None  # damaged: compiled again, and rewritten
+    return entry["log"]
+
+
+def _write_log(key: str, log: str) -> None:
+    path = _log_path(key)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _atomic_write(path, json.dumps({"key": key, "log": log}).encode())
+    except OSError:
+        pass  # a read-only or missing cache only costs the next check its compiles
+
+
+def compile_logs(builds: list[tuple], *, workers: int = 1, cache: bool = True) -> list[str]:
+    """The ptxas -v logs of ``(source, defines, arch)`` builds, in order.
+
+    With ``cache``, a build whose :func:`cache_key` (the source and every file it includes, the
+    defines, the NVRTC options, the architecture, the NVRTC version) was compiled before reads that
+    log from ``cache_dir()/logs`` instead; a missing or unwritable cache only means compiling.
+    The rest compile on ``workers`` processes, the sm_90a builds (the slowest) first. Raises
+    ``CompileError`` if any build fails; a failure is never cached.
+    """
+    keys = [cache_key(*b) for b in builds] if cache else [None] * len(builds)
+    logs = [_read_log(k) if cache else None for k in keys]
+    todo = sorted((i for i, log in enumerate(logs) if log is None), key=lambda i: not str(builds[i][2]).endswith("a"))
+    if workers > 1 and len(todo) > 1:
+        import concurrent.futures
+        import multiprocessing
+
+        ctx = multiprocessing.get_context("spawn")  # fresh interpreters: no NVRTC state shared over fork
+        with concurrent.futures.ProcessPoolExecutor(min(workers, len(todo)), mp_context=ctx) as ex:
+            fresh = list(ex.map(_build_log, [builds[i] for i in todo]))
+    else:
+        fresh = [_build_log(builds[i]) for i in todo]
+    for i, log in zip(todo, fresh):
+        logs[i] = log
+        if cache:
+            _write_log(keys[i], log)
+    return logs
+
+
+def check_all(archs=None, configs=None, *, other_kernels: bool = True, workers: int = 1,
+              cache: bool = True) -> list[dict]:
+    """CPU-only: compile every forward configuration (or ``configs``: one list for every
+    architecture, or a dict from architecture to its list) for every supported architecture (or
+    ``archs``), and with ``other_kernels`` the kernels outside the forward family, on ``workers``
+    processes, reading what an earlier check proved from the cache (:func:`compile_logs`).
 
     Returns one row per (kernel, arch) with registers, stack, spills, static and
     dynamic shared memory (``lik_sum_partials``, the top-k merge, the value checks, the mask spans,
@@ -280,20 +340,18 @@ def check_all(archs=None, configs=None, *, other_kernels: bool = True) -> list[d
     """
     from .._dispatch import SUPPORTED_ARCHS, all_forward_configs
 
-    rows = []
+    builds = []  # (source, defines, target, [(row's kernel, entry in the log, dynamic smem)])
     for arch in archs or SUPPORTED_ARCHS:
-        for n, cfg in enumerate(configs if configs is not None else all_forward_configs(arch)):
-            target = cfg.target(arch)
-            out = nvrtc_compile(FORWARD.file, cfg.defines(), target)
-            rows.append({"kernel": cfg.name, "arch": f"sm_{target}", "dynamic_smem": cfg.smem_bytes,
-                         **resource_usage(out.log, cfg.name)})
-            if n == 0:
-                rows += [{"kernel": k, "arch": f"sm_{target}", "dynamic_smem": 0, **resource_usage(out.log, k)}
-                         for k in FORWARD.entries]
+        chosen = configs.get(arch, []) if isinstance(configs, dict) else configs
+        for n, cfg in enumerate(chosen if chosen is not None else all_forward_configs(arch)):
+            entries = [(cfg.name, cfg.name, cfg.smem_bytes)]
+            if n == 0:  # compiled into every forward module: reported once per architecture
+                entries += [(k, k, 0) for k in FORWARD.entries]
+            builds.append((FORWARD.file, cfg.defines(), cfg.target(arch), entries))
         if other_kernels:
             for src in SOURCES:
                 for defines in src.variants:
-                    out = nvrtc_compile(src.file, defines, arch)
-                    rows += [{"kernel": src.row_name(k, defines), "arch": f"sm_{arch}", "dynamic_smem": 0,
-                              **resource_usage(out.log, k)} for k in src.entries]
-    return rows
+                    builds.append((src.file, defines, arch, [(src.row_name(k, defines), k, 0) for k in src.entries]))
+    logs = compile_logs([b[:3] for b in builds], workers=workers, cache=cache)
+    return [{"kernel": kernel, "arch": f"sm_{target}", "dynamic_smem": smem, **resource_usage(log, entry)}
+            for (_, _, target, entries), log in zip(builds, logs) for kernel, entry, smem in entries]

@@ -21,11 +21,12 @@ from concurrent.futures import Future
 
 import numpy as np
 
+from .._dispatch.elements import scaled_dtype
 from .._interop import FLOAT_DTYPES, dtype_name
+from .._runtime.topk import MAX_K
 from ..corpus import Corpus
 from ..precision import PRECISIONS
-from .._runtime.topk import MAX_K
-from ..shards import numpy_dtype
+from ..shards import _numpy_dtype as numpy_dtype
 from ._queue import DeviceQueue, Request
 from .errors import Overloaded, ShuttingDown
 
@@ -180,7 +181,7 @@ class Batcher:
         """Run each operation on every GPU replica at the batch sizes whose kernels differ for queries
         of ``lq`` tokens (1 up to as many as share a 128-row tile, and ``max_batch``), so that those
         kernels are compiled before the first request. Host-memory replicas need nothing."""
-        dtype = "float32" if self.corpus.dtype == "int8" else self.corpus.dtype
+        dtype = "float32" if scaled_dtype(self.corpus.dtype) else self.corpus.dtype  # scaled corpora take float queries
         rng = np.random.default_rng(0)
         for c in {id(q.corpus): q.corpus for q in self._queues if q.corpus.device is not None}.values():
             for n in sorted({*range(1, min(self.max_batch, max(1, 128 // lq)) + 1), self.max_batch}):
@@ -219,9 +220,9 @@ class Batcher:
         if Q.shape[-1] != c.dim:
             raise ValueError(f"Q has dim {Q.shape[-1]} but the corpus has dim {c.dim}")
         dt = dtype_name(Q.dtype)
-        if c.dtype == "int8":
+        if scaled_dtype(c.dtype):
             if dt not in FLOAT_DTYPES:
-                raise TypeError(f"Q has dtype {dt}; an INT8 corpus takes float16, bfloat16 or float32 queries")
+                raise TypeError(f"Q has dtype {dt}; an {c.dtype} corpus takes float16, bfloat16 or float32 queries")
         elif dt != c.dtype:
             raise TypeError(f"corpus has dtype {c.dtype} but Q has {dt}: send {c.dtype} queries")
         squeeze = Q.ndim == 2

@@ -39,6 +39,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from .._dispatch.elements import scaled_dtype
 from .._version import __version__
 from . import _tensors
 from ._ids import IdIndex
@@ -212,7 +213,7 @@ def _tensor_specs(svc: _Service, model: str) -> tuple[list, list] | None:
     if svc.batcher is None:
         return None
     c = svc.batcher.corpus
-    qtype = "FP32" if c.dtype == "int8" else _tensors.DATATYPES[c.dtype]
+    qtype = "FP32" if scaled_dtype(c.dtype) else _tensors.DATATYPES[c.dtype]
     ids = "BYTES" if svc.ids.kind == "string" else "INT64"
     specs = {"Q": (qtype, [-1, c.dim]), "K": ("INT32", [1]), "IDS": (ids, [-1]), "SCORES": ("FP32", [-1])}
     return ([(n, *specs[n]) for n in _INPUTS[model]], [(n, *specs[n]) for n in _OUTPUTS[model]])
