@@ -1052,6 +1052,19 @@ def _version(dist: str, module: str | None = None) -> str:
     return "not installed"
 
 
+_CUDA_ERROR_INSUFFICIENT_DRIVER, _CUDA_ERROR_NO_DEVICE = 35, 100  # cudaError_t values
+
+
+def _driver_loadable() -> bool:
+    import ctypes
+
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return False
+    return True
+
+
 def _gpu_lines() -> list[str]:
     try:
         import cupy
@@ -1060,6 +1073,12 @@ def _gpu_lines() -> list[str]:
     try:
         count = cupy.cuda.runtime.getDeviceCount()
     except Exception as e:
+        status = getattr(e, "status", None)
+        # The CUDA runtime reports a missing driver library as an insufficient driver version.
+        if status == _CUDA_ERROR_INSUFFICIENT_DRIVER and not _driver_loadable():
+            return ["none: no NVIDIA driver on this machine (libcuda.so.1 cannot be loaded)"]
+        if status == _CUDA_ERROR_NO_DEVICE:
+            return ["none: the NVIDIA driver sees no GPU"]
         return [f"none visible ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"]
     if count == 0:
         return ["none visible"]
