@@ -36,7 +36,7 @@ from dataclasses import replace
 
 from ._interop import caller_results, caller_stream, device_array, host_array, host_result
 from ._runtime.device import gpu_available
-from ._runtime.operands import kernel_operands, valid_host
+from ._runtime.operands import check_scales_of_valid, kernel_operands, valid_host
 from ._runtime.prepared_calls import call_key
 from ._validate import Problem, check_id_values
 from .precision import _resolve as _fp32_accurate
@@ -304,6 +304,8 @@ class Corpus:
         with cupy.cuda.Device(self.device):
             if info.device is not None:
                 self._dev = _with_spans(_device_docs(part, p), self.device)
+                if p.dtype == "int8":  # checked once, raising, as its lengths and offsets are
+                    _check_device_scales(self._dev, p)
                 self.where = "GPU"
                 return
             host = _host_docs(part, p)
@@ -571,6 +573,18 @@ def _check_ids(ids, nd: int) -> np.ndarray | None:
     if a.dtype.kind in "US":
         return a
     raise TypeError(f"ids must be integers or strings, got dtype {a.dtype}")
+
+
+def _check_device_scales(dev: _DeviceDocs, p: Problem) -> None:
+    """Raise unless every scale of a valid token of the device documents ``dev`` is finite and >= 0."""
+    import cupy
+
+    if p.d_packed:
+        check_scales_of_valid(dev.scales, None, "d_scales")
+        return
+    valid = (dev.mask.astype(bool) if dev.mask is not None else
+             cupy.arange(p.ld)[None, :] < dev.lengths[:, None] if dev.lengths is not None else None)
+    check_scales_of_valid(dev.scales.reshape(p.nd, p.ld), valid, "d_scales")
 
 
 def _fields(docs) -> list:

@@ -61,7 +61,8 @@ from ._interop import device_array, host_array
 from ._ranking import merge_ranked
 from ._runtime.launch import launch
 from ._runtime.device_checks import Marks, call_checks, strict
-from ._runtime.operands import device_offsets, device_valid, host_metadata, host_offsets, valid_host
+from ._runtime.operands import (check_scales_of_valid, device_offsets, device_valid, host_metadata, host_offsets,
+                                valid_host)
 from ._runtime.pinned import span_page_locked
 from ._validate import (Problem, check_call, check_length_values, check_scales, check_valid, check_varlen,
                         offsets_count)
@@ -357,19 +358,26 @@ class _HostDocs:
 
 
 def _host_docs(part: _Part, p: Problem) -> _HostDocs:
-    """``part`` (checked by ``_doc_problem``) on the host, its offsets and lengths value-checked."""
+    """``part`` (checked by ``_doc_problem``) on the host, its offsets, lengths and INT8 scales value-checked."""
     fw = interop.framework_of(part.docs)
     scales = None if p.dtype != "int8" else np.asarray(host_array(part.scales, fw), np.float32)
+    scales_name = "d_scales" if part.index is None else f"shard {part.index} scales"
     if part.packed:
-        return _HostDocs(host_array(part.docs, fw), offsets=host_offsets(host_array(part.offsets, fw), p.ntok,
+        docs = _HostDocs(host_array(part.docs, fw), offsets=host_offsets(host_array(part.offsets, fw), p.ntok,
                                                                          "d_offsets"), scales=scales)
+        if scales is not None:  # offsets from 0 to T: every token is a document's
+            check_scales_of_valid(scales.reshape(p.ntok), None, scales_name)
+        return docs
     lens = None
     if part.lengths is not None:
         lens = np.asarray(host_array(part.lengths, fw)).reshape(p.nd).astype(np.int64, copy=False)
         if lens.size:
             check_length_values("d_lengths", int(lens.min()), int(lens.max()), p.ld)
     mask = None if part.mask is None else host_array(part.mask, fw)
-    return _HostDocs(host_array(part.docs, fw), mask=mask, lengths=lens, scales=scales)
+    docs = _HostDocs(host_array(part.docs, fw), mask=mask, lengths=lens, scales=scales)
+    if scales is not None:
+        check_scales_of_valid(scales.reshape(p.nd, p.ld), docs.valid(slice(None)), scales_name)
+    return docs
 
 
 def _staged_source(docs: _HostDocs, p: Problem) -> dict:

@@ -8,10 +8,10 @@ from __future__ import annotations
 import numpy as np
 
 from .._interop import device_array, host_array
-from .._validate import check_length_values, check_offset_values
+from .._validate import check_length_values, check_offset_values, check_scale_value
 from .device_checks import queue_or_verify
 
-__all__ = ["host_metadata", "valid_host", "host_offsets", "device_valid", "device_offsets", "unpack_queries", "kernel_dtype",
+__all__ = ["host_metadata", "valid_host", "host_offsets", "check_scales_of_valid", "device_valid", "device_offsets", "unpack_queries", "kernel_dtype",
            "kernel_operands"]
 
 
@@ -47,6 +47,22 @@ def host_offsets(off: np.ndarray, total: int, name: str) -> np.ndarray:
     off = np.ascontiguousarray(off, dtype=np.int64).reshape(-1)
     check_offset_values(name, int(off[0]), int(off[-1]), bool((np.diff(off) < 0).any()), total)
     return off
+
+
+def check_scales_of_valid(scales, valid, name: str) -> None:
+    """Raise unless every INT8 document scale of a valid token is finite and >= 0: ``scales`` and the
+    bool ``valid`` (None: every token valid) of one shape, both NumPy or both CuPy (a device array
+    waits for its answer: for checks made once, as a Corpus's)."""
+    if isinstance(scales, np.ndarray):
+        xp = np
+    else:
+        import cupy as xp
+    bad = ~((scales >= 0) & (scales <= np.finfo(np.float32).max))
+    if valid is not None:
+        bad &= valid
+    if bool(bad.any()):
+        at = np.unravel_index(int(xp.argmax(bad)), scales.shape)
+        check_scale_value(name, tuple(int(i) for i in at), float(scales[at]))
 
 
 def device_valid(mask, lengths, rows: int, length: int, name: str, fw: str, on_host: bool, checks=None):
