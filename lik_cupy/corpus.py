@@ -498,19 +498,30 @@ class Corpus:
         return s.astype(np.float32, copy=False)
 
     def _host_rerank(self, qp: Problem, Q, q_mask, q_lengths, cand: np.ndarray) -> np.ndarray:
-        """Each query against its candidates, gathered a few queries at a time (NumPy needs them side by side)."""
+        """Each query against its candidates, gathered (NumPy needs them side by side) in steps of about
+        ``_RERANK_BLOCK`` bytes: a few queries' candidate sets at a time (padded), or runs of one
+        query's candidates (packed)."""
         q, qv, qs = self._host_queries(qp, Q, q_mask, q_lengths)
         h, (nq, k) = self._host, cand.shape
         out = np.empty((nq, k), np.float32)
         if self._p.d_packed:
+            # A query's candidates in runs whose gathered tokens (and their row indices and scales) stay
+            # within _RERANK_BLOCK bytes; a document past it alone is read where it lies.
+            per_token = self.dim * h.tokens.dtype.itemsize + 8 + (4 if qs is not None else 0)
             for i in range(nq):
-                sel = cand[i]
-                lens = h.offsets[sel + 1] - h.offsets[sel]
-                rows = np.repeat(h.offsets[sel] - np.cumsum(lens) + lens, lens) + np.arange(int(lens.sum()))
-                off = np.concatenate([[0], np.cumsum(lens)])
-                kw = {} if qs is None else {"q_scale": qs[i:i + 1], "d_scale": h.scales[rows]}
-                s, _ = cpu.maxsim_packed_numpy(q[i:i + 1], qv[i:i + 1], h.tokens[rows], off, return_argmax=False, **kw)
-                out[i] = s[0]
+                starts = h.offsets[cand[i]]
+                lens = h.offsets[cand[i] + 1] - starts
+                for a, b in _runs(lens * per_token, _RERANK_BLOCK):
+                    if b == a + 1:
+                        rows = slice(int(starts[a]), int(starts[a] + lens[a]))
+                    else:
+                        rows = np.repeat(starts[a:b] - np.cumsum(lens[a:b]) + lens[a:b], lens[a:b])
+                        rows += np.arange(rows.size)
+                    off = np.concatenate([[0], np.cumsum(lens[a:b])])
+                    kw = {} if qs is None else {"q_scale": qs[i:i + 1], "d_scale": h.scales[rows]}
+                    s, _ = cpu.maxsim_packed_numpy(q[i:i + 1], qv[i:i + 1], h.tokens[rows], off, return_argmax=False,
+                                                   **kw)
+                    out[i, a:b] = s[0]
             return out
         per_query = max(1, k * self._p.ld * self.dim * h.tokens.dtype.itemsize)
         step = max(1, _RERANK_BLOCK // per_query)
@@ -573,6 +584,17 @@ def _check_ids(ids, nd: int) -> np.ndarray | None:
     if a.dtype.kind in "US":
         return a
     raise TypeError(f"ids must be integers or strings, got dtype {a.dtype}")
+
+
+def _runs(sizes: np.ndarray, budget: int):
+    """``(a, b)``: consecutive items ``a .. b-1`` whose ``sizes`` sum to ``budget`` at most (one item at least)."""
+    ends = np.cumsum(sizes)
+    a = 0
+    while a < sizes.size:
+        spent = int(ends[a - 1]) if a else 0
+        b = max(a + 1, int(np.searchsorted(ends, spent + budget, side="right")))
+        yield a, b
+        a = b
 
 
 def _check_device_scales(dev: _DeviceDocs, p: Problem) -> None:
