@@ -370,9 +370,10 @@ def _host_docs(part: _Part, p: Problem) -> _HostDocs:
         return docs
     lens = None
     if part.lengths is not None:
-        lens = np.asarray(host_array(part.lengths, fw)).reshape(p.nd).astype(np.int64, copy=False)
-        if lens.size:
+        lens = np.asarray(host_array(part.lengths, fw)).reshape(p.nd)
+        if lens.size:  # on the values as given, as valid_host checks them
             check_length_values("d_lengths", int(lens.min()), int(lens.max()), p.ld)
+        lens = lens.astype(np.int64, copy=False)
     mask = None if part.mask is None else host_array(part.mask, fw)
     docs = _HostDocs(host_array(part.docs, fw), mask=mask, lengths=lens, scales=scales)
     if scales is not None:

@@ -28,3 +28,17 @@ def test_plaid_ids_past_int64_are_named_as_given():
     with pytest.raises(ValueError, match=r"doc_ids holds 9223372036854775809; every entry must be in \[0, "):
         idx.residuals(np.array([2**63 + 1], np.uint64))
     assert idx.residuals([])[2].tolist() == [0]
+
+
+def test_lengths_past_int64_are_named_as_given():
+    """A uint64 length past int64 was reported as a negative one (the value after the cast)."""
+    import lik_cupy
+
+    Q, D = np.ones((1, 2, 8), np.float32), np.ones((4, 5, 8), np.float32)
+    lens = np.array([2**63 + 1, 1, 1, 1], np.uint64)
+    calls = [lambda: lik_cupy.maxsim(Q, D, d_lengths=lens, backend="cpu"),
+             lambda: lik_cupy.retrieve(Q, D, 2, d_lengths=lens, backend="cpu"),
+             lambda: lik_cupy.Corpus(D, d_lengths=lens, device="cpu")]
+    for call in calls:
+        with pytest.raises(ValueError, match=r"d_lengths holds 9223372036854775809; every length must be in \[0, 5\]"):
+            call()

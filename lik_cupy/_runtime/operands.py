@@ -35,9 +35,10 @@ def valid_host(mask, lengths, rows: int, length: int, name: str, fw: str) -> np.
     if mask is not None:
         return host_array(mask, fw).reshape(rows, length).astype(bool, copy=False)
     if lengths is not None:
-        lens = host_array(lengths, fw).reshape(rows).astype(np.int64)
-        if lens.size:
+        lens = host_array(lengths, fw).reshape(rows)
+        if lens.size:  # on the values as given: a uint64 past int64 would read as negative after the cast
             check_length_values(name, int(lens.min()), int(lens.max()), length)
+        lens = lens.astype(np.int64)
         return np.arange(length)[None, :] < lens[:, None]
     return np.ones((rows, length), bool)
 
