@@ -122,6 +122,12 @@ def test_a_scheduler_that_never_answers_is_exit_2(tmp_path, silent_scheduler):
     p = lik("score", "--queries", q, "--docs", shard, "-k", 2, "--out", tmp_path / "o.tsv", "--cpu",
             "--scheduler", silent_scheduler, prelude="import lik_cupy.cli\nlik_cupy.cli._CONNECT_TIMEOUT = 1\n")
     one_line(p.returncode, p.stderr, "--scheduler", f"no Dask scheduler answered at {silent_scheduler} within 1 s")
+    with socket.socket() as s:  # a port where nothing listens
+        s.bind(("127.0.0.1", 0))
+        closed = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    p = lik("score", "--queries", q, "--docs", shard, "-k", 2, "--out", tmp_path / "o.tsv", "--cpu",
+            "--scheduler", closed, prelude="import lik_cupy.cli\nlik_cupy.cli._CONNECT_TIMEOUT = 1\n")
+    one_line(p.returncode, p.stderr, "--scheduler", f"cannot reach a Dask scheduler at {closed}")
     assert listing(tmp_path) == ["q.npy", "s"]
 
 
