@@ -337,17 +337,8 @@ def test_packed_rerank_gathers_its_candidates_within_the_rerank_block(rng, layou
     """100 candidates of one 100,000-token document once peaked at 2.5 GB (every candidate's tokens
     gathered at once), against 10 MB for score: a query's candidates now go in runs of about
     ``_RERANK_BLOCK`` bytes, a document past it alone read where it lies."""
-    import tracemalloc
-
     from lik_cupy import corpus as corpus_module
-
-    def peak(fn) -> int:
-        tracemalloc.start()
-        try:
-            fn()
-            return tracemalloc.get_traced_memory()[1]
-        finally:
-            tracemalloc.stop()
+    from test_cpu_exact import _peak as peak
 
     kw, *_ = corpus_case(rng, layout, nd=23, ld=7, dim=16)
     corpus = lik_cupy.Corpus(**kw, device="cpu")
