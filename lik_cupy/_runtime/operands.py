@@ -8,11 +8,11 @@ from __future__ import annotations
 import numpy as np
 
 from .._interop import device_array, host_array
-from .._validate import check_length_values, check_offset_values, check_scale_value
+from .._validate import check_length_values, check_offset_values, scale_error
 from .device_checks import queue_or_verify
 
-__all__ = ["host_metadata", "valid_host", "host_offsets", "check_scales_of_valid", "device_valid", "device_offsets", "unpack_queries", "kernel_dtype",
-           "kernel_operands"]
+__all__ = ["host_metadata", "valid_host", "host_offsets", "check_scales_of_valid", "device_valid", "device_offsets",
+           "unpack_queries", "kernel_dtype", "kernel_operands"]
 
 
 def host_metadata(*xs) -> bool:
@@ -63,7 +63,7 @@ def check_scales_of_valid(scales, valid, name: str) -> None:
         bad &= valid
     if bool(bad.any()):
         at = np.unravel_index(int(xp.argmax(bad)), scales.shape)
-        check_scale_value(name, tuple(int(i) for i in at), float(scales[at]))
+        raise scale_error(name, tuple(int(i) for i in at), float(scales[at]))
 
 
 def device_valid(mask, lengths, rows: int, length: int, name: str, fw: str, on_host: bool, checks=None):

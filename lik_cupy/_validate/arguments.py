@@ -303,13 +303,11 @@ def check_length_values(name: str, lo: int, hi: int, limit: int) -> None:
         raise ValueError(f"{name} holds {bad}; every length must be in [0, {limit}]")
 
 
-def check_scale_value(name: str, index: tuple, value: float) -> None:
-    """``value`` is the first INT8 document scale of a valid token (at ``index``) that is negative, NaN or
-    infinite, or None when there is none."""
-    if value is not None:
-        at = ", ".join(str(i) for i in index)
-        raise ValueError(f"{name}[{at}] is {value!r}; the scale of a valid token must be finite and >= 0 "
-                         "(token = int8 values * scale)")
+def scale_error(name: str, index: tuple, value: float) -> ValueError:
+    """The error for an INT8 document scale of a valid token (at ``index``) that is negative, NaN or infinite."""
+    at = ", ".join(str(i) for i in index)
+    return ValueError(f"{name}[{at}] is {value!r}; the scale of a valid token must be finite and >= 0 "
+                      "(token = int8 values * scale)")
 
 
 def check_backward(grad_scores, Q, D, argmax, d_offsets) -> Problem:
