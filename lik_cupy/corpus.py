@@ -499,8 +499,8 @@ class Corpus:
 
     def _host_rerank(self, qp: Problem, Q, q_mask, q_lengths, cand: np.ndarray) -> np.ndarray:
         """Each query against its candidates, gathered (NumPy needs them side by side) in steps of about
-        ``_RERANK_BLOCK`` bytes: a few queries' candidate sets at a time (padded), or runs of one
-        query's candidates (packed)."""
+        ``_RERANK_BLOCK`` bytes: a few queries' candidate sets at a time, or runs of one query's
+        candidates (packed documents: a document past the bound alone, read in place)."""
         q, qv, qs = self._host_queries(qp, Q, q_mask, q_lengths)
         h, (nq, k) = self._host, cand.shape
         out = np.empty((nq, k), np.float32)
@@ -523,15 +523,19 @@ class Corpus:
                                                    **kw)
                     out[i, a:b] = s[0]
             return out
-        per_query = max(1, k * self._p.ld * self.dim * h.tokens.dtype.itemsize)
-        step = max(1, _RERANK_BLOCK // per_query)
+        # Several queries' candidate sets at a time, or runs of one query's candidates when its set is larger.
+        per_candidate = max(1, self._p.ld * (self.dim * h.tokens.dtype.itemsize + 1 + (4 if qs is not None else 0)))
+        run = max(1, min(k, _RERANK_BLOCK // per_candidate))
+        step = max(1, _RERANK_BLOCK // (run * per_candidate))
         for a in range(0, nq, step):
             b = min(nq, a + step)
-            sel = cand[a:b].reshape(-1)
-            kw = {} if qs is None else {"q_scale": qs[a:b], "d_scale": h.scales[sel]}
-            s, _ = cpu.maxsim_numpy(q[a:b], h.tokens[sel], qv[a:b], h.valid(sel), candidates=True, nd=k,
-                                    return_argmax=False, **kw)
-            out[a:b] = s
+            for c0 in range(0, k, run):
+                c1 = min(k, c0 + run)
+                sel = cand[a:b, c0:c1].reshape(-1)
+                kw = {} if qs is None else {"q_scale": qs[a:b], "d_scale": h.scales[sel]}
+                s, _ = cpu.maxsim_numpy(q[a:b], h.tokens[sel], qv[a:b], h.valid(sel), candidates=True, nd=c1 - c0,
+                                        return_argmax=False, **kw)
+                out[a:b, c0:c1] = s
         return out
 
     def _candidates(self, candidates, qp: Problem, one_query: bool):
