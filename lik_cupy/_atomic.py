@@ -165,20 +165,22 @@ def _remove(path: str) -> None:
             os.unlink(path)
 
 
-def _discard(replaced: str, target: str) -> None:
-    """Remove ``replaced``, what a write swapped out of ``target``; when it cannot be removed (a
-    permission its judge could not foresee), swap it back and raise, naming ``target``."""
+def _discard(replaced: str, target: str, put_back: Callable[[], str | None]) -> None:
+    """Remove ``replaced``, what a write moved out of ``target``. When it cannot be removed (a
+    permission its judge could not foresee), ``put_back()`` returns it to ``target`` and gives the
+    path this write's output then has (removed here), or None where it could not; then raise,
+    naming ``target``."""
     try:
         if os.path.isdir(replaced) and not os.path.islink(replaced):
             shutil.rmtree(replaced)
         else:
             os.unlink(replaced)
     except OSError as e:
-        restored = _rename2(replaced, target, _RENAME_EXCHANGE)
-        if restored:
-            _remove(replaced)  # this write's own output, swapped back out
+        ours = put_back()
+        if ours is not None:
+            _remove(ours)
         raise OSError(e.errno, f"what was there could not be removed ({_files.problem(e)})"
-                      + ("; it was put back" if restored else ""), target) from None
+                      + ("; it was put back" if ours is not None else ""), target) from None
 
 
 def sweep(target: str) -> None:
@@ -263,7 +265,7 @@ def _commit(tmp: str, target: str, replace: Judge | None, swapped: list) -> None
                     swapped[0] = False
                 raise FileExistsError(errno.EEXIST, why, target)
             swapped[0] = False
-            _discard(tmp, target)
+            _discard(tmp, target, lambda: tmp if _rename2(tmp, target, _RENAME_EXCHANGE) else None)
             return
         raise FileExistsError(errno.EEXIST, "keeps changing while being replaced; nothing was replaced", target)
     except _Unsupported:
@@ -281,7 +283,13 @@ def _commit(tmp: str, target: str, replace: Judge | None, swapped: list) -> None
             except BaseException:
                 os.rename(aside, target)
                 raise
-            _remove(aside)
+
+            def put_back() -> str:
+                os.rename(target, tmp)
+                os.rename(aside, target)
+                return tmp
+
+            _discard(aside, target, put_back)
         else:
             os.replace(tmp, target)
 

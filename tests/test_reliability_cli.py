@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 from lik_command import run_lik as run
-from test_reliability_files import LIK, REPO, lik, listing, make_shard, modes_bind, one_line, queries, small_disk  # noqa: F401
+from test_reliability_files import (LIK, REPO, commit_mode, lik, listing, make_shard, modes_bind,  # noqa: F401
+                                    one_line, queries, small_disk)
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux files and devices")
 
@@ -153,14 +154,10 @@ def test_pack_force_onto_a_shard_it_cannot_remove_is_exit_2_and_keeps_it(tmp_pat
         os.chmod(old, 0o755)
 
 
-def test_a_replaced_shard_that_cannot_be_removed_is_put_back(tmp_path, monkeypatch):
+def test_a_replaced_shard_that_cannot_be_removed_is_put_back(tmp_path, monkeypatch, commit_mode):
     """Past the judge (a permission it could not foresee): the swap is undone, exit 2, nothing left."""
     import shutil
 
-    from lik_cupy import _atomic
-
-    if _atomic._RENAMEAT2 is None:
-        pytest.skip("renameat2 is missing here; the locked fallback moves the old shard aside instead")
     old = make_shard(tmp_path / "sh", n_docs=3).path
     before = _contents(old)
 
