@@ -685,13 +685,16 @@ def _dask_corpus(scheduler: str | None, gpus: list, backend: str, docs, d_length
     import logging
 
     from distributed import Client
-    from distributed.comm import CommClosedError
 
     from lik_cupy.distributed import DistributedCorpus
 
     lengths = iter(d_lengths)  # --d-lengths pair with the .npy inputs by position, as _open_corpus reads them
     sources = [p if os.path.isdir(p) else (p, next(lengths, None)) for p in docs]
     with contextlib.ExitStack() as stack:
+        # Log lines (Dask's client failing to reconnect, ...) are silenced for the run: the cluster's
+        # trouble reaches the user as the one-line error below.
+        stack.callback(logging.disable, logging.root.manager.disable)
+        logging.disable(logging.CRITICAL)
         if scheduler is None:
             from dask_cuda import LocalCUDACluster
 
@@ -708,7 +711,10 @@ def _dask_corpus(scheduler: str | None, gpus: list, backend: str, docs, d_length
                                                         backend=backend))
         except TimeoutError as e:  # the cluster's trouble, not a bug here: its own message, exit status 2
             raise LikError("--scheduler" if scheduler else "--devices", str(e)) from None
-        except CommClosedError as e:  # the scheduler went away mid-run
+        except OSError as e:
+            if e.filename is not None:  # a file's trouble (outputs are named by _atomic, stdout by _NamedStream)
+                raise
+            # the scheduler went away mid-run: Dask's CommClosedError, a reset, a reconnect that timed out
             raise LikError("--scheduler" if scheduler else "--devices",
                            f"lost the connection to the Dask scheduler at {client.scheduler.address}: {e}") from None
 

@@ -528,8 +528,12 @@ class DistributedCorpus:
     def __enter__(self) -> DistributedCorpus:
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, *exc) -> None:
+        try:
+            self.close()
+        except OSError:  # the scheduler is gone as well: the error that ended the block says more
+            if exc_type is None:
+                raise
 
     def __repr__(self) -> str:
         per = defaultdict(list)

@@ -175,3 +175,36 @@ def test_a_replaced_shard_that_cannot_be_removed_is_put_back(tmp_path, monkeypat
     monkeypatch.undo()
     assert listing(tmp_path) == ["q.npy", "sh"]
     assert _contents(old) == before
+
+
+SCHEDULER = """import logging, sys, time
+from distributed import LocalCluster
+cluster = LocalCluster(n_workers=1, processes=False, protocol="tcp", threads_per_worker=1, dashboard_address=":0",
+                       silence_logs=logging.CRITICAL)
+print(cluster.scheduler_address, flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_scheduler_that_dies_mid_run_is_exit_2_in_one_line(tmp_path):
+    """The scheduler's process is killed while `lik score --scheduler` waits on it: Dask's client gives
+    up reconnecting (after its 30 s), and the run ends with exit 2 and one line, writing nothing."""
+    pytest.importorskip("distributed")
+    shard, q = make_shard(tmp_path / "s").path, queries(tmp_path / "q.npy")
+    env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONDONTWRITEBYTECODE="1")
+    sched = subprocess.Popen([sys.executable, "-c", SCHEDULER], env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.DEVNULL, text=True)
+    try:
+        address = sched.stdout.readline().strip()
+        assert address.startswith("tcp://"), address
+        # the search starts only once the scheduler is gone
+        prelude = ("import os, signal, lik_cupy.distributed as d\nreal = d.DistributedCorpus.search\n"
+                   f"def search(self, *a, **k):\n    os.kill({sched.pid}, signal.SIGKILL)\n"
+                   "    return real(self, *a, **k)\nd.DistributedCorpus.search = search\n")
+        p = lik("score", "--queries", q, "--docs", shard, "-k", 2, "--out", tmp_path / "o.tsv", "--cpu",
+                "--scheduler", address, prelude=prelude, timeout=300)
+    finally:
+        sched.kill()
+        sched.wait()
+    one_line(p.returncode, p.stderr, "--scheduler", f"lost the connection to the Dask scheduler at {address}")
+    assert listing(tmp_path) == ["q.npy", "s"]
