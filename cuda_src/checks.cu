@@ -88,7 +88,7 @@ __device__ __forceinline__ i64 entry_at(const void* p, int wide, i64 i) {
 //   d_off (packed documents, shared by every query): d_off[j] < 0, d_off[j + 1] < d_off[j],
 //     d_off[j + 1] > ntok, or the whole array, off_all [nd_all + 1], does not run from 0 to ntok
 //     (d_off may be a slice of it: retrieve's chunks);
-//   d_scale (INT8): a scale of one of its valid tokens is negative or NaN (padded rows: tokens
+//   d_scale (INT8): a scale of one of its valid tokens is negative, NaN or infinite (padded rows: tokens
 //     r * ld .. r * ld + ld, the first d_len[r] or those d_mask keeps; packed: d_off[j] ..
 //     d_off[j + 1]).
 // A cell (i, j) is invalid when its row is, or when q_len[i] is outside [0, q_limit].
@@ -122,7 +122,7 @@ extern "C" __global__ void lik_nan_invalid(float* __restrict__ scores, int* __re
         if (d_scale && !bad) {
             bool neg = false;
             for (long long t = lo + lane; t < hi; t += 32)
-                neg |= (!d_mask || d_mask[t]) && !(d_scale[t] >= 0.f);
+                neg |= (!d_mask || d_mask[t]) && !(d_scale[t] >= 0.f && d_scale[t] <= 3.40282347e38f);  // NaN, < 0 or inf
             bad = __any_sync(0xffffffffu, neg);
         }
         // Cells of this row: one (per_cell) or a column of nq, lanes taking queries in turn.

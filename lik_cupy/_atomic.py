@@ -63,6 +63,7 @@ _HOST = f"{zlib.crc32(socket.gethostname().encode()):08x}".encode()
 _PATTERN = re.compile(rb"\A\..*\.lik-tmp\.([0-9]{1,10})\.([0-9a-f]{8})\.[0-9a-f]{8}(\.old)?\Z", re.S)
 _SUFFIX_BYTES = 10 + 1 + 8 + 1 + 8 + 4  # <pid>.<host>.<random>.old, at most
 _RENAME_NOREPLACE, _RENAME_EXCHANGE = 1, 2
+_SHORT_WRITE = re.compile(r"\A\d+ requested and \d+ written\Z")  # ndarray.tofile's words for a short write
 _AT_FDCWD = -100
 # Errors of renameat2 and posix_fallocate meaning "not on this system or file system".
 _UNSUPPORTED = {errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, getattr(errno, "ENOTSUP", errno.EOPNOTSUPP)}
@@ -164,6 +165,24 @@ def _remove(path: str) -> None:
             os.unlink(path)
 
 
+def _discard(replaced: str, target: str, put_back: Callable[[], str | None]) -> None:
+    """Remove ``replaced``, what a write moved out of ``target``. When it cannot be removed (a
+    permission its judge could not foresee), ``put_back()`` returns it to ``target`` and gives the
+    path this write's output then has (removed here), or None where it could not; then raise,
+    naming ``target``."""
+    try:
+        if os.path.isdir(replaced) and not os.path.islink(replaced):
+            shutil.rmtree(replaced)
+        else:
+            os.unlink(replaced)
+    except OSError as e:
+        ours = put_back()
+        if ours is not None:
+            _remove(ours)
+        raise OSError(e.errno, f"what was there could not be removed ({_files.problem(e)})"
+                      + ("; it was put back" if ours is not None else ""), target) from None
+
+
 def sweep(target: str) -> None:
     """Remove the temporaries that killed writers left in ``target``'s directory (see the module docstring).
 
@@ -246,7 +265,7 @@ def _commit(tmp: str, target: str, replace: Judge | None, swapped: list) -> None
                     swapped[0] = False
                 raise FileExistsError(errno.EEXIST, why, target)
             swapped[0] = False
-            _remove(tmp)
+            _discard(tmp, target, lambda: tmp if _rename2(tmp, target, _RENAME_EXCHANGE) else None)
             return
         raise FileExistsError(errno.EEXIST, "keeps changing while being replaced; nothing was replaced", target)
     except _Unsupported:
@@ -264,7 +283,13 @@ def _commit(tmp: str, target: str, replace: Judge | None, swapped: list) -> None
             except BaseException:
                 os.rename(aside, target)
                 raise
-            _remove(aside)
+
+            def put_back() -> str:
+                os.rename(target, tmp)
+                os.rename(aside, target)
+                return tmp
+
+            _discard(aside, target, put_back)
         else:
             os.replace(tmp, target)
 
@@ -323,6 +348,9 @@ def _written(target: str, tmp: str, replace: Judge | None, cleanup: Callable[[],
             cleanup()
         if isinstance(e, OSError) and e.errno is not None and (e.filename is None or os.fspath(e.filename).startswith(tmp)):
             raise OSError(e.errno, e.strerror, target) from e
+        if isinstance(e, OSError) and e.errno is None and _SHORT_WRITE.search(str(e)):
+            # NumPy's tofile (np.save's path) reports a write the disk cut short with no errno.
+            raise OSError(errno.ENOSPC, f"no space left on device (a write was cut short: {e})", target) from e
         raise
 
 

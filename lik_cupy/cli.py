@@ -112,6 +112,8 @@ def _cli_errors(fn):
             _silence_stdout()
             raise click.exceptions.Exit(_EXIT_BROKEN_PIPE) from None
         except OSError as e:
+            if e.filename == _STDOUT:
+                _silence_stdout()  # what is left in its buffer cannot be written either
             if e.filename is None:
                 _internal(e, debug)
             # The environment, about one file: no space left, permission denied, a name too long, ...
@@ -135,6 +137,38 @@ def _internal(e: BaseException, debug: bool) -> NoReturn:
     hint = "" if debug else " (rerun with --debug for a traceback)"
     click.echo(f"lik: error: internal error: {type(e).__name__}: {e}{hint}", err=True)
     raise click.exceptions.Exit(1) from None
+
+
+_STDOUT = "standard output"
+
+
+class _NamedStream:
+    """``sys.stdout`` (and its ``buffer``) with failed writes naming it: a full stdout's OSError (ENOSPC
+    on /dev/full or on a full disk behind ``> file``) names no file, and would read as a bug."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def __getattr__(self, attr):
+        value = getattr(self._stream, attr)
+        return _NamedStream(value) if attr == "buffer" else value
+
+    def write(self, data):
+        return self._named(self._stream.write, data)
+
+    def flush(self):
+        return self._named(self._stream.flush)
+
+    @staticmethod
+    def _named(fn, *args):
+        try:
+            return fn(*args)
+        except BrokenPipeError:  # its reader is gone: exit 141, quietly (_cli_errors)
+            raise
+        except OSError as e:
+            if e.filename is not None or e.errno is None:
+                raise
+            raise OSError(e.errno, e.strerror, _STDOUT) from None
 
 
 def _silence_stdout() -> None:
@@ -657,6 +691,10 @@ def _dask_corpus(scheduler: str | None, gpus: list, backend: str, docs, d_length
     lengths = iter(d_lengths)  # --d-lengths pair with the .npy inputs by position, as _open_corpus reads them
     sources = [p if os.path.isdir(p) else (p, next(lengths, None)) for p in docs]
     with contextlib.ExitStack() as stack:
+        # Log lines (Dask's client failing to reconnect, ...) are silenced for the run: the cluster's
+        # trouble reaches the user as the one-line error below.
+        stack.callback(logging.disable, logging.root.manager.disable)
+        logging.disable(logging.CRITICAL)
         if scheduler is None:
             from dask_cuda import LocalCUDACluster
 
@@ -667,15 +705,47 @@ def _dask_corpus(scheduler: str | None, gpus: list, backend: str, docs, d_length
                 dashboard_address=":0", silence_logs=logging.CRITICAL))
             client = stack.enter_context(Client(cluster))
         else:
-            try:
-                client = stack.enter_context(Client(scheduler, timeout=_CONNECT_TIMEOUT))
-            except (OSError, ValueError) as e:  # unreachable (TimeoutError is an OSError), or not an address
-                raise LikError("--scheduler", f"cannot reach a Dask scheduler at {scheduler}: {e}") from None
+            client = stack.enter_context(_connect(scheduler))
         try:
             yield stack.enter_context(DistributedCorpus(client, sources, dtype=dtype, bf16_bits=bf16_bits,
                                                         backend=backend))
         except TimeoutError as e:  # the cluster's trouble, not a bug here: its own message, exit status 2
             raise LikError("--scheduler" if scheduler else "--devices", str(e)) from None
+        except OSError as e:
+            if e.filename is not None:  # a file's trouble (outputs are named by _atomic, stdout by _NamedStream)
+                raise
+            # the scheduler went away mid-run: Dask's CommClosedError, a reset, a reconnect that timed out
+            raise LikError("--scheduler" if scheduler else "--devices",
+                           f"lost the connection to the Dask scheduler at {client.scheduler.address}: {e}") from None
+
+
+def _connect(scheduler: str):
+    """A ``distributed.Client`` of the scheduler at ``scheduler`` within about ``_CONNECT_TIMEOUT`` seconds,
+    whatever answers there: Client's own timeout bounds the TCP connect, not the handshake that
+    follows, which waits for ever on a peer that accepts and says nothing. The connecting thread is
+    a daemon, so one left waiting does not hold up the exit."""
+    from distributed import Client
+
+    done: dict = {}
+
+    def connect():
+        try:
+            done["client"] = Client(scheduler, timeout=_CONNECT_TIMEOUT)
+        except BaseException as e:  # handed to the caller's thread
+            done["error"] = e
+
+    t = threading.Thread(target=connect, name="lik-connect", daemon=True)
+    t.start()
+    t.join(_CONNECT_TIMEOUT + 1)
+    if t.is_alive():
+        raise LikError("--scheduler", f"no Dask scheduler answered at {scheduler} within {_CONNECT_TIMEOUT} s "
+                                      "(something there accepts connections but does not answer as one)")
+    e = done.get("error")
+    if isinstance(e, (OSError, ValueError)):  # unreachable (TimeoutError is an OSError), or not an address
+        raise LikError("--scheduler", f"cannot reach a Dask scheduler at {scheduler}: {e}") from None
+    if e is not None:
+        raise e
+    return done["client"]
 
 
 def _on_dask(fn, *args, **kwargs):
@@ -826,7 +896,27 @@ class _GreedyCommand(click.Command):
 _CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 
 
+class _Lik(click.Group):
+    """The ``lik`` group: stdout's failed writes name it (``_NamedStream``), and one outside a
+    command's own handling (``--help``) is the same one line and exit status 2."""
+
+    def main(self, *args, **kwargs):
+        real = sys.stdout
+        sys.stdout = _NamedStream(real)
+        try:
+            return super().main(*args, **kwargs)
+        except OSError as e:
+            if e.filename != _STDOUT:
+                raise
+            _silence_stdout()
+            click.echo(f"lik: error: {_STDOUT}: {_files.problem(e)}", err=True)
+            sys.exit(EXIT_BAD_INPUT)
+        finally:
+            sys.stdout = real
+
+
 @click.group(
+    cls=_Lik,
     help="lik: late-interaction (ColBERT / ColPali) MaxSim retrieval with lik_cupy.\n\n"
     "score[i, j] = sum over valid query tokens s of max over valid doc tokens t of "
     "<Q[i, s], D[j, t]>. Scoring runs on a GPU through lik_cupy's CUDA kernels when one is "
@@ -1053,6 +1143,19 @@ def _version(dist: str, module: str | None = None) -> str:
     return "not installed"
 
 
+_CUDA_ERROR_INSUFFICIENT_DRIVER, _CUDA_ERROR_NO_DEVICE = 35, 100  # cudaError_t values
+
+
+def _driver_loadable() -> bool:
+    import ctypes
+
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return False
+    return True
+
+
 def _gpu_lines() -> list[str]:
     try:
         import cupy
@@ -1061,6 +1164,12 @@ def _gpu_lines() -> list[str]:
     try:
         count = cupy.cuda.runtime.getDeviceCount()
     except Exception as e:
+        status = getattr(e, "status", None)
+        # The CUDA runtime reports a missing driver library as an insufficient driver version.
+        if status == _CUDA_ERROR_INSUFFICIENT_DRIVER and not _driver_loadable():
+            return ["none: no NVIDIA driver on this machine (libcuda.so.1 cannot be loaded)"]
+        if status == _CUDA_ERROR_NO_DEVICE:
+            return ["none: the NVIDIA driver sees no GPU"]
         return [f"none visible ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"]
     if count == 0:
         return ["none visible"]

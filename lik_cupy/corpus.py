@@ -39,7 +39,7 @@ from dataclasses import replace
 from ._base.device import gpu_available
 from ._dispatch.precision import fp32_accurate
 from ._interop import caller_results, caller_stream, device_array, host_array, host_result
-from ._runtime.operands import host_offsets, kernel_operands, unpack_queries, valid_host
+from ._runtime.operands import check_scales_of_valid, host_offsets, kernel_operands, unpack_queries, valid_host
 from ._runtime.prepared_calls import call_key
 from ._runtime.topk import MAX_K
 from ._streaming.cpu import CpuTopK
@@ -313,6 +313,8 @@ class Corpus:
         with cupy.cuda.Device(self.device):
             if info.device is not None:
                 self._dev = _with_spans(device_docs(part, p), self.device)
+                if dispatch.scaled_dtype(p.dtype):  # checked once, raising, as its lengths and offsets are
+                    _check_device_scales(self._dev, p)
                 self.where = "GPU"
                 return
             host = host_docs(part, p)
@@ -505,29 +507,44 @@ class Corpus:
         return s.astype(np.float32, copy=False)
 
     def _host_rerank(self, qp: Problem, Q, q_mask, q_lengths, cand: np.ndarray) -> np.ndarray:
-        """Each query against its candidates, gathered a few queries at a time (NumPy needs them side by side)."""
+        """Each query against its candidates, gathered (NumPy needs them side by side) in steps of about
+        ``_RERANK_BLOCK`` bytes: a few queries' candidate sets at a time, or runs of one query's
+        candidates (packed documents: a document past the bound alone, read in place)."""
         q, qv, qs = self._host_queries(qp, Q, q_mask, q_lengths)
         h, (nq, k) = self._host, cand.shape
         out = np.empty((nq, k), np.float32)
         if self._p.d_packed:
+            # A query's candidates in runs whose gathered tokens (and their row indices and scales) stay
+            # within _RERANK_BLOCK bytes; a document past it alone is read where it lies.
+            per_token = self.dim * h.tokens.dtype.itemsize + 8 + (4 if qs is not None else 0)
             for i in range(nq):
-                sel = cand[i]
-                lens = h.offsets[sel + 1] - h.offsets[sel]
-                rows = np.repeat(h.offsets[sel] - np.cumsum(lens) + lens, lens) + np.arange(int(lens.sum()))
-                off = np.concatenate([[0], np.cumsum(lens)])
-                kw = {} if qs is None else {"q_scale": qs[i:i + 1], "d_scale": h.scales[rows]}
-                s, _ = cpu.maxsim_packed_numpy(q[i:i + 1], qv[i:i + 1], h.tokens[rows], off, return_argmax=False, **kw)
-                out[i] = s[0]
+                starts = h.offsets[cand[i]]
+                lens = h.offsets[cand[i] + 1] - starts
+                for a, b in _runs(lens * per_token, _RERANK_BLOCK):
+                    if b == a + 1:
+                        rows = slice(int(starts[a]), int(starts[a] + lens[a]))
+                    else:
+                        rows = np.repeat(starts[a:b] - np.cumsum(lens[a:b]) + lens[a:b], lens[a:b])
+                        rows += np.arange(rows.size)
+                    off = np.concatenate([[0], np.cumsum(lens[a:b])])
+                    kw = {} if qs is None else {"q_scale": qs[i:i + 1], "d_scale": h.scales[rows]}
+                    s, _ = cpu.maxsim_packed_numpy(q[i:i + 1], qv[i:i + 1], h.tokens[rows], off, return_argmax=False,
+                                                   **kw)
+                    out[i, a:b] = s[0]
             return out
-        per_query = max(1, k * self._p.ld * self.dim * h.tokens.dtype.itemsize)
-        step = max(1, _RERANK_BLOCK // per_query)
+        # Several queries' candidate sets at a time, or runs of one query's candidates when its set is larger.
+        per_candidate = max(1, self._p.ld * (self.dim * h.tokens.dtype.itemsize + 1 + (4 if qs is not None else 0)))
+        run = max(1, min(k, _RERANK_BLOCK // per_candidate))
+        step = max(1, _RERANK_BLOCK // (run * per_candidate))
         for a in range(0, nq, step):
             b = min(nq, a + step)
-            sel = cand[a:b].reshape(-1)
-            kw = {} if qs is None else {"q_scale": qs[a:b], "d_scale": h.scales[sel]}
-            s, _ = cpu.maxsim_numpy(q[a:b], h.tokens[sel], qv[a:b], h.valid(sel), candidates=True, nd=k,
-                                    return_argmax=False, **kw)
-            out[a:b] = s
+            for c0 in range(0, k, run):
+                c1 = min(k, c0 + run)
+                sel = cand[a:b, c0:c1].reshape(-1)
+                kw = {} if qs is None else {"q_scale": qs[a:b], "d_scale": h.scales[sel]}
+                s, _ = cpu.maxsim_numpy(q[a:b], h.tokens[sel], qv[a:b], h.valid(sel), candidates=True, nd=c1 - c0,
+                                        return_argmax=False, **kw)
+                out[a:b, c0:c1] = s
         return out
 
     def _candidates(self, candidates, qp: Problem, one_query: bool):
@@ -611,6 +628,29 @@ def _check_ids(ids, nd: int) -> np.ndarray | None:
     if a.dtype.kind in "US":
         return a
     raise TypeError(f"ids must be integers or strings, got dtype {a.dtype}")
+
+
+def _runs(sizes: np.ndarray, budget: int):
+    """``(a, b)``: consecutive items ``a .. b-1`` whose ``sizes`` sum to ``budget`` at most (one item at least)."""
+    ends = np.cumsum(sizes)
+    a = 0
+    while a < sizes.size:
+        spent = int(ends[a - 1]) if a else 0
+        b = max(a + 1, int(np.searchsorted(ends, spent + budget, side="right")))
+        yield a, b
+        a = b
+
+
+def _check_device_scales(dev: DeviceDocs, p: Problem) -> None:
+    """Raise unless every scale of a valid token of the device documents ``dev`` is finite and >= 0."""
+    import cupy
+
+    if p.d_packed:
+        check_scales_of_valid(dev.scales, None, "d_scales")
+        return
+    valid = (dev.mask.astype(bool) if dev.mask is not None else
+             cupy.arange(p.ld)[None, :] < dev.lengths[:, None] if dev.lengths is not None else None)
+    check_scales_of_valid(dev.scales.reshape(p.nd, p.ld), valid, "d_scales")
 
 
 def _fields(docs) -> list:

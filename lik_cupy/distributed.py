@@ -35,8 +35,11 @@ imports Dask, this module does.
 - **Faults.** While it waits, the client polls the scheduler's worker list. When a worker
   holding shards leaves mid-call, the call's tasks are dropped, the shards reload on the
   remaining workers, the call runs again (still exact), and a RuntimeWarning says what happened.
-  An unreadable shard raises :class:`lik_cupy.ShardError` naming the file. Every wait is bounded
-  by ``timeout``, and a TimeoutError says what did not finish.
+  An unreadable shard raises :class:`lik_cupy.ShardError` naming the file, and so does a shard
+  that changed on disk since the corpus was built on it: every load compares the shard with the
+  fingerprint taken then (``_Fingerprint``: counts, each file's size and modification time, a hash
+  of the document lengths and ids), since a reload of other contents would return wrong ids.
+  Every wait is bounded by ``timeout``, and a TimeoutError says what did not finish.
 
 docs/distributed.md has the recipes (one host, many nodes) and the cost model: bytes per query
 batch and merge depth against the number of workers.
@@ -44,6 +47,7 @@ batch and merge depth against the number of workers.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import threading
 import time
@@ -127,6 +131,38 @@ def _place(sizes: dict[int, int], weights: dict[str, float], current: dict[int, 
 
 
 @dataclass(frozen=True)
+class _Fingerprint:
+    """What a shard was when the corpus was built on it: every reload must find the same, or the
+    ids it returns would name other documents."""
+
+    counts: tuple  # (documents, tokens, dim, dtype)
+    files: tuple  # (name, size, modification time in ns) of each of its files
+    digest: str  # a hash of its document lengths and ids
+
+    def changes(self, built: _Fingerprint) -> str:
+        """What differs from ``built``, in words."""
+        if self.counts != built.counts:
+            names = ("documents", "tokens", "dim", "dtype")
+            return ", ".join(f"{n} {a} -> {b}" for n, a, b in zip(names, built.counts, self.counts) if a != b)
+        if self.files != built.files:
+            old, new = {f[0]: f[1:] for f in built.files}, {f[0]: f[1:] for f in self.files}
+            return "rewritten: " + ", ".join(sorted(n for n in old.keys() | new.keys() if old.get(n) != new.get(n)))
+        return "its document lengths or ids differ"
+
+
+def _fingerprint(shard: shards.Shard, source: tuple[str, str | None]) -> _Fingerprint:
+    path, lengths = source
+    files = [os.path.join(path, n) for n in sorted(os.listdir(path))] if os.path.isdir(path) else [path]
+    files += [] if lengths is None else [lengths]
+    stats = tuple((os.path.basename(f), st.st_size, st.st_mtime_ns) for f in files for st in [os.stat(f)])
+    doc_lengths = np.ascontiguousarray(shard.doc_lengths(), np.int64)
+    h = hashlib.blake2b(doc_lengths.tobytes(), digest_size=16)
+    if shard.ids is not None:
+        h.update(np.ascontiguousarray(shard.ids).tobytes())
+    return _Fingerprint((shard.num_docs, int(doc_lengths.sum()), shard.dim, shard.dtype), stats, h.hexdigest())
+
+
+@dataclass(frozen=True)
 class _Info:
     """What the client needs to know of a shard before loading it."""
 
@@ -134,12 +170,13 @@ class _Info:
     nbytes: int  # what residency costs: tokens (valid rows only), scales, offsets
     dim: int
     dtype: str  # one of shards._SHARD_DTYPES
+    fingerprint: _Fingerprint
 
 
 def _describe(source: tuple[str, str | None], bf16_bits: bool) -> _Info:
     shard = shards.open_input(source[0], source[1], bf16_bits=bf16_bits)
     nbytes = int(shard.doc_lengths().sum()) * shard.bytes_per_token + 8 * (shard.num_docs + 1)
-    return _Info(shard.num_docs, nbytes, shard.dim, shard.dtype)
+    return _Info(shard.num_docs, nbytes, shard.dim, shard.dtype, _fingerprint(shard, source))
 
 
 @dataclass
@@ -246,13 +283,20 @@ class _Store(distributed.WorkerPlugin):
             limit = psutil.virtual_memory().total
         return float(limit)
 
-    def get(self, index: int, source: tuple[str, str | None]) -> _Resident:
-        """Shard ``index``, loaded from ``source`` first if this worker does not hold it (a worker
-        restarted under the same address comes back empty)."""
+    def get(self, index: int, ref: tuple) -> _Resident:
+        """Shard ``index``, loaded first if this worker does not hold it (a worker restarted under
+        the same address comes back empty) from ``ref`` = (source, the fingerprint the corpus was
+        built on): a ShardError if the shard there changed since."""
         with self.lock:
             r = self.resident.get(index)
             if r is None:
+                source, built = ref
                 shard = shards.open_input(source[0], source[1], bf16_bits=self.bf16_bits)
+                now = _fingerprint(shard, source)
+                if now != built:
+                    raise shards.ShardError(source[0], f"changed since the DistributedCorpus was built on it "
+                                                       f"({now.changes(built)}); its ids would name other documents: "
+                                                       "build a new corpus to serve the new contents")
                 room = self.capacity() - self.gpu_bytes if self.gpu() else None
                 r = self.resident[index] = _make_resident(shard, self.dtype, room)
                 self.gpu_bytes += r.nbytes if r.where == "GPU" else 0
@@ -288,17 +332,18 @@ def _probe(name: str) -> float:
     return _store(name).capacity()
 
 
-def _load(name: str, work: list[tuple[int, tuple[str, str | None]]]) -> list[tuple[int, str]]:
+def _load(name: str, work: list[tuple[int, tuple]]) -> list[tuple[int, str]]:
+    """Load the shards ``work`` = [(index, ref)] (``_Store.get``); returns where each is held."""
     store = _store(name)
-    return [(index, store.get(index, source).where) for index, source in work]
+    return [(index, store.get(index, ref).where) for index, ref in work]
 
 
 def _drop(name: str, indices: list[int]) -> None:
     _store(name).drop(indices)
 
 
-def _top_k(name: str, query: tuple, k: int, work: list[tuple[int, int, tuple[str, str | None]]]):
-    """This worker's ranking of its shards ``work`` = [(index, first global position, source)], in
+def _top_k(name: str, query: tuple, k: int, work: list[tuple[int, int, tuple]]):
+    """This worker's ranking of its shards ``work`` = [(index, first global position, ref)], in
     index order: float32 scores and int64 global positions ``[Nq, <= k]``.
 
     One ``retrieve`` over the shards, as a single process would call it: the device merges the
@@ -307,7 +352,7 @@ def _top_k(name: str, query: tuple, k: int, work: list[tuple[int, int, tuple[str
     """
     Q, q_lengths = query
     store = _store(name)
-    held = [store.get(index, source) for index, _, source in work]
+    held = [store.get(index, ref) for index, _, ref in work]
     scores, local = retrieve(Q, [r.part for r in held], k, q_lengths=q_lengths, backend=store.backend)
     ends = np.cumsum([r.num_docs for r in held])
     shard = np.searchsorted(ends, local, side="right")  # the shard each local position falls in
@@ -322,10 +367,10 @@ def _merge(k: int, *parts):
     return scores, positions
 
 
-def _piece(name: str, query: tuple, index: int, source: tuple[str, str | None], start: int, stop: int) -> np.ndarray:
+def _piece(name: str, query: tuple, index: int, ref: tuple, start: int, stop: int) -> np.ndarray:
     Q, q_lengths = query
     store = _store(name)
-    return store.get(index, source).scores(Q, q_lengths, start, stop, store.backend)
+    return store.get(index, ref).scores(Q, q_lengths, start, stop, store.backend)
 
 
 # --------------------------------------------------------------------------- client side
@@ -407,6 +452,8 @@ class DistributedCorpus:
                                   set(), "reading the shards' manifests")
             self.dim, self.dtype = self._check(infos, dtype)
             self._sizes = {i: info.nbytes for i, info in enumerate(infos)}
+            # what each load gets: the shard's source and the fingerprint every reload must match
+            self._refs = [(source, info.fingerprint) for source, info in zip(self._sources, infos)]
             self._docs = [info.num_docs for info in infos]
             self._first = np.concatenate([[0], np.cumsum(self._docs)]).astype(np.int64)
             self._ready("while the corpus loaded")
@@ -483,8 +530,12 @@ class DistributedCorpus:
     def __enter__(self) -> DistributedCorpus:
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, *exc) -> None:
+        try:
+            self.close()
+        except OSError:  # the scheduler is gone as well: the error that ended the block says more
+            if exc_type is None:
+                raise
 
     def __repr__(self) -> str:
         per = defaultdict(list)
@@ -656,7 +707,7 @@ class DistributedCorpus:
             return
         work = defaultdict(list)
         for i, w in sorted(moves.items()):
-            work[w].append((i, self._sources[i]))
+            work[w].append((i, self._refs[i]))
         futures = [self.client.submit(_load, self._name, items, workers=[w], allow_other_workers=False, pure=False,
                                       key=f"lik-cupy-load-{uuid.uuid4().hex[:8]}") for w, items in work.items()]
         names = ", ".join(self._sources[i][0] for i in sorted(moves))
@@ -698,7 +749,7 @@ class DistributedCorpus:
         query = self._scatter((Q, q_lengths))
         work = defaultdict(list)
         for i, w in sorted(self._placement.items()):
-            work[w].append((i, int(self._first[i]), self._sources[i]))
+            work[w].append((i, int(self._first[i]), self._refs[i]))
         tag = uuid.uuid4().hex[:8]
         parts = [self.client.submit(_top_k, self._name, query, k, items, workers=[w], allow_other_workers=False,
                                     pure=False, key=f"lik-cupy-top-k-{tag}-{n}")
@@ -726,7 +777,7 @@ class DistributedCorpus:
             for w in list(queues):
                 while queues[w] and busy[w] < _PIECES_PER_WORKER:
                     i, a, b = piece = queues[w].popleft()
-                    f = self.client.submit(_piece, self._name, query, i, self._sources[i], a, b, workers=[w],
+                    f = self.client.submit(_piece, self._name, query, i, self._refs[i], a, b, workers=[w],
                                            allow_other_workers=False, pure=False,
                                            key=f"lik-cupy-score-{uuid.uuid4().hex[:8]}")
                     running[f] = (w, piece)

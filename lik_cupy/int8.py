@@ -23,7 +23,8 @@ from ._dispatch.backend import check_backend, scoring_on_gpu
 from ._interop import caller_results, device_array, host_array, host_result
 from ._runtime.device_checks import call_checks
 from ._runtime.launch import launch
-from ._runtime.operands import device_offsets, device_valid, host_metadata, host_offsets, valid_host
+from ._runtime.operands import (check_scales_of_valid, device_offsets, device_valid, host_metadata, host_offsets,
+                                valid_host)
 from ._validate import Problem, check_call, check_int8_scales, check_varlen
 
 __all__ = ["maxsim_int8", "maxsim_int8_varlen"]
@@ -51,8 +52,9 @@ def maxsim_int8(Q, D, d_scales, q_mask=None, d_mask=None, *, q_scales=None, q_le
             largest unscaled product rather than token 0.
         backend: "auto", "gpu" or "cpu" (the same arithmetic in NumPy).
         validate: device lengths, offsets and document scales, as in :func:`lik_cupy.maxsim`: by
-            default a negative or NaN document scale of a valid token makes its document's scores
-            NaN, with no host sync; ``True`` raises for invalid lengths and offsets instead.
+            default a negative, NaN or infinite device document scale of a valid token makes its
+            document's scores NaN, with no host sync; ``True`` raises for invalid lengths and offsets
+            instead. Host (NumPy) document scales are checked on the host and raise.
 
     Returns:
         float32 scores (and the argmax) in the caller's framework and device, with the
@@ -108,16 +110,22 @@ def _score(p: Problem, Q, q_scales, q_int8: bool, q_mask, q_lengths, D, d_scales
     """Scores and argmax (or None) of a validated call; documents padded, or packed when ``p.d_packed``."""
     fw = p.framework
     nrows = p.ntok if p.d_packed else p.nq * p.nd if p.candidates else p.nd
-    if not scoring_on_gpu(p, backend, float64=not q_int8 and interop.describe(Q).dtype == "float64"):
-        q, qs = _host_queries(p, Q, q_scales, q_int8)
-        qv = valid_host(q_mask, q_lengths, p.nq, p.lq, "q_lengths", fw)
+    on_cpu = not scoring_on_gpu(p, backend, float64=not q_int8 and interop.describe(Q).dtype == "float64")
+    if on_cpu or p.device is None:  # host values are checked on the host and raise, whatever the path
         ds = np.asarray(host_array(d_scales, fw), np.float32)
         if p.d_packed:
-            doff = host_offsets(host_array(d_offsets, fw), p.ntok, "d_offsets")
+            doff = host_offsets(host_array(d_offsets, fw), p.ntok, "d_offsets")  # every token is then a document's
+            check_scales_of_valid(ds.reshape(p.ntok), None, "d_scales")
+        else:
+            dv = valid_host(d_mask, d_lengths, nrows, p.ld, "d_lengths", fw)
+            check_scales_of_valid(ds.reshape(nrows, p.ld), dv, "d_scales")
+    if on_cpu:
+        q, qs = _host_queries(p, Q, q_scales, q_int8)
+        qv = valid_host(q_mask, q_lengths, p.nq, p.lq, "q_lengths", fw)
+        if p.d_packed:
             s, a = cpu.maxsim_packed_numpy(q, qv, host_array(D, fw).reshape(p.ntok, p.dim), doff,
                                            return_argmax=return_argmax, q_scale=qs, d_scale=ds.reshape(p.ntok))
         else:
-            dv = valid_host(d_mask, d_lengths, nrows, p.ld, "d_lengths", fw)
             s, a = cpu.maxsim_numpy(q, host_array(D, fw).reshape(nrows, p.ld, p.dim), qv, dv, candidates=p.candidates,
                                     nd=p.nd, return_argmax=return_argmax, q_scale=qs, d_scale=ds.reshape(nrows, p.ld))
         return host_result(s.reshape(p.scores_shape), p), (

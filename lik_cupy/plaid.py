@@ -332,10 +332,13 @@ class PlaidIndex:
                 f"nbits {self.nbits}, {self.centroids.shape[0]} centroids)")
 
     def _ids(self, doc_ids) -> np.ndarray:
-        ids = np.asarray(doc_ids, np.int64).reshape(-1)
-        if ids.size:
-            check_id_values("doc_ids", int(ids.min()), int(ids.max()), len(self), f"ids of the {len(self)} documents")
-        return ids
+        ids = np.asarray(doc_ids).reshape(-1)
+        if not ids.size:
+            return ids.astype(np.int64)
+        if ids.dtype.kind not in "iu":  # a float or bool id would be truncated to another document's
+            raise TypeError(f"doc_ids must be integer document ids, got dtype {ids.dtype}")
+        check_id_values("doc_ids", int(ids.min()), int(ids.max()), len(self), f"ids of the {len(self)} documents")
+        return ids.astype(np.int64)
 
     def residuals(self, doc_ids):
         """The compressed tokens of documents ``doc_ids``, packed in that order: (codes ``[n]``,
@@ -391,9 +394,9 @@ class PlaidIndex:
         fw = q.framework
         if not use_gpu(backend, q.device):
             host = [None if a is None else np.asarray(host_array(a, fw)) for a in (Q, q_mask, q_lengths, candidate_ids)]
-            ids = host[3].astype(np.int64)
             rp = check_residual(host[0], self.codes, self.residual_bits, self.offsets, self.centroids,
-                                self.bucket_weights, self.nbits, host[1], host[2], packed=True, candidates=ids)
+                                self.bucket_weights, self.nbits, host[1], host[2], packed=True, candidates=host[3])
+            ids = host[3].astype(np.int64)  # int32 or int64, as checked
             # The codes were checked when the index was read; the ids are checked on every call.
             s, a = _cpu(rp, host[0], self.codes, self.residual_bits, self.offsets, self.centroids,
                         self.bucket_weights, host[1], host[2], ids, True, return_argmax, check_codes=False)

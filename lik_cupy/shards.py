@@ -1021,4 +1021,7 @@ def _replaceable_shard(path: str) -> str | None:
     if others:
         listed = ", ".join(others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
         return f"is a lik shard but also holds {listed}, which are not its files; {refusing}"
+    if not os.access(path, os.W_OK | os.X_OK):
+        return ("is a lik shard in a directory that is not writable, so its files cannot be removed; "
+                "nothing was replaced (make it writable, or write elsewhere)")
     return None

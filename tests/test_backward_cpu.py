@@ -129,3 +129,31 @@ def test_packed_offsets_as_a_list(rng):
     _, a = lik_cupy.maxsim_varlen(Q, T, off, return_argmax=True, backend="cpu")
     dQ, dT = lik_cupy.maxsim_backward(np.ones((2, 3), np.float32), Q, T, a, d_offsets=off, backend="cpu")
     assert dQ.shape == Q.shape and dT.shape == T.shape and not dT[2:2].any()
+
+
+def test_masked_padding_never_reaches_the_gradients():
+    # the repro: a masked query token and a NaN padding row of the document
+    Q = np.array([[[1, 0], [5, 5]]], np.float32)
+    D = np.array([[[np.nan, np.nan], [2, 0]]], np.float32)
+    s, a = lik_cupy.maxsim(Q, D, q_lengths=np.array([1]), d_mask=np.array([[False, True]]),
+                           return_argmax=True, backend="cpu")
+    assert a.tolist() == [[[1, -1]]]
+    dQ, dD = lik_cupy.maxsim_backward(np.ones((1, 1), np.float32), Q, D, a, backend="cpu")
+    assert dQ.tolist() == [[[2, 0], [0, 0]]]
+    assert dD.tolist() == [[[0, 0], [1, 0]]]
+
+
+@pytest.mark.parametrize("layout", ["padded", "candidates"])
+def test_empty_document_with_nan_padding_does_not_poison_dq(rng, layout):
+    nq, lq, dim = 2, 3, 4
+    Q = _f32(rng, nq, lq, dim)
+    shape = (3, 4, dim) if layout == "padded" else (nq, 3, 4, dim)
+    D = _f32(rng, *shape)
+    mask = np.ones(shape[:-1], bool)
+    mask[..., 0, :] = False  # document 0 (of every candidate set) is empty ...
+    D[..., 0, :, :] = np.nan  # ... and all NaN
+    s, a = lik_cupy.maxsim(Q, D, d_mask=mask, return_argmax=True, backend="cpu")
+    assert (a[:, 0] == -1).all()
+    dQ, dD = lik_cupy.maxsim_backward(np.ones(s.shape, np.float32), Q, D, a, backend="cpu")
+    assert np.isfinite(dQ).all() and np.isfinite(dD).all()
+    assert not dD[..., 0, :, :].any()

@@ -243,3 +243,15 @@ def test_torch_training_loop_follows_naive_fp32():
     ours, ref = run(maxsim), run(naive)
     assert ref[-1] < ref[0] * 0.9  # the model learns
     assert np.max(np.abs(ours - ref)) < 1e-3, np.max(np.abs(ours - ref))
+
+
+@pytest.mark.parametrize("method", ["atomic", "csr"])
+def test_masked_padding_never_reaches_the_gradients(method):
+    # the CPU path's repro (tests/test_backward_cpu.py): the kernel skips argmax -1 entries outright
+    Q = torch.tensor([[[1, 0], [5, 5]]], dtype=torch.float32, device="cuda")
+    D = torch.tensor([[[float("nan")] * 2, [2, 0]], [[float("nan")] * 2] * 2], dtype=torch.float32, device="cuda")
+    dm = torch.tensor([[False, True], [False, False]], device="cuda")
+    _, a = lik_cupy.maxsim(Q, D, q_lengths=torch.tensor([1], device="cuda"), d_mask=dm, return_argmax=True)
+    dQ, dD = lik_cupy.maxsim_backward(torch.ones(1, 2, device="cuda"), Q, D, a, method=method)
+    assert dQ.tolist() == [[[2, 0], [0, 0]]]
+    assert dD.tolist() == [[[0, 0], [1, 0]], [[0, 0], [0, 0]]]

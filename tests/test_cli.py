@@ -487,6 +487,26 @@ def test_info_without_gpu_or_cupy(monkeypatch):
         assert words in r.output
 
 
+@pytest.mark.parametrize("status, loadable, words", [
+    (35, False, "none: no NVIDIA driver on this machine (libcuda.so.1 cannot be loaded)"),
+    (100, True, "none: the NVIDIA driver sees no GPU"),
+    (35, True, "CUDA driver version is insufficient"),  # a driver is there, and too old
+])
+def test_info_says_when_there_is_no_driver_or_no_gpu(monkeypatch, status, loadable, words):
+    cupy = pytest.importorskip("cupy")
+
+    def count():
+        raise cupy.cuda.runtime.CUDARuntimeError(status)
+
+    monkeypatch.setattr(cupy.cuda.runtime, "getDeviceCount", count)
+    monkeypatch.setattr(cli, "_driver_loadable", lambda: loadable)
+    r = run("info")
+    assert r.exit_code == 0, r.output
+    gpu = next(line for line in r.output.splitlines() if line.startswith("GPU  "))
+    assert words in gpu
+    assert ("insufficient" in gpu) == (words == "CUDA driver version is insufficient")
+
+
 # --------------------------------------------------------------------------- INT8 shards
 
 

@@ -353,3 +353,32 @@ def test_candidate_tiles_are_enumerated_and_keep_the_rows_of_the_same_problem():
                                                                               plain.split, plain.elem), c.name
                         if not (c.split and c.mt > 1 and not packed):
                             assert replace(c, cand=False) == plain
+
+
+@pytest.mark.parametrize("layout", ["packed", "int8-packed", "padded-mask", "int8-padded"])
+def test_rerank_gathers_its_candidates_within_the_rerank_block(rng, layout, monkeypatch):
+    """100 candidates of one 100,000-token document once peaked at 2.5 GB (every candidate's tokens
+    gathered at once), against 10 MB for score: a query's candidates now go in runs of about
+    ``_RERANK_BLOCK`` bytes (packed: a document past it alone read where it lies)."""
+    from lik_cupy import corpus as corpus_module
+    from test_cpu_exact import _peak as peak
+
+    kw, *_ = corpus_case(rng, layout, nd=23, ld=7, dim=16)
+    corpus = lik_cupy.Corpus(**kw, device="cpu")
+    Q = rng.standard_normal((3, 5, 16)).astype(np.float32)
+    s = corpus.score(Q)
+    cand = rng.integers(0, 23, (3, 30))
+    monkeypatch.setattr(corpus_module, "_RERANK_BLOCK", 300)  # runs of one to a few documents
+    np.testing.assert_array_equal(corpus.rerank(Q, cand), np.take_along_axis(s, cand, 1))
+
+    tokens = rng.standard_normal((20_000, 16)).astype(np.float16)  # 640 KB
+    if "packed" in layout:
+        long = lik_cupy.Corpus(tokens, d_offsets=np.array([0, 20_000]), device="cpu")
+    else:
+        long = lik_cupy.Corpus(tokens[None], d_mask=np.ones((1, 20_000), bool), device="cpu")
+    monkeypatch.setattr(corpus_module, "_RERANK_BLOCK", 1 << 20)
+    q = Q[:1].astype(np.float16)
+    long.rerank(q, np.zeros((1, 1), np.int64))  # (NumPy's lazy imports and the chunk threads' pool, once)
+    one = peak(lambda: long.rerank(q, np.zeros((1, 1), np.int64)))
+    many = peak(lambda: long.rerank(q, np.zeros((1, 40), np.int64)))  # 40 copies: 25.6 MB gathered at once
+    assert many < one + (1 << 20), (many, one)

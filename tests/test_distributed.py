@@ -9,6 +9,7 @@ same checks on a ``LocalCUDACluster``, shards resident on the GPUs.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import shutil
@@ -233,6 +234,60 @@ def test_a_worker_killed_mid_query_reloads_its_shards_and_the_query_reruns(clien
         client.wait_for_workers(2, timeout=60)  # the nanny's new process, under a new address
         _same(corpus.search(Q, 11, q_lengths=q_lengths), expected)
         assert {w for w, _ in corpus.placement.values()} == set(client.nthreads())
+
+
+def test_a_shard_changed_on_disk_is_refused_when_it_reloads(client, corpus_files, tmp_path, rng):
+    """Repacked under the corpus (`lik pack --force`, more documents) and then reloaded after its
+    worker was killed, a shard gave wrong ids and num_docs kept the old count. Every load now checks
+    the fingerprint the corpus was built on (counts, files' sizes and times, a hash of lengths and ids)."""
+    paths = []
+    for i, src in enumerate(corpus_files[0]):
+        paths.append(str(tmp_path / f"shard{i}"))
+        shutil.copytree(src, paths[-1])
+    Q, q_lengths = _queries(rng)
+    with DistributedCorpus(client, paths, backend="cpu") as corpus:
+        victim = corpus.placement[3][0]
+        tok, off = corpus_files[1][3]
+        more = np.concatenate([off, off[-1] + np.cumsum(np.diff(off)[:10])])
+        r = run_lik("pack", "--force", "--out", paths[3], "--lengths", _lengths_file(tmp_path, np.diff(more)),
+                    _tokens_file(tmp_path, np.concatenate([tok, tok[: off[10]]])))
+        assert r.exit_code == 0, r.stderr
+        client.register_plugin(_killer(victim), name="lik-test-killer")
+        try:
+            with pytest.raises(ShardError, match=r"changed since the DistributedCorpus was built on it \(documents "
+                                                 r"41 -> 51, tokens [0-9]+ -> [0-9]+\); its ids would name other "
+                                                 "documents") as e:
+                corpus.search(Q, 11, q_lengths=q_lengths)
+        finally:
+            client.unregister_worker_plugin("lik-test-killer")
+        assert e.value.path == paths[3]
+        client.wait_for_workers(2, timeout=60)
+
+
+def test_a_shard_rewritten_with_the_same_counts_has_another_fingerprint(tmp_path, rng):
+    from lik_cupy.distributed import _fingerprint
+
+    tok = rng.standard_normal((12, DIM)).astype(np.float32)
+    path = str(tmp_path / "s")
+    shards.write_shard(path, tok, [0, 5, 12])
+    built = _fingerprint(shards.open_shard(path), (path, None))
+    assert _fingerprint(shards.open_shard(path), (path, None)) == built
+    shards.write_shard(path, tok[::-1].copy(), [0, 5, 12], overwrite=True)  # same counts and sizes
+    now = _fingerprint(shards.open_shard(path), (path, None))
+    assert now != built and now.changes(built).startswith("rewritten: ")
+    shards.write_shard(path, tok, [0, 7, 12], overwrite=True)
+    assert "lengths or ids differ" in dataclasses.replace(_fingerprint(shards.open_shard(path), (path, None)),
+                                                          files=built.files).changes(built)
+
+
+def _tokens_file(root, tokens):
+    np.save(root / "flat.npy", tokens)
+    return root / "flat.npy"
+
+
+def _lengths_file(root, lengths):
+    np.save(root / "lengths.npy", lengths.astype(np.int64))
+    return root / "lengths.npy"
 
 
 def _killer(address: str):

@@ -215,3 +215,39 @@ def test_retrieve_negative_query_scale_scores_nan_like_maxsim_int8(rng):
     s, _ = lik_cupy.retrieve(q8, t8, 3, q_scales=qs, d_offsets=off, d_scales=ts, backend="cpu")
     want = lik_cupy.maxsim_int8_varlen(q8, t8, ts, off, q_scales=qs, backend="cpu")
     assert np.all(np.isnan(s[1])) and np.all(np.isnan(want[1])) and np.all(np.isfinite(s[0]))
+
+
+def _int8_docs(rng, nd=5, ld=6, dim=16):
+    d8, ds = quantize_numpy(rng.standard_normal((nd, ld, dim)).astype(np.float32))
+    return d8, ds
+
+
+@pytest.mark.parametrize("bad", [-0.5, np.nan, np.inf])
+def test_host_document_scales_are_checked_on_every_path(rng, bad):
+    """A negative, NaN or infinite scale of a valid token raises (a negative one once ranked its document
+    first); the same scale in padding is never read."""
+    Q = rng.standard_normal((2, 3, 16)).astype(np.float32)
+    d8, ds = _int8_docs(rng)
+    lens = np.array([6, 6, 4, 6, 6])
+    ds[2, 1] = bad
+    packed, pscales = d8[np.arange(6)[None] < lens[:, None]], ds[np.arange(6)[None] < lens[:, None]]
+    off = np.concatenate([[0], np.cumsum(lens)])
+    calls = {
+        "maxsim_int8": lambda: lik_cupy.maxsim_int8(Q, d8, ds, backend="cpu"),
+        "maxsim_int8 lengths": lambda: lik_cupy.maxsim_int8(Q, d8, ds, d_lengths=lens, backend="cpu"),
+        "maxsim_int8_varlen": lambda: lik_cupy.maxsim_int8_varlen(Q, packed, pscales, off, backend="cpu"),
+        "retrieve": lambda: lik_cupy.retrieve(Q, d8, 2, d_scales=ds, backend="cpu"),
+        "retrieve shards": lambda: lik_cupy.retrieve(Q, [(packed, off, pscales)], 2, backend="cpu"),
+        "Corpus": lambda: lik_cupy.Corpus(d8, d_scales=ds, device="cpu"),
+        "Corpus packed": lambda: lik_cupy.Corpus(packed, d_offsets=off, d_scales=pscales, device="cpu"),
+    }
+    for name, call in calls.items():
+        with pytest.raises(ValueError, match=r"scales(\[| 0 scales\[)[0-9, ]+\] is .*finite and >= 0"):
+            call()
+            pytest.fail(f"{name} accepted a scale of {bad}")
+    # in padding (document 2 has 4 valid tokens), the scale is never read: scores as with a good one
+    ds[2, 5], ds[2, 1] = bad, ds[2, 0]
+    ref = lik_cupy.maxsim_int8(Q, d8, np.where(np.isfinite(ds) & (ds >= 0), ds, 1), d_lengths=lens, backend="cpu")
+    np.testing.assert_array_equal(lik_cupy.maxsim_int8(Q, d8, ds, d_lengths=lens, backend="cpu"), ref)
+    corpus = lik_cupy.Corpus(d8, d_lengths=lens, d_scales=ds, device="cpu")
+    np.testing.assert_array_equal(corpus.score(Q), ref)

@@ -287,3 +287,25 @@ def test_retrieve_ranks_invalid_device_documents_last(rng, monkeypatch, layout, 
     monkeypatch.setenv("LIK_VALIDATE", "1")
     with pytest.raises(ValueError, match="d_lengths" if layout == "padded" else "d_offsets"):
         top(bad) if layout == "padded" else top(offsets=bad)
+
+
+def test_int8_infinite_document_scale_is_invalid_and_a_device_corpus_refuses_bad_scales(rng):
+    import cupy
+
+    nq, lq, nd, ld, dim = 2, 8, 6, 16, 128
+    q = cupy.asarray(_unit(rng, nq, lq, dim).astype(np.float16))
+    d8, sc = lik_cupy.quantize_int8(cupy.asarray(_unit(rng, nd, ld, dim).astype(np.float32)))
+    ok, ok_a = lik_cupy.maxsim_int8(q, d8, sc, return_argmax=True)
+    sc2 = sc.copy()
+    sc2[3, 2] = float("inf")
+    s, a = lik_cupy.maxsim_int8(q, d8, sc2, return_argmax=True)
+    bad = np.zeros((nq, nd), bool)
+    bad[:, 3] = True
+    _expect(ok, ok_a, bad, s, a)
+    for v in (-1.0, float("nan"), float("inf")):
+        sc2[3, 2] = v
+        with pytest.raises(ValueError, match=r"d_scales\[3, 2\] is"):
+            lik_cupy.Corpus(d8, d_scales=sc2)
+    mask = cupy.ones((nd, ld), bool)
+    mask[3, 2] = False  # the same scale in padding is never read
+    lik_cupy.Corpus(d8, d_mask=mask, d_scales=sc2)

@@ -45,7 +45,9 @@ def maxsim_backward_numpy(g: np.ndarray, Q: np.ndarray, D: np.ndarray, amax: np.
                 continue
             w = np.where(ok, g[i0:i1, j0:j1, None].astype(np.float64), 0.0)  # [qb, jb, Lq]
             rows = np.where(ok, doc_start[i0:i1, j0:j1, None] + a, 0)
-            dQ[i0:i1] += np.einsum("ijs,ijsk->isk", w, D[rows], dtype=np.float64)
+            won = D[rows]
+            won[~ok] = 0  # row 0 stood in for entries without a winner: padding the forward never read (NaN * 0 is NaN)
+            dQ[i0:i1] += np.einsum("ijs,ijsk->isk", w, won, dtype=np.float64)
             i, j, s = np.nonzero(ok)
             r = rows[i, j, s]
             order = np.argsort(r, kind="stable")  # (i, j, s) order within a row: a fixed summation order

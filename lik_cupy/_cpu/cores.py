@@ -178,8 +178,17 @@ def run_chunks(items, work, threads: int) -> None:
             _pool, _pool_size = ThreadPoolExecutor(threads - 1, thread_name_prefix="lik_cupy-cpu"), threads - 1
         pool = _pool
     claims = _Claims(items)
+    # The pool's threads reach ``work`` (and through it the caller's block) only through ``shared``,
+    # emptied when the call ends: a pool thread holds its work item for a moment after the future
+    # completes, and a cancelled one stays queued, which on a busy machine kept a finished block
+    # alive beside the next one.
+    shared = [work, claims]
+
+    def helper(k: int) -> None:
+        shared[0](k, shared[1])
+
     with _single_threaded_blas():
-        futures = [pool.submit(work, k, claims) for k in range(1, threads)]
+        futures = [pool.submit(helper, k) for k in range(1, threads)]
         try:
             work(0, claims)
         finally:
@@ -189,6 +198,7 @@ def run_chunks(items, work, threads: int) -> None:
             for f in futures:
                 f.cancel()
             errors = [f.exception() for f in futures if not f.cancelled()]
+            shared.clear()
     for e in errors:
         if e is not None:
             raise e

@@ -8,11 +8,11 @@ from __future__ import annotations
 import numpy as np
 
 from .._interop import device_array, host_array
-from .._validate import check_length_values, check_offset_values
+from .._validate import check_length_values, check_offset_values, scale_error
 from .device_checks import queue_or_verify
 
-__all__ = ["host_metadata", "valid_host", "host_offsets", "device_valid", "device_offsets", "unpack_queries",
-           "kernel_operands"]
+__all__ = ["host_metadata", "valid_host", "host_offsets", "check_scales_of_valid", "device_valid", "device_offsets",
+           "unpack_queries", "kernel_operands"]
 
 
 def host_metadata(*xs) -> bool:
@@ -35,9 +35,10 @@ def valid_host(mask, lengths, rows: int, length: int, name: str, fw: str) -> np.
     if mask is not None:
         return host_array(mask, fw).reshape(rows, length).astype(bool, copy=False)
     if lengths is not None:
-        lens = host_array(lengths, fw).reshape(rows).astype(np.int64)
-        if lens.size:
+        lens = host_array(lengths, fw).reshape(rows)
+        if lens.size:  # on the values as given: a uint64 past int64 would read as negative after the cast
             check_length_values(name, int(lens.min()), int(lens.max()), length)
+        lens = lens.astype(np.int64)
         return np.arange(length)[None, :] < lens[:, None]
     return np.ones((rows, length), bool)
 
@@ -47,6 +48,22 @@ def host_offsets(off: np.ndarray, total: int, name: str) -> np.ndarray:
     off = np.ascontiguousarray(off, dtype=np.int64).reshape(-1)
     check_offset_values(name, int(off[0]), int(off[-1]), bool((np.diff(off) < 0).any()), total)
     return off
+
+
+def check_scales_of_valid(scales, valid, name: str) -> None:
+    """Raise unless every INT8 document scale of a valid token is finite and >= 0: ``scales`` and the
+    bool ``valid`` (None: every token valid) of one shape, both NumPy or both CuPy (a device array
+    waits for its answer: for checks made once, as a Corpus's)."""
+    if isinstance(scales, np.ndarray):
+        xp = np
+    else:
+        import cupy as xp
+    bad = ~((scales >= 0) & (scales <= np.finfo(np.float32).max))
+    if valid is not None:
+        bad &= valid
+    if bool(bad.any()):
+        at = np.unravel_index(int(xp.argmax(bad)), scales.shape)
+        raise scale_error(name, tuple(int(i) for i in at), float(scales[at]))
 
 
 def device_valid(mask, lengths, rows: int, length: int, name: str, fw: str, on_host: bool, checks=None):

@@ -11,7 +11,7 @@ from .. import _dispatch as dispatch
 from .. import _interop as interop
 from .._interop import device_array, host_array
 from .._runtime.device_checks import call_checks
-from .._runtime.operands import device_offsets, device_valid, host_offsets
+from .._runtime.operands import check_scales_of_valid, device_offsets, device_valid, host_offsets
 from .._validate import Problem, check_length_values
 from .parts import Part
 
@@ -42,19 +42,28 @@ class HostDocs:
 
 
 def host_docs(part: Part, p: Problem) -> HostDocs:
-    """``part`` (checked by ``doc_problem``) on the host, its offsets and lengths value-checked."""
+    """``part`` (checked by ``doc_problem``) on the host, its offsets, lengths and scales (of a scaled
+    element type, such as INT8) value-checked."""
     fw = interop.framework_of(part.docs)
     scales = np.asarray(host_array(part.scales, fw), np.float32) if dispatch.scaled_dtype(p.dtype) else None
+    scales_name = "d_scales" if part.index is None else f"shard {part.index} scales"
     if part.packed:
-        return HostDocs(host_array(part.docs, fw), offsets=host_offsets(host_array(part.offsets, fw), p.ntok,
-                                                                         "d_offsets"), scales=scales)
+        docs = HostDocs(host_array(part.docs, fw), offsets=host_offsets(host_array(part.offsets, fw), p.ntok,
+                                                                        "d_offsets"), scales=scales)
+        if scales is not None:  # offsets from 0 to T: every token is a document's
+            check_scales_of_valid(scales.reshape(p.ntok), None, scales_name)
+        return docs
     lens = None
     if part.lengths is not None:
-        lens = np.asarray(host_array(part.lengths, fw)).reshape(p.nd).astype(np.int64, copy=False)
-        if lens.size:
+        lens = np.asarray(host_array(part.lengths, fw)).reshape(p.nd)
+        if lens.size:  # on the values as given, as valid_host checks them
             check_length_values("d_lengths", int(lens.min()), int(lens.max()), p.ld)
+        lens = lens.astype(np.int64, copy=False)
     mask = None if part.mask is None else host_array(part.mask, fw)
-    return HostDocs(host_array(part.docs, fw), mask=mask, lengths=lens, scales=scales)
+    docs = HostDocs(host_array(part.docs, fw), mask=mask, lengths=lens, scales=scales)
+    if scales is not None:
+        check_scales_of_valid(scales.reshape(p.nd, p.ld), docs.valid(slice(None)), scales_name)
+    return docs
 
 
 def staged_source(docs: HostDocs, p: Problem) -> dict:

@@ -304,6 +304,13 @@ def check_length_values(name: str, lo: int, hi: int, limit: int) -> None:
         raise ValueError(f"{name} holds {bad}; every length must be in [0, {limit}]")
 
 
+def scale_error(name: str, index: tuple, value: float) -> ValueError:
+    """The error for an INT8 document scale of a valid token (at ``index``) that is negative, NaN or infinite."""
+    at = ", ".join(str(i) for i in index)
+    return ValueError(f"{name}[{at}] is {value!r}; the scale of a valid token must be finite and >= 0 "
+                      "(token = int8 values * scale)")
+
+
 def check_backward(grad_scores, Q, D, argmax, d_offsets) -> Problem:
     """Validate a ``maxsim_backward`` call: the forward's Q and D (padded, per-query candidates,
     or packed with ``d_offsets``), float scores' gradient and the forward's int32 argmax."""
