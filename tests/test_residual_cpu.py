@@ -191,8 +191,9 @@ def test_candidates_equal_decompress_then_maxsim_varlen(rng, monkeypatch, sharin
         cand = rng.permutation(nd)[:nq * k].reshape(nq, k)
     elif sharing == "shared":
         cand = np.tile(rng.permutation(nd)[:k], (nq, 1))
-    else:  # overlapping sets, repeated ids
+    else:  # overlapping sets, repeated ids; a NaN centroid: NaN scores where maxsim_varlen gives them
         cand = rng.integers(0, 60, (nq, k))
+        cen[int(codes[off[5]]), 3] = np.nan
     want_s, want_a = _decompressed_and_scored(Q, qm, codes, bits, off, cen, w, nbits, cand)
     seen = []
     real = res.Tokens.decompressed
@@ -206,6 +207,7 @@ def test_candidates_equal_decompress_then_maxsim_varlen(rng, monkeypatch, sharin
                                                return_argmax=True, backend="cpu")
         np.testing.assert_array_equal(s, want_s)
         np.testing.assert_array_equal(a, want_a)
+        assert np.isnan(s).any() == (sharing == "mixed")
         assert sum(seen) == np.unique(cand).size  # each distinct candidate decompressed once
         if block:
             assert len(seen) > 4

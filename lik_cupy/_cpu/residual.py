@@ -16,8 +16,8 @@ name some of a block's documents score all of them together (several queries to 
 that costs at most ``_SHARED_WASTE`` times the (query, document) pairs they need; otherwise each
 query scores only its own documents, gathered from the block.
 
-Memory: ``block_bytes`` (default 64 MiB) in all, beside the call's results and its ids (a few
-int64 per candidate): 3/16 for a block's float32 tokens and their rows, then 1/8 for decompressing
+Memory: ``block_bytes`` (default 64 MiB) in all, beside the call's results, its ids (a few int64
+per candidate) and at most one copy of the queries (a group of them gathered): 3/16 for a block's float32 tokens and their rows, then 1/8 for decompressing
 them in float64 pieces; while scoring, 3/16 for one query's gathered documents or 1/16 for a
 shared block's scores and argmax, and 1/2 for ``maxsim_packed_numpy`` (9/16 of ``block_bytes`` by
 its bound). One document whose tokens alone pass their share is decompressed whole.
@@ -141,6 +141,7 @@ def residual_maxsim_numpy(Q: np.ndarray, q_valid: np.ndarray, tokens: Tokens, se
                 if amax is not None:
                     amax[i0:i1, u0:u1] = a
             continue
+        # the block's (query, candidate) pairs, by query and then document
         p0, p1 = np.searchsorted(at, [u0, u1])
         nb = u1 - u0
         pair = order[p0:p1]
