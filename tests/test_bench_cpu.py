@@ -20,8 +20,8 @@ def test_bench_cpu_smoke(tmp_path):
     assert [c["case"] for c in out["cells"]] == list(bench.SMOKE)
     for cell in out["cells"]:
         others = set(cell["times"]) - {"ours", "ours_argmax"}
-        assert {"numpy_einsum", "numpy_loop"} <= others
-        assert others - {"numpy_einsum", "numpy_loop"} == set(bench.RUST) - set(out["skipped"])
+        assert {"numpy_batched", "numpy_loop"} <= others
+        assert others - {"numpy_batched", "numpy_loop"} == set(bench.RUST) - set(out["skipped"])
         assert all(t["best_ms"] <= t["median_ms"] for t in cell["times"].values())
         assert cell["median"]["fastest_other"] in others and cell["best"]["fastest_other"] in others
         # NumPy's float32 GEMMs: within float32 rounding of ours
