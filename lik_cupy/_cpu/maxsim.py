@@ -30,7 +30,8 @@ Speed: a block goes through the GEMM in chunks of documents whose similarities a
 before; everything after the GEMM (argmax, second max, the winners' dot products) reads from the
 cache. A large block's chunks are shared by a thread per core (``cores.py``), each running its
 chunks' GEMMs single-threaded and every pass after them, so that the NumPy passes use every core
-too. The norm bound and the winners' dot products are what exactness costs over a plain GEMM and
+too; a block too small to share runs its GEMMs on one thread as well (BLAS's own threads would not
+pay for their hand-over). The norm bound and the winners' dot products are what exactness costs over a plain GEMM and
 max: a pass over the tokens and ``Lq * Nd`` dot products, most visible with few short queries
 (``docs/benchmarks.md``).
 
