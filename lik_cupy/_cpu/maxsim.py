@@ -31,9 +31,9 @@ before; everything after the GEMM (argmax, second max, the winners' dot products
 cache. A large block's chunks are shared by a thread per core (``cores.py``), each running its
 chunks' GEMMs single-threaded and every pass after them, so that the NumPy passes use every core
 too; a block too small to share runs its GEMMs on one thread as well (BLAS's own threads would not
-pay for their hand-over). The norm bound and the winners' dot products are what exactness costs over a plain GEMM and
-max: a pass over the tokens and ``Lq * Nd`` dot products, most visible with few short queries
-(``docs/benchmarks.md``).
+pay for their hand-over). The norm bound and the winners' dot products are what exactness costs
+over a plain GEMM and max: a pass over the tokens and ``Lq * Nd`` dot products, most visible with
+few short queries (``docs/benchmarks.md``).
 
 Memory: the temporaries of one block (similarities, document tokens converted for the GEMM, their
 norm bounds, the per-document maxima, thresholds and winners) stay under ``block_bytes`` (default
