@@ -280,8 +280,8 @@ def main(argv=None) -> Path:
             assert np.array_equal(a, b), "PlaidIndex.rerank and decompress + maxsim_varlen disagree"
             times = time_round_robin(contenders, rounds)
         nd, lo, hi, nq, lq, k, pool, nbits = spec
-        plaid.append({"case": f"{nq} q ({lq}) x {k} candidates of the first {pool} of {nd} docs ({lo}-{hi} tokens), "
-                              f"nbits {nbits}", "times": times, **summary(times, "rerank", ["decompress_maxsim_varlen"])})
+        case = f"{nq} q ({lq}) x {k} candidates of the first {pool} of {nd} docs ({lo}-{hi} tokens), nbits {nbits}"
+        plaid.append({"case": case, "times": times, **summary(times, "rerank", ["decompress_maxsim_varlen"])})
         print(f"{plaid[-1]['case']}: rerank x{plaid[-1]['median']['ratio']:.3f} of decompress + maxsim_varlen (median)")
     load_after = os.getloadavg()
     out = {"suite": "cpu", "dtype": "float32", "dim": DIM, "rounds": rounds, "smoke": args.smoke,

@@ -17,10 +17,11 @@ that costs at most ``_SHARED_WASTE`` times the (query, document) pairs they need
 query scores only its own documents, gathered from the block.
 
 Memory: ``block_bytes`` (default 64 MiB) in all, beside the call's results, its ids (a few int64
-per candidate) and at most one copy of the queries (a group of them gathered): 3/16 for a block's float32 tokens and their rows, then 1/8 for decompressing
-them in float64 pieces; while scoring, 3/16 for one query's gathered documents or 1/16 for a
-shared block's scores and argmax, and 1/2 for ``maxsim_packed_numpy`` (9/16 of ``block_bytes`` by
-its bound). One document whose tokens alone pass their share is decompressed whole.
+per candidate) and at most one copy of the queries (a group of them gathered): 3/16 for a block's
+float32 tokens and their rows, then 1/8 for decompressing them in float64 pieces; while scoring,
+3/16 for one query's gathered documents or 1/16 for a shared block's scores and argmax, and 1/2 for
+``maxsim_packed_numpy`` (9/16 of ``block_bytes`` by its bound). One document whose tokens alone
+pass their share is decompressed whole.
 """
 
 from __future__ import annotations
