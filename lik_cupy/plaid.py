@@ -12,8 +12,10 @@ functions here score queries against such documents exactly: on the GPU the kern
 gathers each token's centroid row and residual bits into shared memory and decompresses them
 there, into the float16 (bfloat16 for bfloat16 queries) tile the tensor cores read, so no
 decompressed copy exists in memory; the scores equal MaxSim over the decompressed embeddings up to
-that float16 rounding. The NumPy path decompresses runs of documents in float64 (bounded memory)
-and scores them exactly.
+that float16 rounding. The NumPy path decompresses blocks of documents (bounded memory in bytes;
+each distinct candidate once) to the float32 embeddings :func:`decompress_residuals` returns and
+scores them as :func:`lik_cupy.maxsim_varlen` does, bit for bit (float64's argmax, scores within
+float64 rounding of those embeddings' float64 MaxSim).
 
 - :func:`maxsim_residual` - padded documents ``codes [Nd, Ld]`` (or a candidate set per query,
   ``[Nq, K, Ld]``);

@@ -616,3 +616,19 @@ def test_one_blas_thread_set_by_the_caller_runs_chunks_on_one_thread(rng, monkey
         blas.set(before)
     assert counts and set(counts) == {1}
     np.testing.assert_array_equal(got, want)
+
+
+def test_a_block_too_small_to_share_runs_blas_on_one_thread(rng, monkeypatch):
+    # Too small for chunk threads is too small for BLAS's own: their hand-over costs more than they
+    # save (on a busy machine, many times the GEMM). BLAS's count comes back after.
+    blas = _numpy_openblas()
+    before = blas.get()
+    monkeypatch.setattr(_maxsim_module, "_SPLIT_MACS", 1 << 40)
+    during = []
+    _before_each_call(monkeypatch, _maxsim_module, "_winner_similarities", lambda *a: during.append(blas.get()))
+    q, d = _one_query_corpus(rng)
+    got = lik_cupy.maxsim(q, d, backend="cpu")
+    assert during and set(during) == {1}
+    assert blas.get() == before
+    monkeypatch.undo()
+    np.testing.assert_array_equal(got, lik_cupy.maxsim(q, d, backend="cpu"))

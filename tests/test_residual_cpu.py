@@ -158,24 +158,88 @@ def test_packed_every_document_and_candidates(rng, nbits):
     np.testing.assert_array_equal(a, np.take_along_axis(a_all, cand[..., None], axis=1))
 
 
-def test_packed_runs_bound_memory(rng, monkeypatch):
-    # A tiny block size decompresses one document at a time: the same scores.
+def _index_arrays(rng, nd, dim, nbits, n_cent, lo=1, hi=200):
+    cen, w = codec(rng, n_cent, dim, nbits)
+    lens = ragged(rng, nd, lo, hi)
+    off = np.concatenate([[0], np.cumsum(lens)])
+    codes, bits = tokens(rng, int(off[-1]), n_cent, dim, nbits)
+    return cen, w, off, codes, bits
+
+
+def _decompressed_and_scored(Q, qm, codes, bits, off, cen, w, nbits, cand):
+    """The manual path: the candidates' union decompressed (decompress_residuals), scored by
+    maxsim_varlen, gathered."""
+    u = np.unique(cand)
+    rows = np.concatenate([np.arange(off[j], off[j + 1]) for j in u] + [np.zeros(0, np.int64)])
+    D = plaid.decompress_residuals(codes[rows], bits[rows], cen, w, nbits)
+    o = np.concatenate([[0], np.cumsum(off[u + 1] - off[u])])
+    s, a = lik_cupy.maxsim_varlen(Q.astype(np.float32), D, o, qm, return_argmax=True, backend="cpu")  # (exact)
+    at = np.searchsorted(u, cand)
+    return np.take_along_axis(s, at, axis=1), np.take_along_axis(a, at[..., None], axis=1)
+
+
+@pytest.mark.parametrize("sharing", ["own", "shared", "mixed"])
+def test_candidates_equal_decompress_then_maxsim_varlen(rng, monkeypatch, sharing):
+    # Whatever the blocks and whether queries share a block's GEMMs or score their own documents:
+    # bit for bit the scores and argmax of maxsim_varlen over the decompressed float32 embeddings.
     from lik_cupy._cpu import residual as res
 
-    dim, nbits = 32, 2
-    cen, w = codec(rng, 9, dim, nbits)
-    lens = ragged(rng, 30, 1, 40)
-    off = np.concatenate([[0], np.cumsum(lens)])
-    codes, bits = tokens(rng, int(off[-1]), 9, dim, nbits)
-    Q = rng.standard_normal((2, 5, dim)).astype(np.float32)
-    whole = lik_cupy.maxsim_residual_varlen(Q, codes, bits, off, cen, w, nbits, backend="cpu")
+    dim, nbits, nd, nq, k = 64, 2, 300, 6, 40
+    cen, w, off, codes, bits = _index_arrays(rng, nd, dim, nbits, 37)
+    Q = rng.standard_normal((nq, 9, dim)).astype(np.float16)
+    qm = rng.random((nq, 9)) < 0.85
+    if sharing == "own":
+        cand = rng.permutation(nd)[:nq * k].reshape(nq, k)
+    elif sharing == "shared":
+        cand = np.tile(rng.permutation(nd)[:k], (nq, 1))
+    else:  # overlapping sets, repeated ids; a NaN centroid: NaN scores where maxsim_varlen gives them
+        cand = rng.integers(0, 60, (nq, k))
+        cen[int(codes[off[5]]), 3] = np.nan
+    want_s, want_a = _decompressed_and_scored(Q, qm, codes, bits, off, cen, w, nbits, cand)
     seen = []
-    real = res.Tokens.padded
-    monkeypatch.setattr(res, "_BLOCK_BYTES", 8 * dim * 3)
-    monkeypatch.setattr(res.Tokens, "padded", lambda self, docs: seen.append(docs.size) or real(self, docs))
-    small = lik_cupy.maxsim_residual_varlen(Q, codes, bits, off, cen, w, nbits, backend="cpu")
-    np.testing.assert_array_equal(small, whole)
-    assert max(seen) <= 3 and len(seen) >= 10
+    real = res.Tokens.decompressed
+    monkeypatch.setattr(res.Tokens, "decompressed", lambda self, docs, scratch: seen.append(docs.size)
+                        or real(self, docs, scratch))
+    for block in (None, 64 << 10):
+        if block:
+            monkeypatch.setattr(res, "_BLOCK_BYTES", block)
+        seen.clear()
+        s, a = lik_cupy.maxsim_residual_varlen(Q, codes, bits, off, cen, w, nbits, qm, candidates=cand,
+                                               return_argmax=True, backend="cpu")
+        np.testing.assert_array_equal(s, want_s)
+        np.testing.assert_array_equal(a, want_a)
+        assert np.isnan(s).any() == (sharing == "mixed")
+        assert sum(seen) == np.unique(cand).size  # each distinct candidate decompressed once
+        if block:
+            assert len(seen) > 4
+
+
+def test_packed_runs_bound_memory(rng):
+    # tracemalloc counts every NumPy allocation, whatever the machine's load: beside the results,
+    # a call holds at most block_bytes however many documents it scores.
+    import tracemalloc
+
+    from lik_cupy._cpu import residual as res
+
+    dim, nbits, nd, nq = 64, 2, 400, 8
+    cen, w, off, codes, bits = _index_arrays(rng, nd, dim, nbits, 50)
+    Q = rng.standard_normal((nq, 32, dim)).astype(np.float32)
+    qv = np.ones((nq, 32), bool)
+    t = res.Tokens(codes, bits, cen, w, nbits, True, off[:-1], np.diff(off))
+    sets = {"own": rng.integers(0, nd, (nq, 60)), "shared": np.tile(rng.choice(nd, 60), (nq, 1)), "every": None}
+    res.residual_maxsim_numpy(Q, qv, t, sets["own"], return_argmax=True, block_bytes=1 << 20)  # (first-call imports)
+    for block in (1 << 20, 4 << 20):
+        for name, cand in sets.items():
+            tracemalloc.start()
+            try:
+                base = tracemalloc.get_traced_memory()[0]
+                s, a = res.residual_maxsim_numpy(Q, qv, t, cand, return_argmax=True, block_bytes=block)
+                peak = tracemalloc.get_traced_memory()[1] - base
+            finally:
+                tracemalloc.stop()
+            assert peak - s.nbytes - a.nbytes <= block, (name, block, peak)
+    whole = int(off[-1]) * dim * 4  # the corpus decompressed: what a call would hold without blocks
+    assert whole > 4 << 20  # (more than either block: holding everything would not pass)
 
 
 def test_unnormalized_and_empty(rng):
@@ -480,3 +544,26 @@ def test_indexes_fast_plaid_built(nbits):
     for q, pids, scores in zip(want["queries"], want["pids"], want["scores"]):
         found = pids >= 0
         np.testing.assert_allclose(idx.rerank(q, pids[found], backend="cpu"), scores[found], atol=16 * 2e-3)
+
+
+@pytest.mark.parametrize("nbits", [1, 2, 4])
+def test_index_rerank_equals_decompress_then_maxsim_varlen(rng, nbits):
+    # fast-plaid's own indexes: rerank gives bit for bit the scores and argmax of maxsim_varlen over
+    # the decompressed float32 embeddings (what embeddings() returns), whose scores lie within the
+    # float32 rounding of those embeddings (2^-24 of each value, unit-length tokens: 2^-24 ||q|| a
+    # query token) and of the score itself of the float64 MaxSim of the float64 embeddings.
+    data = pathlib.Path(__file__).parent / "data" / "fast_plaid"
+    idx = plaid.PlaidIndex.open(data / f"fast_plaid_nbits{nbits}")
+    Q = np.load(data / f"fast_plaid_nbits{nbits}_expected.npz")["queries"]
+    off = idx.offsets
+    for cand in (rng.integers(0, len(idx), (Q.shape[0], 25)), np.tile(np.arange(len(idx)), (Q.shape[0], 1))):
+        s, a = idx.rerank(Q, cand, return_argmax=True, backend="cpu")
+        want_s, want_a = _decompressed_and_scored(Q, None, idx.codes, idx.residual_bits, off, idx.centroids,
+                                                  idx.bucket_weights, nbits, cand)
+        np.testing.assert_array_equal(s, want_s)
+        np.testing.assert_array_equal(a, want_a)
+        emb = plaid_decompress_ref(idx.codes, idx.residual_bits, idx.centroids, idx.bucket_weights, nbits)
+        exact = ref_scores(Q, [emb[off[j]:off[j + 1]] for j in range(len(idx))])
+        exact = np.take_along_axis(exact, cand, axis=1)
+        room = 2.0**-24 * np.linalg.norm(Q.astype(np.float64), axis=2).sum(axis=1)[:, None] * 1.01
+        assert np.all(np.abs(s - exact) <= room + np.spacing(np.abs(s))), np.abs(s - exact).max()

@@ -1,26 +1,33 @@
-"""CPU path benchmark: ``lik_cupy.maxsim(..., backend="cpu")`` against a plain NumPy matmul loop
-(``Q[i] @ D.reshape(-1, d).T``, then max and sum: the same float32 BLAS, no blocking, no exact
-argmax) and, where torch is installed, ``torch.einsum`` on the CPU, on the shapes of issue 34's
-table (float32, d = 128):
+"""CPU suite (issue 48): ``lik_cupy``'s NumPy path against the Rust SIMD libraries and NumPy, and
+``PlaidIndex.rerank`` against decompressing its candidates by hand and scoring them with
+``maxsim_varlen``. float32, d = 128, unit-length tokens, on the four cells of the issue's table:
 
     1 q (32 tokens) x 1,000 docs (180 tokens)
+    1 q (32 tokens) x 1,000 docs of 16-512 tokens (packed; padded to 512 for the batched contenders)
     32 q (32 tokens) x 1,000 docs (180 tokens)
     1 q (1,024 tokens) x 16 pages (1,024 tokens)
 
-Each case also runs with ``return_argmax=True``, against the same loop taking ``argmax`` instead of
-``max`` (the argmax of the float32 products, where ours is float64's exactly). All contenders run
-in one process, interleaved round by round in a rotating order, so a busy machine slows them
-alike; a cell's time is the best of the rounds (the median is kept beside it). The load average
-before and after the run is recorded: other work on the machine makes every time longer and the
-ratios noisier.
+Contenders: ``ours`` (``maxsim`` / ``maxsim_varlen``, ``backend="cpu"``; ``ours_argmax`` beside it,
+not counted among the others); ``maxsim-cpu`` 0.1.0, ``fast-maxsim`` 0.2.0 and ``maxsim-fast`` 0.1.1
+from PyPI (``maxsim_scores(q, D)`` / ``maxsim_scores_variable(q, docs)`` per query; each skipped when
+it does not import: ``pip install maxsim-cpu==0.1.0 fast-maxsim==0.2.0 maxsim-fast==0.1.1``);
+``numpy_batched`` (one GEMM per query against every padded document token, max, sum) and
+``numpy_loop`` (a float32 GEMM per query and document). Each contender's scores are checked against
+ours (``max_rel_err_vs_ours``); one past ``WRONG`` is listed as wrong and not counted (maxsim-cpu past
+32 query tokens).
 
-OPENBLAS_CORETYPE / OPENBLAS_L2_SIZE, where the environment sets them, can slow NumPy's BLAS:
-for a benchmark, unset them for the command alone and check the kernel in the JSON's "blas":
+All contenders run in one process, in a rotating order round by round, so that a busy machine slows
+them alike; each cell gives the median and best of the rounds and the ratio of ours to the fastest
+other by each. The load average before and after is recorded, and ``quiet`` says whether the
+1-minute load stayed under a quarter of the cores: a loaded machine's times say little, and no
+target should be read from them.
 
-    env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python bench/suites/bench_cpu.py
-    # -> bench/results/latest/cpu_<machine>.json
+    python bench/suites/bench_cpu.py            # -> bench/results/latest/cpu_<machine>.json
+    python bench/suites/bench_cpu.py --smoke    # tiny shapes, 2 rounds (the suite's own test)
 
-Self-contained: imports nothing from the other bench scripts.
+OPENBLAS_CORETYPE / OPENBLAS_L2_SIZE, where the environment sets them, can slow NumPy's BLAS: unset
+them for the command alone and check the kernel in the JSON's "blas". Self-contained: imports
+nothing from the other bench scripts.
 """
 
 from __future__ import annotations
@@ -28,56 +35,131 @@ from __future__ import annotations
 import argparse
 import ctypes
 import glob
+import importlib
 import json
 import os
 import platform
 import re
 import sys
+import tempfile
 import time
 from pathlib import Path
-
 
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # the checkout this script lives in, not an installed copy
 import lik_cupy  # noqa: E402
+from lik_cupy.plaid import PlaidIndex, decompress_residuals  # noqa: E402
 
 DIM = 128
-# name: (queries, query tokens, documents, document tokens)
+RUST = ("maxsim_cpu", "fast_maxsim", "maxsim_fast")  # the import names of maxsim-cpu, fast-maxsim, maxsim-fast
+# name: (queries, query tokens, documents, shortest and longest document tokens)
 CASES = {
-    "1q32 x 1000d180": (1, 32, 1000, 180),
-    "32q32 x 1000d180": (32, 32, 1000, 180),
-    "1q1024 x 16d1024": (1, 1024, 16, 1024),
+    "1q32 x 1000d180": (1, 32, 1000, 180, 180),
+    "1q32 x 1000d16-512": (1, 32, 1000, 16, 512),
+    "32q32 x 1000d180": (32, 32, 1000, 180, 180),
+    "1q1024 x 16d1024": (1, 1024, 16, 1024, 1024),
 }
+SMOKE = {"1q8 x 20d12": (1, 8, 20, 12, 12), "1q8 x 20d2-30": (1, 8, 20, 2, 30), "3q40 x 9d16": (3, 40, 9, 16, 16)}
+# the PLAID reranks: documents, their shortest and longest, queries, query tokens, candidates per query drawn
+# from the first `pool` documents (every query's own, or largely shared), nbits
+RERANK = [(5000, 16, 256, 16, 32, 200, 5000, 2), (5000, 16, 256, 16, 32, 200, 300, 2)]
+RERANK_SMOKE = [(60, 2, 20, 3, 8, 10, 60, 2), (60, 2, 20, 3, 8, 10, 12, 2)]
+WRONG = 1e-4  # a contender whose scores stray further from ours is wrong, not a contender
 
 
-def numpy_loop(Q: np.ndarray, D: np.ndarray) -> np.ndarray:
-    """The reference: one float32 GEMM per query against every document token, max, sum."""
-    nd, ld, d = D.shape
+def unit(x: np.ndarray) -> np.ndarray:
+    return x / np.linalg.norm(x, axis=-1, keepdims=True)
+
+
+def rust_libraries() -> dict:
+    out = {}
+    for name in RUST:
+        try:
+            out[name] = importlib.import_module(name)
+        except ImportError:
+            pass
+    return out
+
+
+def padded(docs: list):
+    """Documents ``[L_j, d]`` padded with zeros to the longest: ``[N, L, d]`` and bool valid ``[N, L]``."""
+    longest = max(len(d) for d in docs)
+    D = np.zeros((len(docs), longest, DIM), np.float32)
+    valid = np.zeros((len(docs), longest), bool)
+    for j, d in enumerate(docs):
+        D[j, :len(d)], valid[j, :len(d)] = d, True
+    return D, valid
+
+
+def numpy_batched(Q: np.ndarray, D: np.ndarray, valid: np.ndarray | None) -> np.ndarray:
+    """One float32 GEMM per query against every token of the padded documents ``D [N, L, d]``
+    (``valid`` [N, L] or None: padding never wins), max, sum."""
+    n, length, d = D.shape
     flat = D.reshape(-1, d)
-    return np.stack([(q @ flat.T).reshape(q.shape[0], nd, ld).max(axis=2).sum(axis=0) for q in Q])
-
-
-def numpy_loop_argmax(Q: np.ndarray, D: np.ndarray):
-    """The reference with the argmax: the first maximum of the float32 products, and the scores."""
-    nd, ld, d = D.shape
-    flat = D.reshape(-1, d)
-    scores, amax = [], []
+    out = []
     for q in Q:
-        s3 = (q @ flat.T).reshape(q.shape[0], nd, ld)
-        idx = s3.argmax(axis=2)
-        scores.append(np.take_along_axis(s3, idx[:, :, None], axis=2)[:, :, 0].sum(axis=0))
-        amax.append(idx.T)
-    return np.stack(scores), np.stack(amax)
+        s = (q @ flat.T).reshape(q.shape[0], n, length)
+        if valid is not None:
+            s = np.where(valid[None], s, -np.inf)
+        out.append(s.max(axis=2).sum(axis=0))
+    return np.stack(out)
 
 
-def torch_einsum(torch):
-    def run(Q, D):
-        with torch.no_grad():
-            return torch.stack([torch.einsum("sk,ntk->nst", q, D).amax(dim=2).sum(dim=1) for q in Q])
+def numpy_loop(Q: np.ndarray, docs: list) -> np.ndarray:
+    """One float32 GEMM per query and document, max, sum."""
+    return np.array([[(q @ d.T).max(axis=1).sum() for d in docs] for q in Q])
 
-    return run
+
+def cell_contenders(Q, lens, rng, libs):
+    """The documents of one cell and its contenders: name -> function returning scores [Nq, N]."""
+    off = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+    tokens = unit(rng.standard_normal((int(off[-1]), DIM), dtype=np.float32))
+    docs = [tokens[off[j]:off[j + 1]] for j in range(lens.size)]
+    same = bool((lens == lens[0]).all())
+    if same:
+        D = tokens.reshape(lens.size, int(lens[0]), DIM)
+        valid = None
+        ours = {"ours": lambda: lik_cupy.maxsim(Q, D, backend="cpu"),
+                "ours_argmax": lambda: lik_cupy.maxsim(Q, D, backend="cpu", return_argmax=True)[0]}
+    else:
+        D, valid = padded(docs)
+        ours = {"ours": lambda: lik_cupy.maxsim_varlen(Q, tokens, off, backend="cpu"),
+                "ours_argmax": lambda: lik_cupy.maxsim_varlen(Q, tokens, off, backend="cpu", return_argmax=True)[0]}
+    others = {"numpy_batched": lambda: numpy_batched(Q, D, valid), "numpy_loop": lambda: numpy_loop(Q, docs)}
+    for name, lib in libs.items():
+        if same:
+            others[name] = lambda lib=lib: np.stack([lib.maxsim_scores(q, D) for q in Q])
+        else:
+            others[name] = lambda lib=lib: np.stack([lib.maxsim_scores_variable(q, docs) for q in Q])
+    return ours, others
+
+
+def rerank_contenders(spec, rng, where: Path):
+    """A fast-plaid index directory of random documents, its queries and candidates, and the two ways
+    to rerank them: ``PlaidIndex.rerank`` and by hand (the candidates' union decompressed, scored by
+    ``maxsim_varlen``, gathered)."""
+    nd, lo, hi, nq, lq, k, pool, nbits = spec
+    lens = rng.integers(lo, hi + 1, nd)
+    n_cent = 1024
+    np.save(where / "centroids.npy", unit(rng.standard_normal((n_cent, DIM))).astype(np.float16))
+    np.save(where / "bucket_weights.npy", np.linspace(-0.05, 0.05, 1 << nbits).astype(np.float16))
+    (where / "metadata.json").write_text(json.dumps({"num_chunks": 1, "nbits": nbits, "num_documents": nd}))
+    (where / "doclens.0.json").write_text(json.dumps([int(n) for n in lens]))
+    np.save(where / "0.codes.npy", rng.integers(0, n_cent, int(lens.sum())).astype(np.int64))
+    np.save(where / "0.residuals.npy", rng.integers(0, 256, (int(lens.sum()), DIM * nbits // 8), dtype=np.uint8))
+    idx = PlaidIndex.open(where)
+    Q = unit(rng.standard_normal((nq, lq, DIM), dtype=np.float32))
+    cand = np.stack([rng.choice(pool, k, replace=False) for _ in range(nq)])
+
+    def by_hand():
+        u, inv = np.unique(cand, return_inverse=True)
+        codes, bits, off = idx.residuals(u)
+        D = decompress_residuals(codes, bits, idx.centroids, idx.bucket_weights, idx.nbits)
+        return np.take_along_axis(lik_cupy.maxsim_varlen(Q, D, off, backend="cpu"), inv.reshape(cand.shape), axis=1)
+
+    return {"rerank": lambda: idx.rerank(Q, cand, backend="cpu"), "decompress_maxsim_varlen": by_hand}
 
 
 def cpu_model() -> str:
@@ -116,9 +198,17 @@ def blas_info() -> dict:
     return {"source": "unknown"}
 
 
-def machine() -> dict:
+def machine(libs: dict) -> dict:
+    from importlib import metadata
+
+    versions = {}
+    for name in libs:
+        try:
+            versions[name] = metadata.version(name.replace("_", "-"))
+        except metadata.PackageNotFoundError:
+            versions[name] = None
     return {"cpu": cpu_model(), "cores": os.cpu_count(), "numpy": np.__version__, "blas": blas_info(),
-            "python": platform.python_version(), "lik_cupy": lik_cupy.__version__,
+            "python": platform.python_version(), "lik_cupy": lik_cupy.__version__, "rust_libraries": versions,
             "openblas_env": {k: os.environ[k] for k in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE",
                                                         "OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS") if k in os.environ}}
 
@@ -128,7 +218,7 @@ def slug(text: str) -> str:
 
 
 def time_round_robin(contenders: dict, rounds: int) -> dict:
-    """Best and median milliseconds of each contender, run interleaved in a rotating order."""
+    """Median and best milliseconds of each contender, run interleaved in a rotating order."""
     names = list(contenders)
     times = {n: [] for n in names}
     for fn in contenders.values():  # warm-up: first-touch allocations, BLAS threads
@@ -138,68 +228,73 @@ def time_round_robin(contenders: dict, rounds: int) -> dict:
             t0 = time.perf_counter()
             contenders[n]()
             times[n].append((time.perf_counter() - t0) * 1e3)
-    return {n: {"best": min(t), "median": float(np.median(t))} for n, t in times.items()}
+    return {n: {"median_ms": round(float(np.median(t)), 3), "best_ms": round(min(t), 3)} for n, t in times.items()}
 
 
-def main() -> None:
+def summary(times: dict, ours: str, others: list) -> dict:
+    """Ours against the fastest other (right) contender, by median and by best."""
+    out = {}
+    for stat in ("median_ms", "best_ms"):
+        fastest = min(others, key=lambda n: times[n][stat])
+        out[stat.replace("_ms", "")] = {"fastest_other": fastest,
+                                        "ratio": round(times[ours][stat] / times[fastest][stat], 3)}
+    return out
+
+
+def rel_err(got: np.ndarray, want: np.ndarray) -> float:
+    with np.errstate(invalid="ignore", over="ignore"):
+        return float(np.nanmax(np.abs(np.asarray(got, np.float64) - want) / np.maximum(np.abs(want), 1e-30)))
+
+
+def main(argv=None) -> Path:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=7)
-    ap.add_argument("--cases", nargs="*", default=list(CASES), choices=list(CASES))
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes and 2 rounds: checks the suite runs")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "latest")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    cases, rerank, rounds = (SMOKE, RERANK_SMOKE, 2) if args.smoke else (CASES, RERANK, args.rounds)
 
-    try:
-        import torch
-    except ImportError:
-        torch = None
-    info = machine()
+    libs = rust_libraries()
+    info = machine(libs)
     load_before = os.getloadavg()
     rng = np.random.default_rng(0)
     cells = []
-    for case in args.cases:
-        nq, lq, nd, ld = CASES[case]
-        Q = rng.standard_normal((nq, lq, DIM), dtype=np.float32)
-        D = rng.standard_normal((nd, ld, DIM), dtype=np.float32)
-        Q /= np.linalg.norm(Q, axis=-1, keepdims=True)
-        D /= np.linalg.norm(D, axis=-1, keepdims=True)
-        want, want_idx = numpy_loop_argmax(Q, D)
-        got, got_idx = lik_cupy.maxsim(Q, D, backend="cpu", return_argmax=True)
-        assert np.allclose(got, want, rtol=1e-5), f"{case}: lik_cupy and the NumPy loop disagree"
-        differ = int(np.count_nonzero(got_idx != want_idx))  # near-ties float32 alone resolves differently
-        contenders = {
-            "ours": lambda: lik_cupy.maxsim(Q, D, backend="cpu"),
-            "ours_argmax": lambda: lik_cupy.maxsim(Q, D, backend="cpu", return_argmax=True),
-            "numpy_loop": lambda: numpy_loop(Q, D),
-            "numpy_loop_argmax": lambda: numpy_loop_argmax(Q, D),
-        }
-        if torch is not None:
-            tq, td, run = torch.from_numpy(Q), torch.from_numpy(D), torch_einsum(torch)
-            contenders["torch_einsum"] = lambda: run(tq, td)
-        t = time_round_robin(contenders, args.rounds)
-        for argmax in (False, True):
-            ours = t["ours_argmax" if argmax else "ours"]
-            loop = t["numpy_loop_argmax" if argmax else "numpy_loop"]
-            cell = {"case": case + (", argmax" if argmax else ""), "ours_ms": round(ours["best"], 2),
-                    "numpy_loop_ms": round(loop["best"], 2), "ratio": round(ours["best"] / loop["best"], 3),
-                    "ours_median_ms": round(ours["median"], 2), "numpy_loop_median_ms": round(loop["median"], 2)}
-            if argmax:
-                cell["argmax_entries_unlike_float32_loop"] = differ
-            if "torch_einsum" in t and not argmax:
-                cell["torch_einsum_ms"] = round(t["torch_einsum"]["best"], 2)
-            cells.append(cell)
-            print(f"{cell['case']:<28} ours {cell['ours_ms']:9.2f} ms   numpy loop {cell['numpy_loop_ms']:9.2f} ms"
-                  f"   ratio {cell['ratio']:.3f}" + (f"   torch.einsum {cell['torch_einsum_ms']:.2f} ms"
-                                                     if "torch_einsum_ms" in cell else ""))
-    out = {"suite": "cpu", "dtype": "float32", "dim": DIM, "rounds": args.rounds,
-           "timing": "best of the rounds, contenders interleaved in one process", "machine": info,
-           "torch": None if torch is None else torch.__version__,
-           "load_average": {"before": [round(x, 2) for x in load_before],
-                            "after": [round(x, 2) for x in os.getloadavg()]},
-           "cells": cells}
+    for case, (nq, lq, nd, lo, hi) in cases.items():
+        Q = unit(rng.standard_normal((nq, lq, DIM), dtype=np.float32))
+        ours, others = cell_contenders(Q, rng.integers(lo, hi + 1, nd), rng, libs)
+        want = ours["ours"]()
+        errors = {n: rel_err(f(), want) for n, f in others.items()}
+        times = time_round_robin({**ours, **others}, rounds)
+        right = [n for n in others if errors[n] <= WRONG]
+        cell = {"case": case, "times": times, "max_rel_err_vs_ours": errors, "wrong": sorted(set(others) - set(right)),
+                **summary(times, "ours", right)}
+        cells.append(cell)
+        print(f"{case:<22} ours {times['ours']['median_ms']:9.2f} / {times['ours']['best_ms']:8.2f} ms   "
+              f"fastest other {cell['median']['fastest_other']} x{cell['median']['ratio']:.3f} (median), "
+              f"{cell['best']['fastest_other']} x{cell['best']['ratio']:.3f} (best)")
+    plaid = []
+    for spec in rerank:
+        with tempfile.TemporaryDirectory() as where:
+            contenders = rerank_contenders(spec, rng, Path(where))
+            a, b = contenders["rerank"](), contenders["decompress_maxsim_varlen"]()
+            assert np.array_equal(a, b), "PlaidIndex.rerank and decompress + maxsim_varlen disagree"
+            times = time_round_robin(contenders, rounds)
+        nd, lo, hi, nq, lq, k, pool, nbits = spec
+        case = f"{nq} q ({lq}) x {k} candidates of the first {pool} of {nd} docs ({lo}-{hi} tokens), nbits {nbits}"
+        plaid.append({"case": case, "times": times, **summary(times, "rerank", ["decompress_maxsim_varlen"])})
+        print(f"{plaid[-1]['case']}: rerank x{plaid[-1]['median']['ratio']:.3f} of decompress + maxsim_varlen (median)")
+    load_after = os.getloadavg()
+    out = {"suite": "cpu", "dtype": "float32", "dim": DIM, "rounds": rounds, "smoke": args.smoke,
+           "timing": "median and best of the rounds, contenders interleaved in a rotating order in one process",
+           "machine": info, "skipped": [n for n in RUST if n not in libs],
+           "load_average": {"before": [round(x, 2) for x in load_before], "after": [round(x, 2) for x in load_after]},
+           "quiet": max(load_before[0], load_after[0]) < 0.25 * (os.cpu_count() or 1),
+           "cells": cells, "plaid_rerank": plaid}
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"cpu_{slug(info['cpu'])}-{info['cores']}c.json"
+    path = args.out / f"cpu_{slug(info['cpu'])}-{info['cores']}c{'_smoke' if args.smoke else ''}.json"
     path.write_text(json.dumps(out, indent=2) + "\n")
     print(f"wrote {path}")
+    return path
 
 
 if __name__ == "__main__":

@@ -162,13 +162,20 @@ class _Claims:
             self._items = iter(())
 
 
-def run_chunks(items, work, threads: int) -> None:
+def run_chunks(items, work, threads: int, *, blas_threads: bool = True) -> None:
     """``work(k, claims)`` on ``threads`` threads at once (``k`` = 0 .. threads - 1; the calling
     thread is 0), each taking items from the shared iterator ``claims`` until none is left, with
     BLAS single-threaded meanwhile; returns when all have, re-raising the first exception. With
-    one thread, ``work(0, iter(items))`` on the calling thread, BLAS as it is."""
+    one thread, ``work(0, iter(items))`` on the calling thread, BLAS keeping its threads if
+    ``blas_threads``, else single-threaded too: for GEMMs too small to share between cores, whose
+    hand-over between BLAS's threads costs more than they save (many times more on a busy
+    machine, where a descheduled thread keeps the others waiting)."""
     if threads <= 1:
-        work(0, iter(items))
+        if blas_threads:
+            work(0, iter(items))
+            return
+        with _single_threaded_blas():
+            work(0, iter(items))
         return
     global _pool, _pool_size
     with _lock:

@@ -30,9 +30,10 @@ Speed: a block goes through the GEMM in chunks of documents whose similarities a
 before; everything after the GEMM (argmax, second max, the winners' dot products) reads from the
 cache. A large block's chunks are shared by a thread per core (``cores.py``), each running its
 chunks' GEMMs single-threaded and every pass after them, so that the NumPy passes use every core
-too. The norm bound and the winners' dot products are what exactness costs over a plain GEMM and
-max: a pass over the tokens and ``Lq * Nd`` dot products, most visible with few short queries
-(``docs/benchmarks.md``).
+too; a block too small to share runs its GEMMs on one thread as well (BLAS's own threads would not
+pay for their hand-over). The norm bound and the winners' dot products are what exactness costs
+over a plain GEMM and max: a pass over the tokens and ``Lq * Nd`` dot products, most visible with
+few short queries (``docs/benchmarks.md``).
 
 Memory: the temporaries of one block (similarities, document tokens converted for the GEMM, their
 norm bounds, the per-document maxima, thresholds and winners) stay under ``block_bytes`` (default
@@ -429,7 +430,7 @@ def _block_maxima(Q: np.ndarray, q_valid: np.ndarray, blk: _DocBlock, ar: _Arith
     winners = idx if want_idx else np.empty((m, runs.count), np.int64)
     qn = None if ar.exact else norm_bound(A)
     A64 = None if ar.exact else A.astype(np.float64)  # (once: the winners' dot products take it in every chunk)
-    chunks, threads = _chunk_plan(runs, m, sets, dim, blk.T.shape[1], ar.gemm.itemsize)
+    chunks, threads, blas_threads = _chunk_plan(runs, m, sets, dim, blk.T.shape[1], ar.gemm.itemsize)
     part = budget // threads  # each thread's share of the bound's pieces
 
     def work(thread: int, claims) -> None:
@@ -471,24 +472,26 @@ def _block_maxima(Q: np.ndarray, q_valid: np.ndarray, blk: _DocBlock, ar: _Arith
                 pending.add(S, sub, c0, j0, *np.nonzero(bad), None)
         pending.flush()
 
-    cores.run_chunks(chunks, work, threads)
+    cores.run_chunks(chunks, work, threads, blas_threads=blas_threads)
     return val, idx
 
 
 def _chunk_plan(runs: Runs, m: int, sets: int, dim: int, n: int, itemsize: int):
-    """A block's chunks (``Runs.chunks``: ``m`` query rows against ``n`` columns in ``sets`` sets) and
-    the threads that share them. A chunk's similarities and tokens fit ``_CACHE_BYTES``; with several
-    threads, no chunk holds more than an equal share of the columns either, so that the threads'
-    buffers together hold no more than the block's similarities. A thread for each ``_SPLIT_MACS``
-    of the block's GEMM at most: a shorter share does not pay for the hand-over."""
+    """A block's chunks (``Runs.chunks``: ``m`` query rows against ``n`` columns in ``sets`` sets), the
+    threads that share them and whether, on one thread, BLAS keeps its own. A chunk's similarities
+    and tokens fit ``_CACHE_BYTES``; with several threads, no chunk holds more than an equal share of
+    the columns either, so that the threads' buffers together hold no more than the block's
+    similarities. A thread for each ``_SPLIT_MACS`` of the block's GEMM at most: a shorter share
+    does not pay for the hand-over, neither between chunk threads nor between BLAS's."""
     columns = max(1, _CACHE_BYTES // ((m // sets + dim) * sets * itemsize))
     macs = m * n * dim
-    threads = min(cores.chunk_threads(), macs // _SPLIT_MACS) if macs >= 2 * _SPLIT_MACS else 1
+    small = macs < 2 * _SPLIT_MACS
+    threads = 1 if small else min(cores.chunk_threads(), macs // _SPLIT_MACS)
     if threads > 1:
         chunks = list(runs.chunks(min(columns, n // threads)))
         if len(chunks) >= threads and max(c[3] - c[2] for c in chunks) * threads <= n:
-            return chunks, threads
-    return runs.chunks(columns), 1
+            return chunks, threads, True
+    return runs.chunks(columns), 1, not small
 
 
 def _winner_similarities(A64: np.ndarray, T: np.ndarray, row_set: np.ndarray, cols: np.ndarray, live: np.ndarray,

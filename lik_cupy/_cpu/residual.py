@@ -2,18 +2,37 @@
 
 A token is a centroid code and ``nbits`` bits per dim (``unpack_buckets`` says how they are
 packed); its embedding is ``centroids[code] + bucket_weights[bucket]`` per dim, scaled to unit
-length when ``normalize`` (as ``torch.nn.functional.normalize``: divided by ``max(norm, 1e-12)``).
-Scoring decompresses runs of documents in float64, never more than ``block_bytes`` of them at a
-time, and scores each run with ``maxsim_numpy``: the exact MaxSim of the decompressed values.
+length when ``normalize`` (as ``torch.nn.functional.normalize``: divided by ``max(norm, 1e-12)``),
+computed in float64 and rounded to float32: the values ``decompress_residuals`` returns.
+
+Scoring decompresses the documents a call scores in blocks of whole documents and scores each
+block with ``maxsim_packed_numpy``, the exact CPU path: the scores and argmax are those of
+``lik_cupy.maxsim_varlen`` over the decompressed float32 embeddings, bit for bit whatever the
+blocks (the argmax float64's, each score its winners' float64 dot products).
+
+Candidate sets (one per query): a block holds distinct documents of the union of every query's
+candidates, in id order, each decompressed once however many queries name it. The queries that
+name some of a block's documents score all of them together (several queries to one GEMM) where
+that costs at most ``_SHARED_WASTE`` times the (query, document) pairs they need; otherwise each
+query scores only its own documents, gathered from the block.
+
+Memory: ``block_bytes`` (default 64 MiB) in all, beside the call's results, its ids (a few int64
+per candidate) and at most one copy of the queries (a group of them gathered): 3/16 for a block's
+float32 tokens and their rows, then 1/8 for decompressing them in float64 pieces; while scoring,
+3/16 for one query's gathered documents or 1/16 for a shared block's scores and argmax, and 1/2 for
+``maxsim_packed_numpy`` (9/16 of ``block_bytes`` by its bound). One document whose tokens alone
+pass their share is decompressed whole.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from .maxsim import maxsim_numpy
+from .maxsim import maxsim_packed_numpy
 
 _BLOCK_BYTES = 64 << 20
+_SHARED_WASTE = 2  # a shared block's pairs scored per pair needed, at most
+_DECOMPRESS_BYTES = 32  # temporary bytes per token and dim while decompressing (float64 values, weights, buckets)
 
 
 def unpack_buckets(residuals: np.ndarray, nbits: int, dim: int) -> np.ndarray:
@@ -37,7 +56,9 @@ def decompress(codes: np.ndarray, residuals: np.ndarray, centroids: np.ndarray, 
     """float64 ``[n, dim]`` embeddings of ``n`` tokens (codes ``[n]``, residuals ``[n, dim * nbits / 8]``)."""
     dim = centroids.shape[1]
     x = centroids[codes.astype(np.intp, copy=False)].astype(np.float64)
-    x += weights.astype(np.float64)[unpack_buckets(residuals, nbits, dim)]
+    # each residual byte's 8 / nbits weights, looked up whole: no bit unpacking per token
+    per_byte = weights.astype(np.float64)[unpack_buckets(np.arange(256, dtype=np.uint8)[:, None], nbits, 8 // nbits)]
+    x += per_byte[residuals.reshape(codes.size, dim * nbits // 8)].reshape(codes.size, dim)
     if normalize:
         x /= np.maximum(np.sqrt(np.einsum("ij,ij->i", x, x)), 1e-12)[:, None]
     return x
@@ -52,58 +73,121 @@ class Tokens:
         self.nbits, self.normalize = nbits, normalize
         self.starts, self.lens = starts, lens
 
-    def padded(self, docs: np.ndarray):
-        """Documents ``docs`` (indices into starts/lens) decompressed: float64 ``[n, Lmax, d]`` and
-        bool valid ``[n, Lmax]``."""
-        lens = self.lens[docs]
-        lmax = int(lens.max()) if lens.size else 0
-        valid = np.arange(lmax)[None, :] < lens[:, None]
-        rows = (self.starts[docs][:, None] + np.arange(lmax)[None, :])[valid]
-        out = np.zeros((docs.size, lmax, self.centroids.shape[1]))
-        out[valid] = decompress(self.codes[rows], self.residuals[rows], self.centroids, self.weights, self.nbits,
-                                self.normalize)
-        return out, valid
+    def decompressed(self, docs: np.ndarray, scratch_bytes: int):
+        """Documents ``docs`` (indices into starts/lens) decompressed and packed: float32 ``[n, d]``
+        and int64 offsets ``[docs.size + 1]``, computed in pieces of at most ``scratch_bytes`` of
+        temporaries (one token at least)."""
+        rows, off = _packed_rows(self.starts[docs], self.lens[docs])
+        dim = self.centroids.shape[1]
+        out = np.empty((rows.size, dim), np.float32)
+        step = max(1, scratch_bytes // (_DECOMPRESS_BYTES * max(dim, 1)))
+        for s in range(0, rows.size, step):
+            r = rows[s:s + step]
+            out[s:s + step] = decompress(self.codes[r], self.residuals[r], self.centroids, self.weights, self.nbits,
+                                         self.normalize)
+        return out, off
 
 
-def _run_end(lens: np.ndarray, j0: int, rows: int) -> int:
-    """The end of the run of documents starting at ``j0`` whose padded size (documents times the
-    longest) stays within ``rows`` token rows; one document at least. Looks ahead only as far as
-    needed, doubling, so a corpus costs time in proportion to its documents."""
-    nd, ahead = lens.size, 64
-    while True:
-        window = lens[j0 : j0 + ahead]
-        padded = np.arange(1, window.size + 1) * np.maximum.accumulate(window)
-        n = max(1, int(np.searchsorted(padded, rows, side="right")))
-        if n < window.size or j0 + window.size >= nd:
-            return j0 + min(n, window.size)
-        ahead *= 2
+def _packed_rows(starts: np.ndarray, lens: np.ndarray):
+    """The rows of runs ``starts[j] .. starts[j] + lens[j]`` back to back (int64 ``[sum(lens)]``),
+    and where each run begins among them (int64 ``[lens.size + 1]``)."""
+    off = np.zeros(lens.size + 1, np.int64)
+    np.cumsum(lens, out=off[1:])
+    return np.arange(off[-1], dtype=np.int64) + np.repeat(starts - off[:-1], lens), off
+
+
+def _blocks(lens: np.ndarray, token_room: int, per_token: int, doc_room: int, per_doc: int):
+    """Consecutive runs ``(j0, j1)`` of documents (``lens`` int64 [N]) whose tokens take at most
+    ``token_room`` bytes (``per_token`` each) and whose outputs at most ``doc_room`` (``per_doc`` each);
+    one document at least."""
+    tok = np.cumsum(lens * per_token)
+    n, j0 = lens.size, 0
+    most = max(1, doc_room // max(1, per_doc))
+    while j0 < n:
+        spent = int(tok[j0 - 1]) if j0 else 0
+        j1 = min(n, j0 + most, int(np.searchsorted(tok, spent + token_room, side="right")))
+        j1 = max(j0 + 1, j1)
+        yield j0, j1
+        j0 = j1
 
 
 def residual_maxsim_numpy(Q: np.ndarray, q_valid: np.ndarray, tokens: Tokens, sets: np.ndarray | None, *,
                           return_argmax: bool, block_bytes: int | None = None):
-    """MaxSim of padded queries ``Q [Nq, Lq, d]`` against residual documents.
+    """MaxSim of padded queries ``Q [Nq, Lq, d]`` (float16, bfloat16 or float32) against residual
+    documents (module docstring: the arithmetic and the memory bound).
 
     ``sets``: None when every query scores every document of ``tokens`` (scores ``[Nq, Nd]``), or
-    int64 ``[Nq, K]``, the documents query ``i`` scores (scores ``[Nq, K]``). Documents are
-    decompressed in runs of at most ``block_bytes`` (default ``_BLOCK_BYTES``) of float64, one
-    document at least.
+    int64 ``[Nq, K]``, the documents query ``i`` scores (scores ``[Nq, K]``). Returns float32
+    scores and, if asked, int32 argmax ``scores.shape + (Lq,)``.
     """
+    budget = block_bytes or _BLOCK_BYTES
     nq, lq, dim = Q.shape
-    nd = tokens.lens.size if sets is None else sets.shape[1]
-    scores = np.empty((nq, nd), np.float32)
-    amax = np.empty((nq, nd, lq), np.int32) if return_argmax else None
-    rows = max(1, (block_bytes or _BLOCK_BYTES) // (8 * max(dim, 1)))  # token rows of float64 per run
-    groups = [(slice(None), np.arange(nd))] if sets is None else [(slice(i, i + 1), sets[i]) for i in range(nq)]
-    for qs, docs in groups:
-        lens = tokens.lens[docs]
-        j0 = 0
-        while j0 < nd:
-            j1 = _run_end(lens, j0, rows)
-            blk, dv = tokens.padded(docs[j0:j1])
-            s, a = maxsim_numpy(Q[qs], blk, q_valid[qs], dv, candidates=False, nd=j1 - j0,
-                                return_argmax=return_argmax)
-            scores[qs, j0:j1] = s
+    out_per_doc = 4 + (4 * lq if return_argmax else 0)  # a document's score and argmax, for one query
+    if sets is None:
+        docs = np.arange(tokens.lens.size, dtype=np.int64)
+        scores = np.empty((nq, docs.size), np.float32)
+    else:
+        docs, inverse = np.unique(sets, return_inverse=True)
+        order = np.argsort(inverse.reshape(-1), kind="stable")  # the (query, candidate) pairs by document
+        at = inverse.reshape(-1)[order]
+        scores = np.empty(sets.shape, np.float32)
+    amax = np.empty(scores.shape + (lq,), np.int32) if return_argmax else None
+    score_bytes = budget // 2
+    for u0, u1 in _blocks(tokens.lens[docs], budget * 3 // 16, 4 * dim + 8, budget // 16, out_per_doc):
+        T, off = tokens.decompressed(docs[u0:u1], budget // 8)
+        if sets is None:
+            for i0, i1, s, a in _shared(Q, q_valid, np.arange(nq), T, off, budget // 16, out_per_doc,
+                                        return_argmax, score_bytes):
+                scores[i0:i1, u0:u1] = s
+                if amax is not None:
+                    amax[i0:i1, u0:u1] = a
+            continue
+        # the block's (query, candidate) pairs, by query and then document
+        p0, p1 = np.searchsorted(at, [u0, u1])
+        nb = u1 - u0
+        pair = order[p0:p1]
+        by_query = np.argsort(pair // sets.shape[1] * nb + (at[p0:p1] - u0), kind="stable")
+        pair = pair[by_query]
+        qi, ki, uj = pair // sets.shape[1], pair % sets.shape[1], at[p0:p1][by_query] - u0
+        queries, first = np.unique(qi, return_index=True)
+        ends = np.r_[first[1:], qi.size]
+        lens = np.diff(off)
+        distinct = np.r_[True, (qi[1:] != qi[:-1]) | (uj[1:] != uj[:-1])]  # each (query, document) once
+        if queries.size * int(off[-1]) <= _SHARED_WASTE * int(lens[uj[distinct]].sum()):
+            for i0, i1, s, a in _shared(Q, q_valid, queries, T, off, budget // 16, out_per_doc, return_argmax,
+                                        score_bytes):
+                g = slice(int(first[i0]), int(ends[i1 - 1]))
+                row = np.searchsorted(queries[i0:i1], qi[g])
+                scores[qi[g], ki[g]] = s[row, uj[g]]
+                if amax is not None:
+                    amax[qi[g], ki[g]] = a[row, uj[g]]
+            continue
+        for q, g0, g1 in zip(queries.tolist(), first.tolist(), ends.tolist()):
+            g = slice(g0, g1)
+            own = uj[g][distinct[g]]  # this query's documents in the block, in order
+            rows, o = _packed_rows(off[own], lens[own])
+            s, a = maxsim_packed_numpy(Q[q:q + 1], q_valid[q:q + 1], T[rows], o, return_argmax=return_argmax,
+                                       block_bytes=score_bytes)
+            del rows
+            col = np.searchsorted(own, uj[g])
+            scores[q, ki[g]] = s[0, col]
             if amax is not None:
-                amax[qs, j0:j1] = a
-            j0 = j1
+                amax[q, ki[g]] = a[0, col]
+        del T
     return scores, amax
+
+
+def _shared(Q, q_valid, queries: np.ndarray, T: np.ndarray, off: np.ndarray, room: int, out_per_doc: int,
+            return_argmax: bool, score_bytes: int):
+    """Queries ``queries`` (indices into Q) against every document of a block (``T``, ``off``), in
+    groups whose scores and argmax fit ``room`` bytes: ``(i0, i1, scores, argmax)`` for queries
+    ``queries[i0:i1]``."""
+    nb = off.size - 1
+    group = max(1, room // max(1, nb * out_per_doc))
+    for i0 in range(0, queries.size, group):
+        i1 = min(queries.size, i0 + group)
+        q = queries[i0:i1]
+        if q[-1] - q[0] == q.size - 1:
+            q = slice(int(q[0]), int(q[-1]) + 1)  # (consecutive queries: views, not copies)
+        s, a = maxsim_packed_numpy(Q[q], q_valid[q], T, off, return_argmax=return_argmax, block_bytes=score_bytes)
+        yield i0, i1, s, a

@@ -1,0 +1,32 @@
+"""The CPU suite (bench/suites/bench_cpu.py) in its smoke mode: it runs, checks every contender's
+scores against ours, and writes the JSON the issue asks for (the machine, its load, median and best)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import pathlib
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def test_bench_cpu_smoke(tmp_path):
+    spec = importlib.util.spec_from_file_location("bench_cpu", ROOT / "bench" / "suites" / "bench_cpu.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = json.loads(bench.main(["--smoke", "--out", str(tmp_path)]).read_text())
+    assert out["smoke"] and out["machine"]["cores"] >= 1 and out["machine"]["cpu"]
+    assert len(out["load_average"]["before"]) == 3 and isinstance(out["quiet"], bool)
+    assert [c["case"] for c in out["cells"]] == list(bench.SMOKE)
+    for cell in out["cells"]:
+        others = set(cell["times"]) - {"ours", "ours_argmax"}
+        assert {"numpy_batched", "numpy_loop"} <= others
+        assert others - {"numpy_batched", "numpy_loop"} == set(bench.RUST) - set(out["skipped"])
+        assert all(t["best_ms"] <= t["median_ms"] for t in cell["times"].values())
+        right = others - set(cell["wrong"])
+        assert cell["median"]["fastest_other"] in right and cell["best"]["fastest_other"] in right
+        # NumPy's float32 GEMMs: within float32 rounding of ours
+        assert cell["max_rel_err_vs_ours"]["numpy_loop"] < 1e-5
+    assert len(out["plaid_rerank"]) == len(bench.RERANK_SMOKE)
+    for cell in out["plaid_rerank"]:
+        assert set(cell["times"]) == {"rerank", "decompress_maxsim_varlen"}
