@@ -434,7 +434,7 @@ def main(argv=None):
     import torch
 
     import lik_cupy as lk
-    from lik_cupy.precision import _resolve
+    from lik_cupy._dispatch.precision import fp32_accurate
 
     meta = {"suite": "precision", "when": time.strftime("%Y-%m-%d %H:%M:%S"), "torch": torch.__version__,
             "smoke": args.smoke, "args": vars(args)}
@@ -451,7 +451,7 @@ def main(argv=None):
         meta["peers"] = {k: ("ok" if v is not None else "unavailable") for k, v in mods.items()}
     env.gen = torch.Generator(device=env.device).manual_seed(args.seed)
     meta["gpu"] = gpu
-    meta["ours_default_precision"] = "fp32" if _resolve(None, "torch", "float32") else "tf32"
+    meta["ours_default_precision"] = "fp32" if fp32_accurate(None, "torch", "float32") else "tf32"
     if meta["ours_default_precision"] != "fp32":
         print("WARNING: precision=None resolves to tf32 here (torch's matmul setting or LIK_PRECISION)", flush=True)
     meta["peaks"] = ({"tf32_tflops": env.peaks[0] / 1e12, "hbm_gbs": env.peaks[1] / 1e9} if env.peaks else None)
