@@ -56,44 +56,31 @@ __device__ __forceinline__ void wgmma_m64k16(float* d, unsigned long long da, un
 #define LIK_REGS128 "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63,%64,%65,%66,%67,%68,%69,%70,%71,%72,%73,%74,%75,%76,%77,%78,%79,%80,%81,%82,%83,%84,%85,%86,%87,%88,%89,%90,%91,%92,%93,%94,%95,%96,%97,%98,%99,%100,%101,%102,%103,%104,%105,%106,%107,%108,%109,%110,%111,%112,%113,%114,%115,%116,%117,%118,%119,%120,%121,%122,%123,%124,%125,%126,%127"
 
 // One specialisation per (type, N): N/2 accumulator registers %0..%(N/2 - 1), then the two
-// descriptors (%IA, %IB) and the accumulate flag (%IP); the rest of the asm is shared.
-#define LIK_WGMMA_SPEC(ELEM, TY, N, REGS, IA, IB, IP, ...)                                                    \
+// descriptors (%IA, %IB) and the accumulate flag (%IP); the rest of the asm is shared. KTY: the
+// instruction's K and types; IMM: its trailing immediates (scale-a, scale-b, and for the 16-bit
+// forms the two transposes; TF32 takes none).
+#define LIK_WGMMA_SPEC(ELEM, KTY, IMM, N, REGS, IA, IB, IP, ...)                                             \
     template <>                                                                                              \
     __device__ __forceinline__ void wgmma_m64k16<ELEM, N>(float* d, unsigned long long da, unsigned long long db, \
                                                          int acc) {                                            \
         asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" #IP ", 0;\n"                                        \
-                     "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TY " {" REGS "}, %" #IA ", %" #IB        \
-                     ", p, 1, 1, 0, 0;\n}\n"                                                                   \
+                     "wgmma.mma_async.sync.aligned.m64n" #N KTY " {" REGS "}, %" #IA ", %" #IB                 \
+                     ", p" IMM ";\n}\n"                                                                        \
                      : __VA_ARGS__                                                                            \
                      : "l"(da), "l"(db), "r"(acc));                                                           \
     }
-#define LIK_WGMMA_FP16_BF16(N, REGS, IA, IB, IP, ...)                      \
-    LIK_WGMMA_SPEC(0, "f16.f16", N, REGS, IA, IB, IP, __VA_ARGS__)         \
-    LIK_WGMMA_SPEC(1, "bf16.bf16", N, REGS, IA, IB, IP, __VA_ARGS__)
-
-LIK_WGMMA_FP16_BF16(64, LIK_REGS32, 32, 33, 34, LIK_ACC32("+f"))
-LIK_WGMMA_FP16_BF16(96, LIK_REGS48, 48, 49, 50, LIK_ACC48("+f"))
-LIK_WGMMA_FP16_BF16(128, LIK_REGS64, 64, 65, 66, LIK_ACC64("+f"))
-LIK_WGMMA_FP16_BF16(256, LIK_REGS128, 128, 129, 130, LIK_ACC128("+f"))
-
 // float32 (ELEM 2) on TF32: k = 8 floats, the same 32 bytes of K per instruction as the 16-bit
 // forms, so the descriptors step identically. The tensor cores read the float32 tile as it lies
-// in shared memory and use each value's top 19 bits (its TF32 truncation); TF32 takes no
-// transpose immediates (both operands are K-major here anyway).
-#define LIK_WGMMA_TF32(N, REGS, IA, IB, IP, ...)                                                               \
-    template <>                                                                                              \
-    __device__ __forceinline__ void wgmma_m64k16<2, N>(float* d, unsigned long long da, unsigned long long db, \
-                                                      int acc) {                                               \
-        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" #IP ", 0;\n"                                        \
-                     "wgmma.mma_async.sync.aligned.m64n" #N "k8.f32.tf32.tf32 {" REGS "}, %" #IA ", %" #IB     \
-                     ", p, 1, 1;\n}\n"                                                                         \
-                     : __VA_ARGS__                                                                            \
-                     : "l"(da), "l"(db), "r"(acc));                                                           \
-    }
-LIK_WGMMA_TF32(64, LIK_REGS32, 32, 33, 34, LIK_ACC32("+f"))
-LIK_WGMMA_TF32(96, LIK_REGS48, 48, 49, 50, LIK_ACC48("+f"))
-LIK_WGMMA_TF32(128, LIK_REGS64, 64, 65, 66, LIK_ACC64("+f"))
-LIK_WGMMA_TF32(256, LIK_REGS128, 128, 129, 130, LIK_ACC128("+f"))
+// in shared memory and use each value's top 19 bits (its TF32 part).
+#define LIK_WGMMA_FLOAT(N, REGS, IA, IB, IP, ...)                                                 \
+    LIK_WGMMA_SPEC(0, "k16.f32.f16.f16", ", 1, 1, 0, 0", N, REGS, IA, IB, IP, __VA_ARGS__)       \
+    LIK_WGMMA_SPEC(1, "k16.f32.bf16.bf16", ", 1, 1, 0, 0", N, REGS, IA, IB, IP, __VA_ARGS__)     \
+    LIK_WGMMA_SPEC(2, "k8.f32.tf32.tf32", ", 1, 1", N, REGS, IA, IB, IP, __VA_ARGS__)
+
+LIK_WGMMA_FLOAT(64, LIK_REGS32, 32, 33, 34, LIK_ACC32("+f"))
+LIK_WGMMA_FLOAT(96, LIK_REGS48, 48, 49, 50, LIK_ACC48("+f"))
+LIK_WGMMA_FLOAT(128, LIK_REGS64, 64, 65, 66, LIK_ACC64("+f"))
+LIK_WGMMA_FLOAT(256, LIK_REGS128, 128, 129, 130, LIK_ACC128("+f"))
 
 // INT8: D[64 x N] (+)= A[64 x 32] * B[N x 32]^T, int32 accumulators, the same 32 bytes of K
 // per instruction as the 16-bit forms (so descriptors step identically).
