@@ -30,8 +30,9 @@
 // rest lives in fwd/, split by role the way FlashAttention-3's hopper/ splits its kernels:
 // fwd/config.cuh (the -D flags, types, constants and struct Fwd's index), fwd/tile_scheduler.cuh
 // (which CTA takes which query tile, documents or token shares), fwd/mainloop.cuh (the query
-// tile, the cp.async / TMA ring and the mma / wgmma tile loop) and fwd/epilogue.cuh (row-max fold,
-// argmax, score writes, the token split's merge).
+// tile, the cp.async / TMA ring and the mma / wgmma tile loop), fwd/epilogue.cuh (row-max fold,
+// argmax, score writes, the token split's merge) and fwd/refine.cuh (float32 accuracy from TF32
+// tiles: the rows' exact maxima, LIK_REFINE).
 //
 // run keeps the CTA's steps in order and builds small role objects whose member functions it calls:
 // one for each lambda (or run of lambdas) of the single function this was, and one for each step
