@@ -1233,8 +1233,8 @@ def _serve_devices(text: str) -> list:
 
 @main.command(
     "serve",
-    help="Serve MaxSim over HTTP with the Open Inference Protocol (KServe v2; tritonclient and "
-    "perf_analyzer work as clients): models search (Q, K -> SCORES, IDS), rerank (Q, IDS -> SCORES) "
+    help="Serve MaxSim over HTTP with the Open Inference Protocol (KServe v2; tritonclient works as "
+    "a client): models search (Q, K -> SCORES, IDS), rerank (Q, IDS -> SCORES) "
     "and score (Q -> SCORES) over the documents of SHARD..., kept resident (a replica per device, "
     "requests routed to the least loaded). Concurrent requests are batched into multi-query calls; "
     "each caller gets its own rows. /v2/health/ready turns 200 once the corpus is resident "

@@ -71,7 +71,6 @@ def main():
     ap.add_argument("--time-budget", type=float, default=420)
     args = ap.parse_args()
     t0 = time.time()
-    import cupy as cp
     import torch
 
     import lik_cupy
@@ -131,7 +130,6 @@ def main():
     print("\n".join(text_table(["case", "precision", "dispatch_ms", "best_ms", "best"],
                                [[r["case"], r["precision"], r["dispatch_ms"], r["best_ms"], r["best"]] for r in rows],
                                ["case", "precision", "dispatch_ms", "best_ms", "best"])))
-    del cp
 
 
 if __name__ == "__main__":
