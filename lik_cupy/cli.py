@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import io
 import json
 import os
@@ -1233,8 +1234,8 @@ def _serve_devices(text: str) -> list:
 
 @main.command(
     "serve",
-    help="Serve MaxSim over HTTP with the Open Inference Protocol (KServe v2; tritonclient works as "
-    "a client): models search (Q, K -> SCORES, IDS), rerank (Q, IDS -> SCORES) "
+    help="Serve MaxSim with the Open Inference Protocol (KServe v2) over HTTP, and over gRPC with "
+    "--grpc-port (tritonclient works as a client): models search (Q, K -> SCORES, IDS), rerank (Q, IDS -> SCORES) "
     "and score (Q -> SCORES) over the documents of SHARD..., kept resident (a replica per device, "
     "requests routed to the least loaded). Concurrent requests are batched into multi-query calls; "
     "each caller gets its own rows. /v2/health/ready turns 200 once the corpus is resident "
@@ -1247,6 +1248,9 @@ def _serve_devices(text: str) -> list:
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True,
               help="Port to listen on (0: any free one; the line 'listening on' names it).")
+@click.option("--grpc-port", type=click.IntRange(0, 65535), default=None,
+              help="Also serve the protocol over gRPC on this port (0: any free one; Triton's is 8001). "
+              "Needs the [serve-grpc] extra.")
 @click.option("--devices", metavar="LIST", help="Comma-separated GPU indices and/or 'cpu', one worker each; "
               "entries naming one device share its corpus (0,0: two workers on GPU 0). Default: every GPU, else cpu.")
 @click.option("--max-batch", type=click.IntRange(1), default=64, show_default=True, help="Queries per call.")
@@ -1258,13 +1262,20 @@ def _serve_devices(text: str) -> list:
               help="Requests waiting per device; beyond, 503.")
 @click.option("--debug", is_flag=True, help="Show a traceback on errors.")
 @_cli_errors
-def _serve_command(paths, host, port, devices, max_batch, max_tokens, max_delay_us, max_queue, debug):
+def _serve_command(paths, host, port, grpc_port, devices, max_batch, max_tokens, max_delay_us, max_queue, debug):
     try:
         from lik_cupy.serving.http import serve
     except ImportError as e:
         raise LikError("lik serve", f"needs the [serve] extra (pip install 'lik-cupy[serve]'): {e}") from None
-    serve(list(paths), host=host, port=port, devices=_serve_devices(devices) if devices else None,
-          max_batch=max_batch, max_tokens=max_tokens, max_delay_us=max_delay_us, max_queue=max_queue)
+    if grpc_port is not None:
+        try:
+            importlib.import_module("lik_cupy.serving.grpc")  # fail before loading the corpus
+        except ImportError as e:
+            raise LikError("lik serve --grpc-port",
+                           f"needs the [serve-grpc] extra (pip install 'lik-cupy[serve-grpc]'): {e}") from None
+    serve(list(paths), host=host, port=port, grpc_port=grpc_port,
+          devices=_serve_devices(devices) if devices else None, max_batch=max_batch, max_tokens=max_tokens,
+          max_delay_us=max_delay_us, max_queue=max_queue)
 
 
 if __name__ == "__main__":

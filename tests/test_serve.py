@@ -9,13 +9,10 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
-import os
 import re
-import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +23,7 @@ from lik_cupy import shards
 from lik_cupy.serving import Batcher, DeadlineExceeded, Observer, Overloaded, ShuttingDown
 from lik_cupy.serving._ids import IdIndex
 from lik_command import run_lik
+from served import Server
 from threads import run_threads
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -222,65 +220,6 @@ def test_id_index():
 
 # ---------------------------------------------------------------- lik serve, a real process
 
-class _Server:
-    """``lik serve`` on an ephemeral loopback port; its stderr kept."""
-
-    def __init__(self, *args):
-        for m in ("starlette", "uvicorn", "prometheus_client"):  # the [serve] extra
-            pytest.importorskip(m)
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        self.proc = subprocess.Popen([sys.executable, "-m", "lik_cupy", "serve", *map(str, args), "--port", "0"],
-                                     stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
-        self.lines, self.port = [], None
-        listening = threading.Event()
-
-        def drain():
-            for line in self.proc.stderr:
-                self.lines.append(line)
-                m = re.search(r"listening on http://127\.0\.0\.1:(\d+)", line)
-                if m:
-                    self.port = int(m.group(1))
-                    listening.set()
-
-        threading.Thread(target=drain, daemon=True).start()
-        try:
-            assert listening.wait(60), f"lik serve did not start: {''.join(self.lines)}"
-            for _ in range(600):
-                try:
-                    if self.get("/v2/health/ready")[0] == 200:
-                        return
-                except ConnectionRefusedError:  # bound, not yet listening
-                    pass
-                time.sleep(0.1)
-            raise AssertionError(f"lik serve did not turn ready: {''.join(self.lines)}")
-        except BaseException:
-            self.proc.kill()  # no server outlives a failed start
-            self.proc.wait(60)
-            raise
-
-    def request(self, method, path, body=None, headers=None):
-        c = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
-        try:
-            c.request(method, path, body=body, headers=headers or {})
-            r = c.getresponse()
-            return r.status, {k.lower(): v for k, v in r.getheaders()}, r.read()
-        finally:
-            c.close()
-
-    def get(self, path):
-        return self.request("GET", path)
-
-    def infer(self, model, payload, headers=None):
-        body = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
-        return self.request("POST", f"/v2/models/{model}/infer", body, headers)
-
-    def stop(self):
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        self.proc.wait(60)
-        return "".join(self.lines)
-
-
 @pytest.fixture(scope="module")
 def shard(tmp_path_factory):
     rng = np.random.default_rng(11)
@@ -291,7 +230,7 @@ def shard(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def served(shard):
-    s = _Server(shard, "--devices", "cpu,cpu", "--max-batch", "8", "--max-delay-us", "2000")
+    s = Server(shard, "--devices", "cpu,cpu", "--max-batch", "8", "--max-delay-us", "2000")
     yield s
     s.stop()
 
@@ -463,7 +402,7 @@ def test_compressed_bodies_are_bounded_after_inflating(served):
 def test_backpressure_503_and_deadline_504(shard):
     # One request waits out the 1.5 s delay in a queue of one, and expires there (timeout 1 ms);
     # meanwhile a second finds the queue full.
-    server = _Server(shard, "--devices", "cpu", "--max-queue", "1", "--max-delay-us", "1500000", "--max-batch", "8")
+    server = Server(shard, "--devices", "cpu", "--max-queue", "1", "--max-delay-us", "1500000", "--max-batch", "8")
     try:
         payload = {"inputs": [_json_q(np.ones((2, DIM), np.float32))], "parameters": {"timeout": 1000}}
         late = {}
@@ -483,7 +422,7 @@ def test_backpressure_503_and_deadline_504(shard):
 
 
 def test_sigterm_under_load_answers_every_accepted_request(shard, local):
-    server = _Server(shard, "--devices", "cpu", "--max-batch", "4", "--max-delay-us", "20000")
+    server = Server(shard, "--devices", "cpu", "--max-batch", "4", "--max-delay-us", "20000")
     rng = np.random.default_rng(15)
     qs = _queries(rng, 16, hi=33)
     ok, wrong, done = [], [], threading.Event()

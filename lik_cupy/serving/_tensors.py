@@ -45,7 +45,7 @@ def read_request(body: bytes, header_length: str | None) -> tuple[dict, dict[str
         name = t["name"]
         if name in inputs:
             raise ValueError(f"input {name} is given twice")
-        shape, datatype = _shape(name, t.get("shape")), t.get("datatype")
+        shape, datatype = tensor_shape(name, t.get("shape")), t.get("datatype")
         if datatype != "BYTES" and datatype not in DTYPES:
             raise ValueError(f"input {name} has datatype {datatype!r}; expected one of {', '.join(DTYPES)} or BYTES")
         params = t.get("parameters") or {}
@@ -58,10 +58,10 @@ def read_request(body: bytes, header_length: str | None) -> tuple[dict, dict[str
             if at + size > len(binary):
                 raise ValueError(f"input {name}: binary_data_size {size} runs past the {len(binary)} bytes of "
                                  f"binary data after the header (from byte {at})")
-            inputs[name] = _from_bytes(name, binary[at:at + size], shape, datatype)
+            inputs[name] = tensor_from_bytes(name, binary[at:at + size], shape, datatype)
             at += size
         elif "data" in t:
-            inputs[name] = _from_json(name, t["data"], shape, datatype)
+            inputs[name] = tensor_from_values(name, t["data"], shape, datatype)
         else:
             raise ValueError(f"input {name} has neither 'data' nor a binary_data_size parameter")
     if at != len(binary):
@@ -78,8 +78,7 @@ def write_response(header: dict, outputs: list[tuple[str, np.ndarray]], binary: 
         datatype = "BYTES" if a.dtype.kind in "US" else DATATYPES[str(a.dtype)]
         t = {"name": name, "datatype": datatype, "shape": list(a.shape)}
         if name in binary:
-            raw = _bytes_elements(a) if datatype == "BYTES" else \
-                np.ascontiguousarray(a, dtype=a.dtype.newbyteorder("<")).tobytes()
+            raw = tensor_bytes(a)
             t["parameters"] = {"binary_data_size": len(raw)}
             chunks.append(raw)
         else:
@@ -118,7 +117,7 @@ def _json(raw) -> object:
         raise ValueError(f"the request header is not JSON: {e}") from None
 
 
-def _shape(name: str, shape) -> tuple[int, ...]:
+def tensor_shape(name: str, shape) -> tuple[int, ...]:
     if not isinstance(shape, list) or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0
                                               for s in shape):
         raise ValueError(f"input {name}: shape must be a list of non-negative integers, got {shape!r}")
@@ -127,7 +126,8 @@ def _shape(name: str, shape) -> tuple[int, ...]:
     return tuple(shape)
 
 
-def _from_bytes(name: str, raw: memoryview, shape: tuple[int, ...], datatype: str) -> np.ndarray:
+def tensor_from_bytes(name: str, raw: memoryview, shape: tuple[int, ...], datatype: str) -> np.ndarray:
+    """An input of ``shape`` and ``datatype`` from its raw bytes (a view of them where it can)."""
     count = int(np.prod(shape, dtype=np.int64))
     if datatype == "BYTES":
         items, at = [], 0
@@ -139,17 +139,16 @@ def _from_bytes(name: str, raw: memoryview, shape: tuple[int, ...], datatype: st
                 raise ValueError(f"input {name}: BYTES element {len(items)} of {n} bytes runs past its data")
             items.append(bytes(raw[at + 4:at + 4 + n]))
             at += 4 + n
-        if len(items) != count:
-            raise ValueError(f"input {name}: shape {list(shape)} needs {count} BYTES elements, got {len(items)}")
-        return _strings(name, items).reshape(shape)
+        return tensor_from_strings(name, items, shape)
     dt = numpy_dtype(DTYPES[datatype]).newbyteorder("<")
     if len(raw) != count * dt.itemsize:
         raise ValueError(f"input {name}: shape {list(shape)} of {datatype} is {count * dt.itemsize} bytes, but "
-                         f"binary_data_size is {len(raw)}")
+                         f"its data has {len(raw)}")
     return np.frombuffer(raw, dt).reshape(shape)
 
 
-def _from_json(name: str, data, shape: tuple[int, ...], datatype: str) -> np.ndarray:
+def tensor_from_values(name: str, data, shape: tuple[int, ...], datatype: str) -> np.ndarray:
+    """An input of ``shape`` and ``datatype`` from a (nested) list of numbers, or of strings for BYTES."""
     count = int(np.prod(shape, dtype=np.int64))
     flat = _flatten(data)
     if len(flat) != count:
@@ -164,6 +163,21 @@ def _from_json(name: str, data, shape: tuple[int, ...], datatype: str) -> np.nda
         return np.asarray(flat, dtype=numpy_dtype(DTYPES[datatype])).reshape(shape)
     except OverflowError:
         raise ValueError(f"input {name}: a value does not fit {datatype}") from None
+
+
+def tensor_from_strings(name: str, items: list[bytes], shape: tuple[int, ...]) -> np.ndarray:
+    """A BYTES input of ``shape`` from its elements (UTF-8 text each)."""
+    count = int(np.prod(shape, dtype=np.int64))
+    if len(items) != count:
+        raise ValueError(f"input {name}: shape {list(shape)} needs {count} BYTES elements, got {len(items)}")
+    return _strings(name, items).reshape(shape)
+
+
+def tensor_bytes(a: np.ndarray) -> bytes:
+    """An output's raw bytes: little-endian elements, BYTES as 4-byte lengths and the UTF-8 text."""
+    if a.dtype.kind in "US":
+        return _bytes_elements(a)
+    return np.ascontiguousarray(a, dtype=a.dtype.newbyteorder("<")).tobytes()
 
 
 def _flatten(data) -> list:

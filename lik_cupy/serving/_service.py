@@ -1,0 +1,200 @@
+"""One server's state and its inference step, apart from the transport: HTTP (``http.py``) and gRPC
+(``grpc.py``) decode a request into named NumPy inputs and parameters, call :func:`infer`, and
+encode what it returns or the :class:`Refused` it raises.
+
+:class:`Refused` carries the HTTP status of the outcome (400 a bad request, 404 an unknown model, 413
+too large, 503 overloaded / not ready / stopping, 504 deadline passed in the queue, 500 the corpus
+call failed); the gRPC transport maps it to a status code, and the metrics count it by that status
+whichever transport answered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import threading
+import time
+
+import numpy as np
+
+from .._dispatch.elements import scaled_dtype
+from . import _tensors
+from ._ids import IdIndex
+from ._metrics import Metrics
+from .batcher import OPERATIONS, Batcher
+from .errors import DeadlineExceeded, Overloaded, ShuttingDown
+
+MODELS = OPERATIONS
+OUTPUTS = {"search": ("SCORES", "IDS"), "rerank": ("SCORES",), "score": ("SCORES",)}
+INPUTS = {"search": ("Q", "K"), "rerank": ("Q", "IDS"), "score": ("Q",)}
+MAX_BODY = 64 << 20
+
+
+class Refused(Exception):
+    """A request answered with an error: ``status`` is its HTTP status; ``retry``: the client may
+    retry later (503 with ``Retry-After``)."""
+
+    def __init__(self, status: int, message: str, retry: bool = False):
+        super().__init__(message)
+        self.status, self.retry = status, retry
+
+
+class Service:
+    """One server's state: the batcher (once loaded and warm), the id index, the metrics.
+    ``load(observer)`` returns the :class:`Batcher`; :meth:`start` runs it in a thread."""
+
+    def __init__(self, load, max_body_bytes: int = MAX_BODY):
+        self.load, self.max_body = load, max_body_bytes
+        self.batcher: Batcher | None = None
+        self.ids: IdIndex | None = None
+        self.ready = False
+        self.failure: BaseException | None = None
+        self.on_failure = None  # called (from the loading thread) when loading fails
+        self.metrics = Metrics(lambda: self.batcher)
+        self.accepted = self.answered = 0
+        self._count = threading.Lock()
+
+    def start(self) -> None:
+        def run():
+            try:
+                b = self.load(self.metrics)
+                self.ids = IdIndex(b.corpus.ids, len(b.corpus))
+                self.batcher = b
+                b.warm()
+                self.ready = True
+                print(f"lik serve: ready: {b.corpus!r} on {', '.join(b.devices)}", file=sys.stderr, flush=True)
+            except BaseException as e:  # noqa: BLE001 - the runner reports it once the server has stopped
+                self.fail(e)
+
+        threading.Thread(target=run, name="lik-serve-load", daemon=True).start()
+
+    def fail(self, error: BaseException) -> None:
+        """Starting failed: remember why, and have the server stop."""
+        self.failure = error
+        if self.on_failure is not None:
+            self.on_failure()
+
+    def stop(self) -> None:
+        self.ready = False
+        if self.batcher is not None:
+            self.batcher.close()
+        print(f"lik serve: stopped; answered {self.answered} of {self.accepted} accepted requests", file=sys.stderr,
+              flush=True)
+
+    def count(self, field: str) -> None:
+        with self._count:
+            setattr(self, field, getattr(self, field) + 1)
+
+
+def check_model(model: str) -> None:
+    if model not in MODELS:
+        raise Refused(404, f"unknown model {model!r}; the models are {', '.join(MODELS)}")
+
+
+def tensor_specs(svc: Service, model: str) -> tuple[list, list]:
+    """(inputs, outputs) of ``model``: (name, datatype, shape) each. Refused while the corpus loads."""
+    check_model(model)
+    if svc.batcher is None:
+        raise Refused(503, "the corpus is still loading", retry=True)
+    c = svc.batcher.corpus
+    qtype = "FP32" if scaled_dtype(c.dtype) else _tensors.DATATYPES[c.dtype]
+    ids = "BYTES" if svc.ids.kind == "string" else "INT64"
+    specs = {"Q": (qtype, [-1, c.dim]), "K": ("INT32", [1]), "IDS": (ids, [-1]), "SCORES": ("FP32", [-1])}
+    return ([(n, *specs[n]) for n in INPUTS[model]], [(n, *specs[n]) for n in OUTPUTS[model]])
+
+
+def model_config(svc: Service, model: str) -> dict:
+    """Triton's model configuration (perf_analyzer reads it): no batch axis of its own (each request
+    holds its queries), one instance per replica."""
+    inputs, outputs = ([{"name": n, "data_type": f"TYPE_{'STRING' if t == 'BYTES' else t}", "dims": s}
+                        for n, t, s in part] for part in tensor_specs(svc, model))
+    gpus = sum(d.startswith("cuda") for d in svc.batcher.devices)
+    groups = [{"count": n, "kind": kind} for n, kind in ((gpus, "KIND_GPU"), (len(svc.batcher.devices) - gpus,
+                                                                              "KIND_CPU")) if n]
+    return {"name": model, "platform": "lik_cupy", "backend": "lik_cupy", "max_batch_size": 0,
+            "input": inputs, "output": outputs, "instance_group": groups}
+
+
+async def infer(svc: Service, model: str, inputs: dict[str, np.ndarray], params: dict,
+                deadline_s: float | None = None) -> tuple[dict[str, np.ndarray], dict]:
+    """Score one request: (its outputs by name, the response's parameters ``queue_us``,
+    ``compute_us``, ``batch_queries``). ``params``: the request's parameters (``timeout`` in
+    microseconds, ``precision``; others are ignored); ``deadline_s``: seconds the transport allows
+    (a gRPC deadline), the sooner of the two bounding the wait in the queue. Raises :class:`Refused`."""
+    check_model(model)
+    if not svc.ready:
+        raise Refused(503, "the server is not ready (loading the corpus, or stopping)", retry=True)
+    try:
+        Q, arg = _arguments(svc, model, inputs)
+        timeout, precision = _parameters(params)
+        if deadline_s is not None:
+            timeout = deadline_s if timeout is None else min(timeout, deadline_s)
+        future = svc.batcher.submit(model, Q, arg, precision=precision, timeout=timeout)
+    except (ValueError, TypeError) as e:
+        raise Refused(400, str(e)) from None
+    except Overloaded as e:
+        raise Refused(503, str(e), retry=True) from None
+    except ShuttingDown as e:
+        raise Refused(503, str(e)) from None
+    svc.count("accepted")
+    try:
+        result = await asyncio.wrap_future(future)
+    except DeadlineExceeded as e:
+        raise Refused(504, str(e)) from None
+    except Exception as e:  # noqa: BLE001 - the corpus call failed: say so, keep serving
+        raise Refused(500, f"{type(e).__name__}: {e}") from None
+    finally:
+        svc.count("answered")
+    t = future.timing
+    return (dict(zip(OUTPUTS[model], result if model == "search" else (result,))),
+            {"queue_us": round(t.queue_s * 1e6), "compute_us": round(t.compute_s * 1e6),
+             "batch_queries": t.batch_queries})
+
+
+def responded(svc: Service, model: str, status: int, start: float) -> None:
+    """Count an inference answer of ``status`` (HTTP's) for the metrics, timed from ``start`` (perf_counter)."""
+    if model in MODELS:
+        svc.metrics.responded(model, status, time.perf_counter() - start)
+
+
+def _arguments(svc: Service, model: str, inputs: dict) -> tuple[np.ndarray, object]:
+    """(Q, the batcher's argument) from the request's inputs, checked by name and shape."""
+    want = INPUTS[model]
+    extra = sorted(set(inputs) - set(want))
+    missing = [n for n in want if n not in inputs]
+    if extra or missing:
+        raise ValueError(f"model {model} takes inputs {', '.join(want)}"
+                         + (f"; missing {', '.join(missing)}" if missing else "")
+                         + (f"; unexpected {', '.join(extra)}" if extra else ""))
+    Q = inputs["Q"]
+    if Q.dtype.kind in "USiub":
+        raise ValueError(f"Q must be FP16, BF16 or FP32 embeddings, got {_datatype(Q)}")
+    if model == "search":
+        K = inputs["K"]
+        if K.dtype not in (np.int32, np.int64) or K.size != 1:
+            raise ValueError(f"K must hold one INT32 (or INT64) value, got {_datatype(K)} of shape {list(K.shape)}")
+        return Q, int(K.reshape(-1)[0])
+    if model == "rerank":
+        ids = inputs["IDS"]
+        if Q.ndim == 2 and ids.ndim != 1 or Q.ndim == 3 and (ids.ndim != 2 or ids.shape[0] != Q.shape[0]):
+            raise ValueError(f"IDS has shape {list(ids.shape)}; expected [K] for Q [Lq, d], or [Nq, K] for Q "
+                             f"[Nq, Lq, d]")
+        return Q, svc.ids.positions(ids)
+    return Q, None
+
+
+def _parameters(params: dict) -> tuple[float | None, str | None]:
+    """(the queue timeout in seconds, the precision) from the request's parameters."""
+    timeout = params.get("timeout")
+    if timeout is not None:
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+            raise ValueError(f"parameter timeout must be a positive number of microseconds, got {timeout!r}")
+        timeout = timeout * 1e-6
+    precision = params.get("precision")
+    if precision is not None and not isinstance(precision, str):
+        raise ValueError(f"parameter precision must be a string, got {precision!r}")
+    return timeout, precision
+
+
+def _datatype(a: np.ndarray) -> str:
+    return "BYTES" if a.dtype.kind in "US" else _tensors.DATATYPES.get(str(a.dtype), str(a.dtype))

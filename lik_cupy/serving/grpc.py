@@ -1,0 +1,168 @@
+"""The Open Inference Protocol (KServe v2) over gRPC, beside the HTTP server and on its batcher: grpcio's
+asyncio server with the ``inference.GRPCInferenceService`` messages that tritonclient ships (the
+``[serve-grpc]`` extra). ``lik serve --grpc-port`` starts it; :func:`lik_cupy.serving.http.make_app`
+runs it in the HTTP server's event loop.
+
+RPCs: ``ServerLive``, ``ServerReady``, ``ServerMetadata``, ``ModelReady``, ``ModelMetadata``,
+``ModelConfig``, ``ModelStatistics`` and ``ModelInfer``, with the models, inputs, outputs and
+parameters of the HTTP side (``lik_cupy/serving/http.py``). Inputs come as ``raw_input_contents``
+(what tritonclient sends; BYTES as 4-byte little-endian lengths and the bytes) or as typed
+``contents``; outputs go back as ``raw_output_contents``. The call's gRPC deadline bounds its wait
+in the queue, as the ``timeout`` parameter does. Errors: ``INVALID_ARGUMENT`` (the message names the
+problem), ``NOT_FOUND`` (unknown model), ``RESOURCE_EXHAUSTED`` (over the size limit), ``UNAVAILABLE``
+(overloaded, not ready or stopping), ``DEADLINE_EXCEEDED`` and ``INTERNAL``.
+"""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import numpy as np
+from google.protobuf import json_format
+from tritonclient.grpc import model_config_pb2, service_pb2 as pb, service_pb2_grpc as rpc
+
+from .._version import __version__
+from . import _service, _tensors
+from ._service import MODELS, Refused, Service
+
+__all__ = ["start_server"]
+
+_CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 404: grpc.StatusCode.NOT_FOUND,
+          413: grpc.StatusCode.RESOURCE_EXHAUSTED, 503: grpc.StatusCode.UNAVAILABLE,
+          504: grpc.StatusCode.DEADLINE_EXCEEDED, 500: grpc.StatusCode.INTERNAL}
+# InferTensorContents' field for each datatype sent as typed values rather than raw bytes.
+_CONTENTS = {"BOOL": "bool_contents", "INT8": "int_contents", "INT16": "int_contents", "INT32": "int_contents",
+             "INT64": "int64_contents", "UINT8": "uint_contents", "UINT16": "uint_contents",
+             "UINT32": "uint_contents", "UINT64": "uint64_contents", "FP32": "fp32_contents",
+             "FP64": "fp64_contents", "BYTES": "bytes_contents"}
+
+
+async def start_server(svc: Service, address: str) -> grpc.aio.Server:
+    """A started gRPC server for ``svc`` on ``address`` (``host:port``; port 0: a free one), in the
+    running event loop. Prints ``lik serve: listening on grpc://HOST:PORT``; LikError when it cannot
+    listen there."""
+    import sys
+
+    from ..errors import LikError
+
+    limit = svc.max_body + (1 << 20)  # the message holds the tensors and their descriptions
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", limit),
+                                      ("grpc.max_send_message_length", -1), ("grpc.so_reuseport", 0)])
+    rpc.add_GRPCInferenceServiceServicer_to_server(_Servicer(svc), server)
+    try:
+        port = server.add_insecure_port(address)
+    except RuntimeError as e:
+        port, reason = 0, str(e)
+    else:
+        reason = "the address is in use or not valid"
+    if not port:
+        raise LikError(address, f"cannot listen there for gRPC: {reason}")
+    await server.start()
+    host = address.rsplit(":", 1)[0]
+    print(f"lik serve: listening on grpc://{host}:{port}", file=sys.stderr, flush=True)
+    return server
+
+
+class _Servicer(rpc.GRPCInferenceServiceServicer):
+    """The RPCs above; every one answers from ``svc`` or aborts with the status of its :class:`Refused`."""
+
+    def __init__(self, svc: Service):
+        self.svc = svc
+
+    async def ServerLive(self, request, context):
+        return pb.ServerLiveResponse(live=True)
+
+    async def ServerReady(self, request, context):
+        return pb.ServerReadyResponse(ready=self.svc.ready)
+
+    async def ServerMetadata(self, request, context):
+        return pb.ServerMetadataResponse(name="lik-cupy", version=__version__, extensions=[])
+
+    async def ModelReady(self, request, context):
+        await _checked(context, _service.check_model, request.name)
+        return pb.ModelReadyResponse(ready=self.svc.ready)
+
+    async def ModelMetadata(self, request, context):
+        inputs, outputs = await _checked(context, _service.tensor_specs, self.svc, request.name)
+        return pb.ModelMetadataResponse(
+            name=request.name, versions=["1"], platform="lik_cupy",
+            inputs=[pb.ModelMetadataResponse.TensorMetadata(name=n, datatype=t, shape=s) for n, t, s in inputs],
+            outputs=[pb.ModelMetadataResponse.TensorMetadata(name=n, datatype=t, shape=s) for n, t, s in outputs])
+
+    async def ModelConfig(self, request, context):
+        config = await _checked(context, _service.model_config, self.svc, request.name)
+        return pb.ModelConfigResponse(config=json_format.ParseDict(config, model_config_pb2.ModelConfig()))
+
+    async def ModelStatistics(self, request, context):
+        if request.name:
+            await _checked(context, _service.check_model, request.name)
+        stats = {"model_stats": [self.svc.metrics.statistics(m) for m in ([request.name] if request.name else MODELS)]}
+        return json_format.ParseDict(stats, pb.ModelStatisticsResponse())
+
+    async def ModelInfer(self, request, context):
+        svc, model, start = self.svc, request.model_name, time.perf_counter()
+        try:
+            _service.check_model(model)
+            inputs, params, names = _request(request, _service.OUTPUTS[model])
+            remaining = context.time_remaining()
+            out, answer = await _service.infer(svc, model, inputs, params, deadline_s=remaining)
+        except Refused as e:
+            _service.responded(svc, model, e.status, start)
+            await context.abort(_CODES[e.status], str(e))
+        response = pb.ModelInferResponse(model_name=model, model_version="1", id=request.id)
+        for key, value in answer.items():
+            response.parameters[key].int64_param = value
+        for name in names:
+            a = out[name]
+            datatype = "BYTES" if a.dtype.kind in "US" else _tensors.DATATYPES[str(a.dtype)]
+            response.outputs.add(name=name, datatype=datatype, shape=list(a.shape))
+            response.raw_output_contents.append(_tensors.tensor_bytes(a))
+        _service.responded(svc, model, 200, start)
+        return response
+
+
+async def _checked(context, fn, *args):
+    """``fn(*args)``, or the call aborted with the status of the :class:`Refused` it raises."""
+    try:
+        return fn(*args)
+    except Refused as e:
+        await context.abort(_CODES[e.status], str(e))
+
+
+def _request(request, outputs: tuple[str, ...]) -> tuple[dict[str, np.ndarray], dict, list[str]]:
+    """(the inputs by name, the parameters, the outputs to send in ``outputs`` order) of a
+    ``ModelInferRequest``; :class:`Refused` (400) naming what is malformed."""
+    try:
+        raw = list(request.raw_input_contents)
+        if raw and len(raw) != len(request.inputs):
+            raise ValueError(f"the request has {len(request.inputs)} inputs but {len(raw)} raw_input_contents; "
+                             f"give every input's data raw, or none")
+        inputs = {}
+        for i, t in enumerate(request.inputs):
+            if t.name in inputs:
+                raise ValueError(f"input {t.name} is given twice")
+            shape = _tensors.tensor_shape(t.name, list(t.shape))
+            if t.datatype != "BYTES" and t.datatype not in _tensors.DTYPES:
+                raise ValueError(f"input {t.name} has datatype {t.datatype!r}; expected one of "
+                                 f"{', '.join(_tensors.DTYPES)} or BYTES")
+            if raw:
+                inputs[t.name] = _tensors.tensor_from_bytes(t.name, memoryview(raw[i]), shape, t.datatype)
+            elif t.datatype in _CONTENTS:
+                values = list(getattr(t.contents, _CONTENTS[t.datatype]))
+                if t.datatype == "BYTES":
+                    inputs[t.name] = _tensors.tensor_from_strings(t.name, values, shape)
+                else:
+                    inputs[t.name] = _tensors.tensor_from_values(t.name, values, shape, t.datatype)
+            else:
+                raise ValueError(f"input {t.name}: {t.datatype} data must come as raw_input_contents")
+        params = {k: getattr(v, v.WhichOneof("parameter_choice")) for k, v in request.parameters.items()
+                  if v.WhichOneof("parameter_choice")}
+        asked = [o.name for o in request.outputs]
+        unknown = [n for n in asked if n not in outputs]
+        if unknown:
+            raise ValueError(f"unknown output {unknown[0]!r}; this model has {', '.join(outputs)}")
+        names = [n for n in outputs if not asked or n in asked]
+    except ValueError as e:
+        raise Refused(400, str(e)) from None
+    return inputs, params, names

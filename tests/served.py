@@ -1,0 +1,80 @@
+"""``lik serve`` as a real process on a loopback port, for the serving tests."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class Server:
+    """``lik serve ARGS`` on an ephemeral loopback port (``port``; ``grpc_port`` too when ARGS hold
+    ``--grpc-port 0``), ready when constructed; its stderr kept (``stop`` returns it)."""
+
+    def __init__(self, *args):
+        for m in ("starlette", "uvicorn", "prometheus_client"):  # the [serve] extra
+            pytest.importorskip(m)
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        self.proc = subprocess.Popen([sys.executable, "-m", "lik_cupy", "serve", *map(str, args), "--port", "0"],
+                                     stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+        self.lines, self.port, self.grpc_port = [], None, None
+        listening = threading.Event()
+
+        def drain():
+            for line in self.proc.stderr:
+                self.lines.append(line)
+                m = re.search(r"listening on (http|grpc)://127\.0\.0\.1:(\d+)", line)
+                if m and m.group(1) == "grpc":
+                    self.grpc_port = int(m.group(2))
+                elif m:
+                    self.port = int(m.group(2))
+                    listening.set()
+
+        threading.Thread(target=drain, daemon=True).start()
+        try:
+            assert listening.wait(60), f"lik serve did not start: {''.join(self.lines)}"
+            for _ in range(600):
+                try:
+                    if self.get("/v2/health/ready")[0] == 200:
+                        return
+                except ConnectionRefusedError:  # bound, not yet listening
+                    pass
+                time.sleep(0.1)
+            raise AssertionError(f"lik serve did not turn ready: {''.join(self.lines)}")
+        except BaseException:
+            self.proc.kill()  # no server outlives a failed start
+            self.proc.wait(60)
+            raise
+
+    def request(self, method, path, body=None, headers=None):
+        c = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
+        try:
+            c.request(method, path, body=body, headers=headers or {})
+            r = c.getresponse()
+            return r.status, {k.lower(): v for k, v in r.getheaders()}, r.read()
+        finally:
+            c.close()
+
+    def get(self, path):
+        return self.request("GET", path)
+
+    def infer(self, model, payload, headers=None):
+        body = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+        return self.request("POST", f"/v2/models/{model}/infer", body, headers)
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        self.proc.wait(60)
+        return "".join(self.lines)

@@ -1,0 +1,176 @@
+"""``lik serve --grpc-port`` on the CPU path: a real server on loopback and an unmodified
+tritonclient gRPC client (the binary ``raw_input_contents`` it sends) and grpcio's own stub (typed
+``contents``): answers bitwise those of in-process Corpus calls, concurrent clients, model metadata,
+configuration and statistics, bad requests named with the right status code while the server keeps
+serving, a port that is taken, and SIGTERM."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import lik_cupy
+from lik_cupy import shards
+from served import ROOT, Server
+from threads import run_threads
+
+grpcclient = pytest.importorskip("tritonclient.grpc")
+grpc = pytest.importorskip("grpc")
+pytest.importorskip("lik_cupy.serving.grpc")
+
+DIM = 12
+
+
+@pytest.fixture(scope="module")
+def shard(tmp_path_factory):
+    rng = np.random.default_rng(21)
+    docs = [rng.standard_normal((int(n), DIM)).astype(np.float32) for n in rng.integers(1, 20, 150)]
+    path = tmp_path_factory.mktemp("serve_grpc") / "shard0"
+    shards.pack_arrays(docs, path, ids=np.arange(150) * 2 + 7)
+    return path
+
+
+@pytest.fixture(scope="module")
+def served(shard):
+    s = Server(shard, "--devices", "cpu,cpu", "--max-batch", "8", "--max-delay-us", "2000", "--grpc-port", "0")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def local(shard):
+    return lik_cupy.Corpus.from_shards(shard, device="cpu")
+
+
+@pytest.fixture()
+def client(served):
+    c = grpcclient.InferenceServerClient(f"127.0.0.1:{served.grpc_port}")
+    yield c
+    c.close()
+
+
+def _input(name, a, datatype):
+    t = grpcclient.InferInput(name, list(a.shape), datatype)
+    t.set_data_from_numpy(a)
+    return t
+
+
+def test_health_metadata_config_and_statistics(served, client):
+    assert served.grpc_port and client.is_server_live() and client.is_server_ready()
+    assert client.is_model_ready("search") and client.get_server_metadata().name == "lik-cupy"
+    meta = client.get_model_metadata("rerank", as_json=True)
+    assert [(i["name"], i["datatype"], i["shape"]) for i in meta["inputs"]] == \
+        [("Q", "FP32", ["-1", str(DIM)]), ("IDS", "INT64", ["-1"])]
+    config = client.get_model_config("search", as_json=True)["config"]
+    assert config["name"] == "search" and [i["name"] for i in config["input"]] == ["Q", "K"]
+    assert config["instance_group"] == [{"count": 2, "kind": "KIND_CPU"}]
+    with pytest.raises(grpcclient.InferenceServerException, match="unknown model 'nope'"):
+        client.get_model_metadata("nope")
+
+
+def test_requests_equal_in_process_calls(client, local):
+    rng = np.random.default_rng(22)
+    q = rng.standard_normal((17, DIM)).astype(np.float32)
+    r = client.infer("search", [_input("Q", q, "FP32"), _input("K", np.array([9], np.int32), "INT32")])
+    s, i = local.search(q, 9)
+    assert np.array_equal(r.as_numpy("SCORES"), s) and np.array_equal(r.as_numpy("IDS"), i)
+    assert r.get_response().parameters["batch_queries"].int64_param >= 1
+    Q3 = rng.standard_normal((2, 5, DIM)).astype(np.float32)
+    ids = np.array([[7, 9, 305], [11, 7, 13]])
+    r = client.infer("rerank", [_input("Q", Q3, "FP32"), _input("IDS", ids, "INT64")],
+                     outputs=[grpcclient.InferRequestedOutput("SCORES")], timeout=10_000_000, client_timeout=60)
+    assert np.array_equal(r.as_numpy("SCORES"), local.rerank(Q3, (ids - 7) // 2))
+    r = client.infer("score", [_input("Q", q, "FP32")])
+    assert np.array_equal(r.as_numpy("SCORES"), local.score(q))
+    stats = client.get_inference_statistics("score", as_json=True)["model_stats"][0]
+    assert int(stats["inference_count"]) >= 1 and int(stats["inference_stats"]["success"]["count"]) >= 1
+
+
+def test_typed_contents_from_grpcio_stub(served, local):
+    from tritonclient.grpc import service_pb2 as pb, service_pb2_grpc as rpc
+
+    rng = np.random.default_rng(23)
+    q = rng.standard_normal((4, DIM)).astype(np.float32)
+    req = pb.ModelInferRequest(model_name="search", id="r-1")
+    t = req.inputs.add(name="Q", datatype="FP32", shape=list(q.shape))
+    t.contents.fp32_contents.extend(q.reshape(-1).tolist())
+    k = req.inputs.add(name="K", datatype="INT32", shape=[1])
+    k.contents.int_contents.append(5)
+    with grpc.insecure_channel(f"127.0.0.1:{served.grpc_port}") as channel:
+        stub = rpc.GRPCInferenceServiceStub(channel)
+        r = stub.ModelInfer(req, timeout=60)
+        assert r.id == "r-1" and [o.name for o in r.outputs] == ["SCORES", "IDS"]
+        s, i = local.search(q, 5)
+        assert np.array_equal(np.frombuffer(r.raw_output_contents[0], "<f4"), s)
+        assert np.array_equal(np.frombuffer(r.raw_output_contents[1], "<i8"), i)
+        del req.inputs[1]
+        with pytest.raises(grpc.RpcError) as e:
+            stub.ModelInfer(req, timeout=60)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "missing K" in e.value.details()
+        half = pb.ModelInferRequest(model_name="score")
+        half.inputs.add(name="Q", datatype="FP16", shape=[2, DIM])
+        with pytest.raises(grpc.RpcError) as e:
+            stub.ModelInfer(half, timeout=60)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "FP16 data must come as raw_input_contents" in e.value.details()
+
+
+@pytest.mark.parametrize("model, inputs, code, message", [
+    ("search", [("Q", np.zeros((3, DIM + 1), np.float32), "FP32"), ("K", np.array([3], np.int32), "INT32")],
+     "INVALID_ARGUMENT", f"dim {DIM + 1}"),
+    ("search", [("Q", np.zeros((3, DIM), np.float32), "FP32"), ("K", np.array([3.0], np.float32), "FP32")],
+     "INVALID_ARGUMENT", "K must hold one INT32"),
+    ("rerank", [("Q", np.zeros((3, DIM), np.float32), "FP32"), ("IDS", np.array([7, 8]), "INT64")],
+     "INVALID_ARGUMENT", "8"),
+    ("score", [("Q", np.zeros((3, DIM), np.int32), "INT32")], "INVALID_ARGUMENT", "Q must be FP16, BF16 or FP32"),
+    ("score", [("Q", np.zeros((3, DIM), np.float16), "FP16")], "INVALID_ARGUMENT", "send float32 queries"),
+    ("nope", [("Q", np.zeros((3, DIM), np.float32), "FP32")], "NOT_FOUND", "unknown model 'nope'"),
+])
+def test_bad_requests_get_a_named_error_and_the_server_keeps_serving(client, local, model, inputs, code, message):
+    with pytest.raises(grpcclient.InferenceServerException) as e:
+        client.infer(model, [_input(*x) for x in inputs])
+    assert e.value.status() == f"StatusCode.{code}" and message in e.value.message(), e.value
+    q = np.ones((2, DIM), np.float32)
+    assert np.array_equal(client.infer("score", [_input("Q", q, "FP32")]).as_numpy("SCORES"), local.score(q))
+
+
+def test_many_concurrent_clients_each_get_their_own_rows(served, local):
+    rng = np.random.default_rng(24)
+    qs = [rng.standard_normal((int(n), DIM)).astype(np.float32) for n in rng.integers(1, 30, 32)]
+
+    def one_client(t):  # 8 clients, 4 requests each, over one channel each
+        c = grpcclient.InferenceServerClient(f"127.0.0.1:{served.grpc_port}")
+        try:
+            for q in qs[t::8]:
+                r = c.infer("search", [_input("Q", q, "FP32"), _input("K", np.array([4], np.int32), "INT32")])
+                s, i = local.search(q, 4)
+                assert np.array_equal(r.as_numpy("SCORES"), s) and np.array_equal(r.as_numpy("IDS"), i)
+        finally:
+            c.close()
+
+    run_threads(8, one_client)
+
+
+def test_a_grpc_port_in_use_is_exit_2_naming_it(shard):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        r = subprocess.run([sys.executable, "-m", "lik_cupy", "serve", str(shard), "--port", "0", "--devices", "cpu",
+                            "--grpc-port", str(port)], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert r.returncode == 2 and f"127.0.0.1:{port}: cannot listen there for gRPC" in r.stderr, r.stderr
+
+
+def test_sigterm_answers_what_was_accepted(shard):
+    s = Server(shard, "--devices", "cpu", "--grpc-port", "0")
+    c = grpcclient.InferenceServerClient(f"127.0.0.1:{s.grpc_port}")
+    try:
+        assert c.infer("score", [_input("Q", np.ones((3, DIM), np.float32), "FP32")]).as_numpy("SCORES").shape == (150,)
+    finally:
+        c.close()
+        err = s.stop()
+    assert s.proc.returncode == 0 and "answered 1 of 1 accepted requests" in err, err
