@@ -96,10 +96,16 @@ _FEATURES = ("elem", "dp", "warps", "mt", "bn", "stages", "qreg", "argmax", "vec
 ROTATING_PER_ARCH = 12
 
 
-def _ci_sample(cfgs: list, seed: int) -> list:
+# sm_86 takes the configurations sm_89 takes (the same shared memory and register file) and ptxas
+# treats them alike: sm_89's pair cover builds them, sm_86 only each family's heaviest tile and the
+# rotating share, which keeps the cold check within CI's time.
+_NO_PAIR_COVER = {86: 89}
+
+
+def _ci_sample(cfgs: list, seed: int, pair_cover: bool = True) -> list:
     """The configurations the CI check builds for one architecture, out of ``cfgs``:
-    - a greedy cover of every pair of feature values that occurs together in ``cfgs``, so each
-      flag meets each other flag's values and each tile size at least once;
+    - with ``pair_cover``, a greedy cover of every pair of feature values that occurs together in
+      ``cfgs``, so each flag meets each other flag's values and each tile size at least once;
     - per kernel family (dtype, argmax, several queries a tile, wgmma, split-d, TMA, tokens on M,
       half query stages, residual bits, candidate ids) the tile with the most accumulator and
       fragment state, where spills show
@@ -108,7 +114,7 @@ def _ci_sample(cfgs: list, seed: int) -> list:
     """
     feats = {c.name: tuple((f, getattr(c, f)) for f in _FEATURES) for c in cfgs}
     pairs = {n: {(a, b) for i, a in enumerate(fs) for b in fs[i + 1:]} for n, fs in feats.items()}
-    uncovered = set().union(*pairs.values()) if pairs else set()
+    uncovered = set().union(*pairs.values()) if pairs and pair_cover else set()
     chosen: dict[str, object] = {}
     while uncovered:
         best = max(cfgs, key=lambda c: (len(pairs[c.name] & uncovered), c.name))
@@ -150,7 +156,10 @@ def test_check_all_compiles_without_spills(tmp_path, request):
     everything = bool(os.environ.get("LIK_COMPILE_ALL"))
     seed = _compile_seed()
     all_cfgs = {arch: dispatch.all_forward_configs(arch) for arch in archs}
-    built = {arch: (cfgs if everything else _ci_sample(cfgs, seed)) for arch, cfgs in all_cfgs.items()}
+    for arch, twin in _NO_PAIR_COVER.items():  # the premise of skipping its cover
+        assert {c.name for c in all_cfgs[arch]} <= {c.name for c in all_cfgs[twin]}, (arch, twin)
+    built = {arch: (cfgs if everything else _ci_sample(cfgs, seed, arch not in _NO_PAIR_COVER))
+             for arch, cfgs in all_cfgs.items()}
     per_arch = {arch: [] for arch in archs}
     for r in lc.check_all(archs, built, workers=WORKERS, cache=_cached()):
         per_arch[int(r["arch"][3:].rstrip("a"))].append(r)
