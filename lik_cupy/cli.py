@@ -1253,6 +1253,9 @@ def _serve_devices(text: str) -> list:
               "Needs the [serve-grpc] extra.")
 @click.option("--devices", metavar="LIST", help="Comma-separated GPU indices and/or 'cpu', one worker each; "
               "entries naming one device share its corpus (0,0: two workers on GPU 0). Default: every GPU, else cpu.")
+@click.option("--partition", is_flag=True, help="Split the shards over the --devices, a part each (consecutive "
+              "shards, even documents), instead of a replica on each, for a corpus that does not fit each GPU; one "
+              "worker runs every call on all the parts and search merges their top k exactly.")
 @click.option("--max-batch", type=click.IntRange(1), default=64, show_default=True, help="Queries per call.")
 @click.option("--max-tokens", type=click.IntRange(1), default=65536, show_default=True,
               help="Padded query tokens per call (queries x the longest).")
@@ -1262,7 +1265,8 @@ def _serve_devices(text: str) -> list:
               help="Requests waiting per device; beyond, 503.")
 @click.option("--debug", is_flag=True, help="Show a traceback on errors.")
 @_cli_errors
-def _serve_command(paths, host, port, grpc_port, devices, max_batch, max_tokens, max_delay_us, max_queue, debug):
+def _serve_command(paths, host, port, grpc_port, devices, partition, max_batch, max_tokens, max_delay_us, max_queue,
+                   debug):
     try:
         from lik_cupy.serving.http import serve
     except ImportError as e:
@@ -1274,7 +1278,7 @@ def _serve_command(paths, host, port, grpc_port, devices, max_batch, max_tokens,
             raise LikError("lik serve --grpc-port",
                            f"needs the [serve-grpc] extra (pip install 'lik-cupy[serve-grpc]'): {e}") from None
     serve(list(paths), host=host, port=port, grpc_port=grpc_port,
-          devices=_serve_devices(devices) if devices else None, max_batch=max_batch, max_tokens=max_tokens,
+          devices=_serve_devices(devices) if devices else None, partition=partition, max_batch=max_batch, max_tokens=max_tokens,
           max_delay_us=max_delay_us, max_queue=max_queue)
 
 

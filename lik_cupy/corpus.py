@@ -132,7 +132,7 @@ class Corpus:
                 self._ids_dev = cupy.asarray(self._ids)
 
     @classmethod
-    def from_shards(cls, paths, device=None, *, max_gpu_bytes=None) -> Corpus:
+    def from_shards(cls, paths, device=None, *, max_gpu_bytes=None, ids: bool = True) -> Corpus:
         """A corpus of the documents of one or more shards (``lik_cupy.shards``: shard directories, or
         padded ``[N, L, d]`` ``.npy`` files), in order, as one packed corpus; document ids are the
         shards' ``ids.npy`` values (every shard has them, of one kind, or none does).
@@ -140,6 +140,7 @@ class Corpus:
         Args:
             paths: a path or a sequence of paths.
             device, max_gpu_bytes: as for :class:`Corpus`.
+            ids: False leaves the shards' ids out: :meth:`search` returns positions.
         """
         if isinstance(paths, (str, bytes, os.PathLike)):
             paths = [paths]
@@ -168,7 +169,7 @@ class Corpus:
         if first.scales is not None:
             parts = [s.read_scales(0, s.num_docs) for s in opened]
             scales = parts[0] if len(parts) == 1 else np.concatenate(parts)
-        ids = None if not named else np.concatenate([np.asarray(s.ids) for s in opened])
+        ids = None if not (named and ids) else np.concatenate([np.asarray(s.ids) for s in opened])
         return cls(tokens, d_offsets=offsets, d_scales=scales, ids=ids, device=device, max_gpu_bytes=max_gpu_bytes)
 
     def __len__(self) -> int:

@@ -220,6 +220,58 @@ def test_id_index():
 
 # ---------------------------------------------------------------- lik serve, a real process
 
+# ---------------------------------------------------------------- a corpus split over devices
+
+
+@pytest.fixture(scope="module")
+def split_shards_dir(tmp_path_factory):
+    """(three shards of 40, 7 and 90 documents with ids, the documents); shard 2 repeats shard 0's
+    first documents, so search meets exact ties across parts (the lower position must win)."""
+    rng = np.random.default_rng(31)
+    docs = _docs(rng, 137)
+    docs[47:57] = docs[0:10]
+    base = tmp_path_factory.mktemp("split")
+    paths = []
+    for n, (a, b) in enumerate([(0, 40), (40, 47), (47, 137)]):
+        paths.append(base / f"shard{n}")
+        shards.pack_arrays(docs[a:b], paths[-1], ids=np.arange(a, b) * 10 + 3)
+    return paths, docs
+
+
+def test_a_partition_answers_bitwise_as_the_whole_corpus(split_shards_dir):
+    paths, docs = split_shards_dir
+    whole = lik_cupy.Corpus.from_shards(paths, device="cpu")
+    rng = np.random.default_rng(32)
+    with Batcher.from_shards(paths, ["cpu", "cpu", "cpu"], partition=True, max_batch=8) as b:
+        assert b.devices == ["cpu:0x3"] and len(b.corpus) == 137 and b.corpus.part_devices == [None] * 3
+        assert [len(p) for p in b.corpus.parts] == [40, 7, 90]
+        for q in [*_queries(rng, 6), docs[3], docs[42]]:  # docs[3] ties with its copy, docs[50]
+            for k in (1, 5, 60, 500):
+                s, i = b.search(q, k)
+                s1, i1 = whole.search(q, k)
+                assert np.array_equal(s, s1) and np.array_equal(i, i1), k
+            cand = rng.integers(0, 137, 30)
+            assert np.array_equal(b.rerank(q, cand), whole.rerank(q, cand))
+            assert np.array_equal(b.score(q), whole.score(q))
+        s, i = b.search(docs[3], 2)
+        assert s[0] == s[1] and i.tolist() == [33, 503]  # positions 3 and 50: the lower first
+        Q3 = np.stack([q[:5] for q in _queries(rng, 4, lo=5)])
+        cand = rng.integers(0, 47, (4, 9))  # every candidate in the first two parts: the third scores none
+        assert np.array_equal(b.rerank(Q3, cand), whole.rerank(Q3, cand))
+
+
+def test_split_shards_keeps_order_and_evens_documents():
+    from lik_cupy.serving._partition import split_shards
+
+    assert split_shards(list("abcd"), [10, 10, 10, 10], 2) == [["a", "b"], ["c", "d"]]
+    assert split_shards(list("abcd"), [100, 1, 1, 1], 2) == [["a"], ["b", "c", "d"]]
+    assert split_shards(list("abc"), [1, 1, 100], 3) == [["a"], ["b"], ["c"]]
+    with pytest.raises(ValueError, match="3 shards cannot be split over 4 devices"):
+        split_shards(list("abc"), [1, 1, 1], 4)
+    with pytest.raises(ValueError, match="a partition needs two devices at least"):
+        Batcher.from_shards(["x"], ["cpu"], partition=True)
+
+
 @pytest.fixture(scope="module")
 def shard(tmp_path_factory):
     rng = np.random.default_rng(11)
@@ -280,6 +332,27 @@ def test_health_metadata_and_metrics(served):
     for name in ("lik_serve_queue_seconds", "lik_serve_compute_seconds", "lik_serve_request_seconds",
                  "lik_serve_batch_queries", "lik_serve_rejected", "lik_serve_queue_depth"):
         assert name in text
+
+
+def test_lik_serve_partition_answers_as_the_whole_corpus(split_shards_dir):
+    paths, docs = split_shards_dir
+    whole = lik_cupy.Corpus.from_shards(paths, device="cpu")
+    server = Server(*paths, "--devices", "cpu,cpu", "--partition")
+    try:
+        q = docs[3]
+        status, _, body = server.infer("search", {"inputs": [
+            _json_q(q), {"name": "K", "shape": [1], "datatype": "INT32", "data": [7]}]})
+        out = {o["name"]: o["data"] for o in json.loads(body)["outputs"]}
+        s, i = whole.search(q, 7)
+        assert status == 200 and out["IDS"] == i.tolist() and np.array_equal(np.float32(out["SCORES"]), s)
+        status, _, body = server.infer("rerank", {"inputs": [
+            _json_q(q), {"name": "IDS", "shape": [3], "datatype": "INT64", "data": [1363, 3, 403]}]})
+        assert status == 200
+        assert np.array_equal(np.float32(json.loads(body)["outputs"][0]["data"]), whole.rerank(q, [136, 0, 40]))
+        assert json.loads(server.get("/v2/models/score/config")[2])["instance_group"] == [{"count": 1,
+                                                                                         "kind": "KIND_CPU"}]
+    finally:
+        server.stop()
 
 
 def test_json_requests_equal_in_process_calls(served, local):

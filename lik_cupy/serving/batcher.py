@@ -15,6 +15,7 @@ docs/serving.md).
 from __future__ import annotations
 
 import math
+import os
 import threading
 import time
 from concurrent.futures import Future
@@ -27,6 +28,7 @@ from .._runtime.topk import MAX_K
 from ..corpus import Corpus
 from ..precision import PRECISIONS
 from ..shards import _numpy_dtype as numpy_dtype
+from ._partition import Partition, split_shards
 from ._queue import DeviceQueue, Request
 from .errors import Overloaded, ShuttingDown
 
@@ -71,8 +73,8 @@ class Batcher:
 
     def __init__(self, replicas, *, max_batch: int = 64, max_tokens: int = 65536, max_delay_us: int = 0,
                  max_queue: int = 1024, observer: Observer | None = None):
-        replicas = [replicas] if isinstance(replicas, Corpus) else list(replicas)
-        if not replicas or not all(isinstance(c, Corpus) for c in replicas):
+        replicas = [replicas] if isinstance(replicas, (Corpus, Partition)) else list(replicas)
+        if not replicas or not all(isinstance(c, (Corpus, Partition)) for c in replicas):
             raise TypeError("replicas must be a lik_cupy.Corpus or a non-empty sequence of them")
         first = replicas[0]
         for c in replicas[1:]:
@@ -86,9 +88,15 @@ class Batcher:
         self.max_batch, self.max_tokens, self.max_queue = int(max_batch), int(max_tokens), int(max_queue)
         self._observer = observer or Observer()
         names, workers = [], {}
-        for c in replicas:  # cpu:0, cpu:1, ...; cuda:0, then cuda:0#1 for a second worker on GPU 0
-            n = workers[c.device] = workers.get(c.device, -1) + 1
-            names.append(f"cpu:{n}" if c.device is None else f"cuda:{c.device}" + (f"#{n}" if n else ""))
+        for c in replicas:  # cpu:0, cpu:1, ...; cuda:0, then cuda:0#1 for a second worker on GPU 0; cuda:0+1
+            where = tuple(c.part_devices) if isinstance(c, Partition) else c.device
+            n = workers[where] = workers.get(where, -1) + 1
+            if isinstance(c, Partition) and where[0] is not None:
+                names.append("cuda:" + "+".join(map(str, where)) + (f"#{n}" if n else ""))
+            elif isinstance(c, Partition):
+                names.append(f"cpu:{n}x{len(where)}")
+            else:
+                names.append(f"cpu:{n}" if c.device is None else f"cuda:{c.device}" + (f"#{n}" if n else ""))
         self._queues = [DeviceQueue(c, n, max_batch=self.max_batch, max_tokens=self.max_tokens,
                                     max_delay_s=max_delay_us * 1e-6, max_queue=self.max_queue, observer=self._observer)
                         for c, n in zip(replicas, names)]
@@ -96,11 +104,15 @@ class Batcher:
         self._closed = False
 
     @classmethod
-    def from_shards(cls, paths, devices=None, **kwargs) -> Batcher:
+    def from_shards(cls, paths, devices=None, *, partition: bool = False, **kwargs) -> Batcher:
         """A batcher over the documents of shard paths (:meth:`lik_cupy.Corpus.from_shards`), one
         worker per entry of ``devices``: CUDA ordinals, or ``"cpu"``; entries naming one device share
         its one corpus (a second worker on a GPU queues its call while the first one's runs).
-        Default: every GPU, else one CPU worker. ``kwargs``: as for the class."""
+        Default: every GPU, else one CPU worker. ``partition``: instead of a replica per entry, split
+        the shards over the entries of ``devices``, a part each (consecutive shards, documents as
+        even as whole shards allow), for a corpus that does not fit each GPU; one worker runs every
+        call on all the parts at once (``"cpu"`` entries make parts in host memory). ``kwargs``: as
+        for the class."""
         if devices is None:
             from .._base.device import gpu_available
 
@@ -113,6 +125,8 @@ class Batcher:
         devices = list(devices)
         if not devices:
             raise ValueError("devices is empty; give CUDA ordinals or 'cpu'")
+        if partition:
+            return cls(_partition_of(paths, devices), **kwargs)
         loaded = {}
         for d in devices:
             if d not in loaded:
@@ -183,7 +197,8 @@ class Batcher:
         kernels are compiled before the first request. Host-memory replicas need nothing."""
         dtype = "float32" if scaled_dtype(self.corpus.dtype) else self.corpus.dtype  # scaled corpora take float queries
         rng = np.random.default_rng(0)
-        for c in {id(q.corpus): q.corpus for q in self._queues if q.corpus.device is not None}.values():
+        corpora = [p for q in self._queues for p in (q.corpus.parts if isinstance(q.corpus, Partition) else [q.corpus])]
+        for c in {id(c): c for c in corpora if c.device is not None}.values():
             for n in sorted({*range(1, min(self.max_batch, max(1, 128 // lq)) + 1), self.max_batch}):
                 tokens = rng.standard_normal((n * lq, c.dim)).astype(numpy_dtype(dtype))
                 offsets = np.arange(0, n * lq + 1, lq, dtype=np.int64)
@@ -199,6 +214,9 @@ class Batcher:
             q.close()
         for q in self._queues:
             q.join(timeout)
+        for c in {id(q.corpus): q.corpus for q in self._queues}.values():
+            if isinstance(c, Partition):
+                c.close()
 
     def __enter__(self) -> Batcher:
         return self
@@ -242,6 +260,22 @@ class Batcher:
             raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
         deadline = None if timeout is None else arrival + timeout
         return Request(op, Q, arg, precision, squeeze, deadline, Future(), arrival)
+
+
+def _partition_of(paths, devices: list) -> Partition:
+    """The shards of ``paths`` split over ``devices``, a part each."""
+    from .. import shards
+
+    if len(devices) < 2:
+        raise ValueError(f"a partition needs two devices at least (a part each); devices is {devices}")
+    paths = [paths] if isinstance(paths, (str, bytes, os.PathLike)) else list(paths)
+    opened = [shards.open_input(p) for p in paths]
+    runs = split_shards(paths, [s.num_docs for s in opened], len(devices))
+    parts = [Corpus.from_shards(run, device=d, ids=False) for run, d in zip(runs, devices)]
+    named = [s.ids for s in opened if s.ids is not None]
+    if named and len(named) != len(opened):
+        raise ValueError("some shards have ids and some have none; give every shard ids.npy, or none")
+    return Partition(parts, np.concatenate([np.asarray(i) for i in named]) if named else None)
 
 
 def _candidates(candidates, nq: int, one_query: bool, nd: int) -> np.ndarray:

@@ -137,12 +137,14 @@ def make_app(load, *, max_body_bytes: int = MAX_BODY, grpc_address: str | None =
 
 
 def serve(paths, *, host: str = "127.0.0.1", port: int = 8000, grpc_port: int | None = None, devices=None,
-          max_batch: int = 64, max_tokens: int = 65536, max_delay_us: int = 0, max_queue: int = 1024) -> None:
-    """Serve the documents of shard ``paths`` (:meth:`Batcher.from_shards` for ``devices``; the rest
-    as for :class:`Batcher`) with :func:`run`: HTTP on ``port``, and gRPC on ``grpc_port`` when given."""
+          partition: bool = False, max_batch: int = 64, max_tokens: int = 65536, max_delay_us: int = 0,
+          max_queue: int = 1024) -> None:
+    """Serve the documents of shard ``paths`` (:meth:`Batcher.from_shards` for ``devices`` and
+    ``partition``; the rest as for :class:`Batcher`) with :func:`run`: HTTP on ``port``, and gRPC on
+    ``grpc_port`` when given."""
 
     def load(observer):
-        return Batcher.from_shards(paths, devices, max_batch=max_batch, max_tokens=max_tokens,
+        return Batcher.from_shards(paths, devices, partition=partition, max_batch=max_batch, max_tokens=max_tokens,
                                    max_delay_us=max_delay_us, max_queue=max_queue, observer=observer)
 
     grpc_address = None if grpc_port is None else f"{f'[{host}]' if ':' in host else host}:{grpc_port}"

@@ -1,0 +1,149 @@
+"""A corpus split over devices, for :class:`lik_cupy.serving.Batcher`: when one copy of the documents
+does not fit each GPU, each GPU holds consecutive shards and a call runs on every part at once.
+
+A :class:`Partition` answers ``search``, ``rerank`` and ``score`` with packed queries as one
+:class:`lik_cupy.Corpus` over all the documents does:
+
+- ``score``: each part's columns, side by side.
+- ``search``: each part's top k, merged exactly: score descending, ties to the lower global
+  position, NaN last (``Corpus.search``'s order), then the shards' ids.
+- ``rerank``: each candidate goes to the part that holds it; a part scores only its candidates
+  (its rows padded to its longest, the padding dropped).
+
+Scores: on the CPU path a document's score does not depend on the rest of the call, so a partition
+answers bitwise as the whole corpus does (``tests/test_serve.py``). On GPUs each part's call takes
+the kernels its own size selects, whose scores agree to float rounding.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from ..corpus import Corpus
+
+__all__ = ["Partition", "split_shards"]
+
+
+class Partition:
+    """Consecutive parts of one corpus, each a :class:`Corpus` on its own device (see the module
+    docstring). ``parts``: corpora of one dtype and dim, without ids, in document order; ``ids``:
+    the external ids of all their documents, or None."""
+
+    def __init__(self, parts: list[Corpus], ids: np.ndarray | None = None):
+        if len(parts) < 2:
+            raise ValueError("a partition needs at least two parts")
+        first = parts[0]
+        for p in parts[1:]:
+            if (p.dim, p.dtype) != (first.dim, first.dtype):
+                raise ValueError(f"partition parts differ: {p!r} against {first!r}")
+        if any(p.ids is not None for p in parts):
+            raise ValueError("partition parts must have no ids of their own; give the partition's ids")
+        self.parts = list(parts)
+        self.starts = np.cumsum([0] + [len(p) for p in parts], dtype=np.int64)
+        if ids is not None and len(ids) != self.starts[-1]:
+            raise ValueError(f"ids has {len(ids)} entries for {self.starts[-1]} documents")
+        self._ids = ids
+        self.dim, self.dtype = first.dim, first.dtype
+        self.device = None  # the parts keep their own devices; a queue over a partition makes no context
+        self._pool = ThreadPoolExecutor(len(parts), thread_name_prefix="lik-serve-part")
+        self._streams = threading.local()
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    @property
+    def ids(self) -> np.ndarray | None:
+        return self._ids
+
+    @property
+    def part_devices(self) -> list[int | None]:
+        return [p.device for p in self.parts]
+
+    def __repr__(self) -> str:
+        where = ", ".join("host memory" if p.device is None else f"cuda:{p.device}" for p in self.parts)
+        return f"Partition({len(self)} documents in {len(self.parts)} parts, dim {self.dim}, {self.dtype}; {where})"
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+    # ------------------------------------------------------------ calls (Corpus's, with packed queries)
+
+    def score(self, Q, *, q_offsets, precision=None) -> np.ndarray:
+        cols = self._each(lambda p, _: p.score(Q, q_offsets=q_offsets, precision=precision))
+        return np.concatenate(cols, axis=1)
+
+    def search(self, Q, k: int, *, q_offsets, precision=None) -> tuple[np.ndarray, np.ndarray]:
+        found = self._each(lambda p, _: p.search(Q, k, q_offsets=q_offsets, precision=precision))
+        scores = np.concatenate([s for s, _ in found], axis=1)
+        pos = np.concatenate([i.astype(np.int64) + self.starts[n] for n, (_, i) in enumerate(found)], axis=1)
+        nan = np.isnan(scores)
+        order = np.lexsort((pos, -np.where(nan, 0, scores), nan), axis=1)[:, :min(k, len(self))]
+        scores, pos = np.take_along_axis(scores, order, 1), np.take_along_axis(pos, order, 1)
+        return scores, (pos if self._ids is None else self._ids[pos])
+
+    def rerank(self, Q, candidates, *, q_offsets, precision=None) -> np.ndarray:
+        cand = np.asarray(candidates, np.int64)
+        owner = np.searchsorted(self.starts, cand, side="right") - 1
+        out = np.empty(cand.shape, np.float32)
+
+        def part(p, n):
+            mine = owner == n
+            width = int(mine.sum(axis=1).max(initial=0))
+            if width == 0:
+                return
+            # each row's candidates of this part first (stable: in the row's order), padded with its first
+            rank = np.argsort(~mine, axis=1, kind="stable")[:, :width]
+            local = np.take_along_axis(cand, rank, 1) - self.starts[n]
+            keep = np.take_along_axis(mine, rank, 1)
+            local[~keep] = 0
+            s = p.rerank(Q, local, q_offsets=q_offsets, precision=precision)
+            rows = np.nonzero(keep)
+            out[rows[0], rank[rows]] = s[rows]
+
+        self._each(part)
+        return out
+
+    def _each(self, call) -> list:
+        """``call(part, n)`` on every part at once, each in a thread of its own on its part's device
+        and a stream of that thread's (the parts' calls overlap across GPUs)."""
+        def run(n):
+            p = self.parts[n]
+            with self._device(p):
+                return call(p, n)
+
+        return list(self._pool.map(run, range(len(self.parts))))
+
+    def _device(self, part: Corpus):
+        if part.device is None:
+            return contextlib.nullcontext()
+        import cupy
+
+        streams = self._streams.__dict__.setdefault("by_device", {})
+        if part.device not in streams:
+            with cupy.cuda.Device(part.device):
+                streams[part.device] = cupy.cuda.Stream(non_blocking=True)
+        stack = contextlib.ExitStack()
+        stack.enter_context(cupy.cuda.Device(part.device))
+        stack.enter_context(streams[part.device])
+        return stack
+
+
+def split_shards(paths: list, counts: list[int], parts: int) -> list[list]:
+    """``paths`` (shards of ``counts`` documents) cut into ``parts`` runs of consecutive shards with
+    document counts as even as whole shards allow; every run holds a shard at least."""
+    if parts > len(paths):
+        raise ValueError(f"{len(paths)} shards cannot be split over {parts} devices; give a shard per device at least")
+    ends = np.cumsum(counts)
+    total, cuts, at = int(ends[-1]), [], 0
+    for n in range(1, parts):
+        # the shard boundary nearest to the n-th even share, leaving a shard for each later run
+        target = total * n / parts
+        j = int(np.argmin(np.abs(ends[at:len(paths) - (parts - n)] - target))) + at + 1
+        cuts.append(j)
+        at = j
+    bounds = [0, *cuts, len(paths)]
+    return [list(paths[a:b]) for a, b in zip(bounds, bounds[1:])]
