@@ -15,6 +15,7 @@ from . import _dispatch as dispatch
 from . import _interop as interop
 from ._base.device import allocating, device_properties
 from ._dispatch.backend import check_backend, use_gpu
+from ._dispatch.select import BACKWARD_METHODS
 from ._interop import device_array, host_array
 from ._runtime.device_checks import capturing, strict
 from ._runtime.backward import THREADS, atomic_functions, doc_rows, launch_backward
@@ -24,8 +25,6 @@ from ._runtime.prepared_calls import PreparedBackward, call_key, lookup, store
 from ._validate import Problem, check_argmax_values, check_backward
 
 __all__ = ["maxsim_backward"]
-
-_METHODS = ("auto", "csr", "atomic")
 
 
 def maxsim_backward(grad_scores, Q, D, argmax, *, d_offsets=None, method="auto", validate=None, backend="auto"):
@@ -76,8 +75,8 @@ def maxsim_backward(grad_scores, Q, D, argmax, *, d_offsets=None, method="auto",
     call = lookup(key)
     if call is not None:
         return call(grad_scores, Q, D, argmax, d_offsets)
-    if method not in _METHODS:
-        raise ValueError(f"method must be one of {_METHODS}, got {method!r}")
+    if method not in BACKWARD_METHODS:
+        raise ValueError(f"method must be one of {BACKWARD_METHODS}, got {method!r}")
     check_backend(backend)
     p = check_backward(grad_scores, Q, D, argmax, d_offsets)
     on_gpu = use_gpu(backend, p.device, float64=p.dtype == "float64", float64_gpu=True)

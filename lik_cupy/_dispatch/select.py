@@ -298,6 +298,9 @@ def all_forward_configs(arch: int, dims=None) -> list[FwdConfig]:
     return list(seen.values())
 
 
+BACKWARD_METHODS = ("auto", "csr", "atomic")  # maxsim_backward's method=
+
+
 def choose_backward(method: str, cc: int, nq: int, nd: int, lq: int, rows: int, dim: int) -> str:
     """"atomic" or "csr" for ``maxsim_backward``'s dD (an explicit method is kept as asked).
 

@@ -26,7 +26,7 @@ from .._interop import FLOAT_DTYPES, dtype_name
 from .._runtime.topk import MAX_K
 from ..corpus import Corpus
 from ..precision import PRECISIONS
-from ..shards import _numpy_dtype as numpy_dtype
+from .._shard_format import numpy_dtype
 from ._queue import DeviceQueue, Request
 from .errors import Overloaded, ShuttingDown
 
