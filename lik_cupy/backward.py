@@ -121,9 +121,6 @@ def _host_out(x64: np.ndarray, dtype, shape, p: Problem, like):
         with cupy.cuda.Device(p.device):
             dev = cupy.asarray(out.view(np.uint16) if bf16 else out)
             return _out(dev, shape, p, like, p.framework, on_host=False)
-    if p.framework == "torch" and bf16:
-        torch = __import__("sys").modules["torch"]
-        return torch.from_numpy(out.view(np.int16)).view(torch.bfloat16)
     return interop.from_numpy(out, p.framework)
 
 
@@ -170,13 +167,16 @@ def _prepared(key, p: Problem, method: str, q_shape, d_shape):
     """The :class:`PreparedBackward` of a validated GPU call whose signature ``key`` can take the
     repeat path (device arrays of torch or CuPy, C-contiguous and 16-byte aligned, float32
     grad_scores, int64 offsets, the atomic method), made and stored; None otherwise."""
-    if key is None or p.dtype not in BACKWARD_DTYPES or (p.dtype == "bfloat16" and p.framework != "torch"):
+    if key is None:
+        return None
+    a = interop.REPEAT_CALLS[p.framework]
+    if p.dtype not in BACKWARD_DTYPES or p.dtype not in a.NEW_DTYPES:  # (CuPy makes no bfloat16 arrays)
         return None
     sigs = key[2:]  # grad_scores, Q, D, argmax, d_offsets: (shape, dtype, device, aligned, contiguous)
     if any(s is not None and (s[2] < 0 or not s[3] or not s[4]) for s in sigs):
         return None
-    g_dtype, off = interop.dtype_name(sigs[0][1]) if p.framework == "cupy" else str(sigs[0][1]), sigs[4]
-    if not g_dtype.endswith("float32") or (off is not None and not str(off[1]).endswith("int64")):
+    off = sigs[4]
+    if a.dtype_name(sigs[0][1]) != "float32" or (off is not None and a.dtype_name(off[1]) != "int64"):
         return None
     rows = doc_rows(p)
     if not (p.nq * p.lq and p.nd and p.dim and rows):

@@ -15,7 +15,8 @@ ROOT = pathlib.Path(lik_cupy.__file__).parent
 LAYERS = (
     ("errors", "_version"),
     ("_base", "_files", "_shard_format", "_cpu", "_ranking", "_batched_calls"),
-    ("_dispatch", "_interop", "_atomic"),
+    ("_interop", "_atomic"),
+    ("_dispatch",),  # reads a framework's TF32 default through its adapter
     ("_validate",),
     ("_runtime",),
     ("_streaming", "_maxsim_calls"),
