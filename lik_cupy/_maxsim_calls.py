@@ -15,7 +15,7 @@ from . import _cpu as cpu
 from ._dispatch import kernel_dtype
 from ._dispatch.backend import check_backend, scoring_on_gpu
 from ._dispatch.precision import fp32_accurate
-from ._interop import caller_results, caller_stream, describe, device_array, host_array, host_result
+from ._interop import GpuCall, describe, host_array, host_result
 from ._runtime.device_checks import call_checks
 from ._runtime.launch import launch, prepare, use_tma_for
 from ._runtime.prepared_calls import PreparedCall, call_key, lookup, store
@@ -188,64 +188,50 @@ def _cpu_varlen(p: Problem, Q, D, d_offsets, q_mask, q_lengths, q_offsets, retur
 
 
 def _gpu(p: Problem, Q, D, q_mask, d_mask, q_lengths, d_lengths, return_argmax, validate, x3: bool, zero_pad=None):
-    import cupy
-
-    fw = p.framework
-    on_host = p.device is None
-    device = p.device if p.device is not None else cupy.cuda.runtime.getDevice()
     with call_checks(True if validate is not False and host_metadata(q_lengths, d_lengths) else validate) as checks:
-        with caller_stream(fw, device):
-            q = device_array(Q, fw, on_host)
-            d = device_array(D, fw, on_host)
-            q, d = kernel_operands(p.dtype, q, d)
+        with GpuCall(p) as g:
+            q, d = kernel_operands(p.dtype, g.array(Q), g.array(D))
             nrows = p.nq * p.nd if p.candidates else p.nd
-            qm, ql = device_valid(q_mask, q_lengths, p.nq, p.lq, "q_lengths", fw, on_host, checks)
-            dm, dl = device_valid(d_mask, d_lengths, nrows, p.ld, "d_lengths", fw, on_host, checks)
-            zp = _device_zero_pad(zero_pad, nrows, fw, on_host)
+            qm, ql = device_valid(q_mask, q_lengths, p.nq, p.lq, "q_lengths", g.framework, g.on_host, checks)
+            dm, dl = device_valid(d_mask, d_lengths, nrows, p.ld, "d_lengths", g.framework, g.on_host, checks)
+            zp = _device_zero_pad(zero_pad, nrows, g)
             kp = replace(p, dtype=kernel_dtype(p.dtype))
-            scores, amax = launch(kp, q, d, qm, dm, ql, dl, return_argmax, device, x3=x3, zero_pad=zp)
-            checks.apply(p, scores, amax, device)
-            results = caller_results(p, scores.astype("float64") if p.dtype == "float64" else scores, amax, on_host)
+            scores, amax = launch(kp, q, d, qm, dm, ql, dl, return_argmax, g.device, x3=x3, zero_pad=zp)
+            checks.apply(p, scores, amax, g.device)
+            results = g.results(p, scores.astype("float64") if p.dtype == "float64" else scores, amax)
         checks.verify()  # last, while the scoring kernel runs (lik_cupy._runtime.device_checks)
     return results
 
 
 def _gpu_varlen(p: Problem, Q, D, d_offsets, q_mask, q_lengths, q_offsets, return_argmax, validate, x3: bool,
                 zero_pad=None):
-    import cupy
-
-    fw = p.framework
-    on_host = p.device is None
-    device = p.device if p.device is not None else cupy.cuda.runtime.getDevice()
     with call_checks(True if validate is not False and host_metadata(q_lengths, d_offsets) else validate) as checks:
-        with caller_stream(fw, device):
-            q = device_array(Q, fw, on_host)
-            d = device_array(D, fw, on_host).reshape(p.ntok, p.dim)
-            q, d = kernel_operands(p.dtype, q, d)
-            doff = device_offsets(device_array(d_offsets, fw, on_host), p.ntok, "d_offsets", True, checks)
+        with GpuCall(p) as g:
+            q, d = kernel_operands(p.dtype, g.array(Q), g.array(D).reshape(p.ntok, p.dim))
+            doff = device_offsets(g.array(d_offsets), p.ntok, "d_offsets", True, checks)
             qm = None
             if q_offsets is not None:
-                q, ql = unpack_queries(q.reshape(-1, p.dim), device_array(q_offsets, fw, on_host), p.nq)
+                q, ql = unpack_queries(q.reshape(-1, p.dim), g.array(q_offsets), p.nq)
                 p = replace(p, lq=q.shape[1], argmax_shape=p.scores_shape + (q.shape[1],))
             else:
                 q = q.reshape(p.nq, p.lq, p.dim)
-                qm, ql = device_valid(q_mask, q_lengths, p.nq, p.lq, "q_lengths", fw, on_host, checks)
+                qm, ql = device_valid(q_mask, q_lengths, p.nq, p.lq, "q_lengths", g.framework, g.on_host, checks)
             ld_hint = -(-p.ntok // max(1, p.nd))
-            zp = _device_zero_pad(zero_pad, p.nd, fw, on_host)
+            zp = _device_zero_pad(zero_pad, p.nd, g)
             kp = replace(p, dtype=kernel_dtype(p.dtype))
-            scores, amax = launch(kp, q, d, qm, None, ql, None, return_argmax, device, d_off=doff, ld_hint=ld_hint,
+            scores, amax = launch(kp, q, d, qm, None, ql, None, return_argmax, g.device, d_off=doff, ld_hint=ld_hint,
                                   x3=x3, zero_pad=zp)
-            checks.apply(p, scores, amax, device)
-            results = caller_results(p, scores.astype("float64") if p.dtype == "float64" else scores, amax, on_host)
+            checks.apply(p, scores, amax, g.device)
+            results = g.results(p, scores.astype("float64") if p.dtype == "float64" else scores, amax)
         checks.verify()  # last, while the scoring kernel runs (lik_cupy._runtime.device_checks)
     return results
 
 
-def _device_zero_pad(zero_pad, rows: int, fw: str, on_host: bool):
+def _device_zero_pad(zero_pad, rows: int, g: GpuCall):
     """The zero-vector padding flags as the kernels read them: contiguous uint8 [rows], None, or
     ``"masked"`` (``launch`` makes them with the mask's spans)."""
     if zero_pad is None or isinstance(zero_pad, str):
         return zero_pad
     import cupy
 
-    return cupy.ascontiguousarray(device_array(zero_pad, fw, on_host).reshape(rows)).view(cupy.uint8)
+    return cupy.ascontiguousarray(g.array(zero_pad).reshape(rows)).view(cupy.uint8)

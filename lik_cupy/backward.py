@@ -16,7 +16,7 @@ from . import _interop as interop
 from ._base.device import allocating, device_properties
 from ._dispatch.backend import check_backend, use_gpu
 from ._dispatch.select import BACKWARD_METHODS
-from ._interop import device_array, host_array
+from ._interop import GpuCall, host_array
 from ._runtime.device_checks import capturing, strict
 from ._runtime.backward import THREADS, atomic_functions, doc_rows, launch_backward
 from ._runtime.kernels import BACKWARD_DTYPES
@@ -136,28 +136,25 @@ def _gpu(p: Problem, g, Q, D, argmax, d_offsets, method, validate, q_shape, d_sh
 
     # host values raise (operands.host_metadata) unless the caller said validate=False
     validate = strict(validate) or (validate is not False and host_metadata(argmax, d_offsets))
-    fw = p.framework
-    on_host = p.device is None
-    device = p.device if p.device is not None else cupy.cuda.runtime.getDevice()
     rows = doc_rows(p)
     esize = {"float64": 8, "float32": 4}.get(p.dtype, 2)
     staged = (p.nq * p.lq + rows) * p.dim * esize + p.nq * p.nd * (4 + 4 * p.lq)  # Q, D, grad_scores, argmax
-    with interop.caller_stream(fw, device):
+    with GpuCall(p) as gpu:
+        fw, on_host = gpu.framework, gpu.on_host
         with allocating("maxsim_backward: Q, D, grad_scores and argmax on the GPU", staged,
                         "pass them as device arrays (host arrays are copied over), or split the call"):
-            q = device_array(Q, fw, on_host).reshape(p.nq * p.lq, p.dim)
-            d = device_array(D, fw, on_host).reshape(rows, p.dim)
+            q = gpu.array(Q).reshape(p.nq * p.lq, p.dim)
+            d = gpu.array(D).reshape(rows, p.dim)
             gs = _grad_f32(g, fw, on_host, p)
-            a = device_array(argmax, fw, on_host).reshape(p.nq, p.nd, p.lq)
+            a = gpu.array(argmax).reshape(p.nq, p.nd, p.lq)
         q, d = kernel_operands(p.dtype, q, d)  # float64: the forward's float32 rounding; float64 gradients
-        off = device_offsets(device_array(d_offsets, fw, on_host), p.ntok, "d_offsets", validate,
-                             wide=True) if p.d_packed else None
+        off = device_offsets(gpu.array(d_offsets), p.ntok, "d_offsets", validate, wide=True) if p.d_packed else None
         if validate and a.size and not capturing():  # no host read inside graph capture (device_checks.py)
             limit = (off[1:] - off[:-1])[None, :, None] if off is not None else p.ld
             lo, over = (int(v) for v in cupy.stack([a.min().astype(cupy.int64),
                                                    (a >= limit).any().astype(cupy.int64)]).get())
             check_argmax_values(lo, bool(over), _limit_words(p))
-        dq, dd = launch_backward(p, q, d, gs, a, off, method, device)
+        dq, dd = launch_backward(p, q, d, gs, a, off, method, gpu.device)
         if p.dtype == "float64":
             dq, dd = dq.astype(cupy.float64), dd.astype(cupy.float64)
         return _out(dq, q_shape, p, Q, fw, on_host), _out(dd, d_shape, p, D, fw, on_host)

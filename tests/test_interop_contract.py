@@ -92,3 +92,34 @@ def test_torch_takes_a_host_bfloat16_result_as_its_bits():
     t = interop.from_numpy(a, "torch")
     assert t.dtype == torch.bfloat16 and t.tolist() == [[1.5, -2.0], [0.0, 3.25]]
     assert interop.from_numpy(np.float32(2.0), "torch").shape == ()  # 0-d stays 0-d
+
+
+def test_gpu_call_picks_the_device_and_holds_the_callers_stream(monkeypatch):
+    # the prologue of every public GPU path (lik_cupy._interop.GpuCall), on a stand-in framework
+    cupy = pytest.importorskip("cupy")
+    events = []
+
+    class Stream:
+        def __init__(self, device):
+            self.device = device
+
+        def __enter__(self):
+            events.append(("enter", self.device))
+
+        def __exit__(self, *exc):
+            events.append(("exit", self.device, exc[0]))
+
+    fake = types.SimpleNamespace(caller_stream=Stream, from_cupy=lambda a, on_host: ("fake", a, on_host))
+    monkeypatch.setitem(interop.ADAPTERS, "fake", fake)
+    monkeypatch.setattr(cupy.cuda.runtime, "getDevice", lambda: 7)
+    on = types.SimpleNamespace(framework="fake", device=3)
+    with interop.GpuCall(on) as g:
+        assert (g.device, g.on_host, events) == (3, False, [("enter", 3)])
+        assert g.result("s") == ("fake", "s", False)
+    assert events[-1] == ("exit", 3, None)
+    host = types.SimpleNamespace(framework="fake", device=None)
+    assert (interop.GpuCall(host).device, interop.GpuCall(host).on_host) == (7, True)  # the current device
+    assert interop.GpuCall(host, 5).device == 5  # a device of the call's own (a Corpus's)
+    with pytest.raises(KeyError), interop.GpuCall(host, 5):
+        raise KeyError("inside")
+    assert events[-1] == ("exit", 5, KeyError)

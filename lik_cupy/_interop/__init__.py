@@ -23,7 +23,7 @@ from .info import Info, dtype_name
 
 __all__ = ["FLOAT_DTYPES", "ADAPTERS", "REPEAT_CALLS", "CALLBACK_BUFFERS", "Info", "dtype_name", "framework_of",
            "describe", "is_bfloat16", "to_cupy", "to_numpy", "from_cupy", "bfloat16_from_bits", "from_numpy",
-           "caller_stream", "tf32_default", "host_array", "host_result", "device_array", "caller_results"]
+           "caller_stream", "tf32_default", "host_array", "host_result", "device_array", "caller_results", "GpuCall"]
 
 FLOAT_DTYPES = ("float16", "bfloat16", "float32")
 ADAPTERS = {m.FRAMEWORK: m for m in (numpy_arrays, cupy_arrays, torch_tensors, jax_arrays, dlpack_arrays)}
@@ -138,3 +138,44 @@ def caller_results(p, scores, amax, on_host: bool):
     if amax is not None:
         amax = from_cupy(amax.reshape(p.argmax_shape), p.framework, on_host)
     return scores, amax
+
+
+class GpuCall:
+    """The prologue every public GPU path shares: the caller's framework, the device (``device``, else
+    the arrays', else the current one) and whether the arrays are on the host. Entered (``with
+    GpuCall(p) as g``), CuPy works on that device and the caller's stream and allocator
+    (``caller_stream``); ``array`` brings an argument over, ``result`` and ``results`` hand CuPy
+    results back in the caller's framework. ``p``: anything with ``.framework`` and ``.device``."""
+
+    __slots__ = ("framework", "device", "on_host", "_stream")
+
+    def __init__(self, p, device: int | None = None):
+        self.framework = p.framework
+        self.on_host = p.device is None
+        if device is None:
+            device = p.device
+            if device is None:
+                import cupy
+
+                device = cupy.cuda.runtime.getDevice()
+        self.device = device
+
+    def __enter__(self) -> GpuCall:
+        self._stream = ADAPTERS[self.framework].caller_stream(self.device)
+        self._stream.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._stream.__exit__(*exc)
+
+    def array(self, x):
+        """An argument as a CuPy array on the device (``device_array``)."""
+        return device_array(x, self.framework, self.on_host)
+
+    def result(self, a):
+        """A CuPy result in the caller's framework, on the host for host arguments."""
+        return from_cupy(a, self.framework, self.on_host)
+
+    def results(self, p, scores, amax):
+        """Scores (and argmax) of problem ``p`` in the caller's framework and shapes (``caller_results``)."""
+        return caller_results(p, scores, amax, self.on_host)
