@@ -15,7 +15,8 @@ Out of memory: an adapter that allocates through its framework (``torch_tensors.
 
 from __future__ import annotations
 
-from typing import ContextManager, Protocol
+from contextlib import AbstractContextManager
+from typing import Protocol
 
 import numpy as np
 
@@ -48,7 +49,7 @@ class Adapter(Protocol):
     def from_numpy(self, a: np.ndarray):
         """A host NumPy result (bfloat16 as ``ml_dtypes.bfloat16``) as this framework's array."""
 
-    def caller_stream(self, device: int) -> ContextManager:
+    def caller_stream(self, device: int) -> AbstractContextManager:
         """Entered around a call's GPU work: CuPy on ``device``, on the framework's current stream and
         with its allocator where it has them."""
 
