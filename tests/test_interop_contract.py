@@ -1,6 +1,6 @@
 """The framework adapter contract (``lik_cupy._interop.contract``): each adapter module has every
 member of its protocols, functions with the protocol's parameters, and is registered where the
-package looks for it. Read without importing torch, jax or CuPy."""
+package looks for it; the core modules name no framework; ``GpuCall``, the GPU paths' prologue."""
 
 from __future__ import annotations
 
@@ -123,3 +123,42 @@ def test_gpu_call_picks_the_device_and_holds_the_callers_stream(monkeypatch):
     with pytest.raises(KeyError), interop.GpuCall(host, 5):
         raise KeyError("inside")
     assert events[-1] == ("exit", 5, KeyError)
+
+
+# Modules whose subject is one framework (or the adapters themselves): they may name it.
+_FRAMEWORK_MODULES = ("_interop/", "torch.py", "_torch_autograd.py", "jax.py", "_jax_ops.py", "_jax_xla.py",
+                      "integrations/", "_plaid_files.py")  # (_plaid_files reads torch's .pt format, not tensors)
+
+
+def framework_tests(path) -> list[str]:
+    """Where ``path`` compares something with a framework's name (``fw == "torch"``) or keys a table by
+    one: knowledge of a framework that belongs in its adapter."""
+    import ast
+
+    names = set(interop.ADAPTERS)
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Compare):
+            consts = [c for c in ast.walk(node) if isinstance(c, ast.Constant) and c.value in names]
+        elif isinstance(node, ast.Dict):
+            consts = [k for k in node.keys if isinstance(k, ast.Constant) and k.value in names]
+        else:
+            continue
+        out += [f"{path.name}:{c.lineno} {c.value!r}" for c in consts]
+    return out
+
+
+def test_no_core_module_tests_a_framework_by_name():
+    import pathlib
+
+    root = pathlib.Path(interop.__file__).parents[1]
+    core = [p for p in sorted(root.rglob("*.py"))
+            if not any(str(p.relative_to(root)).startswith(m) for m in _FRAMEWORK_MODULES)]
+    assert len(core) > 50
+    assert [t for p in core for t in framework_tests(p)] == []
+
+
+def test_the_framework_name_check_sees_comparisons_and_tables(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text('if fw == "torch":\n    pass\nok = fw in ("cupy", "other")\nt = {"jax": 1}\nx = "numpy"\n')
+    assert framework_tests(probe) == ["probe.py:1 'torch'", "probe.py:3 'cupy'", "probe.py:4 'jax'"]
