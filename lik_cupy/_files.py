@@ -8,6 +8,9 @@ once instead of blocking until some writer appears. Failures become a :class:`Sh
 naming the path and saying what the error was (no such file, permission denied, a name too
 long, ...) rather than a guess: a file that cannot be seen for lack of permission is not
 reported as missing.
+
+The checked readers of ``.npy`` arrays (:func:`open_npy`) and of per-document lengths
+(:func:`read_lengths`) that shards and PLAID indexes share are here too.
 """
 
 from __future__ import annotations
@@ -15,8 +18,12 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import math
 import os
 import stat
+import tokenize
+
+import numpy as np
 
 from .errors import ShardError
 
@@ -142,3 +149,111 @@ def file_kind(path: str) -> str | None:
         return None
     except OSError as e:
         raise ShardError(path, problem(e)) from None
+
+
+# --------------------------------------------------------------------------- .npy arrays and lengths
+
+_NPY_MAGIC = b"\x93NUMPY"
+
+
+def open_npy(path: str | os.PathLike) -> np.ndarray:
+    """Open one ``.npy`` file memory-mapped, read-only, never unpickling.
+
+    Returns a ``numpy.memmap`` of the file's shape and dtype. Raises ShardError for a
+    missing, unreadable, empty, truncated or corrupt file, a special file (a FIFO, a
+    device) or a directory, a header whose shape no file could hold, a ``.npz``
+    archive, object data, or format version 3.0 (structured dtypes with non-Latin-1
+    field names, which no embedding, length or id array has). The file checked is the
+    file mapped: one descriptor, so a FIFO swapped in after the check is never opened.
+    """
+    path = os.fspath(path)
+    with open_regular(path, "a .npy file") as f:
+        magic = f.read(len(_NPY_MAGIC))
+        if not magic:
+            raise ShardError(path, "empty file, expected a .npy array")
+        if magic[:2] == b"PK":
+            raise ShardError(path, "is a .npz archive; save each array with numpy.save as its own .npy")
+        if magic != _NPY_MAGIC:
+            raise ShardError(path, "not a .npy file (bad magic bytes); write it with numpy.save")
+        f.seek(0)
+        try:
+            shape, fortran, dtype = check_npy_header(path, f)
+            return np.memmap(f, dtype=dtype, mode="r", shape=shape, order="F" if fortran else "C", offset=f.tell())
+        except ShardError:
+            raise
+        except (ValueError, OSError, EOFError, SyntaxError, TypeError, tokenize.TokenError) as e:
+            raise ShardError(path, npy_problem(e)) from None
+
+
+def check_npy_header(path: str, f) -> tuple[tuple[int, ...], bool, np.dtype]:
+    """The header's (shape, fortran order, dtype), leaving ``f`` at the data. Refuses a header
+    whose shape is negative, needs more than 2**63 bytes (NumPy's own size arithmetic would
+    overflow) or more bytes than the file holds, before anything is mapped."""
+    version = np.lib.format.read_magic(f)
+    if version == (1, 0):
+        shape, fortran, dtype = np.lib.format.read_array_header_1_0(f)
+    elif version == (2, 0):
+        shape, fortran, dtype = np.lib.format.read_array_header_2_0(f)
+    else:
+        raise ShardError(path, f".npy format version {version[0]}.{version[1]} is not read; expected 1.0 or 2.0 "
+                               "(numpy.save writes them for every numeric or string array)")
+    if dtype.hasobject:
+        raise ShardError(path, "holds Python objects (object dtype); only numeric and fixed-width string arrays are read")
+    if any(n < 0 for n in shape):
+        raise ShardError(path, f"header's shape {shape} has a negative dimension")
+    room = max(dtype.itemsize, 1)
+    for n in shape:
+        room *= max(n, 1)
+    if room >= 2**63:
+        raise ShardError(path, f"header's shape {shape} of {dtype} would take more than 2**63 bytes; no array is that large")
+    need = math.prod(shape) * dtype.itemsize
+    have = os.fstat(f.fileno()).st_size - f.tell()
+    if need > have:
+        raise ShardError(path, f"truncated .npy file: it holds fewer bytes than its header's shape needs "
+                               f"({shape} {dtype}: {need:,} bytes of data, {max(have, 0):,} in the file)")
+    return shape, fortran, dtype
+
+
+def npy_problem(e: BaseException) -> str:
+    """What an error of NumPy's .npy reader says about the file."""
+    msg = str(e)
+    if "mmap length is greater than file size" in msg or "cannot reshape" in msg:
+        return "truncated .npy file: it holds fewer bytes than its header's shape needs"
+    if "EOF" in msg:
+        return f"truncated .npy header ({msg})"
+    if "object" in msg.lower() or "pickle" in msg.lower():
+        return "holds Python objects (object dtype); only numeric and fixed-width string arrays are read"
+    if isinstance(e, OSError):
+        return f"cannot read: {problem(e)}"
+    if isinstance(e, ValueError):
+        return f"corrupt .npy file ({msg})"
+    return f"corrupt .npy file ({type(e).__name__}: {msg})"  # TokenError: an unbalanced header
+
+
+def read_lengths(path: str | os.PathLike) -> np.ndarray:
+    """Per-document token counts from a ``.npy`` integer array or a JSON list (ColBERT's ``doclens.*.json``).
+
+    Returns int64 ``[N]``, every value >= 0.
+    """
+    path = os.fspath(path)
+    if path.lower().endswith(".json"):
+        values = read_json(path, "not a JSON list of integers", "a JSON list of integers (one token count per document)")
+        if not isinstance(values, list) or not all(type(v) is int for v in values):
+            raise ShardError(path, "expected a JSON list of integers (one token count per document)")
+        big = next((i for i, v in enumerate(values) if not -2**63 <= v < 2**63), None)
+        if big is not None:
+            raise ShardError(path, f"length {values[big]} at index {big} does not fit int64; expected a token count")
+        arr = np.array(values, dtype=np.int64)
+    else:
+        raw = open_npy(path)
+        if raw.dtype.kind not in "iu":
+            raise ShardError(path, f"lengths must be integers, got dtype {raw.dtype}")
+        if raw.ndim != 1:
+            raise ShardError(path, f"lengths must be 1-D [N], got shape {raw.shape}")
+        if raw.dtype.kind == "u" and raw.size and int(raw.max()) >= 2**63:
+            raise ShardError(path, f"length {int(raw.max())} does not fit int64; expected a token count")
+        arr = np.asarray(raw, dtype=np.int64)
+    if arr.size and arr.min() < 0:
+        i = int(np.argmax(arr < 0))
+        raise ShardError(path, f"length {int(arr[i])} at index {i} is negative")
+    return arr

@@ -162,13 +162,13 @@ def _rebound(spec: CallSpec, views: list):
     """The prepared call (``lik_cupy._runtime.prepared_calls``) of a one-call run of ``spec`` just
     made on CuPy views of XLA's buffers, rebound to the buffers themselves; None for a batched
     run, or one the repeat path does not take."""
-    from .forward import _prepared_call
+    from ._maxsim_calls import prepared_call
 
     args = dict(zip(spec.names, views))
     if plan(spec, args) != "single":
         return None
     k = views[0].ndim - spec.ranks[0]
-    call = _prepared_call(spec.fn, **{n: a.reshape(a.shape[k:]) for n, a in args.items()}, **dict(spec.kwargs))
+    call = prepared_call(spec.fn, **{n: a.reshape(a.shape[k:]) for n, a in args.items()}, **dict(spec.kwargs))
     return None if call is None else call.rebound("jax")
 
 

@@ -26,7 +26,7 @@ and a file cannot run code: nothing here imports pickle).
 
 Every file is hostile until checked, and every problem is a ShardError naming the file: each is
 opened as a regular file (``lik_cupy._files``: a FIFO or a device is refused, never waited on);
-``.npy`` headers are checked against the file's size before it is mapped (``shards._open_npy``); a
+``.npy`` headers are checked against the file's size before it is mapped (``_files.open_npy``); a
 ``.pt`` member's claimed size against the file, a compressed one's expansion against
 ``_MAX_EXPANSION``, and every tensor's elements against its storage's bytes before any view is made;
 counts must agree across files (metadata's chunks, each chunk's doclens, codes and residual rows,
@@ -46,7 +46,6 @@ import numpy as np
 
 from . import _files
 from .errors import ShardError
-from .shards import _open_npy as open_npy, _read_lengths as read_lengths
 
 __all__ = ["IndexArrays", "read_index", "read_torch_file"]
 
@@ -122,7 +121,7 @@ def _doclens(path: str, chunks: int) -> tuple[np.ndarray, list[int]]:
         name = os.path.join(path, f"doclens.{i}.json")
         if not _present(name):
             raise ShardError(name, f"no such file; metadata.json says the index has {chunks} chunks")
-        cum = np.cumsum(read_lengths(name))
+        cum = np.cumsum(_files.read_lengths(name))
         # lengths are >= 0 and below 2**63: a sum past int64 shows as a step down where it wraps
         if (cum[1:] < cum[:-1]).any() or total + (int(cum[-1]) if cum.size else 0) >= 2**63:
             raise ShardError(name, "document lengths add up to 2**63 tokens or more; expected token counts")
@@ -178,9 +177,9 @@ def _payload(part, suffix: str, row_bytes: int, name: str):
 
 def _read_fast_plaid(path: str) -> IndexArrays:
     _, nbits, chunks = _metadata(path)
-    centroids = _centroids(open_npy(os.path.join(path, "centroids.npy")), os.path.join(path, "centroids.npy"))
+    centroids = _centroids(_files.open_npy(os.path.join(path, "centroids.npy")), os.path.join(path, "centroids.npy"))
     name = os.path.join(path, "bucket_weights.npy")
-    weights = _weights(open_npy(name), nbits, name)
+    weights = _weights(_files.open_npy(name), nbits, name)
     offsets, rows = _doclens(path, chunks)
     row_bytes = _row_bytes(centroids, nbits, path)
     codes = _chunked(path, "codes", rows, row_bytes)
@@ -201,14 +200,14 @@ def _chunked(path: str, suffix: str, rows: list[int], row_bytes: int) -> np.ndar
     yet, or an index from before merged files), else its rows of ``merged_{suffix}.npy`` at the
     offset the manifest gives (the chunks' rows in order when there is no manifest)."""
     merged_path = os.path.join(path, f"merged_{suffix}.npy")
-    merged = _payload(open_npy(merged_path), suffix, row_bytes, merged_path) if _present(merged_path) else None
+    merged = _payload(_files.open_npy(merged_path), suffix, row_bytes, merged_path) if _present(merged_path) else None
     manifest = _manifest(path, suffix)
     parts, at = [], 0
     for i, n in enumerate(rows):
         own = os.path.join(path, f"{i}.{suffix}.npy")
         entry = manifest.get(f"{i}.{suffix}.npy")
         if _present(own):
-            part = _payload(open_npy(own), suffix, row_bytes, own)
+            part = _payload(_files.open_npy(own), suffix, row_bytes, own)
             where, rows_of = own, f"chunk {i}"
         elif merged is not None:
             if entry is not None and entry != n:

@@ -15,7 +15,8 @@ from . import _dispatch as dispatch
 from . import _interop as interop
 from ._base.device import allocating, device_properties
 from ._dispatch.backend import check_backend, use_gpu
-from ._interop import device_array, host_array
+from ._dispatch.select import BACKWARD_METHODS
+from ._interop import GpuCall, host_array
 from ._runtime.device_checks import capturing, strict
 from ._runtime.backward import THREADS, atomic_functions, doc_rows, launch_backward
 from ._runtime.kernels import BACKWARD_DTYPES
@@ -24,8 +25,6 @@ from ._runtime.prepared_calls import PreparedBackward, call_key, lookup, store
 from ._validate import Problem, check_argmax_values, check_backward
 
 __all__ = ["maxsim_backward"]
-
-_METHODS = ("auto", "csr", "atomic")
 
 
 def maxsim_backward(grad_scores, Q, D, argmax, *, d_offsets=None, method="auto", validate=None, backend="auto"):
@@ -76,8 +75,8 @@ def maxsim_backward(grad_scores, Q, D, argmax, *, d_offsets=None, method="auto",
     call = lookup(key)
     if call is not None:
         return call(grad_scores, Q, D, argmax, d_offsets)
-    if method not in _METHODS:
-        raise ValueError(f"method must be one of {_METHODS}, got {method!r}")
+    if method not in BACKWARD_METHODS:
+        raise ValueError(f"method must be one of {BACKWARD_METHODS}, got {method!r}")
     check_backend(backend)
     p = check_backward(grad_scores, Q, D, argmax, d_offsets)
     on_gpu = use_gpu(backend, p.device, float64=p.dtype == "float64", float64_gpu=True)
@@ -122,9 +121,6 @@ def _host_out(x64: np.ndarray, dtype, shape, p: Problem, like):
         with cupy.cuda.Device(p.device):
             dev = cupy.asarray(out.view(np.uint16) if bf16 else out)
             return _out(dev, shape, p, like, p.framework, on_host=False)
-    if p.framework == "torch" and bf16:
-        torch = __import__("sys").modules["torch"]
-        return torch.from_numpy(out.view(np.int16)).view(torch.bfloat16)
     return interop.from_numpy(out, p.framework)
 
 
@@ -140,28 +136,25 @@ def _gpu(p: Problem, g, Q, D, argmax, d_offsets, method, validate, q_shape, d_sh
 
     # host values raise (operands.host_metadata) unless the caller said validate=False
     validate = strict(validate) or (validate is not False and host_metadata(argmax, d_offsets))
-    fw = p.framework
-    on_host = p.device is None
-    device = p.device if p.device is not None else cupy.cuda.runtime.getDevice()
     rows = doc_rows(p)
     esize = {"float64": 8, "float32": 4}.get(p.dtype, 2)
     staged = (p.nq * p.lq + rows) * p.dim * esize + p.nq * p.nd * (4 + 4 * p.lq)  # Q, D, grad_scores, argmax
-    with interop.caller_stream(fw, device):
+    with GpuCall(p) as gpu:
+        fw, on_host = gpu.framework, gpu.on_host
         with allocating("maxsim_backward: Q, D, grad_scores and argmax on the GPU", staged,
                         "pass them as device arrays (host arrays are copied over), or split the call"):
-            q = device_array(Q, fw, on_host).reshape(p.nq * p.lq, p.dim)
-            d = device_array(D, fw, on_host).reshape(rows, p.dim)
+            q = gpu.array(Q).reshape(p.nq * p.lq, p.dim)
+            d = gpu.array(D).reshape(rows, p.dim)
             gs = _grad_f32(g, fw, on_host, p)
-            a = device_array(argmax, fw, on_host).reshape(p.nq, p.nd, p.lq)
+            a = gpu.array(argmax).reshape(p.nq, p.nd, p.lq)
         q, d = kernel_operands(p.dtype, q, d)  # float64: the forward's float32 rounding; float64 gradients
-        off = device_offsets(device_array(d_offsets, fw, on_host), p.ntok, "d_offsets", validate,
-                             wide=True) if p.d_packed else None
+        off = device_offsets(gpu.array(d_offsets), p.ntok, "d_offsets", validate, wide=True) if p.d_packed else None
         if validate and a.size and not capturing():  # no host read inside graph capture (device_checks.py)
             limit = (off[1:] - off[:-1])[None, :, None] if off is not None else p.ld
             lo, over = (int(v) for v in cupy.stack([a.min().astype(cupy.int64),
                                                    (a >= limit).any().astype(cupy.int64)]).get())
             check_argmax_values(lo, bool(over), _limit_words(p))
-        dq, dd = launch_backward(p, q, d, gs, a, off, method, device)
+        dq, dd = launch_backward(p, q, d, gs, a, off, method, gpu.device)
         if p.dtype == "float64":
             dq, dd = dq.astype(cupy.float64), dd.astype(cupy.float64)
         return _out(dq, q_shape, p, Q, fw, on_host), _out(dd, d_shape, p, D, fw, on_host)
@@ -171,13 +164,16 @@ def _prepared(key, p: Problem, method: str, q_shape, d_shape):
     """The :class:`PreparedBackward` of a validated GPU call whose signature ``key`` can take the
     repeat path (device arrays of torch or CuPy, C-contiguous and 16-byte aligned, float32
     grad_scores, int64 offsets, the atomic method), made and stored; None otherwise."""
-    if key is None or p.dtype not in BACKWARD_DTYPES or (p.dtype == "bfloat16" and p.framework != "torch"):
+    if key is None:
+        return None
+    a = interop.REPEAT_CALLS[p.framework]
+    if p.dtype not in BACKWARD_DTYPES or p.dtype not in a.NEW_DTYPES:  # (CuPy makes no bfloat16 arrays)
         return None
     sigs = key[2:]  # grad_scores, Q, D, argmax, d_offsets: (shape, dtype, device, aligned, contiguous)
     if any(s is not None and (s[2] < 0 or not s[3] or not s[4]) for s in sigs):
         return None
-    g_dtype, off = interop.dtype_name(sigs[0][1]) if p.framework == "cupy" else str(sigs[0][1]), sigs[4]
-    if not g_dtype.endswith("float32") or (off is not None and not str(off[1]).endswith("int64")):
+    off = sigs[4]
+    if a.dtype_name(sigs[0][1]) != "float32" or (off is not None and a.dtype_name(off[1]) != "int64"):
         return None
     rows = doc_rows(p)
     if not (p.nq * p.lq and p.nd and p.dim and rows):

@@ -37,6 +37,7 @@ import numpy as np
 
 import lik_cupy
 from lik_cupy import _atomic, _files, shards
+from lik_cupy import _shard_format as fmt
 from lik_cupy._ranking import merge_ranked
 from lik_cupy.errors import LikError
 
@@ -66,7 +67,14 @@ the queries are held padded in groups of similar length, at most twice their own
 {_QUERY_BYTES >> 20} MiB, if more); the top-k is [Nq, k]; the full matrix goes to disk {_PART_BYTES >> 20} MiB at a time.
 """
 
-_FORMAT_HELP = ("\b\nInputs (opened memory-mapped, never unpickled):\n" + shards._layout_help() + """
+
+def _layout_help() -> str:
+    """The shard layout drawn in ``lik_cupy.shards``' docstring, the one description of the format."""
+    block = shards.__doc__.split("::\n\n", 1)[1].split("\n\n", 1)[0]
+    return "\n".join(line[4:] for line in block.splitlines())
+
+
+_FORMAT_HELP = ("\b\nInputs (opened memory-mapped, never unpickled):\n" + _layout_help() + """
   padded .npy    [N, L, d] (queries: [Nq, Lq, d]) + optional lengths [N]
   flat .npy      [T, d] + doclens [N] (.npy, or ColBERT's doclens.*.json)
 A corpus is one or more shards (the format: `python -m pydoc lik_cupy.shards`). Doc ids are
@@ -796,9 +804,9 @@ def run_score(queries: str, docs, out: str, *, q_lengths: str | None = None, d_l
             also = f" and from {corpus[0].tokens_file}" if i and corpus[0].dim == query.dim else ""
             raise LikError(s.tokens_file, f"embedding dim d={s.dim} differs from the queries' d={query.dim} ({query.tokens_file}){also}")
     kinds = {s.dtype for s in corpus}
-    int8 = shards._INT8 in kinds
+    int8 = fmt.INT8 in kinds
     if int8 and len(kinds) > 1:
-        odd = next(s for s in corpus if (s.dtype == shards._INT8) != (corpus[0].dtype == shards._INT8))
+        odd = next(s for s in corpus if (s.dtype == fmt.INT8) != (corpus[0].dtype == fmt.INT8))
         raise LikError(odd.path, f"holds {odd.dtype} tokens but {corpus[0].path} holds {corpus[0].dtype}; a corpus is "
                                  "all INT8 or all float (convert a shard with `lik pack SHARD --int8` or --dtype)")
     n_docs = sum(s.num_docs for s in corpus)
@@ -813,7 +821,7 @@ def run_score(queries: str, docs, out: str, *, q_lengths: str | None = None, d_l
 
     # One dtype for the library: the corpus's own when all shards share one (queries are cast to it), else float32.
     # An INT8 corpus takes the queries as they are (float; quantized per library call).
-    dtype = shards._numpy_dtype(kinds.pop() if len(kinds) == 1 else "float32")
+    dtype = fmt.numpy_dtype(kinds.pop() if len(kinds) == 1 else "float32")
     groups = _query_groups(query, None if int8 else dtype)
     if check and not int8 and dtype != query.tokens.dtype:
         _check_cast(groups, query, dtype)
@@ -826,7 +834,7 @@ def run_score(queries: str, docs, out: str, *, q_lengths: str | None = None, d_l
         backend, gpus = _cluster_backend(cpu, device, devices)
     from lik_cupy import _dispatch as dispatch
 
-    spec = dispatch.elem_spec(shards._INT8)
+    spec = dispatch.elem_spec(fmt.INT8)
     if int8 and backend == "gpu" and not spec.dim_ok(query.dim):
         raise LikError(corpus[0].path, f"INT8 shards of d={query.dim} cannot be scored on the GPU (the INT8 kernels "
                                        f"take d {spec.dim_rule()}); pass --cpu")
@@ -992,10 +1000,10 @@ def _score_command(queries, docs, q_lengths, d_lengths, top_k, out, full_matrix,
 
 
 def _load_ids(path: str) -> np.ndarray:
-    ids = shards._open_npy(path)
+    ids = _files.open_npy(path)
     if ids.dtype.kind not in "iuUS":
         raise LikError(path, f"ids must be int64 or fixed-width strings, got dtype {ids.dtype}")
-    return shards._check_ids(ids, ids.shape[0] if ids.ndim else 1, path)  # the file named in what is wrong
+    return fmt.check_ids(ids, ids.shape[0] if ids.ndim else 1, path)  # the file named in what is wrong
 
 
 @main.command(
@@ -1022,7 +1030,7 @@ def _load_ids(path: str) -> np.ndarray:
 @click.option("--per-doc", is_flag=True, help="Each SOURCE is one document [L, d]; ids default to the file names.")
 @click.option("--ids", metavar="IDS.npy", help="Document ids [N]: int64 or fixed-width strings.")
 @click.option("--model", metavar="NAME", help="Free-form name of the model that made the embeddings.")
-@click.option("--dtype", type=click.Choice(shards._DTYPES), help="Store as this float dtype (default: keep).")
+@click.option("--dtype", type=click.Choice(fmt.DTYPES), help="Store as this float dtype (default: keep).")
 @click.option("--int8", "int8", is_flag=True, help="Quantize to int8 with a float32 scale per token (NaN/inf refused).")
 @click.option("--bf16-bits", is_flag=True, help="Read uint16 .npy inputs as bfloat16 bit patterns.")
 @click.option("--check", is_flag=True, help="Refuse NaN or inf values, as stored (after the --dtype cast).")
@@ -1032,7 +1040,7 @@ def _load_ids(path: str) -> np.ndarray:
 def _pack_command(sources, out, lengths, per_doc, ids, model, dtype, int8, bf16_bits, check, force, debug):
     if int8 and dtype:
         raise LikError("--int8", f"conflicts with --dtype {dtype}; give one of them")
-    dtype = shards._INT8 if int8 else dtype
+    dtype = fmt.INT8 if int8 else dtype
     ids = _load_ids(ids) if ids else None
     with _sigterm_as_interrupt():
         if per_doc:
@@ -1067,7 +1075,7 @@ def _describe(s: shards.Shard) -> list[str]:
         kind = f"shard directory ({m['format']} v{m['version']})"
         # Only the files the shard was opened from (checked to lie inside it), not whatever else
         # the manifest's "files" names: inspect reads nothing outside the shard.
-        names = [shards._MANIFEST, *(m["files"][k] for k in ("tokens", "offsets", "ids", "scales") if k in m["files"])]
+        names = [fmt.MANIFEST, *(m["files"][k] for k in ("tokens", "offsets", "ids", "scales") if k in m["files"])]
         files = ", ".join(f"{name} {_size(os.path.join(s.path, name))}" for name in names)
     else:
         kind = f"padded .npy {list(s.tokens.shape)}" if s.padded else f"flat .npy {list(s.tokens.shape)} with doclens"
@@ -1123,7 +1131,7 @@ def _inspect_command(path, lengths, check, bf16_bits, debug):
         raise LikError(s.tokens_file, f"document {doc}, token {tok} holds NaN or inf; embeddings must be finite")
     if s.manifest is not None and s.manifest["normalized"] and not scan.normalized:
         doc, tok, norm = scan.not_unit
-        raise LikError(os.path.join(s.path, shards._MANIFEST),
+        raise LikError(os.path.join(s.path, fmt.MANIFEST),
                        f"says normalized: true but document {doc}, token {tok} has L2 norm {norm:.4g}")
     click.echo(f"{'values':<11}all finite; {'every token has norm 1' if scan.normalized else 'not L2-normalised'}")
 
@@ -1198,8 +1206,8 @@ def _info_command(debug):
     echo = click.echo
     echo(f"python        {platform.python_version()} ({sys.executable})")
     echo(f"lik-cupy      {lik_cupy.__version__} ({os.path.dirname(lik_cupy.__file__)})")
-    echo(f"shard format  {shards._FORMAT} v{shards.VERSION} (reads v1..v{shards.VERSION}; dtypes "
-         f"{', '.join(shards._SHARD_DTYPES)})")
+    echo(f"shard format  {fmt.FORMAT} v{shards.VERSION} (reads v1..v{shards.VERSION}; dtypes "
+         f"{', '.join(fmt.SHARD_DTYPES)})")
     echo(f"numpy         {np.__version__}")
     echo(f"click         {_version('click')}")
     echo(f"ml_dtypes     {_version('ml_dtypes', 'ml_dtypes')}")

@@ -38,7 +38,7 @@ from dataclasses import replace
 
 from ._base.device import gpu_available
 from ._dispatch.precision import fp32_accurate
-from ._interop import caller_results, caller_stream, device_array, host_array, host_result
+from ._interop import GpuCall, host_array, host_result
 from ._runtime.operands import check_scales_of_valid, host_offsets, kernel_operands, unpack_queries, valid_host
 from ._runtime.prepared_calls import call_key
 from ._runtime.topk import MAX_K
@@ -287,7 +287,7 @@ class Corpus:
         from ._runtime.candidates import CandidateIds
 
         x3 = fp32_accurate(precision, qp.framework, qp.dtype)
-        with cupy.cuda.Device(self.device), caller_stream(qp.framework, self.device):
+        with GpuCall(qp, self.device):
             ids = cand if on_device else cupy.asarray(cand)
             ids = CandidateIds(ids.reshape(shape), self._p.nd)
             return self._launch(qp, p, Q, q_mask, q_lengths, x3, "Corpus.rerank", ids,
@@ -397,12 +397,12 @@ class Corpus:
         from ._runtime.launch import launch
         from ._runtime.operands import device_valid, host_metadata
 
-        fw, on_host, docs = qp.framework, qp.device is None, self._dev
+        docs = self._dev
         # device query lengths: the NaN contract, with no host wait; host ones raise (lik_cupy.maxsim)
         with call_checks(True if host_metadata(q_lengths) else None) as checks:
-            with cupy.cuda.Device(self.device), caller_stream(fw, self.device):
-                q = device_array(Q, fw, on_host).reshape(qp.nq, qp.lq, qp.dim)
-                qm, ql = device_valid(q_mask, q_lengths, qp.nq, qp.lq, "q_lengths", fw, on_host, checks)
+            with GpuCall(qp, self.device) as g:
+                q = g.array(Q).reshape(qp.nq, qp.lq, qp.dim)
+                qm, ql = device_valid(q_mask, q_lengths, qp.nq, qp.lq, "q_lengths", g.framework, g.on_host, checks)
                 kw = {}
                 if dispatch.scaled_dtype(p.dtype):
                     from ._runtime.quantize import quantize_cupy
@@ -419,7 +419,7 @@ class Corpus:
                     ok = (cand.ids >= 0) & (cand.ids < self._p.nd)
                     scores = cupy.where(ok.reshape(scores.shape), scores, np.float32(np.nan))
                 checks.apply(p, scores, None, self.device)
-                results, _ = caller_results(p, scores, None, on_host)
+                results, _ = g.results(p, scores, None)
                 self._prepare_repeat(key, p, q, q_lengths, x3, caller, cand)
             checks.verify()
         return results
@@ -464,8 +464,7 @@ class Corpus:
         streamed from the page-locked ones."""
         import cupy
 
-        fw, on_host = qp.framework, qp.device is None
-        with cupy.cuda.Device(self.device), caller_stream(fw, self.device):
+        with GpuCall(qp, self.device) as g:
             r = GpuTopK(Q, q_mask, q_lengths, None, qp, k, None, self.device, x3)
             if k is None:
                 r.keep_every(self._p.nd, "Corpus.score")
@@ -474,15 +473,15 @@ class Corpus:
             else:
                 r.add_staged(p, self._src)
             if k is None:
-                return interop.from_cupy(r.every.reshape(p.scores_shape), fw, on_host)
+                return g.result(r.every.reshape(p.scores_shape))
             s, i = r.s, r.i
             if len(p.scores_shape) == 1:
                 s, i = s[0], i[0]
             if self._ids is not None and self._ids.dtype.kind in "US":
-                return interop.from_cupy(s, fw, on_host), self._ids[cupy.asnumpy(i)]
+                return g.result(s), self._ids[cupy.asnumpy(i)]
             if self._ids_dev is not None:
                 i = self._ids_dev[i]
-            return interop.from_cupy(s, fw, on_host), interop.from_cupy(i, fw, on_host)
+            return g.result(s), g.result(i)
 
     # ------------------------------------------------------------ the NumPy path
 

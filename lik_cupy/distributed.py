@@ -64,6 +64,7 @@ except ImportError as e:
     raise ImportError("lik_cupy.distributed needs Dask's distributed scheduler: pip install 'lik-cupy[distributed]' "
                       "(or 'lik-cupy[distributed-gpu]', which adds dask-cuda for one worker per GPU)") from e
 
+from . import _shard_format as fmt
 from . import shards
 from ._base.device import gpu_available
 from ._ranking import merge_ranked
@@ -169,7 +170,7 @@ class _Info:
     num_docs: int
     nbytes: int  # what residency costs: tokens (valid rows only), scales, offsets
     dim: int
-    dtype: str  # one of shards._SHARD_DTYPES
+    dtype: str  # one of fmt.SHARD_DTYPES
     fingerprint: _Fingerprint
 
 
@@ -228,7 +229,7 @@ def _make_resident(shard: shards.Shard, dtype: str | None, gpu_room: float | Non
     """Hold ``shard`` in memory: on the GPU when ``gpu_room`` (bytes; None: no GPU) takes it, else in host memory."""
     tokens, offsets = shard.read_chunk(0, shard.num_docs)
     if dtype is not None:
-        tokens = tokens.astype(shards._numpy_dtype(dtype), copy=False)
+        tokens = tokens.astype(fmt.numpy_dtype(dtype), copy=False)
     arrays = [tokens, offsets] + ([shard.read_scales(0, shard.num_docs)] if shard.scales is not None else [])
     nbytes = sum(a.nbytes for a in arrays)
     host_offsets = np.array(offsets, np.int64)
@@ -429,8 +430,8 @@ class DistributedCorpus:
             raise ValueError("shard_paths is empty; give at least one shard")
         if isinstance(device_memory_fraction, bool) or not 0 < device_memory_fraction <= 1:
             raise ValueError(f"device_memory_fraction must be in (0, 1], got {device_memory_fraction!r}")
-        if dtype is not None and dtype not in shards._DTYPES:
-            raise ValueError(f"dtype must be None or one of {', '.join(shards._DTYPES)}, got {dtype!r}")
+        if dtype is not None and dtype not in fmt.DTYPES:
+            raise ValueError(f"dtype must be None or one of {', '.join(fmt.DTYPES)}, got {dtype!r}")
         if backend not in ("auto", "gpu", "cpu"):
             raise ValueError(f"backend must be 'auto', 'gpu' or 'cpu', got {backend!r}")
         if isinstance(timeout, bool) or not timeout > 0:
@@ -555,13 +556,13 @@ class DistributedCorpus:
             if info.dim != first.dim:
                 raise ValueError(f"{path} has d={info.dim} but {self._sources[0][0]} has d={first.dim}; every shard "
                                  "needs the same embedding dim")
-            if (info.dtype == shards._INT8) != (first.dtype == shards._INT8):
+            if (info.dtype == fmt.INT8) != (first.dtype == fmt.INT8):
                 raise TypeError(f"{path} holds {info.dtype} tokens but {self._sources[0][0]} holds {first.dtype}: a "
                                 "corpus is all INT8 or all float (`lik pack --int8` quantizes a shard)")
             if dtype is None and info.dtype != first.dtype:
                 raise ValueError(f"{path} holds {info.dtype} tokens but {self._sources[0][0]} holds {first.dtype}; "
                                  "pass dtype= to cast every shard to one dtype as it loads")
-        if dtype is not None and first.dtype == shards._INT8:
+        if dtype is not None and first.dtype == fmt.INT8:
             raise ValueError(f"dtype={dtype!r} casts float shards, but the corpus is INT8; leave dtype=None")
         return first.dim, dtype or first.dtype
 
@@ -575,11 +576,11 @@ class DistributedCorpus:
         if Q.ndim not in (2, 3) or Q.shape[-1] != self.dim:
             raise ValueError(f"Q must be [Nq, Lq, d] or [Lq, d] with d={self.dim} (the corpus's dim); got shape "
                              f"{list(Q.shape)}")
-        if self.dtype == shards._INT8:
+        if self.dtype == fmt.INT8:
             if Q.dtype.kind != "f" and Q.dtype.name != "bfloat16":
                 raise TypeError(f"Q must hold float tokens (quantized on the workers) for an INT8 corpus; got "
                                 f"{Q.dtype}")
-        elif Q.dtype != shards._numpy_dtype(self.dtype):
+        elif Q.dtype != fmt.numpy_dtype(self.dtype):
             raise TypeError(f"Q is {Q.dtype} but the corpus holds {self.dtype}; cast Q (Q.astype(...)) to it")
         squeeze = Q.ndim == 2
         Q = np.ascontiguousarray(Q[None] if squeeze else Q)

@@ -20,7 +20,7 @@ from . import _cpu as cpu
 from . import _interop as interop
 from ._cpu import quantize_numpy
 from ._dispatch.backend import check_backend, scoring_on_gpu
-from ._interop import caller_results, device_array, host_array, host_result
+from ._interop import GpuCall, host_array, host_result
 from ._runtime.device_checks import call_checks
 from ._runtime.launch import launch
 from ._runtime.operands import (check_scales_of_valid, device_offsets, device_valid, host_metadata, host_offsets,
@@ -133,37 +133,34 @@ def _score(p: Problem, Q, q_scales, q_int8: bool, q_mask, q_lengths, D, d_scales
 
     import cupy
 
-    on_host = p.device is None
-    device = p.device if p.device is not None else cupy.cuda.runtime.getDevice()
     with call_checks(True if validate is not False and host_metadata(q_lengths, d_lengths, d_offsets) else validate) as checks:
-        with interop.caller_stream(fw, device):
-            q, qs = _device_queries(p, Q, q_scales, q_int8, on_host)
-            d = device_array(D, fw, on_host)
-            ds = cupy.ascontiguousarray(device_array(d_scales, fw, on_host).reshape(-1), dtype=cupy.float32)
-            qm, ql = device_valid(q_mask, q_lengths, p.nq, p.lq, "q_lengths", fw, on_host, checks)
+        with GpuCall(p) as g:
+            q, qs = _device_queries(p, Q, q_scales, q_int8, g)
+            d = g.array(D)
+            ds = cupy.ascontiguousarray(g.array(d_scales).reshape(-1), dtype=cupy.float32)
+            qm, ql = device_valid(q_mask, q_lengths, p.nq, p.lq, "q_lengths", fw, g.on_host, checks)
             if p.d_packed:
-                doff = device_offsets(device_array(d_offsets, fw, on_host), p.ntok, "d_offsets", True, checks)
+                doff = device_offsets(g.array(d_offsets), p.ntok, "d_offsets", True, checks)
                 checks.scales(ds)
-                scores, amax = launch(p, q, d.reshape(p.ntok, p.dim), qm, None, ql, None, return_argmax, device,
+                scores, amax = launch(p, q, d.reshape(p.ntok, p.dim), qm, None, ql, None, return_argmax, g.device,
                                        d_off=doff, ld_hint=-(-p.ntok // max(1, p.nd)), q_scale=qs, d_scale=ds)
             else:
-                dm, dl = device_valid(d_mask, d_lengths, nrows, p.ld, "d_lengths", fw, on_host, checks)
+                dm, dl = device_valid(d_mask, d_lengths, nrows, p.ld, "d_lengths", fw, g.on_host, checks)
                 checks.scales(ds, dm)
-                scores, amax = launch(p, q, d, qm, dm, ql, dl, return_argmax, device, q_scale=qs, d_scale=ds)
-            checks.apply(p, scores, amax, device)
-            results = caller_results(p, scores, amax, on_host)
+                scores, amax = launch(p, q, d, qm, dm, ql, dl, return_argmax, g.device, q_scale=qs, d_scale=ds)
+            checks.apply(p, scores, amax, g.device)
+            results = g.results(p, scores, amax)
         checks.verify()  # last, while the scoring kernel runs (device_checks.py)
     return results
 
 
-def _device_queries(p: Problem, Q, q_scales, q_int8: bool, on_host: bool):
+def _device_queries(p: Problem, Q, q_scales, q_int8: bool, g: GpuCall):
     """int8 queries [nq, lq, dim] and their float32 scales [nq * lq] on the device."""
     import cupy
 
-    fw = p.framework
-    q = device_array(Q, fw, on_host)
+    q = g.array(Q)
     if q_int8:
-        return q, cupy.ascontiguousarray(device_array(q_scales, fw, on_host).reshape(-1), dtype=cupy.float32)
+        return q, cupy.ascontiguousarray(g.array(q_scales).reshape(-1), dtype=cupy.float32)
     dtype = interop.describe(Q).dtype
     if dtype == "bfloat16":
         q = q.view(cupy.uint16)

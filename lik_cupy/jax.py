@@ -63,7 +63,7 @@ from . import _jax_ops, _jax_xla
 from ._dispatch.backend import check_backend, use_gpu
 from ._dispatch.jax_paths import choose_jax_path
 from ._validate import Problem, check_call, check_int8_scales, check_varlen
-from .backward import _METHODS
+from ._dispatch.select import BACKWARD_METHODS
 from ._dispatch.precision import fp32_accurate
 
 __all__ = ["maxsim", "maxsim_varlen", "maxsim_int8", "maxsim_int8_varlen"]
@@ -177,8 +177,8 @@ class _Call:
 
     @classmethod
     def of(cls, fn: str, p: Problem, method: str, precision, backend: str) -> _Call:
-        if method not in _METHODS:
-            raise ValueError(f"method must be one of {_METHODS}, got {method!r}")
+        if method not in BACKWARD_METHODS:
+            raise ValueError(f"method must be one of {BACKWARD_METHODS}, got {method!r}")
         if backend == "gpu":  # no GPU or no CuPy: the documented error now, not from inside XLA's run
             use_gpu(backend, None)
         check_backend(backend)

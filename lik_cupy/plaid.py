@@ -40,7 +40,7 @@ import numpy as np
 from ._cpu.residual import Tokens, decompress, residual_maxsim_numpy
 from ._dispatch.backend import check_backend, use_gpu
 from ._dispatch.config import MAX_DIM_RESIDUAL
-from ._interop import caller_results, caller_stream, describe, device_array, host_array, host_result
+from ._interop import GpuCall, describe, host_array, host_result
 from ._validate import ResidualProblem, check_decompress, check_id_values, check_length_values, check_residual
 
 __all__ = ["maxsim_residual", "maxsim_residual_varlen", "decompress_residuals", "PlaidIndex"]
@@ -249,36 +249,32 @@ def _gpu(rp: ResidualProblem, Q, codes, residuals, lens_or_offsets, centroids, w
     from ._runtime.operands import device_offsets, device_valid
     from ._runtime.residual import residual_operands
 
-    p, fw = rp.p, rp.p.framework
-    on_host = p.device is None
-    device = p.device if p.device is not None else cupy.cuda.runtime.getDevice()
+    p = rp.p
     fn = "maxsim_residual_varlen" if p.d_packed else "maxsim_residual"
     with DeviceChecks() as checks:
-        with caller_stream(fw, device):
-            q = device_array(Q, fw, on_host).reshape(p.nq, p.lq, p.dim)
+        with GpuCall(p) as g:
+            q = g.array(Q).reshape(p.nq, p.lq, p.dim)
             if rp.q_dtype == "bfloat16":
                 q = q.view(cupy.uint16)
             elif rp.q_dtype == "float32":
                 q = q.astype(cupy.float16)
-            cand = None if candidates is None else CandidateIds(device_array(candidates, fw, on_host), rp.n_docs)
-            ops = residual_operands(device_array(codes, fw, on_host), device_array(residuals, fw, on_host),
-                                    device_array(centroids, fw, on_host), device_array(weights, fw, on_host),
+            cand = None if candidates is None else CandidateIds(g.array(candidates), rp.n_docs)
+            ops = residual_operands(g.array(codes), g.array(residuals), g.array(centroids), g.array(weights),
                                     nbits=rp.nbits, normalize=normalize)
-            qm, ql = device_valid(q_mask, q_lengths, p.nq, p.lq, "q_lengths", fw, on_host, checks)
+            qm, ql = device_valid(q_mask, q_lengths, p.nq, p.lq, "q_lengths", g.framework, g.on_host, checks)
             if check_ids and cand is not None and cand.ids.size:
                 queue_or_verify(checks, "ids", cand.ids, rp.n_docs, "candidates",
                                 f"ids of the {rp.n_docs} documents of d_offsets")
             if p.d_packed:
-                doff = device_offsets(device_array(lens_or_offsets, fw, on_host), p.ntok, "d_offsets", check_offsets,
-                                      checks)
-                scores, amax = launch(p, q, ops.codes, qm, None, ql, None, return_argmax, device, d_off=doff,
+                doff = device_offsets(g.array(lens_or_offsets), p.ntok, "d_offsets", check_offsets, checks)
+                scores, amax = launch(p, q, ops.codes, qm, None, ql, None, return_argmax, g.device, d_off=doff,
                                       caller=fn, residual=ops, cand=cand)
             else:
                 rows = p.nq * p.nd if p.candidates else p.nd
-                _, dl = device_valid(None, lens_or_offsets, rows, p.ld, "d_lengths", fw, on_host, checks)
-                scores, amax = launch(p, q, ops.codes.reshape(rows, p.ld), qm, None, ql, dl, return_argmax, device,
+                _, dl = device_valid(None, lens_or_offsets, rows, p.ld, "d_lengths", g.framework, g.on_host, checks)
+                scores, amax = launch(p, q, ops.codes.reshape(rows, p.ld), qm, None, ql, dl, return_argmax, g.device,
                                       caller=fn, residual=ops)
-            results = caller_results(p, scores, amax, on_host)
+            results = g.results(p, scores, amax)
         checks.verify()  # last, while the scoring kernel runs (lik_cupy._runtime.device_checks)
     return results
 
@@ -404,20 +400,14 @@ class PlaidIndex:
                         self.bucket_weights, host[1], host[2], ids, True, return_argmax, check_codes=False)
             s, a = host_result(s, q), None if a is None else host_result(a, q)
             return (s, a) if return_argmax else s
-        import cupy
-
-        from ._interop import from_cupy
-
         device, (codes, bits, offsets, centroids, weights) = self._on_device(q.device)
-        on_host = q.device is None
-        with cupy.cuda.Device(device), caller_stream(fw, device):
-            dq, dm, dl, ids = [None if a is None else device_array(a, fw, on_host)
-                               for a in (Q, q_mask, q_lengths, candidate_ids)]
+        with GpuCall(q, device) as g:
+            dq, dm, dl, ids = [None if a is None else g.array(a) for a in (Q, q_mask, q_lengths, candidate_ids)]
             rp = check_residual(dq, codes, bits, offsets, centroids, weights, self.nbits, dm, dl, packed=True,
                                 candidates=ids)
             # The offsets were checked when the index was read; the ids are checked on every call.
             scores, amax = _gpu(rp, dq, codes, bits, offsets, centroids, weights, dm, dl, ids, True, return_argmax,
                                 False, True)
-            scores = from_cupy(scores, fw, on_host)
-            amax = None if amax is None else from_cupy(amax, fw, on_host)
+            scores = g.result(scores)
+            amax = None if amax is None else g.result(amax)
         return (scores, amax) if return_argmax else scores

@@ -18,7 +18,7 @@ import numpy as np
 from . import _interop as interop
 from ._cpu import quantize_numpy
 from ._dispatch.backend import use_gpu
-from ._interop import device_array, host_result
+from ._interop import GpuCall, host_result
 from ._validate import check_quantized
 
 __all__ = ["quantize_int8", "dequantize_int8"]
@@ -57,8 +57,8 @@ def quantize_int8(X, *, backend="auto"):
     if use_gpu(backend, info.device, host_to_gpu=False):
         import cupy
 
-        with interop.caller_stream(info.framework, _device(info)):
-            x = device_array(X, info.framework, info.device is None)
+        with GpuCall(info) as g:
+            x = g.array(X)
             dtype = info.dtype
             if dtype == "bfloat16":
                 x = x.view(cupy.uint16)  # the kernel reads bfloat16 as its 16-bit patterns
@@ -67,8 +67,7 @@ def quantize_int8(X, *, backend="auto"):
             from ._runtime.quantize import quantize_cupy
 
             q, s = quantize_cupy(x, dtype, check=True)
-            on_host = info.device is None
-            return interop.from_cupy(q, info.framework, on_host), interop.from_cupy(s, info.framework, on_host)
+            return g.result(q), g.result(s)
     q, s = quantize_numpy(interop.to_numpy(X, info.framework))
     return host_result(q, info), host_result(s, info)
 
@@ -87,17 +86,8 @@ def dequantize_int8(X_int8, scales, *, backend="auto"):
     if use_gpu(backend, info.device, host_to_gpu=False):
         import cupy
 
-        with interop.caller_stream(info.framework, _device(info)):
-            on_host = info.device is None
-            q = device_array(X_int8, info.framework, on_host)
-            out = q.astype(cupy.float32) * device_array(scales, info.framework, on_host)[..., None]
-            return interop.from_cupy(out, info.framework, info.device is None)
+        with GpuCall(info) as g:
+            return g.result(g.array(X_int8).astype(cupy.float32) * g.array(scales)[..., None])
     q = interop.to_numpy(X_int8, info.framework)
     s = interop.to_numpy(scales, info.framework)
     return host_result(q.astype(np.float32) * s[..., None], info)
-
-
-def _device(info: interop.Info) -> int:
-    import cupy
-
-    return info.device if info.device is not None else cupy.cuda.runtime.getDevice()

@@ -132,10 +132,9 @@ def retrieve(Q, D, k, q_mask=None, *, q_lengths=None, q_scales=None, d_offsets=N
     if scoring_on_gpu(qp, backend):
         import cupy
 
-        device = qp.device if qp.device is not None else cupy.cuda.runtime.getDevice()
         try:
-            with interop.caller_stream(qp.framework, device):
-                r = GpuTopK(Q, q_mask, q_lengths, q_scales, qp, int(k), max_gpu_bytes, device, x3)
+            with interop.GpuCall(qp) as g:
+                r = GpuTopK(Q, q_mask, q_lengths, q_scales, qp, int(k), max_gpu_bytes, g.device, x3)
                 for part in parts:
                     r.add(part)
                 s, i = r.result()

@@ -54,129 +54,35 @@ import contextlib
 import json
 import math
 import os
-import tokenize
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from . import _atomic, _files
+from . import _shard_format as fmt
 from .errors import ShardError
 
 __all__ = ["Shard", "open_shard", "open_input", "write_shard", "pack", "pack_arrays", "scan_values", "ValueScan",
            "check_finite", "VERSION", "NORM_TOLERANCE", "CHUNK_BYTES", "ShardError"]
 
-_FORMAT = "lik-shard"
 VERSION = 2  # the newest version this reader reads
 # The version a shard is written with: the oldest that can read it. Float shards stay at 1,
 # so readers older than INT8 still read them; int8 shards need 2.
 _WRITE_VERSION = {"float16": 1, "float32": 1, "bfloat16": 1, "int8": 2}
-_MANIFEST = "manifest.json"
-_TOKENS = "tokens.npy"
-_OFFSETS = "offsets.npy"
-_IDS = "ids.npy"
-_SCALES = "scales.npy"
-_DTYPES = ("float16", "float32", "bfloat16")  # embedding dtypes the library scores as they are
-_INT8 = "int8"
-_SHARD_DTYPES = (*_DTYPES, _INT8)  # what a shard may store
 # How tokens.npy stores each dtype. bfloat16 is kept as raw uint16 bits: NumPy has no
 # bfloat16, and np.load cannot read ml_dtypes' type back from a .npy header.
-_STORED = {"float16": np.dtype("<f2"), "float32": np.dtype("<f4"), "bfloat16": np.dtype("<u2"), _INT8: np.dtype("i1")}
+_STORED = {"float16": np.dtype("<f2"), "float32": np.dtype("<f4"), "bfloat16": np.dtype("<u2"), fmt.INT8: np.dtype("i1")}
 _SCALES_STORED = np.dtype("<f4")
 # A token counts as L2-normalised when its norm is within this of 1 (bfloat16 keeps ~3 digits).
 NORM_TOLERANCE = 2e-2
 # Bytes of token embeddings per chunk when a shard is read piece by piece.
 CHUNK_BYTES = 256 << 20
 _MAX_MANIFEST_BYTES = 1 << 20
-_NPY_MAGIC = b"\x93NUMPY"
-
-
-def _layout_help() -> str:
-    """The shard layout drawn in this module's docstring, the one description of the format
-    (``lik --help`` shows it)."""
-    block = __doc__.split("::\n\n", 1)[1].split("\n\n", 1)[0]
-    return "\n".join(line[4:] for line in block.splitlines())
-
-
-# --------------------------------------------------------------------------- .npy files
-
-
-def _open_npy(path: str | os.PathLike) -> np.ndarray:
-    """Open one ``.npy`` file memory-mapped, read-only, never unpickling.
-
-    Returns a ``numpy.memmap`` of the file's shape and dtype. Raises ShardError for a
-    missing, unreadable, empty, truncated or corrupt file, a special file (a FIFO, a
-    device) or a directory, a header whose shape no file could hold, a ``.npz``
-    archive, object data, or format version 3.0 (structured dtypes with non-Latin-1
-    field names, which no embedding, length or id array has). The file checked is the
-    file mapped: one descriptor, so a FIFO swapped in after the check is never opened.
-    """
-    path = os.fspath(path)
-    with _files.open_regular(path, "a .npy file") as f:
-        magic = f.read(len(_NPY_MAGIC))
-        if not magic:
-            raise ShardError(path, "empty file, expected a .npy array")
-        if magic[:2] == b"PK":
-            raise ShardError(path, "is a .npz archive; save each array with numpy.save as its own .npy")
-        if magic != _NPY_MAGIC:
-            raise ShardError(path, "not a .npy file (bad magic bytes); write it with numpy.save")
-        f.seek(0)
-        try:
-            shape, fortran, dtype = _check_npy_header(path, f)
-            return np.memmap(f, dtype=dtype, mode="r", shape=shape, order="F" if fortran else "C", offset=f.tell())
-        except ShardError:
-            raise
-        except (ValueError, OSError, EOFError, SyntaxError, TypeError, tokenize.TokenError) as e:
-            raise ShardError(path, _npy_problem(e)) from None
-
-
-def _check_npy_header(path: str, f) -> tuple[tuple[int, ...], bool, np.dtype]:
-    """The header's (shape, fortran order, dtype), leaving ``f`` at the data. Refuses a header
-    whose shape is negative, needs more than 2**63 bytes (NumPy's own size arithmetic would
-    overflow) or more bytes than the file holds, before anything is mapped."""
-    version = np.lib.format.read_magic(f)
-    if version == (1, 0):
-        shape, fortran, dtype = np.lib.format.read_array_header_1_0(f)
-    elif version == (2, 0):
-        shape, fortran, dtype = np.lib.format.read_array_header_2_0(f)
-    else:
-        raise ShardError(path, f".npy format version {version[0]}.{version[1]} is not read; expected 1.0 or 2.0 "
-                               "(numpy.save writes them for every numeric or string array)")
-    if dtype.hasobject:
-        raise ShardError(path, "holds Python objects (object dtype); only numeric and fixed-width string arrays are read")
-    if any(n < 0 for n in shape):
-        raise ShardError(path, f"header's shape {shape} has a negative dimension")
-    room = max(dtype.itemsize, 1)
-    for n in shape:
-        room *= max(n, 1)
-    if room >= 2**63:
-        raise ShardError(path, f"header's shape {shape} of {dtype} would take more than 2**63 bytes; no array is that large")
-    need = math.prod(shape) * dtype.itemsize
-    have = os.fstat(f.fileno()).st_size - f.tell()
-    if need > have:
-        raise ShardError(path, f"truncated .npy file: it holds fewer bytes than its header's shape needs "
-                               f"({shape} {dtype}: {need:,} bytes of data, {max(have, 0):,} in the file)")
-    return shape, fortran, dtype
-
-
-def _npy_problem(e: BaseException) -> str:
-    """What an error of NumPy's .npy reader says about the file."""
-    msg = str(e)
-    if "mmap length is greater than file size" in msg or "cannot reshape" in msg:
-        return "truncated .npy file: it holds fewer bytes than its header's shape needs"
-    if "EOF" in msg:
-        return f"truncated .npy header ({msg})"
-    if "object" in msg.lower() or "pickle" in msg.lower():
-        return "holds Python objects (object dtype); only numeric and fixed-width string arrays are read"
-    if isinstance(e, OSError):
-        return f"cannot read: {_files.problem(e)}"
-    if isinstance(e, ValueError):
-        return f"corrupt .npy file ({msg})"
-    return f"corrupt .npy file ({type(e).__name__}: {msg})"  # TokenError: an unbalanced header
 
 
 def _embedding_dtype(arr: np.ndarray, name: str, bf16_bits: bool = False) -> str:
-    """The dtype name (one of ``_DTYPES``) of token embeddings read from a file.
+    """The dtype name (one of ``fmt.DTYPES``) of token embeddings read from a file.
 
     float16 and float32 are taken as they are; uint16 holds bfloat16 bit patterns only
     when ``bf16_bits`` says so. Big-endian data and any other dtype raise ShardError.
@@ -198,46 +104,8 @@ def _embedding_dtype(arr: np.ndarray, name: str, bf16_bits: bool = False) -> str
     raise ShardError(name, f"unsupported dtype {dt}; expected float16, float32, or bfloat16 bits stored as uint16")
 
 
-def _numpy_dtype(name: str) -> np.dtype:
-    """The NumPy dtype the library takes for a dtype name: bfloat16 is ``ml_dtypes.bfloat16``."""
-    if name == "bfloat16":
-        import ml_dtypes
-
-        return np.dtype(ml_dtypes.bfloat16)
-    return np.dtype(name)
-
-
 def _as_numpy_dtype(arr: np.ndarray, name: str) -> np.ndarray:
-    return arr.view(_numpy_dtype(name)) if name == "bfloat16" else arr
-
-
-def _read_lengths(path: str | os.PathLike) -> np.ndarray:
-    """Per-document token counts from a ``.npy`` integer array or a JSON list (ColBERT's ``doclens.*.json``).
-
-    Returns int64 ``[N]``, every value >= 0.
-    """
-    path = os.fspath(path)
-    if path.lower().endswith(".json"):
-        values = _files.read_json(path, "not a JSON list of integers", "a JSON list of integers (one token count per document)")
-        if not isinstance(values, list) or not all(type(v) is int for v in values):
-            raise ShardError(path, "expected a JSON list of integers (one token count per document)")
-        big = next((i for i, v in enumerate(values) if not -2**63 <= v < 2**63), None)
-        if big is not None:
-            raise ShardError(path, f"length {values[big]} at index {big} does not fit int64; expected a token count")
-        arr = np.array(values, dtype=np.int64)
-    else:
-        raw = _open_npy(path)
-        if raw.dtype.kind not in "iu":
-            raise ShardError(path, f"lengths must be integers, got dtype {raw.dtype}")
-        if raw.ndim != 1:
-            raise ShardError(path, f"lengths must be 1-D [N], got shape {raw.shape}")
-        if raw.dtype.kind == "u" and raw.size and int(raw.max()) >= 2**63:
-            raise ShardError(path, f"length {int(raw.max())} does not fit int64; expected a token count")
-        arr = np.asarray(raw, dtype=np.int64)
-    if arr.size and arr.min() < 0:
-        i = int(np.argmax(arr < 0))
-        raise ShardError(path, f"length {int(arr[i])} at index {i} is negative")
-    return arr
+    return arr.view(fmt.numpy_dtype(name)) if name == "bfloat16" else arr
 
 
 # --------------------------------------------------------------------------- the Shard
@@ -401,7 +269,7 @@ def _packed(path, tokens, offsets, ids, manifest, tokens_file, offsets_file, ids
     if tokens.shape[1] == 0:
         raise ShardError(tokens_file, f"embedding dim is 0 (shape {tokens.shape}); expected d >= 1")
     offsets = _check_offsets(offsets, tokens.shape[0], offsets_file)
-    ids = _check_ids(ids, offsets.shape[0] - 1, ids_file) if ids is not None else None
+    ids = fmt.check_ids(ids, offsets.shape[0] - 1, ids_file) if ids is not None else None
     if (tokens.dtype == np.int8) != (scales is not None):
         raise ShardError(scales_file or tokens_file, "int8 tokens need per-token scales, and only int8 tokens have them")
     if scales is not None:
@@ -452,67 +320,6 @@ def _check_offsets(offsets: np.ndarray, num_tokens: int, name: str) -> np.ndarra
     return offsets
 
 
-def _check_ids(ids, n: int, name: str) -> np.ndarray:
-    """Check document ids: ``[n]`` int64 or fixed-width strings.
-
-    A string id may not hold a tab, a line break of any kind (what ``str.splitlines``
-    splits at: LF, CR, VT, FF, FS, GS, RS, NEL, U+2028, U+2029) or a NUL: ids are written
-    one result per line to TSV, and a reader must never see a line where none was meant.
-    Accepts an array or a list; returns the ids as an array (a memmap stays one).
-    """
-    ids = ids if isinstance(ids, np.ndarray) else np.asarray(ids)
-    if ids.ndim != 1 or ids.shape[0] != n:
-        raise ShardError(name, f"expected {n} ids (one per document), got shape {ids.shape}")
-    if ids.dtype.kind in "iu":
-        if ids.dtype != np.int64:
-            if ids.size and ids.dtype.kind == "u" and int(ids.max()) >= 2**63:
-                raise ShardError(name, "integer ids must fit int64")
-            ids = ids.astype(np.int64)
-        return ids
-    if ids.dtype.kind not in "US":
-        raise ShardError(name, f"ids must be int64 or fixed-width strings, got dtype {ids.dtype}")
-    bad = _first_id_with_a_break(ids)
-    if bad is not None:
-        raise ShardError(name, f"id at index {bad} ({_plain(ids[bad])!r}) holds a tab or line break (or a NUL); "
-                               "ids are written one result per line to TSV")
-    return ids
-
-
-# Code points no id may hold (see _check_ids); in UTF-8 bytes ids, NEL, U+2028 and U+2029 are
-# the multi-byte sequences below.
-_ID_BREAKS = np.array([0x09, 0x0A, 0x0B, 0x0C, 0x0D, 0x1C, 0x1D, 0x1E, 0x85, 0x2028, 0x2029], np.uint32)
-_ID_BREAKS_UTF8 = (b"\xc2\x85", b"\xe2\x80\xa8", b"\xe2\x80\xa9")
-_ID_BLOCK_BYTES = 8 << 20
-
-
-def _first_id_with_a_break(ids: np.ndarray) -> int | None:
-    """Index of the first string id holding a character ``_check_ids`` refuses, or None.
-
-    Reads the ids block by block as their code units (a memmap is never loaded whole). A NUL
-    counts only inside an id: NumPy pads fixed-width strings with NULs and drops them when read.
-    """
-    unicode = ids.dtype.kind == "U"
-    width = ids.dtype.itemsize // 4 if unicode else ids.dtype.itemsize
-    if width == 0:
-        return None
-    step = max(1, _ID_BLOCK_BYTES // ids.dtype.itemsize)
-    for a in range(0, ids.shape[0], step):
-        block = np.ascontiguousarray(ids[a : a + step]).astype(ids.dtype.newbyteorder("="))
-        codes = block.view(np.uint32 if unicode else np.uint8).reshape(block.shape[0], width)
-        hit = np.isin(codes, _ID_BREAKS if unicode else _ID_BREAKS[_ID_BREAKS < 0x80]).any(axis=1)
-        used = codes != 0
-        after = np.logical_or.accumulate(used[:, ::-1], axis=1)[:, ::-1]  # a code at or after this one
-        hit |= (~used[:, :-1] & after[:, 1:]).any(axis=1)
-        if not unicode:
-            for seq in _ID_BREAKS_UTF8:
-                if width >= len(seq):
-                    windows = np.lib.stride_tricks.sliding_window_view(codes, len(seq), axis=1)
-                    hit |= (windows == np.frombuffer(seq, np.uint8)).all(axis=2).any(axis=1)
-        if hit.any():
-            return a + int(np.argmax(hit))
-    return None
-
-
 def _padded(path, tokens, lengths, lengths_file, tokens_file) -> Shard:
     if tokens.shape[2] == 0:
         raise ShardError(tokens_file, f"embedding dim is 0 (shape {tokens.shape}); expected d >= 1")
@@ -549,8 +356,8 @@ def _read_manifest(path: str | os.PathLike) -> dict:
     m = _files.read_json(path, "not valid JSON", "a manifest (a small JSON object)", _MAX_MANIFEST_BYTES)
     if not isinstance(m, dict):
         raise ShardError(path, f"expected a JSON object, got {type(m).__name__}")
-    if m.get("format") != _FORMAT:
-        raise ShardError(path, f"format is {m.get('format')!r}; expected {_FORMAT!r}")
+    if m.get("format") != fmt.FORMAT:
+        raise ShardError(path, f"format is {m.get('format')!r}; expected {fmt.FORMAT!r}")
     version = m.get("version")
     if type(version) is not int or version < 1:
         raise ShardError(path, f"version is {version!r}; expected a positive integer")
@@ -559,8 +366,8 @@ def _read_manifest(path: str | os.PathLike) -> dict:
     for key, least in (("dim", 1), ("num_docs", 0), ("num_tokens", 0)):
         if type(m.get(key)) is not int or m[key] < least:
             raise ShardError(path, f"{key} is {m.get(key)!r}; expected an integer >= {least}")
-    if m.get("dtype") not in _SHARD_DTYPES:
-        raise ShardError(path, f"dtype is {m.get('dtype')!r}; expected one of {', '.join(_SHARD_DTYPES)}")
+    if m.get("dtype") not in fmt.SHARD_DTYPES:
+        raise ShardError(path, f"dtype is {m.get('dtype')!r}; expected one of {', '.join(fmt.SHARD_DTYPES)}")
     if type(m.get("normalized")) is not bool:
         raise ShardError(path, f"normalized is {m.get('normalized')!r}; expected true or false")
     if m.get("model") is not None and not isinstance(m.get("model"), str):
@@ -571,9 +378,9 @@ def _read_manifest(path: str | os.PathLike) -> dict:
     for key in ("ids", "scales"):
         if key in files and not isinstance(files[key], str):
             raise ShardError(path, f"files.{key} is {files[key]!r}; expected a file name")
-    if m["dtype"] == _INT8 and "scales" not in files:
+    if m["dtype"] == fmt.INT8 and "scales" not in files:
         raise ShardError(path, 'dtype is int8 but files names no "scales"; expected e.g. "scales": "scales.npy" (one float32 scale per token)')
-    if m["dtype"] != _INT8 and "scales" in files:
+    if m["dtype"] != fmt.INT8 and "scales" in files:
         raise ShardError(path, f"files names scales but dtype is {m['dtype']}; only int8 shards have scales")
     return m
 
@@ -617,25 +424,25 @@ def open_shard(path: str | os.PathLike) -> Shard:
         raise ShardError(path, "no such shard directory")
     if what != "a directory":
         raise ShardError(path, f"is {what}, not a directory; a shard is a directory holding manifest.json, tokens.npy and offsets.npy")
-    mpath = os.path.join(path, _MANIFEST)
+    mpath = os.path.join(path, fmt.MANIFEST)
     m = _read_manifest(mpath)
     files = {key: _member_path(path, name, mpath) for key, name in m["files"].items()
              if key in ("tokens", "offsets", "ids", "scales")}
-    raw = _open_npy(files["tokens"])
+    raw = _files.open_npy(files["tokens"])
     expect = (m["num_tokens"], m["dim"])
     if raw.shape != expect:
         raise ShardError(files["tokens"], f"shape {raw.shape} does not match the manifest's [num_tokens, dim] = {list(expect)}")
     if raw.dtype != _STORED[m["dtype"]]:
         raise ShardError(files["tokens"], f"dtype {raw.dtype.str} does not match the manifest's dtype {m['dtype']} (stored as {_STORED[m['dtype']].str})")
-    offsets = _open_npy(files["offsets"])
+    offsets = _files.open_npy(files["offsets"])
     if offsets.dtype != np.dtype("<i8"):
         raise ShardError(files["offsets"], f"dtype {offsets.dtype.str}; expected int64 (<i8)")
     if offsets.shape != (m["num_docs"] + 1,):
         raise ShardError(files["offsets"], f"shape {offsets.shape} does not match the manifest's num_docs + 1 = {m['num_docs'] + 1}")
-    ids = _open_npy(files["ids"]) if "ids" in files else None
+    ids = _files.open_npy(files["ids"]) if "ids" in files else None
     if ids is not None and ids.dtype.kind in "iu" and ids.dtype != np.dtype("<i8"):
         raise ShardError(files["ids"], f"integer ids must be int64 (<i8), got {ids.dtype.str}")
-    scales = _open_npy(files["scales"]) if "scales" in files else None
+    scales = _files.open_npy(files["scales"]) if "scales" in files else None
     return _packed(path, _as_numpy_dtype(raw, m["dtype"]), offsets, ids, m, files["tokens"], files["offsets"],
                    files.get("ids", ""), scales, files.get("scales", ""))
 
@@ -657,12 +464,12 @@ def open_input(path: str | os.PathLike, lengths: str | os.PathLike | None = None
         if lengths is not None:
             raise ShardError(lengths, f"{path} is a shard directory with its own offsets; a lengths file goes with a .npy input only")
         return open_shard(path)
-    arr = _open_npy(path)
+    arr = _files.open_npy(path)
     if arr.ndim not in (2, 3):
         raise ShardError(path, f"expected a padded [N, L, d] array, or flat [T, d] tokens with doclens; got shape {arr.shape}")
     dtype = _embedding_dtype(arr, path, bf16_bits)
     tokens = _as_numpy_dtype(arr, dtype)
-    lens = _read_lengths(lengths) if lengths is not None else None
+    lens = _files.read_lengths(lengths) if lengths is not None else None
     if arr.ndim == 3:
         return _padded(path, tokens, lens, None if lengths is None else os.fspath(lengths), path)
     if lens is None:
@@ -759,11 +566,7 @@ def check_finite(shard: Shard, max_bytes: int = CHUNK_BYTES) -> None:
 
 
 def _id_note(shard: Shard, doc: int) -> str:
-    return "" if shard.ids is None else f" (id {_plain(shard.ids[doc])!r})"
-
-
-def _plain(v):
-    return v.item() if isinstance(v, np.generic) else v
+    return "" if shard.ids is None else f" (id {fmt.plain(shard.ids[doc])!r})"
 
 
 # --------------------------------------------------------------------------- writing
@@ -841,7 +644,7 @@ def pack_arrays(docs: Sequence, path: str | os.PathLike, *, ids=None, model: str
     for i, doc in enumerate(docs):
         if isinstance(doc, (str, os.PathLike)):
             name = os.fspath(doc)
-            raw = _open_npy(name)
+            raw = _files.open_npy(name)
             doc = _as_numpy_dtype(raw, _embedding_dtype(raw, name, bf16_bits))
         else:
             name = f"docs[{i}]"
@@ -862,7 +665,7 @@ def pack_arrays(docs: Sequence, path: str | os.PathLike, *, ids=None, model: str
 
 
 def _check_array_dtype(arr: np.ndarray, name: str, int8_ok: bool = False) -> np.ndarray:
-    if arr.dtype.name in _DTYPES or (int8_ok and arr.dtype == np.int8):
+    if arr.dtype.name in fmt.DTYPES or (int8_ok and arr.dtype == np.int8):
         return arr
     if arr.dtype == np.int8:
         raise ShardError(name, "dtype int8 needs per-token scales: pass scales= (float32 [T]) to write_shard, "
@@ -877,30 +680,30 @@ def _write(path, blocks, offsets: np.ndarray, ids, dim: int, source_dtype: str, 
     between float dtypes on the way, at most ``max_bytes`` of them at a time."""
     path = os.fspath(path)
     dtype = dtype or source_dtype
-    if dtype not in _SHARD_DTYPES:
-        raise ShardError(path, f"dtype {dtype!r} is not one of {', '.join(_SHARD_DTYPES)}")
+    if dtype not in fmt.SHARD_DTYPES:
+        raise ShardError(path, f"dtype {dtype!r} is not one of {', '.join(fmt.SHARD_DTYPES)}")
     if model is not None and not isinstance(model, str):
         raise ShardError(path, f"model must be a string, got {type(model).__name__}")
     num_docs, num_tokens = offsets.shape[0] - 1, int(offsets[-1])
     if ids is not None:
-        ids = _check_ids(ids, num_docs, "ids")
+        ids = fmt.check_ids(ids, num_docs, "ids")
     _check_target(path, overwrite)
     try:
         with _atomic.output_dir(path, _replaceable_shard if overwrite else None) as tmp:
             normalized = _write_tokens(tmp, path, blocks, offsets, dim, dtype, check_finite, max_bytes)
-            np.save(os.path.join(tmp, _OFFSETS), offsets.astype("<i8"))
-            files = {"tokens": _TOKENS, "offsets": _OFFSETS}
-            if dtype == _INT8:
-                files["scales"] = _SCALES
+            np.save(os.path.join(tmp, fmt.OFFSETS), offsets.astype("<i8"))
+            files = {"tokens": fmt.TOKENS, "offsets": fmt.OFFSETS}
+            if dtype == fmt.INT8:
+                files["scales"] = fmt.SCALES
             if ids is not None:
-                np.save(os.path.join(tmp, _IDS), ids, allow_pickle=False)
-                files["ids"] = _IDS
+                np.save(os.path.join(tmp, fmt.IDS), ids, allow_pickle=False)
+                files["ids"] = fmt.IDS
             manifest = {
-                "format": _FORMAT, "version": _WRITE_VERSION[dtype], "dim": dim, "dtype": dtype,
+                "format": fmt.FORMAT, "version": _WRITE_VERSION[dtype], "dim": dim, "dtype": dtype,
                 "num_docs": num_docs, "num_tokens": num_tokens, "normalized": normalized, "model": model,
                 "files": files,
             }
-            with open(os.path.join(tmp, _MANIFEST), "x", encoding="utf-8", newline="\n") as f:
+            with open(os.path.join(tmp, fmt.MANIFEST), "x", encoding="utf-8", newline="\n") as f:
                 f.write(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
     except FileExistsError as e:  # what was at ``path`` when the shard was renamed there
         raise ShardError(path, _files.problem(e)) from None
@@ -916,7 +719,7 @@ def _write_tokens(tmp: str, path: str, blocks, offsets: np.ndarray, dim: int, dt
     anyway raises OSError, never SIGBUS as a writable memory map would.
     """
     num_tokens = int(offsets[-1])
-    files = [(_TOKENS, _STORED[dtype], (num_tokens, dim))] + ([(_SCALES, _SCALES_STORED, (num_tokens,))] if dtype == _INT8 else [])
+    files = [(fmt.TOKENS, _STORED[dtype], (num_tokens, dim))] + ([(fmt.SCALES, _SCALES_STORED, (num_tokens,))] if dtype == fmt.INT8 else [])
     with contextlib.ExitStack() as stack:
         out = []
         for name, stored, shape in files:
@@ -948,12 +751,12 @@ def _write_block(out, name: str, block: np.ndarray, scales, pos: int, offsets: n
 
     # An int8 block copied as int8 needs no float values: it is finite (its scales were
     # checked on opening), and norms come from the integers.
-    if not (dtype == _INT8 and scales is not None):
+    if not (dtype == fmt.INT8 and scales is not None):
         x32 = _values(block, scales)
-        if (check_finite or dtype == _INT8) and not np.isfinite(x32).all():
+        if (check_finite or dtype == fmt.INT8) and not np.isfinite(x32).all():
             why = "embeddings must be finite" if check_finite else "INT8 quantization needs finite values"
             refuse(~np.isfinite(x32).all(axis=1), f"holds NaN or inf; {why}")
-    if dtype == _INT8:
+    if dtype == fmt.INT8:
         if scales is None:
             from ._cpu import quantize_numpy
 
@@ -964,7 +767,7 @@ def _write_block(out, name: str, block: np.ndarray, scales, pos: int, offsets: n
     else:
         # An int8 source is written dequantized; float sources convert directly.
         with np.errstate(over="ignore"):  # a value past the dtype's range: refused below with --check
-            stored = (x32 if scales is not None else block).astype(_numpy_dtype(dtype), copy=False)
+            stored = (x32 if scales is not None else block).astype(fmt.numpy_dtype(dtype), copy=False)
         if check_finite and stored.dtype != block.dtype:
             # The values as stored: a float32 value past float16's range becomes inf in the cast.
             over = ~np.isfinite(stored.astype(np.float32)).all(axis=1)
@@ -1011,11 +814,11 @@ def _replaceable_shard(path: str) -> str | None:
     if os.path.islink(path) or not os.path.isdir(path):
         return f"exists and is not a lik shard; {refusing}"
     try:
-        m = _read_manifest(os.path.join(path, _MANIFEST))
+        m = _read_manifest(os.path.join(path, fmt.MANIFEST))
         entries = os.listdir(path)
     except (ShardError, OSError):
         return f"exists and is not a lik shard (no readable manifest.json); {refusing}"
-    own = {_MANIFEST} | {name for key, name in m["files"].items() if key in ("tokens", "offsets", "ids", "scales")}
+    own = {fmt.MANIFEST} | {name for key, name in m["files"].items() if key in ("tokens", "offsets", "ids", "scales")}
     others = sorted(n for n in entries if n not in own or os.path.isdir(os.path.join(path, n))
                     and not os.path.islink(os.path.join(path, n)))
     if others:

@@ -19,7 +19,7 @@ def maxsim_ref(Q, D, q_valid=None, d_valid=None):
 
 
 def zero_pad_ref(Q, D, q_valid, d_valid, zero_pad, near_tol=1e-4):
-    """float64 reference of documents with zero-vector padding (``lik_cupy.forward._maxsim_zero_pad``):
+    """float64 reference of documents with zero-vector padding (``lik_cupy._maxsim_calls.maxsim_zero_pad``):
     a flagged document (``zero_pad`` bool [Nd]) also holds a zero token, so each query token's max
     over it is max(its max over the valid tokens, 0), a NaN max staying NaN. Q [Nq, Lq, d], D
     [Nd, Ld, d], validity bool [Nq, Lq] / [Nd, Ld]. Returns (scores [Nq, Nd], argmax [Nq, Nd, Lq]:

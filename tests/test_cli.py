@@ -21,6 +21,7 @@ from lik_command import run_lik as run
 from lik_cupy import cli
 from lik_cupy._ranking import merge_ranked
 import lik_cupy
+from lik_cupy import _shard_format as fmt
 from lik_cupy import shards
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -88,7 +89,7 @@ class Corpus:
         Q = rng.standard_normal((NQ, LQ, dim)).astype(np.float32)
         lengths = rng.integers(1, 10, size=sum(SHARD_DOCS))
         lengths[EMPTY_DOC] = 0
-        npdt = shards._numpy_dtype(dtype)
+        npdt = fmt.numpy_dtype(dtype)
         self.docs = [rng.standard_normal((int(n), dim)).astype(np.float32).astype(npdt) for n in lengths]
         self.q = str(tmp_path / "q.npy")
         self.ql = str(tmp_path / "ql.npy")

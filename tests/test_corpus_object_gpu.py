@@ -293,7 +293,7 @@ def test_repeat_calls_read_each_calls_arrays(rng, same_tiles, layout, where, fw)
 @pytest.mark.parametrize("dtype,to", [("float16", _cp), ("bfloat16", _torch), ("float16", np.asarray)])
 def test_packed_queries_are_the_padded_call(rng, dtype, to):
     """Packed queries with q_offsets (device or host) score as the same queries padded with q_lengths."""
-    from lik_cupy.shards import _numpy_dtype as numpy_dtype
+    from lik_cupy._shard_format import numpy_dtype
 
     nd, dim = 200, 64
     lens = rng.integers(1, 40, nd)

@@ -21,6 +21,7 @@ distributed = pytest.importorskip("distributed")
 
 from lik_command import run_lik  # noqa: E402
 
+from lik_cupy import _shard_format as fmt  # noqa: E402
 from lik_cupy import maxsim_varlen, retrieve, shards  # noqa: E402
 from lik_cupy.distributed import DistributedCorpus, _place  # noqa: E402
 from lik_cupy.errors import ShardError  # noqa: E402
@@ -152,7 +153,7 @@ def test_bad_queries_are_refused_on_the_client(corpus, rng):
 def test_a_corrupt_or_missing_shard_fails_naming_the_file(client, corpus_files, tmp_path):
     bad = tmp_path / "bad"
     shutil.copytree(corpus_files[0][0], bad)
-    tokens = bad / shards._TOKENS
+    tokens = bad / fmt.TOKENS
     tokens.write_bytes(tokens.read_bytes()[:-40])
     with pytest.raises(ShardError, match="truncated .npy file") as e:
         DistributedCorpus(client, [corpus_files[0][2], str(bad)], backend="cpu")
@@ -347,7 +348,7 @@ def test_gpu_search_is_in_process_retrieve_bitwise(gpu_client, tmp_path, rng):
         _same(corpus.search(Q, 7, q_lengths=q_lengths), expected[7])
     bad = tmp_path / "bad"
     shutil.copytree(paths[0], bad)
-    (bad / shards._TOKENS).write_bytes((bad / shards._TOKENS).read_bytes()[:-40])
+    (bad / fmt.TOKENS).write_bytes((bad / fmt.TOKENS).read_bytes()[:-40])
     with pytest.raises(ShardError, match="truncated .npy file"):
         DistributedCorpus(gpu_client, [paths[2], str(bad)])
 

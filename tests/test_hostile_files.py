@@ -24,7 +24,7 @@ import zipfile
 import numpy as np
 import pytest
 
-from lik_cupy import shards
+from lik_cupy import _files, shards
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 FIXTURE = REPO / "tests" / "data" / "fast_plaid" / "fast_plaid_nbits2"
@@ -663,15 +663,15 @@ def test_the_npy_file_checked_is_the_file_mapped(tmp_path):
     os.mkfifo(tmp_path / "fifo")
     code = f"""
 import numpy as np
-from lik_cupy import shards
-check = shards._check_npy_header
+from lik_cupy import _files
+check = _files.check_npy_header
 def swapped(path, f):
     out = check(path, f)
     import os
     os.replace({str(tmp_path / 'fifo')!r}, path)
     return out
-shards._check_npy_header = swapped
-print(shards._open_npy({str(tmp_path / 'x.npy')!r}).tolist())
+_files.check_npy_header = swapped
+print(_files.open_npy({str(tmp_path / 'x.npy')!r}).tolist())
 """
     env = dict(os.environ, PYTHONPATH=str(REPO))
     try:
@@ -684,12 +684,12 @@ print(shards._open_npy({str(tmp_path / 'x.npy')!r}).tolist())
 def test_npy_errors_name_the_file_once_and_version_3_is_refused(tmp_path):
     (tmp_path / "neg.npy").write_bytes(npy_bytes(np.zeros(3), shape=(-1,)))
     with pytest.raises(shards.ShardError) as e:
-        shards._open_npy(tmp_path / "neg.npy")
+        _files.open_npy(tmp_path / "neg.npy")
     assert str(e.value) == f"{tmp_path / 'neg.npy'}: header's shape (-1,) has a negative dimension"
     with open(tmp_path / "v3.npy", "wb") as f:
         np.lib.format.write_array(f, np.zeros(3), version=(3, 0))
     with pytest.raises(shards.ShardError, match=r"v3.npy: .npy format version 3.0 is not read"):
-        shards._open_npy(tmp_path / "v3.npy")
+        _files.open_npy(tmp_path / "v3.npy")
 
 
 def test_special_files_are_judged_without_being_opened(tmp_path, monkeypatch):
@@ -707,7 +707,7 @@ def test_special_files_are_judged_without_being_opened(tmp_path, monkeypatch):
     (tmp_path / "x.pt").symlink_to("/dev/null")
     (tmp_path / "lens.json").symlink_to("/dev/null")
     for read, path in ((PlaidIndex.open, idx), (read_torch_file, tmp_path / "x.pt"),
-                       (shards._read_lengths, tmp_path / "lens.json"), (shards._open_npy, idx / "merged_codes.npy")):
+                       (_files.read_lengths, tmp_path / "lens.json"), (_files.open_npy, idx / "merged_codes.npy")):
         with pytest.raises(shards.ShardError, match="is a character device"):
             read(path)
     assert not [p for p in opened if os.path.realpath(p).startswith("/dev/")], opened

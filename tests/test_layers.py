@@ -14,13 +14,14 @@ ROOT = pathlib.Path(lik_cupy.__file__).parent
 # __init__, the public facade, whose names load lazily).
 LAYERS = (
     ("errors", "_version"),
-    ("_base", "_files", "_cpu", "_ranking", "_batched_calls"),
-    ("_dispatch", "_interop", "_atomic"),
+    ("_base", "_files", "_shard_format", "_cpu", "_ranking", "_batched_calls"),
+    ("_interop", "_atomic"),
+    ("_dispatch",),  # reads a framework's TF32 default through its adapter
     ("_validate",),
     ("_runtime",),
-    ("_streaming",),
+    ("_streaming", "_maxsim_calls"),
     ("forward", "int8", "quantize", "backward", "retrieval", "shards", "precision"),
-    ("_plaid_files",),  # PLAID index files, read through the shard format's checked .npy reader
+    ("_plaid_files", "_torch_autograd"),  # PLAID index files; lik_cupy.torch's autograd and operators
     ("plaid",),
     ("corpus", "torch", "_jax_ops", "_jax_xla"),
     ("distributed", "jax", "integrations", "serving"),
@@ -106,3 +107,58 @@ def test_every_import_of_the_package_resolves():
     bad = [f"{path.relative_to(ROOT.parent)}:{line} imports {name}" for path in sorted(ROOT.rglob("*.py"))
            for line, name in imports(path) if not (_module_exists(name) or _module_exists(name.rsplit(".", 1)[0]))]
     assert not bad, "\n".join(bad)
+
+
+def _public_modules() -> set[str]:
+    """The dotted names of the package's public modules: no part of the path under lik_cupy starts
+    with an underscore (``lik_cupy`` itself, ``lik_cupy.shards``, ``lik_cupy.serving.batcher``)."""
+    out = set()
+    for path in ROOT.rglob("*.py"):
+        parts = path.relative_to(ROOT.parent).with_suffix("").parts
+        parts = parts[:-1] if parts[-1] == "__init__" else parts
+        if not any(p.startswith("_") for p in parts[1:]):
+            out.add(".".join(parts))
+    return out
+
+
+def private_names_from_public_modules(path: pathlib.Path, public: set[str]) -> list[str]:
+    """Where ``path`` reaches an underscore name of a public module of the package other than its
+    own: ``from lik_cupy.shards import _x`` or ``shards._x`` after ``from lik_cupy import shards``."""
+    own = ".".join(path.relative_to(ROOT.parent).with_suffix("").parts).removesuffix(".__init__")
+    aliases = {}  # local name -> public module it is bound to
+    bad = []
+    for line, name in imports(path):
+        mod, _, attr = name.rpartition(".")
+        if name in public and name != own:
+            aliases[attr] = name
+        elif mod in public and mod != own and attr.startswith("_") and not attr.startswith("__") \
+                and not _module_exists(name):  # (a private module of a package is no private name)
+            bad.append(f"{path.relative_to(ROOT.parent)}:{line} imports {attr} from {mod}")
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.alias) and node.asname and node.name.split(".")[-1] in aliases:
+            aliases[node.asname] = aliases[node.name.split(".")[-1]]
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases \
+                and node.attr.startswith("_") and not node.attr.startswith("__"):
+            bad.append(f"{path.relative_to(ROOT.parent)}:{node.lineno} reads {aliases[node.value.id]}.{node.attr}")
+    return bad
+
+
+def test_no_module_takes_a_private_name_from_a_public_module():
+    # What a public module keeps private may change with it; what other modules share lives in a
+    # private module (lik_cupy/_files.py, lik_cupy/_shard_format.py, ...).
+    public = _public_modules()
+    bad = [b for path in sorted(ROOT.rglob("*.py")) for b in private_names_from_public_modules(path, public)]
+    assert not bad, "\n".join(bad)
+
+
+def test_the_private_name_check_sees_both_forms(tmp_path, monkeypatch):
+    # a module of the package that takes shards' privates both ways is reported twice
+    probe = ROOT / "_probe_private_names.py"
+    monkeypatch.setattr(pathlib.Path, "read_text", lambda self, *a, **k: (
+        "from lik_cupy.shards import _INT8\nfrom lik_cupy import shards as s\nx = s._DTYPES\n"
+        if self == probe else _read_text(self, *a, **k)))
+    found = private_names_from_public_modules(probe, _public_modules())
+    assert [f.split(" ", 1)[1] for f in found] == ["imports _INT8 from lik_cupy.shards", "reads lik_cupy.shards._DTYPES"]
+
+
+_read_text = pathlib.Path.read_text

@@ -30,7 +30,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from lik_cupy import _atomic, cli
+from lik_cupy import _atomic, _files, cli
 from lik_cupy._runtime import nvrtc as lc
 from lik_cupy._base.cache import DeviceCache
 from lik_cupy import _dispatch as dispatch
@@ -367,7 +367,7 @@ def test_unbalanced_npy_header_is_a_shard_error(tmp_path):
     header = (text + " " * (64 - (10 + len(text) + 1) % 64) + "\n").encode()
     (tmp_path / "x.npy").write_bytes(b"\x93NUMPY\x01\x00" + len(header).to_bytes(2, "little") + header + b"\0" * 8)
     with pytest.raises(shards.ShardError, match="x.npy"):
-        shards._open_npy(tmp_path / "x.npy")
+        _files.open_npy(tmp_path / "x.npy")
 
 
 # ---------------------------------------------------------------- the CLI writes its output and nothing else

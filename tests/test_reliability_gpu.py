@@ -614,7 +614,7 @@ def test_failed_launch_names_the_kernel_and_the_library_recovers(monkeypatch):
 
     from lik_cupy import _dispatch as dispatch
 
-    from lik_cupy import backward
+    from lik_cupy._runtime import backward  # the backward's launches
 
     rng = np.random.default_rng(4)
     Q = cupy.asarray(rng.standard_normal((2, 30, 64)).astype(np.float16))
@@ -632,12 +632,12 @@ def test_failed_launch_names_the_kernel_and_the_library_recovers(monkeypatch):
     monkeypatch.setattr(dispatch, "plan_launch", real)
     assert _bitwise_equal(_hosts(lik_cupy.maxsim(Q, D, return_argmax=True)), (good, am))
 
-    monkeypatch.setattr(backward, "_THREADS", 2048)  # more threads per block than any GPU takes
+    monkeypatch.setattr(backward, "THREADS", 2048)  # more threads per block than any GPU takes
     with pytest.raises(RuntimeError) as e:
         lik_cupy.maxsim_backward(g, Q, D, cupy.asarray(am), method="csr")
     bwd_msg = str(e.value)
     assert "lik_bwd_dq failed to launch" in bwd_msg and "Nq=2, Nd=9, Lq=30, Ld=50" in bwd_msg
-    monkeypatch.setattr(backward, "_THREADS", 256)
+    monkeypatch.setattr(backward, "THREADS", 256)
     assert _bitwise_equal(_hosts(lik_cupy.maxsim_backward(g, Q, D, cupy.asarray(am), method="csr")), grads)
     cupy.cuda.runtime.deviceSynchronize()  # nothing sticky was left in the context
     FIGURES["launch_errors"] = {"forward": fwd_msg, "backward": bwd_msg, "usable_afterwards": True}

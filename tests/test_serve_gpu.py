@@ -11,7 +11,7 @@ import pytest
 
 import lik_cupy
 from lik_cupy.serving import Batcher, Observer
-from lik_cupy.shards import _numpy_dtype as numpy_dtype
+from lik_cupy._shard_format import numpy_dtype
 from threads import run_threads
 
 pytestmark = pytest.mark.gpu

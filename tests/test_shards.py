@@ -10,7 +10,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from lik_cupy import shards
+from lik_cupy import _files, shards
 from lik_cupy.errors import ShardError
 
 DIM = 12
@@ -332,7 +332,7 @@ def test_never_unpickles(tmp_path):
 
     np.save(tmp_path / "evil.npy", np.array([Payload()], dtype=object), allow_pickle=True)
     with pytest.raises(ShardError, match="Python objects"):
-        shards._open_npy(tmp_path / "evil.npy")
+        _files.open_npy(tmp_path / "evil.npy")
     with pytest.raises(ShardError, match="Python objects"):
         shards.open_input(tmp_path / "evil.npy")
     assert not marker.exists()

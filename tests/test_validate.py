@@ -12,7 +12,7 @@ import pytest
 import lik_cupy
 from lik_cupy import _cpu as cpu
 from lik_cupy import _dispatch as dispatch
-from lik_cupy import forward
+from lik_cupy import _maxsim_calls
 from lik_cupy._dispatch import backend
 
 E = re.escape
@@ -26,7 +26,7 @@ def no_scoring(monkeypatch):
         raise AssertionError("scoring ran although the arguments were invalid")
 
     monkeypatch.setattr(cpu, "maxsim_numpy", boom)
-    monkeypatch.setattr(forward, "_gpu", boom)
+    monkeypatch.setattr(_maxsim_calls, "_gpu", boom)
 
 
 def f16(*shape):

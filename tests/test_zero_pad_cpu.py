@@ -1,5 +1,5 @@
-"""Zero-vector padding on the NumPy path (``lik_cupy.forward._maxsim_zero_pad`` and
-``_maxsim_varlen_zero_pad``: a flagged document's row maxima floored at 0, argmax -1 where the
+"""Zero-vector padding on the NumPy path (``lik_cupy._maxsim_calls.maxsim_zero_pad`` and
+``maxsim_varlen_zero_pad``: a flagged document's row maxima floored at 0, argmax -1 where the
 floor wins), against the float64 reference of those semantics; its validation; and the repeat-call
 path handing the flags to the kernel. The GPU side is in tests/test_zero_pad_gpu.py."""
 
@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from lik_cupy import _cpu as cpu
-from lik_cupy.forward import _maxsim_varlen_zero_pad, _maxsim_zero_pad
+from lik_cupy._maxsim_calls import maxsim_varlen_zero_pad as _maxsim_varlen_zero_pad
+from lik_cupy._maxsim_calls import maxsim_zero_pad as _maxsim_zero_pad
 from reference import zero_pad_ref
 
 TOL = 1e-5  # float32 scores of exactly-rounded inputs

@@ -1,5 +1,5 @@
-"""Zero-vector padding on the GPU (``lik_cupy.forward._maxsim_zero_pad`` and
-``_maxsim_varlen_zero_pad``: each row max of a flagged document floored at 0 in the kernel's
+"""Zero-vector padding on the GPU (``lik_cupy._maxsim_calls.maxsim_zero_pad`` and
+``maxsim_varlen_zero_pad``: each row max of a flagged document floored at 0 in the kernel's
 epilogue, NaN kept, argmax -1 where the floor wins) against the float64 reference of those
 semantics, on every tile kind the flag reaches: several queries a tile and one, query tiles summed
 as partials, padded (lengths, masks with holes, candidates) and packed documents, and token-split
@@ -12,7 +12,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from lik_cupy.forward import _maxsim_varlen_zero_pad, _maxsim_zero_pad
+from lik_cupy._maxsim_calls import maxsim_varlen_zero_pad as _maxsim_varlen_zero_pad
+from lik_cupy._maxsim_calls import maxsim_zero_pad as _maxsim_zero_pad
 from reference import masked_maxsim_ref, maxsim_ref, negative_token_inputs, padding_mask, zero_pad_ref
 from test_forward_gpu import TOL, _cast, _cp, _np, _torch
 

@@ -107,7 +107,7 @@ def repeat_path(fw: str):
     """Host microseconds of a repeat call and of each step it takes (``lik_cupy._runtime.prepared_calls``),
     for a one-query call against 100 documents (a 4 us kernel, so the GPU keeps up with the host)."""
     from lik_cupy._runtime import prepared_calls as pc
-    from lik_cupy.forward import _maxsim_key
+    from lik_cupy._maxsim_calls import maxsim_key as _maxsim_key
 
     rng = np.random.default_rng(5)
     q, d = (rng.standard_normal(s, dtype=np.float32).astype(np.float16) for s in ((1, 32, 128), (100, 180, 128)))

@@ -54,10 +54,9 @@ def allocating(buffer: str, nbytes: int, hint: str):
         yield
     except Exception as e:
         # Without CuPy's pool (cupy.cuda.set_allocator(None)) cudaMalloc's own error arrives instead;
-        # torch's caching allocator raises torch.OutOfMemoryError (the repeat-call path allocates there).
+        # a framework's allocator raises CuPy's error too (the adapter contract, lik_cupy._interop.contract).
         oom = isinstance(e, cupy.cuda.memory.OutOfMemoryError) or (
-            isinstance(e, cupy.cuda.runtime.CUDARuntimeError) and e.status == _CUDA_ERROR_MEMORY_ALLOCATION) or (
-            type(e).__name__ == "OutOfMemoryError" and type(e).__module__.startswith("torch"))
+            isinstance(e, cupy.cuda.runtime.CUDARuntimeError) and e.status == _CUDA_ERROR_MEMORY_ALLOCATION)
         if not oom:
             raise
         device = cupy.cuda.runtime.getDevice()

@@ -15,8 +15,8 @@ from .config import MAX_DIM_RESIDUAL, SMEM_PER_BLOCK, FwdConfig, arch_of, dim_bu
 from .elements import ELEMS, ElemSpec, elem_spec
 from .plan import tile_rows
 
-__all__ = ["choose_forward", "choose_residual", "choose_backward", "all_forward_configs", "all_residual_configs",
-           "residual_dim_ok", "split_family", "uses_split", "RESIDUAL_DTYPES"]
+__all__ = ["choose_forward", "choose_residual", "choose_backward", "BACKWARD_METHODS", "all_forward_configs",
+           "all_residual_configs", "residual_dim_ok", "split_family", "uses_split", "RESIDUAL_DTYPES"]
 
 # The element types PLAID residual tiles decompress into (the queries' dtype).
 RESIDUAL_DTYPES = ("float16", "bfloat16")
@@ -296,6 +296,9 @@ def all_forward_configs(arch: int, dims=None) -> list[FwdConfig]:
     seen.update((c.name, c) for c in all_residual_configs(arch, None if dims is None else
                                                           [d for d in dims if residual_dim_ok(d)]))
     return list(seen.values())
+
+
+BACKWARD_METHODS = ("auto", "csr", "atomic")  # maxsim_backward's method=
 
 
 def choose_backward(method: str, cc: int, nq: int, nd: int, lq: int, rows: int, dim: int) -> str:

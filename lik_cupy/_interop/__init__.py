@@ -1,9 +1,10 @@
 """Framework interop: any DLPack array in, the caller's framework out.
 
 One adapter module per framework (``numpy_arrays``, ``cupy_arrays``, ``torch_tensors``,
-``jax_arrays``, ``dlpack_arrays``), each with the same functions: ``describe``, ``to_numpy``,
-``to_cupy``, ``from_cupy``, ``bfloat16_from_bits``, ``from_numpy``. The functions here pick the
-adapter by framework name and do what every framework shares.
+``jax_arrays``, ``dlpack_arrays``), each with the members of the contract in ``contract.py``
+(conversion, stream and allocator, TF32 default; the repeat-call hooks for torch and CuPy, and
+``xla_buffers`` for JAX's callbacks). The functions here pick the adapter by framework name and
+do what every framework shares; the core modules reach a framework only through its adapter.
 
 Frameworks are recognised by the module that defines the array's type, so ``import lik_cupy``
 never imports torch or jax: if a torch tensor reaches us, torch is already in ``sys.modules``.
@@ -15,19 +16,21 @@ depends on its version.
 
 from __future__ import annotations
 
-import contextlib
-
 import numpy as np
 
-from . import cupy_arrays, dlpack_arrays, jax_arrays, numpy_arrays, torch_tensors
+from . import cupy_arrays, dlpack_arrays, jax_arrays, numpy_arrays, torch_tensors, xla_buffers
 from .info import Info, dtype_name
 
-__all__ = ["FLOAT_DTYPES", "Info", "dtype_name", "framework_of", "describe", "is_bfloat16", "to_cupy", "to_numpy",
-           "from_cupy", "bfloat16_from_bits", "from_numpy", "caller_stream", "host_array", "host_result",
-           "device_array", "caller_results"]
+__all__ = ["FLOAT_DTYPES", "ADAPTERS", "REPEAT_CALLS", "CALLBACK_BUFFERS", "Info", "dtype_name", "framework_of",
+           "describe", "is_bfloat16", "to_cupy", "to_numpy", "from_cupy", "bfloat16_from_bits", "from_numpy",
+           "caller_stream", "tf32_default", "host_array", "host_result", "device_array", "caller_results", "GpuCall"]
 
 FLOAT_DTYPES = ("float16", "bfloat16", "float32")
 ADAPTERS = {m.FRAMEWORK: m for m in (numpy_arrays, cupy_arrays, torch_tensors, jax_arrays, dlpack_arrays)}
+# The repeat-call path's adapters (contract.RepeatCalls), by the top module of an array's type.
+REPEAT_CALLS = {m.FRAMEWORK: m for m in (torch_tensors, cupy_arrays)}
+# The buffers a prepared call is rebound to inside a framework's callback (contract.CallBuffers).
+CALLBACK_BUFFERS = {xla_buffers.FRAMEWORK: xla_buffers}
 
 
 def framework_of(x) -> str:
@@ -55,17 +58,8 @@ def is_bfloat16(dtype) -> bool:
 
 def to_cupy(x, fw: str):
     """A C-contiguous CuPy view (or device copy) of ``x``; bool comes back as uint8 and
-    torch bfloat16 as int16 bits (the caller, knowing the dtype, views them as uint16)."""
-    import cupy
-
-    if fw == "torch":
-        a = torch_tensors.cuda_view(x)  # the common case, ready as it is
-        if a is not None:
-            return a
-    a = ADAPTERS[fw].to_cupy(x)
-    if a.dtype == np.bool_:
-        a = a.view(np.uint8)
-    return cupy.ascontiguousarray(a)
+    bfloat16 as 16-bit integer bits (the caller, knowing the dtype, views them as uint16)."""
+    return ADAPTERS[fw].to_cupy(x)
 
 
 def to_numpy(x, fw: str) -> np.ndarray:
@@ -89,19 +83,16 @@ def from_numpy(a: np.ndarray, fw: str):
     return ADAPTERS[fw].from_numpy(a)
 
 
-@contextlib.contextmanager
 def caller_stream(fw: str, device: int):
-    """Make CuPy work on the caller's current stream on ``device``: for torch callers torch's
-    stream, with every CuPy buffer inside the block from torch's caching allocator
-    (``torch_tensors.malloc``)."""
-    import cupy
+    """Entered, CuPy works on ``device`` and the caller's current stream, with its framework's
+    allocator where it has one (torch's: ``torch_tensors.caller_stream``)."""
+    return ADAPTERS[fw].caller_stream(device)
 
-    with cupy.cuda.Device(device):
-        if fw == "torch":
-            with torch_tensors.current_stream(device), cupy.cuda.using_allocator(torch_tensors.malloc):
-                yield
-        else:
-            yield
+
+def tf32_default(fw: str) -> str | None:
+    """What the caller's framework asks of its own float32 matmuls ("tf32", "fp32"), or None. Read
+    only when that framework is already imported (an array of it was passed, so it is)."""
+    return ADAPTERS[fw].tf32_default()
 
 
 # ---------------------------------------------------------------- arguments and results of a call
@@ -147,3 +138,44 @@ def caller_results(p, scores, amax, on_host: bool):
     if amax is not None:
         amax = from_cupy(amax.reshape(p.argmax_shape), p.framework, on_host)
     return scores, amax
+
+
+class GpuCall:
+    """The prologue every public GPU path shares: the caller's framework, the device (``device``, else
+    the arrays', else the current one) and whether the arrays are on the host. Entered (``with
+    GpuCall(p) as g``), CuPy works on that device and the caller's stream and allocator
+    (``caller_stream``); ``array`` brings an argument over, ``result`` and ``results`` hand CuPy
+    results back in the caller's framework. ``p``: anything with ``.framework`` and ``.device``."""
+
+    __slots__ = ("framework", "device", "on_host", "_stream")
+
+    def __init__(self, p, device: int | None = None):
+        self.framework = p.framework
+        self.on_host = p.device is None
+        if device is None:
+            device = p.device
+            if device is None:
+                import cupy
+
+                device = cupy.cuda.runtime.getDevice()
+        self.device = device
+
+    def __enter__(self) -> GpuCall:
+        self._stream = ADAPTERS[self.framework].caller_stream(self.device)
+        self._stream.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._stream.__exit__(*exc)
+
+    def array(self, x):
+        """An argument as a CuPy array on the device (``device_array``)."""
+        return device_array(x, self.framework, self.on_host)
+
+    def result(self, a):
+        """A CuPy result in the caller's framework, on the host for host arguments."""
+        return from_cupy(a, self.framework, self.on_host)
+
+    def results(self, p, scores, amax):
+        """Scores (and argmax) of problem ``p`` in the caller's framework and shapes (``caller_results``)."""
+        return caller_results(p, scores, amax, self.on_host)

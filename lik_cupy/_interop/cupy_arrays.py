@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .._base import env
 from .info import Info, dtype_name
 
 FRAMEWORK = "cupy"
@@ -18,7 +19,17 @@ def to_numpy(x) -> np.ndarray:
 
 
 def to_cupy(x):
-    return x
+    return contiguous(x)
+
+
+def contiguous(a):
+    """A CuPy array as the kernels take it: C-contiguous (a device copy where it is not), bool as
+    uint8 (every adapter's ``to_cupy`` ends here)."""
+    import cupy
+
+    if a.dtype == np.bool_:
+        a = a.view(np.uint8)
+    return cupy.ascontiguousarray(a)
 
 
 def from_cupy(a, on_host: bool):
@@ -31,6 +42,17 @@ def bfloat16_from_bits(a, on_host: bool, like):
 
 def from_numpy(a: np.ndarray):
     return a
+
+
+def caller_stream(device: int):
+    """CuPy's own current stream and pool, on ``device``."""
+    import cupy
+
+    return cupy.cuda.Device(device)
+
+
+def tf32_default() -> str | None:
+    return "tf32" if env.cupy_tf32() else "fp32"  # CUPY_TF32, CuPy's own switch
 
 
 # ---------------------------------------------------------------- the repeat-call path (lik_cupy._runtime.prepared_calls)
@@ -51,7 +73,8 @@ def stream_handle(device: int) -> int:
     return cupy.cuda.get_current_stream().ptr
 
 
-_DTYPES = {n: np.dtype(n) for n in ("float16", "float32", "int32")}
+NEW_DTYPES = frozenset(("float16", "float32", "int32"))
+_DTYPES = {n: np.dtype(n) for n in NEW_DTYPES}
 
 
 def new_empty(shape, dtype: str, device: int):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import cupy_arrays
 from .info import Info, dtype_name
 
 FRAMEWORK = "dlpack"
@@ -30,7 +31,7 @@ def to_numpy(x) -> np.ndarray:
 def to_cupy(x):
     import cupy
 
-    return cupy.from_dlpack(x)
+    return cupy_arrays.contiguous(cupy.from_dlpack(x))
 
 
 def from_cupy(a, on_host: bool):
@@ -45,3 +46,10 @@ def bfloat16_from_bits(a, on_host: bool, like):
 
 def from_numpy(a: np.ndarray):
     return a
+
+
+caller_stream = cupy_arrays.caller_stream
+
+
+def tf32_default() -> None:
+    return None  # a DLPack producer says nothing of its matmuls

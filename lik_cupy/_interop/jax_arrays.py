@@ -8,9 +8,11 @@ import sys
 
 import numpy as np
 
+from . import cupy_arrays
 from .info import Info, dtype_name
 
 FRAMEWORK = "jax"
+_TF32 = ("tensorfloat32", "bfloat16", "fastest", "default")  # jax_default_matmul_precision's TF32 values
 
 
 def describe(x) -> Info:
@@ -26,12 +28,13 @@ def to_cupy(x):
     import cupy
 
     try:
-        return cupy.from_dlpack(x)
+        a = cupy.from_dlpack(x)
     except (TypeError, NotImplementedError, BufferError, ValueError):
         if dtype_name(x.dtype) != "bfloat16":
             raise
         jax = sys.modules["jax"]
-        return cupy.from_dlpack(jax.lax.bitcast_convert_type(x, np.uint16))  # device copy, bit-exact
+        a = cupy.from_dlpack(jax.lax.bitcast_convert_type(x, np.uint16))  # device copy, bit-exact
+    return cupy_arrays.contiguous(a)
 
 
 def to_numpy(x) -> np.ndarray:
@@ -62,3 +65,14 @@ def bfloat16_from_bits(a, on_host: bool, like):
 
 def from_numpy(a: np.ndarray):
     return sys.modules["jax"].numpy.asarray(a)
+
+
+caller_stream = cupy_arrays.caller_stream  # (results are synchronised before JAX takes them)
+
+
+def tf32_default() -> str | None:
+    jax = sys.modules.get("jax")
+    if jax is None:
+        return None
+    value = jax.config.jax_default_matmul_precision
+    return "tf32" if value is not None and str(value).lower() in _TF32 else "fp32"

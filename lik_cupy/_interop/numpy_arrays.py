@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import cupy_arrays
 from .info import Info, dtype_name
 
 FRAMEWORK = "numpy"
@@ -20,7 +21,7 @@ def to_numpy(x) -> np.ndarray:
 def to_cupy(x):
     import cupy
 
-    return cupy.asarray(x)
+    return cupy_arrays.contiguous(cupy.asarray(x))
 
 
 def from_cupy(a, on_host: bool):
@@ -35,3 +36,10 @@ def bfloat16_from_bits(a, on_host: bool, like):
 
 def from_numpy(a: np.ndarray):
     return a
+
+
+caller_stream = cupy_arrays.caller_stream
+
+
+def tf32_default() -> None:
+    return None  # NumPy's matmuls have no TF32

@@ -8,6 +8,8 @@ come back as views of the owning tensor, and CuPy runs on torch's current stream
 
 from __future__ import annotations
 
+import contextlib
+import math
 import sys
 
 import numpy as np
@@ -20,7 +22,7 @@ FRAMEWORK = "torch"
 _DTYPE_NAMES: dict = {}
 
 
-def _dtype_name(dt) -> str:
+def dtype_name(dt) -> str:
     """``torch.float16`` -> "float16", memoised by the dtype object (``str`` of it costs about a
     microsecond, several times per call)."""
     try:
@@ -43,7 +45,7 @@ def describe(x) -> Info:
         dev = None
     else:
         raise ValueError(f"torch tensors must be on a CUDA device or the CPU, got device {x.device}")
-    return Info(FRAMEWORK, dev, _dtype_name(x.dtype), tuple(x.shape))
+    return Info(FRAMEWORK, dev, dtype_name(x.dtype), tuple(x.shape))
 
 
 def _bits_view(x):
@@ -64,7 +66,7 @@ def cuda_view(t):
     if not t.is_cuda or not t.is_contiguous():
         return None
     n = t.numel()
-    dtype = _TORCH_NP.get(_dtype_name(t.dtype))
+    dtype = _TORCH_NP.get(dtype_name(t.dtype))
     if dtype is None or n == 0:
         return None
     mem = cupy.cuda.UnownedMemory(t.data_ptr(), n * dtype.itemsize, t, t.get_device())
@@ -72,9 +74,12 @@ def cuda_view(t):
 
 
 def to_cupy(x):
+    a = cuda_view(x)  # the common case, ready as it is
+    if a is not None:
+        return a
     import cupy
 
-    return cupy.from_dlpack(_bits_view(x.detach()))
+    return cupy.ascontiguousarray(cupy.from_dlpack(_bits_view(x.detach())))
 
 
 def to_numpy(x) -> np.ndarray:
@@ -122,8 +127,12 @@ def bfloat16_from_bits(a, on_host: bool, like):
 
 
 def from_numpy(a: np.ndarray):
+    torch = sys.modules["torch"]
     # (ascontiguousarray alone would turn a 0-d result into shape [1])
-    return sys.modules["torch"].from_numpy(np.ascontiguousarray(a).reshape(a.shape))
+    a = np.ascontiguousarray(a).reshape(a.shape)
+    if a.dtype.name == "bfloat16":  # ml_dtypes' type, which torch cannot take: its bits
+        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(a)
 
 
 # (device, stream handle) -> CuPy's non-owning view of a torch stream, built once (about 10 us
@@ -148,6 +157,32 @@ def current_stream(device: int):
     raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
     handle = raw(device) if raw is not None else torch.cuda.current_stream(device).cuda_stream
     return _external.lookup(device, handle) or _external.get(device, handle, lambda: _external_stream(device))
+
+
+@contextlib.contextmanager
+def caller_stream(device: int):
+    """CuPy on torch's current stream on ``device``, every CuPy buffer inside the block from torch's
+    caching allocator (:func:`malloc`)."""
+    import cupy
+
+    with cupy.cuda.Device(device), current_stream(device), cupy.cuda.using_allocator(malloc):
+        yield
+
+
+def tf32_default() -> str | None:
+    """What ``torch.backends.cuda.matmul`` asks of float32 matmuls."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None
+    matmul = torch.backends.cuda.matmul
+    fp32 = getattr(matmul, "fp32_precision", None)  # PyTorch 2.9+
+    if fp32 in ("tf32", "ieee"):
+        return "tf32" if fp32 == "tf32" else "fp32"
+    try:
+        tf32 = matmul.allow_tf32 or torch.get_float32_matmul_precision() in ("high", "medium")
+    except RuntimeError:  # PyTorch refuses the older switches once the newer ones were set
+        return None
+    return "tf32" if tf32 else "fp32"
 
 
 def malloc(size: int):
@@ -188,6 +223,7 @@ def stream_handle(device: int) -> int:
     return raw(device) if raw is not None else torch.cuda.current_stream(device).cuda_stream
 
 
+NEW_DTYPES = frozenset(("float16", "bfloat16", "float32", "int32"))
 _DEVICES: dict = {}  # ordinal -> torch.device
 
 
@@ -197,7 +233,12 @@ def new_empty(shape, dtype: str, device: int):
     dev = _DEVICES.get(device)
     if dev is None:
         dev = _DEVICES[device] = torch.device("cuda", device)
-    return torch.empty(shape, dtype=getattr(torch, dtype), device=dev)
+    try:
+        return torch.empty(shape, dtype=getattr(torch, dtype), device=dev)
+    except torch.cuda.OutOfMemoryError as e:
+        import cupy
+
+        raise cupy.cuda.memory.OutOfMemoryError(math.prod(shape) * getattr(torch, dtype).itemsize, 0) from e
 
 
 def to_int32(x):

@@ -15,14 +15,14 @@ from .raw_launch import launch_raw, signature
 __all__ = ["MASKED", "mask_spans", "queue_mask_spans"]
 
 _THREADS = 256
-MASKED = "masked"  # zero_pad of lik_cupy.forward._maxsim_zero_pad: the documents with a masked token
+MASKED = "masked"  # zero_pad of lik_cupy._maxsim_calls.maxsim_zero_pad: the documents with a masked token
 
 
 def mask_spans(mask, device: int, *, masked: bool = False):
     """int32 ``[rows]`` spans of a C-contiguous uint8 mask ``[rows, L]`` on ``device`` (the current
     CuPy stream): ``n`` when a row's valid tokens are exactly its first ``n``, else ``~n`` (negative),
     ``n`` one past its last valid token. ``masked``: also return uint8 ``[rows]``, 1 where a row has
-    a masked token (the zero-vector padding flags of ``zero_pad="masked"``, ``lik_cupy.forward``)."""
+    a masked token (the zero-vector padding flags of ``zero_pad="masked"``, ``lik_cupy._maxsim_calls``)."""
     import cupy
 
     rows, length = mask.shape

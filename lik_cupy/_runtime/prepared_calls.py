@@ -2,7 +2,7 @@
 
 A signature is what validation, dispatch, the kernel lookup and the grid plan read: the kind of
 call, its flags, and each array's shape, dtype, device, layout and 16-byte alignment. The first
-call of a signature runs the whole path (``lik_cupy.forward``) and leaves here a
+call of a signature runs the whole path (``lik_cupy._maxsim_calls``) and leaves here a
 :class:`PreparedCall`; every later call with that signature reads the arrays' addresses and the
 caller's stream, allocates its results in the caller's framework and queues the kernels: no
 validation, no DLPack round trip, no CuPy array of the caller's data, no host synchronisation.
@@ -21,7 +21,7 @@ import threading
 from collections import OrderedDict
 from typing import NamedTuple
 
-from .._interop import cupy_arrays, torch_tensors, xla_buffers
+from .._interop import CALLBACK_BUFFERS, REPEAT_CALLS
 from .candidates import CandidateParam
 from .device_checks import Checked, mark_invalid, strict
 from .._base.env import poison_outputs
@@ -31,8 +31,7 @@ from .raw_launch import launch_raw, signature
 __all__ = ["call_key", "lookup", "store", "PreparedCall", "PreparedBackward", "ResidentDocs", "clear", "MAX_CALLS"]
 
 MAX_CALLS = 512  # signatures kept per process
-_CALLERS = {"torch": torch_tensors, "cupy": cupy_arrays}  # by the top module of an argument's type
-_ADAPTERS = {**_CALLERS, "jax": xla_buffers}  # "jax": XLA's buffers in lik_cupy.jax's callbacks
+_ADAPTERS = {**REPEAT_CALLS, **CALLBACK_BUFFERS}  # a call's own, or the buffers it is rebound to
 _calls: OrderedDict = OrderedDict()
 _lock = threading.Lock()
 
@@ -46,7 +45,7 @@ def _adapter(x):
         return _BY_TYPE[t]
     except KeyError:
         mod = t.__module__.split(".")[0]
-        a = _BY_TYPE[t] = _CALLERS.get(mod)
+        a = _BY_TYPE[t] = REPEAT_CALLS.get(mod)  # (keyed by FRAMEWORK, the name of its arrays' top module)
         return a
 
 
@@ -126,7 +125,7 @@ class PreparedCall:
         return self.fwd.current()
 
     def rebound(self, framework: str) -> PreparedCall:
-        """This call for arrays of another kind (``"jax"``: XLA's buffers in a callback)."""
+        """This call for the buffers of a framework's callback (``lik_cupy._interop.CALLBACK_BUFFERS``)."""
         twin = copy.copy(self)
         twin.a = _ADAPTERS[framework]
         return twin

@@ -265,7 +265,7 @@ def check_valid(side: str, mask, lengths, q: Info, mask_shape, len_shape) -> str
 
 
 def check_zero_pad(zero_pad, p: Problem, shape, d_mask=None) -> None:
-    """The zero-vector padding flags of a call (``lik_cupy.forward._maxsim_zero_pad``): bool, one per
+    """The zero-vector padding flags of a call (``lik_cupy._maxsim_calls.maxsim_zero_pad``): bool, one per
     document (``shape``: D's shape without its last two axes, or ``(Nd,)`` for packed documents), in
     Q's framework and place; or ``"masked"`` (the documents with a masked token), which needs the
     call's ``d_mask``."""

@@ -27,6 +27,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from .. import _torch_autograd as _autograd
 from .. import torch as _lik
 from .._base import env
 from ._patching import Patched, Patches
@@ -158,7 +159,7 @@ def score_multi_vector(qs, ps, batch_size: int = 128, device=None):
         offsets = torch.from_numpy(np.concatenate([[0], np.cumsum(lens)])).to(device)
         zero_pad = torch.tensor(short[c:c + chunk], device=device)
         Qk, Tk, _ = kernel_operands(Q, tokens)
-        scores.append(_lik._maxsim_varlen_zero_pad_grad(Qk, Tk, offsets, zero_pad, q_lengths=q_len, validate=False))
+        scores.append(_autograd.maxsim_varlen_zero_pad_grad(Qk, Tk, offsets, zero_pad, q_lengths=q_len, validate=False))
     return torch.cat(scores, dim=1).cpu().to(torch.float32)
 
 

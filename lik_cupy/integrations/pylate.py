@@ -14,7 +14,7 @@ all-masked document scores 0 rather than -inf (lik-cupy's own ``d_mask`` leaves 
 instead: PyLate's ``flash`` and ``lik`` backends follow that convention, its torch path does not).
 This module gets the torch path's scores without touching the embeddings: masked tokens are
 skipped and each masked document's row maxima floored at 0 in the kernel (its zero-vector padding
-flag, ``lik_cupy.forward._maxsim_zero_pad``), the gradient of a floored max is 0 as through the
+flag, ``lik_cupy._maxsim_calls.maxsim_zero_pad``), the gradient of a floored max is 0 as through the
 torch path's zeroed similarity. Two differences remain, both where the torch path multiplies
 rather than zeroes: a mask value other than 0 and 1 scales the torch path's similarities but is
 just "valid" here; and a NaN or infinite embedding of a masked token makes the torch path's score
@@ -37,6 +37,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from .. import _torch_autograd as _autograd
 from .. import torch as _lik
 from .._base import env
 from .._runtime.masks import MASKED
@@ -300,9 +301,9 @@ def _masked_maxsim(Q, D, q_mask, d_mask):
     if d_mask is None:
         return _lik.maxsim(Q, D, qm).to(out)
     dm = _valid(d_mask, D)
-    if _lik._traced(Q):  # the operators take no zero-padding flags: masked tokens as zero vectors
+    if _autograd.traced(Q):  # the operators take no zero-padding flags: masked tokens as zero vectors
         return _lik.maxsim(Q, D * dm.unsqueeze(-1).to(D.dtype), qm).to(out)
-    return _lik._maxsim_zero_pad_grad(Q, D, MASKED, qm, dm).to(out)
+    return _autograd.maxsim_zero_pad_grad(Q, D, MASKED, qm, dm).to(out)
 
 
 def _valid(mask, like) -> torch.Tensor:

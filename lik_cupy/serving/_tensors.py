@@ -15,7 +15,7 @@ import struct
 
 import numpy as np
 
-from ..shards import _numpy_dtype as numpy_dtype
+from .._shard_format import numpy_dtype
 
 DTYPES = {"BOOL": "bool", "UINT8": "uint8", "UINT16": "uint16", "UINT32": "uint32", "UINT64": "uint64",
           "INT8": "int8", "INT16": "int16", "INT32": "int32", "INT64": "int64", "FP16": "float16",

@@ -25,9 +25,9 @@ import numpy as np
 from .._dispatch.elements import scaled_dtype
 from .._interop import FLOAT_DTYPES, dtype_name
 from .._runtime.topk import MAX_K
+from .._shard_format import numpy_dtype
 from ..corpus import Corpus
 from ..precision import PRECISIONS
-from ..shards import _numpy_dtype as numpy_dtype
 from ._partition import Partition, split_shards
 from ._queue import DeviceQueue, Request
 from .errors import Overloaded, ShuttingDown

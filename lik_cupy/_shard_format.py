@@ -1,0 +1,93 @@
+"""The shard format's names and id rule, shared by the reader and writer (``lik_cupy.shards``,
+whose docstring is the one description of the format), the CLI and the distributed corpus."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .errors import ShardError
+
+FORMAT = "lik-shard"
+MANIFEST = "manifest.json"
+TOKENS = "tokens.npy"
+OFFSETS = "offsets.npy"
+IDS = "ids.npy"
+SCALES = "scales.npy"
+DTYPES = ("float16", "float32", "bfloat16")  # embedding dtypes the library scores as they are
+INT8 = "int8"
+SHARD_DTYPES = (*DTYPES, INT8)  # what a shard may store
+
+
+def numpy_dtype(name: str) -> np.dtype:
+    """The NumPy dtype the library takes for a dtype name: bfloat16 is ``ml_dtypes.bfloat16``."""
+    if name == "bfloat16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
+
+
+def plain(v):
+    """A NumPy scalar as the Python value it holds (for messages)."""
+    return v.item() if isinstance(v, np.generic) else v
+
+
+def check_ids(ids, n: int, name: str) -> np.ndarray:
+    """Check document ids: ``[n]`` int64 or fixed-width strings.
+
+    A string id may not hold a tab, a line break of any kind (what ``str.splitlines``
+    splits at: LF, CR, VT, FF, FS, GS, RS, NEL, U+2028, U+2029) or a NUL: ids are written
+    one result per line to TSV, and a reader must never see a line where none was meant.
+    Accepts an array or a list; returns the ids as an array (a memmap stays one).
+    """
+    ids = ids if isinstance(ids, np.ndarray) else np.asarray(ids)
+    if ids.ndim != 1 or ids.shape[0] != n:
+        raise ShardError(name, f"expected {n} ids (one per document), got shape {ids.shape}")
+    if ids.dtype.kind in "iu":
+        if ids.dtype != np.int64:
+            if ids.size and ids.dtype.kind == "u" and int(ids.max()) >= 2**63:
+                raise ShardError(name, "integer ids must fit int64")
+            ids = ids.astype(np.int64)
+        return ids
+    if ids.dtype.kind not in "US":
+        raise ShardError(name, f"ids must be int64 or fixed-width strings, got dtype {ids.dtype}")
+    bad = _first_break(ids)
+    if bad is not None:
+        raise ShardError(name, f"id at index {bad} ({plain(ids[bad])!r}) holds a tab or line break (or a NUL); "
+                               "ids are written one result per line to TSV")
+    return ids
+
+
+# Code points no id may hold (see check_ids); in UTF-8 bytes ids, NEL, U+2028 and U+2029 are
+# the multi-byte sequences below.
+_ID_BREAKS = np.array([0x09, 0x0A, 0x0B, 0x0C, 0x0D, 0x1C, 0x1D, 0x1E, 0x85, 0x2028, 0x2029], np.uint32)
+_ID_BREAKS_UTF8 = (b"\xc2\x85", b"\xe2\x80\xa8", b"\xe2\x80\xa9")
+_ID_BLOCK_BYTES = 8 << 20
+
+
+def _first_break(ids: np.ndarray) -> int | None:
+    """Index of the first string id holding a character ``check_ids`` refuses, or None.
+
+    Reads the ids block by block as their code units (a memmap is never loaded whole). A NUL
+    counts only inside an id: NumPy pads fixed-width strings with NULs and drops them when read.
+    """
+    unicode = ids.dtype.kind == "U"
+    width = ids.dtype.itemsize // 4 if unicode else ids.dtype.itemsize
+    if width == 0:
+        return None
+    step = max(1, _ID_BLOCK_BYTES // ids.dtype.itemsize)
+    for a in range(0, ids.shape[0], step):
+        block = np.ascontiguousarray(ids[a : a + step]).astype(ids.dtype.newbyteorder("="))
+        codes = block.view(np.uint32 if unicode else np.uint8).reshape(block.shape[0], width)
+        hit = np.isin(codes, _ID_BREAKS if unicode else _ID_BREAKS[_ID_BREAKS < 0x80]).any(axis=1)
+        used = codes != 0
+        after = np.logical_or.accumulate(used[:, ::-1], axis=1)[:, ::-1]  # a code at or after this one
+        hit |= (~used[:, :-1] & after[:, 1:]).any(axis=1)
+        if not unicode:
+            for seq in _ID_BREAKS_UTF8:
+                if width >= len(seq):
+                    windows = np.lib.stride_tricks.sliding_window_view(codes, len(seq), axis=1)
+                    hit |= (windows == np.frombuffer(seq, np.uint8)).all(axis=2).any(axis=1)
+        if hit.any():
+            return a + int(np.argmax(hit))
+    return None

@@ -1,0 +1,227 @@
+"""``lik_cupy.torch``'s machinery: the ``torch.autograd.Function`` eager calls apply, the
+``torch.library`` operators (``lik_cupy::maxsim``, ``maxsim_varlen``, ``maxsim_backward``) registered
+when this module is imported, and the zero-vector padding forms with gradients that
+``lik_cupy.integrations`` call. ``lik_cupy.torch``'s docstring says why eager calls skip the
+dispatcher and how tracing and CUDA graphs take the calls."""
+
+from __future__ import annotations
+
+import functools
+import numbers
+
+import torch
+
+from ._validate import check_backward, check_call, check_varlen
+from ._dispatch.select import BACKWARD_METHODS as _METHODS
+from .backward import maxsim_backward as _maxsim_backward
+from ._maxsim_calls import maxsim_varlen_zero_pad as _maxsim_varlen_zero_pad
+from ._maxsim_calls import maxsim_zero_pad as _maxsim_zero_pad
+from .forward import maxsim as _maxsim
+from .forward import maxsim_varlen as _maxsim_varlen
+from ._dispatch.precision import checked as _checked_precision
+
+
+def maxsim_zero_pad_grad(Q, D, zero_pad, q_mask=None, d_mask=None, *, q_lengths=None, d_lengths=None,
+                          method="auto", precision=None, validate=None):
+    """``lik_cupy.torch.maxsim`` of documents with zero-vector padding (``lik_cupy._maxsim_calls.maxsim_zero_pad``:
+    ``zero_pad`` bool ``D.shape[:-2]``), with gradients; eager calls only (the operators take no such
+    flags: ``lik_cupy.integrations`` score the padding as zero vectors while tracing)."""
+    check_method(method)
+    check_eager(Q)
+
+    def call(q, d, argmax=True):
+        return _maxsim_zero_pad(q, d, zero_pad, q_mask, d_mask, q_lengths=q_lengths, d_lengths=d_lengths,
+                                return_argmax=argmax, backend=backend_of(q), precision=precision, validate=validate)
+
+    return apply(Q, D, None, method, call, False) if needs_grad(Q, D) else call(Q, D, False)
+
+
+def maxsim_varlen_zero_pad_grad(Q, D_tokens, d_offsets, zero_pad, q_mask=None, *, q_lengths=None, method="auto",
+                                 precision=None, validate=None):
+    """``lik_cupy.torch.maxsim_varlen`` of documents with zero-vector padding (``zero_pad`` bool ``[Nd]``), as
+    :func:`maxsim_zero_pad_grad`; ``validate`` as in :func:`lik_cupy.maxsim_varlen` (False: offsets
+    known good)."""
+    check_method(method)
+    check_eager(Q)
+    if not needs_grad(Q, D_tokens):
+        return _maxsim_varlen_zero_pad(Q, D_tokens, d_offsets, zero_pad, q_mask, q_lengths=q_lengths,
+                                       backend=backend_of(Q), precision=precision, validate=validate)
+    offsets = as_tensor(d_offsets, Q)  # the backward reads them too
+
+    def call(q, d):
+        return _maxsim_varlen_zero_pad(q, d, offsets, zero_pad, q_mask, q_lengths=q_lengths, return_argmax=True,
+                                       backend=backend_of(q), precision=precision, validate=validate)
+
+    return apply(Q, D_tokens, offsets, method, call, False)
+
+
+# ---------------------------------------------------------------- eager
+
+
+class _MaxSim(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, Q, D, d_offsets, method, call):
+        scores, amax = call(Q, D)
+        ctx.save_for_backward(Q, D, amax, d_offsets)
+        ctx.method = method
+        ctx.mark_non_differentiable(amax)
+        return scores, amax
+
+    @staticmethod
+    def backward(ctx, g, _g_amax):
+        Q, D, amax, d_offsets = ctx.saved_tensors
+        return (*_grads(ctx, g, Q, D, amax, d_offsets, _backward), None, None, None)
+
+
+def apply(Q, D, d_offsets, method, call, return_argmax):
+    scores, amax = _MaxSim.apply(Q, D, d_offsets, method, call)
+    return (scores, amax) if return_argmax else scores
+
+
+# ---------------------------------------------------------------- shared by both paths
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def traced(Q) -> bool:
+    """Whether the call goes through the registered operators: while torch.compile or torch.export
+    traces, and for tensor subclasses (fake tensors among them), whose data lik_cupy cannot read."""
+    return torch.compiler.is_compiling() or (type(Q) not in _PLAIN and isinstance(Q, torch.Tensor))
+
+
+def check_eager(Q) -> None:
+    if traced(Q):
+        raise RuntimeError("zero-vector padding flags are for eager calls: while tracing, score the padding "
+                           "as zero vectors (lik_cupy.integrations does)")
+
+
+def needs_grad(Q, D) -> bool:
+    return torch.is_grad_enabled() and (Q.requires_grad or D.requires_grad)
+
+
+def backend_of(Q) -> str:
+    return "gpu" if Q.is_cuda else "cpu"
+
+
+def check_method(method) -> None:
+    if method not in _METHODS:  # checked with the forward, not first at backward time
+        raise ValueError(f"method must be one of {_METHODS}, got {method!r}")
+
+
+def as_tensor(x, like):
+    """Lengths or offsets given as Python (or NumPy) ints or lists, as a tensor on ``like``'s
+    device (the operators take tensors, and the backward saves the offsets); anything else as it is."""
+    if x is None or isinstance(x, torch.Tensor):
+        return x
+    if isinstance(x, (list, tuple, numbers.Integral)) and not isinstance(x, bool):
+        t = torch.as_tensor(x, device=like.device)
+        return t if t.numel() else t.long()  # (an empty list would be float32)
+    return x
+
+
+def _grads(ctx, g, Q, D, amax, d_offsets, backward):
+    need_q, need_d = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    if not (need_q or need_d):
+        return None, None
+    dq, dd = backward(g.contiguous(), Q, D, amax, d_offsets, ctx.method)
+    return (dq if need_q else None), (dd if need_d else None)
+
+
+def _backward(g, Q, D, argmax, d_offsets, method):
+    # The argmax is the forward's own: no value check, and so no host read (CUDA-graph capture).
+    return _maxsim_backward(g, Q, D, argmax, d_offsets=d_offsets, method=method, validate=False,
+                            backend=backend_of(Q))
+
+
+# ---------------------------------------------------------------- the operators (torch.compile, torch.export)
+
+_lib = torch.library.Library("lik_cupy", "DEF")
+_TAGS = (torch.Tag.pt2_compliant_tag,)
+_lib.define("maxsim(Tensor Q, Tensor D, Tensor? q_mask, Tensor? d_mask, Tensor? q_lengths, Tensor? d_lengths, "
+            "str method, bool return_argmax, str? precision) -> (Tensor, Tensor)", tags=_TAGS)
+_lib.define("maxsim_varlen(Tensor Q, Tensor D_tokens, Tensor d_offsets, Tensor? q_mask, Tensor? q_lengths, "
+            "str method, bool return_argmax, str? precision) -> (Tensor, Tensor)", tags=_TAGS)
+_lib.define("maxsim_backward(Tensor grad_scores, Tensor Q, Tensor D, Tensor argmax, Tensor? d_offsets, str method) "
+            "-> (Tensor, Tensor)", tags=_TAGS)
+
+
+def _no_argmax(scores):
+    """The argmax output of a call that did not ask for one: int32 ``scores.shape + (0,)``."""
+    return scores.new_empty(tuple(scores.shape) + (0,), dtype=torch.int32)
+
+
+def _maxsim_op(Q, D, q_mask, d_mask, q_lengths, d_lengths, method, return_argmax, precision):
+    check_method(method)
+    out = _maxsim(Q, D, q_mask, d_mask, q_lengths=q_lengths, d_lengths=d_lengths, return_argmax=return_argmax,
+                  backend=backend_of(Q), precision=precision)
+    return out if return_argmax else (out, _no_argmax(out))
+
+
+def _maxsim_varlen_op(Q, D_tokens, d_offsets, q_mask, q_lengths, method, return_argmax, precision):
+    check_method(method)
+    out = _maxsim_varlen(Q, D_tokens, d_offsets, q_mask, q_lengths=q_lengths, return_argmax=return_argmax,
+                         backend=backend_of(Q), precision=precision)
+    return out if return_argmax else (out, _no_argmax(out))
+
+
+def _maxsim_backward_op(grad_scores, Q, D, argmax, d_offsets, method):
+    check_method(method)
+    return _backward(grad_scores, Q, D, argmax, d_offsets, method)
+
+
+for _name, _impl in (("maxsim", _maxsim_op), ("maxsim_varlen", _maxsim_varlen_op),
+                     ("maxsim_backward", _maxsim_backward_op)):
+    for _key in ("CPU", "CUDA"):
+        _lib.impl(_name, _impl, _key)
+
+
+def _fake_outputs(Q, p, method, return_argmax, precision):
+    """The forward's outputs as ``lik_cupy.maxsim`` shapes them: float32 scores (float64 for
+    float64 inputs) of ``p.scores_shape``, int32 argmax of ``p.argmax_shape``."""
+    check_method(method)
+    if precision is not None:
+        _checked_precision(precision, "precision")
+    scores = Q.new_empty(p.scores_shape, dtype=torch.float64 if Q.dtype == torch.float64 else torch.float32)
+    return scores, (Q.new_empty(p.argmax_shape, dtype=torch.int32) if return_argmax else _no_argmax(scores))
+
+
+@torch.library.register_fake("lik_cupy::maxsim", lib=_lib)
+def _maxsim_fake(Q, D, q_mask, d_mask, q_lengths, d_lengths, method, return_argmax, precision):
+    p = check_call(Q, D, q_mask, d_mask, q_lengths, d_lengths, pairs=False)
+    return _fake_outputs(Q, p, method, return_argmax, precision)
+
+
+@torch.library.register_fake("lik_cupy::maxsim_varlen", lib=_lib)
+def _maxsim_varlen_fake(Q, D_tokens, d_offsets, q_mask, q_lengths, method, return_argmax, precision):
+    p = check_varlen(Q, D_tokens, d_offsets, q_mask, q_lengths, None)
+    return _fake_outputs(Q, p, method, return_argmax, precision)
+
+
+@torch.library.register_fake("lik_cupy::maxsim_backward", lib=_lib)
+def _maxsim_backward_fake(grad_scores, Q, D, argmax, d_offsets, method):
+    check_method(method)
+    check_backward(grad_scores, Q, D, argmax, d_offsets)
+    return Q.new_empty(Q.shape), D.new_empty(D.shape)
+
+
+def _setup_context(ctx, inputs, output, *, packed: bool):
+    # Both forwards end in (method, return_argmax, precision); maxsim_varlen's third input is d_offsets.
+    Q, D, *_, method, kept_argmax, _precision = inputs
+    ctx.save_for_backward(Q, D, output[1], inputs[2] if packed else None)
+    ctx.method, ctx.kept_argmax, ctx.n_inputs = method, kept_argmax, len(inputs)
+
+
+def _op_backward(ctx, g, _g_amax):
+    if not ctx.kept_argmax:
+        raise RuntimeError("the gradient of lik_cupy's MaxSim operator needs its argmax: call it with "
+                           "return_argmax=True (lik_cupy.torch does whenever a gradient is needed)")
+    Q, D, amax, d_offsets = ctx.saved_tensors
+    grads = _grads(ctx, g, Q, D, amax, d_offsets, torch.ops.lik_cupy.maxsim_backward.default)
+    return grads + (None,) * (ctx.n_inputs - 2)
+
+
+for _name, _packed in (("maxsim", False), ("maxsim_varlen", True)):
+    torch.library.register_autograd(f"lik_cupy::{_name}", _op_backward,
+                                    setup_context=functools.partial(_setup_context, packed=_packed), lib=_lib)
+del _name, _impl, _key, _packed
