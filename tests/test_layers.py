@@ -20,7 +20,7 @@ LAYERS = (
     ("_runtime",),
     ("_streaming",),
     ("forward", "int8", "quantize", "backward", "retrieval", "shards", "precision"),
-    ("_plaid_files",),  # PLAID index files, read through the shard format's checked .npy reader
+    ("_plaid_files", "fused_head"),  # PLAID index files (read through the shard format's .npy reader); the fused head
     ("plaid",),
     ("corpus", "torch", "_jax_ops", "_jax_xla"),
     ("distributed", "jax", "integrations", "serving"),
