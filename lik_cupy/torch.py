@@ -40,15 +40,17 @@ import numbers
 
 import torch
 
-from ._validate import check_backward, check_call, check_varlen
+from ._validate import check_backward, check_call, check_hidden, check_hidden_backward, check_varlen
 from .backward import _METHODS
 from .backward import maxsim_backward as _maxsim_backward
 from .forward import _maxsim_varlen_zero_pad, _maxsim_zero_pad
 from .forward import maxsim as _maxsim
 from .forward import maxsim_varlen as _maxsim_varlen
 from ._dispatch.precision import checked as _checked_precision
+from .fused_head import maxsim_from_hidden as _maxsim_from_hidden
+from .fused_head import maxsim_from_hidden_backward as _maxsim_from_hidden_backward
 
-__all__ = ["maxsim", "maxsim_varlen"]
+__all__ = ["maxsim", "maxsim_varlen", "maxsim_from_hidden"]
 
 
 def maxsim(Q, D, q_mask=None, d_mask=None, *, q_lengths=None, d_lengths=None, method="auto", return_argmax=False,
@@ -100,6 +102,27 @@ def maxsim_varlen(Q, D_tokens, d_offsets, q_mask=None, *, q_lengths=None, method
                               precision=precision)
 
     return _apply(Q, D_tokens, offsets, method, call, return_argmax)
+
+
+def maxsim_from_hidden(Q, H, W, bias=None, q_mask=None, d_mask=None, *, q_lengths=None, d_lengths=None,
+                       normalize=True, eps=1e-12, return_argmax=False, max_chunk_bytes=None, precision=None):
+    """:func:`lik_cupy.maxsim_from_hidden` (documents as hidden states ``H [Nd, Ld, h]`` through
+    ``W [d, h]`` and ``bias [d]``) with gradients for Q, H, W and bias (torch tensors, CUDA or CPU).
+
+    Arguments and semantics as :func:`lik_cupy.maxsim_from_hidden`. The forward keeps the int32
+    argmax; the backward (:func:`lik_cupy.maxsim_from_hidden_backward`) projects each chunk of
+    documents again, so no projected tensor is saved for it. Every call, eager or traced, is the
+    operator ``torch.ops.lik_cupy.maxsim_from_hidden`` (its dispatch costs microseconds beside
+    the projection), with ``maxsim_from_hidden_backward`` as its autograd formula.
+
+    Returns:
+        float32 scores ``[Nq, Nd]`` (float64 for float64 tensors) and, if asked, the int32 argmax.
+    """
+    need = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (Q, H, W, bias))
+    scores, amax = torch.ops.lik_cupy.maxsim_from_hidden.default(
+        Q, H, W, bias, q_mask, d_mask, _tensor(q_lengths, Q), _tensor(d_lengths, Q), bool(normalize), float(eps),
+        bool(return_argmax or need), max_chunk_bytes, precision)
+    return (scores, amax) if return_argmax else scores
 
 
 def _maxsim_zero_pad_grad(Q, D, zero_pad, q_mask=None, d_mask=None, *, q_lengths=None, d_lengths=None,
@@ -225,6 +248,12 @@ _lib.define("maxsim_varlen(Tensor Q, Tensor D_tokens, Tensor d_offsets, Tensor? 
             "str method, bool return_argmax, str? precision) -> (Tensor, Tensor)", tags=_TAGS)
 _lib.define("maxsim_backward(Tensor grad_scores, Tensor Q, Tensor D, Tensor argmax, Tensor? d_offsets, str method) "
             "-> (Tensor, Tensor)", tags=_TAGS)
+_lib.define("maxsim_from_hidden(Tensor Q, Tensor H, Tensor W, Tensor? bias, Tensor? q_mask, Tensor? d_mask, "
+            "Tensor? q_lengths, Tensor? d_lengths, bool normalize, float eps, bool return_argmax, "
+            "int? max_chunk_bytes, str? precision) -> (Tensor, Tensor)", tags=_TAGS)
+_lib.define("maxsim_from_hidden_backward(Tensor grad_scores, Tensor Q, Tensor H, Tensor W, Tensor? bias, "
+            "Tensor argmax, Tensor? d_mask, Tensor? d_lengths, bool normalize, float eps, int? max_chunk_bytes, "
+            "str? precision) -> (Tensor, Tensor, Tensor, Tensor)", tags=_TAGS)
 
 
 def _no_argmax(scores):
@@ -251,8 +280,31 @@ def _maxsim_backward_op(grad_scores, Q, D, argmax, d_offsets, method):
     return _backward(grad_scores, Q, D, argmax, d_offsets, method)
 
 
+def _maxsim_from_hidden_op(Q, H, W, bias, q_mask, d_mask, q_lengths, d_lengths, normalize, eps, return_argmax,
+                           max_chunk_bytes, precision):
+    out = _maxsim_from_hidden(Q, H, W, bias, q_mask, d_mask, q_lengths=q_lengths, d_lengths=d_lengths,
+                              normalize=normalize, eps=eps, return_argmax=return_argmax,
+                              max_chunk_bytes=max_chunk_bytes, backend=_backend(Q), precision=precision)
+    return out if return_argmax else (out, _no_argmax(out))
+
+
+def _maxsim_from_hidden_backward_op(grad_scores, Q, H, W, bias, argmax, d_mask, d_lengths, normalize, eps,
+                                    max_chunk_bytes, precision):
+    # the argmax is the forward's own: trusted, no host read (CUDA-graph capture)
+    dq, dh, dw, db = _maxsim_from_hidden_backward(grad_scores, Q, H, W, bias, argmax, d_mask, d_lengths=d_lengths,
+                                                  normalize=normalize, eps=eps, max_chunk_bytes=max_chunk_bytes,
+                                                  backend=_backend(Q), precision=precision, validate=False)
+    return dq, dh, dw, (_no_bias_grad(W) if db is None else db)
+
+
+def _no_bias_grad(W):
+    """The bias gradient of a call without a bias: an empty tensor (an operator returns tensors only)."""
+    return W.new_empty((0,))
+
+
 for _name, _impl in (("maxsim", _maxsim_op), ("maxsim_varlen", _maxsim_varlen_op),
-                     ("maxsim_backward", _maxsim_backward_op)):
+                     ("maxsim_backward", _maxsim_backward_op), ("maxsim_from_hidden", _maxsim_from_hidden_op),
+                     ("maxsim_from_hidden_backward", _maxsim_from_hidden_backward_op)):
     for _key in ("CPU", "CUDA"):
         _lib.impl(_name, _impl, _key)
 
@@ -284,6 +336,46 @@ def _maxsim_backward_fake(grad_scores, Q, D, argmax, d_offsets, method):
     _check_method(method)
     check_backward(grad_scores, Q, D, argmax, d_offsets)
     return Q.new_empty(Q.shape), D.new_empty(D.shape)
+
+
+@torch.library.register_fake("lik_cupy::maxsim_from_hidden", lib=_lib)
+def _maxsim_from_hidden_fake(Q, H, W, bias, q_mask, d_mask, q_lengths, d_lengths, normalize, eps, return_argmax,
+                             max_chunk_bytes, precision):
+    hp = check_hidden(Q, H, W, bias, q_mask, d_mask, q_lengths, d_lengths)
+    return _fake_outputs(Q, hp.p, "auto", return_argmax, precision)
+
+
+@torch.library.register_fake("lik_cupy::maxsim_from_hidden_backward", lib=_lib)
+def _maxsim_from_hidden_backward_fake(grad_scores, Q, H, W, bias, argmax, d_mask, d_lengths, normalize, eps,
+                                      max_chunk_bytes, precision):
+    check_hidden_backward(grad_scores, Q, H, W, bias, argmax, d_mask, d_lengths)
+    return Q.new_empty(Q.shape), H.new_empty(H.shape), W.new_empty(W.shape), \
+        (_no_bias_grad(W) if bias is None else bias.new_empty(bias.shape))
+
+
+def _hidden_setup_context(ctx, inputs, output):
+    Q, H, W, bias, _q_mask, d_mask, _q_lengths, d_lengths, normalize, eps, kept_argmax, chunk, precision = inputs
+    ctx.save_for_backward(Q, H, W, bias, output[1], d_mask, d_lengths)
+    ctx.normalize, ctx.eps, ctx.kept_argmax, ctx.chunk, ctx.precision = normalize, eps, kept_argmax, chunk, precision
+
+
+def _hidden_backward(ctx, g, _g_amax):
+    if not ctx.kept_argmax:
+        raise RuntimeError("the gradient of lik_cupy::maxsim_from_hidden needs its argmax: call it with "
+                           "return_argmax=True (lik_cupy.torch.maxsim_from_hidden does whenever a gradient is needed)")
+    Q, H, W, bias, amax, d_mask, d_lengths = ctx.saved_tensors
+    if not any(ctx.needs_input_grad[:4]):
+        return (None,) * 13
+    dq, dh, dw, db = torch.ops.lik_cupy.maxsim_from_hidden_backward.default(
+        g.contiguous(), Q, H, W, bias, amax, d_mask, d_lengths, ctx.normalize, ctx.eps, ctx.chunk, ctx.precision)
+    grads = [x if need else None for x, need in zip((dq, dh, dw, db), ctx.needs_input_grad[:4])]
+    if bias is None:
+        grads[3] = None
+    return (*grads,) + (None,) * 9
+
+
+torch.library.register_autograd("lik_cupy::maxsim_from_hidden", _hidden_backward, setup_context=_hidden_setup_context,
+                                lib=_lib)
 
 
 def _setup_context(ctx, inputs, output, *, packed: bool):
