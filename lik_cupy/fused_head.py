@@ -31,7 +31,7 @@ from .forward import maxsim as _maxsim
 
 __all__ = ["maxsim_from_hidden", "maxsim_from_hidden_backward", "CHUNK_BYTES"]
 
-CHUNK_BYTES = 64 << 20  # default bound on one chunk's projected tokens, in float32 bytes
+CHUNK_BYTES = 256 << 20  # default bound on one chunk's projected tokens, in bytes as held
 
 
 def maxsim_from_hidden(Q, H, W, bias=None, q_mask=None, d_mask=None, *, q_lengths=None, d_lengths=None,
@@ -54,8 +54,9 @@ def maxsim_from_hidden(Q, H, W, bias=None, q_mask=None, d_mask=None, *, q_length
         normalize: L2-normalise each projected token, ``x / max(|x|, eps)`` (``F.normalize``).
         eps: the normalisation's floor, a positive float.
         return_argmax: also return the int32 argmax ``scores.shape + (Lq,)``, as :func:`lik_cupy.maxsim`.
-        max_chunk_bytes: the most projected tokens, in float32 bytes, held at once (default
-            ``CHUNK_BYTES``, 64 MiB); at least one document is projected at a time.
+        max_chunk_bytes: the most bytes of projected tokens held at once, in the inputs' dtype on
+            the GPU (float64 on the CPU); default ``CHUNK_BYTES``, 256 MiB (1,000 documents of 300
+            tokens of d = 128 in 16 bits are 77 MB: one chunk). At least one document at a time.
         backend, precision, validate: as in :func:`lik_cupy.maxsim`; float32 inputs project at
             float32 accuracy, or on TF32 tensor cores with ``precision="tf32"``.
 
@@ -131,10 +132,11 @@ def _check_options(normalize, eps, max_chunk_bytes) -> None:
         raise ValueError(f"max_chunk_bytes must be a positive int (bytes of projected tokens), got {max_chunk_bytes!r}")
 
 
-def _chunks(hp: HiddenProblem, max_chunk_bytes):
-    """Document ranges ``(j0, j1)`` whose projected float32 tokens fit the budget (one document at least)."""
+def _chunks(hp: HiddenProblem, max_chunk_bytes, itemsize: int):
+    """Document ranges ``(j0, j1)`` whose projected tokens (``itemsize`` bytes an element) fit the
+    budget (one document at least)."""
     p = hp.p
-    per_doc = max(1, p.ld * p.dim * 4)
+    per_doc = max(1, p.ld * p.dim * itemsize)
     step = max(1, (CHUNK_BYTES if max_chunk_bytes is None else max_chunk_bytes) // per_doc)
     return [(j, min(p.nd, j + step)) for j in range(0, p.nd, step)]
 
@@ -171,7 +173,7 @@ def _cpu_forward(hp: HiddenProblem, Q, H, W, bias, q_mask, d_mask, q_lengths, d_
     dl = None if d_lengths is None else interop.host_array(d_lengths, fw).reshape(p.nd)
     scores = np.empty((p.nq, p.nd), np.float64)
     amax = np.empty((p.nq, p.nd, p.lq), np.int32)
-    for j0, j1 in _chunks(hp, max_chunk_bytes):
+    for j0, j1 in _chunks(hp, max_chunk_bytes, 8):
         D = project_numpy(h[j0 * p.ld:j1 * p.ld], w, b)
         if normalize:
             normalize_rows(D, eps)
@@ -196,7 +198,7 @@ def _cpu_backward(hp: HiddenProblem, grad_scores, Q, H, W, bias, argmax, d_mask,
     dh = np.empty(h.shape, np.float64)
     dw = np.zeros(w.shape)
     db = np.zeros(p.dim)
-    for j0, j1 in _chunks(hp, max_chunk_bytes):
+    for j0, j1 in _chunks(hp, max_chunk_bytes, 8):
         rows = slice(j0 * p.ld, j1 * p.ld)
         D = project_numpy(h[rows], w, b)
         r = normalize_rows(D, eps) if normalize else None
@@ -279,7 +281,7 @@ def _gpu_forward(hp: HiddenProblem, Q, H, W, bias, q_mask, d_mask, q_lengths, d_
             qm = cupy.asarray(qm)
         scores = cupy.empty((p.nq, p.nd), cupy.float64 if p.dtype == "float64" else cupy.float32)
         amax = cupy.empty((p.nq, p.nd, p.lq), cupy.int32) if return_argmax else None
-        for j0, j1 in _chunks(hp, max_chunk_bytes):
+        for j0, j1 in _chunks(hp, max_chunk_bytes, h.dtype.itemsize):
             D, _ = project(h[j0 * p.ld:j1 * p.ld], w, b, p.dtype, normalize, eps, not x3)
             out = _maxsim(q, _typed(D, p.dtype).reshape(j1 - j0, p.ld, p.dim), qm, _sliced(dm, j0, j1),
                           q_lengths=ql, d_lengths=_sliced(dl, j0, j1), return_argmax=return_argmax, backend="gpu",
@@ -312,7 +314,7 @@ def _gpu_backward(hp: HiddenProblem, grad_scores, Q, H, W, bias, argmax, d_mask,
         dh = cupy.empty(h.shape, h.dtype)
         dw = cupy.zeros(w.shape, acc)
         db = cupy.zeros(p.dim, acc)
-        for j0, j1 in _chunks(hp, max_chunk_bytes):
+        for j0, j1 in _chunks(hp, max_chunk_bytes, h.dtype.itemsize):
             rows = slice(j0 * p.ld, j1 * p.ld)
             D, r = project(h[rows], w, b, p.dtype, normalize, eps, not x3)
             dqc, dD = _maxsim_backward(cupy.ascontiguousarray(g[:, j0:j1]), q,

@@ -104,7 +104,7 @@ def test_chunking_changes_nothing(rng):
     whole = lik_cupy.maxsim_from_hidden(Q, H, W, b, d_lengths=d_len, return_argmax=True)
     g = np.where(np.isinf(whole[0]), 0, rng.standard_normal(whole[0].shape))
     grads = lik_cupy.maxsim_from_hidden_backward(g, Q, H, W, b, whole[1], d_lengths=d_len)
-    for budget in (1, LD * DIM * 4 * 2, LD * DIM * 4 * 3 + 5):  # one document per chunk, two, three
+    for budget in (1, LD * DIM * 8 * 2, LD * DIM * 8 * 3 + 5):  # one document per chunk, two, three
         s, a = lik_cupy.maxsim_from_hidden(Q, H, W, b, d_lengths=d_len, return_argmax=True, max_chunk_bytes=budget)
         assert np.array_equal(s, whole[0]) and np.array_equal(a, whole[1])
         for x, y in zip(lik_cupy.maxsim_from_hidden_backward(g, Q, H, W, b, a, d_lengths=d_len,
@@ -194,7 +194,7 @@ def test_grad_only_where_asked(rng):
 
 
 @pytest.mark.parametrize("call, match", [
-    (lambda Q, H, W, b: lik_cupy.maxsim_from_hidden(Q, H, W[:, :-1], b), r"W has shape \[8, 23\]; expected \[d, h\] = \[8, 24\]"),
+    (lambda Q, H, W, b: lik_cupy.maxsim_from_hidden(Q, H, W[:, :-1], b), r"W must be \[d, h\] = \[8, 24\] \(Q's dim, H's hidden size\); got shape \[8, 23\]"),
     (lambda Q, H, W, b: lik_cupy.maxsim_from_hidden(Q, H, W, b[:-1]), r"bias has shape \[7\]; expected \[8\]"),
     (lambda Q, H, W, b: lik_cupy.maxsim_from_hidden(Q, H[0], W, b), r"H must be hidden states \[Nd, Ld, h\]; got shape \[6, 24\]"),
     (lambda Q, H, W, b: lik_cupy.maxsim_from_hidden(Q, H, W.astype(np.float32), b), "W has dtype float32 but Q has float64"),
@@ -226,7 +226,7 @@ def test_jax_gradients(rng):
     d_len_bad[5] = LD + 1
 
     def loss(q, h, w, bb, lengths):
-        s = lj.maxsim_from_hidden(q, h, w, bb, d_lengths=lengths, max_chunk_bytes=LD * DIM * 4 * 3)
+        s = lj.maxsim_from_hidden(q, h, w, bb, d_lengths=lengths, max_chunk_bytes=LD * DIM * 8 * 3)
         return jnp.where(jnp.isinf(s), 0, s).sum(), s
 
     (_, s), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(Q, H, W, b, d_len)

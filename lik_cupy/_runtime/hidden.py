@@ -36,11 +36,11 @@ def _kernels():
 
     k = {
         "sumsq": cupy.ReductionKernel("T x", "float32 y", "lik_f(x) * lik_f(x)", "a + b", "y = a", "0",
-                                      "lik_hidden_sumsq", preamble=_PREAMBLE),
+                                      "lik_hidden_sumsq", reduce_type="float32", preamble=_PREAMBLE),
         "dot": cupy.ReductionKernel("T x, T z", "float32 y", "lik_f(x) * lik_f(z)", "a + b", "y = a", "0",
-                                    "lik_hidden_dot", preamble=_PREAMBLE),
+                                    "lik_hidden_dot", reduce_type="float32", preamble=_PREAMBLE),
         "sum": cupy.ReductionKernel("T x", "float32 y", "lik_f(x)", "a + b", "y = a", "0", "lik_hidden_sum",
-                                    preamble=_PREAMBLE),
+                                    reduce_type="float32", preamble=_PREAMBLE),
         "scale": cupy.ElementwiseKernel("float32 s", "T d", "lik_set(d, lik_f(d) * s)", "lik_hidden_scale",
                                         preamble=_PREAMBLE),
         "grad": cupy.ElementwiseKernel("T dv, float32 c, float32 inv, bool keep", "T g",

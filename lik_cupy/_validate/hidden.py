@@ -40,7 +40,7 @@ def check_hidden(Q, H, W, bias, q_mask, d_mask, q_lengths, d_lengths) -> HiddenP
         raise ValueError(f"H must be hidden states [Nd, Ld, h]; got shape {list(h.shape)}")
     hidden = h.shape[-1]
     if tuple(w.shape) != (dim, hidden):
-        raise ValueError(f"W has shape {list(w.shape)}; expected [d, h] = [{dim}, {hidden}] (Q's dim, H's hidden size)")
+        raise ValueError(f"W must be [d, h] = [{dim}, {hidden}] (Q's dim, H's hidden size); got shape {list(w.shape)}")
     if dim < 1 or hidden < 1:
         raise ValueError(f"Q's dim is {dim} and H's hidden size {hidden}; expected both at least 1")
     if bias is not None:
