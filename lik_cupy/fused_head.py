@@ -218,19 +218,20 @@ def _cpu_backward(hp: HiddenProblem, grad_scores, Q, H, W, bias, argmax, d_mask,
 
 
 def _typed(x, dtype: str):
-    """A device operand as the public functions take it: bfloat16 bits as ml_dtypes' bfloat16."""
-    if dtype != "bfloat16":
-        return x
-    import ml_dtypes
+    """Element bits (:func:`_bits`) as the public functions take them: float16, bfloat16 as
+    ml_dtypes' bfloat16."""
+    if dtype == "float16":
+        return x.view(np.float16)
+    if dtype == "bfloat16":
+        import ml_dtypes
 
-    return x.view(np.dtype(ml_dtypes.bfloat16))
+        return x.view(np.dtype(ml_dtypes.bfloat16))
+    return x
 
 
 def _bits(x, dtype: str):
-    """A device array as the kernels of ``lik_cupy._runtime.hidden`` take it: bfloat16 as uint16 bits."""
-    import cupy
-
-    return x.view(cupy.uint16) if dtype == "bfloat16" else x
+    """A device array as ``lik_cupy._runtime.hidden`` takes it: float16 and bfloat16 as uint16 bits."""
+    return x.view(np.uint16) if dtype in ("float16", "bfloat16") else x
 
 
 def _device_operands(hp: HiddenProblem, Q, H, W, bias, on_host: bool):
@@ -316,23 +317,24 @@ def _gpu_backward(hp: HiddenProblem, grad_scores, Q, H, W, bias, argmax, d_mask,
         db = cupy.zeros(p.dim, acc)
         for j0, j1 in _chunks(hp, max_chunk_bytes, h.dtype.itemsize):
             rows = slice(j0 * p.ld, j1 * p.ld)
-            D, r = project(h[rows], w, b, p.dtype, normalize, eps, not x3)
+            D, state = project(h[rows], w, b, p.dtype, normalize, eps, not x3)
             dqc, dD = _maxsim_backward(cupy.ascontiguousarray(g[:, j0:j1]), q,
                                        _typed(D, p.dtype).reshape(j1 - j0, p.ld, p.dim),
                                        cupy.ascontiguousarray(a[:, j0:j1]), validate=validate or False, backend="gpu")
             dqc, dD = _bits(dqc, p.dtype), _bits(dD, p.dtype).reshape(D.shape)
-            dq += dqc if wide else to_float32(dqc)
-            dP = project_grad(D, r, dD, keep[rows], p.dtype, eps)
-            db += dP.sum(axis=0) if wide else row_sums(dP)
+            dq += dqc if wide else to_float32(dqc, p.dtype)
+            dP = project_grad(D, state, dD, keep[rows], p.dtype, eps)
+            db += dP.sum(axis=0) if wide else row_sums(dP, p.dtype)
             gemm(dP, h[rows], dw, p.dtype, ta=True, beta=1.0, tf32=not x3)
             gemm(dP, w, dh[rows], p.dtype, tf32=not x3)
-            del D, r, dD, dP, dqc
-        like = q.dtype if wide else _bits(q, p.dtype).dtype
-        grads = [x if wide else from_float32(x, like) for x in (dq, dw, db)]
+            del D, state, dD, dP, dqc
+        # float16 as float16, bfloat16 as the bits the results' adapters take
+        dq, dw, db = (x if wide else from_float32(x, p.dtype) for x in (dq, dw, db))
+        dq, dh, dw, db = (x.view(np.float16) if p.dtype == "float16" else x for x in (dq, dh, dw, db))
         shapes = [interop.describe(x).shape for x in (Q, H, W)]
-        out = [_out(x, s, p, like_, fw, on_host) for x, s, like_ in ((grads[0], shapes[0], Q), (dh, shapes[1], H),
-                                                                      (grads[1], shapes[2], W))]
-        return (*out, None if bias is None else _out(grads[2], (p.dim,), p, bias, fw, on_host))
+        out = [_out(x, s, p, like, fw, on_host) for x, s, like in ((dq, shapes[0], Q), (dh, shapes[1], H),
+                                                                  (dw, shapes[2], W))]
+        return (*out, None if bias is None else _out(db, (p.dim,), p, bias, fw, on_host))
 
 
 def _device_keep(d_mask, d_lengths, p, fw: str, on_host: bool):

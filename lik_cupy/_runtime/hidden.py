@@ -1,5 +1,5 @@
 """The fused projection head's device arithmetic (``lik_cupy.fused_head``): cuBLAS GEMMs of
-row-major device arrays (float16, bfloat16 as its uint16 bits, float32, float64) with float32
+row-major device arrays (float16 and bfloat16 as their uint16 bits, float32, float64) with float32
 accumulation, and fused CuPy kernels (compiled by NVRTC on first use) that L2-normalise projected
 tokens in place and form the normalisation's gradient, reading and writing the 16-bit or float32
 rows once each. float64 rows take the NumPy-API arithmetic of ``lik_cupy._cpu.hidden``."""
@@ -15,48 +15,60 @@ _CUDA_TYPE = {"float16": 2, "bfloat16": 14, "float32": 0, "float64": 1}
 _COMPUTE_32F, _COMPUTE_32F_FAST_TF32, _COMPUTE_64F = 68, 77, 70
 _OP_N, _OP_T, _GEMM_DEFAULT = 0, 1, -1
 
-# Conversions between a kernel's element type and float32: bfloat16 is its uint16 bits, rounded
-# to nearest even on the way back (NaN stays NaN).
-_PREAMBLE = r"""
-__device__ __forceinline__ float lik_f(float16 x) { return (float)x; }
-__device__ __forceinline__ float lik_f(float x) { return x; }
+# Each kernel element type and float32, per kind: 16-bit elements are their uint16 bits (float16
+# converted by PTX's cvt, round to nearest even; bfloat16 by its top half, rounded to nearest even
+# on the way back, NaN kept), so the kernels need no half type of CuPy's or CUDA's headers.
+_CONVERT = {
+    "float16": r"""
+__device__ __forceinline__ float lik_f(unsigned short b) { float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(b)); return f; }
+__device__ __forceinline__ void lik_set(unsigned short &y, float v) { asm("cvt.rn.f16.f32 %0, %1;" : "=h"(y) : "f"(v)); }
+""",
+    "bfloat16": r"""
 __device__ __forceinline__ float lik_f(unsigned short b) { return __uint_as_float(((unsigned int)b) << 16); }
-__device__ __forceinline__ void lik_set(float16 &y, float v) { y = float16(v); }
-__device__ __forceinline__ void lik_set(float &y, float v) { y = v; }
 __device__ __forceinline__ void lik_set(unsigned short &y, float v) {
     unsigned int u = __float_as_uint(v);
     y = (v != v) ? (unsigned short)0x7fc0 : (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
-"""
+""",
+    "float32": r"""
+__device__ __forceinline__ float lik_f(float x) { return x; }
+__device__ __forceinline__ void lik_set(float &y, float v) { y = v; }
+""",
+}
 
 
 @functools.cache
-def _kernels():
+def _kernels(dtype: str):
+    """The kernels of element type ``dtype`` ("float16", "bfloat16" or "float32")."""
     import cupy
 
-    k = {
+    pre, tag = _CONVERT[dtype], dtype[:4]
+    return {
         "sumsq": cupy.ReductionKernel("T x", "float32 y", "lik_f(x) * lik_f(x)", "a + b", "y = a", "0",
-                                      "lik_hidden_sumsq", reduce_type="float32", preamble=_PREAMBLE),
+                                      f"lik_hidden_sumsq_{tag}", reduce_type="float32", preamble=pre),
         "dot": cupy.ReductionKernel("T x, T z", "float32 y", "lik_f(x) * lik_f(z)", "a + b", "y = a", "0",
-                                    "lik_hidden_dot", reduce_type="float32", preamble=_PREAMBLE),
-        "sum": cupy.ReductionKernel("T x", "float32 y", "lik_f(x)", "a + b", "y = a", "0", "lik_hidden_sum",
-                                    reduce_type="float32", preamble=_PREAMBLE),
-        "scale": cupy.ElementwiseKernel("float32 s", "T d", "lik_set(d, lik_f(d) * s)", "lik_hidden_scale",
-                                        preamble=_PREAMBLE),
-        "grad": cupy.ElementwiseKernel("T dv, float32 c, float32 inv, bool keep", "T g",
-                                       "lik_set(g, keep ? (lik_f(g) - lik_f(dv) * c) * inv : 0.f)",
-                                       "lik_hidden_grad", preamble=_PREAMBLE),
-        "to_f32": cupy.ElementwiseKernel("T x", "float32 y", "y = lik_f(x)", "lik_hidden_to_f32", preamble=_PREAMBLE),
-        "from_f32": cupy.ElementwiseKernel("float32 x", "T y", "lik_set(y, x)", "lik_hidden_from_f32",
-                                           preamble=_PREAMBLE),
+                                    f"lik_hidden_dot_{tag}", reduce_type="float32", preamble=pre),
+        "sum": cupy.ReductionKernel("T x", "float32 y", "lik_f(x)", "a + b", "y = a", "0", f"lik_hidden_sum_{tag}",
+                                    reduce_type="float32", preamble=pre),
+        # x / max(|x|, eps), |x| from the row's float32 sum of squares
+        "scale": cupy.ElementwiseKernel("float32 ss, float32 eps", "T d", "lik_set(d, lik_f(d) / fmaxf(sqrtf(ss), eps))",
+                                        f"lik_hidden_scale_{tag}", preamble=pre),
+        # F.normalize's gradient: (g - y <y, g>) / |x| where |x| > eps, g / eps where the floor held
+        "grad": cupy.ElementwiseKernel(
+            "T y, float32 dot, float32 ss, float32 eps, bool keep", "T g",
+            "float r = sqrtf(ss); float c = r > eps ? dot : 0.f;"
+            "lik_set(g, keep ? (lik_f(g) - lik_f(y) * c) / fmaxf(r, eps) : 0.f)",
+            f"lik_hidden_grad_{tag}", preamble=pre),
+        "to_f32": cupy.ElementwiseKernel("T x", "float32 y", "y = lik_f(x)", f"lik_hidden_to_f32_{tag}", preamble=pre),
+        "from_f32": cupy.ElementwiseKernel("float32 x", "T y", "lik_set(y, x)", f"lik_hidden_from_f32_{tag}",
+                                           preamble=pre),
     }
-    return k
 
 
 def gemm(a, b, out, dtype: str, *, ta: bool = False, tb: bool = False, beta: float = 0.0, tf32: bool = False):
     """``out = op(a) @ op(b) + beta * out`` for C-contiguous row-major device arrays (``op`` transposes
-    where ``ta`` / ``tb``), on the current stream. ``dtype`` names a's and b's element type (bfloat16
-    as uint16 bits); ``out`` is of it, or float32 (float64 for float64): float32 accumulation, float64
+    where ``ta`` / ``tb``), on the current stream. ``dtype`` names a's and b's element type (16-bit
+    types as uint16 bits); ``out`` is of it, or float32 (float64 for float64): float32 accumulation, float64
     for float64, TF32 tensor cores for float32 where ``tf32``."""
     import cupy
     from cupy.cuda import cublas
@@ -85,8 +97,9 @@ def gemm(a, b, out, dtype: str, *, ta: bool = False, tb: bool = False, beta: flo
 
 def project(H, W, bias, dtype: str, normalize: bool, eps: float, tf32: bool):
     """Projected tokens ``H [R, h] @ W.T + bias`` ``[R, d]`` in ``H``'s element type, L2-normalised in
-    place where ``normalize`` (from float32 sums of squares); returns ``(D, norms [R, 1] float32 or
-    None)``. float64 stays float64 throughout."""
+    place where ``normalize``; returns ``(D, state)``, ``state`` what :func:`project_grad` needs of
+    the rows' norms (the float32 sums of squares ``[R, 1]``; the norms for float64; None without
+    normalisation). float64 stays float64 throughout."""
     import cupy
 
     from .._cpu.hidden import normalize_rows
@@ -99,46 +112,41 @@ def project(H, W, bias, dtype: str, normalize: bool, eps: float, tf32: bool):
         return D, None
     if dtype == "float64":
         return D, normalize_rows(D, eps)
-    k = _kernels()
-    r = cupy.sqrt(k["sumsq"](D, axis=1))[:, None]
-    k["scale"](1.0 / cupy.maximum(r, np.float32(eps)), D)
-    return D, r
+    k = _kernels(dtype)
+    ss = k["sumsq"](D, axis=1)[:, None]
+    k["scale"](ss, np.float32(eps), D)
+    return D, ss
 
 
-def project_grad(D, r, dD, keep, dtype: str, eps: float):
+def project_grad(D, state, dD, keep, dtype: str, eps: float):
     """The gradient with respect to the unnormalised projection, written over ``dD`` (``[R, d]``, of
-    ``D``'s element type) for 16-bit and float32 rows, from the normalised rows ``D`` and their norms
-    ``r`` (None: no normalisation); rows where ``keep`` ``[R, 1]`` is False are zero."""
-    import cupy
-
+    ``D``'s element type) for 16-bit and float32 rows, from the normalised rows ``D`` and
+    :func:`project`'s ``state`` (None: no normalisation); rows where ``keep`` ``[R, 1]`` is False are zero."""
     from .._cpu.hidden import normalize_grad
 
     if dtype == "float64":
-        return normalize_grad(D, r, dD, keep, eps)
-    k = _kernels()
-    if r is None:
-        c, inv = np.float32(0), np.float32(1)
+        return normalize_grad(D, state, dD, keep, eps)
+    k = _kernels(dtype)
+    if state is None:  # dot 0, norm 1 and no floor: the gradient as it is, masked
+        k["grad"](D, np.float32(0), np.float32(1), np.float32(0), keep, dD)
     else:
-        big = r > np.float32(eps)
-        c = k["dot"](D, dD, axis=1)[:, None] * big
-        inv = 1.0 / cupy.maximum(r, np.float32(eps))
-    k["grad"](D, c, inv, keep, dD)
+        k["grad"](D, k["dot"](D, dD, axis=1)[:, None], state, np.float32(eps), keep, dD)
     return dD
 
 
-def row_sums(x):
-    """float32 sums over the rows of ``x [R, d]`` (16-bit or float32 elements): ``[d]``."""
-    return _kernels()["sum"](x, axis=0)
+def row_sums(x, dtype: str):
+    """float32 sums over the rows of ``x [R, d]`` (16-bit bits or float32 elements): ``[d]``."""
+    return _kernels(dtype)["sum"](x, axis=0)
 
 
-def to_float32(x):
-    return _kernels()["to_f32"](x)
+def to_float32(x, dtype: str):
+    return _kernels(dtype)["to_f32"](x)
 
 
-def from_float32(x, like_dtype):
-    """float32 ``x`` in a kernel element type (``like_dtype``; uint16 is bfloat16's bits)."""
+def from_float32(x, dtype: str):
+    """float32 ``x`` in element type ``dtype`` (16-bit types as their uint16 bits)."""
     import cupy
 
-    out = cupy.empty(x.shape, like_dtype)
-    _kernels()["from_f32"](x, out)
+    out = cupy.empty(x.shape, cupy.float32 if dtype == "float32" else cupy.uint16)
+    _kernels(dtype)["from_f32"](x, out)
     return out
