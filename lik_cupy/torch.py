@@ -6,7 +6,8 @@ backward is ``lik_cupy.maxsim_backward``. CPU tensors are scored on the CPU (the
 ``backend="cpu"``), CUDA tensors on their GPU.
 
 ``torch.compile``: importing this module registers three operators, ``torch.ops.lik_cupy.maxsim``,
-``maxsim_varlen`` and ``maxsim_backward``, for CPU and CUDA tensors, with fake implementations
+``maxsim_varlen`` and ``maxsim_backward`` (and the fused head's two, ``maxsim_from_hidden`` and
+``maxsim_from_hidden_backward``, which ``maxsim_from_hidden`` always calls), for CPU and CUDA tensors, with fake implementations
 (their shapes are the ones ``lik_cupy._validate`` gives the call) and the forward's autograd
 formula. While ``torch.compile`` (or ``torch.export``) traces, and for tensor subclasses such as
 fake tensors, the two functions call these operators, so a training step compiles with
