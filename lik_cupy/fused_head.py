@@ -280,18 +280,24 @@ def _gpu_forward(hp: HiddenProblem, Q, H, W, bias, q_mask, d_mask, q_lengths, d_
             dm = cupy.asarray(dm)
         if isinstance(qm, np.ndarray):
             qm = cupy.asarray(qm)
-        scores = cupy.empty((p.nq, p.nd), cupy.float64 if p.dtype == "float64" else cupy.float32)
-        amax = cupy.empty((p.nq, p.nd, p.lq), cupy.int32) if return_argmax else None
-        for j0, j1 in _chunks(hp, max_chunk_bytes, h.dtype.itemsize):
+        chunks = _chunks(hp, max_chunk_bytes, h.dtype.itemsize)
+        scores = amax = None
+        if len(chunks) != 1:  # (none for no documents)
+            scores = cupy.empty((p.nq, p.nd), cupy.float64 if p.dtype == "float64" else cupy.float32)
+            amax = cupy.empty((p.nq, p.nd, p.lq), cupy.int32) if return_argmax else None
+        for j0, j1 in chunks:
             D, _ = project(h[j0 * p.ld:j1 * p.ld], w, b, p.dtype, normalize, eps, not x3)
-            out = _maxsim(q, _typed(D, p.dtype).reshape(j1 - j0, p.ld, p.dim), qm, _sliced(dm, j0, j1),
-                          q_lengths=ql, d_lengths=_sliced(dl, j0, j1), return_argmax=return_argmax, backend="gpu",
+            out = _maxsim(q, _typed(D, p.dtype).reshape(j1 - j0, p.ld, p.dim), qm, _sliced(dm, j0, j1), q_lengths=ql,
+                          d_lengths=_sliced(dl, j0, j1), return_argmax=return_argmax, backend="gpu",
                           precision=precision, validate=validate)
-            if return_argmax:
-                scores[:, j0:j1], amax[:, j0:j1] = out
+            s, a = out if return_argmax else (out, None)
+            del D  # the chunk's projection goes back to the pool before the next one
+            if len(chunks) == 1:
+                scores, amax = s, a
             else:
-                scores[:, j0:j1] = out
-            del D, out  # the chunk's projection goes back to the pool before the next one
+                scores[:, j0:j1] = s
+                if return_argmax:
+                    amax[:, j0:j1] = a
         return interop.caller_results(p, scores, amax, on_host)
 
 

@@ -123,6 +123,13 @@ def test_one_query_2d_and_masked_padding_never_read(rng):
     np.testing.assert_array_equal(s, lik_cupy.maxsim_from_hidden(Q[1:2, :3], H, W, b, d_lengths=d_len)[0])
 
 
+def test_no_documents_or_no_tokens(rng):
+    Q, H, W, b = _data(rng)
+    s, a = lik_cupy.maxsim_from_hidden(Q, H[:0], W, b, return_argmax=True)
+    assert s.shape == (NQ, 0) and a.shape == (NQ, 0, LQ)
+    assert np.isneginf(lik_cupy.maxsim_from_hidden(Q, H[:, :0], W, b)).all()  # documents without tokens
+
+
 def test_rows_at_the_eps_floor(rng):
     """A projected token below eps is scaled by 1/eps, not normalised (F.normalize), and so is its gradient."""
     Q, H, W, _ = _data(rng)
