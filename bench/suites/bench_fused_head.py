@@ -29,7 +29,6 @@ table last. ``--dtypes`` (default bfloat16) and ``--cells`` choose the run.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -38,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: b
 from bench.lib import baselines  # noqa: E402
 from bench.lib.gpu import safe_cleanup, start  # noqa: E402
 from bench.lib.results import out_dir, short_err, text_table, write_json  # noqa: E402
+from bench.lib.timing import per_call_ms  # noqa: E402
 
 HIDDEN, DIM, LQ, LD = 768, 128, 32, 300
 CELLS = {"rerank": (1, 1000, False), "train32": (32, 32, True), "train64": (64, 64, True)}  # nq, nd, train
@@ -82,6 +82,7 @@ def _step(torch, fn, leaves, train):
 
 
 def _time(torch, call, warm: int = 3):
+    """(ms per call, calls per round): ``per_call_ms`` with rounds of about ``TARGET_MS``, after ``warm`` calls."""
     for _ in range(warm):
         call()
     torch.cuda.synchronize()
@@ -89,16 +90,7 @@ def _time(torch, call, warm: int = 3):
     call()
     torch.cuda.synchronize()
     n = max(2, min(200, int(TARGET_MS / max(1e-3, (time.perf_counter() - t) * 1e3))))
-    rounds = []
-    for _ in range(3):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        for _ in range(n):
-            call()
-        e.record()
-        e.synchronize()
-        rounds.append(s.elapsed_time(e) / n)
-    return statistics.median(rounds), n
+    return per_call_ms(torch, call, n), n
 
 
 def _peak_mib(torch, call):
