@@ -246,3 +246,19 @@ def test_jax_gradients(rng):
         np.testing.assert_allclose(np.asarray(x), y.numpy(), rtol=1e-5, atol=1e-5)
     bad = lj.maxsim_from_hidden(Q, H, W, None, d_lengths=d_len_bad)
     assert np.isnan(np.asarray(bad)[:, 5]).all() and not np.isnan(np.asarray(bad)[:, :5]).any()
+
+
+def test_lik_adapter_translates_the_semantics(rng):
+    """tests/lik_fused_head_adapter.py (how LIK's own tests reach us): LIK's ``b=``, a 1-D ``d_mask``,
+    and 0 (no gradient) for a document with no valid token, where lik_cupy scores -inf."""
+    from lik_fused_head_adapter import maxsim_from_hidden as adapted
+
+    Q, H, W, b = (_t(x, True) for x in _data(rng))
+    d_mask = torch.ones(ND, LD, dtype=torch.bool)
+    d_mask[1] = False
+    s = adapted(Q, H, W, b=b, d_mask=d_mask)
+    assert (s[:, 1] == 0).all() and torch.isfinite(s).all()
+    s.sum().backward()
+    assert (H.grad[1] == 0).all()
+    one = adapted(Q[:1].detach(), H[:1].detach(), W.detach(), d_mask=d_mask[0])
+    assert torch.equal(one, lt.maxsim_from_hidden(Q[:1].detach(), H[:1].detach(), W.detach(), None, None, d_mask[:1]))
