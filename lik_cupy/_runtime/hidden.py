@@ -44,14 +44,17 @@ def _kernels(dtype: str):
 
     pre, tag = _CONVERT[dtype], dtype[:4]
     return {
-        "sumsq": cupy.ReductionKernel("T x", "float32 y", "lik_f(x) * lik_f(x)", "a + b", "y = a", "0",
-                                      f"lik_hidden_sumsq_{tag}", reduce_type="float32", preamble=pre),
+        # the rows' float32 sums of squares, with the bias added (float32, broadcast over the rows)
+        "sumsq": cupy.ReductionKernel("T x, float32 bias", "float32 y", "(lik_f(x) + bias) * (lik_f(x) + bias)",
+                                      "a + b", "y = a", "0", f"lik_hidden_sumsq_{tag}", reduce_type="float32",
+                                      preamble=pre),
         "dot": cupy.ReductionKernel("T x, T z", "float32 y", "lik_f(x) * lik_f(z)", "a + b", "y = a", "0",
                                     f"lik_hidden_dot_{tag}", reduce_type="float32", preamble=pre),
         "sum": cupy.ReductionKernel("T x", "float32 y", "lik_f(x)", "a + b", "y = a", "0", f"lik_hidden_sum_{tag}",
                                     reduce_type="float32", preamble=pre),
-        # x / max(|x|, eps), |x| from the row's float32 sum of squares
-        "scale": cupy.ElementwiseKernel("float32 ss, float32 eps", "T d", "lik_set(d, lik_f(d) / fmaxf(sqrtf(ss), eps))",
+        # (x + bias) / max(|x + bias|, eps), the norm from the row's float32 sum of squares
+        "scale": cupy.ElementwiseKernel("float32 bias, float32 ss, float32 eps", "T d",
+                                        "lik_set(d, (lik_f(d) + bias) / fmaxf(sqrtf(ss), eps))",
                                         f"lik_hidden_scale_{tag}", preamble=pre),
         # F.normalize's gradient: (g - y <y, g>) / |x| where |x| > eps, g / eps where the floor held
         "grad": cupy.ElementwiseKernel(
@@ -105,16 +108,18 @@ def project(H, W, bias, dtype: str, normalize: bool, eps: float, tf32: bool):
     from .._cpu.hidden import normalize_rows
 
     D = cupy.empty((H.shape[0], W.shape[0]), H.dtype)
-    if bias is not None:
-        D[...] = bias
-    gemm(H, W, D, dtype, tb=True, beta=1.0 if bias is not None else 0.0, tf32=tf32)
+    fused_bias = normalize and dtype != "float64"  # added by the normalisation's two passes, in float32
+    if bias is not None and not fused_bias:
+        D[...] = bias  # added by the GEMM (beta = 1)
+    gemm(H, W, D, dtype, tb=True, beta=1.0 if bias is not None and not fused_bias else 0.0, tf32=tf32)
     if not normalize:
         return D, None
     if dtype == "float64":
         return D, normalize_rows(D, eps)
     k = _kernels(dtype)
-    ss = k["sumsq"](D, axis=1)[:, None]
-    k["scale"](ss, np.float32(eps), D)
+    b32 = cupy.zeros(1, cupy.float32) if bias is None else bias if dtype == "float32" else to_float32(bias, dtype)
+    ss = k["sumsq"](D, b32, axis=1)[:, None]
+    k["scale"](b32, ss, np.float32(eps), D)
     return D, ss
 
 
