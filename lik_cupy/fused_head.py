@@ -5,8 +5,8 @@ gives its gradients for Q, H, W and bias.
 
 How: the documents are streamed in chunks of at most ``max_chunk_bytes`` of projected tokens.
 Each chunk is projected by one GEMM (cuBLAS on the GPU, float32 accumulation; float64 BLAS on the
-CPU), normalised in place (``lik_cupy._runtime.hidden``: one fused pass over the 16-bit or float32
-rows) and scored by the MaxSim kernels with their argmax (``lik_cupy.maxsim``); the chunk is then
+CPU), normalised in place (``lik_cupy._runtime.hidden``: two fused passes over the 16-bit or
+float32 rows, the sums of squares and the scaling, which add the bias in float32) and scored by the MaxSim kernels with their argmax (``lik_cupy.maxsim``); the chunk is then
 dropped. The backward recomputes each chunk's projection, turns the saved argmax into the
 gradient of the projected tokens (``lik_cupy.maxsim_backward``), pulls it back through the
 normalisation, and forms ``dH = dP @ W``, ``dW += dP.T @ H`` and ``db += sum(dP)`` by GEMMs. So the

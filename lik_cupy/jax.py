@@ -64,6 +64,7 @@ from ._dispatch.backend import check_backend, use_gpu
 from ._dispatch.jax_paths import choose_jax_path
 from ._validate import HiddenProblem, Problem, check_call, check_hidden, check_int8_scales, check_varlen
 from .backward import _METHODS
+from .fused_head import _check_options
 from ._dispatch.precision import fp32_accurate
 
 __all__ = ["maxsim", "maxsim_varlen", "maxsim_int8", "maxsim_int8_varlen", "maxsim_from_hidden"]
@@ -189,8 +190,6 @@ class _HiddenCall:
 
     @classmethod
     def of(cls, hp: HiddenProblem, normalize, eps, max_chunk_bytes, precision, backend: str) -> _HiddenCall:
-        from .fused_head import _check_options
-
         _check_options(normalize, eps, max_chunk_bytes)
         if backend == "gpu":
             use_gpu(backend, None)
