@@ -71,6 +71,15 @@ def test_matches_unfused_with_gradients(dtype, chunk):
         assert _rel_rms(x.cpu(), y) < GRAD_TOL[dtype], name
 
 
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_training_and_inference_calls_score_alike(dtype):
+    """A call that keeps the argmax for the backward scores bit for bit as one that does not."""
+    Q, H, W, b = _data(DTYPES[dtype])
+    plain = lt.maxsim_from_hidden(Q, H, W, b)
+    trained = lt.maxsim_from_hidden(Q.clone().requires_grad_(), H, W, b).detach()
+    assert torch.equal(plain, trained)
+
+
 def test_masks_no_bias_no_normalisation_and_2d_query():
     Q, H, W, _ = _data(torch.float32)
     q_mask = torch.rand(3, 16, device="cuda") < 0.7
