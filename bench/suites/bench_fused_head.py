@@ -21,7 +21,8 @@ for either cuBLAS handle (torch's and CuPy's). ``ours_over_best`` is our time ov
 contender's scores with the unfused pipeline's.
 
 Writes ``fused_head_<gpu-slug>.json`` to ``--out`` (default $OUT, else bench/results) and prints a short
-table last. ``--dtypes`` (default bfloat16) and ``--cells`` choose the run.
+table last. ``--dtypes`` (default bfloat16) and ``--cells`` choose the run. ``--smoke``: tiny shapes on
+the CPU (float32, wall-clock time, no peak memory, no LIK), which a test runs; its numbers mean nothing.
 
     python3 bench/suites/bench_fused_head.py [--out DIR] [--dtypes float16,bfloat16] [--cells rerank,train32,train64]
 """
@@ -39,17 +40,20 @@ from bench.lib.gpu import safe_cleanup, start  # noqa: E402
 from bench.lib.results import out_dir, short_err, text_table, write_json  # noqa: E402
 from bench.lib.timing import per_call_ms  # noqa: E402
 
-HIDDEN, DIM, LQ, LD = 768, 128, 32, 300
+SHAPES = {"hidden": 768, "dim": 128, "lq": 32, "ld": 300}
 CELLS = {"rerank": (1, 1000, False), "train32": (32, 32, True), "train64": (64, 64, True)}  # nq, nd, train
+SMOKE_SHAPES = {"hidden": 24, "dim": 8, "lq": 4, "ld": 6}
+SMOKE_CELLS = {"rerank": (1, 10, False), "train32": (3, 3, True), "train64": (5, 5, True)}
 TARGET_MS = 100.0  # each timed round lasts about this long
 
 
-def _inputs(torch, nq, nd, dtype, train, seed=0):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    Q = torch.nn.functional.normalize(torch.randn(nq, LQ, DIM, device="cuda", generator=g), dim=-1)
-    H = torch.randn(nd, LD, HIDDEN, device="cuda", generator=g)
-    W = torch.randn(DIM, HIDDEN, device="cuda", generator=g) / HIDDEN**0.5
-    b = torch.randn(DIM, device="cuda", generator=g) * 0.01
+def _inputs(torch, nq, nd, dtype, train, device, shapes, seed=0):
+    g = torch.Generator(device=device).manual_seed(seed)
+    hid, dim, lq, ld = shapes["hidden"], shapes["dim"], shapes["lq"], shapes["ld"]
+    Q = torch.nn.functional.normalize(torch.randn(nq, lq, dim, device=device, generator=g), dim=-1)
+    H = torch.randn(nd, ld, hid, device=device, generator=g)
+    W = torch.randn(dim, hid, device=device, generator=g) / hid**0.5
+    b = torch.randn(dim, device=device, generator=g) * 0.01
     return [x.to(dtype).requires_grad_(train) for x in (Q, H, W, b)]
 
 
@@ -70,7 +74,7 @@ def _contenders(torch, lik):
 def _step(torch, fn, leaves, train):
     if not train:  # (no leaf requires a gradient)
         return lambda: fn(*leaves)
-    labels = torch.arange(leaves[0].shape[0], device="cuda")
+    labels = torch.arange(leaves[0].shape[0], device=leaves[0].device)
 
     def step():
         s = fn(*leaves)
@@ -82,18 +86,25 @@ def _step(torch, fn, leaves, train):
 
 
 def _time(torch, call, warm: int = 3):
-    """(ms per call, calls per round): ``per_call_ms`` with rounds of about ``TARGET_MS``, after ``warm`` calls."""
+    """(ms per call, calls per round): ``per_call_ms`` with rounds of about ``TARGET_MS``, after ``warm`` calls
+    (on the CPU, smoke: the wall time of one call)."""
     for _ in range(warm):
         call()
-    torch.cuda.synchronize()
+    sync = torch.cuda.synchronize if torch.cuda.is_initialized() else (lambda: None)
+    sync()
     t = time.perf_counter()
     call()
-    torch.cuda.synchronize()
-    n = max(2, min(200, int(TARGET_MS / max(1e-3, (time.perf_counter() - t) * 1e3))))
+    sync()
+    ms = (time.perf_counter() - t) * 1e3
+    if not torch.cuda.is_initialized():
+        return ms, 1
+    n = max(2, min(200, int(TARGET_MS / max(1e-3, ms))))
     return per_call_ms(torch, call, n), n
 
 
 def _peak_mib(torch, call):
+    if not torch.cuda.is_initialized():
+        return None
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
@@ -104,17 +115,17 @@ def _peak_mib(torch, call):
     return peak / 2**20
 
 
-def run_cell(torch, name, dtype_name, contenders):
-    nq, nd, train = CELLS[name]
+def run_cell(torch, name, dtype_name, contenders, smoke=False):
+    nq, nd, train = (SMOKE_CELLS if smoke else CELLS)[name]
+    shapes = SMOKE_SHAPES if smoke else SHAPES
     dtype = getattr(torch, dtype_name)
-    leaves = _inputs(torch, nq, nd, dtype, train)
+    leaves = _inputs(torch, nq, nd, dtype, train, "cpu" if smoke else "cuda", shapes)
     rows, ref = [], None
     for who in ("unfused", "ours", "lik"):
         fn = contenders.get(who)
         if fn is None:
             continue
-        row = {"cell": name, "dtype": dtype_name, "contender": who, "nq": nq, "nd": nd, "lq": LQ, "ld": LD,
-               "hidden": HIDDEN, "dim": DIM, "train": train}
+        row = {"cell": name, "dtype": dtype_name, "contender": who, "nq": nq, "nd": nd, **shapes, "train": train}
         try:
             call = _step(torch, fn, leaves, train)
             with torch.no_grad():
@@ -125,10 +136,11 @@ def run_cell(torch, name, dtype_name, contenders):
             row["peak_mib"] = _peak_mib(torch, call)
         except Exception as e:  # noqa: BLE001  (a contender failing is reported, not fatal)
             row["error"] = short_err(e)
-        print(f"{name:8s} {dtype_name:9s} {who:8s} " + (f"{row['ms']:.3f} ms  peak {row['peak_mib']:.1f} MiB  "
-              f"max|d scores| {row['scores_max_abs_diff']}" if "ms" in row else row["error"]), flush=True)
+        print(f"{name:8s} {dtype_name:9s} {who:8s} " + (f"{row['ms']:.3f} ms  peak {_fmt(row['peak_mib'], '.1f')} "
+              f"MiB  max|d scores| {row['scores_max_abs_diff']}" if "ms" in row else row["error"]), flush=True)
         rows.append(row)
-        safe_cleanup(torch)
+        if not smoke:
+            safe_cleanup(torch)
     return rows
 
 
@@ -147,7 +159,8 @@ def summarise(rows):
                     "unfused_peak_mib": cell["unfused"]["peak_mib"] if "unfused" in cell else None,
                     "ours_over_best": ours["ms"] / min(r["ms"] for r in peers),
                     "ours_over_lik": ours["ms"] / cell["lik"]["ms"] if "lik" in cell else None,
-                    "peak_over_best": ours["peak_mib"] / min(r["peak_mib"] for r in peers)})
+                    "peak_over_best": None if ours["peak_mib"] is None else
+                    ours["peak_mib"] / min(r["peak_mib"] for r in peers)})
     return out
 
 
@@ -161,34 +174,41 @@ def main(argv=None):
     ap.add_argument("--dtypes", default="bfloat16")
     ap.add_argument("--cells", default=",".join(CELLS))
     ap.add_argument("--time-budget", type=float, default=None, help="seconds; cells past it are skipped")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (float32), for the tests")
     args = ap.parse_args(argv)
     cells = [c for c in args.cells.split(",") if c]
     unknown = [c for c in cells if c not in CELLS]
     if unknown:
         ap.error(f"unknown cells {unknown}; expected some of {list(CELLS)}")
-    ctx, meta = start(args)
-    torch = ctx.torch
-    lik, err = baselines.load(baselines.LIK)
-    if err:
-        print(f"{baselines.LIK}: {err}", flush=True)
+    if args.smoke:
+        import torch
+
+        meta, slug, lik, err, dtypes, over_budget = {"gpu": "cpu smoke"}, "cpu-smoke", None, "smoke", ["float32"], \
+            (lambda: False)
+    else:
+        ctx, meta = start(args)
+        torch, slug, over_budget, dtypes = ctx.torch, ctx.slug, ctx.over_budget, args.dtypes.split(",")
+        lik, err = baselines.load(baselines.LIK)
+        if err:
+            print(f"{baselines.LIK}: {err}", flush=True)
     contenders = _contenders(torch, lik)
     rows, skipped = [], []
-    for dtype in [d for d in args.dtypes.split(",") if d]:
+    for dtype in [d for d in dtypes if d]:
         for cell in cells:
-            if ctx.over_budget():
+            if over_budget():
                 skipped.append(f"{cell}/{dtype}")
                 continue
-            rows += run_cell(torch, cell, dtype, contenders)
+            rows += run_cell(torch, cell, dtype, contenders, args.smoke)
     summary = summarise(rows)
-    path = out_dir(args.out) / f"fused_head_{ctx.slug}.json"
+    path = out_dir(args.out) / f"fused_head_{slug}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    write_json(path, {**meta, "rows": rows, "summary": summary, "skipped": skipped,
-                      "lik_error": err, "shapes": {"hidden": HIDDEN, "dim": DIM, "lq": LQ, "ld": LD}})
+    write_json(path, {**meta, "rows": rows, "summary": summary, "skipped": skipped, "lik_error": err,
+                      "shapes": SMOKE_SHAPES if args.smoke else SHAPES})
     print(f"wrote {path}")
     header = ["cell", "dtype", "ours ms", "lik ms", "unfused ms", "ours/best", "ours/lik", "peak MiB ours/lik/unfused"]
     body = [[s["cell"], s["dtype"], _fmt(s["ours_ms"], ".3f"), _fmt(s["lik_ms"], ".3f"), _fmt(s["unfused_ms"], ".3f"),
              _fmt(s["ours_over_best"], ".2f"), _fmt(s["ours_over_lik"], ".2f"),
-             f"{s['ours_peak_mib']:.0f}/{_fmt(s['lik_peak_mib'], '.0f')}/{_fmt(s['unfused_peak_mib'], '.0f')}"]
+             "/".join(_fmt(s[k], ".0f") for k in ("ours_peak_mib", "lik_peak_mib", "unfused_peak_mib"))]
             for s in summary]
     print("\n".join(text_table(header, body, [s["dtype"] for s in summary])))
     return 0
