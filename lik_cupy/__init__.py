@@ -26,7 +26,8 @@ from ._version import __version__
 from .errors import CompileError, DeviceMemoryError, LikError, ShardError
 
 __all__ = ["maxsim", "maxsim_pairs", "maxsim_varlen", "maxsim_int8", "maxsim_int8_varlen", "maxsim_residual",
-           "maxsim_residual_varlen", "PlaidIndex", "quantize_int8", "dequantize_int8", "maxsim_backward", "retrieve",
+           "maxsim_residual_varlen", "PlaidIndex", "quantize_int8", "dequantize_int8", "maxsim_backward", "maxsim_from_hidden",
+           "maxsim_from_hidden_backward", "retrieve",
            "Corpus", "pin_host", "PinnedHost", "warmup", "gpu_available", "set_precision", "get_precision", "CompileError",
            "DeviceMemoryError", "ShardError", "LikError", "__version__"]
 
@@ -40,6 +41,7 @@ _HOMES = {
     "maxsim_residual": ".plaid", "maxsim_residual_varlen": ".plaid", "PlaidIndex": ".plaid",
     "quantize_int8": ".quantize", "dequantize_int8": ".quantize",
     "maxsim_backward": ".backward",
+    "maxsim_from_hidden": ".fused_head", "maxsim_from_hidden_backward": ".fused_head",
     "retrieve": ".retrieval",
     "Corpus": ".corpus",
     "pin_host": "._runtime.pinned", "PinnedHost": "._runtime.pinned",

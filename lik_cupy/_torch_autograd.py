@@ -146,7 +146,7 @@ _lib.define("maxsim_backward(Tensor grad_scores, Tensor Q, Tensor D, Tensor argm
             "-> (Tensor, Tensor)", tags=_TAGS)
 
 
-def _no_argmax(scores):
+def no_argmax(scores):
     """The argmax output of a call that did not ask for one: int32 ``scores.shape + (0,)``."""
     return scores.new_empty(tuple(scores.shape) + (0,), dtype=torch.int32)
 
@@ -155,14 +155,14 @@ def _maxsim_op(Q, D, q_mask, d_mask, q_lengths, d_lengths, method, return_argmax
     check_method(method)
     out = _maxsim(Q, D, q_mask, d_mask, q_lengths=q_lengths, d_lengths=d_lengths, return_argmax=return_argmax,
                   backend=backend_of(Q), precision=precision)
-    return out if return_argmax else (out, _no_argmax(out))
+    return out if return_argmax else (out, no_argmax(out))
 
 
 def _maxsim_varlen_op(Q, D_tokens, d_offsets, q_mask, q_lengths, method, return_argmax, precision):
     check_method(method)
     out = _maxsim_varlen(Q, D_tokens, d_offsets, q_mask, q_lengths=q_lengths, return_argmax=return_argmax,
                          backend=backend_of(Q), precision=precision)
-    return out if return_argmax else (out, _no_argmax(out))
+    return out if return_argmax else (out, no_argmax(out))
 
 
 def _maxsim_backward_op(grad_scores, Q, D, argmax, d_offsets, method):
@@ -176,26 +176,26 @@ for _name, _impl in (("maxsim", _maxsim_op), ("maxsim_varlen", _maxsim_varlen_op
         _lib.impl(_name, _impl, _key)
 
 
-def _fake_outputs(Q, p, method, return_argmax, precision):
+def fake_outputs(Q, p, method, return_argmax, precision):
     """The forward's outputs as ``lik_cupy.maxsim`` shapes them: float32 scores (float64 for
     float64 inputs) of ``p.scores_shape``, int32 argmax of ``p.argmax_shape``."""
     check_method(method)
     if precision is not None:
         _checked_precision(precision, "precision")
     scores = Q.new_empty(p.scores_shape, dtype=torch.float64 if Q.dtype == torch.float64 else torch.float32)
-    return scores, (Q.new_empty(p.argmax_shape, dtype=torch.int32) if return_argmax else _no_argmax(scores))
+    return scores, (Q.new_empty(p.argmax_shape, dtype=torch.int32) if return_argmax else no_argmax(scores))
 
 
 @torch.library.register_fake("lik_cupy::maxsim", lib=_lib)
 def _maxsim_fake(Q, D, q_mask, d_mask, q_lengths, d_lengths, method, return_argmax, precision):
     p = check_call(Q, D, q_mask, d_mask, q_lengths, d_lengths, pairs=False)
-    return _fake_outputs(Q, p, method, return_argmax, precision)
+    return fake_outputs(Q, p, method, return_argmax, precision)
 
 
 @torch.library.register_fake("lik_cupy::maxsim_varlen", lib=_lib)
 def _maxsim_varlen_fake(Q, D_tokens, d_offsets, q_mask, q_lengths, method, return_argmax, precision):
     p = check_varlen(Q, D_tokens, d_offsets, q_mask, q_lengths, None)
-    return _fake_outputs(Q, p, method, return_argmax, precision)
+    return fake_outputs(Q, p, method, return_argmax, precision)
 
 
 @torch.library.register_fake("lik_cupy::maxsim_backward", lib=_lib)

@@ -18,7 +18,8 @@ from ._dispatch.backend import check_backend, use_gpu
 from ._dispatch.select import BACKWARD_METHODS
 from ._interop import GpuCall, host_array
 from ._runtime.device_checks import capturing, strict
-from ._runtime.backward import THREADS, atomic_functions, doc_rows, launch_backward
+from ._runtime.backward import (THREADS, atomic_functions, doc_rows, grad_scores_f32, gradient_out, host_gradient_out,
+                                launch_backward)
 from ._runtime.kernels import BACKWARD_DTYPES
 from ._runtime.operands import device_offsets, host_metadata, host_offsets, kernel_operands
 from ._runtime.prepared_calls import PreparedBackward, call_key, lookup, store
@@ -107,21 +108,7 @@ def _cpu(p: Problem, g, Q, D, argmax, d_offsets, q_shape, d_shape):
         start, limit = np.broadcast_to(base * p.ld, (p.nq, p.nd)), p.ld
     check_argmax_values(int(a.min()) if a.size else 0, bool((a >= limit).any()), _limit_words(p))
     dq, dd = cpu.maxsim_backward_numpy(g, q, d, a, start)
-    return _host_out(dq, q.dtype, q_shape, p, Q), _host_out(dd, d.dtype, d_shape, p, D)
-
-
-def _host_out(x64: np.ndarray, dtype, shape, p: Problem, like):
-    """A NumPy-computed gradient in the input's dtype, framework and device (device inputs
-    sent to the CPU path get their results back on their device)."""
-    out = x64.astype(dtype).reshape(shape)
-    bf16 = interop.is_bfloat16(dtype)
-    if p.device is not None:
-        import cupy
-
-        with cupy.cuda.Device(p.device):
-            dev = cupy.asarray(out.view(np.uint16) if bf16 else out)
-            return _out(dev, shape, p, like, p.framework, on_host=False)
-    return interop.from_numpy(out, p.framework)
+    return host_gradient_out(dq, q.dtype, q_shape, p, Q), host_gradient_out(dd, d.dtype, d_shape, p, D)
 
 
 def _limit_words(p: Problem) -> str:
@@ -145,7 +132,7 @@ def _gpu(p: Problem, g, Q, D, argmax, d_offsets, method, validate, q_shape, d_sh
                         "pass them as device arrays (host arrays are copied over), or split the call"):
             q = gpu.array(Q).reshape(p.nq * p.lq, p.dim)
             d = gpu.array(D).reshape(rows, p.dim)
-            gs = _grad_f32(g, fw, on_host, p)
+            gs = grad_scores_f32(g, fw, on_host, p)
             a = gpu.array(argmax).reshape(p.nq, p.nd, p.lq)
         q, d = kernel_operands(p.dtype, q, d)  # float64: the forward's float32 rounding; float64 gradients
         off = device_offsets(gpu.array(d_offsets), p.ntok, "d_offsets", validate, wide=True) if p.d_packed else None
@@ -157,7 +144,7 @@ def _gpu(p: Problem, g, Q, D, argmax, d_offsets, method, validate, q_shape, d_sh
         dq, dd = launch_backward(p, q, d, gs, a, off, method, gpu.device)
         if p.dtype == "float64":
             dq, dd = dq.astype(cupy.float64), dd.astype(cupy.float64)
-        return _out(dq, q_shape, p, Q, fw, on_host), _out(dd, d_shape, p, D, fw, on_host)
+        return gradient_out(dq, q_shape, p, Q, fw, on_host), gradient_out(dd, d_shape, p, D, fw, on_host)
 
 
 def _prepared(key, p: Problem, method: str, q_shape, d_shape):
@@ -186,24 +173,3 @@ def _prepared(key, p: Problem, method: str, q_shape, d_shape):
                             (p.nq, p.nd, p.lq, p.ld, p.dim, int(p.candidates), rows), (q_shape, d_shape), p.dtype)
     store(key, call)
     return call
-
-
-def _grad_f32(g, fw: str, on_host: bool, p: Problem):
-    """grad_scores as contiguous float32 [nq, nd] on the device (bfloat16 decoded from its bits,
-    which is how bfloat16 crosses into CuPy)."""
-    import cupy
-
-    if on_host:
-        return cupy.asarray(np.ascontiguousarray(interop.to_numpy(g, fw), dtype=np.float32).reshape(p.nq, p.nd))
-    a = interop.to_cupy(g, fw)
-    if interop.describe(g).dtype == "bfloat16":
-        a = (a.view(cupy.uint16).astype(cupy.uint32) << 16).view(cupy.float32)
-    return cupy.ascontiguousarray(a.reshape(p.nq, p.nd), dtype=cupy.float32)
-
-
-def _out(x, shape, p: Problem, like, fw: str, on_host: bool):
-    """A gradient in the caller's framework, dtype and shape (bfloat16 from its bits)."""
-    x = x.reshape(shape)
-    if p.dtype != "bfloat16":
-        return interop.from_cupy(x, fw, on_host)
-    return interop.bfloat16_from_bits(x, fw, on_host, like)

@@ -62,11 +62,12 @@ import numpy as np
 from . import _jax_ops, _jax_xla
 from ._dispatch.backend import check_backend, use_gpu
 from ._dispatch.jax_paths import choose_jax_path
-from ._validate import Problem, check_call, check_int8_scales, check_varlen
+from ._validate import (HiddenProblem, Problem, check_call, check_hidden, check_hidden_options, check_int8_scales,
+                        check_varlen)
 from ._dispatch.select import BACKWARD_METHODS
 from ._dispatch.precision import fp32_accurate
 
-__all__ = ["maxsim", "maxsim_varlen", "maxsim_int8", "maxsim_int8_varlen"]
+__all__ = ["maxsim", "maxsim_varlen", "maxsim_int8", "maxsim_int8_varlen", "maxsim_from_hidden"]
 
 
 def maxsim(Q, D, q_mask=None, d_mask=None, *, q_lengths=None, d_lengths=None, method="auto", precision=None,
@@ -159,6 +160,87 @@ def maxsim_int8_varlen(Q, D_tokens, d_scales, d_offsets, q_mask=None, *, q_scale
     p = check_varlen(q, d, off, qm, ql, None, int8=True)
     check_int8_scales(p, q, d, qs, ds)
     return _staged(args, call=_Call.of("maxsim_int8_varlen", p, "auto", None, backend))
+
+def maxsim_from_hidden(Q, H, W, bias=None, q_mask=None, d_mask=None, *, q_lengths=None, d_lengths=None,
+                       normalize=True, eps=1e-12, max_chunk_bytes=None, precision=None, backend="auto"):
+    """:func:`lik_cupy.maxsim_from_hidden` (documents as hidden states ``H [Nd, Ld, h]`` through
+    ``W [d, h]`` and ``bias [d]``) as a JAX operation, differentiable in Q, H, W and bias.
+
+    Arguments and semantics as :func:`lik_cupy.maxsim_from_hidden`, lengths as in :func:`maxsim`
+    (out of range: NaN scores). A ``jax.custom_vjp``: the forward is one custom call keeping the
+    int32 argmax, the backward one custom call of :func:`lik_cupy.maxsim_from_hidden_backward`
+    (each chunk of documents projected again). ``jax.vmap`` runs one call per batch element.
+
+    Returns:
+        float32 scores ``[Nq, Nd]`` (``[Nd]`` for a 2-D Q; float64 for float64 inputs), a ``jax.Array``.
+    """
+    args = _arrays(Q=Q, H=H, W=W, bias=bias, q_mask=q_mask, d_mask=d_mask, q_lengths=q_lengths, d_lengths=d_lengths)
+    hp = check_hidden(*_stand_ins(args, "Q", "H", "W", "bias", "q_mask", "d_mask", "q_lengths", "d_lengths"))
+    return _hidden_staged(args, call=_HiddenCall.of(hp, normalize, eps, max_chunk_bytes, precision, backend))
+
+
+@dataclass(frozen=True)
+class _HiddenCall:
+    """What a ``maxsim_from_hidden`` computation depends on besides its arrays (static under ``jax.jit``)."""
+
+    hp: HiddenProblem
+    kwargs: tuple  # the public functions' keyword arguments: normalize, eps, max_chunk_bytes, precision
+    backend: str
+
+    @classmethod
+    def of(cls, hp: HiddenProblem, normalize, eps, max_chunk_bytes, precision, backend: str) -> _HiddenCall:
+        check_hidden_options(normalize, eps, max_chunk_bytes)
+        if backend == "gpu":
+            use_gpu(backend, None)
+        check_backend(backend)
+        x3 = fp32_accurate(precision, "jax", hp.p.dtype)
+        resolved = ("fp32" if x3 else "tf32") if hp.p.dtype in ("float32", "float64") else None
+        return cls(hp, (("normalize", bool(normalize)), ("eps", float(eps)), ("max_chunk_bytes", max_chunk_bytes),
+                        ("precision", resolved)), backend)
+
+
+@functools.partial(jax.jit, static_argnames=("call",))
+def _hidden_staged(args: dict, call: _HiddenCall):
+    p = call.hp.p
+    dtype = jnp.float64 if p.dtype == "float64" else jnp.float32
+    if math.prod(p.scores_shape) == 0:
+        return jnp.zeros(p.scores_shape, dtype)
+    args, bad = _clamped(dict(args), p)
+    diff = {k: v for k, v in args.items() if k in ("Q", "H", "W", "bias")}
+    rest = {k: v for k, v in args.items() if k not in diff}
+    scores = _hidden(call, diff, rest)
+    return scores if bad is None else jnp.where(bad, jnp.asarray(jnp.nan, scores.dtype), scores)
+
+
+def _hidden_forward(call: _HiddenCall, diff: dict, rest: dict, argmax: bool) -> tuple:
+    p = call.hp.p
+    outs = [jax.ShapeDtypeStruct(p.scores_shape, jnp.float64 if p.dtype == "float64" else jnp.float32)]
+    if argmax:
+        outs.append(jax.ShapeDtypeStruct(p.argmax_shape, jnp.int32))
+    return _jax_ops.call("maxsim_from_hidden", {**diff, **rest}, outs,
+                         {"return_argmax": argmax, **dict(call.kwargs)}, call.backend)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _hidden(call: _HiddenCall, diff: dict, rest: dict):
+    return _hidden_forward(call, diff, rest, argmax=False)[0]
+
+
+def _hidden_fwd(call: _HiddenCall, diff: dict, rest: dict):
+    scores, amax = _hidden_forward(call, diff, rest, argmax=True)
+    return scores, (diff, amax, {k: v for k, v in rest.items() if k in ("d_mask", "d_lengths")})
+
+
+def _hidden_bwd(call: _HiddenCall, residuals, g):
+    diff, amax, d_valid = residuals
+    arrays = {"grad_scores": g, **diff, "argmax": amax, **d_valid}
+    outs = [jax.ShapeDtypeStruct(diff[k].shape, diff[k].dtype) for k in ("Q", "H", "W", "bias") if k in diff]
+    kwargs = dict(call.kwargs, **({} if "bias" in diff else {"bias": None}))
+    grads = _jax_ops.call("maxsim_from_hidden_backward", arrays, outs, kwargs, call.backend)
+    return dict(zip([k for k in ("Q", "H", "W", "bias") if k in diff], grads)), None  # masks, lengths: no gradient
+
+
+_hidden.defvjp(_hidden_fwd, _hidden_bwd)
 
 
 # ---------------------------------------------------------------- the staged computation

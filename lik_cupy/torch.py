@@ -1,4 +1,4 @@
-"""PyTorch autograd for MaxSim: ``lik_cupy.torch.maxsim`` and ``maxsim_varlen``.
+"""PyTorch autograd for MaxSim: ``lik_cupy.torch.maxsim``, ``maxsim_varlen`` and ``maxsim_from_hidden``.
 
 Importing this module imports torch (``import lik_cupy`` alone never does). The forward keeps
 only the int32 argmax ``[Nq, Nd, Lq]`` for the backward, never the similarity tensor; the
@@ -30,7 +30,8 @@ device lengths and offsets NaN is captured too and reads each replay's values; s
 those values, so bad ones never read outside the inputs. Under ``torch.compile(mode="reduce-overhead")``
 inductor's CUDA graphs take both operators (none is tagged cudagraph-unsafe, and their fake
 implementations give static shapes): once warmed up and recorded, a replay runs none of
-lik_cupy's Python.
+lik_cupy's Python. ``maxsim_from_hidden`` is always its operator
+(``torch.ops.lik_cupy.maxsim_from_hidden``, ``lik_cupy/_torch_hidden.py``).
 """
 
 from __future__ import annotations
@@ -43,10 +44,11 @@ from ._torch_autograd import backend_of as _backend
 from ._torch_autograd import check_method as _check_method
 from ._torch_autograd import needs_grad as _needs_grad
 from ._torch_autograd import traced as _traced
+from ._torch_hidden import maxsim_from_hidden_op as _maxsim_from_hidden_op
 from .forward import maxsim as _maxsim
 from .forward import maxsim_varlen as _maxsim_varlen
 
-__all__ = ["maxsim", "maxsim_varlen"]
+__all__ = ["maxsim", "maxsim_varlen", "maxsim_from_hidden"]
 
 
 def maxsim(Q, D, q_mask=None, d_mask=None, *, q_lengths=None, d_lengths=None, method="auto", return_argmax=False,
@@ -98,3 +100,24 @@ def maxsim_varlen(Q, D_tokens, d_offsets, q_mask=None, *, q_lengths=None, method
                               precision=precision)
 
     return _apply(Q, D_tokens, offsets, method, call, return_argmax)
+
+
+def maxsim_from_hidden(Q, H, W, bias=None, q_mask=None, d_mask=None, *, q_lengths=None, d_lengths=None,
+                       normalize=True, eps=1e-12, return_argmax=False, max_chunk_bytes=None, precision=None):
+    """:func:`lik_cupy.maxsim_from_hidden` (documents as hidden states ``H [Nd, Ld, h]`` through
+    ``W [d, h]`` and ``bias [d]``) with gradients for Q, H, W and bias (torch tensors, CUDA or CPU).
+
+    Arguments and semantics as :func:`lik_cupy.maxsim_from_hidden`. The forward keeps the int32
+    argmax; the backward (:func:`lik_cupy.maxsim_from_hidden_backward`) projects each chunk of
+    documents again, so no projected tensor is saved for it. Every call, eager or traced, is the
+    operator ``torch.ops.lik_cupy.maxsim_from_hidden`` (its dispatch costs microseconds beside
+    the projection), with ``maxsim_from_hidden_backward`` as its autograd formula.
+
+    Returns:
+        float32 scores ``[Nq, Nd]`` (float64 for float64 tensors) and, if asked, the int32 argmax.
+    """
+    need = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (Q, H, W, bias))
+    scores, amax = _maxsim_from_hidden_op(
+        Q, H, W, bias, q_mask, d_mask, _tensor(q_lengths, Q), _tensor(d_lengths, Q), bool(normalize), float(eps),
+        bool(return_argmax or need), max_chunk_bytes, precision)
+    return (scores, amax) if return_argmax else scores

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 MODULES = ["lik_cupy", "lik_cupy.forward", "lik_cupy.int8", "lik_cupy.quantize", "lik_cupy.backward",
-           "lik_cupy.retrieval", "lik_cupy.plaid", "lik_cupy.shards", "lik_cupy.errors", "lik_cupy.cli",
+           "lik_cupy.fused_head", "lik_cupy.retrieval", "lik_cupy.plaid", "lik_cupy.shards", "lik_cupy.errors",
+           "lik_cupy.cli",
            "lik_cupy.torch", "lik_cupy.jax", "lik_cupy.integrations.pylate", "lik_cupy.integrations.colpali"]
 
 

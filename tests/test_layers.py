@@ -21,8 +21,8 @@ LAYERS = (
     ("_runtime",),
     ("_streaming", "_maxsim_calls"),
     ("forward", "int8", "quantize", "backward", "retrieval", "shards", "precision"),
-    ("_plaid_files", "_torch_autograd"),  # PLAID index files; lik_cupy.torch's autograd and operators
-    ("plaid",),
+    ("_plaid_files", "_torch_autograd", "fused_head"),  # PLAID index files; lik_cupy.torch's operators; the fused head
+    ("plaid", "_torch_hidden"),  # the fused head's torch operators
     ("corpus", "torch", "_jax_ops", "_jax_xla"),
     ("distributed", "jax", "integrations", "serving"),
     ("",),

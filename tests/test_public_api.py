@@ -32,6 +32,8 @@ FROZEN = {'lik_cupy': (['CompileError',
                'gpu_available',
                'maxsim',
                'maxsim_backward',
+               'maxsim_from_hidden',
+               'maxsim_from_hidden_backward',
                'maxsim_int8',
                'maxsim_int8_varlen',
                'maxsim_pairs',
@@ -95,9 +97,20 @@ FROZEN = {'lik_cupy': (['CompileError',
                                                               'backend=None)',
                                    'patch_pylate': '()',
                                    'unpatch_pylate': '()'}),
- 'lik_cupy.jax': (['maxsim', 'maxsim_int8', 'maxsim_int8_varlen', 'maxsim_varlen'],
+ 'lik_cupy.fused_head': (['CHUNK_BYTES', 'maxsim_from_hidden', 'maxsim_from_hidden_backward'],
+                         {'maxsim_from_hidden': '(Q, H, W, bias=None, q_mask=None, d_mask=None, *, q_lengths=None, '
+                                                'd_lengths=None, normalize=True, eps=1e-12, return_argmax=False, '
+                                                "max_chunk_bytes=None, backend='auto', precision=None, validate=None)",
+                          'maxsim_from_hidden_backward': '(grad_scores, Q, H, W, bias, argmax, d_mask=None, *, '
+                                                         'd_lengths=None, normalize=True, eps=1e-12, '
+                                                         "max_chunk_bytes=None, backend='auto', precision=None, "
+                                                         'validate=None)'}),
+ 'lik_cupy.jax': (['maxsim', 'maxsim_from_hidden', 'maxsim_int8', 'maxsim_int8_varlen', 'maxsim_varlen'],
                   {'maxsim': "(Q, D, q_mask=None, d_mask=None, *, q_lengths=None, d_lengths=None, method='auto', "
                              "precision=None, backend='auto')",
+                   'maxsim_from_hidden': '(Q, H, W, bias=None, q_mask=None, d_mask=None, *, q_lengths=None, '
+                                         'd_lengths=None, normalize=True, eps=1e-12, max_chunk_bytes=None, '
+                                         "precision=None, backend='auto')",
                    'maxsim_int8': '(Q, D, d_scales, q_mask=None, d_mask=None, *, q_scales=None, q_lengths=None, '
                                   "d_lengths=None, backend='auto')",
                    'maxsim_int8_varlen': '(Q, D_tokens, d_scales, d_offsets, q_mask=None, *, q_scales=None, '
@@ -158,9 +171,12 @@ FROZEN = {'lik_cupy': (['CompileError',
                       'write_shard': '(path: str | os.PathLike, tokens: np.ndarray, offsets, *, ids=None, model: str | '
                                      'None=None, dtype: str | None=None, overwrite: bool=False, check_finite: '
                                      'bool=False, scales: np.ndarray | None=None)'}),
- 'lik_cupy.torch': (['maxsim', 'maxsim_varlen'],
+ 'lik_cupy.torch': (['maxsim', 'maxsim_from_hidden', 'maxsim_varlen'],
                     {'maxsim': "(Q, D, q_mask=None, d_mask=None, *, q_lengths=None, d_lengths=None, method='auto', "
                                'return_argmax=False, precision=None)',
+                     'maxsim_from_hidden': '(Q, H, W, bias=None, q_mask=None, d_mask=None, *, q_lengths=None, '
+                                           'd_lengths=None, normalize=True, eps=1e-12, return_argmax=False, '
+                                           'max_chunk_bytes=None, precision=None)',
                      'maxsim_varlen': "(Q, D_tokens, d_offsets, q_mask=None, *, q_lengths=None, method='auto', "
                                       'return_argmax=False, precision=None)'})}
 

@@ -8,6 +8,7 @@ import functools
 import numpy as np
 
 from .. import _dispatch as dispatch
+from .. import _interop as interop
 from .._base.device import allocating, device_properties, empty
 from .._validate import Problem, check_32bit
 from .kernels import BACKWARD
@@ -122,3 +123,36 @@ def _launch(mod, p: Problem, name: str, grid: tuple, args: tuple) -> None:
                            f"Lq={p.lq}, Ld={p.ld}, rows={doc_rows(p)}, d={p.dim}): {e}") from e
 
 
+def grad_scores_f32(g, fw: str, on_host: bool, p: Problem):
+    """grad_scores as contiguous float32 [nq, nd] on the device (bfloat16 decoded from its bits,
+    which is how bfloat16 crosses into CuPy)."""
+    import cupy
+
+    if on_host:
+        return cupy.asarray(np.ascontiguousarray(interop.to_numpy(g, fw), dtype=np.float32).reshape(p.nq, p.nd))
+    a = interop.to_cupy(g, fw)
+    if interop.describe(g).dtype == "bfloat16":
+        a = (a.view(cupy.uint16).astype(cupy.uint32) << 16).view(cupy.float32)
+    return cupy.ascontiguousarray(a.reshape(p.nq, p.nd), dtype=cupy.float32)
+
+
+def gradient_out(x, shape, p: Problem, like, fw: str, on_host: bool):
+    """A gradient in the caller's framework, dtype and shape (bfloat16 from its bits)."""
+    x = x.reshape(shape)
+    if p.dtype != "bfloat16":
+        return interop.from_cupy(x, fw, on_host)
+    return interop.bfloat16_from_bits(x, fw, on_host, like)
+
+
+def host_gradient_out(x64: np.ndarray, dtype, shape, p: Problem, like):
+    """A NumPy-computed gradient in the input's dtype, framework and device (device inputs
+    sent to the CPU path get their results back on their device)."""
+    out = x64.astype(dtype).reshape(shape)
+    bf16 = interop.is_bfloat16(dtype)
+    if p.device is not None:
+        import cupy
+
+        with cupy.cuda.Device(p.device):
+            dev = cupy.asarray(out.view(np.uint16) if bf16 else out)
+            return gradient_out(dev, shape, p, like, p.framework, on_host=False)
+    return interop.from_numpy(out, p.framework)

@@ -1,0 +1,30 @@
+"""bench/suites/bench_fused_head.py's --smoke run on the CPU: every cell timed for ours and the unfused
+pipeline, the same scores from both, the summary and table written."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import pathlib
+
+import pytest
+
+pytest.importorskip("torch")
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+def test_smoke_run_writes_every_cell(tmp_path, capsys):
+    spec = importlib.util.spec_from_file_location("bench_fused_head", REPO / "bench/suites/bench_fused_head.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--smoke", "--out", str(tmp_path)]) == 0
+    run = json.loads((tmp_path / "fused_head_cpu-smoke.json").read_text())
+    assert run["gpu"] == "cpu smoke" and run["skipped"] == []
+    rows = {(r["cell"], r["contender"]): r for r in run["rows"]}
+    assert set(rows) == {(c, w) for c in bench.CELLS for w in ("ours", "unfused")} | {("rerank", "floor")}
+    for (_, who), r in rows.items():
+        assert "error" not in r and r["ms"] > 0
+        assert (r["scores_max_abs_diff"] is None) == (who == "floor") and (who == "floor" or r["scores_max_abs_diff"] < 1e-5)
+    assert [s["cell"] for s in run["summary"]] == sorted(bench.CELLS)
+    assert capsys.readouterr().out.splitlines()[-len(bench.CELLS) - 1].startswith("cell")  # the table, last

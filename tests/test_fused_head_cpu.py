@@ -1,0 +1,264 @@
+"""maxsim_from_hidden (the fused projection head) on the CPU: scores, argmax and the gradients of Q,
+H, W and bias against torch's ``F.linear -> F.normalize -> maxsim`` in float64 (lik_cupy.torch.maxsim
+on the projected tensor, itself checked against autograd elsewhere, and a plain einsum once), through
+the top-level function, lik_cupy.torch (its operators pass torch.library.opcheck) and lik_cupy.jax;
+masks and lengths, no bias, no normalisation, the chunking, and the argument errors."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import lik_cupy
+
+torch = pytest.importorskip("torch")
+import torch.nn.functional as F  # noqa: E402
+
+import lik_cupy.torch as lt  # noqa: E402
+
+NQ, LQ, ND, LD, HID, DIM = 3, 5, 7, 6, 24, 8
+
+
+def _data(rng, dtype=np.float64, nq=NQ, nd=ND):
+    Q = rng.standard_normal((nq, LQ, DIM))
+    H = rng.standard_normal((nd, LD, HID))
+    W = rng.standard_normal((DIM, HID)) / HID**0.5
+    b = rng.standard_normal(DIM) * 0.1
+    return [x.astype(dtype) for x in (Q, H, W, b)]
+
+
+def _lengths(rng, n, limit, empty=()):
+    lens = rng.integers(1, limit + 1, n)
+    lens[list(empty)] = 0
+    return lens
+
+
+def _reference(Q, H, W, b, *, normalize=True, eps=1e-12, **valid):
+    """Scores and argmax of the unfused pipeline on float64 torch tensors (autograd intact)."""
+    D = F.linear(H, W, b)
+    if normalize:
+        D = F.normalize(D, dim=-1, eps=eps)
+    return lt.maxsim(Q, D, return_argmax=True, **valid)
+
+
+def _t(x, grad=False):
+    return torch.tensor(np.asarray(x, np.float64), requires_grad=grad)
+
+
+def _valid_cases(rng):
+    q_len, d_len = _lengths(rng, NQ, LQ, empty=(1,)), _lengths(rng, ND, LD, empty=(2,))
+    q_mask = np.arange(LQ)[None, :] < q_len[:, None]
+    d_mask = rng.random((ND, LD)) < 0.6
+    d_mask[4] = False
+    yield "none", {}
+    yield "lengths", {"q_lengths": q_len, "d_lengths": d_len}
+    yield "masks", {"q_mask": q_mask, "d_mask": d_mask}
+
+
+def _torch_valid(valid: dict) -> dict:
+    return {k: torch.tensor(v) for k, v in valid.items()}
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("normalize", [True, False])
+def test_scores_and_gradients_match_unfused_float64(rng, bias, normalize):
+    Q, H, W, b = _data(rng)
+    b = b if bias else None
+    for name, valid in _valid_cases(rng):
+        tv = _torch_valid(valid)
+        leaves = [_t(x, True) for x in (Q, H, W)] + ([_t(b, True)] if bias else [None])
+        ref, ref_a = _reference(*leaves, normalize=normalize, **tv)
+        scores, amax = lt.maxsim_from_hidden(*[x if x is None else x.detach() for x in leaves], **tv,
+                                             normalize=normalize, return_argmax=True)
+        assert torch.equal(amax, ref_a), name
+        assert torch.allclose(scores, ref.detach(), rtol=1e-12, atol=1e-12, equal_nan=True), name
+        g = torch.tensor(rng.standard_normal(ref.shape))
+        g[torch.isinf(ref)] = 0  # an empty document's -inf score: no gradient either way
+        want = torch.autograd.grad((ref.masked_fill(torch.isinf(ref), 0) * g).sum(), [x for x in leaves if x is not None])
+        got = lik_cupy.maxsim_from_hidden_backward(g.numpy(), Q, H, W, b, amax.numpy(), valid.get("d_mask"),
+                                                   d_lengths=valid.get("d_lengths"), normalize=normalize)
+        assert (got[3] is None) == (not bias)
+        for x, y, what in zip(got, want, "Q H W bias".split()):
+            np.testing.assert_allclose(x, y.numpy(), rtol=1e-10, atol=1e-12, err_msg=f"{name}: d{what}")
+        # through autograd
+        ours = [x if x is None else x.detach().clone().requires_grad_() for x in leaves]
+        s = lt.maxsim_from_hidden(*ours, **tv, normalize=normalize)
+        (s.masked_fill(torch.isinf(s), 0) * g).sum().backward()
+        for x, y, what in zip([x for x in ours if x is not None], want, "Q H W bias".split()):
+            assert torch.allclose(x.grad, y, rtol=1e-10, atol=1e-12), f"{name}: autograd d{what}"
+
+
+def test_matches_a_plain_einsum(rng):
+    """The reference itself: the unfused pipeline written out (every token valid)."""
+    Q, H, W, b = _data(rng)
+    D = H @ W.T + b
+    D /= np.linalg.norm(D, axis=-1, keepdims=True)
+    want = np.einsum("isk,jtk->ijst", Q, D).max(axis=-1).sum(axis=-1)
+    np.testing.assert_allclose(lik_cupy.maxsim_from_hidden(Q, H, W, b, backend="cpu"), want, rtol=1e-12)
+
+
+def test_chunking_changes_nothing(rng):
+    Q, H, W, b = _data(rng)
+    d_len = _lengths(rng, ND, LD, empty=(3,))
+    whole = lik_cupy.maxsim_from_hidden(Q, H, W, b, d_lengths=d_len, return_argmax=True)
+    g = np.where(np.isinf(whole[0]), 0, rng.standard_normal(whole[0].shape))
+    grads = lik_cupy.maxsim_from_hidden_backward(g, Q, H, W, b, whole[1], d_lengths=d_len)
+    for budget in (1, LD * DIM * 8 * 2, LD * DIM * 8 * 3 + 5):  # one document per chunk, two, three
+        s, a = lik_cupy.maxsim_from_hidden(Q, H, W, b, d_lengths=d_len, return_argmax=True, max_chunk_bytes=budget)
+        assert np.array_equal(s, whole[0]) and np.array_equal(a, whole[1])
+        for x, y in zip(lik_cupy.maxsim_from_hidden_backward(g, Q, H, W, b, a, d_lengths=d_len,
+                                                             max_chunk_bytes=budget), grads):
+            np.testing.assert_allclose(x, y, rtol=1e-13, atol=1e-15)
+
+
+def test_one_query_2d_and_masked_padding_never_read(rng):
+    Q, H, W, b = _data(rng)
+    d_len = _lengths(rng, ND, LD)
+    H_nan = H.copy()
+    for j, n in enumerate(d_len):
+        H_nan[j, n:] = np.nan  # padding may hold anything
+    s = lik_cupy.maxsim_from_hidden(Q[1], H_nan, W, b, d_lengths=d_len, q_lengths=3)
+    assert s.shape == (ND,)
+    np.testing.assert_array_equal(s, lik_cupy.maxsim_from_hidden(Q[1:2, :3], H, W, b, d_lengths=d_len)[0])
+
+
+def test_no_documents_or_no_tokens(rng):
+    Q, H, W, b = _data(rng)
+    s, a = lik_cupy.maxsim_from_hidden(Q, H[:0], W, b, return_argmax=True)
+    assert s.shape == (NQ, 0) and a.shape == (NQ, 0, LQ)
+    assert np.isneginf(lik_cupy.maxsim_from_hidden(Q, H[:, :0], W, b)).all()  # documents without tokens
+
+
+def test_rows_at_the_eps_floor(rng):
+    """A projected token below eps is scaled by 1/eps, not normalised (F.normalize), and so is its gradient."""
+    Q, H, W, _ = _data(rng)
+    H[0, 1] = 0
+    H[2, 3] *= 1e-6
+    eps = 1e-3
+    leaves = [_t(x, True) for x in (Q, H, W)]
+    ref, ref_a = _reference(*leaves, None, eps=eps)
+    s, a = lik_cupy.maxsim_from_hidden(Q, H, W, eps=eps, return_argmax=True)
+    np.testing.assert_allclose(s, ref.detach().numpy(), rtol=1e-12)
+    g = rng.standard_normal(s.shape)
+    want = torch.autograd.grad((ref * torch.tensor(g)).sum(), leaves)
+    for x, y in zip(lik_cupy.maxsim_from_hidden_backward(g, Q, H, W, None, a, eps=eps), want):
+        np.testing.assert_allclose(x, y.numpy(), rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_low_precision_inputs_keep_their_dtype(rng, dtype):
+    """The CPU path computes in float64 from the inputs' values: the float64 scores of those values."""
+    npd = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float32": np.float32}[dtype]
+    Q, H, W, b = _data(rng, npd)
+    s, a = lik_cupy.maxsim_from_hidden(Q, H, W, b, return_argmax=True)
+    want = lik_cupy.maxsim_from_hidden(*[x.astype(np.float64) for x in (Q, H, W, b)])
+    assert s.dtype == np.float32
+    np.testing.assert_array_equal(s, want.astype(np.float32))
+    grads = lik_cupy.maxsim_from_hidden_backward(np.ones(s.shape, np.float32), Q, H, W, b, a)
+    assert [x.dtype for x in grads] == [npd] * 4
+    tq = torch.tensor(Q.astype(np.float32)).to(torch.bfloat16 if dtype == "bfloat16" else getattr(torch, dtype))
+    th, tw, tb = (torch.tensor(x.astype(np.float32)).to(tq.dtype).requires_grad_() for x in (H, W, b))
+    st = lt.maxsim_from_hidden(tq.requires_grad_(), th, tw, tb)
+    st.sum().backward()
+    assert st.dtype == torch.float32 and tq.grad.dtype == tq.dtype and tb.grad.dtype == tq.dtype
+
+
+def test_opcheck(rng):
+    op, bwd = torch.ops.lik_cupy.maxsim_from_hidden.default, torch.ops.lik_cupy.maxsim_from_hidden_backward.default
+    Q, H, W, b = (_t(x, True) for x in _data(rng))
+    d_len = torch.tensor(_lengths(rng, ND, LD, empty=(1,)))
+    q_mask = torch.tensor(rng.random((NQ, LQ)) < 0.7)
+    args = (Q, H, W, b, q_mask, None, None, d_len, True, 1e-12, True, LD * DIM * 8, None)
+    torch.library.opcheck(op, args)
+    plain = (Q.detach(), H.detach(), W.detach(), None, None, None, None, None, False, 1e-12, False, None, "fp32")
+    torch.library.opcheck(op, plain, test_utils=("test_faketensor",))
+    scores, amax = op(*args)
+    g = torch.randn(scores.shape, dtype=torch.float64)
+    g[torch.isinf(scores)] = 0
+    torch.library.opcheck(bwd, (g, Q.detach(), H.detach(), W.detach(), None, amax, None, d_len, True, 1e-12, None,
+                                None), test_utils=("test_schema", "test_faketensor"))
+
+
+def test_compiles_without_graph_break(rng):
+    Q, H, W, b = (_t(x, True) for x in _data(rng))
+
+    def step(q, h, w, bb):
+        return lt.maxsim_from_hidden(q, h, w, bb).logsumexp(dim=1).sum()
+
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+    want = torch.autograd.grad(step(Q, H, W, b), (Q, H, W, b))
+    got = torch.autograd.grad(compiled(Q, H, W, b), (Q, H, W, b))
+    for x, y in zip(got, want):
+        assert torch.allclose(x, y, rtol=1e-12, atol=1e-14)
+
+
+def test_grad_only_where_asked(rng):
+    Q, H, W, b = (_t(x) for x in _data(rng))
+    Q.requires_grad_()
+    lt.maxsim_from_hidden(Q, H, W, b).sum().backward()
+    assert Q.grad is not None and H.grad is None and W.grad is None and b.grad is None
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda Q, H, W, b: lik_cupy.maxsim_from_hidden(Q, H, W[:, :-1], b), r"W must be \[d, h\] = \[8, 24\] \(Q's dim, H's hidden size\); got shape \[8, 23\]"),
+    (lambda Q, H, W, b: lik_cupy.maxsim_from_hidden(Q, H, W, b[:-1]), r"bias has shape \[7\]; expected \[8\]"),
+    (lambda Q, H, W, b: lik_cupy.maxsim_from_hidden(Q, H[0], W, b), r"H must be hidden states \[Nd, Ld, h\]; got shape \[6, 24\]"),
+    (lambda Q, H, W, b: lik_cupy.maxsim_from_hidden(Q, H, W.astype(np.float32), b), "W has dtype float32 but Q has float64"),
+    (lambda Q, H, W, b: lik_cupy.maxsim_from_hidden(Q, torch.tensor(H), W, b), "H is a torch array but Q is a numpy array"),
+    (lambda Q, H, W, b: lik_cupy.maxsim_from_hidden(Q, H, W, b, eps=0.0), "eps must be a positive finite float"),
+    (lambda Q, H, W, b: lik_cupy.maxsim_from_hidden(Q, H, W, b, normalize="yes"), "normalize must be True or False"),
+    (lambda Q, H, W, b: lik_cupy.maxsim_from_hidden(Q, H, W, b, max_chunk_bytes=0), "max_chunk_bytes must be a positive int"),
+    (lambda Q, H, W, b: lik_cupy.maxsim_from_hidden(Q, H, W, b, d_lengths=[1, 2]), r"d_lengths has shape \[2\]; expected \[7\]"),
+    (lambda Q, H, W, b: lik_cupy.maxsim_from_hidden(Q, H, W, b, d_lengths=[7] * ND), "d_lengths"),
+    (lambda Q, H, W, b: lik_cupy.maxsim_from_hidden_backward(np.ones((NQ, ND)), Q, H, W, b, np.zeros((NQ, ND, LQ))),
+     "argmax has dtype float64; expected int32"),
+    (lambda Q, H, W, b: lik_cupy.maxsim_from_hidden_backward(np.ones((NQ, 2)), Q, H, W, b,
+                                                             np.zeros((NQ, ND, LQ), np.int32)),
+     r"grad_scores has shape \[3, 2\]; expected the scores' shape \[3, 7\]"),
+])
+def test_errors_name_the_argument(rng, call, match):
+    with pytest.raises((TypeError, ValueError), match=match):
+        call(*_data(rng))
+
+
+def test_jax_gradients(rng):
+    jax = pytest.importorskip("jax")
+    jnp = jax.numpy
+    import lik_cupy.jax as lj
+
+    Q, H, W, b = _data(rng, np.float32)
+    d_len = _lengths(rng, ND, LD, empty=(2,))
+    d_len_bad = d_len.copy()
+    d_len_bad[5] = LD + 1
+
+    def loss(q, h, w, bb, lengths):
+        s = lj.maxsim_from_hidden(q, h, w, bb, d_lengths=lengths, max_chunk_bytes=LD * DIM * 8 * 3)
+        return jnp.where(jnp.isinf(s), 0, s).sum(), s
+
+    (_, s), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(Q, H, W, b, d_len)
+    leaves = [_t(x, True) for x in (Q, H, W, b)]
+    ref, _ = _reference(*leaves, d_lengths=torch.tensor(d_len))
+    np.testing.assert_allclose(np.asarray(s), ref.detach().numpy(), rtol=1e-6)
+    want = torch.autograd.grad(ref.masked_fill(torch.isinf(ref), 0).sum(), leaves)
+    for x, y in zip(grads, want):
+        assert x.dtype == jnp.float32
+        np.testing.assert_allclose(np.asarray(x), y.numpy(), rtol=1e-5, atol=1e-5)
+    bad = lj.maxsim_from_hidden(Q, H, W, None, d_lengths=d_len_bad)
+    assert np.isnan(np.asarray(bad)[:, 5]).all() and not np.isnan(np.asarray(bad)[:, :5]).any()
+
+
+def test_lik_adapter_translates_the_semantics(rng):
+    """tests/lik_fused_head_adapter.py (how LIK's own tests reach us): LIK's ``b=``, a 1-D ``d_mask``,
+    and 0 (no gradient) for a document with no valid token, where lik_cupy scores -inf."""
+    from lik_fused_head_adapter import maxsim_from_hidden as adapted
+
+    Q, H, W, b = (_t(x, True) for x in _data(rng))
+    d_mask = torch.ones(ND, LD, dtype=torch.bool)
+    d_mask[1] = False
+    s = adapted(Q, H, W, b=b, d_mask=d_mask)
+    assert (s[:, 1] == 0).all() and torch.isfinite(s).all()
+    s.sum().backward()
+    assert (H.grad[1] == 0).all()
+    one = adapted(Q[:1].detach(), H[:1].detach(), W.detach(), d_mask=d_mask[0])
+    assert torch.equal(one, lt.maxsim_from_hidden(Q[:1].detach(), H[:1].detach(), W.detach(), None, None, d_mask[:1]))

@@ -1,0 +1,175 @@
+"""maxsim_from_hidden on the GPU: float16, bfloat16 and float32 (torch, CuPy) and float64 against
+the unfused ``F.linear -> F.normalize -> maxsim`` pipeline, gradients included; chunked calls;
+peak memory below the unfused pipeline's; JAX on a CUDA device; and late-interaction-kernels'
+own fused-head tests through the adapter in tests/lik_fused_head_adapter.py."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import lik_cupy
+
+torch = pytest.importorskip("torch")
+import torch.nn.functional as F  # noqa: E402
+
+import lik_cupy.torch as lt  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+if not torch.cuda.is_available() or not lik_cupy.gpu_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+# scores of unit vectors: the projected tokens' rounding to the dtype, relative to Lq
+SCORE_TOL = {"float16": 2e-3, "bfloat16": 1.6e-2, "float32": 2e-5}
+GRAD_TOL = {"float16": 5e-2, "bfloat16": 1e-1, "float32": 1e-4}  # relative RMS, as LIK's own tests measure it
+
+
+def _data(dtype, nq=3, lq=16, nd=20, ld=40, hid=192, dim=64, seed=0, grad=False):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    Q = F.normalize(torch.randn(nq, lq, dim, device="cuda", generator=g), dim=-1)
+    H = torch.randn(nd, ld, hid, device="cuda", generator=g)
+    W = torch.randn(dim, hid, device="cuda", generator=g) / hid**0.5
+    b = torch.randn(dim, device="cuda", generator=g) * 0.05
+    return [x.to(dtype).requires_grad_(grad) for x in (Q, H, W, b)]
+
+
+def _unfused(Q, H, W, b, **kw):
+    D = F.normalize(F.linear(H, W, b), dim=-1)
+    return lt.maxsim(Q, D, **kw)
+
+
+def _rel_rms(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt().clamp_min(1e-12)).item()
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("chunk", [None, 40 * 64 * 4 * 3])  # three float32 documents, six 16-bit ones
+def test_matches_unfused_with_gradients(dtype, chunk):
+    leaves = _data(DTYPES[dtype], grad=True)
+    d_len = torch.randint(1, 41, (20,), device="cuda")
+    d_len[3] = 0
+    s = lt.maxsim_from_hidden(*leaves, d_lengths=d_len, max_chunk_bytes=chunk)
+    ref_leaves = [x.detach().double().cpu().requires_grad_() for x in leaves]
+    ref = _unfused(*ref_leaves, d_lengths=d_len.cpu())
+    assert s.dtype == torch.float32 and s.shape == (3, 20)
+    assert torch.isneginf(s[:, 3]).all()
+    keep = ~torch.isinf(ref)
+    err = (s.double().cpu()[keep] - ref.detach()[keep]).abs().max().item()
+    assert err <= SCORE_TOL[dtype] * 16, err
+    g = torch.randn(s.shape, device="cuda").masked_fill(~keep.cuda(), 0)
+    grads = torch.autograd.grad((s.masked_fill(~keep.cuda(), 0) * g).sum(), leaves)
+    want = torch.autograd.grad((ref.masked_fill(~keep, 0) * g.double().cpu()).sum(), ref_leaves)
+    for x, y, name in zip(grads, want, "Q H W bias".split()):
+        assert x.dtype == DTYPES[dtype]
+        assert _rel_rms(x.cpu(), y) < GRAD_TOL[dtype], name
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_training_and_inference_calls_score_alike(dtype):
+    """A call that keeps the argmax for the backward scores bit for bit as one that does not."""
+    Q, H, W, b = _data(DTYPES[dtype])
+    plain = lt.maxsim_from_hidden(Q, H, W, b)
+    trained = lt.maxsim_from_hidden(Q.clone().requires_grad_(), H, W, b).detach()
+    assert torch.equal(plain, trained)
+
+
+def test_masks_no_bias_no_normalisation_and_2d_query():
+    Q, H, W, _ = _data(torch.float32)
+    q_mask = torch.rand(3, 16, device="cuda") < 0.7
+    d_mask = torch.rand(20, 40, device="cuda") < 0.6
+    H[~d_mask] = float("nan")  # masked tokens are never scored
+    s, a = lt.maxsim_from_hidden(Q, H, W, None, q_mask, d_mask, normalize=False, return_argmax=True)
+    ref, ref_a = lt.maxsim(Q, F.linear(H, W), q_mask, d_mask, return_argmax=True, precision="fp32")
+    torch.testing.assert_close(s, ref, rtol=1e-5, atol=1e-5)
+    assert (a == ref_a).float().mean() > 0.99  # near ties may fall apart on the projection's rounding
+    one = lt.maxsim_from_hidden(Q[0], H, W, None, q_mask[0], d_mask, normalize=False)
+    torch.testing.assert_close(one, s[0])
+
+
+def test_cupy_arrays_and_the_cpu_path_agree():
+    import cupy
+
+    Q, H, W, b = (cupy.asarray(x.detach().cpu().numpy()) for x in _data(torch.float32))
+    s, a = lik_cupy.maxsim_from_hidden(Q, H, W, b, return_argmax=True, precision="fp32")
+    want = lik_cupy.maxsim_from_hidden(*(x.get() for x in (Q, H, W, b)), backend="cpu")
+    np.testing.assert_allclose(s.get(), want, rtol=1e-5, atol=1e-5)
+    g = cupy.ones(s.shape, cupy.float32)
+    got = lik_cupy.maxsim_from_hidden_backward(g, Q, H, W, b, a)
+    ref = lik_cupy.maxsim_from_hidden_backward(g.get(), *(x.get() for x in (Q, H, W, b)), a.get(), backend="cpu")
+    for x, y in zip(got, ref):
+        assert isinstance(x, cupy.ndarray)
+        assert _rel_rms(torch.as_tensor(x.get()), torch.as_tensor(y)) < 1e-4
+    Q16, H16, W16, b16 = (x.astype(cupy.float16) for x in (Q, H, W, b))
+    s16 = lik_cupy.maxsim_from_hidden(Q16, H16, W16, b16)
+    np.testing.assert_allclose(s16.get(), want, atol=SCORE_TOL["float16"] * 16)
+
+
+def test_float64_on_the_gpu_matches_the_cpu_path():
+    Q, H, W, b = _data(torch.float64)
+    s = lt.maxsim_from_hidden(Q, H, W, b)
+    assert s.dtype == torch.float64
+    torch.testing.assert_close(s.cpu(), lt.maxsim_from_hidden(Q.cpu(), H.cpu(), W.cpu(), b.cpu()), rtol=1e-5,
+                               atol=1e-5)
+
+
+@pytest.mark.parametrize("train", [False, True])
+def test_peak_memory_below_unfused(train):
+    """The unfused pipeline holds the projected tensor (twice: before and after normalisation); the
+    fused head one chunk of it."""
+    Q, H, W, b = _data(torch.float16, nq=1 if not train else 8, lq=32, nd=512, ld=128, hid=768, dim=128, grad=train)
+
+    def peak(fn):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        out = fn()
+        if train:
+            torch.autograd.grad(out.sum(), (Q, H, W, b))
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base
+
+    chunk = 128 * 128 * 2 * 64  # 64 documents' projection
+    lt.maxsim_from_hidden(Q, H, W, b, max_chunk_bytes=chunk)  # compile first
+    ours = peak(lambda: lt.maxsim_from_hidden(Q, H, W, b, max_chunk_bytes=chunk))
+    unfused = peak(lambda: _unfused(Q, H, W, b))
+    assert ours < unfused, (ours, unfused)
+
+
+def test_jax_on_a_cuda_device():
+    jax = pytest.importorskip("jax")
+    if jax.default_backend() != "gpu":
+        pytest.skip("jax has no CUDA device here")
+    import lik_cupy.jax as lj
+
+    Q, H, W, b = (x.detach().cpu().numpy() for x in _data(torch.float32))
+    loss = jax.jit(jax.value_and_grad(lambda *a: lj.maxsim_from_hidden(*a, precision="fp32").sum(), argnums=(0, 1, 2, 3)))
+    v, grads = loss(Q, H, W, b)
+    s, a = lik_cupy.maxsim_from_hidden(Q, H, W, b, return_argmax=True, backend="cpu")
+    np.testing.assert_allclose(float(v), s.sum(), rtol=1e-5)
+    for x, y in zip(grads, lik_cupy.maxsim_from_hidden_backward(np.ones_like(s), Q, H, W, b, a, backend="cpu")):
+        assert _rel_rms(torch.as_tensor(np.asarray(x)), torch.as_tensor(y)) < 1e-4
+
+
+def test_lik_own_fused_head_tests_through_the_adapter():
+    """LIK's test_fused_head.py and test_fused_head_train.py against lik_cupy (LIK_TESTS_DIR: a
+    directory holding them, from late-interaction-kernels' repository; its wheel carries no tests)."""
+    pytest.importorskip("triton")
+    pytest.importorskip("late_interaction_kernels")
+    where = os.environ.get("LIK_TESTS_DIR")
+    if not where or not (Path(where) / "test_fused_head.py").is_file():
+        pytest.skip("LIK_TESTS_DIR does not name a directory with late-interaction-kernels' test_fused_head.py")
+    files = [str(Path(where) / f) for f in ("test_fused_head.py", "test_fused_head_train.py")
+             if (Path(where) / f).is_file()]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parent), str(Path(__file__).parents[1]),
+                                                        os.environ.get("PYTHONPATH", "")]))
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "lik_fused_head_adapter", "-p", "no:cacheprovider",
+                          "--rootdir", where, *files], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+    assert " passed" in run.stdout and " failed" not in run.stdout
