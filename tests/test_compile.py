@@ -9,6 +9,14 @@ whole check, 30-60 minutes on two cores); ``test_every_padded_dim_compiles_witho
 (opt-in, ``LIK_COMPILE_ALL_DIMS=1``) builds the other padded dims' kernels too. Both compile on
 every core and read what an earlier check proved under the same key from the kernel cache
 (``nvrtc.compile_logs``; ``LIK_COMPILE_FRESH=1`` compiles everything).
+
+A fresh clone's cache is empty, so the check's proofs are also committed: ``tests/data/compile_logs.json.gz``
+holds the ptxas logs of the sample's fixed part (the pair cover and the families) under their cache
+keys, which name the source and every file it includes, the defines, the NVRTC version and this
+package's version. The check seeds the cache from it first (``nvrtc.seed_logs``): a build whose
+source changed misses its entry and compiles, and the rotating share compiles every day. After
+changing ``cuda_src/``, ``LIK_COMPILE_RECORD=1 python -m pytest tests/test_compile.py -k check_all``
+compiles what changed and rewrites the file with this run's fixed part.
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import glob
+import gzip
 import hashlib
 import json
 import os
@@ -102,7 +111,7 @@ ROTATING_PER_ARCH = 12
 _NO_PAIR_COVER = {86: 89}
 
 
-def _ci_sample(cfgs: list, seed: int, pair_cover: bool = True) -> list:
+def _ci_sample(cfgs: list, seed: int, pair_cover: bool = True, rotating: int = ROTATING_PER_ARCH) -> list:
     """The configurations the CI check builds for one architecture, out of ``cfgs``:
     - with ``pair_cover``, a greedy cover of every pair of feature values that occurs together in
       ``cfgs``, so each flag meets each other flag's values and each tile size at least once;
@@ -110,7 +119,7 @@ def _ci_sample(cfgs: list, seed: int, pair_cover: bool = True) -> list:
       half query stages, residual bits, candidate ids) the tile with the most accumulator and
       fragment state, where spills show
       first;
-    - ``ROTATING_PER_ARCH`` more drawn with ``seed``, so that successive runs reach the rest.
+    - ``rotating`` more (``ROTATING_PER_ARCH``) drawn with ``seed``, so that successive runs reach the rest.
     """
     feats = {c.name: tuple((f, getattr(c, f)) for f in _FEATURES) for c in cfgs}
     pairs = {n: {(a, b) for i, a in enumerate(fs) for b in fs[i + 1:]} for n, fs in feats.items()}
@@ -130,9 +139,33 @@ def _ci_sample(cfgs: list, seed: int, pair_cover: bool = True) -> list:
     chosen.update((c.name, c) for _, c in families.values())
     rest = sorted(n for n in feats if n not in chosen)
     by_name = {c.name: c for c in cfgs}
-    for n in random.Random(seed).sample(rest, min(ROTATING_PER_ARCH, len(rest))):
+    for n in random.Random(seed).sample(rest, min(rotating, len(rest))):
         chosen[n] = by_name[n]
     return list(chosen.values())
+
+
+PROOFS = pathlib.Path(__file__).parent / "data" / "compile_logs.json.gz"
+
+
+def _read_proofs() -> dict:
+    try:
+        with gzip.open(PROOFS, "rt") as f:
+            proofs = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return proofs if isinstance(proofs, dict) else {}
+
+
+def _record_proofs(keys: set) -> None:
+    """Write the logs of ``keys`` (this run's fixed part, all in the cache now) to ``PROOFS``."""
+    logs = {k: lc.cached_log(k) for k in sorted(keys)}
+    missing = [k for k, log in logs.items() if log is None]
+    assert not missing, f"{len(missing)} builds of this check are not in the kernel cache to record"
+    PROOFS.parent.mkdir(exist_ok=True)
+    tmp = PROOFS.with_suffix(".tmp")
+    with gzip.open(tmp, "wt", compresslevel=9) as f:
+        json.dump(logs, f, sort_keys=True, separators=(",", ":"))
+    os.replace(tmp, PROOFS)
 
 
 def _compile_seed() -> int:
@@ -160,8 +193,11 @@ def test_check_all_compiles_without_spills(tmp_path, request):
         assert {c.name for c in all_cfgs[arch]} <= {c.name for c in all_cfgs[twin]}, (arch, twin)
     built = {arch: (cfgs if everything else _ci_sample(cfgs, seed, arch not in _NO_PAIR_COVER))
              for arch, cfgs in all_cfgs.items()}
+    if _cached():
+        lc.seed_logs(_read_proofs())
     per_arch = {arch: [] for arch in archs}
-    for r in lc.check_all(archs, built, workers=WORKERS, cache=_cached()):
+    rows_all = lc.check_all(archs, built, workers=WORKERS, cache=_cached())
+    for r in rows_all:
         per_arch[int(r["arch"][3:].rstrip("a"))].append(r)
     print(f"\ncompile check: seed {seed}, " + ", ".join(
         f"sm_{a} {len(built[a])} of {len(all_cfgs[a])} forward configurations" for a in archs))
@@ -196,6 +232,20 @@ def test_check_all_compiles_without_spills(tmp_path, request):
     print(f"\ncompile check: {len(rows)} kernels, table in {tmp_path / 'compile_check.txt'}\n{table}")
     request.node.add_report_section("call", "compile table", table)  # shown with -rA, whatever -s says
     assert not problems, "\n".join(problems)
+    if os.environ.get("LIK_COMPILE_RECORD"):
+        # the fixed part: the day's rotating share is left out, so that it compiles on later days
+        rotating = set()
+        for arch, cfgs in all_cfgs.items():
+            fixed = {c.name for c in _ci_sample(cfgs, seed, arch not in _NO_PAIR_COVER, rotating=0)}
+            rotating |= {(c.name, arch) for c in built[arch] if c.name not in fixed}
+        _record_proofs({r["key"] for r in rows_all if (r["kernel"], int(r["arch"][3:].rstrip("a"))) not in rotating})
+
+
+def test_recorded_proofs_are_ptxas_logs_under_cache_keys():
+    proofs = _read_proofs()
+    if not proofs:
+        pytest.skip(f"no recorded proofs at {PROOFS}")
+    assert all(re.fullmatch(r"[0-9a-f]{40}", k) and "Compiling entry function" in v for k, v in proofs.items())
 
 
 @pytest.mark.skipif(not os.environ.get("LIK_COMPILE_ALL_DIMS"),

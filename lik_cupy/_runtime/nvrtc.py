@@ -298,6 +298,23 @@ def _write_log(key: str, log: str) -> None:
         pass  # a read-only or missing cache only costs the next check its compiles
 
 
+def cached_log(key: str) -> str | None:
+    """The ptxas -v log the cache holds under :func:`cache_key` ``key``, or None."""
+    return _read_log(key)
+
+
+def seed_logs(logs: dict[str, str]) -> int:
+    """Put ``{cache_key: ptxas -v log}`` entries the cache lacks into it (a compile check's recorded
+    proofs: a key names the source and every file it includes, so a changed source misses them and
+    compiles); returns how many were added."""
+    added = 0
+    for key, log in logs.items():
+        if isinstance(key, str) and isinstance(log, str) and not _log_path(key).exists():
+            _write_log(key, log)
+            added += 1
+    return added
+
+
 def compile_logs(builds: list[tuple], *, workers: int = 1, cache: bool = True) -> list[str]:
     """The ptxas -v logs of ``(source, defines, arch)`` builds, in order.
 
@@ -333,10 +350,11 @@ def check_all(archs=None, configs=None, *, other_kernels: bool = True, workers: 
     ``archs``), and with ``other_kernels`` the kernels outside the forward family, on ``workers``
     processes, reading what an earlier check proved from the cache (:func:`compile_logs`).
 
-    Returns one row per (kernel, arch) with registers, stack, spills, static and
-    dynamic shared memory (``lik_sum_partials``, the top-k merge, the value checks, the mask spans,
-    the INT8 quantiser and the backward kernels once per architecture: every source of
-    ``kernels.SOURCES`` in each of its variants). Raises ``CompileError`` if any kernel fails.
+    Returns one row per (kernel, arch) with registers, stack, spills, static and dynamic shared
+    memory and its build's :func:`cache_key` (``lik_sum_partials``, the top-k merge, the value
+    checks, the mask spans, the INT8 quantiser and the backward kernels once per architecture:
+    every source of ``kernels.SOURCES`` in each of its variants). Raises ``CompileError`` if any
+    kernel fails.
     """
     from .._dispatch import SUPPORTED_ARCHS, all_forward_configs
 
@@ -353,5 +371,6 @@ def check_all(archs=None, configs=None, *, other_kernels: bool = True, workers: 
                 for defines in src.variants:
                     builds.append((src.file, defines, arch, [(src.row_name(k, defines), k, 0) for k in src.entries]))
     logs = compile_logs([b[:3] for b in builds], workers=workers, cache=cache)
-    return [{"kernel": kernel, "arch": f"sm_{target}", "dynamic_smem": smem, **resource_usage(log, entry)}
-            for (_, _, target, entries), log in zip(builds, logs) for kernel, entry, smem in entries]
+    return [{"kernel": kernel, "arch": f"sm_{target}", "dynamic_smem": smem, "key": cache_key(src, defines, target),
+             **resource_usage(log, entry)}
+            for (src, defines, target, entries), log in zip(builds, logs) for kernel, entry, smem in entries]
