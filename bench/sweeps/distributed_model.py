@@ -1,4 +1,19 @@
-"""Check docs/distributed.md's cost model of one query batch against a real Dask cluster, up to 64 workers.
+"""docs/distributed.md's cost model of one query batch: its counts checked against a real Dask cluster
+(``counts``), and its times fitted to the stage times bench_distributed.py measured (``fit``).
+
+``fit BENCH.json`` reads what bench/suites/bench_distributed.py wrote (the median stage times of
+resident batches on 1, 2 and 4 workers, from DistributedCorpus.last_search), fits each stage to
+how it grows with the number of workers N, and predicts N = 8 .. 64 on the same hardware:
+
+- retrieve (the slowest worker): r0 + r1 / N, the corpus split N ways;
+- shipping Q: s0 + s1 N while the client sends each worker its copy (N <= _DIRECT_MAX);
+  beyond, one copy and ceil(log3 N) rounds of worker-to-worker copies, each a hop of s0 + s1;
+- placement check, submitting, the scheduler's round trips: a + b N (messages per task);
+- gathering and the client's merge: a + b m, m = min(N, fan-in) rankings reach the client;
+- each level of merge tasks on the workers (N > fan-in): a task round trip, fetching fan-in - 1
+  rankings, and one merge of fan-in rankings, as measured at N = fan-in.
+
+    PYTHONPATH=. python bench/sweeps/distributed_model.py fit bench/results/latest/distributed_4gpu_nvidia-h200.json
 
 The model (Nq queries of Lq tokens, dim d, e bytes per element, N workers holding shards, top-k,
 fan-in f = lik_cupy.distributed._FAN_IN):
@@ -20,11 +35,12 @@ merge levels on workers (the task stream's keys), and the rankings the client fe
 The tiny shards keep scoring out of the way; only the counts matter. Prints a table and writes
 JSON (``$OUT`` or bench/results/latest/distributed_model.json).
 
-    PYTHONPATH=. python bench/sweeps/distributed_model.py            # N = 1, 2, 4, ..., 64
+    PYTHONPATH=. python bench/sweeps/distributed_model.py counts     # N = 1, 2, 4, ..., 64
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import math
@@ -125,8 +141,82 @@ def measure(n: int, root: pathlib.Path) -> dict:
     }
 
 
-def main() -> None:
-    sizes = [int(a) for a in sys.argv[1:]] or [1, 2, 3, 4, 8, 16, 32, 64]
+STAGE_FITS = {  # stage -> what it grows with: "per_worker" (a + b N), "split" (a + b / N), "client" (a + b m)
+    "placement_s": "per_worker", "submit_s": "per_worker", "round_trip_s": "per_worker",
+    "gather_s": "client", "merge_s": "client",
+}
+
+
+def _line(xs, ys) -> tuple[float, float]:
+    """Least squares a + b x (a constant when all x are equal)."""
+    xs, ys = np.asarray(xs, float), np.asarray(ys, float)
+    if np.ptp(xs) == 0:
+        return float(ys.mean()), 0.0
+    b, a = np.polyfit(xs, ys, 1)
+    return float(a), float(b)
+
+
+def fit(bench: dict, fan_in: int = 4, direct_max: int = 8) -> dict:
+    """Coefficients of every stage from the bench's median stage times at the largest query batch."""
+    nq = max(int(key) for key in bench["dask_1gpu"] if key.isdigit())
+    rows = {int(name[5:-3]): bench[name][str(nq)] for name in bench if name.startswith("dask_") and name.endswith("gpu")}
+    ns = sorted(rows)
+    stages = {n: rows[n]["stages"] for n in ns}
+    coef = {"queries": nq, "measured_workers": ns, "fan_in": fan_in, "direct_max": direct_max}
+    coef["retrieve_s"] = _line([1 / n for n in ns], [max(t["retrieve_s"] for t in stages[n]["tasks"]) for n in ns])
+    coef["task_extra_s"] = _line(ns, [stages[n]["slowest_task_s"] - max(t["retrieve_s"] for t in stages[n]["tasks"])
+                                      for n in ns])
+    coef["ship_s"] = _line(ns, [stages[n]["ship_s"] for n in ns])
+    for stage, grows in STAGE_FITS.items():
+        xs = [min(n, fan_in) for n in ns] if grows == "client" else ns
+        coef[stage] = _line(xs, [stages[n][stage] for n in ns])
+    coef["measured_s"] = {n: rows[n]["s"] for n in ns}
+    return coef
+
+
+def predict(coef: dict, n: int) -> dict:
+    """Stage times (seconds) of one batch on n workers, from ``fit``'s coefficients."""
+    f, at = coef["fan_in"], lambda stage, x: coef[stage][0] + coef[stage][1] * x
+    m = n
+    levels = 0
+    while m > f:
+        m, levels = math.ceil(m / f), levels + 1
+    if n <= coef["direct_max"]:
+        ship = at("ship_s", n)
+    else:  # one copy from the client, then ceil(log3 n) rounds of copies, each a hop like the client's
+        ship = at("ship_s", 1) * (1 + math.ceil(math.log(n, 3) - 1e-9))
+    # a level of merge tasks: a task's round trip, fan-in - 1 rankings fetched, a merge of fan-in
+    level = at("round_trip_s", 1) + at("gather_s", f) - at("gather_s", 1) + at("merge_s", f)
+    out = {"placement_s": at("placement_s", n), "ship_s": ship, "submit_s": at("submit_s", n),
+           "round_trip_s": at("round_trip_s", n), "task_s": at("retrieve_s", 1 / n) + at("task_extra_s", n),
+           "merge_levels_s": levels * level, "gather_s": at("gather_s", m), "merge_s": at("merge_s", m)}
+    out = {k: max(v, 0.0) for k, v in out.items()}
+    out["total_s"] = sum(out.values())
+    return out
+
+
+def main_fit(path: pathlib.Path, sizes: list[int]) -> None:
+    bench = json.loads(path.read_text())
+    coef = fit(bench)
+    base = predict(coef, 1)["total_s"]
+    rows = []
+    print(f"{coef['queries']} queries; fitted to {coef['measured_workers']} workers of {path.name}")
+    print(f"{'N':>3} {'batch ms':>9} {'measured':>9} {'speedup':>8}  stages (ms)")
+    for n in sizes:
+        p = predict(coef, n)
+        measured = coef["measured_s"].get(n)
+        rows.append({"workers": n, "predicted": p, "measured_s": measured, "speedup_over_1": base / p["total_s"]})
+        print(f"{n:>3} {p['total_s'] * 1e3:>9.1f} {'-' if measured is None else f'{measured * 1e3:.1f}':>9} "
+              f"{base / p['total_s']:>7.2f}x  " + ", ".join(f"{k[:-2]} {v * 1e3:.1f}" for k, v in p.items()
+                                                         if k != "total_s"), flush=True)
+    out = pathlib.Path(os.environ.get("OUT") or pathlib.Path(__file__).resolve().parents[1] / "results" / "latest")
+    out.mkdir(parents=True, exist_ok=True)
+    target = out / "distributed_model_fit.json"
+    target.write_text(json.dumps({"source": path.name, "coefficients": coef, "rows": rows}, indent=2) + "\n")
+    print(f"wrote {target}")
+
+
+def main_counts(sizes: list[int]) -> None:
     rows = []
     with tempfile.TemporaryDirectory(prefix="lik-model-") as tmp:
         for n in sizes:
@@ -147,6 +237,21 @@ def main() -> None:
             "note": "in-process LocalCluster (inproc transport), CPU path"}
     (out / "distributed_model.json").write_text(json.dumps({"config": meta, "rows": rows}, indent=2) + "\n")
     print(f"wrote {out / 'distributed_model.json'}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="mode", required=True)
+    c = sub.add_parser("counts", help="count copies, transfers and merge tasks on an in-process cluster")
+    c.add_argument("workers", type=int, nargs="*", default=[1, 2, 3, 4, 8, 16, 32, 64])
+    f = sub.add_parser("fit", help="fit the stage times of a bench_distributed.py JSON; predict more workers")
+    f.add_argument("bench", type=pathlib.Path)
+    f.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
+    args = p.parse_args()
+    if args.mode == "counts":
+        main_counts(args.workers)
+    else:
+        main_fit(args.bench, args.workers)
 
 
 if __name__ == "__main__":
