@@ -25,10 +25,10 @@ Targets (issues 31, 49), 1,024 queries: 4 GPUs >= 3.5x one Dask GPU, 2 GPUs >= 1
 batches >= 90% of the summed in-process rate of the GPUs used; rankings identical to one GPU's.
 
 The device image lacks Dask: carry the wheels
-listed in docs/distributed.md in .whl/ and run, from the repository root,
+listed in docs/distributed.md in .whl/dask/ and run, from the repository root (4 GPUs),
 
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-    PYTHONPATH=/tmp/site:$PWD python3 bench/suites/bench_distributed.py --data /tmp/lik-dist
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/dask/*.whl
+    PYTHONPATH=/tmp/site:$PWD python3 bench/suites/bench_distributed.py --data /tmp/lik-dist --skip-cli
     PYTHONPATH=$PWD python3 bench/suites/bench_distributed.py --data /tmp/lik-small --cpu   # harness check, no GPU
 
 Writes JSON to ``--out`` (default $OUT/distributed_<n>gpu_<gpu-slug>.json, n the most workers,
@@ -77,9 +77,22 @@ def build_argparser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4],
                    help="cluster sizes, one GPU per worker (default 1 2 4)")
     p.add_argument("--skip-cli", action="store_true", help="leave out the `lik score` processes")
+    p.add_argument("--prepare", action="store_true",
+                   help="only generate the corpus under --data and exit (run it while something else uses the GPUs)")
     p.add_argument("--cpu", action="store_true", help="harness check without GPUs: LocalCluster workers, NumPy path")
     p.add_argument("--quick", action="store_true", help="2 shards x 5,000 documents, 2 repeats")
     return p
+
+
+def corpus_spec(args) -> dict:
+    return {"shards": args.shards, "docs_per_shard": args.docs_per_shard, "min_len": args.min_len,
+            "max_len": args.max_len, "dim": args.dim, "nq": sorted(args.nq), "lq": args.lq, "dtype": "float16",
+            "seed": SEED}
+
+
+def doc_lengths(args):
+    """Document lengths of a shard: uniform in [min_len, max_len]."""
+    return lambda rng, s: rng.integers(args.min_len, args.max_len + 1, args.docs_per_shard)
 
 
 def slugify(s: str) -> str:
@@ -266,6 +279,10 @@ def main() -> None:
         args.shards, args.docs_per_shard, args.repeats = 2, 5_000, 2
     import lik_cupy
 
+    if args.prepare:
+        gen_s = generate(args.data, corpus_spec(args), max(args.nq), doc_lengths(args), "random (bench_distributed.py)")
+        print(f"corpus under {args.data}: generated in {gen_s:.1f} s (0: it was there)")
+        return
     names = gpu_names(args.cpu)
     sizes = sorted(set(args.workers))
     if sizes[0] != 1:
@@ -273,12 +290,8 @@ def main() -> None:
     if not args.cpu and len(names) < sizes[-1]:
         sys.exit(f"bench_distributed: --workers {sizes[-1]} needs {sizes[-1]} GPUs, found {len(names)} "
                  f"({', '.join(names) or 'none'}); --cpu checks the harness without them")
-    spec = {"shards": args.shards, "docs_per_shard": args.docs_per_shard, "min_len": args.min_len,
-            "max_len": args.max_len, "dim": args.dim, "nq": sorted(args.nq), "lq": args.lq, "dtype": "float16",
-            "seed": SEED}
-    gen_s = generate(args.data, spec, max(spec["nq"]),
-                     lambda rng, s: rng.integers(spec["min_len"], spec["max_len"] + 1, spec["docs_per_shard"]),
-                     "random (bench_distributed.py)")
+    spec = corpus_spec(args)
+    gen_s = generate(args.data, spec, max(spec["nq"]), doc_lengths(args), "random (bench_distributed.py)")
     cache_s, cache_bytes = warm_page_cache(args.data)
     paths = [str(args.data / f"shard{s}") for s in range(args.shards)]
     queries = str(args.data / "queries.npy")
