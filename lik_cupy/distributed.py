@@ -454,7 +454,8 @@ class DistributedCorpus:
     - ``slowest_task_s``, and ``round_trip_s`` = ``wait_s - slowest_task_s``: the scheduler's
       share of the wait (tasks dispatched, completions reported, and any merge tasks).
     - ``merge_tasks``: ``{"worker", "merge_s"}`` per merge task on the workers (more than
-      ``_FAN_IN`` workers); ``workers``, ``queries``, ``k``.
+      ``_FAN_IN`` workers); ``rankings_to_client`` (what the client fetched and merged);
+      ``workers``, ``queries``, ``k``.
     """
 
     def __init__(self, client, shard_paths, *, device_memory_fraction: float = 0.8, dtype: str | None = None,
@@ -847,7 +848,7 @@ class DistributedCorpus:
                  for st in stages if "task_s" in st]
         slowest = max(st["task_s"] for st in tasks)
         return scores, positions, {
-            "workers": len(work), "queries": int(Q.shape[0]), "k": k,
+            "workers": len(work), "queries": int(Q.shape[0]), "k": k, "rankings_to_client": len(parts),
             "ship_s": t1 - t0, "submit_s": t2 - t1, "wait_s": t3 - t2, "gather_s": t4 - t3, "merge_s": t5 - t4,
             "slowest_task_s": slowest, "round_trip_s": t3 - t2 - slowest,
             "tasks": tasks, "merge_tasks": [st for st in stages if "merge_s" in st],

@@ -18,9 +18,10 @@ how it grows with the number of workers N, and predicts N = 8 .. 64 on the same 
 The model (Nq queries of Lq tokens, dim d, e bytes per element, N workers holding shards, top-k,
 fan-in f = lik_cupy.distributed._FAN_IN):
 
-- queries: B_Q = Nq * Lq * d * e (+ 8 * Nq of lengths) bytes, sent once by the client and copied
-  worker to worker by Dask's replicate: N - 1 copies in ceil(log3 N) rounds (each holder feeds
-  two more per round).
+- queries: B_Q = Nq * Lq * d * e (+ 8 * Nq of lengths) bytes. Up to _DIRECT_MAX workers the client
+  sends each its copy (N * B_Q out, no copies between workers); beyond, it sends one, which
+  Dask's replicate copies worker to worker: N - 1 copies in ceil(log3 N) rounds (each holder
+  feeds two more per round).
 - partial rankings: P = Nq * k * 12 bytes each (float32 score + int64 position). Merge tasks
   take them f at a time until at most f are left (ceil(log_f N) - 1 levels); a merge of g
   partials runs where one of them is and fetches g - 1. The client fetches the last m <= f and
@@ -56,7 +57,8 @@ NQ, LQ, DIM, K = 64, 32, 128, 100  # float32 queries: B_Q = 1 MiB
 DOCS_PER_SHARD = 60  # 2 shards per worker: each worker's partial has k = 100 rows
 
 
-def model(n: int, nq: int = NQ, lq: int = LQ, d: int = DIM, e: int = 4, k: int = K, fan_in: int = 4) -> dict:
+def model(n: int, nq: int = NQ, lq: int = LQ, d: int = DIM, e: int = 4, k: int = K, fan_in: int = 4,
+          direct_max: int = 8) -> dict:
     """The paper model of one search batch over n workers (bytes and depths)."""
     b_q = nq * lq * d * e + 8 * nq
     p = nq * k * 12
@@ -68,8 +70,8 @@ def model(n: int, nq: int = NQ, lq: int = LQ, d: int = DIM, e: int = 4, k: int =
         parts, levels = len(groups), levels + 1
     return {
         "query_bytes": b_q,
-        "query_copies_between_workers": n - 1,
-        "query_rounds": math.ceil(math.log(n, 3) - 1e-9) if n > 1 else 0,
+        "query_copies_between_workers": 0 if n <= direct_max else n - 1,
+        "query_rounds": 0 if n <= direct_max else math.ceil(math.log(n, 3) - 1e-9),
         "partial_bytes": p,
         "worker_merge_levels": levels,
         "merge_tasks": tasks,
@@ -77,7 +79,7 @@ def model(n: int, nq: int = NQ, lq: int = LQ, d: int = DIM, e: int = 4, k: int =
         "partials_moved": n - parts,
         "merge_bytes_between_workers": (n - parts) * p,
         "client_partials": parts,
-        "client_bytes_out": b_q,
+        "client_bytes_out": n * b_q if n <= direct_max else b_q,
         "client_bytes_in": parts * p,
     }
 
@@ -104,26 +106,21 @@ def measure(n: int, root: pathlib.Path) -> dict:
             corpus.search(Q, K)  # warm: imports, first-call costs
             client.run(lambda dask_worker: dask_worker.transfer_incoming_log.clear())
             seen = {}
-            real_scatter = corpus._scatter
+            real_ship = corpus._ship
 
-            def scatter(query):  # who holds the batch's queries once the broadcast returns (before
-                future = real_scatter(query)  # Dask's memory manager drops copies no task needs anymore)
-                seen["holders"] = len(client.who_has([future])[future.key])
-                return future
+            def ship(query, workers):  # who holds the batch's queries once they are sent (before Dask's
+                copies = real_ship(query, workers)  # memory manager drops copies no task needs anymore)
+                who = client.who_has(list({f.key: f for f in copies.values()}.values()))
+                seen["holders"] = len({w for holders in who.values() for w in holders})
+                return copies
 
-            corpus._scatter = scatter
-            real_results = corpus._results
-
-            def results(futures, workers, what):  # the rankings the client fetches at the root
-                seen["fetched"] = len(futures)
-                return real_results(futures, workers, what)
-
-            corpus._results = results
+            corpus._ship = ship
             with distributed.get_task_stream(client) as stream:
                 t0 = time.perf_counter()
                 corpus.search(Q, K)
                 seconds = time.perf_counter() - t0
             logs = client.run(lambda dask_worker: list(dask_worker.transfer_incoming_log))
+            fetched = corpus.last_search["rankings_to_client"]
     moved = [(key, size) for log in logs.values() for entry in log for key, size in entry["keys"].items()
              if key.startswith(("lik-cupy-top-k", "lik-cupy-merge"))]
     ran = [str(t["key"]) for t in stream.data]
@@ -135,7 +132,7 @@ def measure(n: int, root: pathlib.Path) -> dict:
         "worker_merge_levels": max(levels) + 1 if levels else 0,
         "search_tasks": sum(key.startswith("lik-cupy-top-k") for key in ran),
         "merge_tasks": sum(key.startswith("lik-cupy-merge") for key in ran),
-        "client_partials": seen["fetched"],
+        "client_partials": fetched,
         "search_seconds": round(seconds, 4),
         "fan_in": _FAN_IN,
     }
@@ -223,7 +220,8 @@ def main_counts(sizes: list[int]) -> None:
             row = {"workers": n, "model": model(n), "dask": measure(n, pathlib.Path(tmp))}
             rows.append(row)
             m, d = row["model"], row["dask"]
-            print(f"N={n:3d}  Q copies {d['workers_holding_query'] - 1:3d} (model {m['query_copies_between_workers']}, "
+            print(f"N={n:3d}  Q holders {d['workers_holding_query']:3d} (model {n}; copies between workers "
+                  f"{m['query_copies_between_workers']} in "
                   f"{m['query_rounds']} rounds)  partials moved {d['partials_moved']:3d} "
                   f"(model {m['partials_moved']})  "
                   f"merge bytes {d['merge_bytes_between_workers']:9d} (model {m['merge_bytes_between_workers']})  "
