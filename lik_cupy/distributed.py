@@ -25,13 +25,17 @@ imports Dask, this module does.
   alive: the shards of a worker that left go to the others the same way, and shards move to a
   worker that joined while that evens the shares out. Moved shards load on their new worker
   before the old one drops them.
-- **A query batch** (``search``). Q is scattered once and broadcast (Dask copies it worker to
-  worker in a tree). Every worker holding shards runs one task: one ``retrieve`` over its
-  resident shards in corpus order, positions mapped to global ones. A tree of tasks merges those
-  partial rankings ``_FAN_IN`` at a time with ``merge_rankings``, down to ``_FAN_IN`` at most, which
-  the client fetches and merges: the root of the tree. Its order is total (score
-  descending, lower position first, NaN last), so every merge tree gives exactly the
-  single-process ranking. ``score`` returns the full matrix, fetched shard piece by shard piece.
+- **A query batch** (``search``). The client sends Q straight to the workers holding shards (each
+  its own copy up to ``_DIRECT_MAX`` workers; beyond, one copy that Dask copies on from worker to
+  worker), so the scheduler carries no data. Every such worker runs one task: one ``retrieve``
+  over its resident shards in corpus order, positions mapped to global ones. A tree of tasks
+  merges those partial rankings ``_FAN_IN`` at a time with ``merge_rankings``, down to ``_FAN_IN``
+  at most, which the client fetches in one direct gather and merges in one pass: the root of
+  the tree. Its order is total (score descending, lower position first, NaN last), so every
+  merge tree gives exactly the single-process ranking. Each batch's stage times (worker-side
+  ``retrieve``, shipping, the scheduler's round trips, gathering, merging) land in
+  ``DistributedCorpus.last_search``. ``score`` returns the full matrix, fetched shard piece by
+  shard piece.
 - **Faults.** While it waits, the client polls the scheduler's worker list. When a worker
   holding shards leaves mid-call, the call's tasks are dropped, the shards reload on the
   remaining workers, the call runs again (still exact), and a RuntimeWarning says what happened.
