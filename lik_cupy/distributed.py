@@ -353,7 +353,7 @@ def _drop(name: str, indices: list[int]) -> None:
 def _top_k(name: str, query: tuple, k: int, work: list[tuple[int, int, tuple]]):
     """This worker's ranking of its shards ``work`` = [(index, first global position, ref)], in
     index order: float32 scores and int64 global positions ``[Nq, <= k]``, and ``[stage]``: what
-    the task spent, timed here (``_task_stage``).
+    the task spent, timed here (``DistributedCorpus.last_search`` lists the keys).
 
     One ``retrieve`` over the shards, as a single process would call it: the device merges the
     chunks, and positions count on across the shards. The worker's shards are in corpus order, so

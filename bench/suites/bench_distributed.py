@@ -225,7 +225,7 @@ WORKER_STAGES = ("task_s", "retrieve_s", "positions_s", "dispatch_s", "notice_s"
 
 def median_stages(batches: list[dict]) -> dict:
     """The median of each stage of ``batches`` (DistributedCorpus.last_search records): the client's
-    stages, and per worker (by its rank in the placement) the worker's."""
+    stages, and per worker (by address) the worker's."""
     out = {name: statistics.median(b[name] for b in batches) for name in STAGES}
     workers = sorted({t["worker"] for b in batches for t in b["tasks"]})
     out["tasks"] = [{"worker": w, **{name: statistics.median(t[name] for b in batches for t in b["tasks"]
