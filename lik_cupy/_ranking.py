@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["merge_ranked"]
+__all__ = ["merge_ranked", "merge_rankings"]
 
 _SIGN = np.uint32(0x80000000)
 _LAST = np.uint32(0xFFFFFFFF)
@@ -15,13 +15,30 @@ _LAST = np.uint32(0xFFFFFFFF)
 def merge_ranked(va: np.ndarray, ia: np.ndarray, vb: np.ndarray, ib: np.ndarray, k: int):
     """Merge rankings ``(va, ia)`` and ``(vb, ib)``, each ``[Nq, *]`` float32 scores and int64
     global positions, into the top ``k`` of each row: ``(scores [Nq, <=k], positions [Nq, <=k])``."""
-    v = np.concatenate([va, vb], axis=1)
-    i = np.concatenate([ia, ib], axis=1)
+    return merge_rankings([(va, ia), (vb, ib)], k)
+
+
+def merge_rankings(parts, k: int):
+    """Merge any number of rankings ``[(scores, positions)]``, each ``[Nq, *]`` float32 scores and
+    int64 global positions (no position twice in a row), into the top ``k`` of each row, in one
+    pass: ``(scores [Nq, <=k], positions [Nq, <=k])``. The order is total, so the result is that of
+    any sequence of pairwise merges."""
+    if len(parts) == 1:  # a ranking already
+        return parts[0][0][:, :k], parts[0][1][:, :k]
+    v = np.concatenate([p[0] for p in parts], axis=1)
+    i = np.concatenate([p[1] for p in parts], axis=1)
+    k = min(k, v.shape[1])
     if i.size and (i.min() < 0 or i.max() >= 1 << 32):  # positions past 32 bits: three sort keys
         nan = np.isnan(v)
         order = np.lexsort((i, -np.where(nan, 0, v), nan), axis=1)[:, :k]
+    elif k < v.shape[1]:
+        # The keys are unique within a row, so selecting the k smallest and then sorting only them
+        # is exact, and costs O(n) + O(k log k) per row instead of a sort of all n.
+        keys = _order_keys(v, i)
+        top = np.argpartition(keys, k - 1, axis=1)[:, :k]
+        order = np.take_along_axis(top, np.argsort(np.take_along_axis(keys, top, axis=1), axis=1), axis=1)
     else:
-        order = np.argsort(_order_keys(v, i), axis=1, kind="stable")[:, :k]
+        order = np.argsort(_order_keys(v, i), axis=1)
     return np.take_along_axis(v, order, axis=1), np.take_along_axis(i, order, axis=1)
 
 
@@ -29,6 +46,8 @@ def _order_keys(v: np.ndarray, i: np.ndarray) -> np.ndarray:
     """One uint64 per entry whose ascending order is the ranking's: the score's bits made to sort
     descending in the high word (-0.0 as 0.0; NaN after everything), the position in the low."""
     bits = (np.asarray(v, np.float32) + np.float32(0)).view(np.uint32)  # + 0 turns -0.0 into 0.0
-    ascending = np.where(bits & _SIGN, ~bits, bits | _SIGN)  # float order as unsigned order
-    high = np.where(np.isnan(v), _LAST, ~ascending).astype(np.uint64)
+    # Float order as unsigned order is bits ^ (all ones if negative, else the sign bit); its
+    # complement sorts descending. The arithmetic shift spreads the sign over the word.
+    flip = (bits.view(np.int32) >> 31).view(np.uint32) | _SIGN
+    high = np.where(np.isnan(v), _LAST, bits ^ ~flip).astype(np.uint64)
     return (high << np.uint64(32)) | i.astype(np.uint64)

@@ -25,13 +25,17 @@ imports Dask, this module does.
   alive: the shards of a worker that left go to the others the same way, and shards move to a
   worker that joined while that evens the shares out. Moved shards load on their new worker
   before the old one drops them.
-- **A query batch** (``search``). Q is scattered once and broadcast (Dask copies it worker to
-  worker in a tree). Every worker holding shards runs one task: one ``retrieve`` over its
-  resident shards in corpus order, positions mapped to global ones. A tree of tasks merges those
-  partial rankings ``_FAN_IN`` at a time with ``merge_ranked``, down to ``_FAN_IN`` at most, which
-  the client fetches and merges: the root of the tree. Its order is total (score
-  descending, lower position first, NaN last), so every merge tree gives exactly the
-  single-process ranking. ``score`` returns the full matrix, fetched shard piece by shard piece.
+- **A query batch** (``search``). The client sends Q straight to the workers holding shards (each
+  its own copy up to ``_DIRECT_MAX`` workers; beyond, one copy that Dask copies on from worker to
+  worker), so the scheduler carries no data. Every such worker runs one task: one ``retrieve``
+  over its resident shards in corpus order, positions mapped to global ones. A tree of tasks
+  merges those partial rankings ``_FAN_IN`` at a time with ``merge_rankings``, down to ``_FAN_IN``
+  at most, which the client fetches in one direct gather and merges in one pass: the root of
+  the tree. Its order is total (score descending, lower position first, NaN last), so every
+  merge tree gives exactly the single-process ranking. Each batch's stage times (worker-side
+  ``retrieve``, shipping, the scheduler's round trips, gathering, merging) land in
+  ``DistributedCorpus.last_search``. ``score`` returns the full matrix, fetched shard piece by
+  shard piece.
 - **Faults.** While it waits, the client polls the scheduler's worker list. When a worker
   holding shards leaves mid-call, the call's tasks are dropped, the shards reload on the
   remaining workers, the call runs again (still exact), and a RuntimeWarning says what happened.
@@ -47,6 +51,7 @@ batch and merge depth against the number of workers.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import os
 import threading
@@ -67,7 +72,7 @@ except ImportError as e:
 from . import _shard_format as fmt
 from . import shards
 from ._base.device import gpu_available
-from ._ranking import merge_ranked
+from ._ranking import merge_rankings
 from ._runtime.topk import MAX_K
 from ._streaming.gpu import outside_stacklevel
 from .retrieval import retrieve
@@ -81,6 +86,9 @@ _POLL = 0.25  # seconds between looks at the scheduler's worker list while a cal
 _ATTEMPTS = 4  # a call runs at most this often when workers keep leaving mid-call
 _PIECE_BYTES = 64 << 20  # float32 scores per task of score(): bounds worker and client memory
 _PIECES_PER_WORKER = 2  # score() tasks queued per worker: one runs while the other's result is fetched
+# Up to this many workers the client sends each its own copy of Q at once (one hop); beyond, one
+# copy, which Dask copies on from worker to worker, so the client's upload stays one copy.
+_DIRECT_MAX = 8
 
 
 # --------------------------------------------------------------------------- placement
@@ -345,27 +353,42 @@ def _drop(name: str, indices: list[int]) -> None:
 
 def _top_k(name: str, query: tuple, k: int, work: list[tuple[int, int, tuple]]):
     """This worker's ranking of its shards ``work`` = [(index, first global position, ref)], in
-    index order: float32 scores and int64 global positions ``[Nq, <= k]``.
+    index order: float32 scores and int64 global positions ``[Nq, <= k]``, and ``[stage]``: what
+    the task spent, timed here (``DistributedCorpus.last_search`` lists the keys).
 
     One ``retrieve`` over the shards, as a single process would call it: the device merges the
     chunks, and positions count on across the shards. The worker's shards are in corpus order, so
     mapping a position to its shard's global range keeps every tie in the same order.
     """
+    started, t0 = time.time(), time.perf_counter()
     Q, q_lengths = query
     store = _store(name)
     held = [store.get(index, ref) for index, _, ref in work]
+    t1 = time.perf_counter()
     scores, local = retrieve(Q, [r.part for r in held], k, q_lengths=q_lengths, backend=store.backend)
+    t2 = time.perf_counter()
     ends = np.cumsum([r.num_docs for r in held])
     shard = np.searchsorted(ends, local, side="right")  # the shard each local position falls in
     offset = np.array([first for _, first, _ in work], np.int64) - (ends - [r.num_docs for r in held])
-    return scores, local + offset[shard]
+    positions = local + offset[shard]
+    t3 = time.perf_counter()
+    stage = {"worker": distributed.get_worker().address, "started": started, "ended": started + (t3 - t0),
+             "task_s": t3 - t0, "retrieve_s": t2 - t1, "positions_s": t3 - t2}
+    return scores, positions, [stage]
+
+
+def _merge_parts(k: int, parts) -> tuple:
+    """One ranking of partial rankings ``(scores, positions, stages)``: their top ``k`` and their stages."""
+    scores, positions = merge_rankings([(s, i) for s, i, _ in parts], k)
+    return scores, positions, [stage for _, _, stages in parts for stage in stages]
 
 
 def _merge(k: int, *parts):
-    scores, positions = parts[0]
-    for s, i in parts[1:]:
-        scores, positions = merge_ranked(scores, positions, s, i, k)
-    return scores, positions
+    """A merge task of the reduction tree: ``_merge_parts``, its own time added to the stages."""
+    t0 = time.perf_counter()
+    scores, positions, stages = _merge_parts(k, parts)
+    merged = {"worker": distributed.get_worker().address, "merge_s": time.perf_counter() - t0}
+    return scores, positions, stages + [merged]
 
 
 def _piece(name: str, query: tuple, index: int, ref: tuple, start: int, stop: int) -> np.ndarray:
@@ -418,6 +441,26 @@ class DistributedCorpus:
         TimeoutError: no worker joined, or loading did not finish, within ``timeout``.
 
     The corpus holds the workers' memory until :meth:`close` (or the end of a ``with`` block).
+
+    After each :meth:`search`, ``last_search`` holds where that batch's time went (seconds; the
+    stages of the last attempt when workers left mid-call):
+
+    - ``placement_s``: asking the scheduler for the living workers, re-placing shards if any left
+      or joined; ``ship_s``: the queries sent to the workers holding shards; ``submit_s``: the
+      tasks handed to the scheduler; ``wait_s``: from then until the last ranking was ready;
+      ``gather_s``: fetching the (at most ``_FAN_IN``) rankings; ``merge_s``: the client's merge;
+      ``total_s``: the whole call.
+    - ``tasks``: one dict per worker, timed on the worker: ``task_s`` (the task), ``retrieve_s``
+      (``retrieve`` over its shards, the device's top-k and the copy to the host included),
+      ``positions_s`` (mapping positions to global ones), ``started``/``ended`` (the worker's
+      ``time.time()``), ``dispatch_s`` (from the client's submit to the task's start) and
+      ``notice_s`` (from the task's end until the client saw the batch done). The last two
+      compare two clocks: exact on one host, off by the clock offset across machines.
+    - ``slowest_task_s``, and ``round_trip_s`` = ``wait_s - slowest_task_s``: the scheduler's
+      share of the wait (tasks dispatched, completions reported, and any merge tasks).
+    - ``merge_tasks``: ``{"worker", "merge_s"}`` per merge task on the workers (more than
+      ``_FAN_IN`` workers); ``rankings_to_client`` (what the client fetched and merged);
+      ``workers``, ``queries``, ``k``.
     """
 
     def __init__(self, client, shard_paths, *, device_memory_fraction: float = 0.8, dtype: str | None = None,
@@ -443,6 +486,8 @@ class DistributedCorpus:
         self._resident: dict[int, str] = {}  # shard -> the worker that holds it (loaded and confirmed)
         self._where: dict[int, str] = {}  # shard -> "GPU", "pinned host memory", "host memory"
         self._closed = True  # until the plugin is registered: close() then has nothing to undo
+        self._ready_s = 0.0  # seconds the last call's placement check took
+        self.last_search: dict | None = None
         self._live()  # at least one worker, or TimeoutError
         self._call("registering the corpus with the workers", client.register_plugin,
                    _Store(float(device_memory_fraction), backend, dtype, bf16_bits), name=self._name)
@@ -491,7 +536,9 @@ class DistributedCorpus:
         if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 1 <= k <= MAX_K:
             raise ValueError(f"k must be an integer in [1, {MAX_K}], got {k!r}")
         Q, q_lengths, squeeze = self._queries(Q, q_lengths)
-        s, i = self._rerun("during a search", lambda: self._search(Q, q_lengths, int(k)))
+        t0 = time.perf_counter()
+        s, i, stages = self._rerun("during a search", lambda: self._search(Q, q_lengths, int(k)))
+        self.last_search = {**stages, "placement_s": self._ready_s, "total_s": time.perf_counter() - t0}
         return (s[0], i[0]) if squeeze else (s, i)
 
     def score(self, Q: np.ndarray, *, q_lengths=None, out: np.ndarray | None = None, write=None) -> np.ndarray | None:
@@ -647,8 +694,13 @@ class DistributedCorpus:
                                      return_when="FIRST_COMPLETED" if any_done else "ALL_COMPLETED")
             except (TimeoutError, distributed.TimeoutError):
                 pass
+            except distributed.CancelledError:  # a task whose input (the queries) left with a worker: below
+                pass
             failed = [f for f in futures if f.status in ("error", "cancelled")]
             if failed:
+                gone = workers - self._live()
+                if gone:  # the scheduler forgot the tasks that needed the queries a departed worker held
+                    raise _Departed(", ".join(sorted(gone)))
                 failed[0].result()  # raises the task's exception (ShardError, ValueError, ...)
             done = {f for f in futures if f.status == "finished"}
             if len(done) == len(futures) or (any_done and done):
@@ -658,14 +710,18 @@ class DistributedCorpus:
                 raise _Departed(", ".join(sorted(gone)))
 
     def _results(self, futures: list, workers: set[str], what: str) -> list:
+        """The results of ``futures`` once all are done, fetched from their workers at once."""
         self._wait(futures, workers, what)
-        return [f.result() for f in futures]
+        # direct: straight from the workers, all at once, not relayed one by one through the scheduler
+        return self._call(f"fetching the results of {what}", self.client.gather, futures, direct=True)
 
     def _rerun(self, during: str, run):
         """``run()``, again after re-placing shards whenever workers left while it ran."""
         context = "since the last call"
         for _ in range(_ATTEMPTS):
+            t0 = time.perf_counter()
             self._ready(context)
+            self._ready_s = time.perf_counter() - t0  # the search's stage times report it
             try:
                 return run()
             except _Departed:
@@ -737,22 +793,45 @@ class DistributedCorpus:
 
     # ------------------------------------------------------------ queries
 
-    def _scatter(self, query: tuple):
-        """One future holding ``query`` on every worker (Dask's scatter: one copy sent, then a tree of copies)."""
+    def _ship(self, query: tuple, workers: list[str]) -> dict:
+        """``query`` on each of ``workers``: worker -> the future of the copy it holds.
+
+        The client sends the copies straight to the workers, not through the scheduler. Up to
+        ``_DIRECT_MAX`` workers, each gets its own copy at once, one hop. Beyond, one worker gets
+        one copy and Dask copies it on from worker to worker in a tree (``replicate``), so what the
+        client uploads does not grow with the cluster.
+        """
         try:
-            [future] = self.client.scatter([query], broadcast=True, hash=False, timeout=self.timeout)
+            if len(workers) <= _DIRECT_MAX:
+                async def each():
+                    return await asyncio.gather(*(self.client.scatter(
+                        [query], workers=[w], direct=True, hash=False, timeout=self.timeout, asynchronous=True)
+                        for w in workers))
+
+                return {w: copy for w, [copy] in zip(workers, self.client.sync(each, callback_timeout=self.timeout))}
+            [future] = self.client.scatter([query], workers=workers, broadcast=True, direct=True, hash=False,
+                                           timeout=self.timeout)
+            return dict.fromkeys(workers, future)
         except (TimeoutError, distributed.TimeoutError):
             raise TimeoutError(f"lik_cupy.distributed: sending the queries to the workers did not finish within "
                                f"{self.timeout:g} s (timeout=)") from None
-        return future
+        except OSError:  # a connection closed: a worker that left is the corpus's to handle
+            gone = set(workers) - self._live()
+            if gone:
+                raise _Departed(", ".join(sorted(gone))) from None
+            raise
 
     def _search(self, Q: np.ndarray, q_lengths, k: int):
-        query = self._scatter((Q, q_lengths))
+        """(scores, positions, the batch's stage times: see ``last_search``)."""
+        clock = time.perf_counter
         work = defaultdict(list)
         for i, w in sorted(self._placement.items()):
             work[w].append((i, int(self._first[i]), self._refs[i]))
+        t0 = clock()
+        copies = self._ship((Q, q_lengths), list(work))
+        t1, submitted = clock(), time.time()
         tag = uuid.uuid4().hex[:8]
-        parts = [self.client.submit(_top_k, self._name, query, k, items, workers=[w], allow_other_workers=False,
+        parts = [self.client.submit(_top_k, self._name, copies[w], k, items, workers=[w], allow_other_workers=False,
                                     pure=False, key=f"lik-cupy-top-k-{tag}-{n}")
                  for n, (w, items) in enumerate(work.items())]
         level = 0
@@ -761,14 +840,29 @@ class DistributedCorpus:
                      if len(group) > 1 else group[0]
                      for j, group in enumerate(parts[n : n + _FAN_IN] for n in range(0, len(parts), _FAN_IN))]
             level += 1
+        t2 = clock()
+        self._wait(parts, set(work), "a search batch")
+        t3, done = clock(), time.time()
         # The root merges here: fetching its (at most _FAN_IN) inputs costs one round trip less
         # than a merge task on a worker and fetching that.
-        return _merge(k, *self._results(parts, set(work), "a search batch"))
+        got = self._call("fetching the rankings of a search batch", self.client.gather, parts, direct=True)
+        t4 = clock()
+        scores, positions, stages = _merge_parts(k, got)
+        t5 = clock()
+        tasks = [dict(st, dispatch_s=st["started"] - submitted, notice_s=done - st["ended"])
+                 for st in stages if "task_s" in st]
+        slowest = max(st["task_s"] for st in tasks)
+        return scores, positions, {
+            "workers": len(work), "queries": int(Q.shape[0]), "k": k, "rankings_to_client": len(parts),
+            "ship_s": t1 - t0, "submit_s": t2 - t1, "wait_s": t3 - t2, "gather_s": t4 - t3, "merge_s": t5 - t4,
+            "slowest_task_s": slowest, "round_trip_s": t3 - t2 - slowest,
+            "tasks": tasks, "merge_tasks": [st for st in stages if "merge_s" in st],
+        }
 
     def _fill(self, Q: np.ndarray, q_lengths, todo: dict, sink) -> None:
         """Score the pieces ``todo`` ((shard, start, stop) -> None), handing each to ``sink(first_doc, scores)``
         and removing it once written."""
-        query = self._scatter((Q, q_lengths))
+        copies = self._ship((Q, q_lengths), sorted({self._placement[piece[0]] for piece in todo}))
         queues = defaultdict(deque)
         for piece in todo:
             queues[self._placement[piece[0]]].append(piece)
@@ -778,7 +872,7 @@ class DistributedCorpus:
             for w in list(queues):
                 while queues[w] and busy[w] < _PIECES_PER_WORKER:
                     i, a, b = piece = queues[w].popleft()
-                    f = self.client.submit(_piece, self._name, query, i, self._refs[i], a, b, workers=[w],
+                    f = self.client.submit(_piece, self._name, copies[w], i, self._refs[i], a, b, workers=[w],
                                            allow_other_workers=False, pure=False,
                                            key=f"lik-cupy-score-{uuid.uuid4().hex[:8]}")
                     running[f] = (w, piece)

@@ -3,8 +3,10 @@
 CPU (CI): one module-wide ``LocalCluster`` of two worker processes on the NumPy path. Covers
 ties, NaN and empty documents, a worker killed in the middle of a query (its shards reload, the
 batch reruns, a RuntimeWarning says so), a worker joining (shards move to it), a corrupt shard,
-timeouts, and ``lik score --scheduler``. GPU (marked ``gpu``; needs two GPUs and dask-cuda): the
-same checks on a ``LocalCUDACluster``, shards resident on the GPUs.
+timeouts, and ``lik score --scheduler``. Clusters of 1 and 4 workers in threads check the ranking
+and the stage times of a search, with the queries sent to each worker or copied on by Dask, and
+with merge tasks on the workers. GPU (marked ``gpu``; needs two GPUs and dask-cuda; uses up to
+four): the same checks on a ``LocalCUDACluster``, shards resident on the GPUs.
 """
 
 from __future__ import annotations
@@ -130,6 +132,40 @@ def test_search_is_retrieve_bitwise(corpus, corpus_files, rng):
     got = corpus.search(Q, 200, q_lengths=q_lengths)
     assert np.isnan(got[0]).any() and np.isneginf(got[0]).any()  # NaN and empty documents took part
     _same(corpus.search(Q[2], 9), retrieve(Q[2], parts, 9, backend="cpu"))  # one query, [Lq, d]
+
+
+STAGES = ("placement_s", "ship_s", "submit_s", "wait_s", "slowest_task_s", "round_trip_s", "gather_s", "merge_s",
+          "total_s")
+
+
+@pytest.mark.parametrize("n, direct_max, fan_in", [(1, 8, 4), (4, 8, 4), (4, 1, 2)])
+def test_one_and_four_workers_rank_identically_and_time_each_stage(corpus_files, rng, monkeypatch, n, direct_max,
+                                                                   fan_in):
+    """1 and 4 workers (threads of this process) rank as retrieve does, and every search records its
+    stages. Also with the queries sent once and copied on by Dask (direct_max=1), and with merge
+    tasks on the workers (fan_in=2: 4 rankings become 2 before the client's merge)."""
+    import lik_cupy.distributed as dist
+
+    monkeypatch.setattr(dist, "_DIRECT_MAX", direct_max)
+    monkeypatch.setattr(dist, "_FAN_IN", fan_in)
+    Q, q_lengths = _queries(rng)
+    with distributed.LocalCluster(n_workers=n, processes=False, threads_per_worker=1, dashboard_address=":0",
+                                  silence_logs=logging.ERROR) as cluster, distributed.Client(cluster) as c, \
+            DistributedCorpus(c, corpus_files[0], backend="cpu") as corpus:
+        assert corpus.last_search is None
+        holders = {w for w, _ in corpus.placement.values()}
+        assert len(holders) == n
+        for k in (7, 200):
+            _same(corpus.search(Q, k, q_lengths=q_lengths), retrieve(Q, corpus_files[1], k, q_lengths=q_lengths,
+                                                                     backend="cpu"))
+        stages = corpus.last_search
+    assert all(stages[name] >= 0 for name in STAGES if name != "round_trip_s")
+    assert (stages["workers"], stages["queries"], stages["k"]) == (n, Q.shape[0], 200)
+    assert {t["worker"] for t in stages["tasks"]} == holders
+    for t in stages["tasks"]:
+        assert t["task_s"] >= t["retrieve_s"] + t["positions_s"] >= 0 and t["ended"] >= t["started"]
+    assert stages["slowest_task_s"] == max(t["task_s"] for t in stages["tasks"])
+    assert len(stages["merge_tasks"]) == (2 if fan_in == 2 else 0)  # 4 rankings -> 2 merge tasks of 2
 
 
 def test_score_is_the_full_matrix(corpus, corpus_files, rng):
@@ -314,17 +350,19 @@ def gpu_client():
     dask_cuda = pytest.importorskip("dask_cuda")
     import cupy
 
-    if cupy.cuda.runtime.getDeviceCount() < 2:
+    count = cupy.cuda.runtime.getDeviceCount()
+    if count < 2:
         pytest.skip("needs two GPUs")
-    with dask_cuda.LocalCUDACluster(CUDA_VISIBLE_DEVICES="0,1", threads_per_worker=1, dashboard_address=":0",
+    devices = ",".join(map(str, range(min(count, 4))))  # up to 4 workers, one per GPU
+    with dask_cuda.LocalCUDACluster(CUDA_VISIBLE_DEVICES=devices, threads_per_worker=1, dashboard_address=":0",
                                     silence_logs=logging.ERROR) as cluster, distributed.Client(cluster) as c:
         yield c
 
 
 @pytest.mark.gpu
 def test_gpu_search_is_in_process_retrieve_bitwise(gpu_client, tmp_path, rng):
-    """Shards resident on two GPUs rank exactly as ``retrieve`` over the same shards on one GPU,
-    also when a worker dies mid-query."""
+    """Shards resident on two to four GPUs rank exactly as ``retrieve`` over the same shards on one
+    GPU, also when a worker dies mid-query; every worker reports its stage times."""
     import cupy
 
     paths, parts = _make_corpus(tmp_path, rng, np.float16)
@@ -334,9 +372,11 @@ def test_gpu_search_is_in_process_retrieve_bitwise(gpu_client, tmp_path, rng):
         expected = {k: retrieve(Q, resident, k, q_lengths=q_lengths) for k in (1, 7, 200)}
     with DistributedCorpus(gpu_client, paths) as corpus:
         assert {where for _, where in corpus.placement.values()} == {"GPU"}
-        assert len({w for w, _ in corpus.placement.values()}) == 2
+        holders = {w for w, _ in corpus.placement.values()}
+        assert holders == set(gpu_client.nthreads()) and len(holders) >= 2
         for k, e in expected.items():
             _same(corpus.search(Q, k, q_lengths=q_lengths), e)
+            assert {t["worker"] for t in corpus.last_search["tasks"]} == holders
         victim = corpus.placement[3][0]
         gpu_client.register_plugin(_killer(victim), name="lik-test-killer")
         try:

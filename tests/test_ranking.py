@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from lik_cupy._ranking import merge_ranked
+from lik_cupy._ranking import merge_ranked, merge_rankings
 
 ODD = np.array([np.nan, -np.inf, np.inf, 0.0, -0.0, 1.0, -1.0, 1e-45, -1e-45, 3.4e38, -3.4e38, 0.5, 0.5], np.float32)
 
@@ -31,3 +31,25 @@ def test_merge_is_the_three_key_sort(rng, offset):
         got, want = merge_ranked(va, ia, vb, ib, k), _three_keys(va, ia, vb, ib, k)
         assert np.array_equal(got[1], want[1])
         assert np.array_equal(got[0].view(np.uint32), want[0].view(np.uint32))  # -0.0 stays -0.0
+
+
+@pytest.mark.parametrize("offset", [0, 1 << 33])
+def test_merging_many_at_once_is_merging_pairs_in_turn(rng, offset):
+    """The client merges all workers' rankings in one pass: the result of pairwise merges, bit for bit."""
+    for trial in range(100):
+        nq, parts, k = int(rng.integers(1, 5)), int(rng.integers(1, 6)), int(rng.integers(1, 40))
+        widths = rng.integers(0, 20, parts)
+        perm = rng.permutation(int(widths.sum())) + offset
+        rankings = []
+        for a, b in zip(np.cumsum(widths) - widths, np.cumsum(widths)):
+            v = rng.choice(ODD, (nq, b - a)) if trial % 2 else np.round(rng.standard_normal((nq, b - a)), 1)
+            i = np.broadcast_to(perm[a:b], (nq, b - a)).astype(np.int64)
+            rankings.append(merge_ranked(v.astype(np.float32), i, np.empty((nq, 0), np.float32),
+                                         np.empty((nq, 0), np.int64), int(widths.max())))  # each sorted already
+        want = rankings[0]
+        want = (want[0][:, :k], want[1][:, :k])
+        for v, i in rankings[1:]:
+            want = merge_ranked(*want, v, i, k)
+        got = merge_rankings(rankings, k)
+        assert np.array_equal(got[1], want[1])
+        assert np.array_equal(got[0].view(np.uint32), want[0].view(np.uint32))

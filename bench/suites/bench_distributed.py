@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""One corpus resident on 1 and on 2 GPUs through Dask (lik_cupy.distributed), against in-process retrieve.
+"""One corpus resident on 1, 2 and 4 GPUs through Dask (lik_cupy.distributed), against in-process retrieve.
 
 Generates (or reuses, under ``--data``) a corpus of 8 shards x 25,000 documents of 32-256
 tokens (uniform), d = 128, float16, L2-normalised random tokens (about 7 GB), and 1,024 queries
@@ -7,28 +7,32 @@ of 32 tokens; reads every file once so the shards sit in the page cache. Then, f
 queries, top-100:
 
   in_process   lik_cupy.retrieve(Q, shards, k) in this process with every shard resident on GPU g,
-               for each GPU g: the rate one process gets out of one GPU. Their sum is what two GPUs
-               could give; GPU 0's rankings are the reference every other mode must equal bitwise.
-  dask_1gpu    a LocalCUDACluster of GPU 0 and a DistributedCorpus on it: cluster start, loading
-  dask_2gpu    (the shards become resident), the first query batch, then resident batches (median).
-               The same with GPUs 0 and 1, one worker process each.
+               for each GPU g used: the rate one process gets out of one GPU. Their sum is what
+               the GPUs could give; GPU 0's rankings are the reference every other mode must equal
+               bitwise.
+  dask_<n>gpu  for each n of --workers (default 1 2 4): a LocalCUDACluster of GPUs 0..n-1, one
+               worker process each, and a DistributedCorpus on it: cluster start, loading (the
+               shards become resident), the first query batch, then resident batches (median),
+               and the median of each stage of those batches (DistributedCorpus.last_search:
+               placement check, shipping Q, submitting, waiting, each worker's retrieve and
+               position map, the scheduler's round trips, gathering, the client's merge).
   cli          `lik score --device 0` and `lik score --devices 0,1` (a LocalCUDACluster per run)
                as new processes: what a one-shot user waits for (skip with --skip-cli).
   fixed_cost   `lik info` wall time, `python -X importtime -m lik_cupy info` (lik_cupy's own import
                time against all), and CUDA start (cupy import, context, first kernel).
 
-Targets (issue 31): 1,024 queries on two GPUs >= 1.8x one GPU's throughput; resident batches >=
-90% of the summed in-process rate of the two GPUs; rankings identical to one GPU's.
+Targets (issues 31, 49), 1,024 queries: 4 GPUs >= 3.5x one Dask GPU, 2 GPUs >= 1.9x; resident
+batches >= 90% of the summed in-process rate of the GPUs used; rankings identical to one GPU's.
 
 The device image lacks Dask: carry the wheels
-listed in docs/distributed.md in .whl/ and run, from the repository root,
+listed in docs/distributed.md in .whl/dask/ and run, from the repository root (4 GPUs),
 
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-    PYTHONPATH=/tmp/site:$PWD python3 bench/suites/bench_distributed.py --data /tmp/lik-dist
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/dask/*.whl
+    PYTHONPATH=/tmp/site:$PWD python3 bench/suites/bench_distributed.py --data /tmp/lik-dist --skip-cli
     PYTHONPATH=$PWD python3 bench/suites/bench_distributed.py --data /tmp/lik-small --cpu   # harness check, no GPU
 
-Writes JSON to ``--out`` (default $OUT/distributed_<gpu-slug>.json when $OUT is set, else
-bench/results/latest/distributed_<gpu-slug>.json).
+Writes JSON to ``--out`` (default $OUT/distributed_<n>gpu_<gpu-slug>.json, n the most workers,
+when $OUT is set, else bench/results/latest/distributed_<n>gpu_<gpu-slug>.json).
 """
 
 from __future__ import annotations
@@ -70,10 +74,25 @@ def build_argparser() -> argparse.ArgumentParser:
     p.add_argument("--lq", type=int, default=32)
     p.add_argument("--k", type=int, default=100)
     p.add_argument("--repeats", type=int, default=5, help="resident batches timed per mode; the median is reported")
+    p.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4],
+                   help="cluster sizes, one GPU per worker (default 1 2 4)")
     p.add_argument("--skip-cli", action="store_true", help="leave out the `lik score` processes")
+    p.add_argument("--prepare", action="store_true",
+                   help="only generate the corpus under --data and exit (run it while something else uses the GPUs)")
     p.add_argument("--cpu", action="store_true", help="harness check without GPUs: LocalCluster workers, NumPy path")
     p.add_argument("--quick", action="store_true", help="2 shards x 5,000 documents, 2 repeats")
     return p
+
+
+def corpus_spec(args) -> dict:
+    return {"shards": args.shards, "docs_per_shard": args.docs_per_shard, "min_len": args.min_len,
+            "max_len": args.max_len, "dim": args.dim, "nq": sorted(args.nq), "lq": args.lq, "dtype": "float16",
+            "seed": SEED}
+
+
+def doc_lengths(args):
+    """Document lengths of a shard: uniform in [min_len, max_len]."""
+    return lambda rng, s: rng.integers(args.min_len, args.max_len + 1, args.docs_per_shard)
 
 
 def slugify(s: str) -> str:
@@ -184,11 +203,36 @@ def on_dask(Q_all, nqs, k, paths, gpus, repeats, cpu, expected) -> dict:
                 t0 = time.perf_counter()
                 first = corpus.search(Q, k)
                 first_s = time.perf_counter() - t0
-                t, runs, out = median_time(lambda: corpus.search(Q, k), repeats)
+                batches = []
+
+                def batch():
+                    out = corpus.search(Q, k)
+                    batches.append(corpus.last_search)
+                    return out
+
+                t, runs, out = median_time(batch, repeats)
                 same = bitwise_equal(first, expected[nq]) and bitwise_equal(out, expected[nq])
                 result[nq] = {"first_query_s": first_s, "s": t, "runs_s": runs, "queries_per_s": nq / t,
-                              "identical_to_in_process_gpu0": same}
+                              "identical_to_in_process_gpu0": same, "stages": median_stages(batches),
+                              "batches": batches}
     return result
+
+
+STAGES = ("placement_s", "ship_s", "submit_s", "wait_s", "slowest_task_s", "round_trip_s", "gather_s", "merge_s",
+          "total_s")
+WORKER_STAGES = ("task_s", "retrieve_s", "positions_s", "dispatch_s", "notice_s")
+
+
+def median_stages(batches: list[dict]) -> dict:
+    """The median of each stage of ``batches`` (DistributedCorpus.last_search records): the client's
+    stages, and per worker (by address) the worker's."""
+    out = {name: statistics.median(b[name] for b in batches) for name in STAGES}
+    workers = sorted({t["worker"] for b in batches for t in b["tasks"]})
+    out["tasks"] = [{"worker": w, **{name: statistics.median(t[name] for b in batches for t in b["tasks"]
+                                                               if t["worker"] == w) for name in WORKER_STAGES}}
+                    for w in workers]
+    out["merge_tasks"] = statistics.median(len(b["merge_tasks"]) for b in batches)
+    return out
 
 
 def cli_runs(paths, queries, nqs, k, env, ngpus, data) -> dict:
@@ -235,25 +279,28 @@ def main() -> None:
         args.shards, args.docs_per_shard, args.repeats = 2, 5_000, 2
     import lik_cupy
 
+    if args.prepare:
+        gen_s = generate(args.data, corpus_spec(args), max(args.nq), doc_lengths(args), "random (bench_distributed.py)")
+        print(f"corpus under {args.data}: generated in {gen_s:.1f} s (0: it was there)")
+        return
     names = gpu_names(args.cpu)
-    if not args.cpu and len(names) < 2:
-        sys.exit(f"bench_distributed: needs two GPUs, found {len(names)} ({', '.join(names) or 'none'}); --cpu checks "
-                 "the harness without them")
-    spec = {"shards": args.shards, "docs_per_shard": args.docs_per_shard, "min_len": args.min_len,
-            "max_len": args.max_len, "dim": args.dim, "nq": sorted(args.nq), "lq": args.lq, "dtype": "float16",
-            "seed": SEED}
-    gen_s = generate(args.data, spec, max(spec["nq"]),
-                     lambda rng, s: rng.integers(spec["min_len"], spec["max_len"] + 1, spec["docs_per_shard"]),
-                     "random (bench_distributed.py)")
+    sizes = sorted(set(args.workers))
+    if sizes[0] != 1:
+        sys.exit("bench_distributed: --workers must include 1, the baseline of every speedup")
+    if not args.cpu and len(names) < sizes[-1]:
+        sys.exit(f"bench_distributed: --workers {sizes[-1]} needs {sizes[-1]} GPUs, found {len(names)} "
+                 f"({', '.join(names) or 'none'}); --cpu checks the harness without them")
+    spec = corpus_spec(args)
+    gen_s = generate(args.data, spec, max(spec["nq"]), doc_lengths(args), "random (bench_distributed.py)")
     cache_s, cache_bytes = warm_page_cache(args.data)
     paths = [str(args.data / f"shard{s}") for s in range(args.shards)]
     queries = str(args.data / "queries.npy")
     Q_all = np.load(queries)
     docs = args.shards * args.docs_per_shard
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(REPO)])))
-    gpus = [0, 1]
+    gpus = list(range(sizes[-1]))
 
-    result = {"what": "lik_cupy.distributed (Dask) on 1 and 2 GPUs vs in-process retrieve per GPU",
+    result = {"what": f"lik_cupy.distributed (Dask) on {', '.join(map(str, sizes))} GPUs vs in-process retrieve per GPU",
               "corpus": {**spec, "docs": docs, "bytes": cache_bytes, "generated_s": round(gen_s, 2),
                          "page_cache_read_s": round(cache_s, 3)},
               "k": args.k, "repeats": args.repeats, "gpus": names, "python": platform.python_version(),
@@ -281,33 +328,57 @@ def main() -> None:
         expected = expected or rankings
         print(f"in-process GPU {g}: " + ", ".join(f"{nq} queries {t['s'] * 1e3:.0f} ms" for nq, t in timings.items()),
               flush=True)
-    for n in (1, 2):
+    for n in sizes:
         r = on_dask(Q_all, args.nq, args.k, paths, gpus[:n], args.repeats, args.cpu, expected)
         result[f"dask_{n}gpu"] = r
         print(f"dask {n} GPU(s): start {r['cluster_start_s']:.1f} s, load {r['load_s']:.1f} s; " + ", ".join(
             f"{nq} queries first {r[nq]['first_query_s'] * 1e3:.0f} ms, resident {r[nq]['s'] * 1e3:.0f} ms, "
             f"identical {r[nq]['identical_to_in_process_gpu0']}" for nq in args.nq), flush=True)
+        stages = r[max(args.nq)]["stages"]
+        print(f"  stages ({max(args.nq)} queries, ms): " + ", ".join(f"{name[:-2]} {stages[name] * 1e3:.1f}"
+                                                                      for name in STAGES), flush=True)
     if not args.skip_cli and not args.cpu:
         result["cli"] = cli_runs(paths, queries, args.nq, args.k, env, 2, args.data)
         print(f"cli: {json.dumps(result['cli'])}", flush=True)
 
-    big = max(args.nq)
-    one, two = result["dask_1gpu"][big], result["dask_2gpu"][big]
-    summed = sum(t[big]["queries_per_s"] for t in result["in_process"].values())
+    big, most = max(args.nq), sizes[-1]
+    one = result["dask_1gpu"][big]
+    # the in-process rate of each GPU the largest cluster uses (GPU 0's for all of them on the CPU)
+    rates = [t[big]["queries_per_s"] for t in result["in_process"].values()]
+    summed = sum(rates[g] if g < len(rates) else rates[0] for g in range(most))
     result["targets"] = {
-        "speedup_2gpu_over_1gpu": two["queries_per_s"] / one["queries_per_s"],
-        "speedup_target": 1.8,
-        "fraction_of_summed_in_process": two["queries_per_s"] / summed,
+        f"speedup_{most}gpu_over_1gpu": result[f"dask_{most}gpu"][big]["queries_per_s"] / one["queries_per_s"],
+        **{f"speedup_{n}gpu_over_1gpu": result[f"dask_{n}gpu"][big]["queries_per_s"] / one["queries_per_s"]
+           for n in sizes[1:-1]},
+        "speedup_target": {"2": 1.9, "4": 3.5},
+        "fraction_of_summed_in_process": result[f"dask_{most}gpu"][big]["queries_per_s"] / summed,
         "fraction_target": 0.9,
-        "identical": all(result[f"dask_{n}gpu"][nq]["identical_to_in_process_gpu0"] for n in (1, 2) for nq in args.nq),
+        "identical": all(result[f"dask_{n}gpu"][nq]["identical_to_in_process_gpu0"] for n in sizes for nq in args.nq),
     }
-    print(f"targets ({big} queries): {json.dumps(result['targets'])}")
     slug = slugify(names[0])
     default = pathlib.Path(os.environ["OUT"]) if os.environ.get("OUT") else REPO / "bench" / "results" / "latest"
-    out = args.out or default / f"distributed_{slug}.json"
+    out = args.out or default / f"distributed_{most}gpu_{slug}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2, default=str) + "\n")
     print(f"wrote {out}")
+    print(table(result, sizes, big))
+
+
+def table(result: dict, sizes: list[int], nq: int) -> str:
+    """The summary printed last: per cluster size, the batch time, the speedup and the stage medians."""
+    one = result["dask_1gpu"][nq]["s"]
+    cols = ["placement_s", "ship_s", "submit_s", "round_trip_s", "slowest_task_s", "gather_s", "merge_s"]
+    lines = [f"{nq} queries, top-{result['k']}; stage medians in ms (retrieve: the slowest worker's)",
+             f"{'GPUs':>4} {'batch ms':>9} {'speedup':>8} " + " ".join(f"{c[:-2][:10]:>10}" for c in cols)
+             + f" {'retrieve':>9}"]
+    for n in sizes:
+        r = result[f"dask_{n}gpu"][nq]
+        st = r["stages"]
+        lines.append(f"{n:>4} {r['s'] * 1e3:>9.1f} {one / r['s']:>7.2f}x " + " ".join(
+            f"{st[c] * 1e3:>10.1f}" for c in cols) + f" {max(t['retrieve_s'] for t in st['tasks']) * 1e3:>9.1f}")
+    lines.append("targets: " + json.dumps({k: round(v, 3) if isinstance(v, float) else v
+                                           for k, v in result["targets"].items()}))
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
