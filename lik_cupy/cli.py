@@ -1261,9 +1261,10 @@ def _serve_devices(text: str) -> list:
               "Needs the [serve-grpc] extra.")
 @click.option("--devices", metavar="LIST", help="Comma-separated GPU indices and/or 'cpu', one worker each; "
               "entries naming one device share its corpus (0,0: two workers on GPU 0). Default: every GPU, else cpu.")
-@click.option("--partition", is_flag=True, help="Split the shards over the --devices, a part each (consecutive "
-              "shards, even documents), instead of a replica on each, for a corpus that does not fit each GPU; one "
-              "worker runs every call on all the parts and search merges their top k exactly.")
+@click.option("--partition/--replicate", default=None, help="Split the shards over the --devices, a part each "
+              "(consecutive shards, even documents), or keep a replica on each. Default: partition over two or more "
+              "GPUs when a replica would not fit each of them. One worker runs every call on all the parts; search "
+              "merges their top k exactly.")
 @click.option("--max-batch", type=click.IntRange(1), default=64, show_default=True, help="Queries per call.")
 @click.option("--max-tokens", type=click.IntRange(1), default=65536, show_default=True,
               help="Padded query tokens per call (queries x the longest).")

@@ -142,7 +142,7 @@ FROZEN = {'lik_cupy': (['CompileError',
                            {'make_app': '(load, *, max_body_bytes: int=MAX_BODY, grpc_address: str | None=None)',
                             'run': "(app: Starlette, *, host: str='127.0.0.1', port: int=8000)",
                             'serve': "(paths, *, host: str='127.0.0.1', port: int=8000, grpc_port: int | None=None, "
-                                     "devices=None, partition: bool=False, max_batch: int=64, max_tokens: int=65536, "
+                                     "devices=None, partition: bool | None=None, max_batch: int=64, max_tokens: int=65536, "
                                      "max_delay_us: int=0, max_queue: int=1024)"}),
  'lik_cupy.shards': (['CHUNK_BYTES',
                       'NORM_TOLERANCE',

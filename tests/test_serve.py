@@ -260,6 +260,32 @@ def test_a_partition_answers_bitwise_as_the_whole_corpus(split_shards_dir):
         assert np.array_equal(b.rerank(Q3, cand), whole.rerank(Q3, cand))
 
 
+def test_a_replica_that_does_not_fit_each_gpu_partitions_by_default(split_shards_dir, monkeypatch):
+    from lik_cupy.serving import batcher
+
+    paths, _ = split_shards_dir
+    opened = batcher._opened(paths)
+    need = sum(int(a.nbytes) for s in opened for a in (s.tokens, s.scales, s.offsets) if a is not None)
+    free = {0: 2 * need, 1: 2 * need}
+    assert batcher._replica_fits(opened, [0, 1], free.get)
+    free[1] = need  # 3/4 of it is too little
+    assert not batcher._replica_fits(opened, [0, 1], free.get)
+    made = []
+
+    class Partitioned(Exception):
+        pass
+
+    def partition_of(paths, parts):  # where loading the parts would need the GPUs
+        made.append(parts)
+        raise Partitioned
+
+    monkeypatch.setattr(batcher, "_free_gpu_bytes", free.get)
+    monkeypatch.setattr(batcher, "_partition_of", partition_of)
+    with pytest.raises(Partitioned):
+        Batcher.from_shards(paths, [0, 0, 1, 1])
+    assert made == [[0, 1]]  # each GPU once
+
+
 def test_split_shards_keeps_order_and_evens_documents():
     from lik_cupy.serving._partition import split_shards
 

@@ -104,15 +104,19 @@ class Batcher:
         self._closed = False
 
     @classmethod
-    def from_shards(cls, paths, devices=None, *, partition: bool = False, **kwargs) -> Batcher:
+    def from_shards(cls, paths, devices=None, *, partition: bool | None = None, **kwargs) -> Batcher:
         """A batcher over the documents of shard paths (:meth:`lik_cupy.Corpus.from_shards`), one
         worker per entry of ``devices``: CUDA ordinals, or ``"cpu"``; entries naming one device share
         its one corpus (a second worker on a GPU queues its call while the first one's runs).
-        Default: every GPU, else one CPU worker. ``partition``: instead of a replica per entry, split
-        the shards over the entries of ``devices``, a part each (consecutive shards, documents as
-        even as whole shards allow), for a corpus that does not fit each GPU; one worker runs every
-        call on all the parts at once (``"cpu"`` entries make parts in host memory). ``kwargs``: as
-        for the class."""
+        Default: every GPU, else one CPU worker.
+
+        ``partition=True``: instead of a replica per entry, split the shards over the distinct
+        entries of ``devices``, a part each (consecutive shards, documents as even as whole shards
+        allow); one worker runs every call on all the parts at once (``"cpu"`` entries, which are
+        never merged, make parts in host memory). ``None`` (the default) partitions over the distinct
+        GPUs when there are two or more and a replica would not fit each of them (its shards' bytes
+        over ``REPLICA_SHARE`` of a GPU's free memory); ``False`` always replicates (a replica that
+        does not fit stays in page-locked host memory). ``kwargs``: as for the class."""
         if devices is None:
             from .._base.device import gpu_available
 
@@ -125,8 +129,12 @@ class Batcher:
         devices = list(devices)
         if not devices:
             raise ValueError("devices is empty; give CUDA ordinals or 'cpu'")
+        gpus = list(dict.fromkeys(d for d in devices if d != "cpu"))
+        if partition is None:
+            partition = len(gpus) > 1 and not _replica_fits(_opened(paths), gpus, _free_gpu_bytes)
         if partition:
-            return cls(_partition_of(paths, devices), **kwargs)
+            parts = [d for i, d in enumerate(devices) if d == "cpu" or d not in devices[:i]]  # each GPU once
+            return cls(_partition_of(paths, parts), **kwargs)
         loaded = {}
         for d in devices:
             if d not in loaded:
@@ -262,14 +270,37 @@ class Batcher:
         return Request(op, Q, arg, precision, squeeze, deadline, Future(), arrival)
 
 
-def _partition_of(paths, devices: list) -> Partition:
-    """The shards of ``paths`` split over ``devices``, a part each."""
+# A replica may take this share of a GPU's free memory (Corpus's default for a host corpus).
+REPLICA_SHARE = 0.75
+
+
+def _opened(paths) -> list:
     from .. import shards
 
+    paths = [paths] if isinstance(paths, (str, bytes, os.PathLike)) else list(paths)
+    return [shards.open_input(p) for p in paths]
+
+
+def _replica_fits(opened: list, gpus: list, free_bytes) -> bool:
+    """Whether the shards (their tokens, scales and offsets) fit ``REPLICA_SHARE`` of every GPU's
+    free memory (``free_bytes(gpu)``)."""
+    need = sum(int(a.nbytes) for s in opened for a in (s.tokens, s.scales, s.offsets) if a is not None)
+    return all(need <= REPLICA_SHARE * free_bytes(g) for g in gpus)
+
+
+def _free_gpu_bytes(device: int) -> int:
+    import cupy
+
+    with cupy.cuda.Device(device):
+        return int(cupy.cuda.runtime.memGetInfo()[0])
+
+
+def _partition_of(paths, devices: list) -> Partition:
+    """The shards of ``paths`` split over ``devices``, a part each."""
     if len(devices) < 2:
         raise ValueError(f"a partition needs two devices at least (a part each); devices is {devices}")
     paths = [paths] if isinstance(paths, (str, bytes, os.PathLike)) else list(paths)
-    opened = [shards.open_input(p) for p in paths]
+    opened = _opened(paths)
     runs = split_shards(paths, [s.num_docs for s in opened], len(devices))
     parts = [Corpus.from_shards(run, device=d, ids=False) for run, d in zip(runs, devices)]
     named = [s.ids for s in opened if s.ids is not None]

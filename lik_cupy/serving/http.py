@@ -137,7 +137,7 @@ def make_app(load, *, max_body_bytes: int = MAX_BODY, grpc_address: str | None =
 
 
 def serve(paths, *, host: str = "127.0.0.1", port: int = 8000, grpc_port: int | None = None, devices=None,
-          partition: bool = False, max_batch: int = 64, max_tokens: int = 65536, max_delay_us: int = 0,
+          partition: bool | None = None, max_batch: int = 64, max_tokens: int = 65536, max_delay_us: int = 0,
           max_queue: int = 1024) -> None:
     """Serve the documents of shard ``paths`` (:meth:`Batcher.from_shards` for ``devices`` and
     ``partition``; the rest as for :class:`Batcher`) with :func:`run`: HTTP on ``port``, and gRPC on
