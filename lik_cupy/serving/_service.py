@@ -128,6 +128,8 @@ async def infer(svc: Service, model: str, inputs: dict[str, np.ndarray], params:
         Q, arg = _arguments(svc, model, inputs)
         timeout, precision = _parameters(params)
         if deadline_s is not None:
+            if deadline_s <= 0:
+                raise Refused(504, "the request's deadline passed before it was queued")
             timeout = deadline_s if timeout is None else min(timeout, deadline_s)
         future = svc.batcher.submit(model, Q, arg, precision=precision, timeout=timeout)
     except (ValueError, TypeError) as e:
