@@ -81,3 +81,33 @@ def test_no_element_tests_outside_the_table():
             if _ELEMENT_TEST.search(line.split("#")[0]):
                 found.append(f"{path.relative_to(ROOT)}:{n}: {line.strip()}")
     assert not found, "test the element type's row (lik_cupy/_dispatch/elements.py) instead:\n" + "\n".join(found)
+
+
+# The kernels' side: a scaled or integer element type tested by its code or an INT8 flag
+# (`ELEM == 3`, `LIK_ELEM != 4`, `I8`) instead of its traits (cuda_src/elements.cuh).
+_KERNEL_ELEMENT_TEST = re.compile(r"\bELEM\s*(==|!=)\s*[34]\b|\bI8\b")
+
+
+def test_no_element_tests_outside_the_kernel_traits():
+    src = source_dir()
+    found = []
+    for path in sorted(src.rglob("*.cu*")):
+        if path.name == "elements.cuh":
+            continue
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if _KERNEL_ELEMENT_TEST.search(line.split("//")[0]):
+                found.append(f"{path.relative_to(src)}:{n}: {line.strip()}")
+    assert not found, "read the element type's traits (cuda_src/elements.cuh) instead:\n" + "\n".join(found)
+
+
+def test_kernel_traits_match_the_rows():
+    # Each row's code has a traits specialisation whose K and flags agree with the row.
+    text = (source_dir() / "elements.cuh").read_text()
+    for spec in dispatch.ELEMS:
+        body = re.search(rf"struct Elem<{spec.code}> \{{(.*?)\n\}};", text, re.S)
+        assert body, f"no Elem<{spec.code}> in elements.cuh"
+        b = body.group(1)
+        assert f"kK = {spec.k} " in b
+        flags = dict(re.findall(r"(k\w+) = (true|false)", b))
+        assert flags == {"kScaled": str(spec.scaled).lower(), "kInt": str(spec.integer).lower(),
+                         "kTf32": str(spec.tf32).lower()}, (spec.name, flags)

@@ -22,6 +22,7 @@ class ElemSpec:
     bytes: int  # per element, in memory and in the shared-memory tiles
     numpy_dtype: str  # the NumPy dtype the kernels read it as (bfloat16 as its bits)
     scaled: bool  # one float32 scale per token beside Q and D, staged with each tile (SCL in the kernel)
+    integer: bool  # integer accumulators (Elem<>::kInt): exact dot products, and the tokens-on-M tiles' offset trick
     k: int  # elements of K one mma.sync takes: 32 bytes of K, 8 elements for tf32
     dim_step: int  # the kernel's dim (FwdConfig.dp) is a multiple of this (32 bytes of K a mma)
     dim_multiple: int  # the GPU kernels take dims a multiple of this (1: any dim, padded)
@@ -54,7 +55,7 @@ class ElemSpec:
         return f"a multiple of {self.dim_multiple} up to {self.max_dim}"
 
 
-_FLOAT = dict(scaled=False, dim_step=16, dim_multiple=1, max_dim=8192, min_arch=80, one_shot_max=0,
+_FLOAT = dict(scaled=False, integer=False, dim_step=16, dim_multiple=1, max_dim=8192, min_arch=80, one_shot_max=0,
               quantiser=None, quantiser_kernel=None, dequantiser=None)
 
 ELEMS: tuple[ElemSpec, ...] = (
@@ -67,7 +68,7 @@ ELEMS: tuple[ElemSpec, ...] = (
     # Dims a multiple of 16 up to 4096: int32 dot products stay exact (127 * 127 * 4096 < 2^31);
     # one-shot up to 512 (its rows have the bytes, and fragment registers, of 16-bit rows half as
     # wide), split-d above.
-    ElemSpec(name="int8", code=3, tag="i8", bytes=1, numpy_dtype="int8", scaled=True, k=32, dim_step=32,
+    ElemSpec(name="int8", code=3, tag="i8", bytes=1, numpy_dtype="int8", scaled=True, integer=True, k=32, dim_step=32,
              dim_multiple=16, max_dim=4096, min_arch=80, tf32=False, wgmma=True, token_split=True, one_shot_max=512,
              quantiser="quantize_numpy", quantiser_kernel="lik_quantize_int8", dequantiser="dequantize_int8"),
 )
