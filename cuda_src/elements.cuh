@@ -43,3 +43,10 @@ struct Elem<3> {  // INT8 with per-token scales
     enum : int { kK = 32 };
     enum : bool { kScaled = true, kInt = true, kTf32 = false };
 };
+template <>
+struct Elem<4> {  // FP8 e4m3 (float8_e4m3fn bit patterns) with per-token scales, sm_89+
+    typedef u8 T;
+    typedef float Acc;
+    enum : int { kK = 32 };
+    enum : bool { kScaled = true, kInt = false, kTf32 = false };
+};

@@ -1,8 +1,9 @@
 // Hopper warpgroup MMA (sm_90a only): D[64 x N] (+)= A[64 x 32 bytes] * B[N x 32 bytes]^T with
 // both operands K-major in 128-byte-swizzled shared memory, accumulators Elem<ELEM>::Acc.
 // Shapes: N = 64, 96, 128 and 256; fp16 (ELEM 0) and bf16 (ELEM 1) k = 16, float32 on TF32
-// (ELEM 2) k = 8, INT8 (ELEM 3) k = 32 with int32 accumulators; each specialisation lists its N/2
-// accumulator registers per thread. Every form takes 32 bytes of K per instruction.
+// (ELEM 2) k = 8, INT8 (ELEM 3) k = 32 with int32 accumulators, FP8 e4m3 (ELEM 4) k = 32; each
+// specialisation lists its N/2 accumulator registers per thread. Every form takes 32 bytes of K
+// per instruction.
 #pragma once
 #include "common.cuh"
 
@@ -74,12 +75,13 @@ __device__ __forceinline__ void wgmma_m64(typename Elem<ELEM>::Acc* d, unsigned 
     }
 // Every element type at one N, ACC its accumulator list (LIK_ACC<N/2>). float32 (ELEM 2) on TF32:
 // the tensor cores read the float32 tile as it lies in shared memory and use each value's top 19
-// bits (its TF32 part). INT8 (ELEM 3) accumulates in int32.
+// bits (its TF32 part). INT8 (ELEM 3) accumulates in int32; FP8 (ELEM 4) takes TF32's immediates.
 #define LIK_WGMMA_SPECS(N, REGS, ACC, IA, IB, IP)                                                 \
     LIK_WGMMA_SPEC(0, "k16.f32.f16.f16", ", 1, 1, 0, 0", N, REGS, IA, IB, IP, ACC("+f"))       \
     LIK_WGMMA_SPEC(1, "k16.f32.bf16.bf16", ", 1, 1, 0, 0", N, REGS, IA, IB, IP, ACC("+f"))     \
     LIK_WGMMA_SPEC(2, "k8.f32.tf32.tf32", ", 1, 1", N, REGS, IA, IB, IP, ACC("+f"))            \
-    LIK_WGMMA_SPEC(3, "k32.s32.s8.s8", "", N, REGS, IA, IB, IP, ACC("+r"))
+    LIK_WGMMA_SPEC(3, "k32.s32.s8.s8", "", N, REGS, IA, IB, IP, ACC("+r"))                      \
+    LIK_WGMMA_SPEC(4, "k32.f32.e4m3.e4m3", ", 1, 1", N, REGS, IA, IB, IP, ACC("+f"))
 
 LIK_WGMMA_SPECS(64, LIK_REGS32, LIK_ACC32, 32, 33, 34)
 LIK_WGMMA_SPECS(96, LIK_REGS48, LIK_ACC48, 48, 49, 50)

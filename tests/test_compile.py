@@ -144,6 +144,37 @@ def test_ci_sample_covers_every_pair_and_family():
     assert {c.name for c in _ci_sample(cfgs, seed=2)} != {c.name for c in sample}  # and rotating
 
 
+def _families(cfgs: list) -> list:
+    """The register-heaviest tile of each kernel family among ``cfgs`` (as ``_ci_sample`` takes them)."""
+    families: dict[tuple, tuple] = {}
+    for c in sorted(cfgs, key=lambda c: c.name):
+        key = (c.argmax, c.multi, c.wgmma, c.split, c.tma, c.tokm, c.qhalf, c.packed, c.cand, c.strided)
+        weight = (c.dp * c.mt * c.bn, c.warps, c.stages)
+        if key not in families or weight > families[key][0]:
+            families[key] = (weight, c)
+    return [c for _, c in families.values()]
+
+
+@pytest.mark.parametrize("arch", [89, 90])
+def test_fp8_variants_compile_without_spills(arch):
+    # Every FP8 kernel family (its heaviest tile) on the architectures that have e4m3 tensor cores,
+    # with the quantiser; the CI check above samples them among the rest.
+    spec = dispatch.elem_spec("float8_e4m3fn")
+    cfgs = _families([c for c in dispatch.all_forward_configs(arch) if c.elem == spec.code])
+    assert {c.wgmma for c in cfgs} == ({False, True} if arch == 90 else {False})
+    got = lc.check_all([arch], cfgs, other_kernels=False, workers=WORKERS, cache=_cached())
+    by_name = {c.name: c for c in cfgs}
+    assert {r["kernel"] for r in got} >= set(by_name)
+    problems = [p for r in got for p in _row_problems(r, by_name.get(r["kernel"]), arch)]
+    from lik_cupy._runtime.kernels import QUANTIZE
+
+    quant = lc.compile_logs([(QUANTIZE.file, d, arch) for d in QUANTIZE.variants], workers=WORKERS, cache=_cached())
+    for log in quant:
+        problems += _row_problems({"kernel": spec.quantiser_kernel, "arch": f"sm_{arch}",
+                                   **lc.resource_usage(log, spec.quantiser_kernel)}, None, arch)
+    assert not problems, "\n".join(problems)
+
+
 def test_check_all_compiles_without_spills(tmp_path, request):
     archs = list(dispatch.SUPPORTED_ARCHS)
     assert set(archs) >= {80, 86, 89, 90}

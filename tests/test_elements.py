@@ -21,7 +21,7 @@ def test_rows_are_unique_and_found_by_name_and_code():
     for e in dispatch.ELEMS:
         assert dispatch.elem_spec(e.name) is e and dispatch.elem_of_code(e.code) is e
         assert dispatch.scaled_dtype(e.name) == e.scaled
-    assert dispatch.SCALED_DTYPES == ("int8",)
+    assert dispatch.SCALED_DTYPES == ("int8", "float8_e4m3fn")
     assert not dispatch.scaled_dtype("float64") and not dispatch.scaled_dtype("int32")
     with pytest.raises(ValueError, match="not float64"):
         dispatch.elem_spec("float64")
@@ -37,9 +37,10 @@ def test_row_is_consistent(spec):
     assert spec.dim_ok(spec.dim_multiple) and (spec.dim_multiple == 1 or not spec.dim_ok(spec.dim_multiple + 1))
     # a scaled type is quantised from floats and dequantised back, by hooks that exist
     assert spec.scaled == (spec.quantiser is not None) == (spec.quantiser_kernel is not None) \
-        == (spec.dequantiser is not None)
+        == (spec.dequantiser is not None) == (spec.public_quantiser is not None)
     if spec.scaled:
         assert callable(getattr(_cpu, spec.quantiser)) and callable(getattr(lik_cupy, spec.dequantiser))
+        assert callable(getattr(lik_cupy, spec.public_quantiser))
         assert f"void {spec.quantiser_kernel}(" in (source_dir() / "quantize.cu").read_text()
     # every type with Hopper wgmma tiles has its one-warpgroup tile costs
     assert (spec.name in dispatch.tables.SHORT_WGMMA_COST) == spec.wgmma

@@ -18,8 +18,8 @@ LAYERS = (
     ("_dispatch", "_interop", "_atomic"),
     ("_validate",),
     ("_runtime",),
-    ("_streaming",),
-    ("forward", "int8", "quantize", "backward", "retrieval", "shards", "precision"),
+    ("_streaming", "_scaled"),
+    ("forward", "int8", "fp8", "quantize", "backward", "retrieval", "shards", "precision"),
     ("_plaid_files",),  # PLAID index files, read through the shard format's checked .npy reader
     ("plaid",),
     ("corpus", "torch", "_jax_ops", "_jax_xla"),

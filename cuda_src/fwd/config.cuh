@@ -9,7 +9,8 @@
 // Compile-time configuration comes from -D flags chosen by lik_cupy/_dispatch/ (FwdConfig.defines):
 //   LIK_ELEM    the element type, whose traits (Elem<>, elements.cuh) the kernel reads: 0 fp16,
 //               1 bf16 (m16n8k16), 2 fp32 inputs on tf32 (m16n8k8, or wgmma k8 from the float32
-//               tile in shared memory), 3 INT8 (m16n8k32 or wgmma k32, int32 accumulators) with
+//               tile in shared memory), 3 INT8 (m16n8k32 or wgmma k32, int32 accumulators) and
+//               4 FP8 e4m3 (m16n8k32 on sm_89+, or wgmma k32, float32 accumulators), both with
 //               per-token float scales: each document token's scale multiplies its dot products
 //               before the max (one multiply per similarity, no dequantised copy of D anywhere),
 //               each query token's scale multiplies the max (scales are non-negative, so the max
@@ -22,7 +23,7 @@
 //   LIK_REFINE  1 (fp32 one-shot wgmma tiles): float32 accuracy at TF32 speed. The tile runs on TF32
 //               wgmma, and the similarities within the TF32 error bound of a row's best lower bound
 //               are recomputed exactly from the float32 tiles in shared memory (fwd/refine.cuh)
-//   LIK_DP      embedding dim padded to a multiple of 16 (32 for INT8; pad lanes are zero)
+//   LIK_DP      embedding dim padded to a multiple of 16 (32 for one-byte types; pad lanes are zero)
 //   LIK_WARPS   warps per CTA; each owns LIK_MT*16 query rows
 //   LIK_MT      16-row mma tiles per warp
 //   LIK_BN      document tokens per pipeline stage

@@ -71,10 +71,11 @@ def _wgmma_tma(spec: ElemSpec, argmax: bool, multi: bool, q_len: int) -> bool:
     return not (spec.scaled and argmax) and (multi or q_len > 128 or spec.bytes == 4)
 
 
-def _tokm(scaled: bool, argmax: bool, multi: bool, tma: bool, dim: int, ld: int) -> bool:
-    """Whether a scaled (INT8) Hopper problem takes the tokens-on-M tiles (per-token scales in registers)."""
-    return scaled and not argmax and not multi and tma and dim % 128 == 0 and dim * 128 * 128 < 1 << 22 \
-        and ld >= t.TOKM_MIN_LD
+def _tokm(spec: ElemSpec, argmax: bool, multi: bool, tma: bool, dim: int, ld: int) -> bool:
+    """Whether a scaled Hopper problem takes the tokens-on-M tiles (per-token scales in registers; they
+    read integer accumulators, INT8's, as floats: fwd/config.cuh, LIK_TOKM)."""
+    return spec.scaled and spec.integer and not argmax and not multi and tma and dim % 128 == 0 \
+        and dim * 128 * 128 < 1 << 22 and ld >= t.TOKM_MIN_LD
 
 
 @functools.lru_cache(maxsize=4096)
@@ -141,7 +142,7 @@ def choose_forward(cc: int, dtype: str, dim: int, lq: int, argmax: bool, vec: bo
                 if cfg.smem_bytes <= limit:
                     return cfg
         if hopper and row_bytes % 128 == 0:
-            if _tokm(scaled, argmax, multi(128), tma, dim, ld):
+            if _tokm(spec, argmax, multi(128), tma, dim, ld):
                 cfg = FwdConfig(elem=elem, dp=dim, warps=8, mt=1, bn=128, stages=t.TOKM_STAGES, qreg=False, argmax=False,
                                 vec=vec, wgmma=True, multi=False, packed=packed, cand=cand, tma=True, tokm=True)
                 if cfg.smem_bytes <= limit:
@@ -269,6 +270,8 @@ def all_forward_configs(arch: int, dims=None) -> list[FwdConfig]:
     seen: dict[str, FwdConfig] = {}
     for spec in ELEMS:
         dtype = spec.name
+        if arch_of(arch) < spec.min_arch:
+            continue
         if dims is not None:
             picked = [d for d in dims if spec.dim_ok(d)]
         else:  # a float's odd width (1000) pads; a scaled type's (96) has a one-shot bucket of its own
