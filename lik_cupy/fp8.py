@@ -1,8 +1,11 @@
 """FP8 MaxSim: ``maxsim_fp8`` and ``maxsim_fp8_varlen``.
 
 Queries and documents in FP8 e4m3 (``float8_e4m3fn``) with float32 scales, per token or per tensor
-(:func:`lik_cupy.quantize_fp8`), scored on FP8 tensor cores: wgmma on Hopper (sm_90), mma.sync on
-Ada (sm_89); older GPUs raise a RuntimeError naming the GPU (the CPU path runs anywhere). As INT8
+(:func:`lik_cupy.quantize_fp8`), scored on FP8 tensor cores: mma.sync on Ada (sm_89), wgmma on
+Hopper (sm_90), whose mma.sync for FP8 is emulated, so that shapes its wgmma tiles do not take raise
+a ValueError there (inputs not 16-byte aligned, d not a multiple of 128 up to 512, the argmax over
+candidate ids or of short queries above d = 512); older GPUs raise a RuntimeError naming the GPU
+(the CPU path runs anywhere). As INT8
 (:mod:`lik_cupy.int8`, whose tiles these are): each dot product, accumulated in float32, is
 multiplied by its document token's scale before the running max, and each query token's scale
 multiplies the max, so no dequantised copy of D exists. A float Q is quantised per token on the fly.
@@ -41,7 +44,7 @@ def maxsim_fp8(Q, D, d_scales, q_mask=None, d_mask=None, *, q_scales=None, q_len
         D: float8_e4m3fn, or uint8 holding its bit patterns, ``[Nd, Ld, d]`` (shared by all queries
             -> ``[Nq, Nd]``), ``[Nq, K, Ld, d]`` (a candidate set per query -> ``[Nq, K]``) or
             ``[Ld, d]`` (-> ``[Nq]``), as made by :func:`lik_cupy.quantize_fp8`. On the GPU, d must be
-            a multiple of 16, at most 8192.
+            a multiple of 16, at most 8192 (on Hopper, up to 512 a multiple of 128).
         d_scales: float32 ``D.shape[:-1]`` (one per document token) or ``[]`` (one for all of D).
         q_mask, d_mask, q_lengths, d_lengths: valid tokens, as in :func:`lik_cupy.maxsim`.
         q_scales: float32 ``Q.shape[:-1]`` or ``[]``, for an FP8 Q; non-negative (a negative or NaN

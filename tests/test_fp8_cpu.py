@@ -231,6 +231,12 @@ def test_dispatch_rows():
     hopper = dispatch.choose_forward(90, "float8_e4m3fn", 128, 1024, False, True, True, 1, 1024, False, True)
     int8 = dispatch.choose_forward(90, "int8", 128, 1024, False, True, True, 1, 1024, False, True)
     assert hopper.wgmma and not hopper.tokm and int8.tokm  # tokens on M read integer accumulators: INT8 only
+    # sm_90 emulates FP8's mma.sync: what its wgmma tiles do not take is refused, not run slowly
+    for args in ((96, 32, False, True), (128, 32, False, False), (128, 32, True, True, True, 1, 1024, False, False,
+                                                                    False, True)):
+        with pytest.raises(ValueError, match="float8_e4m3fn on sm_90 runs on its wgmma tiles only"):
+            dispatch.choose_forward(90, "float8_e4m3fn", *args)
+        dispatch.choose_forward(89, "float8_e4m3fn", *args)
     # INT8's tiles otherwise (FP8's rows are INT8's, unmeasured)
     for args in ((90, 128, 32, False), (90, 128, 300, True), (89, 256, 64, False), (90, 1024, 32, False)):
         f, i = (dispatch.choose_forward(a, t, *args[1:], True) for a, t in ((args[0], "float8_e4m3fn"), (args[0], "int8")))

@@ -4,7 +4,8 @@ The reference is the float64 MaxSim of the dequantised inputs. The tensor cores 
 products in float32 (Hopper's FP8 wgmma keeps fewer bits per addition), so a score may lie from it
 by a small fraction of the sum of |products| (``_bound``), and an argmax may point at any token
 whose reference similarity is within that of its row's max. Outputs are poisoned (LIK_POISON=1,
-tests/conftest.py), so an element a kernel forgot to write cannot pass.
+tests/conftest.py), so an element a kernel forgot to write cannot pass. On Hopper FP8 runs on its
+wgmma tiles only (mma.sync is emulated there): shapes those tiles do not take raise instead.
 """
 
 import ml_dtypes
@@ -25,14 +26,27 @@ def _fp8_gpu():
         pytest.skip("no GPU")
     import cupy
 
-    if cupy.cuda.Device().compute_capability < "89":
+    if int(cupy.cuda.Device().compute_capability) < 89:
         pytest.skip("FP8 tensor cores need sm_89 or newer")
+
+
+def _hopper() -> bool:
+    import cupy
+
+    return int(cupy.cuda.Device().compute_capability) == 90
+
+
+def _wgmma_takes(dim: int) -> bool:
+    """Whether Hopper's FP8 wgmma tiles take dim (d > 512 runs split-d, any multiple of 16)."""
+    return dim % 128 == 0 or dim > 512
 
 
 @pytest.fixture(params=["wgmma", "mma"])
 def kernel_family(request, monkeypatch):
-    # Both kernel families on Hopper: the warpgroup kernels and the portable mma.sync ones.
+    # The warpgroup kernels and the portable mma.sync ones (the same on sm_89; Hopper has only the first).
     if request.param == "mma":
+        if _hopper():
+            pytest.skip("FP8's mma.sync is emulated on sm_90, which takes its wgmma tiles only")
         monkeypatch.setenv("LIK_DISABLE_WGMMA", "1")
     return request.param
 
@@ -86,6 +100,8 @@ def _check(s, a, qd, dd, q_valid=None, d_valid=None):
 
 @pytest.mark.parametrize("dim", [16, 48, 128, 256, 512, 1024, 2048])
 def test_padded_vs_float64_of_dequantised(rng, dim, kernel_family):
+    if _hopper() and not _wgmma_takes(dim):
+        pytest.skip("no Hopper FP8 tile for this dim (test_hopper_refuses_what_its_wgmma_tiles_do_not_take)")
     nq, lq, nd, ld = 3, int(rng.integers(1, 200)), 41, int(rng.integers(1, 300))
     q8, qs = lik_cupy.quantize_fp8(_unit(rng, nq, lq, dim))
     d8, ds = lik_cupy.quantize_fp8(_unit(rng, nd, ld, dim))
@@ -121,6 +137,8 @@ def test_short_queries_share_document_tiles(rng, nq, lq, kernel_family):
 
 @pytest.mark.parametrize("dim", [96, 128, 1024])
 def test_packed_documents(rng, dim, kernel_family):
+    if _hopper() and not _wgmma_takes(dim):
+        pytest.skip("no Hopper FP8 tile for this dim (test_hopper_refuses_what_its_wgmma_tiles_do_not_take)")
     nq, lq = 3, 45
     lens = rng.integers(0, 260, 57)
     lens[[2, 9]] = 0
@@ -153,11 +171,29 @@ def test_candidates_per_query(rng, kernel_family):
     nq, k, ld, dim = 5, 7, 90, 128
     q8, qs = lik_cupy.quantize_fp8(_unit(rng, nq, 24, dim))
     d8, ds = lik_cupy.quantize_fp8(_unit(rng, nq, k, ld, dim))
-    s, a = lik_cupy.maxsim_fp8(_cp(q8), _cp(d8), _cp(ds), q_scales=_cp(qs), return_argmax=True)
-    s, a = _np(s), _np(a)
-    assert s.shape == (nq, k) and a.shape == (nq, k, 24)
+    argmax = not _hopper()  # Hopper has no FP8 tile for an argmax over candidate ids
+    out = lik_cupy.maxsim_fp8(_cp(q8), _cp(d8), _cp(ds), q_scales=_cp(qs), return_argmax=argmax)
+    s, a = (_np(out[0]), _np(out[1])) if argmax else (_np(out), None)
+    assert s.shape == (nq, k)
     for i in range(nq):
-        _check(s[i:i + 1], a[i:i + 1], _deq(q8[i:i + 1], qs[i:i + 1]), _deq(d8[i], ds[i]))
+        _check(s[i:i + 1], None if a is None else a[i:i + 1], _deq(q8[i:i + 1], qs[i:i + 1]), _deq(d8[i], ds[i]))
+
+
+def test_hopper_refuses_what_its_wgmma_tiles_do_not_take(rng, monkeypatch):
+    if not _hopper():
+        pytest.skip("sm_90 only")
+    q8, qs = lik_cupy.quantize_fp8(_unit(rng, 2, 16, 96))
+    d8, ds = lik_cupy.quantize_fp8(_unit(rng, 5, 40, 96))
+    with pytest.raises(ValueError, match=r"float8_e4m3fn on sm_90 runs on its wgmma tiles only .* \(d = 96\)"):
+        lik_cupy.maxsim_fp8(_cp(q8), _cp(d8), _cp(ds), q_scales=_cp(qs))
+    assert np.isfinite(lik_cupy.maxsim_fp8(q8, d8, ds, q_scales=qs, backend="cpu")).all()
+    q8, qs = lik_cupy.quantize_fp8(_unit(rng, 2, 16, 128))
+    d8, ds = lik_cupy.quantize_fp8(_unit(rng, 2, 3, 40, 128))
+    with pytest.raises(ValueError, match=r"\(d = 128, argmax\)"):  # candidate ids with the argmax
+        lik_cupy.maxsim_fp8(_cp(q8), _cp(d8), _cp(ds), q_scales=_cp(qs), return_argmax=True)
+    monkeypatch.setenv("LIK_DISABLE_WGMMA", "1")
+    with pytest.raises(ValueError, match="leave LIK_DISABLE_WGMMA unset"):
+        lik_cupy.maxsim_fp8(_cp(q8), _cp(d8[0]), _cp(ds[0]), q_scales=_cp(qs))
 
 
 def test_per_tensor_scales_and_float_queries(rng, kernel_family):
@@ -202,7 +238,7 @@ def test_torch_float8_tensors_round_trip(rng):
 
 
 def test_nan_tokens_and_zero_scales(rng, kernel_family):
-    dim = 64
+    dim = 128
     q8, qs = lik_cupy.quantize_fp8(_unit(rng, 2, 10, dim))
     d8, ds = lik_cupy.quantize_fp8(_unit(rng, 6, 12, dim))
     qs[0, 3] = 0  # a zero-scale query token: its term is 0

@@ -35,6 +35,9 @@ class ElemSpec:
     token_split: bool  # packed documents may be split over CTAs by token shares (TSPLIT in the kernel; wgmma tiles always may)
     one_shot_max: int  # dims up to this run one-shot and wider ones split-d; 0: tables.SPLIT_FROM decides
     corpus: bool  # retrieve, Corpus and the shards take it (not FP8 yet: its scoring functions only)
+    # Architectures whose mma.sync for it ptxas emulates, where only its wgmma tiles run: FP8 on sm_90
+    # (a tile of 128 registers on sm_89 takes 255 and spills there; compile check).
+    emulated_mma: tuple[int, ...]
     quantiser: str | None  # the NumPy quantiser of float tokens to it (lik_cupy._cpu), for scaled types
     quantiser_kernel: str | None  # its device quantiser's entry in cuda_src/quantize.cu (one build per float LIK_ELEM)
     dequantiser: str | None  # the public function that dequantises it (lik_cupy)
@@ -66,7 +69,7 @@ class ElemSpec:
 
 
 _FLOAT = dict(scaled=False, integer=False, dim_step=16, dim_multiple=1, max_dim=8192, min_arch=80, one_shot_max=0,
-              quantiser=None, quantiser_kernel=None, dequantiser=None, public_quantiser=None, corpus=True)
+              quantiser=None, quantiser_kernel=None, dequantiser=None, public_quantiser=None, corpus=True, emulated_mma=())
 
 ELEMS: tuple[ElemSpec, ...] = (
     ElemSpec(name="float16", code=0, tag="f16", bytes=2, numpy_dtype="float16", k=16, tf32=False, wgmma=True,
@@ -80,7 +83,7 @@ ELEMS: tuple[ElemSpec, ...] = (
     # wide), split-d above.
     ElemSpec(name="int8", code=3, tag="i8", bytes=1, numpy_dtype="int8", scaled=True, integer=True, k=32, dim_step=32,
              dim_multiple=16, max_dim=4096, min_arch=80, tf32=False, wgmma=True, token_split=True, one_shot_max=512,
-             corpus=True, quantiser="quantize_numpy", quantiser_kernel="lik_quantize_int8", dequantiser="dequantize_int8",
+             corpus=True, emulated_mma=(), quantiser="quantize_numpy", quantiser_kernel="lik_quantize_int8", dequantiser="dequantize_int8",
              public_quantiser="quantize_int8"),
     # FP8 e4m3 (OCP's float8_e4m3fn, no infinities) with per-token float32 scales: INT8's tiles and
     # scale handling with float32 accumulators (so no dim limit from exactness); the kernels read it
@@ -88,7 +91,7 @@ ELEMS: tuple[ElemSpec, ...] = (
     # rows are INT8's, unmeasured for FP8.
     ElemSpec(name="float8_e4m3fn", code=4, tag="e4m3", bytes=1, numpy_dtype="uint8", scaled=True, integer=False, k=32,
              dim_step=32, dim_multiple=16, max_dim=8192, min_arch=89, tf32=False, wgmma=True, token_split=True,
-             one_shot_max=512, corpus=False, quantiser="quantize_fp8_numpy", quantiser_kernel="lik_quantize_fp8",
+             one_shot_max=512, corpus=False, emulated_mma=(90,), quantiser="quantize_fp8_numpy", quantiser_kernel="lik_quantize_fp8",
              dequantiser="dequantize_fp8", public_quantiser="quantize_fp8"),
 )
 
