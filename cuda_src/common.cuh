@@ -10,6 +10,8 @@ typedef unsigned char u8;
 typedef long long i64;
 typedef signed char i8;
 
+#include "elements.cuh"
+
 #define LIK_NEG_INF __int_as_float(0xff800000)
 #define LIK_NAN __int_as_float(0x7fffffff)
 
@@ -61,9 +63,9 @@ __device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], u32 addr) {
                  : "r"(addr));
 }
 
-// D = A * B + D with fp32 accumulators. ELEM: 0 = fp16, 1 = bf16 (m16n8k16), 2 = tf32 (m16n8k8).
+// D = A * B + D, accumulators Elem<ELEM>::Acc: fp16 / bf16 m16n8k16, tf32 m16n8k8, int8 and e4m3 m16n8k32.
 template <int ELEM>
-__device__ __forceinline__ void mma(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1);
+__device__ __forceinline__ void mma(typename Elem<ELEM>::Acc (&c)[4], const u32 (&a)[4], u32 b0, u32 b1);
 
 template <>
 __device__ __forceinline__ void mma<0>(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
@@ -100,11 +102,23 @@ __device__ __forceinline__ float bf16_bits_to_f32(u16 x) { return __int_as_float
 
 // int32 accumulators of the INT8 mma: D = A * B + D with A 16x32 and B 32x8 int8 (the same
 // register layout, in bytes, as the 16-bit m16n8k16, so the ldmatrix paths serve both).
-__device__ __forceinline__ void mma_s8(int (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+template <>
+__device__ __forceinline__ void mma<3>(int (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
     asm volatile(
         "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
         "{%0,%1,%2,%3};\n"
         : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// FP8 e4m3 (sm_89+): A 16x32 and B 32x8 e4m3, float32 accumulators; the INT8 form's register
+// layout, in bytes.
+template <>
+__device__ __forceinline__ void mma<4>(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 

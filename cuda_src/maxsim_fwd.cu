@@ -272,7 +272,7 @@ __device__ void LIK_FWD::run(const T* __restrict__ Q, const T* __restrict__ D, c
                 // tiles, after it for INT8, the faster place for each on an H100 (32 queries
                 // of 32 tokens against 180-token documents: fp16 3% faster than after, INT8
                 // 5% faster than before).
-                if (!I8) flush.flush_sums();
+                if (!SCALED) flush.flush_sums();
                 const T* st = ring + slot * STAGE;
 #if LIK_REFINE
                 tile_mma(acc, qf, sQ, st, wrow0, lane, false, qlo, tnorm + slot * WARPS * 2);
@@ -280,14 +280,14 @@ __device__ void LIK_FWD::run(const T* __restrict__ Q, const T* __restrict__ D, c
                 tile_mma(acc, qf, SPLIT ? st : sQ, st + (SPLIT ? QR * LDS : 0), wrow0, lane, kc > 0, qlo);
 #endif
             }
-            if (I8) flush.flush_sums();
+            if (SCALED) flush.flush_sums();
 #if LIK_HAS_WGMMA
             if (WG_CHAIN) wgmma_wait<0>();
 #endif
 #if LIK_REFINE
             refine.fold(acc, ring + slot * STAGE, slot, t * BN, len, dm);
 #else
-            rowmax.fold(acc, slot, t * BN, len, dm, TMA && I8 ? (int)(begin & 3) : 0);
+            rowmax.fold(acc, slot, t * BN, len, dm, TMA && SCALED ? (int)(begin & 3) : 0);
 #endif
             consumer.release_slot(slot);
         }

@@ -1,8 +1,9 @@
-// Hopper warpgroup MMA (sm_90a only): D[64 x N] (+)= A[64 x 16] * B[N x 16]^T with
-// both operands K-major in 128-byte-swizzled shared memory, fp32 accumulators.
-// Shapes: N = 64, 96, 128 and 256, fp16 (ELEM 0), bf16 (ELEM 1) and float32 on TF32 (ELEM 2, k = 8),
-// and INT8 (k = 32, int32 accumulators); each specialisation lists its N/2 accumulator registers
-// per thread. Every form takes 32 bytes of K per instruction.
+// Hopper warpgroup MMA (sm_90a only): D[64 x N] (+)= A[64 x 32 bytes] * B[N x 32 bytes]^T with
+// both operands K-major in 128-byte-swizzled shared memory, accumulators Elem<ELEM>::Acc.
+// Shapes: N = 64, 96, 128 and 256; fp16 (ELEM 0) and bf16 (ELEM 1) k = 16, float32 on TF32
+// (ELEM 2) k = 8, INT8 (ELEM 3) k = 32 with int32 accumulators, FP8 e4m3 (ELEM 4) k = 32; each
+// specialisation lists its N/2 accumulator registers per thread. Every form takes 32 bytes of K
+// per instruction.
 #pragma once
 #include "common.cuh"
 
@@ -38,8 +39,11 @@ __device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sy
 // Generic-proxy writes (cp.async, st.shared) must be made visible to the async proxy before wgmma reads them.
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
+// D[64 x N] (+)= A[64 x 32 bytes] * B[N x 32 bytes]^T, both K-major in shared memory, accumulators
+// Elem<ELEM>::Acc: every element type's instruction takes 32 bytes of K, so descriptors step alike.
 template <int ELEM, int N>
-__device__ __forceinline__ void wgmma_m64k16(float* d, unsigned long long da, unsigned long long db, int acc);
+__device__ __forceinline__ void wgmma_m64(typename Elem<ELEM>::Acc* d, unsigned long long da, unsigned long long db,
+                                          int acc);
 
 // The accumulator operands d[i] .. d[i + 7] with constraint C ("+f" fp32, "+r" int32), read and
 // written by the instruction; LIK_ACC<n>(C) lists the first n.
@@ -58,46 +62,31 @@ __device__ __forceinline__ void wgmma_m64k16(float* d, unsigned long long da, un
 // One specialisation per (type, N): N/2 accumulator registers %0..%(N/2 - 1), then the two
 // descriptors (%IA, %IB) and the accumulate flag (%IP); the rest of the asm is shared. KTY: the
 // instruction's K and types; IMM: its trailing immediates (scale-a, scale-b, and for the 16-bit
-// forms the two transposes; TF32 takes none).
+// forms the two transposes; TF32 takes no transposes, INT8 no immediates).
 #define LIK_WGMMA_SPEC(ELEM, KTY, IMM, N, REGS, IA, IB, IP, ...)                                             \
     template <>                                                                                              \
-    __device__ __forceinline__ void wgmma_m64k16<ELEM, N>(float* d, unsigned long long da, unsigned long long db, \
-                                                         int acc) {                                            \
+    __device__ __forceinline__ void wgmma_m64<ELEM, N>(Elem<ELEM>::Acc * d, unsigned long long da,           \
+                                                       unsigned long long db, int acc) {                     \
         asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" #IP ", 0;\n"                                        \
                      "wgmma.mma_async.sync.aligned.m64n" #N KTY " {" REGS "}, %" #IA ", %" #IB                 \
                      ", p" IMM ";\n}\n"                                                                        \
                      : __VA_ARGS__                                                                            \
                      : "l"(da), "l"(db), "r"(acc));                                                           \
     }
-// float32 (ELEM 2) on TF32: k = 8 floats, the same 32 bytes of K per instruction as the 16-bit
-// forms, so the descriptors step identically. The tensor cores read the float32 tile as it lies
-// in shared memory and use each value's top 19 bits (its TF32 part).
-#define LIK_WGMMA_FLOAT(N, REGS, IA, IB, IP, ...)                                                 \
-    LIK_WGMMA_SPEC(0, "k16.f32.f16.f16", ", 1, 1, 0, 0", N, REGS, IA, IB, IP, __VA_ARGS__)       \
-    LIK_WGMMA_SPEC(1, "k16.f32.bf16.bf16", ", 1, 1, 0, 0", N, REGS, IA, IB, IP, __VA_ARGS__)     \
-    LIK_WGMMA_SPEC(2, "k8.f32.tf32.tf32", ", 1, 1", N, REGS, IA, IB, IP, __VA_ARGS__)
+// Every element type at one N, ACC its accumulator list (LIK_ACC<N/2>). float32 (ELEM 2) on TF32:
+// the tensor cores read the float32 tile as it lies in shared memory and use each value's top 19
+// bits (its TF32 part). INT8 (ELEM 3) accumulates in int32; FP8 (ELEM 4) takes TF32's immediates.
+#define LIK_WGMMA_SPECS(N, REGS, ACC, IA, IB, IP)                                                 \
+    LIK_WGMMA_SPEC(0, "k16.f32.f16.f16", ", 1, 1, 0, 0", N, REGS, IA, IB, IP, ACC("+f"))       \
+    LIK_WGMMA_SPEC(1, "k16.f32.bf16.bf16", ", 1, 1, 0, 0", N, REGS, IA, IB, IP, ACC("+f"))     \
+    LIK_WGMMA_SPEC(2, "k8.f32.tf32.tf32", ", 1, 1", N, REGS, IA, IB, IP, ACC("+f"))            \
+    LIK_WGMMA_SPEC(3, "k32.s32.s8.s8", "", N, REGS, IA, IB, IP, ACC("+r"))                      \
+    LIK_WGMMA_SPEC(4, "k32.f32.e4m3.e4m3", ", 1, 1", N, REGS, IA, IB, IP, ACC("+f"))
 
-LIK_WGMMA_FLOAT(64, LIK_REGS32, 32, 33, 34, LIK_ACC32("+f"))
-LIK_WGMMA_FLOAT(96, LIK_REGS48, 48, 49, 50, LIK_ACC48("+f"))
-LIK_WGMMA_FLOAT(128, LIK_REGS64, 64, 65, 66, LIK_ACC64("+f"))
-LIK_WGMMA_FLOAT(256, LIK_REGS128, 128, 129, 130, LIK_ACC128("+f"))
-
-// INT8: D[64 x N] (+)= A[64 x 32] * B[N x 32]^T, int32 accumulators, the same 32 bytes of K
-// per instruction as the 16-bit forms (so descriptors step identically).
-template <int N>
-__device__ __forceinline__ void wgmma_s8_m64k32(int* d, unsigned long long da, unsigned long long db, int acc);
-#define LIK_WGMMA_S8(N, REGS, IA, IB, IP, ...)                                                                   \
-    template <>                                                                                                 \
-    __device__ __forceinline__ void wgmma_s8_m64k32<N>(int* d, unsigned long long da, unsigned long long db, int acc) { \
-        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" #IP ", 0;\n"                                         \
-                     "wgmma.mma_async.sync.aligned.m64n" #N "k32.s32.s8.s8 {" REGS "}, %" #IA ", %" #IB ", p;\n}\n" \
-                     : __VA_ARGS__                                                                               \
-                     : "l"(da), "l"(db), "r"(acc));                                                              \
-    }
-LIK_WGMMA_S8(64, LIK_REGS32, 32, 33, 34, LIK_ACC32("+r"))
-LIK_WGMMA_S8(96, LIK_REGS48, 48, 49, 50, LIK_ACC48("+r"))
-LIK_WGMMA_S8(128, LIK_REGS64, 64, 65, 66, LIK_ACC64("+r"))
-LIK_WGMMA_S8(256, LIK_REGS128, 128, 129, 130, LIK_ACC128("+r"))
+LIK_WGMMA_SPECS(64, LIK_REGS32, LIK_ACC32, 32, 33, 34)
+LIK_WGMMA_SPECS(96, LIK_REGS48, LIK_ACC48, 48, 49, 50)
+LIK_WGMMA_SPECS(128, LIK_REGS64, LIK_ACC64, 64, 65, 66)
+LIK_WGMMA_SPECS(256, LIK_REGS128, LIK_ACC128, 128, 129, 130)
 
 // Tensor-memory-accelerator (TMA) loads: a box of a tensor map built on the host
 // (lik_cupy/_runtime/tma.py) lands in shared memory, swizzled as the map says, and completes as a

@@ -2,6 +2,7 @@
 
 ``maxsim``, ``maxsim_pairs``, ``maxsim_varlen`` (packed ragged documents),
 ``maxsim_int8`` / ``maxsim_int8_varlen`` (documents stored as INT8 by ``quantize_int8``),
+``maxsim_fp8`` / ``maxsim_fp8_varlen`` (FP8 e4m3 by ``quantize_fp8``),
 ``maxsim_residual`` / ``maxsim_residual_varlen`` (PLAID-compressed documents, as fast-plaid and
 ColBERTv2 store them; ``PlaidIndex`` reads their index directories) and
 ``retrieve`` (streaming top-k over a corpus of any size; ``pin_host`` page-locks a host corpus
@@ -25,8 +26,9 @@ import importlib
 from ._version import __version__
 from .errors import CompileError, DeviceMemoryError, LikError, ShardError
 
-__all__ = ["maxsim", "maxsim_pairs", "maxsim_varlen", "maxsim_int8", "maxsim_int8_varlen", "maxsim_residual",
-           "maxsim_residual_varlen", "PlaidIndex", "quantize_int8", "dequantize_int8", "maxsim_backward", "maxsim_from_hidden",
+__all__ = ["maxsim", "maxsim_pairs", "maxsim_varlen", "maxsim_int8", "maxsim_int8_varlen", "maxsim_fp8",
+           "maxsim_fp8_varlen", "maxsim_residual", "maxsim_residual_varlen", "PlaidIndex", "quantize_int8",
+           "dequantize_int8", "quantize_fp8", "dequantize_fp8", "maxsim_backward", "maxsim_from_hidden",
            "maxsim_from_hidden_backward", "retrieve",
            "Corpus", "pin_host", "PinnedHost", "warmup", "gpu_available", "set_precision", "get_precision", "CompileError",
            "DeviceMemoryError", "ShardError", "LikError", "__version__"]
@@ -38,8 +40,10 @@ __all__ = ["maxsim", "maxsim_pairs", "maxsim_varlen", "maxsim_int8", "maxsim_int
 _HOMES = {
     "maxsim": ".forward", "maxsim_pairs": ".forward", "maxsim_varlen": ".forward",
     "maxsim_int8": ".int8", "maxsim_int8_varlen": ".int8",
+    "maxsim_fp8": ".fp8", "maxsim_fp8_varlen": ".fp8",
     "maxsim_residual": ".plaid", "maxsim_residual_varlen": ".plaid", "PlaidIndex": ".plaid",
-    "quantize_int8": ".quantize", "dequantize_int8": ".quantize",
+    "quantize_int8": ".quantize", "dequantize_int8": ".quantize", "quantize_fp8": ".quantize",
+    "dequantize_fp8": ".quantize",
     "maxsim_backward": ".backward",
     "maxsim_from_hidden": ".fused_head", "maxsim_from_hidden_backward": ".fused_head",
     "retrieve": ".retrieval",

@@ -62,7 +62,7 @@ import numpy as np
 from . import _jax_ops, _jax_xla
 from ._dispatch.backend import check_backend, use_gpu
 from ._dispatch.jax_paths import choose_jax_path
-from ._validate import (HiddenProblem, Problem, check_call, check_hidden, check_hidden_options, check_int8_scales,
+from ._validate import (HiddenProblem, Problem, check_call, check_hidden, check_hidden_options, check_scaled_scales,
                         check_varlen)
 from ._dispatch.select import BACKWARD_METHODS
 from ._dispatch.precision import fp32_accurate
@@ -138,8 +138,8 @@ def maxsim_int8(Q, D, d_scales, q_mask=None, d_mask=None, *, q_scales=None, q_le
                    q_lengths=q_lengths, d_lengths=d_lengths)
     stand_ins = _stand_ins(args, "Q", "D", "d_scales", "q_mask", "d_mask", "q_scales", "q_lengths", "d_lengths")
     q, d, ds, qm, dm, qs, ql, dl = stand_ins
-    p = check_call(q, d, qm, dm, ql, dl, pairs=False, int8=True)
-    check_int8_scales(p, q, d, qs, ds)
+    p = check_call(q, d, qm, dm, ql, dl, pairs=False, scaled="int8")
+    check_scaled_scales(p, q, d, qs, ds)
     return _staged(args, call=_Call.of("maxsim_int8", p, "auto", None, backend))
 
 
@@ -157,8 +157,8 @@ def maxsim_int8_varlen(Q, D_tokens, d_scales, d_offsets, q_mask=None, *, q_scale
                    q_scales=q_scales, q_lengths=q_lengths)
     q, d, ds, off, qm, qs, ql = _stand_ins(args, "Q", "D_tokens", "d_scales", "d_offsets", "q_mask", "q_scales",
                                           "q_lengths")
-    p = check_varlen(q, d, off, qm, ql, None, int8=True)
-    check_int8_scales(p, q, d, qs, ds)
+    p = check_varlen(q, d, off, qm, ql, None, scaled="int8")
+    check_scaled_scales(p, q, d, qs, ds)
     return _staged(args, call=_Call.of("maxsim_int8_varlen", p, "auto", None, backend))
 
 def maxsim_from_hidden(Q, H, W, bias=None, q_mask=None, d_mask=None, *, q_lengths=None, d_lengths=None,

@@ -1,4 +1,6 @@
-"""Per-token symmetric INT8 quantisation: ``quantize_int8`` and ``dequantize_int8``.
+"""Symmetric quantisation: ``quantize_int8`` / ``dequantize_int8`` and ``quantize_fp8`` / ``dequantize_fp8``.
+
+INT8, per token.
 
 Each token (a row of the last axis) ``x`` gets one float32 scale and int8 values::
 
@@ -9,6 +11,14 @@ token (padding) gets scale 0 and q 0: it dequantises to zeros, never NaN. The Nu
 path and the device kernel (``cuda_src/quantize.cu``) do the same IEEE float32
 operations, so both give bitwise the same bytes. Storage is ``d + 4`` bytes per token
 (``d`` int8 values and a float32 scale) against ``2 d`` for fp16.
+
+FP8 e4m3 (``float8_e4m3fn``), per token or per tensor::
+
+    scale = max|x| / 448,    q = e4m3(x / scale)  (round to nearest even),    x ~= q * scale
+
+with ``max|x|`` over the token (``per="token"``) or the whole tensor (``per="tensor"``), in float32;
+the codes are bitwise those of ``(x / scale).to(torch.float8_e4m3fn)``, on the NumPy path
+(ml_dtypes) and on the device (sm_89 and newer). Zero tokens (or tensors) get scale 0 and codes 0.
 """
 
 from __future__ import annotations
@@ -16,12 +26,15 @@ from __future__ import annotations
 import numpy as np
 
 from . import _interop as interop
-from ._cpu import quantize_numpy
+from . import _cpu
+from ._dispatch import ElemSpec, elem_spec
 from ._dispatch.backend import use_gpu
-from ._interop import GpuCall, host_result
+from ._interop import GpuCall, float8_bits, float8_view, host_result
 from ._validate import check_quantized
 
-__all__ = ["quantize_int8", "dequantize_int8"]
+__all__ = ["quantize_int8", "dequantize_int8", "quantize_fp8", "dequantize_fp8"]
+
+_FP8 = "float8_e4m3fn"
 
 
 def quantize_int8(X, *, backend="auto"):
@@ -49,6 +62,41 @@ def quantize_int8(X, *, backend="auto"):
         >>> lik_cupy.dequantize_int8(q, s, backend="cpu")
         array([[ 0.503937 , -1.       ,  0.2519685]], dtype=float32)
     """
+    return _quantize(X, backend, elem_spec("int8"))
+
+
+def quantize_fp8(X, *, per="token", backend="auto"):
+    """Quantise token embeddings to FP8 e4m3 with one float32 scale per token or per tensor.
+
+    Args:
+        X: ``[..., d]`` float16, bfloat16, float32 or float64 (computed in float32), any framework.
+            Every value must be finite.
+        per: "token" (one scale per token, the last axis's rows) or "tensor" (one for all of X).
+        backend: "auto", "gpu" (sm_89 or newer) or "cpu". Both give bitwise the same result.
+
+    Returns:
+        ``(X_fp8, scales)``: float8_e4m3fn ``[..., d]`` (torch, NumPy through ml_dtypes, JAX; uint8 bit
+        patterns in CuPy, which has no float8 type) and float32 ``X.shape[:-1]`` (per tensor: ``[]``),
+        in X's framework and on X's device. :func:`lik_cupy.maxsim_fp8` takes both as they are.
+
+    Raises:
+        ValueError: X holds NaN or inf (the message names the first such token), or ``per`` is neither.
+    Example::
+
+        >>> import numpy as np, lik_cupy
+        >>> q, s = lik_cupy.quantize_fp8(np.array([[0.5, -1.0, 0.3]], np.float32), backend="cpu")
+        >>> q.view(np.uint8), s
+        (array([[118, 254, 112]], dtype=uint8), array([0.00223214], dtype=float32))
+        >>> lik_cupy.dequantize_fp8(q, s, backend="cpu")
+        array([[ 0.5      , -1.       ,  0.2857143]], dtype=float32)
+    """
+    if per not in ("token", "tensor"):
+        raise ValueError(f"per is {per!r}; expected 'token' or 'tensor'")
+    return _quantize(X, backend, elem_spec(_FP8), per=per)
+
+
+def _quantize(X, backend: str, spec: ElemSpec, **how):
+    """X quantised to ``spec``'s type by its quantisers (``how``: their options, FP8's ``per``)."""
     info = interop.describe(X)
     if info.dtype not in ("float16", "bfloat16", "float32", "float64"):
         raise TypeError(f"X has dtype {info.dtype}; expected float16, bfloat16, float32 or float64")
@@ -66,10 +114,15 @@ def quantize_int8(X, *, backend="auto"):
                 x, dtype = x.astype(cupy.float32), "float32"
             from ._runtime.quantize import quantize_cupy
 
-            q, s = quantize_cupy(x, dtype, check=True)
-            return g.result(q), g.result(s)
-    q, s = quantize_numpy(interop.to_numpy(X, info.framework))
-    return host_result(q, info), host_result(s, info)
+            q, s = quantize_cupy(x, dtype, check=True, to=spec.name, **how)
+            return _native(g.result(q), spec, info.framework), g.result(s)
+    q, s = getattr(_cpu, spec.quantiser)(interop.to_numpy(X, info.framework), **how)
+    return _native(host_result(q, info), spec, info.framework), host_result(s, info)
+
+
+def _native(q, spec: ElemSpec, fw: str):
+    """Codes in the framework's own type where the kernels read them as bits (FP8: float8_e4m3fn)."""
+    return q if spec.numpy_dtype == spec.name else float8_view(q, fw)
 
 
 def dequantize_int8(X_int8, scales, *, backend="auto"):
@@ -82,12 +135,42 @@ def dequantize_int8(X_int8, scales, *, backend="auto"):
     Returns:
         float32 ``[..., d]`` in the inputs' framework and on their device.
     """
-    info = check_quantized("X_int8", X_int8, "scales", scales)
+    return _dequantize("X_int8", X_int8, scales, backend, elem_spec("int8"))
+
+
+def dequantize_fp8(X_fp8, scales, *, backend="auto"):
+    """``X_fp8 * scales[..., None]`` (or ``* scales`` for one per tensor) as float32, exact: e4m3
+    values times a float32 scale round once.
+
+    Args:
+        X_fp8: float8_e4m3fn (or uint8 bit patterns) ``[..., d]``; scales: float32 ``X_fp8.shape[:-1]``
+            or ``[]``, same framework and device.
+        backend: as in :func:`quantize_fp8`.
+
+    Returns:
+        float32 ``[..., d]`` in the inputs' framework and on their device.
+    """
+    return _dequantize("X_fp8", float8_bits(X_fp8), scales, backend, elem_spec(_FP8))
+
+
+def _dequantize(name: str, X, scales, backend: str, spec: ElemSpec):
+    """float32 values of one-byte codes ``X`` (as the kernels read them) times their scales."""
+    info = check_quantized(name, X, "scales", scales, spec.name)
+    values = _byte_values(spec)
     if use_gpu(backend, info.device, host_to_gpu=False):
         import cupy
 
         with GpuCall(info) as g:
-            return g.result(g.array(X_int8).astype(cupy.float32) * g.array(scales)[..., None])
-    q = interop.to_numpy(X_int8, info.framework)
+            q = g.array(X)
+            s = g.array(scales)
+            return g.result(cupy.asarray(values)[q.view(cupy.uint8)] * (s[..., None] if s.ndim else s))
+    q = interop.to_numpy(X, info.framework)
     s = interop.to_numpy(scales, info.framework)
-    return host_result(q.astype(np.float32) * s[..., None], info)
+    return host_result(values[q.view(np.uint8)] * (s[..., None] if s.ndim else s), info)
+
+
+def _byte_values(spec: ElemSpec) -> np.ndarray:
+    """float32 [256]: the value of each byte of a one-byte element type (exact)."""
+    import ml_dtypes  # noqa: F401  (registers the float8 dtype names with NumPy)
+
+    return np.arange(256, dtype=np.uint8).view(np.dtype(spec.name)).astype(np.float32)

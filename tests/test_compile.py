@@ -183,6 +183,37 @@ def test_ci_sample_covers_every_pair_and_family():
     assert {c.name for c in _ci_sample(cfgs, seed=2)} != {c.name for c in sample}  # and rotating
 
 
+def _families(cfgs: list) -> list:
+    """The register-heaviest tile of each kernel family among ``cfgs`` (as ``_ci_sample`` takes them)."""
+    families: dict[tuple, tuple] = {}
+    for c in sorted(cfgs, key=lambda c: c.name):
+        key = (c.argmax, c.multi, c.wgmma, c.split, c.tma, c.tokm, c.qhalf, c.packed, c.cand, c.strided)
+        weight = (c.dp * c.mt * c.bn, c.warps, c.stages)
+        if key not in families or weight > families[key][0]:
+            families[key] = (weight, c)
+    return [c for _, c in families.values()]
+
+
+@pytest.mark.parametrize("arch", [89, 90])
+def test_fp8_variants_compile_without_spills(arch):
+    # Every FP8 kernel family (its heaviest tile) on the architectures that have e4m3 tensor cores,
+    # with the quantiser; the CI check above samples them among the rest.
+    spec = dispatch.elem_spec("float8_e4m3fn")
+    cfgs = _families([c for c in dispatch.all_forward_configs(arch) if c.elem == spec.code])
+    assert {c.wgmma for c in cfgs} == ({True} if arch == 90 else {False})  # sm_90 emulates FP8's mma.sync
+    got = lc.check_all([arch], cfgs, other_kernels=False, workers=WORKERS, cache=_cached())
+    by_name = {c.name: c for c in cfgs}
+    assert {r["kernel"] for r in got} >= set(by_name)
+    problems = [p for r in got for p in _row_problems(r, by_name.get(r["kernel"]), arch)]
+    from lik_cupy._runtime.kernels import QUANTIZE
+
+    quant = lc.compile_logs([(QUANTIZE.file, d, arch) for d in QUANTIZE.variants], workers=WORKERS, cache=_cached())
+    for log in quant:
+        problems += _row_problems({"kernel": spec.quantiser_kernel, "arch": f"sm_{arch}",
+                                   **lc.resource_usage(log, spec.quantiser_kernel)}, None, arch)
+    assert not problems, "\n".join(problems)
+
+
 def test_check_all_compiles_without_spills(tmp_path, request):
     archs = list(dispatch.SUPPORTED_ARCHS)
     assert set(archs) >= {80, 86, 89, 90}
@@ -469,7 +500,8 @@ def test_compile_check_covers_the_bucket_dims():
     # everything dispatch picks for the dims all_forward_configs samples is compiled by check_all
     for arch in dispatch.SUPPORTED_ARCHS:
         compiled = {c.name for c in dispatch.all_forward_configs(arch)}
-        for dtype in (e.name for e in dispatch.ELEMS):
+        for spec in (e for e in dispatch.ELEMS if arch >= e.min_arch):
+            dtype = spec.name
             for dim in _dims(dtype, (64, 128, 256, 384, 512, 1000, 2048, 4096, 8192)):
                 for lq in (1, 32, 33, 64, 65, 128, 1000, 5000):
                     for shared, ld in ((1, 1024), (1, 180), (3, 180), (32, 180), (32, 1024), (1000, 77)):
@@ -477,8 +509,13 @@ def test_compile_check_covers_the_bucket_dims():
                             for vec in (False, True):
                                 for wg in (True, False):
                                     for tma in (False, True):
-                                        c = dispatch.choose_forward(arch, dtype, dim, lq, argmax, vec, wg, shared, ld,
-                                                                    False, tma)
+                                        try:
+                                            c = dispatch.choose_forward(arch, dtype, dim, lq, argmax, vec, wg, shared,
+                                                                        ld, False, tma)
+                                        except ValueError:
+                                            if arch in spec.emulated_mma:  # refused: only emulated tiles would take it
+                                                continue
+                                            raise
                                         assert c.name in compiled, (arch, dtype, dim, lq, shared, ld, argmax, vec, wg,
                                                                     tma, c.name)
 

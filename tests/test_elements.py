@@ -21,7 +21,7 @@ def test_rows_are_unique_and_found_by_name_and_code():
     for e in dispatch.ELEMS:
         assert dispatch.elem_spec(e.name) is e and dispatch.elem_of_code(e.code) is e
         assert dispatch.scaled_dtype(e.name) == e.scaled
-    assert dispatch.SCALED_DTYPES == ("int8",)
+    assert dispatch.SCALED_DTYPES == ("int8", "float8_e4m3fn")
     assert not dispatch.scaled_dtype("float64") and not dispatch.scaled_dtype("int32")
     with pytest.raises(ValueError, match="not float64"):
         dispatch.elem_spec("float64")
@@ -37,9 +37,10 @@ def test_row_is_consistent(spec):
     assert spec.dim_ok(spec.dim_multiple) and (spec.dim_multiple == 1 or not spec.dim_ok(spec.dim_multiple + 1))
     # a scaled type is quantised from floats and dequantised back, by hooks that exist
     assert spec.scaled == (spec.quantiser is not None) == (spec.quantiser_kernel is not None) \
-        == (spec.dequantiser is not None)
+        == (spec.dequantiser is not None) == (spec.public_quantiser is not None)
     if spec.scaled:
         assert callable(getattr(_cpu, spec.quantiser)) and callable(getattr(lik_cupy, spec.dequantiser))
+        assert callable(getattr(lik_cupy, spec.public_quantiser))
         assert f"void {spec.quantiser_kernel}(" in (source_dir() / "quantize.cu").read_text()
     # every type with Hopper wgmma tiles has its one-warpgroup tile costs
     assert (spec.name in dispatch.tables.SHORT_WGMMA_COST) == spec.wgmma
@@ -81,3 +82,33 @@ def test_no_element_tests_outside_the_table():
             if _ELEMENT_TEST.search(line.split("#")[0]):
                 found.append(f"{path.relative_to(ROOT)}:{n}: {line.strip()}")
     assert not found, "test the element type's row (lik_cupy/_dispatch/elements.py) instead:\n" + "\n".join(found)
+
+
+# The kernels' side: a scaled or integer element type tested by its code or an INT8 flag
+# (`ELEM == 3`, `LIK_ELEM != 4`, `I8`) instead of its traits (cuda_src/elements.cuh).
+_KERNEL_ELEMENT_TEST = re.compile(r"\bELEM\s*(==|!=)\s*[34]\b|\bI8\b")
+
+
+def test_no_element_tests_outside_the_kernel_traits():
+    src = source_dir()
+    found = []
+    for path in sorted(src.rglob("*.cu*")):
+        if path.name == "elements.cuh":
+            continue
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if _KERNEL_ELEMENT_TEST.search(line.split("//")[0]):
+                found.append(f"{path.relative_to(src)}:{n}: {line.strip()}")
+    assert not found, "read the element type's traits (cuda_src/elements.cuh) instead:\n" + "\n".join(found)
+
+
+def test_kernel_traits_match_the_rows():
+    # Each row's code has a traits specialisation whose K and flags agree with the row.
+    text = (source_dir() / "elements.cuh").read_text()
+    for spec in dispatch.ELEMS:
+        body = re.search(rf"struct Elem<{spec.code}> \{{(.*?)\n\}};", text, re.S)
+        assert body, f"no Elem<{spec.code}> in elements.cuh"
+        b = body.group(1)
+        assert f"kK = {spec.k} " in b
+        flags = dict(re.findall(r"(k\w+) = (true|false)", b))
+        assert flags == {"kScaled": str(spec.scaled).lower(), "kInt": str(spec.integer).lower(),
+                         "kTf32": str(spec.tf32).lower()}, (spec.name, flags)

@@ -19,8 +19,8 @@ LAYERS = (
     ("_dispatch",),  # reads a framework's TF32 default through its adapter
     ("_validate",),
     ("_runtime",),
-    ("_streaming", "_maxsim_calls"),
-    ("forward", "int8", "quantize", "backward", "retrieval", "shards", "precision"),
+    ("_streaming", "_maxsim_calls", "_scaled"),
+    ("forward", "int8", "fp8", "quantize", "backward", "retrieval", "shards", "precision"),
     ("_plaid_files", "_torch_autograd", "fused_head"),  # PLAID index files; lik_cupy.torch's operators; the fused head
     ("plaid", "_torch_hidden"),  # the fused head's torch operators
     ("corpus", "torch", "_jax_ops", "_jax_xla"),

@@ -7,12 +7,14 @@
 // steps in order through the role objects declared below.
 //
 // Compile-time configuration comes from -D flags chosen by lik_cupy/_dispatch/ (FwdConfig.defines):
-//   LIK_ELEM    0 fp16, 1 bf16 (m16n8k16), 2 fp32 inputs on tf32 (m16n8k8, or wgmma k8 from the
-//               float32 tile in shared memory), 3 INT8 (m16n8k32
-//               or wgmma k32, int32 accumulators) with per-token float scales: each document
-//               token's scale multiplies its int32 dot products before the max (one multiply
-//               per similarity, no dequantised copy of D anywhere), each query token's scale
-//               multiplies the max (scales are non-negative, so the max commutes with it)
+//   LIK_ELEM    the element type, whose traits (Elem<>, elements.cuh) the kernel reads: 0 fp16,
+//               1 bf16 (m16n8k16), 2 fp32 inputs on tf32 (m16n8k8, or wgmma k8 from the float32
+//               tile in shared memory), 3 INT8 (m16n8k32 or wgmma k32, int32 accumulators) and
+//               4 FP8 e4m3 (m16n8k32 on sm_89+, or wgmma k32, float32 accumulators), both with
+//               per-token float scales: each document token's scale multiplies its dot products
+//               before the max (one multiply per similarity, no dequantised copy of D anywhere),
+//               each query token's scale multiplies the max (scales are non-negative, so the max
+//               commutes with it)
 //   LIK_X3      1 (fp32 only): float32 accuracy from tf32 tensor cores. Each operand x splits into
 //               hi = tf32(x) and lo = tf32(x - hi), and a product is accumulated as lo*hi + hi*lo +
 //               hi*hi (the lo*lo term, ~2^-22 of it, is dropped): three mma per tile instead of one,
@@ -21,7 +23,7 @@
 //   LIK_REFINE  1 (fp32 one-shot wgmma tiles): float32 accuracy at TF32 speed. The tile runs on TF32
 //               wgmma, and the similarities within the TF32 error bound of a row's best lower bound
 //               are recomputed exactly from the float32 tiles in shared memory (fwd/refine.cuh)
-//   LIK_DP      embedding dim padded to a multiple of 16 (32 for INT8; pad lanes are zero)
+//   LIK_DP      embedding dim padded to a multiple of 16 (32 for one-byte types; pad lanes are zero)
 //   LIK_WARPS   warps per CTA; each owns LIK_MT*16 query rows
 //   LIK_MT      16-row mma tiles per warp
 //   LIK_BN      document tokens per pipeline stage
@@ -117,16 +119,13 @@
 #ifndef LIK_REFINE
 #define LIK_REFINE 0
 #endif
-// Document lengths as the caller gave them (length_at, common.cuh), except in INT8 and multi-query
-// argmax tiles, which read int32 ones (the host narrows int64 lengths for them: launch.py,
+// Document lengths as the caller gave them (length_at, common.cuh), except in scaled (INT8) and
+// multi-query argmax tiles, which read int32 ones (the host narrows int64 lengths for them: launch.py,
 // tagged_doc_lengths): the tag's registers spilled them at 255 (nvrtc.check_all). Query lengths
 // are int32 everywhere: the tag in the rows' validity test spilled multi-query argmax tiles.
 __device__ __forceinline__ int fwd_length(const int* p, i64 i) {
-#if LIK_ARGMAX && (LIK_ELEM == 3 || LIK_MULTI)
-    return p[i];
-#else
-    return length_at(p, i);
-#endif
+    if constexpr (LIK_ARGMAX && (Elem<LIK_ELEM>::kScaled || LIK_MULTI)) return p[i];
+    else return length_at(p, i);
 }
 
 #ifndef LIK_CAND
@@ -149,17 +148,6 @@ __device__ __forceinline__ int fwd_length(const int* p, i64 i) {
 
 namespace lik {
 
-template <int ELEM>
-struct Elem;
-template <>
-struct Elem<0> { typedef u16 T; };
-template <>
-struct Elem<1> { typedef u16 T; };
-template <>
-struct Elem<2> { typedef float T; };
-template <>
-struct Elem<3> { typedef i8 T; };
-
 // PLAID-compressed documents (LIK_RESIDUAL): where the loader reads them, a kernel parameter.
 struct ResidualSrc {
     const void* codes;        // int32 or int64 [rows]: each document token's centroid
@@ -179,18 +167,14 @@ struct CandSrc {
     int wide;         // 1: int64 ids
 };
 
-template <bool I8>
-struct Acc { typedef float T; };
-template <>
-struct Acc<true> { typedef int T; };  // INT8 mma accumulates in int32
-
 template <int ELEM, int DP, int WARPS, int MT, int BN, int STAGES, bool QREG, bool ARGMAX, bool VEC, bool WG,
           bool MULTI, bool PACKED, bool SPLIT, bool TMA, bool QHALF, bool TOKM>
 struct Fwd {
-    typedef typename Elem<ELEM>::T T;
-    static constexpr bool I8 = ELEM == 3;
+    typedef Elem<ELEM> E;  // the element type's traits (elements.cuh)
+    typedef typename E::T T;
+    typedef typename E::Acc A;
+    enum : bool { SCALED = E::kScaled, TF32 = E::kTf32 };  // float32 scales per token (SCL below); TF32 tiles
     static constexpr bool X3 = LIK_X3 != 0;  // fp32 by three tf32 products (see LIK_X3)
-    typedef typename Acc<I8>::T A;
     static constexpr int ESIZE = sizeof(T);
     static constexpr int EPC = 16 / ESIZE;      // elements per 16-byte chunk
     static constexpr int BLK = 128 / ESIZE;     // elements per 128-byte swizzle row (wgmma)
@@ -198,7 +182,7 @@ struct Fwd {
     // the swizzle keeps ldmatrix conflict-free too); other tiles pad each row instead.
     static constexpr bool SWZ = WG || TMA;
     static constexpr int LDS = SWZ ? DP : DP + EPC;  // row stride: padded rows keep ldmatrix / lds conflict-free
-    static constexpr int KSTEP = ELEM == 2 ? 8 : I8 ? 32 : 16;  // 32 bytes of K per mma (16 for tf32)
+    static constexpr int KSTEP = E::kK;         // 32 bytes of K per mma
     static constexpr int NK = DP / KSTEP;
     static constexpr int BM = WARPS * MT * 16;
     static constexpr int NT = WARPS * 32;
@@ -209,19 +193,19 @@ struct Fwd {
     static_assert(STAGES >= 2, "need at least two stages");
     static_assert(!WG || (MT == 1 && (WARPS == 4 || WARPS == 8) && DP * ESIZE % 128 == 0 && !X3 && !QREG), "wgmma tile shape");
     static_assert(!SPLIT || !QREG, "split-d re-reads query chunks from shared memory");
-    static_assert(!I8 || DP % 32 == 0, "INT8 tiles (and split-d chunks) hold a multiple of 32 elements");
-    static_assert(!X3 || (ELEM == 2 && !QREG), "3xTF32 takes fp32 tiles and re-reads query fragments");
-    static_assert(!LIK_REFINE || (ELEM == 2 && WG && !SPLIT && !TOKM && MT == 1 && BN <= 128 && !X3),
+    static_assert(DP % KSTEP == 0, "tiles (and split-d chunks) hold whole k steps");
+    static_assert(!X3 || (TF32 && !QREG), "3xTF32 takes fp32 tiles and re-reads query fragments");
+    static_assert(!LIK_REFINE || (TF32 && WG && !SPLIT && !TOKM && MT == 1 && BN <= 128 && !X3),
                   "refined TF32 takes one-shot float32 wgmma tiles of at most 128 tokens");
-    static_assert(!TMA || ((ELEM != 2 || WG) && DP * ESIZE % 128 == 0 && (!SPLIT || WG)),
+    static_assert(!TMA || ((!TF32 || WG) && DP * ESIZE % 128 == 0 && (!SPLIT || WG)),
                   "TMA feeds one-shot 16-bit and INT8 tiles, float32 wgmma tiles and split-d wgmma tiles");
     static_assert(!QHALF || (SPLIT && WG && !TMA && !MULTI && WARPS == 4), "half query stages: one-warpgroup split-d tiles");
     static constexpr int QR = QHALF ? 32 : BM;  // query rows staged per split-d stage
     static constexpr int STAGE = SPLIT ? (QR + BN) * LDS : BN * LDS;  // elements per ring stage
     // Document token scales staged per ring stage (floats); TMA boxes of BN + 4 in slots of
     // 128-byte multiples.
-    static constexpr int SCL = I8 ? (TMA ? BN + 32 : BN) : 0;
-    static_assert(!(TMA && I8) || BN + 4 <= 256, "a TMA box holds at most 256 scales");
+    static constexpr int SCL = SCALED ? (TMA ? BN + 32 : BN) : 0;
+    static_assert(!(TMA && SCALED) || BN + 4 <= 256, "a TMA box holds at most 256 scales");
     // INT8 dot products stay below 2^22 in magnitude while DP * 128 * 128 does, and then
     // convert with two full-rate ops instead of one quarter-rate I2F.
     // Split-d dot products span the whole dim, so they take the exact conversion.
@@ -237,10 +221,10 @@ struct Fwd {
     // anyway), INT8 0-3% slower (its per-similarity arithmetic, not the barrier, holds it).
     // Split-d keeps a chunk's wgmma in flight past the next stage, so its slots go back by the
     // block barrier.
-    static constexpr bool RELEASE = TMA && !MULTI && (!I8 || TOKM) && !SPLIT;
+    static constexpr bool RELEASE = TMA && !MULTI && (!SCALED || TOKM) && !SPLIT;
     static_assert(!(MULTI && RELEASE), "several queries per tile sum a document's rows after the next stage's block barrier");
     static_assert(AHEAD >= 1, "split-d wgmma needs at least three stages");
-    static_assert(!TOKM || (I8 && WG && TMA && SMALL_DOT && WARPS == 8 && BM == 128 && BN == 128 && !ARGMAX && !MULTI),
+    static_assert(!TOKM || (E::kInt && WG && TMA && SMALL_DOT && WARPS == 8 && BM == 128 && BN == 128 && !ARGMAX && !MULTI),
                   "tokens on M: INT8 two-warpgroup TMA tiles of 128 x 128, one query, no argmax");
     static constexpr int TOKM_OFFSET = 1 << 22;  // accumulator start: x + 2^22 is in (0, 2^23) while |x| < 2^22
     // Shared floats for a document's reduction, per buffer: the tokens-on-M row maxima of every
@@ -250,7 +234,7 @@ struct Fwd {
     // split documents over CTAs (piece_role); FwdConfig.token_split says which. Not the mma.sync
     // fp32 tiles: with it the compile check found some of them spilling or over the registers their
     // launch plan assumes.
-    static constexpr bool TSPLIT = PACKED && !MULTI && !TOKM && !SPLIT && (ELEM != 2 || WG) && !LIK_RESIDUAL &&
+    static constexpr bool TSPLIT = PACKED && !MULTI && !TOKM && !SPLIT && (!TF32 || WG) && !LIK_RESIDUAL &&
                                    !LIK_CAND;
     // Padded documents through the token split (LIK_STRIDED): Docs and DocMask read them as padded
     // kernels do, the shares place them at j * Ld (Offsets::stride).
@@ -262,7 +246,7 @@ struct Fwd {
     static constexpr int RES = LIK_RESIDUAL;
     static constexpr bool CAND = LIK_CAND != 0;
     static_assert(RES == 0 || RES == 1 || RES == 2 || RES == 4, "LIK_RESIDUAL is 0 or nbits 1, 2 or 4");
-    static_assert(!RES || ((ELEM == 0 || ELEM == 1) && !WG && !TMA && !SPLIT && VEC && STAGES >= 3),
+    static_assert(!RES || (ESIZE == 2 && !WG && !TMA && !SPLIT && VEC && STAGES >= 3),
                   "residual tiles: fp16 or bf16 mma.sync one-shot tiles, 16-byte copies, three stages at least");
     static_assert(!CAND || (!MULTI && !TMA && !STRIDED), "candidate ids: one query per tile, cp.async, no token split");
     // Bytes of a slot's residual bits: BN rows of at most DP * RES / 8 bytes, copied from the
@@ -272,9 +256,9 @@ struct Fwd {
 #if LIK_HAS_WGMMA
     // The wgmma descriptor's low word of this warp's query rows in sQ (a warpgroup's 64 rows; tokens
     // on M: all BM rows), warp-uniform. Made once per CTA and held through the tile loop (QLO_HELD),
-    // except by split-d, whose query chunks move with the stages, and by INT8 argmax tiles, whose
+    // except by split-d, whose query chunks move with the stages, and by scaled (INT8) argmax tiles, whose
     // two-warpgroup tiles spilled holding it (compile check): those make it per tile.
-    static constexpr bool QLO_HELD = WG && !SPLIT && !(I8 && ARGMAX);
+    static constexpr bool QLO_HELD = WG && !SPLIT && !(SCALED && ARGMAX);
 #endif
 
     // The kernel's body (maxsim_fwd.cu).

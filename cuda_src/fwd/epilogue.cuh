@@ -65,11 +65,12 @@ __device__ __forceinline__ bool zero_pad_flag(const u8* flags, i64 base, int j) 
     return v != 0;
 }
 
-// A similarity from its accumulator: the float itself, or for INT8 the integer dot product
-// times its document token's scale `sc`.
+// A similarity from its accumulator: the float itself, or for a scaled type the dot product
+// (integer ones converted first) times its document token's scale `sc`.
 LIK_FWD_TEMPLATE
 __device__ __forceinline__ float LIK_FWD::sim(A a, float sc) {
-    if constexpr (I8) return (SMALL_DOT ? i2f_small(a) : __int2float_rn(a)) * sc;
+    if constexpr (E::kInt) return (SMALL_DOT ? i2f_small(a) : __int2float_rn(a)) * sc;
+    else if constexpr (SCALED) return a * sc;
     else return a;
 }
 
@@ -261,7 +262,7 @@ struct LIK_FWD::RowTerm {
     // even against a zero-scale padding token). The max commutes with the scale only when
     // it is >= 0: a negative (or NaN) scale gives NaN rather than a wrong number.
     __device__ float operator()(float v, int m, int h) const {
-        if (!I8 || v == LIK_NEG_INF) return v;
+        if (!SCALED || v == LIK_NEG_INF) return v;
         const float sq = q_scale[(i64)(qi0 + rq[m][h]) * Lq + rs[m][h]];
         return v * (sq >= 0.f ? sq : __int_as_float(0x7fffffff));
     }
@@ -318,8 +319,8 @@ struct LIK_FWD::RowMax {
         // producer refill it); one 8-byte load per column pair serves all 2 * MT rows.
         const float* ss = sS + slot * SCL + sh + 2 * tq;
         auto scales = [&](int n) {
-            if constexpr (I8 && TMA) return float2{ss[n * 8], ss[n * 8 + 1]};  // sh may be odd
-            else if constexpr (I8) return *reinterpret_cast<const float2*>(ss + n * 8);
+            if constexpr (SCALED && TMA) return float2{ss[n * 8], ss[n * 8 + 1]};  // sh may be odd
+            else if constexpr (SCALED) return *reinterpret_cast<const float2*>(ss + n * 8);
             else return float2{1.f, 1.f};
         };
         if (!ARGMAX && full) {
@@ -337,7 +338,7 @@ struct LIK_FWD::RowMax {
             }
             return;
         }
-        if (MULTI && !ARGMAX && !dm && !I8) {
+        if (MULTI && !ARGMAX && !dm && !SCALED) {
             // A document's last, partial tile: its whole 8-column blocks take the one-op fold,
             // the block the document ends in is masked, later blocks are skipped. rem is the
             // same across the warp, so the branches do not diverge. (INT8 stays on the select
@@ -503,7 +504,7 @@ struct LIK_FWD::Finish {
 
     // Document j's zero-vector padding flag (false without flags, and in INT8, candidate-id and PLAID
     // residual tiles, which are never given flags).
-    __device__ bool zero_pad(int j) const { return !I8 && !CAND && !RES && zero_pad_flag(d_zero_pad, dt.doc0, j); }
+    __device__ bool zero_pad(int j) const { return !SCALED && !CAND && !RES && zero_pad_flag(d_zero_pad, dt.doc0, j); }
 
     // Document j's score (and argmax) from best / bidx. Its zero-vector padding flag is read here,
     // where the row maxima are final, except by single-query 3xTF32 tiles, whose run reads it as the

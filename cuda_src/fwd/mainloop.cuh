@@ -41,9 +41,9 @@ __device__ __forceinline__ void LIK_FWD::load_rows(T* dst, const T* src, int ava
 #pragma unroll
         for (int i = 0; i < NROWS * CPR / NT; ++i) {
             const bool ok = kok && r0 + i * RS < avail;
-            // INT8 tiles keep the address select: the ignore-src form took their padded
+            // Scaled tiles keep the address select (measured on INT8's): the ignore-src form took their padded
             // one-warpgroup tile to 132 registers, past the 128 of four CTAs per SM.
-            if constexpr (I8) cp_async_16(d0 + i * RS * (SWZ ? BLK : LDS) * ESIZE, ok ? s : src, ok ? 16 : 0);
+            if constexpr (SCALED) cp_async_16(d0 + i * RS * (SWZ ? BLK : LDS) * ESIZE, ok ? s : src, ok ? 16 : 0);
             else cp_async_16_or_zero(d0 + i * RS * (SWZ ? BLK : LDS) * ESIZE, s, ok);
             s += step;
         }
@@ -67,7 +67,7 @@ __device__ __forceinline__ void LIK_FWD::load_rows(T* dst, const T* src, int ava
 // A fragments (16 query rows x one k step) for the tile rows starting at row0.
 LIK_FWD_TEMPLATE
 __device__ __forceinline__ void LIK_FWD::load_a(u32 (&a)[4], const T* sQ, int row0, int kk, int lane) {
-    if (ELEM == 2) {
+    if (TF32) {
         const float* q = reinterpret_cast<const float*>(sQ);
         const int g = lane >> 2, t = lane & 3, k = kk * KSTEP + t;
         a[0] = to_tf32(q[(row0 + g) * LDS + k]);
@@ -119,8 +119,8 @@ __device__ __forceinline__ void LIK_FWD::tile_mma(A (&acc)[MT][NN][4], const u32
 #pragma unroll
             for (int kk = 0; kk < NK; ++kk) {
                 const u32 ko = (kk & 3) * 32;
-                wgmma_s8_m64k32<BM>(d, wgmma_desc_at(dd0 + (((kk >> 2) * BN * 128 + ko) >> 4)),
-                                    wgmma_desc_at(dq0 + (((kk >> 2) * BM * 128 + ko) >> 4)), 1);
+                wgmma_m64<ELEM, BM>(d, wgmma_desc_at(dd0 + (((kk >> 2) * BN * 128 + ko) >> 4)),
+                                   wgmma_desc_at(dq0 + (((kk >> 2) * BM * 128 + ko) >> 4)), 1);
             }
             wgmma_commit();
             wgmma_wait<0>();
@@ -136,8 +136,7 @@ __device__ __forceinline__ void LIK_FWD::tile_mma(A (&acc)[MT][NN][4], const u32
             const u32 ko = (kk & 3) * 32;  // byte offset of this k step inside a 128-byte row
             const unsigned long long dq = wgmma_desc_at(dq0 + (((kk >> 2) * (SPLIT ? QR : BM) * 128 + ko) >> 4));
             const unsigned long long dd = wgmma_desc_at(dd0 + (((kk >> 2) * BN * 128 + ko) >> 4));
-            if constexpr (I8) wgmma_s8_m64k32<BN>(d, dq, dd, kk > 0 || add);
-            else wgmma_m64k16<ELEM, BN>(d, dq, dd, kk > 0 || add);
+            wgmma_m64<ELEM, BN>(d, dq, dd, kk > 0 || add);
         }
         wgmma_commit();
         // Refined TF32 tiles: the tile's row norms while the tensor cores multiply (tn: the slot's
@@ -154,7 +153,7 @@ __device__ __forceinline__ void LIK_FWD::tile_mma(A (&acc)[MT][NN][4], const u32
 #endif
     // Register-resident query fragments need every k step unrolled. Wide tf32 tiles that
     // re-read them from shared memory (48+ k steps of 8) spilled on sm_90 fully unrolled.
-#pragma unroll(QREG || ELEM != 2 ? NK : 16)
+#pragma unroll(QREG || !TF32 ? NK : 16)
     for (int kk = 0; kk < NK; ++kk) {
         u32 a[MT][4], alo[X3 ? MT : 1][4];
 #pragma unroll
@@ -168,7 +167,7 @@ __device__ __forceinline__ void LIK_FWD::tile_mma(A (&acc)[MT][NN][4], const u32
                 load_a(a[m], sQ, wrow0 + m * 16, kk, lane);
             }
         }
-        if constexpr (ELEM == 2) {
+        if constexpr (TF32) {
             const float* d = reinterpret_cast<const float*>(sD);
             const int g = lane >> 2, t = lane & 3, k = kk * KSTEP + t;
 #pragma unroll
@@ -199,13 +198,8 @@ __device__ __forceinline__ void LIK_FWD::tile_mma(A (&acc)[MT][NN][4], const u32
                 ldmatrix_x4(b, smem_addr(sD + soff(np * 16 + nr, kc, BN)));
 #pragma unroll
                 for (int m = 0; m < MT; ++m) {
-                    if constexpr (I8) {
-                        mma_s8(acc[m][2 * np], a[m], b[0], b[1]);
-                        mma_s8(acc[m][2 * np + 1], a[m], b[2], b[3]);
-                    } else {
-                        mma<ELEM>(acc[m][2 * np], a[m], b[0], b[1]);
-                        mma<ELEM>(acc[m][2 * np + 1], a[m], b[2], b[3]);
-                    }
+                    mma<ELEM>(acc[m][2 * np], a[m], b[0], b[1]);
+                    mma<ELEM>(acc[m][2 * np + 1], a[m], b[2], b[3]);
                 }
             }
         }
@@ -235,7 +229,7 @@ struct LIK_FWD::SmemLayout {
         // only, each stage a query chunk followed by a document chunk.
         sQ = reinterpret_cast<T*>(smem_base);
         ring = sQ + (SPLIT ? 0 : BM * LDS);
-        sS = reinterpret_cast<float*>(ring + STAGES * STAGE);  // [STAGES][SCL] INT8 document scales
+        sS = reinterpret_cast<float*>(ring + STAGES * STAGE);  // [STAGES][SCL] document token scales (scaled types)
         red = sS + STAGES * SCL;  // [2][RED]
         // TMA: [STAGES] "full" barriers (the slot's bytes landed), then [STAGES] "empty" ones (every
         // warp is done with the slot, so it may be refilled).
@@ -359,7 +353,7 @@ struct LIK_FWD::Producer {
     const T* const& Qt;
     const int &q_rows, &dim;
     const T* __restrict__ const& D;
-    float* const& sS;  // INT8 document scales, per ring slot
+    float* const& sS;  // document token scales (scaled types), per ring slot
     const float* __restrict__ const& d_scale;
     const int& nk;  // chunks of the dim per tile
     const Cursor& cur;
@@ -399,13 +393,13 @@ struct LIK_FWD::Producer {
                     // past dim are zeros (the maps end there).
                     const int col = k0 * ESIZE;
                     T* sd = st + (SPLIT ? BM * LDS : 0);
-                    mbar_arrive_expect_tx(bar, (SPLIT ? BM + BN : BN) * DP * ESIZE + (I8 ? (BN + 4) * 4 : 0));
+                    mbar_arrive_expect_tx(bar, (SPLIT ? BM + BN : BN) * DP * ESIZE + (SCALED ? (BN + 4) * 4 : 0));
 #pragma unroll
                     for (int kb = 0; kb < DP / BLK; ++kb) {
                         if (SPLIT) tma_load_2d(smem_addr(st + kb * BM * BLK), tmq, col + kb * 128, qi0 * Lq + s0, bar);
                         tma_load_2d(smem_addr(sd + kb * BN * BLK), tmd, col + kb * 128, row, bar);
                     }
-                    if constexpr (I8) tma_load_1d(smem_addr(sS + slot * SCL), tms, row & ~3, bar);
+                    if constexpr (SCALED) tma_load_1d(smem_addr(sS + slot * SCL), tms, row & ~3, bar);
                 }
 #endif
             } else {
@@ -417,7 +411,7 @@ struct LIK_FWD::Producer {
                               dim - k0);
 #endif
             }
-            if constexpr (I8 && !TMA) {
+            if constexpr (SCALED && !TMA) {
                 const float* src = d_scale + row0;
                 for (int c = threadIdx.x; c < BN; c += NT)
                     cp_async_4(smem_addr(sS + slot * SCL + c), c < rows ? src + c : d_scale, c < rows ? 4 : 0);

@@ -363,10 +363,10 @@ struct LIK_FWD::DocMask {
     __device__ const u8* dmask(int j) const {
 #if LIK_CAND
         const i64 r = PACKED ? -1 : range.cand_doc(doc0 + j);  // an id outside D has no token to mask
-        if (r < 0 || !d_mask || (!(I8 && ARGMAX) && d_len && d_len[r] >= 0)) return nullptr;
+        if (r < 0 || !d_mask || (!(SCALED && ARGMAX) && d_len && d_len[r] >= 0)) return nullptr;
         return d_mask + r * Ld;
 #else
-        if ((PACKED && !STRIDED) || !d_mask || (!(I8 && ARGMAX) && d_len && d_len[doc0 + j] >= 0)) return nullptr;
+        if ((PACKED && !STRIDED) || !d_mask || (!(SCALED && ARGMAX) && d_len && d_len[doc0 + j] >= 0)) return nullptr;
         return d_mask + (doc0 + j) * Ld;
 #endif
     }

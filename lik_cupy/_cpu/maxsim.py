@@ -24,6 +24,10 @@ GEMM where documents are shared. The arithmetic:
   partial sum of int8 products passes 2**24 for ``d <= 1024``; a float64 GEMM beyond), each times
   its document token's scale in float32: the kernels' arithmetic, bit for bit, whatever the blocks
   (nothing to refine or recompute).
+- FP8 e4m3 (ml_dtypes ``float8_e4m3fn`` Q and D, with scales as INT8's): a float64 GEMM of the
+  exactly dequantised values, whose dot products are exact (every product is a multiple of 2**-18
+  below 2**18, so every partial sum is exact for ``d < 2**17``), rounded to float32 and then as
+  INT8's. The kernels' float32 tensor-core sums may round where this does not.
 
 Speed: a block goes through the GEMM in chunks of documents whose similarities and tokens fit
 ``_CACHE_BYTES``, each chunk's GEMM in pieces whose tokens are read once for their norm bound just
@@ -70,17 +74,19 @@ _SPLIT_MACS = 1 << 24  # multiply-adds of a block's GEMM per thread at least, fo
 
 @dataclass(frozen=True)
 class _Arith:
-    """How a call computes: the GEMM's dtype, whether its similarities are exact (INT8: nothing to
-    refine or recompute) and the scores' dtype."""
+    """How a call computes: the GEMM's dtype, whether its similarities are exact (scaled types, INT8
+    and FP8: nothing to refine or recompute) and the scores' dtype."""
 
     gemm: np.dtype
     exact: bool
     out: np.dtype
 
     @staticmethod
-    def of(dtype, dim: int, int8: bool) -> _Arith:
-        if int8:
+    def of(dtype, dim: int, scaled: bool) -> _Arith:
+        if scaled and np.dtype(dtype) == np.int8:
             return _Arith(np.dtype(np.float32 if dim <= _INT8_EXACT_DIM else np.float64), True, np.dtype(np.float32))
+        if scaled:  # FP8: exact in float64 (the module's docstring)
+            return _Arith(np.dtype(np.float64), True, np.dtype(np.float32))
         if np.dtype(dtype) == np.float64:
             return _Arith(np.dtype(np.float64), False, np.dtype(np.float64))
         return _Arith(np.dtype(np.float32), False, np.dtype(np.float32))
@@ -125,10 +131,10 @@ def maxsim_numpy(Q: np.ndarray, D: np.ndarray, q_valid: np.ndarray, d_valid: np.
 
     Q: [Nq, Lq, d]; D: [Nd, Ld, d] shared by all queries, or [Nq * nd, Ld, d]
     when ``candidates`` (query i scores documents i*nd .. i*nd+nd-1). float16, bfloat16, float32 or
-    float64 (both alike), or int8 with scales.
+    float64 (both alike), or int8 or ml_dtypes float8_e4m3fn with scales.
     q_valid: bool [Nq, Lq]; d_valid: bool [D.shape[0], Ld].
-    q_scale / d_scale: float32 [Nq, Lq] / [D.shape[0], Ld] for int8 Q and D. The similarity is
-    then the exact integer dot product times the document token's scale, rounded to float32,
+    q_scale / d_scale: float32 [Nq, Lq] / [D.shape[0], Ld] for int8 or float8_e4m3fn Q and D. The similarity is
+    then the exact dot product rounded to float32, times the document token's scale in float32,
     and the query token's scale multiplies the max (a negative or NaN one gives NaN, since
     only a non-negative scale commutes with the max): the kernel's arithmetic, so the argmax
     matches the GPU's exactly.
@@ -439,7 +445,7 @@ def _block_maxima(Q: np.ndarray, q_valid: np.ndarray, blk: _DocBlock, ar: _Arith
             for j0, j1, c0, c1, sub in claims:
                 S, dn = blk.similarities(A.reshape(g, lq, dim), c0, c1, thread, None if ar.exact else sub)
                 dn = None if dn is None else dn[row_set]
-                if blk.d_scale is not None:  # INT8: the exact integer dot product times the token's scale, in float32
+                if blk.d_scale is not None:  # scaled: the exact dot product times the token's scale, in float32
                     S = S.astype(np.float32, copy=False)
                     S.reshape(sets, m // sets, c1 - c0)[...] *= blk.d_scale[:, None, c0:c1]
                 sub.mask_invalid(S, row_set)

@@ -1,13 +1,20 @@
-"""The NumPy INT8 quantiser (the rule is in ``lik_cupy.quantize``'s docstring; the device kernel,
-``cuda_src/quantize.cu``, does the same IEEE float32 operations and gives the same bytes)."""
+"""The NumPy INT8 and FP8 quantisers (the rules are in ``lik_cupy.quantize``'s docstring; the device
+kernels, ``cuda_src/quantize.cu``, do the same IEEE float32 operations and give the same bytes)."""
 
 from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["quantize_numpy"]
+__all__ = ["quantize_numpy", "quantize_fp8_numpy"]
 
 _BLOCK_ROWS = 1 << 16  # tokens per block, so float32 temporaries stay small
+_FP8_MAX = 448.0  # the largest float8_e4m3fn
+
+
+def _non_finite(x: np.ndarray, flat_row: int, kind: str) -> ValueError:
+    where = np.unravel_index(flat_row, x.shape[:-1]) if x.ndim > 1 else ()
+    return ValueError(f"X holds NaN or inf in token {tuple(int(i) for i in where)}; "
+                      f"{kind} quantisation needs finite values")
 
 
 def quantize_numpy(x: np.ndarray, *, strict: bool = True) -> tuple[np.ndarray, np.ndarray]:
@@ -25,10 +32,7 @@ def quantize_numpy(x: np.ndarray, *, strict: bool = True) -> tuple[np.ndarray, n
         blk = flat[r0 : r0 + _BLOCK_ROWS].astype(np.float32)
         finite = np.isfinite(blk).all(axis=1)
         if strict and not finite.all():
-            bad = r0 + int(np.argmin(finite))
-            where = np.unravel_index(bad, x.shape[:-1]) if x.ndim > 1 else ()
-            raise ValueError(f"X holds NaN or inf in token {tuple(int(i) for i in where)}; "
-                             "INT8 quantisation needs finite values")
+            raise _non_finite(x, r0 + int(np.argmin(finite)), "int8")
         amax = np.abs(blk).max(axis=1)
         sc = np.where(finite, amax / np.float32(127), np.float32(np.nan))
         div = np.where(sc > 0, sc, np.float32(1))
@@ -36,3 +40,45 @@ def quantize_numpy(x: np.ndarray, *, strict: bool = True) -> tuple[np.ndarray, n
             q[r0 : r0 + _BLOCK_ROWS] = np.where(finite[:, None], np.clip(np.rint(blk / div[:, None]), -127, 127), 0)
         s[r0 : r0 + _BLOCK_ROWS] = sc
     return q.reshape(x.shape), s.reshape(x.shape[:-1])
+
+
+def quantize_fp8_numpy(x: np.ndarray, *, per: str = "token", strict: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """The NumPy FP8 quantiser: ``x [..., d]`` (any float dtype) -> uint8 ``[..., d]`` (float8_e4m3fn
+    bit patterns) and float32 scales ``[...]`` (``per="token"``) or ``[]`` (``per="tensor"``): scale =
+    max|x| / 448 in float32, codes = e4m3(x / scale) rounded to nearest even (ml_dtypes' cast, which
+    is torch's). A zero token (or tensor) gets scale 0 and codes 0. NaN or inf raises ValueError, or
+    with ``strict=False`` gives its token (per tensor: every token) scale NaN and codes 0, as on the
+    device."""
+    import ml_dtypes
+
+    x = np.asarray(x)
+    if x.ndim < 1 or x.shape[-1] == 0:
+        raise ValueError(f"X has shape {list(x.shape)}; expected [..., d] with an embedding dim d >= 1")
+    if per not in ("token", "tensor"):
+        raise ValueError(f"per is {per!r}; expected 'token' or 'tensor'")
+    d = x.shape[-1]
+    flat = x.reshape(-1, d)
+    rows = flat.shape[0]
+    amax = np.zeros(rows, np.float32)
+    for r0 in range(0, rows, _BLOCK_ROWS):
+        with np.errstate(invalid="ignore"):
+            amax[r0 : r0 + _BLOCK_ROWS] = np.abs(flat[r0 : r0 + _BLOCK_ROWS].astype(np.float32)).max(axis=1)
+    finite = np.isfinite(amax)
+    if strict and not finite.all():
+        raise _non_finite(x, int(np.argmin(finite)), "float8_e4m3fn")
+    if per == "tensor":
+        top = amax.max(initial=np.float32(0)) if finite.all() else np.float32(np.nan)
+        sc = np.full(rows, np.float32(top) / np.float32(_FP8_MAX), np.float32)
+    else:
+        sc = np.where(finite, amax / np.float32(_FP8_MAX), np.float32(np.nan)).astype(np.float32)
+    ok = finite & (sc > 0) & np.isfinite(sc)
+    q = np.zeros(flat.shape, np.uint8)
+    for r0 in range(0, rows, _BLOCK_ROWS):
+        blk = flat[r0 : r0 + _BLOCK_ROWS].astype(np.float32)
+        k = ok[r0 : r0 + _BLOCK_ROWS]
+        div = np.where(k, sc[r0 : r0 + _BLOCK_ROWS], np.float32(1))
+        with np.errstate(invalid="ignore"):
+            codes = (blk / div[:, None]).astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+        q[r0 : r0 + _BLOCK_ROWS] = np.where(k[:, None], codes, 0)
+    scales = np.float32(sc[0] if rows else np.float32(0)) if per == "tensor" else sc.reshape(x.shape[:-1])
+    return q.reshape(x.shape), np.asarray(scales, np.float32)

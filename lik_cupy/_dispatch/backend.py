@@ -3,10 +3,10 @@ function shares."""
 
 from __future__ import annotations
 
-from .._base.device import gpu_available
+from .._base.device import device_properties, gpu_available
 from .elements import elem_spec, kernel_dtype
 
-__all__ = ["BACKENDS", "check_backend", "use_gpu", "scoring_on_gpu", "check_gpu_dim"]
+__all__ = ["BACKENDS", "check_backend", "use_gpu", "scoring_on_gpu", "check_gpu_dim", "check_gpu_arch"]
 
 BACKENDS = ("auto", "gpu", "cpu")
 
@@ -61,3 +61,15 @@ def check_gpu_dim(dtype: str, dim: int, cpu: str = "backend='cpu'") -> None:
     if not spec.dim_ok(dim):
         raise ValueError(f"{spec.name} scoring on the GPU needs dim {spec.dim_rule()}; got dim {dim} "
                          f"({cpu} scores any dim)")
+
+
+def check_gpu_arch(dtype: str, device: int) -> None:
+    """RuntimeError unless GPU ``device`` has the tensor-core instructions of element type ``dtype``
+    (``ElemSpec.min_arch``: FP8 needs sm_89, Ada or Hopper), naming the GPU and the ways around it."""
+    spec = elem_spec(kernel_dtype(dtype))
+    props = device_properties(device)
+    if props.cc < spec.min_arch:
+        fallback = f", or dequantise ({spec.dequantiser}) and score the floats" if spec.dequantiser else ""
+        raise RuntimeError(
+            f"{spec.name} on the GPU needs compute capability {spec.min_arch / 10:.1f} or newer (its tensor-core "
+            f"instructions), but device {device} ({props.name}) has {props.cc / 10:.1f}: use backend='cpu'{fallback}")

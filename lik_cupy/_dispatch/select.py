@@ -71,10 +71,22 @@ def _wgmma_tma(spec: ElemSpec, argmax: bool, multi: bool, q_len: int) -> bool:
     return not (spec.scaled and argmax) and (multi or q_len > 128 or spec.bytes == 4)
 
 
-def _tokm(scaled: bool, argmax: bool, multi: bool, tma: bool, dim: int, ld: int) -> bool:
-    """Whether a scaled (INT8) Hopper problem takes the tokens-on-M tiles (per-token scales in registers)."""
-    return scaled and not argmax and not multi and tma and dim % 128 == 0 and dim * 128 * 128 < 1 << 22 \
-        and ld >= t.TOKM_MIN_LD
+def _tokm(spec: ElemSpec, argmax: bool, multi: bool, tma: bool, dim: int, ld: int) -> bool:
+    """Whether a scaled Hopper problem takes the tokens-on-M tiles (per-token scales in registers; they
+    read integer accumulators, INT8's, as floats: fwd/config.cuh, LIK_TOKM)."""
+    return spec.scaled and spec.integer and not argmax and not multi and tma and dim % 128 == 0 \
+        and dim * 128 * 128 < 1 << 22 and ld >= t.TOKM_MIN_LD
+
+
+def _mma_native(spec: ElemSpec, arch: int, dim: int, argmax: bool) -> None:
+    """ValueError where a problem would take mma.sync tiles that ``arch`` emulates for ``spec``
+    (``ElemSpec.emulated_mma``: FP8 on sm_90, which takes its wgmma tiles only)."""
+    if arch in spec.emulated_mma:
+        raise ValueError(f"{spec.name} on sm_{arch} runs on its wgmma tiles only (mma.sync is emulated there), and "
+                         f"none takes this problem (d = {dim}{', argmax' if argmax else ''}): they need 16-byte "
+                         f"aligned Q and D, d a multiple of {128 // spec.bytes} up to {spec.one_shot_max}, and some "
+                         "argmax shapes (candidate ids, short queries above d = 512) have none; score without the "
+                         "argmax or on the CPU (backend='cpu'), and leave LIK_DISABLE_WGMMA unset")
 
 
 @functools.lru_cache(maxsize=4096)
@@ -141,7 +153,7 @@ def choose_forward(cc: int, dtype: str, dim: int, lq: int, argmax: bool, vec: bo
                 if cfg.smem_bytes <= limit:
                     return cfg
         if hopper and row_bytes % 128 == 0:
-            if _tokm(scaled, argmax, multi(128), tma, dim, ld):
+            if _tokm(spec, argmax, multi(128), tma, dim, ld):
                 cfg = FwdConfig(elem=elem, dp=dim, warps=8, mt=1, bn=128, stages=t.TOKM_STAGES, qreg=False, argmax=False,
                                 vec=vec, wgmma=True, multi=False, packed=packed, cand=cand, tma=True, tokm=True)
                 if cfg.smem_bytes <= limit:
@@ -153,6 +165,7 @@ def choose_forward(cc: int, dtype: str, dim: int, lq: int, argmax: bool, vec: bo
                 # INT8's argmax of several queries does not fit the 128 registers of two CTAs per SM.
                 if cfg.smem_bytes <= limit and not (scaled and argmax and cfg.multi and cfg.min_blocks > 1):
                     return cfg
+        _mma_native(spec, arch, dim, argmax)
         # TMA needs whole 128-byte rows (no padding lanes) and swizzled tiles (not the tf32 lds path).
         tma_mma = tma and vec and arch == 90 and not spec.tf32 and dim == dp and row_bytes % 128 == 0
         rows = t.MMA_TABLE[(spec.tf32, one_shot_bucket(dp // spec.per_16bit), lb)]
@@ -185,6 +198,7 @@ def choose_forward(cc: int, dtype: str, dim: int, lq: int, argmax: bool, vec: bo
                     and not (scaled and cfg.tma and bn + 4 > 256) \
                     and not (scaled and argmax and (cfg.min_blocks > 1 or (cfg.multi and bn > 128))):
                 return cfg
+    _mma_native(spec, arch, dim, argmax)
     # 3xTF32's split fragments leave two m-tiles too few registers for the argmax of several
     # queries: those take the one m-tile rows.
     rows = t.SPLIT_TABLE[(spec.tf32, lb)] + (t.SPLIT_TABLE[(True, 64)] if x3 and argmax else ())
@@ -255,6 +269,17 @@ def all_residual_configs(arch: int, dims=None) -> list[FwdConfig]:
     return list(seen.values())
 
 
+def _chosen(spec: ElemSpec, arch: int, *args) -> FwdConfig | None:
+    """``choose_forward(arch, spec.name, *args)``, or None for a problem that only emulated mma.sync
+    tiles would take (``ElemSpec.emulated_mma``)."""
+    try:
+        return choose_forward(arch, spec.name, *args)
+    except ValueError:
+        if arch_of(arch) in spec.emulated_mma:
+            return None
+        raise
+
+
 def all_forward_configs(arch: int, dims=None) -> list[FwdConfig]:
     """Every configuration ``choose_forward`` (and ``choose_residual``) can return on ``arch`` for the
     embedding ``dims``.
@@ -268,7 +293,8 @@ def all_forward_configs(arch: int, dims=None) -> list[FwdConfig]:
     """
     seen: dict[str, FwdConfig] = {}
     for spec in ELEMS:
-        dtype = spec.name
+        if arch_of(arch) < spec.min_arch:
+            continue
         if dims is not None:
             picked = [d for d in dims if spec.dim_ok(d)]
         else:  # a float's odd width (1000) pads; a scaled type's (96) has a one-shot bucket of its own
@@ -283,16 +309,19 @@ def all_forward_configs(arch: int, dims=None) -> list[FwdConfig]:
                                 for packed in (False, True):
                                     for tma in (False, True):
                                         for x3 in (False, True) if spec.tf32 else (False,):
-                                            c = choose_forward(arch, dtype, dim, lq, argmax, vec, wg, shared, ld, packed,
-                                                               tma, x3)
+                                            c = _chosen(spec, arch, dim, lq, argmax, vec, wg, shared, ld, packed,
+                                                        tma, x3)
+                                            if c is None:
+                                                continue
                                             seen[c.name] = c
                                             s = c.strided_tile
                                             if s is not None:
                                                 seen[s.name] = s
                                             if shared == 1 and not tma:  # candidate ids: one query a tile, no TMA
-                                                c = choose_forward(arch, dtype, dim, lq, argmax, vec, wg, 1, ld, packed,
-                                                                   False, x3, True)
-                                                seen[c.name] = c
+                                                c = _chosen(spec, arch, dim, lq, argmax, vec, wg, 1, ld, packed,
+                                                            False, x3, True)
+                                                if c is not None:
+                                                    seen[c.name] = c
     seen.update((c.name, c) for c in all_residual_configs(arch, None if dims is None else
                                                           [d for d in dims if residual_dim_ok(d)]))
     return list(seen.values())

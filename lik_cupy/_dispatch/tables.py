@@ -146,8 +146,10 @@ WGMMA_STAGES = {128: (2, 3), 96: (3, 2), 64: (3, 2)}
 # INT8's 64-token tiles ran 22% slower (Ld = 1024). Measured at d = 128 (256-byte rows), the
 # widest rows this rule takes. By element type (every one with wgmma tiles has a row).
 _SHORT_WGMMA_COST_16BIT = {64: 1.0, 128: 0.98}
-SHORT_WGMMA_COST = {"float16": _SHORT_WGMMA_COST_16BIT, "bfloat16": _SHORT_WGMMA_COST_16BIT, "int8": {128: 1.0, 64: 1.22},
-                    "float32": {64: 1.0, 128: 1.0}}
+# FP8 takes INT8's row (the same one-byte tiles; unmeasured for FP8).
+_SHORT_WGMMA_COST_8BIT = {128: 1.0, 64: 1.22}
+SHORT_WGMMA_COST = {"float16": _SHORT_WGMMA_COST_16BIT, "bfloat16": _SHORT_WGMMA_COST_16BIT, "int8": _SHORT_WGMMA_COST_8BIT,
+                    "float8_e4m3fn": _SHORT_WGMMA_COST_8BIT, "float32": {64: 1.0, 128: 1.0}}
 SHORT_WGMMA_STAGES = {64: (4, 3), 128: (2, 3)}
 # float32 (TF32 wgmma, d = 128): 64-token tiles two stages deep by TMA lead, 64 and 128 tokens at
 # two or three stages within 1% (0.0411-0.0416 ms for 32 tokens x 1,000 documents of 300, H200);

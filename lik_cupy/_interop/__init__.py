@@ -2,16 +2,18 @@
 
 One adapter module per framework (``numpy_arrays``, ``cupy_arrays``, ``torch_tensors``,
 ``jax_arrays``, ``dlpack_arrays``), each with the members of the contract in ``contract.py``
-(conversion, stream and allocator, TF32 default; the repeat-call hooks for torch and CuPy, and
-``xla_buffers`` for JAX's callbacks). The functions here pick the adapter by framework name and
-do what every framework shares; the core modules reach a framework only through its adapter.
+(conversion, the bf16 and float8 views, stream and allocator, TF32 default; the repeat-call hooks
+for torch and CuPy, and ``xla_buffers`` for JAX's callbacks). The functions here pick the adapter by
+framework name and do what every framework shares; the core modules reach a framework only through
+its adapter.
 
 Frameworks are recognised by the module that defines the array's type, so ``import lik_cupy``
 never imports torch or jax: if a torch tensor reaches us, torch is already in ``sys.modules``.
 Device arrays cross into CuPy without a copy when they are C-contiguous (other strides are
 copied on the device, never misread). bfloat16 travels as its 16-bit pattern (a free view in
 torch, NumPy and CuPy), because the kernels read raw bits and CuPy's own bfloat16 support
-depends on its version.
+depends on its version. FP8 (float8_e4m3fn) travels as its uint8 bit patterns likewise
+(``float8_bits``), and comes back as float8 where the framework has the type (``float8_view``).
 """
 
 from __future__ import annotations
@@ -21,11 +23,13 @@ import numpy as np
 from . import cupy_arrays, dlpack_arrays, jax_arrays, numpy_arrays, torch_tensors, xla_buffers
 from .info import Info, dtype_name
 
-__all__ = ["FLOAT_DTYPES", "ADAPTERS", "REPEAT_CALLS", "CALLBACK_BUFFERS", "Info", "dtype_name", "framework_of",
-           "describe", "is_bfloat16", "to_cupy", "to_numpy", "from_cupy", "bfloat16_from_bits", "from_numpy",
-           "caller_stream", "tf32_default", "host_array", "host_result", "device_array", "caller_results", "GpuCall"]
+__all__ = ["FLOAT_DTYPES", "FLOAT8_DTYPES", "ADAPTERS", "REPEAT_CALLS", "CALLBACK_BUFFERS", "Info", "dtype_name",
+           "framework_of", "describe", "is_bfloat16", "to_cupy", "to_numpy", "from_cupy", "bfloat16_from_bits",
+           "from_numpy", "float8_bits", "float8_view", "caller_stream", "tf32_default", "host_array", "host_result",
+           "device_array", "caller_results", "GpuCall"]
 
 FLOAT_DTYPES = ("float16", "bfloat16", "float32")
+FLOAT8_DTYPES = ("float8_e4m3fn",)
 ADAPTERS = {m.FRAMEWORK: m for m in (numpy_arrays, cupy_arrays, torch_tensors, jax_arrays, dlpack_arrays)}
 # The repeat-call path's adapters (contract.RepeatCalls), by the top module of an array's type.
 REPEAT_CALLS = {m.FRAMEWORK: m for m in (torch_tensors, cupy_arrays)}
@@ -50,6 +54,19 @@ def framework_of(x) -> str:
 
 def describe(x) -> Info:
     return ADAPTERS[framework_of(x)].describe(x)
+
+
+def float8_bits(x):
+    """``x`` as the kernels read it: a float8_e4m3fn array (PyTorch, NumPy through ml_dtypes, JAX) as a
+    uint8 view of its bit patterns in its own framework; any other array unchanged."""
+    fw = framework_of(x)
+    return ADAPTERS[fw].byte_view(x) if ADAPTERS[fw].describe(x).dtype in FLOAT8_DTYPES else x
+
+
+def float8_view(x, fw: str):
+    """uint8 bit patterns ``x`` of framework ``fw`` as float8_e4m3fn where the framework has the type
+    (CuPy has none: its arrays stay uint8)."""
+    return ADAPTERS[fw].float8_view(x)
 
 
 def is_bfloat16(dtype) -> bool:

@@ -49,6 +49,12 @@ class Adapter(Protocol):
     def from_numpy(self, a: np.ndarray):
         """A host NumPy result (bfloat16 as ``ml_dtypes.bfloat16``) as this framework's array."""
 
+    def byte_view(self, x):
+        """One-byte elements (FP8 codes) as this framework's uint8, without a copy."""
+
+    def float8_view(self, x):
+        """uint8 FP8 codes as this framework's float8_e4m3fn where it has one (CuPy has none: uint8)."""
+
     def caller_stream(self, device: int) -> AbstractContextManager:
         """Entered around a call's GPU work: CuPy on ``device``, on the framework's current stream and
         with its allocator where it has them."""

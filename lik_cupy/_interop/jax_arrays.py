@@ -63,6 +63,15 @@ def bfloat16_from_bits(a, on_host: bool, like):
     return jax.lax.bitcast_convert_type(jax.dlpack.from_dlpack(a), jax.numpy.bfloat16)
 
 
+def byte_view(x):
+    return sys.modules["jax"].lax.bitcast_convert_type(x, np.uint8)
+
+
+def float8_view(x):
+    jax = sys.modules["jax"]
+    return jax.lax.bitcast_convert_type(x, jax.numpy.float8_e4m3fn)
+
+
 def from_numpy(a: np.ndarray):
     return sys.modules["jax"].numpy.asarray(a)
 

@@ -34,6 +34,16 @@ def bfloat16_from_bits(a, on_host: bool, like):
     return a.get().view(ml_dtypes.bfloat16)
 
 
+def byte_view(x):
+    return x.view(np.uint8)
+
+
+def float8_view(x):
+    import ml_dtypes
+
+    return x.view(ml_dtypes.float8_e4m3fn)
+
+
 def from_numpy(a: np.ndarray):
     return a
 

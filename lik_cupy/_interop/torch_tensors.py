@@ -126,6 +126,14 @@ def bfloat16_from_bits(a, on_host: bool, like):
     return (t if t is not None else torch.from_dlpack(bits)).view(torch.bfloat16)
 
 
+def byte_view(x):
+    return x.view(sys.modules["torch"].uint8)
+
+
+def float8_view(x):
+    return x.view(sys.modules["torch"].float8_e4m3fn)
+
+
 def from_numpy(a: np.ndarray):
     torch = sys.modules["torch"]
     # (ascontiguousarray alone would turn a 0-d result into shape [1])

@@ -1,5 +1,5 @@
-"""The INT8 quantiser on the GPU (``cuda_src/quantize.cu``, built once per float element type of
-its input), same bytes as the NumPy one."""
+"""The quantisers on the GPU (``cuda_src/quantize.cu``: one entry per scaled element type, each built
+once per float element type of its input), same bytes as the NumPy ones."""
 
 from __future__ import annotations
 
@@ -7,42 +7,49 @@ import numpy as np
 
 from .._base.device import device_properties
 from .._dispatch import arch_of, elem_spec
+from .._dispatch.backend import check_gpu_arch
 from .kernels import QUANTIZE
 from .nvrtc import get_module
 
 __all__ = ["quantize_cupy"]
 
-_INT8 = elem_spec("int8")
 
-
-def quantize_cupy(x, dtype: str, *, check: bool = False):
+def quantize_cupy(x, dtype: str, *, check: bool = False, to: str = "int8", per: str = "token"):
     """Quantise a C-contiguous CuPy array ``x [..., d]`` (float16/float32, or bfloat16 as its
-    uint16 bits with ``dtype="bfloat16"``) on the current stream.
+    uint16 bits with ``dtype="bfloat16"``) to scaled element type ``to`` ("int8", or
+    "float8_e4m3fn" as uint8 bit patterns) on the current stream; FP8 also ``per="tensor"``.
 
-    Returns ``(q int8 [..., d], scales float32 [...])``. A token with NaN or inf gets scale
-    NaN (scores against it are NaN) and no host sync happens, unless ``check``: then one
-    sync, and ValueError naming the first such token.
+    Returns ``(q [..., d], scales float32 [...])`` (per tensor: scales ``[]``). A token with NaN or
+    inf gets scale NaN (per tensor: every token) and no host sync happens, unless ``check``: then
+    one sync, and ValueError naming the first such token.
     """
     import cupy
 
+    spec = elem_spec(to)
     x = cupy.ascontiguousarray(x)
     d = x.shape[-1] if x.ndim else 0
     rows = x.size // d if d else (int(np.prod(x.shape[:-1])) if x.ndim else 0)
-    q = cupy.empty(x.shape, cupy.int8)
+    q = cupy.empty(x.shape, spec.numpy_dtype)
     s = cupy.zeros(x.shape[:-1], cupy.float32)
     if rows == 0 or d == 0:
-        return q, s
+        return q, (cupy.zeros((), cupy.float32) if per == "tensor" else s)
     bad = cupy.zeros((), cupy.int32)
     device = x.device.id
+    check_gpu_arch(to, device)
     defines = {"LIK_ELEM": elem_spec(dtype).code}
-    entry = _INT8.quantiser_kernel
+    entry = spec.quantiser_kernel
     kern = get_module(QUANTIZE.file, defines, arch_of(device_properties(device).cc), device, entry=entry).get_function(entry)
     warps = 8
     blocks = int(min(-(-rows // warps), 65535))
-    kern((blocks,), (warps * 32,), (x, q, s, np.int64(rows), np.int32(d), bad))
+    args = (x, q, s, np.int64(rows), np.int32(d), bad)
+    kern((blocks,), (warps * 32,), args if spec.integer else args + (np.uint64(0),))  # FP8: no fixed scale
     if check and int(bad.get()):
         first = int(cupy.argmax(~cupy.isfinite(s.reshape(-1))).get())
         where = np.unravel_index(first, x.shape[:-1])
         raise ValueError(f"X holds NaN or inf in token {tuple(int(i) for i in where)}; "
-                         "INT8 quantisation needs finite values")
+                         f"{spec.name} quantisation needs finite values")
+    if per == "tensor":  # the largest per-token scale is the tensor's max |x| / 448 (quantize.cu)
+        fixed = s.max()
+        kern((blocks,), (warps * 32,), args + (fixed,))
+        s = fixed
     return q, s

@@ -13,7 +13,7 @@ def warmup(dims=(128,), dtypes=("float16", "bfloat16"), query_lengths=(32, 1024)
 
     Args:
         dims: embedding dims the service will see.
-        dtypes: any of "float16", "bfloat16", "float32", "int8" (a scaled type, INT8, also loads
+        dtypes: any of "float16", "bfloat16", "float32", "int8", "float8_e4m3fn" (a scaled type also loads
             its on-device quantiser for float16/bfloat16/float32 queries).
         query_lengths: typical query lengths (each picks its tile shape).
         argmax: which of (False, True) to prepare.

@@ -78,6 +78,7 @@ def query_problem(Q, q_mask, q_lengths, q_scales) -> Problem:
         info = interop.describe(Q)
     except TypeError as e:
         raise TypeError(f"Q: {e}") from None
+    _check_streamed(info.dtype, "Q")
     if not dispatch.scaled_dtype(info.dtype):
         if q_scales is not None:
             raise ValueError(f"q_scales goes with an int8 Q, but Q is {info.dtype} (it is quantised on the fly)")
@@ -125,6 +126,7 @@ def doc_problem(part: Part, info: interop.Info) -> Problem:
     """Check one shard on its own (``info``: its tokens' description): layout, shapes, dtypes, validity
     and INT8 scales, before any of it is read. The Problem describes its documents (no queries yet:
     ``with_queries`` adds them)."""
+    _check_streamed(info.dtype, part.name)
     if dispatch.scaled_dtype(info.dtype) or part.scales is not None:
         return _scaled_doc_problem(part, info)
     if part.packed:
@@ -134,6 +136,15 @@ def doc_problem(part: Part, info: interop.Info) -> Problem:
     if len(info.shape) != 3:
         raise ValueError(f"a padded corpus must be [Nd, Ld, d]; got shape {list(info.shape)}")
     return check_call(part.docs[:0, :1], part.docs, None, part.mask, None, part.lengths, pairs=False)
+
+
+def _check_streamed(dtype: str, name: str) -> None:
+    """TypeError for a scaled element type that the streaming engines do not take (``ElemSpec.corpus``: FP8)."""
+    if dispatch.scaled_dtype(dtype) and not dispatch.elem_spec(dtype).corpus:
+        spec = dispatch.elem_spec(dtype)
+        raise TypeError(f"{name} has dtype {dtype}, which retrieve and Corpus do not take yet (float or int8 "
+                        f"corpora): score it with its own functions (lik_cupy.maxsim_fp8 for FP8), or dequantise it "
+                        f"(lik_cupy.{spec.dequantiser})")
 
 
 def with_queries(qp: Problem, p: Problem) -> Problem:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .._dispatch.elements import SCALED_DTYPES, scaled_dtype
+from .._dispatch.elements import elem_spec
 from .._interop import FLOAT_DTYPES, Info, describe
 
 _INT_DTYPES = ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64")
@@ -62,15 +62,17 @@ def _lengths_info(name: str, x, q: Info) -> Info | None:
     return _info(name, x)
 
 
-def check_call(Q, D, q_mask, d_mask, q_lengths, d_lengths, *, pairs: bool, int8: bool = False) -> Problem:
-    """``int8``: D is int8 and Q int8 or float (see :func:`check_int8_scales`); the Problem's dtype is "int8"."""
+def check_call(Q, D, q_mask, d_mask, q_lengths, d_lengths, *, pairs: bool, scaled: str | None = None) -> Problem:
+    """``scaled``: a scaled element type ("int8", "float8_e4m3fn") that D holds as the kernels read it
+    (``ElemSpec.numpy_dtype``: FP8 as uint8 bits), and Q too or a float (see :func:`check_scaled_scales`);
+    the Problem's dtype is ``scaled``."""
     q = _info("Q", Q)
     d = _info("D", D)
     if q.framework != d.framework:
         raise TypeError(f"Q is a {q.framework} array but D is a {d.framework} array: pass both from one framework")
     if q.device != d.device:
         raise ValueError(f"Q is on {_where(q.device)} but D is on {_where(d.device)}: put both on one device")
-    _check_dtypes(q, "D", d, int8)
+    _check_dtypes(q, "D", d, scaled)
 
     if pairs:
         if len(q.shape) != 3 or len(d.shape) != 3:
@@ -109,12 +111,12 @@ def check_call(Q, D, q_mask, d_mask, q_lengths, d_lengths, *, pairs: bool, int8:
 
     q_valid = check_valid("q", q_mask, q_lengths, q, q.shape[:-1], q.shape[:-2])
     d_valid = check_valid("d", d_mask, d_lengths, q, d.shape[:-1], d.shape[:-2])
-    return Problem(framework=q.framework, device=q.device, dtype=d.dtype if int8 else q.dtype, nq=nq, lq=lq,
+    return Problem(framework=q.framework, device=q.device, dtype=scaled or q.dtype, nq=nq, lq=lq,
                    nd=nd, ld=ld, dim=dim, candidates=candidates, scores_shape=scores_shape,
                    argmax_shape=argmax_shape, q_valid=q_valid, d_valid=d_valid)
 
 
-def check_varlen(Q, D, d_offsets, q_mask, q_lengths, q_offsets, *, int8: bool = False) -> Problem:
+def check_varlen(Q, D, d_offsets, q_mask, q_lengths, q_offsets, *, scaled: str | None = None) -> Problem:
     """Validate a ``maxsim_varlen`` call: packed documents D [T, d] with offsets [Nd + 1].
 
     Q is padded [Nq, Lq, d] / [Lq, d] (with q_mask or q_lengths), or packed
@@ -124,7 +126,7 @@ def check_varlen(Q, D, d_offsets, q_mask, q_lengths, q_offsets, *, int8: bool = 
     q = _info("Q", Q)
     d = _info("D_tokens", D)
     _same_place("D_tokens", d, q)
-    _check_dtypes(q, "D_tokens", d, int8)
+    _check_dtypes(q, "D_tokens", d, scaled)
     if len(d.shape) != 2:
         raise ValueError(f"D_tokens must be packed tokens [T, d]; got shape {list(d.shape)}")
     if q_offsets is not None and (q_mask is not None or q_lengths is not None):
@@ -142,14 +144,14 @@ def check_varlen(Q, D, d_offsets, q_mask, q_lengths, q_offsets, *, int8: bool = 
     if q_offsets is not None:
         nq = offsets_count("q_offsets", q_offsets, q)
         scores_shape = (nq, nd)
-        return Problem(framework=q.framework, device=q.device, dtype=d.dtype if int8 else q.dtype, nq=nq, lq=0,
+        return Problem(framework=q.framework, device=q.device, dtype=scaled or q.dtype, nq=nq, lq=0,
                        nd=nd, ld=0, dim=dim, candidates=False, scores_shape=scores_shape,
                        argmax_shape=scores_shape + (0,), q_valid="offsets", d_valid="offsets", d_packed=True,
                        ntok=d.shape[0])
     nq, lq = (q.shape[0], q.shape[1]) if len(q.shape) == 3 else (1, q.shape[0])
     scores_shape = tuple(q.shape[:-2]) + (nd,)
     q_valid = check_valid("q", q_mask, q_lengths, q, q.shape[:-1], q.shape[:-2])
-    return Problem(framework=q.framework, device=q.device, dtype=d.dtype if int8 else q.dtype, nq=nq, lq=lq,
+    return Problem(framework=q.framework, device=q.device, dtype=scaled or q.dtype, nq=nq, lq=lq,
                    nd=nd, ld=0, dim=dim, candidates=False, scores_shape=scores_shape,
                    argmax_shape=scores_shape + (lq,), q_valid=q_valid, d_valid="offsets", d_packed=True,
                    ntok=d.shape[0])
@@ -182,13 +184,15 @@ def check_offset_values(name: str, first: int, last: int, decreasing: bool, tota
 _SCORING_DTYPES = FLOAT_DTYPES + ("float64",)
 
 
-def _check_dtypes(q: Info, dname: str, d: Info, int8: bool) -> None:
-    if int8:
-        if not scaled_dtype(d.dtype):
-            raise TypeError(f"{dname} has dtype {d.dtype}; expected int8 (quantize it with lik_cupy.quantize_int8)")
-        if q.dtype not in _SCORING_DTYPES + SCALED_DTYPES:
-            raise TypeError(f"Q has dtype {q.dtype}; expected int8 (with q_scales) or float16, bfloat16, float32 "
-                            "or float64")
+def _check_dtypes(q: Info, dname: str, d: Info, scaled: str | None) -> None:
+    if scaled:
+        spec = elem_spec(scaled)
+        if d.dtype != spec.numpy_dtype:
+            raise TypeError(f"{dname} has dtype {d.dtype}; expected {spec.accepted} (quantize it with "
+                            f"lik_cupy.{spec.public_quantiser})")
+        if q.dtype not in _SCORING_DTYPES + (spec.numpy_dtype,):
+            raise TypeError(f"Q has dtype {q.dtype}; expected {spec.accepted} (with q_scales) or float16, bfloat16, "
+                            "float32 or float64")
         return
     for name, info in (("Q", q), (dname, d)):
         if info.dtype not in _SCORING_DTYPES:
@@ -197,44 +201,52 @@ def _check_dtypes(q: Info, dname: str, d: Info, int8: bool) -> None:
         raise TypeError(f"{dname} has dtype {d.dtype} but Q has {q.dtype}: cast one so both match")
 
 
-def check_quantized(name: str, X, sname: str, scales) -> Info:
-    """int8 ``X [..., d]`` and float ``scales`` of shape ``X.shape[:-1]``, in one framework and place."""
+def check_quantized(name: str, X, sname: str, scales, dtype: str = "int8") -> Info:
+    """``X [..., d]`` of scaled element type ``dtype`` (as the kernels read it: FP8 as uint8 bits) and
+    float32 ``scales`` of shape ``X.shape[:-1]`` (or ``[]``, one per tensor), in one framework and place."""
     x = _info(name, X)
-    if not scaled_dtype(x.dtype):
-        raise TypeError(f"{name} has dtype {x.dtype}; expected int8")
+    spec = elem_spec(dtype)
+    if x.dtype != spec.numpy_dtype:
+        raise TypeError(f"{name} has dtype {x.dtype}; expected {spec.accepted}")
     if len(x.shape) < 1:
         raise ValueError(f"{name} must have at least one axis (the embedding dim)")
-    check_scales(sname, scales, x, tuple(x.shape[:-1]), f"{name}'s shape without its last axis", name)
+    check_scales(sname, scales, x, tuple(x.shape[:-1]), f"{name}'s shape without its last axis", name, per_tensor=True)
     return x
 
 
-def check_int8_scales(p: Problem, Q, D, q_scales, d_scales) -> bool:
-    """Scales of an int8 call: ``d_scales`` shaped like D without its last axis (packed: [T]);
-    ``q_scales`` likewise for Q, required when Q is int8 and refused when Q is float.
-    Returns whether Q is already quantised."""
+def check_scaled_scales(p: Problem, Q, D, q_scales, d_scales) -> bool:
+    """Scales of a scaled call (``p.dtype`` INT8 or FP8): ``d_scales`` shaped like D without its last
+    axis (packed: [T]) or ``[]`` (one per tensor); ``q_scales`` likewise for Q, required when Q is
+    quantised and refused when Q is float. Returns whether Q is already quantised."""
     q = _info("Q", Q)
     d = _info("D_tokens" if p.d_packed else "D", D)
-    check_scales("d_scales", d_scales, q, tuple(d.shape[:-1]), "one per document token")
-    if scaled_dtype(q.dtype):
+    check_scales("d_scales", d_scales, q, tuple(d.shape[:-1]), "one per document token", per_tensor=True)
+    spec = elem_spec(p.dtype)
+    if q.dtype == spec.numpy_dtype:
         if q_scales is None:
-            raise TypeError("Q is int8, so q_scales is required (the float32 per-token scales from quantize_int8)")
-        check_scales("q_scales", q_scales, q, tuple(q.shape[:-1]), "one per query token")
+            raise TypeError(f"Q is {spec.name}, so q_scales is required (the float32 scales from "
+                            f"{spec.public_quantiser})")
+        check_scales("q_scales", q_scales, q, tuple(q.shape[:-1]), "one per query token", per_tensor=True)
         return True
     if q_scales is not None:
-        raise ValueError(f"q_scales goes with an int8 Q, but Q is {q.dtype} (it is quantised on the fly)")
+        article = "an" if spec.name[0] in "aeiou" else "a"
+        raise ValueError(f"q_scales goes with {article} {spec.name} Q, but Q is {q.dtype} (it is quantised on the fly)")
     return False
 
 
-def check_scales(name: str, scales, ref: Info, shape: tuple, what: str, ref_name: str = "Q") -> None:
-    """Per-token INT8 scales: float32 of ``shape``, in ``ref``'s framework and place (values not read)."""
+def check_scales(name: str, scales, ref: Info, shape: tuple, what: str, ref_name: str = "Q", *,
+                 per_tensor: bool = False) -> None:
+    """Per-token scales: float32 of ``shape`` (or, ``per_tensor``, ``[]``: one for the whole tensor),
+    in ``ref``'s framework and place (values not read)."""
     if scales is None:
         raise TypeError(f"{name} is required: float32 {list(shape)} ({what})")
     s = _info(name, scales)
     _same_place(name, s, ref, ref_name)
     if s.dtype != "float32":
         raise TypeError(f"{name} has dtype {s.dtype}; expected float32 (one scale per token; cast it)")
-    if tuple(s.shape) != shape:
-        raise ValueError(f"{name} has shape {list(s.shape)}; expected {list(shape)} ({what})")
+    if tuple(s.shape) != shape and not (per_tensor and s.shape == ()):
+        also = " or [] (one per tensor)" if per_tensor else ""
+        raise ValueError(f"{name} has shape {list(s.shape)}; expected {list(shape)} ({what}){also}")
 
 
 def _where(dev) -> str:
@@ -305,10 +317,10 @@ def check_length_values(name: str, lo: int, hi: int, limit: int) -> None:
 
 
 def scale_error(name: str, index: tuple, value: float) -> ValueError:
-    """The error for an INT8 document scale of a valid token (at ``index``) that is negative, NaN or infinite."""
+    """The error for a (scaled type's) document scale of a valid token (at ``index``) that is negative, NaN or infinite."""
     at = ", ".join(str(i) for i in index)
     return ValueError(f"{name}[{at}] is {value!r}; the scale of a valid token must be finite and >= 0 "
-                      "(token = int8 values * scale)")
+                      "(token = values * scale)")
 
 
 def check_backward(grad_scores, Q, D, argmax, d_offsets) -> Problem:

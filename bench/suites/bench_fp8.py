@@ -1,0 +1,138 @@
+"""FP8 scoring benchmark: our FP8 e4m3 path against our fp16 path and late-interaction-kernels'
+``maxsim_inference_fp8`` (0.4.5), side by side in one run on one GPU.
+
+Cells (one query against B documents, device time by torch CUDA events; bench_int8.py's forward
+cells, ColPali's pages at ~1,030 tokens):
+  colpali   Lq 1024, Ld 1030, d 128
+  long-doc  Lq 32,   Ld 1024, d 128
+  textual   Lq 32,   Ld 300,  d 128
+Implementations:
+  ours_fp8      lik_cupy.maxsim_fp8, Q and D quantised per token beforehand (quantize_fp8)
+  ours_fp16     lik_cupy.maxsim on the fp16 inputs
+  lik_fp8_tok   late_interaction_kernels.maxsim_inference_fp8, its per-token quantisers
+  lik_fp8_ten   the same with its per-tensor quantisers (one scale each for Q and D)
+Ratios are times (ours / other: below 1 is faster); "best peer" is the faster LIK form. Each
+result is also compared with ours_fp16 (relative L2 difference of the scores).
+
+    python bench/suites/bench_fp8.py            # JSON: $OUT (or bench/results)/fp8_<gpu>.json
+    python bench/suites/bench_fp8.py --table-from bench/results/fp8_nvidia-h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: bench.lib, and this checkout's lik_cupy
+from bench.lib import baselines  # noqa: E402
+from bench.lib.results import out_dir, text_table, write_result  # noqa: E402
+from bench.lib.timing import per_call_ms  # noqa: E402
+
+CELLS = {"colpali": (1024, 1030, 128), "long-doc": (32, 1024, 128), "textual": (32, 300, 128)}
+PEERS = ("lik_fp8_tok", "lik_fp8_ten")
+
+
+def unit(torch, shape, gen):
+    x = torch.randn(*shape, device="cuda", generator=gen)
+    return (x / x.norm(dim=-1, keepdim=True)).half()
+
+
+def run(args):
+    import torch
+
+    import lik_cupy as lk
+    from lik_cupy._base.device import device_properties
+
+    gen = torch.Generator(device="cuda").manual_seed(args.seed)
+    props = device_properties(torch.cuda.current_device())
+    lik, err = baselines.load(baselines.LIK)
+    res = {"seed": args.seed, "docs": args.docs, "when": time.strftime("%Y-%m-%d %H:%M:%S"), "torch": torch.__version__,
+           "late_interaction_kernels": getattr(lik, "__version__", "0.4.5") if lik else f"import failed: {err}",
+           "cells": {}}
+    t_end = time.time() + args.time_budget
+    for name in args.cells.split(","):
+        if time.time() > t_end:
+            res["cells"][name] = {"skipped": f"past the {args.time_budget:.0f} s budget"}
+            continue
+        lq, ld, dim = CELLS[name]
+        q, d = unit(torch, (lq, dim), gen), unit(torch, (args.docs, ld, dim), gen)
+        q8, qs = lk.quantize_fp8(q)
+        d8, ds = lk.quantize_fp8(d)
+        impls = {"ours_fp8": lambda: lk.maxsim_fp8(q8, d8, ds, q_scales=qs), "ours_fp16": lambda: lk.maxsim(q, d)}
+        if lik is not None:
+            lq8, lqs = lik.quantize_fp8_per_token(q)
+            ld8, lds = lik.quantize_fp8_per_token(d)
+            tq8, tqs = lik.quantize_fp8_per_tensor(q)
+            td8, tds = lik.quantize_fp8_per_tensor(d)
+            impls["lik_fp8_tok"] = lambda: lik.maxsim_inference_fp8(lq8, ld8, scale_Q=lqs, scale_D=lds)
+            impls["lik_fp8_ten"] = lambda: lik.maxsim_inference_fp8(tq8, td8, scale_Q=tqs, scale_D=tds)
+        cell = {"Lq": lq, "Ld": ld, "dim": dim, "B": args.docs, "ms": {}, "rel_diff_vs_fp16": {}}
+        ref = lk.maxsim(q, d).double().reshape(-1)
+        for impl, fn in impls.items():
+            try:
+                out = fn().double().reshape(-1)
+                cell["rel_diff_vs_fp16"][impl] = float((out - ref).norm() / ref.norm())
+                cell["ms"][impl] = per_call_ms(torch, fn, args.reps, spin_cycles=20_000_000)
+            except Exception as e:  # noqa: BLE001  (a failing implementation is reported, not fatal)
+                cell["ms"][impl] = None
+                cell.setdefault("errors", {})[impl] = f"{type(e).__name__}: {str(e)[:200]}"
+        ms = cell["ms"]
+        peers = [ms[p] for p in PEERS if ms.get(p)]
+        if ms.get("ours_fp8"):
+            cell["tflops_fp8"] = 2 * lq * ld * dim * args.docs / ms["ours_fp8"] / 1e9
+            if ms.get("ours_fp16"):
+                cell["ours_fp8_over_ours_fp16"] = ms["ours_fp8"] / ms["ours_fp16"]
+            if peers:
+                cell["ours_fp8_over_best_peer"] = ms["ours_fp8"] / min(peers)
+        res["cells"][name] = cell
+        del q, d, q8, qs, d8, ds, impls
+        torch.cuda.empty_cache()
+        print(f"{name}: " + ", ".join(f"{k} {v:.3f} ms" for k, v in ms.items() if v), flush=True)
+    return props, res
+
+
+def table(res) -> str:
+    head = ["cell", "B", "fp8 ms", "fp16 ms", "lik tok", "lik ten", "fp8/fp16", "fp8/peer", "TFLOPS"]
+    body, keys = [], []
+    for name, c in res["cells"].items():
+        if "ms" not in c:
+            body.append([name, "-", c.get("skipped", "-"), "", "", "", "", "", ""])
+            keys.append(name)
+            continue
+        ms = c["ms"]
+
+        def f(k, fmt="{:.3f}"):
+            v = ms.get(k) if k in ms else c.get(k)
+            return fmt.format(v) if v else "-"
+
+        body.append([name, c["B"], f("ours_fp8"), f("ours_fp16"), f("lik_fp8_tok"), f("lik_fp8_ten"),
+                     f("ours_fp8_over_ours_fp16", "{:.2f}"), f("ours_fp8_over_best_peer", "{:.2f}"),
+                     f("tflops_fp8", "{:.0f}")])
+        keys.append(name)
+    return "\n".join(text_table(head, body, keys))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=None, help="directory for fp8_<gpu>.json (default $OUT, else bench/results)")
+    ap.add_argument("--cells", default=",".join(CELLS))
+    ap.add_argument("--docs", type=int, default=10_000, help="documents B per timed call")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--seed", type=int, default=int(time.time()) % 100_000)
+    ap.add_argument("--time-budget", type=float, default=120, help="cells not started after this many seconds are skipped")
+    ap.add_argument("--table-from", default=None)
+    args = ap.parse_args()
+    if args.table_from:
+        print(table(json.loads(Path(args.table_from).read_text())))
+        return
+    props, res = run(args)
+    path = write_result(out_dir(args.out), "fp8", props, **res)
+    print(f"wrote {path}")
+    print(table(res))
+
+
+if __name__ == "__main__":
+    main()
