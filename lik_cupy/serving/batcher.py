@@ -115,7 +115,7 @@ class Batcher:
         allow); one worker runs every call on all the parts at once (``"cpu"`` entries, which are
         never merged, make parts in host memory). ``None`` (the default) partitions over the distinct
         GPUs when there are two or more and a replica would not fit each of them (its shards' bytes
-        over ``REPLICA_SHARE`` of a GPU's free memory); ``False`` always replicates (a replica that
+        over 3/4 of a GPU's free memory); ``False`` always replicates (a replica that
         does not fit stays in page-locked host memory). ``kwargs``: as for the class."""
         if devices is None:
             from .._base.device import gpu_available
@@ -271,7 +271,7 @@ class Batcher:
 
 
 # A replica may take this share of a GPU's free memory (Corpus's default for a host corpus).
-REPLICA_SHARE = 0.75
+_REPLICA_SHARE = 0.75
 
 
 def _opened(paths) -> list:
@@ -282,10 +282,10 @@ def _opened(paths) -> list:
 
 
 def _replica_fits(opened: list, gpus: list, free_bytes) -> bool:
-    """Whether the shards (their tokens, scales and offsets) fit ``REPLICA_SHARE`` of every GPU's
+    """Whether the shards (their tokens, scales and offsets) fit 3/4 of every GPU's
     free memory (``free_bytes(gpu)``)."""
     need = sum(int(a.nbytes) for s in opened for a in (s.tokens, s.scales, s.offsets) if a is not None)
-    return all(need <= REPLICA_SHARE * free_bytes(g) for g in gpus)
+    return all(need <= _REPLICA_SHARE * free_bytes(g) for g in gpus)
 
 
 def _free_gpu_bytes(device: int) -> int:
