@@ -407,12 +407,14 @@ def test_compile_check_reads_what_it_proved_and_compiles_what_changed(tmp_path, 
     assert json.loads(log.read_text())["log"]
     with open(src_copy / "common.cuh", "a") as f:
         f.write("\n// a changed source is a new key\n")
-    assert lc.check_all([80], [cfg], other_kernels=False) == rows and len(calls) == 4
+    changed = lc.check_all([80], [cfg], other_kernels=False)
+    assert len(calls) == 4 and changed[0]["key"] != rows[0]["key"]
+    assert [dict(r, key=None) for r in changed] == [dict(r, key=None) for r in rows]  # the same resources
     assert len(list((tmp_path / "kc" / "logs").iterdir())) == 2
 
     (tmp_path / "file").write_text("")
     monkeypatch.setenv("LIK_CACHE_DIR", str(tmp_path / "file"))  # no cache can be written there
-    assert lc.check_all([80], [cfg], other_kernels=False) == rows and len(calls) == 5
+    assert lc.check_all([80], [cfg], other_kernels=False) == changed and len(calls) == 5
 
 
 def test_compile_check_on_several_processes_matches_one(tmp_path, monkeypatch):
