@@ -15,8 +15,9 @@ holds the ptxas logs of the sample's fixed part (the pair cover and the families
 keys, which name the source and every file it includes, the defines, the NVRTC version and this
 package's version. The check seeds the cache from it first (``nvrtc.seed_logs``): a build whose
 source changed misses its entry and compiles, and the rotating share compiles every day. After
-changing ``cuda_src/``, ``LIK_COMPILE_RECORD=1 python -m pytest tests/test_compile.py -k check_all``
-compiles what changed and rewrites the file with this run's fixed part.
+changing ``cuda_src/``, ``LIK_COMPILE_RECORD=1 python -m pytest tests/test_compile.py -k "check_all or fp8"``
+compiles what changed and rewrites the file with this run's fixed part (the FP8 families' check
+adds its builds).
 """
 
 from __future__ import annotations
@@ -156,6 +157,19 @@ def _read_proofs() -> dict:
     return proofs if isinstance(proofs, dict) else {}
 
 
+@pytest.fixture(scope="module")
+def proofs():
+    """Seeds the kernel cache from ``PROOFS`` (unless ``LIK_COMPILE_FRESH``); yields the set of cache
+    keys the checks add as this run's fixed part, which ``LIK_COMPILE_RECORD=1`` writes to ``PROOFS``
+    once the module's checks have passed."""
+    if _cached():
+        lc.seed_logs(_read_proofs())
+    keys: set = set()
+    yield keys
+    if os.environ.get("LIK_COMPILE_RECORD") and keys:
+        _record_proofs(keys)
+
+
 def _record_proofs(keys: set) -> None:
     """Write the logs of ``keys`` (this run's fixed part, all in the cache now) to ``PROOFS``."""
     logs = {k: lc.cached_log(k) for k in sorted(keys)}
@@ -195,7 +209,7 @@ def _families(cfgs: list) -> list:
 
 
 @pytest.mark.parametrize("arch", [89, 90])
-def test_fp8_variants_compile_without_spills(arch):
+def test_fp8_variants_compile_without_spills(arch, proofs):
     # Every FP8 kernel family (its heaviest tile) on the architectures that have e4m3 tensor cores,
     # with the quantiser; the CI check above samples them among the rest.
     spec = dispatch.elem_spec("float8_e4m3fn")
@@ -212,9 +226,11 @@ def test_fp8_variants_compile_without_spills(arch):
         problems += _row_problems({"kernel": spec.quantiser_kernel, "arch": f"sm_{arch}",
                                    **lc.resource_usage(log, spec.quantiser_kernel)}, None, arch)
     assert not problems, "\n".join(problems)
+    proofs.update(r["key"] for r in got)
+    proofs.update(lc.cache_key(QUANTIZE.file, d, arch) for d in QUANTIZE.variants)
 
 
-def test_check_all_compiles_without_spills(tmp_path, request):
+def test_check_all_compiles_without_spills(tmp_path, request, proofs):
     archs = list(dispatch.SUPPORTED_ARCHS)
     assert set(archs) >= {80, 86, 89, 90}
     everything = bool(os.environ.get("LIK_COMPILE_ALL"))
@@ -224,8 +240,6 @@ def test_check_all_compiles_without_spills(tmp_path, request):
         assert {c.name for c in all_cfgs[arch]} <= {c.name for c in all_cfgs[twin]}, (arch, twin)
     built = {arch: (cfgs if everything else _ci_sample(cfgs, seed, arch not in _NO_PAIR_COVER))
              for arch, cfgs in all_cfgs.items()}
-    if _cached():
-        lc.seed_logs(_read_proofs())
     per_arch = {arch: [] for arch in archs}
     rows_all = lc.check_all(archs, built, workers=WORKERS, cache=_cached())
     for r in rows_all:
@@ -263,13 +277,12 @@ def test_check_all_compiles_without_spills(tmp_path, request):
     print(f"\ncompile check: {len(rows)} kernels, table in {tmp_path / 'compile_check.txt'}\n{table}")
     request.node.add_report_section("call", "compile table", table)  # shown with -rA, whatever -s says
     assert not problems, "\n".join(problems)
-    if os.environ.get("LIK_COMPILE_RECORD"):
-        # the fixed part: the day's rotating share is left out, so that it compiles on later days
-        rotating = set()
-        for arch, cfgs in all_cfgs.items():
-            fixed = {c.name for c in _ci_sample(cfgs, seed, arch not in _NO_PAIR_COVER, rotating=0)}
-            rotating |= {(c.name, arch) for c in built[arch] if c.name not in fixed}
-        _record_proofs({r["key"] for r in rows_all if (r["kernel"], int(r["arch"][3:].rstrip("a"))) not in rotating})
+    # the fixed part: the day's rotating share is left out, so that it compiles on later days
+    rotating = set()
+    for arch, cfgs in all_cfgs.items():
+        fixed = {c.name for c in _ci_sample(cfgs, seed, arch not in _NO_PAIR_COVER, rotating=0)}
+        rotating |= {(c.name, arch) for c in built[arch] if c.name not in fixed}
+    proofs.update(r["key"] for r in rows_all if (r["kernel"], int(r["arch"][3:].rstrip("a"))) not in rotating)
 
 
 def test_recorded_proofs_are_ptxas_logs_under_cache_keys():
