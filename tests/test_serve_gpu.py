@@ -102,3 +102,39 @@ def test_two_workers_on_one_gpu_each_on_its_own_stream():
     qs = [rng.standard_normal((32, DIM)).astype(np.float16) for _ in range(96)]
     seen = _check_batched_equals_single(corpus, qs, None, replicas=[corpus, corpus], workers=32)
     assert {d for d, _ in seen.batches} == {"cuda:0", "cuda:0#1"}
+
+
+@pytest.mark.parametrize("devices", [[0, 0], [0, 1]], ids=["two parts on one GPU", "two GPUs"])
+def test_a_partition_answers_as_the_whole_corpus(devices):
+    """A corpus split in two parts (on one GPU, or one part a GPU): scores within float rounding of the
+    whole corpus's (each part's call takes the kernels its own size selects), search's ids equal
+    wherever the scores do not tie within that rounding, rerank and score column for column."""
+    import cupy
+
+    from lik_cupy.serving._partition import Partition
+
+    if max(devices) >= cupy.cuda.runtime.getDeviceCount():
+        pytest.skip(f"needs {max(devices) + 1} GPUs")
+    rng = np.random.default_rng(41)
+    lens = rng.integers(1, 200, 2500)
+    off = np.concatenate([[0], np.cumsum(lens)])
+    D = rng.standard_normal((int(off[-1]), DIM)).astype(np.float32)
+    D = (D / np.linalg.norm(D, axis=1, keepdims=True)).astype(np.float16)
+    ids = np.arange(len(lens)) * 7 + 1
+    whole = lik_cupy.Corpus(D, d_offsets=off, ids=ids, device=0)
+    cut = 1100
+    parts = [lik_cupy.Corpus(D[:off[cut]], d_offsets=off[:cut + 1], device=devices[0]),
+             lik_cupy.Corpus(D[off[cut]:], d_offsets=off[cut:] - off[cut], device=devices[1])]
+    queries = [rng.standard_normal((int(n), DIM)).astype(np.float16) for n in rng.integers(4, 64, 12)]
+    with Batcher(Partition(parts, ids), max_batch=8, max_delay_us=1000) as b:
+        b.warm()
+        for q in queries:
+            s, i = b.search(q, 20)
+            s1, i1 = whole.search(q, 20)
+            np.testing.assert_allclose(s, s1, rtol=1e-5, atol=1e-5)
+            apart = np.abs(np.diff(s1)) > 1e-4  # no tie within rounding: the order is decided
+            same = np.concatenate([[True], apart]) & np.concatenate([apart, [True]])
+            assert np.array_equal(i[same], i1[same])
+            cand = rng.integers(0, len(lens), 300)
+            np.testing.assert_allclose(b.rerank(q, cand), whole.rerank(q, cand), rtol=1e-5, atol=1e-5)
+            np.testing.assert_allclose(b.score(q), whole.score(q), rtol=1e-5, atol=1e-5)
