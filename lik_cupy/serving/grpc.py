@@ -15,6 +15,7 @@ problem), ``NOT_FOUND`` (unknown model), ``RESOURCE_EXHAUSTED`` (over the size l
 
 from __future__ import annotations
 
+import sys
 import time
 
 import grpc
@@ -42,8 +43,6 @@ async def start_server(svc: Service, address: str) -> grpc.aio.Server:
     """A started gRPC server for ``svc`` on ``address`` (``host:port``; port 0: a free one), in the
     running event loop. Prints ``lik serve: listening on grpc://HOST:PORT``; LikError when it cannot
     listen there."""
-    import sys
-
     from ..errors import LikError
 
     limit = svc.max_body + (1 << 20)  # the message holds the tensors and their descriptions
@@ -106,12 +105,12 @@ class _Servicer(rpc.GRPCInferenceServiceServicer):
             _service.check_model(model)
             inputs, params, names = _request(request, _service.OUTPUTS[model])
             remaining = context.time_remaining()
-            out, answer = await _service.infer(svc, model, inputs, params, deadline_s=remaining)
+            out, reply = await _service.infer(svc, model, inputs, params, deadline_s=remaining)
         except Refused as e:
             _service.responded(svc, model, e.status, start)
             await context.abort(_CODES[e.status], str(e))
         response = pb.ModelInferResponse(model_name=model, model_version="1", id=request.id)
-        for key, value in answer.items():
+        for key, value in reply.items():
             response.parameters[key].int64_param = value
         for name in names:
             a = out[name]
