@@ -1,0 +1,325 @@
+// float32 accuracy at TF32 speed, decided once per document (LIK_REFINE 2: one-shot float32 wgmma
+// tiles; LIK_REFINE 1, fwd/refine.cuh, decides tile by tile instead).
+//
+// A product's TF32 value v (operands cut to their TF32 parts x~, x = x~ + dx) misses the exact one by
+//     q d - q~ d~ = dq . d + q~ . dd,   |dd| <= 2^-10 |d| (a TF32 part keeps 10 mantissa bits),
+// so by at most E = (|dq| + (2^-10 (1 + 2^-11) + A + K) |q|) Dn with Dn the document's largest token
+// norm, A = 2^-13 the tensor cores' float32 accumulation (fwd/refine.cuh) and K = 2^-15 the keys'
+// cut bits (below) and the threshold's rounding. The row weight is summed once per CTA from the query
+// tile; Dn once per document: every thread keeps the largest part of a tile row's |d|^2 it summed
+// while the tensor cores multiplied (norm_max), and the warps pool theirs at the document's end.
+//
+// Only a token whose v reaches M - 2E, M the row's largest v, can be the row's exact max. The tile
+// loop does no more than keep, per thread and row, its three largest v as keys: v with its low five
+// mantissa bits replaced by the value's slot in the thread's accumulators, so that one float max
+// keeps the value and where it came from. The two largest keep their tile's first token too; the
+// third only its value. At the document's end the quad takes M, and each lane's two kept tokens that
+// reach M - 2E are recomputed exactly from D (L2 holds the document just staged), as fwd/refine.cuh
+// does from shared memory. A row where a lane's third value reaches M - 2E too (many near ties, as
+// exact duplicates make), or whose TF32 values hold a NaN or an infinity, or whose bound is unusable
+// (an embedding whose squares underflow), is rescanned: every token of the document recomputed
+// exactly. A query row of zeros scores 0 at its first valid token, as float64 does.
+//
+// The row's max is float64's max rounded once, its argmax float64's (the lower token on a tie, the
+// first NaN on a NaN) wherever the two best similarities differ by more than the exact sums' 2^-44
+// residue: the contract of fwd/refine.cuh at a fraction of its work. On random unit vectors a row
+// recomputes about one token per document (its max, and rarely a second within 2E).
+#pragma once
+#include "fwd/config.cuh"
+
+namespace lik {
+
+LIK_FWD_TEMPLATE
+struct LIK_FWD::RefineDeferred {
+    const T* const& sQ;
+    float* const& tnorm;  // [2][WARPS]: each warp's largest part of |d|^2 over a document (two documents apart)
+    const int &wrow0, &lane, &warp;
+    float (&best)[MT][2];
+    int (&bidx)[MT][2];
+    const bool (&rv)[MT][2];
+    float (&key)[3][2];  // the three largest keys of this thread's columns of each row, largest first
+    int (&ktile)[2][2];  // the first token of the tile of key[0] and key[1]
+    float (&vsum)[2];    // the rows' TF32 values summed: not finite after a NaN or an infinity
+    float (&erow)[2];    // the rows' error weights (E = erow Dn): 0 for a row of zeros; negative until computed
+    float& dn2;          // this thread's largest part of a tile row's |d|^2 over the document (norm_max)
+
+    static constexpr float ACC = 0x1p-13f;
+    static constexpr float UP = 1.f + 0x1p-16f;  // covers the float32 rounding of the norms' sums
+    static constexpr float W = 0x1p-10f * (1.f + 0x1p-11f) + ACC + 0x1p-15f;  // |q|'s weight in E
+    static constexpr float TINY = 0x1p-100f;  // squared norms below it may have underflowed: no bound
+    static constexpr u32 SLOT = 31u;          // a key's slot bits
+    static constexpr int P = NT / BN;         // threads (parts of the dim) per tile row in norm_max
+    static_assert(NT >= BN && BN % 32 == 0 && 2 * NN <= 32, "deferred refinement: tiles of 32 to 128 tokens");
+
+    static __device__ __forceinline__ float tf32_part(float x) { return __uint_as_float(__float_as_uint(x) & 0xFFFFE000u); }
+    static __device__ __forceinline__ float key_of(float v, int slot) {
+        return __uint_as_float((__float_as_uint(v) & ~SLOT) | (u32)slot);
+    }
+    // Document token of a key kept from the tile starting at token `tile` (slot n * 2 + x: column n * 8 + 2 tq + x).
+    static __device__ __forceinline__ int token_of(float k, int tile, int tq) {
+        const int slot = (int)(__float_as_uint(k) & SLOT);
+        return tile + (slot >> 1) * 8 + 2 * tq + (slot & 1);
+    }
+
+    __device__ void reset() const {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+#pragma unroll
+            for (int i = 0; i < 3; ++i) key[i][h] = LIK_NEG_INF;
+            ktile[0][h] = ktile[1][h] = 0;
+            vsum[h] = 0.f;
+            best[0][h] = LIK_NEG_INF;
+            bidx[0][h] = -1;
+        }
+    }
+
+    // This warp's rows' error weights (once per CTA: the query tile is in place from the first stage on).
+    __device__ void query_norms() const {
+        const int g = lane >> 2, tq = lane & 3;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int r = wrow0 + g + 8 * h;
+            float s = 0.f, rr = 0.f;
+            u32 nz = 0;
+            for (int k = tq; k < DP; k += 4) {
+                const float x = sQ[soff(r, k, BM)], dx = x - tf32_part(x);
+                s = fmaf(x, x, s);
+                rr = fmaf(dx, dx, rr);
+                nz |= __float_as_uint(x) << 1;  // any bit but the sign
+            }
+#pragma unroll
+            for (int off = 1; off <= 2; off <<= 1) {
+                s += __shfl_xor_sync(0xffffffffu, s, off);
+                rr += __shfl_xor_sync(0xffffffffu, rr, off);
+                nz |= __shfl_xor_sync(0xffffffffu, nz, off);
+            }
+            // (NaN stays NaN: its row's values are NaN too and it is rescanned)
+            erow[h] = nz == 0 ? 0.f : s < TINY ? __int_as_float(0x7f800000) : (sqrtf(rr) + W * sqrtf(s)) * UP;
+        }
+    }
+
+    // This thread's part of the tile's squared row norms into dn2 (called by tile_mma while the tile's
+    // wgmma runs): thread t sums part t / BN of row t % BN, a row's 128-byte blocks read chunk by chunk
+    // in an order rotated by the row so that the eight lanes of each load phase hit eight chunks.
+    static __device__ __forceinline__ void norm_max(const T* sD, float& dn2) {
+        constexpr int KB = DP / BLK, CH = KB * 8;  // 128-byte blocks and 16-byte chunks of a row
+        const int t = threadIdx.x, r = t % BN, part = t / BN;
+        if (part >= P) return;
+        float rs = 0.f;
+#pragma unroll 4
+        for (int i = part * (CH / P); i < (part + 1) * (CH / P); ++i) {
+            const int kb = i >> 3, ch = (i + r) & 7;
+            const float4 x = *reinterpret_cast<const float4*>(sD + (kb * BN + r) * BLK + ch * EPC);
+            rs = fmaf(x.x, x.x, fmaf(x.y, x.y, fmaf(x.z, x.z, fmaf(x.w, x.w, rs))));
+        }
+        dn2 = fmaxf(dn2, rs);
+    }
+
+    // Upper bound of the document's token norms: the sum over the row parts of the parts' largest
+    // squared sums (a named barrier over the CTA's threads; buffer `par` is rewritten two documents on,
+    // after every warp has passed the next document's barrier). Infinite where they may have underflowed.
+    __device__ float doc_norm(int par) const {
+        float s = dn2;
+        dn2 = 0.f;
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) s = fmaxf(s, __shfl_xor_sync(0xffffffffu, s, off));
+        if (lane == 0) tnorm[par * WARPS + warp] = s;
+        named_sync(1, NT);
+        float ps[P];
+#pragma unroll
+        for (int p = 0; p < P; ++p) ps[p] = 0.f;
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) {  // warp w holds rows of part w * 32 / BN
+            const int p = min(w * 32 / BN, P - 1);
+            ps[p] = fmaxf(ps[p], tnorm[par * WARPS + w]);
+        }
+        s = 0.f;
+#pragma unroll
+        for (int p = 0; p < P; ++p) s += ps[p];
+        return s < TINY ? __int_as_float(0x7f800000) : sqrtf(s) * UP;
+    }
+
+    // Fold the tile in acc (document tokens tok0 .. tok0 + BN - 1 of a document of `len` tokens with
+    // mask `dm`) into the rows' kept keys.
+    __device__ void fold(A (&acc)[MT][NN][4], int tok0, int len, const u8* dm) const {
+        if (erow[0] < 0.f) query_norms();
+        const int tq = lane & 3;
+        const bool full = !dm && tok0 + BN <= len;
+        float k[3][2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) k[0][h] = k[1][h] = k[2][h] = LIK_NEG_INF;
+#pragma unroll
+        for (int n = 0; n < NN; ++n)
+#pragma unroll
+            for (int x = 0; x < 2; ++x) {
+                const int tok = tok0 + n * 8 + 2 * tq + x;
+                const bool ok = full || (tok < len && (!dm || dm[tok]));
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const float v = acc[0][n][2 * h + x];
+                    vsum[h] += ok ? v : 0.f;
+                    const float kv = ok ? key_of(v, n * 2 + x) : LIK_NEG_INF;
+                    const float lo0 = fminf(k[0][h], kv);
+                    k[0][h] = fmaxf(k[0][h], kv);
+                    const float lo1 = fminf(k[1][h], lo0);
+                    k[1][h] = fmaxf(k[1][h], lo0);
+                    k[2][h] = fmaxf(k[2][h], lo1);
+                }
+            }
+        // Merge the tile's three into the document's: the largest of both, the larger of the two
+        // left beside it, and the largest of the rest.
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const bool c = k[0][h] > key[0][h];
+            const float a = c ? key[0][h] : key[1][h], b = c ? k[1][h] : k[0][h];
+            const int at = c ? ktile[0][h] : ktile[1][h];
+            key[2][h] = fmaxf(fmaxf(key[2][h], k[2][h]), fmaxf(fminf(a, b), c ? key[1][h] : k[1][h]));
+            if (c) {
+                key[0][h] = k[0][h];
+                ktile[0][h] = tok0;
+            }
+            const bool c2 = b > a;
+            key[1][h] = c2 ? b : a;
+            ktile[1][h] = c2 ? tok0 : at;
+        }
+    }
+
+    // s + e += a * b: the product split exactly (fmaf), its high part added by TwoSum.
+    static __device__ __forceinline__ void two_sum_product(float& s, float& e, float a, float b) {
+        const float p = a * b, pl = fmaf(a, b, -p);
+        const float t = s + p, bp = t - s;
+        e += ((s - (t - bp)) + (p - bp)) + pl;
+        s = t;
+    }
+
+    // The exact similarity of tile row r and document row drow (in D), as s + e over the quad: lane tq
+    // takes every fourth 16-byte chunk in four chains, then the quad adds its parts without error.
+    __device__ double exact(const T* drow, int r, int tq) const {
+        float s[4] = {0.f, 0.f, 0.f, 0.f}, e[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll 4
+        for (int kc = tq; kc < DP / 4; kc += 4) {
+            const float4 a = *reinterpret_cast<const float4*>(sQ + soff(r, 4 * kc, BM));
+            const float4 b = __ldg(reinterpret_cast<const float4*>(drow) + kc);
+            two_sum_product(s[0], e[0], a.x, b.x);
+            two_sum_product(s[1], e[1], a.y, b.y);
+            two_sum_product(s[2], e[2], a.z, b.z);
+            two_sum_product(s[3], e[3], a.w, b.w);
+        }
+        two_sum_product(s[0], e[0], s[1], 1.f);
+        two_sum_product(s[2], e[2], s[3], 1.f);
+        two_sum_product(s[0], e[0], s[2], 1.f);
+        float ps = s[0], pe = e[0] + e[1] + e[2] + e[3];
+#pragma unroll
+        for (int off = 1; off <= 2; off <<= 1) {
+            const float os = __shfl_xor_sync(0xffffffffu, ps, off), oe = __shfl_xor_sync(0xffffffffu, pe, off);
+            const float t = ps + os, bp = t - ps;
+            pe += ((ps - (t - bp)) + (os - bp)) + oe;
+            ps = t;
+        }
+        return (double)ps + (double)pe;
+    }
+
+    // Whether exact value x at token tok beats the row's (xb, ix): larger, or equal at a lower token;
+    // a NaN beats any number, the first NaN stays.
+    static __device__ __forceinline__ bool beats(double x, int tok, double xb, int ix) {
+        if (ix < 0) return true;
+        if (x != x) return xb == xb || tok < ix;
+        if (xb != xb) return false;
+        return x > xb || (x == xb && tok < ix);
+    }
+
+    template <int H>
+    __device__ __forceinline__ void take(double (&xb)[2], double x, int tok) const {
+        if (beats(x, tok, xb[H], bidx[0][H])) {
+            xb[H] = x;
+            bidx[0][H] = tok;
+        }
+    }
+
+    static __device__ __forceinline__ bool quad_any(bool p) {
+        u32 v = p;
+        v |= __shfl_xor_sync(0xffffffffu, v, 1);
+        v |= __shfl_xor_sync(0xffffffffu, v, 2);
+        return v != 0;
+    }
+
+    // Document j's row maxima (and argmax) from the kept keys: the tiles tok_lo .. tok_hi - 1 of its
+    // `len` tokens were this CTA's; D's rows from `begin` are the document's tokens.
+    __device__ void finish(int j, const T* D, i64 begin, int tok_lo, int tok_hi, int len, const u8* dm) const {
+        const float dn = doc_norm(j & 1);
+        if (tok_lo >= tok_hi) return;
+        const int g = lane >> 2, tq = lane & 3;
+        auto valid = [&](int tok) { return tok < len && (!dm || dm[tok]); };
+        auto drow = [&](int tok) { return D + (begin + tok) * DP; };
+        double xb[2] = {-__longlong_as_double(0x7ff0000000000000ll), -__longlong_as_double(0x7ff0000000000000ll)};
+        unsigned cand = 0;  // bit 2h + i: this lane's key i of row h is a candidate
+        bool scan[2], zero[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            float m = key[0][h];
+            m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+            m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+            const bool bad = quad_any(!(fabsf(vsum[h]) <= 3.4028235e38f));  // a NaN or infinite TF32 value
+            // (no valid token: nothing to do; a finite value's key is above -inf)
+            const bool some = rv[0][h] && (bad || m != LIK_NEG_INF);
+            zero[h] = some && !bad && erow[h] == 0.f;
+            const float thr = m - 2.f * (erow[h] * dn);
+            scan[h] = some && (bad || (!zero[h] && quad_any(!(key[2][h] < thr))));
+            if (some && !zero[h] && !scan[h]) {
+                if (key[0][h] >= thr) cand |= 1u << (2 * h);
+                if (key[1][h] >= thr) cand |= 2u << (2 * h);
+            }
+        }
+        // The candidates: each quad recomputes its lanes' one at a time, the quads side by side.
+        for (;;) {
+            const unsigned lanes = __ballot_sync(0xffffffffu, cand != 0);
+            if (!lanes) break;
+            const unsigned mine = (lanes >> (lane & ~3)) & 0xFu;  // this quad's lanes with candidates
+            const int src = (lane & ~3) + (mine ? __ffs(mine) - 1 : 0);
+            const int b = cand ? __ffs(cand) - 1 : 0;
+            int tok = 0;
+#pragma unroll
+            for (int h = 0; h < 2; ++h)
+#pragma unroll
+                for (int i = 0; i < 2; ++i)
+                    if (b == 2 * h + i) tok = token_of(key[i][h], ktile[i][h], tq);
+            const int bit = __shfl_sync(0xffffffffu, b, src);
+            tok = __shfl_sync(0xffffffffu, tok, src);
+            if (mine && lane == src) cand &= cand - 1;
+            const int h = bit >> 1;
+            const double x = exact(drow(mine ? tok : tok_lo), wrow0 + g + 8 * h, tq);
+            if (mine) {
+                if (h) take<1>(xb, x, tok);
+                else take<0>(xb, x, tok);
+            }
+        }
+        // Rescans, warp by warp over the document's valid tokens (quads without one ride along).
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            if (!__any_sync(0xffffffffu, scan[h])) continue;
+            for (int tok = tok_lo; tok < tok_hi; ++tok) {
+                if (!valid(tok)) continue;
+                const double x = exact(drow(tok), wrow0 + g + 8 * h, tq);
+                if (scan[h]) {
+                    if (h) take<1>(xb, x, tok);
+                    else take<0>(xb, x, tok);
+                }
+            }
+        }
+        // Rows of zeros: every similarity is 0 (a NaN or infinity in D was rescanned above).
+        int first = tok_lo;
+        if (__any_sync(0xffffffffu, zero[0] || zero[1]))
+            while (first < tok_hi && !valid(first)) ++first;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            if (zero[h]) {
+                best[0][h] = 0.f;
+                bidx[0][h] = first;
+            } else {
+                best[0][h] = (float)xb[h];
+            }
+        }
+    }
+};
+
+}  // namespace lik
