@@ -13,17 +13,19 @@
 // loop does no more than keep, per thread and row, its three largest v as keys: v with its low five
 // mantissa bits replaced by the value's slot in the thread's accumulators, so that one float max
 // keeps the value and where it came from. The two largest keep their tile's first token too; the
-// third only its value. At the document's end the quad takes M, and each lane's two kept tokens that
+// third only its value. At the document's end the quad takes M, and each lane's kept tokens that
 // reach M - 2E are recomputed exactly from D (L2 holds the document just staged), as fwd/refine.cuh
-// does from shared memory. A row where a lane's third value reaches M - 2E too (many near ties, as
-// exact duplicates make), or whose TF32 values hold a NaN or an infinity, or whose bound is unusable
-// (an embedding whose squares underflow), is rescanned: every token of the document recomputed
-// exactly. A query row of zeros scores 0 at its first valid token, as float64 does.
+// does from shared memory. Where a lane's third value reaches M - 2E too (near ties three deep in
+// one lane's columns, as duplicates make), the whole warp scans that lane's columns of the row: each
+// token's float32 similarity (within 2^-18 |q| |d|) against M - 2E, and the exact one for those that
+// reach it. A row whose TF32 values hold a NaN or an infinity, or whose bound is unusable (squares
+// that underflow), is scanned exactly in full. A query row of zeros scores 0 at its first valid token.
 //
 // The row's max is float64's max rounded once, its argmax float64's (the lower token on a tie, the
 // first NaN on a NaN) wherever the two best similarities differ by more than the exact sums' 2^-44
-// residue: the contract of fwd/refine.cuh at a fraction of its work. On random unit vectors a row
-// recomputes about one token per document (its max, and rarely a second within 2E).
+// residue: the contract of fwd/refine.cuh. On random unit vectors a row recomputes about 1.2 tokens
+// per document of 1,024 (its max, and at times one within 2E), and 0.4% of rows scan a quarter of
+// their columns in float32 (bench/sweeps/sweep_refine.py counts them).
 #pragma once
 #include "fwd/config.cuh"
 
@@ -192,12 +194,13 @@ struct LIK_FWD::RefineDeferred {
         s = t;
     }
 
-    // The exact similarity of tile row r and document row drow (in D), as s + e over the quad: lane tq
-    // takes every fourth 16-byte chunk in four chains, then the quad adds its parts without error.
-    __device__ double exact(const T* drow, int r, int tq) const {
+    // Part of the exact similarity of tile row r and document row drow (in D), as s + e: the 16-byte
+    // chunks k0, k0 + KS, ... in four chains (one per float of a chunk) merged at the end.
+    template <int KS>
+    __device__ float2 exact_part(const T* drow, int r, int k0) const {
         float s[4] = {0.f, 0.f, 0.f, 0.f}, e[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll 4
-        for (int kc = tq; kc < DP / 4; kc += 4) {
+        for (int kc = k0; kc < DP / 4; kc += KS) {
             const float4 a = *reinterpret_cast<const float4*>(sQ + soff(r, 4 * kc, BM));
             const float4 b = __ldg(reinterpret_cast<const float4*>(drow) + kc);
             two_sum_product(s[0], e[0], a.x, b.x);
@@ -208,15 +211,35 @@ struct LIK_FWD::RefineDeferred {
         two_sum_product(s[0], e[0], s[1], 1.f);
         two_sum_product(s[2], e[2], s[3], 1.f);
         two_sum_product(s[0], e[0], s[2], 1.f);
-        float ps = s[0], pe = e[0] + e[1] + e[2] + e[3];
+        return float2{s[0], e[0] + e[1] + e[2] + e[3]};
+    }
+
+    // The exact similarity, the quad's four lanes taking every fourth chunk, their parts added without error.
+    __device__ double exact_quad(const T* drow, int r, int tq) const {
+        float2 p = exact_part<4>(drow, r, tq);
 #pragma unroll
         for (int off = 1; off <= 2; off <<= 1) {
-            const float os = __shfl_xor_sync(0xffffffffu, ps, off), oe = __shfl_xor_sync(0xffffffffu, pe, off);
-            const float t = ps + os, bp = t - ps;
-            pe += ((ps - (t - bp)) + (os - bp)) + oe;
-            ps = t;
+            const float os = __shfl_xor_sync(0xffffffffu, p.x, off), oe = __shfl_xor_sync(0xffffffffu, p.y, off);
+            const float t = p.x + os, bp = t - p.x;
+            p.y += ((p.x - (t - bp)) + (os - bp)) + oe;
+            p.x = t;
         }
-        return (double)ps + (double)pe;
+        return (double)p.x + (double)p.y;
+    }
+
+    // The float32 similarity by one lane: within 2^-18 |q| |d| of the exact one, well inside E.
+    __device__ float dot_lane(const T* drow, int r) const {
+        float s[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll 4
+        for (int kc = 0; kc < DP / 4; ++kc) {
+            const float4 a = *reinterpret_cast<const float4*>(sQ + soff(r, 4 * kc, BM));
+            const float4 b = __ldg(reinterpret_cast<const float4*>(drow) + kc);
+            s[0] = fmaf(a.x, b.x, s[0]);
+            s[1] = fmaf(a.y, b.y, s[1]);
+            s[2] = fmaf(a.z, b.z, s[2]);
+            s[3] = fmaf(a.w, b.w, s[3]);
+        }
+        return (s[0] + s[1]) + (s[2] + s[3]);
     }
 
     // Whether exact value x at token tok beats the row's (xb, ix): larger, or equal at a lower token;
@@ -251,9 +274,11 @@ struct LIK_FWD::RefineDeferred {
         const int g = lane >> 2, tq = lane & 3;
         auto valid = [&](int tok) { return tok < len && (!dm || dm[tok]); };
         auto drow = [&](int tok) { return D + (begin + tok) * DP; };
-        double xb[2] = {-__longlong_as_double(0x7ff0000000000000ll), -__longlong_as_double(0x7ff0000000000000ll)};
+        const double NEG = -__longlong_as_double(0x7ff0000000000000ll);
+        double xb[2] = {NEG, NEG};
         unsigned cand = 0;  // bit 2h + i: this lane's key i of row h is a candidate
-        bool scan[2], zero[2];
+        bool over[2], zero[2];
+        float thr[2];
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             float m = key[0][h];
@@ -263,11 +288,12 @@ struct LIK_FWD::RefineDeferred {
             // (no valid token: nothing to do; a finite value's key is above -inf)
             const bool some = rv[0][h] && (bad || m != LIK_NEG_INF);
             zero[h] = some && !bad && erow[h] == 0.f;
-            const float thr = m - 2.f * (erow[h] * dn);
-            scan[h] = some && (bad || (!zero[h] && quad_any(!(key[2][h] < thr))));
-            if (some && !zero[h] && !scan[h]) {
-                if (key[0][h] >= thr) cand |= 1u << (2 * h);
-                if (key[1][h] >= thr) cand |= 2u << (2 * h);
+            thr[h] = bad ? LIK_NEG_INF : m - 2.f * (erow[h] * dn);
+            // This lane's columns need a scan: its third key reaches the threshold too (or E is NaN).
+            over[h] = some && !zero[h] && (bad || !(key[2][h] < thr[h]));
+            if (some && !zero[h] && !over[h]) {
+                if (key[0][h] >= thr[h]) cand |= 1u << (2 * h);
+                if (key[1][h] >= thr[h]) cand |= 2u << (2 * h);
             }
         }
         // The candidates: each quad recomputes its lanes' one at a time, the quads side by side.
@@ -287,26 +313,51 @@ struct LIK_FWD::RefineDeferred {
             tok = __shfl_sync(0xffffffffu, tok, src);
             if (mine && lane == src) cand &= cand - 1;
             const int h = bit >> 1;
-            const double x = exact(drow(mine ? tok : tok_lo), wrow0 + g + 8 * h, tq);
+            const double x = exact_quad(drow(mine ? tok : tok_lo), wrow0 + g + 8 * h, tq);
             if (mine) {
                 if (h) take<1>(xb, x, tok);
                 else take<0>(xb, x, tok);
             }
         }
-        // Rescans, warp by warp over the document's valid tokens (quads without one ride along).
+        // Scans, one row at a time by the whole warp: the columns of the lanes that flagged it, each
+        // token's float32 similarity against the threshold, the exact one for those that reach it.
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            if (!__any_sync(0xffffffffu, scan[h])) continue;
-            for (int tok = tok_lo; tok < tok_hi; ++tok) {
-                if (!valid(tok)) continue;
-                const double x = exact(drow(tok), wrow0 + g + 8 * h, tq);
-                if (scan[h]) {
-                    if (h) take<1>(xb, x, tok);
-                    else take<0>(xb, x, tok);
+            unsigned ov = __ballot_sync(0xffffffffu, over[h]);
+            while (ov) {
+                const int qd = (__ffs(ov) - 1) >> 2;
+                const unsigned cls = (ov >> (4 * qd)) & 0xFu;  // the lanes (column classes) to scan
+                ov &= ~(0xFu << (4 * qd));
+                const float t = __shfl_sync(0xffffffffu, thr[h], 4 * qd);
+                const int r = wrow0 + qd + 8 * h;
+                double xw = NEG;
+                int iw = -1;
+                for (int tok = tok_lo + lane; tok < tok_hi; tok += 32) {
+                    if (!((cls >> ((tok & 7) >> 1)) & 1u) || !valid(tok)) continue;
+                    if (dot_lane(drow(tok), r) < t) continue;
+                    const float2 p = exact_part<1>(drow(tok), r, 0);
+                    const double x = (double)p.x + (double)p.y;
+                    if (beats(x, tok, xw, iw)) {
+                        xw = x;
+                        iw = tok;
+                    }
+                }
+#pragma unroll
+                for (int off = 16; off > 0; off >>= 1) {
+                    const double ox = __shfl_xor_sync(0xffffffffu, xw, off);
+                    const int oi = __shfl_xor_sync(0xffffffffu, iw, off);
+                    if (oi >= 0 && beats(ox, oi, xw, iw)) {
+                        xw = ox;
+                        iw = oi;
+                    }
+                }
+                if (g == qd && iw >= 0) {
+                    if (h) take<1>(xb, xw, iw);
+                    else take<0>(xb, xw, iw);
                 }
             }
         }
-        // Rows of zeros: every similarity is 0 (a NaN or infinity in D was rescanned above).
+        // Rows of zeros: every similarity is 0 (a NaN or infinity in D was scanned above).
         int first = tok_lo;
         if (__any_sync(0xffffffffu, zero[0] || zero[1]))
             while (first < tok_hi && !valid(first)) ++first;
