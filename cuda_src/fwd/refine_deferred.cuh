@@ -194,13 +194,12 @@ struct LIK_FWD::RefineDeferred {
         s = t;
     }
 
-    // Part of the exact similarity of tile row r and document row drow (in D), as s + e: the 16-byte
-    // chunks k0, k0 + KS, ... in four chains (one per float of a chunk) merged at the end.
-    template <int KS>
+    // Part k0 of the exact similarity of tile row r and document row drow (in D), as s + e: the 16-byte
+    // chunks k0, k0 + 4, ... in four chains (one per float of a chunk) merged at the end.
     __device__ float2 exact_part(const T* drow, int r, int k0) const {
         float s[4] = {0.f, 0.f, 0.f, 0.f}, e[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll 4
-        for (int kc = k0; kc < DP / 4; kc += KS) {
+        for (int kc = k0; kc < DP / 4; kc += 4) {
             const float4 a = *reinterpret_cast<const float4*>(sQ + soff(r, 4 * kc, BM));
             const float4 b = __ldg(reinterpret_cast<const float4*>(drow) + kc);
             two_sum_product(s[0], e[0], a.x, b.x);
@@ -214,17 +213,32 @@ struct LIK_FWD::RefineDeferred {
         return float2{s[0], e[0] + e[1] + e[2] + e[3]};
     }
 
-    // The exact similarity, the quad's four lanes taking every fourth chunk, their parts added without error.
-    __device__ double exact_quad(const T* drow, int r, int tq) const {
-        float2 p = exact_part<4>(drow, r, tq);
-#pragma unroll
-        for (int off = 1; off <= 2; off <<= 1) {
-            const float os = __shfl_xor_sync(0xffffffffu, p.x, off), oe = __shfl_xor_sync(0xffffffffu, p.y, off);
-            const float t = p.x + os, bp = t - p.x;
-            p.y += ((p.x - (t - bp)) + (os - bp)) + oe;
-            p.x = t;
-        }
+    // a + b, the rounding error of the high parts' sum (TwoSum) added to the low parts.
+    static __device__ __forceinline__ float2 add_parts(float2 a, float2 b) {
+        const float t = a.x + b.x, bp = t - a.x;
+        return float2{t, a.y + b.y + ((a.x - (t - bp)) + (b.x - bp))};
+    }
+    // The four parts' sum in one fixed order: every lane, and the scans' single lanes, get the same bits
+    // for the same vectors, so equal similarities stay equal (the lower token wins them).
+    static __device__ __forceinline__ double sum_parts(float2 p0, float2 p1, float2 p2, float2 p3) {
+        const float2 p = add_parts(add_parts(p0, p1), add_parts(p2, p3));
         return (double)p.x + (double)p.y;
+    }
+
+    // The exact similarity, the quad's four lanes taking every fourth chunk (exact_part).
+    __device__ double exact_quad(const T* drow, int r, int tq) const {
+        const float2 p = exact_part(drow, r, tq);
+        float2 q[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+            q[i] = float2{__shfl_sync(0xffffffffu, p.x, (lane & ~3) + i), __shfl_sync(0xffffffffu, p.y, (lane & ~3) + i)};
+        return sum_parts(q[0], q[1], q[2], q[3]);
+    }
+
+    // The same by one lane, part by part.
+    __device__ double exact_lane(const T* drow, int r) const {
+        return sum_parts(exact_part(drow, r, 0), exact_part(drow, r, 1), exact_part(drow, r, 2),
+                         exact_part(drow, r, 3));
     }
 
     // The float32 similarity by one lane: within 2^-18 |q| |d| of the exact one, well inside E.
@@ -335,8 +349,7 @@ struct LIK_FWD::RefineDeferred {
                 for (int tok = tok_lo + lane; tok < tok_hi; tok += 32) {
                     if (!((cls >> ((tok & 7) >> 1)) & 1u) || !valid(tok)) continue;
                     if (dot_lane(drow(tok), r) < t) continue;
-                    const float2 p = exact_part<1>(drow(tok), r, 0);
-                    const double x = (double)p.x + (double)p.y;
+                    const double x = exact_lane(drow(tok), r);
                     if (beats(x, tok, xw, iw)) {
                         xw = x;
                         iw = tok;
