@@ -353,7 +353,7 @@ def test_default_argmax_on_planted_ties_every_layout(rng, layout, ulps, copies, 
     # the refined TF32 tiles' near-max tokens: one or two per thread (recomputed at the document's
     # end), three in one thread's columns or 40 exact duplicates (that thread's columns scanned);
     # the argmax is float64's (the first of equal maxima) and the scores meet the contract
-    nq, lq = {"multi": (9, 32), "long-query": (1, 256)}.get(layout, (2, 40))
+    nq, lq = {"multi": (9, 32), "long-query": (1, 256), "candidates": (2, 40)}.get(layout, (1, 40))
     nd, ld = 13, 400
     q, d, want, need = _planted_ties(rng, nq, lq, nd, ld, 128, ulps, copies, same_lane)
     ref, sim = maxsim_ref(q, d)
