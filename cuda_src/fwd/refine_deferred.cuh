@@ -18,8 +18,9 @@
 // does from shared memory. Where a lane's third value reaches M - 2E too (near ties three deep in
 // one lane's columns, as duplicates make), the whole warp scans that lane's columns of the row: each
 // token's float32 similarity (within 2^-18 |q| |d|) against M - 2E, and the exact one for those that
-// reach it. A row whose TF32 values hold a NaN or an infinity, or whose bound is unusable (squares
-// that underflow), is scanned exactly in full. A query row of zeros scores 0 at its first valid token.
+// reach it. A row whose bound is unusable is scanned exactly in full: a NaN or infinity in its query
+// row or in the document's tiles (norm_max makes Dn infinite), squares that underflow, or a bound so
+// large that a similarity could overflow. A query row of zeros scores 0 at its first valid token.
 //
 // The row's max is float64's max rounded once, its argmax float64's (the lower token on a tie, the
 // first NaN on a NaN) wherever the two best similarities differ by more than the exact sums' 2^-44
@@ -41,7 +42,6 @@ struct LIK_FWD::RefineDeferred {
     const bool (&rv)[MT][2];
     float (&key)[3][2];  // the three largest keys of this thread's columns of each row, largest first
     int (&ktile)[2][2];  // the first token of the tile of key[0] and key[1]
-    float (&vsum)[2];    // the rows' TF32 values summed: not finite after a NaN or an infinity
     float (&erow)[2];    // the rows' error weights (E = erow Dn): 0 for a row of zeros; negative until computed
     float& dn2;          // this thread's largest part of a tile row's |d|^2 over the document (norm_max)
 
@@ -69,7 +69,6 @@ struct LIK_FWD::RefineDeferred {
 #pragma unroll
             for (int i = 0; i < 3; ++i) key[i][h] = LIK_NEG_INF;
             ktile[0][h] = ktile[1][h] = 0;
-            vsum[h] = 0.f;
             best[0][h] = LIK_NEG_INF;
             bidx[0][h] = -1;
         }
@@ -95,7 +94,7 @@ struct LIK_FWD::RefineDeferred {
                 rr += __shfl_xor_sync(0xffffffffu, rr, off);
                 nz |= __shfl_xor_sync(0xffffffffu, nz, off);
             }
-            // (NaN stays NaN: its row's values are NaN too and it is rescanned)
+            // (a NaN stays NaN: the row is then scanned exactly, finish)
             erow[h] = nz == 0 ? 0.f : s < TINY ? __int_as_float(0x7f800000) : (sqrtf(rr) + W * sqrtf(s)) * UP;
         }
     }
@@ -114,7 +113,7 @@ struct LIK_FWD::RefineDeferred {
             const float4 x = *reinterpret_cast<const float4*>(sD + (kb * BN + r) * BLK + ch * EPC);
             rs = fmaf(x.x, x.x, fmaf(x.y, x.y, fmaf(x.z, x.z, fmaf(x.w, x.w, rs))));
         }
-        dn2 = fmaxf(dn2, rs);
+        dn2 = fmaxf(dn2, rs <= 3.4028235e38f ? rs : __int_as_float(0x7f800000));  // NaN too: infinite
     }
 
     // Upper bound of the document's token norms: the sum over the row parts of the parts' largest
@@ -159,7 +158,6 @@ struct LIK_FWD::RefineDeferred {
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
                     const float v = acc[0][n][2 * h + x];
-                    vsum[h] += ok ? v : 0.f;
                     const float kv = ok ? key_of(v, n * 2 + x) : LIK_NEG_INF;
                     const float lo0 = fminf(k[0][h], kv);
                     k[0][h] = fmaxf(k[0][h], kv);
@@ -273,13 +271,6 @@ struct LIK_FWD::RefineDeferred {
         }
     }
 
-    static __device__ __forceinline__ bool quad_any(bool p) {
-        u32 v = p;
-        v |= __shfl_xor_sync(0xffffffffu, v, 1);
-        v |= __shfl_xor_sync(0xffffffffu, v, 2);
-        return v != 0;
-    }
-
     // Document j's row maxima (and argmax) from the kept keys: the tiles tok_lo .. tok_hi - 1 of its
     // `len` tokens were this CTA's; D's rows from `begin` are the document's tokens.
     __device__ void finish(int j, const T* D, i64 begin, int tok_lo, int tok_hi, int len, const u8* dm) const {
@@ -298,11 +289,14 @@ struct LIK_FWD::RefineDeferred {
             float m = key[0][h];
             m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
             m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
-            const bool bad = quad_any(!(fabsf(vsum[h]) <= 3.4028235e38f));  // a NaN or infinite TF32 value
+            // A NaN or infinity in the query row or the document's tiles, or a bound so large that a
+            // similarity might overflow: every similarity is recomputed exactly.
+            const float e = erow[h] * dn;
+            const bool bad = !(e < 0x1p100f);
             // (no valid token: nothing to do; a finite value's key is above -inf)
             const bool some = rv[0][h] && (bad || m != LIK_NEG_INF);
             zero[h] = some && !bad && erow[h] == 0.f;
-            thr[h] = bad ? LIK_NEG_INF : m - 2.f * (erow[h] * dn);
+            thr[h] = bad ? LIK_NEG_INF : m - 2.f * e;
             // This lane's columns need a scan: its third key reaches the threshold too (or E is NaN).
             over[h] = some && !zero[h] && (bad || !(key[2][h] < thr[h]));
             if (some && !zero[h] && !over[h]) {
