@@ -154,34 +154,38 @@ def _unit(x):
     return (x / np.linalg.norm(x, axis=-1, keepdims=True)).astype(np.float32)
 
 
-def recompute_model(q, d) -> dict:
-    """Scheme 2's decision for query rows q [R, dim] against one document d [L, dim] (all valid): the
-    exact recomputations per row (the candidates: TF32 value within 2E of the row's max; a scan
-    recomputes exactly the same ones), the share of rows a thread's third key sends to a scan (three
-    candidates in one lane's columns, tokens t with (t % 8) // 2 the lane), and the float32 dot
-    products per row those scans take (one per token of the scanned lanes' columns)."""
+def recompute_model(q, d, bn: int) -> dict:
+    """Scheme 2's decision for query rows q [R, dim] against one document d [L, dim] (all valid) in tiles of
+    ``bn`` tokens: the exact recomputations per row (the candidates: TF32 value within 2E of the row's max;
+    a scan recomputes exactly the same ones), the share of rows that a thread's bound sends to a scan
+    (three candidates in one lane's columns, or two in one tile's; tokens t with (t % 8) // 2 the lane),
+    and the float32 dot products per row those scans take (one per token of the scanned lanes' columns)."""
     v = _tf32(q).astype(np.float64) @ _tf32(d).astype(np.float64).T
     w = 2.0 ** -10 * (1 + 2.0 ** -11) + 2.0 ** -13 + 2.0 ** -15
     e = (np.linalg.norm(q - _tf32(q), axis=1) + w * np.linalg.norm(q, axis=1)) * np.linalg.norm(d, axis=1).max()
     near = v >= (v.max(axis=1) - 2 * e)[:, None]
-    lane = (np.arange(d.shape[0]) % 8) // 2
-    per_lane = np.stack([near[:, lane == t].sum(axis=1) for t in range(4)], axis=1)
-    over = per_lane >= 3
+    t = np.arange(d.shape[0])
+    lane, tile = (t % 8) // 2, t // bn
+    over = np.stack([(near[:, lane == k].sum(axis=1) >= 3)
+                     | np.stack([near[:, (lane == k) & (tile == j)].sum(axis=1) >= 2 for j in range(tile.max() + 1)],
+                                axis=1).any(axis=1) for k in range(4)], axis=1)
     return {"exact_per_row": float(near.sum(axis=1).mean()), "rows_scanned": float(over.any(axis=1).mean()),
             "float32_dots_per_row": float((over * np.bincount(lane, minlength=4)[None, :]).sum(axis=1).mean())}
 
 
 def recompute_counts(seed: int) -> dict:
+    """recompute_model on random unit vectors and on clustered tokens, 300-token documents in 64-token
+    tiles and 1,024-token ones in 128-token tiles (the textual and ColPali tiles)."""
     rng = np.random.default_rng(seed)
     out = {}
-    for ld in (300, 1024):
+    for ld, bn in ((300, 64), (1024, 128)):
         q = _unit(rng.standard_normal((512, 128)))
-        out[f"random unit, {ld} tokens"] = recompute_model(q, _unit(rng.standard_normal((ld, 128))))
+        out[f"random unit, {ld} tokens"] = recompute_model(q, _unit(rng.standard_normal((ld, 128))), bn)
         for clusters, noise in ((16, 0.3), (8, 0.1), (4, 0.03)):
             c = _unit(rng.standard_normal((clusters, 128)))
             d = _unit(c[rng.integers(0, clusters, ld)] + noise / np.sqrt(128) * rng.standard_normal((ld, 128)))
             qc = _unit(c[rng.integers(0, clusters, 512)] + 0.5 / np.sqrt(128) * rng.standard_normal((512, 128)))
-            out[f"{clusters} clusters (noise {noise}), {ld} tokens"] = recompute_model(qc, d)
+            out[f"{clusters} clusters (noise {noise}), {ld} tokens"] = recompute_model(qc, d, bn)
     return out
 
 

@@ -10,23 +10,25 @@
 // while the tensor cores multiplied (norm_max), and the warps pool theirs at the document's end.
 //
 // Only a token whose v reaches M - 2E, M the row's largest v, can be the row's exact max. The tile
-// loop does no more than keep, per thread and row, its three largest v as keys: v with its low five
-// mantissa bits replaced by the value's slot in the thread's accumulators, so that one float max
-// keeps the value and where it came from. The two largest keep their tile's first token too; the
-// third only its value. At the document's end the quad takes M, and each lane's kept tokens that
-// reach M - 2E are recomputed exactly from D (L2 holds the document just staged), as fwd/refine.cuh
-// does from shared memory. Where a lane's third value reaches M - 2E too (near ties three deep in
-// one lane's columns, as duplicates make), the whole warp scans that lane's columns of the row: each
-// token's float32 similarity (within 2^-18 |q| |d|) against M - 2E, and the exact one for those that
-// reach it. A row whose bound is unusable is scanned exactly in full: a NaN or infinity in its query
-// row or in the document's tiles (norm_max makes Dn infinite), squares that underflow, or a bound so
-// large that a similarity could overflow. A query row of zeros scores 0 at its first valid token.
+// loop keeps per thread and row two v as keys (v with its low five mantissa bits replaced by its slot
+// in the thread's accumulators, so that a float max keeps the value and where it came from) and a
+// bound of the rest: three float ops a similarity take the tile's largest and second largest; the
+// tile's largest joins the two kept, with its tile's first token, if it beats one of them, and the
+// tile's second and whatever drops out raise the bound. At the document's end the quad takes M, and
+// each lane's kept tokens that reach M - 2E are recomputed exactly from D (L2 holds the document
+// just staged), as fwd/refine.cuh does from shared memory. Where a lane's bound reaches M - 2E too
+// (near ties three deep in one lane's columns, or two in one tile's, as duplicates make), the whole
+// warp scans that lane's columns of the row: each token's float32 similarity (within 2^-18 |q| |d|)
+// against M - 2E, and the exact one for those that reach it. A row whose bound is unusable is
+// scanned exactly in full: a NaN or infinity in its query row or in the document's tiles (norm_max
+// makes Dn infinite), squares that underflow, or a bound so large that a similarity could overflow.
+// A query row of zeros scores 0 at its first valid token.
 //
 // The row's max is float64's max rounded once, its argmax float64's (the lower token on a tie, the
 // first NaN on a NaN) wherever the two best similarities differ by more than the exact sums' 2^-44
-// residue: the contract of fwd/refine.cuh. On random unit vectors a row recomputes about 1.2 tokens
-// per document of 1,024 (its max, and at times one within 2E), and 0.4% of rows scan a quarter of
-// their columns in float32 (bench/sweeps/sweep_refine.py counts them).
+// residue: the contract of fwd/refine.cuh. On random unit vectors a row recomputes about 1.1 tokens
+// per document of 300 or 1,024 tokens (its max, and at times one within 2E), and 0.4-0.6% of rows
+// scan a quarter of their columns in float32 (bench/sweeps/sweep_refine.py models the counts).
 #pragma once
 #include "fwd/config.cuh"
 
@@ -40,7 +42,7 @@ struct LIK_FWD::RefineDeferred {
     float (&best)[MT][2];
     int (&bidx)[MT][2];
     const bool (&rv)[MT][2];
-    float (&key)[3][2];  // the three largest keys of this thread's columns of each row, largest first
+    float (&key)[3][2];  // per row the two largest keys of this thread's columns, and a bound of the others
     int (&ktile)[2][2];  // the first token of the tile of key[0] and key[1]
     float (&erow)[2];    // the rows' error weights (E = erow Dn): 0 for a row of zeros; negative until computed
     float& dn2;          // this thread's largest part of a tile row's |d|^2 over the document (norm_max)
@@ -146,9 +148,9 @@ struct LIK_FWD::RefineDeferred {
         if (erow[0] < 0.f) query_norms();
         const int tq = lane & 3;
         const bool full = !dm && tok0 + BN <= len;
-        float k[3][2];
+        float k[2][2];  // the tile's largest key per row, and its second: a bound of the tile's others
 #pragma unroll
-        for (int h = 0; h < 2; ++h) k[0][h] = k[1][h] = k[2][h] = LIK_NEG_INF;
+        for (int h = 0; h < 2; ++h) k[0][h] = k[1][h] = LIK_NEG_INF;
 #pragma unroll
         for (int n = 0; n < NN; ++n)
 #pragma unroll
@@ -157,30 +159,27 @@ struct LIK_FWD::RefineDeferred {
                 const bool ok = full || (tok < len && (!dm || dm[tok]));
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
-                    const float v = acc[0][n][2 * h + x];
-                    const float kv = ok ? key_of(v, n * 2 + x) : LIK_NEG_INF;
-                    const float lo0 = fminf(k[0][h], kv);
+                    const float kv = ok ? key_of(acc[0][n][2 * h + x], n * 2 + x) : LIK_NEG_INF;
+                    k[1][h] = fmaxf(k[1][h], fminf(k[0][h], kv));
                     k[0][h] = fmaxf(k[0][h], kv);
-                    const float lo1 = fminf(k[1][h], lo0);
-                    k[1][h] = fmaxf(k[1][h], lo0);
-                    k[2][h] = fmaxf(k[2][h], lo1);
                 }
             }
-        // Merge the tile's three into the document's: the largest of both, the larger of the two
-        // left beside it, and the largest of the rest.
+        // The tile's largest joins the document's two if it beats one of them; the one it pushes out,
+        // or itself, and the tile's second only bound the others (key[2]).
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            const bool c = k[0][h] > key[0][h];
-            const float a = c ? key[0][h] : key[1][h], b = c ? k[1][h] : k[0][h];
-            const int at = c ? ktile[0][h] : ktile[1][h];
-            key[2][h] = fmaxf(fmaxf(key[2][h], k[2][h]), fmaxf(fminf(a, b), c ? key[1][h] : k[1][h]));
+            const bool c = k[0][h] > key[0][h], c2 = k[0][h] > key[1][h];
+            const float out = c || c2 ? key[1][h] : k[0][h];
+            key[2][h] = fmaxf(key[2][h], fmaxf(k[1][h], out));
             if (c) {
+                key[1][h] = key[0][h];
+                ktile[1][h] = ktile[0][h];
                 key[0][h] = k[0][h];
                 ktile[0][h] = tok0;
+            } else if (c2) {
+                key[1][h] = k[0][h];
+                ktile[1][h] = tok0;
             }
-            const bool c2 = b > a;
-            key[1][h] = c2 ? b : a;
-            ktile[1][h] = c2 ? tok0 : at;
         }
     }
 
