@@ -228,9 +228,9 @@ __device__ void LIK_FWD::run(const T* __restrict__ Q, const T* __restrict__ D, c
     float* const tnorm = reinterpret_cast<float*>(mbar + 2 * STAGES);
 #endif
 #if LIK_REFINE == 2
-    float rkey[3][2], erow[2] = {-1.f, -1.f}, dn2 = 0.f;
+    float rkey[3][2], dn2 = 0.f;
     int rtile[2][2];
-    const RefineDeferred refine{sQ, tnorm, wrow0, lane, warp, best, bidx, rv, rkey, rtile, erow, dn2};
+    const RefineDeferred refine{sQ, tnorm, wrow0, lane, warp, best, bidx, rv, rkey, rtile, dn2};
 #elif LIK_REFINE
     double xbest[2];
     float lo[2], a1[2] = {-1.f, -1.f}, a2[2];

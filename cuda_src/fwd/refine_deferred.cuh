@@ -5,8 +5,8 @@
 //     q d - q~ d~ = dq . d + q~ . dd,   |dd| <= 2^-10 |d| (a TF32 part keeps 10 mantissa bits),
 // so by at most E = (|dq| + (2^-10 (1 + 2^-11) + A + K) |q|) Dn with Dn the document's largest token
 // norm, A = 2^-13 the tensor cores' float32 accumulation (fwd/refine.cuh) and K = 2^-15 the keys'
-// cut bits (below) and the threshold's rounding. The row weight is summed once per CTA from the query
-// tile; Dn once per document: every thread keeps the largest part of a tile row's |d|^2 it summed
+// cut bits (below) and the threshold's rounding. The row weight is summed from the query tile and Dn
+// once per document: every thread keeps the largest part of a tile row's |d|^2 it summed
 // while the tensor cores multiplied (norm_max), and the warps pool theirs at the document's end.
 //
 // Only a token whose v reaches M - 2E, M the row's largest v, can be the row's exact max. The tile
@@ -44,7 +44,6 @@ struct LIK_FWD::RefineDeferred {
     const bool (&rv)[MT][2];
     float (&key)[3][2];  // per row the two largest keys of this thread's columns, and a bound of the others
     int (&ktile)[2][2];  // the first token of the tile of key[0] and key[1]
-    float (&erow)[2];    // the rows' error weights (E = erow Dn): 0 for a row of zeros; negative until computed
     float& dn2;          // this thread's largest part of a tile row's |d|^2 over the document (norm_max)
 
     static constexpr float ACC = 0x1p-13f;
@@ -76,8 +75,9 @@ struct LIK_FWD::RefineDeferred {
         }
     }
 
-    // This warp's rows' error weights (once per CTA: the query tile is in place from the first stage on).
-    __device__ void query_norms() const {
+    // This warp's rows' error weights (E = erow Dn): 0 for a row of zeros. Taken again per document:
+    // kept through the tile loop, they spilled two-warpgroup tiles of 128 tokens (compile check).
+    __device__ void query_norms(float (&erow)[2]) const {
         const int g = lane >> 2, tq = lane & 3;
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
@@ -145,7 +145,6 @@ struct LIK_FWD::RefineDeferred {
     // Fold the tile in acc (document tokens tok0 .. tok0 + BN - 1 of a document of `len` tokens with
     // mask `dm`) into the rows' kept keys.
     __device__ void fold(A (&acc)[MT][NN][4], int tok0, int len, const u8* dm) const {
-        if (erow[0] < 0.f) query_norms();
         const int tq = lane & 3;
         const bool full = !dm && tok0 + BN <= len;
         float k[2][2];  // the tile's largest key per row, and its second: a bound of the tile's others
@@ -276,6 +275,8 @@ struct LIK_FWD::RefineDeferred {
         const float dn = doc_norm(j & 1);
         if (tok_lo >= tok_hi) return;
         const int g = lane >> 2, tq = lane & 3;
+        float erow[2];
+        query_norms(erow);
         auto valid = [&](int tok) { return tok < len && (!dm || dm[tok]); };
         auto drow = [&](int tok) { return D + (begin + tok) * DP; };
         const double NEG = -__longlong_as_double(0x7ff0000000000000ll);
