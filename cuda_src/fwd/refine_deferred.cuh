@@ -52,7 +52,9 @@ struct LIK_FWD::RefineDeferred {
     static constexpr float TINY = 0x1p-100f;  // squared norms below it may have underflowed: no bound
     static constexpr u32 SLOT = 31u;          // a key's slot bits
     static constexpr int P = NT / BN;         // threads (parts of the dim) per tile row in norm_max
-    static_assert(NT >= BN && BN % 32 == 0 && 2 * NN <= 32, "deferred refinement: tiles of 32 to 128 tokens");
+    static constexpr int KP = DP / 16;        // 16-byte chunks in a quarter row (a lane's part of an exact sum)
+    static_assert(NT >= BN && BN % 32 == 0 && 2 * NN <= 32 && DP % 16 == 0,
+                  "deferred refinement: tiles of 32 to 128 tokens, rows of whole 64-byte quarters");
 
     static __device__ __forceinline__ float tf32_part(float x) { return __uint_as_float(__float_as_uint(x) & 0xFFFFE000u); }
     static __device__ __forceinline__ float key_of(float v, int slot) {
@@ -190,18 +192,23 @@ struct LIK_FWD::RefineDeferred {
         s = t;
     }
 
-    // Part k0 of the exact similarity of tile row r and document row drow (in D), as s + e: the 16-byte
-    // chunks k0, k0 + 4, ... in four chains (one per float of a chunk) merged at the end.
-    __device__ float2 exact_part(const T* drow, int r, int k0) const {
+    // Quarter k0 of document row drow (in D): its 16-byte chunks k0, k0 + 4, ...
+    static __device__ __forceinline__ void load_part(const T* drow, int k0, float4 (&b)[KP]) {
+#pragma unroll
+        for (int i = 0; i < KP; ++i) b[i] = __ldg(reinterpret_cast<const float4*>(drow) + k0 + 4 * i);
+    }
+
+    // Quarter k0 of the exact similarity of tile row r and the document row in b, as s + e: four chains
+    // (one per float of a chunk) merged at the end.
+    __device__ float2 exact_part(const float4 (&b)[KP], int r, int k0) const {
         float s[4] = {0.f, 0.f, 0.f, 0.f}, e[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll 4
-        for (int kc = k0; kc < DP / 4; kc += 4) {
-            const float4 a = *reinterpret_cast<const float4*>(sQ + soff(r, 4 * kc, BM));
-            const float4 b = __ldg(reinterpret_cast<const float4*>(drow) + kc);
-            two_sum_product(s[0], e[0], a.x, b.x);
-            two_sum_product(s[1], e[1], a.y, b.y);
-            two_sum_product(s[2], e[2], a.z, b.z);
-            two_sum_product(s[3], e[3], a.w, b.w);
+#pragma unroll
+        for (int i = 0; i < KP; ++i) {
+            const float4 a = *reinterpret_cast<const float4*>(sQ + soff(r, 4 * (k0 + 4 * i), BM));
+            two_sum_product(s[0], e[0], a.x, b[i].x);
+            two_sum_product(s[1], e[1], a.y, b[i].y);
+            two_sum_product(s[2], e[2], a.z, b[i].z);
+            two_sum_product(s[3], e[3], a.w, b[i].w);
         }
         two_sum_product(s[0], e[0], s[1], 1.f);
         two_sum_product(s[2], e[2], s[3], 1.f);
@@ -221,9 +228,8 @@ struct LIK_FWD::RefineDeferred {
         return (double)p.x + (double)p.y;
     }
 
-    // The exact similarity, the quad's four lanes taking every fourth chunk (exact_part).
-    __device__ double exact_quad(const T* drow, int r, int tq) const {
-        const float2 p = exact_part(drow, r, tq);
+    // The exact similarity from the quad's four quarters (lane tq's in p).
+    __device__ double quad_sum(float2 p) const {
         float2 q[4];
 #pragma unroll
         for (int i = 0; i < 4; ++i)
@@ -231,10 +237,16 @@ struct LIK_FWD::RefineDeferred {
         return sum_parts(q[0], q[1], q[2], q[3]);
     }
 
-    // The same by one lane, part by part.
+    // The same by one lane, quarter by quarter.
     __device__ double exact_lane(const T* drow, int r) const {
-        return sum_parts(exact_part(drow, r, 0), exact_part(drow, r, 1), exact_part(drow, r, 2),
-                         exact_part(drow, r, 3));
+        float2 p[4];
+#pragma unroll
+        for (int k0 = 0; k0 < 4; ++k0) {
+            float4 b[KP];
+            load_part(drow, k0, b);
+            p[k0] = exact_part(b, r, k0);
+        }
+        return sum_parts(p[0], p[1], p[2], p[3]);
     }
 
     // The float32 similarity by one lane: within 2^-18 |q| |d| of the exact one, well inside E.
@@ -304,27 +316,44 @@ struct LIK_FWD::RefineDeferred {
                 if (key[1][h] >= thr[h]) cand |= 2u << (2 * h);
             }
         }
-        // The candidates: each quad recomputes its lanes' one at a time, the quads side by side.
-        for (;;) {
+        // The candidates: each quad recomputes its lanes' one at a time, the quads side by side, the next
+        // one's quarter rows of D loading while this one is summed. pick takes the quad's next (its
+        // row bit and token; a quad without one reads the document's first row and takes nothing).
+        auto pick = [&](int& bit, int& tok, bool& mine) {
             const unsigned lanes = __ballot_sync(0xffffffffu, cand != 0);
-            if (!lanes) break;
-            const unsigned mine = (lanes >> (lane & ~3)) & 0xFu;  // this quad's lanes with candidates
-            const int src = (lane & ~3) + (mine ? __ffs(mine) - 1 : 0);
+            const unsigned quad = (lanes >> (lane & ~3)) & 0xFu;  // this quad's lanes with candidates
+            const int src = (lane & ~3) + (quad ? __ffs(quad) - 1 : 0);
             const int b = cand ? __ffs(cand) - 1 : 0;
-            int tok = 0;
+            int t = 0;
 #pragma unroll
             for (int h = 0; h < 2; ++h)
 #pragma unroll
                 for (int i = 0; i < 2; ++i)
-                    if (b == 2 * h + i) tok = token_of(key[i][h], ktile[i][h], tq);
-            const int bit = __shfl_sync(0xffffffffu, b, src);
-            tok = __shfl_sync(0xffffffffu, tok, src);
-            if (mine && lane == src) cand &= cand - 1;
-            const int h = bit >> 1;
-            const double x = exact_quad(drow(mine ? tok : tok_lo), wrow0 + g + 8 * h, tq);
-            if (mine) {
-                if (h) take<1>(xb, x, tok);
-                else take<0>(xb, x, tok);
+                    if (b == 2 * h + i) t = token_of(key[i][h], ktile[i][h], tq);
+            bit = __shfl_sync(0xffffffffu, b, src);
+            t = __shfl_sync(0xffffffffu, t, src);
+            if (quad && lane == src) cand &= cand - 1;
+            mine = quad != 0;
+            tok = mine ? t : tok_lo;
+            return lanes != 0;
+        };
+        int bit, tok;
+        bool mine;
+        bool more = pick(bit, tok, mine);
+        float4 next[KP];
+        if (more) load_part(drow(tok), tq, next);
+        while (more) {
+            const int h = bit >> 1, t = tok;
+            const bool m = mine;
+            float4 cur[KP];
+#pragma unroll
+            for (int i = 0; i < KP; ++i) cur[i] = next[i];
+            more = pick(bit, tok, mine);
+            if (more) load_part(drow(tok), tq, next);
+            const double x = quad_sum(exact_part(cur, wrow0 + g + 8 * h, tq));
+            if (m) {
+                if (h) take<1>(xb, x, t);
+                else take<0>(xb, x, t);
             }
         }
         // Scans, one row at a time by the whole warp: the columns of the lanes that flagged it, each
