@@ -281,8 +281,8 @@ struct LIK_FWD::RefineDeferred {
         }
     }
 
-    // Document j's row maxima (and argmax) from the kept keys: the tiles tok_lo .. tok_hi - 1 of its
-    // `len` tokens were this CTA's; D's rows from `begin` are the document's tokens.
+    // Document j's row maxima (and argmax) from the kept keys: tokens tok_lo .. tok_hi - 1 of its `len`
+    // (mask dm) were this CTA's tiles; D's rows from `begin` are the document's tokens.
     __device__ void finish(int j, const T* D, i64 begin, int tok_lo, int tok_hi, int len, const u8* dm) const {
         const float dn = doc_norm(j & 1);
         if (tok_lo >= tok_hi) return;
