@@ -53,6 +53,13 @@ struct LIK_FWD::RefineDeferred {
     static constexpr u32 SLOT = 31u;          // a key's slot bits
     static constexpr int P = NT / BN;         // threads (parts of the dim) per tile row in norm_max
     static constexpr int KP = DP / 16;        // 16-byte chunks in a quarter row (a lane's part of an exact sum)
+    // The next candidate's quarter rows load while the current one is summed, where registers allow: not
+    // in two-warpgroup tiles of two CTAs an SM (128 registers a thread), where that buffer spilled.
+#if defined(LIK_MIN_BLOCKS) && LIK_MIN_BLOCKS > 1
+    static constexpr bool LOAD_AHEAD = NT * LIK_MIN_BLOCKS <= 256;
+#else
+    static constexpr bool LOAD_AHEAD = true;
+#endif
     static_assert(NT >= BN && BN % 32 == 0 && 2 * NN <= 32 && DP % 16 == 0,
                   "deferred refinement: tiles of 32 to 128 tokens, rows of whole 64-byte quarters");
 
@@ -316,8 +323,8 @@ struct LIK_FWD::RefineDeferred {
                 if (key[1][h] >= thr[h]) cand |= 2u << (2 * h);
             }
         }
-        // The candidates: each quad recomputes its lanes' one at a time, the quads side by side, the next
-        // one's quarter rows of D loading while this one is summed. pick takes the quad's next (its
+        // The candidates: each quad recomputes its lanes' one at a time, the quads side by side (LOAD_AHEAD:
+        // the next one's quarter rows of D loading while this one is summed). pick takes the quad's next (its
         // row bit and token; a quad without one reads the document's first row and takes nothing).
         auto pick = [&](int& bit, int& tok, bool& mine) {
             const unsigned lanes = __ballot_sync(0xffffffffu, cand != 0);
@@ -340,16 +347,20 @@ struct LIK_FWD::RefineDeferred {
         int bit, tok;
         bool mine;
         bool more = pick(bit, tok, mine);
-        float4 next[KP];
-        if (more) load_part(drow(tok), tq, next);
+        float4 next[KP];  // (unused without LOAD_AHEAD)
+        if (LOAD_AHEAD && more) load_part(drow(tok), tq, next);
         while (more) {
             const int h = bit >> 1, t = tok;
             const bool m = mine;
             float4 cur[KP];
+            if constexpr (LOAD_AHEAD) {
 #pragma unroll
-            for (int i = 0; i < KP; ++i) cur[i] = next[i];
+                for (int i = 0; i < KP; ++i) cur[i] = next[i];
+            } else {
+                load_part(drow(tok), tq, cur);
+            }
             more = pick(bit, tok, mine);
-            if (more) load_part(drow(tok), tq, next);
+            if (LOAD_AHEAD && more) load_part(drow(tok), tq, next);
             const double x = quad_sum(exact_part(cur, wrow0 + g + 8 * h, tq));
             if (m) {
                 if (h) take<1>(xb, x, t);
