@@ -9,6 +9,7 @@ skipped when its shared memory exceeds the architecture's per-block limit.
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 
 from . import tables as t
 from .config import MAX_DIM_RESIDUAL, SMEM_PER_BLOCK, FwdConfig, arch_of, dim_bucket, one_shot_bucket, padded_dim
@@ -150,6 +151,10 @@ def choose_forward(cc: int, dtype: str, dim: int, lq: int, argmax: bool, vec: bo
                 cfg = FwdConfig(elem=elem, dp=dim, warps=8, mt=1, bn=bn, stages=stages, qreg=False, argmax=argmax, vec=vec,
                                 wgmma=True, multi=multi(128), packed=packed, cand=cand, refine=t.REFINE_SCHEME if x3 else 0,
                                 tma=tma and _wgmma_tma(spec, argmax, multi(128), q_len))
+                # The argmax of several queries in 128 registers (two CTAs per SM) spilled 8 bytes with
+                # the deferred refinement (compile check): those tiles refine tile by tile.
+                if cfg.refine == 2 and argmax and cfg.multi and cfg.min_blocks > 1:
+                    cfg = replace(cfg, refine=1)
                 # INT8's argmax of several queries does not fit the 128 registers of two CTAs per SM.
                 if cfg.smem_bytes <= limit and not (scaled and argmax and cfg.multi and cfg.min_blocks > 1):
                     return cfg
