@@ -139,7 +139,8 @@ WGMMA_STAGES = {128: (2, 3), 96: (3, 2), 64: (3, 2)}
 # float32 at float32 accuracy on Hopper's TF32 wgmma tiles (FwdConfig.refine): 2 keeps each row's few
 # near-max tokens through the tile loop and recomputes them once per document
 # (cuda_src/fwd/refine_deferred.cuh); 1 recomputes near-max similarities tile by tile from shared
-# memory (cuda_src/fwd/refine.cuh). bench/sweeps/sweep_refine.py times both.
+# memory (cuda_src/fwd/refine.cuh), and stays where 2 spilled (select.py). bench/sweeps/sweep_refine.py
+# times both.
 REFINE_SCHEME = 2
 
 
