@@ -191,9 +191,10 @@ struct LIK_FWD::RefineDeferred {
         }
     }
 
-    // s + e += a * b: the product split exactly (fmaf), its high part added by TwoSum.
+    // s + e += a * b: the product split exactly (fmaf), its high part added by TwoSum (__fmul_rn: never
+    // contracted into the sum, so every inlined copy rounds alike).
     static __device__ __forceinline__ void two_sum_product(float& s, float& e, float a, float b) {
-        const float p = a * b, pl = fmaf(a, b, -p);
+        const float p = __fmul_rn(a, b), pl = fmaf(a, b, -p);
         const float t = s + p, bp = t - s;
         e += ((s - (t - bp)) + (p - bp)) + pl;
         s = t;
