@@ -1245,7 +1245,7 @@ def _serve_devices(text: str) -> list:
     help="Serve MaxSim with the Open Inference Protocol (KServe v2) over HTTP, and over gRPC with "
     "--grpc-port (tritonclient works as a client): models search (Q, K -> SCORES, IDS), rerank (Q, IDS -> SCORES) "
     "and score (Q -> SCORES) over the documents of SHARD..., kept resident (a replica per device, "
-    "requests routed to the least loaded). Concurrent requests are batched into multi-query calls; "
+    "requests routed to the least loaded; or split over the GPUs, --partition). Concurrent requests are batched into multi-query calls; "
     "each caller gets its own rows. /v2/health/ready turns 200 once the corpus is resident "
     "and warm; /metrics is Prometheus. A full queue answers 503 with Retry-After; SIGTERM or Ctrl-C "
     "answers every accepted request, then stops. Needs the [serve] extra; see docs/serving.md.\n\n\b\nExample:\n"

@@ -20,6 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import _interop as interop
+from ._interop import GpuCall
 from ._cpu.hidden import normalize_grad, normalize_rows, project_numpy
 from ._dispatch.backend import check_backend, scoring_on_gpu
 from ._dispatch.precision import fp32_accurate
@@ -258,9 +259,8 @@ def _gpu_forward(hp: HiddenProblem, Q, H, W, bias, q_mask, d_mask, q_lengths, d_
     from ._runtime.hidden import project
 
     p, fw = hp.p, hp.p.framework
-    on_host = p.device is None
-    device = p.device if p.device is not None else cupy.cuda.runtime.getDevice()
-    with interop.caller_stream(fw, device):
+    with GpuCall(p) as call:
+        on_host = call.on_host
         q, h, w, b = _device_operands(hp, Q, H, W, bias, on_host)
         qm = _device_valid(q_mask, fw, on_host, (p.nq, p.lq))
         ql = _device_valid(q_lengths, fw, on_host, (p.nq,))
@@ -288,7 +288,7 @@ def _gpu_forward(hp: HiddenProblem, Q, H, W, bias, q_mask, d_mask, q_lengths, d_
                 scores[:, j0:j1] = s
                 if return_argmax:
                     amax[:, j0:j1] = a
-        return interop.caller_results(p, scores, amax, on_host)
+        return call.results(p, scores, amax)
 
 
 def _gpu_backward(hp: HiddenProblem, grad_scores, Q, H, W, bias, argmax, d_mask, d_lengths, normalize, eps,
@@ -298,11 +298,10 @@ def _gpu_backward(hp: HiddenProblem, grad_scores, Q, H, W, bias, argmax, d_mask,
     from ._runtime.hidden import from_float32, gemm, project, project_grad, row_sums, to_float32
 
     p, fw = hp.p, hp.p.framework
-    on_host = p.device is None
-    device = p.device if p.device is not None else cupy.cuda.runtime.getDevice()
     wide = p.dtype == "float64"
     acc = cupy.float64 if wide else cupy.float32
-    with interop.caller_stream(fw, device):
+    with GpuCall(p) as call:
+        on_host = call.on_host
         q, h, w, b = _device_operands(hp, Q, H, W, bias, on_host)
         g = grad_scores_f32(grad_scores, fw, on_host, p)
         a = cupy.ascontiguousarray(interop.device_array(argmax, fw, on_host).reshape(p.nq, p.nd, p.lq))

@@ -275,7 +275,7 @@ def test_a_replica_that_does_not_fit_each_gpu_partitions_by_default(split_shards
     class Partitioned(Exception):
         pass
 
-    def partition_of(paths, parts):  # where loading the parts would need the GPUs
+    def partition_of(paths, opened, parts):  # where loading the parts would need the GPUs
         made.append(parts)
         raise Partitioned
 

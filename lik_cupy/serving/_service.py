@@ -91,6 +91,11 @@ def check_model(model: str) -> None:
         raise Refused(404, f"unknown model {model!r}; the models are {', '.join(MODELS)}")
 
 
+def check_ready(svc: Service) -> None:
+    if not svc.ready:
+        raise Refused(503, "the server is not ready (loading the corpus, or stopping)", retry=True)
+
+
 def tensor_specs(svc: Service, model: str) -> tuple[list, list]:
     """(inputs, outputs) of ``model``: (name, datatype, shape) each. Refused while the corpus loads."""
     check_model(model)
@@ -122,8 +127,7 @@ async def infer(svc: Service, model: str, inputs: dict[str, np.ndarray], params:
     microseconds, ``precision``; others are ignored); ``deadline_s``: seconds the transport allows
     (a gRPC deadline), the sooner of the two bounding the wait in the queue. Raises :class:`Refused`."""
     check_model(model)
-    if not svc.ready:
-        raise Refused(503, "the server is not ready (loading the corpus, or stopping)", retry=True)
+    check_ready(svc)
     try:
         Q, arg = _arguments(svc, model, inputs)
         timeout, precision = _parameters(params)

@@ -42,12 +42,8 @@ def read_request(body: bytes, header_length: str | None) -> tuple[dict, dict[str
     for i, t in enumerate(header["inputs"]):
         if not isinstance(t, dict) or not isinstance(t.get("name"), str):
             raise ValueError(f"input {i} must be an object with a 'name'")
-        name = t["name"]
-        if name in inputs:
-            raise ValueError(f"input {name} is given twice")
-        shape, datatype = tensor_shape(name, t.get("shape")), t.get("datatype")
-        if datatype != "BYTES" and datatype not in DTYPES:
-            raise ValueError(f"input {name} has datatype {datatype!r}; expected one of {', '.join(DTYPES)} or BYTES")
+        name, datatype = t["name"], t.get("datatype")
+        shape = check_input(inputs, name, t.get("shape"), datatype)
         params = t.get("parameters") or {}
         if not isinstance(params, dict):
             raise ValueError(f"input {name}: parameters must be an object")
@@ -115,6 +111,16 @@ def _json(raw) -> object:
         return json.loads(bytes(raw))
     except (ValueError, UnicodeDecodeError) as e:
         raise ValueError(f"the request header is not JSON: {e}") from None
+
+
+def check_input(inputs: dict, name: str, shape, datatype) -> tuple[int, ...]:
+    """An input's shape, checked with its datatype and against the ``inputs`` read before it."""
+    if name in inputs:
+        raise ValueError(f"input {name} is given twice")
+    shape = tensor_shape(name, shape)
+    if datatype != "BYTES" and datatype not in DTYPES:
+        raise ValueError(f"input {name} has datatype {datatype!r}; expected one of {', '.join(DTYPES)} or BYTES")
+    return shape
 
 
 def tensor_shape(name: str, shape) -> tuple[int, ...]:

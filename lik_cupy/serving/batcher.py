@@ -129,12 +129,17 @@ class Batcher:
         devices = list(devices)
         if not devices:
             raise ValueError("devices is empty; give CUDA ordinals or 'cpu'")
+        paths = [paths] if isinstance(paths, (str, bytes, os.PathLike)) else list(paths)
         gpus = list(dict.fromkeys(d for d in devices if d != "cpu"))
-        if partition is None:
-            partition = len(gpus) > 1 and not _replica_fits(_opened(paths), gpus, _free_gpu_bytes)
+        opened = None  # the shards, opened once where the choice or the split reads them
+        if partition is None and len(gpus) > 1:
+            opened = _opened(paths)
+            partition = not _replica_fits(opened, gpus, _free_gpu_bytes)
         if partition:
             parts = [d for i, d in enumerate(devices) if d == "cpu" or d not in devices[:i]]  # each GPU once
-            return cls(_partition_of(paths, parts), **kwargs)
+            if len(parts) < 2:
+                raise ValueError(f"a partition needs two devices at least (a part each); devices is {devices}")
+            return cls(_partition_of(paths, opened or _opened(paths), parts), **kwargs)
         loaded = {}
         for d in devices:
             if d not in loaded:
@@ -274,10 +279,9 @@ class Batcher:
 _REPLICA_SHARE = 0.75
 
 
-def _opened(paths) -> list:
+def _opened(paths: list) -> list:
     from .. import shards
 
-    paths = [paths] if isinstance(paths, (str, bytes, os.PathLike)) else list(paths)
     return [shards.open_input(p) for p in paths]
 
 
@@ -295,12 +299,8 @@ def _free_gpu_bytes(device: int) -> int:
         return int(cupy.cuda.runtime.memGetInfo()[0])
 
 
-def _partition_of(paths, devices: list) -> Partition:
-    """The shards of ``paths`` split over ``devices``, a part each."""
-    if len(devices) < 2:
-        raise ValueError(f"a partition needs two devices at least (a part each); devices is {devices}")
-    paths = [paths] if isinstance(paths, (str, bytes, os.PathLike)) else list(paths)
-    opened = _opened(paths)
+def _partition_of(paths: list, opened: list, devices: list) -> Partition:
+    """The shards of ``paths`` (``opened``: as opened) split over ``devices`` (two or more), a part each."""
     runs = split_shards(paths, [s.num_docs for s in opened], len(devices))
     parts = [Corpus.from_shards(run, device=d, ids=False) for run, d in zip(runs, devices)]
     named = [s.ids for s in opened if s.ids is not None]

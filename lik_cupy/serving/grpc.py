@@ -139,12 +139,7 @@ def _request(request, outputs: tuple[str, ...]) -> tuple[dict[str, np.ndarray], 
                              f"give every input's data raw, or none")
         inputs = {}
         for i, t in enumerate(request.inputs):
-            if t.name in inputs:
-                raise ValueError(f"input {t.name} is given twice")
-            shape = _tensors.tensor_shape(t.name, list(t.shape))
-            if t.datatype != "BYTES" and t.datatype not in _tensors.DTYPES:
-                raise ValueError(f"input {t.name} has datatype {t.datatype!r}; expected one of "
-                                 f"{', '.join(_tensors.DTYPES)} or BYTES")
+            shape = _tensors.check_input(inputs, t.name, list(t.shape), t.datatype)
             if raw:
                 inputs[t.name] = _tensors.tensor_from_bytes(t.name, memoryview(raw[i]), shape, t.datatype)
             elif t.datatype in _CONTENTS:

@@ -199,8 +199,7 @@ def _refused(e: Refused) -> JSONResponse:
 async def _infer(svc: Service, model: str, request: Request) -> Response:
     """The response to one inference request (raises :class:`Refused`)."""
     _service.check_model(model)
-    if not svc.ready:  # before reading the body
-        raise Refused(503, "the server is not ready (loading the corpus, or stopping)", retry=True)
+    _service.check_ready(svc)  # before reading the body
     body = await _body(request, svc.max_body)
     try:
         if body is not None:
