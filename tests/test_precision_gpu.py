@@ -200,7 +200,7 @@ def test_float64_in_float64_out_at_float32_accuracy(rng):
 # The float32-accuracy contract (README, Semantics): every score within 2e-6 of float64, relative
 # to |score| + 1, and the argmax float64's wherever the two best products differ by more than
 # float32 rounding. On Hopper the default takes TF32 wgmma tiles and recomputes the near-max
-# similarities exactly (cuda_src/fwd/refine.cuh); elsewhere 3xTF32.
+# similarities exactly (cuda_src/fwd/refine_deferred.cuh); elsewhere 3xTF32.
 CONTRACT_TOL = 2e-6
 
 
@@ -315,3 +315,100 @@ def test_default_few_long_documents_split_over_ctas(rng):
     top2 = np.sort(masked, axis=3)[..., -2:]
     clear = (top2[..., 1] - top2[..., 0] > 1e-5) & (lens[None, :, None] > 1)
     assert np.array_equal(_np(a)[clear], masked.argmax(axis=3)[clear])
+
+
+def _planted_ties(rng, nq, lq, nd, ld, dim, ulps, copies, same_lane):
+    """Documents whose tokens share one vector except component 0, which puts every token far below
+    the TF32 bound (0.0375 to 0.045 under) but `copies` runner-ups at 0.5 and, for ulps > 0, a winner
+    `ulps` float32 ulps above them (ulps 0: the first runner-up wins, float64's tie rule). Every query
+    token has component 0 at 0.75, so all rows share the winner. same_lane puts the planted tokens 8
+    apart, in one thread's accumulator columns (a thread keeps two near-max tokens and then scans its
+    columns). Returns q, d, the winners [nd] and each document's last planted token + 1 [nd]."""
+    q = _unit(rng, nq, lq, dim)
+    q[..., 0] = 0.75
+    base = _unit(rng, dim)
+    base[0] = 0.5
+    d = np.repeat(np.repeat(base[None, None], ld, axis=1), nd, axis=0)
+    d[:, :, 0] = np.float32(0.45) - np.float32(0.01) * rng.random((nd, ld)).astype(np.float32)
+    want, need = np.empty(nd, np.int64), np.empty(nd, np.int64)
+    n = copies + (ulps > 0)
+    for j in range(nd):
+        pool = np.arange(int(rng.integers(0, 8)), ld, 8) if same_lane else np.arange(ld)
+        pos = rng.choice(pool, n, replace=False)
+        d[j, pos, 0] = np.float32(0.5)
+        if ulps:
+            d[j, pos[0], 0] = np.float32(0.5) + np.float32(ulps) * np.spacing(np.float32(0.5))
+        want[j] = pos[0] if ulps else pos.min()
+        need[j] = pos.max() + 1
+    return q, d.astype(np.float32), want, need
+
+
+PLANTED_LAYOUTS = ["padded", "lengths", "packed", "candidates", "multi", "long-query"]
+
+
+@pytest.mark.parametrize("layout", PLANTED_LAYOUTS)
+@pytest.mark.parametrize("ulps", [0, 1, 3, 10, 100])
+@pytest.mark.parametrize("copies,same_lane", [(1, False), (1, True), (2, True), (40, False)])
+def test_default_argmax_on_planted_ties_every_layout(rng, layout, ulps, copies, same_lane):
+    # the refined TF32 tiles' near-max tokens: one or two per thread (recomputed at the document's
+    # end), three in one thread's columns or 40 exact duplicates (that thread's columns scanned);
+    # the argmax is float64's (the first of equal maxima) and the scores meet the contract
+    nq, lq = {"multi": (9, 32), "long-query": (1, 256), "candidates": (2, 40)}.get(layout, (1, 40))
+    nd, ld = 13, 400
+    q, d, want, need = _planted_ties(rng, nq, lq, nd, ld, 128, ulps, copies, same_lane)
+    ref, sim = maxsim_ref(q, d)
+    assert np.array_equal(sim[0, :, 0].argmax(axis=1), want)
+    if layout == "lengths":
+        lens = rng.integers(need, ld + 1).astype(np.int32)
+        ref = maxsim_ref(q, d, d_valid=np.arange(ld)[None, :] < lens[:, None])[0]
+        s, a = lik_cupy.maxsim(_cp(q), _cp(d), d_lengths=_cp(lens), return_argmax=True)
+    elif layout == "packed":
+        lens = rng.integers(need, ld + 1)
+        tok, off = _packed(d, lens)
+        ref = maxsim_ref(q, d, d_valid=np.arange(ld)[None, :] < lens[:, None])[0]
+        s, a = lik_cupy.maxsim_varlen(_cp(q), _cp(tok), _cp(off), return_argmax=True)
+    elif layout == "candidates":  # each query its own candidates: the documents in reverse
+        s, a = lik_cupy.maxsim(_cp(q), _cp(np.repeat(d[None, ::-1], nq, axis=0)), return_argmax=True)
+        s, a, ref = _np(s)[:, ::-1], _np(a)[:, ::-1], ref
+    else:
+        s, a = lik_cupy.maxsim(_cp(q), _cp(d), return_argmax=True)
+    assert np.array_equal(_np(a), np.broadcast_to(want[None, :, None], (nq, nd, lq)))
+    assert _contract_err(_np(s), ref) < CONTRACT_TOL
+
+
+@pytest.mark.parametrize("copies", [1, 40])
+def test_default_planted_ties_in_few_long_documents(rng, copies):
+    # the token split: each piece keeps and recomputes (or scans) its own tokens, the merge keeps
+    # float64's argmax across pieces
+    q, d, want, _ = _planted_ties(rng, 1, 64, 3, 6000, 128, 1, copies, False)
+    ref = maxsim_ref(q, d)[0]
+    tok, off = _packed(d, np.full(3, 6000))
+    s, a = lik_cupy.maxsim_varlen(_cp(q), _cp(tok), _cp(off), return_argmax=True)
+    assert np.array_equal(_np(a), np.broadcast_to(want[None, :, None], (1, 3, 64)))
+    assert _contract_err(_np(s), ref) < CONTRACT_TOL
+
+
+def test_default_nan_and_zero_rows_follow_float64(rng):
+    # a NaN in a document's valid token: its rows score NaN at the first NaN token (rows scanned
+    # exactly); a NaN past the length is never read into a score; a query row of zeros scores 0 at
+    # the first valid token
+    nd, ld, dim = 6, 200, 128
+    q, d = _unit(rng, 1, 40, dim), _unit(rng, nd, ld, dim)
+    q[0, 7] = 0.0
+    lens = np.array([200, 150, 150, 90, 1, 0], np.int32)
+    d[1, 30, 5] = np.nan
+    d[1, 70, 9] = np.nan
+    d[2, 170, 3] = np.nan  # past document 2's length
+    dv = np.arange(ld)[None, :] < lens[:, None]
+    ref, sim = maxsim_ref(q, d, d_valid=dv)
+    s, a = lik_cupy.maxsim(_cp(q), _cp(d), d_lengths=_cp(lens), return_argmax=True)
+    s, a = _np(s), _np(a)
+    assert np.isnan(s[0, 1]) and np.all(a[0, 1] == 30)
+    assert _contract_err(np.delete(s, 1, axis=1), np.delete(ref, 1, axis=1)) < CONTRACT_TOL
+    assert np.all(a[0, [0, 2, 3, 4], 7] == 0) and a[0, 5, 7] == -1
+    masked = np.where(dv[None, :, None, :], sim, -np.inf)
+    top2 = np.sort(masked, axis=3)[..., -2:]
+    with np.errstate(invalid="ignore"):
+        clear = (top2[..., 1] - top2[..., 0] > 1e-5) & (lens[None, :, None] > 1)
+    clear[:, 1] = False  # the NaN document, checked above
+    assert np.array_equal(a[clear], masked.argmax(axis=3)[clear])

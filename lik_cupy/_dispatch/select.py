@@ -148,7 +148,7 @@ def choose_forward(cc: int, dtype: str, dim: int, lq: int, argmax: bool, vec: bo
         if short_hopper:
             for bn, stages in _short_wgmma_tiles(ld, spec):
                 cfg = FwdConfig(elem=elem, dp=dim, warps=4, mt=1, bn=bn, stages=stages, qreg=False, argmax=argmax, vec=vec,
-                                wgmma=True, multi=multi(64), packed=packed, cand=cand, refine=x3,
+                                wgmma=True, multi=multi(64), packed=packed, cand=cand, refine=t.REFINE_SCHEME if x3 else 0,
                                 tma=tma and _wgmma_tma(spec, argmax, multi(64), q_len))
                 if cfg.smem_bytes <= limit:
                     return cfg
@@ -160,7 +160,7 @@ def choose_forward(cc: int, dtype: str, dim: int, lq: int, argmax: bool, vec: bo
                     return cfg
             for bn, stages in _wgmma_tiles(lq, ld, multi(128)):
                 cfg = FwdConfig(elem=elem, dp=dim, warps=8, mt=1, bn=bn, stages=stages, qreg=False, argmax=argmax, vec=vec,
-                                wgmma=True, multi=multi(128), packed=packed, cand=cand, refine=x3,
+                                wgmma=True, multi=multi(128), packed=packed, cand=cand, refine=t.REFINE_SCHEME if x3 else 0,
                                 tma=tma and _wgmma_tma(spec, argmax, multi(128), q_len))
                 # INT8's argmax of several queries does not fit the 128 registers of two CTAs per SM.
                 if cfg.smem_bytes <= limit and not (scaled and argmax and cfg.multi and cfg.min_blocks > 1):
