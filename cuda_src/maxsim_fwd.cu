@@ -31,8 +31,8 @@
 // fwd/config.cuh (the -D flags, types, constants and struct Fwd's index), fwd/tile_scheduler.cuh
 // (which CTA takes which query tile, documents or token shares), fwd/mainloop.cuh (the query
 // tile, the cp.async / TMA ring and the mma / wgmma tile loop), fwd/epilogue.cuh (row-max fold,
-// argmax, score writes, the token split's merge), fwd/refine.cuh and fwd/refine_deferred.cuh (float32
-// accuracy from TF32 tiles: the rows' exact maxima, LIK_REFINE 1 and 2).
+// argmax, score writes, the token split's merge) and fwd/refine.cuh (float32 accuracy from TF32
+// tiles: the rows' exact maxima, LIK_REFINE).
 //
 // run keeps the CTA's steps in order and builds small role objects whose member functions it calls:
 // one for each lambda (or run of lambdas) of the single function this was, and one for each step
@@ -52,7 +52,6 @@
 #include "fwd/residual.cuh"
 #include "fwd/epilogue.cuh"
 #include "fwd/refine.cuh"
-#include "fwd/refine_deferred.cuh"
 
 namespace lik {
 
@@ -223,15 +222,8 @@ __device__ void LIK_FWD::run(const T* __restrict__ Q, const T* __restrict__ D, c
     float bq[TOKM ? NN : 1][2];
     RowMax rowmax{best, bidx, bq, warp, g, sS, tq};
 #if LIK_REFINE
-    // float32 accuracy from TF32 tiles (fwd/refine.cuh, fwd/refine_deferred.cuh): its norm parts follow
-    // the barriers.
+    // float32 accuracy from TF32 tiles (fwd/refine.cuh): its per-slot norm parts follow the barriers.
     float* const tnorm = reinterpret_cast<float*>(mbar + 2 * STAGES);
-#endif
-#if LIK_REFINE == 2
-    float rkey[3][2], dn2 = 0.f;
-    int rtile[2][2];
-    const RefineDeferred refine{sQ, tnorm, wrow0, lane, warp, best, bidx, rv, rkey, rtile, dn2};
-#elif LIK_REFINE
     double xbest[2];
     float lo[2], a1[2] = {-1.f, -1.f}, a2[2];
     const Refine refine{sQ, tnorm, wrow0, lane, warp, best, bidx, rv, xbest, lo, a1, a2};
@@ -282,9 +274,7 @@ __device__ void LIK_FWD::run(const T* __restrict__ Q, const T* __restrict__ D, c
                 // 5% faster than before).
                 if (!SCALED) flush.flush_sums();
                 const T* st = ring + slot * STAGE;
-#if LIK_REFINE == 2
-                tile_mma(acc, qf, sQ, st, wrow0, lane, false, qlo, &dn2);
-#elif LIK_REFINE
+#if LIK_REFINE
                 tile_mma(acc, qf, sQ, st, wrow0, lane, false, qlo, tnorm + slot * WARPS * 2);
 #else
                 tile_mma(acc, qf, SPLIT ? st : sQ, st + (SPLIT ? QR * LDS : 0), wrow0, lane, kc > 0, qlo);
@@ -294,18 +284,13 @@ __device__ void LIK_FWD::run(const T* __restrict__ Q, const T* __restrict__ D, c
 #if LIK_HAS_WGMMA
             if (WG_CHAIN) wgmma_wait<0>();
 #endif
-#if LIK_REFINE == 2
-            refine.fold(acc, t * BN, len, dm);
-#elif LIK_REFINE
+#if LIK_REFINE
             refine.fold(acc, ring + slot * STAGE, slot, t * BN, len, dm);
 #else
             rowmax.fold(acc, slot, t * BN, len, dm, TMA && SCALED ? (int)(begin & 3) : 0);
 #endif
             consumer.release_slot(slot);
         }
-#if LIK_REFINE == 2
-        refine.finish(j, D, begin, first.first_tile(j) * BN, min(nt * BN, len), len, dm);
-#endif
         fin.finish(j, zp);
     }
     cp_async_wait<0>();

@@ -102,7 +102,7 @@ def _row_problems(r, cfg, arch) -> list[str]:
 
 # What can make two forward configurations compile differently (registers, spills, shared memory).
 _FEATURES = ("elem", "dp", "warps", "mt", "bn", "stages", "qreg", "argmax", "vec", "wgmma", "multi", "packed",
-             "split", "tma", "qhalf", "tokm", "residual", "cand", "strided", "x3", "min_blocks")
+             "split", "tma", "qhalf", "tokm", "residual", "cand", "strided", "x3", "refine", "min_blocks")
 ROTATING_PER_ARCH = 12
 
 

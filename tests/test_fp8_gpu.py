@@ -37,7 +37,8 @@ def _hopper() -> bool:
 
 
 def _wgmma_takes(dim: int) -> bool:
-    """Whether Hopper's FP8 wgmma tiles take dim (d > 512 runs split-d, any multiple of 16)."""
+    """Whether Hopper's FP8 wgmma tiles take dim (d > 512 runs split-d, any multiple of 16; short
+    queries of d 384 and 512 take the two-warpgroup tiles)."""
     return dim % 128 == 0 or dim > 512
 
 
@@ -122,7 +123,8 @@ def test_masks_lengths_and_empty_documents(rng, lq, kernel_family):
                                d_lengths=_cp(d_len), return_argmax=True)
     dv = np.arange(ld)[None, :] < d_len[:, None]
     _check(_np(s), _np(a), _deq(q8, qs), _deq(d8, ds), q_mask, dv)
-    assert np.all(np.isneginf(_np(s)[:, d_len == 0]))
+    live = q_mask.any(axis=1)  # a query with no valid token scores 0 everywhere
+    assert np.all(np.isneginf(_np(s)[live][:, d_len == 0]))
 
 
 @pytest.mark.parametrize("nq,lq", [(32, 32), (8, 20), (5, 64)])
@@ -171,9 +173,10 @@ def test_candidates_per_query(rng, kernel_family):
     nq, k, ld, dim = 5, 7, 90, 128
     q8, qs = lik_cupy.quantize_fp8(_unit(rng, nq, 24, dim))
     d8, ds = lik_cupy.quantize_fp8(_unit(rng, nq, k, ld, dim))
-    argmax = not _hopper()  # Hopper has no FP8 tile for an argmax over candidate ids
-    out = lik_cupy.maxsim_fp8(_cp(q8), _cp(d8), _cp(ds), q_scales=_cp(qs), return_argmax=argmax)
-    s, a = (_np(out[0]), _np(out[1])) if argmax else (_np(out), None)
+    # [nq, k, ld, dim]: each query's own documents (Hopper's argmax over candidate id arrays has no
+    # FP8 tile; this layout is not that)
+    out = lik_cupy.maxsim_fp8(_cp(q8), _cp(d8), _cp(ds), q_scales=_cp(qs), return_argmax=True)
+    s, a = _np(out[0]), _np(out[1])
     assert s.shape == (nq, k)
     for i in range(nq):
         _check(s[i:i + 1], None if a is None else a[i:i + 1], _deq(q8[i:i + 1], qs[i:i + 1]), _deq(d8[i], ds[i]))
@@ -188,12 +191,10 @@ def test_hopper_refuses_what_its_wgmma_tiles_do_not_take(rng, monkeypatch):
         lik_cupy.maxsim_fp8(_cp(q8), _cp(d8), _cp(ds), q_scales=_cp(qs))
     assert np.isfinite(lik_cupy.maxsim_fp8(q8, d8, ds, q_scales=qs, backend="cpu")).all()
     q8, qs = lik_cupy.quantize_fp8(_unit(rng, 2, 16, 128))
-    d8, ds = lik_cupy.quantize_fp8(_unit(rng, 2, 3, 40, 128))
-    with pytest.raises(ValueError, match=r"\(d = 128, argmax\)"):  # candidate ids with the argmax
-        lik_cupy.maxsim_fp8(_cp(q8), _cp(d8), _cp(ds), q_scales=_cp(qs), return_argmax=True)
+    d8, ds = lik_cupy.quantize_fp8(_unit(rng, 3, 40, 128))
     monkeypatch.setenv("LIK_DISABLE_WGMMA", "1")
     with pytest.raises(ValueError, match="leave LIK_DISABLE_WGMMA unset"):
-        lik_cupy.maxsim_fp8(_cp(q8), _cp(d8[0]), _cp(ds[0]), q_scales=_cp(qs))
+        lik_cupy.maxsim_fp8(_cp(q8), _cp(d8), _cp(ds), q_scales=_cp(qs))
 
 
 def test_per_tensor_scales_and_float_queries(rng, kernel_family):

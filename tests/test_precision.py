@@ -3,7 +3,6 @@ The GPU's accuracy under each precision is tests/test_precision_gpu.py."""
 
 import sys
 import types
-from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -114,15 +113,9 @@ def test_fp32_precision_chooses_float32_accurate_kernels(arch, dim):
         acc = dispatch.choose_forward(arch, "float32", dim, lq, argmax, True, True, shared, 300, False, False, True)
         one = dispatch.choose_forward(arch, "float32", dim, lq, argmax, True, True, shared, 300, False, False, False)
         if arch == 90 and dim in (64, 128):
-            # refined by tables.REFINE_SCHEME; argmax tiles of several queries at one CTA per SM
-            # (config.min_blocks: either refinement spilled in 128 registers)
-            want = dispatch.tables.REFINE_SCHEME
-            assert not (argmax and acc.multi) or acc.min_blocks == 1
-            assert acc.refine == want and acc.wgmma and not acc.x3 and acc.name.endswith(("_rf", "_rd")[want - 1])
-            assert acc.defines()["LIK_REFINE"] == want and "LIK_REFINE" not in one.defines()
-            tile = replace(acc, refine=1)  # the per-tile scheme, kept for the A/B (sweep_refine.py)
-            assert tile.name.endswith("_rf") and tile.defines()["LIK_REFINE"] == 1 and tile.smem_bytes == acc.smem_bytes
-            assert (dim, lq, shared) != (128, 1024, 1) or want == 2  # ColPali's tile takes the deferred one
+            assert acc.refine and acc.wgmma and not acc.x3 and acc.name.endswith("_rf")
+            assert not (argmax and acc.multi) or acc.min_blocks == 1  # config.min_blocks: it spilled at two
+            assert acc.defines()["LIK_REFINE"] == 1 and "LIK_REFINE" not in one.defines()
             assert one.wgmma and not one.refine
         else:
             assert acc.x3 and not acc.qreg and acc.name.endswith("_x3") and acc.defines()["LIK_X3"] == 1

@@ -200,7 +200,7 @@ def test_float64_in_float64_out_at_float32_accuracy(rng):
 # The float32-accuracy contract (README, Semantics): every score within 2e-6 of float64, relative
 # to |score| + 1, and the argmax float64's wherever the two best products differ by more than
 # float32 rounding. On Hopper the default takes TF32 wgmma tiles and recomputes the near-max
-# similarities exactly (cuda_src/fwd/refine_deferred.cuh); elsewhere 3xTF32.
+# similarities exactly (cuda_src/fwd/refine.cuh); elsewhere 3xTF32.
 CONTRACT_TOL = 2e-6
 
 

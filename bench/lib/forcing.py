@@ -64,21 +64,6 @@ def forcing(cfg):
         rebind(d, "choose_forward", chosen)
 
 
-@contextlib.contextmanager
-def refine_scheme(scheme: int):
-    """Inside the block, float32-accurate Hopper tiles take refinement ``scheme`` (``tables.REFINE_SCHEME``:
-    1 tile by tile, 2 once per document)."""
-    d = dispatch()
-    old = d.tables.REFINE_SCHEME
-    d.tables.REFINE_SCHEME = scheme
-    d.clear_caches()
-    try:
-        yield
-    finally:
-        d.tables.REFINE_SCHEME = old
-        d.clear_caches()
-
-
 def picked(fn):
     """The configuration dispatch picks for ``fn()``'s call (recorded by wrapping choose_forward)."""
     d = dispatch()

@@ -21,6 +21,7 @@ result is also compared with ours_fp16 (relative L2 difference of the scores).
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 import time
@@ -63,12 +64,13 @@ def run(args):
         d8, ds = lk.quantize_fp8(d)
         impls = {"ours_fp8": lambda: lk.maxsim_fp8(q8, d8, ds, q_scales=qs), "ours_fp16": lambda: lk.maxsim(q, d)}
         if lik is not None:
-            lq8, lqs = lik.quantize_fp8_per_token(q)
-            ld8, lds = lik.quantize_fp8_per_token(d)
-            tq8, tqs = lik.quantize_fp8_per_tensor(q)
-            td8, tds = lik.quantize_fp8_per_tensor(d)
-            impls["lik_fp8_tok"] = lambda: lik.maxsim_inference_fp8(lq8, ld8, scale_Q=lqs, scale_D=lds)
-            impls["lik_fp8_ten"] = lambda: lik.maxsim_inference_fp8(tq8, td8, scale_Q=tqs, scale_D=tds)
+            f8 = importlib.import_module(lik.__name__ + ".fp8")  # LIK's FP8 API is not re-exported at its top
+            lq8, lqs = f8.quantize_fp8_per_token(q)
+            ld8, lds = f8.quantize_fp8_per_token(d)
+            tq8, tqs = f8.quantize_fp8_per_tensor(q)
+            td8, tds = f8.quantize_fp8_per_tensor(d)
+            impls["lik_fp8_tok"] = lambda: f8.maxsim_inference_fp8(lq8, ld8, scale_Q=lqs, scale_D=lds)
+            impls["lik_fp8_ten"] = lambda: f8.maxsim_inference_fp8(tq8, td8, scale_Q=tqs, scale_D=tds)
         cell = {"Lq": lq, "Ld": ld, "dim": dim, "B": args.docs, "ms": {}, "rel_diff_vs_fp16": {}}
         ref = lk.maxsim(q, d).double().reshape(-1)
         for impl, fn in impls.items():

@@ -20,11 +20,9 @@
 //               hi*hi (the lo*lo term, ~2^-22 of it, is dropped): three mma per tile instead of one,
 //               relative error ~1e-6 instead of ~1e-3. Query fragments are re-read from shared
 //               memory (LIK_QREG 0): holding hi and lo in registers would double them
-//   LIK_REFINE  1 or 2 (fp32 one-shot wgmma tiles): float32 accuracy at TF32 speed. The tile runs on
-//               TF32 wgmma, and the similarities within the TF32 error bound of a row's max are
-//               recomputed exactly: 1, tile by tile from the float32 tiles in shared memory
-//               (fwd/refine.cuh); 2, once per document from D, for the few tokens each thread kept
-//               (fwd/refine_deferred.cuh)
+//   LIK_REFINE  1 (fp32 one-shot wgmma tiles): float32 accuracy at TF32 speed. The tile runs on TF32
+//               wgmma, and the similarities within the TF32 error bound of a row's best lower bound
+//               are recomputed exactly from the float32 tiles in shared memory (fwd/refine.cuh)
 //   LIK_DP      embedding dim padded to a multiple of 16 (32 for one-byte types; pad lanes are zero)
 //   LIK_WARPS   warps per CTA; each owns LIK_MT*16 query rows
 //   LIK_MT      16-row mma tiles per warp
@@ -303,8 +301,7 @@ struct Fwd {
     // fwd/residual.cuh
     struct ResidualLoader;  // PLAID residual documents: gathers and decompresses a slot's tile
     // fwd/refine.cuh
-    struct Refine;       // float32 accuracy from TF32 tiles: the rows' exact maxima, tile by tile
-    struct RefineDeferred;  // the same, decided once per document from the tokens kept
+    struct Refine;       // float32 accuracy from TF32 tiles: the rows' exact maxima
     // fwd/epilogue.cuh
     struct EmptyTile;    // a tile past its query's length: scores 0, argmax -1
     struct RowTerm;      // a query row's score term

@@ -50,9 +50,7 @@ class FwdConfig:
     qhalf: bool = False  # split-d, one warpgroup, one query of <= 32 tokens: stages hold 32 query rows, not 64
     tokm: bool = False  # scaled (INT8) Hopper tiles with document tokens on the wgmma M side (per-token scales in registers)
     x3: bool = False  # fp32 at float32 accuracy: three tf32 products per product (3xTF32, cuda_src/fwd/config.cuh)
-    # fp32 at float32 accuracy on TF32 wgmma, near-max similarities recomputed exactly (LIK_REFINE): 1 tile
-    # by tile (fwd/refine.cuh, name _rf), 2 once per document (fwd/refine_deferred.cuh, _rd); 0 not refined
-    refine: int = 0
+    refine: bool = False  # fp32 at float32 accuracy on TF32 wgmma: near-max similarities recomputed exactly (fwd/refine.cuh)
     residual: int = 0  # PLAID residual documents: nbits (1, 2 or 4) per dim, decompressed by the tile loader
     cand: bool = False  # each query scores the documents a candidate id array names (in place; one query a tile)
     strided: bool = False  # padded documents on the packed token-split path (LIK_STRIDED; packed is set too)
@@ -145,14 +143,14 @@ class FwdConfig:
             f"{'_qreg' if self.qreg else ''}{'_argmax' if self.argmax else ''}{'_vec' if self.vec else ''}"
             f"{'_wgmma' if self.wgmma else ''}{'_mq' if self.multi else ''}{'_packed' if self.packed else ''}"
             f"{'_tma' if self.tma else ''}{'_qh' if self.qhalf else ''}{'_tokm' if self.tokm else ''}"
-            f"{'_x3' if self.x3 else ''}{('', '_rf', '_rd')[self.refine]}{'_strided' if self.strided else ''}"
+            f"{'_x3' if self.x3 else ''}{'_rf' if self.refine else ''}{'_strided' if self.strided else ''}"
             f"{f'_r{self.residual}' if self.residual else ''}{'_cand' if self.cand else ''}"
         )
 
     def defines(self) -> dict[str, int | str]:
         residual = {"LIK_RESIDUAL": self.residual} if self.residual else {}
         cand = {"LIK_CAND": 1} if self.cand else {}
-        refine = {"LIK_REFINE": self.refine} if self.refine else {}
+        refine = {"LIK_REFINE": 1} if self.refine else {}
         return residual | cand | refine | {
             "LIK_NAME": self.name,
             "LIK_ELEM": self.elem,
@@ -198,9 +196,12 @@ class FwdConfig:
             return max(1, 65536 // (self.threads * (RESIDUAL_REGISTERS_MULTI if self.multi else RESIDUAL_REGISTERS)))
         if self.int8_argmax_strided:
             return 1
-        # Refined float32 argmax tiles of several queries spilled 4-12 bytes in 128 registers with
-        # either refinement (compile check, d = 64): one CTA per SM, no register cap.
-        if self.refine and self.argmax and self.multi:
+        # Argmax tiles that spilled in the 128 registers of two CTAs per SM (compile check) run one:
+        # refined float32 tiles of several queries (4-12 bytes at d = 64), and FP8's tiles of several
+        # queries or split-d (INT8's take mma.sync tiles there, select.py; sm_90 emulates FP8's).
+        if self.wgmma and self.argmax and (
+                (self.refine and self.multi)
+                or (self.spec.scaled and 90 in self.spec.emulated_mma and (self.multi or self.split))):
             return 1
         return 2 if (self.wgmma and self.bn <= 128
                      and 2 * (self.smem_bytes + 1024) <= SMEM_PER_SM[90]) else 1

@@ -84,9 +84,9 @@ def _mma_native(spec: ElemSpec, arch: int, dim: int, argmax: bool) -> None:
     if arch in spec.emulated_mma:
         raise ValueError(f"{spec.name} on sm_{arch} runs on its wgmma tiles only (mma.sync is emulated there), and "
                          f"none takes this problem (d = {dim}{', argmax' if argmax else ''}): they need 16-byte "
-                         f"aligned Q and D, d a multiple of {128 // spec.bytes} up to {spec.one_shot_max}, and some "
-                         "argmax shapes (candidate ids, short queries above d = 512) have none; score without the "
-                         "argmax or on the CPU (backend='cpu'), and leave LIK_DISABLE_WGMMA unset")
+                         f"aligned Q and D and d a multiple of {128 // spec.bytes} up to {spec.one_shot_max}, and an argmax "
+                         "over candidate ids has none; score without the argmax or on the CPU (backend='cpu'), "
+                         "and leave LIK_DISABLE_WGMMA unset")
 
 
 @functools.lru_cache(maxsize=4096)
@@ -136,8 +136,12 @@ def choose_forward(cc: int, dtype: str, dim: int, lq: int, argmax: bool, vec: bo
     # mma.sync ones.
     esize = spec.bytes
     wgmma_ok = wgmma and arch == 90 and spec.wgmma and vec and not (cand and scaled and argmax)
-    hopper = wgmma_ok and lq > 64
     row_bytes = dim * esize
+    # A type whose mma.sync sm_90 emulates (FP8) has nothing to fall back on: short queries whose rows
+    # are too wide for the one-warpgroup one-shot tiles (d 384, 512) take the two-warpgroup ones (half
+    # their rows empty); wider rows run split-d, which has one-warpgroup tiles.
+    hopper = wgmma_ok and (lq > 64 or (arch in spec.emulated_mma and row_bytes > t.SHORT_WGMMA_MAX_ROW_BYTES[esize]
+                                       and dim <= spec.one_shot_max))
     short_hopper = wgmma_ok and lq <= 64 and row_bytes % 128 == 0 and row_bytes <= t.SHORT_WGMMA_MAX_ROW_BYTES[esize]
     limit = SMEM_PER_BLOCK.get(arch, 99 * 1024)  # unknown (newer) GPUs: the smallest limit
     lb = 32 if lq <= 32 else 64 if lq <= 64 else 128
@@ -148,7 +152,7 @@ def choose_forward(cc: int, dtype: str, dim: int, lq: int, argmax: bool, vec: bo
         if short_hopper:
             for bn, stages in _short_wgmma_tiles(ld, spec):
                 cfg = FwdConfig(elem=elem, dp=dim, warps=4, mt=1, bn=bn, stages=stages, qreg=False, argmax=argmax, vec=vec,
-                                wgmma=True, multi=multi(64), packed=packed, cand=cand, refine=t.REFINE_SCHEME if x3 else 0,
+                                wgmma=True, multi=multi(64), packed=packed, cand=cand, refine=x3,
                                 tma=tma and _wgmma_tma(spec, argmax, multi(64), q_len))
                 if cfg.smem_bytes <= limit:
                     return cfg
@@ -160,7 +164,7 @@ def choose_forward(cc: int, dtype: str, dim: int, lq: int, argmax: bool, vec: bo
                     return cfg
             for bn, stages in _wgmma_tiles(lq, ld, multi(128)):
                 cfg = FwdConfig(elem=elem, dp=dim, warps=8, mt=1, bn=bn, stages=stages, qreg=False, argmax=argmax, vec=vec,
-                                wgmma=True, multi=multi(128), packed=packed, cand=cand, refine=t.REFINE_SCHEME if x3 else 0,
+                                wgmma=True, multi=multi(128), packed=packed, cand=cand, refine=x3,
                                 tma=tma and _wgmma_tma(spec, argmax, multi(128), q_len))
                 # INT8's argmax of several queries does not fit the 128 registers of two CTAs per SM.
                 if cfg.smem_bytes <= limit and not (scaled and argmax and cfg.multi and cfg.min_blocks > 1):

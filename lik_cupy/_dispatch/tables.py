@@ -136,12 +136,6 @@ WGMMA_BN_COST_MULTI = {96: 0.9, 64: 1.0, 128: 1.25}
 
 WGMMA_STAGES = {128: (2, 3), 96: (3, 2), 64: (3, 2)}
 
-# float32 at float32 accuracy on Hopper's TF32 wgmma tiles (FwdConfig.refine): 2 keeps each row's few
-# near-max tokens through the tile loop and recomputes them once per document
-# (cuda_src/fwd/refine_deferred.cuh); 1 recomputes near-max similarities tile by tile from shared
-# memory (cuda_src/fwd/refine.cuh). bench/sweeps/sweep_refine.py times both.
-REFINE_SCHEME = 2
-
 
 # One warpgroup (4 warps, 64 query rows) for queries of at most 64 rows, from
 # tests/data/sweep_short_nvidia-h200.json: a single query streams D at 4.1-4.5 TB/s on these

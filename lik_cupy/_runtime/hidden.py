@@ -46,12 +46,12 @@ def _kernels(dtype: str):
     return {
         # the rows' float32 sums of squares, with the bias added (float32, broadcast over the rows)
         "sumsq": cupy.ReductionKernel("T x, float32 bias", "float32 y", "(lik_f(x) + bias) * (lik_f(x) + bias)",
-                                      "a + b", "y = a", "0", f"lik_hidden_sumsq_{tag}", reduce_type="float32",
+                                      "a + b", "y = a", "0", f"lik_hidden_sumsq_{tag}", reduce_type="float",
                                       preamble=pre),
         "dot": cupy.ReductionKernel("T x, T z", "float32 y", "lik_f(x) * lik_f(z)", "a + b", "y = a", "0",
-                                    f"lik_hidden_dot_{tag}", reduce_type="float32", preamble=pre),
+                                    f"lik_hidden_dot_{tag}", reduce_type="float", preamble=pre),
         "sum": cupy.ReductionKernel("T x", "float32 y", "lik_f(x)", "a + b", "y = a", "0", f"lik_hidden_sum_{tag}",
-                                    reduce_type="float32", preamble=pre),
+                                    reduce_type="float", preamble=pre),
         # (x + bias) / max(|x + bias|, eps), the norm from the row's float32 sum of squares
         "scale": cupy.ElementwiseKernel("float32 bias, float32 ss, float32 eps", "T d",
                                         "lik_set(d, (lik_f(d) + bias) / fmaxf(sqrtf(ss), eps))",
