@@ -261,13 +261,25 @@ def test_default_meets_the_float32_contract(rng, dim, lq, nq, shared):
     # float32 accumulation decides gaps of a few ulps either way, so there the scores alone)
     strict = dim * 4 <= 512
     nd, ld = 29, int(rng.integers(1, 260))
+
+    def meets(out, ref, absq, absd, d_valid=None):
+        # refined tiles: the 2e-6 contract; 3xTF32: float32 accumulation over d and the query rows
+        # (2.2e-6 was seen at d = 256 on random non-unit vectors, docs/api.md)
+        if strict:
+            return _contract_err(out, ref) < CONTRACT_TOL
+        out, fin = np.asarray(out, np.float64), np.isfinite(ref)
+        if not (np.array_equal(np.isfinite(out), fin) and np.array_equal(out[~fin], ref[~fin])):
+            return False
+        bound = (dim + lq + 8) * 2.0 ** -24 * maxsim_ref(absq, absd, d_valid=d_valid)[0]
+        return bool(np.all(np.abs(out[fin] - ref[fin]) <= bound[fin]))
+
     q = rng.standard_normal((nq, lq, dim)).astype(np.float32)
     d = rng.standard_normal((nd if shared else nq, ld, dim) if shared else (nq, nd, ld, dim)).astype(np.float32)
     if not shared:
         s, a = lik_cupy.maxsim(_cp(q), _cp(d), return_argmax=True)
         for i in range(nq):
             ref_i, sim_i = maxsim_ref(q[i:i + 1], d[i])
-            assert _contract_err(_np(s)[i:i + 1], ref_i) < CONTRACT_TOL
+            assert meets(_np(s)[i:i + 1], ref_i, np.abs(q[i:i + 1]), np.abs(d[i]))
             exact = sim_i.argmax(axis=3)
             top2 = np.sort(sim_i, axis=3)[..., -2:]
             clear = top2[..., 1] - top2[..., 0] > 4 * np.spacing(np.abs(top2[..., 1]).astype(np.float32))
@@ -277,7 +289,7 @@ def test_default_meets_the_float32_contract(rng, dim, lq, nq, shared):
     dv = np.arange(ld)[None, :] < lens[:, None]
     ref, sim = maxsim_ref(q, d, d_valid=dv)
     s, a = lik_cupy.maxsim(_cp(q), _cp(d), d_lengths=_cp(lens), return_argmax=True)
-    assert _contract_err(_np(s), ref) < CONTRACT_TOL
+    assert meets(_np(s), ref, np.abs(q), np.abs(d), dv)
     masked = np.where(dv[None, :, None, :], sim, -np.inf)
     top2 = np.sort(masked, axis=3)[..., -2:]
     gap = top2[..., 1] - top2[..., 0]
@@ -285,7 +297,7 @@ def test_default_meets_the_float32_contract(rng, dim, lq, nq, shared):
     assert not strict or np.array_equal(_np(a)[clear], masked.argmax(axis=3)[clear])
     tok, off = _packed(d, lens)
     sp = lik_cupy.maxsim_varlen(_cp(q), _cp(tok), _cp(off))
-    assert _contract_err(_np(sp), ref) < CONTRACT_TOL
+    assert meets(_np(sp), ref, np.abs(q), np.abs(d), dv)
 
 
 def test_tf32_error_stays_within_its_bound(rng):

@@ -428,15 +428,17 @@ def test_reduce_overhead_captures_the_operators_and_replays_no_host_code(monkeyp
     replay, on new inputs, gives the eager step's loss and gradients."""
     from torch._dynamo.utils import counters
 
+    from lik_cupy import _torch_autograd as ops  # the operators' implementations
+
     calls = []
     for name in ("_maxsim", "_maxsim_backward"):  # what the operators' CUDA implementations call
-        real = getattr(lt, name)
+        real = getattr(ops, name)
 
         def counted(*args, _real=real, _name=name, **kwargs):
             calls.append(_name)
             return _real(*args, **kwargs)
 
-        monkeypatch.setattr(lt, name, counted)
+        monkeypatch.setattr(ops, name, counted)
     gen = torch.Generator(device="cuda").manual_seed(37)
     nq, lq, nd, ld, dim = 6, 24, 10, 64, 96
     d_len = torch.randint(1, ld + 1, (nd,), generator=gen, device="cuda")

@@ -13,7 +13,7 @@ Each check is one single-block kernel (``cuda_src/checks.cu``) that writes three
 straight into page-locked host memory; ``verify`` waits for the checks and raises the
 ``ValueError`` of the first bad array. The arrays themselves are never copied to the host.
 
-The checks run on a side stream of ours, forked from the caller's stream once the arrays are
+The checks run on a side stream of ours, forked from the caller's stream as each array is
 ready, and a scoring call queues its kernel on the caller's stream right after them: the
 forward kernel clamps every length to [0, L] and every document to [0, T), so bad values give
 a wrong (and discarded) result, never a read outside the inputs. The checks and the scoring
@@ -86,7 +86,8 @@ class DeviceChecks:
 
     def _slot(self):
         """The next check's pinned slots (as a device-visible address), the side stream forked
-        from the caller's stream at the call's first check."""
+        from the caller's stream at each check (its array may have been written on the caller's
+        stream since the last one: a length array converted there was read half-written)."""
         import cupy
 
         i = len(self._pending)
@@ -107,8 +108,8 @@ class DeviceChecks:
                 _local.busy = True
             else:
                 self._host, self._side = _pinned_slots(), _Side()
-            self._side.fork.record(cupy.cuda.get_current_stream())
-            self._side.stream.wait_event(self._side.fork)
+        self._side.fork.record(cupy.cuda.get_current_stream())
+        self._side.stream.wait_event(self._side.fork)
         self._running = True
         # Page-locked memory is mapped at the same address on the device (unified addressing).
         return np.uint64(self._host.ctypes.data + 24 * i)
