@@ -187,6 +187,20 @@ class FwdConfig:
         with 30% of the documents empty, 3.0-3.4% behind tokens alone for one query, level for 32."""
         return self.bn * 3 // 2 if self.packed else 0
 
+    @property
+    def wide_registers(self) -> bool:
+        """Hopper tiles that spilled in the 128 registers of two CTAs per SM (compile check) and so
+        are built for one: refined float32 tiles of packed documents (44-70 bytes at d = 64), of
+        candidate ids (8) or with the argmax of several queries (4-12), and FP8's argmax tiles of
+        several queries, packed documents (4 at d = 256) or split-d (INT8's take mma.sync tiles
+        there, select.py; sm_90 emulates FP8's)."""
+        if not self.wgmma:
+            return False
+        if self.refine:
+            return self.packed or self.cand or (self.argmax and self.multi)
+        return self.argmax and self.spec.scaled and 90 in self.spec.emulated_mma and (
+            self.multi or self.packed or self.split)
+
     @functools.cached_property  # read on every launch
     def min_blocks(self) -> int:
         """CTAs per SM the kernel is compiled for: two Hopper CTAs when their shared memory fits
@@ -194,14 +208,7 @@ class FwdConfig:
         tile), else no register cap."""
         if self.residual:  # as many CTAs as their register budget allows: their decompression hides loads
             return max(1, 65536 // (self.threads * (RESIDUAL_REGISTERS_MULTI if self.multi else RESIDUAL_REGISTERS)))
-        if self.int8_argmax_strided:
-            return 1
-        # Argmax tiles that spilled in the 128 registers of two CTAs per SM (compile check) run one:
-        # refined float32 tiles of several queries (4-12 bytes at d = 64), and FP8's tiles of several
-        # queries or split-d (INT8's take mma.sync tiles there, select.py; sm_90 emulates FP8's).
-        if self.wgmma and self.argmax and (
-                (self.refine and self.multi)
-                or (self.spec.scaled and 90 in self.spec.emulated_mma and (self.multi or self.split))):
+        if self.int8_argmax_strided or self.wide_registers:
             return 1
         return 2 if (self.wgmma and self.bn <= 128
                      and 2 * (self.smem_bytes + 1024) <= SMEM_PER_SM[90]) else 1

@@ -41,7 +41,7 @@ def ctas_per_sm(cfg: FwdConfig, cc: int, registers: int | None = None) -> int:
     # argmax or multi-query epilogue takes up to 168 (a scaled type's argmax, INT8's, up to 192).
     if registers is not None:
         regs = -(-registers // 8) * 8  # allocated per warp in units of 8 registers a thread
-    elif cfg.residual or cfg.int8_argmax_strided:  # built for min_blocks CTAs an SM (FwdConfig.min_blocks)
+    elif cfg.residual or cfg.int8_argmax_strided or cfg.wide_registers:  # built for min_blocks CTAs an SM
         regs = 65536 // (cfg.threads * cfg.min_blocks)
     elif cfg.wgmma and cfg.warps == 4 and (cfg.argmax or cfg.multi):
         regs = 192 if cfg.argmax and cfg.spec.scaled else 168
