@@ -158,15 +158,16 @@ def _read_proofs() -> dict:
 
 
 @pytest.fixture(scope="module")
-def proofs():
+def proofs(request):
     """Seeds the kernel cache from ``PROOFS`` (unless ``LIK_COMPILE_FRESH``); yields the set of cache
     keys the checks add as this run's fixed part, which ``LIK_COMPILE_RECORD=1`` writes to ``PROOFS``
-    once the module's checks have passed."""
+    once the module's checks have passed (a failed check would record a part of the proofs)."""
     if _cached():
         lc.seed_logs(_read_proofs())
     keys: set = set()
+    failed = request.session.testsfailed
     yield keys
-    if os.environ.get("LIK_COMPILE_RECORD") and keys:
+    if os.environ.get("LIK_COMPILE_RECORD") and keys and request.session.testsfailed == failed:
         _record_proofs(keys)
 
 
