@@ -237,6 +237,16 @@ def test_dispatch_rows():
         with pytest.raises(ValueError, match="float8_e4m3fn on sm_90 runs on its wgmma tiles only"):
             dispatch.choose_forward(90, "float8_e4m3fn", *args)
         dispatch.choose_forward(89, "float8_e4m3fn", *args)
+    # the argmax tiles that spilled at two CTAs per SM run one on sm_90 (FP8 has no mma.sync to fall
+    # back on there; INT8 takes mma.sync tiles), and the launch plan counts one; short queries at
+    # d 384 and 512 take the two-warpgroup tiles
+    for dim, lq, shared, packed in ((128, 32, 32, False), (256, 300, 1, True), (2048, 300, 1, False)):
+        f = dispatch.choose_forward(90, "float8_e4m3fn", dim, lq, True, True, True, shared, 300, packed)
+        i = dispatch.choose_forward(90, "int8", dim, lq, True, True, True, shared, 300, packed)
+        assert f.wgmma and f.wide_registers and f.min_blocks == 1 and dispatch.ctas_per_sm(f, 90) == 1
+        assert not i.wide_registers
+    for dim in (384, 512):
+        assert dispatch.choose_forward(90, "float8_e4m3fn", dim, 32, False, True).warps == 8
     # INT8's tiles otherwise (FP8's rows are INT8's, unmeasured)
     for args in ((90, 128, 32, False), (90, 128, 300, True), (89, 256, 64, False), (90, 1024, 32, False)):
         f, i = (dispatch.choose_forward(a, t, *args[1:], True) for a, t in ((args[0], "float8_e4m3fn"), (args[0], "int8")))

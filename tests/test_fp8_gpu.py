@@ -179,7 +179,7 @@ def test_candidates_per_query(rng, kernel_family):
     s, a = _np(out[0]), _np(out[1])
     assert s.shape == (nq, k)
     for i in range(nq):
-        _check(s[i:i + 1], None if a is None else a[i:i + 1], _deq(q8[i:i + 1], qs[i:i + 1]), _deq(d8[i], ds[i]))
+        _check(s[i:i + 1], a[i:i + 1], _deq(q8[i:i + 1], qs[i:i + 1]), _deq(d8[i], ds[i]))
 
 
 def test_hopper_refuses_what_its_wgmma_tiles_do_not_take(rng, monkeypatch):
