@@ -36,7 +36,7 @@ def test_smoke_run_times_every_row_and_writes_the_jax_table(tmp_path, monkeypatc
     assert bench.main(["--smoke", "--out", str(tmp_path)]) == 0
     path = tmp_path / "train_cpu-smoke.json"
     run = json.loads(path.read_text())
-    assert run["smoke"] and run["jax_backend"] == "cpu" and run["gpu"] is None
+    assert run["smoke"] and run["complete"] and run["jax_backend"] == "cpu" and run["gpu"] is None
 
     torch_rows = run["torch_rows"]
     assert {(r["mode"], r["contender"]) for r in torch_rows} == {(m, c) for m in bench.MODES for c in ("ours", "torch")}

@@ -38,7 +38,7 @@ part with its own ``--tag``.
 
 Writes ``train_<gpu-slug>[_<tag>].json`` (``gpu``, ``torch_rows``, ``jax_rows``, ``summary``: ours over the
 best other contender per torch cell and mode, and the JAX rows over ``einsum`` per cell) to ``--out``
-(default $OUT, else bench/results). ``python bench/tools/jax_paths.py <that json>`` writes the JAX
+(default $OUT, else bench/results), after every row (``complete`` says whether the run finished). ``python bench/tools/jax_paths.py <that json>`` writes the JAX
 rows' verdicts into ``lik_cupy/_dispatch/jax_paths.py``.
 
     python3 bench/suites/bench_train.py [--out DIR] [--torch-cells n32_32x80,...] [--jax-cells 8x32x80,...]
@@ -89,16 +89,24 @@ def main(argv=None) -> int:
     if args.smoke:
         args.steps, args.rounds = min(args.steps, 3), 1
 
-    rows_t = [] if args.torch_cells == "none" else torch_rows(args)
-    rows_j, jax_backend = ([], None) if args.jax_cells == "none" else jax_rows(args)
     name, gpu = _device_name(args.smoke)
-    summary = _summary(rows_t, rows_j)
     path = out_dir(args.out) / f"train_{slugify(name)}{'_' + slugify(args.tag) if args.tag else ''}.json"
     os.makedirs(path.parent, exist_ok=True)
-    write_json(path, {"gpu": gpu, "device": name, "smoke": args.smoke, "dim": SMOKE_DIM if args.smoke else DIM,
-                      "dtype": "float32" if args.smoke else "float16", "tau": TAU, "jax_backend": jax_backend,
-                      "versions": _versions(), "torch_rows": rows_t, "jax_rows": rows_j, "summary": summary})
-    _print(rows_t, rows_j, summary)
+    rows_t, rows_j, run = [], [], {"jax_backend": None, "complete": False}
+
+    def save() -> None:  # after every row: a run stopped at a device command's limit keeps what it measured
+        write_json(path, {"gpu": gpu, "device": name, "smoke": args.smoke, "dim": SMOKE_DIM if args.smoke else DIM,
+                          "dtype": "float32" if args.smoke else "float16", "tau": TAU, **run,
+                          "versions": _versions(), "torch_rows": rows_t, "jax_rows": rows_j,
+                          "summary": _summary(rows_t, rows_j)})
+
+    if args.torch_cells != "none":
+        torch_rows(args, rows_t, save)
+    if args.jax_cells != "none":
+        run["jax_backend"] = jax_rows(args, rows_j, save)
+    run["complete"] = True
+    save()
+    _print(rows_t, rows_j, _summary(rows_t, rows_j))
     print(f"wrote {path}")
     return 0
 
@@ -106,7 +114,8 @@ def main(argv=None) -> int:
 # ---------------------------------------------------------------- torch
 
 
-def torch_rows(args) -> list[dict]:
+def torch_rows(args, rows: list, save) -> None:
+    """Appends a row per (cell, mode, contender) to ``rows``, calling ``save`` after each."""
     import torch
     import torch.nn.functional as F
 
@@ -117,7 +126,6 @@ def torch_rows(args) -> list[dict]:
     scorers = _torch_scorers(torch, {} if args.smoke else baselines.load_peers(), args.contenders.split(","))
     modes = [m for m in args.modes.split(",") if m in MODES]
     gen = torch.Generator(device=device).manual_seed(46)
-    rows = []
     for cell, (n, lq, ld) in cells.items():
         q, d = (_unit(torch, gen, (n, length, dim), dtype, device).requires_grad_() for length in (lq, ld))
         labels = torch.arange(n, device=device)
@@ -129,8 +137,8 @@ def torch_rows(args) -> list[dict]:
                 except Exception as e:  # noqa: BLE001 - a failing row is recorded and the run goes on
                     row["error"] = short_err(e)
                 rows.append(row)
+                save()
                 print(row, flush=True)
-    return rows
 
 
 def _torch_scorers(torch, peers: dict, wanted: list) -> dict:
@@ -195,7 +203,9 @@ def _unit(torch, gen, shape, dtype, device):
 # ---------------------------------------------------------------- JAX
 
 
-def jax_rows(args) -> tuple[list[dict], str]:
+def jax_rows(args, rows: list, save) -> str:
+    """Appends a row per (cell, implementation) to ``rows``, calling ``save`` after each; returns
+    JAX's backend."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -217,7 +227,6 @@ def jax_rows(args) -> tuple[list[dict], str]:
 
     impls = {"kernel": ("kernel", lj.maxsim), "xla": ("xla", lj.maxsim), "auto": (None, lj.maxsim),
              "einsum": (None, einsum)}
-    rows = []
     for n, lq, ld in cells:
         q, d = (jax.device_put(_unit_np(rng, (n, length, dim), dtype), device) for length in (lq, ld))
         gib = n * n * lq * ld * 4 / 2**30
@@ -233,8 +242,9 @@ def jax_rows(args) -> tuple[list[dict], str]:
                 except Exception as e:  # noqa: BLE001 - a failing row is recorded and the run goes on
                     row["error"] = short_err(e)
             rows.append(row)
+            save()
             print(row, flush=True)
-    return rows, backend
+    return backend
 
 
 def _time_jax_step(jax, jnp, args, score, path, q, d) -> dict:
