@@ -104,7 +104,7 @@ def _device_scales(s, tokens: int):
 def _broadcast_scale():
     import cupy
 
-    return cupy.ElementwiseKernel("raw float32 s", "float32 y", "y = s[0]", "lik_broadcast_scale")
+    return cupy.ElementwiseKernel("raw float32 s", "float32 y", "y = s[0]", name="lik_broadcast_scale")
 
 
 def _host_elements(x: np.ndarray, spec: ElemSpec) -> np.ndarray:
