@@ -1,10 +1,11 @@
-"""Scoring of the scaled element types (INT8, FP8): a validated call on the NumPy path or the GPU.
+"""Scoring of the scaled element types (INT8, FP8): one call from its arguments to its results.
 
-``lik_cupy.int8`` and ``lik_cupy.fp8`` are its APIs: each validates (``check_call`` /
-``check_varlen`` with ``scaled=``, then ``check_scaled_scales``) and calls :func:`score`, which reads
-everything that depends on the element type from its row (``lik_cupy._dispatch.elements``): the
-quantiser of a float Q, the NumPy type of the CPU path, the oldest GPU it runs on. Scales of one per
-tensor (shape ``[]``) are broadcast to one per token here, so the kernels see per-token scales only.
+``lik_cupy.int8`` and ``lik_cupy.fp8`` are its APIs. :func:`run` and :func:`run_varlen` validate
+(``check_call`` / ``check_varlen`` with ``scaled=``, then ``check_scaled_scales``) and call
+:func:`score`, which reads everything that depends on the element type from its row
+(``lik_cupy._dispatch.elements``): the quantiser of a float Q, the NumPy type of the CPU path, the
+oldest GPU it runs on. Scales of one per tensor (shape ``[]``) are broadcast to one per token here,
+so the kernels see per-token scales only.
 """
 
 from __future__ import annotations
@@ -16,15 +17,46 @@ import numpy as np
 from . import _cpu as cpu
 from . import _interop as interop
 from ._dispatch import ElemSpec, elem_spec
-from ._dispatch.backend import check_gpu_arch, scoring_on_gpu
+from ._dispatch.backend import check_backend, check_gpu_arch, scoring_on_gpu
 from ._interop import GpuCall, host_array, host_result
 from ._runtime.device_checks import call_checks
 from ._runtime.launch import launch
 from ._runtime.operands import (check_scales_of_valid, device_offsets, device_valid, host_metadata, host_offsets,
                                 valid_host)
-from ._validate import Problem
+from ._validate import Problem, check_call, check_scaled_scales, check_varlen
 
-__all__ = ["score"]
+__all__ = ["run", "run_varlen", "score"]
+
+
+def run(dtype: str, Q, D, d_scales, q_mask, d_mask, q_scales, q_lengths, d_lengths, return_argmax: bool, backend,
+        validate):
+    """``maxsim_int8`` / ``maxsim_fp8`` (``dtype`` its element type) of padded documents or candidate
+    sets: validated, then scored (FP8 arrays as the bytes the kernels read)."""
+    check_backend(backend)
+    Q, D = _as_read(dtype, Q), _as_read(dtype, D)
+    p = check_call(Q, D, q_mask, d_mask, q_lengths, d_lengths, pairs=False, scaled=dtype)
+    quantised = check_scaled_scales(p, Q, D, q_scales, d_scales)
+    s, a = score(p, Q, q_scales, quantised, q_mask, q_lengths, D, d_scales, d_mask, d_lengths, None, validate,
+                 return_argmax, backend)
+    return (s, a) if return_argmax else s
+
+
+def run_varlen(dtype: str, Q, D_tokens, d_scales, d_offsets, q_mask, q_scales, q_lengths, return_argmax: bool,
+               validate_offsets, backend, validate):
+    """``maxsim_int8_varlen`` / ``maxsim_fp8_varlen``: :func:`run` of packed documents."""
+    check_backend(backend)
+    Q, D_tokens = _as_read(dtype, Q), _as_read(dtype, D_tokens)
+    p = check_varlen(Q, D_tokens, d_offsets, q_mask, q_lengths, None, scaled=dtype)
+    quantised = check_scaled_scales(p, Q, D_tokens, q_scales, d_scales)
+    validate = False if validate_offsets is False and validate is None else validate
+    s, a = score(p, Q, q_scales, quantised, q_mask, q_lengths, D_tokens, d_scales, None, None, d_offsets,
+                 validate, return_argmax, backend)
+    return (s, a) if return_argmax else s
+
+
+def _as_read(dtype: str, x):
+    """An argument of a ``dtype`` call as the kernels read it: FP8 arrays as their bytes (``float8_bits``)."""
+    return interop.float8_bits(x) if dtype in interop.FLOAT8_DTYPES else x
 
 
 def score(p: Problem, Q, q_scales, q_quantised: bool, q_mask, q_lengths, D, d_scales, d_mask, d_lengths, d_offsets,

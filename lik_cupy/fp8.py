@@ -23,10 +23,7 @@ its scores differ from the CPU's by that rounding.
 
 from __future__ import annotations
 
-from ._dispatch.backend import check_backend
-from ._interop import float8_bits
-from ._scaled import score
-from ._validate import check_call, check_scaled_scales, check_varlen
+from ._scaled import run, run_varlen
 
 __all__ = ["maxsim_fp8", "maxsim_fp8_varlen"]
 
@@ -69,13 +66,8 @@ def maxsim_fp8(Q, D, d_scales, q_mask=None, d_mask=None, *, q_scales=None, q_len
         >>> bool(np.abs(s - exact).max() < 0.05 * np.abs(exact).max())
         True
     """
-    check_backend(backend)
-    Q, D = float8_bits(Q), float8_bits(D)
-    p = check_call(Q, D, q_mask, d_mask, q_lengths, d_lengths, pairs=False, scaled=_FP8)
-    q_fp8 = check_scaled_scales(p, Q, D, q_scales, d_scales)
-    s, a = score(p, Q, q_scales, q_fp8, q_mask, q_lengths, D, d_scales, d_mask, d_lengths, None, validate,
-                 return_argmax, backend)
-    return (s, a) if return_argmax else s
+    return run(_FP8, Q, D, d_scales, q_mask, d_mask, q_scales, q_lengths, d_lengths,
+               return_argmax, backend, validate)
 
 
 def maxsim_fp8_varlen(Q, D_tokens, d_scales, d_offsets, q_mask=None, *, q_scales=None, q_lengths=None,
@@ -94,11 +86,5 @@ def maxsim_fp8_varlen(Q, D_tokens, d_scales, d_offsets, q_mask=None, *, q_scales
         float32 ``[Nq, Nd]`` (``[Nd]`` for a 2-D Q), and the int32 argmax ``[Nq, Nd, Lq]`` if asked,
         in the caller's framework and device.
     """
-    check_backend(backend)
-    Q, D_tokens = float8_bits(Q), float8_bits(D_tokens)
-    p = check_varlen(Q, D_tokens, d_offsets, q_mask, q_lengths, None, scaled=_FP8)
-    q_fp8 = check_scaled_scales(p, Q, D_tokens, q_scales, d_scales)
-    validate = False if validate_offsets is False and validate is None else validate
-    s, a = score(p, Q, q_scales, q_fp8, q_mask, q_lengths, D_tokens, d_scales, None, None, d_offsets,
-                 validate, return_argmax, backend)
-    return (s, a) if return_argmax else s
+    return run_varlen(_FP8, Q, D_tokens, d_scales, d_offsets, q_mask, q_scales, q_lengths,
+                      return_argmax, validate_offsets, backend, validate)

@@ -7,16 +7,14 @@ token's scale multiplies the max (deferred dequantisation): no dequantised copy 
 D exists, in HBM or in shared memory. A float Q is quantised on the device first, the
 same way. The result equals MaxSim of the dequantised inputs up to float32 rounding.
 
-Each call is validate (``validate.check_call`` / ``check_varlen`` with ``scaled="int8"``,
-then ``check_scaled_scales``) and score (``lik_cupy._scaled``, which FP8 shares: the NumPy path with
-scales, or the kernel ``dispatch`` picks, launched by ``lik_cupy._runtime.launch``).
+Each call goes to ``lik_cupy._scaled`` (which FP8 shares): validate (``check_call`` / ``check_varlen``
+with ``scaled="int8"``, then ``check_scaled_scales``) and score (the NumPy path with scales, or the
+kernel ``dispatch`` picks, launched by ``lik_cupy._runtime.launch``).
 """
 
 from __future__ import annotations
 
-from ._dispatch.backend import check_backend
-from ._scaled import score
-from ._validate import check_call, check_scaled_scales, check_varlen
+from ._scaled import run, run_varlen
 
 __all__ = ["maxsim_int8", "maxsim_int8_varlen"]
 
@@ -62,12 +60,8 @@ def maxsim_int8(Q, D, d_scales, q_mask=None, d_mask=None, *, q_scales=None, q_le
         >>> bool(np.abs(s - exact).max() < 0.05 * np.abs(exact).max())
         True
     """
-    check_backend(backend)
-    p = check_call(Q, D, q_mask, d_mask, q_lengths, d_lengths, pairs=False, scaled="int8")
-    q_int8 = check_scaled_scales(p, Q, D, q_scales, d_scales)
-    s, a = score(p, Q, q_scales, q_int8, q_mask, q_lengths, D, d_scales, d_mask, d_lengths, None, validate,
-                 return_argmax, backend)
-    return (s, a) if return_argmax else s
+    return run("int8", Q, D, d_scales, q_mask, d_mask, q_scales, q_lengths, d_lengths, return_argmax, backend,
+               validate)
 
 
 def maxsim_int8_varlen(Q, D_tokens, d_scales, d_offsets, q_mask=None, *, q_scales=None, q_lengths=None,
@@ -87,10 +81,5 @@ def maxsim_int8_varlen(Q, D_tokens, d_scales, d_offsets, q_mask=None, *, q_scale
         float32 ``[Nq, Nd]`` (``[Nd]`` for a 2-D Q), and the int32 argmax ``[Nq, Nd, Lq]``
         if asked, in the caller's framework and device.
     """
-    check_backend(backend)
-    p = check_varlen(Q, D_tokens, d_offsets, q_mask, q_lengths, None, scaled="int8")
-    q_int8 = check_scaled_scales(p, Q, D_tokens, q_scales, d_scales)
-    validate = False if validate_offsets is False and validate is None else validate
-    s, a = score(p, Q, q_scales, q_int8, q_mask, q_lengths, D_tokens, d_scales, None, None, d_offsets,
-                 validate, return_argmax, backend)
-    return (s, a) if return_argmax else s
+    return run_varlen("int8", Q, D_tokens, d_scales, d_offsets, q_mask, q_scales, q_lengths, return_argmax,
+                      validate_offsets, backend, validate)
