@@ -221,10 +221,10 @@ __device__ void LIK_FWD::run(const T* __restrict__ Q, const T* __restrict__ D, c
     // Tokens on M: the running max of each of this thread's 32 query rows (columns n * 8 + 2 * tq + e).
     float bq[TOKM ? NN : 1][2];
     RowMax rowmax{best, bidx, bq, warp, g, sS, tq};
+    double xbest[2] = {0.0, 0.0};  // refined tiles: the rows' exact maxima (Finish hands them to the pieces)
 #if LIK_REFINE
     // float32 accuracy from TF32 tiles (fwd/refine.cuh): its per-slot norm parts follow the barriers.
     float* const tnorm = reinterpret_cast<float*>(mbar + 2 * STAGES);
-    double xbest[2];
     float lo[2], a1[2] = {-1.f, -1.f}, a2[2];
     const Refine refine{sQ, tnorm, wrow0, lane, warp, best, bidx, rv, xbest, lo, a1, a2};
 #endif
@@ -243,7 +243,7 @@ __device__ void LIK_FWD::run(const T* __restrict__ Q, const T* __restrict__ D, c
     int pending = -1;  // MULTI: a document whose row maxima wait to be summed after the next barrier
     Flush flush{pending, sr};
     Finish fin{bq, lane, j0, red, warp, g, tq, qmul, outp, j1, best, bidx, wrow0, rv, term,
-               rq, amax, qi0, Nd, Lq, rs, dt, pending, sr, pr, split_buf, d_zero_pad};
+               rq, amax, qi0, Nd, Lq, rs, dt, pending, sr, pr, split_buf, d_zero_pad, xbest};
 
     for (int j = j0; j < j1; ++j) {
         i64 begin;

@@ -38,6 +38,7 @@ import statistics
 import pytest
 
 from lik_cupy._runtime import nvrtc as lc
+from lik_cupy._runtime import token_split
 from lik_cupy import _dispatch as dispatch
 
 pytest.importorskip("cuda.bindings.nvrtc", reason="NVRTC (cuda-python) is not installed")
@@ -638,6 +639,11 @@ def test_plan_launch_token_split(nq, lq, nd, ntok):
     # The scratch layout the host sizes (token_split.nbytes) is the one the kernel fixes.
     src = (pathlib.Path(__file__).parent.parent / "cuda_src" / "fwd" / "tile_scheduler.cuh").read_text()
     assert f"#define LIK_SPLIT_COUNTS {dispatch.SPLIT_MAX_CTAS} " in src
+    # refined argmax tiles keep a third array (split_res: the maxima's residues), sized by the host too
+    assert "split_res(void* buf, int bm)" in src
+    ctas, bm = 7, 128
+    assert token_split.nbytes(ctas, bm, True, True) - token_split.nbytes(ctas, bm, True) == ctas * 2 * bm * 4
+    assert token_split.nbytes(ctas, bm, False, True) == token_split.nbytes(ctas, bm, False)
     if (nq, lq, nd, ntok) == (1, 32, 62, 253_952):  # the sweep's case that splits
         cfg = dispatch.choose_forward(90, "float16", 128, 32, False, True, True, 1, 300, True)
         assert dispatch.plan_launch(cfg, 90, 132, 1, 62, 32, 1, 253_952).token_split

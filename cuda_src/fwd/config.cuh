@@ -236,6 +236,9 @@ struct Fwd {
     // launch plan assumes.
     static constexpr bool TSPLIT = PACKED && !MULTI && !TOKM && !SPLIT && (!TF32 || WG) && !LIK_RESIDUAL &&
                                    !LIK_CAND;
+    // Refined argmax tiles split documents with each piece's residues (split_res), so that the merge
+    // decides between pieces on exact values as a whole document's tile does.
+    static constexpr bool EXACT_PIECES = LIK_REFINE && TSPLIT && ARGMAX;
     // Padded documents through the token split (LIK_STRIDED): Docs and DocMask read them as padded
     // kernels do, the shares place them at j * Ld (Offsets::stride).
     static constexpr bool STRIDED = LIK_STRIDED != 0;
@@ -335,6 +338,7 @@ struct Fwd {
     template <int HALF>
     static __device__ __forceinline__ void scatter_max(float (&v)[TOKM ? NN : 1][2], int lane);
     static __device__ __forceinline__ void quad_max(float& v, int& ix);
+    static __device__ __forceinline__ void quad_max(float& v, int& ix, float& r);
     static __device__ __forceinline__ void zero_floor(float& v, int& ix);
     static __device__ __forceinline__ float sim(A a, float sc);
     static __device__ __forceinline__ int query_len(const int* q_len, int qi, int Lq);
@@ -343,7 +347,8 @@ struct Fwd {
                                                      bool (&rv)[MT][2]);
     template <class Term>
     static __device__ __forceinline__ void score_single(const float (&best)[MT][2], const int (&bidx)[MT][2],
-                                                        const bool (&rv)[MT][2], const int (&rs)[MT][2], Term term,
+                                                        const float (&res)[MT][2], const bool (&rv)[MT][2],
+                                                        const int (&rs)[MT][2], Term term,
                                                         float* rb, bool whole, bool zero_pad, float* out_j, int* amax_j,
                                                         void* split_buf, int role);
     static __device__ __noinline__ void complete_pieces(const int* info, void* split_buf, unsigned epoch, float* out,

@@ -39,6 +39,31 @@ __device__ __forceinline__ void LIK_FWD::quad_max(float& v, int& ix) {
     }
 }
 
+// argmax_merge (common.cuh) of rows whose maxima carry residues r (exact value minus the float,
+// EXACT_PIECES): equal floats are ordered by their residues before their tokens.
+__device__ __forceinline__ void argmax_merge_exact(float& v, float& r, int& i, float ov, float orr, int oi) {
+    if (oi >= 0 && i >= 0 && ov == v) {  // equal and not NaN
+        if (orr > r || (orr == r && oi < i)) {
+            r = orr;
+            i = oi;
+        }
+        return;
+    }
+    const int had = i;
+    argmax_merge(v, i, ov, oi);
+    if (i != had) r = orr;
+}
+
+// quad_max of rows with residues (EXACT_PIECES).
+LIK_FWD_TEMPLATE
+__device__ __forceinline__ void LIK_FWD::quad_max(float& v, int& ix, float& r) {
+#pragma unroll
+    for (int off = 1; off <= 2; off <<= 1) {
+        const float ov = __shfl_xor_sync(0xffffffffu, v, off), orr = __shfl_xor_sync(0xffffffffu, r, off);
+        argmax_merge_exact(v, r, ix, ov, orr, __shfl_xor_sync(0xffffffffu, ix, off));
+    }
+}
+
 // Zero-vector padding (see maxsim_fwd.cu): a final row max of a document with zero-vector padding
 // is at least 0, the padding's similarity (NaN stays NaN); where 0 wins, no token does (argmax -1).
 LIK_FWD_TEMPLATE
@@ -114,7 +139,8 @@ __device__ __forceinline__ void LIK_FWD::tile_rows(int qi0, int s0, int nqb, int
 LIK_FWD_TEMPLATE
 template <class Term>
 __device__ __forceinline__ void LIK_FWD::score_single(const float (&best)[MT][2], const int (&bidx)[MT][2],
-                                                      const bool (&rv)[MT][2], const int (&rs)[MT][2], Term term,
+                                                      const float (&res)[MT][2], const bool (&rv)[MT][2],
+                                                      const int (&rs)[MT][2], Term term,
                                                       float* rb, bool whole, bool zero_pad, float* out_j, int* amax_j,
                                                       void* split_buf, int role) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
@@ -123,9 +149,10 @@ __device__ __forceinline__ void LIK_FWD::score_single(const float (&best)[MT][2]
     for (int m = 0; m < MT; ++m)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            float v = best[m][h];
+            float v = best[m][h], r = res[m][h];
             int ix = bidx[m][h];
-            quad_max(v, ix);
+            if (EXACT_PIECES) quad_max(v, ix, r);
+            else quad_max(v, ix);
             if (zero_pad) zero_floor(v, ix);
             if (rv[m][h]) part += term(v, m, h);
             if (tq == 0) {
@@ -134,6 +161,7 @@ __device__ __forceinline__ void LIK_FWD::score_single(const float (&best)[MT][2]
                     const i64 at = piece_slot(blockIdx.y, role, BM) + warp * MT * 16 + m * 16 + g + 8 * h;
                     split_vals(split_buf)[at] = v;
                     if (ARGMAX) split_idx(split_buf, BM)[at] = ix;
+                    if (EXACT_PIECES) split_res(split_buf, BM)[at] = r;
                 }
             }
         }
@@ -184,7 +212,7 @@ __device__ __noinline__ void LIK_FWD::complete_pieces(const int* info, void* spl
     const RowTerm term{q_scale, qi0, rq, rs, Lq};  // run's term: the row max, times the query token's INT8 scale
     // Both documents' pieces first, then their scores (the loads are not held up by the
     // scores' block barriers).
-    float best[2][MT][2];
+    float best[2][MT][2], res[2][MT][2];
     int bidx[2][MT][2];
 #pragma unroll
     for (int role = 0; role < 2; ++role) {
@@ -195,16 +223,19 @@ __device__ __noinline__ void LIK_FWD::complete_pieces(const int* info, void* spl
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 const int row = warp * MT * 16 + m * 16 + g + 8 * h;
-                float v = LIK_NEG_INF;
+                float v = LIK_NEG_INF, r = 0.f;
                 int ix = -1;
 #pragma unroll 4
                 for (int y = y0; y <= y1; ++y) {
                     const i64 at = piece_slot(y, y == y0 ? 1 : 0, BM) + row;
                     const float pv = __ldcg(vals + at);  // L2: other SMs wrote it
-                    if (ARGMAX) argmax_merge(v, ix, pv, __ldcg(idx + at));
+                    if (EXACT_PIECES)
+                        argmax_merge_exact(v, r, ix, pv, __ldcg(split_res(split_buf, BM) + at), __ldcg(idx + at));
+                    else if (ARGMAX) argmax_merge(v, ix, pv, __ldcg(idx + at));
                     else v = max_nan(v, pv);
                 }
                 best[role][m][h] = v;
+                res[role][m][h] = r;
                 bidx[role][m][h] = ix;
             }
     }
@@ -213,7 +244,7 @@ __device__ __noinline__ void LIK_FWD::complete_pieces(const int* info, void* spl
         if (!last[role]) continue;
         const int j = info[role];
         const bool zp = zero_pad_flag(d_zero_pad, (i64)qi0 * dl_qstride, j);
-        score_single(best[role], bidx[role], rv, rs, term, rb[role], true, zp, outp + j,
+        score_single(best[role], bidx[role], res[role], rv, rs, term, rb[role], true, zp, outp + j,
                      ARGMAX ? amax + ((i64)qi0 * Nd + j) * Lq : nullptr, nullptr, 0);
     }
 }
@@ -501,6 +532,7 @@ struct LIK_FWD::Finish {
     const PieceRole& pr;
     void* const& split_buf;
     const u8* __restrict__ const& d_zero_pad;
+    const double (&xbest)[2];  // refined tiles: the rows' exact maxima (fwd/refine.cuh)
 
     // Document j's zero-vector padding flag (false without flags, and in INT8, candidate-id and PLAID
     // residual tiles, which are never given flags).
@@ -591,7 +623,15 @@ struct LIK_FWD::Finish {
             sr.sum_rows(j);
         } else {
             const int role = pr.piece_role(j);
-            score_single(best, bidx, rv, rs, term, red + (j & 1) * WARPS,  // double buffer: an empty next doc skips the loop barrier
+            float res[MT][2];  // EXACT_PIECES: each row max's residue (a NaN or infinite max: 0)
+#pragma unroll
+            for (int m = 0; m < MT; ++m)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const float r = EXACT_PIECES ? (float)(xbest[h] - (double)best[m][h]) : 0.f;
+                    res[m][h] = r == r ? r : 0.f;
+                }
+            score_single(best, bidx, res, rv, rs, term, red + (j & 1) * WARPS,  // double buffer: an empty next doc skips the loop barrier
                          role < 0, role < 0 && (X3 ? zp : zero_pad(j)), outp + j,
                          ARGMAX ? amax + ((i64)qi0 * Nd + j) * Lq : nullptr, split_buf, role);
 #if LIK_CAND

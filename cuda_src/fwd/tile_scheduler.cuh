@@ -11,10 +11,11 @@ namespace lik {
 
 // Scratch of a token-split launch (split_buf), one buffer per stream (lik_cupy/_runtime/token_split.py):
 // two arrays of LIK_SPLIT_COUNTS u32 arrival counts (one per launch parity, epoch & 1), then per
-// (query tile, share, role) BM row maxima, then as many argmax indices. A launch counts in the
-// array of its parity and zeroes the other for the next launch on the stream, so every count
-// starts at zero whatever an earlier launch (or offsets that did not add up) left. The layout is
-// fixed at compile time, so the tile loop finds a piece's slot from the kernel parameter alone.
+// (query tile, share, role) BM row maxima, then as many argmax indices (and refined tiles'
+// residues). A launch counts in the array of its parity and zeroes the other for the next launch on
+// the stream, so every count starts at zero whatever an earlier launch (or offsets that did not add
+// up) left. The layout is fixed at compile time, so the tile loop finds a piece's slot from the
+// kernel parameter alone.
 #define LIK_SPLIT_COUNTS 4096  // = dispatch.SPLIT_MAX_CTAS: CTAs of one token-split launch at most
 __device__ __forceinline__ unsigned* split_counts(void* buf, unsigned parity) {
     return static_cast<unsigned*>(buf) + parity * LIK_SPLIT_COUNTS;
@@ -24,6 +25,12 @@ __device__ __forceinline__ float* split_vals(void* buf) {
 }
 __device__ __forceinline__ int* split_idx(void* buf, int bm) {
     return reinterpret_cast<int*>(split_vals(buf) + (long long)gridDim.x * gridDim.y * 2 * bm);
+}
+// Refined TF32 argmax tiles (LIK_REFINE) only: then as many residues, each row max's exact float64
+// value minus the float32 it is (fwd/refine.cuh), so that pieces whose maxima round to one float
+// still merge to float64's argmax.
+__device__ __forceinline__ float* split_res(void* buf, int bm) {
+    return reinterpret_cast<float*>(split_idx(buf, bm) + (long long)gridDim.x * gridDim.y * 2 * bm);
 }
 
 // Slot `role` of share y's CTA of this query tile (row maxima of bm rows).

@@ -144,7 +144,7 @@ class ForwardLaunch:
             by_value = (dmap, smap, qmap)
         try:
             if plan.token_split:
-                size = token_split.nbytes(plan.grid[0] * plan.grid[1], cfg.bm, self.argmax)
+                size = token_split.nbytes(plan.grid[0] * plan.grid[1], cfg.bm, self.argmax, cfg.refine)
                 token_split.launch(self.device, stream, size, lambda split: launch_raw(
                     func, plan.grid, cfg.threads, cfg.smem_bytes, stream, _FWD_PARAMS, values + split, by_value))
             else:

@@ -40,11 +40,12 @@ class _Scratch:
         self.lock = threading.Lock()
 
 
-def nbytes(ctas: int, bm: int, argmax: bool) -> int:
+def nbytes(ctas: int, bm: int, argmax: bool, refined: bool = False) -> int:
     """Scratch bytes of a launch of ``ctas`` CTAs with ``bm``-row query tiles: two arrays of
     ``COUNTS`` uint32 counts (the layout ``cuda_src/fwd/tile_scheduler.cuh`` fixes as ``LIK_SPLIT_COUNTS``), then
-    two slots of ``bm`` row maxima (and argmax indices) per CTA."""
-    return 2 * 4 * COUNTS + ctas * 2 * bm * 4 * (2 if argmax else 1)
+    two slots of ``bm`` row maxima (and argmax indices, and for ``refined`` argmax tiles the maxima's
+    residues) per CTA."""
+    return 2 * 4 * COUNTS + ctas * 2 * bm * 4 * (1 + argmax + (argmax and refined))
 
 
 def launch(device: int, stream: int, size: int, queue) -> None:
