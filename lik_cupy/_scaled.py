@@ -10,8 +10,6 @@ so the kernels see per-token scales only.
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 
 from . import _cpu as cpu
@@ -122,21 +120,7 @@ def _device_scales(s, tokens: int):
     import cupy
 
     s = s.astype(cupy.float32, copy=False)
-    if s.ndim:
-        return cupy.ascontiguousarray(s.reshape(-1))
-    # One scale per tensor scored wrong on an H200 when cupy.full broadcast the 0-d device array
-    # (test_fp8_gpu's per-tensor case; per-token scales of the same shapes scored right, the cause is
-    # not yet isolated): this kernel reads the one scale itself.
-    out = cupy.empty(tokens, cupy.float32)
-    _broadcast_scale()(s.reshape(1), out)
-    return out
-
-
-@functools.cache
-def _broadcast_scale():
-    import cupy
-
-    return cupy.ElementwiseKernel("raw float32 s", "float32 y", "y = s[0]", name="lik_broadcast_scale")
+    return cupy.ascontiguousarray(s.reshape(-1) if s.ndim else cupy.broadcast_to(s, (tokens,)))
 
 
 def _host_elements(x: np.ndarray, spec: ElemSpec) -> np.ndarray:

@@ -197,6 +197,34 @@ def test_jax_round_trip(rng):
     assert np.array_equal(np.asarray(j8), lik_cupy.quantize_int8(q)[0])
 
 
+def test_one_scale_for_all_of_d_in_every_framework(rng, kernel_family):
+    # A 0-d d_scales on the device is broadcast to every token (CuPy's ascontiguousarray gives a 0-d
+    # array an axis: the kernel then read one float and whatever followed it)
+    dim = 128
+    q8, qs = lik_cupy.quantize_int8(_unit(rng, 4, 33, dim))
+    d = _unit(rng, 60, 77, dim)
+    ds = np.float32(np.abs(d).max() / 127)
+    d8 = np.clip(np.rint(d / ds), -127, 127).astype(np.int8)
+    ref, _ = maxsim_ref(_deq(q8, qs), d8.astype(np.float64) * np.float64(ds))
+    arrays = {"cupy": _cp}
+    try:
+        import torch
+
+        arrays["torch"] = lambda a: torch.from_numpy(np.asarray(a)).cuda()
+    except ImportError:
+        pass
+    try:
+        import jax
+
+        gpu = jax.devices("gpu")[0]
+        arrays["jax"] = lambda a: jax.device_put(np.asarray(a), gpu)
+    except (ImportError, RuntimeError):  # no JAX, or no GPU backend for it
+        pass
+    for name, to in arrays.items():
+        out = lik_cupy.maxsim_int8(to(q8), to(d8), to(np.asarray(ds)), q_scales=to(qs))
+        assert rel_err(out.cpu().numpy() if name == "torch" else _np(out), ref) < TOL, name
+
+
 def test_deterministic_bits(rng):
     dim = 128
     q = _unit(rng, 3, 300, dim)

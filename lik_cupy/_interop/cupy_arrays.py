@@ -29,7 +29,9 @@ def contiguous(a):
 
     if a.dtype == np.bool_:
         a = a.view(np.uint8)
-    return cupy.ascontiguousarray(a)
+    out = cupy.ascontiguousarray(a)
+    # ascontiguousarray returns at least one axis: a 0-d argument (a per-tensor scale) keeps none
+    return out.reshape(()) if a.ndim == 0 else out
 
 
 def from_cupy(a, on_host: bool):
