@@ -5,7 +5,7 @@ Cells (one query against B documents, device time by torch CUDA events; bench_in
 cells, ColPali's pages at ~1,030 tokens):
   textual   Lq 32,   Ld 300,  d 128, B 10,000
   long-doc  Lq 32,   Ld 1024, d 128, B 10,000
-  colpali   Lq 1024, Ld 1030, d 128, B 1,000 (0.27 PFLOP a call: at 10,000 pages, 2.7 PFLOP a
+  colpali   Lq 1024, Ld 1030, d 128, B 1,000 (0.27 TFLOP a call: at 10,000 pages, 2.7 TFLOP a
             call, the run did not finish this cell within a 170 s device command)
 Implementations:
   ours_fp8      lik_cupy.maxsim_fp8, Q and D quantised per token beforehand (quantize_fp8)
@@ -15,7 +15,7 @@ Implementations:
 Ratios are times (ours / other: below 1 is faster); "best peer" is the faster LIK form. Each
 result is also compared with ours_fp16 (relative L2 difference of the scores).
 
-    python bench/suites/bench_fp8.py            # JSON: $OUT (or bench/results)/fp8_<gpu>.json
+    python bench/suites/bench_fp8.py            # JSON: $OUT (or bench/results)/fp8_<gpu>.json, after every cell
     python bench/suites/bench_fp8.py --table-from bench/results/fp8_nvidia-h200.json
 """
 
@@ -53,7 +53,7 @@ def run(args):
     lik, err = baselines.load(baselines.LIK)
     res = {"seed": args.seed, "docs": args.docs, "when": time.strftime("%Y-%m-%d %H:%M:%S"), "torch": torch.__version__,
            "late_interaction_kernels": getattr(lik, "__version__", "0.4.5") if lik else f"import failed: {err}",
-           "cells": {}}
+           "complete": False, "cells": {}}
     t_end = time.time() + args.time_budget
     for name in args.cells.split(","):
         if time.time() > t_end:
@@ -92,9 +92,11 @@ def run(args):
             if peers:
                 cell["ours_fp8_over_best_peer"] = ms["ours_fp8"] / min(peers)
         res["cells"][name] = cell
+        write_result(out_dir(args.out), "fp8", props, **res)  # after every cell: a cut-off run keeps what it measured
         del q, d, q8, qs, d8, ds, impls
         torch.cuda.empty_cache()
         print(f"{name}: " + ", ".join(f"{k} {v:.3f} ms" for k, v in ms.items() if v), flush=True)
+    res["complete"] = True
     return props, res
 
 
