@@ -16,6 +16,12 @@ it does not import: ``pip install maxsim-cpu==0.1.0 fast-maxsim==0.2.0 maxsim-fa
 ours (``max_rel_err_vs_ours``); one past ``WRONG`` is listed as wrong and not counted (maxsim-cpu past
 32 query tokens).
 
+Each cell also carries its floor on this machine (``floor``): its multiply-adds as float32 FLOPs
+at the machine's sgemm rate (a large square float32 ``np.matmul`` with NumPy's BLAS threads,
+measured at the start, ``machine.rates``) and its document bytes read once at the machine's read
+bandwidth (a NumPy sum over an array far past the caches), the larger of the two; ``ours`` is
+given as a multiple of it.
+
 All contenders run in one process, in a rotating order round by round, so that a busy machine slows
 them alike; each cell gives the median and best of the rounds and the ratio of ours to the fastest
 other by each. The load average before and after is recorded, and ``quiet`` says whether the
@@ -213,6 +219,35 @@ def machine(libs: dict) -> dict:
                                                         "OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS") if k in os.environ}}
 
 
+def rates(smoke: bool) -> dict:
+    """The machine's float32 GEMM rate (GFLOP/s, best of 3) and read bandwidth (GB/s, best of 3)."""
+    rng = np.random.default_rng(1)
+    n = 256 if smoke else 3072
+    a, b = (rng.standard_normal((n, n), dtype=np.float32) for _ in range(2))
+    c = np.empty((n, n), np.float32)
+    x = np.ones((4 if smoke else 64) << 20, np.float32)  # 256 MB: far past the caches
+    gemm, read = [], []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        np.matmul(a, b, out=c)
+        gemm.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        x.sum()
+        read.append(time.perf_counter() - t0)
+    return {"sgemm_gflops": round(2 * n**3 / min(gemm) / 1e9, 1), "sgemm_shape": [n, n, n],
+            "read_gbs": round(x.nbytes / min(read) / 1e9, 2)}
+
+
+def floor(nq: int, lq: int, ntok: int, r: dict) -> dict:
+    """A cell's FLOPs (2 per multiply-add of every query token with every document token) and bytes
+    (the document tokens, float32, read once), and the time each takes at the machine's rates."""
+    flops = 2 * nq * lq * ntok * DIM
+    nbytes = ntok * DIM * 4
+    gemm_ms, read_ms = flops / r["sgemm_gflops"] / 1e6, nbytes / r["read_gbs"] / 1e6
+    return {"gflop": round(flops / 1e9, 3), "mbytes": round(nbytes / 1e6, 1), "sgemm_ms": round(gemm_ms, 2),
+            "read_ms": round(read_ms, 2), "floor_ms": round(max(gemm_ms, read_ms), 2)}
+
+
 def slug(text: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
 
@@ -256,22 +291,26 @@ def main(argv=None) -> Path:
 
     libs = rust_libraries()
     info = machine(libs)
+    info["rates"] = rates(args.smoke)
     load_before = os.getloadavg()
     rng = np.random.default_rng(0)
     cells = []
     for case, (nq, lq, nd, lo, hi) in cases.items():
         Q = unit(rng.standard_normal((nq, lq, DIM), dtype=np.float32))
-        ours, others = cell_contenders(Q, rng.integers(lo, hi + 1, nd), rng, libs)
+        lens = rng.integers(lo, hi + 1, nd)
+        ours, others = cell_contenders(Q, lens, rng, libs)
         want = ours["ours"]()
         errors = {n: rel_err(f(), want) for n, f in others.items()}
         times = time_round_robin({**ours, **others}, rounds)
         right = [n for n in others if errors[n] <= WRONG]
+        fl = floor(nq, lq, int(lens.sum()), info["rates"])
+        fl["ours_median_x"] = round(times["ours"]["median_ms"] / fl["floor_ms"], 2)
         cell = {"case": case, "times": times, "max_rel_err_vs_ours": errors, "wrong": sorted(set(others) - set(right)),
-                **summary(times, "ours", right)}
+                **summary(times, "ours", right), "floor": fl}
         cells.append(cell)
         print(f"{case:<22} ours {times['ours']['median_ms']:9.2f} / {times['ours']['best_ms']:8.2f} ms   "
               f"fastest other {cell['median']['fastest_other']} x{cell['median']['ratio']:.3f} (median), "
-              f"{cell['best']['fastest_other']} x{cell['best']['ratio']:.3f} (best)")
+              f"{cell['best']['fastest_other']} x{cell['best']['ratio']:.3f} (best); floor {fl['floor_ms']} ms")
     plaid = []
     for spec in rerank:
         with tempfile.TemporaryDirectory() as where:
