@@ -323,6 +323,10 @@ def launch(p: Problem, q, d, qm, dm, ql, dl, return_argmax: bool, device: int, *
         return scores, amax
 
     esize = q.dtype.itemsize
+    # The kernels read one scale per token: fewer would be read out of bounds
+    for name, scale, tokens in (("q_scale", q_scale, p.nq * p.lq), ("d_scale", d_scale, d.size // p.dim)):
+        if scale is not None and scale.size < tokens:
+            raise RuntimeError(f"{fn}: internal error: {name} holds {scale.size} scales for {tokens} tokens")
     if residual is not None and q.data.ptr % 16:  # the residual tiles copy 16-byte query chunks
         q = q.copy()
     vec = (p.dim * esize) % 16 == 0 and q.data.ptr % 16 == 0 and (residual is not None or d.data.ptr % 16 == 0)
