@@ -225,8 +225,10 @@ __device__ void LIK_FWD::run(const T* __restrict__ Q, const T* __restrict__ D, c
 #if LIK_REFINE
     // float32 accuracy from TF32 tiles (fwd/refine.cuh): its per-slot norm parts follow the barriers.
     float* const tnorm = reinterpret_cast<float*>(mbar + 2 * STAGES);
-    float lo[2], a1[2] = {-1.f, -1.f}, a2[2];
-    const Refine refine{sQ, tnorm, wrow0, lane, warp, best, bidx, rv, xbest, lo, a1, a2};
+    float lo[2], a1[2] = {-1.f, -1.f}, a2[2], pu[2][Refine::KEEP];
+    int ptok[2][Refine::KEEP];
+    bool defer;
+    const Refine refine{sQ, D, tnorm, wrow0, lane, warp, best, bidx, rv, xbest, lo, a1, a2, pu, ptok, defer};
 #endif
     Consumer consumer{cons, qf, q_ready, sQ, wrow0, lane, prod
 #if LIK_HAS_WGMMA
@@ -252,7 +254,7 @@ __device__ void LIK_FWD::run(const T* __restrict__ Q, const T* __restrict__ D, c
         const u8* dm = mask.dmask(j);
         const bool zp = X3 && !MULTI && fin.zero_pad(j);  // zero-vector padding (Finish::finish says why here)
 #if LIK_REFINE
-        refine.reset();
+        refine.reset(nt - first.first_tile(j));
 #else
         rowmax.reset();
 #endif
@@ -275,7 +277,7 @@ __device__ void LIK_FWD::run(const T* __restrict__ Q, const T* __restrict__ D, c
                 if (!SCALED) flush.flush_sums();
                 const T* st = ring + slot * STAGE;
 #if LIK_REFINE
-                tile_mma(acc, qf, sQ, st, wrow0, lane, false, qlo, tnorm + slot * WARPS * 2);
+                tile_mma(acc, qf, sQ, st, wrow0, lane, false, qlo, tnorm + slot * WARPS);
 #else
                 tile_mma(acc, qf, SPLIT ? st : sQ, st + (SPLIT ? QR * LDS : 0), wrow0, lane, kc > 0, qlo);
 #endif
@@ -291,6 +293,9 @@ __device__ void LIK_FWD::run(const T* __restrict__ Q, const T* __restrict__ D, c
 #endif
             consumer.release_slot(slot);
         }
+#if LIK_REFINE
+        refine.resolve(begin);
+#endif
         fin.finish(j, zp);
     }
     cp_async_wait<0>();

@@ -117,7 +117,7 @@ class FwdConfig:
         rows = self.stages * (self.query_rows_staged + self.bn) if self.split else self.bm + self.stages * self.bn
         if self.wgmma or self.tma:  # unpadded swizzled tiles, slack to align them to 1024 bytes, TMA barriers
             # (refined TF32 tiles: their per-slot norm parts follow the barriers' place)
-            refine = (0 if self.tma else 16 * self.stages) + 8 * self.stages * self.warps if self.refine else 0
+            refine = (0 if self.tma else 16 * self.stages) + 4 * self.stages * self.warps if self.refine else 0
             return rows * self.dp * self.esize + 1024 + self._extra_bytes + (16 * self.stages if self.tma else 0) + refine
         used = rows * (self.dp + 16 // self.esize) * self.esize + self._extra_bytes
         if not self.residual:
@@ -190,14 +190,15 @@ class FwdConfig:
     @property
     def wide_registers(self) -> bool:
         """Hopper tiles that spilled in the 128 registers of two CTAs per SM (compile check) and so
-        are built for one: refined float32 tiles of packed documents (44-70 bytes at d = 64), of
+        are built for one: refined float32 tiles of two warpgroups (up to 200 bytes at d = 32 and
+        64, where two CTAs fit the shared memory), of packed documents (44-70 bytes at d = 64), of
         candidate ids (8) or with the argmax of several queries (4-12), and FP8's argmax tiles of
         several queries, packed documents (4 at d = 256) or split-d (INT8's take mma.sync tiles
         there, select.py; sm_90 emulates FP8's)."""
         if not self.wgmma:
             return False
         if self.refine:
-            return self.packed or self.cand or (self.argmax and self.multi)
+            return self.warps == 8 or self.packed or self.cand or (self.argmax and self.multi)
         return self.argmax and self.spec.scaled and 90 in self.spec.emulated_mma and (
             self.multi or self.packed or self.split)
 
