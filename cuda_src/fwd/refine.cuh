@@ -27,8 +27,9 @@
 // document's end from D itself (resolve), the quads side by side. A candidate that finds no free
 // place, or a NaN, is summed at once from the tile still in shared memory (in the same order, so to
 // the same value). A lane looks for candidates only when its own largest value reaches L - E, and
-// the warp skips the rest after one vote. Rows with E = 0 (a zero query token, or a tile of zero
-// rows) have exact TF32 values already.
+// the warp skips the rest after one vote. Rows with E = 0 (a zero query token) have exact TF32
+// values already; a tile of zero rows keeps E's subnormal term, so its zeros are candidates wherever
+// they reach L - E (a row whose values so far are not positive).
 #pragma once
 #include "fwd/config.cuh"
 
