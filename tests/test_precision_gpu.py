@@ -424,3 +424,35 @@ def test_default_nan_and_zero_rows_follow_float64(rng):
         clear = (top2[..., 1] - top2[..., 0] > 1e-5) & (lens[None, :, None] > 1)
     clear[:, 1] = False  # the NaN document, checked above
     assert np.array_equal(a[clear], masked.argmax(axis=3)[clear])
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_default_argmax_in_documents_below_float32_squares(rng, layout):
+    # documents scaled by 2^-80: their elements' squares fall below float32's range, so a bound on
+    # the TF32 error taken from float32 sums of squares alone would vanish. Each document's winner
+    # sits 1.8e-4 (times 2^-80) below a runner-up in TF32 (component 0 one ulp under 0.5 truncates
+    # to 0.5 - 2^-12) but 3.5e-7 above it exactly (component 1 raised by 100 ulps, under TF32's step)
+    nd, ld, lq, dim = 7, 300, 32, 128
+    q = _unit(rng, 1, lq, dim)
+    q[..., 0], q[..., 1] = 0.75, 0.5
+    base = _unit(rng, dim)
+    base[1] = np.float32(0.09375)  # a TF32 value: its low 13 bits are zero
+    d = np.repeat(np.repeat(base[None, None], ld, axis=1), nd, axis=0)
+    d[:, :, 0] = np.float32(0.45) - np.float32(0.05) * rng.random((nd, ld)).astype(np.float32)
+    want = np.empty(nd, np.int64)
+    for j in range(nd):
+        runner, winner = rng.choice(ld, 2, replace=False)
+        d[j, runner, 0] = np.float32(0.5)
+        d[j, winner, 0] = np.nextafter(np.float32(0.5), np.float32(0))
+        d[j, winner, 1] = base[1] + np.float32(100) * np.spacing(base[1])
+        want[j] = winner
+    d = (d.astype(np.float32) * np.float32(2.0 ** -80)).astype(np.float32)
+    ref, sim = maxsim_ref(q, d)
+    assert np.array_equal(sim[0, :, 0].argmax(axis=1), want)
+    if layout == "packed":
+        tok, off = _packed(d, np.full(nd, ld))
+        s, a = lik_cupy.maxsim_varlen(_cp(q), _cp(tok), _cp(off), return_argmax=True)
+    else:
+        s, a = lik_cupy.maxsim(_cp(q), _cp(d), return_argmax=True)
+    assert np.array_equal(_np(a), np.broadcast_to(want[None, :, None], (1, nd, lq)))
+    assert np.allclose(_np(s), ref, rtol=2e-6, atol=0)

@@ -11,7 +11,10 @@
 //     E <= (|dq| + 2^-10 |q~| + A |q|) |d| + 2^-132 |q~|            (DP <= 128).
 // The query's norms are summed once per CTA from the query tile; |d| is bounded per tile by the sum
 // over the row parts of the parts' largest squared sums, which tile_mma has the threads take while
-// the tensor cores multiply (norm_part).
+// the tensor cores multiply (norm_part). Squares below float32's range round to multiples of 2^-149,
+// so each float32 norm n of at most 128 elements bounds the true one by n (1 + 2^-16) + 2^-71:
+// without that slack, documents or queries of elements below about 2^-63 would get a vanishing E.
+// A tile of zero elements only (its largest |x| 0) has exact similarities, as has a zero query row.
 //
 // A row's max is then at least L, the best v - E or exact value seen, and only similarities whose
 // TF32 value v reaches L - E can be it: the candidates. Exact values are summed from the float32
@@ -27,9 +30,8 @@
 // document's end from D itself (resolve), the quads side by side. A candidate that finds no free
 // place, or a NaN, is summed at once from the tile still in shared memory (in the same order, so to
 // the same value). A lane looks for candidates only when its own largest value reaches L - E, and
-// the warp skips the rest after one vote. Rows with E = 0 (a zero query token) have exact TF32
-// values already; a tile of zero rows keeps E's subnormal term, so its zeros are candidates wherever
-// they reach L - E (a row whose values so far are not positive).
+// the warp skips the rest after one vote. Rows with E = 0 (a zero query token, or a tile of zeros)
+// have exact TF32 values already.
 #pragma once
 #include "fwd/config.cuh"
 
@@ -41,14 +43,14 @@ struct LIK_FWD::Refine {
 
     const T* const& sQ;
     const T* const __restrict__& D;  // the documents in global memory (pending candidates are summed from there)
-    float* const& tnorm;  // [STAGES][WARPS]: each warp's largest part of |d|^2 (norm_part)
+    float* const& tnorm;  // [STAGES][WARPS][2]: each warp's largest part of |d|^2 and largest |x| (norm_part)
     const int &wrow0, &lane, &warp;
     float (&best)[MT][2];
     int (&bidx)[MT][2];
     const bool (&rv)[MT][2];
     double (&xbest)[2];  // the rows' exact maxima so far (-inf: none)
     float (&lo)[2];      // the rows' lower bounds L
-    float (&a1)[2];      // per row |dq| + 2^-10 |q~| + A |q| (the weight of |d| in E); negative until computed
+    float (&a1)[2];      // per row |dq| + 2^-10 |q~| + A |q| (the weight of |d| in E; 0 for a zero row); negative until computed
     float (&a2)[2];      // per row 2^-132 |q~| (E's term for subnormal document elements)
     float (&pu)[2][KEEP];  // pending candidates: upper bounds of their exact values (-inf: none)
     int (&ptok)[2][KEEP];  // and their tokens
@@ -56,6 +58,7 @@ struct LIK_FWD::Refine {
 
     static constexpr float ACC = 0x1p-13f;
     static constexpr float UP = 1.f + 0x1p-16f;  // covers the float32 rounding of the norms' sums
+    static constexpr float FLOOR = 0x1p-71f;     // and the squares that fall below float32's range
     static constexpr int P = NT >= BN ? NT / BN : 1;  // threads (parts of the dim) per row
 
     static __device__ __forceinline__ float tf32_part(float x) { return __uint_as_float(__float_as_uint(x) & 0xFFFFE000u); }
@@ -82,21 +85,24 @@ struct LIK_FWD::Refine {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const int r = wrow0 + g + 8 * h;
-            float s = 0.f, rr = 0.f, tt = 0.f;
+            float s = 0.f, rr = 0.f, tt = 0.f, mx = 0.f;
             for (int k = tq; k < DP; k += 4) {
                 const float x = sQ[soff(r, k, BM)], t = tf32_part(x), dx = x - t;
                 s = fmaf(x, x, s);
                 rr = fmaf(dx, dx, rr);
                 tt = fmaf(t, t, tt);
+                mx = fmaxf(mx, fabsf(x));
             }
 #pragma unroll
             for (int off = 1; off <= 2; off <<= 1) {
                 s += __shfl_xor_sync(0xffffffffu, s, off);
                 rr += __shfl_xor_sync(0xffffffffu, rr, off);
                 tt += __shfl_xor_sync(0xffffffffu, tt, off);
+                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
             }
-            a1[h] = (sqrtf(rr) + 0x1p-10f * sqrtf(tt) + ACC * sqrtf(s)) * UP;
-            a2[h] = 0x1p-132f * sqrtf(tt) * UP;
+            const bool nz = mx != 0.f;  // (fmaxf skips NaN: zeros and NaN take the exact path, NaN already)
+            a1[h] = nz ? (sqrtf(rr) + 0x1p-10f * sqrtf(tt) + ACC * sqrtf(s) + 3.f * FLOOR) * UP : 0.f;
+            a2[h] = nz ? 0x1p-132f * (sqrtf(tt) + FLOOR) * UP : 0.f;
         }
     }
 
@@ -109,7 +115,7 @@ struct LIK_FWD::Refine {
     static __device__ __forceinline__ void norm_part(const T* sD, float* tn) {
         constexpr int CPP = DP / BLK * 8 / P;  // chunks per part
         static_assert(CPP % 2 == 0, "norm_part reads a part's chunks in pairs");
-        float s = 0.f;
+        float s = 0.f, mx = 0.f;
         const int t = threadIdx.x;
         for (int r = NT >= BN ? t % BN : t; r < BN && (NT < BN || t < P * BN); r += NT) {
             const int part = NT >= BN ? t / BN : 0, r7 = r & 7;
@@ -124,33 +130,40 @@ struct LIK_FWD::Refine {
                         const float4 y = *reinterpret_cast<const float4*>(row + ((c + 1) >> 3) * BN * BLK + (((c + 1) & 7) ^ r7) * EPC);
                         r0 = fmaf(x.x, x.x, fmaf(x.y, x.y, fmaf(x.z, x.z, fmaf(x.w, x.w, r0))));
                         r1 = fmaf(y.x, y.x, fmaf(y.y, y.y, fmaf(y.z, y.z, fmaf(y.w, y.w, r1))));
+                        mx = fmaxf(mx, fmaxf(fmaxf(fmaxf(fabsf(x.x), fabsf(x.y)), fmaxf(fabsf(x.z), fabsf(x.w))),
+                                             fmaxf(fmaxf(fabsf(y.x), fabsf(y.y)), fmaxf(fabsf(y.z), fabsf(y.w)))));
                     }
                 }
             s = fmaxf(s, r0 + r1);
             if (NT >= BN) break;
         }
 #pragma unroll
-        for (int off = 16; off > 0; off >>= 1) s = fmaxf(s, __shfl_xor_sync(0xffffffffu, s, off));
-        if ((threadIdx.x & 31) == 0) tn[threadIdx.x >> 5] = s;
+        for (int off = 16; off > 0; off >>= 1) {
+            s = fmaxf(s, __shfl_xor_sync(0xffffffffu, s, off));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+        }
+        if ((threadIdx.x & 31) == 0) *reinterpret_cast<float2*>(tn + 2 * (threadIdx.x >> 5)) = float2{s, mx};
     }
 
     // An upper bound of |d| over the rows of the tile in slot `slot`, once every warp has written its
-    // parts (a named barrier over the CTA's threads).
+    // parts (a named barrier over the CTA's threads); 0 for a tile of zeros only.
     __device__ float tile_norm(int slot) const {
         named_sync(1, NT);
         // Warps of one part (NT >= BN: warp w holds rows of part w * 32 / BN) share its maximum.
-        float ps[P];
+        float ps[P], mx = 0.f;
 #pragma unroll
         for (int p = 0; p < P; ++p) ps[p] = 0.f;
 #pragma unroll
         for (int w = 0; w < WARPS; ++w) {
             const int p = NT >= BN ? min(w * 32 / BN, P - 1) : 0;
-            ps[p] = fmaxf(ps[p], tnorm[slot * WARPS + w]);
+            const float2 v = *reinterpret_cast<const float2*>(tnorm + (slot * WARPS + w) * 2);
+            ps[p] = fmaxf(ps[p], v.x);
+            mx = fmaxf(mx, v.y);
         }
         float s = 0.f;
 #pragma unroll
         for (int p = 0; p < P; ++p) s += ps[p];
-        return sqrtf(s) * UP;
+        return mx != 0.f ? (sqrtf(s) + FLOOR) * UP : 0.f;
     }
 
     // s + e += a * b: the product split exactly (fmaf), its high part added by TwoSum.
@@ -248,7 +261,7 @@ struct LIK_FWD::Refine {
         for (int h = 0; h < 2; ++h) {
             float m = max_nan(lm[h], __shfl_xor_sync(0xffffffffu, lm[h], 1));
             m = max_nan(m, __shfl_xor_sync(0xffffffffu, m, 2));
-            const float e = fmaf(a1[h], dn, a2[h]);
+            const float e = dn != 0.f ? fmaf(a1[h], dn, a2[h]) : 0.f;  // zeros only: exact
             // L, NaN-free (a NaN is a candidate whatever L is)
             const float lb = fmaxf(lo[h], fmaxf(m - e, (float)xbest[h]));
             lo[h] = lb;
