@@ -277,7 +277,7 @@ __device__ void LIK_FWD::run(const T* __restrict__ Q, const T* __restrict__ D, c
                 if (!SCALED) flush.flush_sums();
                 const T* st = ring + slot * STAGE;
 #if LIK_REFINE
-                tile_mma(acc, qf, sQ, st, wrow0, lane, false, qlo, tnorm + slot * WARPS * 2);
+                tile_mma(acc, qf, sQ, st, wrow0, lane, false, qlo, tnorm + slot * WARPS);
 #else
                 tile_mma(acc, qf, SPLIT ? st : sQ, st + (SPLIT ? QR * LDS : 0), wrow0, lane, kc > 0, qlo);
 #endif

@@ -117,7 +117,7 @@ class FwdConfig:
         rows = self.stages * (self.query_rows_staged + self.bn) if self.split else self.bm + self.stages * self.bn
         if self.wgmma or self.tma:  # unpadded swizzled tiles, slack to align them to 1024 bytes, TMA barriers
             # (refined TF32 tiles: their per-slot norm parts follow the barriers' place)
-            refine = (0 if self.tma else 16 * self.stages) + 8 * self.stages * self.warps if self.refine else 0
+            refine = (0 if self.tma else 16 * self.stages) + 4 * self.stages * self.warps if self.refine else 0
             return rows * self.dp * self.esize + 1024 + self._extra_bytes + (16 * self.stages if self.tma else 0) + refine
         used = rows * (self.dp + 16 // self.esize) * self.esize + self._extra_bytes
         if not self.residual:
