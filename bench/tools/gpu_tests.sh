@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
 # The GPU test suite on one GPU in one device call: six groups side by side. On an H200 all six
-# together took 233 s (forward) and 291 s (corpus, then with the corpus-object tests, which it did
-# not finish at T=290; those take about 30 s alone and now run with the other files, whose group
-# took 176 s). A group past its limit is stopped with SIGINT, so pytest still writes its summary and
+# together finished within 229 s (corpus 229, forward 201, the other files' group with the
+# corpus-object tests 192). A group past its limit is stopped with SIGINT, so pytest still writes its summary and
 # JUnit XML. Logs and XML go to $OUT/gpu_tests.tar.gz, a summary to $OUT/gpu_tests.txt and stdout.
 #   bash bench/tools/gpu_tests.sh        (T: seconds per group, default 420)
 set -u
