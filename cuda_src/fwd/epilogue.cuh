@@ -471,25 +471,42 @@ struct LIK_FWD::SumRows {
     // MULTI: one warp per query sums document j's row maxima from shared memory, in score_single's
     // order for one-m-tile warps (wgmma tiles): per 16 rows, each quad's rows g and g + 8, a butterfly
     // over the quads, and the groups in order. A query scored with others then has the bits it has
-    // scored alone (a server's batches, lik_cupy.serving); rows that do not count hold 0. Here lanes
-    // 8c .. 8c + 7 hold group c's eight pairs, four groups a pass: the butterfly over them (xor 1, 2,
-    // 4) adds what score_single's over the quads (xor 4, 8, 16) adds, in the same tree.
+    // scored alone (a server's batches, lik_cupy.serving); rows that do not count hold 0. On wgmma
+    // tiles lanes 8c .. 8c + 7 hold group c's eight pairs, four groups a pass: the butterfly over
+    // them (xor 1, 2, 4) adds what score_single's over the quads (xor 4, 8, 16) adds, in the same
+    // tree (4-5% faster on an H200 than a group a pass). mma.sync tiles keep a group a pass, the
+    // quads' first lanes loading: the four-group pass spilled 20 bytes in the split-d float32
+    // argmax tile of several queries on sm_86 and sm_89 (compile check).
     __device__ void sum_rows(int j) const {
         const float* rowv = red + (j & 1) * BM;
-        const int c = lane >> 3, g = lane & 7;
         for (int qq = warp; qq < nqb; qq += WARPS) {
             const float* rp = rowv + qq * span;
             float sum = 0.f;
-            for (int k0 = 0; k0 < span; k0 += 64) {
-                const int k = k0 + 16 * c;
-                float part = 0.f;
-                if (k + g < span) part += rp[k + g];
-                if (k + g + 8 < span) part += rp[k + g + 8];
+            if constexpr (WG) {
+                const int c = lane >> 3, g = lane & 7;
+                for (int k0 = 0; k0 < span; k0 += 64) {
+                    const int k = k0 + 16 * c;
+                    float part = 0.f;
+                    if (k + g < span) part += rp[k + g];
+                    if (k + g + 8 < span) part += rp[k + g + 8];
 #pragma unroll
-                for (int off = 1; off < 8; off <<= 1) part += __shfl_xor_sync(0xffffffffu, part, off);
+                    for (int off = 1; off < 8; off <<= 1) part += __shfl_xor_sync(0xffffffffu, part, off);
 #pragma unroll
-                for (int cc = 0; cc < 4; ++cc)
-                    if (k0 + 16 * cc < span) sum += __shfl_sync(0xffffffffu, part, 8 * cc);
+                    for (int cc = 0; cc < 4; ++cc)
+                        if (k0 + 16 * cc < span) sum += __shfl_sync(0xffffffffu, part, 8 * cc);
+                }
+            } else {
+                const int g = lane >> 2, tq = lane & 3;
+                for (int k = 0; k < span; k += 16) {
+                    float part = 0.f;
+                    if (tq == 0) {
+                        if (k + g < span) part += rp[k + g];
+                        if (k + g + 8 < span) part += rp[k + g + 8];
+                    }
+#pragma unroll
+                    for (int off = 4; off < 32; off <<= 1) part += __shfl_xor_sync(0xffffffffu, part, off);
+                    sum += part;
+                }
             }
             if (lane == 0) outp[(i64)qq * Nd + j] = sum;
         }
