@@ -74,9 +74,23 @@ def _table(rows) -> str:
     return "\n".join(fmt.format(*x) for x in [head, *body]) + "\n"
 
 
+# Hopper kernels whose wgmma instructions ptxas serializes (C7520, "compiler-inserted WG.AR in
+# divergent path"): INT8's tokens-on-M tiles (branch s5-tokm removes it; not yet run on a GPU) and
+# three wide INT8 tiles with TMA. Any other kernel ptxas serializes fails the check: a Hopper tile
+# whose wgmma instructions wait on each other loses its pipelining without a word elsewhere.
+WGMMA_SERIALIZED = frozenset({
+    "lik_maxsim_fwd_i8_d128_w8m1_n128s4_vec_wgmma_tma_tokm",
+    "lik_maxsim_fwd_i8_d128_w8m1_n128s4_vec_wgmma_packed_tma_tokm",
+    "lik_maxsim_fwd_i8_d384_w8m1_n128s2_vec_wgmma_packed_tma_strided",
+    "lik_maxsim_fwd_i8_d512_w8m1_n128s2_vec_wgmma_packed_tma",
+    "lik_maxsim_fwd_i8_d512_w8m1_n128s2_vec_wgmma_packed_tma_strided",
+})
+
+
 def _row_problems(r, cfg, arch) -> list[str]:
-    """What is wrong with one compile result: spills, shared memory, and registers that break the
-    launch plan's residency estimate (``cfg`` is None for the kernels outside the forward family)."""
+    """What is wrong with one compile result: spills, wgmma instructions serialized, shared memory,
+    and registers that break the launch plan's residency estimate (``cfg`` is None for the kernels
+    outside the forward family)."""
     what = f"{r['kernel']} on {r['arch']}"
     problems = []
     if r["registers"] <= 0:
@@ -84,6 +98,8 @@ def _row_problems(r, cfg, arch) -> list[str]:
     if r["spill_stores"] or r["spill_loads"] or r["stack"]:
         problems.append(f"{what}: {r['spill_stores']} B spill stores, {r['spill_loads']} B spill loads, "
                         f"{r['stack']} B stack frame")
+    if r.get("wgmma_serialized") and r["kernel"] not in WGMMA_SERIALIZED:
+        problems.append(f"{what}: ptxas serialized its wgmma instructions (see its C75xx note)")
     if cfg is None:
         return problems
     if r["dynamic_smem"] != cfg.smem_bytes:
@@ -469,6 +485,21 @@ def test_resource_usage_parses_each_kernel():
     assert mine["registers"] > 0 and partials["registers"] > 0
     assert lc.resource_usage(out.log, "no_such_kernel")["registers"] == 0
     assert out.cubin[:4] == b"\x7fELF"
+    assert not mine["wgmma_serialized"]
+    note = (f"ptxas info    : (C7520) Potential Performance Loss: wgmma.mma_async instructions are serialized "
+            f"due to program dependence on compiler-inserted WG.AR in divergent path in the function '{cfg.name}'\n")
+    assert lc.resource_usage(note + out.log, cfg.name)["wgmma_serialized"] == 1
+    assert lc.resource_usage(note + out.log, "lik_sum_partials")["wgmma_serialized"] == 0
+
+
+def test_recorded_proofs_serialize_wgmma_only_where_known():
+    # every recorded Hopper build, checked whether or not today's sample compiles it
+    logs = _read_proofs()
+    if not logs:
+        pytest.skip(f"no recorded proofs at {PROOFS}")
+    serialized = {name for log in logs.values() for name in re.findall(r"Compiling entry function '([^']+)'", log)
+                  if lc.resource_usage(log, name)["wgmma_serialized"]}
+    assert serialized <= WGMMA_SERIALIZED, sorted(serialized - WGMMA_SERIALIZED)
 
 
 # ---------------------------------------------------------------- (e) dispatch

@@ -135,7 +135,9 @@ _RES = {
 
 
 def resource_usage(log: str, kernel: str) -> dict[str, int]:
-    """Registers, stack, spills and static shared memory of ``kernel`` from a ptxas -v log."""
+    """Registers, stack, spills and static shared memory of ``kernel`` from a ptxas -v log, and
+    ``wgmma_serialized``: 1 where ptxas reports having serialized the kernel's wgmma instructions
+    (its C751x/C752x "Potential Performance Loss" notes), which costs a Hopper tile its pipelining."""
     block = []
     capture = False
     for line in log.splitlines():
@@ -148,6 +150,9 @@ def resource_usage(log: str, kernel: str) -> dict[str, int]:
     for key, rx in _RES.items():
         m = rx.search(text)
         out[key] = int(m.group(1)) if m else 0
+    # (ptxas prints these notes before the per-function blocks, naming the function)
+    out["wgmma_serialized"] = int(any("wgmma.mma_async instructions are serialized" in line and f"'{kernel}'" in line
+                                      for line in log.splitlines()))
     return out
 
 
