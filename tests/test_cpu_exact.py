@@ -632,3 +632,46 @@ def test_a_block_too_small_to_share_runs_blas_on_one_thread(rng, monkeypatch):
     assert blas.get() == before
     monkeypatch.undo()
     np.testing.assert_array_equal(got, lik_cupy.maxsim(q, d, backend="cpu"))
+
+
+def test_runs_compare_a_float64_threshold_as_float32_does(rng):
+    # float32 similarities against float64 thresholds near, on and between float32 values, huge and
+    # tiny ones, NaN and infinities: the least float32 at or above each threshold answers alike
+    from lik_cupy._cpu.runs import Runs
+
+    lens = np.array([3, 0, 5, 1, 7])
+    runs = Runs.packed(np.concatenate([[0], np.cumsum(lens)]).astype(np.int64))
+    S = rng.standard_normal((4, lens.sum())).astype(np.float32)
+    S[0, :3] = [np.inf, -np.inf, np.nan]
+    base = S.astype(np.float64)
+    thr = np.empty((4, lens.size))
+    for j, (c0, n) in enumerate(zip(runs.start, lens)):
+        v = base[:, c0] if n else np.zeros(4)
+        thr[:, j] = v + rng.choice([-1.0, 0.0, 1.0], 4) * np.spacing(v.astype(np.float32)) / 3
+    thr[1] = [1e39, -1e39, np.inf, -np.inf, np.nan]
+    thr[2, :2] = [1e-46, -1e-46]
+    want = S.astype(np.float64) >= np.repeat(thr, lens, axis=1)
+    assert np.array_equal(runs.compare(S, thr), want)
+
+
+@pytest.mark.parametrize("budget", [1 << 20, 64])  # the hits listed, or reduced per document
+def test_runs_hits_match_first_and_second_hits(rng, budget):
+    from lik_cupy._cpu.runs import Runs
+
+    lens = rng.integers(0, 9, 40)
+    lens[:3] = [0, 1, 8]
+    runs = Runs.packed(np.concatenate([[0], np.cumsum(lens)]).astype(np.int64))
+    m, n = 6, int(lens.sum())
+    hit = rng.random((m, n)) < 0.15
+    ok = (rng.random((m, lens.size)) < 0.8) & (lens > 0)
+    cols_ok = np.repeat(ok, lens, axis=1)
+    hit &= cols_ok  # no hit outside the ok documents, one at least in each of them
+    for r, j in zip(*np.nonzero(ok)):
+        hit[r, runs.start[j] + rng.integers(lens[j])] = True
+    old = hit.copy()
+    first_old = runs.first_hit(old)
+    r_old, j_old = runs.second_hits(old, first_old, ok, budget)
+    new = hit.copy()
+    first, r, j = runs.hits(new, ok, budget)
+    assert np.array_equal(first, first_old) and np.array_equal(new, old)
+    assert np.array_equal(r, r_old) and np.array_equal(j, j_old)

@@ -469,8 +469,7 @@ def _block_maxima(Q: np.ndarray, q_valid: np.ndarray, blk: _DocBlock, ar: _Arith
                     r, j = np.nonzero(sub.second_max(S, first) >= thr)
                 else:
                     hit = sub.compare(S, thr)  # NaN: no column passes
-                    first = sub.first_hit(hit)  # where no other column passes, the max's
-                    r, j = sub.second_hits(hit, first, lv & ~bad, part // 4)
+                    first, r, j = sub.hits(hit, lv & ~bad, part // 4)  # the max's, unless another column passes
                     del hit
                 idx[:, j0:j1] = np.where(lv, first, -1)
                 val[:, j0:j1] = _winner_similarities(A64, blk.T[:, c0:c1], row_set, sub.start + first, lv, part // 8)

@@ -98,7 +98,15 @@ class Runs:
 
     def compare(self, S: np.ndarray, thr: np.ndarray) -> np.ndarray:
         """bool ``[M, N]``: ``S >= thr`` of the column's document (``thr [M, nb]``; packed documents
-        repeat it over their columns first)."""
+        repeat it over their columns first). A float64 ``thr`` against float32 ``S`` is compared as
+        the least float32 at or above it, which gives every float32 the same answer without
+        widening ``S`` or repeating float64s."""
+        if S.dtype == np.float32 and thr.dtype == np.float64:
+            with np.errstate(over="ignore"):  # (beyond float32's range: the infinity on that side)
+                t = thr.astype(np.float32)
+            low = t < thr  # rounded down (NaN: never)
+            t[low] = np.nextafter(t[low], np.float32(np.inf))
+            thr = t
         if self.width is not None:
             nb, w = self.count, self.width
             return (S.reshape(S.shape[0], nb, w) >= thr[:, :, None]).reshape(S.shape)
@@ -142,6 +150,25 @@ class Runs:
             code = np.where(hit, np.arange(n, dtype=np.int64 if n >= 2**31 else np.int32), n)
             first[:, some] = np.minimum.reduceat(code, starts, axis=1) - starts
         return np.minimum(first, np.maximum(self.length - 1, 0)[None, :])
+
+    def hits(self, hit: np.ndarray, ok: np.ndarray, budget: int):
+        """``first_hit(hit)`` and then ``second_hits(hit, first, ok, budget)`` (which clears the first
+        hits in ``hit``), for ``hit`` that holds a hit in every ``ok`` document and none elsewhere:
+        from the hits' positions when they fit ``budget`` bytes (a pass to count them and one to
+        list them, where those two make four over ``hit``), else as those two do."""
+        m, n = hit.shape
+        if self.width is not None or np.count_nonzero(hit) * 24 > budget:
+            first = self.first_hit(hit)
+            return first, *self.second_hits(hit, first, ok, budget)
+        rows, cols = np.divmod(np.flatnonzero(hit), n)  # by row, then column
+        docs = np.searchsorted(self.start, cols, side="right") - 1
+        key = rows * self.count + docs  # nondecreasing: a document's hits are consecutive
+        new = np.ones(key.size, bool)
+        new[1:] = key[1:] != key[:-1]
+        first = np.broadcast_to(np.maximum(self.length - 1, 0), (m, self.count)).copy()  # no hit: as first_hit
+        first[rows[new], docs[new]] = cols[new] - self.start[docs[new]]
+        hit[rows[new], cols[new]] = False
+        return (first, *np.divmod(np.unique(key[~new]), self.count))
 
     def second_hits(self, hit: np.ndarray, first: np.ndarray, ok: np.ndarray, budget: int):
         """The documents (rows and document indices, int ``[G]`` each) among ``ok [M, nb]`` whose
