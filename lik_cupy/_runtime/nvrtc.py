@@ -139,20 +139,21 @@ def resource_usage(log: str, kernel: str) -> dict[str, int]:
     ``wgmma_serialized``: 1 where ptxas reports having serialized the kernel's wgmma instructions
     (its C751x/C752x "Potential Performance Loss" notes), which costs a Hopper tile its pipelining."""
     block = []
-    capture = False
+    capture = serialized = False
+    quoted = f"'{kernel}'"
     for line in log.splitlines():
         if "Compiling entry function" in line or "Function properties for" in line:
-            capture = f"'{kernel}'" in line or line.rstrip().endswith(kernel)
+            capture = quoted in line or line.rstrip().endswith(kernel)
         if capture:
             block.append(line)
+        # (ptxas prints these notes before the per-function blocks, naming the function)
+        serialized |= "wgmma.mma_async instructions are serialized" in line and quoted in line
     text = "\n".join(block)
     out = {}
     for key, rx in _RES.items():
         m = rx.search(text)
         out[key] = int(m.group(1)) if m else 0
-    # (ptxas prints these notes before the per-function blocks, naming the function)
-    out["wgmma_serialized"] = int(any("wgmma.mma_async instructions are serialized" in line and f"'{kernel}'" in line
-                                      for line in log.splitlines()))
+    out["wgmma_serialized"] = int(serialized)
     return out
 
 
