@@ -259,13 +259,16 @@ __device__ void LIK_FWD::run(const T* __restrict__ Q, const T* __restrict__ D, c
         rowmax.reset();
 #endif
         for (int t = first.first_tile(j); t < nt; ++t) {
+            // (Tokens-on-M tiles leave theirs unwritten: their first wgmma overwrites them, and a
+            // write here made ptxas serialize their wgmma instructions, C7520.)
             A acc[MT][NN][4];
 #pragma unroll
             for (int m = 0; m < MT; ++m)
 #pragma unroll
                 for (int n = 0; n < NN; ++n)
 #pragma unroll
-                    for (int r = 0; r < 4; ++r) acc[m][n][r] = TOKM ? TOKM_OFFSET : 0;
+                    for (int r = 0; r < 4; ++r)
+                        if (!TOKM) acc[m][n][r] = 0;
             int slot = 0;
             for (int kc = 0; kc < nk; ++kc) {
                 slot = consumer.next_stage();

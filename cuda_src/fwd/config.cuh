@@ -226,7 +226,7 @@ struct Fwd {
     static_assert(AHEAD >= 1, "split-d wgmma needs at least three stages");
     static_assert(!TOKM || (E::kInt && WG && TMA && SMALL_DOT && WARPS == 8 && BM == 128 && BN == 128 && !ARGMAX && !MULTI),
                   "tokens on M: INT8 two-warpgroup TMA tiles of 128 x 128, one query, no argmax");
-    static constexpr int TOKM_OFFSET = 1 << 22;  // accumulator start: x + 2^22 is in (0, 2^23) while |x| < 2^22
+    static constexpr int TOKM_OFFSET = 1 << 22;  // added to each dot product x: x + 2^22 is in (0, 2^23) while |x| < 2^22
     // Shared floats for a document's reduction, per buffer: the tokens-on-M row maxima of every
     // warp, several queries' row maxima, or per-warp sums.
     static constexpr int RED = TOKM ? WARPS * BM : MULTI ? BM : WARPS;

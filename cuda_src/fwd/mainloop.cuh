@@ -112,7 +112,9 @@ __device__ __forceinline__ void LIK_FWD::tile_mma(A (&acc)[MT][NN][4], const u32
     if (WG) {
         A* d = &acc[0][0][0];
         if constexpr (TOKM) {
-            // The warpgroup's 64 document tokens against all BM query rows, onto the offset.
+            // The warpgroup's 64 document tokens against all BM query rows, the first k step
+            // overwriting the accumulators, then the offset added (the same integers as
+            // accumulating onto it, which made ptxas serialize the wgmma instructions, C7520).
             const u32 dd0 = warp_uniform(wgmma_desc_lo(smem_addr(sD) + (threadIdx.x >> 7) * 64 * 128)),
                       dq0 = QLO_HELD ? qlo : query_desc_lo(sQ, wrow0);
             wgmma_fence();
@@ -120,10 +122,12 @@ __device__ __forceinline__ void LIK_FWD::tile_mma(A (&acc)[MT][NN][4], const u32
             for (int kk = 0; kk < NK; ++kk) {
                 const u32 ko = (kk & 3) * 32;
                 wgmma_m64<ELEM, BM>(d, wgmma_desc_at(dd0 + (((kk >> 2) * BN * 128 + ko) >> 4)),
-                                   wgmma_desc_at(dq0 + (((kk >> 2) * BM * 128 + ko) >> 4)), 1);
+                                   wgmma_desc_at(dq0 + (((kk >> 2) * BM * 128 + ko) >> 4)), kk > 0);
             }
             wgmma_commit();
             wgmma_wait<0>();
+#pragma unroll
+            for (int i = 0; i < MT * NN * 4; ++i) d[i] += TOKM_OFFSET;
             return;
         }
         // The warpgroup's 64 query rows against all BN document rows, 32 bytes of K per instruction.
