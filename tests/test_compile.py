@@ -75,12 +75,10 @@ def _table(rows) -> str:
 
 
 # Hopper kernels whose wgmma instructions ptxas serializes (C7520, "compiler-inserted WG.AR in
-# divergent path"): INT8's tokens-on-M tiles (branch s5-tokm removes it; not yet run on a GPU) and
-# three wide INT8 tiles with TMA. Any other kernel ptxas serializes fails the check: a Hopper tile
-# whose wgmma instructions wait on each other loses its pipelining without a word elsewhere.
+# divergent path"): three wide INT8 tiles with TMA. Any other kernel ptxas serializes fails the
+# check: a Hopper tile whose wgmma instructions wait on each other loses its pipelining without a
+# word elsewhere.
 WGMMA_SERIALIZED = frozenset({
-    "lik_maxsim_fwd_i8_d128_w8m1_n128s4_vec_wgmma_tma_tokm",
-    "lik_maxsim_fwd_i8_d128_w8m1_n128s4_vec_wgmma_packed_tma_tokm",
     "lik_maxsim_fwd_i8_d384_w8m1_n128s2_vec_wgmma_packed_tma_strided",
     "lik_maxsim_fwd_i8_d512_w8m1_n128s2_vec_wgmma_packed_tma",
     "lik_maxsim_fwd_i8_d512_w8m1_n128s2_vec_wgmma_packed_tma_strided",

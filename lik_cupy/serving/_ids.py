@@ -27,8 +27,8 @@ class IdIndex:
         if ids.dtype.kind not in want:
             raise TypeError(f"ids must be {self.kind}s (this corpus's ids are), got dtype {ids.dtype}")
         if self._kind is None:
-            bad = ids[(ids < 0) | (ids >= self._nd)]
-            if bad.size:
+            if ids.size and (ids.min() < 0 or ids.max() >= self._nd):  # two reductions; the message's mask only then
+                bad = ids[(ids < 0) | (ids >= self._nd)]
                 raise ValueError(f"unknown ids {bad[:5].tolist()}: this corpus has no ids, so ids are positions in "
                                  f"[0, {self._nd})")
             return ids.astype(np.int64)

@@ -7,8 +7,9 @@ already there): the oldest request's group (operation, k or candidate count, pre
 dtype, query length class: up to 32, 64 or 128 tokens, then whole blocks of 128) and every later
 request of that group that fits, in arrival order, capped by queries and by padded query tokens
 (queries x the longest of them: the kernels read queries padded to the longest, so that is the
-work). The batch's queries go to the corpus packed back to back with
-``q_offsets``, one call; each request gets copies of its own rows. Scores do not depend on the
+work). The batch goes to the corpus in one call: on a GPU, moved in one copy each way
+(``_staging.py``); in host memory, its queries packed back to back with ``q_offsets``. Each request
+gets copies of its own rows. Scores do not depend on the
 other queries of a call, so each result is bitwise the unbatched call's.
 """
 
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ._staging import Staging, stageable
 from .errors import DeadlineExceeded, ShuttingDown
 
 
@@ -77,6 +79,7 @@ class DeviceQueue:
         self._queued = 0  # queries waiting
         self._running = 0  # queries being scored
         self._closing = False
+        self._staging = Staging()  # used by this queue's worker only
         self._thread = threading.Thread(target=self._work, name=f"lik-serve-{name}", daemon=True)
         self._thread.start()
 
@@ -188,7 +191,7 @@ class DeviceQueue:
     def _run(self, batch: list[Request]) -> None:
         start = time.monotonic()
         try:
-            results = _scored(self.corpus, batch)
+            results = scored(self.corpus, batch, self._staging)
         except Exception as e:  # noqa: BLE001 - handed to the callers
             if len(batch) == 1:
                 results = [e]
@@ -196,7 +199,7 @@ class DeviceQueue:
                 results = []
                 for r in batch:
                     try:
-                        results.append(_scored(self.corpus, [r])[0])
+                        results.append(scored(self.corpus, [r], self._staging)[0])
                     except Exception as e1:  # noqa: BLE001
                         results.append(e1)
         done = time.monotonic()
@@ -218,25 +221,31 @@ def _length_class(lq: int) -> int:
     return 32 if lq <= 32 else 64 if lq <= 64 else 128 * -(-lq // 128)
 
 
-def _scored(corpus, batch: list[Request]) -> list:
-    """One corpus call for ``batch`` (one group), split into each request's result."""
+def scored(corpus, batch: list[Request], staging: Staging) -> list:
+    """One corpus call for ``batch`` (one group), split into each request's result. On a GPU the
+    batch moves in one copy each way (``_staging.py``); elsewhere its queries go packed, with
+    ``q_offsets``."""
     first = batch[0]
-    tokens = np.concatenate([r.Q.reshape(-1, r.Q.shape[2]) for r in batch]) if len(batch) > 1 else \
-        first.Q.reshape(-1, first.Q.shape[2])
-    lengths = np.repeat([r.lq for r in batch], [r.n for r in batch])
-    offsets = np.zeros(lengths.size + 1, np.int64)
-    np.cumsum(lengths, out=offsets[1:])
-    if first.op == "search":
-        out = corpus.search(tokens, first.arg, q_offsets=offsets, precision=first.precision)
-    elif first.op == "rerank":
+    cand = None
+    if first.op == "rerank":
         cand = np.concatenate([r.arg for r in batch]) if len(batch) > 1 else first.arg
-        out = (corpus.rerank(tokens, cand, q_offsets=offsets, precision=first.precision),)
+    if stageable(corpus, first.Q.dtype):
+        out = staging.call(corpus, first.op, batch, first.arg if cand is None else cand, first.precision)
     else:
-        out = (corpus.score(tokens, q_offsets=offsets, precision=first.precision),)
+        tokens = np.concatenate([r.Q.reshape(-1, r.Q.shape[2]) for r in batch]) if len(batch) > 1 else \
+            first.Q.reshape(-1, first.Q.shape[2])
+        lengths = np.repeat([r.lq for r in batch], [r.n for r in batch])
+        offsets = np.zeros(lengths.size + 1, np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        if first.op == "search":
+            out = corpus.search(tokens, first.arg, q_offsets=offsets, precision=first.precision)
+        elif first.op == "rerank":
+            out = (corpus.rerank(tokens, cand, q_offsets=offsets, precision=first.precision),)
+        else:
+            out = (corpus.score(tokens, q_offsets=offsets, precision=first.precision),)
     results, at = [], 0
     for r in batch:
-        rows = tuple(a[at] if r.squeeze else a[at:at + r.n] for a in out)
-        rows = tuple(np.array(a) for a in rows)  # its own copy, not a view of the whole batch
+        rows = tuple(np.array(a[at] if r.squeeze else a[at:at + r.n]) for a in out)  # its own copy
         results.append(rows if first.op == "search" else rows[0])
         at += r.n
     return results

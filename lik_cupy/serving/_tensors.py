@@ -11,6 +11,7 @@ Every malformed part raises ``ValueError`` naming it.
 from __future__ import annotations
 
 import json
+import math
 import struct
 
 import numpy as np
@@ -21,6 +22,7 @@ DTYPES = {"BOOL": "bool", "UINT8": "uint8", "UINT16": "uint16", "UINT32": "uint3
           "INT8": "int8", "INT16": "int16", "INT32": "int32", "INT64": "int64", "FP16": "float16",
           "FP32": "float32", "FP64": "float64", "BF16": "bfloat16"}
 DATATYPES = {v: k for k, v in DTYPES.items()}
+_DATATYPE_OF = {np.dtype(v): k for k, v in DTYPES.items() if v != "bfloat16"}  # str(dtype) costs microseconds
 MAX_ELEMENTS = 1 << 28  # per input: a header cannot ask for more than this
 
 
@@ -71,7 +73,7 @@ def write_response(header: dict, outputs: list[tuple[str, np.ndarray]], binary: 
     response's fields) with ``outputs`` added, those named in ``binary`` as raw bytes after it."""
     tensors, chunks = [], []
     for name, a in outputs:
-        datatype = "BYTES" if a.dtype.kind in "US" else DATATYPES[str(a.dtype)]
+        datatype = "BYTES" if a.dtype.kind in "US" else _DATATYPE_OF.get(a.dtype) or DATATYPES[str(a.dtype)]
         t = {"name": name, "datatype": datatype, "shape": list(a.shape)}
         if name in binary:
             raw = tensor_bytes(a)
@@ -127,14 +129,14 @@ def tensor_shape(name: str, shape) -> tuple[int, ...]:
     if not isinstance(shape, list) or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0
                                               for s in shape):
         raise ValueError(f"input {name}: shape must be a list of non-negative integers, got {shape!r}")
-    if int(np.prod(shape, dtype=np.float64)) > MAX_ELEMENTS:
+    if math.prod(shape) > MAX_ELEMENTS:
         raise ValueError(f"input {name}: shape {shape} has more than {MAX_ELEMENTS} elements")
     return tuple(shape)
 
 
 def tensor_from_bytes(name: str, raw: memoryview, shape: tuple[int, ...], datatype: str) -> np.ndarray:
     """An input of ``shape`` and ``datatype`` from its raw bytes (a view of them where it can)."""
-    count = int(np.prod(shape, dtype=np.int64))
+    count = math.prod(shape)
     if datatype == "BYTES":
         items, at = [], 0
         while at < len(raw):
@@ -155,7 +157,7 @@ def tensor_from_bytes(name: str, raw: memoryview, shape: tuple[int, ...], dataty
 
 def tensor_from_values(name: str, data, shape: tuple[int, ...], datatype: str) -> np.ndarray:
     """An input of ``shape`` and ``datatype`` from a (nested) list of numbers, or of strings for BYTES."""
-    count = int(np.prod(shape, dtype=np.int64))
+    count = math.prod(shape)
     flat = _flatten(data)
     if len(flat) != count:
         raise ValueError(f"input {name}: shape {list(shape)} needs {count} values, got {len(flat)}")
@@ -173,7 +175,7 @@ def tensor_from_values(name: str, data, shape: tuple[int, ...], datatype: str) -
 
 def tensor_from_strings(name: str, items: list[bytes], shape: tuple[int, ...]) -> np.ndarray:
     """A BYTES input of ``shape`` from its elements (UTF-8 text each)."""
-    count = int(np.prod(shape, dtype=np.int64))
+    count = math.prod(shape)
     if len(items) != count:
         raise ValueError(f"input {name}: shape {list(shape)} needs {count} BYTES elements, got {len(items)}")
     return _strings(name, items).reshape(shape)

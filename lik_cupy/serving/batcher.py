@@ -29,7 +29,8 @@ from .._shard_format import numpy_dtype
 from ..corpus import Corpus
 from ..precision import PRECISIONS
 from ._partition import Partition, split_shards
-from ._queue import DeviceQueue, Request
+from ._queue import DeviceQueue, Request, scored
+from ._staging import Staging
 from .errors import Overloaded, ShuttingDown
 
 __all__ = ["Batcher", "Observer", "OPERATIONS"]
@@ -205,19 +206,21 @@ class Batcher:
         return self.submit("score", Q, precision=precision, timeout=timeout).result()
 
     def warm(self, lq: int = 32) -> None:
-        """Run each operation on every GPU replica at the batch sizes whose kernels differ for queries
-        of ``lq`` tokens (1 up to as many as share a 128-row tile, and ``max_batch``), so that those
-        kernels are compiled before the first request. Host-memory replicas need nothing."""
-        dtype = "float32" if scaled_dtype(self.corpus.dtype) else self.corpus.dtype  # scaled corpora take float queries
+        """Run each operation on every GPU replica, the way the workers call it, at the batch sizes
+        whose kernels differ for queries of ``lq`` tokens (1 up to as many as share a 128-row tile,
+        and ``max_batch``), so that those kernels are compiled before the first request.
+        Host-memory replicas need nothing."""
+        dtype = numpy_dtype("float32" if scaled_dtype(self.corpus.dtype) else self.corpus.dtype)  # scaled corpora take float queries
         rng = np.random.default_rng(0)
-        corpora = [p for q in self._queues for p in (q.corpus.parts if isinstance(q.corpus, Partition) else [q.corpus])]
-        for c in {id(c): c for c in corpora if c.device is not None}.values():
+        staging = Staging()
+        for c in {id(q.corpus): q.corpus for q in self._queues}.values():
+            if all(p.device is None for p in (c.parts if isinstance(c, Partition) else [c])):
+                continue
             for n in sorted({*range(1, min(self.max_batch, max(1, 128 // lq)) + 1), self.max_batch}):
-                tokens = rng.standard_normal((n * lq, c.dim)).astype(numpy_dtype(dtype))
-                offsets = np.arange(0, n * lq + 1, lq, dtype=np.int64)
-                c.search(tokens, min(10, max(1, len(c))), q_offsets=offsets)
-                c.rerank(tokens, np.arange(n * min(len(c), 100)).reshape(n, -1) % max(1, len(c)), q_offsets=offsets)
-                c.score(tokens, q_offsets=offsets)
+                Q = rng.standard_normal((n, lq, c.dim)).astype(dtype)
+                cand = np.arange(n * min(len(c), 100), dtype=np.int64).reshape(n, -1) % max(1, len(c))
+                for op, arg in (("search", min(10, max(1, len(c)))), ("rerank", cand), ("score", None)):
+                    scored(c, [Request(op, Q, arg, None, False, None, Future(), 0.0)], staging)
 
     def close(self, timeout: float | None = None) -> None:
         """Take no new requests, answer every queued one, and stop the workers (waits up to
