@@ -1272,14 +1272,19 @@ def _serve_devices(text: str) -> list:
               help="How long a free device waits for more requests before it scores what it has.")
 @click.option("--max-queue", type=click.IntRange(1), default=1024, show_default=True,
               help="Requests waiting per device; beyond, 503.")
+@click.option("--processes", type=click.IntRange(1), default=1, show_default=True,
+              help="Server processes on the one port, each with replicas of its own on the --devices (one "
+              "process's Python answers about 2,000 requests a second). HTTP only.")
 @click.option("--debug", is_flag=True, help="Show a traceback on errors.")
 @_cli_errors
 def _serve_command(paths, host, port, grpc_port, devices, partition, max_batch, max_tokens, max_delay_us, max_queue,
-                   debug):
+                   processes, debug):
     try:
         from lik_cupy.serving.http import serve
     except ImportError as e:
         raise LikError("lik serve", f"needs the [serve] extra (pip install 'lik-cupy[serve]'): {e}") from None
+    if grpc_port is not None and processes > 1:
+        raise click.UsageError("--grpc-port serves from one process; leave --processes at 1 with it")
     if grpc_port is not None:
         try:
             importlib.import_module("lik_cupy.serving.grpc")  # fail before loading the corpus
@@ -1288,7 +1293,7 @@ def _serve_command(paths, host, port, grpc_port, devices, partition, max_batch, 
                            f"needs the [serve-grpc] extra (pip install 'lik-cupy[serve-grpc]'): {e}") from None
     serve(list(paths), host=host, port=port, grpc_port=grpc_port,
           devices=_serve_devices(devices) if devices else None, partition=partition, max_batch=max_batch, max_tokens=max_tokens,
-          max_delay_us=max_delay_us, max_queue=max_queue)
+          max_delay_us=max_delay_us, max_queue=max_queue, processes=processes)
 
 
 if __name__ == "__main__":

@@ -558,6 +558,31 @@ def test_sigterm_under_load_answers_every_accepted_request(shard, local):
     assert answered == accepted == len(ok)
 
 
+def test_processes_share_the_port_answer_alike_and_sum_their_metrics(shard, local):
+    server = Server(shard, "--devices", "cpu", "--processes", "2", "--max-batch", "4")
+    try:
+        qs = _queries(np.random.default_rng(16), 24, hi=33)
+
+        def client(t):  # each request on a new connection: the kernel spreads them over the processes
+            for j in range(t, len(qs), 6):
+                status, _, body = server.infer("score", {"inputs": [_json_q(qs[j])]})
+                assert status == 200
+                assert np.array_equal(np.float32(json.loads(body)["outputs"][0]["data"]), local.score(qs[j]))
+
+        run_threads(6, client)
+        text = server.get("/metrics")[2].decode()
+        assert sum(float(line.rpartition(" ")[2]) for line in text.splitlines()
+                   if line.startswith("lik_serve_request_seconds_count")) == len(qs)  # both processes' requests
+        assert sum("lik serve: ready:" in line for line in server.lines) == 2
+    finally:
+        log = server.stop()
+    assert server.proc.returncode == 0, log
+    answered = [(int(a), int(b)) for a, b in re.findall(r"answered (\d+) of (\d+) accepted requests", log)]
+    assert len(answered) == 2 and all(a == b for a, b in answered) and sum(a for a, _ in answered) == len(qs), log
+    r = run_lik("serve", shard, "--processes", "2", "--grpc-port", "0")
+    assert r.exit_code == 2 and "--grpc-port serves from one process" in r.stderr
+
+
 def test_bench_serve_smoke_run(tmp_path):
     for m in ("starlette", "uvicorn", "prometheus_client"):
         pytest.importorskip(m)

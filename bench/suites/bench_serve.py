@@ -94,22 +94,31 @@ def queries(n: int, lq: int, dim: int, seed: int):
     return (x / np.linalg.norm(x, axis=-1, keepdims=True)).astype(np.float16)
 
 
-def serve_synthetic(args) -> None:
-    """The server role: a synthetic corpus on ``--devices``, served by lik_cupy.serving.http."""
+def synthetic_batcher(args, observer):
+    """The server's batcher: a synthetic corpus on ``--devices`` (entries naming one device share its
+    corpus: --devices 0,0 gives two workers on GPU 0)."""
     from lik_cupy.serving import Batcher
-    from lik_cupy.serving.http import make_app, run
 
     devices = ["cpu" if d == "cpu" else int(d) for d in args.devices.split(",")]
+    loaded = {}
+    for d in devices:
+        if d not in loaded:
+            loaded[d] = build_corpus(args.docs[0], args.ld, args.dim, d, args.seed)
+    return Batcher([loaded[d] for d in devices], max_batch=args.max_batch, max_delay_us=args.max_delay_us,
+                   max_queue=args.max_queue, observer=observer)
 
-    def load(observer):
-        loaded = {}  # entries naming one device share its corpus (--devices 0,0: two workers on GPU 0)
-        for d in devices:
-            if d not in loaded:
-                loaded[d] = build_corpus(args.docs[0], args.ld, args.dim, d, args.seed)
-        return Batcher([loaded[d] for d in devices], max_batch=args.max_batch, max_delay_us=args.max_delay_us, max_queue=args.max_queue,
-                       observer=observer)
 
-    run(make_app(load), host="127.0.0.1", port=0)
+def serve_synthetic(args) -> None:
+    """The server role: ``synthetic_batcher`` served by lik_cupy.serving.http, from ``--processes`` processes."""
+    import functools
+
+    from lik_cupy.serving.http import make_app, run, run_processes
+
+    load = functools.partial(synthetic_batcher, args)
+    if args.processes > 1:
+        run_processes(load, args.processes, host="127.0.0.1", port=0)
+    else:
+        run(make_app(load), host="127.0.0.1", port=0)
 
 
 class Server:
@@ -118,7 +127,8 @@ class Server:
     def __init__(self, args, docs: int, max_batch: int):
         cmd = [sys.executable, __file__, "--role", "server", "--docs", str(docs), "--ld", str(args.ld), "--dim",
                str(args.dim), "--devices", args.devices, "--max-batch", str(max_batch), "--max-delay-us",
-               str(args.max_delay_us), "--max-queue", str(args.max_queue), "--seed", str(args.seed)]
+               str(args.max_delay_us), "--max-queue", str(args.max_queue), "--seed", str(args.seed),
+               "--processes", str(args.processes)]
         self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, cwd=REPO)
         self.lines, self.port, bound = [], None, threading.Event()
 
@@ -470,6 +480,7 @@ def main(argv=None):
     ap.add_argument("--max-batch", type=int, default=64)
     ap.add_argument("--max-delay-us", type=int, default=0)
     ap.add_argument("--max-queue", type=int, default=4096)
+    ap.add_argument("--processes", type=int, default=1, help="server processes (lik serve --processes)")
     ap.add_argument("--procs", type=int, default=max(1, min(8, (os.cpu_count() or 2) // 2)),
                     help="load-generator processes")
     ap.add_argument("--seed", type=int, default=0)

@@ -4,10 +4,11 @@ statistics extension (``/v2/models/{model}/stats``, which perf_analyzer reads)."
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest, multiprocess
 from prometheus_client.core import GaugeMetricFamily
 
 from .batcher import OPERATIONS, Observer
@@ -40,9 +41,21 @@ class Metrics(Observer):
                                       "deadline (expired in the queue, 504)", ["model", "reason"], registry=r)
         self.responses = Counter("lik_serve_responses", "Inference responses by model and HTTP status",
                                  ["model", "code"], registry=r)
-        r.register(_QueueDepth(batcher))
+        self._depth = _QueueDepth(batcher)
+        r.register(self._depth)
         self._totals = {op: dict.fromkeys(_TOTALS, 0) for op in OPERATIONS}
         self._lock = threading.Lock()
+
+    def exposition(self) -> bytes:
+        """The Prometheus text. Under ``lik serve --processes`` (prometheus-client's multiprocess mode:
+        ``PROMETHEUS_MULTIPROC_DIR`` set) the histograms and counters are summed over the processes;
+        the queue depth is the answering process's."""
+        if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+            return generate_latest(self.registry)
+        r = CollectorRegistry()
+        multiprocess.MultiProcessCollector(r)
+        r.register(self._depth)
+        return generate_latest(r)
 
     def batch(self, device: str, op: str, requests: int, queries: int, compute_s: float) -> None:
         self.compute.labels(device, op).observe(compute_s)

@@ -43,11 +43,12 @@ class Service:
     """One server's state: the batcher (once loaded and warm), the id index, the metrics.
     ``load(observer)`` returns the :class:`Batcher`; :meth:`start` runs it in a thread."""
 
-    def __init__(self, load, max_body_bytes: int = MAX_BODY):
+    def __init__(self, load, max_body_bytes: int = MAX_BODY, peers=None):
         self.load, self.max_body = load, max_body_bytes
         self.batcher: Batcher | None = None
         self.ids: IdIndex | None = None
-        self.ready = False
+        self._ready = False
+        self._peers = peers  # (a shared count of the processes that are ready, how many there are), or None
         self.failure: BaseException | None = None
         self.on_failure = None  # called (from the loading thread) when loading fails
         self.metrics = Metrics(lambda: self.batcher)
@@ -61,12 +62,21 @@ class Service:
                 self.ids = IdIndex(b.corpus.ids, len(b.corpus))
                 self.batcher = b
                 b.warm()
-                self.ready = True
+                self._ready = True
+                if self._peers is not None:
+                    with self._peers[0].get_lock():
+                        self._peers[0].value += 1
                 print(f"lik serve: ready: {b.corpus!r} on {', '.join(b.devices)}", file=sys.stderr, flush=True)
             except BaseException as e:  # noqa: BLE001 - the runner reports it once the server has stopped
                 self.fail(e)
 
         threading.Thread(target=run, name="lik-serve-load", daemon=True).start()
+
+    @property
+    def ready(self) -> bool:
+        """This process's corpus is resident and warm, and so are its peers' (``lik serve --processes``):
+        a client that sees ready may land on any of them."""
+        return self._ready and (self._peers is None or self._peers[0].value >= self._peers[1])
 
     def fail(self, error: BaseException) -> None:
         """Starting failed: remember why, and have the server stop."""
@@ -75,7 +85,7 @@ class Service:
             self.on_failure()
 
     def stop(self) -> None:
-        self.ready = False
+        self._ready = False
         if self.batcher is not None:
             self.batcher.close()
         print(f"lik serve: stopped; answered {self.answered} of {self.accepted} accepted requests", file=sys.stderr,

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import re
@@ -34,7 +35,7 @@ import sys
 import time
 import zlib
 
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -44,7 +45,7 @@ from . import _service, _tensors
 from ._service import MAX_BODY, MODELS, Refused, Service
 from .batcher import Batcher
 
-__all__ = ["MODELS", "make_app", "run", "serve"]
+__all__ = ["MODELS", "make_app", "run", "run_processes", "serve"]
 
 _RETRY_AFTER_S = "1"
 
@@ -56,7 +57,12 @@ def make_app(load, *, max_body_bytes: int = MAX_BODY, grpc_address: str | None =
     already answers (``ready`` turns true once it returns and the batcher is warm).
     ``grpc_address`` (``host:port``): also serve the protocol over gRPC there, from the same batcher
     (``lik_cupy.serving.grpc``; needs the ``[serve-grpc]`` extra)."""
-    svc = Service(load, max_body_bytes)
+    return _application(load, max_body_bytes, grpc_address)
+
+
+def _application(load, max_body_bytes: int, grpc_address: str | None, peers=None):
+    """:func:`make_app`; ``peers``: set by :func:`run_processes` (``ready`` waits for every process)."""
+    svc = Service(load, max_body_bytes, peers)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -117,7 +123,7 @@ def make_app(load, *, max_body_bytes: int = MAX_BODY, grpc_address: str | None =
         return JSONResponse({"model_stats": [svc.metrics.statistics(m) for m in ([model] if model else MODELS)]})
 
     async def metrics(request):
-        return Response(generate_latest(svc.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(svc.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     model, version = "/v2/models/{model}", "/v2/models/{model}/versions/{version}"
     routes = [Route("/v2/health/live", live), Route("/v2/health/ready", ready), Route("/v2", server),
@@ -132,17 +138,62 @@ def make_app(load, *, max_body_bytes: int = MAX_BODY, grpc_address: str | None =
 
 def serve(paths, *, host: str = "127.0.0.1", port: int = 8000, grpc_port: int | None = None, devices=None,
           partition: bool | None = None, max_batch: int = 64, max_tokens: int = 65536, max_delay_us: int = 0,
-          max_queue: int = 1024) -> None:
+          max_queue: int = 1024, processes: int = 1) -> None:
     """Serve the documents of shard ``paths`` (:meth:`Batcher.from_shards` for ``devices`` and
     ``partition``; the rest as for :class:`Batcher`) with :func:`run`: HTTP on ``port``, and gRPC on
-    ``grpc_port`` when given."""
-
-    def load(observer):
-        return Batcher.from_shards(paths, devices, partition=partition, max_batch=max_batch, max_tokens=max_tokens,
-                                   max_delay_us=max_delay_us, max_queue=max_queue, observer=observer)
-
+    ``grpc_port`` when given. ``processes`` > 1: that many server processes on the one port
+    (:func:`run_processes`; HTTP only), each with its own replicas."""
+    load = functools.partial(_load_shards, list(paths), devices, partition,
+                             dict(max_batch=max_batch, max_tokens=max_tokens, max_delay_us=max_delay_us,
+                                  max_queue=max_queue))
+    if processes > 1:
+        if grpc_port is not None:
+            raise ValueError("--grpc-port serves from one process; leave --processes at 1 with it")
+        run_processes(load, processes, host=host, port=port)
+        return
     grpc_address = None if grpc_port is None else f"{f'[{host}]' if ':' in host else host}:{grpc_port}"
     run(make_app(load, grpc_address=grpc_address), host=host, port=port)
+
+
+def _load_shards(paths, devices, partition, kwargs, observer) -> Batcher:
+    return Batcher.from_shards(paths, devices, partition=partition, observer=observer, **kwargs)
+
+
+def run_processes(load, processes: int, *, host: str = "127.0.0.1", port: int = 8000) -> None:
+    """Serve :func:`make_app` ``(load)`` from ``processes`` processes sharing one listening socket
+    until SIGINT or SIGTERM; each drains its accepted requests, then this returns. ``load`` must
+    pickle (a module-level function or a ``functools.partial`` of one): each process calls it for a
+    batcher of its own (replicas of its own on the devices). One process's Python parses, checks
+    and answers about 2,000 requests a second; the processes multiply that, the batching happens
+    within each. ``/v2/health/ready`` answers 200 once every process is warm; ``/metrics`` sums the
+    histograms and counters over them (prometheus-client's multiprocess mode). LikError when a
+    process fails to start or dies."""
+    from ._processes import serve_processes
+
+    serve_processes(load, processes, host, port)
+
+
+def _listening(host: str, port: int, reuse_port: bool = False) -> socket.socket:
+    """A socket bound to ``host:port`` (LikError when it cannot be); ``reuse_port``: one of several
+    bound there (SO_REUSEPORT: the kernel spreads connections over those that listen)."""
+    from ..errors import LikError
+
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise LikError(f"{host}:{port}", f"cannot listen there: {e.strerror or e}") from None
+    return sock
+
+
+def _announce(sock: socket.socket) -> None:
+    bound = sock.getsockname()
+    shown = f"[{bound[0]}]" if ":" in bound[0] else bound[0]
+    print(f"lik serve: listening on http://{shown}:{bound[1]}", file=sys.stderr, flush=True)
 
 
 def run(app, *, host: str = "127.0.0.1", port: int = 8000) -> None:
@@ -150,23 +201,20 @@ def run(app, *, host: str = "127.0.0.1", port: int = 8000) -> None:
     return. Prints ``lik serve: listening on http://HOST:PORT`` once bound (``port`` 0: a free one;
     the gRPC port, if any, is printed as ``grpc://HOST:PORT``); LikError when it cannot listen there
     or the corpus fails to load."""
+    sock = _listening(host, port)
+    _announce(sock)
+    _serve_on(app, sock)
+
+
+def _serve_on(app, sock: socket.socket) -> None:
+    """:func:`run` on a socket already bound (each process of :func:`run_processes`)."""
     import uvicorn
 
     from ..errors import LikError
 
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as e:
-        sock.close()
-        raise LikError(f"{host}:{port}", f"cannot listen there: {e.strerror or e}") from None
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on"))
     svc = app.state.service
     svc.on_failure = lambda: setattr(server, "should_exit", True)
-    bound = sock.getsockname()
-    shown = f"[{bound[0]}]" if ":" in bound[0] else bound[0]
-    print(f"lik serve: listening on http://{shown}:{bound[1]}", file=sys.stderr, flush=True)
     # uvicorn stops gracefully on SIGINT or SIGTERM, then raises the signal again for the handler it
     # found; the queue is drained by then, so that handler does nothing and run returns.
     stops = (signal.SIGINT, signal.SIGTERM)
