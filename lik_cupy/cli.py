@@ -1274,7 +1274,7 @@ def _serve_devices(text: str) -> list:
               help="Requests waiting per device; beyond, 503.")
 @click.option("--processes", type=click.IntRange(1), default=1, show_default=True,
               help="Server processes on the one port, each with replicas of its own on the --devices (one "
-              "process's Python answers about 2,000 requests a second). HTTP only.")
+              "process's Python answers about 2,000 requests a second).")
 @click.option("--debug", is_flag=True, help="Show a traceback on errors.")
 @_cli_errors
 def _serve_command(paths, host, port, grpc_port, devices, partition, max_batch, max_tokens, max_delay_us, max_queue,
@@ -1283,8 +1283,6 @@ def _serve_command(paths, host, port, grpc_port, devices, partition, max_batch, 
         from lik_cupy.serving.http import serve
     except ImportError as e:
         raise LikError("lik serve", f"needs the [serve] extra (pip install 'lik-cupy[serve]'): {e}") from None
-    if grpc_port is not None and processes > 1:
-        raise click.UsageError("--grpc-port serves from one process; leave --processes at 1 with it")
     if grpc_port is not None:
         try:
             importlib.import_module("lik_cupy.serving.grpc")  # fail before loading the corpus

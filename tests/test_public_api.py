@@ -153,7 +153,8 @@ FROZEN = {'lik_cupy': (['CompileError',
  'lik_cupy.serving.http': (['MODELS', 'make_app', 'run', 'run_processes', 'serve'],
                            {'make_app': '(load, *, max_body_bytes: int=MAX_BODY, grpc_address: str | None=None)',
                             'run': "(app, *, host: str='127.0.0.1', port: int=8000)",
-                            'run_processes': "(load, processes: int, *, host: str='127.0.0.1', port: int=8000)",
+                            'run_processes': "(load, processes: int, *, host: str='127.0.0.1', port: int=8000, "
+                                             "grpc_port: int | None=None)",
                             'serve': "(paths, *, host: str='127.0.0.1', port: int=8000, grpc_port: int | None=None, "
                                      "devices=None, partition: bool | None=None, max_batch: int=64, max_tokens: int=65536, "
                                      "max_delay_us: int=0, max_queue: int=1024, processes: int=1)"}),

@@ -579,8 +579,6 @@ def test_processes_share_the_port_answer_alike_and_sum_their_metrics(shard, loca
     assert server.proc.returncode == 0, log
     answered = [(int(a), int(b)) for a, b in re.findall(r"answered (\d+) of (\d+) accepted requests", log)]
     assert len(answered) == 2 and all(a == b for a, b in answered) and sum(a for a, _ in answered) == len(qs), log
-    r = run_lik("serve", shard, "--processes", "2", "--grpc-port", "0")
-    assert r.exit_code == 2 and "--grpc-port serves from one process" in r.stderr
 
 
 def test_bench_serve_smoke_run(tmp_path):

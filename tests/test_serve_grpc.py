@@ -174,3 +174,22 @@ def test_sigterm_answers_what_was_accepted(shard):
         c.close()
         err = s.stop()
     assert s.proc.returncode == 0 and "answered 1 of 1 accepted requests" in err, err
+
+
+def test_processes_share_the_grpc_port(shard, local):
+    server = Server(shard, "--devices", "cpu", "--processes", "2", "--grpc-port", "0")
+    try:
+        assert server.grpc_port is not None
+        q = np.random.default_rng(22).standard_normal((1, 7, DIM)).astype(np.float32)
+        for _ in range(4):  # new channels: the kernel spreads them over the processes
+            c = grpcclient.InferenceServerClient(f"127.0.0.1:{server.grpc_port}")
+            try:
+                assert c.is_server_ready()
+                r = c.infer("score", [_input("Q", q, "FP32")])
+                assert np.array_equal(r.as_numpy("SCORES"), local.score(q))
+            finally:
+                c.close()
+    finally:
+        log = server.stop()
+    assert server.proc.returncode == 0, log
+

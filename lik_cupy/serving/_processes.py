@@ -8,7 +8,8 @@ spreads connections evenly over them (a shared listening socket hands most of th
 process waits last), and runs the whole server (:func:`lik_cupy.serving.http.make_app`'s application) with a
 batcher of its own, and so replicas of its own. Readiness waits for all of them (a
 shared count); metrics are summed through prometheus-client's multiprocess mode, in a directory the
-parent makes and removes. SIGINT or SIGTERM reaches every child (each drains its accepted requests);
+parent makes and removes. gRPC (``--grpc-port``) shares its port the same way. SIGINT or SIGTERM
+reaches every child (each drains its accepted requests);
 a child that dies stops the rest, and the parent raises.
 """
 
@@ -18,6 +19,7 @@ import multiprocessing
 import os
 import shutil
 import signal
+import sys
 import tempfile
 import time
 from multiprocessing.connection import wait
@@ -25,13 +27,21 @@ from multiprocessing.connection import wait
 _GRACE_S = 300.0  # how long a stopping child may take to drain before it is killed
 
 
-def serve_processes(load, processes: int, host: str, port: int) -> None:
+def serve_processes(load, processes: int, host: str, port: int, grpc_port: int | None = None) -> None:
     from ..errors import LikError
-    from .http import _announce, _listening
+    from .http import _announce, _grpc_address, _listening
 
     if isinstance(processes, bool) or not isinstance(processes, int) or processes < 1:
         raise ValueError(f"processes must be an integer >= 1, got {processes!r}")
     sock = _listening(host, port, reuse_port=True)
+    try:
+        grpc_sock = None if grpc_port is None else _listening(host, grpc_port, reuse_port=True)
+    except LikError:
+        sock.close()
+        if grpc_sock is not None:
+            grpc_sock.close()
+        raise
+    grpc_address = None if grpc_sock is None else _grpc_address(host, grpc_sock.getsockname()[1])
     ctx = multiprocessing.get_context("spawn")
     ready = ctx.Value("i", 0)
     metrics_dir = tempfile.mkdtemp(prefix="lik-serve-metrics-")
@@ -43,10 +53,12 @@ def serve_processes(load, processes: int, host: str, port: int) -> None:
     children = []
     try:
         for i in range(processes):
-            children.append(ctx.Process(target=_child, args=(load, host, sock.getsockname()[1], (ready, processes)),
-                                        name=f"lik-serve-{i}"))
+            children.append(ctx.Process(target=_child, args=(load, host, sock.getsockname()[1], grpc_address,
+                                                              (ready, processes)), name=f"lik-serve-{i}"))
             children[-1].start()
         _announce(sock)
+        if grpc_address is not None:
+            print(f"lik serve: listening on grpc://{grpc_address}", file=sys.stderr, flush=True)
         while not stopping and all(c.is_alive() for c in children):
             wait([c.sentinel for c in children], timeout=0.2)
         for c in children:
@@ -78,16 +90,15 @@ def serve_processes(load, processes: int, host: str, port: int) -> None:
         raise LikError("lik serve", f"server process {failed[0].name} ended with exit code {failed[0].exitcode}")
 
 
-def _child(load, host: str, port: int, peers) -> None:
-    """One server process (spawned): the whole server on a socket of its own at ``host:port``."""
-    import sys
-
+def _child(load, host: str, port: int, grpc_address: str | None, peers) -> None:
+    """One server process (spawned): the whole server on a socket of its own at ``host:port``, and
+    gRPC at ``grpc_address`` when given."""
     from ..errors import LikError
     from ._service import MAX_BODY
     from .http import _application, _listening, _serve_on
 
     try:
-        _serve_on(_application(load, MAX_BODY, None, peers), _listening(host, port, reuse_port=True))
+        _serve_on(_application(load, MAX_BODY, grpc_address, peers), _listening(host, port, reuse_port=True))
     except LikError as e:
-        print(f"lik serve: {e}", file=sys.stderr, flush=True)
+        print(e, file=sys.stderr, flush=True)
         sys.exit(1)

@@ -39,15 +39,16 @@ _CONTENTS = {"BOOL": "bool_contents", "INT8": "int_contents", "INT16": "int_cont
              "FP64": "fp64_contents", "BYTES": "bytes_contents"}
 
 
-async def start_server(svc: Service, address: str) -> grpc.aio.Server:
+async def start_server(svc: Service, address: str, shared: bool = False) -> grpc.aio.Server:
     """A started gRPC server for ``svc`` on ``address`` (``host:port``; port 0: a free one), in the
     running event loop. Prints ``lik serve: listening on grpc://HOST:PORT``; LikError when it cannot
-    listen there."""
+    listen there. ``shared``: one of the processes of ``lik serve --processes`` on a port their
+    parent reserved (SO_REUSEPORT; the parent prints the line)."""
     from ..errors import LikError
 
     limit = svc.max_body + (1 << 20)  # the message holds the tensors and their descriptions
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", limit),
-                                      ("grpc.max_send_message_length", -1), ("grpc.so_reuseport", 0)])
+                                      ("grpc.max_send_message_length", -1), ("grpc.so_reuseport", int(shared))])
     rpc.add_GRPCInferenceServiceServicer_to_server(_Servicer(svc), server)
     try:
         port = server.add_insecure_port(address)
@@ -58,8 +59,9 @@ async def start_server(svc: Service, address: str) -> grpc.aio.Server:
     if not port:
         raise LikError(address, f"cannot listen there for gRPC: {reason}")
     await server.start()
-    host = address.rsplit(":", 1)[0]
-    print(f"lik serve: listening on grpc://{host}:{port}", file=sys.stderr, flush=True)
+    if not shared:
+        host = address.rsplit(":", 1)[0]
+        print(f"lik serve: listening on grpc://{host}:{port}", file=sys.stderr, flush=True)
     return server
 
 

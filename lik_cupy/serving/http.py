@@ -61,7 +61,8 @@ def make_app(load, *, max_body_bytes: int = MAX_BODY, grpc_address: str | None =
 
 
 def _application(load, max_body_bytes: int, grpc_address: str | None, peers=None):
-    """:func:`make_app`; ``peers``: set by :func:`run_processes` (``ready`` waits for every process)."""
+    """:func:`make_app`; ``peers``: set by :func:`run_processes` (``ready`` waits for every process,
+    and gRPC shares its port with them)."""
     svc = Service(load, max_body_bytes, peers)
 
     @contextlib.asynccontextmanager
@@ -71,7 +72,7 @@ def _application(load, max_body_bytes: int, grpc_address: str | None, peers=None
             from .grpc import start_server
 
             try:
-                grpc_server = await start_server(svc, grpc_address)
+                grpc_server = await start_server(svc, grpc_address, shared=peers is not None)
             except Exception as e:  # noqa: BLE001 - the server stops at once and run() raises it
                 svc.fail(e)
         if svc.failure is None:
@@ -141,27 +142,31 @@ def serve(paths, *, host: str = "127.0.0.1", port: int = 8000, grpc_port: int | 
           max_queue: int = 1024, processes: int = 1) -> None:
     """Serve the documents of shard ``paths`` (:meth:`Batcher.from_shards` for ``devices`` and
     ``partition``; the rest as for :class:`Batcher`) with :func:`run`: HTTP on ``port``, and gRPC on
-    ``grpc_port`` when given. ``processes`` > 1: that many server processes on the one port
-    (:func:`run_processes`; HTTP only), each with its own replicas."""
+    ``grpc_port`` when given. ``processes`` > 1: that many server processes on the ports
+    (:func:`run_processes`), each with its own replicas."""
     load = functools.partial(_load_shards, list(paths), devices, partition,
                              dict(max_batch=max_batch, max_tokens=max_tokens, max_delay_us=max_delay_us,
                                   max_queue=max_queue))
     if processes > 1:
-        if grpc_port is not None:
-            raise ValueError("--grpc-port serves from one process; leave --processes at 1 with it")
-        run_processes(load, processes, host=host, port=port)
+        run_processes(load, processes, host=host, port=port, grpc_port=grpc_port)
         return
-    grpc_address = None if grpc_port is None else f"{f'[{host}]' if ':' in host else host}:{grpc_port}"
-    run(make_app(load, grpc_address=grpc_address), host=host, port=port)
+    run(make_app(load, grpc_address=None if grpc_port is None else _grpc_address(host, grpc_port)), host=host,
+        port=port)
+
+
+def _grpc_address(host: str, port: int) -> str:
+    return f"{f'[{host}]' if ':' in host else host}:{port}"
 
 
 def _load_shards(paths, devices, partition, kwargs, observer) -> Batcher:
     return Batcher.from_shards(paths, devices, partition=partition, observer=observer, **kwargs)
 
 
-def run_processes(load, processes: int, *, host: str = "127.0.0.1", port: int = 8000) -> None:
-    """Serve :func:`make_app` ``(load)`` from ``processes`` processes sharing one listening socket
-    until SIGINT or SIGTERM; each drains its accepted requests, then this returns. ``load`` must
+def run_processes(load, processes: int, *, host: str = "127.0.0.1", port: int = 8000,
+                  grpc_port: int | None = None) -> None:
+    """Serve :func:`make_app` ``(load)`` from ``processes`` processes sharing the HTTP port (and
+    ``grpc_port``'s gRPC, when given) until SIGINT or SIGTERM; each drains its accepted requests,
+    then this returns. ``load`` must
     pickle (a module-level function or a ``functools.partial`` of one): each process calls it for a
     batcher of its own (replicas of its own on the devices). One process's Python parses, checks
     and answers about 2,000 requests a second; the processes multiply that, the batching happens
@@ -170,7 +175,7 @@ def run_processes(load, processes: int, *, host: str = "127.0.0.1", port: int = 
     process fails to start or dies."""
     from ._processes import serve_processes
 
-    serve_processes(load, processes, host, port)
+    serve_processes(load, processes, host, port, grpc_port)
 
 
 def _listening(host: str, port: int, reuse_port: bool = False) -> socket.socket:
