@@ -5,8 +5,8 @@ gives its gradients for Q, H, W and bias.
 
 How: the documents are streamed in chunks of at most ``max_chunk_bytes`` of projected tokens.
 Each chunk is projected by one GEMM (cuBLAS on the GPU, float32 accumulation; float64 BLAS on the
-CPU), normalised in place (``lik_cupy._runtime.hidden``: two fused passes over the 16-bit or
-float32 rows, the sums of squares and the scaling, which add the bias in float32) and scored by the MaxSim kernels with their argmax (``lik_cupy.maxsim``); the chunk is then
+CPU), normalised in place (``cuda_src/hidden.cu``: one warp a row, the sum of squares and the scaling,
+which add the bias in float32) and scored by the MaxSim kernels with their argmax (``lik_cupy.maxsim``); the chunk is then
 dropped. The backward recomputes each chunk's projection, turns the saved argmax into the
 gradient of the projected tokens (``lik_cupy.maxsim_backward``), pulls it back through the
 normalisation, and forms ``dH = dP @ W``, ``dW += dP.T @ H`` and ``db += sum(dP)`` by GEMMs. So the
@@ -305,26 +305,36 @@ def _gpu_backward(hp: HiddenProblem, grad_scores, Q, H, W, bias, argmax, d_mask,
         q, h, w, b = _device_operands(hp, Q, H, W, bias, on_host)
         g = grad_scores_f32(grad_scores, fw, on_host, p)
         a = cupy.ascontiguousarray(interop.device_array(argmax, fw, on_host).reshape(p.nq, p.nd, p.lq))
-        keep = _device_keep(d_mask, d_lengths, p, fw, on_host)
-        dq = cupy.zeros((p.nq, p.lq, p.dim), acc)
+        keep = _device_keep(d_mask, d_lengths, p, fw, on_host, wide)
+        chunks = _chunks(hp, max_chunk_bytes, h.dtype.itemsize)
+        # One chunk (training batches): dQ as the backward gives it, dW and db written by their
+        # GEMMs in the inputs' type; several: float32 sums, rounded once at the end.
+        one = len(chunks) == 1 and not wide
+        dq = None if one else cupy.zeros((p.nq, p.lq, p.dim), acc)
         dh = cupy.empty(h.shape, h.dtype)
-        dw = cupy.zeros(w.shape, acc)
-        db = cupy.zeros(p.dim, acc)
-        for j0, j1 in _chunks(hp, max_chunk_bytes, h.dtype.itemsize):
+        dw = cupy.empty(w.shape, w.dtype) if one else cupy.zeros(w.shape, acc)
+        db = cupy.empty(p.dim, w.dtype) if one else cupy.zeros(p.dim, acc)
+        for j0, j1 in chunks:
             rows = slice(j0 * p.ld, j1 * p.ld)
             D, state = project(h[rows], w, b, p.dtype, normalize, eps, not x3)
             dqc, dD = _maxsim_backward(cupy.ascontiguousarray(g[:, j0:j1]), q,
                                        _typed(D, p.dtype).reshape(j1 - j0, p.ld, p.dim),
                                        cupy.ascontiguousarray(a[:, j0:j1]), validate=validate or False, backend="gpu")
             dqc, dD = _bits(dqc, p.dtype), _bits(dD, p.dtype).reshape(D.shape)
-            dq += dqc if wide else to_float32(dqc, p.dtype)
-            dP = project_grad(D, state, dD, keep[rows], p.dtype, eps)
-            db += dP.sum(axis=0) if wide else row_sums(dP, p.dtype)
-            gemm(dP, h[rows], dw, p.dtype, ta=True, beta=1.0, tf32=not x3)
+            if one:
+                dq = dqc
+            else:
+                dq += dqc if wide else to_float32(dqc, p.dtype)
+            dP = project_grad(D, state, dD, None if keep is None else keep[rows], p.dtype, eps)
+            if b is not None and wide:
+                db += dP.sum(axis=0)
+            elif b is not None:
+                row_sums(dP, db, p.dtype, beta=0.0 if one else 1.0)
+            gemm(dP, h[rows], dw, p.dtype, ta=True, beta=0.0 if one else 1.0, tf32=not x3)
             gemm(dP, w, dh[rows], p.dtype, tf32=not x3)
             del D, state, dD, dP, dqc
-        # float16 as float16, bfloat16 as the bits the results' adapters take
-        dq, dw, db = (x if wide else from_float32(x, p.dtype) for x in (dq, dw, db))
+        if not one:  # float16 as float16, bfloat16 as the bits the results' adapters take
+            dq, dw, db = (x if wide else from_float32(x, p.dtype) for x in (dq, dw, db))
         dq, dh, dw, db = (x.view(np.float16) if p.dtype == "float16" else x for x in (dq, dh, dw, db))
         shapes = [interop.describe(x).shape for x in (Q, H, W)]
         out = [gradient_out(x, s, p, like, fw, on_host) for x, s, like in ((dq, shapes[0], Q), (dh, shapes[1], H),
@@ -332,12 +342,13 @@ def _gpu_backward(hp: HiddenProblem, grad_scores, Q, H, W, bias, argmax, d_mask,
         return (*out, None if bias is None else gradient_out(db, (p.dim,), p, bias, fw, on_host))
 
 
-def _device_keep(d_mask, d_lengths, p, fw: str, on_host: bool):
-    """bool [nd * ld, 1]: the document tokens that take a gradient."""
+def _device_keep(d_mask, d_lengths, p, fw: str, on_host: bool, wide: bool):
+    """bool [nd * ld, 1]: the document tokens that take a gradient; None when all do (``wide``,
+    float64 rows: an array of ones, for the NumPy-API arithmetic)."""
     import cupy
 
     if d_mask is None and d_lengths is None:
-        return cupy.ones((p.nd * p.ld, 1), cupy.bool_)
+        return cupy.ones((p.nd * p.ld, 1), cupy.bool_) if wide else None
     if d_mask is not None:
         m = interop.device_array(d_mask, fw, on_host)
         return cupy.ascontiguousarray(m.view(cupy.bool_) if m.dtype == np.uint8 else m).reshape(-1, 1)

@@ -69,9 +69,25 @@ def _contenders(torch, lik):
 
     out = {"ours": lambda Q, H, W, b: lt.maxsim_from_hidden(Q, H, W, b), "unfused": unfused,
            "floor": lambda Q, H, W, b: F.linear(H, W, b)}
-    if lik is not None and hasattr(lik, "maxsim_from_hidden"):
-        out["lik"] = lambda Q, H, W, b: lik.maxsim_from_hidden(Q, H, W, b=b)
+    fn = _lik_head(lik)
+    if fn is not None:
+        out["lik"] = lambda Q, H, W, b: fn(Q, H, W, b=b)
     return out
+
+
+def _lik_head(lik):
+    """LIK's ``maxsim_from_hidden``: top-level where a release exports it, else in its
+    ``fused_head`` module (0.4.5); None without LIK."""
+    if lik is None:
+        return None
+    if hasattr(lik, "maxsim_from_hidden"):
+        return lik.maxsim_from_hidden
+    try:
+        import importlib
+
+        return importlib.import_module(lik.__name__ + ".fused_head").maxsim_from_hidden
+    except (ImportError, AttributeError):
+        return None
 
 
 def _step(torch, fn, leaves, train):

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 from .._dispatch import ELEMS, elem_spec
 
-__all__ = ["KernelSource", "FORWARD", "TOPK", "CHECKS", "MASKS", "QUANTIZE", "BACKWARD", "SOURCES", "QUANTISED_FROM",
-           "BACKWARD_DTYPES"]
+__all__ = ["KernelSource", "FORWARD", "TOPK", "CHECKS", "MASKS", "QUANTIZE", "BACKWARD", "HIDDEN", "SOURCES",
+           "QUANTISED_FROM", "BACKWARD_DTYPES"]
 
 
 @dataclass(frozen=True)
@@ -41,5 +41,8 @@ QUANTIZE = KernelSource("quantize.cu", tuple(e.quantiser_kernel for e in ELEMS i
 BACKWARD = KernelSource("maxsim_bwd.cu", ("lik_bwd_dq", "lik_bwd_keys", "lik_bwd_dd_csr", "lik_bwd_cast"),
                         tuple({"LIK_ELEM": elem_spec(d).code, "LIK_VEC": vec} for d in BACKWARD_DTYPES for vec in (0, 1)))
 
+HIDDEN = KernelSource("hidden.cu", ("lik_hidden_normalize", "lik_hidden_normalize_grad"),
+                      tuple({"LIK_ELEM": e.code} for e in QUANTISED_FROM))
+
 # In the compile check's order.
-SOURCES = (FORWARD, TOPK, CHECKS, MASKS, QUANTIZE, BACKWARD)
+SOURCES = (FORWARD, TOPK, CHECKS, MASKS, QUANTIZE, BACKWARD, HIDDEN)
