@@ -10,32 +10,14 @@
 //   grad:       g = keep ? (g - y <y, g>) / |x| : 0 where |x| > eps, g / eps where the floor held
 //               (then y's norm is not 1 and <y, g> does not enter).
 //
-// -D flags: LIK_ELEM 0 fp16, 1 bf16 (both as 16-bit patterns), 2 fp32: the rows' type.
-#include "common.cuh"
-
-#ifndef LIK_ELEM
-#error "LIK_ELEM is set by lik_cupy._runtime.hidden"
-#endif
+// -D flags: LIK_ELEM 0 fp16, 1 bf16 (both as 16-bit patterns), 2 fp32: the rows' type (elem_rows.cuh).
+#include "elem_rows.cuh"
 
 namespace lik_hidden {
 
-#if LIK_ELEM == 2
-typedef float T;
-__device__ __forceinline__ float to_f(T x) { return x; }
-__device__ __forceinline__ T from_f(float x) { return x; }
-#else
-typedef u16 T;
-__device__ __forceinline__ float to_f(T x) { return LIK_ELEM == 0 ? f16_bits_to_f32(x) : bf16_bits_to_f32(x); }
-__device__ __forceinline__ T from_f(float x) {
-    u16 r;
-#if LIK_ELEM == 0
-    asm("{ .reg .b16 h; cvt.rn.f16.f32 h, %1; mov.b16 %0, h; }" : "=h"(r) : "f"(x));
-#else
-    asm("{ .reg .b16 h; cvt.rn.bf16.f32 h, %1; mov.b16 %0, h; }" : "=h"(r) : "f"(x));
-#endif
-    return r;
-}
-#endif
+using lik_rows::T;
+using lik_rows::to_f;
+using lik_rows::from_f;
 
 __device__ __forceinline__ float warp_sum(float s) {
 #pragma unroll

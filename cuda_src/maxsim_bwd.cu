@@ -21,34 +21,16 @@
 //
 // -D flags: LIK_ELEM 0 fp16, 1 bf16, 2 fp32; LIK_VEC 1 when dim % 4 == 0 and rows are
 // aligned for 4-element loads.
-#include "common.cuh"
-
-#ifndef LIK_ELEM
-#error "LIK_ELEM is set by lik_cupy.backward"
-#endif
+#include "elem_rows.cuh"
 #ifndef LIK_VEC
 #define LIK_VEC 0
 #endif
 
 namespace lik_bwd {
 
-#if LIK_ELEM == 2
-typedef float T;
-__device__ __forceinline__ float to_f(T x) { return x; }
-__device__ __forceinline__ T from_f(float x) { return x; }
-#else
-typedef u16 T;
-__device__ __forceinline__ float to_f(T x) { return LIK_ELEM == 0 ? f16_bits_to_f32(x) : bf16_bits_to_f32(x); }
-__device__ __forceinline__ T from_f(float x) {
-    u16 r;
-#if LIK_ELEM == 0
-    asm("{ .reg .b16 h; cvt.rn.f16.f32 h, %1; mov.b16 %0, h; }" : "=h"(r) : "f"(x));
-#else
-    asm("{ .reg .b16 h; cvt.rn.bf16.f32 h, %1; mov.b16 %0, h; }" : "=h"(r) : "f"(x));
-#endif
-    return r;
-}
-#endif
+using lik_rows::T;
+using lik_rows::to_f;
+using lik_rows::from_f;
 
 // 4 consecutive elements starting at column k (k < dim); columns >= dim read as 0.
 __device__ __forceinline__ void load4(float (&v)[4], const T* row, int k, int dim) {
