@@ -5,14 +5,15 @@ gives its gradients for Q, H, W and bias.
 
 How: the documents are streamed in chunks of at most ``max_chunk_bytes`` of projected tokens.
 Each chunk is projected by one GEMM (cuBLAS on the GPU, float32 accumulation; float64 BLAS on the
-CPU), normalised in place (``cuda_src/hidden.cu``: one warp a row, the sum of squares and the scaling,
-which add the bias in float32) and scored by the MaxSim kernels with their argmax (``lik_cupy.maxsim``); the chunk is then
-dropped. The backward recomputes each chunk's projection, turns the saved argmax into the
-gradient of the projected tokens (``lik_cupy.maxsim_backward``), pulls it back through the
-normalisation, and forms ``dH = dP @ W``, ``dW += dP.T @ H`` and ``db += sum(dP)`` by GEMMs. So the
-projection runs once in the forward and three GEMMs in the backward, never once per query; the
-scratch is one chunk (plus the backward's ``dH``, which is the size of ``H``). It is a streamed
-pipeline of cuBLAS and the MaxSim kernels, not one fused kernel.
+CPU), normalised in place (``cuda_src/hidden.cu``: one warp a row, the sum of squares and the
+scaling, which add the bias in float32) and scored by the MaxSim kernels with their argmax
+(``lik_cupy.maxsim``); the chunk is then dropped. The backward recomputes each chunk's projection,
+turns the saved argmax into the gradient of the projected tokens (``lik_cupy.maxsim_backward``),
+pulls it back through the normalisation, and forms ``dH = dP @ W``, ``dW += dP.T @ H`` and
+``db += sum(dP)`` by GEMMs (the sum too: a row of ones). So the projection runs once in the forward
+and four GEMMs in the backward, never once per query; the scratch is one chunk (plus the
+backward's ``dH``, which is the size of ``H``). It is a streamed pipeline of cuBLAS and the MaxSim
+kernels, not one fused kernel.
 """
 
 from __future__ import annotations

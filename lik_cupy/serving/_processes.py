@@ -1,16 +1,16 @@
-"""``lik serve --processes N``: N server processes on one listening socket.
+"""``lik serve --processes N``: N server processes on one port.
 
 One process's Python (HTTP parsing, the protocol's checks, the hand-over to its batcher's worker
 and back, under one GIL) answers about 2,000 requests a second on an H200 host, whatever the GPU
 has left. The parent reserves the port (a socket bound with SO_REUSEPORT that never listens) and
-starts N spawned children; each listens on a socket of its own bound there too, so the kernel
+starts N spawned children. Each listens on a socket of its own bound there too, so the kernel
 spreads connections evenly over them (a shared listening socket hands most of them to whichever
-process waits last), and runs the whole server (:func:`lik_cupy.serving.http.make_app`'s application) with a
-batcher of its own, and so replicas of its own. Readiness waits for all of them (a
-shared count); metrics are summed through prometheus-client's multiprocess mode, in a directory the
-parent makes and removes. gRPC (``--grpc-port``) shares its port the same way. SIGINT or SIGTERM
-reaches every child (each drains its accepted requests);
-a child that dies stops the rest, and the parent raises.
+process waits last), and runs the whole server (:func:`lik_cupy.serving.http.make_app`'s
+application) with a batcher, and so replicas, of its own. gRPC (``--grpc-port``) shares its port
+the same way. Readiness waits for all of them (a shared count); metrics are summed through
+prometheus-client's multiprocess mode, in a directory the parent makes and removes. SIGINT or
+SIGTERM reaches every child, and each drains its accepted requests; a child that dies stops the
+rest, and the parent raises.
 """
 
 from __future__ import annotations
@@ -38,8 +38,6 @@ def serve_processes(load, processes: int, host: str, port: int, grpc_port: int |
         grpc_sock = None if grpc_port is None else _listening(host, grpc_port, reuse_port=True)
     except LikError:
         sock.close()
-        if grpc_sock is not None:
-            grpc_sock.close()
         raise
     grpc_address = None if grpc_sock is None else _grpc_address(host, grpc_sock.getsockname()[1])
     ctx = multiprocessing.get_context("spawn")
@@ -75,6 +73,8 @@ def serve_processes(load, processes: int, host: str, port: int, grpc_port: int |
             if c.is_alive():
                 c.kill()
         sock.close()
+        if grpc_sock is not None:
+            grpc_sock.close()
         for s, h in zip(stops, before):
             signal.signal(s, h)
         if before_env is None:

@@ -9,8 +9,9 @@ request of that group that fits, in arrival order, capped by queries and by padd
 (queries x the longest of them: the kernels read queries padded to the longest, so that is the
 work). The batch goes to the corpus in one call: on a GPU, moved in one copy each way
 (``_staging.py``); in host memory, its queries packed back to back with ``q_offsets``. Each request
-gets copies of its own rows. Scores do not depend on the
-other queries of a call, so each result is bitwise the unbatched call's.
+gets copies of its own rows. Scores do not depend on the other queries of a call, so each result
+is bitwise the unbatched call's (on the GPU, search and score of several short queries excepted:
+docs/serving.md).
 """
 
 from __future__ import annotations

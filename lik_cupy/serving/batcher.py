@@ -210,7 +210,8 @@ class Batcher:
         whose kernels differ for queries of ``lq`` tokens (1 up to as many as share a 128-row tile,
         and ``max_batch``), so that those kernels are compiled before the first request.
         Host-memory replicas need nothing."""
-        dtype = numpy_dtype("float32" if scaled_dtype(self.corpus.dtype) else self.corpus.dtype)  # scaled corpora take float queries
+        # (scaled corpora take float queries)
+        dtype = numpy_dtype("float32" if scaled_dtype(self.corpus.dtype) else self.corpus.dtype)
         rng = np.random.default_rng(0)
         staging = Staging()
         for c in {id(q.corpus): q.corpus for q in self._queues}.values():

@@ -166,13 +166,12 @@ def run_processes(load, processes: int, *, host: str = "127.0.0.1", port: int = 
                   grpc_port: int | None = None) -> None:
     """Serve :func:`make_app` ``(load)`` from ``processes`` processes sharing the HTTP port (and
     ``grpc_port``'s gRPC, when given) until SIGINT or SIGTERM; each drains its accepted requests,
-    then this returns. ``load`` must
-    pickle (a module-level function or a ``functools.partial`` of one): each process calls it for a
-    batcher of its own (replicas of its own on the devices). One process's Python parses, checks
-    and answers about 2,000 requests a second; the processes multiply that, the batching happens
-    within each. ``/v2/health/ready`` answers 200 once every process is warm; ``/metrics`` sums the
-    histograms and counters over them (prometheus-client's multiprocess mode). LikError when a
-    process fails to start or dies."""
+    then this returns. ``load`` must pickle (a module-level function or a ``functools.partial`` of
+    one): each process calls it for a batcher, and replicas on the devices, of its own. One
+    process's Python parses, checks and answers about 2,000 requests a second; the processes
+    multiply that, and the batching happens within each. ``/v2/health/ready`` answers 200 once every
+    process is warm; ``/metrics`` sums the histograms and counters over them (prometheus-client's
+    multiprocess mode). LikError when a process fails to start or dies."""
     from ._processes import serve_processes
 
     serve_processes(load, processes, host, port, grpc_port)
