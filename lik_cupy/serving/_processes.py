@@ -1,13 +1,12 @@
-"""``lik serve --processes N``: N server processes on one port.
+"""``lik serve --processes N``: N server processes, started and stopped together.
 
 One process's Python (HTTP parsing, the protocol's checks, the hand-over to its batcher's worker
 and back, under one GIL) answers about 2,000 requests a second on an H200 host, whatever the GPU
-has left. The parent reserves the port (a socket bound with SO_REUSEPORT that never listens) and
-starts N spawned children. Each listens on a socket of its own bound there too, so the kernel
-spreads connections evenly over them (a shared listening socket hands most of them to whichever
-process waits last), and runs the whole server (:func:`lik_cupy.serving.http.make_app`'s
-application) with a batcher, and so replicas, of its own. gRPC (``--grpc-port``) shares its port
-the same way. Readiness waits for all of them (a shared count); metrics are summed through
+has left. :func:`serve_processes` starts N spawned children, each running the whole server that
+``lik_cupy.serving.http.run_processes`` hands it (on sockets of its own bound with SO_REUSEPORT to
+the ports the parent reserved, so the kernel spreads connections evenly over them; a shared
+listening socket hands most of them to whichever process waits last), with a batcher, and so
+replicas, of its own. Readiness waits for all of them (a shared count); metrics are summed through
 prometheus-client's multiprocess mode, in a directory the parent makes and removes. SIGINT or
 SIGTERM reaches every child, and each drains its accepted requests; a child that dies stops the
 rest, and the parent raises.
@@ -27,19 +26,13 @@ from multiprocessing.connection import wait
 _GRACE_S = 300.0  # how long a stopping child may take to drain before it is killed
 
 
-def serve_processes(load, processes: int, host: str, port: int, grpc_port: int | None = None) -> None:
+def serve_processes(child, processes: int, announce) -> None:
+    """Run ``child(peers)`` in ``processes`` spawned processes until SIGINT or SIGTERM (then each is
+    sent SIGTERM, and drains) or until one of them ends. ``child`` must pickle; ``peers`` is (a
+    shared count of the processes that are ready, ``processes``). ``announce()`` runs once they are
+    started. LikError when a process ended with an error."""
     from ..errors import LikError
-    from .http import _announce, _grpc_address, _listening
 
-    if isinstance(processes, bool) or not isinstance(processes, int) or processes < 1:
-        raise ValueError(f"processes must be an integer >= 1, got {processes!r}")
-    sock = _listening(host, port, reuse_port=True)
-    try:
-        grpc_sock = None if grpc_port is None else _listening(host, grpc_port, reuse_port=True)
-    except LikError:
-        sock.close()
-        raise
-    grpc_address = None if grpc_sock is None else _grpc_address(host, grpc_sock.getsockname()[1])
     ctx = multiprocessing.get_context("spawn")
     ready = ctx.Value("i", 0)
     metrics_dir = tempfile.mkdtemp(prefix="lik-serve-metrics-")
@@ -51,12 +44,9 @@ def serve_processes(load, processes: int, host: str, port: int, grpc_port: int |
     children = []
     try:
         for i in range(processes):
-            children.append(ctx.Process(target=_child, args=(load, host, sock.getsockname()[1], grpc_address,
-                                                              (ready, processes)), name=f"lik-serve-{i}"))
+            children.append(ctx.Process(target=_run, args=(child, (ready, processes)), name=f"lik-serve-{i}"))
             children[-1].start()
-        _announce(sock)
-        if grpc_address is not None:
-            print(f"lik serve: listening on grpc://{grpc_address}", file=sys.stderr, flush=True)
+        announce()
         while not stopping and all(c.is_alive() for c in children):
             wait([c.sentinel for c in children], timeout=0.2)
         for c in children:
@@ -72,9 +62,6 @@ def serve_processes(load, processes: int, host: str, port: int, grpc_port: int |
         for c in children:
             if c.is_alive():
                 c.kill()
-        sock.close()
-        if grpc_sock is not None:
-            grpc_sock.close()
         for s, h in zip(stops, before):
             signal.signal(s, h)
         if before_env is None:
@@ -90,15 +77,13 @@ def serve_processes(load, processes: int, host: str, port: int, grpc_port: int |
         raise LikError("lik serve", f"server process {failed[0].name} ended with exit code {failed[0].exitcode}")
 
 
-def _child(load, host: str, port: int, grpc_address: str | None, peers) -> None:
-    """One server process (spawned): the whole server on a socket of its own at ``host:port``, and
-    gRPC at ``grpc_address`` when given."""
+def _run(child, peers) -> None:
+    """A spawned process: ``child(peers)``; a LikError (the corpus did not load, a port was taken) is
+    printed and ends it with exit code 1."""
     from ..errors import LikError
-    from ._service import MAX_BODY
-    from .http import _application, _listening, _serve_on
 
     try:
-        _serve_on(_application(load, MAX_BODY, grpc_address, peers), _listening(host, port, reuse_port=True))
+        child(peers)
     except LikError as e:
         print(e, file=sys.stderr, flush=True)
         sys.exit(1)

@@ -172,9 +172,39 @@ def run_processes(load, processes: int, *, host: str = "127.0.0.1", port: int = 
     multiply that, and the batching happens within each. ``/v2/health/ready`` answers 200 once every
     process is warm; ``/metrics`` sums the histograms and counters over them (prometheus-client's
     multiprocess mode). LikError when a process fails to start or dies."""
+    from ..errors import LikError
     from ._processes import serve_processes
 
-    serve_processes(load, processes, host, port, grpc_port)
+    if isinstance(processes, bool) or not isinstance(processes, int) or processes < 1:
+        raise ValueError(f"processes must be an integer >= 1, got {processes!r}")
+    # The ports are reserved by sockets bound with SO_REUSEPORT that never listen; each process
+    # listens on sockets of its own bound there too (_serve_child).
+    sock = _listening(host, port, reuse_port=True)
+    try:
+        grpc_sock = None if grpc_port is None else _listening(host, grpc_port, reuse_port=True)
+    except LikError:
+        sock.close()
+        raise
+    grpc_address = None if grpc_sock is None else _grpc_address(host, grpc_sock.getsockname()[1])
+
+    def announce():
+        _announce(sock)
+        if grpc_address is not None:
+            print(f"lik serve: listening on grpc://{grpc_address}", file=sys.stderr, flush=True)
+
+    try:
+        serve_processes(functools.partial(_serve_child, load, host, sock.getsockname()[1], grpc_address), processes,
+                        announce)
+    finally:
+        sock.close()
+        if grpc_sock is not None:
+            grpc_sock.close()
+
+
+def _serve_child(load, host: str, port: int, grpc_address: str | None, peers) -> None:
+    """One process of :func:`run_processes` (spawned): the whole server on a socket of its own at
+    ``host:port``, and gRPC at ``grpc_address`` when given."""
+    _serve_on(_application(load, MAX_BODY, grpc_address, peers), _listening(host, port, reuse_port=True))
 
 
 def _listening(host: str, port: int, reuse_port: bool = False) -> socket.socket:
