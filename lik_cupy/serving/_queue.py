@@ -227,11 +227,8 @@ def scored(corpus, batch: list[Request], staging: Staging) -> list:
     batch moves in one copy each way (``_staging.py``); elsewhere its queries go packed, with
     ``q_offsets``."""
     first = batch[0]
-    cand = None
-    if first.op == "rerank":
-        cand = np.concatenate([r.arg for r in batch]) if len(batch) > 1 else first.arg
     if stageable(corpus, first.Q.dtype):
-        out = staging.call(corpus, first.op, batch, first.arg if cand is None else cand, first.precision)
+        out = staging.call(corpus, first.op, batch, first.precision)
     else:
         tokens = np.concatenate([r.Q.reshape(-1, r.Q.shape[2]) for r in batch]) if len(batch) > 1 else \
             first.Q.reshape(-1, first.Q.shape[2])
@@ -241,6 +238,7 @@ def scored(corpus, batch: list[Request], staging: Staging) -> list:
         if first.op == "search":
             out = corpus.search(tokens, first.arg, q_offsets=offsets, precision=first.precision)
         elif first.op == "rerank":
+            cand = np.concatenate([r.arg for r in batch]) if len(batch) > 1 else first.arg
             out = (corpus.rerank(tokens, cand, q_offsets=offsets, precision=first.precision),)
         else:
             out = (corpus.score(tokens, q_offsets=offsets, precision=first.precision),)

@@ -31,32 +31,33 @@ class Staging:
     def __init__(self):
         self._in = self._out = self._dev = None
 
-    def call(self, corpus, op: str, requests: list, arg, precision) -> tuple[np.ndarray, ...]:
-        """``corpus``'s ``op`` on the queries of ``requests`` (each ``.Q`` [n, lq, d], one dtype),
-        with ``arg`` (search: k; rerank: int64 candidates [N, K] of all the queries, in order), on
-        the current CuPy stream. Returns host arrays, views of this object's buffers until its next
-        call: search ``(scores, ids)``, rerank and score ``(scores,)``."""
+    def call(self, corpus, op: str, requests: list, precision) -> tuple[np.ndarray, ...]:
+        """``corpus``'s ``op`` on the queries of ``requests`` (each ``.Q`` [n, lq, d], one dtype; its
+        ``.arg``: search's k, the same in all, or rerank's int64 candidates [n, K]), on the current
+        CuPy stream. Returns host arrays, views of this object's buffers until its next call:
+        search ``(scores, ids)``, rerank and score ``(scores,)``."""
         import cupy
 
         nq = sum(r.n for r in requests)
         lq = max(r.lq for r in requests)
         dim, dtype = requests[0].Q.shape[2], requests[0].Q.dtype
         ragged = any(r.lq != lq for r in requests)
-        q_at, len_at, cand_at, size = _layout(nq * lq * dim * dtype.itemsize, 4 * nq if ragged else 0,
-                                              arg.nbytes if op == "rerank" else 0)
+        k = requests[0].arg.shape[1] if op == "rerank" else 0  # candidates per query
+        q_at, len_at, cand_at, size = _layout(nq * lq * dim * dtype.itemsize, 4 * nq if ragged else 0, 8 * nq * k)
         host = self._in = _pinned(self._in, size)
         q = host[q_at:q_at + nq * lq * dim * dtype.itemsize].view(dtype).reshape(nq, lq, dim)
+        cand = host[cand_at:cand_at + 8 * nq * k].view(np.int64).reshape(nq, k)
         at = 0
         for r in requests:
             q[at:at + r.n, :r.lq] = r.Q
             if r.lq < lq:
                 q[at:at + r.n, r.lq:] = 0
+            if k:
+                cand[at:at + r.n] = r.arg
             at += r.n
         if ragged:
             host[len_at:len_at + 4 * nq].view(np.int32)[:] = np.repeat([r.lq for r in requests],
                                                                        [r.n for r in requests])
-        if op == "rerank":
-            host[cand_at:cand_at + arg.nbytes].view(np.int64)[:] = arg.reshape(-1)
         if self._dev is None or self._dev.nbytes < size:
             self._dev = cupy.empty(max(size, _MIN_BYTES, 0 if self._dev is None else 2 * self._dev.nbytes), np.uint8)
         dev, stream = self._dev, cupy.cuda.get_current_stream()
@@ -65,10 +66,10 @@ class Staging:
         Q = dev[q_at:q_at + q.nbytes].view(dtype).reshape(q.shape)
         lengths = dev[len_at:len_at + 4 * nq].view(np.int32) if ragged else None
         if op == "search":
-            out = corpus.search(Q, arg, q_lengths=lengths, precision=precision)
+            out = corpus.search(Q, requests[0].arg, q_lengths=lengths, precision=precision)
         elif op == "rerank":
-            cand = dev[cand_at:cand_at + arg.nbytes].view(np.int64).reshape(arg.shape)
-            out = (corpus.rerank(Q, cand, q_lengths=lengths, precision=precision),)
+            out = (corpus.rerank(Q, dev[cand_at:cand_at + cand.nbytes].view(np.int64).reshape(cand.shape),
+                                 q_lengths=lengths, precision=precision),)
         else:
             out = (corpus.score(Q, q_lengths=lengths, precision=precision),)
         return self._fetched(out, stream)
