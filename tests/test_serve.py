@@ -338,6 +338,38 @@ def test_a_corpus_that_fails_to_load_stops_the_server_with_exit_2(tmp_path):
     assert "missing" in r.stderr
 
 
+def test_processes_that_cannot_start_stop_the_server_with_exit_2(tmp_path, shard):
+    """A corpus that fails to load in the processes stops them all; a taken port (HTTP or gRPC) is
+    refused before any process starts. Nothing is left behind (the metrics directory)."""
+    for m in ("starlette", "uvicorn", "prometheus_client"):
+        pytest.importorskip(m)
+    import glob
+    import importlib
+    import socket
+    import tempfile
+
+    before = set(glob.glob(f"{tempfile.gettempdir()}/lik-serve-metrics-*"))
+    r = subprocess.run([sys.executable, "-m", "lik_cupy", "serve", str(tmp_path / "missing"), "--port", "0",
+                        "--processes", "2"], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert r.returncode == 2 and "loading the corpus failed" in r.stderr, r.stderr
+    assert "lik: error: lik serve: server process lik-serve-" in r.stderr and "stopped" in r.stderr, r.stderr
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        cases = [["--port", port]]
+        try:
+            importlib.import_module("lik_cupy.serving.grpc")  # (the [serve-grpc] extra)
+            cases.append(["--port", "0", "--grpc-port", port])
+        except ImportError:
+            pass
+        for args in cases:
+            r = subprocess.run([sys.executable, "-m", "lik_cupy", "serve", str(shard), "--processes", "2", *args],
+                               capture_output=True, text=True, cwd=ROOT, timeout=120)
+            assert r.returncode == 2 and f"127.0.0.1:{port}: cannot listen there" in r.stderr, r.stderr
+    assert set(glob.glob(f"{tempfile.gettempdir()}/lik-serve-metrics-*")) == before
+
+
 def test_health_metadata_and_metrics(served):
     assert served.get("/v2/health/live")[0] == 200
     assert served.get("/v2/models/rerank/ready")[0] == 200
