@@ -62,7 +62,8 @@ for cell, (lq, nd, ld) in CELLS.items():
     print(json.dumps(r), flush=True)
     del q, d, q8, d8, ds
     torch.cuda.empty_cache()
-json.dump(rows, open(os.path.join(os.environ.get("OUT", "/tmp"), "ab_fp8.json"), "w"), indent=1)
+json.dump({"gpu": torch.cuda.get_device_name(), "rows": rows},
+          open(os.path.join(os.environ.get("OUT", "/tmp"), "ab_fp8.json"), "w"), indent=1)
 print(f"{'cell':14s} {'fp16':>7s} {'fp8':>7s} " + " ".join(f"{t:>12s}" for t in VARIANTS))
 for r in rows:
     print(f"{r['cell']:14s} {r['fp16']:.4f} {r['fp8']:.4f} " + " ".join(f"{r[t]:12.4f}" if r[t] else f"{'err':>12s}" for t in VARIANTS))
