@@ -503,6 +503,25 @@ def test_xla_path_has_the_kernels_semantics(rng, monkeypatch, dtype):
     _close(gd, rd, dtype)
 
 
+def test_xla_path_gradient_goes_to_the_first_nan(rng, monkeypatch):
+    """A NaN in valid document tokens: the XLA path's gradients are the kernels' (the NumPy path's),
+    NaN where theirs are: each query token's gradient goes to the document's first NaN token only."""
+    q, d = _inputs(rng, "float32", (3, 5, 8), (4, 6, 8))
+    d[1, [2, 4]] = np.nan
+    d[3, 0, 3] = np.nan
+    w = rng.standard_normal((3, 4)).astype(np.float32)
+    grads = {}
+    for path in ("xla", "kernel"):
+        monkeypatch.setenv("LIK_JAX_PATH", path)
+        grads[path] = [np.asarray(g) for g in jax.grad(lambda a, b: (maxsim(a, b) * w).sum(), argnums=(0, 1))(q, d)]
+    for got, want in zip(grads["xla"], grads["kernel"]):
+        np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+        np.testing.assert_allclose(np.nan_to_num(got), np.nan_to_num(want), rtol=1e-5, atol=1e-5)
+    dq, dd = grads["xla"]
+    assert np.isnan(dq).any(axis=-1).all()  # every query token's winner in document 1 is a NaN token
+    assert (dd[1, 2] != 0).all() and (dd[1, 4] == 0).all()  # the first NaN token takes the gradient, not the second
+
+
 def test_path_rule_takes_the_nearest_cell_and_never_xla_beyond_it(monkeypatch):
     monkeypatch.delenv("LIK_JAX_PATH", raising=False)
     cells = {"gpu": ((8, 32, 80, "xla"), (64, 32, 80, "kernel"), (32, 128, 256, "xla"))}

@@ -27,7 +27,9 @@ Timing: ``wall_ms`` is the best of ``--rounds`` rounds of ``--steps`` steps back
 synchronisation after each round (fewer steps, at least 10, where a round would pass ``--round-s``),
 after warm-up steps that compile (and record the CUDA graphs); ``kernel_ms`` the same steps queued
 behind a spin kernel so the host runs ahead (torch on CUDA only: JAX's kernels run on XLA's stream).
-Each row keeps its loss, to compare across rows.
+A JAX cell's implementations take their rounds in turn, in a rotating order (steps of 0.05-0.5 ms
+drift by 30% between rows timed one after the other): its rows' ``wall_ms`` is the median of
+``--jax-rounds`` rounds and ``best_ms`` the best. Each row keeps its loss, to compare across rows.
 
 ``--smoke``: a tiny run on the CPU (torch eager and ``torch.compile(backend="aot_eager")``, JAX on
 its CPU device, a few steps) that the tests run; its numbers mean nothing.
@@ -49,6 +51,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -81,13 +84,14 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--round-s", type=float, default=1.0, help="fewer steps where a round would take longer")
+    ap.add_argument("--jax-rounds", type=int, default=9, help="rotated rounds per JAX implementation")
     ap.add_argument("--tag", default=None, help="appended to the file name: train_<gpu>_<tag>.json (a run split "
                                                 "by --modes or cells)")
     ap.add_argument("--xla-max-gib", type=float, default=24.0, help="skip XLA rows whose similarities pass this")
     ap.add_argument("--smoke", action="store_true", help="a tiny CPU run (the tests' check of this script)")
     args = ap.parse_args(argv)
     if args.smoke:
-        args.steps, args.rounds = min(args.steps, 3), 1
+        args.steps, args.rounds, args.jax_rounds = min(args.steps, 3), 1, 2
 
     name, gpu = _device_name(args.smoke)
     path = out_dir(args.out) / f"train_{slugify(name)}{'_' + slugify(args.tag) if args.tag else ''}.json"
@@ -204,7 +208,7 @@ def _unit(torch, gen, shape, dtype, device):
 
 
 def jax_rows(args, rows: list, save) -> str:
-    """Appends a row per (cell, implementation) to ``rows``, calling ``save`` after each; returns
+    """Appends a row per (cell, implementation) to ``rows``, calling ``save`` after each cell; returns
     JAX's backend."""
     import jax
     import jax.numpy as jnp
@@ -230,6 +234,7 @@ def jax_rows(args, rows: list, save) -> str:
     for n, lq, ld in cells:
         q, d = (jax.device_put(_unit_np(rng, (n, length, dim), dtype), device) for length in (lq, ld))
         gib = n * n * lq * ld * 4 / 2**30
+        here, steps = [], {}
         for impl, (path, score) in impls.items():
             row = {"cell": f"{n}x{lq}x{ld}", "n": n, "lq": lq, "ld": ld, "impl": impl}
             if impl == "auto":
@@ -238,32 +243,57 @@ def jax_rows(args, rows: list, save) -> str:
                 row["error"] = f"skipped: the similarities take {gib:.1f} GiB (--xla-max-gib {args.xla_max_gib})"
             else:
                 try:
-                    row.update(_time_jax_step(jax, jnp, args, score, path, q, d))
+                    row["loss"], steps[impl] = _jax_step(jax, jnp, score, path, q, d)
                 except Exception as e:  # noqa: BLE001 - a failing row is recorded and the run goes on
                     row["error"] = short_err(e)
-            rows.append(row)
-            save()
+            here.append(row)
+        timed = _rotated(steps, args) if steps else {}
+        for row in here:
+            row.update(timed.get(row["impl"], {}))
+        rows += here
+        save()
+        for row in here:
             print(row, flush=True)
     return backend
 
 
-def _time_jax_step(jax, jnp, args, score, path, q, d) -> dict:
+def _jax_step(jax, jnp, score, path, q, d):
+    """(the first step's loss, the jitted step, compiled and warm) through ``score`` on ``path``."""
     def loss(a, b):
         return -jnp.mean(jnp.diagonal(jax.nn.log_softmax(score(a, b) / TAU, axis=1)))
 
     step_fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
     with environment("LIK_JAX_PATH", path):  # read when the step is traced, on its first call
         value = float(jax.block_until_ready(step_fn(q, d))[0])
-    last = []
+    for _ in range(2):
+        out = step_fn(q, d)
+    jax.block_until_ready(out)
+    return value, lambda: step_fn(q, d)
 
-    def step():
-        last[:] = [step_fn(q, d)]
 
-    def sync():
-        jax.block_until_ready(last)
+def _rotated(steps: dict, args) -> dict:
+    """Per implementation (``steps``: name -> a call of one step), the median and best ms per step over
+    ``args.jax_rounds`` rounds taken in turn, in a rotating order: each round ``n`` steps back to back
+    and one wait (``n`` from one timed step: ``--steps``, fewer where a round would pass ``--round-s``)."""
+    import jax
 
-    _warm(step, sync, 2)
-    return {"loss": value, **_wall(step, sync, args)}
+    counts = {}
+    for name, step in steps.items():
+        t = time.perf_counter()
+        jax.block_until_ready(step())
+        counts[name] = max(min(10, args.steps), min(args.steps, int(args.round_s / max(time.perf_counter() - t, 1e-9))))
+    times = {name: [] for name in steps}
+    names = list(steps)
+    for r in range(args.jax_rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            step, n = steps[name], counts[name]
+            t = time.perf_counter()
+            for _ in range(n):
+                out = step()
+            jax.block_until_ready(out)
+            times[name].append((time.perf_counter() - t) * 1e3 / n)
+    return {name: {"wall_ms": statistics.median(v), "best_ms": min(v), "steps": counts[name], "rounds": len(v)}
+            for name, v in times.items()}
 
 
 def _unit_np(rng, shape, dtype):

@@ -26,9 +26,35 @@ __all__ = ["JAX_PATHS", "JAX_PATHS_SOURCE", "PATHS", "choose_jax_path"]
 
 PATHS = ("xla", "kernel")
 
-JAX_PATHS_SOURCE = "issue 46's one measured step (NVIDIA H200, jit(grad), N = 32, Lq 32, Ld 80: kernels 0.302 ms, XLA 0.054)"
+JAX_PATHS_SOURCE = 'bench/results/latest/train_jax_nvidia-h200.json (NVIDIA H200, jit(value_and_grad) in-batch steps)'
 JAX_PATHS: dict[str, tuple[tuple[int, int, int, str], ...]] = {
-    "gpu": ((32, 32, 80, "xla"),),
+    'gpu': (
+        (8, 32, 80, 'xla'),
+        (8, 32, 300, 'xla'),
+        (8, 32, 1024, 'xla'),
+        (8, 128, 300, 'xla'),
+        (8, 1024, 1024, 'kernel'),
+        (32, 32, 80, 'xla'),
+        (32, 32, 300, 'xla'),
+        (32, 32, 1024, 'xla'),
+        (32, 128, 300, 'xla'),
+        (32, 1024, 1024, 'kernel'),
+        (64, 32, 80, 'xla'),
+        (64, 32, 300, 'xla'),
+        (64, 32, 1024, 'kernel'),
+        (64, 128, 300, 'kernel'),
+        (64, 1024, 1024, 'kernel'),
+        (128, 32, 80, 'xla'),
+        (128, 32, 300, 'kernel'),
+        (128, 32, 1024, 'kernel'),
+        (128, 128, 300, 'kernel'),
+        (128, 1024, 1024, 'kernel'),
+        (256, 32, 80, 'kernel'),
+        (256, 32, 300, 'kernel'),
+        (256, 32, 1024, 'kernel'),
+        (256, 128, 300, 'kernel'),
+        (256, 1024, 1024, 'kernel'),
+    ),
 }
 
 
