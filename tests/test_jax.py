@@ -520,6 +520,15 @@ def test_xla_path_gradient_goes_to_the_first_nan(rng, monkeypatch):
     dq, dd = grads["xla"]
     assert np.isnan(dq).any(axis=-1).all()  # every query token's winner in document 1 is a NaN token
     assert (dd[1, 2] != 0).all() and (dd[1, 4] == 0).all()  # the first NaN token takes the gradient, not the second
+    # A NaN gradient of one score reaches its winners only, as through the kernels' backward.
+    q, d = _inputs(rng, "float32", (3, 5, 8), (4, 6, 8))
+    w[0, 2] = np.nan
+    for path in ("xla", "kernel"):
+        monkeypatch.setenv("LIK_JAX_PATH", path)
+        grads[path] = [np.asarray(g) for g in jax.grad(lambda a, b: (maxsim(a, b) * w).sum(), argnums=(0, 1))(q, d)]
+    for got, want in zip(grads["xla"], grads["kernel"]):
+        np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    assert 0 < np.isnan(grads["xla"][1][2]).any(axis=-1).sum() < 6  # document 2: its winners only
 
 
 def test_path_rule_takes_the_nearest_cell_and_never_xla_beyond_it(monkeypatch):
