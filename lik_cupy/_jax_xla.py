@@ -66,7 +66,7 @@ def _first_max_fwd(sim):
 
 def _first_max_bwd(residuals, g):
     sim, best = residuals
-    # Token indices as float32 (exact below 2**24): a float32 min-reduction measured 4-7% faster per
+    # Token indices as float32 (exact below 2**24): a float32 min-reduction measured 0.5-7% faster per
     # training step than an int32 one on an H200 (bench/results/archive/jax_first_winner_ab_nvidia-h200/).
     iota = jnp.arange(sim.shape[-1], dtype=jnp.float32)
     # A NaN maximum equals nothing: its winner is the first NaN. An all -inf row wins at token 0.
@@ -74,7 +74,7 @@ def _first_max_bwd(residuals, g):
     first = jnp.min(jnp.where(won, iota, jnp.float32(sim.shape[-1])), axis=-1)
     # `won &` changes no value (the first winner won), but with it XLA forms the gradient in one
     # fusion in the layout both transposed GEMMs read, as for jnp.max's own: a select on the index
-    # alone was written in two layouts, 3-9% slower a step (the same A/B). A select, not a product:
+    # alone was written in two layouts, 3-9% slower a step (the A/Bs there). A select, not a product:
     # a NaN or infinite g reaches the winner only, as through the kernels' backward.
     return (jnp.where(won & (iota == first[..., None]), g[..., None], 0).astype(sim.dtype),)
 
