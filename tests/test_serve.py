@@ -505,6 +505,20 @@ def test_many_concurrent_clients_each_get_their_own_rows(served, local):
                "outputs": [{"name": "IDS"}]}, None, "unknown output 'IDS'"),
     ("score", {"inputs": [{"name": "Q", "shape": [1, DIM], "datatype": "FP32", "data": [0.0] * DIM}],
                "parameters": {"timeout": -1}}, None, "timeout must be a positive number"),
+    ("score", {"inputs": [{"name": "Q", "shape": [1, DIM], "datatype": "FP32", "data": [0.0] * DIM}],
+               "parameters": {"timeout": 10**400}}, None, "timeout is out of range"),
+    ("score", b'{"inputs": [{"name": "Q", "shape": [1], "datatype": "FP32", "data": ' + b"[" * 5000 + b"1"
+     + b"]" * 5000 + b"}]}", {}, "nests its JSON too deeply"),
+    ("score", {"inputs": [{"name": "Q", "shape": [1000000, 0, DIM], "datatype": "FP32", "data": []}]}, None,
+     r"Q has shape \[1000000, 0, 16\]: a query needs at least one token"),
+    ("score", {"inputs": [{"name": "Q", "shape": [0, DIM], "datatype": "FP32", "data": []}]}, None,
+     "a query needs at least one token"),
+    ("score", {"inputs": [{"name": "Q", "shape": [1, DIM], "datatype": "FP32", "data": [0.0] * DIM},
+                          {"name": "IDS", "shape": [16385], "datatype": "BYTES", "data": ["x" * 16384] + [""] * 16384}]},
+     None, "16385 BYTES elements of up to 16384 characters take 1073807360 bytes"),
+    ("score", b'{"inputs": [{"name": "Q", "shape": [1, 16], "datatype": "FP32", '
+              b'"parameters": {"binary_data_size": 64}}]}' + bytes(64), {"Inference-Header-Content-Length": "+76"},
+     "Inference-Header-Content-Length must be an integer"),
 ])
 def test_bad_requests_get_a_400_naming_the_problem_and_the_server_keeps_serving(served, model, payload, headers,
                                                                                match):
@@ -528,6 +542,13 @@ def test_compressed_bodies_are_bounded_after_inflating(served):
     assert status == 400 and "not valid gzip data" in json.loads(body)["error"]
     status, _, body = served.infer("score", b"{}", {"Content-Encoding": "br"})
     assert status == 400 and "Content-Encoding 'br' is not supported" in json.loads(body)["error"]
+    # gzip's members one after another, and a coding's name in any case
+    text = json.dumps({"inputs": [_json_q(np.ones((2, DIM), np.float32))]}).encode()
+    status, _, body = served.infer("score", gzip.compress(text[:40]) + gzip.compress(text[40:]),
+                                   {"Content-Encoding": "GZip"})
+    assert status == 200, body
+    status, _, body = served.infer("score", gzip.compress(text) + b"junk", {"Content-Encoding": "gzip"})
+    assert status == 400 and "not valid gzip data" in json.loads(body)["error"]
 
 
 def test_backpressure_503_and_deadline_504(shard):
@@ -611,6 +632,112 @@ def test_processes_share_the_port_answer_alike_and_sum_their_metrics(shard, loca
     assert server.proc.returncode == 0, log
     answered = [(int(a), int(b)) for a, b in re.findall(r"answered (\d+) of (\d+) accepted requests", log)]
     assert len(answered) == 2 and all(a == b for a, b in answered) and sum(a for a, _ in answered) == len(qs), log
+
+
+def test_processes_refuse_a_port_another_server_listens_on_and_one_port_for_both(shard):
+    """SO_REUSEPORT would let a second `lik serve --processes` join the first's port and split its
+    traffic; and HTTP and gRPC cannot share one port."""
+    first = Server(shard, "--devices", "cpu", "--processes", "2")
+    try:
+        for extra in (["--port", str(first.port)], ["--port", str(first.port), "--grpc-port", str(first.port)]):
+            r = subprocess.run([sys.executable, "-m", "lik_cupy", "serve", str(shard), "--devices", "cpu",
+                                "--processes", "2", *extra], capture_output=True, text=True, cwd=ROOT, timeout=120)
+            assert r.returncode == 2, r.stderr
+            assert "cannot listen there" in r.stderr or "must differ from the HTTP port" in r.stderr, r.stderr
+        r = subprocess.run([sys.executable, "-m", "lik_cupy", "serve", str(shard), "--devices", "cpu", "--port",
+                            "18731", "--grpc-port", "18731"], capture_output=True, text=True, cwd=ROOT, timeout=120)
+        assert r.returncode == 2 and "the gRPC port must differ from the HTTP port, both are 18731" in r.stderr, \
+            r.stderr
+    finally:
+        log = first.stop()
+    assert first.proc.returncode == 0, log
+
+
+def test_sigterm_while_processes_start_is_a_clean_stop(shard):
+    for m in ("starlette", "uvicorn", "prometheus_client"):
+        pytest.importorskip(m)
+    import os
+    import signal
+
+    p = subprocess.Popen([sys.executable, "-m", "lik_cupy", "serve", str(shard), "--devices", "cpu", "--processes",
+                          "2", "--port", "0"], stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    for line in p.stderr:
+        if "listening on" in line:
+            break
+    p.send_signal(signal.SIGTERM)  # the children are still starting
+    err = p.stderr.read()
+    assert p.wait(120) == 0, err
+
+
+def test_a_failing_observer_neither_kills_the_worker_nor_loses_a_request(corpus):
+    class Failing(Observer):
+        calls = 0
+
+        def batch(self, device, op, requests, queries, compute_s):
+            Failing.calls += 1
+            raise OSError(28, "No space left on device")
+
+        def answered(self, device, op, queue_s, compute_s):
+            raise RuntimeError("a metrics backend that fails")
+
+    rng = np.random.default_rng(19)
+    qs = _queries(rng, 3)
+    with Batcher(corpus, observer=Failing()) as b:
+        for q in qs:  # (a dead worker would leave the future pending: the timeout fails the test instead)
+            assert np.array_equal(b.submit("score", q[None]).result(timeout=60), corpus.score(q[None]))
+    assert Failing.calls == 3
+
+
+def test_request_bytes_are_held_against_the_servers_budget():
+    from lik_cupy.serving import _service, http
+
+    svc = _service.Service(load=None, max_body_bytes=100)
+    assert svc.max_held == _service.HELD_BODIES * 100
+    svc.hold(1500)
+    with pytest.raises(_service.Refused, match="holds 1500 bytes of requests, its limit is 1600") as e:
+        svc.hold(101)
+    assert e.value.status == 503 and e.value.retry and svc.held == 1500
+
+    async def read(chunks):
+        messages = iter({"type": "http.request", "body": c, "more_body": i + 1 < len(chunks)}
+                        for i, c in enumerate(chunks))
+        held = http._Held(svc)
+        try:
+            return await http._body(lambda: _next(messages), 100, held), held.n
+        finally:
+            held.release()
+
+    async def _next(it):
+        return next(it)
+
+    svc.release(1500)
+    assert asyncio.run(read([b"x" * 40, b"y" * 50])) == (b"x" * 40 + b"y" * 50, 180)  # the chunks, then the body
+    assert svc.held == 0
+    svc.hold(1550)
+    with pytest.raises(_service.Refused):
+        asyncio.run(read([b"x" * 40, b"y" * 50]))
+    assert svc.held == 1550  # what the refused request held is given back
+
+
+def test_outputs_past_the_limit_are_refused(corpus):
+    from lik_cupy.serving import _service
+
+    class Svc:
+        batcher = Batcher(corpus)
+
+    try:
+        q = np.zeros((3, 2, DIM), np.float32)
+        assert _service._output_bytes(Svc, "score", q, None) == 3 * len(corpus) * 4
+        assert _service._output_bytes(Svc, "search", q, 10) == 3 * 10 * 12
+        assert _service._output_bytes(Svc, "rerank", q, np.zeros((3, 7), np.int64)) == 3 * 7 * 4
+        big = np.zeros((_service.MAX_OUTPUT // (4 * len(corpus)) + 1, 1, DIM), np.float32)
+        with pytest.raises(ValueError, match=f"queries of {len(corpus)} documents' scores take .* at most"):
+            _service._output_bytes(Svc, "score", big, None)
+        with pytest.raises(ValueError, match="results .* at most"):
+            _service._output_bytes(Svc, "search", np.zeros((30000, 1, DIM), np.float32), 4000)
+    finally:
+        Svc.batcher.close()
 
 
 def test_bench_serve_smoke_run(tmp_path):

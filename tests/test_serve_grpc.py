@@ -176,6 +176,36 @@ def test_sigterm_answers_what_was_accepted(shard):
     assert s.proc.returncode == 0 and "answered 1 of 1 accepted requests" in err, err
 
 
+def test_sigterm_answers_a_call_still_in_the_queue(shard, local):
+    """A gRPC call accepted and waiting in the queue when SIGTERM comes is answered, not cancelled."""
+    import threading
+
+    s = Server(shard, "--devices", "cpu", "--grpc-port", "0", "--max-delay-us", "30000000")
+    q = np.random.default_rng(23).standard_normal((2, 5, DIM)).astype(np.float32)
+    got = {}
+
+    def call():
+        c = grpcclient.InferenceServerClient(f"127.0.0.1:{s.grpc_port}")
+        try:
+            got["scores"] = c.infer("score", [_input("Q", q, "FP32")]).as_numpy("SCORES")
+        except Exception as e:  # noqa: BLE001
+            got["error"] = e
+        finally:
+            c.close()
+
+    t = threading.Thread(target=call)
+    try:
+        t.start()
+        while 'lik_serve_queue_depth{device="cpu:0"} 1.0' not in s.get("/metrics")[2].decode():
+            assert t.is_alive(), got
+    finally:
+        err = s.stop()
+        t.join(60)
+    assert "error" not in got, got
+    assert np.array_equal(got["scores"], local.score(q))
+    assert s.proc.returncode == 0 and "answered 1 of 1 accepted requests" in err, err
+
+
 def test_processes_share_the_grpc_port(shard, local):
     server = Server(shard, "--devices", "cpu", "--processes", "2", "--grpc-port", "0")
     try:

@@ -69,7 +69,9 @@ def serve_processes(child, processes: int, announce) -> None:
         else:
             os.environ["PROMETHEUS_MULTIPROC_DIR"] = before_env
         shutil.rmtree(metrics_dir, ignore_errors=True)
-    failed = [c for c in children if c.exitcode]
+    # Stopping, a child that the signal ended before it could handle it (still starting) did not fail.
+    stopped = (-signal.SIGINT, -signal.SIGTERM) if stopping else ()
+    failed = [c for c in children if c.exitcode and c.exitcode not in stopped]
     if failed and not stopping:
         raise LikError("lik serve", f"server process {failed[0].name} stopped (exit code {failed[0].exitcode}); "
                        f"the others were stopped with it")

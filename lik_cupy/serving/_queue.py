@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import logging
 import threading
 import time
 from concurrent.futures import Future
@@ -118,19 +119,38 @@ class DeviceQueue:
     # ------------------------------------------------------------ the worker
 
     def _work(self) -> None:
-        with self._own_stream():
-            while True:
-                batch, expired = self._next()
-                for r in expired:
-                    r.future.set_exception(DeadlineExceeded(f"the request's deadline passed after "
-                                                            f"{time.monotonic() - r.arrival:.3f} s in the queue"))
-                    self._observer.rejected(r.op, "deadline")
-                if batch is None:
-                    return
+        """The worker thread: :meth:`_serve` on the replica's device, in a stream of its own."""
+        try:
+            stream = self._own_stream()
+            stream.__enter__()
+        except Exception:  # noqa: BLE001 - the calls will say what is wrong with the device; a dead worker would hang them
+            _log.exception("lik serve: worker %s has no stream of its own", self.name)
+            stream = contextlib.nullcontext()
+        try:
+            self._serve()
+        finally:
+            stream.__exit__(None, None, None)
+
+    def _serve(self) -> None:
+        """Batches until the queue is closed and drained; whatever fails, each caller gets an answer."""
+        while True:
+            batch, expired = self._next()
+            for r in expired:
+                r.future.set_exception(DeadlineExceeded(f"the request's deadline passed after "
+                                                        f"{time.monotonic() - r.arrival:.3f} s in the queue"))
+                _observed(self._observer.rejected, r.op, "deadline")
+            if batch is None:
+                return
+            try:
                 if batch:
                     self._run(batch)
-                with self._cv:
-                    self._running = 0
+            except BaseException as e:  # noqa: BLE001 - the worker must live on, and every caller get an answer
+                _log.exception("lik serve: worker %s failed a batch", self.name)
+                for r in batch:
+                    if not r.future.done():
+                        r.future.set_exception(e)
+            with self._cv:
+                self._running = 0
 
     def _own_stream(self):
         """On a GPU, the corpus's device and a stream of this worker's own for its calls, so that
@@ -204,7 +224,7 @@ class DeviceQueue:
                     except Exception as e1:  # noqa: BLE001
                         results.append(e1)
         done = time.monotonic()
-        self._observer.batch(self.name, batch[0].op, len(batch), sum(r.n for r in batch), done - start)
+        _observed(self._observer.batch, self.name, batch[0].op, len(batch), sum(r.n for r in batch), done - start)
         queries = sum(r.n for r in batch)
         for r, res in zip(batch, results):
             r.future.timing = Timing(start - r.arrival, done - start, queries)
@@ -212,7 +232,18 @@ class DeviceQueue:
                 r.future.set_exception(res)
             else:
                 r.future.set_result(res)
-            self._observer.answered(self.name, r.op, start - r.arrival, done - start)
+            _observed(self._observer.answered, self.name, r.op, start - r.arrival, done - start)
+
+
+_log = logging.getLogger("lik_cupy.serving")
+
+
+def _observed(call, *args) -> None:
+    """An observer's callback; what it raises is logged, and the worker goes on."""
+    try:
+        call(*args)
+    except Exception:  # noqa: BLE001
+        _log.exception("lik serve: an observer's %s failed", getattr(call, "__name__", "callback"))
 
 
 def _length_class(lq: int) -> int:

@@ -28,6 +28,12 @@ MODELS = OPERATIONS
 OUTPUTS = {"search": ("SCORES", "IDS"), "rerank": ("SCORES",), "score": ("SCORES",)}
 INPUTS = {"search": ("Q", "K"), "rerank": ("Q", "IDS"), "score": ("Q",)}
 MAX_BODY = 64 << 20
+# A request's outputs at most, in bytes: a query costs its tokens' bytes to send, but a score
+# answers it with a float for every document.
+MAX_OUTPUT = 1 << 30
+# Request bytes one server holds at once (bodies being read, inflated and queued), as a multiple of
+# its body limit: past it, requests are refused with 503 and Retry-After until some are answered.
+HELD_BODIES = 16
 
 
 class Refused(Exception):
@@ -54,6 +60,7 @@ class Service:
         self.metrics = Metrics(lambda: self.batcher)
         self.accepted = self.answered = 0
         self._count = threading.Lock()
+        self.held, self.max_held = 0, HELD_BODIES * max_body_bytes  # request bytes held (hold, release)
 
     def start(self) -> None:
         def run():
@@ -85,15 +92,32 @@ class Service:
             self.on_failure()
 
     def stop(self) -> None:
+        """Take no new requests and answer those queued (blocks until they are scored)."""
         self._ready = False
         if self.batcher is not None:
             self.batcher.close()
+
+    def report(self) -> None:
+        """The shutdown's last line, once every transport has sent its answers."""
         print(f"lik serve: stopped; answered {self.answered} of {self.accepted} accepted requests", file=sys.stderr,
               flush=True)
 
     def count(self, field: str) -> None:
         with self._count:
             setattr(self, field, getattr(self, field) + 1)
+
+    def hold(self, nbytes: int) -> None:
+        """Count ``nbytes`` more of request data held in memory; :class:`Refused` (503) past the
+        server's budget, counting nothing. Each hold is given back with :meth:`release`."""
+        with self._count:
+            if self.held + nbytes > self.max_held:
+                raise Refused(503, f"the server holds {self.held} bytes of requests, its limit is {self.max_held}; "
+                                   f"retry later", retry=True)
+            self.held += nbytes
+
+    def release(self, nbytes: int) -> None:
+        with self._count:
+            self.held -= nbytes
 
 
 def check_model(model: str) -> None:
@@ -140,27 +164,35 @@ async def infer(svc: Service, model: str, inputs: dict[str, np.ndarray], params:
     check_ready(svc)
     try:
         Q, arg = _arguments(svc, model, inputs)
+        out_bytes = _output_bytes(svc, model, Q, arg)
         timeout, precision = _parameters(params)
         if deadline_s is not None:
             if deadline_s <= 0:
                 raise Refused(504, "the request's deadline passed before it was queued")
             timeout = deadline_s if timeout is None else min(timeout, deadline_s)
-        future = svc.batcher.submit(model, Q, arg, precision=precision, timeout=timeout)
     except (ValueError, TypeError) as e:
         raise Refused(400, str(e)) from None
-    except Overloaded as e:
-        raise Refused(503, str(e), retry=True) from None
-    except ShuttingDown as e:
-        raise Refused(503, str(e)) from None
-    svc.count("accepted")
+    svc.hold(out_bytes)  # its results, until answered
     try:
-        result = await asyncio.wrap_future(future)
-    except DeadlineExceeded as e:
-        raise Refused(504, str(e)) from None
-    except Exception as e:  # noqa: BLE001 - the corpus call failed: say so, keep serving
-        raise Refused(500, f"{type(e).__name__}: {e}") from None
+        try:
+            future = svc.batcher.submit(model, Q, arg, precision=precision, timeout=timeout)
+        except (ValueError, TypeError) as e:
+            raise Refused(400, str(e)) from None
+        except Overloaded as e:
+            raise Refused(503, str(e), retry=True) from None
+        except ShuttingDown as e:
+            raise Refused(503, str(e)) from None
+        svc.count("accepted")
+        try:
+            result = await asyncio.wrap_future(future)
+        except DeadlineExceeded as e:
+            raise Refused(504, str(e)) from None
+        except Exception as e:  # noqa: BLE001 - the corpus call failed: say so, keep serving
+            raise Refused(500, f"{type(e).__name__}: {e}") from None
+        finally:
+            svc.count("answered")
     finally:
-        svc.count("answered")
+        svc.release(out_bytes)
     t = future.timing
     return (dict(zip(OUTPUTS[model], result if model == "search" else (result,))),
             {"queue_us": round(t.queue_s * 1e6), "compute_us": round(t.compute_s * 1e6),
@@ -185,6 +217,8 @@ def _arguments(svc: Service, model: str, inputs: dict) -> tuple[np.ndarray, obje
     Q = inputs["Q"]
     if Q.dtype.kind in "USiub":
         raise ValueError(f"Q must be FP16, BF16 or FP32 embeddings, got {_datatype(Q)}")
+    if Q.ndim in (2, 3) and Q.shape[-2] == 0:  # (a query of no tokens costs no bytes, its answer does)
+        raise ValueError(f"Q has shape {list(Q.shape)}: a query needs at least one token")
     if model == "search":
         K = inputs["K"]
         if K.dtype not in (np.int32, np.int64) or K.size != 1:
@@ -199,13 +233,28 @@ def _arguments(svc: Service, model: str, inputs: dict) -> tuple[np.ndarray, obje
     return Q, None
 
 
+def _output_bytes(svc: Service, model: str, Q: np.ndarray, arg) -> int:
+    """The bytes of a request's outputs (ValueError past :data:`MAX_OUTPUT`)."""
+    nq = Q.shape[0] if Q.ndim == 3 else 1
+    per_query, itemsize, what = {"search": (arg, 12, "results (a score and an id each)"),
+                                 "rerank": (arg.shape[-1] if hasattr(arg, "shape") else 0, 4, "scores"),
+                                 "score": (len(svc.batcher.corpus), 4, "documents' scores")}[model]
+    n = nq * max(0, per_query) * itemsize
+    if n > MAX_OUTPUT:
+        raise ValueError(f"{nq} queries of {per_query} {what} take {n} bytes; at most {MAX_OUTPUT} a request")
+    return n
+
+
 def _parameters(params: dict) -> tuple[float | None, str | None]:
     """(the queue timeout in seconds, the precision) from the request's parameters."""
     timeout = params.get("timeout")
     if timeout is not None:
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
             raise ValueError(f"parameter timeout must be a positive number of microseconds, got {timeout!r}")
-        timeout = timeout * 1e-6
+        try:
+            timeout = float(timeout) * 1e-6
+        except OverflowError:  # an integer past float's range
+            raise ValueError(f"parameter timeout is out of range: {timeout}") from None
     precision = params.get("precision")
     if precision is not None and not isinstance(precision, str):
         raise ValueError(f"parameter precision must be a string, got {precision!r}")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import struct
 
 import numpy as np
@@ -24,6 +25,10 @@ DTYPES = {"BOOL": "bool", "UINT8": "uint8", "UINT16": "uint16", "UINT32": "uint3
 DATATYPES = {v: k for k, v in DTYPES.items()}
 _DATATYPE_OF = {np.dtype(v): k for k, v in DTYPES.items() if v != "bfloat16"}  # str(dtype) costs microseconds
 MAX_ELEMENTS = 1 << 28  # per input: a header cannot ask for more than this
+# BYTES inputs become fixed-width NumPy strings, each element padded to the longest at 4 bytes a
+# character: one long element among many empty ones would otherwise ask for thousands of times its bytes.
+MAX_STRING_BYTES = 1 << 26
+_DIGITS = re.compile(r"[0-9]+")
 
 
 def read_request(body: bytes, header_length: str | None) -> tuple[dict, dict[str, np.ndarray]]:
@@ -31,10 +36,9 @@ def read_request(body: bytes, header_length: str | None) -> tuple[dict, dict[str
     if header_length is None:
         header, binary = _json(body), b""
     else:
-        try:
-            n = int(header_length)
-        except ValueError:
-            raise ValueError(f"Inference-Header-Content-Length must be an integer, got {header_length!r}") from None
+        if not _DIGITS.fullmatch(header_length):  # (int() would take " 5", "+5" and "1_0")
+            raise ValueError(f"Inference-Header-Content-Length must be an integer, got {header_length!r}")
+        n = int(header_length)
         if not 0 <= n <= len(body):
             raise ValueError(f"Inference-Header-Content-Length is {n} but the body has {len(body)} bytes")
         header, binary = _json(body[:n]), memoryview(body)[n:]
@@ -113,6 +117,8 @@ def _json(raw) -> object:
         return json.loads(bytes(raw))
     except (ValueError, UnicodeDecodeError) as e:
         raise ValueError(f"the request header is not JSON: {e}") from None
+    except RecursionError:
+        raise ValueError("the request header nests its JSON too deeply") from None
 
 
 def check_input(inputs: dict, name: str, shape, datatype) -> tuple[int, ...]:
@@ -189,19 +195,32 @@ def tensor_bytes(a: np.ndarray) -> bytes:
 
 
 def _flatten(data) -> list:
+    """The values of nested lists in order, without recursion (however deep the JSON nests)."""
     if not isinstance(data, list):
         return [data]
-    out = []
-    for x in data:
-        out.extend(_flatten(x) if isinstance(x, list) else [x])
+    out, stack = [], [iter(data)]
+    while stack:
+        for x in stack[-1]:
+            if isinstance(x, list):
+                stack.append(iter(x))
+                break
+            out.append(x)
+        else:
+            stack.pop()
     return out
 
 
 def _strings(name: str, items: list[bytes]) -> np.ndarray:
     try:
-        return np.array([b.decode() for b in items], dtype=str)
+        text = [b.decode() for b in items]
     except UnicodeDecodeError:
         raise ValueError(f"input {name}: BYTES elements must be UTF-8 text") from None
+    width = max(map(len, text), default=0)
+    if len(text) * width * 4 > MAX_STRING_BYTES:
+        raise ValueError(f"input {name}: {len(text)} BYTES elements of up to {width} characters take "
+                         f"{len(text) * width * 4} bytes as an array (each padded to the longest); at most "
+                         f"{MAX_STRING_BYTES}")
+    return np.array(text, dtype=str)
 
 
 def _bytes_elements(a: np.ndarray) -> bytes:

@@ -29,7 +29,7 @@ from .._shard_format import numpy_dtype
 from ..corpus import Corpus
 from ..precision import PRECISIONS
 from ._partition import Partition, split_shards
-from ._queue import DeviceQueue, Request, scored
+from ._queue import DeviceQueue, Request, _observed, scored
 from ._staging import Staging
 from .errors import Overloaded, ShuttingDown
 
@@ -189,7 +189,7 @@ class Batcher:
             for q in sorted(self._queues, key=lambda q: q.load):
                 if q.put(req):
                     return req.future
-        self._observer.rejected(op, "overloaded")
+        _observed(self._observer.rejected, op, "overloaded")
         raise Overloaded(f"all {len(self._queues)} replica queues are full ({self.max_queue} requests each); "
                          f"retry later")
 

@@ -103,14 +103,20 @@ class _Servicer(rpc.GRPCInferenceServiceServicer):
 
     async def ModelInfer(self, request, context):
         svc, model, start = self.svc, request.model_name, time.perf_counter()
+        held = 0
         try:
             _service.check_model(model)
+            size = request.ByteSize()
+            svc.hold(size)  # the message, against the server's budget of request bytes
+            held = size
             inputs, params, names = _request(request, _service.OUTPUTS[model])
             remaining = context.time_remaining()
             out, reply = await _service.infer(svc, model, inputs, params, deadline_s=remaining)
         except Refused as e:
             _service.responded(svc, model, e.status, start)
             await context.abort(_CODES[e.status], str(e))
+        finally:
+            svc.release(held)
         response = pb.ModelInferResponse(model_name=model, model_version="1", id=request.id)
         for key, value in reply.items():
             response.parameters[key].int64_param = value

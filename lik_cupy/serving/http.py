@@ -48,6 +48,7 @@ from .batcher import Batcher
 __all__ = ["MODELS", "make_app", "run", "run_processes", "serve"]
 
 _RETRY_AFTER_S = "1"
+_GRPC_GRACE_S = 300.0  # at shutdown, gRPC calls already accepted may take this long to be answered
 
 
 def make_app(load, *, max_body_bytes: int = MAX_BODY, grpc_address: str | None = None):
@@ -78,9 +79,13 @@ def _application(load, max_body_bytes: int, grpc_address: str | None, peers=None
         if svc.failure is None:
             svc.start()
         yield
-        if grpc_server is not None:  # no new RPCs; those accepted finish on the running batcher
-            await grpc_server.stop(grace=None)
+        # gRPC takes no new calls; those accepted finish as the batcher drains (grace=None would
+        # cancel them), then the count of answers is printed.
+        stopped = None if grpc_server is None else asyncio.ensure_future(grpc_server.stop(grace=_GRPC_GRACE_S))
         await asyncio.get_running_loop().run_in_executor(None, svc.stop)
+        if stopped is not None:
+            await stopped
+        svc.report()
 
     async def live(request):
         return Response(status_code=200)
@@ -144,6 +149,8 @@ def serve(paths, *, host: str = "127.0.0.1", port: int = 8000, grpc_port: int | 
     ``partition``; the rest as for :class:`Batcher`) with :func:`run`: HTTP on ``port``, and gRPC on
     ``grpc_port`` when given. ``processes`` > 1: that many server processes on the ports
     (:func:`run_processes`), each with its own replicas."""
+    if grpc_port is not None and grpc_port == port != 0:
+        raise ValueError(f"the gRPC port must differ from the HTTP port, both are {port}")
     load = functools.partial(_load_shards, list(paths), devices, partition,
                              dict(max_batch=max_batch, max_tokens=max_tokens, max_delay_us=max_delay_us,
                                   max_queue=max_queue))
@@ -178,10 +185,12 @@ def run_processes(load, processes: int, *, host: str = "127.0.0.1", port: int = 
     if isinstance(processes, bool) or not isinstance(processes, int) or processes < 1:
         raise ValueError(f"processes must be an integer >= 1, got {processes!r}")
     # The ports are reserved by sockets bound with SO_REUSEPORT that never listen; each process
-    # listens on sockets of its own bound there too (_serve_child).
-    sock = _listening(host, port, reuse_port=True)
+    # listens on sockets of its own bound there too (_serve_child). SO_REUSEPORT would also join a
+    # group another server already listens in, so each port is first bound without it, as one
+    # process binds it, to make sure that nothing listens there.
+    sock = _reserved(host, port)
     try:
-        grpc_sock = None if grpc_port is None else _listening(host, grpc_port, reuse_port=True)
+        grpc_sock = None if grpc_port is None else _reserved(host, grpc_port)
     except LikError:
         sock.close()
         raise
@@ -205,6 +214,14 @@ def _serve_child(load, host: str, port: int, grpc_address: str | None, peers) ->
     """One process of :func:`run_processes` (spawned): the whole server on a socket of its own at
     ``host:port``, and gRPC at ``grpc_address`` when given."""
     _serve_on(_application(load, MAX_BODY, grpc_address, peers), _listening(host, port, reuse_port=True))
+
+
+def _reserved(host: str, port: int) -> socket.socket:
+    """:func:`run_processes`' reservation of ``host:port`` (a free one for port 0): LikError where
+    something already listens."""
+    if port:
+        _listening(host, port).close()
+    return _listening(host, port, reuse_port=True)
 
 
 def _listening(host: str, port: int, reuse_port: bool = False) -> socket.socket:
@@ -291,11 +308,27 @@ class _Disconnected(Exception):
     """The client went away before its request's body was read."""
 
 
+class _Held:
+    """The bytes of one request held against the server's budget (``Service.hold``), given back at once."""
+
+    def __init__(self, svc: Service):
+        self.svc, self.n = svc, 0
+
+    def add(self, n: int) -> None:
+        self.svc.hold(n)
+        self.n += n
+
+    def release(self) -> None:
+        self.svc.release(self.n)
+        self.n = 0
+
+
 async def _answer_infer(svc: Service, model: str, scope, receive, send) -> None:
     start = time.perf_counter()
     headers = {k: v for k, v in scope["headers"] if k in _REQUEST_HEADERS}
+    held = _Held(svc)
     try:
-        status, body, head = await _infer(svc, model, headers, receive)
+        status, body, head = await _infer(svc, model, headers, receive, held)
     except Refused as e:
         status, body, head = _refused(e)
     except _Disconnected:
@@ -303,6 +336,8 @@ async def _answer_infer(svc: Service, model: str, scope, receive, send) -> None:
     except Exception as e:  # noqa: BLE001 - a fault of ours: say so, keep serving
         _log.exception("inference request failed")
         status, body, head = 500, _error_json(f"internal error: {type(e).__name__}: {e}"), _JSON
+    finally:
+        held.release()
     _service.responded(svc, model, status, start)
     await send({"type": "http.response.start", "status": status,
                 "headers": [*head, (b"content-length", str(len(body)).encode())]})
@@ -328,16 +363,19 @@ def _refused_response(e: Refused) -> Response:
     return Response(body, status_code=status, headers={k.decode(): v.decode() for k, v in head})
 
 
-async def _infer(svc: Service, model: str, headers: dict, receive) -> tuple[int, bytes, tuple]:
+async def _infer(svc: Service, model: str, headers: dict, receive, held: _Held) -> tuple[int, bytes, tuple]:
     """(status, body, headers) of the response to one inference request (raises :class:`Refused`).
-    ``headers``: the request's, by lower-case name, as bytes."""
+    ``headers``: the request's, by lower-case name, as bytes; ``held``: what the body holds of the
+    server's budget."""
     _service.check_model(model)
     _service.check_ready(svc)  # before reading the body
-    body = await _body(receive, svc.max_body)
+    body = await _body(receive, svc.max_body, held)
     try:
         encoding = headers.get(b"content-encoding")
-        if body is not None:
-            body = _decoded(body, None if encoding is None else encoding.decode("latin-1"), svc.max_body)
+        if body is not None and encoding is not None:
+            body = _decoded(body, encoding.decode("latin-1"), svc.max_body)
+            if body is not None:
+                held.add(len(body))
         if body is None:
             raise Refused(413, f"the request body is over {svc.max_body} bytes")
         length = headers.get(b"inference-header-content-length")
@@ -359,8 +397,9 @@ async def _infer(svc: Service, model: str, headers: dict, receive) -> tuple[int,
                           (b"inference-header-content-length", str(json_size).encode()))
 
 
-async def _body(receive, limit: int) -> bytes | None:
-    """The request's body, or None past ``limit`` bytes (read no further)."""
+async def _body(receive, limit: int, held: _Held) -> bytes | None:
+    """The request's body, or None past ``limit`` bytes (read no further); each chunk held against
+    the server's budget as it arrives (twice: the chunks, then the body they join into)."""
     chunks, n = [], 0
     while True:
         message = await receive()
@@ -370,24 +409,39 @@ async def _body(receive, limit: int) -> bytes | None:
         n += len(chunk)
         if n > limit:
             return None
+        held.add(len(chunk))
         chunks.append(chunk)
         if not message.get("more_body", False):
+            if len(chunks) == 1:
+                return chunks[0]
+            held.add(n)
             return b"".join(chunks)
 
 
-def _decoded(body: bytes, encoding: str | None, limit: int) -> bytes | None:
-    """The body decompressed as its Content-Encoding says; None past ``limit`` bytes (inflated no further)."""
-    if encoding in (None, "identity"):
+def _decoded(body: bytes, encoding: str, limit: int) -> bytes | None:
+    """The body decompressed as its Content-Encoding says (a coding's name in any case; gzip's members
+    one after another); None past ``limit`` bytes (inflated no further)."""
+    coding = encoding.strip().lower()
+    if coding == "identity":
         return body
-    if encoding not in ("gzip", "deflate"):
+    if coding not in ("gzip", "deflate"):
         raise ValueError(f"Content-Encoding {encoding!r} is not supported; use gzip, deflate or none")
-    inflate = zlib.decompressobj(wbits=31 if encoding == "gzip" else 15)  # a gzip member, or a zlib stream
-    try:
-        out = inflate.decompress(body, limit + 1)
-    except zlib.error as e:
-        raise ValueError(f"the body is not valid {encoding} data: {e}") from None
-    if len(out) > limit:
-        return None
-    if not inflate.eof:
-        raise ValueError(f"the body is not valid {encoding} data: it ends early")
-    return out
+    parts, n, rest = [], 0, body
+    while True:
+        inflate = zlib.decompressobj(wbits=31 if coding == "gzip" else 15)  # a gzip member, or a zlib stream
+        try:
+            out = inflate.decompress(rest, limit + 1 - n)
+        except zlib.error as e:
+            raise ValueError(f"the body is not valid {coding} data: {e}") from None
+        n += len(out)
+        if n > limit:
+            return None
+        if not inflate.eof:
+            raise ValueError(f"the body is not valid {coding} data: it ends early")
+        parts.append(out)
+        rest = inflate.unused_data
+        if coding == "deflate" or not rest:
+            break
+    if coding == "deflate" and rest:
+        raise ValueError("the body is not valid deflate data: bytes follow the end of its stream")
+    return parts[0] if len(parts) == 1 else b"".join(parts)
