@@ -19,16 +19,18 @@ def merge_ranked(va: np.ndarray, ia: np.ndarray, vb: np.ndarray, ib: np.ndarray,
 
 
 def merge_rankings(parts, k: int):
-    """Merge any number of rankings ``[(scores, positions)]``, each ``[Nq, *]`` float32 scores and
-    int64 global positions (no position twice in a row), into the top ``k`` of each row, in one
-    pass: ``(scores [Nq, <=k], positions [Nq, <=k])``. The order is total, so the result is that of
-    any sequence of pairwise merges."""
+    """Merge any number of rankings ``[(scores, positions)]``, each ``[Nq, *]`` float32 (or float64)
+    scores and int64 global positions (no position twice in a row), into the top ``k`` of each row,
+    in one pass: ``(scores [Nq, <=k], positions [Nq, <=k])``. The order is total, so the result is
+    that of any sequence of pairwise merges."""
     if len(parts) == 1:  # a ranking already
         return parts[0][0][:, :k], parts[0][1][:, :k]
     v = np.concatenate([p[0] for p in parts], axis=1)
     i = np.concatenate([p[1] for p in parts], axis=1)
     k = min(k, v.shape[1])
-    if i.size and (i.min() < 0 or i.max() >= 1 << 32):  # positions past 32 bits: three sort keys
+    # Three sort keys where one uint64 cannot hold the order: float64 scores (the key holds a score's
+    # float32 bits), positions past 32 bits.
+    if v.dtype != np.float32 or (i.size and (i.min() < 0 or i.max() >= 1 << 32)):
         nan = np.isnan(v)
         order = np.lexsort((i, -np.where(nan, 0, v), nan), axis=1)[:, :k]
     elif k < v.shape[1]:

@@ -217,10 +217,10 @@ class Corpus:
         if call is not None and call.current():
             return call(Q, None, q_mask, None, q_lengths, None, None)
         qp, p = self._problem(Q, q_mask, q_lengths)
+        x3 = fp32_accurate(precision, qp.framework, qp.dtype)  # (checks precision on every path)
         if self.where == "host memory":
             s = self._host_scores(qp, Q, q_mask, q_lengths)
             return host_result(s.reshape(p.scores_shape), qp)
-        x3 = fp32_accurate(precision, qp.framework, qp.dtype)
         if self.where == "pinned host memory":
             return self._streamed(qp, p, Q, q_mask, q_lengths, None, x3)
         return self._launch(qp, p, Q, q_mask, q_lengths, x3, "Corpus.score", key=key)
@@ -243,6 +243,7 @@ class Corpus:
             raise ValueError(f"k must be an integer in [1, {MAX_K}], got {k!r}")
         Q, q_lengths = _unpacked(Q, q_mask, q_lengths, q_offsets)
         qp, p = self._problem(Q, q_mask, q_lengths)
+        x3 = fp32_accurate(precision, qp.framework, qp.dtype)  # (checks precision on every path)
         if self.where == "host memory":
             r = CpuTopK(Q, q_mask, q_lengths, None, qp, int(k))
             r.add_docs(p, self._host)
@@ -252,7 +253,6 @@ class Corpus:
             squeeze = len(p.scores_shape) == 1
             s, i = (s[0], i[0]) if squeeze else (s, i)
             return host_result(s, qp), (i if i.dtype.kind in "US" else host_result(i, qp))
-        x3 = fp32_accurate(precision, qp.framework, qp.dtype)
         return self._streamed(qp, p, Q, q_mask, q_lengths, int(k), x3)
 
     def rerank(self, Q, candidates, q_mask=None, *, q_lengths=None, q_offsets=None, precision=None):
@@ -279,6 +279,7 @@ class Corpus:
                     ld=self._p.ld, dim=qp.dim, candidates=True, scores_shape=p.scores_shape[:-1] + (shape[1],),
                     argmax_shape=(), q_valid=qp.q_valid, d_valid=self._p.d_valid, d_packed=self._p.d_packed,
                     ntok=self._p.ntok)
+        x3 = fp32_accurate(precision, qp.framework, qp.dtype)  # (checks precision on every path)
         if self.where == "host memory":
             s = self._host_rerank(qp, Q, q_mask, q_lengths, cand)
             return host_result(s.reshape(p.scores_shape), qp)
@@ -286,7 +287,6 @@ class Corpus:
 
         from ._runtime.candidates import CandidateIds
 
-        x3 = fp32_accurate(precision, qp.framework, qp.dtype)
         with GpuCall(qp, self.device):
             ids = cand if on_device else cupy.asarray(cand)
             ids = CandidateIds(ids.reshape(shape), self._p.nd)
@@ -619,6 +619,8 @@ def _check_ids(ids, nd: int) -> np.ndarray | None:
             raise TypeError(f"ids must be an array or a list of integers or strings, got {type(ids).__name__}") \
                 from None
     a = np.asarray(ids)
+    if a.size == 0 and a.dtype.kind == "f":  # (an empty list is float64 to NumPy)
+        a = a.astype(np.int64)
     if a.ndim != 1 or a.shape[0] != nd:
         raise ValueError(f"ids has shape {list(a.shape)}; expected [{nd}] (one per document)")
     if a.dtype.kind in "iu":

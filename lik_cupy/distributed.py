@@ -631,8 +631,17 @@ class DistributedCorpus:
             raise TypeError(f"Q is {Q.dtype} but the corpus holds {self.dtype}; cast Q (Q.astype(...)) to it")
         squeeze = Q.ndim == 2
         Q = np.ascontiguousarray(Q[None] if squeeze else Q)
-        if q_lengths is not None:
-            q_lengths = np.ascontiguousarray(np.asarray(q_lengths).reshape(Q.shape[0]))
+        if q_lengths is not None:  # checked here, before any task is sent
+            lengths = np.asarray(q_lengths)
+            nq, lq = Q.shape[0], Q.shape[1]
+            if lengths.size != nq:
+                raise ValueError(f"q_lengths has shape {list(lengths.shape)}; expected [{nq}] (one per query)")
+            if lengths.dtype.kind not in "iu":
+                raise TypeError(f"q_lengths must be integers, got dtype {lengths.dtype}")
+            if lengths.size and (lengths.min() < 0 or lengths.max() > lq):
+                bad = int(lengths.min()) if lengths.min() < 0 else int(lengths.max())
+                raise ValueError(f"q_lengths has {bad}, outside [0, {lq}] (Q's Lq)")
+            q_lengths = np.ascontiguousarray(lengths.reshape(nq))
         return Q, q_lengths, squeeze
 
     # ------------------------------------------------------------ waiting

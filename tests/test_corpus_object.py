@@ -382,3 +382,14 @@ def test_rerank_gathers_its_candidates_within_the_rerank_block(rng, layout, monk
     one = peak(lambda: long.rerank(q, np.zeros((1, 1), np.int64)))
     many = peak(lambda: long.rerank(q, np.zeros((1, 40), np.int64)))  # 40 copies: 25.6 MB gathered at once
     assert many < one + (1 << 20), (many, one)
+
+
+def test_a_host_corpus_checks_precision_and_takes_empty_ids():
+    c = lik_cupy.Corpus(np.ones((3, 2, 4), np.float32), device="cpu")
+    q = np.ones((1, 2, 4), np.float32)
+    for call in (lambda: c.score(q, precision="bogus"), lambda: c.search(q, 2, precision="bogus"),
+                 lambda: c.rerank(q, [[0, 1]], precision="bogus")):
+        with pytest.raises(ValueError, match="precision must be one of 'fp32', 'tf32', got 'bogus'"):
+            call()
+    empty = lik_cupy.Corpus(np.zeros((0, 2, 4), np.float32), ids=[], device="cpu")
+    assert len(empty) == 0 and empty.score(q).shape == (1, 0)

@@ -121,6 +121,16 @@ def corpus(client, corpus_files):
         yield c
 
 
+def test_query_lengths_are_checked_before_any_task(corpus, rng):
+    Q, _ = _queries(rng)
+    with pytest.raises(ValueError, match=rf"q_lengths has shape \[2\]; expected \[{Q.shape[0]}\]"):
+        corpus.search(Q, 3, q_lengths=[1, 2])
+    with pytest.raises(ValueError, match=rf"q_lengths has {Q.shape[1] + 1}, outside \[0, {Q.shape[1]}\]"):
+        corpus.search(Q, 3, q_lengths=np.full(Q.shape[0], Q.shape[1] + 1))
+    with pytest.raises(TypeError, match="q_lengths must be integers"):
+        corpus.score(Q, q_lengths=np.ones(Q.shape[0]))
+
+
 def test_search_is_retrieve_bitwise(corpus, corpus_files, rng):
     parts = corpus_files[1]
     assert corpus.num_docs == sum(SHARD_DOCS) and corpus.dtype == "float32" and corpus.dim == DIM

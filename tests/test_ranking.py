@@ -53,3 +53,17 @@ def test_merging_many_at_once_is_merging_pairs_in_turn(rng, offset):
         got = merge_rankings(rankings, k)
         assert np.array_equal(got[1], want[1])
         assert np.array_equal(got[0].view(np.uint32), want[0].view(np.uint32))
+
+
+def test_float64_scores_keep_their_order_past_float32():
+    """float64 scores apart by less than float32 resolves, or past its range, stay in order."""
+    import lik_cupy
+
+    v = np.array([[1.0, 1.0 + 1e-12, 0.5]])
+    i = np.arange(3, dtype=np.int64)[None]
+    s, p = merge_rankings([(v[:, :1], i[:, :1]), (v[:, 1:], i[:, 1:])], 3)
+    assert p.tolist() == [[1, 0, 2]] and s.dtype == np.float64
+    Q = np.ones((1, 1, 1))
+    D = np.array([[[1.0]], [[1.0 + 1e-12]], [[1e39]], [[2e39]], [[0.5]]])
+    s, p = lik_cupy.retrieve(Q, D, k=4, backend="cpu")
+    assert p.tolist() == [[3, 2, 1, 0]] and (np.diff(s[0]) < 0).all()
