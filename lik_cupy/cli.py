@@ -375,10 +375,10 @@ def _parse_devices(text: str) -> list[int]:
 
 def _choose_backend(cpu: bool, device: int | None, devices: str | None) -> tuple[str, list[int | None]]:
     """("gpu" | "cpu", the GPUs to spread shards over; [None] = the current device)."""
-    if device is not None and devices:
+    if device is not None and devices is not None:
         raise LikError("--devices", "give --device or --devices, not both")
-    option = "--devices" if devices else "--device"
-    wanted = _parse_devices(devices) if devices else None if device is None else [device]
+    option = "--devices" if devices is not None else "--device"
+    wanted = _parse_devices(devices) if devices is not None else None if device is None else [device]
     if cpu:
         if wanted is not None:
             raise LikError(option, "conflicts with --cpu; drop one of them")
@@ -1003,7 +1003,20 @@ def _load_ids(path: str) -> np.ndarray:
     ids = _files.open_npy(path)
     if ids.dtype.kind not in "iuUS":
         raise LikError(path, f"ids must be int64 or fixed-width strings, got dtype {ids.dtype}")
-    return fmt.check_ids(ids, ids.shape[0] if ids.ndim else 1, path)  # the file named in what is wrong
+    if ids.ndim != 1:
+        raise LikError(path, f"ids must be a 1-D array, one per document; got shape {ids.shape}")
+    return fmt.check_ids(ids, ids.shape[0], path)  # the file named in what is wrong
+
+
+@contextlib.contextmanager
+def _naming_ids(path: str | None):
+    """What the shard writer finds wrong with the ids (their count) named by the --ids file they came from."""
+    try:
+        yield
+    except shards.ShardError as e:
+        if path and e.path == "ids":
+            raise shards.ShardError(path, e.problem) from None
+        raise
 
 
 @main.command(
@@ -1041,8 +1054,8 @@ def _pack_command(sources, out, lengths, per_doc, ids, model, dtype, int8, bf16_
     if int8 and dtype:
         raise LikError("--int8", f"conflicts with --dtype {dtype}; give one of them")
     dtype = fmt.INT8 if int8 else dtype
-    ids = _load_ids(ids) if ids else None
-    with _sigterm_as_interrupt():
+    ids_file, ids = ids, _load_ids(ids) if ids else None
+    with _sigterm_as_interrupt(), _naming_ids(ids_file):
         if per_doc:
             if lengths:
                 raise LikError("--lengths", "does not go with --per-doc (each file is one whole document)")

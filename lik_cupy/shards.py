@@ -323,6 +323,9 @@ def _check_offsets(offsets: np.ndarray, num_tokens: int, name: str) -> np.ndarra
 def _padded(path, tokens, lengths, lengths_file, tokens_file) -> Shard:
     if tokens.shape[2] == 0:
         raise ShardError(tokens_file, f"embedding dim is 0 (shape {tokens.shape}); expected d >= 1")
+    if tokens.shape[1] == 0 and tokens.shape[0] > 0:  # (rows the file holds no byte of: any number of them)
+        raise ShardError(tokens_file, f"padded length is 0 (shape {tokens.shape}): no row can hold a token; "
+                                      f"expected L >= 1")
     if lengths is not None:
         n, limit = tokens.shape[0], tokens.shape[1]
         if lengths.shape != (n,):

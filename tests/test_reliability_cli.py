@@ -208,3 +208,32 @@ def test_a_scheduler_that_dies_mid_run_is_exit_2_in_one_line(tmp_path):
         sched.wait()
     one_line(p.returncode, p.stderr, "--scheduler", f"lost the connection to the Dask scheduler at {address}")
     assert listing(tmp_path) == ["q.npy", "s"]
+
+
+def test_a_padded_npy_of_no_tokens_claims_no_documents(tmp_path):
+    """A 128-byte header claiming 2**40 rows of zero tokens: every command refuses it in one line, not
+    by allocating or looping once per row."""
+    hostile = tmp_path / "hostile.npy"
+    with open(hostile, "wb") as f:
+        np.lib.format.write_array_header_1_0(f, {"descr": "<f4", "fortran_order": False, "shape": (2**40, 0, 4)})
+    other = tmp_path / "d.npy"
+    np.save(other, np.ones((3, 5, 4), np.float32))
+    for args in (["inspect", hostile], ["pack", hostile, "--out", tmp_path / "x"],
+                 ["score", "--cpu", "-q", hostile, "-d", other, "-o", tmp_path / "a.tsv"],
+                 ["score", "--cpu", "-q", other, "-d", hostile, "-o", tmp_path / "b.tsv"]):
+        r = run(*args)
+        assert r.exit_code == 2 and "padded length is 0" in r.stderr and "expected L >= 1" in r.stderr, r.stderr
+    assert not (tmp_path / "x").exists() and not (tmp_path / "a.tsv").exists()
+
+
+def test_ids_errors_name_the_ids_file_and_empty_devices_are_refused(tmp_path):
+    d = tmp_path / "d.npy"
+    np.save(d, np.ones((3, 5, 4), np.float32))
+    np.save(tmp_path / "two.npy", np.arange(2))
+    np.save(tmp_path / "scalar.npy", np.array(5))
+    r = run("pack", d, "--out", tmp_path / "x", "--ids", tmp_path / "two.npy")
+    assert r.exit_code == 2 and f"{tmp_path / 'two.npy'}: expected 3 ids (one per document)" in r.stderr, r.stderr
+    r = run("pack", d, "--out", tmp_path / "x", "--ids", tmp_path / "scalar.npy")
+    assert r.exit_code == 2 and "ids must be a 1-D array, one per document; got shape ()" in r.stderr, r.stderr
+    r = run("score", "--cpu", "-q", d, "-d", d, "--devices", "", "-o", tmp_path / "o.tsv")
+    assert r.exit_code == 2 and "--devices: expected comma-separated GPU indices" in r.stderr, r.stderr
