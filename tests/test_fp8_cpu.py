@@ -64,6 +64,20 @@ def test_quantiser_codes_match_torch(rng, per, dtype):
     assert np.array_equal(ts.numpy(), s.astype(np.float32))
 
 
+def test_tokens_of_denormal_values_saturate_as_torch_does(rng):
+    """A token whose largest value is a float32 denormal gets a scale too coarse for it: x / scale
+    passes 448, which torch's cast (and the kernel's satfinite conversion) saturates, and ml_dtypes'
+    cast would have turned into NaN codes."""
+    x = np.array([[6.59e-43, -3.0e-43, 1e-43, 0.0], [1e-44, 0, 0, -1e-45]], np.float32)
+    x = np.concatenate([x, (rng.standard_normal((200, 4)) * np.exp2(rng.uniform(-149, -120, (200, 1))))
+                        .astype(np.float32)])
+    q, s = lik_cupy.quantize_fp8(x)
+    bits = q.view(np.uint8)
+    assert not np.isin(bits, (0x7F, 0xFF)).any()  # no NaN code
+    assert np.array_equal(bits, np.where((s == 0)[:, None], 0, _torch_codes(x, s, "token")))
+    assert np.isfinite(lik_cupy.maxsim_fp8(np.ones((1, 1, 4), np.float32), q[None], s[None], backend="cpu")).all()
+
+
 @pytest.mark.parametrize("per", ["token", "tensor"])
 def test_dequantise_is_exact(rng, per):
     x = rng.standard_normal((5, 3, 32)).astype(np.float32)

@@ -162,3 +162,27 @@ def test_the_framework_name_check_sees_comparisons_and_tables(tmp_path):
     probe = tmp_path / "probe.py"
     probe.write_text('if fw == "torch":\n    pass\nok = fw in ("cupy", "other")\nt = {"jax": 1}\nx = "numpy"\n')
     assert framework_tests(probe) == ["probe.py:1 'torch'", "probe.py:3 'cupy'", "probe.py:4 'jax'"]
+
+
+def test_a_torch_subclass_from_elsewhere_comes_back_as_torch():
+    """The framework of a subclass defined outside torch (here in this test module) by isinstance:
+    its results are torch tensors, gradients and bfloat16 included."""
+    torch = pytest.importorskip("torch")
+    import lik_cupy
+    import lik_cupy.torch  # noqa: F401  (the autograd functions)
+
+    class Mine(torch.Tensor):
+        pass
+
+    rng = np.random.default_rng(0)
+    q = torch.from_numpy(rng.standard_normal((2, 3, 8)).astype(np.float32)).as_subclass(Mine)
+    d = torch.from_numpy(rng.standard_normal((4, 5, 8)).astype(np.float32)).as_subclass(Mine)
+    s = lik_cupy.maxsim(q, d, backend="cpu")
+    assert isinstance(s, torch.Tensor) and s.shape == (2, 4)
+    assert torch.equal(torch.as_tensor(s), lik_cupy.maxsim(q.as_subclass(torch.Tensor), d.as_subclass(torch.Tensor),
+                                                           backend="cpu"))
+    b = lik_cupy.maxsim(q.to(torch.bfloat16), d.to(torch.bfloat16), backend="cpu")
+    assert isinstance(b, torch.Tensor)
+    qg = q.detach().clone().requires_grad_()
+    lik_cupy.torch.maxsim(qg, d).sum().backward()
+    assert qg.grad is not None and qg.grad.shape == q.shape

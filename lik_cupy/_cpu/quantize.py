@@ -78,7 +78,11 @@ def quantize_fp8_numpy(x: np.ndarray, *, per: str = "token", strict: bool = True
         k = ok[r0 : r0 + _BLOCK_ROWS]
         div = np.where(k, sc[r0 : r0 + _BLOCK_ROWS], np.float32(1))
         with np.errstate(invalid="ignore"):
-            codes = (blk / div[:, None]).astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+            # Saturated as the kernel's cvt.rn.satfinite and torch's cast: ml_dtypes' cast turns 464 and
+            # over into NaN, and a row whose largest value is a denormal gets a scale too coarse for it.
+            y = blk / div[:, None]
+            np.clip(y, -_FP8_MAX, _FP8_MAX, out=y)
+            codes = y.astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
         q[r0 : r0 + _BLOCK_ROWS] = np.where(k[:, None], codes, 0)
     scales = np.float32(sc[0] if rows else np.float32(0)) if per == "tensor" else sc.reshape(x.shape[:-1])
     return q.reshape(x.shape), np.asarray(scales, np.float32)

@@ -7,8 +7,9 @@ for torch and CuPy, and ``xla_buffers`` for JAX's callbacks). The functions here
 framework name and do what every framework shares; the core modules reach a framework only through
 its adapter.
 
-Frameworks are recognised by the module that defines the array's type, so ``import lik_cupy``
-never imports torch or jax: if a torch tensor reaches us, torch is already in ``sys.modules``.
+Frameworks are recognised by the module that defines the array's type (a subclass defined
+elsewhere, by ``isinstance`` against the frameworks already imported), so ``import lik_cupy`` never
+imports torch or jax: if a torch tensor reaches us, torch is already in ``sys.modules``.
 Device arrays cross into CuPy without a copy when they are C-contiguous (other strides are
 copied on the device, never misread). bfloat16 travels as its 16-bit pattern (a free view in
 torch, NumPy and CuPy), because the kernels read raw bits and CuPy's own bfloat16 support
@@ -17,6 +18,8 @@ depends on its version. FP8 (float8_e4m3fn) travels as its uint8 bit patterns li
 """
 
 from __future__ import annotations
+
+import sys
 
 import numpy as np
 
@@ -47,6 +50,11 @@ def framework_of(x) -> str:
         return "torch"
     if mod in ("jax", "jaxlib"):
         return "jax"
+    for name, framework in (("torch", "torch"), ("cupy", "cupy"), ("jax", "jax")):  # a subclass defined elsewhere
+        module = sys.modules.get(name)
+        if module is not None and isinstance(x, module.Tensor if name == "torch" else
+                                             module.ndarray if name == "cupy" else module.Array):
+            return framework
     if hasattr(x, "__dlpack__") and hasattr(x, "__dlpack_device__"):
         return "dlpack"
     raise TypeError(f"expected a NumPy, CuPy, PyTorch or JAX array (or any DLPack array), got {type(x).__name__}")
