@@ -171,7 +171,7 @@ def decompress_residuals(codes, residuals, centroids, bucket_weights, nbits, *, 
     cen = np.asarray(host_array(centroids, fw))
     w = np.asarray(host_array(bucket_weights, fw))
     flat = np.asarray(host_array(codes, fw)).reshape(-1)
-    r = np.asarray(host_array(residuals, fw)).reshape(flat.size, -1)
+    r = np.asarray(host_array(residuals, fw)).reshape(flat.size, cen.shape[1] * nbits // 8)  # (no -1: zero tokens)
     _check_codes(flat, cen.shape[0])
     out = np.empty((flat.size, cen.shape[1]), np.float32)
     step = max(1, (16 << 20) // (8 * cen.shape[1]))
@@ -392,6 +392,7 @@ class PlaidIndex:
         fw = q.framework
         if not use_gpu(backend, q.device):
             host = [None if a is None else np.asarray(host_array(a, fw)) for a in (Q, q_mask, q_lengths, candidate_ids)]
+            host[3] = _empty_as_ids(host[3])
             rp = check_residual(host[0], self.codes, self.residual_bits, self.offsets, self.centroids,
                                 self.bucket_weights, self.nbits, host[1], host[2], packed=True, candidates=host[3])
             ids = host[3].astype(np.int64)  # int32 or int64, as checked
@@ -403,6 +404,7 @@ class PlaidIndex:
         device, (codes, bits, offsets, centroids, weights) = self._on_device(q.device)
         with GpuCall(q, device) as g:
             dq, dm, dl, ids = [None if a is None else g.array(a) for a in (Q, q_mask, q_lengths, candidate_ids)]
+            ids = _empty_as_ids(ids)
             rp = check_residual(dq, codes, bits, offsets, centroids, weights, self.nbits, dm, dl, packed=True,
                                 candidates=ids)
             # The offsets were checked when the index was read; the ids are checked on every call.
@@ -411,3 +413,9 @@ class PlaidIndex:
             scores = g.result(scores)
             amax = None if amax is None else g.result(amax)
         return (scores, amax) if return_argmax else scores
+
+
+def _empty_as_ids(ids):
+    """Candidate ids as given, except an empty list's array (float64 to NumPy and CuPy): int64, as no
+    candidates are."""
+    return ids.astype(np.int64) if ids.size == 0 and ids.dtype.kind == "f" else ids

@@ -583,3 +583,17 @@ def test_index_rerank_equals_decompress_then_maxsim_varlen(rng, nbits):
         exact = np.take_along_axis(exact, cand, axis=1)
         room = 2.0**-24 * np.linalg.norm(Q.astype(np.float64), axis=2).sum(axis=1)[:, None] * 1.01
         assert np.all(np.abs(s - exact) <= room + np.spacing(np.abs(s))), np.abs(s - exact).max()
+
+
+def test_zero_tokens_and_no_candidates():
+    """Decompressing no codes gives no embeddings (the residual rows' width is known, not inferred);
+    an empty list of candidates reranks to empty scores, as the functions it wraps do."""
+    cen, w = np.eye(4, 8, dtype=np.float16), np.array([0, 1], np.float16)
+    assert plaid.decompress_residuals(np.zeros(0, np.int64), np.zeros((0, 1), np.uint8), cen, w, 1).shape == (0, 8)
+    assert plaid.decompress_residuals(np.zeros((3, 0), np.int64), np.zeros((3, 0, 1), np.uint8), cen, w,
+                                      1).shape == (3, 0, 8)
+    idx = lik_cupy.PlaidIndex.open(pathlib.Path(__file__).parent / "data" / "fast_plaid" / "fast_plaid_nbits2")
+    assert idx.embeddings([]) == []
+    Q = np.ones((3, 4, idx.dim), np.float32)
+    assert idx.rerank(Q[0], [], backend="cpu").shape == (0,)
+    assert idx.rerank(Q, [[], [], []], backend="cpu").shape == (3, 0)
