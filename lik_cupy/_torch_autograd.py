@@ -129,6 +129,12 @@ def _grads(ctx, g, Q, D, amax, d_offsets, backward):
 
 
 def _backward(g, Q, D, argmax, d_offsets, method):
+    if torch.is_grad_enabled():  # create_graph=True: through the operator, whose own gradient raises
+        return torch.ops.lik_cupy.maxsim_backward.default(g, Q, D, argmax, d_offsets, method)
+    return _backward_kernels(g, Q, D, argmax, d_offsets, method)
+
+
+def _backward_kernels(g, Q, D, argmax, d_offsets, method):
     # The argmax is the forward's own: no value check, and so no host read (CUDA-graph capture).
     return _maxsim_backward(g, Q, D, argmax, d_offsets=d_offsets, method=method, validate=False,
                             backend=backend_of(Q))
@@ -167,7 +173,7 @@ def _maxsim_varlen_op(Q, D_tokens, d_offsets, q_mask, q_lengths, method, return_
 
 def _maxsim_backward_op(grad_scores, Q, D, argmax, d_offsets, method):
     check_method(method)
-    return _backward(grad_scores, Q, D, argmax, d_offsets, method)
+    return _backward_kernels(grad_scores, Q, D, argmax, d_offsets, method)
 
 
 for _name, _impl in (("maxsim", _maxsim_op), ("maxsim_varlen", _maxsim_varlen_op),
@@ -224,4 +230,21 @@ def _op_backward(ctx, g, _g_amax):
 for _name, _packed in (("maxsim", False), ("maxsim_varlen", True)):
     torch.library.register_autograd(f"lik_cupy::{_name}", _op_backward,
                                     setup_context=functools.partial(_setup_context, packed=_packed), lib=_lib)
+
+
+def no_second_derivative(name: str):
+    """An autograd formula for a backward operator ``name`` that raises when its own gradient is asked
+    for (``create_graph=True`` and then a gradient through it): the kernels give no second
+    derivative, and without a formula torch would return the gradients detached, so a loss of them
+    would be differentiated as if they were constants."""
+
+    def backward(ctx, *grads):
+        raise RuntimeError(f"{name} has no second derivative: a gradient of lik-cupy's MaxSim gradients "
+                           f"(create_graph=True) is not supported")
+
+    return backward
+
+
+torch.library.register_autograd("lik_cupy::maxsim_backward", no_second_derivative("lik_cupy::maxsim_backward"),
+                                setup_context=lambda ctx, inputs, output: None, lib=_lib)
 del _name, _impl, _key, _packed

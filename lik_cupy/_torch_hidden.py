@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ._torch_autograd import backend_of, fake_outputs, no_argmax
+from ._torch_autograd import backend_of, fake_outputs, no_argmax, no_second_derivative
 from ._validate import check_hidden, check_hidden_backward
 from .fused_head import maxsim_from_hidden, maxsim_from_hidden_backward
 
@@ -86,6 +86,9 @@ def _autograd_backward(ctx, g, _g_amax):
 
 torch.library.register_autograd("lik_cupy::maxsim_from_hidden", _autograd_backward, setup_context=_setup_context,
                                 lib=_lib)
+torch.library.register_autograd("lik_cupy::maxsim_from_hidden_backward",
+                                no_second_derivative("lik_cupy::maxsim_from_hidden_backward"),
+                                setup_context=lambda ctx, inputs, output: None, lib=_lib)
 
 # The forward operator, as lik_cupy.torch.maxsim_from_hidden calls it.
 maxsim_from_hidden_op = torch.ops.lik_cupy.maxsim_from_hidden.default

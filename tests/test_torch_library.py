@@ -459,3 +459,28 @@ def test_reduce_overhead_captures_the_operators_and_replays_no_host_code(monkeyp
     assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])
     assert "_maxsim" in during[0] and "_maxsim_backward" in during[0]  # the warm-up ran them
     assert during[-3:] == [[], [], []], during
+
+
+def test_a_gradient_of_the_gradients_is_refused_not_zero(rng):
+    """create_graph=True and then a gradient through lik-cupy's gradients: a clear error on every path
+    (eager, the operators, the fused head), where the gradients had come back detached and a penalty
+    on them was differentiated as a constant."""
+    q = torch.from_numpy(rng.standard_normal((2, 3, 4))).requires_grad_()
+    d = torch.from_numpy(rng.standard_normal((3, 5, 4))).requires_grad_()
+    calls = [lambda: lik_cupy.torch.maxsim(q, d),
+             lambda: OPS.maxsim.default(q, d, None, None, None, None, "auto", True, None)[0]]
+    for call in calls:
+        s = call()
+        (gq,) = torch.autograd.grad(s.sum(), q, create_graph=True)
+        with pytest.raises(RuntimeError, match="differentiate twice|no second derivative"):
+            (s.sum() + (gq**2).sum()).backward()
+    h = torch.from_numpy(rng.standard_normal((3, 5, 6))).requires_grad_()
+    w = torch.from_numpy(rng.standard_normal((4, 6))).requires_grad_()
+    s = lik_cupy.torch.maxsim_from_hidden(q, h, w)
+    (gw,) = torch.autograd.grad(s.sum(), w, create_graph=True)
+    with pytest.raises(RuntimeError, match="no second derivative"):
+        (gw**2).sum().backward()
+    # a single backward is unchanged
+    s = lik_cupy.torch.maxsim(q, d)
+    s.sum().backward()
+    assert q.grad is not None and d.grad is not None
