@@ -388,6 +388,8 @@ class PlaidIndex:
             candidates' order (sort them for a ranking).
         """
         check_backend(backend)
+        if candidate_ids is None:
+            raise TypeError("candidate_ids is None; expected integer document ids [Nq, K] (or [K] for a 2-D Q)")
         q = describe(Q)
         fw = q.framework
         if not use_gpu(backend, q.device):

@@ -597,3 +597,5 @@ def test_zero_tokens_and_no_candidates():
     Q = np.ones((3, 4, idx.dim), np.float32)
     assert idx.rerank(Q[0], [], backend="cpu").shape == (0,)
     assert idx.rerank(Q, [[], [], []], backend="cpu").shape == (3, 0)
+    with pytest.raises(TypeError, match="candidate_ids is None"):
+        idx.rerank(Q, None, backend="cpu")
