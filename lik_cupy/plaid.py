@@ -392,6 +392,10 @@ class PlaidIndex:
             raise TypeError("candidate_ids is None; expected integer document ids [Nq, K] (or [K] for a 2-D Q)")
         q = describe(Q)
         fw = q.framework
+        for name, a in (("q_mask", q_mask), ("q_lengths", q_lengths), ("candidate_ids", candidate_ids)):
+            if a is not None and not isinstance(a, (list, tuple, int, np.integer)) and describe(a).framework != fw:
+                raise TypeError(f"{name} is a {describe(a).framework} array but Q is a {fw} array: pass both from "
+                                f"one framework (or a list)")
         if not use_gpu(backend, q.device):
             host = [None if a is None else np.asarray(host_array(a, fw)) for a in (Q, q_mask, q_lengths, candidate_ids)]
             host[3] = _empty_as_ids(host[3])

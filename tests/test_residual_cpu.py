@@ -599,3 +599,7 @@ def test_zero_tokens_and_no_candidates():
     assert idx.rerank(Q, [[], [], []], backend="cpu").shape == (3, 0)
     with pytest.raises(TypeError, match="candidate_ids is None"):
         idx.rerank(Q, None, backend="cpu")
+    torch = pytest.importorskip("torch")
+    with pytest.raises(TypeError, match="candidate_ids is a numpy array but Q is a torch array"):
+        idx.rerank(torch.from_numpy(Q[0]), np.array([0, 1]), backend="cpu")
+    assert idx.rerank(torch.from_numpy(Q[0]), [0, 1], backend="cpu").shape == (2,)  # a list goes with any framework
