@@ -1297,8 +1297,6 @@ def _serve_command(paths, host, port, grpc_port, devices, partition, max_batch, 
     except ImportError as e:
         raise LikError("lik serve", f"needs the [serve] extra (pip install 'lik-cupy[serve]'): {e}") from None
     if grpc_port is not None:
-        if grpc_port == port != 0:
-            raise LikError("lik serve --grpc-port", f"the gRPC port must differ from the HTTP port, both are {port}")
         try:
             importlib.import_module("lik_cupy.serving.grpc")  # fail before loading the corpus
         except ImportError as e:

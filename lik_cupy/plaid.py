@@ -41,7 +41,8 @@ from ._cpu.residual import Tokens, decompress, residual_maxsim_numpy
 from ._dispatch.backend import check_backend, use_gpu
 from ._dispatch.config import MAX_DIM_RESIDUAL
 from ._interop import GpuCall, describe, host_array, host_result
-from ._validate import ResidualProblem, check_decompress, check_id_values, check_length_values, check_residual
+from ._validate import (ResidualProblem, check_decompress, check_id_values, check_length_values, check_residual,
+                        check_same_framework)
 
 __all__ = ["maxsim_residual", "maxsim_residual_varlen", "decompress_residuals", "PlaidIndex"]
 
@@ -392,10 +393,7 @@ class PlaidIndex:
             raise TypeError("candidate_ids is None; expected integer document ids [Nq, K] (or [K] for a 2-D Q)")
         q = describe(Q)
         fw = q.framework
-        for name, a in (("q_mask", q_mask), ("q_lengths", q_lengths), ("candidate_ids", candidate_ids)):
-            if a is not None and not isinstance(a, (list, tuple, int, np.integer)) and describe(a).framework != fw:
-                raise TypeError(f"{name} is a {describe(a).framework} array but Q is a {fw} array: pass both from "
-                                f"one framework (or a list)")
+        check_same_framework(Q, q_mask=q_mask, q_lengths=q_lengths, candidate_ids=candidate_ids)  # (before host_array)
         if not use_gpu(backend, q.device):
             host = [None if a is None else np.asarray(host_array(a, fw)) for a in (Q, q_mask, q_lengths, candidate_ids)]
             host[3] = _empty_as_ids(host[3])

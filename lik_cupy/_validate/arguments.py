@@ -295,9 +295,22 @@ def check_zero_pad(zero_pad, p: Problem, shape, d_mask=None) -> None:
         raise ValueError(f"zero_pad has shape {list(z.shape)}; expected {list(shape)} (one flag per document)")
 
 
-def _same_place(name: str, a: Info, q: Info, qname: str = "Q") -> None:
+def check_same_framework(Q, **named) -> None:
+    """Each array of ``named`` (None, lists and ints go with any framework) from ``Q``'s framework:
+    TypeError naming both otherwise. For arguments converted to the host before their full check."""
+    q = _info("Q", Q)
+    for name, a in named.items():
+        if a is not None and not isinstance(a, (list, tuple, int, np.integer)):
+            _same_framework(name, _info(name, a), q)
+
+
+def _same_framework(name: str, a: Info, q: Info, qname: str = "Q") -> None:
     if a.framework != q.framework:
         raise TypeError(f"{name} is a {a.framework} array but {qname} is a {q.framework} array: pass both from one framework")
+
+
+def _same_place(name: str, a: Info, q: Info, qname: str = "Q") -> None:
+    _same_framework(name, a, q, qname)
     if a.device != q.device:
         raise ValueError(f"{name} is on {_where(a.device)} but {qname} is on {_where(q.device)}")
 

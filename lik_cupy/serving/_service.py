@@ -236,9 +236,12 @@ def _arguments(svc: Service, model: str, inputs: dict) -> tuple[np.ndarray, obje
 def _output_bytes(svc: Service, model: str, Q: np.ndarray, arg) -> int:
     """The bytes of a request's outputs (ValueError past :data:`MAX_OUTPUT`)."""
     nq = Q.shape[0] if Q.ndim == 3 else 1
-    per_query, itemsize, what = {"search": (arg, 12, "results (a score and an id each)"),
-                                 "rerank": (arg.shape[-1] if hasattr(arg, "shape") else 0, 4, "scores"),
-                                 "score": (len(svc.batcher.corpus), 4, "documents' scores")}[model]
+    if model == "search":
+        per_query, itemsize, what = arg, 12, "results (a score and an id each)"
+    elif model == "rerank":
+        per_query, itemsize, what = arg.shape[-1], 4, "scores"
+    else:
+        per_query, itemsize, what = len(svc.batcher.corpus), 4, "documents' scores"
     n = nq * max(0, per_query) * itemsize
     if n > MAX_OUTPUT:
         raise ValueError(f"{nq} queries of {per_query} {what} take {n} bytes; at most {MAX_OUTPUT} a request")

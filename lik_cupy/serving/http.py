@@ -150,7 +150,9 @@ def serve(paths, *, host: str = "127.0.0.1", port: int = 8000, grpc_port: int | 
     ``grpc_port`` when given. ``processes`` > 1: that many server processes on the ports
     (:func:`run_processes`), each with its own replicas."""
     if grpc_port is not None and grpc_port == port != 0:
-        raise ValueError(f"the gRPC port must differ from the HTTP port, both are {port}")
+        from ..errors import LikError
+
+        raise LikError(f"{host}:{port}", f"the gRPC port must differ from the HTTP port, both are {port}")
     load = functools.partial(_load_shards, list(paths), devices, partition,
                              dict(max_batch=max_batch, max_tokens=max_tokens, max_delay_us=max_delay_us,
                                   max_queue=max_queue))
