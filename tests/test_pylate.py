@@ -195,6 +195,47 @@ def _features(rng, n, length, vocab=50):
     return {"input_ids": torch.from_numpy(ids), "attention_mask": torch.from_numpy(att.astype(np.int64))}
 
 
+def _margins(features, group):
+    """How far the float32 scoring is from changing a winner: the smallest gap between a query
+    token's best and second-best distinct document token (a masked one scoring 0, as through
+    PyLate's torch path) over every query-document pair, valid query tokens only; and, where each query has ``group``
+    candidates of its own (Distillation), the smallest gap between two scores and the smallest max - min (the Distillation
+    loss divides by it)."""
+    W = _TinyColBERT().emb.weight.detach().double().numpy()
+    W = W / np.linalg.norm(W, axis=1, keepdims=True)
+    q_ids = features[0]["input_ids"].numpy()
+    q_valid = features[0]["attention_mask"].numpy().astype(bool)  # padded query tokens count for nothing
+    docs = [(f["input_ids"].numpy(), f["attention_mask"].numpy().astype(bool)) for f in features[1:]]
+    d_ids = np.concatenate([ids for ids, _ in docs])
+    d_valid = np.concatenate([att for _, att in docs]) & ~np.isin(d_ids, _TinyColBERT().skiplist)
+    token_gap, scores = np.inf, np.zeros((len(q_ids), len(d_ids)))
+    for j, (ids, valid) in enumerate(zip(d_ids, d_valid)):
+        distinct = np.unique(ids[valid])  # a repeated token ties with itself: the same row gets the gradient
+        sims = W[q_ids] @ W[distinct].T  # [Nq, Lq, distinct]
+        if not valid.all():
+            sims = np.concatenate([sims, np.zeros(sims.shape[:2] + (1,))], axis=2)
+        top = -np.sort(-sims, axis=2)
+        if top.shape[2] > 1:
+            token_gap = min(token_gap, (top[..., 0] - top[..., 1])[q_valid].min())
+        scores[:, j] = (top[..., 0] * q_valid).sum(axis=1)
+    if group is None:
+        return token_gap, None, None
+    ordered = np.sort(np.stack([scores[i, i * group:(i + 1) * group] for i in range(len(q_ids))]), axis=1)
+    return token_gap, np.diff(ordered, axis=1).min(), (ordered[:, -1] - ordered[:, 0]).min()
+
+
+def _well_conditioned_features(rng, draw, group=None):
+    """Features whose float32 loss step is decided away from ties: a token winner or (for
+    Distillation, ``group`` candidates per query) a score order that float32 rounding could flip
+    sends the gradient elsewhere, and scores close together are divided by their spread."""
+    for _ in range(200):
+        feats = draw()
+        token_gap, score_gap, spread = _margins(feats, group)
+        if token_gap > 1e-4 and (group is None or (score_gap > 1e-3 and spread > 0.1)):
+            return feats
+    raise AssertionError("no well-conditioned features in 200 draws")
+
+
 def _loss_step(make_loss, features, labels=None):
     model = _TinyColBERT()
     loss = make_loss(model)(features, labels) if labels is not None else make_loss(model)(features)
@@ -211,11 +252,12 @@ def test_patched_loss_step_matches_pylate(rng, loss, monkeypatch):
         return lambda *a, **k: calls.append(1) or orig(*a, **k)
 
     if loss == "Distillation":
-        feats = [_features(rng, 4, 6), _features(rng, 4 * 3, 9)]
+        feats = _well_conditioned_features(rng, lambda: [_features(rng, 4, 6), _features(rng, 4 * 3, 9)], group=3)
         labels = torch.from_numpy(rng.standard_normal((4, 3)).astype(np.float32))
         make = losses.Distillation
     else:
-        feats = [_features(rng, 4, 6), _features(rng, 4, 9), _features(rng, 4, 9)]
+        feats = _well_conditioned_features(rng, lambda: [_features(rng, 4, 6), _features(rng, 4, 9),
+                                                         _features(rng, 4, 9)])
         labels = None
         make = losses.Contrastive if loss == "Contrastive" else (lambda m: losses.CachedContrastive(m, mini_batch_size=3))
     ref_loss, ref_grad = _loss_step(make, feats, labels)
