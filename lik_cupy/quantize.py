@@ -52,7 +52,8 @@ def quantize_int8(X, *, backend="auto"):
         in X's framework and on X's device.
 
     Raises:
-        ValueError: X holds NaN or inf (the message names the first such token).
+        ValueError: X holds NaN or inf, or (float64) a value beyond float32's range (the message
+            names the first such token).
     Example::
 
         >>> import numpy as np, lik_cupy
@@ -80,7 +81,8 @@ def quantize_fp8(X, *, per="token", backend="auto"):
         in X's framework and on X's device. :func:`lik_cupy.maxsim_fp8` takes both as they are.
 
     Raises:
-        ValueError: X holds NaN or inf (the message names the first such token), or ``per`` is neither.
+        ValueError: X holds NaN or inf, or (float64) a value beyond float32's range (the message
+            names the first such token), or ``per`` is neither.
     Example::
 
         >>> import numpy as np, lik_cupy
@@ -107,14 +109,14 @@ def _quantize(X, backend: str, spec: ElemSpec, **how):
 
         with GpuCall(info) as g:
             x = g.array(X)
-            dtype = info.dtype
+            dtype, source = info.dtype, None
             if dtype == "bfloat16":
                 x = x.view(cupy.uint16)  # the kernel reads bfloat16 as its 16-bit patterns
             elif dtype == "float64":
-                x, dtype = x.astype(cupy.float32), "float32"
+                source, x, dtype = x, x.astype(cupy.float32), "float32"
             from ._runtime.quantize import quantize_cupy
 
-            q, s = quantize_cupy(x, dtype, check=True, to=spec.name, **how)
+            q, s = quantize_cupy(x, dtype, check=True, to=spec.name, source=source, **how)
             return _native(g.result(q), spec, info.framework), g.result(s)
     q, s = getattr(_cpu, spec.quantiser)(interop.to_numpy(X, info.framework), **how)
     return _native(host_result(q, info), spec, info.framework), host_result(s, info)

@@ -1,6 +1,8 @@
 """INT8 quantisation and scoring on the CPU path: exact quantiser checks, scores against the
 float64 MaxSim of the dequantised inputs, fidelity against the float inputs, validation."""
 
+import warnings
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -47,6 +49,16 @@ def test_quantiser_rejects_nan_and_inf():
         lik_cupy.quantize_int8(x)
     with pytest.raises(TypeError, match="dtype int32"):
         lik_cupy.quantize_int8(np.ones((2, 16), np.int32))
+
+
+@pytest.mark.parametrize("quantize", ["quantize_int8", "quantize_fp8"])
+def test_float64_beyond_float32_is_named_as_such(quantize):
+    x = np.ones((3, 4, 16))
+    x[1, 2, 5] = -1e300  # finite, but inf once scaled in float32
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # and no overflow warning from the cast on the way
+        with pytest.raises(ValueError, match=r"beyond float32's range .* in token \(1, 2\)"):
+            getattr(lik_cupy, quantize)(x, backend="cpu")
 
 
 def test_dequantize_checks_its_arguments():

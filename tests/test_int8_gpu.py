@@ -163,6 +163,11 @@ def test_nan_tokens_and_zero_scales(rng, kernel_family):
     assert np.all(np.isnan(neg[0, d_len > 0])) and np.all(np.isfinite(neg[1, d_len > 0]))
     with pytest.raises(ValueError, match="NaN or inf"):
         lik_cupy.quantize_int8(_cp(q))
+    big = np.ones((3, 4, dim))
+    big[1, 2, 0] = 1e300  # float64 past float32's range: the message the NumPy path gives
+    for quantize in (lik_cupy.quantize_int8, lik_cupy.quantize_fp8):
+        with pytest.raises(ValueError, match=r"beyond float32's range .* in token \(1, 2\)"):
+            quantize(_cp(big))
 
 
 def test_frameworks_round_trip(rng):

@@ -5,16 +5,24 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["quantize_numpy", "quantize_fp8_numpy"]
+__all__ = ["quantize_numpy", "quantize_fp8_numpy", "non_finite_error"]
 
 _BLOCK_ROWS = 1 << 16  # tokens per block, so float32 temporaries stay small
 _FP8_MAX = 448.0  # the largest float8_e4m3fn
 
 
+def non_finite_error(shape: tuple, flat_row: int, kind: str, finite: bool) -> ValueError:
+    """The error for token ``flat_row`` (of the tokens of an ``X`` of ``shape``) that holds NaN or inf
+    in float32; ``finite``: its values as given are finite (float64 beyond float32's range)."""
+    token = tuple(int(i) for i in np.unravel_index(flat_row, shape[:-1])) if len(shape) > 1 else ()
+    if finite:
+        return ValueError(f"X holds a value beyond float32's range (|x| > {float(np.finfo(np.float32).max):.4g}) in "
+                          f"token {token}; {kind} quantisation scales in float32")
+    return ValueError(f"X holds NaN or inf in token {token}; {kind} quantisation needs finite values")
+
+
 def _non_finite(x: np.ndarray, flat_row: int, kind: str) -> ValueError:
-    where = np.unravel_index(flat_row, x.shape[:-1]) if x.ndim > 1 else ()
-    return ValueError(f"X holds NaN or inf in token {tuple(int(i) for i in where)}; "
-                      f"{kind} quantisation needs finite values")
+    return non_finite_error(x.shape, flat_row, kind, bool(np.isfinite(x.reshape(-1, x.shape[-1])[flat_row]).all()))
 
 
 def quantize_numpy(x: np.ndarray, *, strict: bool = True) -> tuple[np.ndarray, np.ndarray]:
@@ -29,7 +37,8 @@ def quantize_numpy(x: np.ndarray, *, strict: bool = True) -> tuple[np.ndarray, n
     q = np.empty(flat.shape, np.int8)
     s = np.empty(flat.shape[0], np.float32)
     for r0 in range(0, flat.shape[0], _BLOCK_ROWS):
-        blk = flat[r0 : r0 + _BLOCK_ROWS].astype(np.float32)
+        with np.errstate(over="ignore"):  # (float64 past float32's range: inf, refused below)
+            blk = flat[r0 : r0 + _BLOCK_ROWS].astype(np.float32)
         finite = np.isfinite(blk).all(axis=1)
         if strict and not finite.all():
             raise _non_finite(x, r0 + int(np.argmin(finite)), "int8")
@@ -61,7 +70,7 @@ def quantize_fp8_numpy(x: np.ndarray, *, per: str = "token", strict: bool = True
     rows = flat.shape[0]
     amax = np.zeros(rows, np.float32)
     for r0 in range(0, rows, _BLOCK_ROWS):
-        with np.errstate(invalid="ignore"):
+        with np.errstate(invalid="ignore", over="ignore"):
             amax[r0 : r0 + _BLOCK_ROWS] = np.abs(flat[r0 : r0 + _BLOCK_ROWS].astype(np.float32)).max(axis=1)
     finite = np.isfinite(amax)
     if strict and not finite.all():
@@ -74,7 +83,8 @@ def quantize_fp8_numpy(x: np.ndarray, *, per: str = "token", strict: bool = True
     ok = finite & (sc > 0) & np.isfinite(sc)
     q = np.zeros(flat.shape, np.uint8)
     for r0 in range(0, rows, _BLOCK_ROWS):
-        blk = flat[r0 : r0 + _BLOCK_ROWS].astype(np.float32)
+        with np.errstate(over="ignore"):  # (only rows refused above, or given codes 0 without strict, overflow)
+            blk = flat[r0 : r0 + _BLOCK_ROWS].astype(np.float32)
         k = ok[r0 : r0 + _BLOCK_ROWS]
         div = np.where(k, sc[r0 : r0 + _BLOCK_ROWS], np.float32(1))
         with np.errstate(invalid="ignore"):

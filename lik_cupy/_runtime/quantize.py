@@ -14,14 +14,15 @@ from .nvrtc import get_module
 __all__ = ["quantize_cupy"]
 
 
-def quantize_cupy(x, dtype: str, *, check: bool = False, to: str = "int8", per: str = "token"):
+def quantize_cupy(x, dtype: str, *, check: bool = False, to: str = "int8", per: str = "token", source=None):
     """Quantise a C-contiguous CuPy array ``x [..., d]`` (float16/float32, or bfloat16 as its
     uint16 bits with ``dtype="bfloat16"``) to scaled element type ``to`` ("int8", or
     "float8_e4m3fn" as uint8 bit patterns) on the current stream; FP8 also ``per="tensor"``.
 
     Returns ``(q [..., d], scales float32 [...])`` (per tensor: scales ``[]``). A token with NaN or
     inf gets scale NaN (per tensor: every token) and no host sync happens, unless ``check``: then
-    one sync, and ValueError naming the first such token.
+    one sync, and ValueError naming the first such token (``source``: the values as given, where
+    ``x`` is their float32 cast: a finite one beyond float32's range is named as such).
     """
     import cupy
 
@@ -44,10 +45,11 @@ def quantize_cupy(x, dtype: str, *, check: bool = False, to: str = "int8", per: 
     args = (x, q, s, np.int64(rows), np.int32(d), bad)
     kern((blocks,), (warps * 32,), args if spec.integer else args + (np.uint64(0),))  # FP8: no fixed scale
     if check and int(bad.get()):
+        from .._cpu.quantize import non_finite_error
+
         first = int(cupy.argmax(~cupy.isfinite(s.reshape(-1))).get())
-        where = np.unravel_index(first, x.shape[:-1])
-        raise ValueError(f"X holds NaN or inf in token {tuple(int(i) for i in where)}; "
-                         f"{spec.name} quantisation needs finite values")
+        given = (x if source is None else source).reshape(-1, d)[first]
+        raise non_finite_error(x.shape, first, spec.name, bool(cupy.isfinite(given).all().get()))
     if per == "tensor":  # the largest per-token scale is the tensor's max |x| / 448 (quantize.cu)
         fixed = s.max()
         kern((blocks,), (warps * 32,), args + (fixed,))
