@@ -81,7 +81,7 @@ def maxsim_from_hidden(Q, H, W, bias=None, q_mask=None, d_mask=None, *, q_length
     """
     check_backend(backend)
     hp = check_hidden(Q, H, W, bias, q_mask, d_mask, q_lengths, d_lengths)
-    check_hidden_options(normalize, eps, max_chunk_bytes)
+    normalize, eps, max_chunk_bytes = check_hidden_options(normalize, eps, max_chunk_bytes)
     x3 = fp32_accurate(precision, hp.p.framework, hp.p.dtype)
     if scoring_on_gpu(hp.p, backend, float64_gpu=True):
         scores, amax = _gpu_forward(hp, Q, H, W, bias, q_mask, d_mask, q_lengths, d_lengths, normalize, eps,
@@ -116,7 +116,7 @@ def maxsim_from_hidden_backward(grad_scores, Q, H, W, bias, argmax, d_mask=None,
     """
     check_backend(backend)
     hp = check_hidden_backward(grad_scores, Q, H, W, bias, argmax, d_mask, d_lengths)
-    check_hidden_options(normalize, eps, max_chunk_bytes)
+    normalize, eps, max_chunk_bytes = check_hidden_options(normalize, eps, max_chunk_bytes)
     x3 = fp32_accurate(precision, hp.p.framework, hp.p.dtype)
     if scoring_on_gpu(hp.p, backend, float64_gpu=True):
         return _gpu_backward(hp, grad_scores, Q, H, W, bias, argmax, d_mask, d_lengths, normalize, eps,

@@ -189,13 +189,13 @@ class _HiddenCall:
 
     @classmethod
     def of(cls, hp: HiddenProblem, normalize, eps, max_chunk_bytes, precision, backend: str) -> _HiddenCall:
-        check_hidden_options(normalize, eps, max_chunk_bytes)
+        normalize, eps, max_chunk_bytes = check_hidden_options(normalize, eps, max_chunk_bytes)
         if backend == "gpu":
             use_gpu(backend, None)
         check_backend(backend)
         x3 = fp32_accurate(precision, "jax", hp.p.dtype)
         resolved = ("fp32" if x3 else "tf32") if hp.p.dtype in ("float32", "float64") else None
-        return cls(hp, (("normalize", bool(normalize)), ("eps", float(eps)), ("max_chunk_bytes", max_chunk_bytes),
+        return cls(hp, (("normalize", normalize), ("eps", eps), ("max_chunk_bytes", max_chunk_bytes),
                         ("precision", resolved)), backend)
 
 

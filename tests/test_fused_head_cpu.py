@@ -222,6 +222,18 @@ def test_errors_name_the_argument(rng, call, match):
         call(*_data(rng))
 
 
+def test_numpy_scalar_options_are_taken(rng):
+    """NumPy's scalars (from a config array, say) for the options, as Python's, also through torch's operator."""
+    Q, H, W, b = _data(rng)
+    want = lik_cupy.maxsim_from_hidden(Q, H, W, b, eps=1e-6, max_chunk_bytes=4096)
+    got = lik_cupy.maxsim_from_hidden(Q, H, W, b, normalize=np.True_, eps=np.float32(1e-6),
+                                      max_chunk_bytes=np.int64(4096))
+    assert np.array_equal(got, want)
+    got = lt.maxsim_from_hidden(*(_t(x) for x in (Q, H, W, b)), normalize=np.True_, eps=np.float32(1e-6),
+                                max_chunk_bytes=np.int64(4096))
+    assert np.array_equal(got.numpy(), want)
+
+
 def test_jax_gradients(rng):
     jax = pytest.importorskip("jax")
     jnp = jax.numpy

@@ -85,13 +85,15 @@ def check_hidden_backward(grad_scores, Q, H, W, bias, argmax, d_mask, d_lengths)
     return hp
 
 
-def check_hidden_options(normalize, eps, max_chunk_bytes) -> None:
+def check_hidden_options(normalize, eps, max_chunk_bytes) -> tuple[bool, float, int | None]:
     """The fused head's options: ``normalize`` a bool, ``eps`` a positive finite float,
-    ``max_chunk_bytes`` None or a positive int."""
+    ``max_chunk_bytes`` None or a positive int (NumPy's scalars too). Returns them as Python's
+    ``bool``, ``float`` and ``int`` (what torch's operator schema takes)."""
     if not isinstance(normalize, (bool, np.bool_)):
         raise TypeError(f"normalize must be True or False, got {normalize!r}")
     if isinstance(eps, bool) or not isinstance(eps, (int, float, np.floating)) or not 0 < float(eps) < float("inf"):
         raise ValueError(f"eps must be a positive finite float (the normalisation's floor), got {eps!r}")
-    if max_chunk_bytes is not None and (isinstance(max_chunk_bytes, bool) or not isinstance(max_chunk_bytes, int)
-                                        or max_chunk_bytes < 1):
+    if max_chunk_bytes is not None and (isinstance(max_chunk_bytes, (bool, np.bool_))
+                                        or not isinstance(max_chunk_bytes, (int, np.integer)) or max_chunk_bytes < 1):
         raise ValueError(f"max_chunk_bytes must be a positive int (bytes of projected tokens), got {max_chunk_bytes!r}")
+    return bool(normalize), float(eps), None if max_chunk_bytes is None else int(max_chunk_bytes)
