@@ -1108,8 +1108,12 @@ def _describe(s: shards.Shard) -> list[str]:
         rows.append(("ids", f"{kind}, {ids[0].item()!r} .. {ids[-1].item()!r}" if ids.size else kind))
     else:
         rows.append(("ids", "none (positions)"))
-    rows += [("files", files), ("structure", "ok (manifest, shapes, dtypes, offsets monotone and ending at T, ids"
-                                             + (", scales finite and >= 0)" if int8 else ")"))]
+    if s.manifest is not None:
+        checked = "manifest, shapes, dtypes, offsets monotone and ending at T, ids"
+    else:
+        checked = "header, shape, dtype" + (", lengths in [0, L]" if s.lengths is not None else "") \
+            + ("" if s.padded else ", doclens summing to T") + (", ids" if s.ids is not None else "")
+    rows += [("files", files), ("structure", f"ok ({checked}" + (", scales finite and >= 0)" if int8 else ")"))]
     return [f"{name:<11}{value}" for name, value in rows]
 
 

@@ -468,6 +468,8 @@ def test_inspect(tmp_path):
     # a padded .npy with lengths
     r = run("inspect", c.q, "--lengths", c.ql, "--check")
     assert r.exit_code == 0 and f"padded .npy [{NQ}, {LQ}, {DIM}]" in r.output and "tokens     11 (0..7 per doc" in r.output
+    assert "structure  ok (header, shape, dtype, lengths in [0, L])" in r.output  # a .npy has no manifest to check
+    assert "structure  ok (manifest, shapes" in run("inspect", c.shards[0]).output
 
 
 @pytest.mark.parametrize("cmd", [[], ["score"], ["pack"], ["inspect"], ["info"]])
