@@ -154,6 +154,7 @@ def file_kind(path: str) -> str | None:
 # --------------------------------------------------------------------------- .npy arrays and lengths
 
 _NPY_MAGIC = b"\x93NUMPY"
+_NPY_MAX_HEADER = 10_000  # NumPy's own limit on a header it parses (numpy.save writes ~128 bytes)
 
 
 def open_npy(path: str | os.PathLike) -> np.ndarray:
@@ -190,6 +191,15 @@ def check_npy_header(path: str, f) -> tuple[tuple[int, ...], bool, np.dtype]:
     whose shape is negative, needs more than 2**63 bytes (NumPy's own size arithmetic would
     overflow) or more bytes than the file holds, before anything is mapped."""
     version = np.lib.format.read_magic(f)
+    if version in ((1, 0), (2, 0)):  # NumPy reads the length it is given before checking it: check it first
+        size = 2 if version == (1, 0) else 4
+        raw = f.read(size)
+        length = int.from_bytes(raw, "little") if len(raw) == size else 0
+        left = os.fstat(f.fileno()).st_size - f.tell()
+        if length > min(_NPY_MAX_HEADER, left):
+            why = "more than the file holds" if length > left else f"past NumPy's limit of {_NPY_MAX_HEADER:,}"
+            raise ShardError(path, f"corrupt .npy header: it claims {length:,} bytes of header, {why}")
+        f.seek(-len(raw), os.SEEK_CUR)
     if version == (1, 0):
         shape, fortran, dtype = np.lib.format.read_array_header_1_0(f)
     elif version == (2, 0):

@@ -449,6 +449,25 @@ def test_npy_headers_with_impossible_shapes_are_one_line(tmp_path, shape):
     one_line(r.returncode, r.stderr, tmp_path / "x.npy")
 
 
+@pytest.mark.parametrize("version, length", [(2, 0xFFFFFFF0), (1, 0xFFFF), (2, 20_000)])
+def test_npy_header_lengths_are_checked_before_they_are_read(tmp_path, version, length):
+    """NumPy's reader reads the header length a file gives before checking it: a 74-byte file
+    claiming a 4 GiB header made it allocate 4 GiB. The length is checked first now."""
+    text = b"{'descr': '<f4', 'fortran_order': False, 'shape': (2, 8), }\n"
+    size = 2 if version == 1 else 4
+    body = text + b" " * max(0, length - len(text)) if length <= 20_000 else text
+    path = tmp_path / "x.npy"
+    path.write_bytes(b"\x93NUMPY" + bytes([version, 0]) + length.to_bytes(size, "little") + body)
+    tracemalloc.start()
+    try:
+        with pytest.raises(shards.ShardError, match="corrupt .npy header: it claims") as e:
+            shards.open_input(str(path))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20 and str(path) in str(e.value)
+
+
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs mkfifo")
 def test_special_files_are_refused_by_what_they_are(tmp_path):
     """A FIFO given as an input was opened and waited on for ever; now every input is opened
