@@ -418,6 +418,82 @@ def test_disk_cache_hit_and_corruption(tmp_path, monkeypatch):
     assert left == sorted([p1.name, meta_path.name]), left  # no temporary files left behind
 
 
+def _hostile(kind: str, path: pathlib.Path, other: pathlib.Path) -> None:
+    path.unlink(missing_ok=True)
+    if kind == "fifo":
+        os.mkfifo(path)  # opening it for reading would wait for a writer for ever
+    elif kind == "link to /dev/zero":
+        path.symlink_to("/dev/zero")  # endless bytes
+    elif kind == "directory":
+        path.mkdir()
+    elif kind == "deep json":
+        path.write_text("[" * 100_000 + "]" * 100_000)  # past the JSON parser's recursion limit
+    elif kind == "another key's entry":
+        shutil.copyfile(other, path)
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs mkfifo and symlinks")
+@pytest.mark.parametrize("kind", ["fifo", "link to /dev/zero", "directory", "deep json", "another key's entry"])
+@pytest.mark.parametrize("member", [".json", ".cubin"])
+def test_a_hostile_cache_entry_is_compiled_again_not_read(tmp_path, monkeypatch, kind, member):
+    """A cache shared with others may hold anything under a key's name: a FIFO blocked the read for
+    ever, a link to /dev/zero read until memory ran out, JSON nested too deep raised RecursionError
+    on every call, and another kernel's entry copied under this key was taken as this one."""
+    if kind == "deep json" and member == ".cubin":
+        pytest.skip("the CUBIN is not parsed")
+    monkeypatch.setenv("LIK_CACHE_DIR", str(tmp_path))
+    small, other = _small_cfg(), _small_cfg(argmax=True)
+    good = lc.cubin_path(SRC, small.defines(), 80).read_bytes()
+    theirs = lc.cubin_path(SRC, other.defines(), 80)
+    target = tmp_path / (lc.cache_key(SRC, small.defines(), 80) + member)
+    if kind == "another key's entry":
+        _hostile(kind, target.with_suffix(".cubin"), theirs)
+        _hostile(kind, target.with_suffix(".json"), theirs.with_suffix(".json"))
+    else:
+        if kind == "directory":
+            target.unlink()
+        _hostile(kind, target, theirs)
+    calls = []
+    real = lc.nvrtc_compile
+    monkeypatch.setattr(lc, "nvrtc_compile", lambda *a, **k: calls.append(a) or real(*a, **k))
+    if kind == "directory":  # a directory cannot be replaced by a file: the process's own directory takes it
+        with pytest.warns(RuntimeWarning, match="cannot be written"):
+            monkeypatch.setattr(lc, "_fallback", None)
+            path = lc.cubin_path(SRC, small.defines(), 80)
+    else:
+        path = lc.cubin_path(SRC, small.defines(), 80)
+    assert path.read_bytes() == good and len(calls) == 1
+    assert lc.cubin_path(SRC, small.defines(), 80).read_bytes() == good and len(calls) == 1  # then a hit
+
+
+def test_an_unwritable_cache_falls_back_to_a_directory_of_the_process(tmp_path, monkeypatch):
+    """LIK_CACHE_DIR naming a file (or a read-only directory): every kernel load raised an OSError
+    after compiling; now the kernels go to a directory of the process's own, with one warning."""
+    (tmp_path / "file").write_text("x")
+    monkeypatch.setenv("LIK_CACHE_DIR", str(tmp_path / "file"))
+    monkeypatch.setattr(lc, "_fallback", None)
+    with pytest.warns(RuntimeWarning, match=r"kernel cache .*file \(LIK_CACHE_DIR\) cannot be written") as w:
+        a = lc.cubin_path(SRC, _small_cfg().defines(), 80)
+        b = lc.cubin_path(SRC, _small_cfg(argmax=True).defines(), 80)
+    assert len(w) == 1 and a.parent == b.parent == lc._fallback and a.is_file() and b.is_file()
+    assert (tmp_path / "file").read_text() == "x"
+
+
+def test_switch_variables_are_read_strictly(monkeypatch):
+    from lik_cupy._base import env
+
+    for value, on in [("1", True), ("TRUE", True), (" yes ", True), ("True", True), ("0", False), ("", False),
+                      ("No", False), ("false ", False)]:
+        monkeypatch.setenv("LIK_VALIDATE", value)
+        assert env.validate_strict() is on, value
+    for value in ("on", "2", "enabled"):
+        monkeypatch.setenv("LIK_DISABLE_TMA", value)
+        with pytest.raises(ValueError, match=f"environment variable LIK_DISABLE_TMA is '{value}'; expected 1, true"):
+            env.tma_disabled()
+    monkeypatch.setenv("LIK_CACHE_DIR", "   ")  # spaces alone: unset, not a directory named by them
+    assert lc.cache_dir().name == "kernels" and lc.cache_dir().is_absolute()
+
+
 def test_compile_check_reads_what_it_proved_and_compiles_what_changed(tmp_path, monkeypatch, src_copy):
     monkeypatch.setenv("LIK_CACHE_DIR", str(tmp_path / "kc"))
     calls = []

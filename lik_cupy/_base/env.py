@@ -14,7 +14,9 @@ __all__ = ["cache_dir_override", "validate_strict", "poison_outputs", "wgmma_dis
            "pylate_scores_backend", "colpali_scores_backend", "jax_path_forced"]
 
 _TRUE = ("1", "true", "yes")
+_FALSE = ("", "0", "false", "no")
 _TRUE_BYTES = (b"1", b"true", b"yes")
+_FALSE_BYTES = (b"", b"0", b"false", b"no")
 
 # The switches a scoring call reads every time, straight from the process environment's byte
 # mapping where the platform keeps one (POSIX): ``os.environ.get`` encodes and decodes on each
@@ -51,14 +53,28 @@ def _raw_get(raw: bytes) -> bytes | None:
 
 
 def _switch(name: str, raw: bytes) -> bool:
+    """An on/off variable: 1, true or yes; 0, false, no, empty or unset (any case, spaces around
+    ignored). Anything else raises, naming the variable: a near miss (``TRUE``, ``on``) once read
+    silently as off."""
     if _RAW is not None:
-        return _raw_get(raw) in _TRUE_BYTES
-    return (_get(name) or "") in _TRUE
+        value = _raw_get(raw)
+        if value is None or value in _FALSE_BYTES:
+            return False
+        if value in _TRUE_BYTES:
+            return True
+        value = value.decode(errors="replace")
+    else:
+        value = _get(name) or ""
+    word = value.strip().lower()
+    if word in _TRUE or word in _FALSE:
+        return word in _TRUE
+    raise ValueError(f"environment variable {name} is {value!r}; expected 1, true or yes (on), or 0, false, no or "
+                     "empty (off)")
 
 
 def cache_dir_override() -> str | None:
     """``LIK_CACHE_DIR``: where compiled kernels are cached (default: ``$XDG_CACHE_HOME/lik_cupy/kernels``, ``~/.cache`` without ``XDG_CACHE_HOME``)."""
-    return _get("LIK_CACHE_DIR") or None
+    return (_get("LIK_CACHE_DIR") or "").strip() or None  # (spaces alone: unset, as empty is)
 
 
 def validate_strict() -> bool:
@@ -70,7 +86,7 @@ def validate_strict() -> bool:
 def poison_outputs() -> bool:
     """``LIK_POISON=1``: fill every output buffer with garbage before a kernel writes it, so an
     element a kernel forgot to write cannot pass as a plausible value (the tests set it)."""
-    return (_raw_get(b"LIK_POISON") == b"1") if _RAW is not None else _get("LIK_POISON") == "1"
+    return _switch("LIK_POISON", b"LIK_POISON")
 
 
 def wgmma_disabled() -> bool:

@@ -6,7 +6,11 @@
 * The CUBIN is kept in an on-disk cache whose key covers the contents of the
   source and of every file it includes, the configuration, the NVRTC options,
   the architecture and the NVRTC version. Entries are written atomically and
-  verified by checksum when read; a corrupt entry is discarded and rebuilt.
+  verified when read (their key and checksum; regular files only, of bounded
+  size, so a FIFO, a device or a link to one never blocks or floods a read); an
+  entry that fails is compiled again and replaced, never deleted, so a process
+  never removes an entry another one has just written. Where the cache cannot
+  be written, kernels go to a directory of the process's own (one warning).
 * The compile check (``check_all``) reads each build's ptxas report; under the
   same key it keeps only that report (``logs/``), so a later check compiles
   only what changed.
@@ -17,24 +21,31 @@
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import json
 import os
 import re
+import shutil
 import tempfile
+import threading
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 from .._base import env
 from .._base.cache import DeviceCache
+from .._files import read_regular
 from .kernels import FORWARD, SOURCES
 from .._version import __version__
-from ..errors import CompileError
+from ..errors import CompileError, ShardError
 
 _INCLUDE = re.compile(r'^\s*#\s*include\s*"([^"]+)"', re.M)
 # Every NVRTC option besides the architecture, the include path and the defines (part of the cache key).
 _FLAGS = ("--std=c++17", "--ptxas-options=-v", "-lineinfo")
 _MEMORY_CACHE_SIZE = 256
+_MAX_CUBIN = 64 << 20  # bytes a cache entry's CUBIN may have (the largest build is well under 1 MB)
+_MAX_META = 16 << 20  # its metadata's, with the ptxas log
 
 
 def source_dir() -> Path:
@@ -187,39 +198,79 @@ def _atomic_write(path: Path, data: bytes) -> None:
         raise
 
 
-def _read_cached(key: str) -> Path | None:
-    d = cache_dir()
-    cubin, meta = d / f"{key}.cubin", d / f"{key}.json"
+def _read_entry(path: Path, limit: int) -> bytes | None:
+    """A cache file's bytes, or None where it is missing, not a regular file or past ``limit``."""
     try:
-        info = json.loads(meta.read_text())
-        data = cubin.read_bytes()
-    except (OSError, ValueError):
+        return read_regular(str(path), "a kernel cache entry", limit)
+    except ShardError:
         return None
-    if not isinstance(info, dict) or hashlib.sha256(data).hexdigest() != info.get("sha256"):
-        for p in (cubin, meta):  # corrupt or truncated: drop it and rebuild
-            try:
-                p.unlink()
-            except OSError:
-                pass
+
+
+def _parse(data: bytes | None) -> dict | None:
+    """A cache file's JSON object, or None (damaged: nesting too deep for the parser included)."""
+    if data is None:
+        return None
+    try:
+        value = json.loads(data)
+    except (ValueError, RecursionError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def _read_cached(key: str, d: Path) -> Path | None:
+    """The entry ``key`` of cache directory ``d`` where it verifies (its metadata names the key and
+    the CUBIN's checksum), else None: it is then compiled again and replaced, never deleted here
+    (another process may be writing it)."""
+    cubin = d / f"{key}.cubin"
+    info = _parse(_read_entry(d / f"{key}.json", _MAX_META))
+    if info is None or info.get("key") != key:
+        return None
+    data = _read_entry(cubin, _MAX_CUBIN)
+    if data is None or hashlib.sha256(data).hexdigest() != info.get("sha256"):
         return None
     return cubin
+
+
+_fallback_lock = threading.Lock()
+_fallback: Path | None = None  # the process's own directory, where the cache cannot be written
+
+
+def _own_directory(problem: OSError, d: Path) -> Path:
+    """A directory of this process's own for kernels the cache at ``d`` cannot take (removed at
+    exit), made once, with one warning naming the cache and why."""
+    global _fallback
+    with _fallback_lock:
+        if _fallback is None:
+            _fallback = Path(tempfile.mkdtemp(prefix="lik-cupy-kernels-"))
+            atexit.register(shutil.rmtree, _fallback, True)
+            warnings.warn(f"the kernel cache {d} (LIK_CACHE_DIR) cannot be written ({problem}); compiled kernels "
+                          f"are kept in {_fallback} for this process only", RuntimeWarning, stacklevel=4)
+        return _fallback
 
 
 def cubin_path(name: str, defines: dict, arch: int | str) -> Path:
     """Path of a verified CUBIN for this kernel, compiling and caching it if needed."""
     key = cache_key(name, defines, arch)
-    hit = _read_cached(key)
-    if hit is not None:
+    d = cache_dir()
+    hit = _read_cached(key, d) or (_fallback and _read_cached(key, _fallback))
+    if hit:
         return hit
     out = nvrtc_compile(name, defines, arch)
-    d = cache_dir()
-    d.mkdir(parents=True, exist_ok=True)
-    cubin = d / f"{key}.cubin"
-    _atomic_write(cubin, out.cubin)
-    meta = {"sha256": hashlib.sha256(out.cubin).hexdigest(), "file": name, "arch": str(arch),
+    meta = {"key": key, "sha256": hashlib.sha256(out.cubin).hexdigest(), "file": name, "arch": str(arch),
             "defines": {k: str(v) for k, v in defines.items()}, "log": out.log}
+    try:
+        return _write_entry(d, key, out.cubin, meta)
+    except OSError as e:  # read-only, full, or a file where a directory should be
+        return _write_entry(_own_directory(e, d), key, out.cubin, meta)
+
+
+def _write_entry(d: Path, key: str, cubin: bytes, meta: dict) -> Path:
+    """Write an entry (the CUBIN first: its metadata, written last, is what makes it verify)."""
+    d.mkdir(parents=True, exist_ok=True)
+    path = d / f"{key}.cubin"
+    _atomic_write(path, cubin)
     _atomic_write(d / f"{key}.json", json.dumps(meta, indent=1).encode())
-    return cubin
+    return path
 
 
 _modules = DeviceCache(_MEMORY_CACHE_SIZE, lru=True)  # loaded modules, compiled once per key
@@ -286,11 +337,8 @@ def _log_path(key: str) -> Path:
 
 
 def _read_log(key: str) -> str | None:
-    try:
-        entry = json.loads(_log_path(key).read_text())
-    except (OSError, ValueError):
-        return None
-    if not isinstance(entry, dict) or entry.get("key") != key or not isinstance(entry.get("log"), str):
+    entry = _parse(_read_entry(_log_path(key), _MAX_META))
+    if entry is None or entry.get("key") != key or not isinstance(entry.get("log"), str):
         return None  # damaged: compiled again, and rewritten
     return entry["log"]
 
