@@ -270,7 +270,7 @@ def _format_score(x) -> str:
 
 
 def _write_tsv(f, qids, docids, vals):
-    f.write("query\trank\tdoc\tscore\n")
+    """The rows of queries ``qids`` (the header is written once, before the first block)."""
     for q in range(vals.shape[0]):
         f.write("".join(f"{qids[q]}\t{r + 1}\t{docids[q, r]}\t{_format_score(vals[q, r])}\n" for r in range(vals.shape[1])))
 
@@ -303,16 +303,28 @@ class _DocIds:
                                      f"{'integer' if numeric[0] else 'string'} ids; use one kind in every shard")
         self.corpus = corpus if named else None
         self.starts = np.cumsum([0] + [s.num_docs for s in corpus])
+        self.width = max([8] + [s.ids.dtype.itemsize * (4 if s.ids.dtype.kind == "S" else 1) for s in named])
+
+    def rows_per_block(self, k: int) -> int:
+        """Queries whose ``k`` ids, each as wide as the widest a shard declares (as str), fit 64 MiB."""
+        return max(1, _QUERY_BYTES // max(1, k * self.width))
 
     def __call__(self, positions: np.ndarray) -> np.ndarray:
-        """``positions`` int64 [Nq, k] -> ids [Nq, k] (int64, or str)."""
+        """``positions`` int64 [Nq, k] -> ids [Nq, k] (int64, or str as wide as the longest of them).
+        Each shard's ids are read once per distinct position and cut to the longest read: an
+        ids.npy may declare a width far past its ids' (``<U100000``), and gathering every result
+        at that width took gigabytes."""
         if self.corpus is None:
             return positions
         which = np.searchsorted(self.starts, positions, side="right") - 1
         parts = {}
         for j in np.unique(which):
             sel = which == j
-            parts[j] = (sel, _readable_ids(self.corpus[j].ids[positions[sel] - self.starts[j]]))
+            distinct, back = np.unique(positions[sel] - self.starts[j], return_inverse=True)
+            ids = _readable_ids(self.corpus[j].ids[distinct])
+            if ids.dtype.kind == "U" and ids.size:
+                ids = ids.astype(f"<U{max(1, int(np.char.str_len(ids).max()))}")
+            parts[j] = (sel, ids[back.reshape(-1)])
         dtype = np.result_type(*(v.dtype for _, v in parts.values())) if parts else np.int64
         out = np.empty(positions.shape, dtype)
         for sel, values in parts.values():
@@ -599,8 +611,9 @@ def _query_groups(query: shards.Shard, dtype: np.dtype | None) -> list[_QueryGro
     longest query): whenever that takes at most twice the queries' own bytes, or 64 MiB.
     Past that (a few queries far longer than the rest) they are grouped: longest first, each
     group as long as padding it to its longest takes at most twice its own bytes, the
-    queries without tokens together. So the queries never hold more than twice their bytes
-    (or 64 MiB), plus one row per empty query.
+    queries without tokens together, as ``[n, 0, d]`` (no row at all: a row each, of a large d,
+    made a small file of empty queries take gigabytes). So the queries never hold more than
+    twice their bytes, or 64 MiB.
     """
     lens, n = query.doc_lengths(), query.num_docs
     row = query.dim * (4 if dtype is None and query.scales is not None else (dtype or query.tokens.dtype).itemsize)
@@ -614,7 +627,7 @@ def _query_groups(query: shards.Shard, dtype: np.dtype | None) -> list[_QueryGro
         # Lengths fall, so once padding costs more than twice the tokens it only gets worse.
         fits = np.arange(1, n - i + 1) * top <= 2 * np.cumsum(lens[order[i:]]) if top else np.ones(n - i, bool)
         take = n - i if fits.all() else int(np.argmin(fits))
-        groups.append(_query_group(query, np.sort(order[i : i + take]), max(top, 1), dtype))
+        groups.append(_query_group(query, np.sort(order[i : i + take]), top, dtype))
         i += take
     return groups
 
@@ -859,12 +872,17 @@ def run_score(queries: str, docs, out: str, *, q_lengths: str | None = None, d_l
                 vals, positions = _dask_top_k(on_dask, groups, nq, min(top_k, n_docs))
                 bar.update(n_docs)
         if not full_matrix:
-            ids = doc_ids(positions)
             if suffix == ".npy":
-                np.save(f, ids, allow_pickle=False)
-            else:
+                np.save(f, doc_ids(positions), allow_pickle=False)
+            else:  # ids looked up a block of queries at a time: long ids are held for that block only
                 text = io.TextIOWrapper(f, encoding="utf-8", newline="\n")
-                (_write_tsv if suffix == ".tsv" else _write_jsonl)(text, qids, ids, vals)
+                write = _write_tsv if suffix == ".tsv" else _write_jsonl
+                if suffix == ".tsv":
+                    text.write("query\trank\tdoc\tscore\n")
+                block = doc_ids.rows_per_block(positions.shape[1])
+                for q0 in range(0, nq, block):
+                    rows = slice(q0, q0 + block)
+                    write(text, qids[rows], doc_ids(positions[rows]), vals[rows])
                 text.flush()
                 text.detach()  # ``f`` stays open; output_file closes it
 

@@ -720,6 +720,49 @@ def test_host_memory_is_bounded_by_bytes_for_one_very_long_query(tmp_path):
         np.testing.assert_array_equal(np.load(tmp_path / "one_r.npy")[0], got[i])
 
 
+def test_host_memory_is_bounded_by_bytes_for_many_empty_queries(tmp_path):
+    """Queries without tokens were padded to one row each: 20,000 of them of d = 4,096 (a file of
+    176 KB) took 328 MB; at d = 131,072 a 1 MB file asked for 32 GiB."""
+    lens = np.array([1] + [0] * 20_000)
+    np.save(tmp_path / "q.npy", np.ones((1, 4096), np.float32))
+    np.save(tmp_path / "ql.npy", lens)
+    make_shard(tmp_path / "s", dim=4096, n_docs=3)
+    out = tmp_path / "r.npy"
+    peak = _peak(lambda: cli.run_score(str(tmp_path / "q.npy"), [str(tmp_path / "s")], str(out),
+                                       q_lengths=str(tmp_path / "ql.npy"), cpu=True, full_matrix=True))
+    assert peak < 64 << 20, f"{peak / 2**20:.0f} MiB"
+    S = np.load(out)
+    assert S.shape == (20_001, 3) and (S[1:] == 0).all() and np.isfinite(S[0]).all()  # an empty query scores 0
+
+
+@pytest.mark.parametrize("suffix", [".tsv", ".jsonl", ".npy"])
+def test_host_memory_is_bounded_by_bytes_for_ids_declared_wide(tmp_path, suffix):
+    """Results' ids were gathered at the width ids.npy declares: short ids in a <U100000 array
+    (4 MB for 10 documents) took 800 MB for 200 queries' top 10 (37 GiB for 10,000)."""
+    rng = np.random.default_rng(0)
+    make_shard(tmp_path / "s", n_docs=10, ids=np.array([f"doc-{i}" for i in range(10)], dtype="<U100000"))
+    assert np.load(tmp_path / "s" / "ids.npy").dtype == np.dtype("<U100000")
+    np.save(tmp_path / "q.npy", rng.standard_normal((200, 1, 8)).astype(np.float32))
+    out = tmp_path / f"r{suffix}"
+    peak = _peak(lambda: cli.run_score(str(tmp_path / "q.npy"), [str(tmp_path / "s")], str(out), cpu=True, top_k=10))
+    assert peak < 64 << 20, f"{peak / 2**20:.0f} MiB"
+    S = lik_cupy.maxsim_varlen(np.load(tmp_path / "q.npy"), *_shard_docs(tmp_path / "s"), backend="cpu")
+    want = np.array([f"doc-{i}" for i in range(10)])[np.argsort(-S, axis=1, kind="stable")]
+    if suffix == ".npy":
+        got = np.load(out)
+        assert got.dtype == np.dtype("<U5")  # as wide as the longest id given back
+    elif suffix == ".tsv":
+        got = np.array([line.split("\t")[2] for line in out.read_text().splitlines()[1:]]).reshape(200, 10)
+    else:
+        got = np.array([json.loads(line)["doc"] for line in out.read_text().splitlines()]).reshape(200, 10)
+    assert (got == want).all()
+
+
+def _shard_docs(path):
+    s = shards.open_shard(str(path))
+    return np.asarray(s.tokens), np.asarray(s.offsets)
+
+
 def test_cpu_blocks_split_long_documents_exactly(rng):
     """A document scored in runs of its tokens gives the whole document's scores and argmax, bit
     for bit: NaN, -inf, ties to the first token, masks and INT8 scales included."""
