@@ -51,10 +51,13 @@ def check_ids(ids, n: int, name: str) -> np.ndarray:
         return ids
     if ids.dtype.kind not in "US":
         raise ShardError(name, f"ids must be int64 or fixed-width strings, got dtype {ids.dtype}")
-    bad = _first_break(ids)
-    if bad is not None:
+    bad, breaks = _first_break(ids)
+    if bad is not None and breaks:
         raise ShardError(name, f"id at index {bad} ({plain(ids[bad])!r}) holds a tab or line break (or a NUL); "
                                "ids are written one result per line to TSV")
+    if bad is not None:
+        raise ShardError(name, f"id at index {bad} ({plain(ids[bad])!r}) holds a code point that is no character "
+                               "(a lone surrogate, or past U+10FFFF); ids are written as UTF-8")
     return ids
 
 
@@ -65,8 +68,9 @@ _ID_BREAKS_UTF8 = (b"\xc2\x85", b"\xe2\x80\xa8", b"\xe2\x80\xa9")
 _ID_BLOCK_BYTES = 8 << 20
 
 
-def _first_break(ids: np.ndarray) -> int | None:
-    """Index of the first string id holding a character ``check_ids`` refuses, or None.
+def _first_break(ids: np.ndarray) -> tuple[int | None, bool]:
+    """Index of the first string id holding a character ``check_ids`` refuses (None: none), and
+    whether it is a break (else, in str ids, a code point UTF-8 cannot write).
 
     Reads the ids block by block as their code units (a memmap is never loaded whole). A NUL
     counts only inside an id: NumPy pads fixed-width strings with NULs and drops them when read.
@@ -74,7 +78,7 @@ def _first_break(ids: np.ndarray) -> int | None:
     unicode = ids.dtype.kind == "U"
     width = ids.dtype.itemsize // 4 if unicode else ids.dtype.itemsize
     if width == 0:
-        return None
+        return None, False
     step = max(1, _ID_BLOCK_BYTES // ids.dtype.itemsize)
     for a in range(0, ids.shape[0], step):
         block = np.ascontiguousarray(ids[a : a + step]).astype(ids.dtype.newbyteorder("="))
@@ -88,6 +92,8 @@ def _first_break(ids: np.ndarray) -> int | None:
                 if width >= len(seq):
                     windows = np.lib.stride_tricks.sliding_window_view(codes, len(seq), axis=1)
                     hit |= (windows == np.frombuffer(seq, np.uint8)).all(axis=2).any(axis=1)
-        if hit.any():
-            return a + int(np.argmax(hit))
-    return None
+        wild = ((codes >= 0xD800) & (codes <= 0xDFFF) | (codes > 0x10FFFF)).any(axis=1) if unicode else hit & False
+        if hit.any() or wild.any():
+            first = int(np.argmax(hit | wild))
+            return a + first, bool(hit[first])
+    return None, False

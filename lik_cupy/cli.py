@@ -1077,8 +1077,9 @@ def _pack_command(sources, out, lengths, per_doc, ids, model, dtype, int8, bf16_
         if per_doc:
             if lengths:
                 raise LikError("--lengths", "does not go with --per-doc (each file is one whole document)")
-            if ids is None:
-                ids = np.array([os.path.splitext(os.path.basename(s))[0] for s in sources])
+            if ids is None:  # (a name's bytes that are not UTF-8 as \xNN escapes: ids are written as UTF-8)
+                ids = np.array([os.fsencode(os.path.splitext(os.path.basename(s))[0]).decode("utf-8", "backslashreplace")
+                                for s in sources])
             written = shards.pack_arrays(list(sources), out, ids=ids, model=model, dtype=dtype, overwrite=force,
                                          bf16_bits=bf16_bits, check_finite=check)
         else:

@@ -449,6 +449,31 @@ def test_npy_headers_with_impossible_shapes_are_one_line(tmp_path, shape):
     one_line(r.returncode, r.stderr, tmp_path / "x.npy")
 
 
+@pytest.mark.parametrize("bad", ["a\ud800", "\udc80z"])
+def test_ids_that_utf8_cannot_write_are_refused_by_index(tmp_path, bad):
+    """A lone surrogate in a str id crashed lik score's .tsv writer (UnicodeEncodeError, exit 1)."""
+    shard = make_shard(tmp_path / "s", n_docs=3, ids=["a", "b", "c"]).path
+    np.save(os.path.join(shard, "ids.npy"), np.array(["a", bad, "c"]))
+    r = run("score", "--queries", queries(tmp_path / "q.npy"), "--docs", shard, "--out", tmp_path / "r.tsv", "--cpu")
+    one_line(r.exit_code, r.stderr, os.path.join(shard, "ids.npy"), "id at index 1")
+    assert "no character (a lone surrogate, or past U+10FFFF)" in r.stderr and not (tmp_path / "r.tsv").exists()
+    with pytest.raises(shards.ShardError, match="id at index 1"):
+        shards.write_shard(tmp_path / "t", np.ones((3, 8), np.float32), [0, 1, 2, 3], ids=["a", bad, "c"])
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="file names of any bytes")
+def test_per_doc_ids_of_file_names_that_are_not_utf8(tmp_path):
+    """lik pack --per-doc took a name's undecodable bytes as lone surrogates, which lik score could not write."""
+    with open(os.path.join(os.fsencode(tmp_path), b"doc\xff.npy"), "wb") as f:
+        np.save(f, np.ones((3, 8), np.float32))
+    name = os.fsdecode(os.path.join(os.fsencode(tmp_path), b"doc\xff.npy"))
+    assert run("pack", "--per-doc", name, "--out", tmp_path / "pd").exit_code == 0
+    assert np.load(tmp_path / "pd" / "ids.npy").tolist() == ["doc\\xff"]
+    r = run("score", "--queries", queries(tmp_path / "q.npy"), "--docs", tmp_path / "pd", "--out", tmp_path / "r.tsv",
+            "--cpu")
+    assert r.exit_code == 0 and "\tdoc\\xff\t" in (tmp_path / "r.tsv").read_text()
+
+
 @pytest.mark.parametrize("version, length", [(2, 0xFFFFFFF0), (1, 0xFFFF), (2, 20_000)])
 def test_npy_header_lengths_are_checked_before_they_are_read(tmp_path, version, length):
     """NumPy's reader reads the header length a file gives before checking it: a 74-byte file
