@@ -7,9 +7,11 @@ name. How:
 
 * **Temporary name.** The output is built under a temporary name in the target's own
   directory, ``.<target>.lik-tmp.<pid>.<host>.<random>``: ``<target>`` is the target's
-  name (cut, in bytes, so that the whole name fits the file system's NAME_MAX), ``<pid>``
-  the writing process, ``<host>`` 8 hex digits of a hash of the host name, ``<random>``
-  8 hex digits. A write that fails or is interrupted removes its temporary itself.
+  name (cut, in bytes, so that the whole name fits the file system's NAME_MAX, and then
+  ending in a hash of the whole name, so that two cut names never meet), ``<pid>`` the
+  writing process, ``<host>`` 8 hex digits of a hash of the host name, the boot and the pid
+  namespace (its pids mean nothing in another: containers sharing a volume may share a host
+  name), ``<random>`` 8 hex digits. A write that fails or is interrupted removes its temporary itself.
 * **Killed writers.** A process killed outright (SIGKILL, the OOM killer) cannot clean up;
   its temporary stays behind. Every later write into the same directory first *sweeps*
   (``lik score`` and ``shards.pack`` call :func:`sweep` before they check their target):
@@ -58,7 +60,21 @@ from collections.abc import Callable, Iterator
 from . import _files
 
 _TAG = b".lik-tmp."
-_HOST = f"{zlib.crc32(socket.gethostname().encode()):08x}".encode()
+
+
+def _where_pids_mean() -> bytes:
+    """8 hex digits naming the pid space this process's pids live in: the host name, and on
+    Linux the boot and the pid namespace."""
+    parts = [socket.gethostname().encode()]
+    with contextlib.suppress(OSError):
+        parts.append(b"%d" % os.stat("/proc/self/ns/pid").st_ino)
+    with contextlib.suppress(OSError):
+        with open("/proc/sys/kernel/random/boot_id", "rb") as f:
+            parts.append(f.read(64).strip())
+    return f"{zlib.crc32(b'/'.join(parts)):08x}".encode()
+
+
+_HOST = _where_pids_mean()
 # .<target>.lik-tmp.<pid>.<host>.<random>[.old]: only names of exactly this shape are ever swept.
 _PATTERN = re.compile(rb"\A\..*\.lik-tmp\.([0-9]{1,10})\.([0-9a-f]{8})\.[0-9a-f]{8}(\.old)?\Z", re.S)
 _SUFFIX_BYTES = 10 + 1 + 8 + 1 + 8 + 4  # <pid>.<host>.<random>.old, at most
@@ -117,10 +133,14 @@ def _split(target: str) -> tuple[str, bytes]:
 
 
 def _prefix(target: str) -> bytes:
-    """``.<target>.lik-tmp.`` with the name cut so that every temporary name fits NAME_MAX."""
+    """``.<target>.lik-tmp.`` with the name cut so that every temporary name fits NAME_MAX; a cut
+    name ends in ``~`` and a hash of the whole name (another target sharing the cut part once had
+    its set-aside directory moved onto this one by :func:`sweep`)."""
     directory, name = _split(target)
     room = _files.name_max(directory) - 1 - len(_TAG) - _SUFFIX_BYTES
-    return b"." + name[: max(1, room)] + _TAG
+    if len(name) > room:
+        name = name[: max(1, room - 9)] + b"~%08x" % zlib.crc32(name)
+    return b"." + name + _TAG
 
 
 def _temp_path(target: str, old: bool = False) -> str:

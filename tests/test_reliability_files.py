@@ -21,12 +21,10 @@ import os
 import pathlib
 import resource
 import signal
-import socket
 import subprocess
 import sys
 import time
 import tracemalloc
-import zlib
 
 import numpy as np
 import pytest
@@ -34,7 +32,7 @@ import pytest
 import lik_cupy
 from lik_command import run_lik as run
 from lik_cupy import _cpu as cpu
-from lik_cupy import cli, shards
+from lik_cupy import _atomic, cli, shards
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 LIK = "import sys\nfrom lik_cupy.cli import main\nmain(sys.argv[1:], prog_name='lik')\n"
@@ -309,7 +307,7 @@ def test_the_sweep_removes_only_dead_temporaries_of_this_host(tmp_path):
     shard, q = make_shard(tmp_path / "shard").path, queries(tmp_path / "q.npy")
     out_dir = tmp_path / "out"
     out_dir.mkdir()
-    host = f"{zlib.crc32(socket.gethostname().encode()):08x}"
+    host = _atomic._HOST.decode()
     other = f"{(int(host, 16) ^ 1):08x}"
     dead = _dead_pid()
     live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
@@ -338,12 +336,36 @@ def test_the_sweep_removes_only_dead_temporaries_of_this_host(tmp_path):
 def test_a_shard_moved_aside_by_a_killed_run_is_put_back(tmp_path):
     """The locked fallback moves a shard being replaced aside for a moment; killed then, the next
     write of that target puts it back rather than sweeping it."""
-    host = f"{zlib.crc32(socket.gethostname().encode()):08x}"
+    host = _atomic._HOST.decode()
     aside = tmp_path / f".shard.lik-tmp.{_dead_pid()}.{host}.0123abcd.old"
     make_shard(aside)
     r = run("pack", queries(tmp_path / "q.npy"), "--out", tmp_path / "shard")
     one_line(r.exit_code, r.stderr, tmp_path / "shard", "already exists")
     assert listing(tmp_path) == ["q.npy", "shard"] and shards.open_shard(tmp_path / "shard").num_docs == 6
+
+
+def test_a_cut_name_moves_back_only_its_own_set_aside_shard(tmp_path):
+    """Two targets whose names share the part a temporary's name keeps (names past ~213 bytes):
+    the sweep moved the other's set-aside shard onto this one. A cut name now ends in a hash of the
+    whole name."""
+    a, b = tmp_path / ("s" * 213 + "_A_target"), tmp_path / ("s" * 213 + "_B_other")
+    own_a, own_b = _atomic._prefix(str(a)), _atomic._prefix(str(b))
+    assert own_a != own_b and len(own_a) == len(own_b)
+    aside = tmp_path / os.fsdecode(own_b + b"%d.%s.0123abcd.old" % (_dead_pid(), _atomic._HOST))
+    make_shard(aside)
+    r = run("pack", queries(tmp_path / "q.npy"), "--out", a)
+    assert r.exit_code == 0, r.stderr
+    assert shards.open_shard(a).num_docs == 2 and aside.is_dir()  # b's shard left for b's next write
+
+
+def test_pids_of_another_pid_namespace_are_another_host(monkeypatch):
+    """Containers sharing a volume may share a host name, not their pids: the sweep took a live
+    writer's temporary in another pid namespace for a dead one of its own."""
+    here = _atomic._where_pids_mean()
+    real = os.stat
+    monkeypatch.setattr(os, "stat", lambda p, *a, **k: os.stat_result((0, 12345, 0, 0, 0, 0, 0, 0, 0, 0))
+                        if p == "/proc/self/ns/pid" else real(p, *a, **k))
+    assert _atomic._where_pids_mean() != here or not os.path.exists("/proc/self/ns/pid")
 
 
 # --------------------------------------------------------------------------- --check, --d-lengths
