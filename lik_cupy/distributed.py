@@ -52,6 +52,7 @@ batch and merge depth against the number of workers.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import os
 import threading
@@ -722,7 +723,19 @@ class DistributedCorpus:
         """The results of ``futures`` once all are done, fetched from their workers at once."""
         self._wait(futures, workers, what)
         # direct: straight from the workers, all at once, not relayed one by one through the scheduler
-        return self._call(f"fetching the results of {what}", self.client.gather, futures, direct=True)
+        return self._fetch(f"fetching the results of {what}", workers, self.client.gather, futures, direct=True)
+
+    def _fetch(self, what: str, workers: set[str], fn, *args, **kwargs):
+        """``self._call(what, fn, ...)`` for a fetch of finished tasks' results from ``workers``: a
+        worker that left after its task finished took the result (and, for a task that needed the
+        shipped queries, the scheduler forgot it): then ``_Departed``, so the call runs again."""
+        try:
+            return self._call(what, fn, *args, **kwargs)
+        except (distributed.CancelledError, OSError):
+            gone = workers - self._live()
+            if gone:
+                raise _Departed(", ".join(sorted(gone))) from None
+            raise
 
     def _rerun(self, during: str, run):
         """``run()``, again after re-placing shards whenever workers left while it ran."""
@@ -777,15 +790,27 @@ class DistributedCorpus:
         futures = [self.client.submit(_load, self._name, items, workers=[w], allow_other_workers=False, pure=False,
                                       key=f"lik-cupy-load-{uuid.uuid4().hex[:8]}") for w, items in work.items()]
         names = ", ".join(self._sources[i][0] for i in sorted(moves))
-        stale = defaultdict(list)
         try:
             self._wait(futures, set(work), f"loading {names}")
-        finally:  # record what did load, also when another worker failed or left: it is resident there
-            for w, f in zip(work, futures):
-                for i, where in f.result() if f.status == "finished" else ():
-                    if i in self._resident:
-                        stale[self._resident[i]].append(i)
-                    self._resident[i], self._where[i] = w, where
+        except BaseException:  # what did load is resident there all the same, and its old copy is dropped
+            with contextlib.suppress(Exception):
+                self._drop_copies(self._record_loads(work, futures))
+            raise
+        self._drop_copies(self._record_loads(work, futures))
+
+    def _record_loads(self, work: dict, futures: list) -> dict[str, list[int]]:
+        """Note where the finished loads of ``_move`` put their shards; returns the copies they
+        replaced, by worker."""
+        stale = defaultdict(list)
+        for w, f in zip(work, futures):
+            for i, where in f.result() if f.status == "finished" else ():
+                if i in self._resident:
+                    stale[self._resident[i]].append(i)
+                self._resident[i], self._where[i] = w, where
+        return stale
+
+    def _drop_copies(self, stale: dict[str, list[int]]) -> None:
+        """Drop moved shards' old copies on the workers that held them."""
         drops = [self.client.submit(_drop, self._name, ix, workers=[w], allow_other_workers=False, pure=False,
                                     key=f"lik-cupy-drop-{uuid.uuid4().hex[:8]}") for w, ix in stale.items()]
         try:
@@ -854,7 +879,7 @@ class DistributedCorpus:
         t3, done = clock(), time.time()
         # The root merges here: fetching its (at most _FAN_IN) inputs costs one round trip less
         # than a merge task on a worker and fetching that.
-        got = self._call("fetching the rankings of a search batch", self.client.gather, parts, direct=True)
+        got = self._fetch("fetching the rankings of a search batch", set(work), self.client.gather, parts, direct=True)
         t4 = clock()
         scores, positions, stages = _merge_parts(k, got)
         t5 = clock()
@@ -891,5 +916,5 @@ class DistributedCorpus:
             for f in self._wait(list(running), {w for w, _ in running.values()}, "a piece of score()", any_done=True):
                 w, (i, a, b) = running.pop(f)
                 busy[w] -= 1
-                sink(self._first[i] + a, f.result())
+                sink(self._first[i] + a, self._fetch("fetching a piece of score()", {w}, f.result))
                 del todo[(i, a, b)]

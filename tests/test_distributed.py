@@ -283,6 +283,53 @@ def test_a_worker_killed_mid_query_reloads_its_shards_and_the_query_reruns(clien
         assert {w for w, _ in corpus.placement.values()} == set(client.nthreads())
 
 
+def test_a_result_lost_with_its_worker_after_the_task_finished_reruns(corpus, monkeypatch):
+    """A worker that left after its task finished, before its result was fetched: the fetch raised
+    Dask's FutureCancelledError out of the call. It is a departure now (the call runs again)."""
+    from distributed.client import FutureCancelledError
+
+    from lik_cupy.distributed import _Departed
+
+    def lost():
+        raise FutureCancelledError("lik-cupy-top-k-x", reason="already forgotten")
+
+    w = next(iter(_client_workers(corpus)))
+    monkeypatch.setattr(corpus, "_live", lambda: _client_workers(corpus) - {w})
+    with pytest.raises(_Departed, match=w):
+        corpus._fetch("fetching", {w}, lost)
+    monkeypatch.setattr(corpus, "_live", lambda: _client_workers(corpus))
+    with pytest.raises(FutureCancelledError):  # every worker still there: the error as it is
+        corpus._fetch("fetching", {w}, lost)
+
+
+def _client_workers(corpus) -> set[str]:
+    return set(corpus.client.scheduler_info()["workers"])
+
+
+def test_a_move_cut_short_still_drops_the_old_copies(client, corpus_files, monkeypatch):
+    """Shards loaded on their new worker stayed on the old one too when another part of the move
+    failed (a worker leaving, a shard error): the drops were never sent."""
+    from lik_cupy.distributed import _Departed
+
+    with DistributedCorpus(client, corpus_files[0], backend="cpu") as corpus:
+        (i, (old, _)), *_ = corpus.placement.items()
+        new = next(w for w in _client_workers(corpus) if w != old)
+        real = corpus._wait
+
+        def wait(futures, workers, what, **kw):
+            done = real(futures, workers, what, **kw)
+            if what.startswith("loading"):
+                raise _Departed("another worker")
+            return done
+
+        monkeypatch.setattr(corpus, "_wait", wait)
+        with pytest.raises(_Departed):
+            corpus._move({i: new})
+        monkeypatch.setattr(corpus, "_wait", real)
+        held = client.run(lambda dask_worker, name=corpus._name: sorted(dask_worker.plugins[name].resident))
+        assert corpus.placement[i][0] == new and i in held[new] and i not in held[old], held
+
+
 def test_a_shard_changed_on_disk_is_refused_when_it_reloads(client, corpus_files, tmp_path, rng):
     """Repacked under the corpus (`lik pack --force`, more documents) and then reloaded after its
     worker was killed, a shard gave wrong ids and num_docs kept the old count. Every load now checks
