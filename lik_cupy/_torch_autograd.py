@@ -104,6 +104,15 @@ def backend_of(Q) -> str:
     return "gpu" if Q.is_cuda else "cpu"
 
 
+def check_tensors(**named) -> None:
+    """The embeddings of a ``lik_cupy.torch`` call are torch tensors (an array of another framework
+    raised an AttributeError on ``requires_grad``)."""
+    for name, x in named.items():
+        if x is not None and not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} is a {type(x).__module__}.{type(x).__qualname__}; lik_cupy.torch takes torch "
+                            "tensors (lik_cupy.maxsim takes any framework's arrays, without autograd)")
+
+
 def check_method(method) -> None:
     if method not in _METHODS:  # checked with the forward, not first at backward time
         raise ValueError(f"method must be one of {_METHODS}, got {method!r}")

@@ -287,8 +287,20 @@ def _xla_on(fn: str, p: Problem, backend: str) -> frozenset:
 
 
 def _arrays(**named) -> dict:
-    """The given arguments as JAX arrays (or tracers), by name; lists and ints become arrays."""
-    return {k: v if isinstance(v, jax.Array) else jnp.asarray(v) for k, v in named.items() if v is not None}
+    """The given arguments as JAX arrays (or tracers), by name; lists and ints become arrays.
+    Integers past int32 (lengths, offsets) where JAX keeps int32 (x64 off) are clipped to its
+    range first, still out of range for their check (NaN scores): JAX would wrap them silently
+    (2**32 + 2 into 2)."""
+    out = {}
+    for k, v in named.items():
+        if v is None:
+            continue
+        if not isinstance(v, jax.Array) and not jax.config.jax_enable_x64:
+            a = np.asarray(v)
+            if a.dtype.kind in "iu" and a.dtype.itemsize * 8 - (a.dtype.kind == "i") > 31:
+                v = np.clip(a, -1, np.iinfo(np.int32).max).astype(np.int32)
+        out[k] = v if isinstance(v, jax.Array) else jnp.asarray(v)
+    return out
 
 
 def _stand_ins(args: dict, *names) -> list:
@@ -320,8 +332,9 @@ def _clamped(args: dict, p: Problem):
         lengths = args.get(f"{side}_lengths")
         if lengths is None:
             continue
-        wrong = (lengths < 0) | (lengths > limit)
-        args[f"{side}_lengths"] = jnp.clip(lengths, 0, limit).astype(lengths.dtype)
+        wide = lengths.astype(jnp.promote_types(lengths.dtype, jnp.int32))  # (L past a narrow dtype's range)
+        wrong = (wide < 0) | (wide > limit)
+        args[f"{side}_lengths"] = jnp.clip(wide, 0, limit).astype(lengths.dtype)
         if side == "q":  # the query axes lead the scores' axes; the documents' axes end them
             wrong = wrong.reshape(wrong.shape + (1,) * (len(p.scores_shape) - wrong.ndim))
         bad = wrong if bad is None else bad | wrong

@@ -42,6 +42,7 @@ from ._torch_autograd import apply as _apply
 from ._torch_autograd import as_tensor as _tensor
 from ._torch_autograd import backend_of as _backend
 from ._torch_autograd import check_method as _check_method
+from ._torch_autograd import check_tensors as _check_tensors
 from ._torch_autograd import needs_grad as _needs_grad
 from ._torch_autograd import traced as _traced
 from ._torch_hidden import maxsim_from_hidden_op as _maxsim_from_hidden_op
@@ -62,6 +63,7 @@ def maxsim(Q, D, q_mask=None, d_mask=None, *, q_lengths=None, d_lengths=None, me
     no gradient. Returns float32 scores (float64 for float64 tensors) and, if asked, the int32
     argmax. Under ``torch.compile`` the call is the operator ``torch.ops.lik_cupy.maxsim``.
     """
+    _check_tensors(Q=Q, D=D)
     _check_method(method)
     if _traced(Q):
         scores, amax = torch.ops.lik_cupy.maxsim.default(Q, D, q_mask, d_mask, _tensor(q_lengths, Q),
@@ -84,6 +86,7 @@ def maxsim_varlen(Q, D_tokens, d_offsets, q_mask=None, *, q_lengths=None, method
     """``lik_cupy.maxsim_varlen`` (packed documents ``D_tokens [T, d]`` with ``d_offsets``)
     with gradients for Q and D_tokens. Padded queries only (``q_mask`` / ``q_lengths``).
     Under ``torch.compile`` the call is the operator ``torch.ops.lik_cupy.maxsim_varlen``."""
+    _check_tensors(Q=Q, D_tokens=D_tokens)
     _check_method(method)
     if _traced(Q):
         scores, amax = torch.ops.lik_cupy.maxsim_varlen.default(Q, D_tokens, _tensor(d_offsets, Q), q_mask,
@@ -116,6 +119,7 @@ def maxsim_from_hidden(Q, H, W, bias=None, q_mask=None, d_mask=None, *, q_length
     Returns:
         float32 scores ``[Nq, Nd]`` (float64 for float64 tensors) and, if asked, the int32 argmax.
     """
+    _check_tensors(Q=Q, H=H, W=W, bias=bias)
     need = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (Q, H, W, bias))
     scores, amax = _maxsim_from_hidden_op(
         Q, H, W, bias, q_mask, d_mask, _tensor(q_lengths, Q), _tensor(d_lengths, Q), bool(normalize), float(eps),

@@ -159,6 +159,21 @@ def test_lengths_out_of_range_give_nan_not_errors(rng):
     assert np.isfinite(np.asarray(gq)).all() and not np.asarray(gq)[1].any()
 
 
+@pytest.mark.parametrize("path", ["kernel", "xla"])
+def test_narrow_and_wide_integer_lengths_are_read_as_their_values(rng, monkeypatch, path):
+    """uint8 lengths of documents longer than 255 tokens compared as uint8 (300 wrapped to 44), so
+    valid lengths were NaN; NumPy int64 lengths past int32 wrapped into valid ones without x64."""
+    monkeypatch.setenv("LIK_JAX_PATH", path)
+    q, d = _inputs(rng, "float32", (2, 4, 8), (2, 300, 8))
+    dl = np.array([200, 100], np.uint8)
+    want = lik_cupy.maxsim(q, d, d_lengths=dl, backend="cpu")
+    np.testing.assert_allclose(np.asarray(jax.jit(lambda a, b: maxsim(a, b, d_lengths=dl))(q, d)), want, rtol=1e-6)
+    g = jax.grad(lambda a: maxsim(a, d, d_lengths=dl).sum())(q)
+    assert np.isfinite(np.asarray(g)).all()
+    out = np.asarray(maxsim(q, d, q_lengths=np.array([2**32 + 2, 1])))  # not 2: out of range, NaN
+    assert np.isnan(out[0]).all() and np.isfinite(out[1]).all()
+
+
 def test_varlen_jit_and_grad_match_float64(rng):
     lens = np.array([3, 0, 7, 1, 5])
     off = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)

@@ -215,6 +215,17 @@ def test_compiled_inference_keeps_no_argmax(rng):
     assert len(calls) == 1 and calls[0].args[7] is False
 
 
+def test_arrays_of_other_frameworks_are_a_type_error_naming_them(rng):
+    """A NumPy array reached ``requires_grad``: an AttributeError that named no argument."""
+    q, d = _t(rng, 2, 3, 16), _t(rng, 4, 5, 16)
+    calls = [(lambda: lt.maxsim(q.numpy(), d), "Q is a numpy.ndarray"), (lambda: lt.maxsim(q, d.numpy()), "D is a"),
+             (lambda: lt.maxsim_varlen(q, [[0.0] * 16], [0, 1]), "D_tokens is a builtins.list"),
+             (lambda: lt.maxsim_from_hidden(q, d, d[0].numpy()), "W is a numpy.ndarray")]
+    for call, words in calls:
+        with pytest.raises(TypeError, match=words + ".*lik_cupy.torch takes torch tensors"):
+            call()
+
+
 def test_compiled_call_raises_the_validation_error(rng):
     """The fake implementations are lik_cupy's own checks, so a bad call fails at trace time with
     lik_cupy's message."""
