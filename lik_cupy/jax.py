@@ -47,6 +47,9 @@ default ``"auto"`` (atomic) does not.
 Lengths and offsets are never read on the host. A length outside ``[0, L]`` makes its query's
 (or document's) scores NaN, and ``d_offsets`` that do not start at 0, decrease, or end
 elsewhere than at ``T`` make every score NaN, where ``lik_cupy.maxsim`` raises ``ValueError``.
+Likewise an INT8 document scale of a valid token that is negative, NaN or infinite makes its
+document's scores NaN (``lik_cupy.maxsim_int8`` raises); a query token's such scale makes its
+query's scores NaN, as there.
 """
 
 from __future__ import annotations
@@ -343,7 +346,31 @@ def _clamped(args: dict, p: Problem):
         wrong = (off[0] != 0) | (off[-1] != p.ntok) | jnp.any(off[1:] < off[:-1])
         args["d_offsets"] = jnp.where(wrong, jnp.zeros_like(off).at[-1].set(p.ntok), off)
         bad = wrong if bad is None else bad | wrong
+    if args.get("d_scales") is not None:
+        wrong = _bad_scales(args)
+        bad = wrong if bad is None else bad | wrong
     return args, bad
+
+
+def _bad_scales(args: dict):
+    """INT8 documents with a valid token whose scale is negative, NaN or infinite (which the eager
+    call refuses, naming it: traced, its documents' scores are NaN instead), broadcastable to the
+    scores; those scales are set to 0 for the kernels and the NumPy path. Runs after the lengths
+    and offsets are made valid."""
+    ds = args["d_scales"]
+    token = ~((ds >= 0) & (ds <= jnp.finfo(jnp.float32).max))
+    off = args.get("d_offsets")
+    if off is None:  # padded [..., Ld]: masked and past-length tokens are not read
+        if args.get("d_mask") is not None:
+            token &= args["d_mask"].astype(bool)
+        elif args.get("d_lengths") is not None:
+            token &= jnp.arange(ds.shape[-1]) < args["d_lengths"][..., None]
+        wrong = token.any(axis=-1)
+    else:  # packed [T]: each token's document
+        doc = jnp.searchsorted(off, jnp.arange(ds.shape[0]), side="right") - 1
+        wrong = jnp.zeros(off.shape[0] - 1, bool).at[doc].max(token, mode="drop")
+    args["d_scales"] = jnp.where(token, jnp.zeros_like(ds), ds)
+    return wrong
 
 
 def _scores(call: _Call, q, d, rest: dict):

@@ -310,6 +310,30 @@ def test_vmap_of_grad_and_grad_of_vmap(rng):
     _close(sum_d, sum(r[1] for r in refs), "float32")
 
 
+@pytest.mark.parametrize("value", [-1.0, np.nan, np.inf])
+def test_int8_bad_document_scales_give_nan_not_an_internal_error(rng, value):
+    """A valid token's negative, NaN or infinite scale reached the NumPy path's check inside the
+    callback: an XLA INTERNAL error from the run. Its document's scores are NaN now; a masked
+    token's scale is not read."""
+    q = rng.standard_normal((2, 3, 16)).astype(np.float32)
+    d8, ds = lik_cupy.quantize_int8(rng.standard_normal((4, 5, 16)).astype(np.float32), backend="cpu")
+    want = lik_cupy.maxsim_int8(q, d8, ds, backend="cpu")
+    bad = ds.copy()
+    bad[1, 2] = value
+    out = np.asarray(jax.jit(lambda a, b, s: maxsim_int8(a, b, s))(q, d8, bad))
+    assert np.isnan(out[:, 1]).all() and np.array_equal(np.delete(out, 1, 1), np.delete(want, 1, 1))
+    bad = ds.copy()
+    bad[1, 4] = value  # past document 1's length
+    dl = np.array([5, 4, 5, 5])
+    out = np.asarray(maxsim_int8(q, d8, bad, d_lengths=dl))
+    np.testing.assert_array_equal(out, lik_cupy.maxsim_int8(q, d8, ds, d_lengths=dl, backend="cpu"))
+    flat = ds.reshape(-1).copy()
+    flat[7] = value  # packed: token 7 is document 1's
+    off = np.array([0, 5, 10, 15, 20])
+    out = np.asarray(jax.jit(lambda a, b, s, o: maxsim_int8_varlen(a, b, s, o))(q, d8.reshape(-1, 16), flat, off))
+    assert np.isnan(out[:, 1]).all() and np.array_equal(np.delete(out, 1, 1), np.delete(want, 1, 1))
+
+
 def test_int8_jit_vmap_and_no_gradient(rng):
     nq, lq, nd, ld, dim = 3, 5, 4, 7, 32
     q, d = _inputs(rng, "float32", (nq, lq, dim), (nd, ld, dim))
