@@ -37,7 +37,8 @@ def maxsim_backward(grad_scores, Q, D, argmax, *, d_offsets=None, method="auto",
     forward's argmax already marks masked query tokens and empty documents with -1.
 
     Args:
-        grad_scores: float ``scores.shape`` (any float dtype; used as float32).
+        grad_scores: float ``scores.shape`` (any float dtype; used as float32 on the GPU, as given on
+            the CPU).
         Q, D: the forward's inputs (float16, bfloat16, float32 or float64 (float32 arithmetic on the GPU), as in
             :func:`lik_cupy.maxsim`): Q ``[Nq, Lq, d]`` or ``[Lq, d]``; D ``[Nd, Ld, d]``
             (every query against every document, the in-batch layout),

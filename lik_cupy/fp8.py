@@ -45,7 +45,7 @@ def maxsim_fp8(Q, D, d_scales, q_mask=None, d_mask=None, *, q_scales=None, q_len
         d_scales: float32 ``D.shape[:-1]`` (one per document token) or ``[]`` (one for all of D).
         q_mask, d_mask, q_lengths, d_lengths: valid tokens, as in :func:`lik_cupy.maxsim`.
         q_scales: float32 ``Q.shape[:-1]`` or ``[]``, for an FP8 Q; non-negative (a negative or NaN
-            scale makes its query's scores NaN).
+            scale makes its query's scores NaN; an empty document still scores -inf).
         return_argmax: also return int32 ``scores.shape + (Lq,)``: the max over the document-scaled
             dot products, as in :func:`lik_cupy.maxsim_int8`.
         backend: "auto", "gpu" (sm_89 or newer) or "cpu".

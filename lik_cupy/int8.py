@@ -34,7 +34,8 @@ def maxsim_int8(Q, D, d_scales, q_mask=None, d_mask=None, *, q_scales=None, q_le
         q_mask, d_mask, q_lengths, d_lengths: valid tokens, as in :func:`lik_cupy.maxsim`.
         q_scales: float32 ``Q.shape[:-1]`` for an int8 Q. They multiply each row's max, so
             they must be non-negative (as ``quantize_int8`` makes them): a negative or NaN
-            scale makes its query's scores NaN (checked in the kernel, with no host sync).
+            scale makes its query's scores NaN, except against an empty document, which scores -inf
+            as always (checked in the kernel, with no host sync).
         return_argmax: also return int32 ``scores.shape + (Lq,)``, as in :func:`lik_cupy.maxsim`.
             The max is taken over the document-scaled dot products (float32); the query
             token's scale comes after it, so a zero-scale query token keeps the token of its

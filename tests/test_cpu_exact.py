@@ -299,6 +299,46 @@ class _LatePool:
             self._items.put(None)
 
 
+@pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16])
+def test_candidate_sets_of_converted_tokens_stay_within_block_bytes(rng, dtype):
+    """Candidate sets whose tokens need converting for the GEMM kept the last block's converted
+    tokens alive beside the next one's: 1.8x block_bytes."""
+    nq, lq, dim, ld, k, block = 2, 8, 64, 300, 100, 3 << 20
+    q = rng.standard_normal((nq, lq, dim)).astype(dtype)
+    d = rng.standard_normal((nq * k, ld, dim)).astype(dtype)
+    qv, dv = np.ones((nq, lq), bool), np.ones((nq * k, ld), bool)
+
+    def run():
+        return cpu.maxsim_numpy(q, d, qv, dv, candidates=True, nd=k, return_argmax=False, block_bytes=block)
+    run()
+    assert _peak(run) < nq * k * 4 + block * 9 // 8 + NUMPY_BUFFERS
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+@pytest.mark.parametrize("what", ["tied", "nan"])
+def test_one_pair_with_every_column_a_candidate_stays_within_block_bytes(rng, layout, what):
+    """One long document whose tokens all tie (or hold a NaN) makes every column of a run a
+    candidate of one pair: it was decided at once, 3-6x block_bytes. Now in slices, with the
+    same winner: the first of the maxima, or the first NaN."""
+    n, dim, block = 30_000, 129, 256 << 10
+    tok = np.ones((n, dim), np.float32) if what == "tied" else rng.standard_normal((n, dim)).astype(np.float32)
+    if what == "nan":
+        tok[20_007, 3] = tok[25_000, 1] = np.nan
+    q, qv = np.ones((1, 2, dim), np.float32), np.ones((1, 2), bool)
+
+    def run(b):
+        if layout == "packed":
+            return cpu.maxsim_packed_numpy(q, qv, tok, np.array([0, n]), return_argmax=True, block_bytes=b)
+        return cpu.maxsim_numpy(q, tok[None], qv, np.ones((1, n), bool), candidates=False, nd=1, return_argmax=True,
+                                block_bytes=b)
+    run(block)
+    assert _peak(lambda: run(block)) < 2 * 4 + 2 * 4 + block * 9 // 8 + NUMPY_BUFFERS
+    (s, a), (s1, a1) = run(block), run(1 << 30)
+    np.testing.assert_array_equal(s, s1)
+    np.testing.assert_array_equal(a, a1)
+    assert (a == (0 if what == "tied" else 20_007)).all() and (np.isnan(s) if what == "nan" else s == 2 * dim).all()
+
+
 @pytest.fixture
 def late_pool(request, monkeypatch):
     """With the chunk-threads variant: a ``_LatePool`` for the blocks' chunks."""

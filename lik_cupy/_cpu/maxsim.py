@@ -177,6 +177,7 @@ def maxsim_numpy(Q: np.ndarray, D: np.ndarray, q_valid: np.ndarray, d_valid: np.
             blk = _DocBlock(_tokens(D[rows], ar, i1 - i0), Runs.padded(nd, ld, d_valid[rows].reshape(i1 - i0, -1)),
                             None if d_scale is None else d_scale[rows].reshape(i1 - i0, -1), out)
             put(i0, i1, 0, nd, _block_maxima(Q[i0:i1], q_valid[i0:i1], blk, ar, return_argmax, block_bytes))
+            del blk  # (its converted tokens, before the next block's are made)
         return scores, amax
     if candidates:
         for i in range(nq):
@@ -186,6 +187,7 @@ def maxsim_numpy(Q: np.ndarray, D: np.ndarray, q_valid: np.ndarray, d_valid: np.
                 blk = _DocBlock(_tokens(D[sl], ar, 1), Runs.padded(j1 - j0, ld, d_valid[sl].reshape(1, -1)),
                                 None if d_scale is None else d_scale[sl].reshape(1, -1), out)
                 put(i, i + 1, j0, j1, _block_maxima(Q[i:i + 1], q_valid[i:i + 1], blk, ar, return_argmax, block_bytes))
+                del blk
         return scores, amax
     # Documents shared by every query: several queries to one GEMM (the more rows, the better BLAS does),
     # as many as leave a block room for a few dozen documents.

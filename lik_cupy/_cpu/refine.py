@@ -39,6 +39,8 @@ import numpy as np
 
 __all__ = ["margin", "norm_bound", "bound_norms", "dot64", "Pending"]
 
+_PER_CANDIDATE = 128  # bytes a pair's candidate column takes until decided (indices, masks, values, gathers)
+
 
 def _gamma(dim: int, u: float) -> float:
     return dim * u / (1 - dim * u) if dim * u < 0.5 else np.inf
@@ -140,6 +142,10 @@ class Pending:
         while g0 < rows.size:  # pieces of the budget (one pair at least)
             spent = int(cum[g0 - 1]) if g0 else 0
             g1 = max(g0 + 1, int(np.searchsorted(cum, spent + self.budget // 4, side="right")))
+            if g1 == g0 + 1 and lengths[g0] * _PER_CANDIDATE > self.budget // 4:
+                self._decide_alone(S, runs, c0, j0, int(rows[g0]), int(docs[g0]), thr)  # (a long run's pair)
+                g0 = g1
+                continue
             r, j = rows[g0:g1], docs[g0:g1]
             local = np.arange(int(lengths[g0:g1].max()))
             cand = local[None, :] < lengths[g0:g1][:, None]
@@ -157,6 +163,37 @@ class Pending:
             if self._bytes > self.budget // 2:
                 self.flush()
             g0 = g1
+
+    def _decide_alone(self, S, runs, c0: int, j0: int, r: int, j: int, thr) -> None:
+        """Decide one pair whose candidates (every valid column of a long run, where all tie or one
+        is NaN) would not fit the budget at once: their columns in slices, keeping the first of
+        the maxima so far (the first NaN, once there is one), as :meth:`flush` decides."""
+        start, length = int(runs.start[j]), int(runs.length[j])
+        step = max(1, self.budget // 4 // _PER_CANDIDATE)
+        best, at = None, -1
+        for a in range(start, start + length, step):
+            cols = np.arange(a, min(start + length, a + step))
+            cand = np.ones(cols.size, bool)
+            if runs.valid is not None:
+                cand &= runs.valid[self.row_set[r], cols]
+            vals = S[r, cols]
+            if thr is not None:
+                cand &= vals >= thr[r, j]
+            cols = cols[cand]
+            if not cols.size:
+                continue
+            if self.A is None:
+                val = vals[cand].astype(np.float64)
+            else:
+                val = dot64(self.A[r], self.T[self.row_set[r], cols + c0])
+            top = val.max()  # NaN propagates
+            if np.isnan(top):
+                best, at = top, int(cols[np.argmax(np.isnan(val))])
+                break
+            if best is None or top > best:
+                best, at = top, int(cols[np.argmax(val == top)])
+        self.idx[r, j + j0] = at + c0 - self.start[j + j0]
+        self.val[r, j + j0] = best
 
     def flush(self) -> None:
         """Decide every pair collected so far."""
