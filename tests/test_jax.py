@@ -4,6 +4,7 @@ CPU (CI), the kernels through jax.experimental.buffer_callback on a CUDA device 
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 
 import ml_dtypes
@@ -172,6 +173,27 @@ def test_narrow_and_wide_integer_lengths_are_read_as_their_values(rng, monkeypat
     assert np.isfinite(np.asarray(g)).all()
     out = np.asarray(maxsim(q, d, q_lengths=np.array([2**32 + 2, 1])))  # not 2: out of range, NaN
     assert np.isnan(out[0]).all() and np.isfinite(out[1]).all()
+
+
+def test_host_results_stay_on_the_host_whatever_the_default_device():
+    """Results of host JAX arrays went to JAX's default device (a GPU where there is one); a
+    second CPU device made the default stands in for it here."""
+    code = """if True:
+        import os
+        os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+        import jax, numpy as np, lik_cupy
+        cpu0, cpu1 = jax.devices("cpu")[:2]
+        jax.config.update("jax_default_device", cpu1)
+        q = jax.device_put(np.ones((2, 3, 8), np.float32), cpu0)
+        d = jax.device_put(np.ones((4, 5, 8), np.float32), cpu0)
+        s, a = lik_cupy.maxsim(q, d, return_argmax=True)
+        q8, qs = lik_cupy.quantize_int8(q)
+        assert {x.devices().pop() for x in (s, a, q8, qs)} == {cpu0}, [x.devices() for x in (s, a, q8, qs)]
+    """
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env,
+                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert r.returncode == 0, r.stderr[-2000:]
 
 
 def test_varlen_jit_and_grad_match_float64(rng):

@@ -41,10 +41,18 @@ def to_numpy(x) -> np.ndarray:
     return np.asarray(x)
 
 
+def _on_host(a: np.ndarray):
+    """A host result as a JAX array on the host (JAX's first CPU device), where the caller's array
+    was: ``jnp.asarray`` takes JAX's default device, a GPU where there is one. (With several CPU
+    devices, an input on another than the first still gets its result on the first.)"""
+    jax = sys.modules["jax"]
+    return jax.device_put(a, jax.devices("cpu")[0])
+
+
 def from_cupy(a, on_host: bool):
     jax = sys.modules["jax"]
     if on_host:
-        return jax.numpy.asarray(a.get())
+        return _on_host(a.get())
     import cupy
 
     cupy.cuda.get_current_stream().synchronize()
@@ -56,7 +64,7 @@ def bfloat16_from_bits(a, on_host: bool, like):
     if on_host:
         import ml_dtypes
 
-        return jax.numpy.asarray(a.get().view(ml_dtypes.bfloat16))
+        return _on_host(a.get().view(ml_dtypes.bfloat16))
     import cupy
 
     cupy.cuda.get_current_stream().synchronize()
@@ -73,7 +81,7 @@ def float8_view(x):
 
 
 def from_numpy(a: np.ndarray):
-    return sys.modules["jax"].numpy.asarray(a)
+    return _on_host(a)
 
 
 caller_stream = cupy_arrays.caller_stream  # (results are synchronised before JAX takes them)
