@@ -11,7 +11,8 @@ name. How:
   ending in a hash of the whole name, so that two cut names never meet), ``<pid>`` the
   writing process, ``<host>`` 8 hex digits of a hash of the host name, the boot and the pid
   namespace (its pids mean nothing in another: containers sharing a volume may share a host
-  name), ``<random>`` 8 hex digits. A write that fails or is interrupted removes its temporary itself.
+  name), ``<random>`` 8 hex digits. A write that fails or is interrupted removes its
+  temporary itself.
 * **Killed writers.** A process killed outright (SIGKILL, the OOM killer) cannot clean up;
   its temporary stays behind. Every later write into the same directory first *sweeps*
   (``lik score`` and ``shards.pack`` call :func:`sweep` before they check their target):
@@ -19,9 +20,11 @@ name. How:
   and whose process is gone (``kill(pid, 0)`` fails with ESRCH). Nothing else is ever
   removed: not other programs' files, not the temporaries of live writers, not those of
   another host sharing the directory (NFS). A pid reused by a new process keeps its dead
-  temporary until that process ends too. ``O_TMPFILE`` (a file that vanishes with its
-  process) is not used because a shard is a directory, which it cannot make; one scheme
-  serves both kinds of output.
+  temporary until that process ends too; one left by a previous boot, or by a container
+  since restarted in a new pid namespace, is never swept (its pids cannot be told from a live
+  writer's in another namespace): remove such hidden ``.lik-tmp.`` names by hand.
+  ``O_TMPFILE`` (a file that vanishes with its process) is not used because a shard is a
+  directory, which it cannot make; one scheme serves both kinds of output.
 * **Space up front.** Where the size is known (the full score matrix, a shard's token
   and scale arrays), the file is allocated with ``posix_fallocate`` before any work, so a
   disk too small fails at once, naming the bytes needed and free. Data is then written

@@ -731,6 +731,8 @@ class DistributedCorpus:
         shipped queries, the scheduler forgot it): then ``_Departed``, so the call runs again."""
         try:
             return self._call(what, fn, *args, **kwargs)
+        except TimeoutError:  # (an OSError too) the scheduler did not answer: as it is
+            raise
         except (distributed.CancelledError, OSError):
             gone = workers - self._live()
             if gone:
@@ -792,7 +794,7 @@ class DistributedCorpus:
         names = ", ".join(self._sources[i][0] for i in sorted(moves))
         try:
             self._wait(futures, set(work), f"loading {names}")
-        except BaseException:  # what did load is resident there all the same, and its old copy is dropped
+        except Exception:  # what did load is resident there all the same, and its old copy is dropped
             with contextlib.suppress(Exception):
                 self._drop_copies(self._record_loads(work, futures))
             raise

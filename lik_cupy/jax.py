@@ -360,7 +360,9 @@ def _bad_scales(args: dict):
     ds = args["d_scales"]
     token = ~((ds >= 0) & (ds <= jnp.finfo(jnp.float32).max))
     off = args.get("d_offsets")
-    if off is None:  # padded [..., Ld]: masked and past-length tokens are not read
+    if ds.ndim == 0:  # one scale for all of D: every score
+        wrong = token
+    elif off is None:  # padded [..., Ld]: masked and past-length tokens are not read
         if args.get("d_mask") is not None:
             token &= args["d_mask"].astype(bool)
         elif args.get("d_lengths") is not None:

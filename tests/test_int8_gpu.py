@@ -165,9 +165,17 @@ def test_nan_tokens_and_zero_scales(rng, kernel_family):
         lik_cupy.quantize_int8(_cp(q))
     big = np.ones((3, 4, dim))
     big[1, 2, 0] = 1e300  # float64 past float32's range: the message the NumPy path gives
+    import ml_dtypes
+    torch = pytest.importorskip("torch")
+
+    bf = np.ones((3, 4, dim), ml_dtypes.bfloat16)
+    bf[1, 2, 0] = np.nan  # (read by the kernel as its bits)
+    bf = torch.from_numpy(bf.view(np.int16)).view(torch.bfloat16).cuda()
     for quantize in (lik_cupy.quantize_int8, lik_cupy.quantize_fp8):
         with pytest.raises(ValueError, match=r"beyond float32's range .* in token \(1, 2\)"):
             quantize(_cp(big))
+        with pytest.raises(ValueError, match=r"NaN or inf in token \(1, 2\)"):
+            quantize(bf)
 
 
 def test_frameworks_round_trip(rng):

@@ -354,6 +354,13 @@ def test_int8_bad_document_scales_give_nan_not_an_internal_error(rng, value):
     off = np.array([0, 5, 10, 15, 20])
     out = np.asarray(jax.jit(lambda a, b, s, o: maxsim_int8_varlen(a, b, s, o))(q, d8.reshape(-1, 16), flat, off))
     assert np.isnan(out[:, 1]).all() and np.array_equal(np.delete(out, 1, 1), np.delete(want, 1, 1))
+    one = np.array(0.01, np.float32)  # one scale for all of D
+    for kw in ({}, {"d_lengths": dl}, {"d_mask": np.ones((4, 5), bool)}):
+        np.testing.assert_array_equal(np.asarray(maxsim_int8(q, d8, one, **kw)),
+                                      lik_cupy.maxsim_int8(q, d8, one, backend="cpu", **kw))
+        assert np.isnan(np.asarray(maxsim_int8(q, d8, np.array(value, np.float32), **kw))).all()
+    np.testing.assert_array_equal(np.asarray(maxsim_int8_varlen(q, d8.reshape(-1, 16), one, off)),
+                                  lik_cupy.maxsim_int8_varlen(q, d8.reshape(-1, 16), one, off, backend="cpu"))
 
 
 def test_int8_jit_vmap_and_no_gradient(rng):

@@ -243,6 +243,43 @@ def _loss_step(make_loss, features, labels=None):
     return loss.detach(), model.emb.weight.grad.clone()
 
 
+def test_patching_from_many_threads_at_once_restores_pylate():
+    """Threads entering patch_pylate() at once both applied it, the second setting aside the first's
+    replacements as PyLate's own: PyLate stayed patched after every context had exited, and its
+    torch backend recursed into lik-cupy."""
+    import sys
+    import threading
+
+    colbert = pytest.importorskip("pylate.scores.colbert")
+    for module in ("pylate.rank.rank", "pylate.models.colbert", "pylate.losses.distillation"):
+        pytest.importorskip(module)  # (each patched too: more to set and undo)
+    own = colbert.colbert_scores
+    Q, D = torch.randn(2, 3, 8), torch.randn(4, 5, 8)
+    errors = []
+
+    def worker():
+        for _ in range(300):
+            try:
+                with lp.patch_pylate():
+                    colbert.colbert_scores(Q, D, backend="torch")
+            except BaseException as e:  # noqa: BLE001 - any failure inside a thread is the finding
+                errors.append(repr(e)[:200])
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # hand the GIL over as often as it can be
+    try:
+        threads = [threading.Thread(target=worker) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert not errors, errors[:3]
+    assert colbert.colbert_scores is own
+    assert torch.equal(colbert.colbert_scores(Q, D, backend="torch"), own(Q, D, backend="torch"))
+
+
 @pytest.mark.parametrize("loss", ["Contrastive", "CachedContrastive", "Distillation"])
 def test_patched_loss_step_matches_pylate(rng, loss, monkeypatch):
     losses = pytest.importorskip("pylate.losses")

@@ -143,7 +143,7 @@ class Pending:
             spent = int(cum[g0 - 1]) if g0 else 0
             g1 = max(g0 + 1, int(np.searchsorted(cum, spent + self.budget // 4, side="right")))
             if g1 == g0 + 1 and lengths[g0] * _PER_CANDIDATE > self.budget // 4:
-                self._decide_alone(S, runs, c0, j0, int(rows[g0]), int(docs[g0]), thr)  # (a long run's pair)
+                self._add_long(S, runs, c0, j0, int(rows[g0]), int(docs[g0]), thr)  # (a long run's pair)
                 g0 = g1
                 continue
             r, j = rows[g0:g1], docs[g0:g1]
@@ -164,36 +164,64 @@ class Pending:
                 self.flush()
             g0 = g1
 
-    def _decide_alone(self, S, runs, c0: int, j0: int, r: int, j: int, thr) -> None:
-        """Decide one pair whose candidates (every valid column of a long run, where all tie or one
-        is NaN) would not fit the budget at once: their columns in slices, keeping the first of
-        the maxima so far (the first NaN, once there is one), as :meth:`flush` decides."""
+    def _add_long(self, S, runs, c0: int, j0: int, r: int, j: int, thr) -> None:
+        """One pair of a run too long for a piece of the budget: its candidates listed a slice of
+        columns at a time. Few (a near tie or two, as a rule), they join the others as any pair's;
+        past the budget (a run all tied, or holding a NaN), the pair is decided as they come,
+        keeping the first of the maxima so far (the first NaN, once there is one), as :meth:`flush`
+        decides."""
         start, length = int(runs.start[j]), int(runs.length[j])
-        step = max(1, self.budget // 4 // _PER_CANDIDATE)
-        best, at = None, -1
+        limit = max(1, self.budget // 4 // _PER_CANDIDATE)  # candidates held at once
+        step = max(1, self.budget // 4 // 16)  # columns compared at once (a value, a mask, an index)
+        kept: list = []  # (columns of the block, their exact values or None) while few
+        held, best, at = 0, None, -1
         for a in range(start, start + length, step):
-            cols = np.arange(a, min(start + length, a + step))
-            cand = np.ones(cols.size, bool)
+            b = min(start + length, a + step)
+            seg = S[r, a:b]
+            cand = seg >= thr[r, j] if thr is not None else np.ones(b - a, bool)
             if runs.valid is not None:
-                cand &= runs.valid[self.row_set[r], cols]
-            vals = S[r, cols]
-            if thr is not None:
-                cand &= vals >= thr[r, j]
-            cols = cols[cand]
-            if not cols.size:
+                cand &= runs.valid[self.row_set[r], a:b]
+            at_ = np.flatnonzero(cand)
+            if not at_.size:
                 continue
-            if self.A is None:
-                val = vals[cand].astype(np.float64)
-            else:
-                val = dot64(self.A[r], self.T[self.row_set[r], cols + c0])
+            part = (at_ + (a + c0), seg[at_].astype(np.float64) if self.A is None else None)
+            if best is None and held + at_.size <= limit:
+                kept.append(part)
+                held += at_.size
+                continue
+            for cols, given in [*kept, part]:
+                best, at = self._running_max(r, cols, given, best, at)
+                if np.isnan(best):
+                    break
+            kept = []
+            if np.isnan(best):
+                break
+        if best is not None:
+            self.idx[r, j + j0] = at - self.start[j + j0]
+            self.val[r, j + j0] = best
+            return
+        if kept:  # few: decided with the others
+            cols, given = (np.concatenate(x) if x[0] is not None else None for x in zip(*kept))
+            self._parts.append((np.array([r]), np.array([j + j0]), np.full(cols.size, self._pairs), cols, given))
+            self._pairs += 1
+            self._bytes += 24 * cols.size + 16
+            if self._bytes > self.budget // 2:
+                self.flush()
+
+    def _running_max(self, r: int, cols, given, best, at):
+        """``(best, at)`` after the candidates ``cols`` (block columns, in order) of row ``r``: a larger
+        value replaces them, an equal one does not; the first NaN ends it. Their reference
+        similarities are taken a slice at a time (a slice's rows gathered and in float64)."""
+        step = max(1, self.budget // 2 // (32 * self.T.shape[-1] + 32))
+        for a in range(0, cols.size, step):
+            c = cols[a:a + step]
+            val = given[a:a + step] if given is not None else dot64(self.A[r], self.T[self.row_set[r], c])
             top = val.max()  # NaN propagates
             if np.isnan(top):
-                best, at = top, int(cols[np.argmax(np.isnan(val))])
-                break
+                return top, int(c[np.argmax(np.isnan(val))])
             if best is None or top > best:
-                best, at = top, int(cols[np.argmax(val == top)])
-        self.idx[r, j + j0] = at + c0 - self.start[j + j0]
-        self.val[r, j + j0] = best
+                best, at = top, int(c[np.argmax(val == top)])
+        return best, at
 
     def flush(self) -> None:
         """Decide every pair collected so far."""

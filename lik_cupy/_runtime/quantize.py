@@ -48,8 +48,9 @@ def quantize_cupy(x, dtype: str, *, check: bool = False, to: str = "int8", per: 
         from .._cpu.quantize import non_finite_error
 
         first = int(cupy.argmax(~cupy.isfinite(s.reshape(-1))).get())
-        given = (x if source is None else source).reshape(-1, d)[first]
-        raise non_finite_error(x.shape, first, spec.name, bool(cupy.isfinite(given).all().get()))
+        # Only a float64 source can be finite and still overflow float32 (x may be bfloat16's bits).
+        finite = source is not None and bool(cupy.isfinite(source.reshape(-1, d)[first]).all().get())
+        raise non_finite_error(x.shape, first, spec.name, finite)
     if per == "tensor":  # the largest per-token scale is the tensor's max |x| / 448 (quantize.cu)
         fixed = s.max()
         kern((blocks,), (warps * 32,), args + (fixed,))

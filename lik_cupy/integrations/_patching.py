@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import threading
 
 __all__ = ["Patches", "Patched", "swap", "SwappedProperty", "SwappedAttribute"]
 
@@ -10,11 +11,15 @@ __all__ = ["Patches", "Patched", "swap", "SwappedProperty", "SwappedAttribute"]
 class Patches:
     """Attribute replacements on modules and classes, each undone exactly: an attribute the owner
     held itself gets its old value back, one it inherited (or lacked) is deleted again.
-    ``originals`` holds what the patch set aside (the library's own functions), while it is active."""
+    ``originals`` holds what the patch set aside (the library's own functions), while it is active.
+    Patching and undoing are serialised: threads entering ``patch_*()`` at once once both applied
+    it, the second setting aside the first's replacements as the library's own. The patch is
+    process-wide, not per thread."""
 
     def __init__(self):
         self._saved = []  # (owner, name, had its own attribute, the old value)
         self.originals: dict = {}
+        self._lock = threading.RLock()
 
     @property
     def active(self) -> bool:
@@ -23,13 +28,14 @@ class Patches:
     def patch(self, apply) -> Patched:
         """Run ``apply`` (which calls ``set``) unless the patch is already in place; a failure
         half way undoes what it did. Returns the handle ``patch_*()`` hands back."""
-        was_active = self.active
-        if not was_active:
-            try:
-                apply()
-            except BaseException:
-                self.undo()
-                raise
+        with self._lock:
+            was_active = self.active
+            if not was_active:
+                try:
+                    apply()
+                except BaseException:
+                    self.undo()
+                    raise
         return Patched(self.undo, was_active)
 
     def set(self, owner, name: str, value) -> None:
@@ -46,13 +52,14 @@ class Patches:
                 self.set(mod, name, value)
 
     def undo(self) -> None:
-        for owner, name, had, old in reversed(self._saved):
-            if had:
-                setattr(owner, name, old)
-            else:
-                delattr(owner, name)
-        self._saved.clear()
-        self.originals.clear()
+        with self._lock:
+            saved, self._saved = self._saved, []
+            for owner, name, had, old in reversed(saved):
+                if had:
+                    setattr(owner, name, old)
+                elif name in vars(owner):
+                    delattr(owner, name)
+            self.originals.clear()
 
 
 class Patched:
