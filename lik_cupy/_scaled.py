@@ -31,7 +31,7 @@ def run(dtype: str, Q, D, d_scales, q_mask, d_mask, q_scales, q_lengths, d_lengt
     """``maxsim_int8`` / ``maxsim_fp8`` (``dtype`` its element type) of padded documents or candidate
     sets: validated, then scored (FP8 arrays as the bytes the kernels read)."""
     check_backend(backend)
-    Q, D = _as_read(dtype, Q), _as_read(dtype, D)
+    Q, D = _as_read(dtype, Q, "Q"), _as_read(dtype, D, "D")
     p = check_call(Q, D, q_mask, d_mask, q_lengths, d_lengths, pairs=False, scaled=dtype)
     quantised = check_scaled_scales(p, Q, D, q_scales, d_scales)
     s, a = score(p, Q, q_scales, quantised, q_mask, q_lengths, D, d_scales, d_mask, d_lengths, None, validate,
@@ -43,7 +43,7 @@ def run_varlen(dtype: str, Q, D_tokens, d_scales, d_offsets, q_mask, q_scales, q
                validate_offsets, backend, validate):
     """``maxsim_int8_varlen`` / ``maxsim_fp8_varlen``: :func:`run` of packed documents."""
     check_backend(backend)
-    Q, D_tokens = _as_read(dtype, Q), _as_read(dtype, D_tokens)
+    Q, D_tokens = _as_read(dtype, Q, "Q"), _as_read(dtype, D_tokens, "D_tokens")
     p = check_varlen(Q, D_tokens, d_offsets, q_mask, q_lengths, None, scaled=dtype)
     quantised = check_scaled_scales(p, Q, D_tokens, q_scales, d_scales)
     validate = False if validate_offsets is False and validate is None else validate
@@ -52,9 +52,9 @@ def run_varlen(dtype: str, Q, D_tokens, d_scales, d_offsets, q_mask, q_scales, q
     return (s, a) if return_argmax else s
 
 
-def _as_read(dtype: str, x):
+def _as_read(dtype: str, x, name: str):
     """An argument of a ``dtype`` call as the kernels read it: FP8 arrays as their bytes (``float8_bits``)."""
-    return interop.float8_bits(x) if dtype in interop.FLOAT8_DTYPES else x
+    return interop.float8_bits(x, name) if dtype in interop.FLOAT8_DTYPES else x
 
 
 def score(p: Problem, Q, q_scales, q_quantised: bool, q_mask, q_lengths, D, d_scales, d_mask, d_lengths, d_offsets,

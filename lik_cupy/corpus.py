@@ -37,6 +37,7 @@ from . import shards
 from dataclasses import replace
 
 from ._base.device import gpu_available
+from ._dispatch.backend import use_gpu
 from ._dispatch.precision import fp32_accurate
 from ._interop import GpuCall, host_array, host_result
 from ._runtime.operands import check_scales_of_valid, host_offsets, kernel_operands, unpack_queries, valid_host
@@ -100,8 +101,8 @@ class Corpus:
             info = interop.describe(D)
         except TypeError as e:
             raise TypeError(f"D: {e}") from None
-        if max_gpu_bytes is not None and (isinstance(max_gpu_bytes, bool) or max_gpu_bytes < 0
-                                          or not isinstance(max_gpu_bytes, (int, np.integer))):
+        if max_gpu_bytes is not None and (isinstance(max_gpu_bytes, bool)
+                                          or not isinstance(max_gpu_bytes, (int, np.integer)) or max_gpu_bytes < 0):
             raise ValueError(f"max_gpu_bytes must be a non-negative integer, got {max_gpu_bytes!r}")
         part = Part(D, d_offsets, d_mask, d_lengths, d_scales)
         p = doc_problem(part, info)
@@ -301,8 +302,10 @@ class Corpus:
         import cupy
 
         p = self._p
-        if device is not None and (isinstance(device, bool) or not isinstance(device, (int, np.integer))):
+        if device is not None and (isinstance(device, bool) or not isinstance(device, (int, np.integer)) or device < 0):
             raise ValueError(f"device must be a CUDA device ordinal, 'cpu' or None, got {device!r}")
+        if info.device is None:
+            use_gpu("gpu", None)  # (a device asked for where none is visible: the error every entry point gives)
         if info.device is not None:
             if device is not None and device != info.device:
                 raise ValueError(f"D is on cuda:{info.device} but device={device}; move D there, or pass device=None")

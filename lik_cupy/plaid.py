@@ -41,8 +41,8 @@ from ._cpu.residual import Tokens, decompress, residual_maxsim_numpy
 from ._dispatch.backend import check_backend, use_gpu
 from ._dispatch.config import MAX_DIM_RESIDUAL
 from ._interop import GpuCall, describe, host_array, host_result
-from ._validate import (ResidualProblem, check_decompress, check_id_values, check_length_values, check_residual,
-                        check_same_framework)
+from ._validate import (ResidualProblem, check_decompress, check_flag, check_id_values, check_length_values,
+                        check_residual, check_same_framework)
 
 __all__ = ["maxsim_residual", "maxsim_residual_varlen", "decompress_residuals", "PlaidIndex"]
 
@@ -90,6 +90,7 @@ def maxsim_residual(Q, codes, residuals, d_lengths, centroids, bucket_weights, n
         (True, -inf)
     """
     check_backend(backend)
+    normalize = check_flag("normalize", normalize)
     rp = check_residual(Q, codes, residuals, d_lengths, centroids, bucket_weights, nbits, q_mask, q_lengths,
                         packed=False)
     s, a = _score(rp, Q, codes, residuals, d_lengths, centroids, bucket_weights, q_mask, q_lengths, None, normalize,
@@ -140,6 +141,7 @@ def maxsim_residual_varlen(Q, codes, residuals, d_offsets, centroids, bucket_wei
         (True, -inf)
     """
     check_backend(backend)
+    normalize = check_flag("normalize", normalize)
     rp = check_residual(Q, codes, residuals, d_offsets, centroids, bucket_weights, nbits, q_mask, q_lengths,
                         packed=True, candidates=candidates)
     s, a = _score(rp, Q, codes, residuals, d_offsets, centroids, bucket_weights, q_mask, q_lengths, candidates,
@@ -167,6 +169,7 @@ def decompress_residuals(codes, residuals, centroids, bucket_weights, nbits, *, 
         array([[0.7071, 0.7071, 0.    , 0.    , 0.    , 0.    , 0.    , 0.    ]], dtype=float32)
     """
     check_decompress(codes, residuals, centroids, bucket_weights, nbits)
+    normalize = check_flag("normalize", normalize)
     c = describe(codes)
     fw = c.framework
     cen = np.asarray(host_array(centroids, fw))

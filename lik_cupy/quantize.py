@@ -99,7 +99,10 @@ def quantize_fp8(X, *, per="token", backend="auto"):
 
 def _quantize(X, backend: str, spec: ElemSpec, **how):
     """X quantised to ``spec``'s type by its quantisers (``how``: their options, FP8's ``per``)."""
-    info = interop.describe(X)
+    try:
+        info = interop.describe(X)
+    except TypeError as e:
+        raise TypeError(f"X: {e}") from None
     if info.dtype not in ("float16", "bfloat16", "float32", "float64"):
         raise TypeError(f"X has dtype {info.dtype}; expected float16, bfloat16, float32 or float64")
     if len(info.shape) < 1 or info.shape[-1] == 0:
@@ -152,7 +155,7 @@ def dequantize_fp8(X_fp8, scales, *, backend="auto"):
     Returns:
         float32 ``[..., d]`` in the inputs' framework and on their device.
     """
-    return _dequantize("X_fp8", float8_bits(X_fp8), scales, backend, elem_spec(_FP8))
+    return _dequantize("X_fp8", float8_bits(X_fp8, "X_fp8"), scales, backend, elem_spec(_FP8))
 
 
 def _dequantize(name: str, X, scales, backend: str, spec: ElemSpec):

@@ -92,7 +92,8 @@ def retrieve(Q, D, k, q_mask=None, *, q_lengths=None, q_scales=None, d_offsets=N
             query; offsets that do not run from 0 to T, every document), with no host wait;
             host ones, and ``LIK_VALIDATE=1``, raise.
         q_scales: float32 ``Q.shape[:-1]``, the scales of an int8 Q (same framework and device),
-            each >= 0 (checked: one small reduction).
+            each >= 0: a negative or NaN one makes its query's scores NaN (as in
+            :func:`lik_cupy.maxsim_int8`).
         d_offsets / d_mask / d_lengths / d_scales: go with a single array D (see above).
         max_gpu_bytes: bound on the GPU memory this call allocates (see the module
             docstring for the formula); it sets the chunk size. If the GPU runs out of
@@ -119,7 +120,8 @@ def retrieve(Q, D, k, q_mask=None, *, q_lengths=None, q_scales=None, d_offsets=N
     check_backend(backend)
     if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 1 <= k <= MAX_K:
         raise ValueError(f"k must be an integer in [1, {MAX_K}], got {k!r}")
-    if max_gpu_bytes is not None and (not isinstance(max_gpu_bytes, (int, np.integer)) or max_gpu_bytes <= 0):
+    if max_gpu_bytes is not None and (isinstance(max_gpu_bytes, bool) or not isinstance(max_gpu_bytes, (int, np.integer))
+                                      or max_gpu_bytes <= 0):
         raise ValueError(f"max_gpu_bytes must be a positive integer, got {max_gpu_bytes!r}")
     parts = corpus_parts(D, d_offsets, d_mask, d_lengths, d_scales)
     qp = query_problem(Q, q_mask, q_lengths, q_scales)

@@ -357,3 +357,67 @@ def test_32bit_extents_named_in_the_error():
     check_32bit(Nq=2**31 - 1, grid=1)
     with pytest.raises(ValueError, match=r"grid = 2147483648 does not fit the kernel's 32-bit index; split the call"):
         check_32bit(Nq=5, grid=2**31)
+
+
+# ---------------------------------------------------------------- arguments once accepted or badly named
+
+
+def test_packed_corpora_refuse_masks_and_lengths():
+    """retrieve and Corpus of packed tokens took d_lengths and d_mask, even garbage, and ignored them."""
+    T, off, Q = np.ones((6, 8), np.float32), np.array([0, 2, 4, 6]), np.ones((1, 2, 8), np.float32)
+    for kw in ({"d_lengths": [0, 0, 0]}, {"d_mask": np.zeros((3, 2), bool)}, {"d_lengths": "garbage"}):
+        with pytest.raises(ValueError, match="packed documents .d_offsets. take no d_mask or d_lengths"):
+            lik_cupy.retrieve(Q, T, 2, d_offsets=off, backend="cpu", **kw)
+        with pytest.raises(ValueError, match="packed documents .d_offsets. take no d_mask or d_lengths"):
+            lik_cupy.Corpus(T, d_offsets=off, **kw)
+
+
+def test_torch_tensors_without_storage_are_named():
+    torch = pytest.importorskip("torch")
+    Q, D = torch.randn(2, 3, 8), torch.randn(4, 5, 8)
+    with pytest.raises(TypeError, match=r"Q: torch tensors must be dense and strided .*torch.sparse_coo"):
+        lik_cupy.maxsim(Q.to_sparse(), D)
+    with pytest.raises(TypeError, match=r"d_lengths: torch tensors must be dense and strided"):
+        lik_cupy.maxsim(Q, D, d_lengths=torch.tensor([1, 2, 3, 4]).to_sparse())
+    with pytest.raises(ValueError, match="Q: torch tensors must be on a CUDA device or the CPU, got device meta"):
+        lik_cupy.maxsim(torch.empty(2, 3, 8, device="meta"), D)
+
+
+def test_scaled_and_quantiser_arguments_are_named():
+    f32 = np.ones((2, 3, 16), np.float32)
+    for call, name in [(lambda: lik_cupy.quantize_int8(None), "X"), (lambda: lik_cupy.quantize_fp8(None), "X"),
+                       (lambda: lik_cupy.dequantize_fp8(None, np.ones(2, np.float32)), "X_fp8"),
+                       (lambda: lik_cupy.maxsim_fp8(None, f32, np.ones((2, 3), np.float32)), "Q"),
+                       (lambda: lik_cupy.maxsim_fp8(f32, None, np.ones((2, 3), np.float32)), "D")]:
+        with pytest.raises(TypeError, match=f"^{name}: expected a NumPy"):
+            call()
+
+
+def test_corpus_options_are_checked_before_use():
+    D = np.ones((3, 4, 8), np.float32)
+    for bad in ("1G", [1], True):
+        with pytest.raises(ValueError, match="max_gpu_bytes must be a non-negative integer"):
+            lik_cupy.Corpus(D, max_gpu_bytes=bad)
+    with pytest.raises(ValueError, match="max_gpu_bytes must be a positive integer, got True"):
+        lik_cupy.retrieve(np.ones((1, 2, 8), np.float32), D, 2, max_gpu_bytes=True)
+    with pytest.raises(ValueError, match="device must be a CUDA device ordinal"):
+        lik_cupy.Corpus(D, device=-1)
+
+
+def test_plaid_flags_and_nbits_take_their_types():
+    """normalize="no" normalised (a truthy string); nbits=np.int64(2) was refused as not 1, 2 or 4."""
+    rng = np.random.default_rng(0)
+    cen = rng.standard_normal((4, 8)).astype(np.float16)
+    w = np.linspace(-1, 1, 4).astype(np.float32)
+    codes, bits = rng.integers(0, 4, (2, 4)), rng.integers(0, 256, (2, 4, 2)).astype(np.uint8)
+    Q = rng.standard_normal((1, 3, 8)).astype(np.float32)
+    want = lik_cupy.maxsim_residual(Q, codes, bits, [4, 2], cen, w, 2, backend="cpu")
+    np.testing.assert_array_equal(lik_cupy.maxsim_residual(Q, codes, bits, [4, 2], cen, w, np.int64(2), backend="cpu"),
+                                  want)
+    for call in (lambda: lik_cupy.maxsim_residual(Q, codes, bits, [4, 2], cen, w, 2, normalize="no", backend="cpu"),
+                 lambda: lik_cupy.plaid.decompress_residuals(codes.reshape(-1), bits.reshape(-1, 2), cen, w, 2,
+                                                             normalize=None)):
+        with pytest.raises(TypeError, match="normalize must be True or False"):
+            call()
+    with pytest.raises(TypeError, match=r"nbits must be an integer \(1, 2 or 4\), got '2'"):
+        lik_cupy.maxsim_residual(Q, codes, bits, [4, 2], cen, w, "2", backend="cpu")

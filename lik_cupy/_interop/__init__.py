@@ -64,11 +64,16 @@ def describe(x) -> Info:
     return ADAPTERS[framework_of(x)].describe(x)
 
 
-def float8_bits(x):
+def float8_bits(x, name: str = "x"):
     """``x`` as the kernels read it: a float8_e4m3fn array (PyTorch, NumPy through ml_dtypes, JAX) as a
-    uint8 view of its bit patterns in its own framework; any other array unchanged."""
-    fw = framework_of(x)
-    return ADAPTERS[fw].byte_view(x) if ADAPTERS[fw].describe(x).dtype in FLOAT8_DTYPES else x
+    uint8 view of its bit patterns in its own framework; any other array unchanged. An argument
+    that is no array is a TypeError naming it (``name``)."""
+    try:
+        fw = framework_of(x)
+        info = ADAPTERS[fw].describe(x)
+    except TypeError as e:
+        raise TypeError(f"{name}: {e}") from None
+    return ADAPTERS[fw].byte_view(x) if info.dtype in FLOAT8_DTYPES else x
 
 
 def float8_view(x, fw: str):

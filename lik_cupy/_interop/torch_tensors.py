@@ -39,6 +39,9 @@ _NP_TORCH = {v: k for k, v in _TORCH_NP.items() if k not in ("bfloat16", "bool")
 
 
 def describe(x) -> Info:
+    if x.layout is not sys.modules["torch"].strided or x.is_nested:
+        raise TypeError(f"torch tensors must be dense and strided (.to_dense()), got layout {x.layout}"
+                        + (" (nested)" if x.is_nested else ""))
     if x.is_cuda:
         dev = x.get_device()  # (``x.device`` builds an object per access)
     elif x.device.type == "cpu":

@@ -57,14 +57,17 @@ def call_key(kind: str, flags: tuple, Q, arrays: tuple, *, precision: bool = Tru
     if a is None or strict(flags[0]):
         return None
     sig = a.signature
-    key = [kind, flags, sig(Q)]
-    for x in arrays:
-        if x is None:
-            key.append(None)
-        elif _adapter(x) is a:
-            key.append(sig(x))
-        else:
-            return None
+    try:
+        key = [kind, flags, sig(Q)]
+        for x in arrays:
+            if x is None:
+                key.append(None)
+            elif _adapter(x) is a:
+                key.append(sig(x))
+            else:
+                return None
+    except (RuntimeError, ValueError, NotImplementedError):  # no storage (torch's sparse, nested, meta): validation says so
+        return None
     if precision and a.is_float32(Q):  # the precision the call resolves to is part of what it runs
         from .._dispatch.precision import fp32_accurate
 

@@ -127,6 +127,9 @@ def doc_problem(part: Part, info: interop.Info) -> Problem:
     and INT8 scales, before any of it is read. The Problem describes its documents (no queries yet:
     ``with_queries`` adds them)."""
     _check_streamed(info.dtype, part.name)
+    if part.packed and (part.mask is not None or part.lengths is not None):  # (they were ignored)
+        raise ValueError(f"packed documents (d_offsets) take no d_mask or d_lengths: the offsets give "
+                         f"{part.name}'s lengths")
     if dispatch.scaled_dtype(info.dtype) or part.scales is not None:
         return _scaled_doc_problem(part, info)
     if part.packed:

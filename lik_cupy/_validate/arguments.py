@@ -42,8 +42,8 @@ class Problem:
 def _info(name: str, x) -> Info:
     try:
         return describe(x)
-    except TypeError as e:
-        raise TypeError(f"{name}: {e}") from None
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"{name}: {e}") from None
 
 
 def _lengths_info(name: str, x, q: Info) -> Info | None:
@@ -313,6 +313,14 @@ def _same_place(name: str, a: Info, q: Info, qname: str = "Q") -> None:
     _same_framework(name, a, q, qname)
     if a.device != q.device:
         raise ValueError(f"{name} is on {_where(a.device)} but {qname} is on {_where(q.device)}")
+
+
+def check_flag(name: str, value) -> bool:
+    """An on/off argument: True or False (NumPy's bools too), as Python's bool; anything else (a
+    string such as "no", which is truthy) is a TypeError."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be True or False, got {value!r}")
+    return bool(value)
 
 
 def check_32bit(**extents: int) -> None:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .arguments import Problem, _info, _same_place, _where, check_valid
+from .arguments import Problem, _info, _same_place, _where, check_flag, check_valid
 
 _FLOATS = ("float16", "bfloat16", "float32", "float64")
 
@@ -89,11 +89,10 @@ def check_hidden_options(normalize, eps, max_chunk_bytes) -> tuple[bool, float, 
     """The fused head's options: ``normalize`` a bool, ``eps`` a positive finite float,
     ``max_chunk_bytes`` None or a positive int (NumPy's scalars too). Returns them as Python's
     ``bool``, ``float`` and ``int`` (what torch's operator schema takes)."""
-    if not isinstance(normalize, (bool, np.bool_)):
-        raise TypeError(f"normalize must be True or False, got {normalize!r}")
+    normalize = check_flag("normalize", normalize)
     if isinstance(eps, bool) or not isinstance(eps, (int, float, np.floating)) or not 0 < float(eps) < float("inf"):
         raise ValueError(f"eps must be a positive finite float (the normalisation's floor), got {eps!r}")
     if max_chunk_bytes is not None and (isinstance(max_chunk_bytes, (bool, np.bool_))
                                         or not isinstance(max_chunk_bytes, (int, np.integer)) or max_chunk_bytes < 1):
         raise ValueError(f"max_chunk_bytes must be a positive int (bytes of projected tokens), got {max_chunk_bytes!r}")
-    return bool(normalize), float(eps), None if max_chunk_bytes is None else int(max_chunk_bytes)
+    return normalize, float(eps), None if max_chunk_bytes is None else int(max_chunk_bytes)

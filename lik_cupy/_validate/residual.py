@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from .._interop import Info
 from .arguments import Problem, _info, _lengths_info, _same_place, check_valid, offsets_count
 
@@ -90,7 +92,9 @@ def check_decompress(codes, residuals, centroids, bucket_weights, nbits) -> None
 def _check_codec(ref: Info, ref_name: str, centroids, bucket_weights, nbits, dim: int | None):
     """centroids [C, d] and bucket_weights [2**nbits] beside ``ref``; returns centroids' Info and the
     residual bytes a token."""
-    if isinstance(nbits, bool) or not isinstance(nbits, int) or nbits not in NBITS:
+    if isinstance(nbits, (bool, np.bool_)) or not isinstance(nbits, (int, np.integer)):
+        raise TypeError(f"nbits must be an integer (1, 2 or 4), got {nbits!r}")
+    if nbits not in NBITS:
         raise ValueError(f"nbits must be 1, 2 or 4, got {nbits!r}")
     cen = _info("centroids", centroids)
     _same_place("centroids", cen, ref, ref_name)
