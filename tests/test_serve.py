@@ -298,6 +298,20 @@ def test_split_shards_keeps_order_and_evens_documents():
         Batcher.from_shards(["x"], ["cpu"], partition=True)
 
 
+def test_an_empty_outputs_list_and_zero_queries_are_answered_as_in_process(served, local):
+    """"outputs": [] sent no output over HTTP (gRPC cannot tell it from none named: all); a rerank
+    of zero queries was a 400 from NumPy's reshape."""
+    q = np.ones((2, DIM), np.float32)
+    status, _, body = served.infer("score", {"inputs": [_json_q(q)], "outputs": []})
+    assert status == 200 and [o["name"] for o in json.loads(body)["outputs"]] == ["SCORES"]
+    status, _, body = served.infer("rerank", {"inputs": [_json_q(np.ones((0, 3, DIM), np.float32)),
+                                                         {"name": "IDS", "shape": [0, 2], "datatype": "INT64",
+                                                          "data": []}]})
+    assert status == 200, body
+    out = json.loads(body)["outputs"][0]
+    assert out["shape"] == [0, 2] and out["data"] == []
+
+
 @pytest.fixture(scope="module")
 def shard(tmp_path_factory):
     rng = np.random.default_rng(11)
@@ -519,6 +533,21 @@ def test_many_concurrent_clients_each_get_their_own_rows(served, local):
     ("score", b'{"inputs": [{"name": "Q", "shape": [1, 16], "datatype": "FP32", '
               b'"parameters": {"binary_data_size": 64}}]}' + bytes(64), {"Inference-Header-Content-Length": "+76"},
      "Inference-Header-Content-Length must be an integer"),
+    # JSON values the datatype does not hold (each was coerced: an id of 5.9 scored document 5)
+    ("rerank", {"inputs": [{"name": "Q", "shape": [1, DIM], "datatype": "FP32", "data": [0.0] * DIM},
+                           {"name": "IDS", "shape": [1], "datatype": "INT64", "data": [5.9]}]}, None,
+     "INT64 data must be integers"),
+    ("search", {"inputs": [{"name": "Q", "shape": [1, DIM], "datatype": "FP32", "data": [0.0] * DIM},
+                           {"name": "K", "shape": [1], "datatype": "INT32", "data": [True]}]}, None,
+     "INT32 data must be integers"),
+    ("score", {"inputs": [{"name": "Q", "shape": [1, DIM], "datatype": "FP32", "data": [True] * DIM}]}, None,
+     "FP32 data must be numbers"),
+    ("rerank", {"inputs": [{"name": "Q", "shape": [1, DIM], "datatype": "FP32", "data": [0.0] * DIM},
+                           {"name": "IDS", "shape": [1], "datatype": "BYTES", "data": ["5\u0000"]}]}, None,
+     "a BYTES element holds a NUL"),
+    ("score", {"inputs": [{"name": "Q", "shape": [1, DIM], "datatype": "FP32", "data": [0.0] * DIM}],
+               "parameters": {"binary_data_output": "false"}}, None,
+     "parameter 'binary_data_output' must be true or false, got 'false'"),
 ])
 def test_bad_requests_get_a_400_naming_the_problem_and_the_server_keeps_serving(served, model, payload, headers,
                                                                                match):

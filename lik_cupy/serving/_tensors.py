@@ -95,9 +95,9 @@ def write_response(header: dict, outputs: list[tuple[str, np.ndarray]], binary: 
 def binary_outputs(header: dict, names: tuple[str, ...]) -> tuple[list[str], set[str]]:
     """(the outputs to send, in ``names`` order; those to send as binary) as the request asks."""
     params = header.get("parameters") or {}
-    every = bool(isinstance(params, dict) and params.get("binary_data_output"))
+    every = isinstance(params, dict) and _flag(params, "binary_data_output")
     asked = header.get("outputs")
-    if asked is None:
+    if asked is None or asked == []:  # (none named: all, as Triton and gRPC, which cannot tell them apart)
         return list(names), set(names) if every else set()
     if not isinstance(asked, list) or not all(isinstance(o, dict) and isinstance(o.get("name"), str) for o in asked):
         raise ValueError("'outputs' must be a list of objects with a 'name'")
@@ -107,9 +107,19 @@ def binary_outputs(header: dict, names: tuple[str, ...]) -> tuple[list[str], set
             raise ValueError(f"unknown output {o['name']!r}; this model has {', '.join(names)}")
         wanted.append(o["name"])
         p = o.get("parameters") or {}
-        if every or (isinstance(p, dict) and p.get("binary_data")):
+        if not isinstance(p, dict):
+            raise ValueError(f"output {o['name']}: 'parameters' must be an object")
+        if every or _flag(p, "binary_data"):
             binary.add(o["name"])
     return [n for n in names if n in wanted], binary
+
+
+def _flag(params: dict, key: str) -> bool:
+    """A boolean parameter (absent: false); a string such as "false" is refused, not read as true."""
+    value = params.get(key, False)
+    if not isinstance(value, bool):
+        raise ValueError(f"parameter {key!r} must be true or false, got {value!r}")
+    return value
 
 
 def _json(raw) -> object:
@@ -171,8 +181,16 @@ def tensor_from_values(name: str, data, shape: tuple[int, ...], datatype: str) -
         if not all(isinstance(x, str) for x in flat):
             raise ValueError(f"input {name}: BYTES data must be strings")
         return _strings(name, [x.encode() for x in flat]).reshape(shape)
-    if not all(isinstance(x, (int, float)) for x in flat):
-        raise ValueError(f"input {name}: {datatype} data must be numbers")
+    # JSON's numbers as the datatype takes them: no float for an integer (an id of 1000.9 was read as
+    # 1000), no true or false for a number (read as 1 and 0), only true and false for BOOL.
+    if datatype == "BOOL":
+        ok, what = all(isinstance(x, bool) for x in flat), "true or false"
+    elif datatype.startswith(("INT", "UINT")):
+        ok, what = all(isinstance(x, int) and not isinstance(x, bool) for x in flat), "integers"
+    else:
+        ok, what = all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in flat), "numbers"
+    if not ok:
+        raise ValueError(f"input {name}: {datatype} data must be {what}")
     try:
         return np.asarray(flat, dtype=numpy_dtype(DTYPES[datatype])).reshape(shape)
     except OverflowError:
@@ -215,6 +233,8 @@ def _strings(name: str, items: list[bytes]) -> np.ndarray:
         text = [b.decode() for b in items]
     except UnicodeDecodeError:
         raise ValueError(f"input {name}: BYTES elements must be UTF-8 text") from None
+    if any("\x00" in t for t in text):  # (NumPy's strings drop trailing NULs: "doc1\0" would be doc1)
+        raise ValueError(f"input {name}: a BYTES element holds a NUL, which no id holds")
     width = max(map(len, text), default=0)
     if len(text) * width * 4 > MAX_STRING_BYTES:
         raise ValueError(f"input {name}: {len(text)} BYTES elements of up to {width} characters take "

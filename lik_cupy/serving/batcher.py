@@ -326,4 +326,4 @@ def _candidates(candidates, nq: int, one_query: bool, nd: int) -> np.ndarray:
     if a.size and (int(a.min()) < 0 or int(a.max()) >= nd):
         bad = int(a.min()) if int(a.min()) < 0 else int(a.max())
         raise ValueError(f"candidate {bad} is outside the corpus's {nd} documents [0, {nd})")
-    return np.array(a.reshape(nq, -1), np.int64, order="C")
+    return np.array(a.reshape(nq, a.shape[-1]), np.int64, order="C")  # (nq = 0: -1 cannot be inferred)
