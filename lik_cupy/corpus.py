@@ -97,10 +97,7 @@ class Corpus:
 
     def __init__(self, D, *, d_mask=None, d_lengths=None, d_offsets=None, d_scales=None, ids=None, device=None,
                  max_gpu_bytes=None):
-        try:
-            info = interop.describe(D)
-        except TypeError as e:
-            raise TypeError(f"D: {e}") from None
+        info = interop.describe_named("D", D)
         if max_gpu_bytes is not None and (isinstance(max_gpu_bytes, bool)
                                           or not isinstance(max_gpu_bytes, (int, np.integer)) or max_gpu_bytes < 0):
             raise ValueError(f"max_gpu_bytes must be a non-negative integer, got {max_gpu_bytes!r}")
@@ -373,10 +370,7 @@ class Corpus:
 
     def _problem(self, Q, q_mask, q_lengths) -> tuple[Problem, Problem]:
         """The queries checked (and nothing of the corpus): (their problem, the call's)."""
-        try:
-            q = interop.describe(Q)
-        except TypeError as e:
-            raise TypeError(f"Q: {e}") from None
+        q = interop.describe_named("Q", Q)
         if dispatch.scaled_dtype(q.dtype):
             raise TypeError(f"Q is {q.dtype}; a Corpus takes float queries (an INT8 corpus quantises them per call)")
         qp = query_problem(Q, q_mask, q_lengths, None)
@@ -558,10 +552,7 @@ class Corpus:
             candidates = np.asarray(candidates)
             if candidates.size == 0:
                 candidates = candidates.astype(np.int64)
-        try:
-            c = interop.describe(candidates)
-        except TypeError as e:
-            raise TypeError(f"candidates: {e}") from None
+        c = interop.describe_named("candidates", candidates)
         if c.dtype not in ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64"):
             raise TypeError(f"candidates must be integer document indices, got dtype {c.dtype}")
         want = 1 if one_query else 2
@@ -588,10 +579,7 @@ def _unpacked(Q, q_mask, q_lengths, q_offsets):
         return Q, q_lengths
     if q_mask is not None or q_lengths is not None:
         raise ValueError("packed queries (q_offsets) take no q_mask or q_lengths: the offsets give the lengths")
-    try:
-        q = interop.describe(Q)
-    except TypeError as e:
-        raise TypeError(f"Q: {e}") from None
+    q = interop.describe_named("Q", Q)
     if len(q.shape) != 2:
         raise ValueError(f"with q_offsets, Q must be packed tokens [Tq, d]; got shape {list(q.shape)}")
     nq = offsets_count("q_offsets", q_offsets, q)

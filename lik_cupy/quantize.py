@@ -99,10 +99,7 @@ def quantize_fp8(X, *, per="token", backend="auto"):
 
 def _quantize(X, backend: str, spec: ElemSpec, **how):
     """X quantised to ``spec``'s type by its quantisers (``how``: their options, FP8's ``per``)."""
-    try:
-        info = interop.describe(X)
-    except TypeError as e:
-        raise TypeError(f"X: {e}") from None
+    info = interop.describe_named("X", X)
     if info.dtype not in ("float16", "bfloat16", "float32", "float64"):
         raise TypeError(f"X has dtype {info.dtype}; expected float16, bfloat16, float32 or float64")
     if len(info.shape) < 1 or info.shape[-1] == 0:

@@ -27,7 +27,7 @@ from . import cupy_arrays, dlpack_arrays, jax_arrays, numpy_arrays, torch_tensor
 from .info import Info, dtype_name
 
 __all__ = ["FLOAT_DTYPES", "FLOAT8_DTYPES", "ADAPTERS", "REPEAT_CALLS", "CALLBACK_BUFFERS", "Info", "dtype_name",
-           "framework_of", "describe", "is_bfloat16", "to_cupy", "to_numpy", "from_cupy", "bfloat16_from_bits",
+           "framework_of", "describe", "describe_named", "is_bfloat16", "to_cupy", "to_numpy", "from_cupy", "bfloat16_from_bits",
            "from_numpy", "float8_bits", "float8_view", "caller_stream", "tf32_default", "host_array", "host_result",
            "device_array", "caller_results", "GpuCall"]
 
@@ -64,16 +64,21 @@ def describe(x) -> Info:
     return ADAPTERS[framework_of(x)].describe(x)
 
 
+def describe_named(name: str, x) -> Info:
+    """:func:`describe`, its errors (no array; an array of no place or layout the kernels read)
+    naming the argument ``name``."""
+    try:
+        return describe(x)
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"{name}: {e}") from None
+
+
 def float8_bits(x, name: str = "x"):
     """``x`` as the kernels read it: a float8_e4m3fn array (PyTorch, NumPy through ml_dtypes, JAX) as a
     uint8 view of its bit patterns in its own framework; any other array unchanged. An argument
     that is no array is a TypeError naming it (``name``)."""
-    try:
-        fw = framework_of(x)
-        info = ADAPTERS[fw].describe(x)
-    except TypeError as e:
-        raise TypeError(f"{name}: {e}") from None
-    return ADAPTERS[fw].byte_view(x) if info.dtype in FLOAT8_DTYPES else x
+    info = describe_named(name, x)
+    return ADAPTERS[info.framework].byte_view(x) if info.dtype in FLOAT8_DTYPES else x
 
 
 def float8_view(x, fw: str):

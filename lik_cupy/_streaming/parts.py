@@ -74,10 +74,7 @@ def _is_array(x) -> bool:
 
 def query_problem(Q, q_mask, q_lengths, q_scales) -> Problem:
     """Check the queries on their own: float Q as :func:`lik_cupy.maxsim` checks it, or int8 Q with q_scales."""
-    try:
-        info = interop.describe(Q)
-    except TypeError as e:
-        raise TypeError(f"Q: {e}") from None
+    info = interop.describe_named("Q", Q)
     _check_streamed(info.dtype, "Q")
     if not dispatch.scaled_dtype(info.dtype):
         if q_scales is not None:

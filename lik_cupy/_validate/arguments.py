@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from .._dispatch.elements import elem_spec
-from .._interop import FLOAT_DTYPES, Info, describe
+from .._interop import FLOAT_DTYPES, Info
+from .._interop import describe_named as _info
 
 _INT_DTYPES = ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64")
 
@@ -37,13 +38,6 @@ class Problem:
     d_valid: str | None
     d_packed: bool = False  # D is packed tokens [ntok, dim] with offsets (ld is then 0)
     ntok: int = 0  # packed document tokens
-
-
-def _info(name: str, x) -> Info:
-    try:
-        return describe(x)
-    except (TypeError, ValueError) as e:
-        raise type(e)(f"{name}: {e}") from None
 
 
 def _lengths_info(name: str, x, q: Info) -> Info | None:
