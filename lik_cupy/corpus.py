@@ -301,14 +301,14 @@ class Corpus:
         p = self._p
         if device is not None and (isinstance(device, bool) or not isinstance(device, (int, np.integer)) or device < 0):
             raise ValueError(f"device must be a CUDA device ordinal, 'cpu' or None, got {device!r}")
-        if info.device is None:
-            use_gpu("gpu", None)  # (a device asked for where none is visible: the error every entry point gives)
         if info.device is not None:
             if device is not None and device != info.device:
                 raise ValueError(f"D is on cuda:{info.device} but device={device}; move D there, or pass device=None")
             device = info.device
-        elif device is None:
-            device = cupy.cuda.runtime.getDevice()
+        else:
+            use_gpu("gpu", None)  # (a device asked for where none is visible: the error every entry point gives)
+            if device is None:
+                device = cupy.cuda.runtime.getDevice()
         self.device = int(device)
         dispatch.check_gpu_dim(p.dtype, p.dim, "device='cpu'")
         with cupy.cuda.Device(self.device):
