@@ -731,7 +731,7 @@ def test_request_bytes_are_held_against_the_servers_budget():
     async def read(chunks):
         messages = iter({"type": "http.request", "body": c, "more_body": i + 1 < len(chunks)}
                         for i, c in enumerate(chunks))
-        held = http._Held(svc)
+        held = _service.Held(svc)
         try:
             return await http._body(lambda: _next(messages), 100, held), held.n
         finally:

@@ -120,6 +120,22 @@ class Service:
             self.held -= nbytes
 
 
+class Held:
+    """The bytes of one request held against the server's budget (:meth:`Service.hold`), given back
+    at once by :meth:`release` (what both transports hold of a request)."""
+
+    def __init__(self, svc: Service):
+        self.svc, self.n = svc, 0
+
+    def add(self, n: int) -> None:
+        self.svc.hold(n)
+        self.n += n
+
+    def release(self) -> None:
+        self.svc.release(self.n)
+        self.n = 0
+
+
 def check_model(model: str) -> None:
     if model not in MODELS:
         raise Refused(404, f"unknown model {model!r}; the models are {', '.join(MODELS)}")

@@ -25,7 +25,7 @@ from tritonclient.grpc import model_config_pb2, service_pb2 as pb, service_pb2_g
 
 from .._version import __version__
 from . import _service, _tensors
-from ._service import MODELS, Refused, Service
+from ._service import MODELS, Held, Refused, Service
 
 __all__ = ["start_server"]
 
@@ -103,12 +103,10 @@ class _Servicer(rpc.GRPCInferenceServiceServicer):
 
     async def ModelInfer(self, request, context):
         svc, model, start = self.svc, request.model_name, time.perf_counter()
-        held = 0
+        held = Held(svc)
         try:
             _service.check_model(model)
-            size = request.ByteSize()
-            svc.hold(size)  # the message, against the server's budget of request bytes
-            held = size
+            held.add(request.ByteSize())  # the message, against the server's budget of request bytes
             inputs, params, names = _request(request, _service.OUTPUTS[model])
             remaining = context.time_remaining()
             out, reply = await _service.infer(svc, model, inputs, params, deadline_s=remaining)
@@ -116,7 +114,7 @@ class _Servicer(rpc.GRPCInferenceServiceServicer):
             _service.responded(svc, model, e.status, start)
             await context.abort(_CODES[e.status], str(e))
         finally:
-            svc.release(held)
+            held.release()
         response = pb.ModelInferResponse(model_name=model, model_version="1", id=request.id)
         for key, value in reply.items():
             response.parameters[key].int64_param = value

@@ -42,7 +42,7 @@ from starlette.routing import Route
 
 from .._version import __version__
 from . import _service, _tensors
-from ._service import MAX_BODY, MODELS, Refused, Service
+from ._service import MAX_BODY, MODELS, Held, Refused, Service
 from .batcher import Batcher
 
 __all__ = ["MODELS", "make_app", "run", "run_processes", "serve"]
@@ -310,25 +310,10 @@ class _Disconnected(Exception):
     """The client went away before its request's body was read."""
 
 
-class _Held:
-    """The bytes of one request held against the server's budget (``Service.hold``), given back at once."""
-
-    def __init__(self, svc: Service):
-        self.svc, self.n = svc, 0
-
-    def add(self, n: int) -> None:
-        self.svc.hold(n)
-        self.n += n
-
-    def release(self) -> None:
-        self.svc.release(self.n)
-        self.n = 0
-
-
 async def _answer_infer(svc: Service, model: str, scope, receive, send) -> None:
     start = time.perf_counter()
     headers = {k: v for k, v in scope["headers"] if k in _REQUEST_HEADERS}
-    held = _Held(svc)
+    held = Held(svc)
     try:
         status, body, head = await _infer(svc, model, headers, receive, held)
     except Refused as e:
@@ -365,7 +350,7 @@ def _refused_response(e: Refused) -> Response:
     return Response(body, status_code=status, headers={k.decode(): v.decode() for k, v in head})
 
 
-async def _infer(svc: Service, model: str, headers: dict, receive, held: _Held) -> tuple[int, bytes, tuple]:
+async def _infer(svc: Service, model: str, headers: dict, receive, held: Held) -> tuple[int, bytes, tuple]:
     """(status, body, headers) of the response to one inference request (raises :class:`Refused`).
     ``headers``: the request's, by lower-case name, as bytes; ``held``: what the body holds of the
     server's budget."""
@@ -399,7 +384,7 @@ async def _infer(svc: Service, model: str, headers: dict, receive, held: _Held) 
                           (b"inference-header-content-length", str(json_size).encode()))
 
 
-async def _body(receive, limit: int, held: _Held) -> bytes | None:
+async def _body(receive, limit: int, held: Held) -> bytes | None:
     """The request's body, or None past ``limit`` bytes (read no further); each chunk held against
     the server's budget as it arrives (twice: the chunks, then the body they join into)."""
     chunks, n = [], 0
