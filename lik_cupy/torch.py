@@ -46,6 +46,7 @@ from ._torch_autograd import check_tensors as _check_tensors
 from ._torch_autograd import needs_grad as _needs_grad
 from ._torch_autograd import traced as _traced
 from ._torch_hidden import maxsim_from_hidden_op as _maxsim_from_hidden_op
+from ._validate import check_hidden_options as _check_hidden_options
 from .forward import maxsim as _maxsim
 from .forward import maxsim_varlen as _maxsim_varlen
 
@@ -120,8 +121,10 @@ def maxsim_from_hidden(Q, H, W, bias=None, q_mask=None, d_mask=None, *, q_length
         float32 scores ``[Nq, Nd]`` (float64 for float64 tensors) and, if asked, the int32 argmax.
     """
     _check_tensors(Q=Q, H=H, W=W, bias=bias)
+    # Checked here, not cast: bool("no") would pass the operator's schema as True.
+    normalize, eps, max_chunk_bytes = _check_hidden_options(normalize, eps, max_chunk_bytes)
     need = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (Q, H, W, bias))
     scores, amax = _maxsim_from_hidden_op(
-        Q, H, W, bias, q_mask, d_mask, _tensor(q_lengths, Q), _tensor(d_lengths, Q), bool(normalize), float(eps),
+        Q, H, W, bias, q_mask, d_mask, _tensor(q_lengths, Q), _tensor(d_lengths, Q), normalize, eps,
         bool(return_argmax or need), max_chunk_bytes, precision)
     return (scores, amax) if return_argmax else scores

@@ -208,6 +208,8 @@ def test_grad_only_where_asked(rng):
     (lambda Q, H, W, b: lik_cupy.maxsim_from_hidden(Q, torch.tensor(H), W, b), "H is a torch array but Q is a numpy array"),
     (lambda Q, H, W, b: lik_cupy.maxsim_from_hidden(Q, H, W, b, eps=0.0), "eps must be a positive finite float"),
     (lambda Q, H, W, b: lik_cupy.maxsim_from_hidden(Q, H, W, b, normalize="yes"), "normalize must be True or False"),
+    (lambda Q, H, W, b: lt.maxsim_from_hidden(*(_t(x) for x in (Q, H, W, b)), normalize="no"),
+     "normalize must be True or False"),  # (torch's wrapper once cast it to True)
     (lambda Q, H, W, b: lik_cupy.maxsim_from_hidden(Q, H, W, b, max_chunk_bytes=0), "max_chunk_bytes must be a positive int"),
     (lambda Q, H, W, b: lik_cupy.maxsim_from_hidden(Q, H, W, b, d_lengths=[1, 2]), r"d_lengths has shape \[2\]; expected \[7\]"),
     (lambda Q, H, W, b: lik_cupy.maxsim_from_hidden(Q, H, W, b, d_lengths=[7] * ND), "d_lengths"),
