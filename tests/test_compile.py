@@ -31,6 +31,8 @@ import json
 import os
 import pathlib
 import random
+import subprocess
+import sys
 import re
 import shutil
 import statistics
@@ -477,6 +479,26 @@ def test_an_unwritable_cache_falls_back_to_a_directory_of_the_process(tmp_path, 
         b = lc.cubin_path(SRC, _small_cfg(argmax=True).defines(), 80)
     assert len(w) == 1 and a.parent == b.parent == lc._fallback and a.is_file() and b.is_file()
     assert (tmp_path / "file").read_text() == "x"
+
+
+def test_a_killed_writers_temporary_is_swept_by_the_next_write(tmp_path, monkeypatch):
+    """A compile killed while writing its entry (SIGKILL, the OOM killer) left its temporary in the
+    cache for ever; the next write into the cache now removes it, and only it."""
+    from lik_cupy import _atomic
+
+    kc = tmp_path / "kc"
+    kc.mkdir()
+    monkeypatch.setenv("LIK_CACHE_DIR", str(kc))
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    host = _atomic._HOST.decode()
+    left = kc / f".{'0' * 40}.cubin.lik-tmp.{dead.pid}.{host}.0123abcd"
+    live = kc / f".{'0' * 40}.cubin.lik-tmp.{os.getpid()}.{host}.0123abcd"  # a writer still running
+    for p in (left, live):
+        p.write_bytes(b"half a cubin")
+    path = lc.cubin_path(SRC, _small_cfg().defines(), 80)
+    names = sorted(p.name for p in kc.iterdir())
+    assert names == sorted([path.name, path.with_suffix(".json").name, live.name]), names
 
 
 def test_switch_variables_are_read_strictly(monkeypatch):

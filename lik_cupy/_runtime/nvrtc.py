@@ -5,7 +5,8 @@
   same path serves the CPU-only compile check in CI.
 * The CUBIN is kept in an on-disk cache whose key covers the contents of the
   source and of every file it includes, the configuration, the NVRTC options,
-  the architecture and the NVRTC version. Entries are written atomically and
+  the architecture and the NVRTC version. Entries are written atomically
+  (``lik_cupy._atomic``: a killed compile's temporary is swept by the next write) and
   verified when read (their key and checksum; regular files only, of bounded
   size, so a FIFO, a device or a link to one never blocks or floods a read); an
   entry that fails is compiled again and replaced, never deleted, so a process
@@ -22,11 +23,13 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import hashlib
 import json
 import os
 import re
 import shutil
+import stat
 import tempfile
 import threading
 import warnings
@@ -35,6 +38,7 @@ from pathlib import Path
 
 from .._base import env
 from .._base.cache import DeviceCache
+from .. import _atomic
 from .._files import read_regular
 from .kernels import FORWARD, SOURCES
 from .._version import __version__
@@ -185,17 +189,21 @@ def cache_key(name: str, defines: dict, arch: int | str) -> str:
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    """Write ``path`` whole or not at all (``lik_cupy._atomic``: a killed writer's temporary is swept
+    by the next write into the directory). Whatever else holds the entry's name is replaced, but a
+    directory: that fails the write with an OSError, which sends the entry to the process's own
+    directory."""
+    target = str(path)
+    _atomic.sweep(target)
+    with _atomic.output_file(target, _not_a_directory) as f:
+        f.write(data)
+
+
+def _not_a_directory(target: str) -> str | None:
+    with contextlib.suppress(OSError):
+        if stat.S_ISDIR(os.lstat(target).st_mode):
+            return "is a directory, not a kernel cache entry"
+    return None
 
 
 def _read_entry(path: Path, limit: int) -> bytes | None:
