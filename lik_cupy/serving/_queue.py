@@ -121,7 +121,7 @@ class DeviceQueue:
     def _work(self) -> None:
         """The worker thread: :meth:`_serve` on the replica's device, in a stream of its own."""
         try:
-            stream = self._own_stream()
+            stream = self.own_stream()
             stream.__enter__()
         except Exception:  # noqa: BLE001 - the calls will say what is wrong with the device; a dead worker would hang them
             _log.exception("lik serve: worker %s has no stream of its own", self.name)
@@ -152,7 +152,7 @@ class DeviceQueue:
             with self._cv:
                 self._running = 0
 
-    def _own_stream(self):
+    def own_stream(self):
         """On a GPU, the corpus's device and a stream of this worker's own for its calls, so that
         workers sharing a GPU overlap (nothing on the host path)."""
         if self.corpus.device is None:

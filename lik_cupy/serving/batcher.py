@@ -213,15 +213,19 @@ class Batcher:
         # (scaled corpora take float queries)
         dtype = numpy_dtype("float32" if scaled_dtype(self.corpus.dtype) else self.corpus.dtype)
         rng = np.random.default_rng(0)
-        staging = Staging()
-        for c in {id(q.corpus): q.corpus for q in self._queues}.values():
+        for queue in {id(q.corpus): q for q in self._queues}.values():
+            c = queue.corpus
             if all(p.device is None for p in (c.parts if isinstance(c, Partition) else [c])):
                 continue
-            for n in sorted({*range(1, min(self.max_batch, max(1, 128 // lq)) + 1), self.max_batch}):
-                Q = rng.standard_normal((n, lq, c.dim)).astype(dtype)
-                cand = np.arange(n * min(len(c), 100), dtype=np.int64).reshape(n, -1) % max(1, len(c))
-                for op, arg in (("search", min(10, max(1, len(c)))), ("rerank", cand), ("score", None)):
-                    scored(c, [Request(op, Q, arg, None, False, None, Future(), 0.0)], staging)
+            # As its worker calls it: on its GPU, with buffers of its own (one Staging for every
+            # replica put GPU 1's queries in GPU 0's buffer, and `lik serve --devices 0,1` failed here).
+            staging = Staging()
+            with queue.own_stream():
+                for n in sorted({*range(1, min(self.max_batch, max(1, 128 // lq)) + 1), self.max_batch}):
+                    Q = rng.standard_normal((n, lq, c.dim)).astype(dtype)
+                    cand = np.arange(n * min(len(c), 100), dtype=np.int64).reshape(n, -1) % max(1, len(c))
+                    for op, arg in (("search", min(10, max(1, len(c)))), ("rerank", cand), ("score", None)):
+                        scored(c, [Request(op, Q, arg, None, False, None, Future(), 0.0)], staging)
 
     def close(self, timeout: float | None = None) -> None:
         """Take no new requests, answer every queued one, and stop the workers (waits up to
