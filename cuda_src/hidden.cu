@@ -7,7 +7,8 @@
 //
 //   normalize:  y = (x + bias) / max(|x + bias|, eps), the row's sum of squares |x + bias|^2 kept
 //               in ss[row] for the backward (F.normalize's arithmetic, with the bias added in float32);
-//   grad:       g = keep ? (g - y <y, g>) / |x| : 0 where |x| > eps, g / eps where the floor held
+//   grad:       g = keep ? (g - y <y, g>) / |x| : 0 where |x| >= eps (torch's clamp_min passes the
+//               gradient at eps itself), g / eps below
 //               (then y's norm is not 1 and <y, g> does not enter).
 //
 // -D flags: LIK_ELEM 0 fp16, 1 bf16 (both as 16-bit patterns), 2 fp32: the rows' type (elem_rows.cuh).
@@ -67,7 +68,7 @@ extern "C" __global__ void lik_hidden_normalize_grad(const T* __restrict__ Y, T*
         float dot = 0.f;
         for (int k = lane; k < dim; k += 32) dot = fmaf(to_f(y[k]), to_f(g[k]), dot);
         dot = warp_sum(dot);
-        const float n = sqrtf(ss[r]), c = n > eps ? dot : 0.f, den = fmaxf(n, eps);
+        const float n = sqrtf(ss[r]), c = n >= eps ? dot : 0.f, den = fmaxf(n, eps);
         for (int k = lane; k < dim; k += 32) g[k] = from_f((to_f(g[k]) - to_f(y[k]) * c) / den);
     }
 }

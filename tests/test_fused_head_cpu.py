@@ -146,6 +146,27 @@ def test_rows_at_the_eps_floor(rng):
         np.testing.assert_allclose(x, y.numpy(), rtol=1e-9, atol=1e-12)
 
 
+def test_a_row_exactly_at_eps_is_normalised_as_torch_does(rng):
+    """F.normalize divides by max(|x|, eps), and its gradient goes through the norm where |x| >= eps
+    (clamp_min's backward): a row whose norm is exactly eps took the floor's gradient."""
+    Q, H, _, _ = _data(rng)
+    eps = 2.0**-10
+    W = np.zeros((DIM, HID))
+    W[:, :DIM] = np.eye(DIM)
+    H[1, 2] = 0
+    H[1, 2, 0] = eps  # projected to (eps, 0, ...): its norm is eps exactly
+    Q[0, 0] = 0
+    Q[0, 0, 0] = 5.0  # and it wins this query token
+    leaves = [_t(x, True) for x in (Q, H, W)]
+    ref, ref_a = _reference(*leaves, None, eps=eps)
+    s, a = lik_cupy.maxsim_from_hidden(Q, H, W, eps=eps, return_argmax=True)
+    assert a[0, 1, 0] == 2
+    g = rng.standard_normal(s.shape)
+    want = torch.autograd.grad((ref * torch.tensor(g)).sum(), leaves)
+    for x, y in zip(lik_cupy.maxsim_from_hidden_backward(g, Q, H, W, None, a, eps=eps), want):
+        np.testing.assert_allclose(x, y.numpy(), rtol=1e-9, atol=1e-12)
+
+
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
 def test_low_precision_inputs_keep_their_dtype(rng, dtype):
     """The CPU path computes in float64 from the inputs' values: the float64 scores of those values."""

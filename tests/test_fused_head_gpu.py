@@ -130,6 +130,29 @@ def test_cupy_arrays_and_the_cpu_path_agree():
     np.testing.assert_allclose(s16.get(), want, atol=SCORE_TOL["float16"] * 16)
 
 
+def test_a_row_exactly_at_eps_takes_torchs_gradient():
+    """A projected token of norm exactly eps is divided by eps, and its gradient goes through the
+    norm as F.normalize's does (clamp_min passes it at eps itself); the kernel took the floor's."""
+    Q, H, _, _ = _data(torch.float32)
+    eps = 2.0**-10
+    W = torch.zeros(64, 192, device="cuda")
+    W[:, :64] = torch.eye(64, device="cuda")
+    with torch.no_grad():
+        H[1, 2] = 0
+        H[1, 2, 0] = eps  # projected to (eps, 0, ...): its sum of squares and square root are exact
+        Q[0, 0] = 0
+        Q[0, 0, 0] = 1.0  # and it wins this query token
+    leaves = [x.detach().clone().requires_grad_(True) for x in (Q, H, W)]
+    ref = lt.maxsim(leaves[0], F.normalize(F.linear(leaves[1], leaves[2]), dim=-1, eps=eps), precision="fp32")
+    s, a = lt.maxsim_from_hidden(Q, H, W, None, eps=eps, return_argmax=True, precision="fp32")
+    assert int(a[0, 1, 0]) == 2
+    g = torch.randn(s.shape, device="cuda")
+    want = torch.autograd.grad((ref * g).sum(), leaves)
+    got = lik_cupy.maxsim_from_hidden_backward(g, Q, H, W, None, a, eps=eps)
+    for x, y in zip(got, want):
+        torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-4)
+
+
 def test_float64_on_the_gpu_matches_the_cpu_path():
     Q, H, W, b = _data(torch.float64)
     s = lt.maxsim_from_hidden(Q, H, W, b)

@@ -30,5 +30,5 @@ def normalize_grad(D, r, dD, keep, eps: float):
     is False (masked tokens, whose values may be anything); ``r=None``: no normalisation."""
     if r is None:
         return np.where(keep, dD, 0)
-    dot = (D * dD).sum(axis=1, keepdims=True) * (r > eps)  # a row clamped to eps is scaled, not normalised
+    dot = (D * dD).sum(axis=1, keepdims=True) * (r >= eps)  # below eps: scaled, not normalised (clamp_min passes the gradient at eps)
     return np.where(keep, (dD - D * dot) / np.maximum(r, eps), 0)
