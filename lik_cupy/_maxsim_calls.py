@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import numpy as np
+
 from . import _cpu as cpu
 from ._dispatch import kernel_dtype
 from ._dispatch.backend import check_backend, scoring_on_gpu
@@ -21,7 +23,7 @@ from ._runtime.launch import launch, prepare, use_tma_for
 from ._runtime.prepared_calls import PreparedCall, call_key, lookup, store
 from ._runtime.operands import (device_offsets, host_metadata, device_valid, host_offsets, kernel_operands,
                                 unpack_queries, valid_host)
-from ._validate import Problem, check_call, check_varlen, check_zero_pad
+from ._validate import Problem, check_call, check_flag, check_varlen, check_zero_pad
 
 
 def maxsim_zero_pad(Q, D, zero_pad, q_mask=None, d_mask=None, *, q_lengths=None, d_lengths=None,
@@ -75,6 +77,7 @@ def prepared_call(fn: str, Q, D=None, D_tokens=None, d_offsets=None, q_mask=None
 
 def run(Q, D, q_mask, d_mask, q_lengths, d_lengths, return_argmax, backend, precision, validate, *, pairs,
          zero_pad=None):
+    return_argmax, validate = check_flag("return_argmax", return_argmax), check_flag("validate", validate, none=True)
     key = maxsim_key(Q, D, q_mask, d_mask, q_lengths, d_lengths, return_argmax, backend, precision, validate, pairs,
                       zero_pad)
     call = lookup(key)
@@ -97,6 +100,7 @@ def run(Q, D, q_mask, d_mask, q_lengths, d_lengths, return_argmax, backend, prec
 
 def run_varlen(Q, D_tokens, d_offsets, q_mask, q_lengths, q_offsets, return_argmax, backend, precision, validate,
                 zero_pad=None):
+    return_argmax, validate = check_flag("return_argmax", return_argmax), check_flag("validate", validate, none=True)
     key = varlen_key(Q, D_tokens, d_offsets, q_mask, q_lengths, return_argmax, backend, precision, validate,
                       zero_pad) if q_offsets is None else None
     call = lookup(key)
@@ -170,17 +174,24 @@ def _cpu_varlen(p: Problem, Q, D, d_offsets, q_mask, q_lengths, q_offsets, retur
     fw = p.framework
     d = host_array(D, fw).reshape(p.ntok, p.dim)
     doff = host_offsets(host_array(d_offsets, fw), p.ntok, "d_offsets")
-    if q_offsets is not None:
-        qt = host_array(Q, fw).reshape(-1, p.dim)
-        q, qv = cpu.unpack(qt, host_offsets(host_array(q_offsets, fw), qt.shape[0], "q_offsets"))
-    else:
+    zp = None if zero_pad is None else host_array(zero_pad, fw).reshape(p.nd)
+    if q_offsets is None:
         q = host_array(Q, fw).reshape(p.nq, p.lq, p.dim)
         qv = valid_host(q_mask, q_lengths, p.nq, p.lq, "q_lengths", fw)
-    zp = None if zero_pad is None else host_array(zero_pad, fw).reshape(p.nd)
-    s, a = cpu.maxsim_packed_numpy(q, qv, d, doff, return_argmax=return_argmax, zero_pad=zp)
-    lq = q.shape[1]
+        s, a = cpu.maxsim_packed_numpy(q, qv, d, doff, return_argmax=return_argmax, zero_pad=zp)
+    else:
+        qt = host_array(Q, fw).reshape(-1, p.dim)
+        qoff = host_offsets(host_array(q_offsets, fw), qt.shape[0], "q_offsets")
+        p = _packed_queries(p, qoff)
+
+        def group(rows):
+            q, qv = cpu.unpack(qt, qoff, rows)
+            return cpu.maxsim_packed_numpy(q, qv, d, doff, return_argmax=return_argmax, zero_pad=zp)
+
+        s, a = _by_groups(p, qoff, qt.itemsize, group, np.float64 if p.dtype == "float64" else np.float32,
+                          return_argmax, np)
     s = s.reshape(p.scores_shape)
-    a = a.reshape(p.scores_shape + (lq,)) if a is not None else None
+    a = a.reshape(p.argmax_shape) if a is not None else None
     return host_result(s, p), (host_result(a, p) if a is not None else None)
 
 
@@ -209,22 +220,58 @@ def _gpu_varlen(p: Problem, Q, D, d_offsets, q_mask, q_lengths, q_offsets, retur
         with GpuCall(p) as g:
             q, d = kernel_operands(p.dtype, g.array(Q), g.array(D).reshape(p.ntok, p.dim))
             doff = device_offsets(g.array(d_offsets), p.ntok, "d_offsets", True, checks)
-            qm = None
-            if q_offsets is not None:
-                q, ql = unpack_queries(q.reshape(-1, p.dim), g.array(q_offsets), p.nq)
-                p = replace(p, lq=q.shape[1], argmax_shape=p.scores_shape + (q.shape[1],))
-            else:
+            kw = {"d_off": doff, "ld_hint": -(-p.ntok // max(1, p.nd)), "x3": x3,
+                  "zero_pad": _device_zero_pad(zero_pad, p.nd, g)}
+            kp = replace(p, dtype=kernel_dtype(p.dtype))
+            if q_offsets is None:
                 q = q.reshape(p.nq, p.lq, p.dim)
                 qm, ql = device_valid(q_mask, q_lengths, p.nq, p.lq, "q_lengths", g.framework, g.on_host, checks)
-            ld_hint = -(-p.ntok // max(1, p.nd))
-            zp = _device_zero_pad(zero_pad, p.nd, g)
-            kp = replace(p, dtype=kernel_dtype(p.dtype))
-            scores, amax = launch(kp, q, d, qm, None, ql, None, return_argmax, g.device, d_off=doff, ld_hint=ld_hint,
-                                  x3=x3, zero_pad=zp)
+                scores, amax = launch(kp, q, d, qm, None, ql, None, return_argmax, g.device, **kw)
+            else:
+                import cupy
+
+                qt = q.reshape(-1, p.dim)
+                qoff = host_offsets(host_array(q_offsets, g.framework), qt.shape[0], "q_offsets")
+                p = _packed_queries(p, qoff)
+
+                def group(rows):  # one launch of the group's queries as one padded call
+                    qg, ql = unpack_queries(qt, qoff, rows)
+                    n, lq = qg.shape[:2]
+                    gp = replace(kp, nq=n, lq=lq, scores_shape=(n, p.nd), argmax_shape=(n, p.nd, lq))
+                    return launch(gp, qg, d, None, None, ql, None, return_argmax, g.device, **kw)
+
+                scores, amax = _by_groups(p, qoff, qt.itemsize, group, np.float32, return_argmax, cupy)
             checks.apply(p, scores, amax, g.device)
             results = g.results(p, scores.astype("float64") if p.dtype == "float64" else scores, amax)
         checks.verify()  # last, while the scoring kernel runs (lik_cupy._runtime.device_checks)
     return results
+
+
+def _packed_queries(p: Problem, q_offsets) -> Problem:
+    """The problem of packed queries (checked int64 host ``q_offsets``): argmax padded to the longest."""
+    lq = int(np.diff(q_offsets).max()) if p.nq else 0
+    return replace(p, lq=lq, argmax_shape=p.scores_shape + (lq,))
+
+
+def _by_groups(p: Problem, q_offsets, itemsize: int, score, dtype, return_argmax: bool, xp):
+    """Scores ``[Nq, Nd]`` and argmax (or None) of packed queries (``q_offsets``, checked int64 on the host;
+    ``itemsize`` bytes an element), scored a group at a time (``cpu.query_groups``), each group padded to
+    its own longest query: ``score(rows)`` gives a group's results (``rows`` None: every query, in the
+    caller's order, one padded call as ever), scattered back here into the queries' order in ``xp``
+    (NumPy or CuPy), argmax -1 past the group's width. A query's results are its own whatever its group
+    on the NumPy path (``lik_cupy._cpu.maxsim``)."""
+    groups = cpu.query_groups(np.diff(q_offsets), itemsize * p.dim)
+    if len(groups) == 1:
+        return score(None)
+    s = xp.empty((p.nq, p.nd), dtype)
+    a = xp.full(p.argmax_shape, -1, np.int32) if return_argmax else None
+    for rows in groups:
+        sg, ag = score(rows)
+        at = xp.asarray(rows)
+        s[at] = sg
+        if a is not None:
+            a[at, :, :ag.shape[2]] = ag
+    return s, a
 
 
 def _device_zero_pad(zero_pad, rows: int, g: GpuCall):

@@ -21,7 +21,7 @@ from ._runtime.device_checks import call_checks
 from ._runtime.launch import launch
 from ._runtime.operands import (check_scales_of_valid, device_offsets, device_valid, host_metadata, host_offsets,
                                 valid_host)
-from ._validate import Problem, check_call, check_scaled_scales, check_varlen
+from ._validate import Problem, check_call, check_flag, check_scaled_scales, check_varlen
 
 __all__ = ["run", "run_varlen", "score"]
 
@@ -31,6 +31,7 @@ def run(dtype: str, Q, D, d_scales, q_mask, d_mask, q_scales, q_lengths, d_lengt
     """``maxsim_int8`` / ``maxsim_fp8`` (``dtype`` its element type) of padded documents or candidate
     sets: validated, then scored (FP8 arrays as the bytes the kernels read)."""
     check_backend(backend)
+    return_argmax, validate = check_flag("return_argmax", return_argmax), check_flag("validate", validate, none=True)
     Q, D = _as_read(dtype, Q, "Q"), _as_read(dtype, D, "D")
     p = check_call(Q, D, q_mask, d_mask, q_lengths, d_lengths, pairs=False, scaled=dtype)
     quantised = check_scaled_scales(p, Q, D, q_scales, d_scales)
@@ -43,10 +44,11 @@ def run_varlen(dtype: str, Q, D_tokens, d_scales, d_offsets, q_mask, q_scales, q
                validate_offsets, backend, validate):
     """``maxsim_int8_varlen`` / ``maxsim_fp8_varlen``: :func:`run` of packed documents."""
     check_backend(backend)
+    return_argmax, validate = check_flag("return_argmax", return_argmax), check_flag("validate", validate, none=True)
     Q, D_tokens = _as_read(dtype, Q, "Q"), _as_read(dtype, D_tokens, "D_tokens")
     p = check_varlen(Q, D_tokens, d_offsets, q_mask, q_lengths, None, scaled=dtype)
     quantised = check_scaled_scales(p, Q, D_tokens, q_scales, d_scales)
-    validate = False if validate_offsets is False and validate is None else validate
+    validate = False if not check_flag("validate_offsets", validate_offsets) and validate is None else validate
     s, a = score(p, Q, q_scales, quantised, q_mask, q_lengths, D_tokens, d_scales, None, None, d_offsets,
                  validate, return_argmax, backend)
     return (s, a) if return_argmax else s

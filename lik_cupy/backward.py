@@ -23,7 +23,7 @@ from ._runtime.backward import (THREADS, atomic_functions, doc_rows, grad_scores
 from ._runtime.kernels import BACKWARD_DTYPES
 from ._runtime.operands import device_offsets, host_metadata, host_offsets, kernel_operands
 from ._runtime.prepared_calls import PreparedBackward, call_key, lookup, store
-from ._validate import Problem, check_argmax_values, check_backward
+from ._validate import Problem, check_argmax_values, check_backward, check_flag
 
 __all__ = ["maxsim_backward"]
 
@@ -73,6 +73,7 @@ def maxsim_backward(grad_scores, Q, D, argmax, *, d_offsets=None, method="auto",
                [0., 3.]], dtype=float32), array([[1., 0.],
                [0., 1.]], dtype=float32))
     """
+    validate = check_flag("validate", validate, none=True)
     key = call_key("backward", (validate, method, backend), grad_scores, (Q, D, argmax, d_offsets), precision=False)
     call = lookup(key)
     if call is not None:

@@ -25,6 +25,7 @@ call's work is its own (launches go to each thread's current CuPy or torch strea
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 
@@ -47,7 +48,7 @@ from ._streaming.cpu import CpuTopK
 from ._streaming.docs import DeviceDocs, HostDocs, device_docs, host_docs, staged_source
 from ._streaming.gpu import GpuTopK
 from ._streaming.parts import Part, doc_problem, query_problem, with_queries
-from ._validate import Problem, check_id_values, offsets_count
+from ._validate import Problem, check_flag, check_id_values, host_ints, offsets_count
 
 __all__ = ["Corpus"]
 
@@ -140,6 +141,7 @@ class Corpus:
             device, max_gpu_bytes: as for :class:`Corpus`.
             ids: False leaves the shards' ids out: :meth:`search` returns positions.
         """
+        ids = check_flag("ids", ids)
         if isinstance(paths, (str, bytes, os.PathLike)):
             paths = [paths]
         opened = [shards.open_input(p) for p in paths]
@@ -203,13 +205,17 @@ class Corpus:
                 in any framework; on the corpus's GPU or on the host.
             q_mask / q_lengths: valid query tokens, as in :func:`lik_cupy.maxsim`.
             q_offsets: int32 or int64 ``[Nq + 1]`` for packed queries, as in :func:`lik_cupy.maxsim_varlen`
-                (read on the host): the call of the same queries padded to the longest, with their lengths.
+                (read on the host): scored as the same queries padded, with their lengths, a group of
+                similar lengths at a time (each padded to its own longest query, so that padding takes
+                at most twice the queries' bytes, or 16 MiB).
             precision: float32 corpora on the GPU, "fp32" or "tf32", as in :func:`lik_cupy.maxsim`.
 
         Returns:
             float32 ``[Nq, Nd]`` (``[Nd]`` for a 2-D padded Q) in Q's framework and place.
         """
-        Q, q_lengths = _unpacked(Q, q_mask, q_lengths, q_offsets)
+        if q_offsets is not None:
+            return _by_length(Q, q_mask, q_lengths, q_offsets,
+                              lambda q, n, rows, nq: (self.score(q, q_lengths=n, precision=precision),))[0]
         key = call_key("Corpus.score", (None, precision), Q, (q_mask, q_lengths))
         call = self._calls.get(key)
         if call is not None and call.current():
@@ -239,7 +245,9 @@ class Corpus:
         """
         if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 1 <= k <= MAX_K:
             raise ValueError(f"k must be an integer in [1, {MAX_K}], got {k!r}")
-        Q, q_lengths = _unpacked(Q, q_mask, q_lengths, q_offsets)
+        if q_offsets is not None:
+            return _by_length(Q, q_mask, q_lengths, q_offsets,
+                              lambda q, n, rows, nq: self.search(q, k, q_lengths=n, precision=precision))
         qp, p = self._problem(Q, q_mask, q_lengths)
         x3 = fp32_accurate(precision, qp.framework, qp.dtype)  # (checks precision on every path)
         if self.where == "host memory":
@@ -266,13 +274,16 @@ class Corpus:
         Returns:
             float32 ``[Nq, K]`` (``[K]`` for a 2-D Q), in the candidates' order, in Q's framework and place.
         """
-        Q, q_lengths = _unpacked(Q, q_mask, q_lengths, q_offsets)
+        if q_offsets is not None:
+            return _by_length(Q, q_mask, q_lengths, q_offsets, lambda q, n, rows, nq: (self.rerank(
+                q, candidates if rows is None else self._candidate_rows(candidates, nq, rows), q_lengths=n,
+                precision=precision),))[0]
         key = call_key("Corpus.rerank", (None, precision), Q, (candidates, q_mask, q_lengths))
         call = self._calls.get(key)
         if call is not None and call.current():
             return call(Q, None, q_mask, None, q_lengths, None, None, cand=candidates)
         qp, p = self._problem(Q, q_mask, q_lengths)
-        cand, on_device, shape = self._candidates(candidates, qp, one_query=len(p.scores_shape) == 1)
+        cand, on_device, shape = self._candidates(candidates, qp.nq, one_query=len(p.scores_shape) == 1)
         p = Problem(framework=qp.framework, device=qp.device, dtype=p.dtype, nq=qp.nq, lq=qp.lq, nd=shape[1],
                     ld=self._p.ld, dim=qp.dim, candidates=True, scores_shape=p.scores_shape[:-1] + (shape[1],),
                     argmax_shape=(), q_valid=qp.q_valid, d_valid=self._p.d_valid, d_packed=self._p.d_packed,
@@ -544,22 +555,32 @@ class Corpus:
                 out[a:b, c0:c1] = s
         return out
 
-    def _candidates(self, candidates, qp: Problem, one_query: bool):
-        """(ids, whether they stay on the device, [Nq, K]): host ids as int64, checked against the
-        corpus (as are device ids for a corpus in host memory); device ids as a CuPy array on the
-        corpus's device, unread."""
+    def _candidate_rows(self, candidates, nq: int, rows: np.ndarray):
+        """Rows ``rows`` of the candidates ``[nq, K]`` of ``nq`` queries, checked as :meth:`rerank` checks
+        them: an int64 NumPy array, or a CuPy array on the corpus's device (of device candidates)."""
+        ids, on_device, _ = self._candidates(candidates, nq, one_query=False)
+        if on_device:
+            import cupy
+
+            return ids[cupy.asarray(rows)]
+        return ids[rows]
+
+    def _candidates(self, candidates, nq: int, one_query: bool):
+        """(ids, whether they stay on the device, [Nq, K]) of ``nq`` queries: host ids as int64, checked
+        against the corpus (as are device ids for a corpus in host memory); device ids as a CuPy array
+        on the corpus's device, unread."""
+        want = 1 if one_query else 2
+        expected = f"[Nq, K] with Nq = {nq}" if want == 2 else "[K] (Q is one query)"
         if isinstance(candidates, (list, tuple)):
-            candidates = np.asarray(candidates)
+            candidates = host_ints("candidates", candidates, f"{expected}: K indices for every query")
             if candidates.size == 0:
                 candidates = candidates.astype(np.int64)
         c = interop.describe_named("candidates", candidates)
         if c.dtype not in ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64"):
             raise TypeError(f"candidates must be integer document indices, got dtype {c.dtype}")
-        want = 1 if one_query else 2
-        if len(c.shape) != want or (want == 2 and c.shape[0] != qp.nq):
-            raise ValueError(f"candidates has shape {list(c.shape)}; expected "
-                             f"{'[Nq, K] with Nq = ' + str(qp.nq) if want == 2 else '[K] (Q is one query)'}")
-        shape = (qp.nq, c.shape[-1])
+        if len(c.shape) != want or (want == 2 and c.shape[0] != nq):
+            raise ValueError(f"candidates has shape {list(c.shape)}; expected {expected}")
+        shape = (nq, c.shape[-1])
         if c.device is not None and self.device is not None:
             if c.device != self.device:
                 raise ValueError(f"candidates are on cuda:{c.device} but the corpus is on cuda:{self.device}")
@@ -571,32 +592,61 @@ class Corpus:
         return ids.astype(np.int64, copy=False), False, shape
 
 
-def _unpacked(Q, q_mask, q_lengths, q_offsets):
-    """(Q, q_lengths) of a call: packed queries ``[Tq, d]`` with ``q_offsets`` as padded ``[Nq, Lq, d]``
-    (Lq the longest) and their lengths, in Q's framework and place, as maxsim_varlen hands them to the
-    kernels; Q and q_lengths as they are without offsets."""
-    if q_offsets is None:
-        return Q, q_lengths
+def _by_length(Q, q_mask, q_lengths, q_offsets, call) -> tuple:
+    """The results (a tuple) of packed queries, Q ``[Tq, d]`` with ``q_offsets``, as ``call(Q, q_lengths, rows,
+    nq)`` gives them for the same queries padded, in Q's framework and place: a group of the ``nq`` at a
+    time (``lik_cupy._cpu.query_groups``; ``rows``: the group's queries, None for a single group, every
+    query in the caller's order), each padded to its own longest query, and scattered back into the
+    queries' order. (Padded to the longest of the call, one long query among many short ones took
+    memory growing as their number times its length.)"""
     if q_mask is not None or q_lengths is not None:
         raise ValueError("packed queries (q_offsets) take no q_mask or q_lengths: the offsets give the lengths")
     q = interop.describe_named("Q", Q)
     if len(q.shape) != 2:
         raise ValueError(f"with q_offsets, Q must be packed tokens [Tq, d]; got shape {list(q.shape)}")
     nq = offsets_count("q_offsets", q_offsets, q)
+    off = host_offsets(host_array(q_offsets, q.framework), q.shape[0], "q_offsets")
+    with contextlib.nullcontext() if q.device is None else GpuCall(q):  # (the caller's device and stream)
+        tokens = host_array(Q, q.framework) if q.device is None else interop.to_cupy(Q, q.framework)
+        groups = cpu.query_groups(np.diff(off), tokens.itemsize * q.shape[1])
+        if len(groups) == 1:
+            return call(*_padded(Q, q, tokens, off, None), None, nq)
+        parts = [call(*_padded(Q, q, tokens, off, rows), rows, nq) for rows in groups]
+        return _scattered(parts, groups, q.framework, q.device)
+
+
+def _padded(Q, q: interop.Info, tokens, off: np.ndarray, rows):
+    """Packed queries ``rows`` (indices; None: all) of Q (``q``: its description; ``tokens``: Q on the host,
+    or on its device as CuPy) padded to their longest, and their lengths, in Q's framework and place."""
     fw = q.framework
     if q.device is None:
-        off = host_offsets(host_array(q_offsets, fw), q.shape[0], "q_offsets")
-        padded, _ = cpu.unpack(host_array(Q, fw), off)
-        return interop.from_numpy(padded, fw), interop.from_numpy(np.diff(off), fw)
+        padded, _ = cpu.unpack(tokens, off, rows)
+        lengths = np.diff(off) if rows is None else np.diff(off)[rows]
+        return interop.from_numpy(padded, fw), interop.from_numpy(lengths, fw)
     import cupy
 
-    with cupy.cuda.Device(q.device):
-        tokens = interop.to_cupy(Q, fw)
-        padded, lengths = unpack_queries(tokens, interop.to_cupy(q_offsets, fw), nq)
-        if q.dtype == "bfloat16":
-            return interop.bfloat16_from_bits(padded.view(cupy.uint16), fw, False, Q), \
-                interop.from_cupy(lengths, fw, False)
-        return interop.from_cupy(padded, fw, False), interop.from_cupy(lengths, fw, False)
+    padded, lengths = unpack_queries(tokens, off, rows)
+    padded = interop.bfloat16_from_bits(padded.view(cupy.uint16), fw, False, Q) if q.dtype == "bfloat16" else \
+        interop.from_cupy(padded, fw, False)
+    return padded, interop.from_cupy(lengths, fw, False)
+
+
+def _scattered(parts: list, groups: list, fw: str, device) -> tuple:
+    """The results of a call's query groups (``parts``: a tuple of results a group, of the queries ``groups``
+    (indices), in framework ``fw`` on ``device`` or the host; string ids NumPy) in the queries' order."""
+    inverse = np.argsort(np.concatenate(groups))
+    out = []
+    for xs in zip(*parts):
+        if isinstance(xs[0], np.ndarray) and xs[0].dtype.kind in "US":  # string ids: NumPy in any framework
+            out.append(np.concatenate(xs)[inverse])
+        elif device is None:
+            out.append(interop.from_numpy(np.concatenate([interop.to_numpy(x, fw) for x in xs])[inverse], fw))
+        else:
+            import cupy
+
+            every = cupy.concatenate([interop.to_cupy(x, fw) for x in xs])
+            out.append(interop.from_cupy(every[cupy.asarray(inverse)], fw, False))
+    return tuple(out)
 
 
 def _check_ids(ids, nd: int) -> np.ndarray | None:
@@ -609,7 +659,7 @@ def _check_ids(ids, nd: int) -> np.ndarray | None:
         except TypeError:
             raise TypeError(f"ids must be an array or a list of integers or strings, got {type(ids).__name__}") \
                 from None
-    a = np.asarray(ids)
+    a = host_ints("ids", ids, f"[{nd}] (one per document)") if isinstance(ids, (list, tuple)) else np.asarray(ids)
     if a.size == 0 and a.dtype.kind == "f":  # (an empty list is float64 to NumPy)
         a = a.astype(np.int64)
     if a.ndim != 1 or a.shape[0] != nd:

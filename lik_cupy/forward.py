@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from ._maxsim_calls import run as _run
 from ._maxsim_calls import run_varlen as _run_varlen
+from ._validate import check_flag
 
 __all__ = ["maxsim", "maxsim_pairs", "maxsim_varlen"]
 
@@ -106,7 +107,9 @@ def maxsim_varlen(Q, D_tokens, d_offsets, q_mask=None, *, q_lengths=None, q_offs
             offsets are negative, decreasing or past T scores NaN, and every score is NaN
             when the offsets do not run from 0 to T (``validate`` as in :func:`maxsim`).
         q_offsets: int32 or int64 ``[Nq + 1]`` for packed queries (read on the host:
-            the longest query sets the argmax width).
+            the longest query sets the argmax width). They are padded a group of similar lengths
+            at a time, each to its own longest query, so that padding takes at most twice the
+            queries' bytes (or 16 MiB) however their lengths spread.
         return_argmax: also return int32 ``[Nq, Nd, Lq]`` document-local token indices
             (``Lq`` = the longest query for packed queries), -1 for masked/absent query
             tokens and empty documents.
@@ -127,6 +130,6 @@ def maxsim_varlen(Q, D_tokens, d_offsets, q_mask=None, *, q_lengths=None, q_offs
         >>> lik_cupy.maxsim_varlen(Q, tokens, np.array([0, 1, 3]), backend="cpu")
         array([1., 3.], dtype=float32)
     """
-    validate = False if validate_offsets is False and validate is None else validate
+    validate = False if not check_flag("validate_offsets", validate_offsets) and validate is None else validate
     return _run_varlen(Q, D_tokens, d_offsets, q_mask, q_lengths, q_offsets, return_argmax, backend, precision,
                        validate)

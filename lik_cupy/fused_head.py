@@ -26,7 +26,7 @@ from ._cpu.hidden import normalize_grad, normalize_rows, project_numpy
 from ._dispatch.backend import check_backend, scoring_on_gpu
 from ._dispatch.precision import fp32_accurate
 from ._runtime.operands import valid_host
-from ._validate import HiddenProblem, check_hidden, check_hidden_backward, check_hidden_options
+from ._validate import HiddenProblem, check_flag, check_hidden, check_hidden_backward, check_hidden_options
 from ._runtime.backward import grad_scores_f32, gradient_out, host_gradient_out
 from .backward import maxsim_backward as _maxsim_backward
 from .forward import maxsim as _maxsim
@@ -82,6 +82,7 @@ def maxsim_from_hidden(Q, H, W, bias=None, q_mask=None, d_mask=None, *, q_length
     check_backend(backend)
     hp = check_hidden(Q, H, W, bias, q_mask, d_mask, q_lengths, d_lengths)
     normalize, eps, max_chunk_bytes = check_hidden_options(normalize, eps, max_chunk_bytes)
+    return_argmax, validate = check_flag("return_argmax", return_argmax), check_flag("validate", validate, none=True)
     x3 = fp32_accurate(precision, hp.p.framework, hp.p.dtype)
     if scoring_on_gpu(hp.p, backend, float64_gpu=True):
         scores, amax = _gpu_forward(hp, Q, H, W, bias, q_mask, d_mask, q_lengths, d_lengths, normalize, eps,
@@ -117,6 +118,7 @@ def maxsim_from_hidden_backward(grad_scores, Q, H, W, bias, argmax, d_mask=None,
     check_backend(backend)
     hp = check_hidden_backward(grad_scores, Q, H, W, bias, argmax, d_mask, d_lengths)
     normalize, eps, max_chunk_bytes = check_hidden_options(normalize, eps, max_chunk_bytes)
+    validate = check_flag("validate", validate, none=True)
     x3 = fp32_accurate(precision, hp.p.framework, hp.p.dtype)
     if scoring_on_gpu(hp.p, backend, float64_gpu=True):
         return _gpu_backward(hp, grad_scores, Q, H, W, bias, argmax, d_mask, d_lengths, normalize, eps,

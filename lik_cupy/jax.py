@@ -66,7 +66,7 @@ from . import _jax_ops, _jax_xla
 from ._dispatch.backend import check_backend, use_gpu
 from ._dispatch.jax_paths import choose_jax_path
 from ._validate import (HiddenProblem, Problem, check_call, check_hidden, check_hidden_options, check_scaled_scales,
-                        check_varlen)
+                        check_varlen, host_ints)
 from ._dispatch.select import BACKWARD_METHODS
 from ._dispatch.precision import fp32_accurate
 
@@ -298,6 +298,8 @@ def _arrays(**named) -> dict:
     for k, v in named.items():
         if v is None:
             continue
+        if isinstance(v, (list, tuple, int)):
+            v = host_ints(k, v)  # (an integer past int64: a ValueError naming it, not jnp's OverflowError)
         if not isinstance(v, jax.Array) and not jax.config.jax_enable_x64:
             a = np.asarray(v)
             if a.dtype.kind in "iu" and a.dtype.itemsize * 8 - (a.dtype.kind == "i") > 31:

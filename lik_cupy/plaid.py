@@ -34,6 +34,7 @@ these tools pack them.
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import numpy as np
 
@@ -41,8 +42,8 @@ from ._cpu.residual import Tokens, decompress, residual_maxsim_numpy
 from ._dispatch.backend import check_backend, use_gpu
 from ._dispatch.config import MAX_DIM_RESIDUAL
 from ._interop import GpuCall, describe, host_array, host_result
-from ._validate import (ResidualProblem, check_decompress, check_flag, check_id_values, check_length_values,
-                        check_residual, check_same_framework)
+from ._validate import (ResidualProblem, check_decompress, check_flag, check_id_values, check_index_rerank,
+                        check_length_values, check_residual, host_ints)
 
 __all__ = ["maxsim_residual", "maxsim_residual_varlen", "decompress_residuals", "PlaidIndex"]
 
@@ -90,7 +91,7 @@ def maxsim_residual(Q, codes, residuals, d_lengths, centroids, bucket_weights, n
         (True, -inf)
     """
     check_backend(backend)
-    normalize = check_flag("normalize", normalize)
+    normalize, return_argmax = check_flag("normalize", normalize), check_flag("return_argmax", return_argmax)
     rp = check_residual(Q, codes, residuals, d_lengths, centroids, bucket_weights, nbits, q_mask, q_lengths,
                         packed=False)
     s, a = _score(rp, Q, codes, residuals, d_lengths, centroids, bucket_weights, q_mask, q_lengths, None, normalize,
@@ -141,7 +142,8 @@ def maxsim_residual_varlen(Q, codes, residuals, d_offsets, centroids, bucket_wei
         (True, -inf)
     """
     check_backend(backend)
-    normalize = check_flag("normalize", normalize)
+    normalize, return_argmax = check_flag("normalize", normalize), check_flag("return_argmax", return_argmax)
+    validate = check_flag("validate", validate)
     rp = check_residual(Q, codes, residuals, d_offsets, centroids, bucket_weights, nbits, q_mask, q_lengths,
                         packed=True, candidates=candidates)
     s, a = _score(rp, Q, codes, residuals, d_offsets, centroids, bucket_weights, q_mask, q_lengths, candidates,
@@ -206,7 +208,8 @@ def _score(rp: ResidualProblem, Q, codes, residuals, lens_or_offsets, centroids,
 
 
 def _cpu(rp: ResidualProblem, Q, codes, residuals, lens_or_offsets, centroids, weights, q_mask, q_lengths,
-         candidates, normalize, return_argmax, check_codes=True):
+         candidates, normalize, return_argmax, checked=False):
+    """``checked``: the codes and the candidate ids were checked already (``PlaidIndex.rerank``)."""
     from ._runtime.operands import host_offsets, valid_host
 
     p, fw = rp.p, rp.p.framework
@@ -215,7 +218,7 @@ def _cpu(rp: ResidualProblem, Q, codes, residuals, lens_or_offsets, centroids, w
     c = np.asarray(host_array(codes, fw)).reshape(-1)
     r = np.asarray(host_array(residuals, fw)).reshape(c.size, rp.rbytes)
     cen, w = np.asarray(host_array(centroids, fw)), np.asarray(host_array(weights, fw))
-    if check_codes:
+    if not checked:
         _check_codes(c, rp.n_centroids)
     sets = None
     if p.d_packed:
@@ -223,7 +226,7 @@ def _cpu(rp: ResidualProblem, Q, codes, residuals, lens_or_offsets, centroids, w
         starts, lens = off[:-1], np.diff(off)
         if candidates is not None:
             sets = np.asarray(host_array(candidates, fw), np.int64).reshape(p.nq, p.nd)
-            if sets.size:
+            if sets.size and not checked:
                 check_id_values("candidates", int(sets.min()), int(sets.max()), rp.n_docs,
                                 f"ids of the {rp.n_docs} documents of d_offsets")
     else:
@@ -334,7 +337,7 @@ class PlaidIndex:
                 f"nbits {self.nbits}, {self.centroids.shape[0]} centroids)")
 
     def _ids(self, doc_ids) -> np.ndarray:
-        ids = np.asarray(doc_ids).reshape(-1)
+        ids = (host_ints("doc_ids", doc_ids) if isinstance(doc_ids, (list, tuple)) else np.asarray(doc_ids)).reshape(-1)
         if not ids.size:
             return ids.astype(np.int64)
         if ids.dtype.kind not in "iu":  # a float or bool id would be truncated to another document's
@@ -392,37 +395,41 @@ class PlaidIndex:
             candidates' order (sort them for a ranking).
         """
         check_backend(backend)
+        return_argmax = check_flag("return_argmax", return_argmax)
         if candidate_ids is None:
             raise TypeError("candidate_ids is None; expected integer document ids [Nq, K] (or [K] for a 2-D Q)")
-        q = describe(Q)
+        # Checked as given, before anything is copied (the index's own arrays were checked when it was
+        # read); host ids on their values too, device ones by the scoring call.
+        rp = check_index_rerank(Q, candidate_ids, q_mask, q_lengths, dim=self.dim, nbits=self.nbits,
+                                n_centroids=self.centroids.shape[0], ntok=self.codes.shape[0], n_docs=len(self))
+        q = rp.p
         fw = q.framework
-        check_same_framework(Q, q_mask=q_mask, q_lengths=q_lengths, candidate_ids=candidate_ids)  # (before host_array)
-        if not use_gpu(backend, q.device):
-            host = [None if a is None else np.asarray(host_array(a, fw)) for a in (Q, q_mask, q_lengths, candidate_ids)]
-            host[3] = _empty_as_ids(host[3])
-            rp = check_residual(host[0], self.codes, self.residual_bits, self.offsets, self.centroids,
-                                self.bucket_weights, self.nbits, host[1], host[2], packed=True, candidates=host[3])
-            ids = host[3].astype(np.int64)  # int32 or int64, as checked
-            # The codes were checked when the index was read; the ids are checked on every call.
-            s, a = _cpu(rp, host[0], self.codes, self.residual_bits, self.offsets, self.centroids,
-                        self.bucket_weights, host[1], host[2], ids, True, return_argmax, check_codes=False)
+        on_gpu = use_gpu(backend, q.device)
+        ids = candidate_ids
+        if not on_gpu or q.device is None or isinstance(ids, (list, tuple)):
+            ids = np.asarray(host_array(ids, fw))
+            if ids.size:
+                check_id_values("candidate_ids", int(ids.min()), int(ids.max()), len(self),
+                                f"ids of the {len(self)} documents of the index")
+            ids = ids.astype(np.int64)  # int32 or int64 as checked (or an empty list's float64)
+        if not on_gpu:
+            host = [None if a is None else np.asarray(host_array(a, fw)) for a in (Q, q_mask, q_lengths)]
+            hp = replace(rp, p=replace(q, framework="numpy", device=None))  # (the host copies')
+            s, a = _cpu(hp, host[0], self.codes, self.residual_bits, self.offsets, self.centroids, self.bucket_weights,
+                        host[1], host[2], ids, True, return_argmax, checked=True)
             s, a = host_result(s, q), None if a is None else host_result(a, q)
             return (s, a) if return_argmax else s
         device, (codes, bits, offsets, centroids, weights) = self._on_device(q.device)
+        import cupy
+
         with GpuCall(q, device) as g:
-            dq, dm, dl, ids = [None if a is None else g.array(a) for a in (Q, q_mask, q_lengths, candidate_ids)]
-            ids = _empty_as_ids(ids)
-            rp = check_residual(dq, codes, bits, offsets, centroids, weights, self.nbits, dm, dl, packed=True,
-                                candidates=ids)
-            # The offsets were checked when the index was read; the ids are checked on every call.
-            scores, amax = _gpu(rp, dq, codes, bits, offsets, centroids, weights, dm, dl, ids, True, return_argmax,
-                                False, True)
+            dq, dm, dl = [None if a is None else g.array(a) for a in (Q, q_mask, q_lengths)]
+            host_ids = isinstance(ids, np.ndarray)
+            dids = cupy.asarray(ids) if host_ids else g.array(ids)
+            # The offsets were checked when the index was read; device ids are checked on the device.
+            scores, amax = _gpu(replace(rp, p=replace(q, framework="cupy", device=device)), dq, codes, bits, offsets,
+                                centroids, weights, dm, dl, dids, True, return_argmax, False, not host_ids)
             scores = g.result(scores)
             amax = None if amax is None else g.result(amax)
         return (scores, amax) if return_argmax else scores
 
-
-def _empty_as_ids(ids):
-    """Candidate ids as given, except an empty list's array (float64 to NumPy and CuPy): int64, as no
-    candidates are."""
-    return ids.astype(np.int64) if ids.size == 0 and ids.dtype.kind == "f" else ids

@@ -46,6 +46,7 @@ from ._torch_autograd import check_tensors as _check_tensors
 from ._torch_autograd import needs_grad as _needs_grad
 from ._torch_autograd import traced as _traced
 from ._torch_hidden import maxsim_from_hidden_op as _maxsim_from_hidden_op
+from ._validate import check_flag as _check_flag
 from ._validate import check_hidden_options as _check_hidden_options
 from .forward import maxsim as _maxsim
 from .forward import maxsim_varlen as _maxsim_varlen
@@ -66,6 +67,7 @@ def maxsim(Q, D, q_mask=None, d_mask=None, *, q_lengths=None, d_lengths=None, me
     """
     _check_tensors(Q=Q, D=D)
     _check_method(method)
+    return_argmax = _check_flag("return_argmax", return_argmax)  # a truthy "no" would ask for the argmax
     if _traced(Q):
         scores, amax = torch.ops.lik_cupy.maxsim.default(Q, D, q_mask, d_mask, _tensor(q_lengths, Q),
                                                          _tensor(d_lengths, Q), method,
@@ -89,6 +91,7 @@ def maxsim_varlen(Q, D_tokens, d_offsets, q_mask=None, *, q_lengths=None, method
     Under ``torch.compile`` the call is the operator ``torch.ops.lik_cupy.maxsim_varlen``."""
     _check_tensors(Q=Q, D_tokens=D_tokens)
     _check_method(method)
+    return_argmax = _check_flag("return_argmax", return_argmax)
     if _traced(Q):
         scores, amax = torch.ops.lik_cupy.maxsim_varlen.default(Q, D_tokens, _tensor(d_offsets, Q), q_mask,
                                                                 _tensor(q_lengths, Q), method,
@@ -123,8 +126,9 @@ def maxsim_from_hidden(Q, H, W, bias=None, q_mask=None, d_mask=None, *, q_length
     _check_tensors(Q=Q, H=H, W=W, bias=bias)
     # Checked here, not cast: bool("no") would pass the operator's schema as True.
     normalize, eps, max_chunk_bytes = _check_hidden_options(normalize, eps, max_chunk_bytes)
+    return_argmax = _check_flag("return_argmax", return_argmax)
     need = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (Q, H, W, bias))
     scores, amax = _maxsim_from_hidden_op(
         Q, H, W, bias, q_mask, d_mask, _tensor(q_lengths, Q), _tensor(d_lengths, Q), normalize, eps,
-        bool(return_argmax or need), max_chunk_bytes, precision)
+        return_argmax or need, max_chunk_bytes, precision)
     return (scores, amax) if return_argmax else scores

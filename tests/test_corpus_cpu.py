@@ -60,6 +60,52 @@ def test_varlen_cpu_packed_queries_and_2d(rng):
                            rounding_bound(qt[None, :3], dpad, None, dv)[0])
 
 
+def _long_and_short(rng, short, long, dim):
+    """Packed queries: ``short`` of 0 to 3 tokens and one of ``long`` tokens among them (tokens, offsets, lengths)."""
+    lens = rng.integers(0, 4, short + 1)
+    lens[short // 2] = long
+    off = np.concatenate([[0], np.cumsum(lens)])
+    return rng.standard_normal((int(off[-1]), dim)).astype(np.float32), off, lens
+
+
+def test_packed_queries_are_padded_a_group_at_a_time(rng, monkeypatch):
+    """Packed queries were all padded to the longest: one long query among 2,000 short ones took 518 MB
+    for a 273 KB input. Each group of similar lengths is now padded to its own longest (within twice
+    its tokens' bytes, or a fixed chunk, here 1 KiB), with every score and argmax bit for bit those of
+    the call padded to the longest (a query's results are its own, lik_cupy._cpu.maxsim)."""
+    from lik_cupy._cpu import maxsim as cpu_maxsim
+    from test_cpu_exact import _peak as peak
+
+    monkeypatch.setattr(cpu_maxsim, "QUERY_CHUNK", 1 << 10, raising=False)
+    tok, off, _ = _packed(rng, 12, 0, 8, 16)
+    qt, qoff, qlens = _long_and_short(rng, 60, 100, 16)
+    s, a = lik_cupy.maxsim_varlen(qt, tok, off, q_offsets=qoff, return_argmax=True, backend="cpu")
+    want_s, want_a = lik_cupy.maxsim_varlen(_padded(qt, qlens)[0], tok, off, q_lengths=qlens, return_argmax=True,
+                                            backend="cpu")
+    assert s.shape == (61, 12) and a.shape == (61, 12, 100)
+    np.testing.assert_array_equal(s, want_s)
+    np.testing.assert_array_equal(a, want_a)
+    qt, qoff, _ = _long_and_short(rng, 300, 512, 16)  # 64 KB of tokens; padded to 512 tokens, 9.9 MB
+    lik_cupy.maxsim_varlen(qt, tok, off, q_offsets=qoff, backend="cpu")  # (NumPy's lazy imports, once)
+    held = peak(lambda: lik_cupy.maxsim_varlen(qt, tok, off, q_offsets=qoff, backend="cpu"))
+    assert held < 301 * 512 * 16 * 4 / 2, held
+
+
+def test_query_groups_keep_the_padding_bound(rng):
+    """Every query in exactly one group; a group's padded bytes within twice its tokens' or the chunk."""
+    from lik_cupy._cpu import QUERY_CHUNK, query_groups
+
+    for lens in (rng.integers(0, 4096, 5000), np.r_[rng.integers(0, 3, 3000), 40_000], np.zeros(7, np.int64),
+                 np.arange(3000), np.zeros(0, np.int64)):
+        groups = query_groups(lens, 256)
+        assert sorted(np.concatenate(groups).tolist()) == list(range(lens.size))
+        for g in groups:
+            padded = g.size * (int(lens[g].max()) if g.size else 0) * 256
+            assert padded <= max(2 * int(lens[g].sum()) * 256, QUERY_CHUNK)
+    lens = rng.integers(1, 40, 100)  # little padding: one group, the caller's order (one padded call, as before)
+    assert [g.tolist() for g in query_groups(lens, 256)] == [list(range(100))]
+
+
 @pytest.mark.parametrize(
     "off,msg",
     [

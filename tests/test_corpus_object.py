@@ -143,6 +143,43 @@ def test_packed_queries_score_as_each_query_alone(rng, layout):
         corpus.score(tokens, q_offsets=off + 1)
 
 
+@pytest.mark.parametrize("framework,layout", [("numpy", "packed"), ("numpy", "int8-padded"), ("torch", "packed")])
+def test_packed_queries_are_padded_a_group_at_a_time(rng, monkeypatch, framework, layout):
+    """One long query among many short ones padded them all to its length (518 MB for a 273 KB input):
+    score, search and rerank now pad a group of similar lengths at a time (within twice its tokens'
+    bytes or a fixed chunk, here 1 KiB) and put each query's results in its place, bit for bit those
+    of the queries padded to the longest."""
+    from lik_cupy._cpu import maxsim as cpu_maxsim
+    from test_cpu_exact import _peak as peak
+
+    to = (lambda a: a) if framework == "numpy" else pytest.importorskip("torch").from_numpy
+    monkeypatch.setattr(cpu_maxsim, "QUERY_CHUNK", 1 << 10, raising=False)
+    kw, *_ = corpus_case(rng, layout, nd=12, ld=8, dim=16)
+    corpus = lik_cupy.Corpus(**kw, ids=[f"doc{j}" for j in range(12)], device="cpu")
+
+    def queries(short, long):
+        lens = rng.integers(0, 4, short + 1)
+        lens[short // 2] = long
+        off = np.concatenate([[0], np.cumsum(lens)])
+        return rng.standard_normal((int(off[-1]), 16)).astype(np.float32), off, lens
+
+    tokens, off, lens = queries(40, 64)
+    padded = np.zeros((41, 64, 16), np.float32)
+    padded[np.arange(64) < lens[:, None]] = tokens
+    cand = rng.integers(0, 12, (41, 5))
+    got = (corpus.score(to(tokens), q_offsets=to(off)), *corpus.search(to(tokens), 3, q_offsets=to(off)),
+           corpus.rerank(to(tokens), to(cand), q_offsets=to(off)))
+    want = (corpus.score(padded, q_lengths=lens), *corpus.search(padded, 3, q_lengths=lens),
+            corpus.rerank(padded, cand, q_lengths=lens))
+    for g, w in zip(got, want):
+        assert type(g).__module__.split(".")[0] == ("numpy" if w.dtype.kind == "U" else framework)
+        np.testing.assert_array_equal(np.asarray(g), w)
+    tokens, off, _ = queries(300, 512)  # 64 KB of tokens; padded to 512 tokens, 9.9 MB
+    corpus.score(to(tokens), q_offsets=to(off))  # (NumPy's lazy imports, once)
+    held = peak(lambda: corpus.score(to(tokens), q_offsets=to(off)))
+    assert held < 301 * 512 * 16 * 4 / 2, held
+
+
 def test_rerank_ids_outside_the_corpus_raise(rng):
     for layout in ("padded-lengths", "packed"):
         kw, *_ = corpus_case(rng, layout, nd=10, ld=4, dim=8)

@@ -16,7 +16,7 @@ def test_plaid_ids_must_be_integers(bad):
     """A float or bool id was truncated to another document's and scored (exit 0)."""
     idx = plaid.PlaidIndex.open(INDEX)
     Q = np.random.default_rng(0).standard_normal((1, 4, idx.dim)).astype(np.float32)
-    with pytest.raises(TypeError, match="candidates must be int32 or int64 document ids, got dtype"):
+    with pytest.raises(TypeError, match="candidate_ids must (be int32 or int64 document ids, got dtype|hold integers)"):
         idx.rerank(Q, bad, backend="cpu")
     for method in (idx.residuals, idx.embeddings):
         with pytest.raises(TypeError, match="doc_ids must be integer document ids, got dtype"):

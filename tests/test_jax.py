@@ -445,6 +445,21 @@ def test_backend_gpu_without_cupy_raises_the_documented_error_when_traced(rng, m
         assert type(error.value) is RuntimeError
 
 
+def test_a_tracer_given_to_the_top_level_functions_points_at_lik_cupy_jax():
+    """A tracer reaching lik_cupy.maxsim (under jax.jit, grad or vmap) raised JAX's error from inside its
+    own message (AttributeError: 'str' object has no attribute '_error_repr'), naming no fix."""
+    Q, D = jnp.ones((1, 2, 8)), jnp.ones((3, 4, 8))
+    for call in (lambda: jax.jit(lambda q: lik_cupy.maxsim(q, D))(Q),
+                 lambda: jax.jit(lambda n: lik_cupy.maxsim(Q, D, d_lengths=n))(jnp.array([1, 2, 3])),
+                 lambda: jax.grad(lambda q: lik_cupy.retrieve(q, D, 2)[0].sum())(Q),
+                 lambda: jax.vmap(lambda q: lik_cupy.maxsim_varlen(q, D.reshape(12, 8), jnp.array([0, 4, 12])))(Q)):
+        with pytest.raises(TypeError, match=r"(Q|d_lengths): a JAX tracer .* use lik_cupy\.jax\.maxsim"):
+            call()
+    np.testing.assert_array_equal(np.asarray(lik_cupy.maxsim(Q, D)), np.full((1, 3), 16, np.float32))  # concrete
+    with pytest.raises(ValueError, match="d_lengths holds 1180591620717411303424; every entry must fit int64"):
+        maxsim(Q, D, d_lengths=[2**70, 1, 1])  # (was jnp's OverflowError: Python int too large to convert to C long)
+
+
 @pytest.mark.gpu
 def test_backend_gpu_refuses_a_computation_on_the_cpu(rng):
     q, d = _inputs(rng, "float32", (2, 3, 8), (4, 5, 8))

@@ -9,6 +9,7 @@ import json
 import os
 import pathlib
 import pickle
+import re
 import zipfile
 
 import numpy as np
@@ -382,7 +383,8 @@ def test_fast_plaid_layout(rng, tmp_path, merged):
     docs = [emb[off[i]:off[i + 1]] for i in range(26)]
     for i in range(2):
         assert_scores(s[i][None], Q[i:i + 1], [docs[j] for j in cand[i]])
-    with pytest.raises(ValueError, match=r"candidates holds 26; every entry must be in \[0, 25\]"):
+    with pytest.raises(ValueError, match=r"candidate_ids holds 26; every entry must be in \[0, 25\] \(ids of the 26 "
+                                         r"documents of the index\)"):
         idx.rerank(Q, cand + 1, backend="cpu")
 
 
@@ -603,3 +605,30 @@ def test_zero_tokens_and_no_candidates():
     with pytest.raises(TypeError, match="candidate_ids is a numpy array but Q is a torch array"):
         idx.rerank(torch.from_numpy(Q[0]), np.array([0, 1]), backend="cpu")
     assert idx.rerank(torch.from_numpy(Q[0]), [0, 1], backend="cpu").shape == (2,)  # a list goes with any framework
+
+
+def test_index_rerank_checks_its_arguments_before_converting_them(monkeypatch):
+    """rerank copied Q (and its mask, lengths and ids) to the host, or to the GPU, before checking it: bad
+    input paid for the copy, and a Q that was no array got an error naming no argument."""
+    idx = lik_cupy.PlaidIndex.open(pathlib.Path(__file__).parent / "data" / "fast_plaid" / "fast_plaid_nbits2")
+    real = plaid.host_array
+
+    def host_array(x, fw):
+        if np.asarray(x).dtype.kind == "f":
+            raise AssertionError("Q was converted before the arguments were checked")
+        return real(x, fw)
+
+    monkeypatch.setattr(plaid, "host_array", host_array)
+    Q, n = np.ones((2, 3, idx.dim), np.float32), len(idx)
+    cases = [
+        (lambda: idx.rerank(Q[..., :8], [[0], [1]]), ValueError, f"Q has dim 8 but the index has dim {idx.dim}"),
+        (lambda: idx.rerank(Q, [[0, 1]]), ValueError, "candidate_ids has shape [1, 2]; expected [Nq, K] with Nq = 2"),
+        (lambda: idx.rerank(Q, np.array([[0.5], [1]])), TypeError, "candidate_ids must be int32 or int64 document ids"),
+        (lambda: idx.rerank(Q, [[0], [n]]), ValueError, f"candidate_ids holds {n}; every entry must be in [0, {n - 1}]"),
+        (lambda: idx.rerank(Q.astype(np.float64), [[0], [1]]), TypeError, "Q has dtype float64; expected float16"),
+        (lambda: idx.rerank(Q.tolist(), [[0], [1]]), TypeError, "Q: expected a NumPy"),
+        (lambda: idx.rerank(Q, [[0], [1]], q_lengths=[3]), ValueError, "q_lengths has shape [1]; expected [2]"),
+    ]
+    for call, err, msg in cases:
+        with pytest.raises(err, match=re.escape(msg)):
+            call()

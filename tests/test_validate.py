@@ -3,6 +3,7 @@ raised before any scoring work runs. CPU only."""
 
 from __future__ import annotations
 
+import pathlib
 import re
 
 import ml_dtypes
@@ -16,6 +17,7 @@ from lik_cupy import _maxsim_calls
 from lik_cupy._dispatch import backend
 
 E = re.escape
+INDEX = pathlib.Path(__file__).parent / "data" / "fast_plaid" / "fast_plaid_nbits2"
 
 
 @pytest.fixture(autouse=True)
@@ -421,3 +423,121 @@ def test_plaid_flags_and_nbits_take_their_types():
             call()
     with pytest.raises(TypeError, match=r"nbits must be an integer \(1, 2 or 4\), got '2'"):
         lik_cupy.maxsim_residual(Q, codes, bits, [4, 2], cen, w, "2", backend="cpu")
+
+
+def test_corpus_and_retrieve_name_the_documents_not_q():
+    """The documents were checked as a stand-in call's D with a Q cut from them, so their errors named
+    Q ("Q has dtype int16", "d_mask is a dlpack array but Q is a numpy array")."""
+    Q, T, off = np.ones((1, 2, 8), np.float32), np.ones((6, 8), np.float32), np.array([0, 2, 6])
+    D, D8, ds = np.ones((3, 4, 8), np.float32), np.ones((3, 4, 8), np.int8), np.ones((3, 4), np.float32)
+    cases = [
+        (lambda: lik_cupy.Corpus(np.ones((3, 4, 8), np.int16)), TypeError, "D has dtype int16; expected float16"),
+        (lambda: lik_cupy.Corpus(np.ones((6, 8), np.int16), d_offsets=off), TypeError, "D has dtype int16"),
+        (lambda: lik_cupy.Corpus(np.ones((3, 4, 0), np.float32)), ValueError, "D has embedding dim 0"),
+        (lambda: lik_cupy.Corpus(np.ones((6, 0), np.float32), d_offsets=off), ValueError, "D has embedding dim 0"),
+        (lambda: lik_cupy.Corpus(D, d_mask=FakeDLPack(np.ones((3, 4), bool))), TypeError,
+         "d_mask is a dlpack array but D is a numpy array"),
+        (lambda: lik_cupy.Corpus(D8, d_scales=ds, d_lengths=FakeDLPack(np.ones(3, np.int64))), TypeError,
+         "d_lengths is a dlpack array but D is a numpy array"),
+        (lambda: lik_cupy.Corpus(T, d_offsets=FakeDLPack(off)), TypeError,
+         "d_offsets is a dlpack array but D is a numpy array"),
+        (lambda: lik_cupy.retrieve(Q, D, 2, d_lengths=FakeDLPack(np.ones(3, np.int64)), backend="cpu"), TypeError,
+         "d_lengths is a dlpack array but D is a numpy array"),
+        (lambda: lik_cupy.retrieve(Q, [(T, FakeDLPack(off))], 2, backend="cpu"), TypeError,
+         "shard 0 offsets is a dlpack array but shard 0 is a numpy array"),
+    ]
+    for call, err, msg in cases:
+        with pytest.raises(err, match=E(msg)):
+            call()
+
+
+def test_ragged_candidates_say_what_was_expected():
+    """A ragged list of candidates gave NumPy's "inhomogeneous shape" error."""
+    corpus = lik_cupy.Corpus(np.ones((3, 4, 8), np.float32), device="cpu")
+    with pytest.raises(ValueError, match=E("candidates is a ragged list (its rows differ in length); expected "
+                                           "[Nq, K] with Nq = 2: K indices for every query")):
+        corpus.rerank(np.ones((2, 2, 8), np.float32), [[0, 1], [2]])
+
+
+def test_integers_past_int64_are_out_of_range():
+    """A list holding 2**70 (or 2**64 - 1 beside a smaller int) is an object or float64 array to NumPy,
+    and was reported as a type error ("must hold integers", "got dtype object")."""
+    Q, D, T = np.ones((1, 2, 8), np.float32), np.ones((3, 4, 8), np.float32), np.ones((6, 8), np.float32)
+    big = 2**70
+    index = lik_cupy.PlaidIndex.open(INDEX)
+    cases = [
+        (lambda: ms(Q, D, d_lengths=[big, 1, 1]), "d_lengths", big),
+        (lambda: ms(Q, D, d_lengths=[2**64 - 1, 1, 1]), "d_lengths", 2**64 - 1),
+        (lambda: ms(Q[0], D, q_lengths=big), "q_lengths", big),
+        (lambda: lik_cupy.maxsim_varlen(Q, T, [0, 3, big], backend="cpu"), "d_offsets", big),
+        (lambda: lik_cupy.retrieve(Q, D, 2, d_lengths=[1, -big, 1], backend="cpu"), "d_lengths", -big),
+        (lambda: lik_cupy.Corpus(D, ids=[0, 1, big]), "ids", big),
+        (lambda: lik_cupy.Corpus(D, device="cpu").rerank(Q, [[0, big]]), "candidates", big),
+        (lambda: index.residuals([0, big]), "doc_ids", big),
+        (lambda: index.rerank(np.ones((1, 2, index.dim), np.float32), [[0, big]], backend="cpu"), "candidate_ids",
+         big),
+    ]
+    for call, name, value in cases:
+        with pytest.raises(ValueError, match=E(f"{name} holds {value}; every entry must fit int64")):
+            call()
+
+
+def test_flags_take_booleans_only():
+    """return_argmax="no" (a truthy string) returned the argmax, and validate="no" validated; every public
+    on/off option now takes True or False (NumPy's bools too), validate also None."""
+    Q, D, T, off = f16(1, 2, 16), f16(3, 4, 16), f16(6, 16), np.array([0, 2, 6])
+    D8, ds = np.ones((3, 4, 16), np.int8), np.ones((3, 4), np.float32)
+    rng = np.random.default_rng(0)
+    cen, w = rng.standard_normal((4, 16)).astype(np.float16), np.linspace(-1, 1, 4).astype(np.float32)
+    codes, bits = rng.integers(0, 4, (3, 4)), rng.integers(0, 256, (3, 4, 4)).astype(np.uint8)
+    H, W = np.ones((3, 4, 8), np.float32), np.ones((16, 8), np.float32)
+    index = lik_cupy.PlaidIndex.open(INDEX)
+    calls = {
+        "return_argmax": [lambda v: ms(Q, D, return_argmax=v), lambda v: pairs(Q, D[:1], return_argmax=v),
+                          lambda v: lik_cupy.maxsim_varlen(Q, T, off, return_argmax=v, backend="cpu"),
+                          lambda v: lik_cupy.maxsim_int8(Q, D8, ds, return_argmax=v, backend="cpu"),
+                          lambda v: lik_cupy.maxsim_int8_varlen(Q, D8[0], ds[0], [0, 4], return_argmax=v,
+                                                                backend="cpu"),
+                          lambda v: lik_cupy.maxsim_fp8(Q, D8.view(np.uint8), ds, return_argmax=v, backend="cpu"),
+                          lambda v: lik_cupy.maxsim_residual(Q, codes, bits, None, cen, w, 2, return_argmax=v,
+                                                             backend="cpu"),
+                          lambda v: lik_cupy.maxsim_residual_varlen(Q, codes[0], bits[0], [0, 4], cen, w, 2,
+                                                                    return_argmax=v, backend="cpu"),
+                          lambda v: index.rerank(np.ones((1, 2, index.dim), np.float32), [[0]], return_argmax=v,
+                                                 backend="cpu"),
+                          lambda v: lik_cupy.maxsim_from_hidden(Q.astype(np.float32), H, W, return_argmax=v,
+                                                                backend="cpu")],
+        "validate": [lambda v: ms(Q, D, validate=v), lambda v: lik_cupy.maxsim_varlen(Q, T, off, validate=v),
+                     lambda v: lik_cupy.maxsim_int8(Q, D8, ds, validate=v, backend="cpu"),
+                     lambda v: lik_cupy.maxsim_backward(np.ones((1, 3), np.float32), Q, D,
+                                                        np.zeros((1, 3, 2), np.int32), validate=v, backend="cpu"),
+                     lambda v: lik_cupy.maxsim_residual_varlen(Q, codes[0], bits[0], [0, 4], cen, w, 2, validate=v,
+                                                               backend="cpu"),
+                     lambda v: lik_cupy.maxsim_from_hidden(Q.astype(np.float32), H, W, validate=v, backend="cpu"),
+                     lambda v: lik_cupy.maxsim_from_hidden_backward(np.ones((1, 3), np.float32), Q.astype(np.float32),
+                                                                    H, W, None, np.zeros((1, 3, 2), np.int32),
+                                                                    validate=v, backend="cpu")],
+        "validate_offsets": [lambda v: lik_cupy.maxsim_varlen(Q, T, off, validate_offsets=v, backend="cpu"),
+                             lambda v: lik_cupy.maxsim_int8_varlen(Q, D8[0], ds[0], [0, 4], validate_offsets=v,
+                                                                   backend="cpu")],
+        "ids": [lambda v: lik_cupy.Corpus.from_shards(pathlib.Path(__file__).parents[1] / "examples" / "shard0",
+                                                      device="cpu", ids=v)],
+    }
+    for name, fns in calls.items():
+        for fn in fns:
+            for bad in ("no", 1, None if name != "validate" else "False"):
+                with pytest.raises(TypeError, match=f"{name} must be (None, )?True or False, got {bad!r}"):
+                    fn(bad)
+    with pytest.raises(AssertionError, match="scoring ran"):  # NumPy's bools are bools
+        ms(Q, D, return_argmax=np.True_, validate=np.False_)
+    pytest.importorskip("torch")
+    import torch
+
+    import lik_cupy.torch as lt
+
+    t = torch.ones(1, 2, 16)
+    for fn in (lambda: lt.maxsim(t, torch.ones(3, 4, 16), return_argmax="no"),
+               lambda: lt.maxsim_varlen(t, torch.ones(6, 16), [0, 2, 6], return_argmax="no"),
+               lambda: lt.maxsim_from_hidden(t, torch.ones(3, 4, 8), torch.ones(16, 8), return_argmax="no")):
+        with pytest.raises(TypeError, match="return_argmax must be True or False, got 'no'"):
+            fn()

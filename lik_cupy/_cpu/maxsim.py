@@ -59,9 +59,10 @@ from . import cores
 from .refine import Pending, bound_norms, dot64, margin, norm_bound
 from .runs import Runs
 
-__all__ = ["maxsim_numpy", "maxsim_packed_numpy", "unpack", "BLOCK_BYTES"]
+__all__ = ["maxsim_numpy", "maxsim_packed_numpy", "unpack", "query_groups", "BLOCK_BYTES", "QUERY_CHUNK"]
 
 BLOCK_BYTES = 64 << 20
+QUERY_CHUNK = 16 << 20  # bytes of padded queries a group of packed queries may take however ragged (query_groups)
 _INT8_EXACT_DIM = 1024  # d * 128 * 128 <= 2**24: every partial sum of int8 products is exact in float32
 _PER_MAX = 128  # bytes per (query token, document): its max, threshold, margin, masks, winner, reference value
 _DOT_CHUNK = 2 << 20  # bytes the winners' dot products gather and convert at a time (cache-sized)
@@ -273,14 +274,46 @@ def maxsim_packed_numpy(Q: np.ndarray, q_valid: np.ndarray, tokens: np.ndarray, 
     return scores, amax
 
 
-def unpack(tokens: np.ndarray, offsets: np.ndarray):
-    """Packed rows [T, d] with int64 offsets [N + 1] -> padded [N, Lmax, d] and bool valid [N, Lmax]."""
-    lens = np.diff(offsets)
+def unpack(tokens: np.ndarray, offsets: np.ndarray, rows: np.ndarray | None = None):
+    """Packed rows [T, d] with int64 offsets [N + 1] -> padded [N, Lmax, d] (zeros past each length) and
+    bool valid [N, Lmax]; with ``rows`` (indices of segments), those segments only, in that order, padded
+    to the longest of them."""
+    starts, lens = offsets[:-1], np.diff(offsets)
+    if rows is not None:
+        starts, lens = starts[rows], lens[rows]
     n, lmax = lens.size, int(lens.max()) if lens.size else 0
     valid = np.arange(lmax)[None, :] < lens[:, None]
     out = np.zeros((n, lmax, tokens.shape[1]), tokens.dtype)
-    out[valid] = tokens[offsets[0]:offsets[-1]]
+    out[valid] = tokens[offsets[0]:offsets[-1]] if rows is None else tokens[(starts[:, None] + np.arange(lmax))[valid]]
     return out, valid
+
+
+def query_groups(lengths: np.ndarray, row_bytes: int) -> list[np.ndarray]:
+    """Packed queries of ``lengths`` tokens (``row_bytes`` each) in groups to pad and score one at a time,
+    each padded to its own longest, so that a group's padded queries take at most twice its tokens'
+    bytes or ``QUERY_CHUNK``: padded to the longest of the call, one long query among many short ones
+    took memory growing as their number times its length. All of them in the caller's order where the
+    whole call keeps that bound (one group: one padded call, as before); else classes of lengths
+    within a factor of two (empty queries apart), shortest first, neighbours merged while the bound
+    holds. A group is its queries' indices. Each query's scores and argmax on the NumPy path are its
+    own whatever its group (the module docstring)."""
+    n = lengths.size
+
+    def fits(count: int, longest: int, tokens: int) -> bool:
+        return count * longest * row_bytes <= max(2 * tokens * row_bytes, QUERY_CHUNK)
+
+    if fits(n, int(lengths.max()) if n else 0, int(lengths.sum())):
+        return [np.arange(n)]
+    cls = np.where(lengths > 0, np.frexp(np.maximum(lengths - 1, 0))[1], -1)  # class k: lengths in (2**(k-1), 2**k]
+    order = np.argsort(cls, kind="stable")
+    groups: list[np.ndarray] = []
+    for part in np.split(order, np.flatnonzero(np.diff(cls[order])) + 1):
+        both = np.concatenate([groups[-1], part]) if groups else None
+        if both is not None and fits(both.size, int(lengths[part].max()), int(lengths[both].sum())):
+            groups[-1] = both
+        else:
+            groups.append(part)
+    return groups
 
 
 def _tokens(x: np.ndarray, ar: _Arith, sets: int) -> np.ndarray:

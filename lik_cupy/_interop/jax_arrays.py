@@ -16,6 +16,10 @@ _TF32 = ("tensorfloat32", "bfloat16", "fastest", "default")  # jax_default_matmu
 
 
 def describe(x) -> Info:
+    if isinstance(x, sys.modules["jax"].core.Tracer):  # its devices() raises an error that names no fix
+        raise TypeError("a JAX tracer (this code runs under jax.jit, jax.grad or jax.vmap): lik_cupy's top-level "
+                        "functions read concrete arrays; inside traced code use lik_cupy.jax.maxsim (or "
+                        "lik_cupy.jax's maxsim_varlen, maxsim_int8, maxsim_int8_varlen, maxsim_from_hidden)")
     devs = list(x.devices())
     if len(devs) != 1:
         raise ValueError(f"JAX arrays must live on one device, got one sharded over {len(devs)}")

@@ -96,18 +96,21 @@ def device_offsets(off, total: int, name: str, check: bool = True, checks=None, 
     return off
 
 
-def unpack_queries(qt, q_offsets, nq: int):
-    """Packed queries [Tq, d] -> padded [nq, Lq_max, d] plus int32 lengths (queries are small;
-    their offsets are read on the host to size the tile)."""
+def unpack_queries(qt, q_offsets: np.ndarray, rows: np.ndarray | None = None):
+    """Packed queries [Tq, d] on the device, with their checked int64 offsets on the host (read there to
+    size the tile) -> padded [n, Lq, d] plus int32 lengths [n]: every query, or with ``rows`` (indices)
+    those queries, in that order, Lq the longest of them (``lik_cupy._cpu.query_groups``)."""
     import cupy
 
-    off = host_offsets(cupy.asnumpy(q_offsets), qt.shape[0], "q_offsets")
-    lens = np.diff(off)
+    starts, lens = q_offsets[:-1], np.diff(q_offsets)
+    if rows is not None:
+        starts, lens = starts[rows], lens[rows]
+    nq = lens.size
     lq = int(lens.max()) if nq else 0
     if lq == 0 or qt.shape[0] == 0:
         return cupy.zeros((nq, lq, qt.shape[1]), qt.dtype), cupy.zeros(nq, cupy.int32)
-    rows = np.minimum(off[:-1, None] + np.arange(lq)[None, :], qt.shape[0] - 1)  # rows past a length are masked
-    q = qt[cupy.asarray(rows)]
+    at = np.minimum(starts[:, None] + np.arange(lq)[None, :], qt.shape[0] - 1)  # rows past a length are masked
+    q = qt[cupy.asarray(at)]
     return cupy.ascontiguousarray(q), cupy.asarray(lens.astype(np.int32))
 
 

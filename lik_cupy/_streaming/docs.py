@@ -46,7 +46,7 @@ def host_docs(part: Part, p: Problem) -> HostDocs:
     element type, such as INT8) value-checked."""
     fw = interop.framework_of(part.docs)
     scales = np.asarray(host_array(part.scales, fw), np.float32) if dispatch.scaled_dtype(p.dtype) else None
-    scales_name = "d_scales" if part.index is None else f"shard {part.index} scales"
+    scales_name = part.arg("scales")
     if part.packed:
         docs = HostDocs(host_array(part.docs, fw), offsets=host_offsets(host_array(part.offsets, fw), p.ntok,
                                                                         "d_offsets"), scales=scales)

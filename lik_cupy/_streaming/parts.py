@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 
 from .. import _dispatch as dispatch
 from .. import _interop as interop
-from .._validate import Problem, check_call, check_scales, check_valid, check_varlen, offsets_count
+from .._validate import Problem, check_call, check_docs, check_scales, check_valid, offsets_count
 
 __all__ = ["Part", "corpus_parts", "query_problem", "same_kind", "part_problem", "doc_problem", "with_queries"]
 
@@ -34,6 +34,13 @@ class Part:
     @property
     def name(self) -> str:
         return "the corpus" if self.index is None else f"shard {self.index}"
+
+    def arg(self, what: str = "") -> str:
+        """The argument errors name: D (``what``: "offsets", "scales": d_offsets, d_scales), or shard i
+        of an iterable D (shard i's offsets or scales)."""
+        if self.index is None:
+            return f"d_{what}" if what else "D"
+        return f"shard {self.index} {what}".rstrip()
 
 
 def corpus_parts(D, d_offsets, d_mask, d_lengths, d_scales) -> Iterable[Part]:
@@ -132,10 +139,9 @@ def doc_problem(part: Part, info: interop.Info) -> Problem:
     if part.packed:
         if len(info.shape) != 2:
             raise ValueError(f"packed corpus tokens must be [T, d]; got shape {list(info.shape)}")
-        return check_varlen(part.docs[:0], part.docs, part.offsets, None, None, None)
-    if len(info.shape) != 3:
+    elif len(info.shape) != 3:
         raise ValueError(f"a padded corpus must be [Nd, Ld, d]; got shape {list(info.shape)}")
-    return check_call(part.docs[:0, :1], part.docs, None, part.mask, None, part.lengths, pairs=False)
+    return check_docs(part.docs, part.offsets, part.mask, part.lengths, part.arg(), part.arg("offsets"))
 
 
 def _check_streamed(dtype: str, name: str) -> None:
@@ -157,7 +163,7 @@ def with_queries(qp: Problem, p: Problem) -> Problem:
 
 
 def _scaled_doc_problem(part: Part, info: interop.Info) -> Problem:
-    scales_name = "d_scales" if part.index is None else f"shard {part.index} scales"
+    scales_name = part.arg("scales")
     if not dispatch.scaled_dtype(info.dtype):
         raise TypeError(f"{scales_name} go with int8 tokens, but {part.name} has dtype {info.dtype}")
     if part.scales is None:
@@ -167,11 +173,12 @@ def _scaled_doc_problem(part: Part, info: interop.Info) -> Problem:
     if part.packed:
         if len(info.shape) != 2:
             raise ValueError(f"packed corpus tokens must be [T, d]; got shape {list(info.shape)}")
-        nd, ld, ntok, d_valid = offsets_count("d_offsets", part.offsets, info), 0, info.shape[0], "offsets"
+        nd, ld, ntok = offsets_count(part.arg("offsets"), part.offsets, info, part.arg()), 0, info.shape[0]
+        d_valid = "offsets"
     else:
         if len(info.shape) != 3:
             raise ValueError(f"a padded corpus must be [Nd, Ld, d]; got shape {list(info.shape)}")
-        d_valid = check_valid("d", part.mask, part.lengths, info, info.shape[:-1], info.shape[:-2])
+        d_valid = check_valid("d", part.mask, part.lengths, info, info.shape[:-1], info.shape[:-2], part.arg())
         nd, ld, ntok = info.shape[0], info.shape[1], 0
     if info.shape[-1] < 1:
         raise ValueError(f"{part.name} has embedding dim 0; expected at least 1")

@@ -40,16 +40,31 @@ class Problem:
     ntok: int = 0  # packed document tokens
 
 
+def host_ints(name: str, x, expected: str = "a rectangular list of integers") -> np.ndarray:
+    """A host int, or list or tuple of ints, as NumPy makes it, for the caller's dtype and shape checks.
+    Integers that no 64-bit type holds (2**70; 2**64 - 1 beside a negative one) NumPy makes an
+    object or float64 array, which would read as a type error: a ValueError names one, as values
+    out of range are named. Ragged nesting is a ValueError saying what was ``expected``."""
+    try:
+        a = np.asarray(x)
+    except ValueError:  # NumPy's "inhomogeneous shape"
+        raise ValueError(f"{name} is a ragged list (its rows differ in length); expected {expected}") from None
+    if a.dtype.kind in "Of" and a.size:  # (strings, such as ids, are no integers to look for)
+        flat = np.asarray(x, dtype=object).reshape(-1)
+        if all(isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_)) for v in flat):
+            bad = next(int(v) for v in flat if not -2**63 <= int(v) < 2**63)
+            raise ValueError(f"{name} holds {bad}; every entry must fit int64")
+    return a
+
+
 def _lengths_info(name: str, x, q: Info) -> Info | None:
     if x is None:
         return None
     if isinstance(x, (int, np.integer)) and not isinstance(x, bool):
+        host_ints(name, x)  # (a Python int past int64)
         return Info(q.framework, q.device, "int64", ())  # a plain int goes with any framework, like a list
     if isinstance(x, (list, tuple)):
-        try:
-            arr = np.asarray(x)
-        except ValueError:  # ragged nesting
-            raise TypeError(f"{name} must be a flat list of integers, got {str(list(x))[:80]}") from None
+        arr = host_ints(name, x)
         if arr.dtype == object or arr.size and arr.dtype.kind not in "iu":  # never truncate 1.5 to 1
             raise TypeError(f"{name} must hold integers, got {str(list(x))[:80]}")
         return Info(q.framework, q.device, "int64", arr.shape)  # host list: accepted with any framework
@@ -151,12 +166,34 @@ def check_varlen(Q, D, d_offsets, q_mask, q_lengths, q_offsets, *, scaled: str |
                    ntok=d.shape[0])
 
 
-def offsets_count(name: str, offsets, q: Info) -> int:
-    """Check an offsets argument's type and shape; returns the number of segments it describes."""
+def check_docs(D, offsets, mask, lengths, name: str = "D", offsets_name: str = "d_offsets") -> Problem:
+    """A float corpus on its own, before any query (``retrieve``'s and ``Corpus``'s documents, of the
+    rank their layout takes): padded ``[Nd, Ld, d]`` with ``mask`` or ``lengths``, or packed tokens
+    ``[T, d]`` with ``offsets``. Errors name the documents (``name``: "D", or "shard i" of an
+    iterable corpus) where a scoring call's name Q. The Problem has no queries yet."""
+    d = _info(name, D)
+    if d.dtype not in _SCORING_DTYPES:
+        raise TypeError(f"{name} has dtype {d.dtype}; expected float16, bfloat16, float32 or float64")
+    if d.shape[-1] < 1:
+        raise ValueError(f"{name} has embedding dim 0; expected at least 1")
+    packed = offsets is not None
+    if packed:
+        nd, ld, d_valid = offsets_count(offsets_name, offsets, d, name), 0, "offsets"
+    else:
+        nd, ld = d.shape[0], d.shape[1]
+        d_valid = check_valid("d", mask, lengths, d, d.shape[:-1], d.shape[:-2], name)
+    return Problem(framework=d.framework, device=d.device, dtype=d.dtype, nq=0, lq=0, nd=nd, ld=ld, dim=d.shape[-1],
+                   candidates=False, scores_shape=(0, nd), argmax_shape=(0, nd, 0), q_valid=None, d_valid=d_valid,
+                   d_packed=packed, ntok=d.shape[0] if packed else 0)
+
+
+def offsets_count(name: str, offsets, q: Info, ref_name: str = "Q") -> int:
+    """Check an offsets argument's type and shape (in the framework and place of ``q``, the array
+    ``ref_name``); returns the number of segments it describes."""
     if offsets is None:
         raise TypeError(f"{name} is required: int32/int64 [N + 1] offsets into the packed tokens")
     o = _lengths_info(name, offsets, q)
-    _same_place(name, o, q)
+    _same_place(name, o, q, ref_name)
     if o.dtype not in ("int32", "int64"):
         raise TypeError(f"{name} must be int32 or int64, got dtype {o.dtype}")
     if len(o.shape) != 1 or o.shape[0] < 1:
@@ -247,13 +284,14 @@ def _where(dev) -> str:
     return "the host" if dev is None else f"cuda:{dev}"
 
 
-def check_valid(side: str, mask, lengths, q: Info, mask_shape, len_shape) -> str | None:
+def check_valid(side: str, mask, lengths, q: Info, mask_shape, len_shape, ref_name: str = "Q") -> str | None:
+    """One side's mask or lengths, in the framework and place of ``q`` (the array ``ref_name``)."""
     what = "Q" if side == "q" else "D"
     if mask is not None and lengths is not None:
         raise ValueError(f"pass either {side}_mask or {side}_lengths, not both")
     if mask is not None:
         m = _info(f"{side}_mask", mask)
-        _same_place(f"{side}_mask", m, q)
+        _same_place(f"{side}_mask", m, q, ref_name)
         if m.dtype != "bool":
             raise TypeError(f"{side}_mask must be boolean (True = valid token), got dtype {m.dtype}")
         if tuple(m.shape) != tuple(mask_shape):
@@ -261,7 +299,7 @@ def check_valid(side: str, mask, lengths, q: Info, mask_shape, len_shape) -> str
         return "mask"
     if lengths is not None:
         li = _lengths_info(f"{side}_lengths", lengths, q)
-        _same_place(f"{side}_lengths", li, q)
+        _same_place(f"{side}_lengths", li, q, ref_name)
         if li.dtype not in _INT_DTYPES:
             raise TypeError(f"{side}_lengths must be integers, got dtype {li.dtype}")
         if tuple(li.shape) != tuple(len_shape):
@@ -289,15 +327,6 @@ def check_zero_pad(zero_pad, p: Problem, shape, d_mask=None) -> None:
         raise ValueError(f"zero_pad has shape {list(z.shape)}; expected {list(shape)} (one flag per document)")
 
 
-def check_same_framework(Q, **named) -> None:
-    """Each array of ``named`` (None, lists and ints go with any framework) from ``Q``'s framework:
-    TypeError naming both otherwise. For arguments converted to the host before their full check."""
-    q = _info("Q", Q)
-    for name, a in named.items():
-        if a is not None and not isinstance(a, (list, tuple, int, np.integer)):
-            _same_framework(name, _info(name, a), q)
-
-
 def _same_framework(name: str, a: Info, q: Info, qname: str = "Q") -> None:
     if a.framework != q.framework:
         raise TypeError(f"{name} is a {a.framework} array but {qname} is a {q.framework} array: pass both from one framework")
@@ -309,11 +338,14 @@ def _same_place(name: str, a: Info, q: Info, qname: str = "Q") -> None:
         raise ValueError(f"{name} is on {_where(a.device)} but {qname} is on {_where(q.device)}")
 
 
-def check_flag(name: str, value) -> bool:
-    """An on/off argument: True or False (NumPy's bools too), as Python's bool; anything else (a
-    string such as "no", which is truthy) is a TypeError."""
+def check_flag(name: str, value, *, none: bool = False) -> bool | None:
+    """An on/off argument: True or False (NumPy's bools too), as Python's bool, or with ``none`` also
+    None (``validate``: the process default); anything else (a string such as "no", which is
+    truthy) is a TypeError."""
+    if none and value is None:
+        return None
     if not isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{name} must be True or False, got {value!r}")
+        raise TypeError(f"{name} must be {'None, ' if none else ''}True or False, got {value!r}")
     return bool(value)
 
 

@@ -33,11 +33,7 @@ def check_residual(Q, codes, residuals, lengths_or_offsets, centroids, bucket_we
     """``packed``: codes [T], residuals [T, R] and offsets [N + 1] (``candidates`` [Nq, K] or [K]
     optional); else codes [Nd, Ld] or [Nq, K, Ld] with residuals [..., R] and lengths of
     ``codes.shape[:-1]`` (or None)."""
-    q = _info("Q", Q)
-    if q.dtype not in ("float16", "bfloat16", "float32"):
-        raise TypeError(f"Q has dtype {q.dtype}; expected float16, bfloat16 or float32")
-    if len(q.shape) not in (2, 3):
-        raise ValueError(f"Q must be [Nq, Lq, d] or [Lq, d]; got shape {list(q.shape)}")
+    q = _check_queries(Q)
     dim = q.shape[-1]
     cen, rbytes = _check_codec(q, "Q", centroids, bucket_weights, nbits, dim)
     c = _check_tokens(q, "Q", codes, residuals, rbytes)
@@ -47,23 +43,8 @@ def check_residual(Q, codes, residuals, lengths_or_offsets, centroids, bucket_we
         if len(c.shape) != 1:
             raise ValueError(f"codes must be packed [T] (one per document token); got shape {list(c.shape)}")
         n_docs = offsets_count("d_offsets", lengths_or_offsets, q)
-        nd, cand = n_docs, candidates is not None
-        if cand:
-            k = _lengths_info("candidates", candidates, q)
-            _same_place("candidates", k, q)
-            if k.dtype not in ("int32", "int64"):
-                raise TypeError(f"candidates must be int32 or int64 document ids, got dtype {k.dtype}")
-            want = 2 if len(q.shape) == 3 else 1
-            if len(k.shape) != want or (want == 2 and k.shape[0] != nq):
-                raise ValueError(f"candidates has shape {list(k.shape)}; expected "
-                                 f"{'[Nq, K] with Nq = ' + str(nq) if want == 2 else '[K] (Q is one query)'}")
-            nd = k.shape[-1]
-        scores_shape = tuple(q.shape[:-2]) + (nd,)
-        p = Problem(framework=q.framework, device=q.device, dtype=_tile(q.dtype), nq=nq, lq=lq, nd=nd, ld=0, dim=dim,
-                    candidates=cand, scores_shape=scores_shape, argmax_shape=scores_shape + (lq,), q_valid=q_valid,
-                    d_valid="offsets", d_packed=True, ntok=c.shape[0])
-        return ResidualProblem(p=p, q_dtype=q.dtype, nbits=nbits, n_centroids=cen.shape[0], rbytes=rbytes,
-                               n_docs=n_docs, cand=cand)
+        return _packed_problem(q, q_valid, candidates, "candidates", nbits=nbits, n_centroids=cen.shape[0],
+                               rbytes=rbytes, ntok=c.shape[0], n_docs=n_docs)
     if len(c.shape) not in (2, 3):
         raise ValueError(f"codes must be [Nd, Ld] or [Nq, K, Ld] (per-query candidates); got shape {list(c.shape)}")
     sets = len(c.shape) == 3
@@ -80,6 +61,53 @@ def check_residual(Q, codes, residuals, lengths_or_offsets, centroids, bucket_we
                 d_valid=d_valid)
     return ResidualProblem(p=p, q_dtype=q.dtype, nbits=nbits, n_centroids=cen.shape[0], rbytes=rbytes, n_docs=nd,
                            cand=False)
+
+
+def check_index_rerank(Q, candidate_ids, q_mask, q_lengths, *, dim: int, nbits: int, n_centroids: int, ntok: int,
+                       n_docs: int) -> ResidualProblem:
+    """``PlaidIndex.rerank``'s arguments, before any of them is converted or copied: Q (of the index's
+    ``dim``), its mask or lengths and ``candidate_ids`` (int32 or int64 ``[Nq, K]``, ``[K]`` for a
+    2-D Q) in Q's framework and place (lists go with any). The index's own arrays were checked
+    when it was read: ``nbits``, ``n_centroids``, ``ntok`` tokens and ``n_docs`` documents."""
+    q = _check_queries(Q)
+    if q.shape[-1] != dim:
+        raise ValueError(f"Q has dim {q.shape[-1]} but the index has dim {dim}")
+    q_valid = check_valid("q", q_mask, q_lengths, q, q.shape[:-1], q.shape[:-2])
+    return _packed_problem(q, q_valid, candidate_ids, "candidate_ids", nbits=nbits, n_centroids=n_centroids,
+                           rbytes=dim * nbits // 8, ntok=ntok, n_docs=n_docs)
+
+
+def _check_queries(Q) -> Info:
+    q = _info("Q", Q)
+    if q.dtype not in ("float16", "bfloat16", "float32"):
+        raise TypeError(f"Q has dtype {q.dtype}; expected float16, bfloat16 or float32")
+    if len(q.shape) not in (2, 3):
+        raise ValueError(f"Q must be [Nq, Lq, d] or [Lq, d]; got shape {list(q.shape)}")
+    return q
+
+
+def _packed_problem(q: Info, q_valid, candidates, name: str, *, nbits: int, n_centroids: int, rbytes: int, ntok: int,
+                    n_docs: int) -> ResidualProblem:
+    """The problem of queries ``q`` against ``n_docs`` packed documents of ``ntok`` tokens: all of them, or
+    each query's ``candidates`` (argument ``name``: int32 or int64 ``[Nq, K]``, ``[K]`` for a 2-D Q)."""
+    nq, lq = (q.shape[0], q.shape[1]) if len(q.shape) == 3 else (1, q.shape[0])
+    nd, cand = n_docs, candidates is not None
+    if cand:
+        k = _lengths_info(name, candidates, q)
+        _same_place(name, k, q)
+        if k.dtype not in ("int32", "int64"):
+            raise TypeError(f"{name} must be int32 or int64 document ids, got dtype {k.dtype}")
+        want = 2 if len(q.shape) == 3 else 1
+        if len(k.shape) != want or (want == 2 and k.shape[0] != nq):
+            raise ValueError(f"{name} has shape {list(k.shape)}; expected "
+                             f"{'[Nq, K] with Nq = ' + str(nq) if want == 2 else '[K] (Q is one query)'}")
+        nd = k.shape[-1]
+    scores_shape = tuple(q.shape[:-2]) + (nd,)
+    p = Problem(framework=q.framework, device=q.device, dtype=_tile(q.dtype), nq=nq, lq=lq, nd=nd, ld=0,
+                dim=q.shape[-1], candidates=cand, scores_shape=scores_shape, argmax_shape=scores_shape + (lq,),
+                q_valid=q_valid, d_valid="offsets", d_packed=True, ntok=ntok)
+    return ResidualProblem(p=p, q_dtype=q.dtype, nbits=nbits, n_centroids=n_centroids, rbytes=rbytes, n_docs=n_docs,
+                           cand=cand)
 
 
 def check_decompress(codes, residuals, centroids, bucket_weights, nbits) -> None:
