@@ -73,6 +73,23 @@ class Server:
         body = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
         return self.request("POST", f"/v2/models/{model}/infer", body, headers)
 
+    def metric(self, name, **labels):
+        """The value of the sample ``name{labels}`` on /metrics; 0.0 before it has one."""
+        want = {f'{k}="{v}"' for k, v in labels.items()}
+        for line in self.get("/metrics")[2].decode().splitlines():
+            sample, _, value = line.rpartition(" ")
+            got, _, rest = sample.partition("{")
+            if got == name and set(rest.rstrip("}").split(",")) == want:
+                return float(value)
+        return 0.0
+
+    def wait_metric(self, name, value, timeout=5.0, **labels):
+        """Wait until :meth:`metric` reads ``value``; AssertionError after ``timeout`` seconds."""
+        until = time.monotonic() + timeout
+        while (got := self.metric(name, **labels)) != value:
+            assert time.monotonic() < until, f"{name}{labels} is {got} after {timeout} s, expected {value}"
+            time.sleep(0.01)
+
     def stop(self):
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)

@@ -1,7 +1,8 @@
 """lik_cupy.serving on the CPU path: the Batcher in process (bitwise equality with the unbatched calls,
 its caps, backpressure, deadlines, shutdown), and ``lik serve`` as a real process on a loopback port
 with real clients (tritonclient's binary protocol and plain JSON): answers equal to in-process
-Corpus calls, concurrent clients, bad requests, 503 and 504, and SIGTERM under load.
+Corpus calls, concurrent clients, bad requests, 503 and 504, a client that disconnects, model
+versions and metadata shapes, and SIGTERM under load.
 The GPU side: tests/test_serve_gpu.py."""
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import asyncio
 import http.client
 import json
 import re
+import socket
 import subprocess
 import sys
 import threading
@@ -390,13 +392,13 @@ def test_health_metadata_and_metrics(served):
     status, _, body = served.get("/v2/models/search")
     meta = json.loads(body)
     assert status == 200 and [i["name"] for i in meta["inputs"]] == ["Q", "K"]
-    assert meta["inputs"][0] == {"name": "Q", "datatype": "FP32", "shape": [-1, DIM]}
+    assert meta["inputs"][0] == {"name": "Q", "datatype": "FP32", "shape": [-1, -1, DIM]}
     assert [o["name"] for o in meta["outputs"]] == ["SCORES", "IDS"]
     assert served.get("/v2/models/nope")[0] == 404
     config = json.loads(served.get("/v2/models/rerank/config")[2])
     assert config["max_batch_size"] == 0 and config["instance_group"] == [{"count": 2, "kind": "KIND_CPU"}]
-    assert config["input"] == [{"name": "Q", "data_type": "TYPE_FP32", "dims": [-1, DIM]},
-                               {"name": "IDS", "data_type": "TYPE_INT64", "dims": [-1]}]
+    assert config["input"] == [{"name": "Q", "data_type": "TYPE_FP32", "dims": [-1, -1, DIM]},
+                               {"name": "IDS", "data_type": "TYPE_INT64", "dims": [-1, -1]}]
     stats = json.loads(served.get("/v2/models/stats")[2])["model_stats"]
     assert [m["name"] for m in stats] == ["search", "rerank", "score"]
     status, _, body = served.get("/metrics")
@@ -404,6 +406,44 @@ def test_health_metadata_and_metrics(served):
     for name in ("lik_serve_queue_seconds", "lik_serve_compute_seconds", "lik_serve_request_seconds",
                  "lik_serve_batch_queries", "lik_serve_rejected", "lik_serve_queue_depth"):
         assert name in text
+
+
+def test_metadata_shapes_are_those_requests_take(served):
+    """The protocol's metadata holds one shape per tensor: the batched form, -1 for each dimension a
+    request chooses ([Lq, d] is taken too). A request of those shapes, with its -1s filled, is
+    answered with outputs of the shapes advertised."""
+    specs = {"search": ([("Q", [-1, -1, DIM]), ("K", [1])], [("SCORES", [-1, -1]), ("IDS", [-1, -1])]),
+             "rerank": ([("Q", [-1, -1, DIM]), ("IDS", [-1, -1])], [("SCORES", [-1, -1])]),
+             "score": ([("Q", [-1, -1, DIM])], [("SCORES", [-1, -1])])}
+    chosen = {"Q": [2, 5], "IDS": [2, 3]}  # Nq, Lq; Nq, K
+    values = {"Q": lambda n: [0.5] * n, "K": lambda n: [4], "IDS": lambda n: list(range(5, 5 + 3 * n, 3))}
+    for model, (inputs, outputs) in specs.items():
+        meta = json.loads(served.get(f"/v2/models/{model}")[2])
+        assert [(t["name"], t["shape"]) for t in meta["inputs"]] == inputs
+        assert [(t["name"], t["shape"]) for t in meta["outputs"]] == outputs
+        config = json.loads(served.get(f"/v2/models/{model}/config")[2])
+        assert [t["dims"] for t in config["input"]] == [s for _, s in inputs]
+        tensors = []
+        for t in meta["inputs"]:
+            fill = iter(chosen.get(t["name"], []))
+            shape = [next(fill) if n == -1 else n for n in t["shape"]]
+            tensors.append({"name": t["name"], "shape": shape, "datatype": t["datatype"],
+                            "data": values[t["name"]](int(np.prod(shape)))})
+        status, _, body = served.infer(model, {"inputs": tensors})
+        assert status == 200, body
+        for got, (name, shape) in zip(json.loads(body)["outputs"], outputs):
+            assert got["name"] == name and len(got["shape"]) == len(shape) and got["shape"][0] == 2
+
+
+def test_only_version_1_of_a_model_exists(served):
+    q = json.dumps({"inputs": [_json_q(np.ones((2, DIM), np.float32))]}).encode()
+    for suffix in ("", "/ready", "/config", "/stats"):
+        assert served.get(f"/v2/models/score/versions/1{suffix}")[0] == 200, suffix
+        status, _, body = served.get(f"/v2/models/score/versions/7{suffix}")
+        assert status == 404 and json.loads(body)["error"] == "model 'score' has no version '7'; its versions are 1"
+    assert served.request("POST", "/v2/models/score/versions/1/infer", q)[0] == 200
+    status, _, body = served.request("POST", "/v2/models/score/versions/7/infer", q)
+    assert status == 404 and json.loads(body)["error"] == "model 'score' has no version '7'; its versions are 1"
 
 
 def test_lik_serve_partition_answers_as_the_whole_corpus(split_shards_dir):
@@ -602,6 +642,28 @@ def test_backpressure_503_and_deadline_504(shard):
         server.stop()
 
 
+def test_a_request_whose_client_disconnects_is_dropped_unscored_and_counted(shard, local):
+    """A client that goes away while its request waits in the queue: the worker skips the request,
+    the metrics count it as gRPC's cancelled calls (499, rejected as cancelled), and a connected
+    client's request is answered as before."""
+    server = Server(shard, "--devices", "cpu", "--max-batch", "2", "--max-delay-us", "30000000")
+    try:
+        q = np.ones((3, DIM), np.float32)
+        body = json.dumps({"inputs": [_json_q(q)]}).encode()
+        with socket.create_connection(("127.0.0.1", server.port)) as gone:
+            gone.sendall(b"POST /v2/models/score/infer HTTP/1.1\r\nHost: lik\r\nContent-Length: %d\r\n\r\n%s"
+                         % (len(body), body))
+            server.wait_metric("lik_serve_queue_depth", 1.0, device="cpu:0")  # (the worker waits for 2 queries)
+        server.wait_metric("lik_serve_rejected_total", 1.0, model="score", reason="cancelled")
+        server.wait_metric("lik_serve_responses_total", 1.0, model="score", code="499")
+        status, _, out = server.infer("score", body)  # the second query: the worker takes the queue
+        assert status == 200 and json.loads(out)["parameters"]["batch_queries"] == 1  # scored alone
+        assert np.array_equal(np.float32(json.loads(out)["outputs"][0]["data"]), local.score(q))
+    finally:
+        log = server.stop()
+    assert "answered 1 of 2 accepted requests; 1 dropped" in log, log
+
+
 def test_sigterm_under_load_answers_every_accepted_request(shard, local):
     server = Server(shard, "--devices", "cpu", "--max-batch", "4", "--max-delay-us", "20000")
     rng = np.random.default_rng(15)
@@ -661,6 +723,19 @@ def test_processes_share_the_port_answer_alike_and_sum_their_metrics(shard, loca
     assert server.proc.returncode == 0, log
     answered = [(int(a), int(b)) for a, b in re.findall(r"answered (\d+) of (\d+) accepted requests", log)]
     assert len(answered) == 2 and all(a == b for a, b in answered) and sum(a for a, _ in answered) == len(qs), log
+
+
+def test_processes_each_keep_one_gpus_replicas_where_their_count_divides():
+    """With replicas on k GPUs, server process i of n (n a multiple of k) keeps GPU i mod k's entries,
+    so that each process batches all its requests in one queue; otherwise every process keeps all."""
+    from lik_cupy.serving._processes import process_share
+
+    assert [process_share([0, 1], i, 4) for i in range(4)] == [[0], [1], [0], [1]]
+    assert [process_share([0, 0, 1, 1], i, 2) for i in range(2)] == [[0, 0], [1, 1]]  # two workers a GPU stay two
+    assert process_share([0, 1], 0, 3) == [0, 1]  # 3 processes over 2 GPUs: one GPU would take twice the load
+    assert process_share([0, 1], 1, 1) == [0, 1]
+    assert process_share([0], 2, 4) == [0] and process_share(["cpu", "cpu"], 1, 2) == ["cpu", "cpu"]
+    assert process_share([1, 0, "cpu"], 1, 2) == [0]
 
 
 def test_processes_refuse_a_port_another_server_listens_on_and_one_port_for_both(shard):

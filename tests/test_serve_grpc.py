@@ -2,7 +2,8 @@
 tritonclient gRPC client (the binary ``raw_input_contents`` it sends) and grpcio's own stub (typed
 ``contents``): answers bitwise those of in-process Corpus calls, concurrent clients, model metadata,
 configuration and statistics, bad requests named with the right status code while the server keeps
-serving, a port that is taken, and SIGTERM."""
+serving, model versions, the size limit, deadlines and cancellations in the metrics, a port that is
+taken, and SIGTERM."""
 
 from __future__ import annotations
 
@@ -64,7 +65,7 @@ def test_health_metadata_config_and_statistics(served, client):
     assert client.is_model_ready("search") and client.get_server_metadata().name == "lik-cupy"
     meta = client.get_model_metadata("rerank", as_json=True)
     assert [(i["name"], i["datatype"], i["shape"]) for i in meta["inputs"]] == \
-        [("Q", "FP32", ["-1", str(DIM)]), ("IDS", "INT64", ["-1"])]
+        [("Q", "FP32", ["-1", "-1", str(DIM)]), ("IDS", "INT64", ["-1", "-1"])]
     config = client.get_model_config("search", as_json=True)["config"]
     assert config["name"] == "search" and [i["name"] for i in config["input"]] == ["Q", "K"]
     assert config["instance_group"] == [{"count": 2, "kind": "KIND_CPU"}]
@@ -136,6 +137,68 @@ def test_bad_requests_get_a_named_error_and_the_server_keeps_serving(client, loc
     assert e.value.status() == f"StatusCode.{code}" and message in e.value.message(), e.value
     q = np.ones((2, DIM), np.float32)
     assert np.array_equal(client.infer("score", [_input("Q", q, "FP32")]).as_numpy("SCORES"), local.score(q))
+
+
+def test_only_version_1_of_a_model_exists(client):
+    q = np.ones((2, DIM), np.float32)
+    calls = [lambda v: client.is_model_ready("score", v), lambda v: client.get_model_metadata("score", v),
+             lambda v: client.get_model_config("score", v), lambda v: client.get_inference_statistics("score", v),
+             lambda v: client.infer("score", [_input("Q", q, "FP32")], model_version=v)]
+    for call in calls:
+        assert call("1")
+        with pytest.raises(grpcclient.InferenceServerException) as e:
+            call("7")
+        assert e.value.status() == "StatusCode.NOT_FOUND", e.value
+        assert e.value.message() == "model 'score' has no version '7'; its versions are 1", e.value
+
+
+def test_a_message_over_the_body_limit_is_refused_and_counted_as_http_413(served):
+    """gRPC takes what HTTP takes: a message over the body limit (64 MiB) is RESOURCE_EXHAUSTED, and
+    counted as HTTP's 413."""
+    from tritonclient.grpc import service_pb2 as pb, service_pb2_grpc as rpc
+
+    from lik_cupy.serving._service import MAX_BODY
+
+    req = pb.ModelInferRequest(model_name="score")
+    req.inputs.add(name="Q", datatype="FP32", shape=[1, DIM])
+    req.raw_input_contents.append(bytes(MAX_BODY))  # with the rest of the message, just over the limit
+    before = served.metric("lik_serve_responses_total", model="score", code="413")
+    with grpc.insecure_channel(f"127.0.0.1:{served.grpc_port}") as channel:
+        with pytest.raises(grpc.RpcError) as e:
+            rpc.GRPCInferenceServiceStub(channel).ModelInfer(req, timeout=60)
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e.value
+    assert f"over the limit of {MAX_BODY}" in e.value.details(), e.value
+    assert served.metric("lik_serve_responses_total", model="score", code="413") == before + 1
+
+
+def test_deadlines_and_cancellations_are_counted_and_dropped(shard):
+    """A call whose deadline passes in the queue, and one its client cancels there, are counted as
+    HTTP's 504s and disconnects are (responses by status, rejects by reason), and never scored."""
+    from tritonclient.grpc import service_pb2 as pb, service_pb2_grpc as rpc
+
+    s = Server(shard, "--devices", "cpu", "--grpc-port", "0", "--max-batch", "3", "--max-delay-us", "30000000")
+    req = pb.ModelInferRequest(model_name="score", raw_input_contents=[np.ones((4, DIM), np.float32).tobytes()])
+    req.inputs.add(name="Q", datatype="FP32", shape=[4, DIM])
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{s.grpc_port}") as channel:
+            stub = rpc.GRPCInferenceServiceStub(channel)
+            expiring = stub.ModelInfer.future(req, timeout=1.0)
+            s.wait_metric("lik_serve_queue_depth", 1.0, device="cpu:0")  # (the worker waits for 3 queries)
+            with pytest.raises(grpc.RpcError) as e:
+                expiring.result()
+            assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            s.wait_metric("lik_serve_responses_total", 1.0, model="score", code="504")
+            s.wait_metric("lik_serve_rejected_total", 1.0, model="score", reason="deadline")
+            call = stub.ModelInfer.future(req)
+            s.wait_metric("lik_serve_queue_depth", 2.0, device="cpu:0")  # (the expired call's request is there too)
+            call.cancel()
+            s.wait_metric("lik_serve_responses_total", 1.0, model="score", code="499")
+            s.wait_metric("lik_serve_rejected_total", 1.0, model="score", reason="cancelled")
+            r = stub.ModelInfer(req, timeout=60)  # the third query: the worker takes the queue
+            assert r.parameters["batch_queries"].int64_param == 1  # scored alone
+    finally:
+        log = s.stop()
+    assert "answered 1 of 3 accepted requests; 2 dropped" in log, log
 
 
 def test_many_concurrent_clients_each_get_their_own_rows(served, local):

@@ -94,12 +94,16 @@ def queries(n: int, lq: int, dim: int, seed: int):
     return (x / np.linalg.norm(x, axis=-1, keepdims=True)).astype(np.float16)
 
 
-def synthetic_batcher(args, observer):
+def synthetic_batcher(args, observer, process=None):
     """The server's batcher: a synthetic corpus on ``--devices`` (entries naming one device share its
-    corpus: --devices 0,0 gives two workers on GPU 0)."""
+    corpus: --devices 0,0 gives two workers on GPU 0); ``process=(i, n)``: server process i of n keeps
+    its share of the GPUs, as ``lik serve --processes`` deals them (``Batcher.from_shards``)."""
     from lik_cupy.serving import Batcher
+    from lik_cupy.serving._processes import process_share
 
     devices = ["cpu" if d == "cpu" else int(d) for d in args.devices.split(",")]
+    if process is not None:
+        devices = process_share(devices, *process)
     loaded = {}
     for d in devices:
         if d not in loaded:
@@ -116,7 +120,8 @@ def serve_synthetic(args) -> None:
 
     load = functools.partial(synthetic_batcher, args)
     if args.processes > 1:
-        run_processes(load, args.processes, host="127.0.0.1", port=0)
+        loads = [functools.partial(synthetic_batcher, args, process=(i, args.processes)) for i in range(args.processes)]
+        run_processes(loads, args.processes, host="127.0.0.1", port=0)
     else:
         run(make_app(load), host="127.0.0.1", port=0)
 

@@ -1,4 +1,4 @@
-"""The server's measurements, fed by the batcher's :class:`Observer` hooks and by the HTTP handlers:
+"""The server's measurements, fed by the batcher's :class:`Observer` hooks and by the transports:
 Prometheus metrics (prometheus-client, one registry per server) and the per-model totals of Triton's
 statistics extension (``/v2/models/{model}/stats``, which perf_analyzer reads)."""
 
@@ -37,9 +37,12 @@ class Metrics(Observer):
                                         buckets=_QUERIES, registry=r)
         self.request = Histogram("lik_serve_request_seconds", "End-to-end time of an inference request in the "
                                  "server, from its body read to its response", ["model"], buckets=_SECONDS, registry=r)
-        self.rejected_total = Counter("lik_serve_rejected", "Requests refused: overloaded (a full queue, 503) or "
-                                      "deadline (expired in the queue, 504)", ["model", "reason"], registry=r)
-        self.responses = Counter("lik_serve_responses", "Inference responses by model and HTTP status",
+        self.rejected_total = Counter("lik_serve_rejected", "Requests answered without a result: overloaded (a full "
+                                      "queue, 503), deadline (expired in the queue, or a gRPC call's anywhere, 504) "
+                                      "or cancelled (the client went away first, 499)", ["model", "reason"],
+                                      registry=r)
+        self.responses = Counter("lik_serve_responses", "Inference responses by model and HTTP status (gRPC's "
+                                 "by the HTTP status of the same outcome; 499: the client went away first)",
                                  ["model", "code"], registry=r)
         self._depth = _QueueDepth(batcher)
         r.register(self._depth)
@@ -78,7 +81,7 @@ class Metrics(Observer):
         self.rejected_total.labels(op, reason).inc()
 
     def responded(self, op: str, status: int, seconds: float) -> None:
-        """The HTTP handler answered an inference request of model ``op``."""
+        """A transport answered an inference request of model ``op`` with HTTP's ``status`` (or gave it up)."""
         self.request.labels(op).observe(seconds)
         self.responses.labels(op, str(status)).inc()
         with self._lock:

@@ -2,10 +2,12 @@
 (``grpc.py``) decode a request into named NumPy inputs and parameters, call :func:`infer`, and
 encode what it returns or the :class:`Refused` it raises.
 
-:class:`Refused` carries the HTTP status of the outcome (400 a bad request, 404 an unknown model, 413
-too large, 503 overloaded / not ready / stopping, 504 deadline passed in the queue, 500 the corpus
-call failed); the gRPC transport maps it to a status code, and the metrics count it by that status
-whichever transport answered.
+:class:`Refused` carries the HTTP status of the outcome (400 a bad request, 404 an unknown model or
+version, 413 too large, 503 overloaded / not ready / stopping, 504 deadline passed in the queue, 500
+the corpus call failed); the gRPC transport maps it to a status code, and the metrics count it by
+that status whichever transport answered. A request its transport gives up on (its task cancelled:
+the client went away, or a gRPC deadline passed) is dropped from the queue if still there, and
+counted by :func:`abandoned`.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from .batcher import OPERATIONS, Batcher
 from .errors import DeadlineExceeded, Overloaded, ShuttingDown
 
 MODELS = OPERATIONS
+VERSIONS = ("1",)  # every model's versions
 OUTPUTS = {"search": ("SCORES", "IDS"), "rerank": ("SCORES",), "score": ("SCORES",)}
 INPUTS = {"search": ("Q", "K"), "rerank": ("Q", "IDS"), "score": ("Q",)}
 MAX_BODY = 64 << 20
@@ -58,7 +61,7 @@ class Service:
         self.failure: BaseException | None = None
         self.on_failure = None  # called (from the loading thread) when loading fails
         self.metrics = Metrics(lambda: self.batcher)
-        self.accepted = self.answered = 0
+        self.accepted = self.answered = self.dropped = 0  # requests queued; answered; given up unanswered
         self._count = threading.Lock()
         self.held, self.max_held = 0, HELD_BODIES * max_body_bytes  # request bytes held (hold, release)
 
@@ -99,8 +102,9 @@ class Service:
 
     def report(self) -> None:
         """The shutdown's last line, once every transport has sent its answers."""
-        print(f"lik serve: stopped; answered {self.answered} of {self.accepted} accepted requests", file=sys.stderr,
-              flush=True)
+        dropped = f"; {self.dropped} dropped, their clients gone or their deadlines passed" if self.dropped else ""
+        print(f"lik serve: stopped; answered {self.answered} of {self.accepted} accepted requests{dropped}",
+              file=sys.stderr, flush=True)
 
     def count(self, field: str) -> None:
         with self._count:
@@ -136,9 +140,13 @@ class Held:
         self.n = 0
 
 
-def check_model(model: str) -> None:
+def check_model(model: str, version: str = "") -> None:
+    """:class:`Refused` (404) for an unknown model, or a version of it not in :data:`VERSIONS` (""
+    names none: the current one)."""
     if model not in MODELS:
         raise Refused(404, f"unknown model {model!r}; the models are {', '.join(MODELS)}")
+    if version and version not in VERSIONS:
+        raise Refused(404, f"model {model!r} has no version {version!r}; its versions are {', '.join(VERSIONS)}")
 
 
 def check_ready(svc: Service) -> None:
@@ -146,23 +154,28 @@ def check_ready(svc: Service) -> None:
         raise Refused(503, "the server is not ready (loading the corpus, or stopping)", retry=True)
 
 
-def tensor_specs(svc: Service, model: str) -> tuple[list, list]:
-    """(inputs, outputs) of ``model``: (name, datatype, shape) each. Refused while the corpus loads."""
-    check_model(model)
+def tensor_specs(svc: Service, model: str, version: str = "") -> tuple[list, list]:
+    """(inputs, outputs) of ``model``: (name, datatype, shape) each. Refused while the corpus loads.
+
+    The protocol's metadata gives one shape per tensor, so these are the batched form, -1 for each
+    dimension the request chooses: Q [Nq, Lq, d], IDS [Nq, K], SCORES and search's IDS [Nq, k] (or
+    [Nq, Nd]). One query as Q [Lq, d] is taken too, answered without the Nq axis (perf_analyzer's
+    ``--shape`` replaces a shape with -1s whole, of either rank)."""
+    check_model(model, version)
     if svc.batcher is None:
         raise Refused(503, "the corpus is still loading", retry=True)
     c = svc.batcher.corpus
     qtype = "FP32" if scaled_dtype(c.dtype) else _tensors.DATATYPES[c.dtype]
     ids = "BYTES" if svc.ids.kind == "string" else "INT64"
-    specs = {"Q": (qtype, [-1, c.dim]), "K": ("INT32", [1]), "IDS": (ids, [-1]), "SCORES": ("FP32", [-1])}
+    specs = {"Q": (qtype, [-1, -1, c.dim]), "K": ("INT32", [1]), "IDS": (ids, [-1, -1]), "SCORES": ("FP32", [-1, -1])}
     return ([(n, *specs[n]) for n in INPUTS[model]], [(n, *specs[n]) for n in OUTPUTS[model]])
 
 
-def model_config(svc: Service, model: str) -> dict:
+def model_config(svc: Service, model: str, version: str = "") -> dict:
     """Triton's model configuration (perf_analyzer reads it): no batch axis of its own (each request
     holds its queries), one instance per replica."""
     inputs, outputs = ([{"name": n, "data_type": f"TYPE_{'STRING' if t == 'BYTES' else t}", "dims": s}
-                        for n, t, s in part] for part in tensor_specs(svc, model))
+                        for n, t, s in part] for part in tensor_specs(svc, model, version))
     gpus = sum(d.startswith("cuda") for d in svc.batcher.devices)
     groups = [{"count": n, "kind": kind} for n, kind in ((gpus, "KIND_GPU"), (len(svc.batcher.devices) - gpus,
                                                                               "KIND_CPU")) if n]
@@ -175,7 +188,9 @@ async def infer(svc: Service, model: str, inputs: dict[str, np.ndarray], params:
     """Score one request: (its outputs by name, the response's parameters ``queue_us``,
     ``compute_us``, ``batch_queries``). ``params``: the request's parameters (``timeout`` in
     microseconds, ``precision``; others are ignored); ``deadline_s``: seconds the transport allows
-    (a gRPC deadline), the sooner of the two bounding the wait in the queue. Raises :class:`Refused`."""
+    (a gRPC deadline), the sooner of the two bounding the wait in the queue. Raises :class:`Refused`.
+    When the calling task is cancelled (its transport gave up on the request), a request still queued
+    is dropped unscored, and the cancellation goes on."""
     check_model(model)
     check_ready(svc)
     try:
@@ -184,6 +199,7 @@ async def infer(svc: Service, model: str, inputs: dict[str, np.ndarray], params:
         timeout, precision = _parameters(params)
         if deadline_s is not None:
             if deadline_s <= 0:
+                svc.metrics.rejected(model, "deadline")  # as the batcher counts one that expires in the queue
                 raise Refused(504, "the request's deadline passed before it was queued")
             timeout = deadline_s if timeout is None else min(timeout, deadline_s)
     except (ValueError, TypeError) as e:
@@ -199,14 +215,19 @@ async def infer(svc: Service, model: str, inputs: dict[str, np.ndarray], params:
         except ShuttingDown as e:
             raise Refused(503, str(e)) from None
         svc.count("accepted")
+        gone = False
         try:
             result = await asyncio.wrap_future(future)
+        except asyncio.CancelledError:
+            gone = True
+            future.cancel()  # the worker skips a cancelled request (one being scored completes, unsent)
+            raise
         except DeadlineExceeded as e:
             raise Refused(504, str(e)) from None
         except Exception as e:  # noqa: BLE001 - the corpus call failed: say so, keep serving
             raise Refused(500, f"{type(e).__name__}: {e}") from None
         finally:
-            svc.count("answered")
+            svc.count("dropped" if gone else "answered")
     finally:
         svc.release(out_bytes)
     t = future.timing
@@ -219,6 +240,14 @@ def responded(svc: Service, model: str, status: int, start: float) -> None:
     """Count an inference answer of ``status`` (HTTP's) for the metrics, timed from ``start`` (perf_counter)."""
     if model in MODELS:
         svc.metrics.responded(model, status, time.perf_counter() - start)
+
+
+def abandoned(svc: Service, model: str, start: float, expired: bool) -> None:
+    """Count a request of ``model`` that its transport gave up on unanswered: its client went away
+    (499, google.rpc.Code CANCELLED's HTTP status; rejected as ``cancelled``), or, ``expired``, its
+    gRPC deadline passed (504 and ``deadline``, as an HTTP request's timeout that passes in the queue)."""
+    svc.metrics.rejected(model, "deadline" if expired else "cancelled")
+    responded(svc, model, 504 if expired else 499, start)
 
 
 def _arguments(svc: Service, model: str, inputs: dict) -> tuple[np.ndarray, object]:

@@ -29,6 +29,7 @@ from .._shard_format import numpy_dtype
 from ..corpus import Corpus
 from ..precision import PRECISIONS
 from ._partition import Partition, split_shards
+from ._processes import process_share
 from ._queue import DeviceQueue, Request, _observed, scored
 from ._staging import Staging
 from .errors import Overloaded, ShuttingDown
@@ -105,7 +106,8 @@ class Batcher:
         self._closed = False
 
     @classmethod
-    def from_shards(cls, paths, devices=None, *, partition: bool | None = None, **kwargs) -> Batcher:
+    def from_shards(cls, paths, devices=None, *, partition: bool | None = None,
+                    process: tuple[int, int] | None = None, **kwargs) -> Batcher:
         """A batcher over the documents of shard paths (:meth:`lik_cupy.Corpus.from_shards`), one
         worker per entry of ``devices``: CUDA ordinals, or ``"cpu"``; entries naming one device share
         its one corpus (a second worker on a GPU queues its call while the first one's runs).
@@ -117,7 +119,12 @@ class Batcher:
         never merged, make parts in host memory). ``None`` (the default) partitions over the distinct
         GPUs when there are two or more and a replica would not fit each of them (its shards' bytes
         over 3/4 of a GPU's free memory); ``False`` always replicates (a replica that
-        does not fit stays in page-locked host memory). ``kwargs``: as for the class."""
+        does not fit stays in page-locked host memory). ``process=(i, n)``: this is server process
+        ``i`` of ``n`` (``lik serve --processes``); where it replicates over ``k`` >= 2 GPUs and ``n`` is
+        a multiple of ``k``, it keeps the entries of the ``i mod k``-th GPU only, so that each GPU
+        serves ``n / k`` processes and each process batches its requests in one queue (two GPUs in
+        every process split its requests into smaller batches, and its workers took turns under one
+        GIL). ``kwargs``: as for the class."""
         if devices is None:
             from .._base.device import gpu_available
 
@@ -141,6 +148,8 @@ class Batcher:
             if len(parts) < 2:
                 raise ValueError(f"a partition needs two devices at least (a part each); devices is {devices}")
             return cls(_partition_of(paths, opened or _opened(paths), parts), **kwargs)
+        if process is not None:
+            devices = process_share(devices, *process)
         loaded = {}
         for d in devices:
             if d not in loaded:

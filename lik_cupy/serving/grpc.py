@@ -9,12 +9,15 @@ parameters of the HTTP side (``lik_cupy/serving/http.py``). Inputs come as ``raw
 (what tritonclient sends; BYTES as 4-byte little-endian lengths and the bytes) or as typed
 ``contents``; outputs go back as ``raw_output_contents``. The call's gRPC deadline bounds its wait
 in the queue, as the ``timeout`` parameter does. Errors: ``INVALID_ARGUMENT`` (the message names the
-problem), ``NOT_FOUND`` (unknown model), ``RESOURCE_EXHAUSTED`` (over the size limit), ``UNAVAILABLE``
-(overloaded, not ready or stopping), ``DEADLINE_EXCEEDED`` and ``INTERNAL``.
+problem), ``NOT_FOUND`` (unknown model or version), ``RESOURCE_EXHAUSTED`` (a message over the HTTP
+body limit), ``UNAVAILABLE`` (overloaded, not ready or stopping), ``DEADLINE_EXCEEDED`` and
+``INTERNAL``. Each is counted in the metrics as the HTTP status of the same outcome, and so are
+calls that grpcio cancels (the client cancelled: 499; the deadline passed: 504).
 """
 
 from __future__ import annotations
 
+import asyncio
 import sys
 import time
 
@@ -25,13 +28,22 @@ from tritonclient.grpc import model_config_pb2, service_pb2 as pb, service_pb2_g
 
 from .._version import __version__
 from . import _service, _tensors
-from ._service import MODELS, Held, Refused, Service
+from ._service import MODELS, VERSIONS, Held, Refused, Service
 
 __all__ = ["start_server"]
 
 _CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 404: grpc.StatusCode.NOT_FOUND,
           413: grpc.StatusCode.RESOURCE_EXHAUSTED, 503: grpc.StatusCode.UNAVAILABLE,
           504: grpc.StatusCode.DEADLINE_EXCEEDED, 500: grpc.StatusCode.INTERNAL}
+# A call that grpcio cancels with at most this many seconds of its deadline left counts as expired.
+# grpcio does not say why it cancels; and a client cancels its call when its own deadline passes,
+# which can reach the server before the server's timer fires (that one started when the request
+# arrived): a few milliseconds early on a loaded host.
+_EXPIRED_S = 0.01
+# grpc core refuses a message over its limit unread, and tells the handler nothing (so the metrics
+# cannot count it): its limit is twice the body limit, and the handler refuses what is over the body
+# limit with 413, as HTTP does. Past twice, core's refusal costs less than reading the message.
+_CORE_LIMIT_BODIES = 2
 # InferTensorContents' field for each datatype sent as typed values rather than raw bytes.
 _CONTENTS = {"BOOL": "bool_contents", "INT8": "int_contents", "INT16": "int_contents", "INT32": "int_contents",
              "INT64": "int64_contents", "UINT8": "uint_contents", "UINT16": "uint_contents",
@@ -46,7 +58,7 @@ async def start_server(svc: Service, address: str, shared: bool = False) -> grpc
     parent reserved (SO_REUSEPORT; the parent prints the line)."""
     from ..errors import LikError
 
-    limit = svc.max_body + (1 << 20)  # the message holds the tensors and their descriptions
+    limit = _CORE_LIMIT_BODIES * svc.max_body
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", limit),
                                       ("grpc.max_send_message_length", -1), ("grpc.so_reuseport", int(shared))])
     rpc.add_GRPCInferenceServiceServicer_to_server(_Servicer(svc), server)
@@ -81,23 +93,23 @@ class _Servicer(rpc.GRPCInferenceServiceServicer):
         return pb.ServerMetadataResponse(name="lik-cupy", version=__version__, extensions=[])
 
     async def ModelReady(self, request, context):
-        await _checked(context, _service.check_model, request.name)
+        await _checked(context, _service.check_model, request.name, request.version)
         return pb.ModelReadyResponse(ready=self.svc.ready)
 
     async def ModelMetadata(self, request, context):
-        inputs, outputs = await _checked(context, _service.tensor_specs, self.svc, request.name)
+        inputs, outputs = await _checked(context, _service.tensor_specs, self.svc, request.name, request.version)
         return pb.ModelMetadataResponse(
-            name=request.name, versions=["1"], platform="lik_cupy",
+            name=request.name, versions=VERSIONS, platform="lik_cupy",
             inputs=[pb.ModelMetadataResponse.TensorMetadata(name=n, datatype=t, shape=s) for n, t, s in inputs],
             outputs=[pb.ModelMetadataResponse.TensorMetadata(name=n, datatype=t, shape=s) for n, t, s in outputs])
 
     async def ModelConfig(self, request, context):
-        config = await _checked(context, _service.model_config, self.svc, request.name)
+        config = await _checked(context, _service.model_config, self.svc, request.name, request.version)
         return pb.ModelConfigResponse(config=json_format.ParseDict(config, model_config_pb2.ModelConfig()))
 
     async def ModelStatistics(self, request, context):
         if request.name:
-            await _checked(context, _service.check_model, request.name)
+            await _checked(context, _service.check_model, request.name, request.version)
         stats = {"model_stats": [self.svc.metrics.statistics(m) for m in ([request.name] if request.name else MODELS)]}
         return json_format.ParseDict(stats, pb.ModelStatisticsResponse())
 
@@ -105,14 +117,21 @@ class _Servicer(rpc.GRPCInferenceServiceServicer):
         svc, model, start = self.svc, request.model_name, time.perf_counter()
         held = Held(svc)
         try:
-            _service.check_model(model)
-            held.add(request.ByteSize())  # the message, against the server's budget of request bytes
+            _service.check_model(model, request.model_version)
+            size = request.ByteSize()
+            if size > svc.max_body:
+                raise Refused(413, f"the request message is {size} bytes, over the limit of {svc.max_body}")
+            held.add(size)  # the message, against the server's budget of request bytes
             inputs, params, names = _request(request, _service.OUTPUTS[model])
             remaining = context.time_remaining()
             out, reply = await _service.infer(svc, model, inputs, params, deadline_s=remaining)
         except Refused as e:
             _service.responded(svc, model, e.status, start)
             await context.abort(_CODES[e.status], str(e))
+        except asyncio.CancelledError:  # grpcio cancels the task when the client cancels or the deadline passes
+            remaining = context.time_remaining()
+            _service.abandoned(svc, model, start, expired=remaining is not None and remaining <= _EXPIRED_S)
+            raise
         finally:
             held.release()
         response = pb.ModelInferResponse(model_name=model, model_version="1", id=request.id)

@@ -16,9 +16,11 @@ the binary tensor extension: ``lik_cupy/serving/_tensors.py``); ``GET /metrics``
 Request parameters: ``timeout`` (microseconds the request may wait in the queue, as tritonclient's
 ``timeout=`` sends it), ``precision`` ("fp32" or "tf32"). Response parameters: ``queue_us``,
 ``compute_us`` (its batched corpus call) and ``batch_queries`` (that call's queries). Answers: 400
-for a bad request (the message names the problem), 404 for an unknown model, 413 for a body over
-``max_body_bytes`` (decompressed too), 503 with ``Retry-After`` when every queue is full or the
-server is not ready or stopping, 504 when the deadline passed in the queue. See docs/serving.md.
+for a bad request (the message names the problem), 404 for an unknown model or a version other than
+1, 413 for a body over ``max_body_bytes`` (decompressed too), 503 with ``Retry-After`` when every
+queue is full or the server is not ready or stopping, 504 when the deadline passed in the queue. A
+request whose client disconnects before its answer is dropped from the queue, unscored, and counted
+with status 499. See docs/serving.md.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from starlette.routing import Route
 
 from .._version import __version__
 from . import _service, _tensors
-from ._service import MAX_BODY, MODELS, Held, Refused, Service
+from ._service import MAX_BODY, MODELS, VERSIONS, Held, Refused, Service
 from .batcher import Batcher
 
 __all__ = ["MODELS", "make_app", "run", "run_processes", "serve"]
@@ -56,6 +58,7 @@ def make_app(load, *, max_body_bytes: int = MAX_BODY, grpc_address: str | None =
     starlette's routing). ``load``: a callable taking the server's :class:`Observer` (its metrics)
     and returning the :class:`Batcher`; it runs in a thread at startup, while ``/v2/health/live``
     already answers (``ready`` turns true once it returns and the batcher is warm).
+    ``max_body_bytes``: the largest request body (decompressed too), or gRPC message.
     ``grpc_address`` (``host:port``): also serve the protocol over gRPC there, from the same batcher
     (``lik_cupy.serving.grpc``; needs the ``[serve-grpc]`` extra)."""
     return _application(load, max_body_bytes, grpc_address)
@@ -100,22 +103,22 @@ def _application(load, max_body_bytes: int, grpc_address: str | None, peers=None
         model = request.path_params["model"]
         try:
             inputs, outputs = ([{"name": n, "datatype": t, "shape": s} for n, t, s in part]
-                               for part in _service.tensor_specs(svc, model))
+                               for part in _service.tensor_specs(svc, model, _version(request)))
         except Refused as e:
             return _refused_response(e)
-        return JSONResponse({"name": model, "versions": ["1"], "platform": "lik_cupy", "inputs": inputs,
+        return JSONResponse({"name": model, "versions": list(VERSIONS), "platform": "lik_cupy", "inputs": inputs,
                              "outputs": outputs})
 
     async def model_ready(request):
         try:
-            _service.check_model(request.path_params["model"])
+            _service.check_model(request.path_params["model"], _version(request))
         except Refused as e:
             return _refused_response(e)
         return Response(status_code=200 if svc.ready else 503)
 
     async def config(request):
         try:
-            return JSONResponse(_service.model_config(svc, request.path_params["model"]))
+            return JSONResponse(_service.model_config(svc, request.path_params["model"], _version(request)))
         except Refused as e:
             return _refused_response(e)
 
@@ -123,7 +126,7 @@ def _application(load, max_body_bytes: int, grpc_address: str | None, peers=None
         model = request.path_params.get("model")
         try:
             if model is not None:
-                _service.check_model(model)
+                _service.check_model(model, _version(request))
         except Refused as e:
             return _refused_response(e)
         return JSONResponse({"model_stats": [svc.metrics.statistics(m) for m in ([model] if model else MODELS)]})
@@ -142,22 +145,29 @@ def _application(load, max_body_bytes: int, grpc_address: str | None, peers=None
     return _App(app, svc)
 
 
+def _version(request) -> str:
+    """The model version a request's path names ("" for none)."""
+    return request.path_params.get("version", "")
+
+
 def serve(paths, *, host: str = "127.0.0.1", port: int = 8000, grpc_port: int | None = None, devices=None,
           partition: bool | None = None, max_batch: int = 64, max_tokens: int = 65536, max_delay_us: int = 0,
           max_queue: int = 1024, processes: int = 1) -> None:
     """Serve the documents of shard ``paths`` (:meth:`Batcher.from_shards` for ``devices`` and
     ``partition``; the rest as for :class:`Batcher`) with :func:`run`: HTTP on ``port``, and gRPC on
     ``grpc_port`` when given. ``processes`` > 1: that many server processes on the ports
-    (:func:`run_processes`), each with its own replicas."""
+    (:func:`run_processes`), each with its own replicas (over several GPUs, one GPU's in each
+    process where their count divides ``processes``: ``Batcher.from_shards``' ``process``)."""
     if grpc_port is not None and grpc_port == port != 0:
         from ..errors import LikError
 
         raise LikError(f"{host}:{port}", f"the gRPC port must differ from the HTTP port, both are {port}")
-    load = functools.partial(_load_shards, list(paths), devices, partition,
-                             dict(max_batch=max_batch, max_tokens=max_tokens, max_delay_us=max_delay_us,
-                                  max_queue=max_queue))
+    kwargs = dict(max_batch=max_batch, max_tokens=max_tokens, max_delay_us=max_delay_us, max_queue=max_queue)
+    load = functools.partial(_load_shards, list(paths), devices, partition, kwargs)
     if processes > 1:
-        run_processes(load, processes, host=host, port=port, grpc_port=grpc_port)
+        loads = [functools.partial(_load_shards, list(paths), devices, partition, kwargs, process=(i, processes))
+                 for i in range(processes)]
+        run_processes(loads, processes, host=host, port=port, grpc_port=grpc_port)
         return
     run(make_app(load, grpc_address=None if grpc_port is None else _grpc_address(host, grpc_port)), host=host,
         port=port)
@@ -167,8 +177,8 @@ def _grpc_address(host: str, port: int) -> str:
     return f"{f'[{host}]' if ':' in host else host}:{port}"
 
 
-def _load_shards(paths, devices, partition, kwargs, observer) -> Batcher:
-    return Batcher.from_shards(paths, devices, partition=partition, observer=observer, **kwargs)
+def _load_shards(paths, devices, partition, kwargs, observer, process=None) -> Batcher:
+    return Batcher.from_shards(paths, devices, partition=partition, process=process, observer=observer, **kwargs)
 
 
 def run_processes(load, processes: int, *, host: str = "127.0.0.1", port: int = 8000,
@@ -176,7 +186,8 @@ def run_processes(load, processes: int, *, host: str = "127.0.0.1", port: int = 
     """Serve :func:`make_app` ``(load)`` from ``processes`` processes sharing the HTTP port (and
     ``grpc_port``'s gRPC, when given) until SIGINT or SIGTERM; each drains its accepted requests,
     then this returns. ``load`` must pickle (a module-level function or a ``functools.partial`` of
-    one): each process calls it for a batcher, and replicas on the devices, of its own. One
+    one): each process calls it for a batcher, and replicas on the devices, of its own (a list of
+    ``processes`` of them: process i calls the i-th). One
     process's Python parses, checks and answers about 2,000 requests a second; the processes
     multiply that, and the batching happens within each. ``/v2/health/ready`` answers 200 once every
     process is warm; ``/metrics`` sums the histograms and counters over them (prometheus-client's
@@ -186,6 +197,9 @@ def run_processes(load, processes: int, *, host: str = "127.0.0.1", port: int = 
 
     if isinstance(processes, bool) or not isinstance(processes, int) or processes < 1:
         raise ValueError(f"processes must be an integer >= 1, got {processes!r}")
+    loads = list(load) if isinstance(load, (list, tuple)) else [load] * processes
+    if len(loads) != processes:
+        raise ValueError(f"load lists {len(loads)} callables for {processes} processes; give one, or one per process")
     # The ports are reserved by sockets bound with SO_REUSEPORT that never listen; each process
     # listens on sockets of its own bound there too (_serve_child). SO_REUSEPORT would also join a
     # group another server already listens in, so each port is first bound without it, as one
@@ -204,8 +218,8 @@ def run_processes(load, processes: int, *, host: str = "127.0.0.1", port: int = 
             print(f"lik serve: listening on grpc://{grpc_address}", file=sys.stderr, flush=True)
 
     try:
-        serve_processes(functools.partial(_serve_child, load, host, sock.getsockname()[1], grpc_address), processes,
-                        announce)
+        serve_processes([functools.partial(_serve_child, one, host, sock.getsockname()[1], grpc_address)
+                         for one in loads], announce)
     finally:
         sock.close()
         if grpc_sock is not None:
@@ -286,7 +300,7 @@ def _serve_on(app, sock: socket.socket) -> None:
 # ---------------------------------------------------------------- handlers
 
 
-_INFER = re.compile(r"/v2/models/([^/]+)(?:/versions/[^/]+)?/infer")
+_INFER = re.compile(r"/v2/models/([^/]+)(?:/versions/([^/]+))?/infer")
 
 
 class _App:
@@ -302,23 +316,24 @@ class _App:
         if scope["type"] == "http" and scope["method"] == "POST":
             m = _INFER.fullmatch(scope["path"])
             if m:
-                return await _answer_infer(self._svc, m.group(1), scope, receive, send)
+                return await _answer_infer(self._svc, m.group(1), m.group(2) or "", scope, receive, send)
         await self._app(scope, receive, send)
 
 
 class _Disconnected(Exception):
-    """The client went away before its request's body was read."""
+    """The client went away before its request was answered."""
 
 
-async def _answer_infer(svc: Service, model: str, scope, receive, send) -> None:
+async def _answer_infer(svc: Service, model: str, version: str, scope, receive, send) -> None:
     start = time.perf_counter()
     headers = {k: v for k, v in scope["headers"] if k in _REQUEST_HEADERS}
     held = Held(svc)
     try:
-        status, body, head = await _infer(svc, model, headers, receive, held)
+        status, body, head = await _infer(svc, model, version, headers, receive, held)
     except Refused as e:
         status, body, head = _refused(e)
     except _Disconnected:
+        _service.abandoned(svc, model, start, expired=False)
         return
     except Exception as e:  # noqa: BLE001 - a fault of ours: say so, keep serving
         _log.exception("inference request failed")
@@ -350,11 +365,12 @@ def _refused_response(e: Refused) -> Response:
     return Response(body, status_code=status, headers={k.decode(): v.decode() for k, v in head})
 
 
-async def _infer(svc: Service, model: str, headers: dict, receive, held: Held) -> tuple[int, bytes, tuple]:
-    """(status, body, headers) of the response to one inference request (raises :class:`Refused`).
-    ``headers``: the request's, by lower-case name, as bytes; ``held``: what the body holds of the
-    server's budget."""
-    _service.check_model(model)
+async def _infer(svc: Service, model: str, version: str, headers: dict, receive,
+                 held: Held) -> tuple[int, bytes, tuple]:
+    """(status, body, headers) of the response to one inference request (raises :class:`Refused`, or
+    :class:`_Disconnected`). ``headers``: the request's, by lower-case name, as bytes; ``held``: what
+    the body holds of the server's budget."""
+    _service.check_model(model, version)
     _service.check_ready(svc)  # before reading the body
     body = await _body(receive, svc.max_body, held)
     try:
@@ -373,7 +389,7 @@ async def _infer(svc: Service, model: str, headers: dict, receive, held: Held) -
             raise ValueError("the request's parameters must be an object")
     except ValueError as e:
         raise Refused(400, str(e)) from None
-    out, params = await _service.infer(svc, model, inputs, params)
+    out, params = await _unless_disconnected(_service.infer(svc, model, inputs, params), receive)
     head = {"model_name": model, "model_version": "1", "parameters": params}
     if isinstance(header.get("id"), str):
         head["id"] = header["id"]
@@ -382,6 +398,35 @@ async def _infer(svc: Service, model: str, headers: dict, receive, held: Held) -
         return 200, content, _JSON
     return 200, content, ((b"content-type", b"application/octet-stream"),
                           (b"inference-header-content-length", str(json_size).encode()))
+
+
+async def _unless_disconnected(work, receive):
+    """``await work`` (a coroutine), or :class:`_Disconnected` once the client has gone away. A task
+    waits for the next message, which after the body is ``http.disconnect``, and then cancels this
+    one, as grpcio cancels the task of a call whose client left: ``_service.infer`` then drops the
+    request from the queue if it is still there. (The task costs about 8 us a request.)"""
+    task = asyncio.current_task()
+    waiting, gone = True, False
+
+    def received(watcher):
+        nonlocal gone
+        # (a callback that runs after the answer came must not cancel the task sending it)
+        if waiting and not watcher.cancelled() and watcher.exception() is None \
+                and watcher.result()["type"] == "http.disconnect":
+            gone = True
+            task.cancel()
+
+    watcher = asyncio.ensure_future(receive())
+    watcher.add_done_callback(received)
+    try:
+        return await work
+    except asyncio.CancelledError:
+        if gone:
+            raise _Disconnected from None
+        raise
+    finally:
+        waiting = False
+        watcher.cancel()
 
 
 async def _body(receive, limit: int, held: Held) -> bytes | None:
