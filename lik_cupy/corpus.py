@@ -562,7 +562,8 @@ class Corpus:
         if on_device:
             import cupy
 
-            return ids[cupy.asarray(rows)]
+            with cupy.cuda.Device(self.device):  # (the rows' index on the candidates' GPU, not the current one)
+                return ids[cupy.asarray(rows)]
         return ids[rows]
 
     def _candidates(self, candidates, nq: int, one_query: bool):

@@ -116,8 +116,8 @@ def maxsim_residual_varlen(Q, codes, residuals, d_offsets, centroids, bucket_wei
             ``[Nq, K]`` (``[K]`` for a 2-D Q): the documents each query scores -> ``[Nq, K]``,
             read where they lie (the rerank of a PLAID search; no gathered copy is made).
         validate: check the offsets and candidate ids on the device (one small kernel each,
-            beside the scoring kernel, as :func:`lik_cupy.maxsim_varlen` does). False skips them;
-            the kernel then clamps every read to the inputs, and an id outside ``[0, N)`` scores
+            beside the scoring kernel, as :func:`lik_cupy.maxsim_varlen` does; None: the default,
+            True). False skips them; the kernel then clamps every read to the inputs, and an id outside ``[0, N)`` scores
             NaN.
         q_mask, q_lengths, return_argmax, backend: as in :func:`maxsim_residual`.
 
@@ -143,7 +143,7 @@ def maxsim_residual_varlen(Q, codes, residuals, d_offsets, centroids, bucket_wei
     """
     check_backend(backend)
     normalize, return_argmax = check_flag("normalize", normalize), check_flag("return_argmax", return_argmax)
-    validate = check_flag("validate", validate)
+    validate = check_flag("validate", validate, none=True) is not False  # (None: the default, True)
     rp = check_residual(Q, codes, residuals, d_offsets, centroids, bucket_weights, nbits, q_mask, q_lengths,
                         packed=True, candidates=candidates)
     s, a = _score(rp, Q, codes, residuals, d_offsets, centroids, bucket_weights, q_mask, q_lengths, candidates,

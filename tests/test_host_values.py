@@ -42,3 +42,24 @@ def test_lengths_past_int64_are_named_as_given():
     for call in calls:
         with pytest.raises(ValueError, match=r"d_lengths holds 9223372036854775809; every length must be in \[0, 5\]"):
             call()
+
+
+def test_unsigned_and_signed_ints_in_one_list_are_taken():
+    """np.uint64 beside a Python int makes NumPy's float64 array; every value fits int64, so the list
+    is taken as int64 (the search for one that did not fit raised a bare StopIteration)."""
+    import lik_cupy
+
+    Q, D = np.ones((1, 2, 8), np.float32), np.ones((3, 4, 8), np.float32)
+    c = lik_cupy.Corpus(D, device="cpu", ids=[np.uint64(7), 1, 2])
+    np.testing.assert_array_equal(c.rerank(Q, [[np.uint64(1), 0]]), c.rerank(Q, [[1, 0]]))
+    got = lik_cupy.maxsim(Q, D, d_lengths=[np.uint64(1), 2, 2], backend="cpu")
+    np.testing.assert_array_equal(got, lik_cupy.maxsim(Q, D, d_lengths=[1, 2, 2], backend="cpu"))
+
+
+def test_residual_varlen_validate_none_is_the_default():
+    """validate=None means the default wherever validate is taken: maxsim_residual_varlen refused it."""
+    index = plaid.PlaidIndex.open(INDEX)
+    Q = np.random.default_rng(0).standard_normal((1, 4, index.dim)).astype(np.float32)
+    args = (Q, index.codes, index.residual_bits, index.offsets, index.centroids, index.bucket_weights, index.nbits)
+    np.testing.assert_array_equal(plaid.maxsim_residual_varlen(*args, validate=None, backend="cpu"),
+                                  plaid.maxsim_residual_varlen(*args, backend="cpu"))

@@ -286,3 +286,18 @@ def test_processes_share_the_grpc_port(shard, local):
         log = server.stop()
     assert server.proc.returncode == 0, log
 
+
+
+def test_a_body_limit_of_a_gibibyte_or_more_still_starts():
+    """grpc core's message limit is a C int: twice a 1 GiB body limit overflowed it and the server
+    did not start (OverflowError)."""
+    import asyncio
+
+    from lik_cupy.serving import grpc as lik_grpc
+    from lik_cupy.serving._service import Service
+
+    async def main():
+        server = await lik_grpc.start_server(Service(lambda observer: None, 1 << 30), "127.0.0.1:0")
+        await server.stop(None)
+
+    asyncio.run(main())

@@ -52,8 +52,10 @@ def host_ints(name: str, x, expected: str = "a rectangular list of integers") ->
     if a.dtype.kind in "Of" and a.size:  # (strings, such as ids, are no integers to look for)
         flat = np.asarray(x, dtype=object).reshape(-1)
         if all(isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_)) for v in flat):
-            bad = next(int(v) for v in flat if not -2**63 <= int(v) < 2**63)
-            raise ValueError(f"{name} holds {bad}; every entry must fit int64")
+            bad = next((int(v) for v in flat if not -2**63 <= int(v) < 2**63), None)
+            if bad is not None:
+                raise ValueError(f"{name} holds {bad}; every entry must fit int64")
+            return np.asarray(x, np.int64)  # (NumPy's float64 for np.uint64 beside a signed int: every one fits)
     return a
 
 

@@ -58,7 +58,7 @@ async def start_server(svc: Service, address: str, shared: bool = False) -> grpc
     parent reserved (SO_REUSEPORT; the parent prints the line)."""
     from ..errors import LikError
 
-    limit = _CORE_LIMIT_BODIES * svc.max_body
+    limit = min(_CORE_LIMIT_BODIES * svc.max_body, 2**31 - 1)  # (grpc core takes a C int)
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", limit),
                                       ("grpc.max_send_message_length", -1), ("grpc.so_reuseport", int(shared))])
     rpc.add_GRPCInferenceServiceServicer_to_server(_Servicer(svc), server)
