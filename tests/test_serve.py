@@ -858,3 +858,56 @@ def test_bench_serve_smoke_run(tmp_path):
             assert [r["clients"] for r in server["closed"]] == [1, 4]
             assert all(r["qps"] > 0 and r["errors"] == 0 and r["histogram"] for r in server["closed"])
         assert all(r["mean_batch"] == 1 for r in w["servers"]["unbatched"]["closed"])
+
+
+def test_a_request_expired_in_the_queue_then_given_up_is_rejected_once():
+    """The worker expires a request (counted rejected, deadline) and its transport gives up on it
+    before the event loop has seen that (grpcio's deadline cancels the task): it was counted twice."""
+    import asyncio
+    import time
+
+    from prometheus_client import generate_latest
+
+    from lik_cupy.serving import _service
+
+    rng = np.random.default_rng(0)
+    tokens = rng.standard_normal((100, 16)).astype(np.float32)
+
+    class Slow(lik_cupy.Corpus):
+        def score(self, *a, **k):
+            time.sleep(0.4 if k.get("q_offsets") is not None else 0)  # (the batcher's call, not the one per group)
+            return super().score(*a, **k)
+
+    corpus = Slow(tokens, d_offsets=np.arange(0, 101, 5), device="cpu")
+    svc = _service.Service(lambda observer: Batcher(corpus, max_batch=1, observer=observer))
+    svc.start()
+    deadline = time.monotonic() + 30
+    while not svc.ready and time.monotonic() < deadline:
+        time.sleep(0.02)
+    q = {"Q": np.ones((2, 16), np.float32)}
+
+    async def main():
+        busy = asyncio.create_task(_service.infer(svc, "score", q, {}))  # holds the worker 0.4 s
+        await asyncio.sleep(0.05)
+
+        async def handler():  # as the gRPC transport's: a call with 50 ms of its deadline left
+            start = time.perf_counter()
+            try:
+                await _service.infer(svc, "score", q, {}, deadline_s=0.05)
+            except asyncio.CancelledError:
+                _service.abandoned(svc, "score", start, expired=True)
+                raise
+
+        late = asyncio.create_task(handler())
+        await asyncio.sleep(0.01)
+        time.sleep(0.6)  # the loop is busy while the worker expires `late`
+        late.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await late
+        await busy
+
+    asyncio.run(main())
+    text = generate_latest(svc.metrics.registry).decode()
+    rejected = [line for line in text.splitlines() if line.startswith("lik_serve_rejected_total{")]
+    assert rejected == ['lik_serve_rejected_total{model="score",reason="deadline"} 1.0'], rejected
+    svc.batcher.close()

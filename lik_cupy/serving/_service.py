@@ -13,6 +13,7 @@ counted by :func:`abandoned`.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import sys
 import threading
 import time
@@ -31,6 +32,9 @@ VERSIONS = ("1",)  # every model's versions
 OUTPUTS = {"search": ("SCORES", "IDS"), "rerank": ("SCORES",), "score": ("SCORES",)}
 INPUTS = {"search": ("Q", "K"), "rerank": ("Q", "IDS"), "score": ("Q",)}
 MAX_BODY = 64 << 20
+# Set in the task of a request the batcher expired (and counted rejected) just before its transport
+# gave up on it: abandoned() then counts the response only, not a second reject.
+_expired_in_queue = contextvars.ContextVar("lik_serve_expired_in_queue", default=False)
 # A request's outputs at most, in bytes: a query costs its tokens' bytes to send, but a score
 # answers it with a float for every document.
 MAX_OUTPUT = 1 << 30
@@ -220,7 +224,10 @@ async def infer(svc: Service, model: str, inputs: dict[str, np.ndarray], params:
             result = await asyncio.wrap_future(future)
         except asyncio.CancelledError:
             gone = True
-            future.cancel()  # the worker skips a cancelled request (one being scored completes, unsent)
+            # The worker skips a cancelled request (one being scored completes, unsent). One that it
+            # expired a moment ago, before this task saw it, was counted then.
+            if not future.cancel() and future.done() and isinstance(future.exception(), DeadlineExceeded):
+                _expired_in_queue.set(True)
             raise
         except DeadlineExceeded as e:
             raise Refused(504, str(e)) from None
@@ -246,7 +253,8 @@ def abandoned(svc: Service, model: str, start: float, expired: bool) -> None:
     """Count a request of ``model`` that its transport gave up on unanswered: its client went away
     (499, google.rpc.Code CANCELLED's HTTP status; rejected as ``cancelled``), or, ``expired``, its
     gRPC deadline passed (504 and ``deadline``, as an HTTP request's timeout that passes in the queue)."""
-    svc.metrics.rejected(model, "deadline" if expired else "cancelled")
+    if not _expired_in_queue.get():
+        svc.metrics.rejected(model, "deadline" if expired else "cancelled")
     responded(svc, model, 504 if expired else 499, start)
 
 
