@@ -911,3 +911,35 @@ def test_a_request_expired_in_the_queue_then_given_up_is_rejected_once():
     rejected = [line for line in text.splitlines() if line.startswith("lik_serve_rejected_total{")]
     assert rejected == ['lik_serve_rejected_total{model="score",reason="deadline"} 1.0'], rejected
     svc.batcher.close()
+
+
+def test_a_disconnect_is_taken_back_as_the_watcher_cancellation_it_was():
+    """The HTTP handler's watcher cancels its task when the client goes away and raises _Disconnected
+    instead; the task's count of cancellations (Python 3.11+) must be back at 0, and a cancellation
+    from elsewhere must still be one."""
+    import asyncio
+
+    from lik_cupy.serving import http
+
+    async def gone():
+        return {"type": "http.disconnect"}
+
+    async def never():
+        await asyncio.Event().wait()
+
+    async def disconnected():
+        with pytest.raises(http._Disconnected):
+            await http._unless_disconnected(asyncio.sleep(10), gone)
+        task = asyncio.current_task()
+        return task.cancelling() if hasattr(task, "cancelling") else 0
+
+    assert asyncio.run(disconnected()) == 0
+
+    async def cancelled_from_outside():
+        inner = asyncio.create_task(http._unless_disconnected(asyncio.sleep(10), never))
+        await asyncio.sleep(0.01)
+        inner.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await inner
+
+    asyncio.run(cancelled_from_outside())

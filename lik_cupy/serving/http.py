@@ -421,7 +421,9 @@ async def _unless_disconnected(work, receive):
     try:
         return await work
     except asyncio.CancelledError:
-        if gone:
+        # Ours is taken back (Python 3.11+ counts a task's cancellations; asyncio.timeout and task
+        # groups read the count); one from elsewhere at the same moment goes on as a cancellation.
+        if gone and (not hasattr(task, "uncancel") or task.uncancel() == 0):
             raise _Disconnected from None
         raise
     finally:
