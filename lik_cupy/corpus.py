@@ -26,6 +26,7 @@ call's work is its own (launches go to each thread's current CuPy or torch strea
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import threading
 
@@ -275,8 +276,10 @@ class Corpus:
             float32 ``[Nq, K]`` (``[K]`` for a 2-D Q), in the candidates' order, in Q's framework and place.
         """
         if q_offsets is not None:
+            # (the whole candidates checked once, each group then taking its rows of them)
+            checked = functools.cache(lambda nq: self._candidates(candidates, nq, one_query=False)[:2])
             return _by_length(Q, q_mask, q_lengths, q_offsets, lambda q, n, rows, nq: (self.rerank(
-                q, candidates if rows is None else self._candidate_rows(candidates, nq, rows), q_lengths=n,
+                q, candidates if rows is None else self._candidate_rows(*checked(nq), rows), q_lengths=n,
                 precision=precision),))[0]
         key = call_key("Corpus.rerank", (None, precision), Q, (candidates, q_mask, q_lengths))
         call = self._calls.get(key)
@@ -555,10 +558,9 @@ class Corpus:
                 out[a:b, c0:c1] = s
         return out
 
-    def _candidate_rows(self, candidates, nq: int, rows: np.ndarray):
-        """Rows ``rows`` of the candidates ``[nq, K]`` of ``nq`` queries, checked as :meth:`rerank` checks
-        them: an int64 NumPy array, or a CuPy array on the corpus's device (of device candidates)."""
-        ids, on_device, _ = self._candidates(candidates, nq, one_query=False)
+    def _candidate_rows(self, ids, on_device: bool, rows: np.ndarray):
+        """Rows ``rows`` of checked candidates ``ids`` (:meth:`_candidates`' int64 NumPy array, or CuPy
+        array on the corpus's device where ``on_device``)."""
         if on_device:
             import cupy
 
