@@ -1,16 +1,28 @@
 """``lik_cupy.torch.maxsim_from_hidden``'s operators: ``torch.ops.lik_cupy.maxsim_from_hidden`` and
 its backward, with fake implementations from ``_validate`` (``torch.compile``, ``torch.export``) and
-the backward as the forward's autograd formula. Every call, eager or traced, goes through them (their
-dispatch costs microseconds beside the projection). Registered on import, in the ``lik_cupy``
-library that ``_torch_autograd`` defines."""
+the backward as the forward's autograd formula, which traced calls (``torch.compile``, tensor
+subclasses) go through; eager calls take their implementations through an autograd.Function
+(``from_hidden_eager``). Registered on import, in the ``lik_cupy`` library that ``_torch_autograd``
+defines.
+
+float16 and bfloat16 CUDA tensors whose projected tokens fit one chunk (training batches, reranking)
+take torch's own GEMMs (``F.linear``'s) and the MaxSim calls' torch path, with the normalisation and
+its gradient by ``cuda_src/hidden.cu`` in place on the projection: the same steps as
+``lik_cupy.fused_head``'s, in a few torch calls instead of some sixty calls through CuPy (the
+training step was bound by their host time: 0.1-0.2 ms of GPU work in a 2.4-3.3 ms step on an H200).
+An eager training call keeps that projection for its backward instead of computing it again. Other
+calls (float32 and float64, the CPU, several chunks) take ``lik_cupy.fused_head``."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from ._torch_autograd import backend_of, fake_outputs, no_argmax, no_second_derivative
-from ._validate import check_hidden, check_hidden_backward
-from .fused_head import maxsim_from_hidden, maxsim_from_hidden_backward
+from ._validate import check_flag, check_hidden, check_hidden_backward, check_hidden_options
+from .backward import maxsim_backward
+from .forward import maxsim
+from .fused_head import CHUNK_BYTES, maxsim_from_hidden, maxsim_from_hidden_backward
 
 _lib = torch.library.Library("lik_cupy", "FRAGMENT")
 _TAGS = (torch.Tag.pt2_compliant_tag,)
@@ -24,6 +36,9 @@ _lib.define("maxsim_from_hidden_backward(Tensor grad_scores, Tensor Q, Tensor H,
 
 def _forward_op(Q, H, W, bias, q_mask, d_mask, q_lengths, d_lengths, normalize, eps, return_argmax, max_chunk_bytes,
                 precision):
+    if _one_torch_chunk(Q, H, W, max_chunk_bytes):
+        return _torch_forward(Q, H, W, bias, q_mask, d_mask, q_lengths, d_lengths, normalize, eps,
+                              check_flag("return_argmax", return_argmax), max_chunk_bytes, precision)[:2]
     out = maxsim_from_hidden(Q, H, W, bias, q_mask, d_mask, q_lengths=q_lengths, d_lengths=d_lengths,
                              normalize=normalize, eps=eps, return_argmax=return_argmax, max_chunk_bytes=max_chunk_bytes,
                              backend=backend_of(Q), precision=precision)
@@ -32,10 +47,101 @@ def _forward_op(Q, H, W, bias, q_mask, d_mask, q_lengths, d_lengths, normalize, 
 
 def _backward_op(grad_scores, Q, H, W, bias, argmax, d_mask, d_lengths, normalize, eps, max_chunk_bytes, precision):
     # the argmax is the forward's own: trusted, no host read (CUDA-graph capture)
+    if _one_torch_chunk(Q, H, W, max_chunk_bytes):
+        hp = check_hidden_backward(grad_scores, Q, H, W, bias, argmax, d_mask, d_lengths)
+        normalize, eps, _ = check_hidden_options(normalize, eps, max_chunk_bytes)
+        h2 = H.reshape(hp.p.nd * hp.p.ld, hp.hidden)
+        D, ss = _project(h2, W, bias, normalize, eps)  # again: the operator keeps no projection
+        return _torch_backward(grad_scores, Q, H, W, bias, argmax, d_mask, d_lengths, normalize, eps, D, ss)
     dq, dh, dw, db = maxsim_from_hidden_backward(grad_scores, Q, H, W, bias, argmax, d_mask, d_lengths=d_lengths,
                                                  normalize=normalize, eps=eps, max_chunk_bytes=max_chunk_bytes,
                                                  backend=backend_of(Q), precision=precision, validate=False)
     return dq, dh, dw, (_no_bias_grad(W) if db is None else db)
+
+
+def _torch_forward(Q, H, W, bias, q_mask, d_mask, q_lengths, d_lengths, normalize, eps, return_argmax: bool,
+                   max_chunk_bytes, precision):
+    """The torch path's forward: ``(scores, argmax, D, ss)``, the projection ``D [R, d]`` and its rows' sums
+    of squares ``ss`` as :func:`_project` gives them (a placeholder argmax without ``return_argmax``)."""
+    hp = check_hidden(Q, H, W, bias, q_mask, d_mask, q_lengths, d_lengths)
+    normalize, eps, _ = check_hidden_options(normalize, eps, max_chunk_bytes)
+    p = hp.p
+    D, ss = _project(H.reshape(p.nd * p.ld, hp.hidden), W, bias, normalize, eps)
+    out = maxsim(Q, D.view(H.shape[:-1] + (p.dim,)), q_mask, d_mask, q_lengths=q_lengths, d_lengths=d_lengths,
+                 return_argmax=return_argmax, backend="gpu", precision=precision)
+    scores, amax = out if return_argmax else (out, no_argmax(out))
+    return scores, amax, D, ss
+
+
+def _torch_backward(grad_scores, Q, H, W, bias, argmax, d_mask, d_lengths, normalize: bool, eps: float, D, ss):
+    """The torch path's gradients ``(dQ, dH, dW, dbias)`` from the forward's projection ``D`` and ``ss``
+    (:func:`_project`; read only: the projection's gradient is written over the MaxSim backward's dD)."""
+    rows, dim = D.shape
+    h2 = H.reshape(rows, H.shape[-1])
+    dq, dD = maxsim_backward(grad_scores.float(), Q, D.view(H.shape[:-1] + (dim,)), argmax, validate=False,
+                             backend="gpu")
+    dP = dD.reshape(rows, dim)
+    keep = _keep(d_mask, d_lengths, H.shape[1], rows, H.device)
+    if normalize or keep is not None:
+        _rows_launch("lik_hidden_normalize_grad", D, (D, dP, ss if normalize else None, keep, np.int64(rows),
+                                                      np.int32(dim), np.float32(eps)))
+    db = _no_bias_grad(W) if bias is None else dP.sum(0, dtype=torch.float32).to(bias.dtype)
+    return dq.view(Q.shape), torch.mm(dP, W).view(H.shape), torch.mm(dP.t(), h2), db
+
+
+def _one_torch_chunk(Q, H, W, max_chunk_bytes) -> bool:
+    """Whether a call takes the torch path (the module's docstring): CUDA float16 or bfloat16 inputs whose
+    projected tokens, H's rows times W's, fit one chunk (mismatched arguments are left to the checks)."""
+    if not (Q.is_cuda and H.dtype in (torch.float16, torch.bfloat16) and Q.dtype == H.dtype == W.dtype and H.dim() == 3
+            and W.dim() == 2):
+        return False
+    budget = CHUNK_BYTES if max_chunk_bytes is None else max_chunk_bytes
+    return H.shape[0] * H.shape[1] * W.shape[0] * H.element_size() <= budget
+
+
+def _project(h2, W, bias, normalize: bool, eps: float):
+    """``h2 [R, h] @ W.T + bias`` in h2's 16-bit type, normalised in place where ``normalize`` (the bias
+    then added in float32 by the normalisation, as ``lik_cupy._runtime.hidden.project`` does); returns it
+    and its rows' float32 sums of squares ``[R]`` (None without normalisation)."""
+    if not normalize:
+        return torch.nn.functional.linear(h2, W, bias), None
+    D = torch.mm(h2, W.t())
+    ss = torch.empty(D.shape[0], dtype=torch.float32, device=D.device)
+    _rows_launch("lik_hidden_normalize", D, (D, None if bias is None else bias.float(), ss, np.int64(D.shape[0]),
+                                            np.int32(D.shape[1]), np.float32(eps)))
+    return D, ss
+
+
+def _keep(d_mask, d_lengths, ld: int, rows: int, device):
+    """uint8 [rows]: the document tokens that take a gradient, or None where all do."""
+    if d_mask is not None:
+        return d_mask.reshape(rows).to(device=device, dtype=torch.uint8)
+    if d_lengths is not None:
+        lens = d_lengths.to(device=device).reshape(-1, 1)
+        return (torch.arange(ld, device=device)[None, :] < lens).reshape(rows).to(torch.uint8)
+    return None
+
+
+_streams: dict = {}
+
+
+def _rows_launch(entry: str, like, args) -> None:
+    """``cuda_src/hidden.cu``'s ``entry`` for the rows of ``like`` (one warp a row), on torch's current
+    stream of ``like``'s device; tensors in ``args`` pass their addresses (None: null)."""
+    import cupy
+
+    from ._runtime.hidden import launch_rows
+
+    dev = like.device.index
+    sp = torch.cuda.current_stream(dev).cuda_stream
+    stream = _streams.get((dev, sp))
+    if stream is None:
+        stream = _streams[(dev, sp)] = cupy.cuda.ExternalStream(sp, dev)
+    dtype = "float16" if like.dtype == torch.float16 else "bfloat16"
+    raw = tuple(np.uint64(0 if a is None else a.data_ptr()) if a is None or isinstance(a, torch.Tensor) else a
+                for a in args)
+    with cupy.cuda.Device(dev):
+        launch_rows(entry, dtype, dev, int(like.shape[0]), raw, stream)
 
 
 def _no_bias_grad(W):
@@ -90,5 +196,59 @@ torch.library.register_autograd("lik_cupy::maxsim_from_hidden_backward",
                                 no_second_derivative("lik_cupy::maxsim_from_hidden_backward"),
                                 setup_context=lambda ctx, inputs, output: None, lib=_lib)
 
-# The forward operator, as lik_cupy.torch.maxsim_from_hidden calls it.
+# The forward operator, as lik_cupy.torch.maxsim_from_hidden calls it while tracing.
 maxsim_from_hidden_op = torch.ops.lik_cupy.maxsim_from_hidden.default
+
+
+# ---------------------------------------------------------------- eager
+
+class _FromHidden(torch.autograd.Function):
+    """The operators' implementations as an autograd.Function, for eager calls: torch.library's Python
+    dispatch and autograd wrapper cost about 0.4 ms of a training step's host time (an H200 host's
+    profile), where this costs microseconds."""
+
+    @staticmethod
+    def forward(ctx, Q, H, W, bias, q_mask, d_mask, q_lengths, d_lengths, normalize, eps, max_chunk_bytes, precision):
+        # The torch path keeps its projection for the backward (a sixth of H at h = 768, d = 128): one GEMM
+        # and one normalisation fewer in a step bound by their host time.
+        kept = (None, None)
+        if _one_torch_chunk(Q, H, W, max_chunk_bytes):
+            scores, amax, *kept = _torch_forward(Q, H, W, bias, q_mask, d_mask, q_lengths, d_lengths, normalize, eps,
+                                                 True, max_chunk_bytes, precision)
+        else:
+            scores, amax = _forward_op(Q, H, W, bias, q_mask, d_mask, q_lengths, d_lengths, normalize, eps, True,
+                                       max_chunk_bytes, precision)
+        ctx.save_for_backward(Q, H, W, bias, amax, d_mask, d_lengths, *kept)
+        ctx.options = (normalize, eps, max_chunk_bytes, precision)
+        ctx.mark_non_differentiable(amax)
+        return scores, amax
+
+    @staticmethod
+    def backward(ctx, g, _g_amax):
+        Q, H, W, bias, amax, d_mask, d_lengths, D, ss = ctx.saved_tensors
+        if not any(ctx.needs_input_grad[:4]):
+            return (None,) * 12
+        normalize, eps, chunk, precision = ctx.options
+        if torch.is_grad_enabled():  # create_graph=True: through the backward operator, whose own gradient raises
+            dq, dh, dw, db = torch.ops.lik_cupy.maxsim_from_hidden_backward.default(
+                g.contiguous(), Q, H, W, bias, amax, d_mask, d_lengths, normalize, eps, chunk, precision)
+        elif D is not None:
+            dq, dh, dw, db = _torch_backward(g.contiguous(), Q, H, W, bias, amax, d_mask, d_lengths, normalize, eps, D, ss)
+        else:
+            dq, dh, dw, db = _backward_op(g.contiguous(), Q, H, W, bias, amax, d_mask, d_lengths, normalize, eps, chunk,
+                                          precision)
+        grads = [x if need else None for x, need in zip((dq, dh, dw, db), ctx.needs_input_grad[:4])]
+        if bias is None:
+            grads[3] = None
+        return (*grads,) + (None,) * 8
+
+
+def from_hidden_eager(Q, H, W, bias, q_mask, d_mask, q_lengths, d_lengths, normalize, eps, return_argmax,
+                      max_chunk_bytes, precision, need_grad: bool):
+    """``(scores, argmax)`` of an eager call, as the operator gives them: through :class:`_FromHidden` where a
+    gradient is needed (the argmax then kept), else the forward's implementation alone."""
+    if need_grad:
+        return _FromHidden.apply(Q, H, W, bias, q_mask, d_mask, q_lengths, d_lengths, normalize, eps, max_chunk_bytes,
+                                 precision)
+    return _forward_op(Q, H, W, bias, q_mask, d_mask, q_lengths, d_lengths, normalize, eps, return_argmax,
+                       max_chunk_bytes, precision)

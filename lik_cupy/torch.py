@@ -30,8 +30,8 @@ device lengths and offsets NaN is captured too and reads each replay's values; s
 those values, so bad ones never read outside the inputs. Under ``torch.compile(mode="reduce-overhead")``
 inductor's CUDA graphs take both operators (none is tagged cudagraph-unsafe, and their fake
 implementations give static shapes): once warmed up and recorded, a replay runs none of
-lik_cupy's Python. ``maxsim_from_hidden`` is always its operator
-(``torch.ops.lik_cupy.maxsim_from_hidden``, ``lik_cupy/_torch_hidden.py``).
+lik_cupy's Python. ``maxsim_from_hidden``'s operator is ``torch.ops.lik_cupy.maxsim_from_hidden``
+(``lik_cupy/_torch_hidden.py``); eager calls take an autograd.Function over the same implementation.
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ from ._torch_autograd import check_method as _check_method
 from ._torch_autograd import check_tensors as _check_tensors
 from ._torch_autograd import needs_grad as _needs_grad
 from ._torch_autograd import traced as _traced
+from ._torch_hidden import from_hidden_eager as _from_hidden_eager
 from ._torch_hidden import maxsim_from_hidden_op as _maxsim_from_hidden_op
 from ._validate import check_flag as _check_flag
 from ._validate import check_hidden_options as _check_hidden_options
@@ -116,9 +117,11 @@ def maxsim_from_hidden(Q, H, W, bias=None, q_mask=None, d_mask=None, *, q_length
 
     Arguments and semantics as :func:`lik_cupy.maxsim_from_hidden`. The forward keeps the int32
     argmax; the backward (:func:`lik_cupy.maxsim_from_hidden_backward`) projects each chunk of
-    documents again, so no projected tensor is saved for it. Every call, eager or traced, is the
-    operator ``torch.ops.lik_cupy.maxsim_from_hidden`` (its dispatch costs microseconds beside
-    the projection), with ``maxsim_from_hidden_backward`` as its autograd formula.
+    documents again, so no projected tensor is saved for it, except in eager calls of float16 or
+    bfloat16 CUDA tensors whose projection is one chunk, which keep it (``d / h`` of H's bytes).
+    Under ``torch.compile`` the call is the operator ``torch.ops.lik_cupy.maxsim_from_hidden``, with
+    ``maxsim_from_hidden_backward`` as its autograd formula; eager calls run the same implementation
+    through an autograd.Function.
 
     Returns:
         float32 scores ``[Nq, Nd]`` (float64 for float64 tensors) and, if asked, the int32 argmax.
@@ -128,7 +131,11 @@ def maxsim_from_hidden(Q, H, W, bias=None, q_mask=None, d_mask=None, *, q_length
     normalize, eps, max_chunk_bytes = _check_hidden_options(normalize, eps, max_chunk_bytes)
     return_argmax = _check_flag("return_argmax", return_argmax)
     need = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (Q, H, W, bias))
-    scores, amax = _maxsim_from_hidden_op(
-        Q, H, W, bias, q_mask, d_mask, _tensor(q_lengths, Q), _tensor(d_lengths, Q), normalize, eps,
-        return_argmax or need, max_chunk_bytes, precision)
+    if _traced(Q):
+        scores, amax = _maxsim_from_hidden_op(
+            Q, H, W, bias, q_mask, d_mask, _tensor(q_lengths, Q), _tensor(d_lengths, Q), normalize, eps,
+            return_argmax or need, max_chunk_bytes, precision)
+    else:
+        scores, amax = _from_hidden_eager(Q, H, W, bias, q_mask, d_mask, _tensor(q_lengths, Q), _tensor(d_lengths, Q),
+                                          normalize, eps, return_argmax, max_chunk_bytes, precision, need)
     return (scores, amax) if return_argmax else scores

@@ -56,7 +56,19 @@ def _rows_kernel(entry: str, dtype: str, rows: int):
     warp a row, eight a block."""
     import cupy
 
-    return _function(entry, dtype, cupy.cuda.runtime.getDevice()), (int(min(-(-rows // 8), 1 << 20)),)
+    return _function(entry, dtype, cupy.cuda.runtime.getDevice()), _rows_grid(rows)
+
+
+def _rows_grid(rows: int) -> tuple[int]:
+    return (int(min(-(-rows // 8), 1 << 20)),)
+
+
+def launch_rows(entry: str, dtype: str, device: int, rows: int, args: tuple, stream) -> None:
+    """``cuda_src/hidden.cu``'s ``entry`` over ``rows`` rows of ``dtype`` on GPU ``device`` (its current
+    context), one warp a row, on CuPy stream ``stream``; ``args`` are the kernel's parameters, addresses
+    as numpy.uint64 (0: null)."""
+    if rows:
+        _function(entry, dtype, device)(_rows_grid(rows), (256,), args, stream=stream)
 
 
 @functools.cache
