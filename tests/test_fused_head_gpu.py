@@ -215,3 +215,68 @@ def test_lik_own_fused_head_tests_through_the_adapter():
                           "--rootdir", where, *files], env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
     assert " passed" in run.stdout and " failed" not in run.stdout
+
+
+# The torch path (lik_cupy/_torch_hidden.py): float16 and bfloat16 CUDA calls of one chunk, on torch's
+# GEMMs; eager training keeps its projection for the backward, the operator projects again.
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_torch_path_eager_and_operator_agree_and_match_cupy(dtype):
+    leaves = _data(DTYPES[dtype], grad=True)
+    d_len = torch.randint(0, 41, (20,), device="cuda")
+    s = lt.maxsim_from_hidden(*leaves, d_lengths=d_len)
+    g = torch.randn_like(s).masked_fill(torch.isinf(s), 0)
+    eager = torch.autograd.grad((s.masked_fill(torch.isinf(s), 0) * g).sum(), leaves)
+    op_s, _ = torch.ops.lik_cupy.maxsim_from_hidden.default(*leaves, None, None, None, d_len, True, 1e-12, True, None,
+                                                            None)
+    assert torch.equal(op_s, s)
+    op = torch.autograd.grad((op_s.masked_fill(torch.isinf(op_s), 0) * g).sum(), leaves)
+    for x, y in zip(eager, op):  # the same projection, kept or made again (dD's atomics may order sums apart)
+        assert _rel_rms(x.float(), y.float()) < 1e-3
+    if dtype == "bfloat16":  # CuPy has no bfloat16 type to take these tensors as
+        return
+    # the CuPy path (lik_cupy.fused_head's chunks) to the dtype's rounding
+    import cupy
+
+    cp = [cupy.asarray(x.detach()) for x in leaves]
+    ref_s, ref_a = lik_cupy.maxsim_from_hidden(*cp, d_lengths=cupy.asarray(d_len), return_argmax=True)
+    torch.testing.assert_close(s.detach(), torch.as_tensor(ref_s, device="cuda"), rtol=0, atol=SCORE_TOL[dtype] * 16)
+    ref = lik_cupy.maxsim_from_hidden_backward(cupy.asarray(g), *cp, ref_a, d_lengths=cupy.asarray(d_len))
+    for x, y in zip(eager, ref):
+        assert _rel_rms(x.float().cpu(), torch.as_tensor(y, device="cuda").float().cpu()) < GRAD_TOL[dtype]
+
+
+def test_torch_path_peak_memory_below_unfused_in_training():
+    Q, H, W, b = _data(torch.bfloat16, nq=8, lq=32, nd=512, ld=128, hid=768, dim=128, grad=True)
+
+    def peak(fn):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        torch.autograd.grad(fn().sum(), (Q, H, W, b))
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base
+
+    lt.maxsim_from_hidden(Q, H, W, b)  # compile first
+    assert peak(lambda: lt.maxsim_from_hidden(Q, H, W, b)) < peak(lambda: _unfused(Q, H, W, b))
+
+
+def test_torch_path_training_step_replays_in_a_cuda_graph():
+    leaves = _data(torch.bfloat16, grad=True)
+    d_len = torch.randint(1, 41, (20,), device="cuda")
+
+    def step():
+        s = lt.maxsim_from_hidden(*leaves, d_lengths=d_len)
+        return torch.autograd.grad(torch.nn.functional.cross_entropy(s, torch.arange(3, device="cuda")), leaves)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        want = step()  # warm-up (compiles) outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = step()
+    graph.replay()
+    torch.cuda.synchronize()
+    for x, y in zip(got, want):
+        assert torch.isfinite(x).all() and _rel_rms(x.float(), y.float()) < 1e-3
