@@ -280,3 +280,24 @@ def test_torch_path_training_step_replays_in_a_cuda_graph():
     torch.cuda.synchronize()
     for x, y in zip(got, want):
         assert torch.isfinite(x).all() and _rel_rms(x.float(), y.float()) < 1e-3
+
+
+@pytest.mark.parametrize("normalize", [True, False])
+def test_torch_path_matches_the_chunked_path_with_masks_and_a_2d_query(normalize):
+    Q, H, W, _ = _data(torch.bfloat16, grad=True)
+    q, q_mask = Q[0], torch.rand(16, device="cuda") < 0.7
+    d_mask = torch.rand(20, 40, device="cuda") < 0.6
+    d_mask[5] = False  # a document with every token masked: -inf
+    outs = []
+    for chunk in (None, 40 * 64 * 2):  # one chunk (the torch path), one document a chunk (lik_cupy.fused_head)
+        s = lt.maxsim_from_hidden(q, H, W, None, q_mask, d_mask, normalize=normalize, max_chunk_bytes=chunk)
+        keep = ~torch.isinf(s)
+        grads = torch.autograd.grad(s[keep].sum(), (Q, H, W))
+        outs.append((s, grads))
+    (s1, g1), (s2, g2) = outs
+    assert s1.shape == (20,) and torch.isneginf(s1[5]) and torch.equal(torch.isinf(s1), torch.isinf(s2))
+    keep = ~torch.isinf(s1)
+    torch.testing.assert_close(s1[keep], s2[keep], rtol=0, atol=SCORE_TOL["bfloat16"] * 16)
+    for x, y in zip(g1, g2):
+        assert _rel_rms(x.float().cpu(), y.float().cpu()) < GRAD_TOL["bfloat16"]
+    assert not g1[1][~d_mask].any()  # masked tokens take no gradient
