@@ -202,6 +202,7 @@ maxsim_from_hidden_op = torch.ops.lik_cupy.maxsim_from_hidden.default
 
 # ---------------------------------------------------------------- eager
 
+
 class _FromHidden(torch.autograd.Function):
     """The operators' implementations as an autograd.Function, for eager calls: torch.library's Python
     dispatch and autograd wrapper cost about 0.4 ms of a training step's host time (an H200 host's
