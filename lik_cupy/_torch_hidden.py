@@ -122,26 +122,20 @@ def _keep(d_mask, d_lengths, ld: int, rows: int, device):
     return None
 
 
-_streams: dict = {}
-
-
 def _rows_launch(entry: str, like, args) -> None:
     """``cuda_src/hidden.cu``'s ``entry`` for the rows of ``like`` (one warp a row), on torch's current
     stream of ``like``'s device; tensors in ``args`` pass their addresses (None: null)."""
     import cupy
 
+    from ._interop.torch_tensors import current_stream
     from ._runtime.hidden import launch_rows
 
     dev = like.device.index
-    sp = torch.cuda.current_stream(dev).cuda_stream
-    stream = _streams.get((dev, sp))
-    if stream is None:
-        stream = _streams[(dev, sp)] = cupy.cuda.ExternalStream(sp, dev)
     dtype = "float16" if like.dtype == torch.float16 else "bfloat16"
     raw = tuple(np.uint64(0 if a is None else a.data_ptr()) if a is None or isinstance(a, torch.Tensor) else a
                 for a in args)
     with cupy.cuda.Device(dev):
-        launch_rows(entry, dtype, dev, int(like.shape[0]), raw, stream)
+        launch_rows(entry, dtype, dev, int(like.shape[0]), raw, current_stream(dev))
 
 
 def _no_bias_grad(W):
