@@ -6,7 +6,7 @@ subclasses) go through; eager calls take their implementations through an autogr
 defines.
 
 float16 and bfloat16 CUDA tensors whose projected tokens fit one chunk (training batches, reranking)
-take torch's own GEMMs (``F.linear``'s) and the MaxSim calls' torch path, with the normalisation and
+take torch's own GEMMs (``F.linear``'s, under torch's matmul settings) and the MaxSim calls' torch path, with the normalisation and
 its gradient by ``cuda_src/hidden.cu`` in place on the projection: the same steps as
 ``lik_cupy.fused_head``'s, in a few torch calls instead of some sixty calls through CuPy (the
 training step was bound by their host time: 0.1-0.2 ms of GPU work in a 2.4-3.3 ms step on an H200).

@@ -118,7 +118,8 @@ def maxsim_from_hidden(Q, H, W, bias=None, q_mask=None, d_mask=None, *, q_length
     Arguments and semantics as :func:`lik_cupy.maxsim_from_hidden`. The forward keeps the int32
     argmax; the backward (:func:`lik_cupy.maxsim_from_hidden_backward`) projects each chunk of
     documents again, so no projected tensor is saved for it, except in eager calls of float16 or
-    bfloat16 CUDA tensors whose projection is one chunk, which keep it (``d / h`` of H's bytes).
+    bfloat16 CUDA tensors whose projection is one chunk, which keep it (``d / h`` of H's bytes);
+    those project with torch's own GEMMs, under torch's matmul settings as ``F.linear`` is.
     Under ``torch.compile`` the call is the operator ``torch.ops.lik_cupy.maxsim_from_hidden``, with
     ``maxsim_from_hidden_backward`` as its autograd formula; eager calls run the same implementation
     through an autograd.Function.
