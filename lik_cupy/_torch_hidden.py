@@ -138,6 +138,15 @@ def _rows_launch(entry: str, like, args) -> None:
         launch_rows(entry, dtype, dev, int(like.shape[0]), raw, current_stream(dev))
 
 
+def _input_grads(needs, grads, bias) -> tuple:
+    """An autograd backward's return: dQ, dH, dW and dbias where ``needs`` (``ctx.needs_input_grad``) asks
+    for them (dbias None without a bias), then None for every other input."""
+    out = [x if need else None for x, need in zip(grads, needs[:4])]
+    if bias is None:
+        out[3] = None
+    return (*out,) + (None,) * (len(needs) - 4)
+
+
 def _no_bias_grad(W):
     """The bias gradient of a call without a bias: an empty tensor (an operator returns tensors only)."""
     return W.new_empty((0,))
@@ -178,10 +187,7 @@ def _autograd_backward(ctx, g, _g_amax):
         return (None,) * 13
     dq, dh, dw, db = torch.ops.lik_cupy.maxsim_from_hidden_backward.default(
         g.contiguous(), Q, H, W, bias, amax, d_mask, d_lengths, ctx.normalize, ctx.eps, ctx.chunk, ctx.precision)
-    grads = [x if need else None for x, need in zip((dq, dh, dw, db), ctx.needs_input_grad[:4])]
-    if bias is None:
-        grads[3] = None
-    return (*grads,) + (None,) * 9
+    return _input_grads(ctx.needs_input_grad, (dq, dh, dw, db), bias)
 
 
 torch.library.register_autograd("lik_cupy::maxsim_from_hidden", _autograd_backward, setup_context=_setup_context,
@@ -232,10 +238,7 @@ class _FromHidden(torch.autograd.Function):
         else:
             dq, dh, dw, db = _backward_op(g.contiguous(), Q, H, W, bias, amax, d_mask, d_lengths, normalize, eps, chunk,
                                           precision)
-        grads = [x if need else None for x, need in zip((dq, dh, dw, db), ctx.needs_input_grad[:4])]
-        if bias is None:
-            grads[3] = None
-        return (*grads,) + (None,) * 8
+        return _input_grads(ctx.needs_input_grad, (dq, dh, dw, db), bias)
 
 
 def from_hidden_eager(Q, H, W, bias, q_mask, d_mask, q_lengths, d_lengths, normalize, eps, return_argmax,
