@@ -432,6 +432,48 @@ def test_a_long_document_stays_within_block_bytes(rng, layout, argmax):
         assert a[1, 1, 2] == 50_000
 
 
+@pytest.mark.parametrize("layout", ["padded", "candidates", "packed"])
+def test_the_tokens_first_gemm_changes_no_bit_and_stays_within_block_bytes(rng, layout, chunk_threads, monkeypatch):
+    """A GEMM of few query rows runs with the document tokens as its rows (``_TOKENS_FIRST_ROWS``),
+    through a scratch counted in the block's budget: the same scores and argmax, bit for bit, as the
+    plain GEMM (the reference similarities decide them), within the same memory bound."""
+    lq, nd, ld, dim = 16, 1500, 60, 64  # three queries' 48 rows to one GEMM
+    q = _unit(rng, 3, lq, dim).astype(np.float32)
+    qv = rng.random((3, lq)) < 0.9
+    d = _unit(rng, nd, ld, dim).astype(np.float32)
+    d[7, 11] = d[7, 40]  # an exact tie: the lower index wins either way
+    q[1, 3] = d[7, 11]
+    dv = rng.random((nd, ld)) < 0.9
+    qv[1, 3] = dv[7, 11] = dv[7, 40] = True
+    lens = rng.integers(0, 2 * ld, nd)
+    tok = _unit(rng, int(lens.sum()), dim).astype(np.float32)
+    off = np.concatenate([[0], np.cumsum(lens)])
+    block = 16 * 3 * _maxsim_module._TOKENS_FIRST_BYTES  # the smallest block that takes it, with three chunk threads
+    # (the one-thread variant: as the machine has them)
+    used = []
+    _before_each_call(monkeypatch, _maxsim_module._Buffers, "scratch", lambda *a: used.append(1))
+
+    def run():
+        if layout == "packed":
+            return cpu.maxsim_packed_numpy(q, qv, tok, off, return_argmax=True, block_bytes=block)
+        if layout == "candidates":
+            return cpu.maxsim_numpy(q, d, qv, dv[:nd], candidates=True, nd=nd // 3, return_argmax=True,
+                                    block_bytes=block)
+        return cpu.maxsim_numpy(q, d, qv, dv, candidates=False, nd=nd, return_argmax=True, block_bytes=block)
+    s, a = run()
+    assert used
+    outputs = s.nbytes + a.nbytes
+    assert _peak(run) < outputs + block * 9 // 8 + NUMPY_BUFFERS
+    monkeypatch.setattr(_maxsim_module, "_TOKENS_FIRST_ROWS", 0)
+    used.clear()
+    s1, a1 = run()
+    assert not used
+    np.testing.assert_array_equal(s, s1)
+    np.testing.assert_array_equal(a, a1)
+    if layout == "padded":
+        assert a[1, 7, 3] == 11
+
+
 def test_backward_temporaries_stay_within_block_bytes(rng):
     nq, lq, nd, ld, dim = 4, 16, 3000, 40, 32
     q = _unit(rng, nq, lq, dim).astype(np.float32)

@@ -244,8 +244,10 @@ def floor(nq: int, lq: int, ntok: int, r: dict) -> dict:
     flops = 2 * nq * lq * ntok * DIM
     nbytes = ntok * DIM * 4
     gemm_ms, read_ms = flops / r["sgemm_gflops"] / 1e6, nbytes / r["read_gbs"] / 1e6
-    return {"gflop": round(flops / 1e9, 3), "mbytes": round(nbytes / 1e6, 1), "sgemm_ms": round(gemm_ms, 2),
-            "read_ms": round(read_ms, 2), "floor_ms": round(max(gemm_ms, read_ms), 2)}
+    # (four significant digits: the smoke run's tiny cells take microseconds, which two decimals of a
+    # millisecond rounded to 0 on a fast machine)
+    return {"gflop": round(flops / 1e9, 3), "mbytes": round(nbytes / 1e6, 1), "sgemm_ms": float(f"{gemm_ms:.4g}"),
+            "read_ms": float(f"{read_ms:.4g}"), "floor_ms": float(f"{max(gemm_ms, read_ms):.4g}")}
 
 
 def slug(text: str) -> str:

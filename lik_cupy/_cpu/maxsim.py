@@ -35,7 +35,9 @@ before; everything after the GEMM (argmax, second max, the winners' dot products
 cache. A large block's chunks are shared by a thread per core (``cores.py``), each running its
 chunks' GEMMs single-threaded and every pass after them, so that the NumPy passes use every core
 too; a block too small to share runs its GEMMs on one thread as well (BLAS's own threads would not
-pay for their hand-over). The norm bound and the winners' dot products are what exactness costs
+pay for their hand-over). A float32 GEMM of few query rows runs with the document tokens as its rows,
+into a small scratch per chunk thread taken out of ``block_bytes``, copied transposed into the
+similarities (``_TOKENS_FIRST_ROWS``). The norm bound and the winners' dot products are what exactness costs
 over a plain GEMM and max: a pass over the tokens and ``Lq * Nd`` dot products, most visible with
 few short queries (``docs/benchmarks.md``).
 
@@ -71,6 +73,13 @@ _NORM_TOKENS = 16  # consecutive document tokens whose norm is bounded together 
 _CACHE_BYTES = 8 << 20  # a chunk's similarities and tokens at most: what follows its GEMM reads them from cache
 _PIECE_COLUMNS = 2048  # columns of a chunk's GEMM at a time (a multiple of _NORM_TOKENS), read first for their norm bounds
 _SPLIT_MACS = 1 << 24  # multiply-adds of a block's GEMM per thread at least, for its chunks to be shared
+# A float32 GEMM of this many query rows per set or fewer runs with the document tokens as its rows, into
+# a scratch of _TOKENS_FIRST_BYTES per chunk thread (out of the call's block_bytes), and is copied
+# transposed into the similarity block: OpenBLAS's sgemm of 32 rows against many columns took 0.81x the
+# time the other way round, copy included (AMD EPYC, OpenBLAS 0.3.31; 16 rows 0.71x, 64 rows 0.86x, 128
+# rows and float64 slower: docs/benchmarks.md, "CPU"). Blocks under 16 scratches keep the plain GEMM.
+_TOKENS_FIRST_ROWS = 64
+_TOKENS_FIRST_BYTES = 256 << 10
 
 
 @dataclass(frozen=True)
@@ -148,9 +157,10 @@ def maxsim_numpy(Q: np.ndarray, D: np.ndarray, q_valid: np.ndarray, d_valid: np.
     ar = _Arith.of(D.dtype, dim, d_scale is not None)
     scores = np.empty((nq, nd), ar.out)
     amax = np.empty((nq, nd, lq), np.int32) if return_argmax else None
+    out = _Buffers(ar, block_bytes)
+    block_bytes -= out.reserved
     b = _Budget.of(lq, dim, D.dtype, ar, return_argmax, packed=False)
     per_doc = ld * b.per_token + b.per_doc
-    out: dict = {}
 
     def put(i0: int, i1: int, j0: int, j1: int, res: tuple) -> None:
         if zp is not None:
@@ -230,6 +240,8 @@ def maxsim_packed_numpy(Q: np.ndarray, q_valid: np.ndarray, tokens: np.ndarray, 
     scores = np.empty((nq, nd), ar.out)
     amax = np.empty((nq, nd, lq), np.int32) if return_argmax else None
     lens = np.diff(offsets)
+    out = _Buffers(ar, block_bytes)
+    block_bytes -= out.reserved
     b1 = _Budget.of(lq, dim, tokens.dtype, ar, return_argmax, packed=True)
     mean = max(1, -(-int(offsets[-1] - offsets[0]) // max(1, nd)))
     group = max(1, min(nq, (block_bytes // 2) // max(1, b1.fixed + _GROUP_DOCS * (mean * b1.per_token + b1.per_doc))))
@@ -237,7 +249,6 @@ def maxsim_packed_numpy(Q: np.ndarray, q_valid: np.ndarray, tokens: np.ndarray, 
     cost = np.cumsum(lens * b.per_token + b.per_doc)  # bytes of documents 0 .. j, with a group of queries
     room = block_bytes - b.fixed
     run = b1.run_tokens(block_bytes)
-    out: dict = {}
     j0 = 0
     while j0 < nd:
         spent = int(cost[j0 - 1]) if j0 else 0
@@ -353,7 +364,7 @@ def _argmax_out(idx: np.ndarray, g: int, lq: int) -> np.ndarray:
 
 
 def _long_document(Q: np.ndarray, q_valid: np.ndarray, queries, tokens: np.ndarray, valid: np.ndarray | None,
-                   d_scale: np.ndarray | None, ar: _Arith, want_argmax: bool, budget: int, run: int, out: dict):
+                   d_scale: np.ndarray | None, ar: _Arith, want_argmax: bool, budget: int, run: int, out: _Buffers):
     """The queries ``queries`` against one document ``tokens [L, d]`` (``valid`` bool [L] or None,
     ``d_scale`` [L] for INT8) taken ``run`` tokens at a time. Each run's winners and maxima combine
     exactly into the whole document's: a later run's winner replaces the one so far only with a
@@ -384,33 +395,61 @@ def _long_document(Q: np.ndarray, q_valid: np.ndarray, queries, tokens: np.ndarr
     return vals, (idxs if want_argmax else None)
 
 
+class _Buffers:
+    """A call's buffers, kept over its blocks (a fresh array per GEMM would cost its page faults every
+    time): each chunk thread's similarity block, which every GEMM writes into, and, where the call
+    takes tokens-first GEMMs (``tokens_first``: float32, and a block of 16 scratches per chunk thread
+    or more), each chunk thread's scratch of ``_TOKENS_FIRST_BYTES`` for them, ``reserved`` out of
+    the call's ``block_bytes``."""
+
+    def __init__(self, ar: _Arith, block_bytes: int):
+        threads = cores.chunk_threads()
+        self.tokens_first = ar.gemm == np.float32 and block_bytes >= 16 * threads * _TOKENS_FIRST_BYTES
+        self.reserved = threads * _TOKENS_FIRST_BYTES if self.tokens_first else 0
+        self._sims: dict = {}
+        self._scratch: dict = {}
+
+    def similarities(self, thread: int, size: int, dtype) -> np.ndarray:
+        """Chunk thread ``thread``'s similarity buffer of ``size`` elements or more."""
+        buf = self._sims.get(thread)
+        if buf is None or buf.size < size or buf.dtype != dtype:
+            buf = self._sims[thread] = np.empty(size, dtype)
+        return buf
+
+    def scratch(self, thread: int) -> np.ndarray:
+        """Chunk thread ``thread``'s float32 scratch for a tokens-first GEMM."""
+        buf = self._scratch.get(thread)
+        if buf is None:
+            buf = self._scratch[thread] = np.empty(_TOKENS_FIRST_BYTES // 4, np.float32)
+        return buf
+
+
 class _DocBlock:
     """One block of documents: ``T [sets, N, d]`` in the GEMM's dtype (one set shared by every query,
     or one candidate set per query), their ``runs`` (the same columns in every set) and INT8 scales
-    ``d_scale [sets, N]`` (or None). ``out`` holds the call's similarity buffers, one per chunk
-    thread, which every GEMM writes into: a fresh array per GEMM would cost its page faults every
-    time."""
+    ``d_scale [sets, N]`` (or None); ``out``: the call's buffers."""
 
-    def __init__(self, T: np.ndarray, runs: Runs, d_scale: np.ndarray | None, out: dict):
-        self.T, self.runs, self.d_scale, self._out = T, runs, d_scale, out
+    def __init__(self, T: np.ndarray, runs: Runs, d_scale: np.ndarray | None, out: _Buffers):
+        self.T, self.runs, self.d_scale, self.out = T, runs, d_scale, out
 
-    def similarities(self, A: np.ndarray, c0: int, c1: int, thread: int = 0, runs: Runs | None = None):
+    def similarities(self, A: np.ndarray, c0: int, c1: int, thread: int = 0, runs: Runs | None = None,
+                     tokens_first: bool = False):
         """``A [G, Lq, d]`` against the block's columns ``c0 .. c1`` (G = sets, or any G for one shared
         set) -> ``[G * Lq, c1 - c0]`` in chunk thread ``thread``'s buffer (valid until its next call):
         one GEMM per set, every query's rows in it; and, given the documents ``runs`` of those columns,
         their norm bounds (``_doc_norms``), else None. The GEMM goes in pieces of ``_PIECE_COLUMNS``,
         each piece's tokens read for their norm bounds just before: the GEMM then reads them from
-        the cache. (Called with NumPy's over- and underflow ignored.)"""
+        the cache; ``tokens_first``: with the tokens as its rows (``_TOKENS_FIRST_ROWS``). (Called
+        with NumPy's over- and underflow ignored.)"""
         g, lq, dim = A.shape
         sets = self.T.shape[0]
         n = c1 - c0
-        buf = self._out.get(thread)
-        if buf is None or buf.size < g * lq * n or buf.dtype != A.dtype:
-            buf = self._out[thread] = np.empty(g * lq * n, A.dtype)
-        S = buf[:g * lq * n].reshape(sets, g * lq // sets, n)
+        S = self.out.similarities(thread, g * lq * n, A.dtype)[:g * lq * n].reshape(sets, g * lq // sets, n)
         A = A.reshape(sets, g * lq // sets, dim)
         k = _NORM_TOKENS
         squares = None if runs is None else np.empty((sets, -(-n // k)), self.T.dtype)
+        rows = g * lq // sets
+        scratch = self.out.scratch(thread) if tokens_first and rows else None
         for p0 in range(0, n, _PIECE_COLUMNS):
             p1 = min(n, p0 + _PIECE_COLUMNS)
             piece = self.T[:, c0 + p0:c0 + p1]
@@ -422,7 +461,15 @@ class _DocBlock:
                 if whole < p1 - p0:
                     last = piece[:, whole:].reshape(sets, 1, -1)
                     np.vecdot(last, last, out=squares[:, -1:])
-            np.matmul(A, piece.transpose(0, 2, 1), out=S[:, :, p0:p1])
+            if scratch is None:
+                np.matmul(A, piece.transpose(0, 2, 1), out=S[:, :, p0:p1])
+                continue
+            step = max(1, scratch.size // (sets * rows))
+            for a in range(p0, p1, step):
+                b = min(p1, a + step)
+                St = scratch[:sets * (b - a) * rows].reshape(sets, b - a, rows)
+                np.matmul(self.T[:, c0 + a:c0 + b], A.transpose(0, 2, 1), out=St)
+                np.copyto(S[:, :, a:b], St.transpose(0, 2, 1))
         if runs is None:
             return S.reshape(g * lq, n), None
         return S.reshape(g * lq, n), _doc_norms(bound_norms(squares, k * dim), runs)
@@ -472,13 +519,15 @@ def _block_maxima(Q: np.ndarray, q_valid: np.ndarray, blk: _DocBlock, ar: _Arith
     qn = None if ar.exact else norm_bound(A)
     A64 = None if ar.exact else A.astype(np.float64)  # (once: the winners' dot products take it in every chunk)
     chunks, threads, blas_threads = _chunk_plan(runs, m, sets, dim, blk.T.shape[1], ar.gemm.itemsize)
+    tokens_first = blk.out.tokens_first and m // sets <= _TOKENS_FIRST_ROWS
     part = budget // threads  # each thread's share of the bound's pieces
 
     def work(thread: int, claims) -> None:
         pending = Pending(None if ar.exact else A, blk.T, row_set, runs.start, winners, val, part // 8)
         with np.errstate(invalid="ignore", over="ignore", under="ignore"):
             for j0, j1, c0, c1, sub in claims:
-                S, dn = blk.similarities(A.reshape(g, lq, dim), c0, c1, thread, None if ar.exact else sub)
+                S, dn = blk.similarities(A.reshape(g, lq, dim), c0, c1, thread, None if ar.exact else sub,
+                                         tokens_first)
                 dn = None if dn is None else dn[row_set]
                 if blk.d_scale is not None:  # scaled: the exact dot product times the token's scale, in float32
                     S = S.astype(np.float32, copy=False)
