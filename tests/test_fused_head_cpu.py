@@ -172,11 +172,11 @@ def test_low_precision_inputs_keep_their_dtype(rng, dtype):
     """The CPU path computes in float64 from the inputs' values: the float64 scores of those values."""
     npd = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float32": np.float32}[dtype]
     Q, H, W, b = _data(rng, npd)
-    s, a = lik_cupy.maxsim_from_hidden(Q, H, W, b, return_argmax=True)
-    want = lik_cupy.maxsim_from_hidden(*[x.astype(np.float64) for x in (Q, H, W, b)])
+    s, a = lik_cupy.maxsim_from_hidden(Q, H, W, b, return_argmax=True, backend="cpu")  # (a GPU host too)
+    want = lik_cupy.maxsim_from_hidden(*[x.astype(np.float64) for x in (Q, H, W, b)], backend="cpu")
     assert s.dtype == np.float32
     np.testing.assert_array_equal(s, want.astype(np.float32))
-    grads = lik_cupy.maxsim_from_hidden_backward(np.ones(s.shape, np.float32), Q, H, W, b, a)
+    grads = lik_cupy.maxsim_from_hidden_backward(np.ones(s.shape, np.float32), Q, H, W, b, a, backend="cpu")
     assert [x.dtype for x in grads] == [npd] * 4
     tq = torch.tensor(Q.astype(np.float32)).to(torch.bfloat16 if dtype == "bfloat16" else getattr(torch, dtype))
     th, tw, tb = (torch.tensor(x.astype(np.float32)).to(tq.dtype).requires_grad_() for x in (H, W, b))

@@ -51,24 +51,19 @@ def _kernels(dtype: str):
     }
 
 
-def _rows_kernel(entry: str, dtype: str, rows: int):
-    """(``cuda_src/hidden.cu``'s ``entry`` for rows of ``dtype`` on the current device, its grid): one
-    warp a row, eight a block."""
-    import cupy
-
-    return _function(entry, dtype, cupy.cuda.runtime.getDevice()), _rows_grid(rows)
-
-
-def _rows_grid(rows: int) -> tuple[int]:
-    return (int(min(-(-rows // 8), 1 << 20)),)
-
-
 def launch_rows(entry: str, dtype: str, device: int, rows: int, args: tuple, stream) -> None:
     """``cuda_src/hidden.cu``'s ``entry`` over ``rows`` rows of ``dtype`` on GPU ``device`` (its current
-    context), one warp a row, on CuPy stream ``stream``; ``args`` are the kernel's parameters, addresses
-    as numpy.uint64 (0: null)."""
+    context), one warp a row and eight a block, on CuPy stream ``stream``; ``args`` are the kernel's
+    parameters: CuPy arrays, or addresses as numpy.uint64 (0: null)."""
     if rows:
-        _function(entry, dtype, device)(_rows_grid(rows), (256,), args, stream=stream)
+        _function(entry, dtype, device)((int(min(-(-rows // 8), 1 << 20)),), (256,), args, stream=stream)
+
+
+def _here(entry: str, dtype: str, rows: int, args: tuple) -> None:
+    """:func:`launch_rows` on the current device and CuPy stream."""
+    import cupy
+
+    launch_rows(entry, dtype, cupy.cuda.runtime.getDevice(), rows, args, cupy.cuda.get_current_stream())
 
 
 @functools.cache
@@ -133,9 +128,7 @@ def project(H, W, bias, dtype: str, normalize: bool, eps: float, tf32: bool):
     b32 = _NULL if bias is None else bias if dtype == "float32" else to_float32(bias, dtype)
     rows, dim = D.shape
     ss = cupy.empty((rows, 1), cupy.float32)
-    if rows:
-        kern, grid = _rows_kernel("lik_hidden_normalize", dtype, rows)
-        kern(grid, (256,), (D, b32, ss, np.int64(rows), np.int32(dim), np.float32(eps)))
+    _here("lik_hidden_normalize", dtype, rows, (D, b32, ss, np.int64(rows), np.int32(dim), np.float32(eps)))
     return D, ss
 
 
@@ -149,10 +142,9 @@ def project_grad(D, state, dD, keep, dtype: str, eps: float):
     if dtype == "float64":
         return normalize_grad(D, state, dD, keep, eps)
     rows, dim = dD.shape
-    if rows:
-        kern, grid = _rows_kernel("lik_hidden_normalize_grad", dtype, rows)
-        kern(grid, (256,), (D, dD, _NULL if state is None else state, _NULL if keep is None else keep,
-                            np.int64(rows), np.int32(dim), np.float32(eps)))
+    _here("lik_hidden_normalize_grad", dtype, rows, (D, dD, _NULL if state is None else state,
+                                                     _NULL if keep is None else keep, np.int64(rows), np.int32(dim),
+                                                     np.float32(eps)))
     return dD
 
 
