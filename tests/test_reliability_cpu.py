@@ -117,6 +117,35 @@ def test_concurrent_callers_compile_each_kernel_once(kernel_cache):
     assert lc._modules.building() == 0  # per-key locks do not pile up
 
 
+def test_a_compile_with_an_empty_log_leaves_the_process_bytes_alone(tmp_path, monkeypatch):
+    # NVRTC writes the log into the buffer it is given; an empty log is its one NUL terminator. A
+    # one-byte immutable buffer was CPython's shared b" ", which then read b"\0" process-wide, so
+    # numpy.save padded every later .npy header with NULs (shards unreadable on CUDA 13 hosts).
+    pytest.importorskip("cuda.bindings.nvrtc", reason="NVRTC (cuda-python) is not installed")
+    (tmp_path / "quiet.cu").write_text('extern "C" __global__ void lik_quiet(float* x) { x[0] = 1.f; }\n')
+    monkeypatch.setattr(lc, "source_dir", lambda: tmp_path)
+    monkeypatch.setattr(lc, "_FLAGS", ("--std=c++17",))  # no ptxas -v: the log is empty
+    from cuda.bindings import nvrtc
+
+    n = [None]
+    real_size = nvrtc.nvrtcGetProgramLogSize
+
+    def size(prog):
+        out = real_size(prog)
+        n[0] = out[1]
+        return out
+
+    monkeypatch.setattr(nvrtc, "nvrtcGetProgramLogSize", size)
+    built = lc.nvrtc_compile("quiet.cu", {}, 80)
+    assert n[0] == 1 and built.log == "" and built.cubin[:4] == b"\x7fELF"
+    space = bytes([32])  # the shared one-byte object, built at run time (not a folded constant)
+    assert space * 3 == b"   "
+    buf = __import__("io").BytesIO()
+    np.save(buf, np.ones((6, 8), np.float32))
+    header = buf.getvalue()[10:128]
+    assert b"\0" not in header and header.endswith(b" \n")
+
+
 def _compile_in_process(cache: str, barrier, out):
     os.environ["LIK_CACHE_DIR"] = cache
     barrier.wait()

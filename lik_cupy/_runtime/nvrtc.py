@@ -123,16 +123,19 @@ def nvrtc_compile(name: str, defines: dict, arch: int | str) -> Compiled:
     opts += [f"-D{k}={v}".encode() for k, v in sorted(defines.items())]
     try:
         (res,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
+        # NVRTC writes into the buffers it is given: fresh bytearrays. (An immutable b" " * n of one
+        # byte, an empty log's terminator, is CPython's shared b" ", which the write turned into
+        # b"\0" for the whole process: every .npy header numpy.save wrote after was padded with NULs.)
         err, n = nvrtc.nvrtcGetProgramLogSize(prog)
-        log = b" " * n
+        log = bytearray(n)
         nvrtc.nvrtcGetProgramLog(prog, log)
-        log_s = log.rstrip(b"\0 ").decode(errors="replace")
+        log_s = bytes(log).rstrip(b"\0 ").decode(errors="replace")
         if res != nvrtc.nvrtcResult.NVRTC_SUCCESS:
             cfg = " ".join(f"{k}={v}" for k, v in sorted(defines.items()))
             raise CompileError(f"NVRTC failed to compile {name} for sm_{arch} ({cfg}):\n{log_s}")
         err, size = nvrtc.nvrtcGetCUBINSize(prog)
         _check(nvrtc, err, "nvrtcGetCUBINSize")
-        cubin = b" " * size
+        cubin = bytearray(size)
         (err,) = nvrtc.nvrtcGetCUBIN(prog, cubin)
         _check(nvrtc, err, "nvrtcGetCUBIN")
         return Compiled(bytes(cubin), log_s)
