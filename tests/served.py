@@ -25,7 +25,7 @@ class Server:
     def __init__(self, *args):
         for m in ("starlette", "uvicorn", "prometheus_client"):  # the [serve] extra
             pytest.importorskip(m)
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
         self.proc = subprocess.Popen([sys.executable, "-m", "lik_cupy", "serve", *map(str, args), "--port", "0"],
                                      stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
         self.lines, self.port, self.grpc_port = [], None, None

@@ -448,8 +448,8 @@ def test_the_tokens_first_gemm_changes_no_bit_and_stays_within_block_bytes(rng, 
     lens = rng.integers(0, 2 * ld, nd)
     tok = _unit(rng, int(lens.sum()), dim).astype(np.float32)
     off = np.concatenate([[0], np.cumsum(lens)])
-    block = 16 * 3 * _maxsim_module._TOKENS_FIRST_BYTES  # the smallest block that takes it, with three chunk threads
-    # (the one-thread variant: as the machine has them)
+    # the smallest block that takes it with three chunk threads (the one-thread variant: as many as the machine has)
+    block = 16 * max(3, cores.chunk_threads()) * _maxsim_module._TOKENS_FIRST_BYTES
     used = []
     _before_each_call(monkeypatch, _maxsim_module._Buffers, "scratch", lambda *a: used.append(1))
 

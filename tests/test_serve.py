@@ -765,7 +765,7 @@ def test_sigterm_while_processes_start_is_a_clean_stop(shard):
 
     p = subprocess.Popen([sys.executable, "-m", "lik_cupy", "serve", str(shard), "--devices", "cpu", "--processes",
                           "2", "--port", "0"], stderr=subprocess.PIPE, text=True, cwd=ROOT,
-                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))})
     for line in p.stderr:
         if "listening on" in line:
             break
