@@ -1,6 +1,10 @@
-"""The ``lik`` command run in the test's own process, its stdout and stderr kept apart."""
+"""The ``lik`` command run in the test's own process, its stdout and stderr kept apart; and the
+``PYTHONPATH`` of a child process that runs this checkout."""
 
 from __future__ import annotations
+
+import os
+import pathlib
 
 from click.testing import CliRunner
 
@@ -14,3 +18,10 @@ def run_lik(*args, **kw):
     except TypeError:
         runner = CliRunner()  # click >= 8.2 keeps stderr apart by default
     return runner.invoke(cli.main, [str(a) for a in args], catch_exceptions=False, **kw)
+
+
+def child_pythonpath() -> str:
+    """``PYTHONPATH`` for a child process: this checkout first, then the caller's own entries
+    (packages a host provides on its PYTHONPATH, as the device machines do)."""
+    return os.pathsep.join(filter(None, [str(pathlib.Path(__file__).resolve().parents[1]),
+                                         os.environ.get("PYTHONPATH")]))

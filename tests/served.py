@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from lik_command import child_pythonpath
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -25,7 +27,7 @@ class Server:
     def __init__(self, *args):
         for m in ("starlette", "uvicorn", "prometheus_client"):  # the [serve] extra
             pytest.importorskip(m)
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+        env = {**os.environ, "PYTHONPATH": child_pythonpath()}
         self.proc = subprocess.Popen([sys.executable, "-m", "lik_cupy", "serve", *map(str, args), "--port", "0"],
                                      stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
         self.lines, self.port, self.grpc_port = [], None, None

@@ -271,7 +271,8 @@ def test_jax_gradients(rng):
         s = lj.maxsim_from_hidden(q, h, w, bb, d_lengths=lengths, max_chunk_bytes=LD * DIM * 8 * 3)
         return jnp.where(jnp.isinf(s), 0, s).sum(), s
 
-    (_, s), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(Q, H, W, b, d_len)
+    with jax.default_device(jax.devices("cpu")[0]):  # the NumPy path (a GPU host's default device is its GPU)
+        (_, s), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(Q, H, W, b, d_len)
     leaves = [_t(x, True) for x in (Q, H, W, b)]
     ref, _ = _reference(*leaves, d_lengths=torch.tensor(d_len))
     np.testing.assert_allclose(np.asarray(s), ref.detach().numpy(), rtol=1e-6)
@@ -279,7 +280,8 @@ def test_jax_gradients(rng):
     for x, y in zip(grads, want):
         assert x.dtype == jnp.float32
         np.testing.assert_allclose(np.asarray(x), y.numpy(), rtol=1e-5, atol=1e-5)
-    bad = lj.maxsim_from_hidden(Q, H, W, None, d_lengths=d_len_bad)
+    with jax.default_device(jax.devices("cpu")[0]):
+        bad = lj.maxsim_from_hidden(Q, H, W, None, d_lengths=d_len_bad)
     assert np.isnan(np.asarray(bad)[:, 5]).all() and not np.isnan(np.asarray(bad)[:, :5]).any()
 
 

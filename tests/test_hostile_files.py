@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 
 from lik_cupy import _files, shards
+from lik_command import child_pythonpath
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 FIXTURE = REPO / "tests" / "data" / "fast_plaid" / "fast_plaid_nbits2"
@@ -101,7 +102,7 @@ for name, kind, args in json.loads(sys.argv[1]):
 def open_in_child(cases: list[tuple[str, str, list[str]]]) -> dict[str, dict]:
     """Run ``(name, kind, args)`` cases in one child; {name: its result}. A crash, a hang or a
     child that exits early fails the test naming the case it was in."""
-    env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONDONTWRITEBYTECODE="1", OPENBLAS_NUM_THREADS="1",
+    env = dict(os.environ, PYTHONPATH=child_pythonpath(), PYTHONDONTWRITEBYTECODE="1", OPENBLAS_NUM_THREADS="1",
                OMP_NUM_THREADS="1")
     try:
         p = subprocess.run([sys.executable, "-c", WORKER, json.dumps(cases)], env=env, cwd=REPO,
@@ -673,7 +674,7 @@ def swapped(path, f):
 _files.check_npy_header = swapped
 print(_files.open_npy({str(tmp_path / 'x.npy')!r}).tolist())
 """
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env = dict(os.environ, PYTHONPATH=child_pythonpath())
     try:
         p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=SECONDS)
     except subprocess.TimeoutExpired:

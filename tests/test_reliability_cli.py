@@ -16,17 +16,12 @@ import threading
 import numpy as np
 import pytest
 
+from lik_command import child_pythonpath
 from lik_command import run_lik as run
 from test_reliability_files import (LIK, REPO, commit_mode, lik, listing, make_shard, modes_bind,  # noqa: F401
                                     one_line, queries, small_disk)
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux files and devices")
-
-
-def _repo_first() -> str:
-    """PYTHONPATH for a child: this checkout first, then the caller's own entries (packages a host
-    provides on its PYTHONPATH, as the device machines do)."""
-    return os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
 
 
 # --------------------------------------------------------------------------- short writes
@@ -88,7 +83,7 @@ def test_a_full_stdout_is_exit_2_in_one_line(tmp_path, args):
     a traceback for --help."""
     shard = make_shard(tmp_path / "s").path
     args = [shard if a == "SHARD" else a for a in args] + (["--out", tmp_path / "p"] if args[0] == "pack" else [])
-    env = dict(os.environ, PYTHONPATH=_repo_first(), PYTHONDONTWRITEBYTECODE="1")
+    env = dict(os.environ, PYTHONPATH=child_pythonpath(), PYTHONDONTWRITEBYTECODE="1")
     with open("/dev/full", "w") as full:
         p = subprocess.run([sys.executable, "-c", LIK, *map(str, args)], env=env, stdout=full, stderr=subprocess.PIPE,
                            text=True, timeout=120)
@@ -197,7 +192,7 @@ def test_a_scheduler_that_dies_mid_run_is_exit_2_in_one_line(tmp_path):
     up reconnecting (after its 30 s), and the run ends with exit 2 and one line, writing nothing."""
     pytest.importorskip("distributed")
     shard, q = make_shard(tmp_path / "s").path, queries(tmp_path / "q.npy")
-    env = dict(os.environ, PYTHONPATH=_repo_first(), PYTHONDONTWRITEBYTECODE="1")
+    env = dict(os.environ, PYTHONPATH=child_pythonpath(), PYTHONDONTWRITEBYTECODE="1")
     sched = subprocess.Popen([sys.executable, "-c", SCHEDULER], env=env, stdout=subprocess.PIPE,
                              stderr=subprocess.DEVNULL, text=True)
     try:

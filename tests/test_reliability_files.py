@@ -30,6 +30,7 @@ import numpy as np
 import pytest
 
 import lik_cupy
+from lik_command import child_pythonpath
 from lik_command import run_lik as run
 from lik_cupy import _cpu as cpu
 from lik_cupy import _atomic, cli, shards
@@ -45,13 +46,13 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Li
 
 def lik(*args, prelude="", preexec_fn=None, timeout=120, **kw):
     """``lik`` in a child process (``prelude``: Python run first, e.g. to slow a function down)."""
-    env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONDONTWRITEBYTECODE="1")
+    env = dict(os.environ, PYTHONPATH=child_pythonpath(), PYTHONDONTWRITEBYTECODE="1")
     return subprocess.run([sys.executable, "-c", prelude + LIK, *map(str, args)], env=env, preexec_fn=preexec_fn,
                           capture_output=True, text=True, timeout=timeout, **kw)
 
 
 def lik_popen(*args, prelude="", **kw):
-    env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONDONTWRITEBYTECODE="1")
+    env = dict(os.environ, PYTHONPATH=child_pythonpath(), PYTHONDONTWRITEBYTECODE="1")
     return subprocess.Popen([sys.executable, "-c", prelude + LIK, *map(str, args)], env=env, **kw)
 
 
@@ -619,7 +620,7 @@ def test_out_dev_stdout_is_one_line_and_creates_nothing(tmp_path):
     before = listing("/dev")
     p = subprocess.run(f"{sys.executable} -c \"$LIK\" score --queries {q} --docs {shard} --out /dev/stdout --cpu | head -1",
                        shell=True, capture_output=True, text=True, timeout=120,
-                       env=dict(os.environ, LIK=LIK, PYTHONPATH=str(REPO)), executable="/bin/bash")
+                       env=dict(os.environ, LIK=LIK, PYTHONPATH=child_pythonpath()), executable="/bin/bash")
     one_line(2, p.stderr, "/dev/stdout")
     assert listing("/dev") == before
 

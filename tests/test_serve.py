@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import http.client
+import importlib.util
 import json
 import re
 import socket
@@ -24,7 +25,7 @@ import lik_cupy
 from lik_cupy import shards
 from lik_cupy.serving import Batcher, DeadlineExceeded, Observer, Overloaded, ShuttingDown
 from lik_cupy.serving._ids import IdIndex
-from lik_command import run_lik
+from lik_command import child_pythonpath, run_lik
 from served import Server
 from threads import run_threads
 
@@ -562,7 +563,7 @@ def test_many_concurrent_clients_each_get_their_own_rows(served, local):
     ("score", {"inputs": [{"name": "Q", "shape": [1, DIM], "datatype": "FP32", "data": [0.0] * DIM}],
                "parameters": {"timeout": 10**400}}, None, "timeout is out of range"),
     ("score", b'{"inputs": [{"name": "Q", "shape": [1], "datatype": "FP32", "data": ' + b"[" * 5000 + b"1"
-     + b"]" * 5000 + b"}]}", {}, "nests its JSON too deeply"),
+     + b"]" * 5000 + b"}]}", {}, r"nests its JSON too deeply|Q has shape \[1\]"),  # (Python 3.12 parses 5,000 levels)
     ("score", {"inputs": [{"name": "Q", "shape": [1000000, 0, DIM], "datatype": "FP32", "data": []}]}, None,
      r"Q has shape \[1000000, 0, 16\]: a query needs at least one token"),
     ("score", {"inputs": [{"name": "Q", "shape": [0, DIM], "datatype": "FP32", "data": []}]}, None,
@@ -742,8 +743,9 @@ def test_processes_refuse_a_port_another_server_listens_on_and_one_port_for_both
     """SO_REUSEPORT would let a second `lik serve --processes` join the first's port and split its
     traffic; and HTTP and gRPC cannot share one port."""
     first = Server(shard, "--devices", "cpu", "--processes", "2")
+    grpc = all(importlib.util.find_spec(m) is not None for m in ("grpc", "tritonclient"))  # the [serve-grpc] extra
     try:
-        for extra in (["--port", str(first.port)], ["--port", str(first.port), "--grpc-port", str(first.port)]):
+        for extra in (["--port", str(first.port)], ["--port", str(first.port), "--grpc-port", str(first.port)])[:1 + grpc]:
             r = subprocess.run([sys.executable, "-m", "lik_cupy", "serve", str(shard), "--devices", "cpu",
                                 "--processes", "2", *extra], capture_output=True, text=True, cwd=ROOT, timeout=120)
             assert r.returncode == 2, r.stderr
@@ -765,7 +767,7 @@ def test_sigterm_while_processes_start_is_a_clean_stop(shard):
 
     p = subprocess.Popen([sys.executable, "-m", "lik_cupy", "serve", str(shard), "--devices", "cpu", "--processes",
                           "2", "--port", "0"], stderr=subprocess.PIPE, text=True, cwd=ROOT,
-                         env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))})
+                         env={**os.environ, "PYTHONPATH": child_pythonpath()})
     for line in p.stderr:
         if "listening on" in line:
             break
