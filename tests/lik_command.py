@@ -1,8 +1,9 @@
-"""The ``lik`` command run in the test's own process, its stdout and stderr kept apart; and the
-``PYTHONPATH`` of a child process that runs this checkout."""
+"""The ``lik`` command run in the test's own process, its stdout and stderr kept apart; the
+``PYTHONPATH`` of a child process that runs this checkout; whether an optional module is installed."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import pathlib
 
@@ -25,3 +26,12 @@ def child_pythonpath() -> str:
     (packages a host provides on its PYTHONPATH, as the device machines do)."""
     return os.pathsep.join(filter(None, [str(pathlib.Path(__file__).resolve().parents[1]),
                                          os.environ.get("PYTHONPATH")]))
+
+
+def installed(*modules: str) -> bool:
+    """Whether every one of ``modules`` (dotted names too) can be imported, without importing them
+    (a dotted name's parents are imported)."""
+    try:
+        return all(importlib.util.find_spec(m) is not None for m in modules)
+    except ModuleNotFoundError:  # a dotted name whose parent is not installed
+        return False

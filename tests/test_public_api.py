@@ -8,7 +8,6 @@ without torch or jax installed.
 from __future__ import annotations
 
 import ast
-import importlib.util
 import pathlib
 import re
 import subprocess
@@ -16,6 +15,8 @@ import sys
 import warnings
 
 import pytest
+
+from lik_command import installed
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "lik_cupy"
 
@@ -280,15 +281,16 @@ def test_no_public_module_shares_a_name_with_a_public_function():
 
 
 def test_no_public_name_is_a_module_once_every_module_is_imported():
-    extras = {"lik_cupy.serving.http": "starlette", "lik_cupy.serving.grpc": "grpc"}  # (their extras, where installed)
+    extras = {"lik_cupy.serving.http": ("starlette", "uvicorn", "prometheus_client"),  # (where their extras are installed)
+              "lik_cupy.serving.grpc": ("starlette", "uvicorn", "prometheus_client", "grpc", "tritonclient.grpc")}
     mods = sorted(m for m in FROZEN if m not in ("lik_cupy.torch", "lik_cupy.jax", "lik_cupy.distributed")
                   and not m.startswith("lik_cupy.integrations.")
-                  and (m not in extras or importlib.util.find_spec(extras[m]) is not None))
+                  and installed(*extras.get(m, ())))
     code = (f"import importlib, types, lik_cupy\n[importlib.import_module(m) for m in {mods!r}]\n"
             "print(sorted(n for n in lik_cupy.__all__ if isinstance(getattr(lik_cupy, n), types.ModuleType)), "
             "lik_cupy.retrieve is lik_cupy.retrieval.retrieve)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "[] True"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout.strip() == "[] True", r.stderr
 
 
 def test_unknown_attributes_raise():
