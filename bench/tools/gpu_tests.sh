@@ -15,8 +15,9 @@ run() {
     shift
     start=$(date +%s)
     # Each group its own temporary directory, not pytest's numbered ones under /tmp/pytest-of-<user>,
-    # which six sessions at once clean up among themselves: the suspect (not confirmed) behind a shard
-    # read back with NUL bytes in its header, twice in five runs.
+    # which six sessions at once would clean up among themselves. (The shard read back with NUL bytes
+    # in its header, twice in five runs, was not that: an NVRTC compile with an empty log had written
+    # a NUL into CPython's shared b" ", fixed in lik_cupy/_runtime/nvrtc.py.)
     timeout -s INT -k 20 "$T" python3 -m pytest -m gpu -q -p no:cacheprovider --maxfail=40 --durations=8 \
         --basetemp="$LOGS/tmp_$name" --junitxml="$LOGS/junit_$name.xml" "$@" > "$LOGS/pytest_$name.log" 2>&1
     echo "$name rc=$? $(( $(date +%s) - start ))s" >> "$LOGS/rc.txt"
