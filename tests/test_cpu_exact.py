@@ -474,6 +474,17 @@ def test_the_tokens_first_gemm_changes_no_bit_and_stays_within_block_bytes(rng, 
         assert a[1, 7, 3] == 11
 
 
+def test_many_candidate_sets_take_the_plain_gemm(rng):
+    """Pairs (one candidate set a query) whose rows together pass the tokens-first scratch keep the
+    plain batched GEMM: its pieces hold one token of every set at least."""
+    q = _unit(rng, 5000, 32, 16).astype(np.float32)
+    d = _unit(rng, 5000, 5, 16).astype(np.float32)
+    s, a = lik_cupy.maxsim_pairs(q, d, return_argmax=True, backend="cpu")
+    sims = np.einsum("bqd,btd->bqt", q.astype(np.float64), d.astype(np.float64))
+    np.testing.assert_array_equal(a, sims.argmax(-1))
+    np.testing.assert_allclose(s, sims.max(-1).sum(-1), rtol=1e-6)
+
+
 def test_backward_temporaries_stay_within_block_bytes(rng):
     nq, lq, nd, ld, dim = 4, 16, 3000, 40, 32
     q = _unit(rng, nq, lq, dim).astype(np.float32)

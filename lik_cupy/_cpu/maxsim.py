@@ -519,7 +519,8 @@ def _block_maxima(Q: np.ndarray, q_valid: np.ndarray, blk: _DocBlock, ar: _Arith
     qn = None if ar.exact else norm_bound(A)
     A64 = None if ar.exact else A.astype(np.float64)  # (once: the winners' dot products take it in every chunk)
     chunks, threads, blas_threads = _chunk_plan(runs, m, sets, dim, blk.T.shape[1], ar.gemm.itemsize)
-    tokens_first = blk.out.tokens_first and m // sets <= _TOKENS_FIRST_ROWS
+    # (few rows a set, and one token's rows of every set within the scratch: many candidate sets keep the plain GEMM)
+    tokens_first = blk.out.tokens_first and m // sets <= _TOKENS_FIRST_ROWS and m <= _TOKENS_FIRST_BYTES // 4
     part = budget // threads  # each thread's share of the bound's pieces
 
     def work(thread: int, claims) -> None:
