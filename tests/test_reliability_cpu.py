@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ast
 import hashlib
+import io
 import json
 import multiprocessing
 import os
@@ -140,7 +141,7 @@ def test_a_compile_with_an_empty_log_leaves_the_process_bytes_alone(tmp_path, mo
     assert n[0] == 1 and built.log == "" and built.cubin[:4] == b"\x7fELF"
     space = bytes([32])  # the shared one-byte object, built at run time (not a folded constant)
     assert space * 3 == b"   "
-    buf = __import__("io").BytesIO()
+    buf = io.BytesIO()
     np.save(buf, np.ones((6, 8), np.float32))
     header = buf.getvalue()[10:128]
     assert b"\0" not in header and header.endswith(b" \n")
