@@ -17,6 +17,7 @@ import threading
 import numpy as np
 import pytest
 
+from lik_command import child_pythonpath
 from lik_command import run_lik as run
 from lik_cupy import cli
 from lik_cupy._ranking import merge_ranked
@@ -856,9 +857,7 @@ def test_output_file_permissions_follow_umask(tmp_path):
 
 
 def _env():
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    return env
+    return dict(os.environ, PYTHONPATH=child_pythonpath())
 
 
 def _lik_command():
