@@ -246,6 +246,60 @@ def test_older_gpus_are_refused_by_name(monkeypatch):
     backend.check_gpu_arch("float8_e4m3fn", 0)
 
 
+def test_auto_keeps_host_arrays_the_gpu_cannot_take_on_the_cpu(rng, monkeypatch):
+    """On a GPU host, ``backend="auto"`` scores host FP8 arrays on the CPU where the GPU lacks their dim
+    or FP8 instructions (as a host without a GPU would), and sends them to the GPU where it has both;
+    device arrays and ``"gpu"`` still raise."""
+    import types
+
+    from lik_cupy._base.device import DeviceProps
+    from lik_cupy._dispatch import backend
+
+    monkeypatch.setattr(backend, "gpu_available", lambda: True)
+    monkeypatch.setattr(backend, "_current_device", lambda: 0)
+    monkeypatch.setattr(backend, "device_properties", lambda d: DeviceProps("NVIDIA H200", 90, 132))
+    q8, qs = lik_cupy.quantize_fp8(_unit(rng, 2, 5, 32), backend="cpu")
+    d8, ds = lik_cupy.quantize_fp8(_unit(rng, 3, 7, 32), backend="cpu")
+    s, a = lik_cupy.maxsim_fp8(q8, d8, ds, q_scales=qs, return_argmax=True)  # d = 32: no FP8 tile takes it
+    s_cpu, a_cpu = lik_cupy.maxsim_fp8(q8, d8, ds, q_scales=qs, return_argmax=True, backend="cpu")
+    assert np.array_equal(s, s_cpu) and np.array_equal(a, a_cpu)
+
+    def problem(dim, device=None):
+        return types.SimpleNamespace(dtype="float8_e4m3fn", dim=dim, device=device)
+
+    assert backend.scoring_on_gpu(problem(128), "auto")
+    assert not backend.scoring_on_gpu(problem(32), "auto")
+    assert not backend.scoring_on_gpu(problem(128), "cpu")
+    # "gpu" and device arrays go on to the forward's choice, which names the tiles' rule (select.py)
+    assert backend.scoring_on_gpu(problem(32), "gpu") and backend.scoring_on_gpu(problem(32, device=0), "auto")
+    for args in ((problem(40), "gpu"), (problem(40, device=0), "auto")):
+        with pytest.raises(ValueError, match=r"float8_e4m3fn scoring on the GPU needs dim a multiple of 16 .*; got dim 40"):
+            backend.scoring_on_gpu(*args)
+    assert not backend.scoring_on_gpu(problem(40), "auto")
+    monkeypatch.setattr(backend, "device_properties", lambda d: DeviceProps("NVIDIA L4", 89, 58))
+    assert backend.scoring_on_gpu(problem(32), "auto")  # sm_89's mma.sync takes d = 32
+    monkeypatch.setattr(backend, "device_properties", lambda d: DeviceProps("NVIDIA A100-SXM4-80GB", 80, 108))
+    assert not backend.scoring_on_gpu(problem(128), "auto")  # no FP8 instructions: the CPU
+    assert backend.scoring_on_gpu(problem(128, device=0), "auto")  # device arrays: check_gpu_arch refuses them
+    monkeypatch.setattr(backend, "device_properties", lambda d: DeviceProps("Tesla V100-SXM2-32GB", 70, 80))
+    assert not backend.scoring_on_gpu(types.SimpleNamespace(dtype="float16", dim=128, device=None), "auto")
+
+
+def test_the_dims_sm90_takes_are_the_ones_its_tiles_take():
+    """``ElemSpec.dim_ok_on``, which keeps host arrays off a GPU that lacks their dim, against the
+    forward's own choice (which raises where no tile takes the problem)."""
+    spec = dispatch.elem_spec("float8_e4m3fn")
+    for arch in (89, 90):
+        for dim in range(16, 2049, 16):
+            for lq, argmax in ((32, False), (1024, True)):
+                try:
+                    dispatch.choose_forward(arch, spec.name, dim, lq, argmax, True)
+                    chosen = True
+                except ValueError:
+                    chosen = False
+                assert spec.dim_ok_on(arch, dim) == chosen, (arch, dim, lq, argmax)
+
+
 def test_dispatch_rows():
     spec = dispatch.elem_spec("float8_e4m3fn")
     assert spec.scaled and not spec.integer and spec.min_arch == 89 and spec.bytes == 1

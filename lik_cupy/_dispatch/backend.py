@@ -4,6 +4,7 @@ function shares."""
 from __future__ import annotations
 
 from .._base.device import device_properties, gpu_available
+from .config import arch_of
 from .elements import elem_spec, kernel_dtype
 
 __all__ = ["BACKENDS", "check_backend", "use_gpu", "scoring_on_gpu", "check_gpu_dim", "check_gpu_arch"]
@@ -47,11 +48,29 @@ def use_gpu(backend: str, device: int | None, *, host_to_gpu: bool = True, float
 def scoring_on_gpu(p, backend: str, *, float64: bool = False, float64_gpu: bool = False) -> bool:
     """``use_gpu`` for a scoring problem (a ``Problem``), refusing dims the GPU kernels lack.
     ``float64``: a float64 input the Problem's dtype does not show (an INT8 call's float Q);
-    ``float64_gpu``: the caller scores float64 on the GPU (see ``use_gpu``)."""
+    ``float64_gpu``: the caller scores float64 on the GPU (see ``use_gpu``). Host arrays under
+    ``"auto"`` stay on the CPU when the current GPU lacks their element type's dim or instructions
+    (FP8 at d = 32, or on a GPU older than Ada), as they would on a host without a GPU; device arrays
+    and ``"gpu"`` raise instead."""
     on_gpu = use_gpu(backend, p.device, float64=float64 or p.dtype == "float64", float64_gpu=float64_gpu)
+    if on_gpu and backend == "auto" and p.device is None and not _current_gpu_takes(p.dtype, p.dim):
+        return False
     if on_gpu:
         check_gpu_dim(p.dtype, p.dim)
     return on_gpu
+
+
+def _current_gpu_takes(dtype: str, dim: int) -> bool:
+    """Whether the current GPU's kernels take element type ``dtype`` at embedding dim ``dim``."""
+    spec = elem_spec(kernel_dtype(dtype))
+    cc = device_properties(_current_device()).cc
+    return cc >= spec.min_arch and spec.dim_ok_on(arch_of(cc), dim)
+
+
+def _current_device() -> int:
+    import cupy
+
+    return cupy.cuda.runtime.getDevice()
 
 
 def check_gpu_dim(dtype: str, dim: int, cpu: str = "backend='cpu'") -> None:

@@ -61,6 +61,14 @@ class ElemSpec:
         """Whether the GPU kernels take embedding dim ``dim`` (positive: validation refuses 0 before)."""
         return dim <= self.max_dim and dim % self.dim_multiple == 0
 
+    def dim_ok_on(self, arch: int, dim: int) -> bool:
+        """``dim_ok`` on architecture ``arch``: where mma.sync is emulated (``emulated_mma``: FP8 on
+        sm_90) the one-shot dims are the wgmma tiles' only, whole 128-byte rows (select.py's
+        ``_mma_native``); split-d, above ``one_shot_max``, takes every dim."""
+        if arch in self.emulated_mma and dim <= self.one_shot_max and dim * self.bytes % 128:
+            return False
+        return self.dim_ok(dim)
+
     def dim_rule(self) -> str:
         """The dims the GPU kernels take, in words, for errors."""
         if self.dim_multiple == 1:
