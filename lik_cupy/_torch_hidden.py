@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ._torch_autograd import backend_of, fake_outputs, no_argmax, no_second_derivative
+from ._torch_autograd import backend_of, fake_outputs, no_argmax, no_second_derivative, transformed, vmap_each
 from ._validate import check_flag, check_hidden, check_hidden_backward, check_hidden_options
 from .backward import maxsim_backward
 from .forward import maxsim
@@ -241,10 +241,62 @@ class _FromHidden(torch.autograd.Function):
         return _input_grads(ctx.needs_input_grad, (dq, dh, dw, db), bias)
 
 
+class _FromHiddenFunc(torch.autograd.Function):
+    """:class:`_FromHidden` in the form ``torch.func`` takes (``_torch_autograd._MaxSimFunc`` says why
+    only under its transforms), on the operators' implementations, with a ``vmap`` rule."""
+
+    @staticmethod
+    def forward(Q, H, W, bias, q_mask, d_mask, q_lengths, d_lengths, normalize, eps, max_chunk_bytes, precision):
+        return _forward_op(Q, H, W, bias, q_mask, d_mask, q_lengths, d_lengths, normalize, eps, True, max_chunk_bytes,
+                           precision)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        Q, H, W, bias, _q_mask, d_mask, _q_lengths, d_lengths, *options = inputs
+        ctx.save_for_backward(Q, H, W, bias, output[1], d_mask, d_lengths)
+        ctx.options = options
+        ctx.mark_non_differentiable(output[1])
+
+    @staticmethod
+    def backward(ctx, g, _g_amax):
+        Q, H, W, bias, amax, d_mask, d_lengths = ctx.saved_tensors
+        if not any(ctx.needs_input_grad[:4]):
+            return (None,) * 12
+        grads = _FromHiddenBackward.apply(g.contiguous(), Q, H, W, bias, amax, d_mask, d_lengths, *ctx.options)
+        return _input_grads(ctx.needs_input_grad, grads, bias)
+
+    @staticmethod
+    def vmap(info, in_dims, *inputs):
+        return vmap_each(info.batch_size, in_dims[:8], inputs[:8], lambda *t: _FromHiddenFunc.apply(*t, *inputs[8:]))
+
+
+class _FromHiddenBackward(torch.autograd.Function):
+    """The backward's implementation as a function ``torch.func`` can batch, with no gradient of its own."""
+
+    @staticmethod
+    def forward(g, Q, H, W, bias, amax, d_mask, d_lengths, normalize, eps, max_chunk_bytes, precision):
+        return _backward_op(g, Q, H, W, bias, amax, d_mask, d_lengths, normalize, eps, max_chunk_bytes, precision)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    backward = staticmethod(no_second_derivative("lik_cupy.torch.maxsim_from_hidden's backward"))
+
+    @staticmethod
+    def vmap(info, in_dims, *inputs):
+        return vmap_each(info.batch_size, in_dims[:8], inputs[:8],
+                         lambda *t: _FromHiddenBackward.apply(*t, *inputs[8:]))
+
+
 def from_hidden_eager(Q, H, W, bias, q_mask, d_mask, q_lengths, d_lengths, normalize, eps, return_argmax,
                       max_chunk_bytes, precision, need_grad: bool):
     """``(scores, argmax)`` of an eager call, as the operator gives them: through :class:`_FromHidden` where a
-    gradient is needed (the argmax then kept), else the forward's implementation alone."""
+    gradient is needed (the argmax then kept), under ``torch.func``'s transforms through
+    :class:`_FromHiddenFunc`, else the forward's implementation alone."""
+    if transformed():
+        return _FromHiddenFunc.apply(Q, H, W, bias, q_mask, d_mask, q_lengths, d_lengths, normalize, eps,
+                                     max_chunk_bytes, precision)
     if need_grad:
         return _FromHidden.apply(Q, H, W, bias, q_mask, d_mask, q_lengths, d_lengths, normalize, eps, max_chunk_bytes,
                                  precision)

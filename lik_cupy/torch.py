@@ -20,6 +20,10 @@ needed), because each of the registered forms (``torch.library.custom_op``,
 Autograd key) adds 13 to 22 us of host time to an eager call, where the autograd.Function adds
 under one and this module's whole eager wrapper about two (``bench/tools/torch_op_overhead.py``).
 
+``torch.func``: ``grad``, ``vmap``, ``vmap`` of ``grad`` (per-sample gradients) and ``jacrev`` take
+eager calls of the three functions through autograd.Functions whose ``vmap`` rules make one call
+per element of the batch (any tensor argument batched: queries, documents, masks, lengths).
+
 CUDA graphs: a training step that calls these functions, eager or compiled, can be captured
 whole with ``torch.cuda.graph`` (or ``torch.cuda.make_graphed_callables``) and replayed. Every
 kernel runs on torch's current stream and every buffer, scratch included, comes from torch's
@@ -45,6 +49,7 @@ from ._torch_autograd import check_method as _check_method
 from ._torch_autograd import check_tensors as _check_tensors
 from ._torch_autograd import needs_grad as _needs_grad
 from ._torch_autograd import traced as _traced
+from ._torch_autograd import transformed as _transformed
 from ._torch_hidden import from_hidden_eager as _from_hidden_eager
 from ._torch_hidden import maxsim_from_hidden_op as _maxsim_from_hidden_op
 from ._validate import check_flag as _check_flag
@@ -74,15 +79,16 @@ def maxsim(Q, D, q_mask=None, d_mask=None, *, q_lengths=None, d_lengths=None, me
                                                          _tensor(d_lengths, Q), method,
                                                          return_argmax or _needs_grad(Q, D), precision)
         return (scores, amax) if return_argmax else scores
-    if not _needs_grad(Q, D):  # a serving call: lik_cupy.maxsim alone
+    extras = (q_mask, d_mask, q_lengths, d_lengths)
+    if not (_needs_grad(Q, D) or _transformed()):  # a serving call: lik_cupy.maxsim alone
         return _maxsim(Q, D, q_mask, d_mask, q_lengths=q_lengths, d_lengths=d_lengths, return_argmax=return_argmax,
                        backend=_backend(Q), precision=precision)
 
-    def call(q, d):
-        return _maxsim(q, d, q_mask, d_mask, q_lengths=q_lengths, d_lengths=d_lengths, return_argmax=True,
-                       backend=_backend(q), precision=precision)
+    def call(q, d, qm, dm, ql, dl):
+        return _maxsim(q, d, qm, dm, q_lengths=ql, d_lengths=dl, return_argmax=True, backend=_backend(q),
+                       precision=precision)
 
-    return _apply(Q, D, None, method, call, return_argmax)
+    return _apply(Q, D, None, method, call, return_argmax, extras)
 
 
 def maxsim_varlen(Q, D_tokens, d_offsets, q_mask=None, *, q_lengths=None, method="auto", return_argmax=False,
@@ -98,16 +104,17 @@ def maxsim_varlen(Q, D_tokens, d_offsets, q_mask=None, *, q_lengths=None, method
                                                                 _tensor(q_lengths, Q), method,
                                                                 return_argmax or _needs_grad(Q, D_tokens), precision)
         return (scores, amax) if return_argmax else scores
-    if not _needs_grad(Q, D_tokens):
+    if not (_needs_grad(Q, D_tokens) or _transformed()):
         return _maxsim_varlen(Q, D_tokens, d_offsets, q_mask, q_lengths=q_lengths, return_argmax=return_argmax,
                               backend=_backend(Q), precision=precision)
     offsets = _tensor(d_offsets, Q)  # the backward reads them too
 
-    def call(q, d):
-        return _maxsim_varlen(q, d, offsets, q_mask, q_lengths=q_lengths, return_argmax=True, backend=_backend(q),
+    def call(q, d, off, qm, ql):
+        return _maxsim_varlen(q, d, off, qm, q_lengths=ql, return_argmax=True, backend=_backend(q),
                               precision=precision)
 
-    return _apply(Q, D_tokens, offsets, method, call, return_argmax)
+    # (the offsets are the backward's d_offsets and the call's first extra: vmap slices both alike)
+    return _apply(Q, D_tokens, offsets, method, call, return_argmax, (offsets, q_mask, q_lengths))
 
 
 def maxsim_from_hidden(Q, H, W, bias=None, q_mask=None, d_mask=None, *, q_lengths=None, d_lengths=None,

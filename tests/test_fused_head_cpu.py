@@ -299,3 +299,28 @@ def test_lik_adapter_translates_the_semantics(rng):
     assert (H.grad[1] == 0).all()
     one = adapted(Q[:1].detach(), H[:1].detach(), W.detach(), d_mask=d_mask[0])
     assert torch.equal(one, lt.maxsim_from_hidden(Q[:1].detach(), H[:1].detach(), W.detach(), None, None, d_mask[:1]))
+
+
+def test_torch_func_grad_and_vmap(rng):
+    """torch.func's grad of every input, vmap over queries and per-sample gradients of W, against
+    eager autograd and a loop of eager calls."""
+    q, h, w, b = (torch.from_numpy(rng.standard_normal(s)) for s in ((3, 5, 8), (4, 7, 12), (8, 12), (8,)))
+    dl = torch.tensor([7, 3, 0, 5])
+
+    def loss(*xs):
+        return lt.maxsim_from_hidden(*xs, d_lengths=dl).logsumexp(-1).sum()
+
+    def eager(*xs):
+        xs = [x.clone().requires_grad_() for x in xs]
+        loss(*xs).backward()
+        return [x.grad for x in xs]
+
+    for got, want in zip(torch.func.grad(loss, argnums=(0, 1, 2, 3))(q, h, w, b), eager(q, h, w, b)):
+        assert torch.equal(got, want)
+    single = torch.func.vmap(lambda x: lt.maxsim_from_hidden(x, h, w, b, d_lengths=dl))(q)
+    assert torch.equal(single, torch.stack([lt.maxsim_from_hidden(x, h, w, b, d_lengths=dl) for x in q]))
+    per_w = torch.func.vmap(torch.func.grad(loss, argnums=2), in_dims=(0, None, None, None))(q[:, None], h, w, b)
+    for i in range(3):
+        assert torch.equal(per_w[i], eager(q[i:i + 1], h, w, b)[2])
+    with pytest.raises(RuntimeError, match="no second derivative"):
+        torch.func.grad(lambda x: torch.func.grad(loss, argnums=2)(q, h, x, b).sum())(w)
