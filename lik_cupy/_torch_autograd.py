@@ -107,7 +107,7 @@ class _MaxSimFunc(torch.autograd.Function):
     @staticmethod
     def vmap(info, in_dims, Q, D, d_offsets, method, call, *extras):
         return vmap_each(info.batch_size, in_dims[:3] + in_dims[5:], (Q, D, d_offsets, *extras),
-                     lambda q, d, off, *ex: _MaxSimFunc.apply(q, d, off, method, call, *ex))
+                         lambda q, d, off, *ex: _MaxSimFunc.apply(q, d, off, method, call, *ex))
 
 
 def _save(ctx, Q, D, amax, d_offsets, method) -> None:
@@ -138,7 +138,7 @@ class _Backward(torch.autograd.Function):
     @staticmethod
     def vmap(info, in_dims, g, Q, D, argmax, d_offsets, method):
         return vmap_each(info.batch_size, in_dims[:5], (g, Q, D, argmax, d_offsets),
-                     lambda *a: _Backward.apply(*a, method))
+                         lambda *a: _Backward.apply(*a, method))
 
 
 def vmap_each(batch_size: int, dims, tensors, fn):
