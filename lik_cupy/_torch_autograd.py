@@ -144,7 +144,10 @@ class _Backward(torch.autograd.Function):
 def vmap_each(batch_size: int, dims, tensors, fn):
     """A ``torch.func.vmap`` rule: ``fn`` called once per element of the batch, each batched tensor
     (its dim in ``dims`` not None) sliced along that dim, the others as they are; the outputs
-    stacked on dim 0."""
+    stacked on dim 0. An empty batch gives empty outputs, shaped by one call on an element of zeros."""
+    if batch_size == 0:
+        one = fn(*(x if d is None else x.new_zeros(x.shape[:d] + x.shape[d + 1:]) for x, d in zip(tensors, dims)))
+        return tuple(o.new_empty((0,) + tuple(o.shape)) for o in one), (0,) * len(one)
     outs = [fn(*(x if d is None else x.select(d, b) for x, d in zip(tensors, dims))) for b in range(batch_size)]
     return tuple(torch.stack(o) for o in zip(*outs)), (0,) * len(outs[0])
 
