@@ -520,6 +520,8 @@ def test_torch_func_transforms(rng, device):
         assert torch.equal(s[b], sb) and torch.equal(a[b], ab)
     dd = _t(rng, 2, 3, 7, 16, dtype=torch.float64, device=device)
     assert torch.equal(torch.func.vmap(lambda x: lt.maxsim(q[0], x))(dd), torch.stack([lt.maxsim(q[0], x) for x in dd]))
+    nested = torch.func.vmap(torch.func.vmap(lambda a, x: lt.maxsim(a, x), in_dims=(0, None)), in_dims=(None, 0))(q, dd)
+    assert torch.equal(nested, torch.stack([torch.stack([lt.maxsim(a, x) for a in q]) for x in dd]))
     empty = torch.func.vmap(lambda a: lt.maxsim(a, d, return_argmax=True))(q[:0])
     assert empty[0].shape == (0, 2, 3) and empty[1].shape == (0, 2, 3, 5) and empty[1].dtype == torch.int32
     tokens, off = _t(rng, 10, 16, dtype=torch.float64, device=device), torch.tensor([0, 3, 3, 10], device=device)
