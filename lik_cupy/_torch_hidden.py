@@ -5,6 +5,8 @@ subclasses) go through; eager calls take their implementations through an autogr
 (``from_hidden_eager``). Registered on import, in the ``lik_cupy`` library that ``_torch_autograd``
 defines.
 
+float16 and bfloat16 CUDA tensors that the one-pass kernel takes (``lik_cupy.fused_head``'s docstring
+says which) are scored by it, training calls included (their backward then projects again). Other
 float16 and bfloat16 CUDA tensors whose projected tokens fit one chunk (training batches, reranking)
 take torch's own GEMMs (``F.linear``'s, under torch's matmul settings) and the MaxSim calls' torch path, with the normalisation and
 its gradient by ``cuda_src/hidden.cu`` in place on the projection: the same steps as
@@ -36,6 +38,9 @@ _lib.define("maxsim_from_hidden_backward(Tensor grad_scores, Tensor Q, Tensor H,
 
 def _forward_op(Q, H, W, bias, q_mask, d_mask, q_lengths, d_lengths, normalize, eps, return_argmax, max_chunk_bytes,
                 precision):
+    fused = _fused_forward(Q, H, W, bias, q_mask, d_mask, q_lengths, d_lengths, normalize, eps, return_argmax)
+    if fused is not None:
+        return fused
     if _one_torch_chunk(Q, H, W, max_chunk_bytes):
         return _torch_forward(Q, H, W, bias, q_mask, d_mask, q_lengths, d_lengths, normalize, eps,
                               check_flag("return_argmax", return_argmax), max_chunk_bytes, precision)[:2]
@@ -57,6 +62,45 @@ def _backward_op(grad_scores, Q, H, W, bias, argmax, d_mask, d_lengths, normaliz
                                                  normalize=normalize, eps=eps, max_chunk_bytes=max_chunk_bytes,
                                                  backend=backend_of(Q), precision=precision, validate=False)
     return dq, dh, dw, (_no_bias_grad(W) if db is None else db)
+
+
+def _fused_forward(Q, H, W, bias, q_mask, d_mask, q_lengths, d_lengths, normalize, eps, return_argmax):
+    """``(scores, argmax)`` by the one-pass kernel (``lik_cupy._runtime.hidden_maxsim``) where it runs: float16
+    or bfloat16 CUDA tensors on a Hopper GPU, a boolean ``d_mask`` or none (``fused_width`` has the rest of
+    the rule); else None. Its scratch is one int64 a query token and document, from torch's allocator."""
+    # (cheap refusals first: training batches have more query rows than the kernel takes)
+    if not (Q.is_cuda and Q.dtype in (torch.float16, torch.bfloat16) and Q.shape[-1] == 128 and Q.numel() <= 64 * 128):
+        return None
+    if q_mask is not None or q_lengths is not None or d_lengths is not None:
+        return None
+    if d_mask is not None and not (isinstance(d_mask, torch.Tensor) and d_mask.dtype == torch.bool):
+        return None
+    from ._interop.torch_tensors import current_stream
+    from ._runtime.hidden_maxsim import fused_width, key_count, score_hidden
+
+    hp = check_hidden(Q, H, W, bias, q_mask, d_mask, q_lengths, d_lengths)
+    normalize, eps, _ = check_hidden_options(normalize, eps, None)
+    q, h, w = Q.contiguous(), H.contiguous(), W.contiguous()
+    dev = Q.device.index
+    qn = fused_width(hp, dev, q_mask, q_lengths, d_lengths, (q.data_ptr(), h.data_ptr(), w.data_ptr()))
+    if qn is None:
+        return None
+    p = hp.p
+    keys = torch.zeros(key_count(p.nq, p.lq, p.nd), dtype=torch.int64, device=Q.device)
+    scores = torch.empty((p.nq, p.nd), dtype=torch.float32, device=Q.device)
+    amax = torch.empty((p.nq, p.nd, p.lq), dtype=torch.int32, device=Q.device) if return_argmax else None
+    b32 = None if bias is None else bias.float().contiguous()
+    dm = None if d_mask is None else d_mask.contiguous().view(torch.uint8)
+    import cupy
+
+    with cupy.cuda.Device(dev):
+        score_hidden(q=q.data_ptr(), h=h.data_ptr(), w=w.data_ptr(), bias=0 if b32 is None else b32.data_ptr(),
+                     dmask=0 if dm is None else dm.data_ptr(), keys=keys.data_ptr(), scores=scores.data_ptr(),
+                     amax=0 if amax is None else amax.data_ptr(), nq=p.nq, lq=p.lq, nd=p.nd, ld=p.ld,
+                     hidden=hp.hidden, dtype=p.dtype, qn=qn, normalize=normalize, eps=eps, device=dev,
+                     stream=current_stream(dev).ptr)
+    scores = scores.view(p.scores_shape)
+    return scores, (no_argmax(scores) if amax is None else amax.view(p.argmax_shape))
 
 
 def _torch_forward(Q, H, W, bias, q_mask, d_mask, q_lengths, d_lengths, normalize, eps, return_argmax: bool,
@@ -211,9 +255,12 @@ class _FromHidden(torch.autograd.Function):
     @staticmethod
     def forward(ctx, Q, H, W, bias, q_mask, d_mask, q_lengths, d_lengths, normalize, eps, max_chunk_bytes, precision):
         # The torch path keeps its projection for the backward (a sixth of H at h = 768, d = 128): one GEMM
-        # and one normalisation fewer in a step bound by their host time.
+        # and one normalisation fewer in a step bound by their host time. The one-pass kernel has none to keep.
         kept = (None, None)
-        if _one_torch_chunk(Q, H, W, max_chunk_bytes):
+        fused = _fused_forward(Q, H, W, bias, q_mask, d_mask, q_lengths, d_lengths, normalize, eps, True)
+        if fused is not None:  # (as an inference call scores: the backward projects again)
+            scores, amax = fused
+        elif _one_torch_chunk(Q, H, W, max_chunk_bytes):
             scores, amax, *kept = _torch_forward(Q, H, W, bias, q_mask, d_mask, q_lengths, d_lengths, normalize, eps,
                                                  True, max_chunk_bytes, precision)
         else:

@@ -3,17 +3,24 @@ encoder hidden states ``H [Nd, Ld, h]`` through a projection ``W [d, h]`` (+ ``b
 L2-normalisation, without holding the projected ``[Nd, Ld, d]`` tensor; ``maxsim_from_hidden_backward``
 gives its gradients for Q, H, W and bias.
 
-How: the documents are streamed in chunks of at most ``max_chunk_bytes`` of projected tokens.
-Each chunk is projected by one GEMM (cuBLAS on the GPU, float32 accumulation; float64 BLAS on the
-CPU), normalised in place (``cuda_src/hidden.cu``: one warp a row, the sum of squares and the
-scaling, which add the bias in float32) and scored by the MaxSim kernels with their argmax
-(``lik_cupy.maxsim``); the chunk is then dropped. The backward recomputes each chunk's projection,
+How, on a Hopper GPU (float16 and bfloat16, d = 128, at most 64 query rows ``Nq * Lq``, no query
+masks or lengths and no document lengths: ``lik_cupy._dispatch.choose_hidden_fused`` and
+``lik_cupy._runtime.hidden_maxsim.fused_width``): one kernel (``cuda_src/hidden_maxsim.cu``)
+projects each tile of hidden states on wgmma, rounds it to the inputs' dtype, adds the bias and
+normalises it in float32 in registers, rounds it again and scores it against the queries there; each
+document's maxima meet in a small scratch of one int64 per query token and document. Nothing the
+size of the projection is written, and H is read once. Elsewhere the documents are streamed in
+chunks of at most ``max_chunk_bytes`` of projected tokens. Each chunk is projected by one GEMM
+(cuBLAS on the GPU, float32 accumulation; float64 BLAS on the CPU), normalised in place
+(``cuda_src/hidden.cu``: one warp a row, the sum of squares and the scaling, which add the bias in
+float32) and scored by the MaxSim kernels with their argmax (``lik_cupy.maxsim``); the chunk is then
+dropped. The two ways round the same values alike, up to the float32 order of the projection's and
+the norm's sums (a projected element may round one unit apart). The backward recomputes each chunk's projection,
 turns the saved argmax into the gradient of the projected tokens (``lik_cupy.maxsim_backward``),
 pulls it back through the normalisation, and forms ``dH = dP @ W``, ``dW += dP.T @ H`` and
 ``db += sum(dP)`` by GEMMs (the sum too: a row of ones). So the projection runs once in the forward
 and four GEMMs in the backward, never once per query; the scratch is one chunk (plus the
-backward's ``dH``, which is the size of ``H``). It is a streamed pipeline of cuBLAS and the MaxSim
-kernels, not one fused kernel.
+backward's ``dH``, which is the size of ``H``).
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from ._interop import GpuCall
 from ._cpu.hidden import normalize_grad, normalize_rows, project_numpy
 from ._dispatch.backend import check_backend, scoring_on_gpu
 from ._dispatch.precision import fp32_accurate
+from ._runtime.hidden_maxsim import fused_width
 from ._runtime.operands import valid_host
 from ._validate import HiddenProblem, check_flag, check_hidden, check_hidden_backward, check_hidden_options
 from ._runtime.backward import grad_scores_f32, gradient_out, host_gradient_out
@@ -273,6 +281,10 @@ def _gpu_forward(hp: HiddenProblem, Q, H, W, bias, q_mask, d_mask, q_lengths, d_
             dm = cupy.asarray(dm)
         if isinstance(qm, np.ndarray):
             qm = cupy.asarray(qm)
+        qn = None if dm is not None and dm.dtype != cupy.bool_ else \
+            fused_width(hp, call.device, q_mask, q_lengths, d_lengths, (q.data.ptr, h.data.ptr, w.data.ptr))
+        if qn is not None:
+            return call.results(p, *_fused_forward(hp, q, h, w, b, dm, normalize, eps, return_argmax, qn, call.device))
         chunks = _chunks(hp, max_chunk_bytes, h.dtype.itemsize)
         scores = amax = None
         if len(chunks) != 1:  # (none for no documents)
@@ -292,6 +304,29 @@ def _gpu_forward(hp: HiddenProblem, Q, H, W, bias, q_mask, d_mask, q_lengths, d_
                 if return_argmax:
                     amax[:, j0:j1] = a
         return call.results(p, scores, amax)
+
+
+def _fused_forward(hp: HiddenProblem, q, h, w, b, dm, normalize, eps, return_argmax, qn: int, device: int):
+    """(scores, argmax or None) of the one-pass kernel (``lik_cupy._runtime.hidden_maxsim``), CuPy arrays
+    on the current stream: ``q``, ``h``, ``w`` and ``b`` as :func:`_device_operands` gives them, ``dm``
+    a boolean document mask or None."""
+    import cupy
+
+    from ._runtime.hidden import to_float32
+    from ._runtime.hidden_maxsim import key_count, score_hidden
+
+    p = hp.p
+    keys = cupy.zeros(key_count(p.nq, p.lq, p.nd), cupy.uint64)
+    scores = cupy.empty((p.nq, p.nd), cupy.float32)
+    amax = cupy.empty((p.nq, p.nd, p.lq), cupy.int32) if return_argmax else None
+    b32 = None if b is None else to_float32(b, p.dtype)
+    dmask = None if dm is None else cupy.ascontiguousarray(dm).view(cupy.uint8)
+    score_hidden(q=q.data.ptr, h=h.data.ptr, w=w.data.ptr, bias=0 if b32 is None else b32.data.ptr,
+                 dmask=0 if dmask is None else dmask.data.ptr, keys=keys.data.ptr, scores=scores.data.ptr,
+                 amax=0 if amax is None else amax.data.ptr, nq=p.nq, lq=p.lq, nd=p.nd, ld=p.ld, hidden=hp.hidden,
+                 dtype=p.dtype, qn=qn, normalize=normalize, eps=eps, device=device,
+                 stream=cupy.cuda.get_current_stream().ptr)
+    return scores, amax
 
 
 def _gpu_backward(hp: HiddenProblem, grad_scores, Q, H, W, bias, argmax, d_mask, d_lengths, normalize, eps,

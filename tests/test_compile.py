@@ -41,6 +41,7 @@ import pytest
 
 from lik_cupy._runtime import nvrtc as lc
 from lik_cupy._runtime import token_split
+from lik_cupy._runtime.kernels import HIDDEN_FUSED
 from lik_cupy import _dispatch as dispatch
 
 pytest.importorskip("cuda.bindings.nvrtc", reason="NVRTC (cuda-python) is not installed")
@@ -279,6 +280,8 @@ def test_check_all_compiles_without_spills(tmp_path, request, proofs):
                 "lik_mask_spans"} <= names
         assert {f"lik_bwd_{k}[elem={e},vec={v}]" for k in ("dq", "keys", "dd_csr", "cast") for e in (0, 1, 2)
                 for v in (0, 1)} <= names
+        fused = {r["kernel"] for r in got if r["kernel"].startswith("lik_hidden_maxsim")}  # sm_90a alone
+        assert len(fused) == (2 * len(HIDDEN_FUSED.variants) if arch == 90 else 0), (arch, sorted(fused))
         seen = set()
         for r in got:
             key = (r["kernel"], r["arch"])

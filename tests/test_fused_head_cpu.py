@@ -324,3 +324,54 @@ def test_torch_func_grad_and_vmap(rng):
         assert torch.equal(per_w[i], eager(q[i:i + 1], h, w, b)[2])
     with pytest.raises(RuntimeError, match="no second derivative"):
         torch.func.grad(lambda x: torch.func.grad(loss, argnums=2)(q, h, x, b).sum())(w)
+
+
+def test_where_the_one_pass_kernel_runs():
+    """``_dispatch.choose_hidden_fused``: Hopper, 16-bit, d = 128, whole 128-byte boxes of H, and at most
+    64 query rows, the narrowest width that holds them; the kernel's shared memory fits a block at each."""
+    from lik_cupy._dispatch import SMEM_PER_BLOCK, choose_hidden_fused, tables
+    from lik_cupy._runtime.hidden_maxsim import shared_bytes
+    from lik_cupy._runtime.kernels import HIDDEN_FUSED
+
+    assert choose_hidden_fused(90, "bfloat16", 128, 768, 32, 300_000) == 32
+    assert choose_hidden_fused(90, "float16", 128, 64, 1, 1) == 32
+    assert choose_hidden_fused(90, "float16", 128, 768, 33, 10) == 64
+    assert choose_hidden_fused(90, "float16", 128, 768, 64, 10) == 64
+    for args in [(90, "float16", 128, 768, 65, 10), (90, "float16", 128, 768, 0, 10), (90, "float16", 128, 768, 32, 0),
+                 (89, "float16", 128, 768, 32, 10), (100, "float16", 128, 768, 32, 10), (90, "float32", 128, 768, 32, 10),
+                 (90, "float16", 64, 768, 32, 10), (90, "float16", 128, 96, 32, 10), (90, "float16", 128, 0, 32, 10),
+                 (90, "int8", 128, 768, 32, 10), (90, "float16", 128, 768, 32, 2**31 - 255)]:
+        assert choose_hidden_fused(*args) is None, args
+    for qn in tables.HIDDEN_FUSED_QN:
+        assert shared_bytes(qn, tables.HIDDEN_FUSED_STAGES, tables.HIDDEN_FUSED_WARPGROUPS) <= SMEM_PER_BLOCK[90]
+    assert HIDDEN_FUSED.target(90) == "90a" and HIDDEN_FUSED.target(89) is None and HIDDEN_FUSED.target(80) is None
+
+
+def test_the_one_pass_kernel_leaves_masked_queries_and_lengths_to_the_pipeline(monkeypatch):
+    """``fused_width``: query masks and lengths and document lengths (whose invalid values the pipeline's
+    checks and NaN pass handle), misaligned operands and wgmma or TMA turned off keep the streamed
+    pipeline; the rest follows ``choose_hidden_fused``."""
+    from lik_cupy._runtime import hidden_maxsim, tma
+    from lik_cupy._validate import check_hidden
+
+    class Props:
+        cc = 90
+
+    monkeypatch.setattr(hidden_maxsim, "device_properties", lambda device: Props)
+    monkeypatch.setattr(tma, "available", lambda: True)
+    rng = np.random.default_rng(0)
+    Q = rng.standard_normal((1, 32, 128)).astype(ml_dtypes.bfloat16)
+    H = rng.standard_normal((3, 10, 64)).astype(ml_dtypes.bfloat16)
+    W = rng.standard_normal((128, 64)).astype(ml_dtypes.bfloat16)
+    hp = check_hidden(Q, H, W, None, None, None, None, None)
+    aligned = (0, 256, 4096)
+    assert hidden_maxsim.fused_width(hp, 0, None, None, None, aligned) == 32
+    assert hidden_maxsim.fused_width(hp, 0, np.ones((1, 32), bool), None, None, aligned) is None
+    assert hidden_maxsim.fused_width(hp, 0, None, [32], None, aligned) is None
+    assert hidden_maxsim.fused_width(hp, 0, None, None, [10, 10, 10], aligned) is None
+    assert hidden_maxsim.fused_width(hp, 0, None, None, None, (0, 8, 4096)) is None
+    monkeypatch.setenv("LIK_DISABLE_WGMMA", "1")
+    assert hidden_maxsim.fused_width(hp, 0, None, None, None, aligned) is None
+    monkeypatch.delenv("LIK_DISABLE_WGMMA")
+    monkeypatch.setenv("LIK_DISABLE_TMA", "1")
+    assert hidden_maxsim.fused_width(hp, 0, None, None, None, aligned) is None

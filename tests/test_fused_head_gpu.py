@@ -57,9 +57,10 @@ def _rel_rms(a, b):
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("chunk", [None, 40 * 64 * 4 * 3])  # three float32 documents, six 16-bit ones
 @pytest.mark.parametrize("lengths,bias", [(True, True), (False, True), (False, False)])
-def test_matches_unfused_with_gradients(dtype, chunk, lengths, bias):
+@pytest.mark.parametrize("dim", [64, 128])  # 128: the one-pass kernel's, on Hopper, where it takes the call
+def test_matches_unfused_with_gradients(dtype, chunk, lengths, bias, dim):
     torch.manual_seed(5)
-    leaves = _data(DTYPES[dtype], grad=True)
+    leaves = _data(DTYPES[dtype], grad=True, dim=dim)
     if not bias:
         leaves[3] = None
     d_len = None
@@ -301,3 +302,97 @@ def test_torch_path_matches_the_chunked_path_with_masks_and_a_2d_query(normalize
     for x, y in zip(g1, g2):
         assert _rel_rms(x.float().cpu(), y.float().cpu()) < GRAD_TOL["bfloat16"]
     assert not g1[1][~d_mask].any()  # masked tokens take no gradient
+
+
+# The one-pass kernel (cuda_src/hidden_maxsim.cu, lik_cupy/_runtime/hidden_maxsim.py): Hopper, float16 and
+# bfloat16, d = 128, up to 64 query rows, no query masks or lengths and no document lengths. Its reference
+# is float64 of the arithmetic it follows: the projection rounded to the dtype, the bias added, the row
+# normalised and rounded again; the products and sums then in float64. Only the float32 accumulation
+# order of the projection and the norm differs, which may move a rounding by one unit.
+HOPPER = torch.cuda.get_device_capability() == (9, 0)
+ONE_PASS_TOL = {"float16": 4e-3, "bfloat16": 3e-2}
+
+
+def _one_pass_reference(Q, H, W, b, d_mask, normalize, eps=1e-12):
+    dt = H.dtype
+    P = H.double() @ W.double().T
+    if normalize:
+        v = P.to(dt).double() + (0 if b is None else b.double())
+        y = (v / v.norm(dim=-1, keepdim=True).clamp_min(eps)).to(dt).double()
+    else:
+        y = (P + (0 if b is None else b.double())).to(dt).double()
+    q = Q.double() if Q.dim() == 3 else Q.double()[None]
+    sims = torch.einsum("isk,jtk->ijst", q, y)
+    if d_mask is not None:
+        sims = sims.masked_fill(~d_mask[None, :, None, :], float("-inf"))
+    top2 = sims.topk(2, dim=-1).values if sims.shape[-1] > 1 else torch.cat([sims, sims.new_full(sims.shape, -1e9)], -1)
+    best, arg = sims.max(-1)
+    empty = torch.isneginf(best)
+    arg = arg.masked_fill(empty, -1)
+    scores = best.masked_fill(empty, 0).sum(-1).masked_fill(empty.any(-1), float("-inf"))
+    return scores, arg, top2[..., 0] - top2[..., 1]
+
+
+@pytest.mark.skipif(not HOPPER, reason="the one-pass kernel runs on sm_90")
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("nq,lq,nd,ld,hid,bias,mask,normalize", [
+    (1, 32, 37, 45, 192, True, False, True),  # 1,665 rows: documents across warps, tiles and the last tile's end
+    (2, 19, 13, 300, 768, False, True, True),  # 38 query rows: the 64-wide product; one document all masked
+    (3, 7, 50, 5, 64, True, True, False),  # several documents in a warp; no normalisation
+    (1, 64, 9, 1, 128, True, False, True),  # one token a document
+])
+def test_one_pass_kernel_against_float64(dtype, nq, lq, nd, ld, hid, bias, mask, normalize):
+    from lik_cupy._runtime import hidden_maxsim
+
+    Q, H, W, b = _data(DTYPES[dtype], nq=nq, lq=lq, nd=nd, ld=ld, hid=hid, dim=128, seed=nd)
+    b = b if bias else None
+    d_mask = None
+    if mask:
+        d_mask = torch.rand(nd, ld, device="cuda") < 0.7
+        d_mask[1] = False
+        H[~d_mask] = float("nan")  # masked tokens are never scored
+    calls = []
+    real = hidden_maxsim.score_hidden
+
+    def spy(**kw):
+        calls.append(kw["qn"])
+        return real(**kw)
+
+    hidden_maxsim.score_hidden = spy
+    try:
+        s, a = lt.maxsim_from_hidden(Q, H, W, b, d_mask=d_mask, normalize=normalize, return_argmax=True)
+        plain = lt.maxsim_from_hidden(Q, H, W, b, d_mask=d_mask, normalize=normalize)
+        trained = lt.maxsim_from_hidden(Q.clone().requires_grad_(), H, W, b, d_mask=d_mask, normalize=normalize)
+    finally:
+        hidden_maxsim.score_hidden = real
+    assert calls == [32 if nq * lq <= 32 else 64] * 3
+    torch.cuda.synchronize()
+    ref, ref_a, gap = _one_pass_reference(Q.cpu(), H.cpu(), W.cpu(), None if b is None else b.cpu(),
+                                          None if d_mask is None else d_mask.cpu(), normalize)
+    assert s.shape == (nq, nd) and a.shape == (nq, nd, lq) and a.dtype == torch.int32
+    assert torch.equal(s, plain) and torch.equal(s, trained.detach())
+    s, a = s.double().cpu(), a.long().cpu()
+    assert torch.equal(torch.isneginf(s), torch.isneginf(ref))
+    keep = ~torch.isinf(ref)
+    torch.testing.assert_close(s[keep], ref[keep], rtol=0, atol=ONE_PASS_TOL[dtype] * lq)
+    assert (a[~keep] == -1).all()
+    clear = keep[..., None] & (gap > ONE_PASS_TOL[dtype])
+    assert torch.equal(a[clear], ref_a[clear])
+
+
+@pytest.mark.skipif(not HOPPER, reason="the one-pass kernel runs on sm_90")
+def test_one_pass_kernel_nan_2d_query_and_cupy():
+    import cupy
+
+    Q, H, W, b = _data(torch.float16, nq=1, lq=32, nd=30, ld=200, hid=256, dim=128, seed=3)
+    H[2, 77, 5] = float("nan")  # document 2's token 77: a NaN similarity with every query token
+    s, a = lt.maxsim_from_hidden(Q, H, W, b, return_argmax=True)
+    assert torch.isnan(s[0, 2]) and (a[0, 2] == 77).all()
+    assert torch.isfinite(s[0, [0, 1, 3]]).all()
+    one, one_a = lt.maxsim_from_hidden(Q[0], H, W, b, return_argmax=True)
+    assert one.shape == (30,)
+    torch.testing.assert_close(one, s[0], rtol=0, atol=0, equal_nan=True)
+    assert torch.equal(one_a, a[0])
+    cs, ca = lik_cupy.maxsim_from_hidden(*(cupy.asarray(x) for x in (Q, H, W, b)), return_argmax=True)
+    np.testing.assert_array_equal(cs.get(), s.cpu().numpy())  # the same kernel: the same bits
+    np.testing.assert_array_equal(ca.get(), a.cpu().numpy())

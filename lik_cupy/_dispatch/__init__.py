@@ -3,7 +3,8 @@
 - ``elements.py``: the element types (``ElemSpec``), one row each: every rule that depends on the type reads it;
 - ``config.py``: what one compiled forward variant is (``FwdConfig``) and the per-architecture limits;
 - ``tables.py``: the measured tuning tables, as literal data;
-- ``select.py``: the rules that read them (``choose_forward``, ``choose_residual``, ``choose_backward``);
+- ``select.py``: the rules that read them (``choose_forward``, ``choose_residual``, ``choose_backward``,
+  ``choose_hidden_fused``);
 - ``plan.py``: the grid of a launch (``plan_launch``);
 - ``backend.py``: GPU or CPU (``use_gpu``);
 - ``jax_paths.py``: XLA's einsum or the kernels for a differentiated ``lik_cupy.jax.maxsim`` call (``choose_jax_path``).
@@ -15,13 +16,14 @@ from .config import (DIM_BUCKETS, MAX_DIM, MAX_DIM_RESIDUAL, SMEM_PER_BLOCK, SME
 from .elements import ELEMS, SCALED_DTYPES, ElemSpec, elem_of_code, elem_spec, kernel_dtype, scaled_dtype
 from .plan import SPLIT_MAX_CTAS, Launch, ctas_per_sm, padded_split_min_ld, plan_launch, queries_per_tile, tile_rows
 from .select import (RESIDUAL_DTYPES, all_forward_configs, all_residual_configs, choose_backward, choose_forward,
-                     choose_residual, residual_dim_ok, split_family, uses_split)
+                     choose_hidden_fused, choose_residual, residual_dim_ok, split_family, uses_split)
 
 __all__ = ["BACKENDS", "check_backend", "check_gpu_dim", "scoring_on_gpu", "use_gpu", "DIM_BUCKETS", "MAX_DIM", "MAX_DIM_RESIDUAL",
            "SMEM_PER_BLOCK", "SMEM_PER_SM", "SUPPORTED_ARCHS", "FwdConfig", "arch_of", "dim_bucket", "one_shot_bucket",
            "padded_dim", "ELEMS", "SCALED_DTYPES", "ElemSpec", "elem_of_code", "elem_spec", "kernel_dtype", "scaled_dtype",
            "SPLIT_MAX_CTAS", "Launch", "ctas_per_sm", "padded_split_min_ld", "plan_launch", "queries_per_tile",
            "tile_rows", "RESIDUAL_DTYPES", "all_forward_configs", "all_residual_configs", "choose_backward",
+           "choose_hidden_fused",
            "choose_forward", "choose_residual", "residual_dim_ok", "split_family", "uses_split", "clear_caches",
            "on_clear"]
 

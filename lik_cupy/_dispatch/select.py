@@ -15,7 +15,8 @@ from .config import MAX_DIM_RESIDUAL, SMEM_PER_BLOCK, FwdConfig, arch_of, dim_bu
 from .elements import ELEMS, ElemSpec, elem_spec
 from .plan import tile_rows
 
-__all__ = ["choose_forward", "choose_residual", "choose_backward", "BACKWARD_METHODS", "all_forward_configs",
+__all__ = ["choose_forward", "choose_residual", "choose_backward", "choose_hidden_fused", "BACKWARD_METHODS",
+           "all_forward_configs",
            "all_residual_configs", "residual_dim_ok", "split_family", "uses_split", "RESIDUAL_DTYPES"]
 
 # The element types PLAID residual tiles decompress into (the queries' dtype).
@@ -344,3 +345,17 @@ def choose_backward(method: str, cc: int, nq: int, nd: int, lq: int, rows: int, 
     if method != "auto":
         return method
     return "atomic"
+
+
+def choose_hidden_fused(cc: int, dtype: str, dim: int, hidden: int, query_rows: int, rows: int) -> int | None:
+    """The query width (``tables.HIDDEN_FUSED_QN``) of the fused head's one-pass forward
+    (``cuda_src/hidden_maxsim.cu``) for ``query_rows`` (Nq * Lq) query tokens against ``rows``
+    (Nd * Ld) hidden states of width ``hidden`` projected to ``dim``, or None where it does not run:
+    a Hopper GPU (wgmma and TMA), float16 or bfloat16, d = 128, ``hidden`` a multiple of 64 (whole
+    128-byte TMA boxes), at least one row of each, and rows whose indices, a tile past the last
+    included, fit the kernel's and TMA's 32-bit coordinates."""
+    if cc != 90 or dtype not in ("float16", "bfloat16") or dim != 128 or hidden % 64 or not hidden:
+        return None
+    if not 0 < query_rows <= t.HIDDEN_FUSED_QN[-1] or not 0 < rows <= 2**31 - 256:
+        return None
+    return next(qn for qn in t.HIDDEN_FUSED_QN if query_rows <= qn)

@@ -227,3 +227,13 @@ RESIDUAL_TILES: dict[int, tuple[tuple[int, int, int, int], ...]] = {
 # of whole at 4,096 up to 32 documents of 32 query tokens. A tokens-on-M INT8 tile splits on its
 # queries-on-M twin (FwdConfig.queries_on_m) under the same rule.
 PADDED_SPLIT_MIN_LD = (4096, 4096)
+
+
+# The fused head's one-pass forward (cuda_src/hidden_maxsim.cu; sm_90a, d = 128, 16-bit): the query rows
+# (Nq * Lq) are its second product's N, padded to the first width here that holds them; more rows take the
+# streamed pipeline (cuBLAS, normalisation, MaxSim kernels). Its TMA ring holds HIDDEN_FUSED_STAGES stages
+# of 128 rows of H and all 128 rows of W, 64 hidden elements each (32 KiB a stage): six, with the queries,
+# fit the 227 KiB a block may take.
+HIDDEN_FUSED_QN = (32, 64)
+HIDDEN_FUSED_WARPGROUPS = 3
+HIDDEN_FUSED_STAGES = 4

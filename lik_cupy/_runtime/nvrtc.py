@@ -433,8 +433,9 @@ def check_all(archs=None, configs=None, *, other_kernels: bool = True, workers: 
             builds.append((FORWARD.file, cfg.defines(), cfg.target(arch), entries))
         if other_kernels:
             for src in SOURCES:
-                for defines in src.variants:
-                    builds.append((src.file, defines, arch, [(src.row_name(k, defines), k, 0) for k in src.entries]))
+                target = src.target(arch)
+                for defines in src.variants if target is not None else ():
+                    builds.append((src.file, defines, target, [(src.row_name(k, defines), k, 0) for k in src.entries]))
     logs = compile_logs([b[:3] for b in builds], workers=workers, cache=cache)
     return [{"kernel": kernel, "arch": f"sm_{target}", "dynamic_smem": smem, "key": cache_key(src, defines, target),
              **resource_usage(log, entry)}

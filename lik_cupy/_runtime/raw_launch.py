@@ -10,13 +10,13 @@ import threading
 
 __all__ = ["signature", "launch_raw", "is_capturing"]
 
-_SLOT = {"p": "Q", "i": "i4x", "u": "I4x", "q": "q"}
+_SLOT = {"p": "Q", "i": "i4x", "u": "I4x", "q": "q", "f": "f4x"}
 _params = threading.local()
 
 
 def signature(kinds: str) -> struct.Struct:
     """The packed 8-byte slots of a kernel whose parameters are ``kinds`` in order, by C type: p
-    pointer, i int, u unsigned, q long long."""
+    pointer, i int, u unsigned, q long long, f float."""
     return struct.Struct("<" + "".join(_SLOT[c] for c in kinds))
 
 
