@@ -38,7 +38,8 @@ _lib.define("maxsim_from_hidden_backward(Tensor grad_scores, Tensor Q, Tensor H,
 
 def _forward_op(Q, H, W, bias, q_mask, d_mask, q_lengths, d_lengths, normalize, eps, return_argmax, max_chunk_bytes,
                 precision):
-    fused = _fused_forward(Q, H, W, bias, q_mask, d_mask, q_lengths, d_lengths, normalize, eps, return_argmax)
+    fused = _fused_forward(Q, H, W, bias, q_mask, d_mask, q_lengths, d_lengths, normalize, eps, return_argmax,
+                           max_chunk_bytes)
     if fused is not None:
         return fused
     if _one_torch_chunk(Q, H, W, max_chunk_bytes):
@@ -64,7 +65,8 @@ def _backward_op(grad_scores, Q, H, W, bias, argmax, d_mask, d_lengths, normaliz
     return dq, dh, dw, (_no_bias_grad(W) if db is None else db)
 
 
-def _fused_forward(Q, H, W, bias, q_mask, d_mask, q_lengths, d_lengths, normalize, eps, return_argmax):
+def _fused_forward(Q, H, W, bias, q_mask, d_mask, q_lengths, d_lengths, normalize, eps, return_argmax,
+                   max_chunk_bytes):
     """``(scores, argmax)`` by the one-pass kernel (``lik_cupy._runtime.hidden_maxsim``) where it runs: float16
     or bfloat16 CUDA tensors on a Hopper GPU, a boolean ``d_mask`` or none (``fused_width`` has the rest of
     the rule); else None. Its scratch is one int64 a query token and document, from torch's allocator."""
@@ -79,10 +81,11 @@ def _fused_forward(Q, H, W, bias, q_mask, d_mask, q_lengths, d_lengths, normaliz
     from ._runtime.hidden_maxsim import fused_width, key_count, score_hidden
 
     hp = check_hidden(Q, H, W, bias, q_mask, d_mask, q_lengths, d_lengths)
-    normalize, eps, _ = check_hidden_options(normalize, eps, None)
+    normalize, eps, max_chunk_bytes = check_hidden_options(normalize, eps, max_chunk_bytes)
     q, h, w = Q.contiguous(), H.contiguous(), W.contiguous()
     dev = Q.device.index
-    qn = fused_width(hp, dev, q_mask, q_lengths, d_lengths, (q.data_ptr(), h.data_ptr(), w.data_ptr()))
+    qn = fused_width(hp, dev, q_mask, q_lengths, d_lengths, (q.data_ptr(), h.data_ptr(), w.data_ptr()),
+                     CHUNK_BYTES if max_chunk_bytes is None else max_chunk_bytes)
     if qn is None:
         return None
     p = hp.p
@@ -257,7 +260,8 @@ class _FromHidden(torch.autograd.Function):
         # The torch path keeps its projection for the backward (a sixth of H at h = 768, d = 128): one GEMM
         # and one normalisation fewer in a step bound by their host time. The one-pass kernel has none to keep.
         kept = (None, None)
-        fused = _fused_forward(Q, H, W, bias, q_mask, d_mask, q_lengths, d_lengths, normalize, eps, True)
+        fused = _fused_forward(Q, H, W, bias, q_mask, d_mask, q_lengths, d_lengths, normalize, eps, True,
+                               max_chunk_bytes)
         if fused is not None:  # (as an inference call scores: the backward projects again)
             scores, amax = fused
         elif _one_torch_chunk(Q, H, W, max_chunk_bytes):

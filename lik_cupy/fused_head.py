@@ -66,7 +66,9 @@ def maxsim_from_hidden(Q, H, W, bias=None, q_mask=None, d_mask=None, *, q_length
         return_argmax: also return the int32 argmax ``scores.shape + (Lq,)``, as :func:`lik_cupy.maxsim`.
         max_chunk_bytes: the most bytes of projected tokens held at once, in the inputs' dtype on
             the GPU (float64 on the CPU); default ``CHUNK_BYTES``, 256 MiB (1,000 documents of 300
-            tokens of d = 128 in 16 bits are 77 MB: one chunk). At least one document at a time.
+            tokens of d = 128 in 16 bits are 77 MB: one chunk). At least one document at a time. The
+            one-pass kernel (above) holds no projected tokens, but a scratch of 8 bytes a query token
+            and document, which this bounds too: a call past it takes the streamed path.
         backend, precision, validate: as in :func:`lik_cupy.maxsim`; float32 inputs project at
             float32 accuracy, or on TF32 tensor cores with ``precision="tf32"``.
 
@@ -282,7 +284,8 @@ def _gpu_forward(hp: HiddenProblem, Q, H, W, bias, q_mask, d_mask, q_lengths, d_
         if isinstance(qm, np.ndarray):
             qm = cupy.asarray(qm)
         qn = None if dm is not None and dm.dtype != cupy.bool_ else \
-            fused_width(hp, call.device, q_mask, q_lengths, d_lengths, (q.data.ptr, h.data.ptr, w.data.ptr))
+            fused_width(hp, call.device, q_mask, q_lengths, d_lengths, (q.data.ptr, h.data.ptr, w.data.ptr),
+                        CHUNK_BYTES if max_chunk_bytes is None else max_chunk_bytes)
         if qn is not None:
             return call.results(p, *_fused_forward(hp, q, h, w, b, dm, normalize, eps, return_argmax, qn, call.device))
         chunks = _chunks(hp, max_chunk_bytes, h.dtype.itemsize)

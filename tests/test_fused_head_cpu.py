@@ -349,8 +349,8 @@ def test_where_the_one_pass_kernel_runs():
 
 def test_the_one_pass_kernel_leaves_masked_queries_and_lengths_to_the_pipeline(monkeypatch):
     """``fused_width``: query masks and lengths and document lengths (whose invalid values the pipeline's
-    checks and NaN pass handle), misaligned operands and wgmma or TMA turned off keep the streamed
-    pipeline; the rest follows ``choose_hidden_fused``."""
+    checks and NaN pass handle), a scratch past the call's ``max_chunk_bytes``, misaligned operands and
+    wgmma or TMA turned off keep the streamed pipeline; the rest follows ``choose_hidden_fused``."""
     from lik_cupy._runtime import hidden_maxsim, tma
     from lik_cupy._validate import check_hidden
 
@@ -364,14 +364,15 @@ def test_the_one_pass_kernel_leaves_masked_queries_and_lengths_to_the_pipeline(m
     H = rng.standard_normal((3, 10, 64)).astype(ml_dtypes.bfloat16)
     W = rng.standard_normal((128, 64)).astype(ml_dtypes.bfloat16)
     hp = check_hidden(Q, H, W, None, None, None, None, None)
-    aligned = (0, 256, 4096)
-    assert hidden_maxsim.fused_width(hp, 0, None, None, None, aligned) == 32
-    assert hidden_maxsim.fused_width(hp, 0, np.ones((1, 32), bool), None, None, aligned) is None
-    assert hidden_maxsim.fused_width(hp, 0, None, [32], None, aligned) is None
-    assert hidden_maxsim.fused_width(hp, 0, None, None, [10, 10, 10], aligned) is None
-    assert hidden_maxsim.fused_width(hp, 0, None, None, None, (0, 8, 4096)) is None
+    aligned, budget = (0, 256, 4096), 8 * 32 * 3  # the scratch: 8 bytes a query token and document
+    assert hidden_maxsim.fused_width(hp, 0, None, None, None, aligned, budget) == 32
+    assert hidden_maxsim.fused_width(hp, 0, None, None, None, aligned, budget - 1) is None
+    assert hidden_maxsim.fused_width(hp, 0, np.ones((1, 32), bool), None, None, aligned, budget) is None
+    assert hidden_maxsim.fused_width(hp, 0, None, [32], None, aligned, budget) is None
+    assert hidden_maxsim.fused_width(hp, 0, None, None, [10, 10, 10], aligned, budget) is None
+    assert hidden_maxsim.fused_width(hp, 0, None, None, None, (0, 8, 4096), budget) is None
     monkeypatch.setenv("LIK_DISABLE_WGMMA", "1")
-    assert hidden_maxsim.fused_width(hp, 0, None, None, None, aligned) is None
+    assert hidden_maxsim.fused_width(hp, 0, None, None, None, aligned, budget) is None
     monkeypatch.delenv("LIK_DISABLE_WGMMA")
     monkeypatch.setenv("LIK_DISABLE_TMA", "1")
-    assert hidden_maxsim.fused_width(hp, 0, None, None, None, aligned) is None
+    assert hidden_maxsim.fused_width(hp, 0, None, None, None, aligned, budget) is None

@@ -413,3 +413,19 @@ def test_one_pass_kernel_nan_2d_query_and_cupy():
     cs, ca = lik_cupy.maxsim_from_hidden(*(cupy.asarray(x) for x in (Q, H, W, b)), return_argmax=True)
     np.testing.assert_array_equal(cs.get(), s.cpu().numpy())  # the same kernel: the same bits
     np.testing.assert_array_equal(ca.get(), a.cpu().numpy())
+
+
+@pytest.mark.skipif(not HOPPER, reason="the one-pass kernel runs on sm_90")
+def test_one_pass_kernel_scratch_within_max_chunk_bytes(monkeypatch):
+    """The one-pass kernel's scratch (8 bytes a query token and document) counts against ``max_chunk_bytes``:
+    a call whose scratch would pass it takes the streamed path, to the dtype's rounding of the same scores."""
+    from lik_cupy._runtime import hidden_maxsim
+
+    Q, H, W, b = _data(torch.bfloat16, nq=1, lq=32, nd=40, ld=50, hid=128, dim=128, seed=4)
+    calls = []
+    real = hidden_maxsim.score_hidden
+    monkeypatch.setattr(hidden_maxsim, "score_hidden", lambda **kw: (calls.append(kw["qn"]), real(**kw))[1])
+    fits = lt.maxsim_from_hidden(Q, H, W, b, max_chunk_bytes=8 * 32 * 40)
+    streamed = lt.maxsim_from_hidden(Q, H, W, b, max_chunk_bytes=8 * 32 * 40 - 1)
+    assert calls == [32]
+    torch.testing.assert_close(fits, streamed, rtol=0, atol=ONE_PASS_TOL["bfloat16"] * 32)
