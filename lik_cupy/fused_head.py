@@ -67,8 +67,9 @@ def maxsim_from_hidden(Q, H, W, bias=None, q_mask=None, d_mask=None, *, q_length
         max_chunk_bytes: the most bytes of projected tokens held at once, in the inputs' dtype on
             the GPU (float64 on the CPU); default ``CHUNK_BYTES``, 256 MiB (1,000 documents of 300
             tokens of d = 128 in 16 bits are 77 MB: one chunk). At least one document at a time. The
-            one-pass kernel (above) holds no projected tokens, but a scratch of 8 bytes a query token
-            and document, which this bounds too: a call past it takes the streamed path.
+            one-pass kernel on Hopper (this module's docstring) holds no projected tokens but a
+            scratch of 8 bytes a query token and document, which this bounds too: a call past it
+            takes the streamed path.
         backend, precision, validate: as in :func:`lik_cupy.maxsim`; float32 inputs project at
             float32 accuracy, or on TF32 tensor cores with ``precision="tf32"``.
 

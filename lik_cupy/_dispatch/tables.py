@@ -231,9 +231,11 @@ PADDED_SPLIT_MIN_LD = (4096, 4096)
 
 # The fused head's one-pass forward (cuda_src/hidden_maxsim.cu; sm_90a, d = 128, 16-bit): the query rows
 # (Nq * Lq) are its second product's N, padded to the first width here that holds them; more rows take the
-# streamed pipeline (cuBLAS, normalisation, MaxSim kernels). Its TMA ring holds HIDDEN_FUSED_STAGES stages
-# of 128 rows of H and all 128 rows of W, 64 hidden elements each (32 KiB a stage): six, with the queries,
-# fit the 227 KiB a block may take.
+# streamed pipeline (cuBLAS, normalisation, MaxSim kernels). A CTA's HIDDEN_FUSED_WARPGROUPS warpgroups take
+# 64 rows of H each; its TMA ring holds HIDDEN_FUSED_STAGES stages of their rows and W's 128, 64 hidden
+# elements each (40 KiB a stage). Two warpgroups took 7% longer than three, and three stages 18% longer than
+# four, which five matched (an H200, bf16, 1 x 32 query tokens against 300,000 rows of h = 768:
+# bench/results/archive/hidden_maxsim_variants_nvidia-h200/results.json).
 HIDDEN_FUSED_QN = (32, 64)
 HIDDEN_FUSED_WARPGROUPS = 3
 HIDDEN_FUSED_STAGES = 4
