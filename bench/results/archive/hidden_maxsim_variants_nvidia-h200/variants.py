@@ -1,8 +1,8 @@
 """The script behind results.json's later blocks (kept as it ran): it times lik_cupy.torch.maxsim_from_hidden's
 rerank cell with the one-pass kernel rebuilt from cuda_src/_exp_hm.cu, a copy of cuda_src/hidden_maxsim.cu with
 ``#if LIK_EXP == 1 continue; #endif`` before its epilogue (the projection loop alone), over warpgroup counts and
-ring depths of the kernel as it then was (LIK_WG, since fixed at three). Run on a GPU from the repository root."""
-import os, sys, functools, torch
+ring depths (LIK_WG and LIK_STAGES; tables.HIDDEN_FUSED_* keep three and four). Run on a GPU from the repository root."""
+import os, sys, torch
 sys.path.insert(0, os.getcwd())
 import lik_cupy.torch as lt
 from lik_cupy._runtime import hidden_maxsim as hm
