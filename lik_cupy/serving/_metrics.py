@@ -48,6 +48,9 @@ class Metrics(Observer):
         r.register(self._depth)
         self._totals = {op: dict.fromkeys(_TOTALS, 0) for op in OPERATIONS}
         self._lock = threading.Lock()
+        # Each label set's children, looked up once: a labels() call costs a microsecond a metric and request.
+        self._per_call: dict = {}
+        self._per_response: dict = {}
 
     def exposition(self) -> bytes:
         """The Prometheus text. Under ``lik serve --processes`` (prometheus-client's multiprocess mode:
@@ -60,17 +63,26 @@ class Metrics(Observer):
         r.register(self._depth)
         return generate_latest(r)
 
+    def _call_children(self, device: str, op: str):
+        key = (device, op)
+        children = self._per_call.get(key)
+        if children is None:
+            children = self._per_call[key] = tuple(m.labels(device, op) for m in (
+                self.compute, self.batch_queries, self.batch_requests, self.queue))
+        return children
+
     def batch(self, device: str, op: str, requests: int, queries: int, compute_s: float) -> None:
-        self.compute.labels(device, op).observe(compute_s)
-        self.batch_queries.labels(device, op).observe(queries)
-        self.batch_requests.labels(device, op).observe(requests)
+        compute, batch_queries, batch_requests, _ = self._call_children(device, op)
+        compute.observe(compute_s)
+        batch_queries.observe(queries)
+        batch_requests.observe(requests)
         with self._lock:
             t = self._totals[op]
             t["inference_count"] += queries
             t["execution_count"] += 1
 
     def answered(self, device: str, op: str, queue_s: float, compute_s: float) -> None:
-        self.queue.labels(device, op).observe(queue_s)
+        self._call_children(device, op)[3].observe(queue_s)
         with self._lock:
             t = self._totals[op]
             t["scored"] += 1
@@ -82,8 +94,12 @@ class Metrics(Observer):
 
     def responded(self, op: str, status: int, seconds: float) -> None:
         """A transport answered an inference request of model ``op`` with HTTP's ``status`` (or gave it up)."""
-        self.request.labels(op).observe(seconds)
-        self.responses.labels(op, str(status)).inc()
+        key = (op, status)
+        children = self._per_response.get(key)
+        if children is None:
+            children = self._per_response[key] = (self.request.labels(op), self.responses.labels(op, str(status)))
+        children[0].observe(seconds)
+        children[1].inc()
         with self._lock:
             t = self._totals[op]
             kind = "success" if status == 200 else "fail"
