@@ -1,7 +1,7 @@
 // The fused projection head's forward in one pass on Hopper (sm_90a; lik_cupy/_runtime/hidden_maxsim.py).
-// Documents come as hidden states H [R = Nd * Ld, h] (16-bit, row-major); each CTA tile of 128 rows
-// is projected by W [128, h] on wgmma (one warpgroup per 64 rows, TMA stages of 64 hidden elements
-// of H and W), rounded to the element type as the unfused pipeline stores it, the bias added and the
+// Documents come as hidden states H [R = Nd * Ld, h] (16-bit, row-major); each CTA tile of 64 rows a
+// warpgroup is projected by W [128, h] on wgmma (TMA stages of 64 hidden elements of the tile's rows
+// and of W), rounded to the element type as the unfused pipeline stores it, the bias added and the
 // row L2-normalised in float32 in registers, rounded again, and multiplied by the queries
 // Q [QR = Nq * Lq, 128] with the projected rows as the wgmma's register operand: the projected
 // tokens never leave the SM, so H is read once and nothing of the size of H @ W.T is written.
@@ -14,7 +14,7 @@
 // and writes the argmax (-1 there).
 //
 // -D flags: LIK_ELEM 0 fp16 / 1 bf16; LIK_QN the queries' rows as the second wgmma's N (32 or 64,
-// at least QR); LIK_STAGES the TMA ring's depth.
+// at least QR); LIK_STAGES the TMA ring's depth; LIK_WG the warpgroups of a CTA.
 #include "elem_rows.cuh"
 #include "wgmma.cuh"
 
@@ -113,8 +113,9 @@ LIK_HM_RS(64, LIK_REGS32, LIK_ACC32, 32, 33, 34, 35, 36, 37)
 using namespace lik_hm;
 
 // bias: float32 [128] or null; dmask: uint8 [R] or null (0: the token is not scored); kchunks: h / 64.
-// tmh: H as [R rows, h * 2 bytes], boxes of 128 rows x 128 bytes; tmw: W as [128, h * 2 bytes], the
-// same boxes; tmq: Q as [QR, 256 bytes], boxes of QN rows x 128 bytes (rows past QR read as zeros).
+// tmh: H as [R rows, h * 2 bytes], boxes of a tile's rows x 128 bytes; tmw: W as [128, h * 2 bytes],
+// boxes of its 128 rows x 128 bytes; tmq: Q as [QR, 256 bytes], boxes of QN rows x 128 bytes (rows past QR
+// read as zeros).
 extern "C" __global__ void __launch_bounds__(kThreads, 1)
 lik_hidden_maxsim(const float* __restrict__ bias, const unsigned char* __restrict__ dmask,
                   unsigned long long* __restrict__ keys, int R, int Ld, int Nd, int QR, int kchunks,
