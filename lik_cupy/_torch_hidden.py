@@ -20,6 +20,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ._base.device import device_properties
+from ._dispatch import choose_hidden_fused
 from ._torch_autograd import backend_of, fake_outputs, no_argmax, no_second_derivative, transformed, vmap_each
 from ._validate import check_flag, check_hidden, check_hidden_backward, check_hidden_options
 from .backward import maxsim_backward
@@ -70,23 +72,28 @@ def _fused_forward(Q, H, W, bias, q_mask, d_mask, q_lengths, d_lengths, normaliz
     """``(scores, argmax)`` by the one-pass kernel (``lik_cupy._runtime.hidden_maxsim``) where it runs: float16
     or bfloat16 CUDA tensors on a Hopper GPU, a boolean ``d_mask`` or none (``fused_width`` has the rest of
     the rule); else None. Its scratch is one int64 a query token and document, from torch's allocator."""
-    # (cheap refusals first: training batches have more query rows than the kernel takes)
-    if not (Q.is_cuda and Q.dtype in (torch.float16, torch.bfloat16) and Q.shape[-1] == 128 and Q.numel() <= 64 * 128):
+    from ._interop.torch_tensors import current_stream
+    from ._runtime.hidden_maxsim import aligned, fused_width, key_count, score_hidden
+
+    # The rule on the shapes as given, before any validation: a call it refuses (a training batch's query
+    # rows, another GPU) is validated once, by the path that takes it, and nothing is copied for nothing.
+    if not (Q.is_cuda and Q.dtype in (torch.float16, torch.bfloat16) and H.dim() == 3 and Q.dim() in (2, 3)):
         return None
     if q_mask is not None or q_lengths is not None or d_lengths is not None:
         return None
     if d_mask is not None and not (isinstance(d_mask, torch.Tensor) and d_mask.dtype == torch.bool):
         return None
-    from ._interop.torch_tensors import current_stream
-    from ._runtime.hidden_maxsim import fused_width, key_count, score_hidden
-
+    dev = Q.device.index
+    if choose_hidden_fused(device_properties(dev).cc, str(Q.dtype).removeprefix("torch."), Q.shape[-1], H.shape[-1],
+                           Q.numel() // max(1, Q.shape[-1]), H.shape[0] * H.shape[1]) is None:
+        return None
     hp = check_hidden(Q, H, W, bias, q_mask, d_mask, q_lengths, d_lengths)
     normalize, eps, max_chunk_bytes = check_hidden_options(normalize, eps, max_chunk_bytes)
-    q, h, w = Q.contiguous(), H.contiguous(), W.contiguous()
-    dev = Q.device.index
-    qn = fused_width(hp, dev, q_mask, q_lengths, d_lengths, (q.data_ptr(), h.data_ptr(), w.data_ptr()),
-                     CHUNK_BYTES if max_chunk_bytes is None else max_chunk_bytes)
+    qn = fused_width(hp, dev, q_mask, q_lengths, d_lengths, CHUNK_BYTES if max_chunk_bytes is None else max_chunk_bytes)
     if qn is None:
+        return None
+    q, h, w = Q.contiguous(), H.contiguous(), W.contiguous()
+    if not aligned(q.data_ptr(), h.data_ptr(), w.data_ptr()):
         return None
     p = hp.p
     keys = torch.zeros(key_count(p.nq, p.lq, p.nd), dtype=torch.int64, device=Q.device)

@@ -32,7 +32,7 @@ from ._interop import GpuCall
 from ._cpu.hidden import normalize_grad, normalize_rows, project_numpy
 from ._dispatch.backend import check_backend, scoring_on_gpu
 from ._dispatch.precision import fp32_accurate
-from ._runtime.hidden_maxsim import fused_width
+from ._runtime.hidden_maxsim import aligned, fused_width
 from ._runtime.operands import valid_host
 from ._validate import HiddenProblem, check_flag, check_hidden, check_hidden_backward, check_hidden_options
 from ._runtime.backward import grad_scores_f32, gradient_out, host_gradient_out
@@ -285,9 +285,9 @@ def _gpu_forward(hp: HiddenProblem, Q, H, W, bias, q_mask, d_mask, q_lengths, d_
         if isinstance(qm, np.ndarray):
             qm = cupy.asarray(qm)
         qn = None if dm is not None and dm.dtype != cupy.bool_ else \
-            fused_width(hp, call.device, q_mask, q_lengths, d_lengths, (q.data.ptr, h.data.ptr, w.data.ptr),
+            fused_width(hp, call.device, q_mask, q_lengths, d_lengths,
                         CHUNK_BYTES if max_chunk_bytes is None else max_chunk_bytes)
-        if qn is not None:
+        if qn is not None and aligned(q.data.ptr, h.data.ptr, w.data.ptr):
             return call.results(p, *_fused_forward(hp, q, h, w, b, dm, normalize, eps, return_argmax, qn, call.device))
         chunks = _chunks(hp, max_chunk_bytes, h.dtype.itemsize)
         scores = amax = None

@@ -364,15 +364,15 @@ def test_the_one_pass_kernel_leaves_masked_queries_and_lengths_to_the_pipeline(m
     H = rng.standard_normal((3, 10, 64)).astype(ml_dtypes.bfloat16)
     W = rng.standard_normal((128, 64)).astype(ml_dtypes.bfloat16)
     hp = check_hidden(Q, H, W, None, None, None, None, None)
-    aligned, budget = (0, 256, 4096), 8 * 32 * 3  # the scratch: 8 bytes a query token and document
-    assert hidden_maxsim.fused_width(hp, 0, None, None, None, aligned, budget) == 32
-    assert hidden_maxsim.fused_width(hp, 0, None, None, None, aligned, budget - 1) is None
-    assert hidden_maxsim.fused_width(hp, 0, np.ones((1, 32), bool), None, None, aligned, budget) is None
-    assert hidden_maxsim.fused_width(hp, 0, None, [32], None, aligned, budget) is None
-    assert hidden_maxsim.fused_width(hp, 0, None, None, [10, 10, 10], aligned, budget) is None
-    assert hidden_maxsim.fused_width(hp, 0, None, None, None, (0, 8, 4096), budget) is None
+    budget = 8 * 32 * 3  # the scratch: 8 bytes a query token and document
+    assert hidden_maxsim.fused_width(hp, 0, None, None, None, budget) == 32
+    assert hidden_maxsim.fused_width(hp, 0, None, None, None, budget - 1) is None
+    assert hidden_maxsim.fused_width(hp, 0, np.ones((1, 32), bool), None, None, budget) is None
+    assert hidden_maxsim.fused_width(hp, 0, None, [32], None, budget) is None
+    assert hidden_maxsim.fused_width(hp, 0, None, None, [10, 10, 10], budget) is None
+    assert hidden_maxsim.aligned(0, 256, 4096) and not hidden_maxsim.aligned(0, 8, 4096)
     monkeypatch.setenv("LIK_DISABLE_WGMMA", "1")
-    assert hidden_maxsim.fused_width(hp, 0, None, None, None, aligned, budget) is None
+    assert hidden_maxsim.fused_width(hp, 0, None, None, None, budget) is None
     monkeypatch.delenv("LIK_DISABLE_WGMMA")
     monkeypatch.setenv("LIK_DISABLE_TMA", "1")
-    assert hidden_maxsim.fused_width(hp, 0, None, None, None, aligned, budget) is None
+    assert hidden_maxsim.fused_width(hp, 0, None, None, None, budget) is None

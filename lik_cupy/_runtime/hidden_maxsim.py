@@ -17,28 +17,33 @@ from . import tma
 from .kernels import HIDDEN_FUSED
 from .raw_launch import launch_raw, signature
 
-__all__ = ["fused_width", "score_hidden", "key_count"]
+__all__ = ["fused_width", "aligned", "score_hidden", "key_count"]
 
 _MAIN = signature("pppiiiiiif")  # bias, dmask, keys, R, Ld, Nd, QR, kchunks, normalize, eps (the maps by value)
 _FINISH = signature("pppiii")
 
 
-def fused_width(hp, device: int, q_mask, q_lengths, d_lengths, addresses, budget: int) -> int | None:
+def fused_width(hp, device: int, q_mask, q_lengths, d_lengths, budget: int) -> int | None:
     """The query width :func:`score_hidden` takes for the validated call ``hp`` (``HiddenProblem``) on GPU
     ``device``, or None where the streamed pipeline runs it: query masks and lengths, and document lengths,
     go through the MaxSim kernels' checks and NaN contract there (a boolean ``d_mask`` has no invalid
     value: the kernel takes it); a scratch (:func:`key_count`, 8 bytes each) over ``budget`` bytes (the
-    call's ``max_chunk_bytes``: the streamed path holds that much at most); wgmma or TMA turned off; an
-    operand's device ``addresses`` not 16-byte aligned (TMA's rule); and shapes
-    ``_dispatch.choose_hidden_fused`` refuses."""
+    call's ``max_chunk_bytes``: the streamed path holds that much at most); wgmma or TMA turned off; and
+    shapes ``_dispatch.choose_hidden_fused`` refuses. The operands' addresses are :func:`aligned`'s."""
     if q_mask is not None or q_lengths is not None or d_lengths is not None:
         return None
     p = hp.p
     if 8 * key_count(p.nq, p.lq, p.nd) > budget:
         return None
-    if env.wgmma_disabled() or env.tma_disabled() or not tma.available() or any(a % 16 for a in addresses):
+    if env.wgmma_disabled() or env.tma_disabled() or not tma.available():
         return None
     return choose_hidden_fused(device_properties(device).cc, p.dtype, p.dim, hp.hidden, p.nq * p.lq, p.nd * p.ld)
+
+
+def aligned(*addresses: int) -> bool:
+    """Whether the operands' device addresses are 16-byte aligned, as TMA's tensor maps need: else the
+    streamed pipeline runs the call."""
+    return not any(a % 16 for a in addresses)
 
 
 def key_count(nq: int, lq: int, nd: int) -> int:
