@@ -17,7 +17,7 @@ from . import tma
 from .kernels import HIDDEN_FUSED
 from .raw_launch import launch_raw, signature
 
-__all__ = ["fused_width", "aligned", "score_hidden", "key_count"]
+__all__ = ["fused_width", "aligned", "score_hidden", "key_count", "shared_bytes"]
 
 _MAIN = signature("pppiiiiiif")  # bias, dmask, keys, R, Ld, Nd, QR, kchunks, normalize, eps (the maps by value)
 _FINISH = signature("pppiii")
