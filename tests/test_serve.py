@@ -128,6 +128,111 @@ def test_asyncio_callers(corpus):
         assert np.array_equal(i, corpus.search(q, 3)[1])
 
 
+def test_inline_scores_a_lone_request_in_the_calling_thread_as_the_worker_would(corpus, monkeypatch):
+    from lik_cupy.serving import _queue
+
+    monkeypatch.setattr(_queue, "INLINE_MAX_S", 60.0)  # (host calls take milliseconds)
+    rng = np.random.default_rng(9)
+    q, cand = _queries(rng, 1, 3, 30)[0], rng.choice(len(corpus), 40, replace=False)
+    seen = _Record()
+    with Batcher(corpus, observer=seen) as b:
+        for op, arg in (("search", 7), ("rerank", cand), ("score", None)):
+            queued = b.submit(op, q, arg).result()
+            f = b.submit(op, q, arg, inline=True)
+            assert f.done() and f.timing.batch_queries == 1  # scored before submit returned
+            got, want = (f.result(), queued) if op == "search" else ((f.result(),), (queued,))
+            assert all(np.array_equal(x, y) for x, y in zip(got, want))
+        assert len(seen.batches) == 6
+        monkeypatch.setattr(_queue, "INLINE_MAX_S", 0.0)  # an operation whose last call took longer: queued
+        f = b.submit("score", q, inline=True)
+        assert np.array_equal(f.result(), corpus.score(q)) and len(seen.batches) == 7
+    with Batcher(corpus, max_delay_us=1000) as b:  # a delay waits for companions: queued
+        assert not b.idle and np.array_equal(b.submit("score", q, inline=True).result(), corpus.score(q))
+
+
+def test_inline_never_overlaps_the_worker_and_waits_behind_it(monkeypatch):
+    """A request submitted inline while the worker scores is queued; while one is scored inline, the
+    worker takes nothing (they share its buffers), and then takes what was queued meanwhile."""
+    import time
+
+    from lik_cupy.serving import _queue
+
+    monkeypatch.setattr(_queue, "INLINE_MAX_S", 60.0)
+
+    calls, lock = [], threading.Lock()
+
+    class Timed(lik_cupy.Corpus):
+        def score(self, *a, **k):
+            if k.get("q_offsets") is None:  # (the calls per length group inside the batcher's)
+                return super().score(*a, **k)
+            start = time.monotonic()
+            time.sleep(0.2)
+            out = super().score(*a, **k)
+            with lock:
+                calls.append((start, time.monotonic(), threading.current_thread().name))
+            return out
+
+    rng = np.random.default_rng(10)
+    docs = _docs(rng, 50)
+    slow = Timed(np.concatenate(docs), d_offsets=np.concatenate([[0], np.cumsum([len(d) for d in docs])]),
+                 device="cpu")
+    q = _queries(rng, 3, 2, 20)
+    with Batcher(slow) as b:
+        inline = threading.Thread(target=lambda: b.submit("score", q[0], inline=True).result(), name="inline")
+        inline.start()
+        while not calls and b.idle:  # until the inline call holds the replica
+            time.sleep(0.001)
+        queued = [b.submit("score", x) for x in q[1:]]
+        assert not b.submit("score", q[0], inline=True).done()  # the replica is busy: queued
+        inline.join()
+        got = [f.result() for f in queued]
+    calls.sort()
+    assert [c[2] for c in calls] == ["inline"] + ["lik-serve-cpu:0"] * (len(calls) - 1)
+    assert all(a[1] <= b[0] for a, b in zip(calls, calls[1:]))  # one call at a time
+    assert all(np.array_equal(g, slow.score(x)) for g, x in zip(got, q[1:]))
+
+
+def test_the_service_scores_a_lone_request_inline_and_queues_those_that_arrive_together(monkeypatch):
+    from lik_cupy.serving import _queue, _service
+
+    monkeypatch.setattr(_queue, "INLINE_MAX_S", 60.0)
+
+    threads = []
+
+    class Traced(lik_cupy.Corpus):
+        def score(self, *a, **k):
+            if k.get("q_offsets") is not None:  # the batcher's call (not those per length group inside it)
+                threads.append(threading.current_thread().name)
+            return super().score(*a, **k)
+
+    rng = np.random.default_rng(11)
+    docs = _docs(rng, 60)
+    corpus = Traced(np.concatenate(docs), d_offsets=np.concatenate([[0], np.cumsum([len(d) for d in docs])]),
+                    device="cpu")
+    svc = _service.Service(lambda observer: Batcher(corpus, observer=observer))
+    svc.start()
+    while not svc.ready:
+        assert svc.failure is None
+        threading.Event().wait(0.01)
+    assert not svc.inline  # host replicas: every request goes to the worker
+    svc.inline = True  # (as where every replica is on a GPU)
+    qs = [q[:5] for q in _queries(rng, 4, 5, 20)]
+
+    async def main():
+        alone = await _service.infer(svc, "score", {"Q": qs[0]}, {})
+        together = await asyncio.gather(*(_service.infer(svc, "score", {"Q": q}, {}) for q in qs))
+        return alone, together
+
+    try:
+        (out, params), together = asyncio.run(main())
+    finally:
+        svc.stop()
+    # the lone request on the loop's thread; those that arrived together queued for the worker
+    assert threads[0] == threading.current_thread().name and set(threads[1:]) == {"lik-serve-cpu:0"}
+    assert params["batch_queries"] == 1 and np.array_equal(out["SCORES"], corpus.score(qs[0]))
+    assert all(np.array_equal(o["SCORES"], corpus.score(q)) for (o, _), q in zip(together, qs))
+
+
 def test_a_full_queue_is_overloaded_and_close_drains_it(corpus):
     qs = _queries(np.random.default_rng(6), 3)
     seen = _Record()
@@ -889,7 +994,8 @@ def test_a_request_expired_in_the_queue_then_given_up_is_rejected_once():
     q = {"Q": np.ones((2, 16), np.float32)}
 
     async def main():
-        busy = asyncio.create_task(_service.infer(svc, "score", q, {}))  # holds the worker 0.4 s
+        # holds the worker 0.4 s (submitted from a thread: a request alone on the loop would be scored on it)
+        busy = asyncio.get_running_loop().run_in_executor(None, svc.batcher.score, q["Q"])
         await asyncio.sleep(0.05)
 
         async def handler():  # as the gRPC transport's: a call with 50 ms of its deadline left

@@ -43,7 +43,8 @@ class Observer:
     """What a :class:`Batcher` reports as it works (for metrics); these do nothing. ``device`` names
     the replica (``cuda:N``, ``cpu:N``), ``op`` the operation. Called from the worker threads
     (``batch``, ``answered``, ``rejected`` for a deadline) and from :meth:`Batcher.submit`
-    (``rejected`` when overloaded): keep them short and thread-safe, and let them not raise."""
+    (``rejected`` when overloaded; ``batch`` and ``answered`` for a request it scores inline):
+    keep them short and thread-safe, and let them not raise."""
 
     def batch(self, device: str, op: str, requests: int, queries: int, compute_s: float) -> None:
         """One corpus call of ``requests`` requests, ``queries`` queries in all, took ``compute_s``."""
@@ -165,9 +166,16 @@ class Batcher:
         """Requests waiting, per replica."""
         return {q.name: q.depth for q in self._queues}
 
+    @property
+    def idle(self) -> bool:
+        """Some replica has nothing queued or being scored, and ``max_delay_us`` is 0: a request
+        submitted with ``inline=True`` would likely be scored at once (a hint, read without locks)."""
+        return any(q.idle for q in self._queues)
+
     # ------------------------------------------------------------ requests
 
-    def submit(self, op: str, Q, arg=None, *, precision: str | None = None, timeout: float | None = None) -> Future:
+    def submit(self, op: str, Q, arg=None, *, precision: str | None = None, timeout: float | None = None,
+               inline: bool = False) -> Future:
         """Queue one request; its future gives what the corpus call would.
 
         Args:
@@ -178,6 +186,11 @@ class Batcher:
             precision: float32 corpora on the GPU: "fp32" or "tf32", as in :func:`lik_cupy.maxsim`.
             timeout: seconds the request may wait in the queue; once passed unscored, the future
                 raises :class:`DeadlineExceeded`.
+            inline: where a replica is :attr:`idle` and the operation's last call of one request
+                took at most 0.5 ms, score the request in this thread, as a batch of one on that
+                replica's stream and buffers, and return its future done; this skips the
+                hand-over to the worker thread and back. Otherwise it is queued. (The server asks
+                this for a request it has no other to batch with, on GPU replicas.)
 
         Returns:
             a ``concurrent.futures.Future`` (``asyncio.wrap_future`` awaits it) of ``(scores, ids)``
@@ -194,6 +207,10 @@ class Batcher:
         req = self._request(op, Q, arg, precision, timeout, arrival)
         if self._closed:
             raise ShuttingDown("the batcher is shutting down and takes no new requests")
+        if inline:
+            for q in sorted(self._queues, key=lambda q: q.load):
+                if q.score_now(req):
+                    return req.future
         with self._route_lock:
             for q in sorted(self._queues, key=lambda q: q.load):
                 if q.put(req):
