@@ -1,6 +1,7 @@
 """lik_cupy.serving on the GPU: batched requests bitwise the unbatched Corpus calls (float16, bfloat16,
 float32 at both precisions, INT8; queries of one length and of mixed lengths; a corpus in GPU memory and
-one in page-locked host memory), and routing over two GPUs. The CPU side: tests/test_serve.py."""
+one in page-locked host memory), requests scored inline bitwise the queued ones, and routing over two
+GPUs. The CPU side: tests/test_serve.py."""
 
 from __future__ import annotations
 
@@ -82,6 +83,34 @@ def test_batched_requests_on_a_page_locked_corpus_are_bitwise_the_unbatched_call
     assert corpus.where == "pinned host memory"
     qs = [rng.standard_normal((32, DIM)).astype(np.float16) for _ in range(48)]
     _check_batched_equals_single(corpus, qs, None)
+
+
+@pytest.mark.parametrize("dtype,precision", [("float16", None), ("float32", "fp32"), ("int8", None)])
+def test_inline_requests_are_bitwise_the_queued_ones_and_the_calls(dtype, precision, monkeypatch):
+    """A request scored inline runs on the worker's stream and buffers from another thread (while the
+    worker waits): the same bits as through the worker and as the Corpus call, then the worker goes on."""
+    from lik_cupy.serving import _queue
+
+    monkeypatch.setattr(_queue, "INLINE_MAX_S", 60.0)  # (the rule's time cap, apart from what is tested here)
+    rng = np.random.default_rng(8)
+    corpus = _corpus(rng, dtype, nd=500)
+    qdtype = "float32" if dtype == "int8" else dtype
+    qs = [rng.standard_normal((int(n), DIM)).astype(numpy_dtype(qdtype)) for n in (32, 7, 100)]
+    cand = rng.integers(0, len(corpus), 64)
+    kw = {"precision": precision}
+    with Batcher(corpus) as b:
+        b.warm()
+        for q in qs:
+            calls = {"search": (10, corpus.search(q, 10, **kw)), "rerank": (cand, corpus.rerank(q, cand, **kw)),
+                     "score": (None, corpus.score(q, **kw))}
+            for op, (arg, want) in calls.items():
+                queued = b.submit(op, q, arg, **kw).result()
+                f = b.submit(op, q, arg, inline=True, **kw)
+                assert f.done(), op  # scored before submit returned
+                got = f.result()
+                for x, y, z in (zip(queued, got, want) if op == "search" else [(queued, got, want)]):
+                    assert np.array_equal(x, y, equal_nan=True) and np.array_equal(y, z, equal_nan=True), op
+        assert np.array_equal(b.score(qs[0], **kw), corpus.score(qs[0], **kw))  # the worker after them
 
 
 def test_two_gpus_share_the_load():
