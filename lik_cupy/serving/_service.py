@@ -69,7 +69,8 @@ class Service:
         self.arriving = 0  # requests on the event loop deciding whether they are alone (infer)
         # Whether a request alone is scored on the event loop's thread (infer): where every replica is
         # on a GPU. On the host path that thread, the process's main one, took 1.6x a worker's time
-        # for a small rerank (glibc gives the main heap's freed memory back after every call).
+        # for a small rerank on a 2-core machine (glibc gives the main heap's freed memory back after
+        # every call).
         self.inline = False
         self._count = threading.Lock()
         self.held, self.max_held = 0, HELD_BODIES * max_body_bytes  # request bytes held (hold, release)
