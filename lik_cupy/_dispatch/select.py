@@ -178,7 +178,9 @@ def choose_forward(cc: int, dtype: str, dim: int, lq: int, argmax: bool, vec: bo
             cfg = FwdConfig(elem=elem, dp=dp, warps=warps, mt=mt, bn=bn, stages=stages,
                             qreg=_qreg(spec, dp, mt) and not x3, argmax=argmax, vec=vec, multi=multi(warps * mt * 16),
                             packed=packed, cand=cand, tma=tma_mma, x3=x3)
-            if cfg.smem_bytes <= limit:
+            # Two m-tiles of 3xTF32 fragments with the argmax of several queries take 255 registers at
+            # d = 256 and spill on sm_80 (nvrtc.check_all; 244-250 below it): those take the one m-tile rows.
+            if cfg.smem_bytes <= limit and not (x3 and mt > 1 and argmax and cfg.multi and dp >= 256):
                 return cfg
     if spec.one_shot_max and one_shot:
         raise ValueError(f"no {dtype} forward configuration fits dim {dim} on sm_{arch}")
