@@ -112,7 +112,8 @@ MMA_TABLE: dict[tuple[bool, int, int], tuple[tuple[int, int, int, int], ...]] = 
 # every warp splits the whole staged document tile into TF32 halves for its own rows, so two
 # m-tiles per warp (32 rows) at 32 query tokens and eight warps at 128+ pay that once for more
 # MMAs: 16% less time than the TF32 pick at 32 x 300 and 32 x 1024, 32-39% at 128 x 1024 and
-# 1024 x 1024.
+# 1024 x 1024. (The argmax of several queries at d >= 256 skips the two m-tile row: it spills on
+# sm_80; select.choose_forward.)
 X3_TABLE: dict[int, tuple[tuple[int, int, int, int], ...]] = {
     32: ((2, 2, 32, 3),),
     64: ((4, 1, 64, 3),),
