@@ -144,10 +144,12 @@ def test_inline_scores_a_lone_request_in_the_calling_thread_as_the_worker_would(
             assert all(np.array_equal(x, y) for x, y in zip(got, want))
         assert len(seen.batches) == 6
         monkeypatch.setattr(_queue, "INLINE_MAX_S", 0.0)  # an operation whose last call took longer: queued
+        assert not b.can_inline("score")
         f = b.submit("score", q, inline=True)
         assert np.array_equal(f.result(), corpus.score(q)) and len(seen.batches) == 7
     with Batcher(corpus, max_delay_us=1000) as b:  # a delay waits for companions: queued
-        assert not b.idle and np.array_equal(b.submit("score", q, inline=True).result(), corpus.score(q))
+        assert not b.can_inline("score")
+        assert np.array_equal(b.submit("score", q, inline=True).result(), corpus.score(q))
 
 
 def test_inline_never_overlaps_the_worker_and_waits_behind_it(monkeypatch):
@@ -180,7 +182,7 @@ def test_inline_never_overlaps_the_worker_and_waits_behind_it(monkeypatch):
     with Batcher(slow) as b:
         inline = threading.Thread(target=lambda: b.submit("score", q[0], inline=True).result(), name="inline")
         inline.start()
-        while not calls and b.idle:  # until the inline call holds the replica
+        while not calls and b.can_inline("score"):  # until the inline call holds the replica
             time.sleep(0.001)
         queued = [b.submit("score", x) for x in q[1:]]
         assert not b.submit("score", q[0], inline=True).done()  # the replica is busy: queued

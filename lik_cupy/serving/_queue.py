@@ -111,19 +111,19 @@ class DeviceQueue:
         """Requests waiting."""
         return len(self._pending)
 
-    @property
-    def idle(self) -> bool:
-        """Nothing queued or being scored, and no delay to wait for companions (read without the
-        lock: a hint; :meth:`score_now` decides under it)."""
-        return not (self._pending or self._running or self._now or self._max_delay > 0)
+    def can_score_now(self, op: str) -> bool:
+        """Nothing queued or being scored, no delay to wait for companions, and ``op``'s last call of one
+        request took at most ``INLINE_MAX_S`` (read without the lock: a hint; :meth:`score_now`
+        decides under it)."""
+        return not (self._pending or self._running or self._now or self._max_delay > 0) \
+            and self._single_s.get(op, 0.0) <= INLINE_MAX_S
 
     def score_now(self, req: Request) -> bool:
-        """Score ``req`` in the calling thread if the replica is :attr:`idle` and the operation's last
-        call of one request took at most ``INLINE_MAX_S`` (its future is then done), on the worker's
-        stream and buffers while the worker waits; False, doing nothing, otherwise."""
+        """Score ``req`` in the calling thread if :meth:`can_score_now` (its future is then done), on the
+        worker's stream and buffers while the worker waits; False, doing nothing, otherwise."""
         with self._cv:
-            if self._closing or not self.idle or (self.corpus.device is not None and self._stream is None) \
-                    or self._single_s.get(req.op, 0.0) > INLINE_MAX_S:
+            if self._closing or not self.can_score_now(req.op) \
+                    or (self.corpus.device is not None and self._stream is None):
                 return False
             self._now, self._running = True, req.n
         try:

@@ -218,7 +218,7 @@ async def infer(svc: Service, model: str, inputs: dict[str, np.ndarray], params:
     svc.hold(out_bytes)  # its results, until answered
     try:
         alone = False
-        if svc.inline and svc.batcher.idle:
+        if svc.inline and svc.batcher.can_inline(model):
             # A request alone on the server is scored in this thread, sparing it the hand-over to the
             # worker thread and back. Requests that arrived with it get to this point first (their tasks
             # run before this one resumes), so that they are queued together and batched instead.

@@ -166,11 +166,11 @@ class Batcher:
         """Requests waiting, per replica."""
         return {q.name: q.depth for q in self._queues}
 
-    @property
-    def idle(self) -> bool:
-        """Some replica has nothing queued or being scored, and ``max_delay_us`` is 0: a request
-        submitted with ``inline=True`` would likely be scored at once (a hint, read without locks)."""
-        return any(q.idle for q in self._queues)
+    def can_inline(self, op: str) -> bool:
+        """Whether a request of ``op`` submitted with ``inline=True`` would likely be scored at once:
+        some replica has nothing queued or being scored, ``max_delay_us`` is 0, and ``op``'s last call
+        of one request took at most 0.5 ms (a hint, read without locks)."""
+        return any(q.can_score_now(op) for q in self._queues)
 
     # ------------------------------------------------------------ requests
 
@@ -186,11 +186,10 @@ class Batcher:
             precision: float32 corpora on the GPU: "fp32" or "tf32", as in :func:`lik_cupy.maxsim`.
             timeout: seconds the request may wait in the queue; once passed unscored, the future
                 raises :class:`DeadlineExceeded`.
-            inline: where a replica is :attr:`idle` and the operation's last call of one request
-                took at most 0.5 ms, score the request in this thread, as a batch of one on that
-                replica's stream and buffers, and return its future done; this skips the
-                hand-over to the worker thread and back. Otherwise it is queued. (The server asks
-                this for a request it has no other to batch with, on GPU replicas.)
+            inline: where :meth:`can_inline` holds, score the request in this thread, as a batch
+                of one on an idle replica's stream and buffers, and return its future done; this
+                skips the hand-over to the worker thread and back. Otherwise it is queued. (The
+                server asks this for a request it has no other to batch with, on GPU replicas.)
 
         Returns:
             a ``concurrent.futures.Future`` (``asyncio.wrap_future`` awaits it) of ``(scores, ids)``
