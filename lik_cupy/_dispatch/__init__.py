@@ -23,8 +23,7 @@ __all__ = ["BACKENDS", "check_backend", "check_gpu_dim", "scoring_on_gpu", "use_
            "padded_dim", "ELEMS", "SCALED_DTYPES", "ElemSpec", "elem_of_code", "elem_spec", "kernel_dtype", "scaled_dtype",
            "SPLIT_MAX_CTAS", "Launch", "ctas_per_sm", "padded_split_min_ld", "plan_launch", "queries_per_tile",
            "tile_rows", "RESIDUAL_DTYPES", "all_forward_configs", "all_residual_configs", "choose_backward",
-           "choose_hidden_fused",
-           "choose_forward", "choose_residual", "residual_dim_ok", "split_family", "uses_split", "clear_caches",
+           "choose_hidden_fused", "choose_forward", "choose_residual", "residual_dim_ok", "split_family", "uses_split", "clear_caches",
            "on_clear"]
 
 _listeners: list = []

@@ -16,8 +16,8 @@ from .elements import ELEMS, ElemSpec, elem_spec
 from .plan import tile_rows
 
 __all__ = ["choose_forward", "choose_residual", "choose_backward", "choose_hidden_fused", "BACKWARD_METHODS",
-           "all_forward_configs",
-           "all_residual_configs", "residual_dim_ok", "split_family", "uses_split", "RESIDUAL_DTYPES"]
+           "all_forward_configs", "all_residual_configs", "residual_dim_ok", "split_family", "uses_split",
+           "RESIDUAL_DTYPES"]
 
 # The element types PLAID residual tiles decompress into (the queries' dtype).
 RESIDUAL_DTYPES = ("float16", "bfloat16")

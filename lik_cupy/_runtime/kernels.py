@@ -10,8 +10,7 @@ from .._dispatch import ELEMS, elem_spec
 from .._dispatch.tables import HIDDEN_FUSED_QN, HIDDEN_FUSED_STAGES, HIDDEN_FUSED_WARPGROUPS
 
 __all__ = ["KernelSource", "FORWARD", "TOPK", "CHECKS", "MASKS", "QUANTIZE", "BACKWARD", "HIDDEN", "HIDDEN_FUSED",
-           "SOURCES",
-           "QUANTISED_FROM", "BACKWARD_DTYPES"]
+           "SOURCES", "QUANTISED_FROM", "BACKWARD_DTYPES"]
 
 
 @dataclass(frozen=True)
