@@ -933,6 +933,64 @@ def test_request_bytes_are_held_against_the_servers_budget():
     assert svc.held == 1550  # what the refused request held is given back
 
 
+def _binary_body(inputs: list[tuple[str, np.ndarray, str]]) -> tuple[bytes, str]:
+    header = json.dumps({"inputs": [{"name": n, "shape": list(a.shape), "datatype": t,
+                                     "parameters": {"binary_data_size": a.nbytes}} for n, a, t in inputs]}).encode()
+    return header + b"".join(a.tobytes() for _, a, _ in inputs), str(len(header))
+
+
+def test_a_repeated_binary_header_reads_each_bodys_own_data_and_checks_its_length(rng):
+    """Parsed headers are kept by their bytes; a request with the same header still reads its own
+    tensors, and one whose binary data does not match the header is refused as before."""
+    from lik_cupy.serving import _tensors
+
+    bodies = []
+    for _ in range(3):
+        q = rng.standard_normal((4, 8)).astype(np.float16)
+        ids = rng.integers(0, 100, 5)
+        bodies.append((_binary_body([("Q", q, "FP16"), ("IDS", ids, "INT64")]), q, ids))
+    headers = []
+    for (body, length), q, ids in bodies:
+        header, inputs = _tensors.read_request(body, length)
+        np.testing.assert_array_equal(inputs["Q"], q)
+        np.testing.assert_array_equal(inputs["IDS"], ids)
+        assert inputs["Q"].dtype == np.float16 and inputs["IDS"].shape == (5,)
+        headers.append(header)
+    assert headers[0] is headers[1] is headers[2]  # (the same header bytes: parsed once)
+    (body, length), _, _ = bodies[0]
+    with pytest.raises(ValueError, match="IDS: binary_data_size 40 runs past the 96 bytes"):
+        _tensors.read_request(body[:-8], length)
+    with pytest.raises(ValueError, match="8 bytes of binary data that no input"):
+        _tensors.read_request(body + bytes(8), length)
+    for k in range(_tensors._PLANS_MAX + 10):  # distinct headers: the cache stays bounded
+        _tensors.read_request(*_binary_body([("Q", np.zeros((1, k + 1), np.float32), "FP32")]))
+    assert len(_tensors._PLANS) <= _tensors._PLANS_MAX
+
+
+def test_binary_responses_are_the_json_the_generic_path_writes(rng):
+    from lik_cupy.serving import _tensors
+
+    scores = rng.standard_normal((2, 7)).astype(np.float32)
+    ids = np.array([["a", "bc"], ["d", ""]])
+    head = {"model_name": "search", "model_version": "1", "id": 'q"1', "parameters": {"queue_us": 3}}
+    for outputs, binary in (([("SCORES", scores)], {"SCORES"}), ([("SCORES", scores), ("IDS", ids)], {"SCORES", "IDS"}),
+                            ([("SCORES", scores), ("IDS", ids)], {"SCORES"})):
+        for _ in range(2):  # (written, then from the kept outputs' JSON)
+            body, n = _tensors.write_response(head, outputs, binary)
+            tensors = []
+            for name, a in outputs:
+                t = {"name": name, "datatype": "BYTES" if a.dtype.kind == "U" else "FP32", "shape": list(a.shape)}
+                if name in binary:
+                    t["parameters"] = {"binary_data_size": len(_tensors.tensor_bytes(a))}
+                else:
+                    t["data"] = a.reshape(-1).tolist()
+                tensors.append(t)
+            assert json.loads(body[:n]) == {**head, "outputs": tensors}
+            assert body[n:] == b"".join(_tensors.tensor_bytes(a) for name, a in outputs if name in binary)
+    body, n = _tensors.write_response({}, [("SCORES", scores)], {"SCORES"})
+    assert json.loads(body[:n])["outputs"][0]["shape"] == [2, 7]
+
+
 def test_outputs_past_the_limit_are_refused(corpus):
     from lik_cupy.serving import _service
 
@@ -1037,19 +1095,37 @@ def test_a_disconnect_is_taken_back_as_the_watcher_cancellation_it_was():
     async def never():
         await asyncio.Event().wait()
 
+    async def queued(watch):
+        watch()
+        await asyncio.sleep(10)
+
     async def disconnected():
         with pytest.raises(http._Disconnected):
-            await http._unless_disconnected(asyncio.sleep(10), gone)
+            await http._unless_disconnected(queued, gone)
         task = asyncio.current_task()
         return task.cancelling() if hasattr(task, "cancelling") else 0
 
     assert asyncio.run(disconnected()) == 0
 
     async def cancelled_from_outside():
-        inner = asyncio.create_task(http._unless_disconnected(asyncio.sleep(10), never))
+        inner = asyncio.create_task(http._unless_disconnected(queued, never))
         await asyncio.sleep(0.01)
         inner.cancel()
         with pytest.raises(asyncio.CancelledError):
             await inner
 
     asyncio.run(cancelled_from_outside())
+
+    # A request scored without waiting (no watch()) never reads the connection.
+    reads = []
+
+    async def counted():
+        reads.append(1)
+        return {"type": "http.disconnect"}
+
+    async def at_once(watch):
+        await asyncio.sleep(0)
+        return "answer"
+
+    assert asyncio.run(http._unless_disconnected(at_once, counted)) == "answer"
+    assert reads == []

@@ -195,13 +195,14 @@ def model_config(svc: Service, model: str, version: str = "") -> dict:
 
 
 async def infer(svc: Service, model: str, inputs: dict[str, np.ndarray], params: dict,
-                deadline_s: float | None = None) -> tuple[dict[str, np.ndarray], dict]:
+                deadline_s: float | None = None, on_wait=None) -> tuple[dict[str, np.ndarray], dict]:
     """Score one request: (its outputs by name, the response's parameters ``queue_us``,
     ``compute_us``, ``batch_queries``). ``params``: the request's parameters (``timeout`` in
     microseconds, ``precision``; others are ignored); ``deadline_s``: seconds the transport allows
-    (a gRPC deadline), the sooner of the two bounding the wait in the queue. Raises :class:`Refused`.
-    When the calling task is cancelled (its transport gave up on the request), a request still queued
-    is dropped unscored, and the cancellation goes on."""
+    (a gRPC deadline), the sooner of the two bounding the wait in the queue; ``on_wait``: called
+    (no arguments) once the request is queued, before waiting for it, never for a request scored
+    at once. Raises :class:`Refused`. When the calling task is cancelled (its transport gave up on
+    the request), a request still queued is dropped unscored, and the cancellation goes on."""
     check_model(model)
     check_ready(svc)
     try:
@@ -239,6 +240,8 @@ async def infer(svc: Service, model: str, inputs: dict[str, np.ndarray], params:
         svc.count("accepted")
         gone = False
         try:
+            if not future.done() and on_wait is not None:
+                on_wait()
             result = future.result() if future.done() else await asyncio.wrap_future(future)
         except asyncio.CancelledError:
             gone = True

@@ -14,6 +14,8 @@ import json
 import math
 import re
 import struct
+import sys
+import threading
 
 import numpy as np
 
@@ -32,7 +34,8 @@ _DIGITS = re.compile(r"[0-9]+")
 
 
 def read_request(body: bytes, header_length: str | None) -> tuple[dict, dict[str, np.ndarray]]:
-    """(the request's JSON header, its inputs by name)."""
+    """(the request's JSON header, its inputs by name). The header may be one returned before for
+    the same header bytes (:data:`_PLANS`): read it, never change it."""
     if header_length is None:
         header, binary = _json(body), b""
     else:
@@ -41,10 +44,39 @@ def read_request(body: bytes, header_length: str | None) -> tuple[dict, dict[str
         n = int(header_length)
         if not 0 <= n <= len(body):
             raise ValueError(f"Inference-Header-Content-Length is {n} but the body has {len(body)} bytes")
-        header, binary = _json(body[:n]), memoryview(body)[n:]
+        key = body[:n] if n <= _PLAN_KEY_BYTES else None
+        plan = None if key is None else _PLANS.get(key)
+        binary = memoryview(body)[n:]
+        if plan is not None and plan[2] == len(binary):
+            header, specs, _ = plan
+            return header, {name: np.frombuffer(binary[at:at + size], dt).reshape(shape)
+                            for name, at, size, dt, shape in specs}
+        header = _json(body[:n])
+        header_inputs = _inputs(header, binary)
+        if key is not None and all(spec is not None for spec in header_inputs[1]):
+            with _PLANS_LOCK:
+                if len(_PLANS) >= _PLANS_MAX:
+                    del _PLANS[next(iter(_PLANS))]  # (the oldest)
+                _PLANS[key] = (header, header_inputs[1], len(binary))
+        return header, header_inputs[0]
+    return header, _inputs(header, binary)[0]
+
+
+# Parsed binary-request headers by their bytes: a client sends the same header for every request of
+# one shape, and parsing and checking it took most of a lone rerank's request handling. An entry is
+# (the header, each input's (name, offset, size, dtype, shape), the binary bytes it describes).
+_PLANS: dict[bytes, tuple] = {}
+_PLANS_LOCK = threading.Lock()
+_PLANS_MAX = 256
+_PLAN_KEY_BYTES = 4096
+
+
+def _inputs(header, binary) -> tuple[dict[str, np.ndarray], list]:
+    """(the inputs by name, each one's cache spec, or None where its bytes are not read as they lie:
+    JSON data or BYTES)."""
     if not isinstance(header, dict) or not isinstance(header.get("inputs"), list):
         raise ValueError("the request must be a JSON object with an 'inputs' list")
-    inputs, at = {}, 0
+    inputs, specs, at = {}, [], 0
     for i, t in enumerate(header["inputs"]):
         if not isinstance(t, dict) or not isinstance(t.get("name"), str):
             raise ValueError(f"input {i} must be an object with a 'name'")
@@ -60,24 +92,42 @@ def read_request(body: bytes, header_length: str | None) -> tuple[dict, dict[str
             if at + size > len(binary):
                 raise ValueError(f"input {name}: binary_data_size {size} runs past the {len(binary)} bytes of "
                                  f"binary data after the header (from byte {at})")
-            inputs[name] = tensor_from_bytes(name, binary[at:at + size], shape, datatype)
+            inputs[name] = a = tensor_from_bytes(name, binary[at:at + size], shape, datatype)
+            specs.append(None if datatype == "BYTES" else (name, at, size, a.dtype, shape))
             at += size
         elif "data" in t:
             inputs[name] = tensor_from_values(name, t["data"], shape, datatype)
+            specs.append(None)
         else:
             raise ValueError(f"input {name} has neither 'data' nor a binary_data_size parameter")
     if at != len(binary):
         raise ValueError(f"the body has {len(binary) - at} bytes of binary data that no input's binary_data_size "
                          f"accounts for")
-    return header, inputs
+    return inputs, specs
 
 
 def write_response(header: dict, outputs: list[tuple[str, np.ndarray]], binary: set[str]) -> tuple[bytes, int | None]:
     """(the body, its JSON header's length when some output is binary, else None): ``header`` (the
     response's fields) with ``outputs`` added, those named in ``binary`` as raw bytes after it."""
+    if outputs and all(name in binary for name, _ in outputs):
+        # Every output binary: their JSON depends on names, types, shapes and sizes alone (cached).
+        chunks = [tensor_bytes(a) for _, a in outputs]
+        key = tuple((name, a.dtype, a.shape, len(raw)) for (name, a), raw in zip(outputs, chunks))
+        tail = _OUTPUTS_JSON.get(key)
+        if tail is None:
+            tail = json.dumps([{"name": name, "datatype": _datatype(a), "shape": list(a.shape),
+                                "parameters": {"binary_data_size": len(raw)}}
+                               for (name, a), raw in zip(outputs, chunks)])
+            with _PLANS_LOCK:
+                if len(_OUTPUTS_JSON) >= _PLANS_MAX:
+                    del _OUTPUTS_JSON[next(iter(_OUTPUTS_JSON))]
+                _OUTPUTS_JSON[key] = tail
+        text = json.dumps(header, allow_nan=True)[:-1]
+        text = f'{text}{", " if header else ""}"outputs": {tail}}}'.encode()
+        return b"".join([text, *chunks]), len(text)
     tensors, chunks = [], []
     for name, a in outputs:
-        datatype = "BYTES" if a.dtype.kind in "US" else _DATATYPE_OF.get(a.dtype) or DATATYPES[str(a.dtype)]
+        datatype = _datatype(a)
         t = {"name": name, "datatype": datatype, "shape": list(a.shape)}
         if name in binary:
             raw = tensor_bytes(a)
@@ -90,6 +140,13 @@ def write_response(header: dict, outputs: list[tuple[str, np.ndarray]], binary: 
     if not chunks:
         return text, None
     return b"".join([text, *chunks]), len(text)
+
+
+_OUTPUTS_JSON: dict[tuple, str] = {}  # write_response's outputs, all binary, by (name, dtype, shape, bytes)
+
+
+def _datatype(a: np.ndarray) -> str:
+    return "BYTES" if a.dtype.kind in "US" else _DATATYPE_OF.get(a.dtype) or DATATYPES[str(a.dtype)]
 
 
 def binary_outputs(header: dict, names: tuple[str, ...]) -> tuple[list[str], set[str]]:
@@ -209,7 +266,12 @@ def tensor_bytes(a: np.ndarray) -> bytes:
     """An output's raw bytes: little-endian elements, BYTES as 4-byte lengths and the UTF-8 text."""
     if a.dtype.kind in "US":
         return _bytes_elements(a)
+    if a.dtype.byteorder in _LITTLE:
+        return a.tobytes()  # (C order)
     return np.ascontiguousarray(a, dtype=a.dtype.newbyteorder("<")).tobytes()
+
+
+_LITTLE = ("<", "|") + (("=",) if sys.byteorder == "little" else ())
 
 
 def _flatten(data) -> list:

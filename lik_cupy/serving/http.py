@@ -389,7 +389,8 @@ async def _infer(svc: Service, model: str, version: str, headers: dict, receive,
             raise ValueError("the request's parameters must be an object")
     except ValueError as e:
         raise Refused(400, str(e)) from None
-    out, params = await _unless_disconnected(_service.infer(svc, model, inputs, params), receive)
+    out, params = await _unless_disconnected(
+        lambda watch: _service.infer(svc, model, inputs, params, on_wait=watch), receive)
     head = {"model_name": model, "model_version": "1", "parameters": params}
     if isinstance(header.get("id"), str):
         head["id"] = header["id"]
@@ -401,12 +402,14 @@ async def _infer(svc: Service, model: str, version: str, headers: dict, receive,
 
 
 async def _unless_disconnected(work, receive):
-    """``await work`` (a coroutine), or :class:`_Disconnected` once the client has gone away. A task
-    waits for the next message, which after the body is ``http.disconnect``, and then cancels this
-    one, as grpcio cancels the task of a call whose client left: ``_service.infer`` then drops the
-    request from the queue if it is still there. (The task costs about 8 us a request.)"""
+    """``await work(watch)`` (a coroutine function), or :class:`_Disconnected` once the client has
+    gone away after ``work`` called ``watch()``: from then on a task waits for the next message, which
+    after the body is ``http.disconnect``, and then cancels this one, as grpcio cancels the task of a
+    call whose client left; ``_service.infer`` then drops the request from the queue if it is still
+    there. ``_service.infer`` calls it only for a queued request: one scored at once has nothing to
+    drop, and the task costs about 8 us."""
     task = asyncio.current_task()
-    waiting, gone = True, False
+    waiting, gone, watcher = True, False, None
 
     def received(watcher):
         nonlocal gone
@@ -416,10 +419,13 @@ async def _unless_disconnected(work, receive):
             gone = True
             task.cancel()
 
-    watcher = asyncio.ensure_future(receive())
-    watcher.add_done_callback(received)
+    def watch():
+        nonlocal watcher
+        watcher = asyncio.ensure_future(receive())
+        watcher.add_done_callback(received)
+
     try:
-        return await work
+        return await work(watch)
     except asyncio.CancelledError:
         # Ours is taken back (Python 3.11+ counts a task's cancellations; asyncio.timeout and task
         # groups read the count); one from elsewhere at the same moment goes on as a cancellation.
@@ -428,7 +434,8 @@ async def _unless_disconnected(work, receive):
         raise
     finally:
         waiting = False
-        watcher.cancel()
+        if watcher is not None:
+            watcher.cancel()
 
 
 async def _body(receive, limit: int, held: Held) -> bytes | None:
