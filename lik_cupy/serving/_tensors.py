@@ -54,7 +54,7 @@ def read_request(body: bytes, header_length: str | None) -> tuple[dict, dict[str
         header = _json(body[:n])
         header_inputs = _inputs(header, binary)
         if key is not None and all(spec is not None for spec in header_inputs[1]):
-            with _PLANS_LOCK:
+            with _CACHES_LOCK:
                 if len(_PLANS) >= _PLANS_MAX:
                     del _PLANS[next(iter(_PLANS))]  # (the oldest)
                 _PLANS[key] = (header, header_inputs[1], len(binary))
@@ -63,10 +63,11 @@ def read_request(body: bytes, header_length: str | None) -> tuple[dict, dict[str
 
 
 # Parsed binary-request headers by their bytes: a client sends the same header for every request of
-# one shape, and parsing and checking it took most of a lone rerank's request handling. An entry is
-# (the header, each input's (name, offset, size, dtype, shape), the binary bytes it describes).
+# one shape, and parsing and checking it took 59 us of a lone rerank on an H200 host (9 timed alone:
+# the server's code runs with cold caches). An entry is (the header, each input's (name, offset,
+# size, dtype, shape), the binary bytes it describes).
 _PLANS: dict[bytes, tuple] = {}
-_PLANS_LOCK = threading.Lock()
+_CACHES_LOCK = threading.Lock()  # (this cache's and _OUTPUTS_JSON's inserts)
 _PLANS_MAX = 256
 _PLAN_KEY_BYTES = 4096
 
@@ -118,7 +119,7 @@ def write_response(header: dict, outputs: list[tuple[str, np.ndarray]], binary: 
             tail = json.dumps([{"name": name, "datatype": _datatype(a), "shape": list(a.shape),
                                 "parameters": {"binary_data_size": len(raw)}}
                                for (name, a), raw in zip(outputs, chunks)])
-            with _PLANS_LOCK:
+            with _CACHES_LOCK:
                 if len(_OUTPUTS_JSON) >= _PLANS_MAX:
                     del _OUTPUTS_JSON[next(iter(_OUTPUTS_JSON))]
                 _OUTPUTS_JSON[key] = tail
