@@ -474,6 +474,36 @@ def test_the_tokens_first_gemm_changes_no_bit_and_stays_within_block_bytes(rng, 
         assert a[1, 7, 3] == 11
 
 
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_blocks_are_evened_out(rng, layout, monkeypatch):
+    """Documents that need several blocks go in as few, evened out: 16 documents of which 15 fit a
+    block went 15 then 1, and the lone one ran on BLAS's threads, which then spin for a while and
+    slowed the next call's chunk threads. The scores are those of one block."""
+    lq, nd, ld, dim = 8, 16, 256, 32
+    q = _unit(rng, 1, lq, dim).astype(np.float32)
+    qv = np.ones((1, lq), bool)
+    d = _unit(rng, nd, ld, dim).astype(np.float32)
+    dv = np.ones((nd, ld), bool)
+    off = np.arange(nd + 1, dtype=np.int64) * ld
+    m = _maxsim_module
+    ar = m._Arith.of(np.float32, dim, False)
+    bu = m._Budget.of(lq, dim, np.float32, ar, False, packed=layout == "packed")
+    block = bu.fixed + 15 * (ld * bu.per_token + bu.per_doc)  # 15 documents
+    assert m._Buffers(ar, block).reserved == 0  # (no tokens-first scratch taken out of so small a block)
+    sizes = []
+    _before_each_call(monkeypatch, m, "_block_maxima", lambda Q, v, blk, *a: sizes.append(blk.runs.count))
+
+    def run(b):
+        if layout == "packed":
+            return cpu.maxsim_packed_numpy(q, qv, d.reshape(-1, dim), off, return_argmax=True, block_bytes=b)[0]
+        return cpu.maxsim_numpy(q, d, qv, dv, candidates=False, nd=nd, return_argmax=True, block_bytes=b)[0]
+    s = run(block)
+    assert sizes == [8, 8], sizes
+    sizes.clear()
+    np.testing.assert_array_equal(s, run(1 << 30))
+    assert sizes == [16]
+
+
 def test_many_candidate_sets_take_the_plain_gemm(rng):
     """Pairs (one candidate set a query) whose rows together pass the tokens-first scratch keep the
     plain batched GEMM: its pieces hold one token of every set at least."""

@@ -99,13 +99,24 @@ def _packed_rows(starts: np.ndarray, lens: np.ndarray):
 def _blocks(lens: np.ndarray, token_room: int, per_token: int, doc_room: int, per_doc: int):
     """Consecutive runs ``(j0, j1)`` of documents (``lens`` int64 [N]) whose tokens take at most
     ``token_room`` bytes (``per_token`` each) and whose outputs at most ``doc_room`` (``per_doc`` each);
-    one document at least."""
+    one document at least. As few runs as fit, evened out in tokens (``maxsim._even``: a short last
+    run would be scored alone on BLAS's threads)."""
     tok = np.cumsum(lens * per_token)
     n, j0 = lens.size, 0
     most = max(1, doc_room // max(1, per_doc))
+    cuts = [n]
+    if n:
+        k = max(-(-int(tok[-1]) // max(1, token_room)), -(-n // most))
+        if k > 1:
+            cuts = np.searchsorted(tok, tok[-1] * np.arange(1, k + 1) / k, side="right").tolist()
+            cuts[-1] = n
+    at = 0
     while j0 < n:
         spent = int(tok[j0 - 1]) if j0 else 0
-        j1 = min(n, j0 + most, int(np.searchsorted(tok, spent + token_room, side="right")))
+        while cuts[at] <= j0:  # (the next cut past j0; they ascend)
+            at += 1
+        cut = cuts[at]
+        j1 = min(cut, j0 + most, int(np.searchsorted(tok, spent + token_room, side="right")))
         j1 = max(j0 + 1, j1)
         yield j0, j1
         j0 = j1
