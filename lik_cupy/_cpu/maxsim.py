@@ -53,6 +53,7 @@ kilobytes), except that a run holds one query against one document token at leas
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 
 import numpy as np
@@ -61,7 +62,8 @@ from . import cores
 from .refine import Pending, bound_norms, dot64, margin, norm_bound
 from .runs import Runs
 
-__all__ = ["maxsim_numpy", "maxsim_packed_numpy", "unpack", "query_groups", "BLOCK_BYTES", "QUERY_CHUNK"]
+__all__ = ["maxsim_numpy", "maxsim_packed_numpy", "unpack", "query_groups", "even_cuts", "BLOCK_BYTES",
+           "QUERY_CHUNK"]
 
 BLOCK_BYTES = 64 << 20
 QUERY_CHUNK = 16 << 20  # bytes of padded queries a group of packed queries may take however ragged (query_groups)
@@ -225,6 +227,18 @@ def _even(n: int, most: int) -> int:
     return -(-n // -(-n // most)) if n else most
 
 
+def even_cuts(cost: np.ndarray, parts: int) -> list[int]:
+    """Where ``parts`` consecutive runs of items whose costs sum cumulatively to ``cost`` (``[N]``,
+    nondecreasing) end at the latest, for even shares of the total: ascending, the last one ``N``.
+    Callers end a run at the next cut or sooner (at their bound), so a short last run is rare (``_even``)."""
+    n = cost.size
+    if parts <= 1 or not n:
+        return [n]
+    cuts = np.searchsorted(cost, cost[-1] * np.arange(1, parts + 1) / parts, side="right").tolist()
+    cuts[-1] = n
+    return cuts
+
+
 def _document_sets(nq: int, nd: int, candidates: bool):
     """(first query, rows of D, the queries that score them): one set shared by every query, or one
     candidate set per query."""
@@ -257,18 +271,13 @@ def maxsim_packed_numpy(Q: np.ndarray, q_valid: np.ndarray, tokens: np.ndarray, 
     b = _Budget.of(group * lq, dim, tokens.dtype, ar, return_argmax, packed=True)
     cost = np.cumsum(lens * b.per_token + b.per_doc)  # bytes of documents 0 .. j, with a group of queries
     room = block_bytes - b.fixed
-    cuts = [nd]  # where blocks may end at the latest: as few blocks as fit, evened out in bytes (_even)
-    if nd and 0 < room < int(cost[-1]):
-        n = -(-int(cost[-1]) // room)
-        cuts = np.searchsorted(cost, cost[-1] * np.arange(1, n + 1) / n, side="right").tolist()
-        cuts[-1] = nd
+    # as few blocks as fit, evened out in bytes (_even)
+    cuts = even_cuts(cost, -(-int(cost[-1]) // room) if nd and room > 0 else 1)
     run = b1.run_tokens(block_bytes)
-    j0 = at = 0
+    j0 = 0
     while j0 < nd:
         spent = int(cost[j0 - 1]) if j0 else 0
-        while cuts[at] <= j0:  # (the next cut past j0; they ascend)
-            at += 1
-        cut = cuts[at]
+        cut = cuts[bisect.bisect_right(cuts, j0)]
         j1 = max(j0 + 1, min(cut, int(np.searchsorted(cost, spent + room, side="right"))))
         t0, t1 = int(offsets[j0]), int(offsets[j1])
         if j1 == j0 + 1 and t1 - t0 > run:  # one document passes the bound alone: in runs of its tokens

@@ -26,9 +26,11 @@ pass their share is decompressed whole.
 
 from __future__ import annotations
 
+import bisect
+
 import numpy as np
 
-from .maxsim import maxsim_packed_numpy
+from .maxsim import even_cuts, maxsim_packed_numpy
 
 _BLOCK_BYTES = 64 << 20
 _SHARED_WASTE = 2  # a shared block's pairs scored per pair needed, at most
@@ -104,18 +106,10 @@ def _blocks(lens: np.ndarray, token_room: int, per_token: int, doc_room: int, pe
     tok = np.cumsum(lens * per_token)
     n, j0 = lens.size, 0
     most = max(1, doc_room // max(1, per_doc))
-    cuts = [n]
-    if n:
-        k = max(-(-int(tok[-1]) // max(1, token_room)), -(-n // most))
-        if k > 1:
-            cuts = np.searchsorted(tok, tok[-1] * np.arange(1, k + 1) / k, side="right").tolist()
-            cuts[-1] = n
-    at = 0
+    cuts = even_cuts(tok, max(-(-int(tok[-1]) // max(1, token_room)), -(-n // most)) if n else 1)
     while j0 < n:
         spent = int(tok[j0 - 1]) if j0 else 0
-        while cuts[at] <= j0:  # (the next cut past j0; they ascend)
-            at += 1
-        cut = cuts[at]
+        cut = cuts[bisect.bisect_right(cuts, j0)]
         j1 = min(cut, j0 + most, int(np.searchsorted(tok, spent + token_room, side="right")))
         j1 = max(j0 + 1, j1)
         yield j0, j1
