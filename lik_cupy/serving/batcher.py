@@ -169,7 +169,7 @@ class Batcher:
     def can_inline(self, op: str) -> bool:
         """Whether a request of ``op`` submitted with ``inline=True`` would likely be scored at once:
         some replica has nothing queued or being scored, ``max_delay_us`` is 0, and ``op``'s last call
-        of one request took at most 0.5 ms (a hint, read without locks)."""
+        of one request took at most ``_queue.INLINE_MAX_S`` (a hint, read without locks)."""
         return any(q.can_score_now(op) for q in self._queues)
 
     # ------------------------------------------------------------ requests
