@@ -10,7 +10,7 @@ ap.add_argument("--dim", type=int, default=128); ap.add_argument("--devices", de
 ap.add_argument("--ids", type=int, default=1000); ap.add_argument("--n", type=int, default=3000)
 ap.add_argument("--tag", default="")
 ap.add_argument("--repos", nargs="+", default=[os.getcwd()])
-ap.add_argument("--plain", action="store_true")
+ap.add_argument("--plain", action="store_true"); ap.add_argument("--rounds", type=int, default=2)
 a = ap.parse_args()
 qs = queries(16, 32, a.dim, 1)
 rng = np.random.default_rng(2)
@@ -19,7 +19,7 @@ out = {"args": vars(a)}
 ns = argparse.Namespace(ld=a.ld, dim=a.dim, devices=a.devices, seed=0, duration=1.5)
 out["in_process"] = in_process(ns, a.docs, ["search", "rerank"], qs, cand)
 print("in process", out["in_process"], flush=True)
-for rnd in range(2):
+for rnd in range(a.rounds):
   for repo in a.repos:
     script = os.path.join(repo, "bench/suites/bench_serve.py") if a.plain else os.path.join(os.path.dirname(os.path.abspath(__file__)), "prof_server.py")
     cmd = [sys.executable, script, "--role", "server", "--docs", str(a.docs), "--ld", str(a.ld), "--dim",
