@@ -54,10 +54,7 @@ def read_request(body: bytes, header_length: str | None) -> tuple[dict, dict[str
         header = _json(body[:n])
         header_inputs = _inputs(header, binary)
         if key is not None and all(spec is not None for spec in header_inputs[1]):
-            with _CACHES_LOCK:
-                if len(_PLANS) >= _PLANS_MAX:
-                    del _PLANS[next(iter(_PLANS))]  # (the oldest)
-                _PLANS[key] = (header, header_inputs[1], len(binary))
+            _keep(_PLANS, key, (header, header_inputs[1], len(binary)))
         return header, header_inputs[0]
     return header, _inputs(header, binary)[0]
 
@@ -68,8 +65,16 @@ def read_request(body: bytes, header_length: str | None) -> tuple[dict, dict[str
 # size, dtype, shape), the binary bytes it describes).
 _PLANS: dict[bytes, tuple] = {}
 _CACHES_LOCK = threading.Lock()  # (this cache's and _OUTPUTS_JSON's inserts)
-_PLANS_MAX = 256
+_PLANS_MAX = 256  # entries of each cache
 _PLAN_KEY_BYTES = 4096
+
+
+def _keep(cache: dict, key, value) -> None:
+    """``cache[key] = value`` in one of this module's caches, the oldest entry dropped past ``_PLANS_MAX``."""
+    with _CACHES_LOCK:
+        if len(cache) >= _PLANS_MAX:
+            del cache[next(iter(cache))]
+        cache[key] = value
 
 
 def _inputs(header, binary) -> tuple[dict[str, np.ndarray], list]:
@@ -116,31 +121,32 @@ def write_response(header: dict, outputs: list[tuple[str, np.ndarray]], binary: 
         key = tuple((name, a.dtype, a.shape, len(raw)) for (name, a), raw in zip(outputs, chunks))
         tail = _OUTPUTS_JSON.get(key)
         if tail is None:
-            tail = json.dumps([{"name": name, "datatype": _datatype(a), "shape": list(a.shape),
-                                "parameters": {"binary_data_size": len(raw)}}
-                               for (name, a), raw in zip(outputs, chunks)])
-            with _CACHES_LOCK:
-                if len(_OUTPUTS_JSON) >= _PLANS_MAX:
-                    del _OUTPUTS_JSON[next(iter(_OUTPUTS_JSON))]
-                _OUTPUTS_JSON[key] = tail
+            tail = json.dumps([_tensor_json(name, a, raw) for (name, a), raw in zip(outputs, chunks)])
+            _keep(_OUTPUTS_JSON, key, tail)
         text = json.dumps(header, allow_nan=True)[:-1]
         text = f'{text}{", " if header else ""}"outputs": {tail}}}'.encode()
         return b"".join([text, *chunks]), len(text)
     tensors, chunks = [], []
     for name, a in outputs:
-        datatype = _datatype(a)
-        t = {"name": name, "datatype": datatype, "shape": list(a.shape)}
-        if name in binary:
-            raw = tensor_bytes(a)
-            t["parameters"] = {"binary_data_size": len(raw)}
+        raw = tensor_bytes(a) if name in binary else None
+        t = _tensor_json(name, a, raw)
+        if raw is not None:
             chunks.append(raw)
         else:
-            t["data"] = [str(x) for x in a.reshape(-1)] if datatype == "BYTES" else a.reshape(-1).tolist()
+            t["data"] = [str(x) for x in a.reshape(-1)] if t["datatype"] == "BYTES" else a.reshape(-1).tolist()
         tensors.append(t)
     text = json.dumps({**header, "outputs": tensors}, allow_nan=True).encode()
     if not chunks:
         return text, None
     return b"".join([text, *chunks]), len(text)
+
+
+def _tensor_json(name: str, a: np.ndarray, raw: bytes | None) -> dict:
+    """An output's entry in the response header; with its ``raw`` bytes when they follow the header."""
+    t = {"name": name, "datatype": _datatype(a), "shape": list(a.shape)}
+    if raw is not None:
+        t["parameters"] = {"binary_data_size": len(raw)}
+    return t
 
 
 _OUTPUTS_JSON: dict[tuple, str] = {}  # write_response's outputs, all binary, by (name, dtype, shape, bytes)
