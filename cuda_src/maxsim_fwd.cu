@@ -31,8 +31,9 @@
 // fwd/config.cuh (the -D flags, types, constants and struct Fwd's index), fwd/tile_scheduler.cuh
 // (which CTA takes which query tile, documents or token shares), fwd/mainloop.cuh (the query
 // tile, the cp.async / TMA ring and the mma / wgmma tile loop), fwd/epilogue.cuh (row-max fold,
-// argmax, score writes, the token split's merge) and fwd/refine.cuh (float32 accuracy from TF32
-// tiles: the rows' exact maxima, LIK_REFINE).
+// argmax, score writes, the token split's merge), fwd/refine.cuh (float32 accuracy from TF32
+// tiles: the rows' exact maxima, LIK_REFINE) and fwd/refine_m.cuh (the same with the document
+// tokens on M: the columns' exact maxima at each document's end, LIK_REFINE with LIK_TOKM).
 //
 // run keeps the CTA's steps in order and builds small role objects whose member functions it calls:
 // one for each lambda (or run of lambdas) of the single function this was, and one for each step
@@ -52,6 +53,7 @@
 #include "fwd/residual.cuh"
 #include "fwd/epilogue.cuh"
 #include "fwd/refine.cuh"
+#include "fwd/refine_m.cuh"
 
 namespace lik {
 
@@ -167,7 +169,7 @@ __device__ void LIK_FWD::run(const T* __restrict__ Q, const T* __restrict__ D, c
                , mbar
 #endif
     }.stage();
-    if constexpr (TOKM) {  // visible to every warp after the first stage's block barrier
+    if constexpr (TOKM && SCALED) {  // visible to every warp after the first stage's block barrier
         const int ql = query_len(qi0);
         for (int c = threadIdx.x; c < BM; c += NT) {
             const int s = s0 + c;
@@ -229,6 +231,14 @@ __device__ void LIK_FWD::run(const T* __restrict__ Q, const T* __restrict__ D, c
     int ptok[2][Refine::KEEP];
     bool defer;
     const Refine refine{sQ, D, tnorm, wrow0, lane, warp, best, bidx, rv, xbest, lo, a1, a2, pu, ptok, defer};
+    // Tokens on M (fwd/refine_m.cuh): per column the best two TF32 values and their tokens, the third best.
+    float m1[REFINE_M ? 2 * NN : 1], m2[REFINE_M ? 2 * NN : 1], m3[REFINE_M ? 2 * NN : 1], tn[2];
+    int i1[REFINE_M ? 2 * NN : 1], i2[REFINE_M ? 2 * NN : 1];
+    float nmax;
+    bool any, cols_ready = false;
+    const int qlen = query_len(qi0);
+    int* const rjobs = reinterpret_cast<int*>(qmul + 2 * BM);
+    const RefineM refm{sQ, D, red, qmul, rjobs, outp, lane, warp, qi0, Lq, s0, qlen, q_mask, m1, i1, m2, i2, m3, nmax, any, cols_ready};
 #endif
     Consumer consumer{cons, qf, q_ready, sQ, wrow0, lane, prod
 #if LIK_HAS_WGMMA
@@ -247,6 +257,7 @@ __device__ void LIK_FWD::run(const T* __restrict__ Q, const T* __restrict__ D, c
     Finish fin{bq, lane, j0, red, warp, g, tq, qmul, outp, j1, best, bidx, wrow0, rv, term,
                rq, amax, qi0, Nd, Lq, rs, dt, pending, sr, pr, split_buf, d_zero_pad, xbest};
 
+    int held = -1;  // REFINE_M: the ring slot of the document's last tile, released after its score
     for (int j = j0; j < j1; ++j) {
         i64 begin;
         const int len = docs.doc_span(doc0 + j, begin);
@@ -254,7 +265,8 @@ __device__ void LIK_FWD::run(const T* __restrict__ Q, const T* __restrict__ D, c
         const u8* dm = mask.dmask(j);
         const bool zp = X3 && !MULTI && fin.zero_pad(j);  // zero-vector padding (Finish::finish says why here)
 #if LIK_REFINE
-        refine.reset(nt - first.first_tile(j));
+        if constexpr (REFINE_M) refm.reset();
+        else refine.reset(nt - first.first_tile(j));
 #else
         rowmax.reset();
 #endif
@@ -280,7 +292,7 @@ __device__ void LIK_FWD::run(const T* __restrict__ Q, const T* __restrict__ D, c
                 if (!SCALED) flush.flush_sums();
                 const T* st = ring + slot * STAGE;
 #if LIK_REFINE
-                tile_mma(acc, qf, sQ, st, wrow0, lane, false, qlo, tnorm + slot * WARPS);
+                tile_mma(acc, qf, sQ, st, wrow0, lane, false, qlo, REFINE_M ? tn : tnorm + slot * WARPS);
 #else
                 tile_mma(acc, qf, SPLIT ? st : sQ, st + (SPLIT ? QR * LDS : 0), wrow0, lane, kc > 0, qlo);
 #endif
@@ -290,16 +302,27 @@ __device__ void LIK_FWD::run(const T* __restrict__ Q, const T* __restrict__ D, c
             if (WG_CHAIN) wgmma_wait<0>();
 #endif
 #if LIK_REFINE
-            refine.fold(acc, ring + slot * STAGE, slot, t * BN, len, dm);
+            if constexpr (REFINE_M) refm.fold(acc, tn, t * BN, len, dm);
+            else refine.fold(acc, ring + slot * STAGE, slot, t * BN, len, dm);
 #else
             rowmax.fold(acc, slot, t * BN, len, dm, TMA && SCALED ? (int)(begin & 3) : 0);
 #endif
-            consumer.release_slot(slot);
+            // (Refined tokens-on-M tiles keep the document's last slot: finish stages its exact work there.)
+            if (!REFINE_M || t + 1 < nt) consumer.release_slot(slot);
+            else held = slot;
         }
 #if LIK_REFINE
-        refine.resolve(begin);
-#endif
+        if constexpr (REFINE_M) {
+            refm.finish(j, begin, nt, len, dm, fin.zero_pad(j), held >= 0 ? ring + held * STAGE : nullptr);
+            if (held >= 0) consumer.release_slot(held);
+            held = -1;
+        } else {
+            refine.resolve(begin);
+            fin.finish(j, zp);
+        }
+#else
         fin.finish(j, zp);
+#endif
     }
     cp_async_wait<0>();
     // The rest needs only kernel parameters and shared memory, so nothing else stays live

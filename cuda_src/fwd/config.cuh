@@ -22,7 +22,9 @@
 //               memory (LIK_QREG 0): holding hi and lo in registers would double them
 //   LIK_REFINE  1 (fp32 one-shot wgmma tiles): float32 accuracy at TF32 speed. The tile runs on TF32
 //               wgmma, and the similarities within the TF32 error bound of a row's best lower bound
-//               are recomputed exactly from the float32 tiles in shared memory (fwd/refine.cuh)
+//               are recomputed exactly from the float32 tiles in shared memory (fwd/refine.cuh); with
+//               LIK_TOKM, the document tokens on the M side and the exact work at each document's
+//               end only (fwd/refine_m.cuh)
 //   LIK_DP      embedding dim padded to a multiple of 16 (32 for one-byte types; pad lanes are zero)
 //   LIK_WARPS   warps per CTA; each owns LIK_MT*16 query rows
 //   LIK_MT      16-row mma tiles per warp
@@ -55,7 +57,8 @@
 //               follows (the next chunk or the document rows), finite or not, into result rows
 //               that are never read. A stage is 12 KB instead of 16 at BN = 64, so more stages
 //               and more CTAs fit on an SM
-//   LIK_TOKM    1 (INT8, two warpgroups, TMA, 128 x 128 tiles, no argmax, one query per tile):
+//   LIK_TOKM    1 (INT8, two warpgroups, TMA, 128 x 128 tiles, no argmax, one query per tile; or refined
+//               float32, one warpgroup, 64 x 64 tiles: fwd/refine_m.cuh):
 //               tokens on the wgmma M side. Each warpgroup multiplies 64 document tokens (A) by
 //               the tile's 128 query rows (B), so a thread's accumulators hold 2 tokens x 32 query
 //               rows and its two token scales sit in registers, instead of 32 column scales read
@@ -195,7 +198,7 @@ struct Fwd {
     static_assert(!SPLIT || !QREG, "split-d re-reads query chunks from shared memory");
     static_assert(DP % KSTEP == 0, "tiles (and split-d chunks) hold whole k steps");
     static_assert(!X3 || (TF32 && !QREG), "3xTF32 takes fp32 tiles and re-reads query fragments");
-    static_assert(!LIK_REFINE || (TF32 && WG && !SPLIT && !TOKM && MT == 1 && BN <= 128 && !X3),
+    static_assert(!LIK_REFINE || (TF32 && WG && !SPLIT && MT == 1 && BN <= 128 && !X3),
                   "refined TF32 takes one-shot float32 wgmma tiles of at most 128 tokens");
     static_assert(!TMA || ((!TF32 || WG) && DP * ESIZE % 128 == 0 && (!SPLIT || WG)),
                   "TMA feeds one-shot 16-bit and INT8 tiles, float32 wgmma tiles and split-d wgmma tiles");
@@ -224,12 +227,20 @@ struct Fwd {
     static constexpr bool RELEASE = TMA && !MULTI && (!SCALED || TOKM) && !SPLIT;
     static_assert(!(MULTI && RELEASE), "several queries per tile sum a document's rows after the next stage's block barrier");
     static_assert(AHEAD >= 1, "split-d wgmma needs at least three stages");
-    static_assert(!TOKM || (E::kInt && WG && TMA && SMALL_DOT && WARPS == 8 && BM == 128 && BN == 128 && !ARGMAX && !MULTI),
-                  "tokens on M: INT8 two-warpgroup TMA tiles of 128 x 128, one query, no argmax");
+    static_assert(!TOKM || (E::kInt && WG && TMA && SMALL_DOT && WARPS == 8 && BM == 128 && BN == 128 && !ARGMAX && !MULTI) ||
+                      (LIK_REFINE && WG && TMA && WARPS == 4 && BM == 64 && BN == 64 && !ARGMAX && !MULTI && !LIK_CAND),
+                  "tokens on M: INT8 two-warpgroup TMA tiles of 128 x 128, or refined float32 one-warpgroup TMA "
+                  "tiles of 64 x 64; one query, no argmax");
+    // Refined float32 tiles with the document tokens on M (fwd/refine_m.cuh).
+    static constexpr bool REFINE_M = TOKM && LIK_REFINE;
     static constexpr int TOKM_OFFSET = 1 << 22;  // added to each dot product x: x + 2^22 is in (0, 2^23) while |x| < 2^22
     // Shared floats for a document's reduction, per buffer: the tokens-on-M row maxima of every
     // warp, several queries' row maxima, or per-warp sums.
     static constexpr int RED = TOKM ? WARPS * BM : MULTI ? BM : WARPS;
+    // Floats after the reduction buffers: INT8 tokens-on-M tiles' query multipliers [BM]; refined ones'
+    // column weights [2][BM] and their warps' exact jobs [WARPS][16][2] (ints; their two reduction
+    // buffers hold the warps' bounds and column maxima).
+    static constexpr int QMUL = REFINE_M ? 2 * BM + WARPS * 32 : TOKM ? BM : 0;
     // Packed single-query one-shot tiles of 16-bit or INT8 elements, and float32 wgmma tiles, may
     // split documents over CTAs (piece_role); FwdConfig.token_split says which. Not the mma.sync
     // fp32 tiles: with it the compile check found some of them spilling or over the registers their
@@ -305,6 +316,8 @@ struct Fwd {
     struct ResidualLoader;  // PLAID residual documents: gathers and decompresses a slot's tile
     // fwd/refine.cuh
     struct Refine;       // float32 accuracy from TF32 tiles: the rows' exact maxima
+    // fwd/refine_m.cuh
+    struct RefineM;      // the same with the document tokens on M: each column's exact maximum, per document
     // fwd/epilogue.cuh
     struct EmptyTile;    // a tile past its query's length: scores 0, argmax -1
     struct RowTerm;      // a query row's score term

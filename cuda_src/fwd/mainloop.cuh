@@ -125,9 +125,16 @@ __device__ __forceinline__ void LIK_FWD::tile_mma(A (&acc)[MT][NN][4], const u32
                                    wgmma_desc_at(dq0 + (((kk >> 2) * BM * 128 + ko) >> 4)), kk > 0);
             }
             wgmma_commit();
+            // Refined float32: the squared norms of this thread's two tokens while the tensor cores
+            // multiply (tn: two floats, fwd/refine_m.cuh).
+#if LIK_REFINE
+            RefineM::token_norms(sD, tn);
+#endif
             wgmma_wait<0>();
+            if constexpr (E::kInt) {
 #pragma unroll
-            for (int i = 0; i < MT * NN * 4; ++i) d[i] += TOKM_OFFSET;
+                for (int i = 0; i < MT * NN * 4; ++i) d[i] += TOKM_OFFSET;
+            }
             return;
         }
         // The warpgroup's 64 query rows against all BN document rows, 32 bytes of K per instruction.
@@ -238,9 +245,10 @@ struct LIK_FWD::SmemLayout {
         // TMA: [STAGES] "full" barriers (the slot's bytes landed), then [STAGES] "empty" ones (every
         // warp is done with the slot, so it may be refilled).
         // Tokens on M: [BM] per query row of the tile, 2^49 (undoing the conversion's scale) times
-        // its INT8 scale (NaN for a negative scale), or -1 for a row that does not count.
+        // its INT8 scale (NaN for a negative scale), or -1 for a row that does not count; refined
+        // float32 ones: QMUL floats of their own (fwd/refine_m.cuh).
         qmul = red + 2 * RED;
-        mbar = reinterpret_cast<unsigned long long*>(qmul + (TOKM ? BM : 0));
+        mbar = reinterpret_cast<unsigned long long*>(qmul + QMUL);
 #if LIK_RESIDUAL
         // Residual documents (fwd/residual.cuh), from the next 16-byte boundary: the bucket table
         // (128 bytes), the codes of the next two tiles to gather and each slot's byte shift, then

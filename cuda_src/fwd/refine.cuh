@@ -86,27 +86,30 @@ struct LIK_FWD::Refine {
     __device__ void query_norms() const {
         const int g = lane >> 2, tq = lane & 3;
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const int r = wrow0 + g + 8 * h;
-            float s = 0.f, rr = 0.f, tt = 0.f, mx = 0.f;
-            for (int k = tq; k < DP; k += 4) {
-                const float x = sQ[soff(r, k, BM)], t = tf32_part(x), dx = x - t;
-                s = fmaf(x, x, s);
-                rr = fmaf(dx, dx, rr);
-                tt = fmaf(t, t, tt);
-                mx = fmaxf(mx, fabsf(x));
-            }
-#pragma unroll
-            for (int off = 1; off <= 2; off <<= 1) {
-                s += __shfl_xor_sync(0xffffffffu, s, off);
-                rr += __shfl_xor_sync(0xffffffffu, rr, off);
-                tt += __shfl_xor_sync(0xffffffffu, tt, off);
-                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
-            }
-            const bool nz = mx != 0.f;  // (fmaxf skips NaN: zeros and NaN take the exact path, NaN already)
-            a1[h] = nz ? (sqrtf(rr) + 0x1p-10f * sqrtf(tt) + ACC * sqrtf(s) + 3.f * FLOOR) * UP : 0.f;
-            a2[h] = nz ? 0x1p-132f * (sqrtf(tt) + FLOOR) * UP : 0.f;
+        for (int h = 0; h < 2; ++h) weights(sQ, wrow0 + g + 8 * h, tq, a1[h], a2[h]);
+    }
+
+    // Query row r's error weights (a1: |dq| + 2^-10 |q~| + A |q|, 0 for a zero row; a2: 2^-132 |q~|),
+    // the four lanes of a quad summing a quarter of the dim each (every lane of the warp calls it).
+    static __device__ __forceinline__ void weights(const T* sQ, int r, int tq, float& a1, float& a2) {
+        float s = 0.f, rr = 0.f, tt = 0.f, mx = 0.f;
+        for (int k = tq; k < DP; k += 4) {
+            const float x = sQ[soff(r, k, BM)], t = tf32_part(x), dx = x - t;
+            s = fmaf(x, x, s);
+            rr = fmaf(dx, dx, rr);
+            tt = fmaf(t, t, tt);
+            mx = fmaxf(mx, fabsf(x));
         }
+#pragma unroll
+        for (int off = 1; off <= 2; off <<= 1) {
+            s += __shfl_xor_sync(0xffffffffu, s, off);
+            rr += __shfl_xor_sync(0xffffffffu, rr, off);
+            tt += __shfl_xor_sync(0xffffffffu, tt, off);
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+        }
+        const bool nz = mx != 0.f;  // (fmaxf skips NaN: zeros and NaN take the exact path, NaN already)
+        a1 = nz ? (sqrtf(rr) + 0x1p-10f * sqrtf(tt) + ACC * sqrtf(s) + 3.f * FLOOR) * UP : 0.f;
+        a2 = nz ? 0x1p-132f * (sqrtf(tt) + FLOOR) * UP : 0.f;
     }
 
     // This thread's part of the tile's squared row norms |d|^2 (called by tile_mma while the tile's
@@ -176,7 +179,9 @@ struct LIK_FWD::Refine {
     // swizzle puts chunk k of query row r at k ^ (r & 7), so the row takes two offsets, its blocks a
     // constant stride apart. The same order wherever the token is read from, so the same value.
     template <class Doc>
-    __device__ float2 exact_part(int r, int tq, const Doc& dq) const {
+    __device__ float2 exact_part(int r, int tq, const Doc& dq) const { return exact_part(sQ, r, tq, dq); }
+    template <class Doc>
+    static __device__ __forceinline__ float2 exact_part(const T* sQ, int r, int tq, const Doc& dq) {
         const T* q = sQ + r * BLK;
         const int q0 = (tq ^ (r & 7)) * EPC, q1 = q0 ^ (4 * EPC);
         float s[4] = {0.f, 0.f, 0.f, 0.f}, e[4] = {0.f, 0.f, 0.f, 0.f};

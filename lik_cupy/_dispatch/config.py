@@ -48,7 +48,7 @@ class FwdConfig:
     split: bool = False  # split-d: query and document chunks of dp columns share each stage
     tma: bool = False  # tiles staged by TMA from tensor maps (sm_90: one-shot with 128-byte multiple rows, or split-d wgmma)
     qhalf: bool = False  # split-d, one warpgroup, one query of <= 32 tokens: stages hold 32 query rows, not 64
-    tokm: bool = False  # scaled (INT8) Hopper tiles with document tokens on the wgmma M side (per-token scales in registers)
+    tokm: bool = False  # Hopper tiles with document tokens on the wgmma M side: INT8 (per-token scales in registers), refined float32
     x3: bool = False  # fp32 at float32 accuracy: three tf32 products per product (3xTF32, cuda_src/fwd/config.cuh)
     refine: bool = False  # fp32 at float32 accuracy on TF32 wgmma: near-max similarities recomputed exactly (fwd/refine.cuh)
     residual: int = 0  # PLAID residual documents: nbits (1, 2 or 4) per dim, decompressed by the tile loader
@@ -69,8 +69,12 @@ class FwdConfig:
         """The tile that splits documents over CTAs in place of a tokens-on-M INT8 tile: the same
         one with query rows on the wgmma M side, as dispatch takes it below ``TOKM_MIN_LD`` (the
         first stage count of ``WGMMA_STAGES`` for its tokens; tokens-on-M tiles never split, their
-        cross-warp maxima are per document). Other tiles: themselves."""
-        return replace(self, tokm=False, stages=tables.WGMMA_STAGES[self.bn][0]) if self.tokm else self
+        cross-warp maxima are per document); a refined float32 one's, the first stage count of
+        ``SHORT_WGMMA_STAGES_TF32``. Other tiles: themselves."""
+        if not self.tokm:
+            return self
+        stages = tables.SHORT_WGMMA_STAGES_TF32 if self.refine else tables.WGMMA_STAGES
+        return replace(self, tokm=False, stages=stages[self.bn][0])
 
     @functools.cached_property  # read on every padded launch
     def strided_tile(self) -> FwdConfig | None:
@@ -117,7 +121,7 @@ class FwdConfig:
         rows = self.stages * (self.query_rows_staged + self.bn) if self.split else self.bm + self.stages * self.bn
         if self.wgmma or self.tma:  # unpadded swizzled tiles, slack to align them to 1024 bytes, TMA barriers
             # (refined TF32 tiles: their per-slot norm parts follow the barriers' place)
-            refine = (0 if self.tma else 16 * self.stages) + 4 * self.stages * self.warps if self.refine else 0
+            refine = (0 if self.tma else 16 * self.stages) + 4 * self.stages * self.warps if self.refine and not self.tokm else 0
             return rows * self.dp * self.esize + 1024 + self._extra_bytes + (16 * self.stages if self.tma else 0) + refine
         used = rows * (self.dp + 16 // self.esize) * self.esize + self._extra_bytes
         if not self.residual:
@@ -131,10 +135,12 @@ class FwdConfig:
     @property
     def _extra_bytes(self) -> int:
         # double-buffered row maxima (every warp's with tokm, the tile's with multi) or per-warp
-        # sums; scaled elements: each stage's token scales
+        # sums; tokm: INT8 query multipliers or refined column weights (QMUL); scaled elements: each
+        # stage's token scales
         scales = self.stages * (self.bn + (32 if self.tma else 0)) * 4 if self.spec.scaled else 0  # as SCL in the kernel
         red = self.warps * self.bm if self.tokm else self.bm if self.multi else self.warps  # as RED in the kernel
-        return 2 * red * 4 + (self.bm * 4 if self.tokm else 0) + scales
+        qmul = (2 * self.bm + self.warps * 32 if self.refine else self.bm) if self.tokm else 0  # as QMUL
+        return 2 * red * 4 + qmul * 4 + scales
 
     @functools.cached_property  # read on every launch
     def name(self) -> str:
@@ -191,14 +197,15 @@ class FwdConfig:
     def wide_registers(self) -> bool:
         """Hopper tiles that spilled in the 128 registers of two CTAs per SM (compile check) and so
         are built for one: refined float32 tiles of two warpgroups (up to 200 bytes at d = 32 and
-        64, where two CTAs fit the shared memory), of packed documents (44-70 bytes at d = 64), of
-        candidate ids (8) or with the argmax of several queries (4-12), and FP8's argmax tiles of
-        several queries, packed documents (4 at d = 256) or split-d (INT8's take mma.sync tiles
-        there, select.py; sm_90 emulates FP8's)."""
+        64, where two CTAs fit the shared memory; packed documents 44-70 at d = 64, candidate ids 8,
+        the argmax of several queries 4-12), and FP8's argmax tiles of several queries, packed
+        documents (4 at d = 256) or split-d (INT8's take mma.sync tiles there, select.py; sm_90
+        emulates FP8's). One-warpgroup refined tiles have 256 registers at two CTAs and take at most
+        176 of them (every one of them, compile check), so they are built for two."""
         if not self.wgmma:
             return False
         if self.refine:
-            return self.warps == 8 or self.packed or self.cand or (self.argmax and self.multi)
+            return self.warps == 8
         return self.argmax and self.spec.scaled and 90 in self.spec.emulated_mma and (
             self.multi or self.packed or self.split)
 

@@ -38,11 +38,14 @@ def ctas_per_sm(cfg: FwdConfig, cc: int, registers: int | None = None) -> int:
     by_threads = 2048 // cfg.threads
     # Per-thread register ceilings of the compiled kernels (nvrtc.check_all checks them): two
     # warpgroups are capped at 128 by their launch bounds; one warpgroup is not capped, and its
-    # argmax or multi-query epilogue takes up to 168 (a scaled type's argmax, INT8's, up to 192).
+    # argmax or multi-query epilogue takes up to 168 (a scaled type's argmax, INT8's, up to 192), and
+    # the refined tokens-on-M tiles up to 256 (two CTAs).
     if registers is not None:
         regs = -(-registers // 8) * 8  # allocated per warp in units of 8 registers a thread
     elif cfg.residual or cfg.int8_argmax_strided or cfg.wide_registers:  # built for min_blocks CTAs an SM
         regs = 65536 // (cfg.threads * cfg.min_blocks)
+    elif cfg.refine and cfg.tokm:  # each column's three best and their tokens: 212-224
+        regs = 256
     elif cfg.wgmma and cfg.warps == 4 and (cfg.argmax or cfg.multi):
         regs = 192 if cfg.argmax and cfg.spec.scaled else 168
     elif cfg.x3 and cfg.mt > 1:  # two m-tiles of 3xTF32 fragments with the argmax or several queries: up to 256

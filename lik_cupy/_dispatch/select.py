@@ -150,6 +150,13 @@ def choose_forward(cc: int, dtype: str, dim: int, lq: int, argmax: bool, vec: bo
     one_shot = dim <= spec.one_shot_max if spec.one_shot_max else not uses_split(
         *split_family(arch, hopper, dim, esize), lq <= 64, dim, esize)
     if one_shot:
+        if short_hopper and x3 and not (argmax or multi(64) or cand) and tma and q_len <= t.REFINE_TOKM_MAX_LQ \
+                and ld >= t.REFINE_TOKM_MIN_LD:
+            for stages in t.REFINE_TOKM_STAGES:
+                cfg = FwdConfig(elem=elem, dp=dim, warps=4, mt=1, bn=64, stages=stages, qreg=False, argmax=False, vec=vec,
+                                wgmma=True, packed=packed, refine=True, tma=True, tokm=True)
+                if cfg.smem_bytes <= limit:
+                    return cfg
         if short_hopper:
             for bn, stages in _short_wgmma_tiles(ld, spec):
                 cfg = FwdConfig(elem=elem, dp=dim, warps=4, mt=1, bn=bn, stages=stages, qreg=False, argmax=argmax, vec=vec,

@@ -158,6 +158,17 @@ SHORT_WGMMA_STAGES = {64: (4, 3), 128: (2, 3)}
 # two or three stages within 1% (0.0411-0.0416 ms for 32 tokens x 1,000 documents of 300, H200);
 # four stages (one CTA an SM) 16% behind (bench/results/latest/fp32_wgmma_sweep_nvidia-h200.json).
 SHORT_WGMMA_STAGES_TF32 = {64: (2, 3), 128: (3, 2)}
+# Refined float32 (the default's float32 accuracy on TF32 wgmma) for queries of at most
+# REFINE_TOKM_MAX_LQ tokens, one a tile, without the argmax, against documents of REFINE_TOKM_MIN_LD
+# tokens or more: one-warpgroup tiles of 64 x 64 with the document tokens on M (LIK_TOKM with
+# LIK_REFINE, cuda_src/fwd/refine_m.cuh), their stage counts in order of preference (empty: never).
+# From bench/results/latest/refine_tokm_sweep_nvidia-h200.json (one query, d = 128, Ld 128 to
+# 2,048, padded and packed, 300,000 tokens a cell): at 32 query tokens 0.80-0.93 of the time of
+# the queries-on-M refined tile, the same bits; at 64, 1.00-1.15 (twice the exact work at each
+# document's end). Three stages (one CTA an SM) took 1.6-1.9x two.
+REFINE_TOKM_STAGES = (2,)
+REFINE_TOKM_MAX_LQ = 32
+REFINE_TOKM_MIN_LD = 128
 # Keyed by element bytes: float32 (TF32 wgmma) takes d = 128 too, whose 512-byte rows stage as many
 # tokens per byte as a 16-bit d = 256.
 SHORT_WGMMA_MAX_ROW_BYTES = {1: 256, 2: 256, 4: 512}
