@@ -237,8 +237,7 @@ __device__ void LIK_FWD::run(const T* __restrict__ Q, const T* __restrict__ D, c
     float nmax;
     bool any, cols_ready = false;
     const int qlen = query_len(qi0);
-    int* const rjobs = reinterpret_cast<int*>(qmul + 2 * BM);
-    const RefineM refm{sQ, D, red, qmul, rjobs, outp, lane, warp, qi0, Lq, s0, qlen, q_mask, m1, i1, m2, i2, m3, nmax, any, cols_ready};
+    const RefineM refm{sQ, D, red, qmul, outp, lane, warp, qi0, Lq, s0, qlen, q_mask, m1, i1, m2, i2, m3, nmax, any, cols_ready};
 #endif
     Consumer consumer{cons, qf, q_ready, sQ, wrow0, lane, prod
 #if LIK_HAS_WGMMA

@@ -34,8 +34,8 @@ struct LIK_FWD::RefineM {
     const T* const& sQ;
     const T* const __restrict__& D;
     float* const& red;  // [2][WARPS][BM]: the warps' lower bounds L, then their column maxima
-    float* const& cw;   // [2][BM]: each column's a1 (-1: the column does not count) and a2
-    int* const& jobs;   // [WARPS][16][2]: each warp's exact jobs of a round
+    float* const& cw;   // [2][BM]: each column's a1 (-1: the column does not count) and a2; then (QMUL)
+                        // [WARPS][16] int2: each warp's exact jobs of a round
     float* const& outp;
     const int &lane, &warp, &qi0, &Lq, &s0, &qlen;
     const u8* __restrict__ const& q_mask;
@@ -263,7 +263,7 @@ struct LIK_FWD::RefineM {
         }
         constexpr int NB = 2 * (DP / BLK);  // 16-byte chunks of a token a lane reads
         T* row2 = hold + (warp * 8 + g) * 2 * DP;  // this quad's two staging rows
-        int2* list = reinterpret_cast<int2*>(jobs) + warp * 16;  // this warp's jobs of the round: (column, token)
+        int2* list = reinterpret_cast<int2*>(cw + 2 * BM) + warp * 16;  // this warp's jobs of the round: (column, token)
         // This lane's jobs: its candidates (cm's bits in order), then each whole column's 2 nt token
         // positions; the warp's are numbered in lane order (excl: this lane's first).
         const int ncand = __popc(cm), njobs = ncand + __popc(fm) * 2 * nt;
