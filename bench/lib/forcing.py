@@ -83,6 +83,23 @@ def picked(fn):
 
 
 @contextlib.contextmanager
+def tables(**values):
+    """Inside the block, the tuning tables ``lik_cupy._dispatch.tables`` hold ``values`` (name: value), every
+    cached choice dropped on the way in and out; then as they were."""
+    d = dispatch()
+    old = {name: getattr(d.tables, name) for name in values}
+    for name, value in values.items():
+        setattr(d.tables, name, value)
+    d.clear_caches()
+    try:
+        yield
+    finally:
+        for name, value in old.items():
+            setattr(d.tables, name, value)
+        d.clear_caches()
+
+
+@contextlib.contextmanager
 def padded_split(on: bool):
     """Inside the block, padded documents take the token split (``FwdConfig.strided_tile``) wherever the
     launch plan's grid rule allows it, whatever their length (``on``: ``tables.PADDED_SPLIT_MIN_LD`` set
@@ -90,14 +107,8 @@ def padded_split(on: bool):
     d = dispatch()
     plan = d.plan_launch
     if on:
-        old = d.tables.PADDED_SPLIT_MIN_LD
-        d.tables.PADDED_SPLIT_MIN_LD = (1, 1)
-        d.clear_caches()
-        try:
+        with tables(PADDED_SPLIT_MIN_LD=(1, 1)):
             yield
-        finally:
-            d.tables.PADDED_SPLIT_MIN_LD = old
-            d.clear_caches()
         return
     rebind(d, "plan_launch", lambda cfg, *a: plan(cfg, *a[:6]) if cfg.strided else plan(cfg, *a))
     try:

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from bench.lib.forcing import dispatch, rebind  # noqa: E402
+from bench.lib.forcing import tables  # noqa: E402
 from bench.lib.results import slugify, text_table, write_json  # noqa: E402
 from bench.lib.timing import per_call_ms  # noqa: E402
 
@@ -40,10 +40,7 @@ def main():
 
     import lik_cupy
 
-    d_ = dispatch()
-    tables = d_.tables
     stage_sets = {"queries_on_m": (), "tokens_on_m_s2": (2,), "tokens_on_m_s3": (3,)}
-    kept, min_ld, max_lq = tables.REFINE_TOKM_STAGES, tables.REFINE_TOKM_MIN_LD, tables.REFINE_TOKM_MAX_LQ
     gpu = torch.cuda.get_device_name()
     g = torch.Generator(device="cuda").manual_seed(0)
     rows = []
@@ -67,18 +64,9 @@ def main():
                        "tf32_ms": per_call_ms(torch, lambda: call("tf32"), args.reps, spin_cycles=20_000_000)}
                 outs = {}
                 for name, stages in stage_sets.items():
-                    rebind(tables, "REFINE_TOKM_STAGES", stages)
-                    rebind(tables, "REFINE_TOKM_MIN_LD", 0)
-                    rebind(tables, "REFINE_TOKM_MAX_LQ", 64)
-                    d_.clear_caches()
-                    try:
+                    with tables(REFINE_TOKM_STAGES=stages, REFINE_TOKM_MIN_LD=0, REFINE_TOKM_MAX_LQ=64):
                         outs[name] = call().cpu()
                         row[f"{name}_ms"] = per_call_ms(torch, call, args.reps, spin_cycles=20_000_000)
-                    finally:
-                        rebind(tables, "REFINE_TOKM_STAGES", kept)
-                        rebind(tables, "REFINE_TOKM_MIN_LD", min_ld)
-                        rebind(tables, "REFINE_TOKM_MAX_LQ", max_lq)
-                        d_.clear_caches()
                 base = outs["queries_on_m"]
                 row["same_bits"] = all(bool(torch.equal(o, base)) for o in outs.values())
                 best = min((k for k in row if k.startswith("tokens_on_m")), key=lambda k: row[k])
