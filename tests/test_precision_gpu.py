@@ -35,6 +35,15 @@ def _packed(docs, lens):
     return np.concatenate([docs[j, :lens[j]] for j in range(len(lens))]), off
 
 
+def _best_and_lead(sim):
+    """Along the last axis: the best similarity and its lead over the runner-up (+inf with one
+    finite token, NaN with none, so neither counts as a clear winner unless the caller wants)."""
+    pad = np.full(sim.shape[:-1] + (2,), -np.inf)
+    top2 = np.sort(np.concatenate([pad, sim], axis=-1), axis=-1)[..., -2:]
+    with np.errstate(invalid="ignore"):
+        return top2[..., 1], top2[..., 1] - top2[..., 0]
+
+
 @pytest.mark.parametrize("dim", [16, 64, 96, 128, 200, 384, 1000])
 @pytest.mark.parametrize("lq,nq", [(1, 3), (32, 5), (77, 2), (300, 2)])
 def test_fp32_padded_vs_float64(rng, dim, lq, nq):
@@ -47,8 +56,7 @@ def test_fp32_padded_vs_float64(rng, dim, lq, nq):
     assert rel_err(_np(s), ref) < FP32_TOL
     # The argmax agrees with float64 wherever float64's winner leads by more than float32 rounding.
     a = _np(a)
-    top2 = np.sort(np.where(dv[None, :, None, :], sim, -np.inf), axis=3)[..., -2:]
-    clear = (top2[..., 1] - top2[..., 0] > 1e-5) & (lens[None, :, None] > 1)
+    clear = (_best_and_lead(np.where(dv[None, :, None, :], sim, -np.inf))[1] > 1e-5) & (lens[None, :, None] > 1)
     exact = np.where(dv[None, :, None, :], sim, -np.inf).argmax(axis=3)
     assert np.array_equal(a[clear], exact[clear])
 
@@ -283,9 +291,9 @@ def test_default_meets_the_float32_contract(rng, dim, lq, nq, shared):
             ref_i, sim_i = maxsim_ref(q[i:i + 1], d[i])
             assert meets(_np(s)[i:i + 1], ref_i, np.abs(q[i:i + 1]), np.abs(d[i]))
             exact = sim_i.argmax(axis=3)
-            # (a -inf runner-up: a one-token document's winner is always clear)
-            top2 = np.sort(np.concatenate([np.full(sim_i.shape[:3] + (1,), -np.inf), sim_i], axis=3), axis=3)[..., -2:]
-            clear = top2[..., 1] - top2[..., 0] > 4 * np.spacing(np.abs(top2[..., 1]).astype(np.float32))
+            # (a one-token document's winner is always clear)
+            best, lead = _best_and_lead(sim_i)
+            clear = lead > 4 * np.spacing(np.abs(best).astype(np.float32))
             assert not strict or np.array_equal(_np(a)[i:i + 1][clear], exact[clear])
         return
     lens = rng.integers(0, ld + 1, nd).astype(np.int32)
@@ -294,9 +302,8 @@ def test_default_meets_the_float32_contract(rng, dim, lq, nq, shared):
     s, a = lik_cupy.maxsim(_cp(q), _cp(d), d_lengths=_cp(lens), return_argmax=True)
     assert meets(_np(s), ref, np.abs(q), np.abs(d), dv)
     masked = np.where(dv[None, :, None, :], sim, -np.inf)
-    top2 = np.sort(masked, axis=3)[..., -2:]
-    gap = top2[..., 1] - top2[..., 0]
-    clear = (gap > 4 * np.spacing(np.abs(top2[..., 1]).astype(np.float32))) & (lens[None, :, None] > 1)
+    best, lead = _best_and_lead(masked)
+    clear = (lead > 4 * np.spacing(np.abs(best).astype(np.float32))) & (lens[None, :, None] > 1)
     assert not strict or np.array_equal(_np(a)[clear], masked.argmax(axis=3)[clear])
     tok, off = _packed(d, lens)
     sp = lik_cupy.maxsim_varlen(_cp(q), _cp(tok), _cp(off))
@@ -327,8 +334,7 @@ def test_default_few_long_documents_split_over_ctas(rng):
     s, a = lik_cupy.maxsim_varlen(_cp(q), _cp(tok), _cp(off), return_argmax=True)
     assert _contract_err(_np(s), ref) < CONTRACT_TOL
     masked = np.where(dv[None, :, None, :], sim, -np.inf)
-    top2 = np.sort(masked, axis=3)[..., -2:]
-    clear = (top2[..., 1] - top2[..., 0] > 1e-5) & (lens[None, :, None] > 1)
+    clear = (_best_and_lead(masked)[1] > 1e-5) & (lens[None, :, None] > 1)
     assert np.array_equal(_np(a)[clear], masked.argmax(axis=3)[clear])
 
 
@@ -422,9 +428,7 @@ def test_default_nan_and_zero_rows_follow_float64(rng):
     assert _contract_err(np.delete(s, 1, axis=1), np.delete(ref, 1, axis=1)) < CONTRACT_TOL
     assert np.all(a[0, [0, 2, 3, 4], 7] == 0) and a[0, 5, 7] == -1
     masked = np.where(dv[None, :, None, :], sim, -np.inf)
-    top2 = np.sort(masked, axis=3)[..., -2:]
-    with np.errstate(invalid="ignore"):
-        clear = (top2[..., 1] - top2[..., 0] > 1e-5) & (lens[None, :, None] > 1)
+    clear = (_best_and_lead(masked)[1] > 1e-5) & (lens[None, :, None] > 1)
     clear[:, 1] = False  # the NaN document, checked above
     assert np.array_equal(a[clear], masked.argmax(axis=3)[clear])
 
