@@ -200,3 +200,31 @@ def test_many_documents_many_ctas(rng):
     d = rng.standard_normal((3001, 70, 128)).astype(np.float32)
     ref = maxsim_ref(q, d)[0]
     _contract(_np(lik_cupy.maxsim(_cp(q), _cp(d))), ref)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_first_document_without_tiles(rng, packed):
+    # A CTA whose first document is empty reaches that document's end before its first stage, where
+    # the query tile's copies are awaited; the column weights, taken there once per CTA, wait for
+    # them too. Every second document is empty, so most CTAs start with one, and a call with a zero
+    # query first leaves zeros where the query tiles land: weights read from there would make every
+    # product look exact. (On an H200 the copies landed in time without the wait as well, even from
+    # managed memory moved to the host: the race was found by reading, and this checks the scores
+    # whatever the timing.)
+    q = rng.standard_normal((1, 32, 128)).astype(np.float32)
+    nd, ld = 800, 160
+    d = rng.standard_normal((nd, ld, 128)).astype(np.float32)
+    lens = rng.integers(1, ld + 1, nd).astype(np.int32)
+    lens[::2] = 0
+    ref, slack = _ref(q, d, None, np.arange(ld)[None, :] < lens[:, None])
+    tok, off = _packed(d, lens)
+
+    def call(x):
+        if packed:
+            return lik_cupy.maxsim_varlen(_cp(x), _cp(tok), _cp(off))
+        return lik_cupy.maxsim(_cp(x), _cp(d), d_lengths=_cp(lens))
+
+    assert _tile(128, 32, packed).tokm
+    for _ in range(3):
+        call(np.zeros_like(q))
+        _contract(_np(call(q)), ref, slack)

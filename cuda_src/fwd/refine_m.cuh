@@ -134,9 +134,13 @@ struct LIK_FWD::RefineM {
                 }
     }
 
-    // Each column's weights and whether it counts, into cw (once per CTA, at the first document's end:
-    // the query tile is in place from the first stage on). Quad (warp, g) takes columns quad and quad + 32.
+    // Each column's weights and whether it counts, into cw (once per CTA, at the first document's end).
+    // Quad (warp, g) takes columns quad and quad + 32.
     __device__ void columns() const {
+        // The query tile's copies are awaited at the first stage, which a CTA whose first document has
+        // no tile here has not reached: the weights wait for them too.
+        cp_async_wait<0>();
+        named_sync(1, NT);
         const int quad = warp * 8 + (lane >> 2), tq = lane & 3;
 #pragma unroll
         for (int k = 0; k < BM / (WARPS * 8); ++k) {
