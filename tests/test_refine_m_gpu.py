@@ -114,10 +114,12 @@ def test_same_bits_as_queries_on_m_and_float64(rng, dim, lq, nq):
     _contract(new, ref, slack)
 
 
-@pytest.mark.parametrize("copies,ulps", [(1, 1), (2, 0), (3, 10), (40, 0), (40, 1)])
-def test_near_ties_same_bits(rng, copies, ulps):
-    # several near-max tokens in one thread's slice or in many: whole columns recomputed
-    q, d = _planted_ties(rng, 1, 40, 17, 333, 128, ulps, copies, False)[:2]
+@pytest.mark.parametrize("same_lane", [False, True])
+@pytest.mark.parametrize("copies,ulps", [(1, 1), (2, 0), (2, 1), (3, 10), (40, 0), (40, 1)])
+def test_near_ties_same_bits(rng, copies, ulps, same_lane):
+    # several near-max tokens in one thread's slice or in many (same_lane: tokens 8 apart, of which
+    # a thread holds two places in every tile): whole columns recomputed
+    q, d = _planted_ties(rng, 1, 40, 17, 333, 128, ulps, copies, same_lane)[:2]
     ref = maxsim_ref(q, d)[0]
     new, old = _both(lambda: lik_cupy.maxsim(_cp(q), _cp(d)))
     _same_bits(new, old)
