@@ -254,6 +254,43 @@ def test_argmax_ties_take_lowest_index(rng):
     assert a[1, 1].tolist() == [0, 64, 127]
 
 
+@pytest.mark.parametrize("dtype,precision", [("float16", None), ("bfloat16", None), ("float32", "tf32"),
+                                             ("float32", None)])
+@pytest.mark.parametrize("nq,lq,ld", [(0, 1, 64), (0, 7, 80), (0, 32, 127), (0, 64, 300), (0, 130, 256),
+                                      (0, 1024, 200), (3, 32, 180), (5, 9, 96), (2, 64, 1000)])
+def test_argmax_on_a_grid_is_the_first_exact_winner(rng, dtype, precision, nq, lq, ld):
+    # Values on a 1/8 grid make every similarity exact in every tile type, so rows are full of
+    # exact ties: the argmax must be the first token of the float64 maximum, over whole and
+    # partial tiles alike (ld takes both), and a NaN planted in a document's last tokens must
+    # take every row of that document from its first occurrence.
+    nd, dim = 7, 64
+    qs = (nq, lq, dim) if nq else (lq, dim)
+    q, q64 = _cast(rng.integers(-3, 4, size=qs) / 8.0, dtype)
+    d, d64 = _cast(rng.integers(-3, 4, size=(nd, ld, dim)) / 8.0, dtype)
+    lengths = rng.integers(1, ld + 1, size=nd)
+    lengths[0] = ld
+    nan_doc, t_nan = 3, int(lengths[3]) - 1
+    d[nan_doc, t_nan, 5] = np.nan
+    if t_nan > 0:
+        d[nan_doc, t_nan - 1, 9] = np.nan  # the first NaN of the document wins
+    s, a = lik_cupy.maxsim(_cp(q), _cp(d), d_lengths=_cp(lengths.astype(np.int32)), return_argmax=True,
+                           precision=precision)
+    s, a = s.get(), a.get()
+    q64 = q64.reshape(-1, lq, dim)
+    sim = np.einsum("isk,jtk->ijst", q64, np.nan_to_num(d64))
+    for j in range(nd):
+        sim[:, j, :, lengths[j]:] = -np.inf
+    want_a = sim.argmax(axis=-1)
+    want_s = sim.max(axis=-1).sum(axis=-1)
+    first_nan = t_nan - 1 if t_nan > 0 else t_nan
+    want_a[:, nan_doc] = first_nan
+    s, a = s.reshape(-1, nd), a.reshape(-1, nd, lq)
+    np.testing.assert_array_equal(a, want_a)
+    assert np.isnan(s[:, nan_doc]).all()
+    keep = np.arange(nd) != nan_doc
+    np.testing.assert_array_equal(s[:, keep], want_s[:, keep].astype(np.float32))
+
+
 def test_nan_propagates_unless_masked(rng):
     import cupy
 

@@ -154,7 +154,10 @@ def test_edges(rng):
     emb = plaid_decompress_ref(codes, bits, cen, w, nbits, normalize=False)
     assert np.all(s[0] == 0) and np.all(s[1, [0, 2]] == -np.inf)
     want = ref_scores(Q[1:].astype(np.float64), [emb[:5], emb[5:]])[0]
-    np.testing.assert_allclose(s[1, [1, 3]], want, rtol=2e-3)
+    # Not normalised, so the tokens' own norms scale the float16 tile's rounding (a relative
+    # tolerance fails where a score is small next to its terms).
+    e_norm = np.linalg.norm(np.asarray(emb, np.float64), axis=-1).max()
+    _check(s[1, [1, 3]], want, _bound(Q[1:].astype(np.float64), np.ones((1, 4)), "float16")[0] * max(e_norm, 1.0))
     with pytest.raises(ValueError, match=r"candidates holds 4; every entry must be in \[0, 3\]"):
         lik_cupy.maxsim_residual_varlen(_cp(Q), *args, candidates=_cp(np.array([[0, 4], [1, 1]])))
     # unchecked, an id outside the documents reads nothing and scores NaN (document 0 is empty: -inf)

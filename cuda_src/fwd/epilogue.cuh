@@ -320,6 +320,72 @@ struct LIK_FWD::RowMax {
             for (int n = 0; n < NN; ++n) bq[n][0] = bq[n][1] = LIK_NEG_INF;
         }
     }
+    // The argmax fold of a tile without a mask (FULL: every token counts; else this thread's
+    // column c, token tok0 + 2 tq + c, counts where c < rem). Each row's 2 NN columns (k = 2 n + e,
+    // c = 8 n + e, in token order) reduce GROUP at a time in trees whose merges keep the left
+    // (lower) token unless the right one is strictly larger, and the trees' winners then merge
+    // in order: a scan's winner, lowest token on ties. A scan's compare-and-select through best
+    // ran 2 NN steps long and bound the fold by its latency (scored with the argmax, fp16
+    // ColPali took 1.77x the scores alone). Columns past the document are -inf and lie right of
+    // every counted one, so they never win one. The tile's winner meets best the same way
+    // (earlier tokens on the left), and a row with no winner yet (all -inf so far) takes its
+    // first counted token. max.NaN carries a NaN to the root: such a row is left as it was and
+    // false returned, for the exact loop to fold the tile again and land on the first NaN (rows
+    // folded here hold none, and its strict '>' leaves them be).
+    static constexpr int GROUP = 16;  // 64 columns in one tree spilled FP8's 256-token tiles
+    template <bool FULL, class Scales>
+    __device__ __forceinline__ bool tree_fold(A (&acc)[MT][NN][4], const Scales& scales, int tok0, int rem) const {
+        float v[MT][2];
+        int w[MT][2];
+#pragma unroll
+        for (int k0 = 0; k0 < 2 * NN; k0 += GROUP) {
+            float2 sc[GROUP / 2];  // the group's token scales, read once for all rows
+#pragma unroll
+            for (int i = 0; i < GROUP / 2 && k0 / 2 + i < NN; ++i) sc[i] = scales(k0 / 2 + i);
+#pragma unroll
+            for (int m = 0; m < MT; ++m)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    float tv[GROUP];
+                    int ti[GROUP];
+#pragma unroll
+                    for (int i = 0; i < GROUP && k0 + i < 2 * NN; ++i) {
+                        const int k = k0 + i;
+                        const float x = sim(acc[m][k >> 1][2 * h + (k & 1)], k & 1 ? sc[i >> 1].y : sc[i >> 1].x);
+                        tv[i] = FULL || (k >> 1) * 8 + (k & 1) < rem ? x : LIK_NEG_INF;
+                        ti[i] = k;
+                    }
+#pragma unroll
+                    for (int s = 1; s < GROUP; s *= 2)
+#pragma unroll
+                        for (int i = 0; i + s < GROUP && k0 + i + s < 2 * NN; i += 2 * s) {
+                            ti[i] = tv[i + s] > tv[i] ? ti[i + s] : ti[i];
+                            tv[i] = max_nan(tv[i], tv[i + s]);
+                        }
+                    if (k0 == 0) {
+                        v[m][h] = tv[0];
+                        w[m][h] = ti[0];
+                    } else {
+                        w[m][h] = tv[0] > v[m][h] ? ti[0] : w[m][h];
+                        v[m][h] = max_nan(v[m][h], tv[0]);
+                    }
+                }
+        }
+        bool nan = false;
+#pragma unroll
+        for (int m = 0; m < MT; ++m)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int c = (w[m][h] >> 1) * 8 + (w[m][h] & 1);
+                if (v[m][h] != v[m][h]) {
+                    nan = true;
+                } else if ((FULL || c < rem) && (bidx[m][h] < 0 || v[m][h] > best[m][h])) {
+                    best[m][h] = v[m][h];
+                    bidx[m][h] = tok0 + 2 * tq + c;
+                }
+            }
+        return !nan;
+    }
     // Fold the similarity tile in `acc` (document tokens tok0 .. tok0 + BN - 1 of a document of
     // `len` tokens with mask `dm`, staged in ring slot `slot`, INT8 scales `sh` floats into
     // the slot) into best / bidx.
@@ -401,36 +467,9 @@ struct LIK_FWD::RowMax {
             }
             return;
         }
-        if (ARGMAX && full) {
-            // Every token counts: a strict '>' per token in increasing order keeps the
-            // lowest index on ties, with no validity test. A NaN anywhere in the thread's
-            // tile sends it on through the exact loop below, which then lands on the first
-            // NaN whatever this pass chose (a NaN beats any number there).
-            float tmax = LIK_NEG_INF;
-#pragma unroll
-            for (int n = 0; n < NN; ++n) {
-                const float2 sc = scales(n);
-#pragma unroll
-                for (int e = 0; e < 2; ++e)
-#pragma unroll
-                    for (int m = 0; m < MT; ++m)
-#pragma unroll
-                        for (int h = 0; h < 2; ++h) {
-                            const float v = sim(acc[m][n][2 * h + e], e ? sc.y : sc.x);
-                            tmax = max_nan(tmax, v);
-                            if (v > best[m][h]) { best[m][h] = v; bidx[m][h] = tok0 + n * 8 + 2 * tq + e; }
-                        }
-            }
-#pragma unroll
-            for (int m = 0; m < MT; ++m)
-#pragma unroll
-                for (int h = 0; h < 2; ++h)
-                    if (bidx[m][h] < 0) {  // all -inf so far: the first token
-                        best[m][h] = sim(acc[m][0][2 * h], scales(0).x);
-                        bidx[m][h] = tok0 + 2 * tq;
-                    }
-            if (tmax == tmax) return;
-        }
+        if (ARGMAX && !dm && (full ? tree_fold<true>(acc, scales, tok0, 0)
+                                   : tree_fold<false>(acc, scales, tok0, len - tok0 - 2 * tq)))
+            return;
 #pragma unroll
         for (int n = 0; n < NN; ++n) {
             const float2 sc = scales(n);
