@@ -324,14 +324,15 @@ struct LIK_FWD::RowMax {
     // column c, token tok0 + 2 tq + c, counts where c < rem). Each row's 2 NN columns (k = 2 n + e,
     // c = 8 n + e, in token order) reduce GROUP at a time in trees whose merges keep the left
     // (lower) token unless the right one is strictly larger, and the trees' winners then merge
-    // in order: a scan's winner, lowest token on ties. A scan's compare-and-select through best
-    // ran 2 NN steps long and bound the fold by its latency (scored with the argmax, fp16
-    // ColPali took 1.77x the scores alone). Columns past the document are -inf and lie right of
-    // every counted one, so they never win one. The tile's winner meets best the same way
-    // (earlier tokens on the left), and a row with no winner yet (all -inf so far) takes its
-    // first counted token. max.NaN carries a NaN to the root: such a row is left as it was and
-    // false returned, for the exact loop to fold the tile again and land on the first NaN (rows
-    // folded here hold none, and its strict '>' leaves them be).
+    // in order: a scan's winner, lowest token on ties, in three instructions a column. A scan (a
+    // running max, then a compare and two selects against best) took four or five, in one chain
+    // 2 NN steps long (scored with the argmax, fp16 ColPali took 1.77x the scores alone, 1.32x
+    // with the trees). Columns past the document are -inf and lie right of every counted one,
+    // so they never win one. The tile's winner meets best the same way (earlier tokens on the
+    // left), and a row with no winner yet (all -inf so far) takes its first counted token.
+    // max.NaN carries a NaN to the root: such a row is left as it was and false returned, for
+    // the exact loop to fold the tile again and land on the first NaN (rows folded here hold
+    // none, and its strict '>' leaves them be).
     static constexpr int GROUP = 16;  // 64 columns in one tree spilled FP8's 256-token tiles
     template <bool FULL, class Scales>
     __device__ __forceinline__ bool tree_fold(A (&acc)[MT][NN][4], const Scales& scales, int tok0, int rem) const {
