@@ -291,6 +291,65 @@ def test_argmax_on_a_grid_is_the_first_exact_winner(rng, dtype, precision, nq, l
     np.testing.assert_array_equal(s[:, keep], want_s[:, keep].astype(np.float32))
 
 
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("nq,lq,ld", [(0, 1, 64), (0, 32, 127), (0, 130, 256), (0, 1024, 200), (3, 32, 180),
+                                      (5, 9, 96), (2, 64, 1000)])
+def test_scaled_argmax_on_a_grid_is_the_first_exact_winner(rng, kind, packed, nq, lq, ld):
+    # The INT8 and FP8 tiles scale each similarity by its tokens' scales before the fold. Integers
+    # in [-6, 6] (exact in both) with power-of-two scales keep every scaled similarity and every
+    # score exact, and document scales of 1/8 and 1/4 tie tokens whose dot products differ by 2x:
+    # the argmax must be the first token of the float64 maximum over whole and partial tiles, and
+    # (FP8, which has a NaN code) a NaN in a document's last tokens takes every row from its first.
+    import cupy
+    import ml_dtypes
+
+    if kind == "fp8" and int(cupy.cuda.Device().compute_capability) < 89:
+        pytest.skip("FP8 tensor cores need sm_89 or newer")
+    nd, dim = 7, 128
+    qshape = (nq, lq) if nq else (lq,)
+    qv = rng.integers(-3, 4, size=qshape + (dim,))
+    dv = rng.integers(-3, 4, size=(nd, ld, dim))
+    q_scale = rng.choice([0.5, 1.0], size=qshape).astype(np.float32)
+    d_scale = rng.choice([0.125, 0.25], size=(nd, ld)).astype(np.float32)
+    for t in range(0, ld - 1, 3):  # token t + 1: twice token t's values at half its scale, a tie
+        dv[1, t + 1] = 2 * dv[1, t]
+        d_scale[1, t], d_scale[1, t + 1] = 0.25, 0.125
+    lengths = rng.integers(1, ld + 1, size=nd)
+    lengths[0] = ld
+    nan_doc, t_nan = 3, int(lengths[3]) - 1
+    if kind == "int8":
+        q8, d8 = qv.astype(np.int8), dv.astype(np.int8)
+    else:
+        q8 = qv.astype(np.float32).astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+        d8 = dv.astype(np.float32).astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+        d8[nan_doc, t_nan, 5] = 0x7F  # e4m3 NaN
+        if t_nan > 0:
+            d8[nan_doc, t_nan - 1, 9] = 0x7F  # the first NaN of the document wins
+    qd = qv * q_scale[..., None].astype(np.float64)
+    sim = np.einsum("isk,jtk->ijst", qd.reshape(-1, lq, dim), dv * d_scale[..., None].astype(np.float64))
+    for j in range(nd):
+        sim[:, j, :, lengths[j]:] = -np.inf
+    want_a, want_s = sim.argmax(axis=-1), sim.max(axis=-1).sum(axis=-1)
+    score, score_varlen = ((lik_cupy.maxsim_int8, lik_cupy.maxsim_int8_varlen) if kind == "int8"
+                           else (lik_cupy.maxsim_fp8, lik_cupy.maxsim_fp8_varlen))
+    if packed:
+        keep = np.arange(ld)[None] < lengths[:, None]
+        offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        s, a = score_varlen(_cp(q8), _cp(d8[keep]), _cp(d_scale[keep]), _cp(offsets), q_scales=_cp(q_scale),
+                            return_argmax=True)
+    else:
+        s, a = score(_cp(q8), _cp(d8), _cp(d_scale), q_scales=_cp(q_scale),
+                     d_lengths=_cp(lengths.astype(np.int32)), return_argmax=True)
+    s, a = s.get().reshape(-1, nd), a.get().reshape(-1, nd, lq)
+    if kind == "fp8":
+        want_a[:, nan_doc] = t_nan - 1 if t_nan > 0 else t_nan
+        assert np.isnan(s[:, nan_doc]).all()
+        want_s[:, nan_doc] = np.nan
+    np.testing.assert_array_equal(a, want_a)
+    np.testing.assert_array_equal(s, want_s.astype(np.float32))
+
+
 def test_nan_propagates_unless_masked(rng):
     import cupy
 

@@ -65,11 +65,12 @@ def _wgmma_tma(spec: ElemSpec, argmax: bool, multi: bool, q_len: int) -> bool:
     after: TMA is 11-17% faster at Lq=512 and 1024 (argmax too), on multi-query tiles and on
     INT8, but 1-5% slower on a single query of at most 128 tokens (Lq=128, Ld=1024, B=1000:
     0.0717 against 0.0681 ms on an H200), which streams D near the HBM rate either way.
-    INT8's argmax with TMA (its scales' registers) spills at two CTAs per SM (nvrtc.check_all).
+    INT8's argmax with TMA (its scales' registers) spills at two CTAs per SM, or serializes its wgmma
+    (packed documents, several queries a tile: nvrtc.check_all); FP8's compiles clean in every form.
     float32 tiles (512-byte rows at d = 128) take TMA for short single queries too: 0.0411 against
     0.0508 ms, packed 0.0457 against 0.0680, for 32 tokens x 1,000 documents of 300 on an H200
     (bench/results/latest/fp32_wgmma_sweep_nvidia-h200.json)."""
-    return not (spec.scaled and argmax) and (multi or q_len > 128 or spec.bytes == 4)
+    return not (spec.integer and argmax) and (multi or q_len > 128 or spec.bytes == 4)
 
 
 def _tokm(spec: ElemSpec, argmax: bool, multi: bool, tma: bool, dim: int, ld: int) -> bool:
