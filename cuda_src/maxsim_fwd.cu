@@ -338,12 +338,6 @@ typedef lik::Fwd<LIK_ELEM, LIK_DP, LIK_WARPS, LIK_MT, LIK_BN, LIK_STAGES, LIK_QR
                   LIK_TOKM != 0>
     LikFwdCfg;
 
-// LIK_MIN_BLOCKS: CTAs per SM the launch plan counts on (dispatch sets 2 for Hopper tiles
-// whose shared memory lets two share an SM, one's epilogue running under the other's MMA;
-// that caps registers at 128 per thread).
-#ifndef LIK_MIN_BLOCKS
-#define LIK_MIN_BLOCKS 1
-#endif
 // d_off (packed documents): int32 or int64 offsets; d_off_flags bit 0 says int64, bit 1 that they
 // run from 0 to ntok (the CTAs then split the tokens without first reading where they end).
 // LIK_STRIDED kernels read no offsets (d_off null): ntok is Nd * Ld, and a query's candidates

@@ -325,6 +325,18 @@ def test_dispatch_rows():
         i = dispatch.choose_forward(90, "int8", dim, lq, True, True, True, shared, 300, packed)
         assert f.wgmma and f.wide_registers and f.min_blocks == 1 and dispatch.ctas_per_sm(f, 90) == 1
         assert not i.wide_registers
+    # one-warpgroup argmax tiles have 256 registers at two CTAs an SM and run two
+    for shared, packed in ((1, True), (2, False), (2, True)):
+        f = dispatch.choose_forward(90, "float8_e4m3fn", 128, 32, True, True, True, shared, 300, packed, True)
+        assert f.warps == 4 and not f.wide_registers and f.min_blocks == 2
+    # FP8 stages a short query's documents by TMA with the argmax, or when they are packed or padded
+    # short; INT8's argmax never
+    for ld, packed, tma in ((180, False, True), (300, False, True), (512, False, False), (1024, False, False),
+                            (1024, True, True)):
+        for argmax in (False, True):
+            f = dispatch.choose_forward(90, "float8_e4m3fn", 128, 32, argmax, True, True, 1, ld, packed, True)
+            assert f.tma == (tma or argmax), (ld, packed, argmax)
+    assert not dispatch.choose_forward(90, "int8", 128, 1024, True, True, True, 1, 1024, True, True).tma
     for dim in (384, 512):
         assert dispatch.choose_forward(90, "float8_e4m3fn", dim, 32, False, True).warps == 8
     # INT8's tiles otherwise (FP8's rows are INT8's, unmeasured)

@@ -122,6 +122,12 @@
 #ifndef LIK_REFINE
 #define LIK_REFINE 0
 #endif
+// CTAs per SM the launch plan counts on (dispatch sets 2 for Hopper tiles whose shared memory lets
+// two share an SM, one's epilogue running under the other's MMA; that caps registers at 128 per
+// thread).
+#ifndef LIK_MIN_BLOCKS
+#define LIK_MIN_BLOCKS 1
+#endif
 // Document lengths as the caller gave them (length_at, common.cuh), except in scaled (INT8) and
 // multi-query argmax tiles, which read int32 ones (the host narrows int64 lengths for them: launch.py,
 // tagged_doc_lengths): the tag's registers spilled them at 255 (nvrtc.check_all). Query lengths

@@ -8,6 +8,9 @@
 #include "fwd/config.cuh"
 #include "fwd/tile_scheduler.cuh"
 
+#ifndef LIK_TREE_GROUP
+#define LIK_TREE_GROUP -1  // the argmax trees' width (RowMax::GROUP); -1: by the tile, as below
+#endif
 namespace lik {
 
 // One halving exchange of a tokens-on-M reduce-scatter: lanes HALF apart swap halves of the
@@ -333,7 +336,15 @@ struct LIK_FWD::RowMax {
     // max.NaN carries a NaN to the root: such a row is left as it was and false returned, for
     // the exact loop to fold the tile again and land on the first NaN (rows folded here hold
     // none, and its strict '>' leaves them be).
-    static constexpr int GROUP = 16;  // 64 columns in one tree spilled FP8's 256-token tiles
+    // Columns a tree reduces at once; 0: no trees, whole tiles are scanned (fold). 64 spilled
+    // FP8's 256-token tiles; 16 spilled two-warpgroup tiles held to 128 registers (two CTAs an SM)
+    // with packed documents or several queries a tile, which take 4 (no spill) unless scaled
+    // (INT8's spilled at every width); their padded token-split form (STRIDED) and 3xTF32's tiles
+    // spilled at every width too (nvrtc compile check).
+    static constexpr bool TIGHT = WG && WARPS == 8 && LIK_MIN_BLOCKS > 1 && (PACKED || MULTI);
+    static constexpr int GROUP = LIK_TREE_GROUP >= 0 ? LIK_TREE_GROUP
+                                 : STRIDED || X3 || (TIGHT && SCALED) ? 0
+                                 : TIGHT ? 4 : 16;
     template <bool FULL, class Scales>
     __device__ __forceinline__ bool tree_fold(A (&acc)[MT][NN][4], const Scales& scales, int tok0, int rem) const {
         float v[MT][2];
@@ -468,9 +479,40 @@ struct LIK_FWD::RowMax {
             }
             return;
         }
-        if (ARGMAX && !dm && (full ? tree_fold<true>(acc, scales, tok0, 0)
-                                   : tree_fold<false>(acc, scales, tok0, len - tok0 - 2 * tq)))
-            return;
+        if constexpr (ARGMAX && GROUP > 0)
+            if (!dm && (full ? tree_fold<true>(acc, scales, tok0, 0)
+                             : tree_fold<false>(acc, scales, tok0, len - tok0 - 2 * tq)))
+                return;
+        if (ARGMAX && GROUP == 0 && full) {
+            // Tiles without trees scan a whole tile: a strict '>' per token in increasing order
+            // keeps the lowest index on ties, with no validity test. A NaN anywhere in the
+            // thread's tile sends it on through the exact loop below, which then lands on the
+            // first NaN whatever this pass chose (a NaN beats any number there).
+            float tmax = LIK_NEG_INF;
+#pragma unroll
+            for (int n = 0; n < NN; ++n) {
+                const float2 sc = scales(n);
+#pragma unroll
+                for (int e = 0; e < 2; ++e)
+#pragma unroll
+                    for (int m = 0; m < MT; ++m)
+#pragma unroll
+                        for (int h = 0; h < 2; ++h) {
+                            const float v = sim(acc[m][n][2 * h + e], e ? sc.y : sc.x);
+                            tmax = max_nan(tmax, v);
+                            if (v > best[m][h]) { best[m][h] = v; bidx[m][h] = tok0 + n * 8 + 2 * tq + e; }
+                        }
+            }
+#pragma unroll
+            for (int m = 0; m < MT; ++m)
+#pragma unroll
+                for (int h = 0; h < 2; ++h)
+                    if (bidx[m][h] < 0) {  // all -inf so far: the first token
+                        best[m][h] = sim(acc[m][0][2 * h], scales(0).x);
+                        bidx[m][h] = tok0 + 2 * tq;
+                    }
+            if (tmax == tmax) return;
+        }
 #pragma unroll
         for (int n = 0; n < NN; ++n) {
             const float2 sc = scales(n);

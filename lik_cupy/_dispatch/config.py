@@ -198,14 +198,17 @@ class FwdConfig:
         """Hopper tiles that spilled in the 128 registers of two CTAs per SM (compile check) and so
         are built for one: refined float32 tiles of two warpgroups (up to 200 bytes at d = 32 and
         64, where two CTAs fit the shared memory; packed documents 44-70 at d = 64, candidate ids 8,
-        the argmax of several queries 4-12), and FP8's argmax tiles of several queries, packed
-        documents (4 at d = 256) or split-d (INT8's take mma.sync tiles there, select.py; sm_90
-        emulates FP8's). One-warpgroup refined tiles have 256 registers at two CTAs and take at most
-        176 of them (every one of them, compile check), so they are built for two."""
-        if not self.wgmma:
+        the argmax of several queries 4-12), and FP8's two-warpgroup argmax tiles of several queries,
+        packed documents (150 bytes at d = 128 and 256) or split-d (INT8's take mma.sync tiles there,
+        select.py; sm_90 emulates FP8's). One-warpgroup tiles have 256 registers at two CTAs: refined
+        ones take at most 176 of them and FP8's argmax ones at most 188 (every one of them, compile
+        check), so they are built for two (FP8's one-warpgroup packed argmax at one CTA an SM, four
+        warps, took 0.264 ms for a 32-token query against 10,000 documents of 180, padded 0.134:
+        bench/results/archive/fp8_short_tma_nvidia-h200/)."""
+        if not self.wgmma or self.warps != 8:
             return False
         if self.refine:
-            return self.warps == 8
+            return True
         return self.argmax and self.spec.scaled and 90 in self.spec.emulated_mma and (
             self.multi or self.packed or self.split)
 

@@ -169,6 +169,13 @@ SHORT_WGMMA_STAGES_TF32 = {64: (2, 3), 128: (3, 2)}
 REFINE_TOKM_STAGES = (2,)
 REFINE_TOKM_MAX_LQ = 32
 REFINE_TOKM_MIN_LD = 128
+# FP8 tiles of a short single query (at most 128 tokens) stage documents by TMA with the argmax, or
+# when the documents are packed or padded to fewer than FP8_SHORT_TMA_BELOW_LD tokens; by cp.async
+# otherwise (other 16-bit and 8-bit types: cp.async; select.py, _wgmma_tma). From
+# bench/results/archive/fp8_short_tma_nvidia-h200/ (a 32-token query, d = 128), scores: padded
+# 1,000 x 300 and 10,000 x 180 11-13% faster on TMA, 10,000 x 512, 768 and 1,024 6-8% slower, packed
+# 10-35% faster at 180, 300 and 1,024; with the argmax, padded 10-12% faster at 180, 300 and 1,024.
+FP8_SHORT_TMA_BELOW_LD = 512
 # Keyed by element bytes: float32 (TF32 wgmma) takes d = 128 too, whose 512-byte rows stage as many
 # tokens per byte as a 16-bit d = 256.
 SHORT_WGMMA_MAX_ROW_BYTES = {1: 256, 2: 256, 4: 512}

@@ -1,6 +1,6 @@
 """FP8 argmax: the tile dispatch now picks (TMA) against the same tile staged by cp.async (the rule before)."""
 import json, os, sys
-sys.path.append('.'); sys.path.append('.scratch/pp')
+sys.path.append('.'); sys.path.append('bench/results/archive/wgmma_structure_probes_nvidia-h200')  # ab_var.py
 import torch
 import lik_cupy
 from bench.lib.forcing import forcing, picked

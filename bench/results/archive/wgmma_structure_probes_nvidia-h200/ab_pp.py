@@ -8,7 +8,7 @@ from lik_cupy._dispatch.config import FwdConfig
 from bench.lib.forcing import forcing, picked
 from bench.lib.timing import per_call_ms
 
-sys.path.append('.scratch/pp')
+sys.path.append('bench/results/archive/wgmma_structure_probes_nvidia-h200')  # ab_var.py
 from ab_var import Var, var
 
 g = torch.Generator(device='cuda').manual_seed(0)

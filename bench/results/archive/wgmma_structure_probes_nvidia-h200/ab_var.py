@@ -8,6 +8,7 @@ class Var(FwdConfig):
     rel: bool = False
     wgq: bool = False
     ctas: int = 0
+    group: int = -1
     @functools.cached_property
     def name(self):
         return FwdConfig.name.func(self) + ("_" + self.tag if self.tag else "")
@@ -22,6 +23,7 @@ class Var(FwdConfig):
         if self.rel: d["LIK_SCALED_RELEASE"] = 1
         if self.pp: d["LIK_PINGPONG"] = 1
         if self.wgq: d["LIK_WGQREG"] = 1
+        if self.group >= 0: d["LIK_TREE_GROUP"] = self.group
         d["LIK_NAME"] = self.name
         return d
 

@@ -1,6 +1,6 @@
 """FP8 / fp16 ColPali: the dispatched two-warpgroup tile against one-warpgroup tiles at more CTAs an SM."""
 import json, os, sys
-sys.path.append('.'); sys.path.append('.scratch/pp')
+sys.path.append('.'); sys.path.append('bench/results/archive/wgmma_structure_probes_nvidia-h200')  # ab_var.py
 import torch
 import lik_cupy
 from bench.lib.forcing import forcing, picked
