@@ -1,4 +1,4 @@
-import sys, os, json
+import sys
 from concurrent.futures import ProcessPoolExecutor
 sys.path.insert(0, "/work/main")
 import lik_cupy._dispatch.select as sel
