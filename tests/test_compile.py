@@ -78,10 +78,20 @@ def _table(rows) -> str:
 
 
 # Hopper kernels whose wgmma instructions ptxas serializes (C7520, "compiler-inserted WG.AR in
-# divergent path"): three wide INT8 tiles with TMA. Any other kernel ptxas serializes fails the
-# check: a Hopper tile whose wgmma instructions wait on each other loses its pipelining without a
-# word elsewhere.
+# divergent path"): INT8's packed and several-query scores-only tiles with TMA, d 128-512 (every
+# such tile in all_forward_configs(90)). Any other kernel ptxas serializes fails the check: a
+# Hopper tile whose wgmma instructions wait on each other loses its pipelining without a word
+# elsewhere.
 WGMMA_SERIALIZED = frozenset({
+    "lik_maxsim_fwd_i8_d128_w4m1_n128s2_vec_wgmma_mq_packed_tma",
+    "lik_maxsim_fwd_i8_d128_w4m1_n128s2_vec_wgmma_mq_tma",
+    "lik_maxsim_fwd_i8_d128_w8m1_n128s2_vec_wgmma_packed_tma",
+    "lik_maxsim_fwd_i8_d128_w8m1_n128s2_vec_wgmma_packed_tma_strided",
+    "lik_maxsim_fwd_i8_d256_w4m1_n128s2_vec_wgmma_mq_packed_tma",
+    "lik_maxsim_fwd_i8_d256_w4m1_n128s2_vec_wgmma_mq_tma",
+    "lik_maxsim_fwd_i8_d256_w8m1_n128s2_vec_wgmma_packed_tma",
+    "lik_maxsim_fwd_i8_d256_w8m1_n128s2_vec_wgmma_packed_tma_strided",
+    "lik_maxsim_fwd_i8_d384_w8m1_n128s2_vec_wgmma_packed_tma",
     "lik_maxsim_fwd_i8_d384_w8m1_n128s2_vec_wgmma_packed_tma_strided",
     "lik_maxsim_fwd_i8_d512_w8m1_n128s2_vec_wgmma_packed_tma",
     "lik_maxsim_fwd_i8_d512_w8m1_n128s2_vec_wgmma_packed_tma_strided",
@@ -150,9 +160,11 @@ def _ci_sample(cfgs: list, seed: int, pair_cover: bool = True, rotating: int = R
         uncovered -= pairs[best.name]
     families: dict[tuple, object] = {}
     for c in sorted(cfgs, key=lambda c: c.name):
+        # CTAs an SM in the key: a tile held to 128 registers (two CTAs) spills where the same family
+        # at one CTA does not; packed documents, which hold more, win a tie.
         key = (c.elem, c.argmax, c.multi, c.wgmma, c.split, c.tma, c.tokm, c.qhalf, bool(c.residual), c.cand, c.strided,
-               c.x3)
-        weight = (c.dp * c.mt * c.bn, c.warps, c.stages)
+               c.x3, c.min_blocks)
+        weight = (c.dp * c.mt * c.bn, c.warps, c.stages, c.packed)
         if key not in families or weight > families[key][0]:
             families[key] = (weight, c)
     chosen.update((c.name, c) for _, c in families.values())
@@ -220,7 +232,7 @@ def _families(cfgs: list) -> list:
     """The register-heaviest tile of each kernel family among ``cfgs`` (as ``_ci_sample`` takes them)."""
     families: dict[tuple, tuple] = {}
     for c in sorted(cfgs, key=lambda c: c.name):
-        key = (c.argmax, c.multi, c.wgmma, c.split, c.tma, c.tokm, c.qhalf, c.packed, c.cand, c.strided)
+        key = (c.argmax, c.multi, c.wgmma, c.split, c.tma, c.tokm, c.qhalf, c.packed, c.cand, c.strided, c.min_blocks)
         weight = (c.dp * c.mt * c.bn, c.warps, c.stages)
         if key not in families or weight > families[key][0]:
             families[key] = (weight, c)
