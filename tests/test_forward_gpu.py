@@ -276,12 +276,9 @@ def test_argmax_on_a_grid_is_the_first_exact_winner(rng, dtype, precision, nq, l
     s, a = lik_cupy.maxsim(_cp(q), _cp(d), d_lengths=_cp(lengths.astype(np.int32)), return_argmax=True,
                            precision=precision)
     s, a = s.get(), a.get()
-    q64 = q64.reshape(-1, lq, dim)
-    sim = np.einsum("isk,jtk->ijst", q64, np.nan_to_num(d64))
-    for j in range(nd):
-        sim[:, j, :, lengths[j]:] = -np.inf
+    valid = np.arange(ld)[None] < lengths[:, None]
+    want_s, sim = maxsim_ref(q64.reshape(-1, lq, dim), np.nan_to_num(d64), None, valid)
     want_a = sim.argmax(axis=-1)
-    want_s = sim.max(axis=-1).sum(axis=-1)
     first_nan = t_nan - 1 if t_nan > 0 else t_nan
     want_a[:, nan_doc] = first_nan
     s, a = s.reshape(-1, nd), a.reshape(-1, nd, lq)
@@ -326,15 +323,13 @@ def test_scaled_argmax_on_a_grid_is_the_first_exact_winner(rng, kind, packed, nq
         d8[nan_doc, t_nan, 5] = 0x7F  # e4m3 NaN
         if t_nan > 0:
             d8[nan_doc, t_nan - 1, 9] = 0x7F  # the first NaN of the document wins
+    keep = np.arange(ld)[None] < lengths[:, None]
     qd = qv * q_scale[..., None].astype(np.float64)
-    sim = np.einsum("isk,jtk->ijst", qd.reshape(-1, lq, dim), dv * d_scale[..., None].astype(np.float64))
-    for j in range(nd):
-        sim[:, j, :, lengths[j]:] = -np.inf
-    want_a, want_s = sim.argmax(axis=-1), sim.max(axis=-1).sum(axis=-1)
+    want_s, sim = maxsim_ref(qd.reshape(-1, lq, dim), dv * d_scale[..., None].astype(np.float64), None, keep)
+    want_a = sim.argmax(axis=-1)
     score, score_varlen = ((lik_cupy.maxsim_int8, lik_cupy.maxsim_int8_varlen) if kind == "int8"
                            else (lik_cupy.maxsim_fp8, lik_cupy.maxsim_fp8_varlen))
     if packed:
-        keep = np.arange(ld)[None] < lengths[:, None]
         offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
         s, a = score_varlen(_cp(q8), _cp(d8[keep]), _cp(d_scale[keep]), _cp(offsets), q_scales=_cp(q_scale),
                             return_argmax=True)
