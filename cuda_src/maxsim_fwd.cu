@@ -271,7 +271,9 @@ __device__ void LIK_FWD::run(const T* __restrict__ Q, const T* __restrict__ D, c
 #endif
         for (int t = first.first_tile(j); t < nt; ++t) {
             // (Tokens-on-M tiles leave theirs unwritten: their first wgmma overwrites them, and a
-            // write here made ptxas serialize their wgmma instructions, C7520.)
+            // write here made ptxas serialize their wgmma instructions, C7520. So do INT8's one-shot
+            // scores-only wgmma tiles, whose packed and several-query TMA forms serialized the same
+            // way; left unwritten in the split-d and argmax ones, registers spilled instead.)
             A acc[MT][NN][4];
 #pragma unroll
             for (int m = 0; m < MT; ++m)
@@ -279,7 +281,7 @@ __device__ void LIK_FWD::run(const T* __restrict__ Q, const T* __restrict__ D, c
                 for (int n = 0; n < NN; ++n)
 #pragma unroll
                     for (int r = 0; r < 4; ++r)
-                        if (!TOKM) acc[m][n][r] = 0;
+                        if (!TOKM && !(WG && E::kInt && !SPLIT && !ARGMAX)) acc[m][n][r] = 0;
             int slot = 0;
             for (int kc = 0; kc < nk; ++kc) {
                 slot = consumer.next_stage();
