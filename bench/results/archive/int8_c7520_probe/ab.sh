@@ -1,11 +1,11 @@
 # The branch's INT8 tiles against main's, three alternating rounds a tree, in one device call:
-#   bash bench/results/archive/int8_c7520_probe/ab.sh   (from the branch's checkout; OUT set)
+#   bash bench/results/archive/int8_c7520_probe/ab.sh   (from the branch's checkout; OUT set; wheels in /tmp/site)
 set -u
 rm -rf .scratch/main_tree && mkdir -p .scratch/main_tree
 git archive main cuda_src lik_cupy | tar -x -C .scratch/main_tree
 for r in 1 2 3; do
   for tree in .scratch/main_tree "$PWD"; do
-    BENCH_ROOT=$PWD PYTHONPATH=${PYTHONPATH:-}:$tree timeout 120 python3 bench/results/archive/int8_c7520_probe/cells.py \
+    BENCH_ROOT=$PWD PYTHONPATH=/tmp/site:$tree timeout 120 python3 bench/results/archive/int8_c7520_probe/cells.py \
       "$(basename "$tree")" | tail -1 >> "$OUT/int8_c7520_ab.jsonl"
   done
 done
