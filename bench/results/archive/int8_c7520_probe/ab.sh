@@ -1,8 +1,8 @@
 # The branch's INT8 tiles against main's, three alternating rounds a tree, in one device call:
-#   bash bench/results/archive/int8_c7520_probe/ab.sh   (from the branch's checkout; OUT set; wheels in /tmp/site)
+#   here:    mkdir -p .scratch/main_tree && git archive main cuda_src lik_cupy | tar -x -C .scratch/main_tree
+#   device:  bash bench/results/archive/int8_c7520_probe/ab.sh   (carry .scratch; OUT set; wheels in /tmp/site)
 set -u
-rm -rf .scratch/main_tree && mkdir -p .scratch/main_tree
-git archive main cuda_src lik_cupy | tar -x -C .scratch/main_tree
+[ -d .scratch/main_tree/lik_cupy ] || { echo "main's tree is not in .scratch/main_tree (see above)" >&2; exit 1; }
 for r in 1 2 3; do
   for tree in .scratch/main_tree "$PWD"; do
     BENCH_ROOT=$PWD PYTHONPATH=/tmp/site:$tree timeout 120 python3 bench/results/archive/int8_c7520_probe/cells.py \
