@@ -105,12 +105,14 @@ class _Arith:
 
     def element_bytes(self, argmax: bool, packed: bool) -> int:
         """Temporary bytes per similarity: the block itself (and its float32 copy after a float64 INT8
-        GEMM), and where a winner is looked for in packed documents, the boolean test, the per-column
-        float64 thresholds and first-hit codes. Inexact similarities always look for the winner (the scores
-        are its reference similarity)."""
+        GEMM), and where a winner is looked for in packed documents, the boolean test beside either the
+        thresholds repeated over the columns (``Runs.compare``: float32, float64 against float64
+        similarities) or, after them, the first-hit codes (``Runs.first_hit``: int32, int64 past 2**31
+        columns), never both. Inexact similarities always look for the winner (the scores are its
+        reference similarity)."""
         n = self.gemm.itemsize + (4 if self.exact and self.gemm.itemsize == 8 else 0)
         if packed and (argmax or not self.exact):
-            n += 1 + 8 + 4
+            n += 1 + 8
         return n
 
 
