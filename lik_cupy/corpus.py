@@ -15,7 +15,10 @@ Each call then checks only its queries, padded ``[Nq, Lq, d]`` or packed ``[Tq, 
 launch of the forward kernel on the already-checked device arrays, and ``search`` runs the
 streaming top-k of :func:`lik_cupy.retrieve` over them. ``rerank`` scores each query against its
 own candidate documents, given by index, in place: the forward kernel's candidate-id tiles find
-each candidate's tokens in the packed or padded corpus, so no gathered copy exists. Scores follow
+each candidate's tokens in the packed or padded corpus, so no gathered copy exists. NumPy queries
+(and candidates) of a GPU-resident corpus, without masks, lengths or offsets, move in one
+page-locked copy each way when each way is at most 1 MiB, and the call between takes the device
+arrays' repeat path (``lik_cupy._runtime.host_staging``). Scores follow
 :func:`lik_cupy.maxsim` (-inf for a document without valid tokens, 0 for a query without one) and
 come back in the queries' framework and place.
 
@@ -43,6 +46,8 @@ from ._dispatch.backend import use_gpu
 from ._dispatch.precision import fp32_accurate
 from ._interop import GpuCall, host_array, host_result
 from ._runtime.operands import check_scales_of_valid, host_offsets, kernel_operands, unpack_queries, valid_host
+from ._runtime.host_staging import MAX_BYTES as _STAGED_BYTES
+from ._runtime.host_staging import staged_call
 from ._runtime.prepared_calls import call_key
 from ._runtime.topk import MAX_K
 from ._streaming.cpu import CpuTopK
@@ -214,6 +219,9 @@ class Corpus:
         Returns:
             float32 ``[Nq, Nd]`` (``[Nd]`` for a 2-D padded Q) in Q's framework and place.
         """
+        if self._host_staged(Q, q_mask, q_lengths, q_offsets, 4 * len(self)):
+            p = _numpy_precision(precision, Q.dtype)
+            return self._staged((Q,), lambda q: (self.score(q, precision=p),))[0]
         if q_offsets is not None:
             return _by_length(Q, q_mask, q_lengths, q_offsets,
                               lambda q, n, rows, nq: (self.score(q, q_lengths=n, precision=precision),))[0]
@@ -246,6 +254,9 @@ class Corpus:
         """
         if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 1 <= k <= MAX_K:
             raise ValueError(f"k must be an integer in [1, {MAX_K}], got {k!r}")
+        if self._host_staged(Q, q_mask, q_lengths, q_offsets, 12 * min(int(k), len(self))):
+            p = _numpy_precision(precision, Q.dtype)
+            return self._staged((Q,), lambda q: self.search(q, k, precision=p))
         if q_offsets is not None:
             return _by_length(Q, q_mask, q_lengths, q_offsets,
                               lambda q, n, rows, nq: self.search(q, k, q_lengths=n, precision=precision))
@@ -275,6 +286,13 @@ class Corpus:
         Returns:
             float32 ``[Nq, K]`` (``[K]`` for a 2-D Q), in the candidates' order, in Q's framework and place.
         """
+        if isinstance(candidates, (np.ndarray, list, tuple)) and self._host_staged(Q, q_mask, q_lengths, q_offsets, 0):
+            one = Q.ndim == 2
+            ids, _, shape = self._candidates(candidates, 1 if one else Q.shape[0], one_query=one)
+            if 0 < ids.nbytes <= _STAGED_BYTES and 4 * ids.size <= _STAGED_BYTES:
+                p = _numpy_precision(precision, Q.dtype)
+                return self._staged((Q, ids.reshape(shape[1:] if one else shape)),
+                                    lambda q, c: (self.rerank(q, c, precision=p),))[0]
         if q_offsets is not None:
             # (the whole candidates checked once, each group then taking its rows of them)
             checked = functools.cache(lambda nq: self._candidates(candidates, nq, one_query=False)[:2])
@@ -398,6 +416,30 @@ class Corpus:
                                 "quantises float16, bfloat16 or float32 queries)")
         p = with_queries(qp, self._p)
         return qp, replace(p, scores_shape=(p.nd,)) if len(q.shape) == 2 else p
+
+    def _host_staged(self, Q, q_mask, q_lengths, q_offsets, out_per_query: int) -> bool:
+        """Whether a call takes ``host_staging``: a GPU-resident corpus, and NumPy float16 or float32
+        queries of its dtype (any float for a scaled corpus) and dim, with tokens, and no mask,
+        lengths or offsets, at most ``_STAGED_BYTES`` each way (``out_per_query``: result bytes a
+        query). Everything else takes the plain path, which checks it."""
+        if type(Q) is not np.ndarray or self.where != "GPU" or q_mask is not None or q_lengths is not None \
+                or q_offsets is not None or Q.dtype.char not in self._staged_chars or Q.ndim not in (2, 3) \
+                or Q.shape[-1] != self.dim or Q.shape[-2] == 0 or not self._p.nd:
+            return False
+        nq = 1 if Q.ndim == 2 else Q.shape[0]
+        return 0 < Q.nbytes <= _STAGED_BYTES and nq * out_per_query <= _STAGED_BYTES
+
+    @functools.cached_property
+    def _staged_chars(self) -> str:
+        """NumPy type characters of the queries ``_host_staged`` takes: float16 ("e") or float32 ("f")."""
+        return "ef" if dispatch.scaled_dtype(self.dtype) else {"float16": "e", "float32": "f"}.get(self.dtype, "")
+
+    def _staged(self, inputs: tuple, run):
+        """``host_staging.staged_call`` on the corpus's device."""
+        import cupy
+
+        with cupy.cuda.Device(self.device):
+            return staged_call(inputs, run)
 
     def _launch(self, qp: Problem, p: Problem, Q, q_mask, q_lengths, x3: bool, caller: str, cand=None, key=None):
         """One launch of the forward kernel on the resident operands (``cand``: candidate ids), and
@@ -593,6 +635,14 @@ class Corpus:
             lo, hi = int(ids.min()), int(ids.max())
             check_id_values("candidates", lo, hi, self._p.nd, f"indices of the {self._p.nd} documents of the corpus")
         return ids.astype(np.int64, copy=False), False, shape
+
+
+def _numpy_precision(precision, dtype: np.dtype):
+    """The precision a call on NumPy ``dtype`` queries resolves to, spelled out for the CuPy call that
+    stands in for it (CuPy's default follows ``CUPY_TF32``, NumPy's does not)."""
+    if dtype != np.float32:
+        return precision
+    return "fp32" if fp32_accurate(precision, "numpy", "float32") else "tf32"
 
 
 def _by_length(Q, q_mask, q_lengths, q_offsets, call) -> tuple:

@@ -313,3 +313,60 @@ def test_packed_queries_are_the_padded_call(rng, dtype, to):
     assert np.array_equal(_np(got[0]), _np(want[0]))
     assert all(np.array_equal(_np(a), _np(b)) for a, b in zip(got[1], want[1]))
     assert np.array_equal(_np(got[2]), _np(want[2]))
+
+
+@pytest.mark.parametrize("layout", ["padded-mask", "packed", "int8-packed"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_numpy_queries_move_in_one_copy_each_way(rng, monkeypatch, layout, dtype):
+    """NumPy queries (and host ids) of a GPU-resident corpus go through one page-locked copy each
+    way (host_staging) and give the bits of the plain path and of CuPy queries: NumPy's float32
+    default precision (not CUPY_TF32's), host ids still checked, new arrays that own their memory."""
+    from lik_cupy import corpus as corpus_module
+
+    if layout.startswith("int8") and dtype == np.float16:
+        pytest.skip("an INT8 corpus takes float32 queries here")
+    monkeypatch.setenv("CUPY_TF32", "1")  # CuPy's default: a NumPy call must not follow it
+    dim = 64 if layout.startswith("int8") else 40
+    kw, *_ = corpus_case(rng, layout, nd=300, ld=37, dim=dim, dtype=dtype)
+    corpora = [lik_cupy.Corpus(**_on_gpu(kw)), lik_cupy.Corpus(**_on_gpu(kw), ids=np.arange(300) * 7 + 5),
+               lik_cupy.Corpus(**_on_gpu(kw), ids=np.array([f"d{j}" for j in range(300)]))]
+    Q = rng.standard_normal((5, 19, dim)).astype(dtype)
+    Q[1, 3] = Q[1, 4]  # a repeated token
+    cand = rng.integers(0, 300, (5, 33))
+    staged = []
+    real = corpus_module.staged_call
+    monkeypatch.setattr(corpus_module, "staged_call", lambda *a: staged.append(1) or real(*a))
+    exact = {"precision": "fp32"} if Q.dtype == np.float32 else {}
+
+    def calls(c, q, ids, **p):
+        out = [c.score(q, **p), *c.search(q, 10, **p), c.rerank(q, ids, **p)]
+        return out + [c.rerank(q, ids.tolist(), **p)] if isinstance(ids, np.ndarray) else out
+
+    for c in corpora:
+        for q, ids in ((Q, cand), (Q[2], cand[2]), (Q[:, :1], cand[:, :1])):
+            before = len(staged)
+            got = calls(c, q, ids)
+            assert len(staged) - before == 4
+            for a in got:
+                assert isinstance(a, np.ndarray) and (a.dtype.kind == "U" or a.flags.owndata)
+            on_device = calls(c, _cp(q), _cp(ids), **exact)
+            with monkeypatch.context() as m:
+                m.setattr(corpus_module, "_STAGED_BYTES", 0)  # the plain path
+                plain = calls(c, q, ids)
+            assert len(staged) - before == 4
+            for a, b, d in zip(got, plain, on_device):
+                np.testing.assert_array_equal(a, b)
+                np.testing.assert_array_equal(a, _np(d))
+    with pytest.raises(ValueError, match="candidates"):
+        corpora[0].rerank(Q, cand + 300)  # host ids are checked before anything moves
+    with pytest.raises(TypeError, match="float64"):
+        corpora[0].score(Q.astype(np.float64))  # not staged: the plain path refuses it
+    results = [None] * 8  # threads: each its own buffers and rows
+
+    def work(t):
+        results[t] = [corpora[1].rerank(Q, (cand + t) % 300), corpora[1].search(Q, 5 + t)[1]]
+
+    run_threads(8, work)
+    for t in range(8):
+        np.testing.assert_array_equal(results[t][0], corpora[1].rerank(Q, (cand + t) % 300))
+        np.testing.assert_array_equal(results[t][1], corpora[1].search(Q, 5 + t)[1])

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import numpy as np
 
-_ALIGN = 256  # each array of a staged batch starts on this byte boundary
+from .._runtime.host_staging import fetch, layout
+
 _MIN_BYTES = 1 << 20
 
 
@@ -43,7 +44,7 @@ class Staging:
         dim, dtype = requests[0].Q.shape[2], requests[0].Q.dtype
         ragged = any(r.lq != lq for r in requests)
         k = requests[0].arg.shape[1] if op == "rerank" else 0  # candidates per query
-        q_at, len_at, cand_at, size = _layout(nq * lq * dim * dtype.itemsize, 4 * nq if ragged else 0, 8 * nq * k)
+        q_at, len_at, cand_at, size = layout(nq * lq * dim * dtype.itemsize, 4 * nq if ragged else 0, 8 * nq * k)
         host = self._in = _pinned(self._in, size)
         q = host[q_at:q_at + nq * lq * dim * dtype.itemsize].view(dtype).reshape(nq, lq, dim)
         cand = host[cand_at:cand_at + 8 * nq * k].view(np.int64).reshape(nq, k)
@@ -72,36 +73,11 @@ class Staging:
                                  q_lengths=lengths, precision=precision),)
         else:
             out = (corpus.score(Q, q_lengths=lengths, precision=precision),)
-        return self._fetched(out, stream)
+        return fetch(out, stream, self._out_buffer)
 
-    def _fetched(self, arrays, stream) -> tuple[np.ndarray, ...]:
-        """Device results copied into the output buffer with one wait (host arrays, such as string
-        ids, as they are)."""
-        import cupy
-
-        arrays = [a if isinstance(a, np.ndarray) else cupy.ascontiguousarray(a) for a in arrays]
-        spans, size = [], 0
-        for a in arrays:
-            spans.append(size)
-            size += 0 if isinstance(a, np.ndarray) else -(-a.nbytes // _ALIGN) * _ALIGN
-        host = self._out = _pinned(self._out, size)
-        for a, at in zip(arrays, spans):
-            if not isinstance(a, np.ndarray) and a.nbytes:
-                cupy.cuda.runtime.memcpyAsync(host.ctypes.data + at, a.data.ptr, a.nbytes,
-                                              cupy.cuda.runtime.memcpyDeviceToHost, stream.ptr)
-        stream.synchronize()
-        return tuple(a if isinstance(a, np.ndarray) else
-                     host[at:at + a.nbytes].view(a.dtype).reshape(a.shape) for a, at in zip(arrays, spans))
-
-
-def _layout(*sizes: int) -> tuple[int, ...]:
-    """Byte offsets of arrays of ``sizes`` bytes placed one after another on ``_ALIGN`` boundaries,
-    and the total."""
-    out, at = [], 0
-    for n in sizes:
-        out.append(at)
-        at += -(-n // _ALIGN) * _ALIGN
-    return (*out, at)
+    def _out_buffer(self, size: int) -> np.ndarray:
+        self._out = _pinned(self._out, size)
+        return self._out
 
 
 def _pinned(buf: np.ndarray | None, size: int) -> np.ndarray:
