@@ -17,8 +17,10 @@ streaming top-k of :func:`lik_cupy.retrieve` over them. ``rerank`` scores each q
 own candidate documents, given by index, in place: the forward kernel's candidate-id tiles find
 each candidate's tokens in the packed or padded corpus, so no gathered copy exists. NumPy queries
 (and candidates) of a GPU-resident corpus, without masks, lengths or offsets, move in one
-page-locked copy each way when each way is at most 1 MiB, and the call between takes the device
-arrays' repeat path (``lik_cupy._runtime.host_staging``). Scores follow
+page-locked copy each way when each way is at most 1 MiB (``lik_cupy._runtime.host_staging``), and
+JAX ones on its GPU are shared through DLPack (``score`` and ``rerank``), for the CuPy call on the
+same values (``score`` and ``rerank`` of a float corpus then take the device arrays' repeat path).
+Scores follow
 :func:`lik_cupy.maxsim` (-inf for a document without valid tokens, 0 for a query without one) and
 come back in the queries' framework and place.
 
@@ -46,8 +48,7 @@ from ._dispatch.backend import use_gpu
 from ._dispatch.precision import fp32_accurate
 from ._interop import GpuCall, host_array, host_result
 from ._runtime.operands import check_scales_of_valid, host_offsets, kernel_operands, unpack_queries, valid_host
-from ._runtime.host_staging import MAX_BYTES as _STAGED_BYTES
-from ._runtime.host_staging import staged_call
+from ._runtime.host_staging import fits, staged_call
 from ._runtime.prepared_calls import call_key
 from ._runtime.topk import MAX_K
 from ._streaming.cpu import CpuTopK
@@ -219,9 +220,10 @@ class Corpus:
         Returns:
             float32 ``[Nq, Nd]`` (``[Nd]`` for a 2-D padded Q) in Q's framework and place.
         """
-        if self._host_staged(Q, q_mask, q_lengths, q_offsets, 4 * len(self)):
-            p = _numpy_precision(precision, Q.dtype)
-            return self._staged((Q,), lambda q: (self.score(q, precision=p),))[0]
+        fw = self._stand_in(Q, q_mask, q_lengths, q_offsets, 4 * len(self))
+        if fw:
+            p = _resolved(precision, fw, Q.dtype)
+            return self._through_cupy(fw, (Q,), lambda q: (self.score(q, precision=p),))[0]
         if q_offsets is not None:
             return _by_length(Q, q_mask, q_lengths, q_offsets,
                               lambda q, n, rows, nq: (self.score(q, q_lengths=n, precision=precision),))[0]
@@ -254,9 +256,10 @@ class Corpus:
         """
         if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 1 <= k <= MAX_K:
             raise ValueError(f"k must be an integer in [1, {MAX_K}], got {k!r}")
-        if self._host_staged(Q, q_mask, q_lengths, q_offsets, 12 * min(int(k), len(self))):
-            p = _numpy_precision(precision, Q.dtype)
-            return self._staged((Q,), lambda q: self.search(q, k, precision=p))
+        fw = self._stand_in(Q, q_mask, q_lengths, q_offsets, 12 * min(int(k), len(self)))
+        if fw == "numpy":  # (a JAX search gains nothing: the streaming top-k has no repeat path)
+            p = _resolved(precision, fw, Q.dtype)
+            return self._through_cupy(fw, (Q,), lambda q: self.search(q, k, precision=p))
         if q_offsets is not None:
             return _by_length(Q, q_mask, q_lengths, q_offsets,
                               lambda q, n, rows, nq: self.search(q, k, q_lengths=n, precision=precision))
@@ -286,13 +289,18 @@ class Corpus:
         Returns:
             float32 ``[Nq, K]`` (``[K]`` for a 2-D Q), in the candidates' order, in Q's framework and place.
         """
-        if isinstance(candidates, (np.ndarray, list, tuple)) and self._host_staged(Q, q_mask, q_lengths, q_offsets, 0):
+        fw = self._stand_in(Q, q_mask, q_lengths, q_offsets, 0)
+        if fw == "numpy" and isinstance(candidates, (np.ndarray, list, tuple)):
             one = Q.ndim == 2
             ids, _, shape = self._candidates(candidates, 1 if one else Q.shape[0], one_query=one)
-            if 0 < ids.nbytes <= _STAGED_BYTES and 4 * ids.size <= _STAGED_BYTES:
-                p = _numpy_precision(precision, Q.dtype)
-                return self._staged((Q, ids.reshape(shape[1:] if one else shape)),
-                                    lambda q, c: (self.rerank(q, c, precision=p),))[0]
+            if ids.size and fits(Q.nbytes, ids.nbytes) and fits(4 * ids.size):
+                p = _resolved(precision, fw, Q.dtype)
+                return self._through_cupy(fw, (Q, ids.reshape(shape[1:] if one else shape)),
+                                          lambda q, c: (self.rerank(q, c, precision=p),))[0]
+        elif fw == "jax" and _is_jax(candidates) and interop.describe(candidates).device == self.device:
+            # (device ids: unread, as CuPy ones)
+            p = _resolved(precision, fw, Q.dtype)
+            return self._through_cupy(fw, (Q, candidates), lambda q, c: (self.rerank(q, c, precision=p),))[0]
         if q_offsets is not None:
             # (the whole candidates checked once, each group then taking its rows of them)
             checked = functools.cache(lambda nq: self._candidates(candidates, nq, one_query=False)[:2])
@@ -417,29 +425,39 @@ class Corpus:
         p = with_queries(qp, self._p)
         return qp, replace(p, scores_shape=(p.nd,)) if len(q.shape) == 2 else p
 
-    def _host_staged(self, Q, q_mask, q_lengths, q_offsets, out_per_query: int) -> bool:
-        """Whether a call takes ``host_staging``: a GPU-resident corpus, and NumPy float16 or float32
-        queries of its dtype (any float for a scaled corpus) and dim, with tokens, and no mask,
-        lengths or offsets, at most ``_STAGED_BYTES`` each way (``out_per_query``: result bytes a
-        query). Everything else takes the plain path, which checks it."""
-        if type(Q) is not np.ndarray or self.where != "GPU" or q_mask is not None or q_lengths is not None \
-                or q_offsets is not None or Q.dtype.char not in self._staged_chars or Q.ndim not in (2, 3) \
+    def _stand_in(self, Q, q_mask, q_lengths, q_offsets, out_per_query: int) -> str | None:
+        """The framework ("numpy" or "jax") of a call that a CuPy call on the same values stands in for,
+        to take the device arrays' repeat path, or None (the plain path, which checks everything):
+        a GPU-resident corpus; float16 or float32 queries of its dtype (any float for a scaled corpus)
+        and dim, with tokens, and no mask, lengths or offsets; NumPy ones within
+        ``host_staging.MAX_BYTES`` each way (``out_per_query``: result bytes a query), JAX ones on
+        the corpus's GPU."""
+        fw = "numpy" if type(Q) is np.ndarray else "jax" if _is_jax(Q) else None
+        if fw is None or self.where != "GPU" or q_mask is not None or q_lengths is not None or q_offsets is not None \
+                or Q.ndim not in (2, 3) or Q.dtype.char not in self._stand_in_chars or not Q.dtype.isnative \
                 or Q.shape[-1] != self.dim or Q.shape[-2] == 0 or not self._p.nd:
-            return False
+            return None
+        if fw == "jax":
+            return fw if interop.describe(Q).device == self.device else None
         nq = 1 if Q.ndim == 2 else Q.shape[0]
-        return 0 < Q.nbytes <= _STAGED_BYTES and nq * out_per_query <= _STAGED_BYTES
+        return fw if Q.size and fits(Q.nbytes) and fits(nq * out_per_query) else None
 
     @functools.cached_property
-    def _staged_chars(self) -> str:
-        """NumPy type characters of the queries ``_host_staged`` takes: float16 ("e") or float32 ("f")."""
+    def _stand_in_chars(self) -> str:
+        """Type characters of the queries ``_stand_in`` takes: float16 ("e") or float32 ("f")."""
         return "ef" if dispatch.scaled_dtype(self.dtype) else {"float16": "e", "float32": "f"}.get(self.dtype, "")
 
-    def _staged(self, inputs: tuple, run):
-        """``host_staging.staged_call`` on the corpus's device."""
+    def _through_cupy(self, framework: str, inputs: tuple, run):
+        """``run`` on CuPy arrays of ``inputs`` on the corpus's device, its results handed back as the
+        ``framework`` call's: NumPy ones moved by ``host_staging.staged_call``, JAX ones shared through
+        DLPack (results as the plain path hands them to JAX)."""
         import cupy
 
         with cupy.cuda.Device(self.device):
-            return staged_call(inputs, run)
+            if framework == "numpy":
+                return staged_call(inputs, run)
+            outs = run(*(cupy.from_dlpack(x) for x in inputs))
+            return tuple(o if isinstance(o, np.ndarray) else interop.from_cupy(o, framework, False) for o in outs)
 
     def _launch(self, qp: Problem, p: Problem, Q, q_mask, q_lengths, x3: bool, caller: str, cand=None, key=None):
         """One launch of the forward kernel on the resident operands (``cand``: candidate ids), and
@@ -637,12 +655,18 @@ class Corpus:
         return ids.astype(np.int64, copy=False), False, shape
 
 
-def _numpy_precision(precision, dtype: np.dtype):
-    """The precision a call on NumPy ``dtype`` queries resolves to, spelled out for the CuPy call that
-    stands in for it (CuPy's default follows ``CUPY_TF32``, NumPy's does not)."""
+def _is_jax(x) -> bool:
+    """Whether ``x`` is a JAX array (by its type's module: jax is not imported here)."""
+    return type(x).__module__.split(".")[0] in ("jax", "jaxlib")
+
+
+def _resolved(precision, framework: str, dtype: np.dtype):
+    """The precision a ``framework`` call on ``dtype`` queries resolves to, spelled out for the CuPy call
+    that stands in for it (CuPy's default follows ``CUPY_TF32``, NumPy's does not, JAX's follows
+    ``jax_default_matmul_precision``)."""
     if dtype != np.float32:
         return precision
-    return "fp32" if fp32_accurate(precision, "numpy", "float32") else "tf32"
+    return "fp32" if fp32_accurate(precision, framework, "float32") else "tf32"
 
 
 def _by_length(Q, q_mask, q_lengths, q_offsets, call) -> tuple:

@@ -321,13 +321,14 @@ def test_numpy_queries_move_in_one_copy_each_way(rng, monkeypatch, layout, dtype
     """NumPy queries (and host ids) of a GPU-resident corpus go through one page-locked copy each
     way (host_staging) and give the bits of the plain path and of CuPy queries: NumPy's float32
     default precision (not CUPY_TF32's), host ids still checked, new arrays that own their memory."""
-    from lik_cupy import corpus as corpus_module
+    import cupy
 
-    if layout.startswith("int8") and dtype == np.float16:
-        pytest.skip("an INT8 corpus takes float32 queries here")
+    from lik_cupy import corpus as corpus_module
+    from lik_cupy._runtime import host_staging
+
     monkeypatch.setenv("CUPY_TF32", "1")  # CuPy's default: a NumPy call must not follow it
     dim = 64 if layout.startswith("int8") else 40
-    kw, *_ = corpus_case(rng, layout, nd=300, ld=37, dim=dim, dtype=dtype)
+    kw, *_ = corpus_case(rng, layout, nd=300, ld=37, dim=dim, dtype=np.float32 if layout.startswith("int8") else dtype)
     corpora = [lik_cupy.Corpus(**_on_gpu(kw)), lik_cupy.Corpus(**_on_gpu(kw), ids=np.arange(300) * 7 + 5),
                lik_cupy.Corpus(**_on_gpu(kw), ids=np.array([f"d{j}" for j in range(300)]))]
     Q = rng.standard_normal((5, 19, dim)).astype(dtype)
@@ -351,22 +352,77 @@ def test_numpy_queries_move_in_one_copy_each_way(rng, monkeypatch, layout, dtype
                 assert isinstance(a, np.ndarray) and (a.dtype.kind == "U" or a.flags.owndata)
             on_device = calls(c, _cp(q), _cp(ids), **exact)
             with monkeypatch.context() as m:
-                m.setattr(corpus_module, "_STAGED_BYTES", 0)  # the plain path
+                m.setattr(host_staging, "MAX_BYTES", 0)  # the plain path
                 plain = calls(c, q, ids)
             assert len(staged) - before == 4
             for a, b, d in zip(got, plain, on_device):
                 np.testing.assert_array_equal(a, b)
                 np.testing.assert_array_equal(a, _np(d))
+            if Q.dtype == np.float32:  # an explicit precision is the call's
+                for a, d in zip(calls(c, q, ids, precision="tf32"), calls(c, _cp(q), _cp(ids), precision="tf32")):
+                    np.testing.assert_array_equal(a, _np(d))
     with pytest.raises(ValueError, match="candidates"):
         corpora[0].rerank(Q, cand + 300)  # host ids are checked before anything moves
     with pytest.raises(TypeError, match="float64"):
         corpora[0].score(Q.astype(np.float64))  # not staged: the plain path refuses it
-    results = [None] * 8  # threads: each its own buffers and rows
+    with pytest.raises(ValueError, match="precision"):
+        corpora[0].score(Q, precision="bogus")  # (float16: raised by the CuPy call, after the upload)
+    big = rng.standard_normal((host_staging.MAX_BYTES // (19 * dim * Q.itemsize) + 1, 19, dim)).astype(Q.dtype)
+    before = len(staged)
+    np.testing.assert_array_equal(corpora[0].rerank(big, np.zeros((len(big), 2), int)),
+                                  _np(corpora[0].rerank(_cp(big), _cp(np.zeros((len(big), 2), int)), **exact)))
+    assert len(staged) == before  # past MAX_BYTES: the plain path
+    results = [None] * 8  # threads, each on a stream of its own: each its own buffers and rows
 
     def work(t):
-        results[t] = [corpora[1].rerank(Q, (cand + t) % 300), corpora[1].search(Q, 5 + t)[1]]
+        with cupy.cuda.Stream(non_blocking=True):
+            results[t] = [corpora[1].rerank(Q, (cand + t) % 300), corpora[1].search(Q, 5 + t)[1],
+                          corpora[1].score(Q[t % 5])]
 
     run_threads(8, work)
     for t in range(8):
         np.testing.assert_array_equal(results[t][0], corpora[1].rerank(Q, (cand + t) % 300))
         np.testing.assert_array_equal(results[t][1], corpora[1].search(Q, 5 + t)[1])
+        np.testing.assert_array_equal(results[t][2], corpora[1].score(Q[t % 5]))
+
+
+@pytest.mark.parametrize("layout", ["padded-mask", "packed"])
+def test_jax_queries_take_the_cupy_call_through_dlpack(rng, monkeypatch, layout):
+    """JAX queries and ids on the corpus's GPU are shared with the CuPy call through DLPack: the bits
+    of the plain path and of CuPy queries, JAX's precision default, JAX results on that GPU (string
+    ids as NumPy), device ids outside the corpus NaN."""
+    jax = pytest.importorskip("jax")
+    gpus = [d for d in jax.devices() if d.platform == "gpu"]
+    if not gpus:
+        pytest.skip("JAX has no GPU here")
+    kw, *_ = corpus_case(rng, layout, nd=300, ld=37, dim=128)
+    corpora = [lik_cupy.Corpus(**_on_gpu(kw)), lik_cupy.Corpus(**_on_gpu(kw), ids=np.array([f"d{j}" for j in range(300)]))]
+    Q = rng.standard_normal((5, 19, 128)).astype(np.float32)
+    cand = rng.integers(0, 300, (5, 33)).astype(np.int32)
+    cand[0, 0] = 300  # outside the corpus: NaN there
+    qj, cj = jax.device_put(Q, gpus[0]), jax.device_put(cand, gpus[0])
+    through = []
+
+    def calls(c, q, ids, **p):
+        return [c.score(q, **p), *c.search(q, 10, **p), c.rerank(q, ids, **p)]
+
+    for c in corpora:
+        real = c._through_cupy
+        monkeypatch.setattr(c, "_through_cupy", lambda *a, real=real: through.append(1) or real(*a))
+        for tf32 in (False, True):
+            with jax.default_matmul_precision("tensorfloat32" if tf32 else "float32"):
+                for q, ids in ((qj, cj), (qj[2], cj[2])):
+                    before = len(through)
+                    got = calls(c, q, ids)
+                    assert len(through) - before == 2  # score and rerank (search: the plain path)
+                    on_device = calls(c, _cp(np.asarray(q)), _cp(np.asarray(ids)), precision="tf32" if tf32 else "fp32")
+                    with monkeypatch.context() as m:
+                        m.setattr(c, "_stand_in", lambda *a: None)  # the plain path
+                        plain = calls(c, q, ids)
+                    for a, b, d in zip(got, plain, on_device):
+                        assert type(a) is type(b)
+                        if isinstance(a, jax.Array):
+                            assert list(a.devices()) == [gpus[0]]
+                        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+                        np.testing.assert_array_equal(np.asarray(a), _np(d).astype(np.asarray(a).dtype))
+                    assert np.isnan(np.asarray(got[-1])[0, 0] if q.ndim == 3 else np.nan)

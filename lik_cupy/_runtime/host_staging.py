@@ -4,10 +4,11 @@ A NumPy query costs a call on a resident corpus a pageable copy per argument, th
 validation path (the repeat path takes device arrays only) and a pageable copy back per result:
 a rerank of 1,000 ids for one 32-token query took 0.19 ms from NumPy arrays on an H200, against
 0.04 from CuPy ones. :func:`staged_call` lays the arguments out in one page-locked buffer, uploads
-it with one copy on the current stream, runs the call on device views of it (which then take the
-repeat path) and copies the results back into a second page-locked buffer, with one wait. Both
-buffers come from CuPy's pinned memory pool, so a thread keeps nothing between calls, and calls
-on other threads never share a buffer. :func:`layout` and :func:`fetch` also serve
+it with one copy on the current stream, runs the call on device views of it and copies the
+results back into a second page-locked buffer, with one wait. Both buffers come from CuPy's pinned
+memory pool, which keeps a freed block for a later request of its size: sizes are rounded up to a
+power of two from 64 KiB, so the pool holds a few blocks (at most 2 MiB each) per thread that calls
+at once, and calls on other threads never share one. :func:`layout` and :func:`fetch` also serve
 ``lik_cupy.serving``'s batches, which keep their own buffers.
 """
 
@@ -17,10 +18,11 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-__all__ = ["MAX_BYTES", "ALIGN", "layout", "fetch", "staged_call"]
+__all__ = ["MAX_BYTES", "ALIGN", "layout", "fits", "fetch", "staged_call"]
 
-MAX_BYTES = 1 << 20  # each way: larger calls keep the plain path (no large page-locked block per call)
+MAX_BYTES = 1 << 20  # each way, laid out: larger calls keep the plain path (no large page-locked block per call)
 ALIGN = 256  # each array in a staged buffer starts on this byte boundary
+_MIN_BLOCK = 1 << 16
 
 
 def layout(*sizes: int) -> tuple[int, ...]:
@@ -50,24 +52,39 @@ def fetch(arrays: Sequence, stream, buffer: Callable[[int], np.ndarray]) -> tupl
                  for a, at in zip(arrays, spans))
 
 
-def staged_call(inputs: Sequence[np.ndarray], run: Callable[..., tuple]) -> tuple:
-    """``run(*device_views)`` on device copies of the host ``inputs`` (each at most ``MAX_BYTES``, any
-    strides), on the current device and stream; its results (CuPy arrays, or host arrays as they
-    are) come back as new NumPy arrays."""
-    import cupy
+def fits(*nbytes: int) -> bool:
+    """Whether arrays of ``nbytes`` bytes, laid out, take at most ``MAX_BYTES``."""
+    return layout(*nbytes)[-1] <= MAX_BYTES
+
+
+def _pinned(size: int) -> np.ndarray:
+    """A page-locked uint8 buffer of at least ``size`` bytes, from CuPy's pinned pool, its size rounded
+    up to a power of two (the pool keeps one block per size it was asked for)."""
     import cupyx
 
+    return cupyx.empty_pinned(max(_MIN_BLOCK, 1 << (size - 1).bit_length()), np.uint8)
+
+
+def staged_call(inputs: Sequence[np.ndarray], run: Callable[..., tuple]) -> tuple:
+    """``run(*device_views)`` on device copies of the host ``inputs`` (native byte order, any strides,
+    laid out within ``MAX_BYTES``), on the current device and stream; its results (CuPy arrays, or
+    host arrays as they are) come back as new NumPy arrays."""
+    import cupy
+
+    from .._base.device import allocating
+
     *spans, size = layout(*(a.nbytes for a in inputs))
-    host = cupyx.empty_pinned(max(size, 1), np.uint8)
+    host = _pinned(size)
     for a, at in zip(inputs, spans):
         np.copyto(np.ndarray(a.shape, a.dtype, host, at), a)
-    dev = cupy.empty(max(size, 1), np.uint8)
+    with allocating("the queries' device copy", size, "free GPU memory held elsewhere"):
+        dev = cupy.empty(max(size, 1), np.uint8)
     stream = cupy.cuda.get_current_stream()
     cupy.cuda.runtime.memcpyAsync(dev.data.ptr, host.ctypes.data, size, cupy.cuda.runtime.memcpyHostToDevice,
                                   stream.ptr)
     try:
         outs = run(*(cupy.ndarray(a.shape, a.dtype, dev.data + at) for a, at in zip(inputs, spans)))
-        views = fetch(outs, stream, lambda n: cupyx.empty_pinned(max(n, 1), np.uint8))
+        views = fetch(outs, stream, _pinned)
     except BaseException:
         # The upload may still read ``host``, which goes back to the pool on the way out. A sync
         # that fails too (a sticky CUDA error) must not hide the original error.
