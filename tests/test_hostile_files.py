@@ -374,6 +374,46 @@ def test_torch_reader_refuses_hostile_archives(tmp_path):
     assert not [n for n, r in results.items() if why[n] not in r["message"]], results
 
 
+@pytest.mark.parametrize("method", [zipfile.ZIP_DEFLATED, zipfile.ZIP_BZIP2, zipfile.ZIP_LZMA],
+                         ids=["deflated", "bzip2", "lzma"])
+def test_a_member_claiming_fewer_bytes_than_it_expands_to_is_not_expanded(tmp_path, method):
+    # A storage whose header claims 32 bytes but whose stream expands to 64 MiB: zipfile's read()
+    # expanded the whole stream before the sizes were compared (a 900-byte bzip2 file took 557 MiB,
+    # MemoryError under a 1 GiB limit). Now no more than the claimed bytes are expanded, and only
+    # stored or deflated members (what torch.save and zip tools write) are read.
+    import io
+    import tracemalloc
+
+    from lik_cupy._plaid_files import read_torch_file
+
+    arr = np.arange(8, dtype=np.int32)
+    body, _ = tensor(arr)
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", method) as z:
+        z.writestr("archive/data.pkl", b"\x80\x02" + body + b".", zipfile.ZIP_STORED)
+        z.writestr("archive/byteorder", b"little", zipfile.ZIP_STORED)
+        with z.open("archive/data/0", "w") as w:
+            w.write(arr.tobytes())
+            for _ in range(64):
+                w.write(bytes(1 << 20))
+    raw = bytearray(buf.getvalue())
+    name = b"archive/data/0"
+    at = raw.find(b"PK\x01\x02")
+    while raw[at + 46:at + 46 + len(name)] != name:  # its central directory entry
+        at = raw.find(b"PK\x01\x02", at + 1)
+    raw[at + 24:at + 28] = struct.pack("<I", arr.nbytes)  # the uncompressed size it claims
+    (tmp_path / "x.pt").write_bytes(bytes(raw))
+    tracemalloc.start()
+    try:
+        with pytest.raises(shards.ShardError, match="x.pt: (corrupt zip archive|member 'archive/data/0' is "
+                                                    "compressed with method)"):
+            read_torch_file(str(tmp_path / "x.pt"))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 << 20, peak
+
+
 # --------------------------------------------------------------------------- fuzz: PLAID indexes
 
 
