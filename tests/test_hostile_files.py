@@ -733,6 +733,28 @@ def test_npy_errors_name_the_file_once_and_version_3_is_refused(tmp_path):
         _files.open_npy(tmp_path / "v3.npy")
 
 
+@pytest.mark.parametrize("operators", ["-", "~", "+"])
+def test_npy_header_nested_too_deeply_is_a_shard_error(tmp_path, operators):
+    # NumPy parses a header as Python: 3,000 unary operators (well inside its 10,000 bytes) raised
+    # RecursionError out of open_npy, PlaidIndex.open and open_shard.
+    from lik_cupy import PlaidIndex
+
+    text = "{'descr': '<f2', 'fortran_order': False, 'shape': (%s1,), }" % (operators * 3000)
+    header = (text + " " * (-(10 + len(text) + 1) % 64) + "\n").encode()
+    deep = b"\x93NUMPY\x01\x00" + struct.pack("<H", len(header)) + header + bytes(64)
+    idx = tmp_path / "idx"
+    shutil.copytree(FIXTURE, idx)
+    (idx / "centroids.npy").write_bytes(deep)
+    shard = shards.pack_arrays([np.ones((3, 8), np.float16)], tmp_path / "shard").path
+    pathlib.Path(shard, "offsets.npy").write_bytes(deep)
+    for read, path, file in ((_files.open_npy, idx / "centroids.npy", idx / "centroids.npy"),
+                             (PlaidIndex.open, idx, idx / "centroids.npy"),
+                             (shards.open_shard, shard, os.path.join(shard, "offsets.npy"))):
+        with pytest.raises(shards.ShardError) as e:
+            read(path)
+        assert str(e.value) == f"{file}: corrupt .npy header (nested too deeply to read)"
+
+
 def test_special_files_are_judged_without_being_opened(tmp_path, monkeypatch):
     # Opening a device can act (a tape rewinds, a watchdog starts): a link to one is refused by
     # stat alone, for every reader.
