@@ -182,7 +182,7 @@ def open_npy(path: str | os.PathLike) -> np.ndarray:
             return np.memmap(f, dtype=dtype, mode="r", shape=shape, order="F" if fortran else "C", offset=f.tell())
         except ShardError:
             raise
-        except (ValueError, OSError, EOFError, SyntaxError, TypeError, tokenize.TokenError) as e:
+        except (ValueError, OSError, EOFError, SyntaxError, TypeError, tokenize.TokenError, RecursionError) as e:
             raise ShardError(path, npy_problem(e)) from None
 
 
@@ -227,6 +227,8 @@ def check_npy_header(path: str, f) -> tuple[tuple[int, ...], bool, np.dtype]:
 def npy_problem(e: BaseException) -> str:
     """What an error of NumPy's .npy reader says about the file."""
     msg = str(e)
+    if isinstance(e, RecursionError):  # a header of thousands of nested operators, which NumPy parses as Python
+        return "corrupt .npy header (nested too deeply to read)"
     if "mmap length is greater than file size" in msg or "cannot reshape" in msg:
         return "truncated .npy file: it holds fewer bytes than its header's shape needs"
     if "EOF" in msg:

@@ -534,11 +534,12 @@ def read_torch_file(path: str):
     zip archive.
 
     The file must be a regular file (a FIFO or a device is refused without blocking). Every
-    member's claimed size is checked against the file before it is read (a compressed member may
-    expand at most ``_MAX_EXPANSION`` times), each storage is read once, and every tensor's
-    elements must lie inside its storage: memory is bounded by what the file holds. Anything
-    else (a malformed archive or pickle, a callable other than the tensor rebuilder) raises
-    ShardError naming the file and the problem.
+    member's claimed size is checked against the file before it is read (a compressed member must be
+    deflated, claim at most ``_MAX_EXPANSION`` times its own size, and is expanded no further than
+    it claims), each storage is read once, and every tensor's elements must lie inside its
+    storage: memory is bounded by what the file holds. Anything else (a malformed archive or
+    pickle, a callable other than the tensor rebuilder) raises ShardError naming the file and the
+    problem.
     """
     path = os.fspath(path)
     with _files.open_regular(path, "a torch .pt file") as f:
@@ -574,6 +575,11 @@ def _read_archive(archive: zipfile.ZipFile, file_bytes: int):
         except KeyError:
             raise _Refused(f"the archive has no member {_short(name)}") from None
         stored = info.compress_type == zipfile.ZIP_STORED
+        if not stored and info.compress_type != zipfile.ZIP_DEFLATED:
+            # zipfile expands a bzip2 or LZMA stream whole, whatever size the header claims: a few
+            # hundred bytes of one can take gigabytes
+            raise _Refused(f"member {_short(name)} is compressed with method {info.compress_type}; expected it "
+                           f"stored (as torch.save writes it) or deflated")
         if info.compress_size > file_bytes or (stored and info.file_size != info.compress_size):
             raise _Refused(f"member {_short(name)} claims more bytes than the file holds")
         if info.file_size > max(info.compress_size, 1) * _MAX_EXPANSION:
@@ -581,7 +587,8 @@ def _read_archive(archive: zipfile.ZipFile, file_bytes: int):
                            f"than {_MAX_EXPANSION} times (torch.save stores members uncompressed)")
         if info.file_size > limit:
             raise _Refused(f"member {_short(name)} holds {info.file_size} bytes; expected at most {limit}")
-        data = archive.read(info)
+        with archive.open(info) as m:  # no more than the header claims (read() expands the whole stream first)
+            data = m.read(info.file_size)
         if len(data) != info.file_size:
             raise _Refused(f"member {_short(name)} is truncated")
         return data

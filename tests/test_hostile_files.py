@@ -374,6 +374,46 @@ def test_torch_reader_refuses_hostile_archives(tmp_path):
     assert not [n for n, r in results.items() if why[n] not in r["message"]], results
 
 
+@pytest.mark.parametrize("method", [zipfile.ZIP_DEFLATED, zipfile.ZIP_BZIP2, zipfile.ZIP_LZMA],
+                         ids=["deflated", "bzip2", "lzma"])
+def test_a_member_claiming_fewer_bytes_than_it_expands_to_is_not_expanded(tmp_path, method):
+    # A storage whose header claims 32 bytes but whose stream expands to 64 MiB: zipfile's read()
+    # expanded the whole stream before the sizes were compared (a 900-byte bzip2 file took 557 MiB,
+    # MemoryError under a 1 GiB limit). Now no more than the claimed bytes are expanded, and only
+    # stored or deflated members (what torch.save and zip tools write) are read.
+    import io
+    import tracemalloc
+
+    from lik_cupy._plaid_files import read_torch_file
+
+    arr = np.arange(8, dtype=np.int32)
+    body, _ = tensor(arr)
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", method) as z:
+        z.writestr("archive/data.pkl", b"\x80\x02" + body + b".", zipfile.ZIP_STORED)
+        z.writestr("archive/byteorder", b"little", zipfile.ZIP_STORED)
+        with z.open("archive/data/0", "w") as w:
+            w.write(arr.tobytes())
+            for _ in range(64):
+                w.write(bytes(1 << 20))
+    raw = bytearray(buf.getvalue())
+    name = b"archive/data/0"
+    at = raw.find(b"PK\x01\x02")
+    while raw[at + 46:at + 46 + len(name)] != name:  # its central directory entry
+        at = raw.find(b"PK\x01\x02", at + 1)
+    raw[at + 24:at + 28] = struct.pack("<I", arr.nbytes)  # the uncompressed size it claims
+    (tmp_path / "x.pt").write_bytes(bytes(raw))
+    tracemalloc.start()
+    try:
+        with pytest.raises(shards.ShardError, match="x.pt: (corrupt zip archive|member 'archive/data/0' is "
+                                                    "compressed with method)"):
+            read_torch_file(str(tmp_path / "x.pt"))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 << 20, peak
+
+
 # --------------------------------------------------------------------------- fuzz: PLAID indexes
 
 
@@ -691,6 +731,28 @@ def test_npy_errors_name_the_file_once_and_version_3_is_refused(tmp_path):
         np.lib.format.write_array(f, np.zeros(3), version=(3, 0))
     with pytest.raises(shards.ShardError, match=r"v3.npy: .npy format version 3.0 is not read"):
         _files.open_npy(tmp_path / "v3.npy")
+
+
+@pytest.mark.parametrize("operators", ["-", "~", "+"])
+def test_npy_header_nested_too_deeply_is_a_shard_error(tmp_path, operators):
+    # NumPy parses a header as Python: 3,000 unary operators (well inside its 10,000 bytes) raised
+    # RecursionError out of open_npy, PlaidIndex.open and open_shard.
+    from lik_cupy import PlaidIndex
+
+    text = "{'descr': '<f2', 'fortran_order': False, 'shape': (%s1,), }" % (operators * 3000)
+    header = (text + " " * (-(10 + len(text) + 1) % 64) + "\n").encode()
+    deep = b"\x93NUMPY\x01\x00" + struct.pack("<H", len(header)) + header + bytes(64)
+    idx = tmp_path / "idx"
+    shutil.copytree(FIXTURE, idx)
+    (idx / "centroids.npy").write_bytes(deep)
+    shard = shards.pack_arrays([np.ones((3, 8), np.float16)], tmp_path / "shard").path
+    pathlib.Path(shard, "offsets.npy").write_bytes(deep)
+    for read, path, file in ((_files.open_npy, idx / "centroids.npy", idx / "centroids.npy"),
+                             (PlaidIndex.open, idx, idx / "centroids.npy"),
+                             (shards.open_shard, shard, os.path.join(shard, "offsets.npy"))):
+        with pytest.raises(shards.ShardError) as e:
+            read(path)
+        assert str(e.value) == f"{file}: corrupt .npy header (nested too deeply to read)"
 
 
 def test_special_files_are_judged_without_being_opened(tmp_path, monkeypatch):
