@@ -110,6 +110,17 @@ def test_padded_vs_float64_of_dequantised(rng, dim, kernel_family):
     _check(_np(s), _np(a), _deq(q8, qs), _deq(d8, ds))
 
 
+@pytest.mark.parametrize("dim,nq,lq", [(640, 9, 5), (1024, 1, 32), (2048, 3, 21), (2048, 1, 64)])
+def test_short_queries_with_the_argmax_split_over_d(rng, dim, nq, lq, kernel_family):
+    # Split-d's one-warpgroup tiles leave a scaled type's argmax out: on sm_90 these short queries
+    # take the two-warpgroup tiles (once refused there, as if no tile took the dim)
+    q8, qs = lik_cupy.quantize_fp8(_unit(rng, nq, lq, dim))
+    d8, ds = lik_cupy.quantize_fp8(_unit(rng, 37, 90, dim))
+    s, a = lik_cupy.maxsim_fp8(_cp(q8), _cp(d8), _cp(ds), q_scales=_cp(qs), return_argmax=True)
+    _check(_np(s), _np(a), _deq(q8, qs), _deq(d8, ds))
+    _check(_np(lik_cupy.maxsim_fp8(_cp(q8), _cp(d8), _cp(ds), q_scales=_cp(qs))), None, _deq(q8, qs), _deq(d8, ds))
+
+
 @pytest.mark.parametrize("lq", [1, 31, 32, 100, 300, 1024])
 def test_masks_lengths_and_empty_documents(rng, lq, kernel_family):
     dim, nq, nd, ld = 128, 2, 23, 151

@@ -221,6 +221,18 @@ def _contract_err(out, ref, slack=0.0):
     return float(np.max((np.abs(out[fin] - ref[fin]) - slack[fin]) / (np.abs(ref[fin]) + 1.0), initial=0.0))
 
 
+def sum_slack(sim, q_valid=None):
+    """What summing each score's rows' maxima in float32 may add to its error (sim [Nq, Nd, Lq, Ld],
+    invalid tokens -inf): Lq 2^-24 of their magnitudes. Rows of both signs cancel, and then that,
+    not the maxima (float64's rounded once), bounds the error (docs/api.md: 64 random rows of norm
+    10 against a one-token document measured 2.4e-6 relative to |score| + 1)."""
+    with np.errstate(invalid="ignore"):
+        best = sim.max(axis=3) if sim.shape[3] else np.full(sim.shape[:3], -np.inf)
+    qv = np.ones((sim.shape[0], sim.shape[2]), bool) if q_valid is None else np.asarray(q_valid, bool)
+    rows = np.where(qv[:, None, :] & np.isfinite(best), np.abs(best), 0.0).sum(axis=2)
+    return sim.shape[2] * 2.0 ** -24 * rows
+
+
 def _ulp_ties(rng, nd, ld, dim, ulps, winner_first):
     """Documents whose tokens all share one vector except component 0, where two of them lead: the
     winner by `ulps` float32 ulps of that component over the runner-up, the rest far below. The
@@ -272,11 +284,12 @@ def test_default_meets_the_float32_contract(rng, dim, lq, nq, shared):
     strict = dim * 4 <= 512
     nd, ld = 29, int(rng.integers(1, 260))
 
-    def meets(out, ref, absq, absd, d_valid=None):
-        # refined tiles: the 2e-6 contract; 3xTF32: float32 accumulation over d and the query rows
-        # (2.2e-6 was seen at d = 256 on random non-unit vectors, docs/api.md)
+    def meets(out, ref, absq, absd, d_valid=None, sim=None):
+        # refined tiles: the 2e-6 contract, where the rows' maxima do not cancel (random vectors'
+        # do, against short documents: sum_slack); 3xTF32: float32 accumulation over d and the
+        # query rows (2.2e-6 was seen at d = 256 on random non-unit vectors, docs/api.md)
         if strict:
-            return _contract_err(out, ref) < CONTRACT_TOL
+            return _contract_err(out, ref, sum_slack(sim)) < CONTRACT_TOL
         out, fin = np.asarray(out, np.float64), np.isfinite(ref)
         if not (np.array_equal(np.isfinite(out), fin) and np.array_equal(out[~fin], ref[~fin])):
             return False
@@ -289,7 +302,7 @@ def test_default_meets_the_float32_contract(rng, dim, lq, nq, shared):
         s, a = lik_cupy.maxsim(_cp(q), _cp(d), return_argmax=True)
         for i in range(nq):
             ref_i, sim_i = maxsim_ref(q[i:i + 1], d[i])
-            assert meets(_np(s)[i:i + 1], ref_i, np.abs(q[i:i + 1]), np.abs(d[i]))
+            assert meets(_np(s)[i:i + 1], ref_i, np.abs(q[i:i + 1]), np.abs(d[i]), sim=sim_i)
             exact = sim_i.argmax(axis=3)
             # (a one-token document's winner is always clear)
             best, lead = _best_and_lead(sim_i)
@@ -300,14 +313,14 @@ def test_default_meets_the_float32_contract(rng, dim, lq, nq, shared):
     dv = np.arange(ld)[None, :] < lens[:, None]
     ref, sim = maxsim_ref(q, d, d_valid=dv)
     s, a = lik_cupy.maxsim(_cp(q), _cp(d), d_lengths=_cp(lens), return_argmax=True)
-    assert meets(_np(s), ref, np.abs(q), np.abs(d), dv)
     masked = np.where(dv[None, :, None, :], sim, -np.inf)
+    assert meets(_np(s), ref, np.abs(q), np.abs(d), dv, masked)
     best, lead = _best_and_lead(masked)
     clear = (lead > 4 * np.spacing(np.abs(best).astype(np.float32))) & (lens[None, :, None] > 1)
     assert not strict or np.array_equal(_np(a)[clear], masked.argmax(axis=3)[clear])
     tok, off = _packed(d, lens)
     sp = lik_cupy.maxsim_varlen(_cp(q), _cp(tok), _cp(off))
-    assert meets(_np(sp), ref, np.abs(q), np.abs(d), dv)
+    assert meets(_np(sp), ref, np.abs(q), np.abs(d), dv, masked)
 
 
 def test_tf32_error_stays_within_its_bound(rng):

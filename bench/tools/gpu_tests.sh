@@ -9,6 +9,9 @@ export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH="$PWD${
 OUT=${OUT:-bench/results}
 LOGS=$(mktemp -d)
 T=${T:-420}
+# One seed for the six groups, kept in the summary: LIK_TEST_SEED=<it> replays a failure's inputs
+# (pytest -q prints no header, where tests/conftest.py names the seed it drew).
+export LIK_TEST_SEED=${LIK_TEST_SEED:-$(( (RANDOM << 15) | RANDOM ))}
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader | tee "$LOGS/gpu.txt"
 run() {
     local name=$1 start
@@ -38,6 +41,7 @@ run gpu_files "${FILES[@]}" &
 run rest tests "${REST[@]}" &
 wait
 {
+    echo "LIK_TEST_SEED=$LIK_TEST_SEED"
     cat "$LOGS/rc.txt"
     for f in "$LOGS"/pytest_*.log; do
         echo "== $(basename "$f")"

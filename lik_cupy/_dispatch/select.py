@@ -197,25 +197,28 @@ def choose_forward(cc: int, dtype: str, dim: int, lq: int, argmax: bool, vec: bo
         raise ValueError(f"no {dtype} forward configuration fits dim {dim} on sm_{arch}")
     if wgmma_ok and not x3:
         # Hopper split-d: two warpgroups staged by TMA when the caller can hand over tensor maps,
-        # one warpgroup by cp.async for a short query.
-        warps = 8 if hopper else 4
-        qhalf = not hopper and q_len <= 32 and not multi(64) and not scaled
-        if hopper and tma:
-            tiles = t.WGMMA_SPLIT_TMA
-        elif hopper:
-            tiles = t.WGMMA_SPLIT_WIDE if dim_bucket(dim) >= t.WGMMA_SPLIT_WIDE_FROM else t.WGMMA_SPLIT_NARROW
-        else:
-            tiles = t.WGMMA_SPLIT_SHORT_QHALF if qhalf else t.WGMMA_SPLIT_SHORT
-        for bn, bk, stages in tiles:  # bk: 16-bit elements of a chunk (its bytes / 2)
-            cfg = FwdConfig(elem=elem, dp=bk * 2 // esize, warps=warps, mt=1, bn=bn, stages=stages, qreg=False, argmax=argmax, vec=vec,
-                            wgmma=True, multi=multi(warps * 16), packed=packed, cand=cand, split=True,
-                            tma=tma and hopper, qhalf=qhalf)
-            # Two CTAs of two warpgroups cap registers at 128: too few for the argmax of several queries.
-            # A TMA box carries at most 256 scales (BN + 4 of them).
-            if cfg.smem_bytes <= limit and not (warps == 8 and cfg.min_blocks > 1 and argmax and cfg.multi) \
-                    and not (scaled and cfg.tma and bn + 4 > 256) \
-                    and not (scaled and argmax and (cfg.min_blocks > 1 or (cfg.multi and bn > 128))):
-                return cfg
+        # one warpgroup by cp.async for a short query. A scaled type's argmax leaves out the
+        # one-warpgroup tiles (two CTAs an SM): where mma.sync is emulated (FP8 on sm_90) short
+        # queries then take the two-warpgroup ones, their rows past the queries empty.
+        for two in (True,) if hopper else (False, True) if arch in spec.emulated_mma else (False,):
+            warps = 8 if two else 4
+            qhalf = not two and q_len <= 32 and not multi(64) and not scaled
+            if two and tma:
+                tiles = t.WGMMA_SPLIT_TMA
+            elif two:
+                tiles = t.WGMMA_SPLIT_WIDE if dim_bucket(dim) >= t.WGMMA_SPLIT_WIDE_FROM else t.WGMMA_SPLIT_NARROW
+            else:
+                tiles = t.WGMMA_SPLIT_SHORT_QHALF if qhalf else t.WGMMA_SPLIT_SHORT
+            for bn, bk, stages in tiles:  # bk: 16-bit elements of a chunk (its bytes / 2)
+                cfg = FwdConfig(elem=elem, dp=bk * 2 // esize, warps=warps, mt=1, bn=bn, stages=stages, qreg=False,
+                                argmax=argmax, vec=vec, wgmma=True, multi=multi(warps * 16), packed=packed, cand=cand,
+                                split=True, tma=tma and two, qhalf=qhalf)
+                # Two CTAs of two warpgroups cap registers at 128: too few for the argmax of several queries.
+                # A TMA box carries at most 256 scales (BN + 4 of them).
+                if cfg.smem_bytes <= limit and not (warps == 8 and cfg.min_blocks > 1 and argmax and cfg.multi) \
+                        and not (scaled and cfg.tma and bn + 4 > 256) \
+                        and not (scaled and argmax and (cfg.min_blocks > 1 or (cfg.multi and bn > 128))):
+                    return cfg
     _mma_native(spec, arch, dim, argmax)
     # 3xTF32's split fragments leave two m-tiles too few registers for the argmax of several
     # queries: those take the one m-tile rows.
