@@ -257,7 +257,7 @@ class Corpus:
         if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 1 <= k <= MAX_K:
             raise ValueError(f"k must be an integer in [1, {MAX_K}], got {k!r}")
         fw = self._stand_in(Q, q_mask, q_lengths, q_offsets, 12 * min(int(k), len(self)))
-        if fw == "numpy":  # (a JAX search gains nothing: the streaming top-k has no repeat path)
+        if fw and interop.ADAPTERS[fw].STAND_IN == "staged":  # (shared arrays gain nothing: the top-k has no repeat path)
             p = _resolved(precision, fw, Q.dtype)
             return self._through_cupy(fw, (Q,), lambda q: self.search(q, k, precision=p))
         if q_offsets is not None:
@@ -290,14 +290,15 @@ class Corpus:
             float32 ``[Nq, K]`` (``[K]`` for a 2-D Q), in the candidates' order, in Q's framework and place.
         """
         fw = self._stand_in(Q, q_mask, q_lengths, q_offsets, 0)
-        if fw == "numpy" and isinstance(candidates, (np.ndarray, list, tuple)):
+        how = interop.ADAPTERS[fw].STAND_IN if fw else None
+        if how == "staged" and isinstance(candidates, (np.ndarray, list, tuple)):
             one = Q.ndim == 2
             ids, _, shape = self._candidates(candidates, 1 if one else Q.shape[0], one_query=one)
             if ids.size and fits(Q.nbytes, ids.nbytes) and fits(4 * ids.size):
                 p = _resolved(precision, fw, Q.dtype)
                 return self._through_cupy(fw, (Q, ids.reshape(shape[1:] if one else shape)),
                                           lambda q, c: (self.rerank(q, c, precision=p),))[0]
-        elif fw == "jax" and _is_jax(candidates) and interop.describe(candidates).device == self.device:
+        elif how == "shared" and _stand_in_of(candidates) == "shared" and interop.describe(candidates).device == self.device:
             # (device ids: unread, as CuPy ones)
             p = _resolved(precision, fw, Q.dtype)
             return self._through_cupy(fw, (Q, candidates), lambda q, c: (self.rerank(q, c, precision=p),))[0]
@@ -426,21 +427,22 @@ class Corpus:
         return qp, replace(p, scores_shape=(p.nd,)) if len(q.shape) == 2 else p
 
     def _stand_in(self, Q, q_mask, q_lengths, q_offsets, out_per_query: int) -> str | None:
-        """The framework ("numpy" or "jax") of a call that a CuPy call on the same values stands in for,
-        to take the device arrays' repeat path, or None (the plain path, which checks everything):
-        a GPU-resident corpus; float16 or float32 queries of its dtype (any float for a scaled corpus)
-        and dim, with tokens, and no mask, lengths or offsets; NumPy ones within
-        ``host_staging.MAX_BYTES`` each way (``out_per_query``: result bytes a query), JAX ones on
-        the corpus's GPU."""
-        fw = "numpy" if type(Q) is np.ndarray else "jax" if _is_jax(Q) else None
-        if fw is None or self.where != "GPU" or q_mask is not None or q_lengths is not None or q_offsets is not None \
+        """The framework of a call that the CuPy call on the same values stands in for, to take the
+        device arrays' repeat path, or None (the plain path, which checks everything): a GPU-resident
+        corpus; float16 or float32 queries of its dtype (any float for a scaled corpus) and dim, with
+        tokens, and no mask, lengths or offsets, of a framework whose adapter's ``STAND_IN`` says
+        how: "staged" (host arrays, within ``host_staging.MAX_BYTES`` each way; ``out_per_query``:
+        result bytes a query) or "shared" (device arrays, on the corpus's GPU)."""
+        how = _stand_in_of(Q)
+        if how is None or self.where != "GPU" or q_mask is not None or q_lengths is not None or q_offsets is not None \
                 or Q.ndim not in (2, 3) or Q.dtype.char not in self._stand_in_chars or not Q.dtype.isnative \
                 or Q.shape[-1] != self.dim or Q.shape[-2] == 0 or not self._p.nd:
             return None
-        if fw == "jax":
-            return fw if interop.describe(Q).device == self.device else None
+        info = interop.describe(Q)
+        if how == "shared":
+            return info.framework if info.device == self.device else None
         nq = 1 if Q.ndim == 2 else Q.shape[0]
-        return fw if Q.size and fits(Q.nbytes) and fits(nq * out_per_query) else None
+        return info.framework if Q.size and fits(Q.nbytes) and fits(nq * out_per_query) else None
 
     @functools.cached_property
     def _stand_in_chars(self) -> str:
@@ -449,15 +451,16 @@ class Corpus:
 
     def _through_cupy(self, framework: str, inputs: tuple, run):
         """``run`` on CuPy arrays of ``inputs`` on the corpus's device, its results handed back as the
-        ``framework`` call's: NumPy ones moved by ``host_staging.staged_call``, JAX ones shared through
-        DLPack (results as the plain path hands them to JAX)."""
+        ``framework`` call's: staged ones moved by ``host_staging.staged_call``, shared ones through
+        the adapter (DLPack), results as the plain path hands them over."""
         import cupy
 
+        a = interop.ADAPTERS[framework]
         with cupy.cuda.Device(self.device):
-            if framework == "numpy":
+            if a.STAND_IN == "staged":
                 return staged_call(inputs, run)
-            outs = run(*(cupy.from_dlpack(x) for x in inputs))
-            return tuple(o if isinstance(o, np.ndarray) else interop.from_cupy(o, framework, False) for o in outs)
+            outs = run(*(a.to_cupy(x) for x in inputs))
+            return tuple(o if isinstance(o, np.ndarray) else a.from_cupy(o, False) for o in outs)
 
     def _launch(self, qp: Problem, p: Problem, Q, q_mask, q_lengths, x3: bool, caller: str, cand=None, key=None):
         """One launch of the forward kernel on the resident operands (``cand``: candidate ids), and
@@ -655,15 +658,18 @@ class Corpus:
         return ids.astype(np.int64, copy=False), False, shape
 
 
-def _is_jax(x) -> bool:
-    """Whether ``x`` is a JAX array (by its type's module: jax is not imported here)."""
-    return type(x).__module__.split(".")[0] in ("jax", "jaxlib")
+def _stand_in_of(x) -> str | None:
+    """``STAND_IN`` of ``x``'s framework adapter (None too for what is no array: the plain path says so)."""
+    try:
+        return interop.ADAPTERS[interop.framework_of(x)].STAND_IN
+    except TypeError:
+        return None
 
 
 def _resolved(precision, framework: str, dtype: np.dtype):
     """The precision a ``framework`` call on ``dtype`` queries resolves to, spelled out for the CuPy call
-    that stands in for it (CuPy's default follows ``CUPY_TF32``, NumPy's does not, JAX's follows
-    ``jax_default_matmul_precision``)."""
+    that stands in for it (each framework's adapter says its own default: CuPy's follows
+    ``CUPY_TF32``, NumPy's nothing, JAX's ``jax_default_matmul_precision``)."""
     if dtype != np.float32:
         return precision
     return "fp32" if fp32_accurate(precision, framework, "float32") else "tf32"

@@ -75,6 +75,9 @@ def test_every_adapter_is_registered_under_its_framework():
                for fw, m in reg.items())
     assert interop.REPEAT_CALLS == {"torch": torch_tensors, "cupy": cupy_arrays}
     assert interop.CALLBACK_BUFFERS == {"jax": xla_buffers}
+    # a resident corpus stands the CuPy call in for host and JAX arrays; the repeat frameworks need none
+    assert {fw: m.STAND_IN for fw, m in interop.ADAPTERS.items()} == {
+        "numpy": "staged", "jax": "shared", "cupy": None, "torch": None, "dlpack": None}
 
 
 def test_the_tf32_defaults_of_host_frameworks_and_cupy(monkeypatch):

@@ -29,6 +29,10 @@ class Adapter(Protocol):
     """Conversion to and from one framework's arrays, its stream and allocator, and its TF32 default."""
 
     FRAMEWORK: str  # "numpy" | "cupy" | "torch" | "jax" | "dlpack": Info.framework of its arrays
+    # How a GPU-resident Corpus's call on these arrays becomes the CuPy call on the same values (whose
+    # repeat path then runs): "staged" (host arrays, one page-locked copy each way,
+    # lik_cupy._runtime.host_staging), "shared" (device arrays through to_cupy and from_cupy), or None
+    STAND_IN: str | None
 
     def describe(self, x) -> Info:
         """Framework, device, dtype and shape of ``x``, without touching its data."""

@@ -9,6 +9,7 @@ from . import cupy_arrays
 from .info import Info, dtype_name
 
 FRAMEWORK = "dlpack"
+STAND_IN = None
 _DL_CUDA, _DL_CUDA_MANAGED = 2, 13
 
 

@@ -8,6 +8,7 @@ from . import cupy_arrays
 from .info import Info, dtype_name
 
 FRAMEWORK = "numpy"
+STAND_IN = "staged"  # a resident corpus's calls move them in one page-locked copy each way (host_staging)
 
 
 def describe(x) -> Info:

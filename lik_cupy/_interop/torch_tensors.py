@@ -18,6 +18,7 @@ from .._base.cache import DeviceCache
 from .info import Info
 
 FRAMEWORK = "torch"
+STAND_IN = None  # the repeat path takes them as they are
 
 _DTYPE_NAMES: dict = {}
 
