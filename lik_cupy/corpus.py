@@ -257,7 +257,8 @@ class Corpus:
         if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 1 <= k <= MAX_K:
             raise ValueError(f"k must be an integer in [1, {MAX_K}], got {k!r}")
         fw = self._stand_in(Q, q_mask, q_lengths, q_offsets, 12 * min(int(k), len(self)))
-        if fw and interop.ADAPTERS[fw].STAND_IN == "staged":  # (shared arrays gain nothing: the top-k has no repeat path)
+        # (shared arrays gain nothing here: the streaming top-k has no repeat path)
+        if fw and interop.ADAPTERS[fw].STAND_IN == "staged":
             p = _resolved(precision, fw, Q.dtype)
             return self._through_cupy(fw, (Q,), lambda q: self.search(q, k, precision=p))
         if q_offsets is not None:
@@ -298,8 +299,8 @@ class Corpus:
                 p = _resolved(precision, fw, Q.dtype)
                 return self._through_cupy(fw, (Q, ids.reshape(shape[1:] if one else shape)),
                                           lambda q, c: (self.rerank(q, c, precision=p),))[0]
-        elif how == "shared" and _stand_in_of(candidates) == "shared" and interop.describe(candidates).device == self.device:
-            # (device ids: unread, as CuPy ones)
+        elif how == "shared" and _stand_in_of(candidates) == "shared" \
+                and interop.describe(candidates).device == self.device:  # (device ids: unread, as CuPy ones)
             p = _resolved(precision, fw, Q.dtype)
             return self._through_cupy(fw, (Q, candidates), lambda q, c: (self.rerank(q, c, precision=p),))[0]
         if q_offsets is not None:

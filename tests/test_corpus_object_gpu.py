@@ -396,7 +396,8 @@ def test_jax_queries_take_the_cupy_call_through_dlpack(rng, monkeypatch, layout)
     if not gpus:
         pytest.skip("JAX has no GPU here")
     kw, *_ = corpus_case(rng, layout, nd=300, ld=37, dim=128)
-    corpora = [lik_cupy.Corpus(**_on_gpu(kw)), lik_cupy.Corpus(**_on_gpu(kw), ids=np.array([f"d{j}" for j in range(300)]))]
+    corpora = [lik_cupy.Corpus(**_on_gpu(kw)),
+               lik_cupy.Corpus(**_on_gpu(kw), ids=np.array([f"d{j}" for j in range(300)]))]
     Q = rng.standard_normal((5, 19, 128)).astype(np.float32)
     cand = rng.integers(0, 300, (5, 33)).astype(np.int32)
     cand[0, 0] = 300  # outside the corpus: NaN there
@@ -415,7 +416,8 @@ def test_jax_queries_take_the_cupy_call_through_dlpack(rng, monkeypatch, layout)
                     before = len(through)
                     got = calls(c, q, ids)
                     assert len(through) - before == 2  # score and rerank (search: the plain path)
-                    on_device = calls(c, _cp(np.asarray(q)), _cp(np.asarray(ids)), precision="tf32" if tf32 else "fp32")
+                    on_device = calls(c, _cp(np.asarray(q)), _cp(np.asarray(ids)),
+                                      precision="tf32" if tf32 else "fp32")
                     with monkeypatch.context() as m:
                         m.setattr(c, "_stand_in", lambda *a: None)  # the plain path
                         plain = calls(c, q, ids)
