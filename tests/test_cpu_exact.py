@@ -339,6 +339,29 @@ def test_one_pair_with_every_column_a_candidate_stays_within_block_bytes(rng, la
     assert (a == (0 if what == "tied" else 20_007)).all() and (np.isnan(s) if what == "nan" else s == 2 * dim).all()
 
 
+@pytest.mark.parametrize("what", ["tied", "nan"])
+def test_pairs_of_one_long_and_many_short_documents_stay_within_block_bytes(rng, what):
+    """The pairs float64 decides, one packed document of 250 tokens among 2,000 of two: each piece of
+    pairs was gathered as [pairs, its longest document], about 3x block_bytes, though the sum of their
+    lengths fitted. Now a piece's pairs times its longest document fit, with the same winners."""
+    lq, dim, block = 8, 16, 1 << 20
+    lens = np.r_[250, np.full(2000, 2)]
+    tok = rng.standard_normal((int(lens.sum()), dim)).astype(np.float32)
+    off = np.concatenate([[0], np.cumsum(lens)])
+    q = np.zeros((1, lq, dim), np.float32)  # tied: every similarity 0; nan: every one NaN
+    if what == "nan":
+        q[0, :, 0] = np.nan
+    qv = np.ones((1, lq), bool)
+
+    def run(b):
+        return cpu.maxsim_packed_numpy(q, qv, tok, off, return_argmax=True, block_bytes=b)
+    run(block)
+    outputs = lens.size * (4 + lq * 4)
+    assert _peak(lambda: run(block)) < outputs + block * 9 // 8 + NUMPY_BUFFERS
+    s, a = run(block)
+    assert (a == 0).all() and (np.isnan(s) if what == "nan" else s == 0).all()
+
+
 @pytest.fixture
 def late_pool(request, monkeypatch):
     """With the chunk-threads variant: a ``_LatePool`` for the blocks' chunks."""

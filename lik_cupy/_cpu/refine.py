@@ -137,11 +137,15 @@ class Pending:
         if not rows.size:
             return
         lengths = runs.length[docs]
-        cum = np.cumsum(lengths * 40)  # a column's index, mask and value as gathered
+        most = max(1, self.budget // 4 // 40)  # pairs a piece may hold (each of one column at least)
         g0 = 0
         while g0 < rows.size:  # pieces of the budget (one pair at least)
-            spent = int(cum[g0 - 1]) if g0 else 0
-            g1 = max(g0 + 1, int(np.searchsorted(cum, spent + self.budget // 4, side="right")))
+            # A piece gathers [pairs, its longest run]: 40 bytes a column (its index, mask and value as
+            # gathered), so its pairs times its longest run, not the sum of their lengths, stays within
+            # the budget (one long run among many short ones took it many times over).
+            w = lengths[g0:g0 + most]
+            area = np.arange(1, w.size + 1) * np.maximum.accumulate(w) * 40
+            g1 = g0 + max(1, int(np.searchsorted(area, self.budget // 4, side="right")))
             if g1 == g0 + 1 and lengths[g0] * _PER_CANDIDATE > self.budget // 4:
                 self._add_long(S, runs, c0, j0, int(rows[g0]), int(docs[g0]), thr)  # (a long run's pair)
                 g0 = g1
