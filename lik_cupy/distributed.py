@@ -406,11 +406,13 @@ class _Departed(Exception):
 
 
 def _source(s, i: int) -> tuple[str, str | None]:
+    """(path, lengths path or None), absolute: a relative path means the client's working directory,
+    never the one each worker happens to run in."""
     if isinstance(s, (str, os.PathLike)):
-        return os.fspath(s), None
+        return os.path.abspath(s), None
     if (isinstance(s, tuple) and len(s) == 2 and isinstance(s[0], (str, os.PathLike))
             and (s[1] is None or isinstance(s[1], (str, os.PathLike)))):
-        return os.fspath(s[0]), None if s[1] is None else os.fspath(s[1])
+        return os.path.abspath(s[0]), None if s[1] is None else os.path.abspath(s[1])
     raise TypeError(f"shard_paths[{i}] must be a path (a shard directory, or a padded [N, L, d] .npy) or a "
                     f"(.npy path, lengths path) tuple; got {s!r}")
 
@@ -421,7 +423,7 @@ class DistributedCorpus:
     Args:
         client: a ``distributed.Client``. Every worker (and the scheduler, which unpickles the
             tasks) needs lik-cupy installed, and must read the shard paths under the same names
-            (a shared file system).
+            (a shared file system; relative paths are made absolute on the client).
         shard_paths: the corpus, in order. Each item is a shard directory, a padded
             ``[N, L, d]`` ``.npy``, or a ``(.npy path, lengths path)`` tuple: whatever
             :func:`lik_cupy.shards.open_input` reads. Document positions run on across the

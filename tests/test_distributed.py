@@ -262,6 +262,27 @@ def test_lik_score_on_a_scheduler(client, corpus_files, tmp_path, rng):
     assert r.exit_code == 2 and "lik: error: --scheduler: scores on the cluster's workers" in r.stderr
 
 
+def test_relative_paths_are_the_clients_not_the_workers(client, corpus_files, tmp_path, rng, monkeypatch):
+    """Relative shard paths were handed to the workers as they were, so each worker looked them up in
+    its own working directory: `lik score --scheduler` over shards that were right there failed with
+    "no such file". They now mean the client's working directory."""
+    root = tmp_path / "here"
+    root.mkdir()
+    for i in (0, 2):
+        shutil.copytree(corpus_files[0][i], root / f"shard{i}")
+    Q, q_lengths = _queries(rng)
+    np.save(root / "q.npy", Q)
+    monkeypatch.chdir(root)  # the workers started elsewhere, and stay there
+    with DistributedCorpus(client, ["shard0", "shard2"], backend="cpu") as corpus:
+        _same(corpus.search(Q, 7, q_lengths=q_lengths),
+              retrieve(Q, [corpus_files[1][0], corpus_files[1][2]], 7, q_lengths=q_lengths, backend="cpu"))
+    base = ["score", "-q", "q.npy", "-d", "shard0", "shard2", "-k", 5, "--cpu"]
+    assert run_lik(*base, "-o", "here.tsv").exit_code == 0
+    r = run_lik(*base, "-o", "there.tsv", "--scheduler", client.scheduler.address)
+    assert r.exit_code == 0, r.stderr
+    assert (root / "there.tsv").read_bytes() == (root / "here.tsv").read_bytes()
+
+
 def test_a_worker_killed_mid_query_reloads_its_shards_and_the_query_reruns(client, corpus_files, rng):
     """A worker plugin kills one worker's process as its search task starts. The shards it held
     reload on the other worker, the batch reruns, and the result is still exact. The nanny then
