@@ -162,9 +162,13 @@ class _Fingerprint:
 
 def _fingerprint(shard: shards.Shard, source: tuple[str, str | None]) -> _Fingerprint:
     path, lengths = source
-    files = [os.path.join(path, n) for n in sorted(os.listdir(path))] if os.path.isdir(path) else [path]
-    files += [] if lengths is None else [lengths]
-    stats = tuple((os.path.basename(f), st.st_size, st.st_mtime_ns) for f in files for st in [os.stat(f)])
+    if shard.manifest is not None:  # the files the shard is read from, not whatever else its directory holds
+        names = [fmt.MANIFEST, *(shard.manifest["files"][k] for k in ("tokens", "offsets", "ids", "scales")
+                                 if k in shard.manifest["files"])]
+        files = [(n, os.path.join(path, n)) for n in names]
+    else:
+        files = [(os.path.basename(f), f) for f in [path] + ([] if lengths is None else [lengths])]
+    stats = tuple((n, st.st_size, st.st_mtime_ns) for n, f in files for st in [os.stat(f)])
     doc_lengths = np.ascontiguousarray(shard.doc_lengths(), np.int64)
     h = hashlib.blake2b(doc_lengths.tobytes(), digest_size=16)
     if shard.ids is not None:

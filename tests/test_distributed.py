@@ -397,6 +397,26 @@ def test_a_shard_rewritten_with_the_same_counts_has_another_fingerprint(tmp_path
                                                           files=built.files).changes(built)
 
 
+def test_the_fingerprint_is_the_shards_own_files(client, corpus_files, tmp_path, rng):
+    """The fingerprint took every entry of a shard's directory: a dangling symbolic link beside the
+    shard's files (which lik score and open_shard ignore) failed the corpus with a bare
+    FileNotFoundError naming it, and an edited note made a reload refuse an unchanged shard. It now
+    takes the manifest and the files the manifest names."""
+    from lik_cupy.distributed import _fingerprint
+
+    path = tmp_path / "shard2"
+    shutil.copytree(corpus_files[0][2], path)
+    (path / "notes").symlink_to(tmp_path / "missing")
+    Q, q_lengths = _queries(rng)
+    with DistributedCorpus(client, [str(path)], backend="cpu") as corpus:
+        _same(corpus.search(Q, 4, q_lengths=q_lengths), retrieve(Q, [corpus_files[1][2]], 4, q_lengths=q_lengths,
+                                                                 backend="cpu"))
+    built = _fingerprint(shards.open_shard(str(path)), (str(path), None))
+    (path / "notes").unlink()
+    (path / "notes").write_text("edited")
+    assert _fingerprint(shards.open_shard(str(path)), (str(path), None)) == built
+
+
 def _tokens_file(root, tokens):
     np.save(root / "flat.npy", tokens)
     return root / "flat.npy"
