@@ -778,7 +778,9 @@ def _connect(scheduler: str):
         raise LikError("--scheduler", f"no Dask scheduler answered at {scheduler} within {_CONNECT_TIMEOUT} s "
                                       "(something there accepts connections but does not answer as one)")
     e = done.get("error")
-    if isinstance(e, (OSError, ValueError)):  # unreachable (TimeoutError is an OSError), or not an address
+    # unreachable (TimeoutError is an OSError), not an address, or a scheme this Dask cannot use as it is
+    # configured (tls:// without a security config, ucx:// without UCX: TypeError)
+    if isinstance(e, (OSError, ValueError, TypeError)):
         raise LikError("--scheduler", f"cannot reach a Dask scheduler at {scheduler}: {e}") from None
     if e is not None:
         raise e

@@ -260,6 +260,11 @@ def test_lik_score_on_a_scheduler(client, corpus_files, tmp_path, rng):
         assert there.read_bytes() == here.read_bytes()
     r = run_lik(*base, "-o", tmp_path / "x.tsv", "--scheduler", "tcp://127.0.0.1:1", "--devices", "0,1")
     assert r.exit_code == 2 and "lik: error: --scheduler: scores on the cluster's workers" in r.stderr
+    # A scheme Dask cannot use without configuration was an "internal error", exit 1.
+    r = run_lik(*base, "-o", tmp_path / "x.tsv", "--scheduler", "tls://127.0.0.1:1")
+    assert r.exit_code == 2 and r.stderr.startswith("lik: error: --scheduler: cannot reach a Dask scheduler at "
+                                                    "tls://127.0.0.1:1: "), r.stderr
+    assert not (tmp_path / "x.tsv").exists()
 
 
 def test_relative_paths_are_the_clients_not_the_workers(client, corpus_files, tmp_path, rng, monkeypatch):
