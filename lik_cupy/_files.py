@@ -42,6 +42,7 @@ _PROBLEMS = {
     errno.EISDIR: "is a directory",
     errno.EEXIST: "already exists",
     errno.EIO: "input/output error",
+    errno.EMFILE: "too many open files (the process's limit, ulimit -n, is too low for this many inputs)",
 }
 
 

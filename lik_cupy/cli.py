@@ -192,6 +192,21 @@ def _silence_stdout() -> None:
     os.close(devnull)
 
 
+def _raise_open_files_limit() -> None:
+    """Let this process open as many files as its hard limit allows: every input stays open (memory-mapped,
+    three or four files a shard directory), and the usual soft limit of 1024 stopped a run over a few
+    hundred shards with "too many open files"."""
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        want = min(hard, 1 << 20) if hard != resource.RLIM_INFINITY else 1 << 20
+        if soft != resource.RLIM_INFINITY and soft < want:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+    except (ImportError, ValueError, OSError):  # not POSIX, or not allowed: the limit stays as it is
+        pass
+
+
 @contextlib.contextmanager
 def _sigterm_as_interrupt():
     """Treat SIGTERM like Ctrl-C while working, so temporary output is cleaned up."""
@@ -763,7 +778,9 @@ def _connect(scheduler: str):
         raise LikError("--scheduler", f"no Dask scheduler answered at {scheduler} within {_CONNECT_TIMEOUT} s "
                                       "(something there accepts connections but does not answer as one)")
     e = done.get("error")
-    if isinstance(e, (OSError, ValueError)):  # unreachable (TimeoutError is an OSError), or not an address
+    # unreachable (TimeoutError is an OSError), not an address, or a scheme this Dask cannot use as it is
+    # configured (tls:// without a security config, ucx:// without UCX: TypeError)
+    if isinstance(e, (OSError, ValueError, TypeError)):
         raise LikError("--scheduler", f"cannot reach a Dask scheduler at {scheduler}: {e}") from None
     if e is not None:
         raise e
@@ -1012,6 +1029,7 @@ def _score_command(queries, docs, q_lengths, d_lengths, top_k, out, full_matrix,
                    bf16_bits, precision, debug):
     if precision is not None:
         os.environ["LIK_PRECISION"] = precision  # the process default (lik_cupy.precision), for workers too
+    _raise_open_files_limit()
     with _sigterm_as_interrupt():
         run_score(queries, docs, out, q_lengths=q_lengths, d_lengths=d_lengths, top_k=top_k, full_matrix=full_matrix,
                   check=check, cpu=cpu, device=device, devices=devices, bf16_bits=bf16_bits, scheduler=scheduler)

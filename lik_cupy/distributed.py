@@ -162,9 +162,13 @@ class _Fingerprint:
 
 def _fingerprint(shard: shards.Shard, source: tuple[str, str | None]) -> _Fingerprint:
     path, lengths = source
-    files = [os.path.join(path, n) for n in sorted(os.listdir(path))] if os.path.isdir(path) else [path]
-    files += [] if lengths is None else [lengths]
-    stats = tuple((os.path.basename(f), st.st_size, st.st_mtime_ns) for f in files for st in [os.stat(f)])
+    if shard.manifest is not None:  # the files the shard is read from, not whatever else its directory holds
+        names = [fmt.MANIFEST, *(shard.manifest["files"][k] for k in ("tokens", "offsets", "ids", "scales")
+                                 if k in shard.manifest["files"])]
+        files = [(n, os.path.join(path, n)) for n in names]
+    else:
+        files = [(os.path.basename(f), f) for f in [path] + ([] if lengths is None else [lengths])]
+    stats = tuple((n, st.st_size, st.st_mtime_ns) for n, f in files for st in [os.stat(f)])
     doc_lengths = np.ascontiguousarray(shard.doc_lengths(), np.int64)
     h = hashlib.blake2b(doc_lengths.tobytes(), digest_size=16)
     if shard.ids is not None:
@@ -406,11 +410,13 @@ class _Departed(Exception):
 
 
 def _source(s, i: int) -> tuple[str, str | None]:
+    """(path, lengths path or None), absolute: a relative path means the client's working directory,
+    never the one each worker happens to run in."""
     if isinstance(s, (str, os.PathLike)):
-        return os.fspath(s), None
+        return os.path.abspath(s), None
     if (isinstance(s, tuple) and len(s) == 2 and isinstance(s[0], (str, os.PathLike))
             and (s[1] is None or isinstance(s[1], (str, os.PathLike)))):
-        return os.fspath(s[0]), None if s[1] is None else os.fspath(s[1])
+        return os.path.abspath(s[0]), None if s[1] is None else os.path.abspath(s[1])
     raise TypeError(f"shard_paths[{i}] must be a path (a shard directory, or a padded [N, L, d] .npy) or a "
                     f"(.npy path, lengths path) tuple; got {s!r}")
 
@@ -421,7 +427,7 @@ class DistributedCorpus:
     Args:
         client: a ``distributed.Client``. Every worker (and the scheduler, which unpickles the
             tasks) needs lik-cupy installed, and must read the shard paths under the same names
-            (a shared file system).
+            (a shared file system; relative paths are made absolute on the client).
         shard_paths: the corpus, in order. Each item is a shard directory, a padded
             ``[N, L, d]`` ``.npy``, or a ``(.npy path, lengths path)`` tuple: whatever
             :func:`lik_cupy.shards.open_input` reads. Document positions run on across the

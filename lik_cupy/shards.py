@@ -643,28 +643,46 @@ def pack_arrays(docs: Sequence, path: str | os.PathLike, *, ids=None, model: str
     """
     if not docs:
         raise ShardError(path, "no documents given; expected at least one [L, d] array")
-    arrays, names = [], []
+    # A file's array is not kept but opened again when it is written: a memory map holds a file
+    # descriptor, and thousands of pages held at once ran out of them (ulimit -n).
+    arrays, names, kinds = [], [], []  # the array (None: a file's), its name, its (shape, dtype)
     for i, doc in enumerate(docs):
         if isinstance(doc, (str, os.PathLike)):
             name = os.fspath(doc)
-            raw = _files.open_npy(name)
-            doc = _as_numpy_dtype(raw, _embedding_dtype(raw, name, bf16_bits))
+            doc, kept = _npy_document(name, bf16_bits), None
         else:
             name = f"docs[{i}]"
-            doc = _check_array_dtype(doc if isinstance(doc, np.ndarray) else np.asarray(doc), name)
+            doc = kept = _check_array_dtype(doc if isinstance(doc, np.ndarray) else np.asarray(doc), name)
         if doc.ndim != 2:
             raise ShardError(name, f"expected one document's token embeddings [L, d], got shape {doc.shape}")
-        if arrays and (doc.shape[1], doc.dtype) != (arrays[0].shape[1], arrays[0].dtype):
-            raise ShardError(name, f"d={doc.shape[1]}, {doc.dtype} differs from {names[0]}'s d={arrays[0].shape[1]}, {arrays[0].dtype}; every document needs the same dim and dtype")
-        arrays.append(doc)
+        if kinds and (doc.shape[1], doc.dtype) != (kinds[0][0][1], kinds[0][1]):
+            raise ShardError(name, f"d={doc.shape[1]}, {doc.dtype} differs from {names[0]}'s d={kinds[0][0][1]}, {kinds[0][1]}; every document needs the same dim and dtype")
+        arrays.append(kept)
         names.append(name)
-    if arrays[0].shape[1] == 0:
+        kinds.append((doc.shape, doc.dtype))
+    del doc
+    if kinds[0][0][1] == 0:
         raise ShardError(names[0], "embedding dim is 0; expected d >= 1")
     offsets = np.zeros(len(arrays) + 1, np.int64)
-    np.cumsum([a.shape[0] for a in arrays], out=offsets[1:])
-    blocks = ((name, a, None) for name, a in zip(names, arrays))
-    return _write(path, blocks, offsets, ids, arrays[0].shape[1], arrays[0].dtype.name, dtype, model, overwrite,
+    np.cumsum([shape[0] for shape, _ in kinds], out=offsets[1:])
+
+    def blocks():
+        for name, a, (shape, dt) in zip(names, arrays, kinds):
+            if a is None:
+                a = _npy_document(name, bf16_bits)
+                if (a.shape, a.dtype) != (shape, dt):
+                    raise ShardError(name, f"changed while it was packed: it now holds {list(a.shape)} {a.dtype}, "
+                                           f"it held {list(shape)} {dt}; pack it again")
+            yield name, a, None
+
+    return _write(path, blocks(), offsets, ids, kinds[0][0][1], kinds[0][1].name, dtype, model, overwrite,
                   check_finite)
+
+
+def _npy_document(name: str, bf16_bits: bool) -> np.ndarray:
+    """One document's ``.npy`` file, memory-mapped, in its library dtype."""
+    raw = _files.open_npy(name)
+    return _as_numpy_dtype(raw, _embedding_dtype(raw, name, bf16_bits))
 
 
 def _check_array_dtype(arr: np.ndarray, name: str, int8_ok: bool = False) -> np.ndarray:

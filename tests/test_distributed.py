@@ -260,6 +260,32 @@ def test_lik_score_on_a_scheduler(client, corpus_files, tmp_path, rng):
         assert there.read_bytes() == here.read_bytes()
     r = run_lik(*base, "-o", tmp_path / "x.tsv", "--scheduler", "tcp://127.0.0.1:1", "--devices", "0,1")
     assert r.exit_code == 2 and "lik: error: --scheduler: scores on the cluster's workers" in r.stderr
+    # A scheme Dask cannot use without configuration was an "internal error", exit 1.
+    r = run_lik(*base, "-o", tmp_path / "x.tsv", "--scheduler", "tls://127.0.0.1:1")
+    assert r.exit_code == 2 and r.stderr.startswith("lik: error: --scheduler: cannot reach a Dask scheduler at "
+                                                    "tls://127.0.0.1:1: "), r.stderr
+    assert not (tmp_path / "x.tsv").exists()
+
+
+def test_relative_paths_are_the_clients_not_the_workers(client, corpus_files, tmp_path, rng, monkeypatch):
+    """Relative shard paths were handed to the workers as they were, so each worker looked them up in
+    its own working directory: `lik score --scheduler` over shards that were right there failed with
+    "no such file". They now mean the client's working directory."""
+    root = tmp_path / "here"
+    root.mkdir()
+    for i in (0, 2):
+        shutil.copytree(corpus_files[0][i], root / f"shard{i}")
+    Q, q_lengths = _queries(rng)
+    np.save(root / "q.npy", Q)
+    monkeypatch.chdir(root)  # the workers started elsewhere, and stay there
+    with DistributedCorpus(client, ["shard0", "shard2"], backend="cpu") as corpus:
+        _same(corpus.search(Q, 7, q_lengths=q_lengths),
+              retrieve(Q, [corpus_files[1][0], corpus_files[1][2]], 7, q_lengths=q_lengths, backend="cpu"))
+    base = ["score", "-q", "q.npy", "-d", "shard0", "shard2", "-k", 5, "--cpu"]
+    assert run_lik(*base, "-o", "here.tsv").exit_code == 0
+    r = run_lik(*base, "-o", "there.tsv", "--scheduler", client.scheduler.address)
+    assert r.exit_code == 0, r.stderr
+    assert (root / "there.tsv").read_bytes() == (root / "here.tsv").read_bytes()
 
 
 def test_a_worker_killed_mid_query_reloads_its_shards_and_the_query_reruns(client, corpus_files, rng):
@@ -374,6 +400,26 @@ def test_a_shard_rewritten_with_the_same_counts_has_another_fingerprint(tmp_path
     shards.write_shard(path, tok, [0, 7, 12], overwrite=True)
     assert "lengths or ids differ" in dataclasses.replace(_fingerprint(shards.open_shard(path), (path, None)),
                                                           files=built.files).changes(built)
+
+
+def test_the_fingerprint_is_the_shards_own_files(client, corpus_files, tmp_path, rng):
+    """The fingerprint took every entry of a shard's directory: a dangling symbolic link beside the
+    shard's files (which lik score and open_shard ignore) failed the corpus with a bare
+    FileNotFoundError naming it, and an edited note made a reload refuse an unchanged shard. It now
+    takes the manifest and the files the manifest names."""
+    from lik_cupy.distributed import _fingerprint
+
+    path = tmp_path / "shard2"
+    shutil.copytree(corpus_files[0][2], path)
+    (path / "notes").symlink_to(tmp_path / "missing")
+    Q, q_lengths = _queries(rng)
+    with DistributedCorpus(client, [str(path)], backend="cpu") as corpus:
+        _same(corpus.search(Q, 4, q_lengths=q_lengths), retrieve(Q, [corpus_files[1][2]], 4, q_lengths=q_lengths,
+                                                                 backend="cpu"))
+    built = _fingerprint(shards.open_shard(str(path)), (str(path), None))
+    (path / "notes").unlink()
+    (path / "notes").write_text("edited")
+    assert _fingerprint(shards.open_shard(str(path)), (str(path), None)) == built
 
 
 def _tokens_file(root, tokens):

@@ -211,6 +211,31 @@ def test_a_scheduler_that_dies_mid_run_is_exit_2_in_one_line(tmp_path):
     assert listing(tmp_path) == ["q.npy", "s"]
 
 
+def test_more_shards_than_the_soft_open_files_limit(tmp_path):
+    """Every shard stays open (three memory maps each), and the usual soft limit of 1024 files stopped
+    `lik score` over a few hundred shards with "too many open files". The soft limit is now raised to the
+    hard one; past the hard one, the error says which limit."""
+    resource = pytest.importorskip("resource")
+    from lik_cupy import shards
+
+    docs = []
+    for i in range(40):
+        docs.append(tmp_path / f"s{i:02d}")
+        shards.write_shard(docs[-1], np.ones((3, 8), np.float32), [0, 1, 3], ids=np.array([2 * i, 2 * i + 1]))
+    q = queries(tmp_path / "q.npy")
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    if hard != resource.RLIM_INFINITY and hard < 256:
+        pytest.skip(f"the hard limit on open files here is {hard}")
+    args = ["score", "--cpu", "-q", q, "-d", *docs, "-k", 3]
+    p = lik(*args, "-o", tmp_path / "a.tsv", preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (64, hard)))
+    assert p.returncode == 0 and p.stderr == "", p.stderr
+    assert len((tmp_path / "a.tsv").read_text().splitlines()) > 1
+    p = lik(*args, "-o", tmp_path / "b.tsv", preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64)))
+    lines = p.stderr.splitlines()
+    assert p.returncode == 2 and len(lines) == 1 and "too many open files (the process's limit, ulimit -n," in lines[0]
+    assert not (tmp_path / "b.tsv").exists()
+
+
 def test_a_padded_npy_of_no_tokens_claims_no_documents(tmp_path):
     """A 128-byte header claiming 2**40 rows of zero tokens: every command refuses it in one line, not
     by allocating or looping once per row."""

@@ -188,6 +188,43 @@ def test_pack_arrays_and_dtype_conversion(tmp_path):
     np.testing.assert_array_equal(np.asarray(back.tokens), np.concatenate(docs).astype(ml_dtypes.bfloat16).astype(np.float32))
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts open descriptors in /proc")
+def test_pack_arrays_of_more_files_than_descriptors(tmp_path):
+    """Every page's memory map (a file descriptor each) was held until the shard was written, so
+    `lik pack --per-doc` of a thousand pages under the usual `ulimit -n 1024` failed with "too many
+    open files". Each file is now opened again when it is written; one that changed meanwhile is refused."""
+    resource = pytest.importorskip("resource")
+    rng = np.random.default_rng(8)
+    docs = ragged(rng, rng.integers(0, 5, 300))
+    files = []
+    for i, d in enumerate(docs):
+        files.append(tmp_path / f"page{i}.npy")
+        np.save(files[-1], d)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 100, hard))
+    try:
+        s = shards.pack_arrays(files, tmp_path / "pages")
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert s.offsets.tolist() == offsets_of(docs).tolist()
+    np.testing.assert_array_equal(np.asarray(s.tokens), np.concatenate(docs))
+
+    real = shards._npy_document
+    seen = []
+
+    def changing(name, bf16_bits):  # the last page grows between its check and its write
+        seen.append(name)
+        if len(seen) == len(files) + len(files):
+            np.save(name, np.ones((7, DIM), np.float32))
+        return real(name, bf16_bits)
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(shards, "_npy_document", changing)
+        with pytest.raises(ShardError, match=r"page299.npy: changed while it was packed: it now holds \[7, 12\]"):
+            shards.pack_arrays(files, tmp_path / "again")
+    assert not (tmp_path / "again").exists()
+
+
 def test_pack_arrays_rejects_mixed_dims(tmp_path):
     with pytest.raises(ShardError, match=r"docs\[1\]: d=5"):
         shards.pack_arrays([np.zeros((2, 4), np.float32), np.zeros((2, 5), np.float32)], tmp_path / "x")
