@@ -249,8 +249,11 @@ def _lock(target: str) -> Iterator[None]:
 
     directory, _ = _split(target)
     path = os.path.join(directory, os.fsdecode(_prefix(target)[: -len(_TAG)] + b".lik-lock"))
+    # Not through a symbolic link: one planted under the lock's name would have the open create (or
+    # truncate nothing, but create) a file wherever it points; ELOOP refuses it instead.
+    flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
     while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o600)
+        fd = os.open(path, flags, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             try:

@@ -842,3 +842,20 @@ def test_cpu_blocks_split_long_documents_exactly(rng):
     peak = _peak(lambda: cpu.maxsim_numpy(Q, long_doc, qv, ones, candidates=False, nd=1, return_argmax=False,
                                           block_bytes=1 << 20))
     assert peak < 4 << 20, f"{peak / 2**20:.1f} MiB for 1 MiB blocks"  # the document in float64: 25.6 MB
+
+
+def test_the_locked_fallback_opens_no_symbolic_link_planted_as_its_lock(tmp_path, monkeypatch):
+    """Without renameat2 every write takes a lock file beside its target; a symbolic link planted
+    under that name (a dangling one: where it points, nothing exists yet) is refused, and nothing is
+    created where it points."""
+    monkeypatch.setattr(_atomic, "_RENAMEAT2", None)
+    target = tmp_path / "shard"
+    lock = tmp_path / os.fsdecode(_atomic._prefix(str(target))[: -len(_atomic._TAG)] + b".lik-lock")
+    victim = tmp_path / "elsewhere" / "created-by-lik"
+    victim.parent.mkdir()
+    lock.symlink_to(victim)
+    tok = np.ones((3, 8), np.float16)
+    with pytest.raises(OSError):
+        shards.write_shard(target, tok, np.array([0, 1, 3]))
+    assert not victim.exists() and not target.exists()
+    assert lock.is_symlink()  # not ours: left where it was
