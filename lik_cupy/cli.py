@@ -1140,7 +1140,7 @@ def _describe(s: shards.Shard) -> list[str]:
     if s.manifest is not None:
         rows += [("normalized", "yes" if s.manifest["normalized"] else "no"), ("model", str(s.manifest["model"]))]
     if s.ids is not None:
-        ids = _readable_ids(s.ids)
+        ids = _readable_ids(s.ids[[0, -1]] if s.ids.size else s.ids)  # (decoding every id took 4x the file's bytes)
         kind = "int64" if ids.dtype.kind in "iu" else "str"
         rows.append(("ids", f"{kind}, {ids[0].item()!r} .. {ids[-1].item()!r}" if ids.size else kind))
     else:
