@@ -54,7 +54,8 @@ def maxsim_backward(grad_scores, Q, D, argmax, *, d_offsets=None, method="auto",
             nor a token of its document makes that query token's dQ row NaN and adds nothing
             to dD. True (or ``LIK_VALIDATE=1``): check the argmax values first (one reduction
             and one host synchronisation) and raise a ValueError. A host-resident argmax (or
-            offsets) is checked on the host and raises, unless False. False: no check.
+            offsets) is checked on the host and raises, unless False. False: no check on the GPU
+            (the CPU path checks every call: NumPy's indexing would wrap a negative entry round).
         backend: "auto", "gpu" or "cpu" (NumPy, accumulating in float64 in blocks bounded in
             bytes: ``lik_cupy._cpu.backward``).
 
