@@ -29,11 +29,15 @@ def maxsim_zero_pad_grad(Q, D, zero_pad, q_mask=None, d_mask=None, *, q_lengths=
     check_method(method)
     check_eager(Q)
 
-    def call(q, d, argmax=True):
-        return _maxsim_zero_pad(q, d, zero_pad, q_mask, d_mask, q_lengths=q_lengths, d_lengths=d_lengths,
-                                return_argmax=argmax, backend=backend_of(q), precision=precision, validate=validate)
+    # The flags, masks and lengths are the call's extras, so that torch.func's vmap slices them with Q and D.
+    def call(q, d, flags, qm, dm, ql, dl, argmax=True):
+        return _maxsim_zero_pad(q, d, flags, qm, dm, q_lengths=ql, d_lengths=dl, return_argmax=argmax,
+                                backend=backend_of(q), precision=precision, validate=validate)
 
-    return apply(Q, D, None, method, call, False) if needs_grad(Q, D) else call(Q, D, False)
+    extras = (zero_pad, q_mask, d_mask, q_lengths, d_lengths)
+    if not (needs_grad(Q, D) or transformed()):
+        return call(Q, D, *extras, argmax=False)
+    return apply(Q, D, None, method, call, False, extras)
 
 
 def maxsim_varlen_zero_pad_grad(Q, D_tokens, d_offsets, zero_pad, q_mask=None, *, q_lengths=None, method="auto",

@@ -134,6 +134,23 @@ def test_masked_scores_compile_and_match_eager(rng):
         assert torch.allclose(mine, theirs, rtol=1e-5, atol=1e-6)
 
 
+def test_masked_scores_under_vmap_match_a_loop(rng):
+    # torch.func.vmap of colbert_scores with a documents_mask (batched or not, no gradient) read the
+    # batched tensors' data: "Cannot access data pointer of Tensor that doesn't have storage".
+    Q, D, qm, dm = _inputs(rng, (6, 11, 24), "both", "float")
+    Qs, qms = torch.stack([Q, Q.flip(0)]), torch.stack([qm, qm.flip(0)])
+    loop = torch.stack([lp.colbert_scores(q, D, m, dm) for q, m in zip(Qs, qms)])
+    assert torch.equal(torch.func.vmap(lambda q, m: lp.colbert_scores(q, D, m, dm))(Qs, qms), loop)
+    dms = torch.stack([dm, dm.flip(0)])
+    loop = torch.stack([lp.colbert_scores(Q, D, qm, m) for m in dms])
+    assert torch.equal(torch.func.vmap(lambda m: lp.colbert_scores(Q, D, qm, m))(dms), loop)
+    per_q = torch.func.vmap(torch.func.grad(lambda q, m: lp.colbert_scores(q, D, qm[:1], m).sum()))(Qs[:, :1], dms)
+    for b in range(2):
+        q = Qs[b, :1].clone().requires_grad_(True)
+        lp.colbert_scores(q, D, qm[:1], dms[b]).sum().backward()
+        assert torch.equal(per_q[b], q.grad)
+
+
 def test_numpy_and_list_inputs_like_convert_to_tensor(rng):
     Q, D = negative_token_inputs(rng, (3, 4, 16), (5, 6, 16))
     ref = pylate_scores.colbert_scores(torch.from_numpy(Q).double(), torch.from_numpy(D).double(), backend="torch")
