@@ -11,7 +11,7 @@ turns such a call into as few calls of the public function as the shapes allow:
 - ``"pairs"``: queries ``[Lq, d]`` against documents ``[Nd, Ld, d]`` mapped over every batch axis
   (a forward or backward call with padded documents): the batch becomes the per-query
   candidate sets ``D [B, Nd, Ld, d]``, one call;
-- ``"loop"``: anything else, one call per batch element.
+- ``"loop"``: anything else (a scale per tensor ``[]`` mapped too), one call per batch element.
 
 A backward call with shared documents loops: each batch element has its own ``dD``.
 
@@ -31,6 +31,7 @@ _Q_SIDE = frozenset({"Q", "q_mask", "q_lengths", "q_scales"})
 _D_SIDE = frozenset({"D", "D_tokens", "d_mask", "d_lengths", "d_offsets", "d_scales"})
 _FORWARD = frozenset({"maxsim", "maxsim_varlen", "maxsim_int8", "maxsim_int8_varlen"})
 _PADDED = frozenset({"maxsim", "maxsim_int8", "maxsim_backward"})
+_SCALES = frozenset({"q_scales", "d_scales"})
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,10 @@ def plan(spec: CallSpec, arrays: dict) -> str:
     if all(math.prod(a.shape[:k]) == 1 for a in arrays.values()):
         return "single"
     batch = tuple(max(a.shape[i] for a in arrays.values()) for i in range(k))
+    # A scale per tensor ([]) mapped over the batch is one scale per element: folding it into the
+    # queries' or documents' axis would make it a scale per query or document (the wrong shape).
+    if any(n in _SCALES and spec.rank(n) == 0 and math.prod(a.shape[:k]) != 1 for n, a in arrays.items()):
+        return "loop"
     d_args = [a for n, a in arrays.items() if n in _D_SIDE]
     d_name = "D_tokens" if "D_tokens" in spec.names else "D"
     if spec.fn in _FORWARD and all(math.prod(a.shape[:k]) == 1 for a in d_args) and spec.rank(d_name) != 4:
@@ -89,7 +94,7 @@ def run_batched(spec: CallSpec, call, arrays: list, outs: list, write, xp) -> No
     else:  # "queries"
         folded = {}
         for nm, a in args.items():
-            if nm not in _Q_SIDE:
+            if nm not in _Q_SIDE or nm in _SCALES and spec.rank(nm) == 0:  # (a scale per tensor, not mapped)
                 folded[nm] = a.reshape(a.shape[k:])
             elif spec.rank("Q") == 3:  # [B, Nq, ...] -> [B * Nq, ...]
                 a = _flat(_full(a, batch, xp), k)

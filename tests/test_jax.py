@@ -383,6 +383,41 @@ def test_int8_jit_vmap_and_no_gradient(rng):
                                                                                    backend="cpu"))
 
 
+def test_int8_vmap_with_a_scale_per_tensor(rng, monkeypatch):
+    """A scale per tensor ([]) under jax.vmap: the "queries" plan folded a mapped or shared [] q_scales
+    into the queries' axis, and "pairs" a mapped [] d_scales into the documents', an IndexError or
+    ValueError inside the callback (an XLA INTERNAL error). A mapped one loops now; a shared one stays
+    one call."""
+    b, dim = 3, 16
+    q8 = rng.integers(-127, 128, (b, 2, 3, dim)).astype(np.int8)
+    d8 = rng.integers(-127, 128, (b, 4, 5, dim)).astype(np.int8)
+    s = np.array([0.01, 0.02, 0.03], np.float32)
+    one = [np.asarray(x) for x in s]  # 0-d arrays (the top-level functions take no NumPy scalars)
+    ds = rng.random((4, 5)).astype(np.float32)
+    off = np.array([0, 5, 12, 20])
+    seen = _plans(monkeypatch)
+    out = jax.jit(jax.vmap(lambda a, x: maxsim_int8(a, d8[0], ds, q_scales=x)))(q8, s)  # both mapped
+    np.testing.assert_array_equal(np.asarray(out), np.stack([lik_cupy.maxsim_int8(q8[i], d8[0], ds, q_scales=one[i],
+                                                                                   backend="cpu") for i in range(b)]))
+    assert seen == ["loop"]
+    out = jax.vmap(lambda x: maxsim_int8(q8[0], d8[0], ds, q_scales=x))(s)  # only the scale mapped
+    np.testing.assert_array_equal(np.asarray(out), np.stack([lik_cupy.maxsim_int8(q8[0], d8[0], ds, q_scales=x,
+                                                                                   backend="cpu") for x in one]))
+    ql = np.array([3, 1, 0])  # with a 0-d length per single query, mapped (folded as the queries' lengths)
+    out = jax.vmap(lambda a, n: maxsim_int8(a, d8[0], ds, q_scales=s[1], q_lengths=n))(q8[:, 0], ql)
+    assert seen[-1] == "queries"  # shared: still one call
+    np.testing.assert_array_equal(np.asarray(out), lik_cupy.maxsim_int8(q8[:, 0], d8[0], ds, q_scales=one[1],
+                                                                        q_lengths=ql, backend="cpu"))
+    out = jax.vmap(lambda a, x: maxsim_int8_varlen(a, d8[0].reshape(-1, dim), ds.reshape(-1), off, q_scales=x))(q8, s)
+    np.testing.assert_array_equal(np.asarray(out), np.stack([
+        lik_cupy.maxsim_int8_varlen(q8[i], d8[0].reshape(-1, dim), ds.reshape(-1), off, q_scales=one[i], backend="cpu")
+        for i in range(b)]))
+    q = rng.standard_normal((b, 3, dim)).astype(np.float32)
+    out = jax.vmap(maxsim_int8)(q, d8, s)  # single queries, own documents and own [] d_scales
+    np.testing.assert_array_equal(np.asarray(out), np.stack([lik_cupy.maxsim_int8(q[i], d8[i], one[i], backend="cpu")
+                                                             for i in range(b)]))
+
+
 def test_float64_with_x64(rng):
     with _x64():
         q, d = rng.standard_normal((2, 5, 6)), rng.standard_normal((3, 4, 6))
