@@ -1,6 +1,5 @@
 """Where a single-query Corpus.search spends its host time (H200)."""
 import cProfile, io, json, os, pstats, statistics, sys, time
-import numpy as np
 import cupy
 sys.path.insert(0, os.environ.get("BENCH_ROOT", "."))
 from bench.suites.bench_serve import build_corpus, queries, gpu_ms
