@@ -48,8 +48,8 @@ Lengths and offsets are never read on the host. A length outside ``[0, L]`` make
 (or document's) scores NaN, and ``d_offsets`` that do not start at 0, decrease, or end
 elsewhere than at ``T`` make every score NaN, where ``lik_cupy.maxsim`` raises ``ValueError``.
 Likewise an INT8 document scale of a valid token that is negative, NaN or infinite makes its
-document's scores NaN (``lik_cupy.maxsim_int8`` raises); a query token's such scale makes its
-query's scores NaN, as there.
+document's scores NaN (``lik_cupy.maxsim_int8`` raises); a query token's negative or NaN scale
+makes its query's scores NaN, as there (an infinite one multiplies its row's max, as there too).
 """
 
 from __future__ import annotations
