@@ -65,7 +65,8 @@ def maxsim_from_hidden(Q, H, W, bias=None, q_mask=None, d_mask=None, *, q_length
         eps: the normalisation's floor, a positive float.
         return_argmax: also return the int32 argmax ``scores.shape + (Lq,)``, as :func:`lik_cupy.maxsim`.
         max_chunk_bytes: the most bytes of projected tokens held at once, in the inputs' dtype on
-            the GPU (float64 on the CPU); default ``CHUNK_BYTES``, 256 MiB (1,000 documents of 300
+            the GPU (on the CPU: each token's hidden state, projection and its gradient in
+            float64, ``8 (h + 2 d)`` bytes); default ``CHUNK_BYTES``, 256 MiB (1,000 documents of 300
             tokens of d = 128 in 16 bits are 77 MB: one chunk). At least one document at a time. The
             one-pass kernel on Hopper (this module's docstring) holds no projected tokens but a
             scratch of 8 bytes a query token and document, which this bounds too: a call past it
@@ -137,13 +138,20 @@ def maxsim_from_hidden_backward(grad_scores, Q, H, W, bias, argmax, d_mask=None,
     return _cpu_backward(hp, grad_scores, Q, H, W, bias, argmax, d_mask, d_lengths, normalize, eps, max_chunk_bytes)
 
 
-def _chunks(hp: HiddenProblem, max_chunk_bytes, itemsize: int):
-    """Document ranges ``(j0, j1)`` whose projected tokens (``itemsize`` bytes an element) fit the
-    budget (one document at least)."""
+def _chunks(hp: HiddenProblem, max_chunk_bytes, token_bytes: int):
+    """Document ranges ``(j0, j1)`` whose tokens (``token_bytes`` each: what a chunk holds of one)
+    fit the budget (one document at least)."""
     p = hp.p
-    per_doc = max(1, p.ld * p.dim * itemsize)
+    per_doc = max(1, p.ld * token_bytes)
     step = max(1, (CHUNK_BYTES if max_chunk_bytes is None else max_chunk_bytes) // per_doc)
     return [(j, min(p.nd, j + step)) for j in range(0, p.nd, step)]
+
+
+def _cpu_token_bytes(hp: HiddenProblem) -> int:
+    """What a CPU chunk holds of one token: its hidden state and its projection (with, in the
+    backward, the projection's gradient) in float64. Counting the projection alone, a chunk of h = 768
+    held six times the budget in float64 hidden states."""
+    return 8 * (hp.hidden + 2 * hp.p.dim)
 
 
 def _sliced(x, j0: int, j1: int):
@@ -178,7 +186,7 @@ def _cpu_forward(hp: HiddenProblem, Q, H, W, bias, q_mask, d_mask, q_lengths, d_
     dl = None if d_lengths is None else interop.host_array(d_lengths, fw).reshape(p.nd)
     scores = np.empty((p.nq, p.nd), np.float64)
     amax = np.empty((p.nq, p.nd, p.lq), np.int32)
-    for j0, j1 in _chunks(hp, max_chunk_bytes, 8):
+    for j0, j1 in _chunks(hp, max_chunk_bytes, _cpu_token_bytes(hp)):
         D = project_numpy(h[j0 * p.ld:j1 * p.ld], w, b)
         if normalize:
             normalize_rows(D, eps)
@@ -200,10 +208,10 @@ def _cpu_backward(hp: HiddenProblem, grad_scores, Q, H, W, bias, argmax, d_mask,
     keep = valid_host(d_mask, d_lengths, p.nd, p.ld, "d_lengths", fw).reshape(-1, 1)
     w64 = w.astype(np.float64)
     dq = np.zeros(q.shape)
-    dh = np.empty(h.shape, np.float64)
+    dh = np.empty(h.shape, h.dtype)  # each chunk's float64 rows rounded once as they are written
     dw = np.zeros(w.shape)
     db = np.zeros(p.dim)
-    for j0, j1 in _chunks(hp, max_chunk_bytes, 8):
+    for j0, j1 in _chunks(hp, max_chunk_bytes, _cpu_token_bytes(hp)):
         rows = slice(j0 * p.ld, j1 * p.ld)
         D = project_numpy(h[rows], w, b)
         r = normalize_rows(D, eps) if normalize else None
@@ -289,7 +297,7 @@ def _gpu_forward(hp: HiddenProblem, Q, H, W, bias, q_mask, d_mask, q_lengths, d_
                         CHUNK_BYTES if max_chunk_bytes is None else max_chunk_bytes)
         if qn is not None and aligned(q.data.ptr, h.data.ptr, w.data.ptr):
             return call.results(p, *_fused_forward(hp, q, h, w, b, dm, normalize, eps, return_argmax, qn, call.device))
-        chunks = _chunks(hp, max_chunk_bytes, h.dtype.itemsize)
+        chunks = _chunks(hp, max_chunk_bytes, p.dim * h.dtype.itemsize)
         scores = amax = None
         if len(chunks) != 1:  # (none for no documents)
             scores = cupy.empty((p.nq, p.nd), cupy.float64 if p.dtype == "float64" else cupy.float32)
@@ -348,7 +356,7 @@ def _gpu_backward(hp: HiddenProblem, grad_scores, Q, H, W, bias, argmax, d_mask,
         g = grad_scores_f32(grad_scores, fw, on_host, p)
         a = cupy.ascontiguousarray(interop.device_array(argmax, fw, on_host).reshape(p.nq, p.nd, p.lq))
         keep = _device_keep(d_mask, d_lengths, p, fw, on_host, wide)
-        chunks = _chunks(hp, max_chunk_bytes, h.dtype.itemsize)
+        chunks = _chunks(hp, max_chunk_bytes, p.dim * h.dtype.itemsize)
         # One chunk (training batches): dQ as the backward gives it, dW and db written by their
         # GEMMs in the inputs' type; several: float32 sums, rounded once at the end.
         one = len(chunks) == 1 and not wide

@@ -376,3 +376,30 @@ def test_the_one_pass_kernel_leaves_masked_queries_and_lengths_to_the_pipeline(m
     monkeypatch.delenv("LIK_DISABLE_WGMMA")
     monkeypatch.setenv("LIK_DISABLE_TMA", "1")
     assert hidden_maxsim.fused_width(hp, 0, None, None, None, budget) is None
+
+
+def test_cpu_chunks_count_the_hidden_states_they_hold(rng):
+    """A CPU chunk holds its tokens' hidden states in float64 besides their projection: counting the
+    projection alone, h = 768 against d = 32 held about ten times max_chunk_bytes (a 4 MiB budget
+    peaked at 42 MiB); the backward held a float64 dH the size of H besides."""
+    import tracemalloc
+
+    q = rng.standard_normal((2, 8, 32)).astype(np.float32)
+    h = rng.standard_normal((200, 32, 768)).astype(np.float32)
+    w = (rng.standard_normal((32, 768)) / 28).astype(np.float32)
+    budget = 4 << 20
+    tracemalloc.start()
+    try:
+        s, a = lik_cupy.maxsim_from_hidden(q, h, w, return_argmax=True, max_chunk_bytes=budget, backend="cpu")
+        forward = tracemalloc.get_traced_memory()[1]
+        tracemalloc.reset_peak()
+        grads = lik_cupy.maxsim_from_hidden_backward(np.ones_like(s), q, h, w, None, a, max_chunk_bytes=budget,
+                                                     backend="cpu")
+        backward = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert forward < budget * 3 // 2 + (1 << 20), forward
+    assert backward < 2 * h.nbytes + budget * 3 // 2 + (1 << 20), backward  # dH and its copy in H's dtype
+    whole = lik_cupy.maxsim_from_hidden_backward(np.ones_like(s), q, h, w, None, a, backend="cpu")
+    for x, y in zip(grads[:3], whole[:3]):  # chunks change no value (dW: float64 sums, rounded once; no bias)
+        np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-7)
