@@ -6,8 +6,10 @@ Each token (a row of the last axis) ``x`` gets one float32 scale and int8 values
 
     scale = max|x| / 127,    q = rint(x / scale)  in [-127, 127],    x ~= q * scale
 
-so every element is within half a step (``scale / 2``) of its original. An all-zero
-token (padding) gets scale 0 and q 0: it dequantises to zeros, never NaN. The NumPy
+so every element is within half a step (``scale / 2``) of its original, except in tokens of
+float32 subnormals only: below a largest element of about 2^-135 the scale, itself subnormal,
+rounds so coarsely that elements clip at +-127 (and below about 2^-149 * 127 to a scale of 0,
+codes 0). An all-zero token (padding) gets scale 0 and q 0: it dequantises to zeros, never NaN. The NumPy
 path and the device kernel (``cuda_src/quantize.cu``) do the same IEEE float32
 operations, so both give bitwise the same bytes. Storage is ``d + 4`` bytes per token
 (``d`` int8 values and a float32 scale) against ``2 d`` for fp16.
