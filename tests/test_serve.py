@@ -991,6 +991,19 @@ def test_binary_responses_are_the_json_the_generic_path_writes(rng):
     assert json.loads(body[:n])["outputs"][0]["shape"] == [2, 7]
 
 
+def test_an_outputs_binary_data_overrides_binary_data_output():
+    """The binary extension: binary_data_output asks for every output in binary "unless overridden by
+    "binary_data" on a specific output" (SCORES with binary_data false was sent binary)."""
+    from lik_cupy.serving import _tensors
+
+    names = ("SCORES", "IDS")
+    for every, flags, want in ((True, {"SCORES": False}, {"IDS"}), (True, {"SCORES": True}, {"SCORES", "IDS"}),
+                               (False, {"SCORES": True}, {"SCORES"}), (True, {}, {"SCORES", "IDS"})):
+        outputs = [{"name": n, **({"parameters": {"binary_data": flags[n]}} if n in flags else {})} for n in names]
+        header = {"parameters": {"binary_data_output": every}, "outputs": outputs}
+        assert _tensors.binary_outputs(header, names) == (list(names), want), (every, flags)
+
+
 def test_outputs_past_the_limit_are_refused(corpus):
     from lik_cupy.serving import _service
 

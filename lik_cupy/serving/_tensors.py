@@ -4,7 +4,8 @@ the binary tensor extension, and a response's outputs back.
 The binary extension: the body is a JSON header of ``Inference-Header-Content-Length`` bytes, then
 each input that names a ``binary_data_size`` parameter, in input order, as raw little-endian bytes
 (BYTES elements each as a 4-byte little-endian length and the bytes). Responses do the same for the
-outputs asked for in binary (``binary_data`` per output, or ``binary_data_output`` for all).
+outputs asked for in binary (``binary_data_output`` for all, unless an output's own ``binary_data``
+says otherwise).
 Every malformed part raises ``ValueError`` naming it.
 """
 
@@ -173,7 +174,7 @@ def binary_outputs(header: dict, names: tuple[str, ...]) -> tuple[list[str], set
         p = o.get("parameters") or {}
         if not isinstance(p, dict):
             raise ValueError(f"output {o['name']}: 'parameters' must be an object")
-        if every or _flag(p, "binary_data"):
+        if _flag(p, "binary_data") if "binary_data" in p else every:  # (an output's own flag overrides)
             binary.add(o["name"])
     return [n for n in names if n in wanted], binary
 
