@@ -327,6 +327,28 @@ def test_id_index():
         plain.positions(np.array([3]))
 
 
+def test_byte_string_ids_are_answered_and_found_as_text(tmp_path):
+    """A shard's ids may be byte strings (ids.npy of dtype S): search answered their repr ("b'b'") in
+    JSON and binary, and rerank refused every id ("unknown ids ['b']"). They are UTF-8 text, as lik's
+    results show them."""
+    from lik_cupy.serving import _tensors
+
+    rng = np.random.default_rng(41)
+    shards.pack_arrays(_docs(rng, 4), tmp_path / "s", ids=np.array([b"b", b"a", "\u00e9".encode(), b"d"]))
+    corpus = lik_cupy.Corpus.from_shards(tmp_path / "s", device="cpu")
+    assert corpus.ids.dtype.kind == "S"
+    idx = IdIndex(corpus.ids, len(corpus))
+    assert idx.kind == "string" and idx.positions(np.array([["a", "\u00e9", "b"]])).tolist() == [[1, 2, 0]]
+    with pytest.raises(ValueError, match=r"unknown ids \['z'\]"):
+        idx.positions(np.array(["a", "z"]))
+    ids = corpus.search(rng.standard_normal((2, DIM)).astype(np.float32), 4)[1]
+    text = [x.decode() for x in ids]
+    body, _ = _tensors.write_response({}, [("IDS", ids)], set())
+    assert json.loads(body)["outputs"][0]["data"] == text
+    body, n = _tensors.write_response({}, [("IDS", ids)], {"IDS"})
+    assert body[n:] == b"".join(len(t.encode()).to_bytes(4, "little") + t.encode() for t in text)
+
+
 # ---------------------------------------------------------------- lik serve, a real process
 
 # ---------------------------------------------------------------- a corpus split over devices

@@ -134,7 +134,7 @@ def write_response(header: dict, outputs: list[tuple[str, np.ndarray]], binary: 
         if raw is not None:
             chunks.append(raw)
         else:
-            t["data"] = [str(x) for x in a.reshape(-1)] if t["datatype"] == "BYTES" else a.reshape(-1).tolist()
+            t["data"] = [_text(x) for x in a.reshape(-1)] if t["datatype"] == "BYTES" else a.reshape(-1).tolist()
         tensors.append(t)
     text = json.dumps({**header, "outputs": tensors}, allow_nan=True).encode()
     if not chunks:
@@ -316,6 +316,12 @@ def _strings(name: str, items: list[bytes]) -> np.ndarray:
 def _bytes_elements(a: np.ndarray) -> bytes:
     parts = []
     for x in a.reshape(-1):
-        b = str(x).encode()
+        b = x if isinstance(x, bytes) else str(x).encode()  # (str() of a byte string is its repr: "b'doc1'")
         parts += [struct.pack("<I", len(b)), b]
     return b"".join(parts)
+
+
+def _text(x) -> str:
+    """A BYTES output's element as JSON text: byte-string ids (ids.npy of dtype S) decoded as UTF-8,
+    as lik's results show them."""
+    return x.decode("utf-8", errors="backslashreplace") if isinstance(x, bytes) else str(x)
