@@ -327,6 +327,28 @@ def test_id_index():
         plain.positions(np.array([3]))
 
 
+def test_byte_string_ids_are_answered_and_found_as_text(tmp_path):
+    """A shard's ids may be byte strings (ids.npy of dtype S): search answered their repr ("b'b'") in
+    JSON and binary, and rerank refused every id ("unknown ids ['b']"). They are UTF-8 text, as lik's
+    results show them."""
+    from lik_cupy.serving import _tensors
+
+    rng = np.random.default_rng(41)
+    shards.pack_arrays(_docs(rng, 4), tmp_path / "s", ids=np.array([b"b", b"a", "\u00e9".encode(), b"d"]))
+    corpus = lik_cupy.Corpus.from_shards(tmp_path / "s", device="cpu")
+    assert corpus.ids.dtype.kind == "S"
+    idx = IdIndex(corpus.ids, len(corpus))
+    assert idx.kind == "string" and idx.positions(np.array([["a", "\u00e9", "b"]])).tolist() == [[1, 2, 0]]
+    with pytest.raises(ValueError, match=r"unknown ids \['z'\]"):
+        idx.positions(np.array(["a", "z"]))
+    ids = corpus.search(rng.standard_normal((2, DIM)).astype(np.float32), 4)[1]
+    text = [x.decode() for x in ids]
+    body, _ = _tensors.write_response({}, [("IDS", ids)], set())
+    assert json.loads(body)["outputs"][0]["data"] == text
+    body, n = _tensors.write_response({}, [("IDS", ids)], {"IDS"})
+    assert body[n:] == b"".join(len(t.encode()).to_bytes(4, "little") + t.encode() for t in text)
+
+
 # ---------------------------------------------------------------- lik serve, a real process
 
 # ---------------------------------------------------------------- a corpus split over devices
@@ -989,6 +1011,19 @@ def test_binary_responses_are_the_json_the_generic_path_writes(rng):
             assert body[n:] == b"".join(_tensors.tensor_bytes(a) for name, a in outputs if name in binary)
     body, n = _tensors.write_response({}, [("SCORES", scores)], {"SCORES"})
     assert json.loads(body[:n])["outputs"][0]["shape"] == [2, 7]
+
+
+def test_an_outputs_binary_data_overrides_binary_data_output():
+    """The binary extension: binary_data_output asks for every output in binary "unless overridden by
+    "binary_data" on a specific output" (SCORES with binary_data false was sent binary)."""
+    from lik_cupy.serving import _tensors
+
+    names = ("SCORES", "IDS")
+    for every, flags, want in ((True, {"SCORES": False}, {"IDS"}), (True, {"SCORES": True}, {"SCORES", "IDS"}),
+                               (False, {"SCORES": True}, {"SCORES"}), (True, {}, {"SCORES", "IDS"})):
+        outputs = [{"name": n, **({"parameters": {"binary_data": flags[n]}} if n in flags else {})} for n in names]
+        header = {"parameters": {"binary_data_output": every}, "outputs": outputs}
+        assert _tensors.binary_outputs(header, names) == (list(names), want), (every, flags)
 
 
 def test_outputs_past_the_limit_are_refused(corpus):

@@ -39,8 +39,10 @@ class IdIndex:
             return np.zeros(ids.shape, np.int64)
         if not self._sorted.size:
             raise ValueError(f"unknown ids {flat[:5].tolist()}: the corpus is empty")
-        at = np.minimum(np.searchsorted(self._sorted, flat), self._sorted.size - 1)
-        found = self._sorted[at] == flat
+        # byte-string ids (ids.npy of dtype S) are UTF-8 text, as the outputs and lik's results show them
+        key = np.char.encode(flat, "utf-8") if self._sorted.dtype.kind == "S" and flat.dtype.kind == "U" else flat
+        at = np.minimum(np.searchsorted(self._sorted, key), self._sorted.size - 1)
+        found = self._sorted[at] == key
         if not found.all():
             raise ValueError(f"unknown ids {flat[~found][:5].tolist()}")
         return self._order[at].astype(np.int64).reshape(ids.shape)

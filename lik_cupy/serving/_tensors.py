@@ -4,7 +4,8 @@ the binary tensor extension, and a response's outputs back.
 The binary extension: the body is a JSON header of ``Inference-Header-Content-Length`` bytes, then
 each input that names a ``binary_data_size`` parameter, in input order, as raw little-endian bytes
 (BYTES elements each as a 4-byte little-endian length and the bytes). Responses do the same for the
-outputs asked for in binary (``binary_data`` per output, or ``binary_data_output`` for all).
+outputs asked for in binary (``binary_data_output`` for all, unless an output's own ``binary_data``
+says otherwise).
 Every malformed part raises ``ValueError`` naming it.
 """
 
@@ -133,7 +134,7 @@ def write_response(header: dict, outputs: list[tuple[str, np.ndarray]], binary: 
         if raw is not None:
             chunks.append(raw)
         else:
-            t["data"] = [str(x) for x in a.reshape(-1)] if t["datatype"] == "BYTES" else a.reshape(-1).tolist()
+            t["data"] = [_text(x) for x in a.reshape(-1)] if t["datatype"] == "BYTES" else a.reshape(-1).tolist()
         tensors.append(t)
     text = json.dumps({**header, "outputs": tensors}, allow_nan=True).encode()
     if not chunks:
@@ -173,7 +174,7 @@ def binary_outputs(header: dict, names: tuple[str, ...]) -> tuple[list[str], set
         p = o.get("parameters") or {}
         if not isinstance(p, dict):
             raise ValueError(f"output {o['name']}: 'parameters' must be an object")
-        if every or _flag(p, "binary_data"):
+        if _flag(p, "binary_data") if "binary_data" in p else every:  # (an output's own flag overrides)
             binary.add(o["name"])
     return [n for n in names if n in wanted], binary
 
@@ -315,6 +316,12 @@ def _strings(name: str, items: list[bytes]) -> np.ndarray:
 def _bytes_elements(a: np.ndarray) -> bytes:
     parts = []
     for x in a.reshape(-1):
-        b = str(x).encode()
+        b = x if isinstance(x, bytes) else str(x).encode()  # (str() of a byte string is its repr: "b'doc1'")
         parts += [struct.pack("<I", len(b)), b]
     return b"".join(parts)
+
+
+def _text(x) -> str:
+    """A BYTES output's element as JSON text: byte-string ids (ids.npy of dtype S) decoded as UTF-8,
+    as lik's results show them."""
+    return x.decode("utf-8", errors="backslashreplace") if isinstance(x, bytes) else str(x)
