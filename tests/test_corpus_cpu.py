@@ -176,6 +176,38 @@ def test_retrieve_cpu_ties_nan_and_k_above_corpus():
     assert i2.tolist() == [1, 2] and s2.shape == (2,)
 
 
+def test_retrieve_cpu_merges_many_queries_within_the_step_bytes(rng, monkeypatch):
+    # The running top-k and a step's scores were merged for every query at once, about 48 bytes a
+    # candidate: 2,048 queries at k = 2,048 peaked at 675 MiB for a 48 MiB result. Now a few rows
+    # of queries at a time, within the step bound, with the same ranking.
+    import tracemalloc
+
+    from lik_cupy._streaming import cpu as streaming_cpu
+
+    q = rng.standard_normal((512, 1, 4)).astype(np.float32)
+    d = rng.standard_normal((2048, 1, 4)).astype(np.float32)
+    want_s, want_i = _ranked(lik_cupy.maxsim(q, d, backend="cpu"), 512)
+    merge, peaks = streaming_cpu.merge_ranked, []
+
+    def traced(*args):  # each merge's temporaries and result
+        held = tracemalloc.get_traced_memory()[0]
+        tracemalloc.reset_peak()
+        out = merge(*args)
+        peaks.append(tracemalloc.get_traced_memory()[1] - held)
+        return out
+
+    monkeypatch.setattr(streaming_cpu, "_CPU_STEP_BYTES", 1 << 20)
+    monkeypatch.setattr(streaming_cpu, "merge_ranked", traced)
+    tracemalloc.start()
+    try:
+        s, i = lik_cupy.retrieve(q, d, 512, backend="cpu")
+    finally:
+        tracemalloc.stop()
+    np.testing.assert_array_equal(i, want_i)
+    np.testing.assert_array_equal(s, want_s)
+    assert peaks and max(peaks) < 2 << 20, max(peaks)  # (a whole merge took 22 MiB)
+
+
 @pytest.mark.parametrize(
     "kwargs,err,msg",
     [

@@ -17,6 +17,7 @@ from .parts import Part, part_problem, same_kind
 __all__ = ["CpuTopK"]
 
 _CPU_STEP_BYTES = 64 << 20
+_MERGE_BYTES = 48  # temporary bytes per candidate of a merge (scores and positions side by side, sort keys, order)
 
 
 class CpuTopK:
@@ -73,9 +74,22 @@ class CpuTopK:
                 self._merge(s)
 
     def _merge(self, s):
-        pos = self.base + np.broadcast_to(np.arange(s.shape[1], dtype=np.int64), s.shape)
-        self.s, self.i = merge_ranked(self.s, self.i, s, pos, self.k)
-        self.base += s.shape[1]
+        # Rows of queries at a time whose merge temporaries stay within _CPU_STEP_BYTES (merged whole, the
+        # running top-k and a step of many queries took about 48 bytes a candidate: 675 MiB for 2,048
+        # queries at k = 2,048, whose result is 48 MiB).
+        nq, n = s.shape
+        pos = np.broadcast_to(np.arange(self.base, self.base + n, dtype=np.int64), s.shape)  # (a view)
+        rows = max(1, _CPU_STEP_BYTES // (_MERGE_BYTES * max(1, self.s.shape[1] + n)))
+        if rows >= nq:
+            self.s, self.i = merge_ranked(self.s, self.i, s, pos, self.k)
+        else:
+            out_s = np.empty((nq, min(self.k, self.s.shape[1] + n)), np.result_type(self.s, s))
+            out_i = np.empty(out_s.shape, np.int64)
+            for a in range(0, nq, rows):
+                out_s[a:a + rows], out_i[a:a + rows] = merge_ranked(self.s[a:a + rows], self.i[a:a + rows],
+                                                                    s[a:a + rows], pos[a:a + rows], self.k)
+            self.s, self.i = out_s, out_i
+        self.base += n
 
     def result(self):
         fw = self.qp.framework
