@@ -137,7 +137,9 @@ def _prepared(key, p: Problem, return_argmax: bool, validate, x3: bool, metadata
 
     q_len, d_len, d_off = metadata
     wide = tuple(x is not None and x.dtype.itemsize == 8 for x in (q_len, d_len, d_off))
-    if any(x is not None and x.dtype.itemsize not in (4, 8) for x in metadata):
+    # (unsigned ones too: the general path narrows them to int32, which uint64 lengths, read as
+    # they are, would not match)
+    if any(x is not None and (x.dtype.itemsize not in (4, 8) or "uint" in str(x.dtype)) for x in metadata):
         return None
     esize = 2 if p.dtype != "float32" else 4
     aligned = key[2][3] and key[3][3]  # Q's and D's 16-byte alignment

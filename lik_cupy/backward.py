@@ -171,8 +171,9 @@ def _prepared(key, p: Problem, method: str, q_shape, d_shape):
     cc = device_properties(p.device).cc
     if dispatch.choose_backward(method, cc, p.nq, p.nd, p.lq, rows, p.dim) != "atomic":
         return None
-    dq, cast, dq_grid, cast_grid = atomic_functions(p, cc)
+    dq, cast, dq_grid, cast_grid, module = atomic_functions(p, cc)
     call = PreparedBackward(p.framework, p, p.device, dq, cast, dq_grid, cast_grid, THREADS,
-                            (p.nq, p.nd, p.lq, p.ld, p.dim, int(p.candidates), rows), (q_shape, d_shape), p.dtype)
+                            (p.nq, p.nd, p.lq, p.ld, p.dim, int(p.candidates), rows), (q_shape, d_shape), p.dtype,
+                            module)
     store(key, call)
     return call

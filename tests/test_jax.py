@@ -792,6 +792,26 @@ def test_gpu_repeat_runs_write_xla_buffers_directly(rng, monkeypatch, fn):
 
 
 @pytest.mark.gpu
+def test_gpu_repeat_runs_narrow_int64_lengths_under_x64(rng):
+    """With x64 on, lengths stay int64: a repeat run's prepared call narrows them to int32 from XLA's
+    buffer itself, which has no astype (every repeat run with int64 query lengths raised)."""
+    gpu = _gpu()
+    nq, lq, nd, ld, dim = 3, 21, 40, 17, 64
+    with _x64():
+        ql = rng.integers(1, lq + 1, nq).astype(np.int64)
+        lens = rng.integers(0, ld + 1, nd).astype(np.int64)
+        QL, DL = jax.device_put(ql, gpu), jax.device_put(lens, gpu)
+        run = jax.jit(lambda a, b: maxsim(a, b, q_lengths=QL, d_lengths=DL))
+        grad = jax.jit(jax.grad(lambda a, b: maxsim(a, b, q_lengths=QL, d_lengths=DL).sum()))
+        for i in range(3):  # the first run prepares the call, the next ones take it
+            q, d = _inputs(rng, "float16", (nq, lq, dim), (nd, ld, dim))
+            Q, D = jax.device_put(q, gpu), jax.device_put(d, gpu)
+            out = jax.block_until_ready(run(Q, D))
+            assert rel_err(out, maxsim_ref(q, d, _valid(ql, lq), _valid(lens, ld))[0]) < TOL["float16"], i
+            _close(grad(Q, D), _grads_ref(q, d, _valid(ql, lq), _valid(lens, ld), np.ones((nq, nd)))[0], "float16")
+
+
+@pytest.mark.gpu
 def test_gpu_varlen_vmap_and_bad_values(rng):
     gpu = _gpu()
     lens = rng.integers(0, 40, 50)

@@ -219,9 +219,10 @@ def malloc(size: int):
 
 
 def signature(x):
-    """What a prepared call depends on: (shape, dtype, device (-1: the CPU), 16-byte aligned,
-    C-contiguous)."""
-    return x.shape, x.dtype, x.get_device(), not x.data_ptr() & 15, x.is_contiguous()
+    """What a prepared call depends on: (shape, dtype, device (-1: not a CUDA device), 16-byte
+    aligned, C-contiguous). (``get_device`` numbers other accelerators' devices from 0 too: such a
+    tensor, keyed as cuda:0's, would skip the check that refuses it.)"""
+    return x.shape, x.dtype, x.get_device() if x.is_cuda else -1, not x.data_ptr() & 15, x.is_contiguous()
 
 
 def address(x) -> int:

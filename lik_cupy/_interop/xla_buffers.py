@@ -17,10 +17,22 @@ def address(x) -> int:
 
 stream_handle = cupy_arrays.stream_handle
 new_empty = cupy_arrays.new_empty
-to_int32 = cupy_arrays.to_int32
+
+
+def to_int32(x):
+    """``x`` (an XLA buffer of int64 lengths, with x64 on) as a new int32 CuPy array on XLA's stream
+    (the buffer has no ``astype`` of its own)."""
+    import cupy
+
+    return _view(x).astype(cupy.int32)
 
 
 def fill(x, value) -> None:
+    _view(x).fill(value)
+
+
+def _view(x):
+    """A CuPy array over XLA's buffer ``x`` (or a CuPy array), by its CUDA array interface: no copy."""
     import cupy
 
     cai = x.__cuda_array_interface__
@@ -29,4 +41,4 @@ def fill(x, value) -> None:
         n *= s
     dtype = cupy.dtype(cai["typestr"])
     mem = cupy.cuda.UnownedMemory(cai["data"][0], n * dtype.itemsize, x)
-    cupy.ndarray(tuple(cai["shape"]), dtype, cupy.cuda.MemoryPointer(mem, 0)).fill(value)
+    return cupy.ndarray(tuple(cai["shape"]), dtype, cupy.cuda.MemoryPointer(mem, 0))

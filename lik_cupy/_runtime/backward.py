@@ -98,14 +98,16 @@ def launch_backward(p: Problem, q, d, gs, a, off, method: str, device: int):
 
 def atomic_functions(p: Problem, cc: int) -> tuple:
     """Driver handles of the atomic method's kernels (dQ with dD in fp32, then dD's cast) for the
-    repeat-call path, and their grids: (dq, cast, dq_grid, cast_grid)."""
+    repeat-call path, their grids, and the module that owns them, which the caller keeps while it
+    holds the handles (the compile cache may drop it, and its release unloads them): (dq, cast,
+    dq_grid, cast_grid, module)."""
     import cupy
 
     dq_grid, cast_grid = grids(p)
     with cupy.cuda.Device(p.device):
         mod = _module(p, cc, p.device, p.dim % 4 == 0)
         dq, cast = (mod.get_function(k).kernel.ptr for k in ("lik_bwd_dq", "lik_bwd_cast"))
-    return dq, cast, dq_grid, cast_grid
+    return dq, cast, dq_grid, cast_grid, mod
 
 
 def _empty(shape, dtype, what: str, hint: str, zeros: bool = False):

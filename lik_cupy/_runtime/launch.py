@@ -94,8 +94,11 @@ class ForwardLaunch:
     kernel, the launch plans and the scalar parameters. :meth:`run` then only reads pointers."""
 
     def __init__(self, p: Problem, device: int, cfg, mod, func: int, plan, whole, ntok: int, rows: int, esize: int,
-                 off_flags: int, argmax: bool):
+                 off_flags: int, argmax: bool, split_mod=None):
         self.p, self.device, self.cfg, self.mod, self.func, self.plan = p, device, cfg, mod, func, plan
+        # The token split's tile comes from a module of its own: held, as mod is, so that the compile
+        # cache dropping it cannot unload the function this launch calls by handle.
+        self._split_mod = split_mod
         # (cfg, func, plan, ntok) without a token split, for a stream being captured (token_split.py):
         # the whole-document tile and plan a split replaced (padded documents, tokens-on-M INT8
         # tiles), or the same tile planned without one (packed documents keep their token count,
@@ -222,22 +225,23 @@ def _prepare(p: Problem, device: int, esize: int, vec: bool, use_tma: bool, argm
     ntok = p.ntok if packed else 0
     plan = dispatch.plan_launch(cfg, props.cc, props.num_sms, p.nq, p.nd, p.lq, shared, ntok)
     whole = None  # made at the first launch on a captured stream (ForwardLaunch.whole)
+    split_mod = None
     if not plan.token_split and (not packed or cfg.tokm):  # few long documents: a tile that splits them
         split = _token_split(cfg, p, props, arch, device, shared, packed)
         if split is not None:
             whole = (cfg, func, plan, ntok)
-            cfg, func, plan, ntok = split
+            cfg, func, plan, ntok, split_mod = split
     # Packed documents: the CTAs' search of the offsets samples up to one block (1,024 threads at
     # most) past Nd in 32-bit ints.
     searched = p.nd + 1024 if packed else 0
     if max(p.nq, p.nd, p.lq, p.ld, plan.grid[0], searched) >= 2**31:
         check_32bit(Nq=p.nq, Nd=p.nd, Lq=p.lq, Ld=p.ld, grid=plan.grid[0], **{"packed Nd + 1024": searched})
     off_flags = (1 if not packed or off_wide else 0) | (2 if d_off_whole else 0)
-    return ForwardLaunch(p, device, cfg, mod, func, plan, whole, ntok, rows, esize, off_flags, argmax)
+    return ForwardLaunch(p, device, cfg, mod, func, plan, whole, ntok, rows, esize, off_flags, argmax, split_mod)
 
 
 def _token_split(cfg, p: Problem, props, arch: int, device: int, shared: int, packed: bool):
-    """(cfg, func, plan, ntok) of the tile that splits the documents ``cfg`` would score whole,
+    """(cfg, func, plan, ntok, module) of the tile that splits the documents ``cfg`` would score whole,
     where the launch plan splits them (token_split.py), else None: padded documents take
     ``cfg``'s strided tile (``ntok`` is then one query's documents' padded tokens), packed ones
     under a tokens-on-M INT8 tile its ``queries_on_m`` tile."""
@@ -251,13 +255,13 @@ def _token_split(cfg, p: Problem, props, arch: int, device: int, shared: int, pa
     if not split.token_split:
         return None
     try:
-        _, sfunc = _kernel(tile, arch, device)
+        smod, sfunc = _kernel(tile, arch, device)
     except CompileError as e:  # the sm_90a build of this variant failed: whole documents, as planned
         if not (tile.wgmma or tile.tma):
             raise
         _warn_wgmma_once(e)
         return None
-    return tile, sfunc, split, ntok
+    return tile, sfunc, split, ntok, smod
 
 
 def use_tma_for(p: Problem, vec: bool, rows: int, d_scale=None, residual=None) -> bool:

@@ -218,12 +218,14 @@ _CAST_PARAMS = signature("ppq")  # lik_bwd_cast
 
 class PreparedBackward:
     """One signature's ``maxsim_backward`` with the atomic method: dQ and the fp32 dD in one pass,
-    then dD cast to D's dtype (``lik_cupy.backward``). ``dq``, ``cast``: the kernels' handles;
+    then dD cast to D's dtype (``lik_cupy.backward``). ``dq``, ``cast``: the kernels' handles
+    (``module``: what owns them, held so that the compile cache dropping it cannot unload them);
     ``dims``: (Nq, Nd, Lq, Ld, dim, candidates, rows); grids as the general path plans them."""
 
     def __init__(self, fw: str, p, device: int, dq: int, cast: int, dq_grid, cast_grid, threads: int, dims: tuple,
-                 shapes: tuple, dtype: str):
+                 shapes: tuple, dtype: str, module=None):
         self.a = _ADAPTERS[fw]
+        self._module = module  # the kernels' module, kept loaded while its handles are used
         self.device, self.dq, self.cast = device, dq, cast
         self.dq_grid, self.cast_grid, self.threads, self.dims = dq_grid, cast_grid, threads, dims
         self.q_shape, self.d_shape = shapes
