@@ -222,13 +222,21 @@ def _cpu(rp: ResidualProblem, Q, codes, residuals, lens_or_offsets, centroids, w
         _check_codes(c, rp.n_centroids)
     sets = None
     if p.d_packed:
-        off = host_offsets(host_array(lens_or_offsets, fw), p.ntok, "d_offsets")
-        starts, lens = off[:-1], np.diff(off)
-        if candidates is not None:
+        # an index's offsets were checked when it was read: a call reads its candidates' alone
+        off = np.asarray(lens_or_offsets) if checked else host_offsets(host_array(lens_or_offsets, fw), p.ntok,
+                                                                       "d_offsets")
+        if candidates is None:
+            starts, lens = off[:-1], np.diff(off)
+        else:
             sets = np.asarray(host_array(candidates, fw), np.int64).reshape(p.nq, p.nd)
             if sets.size and not checked:
                 check_id_values("candidates", int(sets.min()), int(sets.max()), rp.n_docs,
                                 f"ids of the {rp.n_docs} documents of d_offsets")
+            # the candidates' documents only, in id order (every document's starts and lengths,
+            # [N] each, grew with the index whatever the call scored)
+            docs, sets = np.unique(sets, return_inverse=True)
+            sets = sets.reshape(p.nq, p.nd)
+            starts, lens = off[docs], off[docs + 1] - off[docs]
     else:
         rows = p.nq * p.nd if p.candidates else p.nd
         starts = np.arange(rows, dtype=np.int64) * p.ld

@@ -260,6 +260,36 @@ def test_packed_runs_bound_memory(rng):
     assert whole > 4 << 20  # (more than either block: holding everything would not pass)
 
 
+def test_index_rerank_holds_its_candidates_not_the_index(rng, monkeypatch):
+    """rerank's CPU path took every document's start and length ([N] int64 each, and the offsets'
+    check) on each call: about 17 bytes a document of the index, past block_bytes for a large index
+    however few candidates a call scored. Now only the candidates' are read."""
+    import tracemalloc
+
+    from lik_cupy._cpu import residual as res
+    from lik_cupy._plaid_files import IndexArrays
+
+    monkeypatch.setattr(res, "_BLOCK_BYTES", 1 << 20)
+    dim, nbits, nd = 32, 2, 1_000_000  # 4 tokens a document; 17 MB of [N] temporaries on the old path
+    cen, w = codec(rng, 16, dim, nbits)
+    off = np.arange(nd + 1, dtype=np.int64) * 4
+    codes, bits = tokens(rng, int(off[-1]), 16, dim, nbits)
+    idx = lik_cupy.PlaidIndex(IndexArrays("fast-plaid", nbits, cen, w, codes, bits, off))
+    Q = rng.standard_normal((2, 8, dim)).astype(np.float32)
+    cand = np.array([[nd - 1, 0, 5], [3, nd - 1, 3]])
+    s, a = idx.rerank(Q, cand, return_argmax=True, backend="cpu")
+    tracemalloc.start()
+    try:
+        idx.rerank(Q, cand, return_argmax=True, backend="cpu")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak <= 1 << 20, peak
+    ref, ref_a = _decompressed_and_scored(Q, None, codes, bits, off, cen, w, nbits, cand)
+    np.testing.assert_array_equal(s, ref)
+    np.testing.assert_array_equal(a, ref_a)
+
+
 def test_unnormalized_and_empty(rng):
     dim, nbits = 16, 4
     cen, w = codec(rng, 5, dim, nbits)
