@@ -298,13 +298,19 @@ def _arrays(**named) -> dict:
     for k, v in named.items():
         if v is None:
             continue
+        given = v
         if isinstance(v, (list, tuple, int)):
             v = host_ints(k, v)  # (an integer past int64: a ValueError naming it, not jnp's OverflowError)
-        if not isinstance(v, jax.Array) and not jax.config.jax_enable_x64:
-            a = np.asarray(v)
-            if a.dtype.kind in "iu" and a.dtype.itemsize * 8 - (a.dtype.kind == "i") > 31:
-                v = np.clip(a, -1, np.iinfo(np.int32).max).astype(np.int32)
-        out[k] = v if isinstance(v, jax.Array) else jnp.asarray(v)
+        try:
+            if not isinstance(v, jax.Array) and not jax.config.jax_enable_x64:
+                a = np.asarray(v)
+                if a.dtype.kind in "iu" and a.dtype.itemsize * 8 - (a.dtype.kind == "i") > 31:
+                    v = np.clip(a, -1, np.iinfo(np.int32).max).astype(np.int32)
+            out[k] = v if isinstance(v, jax.Array) else jnp.asarray(v)
+        except (TypeError, RuntimeError) as e:  # (object, string or float128 arrays; a torch tensor needing grad)
+            what = type(given).__name__ + (f" of dtype {given.dtype}" if hasattr(given, "dtype") else "")
+            raise TypeError(f"{k}: expected a JAX array, or an array or list of numbers JAX holds; got {what}"
+                            + (f" ({e})" if isinstance(e, RuntimeError) else "")) from None
     return out
 
 

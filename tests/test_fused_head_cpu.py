@@ -228,6 +228,8 @@ def test_grad_only_where_asked(rng):
     (lambda Q, H, W, b: lik_cupy.maxsim_from_hidden(Q, H, W.astype(np.float32), b), "W has dtype float32 but Q has float64"),
     (lambda Q, H, W, b: lik_cupy.maxsim_from_hidden(Q, torch.tensor(H), W, b), "H is a torch array but Q is a numpy array"),
     (lambda Q, H, W, b: lik_cupy.maxsim_from_hidden(Q, H, W, b, eps=0.0), "eps must be a positive finite float"),
+    (lambda Q, H, W, b: lik_cupy.maxsim_from_hidden(Q, H, W, b, eps=10**400),
+     "eps must be a positive finite float"),  # (float() of it raised OverflowError)
     (lambda Q, H, W, b: lik_cupy.maxsim_from_hidden(Q, H, W, b, normalize="yes"), "normalize must be True or False"),
     (lambda Q, H, W, b: lt.maxsim_from_hidden(*(_t(x) for x in (Q, H, W, b)), normalize="no"),
      "normalize must be True or False"),  # (torch's wrapper once cast it to True)

@@ -458,6 +458,18 @@ def test_argument_errors_at_trace_time(rng):
         maxsim(q, d.astype(np.float16))
 
 
+@pytest.mark.parametrize("where, bad", [("Q", np.zeros((3, 8), object)), ("Q", np.zeros((3, 8), "M8[s]")),
+                                        ("q_lengths", ["1", "2"]), ("q_lengths", [None, 1]), ("d_offsets", "0, 5")])
+def test_arrays_jax_cannot_hold_are_named(rng, where, bad):
+    # (JAX's own error named neither the argument nor what was expected: "Error interpreting
+    # argument to stage as a JAX value ... passed to stage at position 0")
+    q, d = _inputs(rng, "float32", (2, 3, 8), (4, 5, 8))
+    call = (lambda: maxsim_varlen(q, d.reshape(20, 8), bad)) if where == "d_offsets" else \
+        (lambda: maxsim(bad, d)) if where == "Q" else (lambda: maxsim(q, d, q_lengths=bad))
+    with pytest.raises(TypeError, match=f"^{where}: expected a JAX array, or an array or list of numbers JAX holds"):
+        call()
+
+
 def test_missing_buffer_callback_names_the_jax_needed(rng, monkeypatch):
     monkeypatch.setattr(_jax_ops, "_buffer_callback", lambda: None)
     monkeypatch.setattr(lik_cupy._dispatch.backend, "gpu_available", lambda: True)  # past the no-GPU error

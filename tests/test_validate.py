@@ -541,3 +541,20 @@ def test_flags_take_booleans_only():
                lambda: lt.maxsim_from_hidden(t, torch.ones(3, 4, 8), torch.ones(16, 8), return_argmax="no")):
         with pytest.raises(TypeError, match="return_argmax must be True or False, got 'no'"):
             fn()
+
+
+@pytest.mark.parametrize("kw, err, match", [
+    (dict(dims="128"), TypeError, "dims must be a tuple or list of embedding dims, ints >= 1, got '128'"),
+    (dict(dims=128), TypeError, "dims must be a tuple or list"),
+    (dict(dims=(0,)), ValueError, "dims holds 0; expected embedding dims, ints >= 1"),
+    (dict(dtypes="float16"), TypeError, "dtypes must be a tuple or list of dtype names"),
+    (dict(query_lengths=(-1,)), ValueError, "query_lengths holds -1"),
+    (dict(argmax=True), TypeError, "argmax must be a tuple or list of bools"),
+    (dict(argmax=("x",)), ValueError, "argmax holds 'x'; expected bools"),
+    (dict(device=-1), ValueError, "device must be a CUDA device ordinal"),
+])
+def test_warmup_checks_its_arguments_before_looking_for_a_gpu(kw, err, match):
+    # (on a GPU, dims="128" reached the kernel selection as dims "1", "2", "8": a TypeError of string
+    # formatting; argmax=True was "'bool' object is not iterable")
+    with pytest.raises(err, match=E(match)):
+        lik_cupy.warmup(**kw)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numpy as np
+
 from .. import _dispatch as dispatch
 from .._base.device import device_properties, gpu_available
 from .kernels import FORWARD, QUANTIZE
@@ -32,6 +34,7 @@ def warmup(dims=(128,), dtypes=("float16", "bfloat16"), query_lengths=(32, 1024)
     from .._dispatch.precision import checked, default
 
     x3 = checked(precision or default() or "fp32", "precision") == "fp32"
+    dims, dtypes, query_lengths, argmax = _checked_args(dims, dtypes, query_lengths, argmax, device)
     if not gpu_available():
         raise RuntimeError("lik_cupy.warmup: no CUDA GPU is visible (CuPy could not find one, or is not installed); "
                            "warmup compiles GPU kernels, and the CPU path (backend='cpu') needs none")
@@ -60,3 +63,33 @@ def warmup(dims=(128,), dtypes=("float16", "bfloat16"), query_lengths=(32, 1024)
                 get_module(QUANTIZE.file, defines, arch, dev, entry=spec.quantiser_kernel)
                 names.add(QUANTIZE.row_name(spec.quantiser_kernel, defines))
     return len(names)
+
+
+def _checked_args(dims, dtypes, query_lengths, argmax, device) -> tuple:
+    """Each argument's type and range, before a GPU is looked for (as a scoring call checks its
+    arguments first); the four collections come back as tuples. A string (iterated by character)
+    or a bare int reached the kernel selection as dims "1", "2", "8" (a TypeError of string
+    formatting) or as "'int' object is not iterable"."""
+    out = []
+    for name, values, want in (("dims", dims, "embedding dims, ints >= 1"), ("dtypes", dtypes, "dtype names"),
+                               ("query_lengths", query_lengths, "ints >= 1"), ("argmax", argmax, "bools")):
+        try:
+            if isinstance(values, (str, bytes)):
+                raise TypeError
+            values = tuple(values)
+        except TypeError:
+            raise TypeError(f"{name} must be a tuple or list of {want}, got {values!r}") from None
+        for v in values:
+            if name == "dtypes":
+                ok = isinstance(v, str)
+            elif name == "argmax":
+                ok = isinstance(v, (bool, np.bool_))
+            else:
+                ok = isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_)) and v >= 1
+            if not ok:
+                raise ValueError(f"{name} holds {v!r}; expected {want}")
+        out.append(values)
+    if device is not None and (isinstance(device, (bool, np.bool_)) or not isinstance(device, (int, np.integer))
+                               or device < 0):
+        raise ValueError(f"device must be a CUDA device ordinal (an int >= 0) or None, got {device!r}")
+    return tuple(out)

@@ -4,6 +4,7 @@ optional ``bias [d]``; shapes, dtypes, frameworks and devices, read without touc
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import numpy as np
@@ -90,7 +91,8 @@ def check_hidden_options(normalize, eps, max_chunk_bytes) -> tuple[bool, float, 
     ``max_chunk_bytes`` None or a positive int (NumPy's scalars too). Returns them as Python's
     ``bool``, ``float`` and ``int`` (what torch's operator schema takes)."""
     normalize = check_flag("normalize", normalize)
-    if isinstance(eps, bool) or not isinstance(eps, (int, float, np.floating)) or not 0 < float(eps) < float("inf"):
+    # (compared as given: float() of an int past float's range, 10**400, raises OverflowError)
+    if isinstance(eps, bool) or not isinstance(eps, (int, float, np.floating)) or not 0 < eps <= sys.float_info.max:
         raise ValueError(f"eps must be a positive finite float (the normalisation's floor), got {eps!r}")
     if max_chunk_bytes is not None and (isinstance(max_chunk_bytes, (bool, np.bool_))
                                         or not isinstance(max_chunk_bytes, (int, np.integer)) or max_chunk_bytes < 1):
