@@ -6,6 +6,7 @@ import pathlib
 import numpy as np
 import pytest
 
+import lik_cupy
 from lik_cupy import plaid
 
 INDEX = pathlib.Path(__file__).parent / "data" / "fast_plaid" / "fast_plaid_nbits2"
@@ -63,3 +64,15 @@ def test_residual_varlen_validate_none_is_the_default():
     args = (Q, index.codes, index.residual_bits, index.offsets, index.centroids, index.bucket_weights, index.nbits)
     np.testing.assert_array_equal(plaid.maxsim_residual_varlen(*args, validate=None, backend="cpu"),
                                   plaid.maxsim_residual_varlen(*args, backend="cpu"))
+
+
+@pytest.mark.filterwarnings("ignore::PendingDeprecationWarning")  # (NumPy's own, on making a matrix)
+def test_numpy_subclasses_score_as_plain_arrays():
+    # np.matrix stays 2-D whatever it is reshaped to: a one-query call raised "not enough values to
+    # unpack (expected 3, got 2)" from deep inside the CPU path
+    q = np.arange(12, dtype=np.float32).reshape(3, 4) / 10
+    d = np.arange(24, dtype=np.float32).reshape(2, 3, 4) / 7
+    want = lik_cupy.maxsim(q, d, backend="cpu")
+    np.testing.assert_array_equal(lik_cupy.maxsim(np.matrix(q), d, backend="cpu"), want)
+    np.testing.assert_array_equal(lik_cupy.maxsim(q, np.matrix(d[0]), backend="cpu"),
+                                  lik_cupy.maxsim(q, d[0], backend="cpu"))

@@ -16,7 +16,7 @@ def describe(x) -> Info:
 
 
 def to_numpy(x) -> np.ndarray:
-    return x
+    return np.asarray(x)  # (a subclass as a plain array: np.matrix stays 2-D whatever it is reshaped to)
 
 
 def to_cupy(x):
