@@ -299,7 +299,7 @@ class Corpus:
                 p = _resolved(precision, fw, Q.dtype)
                 return self._through_cupy(fw, (Q, ids.reshape(shape[1:] if one else shape)),
                                           lambda q, c: (self.rerank(q, c, precision=p),))[0]
-        elif how == "shared" and _stand_in_of(candidates) == "shared" \
+        elif how == "shared" and _stand_in_framework(candidates) == fw \
                 and interop.describe(candidates).device == self.device:  # (device ids: unread, as CuPy ones)
             p = _resolved(precision, fw, Q.dtype)
             return self._through_cupy(fw, (Q, candidates), lambda q, c: (self.rerank(q, c, precision=p),))[0]
@@ -434,16 +434,15 @@ class Corpus:
         tokens, and no mask, lengths or offsets, of a framework whose adapter's ``STAND_IN`` says
         how: "staged" (host arrays, within ``host_staging.MAX_BYTES`` each way; ``out_per_query``:
         result bytes a query) or "shared" (device arrays, on the corpus's GPU)."""
-        how = _stand_in_of(Q)
-        if how is None or self.where != "GPU" or q_mask is not None or q_lengths is not None or q_offsets is not None \
+        fw = _stand_in_framework(Q)
+        if fw is None or self.where != "GPU" or q_mask is not None or q_lengths is not None or q_offsets is not None \
                 or Q.ndim not in (2, 3) or Q.dtype.char not in self._stand_in_chars or not Q.dtype.isnative \
                 or Q.shape[-1] != self.dim or Q.shape[-2] == 0 or not self._p.nd:
             return None
-        info = interop.describe(Q)
-        if how == "shared":
-            return info.framework if info.device == self.device else None
+        if interop.ADAPTERS[fw].STAND_IN == "shared":
+            return fw if interop.describe(Q).device == self.device else None
         nq = 1 if Q.ndim == 2 else Q.shape[0]
-        return info.framework if Q.size and fits(Q.nbytes) and fits(nq * out_per_query) else None
+        return fw if Q.size and fits(Q.nbytes) and fits(nq * out_per_query) else None
 
     @functools.cached_property
     def _stand_in_chars(self) -> str:
@@ -659,12 +658,14 @@ class Corpus:
         return ids.astype(np.int64, copy=False), False, shape
 
 
-def _stand_in_of(x) -> str | None:
-    """``STAND_IN`` of ``x``'s framework adapter (None too for what is no array: the plain path says so)."""
+def _stand_in_framework(x) -> str | None:
+    """The framework of ``x`` where its adapter has a ``STAND_IN``, else None (also for what is no array:
+    the plain path says so)."""
     try:
-        return interop.ADAPTERS[interop.framework_of(x)].STAND_IN
+        fw = interop.framework_of(x)
     except TypeError:
         return None
+    return fw if interop.ADAPTERS[fw].STAND_IN else None
 
 
 def _resolved(precision, framework: str, dtype: np.dtype):
