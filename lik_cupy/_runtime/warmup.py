@@ -71,25 +71,26 @@ def _checked_args(dims, dtypes, query_lengths, argmax, device) -> tuple:
     or a bare int reached the kernel selection as dims "1", "2", "8" (a TypeError of string
     formatting) or as "'int' object is not iterable"."""
     out = []
-    for name, values, want in (("dims", dims, "embedding dims, ints >= 1"), ("dtypes", dtypes, "dtype names"),
-                               ("query_lengths", query_lengths, "ints >= 1"), ("argmax", argmax, "bools")):
+    for name, values, want, ok in (("dims", dims, "embedding dims, ints >= 1", _count),
+                                   ("dtypes", dtypes, "dtype names", lambda v: isinstance(v, str)),
+                                   ("query_lengths", query_lengths, "ints >= 1", _count),
+                                   ("argmax", argmax, "bools", lambda v: isinstance(v, (bool, np.bool_)))):
         try:
             if isinstance(values, (str, bytes)):
                 raise TypeError
             values = tuple(values)
         except TypeError:
             raise TypeError(f"{name} must be a tuple or list of {want}, got {values!r}") from None
-        for v in values:
-            if name == "dtypes":
-                ok = isinstance(v, str)
-            elif name == "argmax":
-                ok = isinstance(v, (bool, np.bool_))
-            else:
-                ok = isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_)) and v >= 1
-            if not ok:
-                raise ValueError(f"{name} holds {v!r}; expected {want}")
+        bad = [v for v in values if not ok(v)]
+        if bad:
+            raise ValueError(f"{name} holds {bad[0]!r}; expected {want}")
         out.append(values)
     if device is not None and (isinstance(device, (bool, np.bool_)) or not isinstance(device, (int, np.integer))
                                or device < 0):
         raise ValueError(f"device must be a CUDA device ordinal (an int >= 0) or None, got {device!r}")
     return tuple(out)
+
+
+def _count(v) -> bool:
+    """An int >= 1 (bools are not counts)."""
+    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_)) and v >= 1
