@@ -71,12 +71,15 @@ __device__ __forceinline__ bool before(u32 ka, i64 ia, u32 kb, i64 ib) { return 
 // out_s/out_i: [nq * groups, k_out], k_out <= k_run + slice; a row with fewer candidates than
 // k_out ends with (NaN, INT64_MAX) entries, which rank after every real one. Dynamic shared
 // memory: kp * (4 + 8) bytes, kp = the power of two >= k_out, and cache_keys * 4 more: room to
-// keep the keys of a row with at most cache_keys candidates (0: no cache).
+// keep the keys of a row with at most cache_keys candidates (0: no cache). ids (or null): int64
+// [n_ids], written to out_i in place of each document index below n_ids (a corpus's own ids, by
+// the last launch of a merge; the order is still decided by the indices).
 extern "C" __global__ void __launch_bounds__(kThreads, 1)
     lik_topk_merge(const float* __restrict__ run_s, const i64* __restrict__ run_i, int k_run,
                    const float* __restrict__ chunk, const i64* __restrict__ chunk_i, long long chunk_stride,
                    int n_chunk_total, int groups, int slice, long long base,
-                   float* __restrict__ out_s, i64* __restrict__ out_i, int k_out, int kp, int cache_keys) {
+                   float* __restrict__ out_s, i64* __restrict__ out_i, int k_out, int kp, int cache_keys,
+                   const i64* __restrict__ ids, long long n_ids) {
     extern __shared__ __align__(16) unsigned char smem[];
     i64* c_idx = reinterpret_cast<i64*>(smem);
     u32* c_key = reinterpret_cast<u32*>(c_idx + kp);
@@ -215,6 +218,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
     }
     for (int i = tid; i < k_out; i += kThreads) {
         out_s[(i64)row * k_out + i] = key_score(c_key[i]);
-        out_i[(i64)row * k_out + i] = c_idx[i];
+        const i64 at = c_idx[i];
+        out_i[(i64)row * k_out + i] = ids != nullptr && at >= 0 && at < n_ids ? ids[at] : at;
     }
 }

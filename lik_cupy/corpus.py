@@ -119,7 +119,7 @@ class Corpus:
         self._host: HostDocs | None = None  # host memory (the NumPy path) or page-locked memory (streamed)
         self._dev: DeviceDocs | None = None  # the kernels' operands: device arrays, or views of the locked pages
         self._src: dict | None = None  # page-locked: the arrays score and search stream from
-        self._calls: dict = {}  # call signature -> PreparedCall: score and rerank's repeat path
+        self._calls: dict = {}  # call signature -> PreparedCall (score, rerank) or PreparedSearch: the repeat path
         self._calls_lock = threading.Lock()
         if device == "cpu" or (device is None and info.device is None and not gpu_available()):
             self._host = host_docs(part, p)
@@ -257,13 +257,19 @@ class Corpus:
         if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 1 <= k <= MAX_K:
             raise ValueError(f"k must be an integer in [1, {MAX_K}], got {k!r}")
         fw = self._stand_in(Q, q_mask, q_lengths, q_offsets, 12 * min(int(k), len(self)))
-        # (shared arrays gain nothing here: the streaming top-k has no repeat path)
-        if fw and interop.ADAPTERS[fw].STAND_IN == "staged":
+        if fw:
             p = _resolved(precision, fw, Q.dtype)
             return self._through_cupy(fw, (Q,), lambda q: self.search(q, k, precision=p))
         if q_offsets is not None:
             return _by_length(Q, q_mask, q_lengths, q_offsets,
                               lambda q, n, rows, nq: self.search(q, k, q_lengths=n, precision=precision))
+        key = call_key("Corpus.search", (None, int(k), precision), Q, (q_mask, q_lengths))
+        call = self._calls.get(key)
+        if call is not None and call.current():
+            try:
+                return call(Q, q_mask, q_lengths)
+            except MemoryError:  # the whole corpus's scores at once: the streamed path below chunks them
+                pass
         qp, p = self._problem(Q, q_mask, q_lengths)
         x3 = fp32_accurate(precision, qp.framework, qp.dtype)  # (checks precision on every path)
         if self.where == "host memory":
@@ -275,7 +281,7 @@ class Corpus:
             squeeze = len(p.scores_shape) == 1
             s, i = (s[0], i[0]) if squeeze else (s, i)
             return host_result(s, qp), (i if i.dtype.kind in "US" else host_result(i, qp))
-        return self._streamed(qp, p, Q, q_mask, q_lengths, int(k), x3)
+        return self._streamed(qp, p, Q, q_mask, q_lengths, int(k), x3, key)
 
     def rerank(self, Q, candidates, q_mask=None, *, q_lengths=None, q_offsets=None, precision=None):
         """MaxSim of each query against its own candidate documents, read where they lie.
@@ -494,27 +500,36 @@ class Corpus:
                     scores = cupy.where(ok.reshape(scores.shape), scores, np.float32(np.nan))
                 checks.apply(p, scores, None, self.device)
                 results, _ = g.results(p, scores, None)
-                self._prepare_repeat(key, p, q, q_lengths, x3, caller, cand)
+                self._keep(key, self._prepared_scores(key, p, q, q_lengths, x3, caller, cand))
             checks.verify()
         return results
 
-    def _prepare_repeat(self, key, p: Problem, q, q_lengths, x3: bool, caller: str, cand) -> None:
-        """Keep the :class:`PreparedCall` of ``key``, a call just launched on the current device, where
-        its signature allows one: float queries, ids, masks and lengths on the device in Q's framework,
-        C-contiguous, and a problem with work (``lik_cupy._runtime.prepared_calls``)."""
+    def _keep(self, key, call) -> None:
+        """Keep a prepared call (None: none) for the repeats of signature ``key``."""
+        if call is None:
+            return
+        with self._calls_lock:
+            if len(self._calls) >= _MAX_CALLS:
+                self._calls.pop(next(iter(self._calls)))
+            self._calls[key] = call
+
+    def _prepared_scores(self, key, p: Problem, q, q_lengths, x3: bool, caller: str, cand):
+        """The :class:`PreparedCall` of ``key``, a call just launched on the current device, where its
+        signature allows one (else None): float queries, ids, masks and lengths on the device in Q's
+        framework, C-contiguous, and a problem with work (``lik_cupy._runtime.prepared_calls``)."""
         from ._runtime.launch import prepare, use_tma_for
         from ._runtime.prepared_calls import PreparedCall, ResidentDocs
 
         docs = self._dev
         if key is None or dispatch.scaled_dtype(p.dtype) or not (p.nq and p.nd and p.lq) or docs.tokens.shape[0] == 0 \
                 or (not p.d_packed and p.ld == 0):
-            return
+            return None
         if any(isinstance(k, tuple) and (k[2] < 0 or not k[4]) for k in key[2:]):
-            return
+            return None
         if q_lengths is not None and q_lengths.dtype.itemsize not in (4, 8):
-            return  # narrowed by a copy on each call
+            return None  # narrowed by a copy on each call
         if cand is not None and cand.ids.dtype.itemsize != key[3][1].itemsize:
-            return  # ids of another width: CandidateIds copies them on each call
+            return None  # ids of another width: CandidateIds copies them on each call
         d = docs.tokens
         esize = q.dtype.itemsize
         vec = (p.dim * esize) % 16 == 0 and key[2][3] and d.data.ptr % 16 == 0
@@ -526,16 +541,12 @@ class Corpus:
         wide = (q_lengths is not None and q_lengths.dtype.itemsize == 8, False,
                 packed and docs.offsets.dtype.itemsize == 8)
         resident = ResidentDocs(d.data.ptr, _ptr(docs.mask), _ptr(docs.lengths), _ptr(docs.offsets), self._p.nd)
-        call = PreparedCall(p.framework, p, self.device, fwd, False, wide, mark=True, caller=caller, docs=resident,
+        return PreparedCall(p.framework, p, self.device, fwd, False, wide, mark=True, caller=caller, docs=resident,
                             cand_wide=cand is not None and cand.ids.dtype == np.int64)
-        with self._calls_lock:
-            if len(self._calls) >= _MAX_CALLS:
-                self._calls.pop(next(iter(self._calls)))
-            self._calls[key] = call
 
-    def _streamed(self, qp: Problem, p: Problem, Q, q_mask, q_lengths, k: int | None, x3: bool):
+    def _streamed(self, qp: Problem, p: Problem, Q, q_mask, q_lengths, k: int | None, x3: bool, key=None):
         """``score`` (``k`` None) or ``search`` through the streaming engine's chunks (``_streaming.gpu``): over the device arrays, or
-        streamed from the page-locked ones."""
+        streamed from the page-locked ones. ``key``: a search's signature, whose repeats can be prepared."""
         import cupy
 
         with GpuCall(qp, self.device) as g:
@@ -544,6 +555,8 @@ class Corpus:
                 r.keep_every(self._p.nd, "Corpus.score")
             if self.where == "GPU":
                 r.add_device(p, self._dev)
+                if key is not None and r.one_chunk(self._p.nd, self._dev):
+                    self._keep(key, self._prepared_search(key, p, r.q, q_lengths, x3, k))
             else:
                 r.add_staged(p, self._src)
             if k is None:
@@ -556,6 +569,21 @@ class Corpus:
             if self._ids_dev is not None:
                 i = self._ids_dev[i]
             return g.result(s), g.result(i)
+
+    def _prepared_search(self, key, p: Problem, q, q_lengths, x3: bool, k: int):
+        """The repeat of a search just streamed in one chunk (signature ``key``): the scores' prepared
+        call, then the top-k merge by kernel handle (``topk.PreparedTopK``); None where the scores' call
+        cannot be prepared, or the ids are strings (which come back through the host)."""
+        from ._runtime.prepared_calls import PreparedSearch
+        from ._runtime.topk import PreparedTopK
+
+        if self._ids is not None and self._ids_dev is None:
+            return None
+        scores = self._prepared_scores(key, p, q, q_lengths, x3, "Corpus.search", None)
+        if scores is None:
+            return None
+        top = PreparedTopK(self.device, p.nq, p.nd, k, self._ids_dev)
+        return PreparedSearch(scores, top, squeeze=len(p.scores_shape) == 1)
 
     # ------------------------------------------------------------ the NumPy path
 

@@ -290,6 +290,72 @@ def test_repeat_calls_read_each_calls_arrays(rng, same_tiles, layout, where, fw)
         np.testing.assert_array_equal(_np(corpus.rerank(one, cand[1])), _np(corpus.rerank(Q[1:2], cand[1:2]))[0])
 
 
+@pytest.mark.parametrize("fw", ["cupy", "torch"])
+@pytest.mark.parametrize("ids", [None, "integer", "string"])
+@pytest.mark.parametrize("layout,nd,k", [("padded-mask", 210, 7), ("padded-lengths", 210, 300), ("packed", 210, 1),
+                                         ("packed", 9000, 40), ("padded", 9000, 1500)])
+def test_repeat_searches_rank_each_calls_scores(rng, same_tiles, layout, nd, k, ids, fw):
+    """A search whose corpus was scored in one chunk keeps a prepared call (scores by the repeat
+    path, then the top-k merge by kernel handle; 9,000 documents take the two-launch merge at k = 40
+    and one launch at 1,500): each repeat ranks the values its arrays hold now exactly as a fresh
+    corpus's first (streamed) call does, ties to the lower index, NaN last (an invalid device query
+    length), with the corpus's integer ids in place of positions. String ids come back through the
+    host and keep the streamed path."""
+    from lik_cupy._runtime.prepared_calls import PreparedSearch
+
+    to = _cp if fw == "cupy" else _torch
+    kw, *_ = corpus_case(rng, layout, nd=nd, ld=29 if nd < 1000 else 6, dim=48)
+    kw["D"][..., :] = np.round(kw["D"] * 4) / 4  # coarse values: tied scores
+    if ids is not None:
+        kw["ids"] = np.arange(nd) * 7 + 10**12 if ids == "integer" else np.array([f"d{j}" for j in range(nd)])
+    corpus = lik_cupy.Corpus(**kw)
+    nq, lq = 3, 23
+    Q = to(np.round(rng.standard_normal((nq, lq, 48)) * 2).astype(np.float32) / 2)
+    ql = to(rng.integers(1, lq + 1, nq).astype(np.int32))
+    corpus.search(Q, k, q_lengths=ql)
+    prepared = [c for c in corpus._calls.values() if isinstance(c, PreparedSearch)]
+    assert len(prepared) == (0 if ids == "string" else 1)
+    for _ in range(2):  # new values in the same arrays: the prepared call reads them
+        Q[...] = to(np.round(rng.standard_normal((nq, lq, 48)) * 2).astype(np.float32) / 2)
+        new_ql = rng.integers(1, lq + 1, nq).astype(np.int32)
+        new_ql[1] = lq + 1  # invalid: every score of query 1 NaN, ranked by index
+        ql[...] = to(new_ql)
+        fresh = lik_cupy.Corpus(**kw)
+        (got_s, got_i), (want_s, want_i) = corpus.search(Q, k, q_lengths=ql), fresh.search(Q, k, q_lengths=ql)
+        assert type(got_s) is type(want_s) and (type(got_i) is type(want_i))
+        assert got_s.shape == (nq, min(k, nd)) and got_i.shape == got_s.shape
+        np.testing.assert_array_equal(_np(got_s), _np(want_s))
+        np.testing.assert_array_equal(_np(got_i), _np(want_i))
+        assert np.isnan(_np(got_s)[1]).all() and not np.isnan(_np(got_s)[[0, 2]]).any()
+        positions = np.arange(min(k, nd)) if ids is None else np.asarray(kw["ids"])[:min(k, nd)]
+        np.testing.assert_array_equal(_np(got_i)[1], positions)
+    one = Q[2]  # one query [Lq, d]: a signature of its own, its results without the query axis
+    for _ in range(2):
+        s1, i1 = corpus.search(one, k)
+        s3, i3 = corpus.search(Q[2:3], k)
+        assert s1.shape == (min(k, nd),)
+        np.testing.assert_array_equal(_np(s1), _np(s3)[0])
+        np.testing.assert_array_equal(_np(i1), _np(i3)[0])
+
+
+def test_a_repeat_search_out_of_memory_takes_the_streamed_path(rng, monkeypatch):
+    """The repeat path holds every score at once; when that does not fit, the call streams them in
+    chunks as a first call does."""
+    from lik_cupy._runtime import prepared_calls
+
+    kw, *_ = corpus_case(rng, "packed", nd=300, ld=20, dim=32)
+    corpus = lik_cupy.Corpus(**_on_gpu(kw))
+    Q = _cp(rng.standard_normal((2, 9, 32)).astype(np.float32))
+    want = [_np(x) for x in corpus.search(Q, 5)]
+
+    def no_memory(self, *args):
+        raise MemoryError("out of GPU memory")
+
+    monkeypatch.setattr(prepared_calls.PreparedSearch, "__call__", no_memory)
+    for got, w in zip(corpus.search(Q, 5), want):
+        np.testing.assert_array_equal(_np(got), w)
+
+
 @pytest.mark.parametrize("dtype,to", [("float16", _cp), ("bfloat16", _torch), ("float16", np.asarray)])
 def test_packed_queries_are_the_padded_call(rng, dtype, to):
     """Packed queries with q_offsets (device or host) score as the same queries padded with q_lengths."""
@@ -415,7 +481,7 @@ def test_jax_queries_take_the_cupy_call_through_dlpack(rng, monkeypatch, layout)
                 for q, ids in ((qj, cj), (qj[2], cj[2])):
                     before = len(through)
                     got = calls(c, q, ids)
-                    assert len(through) - before == 2  # score and rerank (search: the plain path)
+                    assert len(through) - before == 3  # score, search and rerank
                     on_device = calls(c, _cp(np.asarray(q)), _cp(np.asarray(ids)),
                                       precision="tf32" if tf32 else "fp32")
                     with monkeypatch.context() as m:

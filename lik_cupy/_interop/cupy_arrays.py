@@ -84,7 +84,7 @@ def stream_handle(device: int) -> int:
     return cupy.cuda.get_current_stream().ptr
 
 
-NEW_DTYPES = frozenset(("float16", "float32", "int32"))
+NEW_DTYPES = frozenset(("float16", "float32", "int32", "int64"))
 _DTYPES = {n: np.dtype(n) for n in NEW_DTYPES}
 
 

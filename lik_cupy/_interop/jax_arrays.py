@@ -12,7 +12,7 @@ from . import cupy_arrays
 from .info import Info, dtype_name
 
 FRAMEWORK = "jax"
-STAND_IN = "shared"  # a resident corpus's score and rerank take them through DLPack (to_cupy, from_cupy)
+STAND_IN = "shared"  # a resident corpus's calls take them through DLPack (to_cupy, from_cupy)
 _TF32 = ("tensorfloat32", "bfloat16", "fastest", "default")  # jax_default_matmul_precision's TF32 values
 
 

@@ -236,7 +236,7 @@ def stream_handle(device: int) -> int:
     return raw(device) if raw is not None else torch.cuda.current_stream(device).cuda_stream
 
 
-NEW_DTYPES = frozenset(("float16", "bfloat16", "float32", "int32"))
+NEW_DTYPES = frozenset(("float16", "bfloat16", "float32", "int32", "int64"))
 _DEVICES: dict = {}  # ordinal -> torch.device
 
 

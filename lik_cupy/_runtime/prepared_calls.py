@@ -28,7 +28,8 @@ from .._base.env import poison_outputs
 from .masks import queue_mask_spans
 from .raw_launch import launch_raw, signature
 
-__all__ = ["call_key", "lookup", "store", "PreparedCall", "PreparedBackward", "ResidentDocs", "clear", "MAX_CALLS"]
+__all__ = ["call_key", "lookup", "store", "PreparedCall", "PreparedSearch", "PreparedBackward", "ResidentDocs", "clear",
+           "MAX_CALLS"]
 
 MAX_CALLS = 512  # signatures kept per process
 _ADAPTERS = {**REPEAT_CALLS, **CALLBACK_BUFFERS}  # a call's own, or the buffers it is rebound to
@@ -198,6 +199,32 @@ class PreparedCall:
             queue_mask_spans(stream, self.device, a.address(d_mask), self.rows, self.p.ld, dl, flags)
         return (a.address(D), 0 if d_mask is None else a.address(d_mask), dl,
                 0 if d_offsets is None else a.address(d_offsets), flags, (d_in, spans))
+
+
+class PreparedSearch:
+    """A repeat of ``Corpus.search`` whose whole corpus was scored in one chunk: the scores by their
+    :class:`PreparedCall`, then ranked by ``topk.PreparedTopK``, both queued on the caller's stream
+    (``squeeze``: a 2-D Q, whose results drop the query axis). The scores and their ranking are the
+    streamed search's (the same kernel, and the same merge launches for one chunk)."""
+
+    def __init__(self, scores: PreparedCall, top, squeeze: bool):
+        self.scores, self.top, self.squeeze = scores, top, squeeze
+
+    def current(self) -> bool:
+        return self.scores.current()
+
+    def __call__(self, Q, q_mask, q_lengths):
+        """``(scores, ids)`` in Q's framework, as ``Corpus.search`` returns them."""
+        dev = self.scores.device
+        if _device() != dev:
+            import cupy
+
+            with cupy.cuda.Device(dev):
+                return self(Q, q_mask, q_lengths)
+        a = self.scores.a
+        s = self.scores(Q, None, q_mask, None, q_lengths, None, None)
+        out_s, out_i = self.top(a, dev, a.stream_handle(dev), s)
+        return (out_s[0], out_i[0]) if self.squeeze else (out_s, out_i)
 
 
 class ResidentDocs(NamedTuple):

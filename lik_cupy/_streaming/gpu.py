@@ -246,6 +246,12 @@ class GpuTopK:
                                 None if ds is None else ds[a * p.ld : b * p.ld], marked=marked)
         self._chunked(p.nd, c, run)
 
+    def one_chunk(self, nd: int, docs: DeviceDocs) -> bool:
+        """Whether ``add_device`` scored ``docs`` (``nd`` of them) in one chunk, as planned: a repeat
+        can then score them all at once (``Corpus.search``'s repeat path)."""
+        spans = docs.mask is not None and docs.lengths is None
+        return self.chunking.cap is None and self._chunk_docs(0, staged=False, spans=spans) >= nd
+
     def _score(self, p: Problem, d, dm, dl, d_off, ld_hint, d_scale=None, d_off_whole=False, off_all=None,
                marked=False):
         """Score one chunk of p.nd documents into the chunk buffer and merge it into the top-k (or keep it).
