@@ -15,13 +15,14 @@ import socket
 import subprocess
 import sys
 import threading
+import types
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 import lik_cupy
-from lik_cupy import shards
+from lik_cupy import cli, shards
 from lik_cupy.serving import Batcher, DeadlineExceeded, Observer, Overloaded, ShuttingDown
 from lik_cupy.serving._ids import IdIndex
 from lik_command import child_pythonpath, installed, run_lik
@@ -467,11 +468,27 @@ def _json_q(q, name="Q"):
     return {"name": name, "shape": list(q.shape), "datatype": "FP32", "data": q.reshape(-1).tolist()}
 
 
-def test_serve_help_and_bad_devices(shard):
+def test_serve_help(shard):
     r = run_lik("serve", "--help")
     assert r.exit_code == 0 and "Open Inference Protocol" in r.output and "--max-delay-us" in r.output
-    r = run_lik("serve", shard, "--devices", "0,x")
-    assert r.exit_code == 2 and "--devices: expected GPU indices and/or cpu" in r.stderr
+
+
+@pytest.mark.parametrize("devices", ["0,x", "", " ", "0,,1", ",", "-1", "0,-1", "+1", "1_0", "a", "CPU"])
+def test_serve_refuses_bad_devices_before_serving(shard, devices, monkeypatch):
+    """--devices "" took the default devices (every GPU, else cpu); -1 failed only once the server was
+    listening, as the corpus loaded."""
+    def served(*a, **k):
+        raise AssertionError(f"lik serve started with --devices {devices!r}")
+
+    monkeypatch.setitem(sys.modules, "lik_cupy.serving.http", types.SimpleNamespace(serve=served))
+    r = run_lik("serve", shard, "--devices", devices)
+    assert r.exit_code == 2, r.output
+    assert r.stderr == ("lik: error: --devices: expected GPU indices (0 or more) and/or cpu, comma-separated "
+                        f"(0,1 or cpu); got {devices!r}\n")
+
+
+def test_serve_devices_take_indices_and_cpu_in_order():
+    assert cli._serve_devices(" 1, cpu,0 ,1") == [1, "cpu", 0, 1]
 
 
 def test_a_corpus_that_fails_to_load_stops_the_server_with_exit_2(tmp_path):
