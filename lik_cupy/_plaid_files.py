@@ -106,11 +106,15 @@ def _metadata(path: str) -> tuple[dict, int, int]:
     return config, nbits, chunks
 
 
-def _short(value) -> str:
-    """A JSON value for a message: its repr when short, else its type (a value of any depth)."""
-    if isinstance(value, (int, float, str, bool)) or value is None:
+def _short(value, limit: int = 40) -> str:
+    """A value read from a file (a JSON value, a name, an error's detail), for a message: its repr,
+    a long string's cut to its first ``limit`` characters; a long number's or a container's type
+    (a value of any depth)."""
+    if isinstance(value, str):
+        return repr(value) if len(value) <= limit else f"{value[:limit]!r}... ({len(value)} characters)"
+    if isinstance(value, (int, float, bool)) or value is None:
         text = repr(value)
-        return text if len(text) <= 40 else f"a {type(value).__name__} of {len(text)} characters"
+        return text if len(text) <= limit else f"a {type(value).__name__} of {len(text)} characters"
     return f"a {type(value).__name__}"
 
 
@@ -559,7 +563,7 @@ def read_torch_file(path: str):
         # a malformed pickle or archive (RecursionError is a RuntimeError)
         except (ValueError, KeyError, IndexError, TypeError, AttributeError, EOFError, NotImplementedError,
                 RuntimeError, zipfile.LargeZipFile, zlib.error, lzma.LZMAError) as e:
-            raise ShardError(path, f"corrupt torch archive ({type(e).__name__}: {_short(str(e))})") from None
+            raise ShardError(path, f"corrupt torch archive ({type(e).__name__}: {_short(str(e), 200)})") from None
 
 
 def _read_archive(archive: zipfile.ZipFile, file_bytes: int):

@@ -1286,11 +1286,11 @@ def _serve_devices(text: str) -> list:
     """--devices of ``lik serve``: GPU indices and 'cpu' entries, in order."""
     devices = []
     for x in (x.strip() for x in text.split(",")):
-        try:
-            devices.append(x if x == "cpu" else int(x))
-        except ValueError:
-            raise LikError("--devices", f"expected GPU indices and/or cpu, comma-separated (0,1 or cpu); got {text!r}") \
-                from None
+        # digits only: int() also takes "-1" (which failed only once the server was listening), "+1" and "1_0"
+        if x != "cpu" and not (x.isascii() and x.isdigit()):
+            raise LikError("--devices", f"expected GPU indices (0 or more) and/or cpu, comma-separated (0,1 or cpu); "
+                           f"got {text!r}")
+        devices.append(x if x == "cpu" else int(x))
     return devices
 
 
@@ -1333,6 +1333,7 @@ def _serve_devices(text: str) -> list:
 @_cli_errors
 def _serve_command(paths, host, port, grpc_port, devices, partition, max_batch, max_tokens, max_delay_us, max_queue,
                    processes, debug):
+    devices = None if devices is None else _serve_devices(devices)  # a usage error, before the extras are looked for
     try:
         from lik_cupy.serving.http import serve
     except ImportError as e:
@@ -1344,7 +1345,7 @@ def _serve_command(paths, host, port, grpc_port, devices, partition, max_batch, 
             raise LikError("lik serve --grpc-port",
                            f"needs the [serve-grpc] extra (pip install 'lik-cupy[serve-grpc]'): {e}") from None
     serve(list(paths), host=host, port=port, grpc_port=grpc_port,
-          devices=_serve_devices(devices) if devices else None, partition=partition, max_batch=max_batch, max_tokens=max_tokens,
+          devices=devices, partition=partition, max_batch=max_batch, max_tokens=max_tokens,
           max_delay_us=max_delay_us, max_queue=max_queue, processes=processes)
 
 

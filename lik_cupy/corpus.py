@@ -43,7 +43,7 @@ from . import _interop as interop
 from . import shards
 from dataclasses import replace
 
-from ._base.device import gpu_available
+from ._base.device import check_ordinal, gpu_available, present
 from ._dispatch.backend import use_gpu
 from ._dispatch.precision import fp32_accurate
 from ._interop import GpuCall, host_array, host_result
@@ -109,6 +109,8 @@ class Corpus:
         if max_gpu_bytes is not None and (isinstance(max_gpu_bytes, bool)
                                           or not isinstance(max_gpu_bytes, (int, np.integer)) or max_gpu_bytes < 0):
             raise ValueError(f"max_gpu_bytes must be a non-negative integer, got {max_gpu_bytes!r}")
+        if not (isinstance(device, str) and device == "cpu"):
+            check_ordinal(device, ", 'cpu' or None")
         part = Part(D, d_offsets, d_mask, d_lengths, d_scales)
         p = doc_problem(part, info)
         if p.dtype not in _DTYPES:
@@ -347,16 +349,13 @@ class Corpus:
         import cupy
 
         p = self._p
-        if device is not None and (isinstance(device, bool) or not isinstance(device, (int, np.integer)) or device < 0):
-            raise ValueError(f"device must be a CUDA device ordinal, 'cpu' or None, got {device!r}")
         if info.device is not None:
             if device is not None and device != info.device:
                 raise ValueError(f"D is on cuda:{info.device} but device={device}; move D there, or pass device=None")
             device = info.device
         else:
             use_gpu("gpu", None)  # (a device asked for where none is visible: the error every entry point gives)
-            if device is None:
-                device = cupy.cuda.runtime.getDevice()
+            device = cupy.cuda.runtime.getDevice() if device is None else present(device)
         self.device = int(device)
         dispatch.check_gpu_dim(p.dtype, p.dim, "device='cpu'")
         with cupy.cuda.Device(self.device):

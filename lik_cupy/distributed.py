@@ -552,27 +552,29 @@ class DistributedCorpus:
         """Every score: float32 ``[Nq, num_docs]`` (``[num_docs]`` for a 2-D Q), columns in corpus order.
 
         The workers score pieces of at most 64 MiB of scores; the client writes each into ``out``
-        as it arrives (None: a new array) and returns it. Or, with ``write``, hands each piece to
-        ``write(first_doc, scores [Nq, n])`` as it arrives and returns None: a result larger than
-        memory goes to a file that way (``lik score --full-matrix`` writes each piece in place).
+        (of the shape returned; None: a new array) as it arrives and returns it. Or, with ``write``,
+        hands each piece to ``write(first_doc, scores [Nq, n])`` as it arrives and returns None: a
+        result larger than memory goes to a file that way (``lik score --full-matrix`` writes each
+        piece in place).
         """
         Q, q_lengths, squeeze = self._queries(Q, q_lengths)
-        shape = (Q.shape[0], self.num_docs)
+        shape = (self.num_docs,) if squeeze else (Q.shape[0], self.num_docs)
         if write is not None:
             out = None
         elif out is None:
             out = np.empty(shape, np.float32)
         elif not isinstance(out, np.ndarray) or out.shape != shape or out.dtype != np.float32:
-            raise ValueError(f"out must be a float32 NumPy array of shape {list(shape)}, got "
+            raise ValueError(f"out must be a float32 NumPy array of shape {list(shape)} (the scores of this Q), got "
                              f"{getattr(out, 'dtype', type(out).__name__)} {list(getattr(out, 'shape', []))}")
+        rows = None if out is None else out[None] if squeeze else out  # [Nq, num_docs], as the pieces come
         per = max(1, _PIECE_BYTES // max(1, 4 * Q.shape[0]))
         todo = {(i, a, min(n, a + per)): None for i, n in enumerate(self._docs) for a in range(0, n, per)}
         def into_out(first: int, S: np.ndarray) -> None:
-            out[:, first : first + S.shape[1]] = S
+            rows[:, first : first + S.shape[1]] = S
 
         sink = write if write is not None else into_out
         self._rerun("while scoring", lambda: self._fill(Q, q_lengths, todo, sink))
-        return None if out is None else out[0] if squeeze else out
+        return out
 
     def close(self) -> None:
         """Drop the shards from every worker (GPU memory included). Idempotent."""

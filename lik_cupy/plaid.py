@@ -38,6 +38,7 @@ from dataclasses import replace
 
 import numpy as np
 
+from ._base.device import check_ordinal, present
 from ._cpu.residual import Tokens, decompress, residual_maxsim_numpy
 from ._dispatch.backend import check_backend, use_gpu
 from ._dispatch.config import MAX_DIM_RESIDUAL
@@ -373,7 +374,8 @@ class PlaidIndex:
 
     def to_device(self, device: int | None = None) -> PlaidIndex:
         """Copy the compressed corpus to GPU ``device`` (default: the current one), once."""
-        self._on_device(device)
+        check_ordinal(device, " or None")
+        self._on_device(None if device is None else present(device))
         return self
 
     def _on_device(self, device: int | None):

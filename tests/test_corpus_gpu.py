@@ -612,3 +612,14 @@ def test_varlen_lengths_that_drift(rng, kernels, order, nq):
     assert np.all(_np(out)[:, lens == 0] == -np.inf)
     amax = _np(amax)
     assert np.all(amax[:, lens == 0] == -1) and np.all(amax < lens[None, :, None])
+
+
+def test_a_device_this_machine_lacks_is_named():
+    """Corpus(device=N) and warmup(device=N) past the GPUs there got CUDA's "invalid device ordinal"."""
+    import cupy
+
+    n = cupy.cuda.runtime.getDeviceCount()
+    D = np.ones((3, 4, 64), np.float32)
+    for call in (lambda: lik_cupy.Corpus(D, device=n), lambda: lik_cupy.warmup(device=n)):
+        with pytest.raises(ValueError, match=f"^device {n} does not exist: this machine has {n} visible GPU"):
+            call()

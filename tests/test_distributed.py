@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import re
 import shutil
 
 import numpy as np
@@ -184,6 +185,22 @@ def test_score_is_the_full_matrix(corpus, corpus_files, rng):
                               axis=1)
     got = corpus.score(Q, q_lengths=q_lengths)
     np.testing.assert_array_equal(got.view(np.uint32), expected.view(np.uint32))
+
+
+def test_score_fills_an_out_of_the_shape_it_returns(corpus, rng):
+    """A 2-D Q (one query) returns [num_docs], but out had to be [1, num_docs]."""
+    Q, _ = _queries(rng, nq=2)
+    expected = corpus.score(Q)
+    for q, want in ((Q, expected), (Q[1], expected[1])):
+        out = np.full(want.shape, 7.0, np.float32)
+        assert corpus.score(q, out=out) is out
+        np.testing.assert_array_equal(out.view(np.uint32), want.view(np.uint32))
+    n = corpus.num_docs
+    for q, bad in ((Q[1], np.empty((1, n), np.float32)), (Q, np.empty(n, np.float32)),
+                   (Q[1], np.empty(n, np.float64)), (Q[1], [0.0] * n)):
+        with pytest.raises(ValueError, match=re.escape(f"out must be a float32 NumPy array of shape "
+                                                       f"{list(q.shape[:-2]) + [n]} (the scores of this Q), got")):
+            corpus.score(q, out=bad)
 
 
 def test_bad_queries_are_refused_on_the_client(corpus, rng):

@@ -459,6 +459,24 @@ def test_torch_reader_refuses_code(tmp_path):
         read_torch_file(str(path))
 
 
+def test_torch_reader_errors_show_a_long_detail_cut_short(tmp_path):
+    """A detail or a member name over 40 characters was reported as its length ("a str of 72 characters")."""
+    def text(t):
+        return b"X" + len(t).to_bytes(4, "little") + t.encode()
+
+    key = "k" * 300
+    storage = b"\x80\x02(" + text("storage") + b"ctorch\nFloatStorage\n" + text(key) + text("cpu") + b"K\x01tQ."
+    for pkl, detail in ((b"\x80\x02\x8c\x02\xff\xfe.", "corrupt torch archive (UnicodeDecodeError: \"'utf-8' codec "
+                                                       "can't decode byte 0xff in position 0: invalid start byte\")"),
+                        (storage, f"the archive has no member {('archive/data/' + key)[:40]!r}... (313 characters)")):
+        path = tmp_path / "bad.pt"
+        with zipfile.ZipFile(path, "w") as z:
+            z.writestr("archive/data.pkl", pkl)
+        with pytest.raises(ShardError) as e:
+            read_torch_file(str(path))
+        assert str(e.value) == f"{path}: {detail}"
+
+
 def test_torch_reader_reads_what_torch_saves(rng, tmp_path):
     torch = pytest.importorskip("torch")
     base = torch.from_numpy(rng.standard_normal(6).astype(np.float32))

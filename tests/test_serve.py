@@ -15,13 +15,14 @@ import socket
 import subprocess
 import sys
 import threading
+import types
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 import lik_cupy
-from lik_cupy import shards
+from lik_cupy import cli, shards
 from lik_cupy.serving import Batcher, DeadlineExceeded, Observer, Overloaded, ShuttingDown
 from lik_cupy.serving._ids import IdIndex
 from lik_command import child_pythonpath, installed, run_lik
@@ -467,11 +468,27 @@ def _json_q(q, name="Q"):
     return {"name": name, "shape": list(q.shape), "datatype": "FP32", "data": q.reshape(-1).tolist()}
 
 
-def test_serve_help_and_bad_devices(shard):
+def test_serve_help(shard):
     r = run_lik("serve", "--help")
     assert r.exit_code == 0 and "Open Inference Protocol" in r.output and "--max-delay-us" in r.output
-    r = run_lik("serve", shard, "--devices", "0,x")
-    assert r.exit_code == 2 and "--devices: expected GPU indices and/or cpu" in r.stderr
+
+
+@pytest.mark.parametrize("devices", ["0,x", "", " ", "0,,1", ",", "-1", "0,-1", "+1", "1_0", "a", "CPU"])
+def test_serve_refuses_bad_devices_before_serving(shard, devices, monkeypatch):
+    """--devices "" took the default devices (every GPU, else cpu); -1 failed only once the server was
+    listening, as the corpus loaded."""
+    def started(*a, **k):
+        raise AssertionError(f"lik serve started with --devices {devices!r}")
+
+    monkeypatch.setitem(sys.modules, "lik_cupy.serving.http", types.SimpleNamespace(serve=started))
+    r = run_lik("serve", shard, "--devices", devices)
+    assert r.exit_code == 2, r.output
+    assert r.stderr == ("lik: error: --devices: expected GPU indices (0 or more) and/or cpu, comma-separated "
+                        f"(0,1 or cpu); got {devices!r}\n")
+
+
+def test_serve_devices_take_indices_and_cpu_in_order():
+    assert cli._serve_devices(" 1, cpu,0 ,1") == [1, "cpu", 0, 1]
 
 
 def test_a_corpus_that_fails_to_load_stops_the_server_with_exit_2(tmp_path):
@@ -573,6 +590,21 @@ def test_only_version_1_of_a_model_exists(served):
     assert served.request("POST", "/v2/models/score/versions/1/infer", q)[0] == 200
     status, _, body = served.request("POST", "/v2/models/score/versions/7/infer", q)
     assert status == 404 and json.loads(body)["error"] == "model 'score' has no version '7'; its versions are 1"
+
+
+def test_unknown_paths_and_wrong_methods_answer_json_errors(served):
+    """They were starlette's plain-text "Not Found" and "Method Not Allowed" (and GET of an infer path a 404)."""
+    for method, path in (("GET", "/nope"), ("POST", "/v2/models"), ("GET", "/v2/models/score/infer/x")):
+        status, head, body = served.request(method, path)
+        assert status == 404 and head["content-type"] == "application/json", (path, body)
+        assert json.loads(body)["error"].startswith(f"no endpoint at {path}; the endpoints are /v2, /v2/health/live")
+    for method, path, allow in (("POST", "/v2/health/live", "GET, HEAD"), ("DELETE", "/v2/models/search", "GET, HEAD"),
+                                ("GET", "/v2/models/score/infer", "POST"),
+                                ("PUT", "/v2/models/score/versions/1/infer", "POST")):
+        status, head, body = served.request(method, path)
+        assert status == 405 and head["content-type"] == "application/json", (path, body)
+        assert sorted(head["allow"].split(", ")) == sorted(allow.split(", "))
+        assert json.loads(body) == {"error": f"{path} does not take {method}; it takes {head['allow']}"}
 
 
 def test_lik_serve_partition_answers_as_the_whole_corpus(split_shards_dir):

@@ -3,6 +3,7 @@ raised before any scoring work runs. CPU only."""
 
 from __future__ import annotations
 
+import importlib
 import pathlib
 import re
 
@@ -404,6 +405,29 @@ def test_corpus_options_are_checked_before_use():
         lik_cupy.retrieve(np.ones((1, 2, 8), np.float32), D, 2, max_gpu_bytes=True)
     with pytest.raises(ValueError, match="device must be a CUDA device ordinal"):
         lik_cupy.Corpus(D, device=-1)
+
+
+def test_a_device_this_machine_lacks_is_named(monkeypatch):
+    """Corpus(device=N), warmup(device=N) and PlaidIndex.to_device(N) with N past the GPUs there got
+    CUDA's "invalid device ordinal", and to_device(True) copied to GPU 1. The GPU is stubbed."""
+    cupy = pytest.importorskip("cupy")
+    monkeypatch.setattr(cupy.cuda.runtime, "getDeviceCount", lambda: 1)
+    monkeypatch.setattr(backend, "gpu_available", lambda: True)
+    monkeypatch.setattr(importlib.import_module("lik_cupy._runtime.warmup"), "gpu_available", lambda: True)
+    D = np.ones((3, 4, 64), np.float32)
+    index = lik_cupy.PlaidIndex.open(INDEX)
+    calls = {"Corpus": lambda d: lik_cupy.Corpus(D, device=d), "warmup": lambda d: lik_cupy.warmup(device=d),
+             "to_device": index.to_device}
+    for name, call in calls.items():
+        for n in (5, np.int64(1)):
+            with pytest.raises(ValueError, match=E(f"device {n} does not exist: this machine has 1 visible GPU (0)")):
+                call(n)
+        for bad in (-1, True, np.True_, 1.0, "0"):
+            with pytest.raises(ValueError, match=E("device must be a CUDA device ordinal (an int >= 0)")):
+                call(bad)
+    monkeypatch.setattr(cupy.cuda.runtime, "getDeviceCount", lambda: 2)
+    with pytest.raises(ValueError, match=E("device 2 does not exist: this machine has 2 visible GPUs (0..1)")):
+        lik_cupy.warmup(device=2)
 
 
 def test_plaid_flags_and_nbits_take_their_types():

@@ -24,6 +24,28 @@ def gpu_available() -> bool:
         return False
 
 
+def check_ordinal(device, others: str) -> None:
+    """ValueError unless ``device`` is None or a CUDA ordinal: an int >= 0, NumPy's too, but not a
+    bool (True would pick GPU 1). Looks for no GPU; ``others``: the caller's other values, for the
+    message (", 'cpu' or None")."""
+    if device is not None and (isinstance(device, (bool, np.bool_)) or not isinstance(device, (int, np.integer))
+                               or device < 0):
+        raise ValueError(f"device must be a CUDA device ordinal (an int >= 0){others}, got {device!r}")
+
+
+def present(device) -> int:
+    """``device`` (an ordinal ``check_ordinal`` took) as an int, once this process is seen to have
+    that GPU: CUDA's own error for one past the last, "invalid device ordinal", names neither the
+    device nor the GPUs there are."""
+    import cupy
+
+    count = cupy.cuda.runtime.getDeviceCount()
+    if device >= count:
+        gpus = {0: "no visible GPU", 1: "1 visible GPU (0)"}.get(count, f"{count} visible GPUs (0..{count - 1})")
+        raise ValueError(f"device {device} does not exist: this machine has {gpus}")
+    return int(device)
+
+
 @dataclass(frozen=True)
 class DeviceProps:
     name: str

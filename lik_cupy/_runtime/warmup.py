@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import _dispatch as dispatch
-from .._base.device import device_properties, gpu_available
+from .._base.device import check_ordinal, device_properties, gpu_available, present
 from .kernels import FORWARD, QUANTIZE
 
 
@@ -30,6 +30,7 @@ def warmup(dims=(128,), dtypes=("float16", "bfloat16"), query_lengths=(32, 1024)
 
     Raises:
         RuntimeError: no CUDA GPU is visible (or CuPy is missing); the CPU path needs no warm-up.
+        ValueError: an argument out of its range, or a ``device`` this machine lacks.
     """
     from .._dispatch.precision import checked, default
 
@@ -43,7 +44,7 @@ def warmup(dims=(128,), dtypes=("float16", "bfloat16"), query_lengths=(32, 1024)
     from .launch import tma_usable
     from .nvrtc import get_module
 
-    dev = cupy.cuda.runtime.getDevice() if device is None else int(device)
+    dev = cupy.cuda.runtime.getDevice() if device is None else present(device)
     cc = device_properties(dev).cc
     arch = dispatch.arch_of(cc)
     names = set()
@@ -85,9 +86,7 @@ def _checked_args(dims, dtypes, query_lengths, argmax, device) -> tuple:
         if bad:
             raise ValueError(f"{name} holds {bad[0]!r}; expected {want}")
         out.append(values)
-    if device is not None and (isinstance(device, (bool, np.bool_)) or not isinstance(device, (int, np.integer))
-                               or device < 0):
-        raise ValueError(f"device must be a CUDA device ordinal (an int >= 0) or None, got {device!r}")
+    check_ordinal(device, " or None")
     return tuple(out)
 
 

@@ -16,11 +16,12 @@ the binary tensor extension: ``lik_cupy/serving/_tensors.py``); ``GET /metrics``
 Request parameters: ``timeout`` (microseconds the request may wait in the queue, as tritonclient's
 ``timeout=`` sends it), ``precision`` ("fp32" or "tf32"). Response parameters: ``queue_us``,
 ``compute_us`` (its batched corpus call) and ``batch_queries`` (that call's queries). Answers: 400
-for a bad request (the message names the problem), 404 for an unknown model or a version other than
-1, 413 for a body over ``max_body_bytes`` (decompressed too), 503 with ``Retry-After`` when every
-queue is full or the server is not ready or stopping, 504 when the deadline passed in the queue. A
-request whose client disconnects before its answer is dropped from the queue, unscored, and counted
-with status 499. See docs/serving.md.
+for a bad request (the message names the problem), 404 for an unknown model, a version other than
+1 or a path none of these have, 405 for a method its path does not take, 413 for a body over
+``max_body_bytes`` (decompressed too), 503 with ``Retry-After`` when every queue is full or the
+server is not ready or stopping, 504 when the deadline passed in the queue; each with the JSON body
+``{"error": "..."}``. A request whose client disconnects before its answer is dropped from the
+queue, unscored, and counted with status 499. See docs/serving.md.
 """
 
 from __future__ import annotations
@@ -134,13 +135,19 @@ def _application(load, max_body_bytes: int, grpc_address: str | None, peers=None
     async def metrics(request):
         return Response(svc.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
+    async def not_routed(request, exc):
+        # (starlette answers these two in plain text; the protocol's errors are JSON)
+        status, body, head = _not_routed(exc.status_code, request.method, request.scope["path"],
+                                         (exc.headers or {}).get("Allow", ""))
+        return Response(body, status_code=status, headers={k.decode(): v.decode() for k, v in head})
+
     model, version = "/v2/models/{model}", "/v2/models/{model}/versions/{version}"
     routes = [Route("/v2/health/live", live), Route("/v2/health/ready", ready), Route("/v2", server),
               Route("/v2/models/stats", stats), Route("/metrics", metrics)]
     for base in (model, version):
         routes += [Route(base, metadata), Route(f"{base}/ready", model_ready), Route(f"{base}/config", config),
                    Route(f"{base}/stats", stats)]
-    app = Starlette(routes=routes, lifespan=lifespan)
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={404: not_routed, 405: not_routed})
     app.state.service = svc
     return _App(app, svc)
 
@@ -313,10 +320,12 @@ class _App:
         self._app, self._svc, self.state = app, svc, app.state
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["method"] == "POST":
+        if scope["type"] == "http":
             m = _INFER.fullmatch(scope["path"])
-            if m:
+            if m and scope["method"] == "POST":
                 return await _answer_infer(self._svc, m.group(1), m.group(2) or "", scope, receive, send)
+            if m:  # (no starlette route has this path: it would answer 404)
+                return await _send(send, *_not_routed(405, scope["method"], scope["path"], "POST"))
         await self._app(scope, receive, send)
 
 
@@ -341,6 +350,10 @@ async def _answer_infer(svc: Service, model: str, version: str, scope, receive, 
     finally:
         held.release()
     _service.responded(svc, model, status, start)
+    await _send(send, status, body, head)
+
+
+async def _send(send, status: int, body: bytes, head: tuple) -> None:
     await send({"type": "http.response.start", "status": status,
                 "headers": [*head, (b"content-length", str(len(body)).encode())]})
     await send({"type": "http.response.body", "body": body})
@@ -358,6 +371,20 @@ def _error_json(message: str) -> bytes:
 def _refused(e: Refused) -> tuple[int, bytes, tuple]:
     """(status, body, headers) of a refusal."""
     return e.status, _error_json(str(e)), _JSON + (((b"retry-after", _RETRY_AFTER_S.encode()),) if e.retry else ())
+
+
+_ENDPOINTS = ("/v2, /v2/health/live, /v2/health/ready, /v2/models/stats, /v2/models/{model} and "
+              "/v2/models/{model}/versions/1, each of these two alone or with /ready, /config, /stats or /infer, "
+              "and /metrics")
+
+
+def _not_routed(status: int, method: str, path: str, allow: str) -> tuple[int, bytes, tuple]:
+    """(status, body, headers) of a path no endpoint has (404) or a method its endpoint does not take
+    (405; ``allow``: those it takes)."""
+    if status == 405:
+        return 405, _error_json(f"{path} does not take {method}; it takes {allow}"), \
+            _JSON + ((b"allow", allow.encode()),)
+    return status, _error_json(f"no endpoint at {path}; the endpoints are {_ENDPOINTS}"), _JSON
 
 
 def _refused_response(e: Refused) -> Response:
