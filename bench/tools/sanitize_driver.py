@@ -40,6 +40,28 @@ def ints(rng, shape, dtype):
     return rng.integers(-3, 4, size=shape).astype(np.float32).astype(NP[dtype])
 
 
+def _floats(x: np.ndarray):
+    """``x`` as float32 (bfloat16 arrays, and the int16 bits Runner.host gives torch's bfloat16, too),
+    or None when it holds no floats."""
+    if x.dtype == ml_dtypes.bfloat16:
+        return x.astype(np.float32)
+    if x.dtype == np.int16:
+        return x.view(ml_dtypes.bfloat16).astype(np.float32)
+    return x.astype(np.float32) if x.dtype.kind == "f" else None
+
+
+def _same_bits(a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether two arrays of one shape and item size hold the same bytes, NaNs of any payload alike."""
+    fa, fb = _floats(a), _floats(b)
+    if fa is not None and fb is not None:
+        na, nb = np.isnan(fa), np.isnan(fb)
+        if not np.array_equal(na, nb):
+            return False
+        a, b = a.copy(), b.copy()
+        a[na], b[nb] = 0, 0
+    return a.tobytes() == b.tobytes()
+
+
 class Runner:
     def __init__(self, torch):
         import cupy
@@ -71,11 +93,12 @@ class Runner:
         return x.get() if mod == "cupy" else np.asarray(x)
 
     def compare(self, name, got, want):
+        """Bitwise equal results, a NaN matching any NaN."""
         self.cupy.cuda.runtime.deviceSynchronize()
         got = got if isinstance(got, tuple) else (got,)
         want = want if isinstance(want, tuple) else (want,)
         ok = len(got) == len(want) and all(
-            g.shape == w.shape and g.dtype.itemsize == w.dtype.itemsize and g.tobytes() == w.tobytes()
+            g.shape == w.shape and g.dtype.itemsize == w.dtype.itemsize and _same_bits(g, w)
             for g, w in ((self.host(g), np.asarray(w)) for g, w in zip(got, want)))
         self.checked += 1
         self.failed += not ok
@@ -180,12 +203,22 @@ def backward(r: Runner, rng):
             g = ints(rng, (3, 8), "float32")
             r.same(f"backward {dtype} {method} packed", lik_cupy.maxsim_backward, (g, Qc, T, am),
                    {"d_offsets": off, "method": method})
-            bad = am.copy()  # out-of-range entries, unvalidated: skipped on the GPU, as if -1 on the CPU
+            # Out-of-range entries, unvalidated: the GPU adds nothing of them to dD and makes their query
+            # tokens' dQ rows NaN (maxsim_backward's NaN contract); elsewhere the CPU's values, with
+            # those entries -1 there (the CPU path checks every call).
+            bad = am.copy()
             bad[0, :, :3], bad[1, 2, 5], bad[2, 3, 0] = 10**6, -(2**31), int(lens[3])
-            fixed = np.where((bad < 0) | (bad >= lens[:, None]), -1, bad).astype(np.int32)
-            r.same(f"backward {dtype} {method} packed, unvalidated bad argmax", lik_cupy.maxsim_backward,
-                   (g, Qc, T, fixed), {"d_offsets": off, "method": method},
-                   gpu_args=(g, Qc, T, bad), gpu_kwargs={"d_offsets": off, "method": method, "validate": False})
+            invalid = (bad < 0) | (bad >= lens[:, None])
+            fixed = np.where(invalid, -1, bad).astype(np.int32)
+            fw = r.framework(Qc)
+            if fw is None:
+                continue
+            dq, dd = lik_cupy.maxsim_backward(g, Qc, T, fixed, d_offsets=off, method=method, backend="cpu")
+            dq = dq.copy()
+            dq[(invalid & (bad != -1)).any(axis=1)] = np.nan
+            r.compare(f"backward {dtype} {method} packed, unvalidated bad argmax",
+                      lik_cupy.maxsim_backward(*(r.dev(x, fw) for x in (g, Qc, T, bad)), d_offsets=r.dev(off, fw),
+                                               method=method, validate=False, backend="gpu"), (dq, dd))
 
 
 def topk(r: Runner, rng):
@@ -210,6 +243,15 @@ def topk(r: Runner, rng):
         want = lik_cupy.retrieve(Q, [(T, off), D], 9, backend="cpu")
         r.compare(f"top-k {dtype} host shards in chunks",
                   lik_cupy.retrieve(r.dev(Q, fw), [(T, off), D], 9, max_gpu_bytes=1 << 20, backend="gpu"), want)
+        # Corpus.search's repeat path: from the second call of a signature on, the merge is launched by
+        # kernel handle, the corpus's integer ids written by its last launch (two launches at k = 10,
+        # one at 4,096)
+        ids = np.arange(off.size - 1, dtype=np.int64) * 3 + 7
+        for k in (10, 4096):
+            want = lik_cupy.Corpus(T, d_offsets=off, ids=ids, device="cpu").search(Q, k)
+            corpus = lik_cupy.Corpus(r.dev(T, fw), d_offsets=r.dev(off, fw), ids=ids)
+            for call in ("first", "repeat"):
+                r.compare(f"Corpus.search {dtype} k={k}, {call} call", corpus.search(r.dev(Q, fw), k), want)
 
 
 _PLANTED = r"""
