@@ -504,11 +504,14 @@ class Corpus:
         return results
 
     def _keep(self, key, call) -> None:
-        """Keep a prepared call (None: none) for the repeats of signature ``key``."""
+        """Keep a prepared call (None: none) for the repeats of signature ``key``: a new signature
+        takes the place of the oldest stored when ``_MAX_CALLS`` are kept; one kept already (a call
+        made again after its prepared call went stale, or a search that fell back to streaming) is
+        replaced where it is, evicting nothing."""
         if call is None:
             return
         with self._calls_lock:
-            if len(self._calls) >= _MAX_CALLS:
+            if key not in self._calls and len(self._calls) >= _MAX_CALLS:
                 self._calls.pop(next(iter(self._calls)))
             self._calls[key] = call
 
