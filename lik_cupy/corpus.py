@@ -13,14 +13,16 @@ A service scores query after query against one corpus. ``Corpus`` checks the doc
 Each call then checks only its queries, padded ``[Nq, Lq, d]`` or packed ``[Tq, d]`` with ``q_offsets``
 (as :func:`lik_cupy.maxsim_varlen` takes them). On a GPU-resident corpus ``score`` and ``rerank`` are one
 launch of the forward kernel on the already-checked device arrays, and ``search`` runs the
-streaming top-k of :func:`lik_cupy.retrieve` over them. ``rerank`` scores each query against its
-own candidate documents, given by index, in place: the forward kernel's candidate-id tiles find
-each candidate's tokens in the packed or padded corpus, so no gathered copy exists. NumPy queries
-(and candidates) of a GPU-resident corpus, without masks, lengths or offsets, move in one
-page-locked copy each way when each way is at most 1 MiB (``lik_cupy._runtime.host_staging``), and
-JAX ones on its GPU are shared through DLPack (``score`` and ``rerank``), for the CuPy call on the
-same values (``score`` and ``rerank`` of a float corpus then take the device arrays' repeat path).
-Scores follow
+streaming top-k of :func:`lik_cupy.retrieve` over them; a search whose scores streamed in one chunk
+(float corpus, no string ids) leaves a prepared search, which its repeats run instead (the scores'
+prepared call, then the top-k merge: ``prepared_calls.PreparedSearch``). ``rerank`` scores each
+query against its own candidate documents, given by index, in place: the forward kernel's
+candidate-id tiles find each candidate's tokens in the packed or padded corpus, so no gathered copy
+exists. NumPy queries (and candidates) of a GPU-resident corpus, without masks, lengths or offsets,
+move in one page-locked copy each way when each way is at most 1 MiB
+(``lik_cupy._runtime.host_staging``), and JAX ones on its GPU are shared through DLPack (``score``,
+``search`` and ``rerank``), for the CuPy call on the same values (which, for a float corpus, takes
+the device arrays' repeat path where the call has one). Scores follow
 :func:`lik_cupy.maxsim` (-inf for a document without valid tokens, 0 for a query without one) and
 come back in the queries' framework and place.
 
@@ -504,11 +506,14 @@ class Corpus:
         return results
 
     def _keep(self, key, call) -> None:
-        """Keep a prepared call (None: none) for the repeats of signature ``key``."""
+        """Keep a prepared call (None: none) for the repeats of signature ``key``: a new signature
+        takes the place of the oldest stored when ``_MAX_CALLS`` are kept; one kept already (a call
+        made again after its prepared call went stale, or a search that fell back to streaming) is
+        replaced where it is, evicting nothing."""
         if call is None:
             return
         with self._calls_lock:
-            if len(self._calls) >= _MAX_CALLS:
+            if key not in self._calls and len(self._calls) >= _MAX_CALLS:
                 self._calls.pop(next(iter(self._calls)))
             self._calls[key] = call
 

@@ -321,3 +321,152 @@ def test_not_even_one_document_fits():
     assert "fewer queries" in msg and "max_gpu_bytes" in msg
     assert isinstance(info.value.__cause__, _FakeOOM) and not isinstance(info.value, _FakeOOM)
     assert shard.merged == [] and len(dropped) == 4  # tried 8, 4, 2, 1; cached buffers dropped after each
+
+
+def test_topk_merge_parameters_are_packed_in_the_kernels_order():
+    """topk._PARAMS packs lik_topk_merge's parameters by raw slot (launch_raw): its kinds must name
+    the kernel's parameters in cuda_src/topk.cu by C type, in order, or every merge reads its
+    arguments from the wrong slots."""
+    from pathlib import Path
+
+    from lik_cupy._runtime import topk
+    from lik_cupy._runtime.raw_launch import signature
+
+    src = (Path(__file__).resolve().parents[1] / "cuda_src" / "topk.cu").read_text()
+    params = src[src.index("lik_topk_merge(") + len("lik_topk_merge("):]
+    params = params[:params.index(")")]
+    kinds = []
+    for decl in (d.strip() for d in params.split(",")):
+        ctype = decl.rsplit(None, 1)[0]
+        kinds.append("p" if "*" in decl else {"long long": "q", "int": "i"}.get(ctype, "?" + ctype))
+    assert topk._PARAMS.format == signature("".join(kinds)).format, "".join(kinds)
+
+
+class _FakeArray:
+    def __init__(self, shape, at):
+        self.shape = tuple(shape)
+        self.data = type("Ptr", (), {"ptr": at})()
+
+
+class _Allocator:
+    """Device addresses handed out in order (0 for an empty array, as CuPy's), the same sequence
+    for each path compared."""
+
+    def __init__(self):
+        self.next = 1 << 20
+
+    def __call__(self, shape, *args):
+        if int(np.prod(shape)) == 0:
+            return _FakeArray(shape, 0)
+        self.next += 1 << 20
+        return _FakeArray(shape, self.next)
+
+
+def _old_merge_launches(nq, k_run, nd, k, run, s, base, alloc):
+    """The launches merge_topk queued before 5accd65 (through CuPy's RawKernel): (rows, smem,
+    the kernel's arguments by its parameters, ids and n_ids then null)."""
+    from lik_cupy._runtime.topk import MERGE_SLICE, split_merge
+
+    k_out = min(k, k_run + nd)
+    out_s, out_i = alloc((nq, k_out)).data.ptr, alloc((nq, k_out)).data.ptr
+    launches = []
+
+    def merge_kernel(rows, run_s, run_i, k_run, chunk, chunk_i, stride, n, groups, slice_, base, o_s, o_i, k):
+        kp = 1 << max(0, (k - 1).bit_length())
+        cache = k_run + min(n, slice_) <= 4096
+        smem = kp * 12 + (4096 * 4 if cache else 0)
+        launches.append((rows, smem, (run_s, run_i, k_run, chunk, chunk_i, stride, n, groups, slice_, base, o_s, o_i,
+                                      k, kp, 4096 if cache else 0, 0, 0)))
+
+    groups = -(-nd // MERGE_SLICE)
+    if groups > 1 and split_merge(k):
+        win_s, win_i = alloc((nq * groups, k)).data.ptr, alloc((nq * groups, k)).data.ptr
+        merge_kernel(nq * groups, 0, 0, 0, s, 0, nd, nd, groups, MERGE_SLICE, base, win_s, win_i, k)
+        merge_kernel(nq, run[0], run[1], k_run, win_s, win_i, groups * k, groups * k, 1, groups * k, 0, out_s, out_i,
+                     k_out)
+    else:
+        merge_kernel(nq, run[0], run[1], k_run, s, 0, nd, nd, 1, nd, base, out_s, out_i, k_out)
+    return launches
+
+
+@pytest.mark.parametrize("nq,k_run,nd,k,base", [(3, 0, 9000, 40, 0), (3, 0, 9000, 1500, 0), (2, 0, 210, 7, 0),
+                                                (1, 0, 4096, 4096, 0), (1, 0, 50, 4096, 0), (2, 40, 9000, 40, 12345),
+                                                (2, 300, 5000, 300, 7), (1, 4096, 8192, 4096, 8192),
+                                                (5, 1024, 70000, 1024, 99)])
+def test_merge_launches_keep_the_old_arguments_and_the_prepared_merge_repeats_them(monkeypatch, nq, k_run, nd, k,
+                                                                                   base):
+    """merge_topk, launched by handle since 5accd65, hands the kernel every argument the CuPy launch
+    did (null run lists in a split merge's first launch aside: k_run is 0 there, so they are never
+    read), with dynamic shared memory within what _kernel sets once; and PreparedTopK (a repeat of
+    Corpus.search, whose streamed call merged one chunk into an empty running list) queues the same
+    launches, the corpus's ids (or none) in the last alone."""
+    import sys
+    import types
+
+    from lik_cupy._runtime import topk
+
+    launched = []
+    monkeypatch.setattr(topk, "launch_raw", lambda func, grid, threads, smem, stream, params, values: launched.append(
+        (func, grid, threads, smem, stream, params, values)))
+    monkeypatch.setattr(topk, "_kernel", lambda device: 4242)
+    alloc = _Allocator()
+    stream = types.SimpleNamespace(ptr=77)
+    fake = types.SimpleNamespace(empty=alloc, float32="float32", int64="int64",
+                                 cuda=types.SimpleNamespace(get_current_stream=lambda: stream))
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    run = alloc((nq, k_run)), alloc((nq, k_run))
+    s = alloc((nq, nd))
+    start = alloc.next
+    out_s, out_i = topk.merge_topk(0, run[0], run[1], s, nd, base, k)
+    assert out_s.shape == out_i.shape == (nq, min(k, k_run + nd))
+    alloc.next = start
+    old = _old_merge_launches(nq, k_run, nd, k, (run[0].data.ptr, run[1].data.ptr), s.data.ptr, base, alloc)
+    assert len(launched) == len(old)
+    limit = topk.MAX_K * 12 + topk._MERGE_CACHE * 4
+    for (func, grid, threads, smem, stream_ptr, params, values), (rows, old_smem, old_values) in zip(launched, old):
+        assert (func, grid, threads, stream_ptr, params) == (4242, (rows, 1, 1), 1024, 77, topk._PARAMS)
+        assert smem == old_smem <= limit
+        if old_values[0] == 0 and values[2] == 0:  # a split merge's first launch: the run lists unread
+            values = (0, 0) + values[2:]
+        assert values == old_values
+    if k_run or base:
+        return
+    # The repeat: the same launches into arrays of the caller's framework, on its stream
+    adapter = types.SimpleNamespace(new_empty=lambda shape, dtype, device: alloc(shape),
+                                    address=lambda x: x.data.ptr)
+    for ids in (None, alloc((nd,))):
+        merged, launched[:] = list(launched), []
+        alloc.next = start
+        top = topk.PreparedTopK(0, nq, nd, k, ids)
+        got_s, got_i = top(adapter, 0, 77, s)
+        assert got_s.shape == got_i.shape == (nq, min(k, nd))
+        assert len(launched) == len(merged)
+        for i, (a, b) in enumerate(zip(launched, merged)):
+            last = i == len(merged) - 1
+            assert a[:6] == b[:6]
+            want = b[6][:15] + ((ids.data.ptr, nd) if last and ids is not None else (0, 0))
+            assert a[6][:2] == (0, 0) and a[6][2:] == want[2:]
+        launched[:] = merged
+
+
+def test_the_merge_kernels_shared_memory_limit_is_set_once_per_device(monkeypatch):
+    """_kernel raises the merge kernel's dynamic shared memory limit once per device, to what the
+    largest launch takes (k = MAX_K with the row's keys cached), and hands out its handle."""
+    from lik_cupy._runtime import topk
+
+    made = []
+
+    class Kern:
+        def __init__(self, device):
+            self.device = device
+            self.kernel = type("F", (), {"ptr": 1000 + device})()
+            made.append(self)
+
+    monkeypatch.setattr(topk, "_handles", {})
+    monkeypatch.setattr(topk, "get_function", lambda name, entry, device: Kern(device))
+    assert topk._kernel(0) == 1000 and topk._kernel(0) == 1000 and topk._kernel(1) == 1001
+    assert [k.device for k in made] == [0, 1]
+    assert all(k.max_dynamic_shared_size_bytes == topk.MAX_K * 12 + topk._MERGE_CACHE * 4 for k in made)
+    widest = max(launch[8] for nd in (1, 4095, 4096, 4097, 10**6) for k_run in (0, 1, topk.MAX_K)
+                 for k in (1, 1024, 1025, topk.MAX_K) for launch in topk._launches(2, k_run, nd, k))
+    assert widest == topk.MAX_K * 12 + topk._MERGE_CACHE * 4

@@ -430,3 +430,25 @@ def test_a_host_corpus_checks_precision_and_takes_empty_ids():
             call()
     empty = lik_cupy.Corpus(np.zeros((0, 2, 4), np.float32), ids=[], device="cpu")
     assert len(empty) == 0 and empty.score(q).shape == (1, 0)
+
+
+def test_the_repeat_path_cache_replaces_a_kept_signature_in_place(rng):
+    """Corpus._keep: at the bound (corpus._MAX_CALLS) a new signature evicts the oldest kept; one kept
+    already (made again after its prepared call went stale, or a search that fell back to streaming
+    on a MemoryError) is replaced, and evicts nothing."""
+    from lik_cupy import corpus as corpus_module
+
+    kw, *_ = corpus_case(rng, "packed")
+    corpus = lik_cupy.Corpus(**kw, device="cpu")
+    n = corpus_module._MAX_CALLS
+    for i in range(n):
+        corpus._keep(("key", i), f"call {i}")
+    corpus._keep(("key", 5), "call 5 again")
+    assert len(corpus._calls) == n and ("key", 0) in corpus._calls
+    corpus._keep(("key", 0), "call 0 again")  # the oldest, kept: replaced, not evicted
+    assert len(corpus._calls) == n and set(corpus._calls) == {("key", i) for i in range(n)}
+    assert corpus._calls[("key", 5)] == "call 5 again" and corpus._calls[("key", 0)] == "call 0 again"
+    corpus._keep(("key", n), f"call {n}")  # a new one: the oldest stored goes
+    assert len(corpus._calls) == n and ("key", 0) not in corpus._calls and corpus._calls[("key", n)] == f"call {n}"
+    corpus._keep(("key", n + 1), None)  # no prepared call: nothing kept, nothing evicted
+    assert len(corpus._calls) == n and ("key", 1) in corpus._calls
