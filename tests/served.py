@@ -22,13 +22,15 @@ ROOT = Path(__file__).resolve().parents[1]
 
 class Server:
     """``lik serve ARGS`` on an ephemeral loopback port (``port``; ``grpc_port`` too when ARGS hold
-    ``--grpc-port 0``), ready when constructed; its stderr kept (``stop`` returns it)."""
+    ``--grpc-port 0``), ready when constructed; its stderr kept (``stop`` returns it). ``script``:
+    run ``python SCRIPT ARGS`` instead (a server of the test's own: ``tests/slow_served.py``)."""
 
-    def __init__(self, *args):
+    def __init__(self, *args, script=None):
         for m in ("starlette", "uvicorn", "prometheus_client"):  # the [serve] extra
             pytest.importorskip(m)
         env = {**os.environ, "PYTHONPATH": child_pythonpath()}
-        self.proc = subprocess.Popen([sys.executable, "-m", "lik_cupy", "serve", *map(str, args), "--port", "0"],
+        command = ["-m", "lik_cupy", "serve"] if script is None else [str(script)]
+        self.proc = subprocess.Popen([sys.executable, *command, *map(str, args), "--port", "0"],
                                      stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
         self.lines, self.port, self.grpc_port = [], None, None
         listening = threading.Event()

@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import types
 from pathlib import Path
 
@@ -262,6 +263,114 @@ def test_a_request_past_its_deadline_in_the_queue_is_never_scored(corpus):
         assert np.array_equal(on_time.result(), corpus.score(qs[1]))
     assert seen.rejects == ["deadline"]
     assert [(r, n) for _, r, n in seen.batches] == [(1, 1)]
+
+
+class _SlowCalls(lik_cupy.Corpus):
+    """A host corpus whose batched score calls (those with q_offsets) sleep ``seconds``; ``calls``
+    holds each one's query count, ``started`` is set as one starts."""
+
+    seconds = 0.0
+
+    def score(self, Q, *args, **kwargs):
+        if kwargs.get("q_offsets") is not None:
+            self.calls.append(len(kwargs["q_offsets"]) - 1)
+            self.started.set()
+            time.sleep(self.seconds)
+        return super().score(Q, *args, **kwargs)
+
+
+def _slow_calls(seconds, rng):
+    docs = np.concatenate(_docs(rng, 40))
+    corpus = _SlowCalls(docs, d_offsets=np.linspace(0, len(docs), 41).astype(np.int64), device="cpu")
+    corpus.seconds, corpus.calls, corpus.started = seconds, [], threading.Event()
+    return corpus
+
+
+def test_a_deadline_passing_behind_a_long_batch_is_answered_at_it_and_never_scored():
+    """A request whose deadline passed in the queue was answered only when the worker next took from
+    the queue: behind a long batch, up to that batch's time late. It is answered at its deadline,
+    while the batch runs, and never scored; the requests without deadlines get their results."""
+    rng = np.random.default_rng(42)
+    corpus = _slow_calls(1.5, rng)
+    q1, q2, q3 = (rng.standard_normal((n, 5, DIM)).astype(np.float32) for n in (1, 2, 3))
+    seen = _Record()
+    with Batcher(corpus, max_batch=64, observer=seen) as b:
+        busy = b.submit("score", q1)
+        assert corpus.started.wait(30)  # the worker is in its 1.5 s call
+        start = time.monotonic()
+        late = b.submit("score", q3, timeout=0.1)
+        after = b.submit("score", q2)
+        with pytest.raises(DeadlineExceeded, match="deadline passed"):
+            late.result(timeout=30)
+        waited = time.monotonic() - start
+        assert 0.1 <= waited < 0.9 and not busy.done(), waited  # (the call ends 1.5 s after it began)
+        assert b.queue_depths() == {"cpu:0": 1}  # `after` waits, `late` left the queue
+        assert np.array_equal(busy.result(timeout=30), lik_cupy.Corpus.score(corpus, q1))
+        assert np.array_equal(after.result(timeout=30), lik_cupy.Corpus.score(corpus, q2))
+    assert corpus.calls == [1, 2] and seen.rejects == ["deadline"]
+    assert [(r, n) for _, r, n in seen.batches] == [(1, 1), (1, 2)]
+
+
+def test_a_deadline_sooner_than_max_delay_is_answered_at_it():
+    """A worker waiting out max_delay for companions answered an expired request only once it took
+    from the queue (30 s here); the timer answers it at its deadline."""
+    rng = np.random.default_rng(43)
+    corpus = _slow_calls(0.0, rng)
+    qs = [rng.standard_normal((5, DIM)).astype(np.float32) for _ in range(2)]
+    seen = _Record()
+    b = Batcher(corpus, max_batch=64, max_delay_us=30_000_000, observer=seen)
+    try:
+        start = time.monotonic()
+        kept, late = b.submit("score", qs[0]), b.submit("score", qs[1], timeout=0.05)
+        with pytest.raises(DeadlineExceeded, match="deadline passed"):
+            late.result(timeout=20)
+        assert time.monotonic() - start < 5 and not kept.done()
+        assert seen.rejects == ["deadline"] and b.queue_depths() == {"cpu:0": 1}
+    finally:
+        b.close()  # (cuts the worker's wait: `kept` is scored alone)
+    assert np.array_equal(kept.result(timeout=30), lik_cupy.Corpus.score(corpus, qs[0]))
+    assert corpus.calls == [1] and seen.rejects == ["deadline"]
+
+
+def test_deadlines_racing_the_worker_are_answered_once_each(caplog):
+    """Deadlines that pass as the worker takes requests: each request is either scored or expired,
+    once (a request answered twice would fail its batch, logged), and each expiry is counted once."""
+    rng = np.random.default_rng(44)
+    corpus = _slow_calls(0.002, rng)
+    qs = [rng.standard_normal((int(n), DIM)).astype(np.float32) for n in rng.integers(1, 30, 400)]
+    timeouts = [None if j % 5 == 0 else t for j, t in enumerate(rng.uniform(0.0005, 0.01, len(qs)))]  # (some scored)
+
+    class Counted(_Record):
+        def __init__(self):
+            super().__init__()
+            self.answered_n = 0
+
+        def answered(self, device, op, queue_s, compute_s):
+            with self.lock:
+                self.answered_n += 1
+
+    seen = Counted()
+    with Batcher(corpus, max_batch=4, observer=seen) as b:
+        futures = []
+
+        def client(t):
+            for j in range(t, len(qs), 4):
+                futures.append((j, b.submit("score", qs[j], timeout=timeouts[j])))
+                if j % 3 == 0:
+                    time.sleep(0.001)
+
+        run_threads(4, client)
+        expired = scored = 0
+        for j, f in futures:
+            try:
+                assert np.array_equal(f.result(timeout=60), lik_cupy.Corpus.score(corpus, qs[j]))
+                scored += 1
+            except DeadlineExceeded:
+                expired += 1
+    assert scored + expired == len(qs) and expired > 0 and scored > 0, (scored, expired)
+    assert seen.rejects == ["deadline"] * expired and seen.answered_n == scored
+    assert sum(n for _, _, n in seen.batches) == scored == sum(corpus.calls)
+    assert not [r for r in caplog.records if "failed a batch" in r.getMessage()]
 
 
 def test_a_request_cancelled_in_the_queue_is_dropped(corpus):
@@ -782,13 +891,14 @@ def test_compressed_bodies_are_bounded_after_inflating(served):
 
 
 def test_backpressure_503_and_deadline_504(shard):
-    # One request waits out the 1.5 s delay in a queue of one, and expires there (timeout 1 ms);
-    # meanwhile a second finds the queue full.
-    server = Server(shard, "--devices", "cpu", "--max-queue", "1", "--max-delay-us", "1500000", "--max-batch", "8")
+    # One request waits in a queue of one, its worker waiting 30 s for companions, and expires there
+    # at its deadline (timeout 1 s), not when the worker takes it; meanwhile a second finds the queue full.
+    server = Server(shard, "--devices", "cpu", "--max-queue", "1", "--max-delay-us", "30000000", "--max-batch", "8")
     try:
-        payload = {"inputs": [_json_q(np.ones((2, DIM), np.float32))], "parameters": {"timeout": 1000}}
+        payload = {"inputs": [_json_q(np.ones((2, DIM), np.float32))], "parameters": {"timeout": 1_000_000}}
         late = {}
-        t = threading.Thread(target=lambda: late.update(r=server.infer("score", payload)))
+        start = time.monotonic()
+        t = threading.Thread(target=lambda: late.update(r=server.infer("score", payload), at=time.monotonic()))
         t.start()
         while 'lik_serve_queue_depth{device="cpu:0"} 1.0' not in server.get("/metrics")[2].decode():
             assert t.is_alive(), late
@@ -796,11 +906,65 @@ def test_backpressure_503_and_deadline_504(shard):
         assert status == 503 and headers["retry-after"] == "1" and "queues are full" in json.loads(body)["error"]
         t.join()
         assert late["r"][0] == 504 and "deadline passed" in json.loads(late["r"][2])["error"]
+        assert 1.0 <= late["at"] - start < 10, late["at"] - start  # at its deadline, long before the 30 s
         text = server.get("/metrics")[2].decode()
         assert 'lik_serve_rejected_total{model="score",reason="overloaded"} 1.0' in text
         assert 'lik_serve_rejected_total{model="score",reason="deadline"} 1.0' in text
     finally:
         server.stop()
+
+
+def _wait_line(server, text, timeout=30.0):
+    until = time.monotonic() + timeout
+    while not any(text in line for line in server.lines):
+        assert time.monotonic() < until, f"no line with {text!r}: {''.join(server.lines)}"
+        time.sleep(0.01)
+
+
+def test_a_deadline_behind_a_long_batch_is_answered_504_at_it_and_never_scored():
+    """A request whose deadline passed while a batch ran was answered 504 only once the worker was
+    free again (2 s here). It is answered at its deadline while the batch still runs, is never
+    scored, and is counted once; the requests without deadlines get their results."""
+    from slow_served import DIM as D, documents
+
+    tokens, offsets = documents()
+    local = lik_cupy.Corpus(tokens, d_offsets=offsets, device="cpu")
+    rng = np.random.default_rng(45)
+    qa, qb, qc = (rng.standard_normal((n, 4, D)).astype(np.float32) for n in (1, 3, 2))
+    server = Server("2.0", script=ROOT / "tests" / "slow_served.py")
+    answers = {}
+
+    def send(name, q):
+        answers[name] = (server.infer("score", {"inputs": [_json_q(q)]}), time.monotonic())
+
+    try:
+        first = threading.Thread(target=send, args=("a", qa))
+        first.start()
+        _wait_line(server, "slow_served: score of 1 queries")  # the worker is in its 2 s call
+        then = threading.Thread(target=send, args=("c", qc))
+        then.start()
+        server.wait_metric("lik_serve_queue_depth", 1.0, device="cpu:0")
+        start = time.monotonic()
+        status, _, body = server.infer("score", {"inputs": [_json_q(qb)], "parameters": {"timeout": 100_000}})
+        answered = time.monotonic()
+        assert status == 504 and "deadline passed" in json.loads(body)["error"], body
+        assert 0.1 <= answered - start < 1.0, answered - start
+        first.join(60)
+        then.join(60)
+        assert answers["a"][1] > answered  # (the batch ran on)
+        for name, q in (("a", qa), ("c", qc)):
+            (status, _, body), _ = answers[name]
+            assert status == 200, body
+            assert np.array_equal(np.float32(json.loads(body)["outputs"][0]["data"]).reshape(len(q), -1),
+                                  local.score(q))
+        assert server.metric("lik_serve_rejected_total", model="score", reason="deadline") == 1.0
+        assert server.metric("lik_serve_responses_total", model="score", code="504") == 1.0
+        assert server.metric("lik_serve_responses_total", model="score", code="200") == 2.0
+    finally:
+        log = server.stop()
+    calls = [line.strip() for line in server.lines if line.startswith("slow_served:")]
+    assert calls == ["slow_served: score of 1 queries", "slow_served: score of 2 queries"], log
+    assert "answered 3 of 3 accepted requests" in log, log
 
 
 def test_a_request_whose_client_disconnects_is_dropped_unscored_and_counted(shard, local):

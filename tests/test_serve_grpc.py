@@ -7,6 +7,7 @@ taken, and SIGTERM."""
 
 from __future__ import annotations
 
+import re
 import socket
 import subprocess
 import sys
@@ -173,32 +174,88 @@ def test_a_message_over_the_body_limit_is_refused_and_counted_as_http_413(served
 
 def test_deadlines_and_cancellations_are_counted_and_dropped(shard):
     """A call whose deadline passes in the queue, and one its client cancels there, are counted as
-    HTTP's 504s and disconnects are (responses by status, rejects by reason), and never scored."""
+    HTTP's 504s and disconnects are (responses by status, rejects by reason), and never scored; the
+    first leaves the queue at its deadline."""
     from tritonclient.grpc import service_pb2 as pb, service_pb2_grpc as rpc
 
-    s = Server(shard, "--devices", "cpu", "--grpc-port", "0", "--max-batch", "3", "--max-delay-us", "30000000")
+    s = Server(shard, "--devices", "cpu", "--grpc-port", "0", "--max-batch", "2", "--max-delay-us", "30000000")
     req = pb.ModelInferRequest(model_name="score", raw_input_contents=[np.ones((4, DIM), np.float32).tobytes()])
     req.inputs.add(name="Q", datatype="FP32", shape=[4, DIM])
     try:
         with grpc.insecure_channel(f"127.0.0.1:{s.grpc_port}") as channel:
             stub = rpc.GRPCInferenceServiceStub(channel)
             expiring = stub.ModelInfer.future(req, timeout=1.0)
-            s.wait_metric("lik_serve_queue_depth", 1.0, device="cpu:0")  # (the worker waits for 3 queries)
+            s.wait_metric("lik_serve_queue_depth", 1.0, device="cpu:0")  # (the worker waits for 2 queries)
             with pytest.raises(grpc.RpcError) as e:
                 expiring.result()
             assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
             s.wait_metric("lik_serve_responses_total", 1.0, model="score", code="504")
             s.wait_metric("lik_serve_rejected_total", 1.0, model="score", reason="deadline")
             call = stub.ModelInfer.future(req)
-            s.wait_metric("lik_serve_queue_depth", 2.0, device="cpu:0")  # (the expired call's request is there too)
+            s.wait_metric("lik_serve_queue_depth", 1.0, device="cpu:0")  # (the expired call's request left)
             call.cancel()
             s.wait_metric("lik_serve_responses_total", 1.0, model="score", code="499")
             s.wait_metric("lik_serve_rejected_total", 1.0, model="score", reason="cancelled")
-            r = stub.ModelInfer(req, timeout=60)  # the third query: the worker takes the queue
+            r = stub.ModelInfer(req, timeout=60)  # the second query: the worker takes the queue
             assert r.parameters["batch_queries"].int64_param == 1  # scored alone
+        assert s.metric("lik_serve_rejected_total", model="score", reason="deadline") == 1.0
+        assert s.metric("lik_serve_responses_total", model="score", code="504") == 1.0
     finally:
         log = s.stop()
-    assert "answered 1 of 3 accepted requests; 2 dropped" in log, log
+    # The expired call: answered by the server's timer, or given up (grpcio cancelled it at its
+    # deadline) a moment before; the cancelled one dropped.
+    assert re.search(r"answered (1 of 3 accepted requests; 2|2 of 3 accepted requests; 1) dropped", log), log
+
+
+def test_deadlines_behind_a_long_batch_are_answered_at_them_and_never_scored():
+    """Calls whose deadlines (the timeout parameter, or the call's gRPC deadline) pass while a batch
+    runs are answered DEADLINE_EXCEEDED at those deadlines, not once the worker is free (2 s here),
+    counted once each, and never scored; the calls without deadlines get their results."""
+    import time
+
+    from slow_served import DIM as D, documents
+    from tritonclient.grpc import service_pb2 as pb, service_pb2_grpc as rpc
+
+    def request(n, timeout_us=None):
+        q = np.random.default_rng(n).standard_normal((n, 4, D)).astype(np.float32)
+        req = pb.ModelInferRequest(model_name="score", raw_input_contents=[q.tobytes()])
+        req.inputs.add(name="Q", datatype="FP32", shape=list(q.shape))
+        if timeout_us is not None:
+            req.parameters["timeout"].int64_param = timeout_us
+        return req, q
+
+    tokens, offsets = documents()
+    local = lik_cupy.Corpus(tokens, d_offsets=offsets, device="cpu")
+    s = Server("2.0", "--grpc-port", "0", script=ROOT / "tests" / "slow_served.py")
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{s.grpc_port}") as channel:
+            stub = rpc.GRPCInferenceServiceStub(channel)
+            (ra, qa), (rc, qc) = request(1), request(2)
+            a = stub.ModelInfer.future(ra, timeout=60)
+            until = time.monotonic() + 30
+            while not any("slow_served: score of 1 queries" in line for line in s.lines):  # the 2 s call runs
+                assert time.monotonic() < until, "".join(s.lines)
+                time.sleep(0.01)
+            c = stub.ModelInfer.future(rc, timeout=60)
+            s.wait_metric("lik_serve_queue_depth", 1.0, device="cpu:0")
+            for req, timeout in ((request(3, timeout_us=100_000)[0], 60), (request(4)[0], 0.1)):
+                start = time.monotonic()
+                with pytest.raises(grpc.RpcError) as e:
+                    stub.ModelInfer(req, timeout=timeout)
+                waited = time.monotonic() - start
+                assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED, e.value
+                assert waited < 1.0 and not a.done(), waited
+            for call, q in ((a, qa), (c, qc)):
+                r = call.result()
+                got = np.frombuffer(r.raw_output_contents[0], np.float32).reshape(len(q), -1)
+                assert np.array_equal(got, local.score(q))
+        s.wait_metric("lik_serve_rejected_total", 2.0, model="score", reason="deadline")
+        s.wait_metric("lik_serve_responses_total", 2.0, model="score", code="504")
+        s.wait_metric("lik_serve_responses_total", 2.0, model="score", code="200")
+    finally:
+        log = s.stop()
+    calls = [line.strip() for line in s.lines if line.startswith("slow_served:")]
+    assert calls == ["slow_served: score of 1 queries", "slow_served: score of 2 queries"], log
 
 
 def test_many_concurrent_clients_each_get_their_own_rows(served, local):

@@ -13,6 +13,14 @@ gets copies of its own rows. Scores do not depend on the other queries of a call
 is bitwise the unbatched call's (on the GPU, search and score of several short queries excepted:
 docs/serving.md).
 
+A request with a deadline is also entered in the queue's timer (a heap of deadlines, and one thread
+per queue, started by the first such request): when its deadline passes while it still waits, the
+timer takes it out of the queue and answers it (:class:`DeadlineExceeded`) then, whether or not the
+worker is busy with a batch. The worker and the timer take requests out of the queue under one lock,
+so a request is either batched or expired, never both; one whose deadline the worker finds passed
+before the timer has woken is expired by the worker. Requests without a deadline never meet the
+timer.
+
 A request can also be scored at once in the thread that submits it (:meth:`DeviceQueue.score_now`),
 where the replica is idle with nothing queued and ``max_delay_s`` is 0, and the operation's last call
 of one request took at most ``INLINE_MAX_S``: the same call as a batch of one, on the worker's stream
@@ -24,10 +32,12 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import heapq
 import logging
+import math
 import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
 
 import numpy as np
@@ -65,6 +75,7 @@ class Request:
     deadline: float | None  # time.monotonic() seconds
     future: Future
     arrival: float
+    timer: int | None = None  # its key in its queue's timer while it waits there with a deadline
 
     @property
     def n(self) -> int:
@@ -90,7 +101,17 @@ class DeviceQueue:
         self._max_batch, self._max_tokens, self._max_delay = max_batch, max_tokens, max_delay_s
         self._max_queue, self._observer = max_queue, observer
         self._pending: collections.deque[Request] = collections.deque()
-        self._cv = threading.Condition()
+        lock = threading.RLock()
+        self._cv = threading.Condition(lock)  # the worker waits on it
+        # The timer (_expire_due): the deadlines of waiting requests (a heap of (deadline, key), with
+        # entries left behind by requests taken before their deadlines), the requests by key, and
+        # when its thread wakes next (-inf: it is awake and looks again before it sleeps).
+        self._timer = threading.Condition(lock)
+        self._deadlines: list[tuple[float, int]] = []
+        self._timed: dict[int, Request] = {}
+        self._keys = 0
+        self._wake = math.inf
+        self._timer_thread: threading.Thread | None = None
         self._queued = 0  # queries waiting
         self._running = 0  # queries being scored
         self._closing = False
@@ -145,17 +166,94 @@ class DeviceQueue:
                 return False
             self._pending.append(req)
             self._queued += req.n
+            if req.deadline is not None:
+                self._time(req)
             self._cv.notify()
         return True
 
     def close(self) -> None:
-        """Take no more requests; the worker answers those queued, then ends."""
+        """Take no more requests; the worker answers those queued, then ends (and so does the timer)."""
         with self._cv:
             self._closing = True
             self._cv.notify_all()
+            self._timer.notify_all()
 
     def join(self, timeout: float | None = None) -> None:
         self._thread.join(timeout)
+        if self._timer_thread is not None:
+            self._timer_thread.join(timeout)
+
+    # ------------------------------------------------------------ the timer
+
+    def _time(self, req: Request) -> None:
+        """Enter queued ``req``'s deadline in the timer (under the lock)."""
+        self._keys += 1
+        req.timer = self._keys
+        self._timed[self._keys] = req
+        heapq.heappush(self._deadlines, (req.deadline, self._keys))
+        if len(self._deadlines) > 2 * len(self._timed) + 64:  # mostly requests taken before their deadlines
+            self._deadlines = [(r.deadline, key) for key, r in self._timed.items()]
+            heapq.heapify(self._deadlines)
+        if self._timer_thread is None:
+            self._timer_thread = threading.Thread(target=self._expire_due, name=f"lik-serve-{self.name}-timer",
+                                                  daemon=True)
+            self._timer_thread.start()
+        elif req.deadline < self._wake:
+            self._timer.notify()
+
+    def _untime(self, req: Request) -> None:
+        """``req`` leaves the queue: out of the timer too (under the lock)."""
+        if req.timer is not None:
+            del self._timed[req.timer]
+            req.timer = None
+
+    def _expire_due(self) -> None:
+        """The timer thread: sleeps until the next deadline of a waiting request, takes each request
+        whose deadline has passed out of the queue and answers it; ends once the queue is closed and
+        drained."""
+        while True:
+            with self._cv:
+                while True:
+                    now = time.monotonic()
+                    expired = self._due(now)
+                    if expired:
+                        break
+                    if self._closing and not self._pending:
+                        return
+                    self._wake = self._deadlines[0][0] if self._deadlines else math.inf
+                    self._timer.wait(None if self._wake == math.inf else self._wake - now)
+                self._wake = -math.inf
+            self._expired(expired)
+
+    def _due(self, now: float) -> list[Request]:
+        """The waiting requests whose deadlines have passed by ``now``, taken out of the queue (under
+        the lock)."""
+        due = []
+        while self._deadlines and self._deadlines[0][0] <= now:
+            r = self._timed.pop(heapq.heappop(self._deadlines)[1], None)
+            if r is not None:  # (else it left the queue before its deadline)
+                r.timer = None
+                due.append(r)
+        while self._deadlines and self._deadlines[0][1] not in self._timed:  # so as to sleep until a live one
+            heapq.heappop(self._deadlines)
+        if due:
+            gone = set(due)
+            self._pending = collections.deque(r for r in self._pending if r not in gone)
+            self._queued -= sum(r.n for r in due)
+        return due
+
+    def _expired(self, requests: list[Request]) -> None:
+        """Answer ``requests``, taken out of the queue past their deadlines, with DeadlineExceeded
+        (outside the lock), each counted rejected once: a request its caller cancelled first was
+        counted by the caller (the server's transports), and is only dropped."""
+        for r in requests:
+            try:
+                r.future.set_exception(DeadlineExceeded(f"the request's deadline passed after "
+                                                        f"{time.monotonic() - r.arrival:.3f} s in the queue"))
+            except InvalidStateError:  # cancelled a moment ago
+                r.future.set_running_or_notify_cancel()  # (for concurrent.futures.wait's waiters)
+                continue
+            _observed(self._observer.rejected, r.op, "deadline")
 
     # ------------------------------------------------------------ the worker
 
@@ -180,10 +278,7 @@ class DeviceQueue:
         """Batches until the queue is closed and drained; whatever fails, each caller gets an answer."""
         while True:
             batch, expired = self._next()
-            for r in expired:
-                r.future.set_exception(DeadlineExceeded(f"the request's deadline passed after "
-                                                        f"{time.monotonic() - r.arrival:.3f} s in the queue"))
-                _observed(self._observer.rejected, r.op, "deadline")
+            self._expired(expired)
             if batch is None:
                 return
             try:
@@ -214,43 +309,45 @@ class DeviceQueue:
         """(the next batch, possibly empty when only expired or cancelled requests were queued, or
         None once closed and drained; the requests whose deadline passed)."""
         with self._cv:
-            while (not self._pending and not self._closing) or self._now:  # (score_now holds the buffers)
-                self._cv.wait()
-            if not self._pending:
-                return None, []
-            if self._max_delay > 0:
-                until = self._pending[0].arrival + self._max_delay
-                while not self._closing and self._queued < self._max_batch:
-                    left = until - time.monotonic()
-                    if left <= 0:
-                        break
-                    self._cv.wait(left)
-            batch, expired = self._take()
-            self._queued -= sum(r.n for r in batch) + sum(r.n for r in expired)
-            self._running = sum(r.n for r in batch)
-            return batch, expired
+            while True:
+                while (not self._pending and not self._closing) or self._now:  # (score_now holds the buffers)
+                    self._cv.wait()
+                if not self._pending:
+                    self._timer.notify()  # (closed and drained: the timer ends too)
+                    return None, []
+                if self._max_delay > 0:  # (from the oldest waiting: the timer may take requests meanwhile)
+                    while self._pending and not self._closing and self._queued < self._max_batch:
+                        left = self._pending[0].arrival + self._max_delay - time.monotonic()
+                        if left <= 0:
+                            break
+                        self._cv.wait(left)
+                    if not self._pending:
+                        continue
+                batch, expired = self._take()
+                self._running = sum(r.n for r in batch)
+                return batch, expired
 
     def _take(self) -> tuple[list[Request], list[Request]]:
-        """The oldest live request's group, in arrival order, within the caps (under the lock)."""
+        """The oldest live request's group, in arrival order, within the caps, and the requests
+        whose deadlines passed before the timer took them, each out of the queue (under the lock)."""
         now = time.monotonic()
         batch, expired, keep = [], [], collections.deque()
         group, n, lq = None, 0, 0
         while self._pending:
             r = self._pending.popleft()
-            fits = group is None or (r.group == group and n + r.n <= self._max_batch
-                                     and (n + r.n) * max(lq, r.lq) <= self._max_tokens)
-            expires = r.deadline is not None and r.deadline < now
-            if not (fits or expires):
+            if r.deadline is not None and r.deadline <= now:
+                expired.append(r)  # (answered by _expired, which tells a cancelled one)
+            elif group is not None and not (r.group == group and n + r.n <= self._max_batch
+                                            and (n + r.n) * max(lq, r.lq) <= self._max_tokens):
                 keep.append(r)
-            elif not r.future.set_running_or_notify_cancel():  # cancelled by its caller: drop it
-                self._queued -= r.n
-            elif expires:
-                expired.append(r)
-            else:
+                continue
+            elif r.future.set_running_or_notify_cancel():  # (False: cancelled by its caller: dropped)
                 group, n, lq = r.group, n + r.n, max(lq, r.lq)
                 batch.append(r)
-                if n >= self._max_batch:
-                    break
+            self._untime(r)
+            self._queued -= r.n
+            if n >= self._max_batch:
+                break
         keep.extend(self._pending)
         self._pending = keep
         return batch, expired

@@ -7,7 +7,8 @@ version, 413 too large, 503 overloaded / not ready / stopping, 504 deadline pass
 the corpus call failed); the gRPC transport maps it to a status code, and the metrics count it by
 that status whichever transport answered. A request its transport gives up on (its task cancelled:
 the client went away, or a gRPC deadline passed) is dropped from the queue if still there, and
-counted by :func:`abandoned`.
+counted by :func:`abandoned`. A request whose deadline passes while it is queued is answered 504 at
+that deadline, by the batcher's timer, even while the worker is busy with a batch.
 """
 
 from __future__ import annotations
@@ -245,8 +246,9 @@ async def infer(svc: Service, model: str, inputs: dict[str, np.ndarray], params:
             result = future.result() if future.done() else await asyncio.wrap_future(future)
         except asyncio.CancelledError:
             gone = True
-            # The worker skips a cancelled request (one being scored completes, unsent). One that it
-            # expired a moment ago, before this task saw it, was counted then.
+            # The batcher drops a cancelled request (one being scored completes, unsent). One that it
+            # expired a moment ago (its deadline passed), before this task saw it, was counted then;
+            # it counts an expiry once the future holds it, and none for a request cancelled first.
             if not future.cancel() and future.done() and isinstance(future.exception(), DeadlineExceeded):
                 _expired_in_queue.set(True)
             raise

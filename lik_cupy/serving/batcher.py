@@ -42,9 +42,10 @@ OPERATIONS = ("search", "rerank", "score")
 class Observer:
     """What a :class:`Batcher` reports as it works (for metrics); these do nothing. ``device`` names
     the replica (``cuda:N``, ``cpu:N``), ``op`` the operation. Called from the worker threads
-    (``batch``, ``answered``, ``rejected`` for a deadline) and from :meth:`Batcher.submit`
-    (``rejected`` when overloaded; ``batch`` and ``answered`` for a request it scores inline):
-    keep them short and thread-safe, and let them not raise."""
+    (``batch``, ``answered``, ``rejected`` for a deadline), their timer threads (``rejected`` for
+    a deadline) and from :meth:`Batcher.submit` (``rejected`` when overloaded; ``batch`` and
+    ``answered`` for a request it scores inline): keep them short and thread-safe, and let them
+    not raise."""
 
     def batch(self, device: str, op: str, requests: int, queries: int, compute_s: float) -> None:
         """One corpus call of ``requests`` requests, ``queries`` queries in all, took ``compute_s``."""
@@ -184,8 +185,11 @@ class Batcher:
             Q: ``[Lq, d]`` (one query) or ``[Nq, Lq, d]``, every token valid, a host array of the
                 corpus's dtype (an INT8 corpus: float16, bfloat16 or float32).
             precision: float32 corpora on the GPU: "fp32" or "tf32", as in :func:`lik_cupy.maxsim`.
-            timeout: seconds the request may wait in the queue; once passed unscored, the future
-                raises :class:`DeadlineExceeded`.
+            timeout: seconds the request may wait in the queue. If it is still queued when they
+                have passed, it leaves the queue unscored and its future raises
+                :class:`DeadlineExceeded` then (the queue's timer thread answers it at its deadline,
+                whether or not the worker is busy with a batch); once scoring has started, it
+                completes.
             inline: where :meth:`can_inline` holds, score the request in this thread, as a batch
                 of one on an idle replica's stream and buffers, and return its future done; this
                 skips the hand-over to the worker thread and back. Otherwise it is queued. (The

@@ -19,9 +19,10 @@ Request parameters: ``timeout`` (microseconds the request may wait in the queue,
 for a bad request (the message names the problem), 404 for an unknown model, a version other than
 1 or a path none of these have, 405 for a method its path does not take, 413 for a body over
 ``max_body_bytes`` (decompressed too), 503 with ``Retry-After`` when every queue is full or the
-server is not ready or stopping, 504 when the deadline passed in the queue; each with the JSON body
-``{"error": "..."}``. A request whose client disconnects before its answer is dropped from the
-queue, unscored, and counted with status 499. See docs/serving.md.
+server is not ready or stopping, 504 when the deadline passed in the queue (answered at that
+deadline, even while a batch runs; never scored); each with the JSON body ``{"error": "..."}``. A
+request whose client disconnects before its answer is dropped from the queue, unscored, and
+counted with status 499. See docs/serving.md.
 """
 
 from __future__ import annotations
