@@ -374,13 +374,18 @@ def test_deadlines_racing_the_worker_are_answered_once_each(caplog):
 
 
 def test_a_request_cancelled_in_the_queue_is_dropped(corpus):
-    qs = _queries(np.random.default_rng(9), 2)
+    """A cancelled request (its client went away) leaves the queue as it is cancelled: it holds no
+    place there, and a batch the worker waits to fill does not count it; it is never scored."""
+    qs = _queries(np.random.default_rng(9), 3)
     seen = _Record()
-    with Batcher(corpus, max_batch=64, max_delay_us=30_000_000, observer=seen) as b:
+    with Batcher(corpus, max_batch=2, max_delay_us=30_000_000, observer=seen) as b:
         gone, kept = b.submit("score", qs[0]), b.submit("score", qs[1])
         assert gone.cancel()
-    assert np.array_equal(kept.result(), corpus.score(qs[1]))
-    assert [(r, n) for _, r, n in seen.batches] == [(1, 1)]
+        assert sum(b.queue_depths().values()) == 1  # at once, not when the worker next looks
+        third = b.submit("score", qs[2])  # fills the batch of two: the worker goes without waiting 30 s
+        for f, q in ((kept, qs[1]), (third, qs[2])):
+            assert np.array_equal(f.result(timeout=10), corpus.score(q))
+    assert [(r, n) for _, r, n in seen.batches] == [(2, 2)]
 
 
 class _FailsOnNaN(lik_cupy.Corpus):

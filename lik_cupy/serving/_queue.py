@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import heapq
 import logging
 import math
@@ -169,7 +170,21 @@ class DeviceQueue:
             if req.deadline is not None:
                 self._time(req)
             self._cv.notify()
+            req.future.add_done_callback(functools.partial(self._cancelled, req))
         return True
+
+    def _cancelled(self, req: Request, future: Future) -> None:
+        """A queued request its caller cancelled (the client went away) leaves the queue at once: it
+        no longer holds a place, nor counts towards a batch the worker waits to fill. (Called as the
+        future completes, in the completing thread, outside the future's lock; a request the worker
+        has taken meanwhile is dropped there, or is being scored: nothing to do.)"""
+        if not future.cancelled():
+            return
+        with self._cv:
+            if any(r is req for r in self._pending):
+                self._pending = collections.deque(r for r in self._pending if r is not req)
+                self._queued -= req.n
+                self._untime(req)
 
     def close(self) -> None:
         """Take no more requests; the worker answers those queued, then ends (and so does the timer)."""
