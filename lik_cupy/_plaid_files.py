@@ -27,8 +27,10 @@ and a file cannot run code: nothing here imports pickle).
 Every file is hostile until checked, and every problem is a ShardError naming the file: each is
 opened as a regular file (``lik_cupy._files``: a FIFO or a device is refused, never waited on);
 ``.npy`` headers are checked against the file's size before it is mapped (``_files.open_npy``); a
-``.pt`` member's claimed size against the file, a compressed one's expansion against
-``_MAX_EXPANSION``, and every tensor's elements against its storage's bytes before any view is made;
+``.pt`` file's zip directory against the file and ``_MAX_MEMBERS`` / ``_MAX_DIRECTORY_BYTES``
+before zipfile reads it (``_check_zip_directory``), a member's claimed size against the file, a
+compressed one's expansion against ``_MAX_EXPANSION``, and every tensor's elements against its
+storage's bytes before any view is made;
 counts must agree across files (metadata's chunks, each chunk's doclens, codes and residual rows,
 the manifests' rows); codes are int32 or int64 naming a centroid, lengths integers >= 0 whose sum
 fits int64; centroids and bucket weights finite. Memory is bounded by what the files hold.
@@ -38,6 +40,7 @@ from __future__ import annotations
 
 import lzma
 import os
+import struct
 import zipfile
 import zlib
 from dataclasses import dataclass
@@ -328,6 +331,28 @@ _MAX_EXPANSION = 64
 _MAX_PICKLE_BYTES = 1 << 20
 
 
+# torch.save writes data.pkl, byteorder, version, .format_version, .storage_alignment,
+# .data/serialization_id and one data/<key> per storage: 8 members for a PLAID file's one or two
+# tensors. zipfile makes a ZipInfo (about 0.5 KiB) of every central directory entry (46 bytes and a
+# name) before anything can be checked, so a directory of many tiny entries took 9 times the file's
+# size; _check_zip_directory refuses more than _MAX_MEMBERS entries, or a directory over
+# _MAX_DIRECTORY_BYTES (torch's entries are 46 bytes, a name of the file's stem and ``/data/<key>``,
+# and a zip64 field: 1 KiB each is generous), before zipfile is given the file. What zipfile
+# allocates for the directory is then a few MiB at most.
+_MAX_MEMBERS = 4096
+_MAX_DIRECTORY_BYTES = _MAX_MEMBERS * 1024
+# The zip records _check_zip_directory reads (APPNOTE 4.3.12, 4.3.14-16): the end of central
+# directory record, the zip64 one and its locator (torch.save writes both), a directory entry.
+_EOCD = struct.Struct("<4s4H2LH")
+_ZIP64_LOCATOR = struct.Struct("<4sLQL")
+_ZIP64_EOCD = struct.Struct("<4sQ2H2L4Q")
+_ENTRY = struct.Struct("<4s4B4HL2L5H2L")
+
+
+class _NotZip(Exception):
+    """The file does not end in a zip end of central directory record."""
+
+
 class _Refused(Exception):
     """A problem with a .pt file; read_torch_file names the file."""
 
@@ -391,7 +416,6 @@ def _unpickle(data: bytes, storage):
     as it is) and hashes nothing but numbers and strings (dict keys). ``storage(key, dtype,
     numel)`` returns a storage's array. Raises _Refused, or IndexError / KeyError / ... for a
     malformed stream (read_torch_file says so)."""
-    import struct
 
     stack: list = []
     memo: dict = {}
@@ -538,6 +562,9 @@ def read_torch_file(path: str):
     zip archive.
 
     The file must be a regular file (a FIFO or a device is refused without blocking). Every
+    archive's central directory must lie inside the file where its end records say, hold at most
+    ``_MAX_MEMBERS`` entries in at most ``_MAX_DIRECTORY_BYTES``, checked before zipfile reads it
+    (zipfile makes an object of every entry first); every
     member's claimed size is checked against the file before it is read (a compressed member must be
     deflated, claim at most ``_MAX_EXPANSION`` times its own size, and is expanded no further than
     it claims), each storage is read once, and every tensor's elements must lie inside its
@@ -549,12 +576,14 @@ def read_torch_file(path: str):
     with _files.open_regular(path, "a torch .pt file") as f:
         file_bytes = os.fstat(f.fileno()).st_size
         try:
+            _check_zip_directory(f, file_bytes)
             with zipfile.ZipFile(f) as archive:
                 return _read_archive(archive, file_bytes)
+        except _NotZip:
+            raise ShardError(path, "not a torch zip archive: it does not end in a zip end of central directory "
+                                   "record (torch.save before 1.6 wrote another format; re-save it with a recent "
+                                   "torch)") from None
         except zipfile.BadZipFile as e:
-            if "File is not a zip file" in str(e):
-                raise ShardError(path, "not a torch zip archive (torch.save before 1.6 wrote another format; "
-                                       "re-save it with a recent torch)") from None
             raise ShardError(path, f"corrupt zip archive ({e})") from None
         except _Refused as e:
             raise ShardError(path, str(e)) from None
@@ -564,6 +593,70 @@ def read_torch_file(path: str):
         except (ValueError, KeyError, IndexError, TypeError, AttributeError, EOFError, NotImplementedError,
                 RuntimeError, zipfile.LargeZipFile, zlib.error, lzma.LZMAError) as e:
             raise ShardError(path, f"corrupt torch archive ({type(e).__name__}: {_short(str(e), 200)})") from None
+
+
+def _check_zip_directory(f, file_bytes: int) -> None:
+    """Refuse a zip archive whose central directory zipfile would read into more than
+    ``_MAX_MEMBERS`` ZipInfos, or from more than ``_MAX_DIRECTORY_BYTES``, or from anywhere but
+    where its end records say it lies inside the file, reading only those records and the
+    directory itself (at most ``_MAX_DIRECTORY_BYTES``).
+
+    The end of central directory record must be the file's last 22 bytes (torch.save writes no
+    archive comment), which is the record zipfile reads then; a zip64 locator before it must point
+    at the zip64 record just before it (where zipfile reads it, and where torch.save writes it),
+    whose counts and offsets then hold. The directory must end exactly where those records begin,
+    and its entries, walked as zipfile walks them, must fill it and number what the record says.
+    Raises _NotZip, or _Refused saying what was wrong.
+    """
+    if file_bytes < _EOCD.size:
+        raise _NotZip
+    f.seek(file_bytes - _EOCD.size)
+    sig, disk, cd_disk, disk_entries, entries, size, offset, comment = _EOCD.unpack(f.read(_EOCD.size))
+    if sig != b"PK\x05\x06" or comment:
+        raise _NotZip
+    end = file_bytes - _EOCD.size  # where the central directory must end
+    if end >= _ZIP64_LOCATOR.size:
+        f.seek(end - _ZIP64_LOCATOR.size)
+        sig, locator_disk, at, disks = _ZIP64_LOCATOR.unpack(f.read(_ZIP64_LOCATOR.size))
+        if sig == b"PK\x06\x07":
+            end -= _ZIP64_LOCATOR.size + _ZIP64_EOCD.size
+            if end < 0:
+                raise _Refused(f"its zip64 end record locator points at byte {at}, but the file of {file_bytes} "
+                               f"bytes has no room for a zip64 end record before it")
+            if at != end:
+                raise _Refused(f"its zip64 end record locator points at byte {at}; expected the record just "
+                               f"before it, at byte {end} of a file of {file_bytes} bytes")
+            f.seek(end)
+            (sig, _, _, _, disk, cd_disk, disk_entries, entries, size,
+             offset) = _ZIP64_EOCD.unpack(f.read(_ZIP64_EOCD.size))
+            if sig != b"PK\x06\x06":
+                raise _Refused(f"its zip64 end record locator points at byte {at}, which holds no zip64 end record")
+            disk |= locator_disk | (disks > 1)
+    if disk or cd_disk or disk_entries != entries:
+        raise _Refused("its zip end record describes an archive of several disks; a torch archive is one file")
+    if entries > _MAX_MEMBERS:
+        raise _Refused(f"its zip directory claims {entries} members; a torch file of tensors has a handful "
+                       f"(at most {_MAX_MEMBERS} are read)")
+    if size > _MAX_DIRECTORY_BYTES:
+        raise _Refused(f"its zip central directory claims {size} bytes; a torch file of tensors needs a few "
+                       f"hundred (at most {_MAX_DIRECTORY_BYTES} are read)")
+    if offset + size != end:
+        raise _Refused(f"its zip central directory (at byte {offset}, {size} bytes) does not end where its end "
+                       f"record begins (byte {end} of a file of {file_bytes} bytes)")
+    f.seek(offset)
+    directory = f.read(size)
+    pos = count = 0
+    while pos < size:
+        if count == entries:
+            raise _Refused(f"its zip central directory holds more than the {entries} members its end record counts")
+        if pos + _ENTRY.size > size or directory[pos:pos + 4] != b"PK\x01\x02":
+            raise _Refused(f"its zip central directory's entry {count} (at byte {offset + pos}) is malformed")
+        name, extra, note = struct.unpack_from("<3H", directory, pos + 28)
+        pos += _ENTRY.size + name + extra + note
+        count += 1
+    if pos != size or count != entries:
+        raise _Refused(f"its zip central directory's {count} entries fill {pos} bytes; its end record says "
+                       f"{entries} entries in {size} bytes")
 
 
 def _read_archive(archive: zipfile.ZipFile, file_bytes: int):

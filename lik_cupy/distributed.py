@@ -84,6 +84,9 @@ __all__ = ["DistributedCorpus"]
 # worker that holds one of them already, so depth and bytes trade off (docs/distributed.md).
 _FAN_IN = 4
 _POLL = 0.25  # seconds between looks at the scheduler's worker list while a call waits
+# close() waits this long for a client that lost its scheduler to get it back, not Dask's
+# reconnect timeout (30 s by default): a cluster that went away closes at once.
+_CLOSE_GRACE = 2.0
 _ATTEMPTS = 4  # a call runs at most this often when workers keep leaving mid-call
 _PIECE_BYTES = 64 << 20  # float32 scores per task of score(): bounds worker and client memory
 _PIECES_PER_WORKER = 2  # score() tasks queued per worker: one runs while the other's result is fetched
@@ -409,6 +412,10 @@ class _Departed(Exception):
     """Workers that a pending call depends on left the cluster (the message lists them)."""
 
 
+class _GaveUp(Exception):
+    """A call's ``give_up`` said to stop waiting for it."""
+
+
 def _source(s, i: int) -> tuple[str, str | None]:
     """(path, lengths path or None), absolute: a relative path means the client's working directory,
     never the one each worker happens to run in."""
@@ -577,19 +584,51 @@ class DistributedCorpus:
         return out
 
     def close(self) -> None:
-        """Drop the shards from every worker (GPU memory included). Idempotent."""
+        """Drop the shards from every worker (GPU memory included). Idempotent.
+
+        A client that has lost its scheduler (the cluster went away) gets ``_CLOSE_GRACE`` (2 s) to
+        get it back, not Dask's reconnect timeout: close then returns with a RuntimeWarning that
+        nothing could be dropped, and never raises for a cluster that is gone. A scheduler that
+        is connected but does not answer within ``timeout`` raises TimeoutError, as any call does.
+        """
+        self._close(warn=True)
+
+    def _close(self, warn: bool) -> None:
+        """close(); ``warn``: the RuntimeWarning for a lost scheduler (not when an error that says
+        more is ending a ``with`` block)."""
         if self._closed:
             return
         self._closed = True
-        if self.client.status in ("running", "connecting"):
-            self._call("removing the corpus from the workers", self.client.unregister_worker_plugin, self._name)
+        if self.client.status not in ("running", "connecting"):
+            return
+        lost_since = None
+
+        def lost() -> bool:  # the client has been without its scheduler for _CLOSE_GRACE
+            nonlocal lost_since
+            if self.client.status == "running":
+                lost_since = None
+                return False
+            lost_since = lost_since or time.monotonic()
+            return time.monotonic() - lost_since >= _CLOSE_GRACE
+
+        try:
+            self._call("removing the corpus from the workers", self.client.unregister_worker_plugin, self._name,
+                       give_up=lost)
+        except (_GaveUp, OSError) as e:
+            if not (isinstance(e, (_GaveUp, distributed.comm.CommClosedError)) or self.client.status != "running"):
+                raise  # the scheduler is there but did not answer (TimeoutError), or refused
+            if warn:
+                warnings.warn(f"lik_cupy.distributed: close() could not drop the corpus's shards: the client has "
+                              f"no connection to the scheduler at {self._address()} (status "
+                              f"{self.client.status!r}); workers that outlive it hold them until they exit",
+                              RuntimeWarning, stacklevel=outside_stacklevel())
 
     def __enter__(self) -> DistributedCorpus:
         return self
 
     def __exit__(self, exc_type, *exc) -> None:
         try:
-            self.close()
+            self._close(warn=exc_type is None)
         except OSError:  # the scheduler is gone as well: the error that ended the block says more
             if exc_type is None:
                 raise
@@ -655,8 +694,10 @@ class DistributedCorpus:
 
     # ------------------------------------------------------------ waiting
 
-    def _call(self, what: str, fn, *args, **kwargs):
-        """``fn(*args, **kwargs)``, a blocking Dask call without a timeout of its own, bounded by ``timeout``."""
+    def _call(self, what: str, fn, *args, give_up=None, **kwargs):
+        """``fn(*args, **kwargs)``, a blocking Dask call without a timeout of its own, bounded by ``timeout``;
+        and by ``give_up()``, when given, asked every ``_POLL`` seconds: _GaveUp when it says True
+        (the call goes on in its daemon thread until Dask gives up on it)."""
         box = {}
 
         def run():
@@ -667,7 +708,12 @@ class DistributedCorpus:
 
         t = threading.Thread(target=run, name="lik-cupy-dask-call", daemon=True)
         t.start()
-        t.join(self.timeout)
+        deadline = time.monotonic() + self.timeout
+        t.join(self.timeout if give_up is None else min(_POLL, self.timeout))
+        while t.is_alive() and give_up is not None and time.monotonic() < deadline:
+            if give_up():
+                raise _GaveUp(what)
+            t.join(min(_POLL, max(0.0, deadline - time.monotonic())))
         if t.is_alive():
             raise TimeoutError(f"lik_cupy.distributed: {what}: the scheduler at {self._address()} did not answer "
                                f"within {self.timeout:g} s (timeout=)")

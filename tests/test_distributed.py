@@ -11,6 +11,7 @@ four): the same checks on a ``LocalCUDACluster``, shards resident on the GPUs.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -447,6 +448,90 @@ def _tokens_file(root, tokens):
 def _lengths_file(root, lengths):
     np.save(root / "lengths.npy", lengths.astype(np.int64))
     return root / "lengths.npy"
+
+
+def _held(client, name: str) -> dict[str, bool]:
+    """Whether each worker holds the corpus ``name`` (its plugin)."""
+    return client.run(lambda dask_worker, name=name: name in dask_worker.plugins)
+
+
+@pytest.mark.parametrize("how", ["closed", "killed"])
+def test_close_returns_at_once_when_the_scheduler_is_gone(corpus_files, tmp_path, how):
+    """close() waited out Dask's reconnect timeout (29.6 s for a cluster closed, 30.0 s for a
+    scheduler killed) and then raised the client's connection error. It now gives the client
+    _CLOSE_GRACE (2 s) to get its scheduler back, then returns with a RuntimeWarning; a with
+    block that an error ends closes as fast, without the warning. On a live cluster close still
+    drops the shards from the workers, without a warning, and it stays idempotent."""
+    import json
+    import signal
+    import subprocess
+    import sys
+    import time
+    import warnings
+
+    from lik_command import child_pythonpath
+
+    procs, cluster = [], None
+    if how == "closed":  # a LocalCluster: the scheduler runs in this process, its worker in its own
+        cluster = distributed.LocalCluster(n_workers=1, processes=True, threads_per_worker=1, dashboard_address=":0",
+                                           silence_logs=logging.ERROR)
+        address = cluster.scheduler_address
+    else:  # a scheduler process, ended by SIGKILL
+        env = dict(os.environ, PYTHONPATH=child_pythonpath())
+        file = tmp_path / "scheduler.json"
+        procs.append(subprocess.Popen([sys.executable, "-m", "distributed.cli.dask_scheduler", "--host", "127.0.0.1",
+                                       "--port", "0", "--dashboard-address", ":0", "--scheduler-file", str(file)],
+                                      env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        deadline = time.monotonic() + 60
+        while not file.exists() or not file.read_text().strip().endswith("}"):
+            assert time.monotonic() < deadline and procs[0].poll() is None, "the scheduler did not start"
+            time.sleep(0.1)
+        address = json.loads(file.read_text())["address"]
+        procs.append(subprocess.Popen([sys.executable, "-m", "distributed.cli.dask_worker", address, "--nthreads",
+                                       "1", "--no-dashboard", "--no-nanny"], env=env, stdout=subprocess.DEVNULL,
+                                      stderr=subprocess.DEVNULL))
+    client = distributed.Client(address)
+    try:
+        live = DistributedCorpus(client, corpus_files[0][:2], backend="cpu")
+        gone = DistributedCorpus(client, corpus_files[0][2:4], backend="cpu")
+        ended = DistributedCorpus(client, corpus_files[0][4:], backend="cpu")
+        assert all(_held(client, live._name).values()) and all(_held(client, gone._name).values())
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no warning on a live cluster
+            live.close()
+        assert not any(_held(client, live._name).values()) and all(_held(client, gone._name).values())
+
+        if how == "closed":
+            cluster.close()  # its workers, then its scheduler: the client (of its own) is left reconnecting
+        else:
+            procs[0].send_signal(signal.SIGKILL)
+            procs[0].wait(30)
+        t = time.monotonic()
+        with pytest.warns(RuntimeWarning, match="close\\(\\) could not drop the corpus's shards: the client has no "
+                                                "connection to the scheduler at tcp://"):
+            gone.close()
+        assert time.monotonic() - t < 10
+        t = time.monotonic()
+        with pytest.raises(KeyError, match="the block's own"), warnings.catch_warnings():
+            warnings.simplefilter("error")  # the error ending a with block says more: no warning
+            with ended:
+                raise KeyError("the block's own error")
+        assert time.monotonic() - t < 10
+        t = time.monotonic()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            gone.close()
+            live.close()
+        assert time.monotonic() - t < 0.1
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait(30)
+        with contextlib.suppress(Exception):
+            client.close(timeout=5)
+        if cluster is not None:
+            with contextlib.suppress(Exception):
+                cluster.close(timeout=10)
 
 
 def _killer(address: str):

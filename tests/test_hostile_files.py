@@ -414,6 +414,108 @@ def test_a_member_claiming_fewer_bytes_than_it_expands_to_is_not_expanded(tmp_pa
     assert peak < 4 << 20, peak
 
 
+def zip_directory(names: list[bytes], *, entries: int | None = None, size: int | None = None,
+                  offset: int | None = None, zip64: bool = True, locator_at: int | None = None) -> bytes:
+    """A zip archive of central directory entries for ``names`` alone (zipfile reads only the
+    directory when it opens an archive), its end records as torch.save writes them (zip64 ones
+    before the plain one), each field they claim overridable."""
+    cd = b"".join(struct.pack("<4s4B4HL2L5H2L", b"PK\x01\x02", 20, 3, 20, 0, 0, 0, 0, 0, 0, 0, 0, len(n), 0, 0,
+                              0, 0, 0, 0) + n for n in names)
+    n, size_, offset_ = len(names) if entries is None else entries, len(cd) if size is None else size, offset or 0
+    tail = b""
+    if zip64:
+        tail = struct.pack("<4sQ2H2L4Q", b"PK\x06\x06", 44, 45, 45, 0, 0, n, n, size_, offset_)
+        tail += struct.pack("<4sLQL", b"PK\x06\x07", 0, len(cd) if locator_at is None else locator_at, 1)
+        n, size_, offset_ = 0xFFFF, 0xFFFFFFFF, 0xFFFFFFFF
+    return cd + tail + struct.pack("<4s4H2LH", b"PK\x05\x06", 0, 0, min(n, 0xFFFF), min(n, 0xFFFF),
+                                   min(size_, 0xFFFFFFFF), min(offset_, 0xFFFFFFFF), 0)
+
+
+def test_a_zip_directory_of_many_entries_is_refused_before_zipfile_reads_it(tmp_path):
+    # zipfile makes a ZipInfo of every central directory entry before anything can be checked: a
+    # 19 MiB .pt of 400,000 tiny entries took 177 MiB (9.1 times the file) and 14 s to refuse.
+    # The end records and the directory are checked first: at most 4,096 entries in 4 MiB.
+    import time
+    import tracemalloc
+
+    from lik_cupy._plaid_files import read_torch_file
+
+    names = [b"%x" % i for i in range(400_000)]
+    cases = {
+        "honest count": (zip_directory(names), "its zip directory claims 400000 members"),
+        "plain end record": (zip_directory(names, zip64=False), "its zip directory claims 65535 members"),
+        "count of 8": (zip_directory(names, entries=8), "its zip central directory claims 20"),
+        "count of 8 in 4 MiB": (zip_directory(names[:75_000], entries=8),
+                                "holds more than the 8 members its end record counts"),
+    }
+    for case, (raw, why) in cases.items():
+        (tmp_path / "x.pt").write_bytes(raw)
+        tracemalloc.start()
+        t = time.perf_counter()
+        try:
+            with pytest.raises(shards.ShardError, match="x.pt: ") as e:
+                read_torch_file(str(tmp_path / "x.pt"))
+            seconds, peak = time.perf_counter() - t, tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert why in str(e.value), (case, str(e.value))
+        # the file is 4 to 20 MiB; the directory read is 4 MiB at most, and no entry becomes an object
+        assert peak < (5 << 20 if "4 MiB" in case else 1 << 20), (case, peak)
+        assert seconds < 2, (case, seconds)
+
+
+def test_zip_end_records_that_do_not_fit_the_file_are_refused(tmp_path):
+    from lik_cupy._plaid_files import read_torch_file
+
+    names = [b"archive/data.pkl", b"archive/byteorder", b"archive/data/0"]
+    raw = zip_directory(names)
+    cases = {
+        "count 2**63": (zip_directory(names, entries=2**63), "claims 9223372036854775808 members"),
+        "4097 entries": (zip_directory([b"%d" % i for i in range(4097)]), "claims 4097 members"),
+        "size 2**64 - 1": (zip_directory(names, size=2**64 - 1), "claims 18446744073709551615 bytes"),
+        "offset 2**63": (zip_directory(names, offset=2**63), "at byte 9223372036854775808, 185 bytes) does not end"),
+        "offset past the directory": (zip_directory(names, offset=1), "does not end where its end record begins"),
+        "size short of the directory": (zip_directory(names, size=90), "does not end where its end record begins"),
+        "plain offset 2**32 - 1": (zip_directory(names, zip64=False, offset=2**32 - 1), "does not end where"),
+        "count of 4": (zip_directory(names, entries=4), "3 entries fill 185 bytes; its end record says 4 entries"),
+        "locator elsewhere": (zip_directory(names, locator_at=0), "zip64 end record locator points at byte 0"),
+        "locator past the end": (zip_directory(names, locator_at=2**64 - 1), "locator points at byte 18446744073709"),
+        "entry not an entry": (raw.replace(b"PK\x01\x02", b"PK\x03\x04", 1), "entry 0 (at byte 0) is malformed"),
+        "comment": (raw[:-2] + b"\x02\x00hi", "not a torch zip archive"),
+        "end records alone": (raw[-42:], "locator points at byte 185, but the file of 42 bytes has no room"),
+        "no zip64 record": (raw.replace(b"PK\x06\x06", bytes(4)), "byte 185, which holds no zip64 end record"),
+        "two disks": (raw[:-26] + struct.pack("<L", 2) + raw[-22:], "an archive of several disks"),
+        "22 bytes": (bytes(22), "not a torch zip archive"),
+    }
+    for case, (data, why) in cases.items():
+        (tmp_path / f"{case}.pt").write_bytes(data)
+        with pytest.raises(shards.ShardError, match="pt: ") as e:
+            read_torch_file(str(tmp_path / f"{case}.pt"))
+        assert why in str(e.value) and str(tmp_path / f"{case}.pt") in str(e.value), (case, str(e.value))
+
+
+def test_what_torch_save_writes_still_reads(tmp_path):
+    # torch.save's archives (zip64 end records, members aligned by extra fields, a long stem as
+    # their prefix) pass the directory check; so do zipfile's (no zip64 records).
+    torch = pytest.importorskip("torch")
+    from lik_cupy._plaid_files import read_torch_file
+
+    values = {"centroids": torch.arange(12, dtype=torch.float16).reshape(3, 4),
+              "buckets": (torch.zeros(3), torch.linspace(-1, 1, 4)),
+              "codes": torch.arange(7, dtype=torch.int32), "bits": torch.arange(8, dtype=torch.uint8).reshape(2, 4)}
+    for name in ("x.pt", "n" * 200 + ".pt"):
+        torch.save(values, tmp_path / name)
+        got = read_torch_file(str(tmp_path / name))
+        assert got.keys() == values.keys()
+        for k in ("centroids", "codes", "bits"):
+            np.testing.assert_array_equal(got[k], values[k].numpy())
+        np.testing.assert_array_equal(got["buckets"][1], values["buckets"][1].numpy())
+    torch.save([torch.arange(3)] * 3 + [torch.zeros(2) for _ in range(100)], tmp_path / "many.pt")
+    assert len(read_torch_file(str(tmp_path / "many.pt"))) == 103
+    save_pt(tmp_path / "zipfile.pt", np.arange(5, dtype=np.int64))
+    np.testing.assert_array_equal(read_torch_file(str(tmp_path / "zipfile.pt")), np.arange(5))
+
+
 # --------------------------------------------------------------------------- fuzz: PLAID indexes
 
 
