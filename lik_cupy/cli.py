@@ -1066,7 +1066,7 @@ def _naming_ids(path: str | None):
     f"the end. Host memory is bounded by bytes: tokens go through in blocks that hold at most "
     f"{shards.CHUNK_BYTES >> 20} MiB at once (the tokens read, their float32 values, masks and the --int8 "
     "quantizer's temporaries; at least one token), plus the offsets and ids (about 8-16 bytes a "
-    "document, and the ids' own size).\n\n"
+    "document, and the ids' own size; string ids are checked 8 MiB at a time).\n\n"
     + _FORMAT_HELP
     + "\n\b\nExamples:\n"
     "  lik pack docs.npy --lengths lens.npy --out shard0 --model colbertv2.0\n"

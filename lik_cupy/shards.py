@@ -676,7 +676,8 @@ def pack(source: Shard, path: str | os.PathLike, *, ids=None, model: str | None 
     quantiser's float32 copy, one float32 temporary and the int8 codes) for ``dtype="int8"``;
     plus 64 bytes a token (``_TOKEN_WORK_BYTES``: scales, norms, masks of rows). Blocks are sized
     so that this fits in ``max_bytes``, at least one token each. Besides the blocks, writing
-    holds the offsets and ids (8-16 bytes a document, and the ids' own size).
+    holds the offsets and ids (8-16 bytes a document, and the ids' own size); string ids are
+    checked 8 MiB at a time, masks included.
     """
     def blocks(rows):
         return ((source.tokens_file, tokens, scales) for _, tokens, scales in source._row_blocks(rows))

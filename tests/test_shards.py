@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from lik_cupy import _files, shards
+from lik_cupy import _shard_format as fmt
 from lik_cupy.errors import ShardError
 
 DIM = 12
@@ -771,3 +772,24 @@ def test_value_scans_are_bounded_by_max_bytes(tmp_path, layout, dtype):
         peak = _peak_extra(lambda: got.append(fn(src, max_bytes=_BOUND)))
         assert peak <= 1.5 * _BOUND + (256 << 10), f"{fn.__name__}: peak {peak / 2**20:.1f} MiB for {_BOUND / 2**20:.0f} MiB"
     assert got == [None] and shards.scan_values(src, max_bytes=_BOUND) == whole and whole.nonfinite is None
+
+
+@pytest.mark.parametrize("kind", ["U", "S"])
+def test_string_id_checks_are_bounded_by_their_block(kind, monkeypatch):
+    """Checking string ids (whenever a shard is written or opened) read 8 MiB of ids a block and
+    held 4.9x (str) to 7x (bytes) of that at once in masks of their code units, np.isin's among
+    them: 39-56 MiB. The block's copy, its masks and flags fit in _ID_BLOCK_BYTES now, and the
+    first bad id is still found wherever the blocks fall."""
+    n = 600_000  # 38 MB of str ids, 9.6 MB of bytes: more than one block
+    ids = np.array([f"doc-{i:010d}" for i in range(n)], dtype=f"{kind}16")
+    fmt.check_ids(ids[:10], 10, "ids")  # (imports)
+    peak = _peak_extra(lambda: fmt.check_ids(ids, n, "ids"))
+    assert peak <= fmt._ID_BLOCK_BYTES + (64 << 10), f"peak {peak / 2**20:.1f} MiB"
+    monkeypatch.setattr(fmt, "_ID_BLOCK_BYTES", 1000)  # a dozen ids a block
+    few = ids[:2000]
+    fmt.check_ids(few, 2000, "ids")
+    for at, ch in [(0, "\t"), (11, "\u2028"), (1999, "\x85"), (777, "\0")]:
+        bad = few.copy()
+        bad[at] = f"x{ch}y".encode() if kind == "S" else f"x{ch}y"
+        with pytest.raises(ShardError, match=f"^ids: id at index {at} "):
+            fmt.check_ids(bad, 2000, "ids")
