@@ -65,35 +65,64 @@ def check_ids(ids, n: int, name: str) -> np.ndarray:
 # the multi-byte sequences below.
 _ID_BREAKS = np.array([0x09, 0x0A, 0x0B, 0x0C, 0x0D, 0x1C, 0x1D, 0x1E, 0x85, 0x2028, 0x2029], np.uint32)
 _ID_BREAKS_UTF8 = (b"\xc2\x85", b"\xe2\x80\xa8", b"\xe2\x80\xa9")
-_ID_BLOCK_BYTES = 8 << 20
+_ID_BLOCK_BYTES = 8 << 20  # what checking a block of string ids holds at once: its copy and its masks
+# Masks of a block's code units (one byte each) held at once while it is checked (_first_break),
+# and bytes of flags an id (whether it holds a break, ...).
+_ID_UNIT_MASKS = 4
+_ID_FLAG_BYTES = 4
 
 
 def _first_break(ids: np.ndarray) -> tuple[int | None, bool]:
     """Index of the first string id holding a character ``check_ids`` refuses (None: none), and
     whether it is a break (else, in str ids, a code point UTF-8 cannot write).
 
-    Reads the ids block by block as their code units (a memmap is never loaded whole). A NUL
-    counts only inside an id: NumPy pads fixed-width strings with NULs and drops them when read.
+    Reads the ids block by block as their code units (a memmap is never loaded whole); a block
+    holds its ids' copy, ``_ID_UNIT_MASKS`` boolean masks of their code units and a few flags an id
+    at once, within ``_ID_BLOCK_BYTES``. A NUL counts only inside an id: NumPy pads fixed-width strings with NULs
+    and drops them when read.
     """
     unicode = ids.dtype.kind == "U"
     width = ids.dtype.itemsize // 4 if unicode else ids.dtype.itemsize
     if width == 0:
         return None, False
-    step = max(1, _ID_BLOCK_BYTES // ids.dtype.itemsize)
+    breaks = _ID_BREAKS if unicode else _ID_BREAKS[_ID_BREAKS < 0x80]
+    step = max(1, _ID_BLOCK_BYTES // (ids.dtype.itemsize + width * _ID_UNIT_MASKS + _ID_FLAG_BYTES))
     for a in range(0, ids.shape[0], step):
         block = np.ascontiguousarray(ids[a : a + step]).astype(ids.dtype.newbyteorder("="))
         codes = block.view(np.uint32 if unicode else np.uint8).reshape(block.shape[0], width)
-        hit = np.isin(codes, _ID_BREAKS if unicode else _ID_BREAKS[_ID_BREAKS < 0x80]).any(axis=1)
+        hit = _holds_any(codes, breaks)
         used = codes != 0
         after = np.logical_or.accumulate(used[:, ::-1], axis=1)[:, ::-1]  # a code at or after this one
-        hit |= (~used[:, :-1] & after[:, 1:]).any(axis=1)
+        np.logical_not(used, out=used)
+        hit |= (used[:, :-1] & after[:, 1:]).any(axis=1)  # a NUL before a code
+        del used, after
         if not unicode:
             for seq in _ID_BREAKS_UTF8:
                 if width >= len(seq):
-                    windows = np.lib.stride_tricks.sliding_window_view(codes, len(seq), axis=1)
-                    hit |= (windows == np.frombuffer(seq, np.uint8)).all(axis=2).any(axis=1)
-        wild = ((codes >= 0xD800) & (codes <= 0xDFFF) | (codes > 0x10FFFF)).any(axis=1) if unicode else hit & False
+                    n = width - len(seq) + 1  # where the sequence may start
+                    at = codes[:, :n] == seq[0]
+                    for k in range(1, len(seq)):
+                        at &= codes[:, k : k + n] == seq[k]
+                    hit |= at.any(axis=1)
+                    del at
+            wild = hit & False
+        else:
+            wild = _holds_any(codes, (), lo=0xD800, hi=0xDFFF) | (codes > 0x10FFFF).any(axis=1)
         if hit.any() or wild.any():
             first = int(np.argmax(hit | wild))
             return a + first, bool(hit[first])
     return None, False
+
+
+def _holds_any(codes: np.ndarray, values, lo: int | None = None, hi: int | None = None) -> np.ndarray:
+    """bool ``[n]``: whether each row of ``codes [n, w]`` holds one of ``values`` (or, given ``lo`` and
+    ``hi``, a code in ``lo..hi``), with two masks of ``codes`` held at once."""
+    found = np.zeros(codes.shape, bool)
+    for v in values:
+        found |= codes == int(v)
+    if lo is not None:
+        within = codes >= lo
+        within &= codes <= hi
+        found |= within
+        del within
+    return found.any(axis=1)

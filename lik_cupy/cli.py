@@ -847,7 +847,7 @@ def run_score(queries: str, docs, out: str, *, q_lengths: str | None = None, d_l
     doc_ids = _DocIds(corpus)
     if check:
         for s in [query, *corpus]:
-            shards.check_finite(s)
+            shards.check_finite(s, max_bytes=_PART_BYTES)  # within the memory --help states
 
     # One dtype for the library: the corpus's own when all shards share one (queries are cast to it), else float32.
     # An INT8 corpus takes the queries as they are (float; quantized per library call).
@@ -1063,7 +1063,10 @@ def _naming_ids(path: str | None):
     "each token to int8 with one float32 scale (scale = max|x| / 127), block by block; an INT8 shard "
     "packed with a float --dtype is dequantized. The manifest's 'normalized' is measured while "
     "copying. The shard is built in a temporary directory beside --out and renamed into place at "
-    "the end.\n\n"
+    f"the end. Host memory is bounded by bytes: tokens go through in blocks that hold at most "
+    f"{shards.CHUNK_BYTES >> 20} MiB at once (the tokens read, their float32 values, masks and the --int8 "
+    "quantizer's temporaries; at least one token), plus the offsets and ids (about 8-16 bytes a "
+    "document, and the ids' own size; string ids are checked 8 MiB at a time).\n\n"
     + _FORMAT_HELP
     + "\n\b\nExamples:\n"
     "  lik pack docs.npy --lengths lens.npy --out shard0 --model colbertv2.0\n"
@@ -1159,7 +1162,8 @@ def _describe(s: shards.Shard) -> list[str]:
     help="Print what an input holds (a shard directory, or a .npy input with --lengths) and check "
     "it: manifest, shapes, dtypes, offsets, ids. With --check also read every embedding: "
     "NaN/inf values fail, and so does a manifest that says 'normalized' when a token's norm "
-    "is not 1. Exit status 2 when a check fails.\n\n" + _FORMAT_HELP + "\n\b\nExample:\n"
+    f"is not 1, read in blocks that hold at most {shards.CHUNK_BYTES >> 20} MiB at once (the tokens, "
+    "their float32 values and a mask). Exit status 2 when a check fails.\n\n" + _FORMAT_HELP + "\n\b\nExample:\n"
     "  lik inspect examples/shard0 --check\n",
     context_settings=_CONTEXT,
 )

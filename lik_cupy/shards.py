@@ -40,9 +40,11 @@ per-document lengths, and ColBERT-style flat ``[T, d]`` tokens with a doclens ar
 (lengths and doclens as an integer ``.npy`` or a JSON list, as ColBERT writes them).
 
 Every array is opened memory-mapped with ``allow_pickle=False``: a corpus is never
-loaded whole (whatever reads every token, :func:`pack`, :func:`scan_values` and
-:func:`check_finite`, reads ``CHUNK_BYTES`` of them at a time unless told otherwise) and no
-file can run code. Inputs must be regular files (``lik_cupy._files``:
+loaded whole and no file can run code. Whatever reads every token (:func:`pack`,
+:func:`scan_values`, :func:`check_finite`) goes block by block, and its ``max_bytes``
+(``CHUNK_BYTES``, 256 MiB, unless told otherwise) bounds all a block holds at once: the
+tokens read and every array made of them (float32 values, masks, the INT8 quantiser's
+temporaries), plus 64 bytes a token; the offsets and ids (a few bytes a document) come on top. Inputs must be regular files (``lik_cupy._files``:
 a FIFO or a device is refused, never waited on). Paths in a manifest must name files
 inside the shard directory. Problems raise :class:`ShardError` naming the file and what
 was expected.
@@ -51,6 +53,7 @@ was expected.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 import os
@@ -76,8 +79,14 @@ _STORED = {"float16": np.dtype("<f2"), "float32": np.dtype("<f4"), "bfloat16": n
 _SCALES_STORED = np.dtype("<f4")
 # A token counts as L2-normalised when its norm is within this of 1 (bfloat16 keeps ~3 digits).
 NORM_TOLERANCE = 2e-2
-# Bytes of token embeddings per chunk when a shard is read piece by piece.
+# The default bound, in bytes, on what reading or writing a shard piece by piece holds at once:
+# chunk_ranges' token embeddings; for pack, scan_values and check_finite (their max_bytes) a block's
+# tokens and everything made of them while it is processed (see _rows).
 CHUNK_BYTES = 256 << 20
+# What a block holds per token beyond its d elements, whatever the path: its scale, norm and
+# masks of rows, an int8 token's sum of squares, a padded block's row indices (measured at most
+# about 50 bytes).
+_TOKEN_WORK_BYTES = 64
 _MAX_MANIFEST_BYTES = 1 << 20
 
 
@@ -232,15 +241,17 @@ class Shard:
         np.cumsum(self.doc_lengths(), out=offsets[1:])
         return offsets
 
-    def _row_blocks(self, max_bytes: int):
+    def _row_blocks(self, rows: int):
         """Every valid token row in order, as ``(first row, tokens [t, d], scales [t] or None)``.
 
         Rows are numbered as in :meth:`_row_offsets` (a padded layout's padding is skipped).
-        A block holds at most ``max_bytes`` of tokens (at least one row), so a document longer
-        than that comes in pieces: reading any shard costs ``max_bytes``, whatever the length
-        of its longest document or its dim. Packed blocks are memory-mapped views.
+        A block holds at most ``rows`` tokens (and a padded one at most ``rows`` rows with its
+        padding), so a document longer than that comes in pieces: what reading any shard holds
+        is set by ``rows``, whatever the length of its longest document or its dim (the callers
+        size ``rows`` with :func:`_rows`). Packed blocks are memory-mapped views; several
+        documents of a padded layout with lengths are a copy of their valid rows.
         """
-        rows = max(1, max_bytes // self.bytes_per_token)
+        rows = max(1, int(rows))
         if not self.padded:
             total = int(self.offsets[-1])
             for a in range(0, total, rows):
@@ -248,7 +259,7 @@ class Shard:
                 yield a, self.tokens[a:b], None if self.scales is None else self.scales[a:b]
             return
         lens, first = self.doc_lengths(), 0
-        for start, stop in self.chunk_ranges(max_bytes):
+        for start, stop in self.chunk_ranges(rows * self.bytes_per_token):
             if stop - start > 1:  # several documents fit: their valid rows, copied together
                 tokens, _ = self.read_chunk(start, stop)
                 yield first, tokens, None
@@ -261,9 +272,9 @@ class Shard:
 
 
 def _packed(path, tokens, offsets, ids, manifest, tokens_file, offsets_file, ids_file, scales=None,
-            scales_file="") -> Shard:
+            scales_file="", max_bytes: int = CHUNK_BYTES) -> Shard:
     """Check a packed layout and build its Shard (``tokens`` already in its library dtype;
-    int8 tokens come with their ``scales``)."""
+    int8 tokens come with their ``scales``, checked ``max_bytes`` at a time)."""
     if tokens.ndim != 2:
         raise ShardError(tokens_file, f"expected packed token embeddings [T, d], got shape {tokens.shape}")
     if tokens.shape[1] == 0:
@@ -273,7 +284,7 @@ def _packed(path, tokens, offsets, ids, manifest, tokens_file, offsets_file, ids
     if (tokens.dtype == np.int8) != (scales is not None):
         raise ShardError(scales_file or tokens_file, "int8 tokens need per-token scales, and only int8 tokens have them")
     if scales is not None:
-        _check_scales(scales, offsets, scales_file)
+        _check_scales(scales, offsets, scales_file, max_bytes)
     return Shard(path, tokens, offsets=offsets, ids=ids, manifest=manifest, tokens_file=tokens_file, scales=scales)
 
 
@@ -288,10 +299,12 @@ def _check_scales(scales: np.ndarray, offsets: np.ndarray, name: str, max_bytes:
     num_tokens = int(offsets[-1])
     if scales.shape != (num_tokens,):
         raise ShardError(name, f"shape {scales.shape} does not match the {num_tokens} token rows; expected [{num_tokens}] (one scale per token)")
-    step = max(1, max_bytes // 4)
+    step = max(1, max_bytes // (4 + 2))  # each scale, and two masks of it
     for a in range(0, num_tokens, step):
         block = np.asarray(scales[a : a + step])
-        bad = ~(block >= 0) | np.isinf(block)  # NaN fails the comparison
+        bad = block >= 0
+        np.logical_not(bad, out=bad)  # NaN fails the comparison
+        bad |= np.isinf(block)
         if bad.any():
             t = a + int(np.argmax(bad))
             doc, tok = _position(t, offsets)
@@ -421,6 +434,11 @@ def open_shard(path: str | os.PathLike) -> Shard:
     a packed :class:`Shard` whose ``tokens`` are in the library's dtype (bfloat16 as
     ``ml_dtypes.bfloat16``; int8 with ``scales``).
     """
+    return _open_shard(path)
+
+
+def _open_shard(path: str | os.PathLike, max_bytes: int = CHUNK_BYTES) -> Shard:
+    """:func:`open_shard`, checking an int8 shard's scales ``max_bytes`` at a time (at most 6 bytes a scale held)."""
     path = os.fspath(path)
     what = _files.file_kind(path)
     if what is None:
@@ -447,7 +465,7 @@ def open_shard(path: str | os.PathLike) -> Shard:
         raise ShardError(files["ids"], f"integer ids must be int64 (<i8), got {ids.dtype.str}")
     scales = _files.open_npy(files["scales"]) if "scales" in files else None
     return _packed(path, _as_numpy_dtype(raw, m["dtype"]), offsets, ids, m, files["tokens"], files["offsets"],
-                   files.get("ids", ""), scales, files.get("scales", ""))
+                   files.get("ids", ""), scales, files.get("scales", ""), max_bytes)
 
 
 def open_input(path: str | os.PathLike, lengths: str | os.PathLike | None = None, *, bf16_bits: bool = False) -> Shard:
@@ -525,14 +543,17 @@ def scan_values(shard: Shard, max_bytes: int = CHUNK_BYTES) -> ValueScan:
     """Read every valid token once: find the first NaN/inf and the first token whose norm is not 1.
 
     Padding rows of a padded layout are not read as values (they are never scored); int8
-    tokens are read dequantized. Tokens are read ``max_bytes`` at a time, a long document
-    in pieces.
+    tokens are read dequantized. Tokens are read in blocks, a long document in pieces;
+    ``max_bytes`` bounds what a block holds at once: its tokens as read, their float32
+    values and a mask of them (for float16 tokens 7 bytes an element), plus
+    ``_TOKEN_WORK_BYTES`` a token. At least one token at a time.
     """
     offsets = shard._row_offsets()
     nonfinite = not_unit = None
-    for first, tokens, scales in shard._row_blocks(max_bytes):
-        x32 = _values(tokens, scales)
+    for first, tokens, scales in shard._row_blocks(_rows(max_bytes, shard.dim, *_read_work(shard.dtype))):
+        x32 = _float32(tokens, scales)
         finite, norms = np.isfinite(x32).all(axis=1), _norms(x32)
+        del x32  # before the next block's
         if nonfinite is None and not finite.all():
             nonfinite = _position(first + int(np.argmin(finite)), offsets)
         off = ~(np.abs(norms - 1) <= NORM_TOLERANCE)
@@ -545,11 +566,65 @@ def scan_values(shard: Shard, max_bytes: int = CHUNK_BYTES) -> ValueScan:
 
 
 def _values(tokens: np.ndarray, scales: np.ndarray | None) -> np.ndarray:
-    """float32 values of a block of tokens (int8 ones dequantized with their scales)."""
+    """float32 values of a block of tokens (int8 ones dequantized with their scales), a new array."""
     x32 = tokens.astype(np.float32)
     if scales is not None:
         x32 *= scales[:, None]
     return x32
+
+
+def _float32(tokens: np.ndarray, scales: np.ndarray | None) -> np.ndarray:
+    """:func:`_values`, to read only: float32 tokens come back as they are, not copied."""
+    return tokens if scales is None and tokens.dtype == np.float32 else _values(tokens, scales)
+
+
+# How many tokens a block takes so that what it holds at once fits a budget. Each path says what it
+# holds of one token: bytes an element (its tokens as stored in the source, and every temporary of
+# the block's size made from them) and bytes a token (an int8 source's scale); every path holds
+# _TOKEN_WORK_BYTES a token more. tracemalloc measures each path's peak within these
+# (tests/test_shards.py).
+
+
+def _rows(max_bytes: int, dim: int, element_bytes: int, token_bytes: int = 0) -> int:
+    """Tokens in a block whose working set (``element_bytes`` an element, ``token_bytes`` +
+    ``_TOKEN_WORK_BYTES`` a token) fits ``max_bytes``; at least one."""
+    return max(1, int(max_bytes) // (dim * element_bytes + token_bytes + _TOKEN_WORK_BYTES))
+
+
+def _scale_bytes(dtype: str) -> int:
+    return _SCALES_STORED.itemsize if dtype == fmt.INT8 else 0
+
+
+def _read_work(dtype: str) -> tuple[int, int]:
+    """What reading ``dtype`` tokens as values (:func:`scan_values`, :func:`check_finite`) holds of one
+    (bytes an element, bytes a token): the tokens, their float32 values (float32 tokens are their
+    own) and a mask of them; an int8 token's scale."""
+    values = 0 if dtype == "float32" else 4
+    return _STORED[dtype].itemsize + values + 1, _scale_bytes(dtype)
+
+
+def _write_work(source: str, dtype: str, check: bool, contiguous: bool = True) -> tuple[int, int]:
+    """What writing ``source`` tokens as ``dtype`` (:func:`_write_block`) holds of one (bytes an element,
+    bytes a token), ``check``: with check_finite; ``contiguous``: the block's rows lie back to back
+    (else they are copied so to be written).
+
+    - to int8 from int8: the tokens (their sum of squares is taken without a copy);
+    - to int8 from a float dtype: the tokens and what the quantiser holds of them
+      (``INT8_WORK_BYTES``: a float32 copy, a float32 temporary and the int8 codes);
+    - to a float dtype: the tokens, their float32 values (float32 tokens are their own), the
+      values as stored (none when the dtype is the values' own) and, with ``check``, a mask.
+    """
+    from ._cpu.quantize import INT8_WORK_BYTES
+
+    held = _STORED[source].itemsize
+    if dtype == fmt.INT8:
+        if source == fmt.INT8:
+            return held * (1 if contiguous else 2), _scale_bytes(source)
+        return held + INT8_WORK_BYTES, 0
+    values = 0 if source == "float32" else 4
+    cast_from = "float32" if source == fmt.INT8 else source  # what is cast to dtype: the values, or the tokens
+    stored = 0 if dtype == cast_from and contiguous else _STORED[dtype].itemsize
+    return held + values + stored + (1 if check else 0), _scale_bytes(source)
 
 
 def _position(row: int, offsets: np.ndarray) -> tuple[int, int]:
@@ -559,10 +634,13 @@ def _position(row: int, offsets: np.ndarray) -> tuple[int, int]:
 
 
 def check_finite(shard: Shard, max_bytes: int = CHUNK_BYTES) -> None:
-    """Raise ShardError naming the file and the first document with a NaN or infinite token value."""
+    """Raise ShardError naming the file and the first document with a NaN or infinite token value.
+
+    Reads tokens in blocks of at most ``max_bytes`` held at once, as :func:`scan_values`.
+    """
     offsets = shard._row_offsets()
-    for first, tokens, scales in shard._row_blocks(max_bytes):
-        finite = np.isfinite(_values(tokens, scales)).all(axis=1)
+    for first, tokens, scales in shard._row_blocks(_rows(max_bytes, shard.dim, *_read_work(shard.dtype))):
+        finite = np.isfinite(_float32(tokens, scales)).all(axis=1)
         if not finite.all():
             doc, tok = _position(first + int(np.argmin(finite)), offsets)
             raise ShardError(shard.tokens_file, f"document {doc}{_id_note(shard, doc)}, token {tok} holds NaN or inf; embeddings must be finite")
@@ -588,11 +666,22 @@ def pack(source: Shard, path: str | os.PathLike, *, ids=None, model: str | None 
     and nothing is written. The manifest's ``normalized`` is measured while copying (on
     the stored values: dequantized for int8). The shard is built in a temporary
     directory beside ``path`` and renamed into place at the end (``lik_cupy._atomic``):
-    whatever appears at ``path`` meanwhile is never replaced, a full disk raises OSError
-    naming ``path`` and leaves nothing, and ``max_bytes`` of tokens are read at a time.
-    Returns the written shard, opened.
+    whatever appears at ``path`` meanwhile is never replaced, and a full disk raises OSError
+    naming ``path`` and leaves nothing. Returns the written shard, opened.
+
+    ``max_bytes`` bounds the memory a block of tokens holds at once: the tokens read (a
+    memory-mapped view, or the valid rows of a padded layout with lengths copied) and every
+    array made of them while they are converted, quantized, checked and measured, e.g. per
+    element 2 (float16 tokens) + 4 (their float32 values) for a float16 copy, 2 + 9 (the
+    quantiser's float32 copy, one float32 temporary and the int8 codes) for ``dtype="int8"``;
+    plus 64 bytes a token (``_TOKEN_WORK_BYTES``: scales, norms, masks of rows). Blocks are sized
+    so that this fits in ``max_bytes``, at least one token each. Besides the blocks, writing
+    holds the offsets and ids (8-16 bytes a document, and the ids' own size); string ids are
+    checked 8 MiB at a time, masks included.
     """
-    blocks = ((source.tokens_file, tokens, scales) for _, tokens, scales in source._row_blocks(max_bytes))
+    def blocks(rows):
+        return ((source.tokens_file, tokens, scales) for _, tokens, scales in source._row_blocks(rows))
+
     ids = source.ids if ids is None else ids
     return _write(path, blocks, source._row_offsets(), ids, source.dim, source.dtype, dtype, model, overwrite,
                   check_finite, max_bytes)
@@ -606,7 +695,8 @@ def write_shard(path: str | os.PathLike, tokens: np.ndarray, offsets, *, ids=Non
     Args:
         path: the shard directory to create (its parent must exist).
         tokens: ``[T, d]`` float16, float32 or ``ml_dtypes.bfloat16``, or int8 with
-            ``scales``; a memmap is copied block by block, never loaded whole.
+            ``scales``; a memmap is copied block by block, never loaded whole (blocks
+            holding at most ``CHUNK_BYTES`` at once, as :func:`pack`'s ``max_bytes``).
         offsets: integer ``[N+1]``; document j is ``tokens[offsets[j]:offsets[j+1]]``
             (offsets[0] == 0, non-decreasing, offsets[-1] == T).
         ids: optional ``[N]`` int64 or str document ids.
@@ -639,7 +729,8 @@ def pack_arrays(docs: Sequence, path: str | os.PathLike, *, ids=None, model: str
     ``docs``: a sequence of ``[L_i, d]`` arrays (float16, float32, ``ml_dtypes.bfloat16``)
     or of ``.npy`` paths, opened memory-mapped (uint16 files hold bfloat16 bits when
     ``bf16_bits``). All share d and dtype. Other arguments as in :func:`write_shard`
-    (``dtype="int8"`` quantizes them).
+    (``dtype="int8"`` quantizes them). Each document is written in blocks holding at most
+    ``CHUNK_BYTES`` at once, as :func:`pack`'s ``max_bytes``.
     """
     if not docs:
         raise ShardError(path, "no documents given; expected at least one [L, d] array")
@@ -666,7 +757,7 @@ def pack_arrays(docs: Sequence, path: str | os.PathLike, *, ids=None, model: str
     offsets = np.zeros(len(arrays) + 1, np.int64)
     np.cumsum([shape[0] for shape, _ in kinds], out=offsets[1:])
 
-    def blocks():
+    def blocks(rows):  # one document at a time (_write_tokens splits a long one into blocks of ``rows``)
         for name, a, (shape, dt) in zip(names, arrays, kinds):
             if a is None:
                 a = _npy_document(name, bf16_bits)
@@ -675,7 +766,7 @@ def pack_arrays(docs: Sequence, path: str | os.PathLike, *, ids=None, model: str
                                            f"it held {list(shape)} {dt}; pack it again")
             yield name, a, None
 
-    return _write(path, blocks(), offsets, ids, kinds[0][0][1], kinds[0][1].name, dtype, model, overwrite,
+    return _write(path, blocks, offsets, ids, kinds[0][0][1], kinds[0][1].name, dtype, model, overwrite,
                   check_finite)
 
 
@@ -695,11 +786,14 @@ def _check_array_dtype(arr: np.ndarray, name: str, int8_ok: bool = False) -> np.
 
 
 def _write(path, blocks, offsets: np.ndarray, ids, dim: int, source_dtype: str, dtype: str | None, model, overwrite,
-           check_finite: bool, max_bytes: int = CHUNK_BYTES) -> Shard:
+           check_finite: bool, max_bytes: int | None = None) -> Shard:
     """Stream ``(source name, token rows, their scales or None)`` triples into a new shard directory at
-    ``path``, atomically (``lik_cupy._atomic``). Rows are quantized to int8, dequantized, or converted
-    between float dtypes on the way, at most ``max_bytes`` of them at a time."""
+    ``path``, atomically (``lik_cupy._atomic``). ``blocks(rows)`` gives the triples, each at most
+    ``rows`` tokens where it holds a copy (the rows :func:`_write_work` fits in ``max_bytes``).
+    Rows are quantized to int8, dequantized, or converted between float dtypes on the way, in
+    blocks whose working set fits ``max_bytes`` (see :func:`pack`; None: ``CHUNK_BYTES``)."""
     path = os.fspath(path)
+    max_bytes = CHUNK_BYTES if max_bytes is None else max_bytes
     dtype = dtype or source_dtype
     if dtype not in fmt.SHARD_DTYPES:
         raise ShardError(path, f"dtype {dtype!r} is not one of {', '.join(fmt.SHARD_DTYPES)}")
@@ -711,8 +805,10 @@ def _write(path, blocks, offsets: np.ndarray, ids, dim: int, source_dtype: str, 
     _check_target(path, overwrite)
     try:
         with _atomic.output_dir(path, _replaceable_shard if overwrite else None) as tmp:
-            normalized = _write_tokens(tmp, path, blocks, offsets, dim, dtype, check_finite, max_bytes)
-            np.save(os.path.join(tmp, fmt.OFFSETS), offsets.astype("<i8"))
+            work = functools.partial(_write_work, source_dtype, dtype, check_finite)
+            normalized = _write_tokens(tmp, path, blocks(_rows(max_bytes, dim, *work())), offsets, dim, dtype,
+                                       check_finite, lambda rows: _rows(max_bytes, dim, *work(rows.flags.c_contiguous)))
+            np.save(os.path.join(tmp, fmt.OFFSETS), offsets.astype("<i8", copy=False))
             files = {"tokens": fmt.TOKENS, "offsets": fmt.OFFSETS}
             if dtype == fmt.INT8:
                 files["scales"] = fmt.SCALES
@@ -728,12 +824,13 @@ def _write(path, blocks, offsets: np.ndarray, ids, dim: int, source_dtype: str, 
                 f.write(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
     except FileExistsError as e:  # what was at ``path`` when the shard was renamed there
         raise ShardError(path, _files.problem(e)) from None
-    return open_shard(path)
+    return _open_shard(path, max_bytes)
 
 
 def _write_tokens(tmp: str, path: str, blocks, offsets: np.ndarray, dim: int, dtype: str, check_finite: bool,
-                  max_bytes: int) -> bool:
+                  block_rows) -> bool:
     """Write tokens.npy (and for int8 scales.npy) into ``tmp``; returns whether every token has norm 1.
+    ``block_rows(rows)``: how many of the token rows ``rows`` go in one block.
 
     Both files are allocated at their full size before the first row is converted, so a disk
     too small fails at once, and are filled by plain sequential writes: a disk that fills up
@@ -751,7 +848,7 @@ def _write_tokens(tmp: str, path: str, blocks, offsets: np.ndarray, dim: int, dt
             out.append(f)
         pos, normalized = 0, True
         for name, rows, row_scales in blocks:
-            step = max(1, max_bytes // max(1, rows.shape[1] * rows.dtype.itemsize))
+            step = block_rows(rows)
             for a in range(0, rows.shape[0], step):  # a long document in pieces
                 block = rows[a : a + step]
                 scales = None if row_scales is None else row_scales[a : a + step]
@@ -770,32 +867,36 @@ def _write_block(out, name: str, block: np.ndarray, scales, pos: int, offsets: n
         doc, tok = _position(row, offsets)
         raise ShardError(name, f"document {doc}, token {tok} {why}")
 
-    # An int8 block copied as int8 needs no float values: it is finite (its scales were
-    # checked on opening), and norms come from the integers.
-    if not (dtype == fmt.INT8 and scales is not None):
-        x32 = _values(block, scales)
-        if (check_finite or dtype == fmt.INT8) and not np.isfinite(x32).all():
-            why = "embeddings must be finite" if check_finite else "INT8 quantization needs finite values"
-            refuse(~np.isfinite(x32).all(axis=1), f"holds NaN or inf; {why}")
+    # What each branch holds at once is what _write_work counts; keep the two in step.
     if dtype == fmt.INT8:
-        if scales is None:
+        if scales is None:  # float tokens, quantized; a token with NaN or inf gets scale NaN, refused here
             from ._cpu import quantize_numpy
 
-            block, scales = quantize_numpy(x32)
+            block, scales = quantize_numpy(block, strict=False)
+            bad = np.isnan(scales)
+            if bad.any():
+                why = "embeddings must be finite" if check_finite else "INT8 quantization needs finite values"
+                refuse(bad, f"holds NaN or inf; {why}")
+        # An int8 block copied as int8 needs no float values: it is finite (its scales were
+        # checked on opening), and norms come from the integers, their squares summed exactly.
         out[0].write(np.ascontiguousarray(block, np.int8).data)
         out[1].write(np.ascontiguousarray(scales, _SCALES_STORED).data)
-        norms = np.sqrt(np.square(block, dtype=np.int32).sum(axis=1, dtype=np.float64)) * scales
+        norms = np.sqrt(np.einsum("td,td->t", block, block, dtype=np.int64).astype(np.float64)) * scales
     else:
+        x32 = _float32(block, scales)
+        if check_finite and not np.isfinite(x32).all():
+            refuse(~np.isfinite(x32).all(axis=1), "holds NaN or inf; embeddings must be finite")
         # An int8 source is written dequantized; float sources convert directly.
         with np.errstate(over="ignore"):  # a value past the dtype's range: refused below with --check
             stored = (x32 if scales is not None else block).astype(fmt.numpy_dtype(dtype), copy=False)
         if check_finite and stored.dtype != block.dtype:
             # The values as stored: a float32 value past float16's range becomes inf in the cast.
-            over = ~np.isfinite(stored.astype(np.float32)).all(axis=1)
+            over = ~np.isfinite(stored).all(axis=1)
             if over.any():
                 largest = float(np.abs(x32[int(np.argmax(over))]).max())
                 refuse(over, f"holds {largest:g}, which is inf as {dtype} (outside its range); embeddings must be finite")
         out[0].write(np.ascontiguousarray(stored).view(_STORED[dtype]).data)
+        del stored
         norms = _norms(x32)
     return bool(np.all(np.abs(norms - 1) <= NORM_TOLERANCE))
 

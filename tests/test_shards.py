@@ -5,12 +5,14 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import tracemalloc
 
 import ml_dtypes
 import numpy as np
 import pytest
 
 from lik_cupy import _files, shards
+from lik_cupy import _shard_format as fmt
 from lik_cupy.errors import ShardError
 
 DIM = 12
@@ -655,3 +657,139 @@ def test_int8_npy_inputs_are_refused_with_a_hint(tmp_path):
     with pytest.raises(ShardError, match="needs its per-token scales.*lik pack --int8") as info:
         shards.open_input(tmp_path / "q8.npy")
     assert info.value.path == str(tmp_path / "q8.npy")
+
+
+# --------------------------------------------------------------------------- memory, in bytes
+
+# max_bytes of the tests below: their sources (64k tokens of d = 128, 16 MiB as float16) come in
+# many blocks. Besides its blocks, a pack reads the written shard's manifest, which takes up to
+# 1 MiB (read whole up to its limit); _SLACK is that and Python's own.
+_BOUND = 4 << 20
+_SLACK = 3 << 19
+_MEMORY_DIM = 128
+
+
+def _peak_extra(fn) -> int:
+    """The peak of NumPy's and Python's allocations while ``fn`` runs, beyond what was held before."""
+    tracemalloc.start()
+    try:
+        held = tracemalloc.get_traced_memory()[0]
+        fn()
+        return tracemalloc.get_traced_memory()[1] - held
+    finally:
+        tracemalloc.stop()
+
+
+def _memory_source(tmp_path, layout: str, dtype: str):
+    """A source of ``layout`` holding 65,536 unit tokens (and padding) in ``dtype``, opened."""
+    rng = np.random.default_rng(21)
+    x = unit(rng.standard_normal((1 << 16, _MEMORY_DIM), np.float32))
+    x[7] = 0  # an all-zero token (scale 0)
+    lens = rng.integers(0, 250, 512)
+    lens[-1] = 0
+    lens[-1] = x.shape[0] - lens.sum()
+    assert lens[-1] >= 0
+    off = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+    if layout == "shard":
+        if dtype == "int8":
+            return shards.write_shard(tmp_path / "src", x, off, dtype="int8")
+        return shards.write_shard(tmp_path / "src", x.astype(fmt_dtype(dtype)), off)
+    if layout in ("flat", "fortran"):
+        tokens = x.astype(fmt_dtype(dtype))
+        assert dtype != "bfloat16"
+        np.save(tmp_path / "src.npy", np.asfortranarray(tokens) if layout == "fortran" else tokens)
+        np.save(tmp_path / "lens.npy", lens)
+        return shards.open_input(tmp_path / "src.npy", tmp_path / "lens.npy")
+    if layout == "strided":  # a caller's array whose rows are not back to back
+        wide = np.empty((x.shape[0], 2 * _MEMORY_DIM), fmt_dtype(dtype))
+        wide[:, ::2] = x
+        return shards._packed("tokens", wide[:, ::2], off, None, None, "tokens", "offsets", "ids")
+    padded = x.reshape(512, 128, _MEMORY_DIM).astype(fmt_dtype(dtype))
+    bits = dtype == "bfloat16"  # saved as its uint16 bits
+    np.save(tmp_path / "src.npy", padded.view(np.uint16) if bits else padded)
+    if layout == "padded":
+        return shards.open_input(tmp_path / "src.npy", bf16_bits=bits)
+    np.save(tmp_path / "lens.npy", rng.integers(0, 129, 512))
+    return shards.open_input(tmp_path / "src.npy", tmp_path / "lens.npy", bf16_bits=bits)
+
+
+def fmt_dtype(name: str):
+    return ml_dtypes.bfloat16 if name == "bfloat16" else np.dtype(name)
+
+
+def _same_shards(a, b):
+    assert listing(a) == listing(b)
+    for name in listing(a):
+        assert (a / name).read_bytes() == (b / name).read_bytes(), name
+
+
+@pytest.mark.parametrize("layout,source,dtype,check", [
+    ("shard", "float16", None, False), ("shard", "float32", None, False), ("shard", "bfloat16", None, False),
+    ("shard", "float32", "float16", True), ("shard", "float16", "float32", False),
+    ("shard", "float16", "bfloat16", True), ("shard", "float16", "int8", False), ("shard", "float32", "int8", True),
+    ("shard", "bfloat16", "int8", False), ("shard", "int8", None, False), ("shard", "int8", "float16", False),
+    ("shard", "int8", "float32", True), ("flat", "float16", None, False), ("flat", "float16", "int8", False),
+    ("fortran", "float16", None, True), ("fortran", "float32", "int8", False), ("strided", "float32", None, True),
+    ("strided", "float16", "int8", False), ("padded", "float16", None, False), ("padded", "float16", "int8", False),
+    ("padded-lengths", "float16", None, True), ("padded-lengths", "float16", "int8", False),
+    ("padded-lengths", "bfloat16", "float32", False),
+])
+def test_pack_memory_is_bounded_by_max_bytes(tmp_path, layout, source, dtype, check):
+    """pack sized its blocks by the tokens read, then held their float32 values, masks and the
+    quantiser's temporaries on top: 2-8.7x max_bytes at its peak (float16 to int8: 8.6x, about
+    1.2 GiB at the default 256 MiB). Blocks are sized by all they hold now, and write the same
+    bytes as one block does."""
+    src = _memory_source(tmp_path, layout, source)
+    one = shards.pack(src, tmp_path / "one", dtype=dtype, check_finite=check, max_bytes=1 << 30)  # (imports too)
+    peak = _peak_extra(lambda: shards.pack(src, tmp_path / "blocks", dtype=dtype, check_finite=check, max_bytes=_BOUND))
+    assert peak <= 1.5 * _BOUND + _SLACK, f"peak {peak / 2**20:.1f} MiB for max_bytes {_BOUND / 2**20:.0f} MiB"
+    assert one.num_docs == src.num_docs and one.dtype == (dtype or source)
+    _same_shards(tmp_path / "one", tmp_path / "blocks")
+
+
+def test_pack_arrays_memory_is_bounded(tmp_path, monkeypatch):
+    """pack_arrays writes each document in blocks of the same bound (CHUNK_BYTES; smaller here)."""
+    rng = np.random.default_rng(22)
+    docs = [unit(rng.standard_normal((n, _MEMORY_DIM), np.float32)).astype(ml_dtypes.bfloat16)
+            for n in (30000, 5, 0, 20000, 15531)]
+    one = shards.pack_arrays(docs, tmp_path / "one", dtype="int8")
+    monkeypatch.setattr(shards, "CHUNK_BYTES", _BOUND)
+    peak = _peak_extra(lambda: shards.pack_arrays(docs, tmp_path / "blocks", dtype="int8"))
+    assert peak <= 1.5 * _BOUND + _SLACK, f"peak {peak / 2**20:.1f} MiB for max_bytes {_BOUND / 2**20:.0f} MiB"
+    assert one.manifest["normalized"] and one.num_docs == 5
+    _same_shards(tmp_path / "one", tmp_path / "blocks")
+
+
+@pytest.mark.parametrize("layout,dtype", [("shard", "float16"), ("shard", "float32"), ("shard", "int8"),
+                                          ("padded-lengths", "bfloat16")])
+def test_value_scans_are_bounded_by_max_bytes(tmp_path, layout, dtype):
+    """scan_values and check_finite held each block's float32 values and the last block's at once
+    (4-7.8x max_bytes); now each block's values, mask and tokens fit in max_bytes."""
+    src = _memory_source(tmp_path, layout, dtype)
+    whole = shards.scan_values(src, max_bytes=1 << 30)
+    for fn in (shards.scan_values, shards.check_finite):
+        got = []
+        peak = _peak_extra(lambda: got.append(fn(src, max_bytes=_BOUND)))
+        assert peak <= 1.5 * _BOUND + (256 << 10), f"{fn.__name__}: peak {peak / 2**20:.1f} MiB for {_BOUND / 2**20:.0f} MiB"
+    assert got == [None] and shards.scan_values(src, max_bytes=_BOUND) == whole and whole.nonfinite is None
+
+
+@pytest.mark.parametrize("kind", ["U", "S"])
+def test_string_id_checks_are_bounded_by_their_block(kind, monkeypatch):
+    """Checking string ids (whenever a shard is written or opened) read 8 MiB of ids a block and
+    held 4.9x (str) to 7x (bytes) of that at once in masks of their code units, np.isin's among
+    them: 39-56 MiB. The block's copy, its masks and flags fit in _ID_BLOCK_BYTES now, and the
+    first bad id is still found wherever the blocks fall."""
+    n = 600_000  # 38 MB of str ids, 9.6 MB of bytes: more than one block
+    ids = np.array([f"doc-{i:010d}" for i in range(n)], dtype=f"{kind}16")
+    fmt.check_ids(ids[:10], 10, "ids")  # (imports)
+    peak = _peak_extra(lambda: fmt.check_ids(ids, n, "ids"))
+    assert peak <= fmt._ID_BLOCK_BYTES + (64 << 10), f"peak {peak / 2**20:.1f} MiB"
+    monkeypatch.setattr(fmt, "_ID_BLOCK_BYTES", 1000)  # a dozen ids a block
+    few = ids[:2000]
+    fmt.check_ids(few, 2000, "ids")
+    for at, ch in [(0, "\t"), (11, "\u2028"), (1999, "\x85"), (777, "\0")]:
+        bad = few.copy()
+        bad[at] = f"x{ch}y".encode() if kind == "S" else f"x{ch}y"
+        with pytest.raises(ShardError, match=f"^ids: id at index {at} "):
+            fmt.check_ids(bad, 2000, "ids")

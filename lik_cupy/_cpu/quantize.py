@@ -8,6 +8,9 @@ import numpy as np
 __all__ = ["quantize_numpy", "quantize_fp8_numpy", "non_finite_error"]
 
 _BLOCK_ROWS = 1 << 16  # tokens per block, so float32 temporaries stay small
+# What quantize_numpy holds of one element of a block at once beyond its input: the float32 copy it
+# works in, one float32 temporary (|x|) and its int8 code. The shard writer sizes its blocks by it.
+INT8_WORK_BYTES = 4 + 4 + 1
 _FP8_MAX = 448.0  # the largest float8_e4m3fn
 
 
@@ -45,9 +48,16 @@ def quantize_numpy(x: np.ndarray, *, strict: bool = True) -> tuple[np.ndarray, n
         amax = np.abs(blk).max(axis=1)
         sc = np.where(finite, amax / np.float32(127), np.float32(np.nan))
         div = np.where(sc > 0, sc, np.float32(1))
+        # In place in blk (a copy): the same float32 operations as rint(blk / div) clipped, without
+        # a temporary the size of the block for each.
         with np.errstate(invalid="ignore"):
-            q[r0 : r0 + _BLOCK_ROWS] = np.where(finite[:, None], np.clip(np.rint(blk / div[:, None]), -127, 127), 0)
+            np.divide(blk, div[:, None], out=blk)
+            np.rint(blk, out=blk)
+            np.clip(blk, -127, 127, out=blk)
+        blk[~finite] = 0
+        q[r0 : r0 + _BLOCK_ROWS] = blk
         s[r0 : r0 + _BLOCK_ROWS] = sc
+        del blk
     return q.reshape(x.shape), s.reshape(x.shape[:-1])
 
 
