@@ -373,6 +373,35 @@ def test_deadlines_racing_the_worker_are_answered_once_each(caplog):
     assert not [r for r in caplog.records if "failed a batch" in r.getMessage()]
 
 
+def test_a_deadline_or_delay_past_the_waits_range_keeps_the_timer_and_worker_alive():
+    """A deadline further off than a thread wait can take (threading.TIMEOUT_MAX, about 292 years:
+    an HTTP ``timeout`` of 1e16 us) raised OverflowError in the timer thread, which died: no deadline
+    of that replica was answered at its time again. A max_delay_us as far off killed the worker, and
+    every request of its queue hung. Both wait in steps now."""
+    rng = np.random.default_rng(46)
+    corpus = _slow_calls(0.0, rng)
+    qs = [rng.standard_normal((5, DIM)).astype(np.float32) for _ in range(4)]
+    seen = _Record()
+    b = Batcher(corpus, max_batch=64, max_delay_us=30_000_000, observer=seen)
+    try:
+        far = b.submit("score", qs[0], timeout=1e10)
+        time.sleep(0.2)  # (the timer computes its wait)
+        late = b.submit("score", qs[1], timeout=0.05)
+        with pytest.raises(DeadlineExceeded, match="deadline passed"):
+            late.result(timeout=10)  # (a dead timer: the worker's 30 s max_delay)
+        assert not far.done() and b.queue_depths() == {"cpu:0": 1}
+    finally:
+        b.close()
+    assert np.array_equal(far.result(timeout=30), lik_cupy.Corpus.score(corpus, qs[0]))
+    # A worker waiting 1e10 s for companions, which a second request brings (max_batch 2)
+    with Batcher(corpus, max_batch=2, max_delay_us=10**16) as b:
+        first = b.submit("score", qs[2])
+        time.sleep(0.2)  # (the worker is in its wait)
+        second = b.submit("score", qs[3])
+        for f, q in ((first, qs[2]), (second, qs[3])):
+            assert np.array_equal(f.result(timeout=10), lik_cupy.Corpus.score(corpus, q))
+
+
 def test_a_request_cancelled_in_the_queue_is_dropped(corpus):
     """A cancelled request (its client went away) leaves the queue as it is cancelled: it holds no
     place there, and a batch the worker waits to fill does not count it; it is never scored."""

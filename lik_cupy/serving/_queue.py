@@ -52,6 +52,11 @@ from .errors import DeadlineExceeded, ShuttingDown
 # server's event loop, which parses every request) for longer than it saves: a search of 100,000
 # documents takes 1.4 ms.
 INLINE_MAX_S = 0.5e-3
+# The longest single wait of the worker and the timer: they wait in steps of at most this, then look
+# again. A thread's wait takes at most threading.TIMEOUT_MAX (about 292 years) and raises
+# OverflowError past it, which a deadline or max_delay that far off (an HTTP timeout of 1e16 us)
+# reached, killing the thread.
+_MAX_WAIT_S = 3600.0
 
 
 @dataclass(frozen=True)
@@ -236,7 +241,7 @@ class DeviceQueue:
                     if self._closing and not self._pending:
                         return
                     self._wake = self._deadlines[0][0] if self._deadlines else math.inf
-                    self._timer.wait(None if self._wake == math.inf else self._wake - now)
+                    self._timer.wait(None if self._wake == math.inf else min(self._wake - now, _MAX_WAIT_S))
                 self._wake = -math.inf
             self._expired(expired)
 
@@ -335,7 +340,7 @@ class DeviceQueue:
                         left = self._pending[0].arrival + self._max_delay - time.monotonic()
                         if left <= 0:
                             break
-                        self._cv.wait(left)
+                        self._cv.wait(min(left, _MAX_WAIT_S))
                     if not self._pending:
                         continue
                 batch, expired = self._take()
