@@ -196,6 +196,25 @@ def test_inline_never_overlaps_the_worker_and_waits_behind_it(monkeypatch):
     assert all(np.array_equal(g, slow.score(x)) for g, x in zip(got, q[1:]))
 
 
+def test_inline_never_overlaps_a_batch_of_zero_queries():
+    """The worker's batch of zero-query requests (an Nq = 0 request is answered, empty) set the
+    replica's running count to 0 while its call ran, which is what told score_now the worker was
+    idle: a request submitted inline was then scored on the worker's stream and buffers during the
+    worker's call. It is queued behind it now, as behind any batch."""
+    rng = np.random.default_rng(47)
+    corpus = _slow_calls(0.5, rng)
+    none, q = np.zeros((0, 5, DIM), np.float32), rng.standard_normal((4, DIM)).astype(np.float32)
+    with Batcher(corpus) as b:
+        empty = b.submit("score", none)
+        assert corpus.started.wait(30)  # the worker is in the zero-query call
+        assert not b.can_inline("score")
+        f = b.submit("score", q, inline=True)
+        assert not f.done()  # queued behind the batch, not scored in this thread meanwhile
+        assert empty.result(timeout=30).shape == (0, len(corpus))
+        assert np.array_equal(f.result(timeout=30), lik_cupy.Corpus.score(corpus, q))
+    assert corpus.calls == [0, 1]
+
+
 def test_the_service_scores_a_lone_request_inline_and_queues_those_that_arrive_together(monkeypatch):
     from lik_cupy.serving import _queue, _service
 

@@ -119,7 +119,8 @@ class DeviceQueue:
         self._wake = math.inf
         self._timer_thread: threading.Thread | None = None
         self._queued = 0  # queries waiting
-        self._running = 0  # queries being scored
+        self._running = 0  # queries being scored (by the worker or by score_now)
+        self._busy = False  # the worker is scoring a batch (of queries or not: a request may hold none)
         self._closing = False
         self._now = False  # a request is being scored by score_now, in the thread that submitted it
         self._staging = Staging()  # used by the worker, or by score_now while the worker waits
@@ -142,7 +143,7 @@ class DeviceQueue:
         """Nothing queued or being scored, no delay to wait for companions, and ``op``'s last call of one
         request took at most ``INLINE_MAX_S`` (read without the lock: a hint; :meth:`score_now`
         decides under it)."""
-        return not (self._pending or self._running or self._now or self._max_delay > 0) \
+        return not (self._pending or self._busy or self._now or self._max_delay > 0) \
             and self._single_s.get(op, 0.0) <= INLINE_MAX_S
 
     def score_now(self, req: Request) -> bool:
@@ -301,16 +302,17 @@ class DeviceQueue:
             self._expired(expired)
             if batch is None:
                 return
+            if not batch:  # (only expired or cancelled requests: score_now may hold the replica by now)
+                continue
             try:
-                if batch:
-                    self._run(batch)
+                self._run(batch)
             except BaseException as e:  # noqa: BLE001 - the worker must live on, and every caller get an answer
                 _log.exception("lik serve: worker %s failed a batch", self.name)
                 for r in batch:
                     if not r.future.done():
                         r.future.set_exception(e)
             with self._cv:
-                self._running = 0
+                self._running, self._busy = 0, False
 
     def own_stream(self, stream=None):
         """On a GPU, the corpus's device and a stream of this worker's own for its calls, so that
@@ -344,7 +346,8 @@ class DeviceQueue:
                     if not self._pending:
                         continue
                 batch, expired = self._take()
-                self._running = sum(r.n for r in batch)
+                if batch:  # (its queries may number 0: _busy, not _running, says the replica is taken)
+                    self._running, self._busy = sum(r.n for r in batch), True
                 return batch, expired
 
     def _take(self) -> tuple[list[Request], list[Request]]:
