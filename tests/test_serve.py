@@ -424,6 +424,40 @@ def test_a_deadline_or_delay_past_the_waits_range_keeps_the_timer_and_worker_ali
             assert np.array_equal(f.result(timeout=10), lik_cupy.Corpus.score(corpus, q))
 
 
+def test_a_timer_thread_that_cannot_start_fails_neither_the_request_nor_close(monkeypatch, caplog):
+    """The timer thread is started by the first request with a deadline, inside put, after the request
+    was queued: where it could not start (RuntimeError: can't start new thread), submit raised for a
+    request that stayed queued (scored later for no one), the queue kept the unstarted thread as its
+    timer (none was ever started again), and close raised joining it. The request is queued, the next
+    deadline starts the timer, and close joins it."""
+    from lik_cupy.serving import _queue
+
+    rng = np.random.default_rng(48)
+    corpus = _slow_calls(0.0, rng)
+    qs = [rng.standard_normal((5, DIM)).astype(np.float32) for _ in range(2)]
+    seen = _Record()
+    b = Batcher(corpus, max_batch=64, max_delay_us=30_000_000, observer=seen)
+    refused = []
+
+    class Scarce(threading.Thread):
+        def start(self):
+            if self.name.endswith("-timer") and not refused:
+                refused.append(self.name)
+                raise RuntimeError("can't start new thread")
+            super().start()
+
+    monkeypatch.setattr(_queue.threading, "Thread", Scarce)
+    try:
+        first = b.submit("score", qs[0], timeout=0.01)  # (its timer cannot start)
+        second = b.submit("score", qs[1], timeout=0.05)  # (this one's can)
+        for f in (first, second):
+            with pytest.raises(DeadlineExceeded, match="deadline passed"):
+                f.result(timeout=10)  # by the timer (the worker waits 30 s for companions)
+    finally:
+        b.close()
+    assert refused == ["lik-serve-cpu:0-timer"] and seen.rejects == ["deadline"] * 2 and corpus.calls == []
+
+
 def test_a_request_cancelled_in_the_queue_is_dropped(corpus):
     """A cancelled request (its client went away) leaves the queue as it is cancelled: it holds no
     place there, and a batch the worker waits to fill does not count it; it is never scored."""

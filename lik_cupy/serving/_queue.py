@@ -216,9 +216,13 @@ class DeviceQueue:
             self._deadlines = [(r.deadline, key) for key, r in self._timed.items()]
             heapq.heapify(self._deadlines)
         if self._timer_thread is None:
-            self._timer_thread = threading.Thread(target=self._expire_due, name=f"lik-serve-{self.name}-timer",
-                                                  daemon=True)
-            self._timer_thread.start()
+            thread = threading.Thread(target=self._expire_due, name=f"lik-serve-{self.name}-timer", daemon=True)
+            try:
+                thread.start()
+            except RuntimeError:  # (no thread to be had: the worker expires what it takes, the next deadline retries)
+                _log.exception("lik serve: queue %s could not start its timer thread", self.name)
+            else:
+                self._timer_thread = thread
         elif req.deadline < self._wake:
             self._timer.notify()
 
