@@ -196,6 +196,25 @@ def test_inline_never_overlaps_the_worker_and_waits_behind_it(monkeypatch):
     assert all(np.array_equal(g, slow.score(x)) for g, x in zip(got, q[1:]))
 
 
+def test_inline_never_overlaps_a_batch_of_zero_queries():
+    """The worker's batch of zero-query requests (an Nq = 0 request is answered, empty) set the
+    replica's running count to 0 while its call ran, which is what told score_now the worker was
+    idle: a request submitted inline was then scored on the worker's stream and buffers during the
+    worker's call. It is queued behind it now, as behind any batch."""
+    rng = np.random.default_rng(47)
+    corpus = _slow_calls(0.5, rng)
+    none, q = np.zeros((0, 5, DIM), np.float32), rng.standard_normal((4, DIM)).astype(np.float32)
+    with Batcher(corpus) as b:
+        empty = b.submit("score", none)
+        assert corpus.started.wait(30)  # the worker is in the zero-query call
+        assert not b.can_inline("score")
+        f = b.submit("score", q, inline=True)
+        assert not f.done()  # queued behind the batch, not scored in this thread meanwhile
+        assert empty.result(timeout=30).shape == (0, len(corpus))
+        assert np.array_equal(f.result(timeout=30), lik_cupy.Corpus.score(corpus, q))
+    assert corpus.calls == [0, 1]
+
+
 def test_the_service_scores_a_lone_request_inline_and_queues_those_that_arrive_together(monkeypatch):
     from lik_cupy.serving import _queue, _service
 
@@ -325,6 +344,9 @@ def test_a_deadline_sooner_than_max_delay_is_answered_at_it():
         with pytest.raises(DeadlineExceeded, match="deadline passed"):
             late.result(timeout=20)
         assert time.monotonic() - start < 5 and not kept.done()
+        until = time.monotonic() + 5  # (the timer counts the reject just after it answers the request)
+        while not seen.rejects and time.monotonic() < until:
+            time.sleep(0.001)
         assert seen.rejects == ["deadline"] and b.queue_depths() == {"cpu:0": 1}
     finally:
         b.close()  # (cuts the worker's wait: `kept` is scored alone)
@@ -371,6 +393,69 @@ def test_deadlines_racing_the_worker_are_answered_once_each(caplog):
     assert seen.rejects == ["deadline"] * expired and seen.answered_n == scored
     assert sum(n for _, _, n in seen.batches) == scored == sum(corpus.calls)
     assert not [r for r in caplog.records if "failed a batch" in r.getMessage()]
+
+
+def test_a_deadline_or_delay_past_the_waits_range_keeps_the_timer_and_worker_alive():
+    """A deadline further off than a thread wait can take (threading.TIMEOUT_MAX, about 292 years:
+    an HTTP ``timeout`` of 1e16 us) raised OverflowError in the timer thread, which died: no deadline
+    of that replica was answered at its time again. A max_delay_us as far off killed the worker, and
+    every request of its queue hung. Both wait in steps now."""
+    rng = np.random.default_rng(46)
+    corpus = _slow_calls(0.0, rng)
+    qs = [rng.standard_normal((5, DIM)).astype(np.float32) for _ in range(4)]
+    seen = _Record()
+    b = Batcher(corpus, max_batch=64, max_delay_us=30_000_000, observer=seen)
+    try:
+        far = b.submit("score", qs[0], timeout=1e10)
+        time.sleep(0.2)  # (the timer computes its wait)
+        late = b.submit("score", qs[1], timeout=0.05)
+        with pytest.raises(DeadlineExceeded, match="deadline passed"):
+            late.result(timeout=10)  # (a dead timer: the worker's 30 s max_delay)
+        assert not far.done() and b.queue_depths() == {"cpu:0": 1}
+    finally:
+        b.close()
+    assert np.array_equal(far.result(timeout=30), lik_cupy.Corpus.score(corpus, qs[0]))
+    # A worker waiting 1e10 s for companions, which a second request brings (max_batch 2)
+    with Batcher(corpus, max_batch=2, max_delay_us=10**16) as b:
+        first = b.submit("score", qs[2])
+        time.sleep(0.2)  # (the worker is in its wait)
+        second = b.submit("score", qs[3])
+        for f, q in ((first, qs[2]), (second, qs[3])):
+            assert np.array_equal(f.result(timeout=10), lik_cupy.Corpus.score(corpus, q))
+
+
+def test_a_timer_thread_that_cannot_start_fails_neither_the_request_nor_close(monkeypatch, caplog):
+    """The timer thread is started by the first request with a deadline, inside put, after the request
+    was queued: where it could not start (RuntimeError: can't start new thread), submit raised for a
+    request that stayed queued (scored later for no one), the queue kept the unstarted thread as its
+    timer (none was ever started again), and close raised joining it. The request is queued, the next
+    deadline starts the timer, and close joins it."""
+    from lik_cupy.serving import _queue
+
+    rng = np.random.default_rng(48)
+    corpus = _slow_calls(0.0, rng)
+    qs = [rng.standard_normal((5, DIM)).astype(np.float32) for _ in range(2)]
+    seen = _Record()
+    b = Batcher(corpus, max_batch=64, max_delay_us=30_000_000, observer=seen)
+    refused = []
+
+    class Scarce(threading.Thread):
+        def start(self):
+            if self.name.endswith("-timer") and not refused:
+                refused.append(self.name)
+                raise RuntimeError("can't start new thread")
+            super().start()
+
+    monkeypatch.setattr(_queue.threading, "Thread", Scarce)
+    try:
+        first = b.submit("score", qs[0], timeout=0.01)  # (its timer cannot start)
+        second = b.submit("score", qs[1], timeout=0.05)  # (this one's can)
+        for f in (first, second):
+            with pytest.raises(DeadlineExceeded, match="deadline passed"):
+                f.result(timeout=10)  # by the timer (the worker waits 30 s for companions)
+    finally:
+        b.close()
+    assert refused == ["lik-serve-cpu:0-timer"] and seen.rejects == ["deadline"] * 2 and corpus.calls == []
 
 
 def test_a_request_cancelled_in_the_queue_is_dropped(corpus):

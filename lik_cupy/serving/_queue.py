@@ -52,6 +52,11 @@ from .errors import DeadlineExceeded, ShuttingDown
 # server's event loop, which parses every request) for longer than it saves: a search of 100,000
 # documents takes 1.4 ms.
 INLINE_MAX_S = 0.5e-3
+# The longest single wait of the worker and the timer: they wait in steps of at most this, then look
+# again. A thread's wait takes at most threading.TIMEOUT_MAX (about 292 years) and raises
+# OverflowError past it, which a deadline or max_delay that far off (an HTTP timeout of 1e16 us)
+# reached, killing the thread.
+_MAX_WAIT_S = 3600.0
 
 
 @dataclass(frozen=True)
@@ -114,7 +119,8 @@ class DeviceQueue:
         self._wake = math.inf
         self._timer_thread: threading.Thread | None = None
         self._queued = 0  # queries waiting
-        self._running = 0  # queries being scored
+        self._running = 0  # queries being scored (by the worker or by score_now)
+        self._busy = False  # the worker is scoring a batch (of queries or not: a request may hold none)
         self._closing = False
         self._now = False  # a request is being scored by score_now, in the thread that submitted it
         self._staging = Staging()  # used by the worker, or by score_now while the worker waits
@@ -137,7 +143,7 @@ class DeviceQueue:
         """Nothing queued or being scored, no delay to wait for companions, and ``op``'s last call of one
         request took at most ``INLINE_MAX_S`` (read without the lock: a hint; :meth:`score_now`
         decides under it)."""
-        return not (self._pending or self._running or self._now or self._max_delay > 0) \
+        return not (self._pending or self._busy or self._now or self._max_delay > 0) \
             and self._single_s.get(op, 0.0) <= INLINE_MAX_S
 
     def score_now(self, req: Request) -> bool:
@@ -210,9 +216,13 @@ class DeviceQueue:
             self._deadlines = [(r.deadline, key) for key, r in self._timed.items()]
             heapq.heapify(self._deadlines)
         if self._timer_thread is None:
-            self._timer_thread = threading.Thread(target=self._expire_due, name=f"lik-serve-{self.name}-timer",
-                                                  daemon=True)
-            self._timer_thread.start()
+            thread = threading.Thread(target=self._expire_due, name=f"lik-serve-{self.name}-timer", daemon=True)
+            try:
+                thread.start()
+            except RuntimeError:  # (no thread to be had: the worker expires what it takes, the next deadline retries)
+                _log.exception("lik serve: queue %s could not start its timer thread", self.name)
+            else:
+                self._timer_thread = thread
         elif req.deadline < self._wake:
             self._timer.notify()
 
@@ -236,7 +246,7 @@ class DeviceQueue:
                     if self._closing and not self._pending:
                         return
                     self._wake = self._deadlines[0][0] if self._deadlines else math.inf
-                    self._timer.wait(None if self._wake == math.inf else self._wake - now)
+                    self._timer.wait(None if self._wake == math.inf else min(self._wake - now, _MAX_WAIT_S))
                 self._wake = -math.inf
             self._expired(expired)
 
@@ -296,16 +306,17 @@ class DeviceQueue:
             self._expired(expired)
             if batch is None:
                 return
+            if not batch:  # (only expired or cancelled requests: score_now may hold the replica by now)
+                continue
             try:
-                if batch:
-                    self._run(batch)
+                self._run(batch)
             except BaseException as e:  # noqa: BLE001 - the worker must live on, and every caller get an answer
                 _log.exception("lik serve: worker %s failed a batch", self.name)
                 for r in batch:
                     if not r.future.done():
                         r.future.set_exception(e)
             with self._cv:
-                self._running = 0
+                self._running, self._busy = 0, False
 
     def own_stream(self, stream=None):
         """On a GPU, the corpus's device and a stream of this worker's own for its calls, so that
@@ -335,11 +346,12 @@ class DeviceQueue:
                         left = self._pending[0].arrival + self._max_delay - time.monotonic()
                         if left <= 0:
                             break
-                        self._cv.wait(left)
+                        self._cv.wait(min(left, _MAX_WAIT_S))
                     if not self._pending:
                         continue
                 batch, expired = self._take()
-                self._running = sum(r.n for r in batch)
+                if batch:  # (its queries may number 0: _busy, not _running, says the replica is taken)
+                    self._running, self._busy = sum(r.n for r in batch), True
                 return batch, expired
 
     def _take(self) -> tuple[list[Request], list[Request]]:
