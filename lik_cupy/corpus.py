@@ -21,10 +21,10 @@ candidate-id tiles find each candidate's tokens in the packed or padded corpus, 
 exists. NumPy queries (and candidates) of a GPU-resident corpus, without masks, lengths or offsets,
 move in one page-locked copy each way when each way is at most 1 MiB
 (``lik_cupy._runtime.host_staging``), and JAX ones on its GPU are shared through DLPack (``score``,
-``rerank``, and ``search`` of a float corpus without string ids), for the CuPy call on the same values (which, for a float corpus, takes
-the device arrays' repeat path where the call has one). Scores follow
-:func:`lik_cupy.maxsim` (-inf for a document without valid tokens, 0 for a query without one) and
-come back in the queries' framework and place.
+``rerank``, and ``search`` of a float corpus without string ids), for the CuPy call on the same
+values (which, for a float corpus, takes the device arrays' repeat path where the call has one).
+Scores follow :func:`lik_cupy.maxsim` (-inf for a document without valid tokens, 0 for a query
+without one) and come back in the queries' framework and place.
 
 Calls may come from many threads at once: the corpus is only read after construction, and each
 call's work is its own (launches go to each thread's current CuPy or torch stream).

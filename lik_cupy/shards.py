@@ -39,15 +39,14 @@ already have as the same :class:`Shard`: a padded ``[N, L, d]`` array with optio
 per-document lengths, and ColBERT-style flat ``[T, d]`` tokens with a doclens array
 (lengths and doclens as an integer ``.npy`` or a JSON list, as ColBERT writes them).
 
-Every array is opened memory-mapped with ``allow_pickle=False``: a corpus is never
-loaded whole and no file can run code. Whatever reads every token (:func:`pack`,
-:func:`scan_values`, :func:`check_finite`) goes block by block, and its ``max_bytes``
-(``CHUNK_BYTES``, 256 MiB, unless told otherwise) bounds all a block holds at once: the
-tokens read and every array made of them (float32 values, masks, the INT8 quantiser's
-temporaries), plus 64 bytes a token; the offsets and ids (a few bytes a document) come on top. Inputs must be regular files (``lik_cupy._files``:
-a FIFO or a device is refused, never waited on). Paths in a manifest must name files
-inside the shard directory. Problems raise :class:`ShardError` naming the file and what
-was expected.
+Every array is opened memory-mapped with ``allow_pickle=False``: a corpus is never loaded whole and
+no file can run code. Whatever reads every token (:func:`pack`, :func:`scan_values`,
+:func:`check_finite`) goes block by block, and its ``max_bytes`` (``CHUNK_BYTES``, 256 MiB, unless
+told otherwise) bounds all a block holds at once: the tokens read and every array made of them
+(float32 values, masks, the INT8 quantiser's temporaries), plus 64 bytes a token; the offsets and
+ids (a few bytes a document) come on top. Inputs must be regular files (``lik_cupy._files``: a FIFO
+or a device is refused, never waited on). Paths in a manifest must name files inside the shard
+directory. Problems raise :class:`ShardError` naming the file and what was expected.
 """
 
 from __future__ import annotations

@@ -9,11 +9,12 @@ parameters of the HTTP side (``lik_cupy/serving/http.py``). Inputs come as ``raw
 (what tritonclient sends; BYTES as 4-byte little-endian lengths and the bytes) or as typed
 ``contents``; outputs go back as ``raw_output_contents``. The call's gRPC deadline bounds its wait
 in the queue, as the ``timeout`` parameter does: a call still queued when the sooner passes is
-answered ``DEADLINE_EXCEEDED`` then, even while a batch runs, and never scored. Errors: ``INVALID_ARGUMENT`` (the message names the
-problem), ``NOT_FOUND`` (unknown model or version), ``RESOURCE_EXHAUSTED`` (a message over the HTTP
-body limit), ``UNAVAILABLE`` (overloaded, not ready or stopping), ``DEADLINE_EXCEEDED`` and
-``INTERNAL``. Each is counted in the metrics as the HTTP status of the same outcome, and so are
-calls that grpcio cancels (the client cancelled: 499; the deadline passed: 504).
+answered ``DEADLINE_EXCEEDED`` then, even while a batch runs, and never scored. Errors:
+``INVALID_ARGUMENT`` (the message names the problem), ``NOT_FOUND`` (unknown model or version),
+``RESOURCE_EXHAUSTED`` (a message over the HTTP body limit), ``UNAVAILABLE`` (overloaded, not ready
+or stopping), ``DEADLINE_EXCEEDED`` and ``INTERNAL``. Each is counted in the metrics as the HTTP
+status of the same outcome, and so are calls that grpcio cancels (the client cancelled: 499; the
+deadline passed: 504).
 """
 
 from __future__ import annotations
