@@ -82,7 +82,9 @@ class Corpus:
         ids: ``[Nd]`` integers or strings, each document's external id, which :meth:`search`
             returns instead of the document's index (a host array or list).
         device: the CUDA device to keep the corpus on (default: D's, or the current one); "cpu"
-            keeps it in host memory for the NumPy path (the default without a GPU).
+            keeps it in host memory for the NumPy path (the default without a GPU). ValueError
+            for an ordinal that is no int >= 0 or names a GPU this machine lacks (RuntimeError on
+            a machine without a GPU).
         max_gpu_bytes: the GPU memory a host D may take there (default: 3/4 of the device's free
             memory); a larger corpus stays in page-locked host memory. A D on the GPU stays there.
 
@@ -261,8 +263,8 @@ class Corpus:
         if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 1 <= k <= MAX_K:
             raise ValueError(f"k must be an integer in [1, {MAX_K}], got {k!r}")
         fw = self._stand_in(Q, q_mask, q_lengths, q_offsets, 12 * min(int(k), len(self)))
-        # (shared arrays gain only where the CuPy search has a repeat path: through CuPy, a JAX search
-        # of an INT8 or FP8 corpus, or one with string ids, took 1.03-1.04x its plain path)
+        # (shared arrays gain only where the CuPy search has a repeat path: through a CuPy call without
+        # one, as INT8 corpora and string ids have, a JAX search took 1.03-1.04x its plain path)
         if fw and (interop.ADAPTERS[fw].STAND_IN == "staged"
                    or not (dispatch.scaled_dtype(self.dtype) or (self._ids is not None and self._ids_dev is None))):
             p = _resolved(precision, fw, Q.dtype)

@@ -559,10 +559,10 @@ class DistributedCorpus:
         """Every score: float32 ``[Nq, num_docs]`` (``[num_docs]`` for a 2-D Q), columns in corpus order.
 
         The workers score pieces of at most 64 MiB of scores; the client writes each into ``out``
-        (of the shape returned; None: a new array) as it arrives and returns it. Or, with ``write``,
-        hands each piece to ``write(first_doc, scores [Nq, n])`` as it arrives and returns None: a
-        result larger than memory goes to a file that way (``lik score --full-matrix`` writes each
-        piece in place).
+        (a float32 NumPy array of the shape returned, else ValueError; None: a new array) as it
+        arrives and returns it. Or, with ``write``, hands each piece to
+        ``write(first_doc, scores [Nq, n])`` as it arrives and returns None: a result larger than
+        memory goes to a file that way (``lik score --full-matrix`` writes each piece in place).
         """
         Q, q_lengths, squeeze = self._queries(Q, q_lengths)
         shape = (self.num_docs,) if squeeze else (Q.shape[0], self.num_docs)

@@ -373,7 +373,9 @@ class PlaidIndex:
         return [flat[off[j]:off[j + 1]] for j in range(off.size - 1)]
 
     def to_device(self, device: int | None = None) -> PlaidIndex:
-        """Copy the compressed corpus to GPU ``device`` (default: the current one), once."""
+        """Copy the compressed corpus to GPU ``device`` (default: the current one), once. A
+        ``device`` that is no int >= 0 raises ValueError, and so does one past this machine's
+        GPUs (where it has any)."""
         check_ordinal(device, " or None")
         self._on_device(None if device is None else present(device))
         return self

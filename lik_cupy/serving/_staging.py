@@ -6,9 +6,9 @@ one 32-token query took 0.40 ms from host arrays in a worker thread on an H200 (
 stream), against 0.065 ms from device arrays. :class:`Staging` writes the batch's queries, padded to
 the longest, their lengths (only where they differ) and the rerank candidates into one page-locked
 buffer, copies it to the device at once on the worker's stream, calls the corpus on device views of
-it (the repeat path for rerank and score), and copies the results back into a second page-locked
-buffer, with one wait. Every request was checked when it was queued, so the device arrays hold no
-value the host path would refuse.
+it (the repeat path for rerank, score and, where the corpus's scores stream in one chunk, search),
+and copies the results back into a second page-locked buffer, with one wait. Every request was
+checked when it was queued, so the device arrays hold no value the host path would refuse.
 """
 
 from __future__ import annotations
