@@ -135,6 +135,23 @@ def test_score_multi_vector_compiles_and_matches_colpali(rng):
     _check(p.grad, p64.grad)
 
 
+def test_score_multi_vector_never_reads_padding():
+    # The documented difference: colpali-engine multiplies an infinite embedding by its padding's
+    # zeros (inf * 0 = NaN), of a short page's batch or of a short query's; none is read here.
+    from colpali_engine.utils.processing_utils import BaseVisualRetrieverProcessor
+
+    inf = float("inf")
+    qs = [torch.tensor([[inf, 1.0]]), torch.tensor([[1.0, 0.0], [0.0, 1.0]])]
+    ps = [torch.tensor([[1.0, 1.0]]), torch.tensor([[1.0, 1.0], [1.0, -1.0]])]
+    out = lc.score_multi_vector(qs, ps, device="cpu")
+    assert torch.equal(out, torch.tensor([[inf, inf], [2.0, 2.0]]))
+    theirs = BaseVisualRetrieverProcessor.score_multi_vector(qs, ps, device="cpu")
+    assert torch.isnan(theirs[0, 0]) and torch.equal(theirs[1], out[1])
+    ps[1][0, 1] = inf  # the padded query 0's zero token against it
+    assert lc.score_multi_vector(qs, ps, device="cpu")[0, 1] == inf
+    assert torch.isnan(BaseVisualRetrieverProcessor.score_multi_vector(qs, ps, device="cpu")[0, 1])
+
+
 def test_score_multi_vector_refuses_empty_inputs():
     with pytest.raises(ValueError, match="No queries provided"):
         lc.score_multi_vector([], [torch.ones(2, 4)])

@@ -112,6 +112,9 @@ def score_multi_vector(qs, ps, batch_size: int = 128, device=None):
             kernel (its zero-vector padding flag), and scored in as few kernel calls as memory
             allows, not batch by batch. While ``torch.compile`` traces (the operators take no
             padding flags), the short pages are zero-padded to their batch's longest instead.
+            Where an embedding is NaN or infinite the scores can differ: colpali-engine also
+            multiplies it by the padding's zeros (of the pages, and of the queries it pads to the
+            longest of their batch), and ``inf * 0`` is NaN; no padding is read here.
         device: where to score (default: ``"cuda:0"`` when CUDA is available, else the CPU).
 
     Returns:
