@@ -103,6 +103,55 @@ def test_score_multi_vector_matches_colpali(rng, form, monkeypatch):
         _check(out, ref)
 
 
+def test_score_multi_vector_compiles_and_matches_colpali(rng):
+    # Under torch.compile the zero-padding flags of the packed pages raised "zero-vector padding
+    # flags are for eager calls", where colpali-engine's own function compiles: the short pages are
+    # scored as zero-padded there, as colpali-engine pads them.
+    from colpali_engine.utils.processing_utils import BaseVisualRetrieverProcessor
+
+    Q = torch.from_numpy(rng.standard_normal((3, 5, 16)).astype(np.float32))
+    P = torch.from_numpy(rng.standard_normal((7, 9, 16)).astype(np.float32))
+    Q[0, 1] = 0.0
+    Q[0, 1, 0] = -1.0
+    P[..., 0] = P[..., 0].abs() + 1.0  # query 0's token 1 has a negative max on every page
+    lens = [9, 2, 5, 9, 1, 3, 6]
+
+    def score(fn, q, p):
+        return fn([q[0, :2], q[1], q[2, :4]], [p[j, :n] for j, n in enumerate(lens)], batch_size=3, device="cpu")
+
+    compiled = torch.compile(lambda q, p: score(lc.score_multi_vector, q, p), backend="aot_eager")
+    try:
+        q, p = Q.clone().requires_grad_(True), P.clone().requires_grad_(True)
+        out = compiled(q, p)
+        out.sum().backward()
+    finally:
+        torch._dynamo.reset()
+    q64, p64 = Q.double().requires_grad_(True), P.double().requires_grad_(True)
+    ref = score(BaseVisualRetrieverProcessor.score_multi_vector, q64, p64)
+    ref.sum().backward()
+    assert out.device.type == "cpu"
+    _check(out, ref)
+    _check(q.grad, q64.grad)
+    _check(p.grad, p64.grad)
+
+
+def test_score_multi_vector_never_reads_padding():
+    # The documented difference: colpali-engine multiplies an infinite embedding by its padding's
+    # zeros (inf * 0 = NaN), of a short page's batch or of a short query's; none is read here.
+    from colpali_engine.utils.processing_utils import BaseVisualRetrieverProcessor
+
+    inf = float("inf")
+    qs = [torch.tensor([[inf, 1.0]]), torch.tensor([[1.0, 0.0], [0.0, 1.0]])]
+    ps = [torch.tensor([[1.0, 1.0]]), torch.tensor([[1.0, 1.0], [1.0, -1.0]])]
+    out = lc.score_multi_vector(qs, ps, device="cpu")
+    assert torch.equal(out, torch.tensor([[inf, inf], [2.0, 2.0]]))
+    theirs = BaseVisualRetrieverProcessor.score_multi_vector(qs, ps, device="cpu")
+    assert torch.isnan(theirs[0, 0]) and torch.equal(theirs[1], out[1])
+    ps[1][0, 1] = inf  # the padded query 0's zero token against it
+    assert lc.score_multi_vector(qs, ps, device="cpu")[0, 1] == inf
+    assert torch.isnan(BaseVisualRetrieverProcessor.score_multi_vector(qs, ps, device="cpu")[0, 1])
+
+
 def test_score_multi_vector_refuses_empty_inputs():
     with pytest.raises(ValueError, match="No queries provided"):
         lc.score_multi_vector([], [torch.ones(2, 4)])

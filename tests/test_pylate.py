@@ -119,6 +119,27 @@ def test_masked_tokens_are_only_valid_or_not(rng):
     assert torch.isnan(pylate_scores.colbert_scores(Qbad, Dbad, qm, dm, backend="torch")).any()
 
 
+def test_documented_differences_at_masked_tokens():
+    # The module docstring's other two: a valid query token's infinite similarity with a masked
+    # token is NaN through PyLate's torch path (inf * 0) and never computed here; and a valid token
+    # whose similarity is exactly 0 ties the masked token's 0: the gradient goes to it here, to the
+    # first of the two (the masked one, so none) in PyLate's max. The scores agree.
+    dm = torch.tensor([[0, 1]])
+    Q, D = torch.tensor([[[float("inf"), 0.0]]]), torch.tensor([[[5.0, 5.0], [1.0, 1.0]]])
+    assert torch.equal(lp.colbert_scores(Q, D, None, dm), torch.tensor([[float("inf")]]))
+    assert torch.isnan(pylate_scores.colbert_scores(Q, D, None, dm, backend="torch")).all()
+    Q, D = torch.tensor([[[1.0, 0.0]]]), torch.tensor([[[5.0, 5.0], [0.0, 1.0]]])
+    grads = []
+    for fn in (lp.colbert_scores, lambda *a: pylate_scores.colbert_scores(*a, backend="torch")):
+        q, d = Q.clone().requires_grad_(True), D.clone().requires_grad_(True)
+        out = fn(q, d, None, dm)
+        assert out.item() == 0.0
+        out.sum().backward()
+        grads.append((q.grad, d.grad))
+    assert torch.equal(grads[0][0], torch.tensor([[[0.0, 1.0]]])) and grads[0][1][0, 1].tolist() == [1.0, 0.0]
+    assert not grads[1][0].any() and not grads[1][1].any()
+
+
 def test_masked_scores_compile_and_match_eager(rng):
     # While torch.compile traces, masked tokens are scored as zero vectors (the operators take no
     # zero-padding flags): the eager call's scores and gradients.

@@ -110,7 +110,11 @@ def score_multi_vector(qs, ps, batch_size: int = 128, device=None):
             here, so the scores are colpali-engine's, but no page is padded: the pages are packed
             back to back (one copy of the lot), a short page's row maxima floored at 0 in the
             kernel (its zero-vector padding flag), and scored in as few kernel calls as memory
-            allows, not batch by batch.
+            allows, not batch by batch. While ``torch.compile`` traces (the operators take no
+            padding flags), the short pages are zero-padded to their batch's longest instead.
+            Where an embedding is NaN or infinite the scores can differ: colpali-engine also
+            multiplies it by the padding's zeros (of the pages, and of the queries it pads to the
+            longest of their batch), and ``inf * 0`` is NaN; no padding is read here.
         device: where to score (default: ``"cuda:0"`` when CUDA is available, else the CPU).
 
     Returns:
@@ -154,6 +158,12 @@ def score_multi_vector(qs, ps, batch_size: int = 128, device=None):
             D = pages.to(device) if isinstance(pages, torch.Tensor) else torch.stack(list(pages)).to(device)
             Qk, Dk, _ = kernel_operands(Q, D)
             scores.append(_lik.maxsim(Qk, Dk, q_lengths=q_len))
+            continue
+        if _autograd.traced(Q):  # the operators take no padding flags: pages zero-padded to their batch's longest
+            D = torch.nn.utils.rnn.pad_sequence(list(pages), batch_first=True).to(device)
+            d_len = torch.tensor([batch_max[j // batch_size] for j in range(c, c + len(lens))], device=device)
+            Qk, Dk, _ = kernel_operands(Q, D)
+            scores.append(_lik.maxsim(Qk, Dk, q_lengths=q_len, d_lengths=d_len))
             continue
         tokens = torch.cat(list(pages)).to(device)
         offsets = torch.from_numpy(np.concatenate([[0], np.cumsum(lens)])).to(device)

@@ -15,12 +15,16 @@ instead: PyLate's ``flash`` and ``lik`` backends follow that convention, its tor
 This module gets the torch path's scores without touching the embeddings: masked tokens are
 skipped and each masked document's row maxima floored at 0 in the kernel (its zero-vector padding
 flag, ``lik_cupy._maxsim_calls.maxsim_zero_pad``), the gradient of a floored max is 0 as through the
-torch path's zeroed similarity. Two differences remain, both where the torch path multiplies
+torch path's zeroed similarity. Three differences remain, all where the torch path multiplies
 rather than zeroes: a mask value other than 0 and 1 scales the torch path's similarities but is
-just "valid" here; and a NaN or infinite embedding of a masked token makes the torch path's score
-NaN (``nan * 0``, ``inf * 0``), where an eager call here never reads a masked token. While
-``torch.compile`` traces, masked document tokens are scored as zero vectors instead (the embeddings
-times their masks, which the compiled graph fuses), so a NaN there is NaN again.
+just "valid" here; a NaN or infinite similarity with a masked token (a NaN or infinite embedding of
+the masked token, or of a valid query token against a document with a masked token) makes the torch
+path's score NaN (``nan * 0``, ``inf * 0``), where an eager call here never scores a masked token;
+and where a valid token's similarity is exactly 0 and ties the masked tokens' 0 for the max, the
+gradient goes to the valid token, where PyLate's ``max`` takes whichever of them comes first (both
+are gradients of the max; the scores are equal). While ``torch.compile`` traces, masked document
+tokens are scored as zero vectors instead (the embeddings times their masks, which the compiled
+graph fuses), so a NaN there is NaN again and a tie goes to the first token, as in PyLate.
 
 Scores come back float32 (float64 for float64 inputs, which are scored in float32), as PyLate's
 ``flash`` and ``lik`` backends return them; its torch path returns the inputs' dtype.
