@@ -68,13 +68,15 @@ def score(p: Problem, Q, q_scales, q_quantised: bool, q_mask, q_lengths, D, d_sc
     nrows = p.ntok if p.d_packed else p.nq * p.nd if p.candidates else p.nd
     on_cpu = not scoring_on_gpu(p, backend, float64=not q_quantised and interop.describe(Q).dtype == "float64")
     if on_cpu or p.device is None:  # host values are checked on the host and raise, whatever the path
-        ds = _host_scales(host_array(d_scales, fw), nrows * (1 if p.d_packed else p.ld))
+        given = host_array(d_scales, fw)
+        ds = _host_scales(given, nrows * (1 if p.d_packed else p.ld))
         if p.d_packed:
             doff = host_offsets(host_array(d_offsets, fw), p.ntok, "d_offsets")  # every token is then a document's
-            check_scales_of_valid(ds.reshape(p.ntok), None, "d_scales")
+            check_scales_of_valid(ds.reshape(p.ntok), None, "d_scales", given.shape)
         else:
             dv = valid_host(d_mask, d_lengths, nrows, p.ld, "d_lengths", fw)
-            check_scales_of_valid(ds.reshape(nrows, p.ld), dv, "d_scales")
+            # (named as passed: candidate sets [Nq, K, Ld], one document's [Ld] or one for all [])
+            check_scales_of_valid(ds.reshape(nrows, p.ld), dv, "d_scales", given.shape)
     if on_cpu:
         q, qs = _host_queries(p, spec, Q, q_scales, q_quantised)
         qv = valid_host(q_mask, q_lengths, p.nq, p.lq, "q_lengths", fw)

@@ -151,3 +151,26 @@ def test_validation_messages():
     assert np.all(np.isnan(neg))  # negative query scales: NaN, as in the kernel
     with pytest.raises(ValueError, match=r"d_scales has shape \[7\]; expected \[9\]"):
         lik_cupy.maxsim_int8_varlen(q, np.zeros((9, 32), np.int8), np.ones(7, np.float32), np.array([0, 4, 9]))
+
+
+@pytest.mark.parametrize("kind", ["int8", "float8_e4m3fn"])
+def test_document_scale_errors_name_the_entry_as_passed(rng, kind):
+    """A bad host document scale is named by its index in d_scales as passed: candidate sets
+    [Nq, K, Ld] were named by their row of [Nq * K, Ld], one document's [Ld] as [1, Ld] and one
+    scale for all of D ([]) as d_scales[0, 0]."""
+    quantize = lik_cupy.quantize_int8 if kind == "int8" else lik_cupy.quantize_fp8
+    maxsim = lik_cupy.maxsim_int8 if kind == "int8" else lik_cupy.maxsim_fp8
+    q = rng.standard_normal((2, 5, 32)).astype(np.float32)
+    d8, ds = quantize(rng.standard_normal((2, 3, 7, 32)).astype(np.float32))
+    ds[1, 2, 4] = -1  # candidate sets
+    with pytest.raises(ValueError, match=r"^d_scales\[1, 2, 4\] is -1.0; the scale of a valid token"):
+        maxsim(q, d8, ds, backend="cpu")
+    one = ds[0, 0].copy()
+    one[3] = np.nan  # one document [Ld, d]
+    with pytest.raises(ValueError, match=r"^d_scales\[3\] is nan; the scale of a valid token"):
+        maxsim(q, d8[0, 0], one, backend="cpu")
+    for bad in (-1.0, np.inf):  # one scale for all of D
+        with pytest.raises(ValueError, match=rf"^d_scales \(one for all of D\) is {bad!r}; the scale of a valid token"):
+            maxsim(q, d8[0], np.asarray(bad, np.float32), backend="cpu")
+    assert np.all(np.isneginf(maxsim(q, d8[0], np.asarray(-1, np.float32), d_lengths=np.zeros(3, np.int64),
+                                     backend="cpu")))  # no valid token: never read

@@ -50,10 +50,12 @@ def host_offsets(off: np.ndarray, total: int, name: str) -> np.ndarray:
     return off
 
 
-def check_scales_of_valid(scales, valid, name: str) -> None:
+def check_scales_of_valid(scales, valid, name: str, shape: tuple | None = None) -> None:
     """Raise unless every INT8 document scale of a valid token is finite and >= 0: ``scales`` and the
     bool ``valid`` (None: every token valid) of one shape, both NumPy or both CuPy (a device array
-    waits for its answer: for checks made once, as a Corpus's)."""
+    waits for its answer: for checks made once, as a Corpus's). ``shape``: the scales' shape as the
+    caller passed them, when ``scales`` is them reshaped (or ``[]`` broadcast), so that the error
+    names the entry as passed."""
     if isinstance(scales, np.ndarray):
         xp = np
     else:
@@ -62,8 +64,10 @@ def check_scales_of_valid(scales, valid, name: str) -> None:
     if valid is not None:
         bad &= valid
     if bool(bad.any()):
-        at = np.unravel_index(int(xp.argmax(bad)), scales.shape)
-        raise scale_error(name, tuple(int(i) for i in at), float(scales[at]))
+        flat = int(xp.argmax(bad))
+        value = float(scales[np.unravel_index(flat, scales.shape)])
+        at = () if shape == () else np.unravel_index(flat, scales.shape if shape is None else shape)
+        raise scale_error(name, tuple(int(i) for i in at), value)
 
 
 def device_valid(mask, lengths, rows: int, length: int, name: str, fw: str, on_host: bool, checks=None):

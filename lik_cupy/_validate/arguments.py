@@ -366,9 +366,10 @@ def check_length_values(name: str, lo: int, hi: int, limit: int) -> None:
 
 
 def scale_error(name: str, index: tuple, value: float) -> ValueError:
-    """The error for a (scaled type's) document scale of a valid token (at ``index``) that is negative, NaN or infinite."""
-    at = ", ".join(str(i) for i in index)
-    return ValueError(f"{name}[{at}] is {value!r}; the scale of a valid token must be finite and >= 0 "
+    """The error for a (scaled type's) document scale of a valid token (at ``index``; ``()``: the one
+    scale for all of D) that is negative, NaN or infinite."""
+    at = f"[{', '.join(str(i) for i in index)}]" if index else " (one for all of D)"
+    return ValueError(f"{name}{at} is {value!r}; the scale of a valid token must be finite and >= 0 "
                       "(token = values * scale)")
 
 
