@@ -8,8 +8,9 @@ Each token (a row of the last axis) ``x`` gets one float32 scale and int8 values
 
 so every element is within half a step (``scale / 2``) of its original, except in tokens of
 float32 subnormals only: below a largest element of about 2^-135 the scale, itself subnormal,
-rounds so coarsely that elements clip at +-127 (and below about 2^-149 * 127 to a scale of 0,
-codes 0). An all-zero token (padding) gets scale 0 and q 0: it dequantises to zeros, never NaN. The NumPy
+rounds so coarsely that elements clip at +-127 (and at or below 63 * 2^-149, about 8.8e-44, where
+max|x| / 127 rounds to 0, to a scale of 0 and codes 0). An all-zero token (padding) gets scale 0 and
+q 0: it dequantises to zeros, never NaN. The NumPy
 path and the device kernel (``cuda_src/quantize.cu``) do the same IEEE float32
 operations, so both give bitwise the same bytes. Storage is ``d + 4`` bytes per token
 (``d`` int8 values and a float32 scale) against ``2 d`` for fp16.
@@ -20,7 +21,9 @@ FP8 e4m3 (``float8_e4m3fn``), per token or per tensor::
 
 with ``max|x|`` over the token (``per="token"``) or the whole tensor (``per="tensor"``), in float32;
 the codes are bitwise those of ``(x / scale).to(torch.float8_e4m3fn)``, on the NumPy path
-(ml_dtypes) and on the device (sm_89 and newer). Zero tokens (or tensors) get scale 0 and codes 0.
+(ml_dtypes) and on the device (sm_89 and newer). Zero tokens (or tensors) get scale 0 and codes 0,
+as do those of float32 subnormals whose max|x| / 448 rounds to 0 (max|x| at or below 224 * 2^-149,
+about 3.1e-43), where torch's cast of ``x / 0`` would give +-448 or NaN: they dequantise to zeros.
 """
 
 from __future__ import annotations
