@@ -26,7 +26,8 @@ def maxsim_int8(Q, D, d_scales, q_mask=None, d_mask=None, *, q_scales=None, q_le
     Args:
         Q: ``[Nq, Lq, d]`` or ``[Lq, d]``: float16, bfloat16 or float32 (quantised per token
             on the fly), or int8 with ``q_scales``. A float64 Q is quantised on the CPU path only
-            (``backend="auto"`` with host arrays, or ``"cpu"``; the GPU refuses it with a TypeError).
+            (``backend="auto"`` with host arrays, or ``"cpu"``; the GPU refuses it with a TypeError),
+            in float32: a value beyond float32's range is inf there, so its query's scores are NaN.
         D: int8 ``[Nd, Ld, d]`` (shared by all queries -> ``[Nq, Nd]``), ``[Nq, K, Ld, d]``
             (a candidate set per query -> ``[Nq, K]``) or ``[Ld, d]`` (-> ``[Nq]``), as made by
             :func:`lik_cupy.quantize_int8`. On the GPU, d must be a multiple of 16, at most 4096.
