@@ -148,12 +148,26 @@ class _Backward(torch.autograd.Function):
 def vmap_each(batch_size: int, dims, tensors, fn):
     """A ``torch.func.vmap`` rule: ``fn`` called once per element of the batch, each batched tensor
     (its dim in ``dims`` not None) sliced along that dim, the others as they are; the outputs
-    stacked on dim 0. An empty batch gives empty outputs, shaped by one call on an element of zeros."""
+    stacked on dim 0. An empty batch gives empty outputs, shaped by one call on an element of zeros.
+    A list or tuple argument (lengths as Python ints) has a list or tuple of dims, one per item
+    (torch.func gives a pytree's dims in its structure): each item is taken the same way."""
     if batch_size == 0:
-        one = fn(*(x if d is None else x.new_zeros(x.shape[:d] + x.shape[d + 1:]) for x, d in zip(tensors, dims)))
+        zeros = lambda t, k: t.new_zeros(t.shape[:k] + t.shape[k + 1:])  # noqa: E731
+        one = fn(*(_element(x, d, zeros) for x, d in zip(tensors, dims)))
         return tuple(o.new_empty((0,) + tuple(o.shape)) for o in one), (0,) * len(one)
-    outs = [fn(*(x if d is None else x.select(d, b) for x, d in zip(tensors, dims))) for b in range(batch_size)]
+    outs = [fn(*(_element(x, d, lambda t, k: t.select(k, b)) for x, d in zip(tensors, dims)))
+            for b in range(batch_size)]
     return tuple(torch.stack(o) for o in zip(*outs)), (0,) * len(outs[0])
+
+
+def _element(x, dim, take):
+    """``x`` for one element of a vmap batch: ``take(x, dim)`` where ``dim`` is an int, ``x`` itself where
+    it is None, item by item where ``x`` is a list or tuple (``dim`` then one of the same length)."""
+    if dim is None:
+        return x
+    if isinstance(x, (list, tuple)):
+        return type(x)(_element(y, k, take) for y, k in zip(x, dim))
+    return take(x, dim)
 
 
 def transformed() -> bool:

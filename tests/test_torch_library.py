@@ -551,3 +551,27 @@ def test_torch_func_transforms(rng, device):
         assert same(jac[i, j], x.grad)
     with pytest.raises(RuntimeError, match="no second derivative"):
         torch.func.grad(lambda x: torch.func.grad(lambda y: lt.maxsim(y, d).sum())(x).sum())(q[0])
+
+
+def test_torch_func_takes_lengths_as_python_lists(rng):
+    """Lengths as Python lists (as eager calls take them) under vmap, vmap of grad and an empty batch:
+    torch.func gives a list's in_dims as a list, which the vmap rule sliced as a tensor (an
+    AttributeError: 'list' object has no attribute 'select')."""
+    q = _t(rng, 3, 2, 5, 16, dtype=torch.float64)
+    d = _t(rng, 4, 7, 16, dtype=torch.float64)
+    d_len, q_len = [7, 0, 3, 5], (5, 2)
+    out = torch.func.vmap(lambda a: lt.maxsim(a, d, q_lengths=q_len, d_lengths=d_len))(q)
+    assert torch.equal(out, torch.stack([lt.maxsim(a, d, q_lengths=q_len, d_lengths=d_len) for a in q]))
+    assert torch.func.vmap(lambda a: lt.maxsim(a, d, d_lengths=d_len))(q[:0]).shape == (0, 2, 4)
+    tokens = _t(rng, 12, 16, dtype=torch.float64)
+    out = torch.func.vmap(lambda a: lt.maxsim_varlen(a, tokens, [0, 5, 5, 12], q_lengths=[4, 1]))(q)
+    assert torch.equal(out, torch.stack([lt.maxsim_varlen(a, tokens, [0, 5, 5, 12], q_lengths=[4, 1]) for a in q]))
+
+    def loss(x, y):
+        return lt.maxsim(x, y, q_lengths=q_len, d_lengths=d_len).logsumexp(-1).sum()
+
+    per_q, per_d = torch.func.vmap(torch.func.grad(loss, argnums=(0, 1)), in_dims=(0, None))(q, d)
+    for b in range(3):
+        x, y = q[b].clone().requires_grad_(), d.clone().requires_grad_()
+        loss(x, y).backward()
+        assert torch.equal(per_q[b], x.grad) and torch.equal(per_d[b], y.grad)
