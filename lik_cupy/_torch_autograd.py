@@ -209,9 +209,11 @@ def backend_of(Q) -> str:
 
 
 def check_tensors(**named) -> None:
-    """The embeddings of a ``lik_cupy.torch`` call are torch tensors (an array of another framework
-    raised an AttributeError on ``requires_grad``)."""
+    """The embeddings of a ``lik_cupy.torch`` call are torch tensors (an array of another framework,
+    or None, raised an AttributeError on ``requires_grad``); only ``bias`` may be None."""
     for name, x in named.items():
+        if x is None and name != "bias":
+            raise TypeError(f"{name} is None; lik_cupy.torch takes torch tensors")
         if x is not None and not isinstance(x, torch.Tensor):
             raise TypeError(f"{name} is a {type(x).__module__}.{type(x).__qualname__}; lik_cupy.torch takes torch "
                             "tensors (lik_cupy.maxsim takes any framework's arrays, without autograd)")

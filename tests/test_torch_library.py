@@ -221,6 +221,8 @@ def test_arrays_of_other_frameworks_are_a_type_error_naming_them(rng):
     calls = [(lambda: lt.maxsim(q.numpy(), d), "Q is a numpy.ndarray"), (lambda: lt.maxsim(q, d.numpy()), "D is a"),
              (lambda: lt.maxsim_varlen(q, [[0.0] * 16], [0, 1]), "D_tokens is a builtins.list"),
              (lambda: lt.maxsim_from_hidden(q, d, d[0].numpy()), "W is a numpy.ndarray")]
+    calls += [(lambda: lt.maxsim(None, d), "Q is None"), (lambda: lt.maxsim(q, None), "D is None"),
+              (lambda: lt.maxsim_varlen(q, None, [0]), "D_tokens is None")]  # (an AttributeError on requires_grad)
     for call, words in calls:
         with pytest.raises(TypeError, match=words + ".*lik_cupy.torch takes torch tensors"):
             call()
