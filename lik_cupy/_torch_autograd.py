@@ -189,9 +189,18 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def traced(Q) -> bool:
-    """Whether the call goes through the registered operators: while torch.compile or torch.export
-    traces, and for tensor subclasses (fake tensors among them), whose data lik_cupy cannot read."""
-    return torch.compiler.is_compiling() or (type(Q) not in _PLAIN and isinstance(Q, torch.Tensor))
+    """Whether the call goes through the registered operators: while torch.compile, torch.export or
+    torch.jit.trace traces (an eager call under jit.trace recorded its scores as a constant), and for
+    tensor subclasses (fake tensors among them), whose data lik_cupy cannot read."""
+    return (torch.compiler.is_compiling() or torch.jit.is_tracing()
+            or (type(Q) not in _PLAIN and isinstance(Q, torch.Tensor)))
+
+
+def keeps_argmax(return_argmax: bool, need_grad: bool) -> bool:
+    """The operators' ``return_argmax`` in a traced call: where asked for, where a gradient is needed, and
+    always under torch.jit.trace, whose check runs the call again under no_grad and finds the graph changed
+    (``Tracing failed sanity checks``) if the flag follows the grad mode."""
+    return return_argmax or need_grad or torch.jit.is_tracing()
 
 
 def check_eager(Q) -> None:
@@ -231,8 +240,14 @@ def as_tensor(x, like):
         return x
     if isinstance(x, (list, tuple, numbers.Integral)) and not isinstance(x, bool):
         t = torch.as_tensor(x, device=like.device)
-        return t if t.numel() else t.long()  # (an empty list would be float32)
+        return t.long() if _no_numbers(x) else t  # (an empty list would be float32)
     return x
+
+
+def _no_numbers(x) -> bool:
+    """Whether ``x`` is a list or tuple with no number in it, however nested (``[]``, ``[[], []]``): read from
+    the list, not the tensor made of it, whose ``numel()`` is a tensor under torch.jit.trace."""
+    return isinstance(x, (list, tuple)) and all(_no_numbers(v) for v in x)
 
 
 def _grads(ctx, g, Q, D, amax, d_offsets, backward):

@@ -577,3 +577,40 @@ def test_torch_func_takes_lengths_as_python_lists(rng):
         x, y = q[b].clone().requires_grad_(), d.clone().requires_grad_()
         loss(x, y).backward()
         assert torch.equal(per_q[b], x.grad) and torch.equal(per_d[b], y.grad)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::FutureWarning", "ignore::UserWarning",
+                            "ignore::torch.jit.TracerWarning")  # (the lengths given as lists are constants)
+def test_jit_trace_records_the_operators(rng):
+    """torch.jit.trace of a model that scores with lik_cupy.torch: the eager call ran lik_cupy on the host and
+    the trace kept its scores as a constant (the traced model gave the example's scores for any input); the
+    calls now record the operators, the argmax kept whatever the grad mode (jit.trace's check re-runs under
+    no_grad), so the traced model scores new inputs and trains as the eager one does."""
+
+    class Scorer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(12, 8, dtype=torch.float64)
+
+        def forward(self, x, d, tokens, h):
+            q = self.proj(x)
+            return (lt.maxsim(q, d, d_lengths=[5, 1, 0, 2]), lt.maxsim_varlen(q, tokens, [0, 3, 7]),
+                    lt.maxsim_from_hidden(q, h, self.proj.weight, self.proj.bias))
+
+    model = Scorer()
+
+    def inputs():
+        return (_t(rng, 2, 3, 12, dtype=torch.float64), _t(rng, 4, 5, 8, dtype=torch.float64),
+                _t(rng, 7, 8, dtype=torch.float64), _t(rng, 4, 5, 12, dtype=torch.float64))
+
+    traced = torch.jit.trace(model, inputs())
+    for x in (inputs(), inputs()):
+        got, want = traced(*x), model(*x)
+        for a, b in zip(got, want):
+            assert torch.equal(a, b)
+        grads = []
+        for out in (got, want):
+            model.zero_grad()
+            sum(s.masked_fill(torch.isinf(s), 0).sum() for s in out).backward()
+            grads.append(model.proj.weight.grad.clone())
+        assert torch.equal(*grads)
