@@ -188,11 +188,15 @@ def apply(Q, D, d_offsets, method, call, return_argmax, extras=()):
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
+_PROXY = torch._C._TorchDispatchModeKey.PROXY
+
+
 def traced(Q) -> bool:
-    """Whether the call goes through the registered operators: while torch.compile, torch.export or
-    torch.jit.trace traces (an eager call under jit.trace recorded its scores as a constant), and for
-    tensor subclasses (fake tensors among them), whose data lik_cupy cannot read."""
-    return (torch.compiler.is_compiling() or torch.jit.is_tracing()
+    """Whether the call goes through the registered operators: while torch.compile, torch.export,
+    torch.jit.trace or make_fx traces (an eager call under jit.trace, or make_fx's real tracing mode,
+    recorded its scores as a constant), and for tensor subclasses (fake tensors among them), whose data
+    lik_cupy cannot read."""
+    return (torch.compiler.is_compiling() or torch.jit.is_tracing() or torch._C._get_dispatch_mode(_PROXY) is not None
             or (type(Q) not in _PLAIN and isinstance(Q, torch.Tensor)))
 
 

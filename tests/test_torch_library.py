@@ -614,3 +614,27 @@ def test_jit_trace_records_the_operators(rng):
             sum(s.masked_fill(torch.isinf(s), 0).sum() for s in out).backward()
             grads.append(model.proj.weight.grad.clone())
         assert torch.equal(*grads)
+
+
+def test_make_fx_records_the_operators(rng):
+    """make_fx in its default real tracing mode (the tensors are plain, with their data): the eager call
+    ran lik_cupy on the host and the graph held its scores as a constant; the calls now record the
+    operators, backward included, so the graph scores and differentiates new inputs."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def step(q, d, tokens, h, w):
+        q = q.detach().requires_grad_()
+        s = (lt.maxsim(q, d, d_lengths=[5, 1, 3, 2]).sum() + lt.maxsim_varlen(q, tokens, [0, 3, 7]).sum()
+             + lt.maxsim_from_hidden(q, h, w).sum())
+        return s, torch.autograd.grad(s, q)[0]
+
+    def inputs():
+        return (_t(rng, 2, 3, 8), _t(rng, 4, 5, 8), _t(rng, 7, 8), _t(rng, 4, 5, 6), _t(rng, 8, 6))
+
+    graph = make_fx(step)(*inputs())
+    targets = {n.target for n in graph.graph.nodes if n.op == "call_function"}
+    assert {OPS.maxsim.default, OPS.maxsim_varlen.default, OPS.maxsim_from_hidden.default,
+            OPS.maxsim_backward.default, OPS.maxsim_from_hidden_backward.default} <= targets
+    x = inputs()
+    for got, want in zip(graph(*x), step(*x)):
+        assert torch.equal(got, want)
