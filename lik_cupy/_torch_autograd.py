@@ -148,12 +148,26 @@ class _Backward(torch.autograd.Function):
 def vmap_each(batch_size: int, dims, tensors, fn):
     """A ``torch.func.vmap`` rule: ``fn`` called once per element of the batch, each batched tensor
     (its dim in ``dims`` not None) sliced along that dim, the others as they are; the outputs
-    stacked on dim 0. An empty batch gives empty outputs, shaped by one call on an element of zeros."""
+    stacked on dim 0. An empty batch gives empty outputs, shaped by one call on an element of zeros.
+    A list or tuple argument (lengths as Python ints) has a list or tuple of dims, one per item
+    (torch.func gives a pytree's dims in its structure): each item is taken the same way."""
     if batch_size == 0:
-        one = fn(*(x if d is None else x.new_zeros(x.shape[:d] + x.shape[d + 1:]) for x, d in zip(tensors, dims)))
+        zeros = lambda t, k: t.new_zeros(t.shape[:k] + t.shape[k + 1:])  # noqa: E731
+        one = fn(*(_element(x, d, zeros) for x, d in zip(tensors, dims)))
         return tuple(o.new_empty((0,) + tuple(o.shape)) for o in one), (0,) * len(one)
-    outs = [fn(*(x if d is None else x.select(d, b) for x, d in zip(tensors, dims))) for b in range(batch_size)]
+    outs = [fn(*(_element(x, d, lambda t, k: t.select(k, b)) for x, d in zip(tensors, dims)))
+            for b in range(batch_size)]
     return tuple(torch.stack(o) for o in zip(*outs)), (0,) * len(outs[0])
+
+
+def _element(x, dim, take):
+    """``x`` for one element of a vmap batch: ``take(x, dim)`` where ``dim`` is an int, ``x`` itself where
+    it is None, item by item where ``x`` is a list or tuple (``dim`` then one of the same length)."""
+    if dim is None:
+        return x
+    if isinstance(x, (list, tuple)):
+        return type(x)(_element(y, k, take) for y, k in zip(x, dim))
+    return take(x, dim)
 
 
 def transformed() -> bool:
@@ -174,10 +188,23 @@ def apply(Q, D, d_offsets, method, call, return_argmax, extras=()):
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
+_PROXY = torch._C._TorchDispatchModeKey.PROXY
+
+
 def traced(Q) -> bool:
-    """Whether the call goes through the registered operators: while torch.compile or torch.export
-    traces, and for tensor subclasses (fake tensors among them), whose data lik_cupy cannot read."""
-    return torch.compiler.is_compiling() or (type(Q) not in _PLAIN and isinstance(Q, torch.Tensor))
+    """Whether the call goes through the registered operators: while torch.compile, torch.export,
+    torch.jit.trace or make_fx traces (an eager call under jit.trace, or make_fx's real tracing mode,
+    recorded its scores as a constant), and for tensor subclasses (fake tensors among them), whose data
+    lik_cupy cannot read."""
+    return (torch.compiler.is_compiling() or torch.jit.is_tracing() or torch._C._get_dispatch_mode(_PROXY) is not None
+            or (type(Q) not in _PLAIN and isinstance(Q, torch.Tensor)))
+
+
+def keeps_argmax(return_argmax: bool, need_grad: bool) -> bool:
+    """The operators' ``return_argmax`` in a traced call: where asked for, where a gradient is needed, and
+    always under torch.jit.trace, whose check runs the call again under no_grad and finds the graph changed
+    (``Tracing failed sanity checks``) if the flag follows the grad mode."""
+    return return_argmax or need_grad or torch.jit.is_tracing()
 
 
 def check_eager(Q) -> None:
@@ -195,9 +222,11 @@ def backend_of(Q) -> str:
 
 
 def check_tensors(**named) -> None:
-    """The embeddings of a ``lik_cupy.torch`` call are torch tensors (an array of another framework
-    raised an AttributeError on ``requires_grad``)."""
+    """The embeddings of a ``lik_cupy.torch`` call are torch tensors (an array of another framework,
+    or None, raised an AttributeError on ``requires_grad``); only ``bias`` may be None."""
     for name, x in named.items():
+        if x is None and name != "bias":
+            raise TypeError(f"{name} is None; lik_cupy.torch takes torch tensors")
         if x is not None and not isinstance(x, torch.Tensor):
             raise TypeError(f"{name} is a {type(x).__module__}.{type(x).__qualname__}; lik_cupy.torch takes torch "
                             "tensors (lik_cupy.maxsim takes any framework's arrays, without autograd)")
@@ -215,8 +244,14 @@ def as_tensor(x, like):
         return x
     if isinstance(x, (list, tuple, numbers.Integral)) and not isinstance(x, bool):
         t = torch.as_tensor(x, device=like.device)
-        return t if t.numel() else t.long()  # (an empty list would be float32)
+        return t.long() if _no_numbers(x) else t  # (an empty list would be float32)
     return x
+
+
+def _no_numbers(x) -> bool:
+    """Whether ``x`` is a list or tuple with no number in it, however nested (``[]``, ``[[], []]``): read from
+    the list, not the tensor made of it, whose ``numel()`` is a tensor under torch.jit.trace."""
+    return isinstance(x, (list, tuple)) and all(_no_numbers(v) for v in x)
 
 
 def _grads(ctx, g, Q, D, amax, d_offsets, backward):

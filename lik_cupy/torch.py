@@ -8,8 +8,8 @@ backward is ``lik_cupy.maxsim_backward``. CPU tensors are scored on the CPU (the
 ``torch.compile``: importing this module registers three operators, ``torch.ops.lik_cupy.maxsim``,
 ``maxsim_varlen`` and ``maxsim_backward``, for CPU and CUDA tensors, with fake implementations
 (their shapes are the ones ``lik_cupy._validate`` gives the call) and the forward's autograd
-formula. While ``torch.compile`` (or ``torch.export``) traces, and for tensor subclasses such as
-fake tensors, the two functions call these operators, so a training step compiles with
+formula. While ``torch.compile`` (or ``torch.export``, or ``torch.jit.trace``) traces, and for tensor
+subclasses such as fake tensors, the two functions call these operators, so a training step compiles with
 ``fullgraph=True``, backward included, without a graph break. ``method``, ``precision`` and
 ``return_argmax`` are operator arguments; lengths and offsets given as Python ints or lists
 become tensors (pass tensors when they change from step to step, or each new list is a guard
@@ -47,6 +47,7 @@ from ._torch_autograd import as_tensor as _tensor
 from ._torch_autograd import backend_of as _backend
 from ._torch_autograd import check_method as _check_method
 from ._torch_autograd import check_tensors as _check_tensors
+from ._torch_autograd import keeps_argmax as _keeps_argmax
 from ._torch_autograd import needs_grad as _needs_grad
 from ._torch_autograd import traced as _traced
 from ._torch_autograd import transformed as _transformed
@@ -77,7 +78,7 @@ def maxsim(Q, D, q_mask=None, d_mask=None, *, q_lengths=None, d_lengths=None, me
     if _traced(Q):
         scores, amax = torch.ops.lik_cupy.maxsim.default(Q, D, q_mask, d_mask, _tensor(q_lengths, Q),
                                                          _tensor(d_lengths, Q), method,
-                                                         return_argmax or _needs_grad(Q, D), precision)
+                                                         _keeps_argmax(return_argmax, _needs_grad(Q, D)), precision)
         return (scores, amax) if return_argmax else scores
     extras = (q_mask, d_mask, q_lengths, d_lengths)
     if not (_needs_grad(Q, D) or _transformed()):  # a serving call: lik_cupy.maxsim alone
@@ -102,7 +103,8 @@ def maxsim_varlen(Q, D_tokens, d_offsets, q_mask=None, *, q_lengths=None, method
     if _traced(Q):
         scores, amax = torch.ops.lik_cupy.maxsim_varlen.default(Q, D_tokens, _tensor(d_offsets, Q), q_mask,
                                                                 _tensor(q_lengths, Q), method,
-                                                                return_argmax or _needs_grad(Q, D_tokens), precision)
+                                                                _keeps_argmax(return_argmax, _needs_grad(Q, D_tokens)),
+                                                                precision)
         return (scores, amax) if return_argmax else scores
     if not (_needs_grad(Q, D_tokens) or _transformed()):
         return _maxsim_varlen(Q, D_tokens, d_offsets, q_mask, q_lengths=q_lengths, return_argmax=return_argmax,
@@ -142,7 +144,7 @@ def maxsim_from_hidden(Q, H, W, bias=None, q_mask=None, d_mask=None, *, q_length
     if _traced(Q):
         scores, amax = _maxsim_from_hidden_op(
             Q, H, W, bias, q_mask, d_mask, _tensor(q_lengths, Q), _tensor(d_lengths, Q), normalize, eps,
-            return_argmax or need, max_chunk_bytes, precision)
+            _keeps_argmax(return_argmax, need), max_chunk_bytes, precision)
     else:
         scores, amax = _from_hidden_eager(Q, H, W, bias, q_mask, d_mask, _tensor(q_lengths, Q), _tensor(d_lengths, Q),
                                           normalize, eps, return_argmax, max_chunk_bytes, precision, need)

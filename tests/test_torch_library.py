@@ -221,6 +221,8 @@ def test_arrays_of_other_frameworks_are_a_type_error_naming_them(rng):
     calls = [(lambda: lt.maxsim(q.numpy(), d), "Q is a numpy.ndarray"), (lambda: lt.maxsim(q, d.numpy()), "D is a"),
              (lambda: lt.maxsim_varlen(q, [[0.0] * 16], [0, 1]), "D_tokens is a builtins.list"),
              (lambda: lt.maxsim_from_hidden(q, d, d[0].numpy()), "W is a numpy.ndarray")]
+    calls += [(lambda: lt.maxsim(None, d), "Q is None"), (lambda: lt.maxsim(q, None), "D is None"),
+              (lambda: lt.maxsim_varlen(q, None, [0]), "D_tokens is None")]  # (an AttributeError on requires_grad)
     for call, words in calls:
         with pytest.raises(TypeError, match=words + ".*lik_cupy.torch takes torch tensors"):
             call()
@@ -551,3 +553,88 @@ def test_torch_func_transforms(rng, device):
         assert same(jac[i, j], x.grad)
     with pytest.raises(RuntimeError, match="no second derivative"):
         torch.func.grad(lambda x: torch.func.grad(lambda y: lt.maxsim(y, d).sum())(x).sum())(q[0])
+
+
+def test_torch_func_takes_lengths_as_python_lists(rng):
+    """Lengths as Python lists (as eager calls take them) under vmap, vmap of grad and an empty batch:
+    torch.func gives a list's in_dims as a list, which the vmap rule sliced as a tensor (an
+    AttributeError: 'list' object has no attribute 'select')."""
+    q = _t(rng, 3, 2, 5, 16, dtype=torch.float64)
+    d = _t(rng, 4, 7, 16, dtype=torch.float64)
+    d_len, q_len = [7, 0, 3, 5], (5, 2)
+    out = torch.func.vmap(lambda a: lt.maxsim(a, d, q_lengths=q_len, d_lengths=d_len))(q)
+    assert torch.equal(out, torch.stack([lt.maxsim(a, d, q_lengths=q_len, d_lengths=d_len) for a in q]))
+    assert torch.func.vmap(lambda a: lt.maxsim(a, d, d_lengths=d_len))(q[:0]).shape == (0, 2, 4)
+    tokens = _t(rng, 12, 16, dtype=torch.float64)
+    out = torch.func.vmap(lambda a: lt.maxsim_varlen(a, tokens, [0, 5, 5, 12], q_lengths=[4, 1]))(q)
+    assert torch.equal(out, torch.stack([lt.maxsim_varlen(a, tokens, [0, 5, 5, 12], q_lengths=[4, 1]) for a in q]))
+
+    def loss(x, y):
+        return lt.maxsim(x, y, q_lengths=q_len, d_lengths=d_len).logsumexp(-1).sum()
+
+    per_q, per_d = torch.func.vmap(torch.func.grad(loss, argnums=(0, 1)), in_dims=(0, None))(q, d)
+    for b in range(3):
+        x, y = q[b].clone().requires_grad_(), d.clone().requires_grad_()
+        loss(x, y).backward()
+        assert torch.equal(per_q[b], x.grad) and torch.equal(per_d[b], y.grad)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::FutureWarning", "ignore::UserWarning",
+                            "ignore::torch.jit.TracerWarning")  # (the lengths given as lists are constants)
+def test_jit_trace_records_the_operators(rng):
+    """torch.jit.trace of a model that scores with lik_cupy.torch: the eager call ran lik_cupy on the host and
+    the trace kept its scores as a constant (the traced model gave the example's scores for any input); the
+    calls now record the operators, the argmax kept whatever the grad mode (jit.trace's check re-runs under
+    no_grad), so the traced model scores new inputs and trains as the eager one does."""
+
+    class Scorer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(12, 8, dtype=torch.float64)
+
+        def forward(self, x, d, tokens, h):
+            q = self.proj(x)
+            return (lt.maxsim(q, d, d_lengths=[5, 1, 0, 2]), lt.maxsim_varlen(q, tokens, [0, 3, 7]),
+                    lt.maxsim_from_hidden(q, h, self.proj.weight, self.proj.bias))
+
+    model = Scorer()
+
+    def inputs():
+        return (_t(rng, 2, 3, 12, dtype=torch.float64), _t(rng, 4, 5, 8, dtype=torch.float64),
+                _t(rng, 7, 8, dtype=torch.float64), _t(rng, 4, 5, 12, dtype=torch.float64))
+
+    traced = torch.jit.trace(model, inputs())
+    for x in (inputs(), inputs()):
+        got, want = traced(*x), model(*x)
+        for a, b in zip(got, want):
+            assert torch.equal(a, b)
+        grads = []
+        for out in (got, want):
+            model.zero_grad()
+            sum(s.masked_fill(torch.isinf(s), 0).sum() for s in out).backward()
+            grads.append(model.proj.weight.grad.clone())
+        assert torch.equal(*grads)
+
+
+def test_make_fx_records_the_operators(rng):
+    """make_fx in its default real tracing mode (the tensors are plain, with their data): the eager call
+    ran lik_cupy on the host and the graph held its scores as a constant; the calls now record the
+    operators, backward included, so the graph scores and differentiates new inputs."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def step(q, d, tokens, h, w):
+        q = q.detach().requires_grad_()
+        s = (lt.maxsim(q, d, d_lengths=[5, 1, 3, 2]).sum() + lt.maxsim_varlen(q, tokens, [0, 3, 7]).sum()
+             + lt.maxsim_from_hidden(q, h, w).sum())
+        return s, torch.autograd.grad(s, q)[0]
+
+    def inputs():
+        return (_t(rng, 2, 3, 8), _t(rng, 4, 5, 8), _t(rng, 7, 8), _t(rng, 4, 5, 6), _t(rng, 8, 6))
+
+    graph = make_fx(step)(*inputs())
+    targets = {n.target for n in graph.graph.nodes if n.op == "call_function"}
+    assert {OPS.maxsim.default, OPS.maxsim_varlen.default, OPS.maxsim_from_hidden.default,
+            OPS.maxsim_backward.default, OPS.maxsim_from_hidden_backward.default} <= targets
+    x = inputs()
+    for got, want in zip(graph(*x), step(*x)):
+        assert torch.equal(got, want)
