@@ -188,7 +188,8 @@ def apply(Q, D, d_offsets, method, call, return_argmax, extras=()):
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
-_PROXY = torch._C._TorchDispatchModeKey.PROXY
+# make_fx's tracing mode, by torch's private key (None where a torch lacks it: make_fx then records eager calls)
+_PROXY = getattr(getattr(torch._C, "_TorchDispatchModeKey", None), "PROXY", None)
 
 
 def traced(Q) -> bool:
@@ -196,7 +197,8 @@ def traced(Q) -> bool:
     torch.jit.trace or make_fx traces (an eager call under jit.trace, or make_fx's real tracing mode,
     recorded its scores as a constant), and for tensor subclasses (fake tensors among them), whose data
     lik_cupy cannot read."""
-    return (torch.compiler.is_compiling() or torch.jit.is_tracing() or torch._C._get_dispatch_mode(_PROXY) is not None
+    return (torch.compiler.is_compiling() or torch.jit.is_tracing()
+            or (_PROXY is not None and torch._C._get_dispatch_mode(_PROXY) is not None)
             or (type(Q) not in _PLAIN and isinstance(Q, torch.Tensor)))
 
 
