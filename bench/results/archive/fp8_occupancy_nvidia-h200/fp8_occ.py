@@ -44,7 +44,6 @@ for lq, ld, b in ((1024, 1024, 1000), (1024, 1024, 10000)):
         rebind(plan_mod, "ctas_per_sm", old)
     print(bn, stages, ctas, row, flush=True)
     rows.append(row)
-    del q8, d8, ds, q16, d16
     cupy.get_default_memory_pool().free_all_blocks()
 od = os.environ.get("OUT", ".")
 json.dump(rows, open(os.path.join(od, f"fp8_occ_{bn}_{stages}_{ctas}.json"), "w"), indent=1)
