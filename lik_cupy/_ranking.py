@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["merge_ranked", "merge_rankings"]
+__all__ = ["merge_ranked", "merge_ranked_rows", "merge_rankings", "MERGE_BYTES"]
 
+# Temporary bytes per candidate of a merge (scores and positions side by side, sort keys, order).
+MERGE_BYTES = 48
 _SIGN = np.uint32(0x80000000)
 _LAST = np.uint32(0xFFFFFFFF)
 
@@ -16,6 +18,22 @@ def merge_ranked(va: np.ndarray, ia: np.ndarray, vb: np.ndarray, ib: np.ndarray,
     """Merge rankings ``(va, ia)`` and ``(vb, ib)``, each ``[Nq, *]`` float32 scores and int64
     global positions, into the top ``k`` of each row: ``(scores [Nq, <=k], positions [Nq, <=k])``."""
     return merge_rankings([(va, ia), (vb, ib)], k)
+
+
+def merge_ranked_rows(va: np.ndarray, ia: np.ndarray, vb: np.ndarray, ib: np.ndarray, k: int, max_bytes: int):
+    """:func:`merge_ranked`, a block of rows at a time whose temporaries (about ``MERGE_BYTES`` a
+    candidate) stay within ``max_bytes``: the same result, without temporaries of many times its
+    size when there are many rows."""
+    nq, n = va.shape[0], va.shape[1] + vb.shape[1]
+    rows = max(1, max_bytes // (MERGE_BYTES * max(1, n)))
+    if rows >= nq:
+        return merge_ranked(va, ia, vb, ib, k)
+    out_v = np.empty((nq, min(k, n)), np.result_type(va, vb))
+    out_i = np.empty(out_v.shape, np.int64)
+    for a in range(0, nq, rows):
+        b = a + rows
+        out_v[a:b], out_i[a:b] = merge_ranked(va[a:b], ia[a:b], vb[a:b], ib[a:b], k)
+    return out_v, out_i
 
 
 def merge_rankings(parts, k: int):

@@ -147,7 +147,8 @@ class Corpus:
     def from_shards(cls, paths, device=None, *, max_gpu_bytes=None, ids: bool = True) -> Corpus:
         """A corpus of the documents of one or more shards (``lik_cupy.shards``: shard directories, or
         padded ``[N, L, d]`` ``.npy`` files), in order, as one packed corpus; document ids are the
-        shards' ``ids.npy`` values (every shard has them, of one kind, or none does).
+        shards' ``ids.npy`` values (every shard has them, of one kind, or none does; byte-string ids
+        beside text ids are read as UTF-8, as ``lik score`` shows them).
 
         Args:
             paths: a path or a sequence of paths.
@@ -182,7 +183,13 @@ class Corpus:
         if first.scales is not None:
             parts = [s.read_scales(0, s.num_docs) for s in opened]
             scales = parts[0] if len(parts) == 1 else np.concatenate(parts)
-        ids = None if not (named and ids) else np.concatenate([np.asarray(s.ids) for s in opened])
+        if named and ids:
+            ids = [np.asarray(s.ids) for s in opened]
+            if {a.dtype.kind for a in ids} == {"S", "U"}:  # bytes beside text: read as UTF-8, as `lik score` does
+                ids = [np.char.decode(a, "utf-8", errors="backslashreplace") if a.dtype.kind == "S" else a for a in ids]
+            ids = np.concatenate(ids)
+        else:
+            ids = None
         return cls(tokens, d_offsets=offsets, d_scales=scales, ids=ids, device=device, max_gpu_bytes=max_gpu_bytes)
 
     def __len__(self) -> int:

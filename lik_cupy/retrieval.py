@@ -108,7 +108,8 @@ def retrieve(Q, D, k, q_mask=None, *, q_lengths=None, q_scales=None, d_offsets=N
         ``[Nq, min(k, Nd)]`` (``[min(k, Nd)]`` for a
         2-D Q), best first: score descending, ties to the lower document index, NaN scores
         last. In Q's framework and on Q's device (NumPy Q: NumPy results). A query token
-        holding NaN or inf makes its scores against an INT8 corpus NaN.
+        holding NaN or inf makes its scores against an INT8 corpus NaN (so does a float64 value
+        beyond float32's range: float64 queries are quantised in float32, where it is inf).
     Example::
 
         >>> import numpy as np, lik_cupy

@@ -299,6 +299,24 @@ def test_from_shards(rng, tmp_path):
         lik_cupy.Corpus.from_shards([], device="cpu")
 
 
+def test_from_shards_joins_byte_and_text_ids(rng, tmp_path):
+    """Shards whose ids.npy hold byte strings beside shards with text ids passed the one-kind check and
+    then failed in NumPy's join (UnicodeDecodeError on a non-ASCII id; ASCII ones were decoded as
+    ASCII). The byte ids are now read as UTF-8, as `lik score` shows them."""
+    tok = rng.standard_normal((6, 8)).astype(np.float16)
+    off = np.array([0, 2, 4, 6])
+    shards.write_shard(tmp_path / "b", tok, off, ids=np.array(["é-1".encode(), b"b-2", b"\xff"]))
+    shards.write_shard(tmp_path / "u", tok, off, ids=["u-1", "u-2", "ü-3"])
+    corpus = lik_cupy.Corpus.from_shards([tmp_path / "b", tmp_path / "u"], device="cpu")
+    assert corpus.ids.tolist() == ["é-1", "b-2", "\\xff", "u-1", "u-2", "ü-3"]
+    Q = rng.standard_normal((2, 3, 8)).astype(np.float16)
+    s, i = corpus.search(Q, 4)
+    want_s, want_i = lik_cupy.retrieve(Q, [(tok, off), (tok, off)], 4, backend="cpu")
+    np.testing.assert_array_equal(s, want_s)
+    np.testing.assert_array_equal(i, corpus.ids[want_i])
+    assert lik_cupy.Corpus.from_shards(tmp_path / "b", device="cpu").ids.dtype.kind == "S"  # alone: as stored
+
+
 def test_eight_threads_get_the_serial_results(rng):
     kw, *_ = corpus_case(rng, "padded-lengths", nd=200, ld=20, dim=32)
     corpus = lik_cupy.Corpus(**kw, device="cpu")

@@ -8,7 +8,7 @@ from .. import _cpu as cpu
 from .. import _dispatch as dispatch
 from .. import _interop as interop
 from .._interop import host_array
-from .._ranking import merge_ranked
+from .._ranking import MERGE_BYTES, merge_ranked
 from .._runtime.operands import valid_host
 from .._validate import Problem
 from .docs import HostDocs, host_docs
@@ -17,7 +17,6 @@ from .parts import Part, part_problem, same_kind
 __all__ = ["CpuTopK"]
 
 _CPU_STEP_BYTES = 64 << 20
-_MERGE_BYTES = 48  # temporary bytes per candidate of a merge (scores and positions side by side, sort keys, order)
 
 
 class CpuTopK:
@@ -79,7 +78,7 @@ class CpuTopK:
         # queries at k = 2,048, whose result is 48 MiB).
         nq, n = s.shape
         pos = np.broadcast_to(np.arange(self.base, self.base + n, dtype=np.int64), s.shape)  # (a view)
-        rows = max(1, _CPU_STEP_BYTES // (_MERGE_BYTES * max(1, self.s.shape[1] + n)))
+        rows = max(1, _CPU_STEP_BYTES // (MERGE_BYTES * max(1, self.s.shape[1] + n)))
         if rows >= nq:
             self.s, self.i = merge_ranked(self.s, self.i, s, pos, self.k)
         else:
