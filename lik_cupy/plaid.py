@@ -401,8 +401,9 @@ class PlaidIndex:
         Args:
             Q: ``[Nq, Lq, d]`` (or ``[Lq, d]``) query tokens, float16, bfloat16 or float32, in
                 any framework.
-            candidate_ids: integer ``[Nq, K]`` (``[K]`` for a 2-D Q) document ids, in Q's
-                framework and place or a list; they are checked against ``len(self)``.
+            candidate_ids: int32 or int64 ``[Nq, K]`` (``[K]`` for a 2-D Q) document ids (other
+                dtypes raise TypeError), in Q's framework and place, or a list of ints; they are
+                checked against ``len(self)``.
             q_mask, q_lengths, return_argmax, backend: as in :func:`maxsim_residual_varlen`.
 
         Returns:
