@@ -18,7 +18,8 @@ ColBERTv2 (``metadata.json`` with a "config" beside ``centroids.pt``):
     doclens.{i}.json, {i}.codes.pt (int32 [n]), {i}.residuals.pt (uint8 [n, d * nbits / 8])
 PyLate (its PLAID index directory):
     fast_plaid_index/                a fast-plaid index, read as above
-    *.pkl                            PyLate's document-id maps: pickles, never read (ids are positions)
+    *.pkl, *.sqlite                  PyLate's document-id maps (pickles in some versions, SQLite in others),
+                                     never read (ids are positions: map PyLate's ids through them first)
 
 ``.pt`` files are torch zip archives, read by a small interpreter of the pickle opcodes torch.save
 writes for tensors, which builds NumPy arrays and refuses any other object (so torch is not needed,

@@ -367,7 +367,10 @@ class PlaidIndex:
 
     def embeddings(self, doc_ids) -> list:
         """Documents ``doc_ids`` decompressed (float32 ``[len_j, d]`` each, with NumPy): the values
-        :meth:`rerank` scores, as fast-plaid's ``get_embeddings`` returns them."""
+        :meth:`rerank` scores, computed in float64 and rounded once. fast-plaid's ``get_embeddings``
+        returns the same list, but computes each value in float16 arithmetic, so its values differ
+        from these by that rounding (at most 2.6e-4 on tests/data/fast_plaid's unit-length tokens),
+        not bit for bit."""
         codes, bits, off = self.residuals(doc_ids)
         flat = decompress_residuals(codes, bits, self.centroids, self.bucket_weights, self.nbits)
         return [flat[off[j]:off[j + 1]] for j in range(off.size - 1)]
@@ -398,8 +401,9 @@ class PlaidIndex:
         Args:
             Q: ``[Nq, Lq, d]`` (or ``[Lq, d]``) query tokens, float16, bfloat16 or float32, in
                 any framework.
-            candidate_ids: integer ``[Nq, K]`` (``[K]`` for a 2-D Q) document ids, in Q's
-                framework and place or a list; they are checked against ``len(self)``.
+            candidate_ids: int32 or int64 ``[Nq, K]`` (``[K]`` for a 2-D Q) document ids (other
+                dtypes raise TypeError), in Q's framework and place, or a list of ints; they are
+                checked against ``len(self)``.
             q_mask, q_lengths, return_argmax, backend: as in :func:`maxsim_residual_varlen`.
 
         Returns:

@@ -21,7 +21,11 @@ per candidate) and at most one copy of the queries (a group of them gathered): 3
 float32 tokens and their rows, then 1/8 for decompressing them in float64 pieces; while scoring,
 3/16 for one query's gathered documents or 1/16 for a shared block's scores and argmax, and 1/2 for
 ``maxsim_packed_numpy`` (9/16 of ``block_bytes`` by its bound). One document whose tokens alone
-pass their share is decompressed whole.
+pass their share is decompressed whole, and ``maxsim_packed_numpy``'s own exceptions hold here
+too: a run holds one query against one document token at least (``Lq * (4 d + 16)`` bytes: 0.5 MiB
+for 1,024 tokens at d = 128), and NumPy's casting buffers come on top. So a small budget can be
+passed (1 MiB with queries of 1,024 tokens at d = 128 held 1.5 MiB beside the results; the default
+64 MiB only by a query of tens of thousands of tokens).
 """
 
 from __future__ import annotations
