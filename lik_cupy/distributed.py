@@ -682,8 +682,9 @@ class DistributedCorpus:
         if q_lengths is not None:  # checked here, before any task is sent
             lengths = np.asarray(q_lengths)
             nq, lq = Q.shape[0], Q.shape[1]
-            if lengths.size != nq:
-                raise ValueError(f"q_lengths has shape {list(lengths.shape)}; expected [{nq}] (one per query)")
+            want = () if squeeze else (nq,)  # retrieve's rule: a scalar for a 2-D Q, [Nq] for a 3-D one
+            if lengths.shape != want:
+                raise ValueError(f"q_lengths has shape {list(lengths.shape)}; expected {list(want)} (one per query)")
             if lengths.dtype.kind not in "iu":
                 raise TypeError(f"q_lengths must be integers, got dtype {lengths.dtype}")
             if lengths.size and (lengths.min() < 0 or lengths.max() > lq):

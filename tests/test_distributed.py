@@ -131,6 +131,11 @@ def test_query_lengths_are_checked_before_any_task(corpus, rng):
         corpus.search(Q, 3, q_lengths=np.full(Q.shape[0], Q.shape[1] + 1))
     with pytest.raises(TypeError, match="q_lengths must be integers"):
         corpus.score(Q, q_lengths=np.ones(Q.shape[0]))
+    # retrieve's shapes exactly: a scalar for a 2-D Q, [Nq] for a 3-D one (not any array of Nq values)
+    with pytest.raises(ValueError, match=r"q_lengths has shape \[1\]; expected \[\] \(one per query\)"):
+        corpus.search(Q[0], 3, q_lengths=[2])
+    with pytest.raises(ValueError, match=rf"q_lengths has shape \[{Q.shape[0]}, 1\]; expected \[{Q.shape[0]}\]"):
+        corpus.score(Q, q_lengths=np.ones((Q.shape[0], 1), np.int64))
 
 
 def test_search_is_retrieve_bitwise(corpus, corpus_files, rng):
