@@ -188,9 +188,16 @@ class DeviceQueue:
             return
         with self._cv:
             if any(r is req for r in self._pending):
-                self._pending = collections.deque(r for r in self._pending if r is not req)
-                self._queued -= req.n
-                self._untime(req)
+                self._remove([req])
+
+    def _remove(self, requests: list[Request]) -> None:
+        """Take ``requests``, each waiting in the queue, out of it: the deque, the queries counted and
+        the timer (under the lock)."""
+        gone = set(requests)
+        self._pending = collections.deque(r for r in self._pending if r not in gone)
+        self._queued -= sum(r.n for r in requests)
+        for r in requests:
+            self._untime(r)
 
     def close(self) -> None:
         """Take no more requests; the worker answers those queued, then ends (and so does the timer)."""
@@ -262,9 +269,7 @@ class DeviceQueue:
         while self._deadlines and self._deadlines[0][1] not in self._timed:  # so as to sleep until a live one
             heapq.heappop(self._deadlines)
         if due:
-            gone = set(due)
-            self._pending = collections.deque(r for r in self._pending if r not in gone)
-            self._queued -= sum(r.n for r in due)
+            self._remove(due)
         return due
 
     def _expired(self, requests: list[Request]) -> None:
