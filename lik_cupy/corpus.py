@@ -272,8 +272,7 @@ class Corpus:
         fw = self._stand_in(Q, q_mask, q_lengths, q_offsets, 12 * min(int(k), len(self)))
         # (shared arrays gain only where the CuPy search has a repeat path: through a CuPy call without
         # one, as INT8 corpora and string ids have, a JAX search took 1.03-1.04x its plain path)
-        if fw and (interop.ADAPTERS[fw].STAND_IN == "staged"
-                   or not (dispatch.scaled_dtype(self.dtype) or (self._ids is not None and self._ids_dev is None))):
+        if fw and (interop.ADAPTERS[fw].STAND_IN == "staged" or self._search_repeats):
             p = _resolved(precision, fw, Q.dtype)
             return self._through_cupy(fw, (Q,), lambda q: self.search(q, k, precision=p))
         if q_offsets is not None:
@@ -464,6 +463,13 @@ class Corpus:
         return fw if Q.size and fits(Q.nbytes) and fits(nq * out_per_query) else None
 
     @functools.cached_property
+    def _search_repeats(self) -> bool:
+        """Whether a search of this corpus can keep a prepared call (``_prepared_search``): a float corpus
+        (INT8 queries are quantised on each call) whose ids, if any, are integers (string ids come back
+        through the host)."""
+        return not dispatch.scaled_dtype(self.dtype) and (self._ids is None or self._ids_dev is not None)
+
+    @functools.cached_property
     def _stand_in_chars(self) -> str:
         """Type characters of the queries ``_stand_in`` takes: float16 ("e") or float32 ("f")."""
         return "ef" if dispatch.scaled_dtype(self.dtype) else {"float16": "e", "float32": "f"}.get(self.dtype, "")
@@ -593,7 +599,7 @@ class Corpus:
         from ._runtime.prepared_calls import PreparedSearch
         from ._runtime.topk import PreparedTopK
 
-        if self._ids is not None and self._ids_dev is None:
+        if not self._search_repeats:
             return None
         scores = self._prepared_scores(key, p, q, q_lengths, x3, "Corpus.search", None)
         if scores is None:
