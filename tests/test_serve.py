@@ -330,14 +330,20 @@ def test_a_deadline_passing_behind_a_long_batch_is_answered_at_it_and_never_scor
     assert [(r, n) for _, r, n in seen.batches] == [(1, 1), (1, 2)]
 
 
+def _waiting_batcher(seed: int, n: int):
+    """A host corpus that scores at once, ``n`` queries of 5 tokens, an observer, and a Batcher whose
+    worker waits 30 s for companions (a request's deadline, not the worker, must answer it)."""
+    rng = np.random.default_rng(seed)
+    corpus = _slow_calls(0.0, rng)
+    qs = [rng.standard_normal((5, DIM)).astype(np.float32) for _ in range(n)]
+    seen = _Record()
+    return corpus, qs, seen, Batcher(corpus, max_batch=64, max_delay_us=30_000_000, observer=seen)
+
+
 def test_a_deadline_sooner_than_max_delay_is_answered_at_it():
     """A worker waiting out max_delay for companions answered an expired request only once it took
     from the queue (30 s here); the timer answers it at its deadline."""
-    rng = np.random.default_rng(43)
-    corpus = _slow_calls(0.0, rng)
-    qs = [rng.standard_normal((5, DIM)).astype(np.float32) for _ in range(2)]
-    seen = _Record()
-    b = Batcher(corpus, max_batch=64, max_delay_us=30_000_000, observer=seen)
+    corpus, qs, seen, b = _waiting_batcher(43, 2)
     try:
         start = time.monotonic()
         kept, late = b.submit("score", qs[0]), b.submit("score", qs[1], timeout=0.05)
@@ -400,11 +406,7 @@ def test_a_deadline_or_delay_past_the_waits_range_keeps_the_timer_and_worker_ali
     an HTTP ``timeout`` of 1e16 us) raised OverflowError in the timer thread, which died: no deadline
     of that replica was answered at its time again. A max_delay_us as far off killed the worker, and
     every request of its queue hung. Both wait in steps now."""
-    rng = np.random.default_rng(46)
-    corpus = _slow_calls(0.0, rng)
-    qs = [rng.standard_normal((5, DIM)).astype(np.float32) for _ in range(4)]
-    seen = _Record()
-    b = Batcher(corpus, max_batch=64, max_delay_us=30_000_000, observer=seen)
+    corpus, qs, seen, b = _waiting_batcher(46, 4)
     try:
         far = b.submit("score", qs[0], timeout=1e10)
         time.sleep(0.2)  # (the timer computes its wait)
@@ -432,11 +434,7 @@ def test_a_timer_thread_that_cannot_start_fails_neither_the_request_nor_close(mo
     deadline starts the timer, and close joins it."""
     from lik_cupy.serving import _queue
 
-    rng = np.random.default_rng(48)
-    corpus = _slow_calls(0.0, rng)
-    qs = [rng.standard_normal((5, DIM)).astype(np.float32) for _ in range(2)]
-    seen = _Record()
-    b = Batcher(corpus, max_batch=64, max_delay_us=30_000_000, observer=seen)
+    corpus, qs, seen, b = _waiting_batcher(48, 2)
     refused = []
 
     class Scarce(threading.Thread):
