@@ -182,12 +182,13 @@ def test_retrieve_cpu_merges_many_queries_within_the_step_bytes(rng, monkeypatch
     # of queries at a time, within the step bound, with the same ranking.
     import tracemalloc
 
+    from lik_cupy import _ranking
     from lik_cupy._streaming import cpu as streaming_cpu
 
     q = rng.standard_normal((512, 1, 4)).astype(np.float32)
     d = rng.standard_normal((2048, 1, 4)).astype(np.float32)
     want_s, want_i = _ranked(lik_cupy.maxsim(q, d, backend="cpu"), 512)
-    merge, peaks = streaming_cpu.merge_ranked, []
+    merge, peaks = _ranking.merge_ranked, []
 
     def traced(*args):  # each merge's temporaries and result
         held = tracemalloc.get_traced_memory()[0]
@@ -197,7 +198,7 @@ def test_retrieve_cpu_merges_many_queries_within_the_step_bytes(rng, monkeypatch
         return out
 
     monkeypatch.setattr(streaming_cpu, "_CPU_STEP_BYTES", 1 << 20)
-    monkeypatch.setattr(streaming_cpu, "merge_ranked", traced)
+    monkeypatch.setattr(_ranking, "merge_ranked", traced)  # (each block of rows merge_ranked_rows merges)
     tracemalloc.start()
     try:
         s, i = lik_cupy.retrieve(q, d, 512, backend="cpu")

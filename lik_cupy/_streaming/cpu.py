@@ -8,7 +8,7 @@ from .. import _cpu as cpu
 from .. import _dispatch as dispatch
 from .. import _interop as interop
 from .._interop import host_array
-from .._ranking import MERGE_BYTES, merge_ranked
+from .._ranking import merge_ranked_rows
 from .._runtime.operands import valid_host
 from .._validate import Problem
 from .docs import HostDocs, host_docs
@@ -76,18 +76,9 @@ class CpuTopK:
         # Rows of queries at a time whose merge temporaries stay within _CPU_STEP_BYTES (merged whole, the
         # running top-k and a step of many queries took about 48 bytes a candidate: 675 MiB for 2,048
         # queries at k = 2,048, whose result is 48 MiB).
-        nq, n = s.shape
+        n = s.shape[1]
         pos = np.broadcast_to(np.arange(self.base, self.base + n, dtype=np.int64), s.shape)  # (a view)
-        rows = max(1, _CPU_STEP_BYTES // (MERGE_BYTES * max(1, self.s.shape[1] + n)))
-        if rows >= nq:
-            self.s, self.i = merge_ranked(self.s, self.i, s, pos, self.k)
-        else:
-            out_s = np.empty((nq, min(self.k, self.s.shape[1] + n)), np.result_type(self.s, s))
-            out_i = np.empty(out_s.shape, np.int64)
-            for a in range(0, nq, rows):
-                out_s[a:a + rows], out_i[a:a + rows] = merge_ranked(self.s[a:a + rows], self.i[a:a + rows],
-                                                                    s[a:a + rows], pos[a:a + rows], self.k)
-            self.s, self.i = out_s, out_i
+        self.s, self.i = merge_ranked_rows(self.s, self.i, s, pos, self.k, _CPU_STEP_BYTES)
         self.base += n
 
     def result(self):
