@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["quantize_numpy", "quantize_fp8_numpy", "non_finite_error"]
+__all__ = ["quantize_numpy", "quantize_fp8_numpy", "non_finite_error", "INT8_WORK_BYTES"]
 
 _BLOCK_ROWS = 1 << 16  # tokens per block, so float32 temporaries stay small
 # What quantize_numpy holds of one element of a block at once beyond its input: the float32 copy it
