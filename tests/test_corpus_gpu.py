@@ -570,9 +570,12 @@ def test_retrieve_one_query_token_split_equals_whole_documents(rng, monkeypatch)
         with monkeypatch.context() as m:
             seen = _plans(m, whole_documents=whole)
             for D, kw in ((_cp(tok), dict(d_offsets=_cp(off))), (tok, dict(d_offsets=off, max_gpu_bytes=12 << 20))):
+                before = len(seen)
                 s, i = lik_cupy.retrieve(_cp(q), D, 20, **kw)
                 got.append((_np(s).tobytes(), _np(i).tobytes()))
-        assert seen and all(p.token_split != whole for p in seen)
+                # A streamed chunk of too few tokens for two shares runs whole documents either way;
+                # each call still has split launches to compare.
+                assert len(seen) > before and any(p.token_split for p in seen[before:]) != whole
     assert len(set(got)) == 1
 
 
