@@ -29,7 +29,8 @@ Every file is hostile until checked, and every problem is a ShardError naming th
 opened as a regular file (``lik_cupy._files``: a FIFO or a device is refused, never waited on);
 ``.npy`` headers are checked against the file's size before it is mapped (``_files.open_npy``); a
 ``.pt`` file's zip directory against the file and ``_MAX_MEMBERS`` / ``_MAX_DIRECTORY_BYTES``
-before zipfile reads it (``_check_zip_directory``), a member's claimed size against the file, a
+before zipfile reads it (``_check_zip_directory``), a member's claimed size against the file (and
+the sizes of all members read, so overlapping members are not each read whole), a
 compressed one's expansion against ``_MAX_EXPANSION``, and every tensor's elements against its
 storage's bytes before any view is made;
 counts must agree across files (metadata's chunks, each chunk's doclens, codes and residual rows,
@@ -566,8 +567,9 @@ def read_torch_file(path: str):
     archive's central directory must lie inside the file where its end records say, hold at most
     ``_MAX_MEMBERS`` entries in at most ``_MAX_DIRECTORY_BYTES``, checked before zipfile reads it
     (zipfile makes an object of every entry first); every
-    member's claimed size is checked against the file before it is read (a compressed member must be
-    deflated, claim at most ``_MAX_EXPANSION`` times its own size, and is expanded no further than
+    member's claimed size is checked against the file before it is read, alone and added to the
+    members read before it (so members whose data overlap are not each read whole; a compressed
+    member must be deflated, claim at most ``_MAX_EXPANSION`` times its own size, and is expanded no further than
     it claims), each storage is read once, and every tensor's elements must lie inside its
     storage: memory is bounded by what the file holds. Anything else (a malformed archive or
     pickle, a callable other than the tensor rebuilder) raises ShardError naming the file and the
@@ -666,8 +668,12 @@ def _read_archive(archive: zipfile.ZipFile, file_bytes: int):
     if len(pkl) != 1:
         raise _Refused(f"a torch archive has one data.pkl; found {len(pkl)}")
     prefix = pkl[0][: -len("data.pkl")]
+    # A zip's members hold disjoint bytes of it, so what is read together fits the file; members
+    # whose data overlap (each a long run over the next ones) would otherwise each be read whole.
+    claimed = 0
 
     def member(name: str, limit: int) -> bytes:
+        nonlocal claimed
         try:
             info = archive.getinfo(name)
         except KeyError:
@@ -680,6 +686,10 @@ def _read_archive(archive: zipfile.ZipFile, file_bytes: int):
                            f"stored (as torch.save writes it) or deflated")
         if info.compress_size > file_bytes or (stored and info.file_size != info.compress_size):
             raise _Refused(f"member {_short(name)} claims more bytes than the file holds")
+        claimed += info.compress_size
+        if claimed > file_bytes:
+            raise _Refused(f"member {_short(name)} and those read before it claim more bytes than the file holds "
+                           f"({claimed} of {file_bytes}): their data overlap")
         if info.file_size > max(info.compress_size, 1) * _MAX_EXPANSION:
             raise _Refused(f"member {_short(name)} expands {info.file_size} bytes from {info.compress_size}, more "
                            f"than {_MAX_EXPANSION} times (torch.save stores members uncompressed)")
