@@ -35,7 +35,9 @@ compressed one's expansion against ``_MAX_EXPANSION``, and every tensor's elemen
 storage's bytes before any view is made;
 counts must agree across files (metadata's chunks, each chunk's doclens, codes and residual rows,
 the manifests' rows); codes are int32 or int64 naming a centroid, lengths integers >= 0 whose sum
-fits int64; centroids and bucket weights finite. Memory is bounded by what the files hold.
+fits int64; centroids and bucket weights finite. metadata.json and the manifests are read no larger
+than an index needs (JSON takes many times its bytes as Python objects). Memory is bounded by what
+the files hold.
 """
 
 from __future__ import annotations
@@ -56,6 +58,9 @@ __all__ = ["IndexArrays", "read_index", "read_torch_file"]
 
 # metadata.json is a few hundred bytes; anything near this is not an index's.
 _MAX_METADATA_BYTES = 1 << 20
+# A merged manifest holds an entry of about 60 bytes a chunk; parsed JSON takes up to 18 times its
+# bytes, so a manifest is read up to this much a chunk beyond _MAX_METADATA_BYTES.
+_MAX_MANIFEST_BYTES_PER_CHUNK = 1 << 10
 
 
 @dataclass
@@ -210,7 +215,7 @@ def _chunked(path: str, suffix: str, rows: list[int], row_bytes: int) -> np.ndar
     offset the manifest gives (the chunks' rows in order when there is no manifest)."""
     merged_path = os.path.join(path, f"merged_{suffix}.npy")
     merged = _payload(_files.open_npy(merged_path), suffix, row_bytes, merged_path) if _present(merged_path) else None
-    manifest = _manifest(path, suffix)
+    manifest = _manifest(path, suffix, len(rows))
     parts, at = [], 0
     for i, n in enumerate(rows):
         own = os.path.join(path, f"{i}.{suffix}.npy")
@@ -247,12 +252,14 @@ def _concatenated(parts: list[np.ndarray], suffix: str, row_bytes: int) -> np.nd
     return np.concatenate(parts)
 
 
-def _manifest(path: str, suffix: str) -> dict[str, int]:
-    """merged_{suffix}.manifest.json as {file name: rows} (empty when there is none)."""
+def _manifest(path: str, suffix: str, chunks: int) -> dict[str, int]:
+    """merged_{suffix}.manifest.json as {file name: rows} (empty when there is none), read no
+    larger than an index of ``chunks`` chunks needs."""
     name = os.path.join(path, f"merged_{suffix}.manifest.json")
     if not _present(name):
         return {}
-    m = _files.read_json(name, "not valid JSON", "a fast-plaid manifest (a JSON object)")
+    m = _files.read_json(name, "not valid JSON", "a fast-plaid manifest (a JSON object, an entry a chunk)",
+                         _MAX_METADATA_BYTES + _MAX_MANIFEST_BYTES_PER_CHUNK * chunks)
     if not isinstance(m, dict):
         raise ShardError(name, f"holds {_short(m)}; expected an object of {{file name: {{\"rows\": n}}}}")
     out = {}

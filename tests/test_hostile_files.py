@@ -699,6 +699,31 @@ def test_fuzz_fast_plaid_and_pylate_indexes(tmp_path):
     assert len(cases) > 250
 
 
+def test_a_manifest_is_read_no_larger_than_its_chunks_need(tmp_path):
+    # merged_codes.manifest.json was parsed whatever its size: an object of a million small entries
+    # (19 MB) took 18 times its size in Python objects, though one entry a chunk is read. A
+    # manifest may now hold 1 MiB and 1 KiB a chunk (an entry is about 60 bytes).
+    import tracemalloc
+
+    from lik_cupy import PlaidIndex
+
+    d = tmp_path / "x"
+    shutil.copytree(FIXTURE, d)
+    entries = ",".join(f'"{i:x}":{{"rows":0}}' for i in range(200_000))
+    (d / "merged_codes.manifest.json").write_text('{"0.codes.npy": {"rows": 1298}, ' + entries + "}")
+    tracemalloc.start()
+    try:
+        with pytest.raises(shards.ShardError, match="merged_codes.manifest.json: larger than"):
+            PlaidIndex.open(d)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 3 * (d / "merged_codes.manifest.json").stat().st_size, peak
+    text = json.dumps({"0.codes.npy": {"rows": 1298, "merged": True, "mtime": None}}, indent=4)
+    (d / "merged_codes.manifest.json").write_text(text + " " * ((1 << 20) - len(text)))  # 1 MiB and one chunk: read
+    assert len(PlaidIndex.open(d)) == 60
+
+
 def pt_mutations(rng, arrays: list[np.ndarray]):
     """(name, bytes, expectation) for one .pt file (a tensor, or a tuple of them) that the reader reads."""
     def pt(**override):
