@@ -161,8 +161,8 @@ def _weights(w: np.ndarray, nbits: int, name: str) -> np.ndarray:
 
 
 def _centroids(c, name: str) -> np.ndarray:
-    if not isinstance(c, np.ndarray) or c.dtype.kind != "f" or c.ndim != 2 or c.shape[1] < 1:
-        raise ShardError(name, f"centroids are {_what(c)}; expected floats [C, d]")
+    if not isinstance(c, np.ndarray) or c.dtype.kind != "f" or c.ndim != 2 or min(c.shape) < 1:
+        raise ShardError(name, f"centroids are {_what(c)}; expected floats [C, d], at least one centroid")
     c = c.astype(np.float16)
     if not np.isfinite(c).all():
         raise ShardError(name, "a centroid is not finite (as float16); expected finite values")

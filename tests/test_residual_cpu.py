@@ -447,6 +447,20 @@ def test_bad_index_directories(rng, tmp_path):
         plaid.PlaidIndex.open(tmp_path / "x")
 
 
+def test_an_index_without_centroids_is_refused_when_read(tmp_path):
+    # centroids.npy of shape [0, d] opened (with documents of no tokens), and embeddings() then
+    # raised "centroids must be [n_centroids, d] with at least one centroid", an argument the
+    # caller never passed; with tokens, the error said "expected ids in [0, -1]". The reader now
+    # refuses such a file, as maxsim_residual refuses such centroids.
+    for t in (0, 3):
+        d = tmp_path / f"t{t}"
+        _write_fast_plaid(d, np.zeros((0, 16), np.float16), np.zeros(4, np.float32), 2, [np.array([0, t])],
+                          np.zeros(t, np.int64), np.zeros((t, 4), np.uint8), merged=False)
+        with pytest.raises(ShardError, match=re.escape(f"{d / 'centroids.npy'}: centroids are float16 of shape "
+                                                       f"[0, 16]; expected floats [C, d], at least one centroid")):
+            plaid.PlaidIndex.open(d)
+
+
 def test_torch_reader_refuses_code(tmp_path):
     class Evil:
         def __reduce__(self):
