@@ -154,7 +154,8 @@ def _weights(w: np.ndarray, nbits: int, name: str) -> np.ndarray:
     w = w.reshape(-1)
     if w.size != 1 << nbits:
         raise ShardError(name, f"{w.size} bucket weights for nbits {nbits}; expected {1 << nbits}")
-    w = w.astype(np.float16).astype(np.float32)  # as both tools decompress on the GPU
+    with np.errstate(over="ignore"):  # a value past float16's range is refused below, not warned of
+        w = w.astype(np.float16).astype(np.float32)  # as both tools decompress on the GPU
     if not np.isfinite(w).all():
         raise ShardError(name, "a bucket weight is not finite (as float16); expected finite values")
     return w
@@ -163,7 +164,8 @@ def _weights(w: np.ndarray, nbits: int, name: str) -> np.ndarray:
 def _centroids(c, name: str) -> np.ndarray:
     if not isinstance(c, np.ndarray) or c.dtype.kind != "f" or c.ndim != 2 or min(c.shape) < 1:
         raise ShardError(name, f"centroids are {_what(c)}; expected floats [C, d], at least one centroid")
-    c = c.astype(np.float16)
+    with np.errstate(over="ignore"):  # a value past float16's range is refused below, not warned of
+        c = c.astype(np.float16)
     if not np.isfinite(c).all():
         raise ShardError(name, "a centroid is not finite (as float16); expected finite values")
     return c

@@ -461,6 +461,24 @@ def test_an_index_without_centroids_is_refused_when_read(tmp_path):
             plaid.PlaidIndex.open(d)
 
 
+def test_codec_values_past_float16_are_a_shard_error_and_no_warning(rng, tmp_path):
+    # float32 centroids or bucket weights past float16's range were refused only after NumPy's
+    # cast warned "overflow encountered in cast" (under -W error, a RuntimeWarning instead of the
+    # ShardError); the values are now judged without a warning.
+    import warnings
+
+    cen, w = codec(rng, 4, 16, 2, np.float32)
+    codes, bits = tokens(rng, 5, 4, 16, 2)
+    for file, big in (("centroids", cen * 1e6), ("bucket_weights", w * 1e6)):
+        d = tmp_path / file
+        _write_fast_plaid(d, big if file == "centroids" else cen, big if file != "centroids" else w, 2,
+                          [np.array([2, 3])], codes, bits, merged=False)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            with pytest.raises(ShardError, match=f"{file}.npy: a .* is not finite \\(as float16\\)"):
+                plaid.PlaidIndex.open(d)
+
+
 def test_torch_reader_refuses_code(tmp_path):
     class Evil:
         def __reduce__(self):
