@@ -29,12 +29,15 @@ Every file is hostile until checked, and every problem is a ShardError naming th
 opened as a regular file (``lik_cupy._files``: a FIFO or a device is refused, never waited on);
 ``.npy`` headers are checked against the file's size before it is mapped (``_files.open_npy``); a
 ``.pt`` file's zip directory against the file and ``_MAX_MEMBERS`` / ``_MAX_DIRECTORY_BYTES``
-before zipfile reads it (``_check_zip_directory``), a member's claimed size against the file, a
+before zipfile reads it (``_check_zip_directory``), a member's claimed size against the file (and
+the sizes of all members read, so overlapping members are not each read whole), a
 compressed one's expansion against ``_MAX_EXPANSION``, and every tensor's elements against its
 storage's bytes before any view is made;
 counts must agree across files (metadata's chunks, each chunk's doclens, codes and residual rows,
 the manifests' rows); codes are int32 or int64 naming a centroid, lengths integers >= 0 whose sum
-fits int64; centroids and bucket weights finite. Memory is bounded by what the files hold.
+fits int64; centroids and bucket weights finite. metadata.json and the manifests are read no larger
+than an index needs (JSON takes many times its bytes as Python objects). Memory is bounded by what
+the files hold.
 """
 
 from __future__ import annotations
@@ -55,6 +58,9 @@ __all__ = ["IndexArrays", "read_index", "read_torch_file"]
 
 # metadata.json is a few hundred bytes; anything near this is not an index's.
 _MAX_METADATA_BYTES = 1 << 20
+# A merged manifest holds an entry of about 60 bytes a chunk; parsed JSON takes up to 18 times its
+# bytes, so a manifest is read up to this much a chunk beyond _MAX_METADATA_BYTES.
+_MAX_MANIFEST_BYTES_PER_CHUNK = 1 << 10
 
 
 @dataclass
@@ -148,16 +154,18 @@ def _weights(w: np.ndarray, nbits: int, name: str) -> np.ndarray:
     w = w.reshape(-1)
     if w.size != 1 << nbits:
         raise ShardError(name, f"{w.size} bucket weights for nbits {nbits}; expected {1 << nbits}")
-    w = w.astype(np.float16).astype(np.float32)  # as both tools decompress on the GPU
+    with np.errstate(over="ignore"):  # a value past float16's range is refused below, not warned of
+        w = w.astype(np.float16).astype(np.float32)  # as both tools decompress on the GPU
     if not np.isfinite(w).all():
         raise ShardError(name, "a bucket weight is not finite (as float16); expected finite values")
     return w
 
 
 def _centroids(c, name: str) -> np.ndarray:
-    if not isinstance(c, np.ndarray) or c.dtype.kind != "f" or c.ndim != 2 or c.shape[1] < 1:
-        raise ShardError(name, f"centroids are {_what(c)}; expected floats [C, d]")
-    c = c.astype(np.float16)
+    if not isinstance(c, np.ndarray) or c.dtype.kind != "f" or c.ndim != 2 or min(c.shape) < 1:
+        raise ShardError(name, f"centroids are {_what(c)}; expected floats [C, d], at least one centroid")
+    with np.errstate(over="ignore"):  # a value past float16's range is refused below, not warned of
+        c = c.astype(np.float16)
     if not np.isfinite(c).all():
         raise ShardError(name, "a centroid is not finite (as float16); expected finite values")
     return c
@@ -209,7 +217,7 @@ def _chunked(path: str, suffix: str, rows: list[int], row_bytes: int) -> np.ndar
     offset the manifest gives (the chunks' rows in order when there is no manifest)."""
     merged_path = os.path.join(path, f"merged_{suffix}.npy")
     merged = _payload(_files.open_npy(merged_path), suffix, row_bytes, merged_path) if _present(merged_path) else None
-    manifest = _manifest(path, suffix)
+    manifest = _manifest(path, suffix, len(rows))
     parts, at = [], 0
     for i, n in enumerate(rows):
         own = os.path.join(path, f"{i}.{suffix}.npy")
@@ -246,12 +254,14 @@ def _concatenated(parts: list[np.ndarray], suffix: str, row_bytes: int) -> np.nd
     return np.concatenate(parts)
 
 
-def _manifest(path: str, suffix: str) -> dict[str, int]:
-    """merged_{suffix}.manifest.json as {file name: rows} (empty when there is none)."""
+def _manifest(path: str, suffix: str, chunks: int) -> dict[str, int]:
+    """merged_{suffix}.manifest.json as {file name: rows} (empty when there is none), read no
+    larger than an index of ``chunks`` chunks needs."""
     name = os.path.join(path, f"merged_{suffix}.manifest.json")
     if not _present(name):
         return {}
-    m = _files.read_json(name, "not valid JSON", "a fast-plaid manifest (a JSON object)")
+    m = _files.read_json(name, "not valid JSON", "a fast-plaid manifest (a JSON object, an entry a chunk)",
+                         _MAX_METADATA_BYTES + _MAX_MANIFEST_BYTES_PER_CHUNK * chunks)
     if not isinstance(m, dict):
         raise ShardError(name, f"holds {_short(m)}; expected an object of {{file name: {{\"rows\": n}}}}")
     out = {}
@@ -566,8 +576,9 @@ def read_torch_file(path: str):
     archive's central directory must lie inside the file where its end records say, hold at most
     ``_MAX_MEMBERS`` entries in at most ``_MAX_DIRECTORY_BYTES``, checked before zipfile reads it
     (zipfile makes an object of every entry first); every
-    member's claimed size is checked against the file before it is read (a compressed member must be
-    deflated, claim at most ``_MAX_EXPANSION`` times its own size, and is expanded no further than
+    member's claimed size is checked against the file before it is read, alone and added to the
+    members read before it (so members whose data overlap are not each read whole; a compressed
+    member must be deflated, claim at most ``_MAX_EXPANSION`` times its own size, and is expanded no further than
     it claims), each storage is read once, and every tensor's elements must lie inside its
     storage: memory is bounded by what the file holds. Anything else (a malformed archive or
     pickle, a callable other than the tensor rebuilder) raises ShardError naming the file and the
@@ -666,8 +677,12 @@ def _read_archive(archive: zipfile.ZipFile, file_bytes: int):
     if len(pkl) != 1:
         raise _Refused(f"a torch archive has one data.pkl; found {len(pkl)}")
     prefix = pkl[0][: -len("data.pkl")]
+    # A zip's members hold disjoint bytes of it, so what is read together fits the file; members
+    # whose data overlap (each a long run over the next ones) would otherwise each be read whole.
+    claimed = 0
 
     def member(name: str, limit: int) -> bytes:
+        nonlocal claimed
         try:
             info = archive.getinfo(name)
         except KeyError:
@@ -680,6 +695,10 @@ def _read_archive(archive: zipfile.ZipFile, file_bytes: int):
                            f"stored (as torch.save writes it) or deflated")
         if info.compress_size > file_bytes or (stored and info.file_size != info.compress_size):
             raise _Refused(f"member {_short(name)} claims more bytes than the file holds")
+        claimed += info.compress_size
+        if claimed > file_bytes:
+            raise _Refused(f"member {_short(name)} and those read before it claim more bytes than the file holds "
+                           f"({claimed} of {file_bytes}): their data overlap")
         if info.file_size > max(info.compress_size, 1) * _MAX_EXPANSION:
             raise _Refused(f"member {_short(name)} expands {info.file_size} bytes from {info.compress_size}, more "
                            f"than {_MAX_EXPANSION} times (torch.save stores members uncompressed)")

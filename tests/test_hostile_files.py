@@ -414,6 +414,58 @@ def test_a_member_claiming_fewer_bytes_than_it_expands_to_is_not_expanded(tmp_pa
     assert peak < 4 << 20, peak
 
 
+def overlapping_members(n: int, shared: int) -> bytes:
+    """A torch archive whose ``n`` storages (one byte each, by the pickle) are stored members that
+    overlap: member i's data is every later member's local header and a ``shared`` byte tail, each
+    with its right CRC, so zipfile reads each whole (a zip bomb of overlapping files)."""
+    import zlib
+
+    def local(name, crc, size):
+        return struct.pack("<4s5H3L2H", b"PK\x03\x04", 20, 0, 0, 0, 0, crc, size, size, len(name), 0) + name
+
+    keys = [str(i) for i in range(n)]
+    body = _tuple([tensor_pickle(k, "ByteStorage", 1, 0, (1,), (1,)) for k in keys])
+    out, members = bytearray(), []
+    for name, data in ((b"archive/data.pkl", b"\x80\x02" + body + b"."), (b"archive/byteorder", b"little")):
+        members.append((name, len(out), zlib.crc32(data), len(data)))
+        out += local(name, zlib.crc32(data), len(data)) + data
+    names = [f"archive/data/{k}".encode() for k in keys]
+    at = [len(out)]
+    for name in names:
+        at.append(at[-1] + 30 + len(name))
+    tail = bytearray(shared)
+    for i in range(n - 1, -1, -1):
+        members.append((names[i], at[i], zlib.crc32(tail), len(tail)))
+        tail[0:0] = local(names[i], zlib.crc32(tail), len(tail))
+    out += tail
+    cd = b"".join(struct.pack("<4s6H3L5H2L", b"PK\x01\x02", 20, 20, 0, 0, 0, 0, crc, size, size, len(name), 0, 0, 0,
+                              0, 0, offset) + name for name, offset, crc, size in members)
+    return bytes(out + cd + struct.pack("<4s4H2LH", b"PK\x05\x06", 0, 0, len(members), len(members), len(cd),
+                                        len(out), 0))
+
+
+def test_overlapping_members_are_not_read_more_than_once(tmp_path):
+    # Stored members whose data overlap (each one's bytes run over every later member to a shared
+    # tail) were each read whole: a 1.1 MiB file of 4,000 such storages took more than 1 GiB
+    # (MemoryError under the children's limit). Members of one archive hold disjoint bytes, so
+    # together they claim no more than the file; one that would pass that is refused unread.
+    import tracemalloc
+
+    from lik_cupy._plaid_files import read_torch_file
+
+    raw = overlapping_members(512, 256 << 10)
+    (tmp_path / "x.pt").write_bytes(raw)
+    tracemalloc.start()
+    try:
+        with pytest.raises(shards.ShardError, match="x.pt: .*more bytes than the file holds") as e:
+            read_torch_file(str(tmp_path / "x.pt"))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert "overlap" in str(e.value), str(e.value)
+    assert peak < 4 * len(raw), (peak, len(raw))
+
+
 def zip_directory(names: list[bytes], *, entries: int | None = None, size: int | None = None,
                   offset: int | None = None, zip64: bool = True, locator_at: int | None = None) -> bytes:
     """A zip archive of central directory entries for ``names`` alone (zipfile reads only the
@@ -645,6 +697,31 @@ def test_fuzz_fast_plaid_and_pylate_indexes(tmp_path):
     results, original = with_original(cases, "plaid", fixture)
     check(results, expect, tmp_path, original)
     assert len(cases) > 250
+
+
+def test_a_manifest_is_read_no_larger_than_its_chunks_need(tmp_path):
+    # merged_codes.manifest.json was parsed whatever its size: an object of a million small entries
+    # (19 MB) took 18 times its size in Python objects, though one entry a chunk is read. A
+    # manifest may now hold 1 MiB and 1 KiB a chunk (an entry is about 60 bytes).
+    import tracemalloc
+
+    from lik_cupy import PlaidIndex
+
+    d = tmp_path / "x"
+    shutil.copytree(FIXTURE, d)
+    entries = ",".join(f'"{i:x}":{{"rows":0}}' for i in range(200_000))
+    (d / "merged_codes.manifest.json").write_text('{"0.codes.npy": {"rows": 1298}, ' + entries + "}")
+    tracemalloc.start()
+    try:
+        with pytest.raises(shards.ShardError, match="merged_codes.manifest.json: larger than"):
+            PlaidIndex.open(d)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 3 * (d / "merged_codes.manifest.json").stat().st_size, peak
+    text = json.dumps({"0.codes.npy": {"rows": 1298, "merged": True, "mtime": None}}, indent=4)
+    (d / "merged_codes.manifest.json").write_text(text + " " * ((1 << 20) - len(text)))  # 1 MiB and one chunk: read
+    assert len(PlaidIndex.open(d)) == 60
 
 
 def pt_mutations(rng, arrays: list[np.ndarray]):

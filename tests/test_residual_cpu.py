@@ -447,6 +447,38 @@ def test_bad_index_directories(rng, tmp_path):
         plaid.PlaidIndex.open(tmp_path / "x")
 
 
+def test_an_index_without_centroids_is_refused_when_read(tmp_path):
+    # centroids.npy of shape [0, d] opened (with documents of no tokens), and embeddings() then
+    # raised "centroids must be [n_centroids, d] with at least one centroid", an argument the
+    # caller never passed; with tokens, the error said "expected ids in [0, -1]". The reader now
+    # refuses such a file, as maxsim_residual refuses such centroids.
+    for t in (0, 3):
+        d = tmp_path / f"t{t}"
+        _write_fast_plaid(d, np.zeros((0, 16), np.float16), np.zeros(4, np.float32), 2, [np.array([0, t])],
+                          np.zeros(t, np.int64), np.zeros((t, 4), np.uint8), merged=False)
+        with pytest.raises(ShardError, match=re.escape(f"{d / 'centroids.npy'}: centroids are float16 of shape "
+                                                       f"[0, 16]; expected floats [C, d], at least one centroid")):
+            plaid.PlaidIndex.open(d)
+
+
+def test_codec_values_past_float16_are_a_shard_error_and_no_warning(rng, tmp_path):
+    # float32 centroids or bucket weights past float16's range were refused only after NumPy's
+    # cast warned "overflow encountered in cast" (under -W error, a RuntimeWarning instead of the
+    # ShardError); the values are now judged without a warning.
+    import warnings
+
+    cen, w = codec(rng, 4, 16, 2, np.float32)
+    codes, bits = tokens(rng, 5, 4, 16, 2)
+    for file, big in (("centroids", cen * 1e6), ("bucket_weights", w * 1e6)):
+        d = tmp_path / file
+        _write_fast_plaid(d, big if file == "centroids" else cen, big if file != "centroids" else w, 2,
+                          [np.array([2, 3])], codes, bits, merged=False)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            with pytest.raises(ShardError, match=f"{file}.npy: a .* is not finite \\(as float16\\)"):
+                plaid.PlaidIndex.open(d)
+
+
 def test_torch_reader_refuses_code(tmp_path):
     class Evil:
         def __reduce__(self):
