@@ -222,6 +222,10 @@ def test_retrieve_cpu_merges_many_queries_within_the_step_bytes(rng, monkeypatch
         (dict(D=[np.zeros((3, 2, 4), np.float16)]), TypeError, "corpus has dtype float16 but Q has float32"),
         (dict(D=[np.zeros((3, 4), np.float32)]), ValueError, r"padded corpus must be \[Nd, Ld, d\]"),
         (dict(D=[(np.zeros((3, 4), np.float32), np.array([0, 2]))]), ValueError, "ends at 2 but there are 3"),
+        # a shard's offset values are its own, not d_offsets (which goes with a single array D)
+        (dict(D=[np.zeros((3, 2, 4), np.float32), (np.zeros((3, 4), np.float32), np.array([0, 2, 1, 3]))]),
+         ValueError, r"^shard 1 offsets must be non-decreasing"),
+        (dict(D=[(np.zeros((3, 4), np.float32), np.array([1, 2, 3]))]), ValueError, "^shard 0 offsets must start at 0"),
         (dict(D=[np.zeros((3, 2, 4), np.float32)], d_lengths=[1, 2, 3]), TypeError, "go with a single array D"),
         (dict(d_lengths=[1, 2, 3]), ValueError, r"every length must be in \[0, 2\]"),
     ],
