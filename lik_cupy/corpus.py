@@ -36,6 +36,7 @@ import contextlib
 import functools
 import os
 import threading
+from collections.abc import Iterable
 
 import numpy as np
 
@@ -157,8 +158,15 @@ class Corpus:
             ids: False leaves the shards' ids out: :meth:`search` returns positions.
         """
         ids = check_flag("ids", ids)
+        expected = "from_shards' paths must be a path or a sequence of paths (str, bytes or os.PathLike)"
         if isinstance(paths, (str, bytes, os.PathLike)):
             paths = [paths]
+        elif not isinstance(paths, Iterable):
+            raise TypeError(f"{expected}, got {type(paths).__name__}")
+        paths = list(paths)
+        for i, p in enumerate(paths):
+            if not isinstance(p, (str, bytes, os.PathLike)):
+                raise TypeError(f"{expected}; paths[{i}] is {type(p).__name__}")
         opened = [shards.open_input(p) for p in paths]
         if not opened:
             raise ValueError("from_shards needs at least one shard path")

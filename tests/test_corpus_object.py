@@ -317,6 +317,15 @@ def test_from_shards(rng, tmp_path):
         lik_cupy.Corpus.from_shards([], device="cpu")
 
 
+def test_from_shards_names_a_path_that_is_none():
+    """from_shards(None) raised Python's "'NoneType' object is not iterable", and [None] "expected str, bytes
+    or os.PathLike object", neither naming the argument: both now say what paths takes."""
+    for paths, msg in ((None, "got NoneType"), (5, "got int"), ([None], r"paths\[0\] is NoneType"),
+                       (["a", 3.5], r"paths\[1\] is float")):
+        with pytest.raises(TypeError, match=rf"^from_shards' paths must be a path or a sequence of paths.*{msg}"):
+            lik_cupy.Corpus.from_shards(paths, device="cpu")
+
+
 def test_from_shards_joins_byte_and_text_ids(rng, tmp_path):
     """Shards whose ids.npy hold byte strings beside shards with text ids passed the one-kind check and
     then failed in NumPy's join (UnicodeDecodeError on a non-ASCII id; ASCII ones were decoded as
