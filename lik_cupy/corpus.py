@@ -36,6 +36,7 @@ import contextlib
 import functools
 import os
 import threading
+from collections.abc import Iterable
 
 import numpy as np
 
@@ -80,7 +81,8 @@ class Corpus:
             float16, bfloat16 (host arrays: ``ml_dtypes.bfloat16``), float32 or int8, in any
             framework; the other arguments in D's framework and place.
         ids: ``[Nd]`` integers or strings, each document's external id, which :meth:`search`
-            returns instead of the document's index (a host array or list).
+            returns instead of the document's index (a host array, or a list of one kind: TypeError
+            for integers beside strings, which NumPy would make strings).
         device: the CUDA device to keep the corpus on (default: D's, or the current one); "cpu"
             keeps it in host memory for the NumPy path (the default without a GPU). ValueError
             for an ordinal that is no int >= 0 or names a GPU this machine lacks (RuntimeError on
@@ -156,8 +158,15 @@ class Corpus:
             ids: False leaves the shards' ids out: :meth:`search` returns positions.
         """
         ids = check_flag("ids", ids)
+        expected = "from_shards' paths must be a path or a sequence of paths (str, bytes or os.PathLike)"
         if isinstance(paths, (str, bytes, os.PathLike)):
             paths = [paths]
+        elif not isinstance(paths, Iterable):
+            raise TypeError(f"{expected}, got {type(paths).__name__}")
+        paths = list(paths)
+        for i, p in enumerate(paths):
+            if not isinstance(p, (str, bytes, os.PathLike)):
+                raise TypeError(f"{expected}; paths[{i}] is {type(p).__name__}")
         opened = [shards.open_input(p) for p in paths]
         if not opened:
             raise ValueError("from_shards needs at least one shard path")
@@ -794,7 +803,11 @@ def _check_ids(ids, nd: int) -> np.ndarray | None:
         except TypeError:
             raise TypeError(f"ids must be an array or a list of integers or strings, got {type(ids).__name__}") \
                 from None
-    a = host_ints("ids", ids, f"[{nd}] (one per document)") if isinstance(ids, (list, tuple)) else np.asarray(ids)
+    if isinstance(ids, (list, tuple)):
+        _one_kind(ids)
+        a = host_ints("ids", ids, f"[{nd}] (one per document)")
+    else:
+        a = np.asarray(ids)
     if a.size == 0 and a.dtype.kind == "f":  # (an empty list is float64 to NumPy)
         a = a.astype(np.int64)
     if a.ndim != 1 or a.shape[0] != nd:
@@ -806,6 +819,24 @@ def _check_ids(ids, nd: int) -> np.ndarray | None:
     if a.dtype.kind in "US":
         return a
     raise TypeError(f"ids must be integers or strings, got dtype {a.dtype}")
+
+
+def _id_kind(t: type) -> str:
+    for kind, types in (("a bool", (bool, np.bool_)), ("an integer", (int, np.integer)), ("a string", str),
+                        ("a byte string", bytes)):  # (a bool is an int: asked first)
+        if issubclass(t, types):
+            return kind
+    return f"a {t.__name__}"
+
+
+def _one_kind(ids) -> None:
+    """TypeError unless a list of ids holds one kind of id: NumPy would make one of several (1 beside "b"
+    the string "1", True beside integers 1; bytes beside text that is no ASCII a "ragged" error)."""
+    kinds = {_id_kind(t) for t in {type(v) for v in ids}}
+    if len(kinds) > 1:
+        first = _id_kind(type(ids[0]))
+        j, other = next((j, k) for j, k in ((j, _id_kind(type(v))) for j, v in enumerate(ids)) if k != first)
+        raise TypeError(f"ids[0] is {first} but ids[{j}] is {other}: ids are all integers, all str or all bytes")
 
 
 def _runs(sizes: np.ndarray, budget: int):

@@ -219,9 +219,16 @@ def test_retrieve_cpu_merges_many_queries_within_the_step_bytes(rng, monkeypatch
         (dict(D="corpus.npy"), TypeError, "D must be an array or an iterable of shards"),
         (dict(D=[np.zeros((3, 2, 4), np.float32), [1, 2]]), TypeError, "shard 1 must be a padded array"),
         (dict(D=[np.zeros((3, 2, 5), np.float32)]), ValueError, "has dim 5 but Q has dim 4"),
-        (dict(D=[np.zeros((3, 2, 4), np.float16)]), TypeError, "corpus has dtype float16 but Q has float32"),
+        (dict(D=[np.zeros((3, 2, 4), np.float16)]), TypeError, "shard 0 has dtype float16 but Q has float32"),
+        (dict(D=np.zeros((3, 2, 4), np.float16)), TypeError, "the corpus has dtype float16 but Q has float32"),
+        (dict(D=[np.zeros((3, 2, 4), np.float32), np.zeros((3, 2, 5), np.float32)]), ValueError,
+         "^shard 1 has dim 5 but Q has dim 4"),  # (the shard, not the corpus, whose shard 0 is right)
         (dict(D=[np.zeros((3, 4), np.float32)]), ValueError, r"padded corpus must be \[Nd, Ld, d\]"),
         (dict(D=[(np.zeros((3, 4), np.float32), np.array([0, 2]))]), ValueError, "ends at 2 but there are 3"),
+        # a shard's offset values are its own, not d_offsets (which goes with a single array D)
+        (dict(D=[np.zeros((3, 2, 4), np.float32), (np.zeros((3, 4), np.float32), np.array([0, 2, 1, 3]))]),
+         ValueError, r"^shard 1 offsets must be non-decreasing"),
+        (dict(D=[(np.zeros((3, 4), np.float32), np.array([1, 2, 3]))]), ValueError, "^shard 0 offsets must start at 0"),
         (dict(D=[np.zeros((3, 2, 4), np.float32)], d_lengths=[1, 2, 3]), TypeError, "go with a single array D"),
         (dict(d_lengths=[1, 2, 3]), ValueError, r"every length must be in \[0, 2\]"),
     ],

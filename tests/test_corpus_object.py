@@ -3,6 +3,7 @@ float64 reference, candidate ids, external ids, shards, threads. tests/test_corp
 holds the GPU side."""
 
 import os
+import re
 from dataclasses import replace
 
 import numpy as np
@@ -218,6 +219,23 @@ def test_ids_map_search_results(rng):
         lik_cupy.Corpus(**kw, ids=np.zeros(30), device="cpu")
 
 
+def test_a_list_of_ids_of_mixed_kinds_is_refused():
+    """NumPy turns a list of ids of mixed kinds into one kind: 1 beside "b" became the string "1" (a search
+    returned "1", not 1), 2.5 beside strings "2.5", True beside integers 1; bytes beside text that is
+    no ASCII raised "a ragged list". Each is now a TypeError naming the first id of another kind."""
+    D = np.zeros((3, 2, 4), np.float32)
+    for ids, first, other in (([1, "b", 2], "an integer", "ids[1] is a string"),
+                              (["a", 2.5, "c"], "a string", "ids[1] is a float"),
+                              ([True, 1, 2], "a bool", "ids[1] is an integer"),
+                              ([b"\xff", "a", "b"], "a byte string", "ids[1] is a string"),
+                              ((np.int64(1), "x", 3), "an integer", "ids[1] is a string")):
+        with pytest.raises(TypeError, match=rf"ids\[0\] is {first} but {re.escape(other)}: ids are all integers, all "
+                                            "str or all bytes"):
+            lik_cupy.Corpus(D, ids=ids, device="cpu")
+    for ids in ([5, np.int32(6), np.uint8(7)], ["a", np.str_("b"), "c"], [b"a", b"b", np.bytes_(b"c")]):
+        np.testing.assert_array_equal(lik_cupy.Corpus(D, ids=ids, device="cpu").ids, np.asarray(ids))
+
+
 def test_len_dim_dtype_nbytes(rng):
     nd, ld, dim = 9, 5, 16
     D = rng.standard_normal((nd, ld, dim)).astype(np.float16)
@@ -297,6 +315,15 @@ def test_from_shards(rng, tmp_path):
         lik_cupy.Corpus.from_shards([tmp_path / "missing"], device="cpu")
     with pytest.raises(ValueError, match="at least one shard"):
         lik_cupy.Corpus.from_shards([], device="cpu")
+
+
+def test_from_shards_names_a_path_that_is_none():
+    """from_shards(None) raised Python's "'NoneType' object is not iterable", and [None] "expected str, bytes
+    or os.PathLike object", neither naming the argument: both now say what paths takes."""
+    for paths, msg in ((None, "got NoneType"), (5, "got int"), ([None], r"paths\[0\] is NoneType"),
+                       (["a", 3.5], r"paths\[1\] is float")):
+        with pytest.raises(TypeError, match=rf"^from_shards' paths must be a path or a sequence of paths.*{msg}"):
+            lik_cupy.Corpus.from_shards(paths, device="cpu")
 
 
 def test_from_shards_joins_byte_and_text_ids(rng, tmp_path):

@@ -49,7 +49,7 @@ def host_docs(part: Part, p: Problem) -> HostDocs:
     scales_name = part.arg("scales")
     if part.packed:
         docs = HostDocs(host_array(part.docs, fw), offsets=host_offsets(host_array(part.offsets, fw), p.ntok,
-                                                                        "d_offsets"), scales=scales)
+                                                                        part.arg("offsets")), scales=scales)
         if scales is not None:  # offsets from 0 to T: every token is a document's
             check_scales_of_valid(scales.reshape(p.ntok), None, scales_name)
         return docs
@@ -103,8 +103,8 @@ def device_docs(part: Part, p: Problem, verify: bool = True) -> DeviceDocs:
     # INT8 scales, flat as the kernel reads them: [T] packed, [nd * ld] padded.
     ds = interop.to_cupy(part.scales, fw).reshape(-1) if dispatch.scaled_dtype(p.dtype) else None
     if part.packed:
-        return DeviceDocs(d, offsets=device_offsets(device_array(part.offsets, fw, False), p.ntok, "d_offsets",
-                                                     check=verify), scales=ds)
+        return DeviceDocs(d, offsets=device_offsets(device_array(part.offsets, fw, False), p.ntok,
+                                                     part.arg("offsets"), check=verify), scales=ds)
     dm, dl = device_valid(part.mask, part.lengths, p.nd, p.ld, "d_lengths", fw, False,
                           None if verify else call_checks(False))
     return DeviceDocs(d, mask=dm, lengths=dl, scales=ds)

@@ -122,8 +122,11 @@ def part_problem(qp: Problem, part: Part) -> Problem:
             raise TypeError(f"Q is int8 but {part.name} has dtype {info.dtype}: int8 queries score INT8 corpora only; "
                             "pass float Q")
         if info.dtype != qp.dtype:
-            raise TypeError(f"corpus has dtype {info.dtype} but Q has {qp.dtype}: cast one so both match")
-    return with_queries(qp, doc_problem(part, info))
+            raise TypeError(f"{part.name} has dtype {info.dtype} but Q has {qp.dtype}: cast one so both match")
+    p = doc_problem(part, info)
+    if p.dim != qp.dim:  # (with_queries says "corpus": here the part, one shard of it maybe)
+        raise ValueError(f"{part.name} has dim {p.dim} but Q has dim {qp.dim}")
+    return with_queries(qp, p)
 
 
 def doc_problem(part: Part, info: interop.Info) -> Problem:
