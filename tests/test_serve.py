@@ -946,6 +946,13 @@ def test_many_concurrent_clients_each_get_their_own_rows(served, local):
     ("score", {"inputs": [{"name": "Q", "shape": [1, DIM], "datatype": "FP32", "data": [0.0] * DIM}],
                "parameters": {"binary_data_output": "false"}}, None,
      "parameter 'binary_data_output' must be true or false, got 'false'"),
+    # a Q of neither [Lq, d] nor [Nq, Lq, d] with ids of no axis (sizing the scores read IDS' last axis: a 500)
+    ("rerank", {"inputs": [{"name": "Q", "shape": [DIM], "datatype": "FP32", "data": [0.0] * DIM},
+                           {"name": "IDS", "shape": [], "datatype": "INT64", "data": [5]}]}, None,
+     r"Q has shape \[16\]; expected \[Lq, d\] \(one query\) or \[Nq, Lq, d\]"),
+    ("rerank", {"inputs": [{"name": "Q", "shape": [1, 1, 1, DIM], "datatype": "FP32", "data": [0.0] * DIM},
+                           {"name": "IDS", "shape": [], "datatype": "INT64", "data": [5]}]}, None,
+     r"Q has shape \[1, 1, 1, 16\]; expected"),
 ])
 def test_bad_requests_get_a_400_naming_the_problem_and_the_server_keeps_serving(served, model, payload, headers,
                                                                                match):

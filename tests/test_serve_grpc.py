@@ -131,6 +131,8 @@ def test_typed_contents_from_grpcio_stub(served, local):
     ("score", [("Q", np.zeros((3, DIM), np.int32), "INT32")], "INVALID_ARGUMENT", "Q must be FP16, BF16 or FP32"),
     ("score", [("Q", np.zeros((3, DIM), np.float16), "FP16")], "INVALID_ARGUMENT", "send float32 queries"),
     ("nope", [("Q", np.zeros((3, DIM), np.float32), "FP32")], "NOT_FOUND", "unknown model 'nope'"),
+    ("rerank", [("Q", np.zeros(DIM, np.float32), "FP32"), ("IDS", np.array(7), "INT64")], "INVALID_ARGUMENT",
+     f"Q has shape [{DIM}]; expected [Lq, d] (one query) or [Nq, Lq, d]"),
 ])
 def test_bad_requests_get_a_named_error_and_the_server_keeps_serving(client, local, model, inputs, code, message):
     with pytest.raises(grpcclient.InferenceServerException) as e:

@@ -293,7 +293,9 @@ def _arguments(svc: Service, model: str, inputs: dict) -> tuple[np.ndarray, obje
     Q = inputs["Q"]
     if Q.dtype.kind in "USiub":
         raise ValueError(f"Q must be FP16, BF16 or FP32 embeddings, got {_datatype(Q)}")
-    if Q.ndim in (2, 3) and Q.shape[-2] == 0:  # (a query of no tokens costs no bytes, its answer does)
+    if Q.ndim not in (2, 3):  # (before the other inputs' shapes are read against it)
+        raise ValueError(f"Q has shape {list(Q.shape)}; expected [Lq, d] (one query) or [Nq, Lq, d]")
+    if Q.shape[-2] == 0:  # (a query of no tokens costs no bytes, its answer does)
         raise ValueError(f"Q has shape {list(Q.shape)}: a query needs at least one token")
     if model == "search":
         K = inputs["K"]
