@@ -1335,8 +1335,46 @@ def test_outputs_past_the_limit_are_refused(corpus):
             _service._output_bytes(Svc, "score", big, None)
         with pytest.raises(ValueError, match="results .* at most"):
             _service._output_bytes(Svc, "search", np.zeros((30000, 1, DIM), np.float32), 4000)
+        # Outputs sent as JSON values are bounded by what writing them takes; what is held is their arrays.
+        assert _service._output_bytes(Svc, "score", q, None, ("SCORES",)) == 3 * len(corpus) * 4
+        assert _service._output_bytes(Svc, "search", q, 10, ("IDS",)) == 3 * 10 * 12
+        json_big = np.zeros((_service.MAX_OUTPUT // (_service.JSON_VALUE_BYTES * len(corpus)) + 1, 1, DIM), np.float32)
+        assert _service._output_bytes(Svc, "score", json_big, None) == json_big.shape[0] * len(corpus) * 4
+        with pytest.raises(ValueError, match=f"queries of {len(corpus)} documents' scores take .* bytes to write as "
+                                             f"JSON; at most {_service.MAX_OUTPUT} a request"):
+            _service._output_bytes(Svc, "score", json_big, None, ("SCORES",))
     finally:
         Svc.batcher.close()
+
+
+def test_json_outputs_take_at_most_what_the_limit_counts_to_write(rng):
+    """A JSON response's values are written through Python objects and text: a score of 1 GiB of
+    outputs (the limit) sent as JSON took about 20 GiB. The limit counts JSON_VALUE_BYTES a value."""
+    import tracemalloc
+
+    from lik_cupy.serving import _service, _tensors
+
+    n = 200_000  # (json's encoder joins its text every 100,000 values: a few MB more below that)
+    scores = rng.standard_normal(n).astype(np.float32) * np.float32(1e-30)  # (the longest text: 1.2345678e-30)
+    for outputs in ([("SCORES", scores)], [("SCORES", scores), ("IDS", rng.integers(-2**63, 2**63 - 1, n))]):
+        tracemalloc.start()
+        try:
+            _tensors.write_response({"model_name": "search", "model_version": "1"}, outputs, set())
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert peak <= n * len(outputs) * _service.JSON_VALUE_BYTES, (peak / (n * len(outputs)), outputs[-1][0])
+
+
+def test_json_outputs_past_the_limit_are_refused_before_they_are_scored(served):
+    from lik_cupy.serving import _service
+
+    nq = _service.MAX_OUTPUT // (_service.JSON_VALUE_BYTES * 200) + 1  # (the served corpus has 200 documents)
+    body, length = _binary_body([("Q", np.zeros((nq, 1, DIM), np.float32), "FP32")])
+    status, _, answer = served.infer("score", body, {"Inference-Header-Content-Length": length})
+    assert status == 400, answer[:200]
+    assert re.search(r"take \d+ bytes to write as JSON; at most 1073741824 a request .*binary_data_output",
+                     json.loads(answer)["error"]), answer
 
 
 def test_bench_serve_smoke_run(tmp_path):

@@ -39,6 +39,11 @@ _expired_in_queue = contextvars.ContextVar("lik_serve_expired_in_queue", default
 # A request's outputs at most, in bytes: a query costs its tokens' bytes to send, but a score
 # answers it with a float for every document.
 MAX_OUTPUT = 1 << 30
+# What writing one output value as JSON takes at its peak (its Python object, its place in a list,
+# its text: about 80 bytes for a score or an integer id), counted against MAX_OUTPUT for outputs
+# sent as JSON: the JSON answer of a score of 1 GiB of outputs took about 20 GiB.
+JSON_VALUE_BYTES = 96
+_VALUE_BYTES = {"SCORES": 4, "IDS": 8}  # an output's values in its array
 # Request bytes one server holds at once (bodies being read, inflated and queued), as a multiple of
 # its body limit: past it, requests are refused with 503 and Retry-After until some are answered.
 HELD_BODIES = 16
@@ -196,19 +201,21 @@ def model_config(svc: Service, model: str, version: str = "") -> dict:
 
 
 async def infer(svc: Service, model: str, inputs: dict[str, np.ndarray], params: dict,
-                deadline_s: float | None = None, on_wait=None) -> tuple[dict[str, np.ndarray], dict]:
+                deadline_s: float | None = None, on_wait=None,
+                json_outputs: tuple[str, ...] = ()) -> tuple[dict[str, np.ndarray], dict]:
     """Score one request: (its outputs by name, the response's parameters ``queue_us``,
     ``compute_us``, ``batch_queries``). ``params``: the request's parameters (``timeout`` in
     microseconds, ``precision``; others are ignored); ``deadline_s``: seconds the transport allows
     (a gRPC deadline), the sooner of the two bounding the wait in the queue; ``on_wait``: called
     (no arguments) once the request is queued, before waiting for it, never for a request scored
-    at once. Raises :class:`Refused`. When the calling task is cancelled (its transport gave up on
+    at once; ``json_outputs``: the outputs the transport will write as JSON values. Raises
+    :class:`Refused`. When the calling task is cancelled (its transport gave up on
     the request), a request still queued is dropped unscored, and the cancellation goes on."""
     check_model(model)
     check_ready(svc)
     try:
         Q, arg = _arguments(svc, model, inputs)
-        out_bytes = _output_bytes(svc, model, Q, arg)
+        out_bytes = _output_bytes(svc, model, Q, arg, json_outputs)
         timeout, precision = _parameters(params)
         if deadline_s is not None:
             if deadline_s <= 0:
@@ -311,18 +318,24 @@ def _arguments(svc: Service, model: str, inputs: dict) -> tuple[np.ndarray, obje
     return Q, None
 
 
-def _output_bytes(svc: Service, model: str, Q: np.ndarray, arg) -> int:
-    """The bytes of a request's outputs (ValueError past :data:`MAX_OUTPUT`)."""
+def _output_bytes(svc: Service, model: str, Q: np.ndarray, arg, json_outputs: tuple[str, ...] = ()) -> int:
+    """The bytes of a request's outputs (ValueError past :data:`MAX_OUTPUT`, or where writing those
+    named in ``json_outputs`` as JSON takes more: :data:`JSON_VALUE_BYTES` a value)."""
     nq = Q.shape[0] if Q.ndim == 3 else 1
     if model == "search":
-        per_query, itemsize, what = arg, 12, "results (a score and an id each)"
+        per_query, what = arg, "results (a score and an id each)"
     elif model == "rerank":
-        per_query, itemsize, what = arg.shape[-1], 4, "scores"
+        per_query, what = arg.shape[-1], "scores"
     else:
-        per_query, itemsize, what = len(svc.batcher.corpus), 4, "documents' scores"
-    n = nq * max(0, per_query) * itemsize
+        per_query, what = len(svc.batcher.corpus), "documents' scores"
+    values = nq * max(0, per_query)
+    n = values * sum(_VALUE_BYTES[o] for o in OUTPUTS[model])
     if n > MAX_OUTPUT:
         raise ValueError(f"{nq} queries of {per_query} {what} take {n} bytes; at most {MAX_OUTPUT} a request")
+    written = n + values * sum(JSON_VALUE_BYTES - _VALUE_BYTES[o] for o in json_outputs)
+    if written > MAX_OUTPUT:
+        raise ValueError(f"{nq} queries of {per_query} {what} take {written} bytes to write as JSON; at most "
+                         f"{MAX_OUTPUT} a request (binary outputs take {n}: binary_data_output)")
     return n
 
 
