@@ -1324,6 +1324,7 @@ def test_outputs_past_the_limit_are_refused(corpus):
 
     class Svc:
         batcher = Batcher(corpus)
+        ids = IdIndex(None, len(corpus))
 
     try:
         q = np.zeros((3, 2, DIM), np.float32)
@@ -1364,6 +1365,36 @@ def test_json_outputs_take_at_most_what_the_limit_counts_to_write(rng):
         finally:
             tracemalloc.stop()
         assert peak <= n * len(outputs) * _service.JSON_VALUE_BYTES, (peak / (n * len(outputs)), outputs[-1][0])
+
+
+def test_string_ids_are_counted_as_what_writing_them_takes(rng):
+    """Search's string ids are written element by element, as BYTES or JSON: a search of 21,846
+    one-token queries for 4,096 ids each passed the 1 GiB limit at 8 bytes an id, and ids of 64
+    characters take about 400 bytes each to write."""
+    import tracemalloc
+
+    from lik_cupy.serving import _service, _tensors
+
+    n = 200_000
+    for ids in (np.array([f"d{i:03d}"[:4] for i in range(n)]), np.array([f"doc-{i:060d}" for i in range(n)]),
+                np.array([f"d{i:013d}" for i in range(n)], dtype="S14")):
+        svc = types.SimpleNamespace(ids=IdIndex(ids, n))
+        for as_json in (False, True):
+            size, write = _service._value_bytes(svc, "IDS", as_json)
+            assert size == ids.dtype.itemsize
+            tracemalloc.start()
+            try:
+                _tensors.write_response({"model_name": "search"}, [("IDS", ids)], set() if as_json else {"IDS"})
+                peak = tracemalloc.get_traced_memory()[1]
+            finally:
+                tracemalloc.stop()
+            assert peak <= n * write, (peak / n, ids.dtype, as_json)
+        k, write = 4096, _service._value_bytes(svc, "IDS", False)[1]
+        fits = _service.MAX_OUTPUT // (k * (4 + write))
+        assert _service._output_bytes(svc, "search", np.zeros((fits, 1, DIM), np.float32), k) == \
+            fits * k * (4 + ids.dtype.itemsize)
+        with pytest.raises(ValueError, match=f"{fits + 1} queries of {k} results .* to write; at most"):
+            _service._output_bytes(svc, "search", np.zeros((fits + 1, 1, DIM), np.float32), k)
 
 
 def test_json_outputs_past_the_limit_are_refused_before_they_are_scored(served):

@@ -43,7 +43,10 @@ MAX_OUTPUT = 1 << 30
 # its text: about 80 bytes for a score or an integer id), counted against MAX_OUTPUT for outputs
 # sent as JSON: the JSON answer of a score of 1 GiB of outputs took about 20 GiB.
 JSON_VALUE_BYTES = 96
-_VALUE_BYTES = {"SCORES": 4, "IDS": 8}  # an output's values in its array
+_VALUE_BYTES = {"SCORES": 4, "IDS": 8}  # an output's values in its array (string ids: their width)
+# What writing one string id takes at its peak beside its array, as BYTES or as JSON (its Python
+# objects and their parts): about 260 bytes and 2 a character as BYTES, 75 and 3 a character as JSON.
+STRING_ID_BYTES, STRING_ID_CHAR_BYTES = 288, 3
 # Request bytes one server holds at once (bodies being read, inflated and queued), as a multiple of
 # its body limit: past it, requests are refused with 503 and Retry-After until some are answered.
 HELD_BODIES = 16
@@ -329,14 +332,27 @@ def _output_bytes(svc: Service, model: str, Q: np.ndarray, arg, json_outputs: tu
     else:
         per_query, what = len(svc.batcher.corpus), "documents' scores"
     values = nq * max(0, per_query)
-    n = values * sum(_VALUE_BYTES[o] for o in OUTPUTS[model])
+    sizes = [_value_bytes(svc, o, o in json_outputs) for o in OUTPUTS[model]]
+    n, written = values * sum(s for s, _ in sizes), values * sum(w for _, w in sizes)
     if n > MAX_OUTPUT:
         raise ValueError(f"{nq} queries of {per_query} {what} take {n} bytes; at most {MAX_OUTPUT} a request")
-    written = n + values * sum(JSON_VALUE_BYTES - _VALUE_BYTES[o] for o in json_outputs)
     if written > MAX_OUTPUT:
-        raise ValueError(f"{nq} queries of {per_query} {what} take {written} bytes to write as JSON; at most "
-                         f"{MAX_OUTPUT} a request (binary outputs take {n}: binary_data_output)")
+        binary = values * sum(_value_bytes(svc, o, False)[1] for o in OUTPUTS[model])
+        raise ValueError(f"{nq} queries of {per_query} {what} take {written} bytes to write"
+                         f"{' as JSON' if json_outputs else ''}; at most {MAX_OUTPUT} a request"
+                         + (f" (binary outputs take {binary}: binary_data_output)" if binary <= MAX_OUTPUT else ""))
     return n
+
+
+def _value_bytes(svc: Service, output: str, as_json: bool) -> tuple[int, int]:
+    """(the bytes of one value of ``output`` in its array, the bytes writing it takes at its peak,
+    its array's among them); ``as_json``: written as a JSON value, else as binary."""
+    if output == "IDS" and svc.ids.kind == "string":
+        size = svc.ids.dtype.itemsize
+        chars = size // 4 if svc.ids.dtype.kind == "U" else size
+        return size, size + STRING_ID_BYTES + STRING_ID_CHAR_BYTES * chars
+    size = _VALUE_BYTES[output]
+    return size, JSON_VALUE_BYTES if as_json else size
 
 
 def _parameters(params: dict) -> tuple[float | None, str | None]:
