@@ -955,6 +955,9 @@ def test_many_concurrent_clients_each_get_their_own_rows(served, local):
      r"Q has shape \[1, 1, 1, 16\]; expected"),
     ("score", {"inputs": [{"name": "Q", "shape": [1, DIM], "datatype": ["FP32"], "data": [0.0] * DIM}]}, None,
      r"input Q has datatype \['FP32'\]; expected one of BOOL, .* or BYTES"),  # (a 500: unhashable type)
+    ("score", b'{"inputs": [{"name": "Q", "shape": [1, 16], "datatype": "FP32", "data": [' + b", ".join([b"0.5"] * DIM)
+     + b']}], "parameters": {"timeout": Infinity}}', {},
+     "parameter timeout must be a positive number of microseconds, got inf"),  # (was "of seconds")
 ])
 def test_bad_requests_get_a_400_naming_the_problem_and_the_server_keeps_serving(served, model, payload, headers,
                                                                                match):

@@ -142,6 +142,20 @@ def test_bad_requests_get_a_named_error_and_the_server_keeps_serving(client, loc
     assert np.array_equal(client.infer("score", [_input("Q", q, "FP32")]).as_numpy("SCORES"), local.score(q))
 
 
+def test_a_timeout_of_infinity_is_refused_as_over_http(served):
+    """A call's deadline bounded an infinite ``timeout`` parameter, which HTTP refuses: it was scored."""
+    from tritonclient.grpc import service_pb2 as pb, service_pb2_grpc as rpc
+
+    req = pb.ModelInferRequest(model_name="score")
+    req.inputs.add(name="Q", datatype="FP32", shape=[1, DIM]).contents.fp32_contents.extend([0.5] * DIM)
+    req.parameters["timeout"].double_param = float("inf")
+    with grpc.insecure_channel(f"127.0.0.1:{served.grpc_port}") as channel:
+        with pytest.raises(grpc.RpcError) as e:
+            rpc.GRPCInferenceServiceStub(channel).ModelInfer(req, timeout=60)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value
+    assert e.value.details() == "parameter timeout must be a positive number of microseconds, got inf"
+
+
 def test_only_version_1_of_a_model_exists(client):
     q = np.ones((2, DIM), np.float32)
     calls = [lambda v: client.is_model_ready("score", v), lambda v: client.get_model_metadata("score", v),

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import math
 import sys
 import threading
 import time
@@ -359,7 +360,8 @@ def _parameters(params: dict) -> tuple[float | None, str | None]:
     """(the queue timeout in seconds, the precision) from the request's parameters."""
     timeout = params.get("timeout")
     if timeout is not None:
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        # (infinity too: the batcher refuses it, in seconds, and a gRPC deadline hid it)
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf:
             raise ValueError(f"parameter timeout must be a positive number of microseconds, got {timeout!r}")
         try:
             timeout = float(timeout) * 1e-6
