@@ -946,6 +946,18 @@ def test_many_concurrent_clients_each_get_their_own_rows(served, local):
     ("score", {"inputs": [{"name": "Q", "shape": [1, DIM], "datatype": "FP32", "data": [0.0] * DIM}],
                "parameters": {"binary_data_output": "false"}}, None,
      "parameter 'binary_data_output' must be true or false, got 'false'"),
+    # a Q of neither [Lq, d] nor [Nq, Lq, d] with ids of no axis (sizing the scores read IDS' last axis: a 500)
+    ("rerank", {"inputs": [{"name": "Q", "shape": [DIM], "datatype": "FP32", "data": [0.0] * DIM},
+                           {"name": "IDS", "shape": [], "datatype": "INT64", "data": [5]}]}, None,
+     r"Q has shape \[16\]; expected \[Lq, d\] \(one query\) or \[Nq, Lq, d\]"),
+    ("rerank", {"inputs": [{"name": "Q", "shape": [1, 1, 1, DIM], "datatype": "FP32", "data": [0.0] * DIM},
+                           {"name": "IDS", "shape": [], "datatype": "INT64", "data": [5]}]}, None,
+     r"Q has shape \[1, 1, 1, 16\]; expected"),
+    ("score", {"inputs": [{"name": "Q", "shape": [1, DIM], "datatype": ["FP32"], "data": [0.0] * DIM}]}, None,
+     r"input Q has datatype \['FP32'\]; expected one of BOOL, .* or BYTES"),  # (a 500: unhashable type)
+    ("score", b'{"inputs": [{"name": "Q", "shape": [1, 16], "datatype": "FP32", "data": [' + b", ".join([b"0.5"] * DIM)
+     + b']}], "parameters": {"timeout": Infinity}}', {},
+     "parameter timeout must be a positive number of microseconds, got inf"),  # (was "of seconds")
 ])
 def test_bad_requests_get_a_400_naming_the_problem_and_the_server_keeps_serving(served, model, payload, headers,
                                                                                match):
@@ -1315,6 +1327,7 @@ def test_outputs_past_the_limit_are_refused(corpus):
 
     class Svc:
         batcher = Batcher(corpus)
+        ids = IdIndex(None, len(corpus))
 
     try:
         q = np.zeros((3, 2, DIM), np.float32)
@@ -1326,8 +1339,76 @@ def test_outputs_past_the_limit_are_refused(corpus):
             _service._output_bytes(Svc, "score", big, None)
         with pytest.raises(ValueError, match="results .* at most"):
             _service._output_bytes(Svc, "search", np.zeros((30000, 1, DIM), np.float32), 4000)
+        # Outputs sent as JSON values are bounded by what writing them takes; what is held is their arrays.
+        assert _service._output_bytes(Svc, "score", q, None, ("SCORES",)) == 3 * len(corpus) * 4
+        assert _service._output_bytes(Svc, "search", q, 10, ("IDS",)) == 3 * 10 * 12
+        json_big = np.zeros((_service.MAX_OUTPUT // (_service.JSON_VALUE_BYTES * len(corpus)) + 1, 1, DIM), np.float32)
+        assert _service._output_bytes(Svc, "score", json_big, None) == json_big.shape[0] * len(corpus) * 4
+        with pytest.raises(ValueError, match=f"queries of {len(corpus)} documents' scores take .* bytes to write as "
+                                             f"JSON; at most {_service.MAX_OUTPUT} a request"):
+            _service._output_bytes(Svc, "score", json_big, None, ("SCORES",))
     finally:
         Svc.batcher.close()
+
+
+def test_json_outputs_take_at_most_what_the_limit_counts_to_write(rng):
+    """A JSON response's values are written through Python objects and text: a score of 1 GiB of
+    outputs (the limit) sent as JSON took about 20 GiB. The limit counts JSON_VALUE_BYTES a value."""
+    import tracemalloc
+
+    from lik_cupy.serving import _service, _tensors
+
+    n = 200_000  # (json's encoder joins its text every 100,000 values: a few MB more below that)
+    scores = rng.standard_normal(n).astype(np.float32) * np.float32(1e-30)  # (the longest text: 1.2345678e-30)
+    for outputs in ([("SCORES", scores)], [("SCORES", scores), ("IDS", rng.integers(-2**63, 2**63 - 1, n))]):
+        tracemalloc.start()
+        try:
+            _tensors.write_response({"model_name": "search", "model_version": "1"}, outputs, set())
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert peak <= n * len(outputs) * _service.JSON_VALUE_BYTES, (peak / (n * len(outputs)), outputs[-1][0])
+
+
+def test_string_ids_are_counted_as_what_writing_them_takes(rng):
+    """Search's string ids are written element by element, as BYTES or JSON: a search of 21,846
+    one-token queries for 4,096 ids each passed the 1 GiB limit at 8 bytes an id, and ids of 64
+    characters take about 400 bytes each to write."""
+    import tracemalloc
+
+    from lik_cupy.serving import _service, _tensors
+
+    n = 200_000
+    for ids in (np.array([f"d{i:03d}"[:4] for i in range(n)]), np.array([f"doc-{i:060d}" for i in range(n)]),
+                np.array([f"d{i:013d}" for i in range(n)], dtype="S14")):
+        svc = types.SimpleNamespace(ids=IdIndex(ids, n))
+        for as_json in (False, True):
+            size, write = _service._value_bytes(svc, "IDS", as_json)
+            assert size == ids.dtype.itemsize
+            tracemalloc.start()
+            try:
+                _tensors.write_response({"model_name": "search"}, [("IDS", ids)], set() if as_json else {"IDS"})
+                peak = tracemalloc.get_traced_memory()[1]
+            finally:
+                tracemalloc.stop()
+            assert peak <= n * write, (peak / n, ids.dtype, as_json)
+        k, write = 4096, _service._value_bytes(svc, "IDS", False)[1]
+        fits = _service.MAX_OUTPUT // (k * (4 + write))
+        assert _service._output_bytes(svc, "search", np.zeros((fits, 1, DIM), np.float32), k) == \
+            fits * k * (4 + ids.dtype.itemsize)
+        with pytest.raises(ValueError, match=f"{fits + 1} queries of {k} results .* to write; at most"):
+            _service._output_bytes(svc, "search", np.zeros((fits + 1, 1, DIM), np.float32), k)
+
+
+def test_json_outputs_past_the_limit_are_refused_before_they_are_scored(served):
+    from lik_cupy.serving import _service
+
+    nq = _service.MAX_OUTPUT // (_service.JSON_VALUE_BYTES * 200) + 1  # (the served corpus has 200 documents)
+    body, length = _binary_body([("Q", np.zeros((nq, 1, DIM), np.float32), "FP32")])
+    status, _, answer = served.infer("score", body, {"Inference-Header-Content-Length": length})
+    assert status == 400, answer[:200]
+    assert re.search(r"take \d+ bytes to write as JSON; at most 1073741824 a request .*binary_data_output",
+                     json.loads(answer)["error"]), answer
 
 
 def test_bench_serve_smoke_run(tmp_path):

@@ -131,6 +131,8 @@ def test_typed_contents_from_grpcio_stub(served, local):
     ("score", [("Q", np.zeros((3, DIM), np.int32), "INT32")], "INVALID_ARGUMENT", "Q must be FP16, BF16 or FP32"),
     ("score", [("Q", np.zeros((3, DIM), np.float16), "FP16")], "INVALID_ARGUMENT", "send float32 queries"),
     ("nope", [("Q", np.zeros((3, DIM), np.float32), "FP32")], "NOT_FOUND", "unknown model 'nope'"),
+    ("rerank", [("Q", np.zeros(DIM, np.float32), "FP32"), ("IDS", np.array(7), "INT64")], "INVALID_ARGUMENT",
+     f"Q has shape [{DIM}]; expected [Lq, d] (one query) or [Nq, Lq, d]"),
 ])
 def test_bad_requests_get_a_named_error_and_the_server_keeps_serving(client, local, model, inputs, code, message):
     with pytest.raises(grpcclient.InferenceServerException) as e:
@@ -138,6 +140,20 @@ def test_bad_requests_get_a_named_error_and_the_server_keeps_serving(client, loc
     assert e.value.status() == f"StatusCode.{code}" and message in e.value.message(), e.value
     q = np.ones((2, DIM), np.float32)
     assert np.array_equal(client.infer("score", [_input("Q", q, "FP32")]).as_numpy("SCORES"), local.score(q))
+
+
+def test_a_timeout_of_infinity_is_refused_as_over_http(served):
+    """A call's deadline bounded an infinite ``timeout`` parameter, which HTTP refuses: it was scored."""
+    from tritonclient.grpc import service_pb2 as pb, service_pb2_grpc as rpc
+
+    req = pb.ModelInferRequest(model_name="score")
+    req.inputs.add(name="Q", datatype="FP32", shape=[1, DIM]).contents.fp32_contents.extend([0.5] * DIM)
+    req.parameters["timeout"].double_param = float("inf")
+    with grpc.insecure_channel(f"127.0.0.1:{served.grpc_port}") as channel:
+        with pytest.raises(grpc.RpcError) as e:
+            rpc.GRPCInferenceServiceStub(channel).ModelInfer(req, timeout=60)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value
+    assert e.value.details() == "parameter timeout must be a positive number of microseconds, got inf"
 
 
 def test_only_version_1_of_a_model_exists(client):

@@ -21,6 +21,11 @@ class IdIndex:
         """"string" or "integer": what a request's ids must be."""
         return self._kind or "integer"
 
+    @property
+    def dtype(self) -> np.dtype:
+        """The ids' dtype, as results hold them (int64 where the ids are the positions)."""
+        return np.dtype(np.int64) if self._kind is None else self._sorted.dtype
+
     def positions(self, ids: np.ndarray) -> np.ndarray:
         """int64 positions of ``ids`` (any shape); ValueError naming the first few unknown ones."""
         want = "US" if self.kind == "string" else "iu"

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import math
 import sys
 import threading
 import time
@@ -39,6 +40,14 @@ _expired_in_queue = contextvars.ContextVar("lik_serve_expired_in_queue", default
 # A request's outputs at most, in bytes: a query costs its tokens' bytes to send, but a score
 # answers it with a float for every document.
 MAX_OUTPUT = 1 << 30
+# What writing one output value as JSON takes at its peak (its Python object, its place in a list,
+# its text: about 80 bytes for a score or an integer id), counted against MAX_OUTPUT for outputs
+# sent as JSON: the JSON answer of a score of 1 GiB of outputs took about 20 GiB.
+JSON_VALUE_BYTES = 96
+_VALUE_BYTES = {"SCORES": 4, "IDS": 8}  # an output's values in its array (string ids: their width)
+# What writing one string id takes at its peak beside its array, as BYTES or as JSON (its Python
+# objects and their parts): about 260 bytes and 2 a character as BYTES, 75 and 3 a character as JSON.
+STRING_ID_BYTES, STRING_ID_CHAR_BYTES = 288, 3
 # Request bytes one server holds at once (bodies being read, inflated and queued), as a multiple of
 # its body limit: past it, requests are refused with 503 and Retry-After until some are answered.
 HELD_BODIES = 16
@@ -196,19 +205,21 @@ def model_config(svc: Service, model: str, version: str = "") -> dict:
 
 
 async def infer(svc: Service, model: str, inputs: dict[str, np.ndarray], params: dict,
-                deadline_s: float | None = None, on_wait=None) -> tuple[dict[str, np.ndarray], dict]:
+                deadline_s: float | None = None, on_wait=None,
+                json_outputs: tuple[str, ...] = ()) -> tuple[dict[str, np.ndarray], dict]:
     """Score one request: (its outputs by name, the response's parameters ``queue_us``,
     ``compute_us``, ``batch_queries``). ``params``: the request's parameters (``timeout`` in
     microseconds, ``precision``; others are ignored); ``deadline_s``: seconds the transport allows
     (a gRPC deadline), the sooner of the two bounding the wait in the queue; ``on_wait``: called
     (no arguments) once the request is queued, before waiting for it, never for a request scored
-    at once. Raises :class:`Refused`. When the calling task is cancelled (its transport gave up on
+    at once; ``json_outputs``: the outputs the transport will write as JSON values. Raises
+    :class:`Refused`. When the calling task is cancelled (its transport gave up on
     the request), a request still queued is dropped unscored, and the cancellation goes on."""
     check_model(model)
     check_ready(svc)
     try:
         Q, arg = _arguments(svc, model, inputs)
-        out_bytes = _output_bytes(svc, model, Q, arg)
+        out_bytes = _output_bytes(svc, model, Q, arg, json_outputs)
         timeout, precision = _parameters(params)
         if deadline_s is not None:
             if deadline_s <= 0:
@@ -293,7 +304,9 @@ def _arguments(svc: Service, model: str, inputs: dict) -> tuple[np.ndarray, obje
     Q = inputs["Q"]
     if Q.dtype.kind in "USiub":
         raise ValueError(f"Q must be FP16, BF16 or FP32 embeddings, got {_datatype(Q)}")
-    if Q.ndim in (2, 3) and Q.shape[-2] == 0:  # (a query of no tokens costs no bytes, its answer does)
+    if Q.ndim not in (2, 3):  # (before the other inputs' shapes are read against it)
+        raise ValueError(f"Q has shape {list(Q.shape)}; expected [Lq, d] (one query) or [Nq, Lq, d]")
+    if Q.shape[-2] == 0:  # (a query of no tokens costs no bytes, its answer does)
         raise ValueError(f"Q has shape {list(Q.shape)}: a query needs at least one token")
     if model == "search":
         K = inputs["K"]
@@ -309,26 +322,46 @@ def _arguments(svc: Service, model: str, inputs: dict) -> tuple[np.ndarray, obje
     return Q, None
 
 
-def _output_bytes(svc: Service, model: str, Q: np.ndarray, arg) -> int:
-    """The bytes of a request's outputs (ValueError past :data:`MAX_OUTPUT`)."""
+def _output_bytes(svc: Service, model: str, Q: np.ndarray, arg, json_outputs: tuple[str, ...] = ()) -> int:
+    """The bytes of a request's outputs (ValueError past :data:`MAX_OUTPUT`, or where writing those
+    named in ``json_outputs`` as JSON takes more: :data:`JSON_VALUE_BYTES` a value)."""
     nq = Q.shape[0] if Q.ndim == 3 else 1
     if model == "search":
-        per_query, itemsize, what = arg, 12, "results (a score and an id each)"
+        per_query, what = arg, "results (a score and an id each)"
     elif model == "rerank":
-        per_query, itemsize, what = arg.shape[-1], 4, "scores"
+        per_query, what = arg.shape[-1], "scores"
     else:
-        per_query, itemsize, what = len(svc.batcher.corpus), 4, "documents' scores"
-    n = nq * max(0, per_query) * itemsize
+        per_query, what = len(svc.batcher.corpus), "documents' scores"
+    values = nq * max(0, per_query)
+    sizes = [_value_bytes(svc, o, o in json_outputs) for o in OUTPUTS[model]]
+    n, written = values * sum(s for s, _ in sizes), values * sum(w for _, w in sizes)
     if n > MAX_OUTPUT:
         raise ValueError(f"{nq} queries of {per_query} {what} take {n} bytes; at most {MAX_OUTPUT} a request")
+    if written > MAX_OUTPUT:
+        binary = values * sum(_value_bytes(svc, o, False)[1] for o in OUTPUTS[model])
+        raise ValueError(f"{nq} queries of {per_query} {what} take {written} bytes to write"
+                         f"{' as JSON' if json_outputs else ''}; at most {MAX_OUTPUT} a request"
+                         + (f" (binary outputs take {binary}: binary_data_output)" if binary <= MAX_OUTPUT else ""))
     return n
+
+
+def _value_bytes(svc: Service, output: str, as_json: bool) -> tuple[int, int]:
+    """(the bytes of one value of ``output`` in its array, the bytes writing it takes at its peak,
+    its array's among them); ``as_json``: written as a JSON value, else as binary."""
+    if output == "IDS" and svc.ids.kind == "string":
+        size = svc.ids.dtype.itemsize
+        chars = size // 4 if svc.ids.dtype.kind == "U" else size
+        return size, size + STRING_ID_BYTES + STRING_ID_CHAR_BYTES * chars
+    size = _VALUE_BYTES[output]
+    return size, JSON_VALUE_BYTES if as_json else size
 
 
 def _parameters(params: dict) -> tuple[float | None, str | None]:
     """(the queue timeout in seconds, the precision) from the request's parameters."""
     timeout = params.get("timeout")
     if timeout is not None:
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        # (infinity too: the batcher refuses it, in seconds, and a gRPC deadline hid it)
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf:
             raise ValueError(f"parameter timeout must be a positive number of microseconds, got {timeout!r}")
         try:
             timeout = float(timeout) * 1e-6

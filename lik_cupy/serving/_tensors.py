@@ -201,7 +201,7 @@ def check_input(inputs: dict, name: str, shape, datatype) -> tuple[int, ...]:
     if name in inputs:
         raise ValueError(f"input {name} is given twice")
     shape = tensor_shape(name, shape)
-    if datatype != "BYTES" and datatype not in DTYPES:
+    if not isinstance(datatype, str) or datatype != "BYTES" and datatype not in DTYPES:  # (a list: unhashable)
         raise ValueError(f"input {name} has datatype {datatype!r}; expected one of {', '.join(DTYPES)} or BYTES")
     return shape
 

@@ -417,8 +417,9 @@ async def _infer(svc: Service, model: str, version: str, headers: dict, receive,
             raise ValueError("the request's parameters must be an object")
     except ValueError as e:
         raise Refused(400, str(e)) from None
+    as_json = tuple(n for n in names if n not in binary)
     out, params = await _unless_disconnected(
-        lambda watch: _service.infer(svc, model, inputs, params, on_wait=watch), receive)
+        lambda watch: _service.infer(svc, model, inputs, params, on_wait=watch, json_outputs=as_json), receive)
     head = {"model_name": model, "model_version": "1", "parameters": params}
     if isinstance(header.get("id"), str):
         head["id"] = header["id"]
