@@ -227,6 +227,23 @@ def test_pack_arrays_of_more_files_than_descriptors(tmp_path):
     assert not (tmp_path / "again").exists()
 
 
+def test_pack_arrays_takes_any_iterable_of_documents(tmp_path):
+    """An [N, L, d] array (a sequence of [L, d] documents) raised NumPy's "truth value of an
+    array is ambiguous", and an empty generator an UnboundLocalError; the array's rows are
+    documents now, and no documents at all is the ShardError saying so."""
+    rng = np.random.default_rng(9)
+    padded = rng.standard_normal((3, 4, DIM)).astype(np.float32)
+    s = shards.pack_arrays(padded, tmp_path / "rows")
+    assert s.offsets.tolist() == [0, 4, 8, 12]
+    np.testing.assert_array_equal(np.asarray(s.tokens), padded.reshape(12, DIM))
+    g = shards.pack_arrays((d for d in padded[:2]), tmp_path / "gen")
+    assert g.offsets.tolist() == [0, 4, 8]
+    for empty in (np.zeros((0, 4, DIM), np.float32), (d for d in ())):
+        with pytest.raises(ShardError, match="no documents given"):
+            shards.pack_arrays(empty, tmp_path / "none")
+    assert listing(tmp_path) == ["gen", "rows"]
+
+
 def test_pack_arrays_rejects_mixed_dims(tmp_path):
     with pytest.raises(ShardError, match=r"docs\[1\]: d=5"):
         shards.pack_arrays([np.zeros((2, 4), np.float32), np.zeros((2, 5), np.float32)], tmp_path / "x")
