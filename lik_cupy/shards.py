@@ -904,6 +904,10 @@ def _write_block(out, name: str, block: np.ndarray, scales, pos: int, offsets: n
 def _check_target(path: str, overwrite: bool) -> None:
     """ShardError if a shard may not be written at ``path``: its parent is missing or not writable,
     its name too long, or something is there that may not be replaced."""
+    try:
+        _atomic.check_name(path)  # first: a path ending in '..' has no parent of its own to judge
+    except OSError as e:
+        raise ShardError(path, _files.problem(e)) from None
     parent = os.path.dirname(os.path.abspath(path))
     what = _files.file_kind(parent)
     if what is None:
@@ -912,10 +916,6 @@ def _check_target(path: str, overwrite: bool) -> None:
         raise ShardError(path, f"{parent} is {what}, not a directory")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise ShardError(path, f"parent directory {parent} is not writable")
-    try:
-        _atomic.check_name(path)
-    except OSError as e:
-        raise ShardError(path, _files.problem(e)) from None
     _atomic.sweep(path)  # first: a shard a killed run left moved aside is put back before the target is judged
     if os.path.lexists(path):
         if not overwrite:

@@ -277,6 +277,23 @@ def test_failed_write_leaves_nothing(tmp_path):
     assert not shards.write_shard(tmp_path / "s", tokens, offsets_of(docs)).manifest["normalized"]  # allowed unless checked
 
 
+def test_a_path_naming_no_entry_of_its_own_is_refused_before_any_work(tmp_path, monkeypatch):
+    """A path that is empty or ends in '.' or '..' was written whole, its temporary beside the
+    directory it resolves to ('y/..' with no y: the working directory's parent), and then failed
+    at the final rename with a bare FileNotFoundError (lik pack: "lik: error: : no such file").
+    It is refused before anything is read or written now."""
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    docs = ragged(np.random.default_rng(10), [2, 3])
+    written = []
+    monkeypatch.setattr(shards, "_write_tokens", lambda *a: written.append(a) or True)
+    for path in ("", "x/.", "y/..", "z/./", str(work / "..")):
+        with pytest.raises(ShardError, match="names no file or directory of its own"):
+            shards.write_shard(path, np.concatenate(docs), offsets_of(docs))
+    assert written == [] and listing(tmp_path) == ["work"] and listing(work) == []
+
+
 def test_write_rejects_bad_arguments(tmp_path):
     docs = ragged(np.random.default_rng(8), [2, 3])
     tokens, off = np.concatenate(docs), offsets_of(docs)
