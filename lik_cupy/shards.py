@@ -802,29 +802,39 @@ def _write(path, blocks, offsets: np.ndarray, ids, dim: int, source_dtype: str, 
     num_docs, num_tokens = offsets.shape[0] - 1, int(offsets[-1])
     if ids is not None:
         ids = fmt.check_ids(ids, num_docs, "ids")
+    files = {"tokens": fmt.TOKENS, "offsets": fmt.OFFSETS}
+    if dtype == fmt.INT8:
+        files["scales"] = fmt.SCALES
+    if ids is not None:
+        files["ids"] = fmt.IDS
+    manifest = {
+        "format": fmt.FORMAT, "version": _WRITE_VERSION[dtype], "dim": dim, "dtype": dtype,
+        "num_docs": num_docs, "num_tokens": num_tokens, "normalized": False, "model": model, "files": files,
+    }
+    size = len(_manifest_text(manifest))  # (ASCII; normalized as "false", the longer of its values)
+    if size > _MAX_MANIFEST_BYTES:
+        raise ShardError(path, f"the model name makes a manifest of {size:,} bytes, past the {_MAX_MANIFEST_BYTES:,} "
+                               "a reader takes; give a shorter one")
     _check_target(path, overwrite)
     try:
         with _atomic.output_dir(path, _replaceable_shard if overwrite else None) as tmp:
             work = functools.partial(_write_work, source_dtype, dtype, check_finite)
-            normalized = _write_tokens(tmp, path, blocks(_rows(max_bytes, dim, *work())), offsets, dim, dtype,
-                                       check_finite, lambda rows: _rows(max_bytes, dim, *work(rows.flags.c_contiguous)))
+            manifest["normalized"] = _write_tokens(
+                tmp, path, blocks(_rows(max_bytes, dim, *work())), offsets, dim, dtype, check_finite,
+                lambda rows: _rows(max_bytes, dim, *work(rows.flags.c_contiguous)))
             np.save(os.path.join(tmp, fmt.OFFSETS), offsets.astype("<i8", copy=False))
-            files = {"tokens": fmt.TOKENS, "offsets": fmt.OFFSETS}
-            if dtype == fmt.INT8:
-                files["scales"] = fmt.SCALES
             if ids is not None:
                 np.save(os.path.join(tmp, fmt.IDS), ids, allow_pickle=False)
-                files["ids"] = fmt.IDS
-            manifest = {
-                "format": fmt.FORMAT, "version": _WRITE_VERSION[dtype], "dim": dim, "dtype": dtype,
-                "num_docs": num_docs, "num_tokens": num_tokens, "normalized": normalized, "model": model,
-                "files": files,
-            }
             with open(os.path.join(tmp, fmt.MANIFEST), "x", encoding="utf-8", newline="\n") as f:
-                f.write(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+                f.write(_manifest_text(manifest))
     except FileExistsError as e:  # what was at ``path`` when the shard was renamed there
         raise ShardError(path, _files.problem(e)) from None
     return _open_shard(path, max_bytes)
+
+
+def _manifest_text(manifest: dict) -> str:
+    """A manifest as written: JSON (ASCII, other characters escaped), keys sorted, one per line."""
+    return json.dumps(manifest, indent=2, sort_keys=True) + "\n"
 
 
 def _write_tokens(tmp: str, path: str, blocks, offsets: np.ndarray, dim: int, dtype: str, check_finite: bool,

@@ -294,6 +294,20 @@ def test_a_path_naming_no_entry_of_its_own_is_refused_before_any_work(tmp_path, 
     assert written == [] and listing(tmp_path) == ["work"] and listing(work) == []
 
 
+def test_a_model_name_the_reader_would_refuse_is_refused_before_writing(tmp_path):
+    """A model name of a megabyte made a manifest past the 1 MiB a reader takes: write_shard
+    committed the shard, then raised when it opened it, leaving a shard no reader opens. The
+    manifest's size is checked before anything is written now."""
+    docs = ragged(np.random.default_rng(11), [2, 3])
+    limit = shards._MAX_MANIFEST_BYTES
+    with pytest.raises(ShardError, match=f"the model name makes a manifest of [0-9,]+ bytes, past the {limit:,}"):
+        shards.write_shard(tmp_path / "s", np.concatenate(docs), offsets_of(docs), model="m" * limit)
+    assert listing(tmp_path) == []
+    model = "\u00e9" * 1000  # (written as \u escapes: 6 bytes each)
+    s = shards.write_shard(tmp_path / "s", np.concatenate(docs), offsets_of(docs), model=model)
+    assert shards.open_shard(s.path).manifest["model"] == model
+
+
 def test_write_rejects_bad_arguments(tmp_path):
     docs = ragged(np.random.default_rng(8), [2, 3])
     tokens, off = np.concatenate(docs), offsets_of(docs)
