@@ -205,8 +205,10 @@ class Shard:
         """Documents ``start..stop-1`` as packed ``(tokens [t, d], offsets int64 [n+1])``, offsets from 0.
 
         Packed shards and padded arrays without lengths give memory-mapped views (read
-        when used); a padded array with lengths is copied, keeping only valid rows.
+        when used); a padded array with lengths is copied, keeping only valid rows. ValueError
+        unless ``0 <= start <= stop <= num_docs``.
         """
+        self._check_range(start, stop)
         if not self.padded:
             lo, hi = int(self.offsets[start]), int(self.offsets[stop])
             return self.tokens[lo:hi], np.asarray(self.offsets[start : stop + 1], np.int64) - lo
@@ -225,7 +227,15 @@ class Shard:
         ``start..stop-1`` of an int8 shard (a memory-mapped view)."""
         if self.scales is None:
             raise ValueError(f"{self.path} holds {self.dtype} tokens, which have no scales")
+        self._check_range(start, stop)
         return self.scales[int(self.offsets[start]) : int(self.offsets[stop])]
+
+    def _check_range(self, start: int, stop: int) -> None:
+        """ValueError unless documents ``start..stop-1`` lie in the shard (not Python's slicing:
+        a range past the end or a negative position would read other documents, or none)."""
+        if not 0 <= start <= stop <= self.num_docs:
+            raise ValueError(f"documents {start}..{stop - 1} are not among the {self.num_docs} of {self.path}; "
+                             f"expected 0 <= start <= stop <= {self.num_docs}")
 
     def read_values(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
         """Like :meth:`read_chunk`, with the tokens as float32 values (int8 tokens dequantized)."""

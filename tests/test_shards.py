@@ -124,6 +124,25 @@ def test_chunks_cover_every_document_in_order(tmp_path, max_bytes, max_docs):
             np.testing.assert_array_equal(tokens[off[j - a] : off[j - a + 1]], docs[j].astype(np.float16))
 
 
+def test_reading_documents_outside_the_shard_is_a_value_error(tmp_path):
+    """read_chunk took any numbers as Python slices do: documents 0..4 of a padded array of 3
+    gave its 3, documents -1..1 of a shard none (-1 is no document), 1..0 offsets [] where
+    [n + 1] are promised, 0..2 of 2 an IndexError. A range outside the shard is a ValueError
+    naming it now, for read_chunk, read_scales and read_values."""
+    s, _ = write_example(tmp_path, lengths=(3, 0, 5))
+    np.save(tmp_path / "p.npy", np.ones((3, 2, DIM), np.float32))
+    np.save(tmp_path / "pl.npy", np.array([1, 2, 0]))
+    padded = shards.open_input(tmp_path / "p.npy", tmp_path / "pl.npy")
+    int8 = shards.pack(s, tmp_path / "int8", dtype="int8")
+    for shard in (s, padded, int8):
+        for start, stop in ((0, 4), (-1, 2), (2, 1), (4, 4)):
+            for read in (shard.read_chunk, shard.read_values) + ((shard.read_scales,) if shard is int8 else ()):
+                with pytest.raises(ValueError, match=f"documents {start}..{stop - 1} are not among the 3 of "):
+                    read(start, stop)
+        tokens, off = shard.read_chunk(3, 3)  # no documents: an empty range at the end is one
+        assert tokens.shape == (0, DIM) and off.tolist() == [0]
+
+
 def test_padded_with_lengths(tmp_path):
     rng = np.random.default_rng(3)
     D = rng.standard_normal((5, 4, DIM)).astype(np.float32)
