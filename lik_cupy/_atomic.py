@@ -354,8 +354,14 @@ def allocate(f, size: int, target: str) -> None:
 
 
 def check_name(target: str) -> None:
-    """OSError (ENAMETOOLONG) naming ``target`` if its name is longer than its file system takes:
-    found before any work rather than at the final rename."""
+    """OSError naming ``target`` if it names no entry of its own (EINVAL: it is empty or ends in
+    ``.`` or ``..``, so its temporary would go beside the directory it resolves to and the final
+    rename fail) or its name is longer than its file system takes (ENAMETOOLONG): found before
+    any work rather than at the final rename."""
+    last = os.path.basename(os.fspath(target).rstrip(os.sep + (os.altsep or "")))
+    if last in ("", ".", ".."):
+        raise OSError(errno.EINVAL, "names no file or directory of its own (it is empty or ends in '.' or '..'); "
+                                    "give the name of the one to create", target)
     directory, name = _split(target)
     if len(name) > _files.name_max(directory):
         raise OSError(errno.ENAMETOOLONG, os.strerror(errno.ENAMETOOLONG), target)

@@ -1126,6 +1126,12 @@ def _size(path: str) -> str:
         n /= 1024
 
 
+def _printable(text: str) -> str:
+    """A shard's own string (its model name, a file name) as it is if every character of it prints,
+    else as its repr: a line break or a terminal escape in it must not forge or hide lines of the report."""
+    return text if text.isprintable() else repr(text)
+
+
 def _describe(s: shards.Shard) -> list[str]:
     lens = s.doc_lengths()
     if s.manifest is not None:
@@ -1134,7 +1140,7 @@ def _describe(s: shards.Shard) -> list[str]:
         # Only the files the shard was opened from (checked to lie inside it), not whatever else
         # the manifest's "files" names: inspect reads nothing outside the shard.
         names = [fmt.MANIFEST, *(m["files"][k] for k in ("tokens", "offsets", "ids", "scales") if k in m["files"])]
-        files = ", ".join(f"{name} {_size(os.path.join(s.path, name))}" for name in names)
+        files = ", ".join(f"{_printable(name)} {_size(os.path.join(s.path, name))}" for name in names)
     else:
         kind = f"padded .npy {list(s.tokens.shape)}" if s.padded else f"flat .npy {list(s.tokens.shape)} with doclens"
         files = f"{os.path.basename(s.path)} {_size(s.path)}"
@@ -1146,7 +1152,8 @@ def _describe(s: shards.Shard) -> list[str]:
     rows += [("dim", str(s.dim)), ("dtype", f"{s.dtype} (one float32 scale per token)" if int8 else s.dtype),
              ("token size", f"{s.bytes_per_token} bytes" + (f" ({s.dim} int8 values + a float32 scale)" if int8 else ""))]
     if s.manifest is not None:
-        rows += [("normalized", "yes" if s.manifest["normalized"] else "no"), ("model", str(s.manifest["model"]))]
+        rows += [("normalized", "yes" if s.manifest["normalized"] else "no"),
+                 ("model", _printable(str(s.manifest["model"])))]
     if s.ids is not None:
         ids = _readable_ids(s.ids[[0, -1]] if s.ids.size else s.ids)  # (decoding every id took 4x the file's bytes)
         kind = "int64" if ids.dtype.kind in "iu" else "str"

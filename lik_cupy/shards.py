@@ -205,8 +205,10 @@ class Shard:
         """Documents ``start..stop-1`` as packed ``(tokens [t, d], offsets int64 [n+1])``, offsets from 0.
 
         Packed shards and padded arrays without lengths give memory-mapped views (read
-        when used); a padded array with lengths is copied, keeping only valid rows.
+        when used); a padded array with lengths is copied, keeping only valid rows. ValueError
+        unless ``0 <= start <= stop <= num_docs``.
         """
+        self._check_range(start, stop)
         if not self.padded:
             lo, hi = int(self.offsets[start]), int(self.offsets[stop])
             return self.tokens[lo:hi], np.asarray(self.offsets[start : stop + 1], np.int64) - lo
@@ -225,7 +227,15 @@ class Shard:
         ``start..stop-1`` of an int8 shard (a memory-mapped view)."""
         if self.scales is None:
             raise ValueError(f"{self.path} holds {self.dtype} tokens, which have no scales")
+        self._check_range(start, stop)
         return self.scales[int(self.offsets[start]) : int(self.offsets[stop])]
+
+    def _check_range(self, start: int, stop: int) -> None:
+        """ValueError unless documents ``start..stop-1`` lie in the shard (not Python's slicing:
+        a range past the end or a negative position would read other documents, or none)."""
+        if not 0 <= start <= stop <= self.num_docs:
+            raise ValueError(f"documents {start}..{stop - 1} are not among the {self.num_docs} of {self.path}; "
+                             f"expected 0 <= start <= stop <= {self.num_docs}")
 
     def read_values(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
         """Like :meth:`read_chunk`, with the tokens as float32 values (int8 tokens dequantized)."""
@@ -725,12 +735,13 @@ def pack_arrays(docs: Sequence, path: str | os.PathLike, *, ids=None, model: str
                 bf16_bits: bool = False) -> Shard:
     """Write one document per array as a shard directory.
 
-    ``docs``: a sequence of ``[L_i, d]`` arrays (float16, float32, ``ml_dtypes.bfloat16``)
-    or of ``.npy`` paths, opened memory-mapped (uint16 files hold bfloat16 bits when
-    ``bf16_bits``). All share d and dtype. Other arguments as in :func:`write_shard`
+    ``docs``: a sequence (or any iterable) of ``[L_i, d]`` arrays (float16, float32,
+    ``ml_dtypes.bfloat16``; an ``[N, L, d]`` array's rows too) or of ``.npy`` paths, opened
+    memory-mapped (uint16 files hold bfloat16 bits when ``bf16_bits``). All share d and dtype. Other arguments as in :func:`write_shard`
     (``dtype="int8"`` quantizes them). Each document is written in blocks holding at most
     ``CHUNK_BYTES`` at once, as :func:`pack`'s ``max_bytes``.
     """
+    docs = list(docs)  # (an array's truth value is ambiguous, a generator's always true)
     if not docs:
         raise ShardError(path, "no documents given; expected at least one [L, d] array")
     # A file's array is not kept but opened again when it is written: a memory map holds a file
@@ -801,29 +812,39 @@ def _write(path, blocks, offsets: np.ndarray, ids, dim: int, source_dtype: str, 
     num_docs, num_tokens = offsets.shape[0] - 1, int(offsets[-1])
     if ids is not None:
         ids = fmt.check_ids(ids, num_docs, "ids")
+    files = {"tokens": fmt.TOKENS, "offsets": fmt.OFFSETS}
+    if dtype == fmt.INT8:
+        files["scales"] = fmt.SCALES
+    if ids is not None:
+        files["ids"] = fmt.IDS
+    manifest = {
+        "format": fmt.FORMAT, "version": _WRITE_VERSION[dtype], "dim": dim, "dtype": dtype,
+        "num_docs": num_docs, "num_tokens": num_tokens, "normalized": False, "model": model, "files": files,
+    }
+    size = len(_manifest_text(manifest))  # (ASCII; normalized as "false", the longer of its values)
+    if size > _MAX_MANIFEST_BYTES:
+        raise ShardError(path, f"the model name makes a manifest of {size:,} bytes, past the {_MAX_MANIFEST_BYTES:,} "
+                               "a reader takes; give a shorter one")
     _check_target(path, overwrite)
     try:
         with _atomic.output_dir(path, _replaceable_shard if overwrite else None) as tmp:
             work = functools.partial(_write_work, source_dtype, dtype, check_finite)
-            normalized = _write_tokens(tmp, path, blocks(_rows(max_bytes, dim, *work())), offsets, dim, dtype,
-                                       check_finite, lambda rows: _rows(max_bytes, dim, *work(rows.flags.c_contiguous)))
+            manifest["normalized"] = _write_tokens(
+                tmp, path, blocks(_rows(max_bytes, dim, *work())), offsets, dim, dtype, check_finite,
+                lambda rows: _rows(max_bytes, dim, *work(rows.flags.c_contiguous)))
             np.save(os.path.join(tmp, fmt.OFFSETS), offsets.astype("<i8", copy=False))
-            files = {"tokens": fmt.TOKENS, "offsets": fmt.OFFSETS}
-            if dtype == fmt.INT8:
-                files["scales"] = fmt.SCALES
             if ids is not None:
                 np.save(os.path.join(tmp, fmt.IDS), ids, allow_pickle=False)
-                files["ids"] = fmt.IDS
-            manifest = {
-                "format": fmt.FORMAT, "version": _WRITE_VERSION[dtype], "dim": dim, "dtype": dtype,
-                "num_docs": num_docs, "num_tokens": num_tokens, "normalized": normalized, "model": model,
-                "files": files,
-            }
             with open(os.path.join(tmp, fmt.MANIFEST), "x", encoding="utf-8", newline="\n") as f:
-                f.write(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+                f.write(_manifest_text(manifest))
     except FileExistsError as e:  # what was at ``path`` when the shard was renamed there
         raise ShardError(path, _files.problem(e)) from None
     return _open_shard(path, max_bytes)
+
+
+def _manifest_text(manifest: dict) -> str:
+    """A manifest as written: JSON (ASCII, other characters escaped), keys sorted, one per line."""
+    return json.dumps(manifest, indent=2, sort_keys=True) + "\n"
 
 
 def _write_tokens(tmp: str, path: str, blocks, offsets: np.ndarray, dim: int, dtype: str, check_finite: bool,
@@ -903,6 +924,10 @@ def _write_block(out, name: str, block: np.ndarray, scales, pos: int, offsets: n
 def _check_target(path: str, overwrite: bool) -> None:
     """ShardError if a shard may not be written at ``path``: its parent is missing or not writable,
     its name too long, or something is there that may not be replaced."""
+    try:
+        _atomic.check_name(path)  # first: a path ending in '..' has no parent of its own to judge
+    except OSError as e:
+        raise ShardError(path, _files.problem(e)) from None
     parent = os.path.dirname(os.path.abspath(path))
     what = _files.file_kind(parent)
     if what is None:
@@ -911,10 +936,6 @@ def _check_target(path: str, overwrite: bool) -> None:
         raise ShardError(path, f"{parent} is {what}, not a directory")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise ShardError(path, f"parent directory {parent} is not writable")
-    try:
-        _atomic.check_name(path)
-    except OSError as e:
-        raise ShardError(path, _files.problem(e)) from None
     _atomic.sweep(path)  # first: a shard a killed run left moved aside is put back before the target is judged
     if os.path.lexists(path):
         if not overwrite:

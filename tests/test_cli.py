@@ -473,6 +473,23 @@ def test_inspect(tmp_path):
     assert "structure  ok (manifest, shapes" in run("inspect", c.shards[0]).output
 
 
+def test_inspect_shows_a_manifests_control_characters_escaped(tmp_path):
+    """The manifest's model name and file names were printed as they are, so a shard could forge
+    lines of the report (a model "x\\nstructure  ok ...") or hide them with terminal escapes; a
+    string that does not print as it is is shown as its repr now."""
+    model = "colbert\nvalues     all finite; every token has norm 1\x1b[2K"
+    s = shards.write_shard(tmp_path / "s", np.ones((2, 4), np.float32), [0, 2], model=model)
+    os.rename(tmp_path / "s" / "tokens.npy", tmp_path / "s" / "tok\rens.npy")
+    m = json.loads((tmp_path / "s" / "manifest.json").read_text())
+    m["files"]["tokens"] = "tok\rens.npy"
+    (tmp_path / "s" / "manifest.json").write_text(json.dumps(m))
+    r = run("inspect", s.path)
+    assert r.exit_code == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert f"model      {model!r}" in lines and not any(line.startswith("values     all") for line in lines)
+    assert "'tok\\rens.npy' 160 B" in r.stdout and "\r" not in r.stdout and "\x1b" not in r.stdout
+
+
 @pytest.mark.parametrize("cmd", [[], ["score"], ["pack"], ["inspect"], ["info"]])
 def test_help_explains_the_format_with_an_example(cmd):
     r = run(*cmd, "--help")

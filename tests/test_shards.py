@@ -124,6 +124,25 @@ def test_chunks_cover_every_document_in_order(tmp_path, max_bytes, max_docs):
             np.testing.assert_array_equal(tokens[off[j - a] : off[j - a + 1]], docs[j].astype(np.float16))
 
 
+def test_reading_documents_outside_the_shard_is_a_value_error(tmp_path):
+    """read_chunk took any numbers as Python slices do: documents 0..4 of a padded array of 3
+    gave its 3, documents -1..1 of a shard none (-1 is no document), 1..0 offsets [] where
+    [n + 1] are promised, 0..2 of 2 an IndexError. A range outside the shard is a ValueError
+    naming it now, for read_chunk, read_scales and read_values."""
+    s, _ = write_example(tmp_path, lengths=(3, 0, 5))
+    np.save(tmp_path / "p.npy", np.ones((3, 2, DIM), np.float32))
+    np.save(tmp_path / "pl.npy", np.array([1, 2, 0]))
+    padded = shards.open_input(tmp_path / "p.npy", tmp_path / "pl.npy")
+    int8 = shards.pack(s, tmp_path / "int8", dtype="int8")
+    for shard in (s, padded, int8):
+        for start, stop in ((0, 4), (-1, 2), (2, 1), (4, 4)):
+            for read in (shard.read_chunk, shard.read_values) + ((shard.read_scales,) if shard is int8 else ()):
+                with pytest.raises(ValueError, match=f"documents {start}..{stop - 1} are not among the 3 of "):
+                    read(start, stop)
+        tokens, off = shard.read_chunk(3, 3)  # no documents: an empty range at the end is one
+        assert tokens.shape == (0, DIM) and off.tolist() == [0]
+
+
 def test_padded_with_lengths(tmp_path):
     rng = np.random.default_rng(3)
     D = rng.standard_normal((5, 4, DIM)).astype(np.float32)
@@ -227,6 +246,23 @@ def test_pack_arrays_of_more_files_than_descriptors(tmp_path):
     assert not (tmp_path / "again").exists()
 
 
+def test_pack_arrays_takes_any_iterable_of_documents(tmp_path):
+    """An [N, L, d] array (a sequence of [L, d] documents) raised NumPy's "truth value of an
+    array is ambiguous", and an empty generator an UnboundLocalError; the array's rows are
+    documents now, and no documents at all is the ShardError saying so."""
+    rng = np.random.default_rng(9)
+    padded = rng.standard_normal((3, 4, DIM)).astype(np.float32)
+    s = shards.pack_arrays(padded, tmp_path / "rows")
+    assert s.offsets.tolist() == [0, 4, 8, 12]
+    np.testing.assert_array_equal(np.asarray(s.tokens), padded.reshape(12, DIM))
+    g = shards.pack_arrays((d for d in padded[:2]), tmp_path / "gen")
+    assert g.offsets.tolist() == [0, 4, 8]
+    for empty in (np.zeros((0, 4, DIM), np.float32), (d for d in ())):
+        with pytest.raises(ShardError, match="no documents given"):
+            shards.pack_arrays(empty, tmp_path / "none")
+    assert listing(tmp_path) == ["gen", "rows"]
+
+
 def test_pack_arrays_rejects_mixed_dims(tmp_path):
     with pytest.raises(ShardError, match=r"docs\[1\]: d=5"):
         shards.pack_arrays([np.zeros((2, 4), np.float32), np.zeros((2, 5), np.float32)], tmp_path / "x")
@@ -258,6 +294,37 @@ def test_failed_write_leaves_nothing(tmp_path):
         shards.write_shard(tmp_path / "s", tokens, offsets_of(docs), check_finite=True)
     assert listing(tmp_path) == []
     assert not shards.write_shard(tmp_path / "s", tokens, offsets_of(docs)).manifest["normalized"]  # allowed unless checked
+
+
+def test_a_path_naming_no_entry_of_its_own_is_refused_before_any_work(tmp_path, monkeypatch):
+    """A path that is empty or ends in '.' or '..' was written whole, its temporary beside the
+    directory it resolves to ('y/..' with no y: the working directory's parent), and then failed
+    at the final rename with a bare FileNotFoundError (lik pack: "lik: error: : no such file").
+    It is refused before anything is read or written now."""
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    docs = ragged(np.random.default_rng(10), [2, 3])
+    written = []
+    monkeypatch.setattr(shards, "_write_tokens", lambda *a: written.append(a) or True)
+    for path in ("", "x/.", "y/..", "z/./", str(work / "..")):
+        with pytest.raises(ShardError, match="names no file or directory of its own"):
+            shards.write_shard(path, np.concatenate(docs), offsets_of(docs))
+    assert written == [] and listing(tmp_path) == ["work"] and listing(work) == []
+
+
+def test_a_model_name_the_reader_would_refuse_is_refused_before_writing(tmp_path):
+    """A model name of a megabyte made a manifest past the 1 MiB a reader takes: write_shard
+    committed the shard, then raised when it opened it, leaving a shard no reader opens. The
+    manifest's size is checked before anything is written now."""
+    docs = ragged(np.random.default_rng(11), [2, 3])
+    limit = shards._MAX_MANIFEST_BYTES
+    with pytest.raises(ShardError, match=f"the model name makes a manifest of [0-9,]+ bytes, past the {limit:,}"):
+        shards.write_shard(tmp_path / "s", np.concatenate(docs), offsets_of(docs), model="m" * limit)
+    assert listing(tmp_path) == []
+    model = "\u00e9" * 1000  # (written as \u escapes: 6 bytes each)
+    s = shards.write_shard(tmp_path / "s", np.concatenate(docs), offsets_of(docs), model=model)
+    assert shards.open_shard(s.path).manifest["model"] == model
 
 
 def test_write_rejects_bad_arguments(tmp_path):
