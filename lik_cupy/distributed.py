@@ -453,6 +453,7 @@ class DistributedCorpus:
     Raises:
         ShardError: a shard cannot be read (the message names the file).
         TimeoutError: no worker joined, or loading did not finish, within ``timeout``.
+        ConnectionError: ``client`` is closed (here or in any later call).
 
     The corpus holds the workers' memory until :meth:`close` (or the end of a ``with`` block).
 
@@ -493,7 +494,12 @@ class DistributedCorpus:
             raise ValueError(f"backend must be 'auto', 'gpu' or 'cpu', got {backend!r}")
         if isinstance(timeout, bool) or not timeout > 0:
             raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        if not isinstance(client, distributed.Client):
+            raise TypeError(f"client must be a distributed.Client (Client(cluster), Client('tcp://host:8786')), got "
+                            f"{type(client).__module__}.{type(client).__name__}")
         self.client, self.timeout = client, float(timeout)
+        # A closed client forgets its scheduler: kept for the messages that name it
+        self._scheduler_address = getattr(client.scheduler, "address", None)
         self._name = f"lik-cupy-corpus-{uuid.uuid4().hex[:12]}"
         self._weights: dict[str, float] = {}  # known living workers -> capacity in bytes
         self._placement: dict[int, str] = {}  # shard -> the worker that should hold it
@@ -699,6 +705,8 @@ class DistributedCorpus:
         """``fn(*args, **kwargs)``, a blocking Dask call without a timeout of its own, bounded by ``timeout``;
         and by ``give_up()``, when given, asked every ``_POLL`` seconds: _GaveUp when it says True
         (the call goes on in its daemon thread until Dask gives up on it)."""
+        if self.client.status in ("closing", "closed"):
+            raise self._client_closed(what)
         box = {}
 
         def run():
@@ -719,11 +727,18 @@ class DistributedCorpus:
             raise TimeoutError(f"lik_cupy.distributed: {what}: the scheduler at {self._address()} did not answer "
                                f"within {self.timeout:g} s (timeout=)")
         if "error" in box:
+            if self.client.status in ("closing", "closed"):  # Dask's error is then an AttributeError of its own
+                raise self._client_closed(what) from box["error"]
             raise box["error"]
         return box.get("value")
 
+    def _client_closed(self, what: str) -> ConnectionError:
+        return ConnectionError(f"lik_cupy.distributed: {what}: the Dask client is closed (status "
+                               f"{self.client.status!r}); the scheduler at {self._address()} cannot be reached through "
+                               "it: open a new Client and DistributedCorpus")
+
     def _address(self) -> str:
-        return getattr(self.client.scheduler, "address", None) or "(unknown address)"
+        return getattr(self.client.scheduler, "address", None) or self._scheduler_address or "(unknown address)"
 
     def _live(self) -> set[str]:
         """The workers connected to the scheduler now; waits for one when there is none."""

@@ -539,6 +539,54 @@ def test_close_returns_at_once_when_the_scheduler_is_gone(corpus_files, tmp_path
                 cluster.close(timeout=10)
 
 
+def test_a_closed_client_or_no_client_is_named(corpus_files, rng):
+    """A closed client (closed by its user, or by the LocalCluster it was made of when that closed)
+    failed every call with Dask's AttributeError ('NoneType' object has no attribute 'ncores'), and
+    so did a LocalCluster or an address passed as the client. The first is now a ConnectionError
+    naming the scheduler the client had, the second a TypeError."""
+    Q, _ = _queries(rng)
+    with distributed.LocalCluster(n_workers=1, processes=False, threads_per_worker=1, dashboard_address=":0",
+                                  silence_logs=logging.ERROR) as cluster:
+        for wrong in (cluster, cluster.scheduler_address):
+            name = type(wrong).__name__
+            with pytest.raises(TypeError, match=rf"client must be a distributed.Client .*got .*\.{name}$"):
+                DistributedCorpus(wrong, corpus_files[0][:2], backend="cpu")
+        c = distributed.Client(cluster)
+        address = c.scheduler.address
+        corpus = DistributedCorpus(c, corpus_files[0][:2], backend="cpu")
+        c.close()
+        closed = re.escape(f"the Dask client is closed (status 'closed'); the scheduler at {address} cannot be reached "
+                           "through it")
+        with pytest.raises(ConnectionError, match=closed):
+            corpus.search(Q, 3)
+        with pytest.raises(ConnectionError, match=closed):
+            corpus.score(Q)
+        with pytest.raises(ConnectionError, match="the Dask client is closed"):
+            DistributedCorpus(c, corpus_files[0][:2], backend="cpu")
+        corpus.close()
+
+
+def test_lik_score_names_a_scheduler_whose_client_closed(client, corpus_files, tmp_path, rng, monkeypatch):
+    """A run whose client closed mid-run (Dask closes it when its scheduler stays away past the
+    reconnect timeout, 30 s) ended in an internal error: the handler of the lost connection read
+    the address from the closed client (None). It is the one-line error, exit status 2."""
+    Q, _ = _queries(rng)
+    np.save(tmp_path / "q.npy", Q)
+    search = DistributedCorpus.search
+
+    def closing(self, *args, **kwargs):
+        self.client.close()
+        return search(self, *args, **kwargs)
+
+    monkeypatch.setattr(DistributedCorpus, "search", closing)
+    address = client.scheduler.address
+    r = run_lik("score", "-q", tmp_path / "q.npy", "-d", *corpus_files[0][:2], "-k", 3, "--cpu", "-o",
+                tmp_path / "top.tsv", "--scheduler", address)
+    assert r.exit_code == 2 and r.stderr.startswith(f"lik: error: --scheduler: lost the connection to the Dask "
+                                                    f"scheduler at {address}: "), r.stderr
+    assert "the Dask client is closed" in r.stderr and not (tmp_path / "top.tsv").exists()
+
+
 def _killer(address: str):
     """A worker plugin that ends the process of worker ``address`` when a search task starts there
     (defined in a function so that cloudpickle ships it by value to the workers)."""
