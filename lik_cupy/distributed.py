@@ -416,6 +416,10 @@ class _GaveUp(Exception):
     """A call's ``give_up`` said to stop waiting for it."""
 
 
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool)
+
+
 def _source(s, i: int) -> tuple[str, str | None]:
     """(path, lengths path or None), absolute: a relative path means the client's working directory,
     never the one each worker happens to run in."""
@@ -486,14 +490,19 @@ class DistributedCorpus:
         self._sources = [_source(s, i) for i, s in enumerate(shard_paths)]
         if not self._sources:
             raise ValueError("shard_paths is empty; give at least one shard")
-        if isinstance(device_memory_fraction, bool) or not 0 < device_memory_fraction <= 1:
+        if not _is_number(device_memory_fraction):
+            raise TypeError(f"device_memory_fraction must be a number in (0, 1], got {device_memory_fraction!r}")
+        if not 0 < device_memory_fraction <= 1:
             raise ValueError(f"device_memory_fraction must be in (0, 1], got {device_memory_fraction!r}")
         if dtype is not None and dtype not in fmt.DTYPES:
             raise ValueError(f"dtype must be None or one of {', '.join(fmt.DTYPES)}, got {dtype!r}")
         if backend not in ("auto", "gpu", "cpu"):
             raise ValueError(f"backend must be 'auto', 'gpu' or 'cpu', got {backend!r}")
-        if isinstance(timeout, bool) or not timeout > 0:
-            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        if not _is_number(timeout):
+            raise TypeError(f"timeout must be a number of seconds, got {timeout!r}")
+        if not 0 < timeout <= threading.TIMEOUT_MAX:  # what a thread's join takes: it is how calls are bounded
+            raise ValueError(f"timeout must be a positive, finite number of seconds (at most "
+                             f"{threading.TIMEOUT_MAX:.3g}), got {timeout!r}")
         if not isinstance(client, distributed.Client):
             raise TypeError(f"client must be a distributed.Client (Client(cluster), Client('tcp://host:8786')), got "
                             f"{type(client).__module__}.{type(client).__name__}")

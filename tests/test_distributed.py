@@ -219,6 +219,25 @@ def test_bad_queries_are_refused_on_the_client(corpus, rng):
         corpus.search(Q.astype(np.float16), 5)
 
 
+def test_timeout_and_memory_fraction_are_checked_numbers(client, corpus_files):
+    """timeout=inf (no limit, as a caller may mean it), or any past threading.TIMEOUT_MAX, failed on
+    the first wait with OverflowError ('timestamp out of range for platform time_t'), and a timeout
+    or device_memory_fraction given as a string or None with a bare comparison TypeError ("'>' not
+    supported between instances of 'str' and 'int')."""
+    paths = corpus_files[0][:2]
+    for bad in (float("inf"), 1e10):  # past threading.TIMEOUT_MAX (9.2e9 s) too
+        with pytest.raises(ValueError, match=r"timeout must be a positive, finite number of seconds \(at most "
+                                             rf"9.22e\+09\), got {bad!r}"):
+            DistributedCorpus(client, paths, backend="cpu", timeout=bad)
+    for bad in ("5", None):
+        with pytest.raises(TypeError, match=rf"timeout must be a number of seconds, got {bad!r}"):
+            DistributedCorpus(client, paths, backend="cpu", timeout=bad)
+    with pytest.raises(TypeError, match=r"device_memory_fraction must be a number in \(0, 1\], got '0.5'"):
+        DistributedCorpus(client, paths, backend="cpu", device_memory_fraction="0.5")
+    with DistributedCorpus(client, paths, backend="cpu", timeout=np.float32(60), device_memory_fraction=np.float64(.5)):
+        pass
+
+
 def test_a_corrupt_or_missing_shard_fails_naming_the_file(client, corpus_files, tmp_path):
     bad = tmp_path / "bad"
     shutil.copytree(corpus_files[0][0], bad)
