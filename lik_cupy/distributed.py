@@ -574,20 +574,27 @@ class DistributedCorpus:
         """Every score: float32 ``[Nq, num_docs]`` (``[num_docs]`` for a 2-D Q), columns in corpus order.
 
         The workers score pieces of at most 64 MiB of scores; the client writes each into ``out``
-        (a float32 NumPy array of the shape returned, else ValueError; None: a new array) as it
-        arrives and returns it. Or, with ``write``, hands each piece to
+        (a writeable float32 NumPy array of the shape returned, else ValueError; None: a new array) as
+        it arrives and returns it. Or, with ``write`` (and no ``out``), hands each piece to
         ``write(first_doc, scores [Nq, n])`` as it arrives and returns None: a result larger than
         memory goes to a file that way (``lik score --full-matrix`` writes each piece in place).
         """
         Q, q_lengths, squeeze = self._queries(Q, q_lengths)
         shape = (self.num_docs,) if squeeze else (Q.shape[0], self.num_docs)
+        # checked before any task: a bad out or write would only fail once the first piece came back
         if write is not None:
-            out = None
+            if out is not None:
+                raise ValueError("give out or write, not both: with write, every piece goes to write and score "
+                                 "returns None")
+            if not callable(write):
+                raise TypeError(f"write must be a callable write(first_doc, scores), got {type(write).__name__}")
         elif out is None:
             out = np.empty(shape, np.float32)
         elif not isinstance(out, np.ndarray) or out.shape != shape or out.dtype != np.float32:
             raise ValueError(f"out must be a float32 NumPy array of shape {list(shape)} (the scores of this Q), got "
                              f"{getattr(out, 'dtype', type(out).__name__)} {list(getattr(out, 'shape', []))}")
+        elif not out.flags.writeable:
+            raise ValueError(f"out is read-only; give a writeable float32 array of shape {list(shape)}")
         rows = None if out is None else out[None] if squeeze else out  # [Nq, num_docs], as the pieces come
         per = max(1, _PIECE_BYTES // max(1, 4 * Q.shape[0]))
         todo = {(i, a, min(n, a + per)): None for i, n in enumerate(self._docs) for a in range(0, n, per)}

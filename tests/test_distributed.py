@@ -209,6 +209,21 @@ def test_score_fills_an_out_of_the_shape_it_returns(corpus, rng):
             corpus.score(q, out=bad)
 
 
+def test_score_checks_out_and_write_before_any_task(corpus, rng):
+    """score(Q, out=a, write=f) handed the pieces to f and left a as it was, unfilled and unsaid; a
+    read-only out and a write that cannot be called failed only once the first piece came back
+    (NumPy's 'assignment destination is read-only', "'int' object is not callable")."""
+    Q, _ = _queries(rng, nq=2)
+    out = np.zeros((2, corpus.num_docs), np.float32)
+    with pytest.raises(ValueError, match="give out or write, not both"):
+        corpus.score(Q, out=out, write=lambda first, S: None)
+    out.flags.writeable = False
+    with pytest.raises(ValueError, match=r"out is read-only; give a writeable float32 array of shape \[2, "):
+        corpus.score(Q, out=out)
+    with pytest.raises(TypeError, match=r"write must be a callable write\(first_doc, scores\), got int"):
+        corpus.score(Q, write=3)
+
+
 def test_bad_queries_are_refused_on_the_client(corpus, rng):
     Q, _ = _queries(rng)
     with pytest.raises(ValueError, match="k must be an integer in"):
