@@ -1,5 +1,6 @@
-"""The shard format's names and id rule, shared by the reader and writer (``lik_cupy.shards``,
-whose docstring is the one description of the format), the CLI and the distributed corpus."""
+"""The shard format's names and id rules, shared by the reader and writer (``lik_cupy.shards``,
+whose docstring is the one description of the format), the CLI, the distributed corpus, and a
+corpus of several shards (``Corpus.from_shards``, a serving partition)."""
 
 from __future__ import annotations
 
@@ -30,6 +31,29 @@ def numpy_dtype(name: str) -> np.dtype:
 def plain(v):
     """A NumPy scalar as the Python value it holds (for messages)."""
     return v.item() if isinstance(v, np.generic) else v
+
+
+def check_id_kinds(opened: list) -> None:
+    """Shards (``lik_cupy.shards.Shard``) read as one corpus: every one has ids, of one kind
+    (integer or string), or none has; else ValueError."""
+    named = [s for s in opened if s.ids is not None]
+    if named and len(named) != len(opened):
+        bare = next(s for s in opened if s.ids is None)
+        raise ValueError(f"{bare.path} has no ids but {named[0].path} has; give every shard ids.npy, or none")
+    if named and len({s.ids.dtype.kind in "iu" for s in named}) > 1:
+        raise ValueError("the shards mix integer and string ids; use one kind in every shard")
+
+
+def joined_ids(opened: list) -> np.ndarray | None:
+    """The ids of shards read as one corpus, in order (``check_id_kinds``), or None when none has
+    ids; byte-string ids beside text ids are read as UTF-8, as ``lik score`` shows them."""
+    check_id_kinds(opened)
+    if not opened or opened[0].ids is None:
+        return None
+    ids = [np.asarray(s.ids) for s in opened]
+    if {a.dtype.kind for a in ids} == {"S", "U"}:
+        ids = [np.char.decode(a, "utf-8", errors="backslashreplace") if a.dtype.kind == "S" else a for a in ids]
+    return np.concatenate(ids)
 
 
 def check_ids(ids, n: int, name: str) -> np.ndarray:

@@ -748,6 +748,7 @@ def _dask_corpus(scheduler: str | None, gpus: list, backend: str, docs, d_length
             client = stack.enter_context(Client(cluster))
         else:
             client = stack.enter_context(_connect(scheduler))
+        address = client.scheduler.address  # a client that closes (its scheduler gone) forgets it
         try:
             yield stack.enter_context(DistributedCorpus(client, sources, dtype=dtype, bf16_bits=bf16_bits,
                                                         backend=backend))
@@ -758,7 +759,7 @@ def _dask_corpus(scheduler: str | None, gpus: list, backend: str, docs, d_length
                 raise
             # the scheduler went away mid-run: Dask's CommClosedError, a reset, a reconnect that timed out
             raise LikError("--scheduler" if scheduler else "--devices",
-                           f"lost the connection to the Dask scheduler at {client.scheduler.address}: {e}") from None
+                           f"lost the connection to the Dask scheduler at {address}: {e}") from None
 
 
 def _connect(scheduler: str):

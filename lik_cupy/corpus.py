@@ -54,6 +54,7 @@ from ._runtime.operands import check_scales_of_valid, host_offsets, kernel_opera
 from ._runtime.host_staging import fits, staged_call
 from ._runtime.prepared_calls import call_key
 from ._runtime.topk import MAX_K
+from ._shard_format import check_id_kinds, joined_ids
 from ._streaming.cpu import CpuTopK
 from ._streaming.docs import DeviceDocs, HostDocs, device_docs, host_docs, staged_source
 from ._streaming.gpu import GpuTopK
@@ -175,12 +176,7 @@ class Corpus:
             if s.dtype != first.dtype or s.dim != first.dim:
                 raise ValueError(f"{s.path} holds {s.dtype} tokens of dim {s.dim} but {first.path} holds {first.dtype} "
                                  f"of dim {first.dim}; a corpus has one dtype and dim")
-        named = [s for s in opened if s.ids is not None]
-        if named and len(named) != len(opened):
-            bare = next(s for s in opened if s.ids is None)
-            raise ValueError(f"{bare.path} has no ids but {named[0].path} has; give every shard ids.npy, or none")
-        if named and len({s.ids.dtype.kind in "iu" for s in named}) > 1:
-            raise ValueError("the shards mix integer and string ids; use one kind in every shard")
+        check_id_kinds(opened)
         chunks = [s.read_chunk(0, s.num_docs) for s in opened]
         tokens = chunks[0][0] if len(chunks) == 1 else np.concatenate([t for t, _ in chunks])
         offsets = np.zeros(1 + sum(s.num_docs for s in opened), np.int64)
@@ -192,13 +188,7 @@ class Corpus:
         if first.scales is not None:
             parts = [s.read_scales(0, s.num_docs) for s in opened]
             scales = parts[0] if len(parts) == 1 else np.concatenate(parts)
-        if named and ids:
-            ids = [np.asarray(s.ids) for s in opened]
-            if {a.dtype.kind for a in ids} == {"S", "U"}:  # bytes beside text: read as UTF-8, as `lik score` does
-                ids = [np.char.decode(a, "utf-8", errors="backslashreplace") if a.dtype.kind == "S" else a for a in ids]
-            ids = np.concatenate(ids)
-        else:
-            ids = None
+        ids = joined_ids(opened) if ids else None
         return cls(tokens, d_offsets=offsets, d_scales=scales, ids=ids, device=device, max_gpu_bytes=max_gpu_bytes)
 
     def __len__(self) -> int:

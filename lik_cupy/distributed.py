@@ -416,6 +416,10 @@ class _GaveUp(Exception):
     """A call's ``give_up`` said to stop waiting for it."""
 
 
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool)
+
+
 def _source(s, i: int) -> tuple[str, str | None]:
     """(path, lengths path or None), absolute: a relative path means the client's working directory,
     never the one each worker happens to run in."""
@@ -453,6 +457,7 @@ class DistributedCorpus:
     Raises:
         ShardError: a shard cannot be read (the message names the file).
         TimeoutError: no worker joined, or loading did not finish, within ``timeout``.
+        ConnectionError: ``client`` is closed (here or in any later call).
 
     The corpus holds the workers' memory until :meth:`close` (or the end of a ``with`` block).
 
@@ -485,15 +490,25 @@ class DistributedCorpus:
         self._sources = [_source(s, i) for i, s in enumerate(shard_paths)]
         if not self._sources:
             raise ValueError("shard_paths is empty; give at least one shard")
-        if isinstance(device_memory_fraction, bool) or not 0 < device_memory_fraction <= 1:
+        if not _is_number(device_memory_fraction):
+            raise TypeError(f"device_memory_fraction must be a number in (0, 1], got {device_memory_fraction!r}")
+        if not 0 < device_memory_fraction <= 1:
             raise ValueError(f"device_memory_fraction must be in (0, 1], got {device_memory_fraction!r}")
         if dtype is not None and dtype not in fmt.DTYPES:
             raise ValueError(f"dtype must be None or one of {', '.join(fmt.DTYPES)}, got {dtype!r}")
         if backend not in ("auto", "gpu", "cpu"):
             raise ValueError(f"backend must be 'auto', 'gpu' or 'cpu', got {backend!r}")
-        if isinstance(timeout, bool) or not timeout > 0:
-            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        if not _is_number(timeout):
+            raise TypeError(f"timeout must be a number of seconds, got {timeout!r}")
+        if not 0 < timeout <= threading.TIMEOUT_MAX:  # what a thread's join takes: it is how calls are bounded
+            raise ValueError(f"timeout must be a positive, finite number of seconds (at most "
+                             f"{threading.TIMEOUT_MAX:.3g}), got {timeout!r}")
+        if not isinstance(client, distributed.Client):
+            raise TypeError(f"client must be a distributed.Client (Client(cluster), Client('tcp://host:8786')), got "
+                            f"{type(client).__module__}.{type(client).__name__}")
         self.client, self.timeout = client, float(timeout)
+        # A closed client forgets its scheduler: kept for the messages that name it
+        self._scheduler_address = getattr(client.scheduler, "address", None)
         self._name = f"lik-cupy-corpus-{uuid.uuid4().hex[:12]}"
         self._weights: dict[str, float] = {}  # known living workers -> capacity in bytes
         self._placement: dict[int, str] = {}  # shard -> the worker that should hold it
@@ -559,20 +574,27 @@ class DistributedCorpus:
         """Every score: float32 ``[Nq, num_docs]`` (``[num_docs]`` for a 2-D Q), columns in corpus order.
 
         The workers score pieces of at most 64 MiB of scores; the client writes each into ``out``
-        (a float32 NumPy array of the shape returned, else ValueError; None: a new array) as it
-        arrives and returns it. Or, with ``write``, hands each piece to
+        (a writeable float32 NumPy array of the shape returned, else ValueError; None: a new array) as
+        it arrives and returns it. Or, with ``write`` (and no ``out``), hands each piece to
         ``write(first_doc, scores [Nq, n])`` as it arrives and returns None: a result larger than
         memory goes to a file that way (``lik score --full-matrix`` writes each piece in place).
         """
         Q, q_lengths, squeeze = self._queries(Q, q_lengths)
         shape = (self.num_docs,) if squeeze else (Q.shape[0], self.num_docs)
+        # checked before any task: a bad out or write would only fail once the first piece came back
         if write is not None:
-            out = None
+            if out is not None:
+                raise ValueError("give out or write, not both: with write, every piece goes to write and score "
+                                 "returns None")
+            if not callable(write):
+                raise TypeError(f"write must be a callable write(first_doc, scores), got {type(write).__name__}")
         elif out is None:
             out = np.empty(shape, np.float32)
         elif not isinstance(out, np.ndarray) or out.shape != shape or out.dtype != np.float32:
             raise ValueError(f"out must be a float32 NumPy array of shape {list(shape)} (the scores of this Q), got "
                              f"{getattr(out, 'dtype', type(out).__name__)} {list(getattr(out, 'shape', []))}")
+        elif not out.flags.writeable:
+            raise ValueError(f"out is read-only; give a writeable float32 array of shape {list(shape)}")
         rows = None if out is None else out[None] if squeeze else out  # [Nq, num_docs], as the pieces come
         per = max(1, _PIECE_BYTES // max(1, 4 * Q.shape[0]))
         todo = {(i, a, min(n, a + per)): None for i, n in enumerate(self._docs) for a in range(0, n, per)}
@@ -699,6 +721,8 @@ class DistributedCorpus:
         """``fn(*args, **kwargs)``, a blocking Dask call without a timeout of its own, bounded by ``timeout``;
         and by ``give_up()``, when given, asked every ``_POLL`` seconds: _GaveUp when it says True
         (the call goes on in its daemon thread until Dask gives up on it)."""
+        if self.client.status in ("closing", "closed"):
+            raise self._client_closed(what)
         box = {}
 
         def run():
@@ -719,11 +743,18 @@ class DistributedCorpus:
             raise TimeoutError(f"lik_cupy.distributed: {what}: the scheduler at {self._address()} did not answer "
                                f"within {self.timeout:g} s (timeout=)")
         if "error" in box:
+            if self.client.status in ("closing", "closed"):  # Dask's error is then an AttributeError of its own
+                raise self._client_closed(what) from box["error"]
             raise box["error"]
         return box.get("value")
 
+    def _client_closed(self, what: str) -> ConnectionError:
+        return ConnectionError(f"lik_cupy.distributed: {what}: the Dask client is closed (status "
+                               f"{self.client.status!r}); the scheduler at {self._address()} cannot be reached through "
+                               "it: open a new Client and DistributedCorpus")
+
     def _address(self) -> str:
-        return getattr(self.client.scheduler, "address", None) or "(unknown address)"
+        return getattr(self.client.scheduler, "address", None) or self._scheduler_address or "(unknown address)"
 
     def _live(self) -> set[str]:
         """The workers connected to the scheduler now; waits for one when there is none."""

@@ -209,6 +209,21 @@ def test_score_fills_an_out_of_the_shape_it_returns(corpus, rng):
             corpus.score(q, out=bad)
 
 
+def test_score_checks_out_and_write_before_any_task(corpus, rng):
+    """score(Q, out=a, write=f) handed the pieces to f and left a as it was, unfilled and unsaid; a
+    read-only out and a write that cannot be called failed only once the first piece came back
+    (NumPy's 'assignment destination is read-only', "'int' object is not callable")."""
+    Q, _ = _queries(rng, nq=2)
+    out = np.zeros((2, corpus.num_docs), np.float32)
+    with pytest.raises(ValueError, match="give out or write, not both"):
+        corpus.score(Q, out=out, write=lambda first, S: None)
+    out.flags.writeable = False
+    with pytest.raises(ValueError, match=r"out is read-only; give a writeable float32 array of shape \[2, "):
+        corpus.score(Q, out=out)
+    with pytest.raises(TypeError, match=r"write must be a callable write\(first_doc, scores\), got int"):
+        corpus.score(Q, write=3)
+
+
 def test_bad_queries_are_refused_on_the_client(corpus, rng):
     Q, _ = _queries(rng)
     with pytest.raises(ValueError, match="k must be an integer in"):
@@ -217,6 +232,25 @@ def test_bad_queries_are_refused_on_the_client(corpus, rng):
         corpus.search(Q[..., :3].copy(), 5)
     with pytest.raises(TypeError, match="Q is float16 but the corpus holds float32"):
         corpus.search(Q.astype(np.float16), 5)
+
+
+def test_timeout_and_memory_fraction_are_checked_numbers(client, corpus_files):
+    """timeout=inf (no limit, as a caller may mean it), or any past threading.TIMEOUT_MAX, failed on
+    the first wait with OverflowError ('timestamp out of range for platform time_t'), and a timeout
+    or device_memory_fraction given as a string or None with a bare comparison TypeError ("'>' not
+    supported between instances of 'str' and 'int')."""
+    paths = corpus_files[0][:2]
+    for bad in (float("inf"), 1e10):  # past threading.TIMEOUT_MAX (9.2e9 s) too
+        with pytest.raises(ValueError, match=r"timeout must be a positive, finite number of seconds \(at most "
+                                             rf"9.22e\+09\), got {bad!r}"):
+            DistributedCorpus(client, paths, backend="cpu", timeout=bad)
+    for bad in ("5", None):
+        with pytest.raises(TypeError, match=rf"timeout must be a number of seconds, got {bad!r}"):
+            DistributedCorpus(client, paths, backend="cpu", timeout=bad)
+    with pytest.raises(TypeError, match=r"device_memory_fraction must be a number in \(0, 1\], got '0.5'"):
+        DistributedCorpus(client, paths, backend="cpu", device_memory_fraction="0.5")
+    with DistributedCorpus(client, paths, backend="cpu", timeout=np.float32(60), device_memory_fraction=np.float64(.5)):
+        pass
 
 
 def test_a_corrupt_or_missing_shard_fails_naming_the_file(client, corpus_files, tmp_path):
@@ -537,6 +571,54 @@ def test_close_returns_at_once_when_the_scheduler_is_gone(corpus_files, tmp_path
         if cluster is not None:
             with contextlib.suppress(Exception):
                 cluster.close(timeout=10)
+
+
+def test_a_closed_client_or_no_client_is_named(corpus_files, rng):
+    """A closed client (closed by its user, or by the LocalCluster it was made of when that closed)
+    failed every call with Dask's AttributeError ('NoneType' object has no attribute 'ncores'), and
+    so did a LocalCluster or an address passed as the client. The first is now a ConnectionError
+    naming the scheduler the client had, the second a TypeError."""
+    Q, _ = _queries(rng)
+    with distributed.LocalCluster(n_workers=1, processes=False, threads_per_worker=1, dashboard_address=":0",
+                                  silence_logs=logging.ERROR) as cluster:
+        for wrong in (cluster, cluster.scheduler_address):
+            name = type(wrong).__name__
+            with pytest.raises(TypeError, match=rf"client must be a distributed.Client .*got .*\.{name}$"):
+                DistributedCorpus(wrong, corpus_files[0][:2], backend="cpu")
+        c = distributed.Client(cluster)
+        address = c.scheduler.address
+        corpus = DistributedCorpus(c, corpus_files[0][:2], backend="cpu")
+        c.close()
+        closed = re.escape(f"the Dask client is closed (status 'closed'); the scheduler at {address} cannot be reached "
+                           "through it")
+        with pytest.raises(ConnectionError, match=closed):
+            corpus.search(Q, 3)
+        with pytest.raises(ConnectionError, match=closed):
+            corpus.score(Q)
+        with pytest.raises(ConnectionError, match="the Dask client is closed"):
+            DistributedCorpus(c, corpus_files[0][:2], backend="cpu")
+        corpus.close()
+
+
+def test_lik_score_names_a_scheduler_whose_client_closed(client, corpus_files, tmp_path, rng, monkeypatch):
+    """A run whose client closed mid-run (Dask closes it when its scheduler stays away past the
+    reconnect timeout, 30 s) ended in an internal error: the handler of the lost connection read
+    the address from the closed client (None). It is the one-line error, exit status 2."""
+    Q, _ = _queries(rng)
+    np.save(tmp_path / "q.npy", Q)
+    search = DistributedCorpus.search
+
+    def closing(self, *args, **kwargs):
+        self.client.close()
+        return search(self, *args, **kwargs)
+
+    monkeypatch.setattr(DistributedCorpus, "search", closing)
+    address = client.scheduler.address
+    r = run_lik("score", "-q", tmp_path / "q.npy", "-d", *corpus_files[0][:2], "-k", 3, "--cpu", "-o",
+                tmp_path / "top.tsv", "--scheduler", address)
+    assert r.exit_code == 2 and r.stderr.startswith(f"lik: error: --scheduler: lost the connection to the Dask "
+                                                    f"scheduler at {address}: "), r.stderr
+    assert "the Dask client is closed" in r.stderr and not (tmp_path / "top.tsv").exists()
 
 
 def _killer(address: str):

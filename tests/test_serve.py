@@ -589,6 +589,28 @@ def test_a_partition_answers_bitwise_as_the_whole_corpus(split_shards_dir):
         assert np.array_equal(b.rerank(Q3, cand), whole.rerank(Q3, cand))
 
 
+def test_a_partition_takes_the_shards_ids_as_the_whole_corpus_does(tmp_path):
+    """A partition joined its shards' ids with np.concatenate alone: integer ids beside string ids
+    came back as strings ('0', b'0') where Corpus.from_shards refuses them, and UTF-8 byte-string
+    ids beside text ids failed with UnicodeDecodeError where the whole corpus reads them as UTF-8."""
+    rng = np.random.default_rng(33)
+    made = {}
+    for name, ids in (("text", np.array(["a1", "a2", "a3"])), ("bytes", np.array(["é1".encode(), b"b2", b"b3"])),
+                      ("ints", np.arange(3) * 10)):
+        made[name] = tmp_path / name
+        shards.pack_arrays(_docs(rng, 3), made[name], ids=ids)
+    q = _queries(rng, 1)[0]
+    paths = [made["text"], made["bytes"]]
+    whole = lik_cupy.Corpus.from_shards(paths, device="cpu")
+    with Batcher.from_shards(paths, ["cpu", "cpu"], partition=True) as b:
+        s, i = b.search(q, 6)
+        s1, i1 = whole.search(q, 6)
+        assert np.array_equal(s, s1) and i.tolist() == i1.tolist() and "é1" in i.tolist()
+    for mixed in ([made["text"], made["ints"]], [made["ints"], made["bytes"]]):
+        with pytest.raises(ValueError, match="the shards mix integer and string ids; use one kind in every shard"):
+            Batcher.from_shards(mixed, ["cpu", "cpu"], partition=True)
+
+
 def test_a_replica_that_does_not_fit_each_gpu_partitions_by_default(split_shards_dir, monkeypatch):
     from lik_cupy.serving import batcher
 

@@ -25,7 +25,7 @@ import numpy as np
 from .._dispatch.elements import scaled_dtype
 from .._interop import FLOAT_DTYPES, dtype_name
 from .._runtime.topk import MAX_K
-from .._shard_format import numpy_dtype
+from .._shard_format import joined_ids, numpy_dtype
 from ..corpus import Corpus
 from ..precision import PRECISIONS
 from ._partition import Partition, split_shards
@@ -338,12 +338,10 @@ def _free_gpu_bytes(device: int) -> int:
 
 def _partition_of(paths: list, opened: list, devices: list) -> Partition:
     """The shards of ``paths`` (``opened``: as opened) split over ``devices`` (two or more), a part each."""
+    ids = joined_ids(opened)  # the whole corpus's (Corpus.from_shards), checked before any part loads
     runs = split_shards(paths, [s.num_docs for s in opened], len(devices))
     parts = [Corpus.from_shards(run, device=d, ids=False) for run, d in zip(runs, devices)]
-    named = [s.ids for s in opened if s.ids is not None]
-    if named and len(named) != len(opened):
-        raise ValueError("some shards have ids and some have none; give every shard ids.npy, or none")
-    return Partition(parts, np.concatenate([np.asarray(i) for i in named]) if named else None)
+    return Partition(parts, ids)
 
 
 def _candidates(candidates, nq: int, one_query: bool, nd: int) -> np.ndarray:
