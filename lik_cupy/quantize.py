@@ -173,7 +173,9 @@ def _dequantize(name: str, X, scales, backend: str, spec: ElemSpec):
             return g.result(cupy.asarray(values)[q.view(cupy.uint8)] * (s[..., None] if s.ndim else s))
     q = interop.to_numpy(X, info.framework)
     s = interop.to_numpy(scales, info.framework)
-    return host_result(values[q.view(np.uint8)] * (s[..., None] if s.ndim else s), info)
+    out = values[q.view(np.uint8)]
+    out *= s[..., None] if s.ndim else s  # in place: no second array the size of the result
+    return host_result(out, info)
 
 
 def _byte_values(spec: ElemSpec) -> np.ndarray:

@@ -71,6 +71,25 @@ def test_dequantize_checks_its_arguments():
         lik_cupy.dequantize_int8(q, None)
 
 
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_dequantize_holds_no_second_copy_of_its_result(rng, kind):
+    """The float32 result is written once: its values looked up, then scaled in place (a product
+    into a new array held a second result-sized temporary, 4 bytes per 1-byte code)."""
+    import tracemalloc
+
+    q, s = getattr(lik_cupy, f"quantize_{kind}")(rng.standard_normal((4096, 256)).astype(np.float32), backend="cpu")
+    dequantize = getattr(lik_cupy, f"dequantize_{kind}")
+    dequantize(q[:2], s[:2], backend="cpu")  # (imports and lookup tables made before measuring)
+    tracemalloc.start()
+    try:
+        back = dequantize(q, s, backend="cpu")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert np.array_equal(back, q.astype(np.float32) * s[..., None])
+    assert peak < back.nbytes + (256 << 10), (peak, back.nbytes)
+
+
 @pytest.mark.parametrize("dim", [16, 33, 128])
 def test_scores_match_float64_of_dequantised(rng, dim):
     nq, lq, nd, ld = 3, int(rng.integers(1, 40)), 19, int(rng.integers(1, 60))
