@@ -97,7 +97,7 @@ def quantize_fp8(X, *, per="token", backend="auto"):
         >>> lik_cupy.dequantize_fp8(q, s, backend="cpu")
         array([[ 0.5      , -1.       ,  0.2857143]], dtype=float32)
     """
-    if per not in ("token", "tensor"):
+    if not isinstance(per, str) or per not in ("token", "tensor"):  # (an array would compare elementwise)
         raise ValueError(f"per is {per!r}; expected 'token' or 'tensor'")
     return _quantize(X, backend, elem_spec(_FP8), per=per)
 

@@ -81,7 +81,7 @@ def quantize_fp8_numpy(x: np.ndarray, *, per: str = "token", strict: bool = True
     x = np.asarray(x)
     if x.ndim < 1 or x.shape[-1] == 0:
         raise ValueError(f"X has shape {list(x.shape)}; expected [..., d] with an embedding dim d >= 1")
-    if per not in ("token", "tensor"):
+    if not isinstance(per, str) or per not in ("token", "tensor"):  # (an array would compare elementwise)
         raise ValueError(f"per is {per!r}; expected 'token' or 'tensor'")
     d = x.shape[-1]
     flat = x.reshape(-1, d)
