@@ -97,7 +97,7 @@ def quantize_fp8(X, *, per="token", backend="auto"):
         >>> lik_cupy.dequantize_fp8(q, s, backend="cpu")
         array([[ 0.5      , -1.       ,  0.2857143]], dtype=float32)
     """
-    if per not in ("token", "tensor"):
+    if not isinstance(per, str) or per not in ("token", "tensor"):  # (an array would compare elementwise)
         raise ValueError(f"per is {per!r}; expected 'token' or 'tensor'")
     return _quantize(X, backend, elem_spec(_FP8), per=per)
 
@@ -173,7 +173,9 @@ def _dequantize(name: str, X, scales, backend: str, spec: ElemSpec):
             return g.result(cupy.asarray(values)[q.view(cupy.uint8)] * (s[..., None] if s.ndim else s))
     q = interop.to_numpy(X, info.framework)
     s = interop.to_numpy(scales, info.framework)
-    return host_result(values[q.view(np.uint8)] * (s[..., None] if s.ndim else s), info)
+    out = values[q.view(np.uint8)]
+    out *= s[..., None] if s.ndim else s  # in place: no second array the size of the result
+    return host_result(out, info)
 
 
 def _byte_values(spec: ElemSpec) -> np.ndarray:

@@ -113,6 +113,8 @@ def test_quantiser_rejects_bad_input():
         lik_cupy.quantize_fp8(x, per="tensor")
     with pytest.raises(ValueError, match="per is 'row'; expected 'token' or 'tensor'"):
         lik_cupy.quantize_fp8(np.ones((2, 16), np.float32), per="row")
+    with pytest.raises(ValueError, match=r"per is array\(\['token', 'tensor'\].*; expected 'token' or 'tensor'"):
+        lik_cupy.quantize_fp8(np.ones((2, 16), np.float32), per=np.array(["token", "tensor"]))
     with pytest.raises(TypeError, match="dtype int32"):
         lik_cupy.quantize_fp8(np.ones((2, 16), np.int32))
     with pytest.raises(TypeError, match=r"X_fp8 has dtype int8; expected float8_e4m3fn \(or uint8 holding its bit"):

@@ -61,6 +61,27 @@ def test_float64_beyond_float32_is_named_as_such(quantize):
             getattr(lik_cupy, quantize)(x, backend="cpu")
 
 
+@pytest.mark.parametrize("quantize", ["quantize_int8", "quantize_fp8"])
+def test_quantiser_temporaries_stay_bounded_for_wide_tokens(quantize):
+    """The quantisers work in float32 blocks of a bounded number of values, not of tokens: blocks of
+    65,536 tokens whatever their dim made a [1024, 16384] float16 input (32 MiB) hold 128 MiB (INT8)
+    or 160 MiB (FP8) of temporaries, and one of 65,536 such tokens 8 GiB or more."""
+    import tracemalloc
+
+    x = np.ones((1024, 16384), np.float16)
+    f = getattr(lik_cupy, quantize)
+    f(x[:2], backend="cpu")  # (imports made before measuring)
+    tracemalloc.start()
+    try:
+        q, s = f(x, backend="cpu")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert np.all(np.asarray(q).view(np.uint8) == q.view(np.uint8).flat[0])
+    # a block's float32 copy and one float32 temporary (8 bytes a value), 32 MiB of values a block
+    assert peak - q.nbytes - np.asarray(s).nbytes < 8 * (32 << 20) // 4 + (256 << 10), peak
+
+
 def test_dequantize_checks_its_arguments():
     q = np.zeros((3, 16), np.int8)
     with pytest.raises(TypeError, match="expected int8"):
@@ -69,6 +90,25 @@ def test_dequantize_checks_its_arguments():
         lik_cupy.dequantize_int8(q, np.ones(4, np.float32))
     with pytest.raises(TypeError, match="scales is required"):
         lik_cupy.dequantize_int8(q, None)
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_dequantize_holds_no_second_copy_of_its_result(rng, kind):
+    """The float32 result is written once: its values looked up, then scaled in place (a product
+    into a new array held a second result-sized temporary, 4 bytes per 1-byte code)."""
+    import tracemalloc
+
+    q, s = getattr(lik_cupy, f"quantize_{kind}")(rng.standard_normal((4096, 256)).astype(np.float32), backend="cpu")
+    dequantize = getattr(lik_cupy, f"dequantize_{kind}")
+    dequantize(q[:2], s[:2], backend="cpu")  # (imports and lookup tables made before measuring)
+    tracemalloc.start()
+    try:
+        back = dequantize(q, s, backend="cpu")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert np.array_equal(back, q.astype(np.float32) * s[..., None])
+    assert peak < back.nbytes + (256 << 10), (peak, back.nbytes)
 
 
 @pytest.mark.parametrize("dim", [16, 33, 128])

@@ -7,11 +7,18 @@ import numpy as np
 
 __all__ = ["quantize_numpy", "quantize_fp8_numpy", "non_finite_error", "INT8_WORK_BYTES"]
 
-_BLOCK_ROWS = 1 << 16  # tokens per block, so float32 temporaries stay small
+# float32 values per block (32 MiB), so the temporaries stay small whatever the dim: a block of
+# a fixed number of tokens would hold gigabytes of them for wide tokens.
+_BLOCK_VALUES = 1 << 23
 # What quantize_numpy holds of one element of a block at once beyond its input: the float32 copy it
 # works in, one float32 temporary (|x|) and its int8 code. The shard writer sizes its blocks by it.
 INT8_WORK_BYTES = 4 + 4 + 1
 _FP8_MAX = 448.0  # the largest float8_e4m3fn
+
+
+def _block_rows(d: int) -> int:
+    """Tokens of dim ``d`` per block: ``_BLOCK_VALUES`` values, or one token where it holds more."""
+    return max(1, _BLOCK_VALUES // d)
 
 
 def non_finite_error(shape: tuple, flat_row: int, kind: str, finite: bool) -> ValueError:
@@ -39,9 +46,10 @@ def quantize_numpy(x: np.ndarray, *, strict: bool = True) -> tuple[np.ndarray, n
     flat = x.reshape(-1, d)
     q = np.empty(flat.shape, np.int8)
     s = np.empty(flat.shape[0], np.float32)
-    for r0 in range(0, flat.shape[0], _BLOCK_ROWS):
+    step = _block_rows(d)
+    for r0 in range(0, flat.shape[0], step):
         with np.errstate(over="ignore"):  # (float64 past float32's range: inf, refused below)
-            blk = flat[r0 : r0 + _BLOCK_ROWS].astype(np.float32)
+            blk = flat[r0 : r0 + step].astype(np.float32)
         finite = np.isfinite(blk).all(axis=1)
         if strict and not finite.all():
             raise _non_finite(x, r0 + int(np.argmin(finite)), "int8")
@@ -55,8 +63,8 @@ def quantize_numpy(x: np.ndarray, *, strict: bool = True) -> tuple[np.ndarray, n
             np.rint(blk, out=blk)
             np.clip(blk, -127, 127, out=blk)
         blk[~finite] = 0
-        q[r0 : r0 + _BLOCK_ROWS] = blk
-        s[r0 : r0 + _BLOCK_ROWS] = sc
+        q[r0 : r0 + step] = blk
+        s[r0 : r0 + step] = sc
         del blk
     return q.reshape(x.shape), s.reshape(x.shape[:-1])
 
@@ -73,15 +81,15 @@ def quantize_fp8_numpy(x: np.ndarray, *, per: str = "token", strict: bool = True
     x = np.asarray(x)
     if x.ndim < 1 or x.shape[-1] == 0:
         raise ValueError(f"X has shape {list(x.shape)}; expected [..., d] with an embedding dim d >= 1")
-    if per not in ("token", "tensor"):
+    if not isinstance(per, str) or per not in ("token", "tensor"):  # (an array would compare elementwise)
         raise ValueError(f"per is {per!r}; expected 'token' or 'tensor'")
     d = x.shape[-1]
     flat = x.reshape(-1, d)
-    rows = flat.shape[0]
+    rows, step = flat.shape[0], _block_rows(d)
     amax = np.zeros(rows, np.float32)
-    for r0 in range(0, rows, _BLOCK_ROWS):
+    for r0 in range(0, rows, step):
         with np.errstate(invalid="ignore", over="ignore"):
-            amax[r0 : r0 + _BLOCK_ROWS] = np.abs(flat[r0 : r0 + _BLOCK_ROWS].astype(np.float32)).max(axis=1)
+            amax[r0 : r0 + step] = np.abs(flat[r0 : r0 + step].astype(np.float32)).max(axis=1)
     finite = np.isfinite(amax)
     if strict and not finite.all():
         raise _non_finite(x, int(np.argmin(finite)), "float8_e4m3fn")
@@ -92,17 +100,19 @@ def quantize_fp8_numpy(x: np.ndarray, *, per: str = "token", strict: bool = True
         sc = np.where(finite, amax / np.float32(_FP8_MAX), np.float32(np.nan)).astype(np.float32)
     ok = finite & (sc > 0) & np.isfinite(sc)
     q = np.zeros(flat.shape, np.uint8)
-    for r0 in range(0, rows, _BLOCK_ROWS):
+    for r0 in range(0, rows, step):
         with np.errstate(over="ignore"):  # (only rows refused above, or given codes 0 without strict, overflow)
-            blk = flat[r0 : r0 + _BLOCK_ROWS].astype(np.float32)
-        k = ok[r0 : r0 + _BLOCK_ROWS]
-        div = np.where(k, sc[r0 : r0 + _BLOCK_ROWS], np.float32(1))
+            blk = flat[r0 : r0 + step].astype(np.float32)
+        k = ok[r0 : r0 + step]
+        div = np.where(k, sc[r0 : r0 + step], np.float32(1))
         with np.errstate(invalid="ignore"):
-            # Saturated as the kernel's cvt.rn.satfinite and torch's cast: ml_dtypes' cast turns 464 and
-            # over into NaN, and a row whose largest value is a denormal gets a scale too coarse for it.
-            y = blk / div[:, None]
-            np.clip(y, -_FP8_MAX, _FP8_MAX, out=y)
-            codes = y.astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
-        q[r0 : r0 + _BLOCK_ROWS] = np.where(k[:, None], codes, 0)
+            # In place in blk (a copy), as quantize_numpy. Saturated as the kernel's cvt.rn.satfinite and
+            # torch's cast: ml_dtypes' cast turns 464 and over into NaN, and a row whose largest value is
+            # a denormal gets a scale too coarse for it.
+            np.divide(blk, div[:, None], out=blk)
+            np.clip(blk, -_FP8_MAX, _FP8_MAX, out=blk)
+            codes = blk.astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+        del blk
+        q[r0 : r0 + step] = np.where(k[:, None], codes, 0)
     scales = np.float32(sc[0] if rows else np.float32(0)) if per == "tensor" else sc.reshape(x.shape[:-1])
     return q.reshape(x.shape), np.asarray(scales, np.float32)
