@@ -170,11 +170,13 @@ def _dequantize(name: str, X, scales, backend: str, spec: ElemSpec):
         with GpuCall(info) as g:
             q = g.array(X)
             s = g.array(scales)
-            return g.result(cupy.asarray(values)[q.view(cupy.uint8)] * (s[..., None] if s.ndim else s))
+            out = cupy.asarray(values)[q.view(cupy.uint8)]
+            out *= s[..., None] if s.ndim else s  # in place: no second array the size of the result
+            return g.result(out)
     q = interop.to_numpy(X, info.framework)
     s = interop.to_numpy(scales, info.framework)
     out = values[q.view(np.uint8)]
-    out *= s[..., None] if s.ndim else s  # in place: no second array the size of the result
+    out *= s[..., None] if s.ndim else s  # (as on the GPU)
     return host_result(out, info)
 
 
