@@ -626,3 +626,14 @@ def test_a_device_this_machine_lacks_is_named():
     for call in (lambda: lik_cupy.Corpus(D, device=n), lambda: lik_cupy.warmup(device=n)):
         with pytest.raises(ValueError, match=f"^device {n} does not exist: this machine has {n} visible GPU"):
             call()
+
+
+@pytest.mark.parametrize("where", ["host", "device"])
+def test_an_empty_shards_bad_offsets_are_named_as_the_shards(where):
+    # A shard of no documents is not scored, but its offsets are still checked: named as the shard's, not
+    # d_offsets (which goes with a single array D), on host and device offsets alike.
+    D = _cp(np.zeros((3, 2, 8), np.float16))
+    off = np.array([1]) if where == "host" else _cp(np.array([1]))
+    tokens = np.zeros((0, 8), np.float16) if where == "host" else _cp(np.zeros((0, 8), np.float16))
+    with pytest.raises(ValueError, match=r"^shard 1 offsets"):
+        lik_cupy.retrieve(_cp(np.ones((2, 8), np.float16)), [D, (tokens, off)], 2, backend="gpu")

@@ -204,9 +204,9 @@ class GpuTopK:
         dispatch.check_gpu_dim(p.dtype, p.dim)
         if p.nd == 0:  # no document to score, but offsets that cannot be right still raise
             if part.packed and info.device is None:  # host offsets are checked on the host, as the CPU path does
-                host_offsets(host_array(part.offsets, info.framework), p.ntok, "d_offsets")
+                host_offsets(host_array(part.offsets, info.framework), p.ntok, part.arg("offsets"))
             elif part.packed:
-                device_offsets(device_array(part.offsets, info.framework, False), p.ntok, "d_offsets")
+                device_offsets(device_array(part.offsets, info.framework, False), p.ntok, part.arg("offsets"))
             if dispatch.scaled_dtype(p.dtype):
                 self._int8_queries()
             return
