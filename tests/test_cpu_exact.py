@@ -642,6 +642,33 @@ def test_nan_and_overflow_follow_float64():
     assert a[0, 0].tolist() == [1, 1] and a[0, 1].tolist() == [0, 0]  # NaN wins, at its first index
 
 
+
+def test_scores_round_to_their_dtype_whatever_numpys_error_state():
+    """A float64 sum beyond float32's range rounds to inf, and one below its subnormals to 0 (INT8's
+    maxima times a tiny query scale too): the documented rounding, whatever the caller's
+    ``np.seterr`` (an over- or underflow raised FloatingPointError from the cast, or warned)."""
+    q = np.zeros((1, 2, 4), np.float32)
+    q[0, :, 0] = [3e19, 1e-25]
+    d = np.zeros((2, 3, 4), np.float32)
+    d[0, 1, 0] = 3e19  # 9e38: a float64 score past float32's largest
+    d[1, 2, 0] = 1e-25  # 1e-50 + 9e-6: finite; a query of the tiny token alone underflows to 0
+    with np.errstate(all="raise"):
+        s, a = lik_cupy.maxsim(q, d, return_argmax=True, backend="cpu")
+        s1 = lik_cupy.maxsim(q[:, 1:], d[1:], backend="cpu")
+        sv = lik_cupy.maxsim_varlen(q, d.reshape(-1, 4), np.array([0, 3, 6]), backend="cpu")
+        q8 = np.ones((1, 1, 4), np.int8)
+        d8 = np.ones((1, 1, 4), np.int8)
+        s8 = lik_cupy.maxsim_int8(q8, d8, np.full((1, 1), 1e-30, np.float32),
+                                  q_scales=np.full((1, 1), 1e-30, np.float32), backend="cpu")
+    ref = maxsim_ref(q, d)[0]
+    assert s[0, 0] == np.inf and ref[0, 0] > np.finfo(np.float32).max
+    assert s[0, 1] == np.float32(ref[0, 1])
+    np.testing.assert_array_equal(s, sv)
+    assert a[0, 0].tolist() == [1, 1] and a[0, 1].tolist() == [2, 2]
+    assert s1[0, 0] == 0 and s1.dtype == np.float32
+    assert s8[0, 0] == 0
+
+
 # ---------------------------------------------------------------- chunk threads
 
 
