@@ -484,7 +484,11 @@ class _DocBlock:
         for p0 in range(0, n, _PIECE_COLUMNS):
             p1 = min(n, p0 + _PIECE_COLUMNS)
             piece = self.T[:, c0 + p0:c0 + p1]
-            if squares is not None:  # each run of k tokens' sum of squares: one dot product (a short last run)
+            if squares is not None and runs.valid is not None:  # masked tokens (any values) left out of the bound
+                sq = np.vecdot(piece, piece)  # each token's sum of squares
+                np.copyto(sq, 0, where=~runs.valid[:, p0:p1])
+                squares[:, p0 // k:-(-p1 // k)] = np.maximum.reduceat(sq, np.arange(0, p1 - p0, k), axis=1)
+            elif squares is not None:  # each run of k tokens' sum of squares: one dot product (a short last run)
                 whole = (p1 - p0) // k * k
                 if whole:
                     runs_of_k = piece[:, :whole].reshape(sets, -1, k * dim)
@@ -503,15 +507,18 @@ class _DocBlock:
                 np.copyto(S[:, :, a:b], St.transpose(0, 2, 1))
         if runs is None:
             return S.reshape(g * lq, n), None
-        return S.reshape(g * lq, n), _doc_norms(bound_norms(squares, k * dim), runs)
+        per = dim if runs.valid is not None else k * dim  # elements a sum of squares holds
+        return S.reshape(g * lq, n), _doc_norms(bound_norms(squares, per), runs)
 
 
 def _doc_norms(groups: np.ndarray, runs: Runs) -> np.ndarray:
     """float64 [sets, nb]: an upper bound on the norm of each document's tokens (documents ``runs``),
     the largest of the norm bounds ``groups [sets, ceil(N / _NORM_TOKENS)]`` of the runs of
-    ``_NORM_TOKENS`` consecutive columns it overlaps (a run's norm bounds each of its tokens'; masked
-    tokens count too, still a bound; NaN or inf where there is none). One dot product per run rather
-    than a reduction per token."""
+    ``_NORM_TOKENS`` consecutive columns it overlaps (a run's norm bounds each of its valid tokens'; NaN
+    or inf where there is none). Without masks, one dot product per run rather than a reduction per
+    token; with them, the largest of its valid tokens' sums of squares, since masked padding may hold
+    anything (a NaN or a huge value made the margin infinite or huge, and every pair of its documents
+    went to float64)."""
     out = np.zeros((groups.shape[0], runs.count))
     some = runs.length > 0
     if not groups.shape[1] or not some.any():
