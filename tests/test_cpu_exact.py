@@ -6,6 +6,7 @@ float64 in, float64 out; temporaries bounded in bytes, however long one document
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import queue
 import threading
@@ -780,6 +781,33 @@ def test_blas_threads_come_back_after_concurrent_calls(rng, monkeypatch):
     for s, a in results:
         np.testing.assert_array_equal(s, want[0])
         np.testing.assert_array_equal(a, want[1])
+
+
+def test_a_call_growing_the_pool_leaves_another_calls_pool_usable(monkeypatch):
+    """A call that needs more chunk threads replaces the pool while another call, which has just
+    taken the old one, is about to hand it its chunks: they still run (the old pool, shut down,
+    raised RuntimeError 'cannot schedule new futures after shutdown' to that other call)."""
+    real = cores._single_threaded_blas
+    monkeypatch.setattr(cores, "_pool", None)
+    monkeypatch.setattr(cores, "_pool_size", 0)
+    done, entered = [], []
+
+    def work(k, claims):
+        done.extend(claims)
+
+    @contextlib.contextmanager
+    def another_call_first():
+        entered.append(1)
+        if len(entered) == 1:  # the first call, between taking the pool and submitting: a larger one runs meanwhile
+            t = threading.Thread(target=cores.run_chunks, args=(["b"] * 4, work, 4))
+            t.start()
+            t.join()
+        with real():
+            yield
+
+    monkeypatch.setattr(cores, "_single_threaded_blas", another_call_first)
+    cores.run_chunks(["a"] * 4, work, 2)
+    assert sorted(done) == ["a"] * 4 + ["b"] * 4
 
 
 def test_blas_threads_come_back_after_an_error(rng, monkeypatch):
