@@ -157,3 +157,22 @@ def test_empty_document_with_nan_padding_does_not_poison_dq(rng, layout):
     dQ, dD = lik_cupy.maxsim_backward(np.ones(s.shape, np.float32), Q, D, a, backend="cpu")
     assert np.isfinite(dQ).all() and np.isfinite(dD).all()
     assert not dD[..., 0, :, :].any()
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_gradients_overflow_to_inf_whatever_numpys_error_state(dtype):
+    """A gradient past its dtype's range is inf (and one below its subnormals 0), as float64's
+    arithmetic and the rounding to the input's dtype make it, whatever the caller's ``np.seterr``
+    (the cast, or float64's own product, raised FloatingPointError or warned)."""
+    big = 1e30 if dtype == np.float32 else 1e300
+    Q = np.array([[[big, 0], [1 / big, 0]]], dtype)
+    D = np.array([[[big, 0], [0, 1]]], dtype)
+    s, a = lik_cupy.maxsim(Q, D, return_argmax=True, backend="cpu")
+    assert a.tolist() == [[[0, 0]]]
+    with np.errstate(all="raise"):
+        dQ, dD = lik_cupy.maxsim_backward(np.array([[big]], dtype), Q, D, a, backend="cpu")
+        tiny_q, tiny_d = lik_cupy.maxsim_backward(np.array([[1 / big]], dtype), Q[:, 1:], D, a[..., 1:], backend="cpu")
+    assert dQ.dtype == dtype and dD.dtype == dtype
+    assert dQ[0, :, 0].tolist() == [np.inf, np.inf] and dD[0, 0, 0] == np.inf
+    assert dQ[0, :, 1].tolist() == [0, 0] and dD[0, 1].tolist() == [0, 0]
+    assert tiny_q[0, 0, 0] == 1 and tiny_d[0, 0, 0] == 0  # 1 / big**2

@@ -6,6 +6,7 @@ float64 in, float64 out; temporaries bounded in bytes, however long one document
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import queue
 import threading
@@ -182,6 +183,34 @@ def test_near_ties_resolve_as_float64_does(dtype):
     np.testing.assert_array_equal(a, np.broadcast_to(want, a.shape))
     _, a = lik_cupy.maxsim(np.repeat(q, 3, 0), np.repeat(dd[None, :4], 3, 0), return_argmax=True, backend="cpu")
     np.testing.assert_array_equal(a, np.broadcast_to(want, a.shape))
+
+
+@pytest.mark.parametrize("fill", [np.nan, np.inf, 1e30])
+@pytest.mark.parametrize("layout", ["padded", "candidates"])
+def test_masked_padding_of_any_value_refines_no_pair(rng, monkeypatch, fill, layout):
+    """Masked tokens are never used: NaN, inf or huge padding changes no bit and, left out of the
+    documents' norm bounds, sends no more pairs to float64 than zero padding (their rounding margin
+    was infinite or huge, so every pair was refined: 20x the time of zero padding)."""
+    refined = []
+    real_add = _maxsim_module.Pending.add
+
+    def add(self, S, runs, c0, j0, rows, docs, thr):
+        refined.append(rows.size)
+        return real_add(self, S, runs, c0, j0, rows, docs, thr)
+
+    monkeypatch.setattr(_maxsim_module.Pending, "add", add)
+    q = _unit(rng, 3, 8, 48).astype(np.float32)
+    shape = (20, 40, 48) if layout == "padded" else (3, 7, 40, 48)
+    d = _unit(rng, *shape).astype(np.float32)
+    mask = np.arange(40) < rng.integers(1, 40, shape[:-2])[..., None]
+    want = lik_cupy.maxsim(q, np.where(mask[..., None], d, 0), d_mask=mask, return_argmax=True, backend="cpu")
+    zero_padded = sum(refined)  # (random near ties: a few, as a rule none)
+    assert zero_padded < want[1].size // 8
+    d[~mask] = fill
+    got = lik_cupy.maxsim(q, d, d_mask=mask, return_argmax=True, backend="cpu")
+    assert sum(refined) == 2 * zero_padded
+    for x, y in zip(got, want):
+        np.testing.assert_array_equal(x, y)
 
 
 def test_all_tied_documents_refine_within_the_memory_bound(rng):
@@ -642,6 +671,33 @@ def test_nan_and_overflow_follow_float64():
     assert a[0, 0].tolist() == [1, 1] and a[0, 1].tolist() == [0, 0]  # NaN wins, at its first index
 
 
+
+def test_scores_round_to_their_dtype_whatever_numpys_error_state():
+    """A float64 sum beyond float32's range rounds to inf, and one below its subnormals to 0 (INT8's
+    maxima times a tiny query scale too): the documented rounding, whatever the caller's
+    ``np.seterr`` (an over- or underflow raised FloatingPointError from the cast, or warned)."""
+    q = np.zeros((1, 2, 4), np.float32)
+    q[0, :, 0] = [3e19, 1e-25]
+    d = np.zeros((2, 3, 4), np.float32)
+    d[0, 1, 0] = 3e19  # 9e38: a float64 score past float32's largest
+    d[1, 2, 0] = 1e-25  # 1e-50 + 9e-6: finite; a query of the tiny token alone underflows to 0
+    with np.errstate(all="raise"):
+        s, a = lik_cupy.maxsim(q, d, return_argmax=True, backend="cpu")
+        s1 = lik_cupy.maxsim(q[:, 1:], d[1:], backend="cpu")
+        sv = lik_cupy.maxsim_varlen(q, d.reshape(-1, 4), np.array([0, 3, 6]), backend="cpu")
+        q8 = np.ones((1, 1, 4), np.int8)
+        d8 = np.ones((1, 1, 4), np.int8)
+        s8 = lik_cupy.maxsim_int8(q8, d8, np.full((1, 1), 1e-30, np.float32),
+                                  q_scales=np.full((1, 1), 1e-30, np.float32), backend="cpu")
+    ref = maxsim_ref(q, d)[0]
+    assert s[0, 0] == np.inf and ref[0, 0] > np.finfo(np.float32).max
+    assert s[0, 1] == np.float32(ref[0, 1])
+    np.testing.assert_array_equal(s, sv)
+    assert a[0, 0].tolist() == [1, 1] and a[0, 1].tolist() == [2, 2]
+    assert s1[0, 0] == 0 and s1.dtype == np.float32
+    assert s8[0, 0] == 0
+
+
 # ---------------------------------------------------------------- chunk threads
 
 
@@ -725,6 +781,33 @@ def test_blas_threads_come_back_after_concurrent_calls(rng, monkeypatch):
     for s, a in results:
         np.testing.assert_array_equal(s, want[0])
         np.testing.assert_array_equal(a, want[1])
+
+
+def test_a_call_growing_the_pool_leaves_another_calls_pool_usable(monkeypatch):
+    """A call that needs more chunk threads replaces the pool while another call, which has just
+    taken the old one, is about to hand it its chunks: they still run (the old pool, shut down,
+    raised RuntimeError 'cannot schedule new futures after shutdown' to that other call)."""
+    real = cores._single_threaded_blas
+    monkeypatch.setattr(cores, "_pool", None)
+    monkeypatch.setattr(cores, "_pool_size", 0)
+    done, entered = [], []
+
+    def work(k, claims):
+        done.extend(claims)
+
+    @contextlib.contextmanager
+    def another_call_first():
+        entered.append(1)
+        if len(entered) == 1:  # the first call, between taking the pool and submitting: a larger one runs meanwhile
+            t = threading.Thread(target=cores.run_chunks, args=(["b"] * 4, work, 4))
+            t.start()
+            t.join()
+        with real():
+            yield
+
+    monkeypatch.setattr(cores, "_single_threaded_blas", another_call_first)
+    cores.run_chunks(["a"] * 4, work, 2)
+    assert sorted(done) == ["a"] * 4 + ["b"] * 4
 
 
 def test_blas_threads_come_back_after_an_error(rng, monkeypatch):

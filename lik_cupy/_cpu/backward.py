@@ -17,6 +17,7 @@ from .maxsim import BLOCK_BYTES
 __all__ = ["maxsim_backward_numpy"]
 
 
+@np.errstate(over="ignore", under="ignore", invalid="ignore")  # float64's arithmetic: inf, 0, NaN
 def maxsim_backward_numpy(g: np.ndarray, Q: np.ndarray, D: np.ndarray, amax: np.ndarray, doc_start: np.ndarray, *,
                           block_bytes: int = BLOCK_BYTES):
     """Gradients from the argmax, accumulated in float64.
@@ -25,7 +26,8 @@ def maxsim_backward_numpy(g: np.ndarray, Q: np.ndarray, D: np.ndarray, amax: np.
     amax: int [Nq, nd, Lq], document-local token indices (-1: contributes nothing); doc_start:
     int64 [Nq, nd], the row of D where document j of query i starts (entries are checked by the
     caller to stay inside their documents).
-    Returns float64 dQ [Nq, Lq, d] and dD [R, d]. Temporaries stay within about ``block_bytes``
+    Returns float64 dQ [Nq, Lq, d] and dD [R, d] (inf, 0 and NaN as float64 makes them, whatever the
+    caller's ``np.seterr``). Temporaries stay within about ``block_bytes``
     beyond those two (a block holds one query's entries against one document at least).
     """
     nq, nd, lq = amax.shape

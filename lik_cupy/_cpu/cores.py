@@ -178,12 +178,6 @@ def run_chunks(items, work, threads: int, *, blas_threads: bool = True) -> None:
             work(0, iter(items))
         return
     global _pool, _pool_size
-    with _lock:
-        if _pool_size < threads - 1:
-            if _pool is not None:
-                _pool.shutdown(wait=False)  # (its running work finishes)
-            _pool, _pool_size = ThreadPoolExecutor(threads - 1, thread_name_prefix="lik_cupy-cpu"), threads - 1
-        pool = _pool
     claims = _Claims(items)
     # The pool's threads reach ``work`` (and through it the caller's block) only through ``shared``,
     # emptied when the call ends: a pool thread holds its work item for a moment after the future
@@ -195,7 +189,14 @@ def run_chunks(items, work, threads: int, *, blas_threads: bool = True) -> None:
         shared[0](k, shared[1])
 
     with _single_threaded_blas():
-        futures = [pool.submit(helper, k) for k in range(1, threads)]
+        # The pool taken and given the helpers under the lock: a call that replaces it (shut down, so
+        # refusing new work) does so before or after, never between.
+        with _lock:
+            if _pool_size < threads - 1:
+                if _pool is not None:
+                    _pool.shutdown(wait=False)  # (its running and queued work finishes)
+                _pool, _pool_size = ThreadPoolExecutor(threads - 1, thread_name_prefix="lik_cupy-cpu"), threads - 1
+            futures = [_pool.submit(helper, k) for k in range(1, threads)]
         try:
             work(0, claims)
         finally:

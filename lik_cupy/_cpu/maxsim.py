@@ -169,7 +169,8 @@ def maxsim_numpy(Q: np.ndarray, D: np.ndarray, q_valid: np.ndarray, d_valid: np.
     def put(i0: int, i1: int, j0: int, j1: int, res: tuple) -> None:
         if zp is not None:
             res = _zero_floor(*res, zp[i0:i1, j0:j1] if candidates else zp[:, j0:j1], lq)
-        scores[i0:i1, j0:j1] = _scores(res[0], q_valid[i0:i1], None if q_scale is None else q_scale[i0:i1])
+        scores[i0:i1, j0:j1] = _scores(res[0], q_valid[i0:i1], None if q_scale is None else q_scale[i0:i1],
+                                       ar.out)
         if amax is not None:
             amax[i0:i1, j0:j1] = _argmax_out(res[1], i1 - i0, lq)
 
@@ -291,7 +292,7 @@ def maxsim_packed_numpy(Q: np.ndarray, q_valid: np.ndarray, tokens: np.ndarray, 
                 val, idx = vals[i][:, None], None if idxs is None else idxs[i][:, None]
                 if zero_pad is not None:
                     val, idx = _zero_floor(val, idx, zero_pad[None, j0:j1], lq)
-                scores[i, j0] = _scores(val, q_valid[i:i + 1], qs)[0, 0]
+                scores[i, j0] = _scores(val, q_valid[i:i + 1], qs, ar.out)[0, 0]
                 if amax is not None:
                     amax[i, j0] = idx[:, 0]
             j0 = j1
@@ -304,7 +305,7 @@ def maxsim_packed_numpy(Q: np.ndarray, q_valid: np.ndarray, tokens: np.ndarray, 
             val, idx = _block_maxima(Q[i0:i1], q_valid[i0:i1], blk, ar, return_argmax, block_bytes)
             if zero_pad is not None:
                 val, idx = _zero_floor(val, idx, zero_pad[None, j0:j1], lq)
-            scores[i0:i1, j0:j1] = _scores(val, q_valid[i0:i1], None if q_scale is None else q_scale[i0:i1])
+            scores[i0:i1, j0:j1] = _scores(val, q_valid[i0:i1], None if q_scale is None else q_scale[i0:i1], ar.out)
             if amax is not None:
                 amax[i0:i1, j0:j1] = _argmax_out(idx, i1 - i0, lq)
             del val, idx  # (not alive through the next block's maxima)
@@ -360,20 +361,22 @@ def _tokens(x: np.ndarray, ar: _Arith, sets: int) -> np.ndarray:
     return np.ascontiguousarray(x.reshape(sets, -1, x.shape[-1]), dtype=ar.gemm)
 
 
-def _scores(val: np.ndarray, q_valid: np.ndarray, q_scale: np.ndarray | None) -> np.ndarray:
-    """Scores float64 [G, nb] from each query token's max ``val [G * Lq, nb]``: INT8 maxima times the
-    query token's scale, then the valid tokens' terms summed in query-token order, so that a score
-    depends on the terms alone (not on the number of documents beside it, nor on the query's
-    padding: a masked token adds -0.0, which changes no sum; the + 0.0 makes an all -0.0 sum +0.0)."""
+def _scores(val: np.ndarray, q_valid: np.ndarray, q_scale: np.ndarray | None, dtype: np.dtype) -> np.ndarray:
+    """Scores [G, nb] in ``dtype`` from each query token's max ``val [G * Lq, nb]``: INT8 maxima times the
+    query token's scale, then the valid tokens' terms summed in float64 in query-token order, so that a
+    score depends on the terms alone (not on the number of documents beside it, nor on the query's
+    padding: a masked token adds -0.0, which changes no sum; the + 0.0 makes an all -0.0 sum +0.0), and
+    rounded once to ``dtype``. Over- and underflow are that rounding's (inf, 0), whatever the caller's
+    ``np.seterr``."""
     g, lq = q_valid.shape
     if lq == 0:
-        return np.zeros((g, val.shape[1]))
-    with np.errstate(invalid="ignore", over="ignore"):
+        return np.zeros((g, val.shape[1]), dtype)
+    with np.errstate(invalid="ignore", over="ignore", under="ignore"):
         if q_scale is not None:  # an empty document's -inf stays -inf against a zero scale
             qs = np.where(q_scale >= 0, q_scale, np.float32(np.nan)).reshape(-1, 1)
             val = np.where(val == -np.inf, val, val * qs)
         terms = np.where(q_valid.reshape(-1, 1), val, -0.0).reshape(g, lq, -1)
-        return np.add.accumulate(terms, axis=1, dtype=np.float64)[:, -1] + 0.0
+        return (np.add.accumulate(terms, axis=1, dtype=np.float64)[:, -1] + 0.0).astype(dtype, copy=False)
 
 
 def _zero_floor(val: np.ndarray, idx: np.ndarray | None, flags: np.ndarray, lq: int):
@@ -481,7 +484,11 @@ class _DocBlock:
         for p0 in range(0, n, _PIECE_COLUMNS):
             p1 = min(n, p0 + _PIECE_COLUMNS)
             piece = self.T[:, c0 + p0:c0 + p1]
-            if squares is not None:  # each run of k tokens' sum of squares: one dot product (a short last run)
+            if squares is not None and runs.valid is not None:  # masked tokens (any values) left out of the bound
+                sq = np.vecdot(piece, piece)  # each token's sum of squares
+                np.copyto(sq, 0, where=~runs.valid[:, p0:p1])
+                squares[:, p0 // k:-(-p1 // k)] = np.maximum.reduceat(sq, np.arange(0, p1 - p0, k), axis=1)
+            elif squares is not None:  # each run of k tokens' sum of squares: one dot product (a short last run)
                 whole = (p1 - p0) // k * k
                 if whole:
                     runs_of_k = piece[:, :whole].reshape(sets, -1, k * dim)
@@ -500,15 +507,18 @@ class _DocBlock:
                 np.copyto(S[:, :, a:b], St.transpose(0, 2, 1))
         if runs is None:
             return S.reshape(g * lq, n), None
-        return S.reshape(g * lq, n), _doc_norms(bound_norms(squares, k * dim), runs)
+        per = dim if runs.valid is not None else k * dim  # elements a sum of squares holds
+        return S.reshape(g * lq, n), _doc_norms(bound_norms(squares, per), runs)
 
 
 def _doc_norms(groups: np.ndarray, runs: Runs) -> np.ndarray:
     """float64 [sets, nb]: an upper bound on the norm of each document's tokens (documents ``runs``),
     the largest of the norm bounds ``groups [sets, ceil(N / _NORM_TOKENS)]`` of the runs of
-    ``_NORM_TOKENS`` consecutive columns it overlaps (a run's norm bounds each of its tokens'; masked
-    tokens count too, still a bound; NaN or inf where there is none). One dot product per run rather
-    than a reduction per token."""
+    ``_NORM_TOKENS`` consecutive columns it overlaps (a run's norm bounds each of its valid tokens'; NaN
+    or inf where there is none). Without masks, one dot product per run rather than a reduction per
+    token; with them, the largest of its valid tokens' sums of squares, since masked padding may hold
+    anything (a NaN or a huge value made the margin infinite or huge, and every pair of its documents
+    went to float64)."""
     out = np.zeros((groups.shape[0], runs.count))
     some = runs.length > 0
     if not groups.shape[1] or not some.any():
