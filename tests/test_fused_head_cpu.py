@@ -230,6 +230,8 @@ def test_grad_only_where_asked(rng):
     (lambda Q, H, W, b: lik_cupy.maxsim_from_hidden(Q, H, W, b, eps=0.0), "eps must be a positive finite float"),
     (lambda Q, H, W, b: lik_cupy.maxsim_from_hidden(Q, H, W, b, eps=10**400),
      "eps must be a positive finite float"),  # (float() of it raised OverflowError)
+    (lambda Q, H, W, b: lik_cupy.maxsim_from_hidden(Q, H, W, b, eps=np.float32(np.inf)),
+     "eps must be a positive finite float"),  # (compared with float64's largest cast to float32: inf, so it passed)
     (lambda Q, H, W, b: lik_cupy.maxsim_from_hidden(Q, H, W, b, normalize="yes"), "normalize must be True or False"),
     (lambda Q, H, W, b: lt.maxsim_from_hidden(*(_t(x) for x in (Q, H, W, b)), normalize="no"),
      "normalize must be True or False"),  # (torch's wrapper once cast it to True)
@@ -247,6 +249,7 @@ def test_errors_name_the_argument(rng, call, match):
         call(*_data(rng))
 
 
+@pytest.mark.filterwarnings("error")  # a float32 eps warned 'overflow encountered in cast' in its check
 def test_numpy_scalar_options_are_taken(rng):
     """NumPy's scalars (from a config array, say) for the options, as Python's, also through torch's operator."""
     Q, H, W, b = _data(rng)

@@ -91,8 +91,10 @@ def check_hidden_options(normalize, eps, max_chunk_bytes) -> tuple[bool, float, 
     ``max_chunk_bytes`` None or a positive int (NumPy's scalars too). Returns them as Python's
     ``bool``, ``float`` and ``int`` (what torch's operator schema takes)."""
     normalize = check_flag("normalize", normalize)
-    # (compared as given: float() of an int past float's range, 10**400, raises OverflowError)
-    if isinstance(eps, bool) or not isinstance(eps, (int, float, np.floating)) or not 0 < eps <= sys.float_info.max:
+    # An int compared as given (float() of one past float's range, 10**400, raises OverflowError); a NumPy
+    # float as a Python float (float64's largest cast to float32 is inf, which let a float32 inf through)
+    value = float(eps) if isinstance(eps, np.floating) else eps
+    if isinstance(eps, bool) or not isinstance(eps, (int, float, np.floating)) or not 0 < value <= sys.float_info.max:
         raise ValueError(f"eps must be a positive finite float (the normalisation's floor), got {eps!r}")
     if max_chunk_bytes is not None and (isinstance(max_chunk_bytes, (bool, np.bool_))
                                         or not isinstance(max_chunk_bytes, (int, np.integer)) or max_chunk_bytes < 1):
