@@ -237,6 +237,8 @@ def test_grad_only_where_asked(rng):
      "normalize must be True or False"),  # (torch's wrapper once cast it to True)
     (lambda Q, H, W, b: lik_cupy.maxsim_from_hidden(Q, H, W, b, max_chunk_bytes=0), "max_chunk_bytes must be a positive int"),
     (lambda Q, H, W, b: lik_cupy.maxsim_from_hidden(Q, H, W, b, d_lengths=[1, 2]), r"d_lengths has shape \[2\]; expected \[7\]"),
+    (lambda Q, H, W, b: lik_cupy.maxsim_from_hidden(Q, H, W, b, d_mask=np.ones((ND, LD - 1), bool)),
+     r"d_mask has shape \[7, 5\]; expected \[7, 6\] \(H's shape without its last axis\)"),  # (was D's: no D here)
     (lambda Q, H, W, b: lik_cupy.maxsim_from_hidden(Q, H, W, b, d_lengths=[7] * ND), "d_lengths"),
     (lambda Q, H, W, b: lik_cupy.maxsim_from_hidden_backward(np.ones((NQ, ND)), Q, H, W, b, np.zeros((NQ, ND, LQ))),
      "argmax has dtype float64; expected int32"),

@@ -57,7 +57,7 @@ def check_hidden(Q, H, W, bias, q_mask, d_mask, q_lengths, d_lengths) -> HiddenP
     nd, ld = h.shape[0], h.shape[1]
     scores_shape = tuple(q.shape[:-2]) + (nd,)
     q_valid = check_valid("q", q_mask, q_lengths, q, q.shape[:-1], q.shape[:-2])
-    d_valid = check_valid("d", d_mask, d_lengths, q, h.shape[:-1], h.shape[:-2])
+    d_valid = check_valid("d", d_mask, d_lengths, q, h.shape[:-1], h.shape[:-2], shape_of="H")
     p = Problem(framework=q.framework, device=q.device, dtype=q.dtype, nq=nq, lq=lq, nd=nd, ld=ld, dim=dim,
                 candidates=False, scores_shape=scores_shape, argmax_shape=scores_shape + (lq,), q_valid=q_valid,
                 d_valid=d_valid)
