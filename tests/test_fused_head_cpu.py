@@ -215,6 +215,17 @@ def test_compiles_without_graph_break(rng):
         assert torch.allclose(x, y, rtol=1e-12, atol=1e-14)
 
 
+def test_a_chunk_bound_past_int64_bounds_nothing(rng):
+    """max_chunk_bytes = 2**64 (any int is taken) under torch.compile: torch's operator schema takes int64,
+    and the call failed while tracing ('Expected a value of type Optional[int]'); it is no bound at all."""
+    Q, H, W, b = (_t(x) for x in _data(rng))
+    want = lik_cupy.maxsim_from_hidden(*(x.numpy() for x in (Q, H, W, b)))
+    compiled = torch.compile(lambda q: lt.maxsim_from_hidden(q, H, W, b, max_chunk_bytes=2**64), backend="aot_eager",
+                             fullgraph=True)
+    assert np.array_equal(compiled(Q).numpy(), want)
+    assert np.array_equal(lik_cupy.maxsim_from_hidden(*(x.numpy() for x in (Q, H, W, b)), max_chunk_bytes=2**64), want)
+
+
 def test_grad_only_where_asked(rng):
     Q, H, W, b = (_t(x) for x in _data(rng))
     Q.requires_grad_()
