@@ -422,3 +422,26 @@ def test_cpu_chunks_count_the_hidden_states_they_hold(rng):
     whole = lik_cupy.maxsim_from_hidden_backward(np.ones_like(s), q, h, w, None, a, backend="cpu")
     for x, y in zip(grads[:3], whole[:3]):  # chunks change no value (dW: float64 sums, rounded once; no bias)
         np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-7)
+
+
+def test_cpu_scores_alone_hold_no_argmax(rng):
+    """Without return_argmax the CPU forward kept an int32 argmax of Lq entries a score all the same (and
+    asked each chunk's MaxSim for one): 64 queries of 32 tokens against 4,000 documents held 109 MiB for
+    1 MiB of scores (now 47); it holds the argmax only where asked."""
+    import tracemalloc
+
+    q = rng.standard_normal((32, 32, 8)).astype(np.float32)
+    h = rng.standard_normal((2000, 2, 8)).astype(np.float32)
+    w = rng.standard_normal((8, 8)).astype(np.float32)
+    peaks = []
+    for return_argmax in (True, False):
+        tracemalloc.start()
+        try:
+            out = lik_cupy.maxsim_from_hidden(q, h, w, return_argmax=return_argmax, backend="cpu")
+            peaks.append(tracemalloc.get_traced_memory()[1])
+        finally:
+            tracemalloc.stop()
+    with_argmax, alone = peaks
+    amax_bytes = 32 * 2000 * 32 * 4
+    assert alone + amax_bytes < with_argmax, (alone, with_argmax)
+    np.testing.assert_array_equal(out, lik_cupy.maxsim_from_hidden(q, h, w, return_argmax=True, backend="cpu")[0])
