@@ -185,14 +185,18 @@ def _cpu_forward(hp: HiddenProblem, Q, H, W, bias, q_mask, d_mask, q_lengths, d_
     dm = None if d_mask is None else interop.host_array(d_mask, fw).reshape(p.nd, p.ld)
     dl = None if d_lengths is None else interop.host_array(d_lengths, fw).reshape(p.nd)
     scores = np.empty((p.nq, p.nd), np.float64)
-    amax = np.empty((p.nq, p.nd, p.lq), np.int32)
+    # (the argmax only where asked: Lq int32 a score, far more than the scores themselves)
+    amax = np.empty((p.nq, p.nd, p.lq), np.int32) if return_argmax else None
     for j0, j1 in _chunks(hp, max_chunk_bytes, _cpu_token_bytes(hp)):
         D = project_numpy(h[j0 * p.ld:j1 * p.ld], w, b)
         if normalize:
             normalize_rows(D, eps)
-        scores[:, j0:j1], amax[:, j0:j1] = _maxsim(q, D.reshape(j1 - j0, p.ld, p.dim), qm, _sliced(dm, j0, j1),
-                                                   q_lengths=ql, d_lengths=_sliced(dl, j0, j1), return_argmax=True,
-                                                   backend="cpu")
+        out = _maxsim(q, D.reshape(j1 - j0, p.ld, p.dim), qm, _sliced(dm, j0, j1), q_lengths=ql,
+                      d_lengths=_sliced(dl, j0, j1), return_argmax=return_argmax, backend="cpu")
+        if return_argmax:
+            scores[:, j0:j1], amax[:, j0:j1] = out
+        else:
+            scores[:, j0:j1] = out
     s = scores if p.dtype == "float64" else scores.astype(np.float32)
     return interop.host_result(s.reshape(p.scores_shape), p), \
         (interop.host_result(amax.reshape(p.argmax_shape), p) if return_argmax else None)

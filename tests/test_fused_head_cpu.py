@@ -112,12 +112,13 @@ def test_chunking_changes_nothing(rng):
             np.testing.assert_allclose(x, y, rtol=1e-13, atol=1e-15)
 
 
+@pytest.mark.filterwarnings("error")  # infinite padding warned 'invalid value encountered in matmul'
 def test_one_query_2d_and_masked_padding_never_read(rng):
     Q, H, W, b = _data(rng)
     d_len = _lengths(rng, ND, LD)
     H_nan = H.copy()
     for j, n in enumerate(d_len):
-        H_nan[j, n:] = np.nan  # padding may hold anything
+        H_nan[j, n:] = (np.nan, np.inf, -np.inf)[j % 3]  # padding may hold anything
     s = lik_cupy.maxsim_from_hidden(Q[1], H_nan, W, b, d_lengths=d_len, q_lengths=3)
     assert s.shape == (ND,)
     np.testing.assert_array_equal(s, lik_cupy.maxsim_from_hidden(Q[1:2, :3], H, W, b, d_lengths=d_len)[0])
@@ -214,6 +215,17 @@ def test_compiles_without_graph_break(rng):
         assert torch.allclose(x, y, rtol=1e-12, atol=1e-14)
 
 
+def test_a_chunk_bound_past_int64_bounds_nothing(rng):
+    """max_chunk_bytes = 2**64 (any int is taken) under torch.compile: torch's operator schema takes int64,
+    and the call failed while tracing ('Expected a value of type Optional[int]'); it is no bound at all."""
+    Q, H, W, b = (_t(x) for x in _data(rng))
+    want = lik_cupy.maxsim_from_hidden(*(x.numpy() for x in (Q, H, W, b)))
+    compiled = torch.compile(lambda q: lt.maxsim_from_hidden(q, H, W, b, max_chunk_bytes=2**64), backend="aot_eager",
+                             fullgraph=True)
+    assert np.array_equal(compiled(Q).numpy(), want)
+    assert np.array_equal(lik_cupy.maxsim_from_hidden(*(x.numpy() for x in (Q, H, W, b)), max_chunk_bytes=2**64), want)
+
+
 def test_grad_only_where_asked(rng):
     Q, H, W, b = (_t(x) for x in _data(rng))
     Q.requires_grad_()
@@ -230,11 +242,15 @@ def test_grad_only_where_asked(rng):
     (lambda Q, H, W, b: lik_cupy.maxsim_from_hidden(Q, H, W, b, eps=0.0), "eps must be a positive finite float"),
     (lambda Q, H, W, b: lik_cupy.maxsim_from_hidden(Q, H, W, b, eps=10**400),
      "eps must be a positive finite float"),  # (float() of it raised OverflowError)
+    (lambda Q, H, W, b: lik_cupy.maxsim_from_hidden(Q, H, W, b, eps=np.float32(np.inf)),
+     "eps must be a positive finite float"),  # (compared with float64's largest cast to float32: inf, so it passed)
     (lambda Q, H, W, b: lik_cupy.maxsim_from_hidden(Q, H, W, b, normalize="yes"), "normalize must be True or False"),
     (lambda Q, H, W, b: lt.maxsim_from_hidden(*(_t(x) for x in (Q, H, W, b)), normalize="no"),
      "normalize must be True or False"),  # (torch's wrapper once cast it to True)
     (lambda Q, H, W, b: lik_cupy.maxsim_from_hidden(Q, H, W, b, max_chunk_bytes=0), "max_chunk_bytes must be a positive int"),
     (lambda Q, H, W, b: lik_cupy.maxsim_from_hidden(Q, H, W, b, d_lengths=[1, 2]), r"d_lengths has shape \[2\]; expected \[7\]"),
+    (lambda Q, H, W, b: lik_cupy.maxsim_from_hidden(Q, H, W, b, d_mask=np.ones((ND, LD - 1), bool)),
+     r"d_mask has shape \[7, 5\]; expected \[7, 6\] \(H's shape without its last axis\)"),  # (was D's: no D here)
     (lambda Q, H, W, b: lik_cupy.maxsim_from_hidden(Q, H, W, b, d_lengths=[7] * ND), "d_lengths"),
     (lambda Q, H, W, b: lik_cupy.maxsim_from_hidden_backward(np.ones((NQ, ND)), Q, H, W, b, np.zeros((NQ, ND, LQ))),
      "argmax has dtype float64; expected int32"),
@@ -247,6 +263,7 @@ def test_errors_name_the_argument(rng, call, match):
         call(*_data(rng))
 
 
+@pytest.mark.filterwarnings("error")  # a float32 eps warned 'overflow encountered in cast' in its check
 def test_numpy_scalar_options_are_taken(rng):
     """NumPy's scalars (from a config array, say) for the options, as Python's, also through torch's operator."""
     Q, H, W, b = _data(rng)
@@ -405,3 +422,26 @@ def test_cpu_chunks_count_the_hidden_states_they_hold(rng):
     whole = lik_cupy.maxsim_from_hidden_backward(np.ones_like(s), q, h, w, None, a, backend="cpu")
     for x, y in zip(grads[:3], whole[:3]):  # chunks change no value (dW: float64 sums, rounded once; no bias)
         np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-7)
+
+
+def test_cpu_scores_alone_hold_no_argmax(rng):
+    """Without return_argmax the CPU forward kept an int32 argmax of Lq entries a score all the same (and
+    asked each chunk's MaxSim for one): 64 queries of 32 tokens against 4,000 documents held 109 MiB for
+    1 MiB of scores (now 47); it holds the argmax only where asked."""
+    import tracemalloc
+
+    q = rng.standard_normal((32, 32, 8)).astype(np.float32)
+    h = rng.standard_normal((2000, 2, 8)).astype(np.float32)
+    w = rng.standard_normal((8, 8)).astype(np.float32)
+    peaks = []
+    for return_argmax in (True, False):
+        tracemalloc.start()
+        try:
+            out = lik_cupy.maxsim_from_hidden(q, h, w, return_argmax=return_argmax, backend="cpu")
+            peaks.append(tracemalloc.get_traced_memory()[1])
+        finally:
+            tracemalloc.stop()
+    with_argmax, alone = peaks
+    amax_bytes = 32 * 2000 * 32 * 4
+    assert alone + amax_bytes < with_argmax, (alone, with_argmax)
+    np.testing.assert_array_equal(out, lik_cupy.maxsim_from_hidden(q, h, w, return_argmax=True, backend="cpu")[0])

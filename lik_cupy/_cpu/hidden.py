@@ -9,18 +9,21 @@ import numpy as np
 
 
 def project_numpy(H: np.ndarray, W: np.ndarray, bias) -> np.ndarray:
-    """``H [R, h] @ W.T + bias`` in float64: ``[R, d]``."""
-    P = H.astype(np.float64) @ W.astype(np.float64).T
-    if bias is not None:
-        P += bias.astype(np.float64)
+    """``H [R, h] @ W.T + bias`` in float64: ``[R, d]``. Non-finite values (a masked token's padding
+    may hold anything) make NaN or inf rows without a warning, as ``lik_cupy.maxsim`` reads them."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        P = H.astype(np.float64) @ W.astype(np.float64).T
+        if bias is not None:
+            P += bias.astype(np.float64)
     return P
 
 
 def normalize_rows(P, eps: float):
     """Normalise the rows of ``P [R, d]`` in place as ``torch.nn.functional.normalize`` does,
     ``P / max(|P|, eps)``; returns the norms ``[R, 1]``."""
-    r = np.sqrt((P * P).sum(axis=1, keepdims=True))
-    P /= np.maximum(r, eps)
+    with np.errstate(invalid="ignore", over="ignore"):  # (non-finite rows: NaN, as torch's, without a warning)
+        r = np.sqrt((P * P).sum(axis=1, keepdims=True))
+        P /= np.maximum(r, eps)
     return r
 
 

@@ -286,9 +286,11 @@ def _where(dev) -> str:
     return "the host" if dev is None else f"cuda:{dev}"
 
 
-def check_valid(side: str, mask, lengths, q: Info, mask_shape, len_shape, ref_name: str = "Q") -> str | None:
-    """One side's mask or lengths, in the framework and place of ``q`` (the array ``ref_name``)."""
-    what = "Q" if side == "q" else "D"
+def check_valid(side: str, mask, lengths, q: Info, mask_shape, len_shape, ref_name: str = "Q",
+                shape_of: str | None = None) -> str | None:
+    """One side's mask or lengths, in the framework and place of ``q`` (the array ``ref_name``);
+    ``shape_of`` names the array whose shape the mask follows (default Q or D)."""
+    what = shape_of or ("Q" if side == "q" else "D")
     if mask is not None and lengths is not None:
         raise ValueError(f"pass either {side}_mask or {side}_lengths, not both")
     if mask is not None:

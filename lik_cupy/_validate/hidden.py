@@ -12,6 +12,7 @@ import numpy as np
 from .arguments import Problem, _info, _same_place, _where, check_flag, check_valid
 
 _FLOATS = ("float16", "bfloat16", "float32", "float64")
+_NO_BOUND = 2**63 - 1  # the largest max_chunk_bytes torch's operator schema takes (int64); any larger bounds nothing
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -57,7 +58,7 @@ def check_hidden(Q, H, W, bias, q_mask, d_mask, q_lengths, d_lengths) -> HiddenP
     nd, ld = h.shape[0], h.shape[1]
     scores_shape = tuple(q.shape[:-2]) + (nd,)
     q_valid = check_valid("q", q_mask, q_lengths, q, q.shape[:-1], q.shape[:-2])
-    d_valid = check_valid("d", d_mask, d_lengths, q, h.shape[:-1], h.shape[:-2])
+    d_valid = check_valid("d", d_mask, d_lengths, q, h.shape[:-1], h.shape[:-2], shape_of="H")
     p = Problem(framework=q.framework, device=q.device, dtype=q.dtype, nq=nq, lq=lq, nd=nd, ld=ld, dim=dim,
                 candidates=False, scores_shape=scores_shape, argmax_shape=scores_shape + (lq,), q_valid=q_valid,
                 d_valid=d_valid)
@@ -89,12 +90,15 @@ def check_hidden_backward(grad_scores, Q, H, W, bias, argmax, d_mask, d_lengths)
 def check_hidden_options(normalize, eps, max_chunk_bytes) -> tuple[bool, float, int | None]:
     """The fused head's options: ``normalize`` a bool, ``eps`` a positive finite float,
     ``max_chunk_bytes`` None or a positive int (NumPy's scalars too). Returns them as Python's
-    ``bool``, ``float`` and ``int`` (what torch's operator schema takes)."""
+    ``bool``, ``float`` and ``int`` (what torch's operator schema takes: ``max_chunk_bytes`` at most
+    int64's largest)."""
     normalize = check_flag("normalize", normalize)
-    # (compared as given: float() of an int past float's range, 10**400, raises OverflowError)
-    if isinstance(eps, bool) or not isinstance(eps, (int, float, np.floating)) or not 0 < eps <= sys.float_info.max:
+    # An int compared as given (float() of one past float's range, 10**400, raises OverflowError); a NumPy
+    # float as a Python float (float64's largest cast to float32 is inf, which let a float32 inf through)
+    value = float(eps) if isinstance(eps, np.floating) else eps
+    if isinstance(eps, bool) or not isinstance(eps, (int, float, np.floating)) or not 0 < value <= sys.float_info.max:
         raise ValueError(f"eps must be a positive finite float (the normalisation's floor), got {eps!r}")
     if max_chunk_bytes is not None and (isinstance(max_chunk_bytes, (bool, np.bool_))
                                         or not isinstance(max_chunk_bytes, (int, np.integer)) or max_chunk_bytes < 1):
         raise ValueError(f"max_chunk_bytes must be a positive int (bytes of projected tokens), got {max_chunk_bytes!r}")
-    return normalize, float(eps), None if max_chunk_bytes is None else int(max_chunk_bytes)
+    return normalize, float(eps), None if max_chunk_bytes is None else min(int(max_chunk_bytes), _NO_BOUND)
