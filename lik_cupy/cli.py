@@ -743,7 +743,7 @@ def _dask_corpus(scheduler: str | None, gpus: list, backend: str, docs, d_length
             # A free port for the scheduler's web server (another cluster may hold 8787); workers'
             # logs silenced, since their errors reach the user as the one-line error below.
             cluster = stack.enter_context(LocalCUDACluster(
-                CUDA_VISIBLE_DEVICES=",".join(map(str, gpus)), n_workers=len(gpus), threads_per_worker=1,
+                CUDA_VISIBLE_DEVICES=_driver_devices(gpus), n_workers=len(gpus), threads_per_worker=1,
                 dashboard_address=":0", silence_logs=logging.CRITICAL))
             client = stack.enter_context(Client(cluster))
         else:
@@ -760,6 +760,18 @@ def _dask_corpus(scheduler: str | None, gpus: list, backend: str, docs, d_length
             # the scheduler went away mid-run: Dask's CommClosedError, a reset, a reconnect that timed out
             raise LikError("--scheduler" if scheduler else "--devices",
                            f"lost the connection to the Dask scheduler at {address}: {e}") from None
+
+
+def _driver_devices(gpus: list[int]) -> str:
+    """The CUDA_VISIBLE_DEVICES of a LocalCUDACluster of ``gpus`` (indices among the GPUs this process
+    sees). dask-cuda hands that list to each worker as it is, where the driver reads it against every
+    GPU of the machine: under CUDA_VISIBLE_DEVICES=2,3 this process's GPUs 0 and 1 are the entries 2
+    and 3, and "0,1" would name GPUs its user had left out."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return ",".join(map(str, gpus))
+    entries = [e.strip() for e in visible.split(",")]
+    return ",".join(entries[d] for d in gpus)  # every d < the GPUs seen, so < the entries
 
 
 def _connect(scheduler: str):

@@ -334,6 +334,36 @@ def test_devices_spread_shards_and_merge(tmp_path, monkeypatch):
     assert r.exit_code == 2 and "lik: error: --devices: no GPU 2; 2 visible (0..1)" in r.stderr
 
 
+@pytest.mark.parametrize("visible,expected", [(None, "0,2"), ("2,3,5", "2,5"), ("GPU-a, GPU-b,GPU-c", "GPU-a,GPU-c")])
+def test_devices_name_the_gpus_this_process_sees_to_a_local_cuda_cluster(tmp_path, monkeypatch, visible, expected):
+    """--devices 0,2 with dask-cuda installed starts a LocalCUDACluster, which hands its
+    CUDA_VISIBLE_DEVICES to each worker as it is: under CUDA_VISIBLE_DEVICES=2,3,5 (where --devices
+    counts GPUs, as --device and the threads do) the workers must get 2,5, not the driver's GPUs 0 and 2."""
+    import types
+
+    class Started(Exception):
+        pass
+
+    seen = {}
+
+    def cluster(**kwargs):
+        seen.update(kwargs)
+        raise Started
+
+    monkeypatch.setitem(sys.modules, "dask_cuda", types.SimpleNamespace(LocalCUDACluster=cluster))
+    monkeypatch.setattr(cli, "_gpu_available", lambda: True)
+    monkeypatch.setattr(cli, "_gpu_count", lambda: 3)
+    monkeypatch.setattr(cli, "_dask_cuda_installed", lambda: True)
+    if visible is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    c = Corpus(tmp_path)
+    r = run(*[a for a in c.args(tmp_path / "r.tsv", "--devices", "0,2") if a != "--cpu"])
+    assert r.exit_code == 1 and "Started" in r.stderr, r.stderr
+    assert seen["CUDA_VISIBLE_DEVICES"] == expected and seen["n_workers"] == 2
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype,tol", [("float16", 2e-3), ("float32", 1e-2)])  # float32 runs on TF32
 @pytest.mark.parametrize("device", [[], ["--device", "0"], ["--devices", "0"]])
