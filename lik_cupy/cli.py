@@ -1040,17 +1040,33 @@ def main():
 @click.option("--bf16-bits", is_flag=True, help="Read uint16 .npy inputs as bfloat16 bit patterns.")
 @click.option("--precision", type=click.Choice(["fp32", "tf32"]), default=None,
               help="float32 corpora on the GPU: fp32 (float32 accuracy, the default) or tf32 (faster, ~1e-3 "
-              "relative error). Sets LIK_PRECISION, which local Dask workers inherit.")
+              "relative error). Sets LIK_PRECISION for the run, which local Dask workers inherit.")
 @click.option("--debug", is_flag=True, help="Show a traceback on errors.")
 @_cli_errors
 def _score_command(queries, docs, q_lengths, d_lengths, top_k, out, full_matrix, check, cpu, device, devices, scheduler,
                    bf16_bits, precision, debug):
-    if precision is not None:
-        os.environ["LIK_PRECISION"] = precision  # the process default (lik_cupy.precision), for workers too
     _raise_open_files_limit()
-    with _sigterm_as_interrupt():
+    with _sigterm_as_interrupt(), _precision_for_the_run(precision):
         run_score(queries, docs, out, q_lengths=q_lengths, d_lengths=d_lengths, top_k=top_k, full_matrix=full_matrix,
                   check=check, cpu=cpu, device=device, devices=devices, bf16_bits=bf16_bits, scheduler=scheduler)
+
+
+@contextlib.contextmanager
+def _precision_for_the_run(precision: str | None):
+    """LIK_PRECISION, the process default of lik_cupy.precision, set to ``precision`` for the run (local Dask
+    workers started in it inherit it), then as it was: a caller of ``main`` in its own process keeps its own."""
+    if precision is None:
+        yield
+        return
+    before = os.environ.get("LIK_PRECISION")
+    os.environ["LIK_PRECISION"] = precision
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("LIK_PRECISION", None)
+        else:
+            os.environ["LIK_PRECISION"] = before
 
 
 def _load_ids(path: str) -> np.ndarray:

@@ -379,6 +379,27 @@ def test_gpu_score_matches_reference(tmp_path, dtype, tol, device):
     np.testing.assert_allclose(np.load(full), c.S, rtol=tol, atol=tol)
 
 
+def test_precision_holds_for_the_run_only(tmp_path, monkeypatch):
+    """--precision sets LIK_PRECISION for the run's library calls (and the workers a run starts), then
+    gives a process that called main its own back."""
+    c = Corpus(tmp_path)
+    monkeypatch.delenv("LIK_PRECISION", raising=False)
+    seen = []
+    real = lik_cupy.retrieve
+
+    def retrieve(*args, **kwargs):
+        seen.append(os.environ.get("LIK_PRECISION"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(lik_cupy, "retrieve", retrieve)
+    r = run(*c.args(tmp_path / "r.tsv", "--precision", "tf32"))
+    assert r.exit_code == 0, r.stderr
+    assert seen and set(seen) == {"tf32"} and "LIK_PRECISION" not in os.environ
+    monkeypatch.setenv("LIK_PRECISION", "fp32")
+    r = run(*c.args(tmp_path / "r.tsv", "--precision", "tf32"))
+    assert r.exit_code == 0 and os.environ["LIK_PRECISION"] == "fp32"
+
+
 def test_cpu_fallback_note(tmp_path, monkeypatch):
     monkeypatch.setattr(lik_cupy, "gpu_available", lambda: False)
     c = Corpus(tmp_path)
