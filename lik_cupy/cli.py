@@ -1040,11 +1040,14 @@ def main():
 @click.option("--bf16-bits", is_flag=True, help="Read uint16 .npy inputs as bfloat16 bit patterns.")
 @click.option("--precision", type=click.Choice(["fp32", "tf32"]), default=None,
               help="float32 corpora on the GPU: fp32 (float32 accuracy, the default) or tf32 (faster, ~1e-3 "
-              "relative error). Sets LIK_PRECISION for the run, which local Dask workers inherit.")
+              "relative error). Sets LIK_PRECISION for the run, which local Dask workers inherit (not with --scheduler).")
 @click.option("--debug", is_flag=True, help="Show a traceback on errors.")
 @_cli_errors
 def _score_command(queries, docs, q_lengths, d_lengths, top_k, out, full_matrix, check, cpu, device, devices, scheduler,
                    bf16_bits, precision, debug):
+    if precision is not None and scheduler is not None:
+        raise LikError("--precision", "does not reach the workers of a --scheduler, which are already running; "
+                                      "start them with LIK_PRECISION set instead")
     _raise_open_files_limit()
     with _sigterm_as_interrupt(), _precision_for_the_run(precision):
         run_score(queries, docs, out, q_lengths=q_lengths, d_lengths=d_lengths, top_k=top_k, full_matrix=full_matrix,

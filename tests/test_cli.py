@@ -400,6 +400,15 @@ def test_precision_holds_for_the_run_only(tmp_path, monkeypatch):
     assert r.exit_code == 0 and os.environ["LIK_PRECISION"] == "fp32"
 
 
+def test_precision_is_refused_with_a_scheduler(tmp_path):
+    """A --scheduler's workers are already running and never see this process's LIK_PRECISION: --precision
+    is refused there, before anything is opened, rather than ignored."""
+    c = Corpus(tmp_path)
+    r = run(*c.args(tmp_path / "s.tsv", "--precision", "tf32", "--scheduler", "tcp://127.0.0.1:1"))
+    assert r.exit_code == 2 and r.stderr.startswith("lik: error: --precision: ") and len(r.stderr.splitlines()) == 1
+    assert "LIK_PRECISION" in r.stderr and not (tmp_path / "s.tsv").exists()
+
+
 def test_cpu_fallback_note(tmp_path, monkeypatch):
     monkeypatch.setattr(lik_cupy, "gpu_available", lambda: False)
     c = Corpus(tmp_path)
