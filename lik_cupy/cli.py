@@ -1028,7 +1028,7 @@ def main():
 @click.option("--d-lengths", multiple=True, metavar="L [L2 ...]", help="One lengths/doclens file per .npy doc input.")
 @click.option("-k", "--top-k", type=int, default=10, show_default=True, metavar="K", help="Results kept per query.")
 @click.option("-o", "--out", required=True, metavar="FILE", help="results.tsv, results.jsonl or results.npy")
-@click.option("--full-matrix", is_flag=True, help="Write the whole [Nq, Ndocs] float32 matrix (.npy only).")
+@click.option("--full-matrix", is_flag=True, help="Write the whole [Nq, Ndocs] float32 matrix (.npy only; no --top-k).")
 @click.option("--check", is_flag=True, help="Read every embedding first and refuse NaN or inf values "
               "(the queries also after their cast to the corpus's dtype).")
 @click.option("--cpu", is_flag=True, help="Score on the CPU even if a GPU is visible.")
@@ -1045,6 +1045,8 @@ def main():
 @_cli_errors
 def _score_command(queries, docs, q_lengths, d_lengths, top_k, out, full_matrix, check, cpu, device, devices, scheduler,
                    bf16_bits, precision, debug):
+    if full_matrix and click.get_current_context().get_parameter_source("top_k") != click.core.ParameterSource.DEFAULT:
+        raise LikError("--top-k", "does not go with --full-matrix, which writes every score; drop one of them")
     if precision is not None and scheduler is not None:
         raise LikError("--precision", "does not reach the workers of a --scheduler, which are already running; "
                                       "start them with LIK_PRECISION set instead")

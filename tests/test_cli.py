@@ -825,6 +825,7 @@ def _bad_cases(t, c):
         ("top-k zero", S("--top-k", 0), "--top-k"),
         ("top-k over the limit", S("--top-k", 5000), "--top-k"),
         ("full matrix to tsv", S("--full-matrix"), out),
+        ("top-k with the full matrix", S("--full-matrix", "-k", 5, o=p("m.npy")), "--top-k"),
         ("devices and cpu", S("--devices", "0,1"), "--devices"),
         ("devices malformed", [a for a in S("--devices", "0,x") if a != "--cpu"], "--devices"),
         ("device and devices", S("--device", 0, "--devices", "0,1"), "--devices"),
