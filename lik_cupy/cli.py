@@ -836,11 +836,26 @@ def _open_corpus(docs, d_lengths, bf16_bits: bool) -> list[shards.Shard]:
     return [shards.open_input(p, None if os.path.isdir(p) else next(lengths, None), bf16_bits=bf16_bits) for p in docs]
 
 
+def _check_precision_default() -> None:
+    """LIK_PRECISION checked before any work: a bad value failed the first library call, whose error
+    ``_call`` blames on the documents being scored."""
+    from lik_cupy._dispatch import precision
+
+    try:
+        precision.default()  # (set_precision's value, where a caller of run_score set one, wins)
+    except ValueError:
+        raise LikError("LIK_PRECISION", f"must be {' or '.join(map(repr, precision.PRECISIONS))} (or unset), got "
+                                        f"{os.environ['LIK_PRECISION']!r}; it is the process default of the float32 "
+                                        "precision, which --precision sets for one run") from None
+
+
 def run_score(queries: str, docs, out: str, *, q_lengths: str | None = None, d_lengths=(), top_k: int = 10,
               full_matrix: bool = False, check: bool = False, cpu: bool = False, device: int | None = None,
               devices: str | None = None, bf16_bits: bool = False, scheduler: str | None = None) -> None:
     """Score every query against every document and write ``out`` (see ``lik score --help``)."""
     suffix = _check_output(out, full_matrix, top_k)
+    if scheduler is None:  # (a cluster's workers read their own)
+        _check_precision_default()
     if not docs:
         raise LikError("--docs", "give at least one shard directory or .npy file")
     query = shards.open_input(queries, q_lengths, bf16_bits=bf16_bits)

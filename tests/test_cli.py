@@ -409,6 +409,20 @@ def test_precision_is_refused_with_a_scheduler(tmp_path):
     assert "LIK_PRECISION" in r.stderr and not (tmp_path / "s.tsv").exists()
 
 
+def test_a_bad_lik_precision_is_named_not_blamed_on_a_shard(tmp_path, monkeypatch):
+    """LIK_PRECISION=bogus failed the first library call, and the error named the shard being scored
+    ('shard0/tokens.npy: lik_cupy rejected documents 0..10: LIK_PRECISION must be ...')."""
+    c = Corpus(tmp_path)
+    monkeypatch.setenv("LIK_PRECISION", "bogus")
+    for extra in ([], ["--full-matrix"]):
+        out = tmp_path / ("r.npy" if extra else "r.tsv")
+        r = run(*c.args(out, *extra))
+        assert r.exit_code == 2 and not out.exists()
+        assert r.stderr == ("lik: error: LIK_PRECISION: must be 'fp32' or 'tf32' (or unset), got 'bogus'; it is the "
+                            "process default of the float32 precision, which --precision sets for one run\n"), r.stderr
+    assert run(*c.args(tmp_path / "r.tsv", "--precision", "fp32")).exit_code == 0  # --precision takes its place
+
+
 def test_cpu_fallback_note(tmp_path, monkeypatch):
     monkeypatch.setattr(lik_cupy, "gpu_available", lambda: False)
     c = Corpus(tmp_path)
