@@ -1344,7 +1344,25 @@ def _info_command(debug):
     echo(f"GPU backend   {'available' if _gpu_available() else 'not available (CPU fallback)'}")
     from lik_cupy._runtime import nvrtc
 
-    echo(f"kernel cache  {nvrtc.cache_dir()}")
+    cache = nvrtc.cache_dir()
+    problem = _unwritable(cache)
+    echo(f"kernel cache  {cache}" + ("" if problem is None else f" (cannot be written: {problem}; each process "
+                                                                 "compiles its kernels into a directory of its own, "
+                                                                 "removed at exit)"))
+
+
+def _unwritable(d) -> str | None:
+    """Why the kernel cache at ``d`` cannot be written (None: it can, as far as can be told without
+    writing): it, or the nearest of its parents that exists where it does not yet, must be a
+    directory this process may write in."""
+    at = os.path.abspath(d)
+    while not os.path.lexists(at) and os.path.dirname(at) != at:
+        at = os.path.dirname(at)
+    if not os.path.isdir(at):
+        return f"{at} is not a directory"
+    if not os.access(at, os.W_OK | os.X_OK):
+        return f"{at} is not writable"
+    return None
 
 
 def _serve_devices(text: str) -> list:

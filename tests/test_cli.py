@@ -582,6 +582,23 @@ def test_info_without_gpu_or_cupy(monkeypatch):
         assert words in r.output
 
 
+def test_info_says_when_the_kernel_cache_cannot_be_written(tmp_path, monkeypatch):
+    """Where LIK_CACHE_DIR cannot be written, every process compiles into a directory of its own
+    (docs/environment.md); lik info showed the directory as the cache in use all the same."""
+    (tmp_path / "afile").write_text("x")
+    for cache, problem in ((tmp_path / "afile" / "kernels", f"{tmp_path / 'afile'} is not a directory"),
+                           (tmp_path / "afile", f"{tmp_path / 'afile'} is not a directory")):
+        monkeypatch.setenv("LIK_CACHE_DIR", str(cache))
+        r = run("info")
+        assert r.exit_code == 0, r.stderr
+        assert (f"kernel cache  {cache} (cannot be written: {problem}; each process compiles its kernels into a "
+                "directory of its own, removed at exit)\n") in r.output, r.output
+    for cache in (tmp_path / "new" / "kernels", tmp_path):  # made on first use; there
+        monkeypatch.setenv("LIK_CACHE_DIR", str(cache))
+        assert f"kernel cache  {cache}\n" in run("info").output
+    assert not (tmp_path / "new").exists()
+
+
 @pytest.mark.parametrize("status, loadable, words", [
     (35, False, "none: no NVIDIA driver on this machine (libcuda.so.1 cannot be loaded)"),
     (100, True, "none: the NVIDIA driver sees no GPU"),
