@@ -849,6 +849,19 @@ def _check_precision_default() -> None:
                                         "precision, which --precision sets for one run") from None
 
 
+def _check_gpu_switches() -> None:
+    """The GPU path's on/off variables checked before any work, for the reason of ``_check_precision_default``
+    (local Dask workers inherit them)."""
+    from lik_cupy._base import env
+
+    for name, read in (("LIK_VALIDATE", env.validate_strict), ("LIK_POISON", env.poison_outputs),
+                       ("LIK_DISABLE_WGMMA", env.wgmma_disabled), ("LIK_DISABLE_TMA", env.tma_disabled)):
+        try:
+            read()
+        except ValueError as e:  # (the value may be read under its deprecated name)
+            raise LikError(name, str(e).removeprefix(f"environment variable {name} ")) from None
+
+
 def run_score(queries: str, docs, out: str, *, q_lengths: str | None = None, d_lengths=(), top_k: int = 10,
               full_matrix: bool = False, check: bool = False, cpu: bool = False, device: int | None = None,
               devices: str | None = None, bf16_bits: bool = False, scheduler: str | None = None) -> None:
@@ -893,6 +906,8 @@ def run_score(queries: str, docs, out: str, *, q_lengths: str | None = None, d_l
 
     if scheduler is None:
         backend, gpus = _choose_backend(cpu, device, devices)
+        if backend == "gpu":
+            _check_gpu_switches()
     else:
         backend, gpus = _cluster_backend(cpu, device, devices)
     from lik_cupy import _dispatch as dispatch

@@ -21,6 +21,7 @@ from lik_command import child_pythonpath
 from lik_command import run_lik as run
 from lik_cupy import cli
 from lik_cupy._ranking import merge_ranked
+from lik_cupy._base import env
 import lik_cupy
 from lik_cupy import _shard_format as fmt
 from lik_cupy import shards
@@ -421,6 +422,33 @@ def test_a_bad_lik_precision_is_named_not_blamed_on_a_shard(tmp_path, monkeypatc
         assert r.stderr == ("lik: error: LIK_PRECISION: must be 'fp32' or 'tf32' (or unset), got 'bogus'; it is the "
                             "process default of the float32 precision, which --precision sets for one run\n"), r.stderr
     assert run(*c.args(tmp_path / "r.tsv", "--precision", "fp32")).exit_code == 0  # --precision takes its place
+
+
+@pytest.mark.parametrize("name", ["LIK_VALIDATE", "LIK_POISON", "LIK_DISABLE_WGMMA", "LIK_DISABLE_TMA"])
+def test_a_bad_gpu_switch_is_named_before_any_work(tmp_path, monkeypatch, name):
+    """The GPU path's on/off variables are read by its calls: LIK_VALIDATE=on failed the first one, and
+    the error named the shard being scored ('shard0/tokens.npy: lik_cupy rejected documents 0..10:
+    environment variable LIK_VALIDATE is 'on'; ...'). A GPU run now reads them first; a CPU run never
+    reads them."""
+    c = Corpus(tmp_path)
+    monkeypatch.setattr(cli, "_gpu_available", lambda: True)
+    called = []
+    monkeypatch.setattr(lik_cupy, "retrieve", lambda *a, **k: called.append(1))
+    monkeypatch.setenv(name, "on")
+    out = tmp_path / "r.tsv"
+    r = run(*[a for a in c.args(out) if a != "--cpu"])
+    assert r.exit_code == 2 and not called and not out.exists()
+    assert r.stderr == (f"lik: error: {name}: is 'on'; expected 1, true or yes (on), or 0, false, no or empty (off)\n")
+    if name in env._OLD_NAMES:  # its value read under its old name
+        monkeypatch.delenv(name)
+        monkeypatch.setenv(env._OLD_NAMES[name], "on")
+        monkeypatch.setattr(env, "_warned", set())  # (warned once per process)
+        with pytest.warns(DeprecationWarning):
+            r = run(*[a for a in c.args(out) if a != "--cpu"])
+        assert r.exit_code == 2 and r.stderr.startswith(f"lik: error: {name}: is 'on'; expected 1"), r.stderr
+    monkeypatch.undo()
+    monkeypatch.setenv(name, "on")
+    assert run(*c.args(out)).exit_code == 0
 
 
 def test_cpu_fallback_note(tmp_path, monkeypatch):
