@@ -743,7 +743,7 @@ def _dask_corpus(scheduler: str | None, gpus: list, backend: str, docs, d_length
             # A free port for the scheduler's web server (another cluster may hold 8787); workers'
             # logs silenced, since their errors reach the user as the one-line error below.
             cluster = stack.enter_context(LocalCUDACluster(
-                CUDA_VISIBLE_DEVICES=",".join(map(str, gpus)), n_workers=len(gpus), threads_per_worker=1,
+                CUDA_VISIBLE_DEVICES=_driver_devices(gpus), n_workers=len(gpus), threads_per_worker=1,
                 dashboard_address=":0", silence_logs=logging.CRITICAL))
             client = stack.enter_context(Client(cluster))
         else:
@@ -760,6 +760,18 @@ def _dask_corpus(scheduler: str | None, gpus: list, backend: str, docs, d_length
             # the scheduler went away mid-run: Dask's CommClosedError, a reset, a reconnect that timed out
             raise LikError("--scheduler" if scheduler else "--devices",
                            f"lost the connection to the Dask scheduler at {address}: {e}") from None
+
+
+def _driver_devices(gpus: list[int]) -> str:
+    """The CUDA_VISIBLE_DEVICES of a LocalCUDACluster of ``gpus`` (indices among the GPUs this process
+    sees). dask-cuda hands that list to each worker as it is, where the driver reads it against every
+    GPU of the machine: under CUDA_VISIBLE_DEVICES=2,3 this process's GPUs 0 and 1 are the entries 2
+    and 3, and "0,1" would name GPUs its user had left out."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return ",".join(map(str, gpus))
+    entries = [e.strip() for e in visible.split(",")]
+    return ",".join(entries[d] for d in gpus)  # every d < the GPUs seen, so < the entries
 
 
 def _connect(scheduler: str):
@@ -824,11 +836,39 @@ def _open_corpus(docs, d_lengths, bf16_bits: bool) -> list[shards.Shard]:
     return [shards.open_input(p, None if os.path.isdir(p) else next(lengths, None), bf16_bits=bf16_bits) for p in docs]
 
 
+def _check_precision_default() -> None:
+    """LIK_PRECISION checked before any work: a bad value failed the first library call, whose error
+    ``_call`` blames on the documents being scored."""
+    from lik_cupy._dispatch import precision
+
+    try:
+        precision.default()  # (set_precision's value, where a caller of run_score set one, wins)
+    except ValueError:
+        raise LikError("LIK_PRECISION", f"must be {' or '.join(map(repr, precision.PRECISIONS))} (or unset), got "
+                                        f"{os.environ['LIK_PRECISION']!r}; it is the process default of the float32 "
+                                        "precision, which --precision sets for one run") from None
+
+
+def _check_gpu_switches() -> None:
+    """The GPU path's on/off variables checked before any work, for the reason of ``_check_precision_default``
+    (local Dask workers inherit them)."""
+    from lik_cupy._base import env
+
+    for name, read in (("LIK_VALIDATE", env.validate_strict), ("LIK_POISON", env.poison_outputs),
+                       ("LIK_DISABLE_WGMMA", env.wgmma_disabled), ("LIK_DISABLE_TMA", env.tma_disabled)):
+        try:
+            read()
+        except ValueError as e:  # (the value may be read under its deprecated name)
+            raise LikError(name, str(e).removeprefix(f"environment variable {name} ")) from None
+
+
 def run_score(queries: str, docs, out: str, *, q_lengths: str | None = None, d_lengths=(), top_k: int = 10,
               full_matrix: bool = False, check: bool = False, cpu: bool = False, device: int | None = None,
               devices: str | None = None, bf16_bits: bool = False, scheduler: str | None = None) -> None:
     """Score every query against every document and write ``out`` (see ``lik score --help``)."""
     suffix = _check_output(out, full_matrix, top_k)
+    if scheduler is None:  # (a cluster's workers read their own)
+        _check_precision_default()
     if not docs:
         raise LikError("--docs", "give at least one shard directory or .npy file")
     query = shards.open_input(queries, q_lengths, bf16_bits=bf16_bits)
@@ -866,6 +906,8 @@ def run_score(queries: str, docs, out: str, *, q_lengths: str | None = None, d_l
 
     if scheduler is None:
         backend, gpus = _choose_backend(cpu, device, devices)
+        if backend == "gpu":
+            _check_gpu_switches()
     else:
         backend, gpus = _cluster_backend(cpu, device, devices)
     from lik_cupy import _dispatch as dispatch
@@ -1016,7 +1058,7 @@ def main():
 @click.option("--d-lengths", multiple=True, metavar="L [L2 ...]", help="One lengths/doclens file per .npy doc input.")
 @click.option("-k", "--top-k", type=int, default=10, show_default=True, metavar="K", help="Results kept per query.")
 @click.option("-o", "--out", required=True, metavar="FILE", help="results.tsv, results.jsonl or results.npy")
-@click.option("--full-matrix", is_flag=True, help="Write the whole [Nq, Ndocs] float32 matrix (.npy only).")
+@click.option("--full-matrix", is_flag=True, help="Write the whole [Nq, Ndocs] float32 matrix (.npy only; no --top-k).")
 @click.option("--check", is_flag=True, help="Read every embedding first and refuse NaN or inf values "
               "(the queries also after their cast to the corpus's dtype).")
 @click.option("--cpu", is_flag=True, help="Score on the CPU even if a GPU is visible.")
@@ -1028,17 +1070,38 @@ def main():
 @click.option("--bf16-bits", is_flag=True, help="Read uint16 .npy inputs as bfloat16 bit patterns.")
 @click.option("--precision", type=click.Choice(["fp32", "tf32"]), default=None,
               help="float32 corpora on the GPU: fp32 (float32 accuracy, the default) or tf32 (faster, ~1e-3 "
-              "relative error). Sets LIK_PRECISION, which local Dask workers inherit.")
+              "relative error). Sets LIK_PRECISION for the run, which local Dask workers inherit (not with --scheduler).")
 @click.option("--debug", is_flag=True, help="Show a traceback on errors.")
 @_cli_errors
 def _score_command(queries, docs, q_lengths, d_lengths, top_k, out, full_matrix, check, cpu, device, devices, scheduler,
                    bf16_bits, precision, debug):
-    if precision is not None:
-        os.environ["LIK_PRECISION"] = precision  # the process default (lik_cupy.precision), for workers too
+    if full_matrix and click.get_current_context().get_parameter_source("top_k") != click.core.ParameterSource.DEFAULT:
+        raise LikError("--top-k", "does not go with --full-matrix, which writes every score; drop one of them")
+    if precision is not None and scheduler is not None:
+        raise LikError("--precision", "does not reach the workers of a --scheduler, which are already running; "
+                                      "start them with LIK_PRECISION set instead")
     _raise_open_files_limit()
-    with _sigterm_as_interrupt():
+    with _sigterm_as_interrupt(), _precision_for_the_run(precision):
         run_score(queries, docs, out, q_lengths=q_lengths, d_lengths=d_lengths, top_k=top_k, full_matrix=full_matrix,
                   check=check, cpu=cpu, device=device, devices=devices, bf16_bits=bf16_bits, scheduler=scheduler)
+
+
+@contextlib.contextmanager
+def _precision_for_the_run(precision: str | None):
+    """LIK_PRECISION, the process default of lik_cupy.precision, set to ``precision`` for the run (local Dask
+    workers started in it inherit it), then as it was: a caller of ``main`` in its own process keeps its own."""
+    if precision is None:
+        yield
+        return
+    before = os.environ.get("LIK_PRECISION")
+    os.environ["LIK_PRECISION"] = precision
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("LIK_PRECISION", None)
+        else:
+            os.environ["LIK_PRECISION"] = before
 
 
 def _load_ids(path: str) -> np.ndarray:
@@ -1296,7 +1359,25 @@ def _info_command(debug):
     echo(f"GPU backend   {'available' if _gpu_available() else 'not available (CPU fallback)'}")
     from lik_cupy._runtime import nvrtc
 
-    echo(f"kernel cache  {nvrtc.cache_dir()}")
+    cache = nvrtc.cache_dir()
+    problem = _unwritable(cache)
+    echo(f"kernel cache  {cache}" + ("" if problem is None else f" (cannot be written: {problem}; each process "
+                                                                 "compiles its kernels into a directory of its own, "
+                                                                 "removed at exit)"))
+
+
+def _unwritable(d) -> str | None:
+    """Why the kernel cache at ``d`` cannot be written (None: it can, as far as can be told without
+    writing): it, or the nearest of its parents that exists where it does not yet, must be a
+    directory this process may write in."""
+    at = os.path.abspath(d)
+    while not os.path.lexists(at) and os.path.dirname(at) != at:
+        at = os.path.dirname(at)
+    if not os.path.isdir(at):
+        return f"{at} is not a directory"
+    if not os.access(at, os.W_OK | os.X_OK):
+        return f"{at} is not writable"
+    return None
 
 
 def _serve_devices(text: str) -> list:

@@ -21,6 +21,7 @@ from lik_command import child_pythonpath
 from lik_command import run_lik as run
 from lik_cupy import cli
 from lik_cupy._ranking import merge_ranked
+from lik_cupy._base import env
 import lik_cupy
 from lik_cupy import _shard_format as fmt
 from lik_cupy import shards
@@ -334,6 +335,36 @@ def test_devices_spread_shards_and_merge(tmp_path, monkeypatch):
     assert r.exit_code == 2 and "lik: error: --devices: no GPU 2; 2 visible (0..1)" in r.stderr
 
 
+@pytest.mark.parametrize("visible,expected", [(None, "0,2"), ("2,3,5", "2,5"), ("GPU-a, GPU-b,GPU-c", "GPU-a,GPU-c")])
+def test_devices_name_the_gpus_this_process_sees_to_a_local_cuda_cluster(tmp_path, monkeypatch, visible, expected):
+    """--devices 0,2 with dask-cuda installed starts a LocalCUDACluster, which hands its
+    CUDA_VISIBLE_DEVICES to each worker as it is: under CUDA_VISIBLE_DEVICES=2,3,5 (where --devices
+    counts GPUs, as --device and the threads do) the workers must get 2,5, not the driver's GPUs 0 and 2."""
+    import types
+
+    class Started(Exception):
+        pass
+
+    seen = {}
+
+    def cluster(**kwargs):
+        seen.update(kwargs)
+        raise Started
+
+    monkeypatch.setitem(sys.modules, "dask_cuda", types.SimpleNamespace(LocalCUDACluster=cluster))
+    monkeypatch.setattr(cli, "_gpu_available", lambda: True)
+    monkeypatch.setattr(cli, "_gpu_count", lambda: 3)
+    monkeypatch.setattr(cli, "_dask_cuda_installed", lambda: True)
+    if visible is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    c = Corpus(tmp_path)
+    r = run(*[a for a in c.args(tmp_path / "r.tsv", "--devices", "0,2") if a != "--cpu"])
+    assert r.exit_code == 1 and "Started" in r.stderr, r.stderr
+    assert seen["CUDA_VISIBLE_DEVICES"] == expected and seen["n_workers"] == 2
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype,tol", [("float16", 2e-3), ("float32", 1e-2)])  # float32 runs on TF32
 @pytest.mark.parametrize("device", [[], ["--device", "0"], ["--devices", "0"]])
@@ -347,6 +378,77 @@ def test_gpu_score_matches_reference(tmp_path, dtype, tol, device):
     r = run(*[a for a in c.args(full, "--full-matrix") if a != "--cpu"], *device)
     assert r.exit_code == 0 and r.stderr == "", r.stderr
     np.testing.assert_allclose(np.load(full), c.S, rtol=tol, atol=tol)
+
+
+def test_precision_holds_for_the_run_only(tmp_path, monkeypatch):
+    """--precision sets LIK_PRECISION for the run's library calls (and the workers a run starts), then
+    gives a process that called main its own back."""
+    c = Corpus(tmp_path)
+    monkeypatch.delenv("LIK_PRECISION", raising=False)
+    seen = []
+    real = lik_cupy.retrieve
+
+    def retrieve(*args, **kwargs):
+        seen.append(os.environ.get("LIK_PRECISION"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(lik_cupy, "retrieve", retrieve)
+    r = run(*c.args(tmp_path / "r.tsv", "--precision", "tf32"))
+    assert r.exit_code == 0, r.stderr
+    assert seen and set(seen) == {"tf32"} and "LIK_PRECISION" not in os.environ
+    monkeypatch.setenv("LIK_PRECISION", "fp32")
+    r = run(*c.args(tmp_path / "r.tsv", "--precision", "tf32"))
+    assert r.exit_code == 0 and os.environ["LIK_PRECISION"] == "fp32"
+
+
+def test_precision_is_refused_with_a_scheduler(tmp_path):
+    """A --scheduler's workers are already running and never see this process's LIK_PRECISION: --precision
+    is refused there, before anything is opened, rather than ignored."""
+    c = Corpus(tmp_path)
+    r = run(*c.args(tmp_path / "s.tsv", "--precision", "tf32", "--scheduler", "tcp://127.0.0.1:1"))
+    assert r.exit_code == 2 and r.stderr.startswith("lik: error: --precision: ") and len(r.stderr.splitlines()) == 1
+    assert "LIK_PRECISION" in r.stderr and not (tmp_path / "s.tsv").exists()
+
+
+def test_a_bad_lik_precision_is_named_not_blamed_on_a_shard(tmp_path, monkeypatch):
+    """LIK_PRECISION=bogus failed the first library call, and the error named the shard being scored
+    ('shard0/tokens.npy: lik_cupy rejected documents 0..10: LIK_PRECISION must be ...')."""
+    c = Corpus(tmp_path)
+    monkeypatch.setenv("LIK_PRECISION", "bogus")
+    for extra in ([], ["--full-matrix"]):
+        out = tmp_path / ("r.npy" if extra else "r.tsv")
+        r = run(*c.args(out, *extra))
+        assert r.exit_code == 2 and not out.exists()
+        assert r.stderr == ("lik: error: LIK_PRECISION: must be 'fp32' or 'tf32' (or unset), got 'bogus'; it is the "
+                            "process default of the float32 precision, which --precision sets for one run\n"), r.stderr
+    assert run(*c.args(tmp_path / "r.tsv", "--precision", "fp32")).exit_code == 0  # --precision takes its place
+
+
+@pytest.mark.parametrize("name", ["LIK_VALIDATE", "LIK_POISON", "LIK_DISABLE_WGMMA", "LIK_DISABLE_TMA"])
+def test_a_bad_gpu_switch_is_named_before_any_work(tmp_path, monkeypatch, name):
+    """The GPU path's on/off variables are read by its calls: LIK_VALIDATE=on failed the first one, and
+    the error named the shard being scored ('shard0/tokens.npy: lik_cupy rejected documents 0..10:
+    environment variable LIK_VALIDATE is 'on'; ...'). A GPU run now reads them first; a CPU run never
+    reads them."""
+    c = Corpus(tmp_path)
+    monkeypatch.setattr(cli, "_gpu_available", lambda: True)
+    called = []
+    monkeypatch.setattr(lik_cupy, "retrieve", lambda *a, **k: called.append(1))
+    monkeypatch.setenv(name, "on")
+    out = tmp_path / "r.tsv"
+    r = run(*[a for a in c.args(out) if a != "--cpu"])
+    assert r.exit_code == 2 and not called and not out.exists()
+    assert r.stderr == (f"lik: error: {name}: is 'on'; expected 1, true or yes (on), or 0, false, no or empty (off)\n")
+    if name in env._OLD_NAMES:  # its value read under its old name
+        monkeypatch.delenv(name)
+        monkeypatch.setenv(env._OLD_NAMES[name], "on")
+        monkeypatch.setattr(env, "_warned", set())  # (warned once per process)
+        with pytest.warns(DeprecationWarning):
+            r = run(*[a for a in c.args(out) if a != "--cpu"])
+        assert r.exit_code == 2 and r.stderr.startswith(f"lik: error: {name}: is 'on'; expected 1"), r.stderr
+    monkeypatch.undo()
+    monkeypatch.setenv(name, "on")
+    assert run(*c.args(out)).exit_code == 0
 
 
 def test_cpu_fallback_note(tmp_path, monkeypatch):
@@ -506,6 +608,23 @@ def test_info_without_gpu_or_cupy(monkeypatch):
     assert r.exit_code == 0, r.output
     for words in ("lik-cupy", "numpy", "cupy", "GPU", "kernel cache", "shard format  lik-shard v2 (reads v1..v2; dtypes float16, float32, bfloat16, int8)"):
         assert words in r.output
+
+
+def test_info_says_when_the_kernel_cache_cannot_be_written(tmp_path, monkeypatch):
+    """Where LIK_CACHE_DIR cannot be written, every process compiles into a directory of its own
+    (docs/environment.md); lik info showed the directory as the cache in use all the same."""
+    (tmp_path / "afile").write_text("x")
+    for cache, problem in ((tmp_path / "afile" / "kernels", f"{tmp_path / 'afile'} is not a directory"),
+                           (tmp_path / "afile", f"{tmp_path / 'afile'} is not a directory")):
+        monkeypatch.setenv("LIK_CACHE_DIR", str(cache))
+        r = run("info")
+        assert r.exit_code == 0, r.stderr
+        assert (f"kernel cache  {cache} (cannot be written: {problem}; each process compiles its kernels into a "
+                "directory of its own, removed at exit)\n") in r.output, r.output
+    for cache in (tmp_path / "new" / "kernels", tmp_path):  # made on first use; there
+        monkeypatch.setenv("LIK_CACHE_DIR", str(cache))
+        assert f"kernel cache  {cache}\n" in run("info").output
+    assert not (tmp_path / "new").exists()
 
 
 @pytest.mark.parametrize("status, loadable, words", [
@@ -765,6 +884,7 @@ def _bad_cases(t, c):
         ("top-k zero", S("--top-k", 0), "--top-k"),
         ("top-k over the limit", S("--top-k", 5000), "--top-k"),
         ("full matrix to tsv", S("--full-matrix"), out),
+        ("top-k with the full matrix", S("--full-matrix", "-k", 5, o=p("m.npy")), "--top-k"),
         ("devices and cpu", S("--devices", "0,1"), "--devices"),
         ("devices malformed", [a for a in S("--devices", "0,x") if a != "--cpu"], "--devices"),
         ("device and devices", S("--device", 0, "--devices", "0,1"), "--devices"),
