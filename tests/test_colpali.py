@@ -152,6 +152,33 @@ def test_score_multi_vector_never_reads_padding():
     assert torch.isnan(BaseVisualRetrieverProcessor.score_multi_vector(qs, ps, device="cpu")[0, 1])
 
 
+def test_score_multi_vector_pads_queries_in_bounded_runs(rng, monkeypatch):
+    # Every query was zero-padded to the longest of them all in one buffer: 4,000 one-token queries
+    # beside one of 1,000 tokens (2.5 MB) took 2 GB, where colpali-engine pads a batch of queries at a
+    # time. Runs of queries are now padded in turn, each within _CHUNK_BYTES.
+    from colpali_engine.utils.processing_utils import BaseVisualRetrieverProcessor
+
+    qs = [torch.from_numpy(rng.standard_normal((n, 16)).astype(np.float32)) for n in [1] * 30 + [40] + [2] * 30]
+    ps = [torch.from_numpy(rng.standard_normal((n, 16)).astype(np.float32)) for n in (3, 5, 5, 1)]
+    limit = 48 * 16 * 4
+    monkeypatch.setattr(lc, "_CHUNK_BYTES", limit)
+    padded = []
+
+    def recording(xs, device):
+        X, lengths = _padded(xs, device)
+        padded.append(X.numel() * X.element_size())
+        return X, lengths
+
+    _padded = lc._padded
+    monkeypatch.setattr(lc, "_padded", recording)
+    for batch_size in (2, 128):
+        out = lc.score_multi_vector(qs, ps, batch_size=batch_size, device="cpu")
+        ref = BaseVisualRetrieverProcessor.score_multi_vector(
+            [q.double() for q in qs], [p.double() for p in ps], batch_size=batch_size, device="cpu")
+        _check(out, ref)
+    assert padded and max(padded) <= limit
+
+
 def test_score_multi_vector_refuses_empty_inputs():
     with pytest.raises(ValueError, match="No queries provided"):
         lc.score_multi_vector([], [torch.ones(2, 4)])

@@ -102,7 +102,9 @@ def score_multi_vector(qs, ps, batch_size: int = 128, device=None):
     """Every query against every page: ``BaseVisualRetrieverProcessor.score_multi_vector`` on lik-cupy.
 
     Args:
-        qs: query embeddings, a list of ``[Lq_i, d]`` tensors or one ``[Nq, Lq, d]`` tensor.
+        qs: query embeddings, a list of ``[Lq_i, d]`` tensors or one ``[Nq, Lq, d]`` tensor. A list
+            is zero-padded a run of queries at a time (each run's copy within about 512 MiB, or one
+            query), its padding left out by their lengths.
         ps: page (passage) embeddings, a list of ``[Ld_j, d]`` tensors or one ``[Np, Ld, d]`` tensor.
         batch_size: colpali-engine zero-pads pages to the longest in their batch of
             ``batch_size``, and those zero tokens count: a page shorter than the longest of its
@@ -140,37 +142,16 @@ def score_multi_vector(qs, ps, batch_size: int = 128, device=None):
     if batch_size < 1:
         raise ValueError(f"batch_size must be at least 1, got {batch_size}")
     device = device or ("cuda:0" if torch.cuda.is_available() else "cpu")
-    Q, q_len = _padded(qs, device)
     if isinstance(ps, torch.Tensor):
         _check_rows(ps)
         page_len = [ps.shape[1]] * len(ps)
     else:
         page_len = [len(p) for p in ps]
-    # colpali-engine pads a page to the longest of its batch: the pages shorter than that have zero vectors.
-    batch_max = [max(page_len[b:b + batch_size]) for b in range(0, len(ps), batch_size)]
-    short = [page_len[j] < batch_max[j // batch_size] for j in range(len(ps))]
-    row_bytes = max(page_len) * Q.shape[-1] * Q.element_size()
-    chunk = batch_size * max(1, _CHUNK_BYTES // max(1, batch_size * row_bytes))
-    scores = []
-    for c in range(0, len(ps), chunk):
-        pages, lens = ps[c:c + chunk], page_len[c:c + chunk]
-        if isinstance(pages, torch.Tensor) or all(n == lens[0] for n in lens):  # no padding: dense pages
-            D = pages.to(device) if isinstance(pages, torch.Tensor) else torch.stack(list(pages)).to(device)
-            Qk, Dk, _ = kernel_operands(Q, D)
-            scores.append(_lik.maxsim(Qk, Dk, q_lengths=q_len))
-            continue
-        if _autograd.traced(Q):  # the operators take no padding flags: pages zero-padded to their batch's longest
-            D = torch.nn.utils.rnn.pad_sequence(list(pages), batch_first=True).to(device)
-            d_len = torch.tensor([batch_max[j // batch_size] for j in range(c, c + len(lens))], device=device)
-            Qk, Dk, _ = kernel_operands(Q, D)
-            scores.append(_lik.maxsim(Qk, Dk, q_lengths=q_len, d_lengths=d_len))
-            continue
-        tokens = torch.cat(list(pages)).to(device)
-        offsets = torch.from_numpy(np.concatenate([[0], np.cumsum(lens)])).to(device)
-        zero_pad = torch.tensor(short[c:c + chunk], device=device)
-        Qk, Tk, _ = kernel_operands(Q, tokens)
-        scores.append(_autograd.maxsim_varlen_zero_pad_grad(Qk, Tk, offsets, zero_pad, q_lengths=q_len, validate=False))
-    return torch.cat(scores, dim=1).cpu().to(torch.float32)
+    rows = []
+    for run in _query_runs(qs):
+        Q, q_len = _padded(run, device)
+        rows.append(_score_pages(Q, q_len, ps, page_len, batch_size, device).cpu())
+    return torch.cat(rows).to(torch.float32)
 
 
 def patch_colpali_engine() -> Patched:
@@ -243,6 +224,53 @@ def _check_rows(xs: torch.Tensor) -> None:
     if xs.ndim != 3:
         raise ValueError(f"embeddings must be a list of [L, d] tensors or one [N, L, d] tensor, "
                          f"got shape {list(xs.shape)}")
+
+
+def _score_pages(Q, q_len, ps, page_len, batch_size: int, device):
+    """``[len(Q), len(ps)]`` scores of the padded queries ``Q`` (lengths ``q_len``) against every page,
+    on ``device``, with colpali-engine's batches of ``batch_size`` pages."""
+    # colpali-engine pads a page to the longest of its batch: the pages shorter than that have zero vectors.
+    batch_max = [max(page_len[b:b + batch_size]) for b in range(0, len(ps), batch_size)]
+    short = [page_len[j] < batch_max[j // batch_size] for j in range(len(ps))]
+    row_bytes = max(page_len) * Q.shape[-1] * Q.element_size()
+    chunk = batch_size * max(1, _CHUNK_BYTES // max(1, batch_size * row_bytes))
+    scores = []
+    for c in range(0, len(ps), chunk):
+        pages, lens = ps[c:c + chunk], page_len[c:c + chunk]
+        if isinstance(pages, torch.Tensor) or all(n == lens[0] for n in lens):  # no padding: dense pages
+            D = pages.to(device) if isinstance(pages, torch.Tensor) else torch.stack(list(pages)).to(device)
+            Qk, Dk, _ = kernel_operands(Q, D)
+            scores.append(_lik.maxsim(Qk, Dk, q_lengths=q_len))
+            continue
+        if _autograd.traced(Q):  # the operators take no padding flags: pages zero-padded to their batch's longest
+            D = torch.nn.utils.rnn.pad_sequence(list(pages), batch_first=True).to(device)
+            d_len = torch.tensor([batch_max[j // batch_size] for j in range(c, c + len(lens))], device=device)
+            Qk, Dk, _ = kernel_operands(Q, D)
+            scores.append(_lik.maxsim(Qk, Dk, q_lengths=q_len, d_lengths=d_len))
+            continue
+        tokens = torch.cat(list(pages)).to(device)
+        offsets = torch.from_numpy(np.concatenate([[0], np.cumsum(lens)])).to(device)
+        zero_pad = torch.tensor(short[c:c + chunk], device=device)
+        Qk, Tk, _ = kernel_operands(Q, tokens)
+        scores.append(_autograd.maxsim_varlen_zero_pad_grad(Qk, Tk, offsets, zero_pad, q_lengths=q_len, validate=False))
+    return torch.cat(scores, dim=1)
+
+
+def _query_runs(qs):
+    """``qs`` as runs of consecutive queries, each run's zero-padded copy within ``_CHUNK_BYTES`` (or a
+    single query): padding them all to the longest at once would let one long query among many short
+    ones take that length times their number (colpali-engine pads a batch of queries at a time)."""
+    if isinstance(qs, torch.Tensor):
+        return [qs]
+    token_bytes = qs[0].shape[-1] * qs[0].element_size()
+    runs, start, width = [], 0, 0
+    for i, x in enumerate(qs):
+        width = max(width, len(x))
+        if i > start and (i + 1 - start) * width * token_bytes > _CHUNK_BYTES:
+            runs.append(qs[start:i])
+            start, width = i, len(x)
+    runs.append(qs[start:])
+    return runs
 
 
 def _padded(xs, device):
