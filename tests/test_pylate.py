@@ -206,6 +206,15 @@ def test_bad_shapes_and_dtypes_are_named():
         lp.colbert_kd_scores(torch.zeros(1, 2, 8), torch.zeros(1, 3, 4, 8, dtype=torch.float16))
 
 
+def test_colbert_scores_class_refuses_a_documents_mask_of_another_shape(rng):
+    # The mask was reshaped to [Dn * N, Ld] unchecked: one of [N, Dn, Ld] or [Dn, N * Ld] (as many
+    # values) masked other documents' tokens and scored without a word, where PyLate's raises.
+    Q, D, qm, dm = _inputs(rng, (4, 3, 10, 24), "both", "float")
+    for bad in (dm.transpose(0, 1), dm.reshape(4, 30), dm[None]):
+        with pytest.raises(ValueError, match=r"documents_mask has shape \[.*\]; expected \[4, 3, 10\]"):
+            lp.ColBERTScores()(Q, D, qm, bad)
+
+
 # ---------------------------------------------------------------- patch_pylate
 
 

@@ -195,7 +195,11 @@ class ColBERTScores:
         _check_ndim(Q, D, 4, "[Dn, N, Ld, H]")
         Dn, N, Ld, H = D.shape
         if documents_mask is not None:
-            documents_mask = _tensor(documents_mask).reshape(Dn * N, Ld)
+            documents_mask = _tensor(documents_mask)
+            if documents_mask.shape != D.shape[:-1]:  # reshaped unchecked, another layout would mask other tokens
+                raise ValueError(f"documents_mask has shape {list(documents_mask.shape)}; expected "
+                                 f"{list(D.shape[:-1])} ([Dn, N, Ld], documents_embeddings' shape without its last axis)")
+            documents_mask = documents_mask.reshape(Dn * N, Ld)
         return _masked_maxsim(Q, D.reshape(Dn * N, Ld, H), queries_mask, documents_mask)
 
 
