@@ -186,6 +186,25 @@ def test_score_multi_vector_refuses_empty_inputs():
         lc.score_multi_vector([torch.ones(2, 4)], [])
 
 
+def test_score_multi_vector_names_a_bad_embedding_or_batch_size():
+    # A one-dimensional page raised IndexError ('Dimension out of range'), pages of two dims torch.cat's
+    # 'Sizes of tensors must match except in dimension 0', and batch_size=None "'<' not supported
+    # between instances of 'NoneType' and 'int'": none named the argument.
+    qs, ps = [torch.ones(2, 4), torch.ones(3, 4)], [torch.ones(5, 4), torch.ones(1, 4)]
+    with pytest.raises(ValueError, match=r"ps\[1\] must be a \[L, d\] tensor, got shape \[4\]"):
+        lc.score_multi_vector(qs, [ps[0], ps[1][0]], device="cpu")
+    with pytest.raises(ValueError, match=r"qs\[0\] must be a \[L, d\] tensor, got shape \[1, 2, 4\]"):
+        lc.score_multi_vector([qs[0][None]], ps, device="cpu")
+    with pytest.raises(ValueError, match=r"ps\[1\] has dim 3 but ps\[0\] has dim 4"):
+        lc.score_multi_vector(qs, [ps[0], torch.ones(2, 3)], device="cpu")
+    with pytest.raises(ValueError, match=r"ps have dim 3 but qs have dim 4"):
+        lc.score_multi_vector(qs, [torch.ones(2, 3)], device="cpu")
+    with pytest.raises(TypeError, match=r"qs\[1\] must be a torch tensor, got ndarray"):
+        lc.score_multi_vector([qs[0], np.ones((2, 4), np.float32)], ps, device="cpu")
+    with pytest.raises(TypeError, match="batch_size must be an integer, got NoneType"):
+        lc.score_multi_vector(qs, ps, batch_size=None, device="cpu")
+
+
 def test_backend_variable_picks_colpali_or_lik_cupy(rng, monkeypatch):
     Q, D = (x.half() for x in _zero_padded(rng, (4, 5, 24)))
     theirs = colpali_maxsim.maxsim_inbatch(Q, D)

@@ -24,6 +24,8 @@ Importing this module imports torch, not colpali-engine.
 
 from __future__ import annotations
 
+import operator
+
 import numpy as np
 import torch
 
@@ -139,11 +141,17 @@ def score_multi_vector(qs, ps, batch_size: int = 128, device=None):
         raise ValueError("No queries provided")
     if len(ps) == 0:
         raise ValueError("No passages provided")
+    try:
+        batch_size = operator.index(batch_size)
+    except TypeError:
+        raise TypeError(f"batch_size must be an integer, got {type(batch_size).__name__}") from None
     if batch_size < 1:
         raise ValueError(f"batch_size must be at least 1, got {batch_size}")
+    q_dim, p_dim = _embedding_dim(qs, "qs"), _embedding_dim(ps, "ps")
+    if p_dim != q_dim:
+        raise ValueError(f"ps have dim {p_dim} but qs have dim {q_dim}")
     device = device or ("cuda:0" if torch.cuda.is_available() else "cpu")
     if isinstance(ps, torch.Tensor):
-        _check_rows(ps)
         page_len = [ps.shape[1]] * len(ps)
     else:
         page_len = [len(p) for p in ps]
@@ -220,10 +228,22 @@ def _check_ndim(query, doc, d_ndim: int, d_layout: str) -> None:
         raise ValueError(f"doc must be {d_layout}, got shape {list(doc.shape)}")
 
 
-def _check_rows(xs: torch.Tensor) -> None:
-    if xs.ndim != 3:
-        raise ValueError(f"embeddings must be a list of [L, d] tensors or one [N, L, d] tensor, "
-                         f"got shape {list(xs.shape)}")
+def _embedding_dim(xs, name: str) -> int:
+    """The embedding dim of ``xs`` (``qs`` or ``ps``: a list of ``[L, d]`` tensors of one d, or one
+    ``[N, L, d]`` tensor), each entry checked before any is copied."""
+    if isinstance(xs, torch.Tensor):
+        if xs.ndim != 3:
+            raise ValueError(f"{name} must be a list of [L, d] tensors or one [N, L, d] tensor, "
+                             f"got shape {list(xs.shape)}")
+        return xs.shape[-1]
+    for i, x in enumerate(xs):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name}[{i}] must be a torch tensor, got {type(x).__name__}")
+        if x.ndim != 2:
+            raise ValueError(f"{name}[{i}] must be a [L, d] tensor, got shape {list(x.shape)}")
+        if x.shape[1] != xs[0].shape[1]:
+            raise ValueError(f"{name}[{i}] has dim {x.shape[1]} but {name}[0] has dim {xs[0].shape[1]}")
+    return xs[0].shape[1]
 
 
 def _score_pages(Q, q_len, ps, page_len, batch_size: int, device):
@@ -279,7 +299,6 @@ def _padded(xs, device):
     concatenated and scattered into place), and the rows' lengths as a device tensor, or None when
     every row is whole."""
     if isinstance(xs, torch.Tensor):
-        _check_rows(xs)
         return xs.to(device), None
     lens = np.array([len(x) for x in xs])
     width = int(lens.max())
