@@ -215,6 +215,20 @@ def test_colbert_scores_class_refuses_a_documents_mask_of_another_shape(rng):
             lp.ColBERTScores()(Q, D, qm, bad)
 
 
+def test_pairwise_lists_and_backend_are_checked_by_name():
+    # A three-dimensional entry of a list raised pad_sequence's 'The size of tensor a (3) must match
+    # the size of tensor b (2) at non-singleton dimension 1', an entry of another dim the same of dim
+    # 1, and backend=3 AttributeError "'int' object has no attribute 'lower'".
+    qs, ds = [torch.ones(3, 8), torch.ones(2, 8)], [torch.ones(4, 8), torch.ones(5, 8)]
+    with pytest.raises(ValueError, match=r"queries_embeddings\[0\] must be \[L, H\], got shape \[1, 3, 8\]"):
+        lp.colbert_scores_pairwise([q[None] for q in qs], ds)
+    with pytest.raises(ValueError, match=r"documents_embeddings\[1\] has dim 4 but documents_embeddings\[0\] "
+                                         r"has dim 8"):
+        lp.colbert_scores_pairwise(qs, [ds[0], ds[1][:, :4]])
+    with pytest.raises(TypeError, match="backend must be a string or None, got int"):
+        lp.colbert_scores(qs[0][None], ds[0][None], backend=3)
+
+
 # ---------------------------------------------------------------- patch_pylate
 
 

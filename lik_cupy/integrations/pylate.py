@@ -159,6 +159,8 @@ def colbert_scores_pairwise(queries_embeddings, documents_embeddings, backend=No
     pairs = list(zip(queries_embeddings, documents_embeddings))
     qs = [_tensor(q) for q, _ in pairs]
     ds = [_tensor(d) for _, d in pairs]
+    _check_entries(qs, "queries_embeddings")
+    _check_entries(ds, "documents_embeddings")
     Q = torch.nn.utils.rnn.pad_sequence(qs, batch_first=True)
     D = torch.nn.utils.rnn.pad_sequence(ds, batch_first=True)
     _check_ndim(Q, D, 3, "a list of [Ld, H]")
@@ -257,6 +259,8 @@ def _apply() -> None:
 def _use_pylate(backend) -> bool:
     """Whether PyLate's own backend was asked for (validated as PyLate validates it)."""
     name = backend if backend is not None else env.pylate_scores_backend()
+    if not isinstance(name, str):
+        raise TypeError(f"backend must be a string or None, got {type(name).__name__}")
     name = name.lower()
     if name not in _BACKENDS:
         raise ValueError(f"backend must be one of 'auto', 'torch', 'flash', 'lik'; got {name!r}")
@@ -297,6 +301,15 @@ def _check_ndim(Q, D, d_ndim: int, d_layout: str) -> None:
         raise ValueError(f"queries_embeddings must be [Nq, Lq, H], got shape {list(Q.shape)}")
     if D.ndim != d_ndim:
         raise ValueError(f"documents_embeddings must be {d_layout}, got shape {list(D.shape)}")
+
+
+def _check_entries(xs, name: str) -> None:
+    """The entries of a list of embeddings (of ``colbert_scores_pairwise``) are ``[L, H]``, of one H."""
+    for i, x in enumerate(xs):
+        if x.ndim != 2:
+            raise ValueError(f"{name}[{i}] must be [L, H], got shape {list(x.shape)}")
+        if x.shape[1] != xs[0].shape[1]:
+            raise ValueError(f"{name}[{i}] has dim {x.shape[1]} but {name}[0] has dim {xs[0].shape[1]}")
 
 
 def _masked_maxsim(Q, D, q_mask, d_mask):
