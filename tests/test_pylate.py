@@ -105,6 +105,36 @@ def test_pairwise_matches_pylate_on_tensors_and_ragged_lists(rng):
     _check(lp.colbert_scores_pairwise(qs, ds), ref)
 
 
+def test_pairwise_lists_are_padded_in_bounded_runs(rng, monkeypatch):
+    # Every pair was zero-padded to the longest query and document of them all: 2,000 one-token
+    # documents beside one of 1,000 tokens (d 128) took 1 GB, where PyLate scores pair by pair.
+    # Runs of pairs are now padded in turn, each within _CHUNK_BYTES; scores and gradients as PyLate's.
+    qs = [torch.from_numpy(rng.standard_normal((n, 16)).astype(np.float32)) for n in [2] * 20 + [3] * 21]
+    ds = [torch.from_numpy(rng.standard_normal((n, 16)).astype(np.float32)) for n in [1] * 20 + [40] + [2] * 20]
+    limit = 48 * 16 * 4
+    monkeypatch.setattr(lp, "_CHUNK_BYTES", limit)
+    padded = []
+    maxsim = lp._lik.maxsim
+
+    def recording(Q, D, *args, **kwargs):
+        padded.append(Q.numel() * Q.element_size() + D.numel() * D.element_size())
+        return maxsim(Q, D, *args, **kwargs)
+
+    monkeypatch.setattr(lp._lik, "maxsim", recording)
+    for x in qs + ds:
+        x.requires_grad_(True)
+    q64, d64 = _double(*qs), _double(*ds)
+    out = lp.colbert_scores_pairwise(qs, ds)
+    ref = pylate_scores.colbert_scores_pairwise(q64, d64, backend="torch")
+    _check(out, ref)
+    assert padded and max(padded) <= limit
+    g = torch.from_numpy(rng.standard_normal(ref.shape))
+    (out * g.float()).sum().backward()
+    (ref * g).sum().backward()
+    for x, x64 in zip(qs + ds, q64 + d64):
+        _check(x.grad, x64.grad)
+
+
 def test_masked_tokens_are_only_valid_or_not(rng):
     # The two differences from PyLate's torch path the module states: a mask value is valid (nonzero)
     # or not, never a weight; and a masked token is never read, where the torch path's 0 times a NaN

@@ -33,7 +33,7 @@ from .. import _torch_autograd as _autograd
 from .. import torch as _lik
 from .._base import env
 from ._patching import Patched, Patches
-from ._scoring import kernel_operands
+from ._scoring import CHUNK_BYTES, kernel_operands, padded_runs
 
 __all__ = ["maxsim_inbatch", "maxsim_kd", "score_multi_vector", "patch_colpali_engine", "unpatch_colpali_engine"]
 
@@ -42,8 +42,9 @@ _NAMES = ("maxsim_inbatch", "maxsim_kd")
 # Modules holding their own copies (``from colpali_engine.utils.maxsim import ...``).
 _IMPORTERS = ("colpali_engine.loss.late_interaction_losses", "colpali_engine.utils.processing_utils")
 # score_multi_vector pads the pages scored in one call into one buffer of at most about this many
-# bytes (colpali-engine's own step holds a [batch, batch, Lq, Ld] similarity tensor, which is larger).
-_CHUNK_BYTES = 512 << 20
+# bytes (colpali-engine's own step holds a [batch, batch, Lq, Ld] similarity tensor, which is larger),
+# and a run of queries into another.
+_CHUNK_BYTES = CHUNK_BYTES
 
 _patches = Patches()  # its originals: colpali-engine's functions by name
 
@@ -278,19 +279,11 @@ def _score_pages(Q, q_len, ps, page_len, batch_size: int, device):
 
 def _query_runs(qs):
     """``qs`` as runs of consecutive queries, each run's zero-padded copy within ``_CHUNK_BYTES`` (or a
-    single query): padding them all to the longest at once would let one long query among many short
-    ones take that length times their number (colpali-engine pads a batch of queries at a time)."""
+    single query); colpali-engine pads a batch of queries at a time."""
     if isinstance(qs, torch.Tensor):
         return [qs]
-    token_bytes = qs[0].shape[-1] * qs[0].element_size()
-    runs, start, width = [], 0, 0
-    for i, x in enumerate(qs):
-        width = max(width, len(x))
-        if i > start and (i + 1 - start) * width * token_bytes > _CHUNK_BYTES:
-            runs.append(qs[start:i])
-            start, width = i, len(x)
-    runs.append(qs[start:])
-    return runs
+    return [qs[run] for run in padded_runs(_CHUNK_BYTES, qs[0].shape[-1] * qs[0].element_size(),
+                                           [len(q) for q in qs])]
 
 
 def _padded(xs, device):
