@@ -71,6 +71,17 @@ def test_maxsim_and_gradients_match_colpali(rng, layout):
     _check_doc_grad(D.grad, D64.grad, D.detach())
 
 
+def test_maxsim_names_embeddings_that_are_no_tensors():
+    # A NumPy array raised AttributeError ("'numpy.dtypes.Float32DType' object has no attribute
+    # 'is_floating_point'"), a list or None "'list' object has no attribute 'ndim'"; colpali-engine's
+    # own raises a TypeError.
+    Q, D = np.ones((2, 3, 4), np.float32), np.ones((3, 5, 4), np.float32)
+    with pytest.raises(TypeError, match="query must be a torch tensor, got ndarray"):
+        lc.maxsim_inbatch(Q, torch.from_numpy(D))
+    with pytest.raises(TypeError, match="doc must be a torch tensor, got list"):
+        lc.maxsim_kd(torch.from_numpy(Q), D[:2, None].tolist())
+
+
 def test_zero_pads_count_as_tokens(rng):
     Q, D = _zero_padded(rng, (6, 11, 24))
     pads = (D == 0).all(-1)

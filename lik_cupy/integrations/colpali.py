@@ -223,6 +223,9 @@ def _original(name: str):
 
 
 def _check_ndim(query, doc, d_ndim: int, d_layout: str) -> None:
+    for name, x in (("query", query), ("doc", doc)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch tensor, got {type(x).__name__}")
     if query.ndim != 3:
         raise ValueError(f"query must be [B, Lq, d], got shape {list(query.shape)}")
     if doc.ndim != d_ndim:
