@@ -259,6 +259,19 @@ def test_pairwise_lists_and_backend_are_checked_by_name():
         lp.colbert_scores(qs[0][None], ds[0][None], backend=3)
 
 
+def test_embeddings_of_a_dtype_the_kernels_do_not_score_are_named():
+    # float8 passed the floating-point check and failed in torch.promote_types ('Promotion for Float8
+    # Types is not supported'); the drop-ins (colpali's too) take float16, bfloat16, float32 and float64.
+    Q, D = torch.ones(1, 2, 8).to(torch.float8_e4m3fn), torch.ones(2, 3, 8).to(torch.float8_e4m3fn)
+    match = "embeddings must be float16, bfloat16, float32 or float64, got torch.float8_e4m3fn"
+    with pytest.raises(TypeError, match=match):
+        lp.colbert_scores(Q, D)
+    with pytest.raises(TypeError, match=match):
+        lp.colbert_scores_pairwise(Q, D[:1])
+    with pytest.raises(TypeError, match="embeddings must be float16, bfloat16, float32 or float64, got torch.int32"):
+        lp.colbert_scores(Q.int(), D.int())
+
+
 # ---------------------------------------------------------------- patch_pylate
 
 

@@ -19,10 +19,10 @@ def kernel_operands(Q: torch.Tensor, D: torch.Tensor):
     the scores are returned in (float32, or float64 for float64 inputs)."""
     if Q.dtype != D.dtype:
         raise TypeError(f"queries are {Q.dtype} but documents are {D.dtype}: give both one dtype")
-    if not Q.dtype.is_floating_point:
-        raise TypeError(f"embeddings must be floating point, got {Q.dtype}")
+    if Q.dtype not in _KERNEL_DTYPES and Q.dtype != torch.float64:
+        raise TypeError(f"embeddings must be float16, bfloat16, float32 or float64, got {Q.dtype}")
     out = torch.promote_types(Q.dtype, torch.float32)
-    if Q.dtype not in _KERNEL_DTYPES:
+    if Q.dtype == torch.float64:
         Q, D = Q.float(), D.float()
     return Q, D, out
 
