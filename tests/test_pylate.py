@@ -476,3 +476,20 @@ def test_patch_covers_every_copy_and_unpatch_restores_them():
     with handle:
         pass  # exiting the first handle after unpatch_pylate changes nothing
     assert rank.colbert_scores is before[("pylate.rank.rank", "colbert_scores")]
+
+
+def test_a_loss_score_metric_can_be_deleted_while_patched():
+    # The patch's descriptor over Distillation.score_metric took reads and writes but no deletion:
+    # `del loss.score_metric` raised AttributeError('__delete__'), where unpatched it removes it.
+    import pylate.losses.distillation as distillation
+
+    loss = distillation.Distillation.__new__(distillation.Distillation)
+    torch.nn.Module.__init__(loss)
+    loss.score_metric = distillation.colbert_kd_scores
+    with lp.patch_pylate():
+        del loss.score_metric
+        assert not hasattr(loss, "score_metric")
+        with pytest.raises(AttributeError, match="score_metric"):
+            del loss.score_metric
+        loss.score_metric = distillation.colbert_kd_scores
+        assert loss.score_metric is lp.colbert_kd_scores
