@@ -71,6 +71,17 @@ def test_maxsim_and_gradients_match_colpali(rng, layout):
     _check_doc_grad(D.grad, D64.grad, D.detach())
 
 
+def test_maxsim_names_embeddings_that_are_no_tensors():
+    # A NumPy array raised AttributeError ("'numpy.dtypes.Float32DType' object has no attribute
+    # 'is_floating_point'"), a list or None "'list' object has no attribute 'ndim'"; colpali-engine's
+    # own raises a TypeError.
+    Q, D = np.ones((2, 3, 4), np.float32), np.ones((3, 5, 4), np.float32)
+    with pytest.raises(TypeError, match="query must be a torch tensor, got ndarray"):
+        lc.maxsim_inbatch(Q, torch.from_numpy(D))
+    with pytest.raises(TypeError, match="doc must be a torch tensor, got list"):
+        lc.maxsim_kd(torch.from_numpy(Q), D[:2, None].tolist())
+
+
 def test_zero_pads_count_as_tokens(rng):
     Q, D = _zero_padded(rng, (6, 11, 24))
     pads = (D == 0).all(-1)
@@ -152,11 +163,57 @@ def test_score_multi_vector_never_reads_padding():
     assert torch.isnan(BaseVisualRetrieverProcessor.score_multi_vector(qs, ps, device="cpu")[0, 1])
 
 
+def test_score_multi_vector_pads_queries_in_bounded_runs(rng, monkeypatch):
+    # Every query was zero-padded to the longest of them all in one buffer: 4,000 one-token queries
+    # beside one of 1,000 tokens (2.5 MB) took 2 GB, where colpali-engine pads a batch of queries at a
+    # time. Runs of queries are now padded in turn, each within _CHUNK_BYTES.
+    from colpali_engine.utils.processing_utils import BaseVisualRetrieverProcessor
+
+    qs = [torch.from_numpy(rng.standard_normal((n, 16)).astype(np.float32)) for n in [1] * 30 + [40] + [2] * 30]
+    ps = [torch.from_numpy(rng.standard_normal((n, 16)).astype(np.float32)) for n in (3, 5, 5, 1)]
+    limit = 48 * 16 * 4
+    monkeypatch.setattr(lc, "_CHUNK_BYTES", limit)
+    padded = []
+
+    def recording(xs, device):
+        X, lengths = _padded(xs, device)
+        padded.append(X.numel() * X.element_size())
+        return X, lengths
+
+    _padded = lc._padded
+    monkeypatch.setattr(lc, "_padded", recording)
+    for batch_size in (2, 128):
+        out = lc.score_multi_vector(qs, ps, batch_size=batch_size, device="cpu")
+        ref = BaseVisualRetrieverProcessor.score_multi_vector(
+            [q.double() for q in qs], [p.double() for p in ps], batch_size=batch_size, device="cpu")
+        _check(out, ref)
+    assert padded and max(padded) <= limit
+
+
 def test_score_multi_vector_refuses_empty_inputs():
     with pytest.raises(ValueError, match="No queries provided"):
         lc.score_multi_vector([], [torch.ones(2, 4)])
     with pytest.raises(ValueError, match="No passages provided"):
         lc.score_multi_vector([torch.ones(2, 4)], [])
+
+
+def test_score_multi_vector_names_a_bad_embedding_or_batch_size():
+    # A one-dimensional page raised IndexError ('Dimension out of range'), pages of two dims torch.cat's
+    # 'Sizes of tensors must match except in dimension 0', and batch_size=None "'<' not supported
+    # between instances of 'NoneType' and 'int'": none named the argument.
+    qs, ps = [torch.ones(2, 4), torch.ones(3, 4)], [torch.ones(5, 4), torch.ones(1, 4)]
+    with pytest.raises(ValueError, match=r"ps\[1\] must be a \[L, d\] tensor, got shape \[4\]"):
+        lc.score_multi_vector(qs, [ps[0], ps[1][0]], device="cpu")
+    with pytest.raises(ValueError, match=r"qs\[0\] must be a \[L, d\] tensor, got shape \[1, 2, 4\]"):
+        lc.score_multi_vector([qs[0][None]], ps, device="cpu")
+    with pytest.raises(ValueError, match=r"ps\[1\] has dim 3 but ps\[0\] has dim 4"):
+        lc.score_multi_vector(qs, [ps[0], torch.ones(2, 3)], device="cpu")
+    with pytest.raises(ValueError, match=r"ps have dim 3 but qs have dim 4"):
+        lc.score_multi_vector(qs, [torch.ones(2, 3)], device="cpu")
+    with pytest.raises(TypeError, match=r"qs\[1\] must be a torch tensor, got ndarray"):
+        lc.score_multi_vector([qs[0], np.ones((2, 4), np.float32)], ps, device="cpu")
+    with pytest.raises(TypeError, match="batch_size must be an integer, got NoneType"):
+        lc.score_multi_vector(qs, ps, batch_size=None, device="cpu")
 
 
 def test_backend_variable_picks_colpali_or_lik_cupy(rng, monkeypatch):

@@ -105,6 +105,36 @@ def test_pairwise_matches_pylate_on_tensors_and_ragged_lists(rng):
     _check(lp.colbert_scores_pairwise(qs, ds), ref)
 
 
+def test_pairwise_lists_are_padded_in_bounded_runs(rng, monkeypatch):
+    # Every pair was zero-padded to the longest query and document of them all: 2,000 one-token
+    # documents beside one of 1,000 tokens (d 128) took 1 GB, where PyLate scores pair by pair.
+    # Runs of pairs are now padded in turn, each within _CHUNK_BYTES; scores and gradients as PyLate's.
+    qs = [torch.from_numpy(rng.standard_normal((n, 16)).astype(np.float32)) for n in [2] * 20 + [3] * 21]
+    ds = [torch.from_numpy(rng.standard_normal((n, 16)).astype(np.float32)) for n in [1] * 20 + [40] + [2] * 20]
+    limit = 48 * 16 * 4
+    monkeypatch.setattr(lp, "_CHUNK_BYTES", limit)
+    padded = []
+    maxsim = lp._lik.maxsim
+
+    def recording(Q, D, *args, **kwargs):
+        padded.append(Q.numel() * Q.element_size() + D.numel() * D.element_size())
+        return maxsim(Q, D, *args, **kwargs)
+
+    monkeypatch.setattr(lp._lik, "maxsim", recording)
+    for x in qs + ds:
+        x.requires_grad_(True)
+    q64, d64 = _double(*qs), _double(*ds)
+    out = lp.colbert_scores_pairwise(qs, ds)
+    ref = pylate_scores.colbert_scores_pairwise(q64, d64, backend="torch")
+    _check(out, ref)
+    assert padded and max(padded) <= limit
+    g = torch.from_numpy(rng.standard_normal(ref.shape))
+    (out * g.float()).sum().backward()
+    (ref * g).sum().backward()
+    for x, x64 in zip(qs + ds, q64 + d64):
+        _check(x.grad, x64.grad)
+
+
 def test_masked_tokens_are_only_valid_or_not(rng):
     # The two differences from PyLate's torch path the module states: a mask value is valid (nonzero)
     # or not, never a weight; and a masked token is never read, where the torch path's 0 times a NaN
@@ -204,6 +234,42 @@ def test_bad_shapes_and_dtypes_are_named():
         lp.colbert_scores(torch.zeros(1, 2, 8), torch.zeros(2, 3, 4, 8))
     with pytest.raises(TypeError, match="queries are torch.float32 but documents are torch.float16"):
         lp.colbert_kd_scores(torch.zeros(1, 2, 8), torch.zeros(1, 3, 4, 8, dtype=torch.float16))
+
+
+def test_colbert_scores_class_refuses_a_documents_mask_of_another_shape(rng):
+    # The mask was reshaped to [Dn * N, Ld] unchecked: one of [N, Dn, Ld] or [Dn, N * Ld] (as many
+    # values) masked other documents' tokens and scored without a word, where PyLate's raises.
+    Q, D, qm, dm = _inputs(rng, (4, 3, 10, 24), "both", "float")
+    for bad in (dm.transpose(0, 1), dm.reshape(4, 30), dm[None]):
+        with pytest.raises(ValueError, match=r"documents_mask has shape \[.*\]; expected \[4, 3, 10\]"):
+            lp.ColBERTScores()(Q, D, qm, bad)
+
+
+def test_pairwise_lists_and_backend_are_checked_by_name():
+    # A three-dimensional entry of a list raised pad_sequence's 'The size of tensor a (3) must match
+    # the size of tensor b (2) at non-singleton dimension 1', an entry of another dim the same of dim
+    # 1, and backend=3 AttributeError "'int' object has no attribute 'lower'".
+    qs, ds = [torch.ones(3, 8), torch.ones(2, 8)], [torch.ones(4, 8), torch.ones(5, 8)]
+    with pytest.raises(ValueError, match=r"queries_embeddings\[0\] must be \[L, H\], got shape \[1, 3, 8\]"):
+        lp.colbert_scores_pairwise([q[None] for q in qs], ds)
+    with pytest.raises(ValueError, match=r"documents_embeddings\[1\] has dim 4 but documents_embeddings\[0\] "
+                                         r"has dim 8"):
+        lp.colbert_scores_pairwise(qs, [ds[0], ds[1][:, :4]])
+    with pytest.raises(TypeError, match="backend must be a string or None, got int"):
+        lp.colbert_scores(qs[0][None], ds[0][None], backend=3)
+
+
+def test_embeddings_of_a_dtype_the_kernels_do_not_score_are_named():
+    # float8 passed the floating-point check and failed in torch.promote_types ('Promotion for Float8
+    # Types is not supported'); the drop-ins (colpali's too) take float16, bfloat16, float32 and float64.
+    Q, D = torch.ones(1, 2, 8).to(torch.float8_e4m3fn), torch.ones(2, 3, 8).to(torch.float8_e4m3fn)
+    match = "embeddings must be float16, bfloat16, float32 or float64, got torch.float8_e4m3fn"
+    with pytest.raises(TypeError, match=match):
+        lp.colbert_scores(Q, D)
+    with pytest.raises(TypeError, match=match):
+        lp.colbert_scores_pairwise(Q, D[:1])
+    with pytest.raises(TypeError, match="embeddings must be float16, bfloat16, float32 or float64, got torch.int32"):
+        lp.colbert_scores(Q.int(), D.int())
 
 
 # ---------------------------------------------------------------- patch_pylate
@@ -410,3 +476,20 @@ def test_patch_covers_every_copy_and_unpatch_restores_them():
     with handle:
         pass  # exiting the first handle after unpatch_pylate changes nothing
     assert rank.colbert_scores is before[("pylate.rank.rank", "colbert_scores")]
+
+
+def test_a_loss_score_metric_can_be_deleted_while_patched():
+    # The patch's descriptor over Distillation.score_metric took reads and writes but no deletion:
+    # `del loss.score_metric` raised AttributeError('__delete__'), where unpatched it removes it.
+    import pylate.losses.distillation as distillation
+
+    loss = distillation.Distillation.__new__(distillation.Distillation)
+    torch.nn.Module.__init__(loss)
+    loss.score_metric = distillation.colbert_kd_scores
+    with lp.patch_pylate():
+        del loss.score_metric
+        assert not hasattr(loss, "score_metric")
+        with pytest.raises(AttributeError, match="score_metric"):
+            del loss.score_metric
+        loss.score_metric = distillation.colbert_kd_scores
+        assert loss.score_metric is lp.colbert_kd_scores

@@ -96,9 +96,9 @@ class SwappedProperty(property):
 
 class SwappedAttribute:
     """A data descriptor over an instance attribute (an object's stored score function): reads
-    hand back ``table``'s replacement, writes store what they are given. Being a data descriptor
-    it wins over the instance's own ``__dict__`` entry, so objects made before the patch are
-    covered too."""
+    hand back ``table``'s replacement, writes store what they are given, deletions remove it. Being
+    a data descriptor it wins over the instance's own ``__dict__`` entry, so objects made before the
+    patch are covered too."""
 
     def __init__(self, name: str, table: dict):
         self.name, self.table = name, table
@@ -114,3 +114,9 @@ class SwappedAttribute:
 
     def __set__(self, obj, value):
         obj.__dict__[self.name] = value
+
+    def __delete__(self, obj):
+        try:
+            del obj.__dict__[self.name]
+        except KeyError:
+            raise AttributeError(f"{type(obj).__name__!r} object has no attribute {self.name!r}") from None

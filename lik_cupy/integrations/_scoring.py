@@ -1,10 +1,15 @@
-"""What the PyLate and colpali-engine drop-ins share: operands in a dtype the kernels take."""
+"""What the PyLate and colpali-engine drop-ins share: operands in a dtype the kernels take, and ragged
+lists zero-padded a bounded run of rows at a time."""
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["kernel_operands"]
+__all__ = ["kernel_operands", "padded_runs", "CHUNK_BYTES"]
+
+# A list of embeddings is zero-padded a run of rows at a time into buffers of at most about this many
+# bytes (colpali-engine pads a batch of 128 rows, PyLate's pairwise scores pair by pair).
+CHUNK_BYTES = 512 << 20
 
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -14,9 +19,26 @@ def kernel_operands(Q: torch.Tensor, D: torch.Tensor):
     the scores are returned in (float32, or float64 for float64 inputs)."""
     if Q.dtype != D.dtype:
         raise TypeError(f"queries are {Q.dtype} but documents are {D.dtype}: give both one dtype")
-    if not Q.dtype.is_floating_point:
-        raise TypeError(f"embeddings must be floating point, got {Q.dtype}")
+    if Q.dtype not in _KERNEL_DTYPES and Q.dtype != torch.float64:
+        raise TypeError(f"embeddings must be float16, bfloat16, float32 or float64, got {Q.dtype}")
     out = torch.promote_types(Q.dtype, torch.float32)
-    if Q.dtype not in _KERNEL_DTYPES:
+    if Q.dtype == torch.float64:
         Q, D = Q.float(), D.float()
     return Q, D, out
+
+
+def padded_runs(limit: int, token_bytes: int, *lengths) -> list:
+    """Slices of consecutive rows: each run's zero-padded copies (each list of ``lengths`` padded to its
+    longest in the run, ``len(run) * sum(longest) * token_bytes`` bytes) within ``limit``, or a single
+    row. Padding every row to the longest of them all would let one long row among many short ones
+    take that length times their number."""
+    n = len(lengths[0])
+    runs, start, widths = [], 0, [0] * len(lengths)
+    for i in range(n):
+        grown = [max(w, ls[i]) for w, ls in zip(widths, lengths)]
+        if i > start and (i + 1 - start) * sum(grown) * token_bytes > limit:
+            runs.append(slice(start, i))
+            start, grown = i, [ls[i] for ls in lengths]
+        widths = grown
+    runs.append(slice(start, n))
+    return runs

@@ -24,6 +24,8 @@ Importing this module imports torch, not colpali-engine.
 
 from __future__ import annotations
 
+import operator
+
 import numpy as np
 import torch
 
@@ -31,7 +33,7 @@ from .. import _torch_autograd as _autograd
 from .. import torch as _lik
 from .._base import env
 from ._patching import Patched, Patches
-from ._scoring import kernel_operands
+from ._scoring import CHUNK_BYTES, kernel_operands, padded_runs
 
 __all__ = ["maxsim_inbatch", "maxsim_kd", "score_multi_vector", "patch_colpali_engine", "unpatch_colpali_engine"]
 
@@ -40,8 +42,9 @@ _NAMES = ("maxsim_inbatch", "maxsim_kd")
 # Modules holding their own copies (``from colpali_engine.utils.maxsim import ...``).
 _IMPORTERS = ("colpali_engine.loss.late_interaction_losses", "colpali_engine.utils.processing_utils")
 # score_multi_vector pads the pages scored in one call into one buffer of at most about this many
-# bytes (colpali-engine's own step holds a [batch, batch, Lq, Ld] similarity tensor, which is larger).
-_CHUNK_BYTES = 512 << 20
+# bytes (colpali-engine's own step holds a [batch, batch, Lq, Ld] similarity tensor, which is larger),
+# and a run of queries into another.
+_CHUNK_BYTES = CHUNK_BYTES
 
 _patches = Patches()  # its originals: colpali-engine's functions by name
 
@@ -102,7 +105,9 @@ def score_multi_vector(qs, ps, batch_size: int = 128, device=None):
     """Every query against every page: ``BaseVisualRetrieverProcessor.score_multi_vector`` on lik-cupy.
 
     Args:
-        qs: query embeddings, a list of ``[Lq_i, d]`` tensors or one ``[Nq, Lq, d]`` tensor.
+        qs: query embeddings, a list of ``[Lq_i, d]`` tensors or one ``[Nq, Lq, d]`` tensor. A list
+            is zero-padded a run of queries at a time (each run's copy within about 512 MiB, or one
+            query), its padding left out by their lengths.
         ps: page (passage) embeddings, a list of ``[Ld_j, d]`` tensors or one ``[Np, Ld, d]`` tensor.
         batch_size: colpali-engine zero-pads pages to the longest in their batch of
             ``batch_size``, and those zero tokens count: a page shorter than the longest of its
@@ -137,40 +142,25 @@ def score_multi_vector(qs, ps, batch_size: int = 128, device=None):
         raise ValueError("No queries provided")
     if len(ps) == 0:
         raise ValueError("No passages provided")
+    try:
+        batch_size = operator.index(batch_size)
+    except TypeError:
+        raise TypeError(f"batch_size must be an integer, got {type(batch_size).__name__}") from None
     if batch_size < 1:
         raise ValueError(f"batch_size must be at least 1, got {batch_size}")
+    q_dim, p_dim = _embedding_dim(qs, "qs"), _embedding_dim(ps, "ps")
+    if p_dim != q_dim:
+        raise ValueError(f"ps have dim {p_dim} but qs have dim {q_dim}")
     device = device or ("cuda:0" if torch.cuda.is_available() else "cpu")
-    Q, q_len = _padded(qs, device)
     if isinstance(ps, torch.Tensor):
-        _check_rows(ps)
         page_len = [ps.shape[1]] * len(ps)
     else:
         page_len = [len(p) for p in ps]
-    # colpali-engine pads a page to the longest of its batch: the pages shorter than that have zero vectors.
-    batch_max = [max(page_len[b:b + batch_size]) for b in range(0, len(ps), batch_size)]
-    short = [page_len[j] < batch_max[j // batch_size] for j in range(len(ps))]
-    row_bytes = max(page_len) * Q.shape[-1] * Q.element_size()
-    chunk = batch_size * max(1, _CHUNK_BYTES // max(1, batch_size * row_bytes))
-    scores = []
-    for c in range(0, len(ps), chunk):
-        pages, lens = ps[c:c + chunk], page_len[c:c + chunk]
-        if isinstance(pages, torch.Tensor) or all(n == lens[0] for n in lens):  # no padding: dense pages
-            D = pages.to(device) if isinstance(pages, torch.Tensor) else torch.stack(list(pages)).to(device)
-            Qk, Dk, _ = kernel_operands(Q, D)
-            scores.append(_lik.maxsim(Qk, Dk, q_lengths=q_len))
-            continue
-        if _autograd.traced(Q):  # the operators take no padding flags: pages zero-padded to their batch's longest
-            D = torch.nn.utils.rnn.pad_sequence(list(pages), batch_first=True).to(device)
-            d_len = torch.tensor([batch_max[j // batch_size] for j in range(c, c + len(lens))], device=device)
-            Qk, Dk, _ = kernel_operands(Q, D)
-            scores.append(_lik.maxsim(Qk, Dk, q_lengths=q_len, d_lengths=d_len))
-            continue
-        tokens = torch.cat(list(pages)).to(device)
-        offsets = torch.from_numpy(np.concatenate([[0], np.cumsum(lens)])).to(device)
-        zero_pad = torch.tensor(short[c:c + chunk], device=device)
-        Qk, Tk, _ = kernel_operands(Q, tokens)
-        scores.append(_autograd.maxsim_varlen_zero_pad_grad(Qk, Tk, offsets, zero_pad, q_lengths=q_len, validate=False))
-    return torch.cat(scores, dim=1).cpu().to(torch.float32)
+    rows = []
+    for run in _query_runs(qs):
+        Q, q_len = _padded(run, device)
+        rows.append(_score_pages(Q, q_len, ps, page_len, batch_size, device).cpu())
+    return torch.cat(rows).to(torch.float32)
 
 
 def patch_colpali_engine() -> Patched:
@@ -233,16 +223,70 @@ def _original(name: str):
 
 
 def _check_ndim(query, doc, d_ndim: int, d_layout: str) -> None:
+    for name, x in (("query", query), ("doc", doc)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch tensor, got {type(x).__name__}")
     if query.ndim != 3:
         raise ValueError(f"query must be [B, Lq, d], got shape {list(query.shape)}")
     if doc.ndim != d_ndim:
         raise ValueError(f"doc must be {d_layout}, got shape {list(doc.shape)}")
 
 
-def _check_rows(xs: torch.Tensor) -> None:
-    if xs.ndim != 3:
-        raise ValueError(f"embeddings must be a list of [L, d] tensors or one [N, L, d] tensor, "
-                         f"got shape {list(xs.shape)}")
+def _embedding_dim(xs, name: str) -> int:
+    """The embedding dim of ``xs`` (``qs`` or ``ps``: a list of ``[L, d]`` tensors of one d, or one
+    ``[N, L, d]`` tensor), each entry checked before any is copied."""
+    if isinstance(xs, torch.Tensor):
+        if xs.ndim != 3:
+            raise ValueError(f"{name} must be a list of [L, d] tensors or one [N, L, d] tensor, "
+                             f"got shape {list(xs.shape)}")
+        return xs.shape[-1]
+    for i, x in enumerate(xs):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name}[{i}] must be a torch tensor, got {type(x).__name__}")
+        if x.ndim != 2:
+            raise ValueError(f"{name}[{i}] must be a [L, d] tensor, got shape {list(x.shape)}")
+        if x.shape[1] != xs[0].shape[1]:
+            raise ValueError(f"{name}[{i}] has dim {x.shape[1]} but {name}[0] has dim {xs[0].shape[1]}")
+    return xs[0].shape[1]
+
+
+def _score_pages(Q, q_len, ps, page_len, batch_size: int, device):
+    """``[len(Q), len(ps)]`` scores of the padded queries ``Q`` (lengths ``q_len``) against every page,
+    on ``device``, with colpali-engine's batches of ``batch_size`` pages."""
+    # colpali-engine pads a page to the longest of its batch: the pages shorter than that have zero vectors.
+    batch_max = [max(page_len[b:b + batch_size]) for b in range(0, len(ps), batch_size)]
+    short = [page_len[j] < batch_max[j // batch_size] for j in range(len(ps))]
+    row_bytes = max(page_len) * Q.shape[-1] * Q.element_size()
+    chunk = batch_size * max(1, _CHUNK_BYTES // max(1, batch_size * row_bytes))
+    scores = []
+    for c in range(0, len(ps), chunk):
+        pages, lens = ps[c:c + chunk], page_len[c:c + chunk]
+        if isinstance(pages, torch.Tensor) or all(n == lens[0] for n in lens):  # no padding: dense pages
+            D = pages.to(device) if isinstance(pages, torch.Tensor) else torch.stack(list(pages)).to(device)
+            Qk, Dk, _ = kernel_operands(Q, D)
+            scores.append(_lik.maxsim(Qk, Dk, q_lengths=q_len))
+            continue
+        if _autograd.traced(Q):  # the operators take no padding flags: pages zero-padded to their batch's longest
+            D = torch.nn.utils.rnn.pad_sequence(list(pages), batch_first=True).to(device)
+            d_len = torch.tensor([batch_max[j // batch_size] for j in range(c, c + len(lens))], device=device)
+            Qk, Dk, _ = kernel_operands(Q, D)
+            scores.append(_lik.maxsim(Qk, Dk, q_lengths=q_len, d_lengths=d_len))
+            continue
+        tokens = torch.cat(list(pages)).to(device)
+        offsets = torch.from_numpy(np.concatenate([[0], np.cumsum(lens)])).to(device)
+        zero_pad = torch.tensor(short[c:c + chunk], device=device)
+        Qk, Tk, _ = kernel_operands(Q, tokens)
+        scores.append(_autograd.maxsim_varlen_zero_pad_grad(Qk, Tk, offsets, zero_pad, q_lengths=q_len, validate=False))
+    return torch.cat(scores, dim=1)
+
+
+def _query_runs(qs):
+    """``qs`` as runs of consecutive queries, each run's zero-padded copy within ``_CHUNK_BYTES`` (or a
+    single query); colpali-engine pads a batch of queries at a time."""
+    if isinstance(qs, torch.Tensor):
+        return [qs]
+    return [qs[run] for run in padded_runs(_CHUNK_BYTES, qs[0].shape[-1] * qs[0].element_size(),
+                                           [len(q) for q in qs])]
 
 
 def _padded(xs, device):
@@ -251,7 +295,6 @@ def _padded(xs, device):
     concatenated and scattered into place), and the rows' lengths as a device tensor, or None when
     every row is whole."""
     if isinstance(xs, torch.Tensor):
-        _check_rows(xs)
         return xs.to(device), None
     lens = np.array([len(x) for x in xs])
     width = int(lens.max())

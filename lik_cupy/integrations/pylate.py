@@ -46,7 +46,7 @@ from .. import torch as _lik
 from .._base import env
 from .._runtime.masks import MASKED
 from ._patching import Patched, Patches, SwappedAttribute, SwappedProperty
-from ._scoring import kernel_operands
+from ._scoring import CHUNK_BYTES, kernel_operands, padded_runs
 
 __all__ = ["colbert_scores", "colbert_scores_pairwise", "colbert_kd_scores", "ColBERTScores", "patch_pylate",
            "unpatch_pylate"]
@@ -57,6 +57,9 @@ _NAMES = ("colbert_scores", "colbert_scores_pairwise", "colbert_kd_scores")
 # the patch replaces; pylate.scores.similarity_functions is reached through ColBERT.similarity.
 _IMPORTERS = ("pylate.scores", "pylate.rank.rank", "pylate.losses.distillation",
               "pylate.evaluation.colbert_distillation", "pylate.evaluation.colbert_triplet")
+
+# colbert_scores_pairwise pads the pairs of its lists a run at a time, each run's copies within this many bytes.
+_CHUNK_BYTES = CHUNK_BYTES
 
 _patches = Patches()  # its originals: PyLate's functions by name, and "ColBERTScores.__call__"
 
@@ -132,8 +135,9 @@ def colbert_scores_pairwise(queries_embeddings, documents_embeddings, backend=No
     Args:
         queries_embeddings: ``[B, Lq, H]``, or a list of ``[Lq_i, H]`` (lengths may differ).
         documents_embeddings: ``[B, Ld, H]``, or a list of ``[Ld_i, H]``. Every token counts
-            (there are no masks); lists are scored pair by pair without padding. As in PyLate,
-            pairs past the shorter of the two are ignored.
+            (there are no masks); a pair of lists scores its own tokens only (the lists are
+            zero-padded a run of pairs at a time, each run's copies within about 512 MiB, and the
+            padding left out). As in PyLate, pairs past the shorter of the two are ignored.
         backend: PyLate's backend name, see the module docstring.
 
     Returns:
@@ -159,13 +163,19 @@ def colbert_scores_pairwise(queries_embeddings, documents_embeddings, backend=No
     pairs = list(zip(queries_embeddings, documents_embeddings))
     qs = [_tensor(q) for q, _ in pairs]
     ds = [_tensor(d) for _, d in pairs]
-    Q = torch.nn.utils.rnn.pad_sequence(qs, batch_first=True)
-    D = torch.nn.utils.rnn.pad_sequence(ds, batch_first=True)
-    _check_ndim(Q, D, 3, "a list of [Ld, H]")
-    q_len = torch.tensor([len(q) for q in qs], device=Q.device)
-    d_len = torch.tensor([[len(d)] for d in ds], device=D.device)
-    Q, D, out = kernel_operands(Q, D)
-    return _lik.maxsim(Q, D.unsqueeze(1), q_lengths=q_len, d_lengths=d_len)[:, 0].to(out)
+    _check_entries(qs, "queries_embeddings")
+    _check_entries(ds, "documents_embeddings")
+    scores = []
+    token_bytes = qs[0].shape[-1] * qs[0].element_size() if qs else 0
+    for run in padded_runs(_CHUNK_BYTES, token_bytes, [len(q) for q in qs], [len(d) for d in ds]):
+        Q = torch.nn.utils.rnn.pad_sequence(qs[run], batch_first=True)
+        D = torch.nn.utils.rnn.pad_sequence(ds[run], batch_first=True)
+        _check_ndim(Q, D, 3, "a list of [Ld, H]")
+        q_len = torch.tensor([len(q) for q in qs[run]], device=Q.device)
+        d_len = torch.tensor([[len(d)] for d in ds[run]], device=D.device)
+        Q, D, out = kernel_operands(Q, D)
+        scores.append(_lik.maxsim(Q, D.unsqueeze(1), q_lengths=q_len, d_lengths=d_len)[:, 0].to(out))
+    return torch.cat(scores)
 
 
 class ColBERTScores:
@@ -195,7 +205,11 @@ class ColBERTScores:
         _check_ndim(Q, D, 4, "[Dn, N, Ld, H]")
         Dn, N, Ld, H = D.shape
         if documents_mask is not None:
-            documents_mask = _tensor(documents_mask).reshape(Dn * N, Ld)
+            documents_mask = _tensor(documents_mask)
+            if documents_mask.shape != D.shape[:-1]:  # reshaped unchecked, another layout would mask other tokens
+                raise ValueError(f"documents_mask has shape {list(documents_mask.shape)}; expected "
+                                 f"{list(D.shape[:-1])} ([Dn, N, Ld], documents_embeddings' shape without its last axis)")
+            documents_mask = documents_mask.reshape(Dn * N, Ld)
         return _masked_maxsim(Q, D.reshape(Dn * N, Ld, H), queries_mask, documents_mask)
 
 
@@ -253,6 +267,8 @@ def _apply() -> None:
 def _use_pylate(backend) -> bool:
     """Whether PyLate's own backend was asked for (validated as PyLate validates it)."""
     name = backend if backend is not None else env.pylate_scores_backend()
+    if not isinstance(name, str):
+        raise TypeError(f"backend must be a string or None, got {type(name).__name__}")
     name = name.lower()
     if name not in _BACKENDS:
         raise ValueError(f"backend must be one of 'auto', 'torch', 'flash', 'lik'; got {name!r}")
@@ -293,6 +309,15 @@ def _check_ndim(Q, D, d_ndim: int, d_layout: str) -> None:
         raise ValueError(f"queries_embeddings must be [Nq, Lq, H], got shape {list(Q.shape)}")
     if D.ndim != d_ndim:
         raise ValueError(f"documents_embeddings must be {d_layout}, got shape {list(D.shape)}")
+
+
+def _check_entries(xs, name: str) -> None:
+    """The entries of a list of embeddings (of ``colbert_scores_pairwise``) are ``[L, H]``, of one H."""
+    for i, x in enumerate(xs):
+        if x.ndim != 2:
+            raise ValueError(f"{name}[{i}] must be [L, H], got shape {list(x.shape)}")
+        if x.shape[1] != xs[0].shape[1]:
+            raise ValueError(f"{name}[{i}] has dim {x.shape[1]} but {name}[0] has dim {xs[0].shape[1]}")
 
 
 def _masked_maxsim(Q, D, q_mask, d_mask):
