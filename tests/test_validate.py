@@ -582,3 +582,29 @@ def test_warmup_checks_its_arguments_before_looking_for_a_gpu(kw, err, match):
     # formatting; argmax=True was "'bool' object is not iterable")
     with pytest.raises(err, match=E(match)):
         lik_cupy.warmup(**kw)
+
+
+def test_option_values_of_no_string_are_named():
+    """With torch tensors (the repeat path's key holds the options) backend=["cpu"], a float16 call's
+    precision=["fp32"] and maxsim_backward's method=["csr"] raised 'unhashable type: list'; a NumPy
+    array of two names raised NumPy's 'truth value of an array ... is ambiguous'. Each now names
+    its argument and the values it takes."""
+    torch = pytest.importorskip("torch")
+    Q, D = torch.zeros(1, 2, 16, dtype=torch.float16), torch.zeros(3, 4, 16, dtype=torch.float16)
+    g, a = torch.ones(1, 3), torch.zeros(1, 3, 2, dtype=torch.int32)
+    two = np.array(["cpu", "gpu"])
+    for bad in (["cpu"], {}, two):
+        with pytest.raises(ValueError, match="backend must be one of"):
+            lik_cupy.maxsim(Q, D, backend=bad)
+        with pytest.raises(ValueError, match="backend must be one of"):
+            lik_cupy.maxsim_varlen(Q, D[0], [0, 4], backend=bad)
+        with pytest.raises(ValueError, match="backend must be one of"):
+            lik_cupy.maxsim_backward(g, Q, D, a, backend=bad)
+        with pytest.raises(ValueError, match="precision must be one of"):
+            ms(Q, D, precision=bad)
+        with pytest.raises(ValueError, match="precision must be one of"):
+            ms(Q.float(), D.float(), precision=bad)
+        with pytest.raises(ValueError, match="method must be one of"):
+            lik_cupy.maxsim_backward(g, Q, D, a, method=bad, backend="cpu")
+    with pytest.raises(ValueError, match="set_precision must be one of"):
+        lik_cupy.set_precision(two)
