@@ -285,7 +285,6 @@ def test_lengths_out_of_range_candidates_and_pairs():
         ((2, 3, 16), (4, 5, 16), "q", (2, 1), [2], "query"),
         ((2, 3, 16), (4, 5, 16), "d", (2,), [4], "document"),
         ((2, 3, 16), (4, 5, 16), "d", (4, 5), [4], "document"),
-        ((3, 16), (4, 5, 16), "q", (1,), [], "query"),
         ((2, 3, 16), (2, 4, 5, 16), "d", (4,), [2, 4], "document"),
     ],
 )
@@ -293,6 +292,20 @@ def test_lengths_shape(qs, ds, side, lshape, expect, what):
     msg = f"{side}_lengths has shape {list(lshape)}; expected {expect} (one length per {what})"
     with pytest.raises(ValueError, match=E(msg)):
         ms(f16(*qs), f16(*ds), **{f"{side}_lengths": np.zeros(lshape, np.int32)})
+
+
+def test_lengths_of_one_query_or_document_say_an_int():
+    """Q [Lq, d] with q_lengths [1] said 'expected [] (one length per query)', and q_lengths=[], which
+    that reads as, was then refused in turn ('has shape [0]; expected []'); the error now says the
+    length is one int."""
+    for q_lengths in ([1], []):
+        with pytest.raises(ValueError, match=E(f"q_lengths has shape [{len(q_lengths)}]; expected [] (one int: Q is "
+                                               "one query [Lq, d])")):
+            ms(f16(3, 16), f16(4, 5, 16), q_lengths=q_lengths)
+    with pytest.raises(ValueError, match=E("d_lengths has shape [1]; expected [] (one int: D is one document [Ld, d])")):
+        ms(f16(2, 3, 16), f16(5, 16), d_lengths=np.array([2]))
+    with pytest.raises(ValueError, match=E("q_lengths has shape [1]; expected [] (one int: Q is one query [Lq, d])")):
+        lik_cupy.maxsim_varlen(f16(3, 16), f16(5, 16), [0, 5], q_lengths=[2], backend="cpu")
 
 
 def test_lengths_shape_python_list():
