@@ -79,7 +79,7 @@ def maxsim_backward(grad_scores, Q, D, argmax, *, d_offsets=None, method="auto",
     call = lookup(key)
     if call is not None:
         return call(grad_scores, Q, D, argmax, d_offsets)
-    if method not in BACKWARD_METHODS:
+    if not isinstance(method, str) or method not in BACKWARD_METHODS:
         raise ValueError(f"method must be one of {BACKWARD_METHODS}, got {method!r}")
     check_backend(backend)
     p = check_backward(grad_scores, Q, D, argmax, d_offsets)

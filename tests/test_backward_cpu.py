@@ -176,3 +176,19 @@ def test_gradients_overflow_to_inf_whatever_numpys_error_state(dtype):
     assert dQ[0, :, 0].tolist() == [np.inf, np.inf] and dD[0, 0, 0] == np.inf
     assert dQ[0, :, 1].tolist() == [0, 0] and dD[0, 1].tolist() == [0, 0]
     assert tiny_q[0, 0, 0] == 1 and tiny_d[0, 0, 0] == 0  # 1 / big**2
+
+
+def test_numpy_scalar_gradient_of_a_scalar_score(rng):
+    """One query [Lq, d] against one document [Ld, d] scores a 0-d array, and NumPy's arithmetic on
+    it gives a NumPy scalar (2 * s is np.float32): maxsim_backward refused that as grad_scores with
+    'expected a NumPy, CuPy, PyTorch or JAX array ..., got float32'. A NumPy scalar is a 0-d array."""
+    Q, D = _f32(rng, 3, 4), _f32(rng, 5, 4)
+    s, a = lik_cupy.maxsim(Q, D, return_argmax=True, backend="cpu")
+    g = 2 * s
+    assert isinstance(g, np.generic)
+    dQ, dD = lik_cupy.maxsim_backward(g, Q, D, a, backend="cpu")
+    rQ, rD = lik_cupy.maxsim_backward(np.asarray(g), Q, D, a, backend="cpu")
+    np.testing.assert_array_equal(dQ, rQ)
+    np.testing.assert_array_equal(dD, rD)
+    with pytest.raises(ValueError, match=r"grad_scores has shape \[\]; expected \[2\]"):
+        lik_cupy.maxsim_backward(np.float32(1), Q[None].repeat(2, 0), D, a[None].repeat(2, 0), backend="cpu")

@@ -285,7 +285,6 @@ def test_lengths_out_of_range_candidates_and_pairs():
         ((2, 3, 16), (4, 5, 16), "q", (2, 1), [2], "query"),
         ((2, 3, 16), (4, 5, 16), "d", (2,), [4], "document"),
         ((2, 3, 16), (4, 5, 16), "d", (4, 5), [4], "document"),
-        ((3, 16), (4, 5, 16), "q", (1,), [], "query"),
         ((2, 3, 16), (2, 4, 5, 16), "d", (4,), [2, 4], "document"),
     ],
 )
@@ -293,6 +292,20 @@ def test_lengths_shape(qs, ds, side, lshape, expect, what):
     msg = f"{side}_lengths has shape {list(lshape)}; expected {expect} (one length per {what})"
     with pytest.raises(ValueError, match=E(msg)):
         ms(f16(*qs), f16(*ds), **{f"{side}_lengths": np.zeros(lshape, np.int32)})
+
+
+def test_lengths_of_one_query_or_document_say_an_int():
+    """Q [Lq, d] with q_lengths [1] said 'expected [] (one length per query)', and q_lengths=[], which
+    that reads as, was then refused in turn ('has shape [0]; expected []'); the error now says the
+    length is one int."""
+    for q_lengths in ([1], []):
+        with pytest.raises(ValueError, match=E(f"q_lengths has shape [{len(q_lengths)}]; expected [] (one int: Q is "
+                                               "one query [Lq, d])")):
+            ms(f16(3, 16), f16(4, 5, 16), q_lengths=q_lengths)
+    with pytest.raises(ValueError, match=E("d_lengths has shape [1]; expected [] (one int: D is one document [Ld, d])")):
+        ms(f16(2, 3, 16), f16(5, 16), d_lengths=np.array([2]))
+    with pytest.raises(ValueError, match=E("q_lengths has shape [1]; expected [] (one int: Q is one query [Lq, d])")):
+        lik_cupy.maxsim_varlen(f16(3, 16), f16(5, 16), [0, 5], q_lengths=[2], backend="cpu")
 
 
 def test_lengths_shape_python_list():
@@ -582,3 +595,29 @@ def test_warmup_checks_its_arguments_before_looking_for_a_gpu(kw, err, match):
     # formatting; argmax=True was "'bool' object is not iterable")
     with pytest.raises(err, match=E(match)):
         lik_cupy.warmup(**kw)
+
+
+def test_option_values_of_no_string_are_named():
+    """With torch tensors (the repeat path's key holds the options) backend=["cpu"], a float16 call's
+    precision=["fp32"] and maxsim_backward's method=["csr"] raised 'unhashable type: list'; a NumPy
+    array of two names raised NumPy's 'truth value of an array ... is ambiguous'. Each now names
+    its argument and the values it takes."""
+    torch = pytest.importorskip("torch")
+    Q, D = torch.zeros(1, 2, 16, dtype=torch.float16), torch.zeros(3, 4, 16, dtype=torch.float16)
+    g, a = torch.ones(1, 3), torch.zeros(1, 3, 2, dtype=torch.int32)
+    two = np.array(["cpu", "gpu"])
+    for bad in (["cpu"], {}, two):
+        with pytest.raises(ValueError, match="backend must be one of"):
+            lik_cupy.maxsim(Q, D, backend=bad)
+        with pytest.raises(ValueError, match="backend must be one of"):
+            lik_cupy.maxsim_varlen(Q, D[0], [0, 4], backend=bad)
+        with pytest.raises(ValueError, match="backend must be one of"):
+            lik_cupy.maxsim_backward(g, Q, D, a, backend=bad)
+        with pytest.raises(ValueError, match="precision must be one of"):
+            ms(Q, D, precision=bad)
+        with pytest.raises(ValueError, match="precision must be one of"):
+            ms(Q.float(), D.float(), precision=bad)
+        with pytest.raises(ValueError, match="method must be one of"):
+            lik_cupy.maxsim_backward(g, Q, D, a, method=bad, backend="cpu")
+    with pytest.raises(ValueError, match="set_precision must be one of"):
+        lik_cupy.set_precision(two)

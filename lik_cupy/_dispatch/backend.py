@@ -13,7 +13,7 @@ BACKENDS = ("auto", "gpu", "cpu")
 
 
 def check_backend(backend) -> None:
-    if backend not in BACKENDS:
+    if not isinstance(backend, str) or backend not in BACKENDS:  # (an array of names is no name)
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
 
 

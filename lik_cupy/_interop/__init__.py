@@ -41,7 +41,7 @@ CALLBACK_BUFFERS = {xla_buffers.FRAMEWORK: xla_buffers}
 
 
 def framework_of(x) -> str:
-    if isinstance(x, np.ndarray):
+    if isinstance(x, (np.ndarray, np.generic)):  # a NumPy scalar (2 * a 0-d result) is a 0-d array
         return "numpy"
     mod = type(x).__module__.split(".")[0]
     if mod == "cupy":

@@ -307,7 +307,11 @@ def check_valid(side: str, mask, lengths, q: Info, mask_shape, len_shape, ref_na
         if li.dtype not in _INT_DTYPES:
             raise TypeError(f"{side}_lengths must be integers, got dtype {li.dtype}")
         if tuple(li.shape) != tuple(len_shape):
-            raise ValueError(f"{side}_lengths has shape {list(li.shape)}; expected {list(len_shape)} (one length per {'query' if side == 'q' else 'document'})")
+            one = "query" if side == "q" else "document"
+            # ("expected []" alone reads as an empty list, which is refused too)
+            per = f"one length per {one}" if len(len_shape) else \
+                f"one int: {what} is one {one} {'[Lq, d]' if side == 'q' else '[Ld, d]'}"
+            raise ValueError(f"{side}_lengths has shape {list(li.shape)}; expected {list(len_shape)} ({per})")
         return "lengths"
     return None
 
