@@ -235,7 +235,7 @@ def check_tensors(**named) -> None:
 
 
 def check_method(method) -> None:
-    if method not in _METHODS:  # checked with the forward, not first at backward time
+    if not isinstance(method, str) or method not in _METHODS:  # with the forward, not first at backward time
         raise ValueError(f"method must be one of {_METHODS}, got {method!r}")
 
 

@@ -262,7 +262,7 @@ class _Call:
 
     @classmethod
     def of(cls, fn: str, p: Problem, method: str, precision, backend: str) -> _Call:
-        if method not in BACKWARD_METHODS:
+        if not isinstance(method, str) or method not in BACKWARD_METHODS:  # (an array of names is no name)
             raise ValueError(f"method must be one of {BACKWARD_METHODS}, got {method!r}")
         if backend == "gpu":  # no GPU or no CuPy: the documented error now, not from inside XLA's run
             use_gpu(backend, None)

@@ -450,6 +450,8 @@ def test_argument_errors_at_trace_time(rng):
         maxsim(q, d, d_lengths=jnp.ones(3, jnp.int32))
     with pytest.raises(ValueError, match="method"):
         maxsim(q, d, method="fast")
+    with pytest.raises(ValueError, match="method must be one of"):  # (not NumPy's "truth value ... ambiguous")
+        maxsim(q, d, method=np.array(["csr", "auto"]))
     with pytest.raises(ValueError, match="backend"):
         maxsim(q, d, backend="tpu")
     with pytest.raises(ValueError, match="precision"):

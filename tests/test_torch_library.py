@@ -6,6 +6,7 @@ ColBERT step with inductor and let inductor's CUDA graphs take a compiled step (
 the compiled step captured with torch.cuda.graph: tests/test_backward_gpu.py).
 """
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -243,6 +244,8 @@ def test_compiled_call_raises_the_validation_error(rng):
     with pytest.raises(Exception, match="method must be one of"):
         torch.compile(lambda q, d: lt.maxsim(q, d, method="fast"), fullgraph=True, backend="aot_eager")(
             _t(rng, 2, 3, 16), _t(rng, 4, 5, 16))
+    with pytest.raises(ValueError, match="method must be one of"):  # (not NumPy's "truth value ... ambiguous")
+        lt.maxsim(_t(rng, 2, 3, 16), _t(rng, 4, 5, 16), method=np.array(["csr", "auto"]))
 
 
 def test_fake_tensors_take_the_operators(rng):
