@@ -189,3 +189,23 @@ def test_a_torch_subclass_from_elsewhere_comes_back_as_torch():
     qg = q.detach().clone().requires_grad_()
     lik_cupy.torch.maxsim(qg, d).sum().backward()
     assert qg.grad is not None and qg.grad.shape == q.shape
+
+
+def test_a_torch_negative_bit_view_is_read_as_its_values():
+    """``z.conj().imag`` holds its values' negations in memory under torch's negative bit: the CPU
+    path scores the values it shows (not torch's error), and its signature keeps it off the repeat
+    path, whose kernels would read the memory as it lies."""
+    torch = pytest.importorskip("torch")
+    import lik_cupy
+
+    rng = np.random.default_rng(0)
+    a = torch.from_numpy(rng.standard_normal((2, 3, 8)).astype(np.float32))
+    d = torch.from_numpy(rng.standard_normal((4, 5, 8)).astype(np.float32))
+    q = torch.complex(torch.zeros_like(a), a).conj().imag
+    assert q.is_neg() and torch.equal(q, -a)
+    expected = lik_cupy.maxsim(-a, d, backend="cpu")
+    assert torch.equal(lik_cupy.maxsim(q, d, backend="cpu"), expected)
+    assert torch.equal(lik_cupy.maxsim(d[0], q, backend="cpu"), lik_cupy.maxsim(d[0], -a, backend="cpu"))
+    contiguous = torch._neg_view(a.clone())  # (the private route to a C-contiguous one)
+    assert contiguous.is_contiguous() and not torch_tensors.signature(contiguous)[4]
+    assert torch_tensors.signature(a)[4]
