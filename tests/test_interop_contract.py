@@ -209,3 +209,23 @@ def test_a_torch_negative_bit_view_is_read_as_its_values():
     contiguous = torch._neg_view(a.clone())  # (the private route to a C-contiguous one)
     assert contiguous.is_contiguous() and not torch_tensors.signature(contiguous)[4]
     assert torch_tensors.signature(a)[4]
+
+
+def test_jax_without_x64_refuses_int64_results_it_would_truncate():
+    """JAX without 64-bit types (its default) took int64 results as int32 without a word: a CPU corpus's
+    ids 2**40 + 1 and 2**33 came back from a JAX query's search as 1 and 0. Such results are now a
+    ValueError naming the switch; ids that fit come back as JAX's int32, as before."""
+    jax = pytest.importorskip("jax")
+    import lik_cupy
+
+    if jax.config.jax_enable_x64:
+        pytest.skip("x64 is on in this process")
+    rng = np.random.default_rng(0)
+    D = rng.standard_normal((3, 5, 8)).astype(np.float32)
+    q = jax.numpy.asarray(rng.standard_normal((2, 4, 8)).astype(np.float32))
+    wide = lik_cupy.Corpus(D, ids=[2**40 + 1, 2**33, -5], device="cpu")
+    with pytest.raises(ValueError, match=r"holds 1099511627777, which JAX .*jax_enable_x64"):
+        wide.search(q, 3)
+    s, i = lik_cupy.Corpus(D, ids=[7, -2**31, 2**31 - 1], device="cpu").search(q, 3)
+    assert i.dtype == np.int32 and set(np.asarray(i).ravel()) == {7, -2**31, 2**31 - 1}
+    assert interop.from_numpy(np.array([2**31], np.uint32), "jax").dtype == np.uint32  # (32-bit types as they are)
