@@ -229,3 +229,23 @@ def test_jax_without_x64_refuses_int64_results_it_would_truncate():
     s, i = lik_cupy.Corpus(D, ids=[7, -2**31, 2**31 - 1], device="cpu").search(q, 3)
     assert i.dtype == np.int32 and set(np.asarray(i).ravel()) == {7, -2**31, 2**31 - 1}
     assert interop.from_numpy(np.array([2**31], np.uint32), "jax").dtype == np.uint32  # (32-bit types as they are)
+
+
+def test_a_masked_array_with_masked_entries_is_refused():
+    """NumPy's masked arrays were read as their data, masked entries included: a query token masked out
+    (np.ma) still scored. One whose mask hides something is now a ValueError naming the argument and
+    the mask arguments; one that hides nothing is an array like any other."""
+    import lik_cupy
+
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((2, 4, 8)).astype(np.float32)
+    d = rng.standard_normal((3, 5, 8)).astype(np.float32)
+    hidden = np.ma.masked_array(q, mask=np.zeros(q.shape, bool))
+    hidden[0, 3] = np.ma.masked
+    with pytest.raises(ValueError, match=r"^Q: a NumPy masked array with 8 masked entries.*q_mask"):
+        lik_cupy.maxsim(hidden, d, backend="cpu")
+    lens = np.ma.masked_array([5, 3, 0], mask=[False, True, False])
+    with pytest.raises(ValueError, match=r"^d_lengths: a NumPy masked array with 1 masked entry"):
+        lik_cupy.maxsim(q, d, d_lengths=lens, backend="cpu")
+    want = lik_cupy.maxsim(q, d, backend="cpu")
+    assert np.array_equal(lik_cupy.maxsim(np.ma.masked_array(q), np.ma.masked_array(d, mask=False), backend="cpu"), want)
