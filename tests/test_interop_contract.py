@@ -249,3 +249,24 @@ def test_a_masked_array_with_masked_entries_is_refused():
         lik_cupy.maxsim(q, d, d_lengths=lens, backend="cpu")
     want = lik_cupy.maxsim(q, d, backend="cpu")
     assert np.array_equal(lik_cupy.maxsim(np.ma.masked_array(q), np.ma.masked_array(d, mask=False), backend="cpu"), want)
+
+
+def test_a_dlpack_export_that_fails_is_named():
+    """A DLPack producer that cannot export (here a big-endian array) raised its BufferError, which named
+    no argument; it is now the TypeError of the argument, with the producer's reason."""
+    import lik_cupy
+
+    class Producer:
+        def __init__(self, a):
+            self.a = a
+
+        def __dlpack__(self, **kw):
+            return self.a.__dlpack__(**kw)
+
+        def __dlpack_device__(self):
+            return self.a.__dlpack_device__()
+
+    q = np.ones((2, 3, 4), np.float32)
+    assert lik_cupy.maxsim(Producer(q), Producer(q), backend="cpu").shape == (2, 2)
+    with pytest.raises(TypeError, match=r"^D: its DLPack export failed \(.*native byte order"):
+        lik_cupy.maxsim(Producer(q), Producer(q.astype(">f4")), backend="cpu")
