@@ -189,3 +189,84 @@ def test_a_torch_subclass_from_elsewhere_comes_back_as_torch():
     qg = q.detach().clone().requires_grad_()
     lik_cupy.torch.maxsim(qg, d).sum().backward()
     assert qg.grad is not None and qg.grad.shape == q.shape
+
+
+def test_a_torch_negative_bit_view_is_read_as_its_values():
+    """``z.conj().imag`` holds its values' negations in memory under torch's negative bit: the CPU
+    path scores the values it shows (not torch's error), and its signature keeps it off the repeat
+    path, whose kernels would read the memory as it lies."""
+    torch = pytest.importorskip("torch")
+    import lik_cupy
+
+    rng = np.random.default_rng(0)
+    a = torch.from_numpy(rng.standard_normal((2, 3, 8)).astype(np.float32))
+    d = torch.from_numpy(rng.standard_normal((4, 5, 8)).astype(np.float32))
+    q = torch.complex(torch.zeros_like(a), a).conj().imag
+    assert q.is_neg() and torch.equal(q, -a)
+    expected = lik_cupy.maxsim(-a, d, backend="cpu")
+    assert torch.equal(lik_cupy.maxsim(q, d, backend="cpu"), expected)
+    assert torch.equal(lik_cupy.maxsim(d[0], q, backend="cpu"), lik_cupy.maxsim(d[0], -a, backend="cpu"))
+    contiguous = torch._neg_view(a.clone())  # (the private route to a C-contiguous one)
+    assert contiguous.is_contiguous() and not torch_tensors.signature(contiguous)[4]
+    assert torch_tensors.signature(a)[4]
+
+
+def test_jax_without_x64_refuses_int64_results_it_would_truncate():
+    """JAX without 64-bit types (its default) took int64 results as int32 without a word: a CPU corpus's
+    ids 2**40 + 1 and 2**33 came back from a JAX query's search as 1 and 0. Such results are now a
+    ValueError naming the switch; ids that fit come back as JAX's int32, as before."""
+    jax = pytest.importorskip("jax")
+    import lik_cupy
+
+    if jax.config.jax_enable_x64:
+        pytest.skip("x64 is on in this process")
+    rng = np.random.default_rng(0)
+    D = rng.standard_normal((3, 5, 8)).astype(np.float32)
+    q = jax.numpy.asarray(rng.standard_normal((2, 4, 8)).astype(np.float32))
+    wide = lik_cupy.Corpus(D, ids=[2**40 + 1, 2**33, -5], device="cpu")
+    with pytest.raises(ValueError, match=r"holds 1099511627777, which JAX .*jax_enable_x64"):
+        wide.search(q, 3)
+    s, i = lik_cupy.Corpus(D, ids=[7, -2**31, 2**31 - 1], device="cpu").search(q, 3)
+    assert i.dtype == np.int32 and set(np.asarray(i).ravel()) == {7, -2**31, 2**31 - 1}
+    assert interop.from_numpy(np.array([2**31], np.uint32), "jax").dtype == np.uint32  # (32-bit types as they are)
+
+
+def test_a_masked_array_with_masked_entries_is_refused():
+    """NumPy's masked arrays were read as their data, masked entries included: a query token masked out
+    (np.ma) still scored. One whose mask hides something is now a ValueError naming the argument and
+    the mask arguments; one that hides nothing is an array like any other."""
+    import lik_cupy
+
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((2, 4, 8)).astype(np.float32)
+    d = rng.standard_normal((3, 5, 8)).astype(np.float32)
+    hidden = np.ma.masked_array(q, mask=np.zeros(q.shape, bool))
+    hidden[0, 3] = np.ma.masked
+    with pytest.raises(ValueError, match=r"^Q: a NumPy masked array with 8 masked entries.*q_mask"):
+        lik_cupy.maxsim(hidden, d, backend="cpu")
+    lens = np.ma.masked_array([5, 3, 0], mask=[False, True, False])
+    with pytest.raises(ValueError, match=r"^d_lengths: a NumPy masked array with 1 masked entry"):
+        lik_cupy.maxsim(q, d, d_lengths=lens, backend="cpu")
+    want = lik_cupy.maxsim(q, d, backend="cpu")
+    assert np.array_equal(lik_cupy.maxsim(np.ma.masked_array(q), np.ma.masked_array(d, mask=False), backend="cpu"), want)
+
+
+def test_a_dlpack_export_that_fails_is_named():
+    """A DLPack producer that cannot export (here a big-endian array) raised its BufferError, which named
+    no argument; it is now the TypeError of the argument, with the producer's reason."""
+    import lik_cupy
+
+    class Producer:
+        def __init__(self, a):
+            self.a = a
+
+        def __dlpack__(self, **kw):
+            return self.a.__dlpack__(**kw)
+
+        def __dlpack_device__(self):
+            return self.a.__dlpack_device__()
+
+    q = np.ones((2, 3, 4), np.float32)
+    assert lik_cupy.maxsim(Producer(q), Producer(q), backend="cpu").shape == (2, 2)
+    with pytest.raises(TypeError, match=r"^D: its DLPack export failed \(.*native byte order"):
+        lik_cupy.maxsim(Producer(q), Producer(q.astype(">f4")), backend="cpu")

@@ -141,3 +141,38 @@ def test_torch_pinned_corpus_uploads_in_place(rng, staged_copies):
     assert staged_copies == []
     np.testing.assert_array_equal(_np(i), _np(want_i))
     assert _np(s).tobytes() == _np(want_s).tobytes()
+
+
+@pytest.fixture
+def fake_locks(monkeypatch):
+    """The driver's page locks as a set of start addresses (no GPU needed): hostRegister adds, hostUnregister
+    removes, and memory reads as page-locked only where pin_host found it so before."""
+    import cupy
+
+    from lik_cupy._runtime import pinned
+
+    locked = set()
+    monkeypatch.setattr(pinned, "span_page_locked", lambda a: False)
+    monkeypatch.setattr(cupy.cuda.runtime, "hostRegister", lambda ptr, n, flags: locked.add(ptr))
+    monkeypatch.setattr(cupy.cuda.runtime, "hostUnregister", locked.remove)
+    return locked
+
+
+def test_a_dropped_pinned_host_unlocks_its_pages(fake_locks):
+    """The pages stay locked only while the PinnedHost, which keeps their arrays alive, lives: one dropped
+    without release() unlocks them, rather than leaving freed memory registered with the driver."""
+    import gc
+
+    from lik_cupy._runtime.pinned import PinnedHost
+
+    a = np.zeros((1 << 16,), np.float32)
+    p = PinnedHost([a])
+    assert len(fake_locks) == 1 and p._locked
+    del p
+    gc.collect()
+    assert fake_locks == set()
+    with PinnedHost([a]) as p:
+        assert len(fake_locks) == 1
+    assert fake_locks == set()
+    del p  # (released already: nothing to unlock twice)
+    gc.collect()

@@ -65,12 +65,14 @@ def describe(x) -> Info:
 
 
 def describe_named(name: str, x) -> Info:
-    """:func:`describe`, its errors (no array; an array of no place or layout the kernels read)
-    naming the argument ``name``."""
+    """:func:`describe`, its errors (no array; an array of no place or layout the kernels read; a DLPack
+    producer that cannot export it) naming the argument ``name``."""
     try:
         return describe(x)
     except (TypeError, ValueError) as e:
         raise type(e)(f"{name}: {e}") from None
+    except BufferError as e:  # (neither: the errors contract promises one of those)
+        raise TypeError(f"{name}: its DLPack export failed ({e})") from None
 
 
 def float8_bits(x, name: str = "x"):

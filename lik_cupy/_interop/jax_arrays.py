@@ -46,12 +46,27 @@ def to_numpy(x) -> np.ndarray:
     return np.asarray(x)
 
 
+def _held(a):
+    """``a`` (a NumPy or CuPy result) unchanged, where JAX holds its values: without 64-bit types
+    (``jax_enable_x64`` off, JAX's default) JAX narrows 64-bit integers to 32 bits without a word, so
+    a result holding a value past them (a corpus's ids) is a ValueError saying so."""
+    jax = sys.modules["jax"]
+    if a.dtype.kind in "iu" and a.dtype.itemsize == 8 and a.size and not jax.config.jax_enable_x64:
+        narrow = np.iinfo(np.int32 if a.dtype.kind == "i" else np.uint32)
+        lo, hi = int(a.min()), int(a.max())
+        if lo < narrow.min or hi > narrow.max:
+            raise ValueError(f"the result holds {hi if hi > narrow.max else lo}, which JAX without 64-bit types "
+                             f"would truncate to {narrow.dtype}: enable them (jax.config.update(\"jax_enable_x64\", "
+                             "True))")
+    return a
+
+
 def _on_host(a: np.ndarray):
     """A host result as a JAX array on the host (JAX's first CPU device), where the caller's array
     was: ``jnp.asarray`` takes JAX's default device, a GPU where there is one. (With several CPU
     devices, an input on another than the first still gets its result on the first.)"""
     jax = sys.modules["jax"]
-    return jax.device_put(a, jax.devices("cpu")[0])
+    return jax.device_put(_held(a), jax.devices("cpu")[0])
 
 
 def from_cupy(a, on_host: bool):
@@ -61,7 +76,7 @@ def from_cupy(a, on_host: bool):
     import cupy
 
     cupy.cuda.get_current_stream().synchronize()
-    return jax.dlpack.from_dlpack(a)
+    return jax.dlpack.from_dlpack(_held(a))
 
 
 def bfloat16_from_bits(a, on_host: bool, like):

@@ -12,7 +12,18 @@ STAND_IN = "staged"  # a resident corpus's calls move them in one page-locked co
 
 
 def describe(x) -> Info:
+    if isinstance(x, np.ma.MaskedArray):
+        _unmasked(x)
     return Info(FRAMEWORK, None, dtype_name(x.dtype), tuple(x.shape))
+
+
+def _unmasked(x) -> None:
+    """A masked array is read as its data, masked entries included: one whose mask hides something
+    would score values its caller masked out, so it is refused."""
+    n = int(np.ma.count_masked(x))
+    if n:
+        raise ValueError(f"a NumPy masked array with {n} masked entr{'y' if n == 1 else 'ies'}, whose values would be "
+                         "read as they lie: pass its .data, and the tokens to leave out as q_mask, d_mask or lengths")
 
 
 def to_numpy(x) -> np.ndarray:

@@ -4,6 +4,11 @@ is in ``sys.modules`` already.
 Hot paths avoid the DLPack handshake, about ten times dearer than reading a pointer: device
 tensors are viewed in CuPy from their pointer, results allocated by torch's caching allocator
 come back as views of the owning tensor, and CuPy runs on torch's current stream.
+
+A tensor with its negative bit set (``z.conj().imag``, ``torch._neg_view``) holds the values'
+negations in memory: its pointer, and the DLPack capsule torch exports for it, would give the
+kernels the wrong signs, so it is materialised (``resolve_neg``) before its memory is read, and
+its signature never takes the repeat path.
 """
 
 from __future__ import annotations
@@ -78,6 +83,7 @@ def cuda_view(t):
 
 
 def to_cupy(x):
+    x = x.resolve_neg()
     a = cuda_view(x)  # the common case, ready as it is
     if a is not None:
         return a
@@ -88,7 +94,7 @@ def to_cupy(x):
 
 def to_numpy(x) -> np.ndarray:
     torch = sys.modules["torch"]
-    t = x.detach()
+    t = x.detach().resolve_neg()
     if t.device.type != "cpu":
         t = t.cpu()
     if t.dtype == torch.bfloat16:
@@ -220,9 +226,11 @@ def malloc(size: int):
 
 def signature(x):
     """What a prepared call depends on: (shape, dtype, device (-1: not a CUDA device), 16-byte
-    aligned, C-contiguous). (``get_device`` numbers other accelerators' devices from 0 too: such a
-    tensor, keyed as cuda:0's, would skip the check that refuses it.)"""
-    return x.shape, x.dtype, x.get_device() if x.is_cuda else -1, not x.data_ptr() & 15, x.is_contiguous()
+    aligned, C-contiguous, a negative-bit view counted as not). (``get_device`` numbers other
+    accelerators' devices from 0 too: such a tensor, keyed as cuda:0's, would skip the check that
+    refuses it.)"""
+    return (x.shape, x.dtype, x.get_device() if x.is_cuda else -1, not x.data_ptr() & 15,
+            x.is_contiguous() and not x.is_neg())
 
 
 def address(x) -> int:

@@ -42,7 +42,9 @@ def span_page_locked(a: np.ndarray) -> bool:
 
 
 class PinnedHost:
-    """Arrays page-locked by :func:`pin_host`; unlocks them on :meth:`release` or at the end of a ``with``."""
+    """Arrays page-locked by :func:`pin_host`; unlocks them on :meth:`release`, at the end of a ``with``,
+    or when it is dropped (the driver must not keep freed memory registered: the arrays it keeps alive
+    would be freed with it, their pages still locked)."""
 
     def __init__(self, arrays: list[np.ndarray]):
         self._arrays = arrays  # kept alive while their pages are locked
@@ -86,6 +88,12 @@ class PinnedHost:
             cupy.cuda.runtime.hostUnregister(self._locked.pop())
         self._arrays = []
 
+    def __del__(self) -> None:
+        try:
+            self.release()
+        except Exception:  # (at interpreter exit CuPy may be gone: the process's locks go with it)
+            pass
+
     def __enter__(self) -> PinnedHost:
         return self
 
@@ -103,8 +111,8 @@ def pin_host(*arrays) -> PinnedHost:
 
     Returns:
         A :class:`PinnedHost`; use it as a context manager (``with lik_cupy.pin_host(D):``)
-        or call ``release()``. It keeps the arrays alive while they are locked. Whole pages
-        are locked (with any neighbouring bytes that share them). Arrays already
+        or call ``release()`` (dropping it unlocks them too). It keeps the arrays alive while
+        they are locked. Whole pages are locked (with any neighbouring bytes that share them). Arrays already
         page-locked are left as they are. On a machine without a GPU nothing is locked
         (``retrieve`` runs on the CPU there).
 
