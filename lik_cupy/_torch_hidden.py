@@ -92,14 +92,15 @@ def _fused_forward(Q, H, W, bias, q_mask, d_mask, q_lengths, d_lengths, normaliz
     qn = fused_width(hp, dev, q_mask, q_lengths, d_lengths, CHUNK_BYTES if max_chunk_bytes is None else max_chunk_bytes)
     if qn is None:
         return None
-    q, h, w = Q.contiguous(), H.contiguous(), W.contiguous()
+    # (read by pointer: a negative-bit view's memory holds its values' negations, resolved first)
+    q, h, w = (x.resolve_neg().contiguous() for x in (Q, H, W))
     if not aligned(q.data_ptr(), h.data_ptr(), w.data_ptr()):
         return None
     p = hp.p
     keys = torch.zeros(key_count(p.nq, p.lq, p.nd), dtype=torch.int64, device=Q.device)
     scores = torch.empty((p.nq, p.nd), dtype=torch.float32, device=Q.device)
     amax = torch.empty((p.nq, p.nd, p.lq), dtype=torch.int32, device=Q.device) if return_argmax else None
-    b32 = None if bias is None else bias.float().contiguous()
+    b32 = None if bias is None else bias.resolve_neg().float().contiguous()
     dm = None if d_mask is None else d_mask.contiguous().view(torch.uint8)
     import cupy
 

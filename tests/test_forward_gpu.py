@@ -493,3 +493,17 @@ def _np(x):
     if hasattr(x, "cpu"):
         return x.cpu().numpy()
     return np.asarray(x)
+
+
+def test_torch_negative_bit_views_score_as_their_values(rng):
+    # A negative-bit view holds its values' negations in memory, which a pointer (or torch's DLPack
+    # export of it) gives as they lie: the first call and a repeat must both score the values it shows.
+    torch = pytest.importorskip("torch")
+    q = _torch(_unit(rng, 2, 32, 128).astype(np.float16))
+    d = _torch(_unit(rng, 50, 180, 128).astype(np.float16))
+    want = lik_cupy.maxsim(-q, d)
+    view = torch._neg_view(q)
+    assert view.is_neg() and view.is_contiguous()
+    for _ in range(2):  # the first call, then the repeat path's lookup
+        assert torch.equal(lik_cupy.maxsim(view, d), want)
+    assert torch.equal(lik_cupy.maxsim(d[0], torch._neg_view(d)), lik_cupy.maxsim(d[0], -d))

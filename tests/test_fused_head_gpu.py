@@ -429,3 +429,20 @@ def test_one_pass_kernel_scratch_within_max_chunk_bytes(monkeypatch):
     streamed = lt.maxsim_from_hidden(Q, H, W, b, max_chunk_bytes=8 * 32 * 40 - 1)
     assert calls == [32]
     torch.testing.assert_close(fits, streamed, rtol=0, atol=ONE_PASS_TOL["bfloat16"] * 32)
+
+
+@pytest.mark.skipif(not HOPPER, reason="the one-pass kernel runs on sm_90")
+def test_one_pass_kernel_reads_negative_bit_views_as_their_values(monkeypatch):
+    # The one-pass kernel reads Q, H, W and bias by pointer: a negative-bit view (torch._neg_view) holds
+    # its values' negations in memory, so it must score as the same negations materialised.
+    from lik_cupy._runtime import hidden_maxsim
+
+    Q, H, W, b = _data(torch.bfloat16, nq=1, lq=32, nd=9, ld=40, hid=128, dim=128)
+    views = [torch._neg_view(x) for x in (Q, H, W, b)]
+    assert all(v.is_neg() for v in views)
+    calls = []
+    real = hidden_maxsim.score_hidden
+    monkeypatch.setattr(hidden_maxsim, "score_hidden", lambda **kw: calls.append(1) or real(**kw))
+    got = lt.maxsim_from_hidden(*views)
+    want = lt.maxsim_from_hidden(-Q, -H, -W, -b)
+    assert len(calls) == 2 and torch.equal(got, want)
