@@ -80,10 +80,12 @@ def _checked_args(dims, dtypes, query_lengths, argmax, device) -> tuple:
     """Each argument's type and range, before a GPU is looked for (as a scoring call checks its
     arguments first); the four collections come back as tuples. A string (iterated by character)
     or a bare int reached the kernel selection as dims "1", "2", "8" (a TypeError of string
-    formatting) or as "'int' object is not iterable"."""
+    formatting) or as "'int' object is not iterable"; a dtype name is one of the kernels' element types."""
     out = []
+    kinds = [e.name for e in dispatch.ELEMS]
     for name, values, want, ok in (("dims", dims, "embedding dims, ints >= 1", _count),
-                                   ("dtypes", dtypes, "dtype names", lambda v: isinstance(v, str)),
+                                   ("dtypes", dtypes, f"dtype names ({', '.join(kinds)})",
+                                    lambda v: isinstance(v, str) and v in kinds),
                                    ("query_lengths", query_lengths, "ints >= 1", _count),
                                    ("argmax", argmax, "bools", lambda v: isinstance(v, (bool, np.bool_)))):
         try:
