@@ -518,6 +518,15 @@ def test_switch_variables_are_read_strictly(monkeypatch):
     assert lc.cache_dir().name == "kernels" and lc.cache_dir().is_absolute()
 
 
+def test_cache_dir_expands_a_leading_tilde(tmp_path, monkeypatch):
+    """LIK_CACHE_DIR=~/kernels, as a .env file, a systemd unit or a Dockerfile's ENV pass it (no shell
+    to expand it), was taken literally: a directory named '~' made under whatever the working
+    directory was, so each working directory compiled its own cache."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("LIK_CACHE_DIR", "~/kernels")
+    assert lc.cache_dir() == tmp_path / "kernels"
+
+
 def test_compile_check_reads_what_it_proved_and_compiles_what_changed(tmp_path, monkeypatch, src_copy):
     monkeypatch.setenv("LIK_CACHE_DIR", str(tmp_path / "kc"))
     calls = []
