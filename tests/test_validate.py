@@ -326,8 +326,10 @@ def test_lengths_ragged_python_list():
 # ---------------------------------------------------------------- backend
 
 
-@pytest.mark.parametrize("bad", ["GPU", "cuda", "", None, "numpy"])
+@pytest.mark.parametrize("bad", ["GPU", "cuda", "", None, "numpy", np.array(["cpu", "gpu"]), np.array(["cpu"])])
 def test_bad_backend(bad):
+    # (an array was compared elementwise: two entries raised NumPy's 'truth value of an array ... is
+    # ambiguous', one was taken as its entry)
     with pytest.raises(ValueError, match=E(f"backend must be one of ('auto', 'gpu', 'cpu'), got {bad!r}")):
         ms(f16(2, 3, 16), f16(4, 5, 16), backend=bad)
     with pytest.raises(ValueError, match="backend must be one of"):

@@ -13,7 +13,8 @@ BACKENDS = ("auto", "gpu", "cpu")
 
 
 def check_backend(backend) -> None:
-    if backend not in BACKENDS:
+    # (a string first: ``in`` would compare an array elementwise)
+    if not isinstance(backend, str) or backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
 
 
