@@ -15,7 +15,7 @@ _default: str | None = None
 
 def checked(precision, what: str) -> str:
     """``precision`` if it is one of ``PRECISIONS``, else ValueError naming ``what``."""
-    if precision not in PRECISIONS:
+    if not isinstance(precision, str) or precision not in PRECISIONS:  # (``in`` compares an array elementwise)
         raise ValueError(f"{what} must be one of {', '.join(map(repr, PRECISIONS))}, got {precision!r}")
     return precision
 
