@@ -518,6 +518,15 @@ def test_switch_variables_are_read_strictly(monkeypatch):
     assert lc.cache_dir().name == "kernels" and lc.cache_dir().is_absolute()
 
 
+def test_cache_dir_expands_a_leading_tilde(tmp_path, monkeypatch):
+    """LIK_CACHE_DIR=~/kernels, as a .env file, a systemd unit or a Dockerfile's ENV pass it (no shell
+    to expand it), was taken literally: a directory named '~' made under whatever the working
+    directory was, so each working directory compiled its own cache."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("LIK_CACHE_DIR", "~/kernels")
+    assert lc.cache_dir() == tmp_path / "kernels"
+
+
 def test_compile_check_reads_what_it_proved_and_compiles_what_changed(tmp_path, monkeypatch, src_copy):
     monkeypatch.setenv("LIK_CACHE_DIR", str(tmp_path / "kc"))
     calls = []
@@ -1011,3 +1020,41 @@ def test_doc_cost_matches_the_committed_sweeps():
         assert med[chosen] <= 1.05 * min(med.values()), (key, med)
         if key[0].startswith("500 x 16, then"):
             assert 2 * med[chosen] <= med["0 tiles"], (key, med)
+
+
+@pytest.fixture
+def fake_hopper(monkeypatch):
+    """``warmup`` on a stand-in sm_90 GPU (TMA usable): the kernels it would load, as (source, defines, target)."""
+    from lik_cupy._base.device import DeviceProps
+    from lik_cupy._runtime import launch, warmup
+
+    monkeypatch.setattr(warmup, "gpu_available", lambda: True)
+    monkeypatch.setattr(warmup, "present", int)
+    monkeypatch.setattr(warmup, "device_properties", lambda dev: DeviceProps("stand-in H100", 90, 132))
+    monkeypatch.setattr(launch, "tma_usable", lambda: not os.environ.get("LIK_DISABLE_TMA"))
+    loaded = []
+    monkeypatch.setattr(lc, "get_module", lambda name, defines, target, dev, entry=None: loaded.append(
+        (name, defines.get("LIK_NAME", entry), str(target))))
+    monkeypatch.delenv("LIK_DISABLE_WGMMA", raising=False)
+    monkeypatch.delenv("LIK_DISABLE_TMA", raising=False)
+    return loaded
+
+
+def test_warmup_loads_the_kernels_calls_choose(fake_hopper, monkeypatch):
+    """warmup(dtypes=("float8_e4m3fn",)) on an sm_90 GPU raised ValueError ('float8_e4m3fn on sm_90 runs on
+    its wgmma tiles only'): it also chose for unaligned operands, which no FP8 kernel there takes (such a
+    call is refused). And under LIK_DISABLE_WGMMA=1 it loaded the wgmma tiles, which calls then never
+    run, instead of the mma.sync ones they do."""
+    from lik_cupy import warmup
+
+    assert warmup(dims=(128,), dtypes=("float8_e4m3fn",), device=0) == len(fake_hopper) > 0
+    want = {dispatch.choose_forward(90, "float8_e4m3fn", 128, lq, False, True, True, tma=True).name for lq in (32, 1024)}
+    assert want <= {k for _, k, _ in fake_hopper}
+
+    fake_hopper.clear()
+    monkeypatch.setenv("LIK_DISABLE_WGMMA", "1")
+    warmup(dims=(128,), dtypes=("float16",), device=0)
+    assert fake_hopper and all(target == "90" for _, _, target in fake_hopper), fake_hopper
+    want = {dispatch.choose_forward(90, "float16", 128, lq, False, vec, False).name for lq in (32, 1024)
+            for vec in (True, False)}
+    assert {k for _, k, _ in fake_hopper} == want

@@ -102,6 +102,15 @@ def test_bad_values_are_refused_with_what_was_expected(monkeypatch):
     monkeypatch.setenv("LIK_PRECISION", "bf16")
     with pytest.raises(ValueError, match="LIK_PRECISION must be one of 'fp32', 'tf32', got 'bf16'"):
         lik_cupy.get_precision()
+    monkeypatch.delenv("LIK_PRECISION")
+    # An array was compared elementwise: two entries raised NumPy's 'truth value of an array ... is
+    # ambiguous', and set_precision kept a one-entry array as the process default.
+    with pytest.raises(ValueError, match=r"precision must be one of 'fp32', 'tf32', got array\(\['fp32', 'tf32'\]"):
+        lik_cupy.maxsim(np.ones((1, 2, 4), np.float32), np.ones((3, 5, 4), np.float32), backend="cpu",
+                        precision=np.array(["fp32", "tf32"]))
+    with pytest.raises(ValueError, match="set_precision must be one of 'fp32', 'tf32', got array"):
+        lik_cupy.set_precision(np.array(["tf32"]))
+    assert lik_cupy.get_precision() is None
 
 
 @pytest.mark.parametrize("arch", [80, 90])

@@ -211,6 +211,35 @@ def test_memory_cache_is_bounded_and_keeps_recent_kernels(monkeypatch):
     assert lc._modules.building() == 0
 
 
+def test_kernel_handles_keep_their_module_loaded(monkeypatch):
+    """The fused head's one-pass kernel (hidden_maxsim) kept its two driver handles but not the module
+    that owns them, which only the bounded module cache held: once 256 other kernels had been loaded
+    that module was dropped, and its release unloads it, so the next fused-head call launched by
+    handles of an unloaded module."""
+    import gc
+    import weakref
+
+    from lik_cupy._runtime import hidden_maxsim
+
+    class Module:  # a loaded module: unloaded (its functions' handles dangling) once collected
+        def get_function(self, entry):
+            return types.SimpleNamespace(kernel=types.SimpleNamespace(ptr=id(self)), module=self)
+
+    loaded = []
+    monkeypatch.setattr(lc, "_modules", DeviceCache(2, lru=True))
+    monkeypatch.setattr(lc, "cubin_path", lambda name, defines, arch: pathlib.Path(str(sorted(defines.items()))))
+    monkeypatch.setattr(lc, "_load", lambda path, device, entry: loaded.append(weakref.ref(m := Module())) or m)
+    hidden_maxsim._functions.cache_clear()
+    try:
+        main, finish, *_ = hidden_maxsim._functions("float16", 64, 0)
+        for i in range(3):  # other kernels push it out of the module cache
+            lc.get_module(SRC, {"LIK_NAME": f"k{i}"}, 80, 0)
+        gc.collect()
+        assert loaded[0]() is not None and main == finish == id(loaded[0]())
+    finally:
+        hidden_maxsim._functions.cache_clear()
+
+
 # ---------------------------------------------------------------- the on-disk cache
 
 

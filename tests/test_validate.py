@@ -339,8 +339,10 @@ def test_lengths_ragged_python_list():
 # ---------------------------------------------------------------- backend
 
 
-@pytest.mark.parametrize("bad", ["GPU", "cuda", "", None, "numpy"])
+@pytest.mark.parametrize("bad", ["GPU", "cuda", "", None, "numpy", np.array(["cpu", "gpu"]), np.array(["cpu"])])
 def test_bad_backend(bad):
+    # (an array was compared elementwise: two entries raised NumPy's 'truth value of an array ... is
+    # ambiguous', one was taken as its entry)
     with pytest.raises(ValueError, match=E(f"backend must be one of ('auto', 'gpu', 'cpu'), got {bad!r}")):
         ms(f16(2, 3, 16), f16(4, 5, 16), backend=bad)
     with pytest.raises(ValueError, match="backend must be one of"):
@@ -585,6 +587,8 @@ def test_flags_take_booleans_only():
     (dict(dims=128), TypeError, "dims must be a tuple or list"),
     (dict(dims=(0,)), ValueError, "dims holds 0; expected embedding dims, ints >= 1"),
     (dict(dtypes="float16"), TypeError, "dtypes must be a tuple or list of dtype names"),
+    (dict(dtypes=("float16", "fp16")), ValueError,
+     "dtypes holds 'fp16'; expected dtype names (float16, bfloat16, float32, int8, float8_e4m3fn)"),
     (dict(query_lengths=(-1,)), ValueError, "query_lengths holds -1"),
     (dict(argmax=True), TypeError, "argmax must be a tuple or list of bools"),
     (dict(argmax=("x",)), ValueError, "argmax holds 'x'; expected bools"),
@@ -592,7 +596,8 @@ def test_flags_take_booleans_only():
 ])
 def test_warmup_checks_its_arguments_before_looking_for_a_gpu(kw, err, match):
     # (on a GPU, dims="128" reached the kernel selection as dims "1", "2", "8": a TypeError of string
-    # formatting; argmax=True was "'bool' object is not iterable")
+    # formatting; argmax=True was "'bool' object is not iterable"; a dtype name the kernels lack was
+    # found only there, and without a GPU came back as "no CUDA GPU is visible")
     with pytest.raises(err, match=E(match)):
         lik_cupy.warmup(**kw)
 

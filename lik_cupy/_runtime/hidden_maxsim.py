@@ -52,8 +52,10 @@ def key_count(nq: int, lq: int, nd: int) -> int:
 
 
 @functools.cache
-def _functions(dtype: str, qn: int, device: int) -> tuple[int, int, int]:
-    """(the main kernel's handle, the finish kernel's, the main kernel's dynamic shared memory)."""
+def _functions(dtype: str, qn: int, device: int) -> tuple:
+    """(the main kernel's handle, the finish kernel's, the main kernel's dynamic shared memory, and
+    the module that owns both, held with them: the compile cache may drop it, and its release
+    unloads them)."""
     from .._dispatch import elem_spec
     from .nvrtc import get_module
 
@@ -62,7 +64,7 @@ def _functions(dtype: str, qn: int, device: int) -> tuple[int, int, int]:
     mod = get_module(HIDDEN_FUSED.file, defines, "90a", device, entry="lik_hidden_maxsim")
     main = mod.get_function("lik_hidden_maxsim")
     main.max_dynamic_shared_size_bytes = smem = shared_bytes(qn, stages, groups)
-    return main.kernel.ptr, mod.get_function("lik_hidden_maxsim_finish").kernel.ptr, smem
+    return main.kernel.ptr, mod.get_function("lik_hidden_maxsim_finish").kernel.ptr, smem, mod
 
 
 def shared_bytes(qn: int, stages: int, groups: int) -> int:
@@ -80,7 +82,7 @@ def score_hidden(*, q: int, h: int, w: int, bias: int, dmask: int, keys: int, sc
     ``dmask`` uint8 ``[nd * ld]`` or 0 (0: a token not scored); ``keys`` :func:`key_count` zeroed
     uint64; ``scores`` float32 ``[nq, nd]``; ``amax`` int32 ``[nq, nd, lq]`` or 0. ``qn``:
     ``_dispatch.choose_hidden_fused``'s width for these shapes."""
-    main, finish, smem = _functions(dtype, qn, device)
+    main, finish, smem, _ = _functions(dtype, qn, device)
     rows, tile_rows = nd * ld, 64 * tables.HIDDEN_FUSED_WARPGROUPS
     tiles = -(-rows // tile_rows)
     hmap = tma.tile_map(h, rows, hidden * 2, tile_rows)

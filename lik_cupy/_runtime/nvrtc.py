@@ -62,10 +62,11 @@ def source_dir() -> Path:
 
 
 def cache_dir() -> Path:
-    """On-disk kernel cache (``LIK_CACHE_DIR`` overrides the default)."""
+    """On-disk kernel cache (``LIK_CACHE_DIR`` overrides the default; a leading ``~`` is the home
+    directory, as no shell expands it in a .env file or a service's environment)."""
     override = env.cache_dir_override()
     if override:
-        return Path(override)
+        return Path(os.path.expanduser(override))
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "lik_cupy" / "kernels"
 

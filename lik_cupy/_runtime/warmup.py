@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import _dispatch as dispatch
+from .._base import env
 from .._base.device import check_ordinal, device_properties, gpu_available, present
 from .kernels import FORWARD, QUANTIZE
 
@@ -47,6 +48,7 @@ def warmup(dims=(128,), dtypes=("float16", "bfloat16"), query_lengths=(32, 1024)
     dev = cupy.cuda.runtime.getDevice() if device is None else present(device)
     cc = device_properties(dev).cc
     arch = dispatch.arch_of(cc)
+    wgmma = not env.wgmma_disabled()  # as a call chooses (launch.prepare)
     names = set()
     for dim in dims:
         for dtype in dtypes:
@@ -54,7 +56,15 @@ def warmup(dims=(128,), dtypes=("float16", "bfloat16"), query_lengths=(32, 1024)
             for lq in query_lengths:
                 for am in argmax:
                     for vec in {(dim * spec.bytes) % 16 == 0, False}:
-                        cfg = dispatch.choose_forward(cc, dtype, dim, lq, am, vec, tma=vec and tma_usable(), x3=x3)
+                        try:
+                            cfg = dispatch.choose_forward(cc, dtype, dim, lq, am, vec, wgmma,
+                                                          tma=vec and wgmma and tma_usable(), x3=x3)
+                        except ValueError:
+                            # Unaligned operands of a type whose mma.sync this GPU emulates (FP8 on
+                            # sm_90): no kernel takes them and such calls are refused, so none to load.
+                            if vec or arch not in spec.emulated_mma:
+                                raise
+                            continue
                         if cfg.name not in names:
                             get_module(FORWARD.file, cfg.defines(), cfg.target(arch), dev)
                             names.add(cfg.name)
@@ -70,10 +80,12 @@ def _checked_args(dims, dtypes, query_lengths, argmax, device) -> tuple:
     """Each argument's type and range, before a GPU is looked for (as a scoring call checks its
     arguments first); the four collections come back as tuples. A string (iterated by character)
     or a bare int reached the kernel selection as dims "1", "2", "8" (a TypeError of string
-    formatting) or as "'int' object is not iterable"."""
+    formatting) or as "'int' object is not iterable"; a dtype name is one of the kernels' element types."""
     out = []
+    kinds = [e.name for e in dispatch.ELEMS]
     for name, values, want, ok in (("dims", dims, "embedding dims, ints >= 1", _count),
-                                   ("dtypes", dtypes, "dtype names", lambda v: isinstance(v, str)),
+                                   ("dtypes", dtypes, f"dtype names ({', '.join(kinds)})",
+                                    lambda v: isinstance(v, str) and v in kinds),
                                    ("query_lengths", query_lengths, "ints >= 1", _count),
                                    ("argmax", argmax, "bools", lambda v: isinstance(v, (bool, np.bool_)))):
         try:
