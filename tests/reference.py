@@ -182,3 +182,16 @@ def plaid_decompress_ref(codes, residuals, centroids, weights, nbits, normalize=
     if normalize:
         x = x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-12)
     return x
+
+
+class HostDLPack:
+    """A host array known only through DLPack (as a framework other than NumPy hands one over)."""
+
+    def __init__(self, a):
+        self.a = a
+
+    def __dlpack__(self, **kw):
+        return self.a.__dlpack__(**kw)
+
+    def __dlpack_device__(self):
+        return self.a.__dlpack_device__()

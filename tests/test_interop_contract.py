@@ -12,6 +12,7 @@ import pytest
 
 from lik_cupy import _interop as interop
 from lik_cupy._interop import contract, cupy_arrays, torch_tensors, xla_buffers
+from reference import HostDLPack
 
 
 def _members(protocol) -> dict:
@@ -256,17 +257,7 @@ def test_a_dlpack_export_that_fails_is_named():
     no argument; it is now the TypeError of the argument, with the producer's reason."""
     import lik_cupy
 
-    class Producer:
-        def __init__(self, a):
-            self.a = a
-
-        def __dlpack__(self, **kw):
-            return self.a.__dlpack__(**kw)
-
-        def __dlpack_device__(self):
-            return self.a.__dlpack_device__()
-
     q = np.ones((2, 3, 4), np.float32)
-    assert lik_cupy.maxsim(Producer(q), Producer(q), backend="cpu").shape == (2, 2)
+    assert lik_cupy.maxsim(HostDLPack(q), HostDLPack(q), backend="cpu").shape == (2, 2)
     with pytest.raises(TypeError, match=r"^D: its DLPack export failed \(.*native byte order"):
-        lik_cupy.maxsim(Producer(q), Producer(q.astype(">f4")), backend="cpu")
+        lik_cupy.maxsim(HostDLPack(q), HostDLPack(q.astype(">f4")), backend="cpu")

@@ -30,6 +30,7 @@ import pytest
 
 import lik_cupy
 from lik_cupy import _files, shards
+from reference import HostDLPack
 
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
@@ -998,21 +999,8 @@ def test_maxsim_int8(call):
 # ---------------------------------------------------------------- gaps the properties found
 
 
-class _HostDLPack:
-    """A host array known only through DLPack (as a framework other than NumPy hands it over)."""
-
-    def __init__(self, a):
-        self.a = a
-
-    def __dlpack__(self, **kw):
-        return self.a.__dlpack__(**kw)
-
-    def __dlpack_device__(self):
-        return self.a.__dlpack_device__()
-
-
 def test_int_lengths_go_with_any_framework():
-    Q, D = _HostDLPack(np.ones((3, 4), np.float32)), _HostDLPack(np.ones((2, 3, 4), np.float32))
+    Q, D = HostDLPack(np.ones((3, 4), np.float32)), HostDLPack(np.ones((2, 3, 4), np.float32))
     assert np.asarray(lik_cupy.maxsim(Q, D, q_lengths=2, backend="cpu")).tolist() == [8.0, 8.0]
 
 
