@@ -52,7 +52,7 @@ from ._dispatch.precision import fp32_accurate
 from ._interop import GpuCall, host_array, host_result
 from ._runtime.operands import check_scales_of_valid, host_offsets, kernel_operands, unpack_queries, valid_host
 from ._runtime.host_staging import fits, staged_call
-from ._runtime.prepared_calls import call_key
+from ._runtime.prepared_calls import call_key, find
 from ._runtime.topk import MAX_K
 from ._shard_format import check_id_kinds, joined_ids
 from ._streaming.cpu import CpuTopK
@@ -240,8 +240,8 @@ class Corpus:
             return _by_length(Q, q_mask, q_lengths, q_offsets,
                               lambda q, n, rows, nq: (self.score(q, q_lengths=n, precision=precision),))[0]
         key = call_key("Corpus.score", (None, precision), Q, (q_mask, q_lengths))
-        call = self._calls.get(key)
-        if call is not None and call.current():
+        call = find(self._calls, key)
+        if call is not None:
             return call(Q, None, q_mask, None, q_lengths, None, None)
         qp, p = self._problem(Q, q_mask, q_lengths)
         x3 = fp32_accurate(precision, qp.framework, qp.dtype)  # (checks precision on every path)
@@ -278,8 +278,8 @@ class Corpus:
             return _by_length(Q, q_mask, q_lengths, q_offsets,
                               lambda q, n, rows, nq: self.search(q, k, q_lengths=n, precision=precision))
         key = call_key("Corpus.search", (None, int(k), precision), Q, (q_mask, q_lengths))
-        call = self._calls.get(key)
-        if call is not None and call.current():
+        call = find(self._calls, key)
+        if call is not None:
             try:
                 return call(Q, q_mask, q_lengths)
             except MemoryError:  # the whole corpus's scores at once: the streamed path below chunks them
@@ -330,8 +330,8 @@ class Corpus:
                 q, candidates if rows is None else self._candidate_rows(*checked(nq), rows), q_lengths=n,
                 precision=precision),))[0]
         key = call_key("Corpus.rerank", (None, precision), Q, (candidates, q_mask, q_lengths))
-        call = self._calls.get(key)
-        if call is not None and call.current():
+        call = find(self._calls, key)
+        if call is not None:
             return call(Q, None, q_mask, None, q_lengths, None, None, cand=candidates)
         qp, p = self._problem(Q, q_mask, q_lengths)
         cand, on_device, shape = self._candidates(candidates, qp.nq, one_query=len(p.scores_shape) == 1)

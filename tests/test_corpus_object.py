@@ -477,6 +477,19 @@ def test_a_host_corpus_checks_precision_and_takes_empty_ids():
     assert len(empty) == 0 and empty.score(q).shape == (1, 0)
 
 
+def test_a_precision_of_no_string_value_is_named_by_every_call():
+    # With torch queries a call's signature holds its options; a list (unhashable) raised "unhashable type:
+    # 'list'" from the corpus's own repeat-call lookup, for score and search (float16: nothing resolves the
+    # precision before the lookup). Every call now names the argument.
+    torch = pytest.importorskip("torch")
+    c = lik_cupy.Corpus(np.ones((3, 2, 4), np.float16), device="cpu")
+    q = torch.ones(1, 2, 4, dtype=torch.float16)
+    for call in (lambda: c.score(q, precision=["fp32"]), lambda: c.search(q, 2, precision=["fp32"]),
+                 lambda: c.rerank(q, [[0, 1]], precision=["fp32"])):
+        with pytest.raises(ValueError, match=re.escape("precision must be one of 'fp32', 'tf32', got ['fp32']")):
+            call()
+
+
 def test_the_repeat_path_cache_replaces_a_kept_signature_in_place(rng):
     """Corpus._keep: at the bound (corpus._MAX_CALLS) a new signature evicts the oldest kept; one kept
     already (made again after its prepared call went stale, or a search that fell back to streaming

@@ -28,8 +28,8 @@ from .._base.env import poison_outputs
 from .masks import queue_mask_spans
 from .raw_launch import launch_raw, signature
 
-__all__ = ["call_key", "lookup", "store", "PreparedCall", "PreparedSearch", "PreparedBackward", "ResidentDocs", "clear",
-           "MAX_CALLS"]
+__all__ = ["call_key", "lookup", "find", "store", "PreparedCall", "PreparedSearch", "PreparedBackward", "ResidentDocs",
+           "clear", "MAX_CALLS"]
 
 MAX_CALLS = 512  # signatures kept per process
 _ADAPTERS = {**REPEAT_CALLS, **CALLBACK_BUFFERS}  # a call's own, or the buffers it is rebound to
@@ -78,10 +78,16 @@ def call_key(kind: str, flags: tuple, Q, arrays: tuple, *, precision: bool = Tru
 
 def lookup(key):
     """The prepared call of ``key`` (None: none), or None."""
+    return find(_calls, key)
+
+
+def find(calls: dict, key):
+    """The current prepared call of ``key`` in ``calls`` (this module's, or a ``Corpus``'s own), or None:
+    none kept, a stale one, or a key that cannot be hashed."""
     if key is None:
         return None
     try:
-        call = _calls.get(key)
+        call = calls.get(key)
     except TypeError:  # an option of no hashable value (backend=["cpu"]): the whole path's checks name it
         return None
     if call is not None and call.current():
