@@ -56,14 +56,37 @@ def joined_ids(opened: list) -> np.ndarray | None:
     return np.concatenate(ids)
 
 
+def _id_kind(t: type) -> str:
+    for kind, types in (("a bool", (bool, np.bool_)), ("an integer", (int, np.integer)), ("a string", str),
+                        ("a byte string", bytes)):  # (a bool is an int: asked first)
+        if issubclass(t, types):
+            return kind
+    return f"a {t.__name__}"
+
+
+def mixed_id_kinds(ids) -> str | None:
+    """Where a list (or tuple) of ids holds more than one kind of id, the message saying so; else None
+    (an array has one dtype). NumPy would make one kind of them: 1 beside "b" the string "1", True
+    beside integers 1, bytes beside text that is no ASCII a "ragged" error."""
+    if not isinstance(ids, (list, tuple)) or len({_id_kind(t) for t in {type(v) for v in ids}}) < 2:
+        return None
+    first = _id_kind(type(ids[0]))
+    j, other = next((j, k) for j, k in ((j, _id_kind(type(v))) for j, v in enumerate(ids)) if k != first)
+    return f"ids[0] is {first} but ids[{j}] is {other}: ids are all integers, all str or all bytes"
+
+
 def check_ids(ids, n: int, name: str) -> np.ndarray:
     """Check document ids: ``[n]`` int64 or fixed-width strings.
 
     A string id may not hold a tab, a line break of any kind (what ``str.splitlines``
     splits at: LF, CR, VT, FF, FS, GS, RS, NEL, U+2028, U+2029) or a NUL: ids are written
     one result per line to TSV, and a reader must never see a line where none was meant.
-    Accepts an array or a list; returns the ids as an array (a memmap stays one).
+    Accepts an array or a list (of one kind of id: ``mixed_id_kinds``); returns the ids as an array (a
+    memmap stays one).
     """
+    mixed = mixed_id_kinds(ids)
+    if mixed:
+        raise ShardError(name, mixed)
     ids = ids if isinstance(ids, np.ndarray) else np.asarray(ids)
     if ids.ndim != 1 or ids.shape[0] != n:
         raise ShardError(name, f"expected {n} ids (one per document), got shape {ids.shape}")

@@ -54,7 +54,7 @@ from ._runtime.operands import check_scales_of_valid, host_offsets, kernel_opera
 from ._runtime.host_staging import fits, staged_call
 from ._runtime.prepared_calls import call_key, find
 from ._runtime.topk import MAX_K
-from ._shard_format import check_id_kinds, joined_ids
+from ._shard_format import check_id_kinds, joined_ids, mixed_id_kinds
 from ._streaming.cpu import CpuTopK
 from ._streaming.docs import DeviceDocs, HostDocs, device_docs, host_docs, staged_source
 from ._streaming.gpu import GpuTopK
@@ -794,7 +794,9 @@ def _check_ids(ids, nd: int) -> np.ndarray | None:
             raise TypeError(f"ids must be an array or a list of integers or strings, got {type(ids).__name__}") \
                 from None
     if isinstance(ids, (list, tuple)):
-        _one_kind(ids)
+        mixed = mixed_id_kinds(ids)
+        if mixed:
+            raise TypeError(mixed)
         a = host_ints("ids", ids, f"[{nd}] (one per document)")
     else:
         a = np.asarray(ids)
@@ -809,24 +811,6 @@ def _check_ids(ids, nd: int) -> np.ndarray | None:
     if a.dtype.kind in "US":
         return a
     raise TypeError(f"ids must be integers or strings, got dtype {a.dtype}")
-
-
-def _id_kind(t: type) -> str:
-    for kind, types in (("a bool", (bool, np.bool_)), ("an integer", (int, np.integer)), ("a string", str),
-                        ("a byte string", bytes)):  # (a bool is an int: asked first)
-        if issubclass(t, types):
-            return kind
-    return f"a {t.__name__}"
-
-
-def _one_kind(ids) -> None:
-    """TypeError unless a list of ids holds one kind of id: NumPy would make one of several (1 beside "b"
-    the string "1", True beside integers 1; bytes beside text that is no ASCII a "ragged" error)."""
-    kinds = {_id_kind(t) for t in {type(v) for v in ids}}
-    if len(kinds) > 1:
-        first = _id_kind(type(ids[0]))
-        j, other = next((j, k) for j, k in ((j, _id_kind(type(v))) for j, v in enumerate(ids)) if k != first)
-        raise TypeError(f"ids[0] is {first} but ids[{j}] is {other}: ids are all integers, all str or all bytes")
 
 
 def _runs(sizes: np.ndarray, budget: int):

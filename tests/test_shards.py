@@ -860,3 +860,13 @@ def test_string_id_checks_are_bounded_by_their_block(kind, monkeypatch):
         bad[at] = f"x{ch}y".encode() if kind == "S" else f"x{ch}y"
         with pytest.raises(ShardError, match=f"^ids: id at index {at} "):
             fmt.check_ids(bad, 2000, "ids")
+
+
+@pytest.mark.parametrize("ids", [[1, "b", 2], [True, 1, 2], ["a", b"b", "c"]])
+def test_a_list_of_ids_of_mixed_kinds_is_refused_before_writing(tmp_path, ids):
+    # NumPy made one kind of them ([1, "b", 2] the strings '1', 'b', '2'; True the id 1), and the shard kept
+    # those: the rule Corpus's ids follow, before anything is written.
+    docs = [np.ones((2, 4), np.float32)] * 3
+    with pytest.raises(ShardError, match=r"ids\[0\] is .* but ids\[\d\] is .*: ids are all integers"):
+        shards.pack_arrays(docs, tmp_path / "s", ids=ids)
+    assert not (tmp_path / "s").exists()
