@@ -43,8 +43,11 @@ what to do.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
+from . import _dispatch as dispatch
 from . import _interop as interop
 from ._dispatch.backend import check_backend, scoring_on_gpu
 from ._dispatch.precision import fp32_accurate
@@ -100,7 +103,10 @@ def retrieve(Q, D, k, q_mask=None, *, q_lengths=None, q_scales=None, d_offsets=N
             memory anyway, the chunk is halved (one RuntimeWarning) down to one document,
             then MemoryError.
         backend: "auto", "gpu" or "cpu" (the NumPy path of :func:`lik_cupy.maxsim`; for INT8
-            the kernels' arithmetic: exact integer dot products, scaled in float32).
+            the kernels' arithmetic: exact integer dot products, scaled in float32). "auto" keeps
+            host arrays on the CPU where the GPU's kernels lack their dim (an INT8 corpus's, for
+            float queries too; a corpus given as an iterator other than a list or tuple is seen
+            only as it is read, so its INT8 dim raises ValueError on the GPU instead).
         precision: float32 corpora on the GPU, "fp32" or "tf32", as in :func:`lik_cupy.maxsim`.
 
     Returns:
@@ -126,13 +132,18 @@ def retrieve(Q, D, k, q_mask=None, *, q_lengths=None, q_scales=None, d_offsets=N
         raise ValueError(f"max_gpu_bytes must be a positive integer, got {max_gpu_bytes!r}")
     parts = corpus_parts(D, d_offsets, d_mask, d_lengths, d_scales)
     qp = query_problem(Q, q_mask, q_lengths, q_scales)
+    where = qp
     if isinstance(parts, list):  # known up front: refuse a mixed corpus before scoring any of it
         kind = None
         for part in parts:
             kind = same_kind(kind, interop.describe(part.docs).dtype, part)
+        if kind is not None and dispatch.scaled_dtype(kind) and not dispatch.scaled_dtype(qp.dtype):
+            # Float queries against INT8 documents run the INT8 kernels, whose dims decide where
+            # "auto" scores (as for int8 queries); a float64 Q still stays on the host.
+            where = replace(qp, dtype=kind)
     squeeze = len(interop.describe(Q).shape) == 2
     x3 = fp32_accurate(precision, qp.framework, qp.dtype)
-    if scoring_on_gpu(qp, backend):
+    if scoring_on_gpu(where, backend, float64=qp.dtype == "float64"):
         import cupy
 
         try:

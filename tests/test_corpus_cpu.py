@@ -223,7 +223,17 @@ def test_retrieve_cpu_merges_many_queries_within_the_step_bytes(rng, monkeypatch
         (dict(D=np.zeros((3, 2, 4), np.float16)), TypeError, "the corpus has dtype float16 but Q has float32"),
         (dict(D=[np.zeros((3, 2, 4), np.float32), np.zeros((3, 2, 5), np.float32)]), ValueError,
          "^shard 1 has dim 5 but Q has dim 4"),  # (the shard, not the corpus, whose shard 0 is right)
-        (dict(D=[np.zeros((3, 4), np.float32)]), ValueError, r"padded corpus must be \[Nd, Ld, d\]"),
+        (dict(D=[np.zeros((3, 4), np.float32)]), ValueError,
+         r"^shard 0: a padded corpus must be \[Nd, Ld, d\]; got shape \[3, 4\] \(a shard of packed tokens"),
+        # which shard, and which argument, is wrong
+        (dict(D=[np.zeros((3, 2, 4), np.float32), np.zeros((4,), np.float32)]), ValueError,
+         r"^shard 1: a padded corpus must be \[Nd, Ld, d\]; got shape \[4\]$"),
+        (dict(D=np.zeros((6, 4), np.float32)), ValueError,
+         r"^D: a padded corpus must be \[Nd, Ld, d\]; got shape \[6, 4\] \(packed tokens \[T, d\] take d_offsets\)"),
+        (dict(D=[(np.zeros((3, 2, 4), np.float32), np.array([1, 2, 2]))]), ValueError,
+         r"^shard 0: packed corpus tokens must be \[T, d\]; got shape \[3, 2, 4\] \(a shard tuple is"),
+        (dict(D=np.zeros((3, 2, 4), np.float32), d_offsets=[0, 1, 2, 3]), ValueError,
+         r"^D: packed corpus tokens must be \[T, d\]; got shape \[3, 2, 4\]$"),
         (dict(D=[(np.zeros((3, 4), np.float32), np.array([0, 2]))]), ValueError, "ends at 2 but there are 3"),
         # a shard's offset values are its own, not d_offsets (which goes with a single array D)
         (dict(D=[np.zeros((3, 2, 4), np.float32), (np.zeros((3, 4), np.float32), np.array([0, 2, 1, 3]))]),

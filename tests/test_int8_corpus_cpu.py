@@ -251,3 +251,22 @@ def test_host_document_scales_are_checked_on_every_path(rng, bad):
     np.testing.assert_array_equal(lik_cupy.maxsim_int8(Q, d8, ds, d_lengths=lens, backend="cpu"), ref)
     corpus = lik_cupy.Corpus(d8, d_lengths=lens, d_scales=ds, device="cpu")
     np.testing.assert_array_equal(corpus.score(Q), ref)
+
+
+def test_auto_keeps_a_host_int8_corpus_the_gpu_cannot_take_on_the_cpu(rng, monkeypatch):
+    """On a GPU host, ``backend="auto"`` scores float host queries against a host INT8 corpus on the
+    CPU where the GPU's INT8 kernels lack its dim (as it does for int8 queries, and as maxsim_int8
+    does): the corpus's element type decides, not the float queries'."""
+    from lik_cupy._base.device import DeviceProps
+    from lik_cupy._dispatch import backend
+
+    monkeypatch.setattr(backend, "gpu_available", lambda: True)
+    monkeypatch.setattr(backend, "_current_device", lambda: 0)
+    monkeypatch.setattr(backend, "device_properties", lambda d: DeviceProps("NVIDIA H200", 90, 132))
+    q = rng.standard_normal((2, 3, 8)).astype(np.float32)  # d = 8: float kernels take it, INT8 ones do not
+    d8, ds = quantize_numpy(rng.standard_normal((5, 4, 8)).astype(np.float32))
+    want = lik_cupy.retrieve(q, d8, 3, d_scales=ds, backend="cpu")
+    for got in (lik_cupy.retrieve(q, d8, 3, d_scales=ds), lik_cupy.retrieve(q, [(d8[:2], ds[:2]), (d8[2:], ds[2:])], 3)):
+        assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])
+    with pytest.raises(ValueError, match=r"int8 scoring on the GPU needs dim a multiple of 16 .*; got dim 8"):
+        lik_cupy.retrieve(q, d8, 3, d_scales=ds, backend="gpu")

@@ -138,3 +138,20 @@ def test_retrieve_int8_padded_shards_nan_query_and_checks(rng):
     with pytest.raises(TypeError, match=r"shard 0 scales is a numpy array but shard 0's tokens is a cupy array"):
         lik_cupy.retrieve(_cp(q), [(_cp(a8), a_s)], 3)
     cupy.cuda.Device().synchronize()
+
+
+def test_auto_scores_a_host_int8_corpus_of_a_dim_the_gpu_lacks_on_the_cpu(rng):
+    """Float host queries against a host INT8 corpus at d = 8 (the INT8 kernels take multiples of
+    16): "auto" scores them on the CPU, as the CPU path does; "gpu" and a device Q refuse the dim."""
+    import cupy
+
+    q = rng.standard_normal((2, 3, 8)).astype(np.float32)
+    d8, ds = quantize_numpy(rng.standard_normal((5, 4, 8)).astype(np.float32))
+    want = lik_cupy.retrieve(q, d8, 3, d_scales=ds, backend="cpu")
+    got = lik_cupy.retrieve(q, d8, 3, d_scales=ds)
+    assert isinstance(got[0], np.ndarray)
+    np.testing.assert_array_equal(got[0], want[0])
+    np.testing.assert_array_equal(got[1], want[1])
+    for args in ((q, "gpu"), (cupy.asarray(q), "auto")):
+        with pytest.raises(ValueError, match=r"int8 scoring on the GPU needs dim a multiple of 16"):
+            lik_cupy.retrieve(args[0], d8, 3, d_scales=ds, backend=args[1])

@@ -139,12 +139,24 @@ def doc_problem(part: Part, info: interop.Info) -> Problem:
                          f"{part.name}'s lengths")
     if dispatch.scaled_dtype(info.dtype) or part.scales is not None:
         return _scaled_doc_problem(part, info)
-    if part.packed:
-        if len(info.shape) != 2:
-            raise ValueError(f"packed corpus tokens must be [T, d]; got shape {list(info.shape)}")
-    elif len(info.shape) != 3:
-        raise ValueError(f"a padded corpus must be [Nd, Ld, d]; got shape {list(info.shape)}")
+    _check_layout(part, info)
     return check_docs(part.docs, part.offsets, part.mask, part.lengths, part.arg(), part.arg("offsets"))
+
+
+def _check_layout(part: Part, info: interop.Info) -> None:
+    """ValueError naming the part (D, or shard i of an iterable D) unless its tokens are packed ``[T, d]``
+    (with offsets) or padded ``[Nd, Ld, d]``."""
+    shape, hint = list(info.shape), ""
+    if part.packed and len(shape) != 2:
+        if part.index is not None and len(shape) == 3:
+            hint = " (a shard tuple is (tokens [T, d], offsets [n + 1]) or for INT8 (tokens, offsets, scales) or " \
+                   "(docs [n, L, d], scales); padded shards take no lengths or mask)"
+        raise ValueError(f"{part.arg()}: packed corpus tokens must be [T, d]; got shape {shape}{hint}")
+    if not part.packed and len(shape) != 3:
+        if len(shape) == 2:
+            hint = " (packed tokens [T, d] take d_offsets)" if part.index is None else \
+                " (a shard of packed tokens [T, d] is a (tokens, offsets) tuple)"
+        raise ValueError(f"{part.arg()}: a padded corpus must be [Nd, Ld, d]; got shape {shape}{hint}")
 
 
 def _check_streamed(dtype: str, name: str) -> None:
@@ -173,14 +185,11 @@ def _scaled_doc_problem(part: Part, info: interop.Info) -> Problem:
         raise TypeError(f"{part.name} is int8 but has no scales: pass d_scales (float32, D's shape without its last "
                         "axis; [T] for packed tokens), or give INT8 shards as (tokens, offsets, scales) or "
                         "(docs, scales)")
+    _check_layout(part, info)
     if part.packed:
-        if len(info.shape) != 2:
-            raise ValueError(f"packed corpus tokens must be [T, d]; got shape {list(info.shape)}")
         nd, ld, ntok = offsets_count(part.arg("offsets"), part.offsets, info, part.arg()), 0, info.shape[0]
         d_valid = "offsets"
     else:
-        if len(info.shape) != 3:
-            raise ValueError(f"a padded corpus must be [Nd, Ld, d]; got shape {list(info.shape)}")
         d_valid = check_valid("d", part.mask, part.lengths, info, info.shape[:-1], info.shape[:-2], part.arg())
         nd, ld, ntok = info.shape[0], info.shape[1], 0
     if info.shape[-1] < 1:
