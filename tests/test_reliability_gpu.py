@@ -250,6 +250,13 @@ def test_counts_within_a_tile_or_run_of_2_31_are_refused():
         lik_cupy.maxsim(Q, D, d_mask=mask)
     short = lik_cupy.maxsim(Q, cupy.ascontiguousarray(D[:, :1000]), d_mask=cupy.ascontiguousarray(mask[:, :1000]))
     assert float(short[0, 0]) == 1.0  # the library still works
+    # Ld = 2**31 through the general path (strict validation): refused before the mask spans' launch,
+    # whose int parameter could not hold it (a struct.error saying nothing of Ld)
+    del D, mask
+    mask = cupy.ones((1, n + 1), bool)
+    D = cupy.ones((1, n + 1, 1), cupy.float16)
+    with pytest.raises(ValueError, match=r"Ld \+ 1024 \(a tile's tokens past the last\) = 2147484672 does not fit"):
+        lik_cupy.maxsim(Q, D, d_mask=mask, validate=True)
 
 
 # ---------------------------------------------------------------- concurrency

@@ -352,17 +352,18 @@ def launch(p: Problem, q, d, qm, dm, ql, dl, return_argmax: bool, device: int, *
     if residual is not None and q.data.ptr % 16:  # the residual tiles copy 16-byte query chunks
         q = q.copy()
     vec = (p.dim * esize) % 16 == 0 and q.data.ptr % 16 == 0 and (residual is not None or d.data.ptr % 16 == 0)
+    if d_off is not None and p.ntok != d.shape[0]:
+        p = replace(p, ntok=d.shape[0])
+    # (first: its extents check refuses what the kernels cannot index before any launch)
+    fwd = prepare(p, device, esize=esize, vec=vec, use_tma=use_tma_for(p, vec, d.size // p.dim, d_scale, residual),
+                  argmax=return_argmax, packed=d_off is not None, off_wide=d_off is not None and d_off.dtype == np.int64,
+                  ld_hint=ld_hint, d_off_whole=d_off_whole, x3=x3, residual=None if residual is None else residual.nbits,
+                  cand=cand is not None)
     if dm is not None and dl is None:  # the kernel then skips each document's padding (masks.py)
         if isinstance(zero_pad, str):  # MASKED: the flags come with the spans
             dl, zero_pad = mask_spans(dm, device, masked=True)
         else:
             dl = mask_spans(dm, device)
-    if d_off is not None and p.ntok != d.shape[0]:
-        p = replace(p, ntok=d.shape[0])
-    fwd = prepare(p, device, esize=esize, vec=vec, use_tma=use_tma_for(p, vec, d.size // p.dim, d_scale, residual),
-                  argmax=return_argmax, packed=d_off is not None, off_wide=d_off is not None and d_off.dtype == np.int64,
-                  ld_hint=ld_hint, d_off_whole=d_off_whole, x3=x3, residual=None if residual is None else residual.nbits,
-                  cand=cand is not None)
     part = empty((fwd.partials,), np.float32, f"{fn}: partial scores of the long queries' tiles", split) \
         if fwd.partials else None
     if ql is not None and ql.dtype == np.int64:
