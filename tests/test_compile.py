@@ -751,6 +751,45 @@ def test_plan_launch_grid_limits(nd, nq, lq):
                 assert gy * plan.docs_per_cta >= nd > (gy - 1) * plan.docs_per_cta  # every doc covered, no idle row
 
 
+def _problem(nq, lq, nd, ld, packed=False):
+    from lik_cupy._validate import Problem
+
+    return Problem(framework="cupy", device=0, dtype="float16", nq=nq, lq=lq, nd=nd, ld=0 if packed else ld, dim=1,
+                   candidates=False, scores_shape=(nq, nd), argmax_shape=(nq, nd, lq), q_valid=None,
+                   d_valid="offsets" if packed else None, d_packed=packed, ntok=nd * ld if packed else 0)
+
+
+def test_forward_refuses_counts_whose_last_indices_pass_int32():
+    # Nd = 2**31 - 1 padded documents (4 GB at d = 1 in fp16) pass the per-count check, but the plan's
+    # last CTA starts at document 2**31 - 2 with a run of 32,769: its int end (j0 + docs_per_cta)
+    # wrapped negative, the CTA scored nothing and the last score was never written. Lq or Ld within
+    # a tile of 2**31 - 1 took a tile's rows or tokens (and a masked document's mask reads) past it.
+    from lik_cupy._runtime.launch import check_extents
+
+    cfg = dispatch.choose_forward(90, "float16", 16, 1, False, False, False, 1)
+    nd = 2**31 - 1
+    plan = dispatch.plan_launch(cfg, 90, 132, 1, nd, 1, 1)
+    assert (plan.grid[1] - 1) * plan.docs_per_cta < nd <= plan.grid[1] * plan.docs_per_cta
+    assert (plan.grid[1] - 1) * plan.docs_per_cta + plan.docs_per_cta >= 2**31  # what the kernel's int held
+    with pytest.raises(ValueError, match=rf"Nd \+ {plan.docs_per_cta} \(a CTA's run of documents past the last\) = "
+                                         rf"{nd + plan.docs_per_cta} does not fit the kernel's 32-bit index"):
+        check_extents(_problem(1, 1, nd, 1), plan)
+    for lq, ld, name in ((2**31 - 100, 1, "Lq"), (1, 2**31 - 100, "Ld")):
+        plan = dispatch.plan_launch(cfg, 90, 132, 1, 1, lq, 1)
+        with pytest.raises(ValueError, match=rf"{name} \+ 1024 \(a tile's .* past the last\) = {2**31 + 924} "):
+            check_extents(_problem(1, lq, 1, ld), plan)
+    # packed documents: a block's search of the offsets past Nd (their CTAs take shares of tokens)
+    plan = dispatch.plan_launch(cfg, 90, 132, 1, 2**31 - 1000, 1, 1)
+    with pytest.raises(ValueError, match=r"Nd \+ 1024 \(a block.s search of the offsets past the last\) = 2147483672 "):
+        check_extents(_problem(1, 1, 2**31 - 1000, 1, packed=True), plan)
+    # what fits passes: the largest counts of each with room for their last tile and run
+    plan = dispatch.plan_launch(cfg, 90, 132, 1, 2**31 - 1025, 1, 1)
+    check_extents(_problem(1, 1, 2**31 - 1025, 1, packed=True), plan)
+    for nd in (1, 10**9, 2**31 - 40_000):
+        plan = dispatch.plan_launch(cfg, 90, 132, 1, nd, 1, 1)
+        check_extents(_problem(2**31 - 1, 2**31 - 1025, nd, 2**31 - 1025), plan)
+
+
 @pytest.mark.parametrize("nq,lq", [(1, 32), (2, 100), (1, 300), (40, 32), (1000, 32)])
 @pytest.mark.parametrize("nd,ntok", [(1, 0), (1, 100), (3, 257), (10, 5000), (62, 253_952), (1000, 269_332),
                                      (50, 10**9)])

@@ -228,6 +228,37 @@ def test_argmax_of_more_than_2_31_entries():
                                  "maxsim_argmax_s": elapsed, "max_rel_err": err}
 
 
+def test_counts_within_a_tile_or_run_of_2_31_are_refused():
+    """Nd = 2**31 - 1 padded documents (4 GB at d = 1 in fp16) are refused with a ValueError naming Nd:
+    the plan's last CTA took a run of documents past 2**31 - 1 in the kernel's int and never wrote the
+    last score. So is D of 2**31 - 1 tokens a document, masked with a hole, naming Ld: its last tile's
+    int token indices went past 2**31 - 1 and read the mask 2 GB before its start."""
+    import cupy
+
+    if _free_bytes() < 16 << 30:
+        pytest.skip("needs about 16 GB of free GPU memory")
+    n = 2**31 - 1
+    Q = cupy.ones((1, 1, 1), cupy.float16)
+    D = cupy.ones((n, 1, 1), cupy.float16)
+    with pytest.raises(ValueError, match=r"Nd \+ \d+ \(a CTA's run of documents past the last\) = \d+ does not fit"):
+        lik_cupy.maxsim(Q, D)
+    del D
+    mask = cupy.ones((1, n), bool)
+    mask[0, 5] = False
+    D = cupy.ones((1, n, 1), cupy.float16)
+    with pytest.raises(ValueError, match=r"Ld \+ 1024 \(a tile's tokens past the last\) = 2147484671 does not fit"):
+        lik_cupy.maxsim(Q, D, d_mask=mask)
+    short = lik_cupy.maxsim(Q, cupy.ascontiguousarray(D[:, :1000]), d_mask=cupy.ascontiguousarray(mask[:, :1000]))
+    assert float(short[0, 0]) == 1.0  # the library still works
+    # Ld = 2**31 through the general path (strict validation): refused before the mask spans' launch,
+    # whose int parameter could not hold it (a struct.error saying nothing of Ld)
+    del D, mask
+    mask = cupy.ones((1, n + 1), bool)
+    D = cupy.ones((1, n + 1, 1), cupy.float16)
+    with pytest.raises(ValueError, match=r"Ld \+ 1024 \(a tile's tokens past the last\) = 2147484672 does not fit"):
+        lik_cupy.maxsim(Q, D, d_mask=mask, validate=True)
+
+
 # ---------------------------------------------------------------- concurrency
 
 

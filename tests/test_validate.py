@@ -377,6 +377,18 @@ def test_32bit_extents_named_in_the_error():
         check_32bit(Nq=5, grid=2**31)
 
 
+def test_mask_spans_refuse_a_row_past_int32():
+    # lik_mask_spans takes the row length as an int: a mask of 2**31 tokens a row (a Corpus's spans are
+    # made at its construction, before any forward check) failed in the launch's parameter packing with
+    # a struct.error that named neither Ld nor what fits
+    from types import SimpleNamespace
+
+    from lik_cupy._runtime.masks import mask_spans
+
+    with pytest.raises(ValueError, match=r"Ld = 2147483648 does not fit the kernel's 32-bit index; split the call"):
+        mask_spans(SimpleNamespace(shape=(1, 2**31)), 0)
+
+
 # ---------------------------------------------------------------- arguments once accepted or badly named
 
 

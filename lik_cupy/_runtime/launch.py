@@ -23,7 +23,8 @@ from .kernels import FORWARD
 from .masks import mask_spans
 from .raw_launch import is_capturing, launch_raw, signature
 
-__all__ = ["launch", "prepare", "ForwardLaunch", "clear_prepared", "use_tma_for", "tma_usable", "caller_name"]
+__all__ = ["launch", "prepare", "ForwardLaunch", "clear_prepared", "use_tma_for", "tma_usable", "caller_name",
+           "check_extents"]
 
 
 def caller_name(p: Problem) -> str:
@@ -224,6 +225,7 @@ def _prepare(p: Problem, device: int, esize: int, vec: bool, use_tma: bool, argm
     rows = p.ntok if packed else (p.nq * p.nd if p.candidates else p.nd) * p.ld
     ntok = p.ntok if packed else 0
     plan = dispatch.plan_launch(cfg, props.cc, props.num_sms, p.nq, p.nd, p.lq, shared, ntok)
+    check_extents(p, plan)  # (a token split's plan has its rows and no longer runs of documents)
     whole = None  # made at the first launch on a captured stream (ForwardLaunch.whole)
     split_mod = None
     if not plan.token_split and (not packed or cfg.tokm):  # few long documents: a tile that splits them
@@ -231,13 +233,29 @@ def _prepare(p: Problem, device: int, esize: int, vec: bool, use_tma: bool, argm
         if split is not None:
             whole = (cfg, func, plan, ntok)
             cfg, func, plan, ntok, split_mod = split
-    # Packed documents: the CTAs' search of the offsets samples up to one block (1,024 threads at
-    # most) past Nd in 32-bit ints.
-    searched = p.nd + 1024 if packed else 0
-    if max(p.nq, p.nd, p.lq, p.ld, plan.grid[0], searched) >= 2**31:
-        check_32bit(Nq=p.nq, Nd=p.nd, Lq=p.lq, Ld=p.ld, grid=plan.grid[0], **{"packed Nd + 1024": searched})
     off_flags = (1 if not packed or off_wide else 0) | (2 if d_off_whole else 0)
     return ForwardLaunch(p, device, cfg, mod, func, plan, whole, ntok, rows, esize, off_flags, argmax, split_mod)
+
+
+# Indices the forward kernel forms in 32-bit ints past the last of a count: a tile's rows or tokens
+# and a block's threads (1,024 at most) past Lq's and Ld's last (a padded document's tile of tokens
+# at its end, a masked one's mask read there), and past Nd's last a block's threads (the packed
+# documents' search of the offsets samples that far) or a CTA's run of padded documents
+# (docs_per_cta), whichever is more.
+_MARGIN = 1024
+
+
+def check_extents(p: Problem, plan) -> None:
+    """Raise ValueError, naming the count, where problem ``p`` under launch plan ``plan``
+    (``dispatch.plan_launch``) would take the forward kernel's 32-bit indices past 2**31 - 1."""
+    # (packed documents' CTAs take shares of tokens, found by the search)
+    run = _MARGIN if p.d_packed else max(_MARGIN, plan.docs_per_cta)
+    past = "a block's search of the offsets" if p.d_packed else "a CTA's run of documents"
+    if max(p.nq, p.lq + _MARGIN, p.ld + _MARGIN, p.nd + run, plan.grid[0]) >= 2**31:
+        check_32bit(Nq=p.nq, grid=plan.grid[0], **{
+            f"Lq + {_MARGIN} (a tile's rows past the last)": p.lq + _MARGIN,
+            f"Ld + {_MARGIN} (a tile's tokens past the last)": p.ld + _MARGIN,
+            f"Nd + {run} ({past} past the last)": p.nd + run})
 
 
 def _token_split(cfg, p: Problem, props, arch: int, device: int, shared: int, packed: bool):
@@ -334,17 +352,18 @@ def launch(p: Problem, q, d, qm, dm, ql, dl, return_argmax: bool, device: int, *
     if residual is not None and q.data.ptr % 16:  # the residual tiles copy 16-byte query chunks
         q = q.copy()
     vec = (p.dim * esize) % 16 == 0 and q.data.ptr % 16 == 0 and (residual is not None or d.data.ptr % 16 == 0)
+    if d_off is not None and p.ntok != d.shape[0]:
+        p = replace(p, ntok=d.shape[0])
+    # (first: its extents check refuses what the kernels cannot index before any launch)
+    fwd = prepare(p, device, esize=esize, vec=vec, use_tma=use_tma_for(p, vec, d.size // p.dim, d_scale, residual),
+                  argmax=return_argmax, packed=d_off is not None, off_wide=d_off is not None and d_off.dtype == np.int64,
+                  ld_hint=ld_hint, d_off_whole=d_off_whole, x3=x3, residual=None if residual is None else residual.nbits,
+                  cand=cand is not None)
     if dm is not None and dl is None:  # the kernel then skips each document's padding (masks.py)
         if isinstance(zero_pad, str):  # MASKED: the flags come with the spans
             dl, zero_pad = mask_spans(dm, device, masked=True)
         else:
             dl = mask_spans(dm, device)
-    if d_off is not None and p.ntok != d.shape[0]:
-        p = replace(p, ntok=d.shape[0])
-    fwd = prepare(p, device, esize=esize, vec=vec, use_tma=use_tma_for(p, vec, d.size // p.dim, d_scale, residual),
-                  argmax=return_argmax, packed=d_off is not None, off_wide=d_off is not None and d_off.dtype == np.int64,
-                  ld_hint=ld_hint, d_off_whole=d_off_whole, x3=x3, residual=None if residual is None else residual.nbits,
-                  cand=cand is not None)
     part = empty((fwd.partials,), np.float32, f"{fn}: partial scores of the long queries' tiles", split) \
         if fwd.partials else None
     if ql is not None and ql.dtype == np.int64:

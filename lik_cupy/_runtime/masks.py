@@ -25,7 +25,10 @@ def mask_spans(mask, device: int, *, masked: bool = False):
     a masked token (the zero-vector padding flags of ``zero_pad="masked"``, ``lik_cupy._maxsim_calls``)."""
     import cupy
 
+    from .._validate import check_32bit
+
     rows, length = mask.shape
+    check_32bit(Ld=length)  # (the kernel's int row length: else a struct.error saying nothing of it)
     out = cupy.empty(rows, cupy.int32)
     flags = cupy.empty(rows, cupy.uint8) if masked else None
     queue_mask_spans(cupy.cuda.get_current_stream().ptr, device, mask.data.ptr, rows, length, out.data.ptr,
