@@ -710,13 +710,32 @@ def test_serve_devices_take_indices_and_cpu_in_order():
     assert cli._serve_devices(" 1, cpu,0 ,1") == [1, "cpu", 0, 1]
 
 
-def test_a_corpus_that_fails_to_load_stops_the_server_with_exit_2(tmp_path):
+def _mismatched_shards(tmp_path, shard) -> list[str]:
+    """Two shards that each open but do not make one corpus (dims 16 and 8): a failure of the load."""
+    other = tmp_path / "dim8"
+    shards.pack_arrays([np.ones((3, 8), np.float32)], other)
+    return [str(shard), str(other)]
+
+
+def test_a_missing_shard_is_refused_before_the_server_listens(tmp_path, shard):
+    """It used to be found by the load thread, once the server had said "listening on" and answered
+    /v2/health/live."""
     for m in ("starlette", "uvicorn", "prometheus_client"):
         pytest.importorskip(m)
-    r = subprocess.run([sys.executable, "-m", "lik_cupy", "serve", str(tmp_path / "missing"), "--port", "0"],
+    for extra in ([], ["--processes", "2"]):
+        r = subprocess.run([sys.executable, "-m", "lik_cupy", "serve", str(shard), str(tmp_path / "missing"),
+                            "--port", "0", *extra], capture_output=True, text=True, cwd=ROOT, timeout=120)
+        assert r.returncode == 2 and f"lik: error: {tmp_path / 'missing'}:" in r.stderr, r.stderr
+        assert "listening on" not in r.stderr, r.stderr
+
+
+def test_a_corpus_that_fails_to_load_stops_the_server_with_exit_2(tmp_path, shard):
+    for m in ("starlette", "uvicorn", "prometheus_client"):
+        pytest.importorskip(m)
+    r = subprocess.run([sys.executable, "-m", "lik_cupy", "serve", *_mismatched_shards(tmp_path, shard), "--port", "0"],
                        capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert r.returncode == 2 and "lik: error: lik serve: loading the corpus failed:" in r.stderr, r.stderr
-    assert "missing" in r.stderr
+    assert "dim" in r.stderr, r.stderr
 
 
 def test_processes_that_cannot_start_stop_the_server_with_exit_2(tmp_path, shard):
@@ -730,8 +749,8 @@ def test_processes_that_cannot_start_stop_the_server_with_exit_2(tmp_path, shard
     import tempfile
 
     before = set(glob.glob(f"{tempfile.gettempdir()}/lik-serve-metrics-*"))
-    r = subprocess.run([sys.executable, "-m", "lik_cupy", "serve", str(tmp_path / "missing"), "--port", "0",
-                        "--processes", "2"], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    r = subprocess.run([sys.executable, "-m", "lik_cupy", "serve", *_mismatched_shards(tmp_path, shard), "--port",
+                        "0", "--processes", "2"], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert r.returncode == 2 and "loading the corpus failed" in r.stderr, r.stderr
     assert "lik: error: lik serve: server process lik-serve-" in r.stderr and "stopped" in r.stderr, r.stderr
     with socket.socket() as taken:

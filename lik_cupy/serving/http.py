@@ -32,6 +32,7 @@ import contextlib
 import functools
 import json
 import logging
+import os
 import re
 import signal
 import socket
@@ -163,13 +164,16 @@ def serve(paths, *, host: str = "127.0.0.1", port: int = 8000, grpc_port: int | 
           max_queue: int = 1024, processes: int = 1) -> None:
     """Serve the documents of shard ``paths`` (:meth:`Batcher.from_shards` for ``devices`` and
     ``partition``; the rest as for :class:`Batcher`) with :func:`run`: HTTP on ``port``, and gRPC on
-    ``grpc_port`` when given. ``processes`` > 1: that many server processes on the ports
+    ``grpc_port`` when given; each shard is opened once first, so a missing or damaged one raises
+    ShardError before the server listens. ``processes`` > 1: that many server processes on the ports
     (:func:`run_processes`), each with its own replicas (over several GPUs, one GPU's in each
     process where their count divides ``processes``: ``Batcher.from_shards``' ``process``)."""
     if grpc_port is not None and grpc_port == port != 0:
         from ..errors import LikError
 
         raise LikError(f"{host}:{port}", f"the gRPC port must differ from the HTTP port, both are {port}")
+    paths = [paths] if isinstance(paths, (str, bytes, os.PathLike)) else list(paths)
+    _check_shards(paths)
     kwargs = dict(max_batch=max_batch, max_tokens=max_tokens, max_delay_us=max_delay_us, max_queue=max_queue)
     load = functools.partial(_load_shards, list(paths), devices, partition, kwargs)
     if processes > 1:
@@ -179,6 +183,18 @@ def serve(paths, *, host: str = "127.0.0.1", port: int = 8000, grpc_port: int | 
         return
     run(make_app(load, grpc_address=None if grpc_port is None else _grpc_address(host, grpc_port)), host=host,
         port=port)
+
+
+def _check_shards(paths: list) -> None:
+    """Open each shard once before listening (ShardError naming the one at fault): a missing or
+    damaged shard then stops ``lik serve`` before it says "listening on" and answers ``live``, rather
+    than once its load thread reaches it."""
+    from ..shards import open_input
+
+    if not paths:
+        raise ValueError("paths is empty; give one shard path or more")
+    for p in paths:
+        open_input(p)
 
 
 def _grpc_address(host: str, port: int) -> str:
