@@ -390,11 +390,18 @@ def _gpu_available() -> bool:
         return False
 
 
+def _gpu_index(entry: str) -> int | None:
+    """A --devices entry's GPU index, or None where it is not one. Digits only (spaces around them
+    aside): int() also takes "-1", "+1" and "1_0"."""
+    x = entry.strip()
+    return int(x) if x.isascii() and x.isdigit() else None
+
+
 def _parse_devices(text: str) -> list[int]:
-    try:
-        devices = [int(x) for x in text.split(",")]
-    except ValueError:
-        raise LikError("--devices", f"expected comma-separated GPU indices such as 0,1; got {text!r}") from None
+    """--devices of ``lik score``: distinct GPU indices."""
+    devices = [_gpu_index(x) for x in text.split(",")]
+    if None in devices:
+        raise LikError("--devices", f"expected comma-separated GPU indices such as 0,1; got {text!r}")
     if len(set(devices)) != len(devices):
         raise LikError("--devices", f"lists a GPU twice: {text}")
     return devices
@@ -1383,12 +1390,12 @@ def _unwritable(d) -> str | None:
 def _serve_devices(text: str) -> list:
     """--devices of ``lik serve``: GPU indices and 'cpu' entries, in order."""
     devices = []
-    for x in (x.strip() for x in text.split(",")):
-        # digits only: int() also takes "-1" (which failed only once the server was listening), "+1" and "1_0"
-        if x != "cpu" and not (x.isascii() and x.isdigit()):
+    for x in text.split(","):
+        index = "cpu" if x.strip() == "cpu" else _gpu_index(x)
+        if index is None:
             raise LikError("--devices", f"expected GPU indices (0 or more) and/or cpu, comma-separated (0,1 or cpu); "
                            f"got {text!r}")
-        devices.append(x if x == "cpu" else int(x))
+        devices.append(index)
     return devices
 
 

@@ -891,6 +891,15 @@ def _bad_cases(t, c):
     ]
 
 
+@pytest.mark.parametrize("text", ["+1", "1_0", "-1", "0,", "", " ", "0,x", "\u0661"])
+def test_devices_take_digits_only_as_lik_serve_does(text):
+    """int() took "+1" and "1_0" as GPU 1 and 10 (lik serve refused them), and "-1" got as far as the
+    GPU count."""
+    with pytest.raises(cli.LikError, match="--devices: expected comma-separated GPU indices such as 0,1"):
+        cli._parse_devices(text)
+    assert cli._parse_devices(" 1,0 ") == [1, 0]
+
+
 def test_bad_inputs(tmp_path):
     c = Corpus(tmp_path)
     cases = _bad_cases(tmp_path, c)
