@@ -7,7 +7,10 @@ its dtype's arithmetic (``c_sim`` per similarity times |q| max|d|, plus the floa
 NaN and inf exactly where float64 has them, each argmax a valid token whose float64 similarity is within
 twice that bound of the max, and retrieve's ids a top-k of the reference within it. INT8 and FP8 calls run
 on the GPU and the CPU path on the same quantised inputs: INT8's argmax equal, scores within the float32
-sum's rounding; FP8 within 2^-10 relative. Every call is synchronised, so a launch error is a failure.
+sum's rounding; FP8 within 2^-10 relative. ``maxsim_backward`` (atomic, csr and auto; padded, candidates and
+packed) is checked against float64 gradients rebuilt from the forward's own argmax, with NaN in every masked
+position: each entry within its output dtype's rounding plus the float32 sum's over its terms, all finite.
+Every call is synchronised, so a launch error is a failure.
 
     python3 bench/tools/gpu_fuzz.py SEED SECONDS        # JSON: $OUT/gpufuzz_SEED.json, a summary last
     FUZZ_LOCAL=1 python3 bench/tools/gpu_fuzz.py 1 60   # the script itself checked on the CPU path
@@ -360,10 +363,114 @@ def one_scaled_case(it):
         fail(cat, case, f"{type(e).__name__}: {e}\n" + traceback.format_exc()[-1500:])
 
 
+def grad_reference(g, q64, d64, a, cand, off):
+    """float64 (dQ, dD, |dQ| terms, |dD| terms) of the backward from the argmax ``a`` that the GPU's
+    forward returned: dQ[i, s] = sum_j g[i, j] D_j[a], dD_j[t] = sum of g[i, j] Q[i, s] over a == t."""
+    nq, lq, d = q64.shape
+    ok = a >= 0
+    if off is not None:  # packed: a document's argmax indexes its own tokens
+        rows = torch.where(ok, off[:-1][None, :, None] + a, 0).reshape(-1)  # (-1: an empty document's end)
+        win = d64[rows].reshape(*a.shape, d) if d64.shape[0] else torch.zeros(*a.shape, d, dtype=torch.float64, device=dev)
+    elif cand:
+        win = torch.gather(d64, 2, a.clamp(min=0)[..., None].expand(*a.shape, d))
+    else:
+        win = d64[torch.arange(d64.shape[0], device=dev)[None, :, None], a.clamp(min=0)]
+    win = torch.where(ok[..., None], win, torch.zeros((), dtype=torch.float64, device=dev))
+    gq = g[:, :, None, None] * win  # [nq, nd, lq, d]
+    dQ, dQa = gq.sum(1), gq.abs().sum(1)
+    term = g[:, :, None, None] * q64[:, None] * ok[..., None]  # [nq, nd, lq, d]
+    if off is not None:
+        dD = torch.zeros_like(d64)
+        dD.index_add_(0, rows, term.reshape(-1, d))
+        dDa = torch.zeros_like(d64)
+        dDa.index_add_(0, rows, term.abs().reshape(-1, d))
+    elif cand:
+        oh = torch.nn.functional.one_hot(a.clamp(min=0), d64.shape[2]).double() * ok[..., None]  # [nq, K, lq, ld]
+        dD = torch.einsum("iksd,ikst->iktd", term, oh)
+        dDa = torch.einsum("iksd,ikst->iktd", term.abs(), oh)
+    else:
+        oh = torch.nn.functional.one_hot(a.clamp(min=0), d64.shape[1]).double() * ok[..., None]  # [nq, nd, lq, ld]
+        dD = torch.einsum("ijsd,ijst->jtd", term, oh)
+        dDa = torch.einsum("ijsd,ijst->jtd", term.abs(), oh)
+    return dQ, dD, dQa, dDa
+
+
+def one_backward_case(it):
+    """maxsim_backward on the GPU (atomic and csr) against float64 from the forward's own argmax, with NaN
+    in every masked position (never read: masked rows and tokens get 0)."""
+    dtype = str(rng.choice(["float16", "bfloat16", "float32", "float64"]))
+    layout = str(rng.choice(["padded", "cand", "packed"]))
+    method = str(rng.choice(["atomic", "csr", "auto"]))
+    d = int(rng.choice([16, 64, 96, 128, 128, 256, 512]))
+    nq, lq = int(rng.integers(1, 9)), int(rng.choice([1, 7, 32, 33, 64, 300]))
+    nd, ld, K = int(rng.integers(1, 40)), int(rng.choice([1, 9, 80, 180, 300, 1024])), int(rng.integers(1, 6))
+    while nq * nd * lq * ld > 3_000_000 and nd > 1:
+        nd = max(1, nd // 2)
+    case = dict(it=it, dtype=dtype, layout=layout, method=method, d=d, nq=nq, lq=lq, nd=nd, ld=ld, K=K)
+    cat = f"backward/{dtype}/{layout}"
+    near = rng.random() < 0.5
+    q = tokens(nq, lq, d, 1.0, False)
+    dtok = tokens(nq * K, ld, d, 1.0, near).reshape(nq, K, ld, d) if layout == "cand" else tokens(nd, ld, d, 1.0, near)
+    qm, ql, qv = valid_side((nq, lq), str(rng.choice(["none", "mask", "lengths"])))
+    if layout == "packed":
+        lens = rng.integers(0, ld + 1, size=nd)
+        dv = np.arange(ld) < lens[:, None]
+        dm = dl = None
+    else:
+        dm, dl, dv = valid_side((nq, K, ld) if layout == "cand" else (nd, ld), str(rng.choice(["none", "mask", "lengths"])))
+    qx, dx = q.copy(), dtok.copy()
+    qx[~qv] = np.nan
+    dx[~dv] = np.nan
+    tdt = getattr(torch, dtype)
+    Qt = torch.as_tensor(qx, device=dev).to(tdt)
+    Dt = torch.as_tensor(dx, device=dev).to(tdt)
+    q64 = torch.nan_to_num(Qt.double())
+    d64 = torch.nan_to_num(Dt.double())
+    try:
+        qmask, qlen = to_fw(qm, None, "torch"), to_fw(ql, None, "torch")
+        if layout == "packed":
+            off = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+            Ft = torch.cat([Dt[j, :lens[j]] for j in range(nd)]) if lens.sum() else Dt.reshape(-1, d)[:0]
+            s, a = lik_cupy.maxsim_varlen(Qt, Ft, to_fw(off, None, "torch"), qmask, q_lengths=qlen, return_argmax=True, backend=BE)
+            g = torch.as_tensor(rng.standard_normal(tuple(s.shape)), device=dev).float()
+            dQ, dD = lik_cupy.maxsim_backward(g, Qt, Ft, a, d_offsets=to_fw(off, None, "torch"), method=method, backend=BE)
+            f64 = torch.nan_to_num(Ft.double())
+            offt = torch.as_tensor(off, device=dev)
+            rQ, rD, aQ, aD = grad_reference(g.double(), q64, f64, a.long(), False, offt)
+        else:
+            s, a = lik_cupy.maxsim(Qt, Dt, qmask, to_fw(dm, None, "torch"), q_lengths=qlen, d_lengths=to_fw(dl, None, "torch"),
+                                   return_argmax=True, backend=BE)
+            g = torch.as_tensor(rng.standard_normal(tuple(s.shape)), device=dev).float()
+            dQ, dD = lik_cupy.maxsim_backward(g, Qt, Dt, a, method=method, backend=BE)
+            rQ, rD, aQ, aD = grad_reference(g.double(), q64, d64, a.long(), layout == "cand", None)
+        LOCAL or torch.cuda.synchronize()
+        if dQ.dtype != Qt.dtype or dD.dtype != Dt.dtype or dQ.shape != Qt.shape or dD.shape != (Ft if layout == "packed" else Dt).shape:
+            fail(cat, case, f"gradient dtype/shape {dQ.dtype} {tuple(dQ.shape)} {dD.dtype} {tuple(dD.shape)}")
+            return
+        out_u = {"float16": 2.0 ** -11, "bfloat16": 2.0 ** -8, "float32": 2.0 ** -24, "float64": 2.0 ** -24}[dtype]
+        out_tiny = {"float16": 2.0 ** -25, "bfloat16": 2.0 ** -134, "float32": 2.0 ** -150, "float64": 2.0 ** -150}[dtype]  # half the subnormal step
+        worst = 0.0
+        for name, got, ref, mag, terms in (("dQ", dQ, rQ, aQ, nd * (K if layout == "cand" else 1)), ("dD", dD, rD, aD, nq * lq)):
+            got = got.double()
+            if not torch.isfinite(got).all():
+                fail(cat, case, f"{name} has {int((~torch.isfinite(got)).sum())} non-finite entries")
+                return
+            tol = out_u * ref.abs() + out_tiny + (terms + 2) * 2.0 ** -23 * mag + 1e-30
+            r = float(((got - ref).abs() / tol).max()) if got.numel() else 0.0
+            worst = max(worst, r)
+            if r > 1:
+                fail(cat, case, f"{name} error {r:.2f}x tolerance")
+                return
+        note(cat, worst)
+    except Exception as e:  # noqa: BLE001
+        fail(cat, case, f"{type(e).__name__}: {e}\n" + traceback.format_exc()[-1500:])
+
+
 t_end = time.time() + budget
 it = 0
 while time.time() < t_end:
-    (one_scaled_case if rng.random() < 0.25 and not LOCAL else one_float_case)(it)
+    u = rng.random()
+    (one_backward_case if u < 0.2 else one_scaled_case if u < 0.4 and not LOCAL else one_float_case)(it)
     it += 1
 out = os.environ.get("OUT", "/tmp")
 json.dump({"seed": seed, "cases": it, "fails": fails, "stats": stats, "gpu": "local" if LOCAL else torch.cuda.get_device_name()},
