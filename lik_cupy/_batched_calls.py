@@ -10,7 +10,7 @@ turns such a call into as few calls of the public function as the shapes allow:
   batch joins the queries' axis, one call;
 - ``"pairs"``: queries ``[Lq, d]`` against documents ``[Nd, Ld, d]`` mapped over every batch axis
   (a forward or backward call with padded documents): the batch becomes the per-query
-  candidate sets ``D [B, Nd, Ld, d]``, one call;
+  candidate sets ``D [B, Nd, Ld, d]``, one call (a shared scale per tensor ``[]`` stays one);
 - ``"loop"``: anything else (a scale per tensor ``[]`` mapped too), one call per batch element.
 
 A backward call with shared documents loops: each batch element has its own ``dD``.
@@ -57,9 +57,10 @@ def plan(spec: CallSpec, arrays: dict) -> str:
     batch = tuple(max(a.shape[i] for a in arrays.values()) for i in range(k))
     # A scale per tensor ([]) mapped over the batch is one scale per element: folding it into the
     # queries' or documents' axis would make it a scale per query or document (the wrong shape).
-    if any(n in _SCALES and spec.rank(n) == 0 and math.prod(a.shape[:k]) != 1 for n, a in arrays.items()):
+    # Shared, it stays one scale for the folded call.
+    if any(_per_tensor(spec, n) and math.prod(a.shape[:k]) != 1 for n, a in arrays.items()):
         return "loop"
-    d_args = [a for n, a in arrays.items() if n in _D_SIDE]
+    d_args = [a for n, a in arrays.items() if n in _D_SIDE and not _per_tensor(spec, n)]
     d_name = "D_tokens" if "D_tokens" in spec.names else "D"
     if spec.fn in _FORWARD and all(math.prod(a.shape[:k]) == 1 for a in d_args) and spec.rank(d_name) != 4:
         return "queries"
@@ -68,6 +69,11 @@ def plan(spec: CallSpec, arrays: dict) -> str:
             and all(a.shape[:k] == batch for a in d_args)):
         return "pairs"
     return "loop"
+
+
+def _per_tensor(spec: CallSpec, name: str) -> bool:
+    """Whether ``name`` is a scale per tensor (``[]``), which no plan folds into a batch."""
+    return name in _SCALES and spec.rank(name) == 0
 
 
 def run_batched(spec: CallSpec, call, arrays: list, outs: list, write, xp) -> None:
@@ -90,11 +96,12 @@ def run_batched(spec: CallSpec, call, arrays: list, outs: list, write, xp) -> No
     if how == "single":
         folded = {nm: a.reshape(a.shape[k:]) for nm, a in args.items()}
     elif how == "pairs":
-        folded = {nm: _flat(_full(a, batch, xp), k) for nm, a in args.items()}
+        folded = {nm: a.reshape(a.shape[k:]) if _per_tensor(spec, nm) else _flat(_full(a, batch, xp), k)
+                  for nm, a in args.items()}
     else:  # "queries"
         folded = {}
         for nm, a in args.items():
-            if nm not in _Q_SIDE or nm in _SCALES and spec.rank(nm) == 0:  # (a scale per tensor, not mapped)
+            if nm not in _Q_SIDE or _per_tensor(spec, nm):  # (a scale per tensor is not mapped here)
                 folded[nm] = a.reshape(a.shape[k:])
             elif spec.rank("Q") == 3:  # [B, Nq, ...] -> [B * Nq, ...]
                 a = _flat(_full(a, batch, xp), k)

@@ -18,7 +18,8 @@ Which precision a call gets, first match wins:
    ``torch.backends.cuda.matmul.fp32_precision`` (``"tf32"``), ``allow_tf32`` or
    ``torch.get_float32_matmul_precision()`` (``"high"`` / ``"medium"``) for torch tensors; JAX's
    ``jax_default_matmul_precision`` (``"tensorfloat32"``, ``"bfloat16"``, ``"fastest"``,
-   ``"default"``) for JAX arrays; ``CUPY_TF32=1`` for CuPy arrays;
+   ``"default"``, or a dot-algorithm preset of one product of narrower operands than float32,
+   such as ``"TF32_TF32_F32"`` or ``"BF16_BF16_F32"``) for JAX arrays; ``CUPY_TF32=1`` for CuPy arrays;
 4. ``"fp32"``: every one of those frameworks defaults to full float32 for its own matmuls.
 """
 

@@ -418,6 +418,27 @@ def test_int8_vmap_with_a_scale_per_tensor(rng, monkeypatch):
                                                              for i in range(b)]))
 
 
+def test_int8_vmap_over_documents_with_a_shared_scale_per_tensor(rng, monkeypatch):
+    """Single queries [Lq, d] against their own documents under jax.vmap with a shared scale per
+    tensor ([]): the "pairs" plan broadcast a shared q_scales to [B] beside Q [B, Lq, d] (an XLA
+    INTERNAL error from the callback's shape check), and a shared d_scales sent the batch to "loop".
+    Both stay one scale for the one call now."""
+    b, dim = 3, 16
+    q8 = rng.integers(-127, 128, (4, dim)).astype(np.int8)
+    qf = rng.standard_normal((b, 4, dim)).astype(np.float32)
+    d8 = rng.integers(-127, 128, (b, 5, 6, dim)).astype(np.int8)
+    qs, one = np.array(0.02, np.float32), np.array(0.01, np.float32)
+    ds = rng.random((b, 5, 6)).astype(np.float32)
+    seen = _plans(monkeypatch)
+    out = jax.jit(jax.vmap(lambda d, s: maxsim_int8(q8, d, s, q_scales=qs)))(d8, ds)
+    np.testing.assert_array_equal(np.asarray(out), np.stack([lik_cupy.maxsim_int8(q8, d8[i], ds[i], q_scales=qs,
+                                                                                   backend="cpu") for i in range(b)]))
+    out = jax.vmap(lambda q, d: maxsim_int8(q, d, one))(qf, d8)
+    np.testing.assert_array_equal(np.asarray(out), np.stack([lik_cupy.maxsim_int8(qf[i], d8[i], one, backend="cpu")
+                                                             for i in range(b)]))
+    assert seen == ["pairs", "pairs"]
+
+
 def test_float64_with_x64(rng):
     with _x64():
         q, d = rng.standard_normal((2, 5, 6)), rng.standard_normal((3, 4, 6))

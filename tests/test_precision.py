@@ -64,7 +64,12 @@ def test_torch_tensors_follow_torch(monkeypatch, kw, expect):
 
 @pytest.mark.parametrize("value,expect", [(None, True), ("highest", True), ("float32", True), ("high", True),
                                           ("tensorfloat32", False), ("bfloat16", False), ("default", False),
-                                          ("fastest", False)])
+                                          ("fastest", False),
+                                          # dot-algorithm presets: one product of narrower operands is TF32's
+                                          # accuracy or less; three or more passes, or float32 operands, are not
+                                          ("TF32_TF32_F32", False), ("BF16_BF16_F32", False),
+                                          ("F16_F16_F32", False), ("TF32_TF32_F32_X3", True),
+                                          ("BF16_BF16_F32_X6", True), ("F32_F32_F32", True)])
 def test_jax_arrays_follow_jax(monkeypatch, value, expect):
     _fake_jax(monkeypatch, value)
     assert fp32_accurate(None, "jax", "float32") is expect

@@ -10,7 +10,11 @@ the host, against the NumPy path), the cells ``bench/suites/bench_train.py`` tim
 ``jit(grad)`` step of N queries of Lq tokens against N documents of Ld tokens) and the faster
 path there. A call takes the path of its nearest cell (by log2 of ``Nq * Nd``, ``Lq`` and
 ``Ld``), but XLA never for more similarities than the largest cell XLA won; a backend with no
-cells takes the kernels (on the CPU, the NumPy path: exact float64 winners).
+cells takes the kernels (on the CPU, the NumPy path: exact float64 winners). The rule sees the
+call as traced: under ``jax.vmap`` that is one batch element (the batch size is not known where
+the path is chosen), so a vmapped differentiated call of small elements takes XLA's einsum for
+the whole batch, however large; pass such a batch as one ``[Nq, Lq, d]`` call, or set
+``LIK_JAX_PATH=kernel``.
 ``LIK_JAX_PATH=xla`` or ``kernel`` forces a path.
 
 The table is written by ``python bench/tools/jax_paths.py <bench_train json>``.

@@ -14,6 +14,7 @@ from .info import Info, dtype_name
 FRAMEWORK = "jax"
 STAND_IN = "shared"  # a resident corpus's calls take them through DLPack (to_cupy, from_cupy)
 _TF32 = ("tensorfloat32", "bfloat16", "fastest", "default")  # jax_default_matmul_precision's TF32 values
+_FULL_PASSES = ("_X3", "_X6", "_X9")  # dot-algorithm presets of several passes: float32 accuracy, or near it
 
 
 def describe(x) -> Info:
@@ -112,4 +113,10 @@ def tf32_default() -> str | None:
     if jax is None:
         return None
     value = jax.config.jax_default_matmul_precision
-    return "tf32" if value is not None and str(value).lower() in _TF32 else "fp32"
+    if value is None:
+        return "fp32"
+    value = str(value)
+    # A dot-algorithm preset ("TF32_TF32_F32", "BF16_BF16_F32", ...) names its operand types: one
+    # product of operands narrower than float32 asks for TF32's accuracy or less.
+    preset = value.isupper() and not value.startswith(("F32_", "F64_")) and not value.endswith(_FULL_PASSES)
+    return "tf32" if value.lower() in _TF32 or preset else "fp32"
