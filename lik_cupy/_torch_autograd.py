@@ -264,10 +264,23 @@ def _grads(ctx, g, Q, D, amax, d_offsets, backward):
     return (dq if need_q else None), (dd if need_d else None)
 
 
+# torch's legacy batched tensors (None where a torch lacks the test)
+_IS_LEGACY_BATCHED = getattr(getattr(torch._C, "_functorch", None), "is_legacy_batchedtensor", None)
+
+
+def through_operator(g) -> bool:
+    """Whether an eager backward calls its backward operator rather than the kernels: with
+    create_graph=True (the operator's own gradient raises), and for a gradient batched by
+    ``torch.autograd.grad(..., is_grads_batched=True)`` (``torch.autograd.functional.jacobian(...,
+    vectorize=True)``): torch's legacy vmap, whose data the kernels cannot read and whose fallback runs
+    the operator once per element."""
+    return torch.is_grad_enabled() or (_IS_LEGACY_BATCHED is not None and _IS_LEGACY_BATCHED(g))
+
+
 def _backward(g, Q, D, argmax, d_offsets, method):
     if transformed():  # torch.func (which differentiates with create_graph=True)
         return _Backward.apply(g, Q, D, argmax, d_offsets, method)
-    if torch.is_grad_enabled():  # create_graph=True: through the operator, whose own gradient raises
+    if through_operator(g):
         return torch.ops.lik_cupy.maxsim_backward.default(g, Q, D, argmax, d_offsets, method)
     return _backward_kernels(g, Q, D, argmax, d_offsets, method)
 

@@ -22,7 +22,8 @@ import torch
 
 from ._base.device import device_properties
 from ._dispatch import choose_hidden_fused
-from ._torch_autograd import backend_of, fake_outputs, no_argmax, no_second_derivative, transformed, vmap_each
+from ._torch_autograd import (backend_of, fake_outputs, no_argmax, no_second_derivative, through_operator,
+                              transformed, vmap_each)
 from ._validate import check_flag, check_hidden, check_hidden_backward, check_hidden_options
 from .backward import maxsim_backward
 from .forward import maxsim
@@ -289,7 +290,7 @@ class _FromHidden(torch.autograd.Function):
         if not any(ctx.needs_input_grad[:4]):
             return (None,) * 12
         normalize, eps, chunk, precision = ctx.options
-        if torch.is_grad_enabled():  # create_graph=True: through the backward operator, whose own gradient raises
+        if through_operator(g):
             dq, dh, dw, db = torch.ops.lik_cupy.maxsim_from_hidden_backward.default(
                 g.contiguous(), Q, H, W, bias, amax, d_mask, d_lengths, normalize, eps, chunk, precision)
         elif D is not None:

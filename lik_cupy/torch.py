@@ -23,6 +23,9 @@ under one and this module's whole eager wrapper about two (``bench/tools/torch_o
 ``torch.func``: ``grad``, ``vmap``, ``vmap`` of ``grad`` (per-sample gradients) and ``jacrev`` take
 eager calls of the three functions through autograd.Functions whose ``vmap`` rules make one call
 per element of the batch (any tensor argument batched: queries, documents, masks, lengths).
+Batched gradients of ``torch.autograd.grad(..., is_grads_batched=True)`` (and so
+``torch.autograd.functional.jacobian(..., vectorize=True)``) take the backward operator, one call per
+element.
 
 CUDA graphs: a training step that calls these functions, eager or compiled, can be captured
 whole with ``torch.cuda.graph`` (or ``torch.cuda.make_graphed_callables``) and replayed. Every

@@ -169,6 +169,23 @@ def test_a_row_exactly_at_eps_takes_torchs_gradient():
         torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_documents_without_tokens_give_zero_weight_gradients(dtype):
+    """H [Nd, 0, h]: no token is projected, so dW and dbias are zeros. Their GEMMs have no products, and
+    their outputs are empty memory: it was multiplied by beta = 0 (NaN here, from the freed buffers;
+    a TypeError for the 16-bit types, whose outputs are bits)."""
+    Q, H, W, b = _data(DTYPES[dtype], ld=0)
+    # freed NaN blocks of the outputs' sizes, which the caching allocator hands to the call
+    junk = [torch.full(x.shape, float("nan"), dtype=x.dtype, device="cuda") for x in (W, b) for _ in range(16)]
+    del junk
+    a = torch.full((3, 20, 16), -1, dtype=torch.int32, device="cuda")
+    g = torch.ones(3, 20, device="cuda")
+    dq, dh, dw, db = lik_cupy.maxsim_from_hidden_backward(g, Q, H, W, b, a)
+    assert dh.shape == H.shape and dw.dtype == W.dtype and db.dtype == b.dtype
+    for x in (dq, dw, db):
+        assert not x.any()  # (NaN is nonzero)
+
+
 def test_float64_on_the_gpu_matches_the_cpu_path():
     Q, H, W, b = _data(torch.float64)
     s = lt.maxsim_from_hidden(Q, H, W, b)

@@ -641,3 +641,28 @@ def test_make_fx_records_the_operators(rng):
     x = inputs()
     for got, want in zip(graph(*x), step(*x)):
         assert torch.equal(got, want)
+
+
+def test_batched_grad_outputs_take_one_backward_each(rng):
+    """``torch.autograd.grad(..., is_grads_batched=True)`` (``jacobian(..., vectorize=True)``) batches the
+    gradients with torch's legacy vmap, whose data the kernels cannot read: the backward takes them
+    through its operator, one element at a time, as the unbatched calls give them (the eager call had
+    raised "Batching rule not implemented for aten::detach")."""
+    q = _t(rng, 2, 3, 4, dtype=torch.float64, grad=True)
+    d = _t(rng, 3, 5, 4, dtype=torch.float64, grad=True)
+    t = _t(rng, 6, 4, dtype=torch.float64, grad=True)
+    h = _t(rng, 3, 5, 6, dtype=torch.float64, grad=True)
+    w = _t(rng, 4, 6, dtype=torch.float64, grad=True)
+    m = torch.from_numpy(rng.random((3, 5)) < 0.7)
+    calls = [(lambda q, d: lt.maxsim(q, d, d_mask=m), (q, d)),
+             (lambda q, t: lt.maxsim_varlen(q, t, [0, 2, 2, 6]), (q, t)),
+             (lambda q, h, w: lt.maxsim_from_hidden(q, h, w), (q, h, w))]
+    for fn, inputs in calls:
+        want = torch.autograd.functional.jacobian(fn, inputs)
+        got = torch.autograd.functional.jacobian(fn, inputs, vectorize=True)
+        for x, y in zip(got, want):
+            assert torch.equal(x, y)
+        basis = torch.eye(6, dtype=torch.float64).reshape(6, 2, 3)
+        got = torch.autograd.grad(fn(*inputs), inputs, basis, is_grads_batched=True)
+        for x, y in zip(got, want):
+            assert torch.equal(x, y.reshape(x.shape))  # the jacobian's rows, one a score

@@ -89,8 +89,11 @@ def gemm(a, b, out, dtype: str, *, ta: bool = False, tb: bool = False, beta: flo
     n = b.shape[0] if tb else b.shape[1]
     if m == 0 or n == 0:
         return out
-    if k == 0:
-        out *= beta
+    if k == 0:  # no products: beta * out, where out may be empty memory (NaN * 0 is NaN) and 16-bit outs are bits
+        if beta == 0:
+            out.fill(0)
+        elif beta != 1:
+            out *= beta
         return out
     wide = dtype == "float64"
     scalar = np.float64 if wide else np.float32
