@@ -10,7 +10,7 @@ so it streams without a staging copy) and ``Corpus`` (a corpus checked once and 
 for a search service: score, search, rerank by candidate ids in place) take NumPy, CuPy, PyTorch, JAX or any DLPack
 arrays and return results in the caller's framework; ``maxsim_backward`` turns the forward's
 argmax into exact gradients (autograd adapters: ``lik_cupy.torch``, ``lik_cupy.jax``). Importing this package
-imports neither torch nor jax (nor CuPy, until a GPU path runs). Scale-out over a Dask cluster:
+imports neither torch nor jax (nor CuPy, until a call looks for a GPU: ``backend="cpu"`` never does). Scale-out over a Dask cluster:
 ``lik_cupy.distributed`` (the ``[distributed]`` extra; this package never imports Dask). Serving
 concurrent requests in batches: ``lik_cupy.serving`` (``lik serve``, the ``[serve]`` extra).
 

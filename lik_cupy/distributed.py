@@ -610,8 +610,9 @@ class DistributedCorpus:
 
         A client that has lost its scheduler (the cluster went away) gets ``_CLOSE_GRACE`` (2 s) to
         get it back, not Dask's reconnect timeout: close then returns with a RuntimeWarning that
-        nothing could be dropped, and never raises for a cluster that is gone. A scheduler that
-        is connected but does not answer within ``timeout`` raises TimeoutError, as any call does.
+        nothing could be dropped, and never raises for a cluster that is gone; so does close on a
+        client that is closed already. A scheduler that is connected but does not answer within
+        ``timeout`` raises TimeoutError, as any call does.
         """
         self._close(warn=True)
 
@@ -621,7 +622,10 @@ class DistributedCorpus:
         if self._closed:
             return
         self._closed = True
-        if self.client.status not in ("running", "connecting"):
+        if self.client.status not in ("running", "connecting"):  # closed: no call can reach the workers
+            if warn:
+                self._not_dropped(f"the Dask client is closed (status {self.client.status!r}); the scheduler at "
+                                  f"{self._address()} cannot be reached through it")
             return
         lost_since = None
 
@@ -640,10 +644,13 @@ class DistributedCorpus:
             if not (isinstance(e, (_GaveUp, distributed.comm.CommClosedError)) or self.client.status != "running"):
                 raise  # the scheduler is there but did not answer (TimeoutError), or refused
             if warn:
-                warnings.warn(f"lik_cupy.distributed: close() could not drop the corpus's shards: the client has "
-                              f"no connection to the scheduler at {self._address()} (status "
-                              f"{self.client.status!r}); workers that outlive it hold them until they exit",
-                              RuntimeWarning, stacklevel=outside_stacklevel())
+                self._not_dropped(f"the client has no connection to the scheduler at {self._address()} (status "
+                                  f"{self.client.status!r})")
+
+    @staticmethod
+    def _not_dropped(why: str) -> None:
+        warnings.warn(f"lik_cupy.distributed: close() could not drop the corpus's shards: {why}; workers that "
+                      "outlive it hold them until they exit", RuntimeWarning, stacklevel=outside_stacklevel())
 
     def __enter__(self) -> DistributedCorpus:
         return self

@@ -46,7 +46,8 @@ def maxsim(Q, D, q_mask=None, d_mask=None, *, q_lengths=None, d_lengths=None, re
             checked on the device with no host synchronisation; True (or ``LIK_VALIDATE=1``):
             strict, the call waits for the check and raises a ValueError; False: no check (an
             invalid value gives wrong scores, never a read out of bounds). Host-resident
-            lengths (lists, NumPy, CPU tensors) are checked on the host and raise, unless False.
+            lengths (lists, NumPy, CPU tensors) are checked on the host and raise: on the GPU
+            path unless False, on the CPU path always (NumPy reads them as indices).
 
     Returns:
         float32 scores (float64 for float64 inputs) and the argmax, in the caller's framework,
@@ -116,7 +117,7 @@ def maxsim_varlen(Q, D_tokens, d_offsets, q_mask=None, *, q_lengths=None, q_offs
         validate_offsets: False is ``validate=False``: no check of ``d_offsets`` (nor of
             ``q_lengths``) for offsets already known good. The kernel clamps every document
             to ``[0, T)``, so bad offsets then give wrong scores but never touch memory
-            outside ``D_tokens``.
+            outside ``D_tokens``. The CPU path checks host offsets and lengths whatever it says.
         backend, precision, validate: as in :func:`maxsim`.
 
     Returns:

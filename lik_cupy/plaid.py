@@ -38,7 +38,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from ._base.device import check_ordinal, present
+from ._base.device import check_ordinal, gpu_available, present
 from ._cpu.residual import Tokens, decompress, residual_maxsim_numpy
 from ._dispatch.backend import check_backend, use_gpu
 from ._dispatch.config import MAX_DIM_RESIDUAL
@@ -378,8 +378,11 @@ class PlaidIndex:
     def to_device(self, device: int | None = None) -> PlaidIndex:
         """Copy the compressed corpus to GPU ``device`` (default: the current one), once. A
         ``device`` that is no int >= 0 raises ValueError, and so does one past this machine's
-        GPUs (where it has any)."""
+        GPUs (where it has any); without a GPU (or CuPy), RuntimeError."""
         check_ordinal(device, " or None")
+        if not gpu_available():  # (CUDA's own error named the driver, not the call)
+            raise RuntimeError("PlaidIndex.to_device: no CUDA GPU is visible (CuPy could not find one, or is not "
+                               "installed); rerank scores on the CPU without it")
         self._on_device(None if device is None else present(device))
         return self
 

@@ -17,6 +17,7 @@ import logging
 import os
 import re
 import shutil
+import warnings
 
 import numpy as np
 import pytest
@@ -597,7 +598,16 @@ def test_a_closed_client_or_no_client_is_named(corpus_files, rng):
             corpus.score(Q)
         with pytest.raises(ConnectionError, match="the Dask client is closed"):
             DistributedCorpus(c, corpus_files[0][:2], backend="cpu")
-        corpus.close()
+        # close() returned silently, its shards still resident on the live cluster's worker
+        with pytest.warns(RuntimeWarning, match=re.escape("close() could not drop the corpus's shards: the Dask "
+                                                          f"client is closed (status 'closed'); the scheduler at "
+                                                          f"{address}")):
+            corpus.close()
+        with distributed.Client(cluster) as other:
+            assert all(_held(other, corpus._name).values())
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            corpus.close()  # (idempotent: nothing more to say)
 
 
 def test_lik_score_names_a_scheduler_whose_client_closed(client, corpus_files, tmp_path, rng, monkeypatch):

@@ -690,6 +690,17 @@ def test_warmup_without_a_gpu_is_a_clear_error():
         lik_cupy.warmup()
 
 
+def test_plaid_to_device_without_a_gpu_is_a_clear_error():
+    """PlaidIndex.to_device() without a GPU raised CUDA's "cudaErrorInsufficientDriver" (or whatever
+    the driver said), naming neither the call nor the missing GPU."""
+    if lik_cupy.gpu_available():
+        pytest.skip("a GPU is visible: to_device works")
+    index = lik_cupy.PlaidIndex.open(pathlib.Path(__file__).parent / "data" / "fast_plaid" / "fast_plaid_nbits2")
+    for device in (None, 0):
+        with pytest.raises(RuntimeError, match=r"^PlaidIndex.to_device: no CUDA GPU is visible"):
+            index.to_device(device)
+
+
 def test_inspect_touches_nothing_outside_the_shard(tmp_path, monkeypatch):
     """inspect listed the size of every name in the manifest's "files", one leading outside the
     shard included (and a name that was no string was an internal error)."""

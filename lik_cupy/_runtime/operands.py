@@ -17,8 +17,9 @@ __all__ = ["host_metadata", "valid_host", "host_offsets", "check_scales_of_valid
 
 def host_metadata(*xs) -> bool:
     """Whether any of the lengths, offsets or argmax ``xs`` is host-resident (a list, an int, a NumPy
-    array or a CPU tensor): such values are checked on the host and raise, whatever ``validate``
-    says (only device values follow the NaN contract, docs in ``lik_cupy.forward.maxsim``)."""
+    array or a CPU tensor): such values are checked on the host and raise unless ``validate`` is False
+    (only device values follow the NaN contract, docs in ``lik_cupy.forward.maxsim``; the CPU path
+    checks them always)."""
     from .._interop import describe
 
     for x in xs:
