@@ -104,6 +104,14 @@ def test_forward_and_corpus_ratios_ignore_a_wrong_baseline():
     assert rows[0]["ratio_vs_best_baseline"] == 0.25 and rows[0]["best_baseline_ms"] == 4.0
 
 
+def test_corpus_object_best_peer_is_never_one_of_ours():
+    mod = _load("bench/suites/bench_corpus_object.py")
+    cell = mod.best_cell("search", {"ours": {"ms": 1.0}, "ours_retrieve": {"ms": 0.5}, "ours_gather": {"ms": 0.7},
+                                    "flash_topk": {"ms": 2.0}, "lik_retrieve": {"error": "x"}})
+    assert cell == {"case": "search", "ours_ms": 1.0, "best_peer": "flash_topk", "best_peer_ms": 2.0, "ratio": 0.5}
+    assert mod.best_cell("search", {"ours": {"ms": 1.0}, "ours_gather": {"ms": 0.5}}) is None
+
+
 def test_precision_best_peer_skips_a_nan_peer(bench):
     cell = bench.CELLS["textual"]
     case = bench.Case(contenders={}, ref=None, flops=1, nbytes=1)
