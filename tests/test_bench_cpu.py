@@ -30,3 +30,35 @@ def test_bench_cpu_smoke(tmp_path):
     assert len(out["plaid_rerank"]) == len(bench.RERANK_SMOKE)
     for cell in out["plaid_rerank"]:
         assert set(cell["times"]) == {"rerank", "decompress_maxsim_varlen"}
+
+
+def _load_cpu():
+    spec = importlib.util.spec_from_file_location("bench_cpu", ROOT / "bench" / "suites" / "bench_cpu.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench
+
+
+def test_a_nan_score_is_an_error_not_skipped():
+    import numpy as np
+
+    bench = _load_cpu()
+    want = np.array([[1.0, 2.0, 3.0]])
+    assert np.isnan(bench.rel_err(np.array([[1.0, np.nan, 3.0]]), want))  # was 0: nanmax skipped the NaN
+    assert not bench.rel_err(np.array([[1.0, np.nan, 3.0]]), want) <= bench.WRONG
+
+
+def test_contenders_are_checked_against_float64_and_a_wrong_ours_gets_no_ratio(tmp_path, monkeypatch):
+    bench = _load_cpu()
+    real = bench.cell_contenders
+
+    def ours_off(*a):  # ours scores 1% high: every other would look wrong against it
+        ours, others, docs = real(*a)
+        return {k: (lambda f=f: f() * 1.01) for k, f in ours.items()}, others, docs
+
+    monkeypatch.setattr(bench, "cell_contenders", ours_off)
+    out = json.loads(bench.main(["--smoke", "--out", str(tmp_path)]).read_text())
+    for cell in out["cells"]:
+        assert cell["ours_wrong"] and cell["median"] is None and cell["best"] is None
+        assert "numpy_loop" not in cell["wrong"]  # right against float64, though 1% off ours
+        assert cell["max_rel_err_vs_float64"]["numpy_loop"] < 1e-5

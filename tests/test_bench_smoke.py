@@ -1,6 +1,7 @@
 """The float32 benchmark (bench/suites/bench_precision.py) in its ``--smoke`` mode: tiny shapes on the CPU
 path, no GPU, no peers. Checks the JSON the issue-43 gate reads and the table printed last; the GPU run
-itself is the lead's (``python bench/suites/bench_precision.py --time-budget 480``)."""
+itself is the lead's (``python bench/suites/bench_precision.py --time-budget 480``). Also, on the CPU, how
+the suites pick the best peer their ratios are taken against (bench.lib.results.fastest)."""
 
 import importlib.util
 import json
@@ -64,3 +65,60 @@ def test_cells_filter(bench):
     assert "text-40k" in bench.parse_cells("all") and "text-40k" not in bench.DEFAULT_CELLS
     with pytest.raises(SystemExit, match="unknown cell 'colpali-5'"):
         bench.parse_cells("colpali-5")
+
+
+def test_best_peer_skips_wrong_and_nan_peers():
+    from bench.lib.results import counts, fastest
+
+    times = {"flash": 0.5, "lik": 1.0, "slow": 2.0, "nan_time": float("nan")}
+    assert fastest(times) == ("flash", 0.5)
+    # flash scored NaN, lik 10% off: neither is the best peer however fast
+    assert fastest(times, {"flash": float("nan"), "lik": 0.1, "slow": 3e-7}) == ("slow", 2.0)
+    assert fastest({"a": float("nan")}) is None and fastest({}) is None
+    assert not counts(1.0, float("nan")) and not counts(float("inf")) and counts(1.0, 1e-3)
+
+
+def _load(rel):
+    path = Path(__file__).resolve().parents[1] / rel
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_forward_and_corpus_ratios_ignore_a_wrong_baseline():
+    fwd = _load("bench/suites/bench_forward.py")
+    rows = [{"impl": "ours", "status": "ok", "ms": 1.0, "max_rel_err": 3e-7},
+            {"impl": "ours_cupy", "status": "ok", "ms": 0.9, "max_rel_err": float("nan")},
+            {"impl": "flash_maxsim", "status": "ok", "ms": 0.1, "max_rel_err": float("nan")},
+            {"impl": "lik", "status": "ok", "ms": 2.0, "max_rel_err": 3e-7},
+            {"impl": "torch_naive", "status": "ok", "ms": 0.05, "max_rel_err": 1e-3}]  # not a baseline
+    fwd.finish_case(rows)
+    assert rows[0]["ratio_vs_best_baseline"] == 0.5 and "ratio_vs_best_baseline" not in rows[1]
+
+    corpus = _load("bench/suites/bench_corpus.py")
+    rows = [{"impl": "ours", "status": "ok", "ms": 1.0, "max_rel_err": 3e-7},
+            {"impl": "flash_batched", "status": "ok", "ms": 0.1, "max_rel_err": 3e-7, "check_error": "bad shape"},
+            {"impl": "lik", "status": "ok", "ms": 4.0, "max_rel_err": 3e-7}]
+    corpus.finish_case("multiquery", rows)
+    assert rows[0]["ratio_vs_best_baseline"] == 0.25 and rows[0]["best_baseline_ms"] == 4.0
+
+
+def test_corpus_object_best_peer_is_never_one_of_ours():
+    mod = _load("bench/suites/bench_corpus_object.py")
+    cell = mod.best_cell("search", {"ours": {"ms": 1.0}, "ours_retrieve": {"ms": 0.5}, "ours_gather": {"ms": 0.7},
+                                    "flash_topk": {"ms": 2.0}, "lik_retrieve": {"error": "x"}})
+    assert cell == {"case": "search", "ours_ms": 1.0, "best_peer": "flash_topk", "best_peer_ms": 2.0, "ratio": 0.5}
+    assert mod.best_cell("search", {"ours": {"ms": 1.0}, "ours_gather": {"ms": 0.5}}) is None
+
+
+def test_precision_best_peer_skips_a_nan_peer(bench):
+    cell = bench.CELLS["textual"]
+    case = bench.Case(contenders={}, ref=None, flops=1, nbytes=1)
+    env = bench.Env(smoke=True, device="cpu", l2=0, peaks=None, clock=None)
+    got = {"kernel_ms": {"ours_default": 1.0, "ours_tf32": 0.8, "lik_f32": 2.0, "flash_f32": 0.1},
+           "call_ms": {"ours_default": 1.0, "ours_tf32": 0.8, "lik_f32": 2.0, "flash_f32": 0.1},
+           "err": {"ours_default": 1e-7, "ours_tf32": float("nan"), "lik_f32": 1e-4, "flash_f32": float("nan")}}
+    row = bench.summary("textual", cell, env, case, got)
+    assert row["best_peer"] == "lik_f32" and row["ratio_default"] == 0.5 and row["ratio_call_default"] == 0.5
+    assert row["ratio_tf32"] is None and row["ratio_call_tf32"] is None

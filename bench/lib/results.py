@@ -29,6 +29,27 @@ def short_err(e: BaseException, n: int = 300) -> str:
     return msg[:n]
 
 
+# A contender whose scores stray further than this from float64 (relative) is wrong: it is reported,
+# never the best peer nor given a ratio. The peers' fp16 / TF32 paths sit near 1e-3 at worst.
+WRONG_REL_ERR = 1e-2
+
+
+def counts(ms, err=None, limit: float = WRONG_REL_ERR) -> bool:
+    """Whether a contender that took ``ms`` per call with error ``err`` (None: not measured) may enter a
+    ratio: a finite positive time, and an error (when measured) finite and at most ``limit``."""
+    if not isinstance(ms, (int, float)) or not math.isfinite(ms) or ms <= 0:
+        return False
+    return err is None or (isinstance(err, (int, float)) and math.isfinite(err) and err <= limit)
+
+
+def fastest(times: dict, errors: dict | None = None, limit: float = WRONG_REL_ERR):
+    """``(name, ms)`` of the fastest contender in ``times`` (name -> ms per call) that ``counts`` with its
+    error in ``errors`` (name -> error; a name missing there: not measured), or None when none does."""
+    errors = errors or {}
+    ok = [(ms, name) for name, ms in times.items() if counts(ms, errors.get(name), limit)]
+    return (min(ok)[1], min(ok)[0]) if ok else None
+
+
 def finite_or_str(x):
     if isinstance(x, float) and not math.isfinite(x):
         return str(x)

@@ -92,7 +92,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: bench.lib, and this checkout's lik_cupy
 from bench.lib.gpu import cupy_stream, safe_cleanup, setup_cupy, start, warm_up_ours  # noqa: E402
-from bench.lib.results import out_dir as default_out_dir, short_err, text_table, write_json  # noqa: E402
+from bench.lib.results import counts, fastest, out_dir as default_out_dir, short_err, text_table, write_json  # noqa: E402
 from bench.lib.timing import ceiling_fraction, run_ceilings, time_device, time_e2e  # noqa: E402
 D_DIM = 128
 ALL_CELLS = ["multiquery", "topk", "ragged", "outofcore"]
@@ -392,13 +392,24 @@ def n_sets_for(ctx, set_bytes, cap=64):
     return max(1, min(n, cap, int(0.25 * free // max(1, set_bytes))))
 
 
+def row_error(r):
+    """A timed row's error for ``results.counts``: NaN when its output check failed or its top-k indices
+    repeat, else its ``max_rel_err`` (None: not measured)."""
+    if r.get("check_error") or r.get("indices_valid") is False:
+        return float("nan")
+    return r.get("max_rel_err")
+
+
 def finish_case(cell, case_rows):
-    """ours/best-baseline ratios; drop in-memory-only keys."""
-    bl = [r["ms"] for r in case_rows if r["impl"] in CELL_BASELINES[cell] and r.get("status") == "ok"]
-    for r in case_rows:
-        if r["impl"].startswith("ours") and r.get("status") == "ok" and bl:
-            r["ratio_vs_best_baseline"] = r["ms"] / min(bl)
-            r["best_baseline_ms"] = min(bl)
+    """ours/best-baseline ratios, against the fastest baseline that ran and scored right (none for a row of
+    ours that scored wrong)."""
+    ok = {r["impl"]: r for r in case_rows if r.get("status") == "ok"}
+    best = fastest({k: r["ms"] for k, r in ok.items() if k in CELL_BASELINES[cell]},
+                   {k: row_error(r) for k, r in ok.items()})
+    for name, r in ok.items():
+        if name.startswith("ours") and best and counts(r["ms"], row_error(r)):
+            r["ratio_vs_best_baseline"] = r["ms"] / best[1]
+            r["best_baseline_ms"] = best[1]
 
 
 def strip_private(rows):
@@ -705,7 +716,8 @@ def cell_ragged(ctx, C, ceilings, impl_names, rows, targets, save):
             print_row(row)
         finish_case("ragged", case_rows)
         rows.extend(case_rows)
-        fl = [r for r in case_rows if r["impl"] in ("flash_packed", "flash_packed_1launch") and r.get("status") == "ok"]
+        fl = [r for r in case_rows if r["impl"] in ("flash_packed", "flash_packed_1launch") and r.get("status") == "ok"
+              and counts(r["ms"], row_error(r))]
         fbest = min(fl, key=lambda r: r["ms"]) if fl else None
         for ours, info in (("ours_varlen", False), ("ours_varlen_nocheck", True)):
             if not any(r["impl"] == ours for r in case_rows):

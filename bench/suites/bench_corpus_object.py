@@ -34,7 +34,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: bench.lib, and this checkout's lik_cupy
 from bench.lib import baselines  # noqa: E402
 from bench.lib.gpu import safe_cleanup, start, warm_up_ours  # noqa: E402
-from bench.lib.results import out_dir, short_err, write_json  # noqa: E402
+from bench.lib.results import counts, fastest, out_dir, short_err, write_json  # noqa: E402
 from bench.lib.timing import time_device, time_e2e  # noqa: E402
 
 DIM, LQ, LD, K_SEARCH, K_RERANK = 128, 32, 180, 10, 100
@@ -122,14 +122,21 @@ def case(ctx, args, res, name, impls, same_as_ours):
         except Exception as e:  # noqa: BLE001
             row["impls"][impl] = {"error": short_err(e)}
             safe_cleanup(torch)
-    peer_ms = {k: v["ms"] for k, v in row["impls"].items() if k != "ours" and "ms" in v}
-    ours_ms = row["impls"]["ours"].get("ms")
-    if peer_ms and ours_ms:
-        best = min(peer_ms, key=peer_ms.get)
-        res["cells"].append({"case": name, "ours_ms": ours_ms, "best_peer": best, "best_peer_ms": peer_ms[best],
-                             "ratio": ours_ms / peer_ms[best]})
+    cell = best_cell(name, row["impls"])
+    if cell:
+        res["cells"].append(cell)
     res["rows"].append(row)
     print(name, {k: round(v.get("ms", float("nan")), 4) for k, v in row["impls"].items()}, flush=True)
+
+
+def best_cell(name, impls):
+    """The case's cell: ``ours`` against the fastest peer that ran (flash-maxsim or LIK; our own other calls,
+    ``ours_*``, are no peers), ratio = ours / peer; None without both."""
+    ours_ms = impls.get("ours", {}).get("ms")
+    best = fastest({k: v["ms"] for k, v in impls.items() if not k.startswith("ours") and "ms" in v})
+    if not best or not counts(ours_ms):
+        return None
+    return {"case": name, "ours_ms": ours_ms, "best_peer": best[0], "best_peer_ms": best[1], "ratio": ours_ms / best[1]}
 
 
 def main():

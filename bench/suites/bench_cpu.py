@@ -12,9 +12,10 @@ not counted among the others); ``maxsim-cpu`` 0.1.0, ``fast-maxsim`` 0.2.0 and `
 from PyPI (``maxsim_scores(q, D)`` / ``maxsim_scores_variable(q, docs)`` per query; each skipped when
 it does not import: ``pip install maxsim-cpu==0.1.0 fast-maxsim==0.2.0 maxsim-fast==0.1.1``);
 ``numpy_batched`` (one GEMM per query against every padded document token, max, sum) and
-``numpy_loop`` (a float32 GEMM per query and document). Each contender's scores are checked against
-ours (``max_rel_err_vs_ours``); one past ``WRONG`` is listed as wrong and not counted (maxsim-cpu past
-32 query tokens).
+``numpy_loop`` (a float32 GEMM per query and document). Each contender's scores, ours included, are
+checked against float64 MaxSim of the same tokens (``max_rel_err_vs_float64``; ``max_rel_err_vs_ours``
+beside it); an other past ``WRONG`` (or with a NaN score) is listed as wrong and not counted (maxsim-cpu
+past 32 query tokens), and where ours is past it (``ours_wrong``) the cell has no ratio.
 
 Each cell also carries its floor on this machine (``floor``): its multiply-adds as float32 FLOPs
 at the machine's sgemm rate (a large square float32 ``np.matmul`` with NumPy's BLAS threads,
@@ -119,7 +120,8 @@ def numpy_loop(Q: np.ndarray, docs: list) -> np.ndarray:
 
 
 def cell_contenders(Q, lens, rng, libs):
-    """The documents of one cell and its contenders: name -> function returning scores [Nq, N]."""
+    """One cell's contenders, ours and the others (name -> function returning scores [Nq, N]), and its
+    documents (a list of [L_j, d])."""
     off = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
     tokens = unit(rng.standard_normal((int(off[-1]), DIM), dtype=np.float32))
     docs = [tokens[off[j]:off[j + 1]] for j in range(lens.size)]
@@ -139,7 +141,7 @@ def cell_contenders(Q, lens, rng, libs):
             others[name] = lambda lib=lib: np.stack([lib.maxsim_scores(q, D) for q in Q])
         else:
             others[name] = lambda lib=lib: np.stack([lib.maxsim_scores_variable(q, docs) for q in Q])
-    return ours, others
+    return ours, others, docs
 
 
 def rerank_contenders(spec, rng, where: Path):
@@ -269,9 +271,12 @@ def time_round_robin(contenders: dict, rounds: int) -> dict:
 
 
 def summary(times: dict, ours: str, others: list) -> dict:
-    """Ours against the fastest other (right) contender, by median and by best."""
-    out = {}
+    """Ours against the fastest other (right) contender, by median and by best (None where no other is
+    right)."""
+    out = {"median": None, "best": None}
     for stat in ("median_ms", "best_ms"):
+        if not others:
+            continue
         fastest = min(others, key=lambda n: times[n][stat])
         out[stat.replace("_ms", "")] = {"fastest_other": fastest,
                                         "ratio": round(times[ours][stat] / times[fastest][stat], 3)}
@@ -279,8 +284,15 @@ def summary(times: dict, ours: str, others: list) -> dict:
 
 
 def rel_err(got: np.ndarray, want: np.ndarray) -> float:
+    """max |got - want| / |want|; NaN when any score of ``got`` is NaN (a NaN score is wrong, not skipped)."""
     with np.errstate(invalid="ignore", over="ignore"):
-        return float(np.nanmax(np.abs(np.asarray(got, np.float64) - want) / np.maximum(np.abs(want), 1e-30)))
+        return float(np.max(np.abs(np.asarray(got, np.float64) - want) / np.maximum(np.abs(want), 1e-30)))
+
+
+def exact(Q: np.ndarray, docs: list) -> np.ndarray:
+    """float64 MaxSim [Nq, N] of the same float32 tokens: the reference every contender is checked against."""
+    Q64 = Q.astype(np.float64)
+    return np.array([[(q @ d.astype(np.float64).T).max(axis=1).sum() for d in docs] for q in Q64])
 
 
 def main(argv=None) -> Path:
@@ -300,19 +312,24 @@ def main(argv=None) -> Path:
     for case, (nq, lq, nd, lo, hi) in cases.items():
         Q = unit(rng.standard_normal((nq, lq, DIM), dtype=np.float32))
         lens = rng.integers(lo, hi + 1, nd)
-        ours, others = cell_contenders(Q, lens, rng, libs)
-        want = ours["ours"]()
-        errors = {n: rel_err(f(), want) for n, f in others.items()}
+        ours, others, docs = cell_contenders(Q, lens, rng, libs)
+        got, f64 = {n: f() for n, f in {**ours, **others}.items()}, exact(Q, docs)
+        errors = {n: rel_err(got[n], got["ours"]) for n in others}
+        exact_err = {n: rel_err(g, f64) for n, g in got.items()}
         times = time_round_robin({**ours, **others}, rounds)
-        right = [n for n in others if errors[n] <= WRONG]
+        right = [n for n in others if exact_err[n] <= WRONG]  # (a NaN error fails the comparison: wrong)
+        ours_wrong = not exact_err["ours"] <= WRONG
         fl = floor(nq, lq, int(lens.sum()), info["rates"])
         fl["ours_median_x"] = round(times["ours"]["median_ms"] / fl["floor_ms"], 2)
-        cell = {"case": case, "times": times, "max_rel_err_vs_ours": errors, "wrong": sorted(set(others) - set(right)),
-                **summary(times, "ours", right), "floor": fl}
+        cell = {"case": case, "times": times, "max_rel_err_vs_ours": errors, "max_rel_err_vs_float64": exact_err,
+                "ours_wrong": ours_wrong, "wrong": sorted(set(others) - set(right)),
+                **summary(times, "ours", [] if ours_wrong else right), "floor": fl}
         cells.append(cell)
+        vs = (f"fastest other {cell['median']['fastest_other']} x{cell['median']['ratio']:.3f} (median), "
+              f"{cell['best']['fastest_other']} x{cell['best']['ratio']:.3f} (best)" if cell["median"] else
+              f"no ratio: {'ours' if ours_wrong else 'every other'} wrong against float64")
         print(f"{case:<22} ours {times['ours']['median_ms']:9.2f} / {times['ours']['best_ms']:8.2f} ms   "
-              f"fastest other {cell['median']['fastest_other']} x{cell['median']['ratio']:.3f} (median), "
-              f"{cell['best']['fastest_other']} x{cell['best']['ratio']:.3f} (best); floor {fl['floor_ms']} ms")
+              f"{vs}; floor {fl['floor_ms']} ms")
     plaid = []
     for spec in rerank:
         with tempfile.TemporaryDirectory() as where:

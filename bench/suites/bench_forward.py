@@ -51,7 +51,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: bench.lib, and this checkout's lik_cupy
 from bench.lib.gpu import cupy_stream, safe_cleanup, start, warm_up_ours  # noqa: E402
-from bench.lib.results import out_dir as default_out_dir, short_err, text_table, write_json  # noqa: E402
+from bench.lib.results import counts, fastest, out_dir as default_out_dir, short_err, text_table, write_json  # noqa: E402
 from bench.lib.timing import ceiling_fraction, run_ceilings, time_device, time_e2e  # noqa: E402
 
 # Must be set before anything imports jax (lik_cupy may import it lazily): JAX
@@ -369,6 +369,17 @@ def measure(ctx, name, impl, sets, ref, row, ceilings):
         safe_cleanup(torch)
 
 
+def finish_case(case_rows):
+    """Each of our rows' ``ratio_vs_best_baseline``: its ms over the fastest baseline's, among the baselines
+    that ran and scored right (``results.counts``); none for a row of ours that scored wrong."""
+    ok = {r["impl"]: r for r in case_rows if r.get("status") == "ok"}
+    best = fastest({k: r["ms"] for k, r in ok.items() if k in BASELINES_FOR_RATIO},
+                   {k: r.get("max_rel_err") for k, r in ok.items()})
+    for name, r in ok.items():
+        if name in OURS_IMPLS and best and counts(r["ms"], r.get("max_rel_err")):
+            r["ratio_vs_best_baseline"] = r["ms"] / best[1]
+
+
 # --------------------------------------------------------------------------- output
 
 def fmt_row(r):
@@ -553,10 +564,7 @@ def main(argv=None):
                           f"[{row['reps']} reps, {row['wall_s']:.1f}s]", flush=True)
                 else:
                     print(f"   {name:13s} {row['status'].upper()}: {row.get('error')}", flush=True)
-            best = [r["ms"] for r in case_rows if r["impl"] in BASELINES_FOR_RATIO and r.get("status") == "ok"]
-            for r in case_rows:
-                if r["impl"] in OURS_IMPLS and r.get("status") == "ok" and best:
-                    r["ratio_vs_best_baseline"] = r["ms"] / min(best)
+            finish_case(case_rows)
             rows.extend(case_rows)
             del sets, ref
             safe_cleanup(torch)

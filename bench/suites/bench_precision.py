@@ -34,7 +34,8 @@ Documents (rerank: the candidates' tokens) smaller than 4x the L2 cache rotate o
 Output: ``precision_<gpu>.json`` in ``--out`` (else $OUT, else bench/results), rewritten after every
 cell, with a top-level list "cells", each {"case", "kind": "compute" | "memory", "ours_default_ms",
 "ours_tf32_ms", "best_peer", "best_peer_ms", "ratio_default", "ratio_tf32", "err_default",
-"err_tf32", "peer_err"} (ratio = ours / the best peer's kernel time, peer_err the best peer's error)
+"err_tf32", "peer_err"} (ratio = ours / the best peer's kernel time, peer_err the best peer's error; a
+contender whose err is NaN or past bench.lib.results.WRONG_REL_ERR is neither best peer nor given a ratio)
 and the per-contender kernel_ms, call_ms, err, tflops, gbs and peak_fraction (TF/s of the dense TF32
 peak for compute-bound cells, GB/s of HBM for memory-bound ones: H200 494.7 TF/s and 4.8 TB/s, H100
 SXM 494.7 and 3.35). ``kind``: compute-bound where the cell's FLOP per byte of float32 input reaches
@@ -58,7 +59,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: b
 from bench.lib import baselines  # noqa: E402
 from bench.lib.gpu import safe_cleanup, start  # noqa: E402
 from bench.lib.reference import exact_scores  # noqa: E402
-from bench.lib.results import out_dir, short_err, slugify, text_table, write_json  # noqa: E402
+from bench.lib.results import counts, fastest, out_dir, short_err, slugify, text_table, write_json  # noqa: E402
 from bench.lib.timing import queued_call_ms, wall_ms  # noqa: E402
 
 os.environ.setdefault("LIK_SUPPRESS_NORM_WARN", "1")
@@ -356,12 +357,16 @@ def summary(name: str, cell: Cell, env, case: Case, got: dict) -> dict:
     kernel, call, err = got["kernel_ms"], got["call_ms"], got["err"]
     ridge = env.peaks[0] / env.peaks[1] if env.peaks else DEFAULT_RIDGE
     kind = "compute" if case.flops / case.nbytes >= ridge else "memory"
-    peers = {p: kernel[p] for p in PEERS if p in kernel}
-    best = min(peers, key=peers.get) if peers else None
-    best_call = min((call[p] for p in peers), default=None)
+    # a peer that scored wrong (or NaN) is no best peer, and a wrong row of ours gets no ratio
+    right = {k for k in kernel if counts(kernel[k], err.get(k))}
+    peers = {p: kernel[p] for p in PEERS if p in right}
+    best = fastest(peers)
+    best = best and best[0]
+    best_call = fastest({p: call[p] for p in peers})
+    best_call = best_call and best_call[1]
 
     def ratio(times, ours, peer_ms):
-        return times[ours] / peer_ms if peer_ms and ours in times else None
+        return times[ours] / peer_ms if peer_ms and ours in times and ours in right else None
 
     tflops = {k: case.flops / v / 1e9 for k, v in kernel.items()}
     gbs = {k: case.nbytes / v / 1e6 for k, v in kernel.items()}
