@@ -35,8 +35,10 @@ modules only), flash-maxsim and LIK as the other suites import them. On the devi
     PYTHONPATH=/tmp/site python3 bench/suites/bench_integrations.py [--out DIR] [--cases rerank_1x100,...]
 
 Writes ``integrations_<gpu>.json``: ``rows`` (every implementation of every case) and ``cells``
-(``{"case", "ours_ms", "best_peer", "best_peer_ms", "ratio"}``, call times, ratio = best peer / ours,
-above 1 means ours is faster; with the device times and both sides' ``rel_err`` beside them: a masked
+(``{"case", "ours_ms", "best_peer", "best_peer_ms", "ratio"}``, call times, ratio = ours / the best peer,
+below 1 means ours is faster (the committed runs before this direction, up to
+``integrations_nvidia-h200.json`` and ``..._h100-80gb-hbm3.json`` with their archived runs, hold best
+peer / ours under the same keys); with the device times and both sides' ``rel_err`` beside them: a masked
 case's best peer may be a backend that scores something else).
 """
 
@@ -247,11 +249,11 @@ def cells(rows):
         best = min(peers, key=lambda r: r["call_ms"])
         best_dev = min(peers, key=lambda r: r["device_ms"])
         out.append({"case": case, "ours_ms": ours["call_ms"], "best_peer": best["impl"],
-                    "best_peer_ms": best["call_ms"], "ratio": best["call_ms"] / ours["call_ms"],
+                    "best_peer_ms": best["call_ms"], "ratio": ours["call_ms"] / best["call_ms"],
                     "ours_rel_err": ours["rel_err"], "best_peer_rel_err": best["rel_err"],
                     "ours_device_ms": ours["device_ms"], "best_peer_device": best_dev["impl"],
                     "best_peer_device_ms": best_dev["device_ms"],
-                    "device_ratio": best_dev["device_ms"] / ours["device_ms"]})
+                    "device_ratio": ours["device_ms"] / best_dev["device_ms"]})
     return out
 
 
@@ -264,8 +266,8 @@ def _line(r):
 
 def table(payload):
     header = ["case", "ours ms", "best peer", "peer ms", "ratio", "ours dev ms", "peer dev ms", "dev ratio"]
-    body = [[c["case"], f"{c['ours_ms']:.3f}", c["best_peer"], f"{c['best_peer_ms']:.3f}", f"{c['ratio']:.2f}x",
-             f"{c['ours_device_ms']:.3f}", f"{c['best_peer_device_ms']:.3f}", f"{c['device_ratio']:.2f}x"]
+    body = [[c["case"], f"{c['ours_ms']:.3f}", c["best_peer"], f"{c['best_peer_ms']:.3f}", f"{c['ratio']:.2f}",
+             f"{c['ours_device_ms']:.3f}", f"{c['best_peer_device_ms']:.3f}", f"{c['device_ratio']:.2f}"]
             for c in payload["cells"]]
     return "\n".join([f"GPU {payload['gpu']}: PyLate / colpali-engine scoring, d={DIM}"]
                      + text_table(header, body, [c["case"].split("_")[0] for c in payload["cells"]]))
