@@ -33,10 +33,11 @@ namespace {
 constexpr int kThreads = 1024;
 constexpr int kWarps = kThreads / 32;
 
-// Larger key = better rank. NaN maps to 0, below -inf (0x007fffff).
+// Larger key = better rank. NaN maps to 0, below -inf (0x007fffff). -0.0 takes +0.0's key (f + 0),
+// so the two tie and go by index, as on the CPU path.
 __device__ __forceinline__ u32 order_key(float f) {
     if (f != f) return 0u;
-    const u32 b = __float_as_uint(f);
+    const u32 b = __float_as_uint(f + 0.0f);
     return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
 }
 __device__ __forceinline__ float key_score(u32 k) {

@@ -286,6 +286,29 @@ def test_topk_merge_kernel_ties_and_k(rng, chunk):
         np.testing.assert_array_equal(cupy.asnumpy(run_s), want_s)
 
 
+@pytest.mark.parametrize("chunk", [5000, 1000])
+def test_topk_merge_ties_negative_zero_with_zero(rng, chunk):
+    """-0.0 and +0.0 are one score, tied by the lower index, as the CPU path ranks them (-0.0 can come
+    from a scale of -0.0, which the scales' >= 0 check lets through); the merge keyed -0.0 below +0.0.
+    The kept score is +0.0."""
+    import cupy
+
+    from lik_cupy._runtime.topk import merge_topk
+
+    nq, nd, k = 2, 5000, 64
+    scores = np.where(rng.random((nq, nd)) < 0.5, np.float32(-0.0), np.float32(0.0)).astype(np.float32)
+    scores[:, ::97] = 1.0
+    want_s, want_i = _ranked(scores, k)
+    run_s, run_i = cupy.empty((nq, 0), cupy.float32), cupy.empty((nq, 0), cupy.int64)
+    for a in range(0, nd, chunk):
+        b = min(nd, a + chunk)
+        run_s, run_i = merge_topk(cupy.cuda.runtime.getDevice(), run_s, run_i,
+                                  cupy.ascontiguousarray(cupy.asarray(scores[:, a:b])), b - a, a, k)
+    np.testing.assert_array_equal(cupy.asnumpy(run_i), want_i)
+    np.testing.assert_array_equal(cupy.asnumpy(run_s), want_s)
+    assert not np.signbit(cupy.asnumpy(run_s)).any()
+
+
 def test_retrieve_memory_budget_respected(rng):
     import cupy
 

@@ -155,3 +155,4 @@ def test_auto_scores_a_host_int8_corpus_of_a_dim_the_gpu_lacks_on_the_cpu(rng):
     for args in ((q, "gpu"), (cupy.asarray(q), "auto")):
         with pytest.raises(ValueError, match=r"int8 scoring on the GPU needs dim a multiple of 16"):
             lik_cupy.retrieve(args[0], d8, 3, d_scales=ds, backend=args[1])
+
