@@ -806,7 +806,7 @@ def _check_ids(ids, nd: int) -> np.ndarray | None:
         raise ValueError(f"ids has shape {list(a.shape)}; expected [{nd}] (one per document)")
     if a.dtype.kind in "iu":
         if a.size and a.dtype.kind == "u" and int(a.max()) >= 2**63:
-            raise ValueError("ids must fit int64")
+            raise ValueError(f"ids holds {int(a.max())}; every entry must fit int64")
         return a.astype(np.int64)
     if a.dtype.kind in "US":
         return a

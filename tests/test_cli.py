@@ -116,8 +116,12 @@ class Corpus:
 # --------------------------------------------------------------------------- correct results
 
 
-@pytest.mark.parametrize("dtype,tol", [("float32", 1e-4), ("float16", 2e-3), ("bfloat16", 2e-2)])
-def test_shards_tsv_matches_reference(tmp_path, dtype, tol):
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_shards_tsv_matches_reference(tmp_path, dtype):
+    # The reference scores the queries cast to the corpus's dtype, the values the CLI scores: the
+    # NumPy path lies within float32 rounding of it whatever the dtype (a tolerance of the dtype's own
+    # rounding passed a CLI that scored the float32 queries uncast).
+    tol = 1e-5
     c = Corpus(tmp_path, dtype)
     out = tmp_path / "res.tsv"
     before = {p: listing(p) for p in [tmp_path, *c.shards]}

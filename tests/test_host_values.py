@@ -45,6 +45,15 @@ def test_lengths_past_int64_are_named_as_given():
             call()
 
 
+def test_uint64_ids_past_int64_are_refused_and_named():
+    """Corpus ids as a uint64 array are kept as int64: one past int64 would wrap to a negative id."""
+    D = np.ones((3, 4, 8), np.float32)
+    with pytest.raises(ValueError, match=r"^ids holds 18446744073709551615; every entry must fit int64$"):
+        lik_cupy.Corpus(D, device="cpu", ids=np.array([0, 2**64 - 1, 1], np.uint64))
+    c = lik_cupy.Corpus(D, device="cpu", ids=np.array([0, 2**63 - 1, 1], np.uint64))
+    assert c.ids.dtype == np.int64 and c.ids.tolist() == [0, 2**63 - 1, 1]
+
+
 def test_unsigned_and_signed_ints_in_one_list_are_taken():
     """np.uint64 beside a Python int makes NumPy's float64 array; every value fits int64, so the list
     is taken as int64 (the search for one that did not fit raised a bare StopIteration)."""

@@ -838,21 +838,14 @@ def test_open_shard_refuses_any_bad_manifest_with_a_shard_error(edits):
                 assert os.path.commonpath([real, os.path.realpath(f)]) == real, f
 
 
-# ---------------------------------------------------------------- INT8 quantisation (once it exists)
-
-
-def _quantize_api():
-    fns = getattr(lik_cupy, "quantize_int8", None), getattr(lik_cupy, "dequantize_int8", None)
-    if None in fns:
-        pytest.skip("lik_cupy.quantize_int8 / dequantize_int8 are not part of the package yet")
-    return fns
+# ---------------------------------------------------------------- INT8 quantisation
 
 
 @CPU
 @given(st.integers(0, 2**32 - 1), st.sampled_from(("float16", "bfloat16", "float32", "float64")),
        st.lists(EXTENT, min_size=1, max_size=3), st.sampled_from(("finite", "zero rows", "nan", "inf", "int")))
 def test_quantize_int8_round_trip_or_documented_error(seed, dtype, shape, kind):
-    quantize, dequantize = _quantize_api()
+    quantize, dequantize = lik_cupy.quantize_int8, lik_cupy.dequantize_int8
     rng = np.random.default_rng(seed)
     x = (rng.standard_normal(shape) * 10 ** rng.uniform(-3, 3)).astype({**NP, "float64": np.float64}[dtype])
     if kind == "zero rows" and x.size:
@@ -877,13 +870,7 @@ def test_quantize_int8_round_trip_or_documented_error(seed, dtype, shape, kind):
     assert (err <= s[..., None].astype(np.float64) * (0.5 + 1e-5) + 1e-30).all()  # within half a step
 
 
-# ---------------------------------------------------------------- INT8 scoring (once it exists)
-
-
-def _int8_api():
-    fns = getattr(lik_cupy, "maxsim_int8", None), getattr(lik_cupy, "maxsim_int8_varlen", None)
-    if None in fns:
-        pytest.skip("lik_cupy.maxsim_int8 / maxsim_int8_varlen are not part of the package yet")
+# ---------------------------------------------------------------- INT8 scoring
 
 
 def _pow2_scales(rng, shape, zeros=False):
@@ -992,7 +979,6 @@ _INT8_BREAKS = {
 @CPU
 @given(int8_calls())
 def test_maxsim_int8(call):
-    _int8_api()
     check(call, outcome(call.run))
 
 
@@ -1178,7 +1164,6 @@ def test_gpu_retrieve_matches_cpu(call, fw):
 @GPU
 @given(int8_calls(dims=st.sampled_from((16, 32))), FW)  # the INT8 kernels take dims in multiples of 16
 def test_gpu_int8_matches_cpu(call, fw):
-    _int8_api()
     cpu = outcome(call.run)
     check(call, cpu)
     _same_outcome(call, cpu, _gpu_run(call, fw, validate=True))

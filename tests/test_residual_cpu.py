@@ -101,11 +101,17 @@ def test_decompress_matches_colbert_procedure(rng, nbits, normalize):
     np.testing.assert_array_equal(got2.reshape(6, dim), got[:6])
 
 
-def test_zero_embedding_stays_zero():
+def test_zero_embedding_stays_zero_and_a_tiny_one_is_scaled_to_unit_length():
     cen = np.zeros((1, 8), np.float16)
     w = np.zeros(2, np.float32)
     got = plaid.decompress_residuals(np.array([0]), np.zeros((1, 1), np.uint8), cen, w, 1)
     np.testing.assert_array_equal(got, 0)
+    # norm 1.7e-4: divided by its norm (the floor is torch's 1e-12), as ColBERTv2 does
+    cen = np.full((1, 8), 2.0**-14, np.float16)
+    got = plaid.decompress_residuals(np.array([0]), np.zeros((1, 1), np.uint8), cen, w, 1)
+    want = plaid_decompress_ref(np.array([0]), np.zeros((1, 1), np.uint8), cen, w, 1)
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    np.testing.assert_allclose(np.linalg.norm(got, axis=1), 1, rtol=1e-6)
 
 
 # ---------------------------------------------------------------- scoring

@@ -73,6 +73,29 @@ def test_padded_documents_score_their_zero_padding(rng, dtype, how):
     assert all(x.tobytes() == y.tobytes() for x, y in zip(plain, got))
 
 
+def test_a_max_of_exactly_zero_keeps_its_token(rng):
+    """The floor wins only where the max is below 0 (the kernels' ``v < 0``, and PyLate's torch max,
+    whose zero padding comes after the real tokens): a token whose similarity is exactly 0 keeps the
+    argmax. _check leaves out maxima near 0, so small integers make the similarities exact here."""
+    q = np.zeros((1, 3, 4), np.float32)
+    q[0, :, 0] = [1, -1, 0]
+    q[0, 2, 1] = -1
+    d = np.zeros((2, 3, 4), np.float32)
+    d[:, 0, 1] = 1  # orthogonal to query tokens 0 and 1: similarity 0 (-1 for token 2)
+    d[:, 1, 0] = -2  # -2, 2 and 0
+    d[1, 2, 0] = 3  # document 1 only: 3, -3 and 0
+    zp = np.ones(2, bool)
+    dm = np.array([[True, True, False], [True, True, True]])
+    s, a = _maxsim_zero_pad(q, d, zp, d_mask=dm, return_argmax=True, backend="cpu")
+    ref, ref_a, _ = zero_pad_ref(q.astype(np.float64), d.astype(np.float64), np.ones((1, 3), bool), dm, zp)
+    assert a[0].tolist() == [[0, 1, 1], [2, 1, 1]] == ref_a[0].tolist()
+    assert s.tolist() == [[2.0, 5.0]] == ref.tolist()
+    d[:, 1, 0] = 2
+    dm[0, 0] = False  # document 0 is token 1 alone: query token 1's max is -2, and the floor wins
+    s, a = _maxsim_zero_pad(q, d, zp, d_mask=dm, return_argmax=True, backend="cpu")
+    assert a[0, 0].tolist() == [1, -1, 1] and s[0, 0] == 2.0
+
+
 def test_nan_stays_nan_and_padding_is_never_read(rng):
     q, d, q64, d64, qv, dv, zp = _inputs(rng, 2, 5, 6, 9, 16)
     zp[:] = True
