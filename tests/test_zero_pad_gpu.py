@@ -322,3 +322,27 @@ def test_colpali_pages_packed_and_stacked(rng, monkeypatch, where):
                      for b in range(0, len(ps), 3)], dim=1).cpu()
     assert out.device.type == "cpu" and out.dtype == torch.float32
     assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-4
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_a_max_of_exactly_zero_keeps_its_token(dtype):
+    """The GPU twin of the CPU test of that name: the kernels' floor wins only where the max is below 0
+    (``v < 0``), so a token whose similarity is exactly 0 keeps the argmax (small integers: every
+    similarity exact; d padded with zeros to a dim the kernels take)."""
+    q = np.zeros((1, 3, 16), np.float32)
+    q[0, :, 0] = [1, -1, 0]
+    q[0, 2, 1] = -1
+    d = np.zeros((2, 3, 16), np.float32)
+    d[:, 0, 1] = 1
+    d[:, 1, 0] = -2
+    d[1, 2, 0] = 3
+    zp = np.ones(2, bool)
+    dm = np.array([[True, True, False], [True, True, True]])
+    s, a = _maxsim_zero_pad(_cp(q.astype(dtype)), _cp(d.astype(dtype)), _cp(zp), d_mask=_cp(dm), return_argmax=True,
+                            backend="gpu")
+    assert _np(a)[0].tolist() == [[0, 1, 1], [2, 1, 1]] and _np(s).tolist() == [[2.0, 5.0]]
+    d[:, 1, 0] = 2
+    dm[0, 0] = False  # document 0 is token 1 alone: query token 1's max is -2, and the floor wins
+    s, a = _maxsim_zero_pad(_cp(q.astype(dtype)), _cp(d.astype(dtype)), _cp(zp), d_mask=_cp(dm), return_argmax=True,
+                            backend="gpu")
+    assert _np(a)[0, 0].tolist() == [1, -1, 1] and _np(s)[0, 0] == 2.0
