@@ -210,6 +210,8 @@ class _Resident:
     where: str  # "GPU", "pinned host memory" or "host memory"
     nbytes: int
     pinned: object = None  # the PinnedHost that page-locks host arrays, released with the shard
+    users: int = 0  # tasks using it now (``_Store.holding``; under the store's lock)
+    dropped: bool = False  # dropped while in use: released when the last of them ends
 
     @property
     def num_docs(self) -> int:
@@ -319,13 +321,35 @@ class _Store(distributed.WorkerPlugin):
                 self.gpu_bytes += r.nbytes if r.where == "GPU" else 0
             return r
 
+    @contextlib.contextmanager
+    def holding(self, items):
+        """The shards ``items`` = [(index, ref)] (:meth:`get`), none of them released while the caller
+        uses them: one dropped meanwhile (a move's ``_drop``, on another of the worker's threads) is
+        released as the last task using it ends (released at once, it would leave such a task an
+        emptied shard, or page-locked memory unlocked under its copies)."""
+        with self.lock:
+            held = [self.get(index, ref) for index, ref in items]
+            for r in held:
+                r.users += 1
+        try:
+            yield held
+        finally:
+            with self.lock:
+                for r in held:
+                    r.users -= 1
+                    if r.dropped and not r.users:
+                        r.release()
+
     def drop(self, indices) -> None:
         with self.lock:
             for i in indices:
                 r = self.resident.pop(i, None)
                 if r is not None:
                     self.gpu_bytes -= r.nbytes if r.where == "GPU" else 0
-                    r.release()
+                    if r.users:
+                        r.dropped = True
+                    else:
+                        r.release()
             if self.gpu():  # hand the memory back to the device, for other processes
                 import cupy
 
@@ -371,9 +395,9 @@ def _top_k(name: str, query: tuple, k: int, work: list[tuple[int, int, tuple]]):
     started, t0 = time.time(), time.perf_counter()
     Q, q_lengths = query
     store = _store(name)
-    held = [store.get(index, ref) for index, _, ref in work]
-    t1 = time.perf_counter()
-    scores, local = retrieve(Q, [r.part for r in held], k, q_lengths=q_lengths, backend=store.backend)
+    with store.holding([(index, ref) for index, _, ref in work]) as held:
+        t1 = time.perf_counter()
+        scores, local = retrieve(Q, [r.part for r in held], k, q_lengths=q_lengths, backend=store.backend)
     t2 = time.perf_counter()
     ends = np.cumsum([r.num_docs for r in held])
     shard = np.searchsorted(ends, local, side="right")  # the shard each local position falls in
@@ -402,7 +426,8 @@ def _merge(k: int, *parts):
 def _piece(name: str, query: tuple, index: int, ref: tuple, start: int, stop: int) -> np.ndarray:
     Q, q_lengths = query
     store = _store(name)
-    return store.get(index, ref).scores(Q, q_lengths, start, stop, store.backend)
+    with store.holding([(index, ref)]) as (held,):
+        return held.scores(Q, q_lengths, start, stop, store.backend)
 
 
 # --------------------------------------------------------------------------- client side

@@ -17,6 +17,7 @@ import logging
 import os
 import re
 import shutil
+import time
 import warnings
 
 import numpy as np
@@ -100,6 +101,48 @@ def test_place_balances_by_size_and_keeps_shards_where_they_are():
     # Capacities weigh the shares: a worker with three times the memory takes about three quarters.
     big = _place({i: 10 for i in range(8)}, {"small": 1, "big": 3}, {})
     assert sum(w == "big" for w in big.values()) == 6
+
+
+class _Clock:
+    """``time`` for the distributed module, calling ``hook()`` at its ``at``-th ``perf_counter`` call."""
+
+    def __init__(self, at: int, hook):
+        self.calls, self.at, self.hook = 0, at, hook
+        self.time = time.time
+
+    def perf_counter(self) -> float:
+        self.calls += 1
+        if self.calls == self.at:
+            self.hook()
+        return time.perf_counter()
+
+
+def test_a_shard_dropped_while_a_search_uses_it_is_released_when_the_search_ends(tmp_path, rng, monkeypatch):
+    """A worker with several threads: a move's ``_drop`` lands between a search task taking its shards
+    and scoring them (there, at its second clock reading). The task scores them whole; the shards
+    are released once it ends."""
+    import lik_cupy.distributed as dist
+
+    paths, parts = _make_corpus(tmp_path, rng)
+    store = dist._Store(1.0, "cpu", None, False)
+    store.setup(None)
+    monkeypatch.setattr(dist, "_store", lambda name: store)
+    monkeypatch.setattr(distributed, "get_worker", lambda: dataclasses.make_dataclass("W", ["address"])("w"))
+    refs = [((p, None), dist._describe((p, None), False).fingerprint) for p in paths]
+    work = [(0, 0, refs[0]), (2, 23, refs[2]), (3, 32, refs[3])]  # (shards 0 and 2: 23 and 9 documents)
+    Q, q_lengths = _queries(rng)
+    want = retrieve(Q, [parts[i] for i in (0, 2, 3)], 7, q_lengths=q_lengths, backend="cpu")
+    held = []
+
+    def drop():
+        held.extend(store.resident.values())
+        store.drop([0, 2, 3])
+
+    monkeypatch.setattr(dist, "time", _Clock(2, drop))
+    scores, local, _ = dist._top_k("corpus", (Q, q_lengths), 7, work)
+    _same((scores, local), want)
+    assert len(held) == 3 and not store.resident
+    assert all(r.part == () for r in held)  # released as the task ended
 
 
 # --------------------------------------------------------------------------- CPU cluster
