@@ -486,6 +486,11 @@ class DistributedCorpus:
 
     The corpus holds the workers' memory until :meth:`close` (or the end of a ``with`` block).
 
+    Threads may share it: their :meth:`search` and :meth:`score` calls run side by side (a worker
+    with several threads runs their tasks at once, and a shard a move drops meanwhile stays until
+    the tasks using it end); re-placing shards after workers left or joined goes one call at a
+    time. ``last_search`` is then the stages of whichever search ended last.
+
     After each :meth:`search`, ``last_search`` holds where that batch's time went (seconds; the
     stages of the last attempt when workers left mid-call):
 
@@ -541,6 +546,9 @@ class DistributedCorpus:
         self._where: dict[int, str] = {}  # shard -> "GPU", "pinned host memory", "host memory"
         self._closed = True  # until the plugin is registered: close() then has nothing to undo
         self._ready_s = 0.0  # seconds the last call's placement check took
+        # Calls from several threads re-place shards one at a time: two at once both moved a shard
+        # to a worker that joined, and the second then dropped it there as the "old copy".
+        self._placing = threading.Lock()
         self.last_search: dict | None = None
         self._live()  # at least one worker, or TimeoutError
         self._call("registering the corpus with the workers", client.register_plugin,
@@ -875,30 +883,31 @@ class DistributedCorpus:
 
     def _ready(self, context: str) -> None:
         """Make every shard resident on the worker the placement gives it, after workers left or joined."""
-        lost: dict[str, list[int]] = {}  # departed worker -> the shards it held
-        for _ in range(_ATTEMPTS):
-            live = self._live()
-            for w in [w for w in self._weights if w not in live]:
-                lost[w] = sorted(i for i, x in self._resident.items() if x == w)
-                del self._weights[w]
-            self._resident = {i: w for i, w in self._resident.items() if w in live}
-            try:
-                joined = sorted(live - set(self._weights))
-                if joined:
-                    probes = [self.client.submit(_probe, self._name, workers=[w], allow_other_workers=False,
-                                                 pure=False, key=f"lik-cupy-probe-{uuid.uuid4().hex[:8]}")
-                              for w in joined]
-                    self._weights.update(zip(joined, self._results(probes, set(joined), "probing the workers")))
-                self._placement = _place(self._sizes, self._weights, self._resident)
-                self._move({i: w for i, w in self._placement.items() if self._resident.get(i) != w})
-            except _Departed:
-                continue  # the next round drops the departed workers too
-            moved = {w: ix for w, ix in lost.items() if ix}
-            if moved:
-                warnings.warn(self._story(moved, context), RuntimeWarning, stacklevel=outside_stacklevel())
-            return
-        raise RuntimeError(f"lik_cupy.distributed: workers kept leaving while shards reloaded ({_ATTEMPTS} rounds); "
-                           "the cluster is losing workers faster than the shards load")
+        with self._placing:
+            lost: dict[str, list[int]] = {}  # departed worker -> the shards it held
+            for _ in range(_ATTEMPTS):
+                live = self._live()
+                for w in [w for w in self._weights if w not in live]:
+                    lost[w] = sorted(i for i, x in self._resident.items() if x == w)
+                    del self._weights[w]
+                self._resident = {i: w for i, w in self._resident.items() if w in live}
+                try:
+                    joined = sorted(live - set(self._weights))
+                    if joined:
+                        probes = [self.client.submit(_probe, self._name, workers=[w], allow_other_workers=False,
+                                                     pure=False, key=f"lik-cupy-probe-{uuid.uuid4().hex[:8]}")
+                                  for w in joined]
+                        self._weights.update(zip(joined, self._results(probes, set(joined), "probing the workers")))
+                    self._placement = _place(self._sizes, self._weights, self._resident)
+                    self._move({i: w for i, w in self._placement.items() if self._resident.get(i) != w})
+                except _Departed:
+                    continue  # the next round drops the departed workers too
+                moved = {w: ix for w, ix in lost.items() if ix}
+                if moved:
+                    warnings.warn(self._story(moved, context), RuntimeWarning, stacklevel=outside_stacklevel())
+                return
+            raise RuntimeError(f"lik_cupy.distributed: workers kept leaving while shards reloaded ({_ATTEMPTS} "
+                               "rounds); the cluster is losing workers faster than the shards load")
 
     def _move(self, moves: dict[int, str]) -> None:
         """Load shards on their new workers, then drop them where they were."""

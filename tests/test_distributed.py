@@ -17,6 +17,7 @@ import logging
 import os
 import re
 import shutil
+import threading
 import time
 import warnings
 
@@ -26,6 +27,7 @@ import pytest
 distributed = pytest.importorskip("distributed")
 
 from lik_command import run_lik  # noqa: E402
+from threads import run_threads  # noqa: E402
 
 from lik_cupy import _shard_format as fmt  # noqa: E402
 from lik_cupy import maxsim_varlen, retrieve, shards  # noqa: E402
@@ -457,6 +459,35 @@ def test_a_move_cut_short_still_drops_the_old_copies(client, corpus_files, monke
         monkeypatch.setattr(corpus, "_wait", real)
         held = client.run(lambda dask_worker, name=corpus._name: sorted(dask_worker.plugins[name].resident))
         assert corpus.placement[i][0] == new and i in held[new] and i not in held[old], held
+
+
+def test_two_threads_placing_shards_at_once_drop_none_from_its_new_worker(client, corpus_files, monkeypatch):
+    """Two threads' calls find a worker joined at once (each held inside its loads onto that worker
+    until the other gets there, or 3 s pass): both moved the same shards there, and the second then
+    dropped them from it as the "old copies". Re-placing goes one call at a time."""
+    from lik_cupy.distributed import DistributedCorpus as DC
+
+    workers = sorted(client.nthreads())
+    real_live = DC._live
+    monkeypatch.setattr(DC, "_live", lambda self: real_live(self) - {workers[1]})  # every shard on workers[0]
+    with DistributedCorpus(client, corpus_files[0], backend="cpu") as corpus:
+        monkeypatch.setattr(DC, "_live", real_live)  # workers[1] joins
+        both, real_wait, drops = threading.Barrier(2, timeout=3), corpus._wait, []
+
+        def wait(futures, workers, what, **kw):
+            if what.startswith("loading"):
+                with contextlib.suppress(threading.BrokenBarrierError):
+                    both.wait()
+            return real_wait(futures, workers, what, **kw)
+
+        real_drop = corpus._drop_copies
+        monkeypatch.setattr(corpus, "_wait", wait)
+        monkeypatch.setattr(corpus, "_drop_copies", lambda stale: drops.append(dict(stale)) or real_drop(stale))
+        run_threads(2, lambda k: corpus._ready("test"))
+        moved = {i for i, (w, _) in corpus.placement.items() if w == workers[1]}
+        assert moved and [set(d) for d in drops] == [{workers[0]}], drops
+        held = client.run(lambda dask_worker, name=corpus._name: sorted(dask_worker.plugins[name].resident))
+        assert set(held[workers[1]]) == moved and not moved & set(held[workers[0]]), held
 
 
 def test_a_shard_changed_on_disk_is_refused_when_it_reloads(client, corpus_files, tmp_path, rng):
