@@ -479,13 +479,14 @@ def test_the_bias_gradients_row_of_ones_is_ready_on_every_stream(monkeypatch, dt
     spin = cupy.RawKernel(r'''extern "C" __global__ void spin(long long n) {
         long long t0 = clock64(); while (clock64() - t0 < n) {} }''', "spin")
     n, d = 4096, 8
-    bits = {"float32": (cupy.float32, np.float32(1)), "bfloat16": (cupy.uint16, np.uint16(0x3F80))}
-    kind, one = bits[dtype]
+    bits = {"float32": (cupy.float32, np.float32(1), np.float32(np.nan)),
+            "bfloat16": (cupy.uint16, np.uint16(0x3F80), np.uint16(0x7FC0))}  # (element, one, NaN)
+    kind, one, nan = bits[dtype]
     a, b = cupy.cuda.Stream(non_blocking=True), cupy.cuda.Stream(non_blocking=True)
     with a:
         x = cupy.full((n, d), one, kind)
         out_a = cupy.empty(d, cupy.float32)
-        junk = cupy.full((1, n), np.nan, cupy.float32) if kind == cupy.float32 else cupy.full((1, n), 0x7FC0, cupy.uint16)
+        junk = cupy.full((1, n), nan, kind)
         a.synchronize()
         del junk
         spin((1,), (1,), (np.int64(2_000_000_000),))  # about a second
