@@ -210,6 +210,8 @@ class _Resident:
     where: str  # "GPU", "pinned host memory" or "host memory"
     nbytes: int
     pinned: object = None  # the PinnedHost that page-locks host arrays, released with the shard
+    users: int = 0  # tasks using it now (``_Store.holding``; under the store's lock)
+    dropped: bool = False  # dropped while in use: released when the last of them ends
 
     @property
     def num_docs(self) -> int:
@@ -319,13 +321,35 @@ class _Store(distributed.WorkerPlugin):
                 self.gpu_bytes += r.nbytes if r.where == "GPU" else 0
             return r
 
+    @contextlib.contextmanager
+    def holding(self, items):
+        """The shards ``items`` = [(index, ref)] (:meth:`get`), none of them released while the caller
+        uses them: one dropped meanwhile (a move's ``_drop``, on another of the worker's threads) is
+        released as the last task using it ends (released at once, it would leave such a task an
+        emptied shard, or page-locked memory unlocked under its copies)."""
+        with self.lock:
+            held = [self.get(index, ref) for index, ref in items]
+            for r in held:
+                r.users += 1
+        try:
+            yield held
+        finally:
+            with self.lock:
+                for r in held:
+                    r.users -= 1
+                    if r.dropped and not r.users:
+                        r.release()
+
     def drop(self, indices) -> None:
         with self.lock:
             for i in indices:
                 r = self.resident.pop(i, None)
                 if r is not None:
                     self.gpu_bytes -= r.nbytes if r.where == "GPU" else 0
-                    r.release()
+                    if r.users:
+                        r.dropped = True
+                    else:
+                        r.release()
             if self.gpu():  # hand the memory back to the device, for other processes
                 import cupy
 
@@ -371,9 +395,9 @@ def _top_k(name: str, query: tuple, k: int, work: list[tuple[int, int, tuple]]):
     started, t0 = time.time(), time.perf_counter()
     Q, q_lengths = query
     store = _store(name)
-    held = [store.get(index, ref) for index, _, ref in work]
-    t1 = time.perf_counter()
-    scores, local = retrieve(Q, [r.part for r in held], k, q_lengths=q_lengths, backend=store.backend)
+    with store.holding([(index, ref) for index, _, ref in work]) as held:
+        t1 = time.perf_counter()
+        scores, local = retrieve(Q, [r.part for r in held], k, q_lengths=q_lengths, backend=store.backend)
     t2 = time.perf_counter()
     ends = np.cumsum([r.num_docs for r in held])
     shard = np.searchsorted(ends, local, side="right")  # the shard each local position falls in
@@ -402,7 +426,8 @@ def _merge(k: int, *parts):
 def _piece(name: str, query: tuple, index: int, ref: tuple, start: int, stop: int) -> np.ndarray:
     Q, q_lengths = query
     store = _store(name)
-    return store.get(index, ref).scores(Q, q_lengths, start, stop, store.backend)
+    with store.holding([(index, ref)]) as (held,):
+        return held.scores(Q, q_lengths, start, stop, store.backend)
 
 
 # --------------------------------------------------------------------------- client side
@@ -461,6 +486,11 @@ class DistributedCorpus:
 
     The corpus holds the workers' memory until :meth:`close` (or the end of a ``with`` block).
 
+    Threads may share it: their :meth:`search` and :meth:`score` calls run side by side (a worker
+    with several threads runs their tasks at once, and a shard a move drops meanwhile stays until
+    the tasks using it end); re-placing shards after workers left or joined goes one call at a
+    time. ``last_search`` is then the stages of whichever search ended last.
+
     After each :meth:`search`, ``last_search`` holds where that batch's time went (seconds; the
     stages of the last attempt when workers left mid-call):
 
@@ -516,6 +546,9 @@ class DistributedCorpus:
         self._where: dict[int, str] = {}  # shard -> "GPU", "pinned host memory", "host memory"
         self._closed = True  # until the plugin is registered: close() then has nothing to undo
         self._ready_s = 0.0  # seconds the last call's placement check took
+        # Calls from several threads re-place shards one at a time: two at once both moved a shard
+        # to a worker that joined, and the second then dropped it there as the "old copy".
+        self._placing = threading.Lock()
         self.last_search: dict | None = None
         self._live()  # at least one worker, or TimeoutError
         self._call("registering the corpus with the workers", client.register_plugin,
@@ -850,30 +883,31 @@ class DistributedCorpus:
 
     def _ready(self, context: str) -> None:
         """Make every shard resident on the worker the placement gives it, after workers left or joined."""
-        lost: dict[str, list[int]] = {}  # departed worker -> the shards it held
-        for _ in range(_ATTEMPTS):
-            live = self._live()
-            for w in [w for w in self._weights if w not in live]:
-                lost[w] = sorted(i for i, x in self._resident.items() if x == w)
-                del self._weights[w]
-            self._resident = {i: w for i, w in self._resident.items() if w in live}
-            try:
-                joined = sorted(live - set(self._weights))
-                if joined:
-                    probes = [self.client.submit(_probe, self._name, workers=[w], allow_other_workers=False,
-                                                 pure=False, key=f"lik-cupy-probe-{uuid.uuid4().hex[:8]}")
-                              for w in joined]
-                    self._weights.update(zip(joined, self._results(probes, set(joined), "probing the workers")))
-                self._placement = _place(self._sizes, self._weights, self._resident)
-                self._move({i: w for i, w in self._placement.items() if self._resident.get(i) != w})
-            except _Departed:
-                continue  # the next round drops the departed workers too
-            moved = {w: ix for w, ix in lost.items() if ix}
-            if moved:
-                warnings.warn(self._story(moved, context), RuntimeWarning, stacklevel=outside_stacklevel())
-            return
-        raise RuntimeError(f"lik_cupy.distributed: workers kept leaving while shards reloaded ({_ATTEMPTS} rounds); "
-                           "the cluster is losing workers faster than the shards load")
+        with self._placing:
+            lost: dict[str, list[int]] = {}  # departed worker -> the shards it held
+            for _ in range(_ATTEMPTS):
+                live = self._live()
+                for w in [w for w in self._weights if w not in live]:
+                    lost[w] = sorted(i for i, x in self._resident.items() if x == w)
+                    del self._weights[w]
+                self._resident = {i: w for i, w in self._resident.items() if w in live}
+                try:
+                    joined = sorted(live - set(self._weights))
+                    if joined:
+                        probes = [self.client.submit(_probe, self._name, workers=[w], allow_other_workers=False,
+                                                     pure=False, key=f"lik-cupy-probe-{uuid.uuid4().hex[:8]}")
+                                  for w in joined]
+                        self._weights.update(zip(joined, self._results(probes, set(joined), "probing the workers")))
+                    self._placement = _place(self._sizes, self._weights, self._resident)
+                    self._move({i: w for i, w in self._placement.items() if self._resident.get(i) != w})
+                except _Departed:
+                    continue  # the next round drops the departed workers too
+                moved = {w: ix for w, ix in lost.items() if ix}
+                if moved:
+                    warnings.warn(self._story(moved, context), RuntimeWarning, stacklevel=outside_stacklevel())
+                return
+            raise RuntimeError(f"lik_cupy.distributed: workers kept leaving while shards reloaded ({_ATTEMPTS} "
+                               "rounds); the cluster is losing workers faster than the shards load")
 
     def _move(self, moves: dict[int, str]) -> None:
         """Load shards on their new workers, then drop them where they were."""

@@ -904,3 +904,54 @@ def test_runs_hits_match_first_and_second_hits(rng, budget):
     first, r, j = runs.hits(new, ok, budget)
     assert np.array_equal(first, first_old) and np.array_equal(new, old)
     assert np.array_equal(r, r_old) and np.array_equal(j, j_old)
+
+
+def _mixed_calls(rng) -> list:
+    """Calls of every CPU entry point over shapes, dtypes and layouts of their own: ``[fn() -> results]``."""
+    calls = []
+    for t, dt in enumerate(["float16", "bfloat16", "float32", "float64"] * 2):
+        nq, lq, nd, ld, dim = (int(v) for v in (rng.integers(1, 4), rng.integers(1, 20), rng.integers(5, 90),
+                                                rng.integers(1, 40), rng.choice([8, 24, 64])))
+        q = _unit(rng, nq, lq, dim).astype(DTYPES[dt])
+        d = _unit(rng, nd, ld, dim).astype(DTYPES[dt])
+        d[::3, 1:] = d[::3, :1]  # identical tokens: ties to the lowest index
+        dl = rng.integers(0, ld + 1, nd)
+        off = np.concatenate([[0], np.cumsum(dl)])
+        tok = np.concatenate([d[j, :dl[j]] for j in range(nd)])
+        cand = _unit(rng, nq, 4, ld, dim).astype(DTYPES[dt])
+        calls += [lambda q=q, d=d, dl=dl: lik_cupy.maxsim(q, d, d_lengths=dl, return_argmax=True, backend="cpu"),
+                  lambda q=q, c=cand: lik_cupy.maxsim(q, c, return_argmax=True, backend="cpu"),
+                  lambda q=q, tok=tok, off=off: lik_cupy.maxsim_varlen(q, tok, off, return_argmax=True, backend="cpu"),
+                  lambda q=q, d=d, k=min(5, nd): lik_cupy.retrieve(q, d, k, backend="cpu")]
+        if t < 2:
+            continue
+        q32 = q.astype(np.float32)
+        d8, s8 = lik_cupy.quantize_int8(d.astype(np.float32), backend="cpu")
+        f8, sf = lik_cupy.quantize_fp8(d.astype(np.float32), backend="cpu")
+        calls += [lambda q=q32, d8=d8, s8=s8, dl=dl: lik_cupy.maxsim_int8(q, d8, s8, d_lengths=dl, return_argmax=True,
+                                                                          backend="cpu"),
+                  lambda q=q32, f8=f8, sf=sf: lik_cupy.maxsim_fp8(q, f8, sf, return_argmax=True, backend="cpu")]
+        s, a = lik_cupy.maxsim(q, d, return_argmax=True, backend="cpu")
+        g = rng.standard_normal(s.shape).astype(np.float32)
+        calls.append(lambda g=g, q=q, d=d, a=a: lik_cupy.maxsim_backward(g, q, d, a, backend="cpu"))
+    return calls
+
+
+def test_sixteen_threads_of_mixed_calls_get_the_serial_results(rng, chunk_threads):
+    """Calls from many threads at once (a service's workers, a thread pool), each of every entry point
+    in turn over shapes and dtypes of its own, with the chunk threads shared between them: every
+    result bit for bit the serial one."""
+    calls = _mixed_calls(rng)
+    want = [fn() for fn in calls]
+    got: dict = {}
+    orders = [rng.permutation(len(calls)) for _ in range(16)]  # each thread its own order
+
+    def work(k):
+        for i in orders[k]:
+            got[k, i] = calls[i]()
+
+    run_threads(16, work)
+    assert len(got) == 16 * len(calls)
+    for (_, i), res in got.items():
+        for x, y in zip(res, want[i]):
+            np.testing.assert_array_equal(np.asarray(x).view(np.uint8), np.asarray(y).view(np.uint8))

@@ -17,6 +17,8 @@ import logging
 import os
 import re
 import shutil
+import threading
+import time
 import warnings
 
 import numpy as np
@@ -25,6 +27,7 @@ import pytest
 distributed = pytest.importorskip("distributed")
 
 from lik_command import run_lik  # noqa: E402
+from threads import run_threads  # noqa: E402
 
 from lik_cupy import _shard_format as fmt  # noqa: E402
 from lik_cupy import maxsim_varlen, retrieve, shards  # noqa: E402
@@ -100,6 +103,48 @@ def test_place_balances_by_size_and_keeps_shards_where_they_are():
     # Capacities weigh the shares: a worker with three times the memory takes about three quarters.
     big = _place({i: 10 for i in range(8)}, {"small": 1, "big": 3}, {})
     assert sum(w == "big" for w in big.values()) == 6
+
+
+class _Clock:
+    """``time`` for the distributed module, calling ``hook()`` at its ``at``-th ``perf_counter`` call."""
+
+    def __init__(self, at: int, hook):
+        self.calls, self.at, self.hook = 0, at, hook
+        self.time = time.time
+
+    def perf_counter(self) -> float:
+        self.calls += 1
+        if self.calls == self.at:
+            self.hook()
+        return time.perf_counter()
+
+
+def test_a_shard_dropped_while_a_search_uses_it_is_released_when_the_search_ends(tmp_path, rng, monkeypatch):
+    """A worker with several threads: a move's ``_drop`` lands between a search task taking its shards
+    and scoring them (there, at its second clock reading). The task scores them whole; the shards
+    are released once it ends."""
+    import lik_cupy.distributed as dist
+
+    paths, parts = _make_corpus(tmp_path, rng)
+    store = dist._Store(1.0, "cpu", None, False)
+    store.setup(None)
+    monkeypatch.setattr(dist, "_store", lambda name: store)
+    monkeypatch.setattr(distributed, "get_worker", lambda: dataclasses.make_dataclass("W", ["address"])("w"))
+    refs = [((p, None), dist._describe((p, None), False).fingerprint) for p in paths]
+    work = [(0, 0, refs[0]), (2, 23, refs[2]), (3, 32, refs[3])]  # (shards 0 and 2: 23 and 9 documents)
+    Q, q_lengths = _queries(rng)
+    want = retrieve(Q, [parts[i] for i in (0, 2, 3)], 7, q_lengths=q_lengths, backend="cpu")
+    held = []
+
+    def drop():
+        held.extend(store.resident.values())
+        store.drop([0, 2, 3])
+
+    monkeypatch.setattr(dist, "time", _Clock(2, drop))
+    scores, local, _ = dist._top_k("corpus", (Q, q_lengths), 7, work)
+    _same((scores, local), want)
+    assert len(held) == 3 and not store.resident
+    assert all(r.part == () for r in held)  # released as the task ended
 
 
 # --------------------------------------------------------------------------- CPU cluster
@@ -414,6 +459,35 @@ def test_a_move_cut_short_still_drops_the_old_copies(client, corpus_files, monke
         monkeypatch.setattr(corpus, "_wait", real)
         held = client.run(lambda dask_worker, name=corpus._name: sorted(dask_worker.plugins[name].resident))
         assert corpus.placement[i][0] == new and i in held[new] and i not in held[old], held
+
+
+def test_two_threads_placing_shards_at_once_drop_none_from_its_new_worker(client, corpus_files, monkeypatch):
+    """Two threads' calls find a worker joined at once (each held inside its loads onto that worker
+    until the other gets there, or 3 s pass): both moved the same shards there, and the second then
+    dropped them from it as the "old copies". Re-placing goes one call at a time."""
+    from lik_cupy.distributed import DistributedCorpus as DC
+
+    workers = sorted(client.nthreads())
+    real_live = DC._live
+    monkeypatch.setattr(DC, "_live", lambda self: real_live(self) - {workers[1]})  # every shard on workers[0]
+    with DistributedCorpus(client, corpus_files[0], backend="cpu") as corpus:
+        monkeypatch.setattr(DC, "_live", real_live)  # workers[1] joins
+        both, real_wait, drops = threading.Barrier(2, timeout=3), corpus._wait, []
+
+        def wait(futures, workers, what, **kw):
+            if what.startswith("loading"):
+                with contextlib.suppress(threading.BrokenBarrierError):
+                    both.wait()
+            return real_wait(futures, workers, what, **kw)
+
+        real_drop = corpus._drop_copies
+        monkeypatch.setattr(corpus, "_wait", wait)
+        monkeypatch.setattr(corpus, "_drop_copies", lambda stale: drops.append(dict(stale)) or real_drop(stale))
+        run_threads(2, lambda k: corpus._ready("test"))
+        moved = {i for i, (w, _) in corpus.placement.items() if w == workers[1]}
+        assert moved and [set(d) for d in drops] == [{workers[0]}], drops
+        held = client.run(lambda dask_worker, name=corpus._name: sorted(dask_worker.plugins[name].resident))
+        assert set(held[workers[1]]) == moved and not moved & set(held[workers[0]]), held
 
 
 def test_a_shard_changed_on_disk_is_refused_when_it_reloads(client, corpus_files, tmp_path, rng):

@@ -463,3 +463,37 @@ def test_one_pass_kernel_reads_negative_bit_views_as_their_values(monkeypatch):
     got = lt.maxsim_from_hidden(*views)
     want = lt.maxsim_from_hidden(-Q, -H, -W, -b)
     assert len(calls) == 2 and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_bias_gradients_row_of_ones_is_ready_on_every_stream(monkeypatch, dtype):
+    # The bias gradient sums rows by a GEMM with a cached row of ones (hidden._ones), which threads on
+    # streams of their own share. Made on stream a behind a long kernel, in a block of its size just
+    # freed there holding NaN (the pool hands it straight back), it is read at once by a GEMM on
+    # stream b: that must see ones, not the NaN the fill queued on a had not yet replaced.
+    import cupy
+
+    from lik_cupy._runtime import hidden
+
+    monkeypatch.setattr(hidden, "_ones_cache", {})
+    spin = cupy.RawKernel(r'''extern "C" __global__ void spin(long long n) {
+        long long t0 = clock64(); while (clock64() - t0 < n) {} }''', "spin")
+    n, d = 4096, 8
+    bits = {"float32": (cupy.float32, np.float32(1), np.float32(np.nan)),
+            "bfloat16": (cupy.uint16, np.uint16(0x3F80), np.uint16(0x7FC0))}  # (element, one, NaN)
+    kind, one, nan = bits[dtype]
+    a, b = cupy.cuda.Stream(non_blocking=True), cupy.cuda.Stream(non_blocking=True)
+    with a:
+        x = cupy.full((n, d), one, kind)
+        out_a = cupy.empty(d, cupy.float32)
+        junk = cupy.full((1, n), nan, kind)
+        a.synchronize()
+        del junk
+        spin((1,), (1,), (np.int64(2_000_000_000),))  # about a second
+        hidden.row_sums(x, out_a, dtype)
+    with b:
+        out_b = cupy.empty(d, cupy.float32)
+        hidden.row_sums(x, out_b, dtype)
+        b.synchronize()
+    a.synchronize()
+    assert (out_a == n).all() and (out_b == n).all(), (out_a, out_b)

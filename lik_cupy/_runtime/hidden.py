@@ -7,6 +7,7 @@ of ``lik_cupy._cpu.hidden``."""
 from __future__ import annotations
 
 import functools
+import threading
 
 import numpy as np
 
@@ -159,19 +160,32 @@ def row_sums(x, out, dtype: str, beta: float = 0.0) -> None:
 
 
 _ONES = {"float16": 0x3C00, "bfloat16": 0x3F80}
+# (device, dtype) -> every row of ones made, the longest last. Calls on other threads' streams read
+# one with no wait on the stream that filled it, so it is filled before anyone sees it; and a shorter
+# one is kept when a longer replaces it, as a GEMM queued on another stream may still read it (freed,
+# the pool would hand it out again in the order of the stream that made it alone). Lengths double:
+# they hold under twice the longest.
 _ones_cache: dict = {}
+_ones_lock = threading.Lock()
 
 
 def _ones(n: int, dtype: str):
-    """A row ``[1, n]`` of ones in element type ``dtype`` (bits for 16-bit types) on the current device."""
+    """A row ``[1, n]`` of ones in element type ``dtype`` (bits for 16-bit types) on the current device,
+    ready for any stream."""
     import cupy
 
     key = (cupy.cuda.runtime.getDevice(), dtype)
-    have = _ones_cache.get(key)
-    if have is None or have.shape[1] < n:
-        have = _ones_cache[key] = (cupy.full((1, max(n, 1024)), _ONES[dtype], cupy.uint16) if dtype in _ONES
-                                   else cupy.ones((1, max(n, 1024)), cupy.float32))
-    return have[:, :n]
+    rows = _ones_cache.get(key)
+    if rows is None or rows[-1].shape[1] < n:
+        with _ones_lock:
+            rows = _ones_cache.get(key)
+            if rows is None or rows[-1].shape[1] < n:
+                size = 1 << max(10, (n - 1).bit_length())
+                one = (cupy.full((1, size), _ONES[dtype], cupy.uint16) if dtype in _ONES
+                       else cupy.ones((1, size), cupy.float32))
+                cupy.cuda.get_current_stream().synchronize()
+                rows = _ones_cache[key] = (*(rows or ()), one)
+    return rows[-1][:, :n]
 
 
 def to_float32(x, dtype: str):
