@@ -22,6 +22,7 @@ adds its builds).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import glob
@@ -1097,3 +1098,23 @@ def test_warmup_loads_the_kernels_calls_choose(fake_hopper, monkeypatch):
     want = {dispatch.choose_forward(90, "float16", 128, lq, False, vec, False).name for lq in (32, 1024)
             for vec in (True, False)}
     assert {k for _, k, _ in fake_hopper} == want
+
+
+def test_token_split_drop_oldest_survives_a_key_moved_meanwhile(monkeypatch):
+    """_drop_oldest waits for the device, which lets other threads run; one moving that same buffer to
+    the back (its pop, then its re-insert, outside the lock) could leave the key out of the dict just
+    then, and the drop's `del` raised KeyError in the thread that was only making a new buffer."""
+    import sys
+    import types
+
+    key = (0, 111)
+
+    def sync():  # another thread, mid-move: popped, not yet re-inserted
+        token_split._buffers.pop(key)
+
+    fake = types.SimpleNamespace(cuda=types.SimpleNamespace(Device=lambda d: contextlib.nullcontext(),
+                                                            runtime=types.SimpleNamespace(deviceSynchronize=sync)))
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    monkeypatch.setattr(token_split, "_buffers", {key: object(), (0, 222): object()})
+    token_split._drop_oldest()
+    assert list(token_split._buffers) == [(0, 222)]

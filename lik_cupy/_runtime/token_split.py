@@ -77,4 +77,6 @@ def _drop_oldest() -> None:
     key = next(iter(_buffers))
     with cupy.cuda.Device(key[0]):
         cupy.cuda.runtime.deviceSynchronize()
-    del _buffers[key]
+    # (the wait lets other threads run: one may be moving this key to the back, between its pop
+    # and its re-insert, outside the lock)
+    _buffers.pop(key, None)
