@@ -140,11 +140,15 @@ class Corpus:
         held = _fields(self._host) + (_fields(self._dev) if self.where == "GPU" else
                                       [self._dev.offsets, self._dev.lengths] if self._dev is not None else [])
         self.nbytes = sum(int(a.nbytes) for a in held if a is not None)
-        if self._ids is not None and self._ids.dtype.kind == "i" and self.device is not None:
+        if self.device is not None:
             import cupy
 
             with cupy.cuda.Device(self.device):
-                self._ids_dev = cupy.asarray(self._ids)
+                if self._ids is not None and self._ids.dtype.kind == "i":
+                    self._ids_dev = cupy.asarray(self._ids)
+                # Every copy and the mask spans were queued on this thread's stream; other threads call
+                # on streams of their own, which do not wait for it.
+                cupy.cuda.get_current_stream().synchronize()
 
     @classmethod
     def from_shards(cls, paths, device=None, *, max_gpu_bytes=None, ids: bool = True) -> Corpus:

@@ -495,3 +495,34 @@ def test_jax_queries_take_the_cupy_call_through_dlpack(rng, monkeypatch, layout)
                         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
                         np.testing.assert_array_equal(np.asarray(a), _np(d).astype(np.asarray(a).dtype))
                     assert np.isnan(np.asarray(got[-1])[0, 0] if q.ndim == 3 else np.nan)
+
+
+def test_a_corpus_is_ready_for_any_stream_when_built(rng, monkeypatch):
+    """Its copies and the mask-spans kernel are queued on the building thread's stream, and other
+    threads call on non-blocking streams of their own, which do not wait for that one: the
+    constructor returns once they are done (a spin kernel before the spans holds them back here)."""
+    import cupy
+
+    from lik_cupy import corpus as corpus_module
+
+    spin = cupy.RawKernel(r'''extern "C" __global__ void spin(long long n) {
+        long long t0 = clock64(); while (clock64() - t0 < n) {} }''', "spin")
+    spans = corpus_module._with_spans
+
+    def held_back(docs, device):
+        spin((1,), (1,), (np.int64(500_000_000),))  # a few tenths of a second
+        return spans(docs, device)
+
+    monkeypatch.setattr(corpus_module, "_with_spans", held_back)
+    d = rng.standard_normal((50, 40, 64)).astype(np.float16)
+    mask = rng.random((50, 40)) < 0.7
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        c = lik_cupy.Corpus(_cp(d), d_mask=_cp(mask), ids=np.arange(50) * 2)
+        assert stream.done  # nothing of the corpus is still queued there
+    other = cupy.cuda.Stream(non_blocking=True)
+    q = rng.standard_normal((2, 8, 64)).astype(np.float16)
+    with other:
+        got = _np(c.score(_cp(q)))
+    np.testing.assert_allclose(got, maxsim_ref(q.astype(np.float64), d.astype(np.float64), d_valid=mask), rtol=2e-3,
+                               atol=2e-3)
