@@ -10,6 +10,8 @@ on the GPU and the CPU path on the same quantised inputs: INT8's argmax equal, s
 sum's rounding; FP8 within 2^-10 relative. ``maxsim_backward`` (atomic, csr and auto; padded, candidates and
 packed) is checked against float64 gradients rebuilt from the forward's own argmax, with NaN in every masked
 position: each entry within its output dtype's rounding plus the float32 sum's over its terms, all finite.
+``Corpus`` (padded or packed, on the GPU or in page-locked host memory, integer ids) is scored, searched
+and reranked by candidate ids twice (the second call takes the repeat path), each against float64.
 Every call is synchronised, so a launch error is a failure.
 
     python3 bench/tools/gpu_fuzz.py SEED SECONDS        # JSON: $OUT/gpufuzz_SEED.json, a summary last
@@ -466,11 +468,76 @@ def one_backward_case(it):
         fail(cat, case, f"{type(e).__name__}: {e}\n" + traceback.format_exc()[-1500:])
 
 
+def one_corpus_case(it):
+    """A Corpus (padded with lengths or a mask, or packed; resident on the GPU or, with a tiny
+    max_gpu_bytes, in page-locked host memory) scored, searched and reranked by candidate ids, each
+    against float64 as the stateless calls are; its integer ids map back to positions. Each call runs
+    twice: the second takes the repeat path."""
+    dtype = str(rng.choice(["float16", "bfloat16", "float32"]))
+    prec = str(rng.choice(["fp32", "tf32"])) if dtype == "float32" else None
+    layout = str(rng.choice(["padded", "packed"]))
+    where = "cpu" if LOCAL else str(rng.choice(["gpu", "gpu", "pinned"]))
+    d = int(rng.choice([64, 96, 128, 128, 256]))
+    nq, lq = int(rng.integers(1, 6)), int(rng.choice([1, 8, 32, 33, 64, 300]))
+    nd, ld = int(rng.integers(1, 300)), int(rng.choice([1, 16, 80, 180, 300, 700]))
+    while nq * nd * lq * ld > 6_000_000 and nd > 1:
+        nd = max(1, nd // 2)
+    k, K = int(rng.integers(1, nd + 1)), int(rng.integers(1, 20))
+    case = dict(it=it, dtype=dtype, prec=prec, layout=layout, where=where, d=d, nq=nq, lq=lq, nd=nd, ld=ld, k=k, K=K)
+    cat = f"corpus/{dtype}/{prec or '-'}/{layout}/{where}"
+    q = tokens(nq, lq, d, 1.0, False)
+    dtok = tokens(nd, ld, d, 1.0, rng.random() < 0.5)
+    qm, ql, qv = valid_side((nq, lq), str(rng.choice(["none", "lengths"])))
+    dkind = "packed" if layout == "packed" else str(rng.choice(["none", "mask", "lengths"]))
+    if layout == "packed":
+        lens = rng.integers(0, ld + 1, size=nd)
+        dm = dl = None
+        dv = np.arange(ld) < lens[:, None]
+    else:
+        dm, dl, dv = valid_side((nd, ld), dkind)
+    dx = dtok.copy()
+    dx[~dv] = np.nan
+    tdt = getattr(torch, dtype)
+    Qt = torch.as_tensor(q, device=dev).to(tdt)
+    Dh = torch.as_tensor(dx).to(tdt)  # the corpus comes from host memory, as a service loads it
+    q64, d64 = Qt.double(), torch.nan_to_num(Dh.double()).to(dev)
+    qvt, dvt = torch.as_tensor(qv, device=dev), torch.as_tensor(dv, device=dev)
+    ids = np.arange(nd) * 7 + 3
+    kw = dict(device="cpu") if where == "cpu" else dict(max_gpu_bytes=1024) if where == "pinned" else {}
+    c = c_sim(dtype, prec, d, lq)
+    try:
+        if layout == "packed":
+            flat = torch.cat([Dh[j, :lens[j]] for j in range(nd)]) if lens.sum() else Dh.reshape(-1, d)[:0]
+            off = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+            corpus = lik_cupy.Corpus(flat, d_offsets=torch.as_tensor(off), ids=ids, **kw)
+        else:
+            host = (lambda x: None if x is None else torch.as_tensor(x))  # D's framework, on the host
+            corpus = lik_cupy.Corpus(Dh, d_mask=host(dm), d_lengths=host(dl), ids=ids, **kw)
+        qlen = to_fw(ql, None, "torch")
+        pk = dict(precision=prec) if prec else {}
+        for _ in range(2):
+            check(cat + "/score", case, corpus.score(Qt, q_lengths=qlen, **pk), None, q64, qvt, d64, dvt, False, c)
+            sc, got_ids = corpus.search(Qt, k, q_lengths=qlen, **pk)
+            pos = torch.as_tensor(np.asarray(torch.as_tensor(got_ids).cpu()), device=dev)
+            if ((pos - 3) % 7 != 0).any():
+                fail(cat, case, "search returned an id the corpus does not hold")
+                return
+            top(cat + "/search", case, (sc, (pos - 3) // 7), q64, qvt, d64, dvt, c)
+            cand = rng.integers(0, nd, size=(nq, K))
+            rs = corpus.rerank(Qt, torch.as_tensor(cand, device=dev), q_lengths=qlen, **pk)
+            ct = torch.as_tensor(cand, device=dev)
+            check(cat + "/rerank", case, rs, None, q64, qvt, d64[ct], dvt[ct], True, c)
+        LOCAL or torch.cuda.synchronize()
+    except Exception as e:  # noqa: BLE001
+        fail(cat, case, f"{type(e).__name__}: {e}\n" + traceback.format_exc()[-1500:])
+
+
 t_end = time.time() + budget
 it = 0
 while time.time() < t_end:
     u = rng.random()
-    (one_backward_case if u < 0.2 else one_scaled_case if u < 0.4 and not LOCAL else one_float_case)(it)
+    (one_backward_case if u < 0.15 else one_corpus_case if u < 0.3 else one_scaled_case if u < 0.45 and not LOCAL
+     else one_float_case)(it)
     it += 1
 out = os.environ.get("OUT", "/tmp")
 json.dump({"seed": seed, "cases": it, "fails": fails, "stats": stats, "gpu": "local" if LOCAL else torch.cuda.get_device_name()},
