@@ -660,3 +660,20 @@ def test_an_empty_shards_bad_offsets_are_named_as_the_shards(where):
     tokens = np.zeros((0, 8), np.float16) if where == "host" else _cp(np.zeros((0, 8), np.float16))
     with pytest.raises(ValueError, match=r"^shard 1 offsets"):
         lik_cupy.retrieve(_cp(np.ones((2, 8), np.float16)), [D, (tokens, off)], 2, backend="gpu")
+
+
+def test_retrieve_refuses_a_shard_on_another_gpu_before_reading_it(rng, other_gpu):
+    """A shard on another GPU than the queries is a ValueError naming it and both GPUs, raised before any of it
+    is read: an empty one's offsets were checked by a kernel of the queries' GPU reading the other GPU's memory."""
+    from devices import current, on_gpu
+
+    q = _unit(rng, 2, 8, 32).astype(np.float16)
+    tok = _unit(rng, 10, 32).astype(np.float16)
+    empty = (np.zeros((0, 32), np.float16), np.zeros(1, np.int64))
+    full = (tok, np.array([0, 4, 10]))
+    for shard in (empty, full):
+        with pytest.raises(ValueError, match="shard 1 is on cuda:1 but Q is on cuda:0"):
+            current(lik_cupy.retrieve, _cp(q), [on_gpu(full, 0), on_gpu(shard, other_gpu)], 3)
+    with pytest.raises(ValueError, match="the corpus is on cuda:1 but Q is on cuda:0"):
+        current(lik_cupy.retrieve, _cp(q), on_gpu(tok, other_gpu), 3, d_offsets=on_gpu(full[1], other_gpu))
+
