@@ -204,9 +204,12 @@ class GpuTopK:
         dispatch.check_gpu_dim(p.dtype, p.dim)
         # (before anything of the shard is read: the checks of an empty one's offsets run on this GPU too)
         if info.device is not None and info.device != self.device:
-            where = f"the host, scored on cuda:{self.device} (the current GPU)" if self.on_host_q else \
-                f"cuda:{self.device}"
-            raise ValueError(f"{part.name} is on cuda:{info.device} but Q is on {where}: put them on one device")
+            if self.on_host_q:
+                raise ValueError(f"{part.name} is on cuda:{info.device} but this call scores on cuda:{self.device} "
+                                 "(host queries go to the GPU of a list's first device shard, else the current one): "
+                                 "put the device shards on one GPU")
+            raise ValueError(f"{part.name} is on cuda:{info.device} but Q is on cuda:{self.device}: put them on one "
+                             "device")
         if p.nd == 0:  # no document to score, but offsets that cannot be right still raise
             if part.packed and info.device is None:  # host offsets are checked on the host, as the CPU path does
                 host_offsets(host_array(part.offsets, info.framework), p.ntok, part.arg("offsets"))
