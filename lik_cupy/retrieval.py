@@ -72,7 +72,9 @@ def retrieve(Q, D, k, q_mask=None, *, q_lengths=None, q_scales=None, d_offsets=N
             - packed tokens ``[T, d]`` with ``d_offsets [Nd + 1]`` (int32/int64, from 0 to T),
             - an iterable of shards, each a padded array or a ``(tokens, offsets)`` tuple;
               document indices then run on across shards.
-            On the GPU (CuPy, PyTorch, JAX: read in place) or in host memory (NumPy or
+            On the GPU (CuPy, PyTorch, JAX: read in place, on Q's GPU; host queries are scored on
+            the GPU of D's first device shard, where D is one array or a list or tuple, else on the
+            current GPU) or in host memory (NumPy or
             memory-mapped ``.npy``: streamed; page-locked by :func:`lik_cupy.pin_host` or
             torch's ``pin_memory()``: streamed without a staging copy). Host bfloat16 must be NumPy with dtype
             ``ml_dtypes.bfloat16``. Same dtype and dim as Q.
@@ -147,7 +149,7 @@ def retrieve(Q, D, k, q_mask=None, *, q_lengths=None, q_scales=None, d_offsets=N
         import cupy
 
         try:
-            with interop.GpuCall(qp) as g:
+            with interop.GpuCall(qp, _corpus_device(qp, parts)) as g:
                 r = GpuTopK(Q, q_mask, q_lengths, q_scales, qp, int(k), max_gpu_bytes, g.device, x3)
                 for part in parts:
                     r.add(part)
@@ -162,3 +164,12 @@ def retrieve(Q, D, k, q_mask=None, *, q_lengths=None, q_scales=None, d_offsets=N
             r.add(part)
         s, i = r.result()
     return (s[0], i[0]) if squeeze else (s, i)
+
+
+def _corpus_device(qp, parts) -> int | None:
+    """The GPU a call of host queries scores on: that of the corpus's first device shard where the
+    shards are known up front (a list), so that host queries go to the corpus; None (the current
+    GPU) otherwise, and for device queries (their own GPU)."""
+    if qp.device is not None or not isinstance(parts, list):
+        return None
+    return next((d for d in (interop.describe(part.docs).device for part in parts) if d is not None), None)

@@ -8,16 +8,17 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 
-def _has_gpu() -> bool:
+def _gpu_count() -> int:
     try:
         import cupy
 
-        return cupy.cuda.runtime.getDeviceCount() > 0
+        return cupy.cuda.runtime.getDeviceCount()
     except Exception:
-        return False
+        return 0
 
 
-HAS_GPU = _has_gpu()
+GPU_COUNT = _gpu_count()
+HAS_GPU = GPU_COUNT > 0
 
 
 def pytest_collection_modifyitems(config, items):
@@ -55,3 +56,18 @@ def standard_tiles(monkeypatch):
     yield switch
     monkeypatch.undo()
     dispatch.clear_caches()
+
+
+@pytest.fixture
+def other_gpu():
+    """The multi-GPU tests' device, 1, for the arrays of a call made while device 0 is current (skipped
+    with fewer than two GPUs): each such call must run on its arrays' GPU and leave device 0 current,
+    which is checked again when the test ends (CuPy's and torch's current device are CUDA's one)."""
+    if GPU_COUNT < 2:
+        pytest.skip("needs two GPUs")
+    import cupy
+
+    with cupy.cuda.Device(0):
+        yield 1
+        assert cupy.cuda.runtime.getDevice() == 0, "a call left another device current"
+

@@ -255,3 +255,92 @@ def test_masked_padding_never_reaches_the_gradients(method):
     dQ, dD = lik_cupy.maxsim_backward(torch.ones(1, 2, device="cuda"), Q, D, a, method=method)
     assert dQ.tolist() == [[[2, 0], [0, 0]]]
     assert dD.tolist() == [[[0, 0], [1, 0]], [[0, 0], [0, 0]]]
+
+
+# ---------------------------------------------------------------- tensors on another GPU than the current one
+
+
+@pytest.mark.parametrize("fw", ["cupy", "torch"])
+@pytest.mark.parametrize("method", ["atomic", "csr"])
+def test_backward_on_another_gpu_is_the_current_gpus_call(other_gpu, fw, method):
+    """maxsim_backward (padded and packed documents) with its arrays on cuda:1 while cuda:0 is current: its
+    gradients lie on cuda:1, bit for bit as on cuda:0 (dD of the atomic method, whose fp32 sums may add in
+    another order, to rounding), the repeat path (the second call) included, and cuda:0 stays current."""
+    from devices import assert_on, assert_same_bits, current, host, on_gpu
+
+    gen = torch.Generator(device="cuda:0").manual_seed(7)
+    Q = _unit(gen, 3, 20, 64, dtype="float16").to("cuda:0")
+    D = _unit(gen, 6, 30, 64, dtype="float16").to("cuda:0")
+    lens = torch.tensor([30, 0, 7, 30, 12, 1], device="cuda:0")
+    off = torch.cat([torch.zeros(1, dtype=torch.int64, device="cuda:0"), lens.cumsum(0)])
+    T = D.reshape(-1, 64)[: int(off[-1])].contiguous()
+    _, a = lik_cupy.maxsim(Q, D, return_argmax=True)
+    _, ap = lik_cupy.maxsim_varlen(Q, T, off, return_argmax=True)
+    g = torch.randn(3, 6, device="cuda:0", generator=gen)
+    here = {"g": g, "Q": Q, "D": D, "a": a, "T": T, "off": off, "ap": ap}
+    if fw == "cupy":
+        import cupy
+
+        here = {k: cupy.asarray(v) for k, v in here.items()}
+    there = on_gpu(here, other_gpu)
+    calls = {"padded": lambda x: lik_cupy.maxsim_backward(x["g"], x["Q"], x["D"], x["a"], method=method),
+             "packed": lambda x: lik_cupy.maxsim_backward(x["g"], x["Q"], x["T"], x["ap"], d_offsets=x["off"],
+                                                          method=method)}
+    for name, call in calls.items():
+        want = current(call, here)
+        for _ in range(2):  # the first call, then the repeat path's prepared call
+            got = current(call, there)
+            assert_on(got, other_gpu, name)
+            if method == "csr":
+                assert_same_bits(got, want, name)
+            else:  # dQ has one writer per row; dD's atomics add in any order
+                assert_same_bits(got[0], want[0], name)
+                np.testing.assert_allclose(host(got[1]).astype(np.float32), host(want[1]).astype(np.float32),
+                                           rtol=2e-3, atol=1e-3)
+
+
+def test_backward_arrays_on_two_gpus_are_refused(other_gpu):
+    from devices import current
+
+    Q = torch.randn(2, 8, 32, device="cuda:1")
+    D = torch.randn(3, 9, 32, device="cuda:1")
+    _, a = lik_cupy.maxsim(Q, D, return_argmax=True)
+    g = torch.ones(2, 3, device="cuda:1")
+    with pytest.raises(ValueError, match="argmax is on cuda:0 but Q is on cuda:1"):
+        current(lik_cupy.maxsim_backward, g, Q, D, a.to("cuda:0"))
+    with pytest.raises(ValueError, match="grad_scores is on cuda:0 but Q is on cuda:1"):
+        current(lik_cupy.maxsim_backward, g.to("cuda:0"), Q, D, a)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_autograd_on_another_gpu_is_the_current_gpus_step(other_gpu, packed):
+    """lik_cupy.torch's forward and backward (autograd's device thread) with leaves on cuda:1 while cuda:0 is
+    current: scores and gradients on cuda:1, bit for bit as on cuda:0 (method="csr"), twice."""
+    from lik_cupy.torch import maxsim, maxsim_varlen
+
+    from devices import assert_on, assert_same_bits, current, on_gpu
+
+    gen = torch.Generator(device="cuda:0").manual_seed(11)
+    Q0 = _unit(gen, 4, 16, 64, dtype="bfloat16").to("cuda:0")
+    D0 = _unit(gen, 5, 24, 64, dtype="bfloat16").to("cuda:0")
+    lens = torch.tensor([24, 3, 0, 17, 9], device="cuda:0")
+    off = torch.cat([torch.zeros(1, dtype=torch.int64, device="cuda:0"), lens.cumsum(0)])
+    T0 = D0.reshape(-1, 64)[: int(off[-1])].contiguous()
+    w0 = torch.randn(4, 5, device="cuda:0", generator=gen)
+
+    def step(Q, D, lengths_or_offsets, w):
+        Q, D = Q.detach().requires_grad_(), D.detach().requires_grad_()
+        if packed:
+            s = maxsim_varlen(Q, D, lengths_or_offsets, method="csr")
+        else:
+            s = maxsim(Q, D, d_lengths=lengths_or_offsets, method="csr")
+        (s.masked_fill(torch.isinf(s), 0) * w).sum().backward()
+        return s.detach(), Q.grad, D.grad
+
+    args0 = (Q0, T0, off, w0) if packed else (Q0, D0, lens, w0)
+    want = current(step, *args0)
+    args1 = on_gpu(args0, other_gpu)
+    for _ in range(2):
+        got = current(step, *args1)
+        assert_on(got, other_gpu)
+        assert_same_bits(got, want)

@@ -660,3 +660,59 @@ def test_an_empty_shards_bad_offsets_are_named_as_the_shards(where):
     tokens = np.zeros((0, 8), np.float16) if where == "host" else _cp(np.zeros((0, 8), np.float16))
     with pytest.raises(ValueError, match=r"^shard 1 offsets"):
         lik_cupy.retrieve(_cp(np.ones((2, 8), np.float16)), [D, (tokens, off)], 2, backend="gpu")
+
+
+# ---------------------------------------------------------------- retrieve on another GPU than the current one
+
+
+def test_retrieve_on_another_gpu_is_the_current_gpus_call(rng, other_gpu):
+    """retrieve with its queries, or its corpus, on cuda:1 while cuda:0 is current: a device corpus read in
+    place (padded with lengths, packed, shards, INT8), a host corpus streamed to the queries' GPU, and host
+    queries scored on the GPU of the corpus's device shards (they were refused: "Q is on cuda:0"); each bit for
+    bit as on cuda:0, with cuda:0 current after it."""
+    from devices import assert_on, assert_same_bits, current, on_gpu
+
+    nq, lq, dim = 3, 12, 64
+    lens = _ragged(rng, 40, 1, 20)
+    off = np.concatenate([[0], np.cumsum(lens)])
+    tok = _unit(rng, int(off[-1]), dim).astype(np.float16)
+    pad, _ = _pad(tok, lens)
+    q = _unit(rng, nq, lq, dim).astype(np.float16)
+    t8, s8 = lik_cupy.quantize_int8(tok, backend="cpu")
+    cut = int(off[25])
+    shards = [(tok[:cut], off[:26]), (tok[cut:], off[25:] - cut)]
+    cases = {
+        "padded": lambda Q, on: lik_cupy.retrieve(Q, on(pad), 7, d_lengths=on(lens)),
+        "packed": lambda Q, on: lik_cupy.retrieve(Q, on(tok), 7, d_offsets=on(off)),
+        "shards": lambda Q, on: lik_cupy.retrieve(Q, on(shards), 7),
+        "int8": lambda Q, on: lik_cupy.retrieve(Q, on(t8), 7, d_scales=on(s8), d_offsets=on(off)),
+        "streamed": lambda Q, on: lik_cupy.retrieve(Q, tok, 7, d_offsets=off, max_gpu_bytes=1 << 20),
+    }
+    for name, call in cases.items():
+        want = current(call, _cp(q), lambda x: on_gpu(x, 0))
+        got = current(call, on_gpu(q, other_gpu), lambda x: on_gpu(x, other_gpu))
+        assert_on(got, other_gpu, name)
+        assert_same_bits(got, want, name)
+        if name != "streamed":  # host queries, a device corpus: on the corpus's GPU
+            got = current(call, q, lambda x: on_gpu(x, other_gpu))
+            assert_on(got, None, name)
+            assert_same_bits(got, want, name)
+
+
+def test_retrieve_refuses_a_shard_on_another_gpu_before_reading_it(rng, other_gpu):
+    """A shard on another GPU than the queries is a ValueError naming it and both GPUs, raised before any of it
+    is read: an empty one's offsets were checked by a kernel of the queries' GPU reading the other GPU's memory."""
+    from devices import current, on_gpu
+
+    q = _unit(rng, 2, 8, 32).astype(np.float16)
+    tok = _unit(rng, 10, 32).astype(np.float16)
+    empty = (np.zeros((0, 32), np.float16), np.zeros(1, np.int64))
+    full = (tok, np.array([0, 4, 10]))
+    for shard in (empty, full):
+        with pytest.raises(ValueError, match="shard 1 is on cuda:1 but Q is on cuda:0"):
+            current(lik_cupy.retrieve, _cp(q), [on_gpu(full, 0), on_gpu(shard, other_gpu)], 3)
+        with pytest.raises(ValueError, match="shard 1 is on cuda:1 but this call scores on cuda:0"):
+            current(lik_cupy.retrieve, q, [on_gpu(full, 0), on_gpu(shard, other_gpu)], 3)
+    with pytest.raises(ValueError, match="the corpus is on cuda:1 but Q is on cuda:0"):
+        current(lik_cupy.retrieve, _cp(q), on_gpu(tok, other_gpu), 3, d_offsets=on_gpu(full[1], other_gpu))
+

@@ -526,3 +526,80 @@ def test_a_corpus_is_ready_for_any_stream_when_built(rng, monkeypatch):
         got = _np(c.score(_cp(q)))
     np.testing.assert_allclose(got, maxsim_ref(q, d, d_valid=mask)[0], rtol=2e-3,
                                atol=2e-3)
+
+
+# ---------------------------------------------------------------- a corpus on another GPU than the current one
+
+
+def _queries(fw, a, device):
+    """NumPy ``a`` as the queries of framework ``fw`` ("numpy", "cupy", "torch") on GPU ``device``."""
+    from devices import on_gpu
+
+    if fw == "numpy":
+        return a
+    if fw == "torch":
+        torch = pytest.importorskip("torch")
+        return torch.from_numpy(a).to(f"cuda:{device}")
+    return on_gpu(a, device)
+
+
+@pytest.mark.parametrize("where", ["gpu", "host-to-gpu", "pinned"])
+@pytest.mark.parametrize("layout", ["padded-mask", "packed", "int8-padded"])
+def test_corpus_on_another_gpu_is_the_current_gpus_corpus(rng, other_gpu, layout, where):
+    """A Corpus resident on cuda:1 (device arrays there, host arrays uploaded with device=1, or page-locked for
+    it) while cuda:0 is current: score, search (integer ids) and rerank of NumPy, CuPy and torch queries run on
+    cuda:1, their results in the queries' place, bit for bit as the same corpus's on cuda:0, the repeat path
+    (the second call) included, and cuda:0 stays current."""
+    from devices import assert_on, assert_same_bits, current, on_gpu
+
+    dim = 64 if layout.startswith("int8") else 40
+    kw, *_ = corpus_case(rng, layout, nd=60, ld=13, dim=dim)
+    ids = np.arange(60) * 7 + 3
+
+    def make(device):
+        if where == "gpu":
+            return lik_cupy.Corpus(**on_gpu(kw, device), ids=ids)
+        return lik_cupy.Corpus(**kw, ids=ids, device=device, max_gpu_bytes=0 if where == "pinned" else None)
+
+    c0, c1 = current(make, 0), current(make, other_gpu)
+    assert (c0.device, c1.device) == (0, other_gpu) and c0.where == c1.where
+    nq, lq = 3, 11
+    q = rng.standard_normal((nq, lq, dim)).astype(np.float32)
+    ql = rng.integers(1, lq + 1, nq)
+    cand = rng.integers(0, 60, (nq, 9))
+    for fw in ("numpy", "cupy", "torch"):
+        calls = {
+            "score": lambda c, a: c.score(a["q"]),
+            "score q_lengths": lambda c, a: c.score(a["q"], q_lengths=a["ql"]),
+            "search": lambda c, a: c.search(a["q"], 5),
+            "search q_lengths": lambda c, a: c.search(a["q"], 5, q_lengths=a["ql"]),
+            "rerank": lambda c, a: c.rerank(a["q"], a["cand"]),
+            "rerank q_lengths": lambda c, a: c.rerank(a["q"], a["cand"], q_lengths=a["ql"]),
+            "one query": lambda c, a: c.search(a["q"][0], 4),
+        }
+        here = {k: _queries(fw, v, 0) for k, v in (("q", q), ("ql", ql), ("cand", cand))}
+        there = {k: _queries(fw, v, other_gpu) for k, v in (("q", q), ("ql", ql), ("cand", cand))}
+        for name, call in calls.items():
+            want = current(call, c0, here)
+            for _ in range(2):  # the first call, then the repeat path's prepared call
+                got = current(call, c1, there)
+                assert_on(got, None if fw == "numpy" else other_gpu, f"{fw} {name}")
+                assert_same_bits(got, want, f"{fw} {name}")
+
+
+def test_corpus_on_another_gpu_refuses_arrays_of_the_current_one(rng, other_gpu):
+    from devices import current, on_gpu
+
+    kw, *_ = corpus_case(rng, "packed", nd=10, ld=5, dim=16)
+    corpus = lik_cupy.Corpus(**on_gpu(kw, other_gpu))
+    assert corpus.device == other_gpu
+    Q0 = _cp(np.ones((2, 3, 16), np.float32))
+    Q1 = on_gpu(Q0, other_gpu)
+    with pytest.raises(ValueError, match="corpus is on cuda:1 but Q is on cuda:0"):
+        current(corpus.score, Q0)
+    with pytest.raises(ValueError, match="corpus is on cuda:1 but Q is on cuda:0"):
+        current(corpus.search, Q0, 3)
+    with pytest.raises(ValueError, match="candidates are on cuda:0 but the corpus is on cuda:1"):
+        current(corpus.rerank, Q1, _cp(np.zeros((2, 4), np.int64)))
+    with pytest.raises(ValueError, match="D is on cuda:1 but device=0"):
+        lik_cupy.Corpus(**on_gpu(kw, other_gpu), device=0)

@@ -507,3 +507,100 @@ def test_torch_negative_bit_views_score_as_their_values(rng):
     for _ in range(2):  # the first call, then the repeat path's lookup
         assert torch.equal(lik_cupy.maxsim(view, d), want)
     assert torch.equal(lik_cupy.maxsim(d[0], torch._neg_view(d)), lik_cupy.maxsim(d[0], -d))
+
+
+# ---------------------------------------------------------------- arrays on another GPU than the current one
+
+
+def _framework(fw, a, device=0):
+    """NumPy ``a`` as a CuPy array or torch tensor on GPU ``device``."""
+    from devices import on_gpu
+
+    if fw == "torch":
+        torch = pytest.importorskip("torch")
+        if a.dtype.name == "bfloat16":
+            return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16).to(f"cuda:{device}")
+        return torch.from_numpy(np.ascontiguousarray(a)).to(f"cuda:{device}")
+    return on_gpu(a, device)
+
+
+@pytest.mark.parametrize("fw,dtype", [("cupy", "float16"), ("cupy", "float32"), ("torch", "bfloat16")])
+def test_maxsim_on_another_gpu_is_the_current_gpus_call(rng, other_gpu, fw, dtype):
+    """maxsim, maxsim_pairs and per-query candidates with their arrays on cuda:1 while cuda:0 is current:
+    each runs on cuda:1 (its results there), bit for bit as on cuda:0, strict validation and the repeat
+    path (the second call) included, and leaves cuda:0 current."""
+    from devices import assert_on, assert_same_bits, current, on_gpu
+
+    nq, lq, nd, ld, dim = 3, 20, 9, 33, 64
+    q, _ = _cast(_unit(rng, nq, lq, dim), dtype)
+    d, _ = _cast(_unit(rng, nd, ld, dim), dtype)
+    c, _ = _cast(_unit(rng, nq, 4, ld, dim), dtype)
+    qm = rng.random((nq, lq)) < 0.8
+    dl = rng.integers(0, ld + 1, nd)
+    calls = {
+        "maxsim": lambda a: lik_cupy.maxsim(a["q"], a["d"], a["qm"], d_lengths=a["dl"], return_argmax=True),
+        "strict": lambda a: lik_cupy.maxsim(a["q"], a["d"], d_lengths=a["dl"], validate=True),
+        "mask": lambda a: lik_cupy.maxsim(a["q"], a["d"], d_mask=a["dm"]),
+        "pairs": lambda a: lik_cupy.maxsim_pairs(a["q"], a["d"][:nq], return_argmax=True),
+        "candidates": lambda a: lik_cupy.maxsim(a["q"], a["c"], return_argmax=True),
+    }
+    arrays = {"q": q, "d": d, "c": c, "qm": qm, "dl": dl, "dm": np.arange(ld)[None, :] < dl[:, None]}
+    here = {k: _framework(fw, v) for k, v in arrays.items()}
+    there = on_gpu(here, other_gpu)
+    for name, call in calls.items():
+        want = current(call, here)
+        for _ in range(2):  # the first call, then the repeat path's prepared call
+            got = current(call, there)
+            assert_on(got, other_gpu, name)
+            assert_same_bits(got, want, name)
+
+
+@pytest.mark.parametrize("fw", ["cupy", "torch"])
+def test_maxsim_varlen_on_another_gpu_is_the_current_gpus_call(rng, other_gpu, fw):
+    """maxsim_varlen (device offsets and query lengths, packed queries, strict checks) on cuda:1 while cuda:0 is current."""
+    from devices import assert_on, assert_same_bits, current, on_gpu
+
+    nq, lq, dim = 3, 24, 64
+    lens = rng.integers(0, 40, 11)
+    off = np.concatenate([[0], np.cumsum(lens)])
+    tok, _ = _cast(_unit(rng, int(off[-1]), dim), "float16")
+    q, _ = _cast(_unit(rng, nq, lq, dim), "float16")
+    q_off = np.array([0, 5, 24, 30])
+    ql = rng.integers(1, lq + 1, nq)
+    calls = {
+        "padded queries": lambda a: lik_cupy.maxsim_varlen(a["q"], a["tok"], a["off32"], q_lengths=a["ql"],
+                                                           return_argmax=True),
+        "strict": lambda a: lik_cupy.maxsim_varlen(a["q"], a["tok"], a["off"], validate=True),
+        "packed queries": lambda a: lik_cupy.maxsim_varlen(a["qt"], a["tok"], a["off"], q_offsets=a["q_off"],
+                                                           return_argmax=True),
+    }
+    arrays = {"q": q, "tok": tok, "off": off, "off32": off.astype(np.int32), "ql": ql, "qt": q.reshape(-1, dim)[:30],
+              "q_off": q_off}
+    here = {k: _framework(fw, v) for k, v in arrays.items()}
+    there = on_gpu(here, other_gpu)
+    for name, call in calls.items():
+        want = current(call, here)
+        for _ in range(2):
+            got = current(call, there)
+            assert_on(got, other_gpu, name)
+            assert_same_bits(got, want, name)
+
+
+@pytest.mark.parametrize("fw", ["cupy", "torch"])
+def test_arrays_on_two_gpus_are_refused(rng, other_gpu, fw):
+    """A call whose arrays lie on two GPUs raises a ValueError naming both, before any kernel reads them."""
+    from devices import current, on_gpu
+
+    q, _ = _cast(_unit(rng, 2, 8, 32), "float16")
+    d, _ = _cast(_unit(rng, 5, 9, 32), "float16")
+    Q0, D0 = _framework(fw, q), _framework(fw, d)
+    Q1, D1 = on_gpu(Q0, other_gpu), on_gpu(D0, other_gpu)
+    lens1 = on_gpu(_framework(fw, np.array([3, 9, 0, 1, 9])), other_gpu)
+    off0 = _framework(fw, np.array([0, 10, 45]))
+    for call, message in [(lambda: lik_cupy.maxsim(Q0, D1), "Q is on cuda:0 but D is on cuda:1"),
+                          (lambda: lik_cupy.maxsim(Q1, D0), "Q is on cuda:1 but D is on cuda:0"),
+                          (lambda: lik_cupy.maxsim(Q0, D0, d_lengths=lens1), "d_lengths is on cuda:1 but Q is on cuda:0"),
+                          (lambda: lik_cupy.maxsim_varlen(Q1, D1.reshape(45, 32), off0),
+                           "d_offsets is on cuda:0 but Q is on cuda:1")]:
+        with pytest.raises(ValueError, match=message):
+            current(call)

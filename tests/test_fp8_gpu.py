@@ -287,3 +287,38 @@ def test_fidelity_against_float_scores(rng, kind):
     recall = np.mean([topk_overlap(got[i], exact[i], 10) for i in range(nq)])
     print(f"\nFP8 fidelity {kind}: Spearman {rho:.5f}, recall@10 {recall:.3f}")
     assert rho >= FIDELITY_BARS[kind][0] and recall >= FIDELITY_BARS[kind][1], (kind, rho, recall)
+
+
+def test_fp8_on_another_gpu_is_the_current_gpus_call(rng, other_gpu):
+    """quantize_fp8 (per token and per tensor), dequantize_fp8, maxsim_fp8 and maxsim_fp8_varlen with their
+    arrays on cuda:1 while cuda:0 is current: on cuda:1, bit for bit as on cuda:0, with cuda:0 current after each."""
+    from devices import assert_on, assert_same_bits, current, on_gpu
+
+    import cupy
+
+    with cupy.cuda.Device(other_gpu):
+        if int(cupy.cuda.Device().compute_capability) < 89:
+            pytest.skip("FP8 tensor cores need sm_89 or newer")
+    dim = 128
+    q = _unit(rng, 3, 16, dim)
+    d = _unit(rng, 9, 24, dim)
+    d8, ds = lik_cupy.quantize_fp8(d, backend="cpu")
+    dl = rng.integers(0, 25, 9)
+    off = np.concatenate([[0], np.cumsum(dl)])
+    valid = np.arange(24)[None, :] < dl[:, None]
+    arrays = {"q": q, "d": d, "d8": d8, "ds": ds, "dl": dl, "off": off, "t8": np.ascontiguousarray(d8[valid]),
+              "ts": np.ascontiguousarray(ds[valid])}
+    calls = {
+        "quantize": lambda a: lik_cupy.quantize_fp8(a["d"]),
+        "quantize per tensor": lambda a: lik_cupy.quantize_fp8(a["d"], per="tensor"),
+        "dequantize": lambda a: lik_cupy.dequantize_fp8(a["d8"], a["ds"]),
+        "padded": lambda a: lik_cupy.maxsim_fp8(a["q"], a["d8"], a["ds"], d_lengths=a["dl"], return_argmax=True),
+        "packed": lambda a: lik_cupy.maxsim_fp8_varlen(a["q"], a["t8"], a["ts"], a["off"]),
+    }
+    here = {k: on_gpu(_np(_cp(v)), 0) for k, v in arrays.items()}  # (FP8 as its uint8 bits)
+    other = {k: on_gpu(v, other_gpu) for k, v in here.items()}
+    for name, call in calls.items():
+        want = current(call, here)
+        got = current(call, other)
+        assert_on(got, other_gpu, name)
+        assert_same_bits(got, want, name)

@@ -497,3 +497,48 @@ def test_the_bias_gradients_row_of_ones_is_ready_on_every_stream(monkeypatch, dt
         b.synchronize()
     a.synchronize()
     assert (out_a == n).all() and (out_b == n).all(), (out_a, out_b)
+
+
+# ---------------------------------------------------------------- tensors on another GPU than the current one
+
+
+@pytest.mark.parametrize("path", ["one-pass", "torch", "cupy-chunks", "cupy-float32"])
+def test_fused_head_on_another_gpu_is_the_current_gpus_call(other_gpu, path):
+    """maxsim_from_hidden and its gradients with every array on cuda:1 while cuda:0 is current, by each path
+    (the one-pass kernel: float16 d = 128 without lengths, on Hopper; the torch path: float16 with document
+    lengths; the CuPy chunks, and float32): on cuda:1, scores and argmax bit for bit as on cuda:0, gradients to
+    the atomics' rounding (dD's fp32 sums add in any order), and cuda:0 current after each call."""
+    import cupy
+
+    from devices import assert_on, assert_same_bits, current, host, on_gpu
+
+    dtype = torch.float32 if path == "cupy-float32" else torch.float16
+    Q, H, W, b = (x.to("cuda:0") for x in _data(dtype, dim=128 if path == "one-pass" else 64, seed=3))
+    d_len = None if path == "one-pass" else torch.randint(0, 41, (20,), device="cuda:0")
+    chunk = 40 * 64 * 2 * 6 if path == "cupy-chunks" else None  # six documents a chunk
+    g = torch.randn(3, 20, device="cuda:0")
+    if path.startswith("cupy"):
+        Q, H, W, b, g = (cupy.asarray(x.detach()) for x in (Q, H, W, b, g))
+        d_len = cupy.asarray(d_len)
+
+        def call(Q, H, W, b, d_len, g):
+            s, a = lik_cupy.maxsim_from_hidden(Q, H, W, b, d_lengths=d_len, return_argmax=True, max_chunk_bytes=chunk)
+            grads = lik_cupy.maxsim_from_hidden_backward(cupy.where(cupy.isinf(s), 0, g), Q, H, W, b, a,
+                                                         d_lengths=d_len, max_chunk_bytes=chunk)
+            return (s, a), grads
+    else:
+        def call(Q, H, W, b, d_len, g):
+            leaves = [x.detach().requires_grad_() for x in (Q, H, W, b)]
+            s = lt.maxsim_from_hidden(*leaves, d_lengths=d_len)
+            _, a = lt.maxsim_from_hidden(*(x.detach() for x in leaves), d_lengths=d_len, return_argmax=True)
+            grads = torch.autograd.grad((s.masked_fill(torch.isinf(s), 0) * g).sum(), leaves)
+            return (s.detach(), a), grads
+
+    args = (Q, H, W, b, d_len, g)
+    want = current(call, *args)
+    for _ in range(2):
+        got = current(call, *on_gpu(args, other_gpu))
+        assert_on(got, other_gpu)
+        assert_same_bits(got[0], want[0])
+        for x, y in zip(got[1], want[1]):
+            assert _rel_rms(torch.as_tensor(host(x)).float(), torch.as_tensor(host(y)).float()) < 2e-3

@@ -382,3 +382,44 @@ def test_wide_dims_extreme_values_are_exact(kernel_family):
     s = _np(lik_cupy.maxsim_int8(_cp(q8), _cp(d8), _cp(np.ones((2, 40), np.float32)), q_scales=_cp(ones)))
     ref = (q8[0, 0].astype(np.int64) @ d8[:, 0].astype(np.int64).T) * 64
     assert np.array_equal(s[0], ref.astype(np.float32))
+
+
+@pytest.mark.parametrize("fw", ["cupy", "torch"])
+def test_int8_on_another_gpu_is_the_current_gpus_call(rng, other_gpu, fw):
+    """quantize_int8, dequantize_int8, maxsim_int8 (float and int8 queries, device lengths) and
+    maxsim_int8_varlen with their arrays on cuda:1 while cuda:0 is current: on cuda:1, bit for bit as on
+    cuda:0, twice, with cuda:0 current after each."""
+    from devices import assert_on, assert_same_bits, current, on_gpu
+
+    def there(x, device):
+        if fw == "torch":
+            torch = pytest.importorskip("torch")
+            return torch.from_numpy(x).to(f"cuda:{device}")
+        return on_gpu(x, device)
+
+    dim = 64
+    q = _unit(rng, 3, 20, dim)
+    d = _unit(rng, 9, 30, dim)
+    d8, ds = lik_cupy.quantize_int8(d, backend="cpu")
+    q8, qs = lik_cupy.quantize_int8(q, backend="cpu")
+    dl = rng.integers(0, 31, 9)
+    off = np.concatenate([[0], np.cumsum(dl)])
+    valid = np.arange(30)[None, :] < dl[:, None]
+    arrays = {"q": q, "d": d, "d8": d8, "ds": ds, "q8": q8, "qs": qs, "dl": dl, "off": off,
+              "t8": np.ascontiguousarray(d8[valid]), "ts": np.ascontiguousarray(ds[valid])}
+    calls = {
+        "quantize": lambda a: lik_cupy.quantize_int8(a["d"]),
+        "dequantize": lambda a: lik_cupy.dequantize_int8(a["d8"], a["ds"]),
+        "float queries": lambda a: lik_cupy.maxsim_int8(a["q"], a["d8"], a["ds"], d_lengths=a["dl"],
+                                                        return_argmax=True),
+        "int8 queries": lambda a: lik_cupy.maxsim_int8(a["q8"], a["d8"], a["ds"], q_scales=a["qs"]),
+        "packed": lambda a: lik_cupy.maxsim_int8_varlen(a["q"], a["t8"], a["ts"], a["off"], return_argmax=True),
+    }
+    here = {k: there(v, 0) for k, v in arrays.items()}
+    other = {k: there(v, other_gpu) for k, v in arrays.items()}
+    for name, call in calls.items():
+        want = current(call, here)
+        for _ in range(2):
+            got = current(call, other)
+            assert_on(got, other_gpu, name)
+            assert_same_bits(got, want, name)

@@ -895,3 +895,41 @@ def test_gpu_float64_with_x64(rng):
         assert out.dtype == jnp.float64 and rel_err(out, maxsim_ref(q, d)[0]) < TOL["float32"]
         gq = jax.jit(jax.grad(lambda a: maxsim(a, D).sum()))(Q)
         assert gq.dtype == jnp.float64 and gq.shape == Q.shape
+
+
+@pytest.mark.gpu
+def test_gpu_arrays_on_another_device_are_the_first_devices_call(rng, other_gpu):
+    """lik_cupy.jax under jit (forward and gradients) and the top-level lik_cupy.maxsim with JAX arrays on the
+    second GPU, the first one JAX's default and CuPy's current: the results lie on the second GPU, scores and
+    argmax bit for bit as on the first, gradients to the atomics' rounding, and CuPy's device stays the first."""
+    import cupy
+
+    try:
+        gpus = jax.devices("gpu")
+    except RuntimeError:
+        pytest.skip("jax sees no CUDA device (install jax[cuda12])")
+    if len(gpus) < 2:
+        pytest.skip("jax sees one CUDA device")
+    q, d = _inputs(rng, "float16", (3, 9, 64), (7, 13, 64))
+    ql, dl = rng.integers(1, 10, 3), rng.integers(1, 14, 7)
+    w = rng.standard_normal((3, 7)).astype(np.float32)
+
+    def run(dev):
+        Q, D, QL, DL, W = (jax.device_put(x, dev) for x in (q, d, ql, dl, w))
+        jitted = jax.jit(lambda a, b, x, y: maxsim(a, b, q_lengths=x, d_lengths=y, return_argmax=True))(Q, D, QL, DL)
+        top = lik_cupy.maxsim(Q, D, q_lengths=QL, d_lengths=DL, return_argmax=True)
+        grads = jax.jit(jax.grad(lambda a, b: (maxsim(a, b, q_lengths=QL, d_lengths=DL) * W).sum(),
+                                 argnums=(0, 1)))(Q, D)
+        jax.block_until_ready((jitted, top, grads))
+        assert cupy.cuda.runtime.getDevice() == 0
+        return jitted, top, grads
+
+    want = run(gpus[0])
+    for _ in range(2):  # the first call, then the callback's prepared call
+        got = run(gpus[1])
+        for x in jax.tree_util.tree_leaves(got):
+            assert x.devices() == {gpus[1]}
+        for x, y in zip(jax.tree_util.tree_leaves(got[:2]), jax.tree_util.tree_leaves(want[:2])):
+            assert np.asarray(x).tobytes() == np.asarray(y).tobytes()
+        for x, y in zip(got[2], want[2]):
+            _close(x, np.asarray(y, np.float64), "float16")

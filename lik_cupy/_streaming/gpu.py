@@ -202,6 +202,14 @@ class GpuTopK:
         p = part_problem(self.qp, part)
         self.kind = same_kind(self.kind, p.dtype, part)
         dispatch.check_gpu_dim(p.dtype, p.dim)
+        # (before anything of the shard is read: the checks of an empty one's offsets run on this GPU too)
+        if info.device is not None and info.device != self.device:
+            if self.on_host_q:
+                raise ValueError(f"{part.name} is on cuda:{info.device} but this call scores on cuda:{self.device} "
+                                 "(host queries go to the GPU of a list's first device shard, else the current one): "
+                                 "put the device shards on one GPU")
+            raise ValueError(f"{part.name} is on cuda:{info.device} but Q is on cuda:{self.device}: put them on one "
+                             "device")
         if p.nd == 0:  # no document to score, but offsets that cannot be right still raise
             if part.packed and info.device is None:  # host offsets are checked on the host, as the CPU path does
                 host_offsets(host_array(part.offsets, info.framework), p.ntok, part.arg("offsets"))
@@ -213,8 +221,6 @@ class GpuTopK:
         if info.device is None:
             self.add_staged(p, staged_source(host_docs(part, p), p))
             return
-        if info.device != self.device:
-            raise ValueError(f"corpus is on cuda:{info.device} but Q is on cuda:{self.device}")
         self.add_device(p, device_docs(part, p, verify=not self.mark_docs), marked=self.mark_docs)
 
     def add_device(self, p: Problem, docs: DeviceDocs, marked: bool = False):
