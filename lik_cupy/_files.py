@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import io
 import json
 import math
 import os
@@ -164,8 +165,9 @@ def open_npy(path: str | os.PathLike) -> np.ndarray:
     Returns a ``numpy.memmap`` of the file's shape and dtype. Raises ShardError for a
     missing, unreadable, empty, truncated or corrupt file, a special file (a FIFO, a
     device) or a directory, a header whose shape no file could hold, a ``.npz``
-    archive, object data, or format version 3.0 (structured dtypes with non-Latin-1
-    field names, which no embedding, length or id array has). The file checked is the
+    archive, object data, a header holding what numpy.save never writes and Python would warn
+    about when NumPy parses it (a name such as ``if``, a backslash escape), or format version
+    3.0 (structured dtypes with non-Latin-1 field names, which no embedding, length or id array has). The file checked is the
     file mapped: one descriptor, so a FIFO swapped in after the check is never opened.
     """
     path = os.fspath(path)
@@ -200,7 +202,8 @@ def check_npy_header(path: str, f) -> tuple[tuple[int, ...], bool, np.dtype]:
         if length > min(_NPY_MAX_HEADER, left):
             why = "more than the file holds" if length > left else f"past NumPy's limit of {_NPY_MAX_HEADER:,}"
             raise ShardError(path, f"corrupt .npy header: it claims {length:,} bytes of header, {why}")
-        f.seek(-len(raw), os.SEEK_CUR)
+        _check_header_text(path, f.read(length).decode("latin-1"))
+        f.seek(-len(raw) - length, os.SEEK_CUR)
     if version == (1, 0):
         shape, fortran, dtype = np.lib.format.read_array_header_1_0(f)
     elif version == (2, 0):
@@ -225,6 +228,28 @@ def check_npy_header(path: str, f) -> tuple[tuple[int, ...], bool, np.dtype]:
     return shape, fortran, dtype
 
 
+# Names a header of numpy.save holds (True, False; L after a number in a header written by Python 2).
+_NPY_HEADER_NAMES = {"True", "False", "L"}
+
+
+def _check_header_text(path: str, text: str) -> None:
+    """Refuse a .npy header that NumPy's parser (Python's, ``ast.literal_eval``) would warn about on
+    stderr before failing or reading it: a backslash escape in a string, or a name such as ``if``
+    (``4if`` is an "invalid decimal literal"), neither of which a header numpy.save writes holds.
+    A header that does not tokenize is left to NumPy's own error."""
+    try:
+        tokens = list(tokenize.generate_tokens(io.StringIO(text).readline))
+    except (tokenize.TokenError, SyntaxError):
+        return
+    for t in tokens:
+        if t.type == tokenize.STRING and "\\" in t.string:
+            raise ShardError(path, f"corrupt .npy header: it holds a backslash in the string {t.string[:40]!r}; "
+                                   "numpy.save writes none in the headers of the arrays read here")
+        if t.type == tokenize.NAME and t.string not in _NPY_HEADER_NAMES:
+            raise ShardError(path, f"corrupt .npy header: it holds the name {t.string[:40]!r}; numpy.save writes "
+                                   "a dict of strings, integers and True / False")
+
+
 def npy_problem(e: BaseException) -> str:
     """What an error of NumPy's .npy reader says about the file."""
     msg = str(e)
@@ -234,7 +259,7 @@ def npy_problem(e: BaseException) -> str:
         return "truncated .npy file: it holds fewer bytes than its header's shape needs"
     if "EOF" in msg:
         return f"truncated .npy header ({msg})"
-    if "object" in msg.lower() or "pickle" in msg.lower():
+    if "allow_pickle" in msg:  # (object dtypes are refused before NumPy reads data; an AST's "object" is no data)
         return "holds Python objects (object dtype); only numeric and fixed-width string arrays are read"
     if isinstance(e, OSError):
         return f"cannot read: {problem(e)}"

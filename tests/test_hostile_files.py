@@ -934,6 +934,31 @@ def test_npy_header_nested_too_deeply_is_a_shard_error(tmp_path, operators):
         assert str(e.value) == f"{file}: corrupt .npy header (nested too deeply to read)"
 
 
+@pytest.mark.parametrize("shape, why", [
+    ("(2, 4if 1else 4)", "the name 'if'"),  # Python warns "invalid decimal literal" (3.11 on)
+    ("(2, 0x4for 4)", "the name 'or'"),  # "invalid hexadecimal literal"
+    ("(2, 4), 'x\\,': 1", "a backslash"),  # "invalid escape sequence" (DeprecationWarning in 3.11)
+    ("(2, 4 if 1 else 4)", "the name 'if'"),  # no warning, but this was "holds Python objects (object dtype)"
+    ("(2, (4)(4))", None),  # so was this: NumPy's error names an <ast.Call object>
+])
+def test_npy_header_python_would_warn_about_is_one_error_and_no_warning(tmp_path, shape, why):
+    # NumPy parses a header as Python: these made Python print SyntaxWarnings on stderr (lik's one
+    # line of error came after two more), and an expression in the shape was called object data.
+    import warnings
+
+    text = "{'descr': '<f2', 'fortran_order': False, 'shape': %s, }" % shape
+    header = (text + " " * (-(10 + len(text) + 1) % 64) + "\n").encode()
+    path = tmp_path / "x.npy"
+    path.write_bytes(b"\x93NUMPY\x01\x00" + struct.pack("<H", len(header)) + header + bytes(16))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with pytest.raises(shards.ShardError) as e:
+            _files.open_npy(path)
+    assert [str(w.message) for w in seen] == []
+    want = f"corrupt .npy header: it holds {why}" if why else "corrupt .npy file (malformed node"
+    assert str(e.value).startswith(f"{path}: {want}"), str(e.value)
+
+
 def test_special_files_are_judged_without_being_opened(tmp_path, monkeypatch):
     # Opening a device can act (a tape rewinds, a watchdog starts): a link to one is refused by
     # stat alone, for every reader.
