@@ -11,6 +11,7 @@ import importlib
 import queue
 import threading
 import tracemalloc
+import warnings
 from concurrent.futures import Future
 
 import ml_dtypes
@@ -955,3 +956,25 @@ def test_sixteen_threads_of_mixed_calls_get_the_serial_results(rng, chunk_thread
     for (_, i), res in got.items():
         for x, y in zip(res, want[i]):
             np.testing.assert_array_equal(np.asarray(x).view(np.uint8), np.asarray(y).view(np.uint8))
+
+
+@pytest.mark.parametrize("dtype,bits", [(np.float16, 0x7C01), (np.float32, 0x7F800001)])
+@pytest.mark.parametrize("where", ["Q", "D"])
+def test_a_signalling_nan_scores_nan_without_a_warning(dtype, bits, where):
+    """A NaN is an input the CPU path takes (the NaN contract); a signalling one (a bit pattern a file
+    can hold) made NumPy's conversions warn 'invalid value encountered in cast' (an error under
+    -W error) in the forward, the winners' dot products, retrieve, the backward and the INT8
+    quantiser. It scores NaN like any other."""
+    rng = np.random.default_rng(5)
+    Q = rng.standard_normal((2, 4, 16)).astype(dtype)
+    D = rng.standard_normal((3, 5, 16)).astype(dtype)
+    (Q if where == "Q" else D).view(np.uint16 if dtype == np.float16 else np.uint32)[0, 1, 3] = bits
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        s, a = lik_cupy.maxsim(Q, D, return_argmax=True, backend="cpu")
+        lik_cupy.maxsim_varlen(Q, D.reshape(-1, 16), np.arange(0, 16, 5), backend="cpu")
+        lik_cupy.retrieve(Q, D, 2, backend="cpu")
+        lik_cupy.maxsim_backward(np.ones_like(s), Q, D, a, backend="cpu")
+        with pytest.raises(ValueError, match="NaN or inf") if where == "D" else contextlib.nullcontext():
+            lik_cupy.quantize_int8(D, backend="cpu")  # (a NaN token is refused: the error alone)
+    assert np.isnan(s[0]).all() if where == "Q" else (np.isnan(s[:, 0]).all() and not np.isnan(s[:, 1:]).any())

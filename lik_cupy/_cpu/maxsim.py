@@ -555,7 +555,8 @@ def _block_maxima(Q: np.ndarray, q_valid: np.ndarray, blk: _DocBlock, ar: _Arith
     idx = np.full((m, runs.count), -1, np.int64) if want_idx else None
     winners = idx if want_idx else np.empty((m, runs.count), np.int64)
     qn = None if ar.exact else norm_bound(A)
-    A64 = None if ar.exact else A.astype(np.float64)  # (once: the winners' dot products take it in every chunk)
+    with np.errstate(invalid="ignore"):  # (a signalling NaN warns as it converts: it is a NaN like any other)
+        A64 = None if ar.exact else A.astype(np.float64)  # (once: the winners' dot products take it in every chunk)
     chunks, threads, blas_threads = _chunk_plan(runs, m, sets, dim, blk.T.shape[1], ar.gemm.itemsize)
     # (few rows a set, and one token's rows of every set within the scratch: many candidate sets keep the plain GEMM)
     tokens_first = blk.out.tokens_first and m // sets <= _TOKENS_FIRST_ROWS and m <= _TOKENS_FIRST_BYTES // 4

@@ -48,12 +48,13 @@ def quantize_numpy(x: np.ndarray, *, strict: bool = True) -> tuple[np.ndarray, n
     s = np.empty(flat.shape[0], np.float32)
     step = _block_rows(d)
     for r0 in range(0, flat.shape[0], step):
-        with np.errstate(over="ignore"):  # (float64 past float32's range: inf, refused below)
+        # (float64 past float32's range: inf, refused below; a signalling NaN warns where it is read: a NaN)
+        with np.errstate(over="ignore", invalid="ignore"):
             blk = flat[r0 : r0 + step].astype(np.float32)
+            amax = np.abs(blk).max(axis=1)
         finite = np.isfinite(blk).all(axis=1)
         if strict and not finite.all():
             raise _non_finite(x, r0 + int(np.argmin(finite)), "int8")
-        amax = np.abs(blk).max(axis=1)
         sc = np.where(finite, amax / np.float32(127), np.float32(np.nan))
         div = np.where(sc > 0, sc, np.float32(1))
         # In place in blk (a copy): the same float32 operations as rint(blk / div) clipped, without

@@ -103,9 +103,9 @@ def dot64(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     contiguous rows, in an order fixed by ``d`` and NumPy's build alone: the value depends on the
     two vectors only, never on where they sit, on the rows beside them or on BLAS. (float64 inputs'
     products round, fused or not as the build's SIMD baseline has it: the same on one architecture.)"""
-    a = np.ascontiguousarray(a, dtype=np.float64)
-    b = np.ascontiguousarray(b, dtype=np.float64)
-    with np.errstate(invalid="ignore", over="ignore"):
+    with np.errstate(invalid="ignore", over="ignore"):  # (a signalling NaN warns as it converts)
+        a = np.ascontiguousarray(a, dtype=np.float64)
+        b = np.ascontiguousarray(b, dtype=np.float64)
         return np.einsum("...d,...d->...", a, b)
 
 
