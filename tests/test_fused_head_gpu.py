@@ -523,8 +523,9 @@ def test_fused_head_on_another_gpu_is_the_current_gpus_call(other_gpu, path):
 
         def call(Q, H, W, b, d_len, g):
             s, a = lik_cupy.maxsim_from_hidden(Q, H, W, b, d_lengths=d_len, return_argmax=True, max_chunk_bytes=chunk)
-            grads = lik_cupy.maxsim_from_hidden_backward(cupy.where(cupy.isinf(s), 0, g), Q, H, W, b, a,
-                                                         d_lengths=d_len, max_chunk_bytes=chunk)
+            with s.device:  # (CuPy's own kernels run on the current device)
+                gs = cupy.where(cupy.isinf(s), 0, g)
+            grads = lik_cupy.maxsim_from_hidden_backward(gs, Q, H, W, b, a, d_lengths=d_len, max_chunk_bytes=chunk)
             return (s, a), grads
     else:
         def call(Q, H, W, b, d_len, g):

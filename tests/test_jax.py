@@ -916,7 +916,7 @@ def test_gpu_arrays_on_another_device_are_the_first_devices_call(rng, other_gpu)
 
     def run(dev):
         Q, D, QL, DL, W = (jax.device_put(x, dev) for x in (q, d, ql, dl, w))
-        jitted = jax.jit(lambda a, b, x, y: maxsim(a, b, q_lengths=x, d_lengths=y, return_argmax=True))(Q, D, QL, DL)
+        jitted = jax.jit(lambda a, b, x, y: maxsim(a, b, q_lengths=x, d_lengths=y))(Q, D, QL, DL)
         top = lik_cupy.maxsim(Q, D, q_lengths=QL, d_lengths=DL, return_argmax=True)
         grads = jax.jit(jax.grad(lambda a, b: (maxsim(a, b, q_lengths=QL, d_lengths=DL) * W).sum(),
                                  argnums=(0, 1)))(Q, D)
