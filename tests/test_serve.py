@@ -999,6 +999,9 @@ def test_many_concurrent_clients_each_get_their_own_rows(served, local):
     ("score", b'{"inputs": [{"name": "Q", "shape": [1, 16], "datatype": "FP32", "data": [' + b", ".join([b"0.5"] * DIM)
      + b']}], "parameters": {"timeout": Infinity}}', {},
      "parameter timeout must be a positive number of microseconds, got inf"),  # (was "of seconds")
+    # an integer past int64's range as BF16 (ml_dtypes' TypeError was a 500)
+    ("score", {"inputs": [{"name": "Q", "shape": [1, DIM], "datatype": "BF16", "data": [10**30] + [0] * (DIM - 1)}]},
+     None, "corpus has dtype float32 but Q has bfloat16"),
 ])
 def test_bad_requests_get_a_400_naming_the_problem_and_the_server_keeps_serving(served, model, payload, headers,
                                                                                match):
@@ -1010,6 +1013,18 @@ def test_bad_requests_get_a_400_naming_the_problem_and_the_server_keeps_serving(
     q = np.ones((2, DIM), np.float32)
     status, _, _ = served.infer("score", {"inputs": [_json_q(q)]})
     assert status == 200
+
+
+def test_json_bf16_values_are_read_as_floats():
+    """BF16 JSON data took no integer past int64's range (ml_dtypes raised TypeError: a 500)."""
+    from lik_cupy._shard_format import numpy_dtype
+    from lik_cupy.serving import _tensors
+
+    bf16 = numpy_dtype("bfloat16")
+    got = _tensors.tensor_from_values("Q", [[10**30, -2**64], [1.5, 3]], (2, 2), "BF16")
+    assert got.dtype == bf16 and np.array_equal(got, np.array([[1e30, -2.0**64], [1.5, 3]]).astype(bf16))
+    with pytest.raises(ValueError, match="input Q: a value does not fit BF16"):
+        _tensors.tensor_from_values("Q", [10**400], (1,), "BF16")
 
 
 def test_compressed_bodies_are_bounded_after_inflating(served):
