@@ -330,6 +330,39 @@ def test_a_deadline_passing_behind_a_long_batch_is_answered_at_it_and_never_scor
     assert [(r, n) for _, r, n in seen.batches] == [(1, 1), (1, 2)]
 
 
+class _SlowLongQueries(lik_cupy.Corpus):
+    """A host corpus whose batched score calls of more than 100 query tokens sleep 3 s (``started``
+    is set as one starts)."""
+
+    def score(self, Q, *args, **kwargs):
+        if kwargs.get("q_offsets") is not None and len(Q) > 100:
+            self.started.set()
+            time.sleep(3.0)
+        return super().score(Q, *args, **kwargs)
+
+
+def test_requests_are_routed_by_their_tokens_away_from_a_long_call():
+    """Routing counted queries: a replica scoring one long query (a 60 MiB request of a million
+    tokens took 100 s on the host) weighed 1, so with two replicas every other concurrent request
+    queued behind that call while the other replica idled."""
+    rng = np.random.default_rng(43)
+    docs = np.concatenate(_docs(rng, 40))
+    corpus = _SlowLongQueries(docs, d_offsets=np.linspace(0, len(docs), 41).astype(np.int64), device="cpu")
+    corpus.started = threading.Event()
+    seen = _Record()
+    with Batcher([corpus, corpus], max_batch=64, observer=seen) as b:
+        long = b.submit("score", rng.standard_normal((1, 400, DIM)).astype(np.float32))
+        assert corpus.started.wait(30)  # cpu:0 is in its 3 s call
+        start = time.monotonic()
+        short = [rng.standard_normal((1, 5, DIM)).astype(np.float32) for _ in range(6)]
+        futures = [b.submit("score", q) for q in short]  # at once: each finds cpu:1 loaded too
+        for f, q in zip(futures, short):
+            assert np.array_equal(f.result(timeout=30), lik_cupy.Corpus.score(corpus, q))
+        assert time.monotonic() - start < 2.5 and not long.done()
+        long.result(timeout=30)
+    assert [d for d, _, _ in seen.batches].count("cpu:0") == 1  # the long call alone
+
+
 def _waiting_batcher(seed: int, n: int):
     """A host corpus that scores at once, ``n`` queries of 5 tokens, an observer, and a Batcher whose
     worker waits 30 s for companions (a request's deadline, not the worker, must answer it)."""
