@@ -330,6 +330,39 @@ def test_a_deadline_passing_behind_a_long_batch_is_answered_at_it_and_never_scor
     assert [(r, n) for _, r, n in seen.batches] == [(1, 1), (1, 2)]
 
 
+class _SlowLongQueries(lik_cupy.Corpus):
+    """A host corpus whose batched score calls of more than 100 query tokens sleep 3 s (``started``
+    is set as one starts)."""
+
+    def score(self, Q, *args, **kwargs):
+        if kwargs.get("q_offsets") is not None and len(Q) > 100:
+            self.started.set()
+            time.sleep(3.0)
+        return super().score(Q, *args, **kwargs)
+
+
+def test_requests_are_routed_by_their_tokens_away_from_a_long_call():
+    """Routing counted queries: a replica scoring one long query (a 60 MiB request of a million
+    tokens took 100 s on the host) weighed 1, so with two replicas every other concurrent request
+    queued behind that call while the other replica idled."""
+    rng = np.random.default_rng(43)
+    docs = np.concatenate(_docs(rng, 40))
+    corpus = _SlowLongQueries(docs, d_offsets=np.linspace(0, len(docs), 41).astype(np.int64), device="cpu")
+    corpus.started = threading.Event()
+    seen = _Record()
+    with Batcher([corpus, corpus], max_batch=64, observer=seen) as b:
+        long = b.submit("score", rng.standard_normal((1, 400, DIM)).astype(np.float32))
+        assert corpus.started.wait(30)  # cpu:0 is in its 3 s call
+        start = time.monotonic()
+        short = [rng.standard_normal((1, 5, DIM)).astype(np.float32) for _ in range(6)]
+        futures = [b.submit("score", q) for q in short]  # at once: each finds cpu:1 loaded too
+        for f, q in zip(futures, short):
+            assert np.array_equal(f.result(timeout=30), lik_cupy.Corpus.score(corpus, q))
+        assert time.monotonic() - start < 2.5 and not long.done()
+        long.result(timeout=30)
+    assert [d for d, _, _ in seen.batches].count("cpu:0") == 1  # the long call alone
+
+
 def _waiting_batcher(seed: int, n: int):
     """A host corpus that scores at once, ``n`` queries of 5 tokens, an observer, and a Batcher whose
     worker waits 30 s for companions (a request's deadline, not the worker, must answer it)."""
@@ -999,6 +1032,9 @@ def test_many_concurrent_clients_each_get_their_own_rows(served, local):
     ("score", b'{"inputs": [{"name": "Q", "shape": [1, 16], "datatype": "FP32", "data": [' + b", ".join([b"0.5"] * DIM)
      + b']}], "parameters": {"timeout": Infinity}}', {},
      "parameter timeout must be a positive number of microseconds, got inf"),  # (was "of seconds")
+    # an integer past int64's range as BF16 (ml_dtypes' TypeError was a 500)
+    ("score", {"inputs": [{"name": "Q", "shape": [1, DIM], "datatype": "BF16", "data": [10**30] + [0] * (DIM - 1)}]},
+     None, "corpus has dtype float32 but Q has bfloat16"),
 ])
 def test_bad_requests_get_a_400_naming_the_problem_and_the_server_keeps_serving(served, model, payload, headers,
                                                                                match):
@@ -1010,6 +1046,18 @@ def test_bad_requests_get_a_400_naming_the_problem_and_the_server_keeps_serving(
     q = np.ones((2, DIM), np.float32)
     status, _, _ = served.infer("score", {"inputs": [_json_q(q)]})
     assert status == 200
+
+
+def test_json_bf16_values_are_read_as_floats():
+    """BF16 JSON data took no integer past int64's range (ml_dtypes raised TypeError: a 500)."""
+    from lik_cupy._shard_format import numpy_dtype
+    from lik_cupy.serving import _tensors
+
+    bf16 = numpy_dtype("bfloat16")
+    got = _tensors.tensor_from_values("Q", [[10**30, -2**64], [1.5, 3]], (2, 2), "BF16")
+    assert got.dtype == bf16 and np.array_equal(got, np.array([[1e30, -2.0**64], [1.5, 3]]).astype(bf16))
+    with pytest.raises(ValueError, match="input Q: a value does not fit BF16"):
+        _tensors.tensor_from_values("Q", [10**400], (1,), "BF16")
 
 
 def test_compressed_bodies_are_bounded_after_inflating(served):
@@ -1029,6 +1077,23 @@ def test_compressed_bodies_are_bounded_after_inflating(served):
     assert status == 200, body
     status, _, body = served.infer("score", gzip.compress(text) + b"junk", {"Content-Encoding": "gzip"})
     assert status == 400 and "not valid gzip data" in json.loads(body)["error"]
+
+
+def test_many_small_gzip_members_inflate_in_linear_time(served):
+    """Each gzip member's end copied the rest of the body (zlib's unused_data): 160,000 empty members
+    (3 MB) held the event loop, and every other request, for 6 s, a 64 MiB body of them for most of
+    an hour."""
+    import gzip
+
+    members = gzip.compress(b"") * 400_000  # 8 MB, nothing inside: not JSON
+    start = time.monotonic()
+    status, _, body = served.infer("score", members, {"Content-Encoding": "gzip"})
+    assert status == 400 and "the request header is not JSON" in json.loads(body)["error"], body
+    assert time.monotonic() - start < 10
+    text = json.dumps({"inputs": [_json_q(np.ones((2, DIM), np.float32))]}).encode()
+    status, _, body = served.infer("score", b"".join(gzip.compress(text[i:i + 7]) for i in range(0, len(text), 7))
+                                   + gzip.compress(b"") * 1000, {"Content-Encoding": "gzip"})
+    assert status == 200, body
 
 
 def test_backpressure_503_and_deadline_504(shard):

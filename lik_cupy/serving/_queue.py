@@ -92,6 +92,10 @@ class Request:
         return self.Q.shape[1]
 
     @property
+    def tokens(self) -> int:
+        return self.Q.shape[0] * self.Q.shape[1]
+
+    @property
     def group(self) -> tuple:
         """Requests of one group can share a call."""
         width = self.arg if self.op == "search" else self.arg.shape[1] if self.op == "rerank" else 0
@@ -119,7 +123,12 @@ class DeviceQueue:
         self._wake = math.inf
         self._timer_thread: threading.Thread | None = None
         self._queued = 0  # queries waiting
-        self._running = 0  # queries being scored (by the worker or by score_now)
+        # Query tokens (a request's queries x its query length) waiting and being scored (by the worker or
+        # by score_now): the routing load. Counted in queries, one request of a million tokens weighed
+        # as one query, and with two replicas every other concurrent request queued behind its long call
+        # while the other replica idled.
+        self._queued_tokens = 0
+        self._running = 0  # (tokens being scored)
         self._busy = False  # the worker is scoring a batch (of queries or not: a request may hold none)
         self._closing = False
         self._now = False  # a request is being scored by score_now, in the thread that submitted it
@@ -131,8 +140,8 @@ class DeviceQueue:
 
     @property
     def load(self) -> int:
-        """Queries waiting or being scored (read without the lock: a routing hint)."""
-        return self._queued + self._running
+        """Query tokens waiting or being scored (read without the lock: a routing hint)."""
+        return self._queued_tokens + self._running
 
     @property
     def depth(self) -> int:
@@ -153,7 +162,7 @@ class DeviceQueue:
             if self._closing or not self.can_score_now(req.op) \
                     or (self.corpus.device is not None and self._stream is None):
                 return False
-            self._now, self._running = True, req.n
+            self._now, self._running = True, req.tokens
         try:
             req.future.set_running_or_notify_cancel()
             with self.own_stream(self._stream):
@@ -173,6 +182,7 @@ class DeviceQueue:
                 return False
             self._pending.append(req)
             self._queued += req.n
+            self._queued_tokens += req.tokens
             if req.deadline is not None:
                 self._time(req)
             self._cv.notify()
@@ -196,6 +206,7 @@ class DeviceQueue:
         gone = set(requests)
         self._pending = collections.deque(r for r in self._pending if r not in gone)
         self._queued -= sum(r.n for r in requests)
+        self._queued_tokens -= sum(r.tokens for r in requests)
         for r in requests:
             self._untime(r)
 
@@ -356,7 +367,7 @@ class DeviceQueue:
                         continue
                 batch, expired = self._take()
                 if batch:  # (its queries may number 0: _busy, not _running, says the replica is taken)
-                    self._running, self._busy = sum(r.n for r in batch), True
+                    self._running, self._busy = sum(r.tokens for r in batch), True
                 return batch, expired
 
     def _take(self) -> tuple[list[Request], list[Request]]:
@@ -378,6 +389,7 @@ class DeviceQueue:
                 batch.append(r)
             self._untime(r)
             self._queued -= r.n
+            self._queued_tokens -= r.tokens
             if n >= self._max_batch:
                 break
         keep.extend(self._pending)

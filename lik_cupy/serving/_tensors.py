@@ -256,8 +256,11 @@ def tensor_from_values(name: str, data, shape: tuple[int, ...], datatype: str) -
         ok, what = all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in flat), "numbers"
     if not ok:
         raise ValueError(f"input {name}: {datatype} data must be {what}")
+    dt = numpy_dtype(DTYPES[datatype])
     try:
-        return np.asarray(flat, dtype=numpy_dtype(DTYPES[datatype])).reshape(shape)
+        if datatype == "BF16":  # (ml_dtypes takes no integer past int64's range, 10**30; float64 rounds it alike)
+            return np.asarray(flat, np.float64).astype(dt).reshape(shape)
+        return np.asarray(flat, dtype=dt).reshape(shape)
     except OverflowError:
         raise ValueError(f"input {name}: a value does not fit {datatype}") from None
 

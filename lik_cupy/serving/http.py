@@ -512,22 +512,32 @@ def _decoded(body: bytes, encoding: str, limit: int) -> bytes | None:
         return body
     if coding not in ("gzip", "deflate"):
         raise ValueError(f"Content-Encoding {encoding!r} is not supported; use gzip, deflate or none")
-    parts, n, rest = [], 0, body
+    # Each member is fed in steps that double from _INFLATE_STEP: at a member's end zlib copies the
+    # input it was given past that end (unused_data), and the whole rest of the body each time made
+    # a body of many small members quadratic (160,000 empty ones, 3 MB, took 6 s).
+    view, at, parts, n = memoryview(body), 0, [], 0
     while True:
         inflate = zlib.decompressobj(wbits=31 if coding == "gzip" else 15)  # a gzip member, or a zlib stream
-        try:
-            out = inflate.decompress(rest, limit + 1 - n)
-        except zlib.error as e:
-            raise ValueError(f"the body is not valid {coding} data: {e}") from None
-        n += len(out)
-        if n > limit:
-            return None
+        step = _INFLATE_STEP
+        while not inflate.eof and at < len(view):
+            chunk = view[at:at + step]
+            try:
+                out = inflate.decompress(chunk, limit + 1 - n)  # (all of chunk is read unless out reaches the limit)
+            except zlib.error as e:
+                raise ValueError(f"the body is not valid {coding} data: {e}") from None
+            n += len(out)
+            if n > limit:
+                return None
+            parts.append(out)
+            at += len(chunk) - len(inflate.unused_data)
+            step *= 2
         if not inflate.eof:
             raise ValueError(f"the body is not valid {coding} data: it ends early")
-        parts.append(out)
-        rest = inflate.unused_data
-        if coding == "deflate" or not rest:
+        if coding == "deflate" or at == len(view):
             break
-    if coding == "deflate" and rest:
+    if at < len(view):
         raise ValueError("the body is not valid deflate data: bytes follow the end of its stream")
-    return parts[0] if len(parts) == 1 else b"".join(parts)
+    return b"".join(parts)
+
+
+_INFLATE_STEP = 64  # bytes of a member's input fed to zlib first (a gzip member takes 20 at least)
