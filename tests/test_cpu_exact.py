@@ -978,3 +978,29 @@ def test_a_signalling_nan_scores_nan_without_a_warning(dtype, bits, where):
         with pytest.raises(ValueError, match="NaN or inf") if where == "D" else contextlib.nullcontext():
             lik_cupy.quantize_int8(D, backend="cpu")  # (a NaN token is refused: the error alone)
     assert np.isnan(s[0]).all() if where == "Q" else (np.isnan(s[:, 0]).all() and not np.isnan(s[:, 1:]).any())
+
+
+def test_a_long_query_takes_square_blocks_of_a_short_document(monkeypatch):
+    """A query too long for one block with a whole document took the document a few tokens at a time,
+    each block with every query row, so each block's work on its rows (norms, float64 copies, maxima)
+    came once per few tokens: a 512k-token query against 80 documents of 40 took 74 s where 128k took
+    2.2. Blocks now take the query's rows in slices against runs at least as long (or the whole
+    document), with the same bits as one block."""
+    from lik_cupy._cpu import maxsim as cpu_maxsim
+
+    rng = np.random.default_rng(3)
+    Q = rng.standard_normal((1, 20000, 16)).astype(np.float32)
+    D = rng.standard_normal((3, 200, 16)).astype(np.float32)
+    qv, dv = np.ones((1, 20000), bool), rng.random((3, 200)) < 0.9
+    blocks = []
+    real = cpu_maxsim._block_maxima
+
+    def recording(Q, q_valid, blk, *args):
+        blocks.append((Q.shape[1], blk.T.shape[1]))
+        return real(Q, q_valid, blk, *args)
+
+    monkeypatch.setattr(cpu_maxsim, "_block_maxima", recording)
+    small = cpu_maxsim.maxsim_numpy(Q, D, qv, dv, candidates=False, nd=3, return_argmax=True, block_bytes=1 << 20)
+    assert blocks and all(tokens >= min(200, rows) for rows, tokens in blocks), sorted(set(blocks))[:5]
+    whole = cpu_maxsim.maxsim_numpy(Q, D, qv, dv, candidates=False, nd=3, return_argmax=True, block_bytes=1 << 30)
+    assert small[0].tobytes() == whole[0].tobytes() and np.array_equal(small[1], whole[1])

@@ -397,12 +397,15 @@ def _argmax_out(idx: np.ndarray, g: int, lq: int) -> np.ndarray:
 def _long_document(Q: np.ndarray, q_valid: np.ndarray, queries, tokens: np.ndarray, valid: np.ndarray | None,
                    d_scale: np.ndarray | None, ar: _Arith, want_argmax: bool, budget: int, run: int, out: _Buffers):
     """The queries ``queries`` against one document ``tokens [L, d]`` (``valid`` bool [L] or None,
-    ``d_scale`` [L] for INT8) taken ``run`` tokens at a time. Each run's winners and maxima combine
-    exactly into the whole document's: a later run's winner replaces the one so far only with a
-    larger value, or with the first NaN (as ``argmax`` over the whole document), or where the
-    document had no valid token so far. Returns, per query, its maxima [Lq] and winners [Lq] (or
-    None)."""
-    n = tokens.shape[0]
+    ``d_scale`` [L] for INT8) taken ``run`` tokens at a time (``run``: what a block of all the query's
+    rows holds), or, where the query is the longer side, in blocks of its rows against longer runs
+    (``_row_blocks``). Each query token's max over a run and its winner depend on that token alone,
+    and the runs' combine exactly into the whole document's: a later run's winner replaces the one so
+    far only with a larger value, or with the first NaN (as ``argmax`` over the whole document), or
+    where the document had no valid token so far. Returns, per query, its maxima [Lq] and winners [Lq]
+    (or None)."""
+    n, lq = tokens.shape[0], Q.shape[1]
+    rows, run = _row_blocks(lq, n, Q.shape[2], tokens.dtype, ar, want_argmax, budget, run)
     vals: list = [None] * len(queries)
     idxs: list = [None] * len(queries)
     for t0 in range(0, max(n, 1), run):
@@ -411,9 +414,11 @@ def _long_document(Q: np.ndarray, q_valid: np.ndarray, queries, tokens: np.ndarr
         blk = _DocBlock(_tokens(tokens[t0:t1], ar, 1), Runs.padded(1, t1 - t0, v),
                         None if d_scale is None else d_scale[None, t0:t1], out)
         for k, i in enumerate(queries):
-            val, idx = _block_maxima(Q[i:i + 1], q_valid[i:i + 1], blk, ar, want_argmax, budget)
-            val = val[:, 0]
-            idx = None if idx is None else np.where(idx[:, 0] >= 0, idx[:, 0] + t0, -1)
+            parts = [_block_maxima(Q[i:i + 1, r0:r0 + rows], q_valid[i:i + 1, r0:r0 + rows], blk, ar, want_argmax,
+                                   budget) for r0 in range(0, max(lq, 1), rows)]
+            val = np.concatenate([p[0][:, 0] for p in parts])
+            idx = None if parts[0][1] is None else np.concatenate([p[1][:, 0] for p in parts])
+            idx = None if idx is None else np.where(idx >= 0, idx + t0, -1)
             if vals[k] is None:
                 vals[k], idxs[k] = val, idx
                 continue
@@ -424,6 +429,25 @@ def _long_document(Q: np.ndarray, q_valid: np.ndarray, queries, tokens: np.ndarr
             vals[k] = np.where(take, val, vals[k])
         del blk
     return vals, (idxs if want_argmax else None)
+
+
+def _row_blocks(lq: int, n: int, dim: int, dtype, ar: _Arith, argmax: bool, budget: int, run: int) -> tuple[int, int]:
+    """(query rows, document tokens) a block of one long document takes: all ``lq`` rows and ``run``
+    tokens, unless the query is the longer side. Each block costs work on each of its rows (their norms,
+    float64 copy, maxima and winners) and on each of its tokens, so a long query against a short run
+    paid its rows' work once per few tokens, and the call grew with Lq squared (one query of 512k tokens
+    against 80 documents of 40 took 74 s against 2.2 s at 128k). Rows are then the most that still
+    leave a run as long as them (or the whole document), as a square block spreads both sides' work."""
+    if run >= n or lq <= run:
+        return max(lq, 1), run
+    lo, hi = 1, lq  # the most rows r whose run still reaches min(n, r); a run shortens as rows grow
+    while lo < hi:
+        r = (lo + hi + 1) // 2
+        if _Budget.of(r, dim, dtype, ar, argmax, packed=False).run_tokens(budget) >= min(n, r):
+            lo = r
+        else:
+            hi = r - 1
+    return lo, min(n, _Budget.of(lo, dim, dtype, ar, argmax, packed=False).run_tokens(budget))
 
 
 class _Buffers:
