@@ -458,12 +458,15 @@ def test_jax_queries_take_the_cupy_call_through_dlpack(rng, monkeypatch, layout)
     of the plain path and of CuPy queries, JAX's precision default, JAX results on that GPU (string
     ids as NumPy), device ids outside the corpus NaN."""
     jax = pytest.importorskip("jax")
+    import cupy
+
     gpus = [d for d in jax.devices() if d.platform == "gpu"]
     if not gpus:
         pytest.skip("JAX has no GPU here")
     kw, *_ = corpus_case(rng, layout, nd=300, ld=37, dim=128)
-    corpora = [lik_cupy.Corpus(**_on_gpu(kw)),
-               lik_cupy.Corpus(**_on_gpu(kw), ids=np.array([f"d{j}" for j in range(300)]))]
+    with cupy.cuda.Device(gpus[0].id):  # (JAX's first jax.devices() leaves its last GPU current)
+        corpora = [lik_cupy.Corpus(**_on_gpu(kw)),
+                   lik_cupy.Corpus(**_on_gpu(kw), ids=np.array([f"d{j}" for j in range(300)]))]
     Q = rng.standard_normal((5, 19, 128)).astype(np.float32)
     cand = rng.integers(0, 300, (5, 33)).astype(np.int32)
     cand[0, 0] = 300  # outside the corpus: NaN there
