@@ -96,3 +96,15 @@ def current(fn, *args, **kwargs):
     after = cupy.cuda.runtime.getDevice()
     assert after == before, f"{getattr(fn, '__qualname__', fn)} left device {after} current (it was {before})"
     return out
+
+
+def assert_calls_match(calls: dict, here, there, device: int, repeats: int = 2) -> None:
+    """Each ``calls[name](arrays)`` on ``there`` (arrays on GPU ``device``) against the same call on
+    ``here`` (on cuda:0), with cuda:0 current: results on ``device`` and bit for bit, the first call
+    and then (``repeats``) the repeat path's prepared call."""
+    for name, call in calls.items():
+        want = current(call, here)
+        for _ in range(repeats):
+            got = current(call, there)
+            assert_on(got, device, name)
+            assert_same_bits(got, want, name)

@@ -529,7 +529,7 @@ def test_maxsim_on_another_gpu_is_the_current_gpus_call(rng, other_gpu, fw, dtyp
     """maxsim, maxsim_pairs and per-query candidates with their arrays on cuda:1 while cuda:0 is current:
     each runs on cuda:1 (its results there), bit for bit as on cuda:0, strict validation and the repeat
     path (the second call) included, and leaves cuda:0 current."""
-    from devices import assert_on, assert_same_bits, current, on_gpu
+    from devices import assert_calls_match, on_gpu
 
     nq, lq, nd, ld, dim = 3, 20, 9, 33, 64
     q, _ = _cast(_unit(rng, nq, lq, dim), dtype)
@@ -547,18 +547,13 @@ def test_maxsim_on_another_gpu_is_the_current_gpus_call(rng, other_gpu, fw, dtyp
     arrays = {"q": q, "d": d, "c": c, "qm": qm, "dl": dl, "dm": np.arange(ld)[None, :] < dl[:, None]}
     here = {k: _framework(fw, v) for k, v in arrays.items()}
     there = on_gpu(here, other_gpu)
-    for name, call in calls.items():
-        want = current(call, here)
-        for _ in range(2):  # the first call, then the repeat path's prepared call
-            got = current(call, there)
-            assert_on(got, other_gpu, name)
-            assert_same_bits(got, want, name)
+    assert_calls_match(calls, here, there, other_gpu)
 
 
 @pytest.mark.parametrize("fw", ["cupy", "torch"])
 def test_maxsim_varlen_on_another_gpu_is_the_current_gpus_call(rng, other_gpu, fw):
     """maxsim_varlen (device offsets and query lengths, packed queries, strict checks) on cuda:1 while cuda:0 is current."""
-    from devices import assert_on, assert_same_bits, current, on_gpu
+    from devices import assert_calls_match, on_gpu
 
     nq, lq, dim = 3, 24, 64
     lens = rng.integers(0, 40, 11)
@@ -578,12 +573,7 @@ def test_maxsim_varlen_on_another_gpu_is_the_current_gpus_call(rng, other_gpu, f
               "q_off": q_off}
     here = {k: _framework(fw, v) for k, v in arrays.items()}
     there = on_gpu(here, other_gpu)
-    for name, call in calls.items():
-        want = current(call, here)
-        for _ in range(2):
-            got = current(call, there)
-            assert_on(got, other_gpu, name)
-            assert_same_bits(got, want, name)
+    assert_calls_match(calls, here, there, other_gpu)
 
 
 @pytest.mark.parametrize("fw", ["cupy", "torch"])

@@ -292,7 +292,7 @@ def test_fidelity_against_float_scores(rng, kind):
 def test_fp8_on_another_gpu_is_the_current_gpus_call(rng, other_gpu):
     """quantize_fp8 (per token and per tensor), dequantize_fp8, maxsim_fp8 and maxsim_fp8_varlen with their
     arrays on cuda:1 while cuda:0 is current: on cuda:1, bit for bit as on cuda:0, with cuda:0 current after each."""
-    from devices import assert_on, assert_same_bits, current, on_gpu
+    from devices import assert_calls_match, on_gpu
 
     import cupy
 
@@ -317,8 +317,4 @@ def test_fp8_on_another_gpu_is_the_current_gpus_call(rng, other_gpu):
     }
     here = {k: on_gpu(_np(_cp(v)), 0) for k, v in arrays.items()}  # (FP8 as its uint8 bits)
     other = {k: on_gpu(v, other_gpu) for k, v in here.items()}
-    for name, call in calls.items():
-        want = current(call, here)
-        got = current(call, other)
-        assert_on(got, other_gpu, name)
-        assert_same_bits(got, want, name)
+    assert_calls_match(calls, here, other, other_gpu, repeats=1)

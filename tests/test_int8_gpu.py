@@ -389,7 +389,7 @@ def test_int8_on_another_gpu_is_the_current_gpus_call(rng, other_gpu, fw):
     """quantize_int8, dequantize_int8, maxsim_int8 (float and int8 queries, device lengths) and
     maxsim_int8_varlen with their arrays on cuda:1 while cuda:0 is current: on cuda:1, bit for bit as on
     cuda:0, twice, with cuda:0 current after each."""
-    from devices import assert_on, assert_same_bits, current, on_gpu
+    from devices import assert_calls_match, on_gpu
 
     def there(x, device):
         if fw == "torch":
@@ -417,9 +417,4 @@ def test_int8_on_another_gpu_is_the_current_gpus_call(rng, other_gpu, fw):
     }
     here = {k: there(v, 0) for k, v in arrays.items()}
     other = {k: there(v, other_gpu) for k, v in arrays.items()}
-    for name, call in calls.items():
-        want = current(call, here)
-        for _ in range(2):
-            got = current(call, other)
-            assert_on(got, other_gpu, name)
-            assert_same_bits(got, want, name)
+    assert_calls_match(calls, here, other, other_gpu)
