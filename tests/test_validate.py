@@ -441,6 +441,7 @@ def test_a_device_this_machine_lacks_is_named(monkeypatch):
     monkeypatch.setattr(cupy.cuda.runtime, "getDeviceCount", lambda: 1)
     monkeypatch.setattr(backend, "gpu_available", lambda: True)
     monkeypatch.setattr(importlib.import_module("lik_cupy._runtime.warmup"), "gpu_available", lambda: True)
+    monkeypatch.setattr(importlib.import_module("lik_cupy.plaid"), "gpu_available", lambda: True)
     D = np.ones((3, 4, 64), np.float32)
     index = lik_cupy.PlaidIndex.open(INDEX)
     calls = {"Corpus": lambda d: lik_cupy.Corpus(D, device=d), "warmup": lambda d: lik_cupy.warmup(device=d),
