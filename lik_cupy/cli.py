@@ -328,23 +328,26 @@ class _DocIds:
         """``positions`` int64 [Nq, k] -> ids [Nq, k] (int64, or str as wide as the longest of them).
         Each shard's ids are read once per distinct position and cut to the longest read: an
         ids.npy may declare a width far past its ids' (``<U100000``), and gathering every result
-        at that width took gigabytes."""
+        at that width took gigabytes. The positions are sorted by shard once: a mask of every position
+        for each shard made a block take time growing as its results times the shards."""
         if self.corpus is None:
             return positions
-        which = np.searchsorted(self.starts, positions, side="right") - 1
-        parts = {}
-        for j in np.unique(which):
-            sel = which == j
-            distinct, back = np.unique(positions[sel] - self.starts[j], return_inverse=True)
+        flat = positions.reshape(-1)
+        which = np.searchsorted(self.starts, flat, side="right") - 1
+        order = np.argsort(which, kind="stable")  # (each shard's positions in their own order)
+        shards_hit, first = np.unique(which[order], return_index=True)
+        parts = []
+        for j, sel in zip(shards_hit.tolist(), np.split(order, first[1:])):
+            distinct, back = np.unique(flat[sel] - self.starts[j], return_inverse=True)
             ids = _readable_ids(self.corpus[j].ids[distinct])
             if ids.dtype.kind == "U" and ids.size:
                 ids = ids.astype(f"<U{max(1, int(np.char.str_len(ids).max()))}")
-            parts[j] = (sel, ids[back.reshape(-1)])
-        dtype = np.result_type(*(v.dtype for _, v in parts.values())) if parts else np.int64
-        out = np.empty(positions.shape, dtype)
-        for sel, values in parts.values():
+            parts.append((sel, ids[back.reshape(-1)]))
+        dtype = np.result_type(*(v.dtype for _, v in parts)) if parts else np.int64
+        out = np.empty(flat.shape, dtype)
+        for sel, values in parts:
             out[sel] = values
-        return out
+        return out.reshape(positions.shape)
 
 
 # --------------------------------------------------------------------------- progress

@@ -149,6 +149,29 @@ def test_top_k_larger_than_corpus_puts_the_empty_doc_last(tmp_path):
     assert docs[2].tolist() == list(range(17))  # every doc scores 0 for the empty query, the empty one too
 
 
+def test_doc_ids_read_each_result_position_once_however_many_shards():
+    """Results -> ids over many shards: a mask of every position for each shard hit made a block of
+    results take time growing as their number times the shards; count the positions read instead."""
+    import types
+
+    class Positions(np.ndarray):
+        read = 0
+
+        def __getitem__(self, index):
+            Positions.read += np.asarray(index).size
+            return super().__getitem__(index)
+
+    shards_, per = 50, 7
+    corpus = [types.SimpleNamespace(ids=np.array([f"d{j}.{i}" for i in range(per)]), num_docs=per, path=f"s{j}")
+              for j in range(shards_)]
+    rng = np.random.default_rng(0)
+    pos = rng.integers(0, shards_ * per, (40, 10))
+    got = cli._DocIds(corpus)(pos.view(Positions))
+    assert got.shape == pos.shape
+    assert got.tolist() == [[f"d{p // per}.{p % per}" for p in row] for row in pos.tolist()]
+    assert Positions.read <= 4 * pos.size  # (np.unique indexes each shard's own positions too)
+
+
 def test_jsonl_with_string_ids(tmp_path):
     c = Corpus(tmp_path, ids=lambda j: f"doc-{j:02d}")
     out = tmp_path / "res.jsonl"

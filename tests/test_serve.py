@@ -1391,6 +1391,32 @@ def test_a_repeated_binary_header_reads_each_bodys_own_data_and_checks_its_lengt
     assert len(_tensors._PLANS) <= _tensors._PLANS_MAX
 
 
+def test_binary_bytes_past_the_shapes_elements_are_refused_without_reading_each(monkeypatch):
+    """A BYTES input's binary data is read for the shape's elements only: a body of 4-byte empty
+    elements behind shape [1] was walked element by element (16M for a 64 MiB body) before its
+    count was compared."""
+    import struct
+
+    from lik_cupy.serving import _tensors
+
+    calls = []
+
+    def unpack_from(fmt, buf, at):
+        calls.append(at)
+        return struct.unpack_from(fmt, buf, at)
+
+    monkeypatch.setattr(_tensors, "struct", types.SimpleNamespace(unpack_from=unpack_from))
+    raw = memoryview(struct.pack("<I", 2) + b"d1" + bytes(4 * 100_000))
+    with pytest.raises(ValueError, match=r"IDS: shape \[1\] needs 1 BYTES elements, but 400000 more bytes"):
+        _tensors.tensor_from_bytes("IDS", raw, (1,), "BYTES")
+    assert len(calls) == 1
+    calls.clear()
+    got = _tensors.tensor_from_bytes("IDS", raw[:10], (2,), "BYTES")  # (an empty element: 4 bytes)
+    assert got.tolist() == ["d1", ""] and len(calls) == 2
+    with pytest.raises(ValueError, match="needs 3 BYTES elements, got 2"):
+        _tensors.tensor_from_bytes("IDS", raw[:10], (3,), "BYTES")
+
+
 def test_binary_responses_are_the_json_the_generic_path_writes(rng):
     from lik_cupy.serving import _tensors
 

@@ -219,8 +219,11 @@ def tensor_from_bytes(name: str, raw: memoryview, shape: tuple[int, ...], dataty
     """An input of ``shape`` and ``datatype`` from its raw bytes (a view of them where it can)."""
     count = math.prod(shape)
     if datatype == "BYTES":
+        # At most the shape's elements are read: empty elements are 4 bytes each, and a body of
+        # them behind a small shape cost a Python step each (16M for a 64 MiB body) before the count
+        # was compared.
         items, at = [], 0
-        while at < len(raw):
+        while at < len(raw) and len(items) < count:
             if at + 4 > len(raw):
                 raise ValueError(f"input {name}: BYTES element {len(items)} has a truncated length prefix")
             (n,) = struct.unpack_from("<I", raw, at)
@@ -228,6 +231,9 @@ def tensor_from_bytes(name: str, raw: memoryview, shape: tuple[int, ...], dataty
                 raise ValueError(f"input {name}: BYTES element {len(items)} of {n} bytes runs past its data")
             items.append(bytes(raw[at + 4:at + 4 + n]))
             at += 4 + n
+        if at < len(raw):
+            raise ValueError(f"input {name}: shape {list(shape)} needs {count} BYTES elements, but {len(raw) - at} "
+                             f"more bytes of data follow them")
         return tensor_from_strings(name, items, shape)
     dt = numpy_dtype(DTYPES[datatype]).newbyteorder("<")
     if len(raw) != count * dt.itemsize:
