@@ -1004,3 +1004,48 @@ def test_a_long_query_takes_square_blocks_of_a_short_document(monkeypatch):
     assert blocks and all(tokens >= min(200, rows) for rows, tokens in blocks), sorted(set(blocks))[:5]
     whole = cpu_maxsim.maxsim_numpy(Q, D, qv, dv, candidates=False, nd=3, return_argmax=True, block_bytes=1 << 30)
     assert small[0].tobytes() == whole[0].tobytes() and np.array_equal(small[1], whole[1])
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed", "candidates"])
+def test_a_long_query_against_short_documents_stays_within_block_bytes(rng, layout):
+    """A query whose rows alone pass the bound, against documents of 0 to 3 tokens: a document that
+    fitted one run was scored with all the query's rows at once, 9-45x block_bytes. Now in blocks of
+    its rows, with the same scores and winners."""
+    nq, lq, dim, block = 2, 6000, 128, 1 << 20
+    q = rng.standard_normal((nq, lq, dim)).astype(np.float32)
+    qv = rng.random((nq, lq)) < 0.9
+    lens = np.array([1, 0, 3, 2])
+    tok = rng.standard_normal((int(lens.sum()), dim)).astype(np.float32)
+    off = np.concatenate([[0], np.cumsum(lens)])
+    d, dv = cpu.unpack(tok, off)
+    nd = lens.size
+
+    def run(b):
+        if layout == "packed":
+            return cpu.maxsim_packed_numpy(q, qv, tok, off, return_argmax=True, block_bytes=b)
+        if layout == "candidates":
+            return cpu.maxsim_numpy(q, np.concatenate([d, d]), qv, np.concatenate([dv, dv]), candidates=True, nd=nd,
+                                    return_argmax=True, block_bytes=b)
+        return cpu.maxsim_numpy(q, d, qv, dv, candidates=False, nd=nd, return_argmax=True, block_bytes=b)
+    run(block)
+    outputs = nq * nd * (4 + lq * 4)
+    so_far = nq * lq * 16  # each query's maxima and winners over the document so far
+    assert _peak(lambda: run(block)) < outputs + so_far + block * 9 // 8 + NUMPY_BUFFERS
+    (s, a), (s1, a1) = run(block), run(1 << 30)
+    np.testing.assert_array_equal(s, s1)
+    np.testing.assert_array_equal(a, a1)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+def test_a_long_query_with_a_wide_d_stays_within_block_bytes(rng, dtype):
+    """Blocks of a long query's rows counted their tokens in the GEMM's dtype only, not their float64
+    copy for the winners' dot products (8 bytes a dimension more): 1.4-1.6x block_bytes at d = 512."""
+    lq, n, dim, block = 4000, 4000, 512, 2 << 20
+    q = rng.standard_normal((1, lq, dim)).astype(dtype)
+    tok = rng.standard_normal((n, dim)).astype(dtype)
+    qv, off = np.ones((1, lq), bool), np.array([0, n])
+
+    def run(b):
+        return cpu.maxsim_packed_numpy(q, qv, tok, off, return_argmax=True, block_bytes=b)
+    run(block)
+    assert _peak(lambda: run(block)) < lq * 4 + lq * 16 + block * 9 // 8 + NUMPY_BUFFERS
