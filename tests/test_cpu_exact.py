@@ -1004,3 +1004,105 @@ def test_a_long_query_takes_square_blocks_of_a_short_document(monkeypatch):
     assert blocks and all(tokens >= min(200, rows) for rows, tokens in blocks), sorted(set(blocks))[:5]
     whole = cpu_maxsim.maxsim_numpy(Q, D, qv, dv, candidates=False, nd=3, return_argmax=True, block_bytes=1 << 30)
     assert small[0].tobytes() == whole[0].tobytes() and np.array_equal(small[1], whole[1])
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed", "candidates"])
+def test_a_long_query_against_short_documents_stays_within_block_bytes(rng, layout):
+    """A query whose rows alone pass the bound, against documents of 0 to 3 tokens: a document that
+    fitted one run was scored with all the query's rows at once, 9-45x block_bytes. Now in blocks of
+    its rows, with the same scores and winners."""
+    nq, lq, dim, block = 2, 6000, 128, 1 << 20
+    q = rng.standard_normal((nq, lq, dim)).astype(np.float32)
+    qv = rng.random((nq, lq)) < 0.9
+    lens = np.array([1, 0, 3, 2])
+    tok = rng.standard_normal((int(lens.sum()), dim)).astype(np.float32)
+    off = np.concatenate([[0], np.cumsum(lens)])
+    d, dv = cpu.unpack(tok, off)
+    nd = lens.size
+
+    def run(b):
+        if layout == "packed":
+            return cpu.maxsim_packed_numpy(q, qv, tok, off, return_argmax=True, block_bytes=b)
+        if layout == "candidates":
+            return cpu.maxsim_numpy(q, np.concatenate([d, d]), qv, np.concatenate([dv, dv]), candidates=True, nd=nd,
+                                    return_argmax=True, block_bytes=b)
+        return cpu.maxsim_numpy(q, d, qv, dv, candidates=False, nd=nd, return_argmax=True, block_bytes=b)
+    run(block)
+    outputs = nq * nd * (4 + lq * 4)
+    so_far = nq * lq * 16  # each query's maxima and winners over the document so far
+    assert _peak(lambda: run(block)) < outputs + so_far + block * 9 // 8 + NUMPY_BUFFERS
+    (s, a), (s1, a1) = run(block), run(1 << 30)
+    np.testing.assert_array_equal(s, s1)
+    np.testing.assert_array_equal(a, a1)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+def test_a_long_query_with_a_wide_d_stays_within_block_bytes(rng, dtype):
+    """Blocks of a long query's rows counted their tokens in the GEMM's dtype only, not their float64
+    copy for the winners' dot products (8 bytes a dimension more): 1.4-1.6x block_bytes at d = 512."""
+    lq, n, dim, block = 4000, 4000, 512, 2 << 20
+    q = rng.standard_normal((1, lq, dim)).astype(dtype)
+    tok = rng.standard_normal((n, dim)).astype(dtype)
+    qv, off = np.ones((1, lq), bool), np.array([0, n])
+
+    def run(b):
+        return cpu.maxsim_packed_numpy(q, qv, tok, off, return_argmax=True, block_bytes=b)
+    run(block)
+    assert _peak(lambda: run(block)) < lq * 4 + lq * 16 + block * 9 // 8 + NUMPY_BUFFERS
+
+
+def _random_call(seed: int):
+    """A seeded random call of the NumPy path: layout (padded, packed, candidates), dtype (float16,
+    bfloat16, float32, float64, INT8, FP8), shapes from 1 to thousands of tokens (a long query or
+    document now and then), d from 1 to 512, masks, argmax; returns (run(block_bytes), outputs' bytes,
+    the queries' token count)."""
+    rng = np.random.default_rng(seed)
+    layout = ["padded", "packed", "candidates"][rng.integers(3)]
+    dt = ["float16", "bfloat16", "float32", "float64", "int8", "fp8"][rng.integers(6)]
+    dim = int(rng.choice([1, 2, 7, 16, 33, 64, 128, 256, 512]))
+    nq, lq, nd, ld = (int(np.exp(rng.uniform(0, np.log(hi)))) for hi in (6, 6000, 40, 6000))
+    while nq * lq * nd * ld * dim > 2e9 and nd > 1:
+        nd //= 2
+    argmax, masks = bool(rng.integers(2)), bool(rng.integers(2))
+
+    def make(shape):
+        if dt == "int8":
+            return rng.integers(-127, 128, shape).astype(np.int8)
+        x = rng.standard_normal(shape).astype(np.float32)
+        return x.astype({"bfloat16": ml_dtypes.bfloat16, "fp8": ml_dtypes.float8_e4m3fn}.get(dt, dt))
+    q = make((nq, lq, dim))
+    qv = rng.random((nq, lq)) < 0.8 if masks else np.ones((nq, lq), bool)
+    scaled = dt in ("int8", "fp8")
+    qs = rng.random((nq, lq)).astype(np.float32) if scaled else None
+    if layout == "packed":
+        lens = rng.integers(0, 2 * ld + 1, nd)
+        tok = make((int(lens.sum()), dim))
+        off = np.concatenate([[0], np.cumsum(lens)])
+        ds = rng.random(tok.shape[0]).astype(np.float32) if scaled else None
+
+        def run(b):
+            return cpu.maxsim_packed_numpy(q, qv, tok, off, return_argmax=argmax, block_bytes=b, q_scale=qs, d_scale=ds)
+    else:
+        rows = nq * nd if layout == "candidates" else nd
+        d = make((rows, ld, dim))
+        dv = rng.random((rows, ld)) < 0.8 if masks else np.ones((rows, ld), bool)
+        ds = rng.random((rows, ld)).astype(np.float32) if scaled else None
+
+        def run(b):
+            return cpu.maxsim_numpy(q, d, qv, dv, candidates=layout == "candidates", nd=nd, return_argmax=argmax,
+                                    block_bytes=b, q_scale=qs, d_scale=ds)
+    return run, nq * nd * (8 + (lq * 4 if argmax else 0)), nq * lq
+
+
+@pytest.mark.parametrize("seed", [1, 35, 41, 44, 73, 88])
+def test_random_calls_stay_within_block_bytes_and_are_blocking_independent(seed):
+    """The module's bound on random shapes (the seeds include long queries against short documents,
+    which passed it 3-45x), and the same bits with a block as large as the call."""
+    run, outputs, query_tokens = _random_call(seed)
+    block = [256 << 10, 1 << 20, 4 << 20][seed % 3]
+    run(block)
+    assert _peak(lambda: run(block)) < outputs + query_tokens * 16 + block * 9 // 8 + NUMPY_BUFFERS
+    (s, a), (s1, a1) = run(block), run(1 << 30)
+    np.testing.assert_array_equal(s, s1)
+    if a is not None:
+        np.testing.assert_array_equal(a, a1)

@@ -43,12 +43,14 @@ few short queries (``docs/benchmarks.md``).
 
 Memory: the temporaries of one block (similarities, document tokens converted for the GEMM, their
 norm bounds, the per-document maxima, thresholds and winners) stay under ``block_bytes`` (default
-64 MiB), whatever the corpus size and however long one document is: a document whose tokens alone
-pass the bound is scored in runs of its tokens, whose winners combine exactly (the larger reference
-similarity, the earlier run on ties, the first NaN). The winners' dot products and the float64
-decisions work through their pairs in pieces of an eighth of that bound (all chunk threads
-together): ``9/8 * block_bytes`` in all (plus NumPy's own casting buffers, a fixed few hundred
-kilobytes), except that a run holds one query against one document token at least.
+64 MiB), whatever the corpus size and however long one document or query is: a document that passes
+the bound with one query (its tokens, or the query's) is scored in runs of its tokens against blocks
+of the query's rows, whose winners combine exactly (the larger reference similarity, the earlier run
+on ties, the first NaN). The winners' dot products and the float64 decisions work through their pairs
+in pieces of an eighth of that bound (all chunk threads together): ``9/8 * block_bytes`` in all (plus
+NumPy's own casting buffers, a fixed few hundred kilobytes), except that a block holds one query token
+against one document token at least. Beside it, as the results are: while such a document is scored,
+its queries' maxima and winners so far (16 bytes a query token).
 """
 
 from __future__ import annotations
@@ -119,7 +121,7 @@ class _Arith:
 @dataclass(frozen=True)
 class _Budget:
     """How one call's blocks fit ``block_bytes``: the temporary bytes held per query (its tokens in the
-    GEMM's dtype, their norms), per document token (its similarities with the query's tokens and the
+    GEMM's dtype and, where the winners' dot products need them, in float64; their norms), per document token (its similarities with the query's tokens and the
     argmax test; its copy in the GEMM's dtype where it needs converting, and its norm) and per
     document (the query's per-document maxima, thresholds, winners and masks)."""
 
@@ -131,7 +133,8 @@ class _Budget:
     def of(lq: int, dim: int, dtype, ar: _Arith, argmax: bool, *, packed: bool) -> _Budget:
         g = ar.gemm.itemsize
         converted = dim * g if np.dtype(dtype) != ar.gemm else 0
-        return _Budget(lq * (dim * g + 16), lq * ar.element_bytes(argmax, packed) + converted + g + 1, lq * _PER_MAX)
+        rows = dim * (g + (0 if ar.exact else 8))  # (_block_maxima's A and A64)
+        return _Budget(lq * (rows + 16), lq * ar.element_bytes(argmax, packed) + converted + g + 1, lq * _PER_MAX)
 
     def run_tokens(self, block_bytes: int) -> int:
         """Tokens of one document a block may hold (one at least)."""
@@ -175,12 +178,11 @@ def maxsim_numpy(Q: np.ndarray, D: np.ndarray, q_valid: np.ndarray, d_valid: np.
             amax[i0:i1, j0:j1] = _argmax_out(res[1], i1 - i0, lq)
 
     if b.fixed + per_doc > block_bytes:  # one document passes the bound: each in runs of its tokens
-        run = b.run_tokens(block_bytes)
         for i0, rows, queries in _document_sets(nq, nd, candidates):
             for j in range(nd):
                 res = _long_document(Q, q_valid, queries, D[rows.start + j], d_valid[rows.start + j],
                                      None if d_scale is None else d_scale[rows.start + j], ar, return_argmax,
-                                     block_bytes, run, out)
+                                     block_bytes, out)
                 for k, i in enumerate(queries):
                     put(i, i + 1, j, j + 1, (res[0][k][:, None], None if res[1] is None else res[1][k][:, None]))
         return scores, amax
@@ -276,17 +278,18 @@ def maxsim_packed_numpy(Q: np.ndarray, q_valid: np.ndarray, tokens: np.ndarray, 
     room = block_bytes - b.fixed
     # as few blocks as fit, evened out in bytes (_even)
     cuts = even_cuts(cost, -(-int(cost[-1]) // room) if nd and room > 0 else 1)
-    run = b1.run_tokens(block_bytes)
     j0 = 0
     while j0 < nd:
         spent = int(cost[j0 - 1]) if j0 else 0
         cut = cuts[bisect.bisect_right(cuts, j0)]
         j1 = max(j0 + 1, min(cut, int(np.searchsorted(cost, spent + room, side="right"))))
         t0, t1 = int(offsets[j0]), int(offsets[j1])
-        if j1 == j0 + 1 and t1 - t0 > run:  # one document passes the bound alone: in runs of its tokens
+        if j1 == j0 + 1 and b1.fixed + (t1 - t0) * b1.per_token + b1.per_doc > block_bytes:
+            # one document passes the bound alone, with one query's rows (a long query too): in runs of
+            # its tokens and blocks of the query's rows
             vals, idxs = _long_document(Q, q_valid, range(nq), tokens[t0:t1], None,
                                         None if d_scale is None else d_scale[t0:t1], ar, return_argmax, block_bytes,
-                                        run, out)
+                                        out)
             for i in range(nq):
                 qs = None if q_scale is None else q_scale[i:i + 1]
                 val, idx = vals[i][:, None], None if idxs is None else idxs[i][:, None]
@@ -395,59 +398,68 @@ def _argmax_out(idx: np.ndarray, g: int, lq: int) -> np.ndarray:
 
 
 def _long_document(Q: np.ndarray, q_valid: np.ndarray, queries, tokens: np.ndarray, valid: np.ndarray | None,
-                   d_scale: np.ndarray | None, ar: _Arith, want_argmax: bool, budget: int, run: int, out: _Buffers):
+                   d_scale: np.ndarray | None, ar: _Arith, want_argmax: bool, budget: int, out: _Buffers):
     """The queries ``queries`` against one document ``tokens [L, d]`` (``valid`` bool [L] or None,
-    ``d_scale`` [L] for INT8) taken ``run`` tokens at a time (``run``: what a block of all the query's
-    rows holds), or, where the query is the longer side, in blocks of its rows against longer runs
-    (``_row_blocks``). Each query token's max over a run and its winner depend on that token alone,
+    ``d_scale`` [L] for INT8) in blocks of a run of its tokens against a block of a query's rows
+    (``_row_blocks``: all of them unless the query is the longer side or alone passes the bound),
+    within ``budget`` bytes beside the queries' maxima and winners so far (16 bytes a query token, on
+    top: taken out of the budget, a long query against a small one left blocks of a few rows). Each query token's max over a run and its winner depend on that token alone,
     and the runs' combine exactly into the whole document's: a later run's winner replaces the one so
     far only with a larger value, or with the first NaN (as ``argmax`` over the whole document), or
     where the document had no valid token so far. Returns, per query, its maxima [Lq] and winners [Lq]
     (or None)."""
-    n, lq = tokens.shape[0], Q.shape[1]
-    rows, run = _row_blocks(lq, n, Q.shape[2], tokens.dtype, ar, want_argmax, budget, run)
-    vals: list = [None] * len(queries)
-    idxs: list = [None] * len(queries)
+    n, lq, dim = tokens.shape[0], Q.shape[1], Q.shape[2]
+    want_idx = want_argmax or not ar.exact
+    vals = [np.full(lq, -np.inf, np.float32 if ar.exact else np.float64) for _ in queries]
+    idxs = [np.full(lq, -1, np.int64) if want_idx else None for _ in queries]
+    rows, run = _row_blocks(lq, n, dim, tokens.dtype, ar, want_argmax, budget)
     for t0 in range(0, max(n, 1), run):
         t1 = min(n, t0 + run)
         v = np.ones((1, t1 - t0), bool) if valid is None else valid[None, t0:t1]
         blk = _DocBlock(_tokens(tokens[t0:t1], ar, 1), Runs.padded(1, t1 - t0, v),
                         None if d_scale is None else d_scale[None, t0:t1], out)
         for k, i in enumerate(queries):
-            parts = [_block_maxima(Q[i:i + 1, r0:r0 + rows], q_valid[i:i + 1, r0:r0 + rows], blk, ar, want_argmax,
-                                   budget) for r0 in range(0, max(lq, 1), rows)]
-            val = np.concatenate([p[0][:, 0] for p in parts])
-            idx = None if parts[0][1] is None else np.concatenate([p[1][:, 0] for p in parts])
-            idx = None if idx is None else np.where(idx >= 0, idx + t0, -1)
-            if vals[k] is None:
-                vals[k], idxs[k] = val, idx
-                continue
-            take = (val > vals[k]) | (np.isnan(val) & ~np.isnan(vals[k]))
-            if idx is not None:
-                take |= (idxs[k] < 0) & (idx >= 0)
-                idxs[k] = np.where(take, idx, idxs[k])
-            vals[k] = np.where(take, val, vals[k])
+            for r0 in range(0, max(lq, 1), rows):
+                r = slice(r0, min(lq, r0 + rows))
+                val, idx = _block_maxima(Q[i:i + 1, r], q_valid[i:i + 1, r], blk, ar, want_argmax, budget)
+                val, cur = val[:, 0], vals[k][r]
+                take = (val > cur) | (np.isnan(val) & ~np.isnan(cur))
+                if idx is not None:
+                    idx = np.where(idx[:, 0] >= 0, idx[:, 0] + t0, -1)
+                    take |= (idxs[k][r] < 0) & (idx >= 0)
+                    np.copyto(idxs[k][r], idx, where=take)
+                np.copyto(cur, val, where=take)
+                del val, idx, take
         del blk
     return vals, (idxs if want_argmax else None)
 
 
-def _row_blocks(lq: int, n: int, dim: int, dtype, ar: _Arith, argmax: bool, budget: int, run: int) -> tuple[int, int]:
-    """(query rows, document tokens) a block of one long document takes: all ``lq`` rows and ``run``
-    tokens, unless the query is the longer side. Each block costs work on each of its rows (their norms,
+def _row_blocks(lq: int, n: int, dim: int, dtype, ar: _Arith, argmax: bool, budget: int) -> tuple[int, int]:
+    """(query rows, document tokens) a block of one long document of ``n`` tokens takes within
+    ``budget``: all ``lq`` rows and the most tokens they leave room for, unless the query is the longer
+    side or its rows alone pass the bound. Each block costs work on each of its rows (their norms,
     float64 copy, maxima and winners) and on each of its tokens, so a long query against a short run
     paid its rows' work once per few tokens, and the call grew with Lq squared (one query of 512k tokens
     against 80 documents of 40 took 74 s against 2.2 s at 128k). Rows are then the most that still
-    leave a run as long as them (or the whole document), as a square block spreads both sides' work."""
-    if run >= n or lq <= run:
-        return max(lq, 1), run
-    lo, hi = 1, lq  # the most rows r whose run still reaches min(n, r); a run shortens as rows grow
+    leave a run as long as them (or the whole document), as a square block spreads both sides' work;
+    one row and one token at least."""
+    def fits(r: int) -> bool:
+        b = _Budget.of(r, dim, dtype, ar, argmax, packed=False)
+        return budget - b.fixed - b.per_doc >= min(n, r) * b.per_token
+
+    def run(r: int) -> int:
+        return _Budget.of(r, dim, dtype, ar, argmax, packed=False).run_tokens(budget)
+
+    if lq <= 1 or fits(lq):
+        return max(lq, 1), run(max(lq, 1))
+    lo, hi = 1, lq - 1  # the most rows r whose run still reaches min(n, r); a run shortens as rows grow
     while lo < hi:
         r = (lo + hi + 1) // 2
-        if _Budget.of(r, dim, dtype, ar, argmax, packed=False).run_tokens(budget) >= min(n, r):
+        if fits(r):
             lo = r
         else:
             hi = r - 1
-    return lo, min(n, _Budget.of(lo, dim, dtype, ar, argmax, packed=False).run_tokens(budget))
+    return lo, min(max(n, 1), run(lo))
 
 
 class _Buffers:

@@ -22,10 +22,10 @@ float32 tokens and their rows, then 1/8 for decompressing them in float64 pieces
 3/16 for one query's gathered documents or 1/16 for a shared block's scores and argmax, and 1/2 for
 ``maxsim_packed_numpy`` (9/16 of ``block_bytes`` by its bound). One document whose tokens alone
 pass their share is decompressed whole, and ``maxsim_packed_numpy``'s own exceptions hold here
-too: a run holds one query against one document token at least (``Lq * (4 d + 16)`` bytes: 0.5 MiB
-for 1,024 tokens at d = 128), and NumPy's casting buffers come on top. So a small budget can be
-passed (1 MiB with queries of 1,024 tokens at d = 128 held 1.5 MiB beside the results; the default
-64 MiB only by a query of tens of thousands of tokens).
+too: a block holds one query token against one document token at least, a long document's queries'
+maxima and winners so far (16 bytes a query token) and NumPy's casting buffers come on top. So a
+small budget can be passed by those (a few hundred KB; the default 64 MiB only by queries of
+millions of tokens).
 """
 
 from __future__ import annotations
