@@ -47,7 +47,7 @@ def maxsim_varlen_zero_pad_grad(Q, D_tokens, d_offsets, zero_pad, q_mask=None, *
     known good)."""
     check_method(method)
     check_eager(Q)
-    if not needs_grad(Q, D_tokens):
+    if not (needs_grad(Q, D_tokens) or transformed()):  # (torch.func's tensors have no data: the Function's vmap rule)
         return _maxsim_varlen_zero_pad(Q, D_tokens, d_offsets, zero_pad, q_mask, q_lengths=q_lengths,
                                        backend=backend_of(Q), precision=precision, validate=validate)
     offsets = as_tensor(d_offsets, Q)  # the backward reads them too

@@ -287,3 +287,24 @@ def test_patch_covers_every_copy_and_unpatch_restores_them(rng):
     for m, n in places:
         assert getattr(m, n) is before[(m.__name__, n)]
     assert vars(processing.BaseVisualRetrieverProcessor)["score_multi_vector"] is smv
+
+
+def test_packed_zero_pad_calls_under_vmap_match_a_loop():
+    """torch.func.vmap over the packed zero-padding call (behind score_multi_vector's packed pages) with no
+    gradient read the batched tensors' data, "Cannot access data pointer of Tensor that doesn't have
+    storage", where its padded sibling goes through the autograd Function's vmap rule; vmap of grad too."""
+    from lik_cupy._torch_autograd import maxsim_varlen_zero_pad_grad
+
+    gen = torch.Generator().manual_seed(0)
+    Q, D = torch.randn(3, 2, 5, 16, generator=gen), torch.randn(20, 16, generator=gen)
+    off, zp = torch.tensor([0, 4, 4, 11, 20]), torch.tensor([True, False, True, False])
+
+    def f(q):
+        return maxsim_varlen_zero_pad_grad(q, D, off, zp)
+
+    assert torch.equal(torch.func.vmap(f)(Q), torch.stack([f(q) for q in Q]))
+    grads = torch.func.vmap(torch.func.grad(lambda q: f(q).sum()))(Q)
+    for b in range(3):
+        q = Q[b].clone().requires_grad_(True)
+        f(q).sum().backward()
+        assert torch.equal(grads[b], q.grad)
