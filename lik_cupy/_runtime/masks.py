@@ -8,6 +8,7 @@ first, so a mask costs what the same lengths cost (one small kernel more, readin
 
 from __future__ import annotations
 
+from .._validate import check_32bit
 from .kernels import MASKS
 from .nvrtc import function_handle
 from .raw_launch import launch_raw, signature
@@ -24,8 +25,6 @@ def mask_spans(mask, device: int, *, masked: bool = False):
     ``n`` one past its last valid token. ``masked``: also return uint8 ``[rows]``, 1 where a row has
     a masked token (the zero-vector padding flags of ``zero_pad="masked"``, ``lik_cupy._maxsim_calls``)."""
     import cupy
-
-    from .._validate import check_32bit
 
     rows, length = mask.shape
     check_32bit(Ld=length)  # (the kernel's int row length: else a struct.error saying nothing of it)
