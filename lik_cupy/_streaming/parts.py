@@ -123,10 +123,7 @@ def part_problem(qp: Problem, part: Part) -> Problem:
                             "pass float Q")
         if info.dtype != qp.dtype:
             raise TypeError(f"{part.name} has dtype {info.dtype} but Q has {qp.dtype}: cast one so both match")
-    p = doc_problem(part, info)
-    if p.dim != qp.dim:  # (with_queries says "corpus": here the part, one shard of it maybe)
-        raise ValueError(f"{part.name} has dim {p.dim} but Q has dim {qp.dim}")
-    return with_queries(qp, p)
+    return with_queries(qp, doc_problem(part, info), part.name)
 
 
 def doc_problem(part: Part, info: interop.Info) -> Problem:
@@ -168,11 +165,11 @@ def _check_streamed(dtype: str, name: str) -> None:
                         f"(lik_cupy.{spec.dequantiser})")
 
 
-def with_queries(qp: Problem, p: Problem) -> Problem:
-    """One scoring call of the queries ``qp`` against the documents ``p`` (``doc_problem``), whose
-    dtype the caller has matched to the queries'."""
+def with_queries(qp: Problem, p: Problem, name: str = "corpus") -> Problem:
+    """One scoring call of the queries ``qp`` against the documents ``p`` (``doc_problem``; ``name``:
+    theirs in an error, a shard of a corpus maybe), whose dtype the caller has matched to the queries'."""
     if p.dim != qp.dim:
-        raise ValueError(f"corpus has dim {p.dim} but Q has dim {qp.dim}")
+        raise ValueError(f"{name} has dim {p.dim} but Q has dim {qp.dim}")
     return replace(p, framework=qp.framework, device=qp.device, nq=qp.nq, lq=qp.lq, scores_shape=(qp.nq, p.nd),
                    argmax_shape=(qp.nq, p.nd, qp.lq), q_valid=qp.q_valid)
 
