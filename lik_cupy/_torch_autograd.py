@@ -12,7 +12,7 @@ import numbers
 import torch
 
 from ._validate import check_backward, check_call, check_varlen
-from ._dispatch.select import BACKWARD_METHODS as _METHODS
+from ._dispatch.select import check_backward_method as check_method  # (with the forward, not first at backward time)
 from .backward import maxsim_backward as _maxsim_backward
 from ._maxsim_calls import maxsim_varlen_zero_pad as _maxsim_varlen_zero_pad
 from ._maxsim_calls import maxsim_zero_pad as _maxsim_zero_pad
@@ -232,11 +232,6 @@ def check_tensors(**named) -> None:
         if x is not None and not isinstance(x, torch.Tensor):
             raise TypeError(f"{name} is a {type(x).__module__}.{type(x).__qualname__}; lik_cupy.torch takes torch "
                             "tensors (lik_cupy.maxsim takes any framework's arrays, without autograd)")
-
-
-def check_method(method) -> None:
-    if not isinstance(method, str) or method not in _METHODS:  # with the forward, not first at backward time
-        raise ValueError(f"method must be one of {_METHODS}, got {method!r}")
 
 
 def as_tensor(x, like):

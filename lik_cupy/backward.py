@@ -15,7 +15,7 @@ from . import _dispatch as dispatch
 from . import _interop as interop
 from ._base.device import allocating, device_properties
 from ._dispatch.backend import check_backend, use_gpu
-from ._dispatch.select import BACKWARD_METHODS
+from ._dispatch.select import check_backward_method
 from ._interop import GpuCall, host_array
 from ._runtime.device_checks import capturing, strict
 from ._runtime.backward import (THREADS, atomic_functions, doc_rows, grad_scores_f32, gradient_out, host_gradient_out,
@@ -79,8 +79,7 @@ def maxsim_backward(grad_scores, Q, D, argmax, *, d_offsets=None, method="auto",
     call = lookup(key)
     if call is not None:
         return call(grad_scores, Q, D, argmax, d_offsets)
-    if not isinstance(method, str) or method not in BACKWARD_METHODS:
-        raise ValueError(f"method must be one of {BACKWARD_METHODS}, got {method!r}")
+    check_backward_method(method)
     check_backend(backend)
     p = check_backward(grad_scores, Q, D, argmax, d_offsets)
     on_gpu = use_gpu(backend, p.device, float64=p.dtype == "float64", float64_gpu=True)

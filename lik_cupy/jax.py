@@ -67,7 +67,7 @@ from ._dispatch.backend import check_backend, use_gpu
 from ._dispatch.jax_paths import choose_jax_path
 from ._validate import (HiddenProblem, Problem, check_call, check_hidden, check_hidden_options, check_scaled_scales,
                         check_varlen, host_ints)
-from ._dispatch.select import BACKWARD_METHODS
+from ._dispatch.select import check_backward_method
 from ._dispatch.precision import fp32_accurate
 
 __all__ = ["maxsim", "maxsim_varlen", "maxsim_int8", "maxsim_int8_varlen", "maxsim_from_hidden"]
@@ -262,8 +262,7 @@ class _Call:
 
     @classmethod
     def of(cls, fn: str, p: Problem, method: str, precision, backend: str) -> _Call:
-        if not isinstance(method, str) or method not in BACKWARD_METHODS:  # (an array of names is no name)
-            raise ValueError(f"method must be one of {BACKWARD_METHODS}, got {method!r}")
+        check_backward_method(method)
         if backend == "gpu":  # no GPU or no CuPy: the documented error now, not from inside XLA's run
             use_gpu(backend, None)
         check_backend(backend)

@@ -16,6 +16,7 @@ from .elements import ELEMS, ElemSpec, elem_spec
 from .plan import tile_rows
 
 __all__ = ["choose_forward", "choose_residual", "choose_backward", "choose_hidden_fused", "BACKWARD_METHODS",
+           "check_backward_method",
            "all_forward_configs", "all_residual_configs", "residual_dim_ok", "split_family", "uses_split",
            "RESIDUAL_DTYPES"]
 
@@ -349,6 +350,12 @@ def all_forward_configs(arch: int, dims=None) -> list[FwdConfig]:
 
 
 BACKWARD_METHODS = ("auto", "csr", "atomic")  # maxsim_backward's method=
+
+
+def check_backward_method(method) -> None:
+    """ValueError unless ``method`` is one of ``BACKWARD_METHODS`` (an array of names is no name)."""
+    if not isinstance(method, str) or method not in BACKWARD_METHODS:
+        raise ValueError(f"method must be one of {BACKWARD_METHODS}, got {method!r}")
 
 
 def choose_backward(method: str, cc: int, nq: int, nd: int, lq: int, rows: int, dim: int) -> str:
