@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["kernel_operands", "padded_runs", "CHUNK_BYTES"]
+__all__ = ["kernel_operands", "padded_runs", "list_dim", "CHUNK_BYTES"]
 
 # A list of embeddings is zero-padded a run of rows at a time into buffers of at most about this many
 # bytes (colpali-engine pads a batch of 128 rows, PyLate's pairwise scores pair by pair).
@@ -42,3 +42,16 @@ def padded_runs(limit: int, token_bytes: int, *lengths) -> list:
         widths = grown
     runs.append(slice(start, n))
     return runs
+
+
+def list_dim(xs, name: str, layout: str) -> int | None:
+    """The embedding dim of a list of embeddings ``xs`` (``name`` in errors; each a torch tensor
+    ``layout``, 2-D, of one last dim), every entry checked before any is copied; None for no entry."""
+    for i, x in enumerate(xs):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name}[{i}] must be a torch tensor, got {type(x).__name__}")
+        if x.ndim != 2:
+            raise ValueError(f"{name}[{i}] must be {layout}, got shape {list(x.shape)}")
+        if x.shape[1] != xs[0].shape[1]:
+            raise ValueError(f"{name}[{i}] has dim {x.shape[1]} but {name}[0] has dim {xs[0].shape[1]}")
+    return xs[0].shape[1] if len(xs) else None

@@ -33,7 +33,7 @@ from .. import _torch_autograd as _autograd
 from .. import torch as _lik
 from .._base import env
 from ._patching import Patched, Patches
-from ._scoring import CHUNK_BYTES, kernel_operands, padded_runs
+from ._scoring import CHUNK_BYTES, kernel_operands, list_dim, padded_runs
 
 __all__ = ["maxsim_inbatch", "maxsim_kd", "score_multi_vector", "patch_colpali_engine", "unpatch_colpali_engine"]
 
@@ -240,14 +240,7 @@ def _embedding_dim(xs, name: str) -> int:
             raise ValueError(f"{name} must be a list of [L, d] tensors or one [N, L, d] tensor, "
                              f"got shape {list(xs.shape)}")
         return xs.shape[-1]
-    for i, x in enumerate(xs):
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"{name}[{i}] must be a torch tensor, got {type(x).__name__}")
-        if x.ndim != 2:
-            raise ValueError(f"{name}[{i}] must be a [L, d] tensor, got shape {list(x.shape)}")
-        if x.shape[1] != xs[0].shape[1]:
-            raise ValueError(f"{name}[{i}] has dim {x.shape[1]} but {name}[0] has dim {xs[0].shape[1]}")
-    return xs[0].shape[1]
+    return list_dim(xs, name, "a [L, d] tensor")
 
 
 def _score_pages(Q, q_len, ps, page_len, batch_size: int, device):

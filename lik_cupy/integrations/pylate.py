@@ -46,7 +46,7 @@ from .. import torch as _lik
 from .._base import env
 from .._runtime.masks import MASKED
 from ._patching import Patched, Patches, SwappedAttribute, SwappedProperty
-from ._scoring import CHUNK_BYTES, kernel_operands, padded_runs
+from ._scoring import CHUNK_BYTES, kernel_operands, list_dim, padded_runs
 
 __all__ = ["colbert_scores", "colbert_scores_pairwise", "colbert_kd_scores", "ColBERTScores", "patch_pylate",
            "unpatch_pylate"]
@@ -163,8 +163,8 @@ def colbert_scores_pairwise(queries_embeddings, documents_embeddings, backend=No
     pairs = list(zip(queries_embeddings, documents_embeddings))
     qs = [_tensor(q) for q, _ in pairs]
     ds = [_tensor(d) for _, d in pairs]
-    _check_entries(qs, "queries_embeddings")
-    _check_entries(ds, "documents_embeddings")
+    list_dim(qs, "queries_embeddings", "[L, H]")
+    list_dim(ds, "documents_embeddings", "[L, H]")
     scores = []
     token_bytes = qs[0].shape[-1] * qs[0].element_size() if qs else 0
     for run in padded_runs(_CHUNK_BYTES, token_bytes, [len(q) for q in qs], [len(d) for d in ds]):
@@ -309,15 +309,6 @@ def _check_ndim(Q, D, d_ndim: int, d_layout: str) -> None:
         raise ValueError(f"queries_embeddings must be [Nq, Lq, H], got shape {list(Q.shape)}")
     if D.ndim != d_ndim:
         raise ValueError(f"documents_embeddings must be {d_layout}, got shape {list(D.shape)}")
-
-
-def _check_entries(xs, name: str) -> None:
-    """The entries of a list of embeddings (of ``colbert_scores_pairwise``) are ``[L, H]``, of one H."""
-    for i, x in enumerate(xs):
-        if x.ndim != 2:
-            raise ValueError(f"{name}[{i}] must be [L, H], got shape {list(x.shape)}")
-        if x.shape[1] != xs[0].shape[1]:
-            raise ValueError(f"{name}[{i}] has dim {x.shape[1]} but {name}[0] has dim {xs[0].shape[1]}")
 
 
 def _masked_maxsim(Q, D, q_mask, d_mask):
