@@ -24,7 +24,6 @@ import importlib
 import json
 import os
 import random
-import re
 import signal
 import socket
 import struct
@@ -38,12 +37,13 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 import numpy as np  # noqa: E402
 
 import lik_cupy  # noqa: E402
 from lik_cupy import shards  # noqa: E402
+from served import Server  # noqa: E402
 
 DIM, NDOCS = 16, 80
 HTTP_OK = {200, 400, 404, 405, 413, 503, 504}
@@ -71,34 +71,11 @@ class Fuzz:
         shards.pack_arrays(docs, path, ids=ids)
         self.ext_ids = np.arange(NDOCS) if ids is None else ids
         self.local = lik_cupy.Corpus.from_shards(path, device="cpu")
-        args = [sys.executable, "-m", "lik_cupy", "serve", str(path), "--devices", "cpu,cpu", "--max-batch", "8",
-                "--max-delay-us", "2000", "--max-queue", "64", "--port", "0"] + (["--grpc-port", "0"] if grpc_on else [])
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-        self.proc = subprocess.Popen(args, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
-        self.lines, self.port, self.grpc_port = [], None, None
-        up = threading.Event()
-
-        def drain():
-            for line in self.proc.stderr:
-                self.lines.append(line)
-                m = re.search(r"listening on (http|grpc)://127\.0\.0\.1:(\d+)", line)
-                if m and m.group(1) == "grpc":
-                    self.grpc_port = int(m.group(2))
-                elif m:
-                    self.port = int(m.group(2))
-                    up.set()
-            up.set()
-
-        threading.Thread(target=drain, daemon=True).start()
-        if not up.wait(120) or self.port is None:
-            raise SystemExit(f"lik serve did not start: {''.join(self.lines)}")
-        for _ in range(600):
-            try:
-                if self.http("GET", "/v2/health/ready")[0] == 200:
-                    break
-            except OSError:
-                pass
-            time.sleep(0.1)
+        # (the serving tests' launcher: --port 0, the child's PYTHONPATH, ready once /v2/health/ready is 200)
+        self.server = Server(path, "--devices", "cpu,cpu", "--max-batch", "8", "--max-delay-us", "2000",
+                             "--max-queue", "64", *(["--grpc-port", "0"] if grpc_on else []))
+        self.proc, self.lines = self.server.proc, self.server.lines
+        self.port, self.grpc_port = self.server.port, self.server.grpc_port
         if grpc_on:
             import grpc
             from tritonclient.grpc import service_pb2 as pb, service_pb2_grpc as rpc

@@ -175,9 +175,9 @@ def serve(paths, *, host: str = "127.0.0.1", port: int = 8000, grpc_port: int | 
     paths = [paths] if isinstance(paths, (str, bytes, os.PathLike)) else list(paths)
     _check_shards(paths)
     kwargs = dict(max_batch=max_batch, max_tokens=max_tokens, max_delay_us=max_delay_us, max_queue=max_queue)
-    load = functools.partial(_load_shards, list(paths), devices, partition, kwargs)
+    load = functools.partial(_load_shards, paths, devices, partition, kwargs)
     if processes > 1:
-        loads = [functools.partial(_load_shards, list(paths), devices, partition, kwargs, process=(i, processes))
+        loads = [functools.partial(_load_shards, paths, devices, partition, kwargs, process=(i, processes))
                  for i in range(processes)]
         run_processes(loads, processes, host=host, port=port, grpc_port=grpc_port)
         return
