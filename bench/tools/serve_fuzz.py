@@ -106,13 +106,7 @@ class Fuzz:
         return float("nan")
 
     def http(self, method, path, body=None, headers=None, timeout=TIMEOUT_S):
-        c = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
-        try:
-            c.request(method, path, body=body, headers=headers or {})
-            r = c.getresponse()
-            return r.status, {k.lower(): v for k, v in r.getheaders()}, r.read()
-        finally:
-            c.close()
+        return self.server.request(method, path, body, headers, timeout)
 
     # ------------------------------------------------------------ findings
 
