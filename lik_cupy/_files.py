@@ -167,8 +167,8 @@ def open_npy(path: str | os.PathLike) -> np.ndarray:
     device) or a directory, a header whose shape no file could hold, a ``.npz``
     archive, object data, a header holding what numpy.save never writes and Python would warn
     about when NumPy parses it (a name such as ``if``, a backslash escape), or format version
-    3.0 (structured dtypes with non-Latin-1 field names, which no embedding, length or id array has). The file checked is the
-    file mapped: one descriptor, so a FIFO swapped in after the check is never opened.
+    3.0 (structured dtypes with non-Latin-1 field names, which no embedding, length or id array
+    has). The file checked is the file mapped: one descriptor, so a FIFO swapped in after the check is never opened.
     """
     path = os.fspath(path)
     with open_regular(path, "a .npy file") as f:

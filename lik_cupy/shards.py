@@ -737,9 +737,9 @@ def pack_arrays(docs: Sequence, path: str | os.PathLike, *, ids=None, model: str
 
     ``docs``: a sequence (or any iterable) of ``[L_i, d]`` arrays (float16, float32,
     ``ml_dtypes.bfloat16``; an ``[N, L, d]`` array's rows too) or of ``.npy`` paths, opened
-    memory-mapped (uint16 files hold bfloat16 bits when ``bf16_bits``). All share d and dtype. Other arguments as in :func:`write_shard`
-    (``dtype="int8"`` quantizes them). Each document is written in blocks holding at most
-    ``CHUNK_BYTES`` at once, as :func:`pack`'s ``max_bytes``.
+    memory-mapped (uint16 files hold bfloat16 bits when ``bf16_bits``). All share d and dtype.
+    Other arguments as in :func:`write_shard` (``dtype="int8"`` quantizes them). Each document is
+    written in blocks holding at most ``CHUNK_BYTES`` at once, as :func:`pack`'s ``max_bytes``.
     """
     docs = list(docs)  # (an array's truth value is ambiguous, a generator's always true)
     if not docs:

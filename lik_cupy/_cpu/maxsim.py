@@ -121,9 +121,10 @@ class _Arith:
 @dataclass(frozen=True)
 class _Budget:
     """How one call's blocks fit ``block_bytes``: the temporary bytes held per query (its tokens in the
-    GEMM's dtype and, where the winners' dot products need them, in float64; their norms), per document token (its similarities with the query's tokens and the
-    argmax test; its copy in the GEMM's dtype where it needs converting, and its norm) and per
-    document (the query's per-document maxima, thresholds, winners and masks)."""
+    GEMM's dtype and, where the winners' dot products need them, in float64; their norms), per
+    document token (its similarities with the query's tokens and the argmax test; its copy in the
+    GEMM's dtype where it needs converting, and its norm) and per document (the query's
+    per-document maxima, thresholds, winners and masks)."""
 
     fixed: int
     per_token: int
@@ -403,11 +404,12 @@ def _long_document(Q: np.ndarray, q_valid: np.ndarray, queries, tokens: np.ndarr
     ``d_scale`` [L] for INT8) in blocks of a run of its tokens against a block of a query's rows
     (``_row_blocks``: all of them unless the query is the longer side or alone passes the bound),
     within ``budget`` bytes beside the queries' maxima and winners so far (16 bytes a query token, on
-    top: taken out of the budget, a long query against a small one left blocks of a few rows). Each query token's max over a run and its winner depend on that token alone,
-    and the runs' combine exactly into the whole document's: a later run's winner replaces the one so
-    far only with a larger value, or with the first NaN (as ``argmax`` over the whole document), or
-    where the document had no valid token so far. Returns, per query, its maxima [Lq] and winners [Lq]
-    (or None)."""
+    top: taken out of the budget, a long query against a small one left blocks of a few rows). Each
+    query token's max over a run and its winner depend on that token alone, and the runs' combine
+    exactly into the whole document's: a later run's winner replaces the one so far only with a
+    larger value, or with the first NaN (as ``argmax`` over the whole document), or where the
+    document had no valid token so far. Returns, per query, its maxima [Lq] and winners [Lq] (or
+    None)."""
     n, lq, dim = tokens.shape[0], Q.shape[1], Q.shape[2]
     want_idx = want_argmax or not ar.exact
     vals = [np.full(lq, -np.inf, np.float32 if ar.exact else np.float64) for _ in queries]
