@@ -33,7 +33,7 @@ os.environ.setdefault("LIK_SUPPRESS_NORM_WARN", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: bench.lib, and this checkout's lik_cupy
 from bench.lib import baselines  # noqa: E402
 from bench.lib.gpu import setup_cupy  # noqa: E402
-from bench.lib.results import out_dir, slugify  # noqa: E402
+from bench.lib.results import out_dir, slugify, write_json  # noqa: E402
 from bench.lib.timing import per_call_ms  # noqa: E402
 
 CASES = {"colpali64": (64, 1024, 1024), "colbert32": (32, 32, 80), "colpali128": (128, 1024, 1024)}
@@ -120,7 +120,6 @@ def main(argv=None):
     slug = slugify(props.name)
     meta = {"gpu": props.name, "cc": props.cc, "rows": []}
     path = Path(args.out) / f"backward_{slug}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
     fns = impls(torch)
     gen = torch.Generator(device="cuda").manual_seed(0)
     for case in args.cases.split(","):
@@ -174,10 +173,10 @@ def main(argv=None):
             torch.cuda.empty_cache()
             meta["rows"].append(row)
             print(_line(row), flush=True)
-            path.write_text(json.dumps(meta, indent=1))
+            write_json(path, meta)
         del q0, d0, ref
         torch.cuda.empty_cache()
-    path.write_text(json.dumps(meta, indent=1))
+    write_json(path, meta)
     print(table(meta))
     return 0
 
