@@ -1,11 +1,15 @@
 """The CPU suite (bench/suites/bench_cpu.py) in its smoke mode: it runs, checks every contender's
-scores against ours, and writes the JSON the issue asks for (the machine, its load, median and best)."""
+scores against float64 and ours, and writes the JSON the issue asks for (the machine, its load, median
+and best, the sources' digest) where the other suites write theirs (``--out``, else $OUT, else
+bench/results/; never latest/, which holds committed runs)."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
 import pathlib
+
+from bench.lib.provenance import tree_digest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -16,6 +20,7 @@ def test_bench_cpu_smoke(tmp_path):
     spec.loader.exec_module(bench)
     out = json.loads(bench.main(["--smoke", "--out", str(tmp_path)]).read_text())
     assert out["smoke"] and out["machine"]["cores"] >= 1 and out["machine"]["cpu"]
+    assert out["provenance"]["source_sha256"] == tree_digest()  # which sources made it
     assert len(out["load_average"]["before"]) == 3 and isinstance(out["quiet"], bool)
     assert [c["case"] for c in out["cells"]] == list(bench.SMOKE)
     for cell in out["cells"]:
@@ -62,3 +67,11 @@ def test_contenders_are_checked_against_float64_and_a_wrong_ours_gets_no_ratio(t
         assert cell["ours_wrong"] and cell["median"] is None and cell["best"] is None
         assert "numpy_loop" not in cell["wrong"]  # right against float64, though 1% off ours
         assert cell["max_rel_err_vs_float64"]["numpy_loop"] < 1e-5
+
+
+def test_without_out_it_writes_to_OUT_as_the_other_suites_do(tmp_path, monkeypatch):
+    bench = _load_cpu()
+    monkeypatch.setattr(bench, "RERANK_SMOKE", [])  # (the cells alone: where the file goes is the point)
+    monkeypatch.setenv("OUT", str(tmp_path))
+    path = bench.main(["--smoke"])
+    assert path.parent == tmp_path and json.loads(path.read_text())["smoke"]

@@ -9,6 +9,8 @@ import pathlib
 
 import pytest
 
+from bench.lib.provenance import tree_digest
+
 pytest.importorskip("torch")
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -21,6 +23,7 @@ def test_smoke_run_writes_every_cell(tmp_path, capsys):
     assert bench.main(["--smoke", "--out", str(tmp_path)]) == 0
     run = json.loads((tmp_path / "fused_head_cpu-smoke.json").read_text())
     assert run["gpu"] == "cpu smoke" and run["skipped"] == []
+    assert run["provenance"]["source_sha256"] == tree_digest()  # which sources made it
     rows = {(r["cell"], r["contender"]): r for r in run["rows"]}
     assert set(rows) == {(c, w) for c in bench.CELLS for w in ("ours", "unfused")} | {("rerank", "floor")}
     for (_, who), r in rows.items():

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from bench.lib.provenance import tree_digest
+
 pytest.importorskip("torch")
 
 SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "suites" / "bench_precision.py"
@@ -35,6 +37,7 @@ def test_smoke_run_writes_every_cell_in_the_gate_schema(bench, tmp_path, capsys)
     assert bench.main(["--smoke", "--out", str(tmp_path), "--cells", cells, "--target-ms", "1"]) == 0
     data = json.loads((tmp_path / "precision_cpu-smoke.json").read_text())
     assert data["gpu"] == "cpu smoke" and data["skipped"] == []
+    assert data["provenance"]["source_sha256"] == tree_digest()  # which sources made it
     assert data["ours_default_precision"] == "fp32"
     assert [c["case"] for c in data["cells"]] == ["textual", "32q-1000", "rerank-100", "few-long-16", "train-32"]
     for c in data["cells"]:

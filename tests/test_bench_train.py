@@ -15,6 +15,8 @@ pytest.importorskip("jax")
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
+from bench.lib.provenance import tree_digest  # noqa: E402
+
 
 def _load(rel: str):
     spec = importlib.util.spec_from_file_location(pathlib.Path(rel).stem, REPO / rel)
@@ -37,6 +39,7 @@ def test_smoke_run_times_every_row_and_writes_the_jax_table(tmp_path, monkeypatc
     path = tmp_path / "train_cpu-smoke.json"
     run = json.loads(path.read_text())
     assert run["smoke"] and run["complete"] and run["jax_backend"] == "cpu" and run["gpu"] is None
+    assert run["provenance"]["source_sha256"] == tree_digest()  # which sources made it
 
     torch_rows = run["torch_rows"]
     assert {(r["mode"], r["contender"]) for r in torch_rows} == {(m, c) for m in bench.MODES for c in ("ours", "torch")}

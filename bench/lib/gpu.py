@@ -30,10 +30,10 @@ class Ctx:
 
 # --------------------------------------------------------------------------- cupy <-> torch allocator
 
-def unit_tokens(torch, *shape, dtype=None, generator=None):
-    """Random unit-norm tokens ``shape`` on the GPU: float32 normal draws (from ``generator``, else
-    torch's default) over their last axis's norm, then ``dtype`` (float16 by default)."""
-    x = torch.randn(*shape, device="cuda", dtype=torch.float32, generator=generator)
+def unit_tokens(torch, *shape, dtype=None, generator=None, device="cuda"):
+    """Random unit-norm tokens ``shape`` on ``device`` (the GPU by default): float32 normal draws (from
+    ``generator``, else torch's default) over their last axis's norm, then ``dtype`` (float16 by default)."""
+    x = torch.randn(*shape, device=device, dtype=torch.float32, generator=generator)
     x = x / x.norm(dim=-1, keepdim=True)
     return x.to(dtype or torch.float16)
 

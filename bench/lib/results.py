@@ -1,5 +1,6 @@
 """Where results go and how they are written: the output directory, the GPU slug in file names, JSON and
-plain-text tables, and the versions of what was timed."""
+plain-text tables, and the versions of what was timed. Every result JSON is written here (``write_json``,
+``write_result``), and so carries the sources' provenance (``bench.lib.provenance``)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import os
 import platform
 import re
 from pathlib import Path
+
+from .provenance import provenance
 
 REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "bench" / "results"  # where a run writes by default; the committed runs sit in latest/ and archive/
@@ -65,21 +68,23 @@ def sanitize(obj):
     return finite_or_str(obj)
 
 
-def write_json(path, payload):
-    """Write ``payload`` to ``path`` through a temporary file, so a run killed mid-write keeps the last one."""
+def write_json(path, payload: dict, default=None):
+    """Write ``payload`` and the sources' ``provenance`` (its last key) to ``path``, strict JSON (non-finite
+    floats as strings; ``default`` as in ``json.dumps``), through a temporary file, so a run killed mid-write
+    keeps the last one."""
     path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(sanitize(payload), indent=1, allow_nan=False))
+    text = json.dumps(sanitize({**payload, "provenance": provenance()}), indent=1, allow_nan=False, default=default)
+    tmp.write_text(text + "\n")
     os.replace(tmp, path)
 
 
 def write_result(out, name: str, props, **fields) -> str:
-    """Write ``out/<name>_<gpu-slug>.json`` holding the GPU's name and compute capability (``props``: lik_cupy's
-    device properties) and then ``fields``; returns its path."""
-    os.makedirs(out, exist_ok=True)
+    """Write ``out/<name>_<gpu-slug>.json`` (``write_json``) holding the GPU's name and compute capability
+    (``props``: lik_cupy's device properties) and then ``fields``; returns its path."""
     path = os.path.join(out, f"{name}_{slugify(props.name)}.json")
-    with open(path, "w") as f:
-        json.dump({"gpu": props.name, "cc": props.cc, **fields}, f, indent=1)
+    write_json(path, {"gpu": props.name, "cc": props.cc, **fields})
     return path
 
 

@@ -35,17 +35,19 @@ def per_call_ms(torch, fn, n, *, rounds=3, spin_cycles=0):
     return statistics.median(times)
 
 
-def wall_ms(torch, fn, n, *, rounds=3):
+def wall_ms(torch, fn, n, *, rounds=3, sync=None):
     """Best of ``rounds`` of (wall time of ``n`` back-to-back calls, one synchronisation after them) / n,
-    after one warm-up call: what a loop of calls pays, host included."""
+    after one warm-up call: what a loop of calls pays, host included. ``sync``: the synchronisation
+    (default ``torch.cuda.synchronize``; a smoke run on the CPU passes one that does nothing)."""
+    sync = sync or torch.cuda.synchronize
     fn()
-    torch.cuda.synchronize()
+    sync()
     best = float("inf")
     for _ in range(rounds):
         t = time.perf_counter()
         for _ in range(n):
             fn()
-        torch.cuda.synchronize()
+        sync()
         best = min(best, (time.perf_counter() - t) * 1e3 / n)
     return best
 

@@ -28,7 +28,6 @@ Imports lik_cupy and CuPy only when it runs, so --help works anywhere.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import pathlib
 import platform
@@ -43,7 +42,7 @@ import numpy as np
 REPO = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))  # the repo root: bench.lib, and this checkout's lik_cupy
 from bench.lib.corpus import generate, warm_page_cache  # noqa: E402
-from bench.lib.results import out_dir, slugify  # noqa: E402
+from bench.lib.results import out_dir, slugify, write_json  # noqa: E402
 
 SEED = 0
 
@@ -163,8 +162,7 @@ def main() -> None:
         "target_met": (1 - lib_s / cli_s) < 0.20,
     }
     out_path = args.out or out_dir() / f"cli_{slugify(gpu['name'])}.json"
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    out_path.write_text(json.dumps(result, indent=2) + "\n")
+    write_json(out_path, result)
     print(f"corpus: {args.docs} docs x {args.ld} tokens x d={args.dim} fp16 in {args.shards} shards "
           f"({tokens_bytes / 2**30:.2f} GiB), {args.nq} queries x {args.lq} tokens, top-{args.k}, on {gpu['name']}")
     for name in ("library", "cli_in_process", "cli_subprocess"):

@@ -29,12 +29,12 @@ other by each. The load average before and after is recorded, and ``quiet`` says
 1-minute load stayed under a quarter of the cores: a loaded machine's times say little, and no
 target should be read from them.
 
-    python bench/suites/bench_cpu.py            # -> bench/results/latest/cpu_<machine>.json
+    python bench/suites/bench_cpu.py            # -> cpu_<machine>.json in --out, else $OUT, else bench/results/
     python bench/suites/bench_cpu.py --smoke    # tiny shapes, 2 rounds (the suite's own test)
 
 OPENBLAS_CORETYPE / OPENBLAS_L2_SIZE, where the environment sets them, can slow NumPy's BLAS: unset
-them for the command alone and check the kernel in the JSON's "blas". Self-contained: imports
-nothing from the other bench scripts.
+them for the command alone and check the kernel in the JSON's "blas". Imports nothing from the other
+suites; its JSON is written by bench.lib.results (which stamps the sources' provenance).
 """
 
 from __future__ import annotations
@@ -57,6 +57,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # the checkout this script lives in, not an installed copy
 import lik_cupy  # noqa: E402
+from bench.lib.results import out_dir, write_json  # noqa: E402
 from lik_cupy.plaid import PlaidIndex, decompress_residuals  # noqa: E402
 
 DIM = 128
@@ -299,7 +300,7 @@ def main(argv=None) -> Path:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--smoke", action="store_true", help="tiny shapes and 2 rounds: checks the suite runs")
-    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "latest")
+    ap.add_argument("--out", type=Path, default=None, help="output directory (default $OUT, else bench/results)")
     args = ap.parse_args(argv)
     cases, rerank, rounds = (SMOKE, RERANK_SMOKE, 2) if args.smoke else (CASES, RERANK, args.rounds)
 
@@ -348,9 +349,8 @@ def main(argv=None) -> Path:
            "load_average": {"before": [round(x, 2) for x in load_before], "after": [round(x, 2) for x in load_after]},
            "quiet": max(load_before[0], load_after[0]) < 0.25 * (os.cpu_count() or 1),
            "cells": cells, "plaid_rerank": plaid}
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"cpu_{slug(info['cpu'])}-{info['cores']}c{'_smoke' if args.smoke else ''}.json"
-    path.write_text(json.dumps(out, indent=2) + "\n")
+    path = out_dir(args.out) / f"cpu_{slug(info['cpu'])}-{info['cores']}c{'_smoke' if args.smoke else ''}.json"
+    write_json(path, out)
     print(f"wrote {path}")
     return path
 

@@ -31,8 +31,8 @@ listed in docs/distributed.md in .whl/dask/ and run, from the repository root (4
     PYTHONPATH=/tmp/site:$PWD python3 bench/suites/bench_distributed.py --data /tmp/lik-dist --skip-cli
     PYTHONPATH=$PWD python3 bench/suites/bench_distributed.py --data /tmp/lik-small --cpu   # harness check, no GPU
 
-Writes JSON to ``--out`` (default $OUT/distributed_<n>gpu_<gpu-slug>.json, n the most workers,
-when $OUT is set, else bench/results/latest/distributed_<n>gpu_<gpu-slug>.json).
+Writes JSON to ``--out`` (default distributed_<n>gpu_<gpu-slug>.json, n the most workers, in $OUT, else
+bench/results/).
 """
 
 from __future__ import annotations
@@ -55,6 +55,7 @@ import numpy as np
 REPO = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))  # the repo root: bench.lib, and this checkout's lik_cupy
 from bench.lib.corpus import generate, warm_page_cache  # noqa: E402
+from bench.lib.results import out_dir, write_json  # noqa: E402
 
 SEED = 31
 
@@ -356,10 +357,8 @@ def main() -> None:
         "identical": all(result[f"dask_{n}gpu"][nq]["identical_to_in_process_gpu0"] for n in sizes for nq in args.nq),
     }
     slug = slugify(names[0])
-    default = pathlib.Path(os.environ["OUT"]) if os.environ.get("OUT") else REPO / "bench" / "results" / "latest"
-    out = args.out or default / f"distributed_{most}gpu_{slug}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2, default=str) + "\n")
+    out = args.out or out_dir() / f"distributed_{most}gpu_{slug}.json"
+    write_json(out, result, default=str)
     print(f"wrote {out}")
     print(table(result, sizes, big))
 

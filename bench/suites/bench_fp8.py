@@ -12,8 +12,15 @@ Implementations:
   ours_fp16     lik_cupy.maxsim on the fp16 inputs
   lik_fp8_tok   late_interaction_kernels.maxsim_inference_fp8, its per-token quantisers
   lik_fp8_ten   the same with its per-tensor quantisers (one scale each for Q and D)
-Ratios are times (ours / other: below 1 is faster); "best peer" is the faster LIK form. Each
-result is also compared with ours_fp16 (relative L2 difference of the scores).
+Ratios are times (ours / other: below 1 is faster); "best peer" is the faster right LIK form.
+
+Errors, each contender's result checked once before it is timed: ``max_rel_err``, the max over the
+scores of |score - exact| / |exact|, exact = float64 MaxSim of the inputs that contender scores, as
+it reads them (its FP8 values times its scales, dequantised in float64, where they are exact; the
+fp16 inputs for ours_fp16): its own arithmetic's error. A contender past
+``bench.lib.results.WRONG_REL_ERR`` (1e-2) or with a NaN score is listed in ``wrong`` and given no
+ratio. ``rel_l2_vs_fp16``: the relative L2 distance of its scores from float64 MaxSim of the fp16
+inputs before quantisation, what quantising costs the scores.
 
     python bench/suites/bench_fp8.py            # JSON: $OUT (or bench/results)/fp8_<gpu>.json, after every cell
     python bench/suites/bench_fp8.py --table-from bench/results/fp8_nvidia-h200.json
@@ -30,7 +37,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: bench.lib, and this checkout's lik_cupy
 from bench.lib import baselines  # noqa: E402
-from bench.lib.results import out_dir, text_table, write_result  # noqa: E402
+from bench.lib.reference import exact_scores, max_rel_err  # noqa: E402
+from bench.lib.results import counts, out_dir, text_table, write_result  # noqa: E402
 from bench.lib.timing import per_call_ms  # noqa: E402
 
 CELLS = {"textual": (32, 300, 128, 10_000), "long-doc": (32, 1024, 128, 10_000), "colpali": (1024, 1030, 128, 1_000)}
@@ -40,6 +48,13 @@ PEERS = ("lik_fp8_tok", "lik_fp8_ten")
 def unit(torch, shape, gen):
     x = torch.randn(*shape, device="cuda", generator=gen)
     return (x / x.norm(dim=-1, keepdim=True)).half()
+
+
+def exact(torch, q, d, q_scales=None, d_scales=None):
+    """float64 MaxSim [B] of one query q [Lq, dim] against d [B, Ld, dim], each times its scales where
+    given (per token: ``[Lq]`` / ``[B, Ld]``; per tensor: ``[]``)."""
+    qs = None if q_scales is None else q_scales[None] if q_scales.dim() else q_scales
+    return exact_scores(torch, q[None], d, q_scales=qs, d_scales=d_scales).reshape(-1)
 
 
 def run(args):
@@ -65,6 +80,7 @@ def run(args):
         q8, qs = lk.quantize_fp8(q)
         d8, ds = lk.quantize_fp8(d)
         impls = {"ours_fp8": lambda: lk.maxsim_fp8(q8, d8, ds, q_scales=qs), "ours_fp16": lambda: lk.maxsim(q, d)}
+        inputs = {"ours_fp8": (q8, d8, qs, ds), "ours_fp16": (q, d)}  # what each contender scores
         if lik is not None:
             f8 = importlib.import_module(lik.__name__ + ".fp8")  # LIK's FP8 API is not re-exported at its top
             lq8, lqs = f8.quantize_fp8_per_token(q)
@@ -73,39 +89,45 @@ def run(args):
             td8, tds = f8.quantize_fp8_per_tensor(d)
             impls["lik_fp8_tok"] = lambda: f8.maxsim_inference_fp8(lq8, ld8, scale_Q=lqs, scale_D=lds)
             impls["lik_fp8_ten"] = lambda: f8.maxsim_inference_fp8(tq8, td8, scale_Q=tqs, scale_D=tds)
-        cell = {"Lq": lq, "Ld": ld, "dim": dim, "B": docs, "ms": {}, "rel_diff_vs_fp16": {}}
-        ref = lk.maxsim(q, d).double().reshape(-1)
+            # LIK reads its FP8 values back as X_fp8.to(float32) * scale (per token: scale[..., None])
+            inputs.update(lik_fp8_tok=(lq8, ld8, lqs, lds), lik_fp8_ten=(tq8, td8, tqs, tds))
+        cell = {"Lq": lq, "Ld": ld, "dim": dim, "B": docs, "ms": {}, "max_rel_err": {}, "rel_l2_vs_fp16": {}}
+        before = exact(torch, q, d)  # float64 of the fp16 inputs, before quantisation
         for impl, fn in impls.items():
             try:
                 out = fn().double().reshape(-1)
-                cell["rel_diff_vs_fp16"][impl] = float((out - ref).norm() / ref.norm())
+                cell["max_rel_err"][impl] = max_rel_err(out, exact(torch, *inputs[impl]))
+                cell["rel_l2_vs_fp16"][impl] = float((out - before).norm() / before.norm())
                 cell["ms"][impl] = per_call_ms(torch, fn, args.reps, spin_cycles=20_000_000)
             except Exception as e:  # noqa: BLE001  (a failing implementation is reported, not fatal)
                 cell["ms"][impl] = None
                 cell.setdefault("errors", {})[impl] = f"{type(e).__name__}: {str(e)[:200]}"
-        ms = cell["ms"]
-        peers = [ms[p] for p in PEERS if ms.get(p)]
-        if ms.get("ours_fp8"):
+        ms = {k: v for k, v in cell["ms"].items() if counts(v, cell["max_rel_err"].get(k, float("nan")))}
+        cell["wrong"] = sorted(k for k, v in cell["ms"].items() if v and k not in ms)
+        peers = [ms[p] for p in PEERS if p in ms]
+        if "ours_fp8" in ms:
             cell["tflops_fp8"] = 2 * lq * ld * dim * docs / ms["ours_fp8"] / 1e9
-            if ms.get("ours_fp16"):
+            if "ours_fp16" in ms:
                 cell["ours_fp8_over_ours_fp16"] = ms["ours_fp8"] / ms["ours_fp16"]
             if peers:
                 cell["ours_fp8_over_best_peer"] = ms["ours_fp8"] / min(peers)
         res["cells"][name] = cell
         write_result(out_dir(args.out), "fp8", props, **res)  # after every cell: a cut-off run keeps what it measured
-        del q, d, q8, qs, d8, ds, impls
+        del q, d, q8, qs, d8, ds, impls, inputs, before
         torch.cuda.empty_cache()
-        print(f"{name}: " + ", ".join(f"{k} {v:.3f} ms" for k, v in ms.items() if v), flush=True)
+        timed = [f"{k} {v:.3f} ms (err {cell['max_rel_err'][k]:.1e})" for k, v in cell["ms"].items() if v]
+        wrong = f"; wrong: {', '.join(cell['wrong'])}" if cell["wrong"] else ""
+        print(f"{name}: " + ", ".join(timed) + wrong, flush=True)
     res["complete"] = True
     return props, res
 
 
 def table(res) -> str:
-    head = ["cell", "B", "fp8 ms", "fp16 ms", "lik tok", "lik ten", "fp8/fp16", "fp8/peer", "TFLOPS"]
+    head = ["cell", "B", "fp8 ms", "fp16 ms", "lik tok", "lik ten", "fp8/fp16", "fp8/peer", "TFLOPS", "wrong"]
     body, keys = [], []
     for name, c in res["cells"].items():
         if "ms" not in c:
-            body.append([name, "-", c.get("skipped", "-"), "", "", "", "", "", ""])
+            body.append([name, "-", c.get("skipped", "-"), "", "", "", "", "", "", ""])
             keys.append(name)
             continue
         ms = c["ms"]
@@ -116,7 +138,7 @@ def table(res) -> str:
 
         body.append([name, c["B"], f("ours_fp8"), f("ours_fp16"), f("lik_fp8_tok"), f("lik_fp8_ten"),
                      f("ours_fp8_over_ours_fp16", "{:.2f}"), f("ours_fp8_over_best_peer", "{:.2f}"),
-                     f("tflops_fp8", "{:.0f}")])
+                     f("tflops_fp8", "{:.0f}"), ", ".join(c.get("wrong", [])) or "-"])
         keys.append(name)
     return "\n".join(text_table(head, body, keys))
 

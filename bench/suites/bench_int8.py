@@ -33,7 +33,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: bench.lib, and this checkout's lik_cupy
 from bench.lib import baselines  # noqa: E402
 from bench.lib.reference import exact_scores  # noqa: E402
-from bench.lib.results import slugify  # noqa: E402
+from bench.lib.results import slugify, write_json  # noqa: E402
 from bench.lib.timing import per_call_ms  # noqa: E402
 
 SHAPES = {"colpali": (1024, 1024, 128), "long-doc": (32, 1024, 128), "textual": (32, 300, 128),
@@ -178,8 +178,7 @@ def main():
     res = run(args)
     if args.out:
         path = Path(args.out) / f"int8_{slugify(res['gpu'])}.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(res, indent=1))
+        write_json(path, res)
         print(f"wrote {path}")
     print(table(res))
 

@@ -21,8 +21,15 @@ each query's own 4,096 distinct candidate ids. Cases: nbits {2, 4} x {1, 32} que
                own wheel needs its torch build and exposes no call to its exact stage alone, so it is
                not timed itself.
 
-LIK reads the bits of each residual byte from the low end, not in fast-plaid's and ColBERTv2's
-order, so its scores are not compared (timed only); ours are checked against float64 on a sample.
+Errors: every contender's scores, all queries' candidates, are checked once before it is timed
+against float64 MaxSim of the documents it reads, decompressed exactly in float64 (``exact_docs``:
+centroid + bucket weight, then unit length; ``max_abs_err_vs_float64``, per contender). Ours and
+fast-plaid's operations read the residual bits as fast-plaid and ColBERTv2 write them (fast-plaid's
+own tables, ``plaid_buckets``), the format lik_cupy.plaid documents; LIK reads each byte from its low
+bits (``lik_buckets``) and scales the queries to unit length too, so its reference is its reading of
+the same bytes, with its queries so scaled: each error is the contender's own arithmetic. A contender
+past ``err_bound`` (twice the sum over the unit query tokens of the float16 rounding of a tile's
+values, 2^-11 each) is listed in ``wrong`` and is no best peer; ours then gets no ratio.
 
 Metrics: ``ms`` median device time per call (CUDA events, a ~250 us sleep queued before each call so
 host overhead is hidden; bench/lib/timing.py time_device), ``ms_e2e`` back-to-back calls (host
@@ -41,16 +48,16 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: bench.lib, and this checkout's lik_cupy
 from bench.lib import baselines  # noqa: E402
 from bench.lib.gpu import safe_cleanup, start  # noqa: E402
-from bench.lib.results import out_dir, short_err, write_json  # noqa: E402
+from bench.lib.reference import exact_scores  # noqa: E402
+from bench.lib.results import counts, fastest, out_dir, short_err, write_json  # noqa: E402
 from bench.lib.timing import time_device, time_e2e  # noqa: E402
 
 DIM, LQ, K, N_CENT, MAX_LEN = 128, 32, 4096, 32768, 180
 TARGET = 1 / 1.3
+ERR_BOUND = 2 * 2.0**-11 * LQ  # twice the sum over the (unit) query tokens of |q_s| 2^-11
 
 
 def corpus(torch, n_docs, nbits, gen):
@@ -72,14 +79,15 @@ def candidates(torch, nq, n_docs, gen):
 def gathered(torch, c, ids):
     """One query's candidates packed: (codes, bits, int32 cu_seqlens, max length)."""
     lens = c["lens"][ids]
+    dev = lens.device
     rows = torch.repeat_interleave(c["off"][ids], lens) + (
-        torch.arange(int(lens.sum()), device="cuda") - torch.repeat_interleave(lens.cumsum(0) - lens, lens))
-    cu = torch.zeros(ids.numel() + 1, dtype=torch.int32, device="cuda")
+        torch.arange(int(lens.sum()), device=dev) - torch.repeat_interleave(lens.cumsum(0) - lens, lens))
+    cu = torch.zeros(ids.numel() + 1, dtype=torch.int32, device=dev)
     cu[1:] = lens.cumsum(0)
     return c["codes"][rows], c["bits"][rows], cu, int(lens.max())
 
 
-def fastplaid_tables(torch, nbits):
+def fastplaid_tables(torch, nbits, device="cuda"):
     """fast-plaid's byte_reversed_bits_map and bucket_weight_indices_lookup (rust/utils/residual_codec.rs)."""
     rev = []
     mask = (1 << nbits) - 1
@@ -95,8 +103,8 @@ def fastplaid_tables(torch, nbits):
         rev.append(out)
     kpb = 8 // nbits
     look = [[(b >> (k * nbits)) & mask for k in reversed(range(kpb))] for b in range(256)]
-    return (torch.tensor(rev, dtype=torch.uint8, device="cuda"),
-            torch.tensor(look, dtype=torch.int64, device="cuda"))
+    return (torch.tensor(rev, dtype=torch.uint8, device=device),
+            torch.tensor(look, dtype=torch.int64, device=device))
 
 
 def fastplaid_exact(torch, c, q, ids, tables):
@@ -113,25 +121,66 @@ def fastplaid_exact(torch, c, q, ids, tables):
     wts = c["w"].half().index_select(0, idx.flatten().int()).view(n, packed_dim, 8 // nbits)
     emb = (wts + cen).view(n, DIM)
     emb = emb / emb.norm(p=2, dim=-1, keepdim=True).clamp_min(1e-12)
-    pad = torch.zeros(ids.numel(), lmax, DIM, dtype=emb.dtype, device="cuda")  # direct_pad_sequences
-    mask = torch.arange(lmax, device="cuda")[None, :] < lens[:, None]
+    pad = torch.zeros(ids.numel(), lmax, DIM, dtype=emb.dtype, device=emb.device)  # direct_pad_sequences
+    mask = torch.arange(lmax, device=emb.device)[None, :] < lens[:, None]
     pad[mask] = emb
     scores = pad @ q.T.unsqueeze(0)  # [K, Ld, Lq]
     scores = scores.masked_fill(~mask[..., None], -9999.0)  # colbert_score_reduce
     return scores.max(dim=1).values.sum(dim=-1, dtype=torch.float32)
 
 
-def reference(c, q, ids):
-    """float64 scores of q [Lq, d] against documents ``ids``, decompressed as lik_cupy.plaid documents them."""
-    import lik_cupy.plaid as lp
+def plaid_buckets(tables):
+    """The reader of residual bytes [n, d * nbits / 8] -> bucket ids [n, d] as fast-plaid and ColBERTv2
+    write them (each byte from its most significant bit), by fast-plaid's own ``tables``."""
+    rev, look = tables
 
-    cen, w, qd = c["cen"].cpu().numpy(), c["w"].cpu().numpy(), q.double().cpu().numpy()
+    def read(bits):
+        return look.index_select(0, rev.index_select(0, bits.flatten().int()).int()).view(bits.shape[0], -1)
+
+    return read
+
+
+def lik_buckets(torch, nbits):
+    """The reader of residual bytes as LIK 0.4.5 reads them: dim f's ``nbits`` bits from byte
+    f // (8 / nbits), the lowest bits first."""
+    per = 8 // nbits
+
+    def read(bits):
+        f = torch.arange(DIM, device=bits.device)
+        return (bits[:, f // per].long() >> ((f % per) * nbits)) & ((1 << nbits) - 1)
+
+    return read
+
+
+def exact_docs(torch, c, ids, buckets):
+    """float64 embeddings of documents ``ids`` of corpus ``c``, each token centroid + bucket weights
+    (``buckets``: the reader of its residual bytes) scaled to unit length, padded: ([K, Lmax, d], valid
+    [K, Lmax])."""
+    codes, bits, _, lmax = gathered(torch, c, ids)
+    e = c["cen"].double()[codes.long()] + c["w"].double()[buckets(bits)]
+    e = e / e.norm(dim=-1, keepdim=True).clamp_min(1e-12)
+    valid = torch.arange(lmax, device=e.device)[None, :] < c["lens"][ids][:, None]
+    docs = torch.zeros(ids.numel(), lmax, DIM, dtype=torch.float64, device=e.device)
+    docs[valid] = e
+    return docs, valid
+
+
+def reference(torch, c, q, ids, buckets, unit_queries=False):
+    """float64 scores [Nq, K] of queries q [Nq, Lq, d] against their candidates ids [Nq, K], read by
+    ``buckets`` (``exact_docs``); ``unit_queries``: each query token scaled to unit length first (LIK)."""
     out = []
-    for j in ids.tolist():
-        a, b = int(c["off"][j]), int(c["off"][j + 1])
-        e = lp.decompress_residuals(c["codes"][a:b].cpu().numpy(), c["bits"][a:b].cpu().numpy(), cen, w, c["nbits"])
-        out.append((qd @ e.astype(np.float64).T).max(axis=1).sum())
-    return np.array(out)
+    for i in range(q.shape[0]):
+        qi = q[i].double()
+        if unit_queries:
+            qi = qi / qi.norm(dim=-1, keepdim=True).clamp_min(1e-12)
+        docs, valid = exact_docs(torch, c, ids[i], buckets)
+        out.append(exact_scores(torch, qi[None], docs, d_mask=valid)[0])
+    return torch.stack(out)
+
+
+def scores_of(torch, out):
+    """A contender's result as float64 [Nq, K]: ours as it is, the per-query calls' results stacked."""
+    return (torch.stack([x.reshape(-1) for x in out]) if isinstance(out, list) else out).double()
 
 
 def timed(ctx, fn, reps):
@@ -168,7 +217,7 @@ def run(args):
         del c, tables
         safe_cleanup(torch)
     write_json(out, res)
-    for cell in res["cells"]:
+    for cell in res["cells"]:  # (a case whose ours or every peer is wrong has no cell)
         print(f"{cell['case']}: ours {cell['ours_ms']:.4f} ms, {cell['best_peer']} {cell['best_peer_ms']:.4f} ms, "
               f"ratio {cell['ratio']:.3f}", flush=True)
     print(f"wrote {out}", flush=True)
@@ -193,11 +242,11 @@ def run_case(ctx, args, res, c, tables, nq, gen, lik_plaid):
         "ours": lambda: lik_cupy.maxsim_residual_varlen(*ours_args, candidates=ids, validate=False),
         "ours_checked": lambda: lik_cupy.maxsim_residual_varlen(*ours_args, candidates=ids),
     }
-    got = impls["ours"]()
-    want = reference(c, q[0], ids[0, :48])
-    row["max_abs_err_vs_float64"] = float(np.abs(got[0, :48].double().cpu().numpy() - want).max())
-    row["err_bound"] = 2 * 2.0**-11 * LQ  # twice the sum over the (unit) query tokens of |q_s| 2^-11
-    row["within_bound"] = row["max_abs_err_vs_float64"] <= row["err_bound"]
+    readings = {"plaid": lambda: reference(torch, c, q, ids, plaid_buckets(tables)),
+                "lik": lambda: reference(torch, c, q, ids, lik_buckets(torch, nbits), unit_queries=True)}
+    reads = {"ours": "plaid", "ours_checked": "plaid", "fastplaid_ops": "plaid", "lik": "lik", "lik_gather": "lik"}
+    refs = {}  # reading -> float64 [nq, K], made once per case
+    row["max_abs_err_vs_float64"], row["err_bound"] = {}, ERR_BOUND
     if lik_plaid is not None:
         packs = [gathered(torch, c, ids[i]) for i in range(nq)]
         # One max_seqlen_d for every call: LIK autotunes and compiles per value (a constexpr).
@@ -206,36 +255,44 @@ def run_case(ctx, args, res, c, tables, nq, gen, lik_plaid):
         impls["lik_gather"] = lambda: [lik_plaid.maxsim_residual_varlen(
             q[i], *gathered(torch, c, ids[i])[:3], c["cen"], c["w"], nbits, max_seqlen_d=MAX_LEN) for i in range(nq)]
     impls["fastplaid_ops"] = lambda: [fastplaid_exact(torch, c, q[i], ids[i], tables) for i in range(nq)]
-    # fast-plaid decodes the bits in its own way: its scores agree with ours to float16 rounding
-    fp = torch.stack(impls["fastplaid_ops"]())
-    row["fastplaid_ops_max_abs_diff"] = float((fp.float() - got.float()).abs().max())
+    errs = row["max_abs_err_vs_float64"]
     for name, fn in impls.items():
         try:
-            fn()
+            out = scores_of(torch, fn())
+            try:
+                if reads[name] not in refs:
+                    refs[reads[name]] = readings[reads[name]]()
+                errs[name] = float((out - refs[reads[name]]).abs().max())
+            except Exception as e:  # noqa: BLE001  (not compared: timed, and wrong)
+                errs[name] = float("nan")
+                row.setdefault("check_errors", {})[name] = short_err(e)
+            del out
             torch.cuda.synchronize()
             row["impls"][name] = timed(ctx, fn, args.reps)
         except Exception as e:  # noqa: BLE001
             row["impls"][name] = {"error": short_err(e)}
             safe_cleanup(torch)
+    row["wrong"] = sorted(k for k, v in row["impls"].items() if "ms" in v and not counts(v["ms"], errs[k], ERR_BOUND))
     peers = {k: v["ms"] for k, v in row["impls"].items() if k not in ("ours", "ours_checked") and "ms" in v}
+    best = fastest(peers, errs, ERR_BOUND)
     ours_ms = row["impls"]["ours"].get("ms")
-    if peers and ours_ms:
-        best = min(peers, key=peers.get)
-        res["cells"].append({"case": case, "ours_ms": ours_ms, "best_peer": best, "best_peer_ms": peers[best],
-                             "ratio": ours_ms / peers[best]})
-        if "lik" in peers:
+    if best and ours_ms and "ours" not in row["wrong"]:
+        res["cells"].append({"case": case, "ours_ms": ours_ms, "best_peer": best[0], "best_peer_ms": best[1],
+                             "ratio": ours_ms / best[1]})
+        if "lik" in peers and "lik" not in row["wrong"]:
             res["targets"].append({"case": case, "ours_over_lik": ours_ms / peers["lik"], "target": TARGET,
                                    "met": ours_ms / peers["lik"] <= TARGET})
     res["rows"].append(row)
     print(case, {k: round(v.get("ms", float("nan")), 4) for k, v in row["impls"].items()},
-          f"err {row['max_abs_err_vs_float64']:.2e} (bound {row['err_bound']:.2e}), "
-          f"fast-plaid ops differ by {row['fastplaid_ops_max_abs_diff']:.2e}", flush=True)
+          "err vs float64 " + ", ".join(f"{k} {v:.2e}" for k, v in errs.items()) + f" (bound {ERR_BOUND:.2e})"
+          + (f"; wrong: {', '.join(row['wrong'])}" if row["wrong"] else ""), flush=True)
     if args.sweep:
-        res["sweep"] += sweep(ctx, dispatch, impls["ours"], case, args.reps)
+        res["sweep"] += sweep(ctx, dispatch, impls["ours"], case, args.reps, refs.get("plaid"))
 
 
-def sweep(ctx, dispatch, fn, case, reps):
-    """``fn`` timed with each row of tables.RESIDUAL_TILES first in turn (the rows that fit)."""
+def sweep(ctx, dispatch, fn, case, reps, ref=None):
+    """``fn`` timed with each row of tables.RESIDUAL_TILES first in turn (the rows that fit), each tile's
+    scores first checked against ``ref`` (float64 [Nq, K]; None: not checked)."""
     rows = []
     tiles = dict(dispatch.tables.RESIDUAL_TILES)
     try:
@@ -246,8 +303,9 @@ def sweep(ctx, dispatch, fn, case, reps):
                 dispatch.tables.RESIDUAL_TILES[lb] = (tile,) + tuple(t for t in order if t != tile)
                 dispatch.clear_caches()
                 try:
-                    fn()
-                    rows.append({"case": case, "tile": list(tile), **timed(ctx, fn, reps)})
+                    err = None if ref is None else float((scores_of(ctx.torch, fn()) - ref).abs().max())
+                    rows.append({"case": case, "tile": list(tile), "max_abs_err_vs_float64": err,
+                                 "wrong": err is not None and not err <= ERR_BOUND, **timed(ctx, fn, reps)})
                 except Exception as e:  # noqa: BLE001
                     rows.append({"case": case, "tile": list(tile), "error": short_err(e)})
     finally:

@@ -33,7 +33,7 @@ os.environ.setdefault("LIK_SUPPRESS_NORM_WARN", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: bench.lib, and this checkout's lik_cupy
 from bench.lib import baselines  # noqa: E402
 from bench.lib.forcing import forcing as forced, rebind  # noqa: E402
-from bench.lib.results import out_dir, slugify  # noqa: E402
+from bench.lib.results import out_dir, slugify, write_json  # noqa: E402
 from bench.lib.timing import per_call_ms  # noqa: E402
 
 DIMS = (128, 256, 384, 512, 768, 1024, 2048, 4096)
@@ -206,8 +206,8 @@ def main(argv=None):
                 print(_line(row), flush=True)
             q = d = ref = None  # free before the next dim is allocated
             torch.cuda.empty_cache()
-            path.write_text(json.dumps(meta, indent=1))
-    path.write_text(json.dumps(meta, indent=1))
+            write_json(path, meta)
+    write_json(path, meta)
     print(table(meta))
     return 0
 

@@ -25,6 +25,8 @@
 #   CORPUS_RESERVE_S seconds withheld from the forward bench's budget so the corpus bench
 #                    still gets to run after it (default 0: the corpus bench gets what is left,
 #                    and is skipped when that is under 60 s)
+#   LIK_COMMIT       the commit this tree is, recorded in every JSON (bench/lib/provenance.py);
+#                    this machine's .git is stale, so put the sha in the command from outside
 #
 # Files written to $OUT (flat, <= 8): pytest.log, bench.log (forward, split-d, backward, int8
 #   and corpus output), forward_<gpu>.json, split_d_<gpu>.json, backward_<gpu>.json,
