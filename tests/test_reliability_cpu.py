@@ -289,7 +289,7 @@ def two_kernels():
 
 @pytest.mark.parametrize("name,damage,rebuilt", _corruptions(), ids=[c[0] for c in _corruptions()])
 def test_damaged_disk_entry_is_discarded_and_rebuilt(kernel_cache, two_kernels, monkeypatch, name, damage, rebuilt):
-    nvrtc = Counting(lambda name, defines, arch: two_kernels[bool(defines["LIK_ARGMAX"])])
+    nvrtc = Counting(lambda name, defines, arch, **_: two_kernels[bool(defines["LIK_ARGMAX"])])
     monkeypatch.setattr(lc, "nvrtc_compile", nvrtc)
     defines = _cfg().defines()
     cubin = lc.cubin_path(SRC, defines, 80)

@@ -2,10 +2,14 @@
 
 * NVRTC (through cuda-python) turns a kernel source plus its ``-D``
   configuration into a CUBIN for one architecture. This needs no GPU, so the
-  same path serves the CPU-only compile check in CI.
+  same path serves the CPU-only compile check in CI. The source and every
+  file it includes are read once (``kernel_sources``) and handed to NVRTC by
+  name, so the bytes the key hashes are the bytes compiled: no header of the
+  working directory, or one beside an including file, is looked up instead.
 * The CUBIN is kept in an on-disk cache whose key covers the contents of the
   source and of every file it includes, the configuration, the NVRTC options,
-  the architecture and the NVRTC version. Entries are written atomically
+  the architecture and NVRTC's build (its release with the patch level, as the
+  PTX it writes names it). Entries are written atomically
   (``lik_cupy._atomic``: a killed compile's temporary is swept by the next write) and
   verified when read (their key and checksum; regular files only, of bounded
   size, so a FIFO, a device or a link to one never blocks or floods a read); an
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import hashlib
 import json
 import os
@@ -71,25 +76,33 @@ def cache_dir() -> Path:
     return Path(base) / "lik_cupy" / "kernels"
 
 
-def source_digest(name: str) -> str:
-    """sha256 over ``name`` and, recursively, every file it includes with ``#include "..."``."""
+def kernel_sources(name: str) -> dict[str, bytes]:
+    """``name`` and, recursively, every file it includes with ``#include "..."``, each read once:
+    {its path as included (relative to :func:`source_dir`): its bytes}, ``name`` first. The key
+    hashes these bytes and NVRTC compiles them, handed the headers by name (it then looks for
+    none of them in the working directory or beside the including file)."""
     root = source_dir()
-    h = hashlib.sha256()
-    seen: set[str] = set()
+    files: dict[str, bytes] = {}
 
     def visit(rel: str) -> None:
-        if rel in seen:
+        if rel in files:
             return
-        seen.add(rel)
         path = root / rel
         if not path.is_file():
             raise FileNotFoundError(f"{rel} (included from the kernel sources) is missing in {root}")
-        text = path.read_bytes()
-        h.update(rel.encode() + b"\0" + text + b"\0")
+        files[rel] = text = path.read_bytes()
         for inc in _INCLUDE.findall(text.decode()):
             visit(inc)
 
     visit(name)
+    return files
+
+
+def source_digest(name: str, sources: dict[str, bytes] | None = None) -> str:
+    """sha256 over ``name`` and, recursively, every file it includes (:func:`kernel_sources`)."""
+    h = hashlib.sha256()
+    for rel, text in (sources or kernel_sources(name)).items():
+        h.update(rel.encode() + b"\0" + text + b"\0")
     return h.hexdigest()
 
 
@@ -99,6 +112,35 @@ def nvrtc_version() -> tuple[int, int]:
     err, major, minor = nvrtc.nvrtcVersion()
     _check(nvrtc, err, "nvrtcVersion")
     return int(major), int(minor)
+
+
+_RELEASE = re.compile(rb"^//\s*Cuda compilation tools, release [^,\n]*, V([0-9][0-9.]*)", re.M)
+_BUILD_ID = re.compile(rb"^//\s*Compiler Build ID: (\S+)", re.M)
+
+
+@functools.cache
+def nvrtc_build() -> str:
+    """NVRTC's full version as the PTX it writes names it, e.g. ``"12.9.86 (CL-36037853)"``: its
+    release with the patch level (``nvrtcVersion`` gives major.minor only) and its build. Read
+    once a process from the PTX of an empty program (some 30 ms); ``"major.minor"`` where that
+    header says less."""
+    from cuda.bindings import nvrtc
+
+    err, prog = nvrtc.nvrtcCreateProgram(b"", b"lik_nvrtc_version.cu", 0, [], [])
+    _check(nvrtc, err, "nvrtcCreateProgram")
+    try:
+        (err,) = nvrtc.nvrtcCompileProgram(prog, 0, [])
+        _check(nvrtc, err, "nvrtcCompileProgram (an empty program, for NVRTC's version)")
+        err, n = nvrtc.nvrtcGetPTXSize(prog)
+        _check(nvrtc, err, "nvrtcGetPTXSize")
+        ptx = bytearray(n)  # a fresh buffer for NVRTC to write into (see nvrtc_compile)
+        (err,) = nvrtc.nvrtcGetPTX(prog, ptx)
+        _check(nvrtc, err, "nvrtcGetPTX")
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+    release, build = _RELEASE.search(ptx), _BUILD_ID.search(ptx)
+    words = release.group(1).decode() if release else "%d.%d" % nvrtc_version()
+    return f"{words} ({build.group(1).decode()})" if build else words
 
 
 def _check(nvrtc, err, what: str) -> None:
@@ -112,15 +154,19 @@ class Compiled:
     log: str  # NVRTC + ptxas (-v) output
 
 
-def nvrtc_compile(name: str, defines: dict, arch: int | str) -> Compiled:
-    """Compile ``cuda_src/name`` for ``sm_<arch>`` (e.g. 80 or "90a") to a CUBIN. No GPU needed."""
+def nvrtc_compile(name: str, defines: dict, arch: int | str, sources: dict[str, bytes] | None = None) -> Compiled:
+    """Compile ``cuda_src/name`` for ``sm_<arch>`` (e.g. 80 or "90a") to a CUBIN. No GPU needed.
+
+    ``sources``: :func:`kernel_sources`'s read of ``name`` (default: read now), the bytes compiled.
+    """
     from cuda.bindings import nvrtc
 
-    root = source_dir()
-    src = (root / name).read_bytes()
-    err, prog = nvrtc.nvrtcCreateProgram(src, name.encode(), 0, [], [])
+    sources = sources or kernel_sources(name)
+    headers = [(rel, text) for rel, text in sources.items() if rel != name]
+    err, prog = nvrtc.nvrtcCreateProgram(sources[name], name.encode(), len(headers), [t for _, t in headers],
+                                         [rel.encode() for rel, _ in headers])
     _check(nvrtc, err, "nvrtcCreateProgram")
-    opts = [f"--gpu-architecture=sm_{arch}".encode(), *(f.encode() for f in _FLAGS), f"-I{root}".encode()]
+    opts = [f"--gpu-architecture=sm_{arch}".encode(), *(f.encode() for f in _FLAGS)]
     opts += [f"-D{k}={v}".encode() for k, v in sorted(defines.items())]
     try:
         (res,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
@@ -176,15 +222,18 @@ def resource_usage(log: str, kernel: str) -> dict[str, int]:
     return out
 
 
-def cache_key(name: str, defines: dict, arch: int | str) -> str:
+def cache_key(name: str, defines: dict, arch: int | str, sources: dict[str, bytes] | None = None) -> str:
+    """The disk cache's key of a build: 40 hex digits over the source and every file it includes
+    (``sources``, default: read now), the defines, the architecture, the NVRTC options, NVRTC's
+    build (:func:`nvrtc_build`) and this package's version."""
     payload = json.dumps(
         {
-            "src": source_digest(name),
+            "src": source_digest(name, sources),
             "file": name,
             "defines": sorted((k, str(v)) for k, v in defines.items()),
             "arch": str(arch),
             "flags": _FLAGS,
-            "nvrtc": nvrtc_version(),
+            "nvrtc": nvrtc_build(),
             "lik": __version__,
         },
         sort_keys=True,
@@ -262,12 +311,13 @@ def _own_directory(problem: OSError, d: Path) -> Path:
 
 def cubin_path(name: str, defines: dict, arch: int | str) -> Path:
     """Path of a verified CUBIN for this kernel, compiling and caching it if needed."""
-    key = cache_key(name, defines, arch)
+    sources = kernel_sources(name)  # read once: the key hashes what NVRTC compiles
+    key = cache_key(name, defines, arch, sources)
     d = cache_dir()
     hit = _read_cached(key, d) or (_fallback and _read_cached(key, _fallback))
     if hit:
         return hit
-    out = nvrtc_compile(name, defines, arch)
+    out = nvrtc_compile(name, defines, arch, sources=sources)
     meta = {"key": key, "sha256": hashlib.sha256(out.cubin).hexdigest(), "file": name, "arch": str(arch),
             "defines": {k: str(v) for k, v in defines.items()}, "log": out.log}
     try:
@@ -385,7 +435,7 @@ def compile_logs(builds: list[tuple], *, workers: int = 1, cache: bool = True) -
     """The ptxas -v logs of ``(source, defines, arch)`` builds, in order.
 
     With ``cache``, a build whose :func:`cache_key` (the source and every file it includes, the
-    defines, the NVRTC options, the architecture, the NVRTC version) was compiled before reads that
+    defines, the NVRTC options, the architecture, NVRTC's build) was compiled before reads that
     log from ``cache_dir()/logs`` instead; a missing or unwritable cache only means compiling.
     The rest compile on ``workers`` processes, the sm_90a builds (the slowest) first. Raises
     ``CompileError`` if any build fails; a failure is never cached.
