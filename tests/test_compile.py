@@ -513,6 +513,7 @@ def test_a_hostile_cache_entry_is_compiled_again_not_read(tmp_path, monkeypatch,
     if kind == "directory":  # a directory cannot be replaced by a file: the process's own directory takes it
         with pytest.warns(RuntimeWarning, match="cannot be written"):
             monkeypatch.setattr(lc, "_fallback", None)
+            monkeypatch.setattr(lc, "_warned", False)
             path = lc.cubin_path(SRC, small.defines(), 80)
     else:
         path = lc.cubin_path(SRC, small.defines(), 80)
@@ -526,6 +527,7 @@ def test_an_unwritable_cache_falls_back_to_a_directory_of_the_process(tmp_path, 
     (tmp_path / "file").write_text("x")
     monkeypatch.setenv("LIK_CACHE_DIR", str(tmp_path / "file"))
     monkeypatch.setattr(lc, "_fallback", None)
+    monkeypatch.setattr(lc, "_warned", False)
     with pytest.warns(RuntimeWarning, match=r"kernel cache .*file \(LIK_CACHE_DIR\) cannot be written") as w:
         a = lc.cubin_path(SRC, _small_cfg().defines(), 80)
         b = lc.cubin_path(SRC, _small_cfg(argmax=True).defines(), 80)

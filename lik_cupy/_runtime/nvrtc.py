@@ -14,8 +14,14 @@
   verified when read (their key and checksum; regular files only, of bounded
   size, so a FIFO, a device or a link to one never blocks or floods a read); an
   entry that fails is compiled again and replaced, never deleted, so a process
-  never removes an entry another one has just written. Where the cache cannot
-  be written, kernels go to a directory of the process's own (one warning).
+  never removes an entry another one has just written. The driver reads the
+  verified entry by path; where that load fails because the entry was removed
+  or changed after its check, the bytes that verified are loaded from a memory
+  file of the process instead. Where the cache cannot be written (read-only,
+  full, not a directory), kernels go to a directory of the process's own, and
+  where that cannot be written either to memory files (one warning). A
+  metadata write that fails after its CUBIN leaves that complete CUBIN, which
+  verifies nothing until the next write of its key replaces it.
 * The compile check (``check_all``) reads each build's ptxas report; under the
   same key it keeps only that report (``logs/``), so a later check compiles
   only what changed.
@@ -40,6 +46,7 @@ import threading
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from .._base import env
 from .._base.cache import DeviceCache
@@ -278,52 +285,116 @@ def _parse(data: bytes | None) -> dict | None:
     return value if isinstance(value, dict) else None
 
 
-def _read_cached(key: str, d: Path) -> Path | None:
-    """The entry ``key`` of cache directory ``d`` where it verifies (its metadata names the key and
-    the CUBIN's checksum), else None: it is then compiled again and replaced, never deleted here
-    (another process may be writing it)."""
-    cubin = d / f"{key}.cubin"
+def _read_cached(key: str, d: Path) -> bytes | None:
+    """The CUBIN of entry ``key`` of cache directory ``d`` where it verifies (its metadata names the
+    key and the CUBIN's checksum), else None: it is then compiled again and replaced, never deleted
+    here (another process may be writing it)."""
     info = _parse(_read_entry(d / f"{key}.json", _MAX_META))
     if info is None or info.get("key") != key:
         return None
-    data = _read_entry(cubin, _MAX_CUBIN)
+    data = _read_entry(d / f"{key}.cubin", _MAX_CUBIN)
     if data is None or hashlib.sha256(data).hexdigest() != info.get("sha256"):
         return None
-    return cubin
+    return data
 
 
 _fallback_lock = threading.Lock()
 _fallback: Path | None = None  # the process's own directory, where the cache cannot be written
+_warned = False  # whether this process has said that its cache cannot be written
+_in_memory: dict[str, tuple[Path, bytes]] = {}  # key -> a memory file of its CUBIN (_memory_file), and the bytes
 
 
-def _own_directory(problem: OSError, d: Path) -> Path:
-    """A directory of this process's own for kernels the cache at ``d`` cannot take (removed at
-    exit), made once, with one warning naming the cache and why."""
-    global _fallback
+def _elsewhere(problem: OSError, d: Path, key: str, cubin: bytes, meta: dict) -> Path:
+    """Where a kernel the cache at ``d`` cannot take goes: a directory of this process's own
+    (made once, removed at exit) or, where that cannot be written either (one full file system),
+    a memory file of the process (:func:`_memory_file`). One warning a process, naming the cache
+    and why; ``problem`` is raised where neither can be had."""
+    global _fallback, _warned
     with _fallback_lock:
         if _fallback is None:
-            _fallback = Path(tempfile.mkdtemp(prefix="lik-cupy-kernels-"))
-            atexit.register(shutil.rmtree, _fallback, True)
+            with contextlib.suppress(OSError):
+                _fallback = Path(tempfile.mkdtemp(prefix="lik-cupy-kernels-"))
+                atexit.register(shutil.rmtree, _fallback, True)
+        own = _fallback
+    path = None
+    if own is not None:
+        with contextlib.suppress(OSError):
+            path = _write_entry(own, key, cubin, meta)
+    path = path or _memory_file(key, cubin)
+    with _fallback_lock:
+        if path is not None and not _warned:
+            _warned = True
+            where = f"in {own}" if path.parent == own else "in memory"
             warnings.warn(f"the kernel cache {d} (LIK_CACHE_DIR) cannot be written ({problem}); compiled kernels "
-                          f"are kept in {_fallback} for this process only", RuntimeWarning, stacklevel=4)
-        return _fallback
+                          f"are kept {where} for this process only", RuntimeWarning, stacklevel=5)
+    if path is None:
+        raise problem
+    return path
 
 
-def cubin_path(name: str, defines: dict, arch: int | str) -> Path:
-    """Path of a verified CUBIN for this kernel, compiling and caching it if needed."""
+def _memory_file(key: str, cubin: bytes) -> Path | None:
+    """A path to ``cubin`` that no other process can change or remove: a sealed memory file of this
+    process, ``/proc/self/fd/<n>`` (Linux), made once a key; None where the system has none.
+
+    Its descriptor stays open for the process's life: CuPy keeps the modules it loads by path, so
+    a number once handed out must never come to name other bytes."""
+    if not hasattr(os, "memfd_create") or not os.path.isdir("/proc/self/fd"):
+        return None
+    with _fallback_lock:
+        if key in _in_memory:
+            return _in_memory[key][0]
+        try:
+            fd = os.memfd_create(f"lik-cupy-{key}", os.MFD_CLOEXEC | getattr(os, "MFD_ALLOW_SEALING", 0))
+        except OSError:
+            return None
+        try:
+            view = memoryview(cubin)
+            while view:
+                view = view[os.write(fd, view):]
+            with contextlib.suppress(OSError, AttributeError):
+                import fcntl
+
+                fcntl.fcntl(fd, fcntl.F_ADD_SEALS,
+                            fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE)
+        except OSError:
+            os.close(fd)
+            return None
+        path = Path(f"/proc/self/fd/{fd}")
+        _in_memory[key] = (path, cubin)
+        return path
+
+
+class _Cubin(NamedTuple):
+    key: str  # its cache_key
+    path: Path  # where the driver can read it
+    data: bytes  # the bytes that verified (or were compiled)
+
+
+def _cubin(name: str, defines: dict, arch: int | str) -> _Cubin:
+    """A verified CUBIN for this kernel, compiled and cached if needed."""
     sources = kernel_sources(name)  # read once: the key hashes what NVRTC compiles
     key = cache_key(name, defines, arch, sources)
     d = cache_dir()
-    hit = _read_cached(key, d) or (_fallback and _read_cached(key, _fallback))
-    if hit:
-        return hit
+    for where in (d, _fallback):
+        data = _read_cached(key, where) if where is not None else None
+        if data is not None:
+            return _Cubin(key, where / f"{key}.cubin", data)
+    held = _in_memory.get(key)
+    if held is not None:
+        return _Cubin(key, *held)
     out = nvrtc_compile(name, defines, arch, sources=sources)
     meta = {"key": key, "sha256": hashlib.sha256(out.cubin).hexdigest(), "file": name, "arch": str(arch),
             "defines": {k: str(v) for k, v in defines.items()}, "log": out.log}
     try:
-        return _write_entry(d, key, out.cubin, meta)
+        path = _write_entry(d, key, out.cubin, meta)
     except OSError as e:  # read-only, full, or a file where a directory should be
-        return _write_entry(_own_directory(e, d), key, out.cubin, meta)
+        path = _elsewhere(e, d, key, out.cubin, meta)
+    return _Cubin(key, path, out.cubin)
+
+
+def cubin_path(name: str, defines: dict, arch: int | str) -> Path:
+    """Path of a verified CUBIN for this kernel, compiling and caching it if needed."""
+    return _cubin(name, defines, arch).path
 
 
 def _write_entry(d: Path, key: str, cubin: bytes, meta: dict) -> Path:
@@ -346,8 +417,28 @@ def get_module(name: str, defines: dict, arch: int | str, device_id: int, entry:
     it is loaded at once so a bad module fails here, not at the first launch.
     """
     key = (name, tuple(sorted((k, str(v)) for k, v in defines.items())), str(arch))
-    return _modules.get(device_id, key, lambda: _load(cubin_path(name, defines, arch), device_id,
-                                                       entry or str(defines["LIK_NAME"])))
+    return _modules.get(device_id, key, lambda: _load_checked(name, defines, arch, device_id,
+                                                               entry or str(defines["LIK_NAME"])))
+
+
+def _load_checked(name: str, defines: dict, arch: int | str, device_id: int, entry: str):
+    """Load the CUBIN that verified. The driver reads it by path, after the check: where that
+    load fails and the file no longer holds the bytes checked (another process removed or
+    rewrote the entry in between, or a tool damaged it in place), they are loaded from a memory
+    file of the process instead; a load that fails on the bytes checked raises the driver's error."""
+    key, path, data = _cubin(name, defines, arch)
+    try:
+        return _load(path, device_id, entry)
+    except Exception:
+        copy = None if _holds(path, data) else _memory_file(key, data)
+        if copy is None:
+            raise
+    return _load(copy, device_id, entry)
+
+
+def _holds(path: Path, data: bytes) -> bool:
+    """Whether the regular file at ``path`` holds exactly ``data``."""
+    return _read_entry(path, len(data)) == data
 
 
 def get_function(name: str, entry: str, device_id: int):
@@ -394,12 +485,18 @@ def _build_log(build: tuple) -> str:
     return nvrtc_compile(*build).log
 
 
-def _log_path(key: str) -> Path:
-    return cache_dir() / "logs" / f"{key}.json"
+_KEY = re.compile(r"[0-9a-f]{40}")
+
+
+def _log_path(key: str) -> Path | None:
+    """Where the cache keeps the log of ``key``; None for a name that is not a :func:`cache_key`
+    (a recorded log's key is read from a file: a path in it must not reach outside the cache)."""
+    return cache_dir() / "logs" / f"{key}.json" if isinstance(key, str) and _KEY.fullmatch(key) else None
 
 
 def _read_log(key: str) -> str | None:
-    entry = _parse(_read_entry(_log_path(key), _MAX_META))
+    path = _log_path(key)
+    entry = _parse(_read_entry(path, _MAX_META)) if path is not None else None
     if entry is None or entry.get("key") != key or not isinstance(entry.get("log"), str):
         return None  # damaged: compiled again, and rewritten
     return entry["log"]
@@ -407,6 +504,8 @@ def _read_log(key: str) -> str | None:
 
 def _write_log(key: str, log: str) -> None:
     path = _log_path(key)
+    if path is None:
+        return
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         _atomic_write(path, json.dumps({"key": key, "log": log}).encode())
@@ -425,7 +524,8 @@ def seed_logs(logs: dict[str, str]) -> int:
     compiles); returns how many were added."""
     added = 0
     for key, log in logs.items():
-        if isinstance(key, str) and isinstance(log, str) and not _log_path(key).exists():
+        path = _log_path(key)
+        if path is not None and isinstance(log, str) and not path.exists():
             _write_log(key, log)
             added += 1
     return added
