@@ -236,11 +236,12 @@ def _check_header_text(path: str, text: str) -> None:
     """Refuse a .npy header that NumPy's parser (Python's, ``ast.literal_eval``) would warn about on
     stderr before failing or reading it: a backslash escape in a string, or a name such as ``if``
     (``4if`` is an "invalid decimal literal"), neither of which a header numpy.save writes holds.
-    A header that does not tokenize is left to NumPy's own error."""
-    try:
-        tokens = list(tokenize.generate_tokens(io.StringIO(text).readline))
-    except (tokenize.TokenError, SyntaxError):
-        return
+    A header that does not tokenize is judged by the tokens before the failure (Python still
+    warns about those), then left to NumPy's own error."""
+    tokens = []
+    with contextlib.suppress(tokenize.TokenError, SyntaxError):
+        for t in tokenize.generate_tokens(io.StringIO(text).readline):
+            tokens.append(t)
     for t in tokens:
         if t.type == tokenize.STRING and "\\" in t.string:
             raise ShardError(path, f"corrupt .npy header: it holds a backslash in the string {t.string[:40]!r}; "

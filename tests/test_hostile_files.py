@@ -1072,6 +1072,7 @@ def test_npy_header_nested_too_deeply_is_a_shard_error(tmp_path, operators):
     ("(2, 4), 'x\\,': 1", "a backslash"),  # "invalid escape sequence" (DeprecationWarning in 3.11)
     ("(2, 4 if 1 else 4)", "the name 'if'"),  # no warning, but this was "holds Python objects (object dtype)"
     ("(2, (4)(4))", None),  # so was this: NumPy's error names an <ast.Call object>
+    ("(2, 4if 1else 4", "the name 'if'"),  # does not tokenize (an unclosed bracket): Python still warned
 ])
 def test_npy_header_python_would_warn_about_is_one_error_and_no_warning(tmp_path, shape, why):
     # NumPy parses a header as Python: these made Python print SyntaxWarnings on stderr (lik's one
