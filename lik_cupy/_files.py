@@ -236,11 +236,12 @@ def _check_header_text(path: str, text: str) -> None:
     """Refuse a .npy header that NumPy's parser (Python's, ``ast.literal_eval``) would warn about on
     stderr before failing or reading it: a backslash escape in a string, or a name such as ``if``
     (``4if`` is an "invalid decimal literal"), neither of which a header numpy.save writes holds.
-    A header that does not tokenize is left to NumPy's own error."""
-    try:
-        tokens = list(tokenize.generate_tokens(io.StringIO(text).readline))
-    except (tokenize.TokenError, SyntaxError):
-        return
+    A header that does not tokenize is judged by the tokens before the failure (Python still
+    warns about those), then left to NumPy's own error."""
+    tokens = []
+    with contextlib.suppress(tokenize.TokenError, SyntaxError):
+        for t in tokenize.generate_tokens(io.StringIO(text).readline):
+            tokens.append(t)
     for t in tokens:
         if t.type == tokenize.STRING and "\\" in t.string:
             raise ShardError(path, f"corrupt .npy header: it holds a backslash in the string {t.string[:40]!r}; "
@@ -271,17 +272,13 @@ def npy_problem(e: BaseException) -> str:
 def read_lengths(path: str | os.PathLike) -> np.ndarray:
     """Per-document token counts from a ``.npy`` integer array or a JSON list (ColBERT's ``doclens.*.json``).
 
-    Returns int64 ``[N]``, every value >= 0.
+    Returns int64 ``[N]``, every value >= 0. A JSON list is read in memory of its file's bytes,
+    the result's 8 bytes a value and a fixed few MiB (:func:`_json_lengths`): at most 5 times
+    the file's size, and 4 MiB.
     """
     path = os.fspath(path)
     if path.lower().endswith(".json"):
-        values = read_json(path, "not a JSON list of integers", "a JSON list of integers (one token count per document)")
-        if not isinstance(values, list) or not all(type(v) is int for v in values):
-            raise ShardError(path, "expected a JSON list of integers (one token count per document)")
-        big = next((i for i, v in enumerate(values) if not -2**63 <= v < 2**63), None)
-        if big is not None:
-            raise ShardError(path, f"length {values[big]} at index {big} does not fit int64; expected a token count")
-        arr = np.array(values, dtype=np.int64)
+        arr = _json_lengths(read_regular(path, "a JSON list of integers (one token count per document)"), path)
     else:
         raw = open_npy(path)
         if raw.dtype.kind not in "iu":
@@ -295,3 +292,148 @@ def read_lengths(path: str | os.PathLike) -> np.ndarray:
         i = int(np.argmax(arr < 0))
         raise ShardError(path, f"length {int(arr[i])} at index {i} is negative")
     return arr
+
+
+# --------------------------------------------------------------------------- JSON lists of integers
+
+# A doclens.*.json is parsed here, a block of bytes at a time with NumPy, not by the json module:
+# its Python ints took 28 to 36 bytes a value (5 to 11 times the file's bytes at the peak).
+_BLOCK = 1 << 15  # bytes classified at once: the parse's own arrays stay within a few MiB
+_WS, _DIGIT, _MINUS, _COMMA = 1, 2, 3, 4  # the bytes a list of integers holds inside its brackets; 0: any other
+_CLASS = np.zeros(256, np.uint8)
+_CLASS[np.frombuffer(b" \t\n\r", np.uint8)] = _WS  # JSON's whitespace, no other
+_CLASS[ord("0"):ord("9") + 1] = _DIGIT
+_CLASS[ord("-")] = _MINUS
+_CLASS[ord(",")] = _COMMA
+_POW10 = 10 ** np.arange(19, dtype=np.uint64)
+_MAX_CARRY = 64  # characters of one value kept across blocks (int64 takes 20: '-' and 19 digits)
+_LIST_OF_INTEGERS = "not a JSON list of integers (one token count per document)"
+
+
+def _json_lengths(data: bytes, path: str) -> np.ndarray:
+    """The values of ``data``, a JSON list of integers (RFC 8259: ``[``, integers without a
+    fraction, an exponent or leading zeros, separated by ``,``, then ``]``; whitespace around
+    each), as int64 ``[N]``, every one >= 0: what ``json.loads`` reads as a list of such
+    integers, and nothing else (a ShardError naming ``path`` says what and where).
+
+    The result is allocated once, from the count of commas; the rest is a few arrays of one block
+    of the file (``_BLOCK``) at a time, and values too long for int64 are refused as they come."""
+    u = np.frombuffer(data, np.uint8)
+    first, last = _edge(u, forward=True), _edge(u, forward=False)  # the first and last bytes not whitespace
+    if first is None:
+        raise ShardError(path, f"{_LIST_OF_INTEGERS}; the file is empty or whitespace")
+    if data[first] != ord("[") or data[last] != ord("]") or last == first:
+        raise ShardError(path, f"{_LIST_OF_INTEGERS}; it does not begin with '[' and end with ']'")
+    values = _Values(np.empty(data.count(b",", first + 1, last) + 1, np.int64), path)
+    for start in range(first + 1, last, _BLOCK):
+        values.feed(u[start:min(start + _BLOCK, last)], start)
+    return values.finish()
+
+
+def _edge(u: np.ndarray, forward: bool) -> int | None:
+    """The index of ``u``'s first (``forward``) or last byte that is not JSON whitespace, or None."""
+    starts = range(0, u.size, _BLOCK) if forward else range((u.size - 1) // _BLOCK * _BLOCK, -1, -_BLOCK)
+    for s in starts:
+        kept = np.flatnonzero(_CLASS[u[s:s + _BLOCK]] != _WS)
+        if kept.size:
+            return s + int(kept[0] if forward else kept[-1])
+    return None
+
+
+class _Values:
+    """The values between a JSON list's brackets, fed a block of bytes at a time into ``out``."""
+
+    def __init__(self, out: np.ndarray, path: str):
+        self.out, self.path, self.n = out, path, 0
+        self.carry = np.zeros(0, np.uint8)  # the characters of a value the last block cut
+        self.in_value = False  # whether the last character that is not whitespace was part of a value
+        self.spaced = False  # whether whitespace has come since then
+        self.seen = False  # whether anything but whitespace has come
+
+    def fail(self, index: int, what: str):
+        raise ShardError(self.path, f"{_LIST_OF_INTEGERS}; value {index} {what}")
+
+    def feed(self, block: np.ndarray, offset: int) -> None:
+        cls = _CLASS[block]
+        other = np.flatnonzero(cls == 0)
+        if other.size:
+            c = int(block[other[0]])
+            what = repr(chr(c)) if 0x20 <= c < 0x7F else f"the byte 0x{c:02x}"
+            raise ShardError(self.path, f"{_LIST_OF_INTEGERS}; found {what} at byte {offset + int(other[0])}")
+        kept = np.flatnonzero(cls != _WS)
+        if not kept.size:
+            self.spaced = self.spaced or bool(block.size)
+            return
+        self.seen = True
+        kcls = cls[kept]
+        part = kcls != _COMMA  # a digit or '-': part of a value
+        spaced = np.empty(kept.size, bool)  # whitespace just before
+        spaced[0], spaced[1:] = kept[0] > 0 or self.spaced, np.diff(kept) > 1
+        after = np.empty(kept.size, bool)  # the character before (whitespace aside) is part of a value
+        after[0], after[1:] = self.in_value, part[:-1]
+        split = np.flatnonzero(spaced & part & after)
+        if split.size:
+            self.fail(self.n + np.count_nonzero(kcls[:split[0]] == _COMMA), "has whitespace inside it")
+        self.in_value, self.spaced = bool(part[-1]), bool(kept[-1] < block.size - 1)
+        chars = block[kept]
+        pending = np.concatenate((self.carry, chars)) if self.carry.size else chars
+        commas = np.flatnonzero(pending == ord(","))
+        if commas.size:
+            self._values(pending[:commas[-1] + 1])
+            pending = pending[commas[-1] + 1:]
+        if pending.size > _MAX_CARRY:
+            raise ShardError(self.path, f"length of more than {_MAX_CARRY - 1} digits at index {self.n} does not fit "
+                                        f"int64; expected a token count")
+        self.carry = pending.copy()
+
+    def finish(self) -> np.ndarray:
+        if not self.seen and self.out.size == 1:
+            return np.zeros(0, np.int64)  # []
+        self._values(np.concatenate((self.carry, np.array([ord(",")], np.uint8))))
+        return self.out
+
+    def _values(self, seg: np.ndarray) -> None:
+        """Write the values of ``seg``: characters of values, each ended by ','."""
+        ends = np.flatnonzero(seg == ord(","))
+        starts = np.empty_like(ends)
+        starts[0], starts[1:] = 0, ends[:-1] + 1
+        n = self.n
+        empty = np.flatnonzero(ends == starts)
+        if empty.size:
+            self.fail(n + int(empty[0]), "is empty (a ',' next to another one, to '[' or to ']')")
+        neg = seg[starts] == ord("-")
+        minus = np.flatnonzero(seg == ord("-"))
+        if minus.size != np.count_nonzero(neg):
+            inner = minus[np.isin(minus, starts, invert=True)][0]
+            self.fail(n + int(np.searchsorted(ends, inner)), "has a '-' inside it")
+        first = starts + neg  # each value's first digit
+        digits = ends - first
+        for bad, what in ((digits == 0, "is a '-' without digits"),
+                          ((seg[first] == ord("0")) & (digits > 1), "has a leading zero (JSON writes none)")):
+            if bad.any():
+                self.fail(n + int(np.argmax(bad)), what)
+        if (digits > 19).any():
+            self._too_big(seg, starts, ends, int(np.argmax(digits > 19)))
+        at = np.flatnonzero(seg >= ord("0"))  # the digits, value by value (',' and '-' sort below '0')
+        place = np.repeat(ends - 1, digits) - at  # each digit's power of ten
+        vals = np.add.reduceat((seg[at] - ord("0")).astype(np.uint64) * _POW10[place], np.cumsum(digits) - digits)
+        top = np.uint64(1 << 63)
+        big = (vals > top) | ((vals == top) & ~neg)
+        if big.any():
+            self._too_big(seg, starts, ends, int(np.argmax(big)))
+        below = neg & (vals > 0)
+        if below.any():
+            k = int(np.argmax(below))
+            raise ShardError(self.path, f"length {self._text(seg, starts, ends, k)} at index {n + k} is negative")
+        self.out[n:n + ends.size] = vals.astype(np.int64)
+        self.n = n + ends.size
+
+    def _too_big(self, seg, starts, ends, k: int):
+        text = self._text(seg, starts, ends, k)
+        if len(text) > 40:
+            text = f"of {len(text.lstrip('-'))} digits"
+        raise ShardError(self.path, f"length {text} at index {self.n + k} does not fit int64; expected a token count")
+
+    @staticmethod
+    def _text(seg, starts, ends, k: int) -> str:
+        return seg[starts[k]:ends[k]].tobytes().decode("ascii")

@@ -36,8 +36,10 @@ storage's bytes before any view is made;
 counts must agree across files (metadata's chunks, each chunk's doclens, codes and residual rows,
 the manifests' rows); codes are int32 or int64 naming a centroid, lengths integers >= 0 whose sum
 fits int64; centroids and bucket weights finite. metadata.json and the manifests are read no larger
-than an index needs (JSON takes many times its bytes as Python objects). Memory is bounded by what
-the files hold.
+than an index needs (JSON takes many times its bytes as Python objects); doclens files, of any size,
+are parsed without Python objects (``_files.read_lengths``: the file, 8 bytes a value and a few MiB),
+their lengths checked (>= 0, a sum inside int64, the codes' rows) before anything is sized by them.
+Memory is bounded by what the files hold.
 """
 
 from __future__ import annotations
@@ -129,23 +131,31 @@ def _short(value, limit: int = 40) -> str:
 
 
 def _doclens(path: str, chunks: int) -> tuple[np.ndarray, list[int]]:
-    """Every chunk's doclens.{i}.json: (int64 offsets [N + 1], each chunk's token count)."""
-    pieces, rows, total = [np.zeros(1, np.int64)], [], 0
+    """Every chunk's doclens.{i}.json: (int64 offsets [N + 1], each chunk's token count). Memory: a
+    file's bytes and its lengths while it is parsed (``_files.read_lengths``), then 16 bytes a
+    document (the chunks' offsets, and all of them in one array)."""
+    pieces, rows, total = [], [], 0
     for i in range(chunks):
         name = os.path.join(path, f"doclens.{i}.json")
         if not _present(name):
             raise ShardError(name, f"no such file; metadata.json says the index has {chunks} chunks")
-        cum = np.cumsum(_files.read_lengths(name))
+        cum = _files.read_lengths(name)
+        np.cumsum(cum, out=cum)
         # lengths are >= 0 and below 2**63: a sum past int64 shows as a step down where it wraps
         if (cum[1:] < cum[:-1]).any() or total + (int(cum[-1]) if cum.size else 0) >= 2**63:
             raise ShardError(name, "document lengths add up to 2**63 tokens or more; expected token counts")
-        pieces.append(cum + total)
-        rows.append(int(cum[-1]) if cum.size else 0)
+        cum += total
+        pieces.append(cum)
+        rows.append(int(cum[-1]) - total if cum.size else 0)
         total += rows[-1]
     extra = os.path.join(path, f"doclens.{chunks}.json")
     if _present(extra):
         raise ShardError(extra, f"a chunk that metadata.json does not count (it says {chunks} chunks)")
-    return np.concatenate(pieces), rows
+    offsets = np.empty(1 + sum(p.size for p in pieces), np.int64)
+    offsets[0] = 0
+    if pieces:
+        np.concatenate(pieces, out=offsets[1:])
+    return offsets, rows
 
 
 def _weights(w: np.ndarray, nbits: int, name: str) -> np.ndarray:

@@ -12,7 +12,7 @@ every core and read what an earlier check proved under the same key from the ker
 
 A fresh clone's cache is empty, so the check's proofs are also committed: ``tests/data/compile_logs.json.gz``
 holds the ptxas logs of the sample's fixed part (the pair cover and the families) under their cache
-keys, which name the source and every file it includes, the defines, the NVRTC version and this
+keys, which name the source and every file it includes, the defines, NVRTC's build and this
 package's version. The check seeds the cache from it first (``nvrtc.seed_logs``): a build whose
 source changed misses its entry and compiles, and the rotating share compiles every day. After
 changing ``cuda_src/``, ``LIK_COMPILE_RECORD=1 python -m pytest tests/test_compile.py -k "check_all or fp8"``
@@ -372,6 +372,55 @@ def test_cache_key_covers_every_included_file(src_copy):
         lc.cache_key(SRC, defines, 80)
 
 
+def test_cache_key_names_nvrtcs_build_not_only_its_version(monkeypatch):
+    """The key named NVRTC by major.minor alone: 12.9.41 and 12.9.86 shared entries, so a compiler fix
+    of a patch release never reached a kernel cached by the release before it."""
+    build = lc.nvrtc_build()
+    major, minor = lc.nvrtc_version()
+    assert re.fullmatch(rf"{major}\.{minor}\.\d+ \(\S+\)", build), build  # release with its patch level, build
+    defines = _small_cfg().defines()
+    keys = set()
+    for b in ("12.9.41 (CL-35404655)", "12.9.86 (CL-36037853)", "12.9.86 (CL-36037854)"):
+        monkeypatch.setattr(lc, "nvrtc_build", lambda b=b: b)
+        keys.add(lc.cache_key(SRC, defines, 80))
+    assert len(keys) == 3
+
+
+def test_kernels_compile_from_the_sources_their_key_hashes(src_copy, tmp_path, monkeypatch):
+    """NVRTC looked up a quoted include in the working directory (the main source's includes) and
+    beside the including header before the package's sources, while the key hashed the package's
+    file: a ``common.cuh`` in the directory a program ran from (a common name in CUDA projects) or
+    a stray header beside one of ours was compiled in and cached under the key of our sources."""
+    defines = _small_cfg().defines()
+    work = tmp_path / "work"
+    (work / "fwd").mkdir(parents=True)
+    for name in ("common.cuh", "fwd/config.cuh", "fwd/common.cuh"):
+        (work / name).write_text("#error a header of the working directory was compiled in\n")
+    monkeypatch.chdir(work)
+    assert lc.nvrtc_compile("checks.cu", {}, 80).cubin[:4] == b"\x7fELF"
+    assert lc.nvrtc_compile(SRC, defines, 80).cubin[:4] == b"\x7fELF"
+    (src_copy / "fwd" / "common.cuh").write_text("#error a header beside fwd/config.cuh was compiled in\n")
+    assert lc.nvrtc_compile(SRC, defines, 80).cubin[:4] == b"\x7fELF"
+
+
+def test_a_source_changed_after_its_key_is_not_cached_under_that_key(src_copy, tmp_path, monkeypatch):
+    """The key hashed the sources, then NVRTC read them again: a source edited (or a package
+    upgraded in place) in between was cached under the key of the sources before the change."""
+    monkeypatch.setenv("LIK_CACHE_DIR", str(tmp_path / "kc"))
+    defines = _small_cfg().defines()
+    expected = lc.nvrtc_compile(SRC, defines, 80).cubin
+    real_key = lc.cache_key
+
+    def key_then_edit(*a, **k):
+        key = real_key(*a, **k)
+        with open(src_copy / "common.cuh", "a") as f:
+            f.write("\n#define LIK_EDITED_AFTER_THE_KEY 1\nstatic_assert(!LIK_EDITED_AFTER_THE_KEY, \"edited\");\n")
+        return key
+
+    monkeypatch.setattr(lc, "cache_key", key_then_edit)
+    assert lc.cubin_path(SRC, defines, 80).read_bytes() == expected
+
+
 def test_cache_key_covers_defines_and_arch():
     defines = _small_cfg().defines()
     k = lc.cache_key(SRC, defines, 80)
@@ -464,6 +513,7 @@ def test_a_hostile_cache_entry_is_compiled_again_not_read(tmp_path, monkeypatch,
     if kind == "directory":  # a directory cannot be replaced by a file: the process's own directory takes it
         with pytest.warns(RuntimeWarning, match="cannot be written"):
             monkeypatch.setattr(lc, "_fallback", None)
+            monkeypatch.setattr(lc, "_warned", False)
             path = lc.cubin_path(SRC, small.defines(), 80)
     else:
         path = lc.cubin_path(SRC, small.defines(), 80)
@@ -477,6 +527,7 @@ def test_an_unwritable_cache_falls_back_to_a_directory_of_the_process(tmp_path, 
     (tmp_path / "file").write_text("x")
     monkeypatch.setenv("LIK_CACHE_DIR", str(tmp_path / "file"))
     monkeypatch.setattr(lc, "_fallback", None)
+    monkeypatch.setattr(lc, "_warned", False)
     with pytest.warns(RuntimeWarning, match=r"kernel cache .*file \(LIK_CACHE_DIR\) cannot be written") as w:
         a = lc.cubin_path(SRC, _small_cfg().defines(), 80)
         b = lc.cubin_path(SRC, _small_cfg(argmax=True).defines(), 80)

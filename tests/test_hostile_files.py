@@ -724,6 +724,138 @@ def test_a_manifest_is_read_no_larger_than_its_chunks_need(tmp_path):
     assert len(PlaidIndex.open(d)) == 60
 
 
+def _doclens_text(shape: str, n: int) -> str:
+    rng = np.random.default_rng(5)
+    if shape == "zeros, two bytes a value":
+        return "[" + ",".join(["0"] * n) + "]"
+    low, high, sep = {"lengths of 257 to 999": (257, 1000, ","), "lengths of 32 to 300": (32, 300, ", "),
+                      "lengths of five digits, a line each": (10_000, 99_999, ",\n  ")}[shape]
+    return "[" + sep.join(map(str, rng.integers(low, high, n).tolist())) + "]"
+
+
+@pytest.mark.parametrize("shape", ["zeros, two bytes a value", "lengths of 257 to 999", "lengths of 32 to 300",
+                                   "lengths of five digits, a line each"])
+def test_a_doclens_file_is_read_in_memory_proportional_to_its_size(tmp_path, shape):
+    # A doclens JSON list was parsed into Python ints (28 bytes each where past 256, and 8 in the
+    # list) and then copied into an array: 5 to 11 times the file's size at the peak, so a doclens
+    # file of 1 GB (hostile, or an index of 200M documents) asked for 11 GB. The peak is now the
+    # file's bytes, the int64 result and a fixed 4 MiB: at most 5 times the file (a value takes at
+    # least two bytes, "0,") and 4 MiB.
+    import tracemalloc
+
+    n = 1_000_000
+    path = tmp_path / "doclens.0.json"
+    path.write_text(_doclens_text(shape, n))
+    size = path.stat().st_size
+    expected = np.array(json.loads(path.read_text()), np.int64)
+    tracemalloc.start()
+    try:
+        got = _files.read_lengths(path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert np.array_equal(got, expected) and got.dtype == np.int64
+    assert peak <= size + 8 * n + (4 << 20), (peak / size, size)
+
+
+def test_an_index_reads_its_doclens_in_memory_proportional_to_their_size(tmp_path):
+    # The index's offsets: the chunk's lengths and then the offsets, 16 bytes a document, besides
+    # the file while it is parsed; not the parse's 28 to 36 bytes a value.
+    import tracemalloc
+
+    from lik_cupy import PlaidIndex
+
+    d = tmp_path / "x"
+    shutil.copytree(FIXTURE, d)
+    lens = json.loads((d / "doclens.0.json").read_text())
+    n = 2_000_000  # empty documents before the fixture's 60: the codes still add up
+    (d / "doclens.0.json").write_text("[" + "0," * n + ",".join(map(str, lens)) + "]")
+    size = (d / "doclens.0.json").stat().st_size
+    tracemalloc.start()
+    try:
+        idx = PlaidIndex.open(d)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert len(idx) == n + len(lens) and idx.offsets[-1] == sum(lens)
+    assert peak <= max(size + 8 * n, 16 * n) + (8 << 20), (peak / size, size)
+
+
+def _reference_lengths(text: bytes):
+    """What the doclens reader must make of ``text``: the json module's reading, a list of int64
+    values >= 0 (bools and floats are not integers), else None."""
+    try:
+        value = json.loads(text.decode("utf-8"))
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(value, list) or not all(type(v) is int and 0 <= v < 2**63 for v in value):
+        return None
+    return value
+
+
+def test_a_doclens_file_is_read_as_json_reads_it(tmp_path):
+    # The reader parses JSON lists of integers itself (the json module's objects are what took the
+    # memory): it takes exactly what json.loads takes as a list of int64 values >= 0, to the byte.
+    fixed = [b"[]", b"[ ]", b" \n[\t1 ,2\r\n, 3 ] \n", b"[0]", b"[-0]", b"[9223372036854775807]", b"[01]", b"[-01]",
+             b"[9223372036854775808]", b"[-1]", b"[-9223372036854775808]", b"[1 2]", b"[- 1]", b"[1,]", b"[,1]",
+             b"[,]", b"[1,,2]", b"[1.0]", b"[1e3]", b"[+1]", b"[true]", b'["1"]', b"[[1]]", b"[1]]", b"[[1]",
+             b"[1] 2", b"[", b"]", b"", b" ", b"1", b"{}", b"\xef\xbb\xbf[1]", b"[1\x00]", b"[\xa01]", b"[1,\x0b2]",
+             b"[" + b"7" * 5000 + b"]", b"[-]", b"[--1]", b"[1-]", b"[0" + b" " * 70_000 + b",1]",
+             b"[" + b" " * 70_000 + b"]", b"[" + b"1," * 40_000 + b"2]", b"[" + b"1," * 40_000 + b"02]"]
+    rng = np.random.default_rng(11)
+    alphabet = list(b"0123456789-, \n[].e+x\t") + [0xff]
+    base = b"[" + b", ".join(str(v).encode() for v in rng.integers(0, 400, 200)) + b"]"
+    mutated = []
+    for _ in range(1500):
+        b = bytearray(base)
+        for _ in range(int(rng.integers(1, 4))):
+            at, op = int(rng.integers(0, len(b) + 1)), int(rng.integers(0, 3))
+            c = alphabet[int(rng.integers(0, len(alphabet)))]
+            if op == 0 and at < len(b):
+                b[at] = c
+            elif op == 1:
+                b.insert(at, c)
+            elif at < len(b):
+                del b[at]
+        mutated.append(bytes(b))
+    path = tmp_path / "doclens.json"
+    accepted = 0
+    for text in fixed + mutated:
+        path.write_bytes(text)
+        want = _reference_lengths(text)
+        if want is None:
+            with pytest.raises(shards.ShardError) as e:
+                _files.read_lengths(path)
+            assert str(e.value).startswith(f"{path}: "), str(e.value)
+        else:
+            got = _files.read_lengths(path)
+            assert got.dtype == np.int64 and got.tolist() == want, text[:80]
+            accepted += 1
+    assert 50 < accepted < len(fixed) + len(mutated) - 50  # both sides exercised
+
+
+@pytest.mark.parametrize("text,words", [
+    ("[3, 1, -2]", "length -2 at index 2 is negative"),
+    ("[1, 99999999999999999999]", "length 99999999999999999999 at index 1 does not fit int64"),
+    ("[1, -99999999999999999999]", "length -99999999999999999999 at index 1 does not fit int64"),
+    ("[1, " + "9" * 50 + ", 2]", "length of 50 digits at index 1 does not fit int64"),
+    ("[1, " + "9" * 100 + "]", "length of more than 63 digits at index 1 does not fit int64"),
+    ("[1, 2.5]", "'.' at byte 5"),
+    ("[[1]]", "'[' at byte 1"),
+    ("{}", "not a JSON list of integers"),
+    ("[1, 2", "not a JSON list of integers"),
+    ("[1,, 2]", "value 1 is empty"),
+    ("[1, 02]", "value 1 has a leading zero"),
+    ("[1 2]", "value 0 has whitespace inside it"),
+])
+def test_a_bad_doclens_file_says_where(tmp_path, text, words):
+    path = tmp_path / "doclens.0.json"
+    path.write_text(text)
+    with pytest.raises(shards.ShardError) as e:
+        _files.read_lengths(path)
+    assert str(e.value).startswith(f"{path}: ") and words in str(e.value), str(e.value)
+
+
 def pt_mutations(rng, arrays: list[np.ndarray]):
     """(name, bytes, expectation) for one .pt file (a tensor, or a tuple of them) that the reader reads."""
     def pt(**override):
@@ -940,6 +1072,7 @@ def test_npy_header_nested_too_deeply_is_a_shard_error(tmp_path, operators):
     ("(2, 4), 'x\\,': 1", "a backslash"),  # "invalid escape sequence" (DeprecationWarning in 3.11)
     ("(2, 4 if 1 else 4)", "the name 'if'"),  # no warning, but this was "holds Python objects (object dtype)"
     ("(2, (4)(4))", None),  # so was this: NumPy's error names an <ast.Call object>
+    ("(2, 4if 1else 4", "the name 'if'"),  # does not tokenize (an unclosed bracket): Python still warned
 ])
 def test_npy_header_python_would_warn_about_is_one_error_and_no_warning(tmp_path, shape, why):
     # NumPy parses a header as Python: these made Python print SyntaxWarnings on stderr (lik's one

@@ -73,6 +73,8 @@ def kernel_cache(tmp_path, monkeypatch):
     pytest.importorskip("cuda.bindings.nvrtc", reason="NVRTC (cuda-python) is not installed")
     monkeypatch.setenv("LIK_CACHE_DIR", str(tmp_path / "kc"))
     monkeypatch.setattr(lc, "_modules", DeviceCache(lc._MEMORY_CACHE_SIZE, lru=True))
+    for name, empty in (("_fallback", None), ("_warned", False), ("_in_memory", {})):
+        monkeypatch.setattr(lc, name, empty)
     nvrtc = Counting(lc.nvrtc_compile, delay=0.2)
     load = Counting(lambda path, device, entry: types.SimpleNamespace(path=path, device=device, entry=entry))
     monkeypatch.setattr(lc, "nvrtc_compile", nvrtc)
@@ -197,7 +199,7 @@ def test_failed_compile_reaches_every_caller_with_the_log_and_is_not_cached(kern
 
 def test_memory_cache_is_bounded_and_keeps_recent_kernels(monkeypatch):
     monkeypatch.setattr(lc, "_modules", DeviceCache(lc._MEMORY_CACHE_SIZE, lru=True))
-    monkeypatch.setattr(lc, "cubin_path", lambda name, defines, arch: pathlib.Path(defines["LIK_NAME"]))
+    monkeypatch.setattr(lc, "_cubin", lambda name, defines, arch: lc._Cubin("", pathlib.Path(defines["LIK_NAME"]), b""))
     monkeypatch.setattr(lc, "_load", lambda path, device, entry: types.SimpleNamespace(name=entry))
     size = lc._MEMORY_CACHE_SIZE
     first = lc.get_module(SRC, {"LIK_NAME": "k0"}, 80, 0)
@@ -227,7 +229,8 @@ def test_kernel_handles_keep_their_module_loaded(monkeypatch):
 
     loaded = []
     monkeypatch.setattr(lc, "_modules", DeviceCache(2, lru=True))
-    monkeypatch.setattr(lc, "cubin_path", lambda name, defines, arch: pathlib.Path(str(sorted(defines.items()))))
+    monkeypatch.setattr(lc, "_cubin",
+                        lambda name, defines, arch: lc._Cubin("", pathlib.Path(str(sorted(defines.items()))), b""))
     monkeypatch.setattr(lc, "_load", lambda path, device, entry: loaded.append(weakref.ref(m := Module())) or m)
     hidden_maxsim._functions.cache_clear()
     try:
@@ -289,7 +292,7 @@ def two_kernels():
 
 @pytest.mark.parametrize("name,damage,rebuilt", _corruptions(), ids=[c[0] for c in _corruptions()])
 def test_damaged_disk_entry_is_discarded_and_rebuilt(kernel_cache, two_kernels, monkeypatch, name, damage, rebuilt):
-    nvrtc = Counting(lambda name, defines, arch: two_kernels[bool(defines["LIK_ARGMAX"])])
+    nvrtc = Counting(lambda name, defines, arch, **_: two_kernels[bool(defines["LIK_ARGMAX"])])
     monkeypatch.setattr(lc, "nvrtc_compile", nvrtc)
     defines = _cfg().defines()
     cubin = lc.cubin_path(SRC, defines, 80)
@@ -299,6 +302,188 @@ def test_damaged_disk_entry_is_discarded_and_rebuilt(kernel_cache, two_kernels, 
     assert path == cubin and path.read_bytes() == good == two_kernels[False].cubin
     assert json.loads(path.with_suffix(".json").read_text())["sha256"] == hashlib.sha256(good).hexdigest()
     assert nvrtc.calls == 1 + rebuilt
+
+
+def _driver_load(path, device, entry):
+    """Stands in for cuModuleLoad: reads the file at ``path`` (an error where it is gone) and refuses
+    an ELF image whose section headers lie past its end (a truncated CUBIN)."""
+    data = pathlib.Path(path).read_bytes()
+    if data[:4] != b"\x7fELF" or len(data) < 64:
+        raise RuntimeError(f"CUDA_ERROR_INVALID_IMAGE: {path}")
+    shoff, shentsize, shnum = int.from_bytes(data[40:48], "little"), data[58] | data[59] << 8, data[60] | data[61] << 8
+    if shoff + shentsize * shnum > len(data):
+        raise RuntimeError(f"CUDA_ERROR_INVALID_IMAGE: {path} is truncated")
+    return types.SimpleNamespace(data=data, entry=entry)
+
+
+@pytest.mark.parametrize("change", ["removed", "truncated in place", "replaced by a complete entry"])
+def test_an_entry_changed_between_its_check_and_its_load_loads_what_was_checked(kernel_cache, monkeypatch, change):
+    """cubin_path verified an entry and gave its path; the driver then read the path again. An entry
+    removed in between (another process clearing the cache) or damaged in place (a copy or restore
+    by another tool) failed the module's load: an exception from the kernel's first call. Now the
+    load gets the bytes that were checked."""
+    defines = _cfg().defines()
+    good = lc.cubin_path(SRC, defines, 80).read_bytes()  # the entry, in the cache
+
+    def load(path, device, entry):
+        path = pathlib.Path(path)
+        if path.parent == kernel_cache.dir:  # another process acts between the check and the read
+            if change == "removed":
+                path.unlink()
+            elif change == "truncated in place":
+                with open(path, "r+b") as f:
+                    f.truncate(len(good) // 2)
+            else:
+                other = path.with_name("other")
+                other.write_bytes(good)
+                os.replace(other, path)
+        return _driver_load(path, device, entry)
+
+    monkeypatch.setattr(lc, "_load", load)
+    assert lc.get_module(SRC, defines, 80, 0).data == good
+    assert kernel_cache.nvrtc.calls == 1
+
+
+def test_a_load_that_fails_on_an_unchanged_entry_raises_its_own_error(kernel_cache, monkeypatch):
+    # Only an entry that changed after its check is loaded again from a copy: a module the driver
+    # refuses as it is (no memory left, an image for another device) keeps the driver's error.
+    def load(path, device, entry):
+        load.paths.append(path)
+        raise RuntimeError("CUDA_ERROR_OUT_OF_MEMORY")
+
+    load.paths = []
+    monkeypatch.setattr(lc, "_load", load)
+    with pytest.raises(RuntimeError, match="CUDA_ERROR_OUT_OF_MEMORY"):
+        lc.get_module(SRC, _cfg().defines(), 80, 0)
+    assert len(load.paths) == 1
+
+
+def _failing_writes(monkeypatch, errno_, dirs):
+    """Every file ``lik_cupy._atomic`` writes into ``dirs`` fails as on a full disk (half its bytes
+    written, then ENOSPC) or a read-only one (EROFS when its temporary is created)."""
+    import errno
+
+    real_open, real_os_open = open, os.open
+    inside = lambda p: os.path.dirname(os.path.abspath(os.fsdecode(p))) in {str(d) for d in dirs}  # noqa: E731
+
+    class HalfWritten:
+        def __init__(self, f):
+            self.f = f
+
+        def write(self, data):
+            self.f.write(data[:len(data) // 2])
+            self.f.flush()
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+    def full_open(fd, mode="r", *a, **k):
+        f = real_open(fd, mode, *a, **k)
+        return HalfWritten(f) if isinstance(fd, int) and inside(os.readlink(f"/proc/self/fd/{fd}")) else f
+
+    def read_only_open(path, flags, *a, **k):
+        if flags & os.O_CREAT and inside(path):
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), path)
+        return real_os_open(path, flags, *a, **k)
+
+    if errno_ == "ENOSPC":
+        monkeypatch.setattr(_atomic, "open", full_open, raising=False)
+    else:
+        monkeypatch.setattr(os, "open", read_only_open)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="finds a descriptor's file through /proc")
+@pytest.mark.parametrize("errno_", ["ENOSPC", "EROFS"])
+@pytest.mark.parametrize("where", ["the cache", "the cache and the temporary directory"])
+def test_a_cache_that_cannot_take_an_entry_costs_one_warning_and_leaves_nothing(kernel_cache, monkeypatch, tmp_path,
+                                                                                 errno_, where):
+    """A full or read-only disk under the cache: the kernels still load, with one warning in all,
+    and no temporary or partial file is left. Where the temporary directory could not take them
+    either (one file system full), every kernel load raised the OSError after compiling."""
+    import errno
+
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    monkeypatch.setattr(lc.tempfile, "tempdir", str(tmp))
+    kernel_cache.dir.mkdir()
+    dirs = [kernel_cache.dir]
+    if where != "the cache":
+        def no_directory(*a, **k):
+            raise OSError(getattr(errno, errno_), os.strerror(getattr(errno, errno_)), str(tmp))
+
+        monkeypatch.setattr(lc.tempfile, "mkdtemp", no_directory)
+    _failing_writes(monkeypatch, errno_, dirs)
+    monkeypatch.setattr(lc, "_load", _driver_load)
+    expected = {am: lc.nvrtc_compile(SRC, _cfg(am).defines(), 80).cubin for am in (False, True)}
+    with pytest.warns(RuntimeWarning, match="cannot be written") as w:
+        for am in (False, True):
+            assert lc.get_module(SRC, _cfg(am).defines(), 80, 0).data == expected[am]
+        lc._modules.clear()
+        assert lc.get_module(SRC, _cfg().defines(), 80, 0).data == expected[False]
+    assert len([x for x in w if issubclass(x.category, RuntimeWarning)]) == 1
+    assert _entries(kernel_cache.dir) == []  # no temporary, and no entry half written
+    assert not [p for p in tmp.rglob("*") if ".lik-tmp." in p.name]
+
+
+def test_an_entry_another_user_wrote_is_compiled_again_and_replaced(kernel_cache, monkeypatch):
+    """An entry this process cannot read (another user's, written under umask 077) is a miss: it is
+    compiled and the entry replaced (where the directory lets this user rename over it)."""
+    defines = _cfg().defines()
+    cubin = lc.cubin_path(SRC, defines, 80)
+    real = lc.read_regular
+
+    def unreadable(path, expected, limit=None):
+        if str(path) == str(unreadable.path):
+            raise lc.ShardError(path, "permission denied")
+        return real(path, expected, limit)
+
+    unreadable.path = cubin.with_suffix(".json")
+    monkeypatch.setattr(lc, "read_regular", unreadable)
+    before = os.stat(cubin.with_suffix(".json")).st_ino
+    assert lc.cubin_path(SRC, defines, 80) == cubin and kernel_cache.nvrtc.calls == 2
+    assert os.stat(cubin.with_suffix(".json")).st_ino != before  # replaced by this process's entry
+    monkeypatch.setattr(lc, "read_regular", real)
+    assert lc.cubin_path(SRC, defines, 80) == cubin and kernel_cache.nvrtc.calls == 2
+
+
+def test_files_in_the_cache_that_lik_did_not_make_are_left_alone(kernel_cache, tmp_path):
+    """Compiling, damaging, rebuilding and sweeping the cache touch the entries' names and dead lik
+    temporaries of this host only: every other file, link and name is left as it was."""
+    d = kernel_cache.dir
+    (d / "logs").mkdir(parents=True)
+    defines = _cfg().defines()
+    key = lc.cache_key(SRC, defines, 80)
+    outside = tmp_path / "outside.txt"
+    outside.write_text("theirs")
+    other_host = "0" * 8 if _atomic._HOST != b"00000000" else "1" * 8
+    foreign = {"notes.txt": b"mine", f"{key}.cubin.bak": b"a copy", f"{key}.json~": b"{}", ".hidden": b"",
+               f".{key}.cubin.lik-tmp.1.{other_host}.0123abcd": b"another host's writer", "logs/mine.json": b"[]",
+               f"{key[:39]}.cubin": b"a name one short", f"{key.upper()}.cubin": b"another name"}
+    for name, data in foreign.items():
+        (d / name).write_bytes(data)
+    (d / "link.cubin").symlink_to(outside)
+    os.link(outside, d / "hard.json")
+    cubin = lc.cubin_path(SRC, defines, 80)
+    cubin.write_bytes(b"damaged")
+    lc.cubin_path(SRC, defines, 80)
+    lc.cubin_path(SRC, _cfg(True).defines(), 80)
+    lc.compile_logs([(SRC, defines, 80)])
+    assert all((d / name).read_bytes() == data for name, data in foreign.items())
+    assert os.readlink(d / "link.cubin") == str(outside) and outside.read_text() == "theirs"
+    assert os.path.samefile(d / "hard.json", outside)
+
+
+def test_recorded_logs_under_names_that_are_not_keys_are_not_written(kernel_cache, tmp_path):
+    # seed_logs takes {key: log} from a file (the compile check's recorded proofs): a "key" with a
+    # path in it wrote its log outside the cache.
+    added = lc.seed_logs({"../../elsewhere": "log", "0" * 40: "log", "A" * 40: "log", "0" * 39 + "/": "log"})
+    assert added == 1 and not (tmp_path / "elsewhere.json").exists()
+    assert _entries(kernel_cache.dir / "logs") == ["0" * 40 + ".json"]
+    assert lc.cached_log("../../elsewhere") is None and lc.cached_log("0" * 40) == "log"
 
 
 # ---------------------------------------------------------------- no file can run code

@@ -419,10 +419,11 @@ def test_the_same_npy_twice_takes_its_lengths_by_position(tmp_path):
 
 
 def _json_cases(t: pathlib.Path):
-    """(name, how to make the file at t/<file>, words the error says)."""
+    """(name, how to make the file at t/<file>, words the error says: one for both files, or (the
+    doclens file's, the manifest's))."""
     deep = "[" * 100_000 + "]" * 100_000
     return [
-        ("nested too deeply", lambda p: p.write_text(deep), "nested too deeply"),
+        ("nested too deeply", lambda p: p.write_text(deep), ("found '[' at byte 1", "nested too deeply")),
         ("an integer of 5000 digits", lambda p: p.write_text("[" + "7" * 5000 + "]"), None),
         ("not UTF-8", lambda p: p.write_bytes(b"[1, \xff]"), None),
         ("a byte order mark", lambda p: p.write_bytes(b"\xef\xbb\xbf[1, 2]"), None),
@@ -437,18 +438,19 @@ def _json_cases(t: pathlib.Path):
                          ids=[c[0] for c in _json_cases(pathlib.Path())])
 def test_malformed_json_is_exit_2_naming_the_file(tmp_path, case):
     name, make, words = _json_cases(tmp_path)[case]
+    doclens_words, manifest_words = words if isinstance(words, tuple) else (words, words)
     q = queries(tmp_path / "q.npy")
     np.save(tmp_path / "flat.npy", np.ones((3, 8), np.float32))
     lens = tmp_path / "doclens.0.json"
     make(lens)
     p = lik("score", "--queries", q, "--docs", tmp_path / "flat.npy", "--d-lengths", lens, "--out", tmp_path / "r.tsv",
             "--cpu", timeout=60)
-    one_line(p.returncode, p.stderr, lens, words)
+    one_line(p.returncode, p.stderr, lens, doclens_words)
     shard = make_shard(tmp_path / "shard").path
     os.unlink(os.path.join(shard, "manifest.json"))
     make(pathlib.Path(shard) / "manifest.json")
     p = lik("score", "--queries", q, "--docs", shard, "--out", tmp_path / "r.tsv", "--cpu", timeout=60)
-    one_line(p.returncode, p.stderr, os.path.join(shard, "manifest.json"), words)
+    one_line(p.returncode, p.stderr, os.path.join(shard, "manifest.json"), manifest_words)
     assert not (tmp_path / "r.tsv").exists()
 
 

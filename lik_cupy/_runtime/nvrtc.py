@@ -2,16 +2,26 @@
 
 * NVRTC (through cuda-python) turns a kernel source plus its ``-D``
   configuration into a CUBIN for one architecture. This needs no GPU, so the
-  same path serves the CPU-only compile check in CI.
+  same path serves the CPU-only compile check in CI. The source and every
+  file it includes are read once (``kernel_sources``) and handed to NVRTC by
+  name, so the bytes the key hashes are the bytes compiled: no header of the
+  working directory, or one beside an including file, is looked up instead.
 * The CUBIN is kept in an on-disk cache whose key covers the contents of the
   source and of every file it includes, the configuration, the NVRTC options,
-  the architecture and the NVRTC version. Entries are written atomically
+  the architecture and NVRTC's build (its release with the patch level, as the
+  PTX it writes names it). Entries are written atomically
   (``lik_cupy._atomic``: a killed compile's temporary is swept by the next write) and
   verified when read (their key and checksum; regular files only, of bounded
   size, so a FIFO, a device or a link to one never blocks or floods a read); an
   entry that fails is compiled again and replaced, never deleted, so a process
-  never removes an entry another one has just written. Where the cache cannot
-  be written, kernels go to a directory of the process's own (one warning).
+  never removes an entry another one has just written. The driver reads the
+  verified entry by path; where that load fails because the entry was removed
+  or changed after its check, the bytes that verified are loaded from a memory
+  file of the process instead. Where the cache cannot be written (read-only,
+  full, not a directory), kernels go to a directory of the process's own, and
+  where that cannot be written either to memory files (one warning). A
+  metadata write that fails after its CUBIN leaves that complete CUBIN, which
+  verifies nothing until the next write of its key replaces it.
 * The compile check (``check_all``) reads each build's ptxas report; under the
   same key it keeps only that report (``logs/``), so a later check compiles
   only what changed.
@@ -24,6 +34,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import hashlib
 import json
 import os
@@ -35,6 +46,7 @@ import threading
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from .._base import env
 from .._base.cache import DeviceCache
@@ -71,25 +83,33 @@ def cache_dir() -> Path:
     return Path(base) / "lik_cupy" / "kernels"
 
 
-def source_digest(name: str) -> str:
-    """sha256 over ``name`` and, recursively, every file it includes with ``#include "..."``."""
+def kernel_sources(name: str) -> dict[str, bytes]:
+    """``name`` and, recursively, every file it includes with ``#include "..."``, each read once:
+    {its path as included (relative to :func:`source_dir`): its bytes}, ``name`` first. The key
+    hashes these bytes and NVRTC compiles them, handed the headers by name (it then looks for
+    none of them in the working directory or beside the including file)."""
     root = source_dir()
-    h = hashlib.sha256()
-    seen: set[str] = set()
+    files: dict[str, bytes] = {}
 
     def visit(rel: str) -> None:
-        if rel in seen:
+        if rel in files:
             return
-        seen.add(rel)
         path = root / rel
         if not path.is_file():
             raise FileNotFoundError(f"{rel} (included from the kernel sources) is missing in {root}")
-        text = path.read_bytes()
-        h.update(rel.encode() + b"\0" + text + b"\0")
+        files[rel] = text = path.read_bytes()
         for inc in _INCLUDE.findall(text.decode()):
             visit(inc)
 
     visit(name)
+    return files
+
+
+def source_digest(name: str, sources: dict[str, bytes] | None = None) -> str:
+    """sha256 over ``name`` and, recursively, every file it includes (:func:`kernel_sources`)."""
+    h = hashlib.sha256()
+    for rel, text in (sources or kernel_sources(name)).items():
+        h.update(rel.encode() + b"\0" + text + b"\0")
     return h.hexdigest()
 
 
@@ -99,6 +119,35 @@ def nvrtc_version() -> tuple[int, int]:
     err, major, minor = nvrtc.nvrtcVersion()
     _check(nvrtc, err, "nvrtcVersion")
     return int(major), int(minor)
+
+
+_RELEASE = re.compile(rb"^//\s*Cuda compilation tools, release [^,\n]*, V([0-9][0-9.]*)", re.M)
+_BUILD_ID = re.compile(rb"^//\s*Compiler Build ID: (\S+)", re.M)
+
+
+@functools.cache
+def nvrtc_build() -> str:
+    """NVRTC's full version as the PTX it writes names it, e.g. ``"12.9.86 (CL-36037853)"``: its
+    release with the patch level (``nvrtcVersion`` gives major.minor only) and its build. Read
+    once a process from the PTX of an empty program (some 30 ms); ``"major.minor"`` where that
+    header says less."""
+    from cuda.bindings import nvrtc
+
+    err, prog = nvrtc.nvrtcCreateProgram(b"", b"lik_nvrtc_version.cu", 0, [], [])
+    _check(nvrtc, err, "nvrtcCreateProgram")
+    try:
+        (err,) = nvrtc.nvrtcCompileProgram(prog, 0, [])
+        _check(nvrtc, err, "nvrtcCompileProgram (an empty program, for NVRTC's version)")
+        err, n = nvrtc.nvrtcGetPTXSize(prog)
+        _check(nvrtc, err, "nvrtcGetPTXSize")
+        ptx = bytearray(n)  # a fresh buffer for NVRTC to write into (see nvrtc_compile)
+        (err,) = nvrtc.nvrtcGetPTX(prog, ptx)
+        _check(nvrtc, err, "nvrtcGetPTX")
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+    release, build = _RELEASE.search(ptx), _BUILD_ID.search(ptx)
+    words = release.group(1).decode() if release else "%d.%d" % nvrtc_version()
+    return f"{words} ({build.group(1).decode()})" if build else words
 
 
 def _check(nvrtc, err, what: str) -> None:
@@ -112,15 +161,19 @@ class Compiled:
     log: str  # NVRTC + ptxas (-v) output
 
 
-def nvrtc_compile(name: str, defines: dict, arch: int | str) -> Compiled:
-    """Compile ``cuda_src/name`` for ``sm_<arch>`` (e.g. 80 or "90a") to a CUBIN. No GPU needed."""
+def nvrtc_compile(name: str, defines: dict, arch: int | str, sources: dict[str, bytes] | None = None) -> Compiled:
+    """Compile ``cuda_src/name`` for ``sm_<arch>`` (e.g. 80 or "90a") to a CUBIN. No GPU needed.
+
+    ``sources``: :func:`kernel_sources`'s read of ``name`` (default: read now), the bytes compiled.
+    """
     from cuda.bindings import nvrtc
 
-    root = source_dir()
-    src = (root / name).read_bytes()
-    err, prog = nvrtc.nvrtcCreateProgram(src, name.encode(), 0, [], [])
+    sources = sources or kernel_sources(name)
+    headers = [(rel, text) for rel, text in sources.items() if rel != name]
+    err, prog = nvrtc.nvrtcCreateProgram(sources[name], name.encode(), len(headers), [t for _, t in headers],
+                                         [rel.encode() for rel, _ in headers])
     _check(nvrtc, err, "nvrtcCreateProgram")
-    opts = [f"--gpu-architecture=sm_{arch}".encode(), *(f.encode() for f in _FLAGS), f"-I{root}".encode()]
+    opts = [f"--gpu-architecture=sm_{arch}".encode(), *(f.encode() for f in _FLAGS)]
     opts += [f"-D{k}={v}".encode() for k, v in sorted(defines.items())]
     try:
         (res,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
@@ -176,15 +229,18 @@ def resource_usage(log: str, kernel: str) -> dict[str, int]:
     return out
 
 
-def cache_key(name: str, defines: dict, arch: int | str) -> str:
+def cache_key(name: str, defines: dict, arch: int | str, sources: dict[str, bytes] | None = None) -> str:
+    """The disk cache's key of a build: 40 hex digits over the source and every file it includes
+    (``sources``, default: read now), the defines, the architecture, the NVRTC options, NVRTC's
+    build (:func:`nvrtc_build`) and this package's version."""
     payload = json.dumps(
         {
-            "src": source_digest(name),
+            "src": source_digest(name, sources),
             "file": name,
             "defines": sorted((k, str(v)) for k, v in defines.items()),
             "arch": str(arch),
             "flags": _FLAGS,
-            "nvrtc": nvrtc_version(),
+            "nvrtc": nvrtc_build(),
             "lik": __version__,
         },
         sort_keys=True,
@@ -229,51 +285,116 @@ def _parse(data: bytes | None) -> dict | None:
     return value if isinstance(value, dict) else None
 
 
-def _read_cached(key: str, d: Path) -> Path | None:
-    """The entry ``key`` of cache directory ``d`` where it verifies (its metadata names the key and
-    the CUBIN's checksum), else None: it is then compiled again and replaced, never deleted here
-    (another process may be writing it)."""
-    cubin = d / f"{key}.cubin"
+def _read_cached(key: str, d: Path) -> bytes | None:
+    """The CUBIN of entry ``key`` of cache directory ``d`` where it verifies (its metadata names the
+    key and the CUBIN's checksum), else None: it is then compiled again and replaced, never deleted
+    here (another process may be writing it)."""
     info = _parse(_read_entry(d / f"{key}.json", _MAX_META))
     if info is None or info.get("key") != key:
         return None
-    data = _read_entry(cubin, _MAX_CUBIN)
+    data = _read_entry(d / f"{key}.cubin", _MAX_CUBIN)
     if data is None or hashlib.sha256(data).hexdigest() != info.get("sha256"):
         return None
-    return cubin
+    return data
 
 
 _fallback_lock = threading.Lock()
 _fallback: Path | None = None  # the process's own directory, where the cache cannot be written
+_warned = False  # whether this process has said that its cache cannot be written
+_in_memory: dict[str, tuple[Path, bytes]] = {}  # key -> a memory file of its CUBIN (_memory_file), and the bytes
 
 
-def _own_directory(problem: OSError, d: Path) -> Path:
-    """A directory of this process's own for kernels the cache at ``d`` cannot take (removed at
-    exit), made once, with one warning naming the cache and why."""
-    global _fallback
+def _elsewhere(problem: OSError, d: Path, key: str, cubin: bytes, meta: dict) -> Path:
+    """Where a kernel the cache at ``d`` cannot take goes: a directory of this process's own
+    (made once, removed at exit) or, where that cannot be written either (one full file system),
+    a memory file of the process (:func:`_memory_file`). One warning a process, naming the cache
+    and why; ``problem`` is raised where neither can be had."""
+    global _fallback, _warned
     with _fallback_lock:
         if _fallback is None:
-            _fallback = Path(tempfile.mkdtemp(prefix="lik-cupy-kernels-"))
-            atexit.register(shutil.rmtree, _fallback, True)
+            with contextlib.suppress(OSError):
+                _fallback = Path(tempfile.mkdtemp(prefix="lik-cupy-kernels-"))
+                atexit.register(shutil.rmtree, _fallback, True)
+        own = _fallback
+    path = None
+    if own is not None:
+        with contextlib.suppress(OSError):
+            path = _write_entry(own, key, cubin, meta)
+    path = path or _memory_file(key, cubin)
+    with _fallback_lock:
+        if path is not None and not _warned:
+            _warned = True
+            where = f"in {own}" if path.parent == own else "in memory"
             warnings.warn(f"the kernel cache {d} (LIK_CACHE_DIR) cannot be written ({problem}); compiled kernels "
-                          f"are kept in {_fallback} for this process only", RuntimeWarning, stacklevel=4)
-        return _fallback
+                          f"are kept {where} for this process only", RuntimeWarning, stacklevel=5)
+    if path is None:
+        raise problem
+    return path
+
+
+def _memory_file(key: str, cubin: bytes) -> Path | None:
+    """A path to ``cubin`` that no other process can change or remove: a sealed memory file of this
+    process, ``/proc/self/fd/<n>`` (Linux), made once a key; None where the system has none.
+
+    Its descriptor stays open for the process's life: CuPy keeps the modules it loads by path, so
+    a number once handed out must never come to name other bytes."""
+    if not hasattr(os, "memfd_create") or not os.path.isdir("/proc/self/fd"):
+        return None
+    with _fallback_lock:
+        if key in _in_memory:
+            return _in_memory[key][0]
+        try:
+            fd = os.memfd_create(f"lik-cupy-{key}", os.MFD_CLOEXEC | getattr(os, "MFD_ALLOW_SEALING", 0))
+        except OSError:
+            return None
+        try:
+            view = memoryview(cubin)
+            while view:
+                view = view[os.write(fd, view):]
+            with contextlib.suppress(OSError, AttributeError):
+                import fcntl
+
+                fcntl.fcntl(fd, fcntl.F_ADD_SEALS,
+                            fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE)
+        except OSError:
+            os.close(fd)
+            return None
+        path = Path(f"/proc/self/fd/{fd}")
+        _in_memory[key] = (path, cubin)
+        return path
+
+
+class _Cubin(NamedTuple):
+    key: str  # its cache_key
+    path: Path  # where the driver can read it
+    data: bytes  # the bytes that verified (or were compiled)
+
+
+def _cubin(name: str, defines: dict, arch: int | str) -> _Cubin:
+    """A verified CUBIN for this kernel, compiled and cached if needed."""
+    sources = kernel_sources(name)  # read once: the key hashes what NVRTC compiles
+    key = cache_key(name, defines, arch, sources)
+    d = cache_dir()
+    for where in (d, _fallback):
+        data = _read_cached(key, where) if where is not None else None
+        if data is not None:
+            return _Cubin(key, where / f"{key}.cubin", data)
+    held = _in_memory.get(key)
+    if held is not None:
+        return _Cubin(key, *held)
+    out = nvrtc_compile(name, defines, arch, sources=sources)
+    meta = {"key": key, "sha256": hashlib.sha256(out.cubin).hexdigest(), "file": name, "arch": str(arch),
+            "defines": {k: str(v) for k, v in defines.items()}, "log": out.log}
+    try:
+        path = _write_entry(d, key, out.cubin, meta)
+    except OSError as e:  # read-only, full, or a file where a directory should be
+        path = _elsewhere(e, d, key, out.cubin, meta)
+    return _Cubin(key, path, out.cubin)
 
 
 def cubin_path(name: str, defines: dict, arch: int | str) -> Path:
     """Path of a verified CUBIN for this kernel, compiling and caching it if needed."""
-    key = cache_key(name, defines, arch)
-    d = cache_dir()
-    hit = _read_cached(key, d) or (_fallback and _read_cached(key, _fallback))
-    if hit:
-        return hit
-    out = nvrtc_compile(name, defines, arch)
-    meta = {"key": key, "sha256": hashlib.sha256(out.cubin).hexdigest(), "file": name, "arch": str(arch),
-            "defines": {k: str(v) for k, v in defines.items()}, "log": out.log}
-    try:
-        return _write_entry(d, key, out.cubin, meta)
-    except OSError as e:  # read-only, full, or a file where a directory should be
-        return _write_entry(_own_directory(e, d), key, out.cubin, meta)
+    return _cubin(name, defines, arch).path
 
 
 def _write_entry(d: Path, key: str, cubin: bytes, meta: dict) -> Path:
@@ -296,8 +417,28 @@ def get_module(name: str, defines: dict, arch: int | str, device_id: int, entry:
     it is loaded at once so a bad module fails here, not at the first launch.
     """
     key = (name, tuple(sorted((k, str(v)) for k, v in defines.items())), str(arch))
-    return _modules.get(device_id, key, lambda: _load(cubin_path(name, defines, arch), device_id,
-                                                       entry or str(defines["LIK_NAME"])))
+    return _modules.get(device_id, key, lambda: _load_checked(name, defines, arch, device_id,
+                                                               entry or str(defines["LIK_NAME"])))
+
+
+def _load_checked(name: str, defines: dict, arch: int | str, device_id: int, entry: str):
+    """Load the CUBIN that verified. The driver reads it by path, after the check: where that
+    load fails and the file no longer holds the bytes checked (another process removed or
+    rewrote the entry in between, or a tool damaged it in place), they are loaded from a memory
+    file of the process instead; a load that fails on the bytes checked raises the driver's error."""
+    key, path, data = _cubin(name, defines, arch)
+    try:
+        return _load(path, device_id, entry)
+    except Exception:
+        copy = None if _holds(path, data) else _memory_file(key, data)
+        if copy is None:
+            raise
+    return _load(copy, device_id, entry)
+
+
+def _holds(path: Path, data: bytes) -> bool:
+    """Whether the regular file at ``path`` holds exactly ``data``."""
+    return _read_entry(path, len(data)) == data
 
 
 def get_function(name: str, entry: str, device_id: int):
@@ -344,12 +485,18 @@ def _build_log(build: tuple) -> str:
     return nvrtc_compile(*build).log
 
 
-def _log_path(key: str) -> Path:
-    return cache_dir() / "logs" / f"{key}.json"
+_KEY = re.compile(r"[0-9a-f]{40}")
+
+
+def _log_path(key: str) -> Path | None:
+    """Where the cache keeps the log of ``key``; None for a name that is not a :func:`cache_key`
+    (a recorded log's key is read from a file: a path in it must not reach outside the cache)."""
+    return cache_dir() / "logs" / f"{key}.json" if isinstance(key, str) and _KEY.fullmatch(key) else None
 
 
 def _read_log(key: str) -> str | None:
-    entry = _parse(_read_entry(_log_path(key), _MAX_META))
+    path = _log_path(key)
+    entry = _parse(_read_entry(path, _MAX_META)) if path is not None else None
     if entry is None or entry.get("key") != key or not isinstance(entry.get("log"), str):
         return None  # damaged: compiled again, and rewritten
     return entry["log"]
@@ -357,6 +504,8 @@ def _read_log(key: str) -> str | None:
 
 def _write_log(key: str, log: str) -> None:
     path = _log_path(key)
+    if path is None:
+        return
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         _atomic_write(path, json.dumps({"key": key, "log": log}).encode())
@@ -375,7 +524,8 @@ def seed_logs(logs: dict[str, str]) -> int:
     compiles); returns how many were added."""
     added = 0
     for key, log in logs.items():
-        if isinstance(key, str) and isinstance(log, str) and not _log_path(key).exists():
+        path = _log_path(key)
+        if path is not None and isinstance(log, str) and not path.exists():
             _write_log(key, log)
             added += 1
     return added
@@ -385,7 +535,7 @@ def compile_logs(builds: list[tuple], *, workers: int = 1, cache: bool = True) -
     """The ptxas -v logs of ``(source, defines, arch)`` builds, in order.
 
     With ``cache``, a build whose :func:`cache_key` (the source and every file it includes, the
-    defines, the NVRTC options, the architecture, the NVRTC version) was compiled before reads that
+    defines, the NVRTC options, the architecture, NVRTC's build) was compiled before reads that
     log from ``cache_dir()/logs`` instead; a missing or unwritable cache only means compiling.
     The rest compile on ``workers`` processes, the sm_90a builds (the slowest) first. Raises
     ``CompileError`` if any build fails; a failure is never cached.
