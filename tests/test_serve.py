@@ -648,7 +648,7 @@ def test_a_replica_that_does_not_fit_each_gpu_partitions_by_default(split_shards
     from lik_cupy.serving import batcher
 
     paths, _ = split_shards_dir
-    opened = batcher._opened(paths)
+    opened = [shards.open_input(p) for p in paths]
     need = sum(int(a.nbytes) for s in opened for a in (s.tokens, s.scales, s.offsets) if a is not None)
     free = {0: 2 * need, 1: 2 * need}
     assert batcher._replica_fits(opened, [0, 1], free.get)
@@ -659,7 +659,7 @@ def test_a_replica_that_does_not_fit_each_gpu_partitions_by_default(split_shards
     class Partitioned(Exception):
         pass
 
-    def partition_of(paths, opened, parts):  # where loading the parts would need the GPUs
+    def partition_of(opened, parts):  # where loading the parts would need the GPUs
         made.append(parts)
         raise Partitioned
 
@@ -1661,3 +1661,24 @@ def test_a_disconnect_is_taken_back_as_the_watcher_cancellation_it_was():
 
     assert asyncio.run(http._unless_disconnected(at_once, counted)) == "answer"
     assert reads == []
+
+
+def test_serve_opens_each_shard_once(split_shards_dir, monkeypatch):
+    """lik serve opened each shard before listening, then again as it loaded the corpus (and again
+    for each replica or part: each Corpus.from_shards opened them); the load now reads the shards
+    opened then."""
+    from lik_cupy.serving import http
+
+    paths, _ = split_shards_dir
+    whole = lik_cupy.Corpus.from_shards(paths, device="cpu")
+    opened, batchers = [], []
+    open_input = shards.open_input
+    monkeypatch.setattr(shards, "open_input", lambda p, *a, **k: opened.append(str(p)) or open_input(p, *a, **k))
+    monkeypatch.setattr(http, "run", lambda app, **kw: batchers.append(app.state.service.load(Observer())))
+    for devices, partition in ((["cpu"], None), (["cpu", "cpu"], True)):
+        opened.clear()
+        http.serve(paths, devices=devices, partition=partition)
+        assert opened == [str(p) for p in paths]
+        q = np.random.default_rng(16).standard_normal((5, DIM)).astype(np.float32)
+        with batchers.pop() as b:
+            assert np.array_equal(b.score(q), whole.score(q))

@@ -88,7 +88,7 @@ class Service:
     def start(self) -> None:
         def run():
             try:
-                b = self.load(self.metrics)
+                b, self.load = self.load(self.metrics), None  # (nor what it holds: lik serve's shards, mapped)
                 self.ids = IdIndex(b.corpus.ids, len(b.corpus))
                 self.inline = all(d.startswith("cuda") for d in b.devices)
                 self.batcher = b

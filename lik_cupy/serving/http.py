@@ -164,37 +164,40 @@ def serve(paths, *, host: str = "127.0.0.1", port: int = 8000, grpc_port: int | 
           max_queue: int = 1024, processes: int = 1) -> None:
     """Serve the documents of shard ``paths`` (:meth:`Batcher.from_shards` for ``devices`` and
     ``partition``; the rest as for :class:`Batcher`) with :func:`run`: HTTP on ``port``, and gRPC on
-    ``grpc_port`` when given; each shard is opened once first, so a missing or damaged one raises
-    ShardError before the server listens. ``processes`` > 1: that many server processes on the ports
-    (:func:`run_processes`), each with its own replicas (over several GPUs, one GPU's in each
-    process where their count divides ``processes``: ``Batcher.from_shards``' ``process``)."""
+    ``grpc_port`` when given; each shard is opened (and checked) first, so a missing or damaged one
+    raises ShardError before the server listens, and the corpus loads from the shards opened then.
+    ``processes`` > 1: that many server processes on the ports (:func:`run_processes`), each with its
+    own replicas (over several GPUs, one GPU's in each process where their count divides
+    ``processes``: ``Batcher.from_shards``' ``process``), from the shards as it opens them (a spawned
+    process maps the files itself: a Shard's memory maps would pickle as their whole data)."""
     if grpc_port is not None and grpc_port == port != 0:
         from ..errors import LikError
 
         raise LikError(f"{host}:{port}", f"the gRPC port must differ from the HTTP port, both are {port}")
     paths = [paths] if isinstance(paths, (str, bytes, os.PathLike)) else list(paths)
-    _check_shards(paths)
+    opened = _check_shards(paths)
     kwargs = dict(max_batch=max_batch, max_tokens=max_tokens, max_delay_us=max_delay_us, max_queue=max_queue)
-    load = functools.partial(_load_shards, paths, devices, partition, kwargs)
     if processes > 1:
+        del opened  # (each process opens them itself)
         loads = [functools.partial(_load_shards, paths, devices, partition, kwargs, process=(i, processes))
                  for i in range(processes)]
         run_processes(loads, processes, host=host, port=port, grpc_port=grpc_port)
         return
+    load = functools.partial(_load_shards, opened, devices, partition, kwargs)
+    del opened  # (the load holds them until it has run, and Service.start lets it go then: none stay mapped)
     run(make_app(load, grpc_address=None if grpc_port is None else _grpc_address(host, grpc_port)), host=host,
         port=port)
 
 
-def _check_shards(paths: list) -> None:
-    """Open each shard once before listening (ShardError naming the one at fault): a missing or
+def _check_shards(paths: list) -> list:
+    """Each shard opened before listening (ShardError naming the one at fault): a missing or
     damaged shard then stops ``lik serve`` before it says "listening on" and answers ``live``, rather
     than once its load thread reaches it."""
     from ..shards import open_input
 
     if not paths:
         raise ValueError("paths is empty; give one shard path or more")
-    for p in paths:
-        open_input(p)
+    return [open_input(p) for p in paths]
 
 
 def _grpc_address(host: str, port: int) -> str:
