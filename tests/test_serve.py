@@ -11,6 +11,7 @@ import asyncio
 import http.client
 import json
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -1231,6 +1232,25 @@ def test_sigterm_under_load_answers_every_accepted_request(shard, local):
     answered, accepted = int(m.group(1)), int(m.group(2))
     assert server.proc.returncode == 0 and not wrong
     assert answered == accepted == len(ok)
+
+
+def test_sigterm_refuses_a_request_whose_body_has_not_all_arrived(shard):
+    """A client that had sent part of a body and no more kept the server from stopping on SIGTERM
+    for as long as it stayed connected (uvicorn waits for every request it has begun). It gets a 503
+    now, and the server stops."""
+    server = Server(shard, "--devices", "cpu")
+    try:
+        with socket.create_connection(("127.0.0.1", server.port)) as c:
+            c.sendall(b"POST /v2/models/score/infer HTTP/1.1\r\nHost: lik\r\nContent-Length: 100\r\n\r\n{\"inputs\"")
+            assert server.get("/v2/health/ready")[0] == 200  # (by then the server reads that body)
+            server.proc.send_signal(signal.SIGTERM)
+            server.proc.wait(60)
+            r = http.client.HTTPResponse(c)
+            r.begin()
+            assert r.status == 503 and "the request's body had not all arrived" in json.loads(r.read())["error"]
+    finally:
+        log = server.stop()
+    assert server.proc.returncode == 0 and "stopped; answered 0 of 0 accepted requests" in log, log
 
 
 def test_processes_share_the_port_answer_alike_and_sum_their_metrics(shard, local):

@@ -84,6 +84,8 @@ class Service:
         self.inline = False
         self._count = threading.Lock()
         self.held, self.max_held = 0, HELD_BODIES * max_body_bytes  # request bytes held (hold, release)
+        self.reading: set = set()  # the tasks of HTTP requests waiting for more of their bodies
+        self.stopping = False  # the HTTP server stops: a request still to read its body is refused
 
     def start(self) -> None:
         def run():
@@ -114,6 +116,14 @@ class Service:
         self.failure = error
         if self.on_failure is not None:
             self.on_failure()
+
+    def stop_reading(self) -> None:
+        """Refuse (503) the HTTP requests whose bodies have not all arrived, as the server begins to
+        stop: it waits for every request, and a client that had sent part of a body and no more
+        kept it from stopping for as long as it stayed connected."""
+        self.stopping = True
+        for task in list(self.reading):
+            task.cancel()
 
     def stop(self) -> None:
         """Take no new requests and answer those queued (blocks until they are scored)."""

@@ -306,8 +306,14 @@ def _serve_on(app, sock: socket.socket) -> None:
 
     from ..errors import LikError
 
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on"))
     svc = app.state.service
+
+    class Server(uvicorn.Server):
+        async def shutdown(self, sockets=None):
+            svc.stop_reading()  # (before uvicorn waits for every connection's request)
+            await super().shutdown(sockets)
+
+    server = Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on"))
     svc.on_failure = lambda: setattr(server, "should_exit", True)
     # uvicorn stops gracefully on SIGINT or SIGTERM, then raises the signal again for the handler it
     # found; the queue is drained by then, so that handler does nothing and run returns.
@@ -419,7 +425,7 @@ async def _infer(svc: Service, model: str, version: str, headers: dict, receive,
     the body holds of the server's budget."""
     _service.check_model(model, version)
     _service.check_ready(svc)  # before reading the body
-    body = await _body(receive, svc.max_body, held)
+    body = await _unless_stopping(svc, _body(receive, svc.max_body, held))
     try:
         encoding = headers.get(b"content-encoding")
         if body is not None and encoding is not None:
@@ -484,6 +490,28 @@ async def _unless_disconnected(work, receive):
         waiting = False
         if watcher is not None:
             watcher.cancel()
+
+
+async def _unless_stopping(svc: Service, reading):
+    """``await reading`` (the coroutine reading a request's body), or :class:`Refused` (503) when the
+    server stops before the body has all arrived (:meth:`Service.stop_reading` cancels it)."""
+    if svc.stopping:
+        reading.close()
+        raise Refused(503, _STOPPING)
+    task = asyncio.current_task()
+    svc.reading.add(task)
+    try:
+        return await reading
+    except asyncio.CancelledError:
+        # (ours, taken back as _unless_disconnected does; one from elsewhere goes on)
+        if svc.stopping and (not hasattr(task, "uncancel") or task.uncancel() == 0):
+            raise Refused(503, _STOPPING) from None
+        raise
+    finally:
+        svc.reading.discard(task)
+
+
+_STOPPING = "the server is stopping, and the request's body had not all arrived; send it again"
 
 
 async def _body(receive, limit: int, held: Held) -> bytes | None:
