@@ -1033,6 +1033,14 @@ def test_many_concurrent_clients_each_get_their_own_rows(served, local):
     ("score", b'{"inputs": [{"name": "Q", "shape": [1, 16], "datatype": "FP32", "data": [' + b", ".join([b"0.5"] * DIM)
      + b']}], "parameters": {"timeout": Infinity}}', {},
      "parameter timeout must be a positive number of microseconds, got inf"),  # (was "of seconds")
+    # errors that named neither the input nor the header at fault (Python's and NumPy's words)
+    ("score", b'{"inputs": []}', {"Inference-Header-Content-Length": "9" * 5000},
+     "Inference-Header-Content-Length has 5000 digits but the body has 14 bytes"),
+    ("rerank", {"inputs": [{"name": "Q", "shape": [1, DIM], "datatype": "FP32", "data": [0.0] * DIM},
+                           {"name": "IDS", "shape": [2], "datatype": "BYTES", "data": ["5", "\ud800"]}]}, None,
+     r"input IDS: BYTES element 1 is not text: it holds a lone surrogate \(\\ud800\)"),
+    ("score", {"inputs": [{"name": "Q", "shape": [1] * 70, "datatype": "FP32", "data": [0.0]}]}, None,
+     "input Q: shape has 70 dimensions; at most 32"),
     # an integer past int64's range as BF16 (ml_dtypes' TypeError was a 500)
     ("score", {"inputs": [{"name": "Q", "shape": [1, DIM], "datatype": "BF16", "data": [10**30] + [0] * (DIM - 1)}]},
      None, "corpus has dtype float32 but Q has bfloat16"),
@@ -1121,13 +1129,6 @@ def test_backpressure_503_and_deadline_504(shard):
         server.stop()
 
 
-def _wait_line(server, text, timeout=30.0):
-    until = time.monotonic() + timeout
-    while not any(text in line for line in server.lines):
-        assert time.monotonic() < until, f"no line with {text!r}: {''.join(server.lines)}"
-        time.sleep(0.01)
-
-
 def test_a_deadline_behind_a_long_batch_is_answered_504_at_it_and_never_scored():
     """A request whose deadline passed while a batch ran was answered 504 only once the worker was
     free again (2 s here). It is answered at its deadline while the batch still runs, is never
@@ -1147,7 +1148,7 @@ def test_a_deadline_behind_a_long_batch_is_answered_504_at_it_and_never_scored()
     try:
         first = threading.Thread(target=send, args=("a", qa))
         first.start()
-        _wait_line(server, "slow_served: score of 1 queries")  # the worker is in its 2 s call
+        server.wait_line("slow_served: score of 1 queries")  # the worker is in its 2 s call
         then = threading.Thread(target=send, args=("c", qc))
         then.start()
         server.wait_metric("lik_serve_queue_depth", 1.0, device="cpu:0")

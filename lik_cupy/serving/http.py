@@ -18,11 +18,14 @@ Request parameters: ``timeout`` (microseconds the request may wait in the queue,
 ``compute_us`` (its batched corpus call) and ``batch_queries`` (that call's queries). Answers: 400
 for a bad request (the message names the problem), 404 for an unknown model, a version other than
 1 or a path none of these have, 405 for a method its path does not take, 413 for a body over
-``max_body_bytes`` (decompressed too), 503 with ``Retry-After`` when every queue is full or the
-server is not ready or stopping, 504 when the deadline passed in the queue (answered at that
-deadline, even while a batch runs; never scored); each with the JSON body ``{"error": "..."}``. A
-request whose client disconnects before its answer is dropped from the queue, unscored, and
-counted with status 499. See docs/serving.md.
+``max_body_bytes`` (decompressed too) or one whose reading would take more memory than the server
+holds for all its requests, 503 with ``Retry-After`` when every queue is full or the server is not
+ready or stopping (without, for a body that had not all arrived when the server began to stop), 504
+when the deadline passed in the queue (answered at that deadline, even while a batch runs; never
+scored); each with the JSON body ``{"error": "..."}``. A request whose client disconnects before its
+answer is dropped from the queue, unscored, and counted with status 499. A large request is read,
+and a large answer written, on the server's parse thread, the event loop serving the others
+meanwhile (``_service.off_loop``). See docs/serving.md.
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ from starlette.routing import Route
 
 from .._version import __version__
 from . import _service, _tensors
-from ._service import MAX_BODY, MODELS, VERSIONS, Held, Refused, Service
+from ._service import INLINE_PARSE_BYTES, INLINE_WRITE_VALUES, MAX_BODY, MODELS, VERSIONS, Held, Refused, Service
 from .batcher import Batcher
 
 __all__ = ["MODELS", "make_app", "run", "run_processes", "serve"]
@@ -427,16 +430,7 @@ async def _infer(svc: Service, model: str, version: str, headers: dict, receive,
     _service.check_ready(svc)  # before reading the body
     body = await _unless_stopping(svc, _body(receive, svc.max_body, held))
     try:
-        encoding = headers.get(b"content-encoding")
-        if body is not None and encoding is not None:
-            body = _decoded(body, encoding.decode("latin-1"), svc.max_body)
-            if body is not None:
-                held.add(len(body))
-        if body is None:
-            raise Refused(413, f"the request body is over {svc.max_body} bytes")
-        length = headers.get(b"inference-header-content-length")
-        header, inputs = _tensors.read_request(body, None if length is None else length.decode("latin-1"))
-        names, binary = _tensors.binary_outputs(header, _service.OUTPUTS[model])
+        header, inputs, names, binary = await _read(svc, body, headers, _service.OUTPUTS[model], held, receive)
         params = header.get("parameters") or {}
         if not isinstance(params, dict):
             raise ValueError("the request's parameters must be an object")
@@ -448,11 +442,62 @@ async def _infer(svc: Service, model: str, version: str, headers: dict, receive,
     head = {"model_name": model, "model_version": "1", "parameters": params}
     if isinstance(header.get("id"), str):
         head["id"] = header["id"]
-    content, json_size = _tensors.write_response(head, [(n, out[n]) for n in names], binary)
+    outputs = [(n, out[n]) for n in names]
+    if _tensors.write_steps(outputs, binary) > INLINE_WRITE_VALUES:
+        content, json_size = await _service.off_loop(svc, held, _tensors.write_response, head, outputs, binary)
+    else:
+        content, json_size = _tensors.write_response(head, outputs, binary)
     if json_size is None:
         return 200, content, _JSON
     return 200, content, ((b"content-type", b"application/octet-stream"),
                           (b"inference-header-content-length", str(json_size).encode()))
+
+
+async def _read(svc: Service, body: bytes | None, headers: dict, outputs: tuple[str, ...], held: Held,
+                receive) -> tuple[dict, dict, list, set]:
+    """(the JSON header, the inputs by name, the outputs to send of the model's ``outputs``, those to
+    send binary) of a request's ``body`` (None: past the body limit), inflated as its
+    Content-Encoding says: on the event loop's thread where that takes at most ``INLINE_PARSE_BYTES``
+    of work, else on the server's parse thread while the event loop serves the other requests
+    (:class:`_Disconnected` as soon as the client has gone meanwhile). Raises :class:`Refused` or
+    ValueError."""
+    encoding = headers.get(b"content-encoding")
+    if body is not None and encoding is not None:
+        # (inflating works through the body and what it inflates to: each at most INLINE_PARSE_BYTES
+        # on the event loop, else the whole on the parse thread)
+        coding, small = encoding.decode("latin-1"), len(body) <= INLINE_PARSE_BYTES
+        inflated = _decoded(body, coding, min(svc.max_body, INLINE_PARSE_BYTES)) if small else None
+        if inflated is None and (not small or svc.max_body > INLINE_PARSE_BYTES):
+            inflated = await _parsed(svc, held, receive, _decoded, body, coding, svc.max_body)
+        if inflated is not None and inflated is not body:
+            held.add(len(inflated))
+        body = inflated
+    if body is None:
+        raise Refused(413, f"the request body is over {svc.max_body} bytes")
+    length = headers.get(b"inference-header-content-length")
+    length = None if length is None else length.decode("latin-1")
+    hold = held.reading("send fewer values or BYTES elements a request, or numbers as binary data (binary_data_size)")
+    try:
+        return _request(body, length, outputs, most=INLINE_PARSE_BYTES, hold=hold)
+    except _tensors.LongParse:
+        return await _parsed(svc, held, receive, _request, body, length, outputs, yielding=True, hold=hold)
+
+
+def _request(body: bytes, length: str | None, outputs: tuple[str, ...], **kwargs) -> tuple[dict, dict, list, set]:
+    """:func:`_tensors.read_request` (``kwargs``: its options) and :func:`_tensors.binary_outputs`, on
+    one thread: a header's list of outputs is as long as its client makes it."""
+    header, inputs = _tensors.read_request(body, length, **kwargs)
+    return (header, inputs, *_tensors.binary_outputs(header, outputs))
+
+
+async def _parsed(svc: Service, held: Held, receive, fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` on the server's parse thread (:func:`_service.off_loop`), or
+    :class:`_Disconnected` as soon as the client has gone meanwhile."""
+    async def work(watch):
+        watch()
+        return await _service.off_loop(svc, held, fn, *args, **kwargs)
+
+    return await _unless_disconnected(work, receive)
 
 
 async def _unless_disconnected(work, receive):
