@@ -158,21 +158,23 @@ class Corpus:
         beside text ids are read as UTF-8, as ``lik score`` shows them).
 
         Args:
-            paths: a path or a sequence of paths.
+            paths: a path or a sequence of paths; an entry may also be a :class:`lik_cupy.shards.Shard`
+                already opened (``shards.open_input``), which is read as it is, not opened again.
             device, max_gpu_bytes: as for :class:`Corpus`.
             ids: False leaves the shards' ids out: :meth:`search` returns positions.
         """
         ids = check_flag("ids", ids)
-        expected = "from_shards' paths must be a path or a sequence of paths (str, bytes or os.PathLike)"
-        if isinstance(paths, (str, bytes, os.PathLike)):
+        expected = ("from_shards' paths must be a path or a sequence of paths (str, bytes or os.PathLike, or "
+                    "lik_cupy.shards.Shard opened already)")
+        if isinstance(paths, (str, bytes, os.PathLike, shards.Shard)):
             paths = [paths]
         elif not isinstance(paths, Iterable):
             raise TypeError(f"{expected}, got {type(paths).__name__}")
         paths = list(paths)
         for i, p in enumerate(paths):
-            if not isinstance(p, (str, bytes, os.PathLike)):
+            if not isinstance(p, (str, bytes, os.PathLike, shards.Shard)):
                 raise TypeError(f"{expected}; paths[{i}] is {type(p).__name__}")
-        opened = [shards.open_input(p) for p in paths]
+        opened = [p if isinstance(p, shards.Shard) else shards.open_input(p) for p in paths]
         if not opened:
             raise ValueError("from_shards needs at least one shard path")
         first = opened[0]

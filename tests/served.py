@@ -94,6 +94,13 @@ class Server:
             assert time.monotonic() < until, f"{name}{labels} is {got} after {timeout} s, expected {value}"
             time.sleep(0.01)
 
+    def wait_line(self, text, timeout=30.0):
+        """Wait until a line of the server's stderr holds ``text``; AssertionError after ``timeout`` seconds."""
+        until = time.monotonic() + timeout
+        while not any(text in line for line in self.lines):
+            assert time.monotonic() < until, f"no line with {text!r}: {''.join(self.lines)}"
+            time.sleep(0.01)
+
     def stop(self):
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)

@@ -326,6 +326,22 @@ def test_from_shards_names_a_path_that_is_none():
             lik_cupy.Corpus.from_shards(paths, device="cpu")
 
 
+def test_from_shards_reads_shards_opened_already_without_opening_them_again(rng, tmp_path, monkeypatch):
+    for n in range(2):
+        shards.write_shard(tmp_path / f"s{n}", rng.standard_normal((6, 8)).astype(np.float16), np.array([0, 2, 6]),
+                           ids=np.array([10 * n, 10 * n + 1]))
+    want = lik_cupy.Corpus.from_shards([tmp_path / "s0", tmp_path / "s1"], device="cpu")
+    first = shards.open_input(tmp_path / "s0")
+    opened = []
+    open_input = shards.open_input
+    monkeypatch.setattr(shards, "open_input", lambda p, *a, **k: opened.append(p) or open_input(p, *a, **k))
+    got = lik_cupy.Corpus.from_shards([first, tmp_path / "s1"], device="cpu")
+    assert opened == [tmp_path / "s1"]
+    q = rng.standard_normal((3, 8)).astype(np.float16)
+    assert np.array_equal(got.score(q), want.score(q)) and got.ids.tolist() == [0, 1, 10, 11]
+    assert lik_cupy.Corpus.from_shards(first, device="cpu").ids.tolist() == [0, 1]
+
+
 def test_from_shards_joins_byte_and_text_ids(rng, tmp_path):
     """Shards whose ids.npy hold byte strings beside shards with text ids passed the one-kind check and
     then failed in NumPy's join (UnicodeDecodeError on a non-ASCII id; ASCII ones were decoded as

@@ -11,6 +11,7 @@ import asyncio
 import http.client
 import json
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -648,7 +649,7 @@ def test_a_replica_that_does_not_fit_each_gpu_partitions_by_default(split_shards
     from lik_cupy.serving import batcher
 
     paths, _ = split_shards_dir
-    opened = batcher._opened(paths)
+    opened = [shards.open_input(p) for p in paths]
     need = sum(int(a.nbytes) for s in opened for a in (s.tokens, s.scales, s.offsets) if a is not None)
     free = {0: 2 * need, 1: 2 * need}
     assert batcher._replica_fits(opened, [0, 1], free.get)
@@ -659,7 +660,7 @@ def test_a_replica_that_does_not_fit_each_gpu_partitions_by_default(split_shards
     class Partitioned(Exception):
         pass
 
-    def partition_of(paths, opened, parts):  # where loading the parts would need the GPUs
+    def partition_of(opened, parts):  # where loading the parts would need the GPUs
         made.append(parts)
         raise Partitioned
 
@@ -1032,6 +1033,14 @@ def test_many_concurrent_clients_each_get_their_own_rows(served, local):
     ("score", b'{"inputs": [{"name": "Q", "shape": [1, 16], "datatype": "FP32", "data": [' + b", ".join([b"0.5"] * DIM)
      + b']}], "parameters": {"timeout": Infinity}}', {},
      "parameter timeout must be a positive number of microseconds, got inf"),  # (was "of seconds")
+    # errors that named neither the input nor the header at fault (Python's and NumPy's words)
+    ("score", b'{"inputs": []}', {"Inference-Header-Content-Length": "9" * 5000},
+     "Inference-Header-Content-Length has 5000 digits but the body has 14 bytes"),
+    ("rerank", {"inputs": [{"name": "Q", "shape": [1, DIM], "datatype": "FP32", "data": [0.0] * DIM},
+                           {"name": "IDS", "shape": [2], "datatype": "BYTES", "data": ["5", "\ud800"]}]}, None,
+     r"input IDS: BYTES element 1 is not text: it holds a lone surrogate \(\\ud800\)"),
+    ("score", {"inputs": [{"name": "Q", "shape": [1] * 70, "datatype": "FP32", "data": [0.0]}]}, None,
+     "input Q: shape has 70 dimensions; at most 32"),
     # an integer past int64's range as BF16 (ml_dtypes' TypeError was a 500)
     ("score", {"inputs": [{"name": "Q", "shape": [1, DIM], "datatype": "BF16", "data": [10**30] + [0] * (DIM - 1)}]},
      None, "corpus has dtype float32 but Q has bfloat16"),
@@ -1120,13 +1129,6 @@ def test_backpressure_503_and_deadline_504(shard):
         server.stop()
 
 
-def _wait_line(server, text, timeout=30.0):
-    until = time.monotonic() + timeout
-    while not any(text in line for line in server.lines):
-        assert time.monotonic() < until, f"no line with {text!r}: {''.join(server.lines)}"
-        time.sleep(0.01)
-
-
 def test_a_deadline_behind_a_long_batch_is_answered_504_at_it_and_never_scored():
     """A request whose deadline passed while a batch ran was answered 504 only once the worker was
     free again (2 s here). It is answered at its deadline while the batch still runs, is never
@@ -1146,7 +1148,7 @@ def test_a_deadline_behind_a_long_batch_is_answered_504_at_it_and_never_scored()
     try:
         first = threading.Thread(target=send, args=("a", qa))
         first.start()
-        _wait_line(server, "slow_served: score of 1 queries")  # the worker is in its 2 s call
+        server.wait_line("slow_served: score of 1 queries")  # the worker is in its 2 s call
         then = threading.Thread(target=send, args=("c", qc))
         then.start()
         server.wait_metric("lik_serve_queue_depth", 1.0, device="cpu:0")
@@ -1231,6 +1233,25 @@ def test_sigterm_under_load_answers_every_accepted_request(shard, local):
     answered, accepted = int(m.group(1)), int(m.group(2))
     assert server.proc.returncode == 0 and not wrong
     assert answered == accepted == len(ok)
+
+
+def test_sigterm_refuses_a_request_whose_body_has_not_all_arrived(shard):
+    """A client that had sent part of a body and no more kept the server from stopping on SIGTERM
+    for as long as it stayed connected (uvicorn waits for every request it has begun). It gets a 503
+    now, and the server stops."""
+    server = Server(shard, "--devices", "cpu")
+    try:
+        with socket.create_connection(("127.0.0.1", server.port)) as c:
+            c.sendall(b"POST /v2/models/score/infer HTTP/1.1\r\nHost: lik\r\nContent-Length: 100\r\n\r\n{\"inputs\"")
+            assert server.get("/v2/health/ready")[0] == 200  # (by then the server reads that body)
+            server.proc.send_signal(signal.SIGTERM)
+            server.proc.wait(60)
+            r = http.client.HTTPResponse(c)
+            r.begin()
+            assert r.status == 503 and "the request's body had not all arrived" in json.loads(r.read())["error"]
+    finally:
+        log = server.stop()
+    assert server.proc.returncode == 0 and "stopped; answered 0 of 0 accepted requests" in log, log
 
 
 def test_processes_share_the_port_answer_alike_and_sum_their_metrics(shard, local):
@@ -1661,3 +1682,24 @@ def test_a_disconnect_is_taken_back_as_the_watcher_cancellation_it_was():
 
     assert asyncio.run(http._unless_disconnected(at_once, counted)) == "answer"
     assert reads == []
+
+
+def test_serve_opens_each_shard_once(split_shards_dir, monkeypatch):
+    """lik serve opened each shard before listening, then again as it loaded the corpus (and again
+    for each replica or part: each Corpus.from_shards opened them); the load now reads the shards
+    opened then."""
+    from lik_cupy.serving import http
+
+    paths, _ = split_shards_dir
+    whole = lik_cupy.Corpus.from_shards(paths, device="cpu")
+    opened, batchers = [], []
+    open_input = shards.open_input
+    monkeypatch.setattr(shards, "open_input", lambda p, *a, **k: opened.append(str(p)) or open_input(p, *a, **k))
+    monkeypatch.setattr(http, "run", lambda app, **kw: batchers.append(app.state.service.load(Observer())))
+    for devices, partition in ((["cpu"], None), (["cpu", "cpu"], True)):
+        opened.clear()
+        http.serve(paths, devices=devices, partition=partition)
+        assert opened == [str(p) for p in paths]
+        q = np.random.default_rng(16).standard_normal((5, DIM)).astype(np.float32)
+        with batchers.pop() as b:
+            assert np.array_equal(b.score(q), whole.score(q))

@@ -28,6 +28,7 @@ from .._runtime.topk import MAX_K
 from .._shard_format import joined_ids, numpy_dtype
 from ..corpus import Corpus
 from ..precision import PRECISIONS
+from ..shards import Shard, open_input
 from ._partition import Partition, split_shards
 from ._processes import process_share
 from ._queue import DeviceQueue, Request, _observed, scored
@@ -110,10 +111,11 @@ class Batcher:
     @classmethod
     def from_shards(cls, paths, devices=None, *, partition: bool | None = None,
                     process: tuple[int, int] | None = None, **kwargs) -> Batcher:
-        """A batcher over the documents of shard paths (:meth:`lik_cupy.Corpus.from_shards`), one
-        worker per entry of ``devices``: CUDA ordinals, or ``"cpu"``; entries naming one device share
-        its one corpus (a second worker on a GPU queues its call while the first one's runs).
-        Default: every GPU, else one CPU worker.
+        """A batcher over the documents of shard paths (:meth:`lik_cupy.Corpus.from_shards`; each shard
+        opened once, for every replica or part, and an entry that is a ``lik_cupy.shards.Shard``
+        opened already not again), one worker per entry of ``devices``: CUDA ordinals, or ``"cpu"``;
+        entries naming one device share its one corpus (a second worker on a GPU queues its call
+        while the first one's runs). Default: every GPU, else one CPU worker.
 
         ``partition=True``: instead of a replica per entry, split the shards over the distinct
         entries of ``devices``, a part each (consecutive shards, documents as even as whole shards
@@ -139,23 +141,22 @@ class Batcher:
         devices = list(devices)
         if not devices:
             raise ValueError("devices is empty; give CUDA ordinals or 'cpu'")
-        paths = [paths] if isinstance(paths, (str, bytes, os.PathLike)) else list(paths)
+        paths = [paths] if isinstance(paths, (str, bytes, os.PathLike, Shard)) else list(paths)
         gpus = list(dict.fromkeys(d for d in devices if d != "cpu"))
-        opened = None  # the shards, opened once where the choice or the split reads them
+        parts = [d for i, d in enumerate(devices) if d == "cpu" or d not in devices[:i]]  # each GPU once
+        if partition and len(parts) < 2:
+            raise ValueError(f"a partition needs two devices at least (a part each); devices is {devices}")
+        opened = [p if isinstance(p, Shard) else open_input(p) for p in paths]  # once, for every replica or part
         if partition is None and len(gpus) > 1:
-            opened = _opened(paths)
             partition = not _replica_fits(opened, gpus, _free_gpu_bytes)
         if partition:
-            parts = [d for i, d in enumerate(devices) if d == "cpu" or d not in devices[:i]]  # each GPU once
-            if len(parts) < 2:
-                raise ValueError(f"a partition needs two devices at least (a part each); devices is {devices}")
-            return cls(_partition_of(paths, opened or _opened(paths), parts), **kwargs)
+            return cls(_partition_of(opened, parts), **kwargs)
         if process is not None:
             devices = process_share(devices, *process)
         loaded = {}
         for d in devices:
             if d not in loaded:
-                loaded[d] = Corpus.from_shards(paths, device=d)
+                loaded[d] = Corpus.from_shards(opened, device=d)
         return cls([loaded[d] for d in devices], **kwargs)
 
     @property
@@ -316,12 +317,6 @@ class Batcher:
 _REPLICA_SHARE = 0.75
 
 
-def _opened(paths: list) -> list:
-    from .. import shards
-
-    return [shards.open_input(p) for p in paths]
-
-
 def _replica_fits(opened: list, gpus: list, free_bytes) -> bool:
     """Whether the shards (their tokens, scales and offsets) fit 3/4 of every GPU's
     free memory (``free_bytes(gpu)``)."""
@@ -336,10 +331,10 @@ def _free_gpu_bytes(device: int) -> int:
         return int(cupy.cuda.runtime.memGetInfo()[0])
 
 
-def _partition_of(paths: list, opened: list, devices: list) -> Partition:
-    """The shards of ``paths`` (``opened``: as opened) split over ``devices`` (two or more), a part each."""
+def _partition_of(opened: list, devices: list) -> Partition:
+    """The shards ``opened`` split over ``devices`` (two or more), a part each."""
     ids = joined_ids(opened)  # the whole corpus's (Corpus.from_shards), checked before any part loads
-    runs = split_shards(paths, [s.num_docs for s in opened], len(devices))
+    runs = split_shards(opened, [s.num_docs for s in opened], len(devices))
     parts = [Corpus.from_shards(run, device=d, ids=False) for run, d in zip(runs, devices)]
     return Partition(parts, ids)
 

@@ -30,7 +30,7 @@ from tritonclient.grpc import model_config_pb2, service_pb2 as pb, service_pb2_g
 
 from .._version import __version__
 from . import _service, _tensors
-from ._service import MODELS, VERSIONS, Held, Refused, Service
+from ._service import INLINE_PARSE_BYTES, INLINE_WRITE_VALUES, MODELS, VERSIONS, Held, Refused, Service
 
 __all__ = ["start_server"]
 
@@ -124,9 +124,19 @@ class _Servicer(rpc.GRPCInferenceServiceServicer):
             if size > svc.max_body:
                 raise Refused(413, f"the request message is {size} bytes, over the limit of {svc.max_body}")
             held.add(size)  # the message, against the server's budget of request bytes
-            inputs, params, names = _request(request, _service.OUTPUTS[model])
+            if size > INLINE_PARSE_BYTES and (not request.raw_input_contents
+                                              or any(t.datatype == "BYTES" for t in request.inputs)):
+                # typed contents or BYTES elements, a Python step each: off the event loop
+                inputs, params, names = await _service.off_loop(svc, held, _request, request, _service.OUTPUTS[model],
+                                                             held.reading(_SEND_RAW))
+            else:
+                inputs, params, names = _request(request, _service.OUTPUTS[model], held.reading(_SEND_RAW))
             remaining = context.time_remaining()
             out, reply = await _service.infer(svc, model, inputs, params, deadline_s=remaining)
+            if sum(out[n].size for n in names if out[n].dtype.kind in "US") > INLINE_WRITE_VALUES:  # (string ids)
+                response = await _service.off_loop(svc, held, _response, request, reply, out, names)
+            else:
+                response = _response(request, reply, out, names)
         except Refused as e:
             _service.responded(svc, model, e.status, start)
             await context.abort(_CODES[e.status], str(e))
@@ -136,16 +146,22 @@ class _Servicer(rpc.GRPCInferenceServiceServicer):
             raise
         finally:
             held.release()
-        response = pb.ModelInferResponse(model_name=model, model_version="1", id=request.id)
-        for key, value in reply.items():
-            response.parameters[key].int64_param = value
-        for name in names:
-            a = out[name]
-            datatype = "BYTES" if a.dtype.kind in "US" else _tensors.DATATYPES[str(a.dtype)]
-            response.outputs.add(name=name, datatype=datatype, shape=list(a.shape))
-            response.raw_output_contents.append(_tensors.tensor_bytes(a))
         _service.responded(svc, model, 200, start)
         return response
+
+
+def _response(request, reply: dict, out: dict, names: list[str]):
+    """The ``ModelInferResponse`` of ``request``: the outputs ``names`` of ``out``, raw, and the
+    response parameters ``reply``."""
+    response = pb.ModelInferResponse(model_name=request.model_name, model_version="1", id=request.id)
+    for key, value in reply.items():
+        response.parameters[key].int64_param = value
+    for name in names:
+        a = out[name]
+        datatype = "BYTES" if a.dtype.kind in "US" else _tensors.DATATYPES[str(a.dtype)]
+        response.outputs.add(name=name, datatype=datatype, shape=list(a.shape))
+        response.raw_output_contents.append(_tensors.tensor_bytes(a))
+    return response
 
 
 async def _checked(context, fn, *args):
@@ -156,9 +172,13 @@ async def _checked(context, fn, *args):
         await context.abort(_CODES[e.status], str(e))
 
 
-def _request(request, outputs: tuple[str, ...]) -> tuple[dict[str, np.ndarray], dict, list[str]]:
+_SEND_RAW = "send fewer values or BYTES elements a request, or numbers as raw_input_contents"
+
+
+def _request(request, outputs: tuple[str, ...], hold=None) -> tuple[dict[str, np.ndarray], dict, list[str]]:
     """(the inputs by name, the parameters, the outputs to send in ``outputs`` order) of a
-    ``ModelInferRequest``; :class:`Refused` (400) naming what is malformed."""
+    ``ModelInferRequest``; :class:`Refused` (400) naming what is malformed. ``hold(nbytes)``: called
+    with what reading BYTES elements and typed contents takes, before they are read."""
     try:
         raw = list(request.raw_input_contents)
         if raw and len(raw) != len(request.inputs):
@@ -168,13 +188,15 @@ def _request(request, outputs: tuple[str, ...]) -> tuple[dict[str, np.ndarray], 
         for i, t in enumerate(request.inputs):
             shape = _tensors.check_input(inputs, t.name, list(t.shape), t.datatype)
             if raw:
-                inputs[t.name] = _tensors.tensor_from_bytes(t.name, memoryview(raw[i]), shape, t.datatype)
+                inputs[t.name] = _tensors.tensor_from_bytes(t.name, memoryview(raw[i]), shape, t.datatype, hold)
             elif t.datatype in _CONTENTS:
-                values = list(getattr(t.contents, _CONTENTS[t.datatype]))
+                values = getattr(t.contents, _CONTENTS[t.datatype])
                 if t.datatype == "BYTES":
-                    inputs[t.name] = _tensors.tensor_from_strings(t.name, values, shape)
+                    if hold is not None:
+                        hold(_tensors.string_bytes(len(values), t.contents.ByteSize()))
+                    inputs[t.name] = _tensors.tensor_from_strings(t.name, list(values), shape, hold)
                 else:
-                    inputs[t.name] = _tensors.tensor_from_values(t.name, values, shape, t.datatype)
+                    inputs[t.name] = _tensors.tensor_from_numbers(t.name, values, shape, t.datatype, hold)
             else:
                 raise ValueError(f"input {t.name}: {t.datatype} data must come as raw_input_contents")
         params = {k: getattr(v, v.WhichOneof("parameter_choice")) for k, v in request.parameters.items()

@@ -18,11 +18,14 @@ Request parameters: ``timeout`` (microseconds the request may wait in the queue,
 ``compute_us`` (its batched corpus call) and ``batch_queries`` (that call's queries). Answers: 400
 for a bad request (the message names the problem), 404 for an unknown model, a version other than
 1 or a path none of these have, 405 for a method its path does not take, 413 for a body over
-``max_body_bytes`` (decompressed too), 503 with ``Retry-After`` when every queue is full or the
-server is not ready or stopping, 504 when the deadline passed in the queue (answered at that
-deadline, even while a batch runs; never scored); each with the JSON body ``{"error": "..."}``. A
-request whose client disconnects before its answer is dropped from the queue, unscored, and
-counted with status 499. See docs/serving.md.
+``max_body_bytes`` (decompressed too) or one whose reading would take more memory than the server
+holds for all its requests, 503 with ``Retry-After`` when every queue is full or the server is not
+ready or stopping (without, for a body that had not all arrived when the server began to stop), 504
+when the deadline passed in the queue (answered at that deadline, even while a batch runs; never
+scored); each with the JSON body ``{"error": "..."}``. A request whose client disconnects before its
+answer is dropped from the queue, unscored, and counted with status 499. A large request is read,
+and a large answer written, on the server's parse thread, the event loop serving the others
+meanwhile (``_service.off_loop``). See docs/serving.md.
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ from starlette.routing import Route
 
 from .._version import __version__
 from . import _service, _tensors
-from ._service import MAX_BODY, MODELS, VERSIONS, Held, Refused, Service
+from ._service import INLINE_PARSE_BYTES, INLINE_WRITE_VALUES, MAX_BODY, MODELS, VERSIONS, Held, Refused, Service
 from .batcher import Batcher
 
 __all__ = ["MODELS", "make_app", "run", "run_processes", "serve"]
@@ -164,37 +167,40 @@ def serve(paths, *, host: str = "127.0.0.1", port: int = 8000, grpc_port: int | 
           max_queue: int = 1024, processes: int = 1) -> None:
     """Serve the documents of shard ``paths`` (:meth:`Batcher.from_shards` for ``devices`` and
     ``partition``; the rest as for :class:`Batcher`) with :func:`run`: HTTP on ``port``, and gRPC on
-    ``grpc_port`` when given; each shard is opened once first, so a missing or damaged one raises
-    ShardError before the server listens. ``processes`` > 1: that many server processes on the ports
-    (:func:`run_processes`), each with its own replicas (over several GPUs, one GPU's in each
-    process where their count divides ``processes``: ``Batcher.from_shards``' ``process``)."""
+    ``grpc_port`` when given; each shard is opened (and checked) first, so a missing or damaged one
+    raises ShardError before the server listens, and the corpus loads from the shards opened then.
+    ``processes`` > 1: that many server processes on the ports (:func:`run_processes`), each with its
+    own replicas (over several GPUs, one GPU's in each process where their count divides
+    ``processes``: ``Batcher.from_shards``' ``process``), from the shards as it opens them (a spawned
+    process maps the files itself: a Shard's memory maps would pickle as their whole data)."""
     if grpc_port is not None and grpc_port == port != 0:
         from ..errors import LikError
 
         raise LikError(f"{host}:{port}", f"the gRPC port must differ from the HTTP port, both are {port}")
     paths = [paths] if isinstance(paths, (str, bytes, os.PathLike)) else list(paths)
-    _check_shards(paths)
+    opened = _check_shards(paths)
     kwargs = dict(max_batch=max_batch, max_tokens=max_tokens, max_delay_us=max_delay_us, max_queue=max_queue)
-    load = functools.partial(_load_shards, paths, devices, partition, kwargs)
     if processes > 1:
+        del opened  # (each process opens them itself)
         loads = [functools.partial(_load_shards, paths, devices, partition, kwargs, process=(i, processes))
                  for i in range(processes)]
         run_processes(loads, processes, host=host, port=port, grpc_port=grpc_port)
         return
+    load = functools.partial(_load_shards, opened, devices, partition, kwargs)
+    del opened  # (the load holds them until it has run, and Service.start lets it go then: none stay mapped)
     run(make_app(load, grpc_address=None if grpc_port is None else _grpc_address(host, grpc_port)), host=host,
         port=port)
 
 
-def _check_shards(paths: list) -> None:
-    """Open each shard once before listening (ShardError naming the one at fault): a missing or
+def _check_shards(paths: list) -> list:
+    """Each shard opened before listening (ShardError naming the one at fault): a missing or
     damaged shard then stops ``lik serve`` before it says "listening on" and answers ``live``, rather
     than once its load thread reaches it."""
     from ..shards import open_input
 
     if not paths:
         raise ValueError("paths is empty; give one shard path or more")
-    for p in paths:
-        open_input(p)
+    return [open_input(p) for p in paths]
 
 
 def _grpc_address(host: str, port: int) -> str:
@@ -303,8 +309,14 @@ def _serve_on(app, sock: socket.socket) -> None:
 
     from ..errors import LikError
 
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on"))
     svc = app.state.service
+
+    class Server(uvicorn.Server):
+        async def shutdown(self, sockets=None):
+            svc.stop_reading()  # (before uvicorn waits for every connection's request)
+            await super().shutdown(sockets)
+
+    server = Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on"))
     svc.on_failure = lambda: setattr(server, "should_exit", True)
     # uvicorn stops gracefully on SIGINT or SIGTERM, then raises the signal again for the handler it
     # found; the queue is drained by then, so that handler does nothing and run returns.
@@ -416,18 +428,9 @@ async def _infer(svc: Service, model: str, version: str, headers: dict, receive,
     the body holds of the server's budget."""
     _service.check_model(model, version)
     _service.check_ready(svc)  # before reading the body
-    body = await _body(receive, svc.max_body, held)
+    body = await _unless_stopping(svc, _body(receive, svc.max_body, held))
     try:
-        encoding = headers.get(b"content-encoding")
-        if body is not None and encoding is not None:
-            body = _decoded(body, encoding.decode("latin-1"), svc.max_body)
-            if body is not None:
-                held.add(len(body))
-        if body is None:
-            raise Refused(413, f"the request body is over {svc.max_body} bytes")
-        length = headers.get(b"inference-header-content-length")
-        header, inputs = _tensors.read_request(body, None if length is None else length.decode("latin-1"))
-        names, binary = _tensors.binary_outputs(header, _service.OUTPUTS[model])
+        header, inputs, names, binary = await _read(svc, body, headers, _service.OUTPUTS[model], held, receive)
         params = header.get("parameters") or {}
         if not isinstance(params, dict):
             raise ValueError("the request's parameters must be an object")
@@ -439,11 +442,62 @@ async def _infer(svc: Service, model: str, version: str, headers: dict, receive,
     head = {"model_name": model, "model_version": "1", "parameters": params}
     if isinstance(header.get("id"), str):
         head["id"] = header["id"]
-    content, json_size = _tensors.write_response(head, [(n, out[n]) for n in names], binary)
+    outputs = [(n, out[n]) for n in names]
+    if _tensors.write_steps(outputs, binary) > INLINE_WRITE_VALUES:
+        content, json_size = await _service.off_loop(svc, held, _tensors.write_response, head, outputs, binary)
+    else:
+        content, json_size = _tensors.write_response(head, outputs, binary)
     if json_size is None:
         return 200, content, _JSON
     return 200, content, ((b"content-type", b"application/octet-stream"),
                           (b"inference-header-content-length", str(json_size).encode()))
+
+
+async def _read(svc: Service, body: bytes | None, headers: dict, outputs: tuple[str, ...], held: Held,
+                receive) -> tuple[dict, dict, list, set]:
+    """(the JSON header, the inputs by name, the outputs to send of the model's ``outputs``, those to
+    send binary) of a request's ``body`` (None: past the body limit), inflated as its
+    Content-Encoding says: on the event loop's thread where that takes at most ``INLINE_PARSE_BYTES``
+    of work, else on the server's parse thread while the event loop serves the other requests
+    (:class:`_Disconnected` as soon as the client has gone meanwhile). Raises :class:`Refused` or
+    ValueError."""
+    encoding = headers.get(b"content-encoding")
+    if body is not None and encoding is not None:
+        # (inflating works through the body and what it inflates to: each at most INLINE_PARSE_BYTES
+        # on the event loop, else the whole on the parse thread)
+        coding, small = encoding.decode("latin-1"), len(body) <= INLINE_PARSE_BYTES
+        inflated = _decoded(body, coding, min(svc.max_body, INLINE_PARSE_BYTES)) if small else None
+        if inflated is None and (not small or svc.max_body > INLINE_PARSE_BYTES):
+            inflated = await _parsed(svc, held, receive, _decoded, body, coding, svc.max_body)
+        if inflated is not None and inflated is not body:
+            held.add(len(inflated))
+        body = inflated
+    if body is None:
+        raise Refused(413, f"the request body is over {svc.max_body} bytes")
+    length = headers.get(b"inference-header-content-length")
+    length = None if length is None else length.decode("latin-1")
+    hold = held.reading("send fewer values or BYTES elements a request, or numbers as binary data (binary_data_size)")
+    try:
+        return _request(body, length, outputs, most=INLINE_PARSE_BYTES, hold=hold)
+    except _tensors.LongParse:
+        return await _parsed(svc, held, receive, _request, body, length, outputs, yielding=True, hold=hold)
+
+
+def _request(body: bytes, length: str | None, outputs: tuple[str, ...], **kwargs) -> tuple[dict, dict, list, set]:
+    """:func:`_tensors.read_request` (``kwargs``: its options) and :func:`_tensors.binary_outputs`, on
+    one thread: a header's list of outputs is as long as its client makes it."""
+    header, inputs = _tensors.read_request(body, length, **kwargs)
+    return (header, inputs, *_tensors.binary_outputs(header, outputs))
+
+
+async def _parsed(svc: Service, held: Held, receive, fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` on the server's parse thread (:func:`_service.off_loop`), or
+    :class:`_Disconnected` as soon as the client has gone meanwhile."""
+    async def work(watch):
+        watch()
+        return await _service.off_loop(svc, held, fn, *args, **kwargs)
+
+    return await _unless_disconnected(work, receive)
 
 
 async def _unless_disconnected(work, receive):
@@ -481,6 +535,28 @@ async def _unless_disconnected(work, receive):
         waiting = False
         if watcher is not None:
             watcher.cancel()
+
+
+async def _unless_stopping(svc: Service, reading):
+    """``await reading`` (the coroutine reading a request's body), or :class:`Refused` (503) when the
+    server stops before the body has all arrived (:meth:`Service.stop_reading` cancels it)."""
+    if svc.stopping:
+        reading.close()
+        raise Refused(503, _STOPPING)
+    task = asyncio.current_task()
+    svc.reading.add(task)
+    try:
+        return await reading
+    except asyncio.CancelledError:
+        # (ours, taken back as _unless_disconnected does; one from elsewhere goes on)
+        if svc.stopping and (not hasattr(task, "uncancel") or task.uncancel() == 0):
+            raise Refused(503, _STOPPING) from None
+        raise
+    finally:
+        svc.reading.discard(task)
+
+
+_STOPPING = "the server is stopping, and the request's body had not all arrived; send it again"
 
 
 async def _body(receive, limit: int, held: Held) -> bytes | None:
