@@ -618,6 +618,43 @@ def test_results_are_bitwise_identical_run_to_run():
                               "bitwise_identical": True}
 
 
+_NO_DISK = """
+import os, sys, tempfile, warnings
+def full(*a, **k):
+    raise OSError(28, "No space left on device (simulated)")
+tempfile.mkdtemp = full  # no directory of the process's own either
+import numpy as np, cupy as cp
+import lik_cupy
+from lik_cupy._runtime import nvrtc
+rng = np.random.default_rng(0)
+q = rng.standard_normal((3, 17, 128)).astype(np.float16)
+d = rng.standard_normal((50, 33, 128)).astype(np.float16)
+with warnings.catch_warnings(record=True) as w:
+    warnings.simplefilter("always")
+    s, a = lik_cupy.maxsim(cp.asarray(q), cp.asarray(d), return_argmax=True)
+    cp.cuda.Device().synchronize()
+ref, ra = lik_cupy.maxsim(q, d, return_argmax=True, backend="cpu")
+paths = [str(path) for path, _ in nvrtc._in_memory.values()]
+print(len(w), int(np.array_equal(cp.asnumpy(a), ra)), float(np.max(np.abs(cp.asnumpy(s) - ref) / (np.abs(ref) + 1))),
+      " ".join(paths))
+"""
+
+
+def test_kernels_load_from_memory_files_where_no_directory_can_be_written():
+    """The kernel cache's last fallback, on the real driver (docs/reliability.md): neither the cache
+    nor a temporary directory can be written, so each compiled CUBIN is loaded from a sealed memory
+    file of the process (``/proc/self/fd/N``), with one warning, and scores as ever."""
+    if not os.path.isdir("/proc/self/fd") or not hasattr(os, "memfd_create"):
+        pytest.skip("memory files are a Linux fallback")
+    env = {**os.environ, "LIK_CACHE_DIR": "/proc/lik-cupy-no-cache"}
+    run = subprocess.run([sys.executable, "-c", _NO_DISK], capture_output=True, text=True, timeout=300, env=env,
+                         cwd=pathlib.Path(__file__).parents[1])
+    assert run.returncode == 0, run.stderr
+    warned, same_argmax, err, *paths = run.stdout.split()
+    assert int(warned) == 1 and int(same_argmax) == 1 and float(err) < 1e-3, run.stdout
+    assert paths and all(p.startswith("/proc/self/fd/") for p in paths), run.stdout
+
+
 def test_query_without_tokens_scores_0_against_documents_without_tokens():
     import cupy
 
