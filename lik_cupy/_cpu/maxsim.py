@@ -469,11 +469,11 @@ class _Buffers:
     time): each chunk thread's similarity block, which every GEMM writes into, and, where the call
     takes tokens-first GEMMs (``tokens_first``: float32, and a block of 16 scratches per chunk thread
     or more), each chunk thread's scratch of ``_TOKENS_FIRST_BYTES`` for them, ``reserved`` out of
-    the call's ``block_bytes``. A block's budget counts the similarities of its own chunks only, so
-    a similarity block larger than the first a block asks for is let go then (:meth:`new_block`):
-    kept, a long document's block of many rows held it while the next block, of fewer tokens and
-    more rows, spent the difference on its rows, 1.17x the bound (one query of 2,743 tokens against
-    three packed documents)."""
+    the call's ``block_bytes``. A block's budget counts its own similarities, so a thread's buffer
+    larger than them is let go as the block begins (:meth:`new_block`): kept, a long document's
+    block of many rows held it while the next block, of fewer tokens and more rows, spent the
+    difference on its rows, 1.17x the bound (one query of 2,743 tokens against three packed
+    documents)."""
 
     def __init__(self, ar: _Arith, block_bytes: int):
         threads = cores.chunk_threads()
@@ -481,21 +481,19 @@ class _Buffers:
         self.reserved = threads * _TOKENS_FIRST_BYTES if self.tokens_first else 0
         self._sims: dict = {}
         self._scratch: dict = {}
-        self._fresh: set = set()  # chunk threads yet to ask for their similarity buffer in this block
 
-    def new_block(self) -> None:
-        """A block begins: each chunk thread's first request of it trims a larger buffer to its size."""
-        self._fresh = set(self._sims)
+    def new_block(self, similarities: int) -> None:
+        """A block of ``similarities`` elements begins: the buffers larger than that are let go."""
+        for thread, buf in list(self._sims.items()):
+            if buf.size > similarities:
+                del self._sims[thread]
 
     def similarities(self, thread: int, size: int, dtype) -> np.ndarray:
-        """Chunk thread ``thread``'s similarity buffer of ``size`` elements or more (exactly ``size`` at
-        its first request in a block where it held more)."""
+        """Chunk thread ``thread``'s similarity buffer of ``size`` elements or more."""
         buf = self._sims.get(thread)
-        first = thread in self._fresh
-        self._fresh.discard(thread)
-        if buf is None or buf.size < size or buf.dtype != dtype or (first and buf.size > size):
-            self._sims[thread] = None  # (the old one goes before the new one comes)
-            del buf
+        if buf is None or buf.size < size or buf.dtype != dtype:
+            self._sims.pop(thread, None)
+            del buf  # the old one goes before the new one comes (a block after a smaller one held both)
             buf = self._sims[thread] = np.empty(size, dtype)
         return buf
 
@@ -610,7 +608,7 @@ def _block_maxima(Q: np.ndarray, q_valid: np.ndarray, blk: _DocBlock, ar: _Arith
     with np.errstate(invalid="ignore"):  # (a signalling NaN warns as it converts: it is a NaN like any other)
         A64 = None if ar.exact else A.astype(np.float64)  # (once: the winners' dot products take it in every chunk)
     chunks, threads, blas_threads = _chunk_plan(runs, m, sets, dim, blk.T.shape[1], ar.gemm.itemsize)
-    blk.out.new_block()
+    blk.out.new_block(m * blk.T.shape[1])
     # (few rows a set, and one token's rows of every set within the scratch: many candidate sets keep the plain GEMM)
     tokens_first = blk.out.tokens_first and m // sets <= _TOKENS_FIRST_ROWS and m <= _TOKENS_FIRST_BYTES // 4
     part = budget // threads  # each thread's share of the bound's pieces
