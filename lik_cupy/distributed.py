@@ -74,6 +74,7 @@ except ImportError as e:
 from . import _shard_format as fmt
 from . import shards
 from ._base.device import gpu_available
+from ._dispatch.backend import check_backend
 from ._ranking import merge_rankings
 from ._runtime.topk import MAX_K
 from ._streaming.gpu import outside_stacklevel
@@ -539,10 +540,11 @@ class DistributedCorpus:
             raise TypeError(f"device_memory_fraction must be a number in (0, 1], got {device_memory_fraction!r}")
         if not 0 < device_memory_fraction <= 1:
             raise ValueError(f"device_memory_fraction must be in (0, 1], got {device_memory_fraction!r}")
-        if dtype is not None and dtype not in fmt.DTYPES:
+        if isinstance(dtype, np.dtype):  # (its name: the workers cast to it, messages and repr show it)
+            dtype = dtype.name
+        if dtype is not None and not (isinstance(dtype, str) and dtype in fmt.DTYPES):  # (an array of names is no name)
             raise ValueError(f"dtype must be None or one of {', '.join(fmt.DTYPES)}, got {dtype!r}")
-        if backend not in ("auto", "gpu", "cpu"):
-            raise ValueError(f"backend must be 'auto', 'gpu' or 'cpu', got {backend!r}")
+        check_backend(backend)  # retrieve's check and words, here before any worker is asked
         if not _is_number(timeout):
             raise TypeError(f"timeout must be a number of seconds, got {timeout!r}")
         if not 0 < timeout <= threading.TIMEOUT_MAX:  # what a thread's join takes: it is how calls are bounded
@@ -748,6 +750,8 @@ class DistributedCorpus:
         if Q.ndim not in (2, 3) or Q.shape[-1] != self.dim:
             raise ValueError(f"Q must be [Nq, Lq, d] or [Lq, d] with d={self.dim} (the corpus's dim); got shape "
                              f"{list(Q.shape)}")
+        if not Q.dtype.isnative:  # retrieve takes the other byte order too: the same values, in native order
+            Q = Q.astype(Q.dtype.newbyteorder("="))
         if self.dtype == fmt.INT8:
             if Q.dtype.kind != "f" and Q.dtype.name != "bfloat16":
                 raise TypeError(f"Q must hold float tokens (quantized on the workers) for an INT8 corpus; got "

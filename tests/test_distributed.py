@@ -298,6 +298,38 @@ def test_bad_queries_are_refused_on_the_client(corpus, rng):
         corpus.search(Q.astype(np.float16), 5)
 
 
+def test_backend_and_dtype_are_checked_as_the_single_process_call_checks_them(client, corpus_files):
+    """backend (and dtype) went through a membership test of a tuple: a NumPy array of names failed
+    with NumPy's 'The truth value of an array with more than one element is ambiguous', where
+    retrieve names the argument (lik_cupy._dispatch.backend.check_backend, the one check every
+    public function shares). Now the same check and words; a NumPy dtype still means its name."""
+    paths = corpus_files[0][:2]
+    for bad in (np.array(["cpu", "gpu"]), ("cpu",), ["cpu"], None, "CPU"):
+        with pytest.raises(ValueError, match=re.escape(f"backend must be one of ('auto', 'gpu', 'cpu'), got {bad!r}")):
+            retrieve(np.zeros((1, DIM), np.float32), [corpus_files[1][0]], 1, backend=bad)
+        with pytest.raises(ValueError, match=re.escape(f"backend must be one of ('auto', 'gpu', 'cpu'), got {bad!r}")):
+            DistributedCorpus(client, paths, backend=bad)
+    for bad in (np.array(["float16", "float32"]), ("float16",), np.float16, "f2"):
+        with pytest.raises(ValueError, match=re.escape(f"dtype must be None or one of float16, float32, bfloat16, got "
+                                                       f"{bad!r}")):
+            DistributedCorpus(client, paths, backend="cpu", dtype=bad)
+    with DistributedCorpus(client, paths, backend="cpu", dtype=np.dtype("float16")) as corpus:
+        assert corpus.dtype == "float16" and isinstance(corpus.dtype, str)
+
+
+def test_queries_in_the_other_byte_order_score_as_retrieve(corpus, corpus_files, rng):
+    """retrieve takes big-endian float32 queries; the corpus refused them with 'Q is >f4 but the
+    corpus holds float32'. They are now the same queries, in native order, bit for bit."""
+    Q, q_lengths = _queries(rng)
+    big = Q.astype(Q.dtype.newbyteorder(">"))
+    want = retrieve(big, corpus_files[1], 7, q_lengths=q_lengths, backend="cpu")
+    _same(want, retrieve(Q, corpus_files[1], 7, q_lengths=q_lengths, backend="cpu"))
+    _same(corpus.search(big, 7, q_lengths=q_lengths), want)
+    np.testing.assert_array_equal(corpus.score(big[1]).view(np.uint32), corpus.score(Q[1]).view(np.uint32))
+    with pytest.raises(TypeError, match="Q is float16 but the corpus holds float32"):
+        corpus.search(Q.astype(">f2"), 5)
+
+
 def test_timeout_and_memory_fraction_are_checked_numbers(client, corpus_files):
     """timeout=inf (no limit, as a caller may mean it), or any past threading.TIMEOUT_MAX, failed on
     the first wait with OverflowError ('timestamp out of range for platform time_t'), and a timeout
