@@ -296,6 +296,10 @@ class _Store(distributed.WorkerPlugin):
 
     def setup(self, worker) -> None:
         self.resident: dict[int, _Resident] = {}
+        # Shards a move took to another worker. A task queued here before the move (another thread's
+        # call) scores such a shard from a copy of its own, released as it ends: kept, it would be a
+        # second copy the corpus does not know of, holding this worker's memory until close.
+        self.moved: set[int] = set()
         self.gpu_bytes = 0
         self.lock = threading.RLock()  # a worker with several threads may load and search at once
 
@@ -320,31 +324,49 @@ class _Store(distributed.WorkerPlugin):
 
     def get(self, index: int, ref: tuple) -> _Resident:
         """Shard ``index``, loaded first if this worker does not hold it (a worker restarted under
-        the same address comes back empty) from ``ref`` = (source, the fingerprint the corpus was
-        built on): a ShardError if the shard there changed since."""
+        the same address comes back empty), and kept: see :meth:`_open`."""
         with self.lock:
+            self.moved.discard(index)
             r = self.resident.get(index)
             if r is None:
-                source, built = ref
-                shard = shards.open_input(source[0], source[1], bf16_bits=self.bf16_bits)
-                now = _fingerprint(shard, source)
-                if now != built:
-                    raise shards.ShardError(source[0], f"changed since the DistributedCorpus was built on it "
-                                                       f"({now.changes(built)}); its ids would name other documents: "
-                                                       "build a new corpus to serve the new contents")
-                room = self.capacity() - self.gpu_bytes if self.gpu() else None
-                r = self.resident[index] = _make_resident(shard, self.dtype, room)
+                r = self.resident[index] = self._open(index, ref)
                 self.gpu_bytes += r.nbytes if r.where == "GPU" else 0
             return r
+
+    def _open(self, index: int, ref: tuple) -> _Resident:
+        """Shard ``index`` read from ``ref`` = (source, the fingerprint the corpus was built on): a
+        ShardError if the shard there changed since."""
+        source, built = ref
+        shard = shards.open_input(source[0], source[1], bf16_bits=self.bf16_bits)
+        now = _fingerprint(shard, source)
+        if now != built:
+            raise shards.ShardError(source[0], f"changed since the DistributedCorpus was built on it "
+                                               f"({now.changes(built)}); its ids would name other documents: "
+                                               "build a new corpus to serve the new contents")
+        room = self.capacity() - self.gpu_bytes if self.gpu() else None
+        return _make_resident(shard, self.dtype, room)
 
     @contextlib.contextmanager
     def holding(self, items):
         """The shards ``items`` = [(index, ref)] (:meth:`get`), none of them released while the caller
         uses them: one dropped meanwhile (a move's ``_drop``, on another of the worker's threads) is
         released as the last task using it ends (released at once, it would leave such a task an
-        emptied shard, or page-locked memory unlocked under its copies)."""
+        emptied shard, or page-locked memory unlocked under its copies). A shard moved away before
+        the task began is read into a copy of the task's own (``moved``), released the same way."""
         with self.lock:
-            held = [self.get(index, ref) for index, ref in items]
+            held = []
+            try:
+                for index, ref in items:
+                    if index in self.moved and index not in self.resident:
+                        held.append(self._open(index, ref))
+                        held[-1].dropped = True
+                    else:
+                        held.append(self.get(index, ref))
+            except BaseException:  # (a shard that failed to load): the copies read for this task go
+                for r in held:
+                    if r.dropped:
+                        r.release()
+                raise
             for r in held:
                 r.users += 1
         try:
@@ -356,10 +378,13 @@ class _Store(distributed.WorkerPlugin):
                     if r.dropped and not r.users:
                         r.release()
 
-    def drop(self, indices) -> None:
+    def drop(self, indices, moved: bool = False) -> None:
+        """Release shards ``indices`` (``moved``: a move took them to another worker)."""
         with self.lock:
             for i in indices:
                 r = self.resident.pop(i, None)
+                if moved:
+                    self.moved.add(i)
                 if r is not None:
                     self.gpu_bytes -= r.nbytes if r.where == "GPU" else 0
                     if r.users:
@@ -396,7 +421,8 @@ def _load(name: str, work: list[tuple[int, tuple]]) -> list[tuple[int, str]]:
 
 
 def _drop(name: str, indices: list[int]) -> None:
-    _store(name).drop(indices)
+    """Drop the old copies of shards a move loaded on another worker."""
+    _store(name).drop(indices, moved=True)
 
 
 def _top_k(name: str, query: tuple, k: int, work: list[tuple[int, int, tuple]]):
@@ -504,8 +530,9 @@ class DistributedCorpus:
 
     Threads may share it: their :meth:`search` and :meth:`score` calls run side by side (a worker
     with several threads runs their tasks at once, and a shard a move drops meanwhile stays until
-    the tasks using it end); re-placing shards after workers left or joined goes one call at a
-    time. ``last_search`` is then the stages of whichever search ended last.
+    the tasks using it end; a task queued before the move reads it into a copy of its own, released
+    as it ends); re-placing shards after workers left or joined goes one call at a time.
+    ``last_search`` is then the stages of whichever search ended last.
 
     After each :meth:`search`, ``last_search`` holds where that batch's time went (seconds; the
     stages of the last attempt when workers left mid-call):

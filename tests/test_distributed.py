@@ -165,6 +165,41 @@ def test_a_shard_dropped_while_a_search_uses_it_is_released_when_the_search_ends
     assert all(r.part == () for r in held)  # released as the task ended
 
 
+def test_a_search_queued_before_a_move_does_not_load_the_moved_shard_back_for_good(tmp_path, rng, monkeypatch):
+    """Threads: one thread's search task was queued on the worker a shard then moved away from (another
+    thread's call re-placed it, and the move's _drop landed first). The task loaded the shard again and
+    the worker kept it for good, a second copy the corpus did not know of (its memory never handed
+    back until close). The task now scores such a shard from a copy released as it ends."""
+    import lik_cupy.distributed as dist
+
+    paths, parts = _make_corpus(tmp_path, rng)
+    store = dist._Store(1.0, "cpu", None, False)
+    store.setup(None)
+    monkeypatch.setattr(dist, "_store", lambda name: store)
+    monkeypatch.setattr(distributed, "get_worker", lambda: dataclasses.make_dataclass("W", ["address"])("w"))
+    refs = [((p, None), dist._describe((p, None), False).fingerprint) for p in paths]
+    assert dist._load("corpus", [(0, refs[0]), (2, refs[2])]) == [(0, "host memory"), (2, "host memory")]
+    dist._drop("corpus", [0])  # shard 0 moved to another worker
+    Q, q_lengths = _queries(rng)
+    got = dist._top_k("corpus", (Q, q_lengths), 7, [(0, 0, refs[0]), (2, 23, refs[2])])
+    _same(got[:2], retrieve(Q, [parts[0], parts[2]], 7, q_lengths=q_lengths, backend="cpu"))
+    assert sorted(store.resident) == [2]
+    S = dist._piece("corpus", (Q, q_lengths), 0, refs[0], 3, 9)
+    np.testing.assert_array_equal(S, maxsim_varlen(Q, *parts[0], q_lengths=q_lengths, backend="cpu")[:, 3:9])
+    assert sorted(store.resident) == [2]
+    made, make = [], dist._make_resident  # a task whose other shard fails to load: its copy released too
+    monkeypatch.setattr(dist, "_make_resident", lambda *args: made.append(make(*args)) or made[-1])
+    with pytest.raises(ShardError, match="changed since the DistributedCorpus was built on it"):
+        dist._top_k("corpus", (Q, q_lengths), 7, [(0, 0, refs[0]), (3, 32, (refs[3][0], refs[2][1]))])
+    assert len(made) == 1 and made[0].part == () and sorted(store.resident) == [2]
+    dist._load("corpus", [(0, refs[0])])  # moved back here: held again
+    assert sorted(store.resident) == [0, 2]
+    # A worker restarted empty (a store set up afresh) still loads what its tasks ask for, and keeps it.
+    store.setup(None)
+    dist._top_k("corpus", (Q, q_lengths), 7, [(0, 0, refs[0])])
+    assert sorted(store.resident) == [0]
+
+
 # --------------------------------------------------------------------------- CPU cluster
 
 
