@@ -60,6 +60,7 @@ import threading
 import time
 import uuid
 import warnings
+import weakref
 from collections import Counter, defaultdict, deque
 from dataclasses import dataclass
 
@@ -499,6 +500,24 @@ def _source(s, i: int) -> tuple[str, str | None]:
                     f"(.npy path, lengths path) tuple; got {s!r}")
 
 
+def _abandoned(client, name: str) -> None:
+    """The finalizer of a corpus collected without close(): a ResourceWarning, as an unclosed file
+    gives, and the corpus's plugin (with it every worker's shards) removed without waiting for
+    the scheduler, since a finalizer may run on any thread, the client's event loop's too."""
+    warnings.warn(f"lik_cupy.distributed: a DistributedCorpus ({name}) was garbage-collected without close(); its "
+                  "shards are dropped from the workers now. Call close() (or use a with block) to free them when "
+                  "you are done", ResourceWarning, stacklevel=2)
+    if client.status != "running":  # closed, or without its scheduler: nothing can reach the workers
+        return
+
+    async def unregister():
+        with contextlib.suppress(Exception):  # the cluster went away meanwhile: nothing to drop
+            await client.scheduler.unregister_worker_plugin(name=name)
+
+    with contextlib.suppress(Exception):  # (a loop closing as the client does)
+        client.loop.add_callback(unregister)
+
+
 class DistributedCorpus:
     """A corpus of shards kept resident on the workers of a Dask cluster, searched there.
 
@@ -526,7 +545,8 @@ class DistributedCorpus:
         TimeoutError: no worker joined, or loading did not finish, within ``timeout``.
         ConnectionError: ``client`` is closed (here or in any later call).
 
-    The corpus holds the workers' memory until :meth:`close` (or the end of a ``with`` block).
+    The corpus holds the workers' memory until :meth:`close` (or the end of a ``with`` block); one
+    garbage-collected without it drops its shards too, with a ResourceWarning.
 
     Threads may share it: their :meth:`search` and :meth:`score` calls run side by side (a worker
     with several threads runs their tasks at once, and a shard a move drops meanwhile stays until
@@ -598,6 +618,10 @@ class DistributedCorpus:
         self._call("registering the corpus with the workers", client.register_plugin,
                    _Store(float(device_memory_fraction), backend, dtype, bf16_bits), name=self._name)
         self._closed = False
+        # Collected without close(): the shards are dropped all the same (not at interpreter exit,
+        # when the client's event loop may already be gone)
+        self._finalizer = weakref.finalize(self, _abandoned, client, self._name)
+        self._finalizer.atexit = False
         try:
             infos = self._results([client.submit(_describe, s, bf16_bits, pure=False, key=f"lik-cupy-describe-{i}-"
                                                  f"{uuid.uuid4().hex[:8]}") for i, s in enumerate(self._sources)],
@@ -699,6 +723,7 @@ class DistributedCorpus:
         if self._closed:
             return
         self._closed = True
+        self._finalizer.detach()
         if self.client.status not in ("running", "connecting"):  # closed: no call can reach the workers
             if warn:
                 self._not_dropped(f"the Dask client is closed (status {self.client.status!r}); the scheduler at "

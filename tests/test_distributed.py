@@ -654,6 +654,47 @@ def _held(client, name: str) -> dict[str, bool]:
     return client.run(lambda dask_worker, name=name: name in dask_worker.plugins)
 
 
+def test_close_releases_the_workers_shards_and_a_collected_corpus_drops_them_too(client, corpus_files):
+    """close() releases every shard's arrays on the workers (a second close does nothing). A corpus
+    dropped without close() (no with block; a notebook's variable reassigned) left its plugin and
+    every shard resident on the workers for the cluster's life. Collected, it now drops them, without
+    waiting (a finalizer may run on any thread), with a ResourceWarning as an unclosed file gives."""
+    import gc
+
+    def watch(dask_worker, name):  # weak references to the worker's resident tokens
+        import weakref
+
+        dask_worker._lik_test_refs = [weakref.ref(r.part[0]) for r in dask_worker.plugins[name].resident.values()]
+        return len(dask_worker._lik_test_refs)
+
+    def alive(dask_worker):
+        import gc
+
+        gc.collect()
+        return sum(ref() is not None for ref in dask_worker._lik_test_refs)
+
+    def released(name):
+        deadline = time.monotonic() + 30
+        while any(_held(client, name).values()) or any(client.run(alive).values()):
+            assert time.monotonic() < deadline, "the corpus's shards stayed on the workers"
+            time.sleep(0.05)
+
+    corpus = DistributedCorpus(client, corpus_files[0], backend="cpu")
+    assert sum(client.run(watch, name=corpus._name).values()) == len(corpus_files[0])
+    corpus.close()
+    assert not any(_held(client, corpus._name).values()) and not any(client.run(alive).values())
+    corpus.close()
+
+    corpus = DistributedCorpus(client, corpus_files[0], backend="cpu")
+    name = corpus._name
+    assert sum(client.run(watch, name=name).values()) == len(corpus_files[0])
+    with pytest.warns(ResourceWarning, match=rf"a DistributedCorpus \({name}\) was garbage-collected without "
+                                             r"close\(\)"):
+        del corpus
+        gc.collect()
+    released(name)
+
+
 @pytest.mark.parametrize("how", ["closed", "killed"])
 def test_close_returns_at_once_when_the_scheduler_is_gone(corpus_files, tmp_path, how):
     """close() waited out Dask's reconnect timeout (29.6 s for a cluster closed, 30.0 s for a
