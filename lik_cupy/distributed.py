@@ -38,7 +38,9 @@ imports Dask, this module does.
   shard piece.
 - **Faults.** While it waits, the client polls the scheduler's worker list. When a worker
   holding shards leaves mid-call, the call's tasks are dropped, the shards reload on the
-  remaining workers, the call runs again (still exact), and a RuntimeWarning says what happened.
+  remaining workers, the call runs again (still exact), and a RuntimeWarning says what happened;
+  so does a call whose tasks the scheduler cancelled with no worker missing (a worker restarted
+  under its own address, ``client.restart()``).
   An unreadable shard raises :class:`lik_cupy.ShardError` naming the file, and so does a shard
   that changed on disk since the corpus was built on it: every load compares the shard with the
   fingerprint taken then (``_Fingerprint``: counts, each file's size and modification time, a hash
@@ -480,6 +482,18 @@ class _Departed(Exception):
     """Workers that a pending call depends on left the cluster (the message lists them)."""
 
 
+class _Cancelled(_Departed):
+    """The scheduler cancelled a pending call's tasks, no worker it depends on missing: a worker
+    restarted under its own address (its copy of the queries gone with its process), or
+    ``client.restart()``. The message is Dask's reason. Like a departure, the call runs again."""
+
+
+def _cancelled(error: Exception) -> _Cancelled:
+    """The _Cancelled of Dask's CancelledError ``error``, with the scheduler's reason (which its
+    FutureCancelledError carries)."""
+    return _Cancelled(getattr(error, "reason", None) or str(error) or "no reason given")
+
+
 class _GaveUp(Exception):
     """A call's ``give_up`` said to stop waiting for it."""
 
@@ -885,7 +899,8 @@ class DistributedCorpus:
         """The done futures, once all (or, with ``any_done``, at least one) of ``futures`` are done.
 
         Raises the first failed task's own error; _Departed when one of ``workers`` (those the
-        pending tasks are pinned to) left; TimeoutError when nothing finished within ``timeout``.
+        pending tasks are pinned to) left, or the scheduler cancelled a task (_Cancelled);
+        TimeoutError when nothing finished within ``timeout``.
         """
         deadline = time.monotonic() + self.timeout
         while True:
@@ -908,7 +923,15 @@ class DistributedCorpus:
                 gone = workers - self._live()
                 if gone:  # the scheduler forgot the tasks that needed the queries a departed worker held
                     raise _Departed(", ".join(sorted(gone)))
-                failed[0].result()  # raises the task's exception (ShardError, ValueError, ...)
+                for f in failed:
+                    if f.status == "error":
+                        f.result()  # raises the task's exception (ShardError, ValueError, ...)
+                # Cancelled, every worker there: one restarted under its address (its process, its
+                # copy of the queries and its shards gone), or the scheduler restarted
+                try:
+                    failed[0].result()
+                except distributed.CancelledError as e:
+                    raise _cancelled(e) from None
             done = {f for f in futures if f.status == "finished"}
             if len(done) == len(futures) or (any_done and done):
                 return done
@@ -925,30 +948,48 @@ class DistributedCorpus:
     def _fetch(self, what: str, workers: set[str], fn, *args, **kwargs):
         """``self._call(what, fn, ...)`` for a fetch of finished tasks' results from ``workers``: a
         worker that left after its task finished took the result (and, for a task that needed the
-        shipped queries, the scheduler forgot it): then ``_Departed``, so the call runs again."""
+        shipped queries, the scheduler forgot it): then ``_Departed``, so the call runs again; so
+        does a result the scheduler cancelled meanwhile (``_Cancelled``: see ``_wait``)."""
         try:
             return self._call(what, fn, *args, **kwargs)
         except TimeoutError:  # (an OSError too) the scheduler did not answer: as it is
             raise
-        except (distributed.CancelledError, OSError):
+        except (distributed.CancelledError, OSError) as e:
             gone = workers - self._live()
             if gone:
                 raise _Departed(", ".join(sorted(gone))) from None
+            if isinstance(e, distributed.CancelledError):
+                raise _cancelled(e) from None
             raise
 
     def _rerun(self, during: str, run):
-        """``run()``, again after re-placing shards whenever workers left while it ran."""
-        context = "since the last call"
+        """``run()``, again after re-placing shards whenever workers left while it ran, or the
+        scheduler cancelled its tasks (then with a RuntimeWarning saying why)."""
+        context, cancelled = "since the last call", []
         for _ in range(_ATTEMPTS):
             t0 = time.perf_counter()
             self._ready(context)
             self._ready_s = time.perf_counter() - t0  # the search's stage times report it
             try:
-                return run()
+                result = run()
+            except _Cancelled as e:
+                cancelled.append(str(e))
+                context = f"{during}, which then ran again"
+                continue
             except _Departed:
                 context = f"{during}, which then ran again"
-        raise RuntimeError(f"lik_cupy.distributed: workers left {during} {_ATTEMPTS} times in a row; the cluster is "
-                           "losing workers faster than the shards reload")
+                continue
+            if cancelled:
+                what = during.removeprefix("during ").removeprefix("while ")
+                warnings.warn(f"lik_cupy.distributed: the scheduler cancelled the tasks of {what} though no worker "
+                              f"they needed was missing (Dask's reason: {'; '.join(dict.fromkeys(cancelled))}), as "
+                              "it does when a worker restarts under its own address or the cluster restarts; the "
+                              "call then ran again. The results are exact", RuntimeWarning,
+                              stacklevel=outside_stacklevel())
+            return result
+        why = f" (tasks cancelled: {'; '.join(dict.fromkeys(cancelled))})" if cancelled else ""
+        raise RuntimeError(f"lik_cupy.distributed: workers left or restarted {during} {_ATTEMPTS} times in a "
+                           f"row{why}; the cluster is losing workers faster than the shards reload")
 
     # ------------------------------------------------------------ placement
 

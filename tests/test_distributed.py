@@ -497,12 +497,83 @@ def test_a_worker_killed_mid_query_reloads_its_shards_and_the_query_reruns(clien
         assert {w for w, _ in corpus.placement.values()} == set(client.nthreads())
 
 
+def test_a_worker_restarted_under_its_address_mid_call_reruns_the_call(corpus_files, tmp_path, rng):
+    """A worker whose nanny restarts it under the same address (a fixed --worker-port) mid-search,
+    and a client.restart() mid-search: the scheduler cancels the call's tasks ('already forgotten',
+    'scheduler-restart') while no worker it knew of is missing, and Dask's FutureCancelledError
+    escaped the call. The call now runs again, exact, with a RuntimeWarning saying why."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    Q, q_lengths = _queries(rng)
+    expected = retrieve(Q, corpus_files[1], 11, q_lengths=q_lengths, backend="cpu")
+    with distributed.LocalCluster(n_workers=1, processes=True, threads_per_worker=1, host="127.0.0.1",
+                                  worker_port=port, dashboard_address=":0", silence_logs=logging.CRITICAL) as cluster, \
+            distributed.Client(cluster) as c, \
+            DistributedCorpus(c, corpus_files[0], backend="cpu", timeout=60) as corpus:
+        [address] = c.nthreads()
+        killed = str(tmp_path / "killed")
+        c.register_plugin(_once(killed, "kill"), name="lik-test-once-kill")
+        with pytest.warns(RuntimeWarning, match="the scheduler cancelled the tasks of a search though no worker they "
+                                                "needed was missing .Dask's reason: [^)]*already forgotten.*the call "
+                                                "then ran again"):
+            _same(corpus.search(Q, 11, q_lengths=q_lengths), expected)
+        assert os.path.exists(killed) and list(c.nthreads()) == [address]  # the same address, a new process
+        c.unregister_worker_plugin("lik-test-once-kill")
+
+        stalled = str(tmp_path / "stalled")
+        c.register_plugin(_once(stalled, "stall"), name="lik-test-once-stall")
+
+        def restart():
+            while not os.path.exists(stalled):
+                time.sleep(0.05)
+            c.restart()
+
+        t = threading.Thread(target=restart)
+        t.start()
+        try:
+            with pytest.warns(RuntimeWarning, match="the scheduler cancelled the tasks of a search .*Dask's reason: "
+                                                    "[^)]*scheduler-restart"):
+                _same(corpus.search(Q, 11, q_lengths=q_lengths), expected)
+        finally:
+            t.join(60)
+
+
+def _once(marker: str, action: str):
+    """A worker plugin: the first search task on any of the cluster's worker processes (the one that
+    creates the file ``marker``) ends its process ("kill") or sleeps until something ends it
+    ("stall"). It wraps the workers' ``retrieve``, so the task, not the worker's event loop, waits."""
+
+    class Once(distributed.WorkerPlugin):
+        def setup(self, worker):
+            import lik_cupy.distributed as dist
+
+            real = dist.retrieve
+
+            def retrieve(*args, **kwargs):
+                try:
+                    os.close(os.open(marker, os.O_CREAT | os.O_EXCL))
+                except FileExistsError:
+                    return real(*args, **kwargs)
+                if action == "kill":
+                    os._exit(1)
+                time.sleep(60)
+                return real(*args, **kwargs)
+
+            dist.retrieve = retrieve
+
+    return Once()
+
+
 def test_a_result_lost_with_its_worker_after_the_task_finished_reruns(corpus, monkeypatch):
     """A worker that left after its task finished, before its result was fetched: the fetch raised
-    Dask's FutureCancelledError out of the call. It is a departure now (the call runs again)."""
+    Dask's FutureCancelledError out of the call. It is a departure now (the call runs again); with
+    every worker still there (one restarted under its address), a cancellation, which reruns too."""
     from distributed.client import FutureCancelledError
 
-    from lik_cupy.distributed import _Departed
+    from lik_cupy.distributed import _Cancelled, _Departed
 
     def lost():
         raise FutureCancelledError("lik-cupy-top-k-x", reason="already forgotten")
@@ -514,8 +585,22 @@ def test_a_result_lost_with_its_worker_after_the_task_finished_reruns(corpus, mo
     with pytest.raises(_Departed, match=w):
         corpus._fetch("fetching", {w}, lost)
     monkeypatch.setattr(corpus, "_live", lambda: _client_workers(corpus) | {w})
-    with pytest.raises(FutureCancelledError):  # every worker still there: the error as it is
+    with pytest.raises(_Cancelled, match="already forgotten"):
         corpus._fetch("fetching", {w}, lost)
+
+    def refused():
+        raise ConnectionRefusedError("no worker here")
+
+    with pytest.raises(ConnectionRefusedError):  # any other error, every worker there: as it is
+        corpus._fetch("fetching", {w}, refused)
+
+    def cancelled():
+        raise _Cancelled("scheduler-restart")
+
+    monkeypatch.setattr(corpus, "_ready", lambda context: None)
+    with pytest.raises(RuntimeError, match=r"workers left or restarted during a search 4 times in a row \(tasks "
+                                           r"cancelled: scheduler-restart\); the cluster is losing workers"):
+        corpus._rerun("during a search", cancelled)
 
 
 def _client_workers(corpus) -> set[str]:
