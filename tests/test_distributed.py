@@ -2,8 +2,10 @@
 
 CPU (CI): one module-wide ``LocalCluster`` of two worker processes on the NumPy path. Covers
 ties, NaN and empty documents, a worker killed in the middle of a query (its shards reload, the
-batch reruns, a RuntimeWarning says so), a worker joining (shards move to it), a corrupt shard,
-timeouts, and ``lik score --scheduler``. Clusters of 1 and 4 workers in threads check the ranking
+batch reruns, a RuntimeWarning says so), a worker restarted under its own address and
+``client.restart()`` mid-query (the batch reruns), a worker joining (shards move to it), threads
+sharing a corpus, a corrupt shard, timeouts, what close (or collection) leaves on the workers, and
+``lik score --scheduler``. Clusters of 1 and 4 workers in threads check the ranking
 and the stage times of a search, with the queries sent to each worker or copied on by Dask, and
 with merge tasks on the workers. GPU (marked ``gpu``; needs two GPUs and dask-cuda; uses up to
 four): the same checks on a ``LocalCUDACluster``, shards resident on the GPUs.
@@ -284,6 +286,29 @@ def test_one_and_four_workers_rank_identically_and_time_each_stage(corpus_files,
     assert len(stages["merge_tasks"]) == (2 if fan_in == 2 else 0)  # 4 rankings -> 2 merge tasks of 2
 
 
+def test_threads_sharing_a_corpus_each_get_their_own_exact_result(corpus, corpus_files, rng):
+    """Six threads at once, each a few searches (its own queries and k) and a score: every call
+    returns what the single-process call returns for its own arguments, and no Dask future
+    outlives the calls."""
+    parts = corpus_files[1]
+    calls = [_queries(rng, nq=2 + j) + (3 + 5 * j,) for j in range(6)]
+    want = [(retrieve(Q, parts, k, q_lengths=ql, backend="cpu"),
+             np.concatenate([maxsim_varlen(Q, t, o, q_lengths=ql, backend="cpu") for t, o in parts], axis=1))
+            for Q, ql, k in calls]
+
+    def work(j):
+        Q, ql, k = calls[j]
+        for _ in range(3):
+            _same(corpus.search(Q, k, q_lengths=ql), want[j][0])
+        np.testing.assert_array_equal(corpus.score(Q, q_lengths=ql).view(np.uint32), want[j][1].view(np.uint32))
+
+    run_threads(len(calls), work)
+    deadline = time.monotonic() + 30  # (a released future leaves the client on its event loop, soon after)
+    while corpus.client.futures:
+        assert time.monotonic() < deadline, f"futures outlived the calls: {sorted(corpus.client.futures)}"
+        time.sleep(0.05)
+
+
 def test_score_is_the_full_matrix(corpus, corpus_files, rng):
     Q, q_lengths = _queries(rng)
     expected = np.concatenate([maxsim_varlen(Q, t, o, q_lengths=q_lengths, backend="cpu") for t, o in corpus_files[1]],
@@ -363,6 +388,56 @@ def test_queries_in_the_other_byte_order_score_as_retrieve(corpus, corpus_files,
     np.testing.assert_array_equal(corpus.score(big[1]).view(np.uint32), corpus.score(Q[1]).view(np.uint32))
     with pytest.raises(TypeError, match="Q is float16 but the corpus holds float32"):
         corpus.search(Q.astype(">f2"), 5)
+
+
+def test_edge_inputs_give_the_single_process_result(corpus, client, corpus_files, tmp_path, rng):
+    """No queries, queries without tokens, k past the corpus and a corpus of empty shards each give
+    what retrieve and maxsim_varlen give in one process."""
+    parts = corpus_files[1]
+    for nq, lq in ((0, 6), (3, 0), (0, 0)):
+        Q = rng.standard_normal((nq, lq, DIM)).astype(np.float32)
+        _same(corpus.search(Q, 9), retrieve(Q, parts, 9, backend="cpu"))
+        assert corpus.score(Q).shape == (nq, corpus.num_docs)
+    _same(corpus.search(np.zeros((0, DIM), np.float32), 500), retrieve(np.zeros((0, DIM), np.float32), parts, 500,
+                                                                       backend="cpu"))
+    empty = [corpus_files[0][1], str(tmp_path / "empty")]
+    shards.write_shard(empty[1], np.zeros((0, DIM), np.float32), [0])
+    Q, q_lengths = _queries(rng)
+    with DistributedCorpus(client, empty, backend="cpu") as nothing:
+        _same(nothing.search(Q, 5, q_lengths=q_lengths), retrieve(Q, [parts[1], parts[1]], 5, q_lengths=q_lengths,
+                                                                   backend="cpu"))
+        assert nothing.num_docs == 0 and nothing.score(Q).shape == (Q.shape[0], 0)
+
+
+def test_shards_that_do_not_make_one_corpus_are_named_and_leave_nothing_on_the_workers(client, corpus_files, tmp_path,
+                                                                                       rng):
+    """Shards of other dims, of float and INT8 tokens, or of two float dtypes without dtype= are each
+    refused naming both shards; the workers keep nothing of the corpus that failed."""
+    from lik_cupy import quantize_int8
+
+    tok = rng.standard_normal((6, DIM)).astype(np.float32)
+    made = {}
+    for name, t, scales in (("wide", np.concatenate([tok, tok], axis=1), None), ("half", tok.astype(np.float16), None),
+                            ("int8", *quantize_int8(tok))):
+        made[name] = str(tmp_path / name)
+        shards.write_shard(made[name], t, [0, 2, 6], scales=scales)
+    first = corpus_files[0][0]
+
+    def corpora():  # the corpora each worker holds
+        return client.run(lambda dask_worker: sorted(n for n in dask_worker.plugins if n.startswith("lik-cupy-corpus-")))
+
+    before = corpora()
+    for paths, error, words in (
+            ([first, made["wide"]], ValueError, f"{made['wide']} has d={2 * DIM} but {first} has d={DIM}; every shard "
+                                                "needs the same embedding dim"),
+            ([first, made["int8"]], TypeError, f"{made['int8']} holds int8 tokens but {first} holds float32: a corpus "
+                                               "is all INT8 or all float"),
+            ([first, made["half"]], ValueError, f"{made['half']} holds float16 tokens but {first} holds float32; pass "
+                                                "dtype= to cast every shard"),
+            ([made["int8"]], ValueError, "dtype='float16' casts float shards, but the corpus is INT8")):
+        with pytest.raises(error, match=re.escape(words)):
+            DistributedCorpus(client, paths, backend="cpu", dtype="float16" if len(paths) == 1 else None)
+    assert corpora() == before
 
 
 def test_timeout_and_memory_fraction_are_checked_numbers(client, corpus_files):
