@@ -601,12 +601,13 @@ def test_a_worker_restarted_under_its_address_mid_call_reruns_the_call(corpus_fi
         stalled = str(tmp_path / "stalled")
         c.register_plugin(_once(stalled, "stall"), name="lik-test-once-stall")
 
-        def restart():
-            while not os.path.exists(stalled):
+        def restart():  # once the search task waits (bounded, daemon: a failed search leaves no thread behind)
+            deadline = time.monotonic() + 60
+            while not os.path.exists(stalled) and time.monotonic() < deadline:
                 time.sleep(0.05)
             c.restart()
 
-        t = threading.Thread(target=restart)
+        t = threading.Thread(target=restart, daemon=True)
         t.start()
         try:
             with pytest.warns(RuntimeWarning, match="the scheduler cancelled the tasks of a search .*Dask's reason: "
