@@ -38,7 +38,9 @@ imports Dask, this module does.
   shard piece.
 - **Faults.** While it waits, the client polls the scheduler's worker list. When a worker
   holding shards leaves mid-call, the call's tasks are dropped, the shards reload on the
-  remaining workers, the call runs again (still exact), and a RuntimeWarning says what happened.
+  remaining workers, the call runs again (still exact), and a RuntimeWarning says what happened;
+  so does a call whose tasks the scheduler cancelled with no worker missing (a worker restarted
+  under its own address, ``client.restart()``).
   An unreadable shard raises :class:`lik_cupy.ShardError` naming the file, and so does a shard
   that changed on disk since the corpus was built on it: every load compares the shard with the
   fingerprint taken then (``_Fingerprint``: counts, each file's size and modification time, a hash
@@ -60,6 +62,7 @@ import threading
 import time
 import uuid
 import warnings
+import weakref
 from collections import Counter, defaultdict, deque
 from dataclasses import dataclass
 
@@ -74,6 +77,7 @@ except ImportError as e:
 from . import _shard_format as fmt
 from . import shards
 from ._base.device import gpu_available
+from ._dispatch.backend import check_backend
 from ._ranking import merge_rankings
 from ._runtime.topk import MAX_K
 from ._streaming.gpu import outside_stacklevel
@@ -295,6 +299,10 @@ class _Store(distributed.WorkerPlugin):
 
     def setup(self, worker) -> None:
         self.resident: dict[int, _Resident] = {}
+        # Shards a move took to another worker. A task queued here before the move (another thread's
+        # call) scores such a shard from a copy of its own, released as it ends: kept, it would be a
+        # second copy the corpus does not know of, holding this worker's memory until close.
+        self.moved: set[int] = set()
         self.gpu_bytes = 0
         self.lock = threading.RLock()  # a worker with several threads may load and search at once
 
@@ -319,31 +327,49 @@ class _Store(distributed.WorkerPlugin):
 
     def get(self, index: int, ref: tuple) -> _Resident:
         """Shard ``index``, loaded first if this worker does not hold it (a worker restarted under
-        the same address comes back empty) from ``ref`` = (source, the fingerprint the corpus was
-        built on): a ShardError if the shard there changed since."""
+        the same address comes back empty), and kept: see :meth:`_open`."""
         with self.lock:
+            self.moved.discard(index)
             r = self.resident.get(index)
             if r is None:
-                source, built = ref
-                shard = shards.open_input(source[0], source[1], bf16_bits=self.bf16_bits)
-                now = _fingerprint(shard, source)
-                if now != built:
-                    raise shards.ShardError(source[0], f"changed since the DistributedCorpus was built on it "
-                                                       f"({now.changes(built)}); its ids would name other documents: "
-                                                       "build a new corpus to serve the new contents")
-                room = self.capacity() - self.gpu_bytes if self.gpu() else None
-                r = self.resident[index] = _make_resident(shard, self.dtype, room)
+                r = self.resident[index] = self._open(index, ref)
                 self.gpu_bytes += r.nbytes if r.where == "GPU" else 0
             return r
+
+    def _open(self, index: int, ref: tuple) -> _Resident:
+        """Shard ``index`` read from ``ref`` = (source, the fingerprint the corpus was built on): a
+        ShardError if the shard there changed since."""
+        source, built = ref
+        shard = shards.open_input(source[0], source[1], bf16_bits=self.bf16_bits)
+        now = _fingerprint(shard, source)
+        if now != built:
+            raise shards.ShardError(source[0], f"changed since the DistributedCorpus was built on it "
+                                               f"({now.changes(built)}); its ids would name other documents: "
+                                               "build a new corpus to serve the new contents")
+        room = self.capacity() - self.gpu_bytes if self.gpu() else None
+        return _make_resident(shard, self.dtype, room)
 
     @contextlib.contextmanager
     def holding(self, items):
         """The shards ``items`` = [(index, ref)] (:meth:`get`), none of them released while the caller
         uses them: one dropped meanwhile (a move's ``_drop``, on another of the worker's threads) is
         released as the last task using it ends (released at once, it would leave such a task an
-        emptied shard, or page-locked memory unlocked under its copies)."""
+        emptied shard, or page-locked memory unlocked under its copies). A shard moved away before
+        the task began is read into a copy of the task's own (``moved``), released the same way."""
         with self.lock:
-            held = [self.get(index, ref) for index, ref in items]
+            held = []
+            try:
+                for index, ref in items:
+                    if index in self.moved and index not in self.resident:
+                        held.append(self._open(index, ref))
+                        held[-1].dropped = True
+                    else:
+                        held.append(self.get(index, ref))
+            except BaseException:  # (a shard that failed to load): the copies read for this task go
+                for r in held:
+                    if r.dropped:
+                        r.release()
+                raise
             for r in held:
                 r.users += 1
         try:
@@ -355,10 +381,13 @@ class _Store(distributed.WorkerPlugin):
                     if r.dropped and not r.users:
                         r.release()
 
-    def drop(self, indices) -> None:
+    def drop(self, indices, moved: bool = False) -> None:
+        """Release shards ``indices`` (``moved``: a move took them to another worker)."""
         with self.lock:
             for i in indices:
                 r = self.resident.pop(i, None)
+                if moved:
+                    self.moved.add(i)
                 if r is not None:
                     self.gpu_bytes -= r.nbytes if r.where == "GPU" else 0
                     if r.users:
@@ -395,7 +424,8 @@ def _load(name: str, work: list[tuple[int, tuple]]) -> list[tuple[int, str]]:
 
 
 def _drop(name: str, indices: list[int]) -> None:
-    _store(name).drop(indices)
+    """Drop the old copies of shards a move loaded on another worker."""
+    _store(name).drop(indices, moved=True)
 
 
 def _top_k(name: str, query: tuple, k: int, work: list[tuple[int, int, tuple]]):
@@ -452,6 +482,18 @@ class _Departed(Exception):
     """Workers that a pending call depends on left the cluster (the message lists them)."""
 
 
+class _Cancelled(_Departed):
+    """The scheduler cancelled a pending call's tasks, no worker it depends on missing: a worker
+    restarted under its own address (its copy of the queries gone with its process), or
+    ``client.restart()``. The message is Dask's reason. Like a departure, the call runs again."""
+
+
+def _cancelled(error: Exception) -> _Cancelled:
+    """The _Cancelled of Dask's CancelledError ``error``, with the scheduler's reason (which its
+    FutureCancelledError carries)."""
+    return _Cancelled(getattr(error, "reason", None) or str(error) or "no reason given")
+
+
 class _GaveUp(Exception):
     """A call's ``give_up`` said to stop waiting for it."""
 
@@ -470,6 +512,24 @@ def _source(s, i: int) -> tuple[str, str | None]:
         return os.path.abspath(s[0]), None if s[1] is None else os.path.abspath(s[1])
     raise TypeError(f"shard_paths[{i}] must be a path (a shard directory, or a padded [N, L, d] .npy) or a "
                     f"(.npy path, lengths path) tuple; got {s!r}")
+
+
+def _abandoned(client, name: str) -> None:
+    """The finalizer of a corpus collected without close(): a ResourceWarning, as an unclosed file
+    gives, and the corpus's plugin (with it every worker's shards) removed without waiting for
+    the scheduler, since a finalizer may run on any thread, the client's event loop's too."""
+    warnings.warn(f"lik_cupy.distributed: a DistributedCorpus ({name}) was garbage-collected without close(); its "
+                  "shards are dropped from the workers now. Call close() (or use a with block) to free them when "
+                  "you are done", ResourceWarning, stacklevel=2)
+    if client.status != "running":  # closed, or without its scheduler: nothing can reach the workers
+        return
+
+    async def unregister():
+        with contextlib.suppress(Exception):  # the cluster went away meanwhile: nothing to drop
+            await client.scheduler.unregister_worker_plugin(name=name)
+
+    with contextlib.suppress(Exception):  # (a loop closing as the client does)
+        client.loop.add_callback(unregister)
 
 
 class DistributedCorpus:
@@ -499,12 +559,14 @@ class DistributedCorpus:
         TimeoutError: no worker joined, or loading did not finish, within ``timeout``.
         ConnectionError: ``client`` is closed (here or in any later call).
 
-    The corpus holds the workers' memory until :meth:`close` (or the end of a ``with`` block).
+    The corpus holds the workers' memory until :meth:`close` (or the end of a ``with`` block); one
+    garbage-collected without it drops its shards too, with a ResourceWarning.
 
     Threads may share it: their :meth:`search` and :meth:`score` calls run side by side (a worker
     with several threads runs their tasks at once, and a shard a move drops meanwhile stays until
-    the tasks using it end); re-placing shards after workers left or joined goes one call at a
-    time. ``last_search`` is then the stages of whichever search ended last.
+    the tasks using it end; a task queued before the move reads it into a copy of its own, released
+    as it ends); re-placing shards after workers left or joined goes one call at a time.
+    ``last_search`` is then the stages of whichever search ended last.
 
     After each :meth:`search`, ``last_search`` holds where that batch's time went (seconds; the
     stages of the last attempt when workers left mid-call):
@@ -539,10 +601,11 @@ class DistributedCorpus:
             raise TypeError(f"device_memory_fraction must be a number in (0, 1], got {device_memory_fraction!r}")
         if not 0 < device_memory_fraction <= 1:
             raise ValueError(f"device_memory_fraction must be in (0, 1], got {device_memory_fraction!r}")
-        if dtype is not None and dtype not in fmt.DTYPES:
+        if isinstance(dtype, np.dtype):  # (its name: the workers cast to it, messages and repr show it)
+            dtype = dtype.name
+        if dtype is not None and not (isinstance(dtype, str) and dtype in fmt.DTYPES):  # (an array of names is no name)
             raise ValueError(f"dtype must be None or one of {', '.join(fmt.DTYPES)}, got {dtype!r}")
-        if backend not in ("auto", "gpu", "cpu"):
-            raise ValueError(f"backend must be 'auto', 'gpu' or 'cpu', got {backend!r}")
+        check_backend(backend)  # retrieve's check and words, here before any worker is asked
         if not _is_number(timeout):
             raise TypeError(f"timeout must be a number of seconds, got {timeout!r}")
         if not 0 < timeout <= threading.TIMEOUT_MAX:  # what a thread's join takes: it is how calls are bounded
@@ -569,6 +632,10 @@ class DistributedCorpus:
         self._call("registering the corpus with the workers", client.register_plugin,
                    _Store(float(device_memory_fraction), backend, dtype, bf16_bits), name=self._name)
         self._closed = False
+        # Collected without close(): the shards are dropped all the same (not at interpreter exit,
+        # when the client's event loop may already be gone)
+        self._finalizer = weakref.finalize(self, _abandoned, client, self._name)
+        self._finalizer.atexit = False
         try:
             infos = self._results([client.submit(_describe, s, bf16_bits, pure=False, key=f"lik-cupy-describe-{i}-"
                                                  f"{uuid.uuid4().hex[:8]}") for i, s in enumerate(self._sources)],
@@ -670,6 +737,7 @@ class DistributedCorpus:
         if self._closed:
             return
         self._closed = True
+        self._finalizer.detach()
         if self.client.status not in ("running", "connecting"):  # closed: no call can reach the workers
             if warn:
                 self._not_dropped(f"the Dask client is closed (status {self.client.status!r}); the scheduler at "
@@ -748,6 +816,8 @@ class DistributedCorpus:
         if Q.ndim not in (2, 3) or Q.shape[-1] != self.dim:
             raise ValueError(f"Q must be [Nq, Lq, d] or [Lq, d] with d={self.dim} (the corpus's dim); got shape "
                              f"{list(Q.shape)}")
+        if not Q.dtype.isnative:  # retrieve takes the other byte order too: the same values, in native order
+            Q = Q.astype(Q.dtype.newbyteorder("="))
         if self.dtype == fmt.INT8:
             if Q.dtype.kind != "f" and Q.dtype.name != "bfloat16":
                 raise TypeError(f"Q must hold float tokens (quantized on the workers) for an INT8 corpus; got "
@@ -829,7 +899,8 @@ class DistributedCorpus:
         """The done futures, once all (or, with ``any_done``, at least one) of ``futures`` are done.
 
         Raises the first failed task's own error; _Departed when one of ``workers`` (those the
-        pending tasks are pinned to) left; TimeoutError when nothing finished within ``timeout``.
+        pending tasks are pinned to) left, or the scheduler cancelled a task (_Cancelled);
+        TimeoutError when nothing finished within ``timeout``.
         """
         deadline = time.monotonic() + self.timeout
         while True:
@@ -852,7 +923,15 @@ class DistributedCorpus:
                 gone = workers - self._live()
                 if gone:  # the scheduler forgot the tasks that needed the queries a departed worker held
                     raise _Departed(", ".join(sorted(gone)))
-                failed[0].result()  # raises the task's exception (ShardError, ValueError, ...)
+                for f in failed:
+                    if f.status == "error":
+                        f.result()  # raises the task's exception (ShardError, ValueError, ...)
+                # Cancelled, every worker there: one restarted under its address (its process, its
+                # copy of the queries and its shards gone), or the scheduler restarted
+                try:
+                    failed[0].result()
+                except distributed.CancelledError as e:
+                    raise _cancelled(e) from None
             done = {f for f in futures if f.status == "finished"}
             if len(done) == len(futures) or (any_done and done):
                 return done
@@ -869,30 +948,48 @@ class DistributedCorpus:
     def _fetch(self, what: str, workers: set[str], fn, *args, **kwargs):
         """``self._call(what, fn, ...)`` for a fetch of finished tasks' results from ``workers``: a
         worker that left after its task finished took the result (and, for a task that needed the
-        shipped queries, the scheduler forgot it): then ``_Departed``, so the call runs again."""
+        shipped queries, the scheduler forgot it): then ``_Departed``, so the call runs again; so
+        does a result the scheduler cancelled meanwhile (``_Cancelled``: see ``_wait``)."""
         try:
             return self._call(what, fn, *args, **kwargs)
         except TimeoutError:  # (an OSError too) the scheduler did not answer: as it is
             raise
-        except (distributed.CancelledError, OSError):
+        except (distributed.CancelledError, OSError) as e:
             gone = workers - self._live()
             if gone:
                 raise _Departed(", ".join(sorted(gone))) from None
+            if isinstance(e, distributed.CancelledError):
+                raise _cancelled(e) from None
             raise
 
     def _rerun(self, during: str, run):
-        """``run()``, again after re-placing shards whenever workers left while it ran."""
-        context = "since the last call"
+        """``run()``, again after re-placing shards whenever workers left while it ran, or the
+        scheduler cancelled its tasks (then with a RuntimeWarning saying why)."""
+        context, cancelled = "since the last call", []
         for _ in range(_ATTEMPTS):
             t0 = time.perf_counter()
             self._ready(context)
             self._ready_s = time.perf_counter() - t0  # the search's stage times report it
             try:
-                return run()
+                result = run()
+            except _Cancelled as e:
+                cancelled.append(str(e))
+                context = f"{during}, which then ran again"
+                continue
             except _Departed:
                 context = f"{during}, which then ran again"
-        raise RuntimeError(f"lik_cupy.distributed: workers left {during} {_ATTEMPTS} times in a row; the cluster is "
-                           "losing workers faster than the shards reload")
+                continue
+            if cancelled:
+                what = during.removeprefix("during ").removeprefix("while ")
+                warnings.warn(f"lik_cupy.distributed: the scheduler cancelled the tasks of {what} though no worker "
+                              f"they needed was missing (Dask's reason: {'; '.join(dict.fromkeys(cancelled))}), as "
+                              "it does when a worker restarts under its own address or the cluster restarts; the "
+                              "call then ran again. The results are exact", RuntimeWarning,
+                              stacklevel=outside_stacklevel())
+            return result
+        why = f" (tasks cancelled: {'; '.join(dict.fromkeys(cancelled))})" if cancelled else ""
+        raise RuntimeError(f"lik_cupy.distributed: workers left or restarted {during} {_ATTEMPTS} times in a "
+                           f"row{why}; the cluster is losing workers faster than the shards reload")
 
     # ------------------------------------------------------------ placement
 

@@ -2,8 +2,10 @@
 
 CPU (CI): one module-wide ``LocalCluster`` of two worker processes on the NumPy path. Covers
 ties, NaN and empty documents, a worker killed in the middle of a query (its shards reload, the
-batch reruns, a RuntimeWarning says so), a worker joining (shards move to it), a corrupt shard,
-timeouts, and ``lik score --scheduler``. Clusters of 1 and 4 workers in threads check the ranking
+batch reruns, a RuntimeWarning says so), a worker restarted under its own address and
+``client.restart()`` mid-query (the batch reruns), a worker joining (shards move to it), threads
+sharing a corpus, a corrupt shard, timeouts, what close (or collection) leaves on the workers, and
+``lik score --scheduler``. Clusters of 1 and 4 workers in threads check the ranking
 and the stage times of a search, with the queries sent to each worker or copied on by Dask, and
 with merge tasks on the workers. GPU (marked ``gpu``; needs two GPUs and dask-cuda; uses up to
 four): the same checks on a ``LocalCUDACluster``, shards resident on the GPUs.
@@ -165,6 +167,41 @@ def test_a_shard_dropped_while_a_search_uses_it_is_released_when_the_search_ends
     assert all(r.part == () for r in held)  # released as the task ended
 
 
+def test_a_search_queued_before_a_move_does_not_load_the_moved_shard_back_for_good(tmp_path, rng, monkeypatch):
+    """Threads: one thread's search task was queued on the worker a shard then moved away from (another
+    thread's call re-placed it, and the move's _drop landed first). The task loaded the shard again and
+    the worker kept it for good, a second copy the corpus did not know of (its memory never handed
+    back until close). The task now scores such a shard from a copy released as it ends."""
+    import lik_cupy.distributed as dist
+
+    paths, parts = _make_corpus(tmp_path, rng)
+    store = dist._Store(1.0, "cpu", None, False)
+    store.setup(None)
+    monkeypatch.setattr(dist, "_store", lambda name: store)
+    monkeypatch.setattr(distributed, "get_worker", lambda: dataclasses.make_dataclass("W", ["address"])("w"))
+    refs = [((p, None), dist._describe((p, None), False).fingerprint) for p in paths]
+    assert dist._load("corpus", [(0, refs[0]), (2, refs[2])]) == [(0, "host memory"), (2, "host memory")]
+    dist._drop("corpus", [0])  # shard 0 moved to another worker
+    Q, q_lengths = _queries(rng)
+    got = dist._top_k("corpus", (Q, q_lengths), 7, [(0, 0, refs[0]), (2, 23, refs[2])])
+    _same(got[:2], retrieve(Q, [parts[0], parts[2]], 7, q_lengths=q_lengths, backend="cpu"))
+    assert sorted(store.resident) == [2]
+    S = dist._piece("corpus", (Q, q_lengths), 0, refs[0], 3, 9)
+    np.testing.assert_array_equal(S, maxsim_varlen(Q, *parts[0], q_lengths=q_lengths, backend="cpu")[:, 3:9])
+    assert sorted(store.resident) == [2]
+    made, make = [], dist._make_resident  # a task whose other shard fails to load: its copy released too
+    monkeypatch.setattr(dist, "_make_resident", lambda *args: made.append(make(*args)) or made[-1])
+    with pytest.raises(ShardError, match="changed since the DistributedCorpus was built on it"):
+        dist._top_k("corpus", (Q, q_lengths), 7, [(0, 0, refs[0]), (3, 32, (refs[3][0], refs[2][1]))])
+    assert len(made) == 1 and made[0].part == () and sorted(store.resident) == [2]
+    dist._load("corpus", [(0, refs[0])])  # moved back here: held again
+    assert sorted(store.resident) == [0, 2]
+    # A worker restarted empty (a store set up afresh) still loads what its tasks ask for, and keeps it.
+    store.setup(None)
+    dist._top_k("corpus", (Q, q_lengths), 7, [(0, 0, refs[0])])
+    assert sorted(store.resident) == [0]
+
+
 # --------------------------------------------------------------------------- CPU cluster
 
 
@@ -249,6 +286,29 @@ def test_one_and_four_workers_rank_identically_and_time_each_stage(corpus_files,
     assert len(stages["merge_tasks"]) == (2 if fan_in == 2 else 0)  # 4 rankings -> 2 merge tasks of 2
 
 
+def test_threads_sharing_a_corpus_each_get_their_own_exact_result(corpus, corpus_files, rng):
+    """Six threads at once, each a few searches (its own queries and k) and a score: every call
+    returns what the single-process call returns for its own arguments, and no Dask future
+    outlives the calls."""
+    parts = corpus_files[1]
+    calls = [_queries(rng, nq=2 + j) + (3 + 5 * j,) for j in range(6)]
+    want = [(retrieve(Q, parts, k, q_lengths=ql, backend="cpu"),
+             np.concatenate([maxsim_varlen(Q, t, o, q_lengths=ql, backend="cpu") for t, o in parts], axis=1))
+            for Q, ql, k in calls]
+
+    def work(j):
+        Q, ql, k = calls[j]
+        for _ in range(3):
+            _same(corpus.search(Q, k, q_lengths=ql), want[j][0])
+        np.testing.assert_array_equal(corpus.score(Q, q_lengths=ql).view(np.uint32), want[j][1].view(np.uint32))
+
+    run_threads(len(calls), work)
+    deadline = time.monotonic() + 30  # (a released future leaves the client on its event loop, soon after)
+    while corpus.client.futures:
+        assert time.monotonic() < deadline, f"futures outlived the calls: {sorted(corpus.client.futures)}"
+        time.sleep(0.05)
+
+
 def test_score_is_the_full_matrix(corpus, corpus_files, rng):
     Q, q_lengths = _queries(rng)
     expected = np.concatenate([maxsim_varlen(Q, t, o, q_lengths=q_lengths, backend="cpu") for t, o in corpus_files[1]],
@@ -296,6 +356,88 @@ def test_bad_queries_are_refused_on_the_client(corpus, rng):
         corpus.search(Q[..., :3].copy(), 5)
     with pytest.raises(TypeError, match="Q is float16 but the corpus holds float32"):
         corpus.search(Q.astype(np.float16), 5)
+
+
+def test_backend_and_dtype_are_checked_as_the_single_process_call_checks_them(client, corpus_files):
+    """backend (and dtype) went through a membership test of a tuple: a NumPy array of names failed
+    with NumPy's 'The truth value of an array with more than one element is ambiguous', where
+    retrieve names the argument (lik_cupy._dispatch.backend.check_backend, the one check every
+    public function shares). Now the same check and words; a NumPy dtype still means its name."""
+    paths = corpus_files[0][:2]
+    for bad in (np.array(["cpu", "gpu"]), ("cpu",), ["cpu"], None, "CPU"):
+        with pytest.raises(ValueError, match=re.escape(f"backend must be one of ('auto', 'gpu', 'cpu'), got {bad!r}")):
+            retrieve(np.zeros((1, DIM), np.float32), [corpus_files[1][0]], 1, backend=bad)
+        with pytest.raises(ValueError, match=re.escape(f"backend must be one of ('auto', 'gpu', 'cpu'), got {bad!r}")):
+            DistributedCorpus(client, paths, backend=bad)
+    for bad in (np.array(["float16", "float32"]), ("float16",), np.float16, "f2"):
+        with pytest.raises(ValueError, match=re.escape(f"dtype must be None or one of float16, float32, bfloat16, got "
+                                                       f"{bad!r}")):
+            DistributedCorpus(client, paths, backend="cpu", dtype=bad)
+    with DistributedCorpus(client, paths, backend="cpu", dtype=np.dtype("float16")) as corpus:
+        assert corpus.dtype == "float16" and isinstance(corpus.dtype, str)
+
+
+def test_queries_in_the_other_byte_order_score_as_retrieve(corpus, corpus_files, rng):
+    """retrieve takes big-endian float32 queries; the corpus refused them with 'Q is >f4 but the
+    corpus holds float32'. They are now the same queries, in native order, bit for bit."""
+    Q, q_lengths = _queries(rng)
+    big = Q.astype(Q.dtype.newbyteorder(">"))
+    want = retrieve(big, corpus_files[1], 7, q_lengths=q_lengths, backend="cpu")
+    _same(want, retrieve(Q, corpus_files[1], 7, q_lengths=q_lengths, backend="cpu"))
+    _same(corpus.search(big, 7, q_lengths=q_lengths), want)
+    np.testing.assert_array_equal(corpus.score(big[1]).view(np.uint32), corpus.score(Q[1]).view(np.uint32))
+    with pytest.raises(TypeError, match="Q is float16 but the corpus holds float32"):
+        corpus.search(Q.astype(">f2"), 5)
+
+
+def test_edge_inputs_give_the_single_process_result(corpus, client, corpus_files, tmp_path, rng):
+    """No queries, queries without tokens, k past the corpus and a corpus of empty shards each give
+    what retrieve and maxsim_varlen give in one process."""
+    parts = corpus_files[1]
+    for nq, lq in ((0, 6), (3, 0), (0, 0)):
+        Q = rng.standard_normal((nq, lq, DIM)).astype(np.float32)
+        _same(corpus.search(Q, 9), retrieve(Q, parts, 9, backend="cpu"))
+        assert corpus.score(Q).shape == (nq, corpus.num_docs)
+    _same(corpus.search(np.zeros((0, DIM), np.float32), 500), retrieve(np.zeros((0, DIM), np.float32), parts, 500,
+                                                                       backend="cpu"))
+    empty = [corpus_files[0][1], str(tmp_path / "empty")]
+    shards.write_shard(empty[1], np.zeros((0, DIM), np.float32), [0])
+    Q, q_lengths = _queries(rng)
+    with DistributedCorpus(client, empty, backend="cpu") as nothing:
+        _same(nothing.search(Q, 5, q_lengths=q_lengths), retrieve(Q, [parts[1], parts[1]], 5, q_lengths=q_lengths,
+                                                                   backend="cpu"))
+        assert nothing.num_docs == 0 and nothing.score(Q).shape == (Q.shape[0], 0)
+
+
+def test_shards_that_do_not_make_one_corpus_are_named_and_leave_nothing_on_the_workers(client, corpus_files, tmp_path,
+                                                                                       rng):
+    """Shards of other dims, of float and INT8 tokens, or of two float dtypes without dtype= are each
+    refused naming both shards; the workers keep nothing of the corpus that failed."""
+    from lik_cupy import quantize_int8
+
+    tok = rng.standard_normal((6, DIM)).astype(np.float32)
+    made = {}
+    for name, t, scales in (("wide", np.concatenate([tok, tok], axis=1), None), ("half", tok.astype(np.float16), None),
+                            ("int8", *quantize_int8(tok))):
+        made[name] = str(tmp_path / name)
+        shards.write_shard(made[name], t, [0, 2, 6], scales=scales)
+    first = corpus_files[0][0]
+
+    def corpora():  # the corpora each worker holds
+        return client.run(lambda dask_worker: sorted(n for n in dask_worker.plugins if n.startswith("lik-cupy-corpus-")))
+
+    before = corpora()
+    for paths, error, words in (
+            ([first, made["wide"]], ValueError, f"{made['wide']} has d={2 * DIM} but {first} has d={DIM}; every shard "
+                                                "needs the same embedding dim"),
+            ([first, made["int8"]], TypeError, f"{made['int8']} holds int8 tokens but {first} holds float32: a corpus "
+                                               "is all INT8 or all float"),
+            ([first, made["half"]], ValueError, f"{made['half']} holds float16 tokens but {first} holds float32; pass "
+                                                "dtype= to cast every shard"),
+            ([made["int8"]], ValueError, "dtype='float16' casts float shards, but the corpus is INT8")):
+        with pytest.raises(error, match=re.escape(words)):
+            DistributedCorpus(client, paths, backend="cpu", dtype="float16" if len(paths) == 1 else None)
+    assert corpora() == before
 
 
 def test_timeout_and_memory_fraction_are_checked_numbers(client, corpus_files):
@@ -430,12 +572,84 @@ def test_a_worker_killed_mid_query_reloads_its_shards_and_the_query_reruns(clien
         assert {w for w, _ in corpus.placement.values()} == set(client.nthreads())
 
 
+def test_a_worker_restarted_under_its_address_mid_call_reruns_the_call(corpus_files, tmp_path, rng):
+    """A worker whose nanny restarts it under the same address (a fixed --worker-port) mid-search,
+    and a client.restart() mid-search: the scheduler cancels the call's tasks ('already forgotten',
+    'scheduler-restart') while no worker it knew of is missing, and Dask's FutureCancelledError
+    escaped the call. The call now runs again, exact, with a RuntimeWarning saying why."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    Q, q_lengths = _queries(rng)
+    expected = retrieve(Q, corpus_files[1], 11, q_lengths=q_lengths, backend="cpu")
+    with distributed.LocalCluster(n_workers=1, processes=True, threads_per_worker=1, host="127.0.0.1",
+                                  worker_port=port, dashboard_address=":0", silence_logs=logging.CRITICAL) as cluster, \
+            distributed.Client(cluster) as c, \
+            DistributedCorpus(c, corpus_files[0], backend="cpu", timeout=60) as corpus:
+        [address] = c.nthreads()
+        killed = str(tmp_path / "killed")
+        c.register_plugin(_once(killed, "kill"), name="lik-test-once-kill")
+        with pytest.warns(RuntimeWarning, match="the scheduler cancelled the tasks of a search though no worker they "
+                                                "needed was missing .Dask's reason: [^)]*already forgotten.*the call "
+                                                "then ran again"):
+            _same(corpus.search(Q, 11, q_lengths=q_lengths), expected)
+        assert os.path.exists(killed) and list(c.nthreads()) == [address]  # the same address, a new process
+        c.unregister_worker_plugin("lik-test-once-kill")
+
+        stalled = str(tmp_path / "stalled")
+        c.register_plugin(_once(stalled, "stall"), name="lik-test-once-stall")
+
+        def restart():  # once the search task waits (bounded, daemon: a failed search leaves no thread behind)
+            deadline = time.monotonic() + 60
+            while not os.path.exists(stalled) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            c.restart()
+
+        t = threading.Thread(target=restart, daemon=True)
+        t.start()
+        try:
+            with pytest.warns(RuntimeWarning, match="the scheduler cancelled the tasks of a search .*Dask's reason: "
+                                                    "[^)]*scheduler-restart"):
+                _same(corpus.search(Q, 11, q_lengths=q_lengths), expected)
+        finally:
+            t.join(60)
+
+
+def _once(marker: str, action: str):
+    """A worker plugin: the first search task on any of the cluster's worker processes (the one that
+    creates the file ``marker``) ends its process ("kill") or sleeps until something ends it
+    ("stall"). It wraps the workers' ``retrieve``, so the task, not the worker's event loop, waits."""
+
+    class Once(distributed.WorkerPlugin):
+        def setup(self, worker):
+            import lik_cupy.distributed as dist
+
+            real = dist.retrieve
+
+            def retrieve(*args, **kwargs):
+                try:
+                    os.close(os.open(marker, os.O_CREAT | os.O_EXCL))
+                except FileExistsError:
+                    return real(*args, **kwargs)
+                if action == "kill":
+                    os._exit(1)
+                time.sleep(60)
+                return real(*args, **kwargs)
+
+            dist.retrieve = retrieve
+
+    return Once()
+
+
 def test_a_result_lost_with_its_worker_after_the_task_finished_reruns(corpus, monkeypatch):
     """A worker that left after its task finished, before its result was fetched: the fetch raised
-    Dask's FutureCancelledError out of the call. It is a departure now (the call runs again)."""
+    Dask's FutureCancelledError out of the call. It is a departure now (the call runs again); with
+    every worker still there (one restarted under its address), a cancellation, which reruns too."""
     from distributed.client import FutureCancelledError
 
-    from lik_cupy.distributed import _Departed
+    from lik_cupy.distributed import _Cancelled, _Departed
 
     def lost():
         raise FutureCancelledError("lik-cupy-top-k-x", reason="already forgotten")
@@ -447,8 +661,22 @@ def test_a_result_lost_with_its_worker_after_the_task_finished_reruns(corpus, mo
     with pytest.raises(_Departed, match=w):
         corpus._fetch("fetching", {w}, lost)
     monkeypatch.setattr(corpus, "_live", lambda: _client_workers(corpus) | {w})
-    with pytest.raises(FutureCancelledError):  # every worker still there: the error as it is
+    with pytest.raises(_Cancelled, match="already forgotten"):
         corpus._fetch("fetching", {w}, lost)
+
+    def refused():
+        raise ConnectionRefusedError("no worker here")
+
+    with pytest.raises(ConnectionRefusedError):  # any other error, every worker there: as it is
+        corpus._fetch("fetching", {w}, refused)
+
+    def cancelled():
+        raise _Cancelled("scheduler-restart")
+
+    monkeypatch.setattr(corpus, "_ready", lambda context: None)
+    with pytest.raises(RuntimeError, match=r"workers left or restarted during a search 4 times in a row \(tasks "
+                                           r"cancelled: scheduler-restart\); the cluster is losing workers"):
+        corpus._rerun("during a search", cancelled)
 
 
 def _client_workers(corpus) -> set[str]:
@@ -585,6 +813,47 @@ def _lengths_file(root, lengths):
 def _held(client, name: str) -> dict[str, bool]:
     """Whether each worker holds the corpus ``name`` (its plugin)."""
     return client.run(lambda dask_worker, name=name: name in dask_worker.plugins)
+
+
+def test_close_releases_the_workers_shards_and_a_collected_corpus_drops_them_too(client, corpus_files):
+    """close() releases every shard's arrays on the workers (a second close does nothing). A corpus
+    dropped without close() (no with block; a notebook's variable reassigned) left its plugin and
+    every shard resident on the workers for the cluster's life. Collected, it now drops them, without
+    waiting (a finalizer may run on any thread), with a ResourceWarning as an unclosed file gives."""
+    import gc
+
+    def watch(dask_worker, name):  # weak references to the worker's resident tokens
+        import weakref
+
+        dask_worker._lik_test_refs = [weakref.ref(r.part[0]) for r in dask_worker.plugins[name].resident.values()]
+        return len(dask_worker._lik_test_refs)
+
+    def alive(dask_worker):
+        import gc
+
+        gc.collect()
+        return sum(ref() is not None for ref in dask_worker._lik_test_refs)
+
+    def released(name):
+        deadline = time.monotonic() + 30
+        while any(_held(client, name).values()) or any(client.run(alive).values()):
+            assert time.monotonic() < deadline, "the corpus's shards stayed on the workers"
+            time.sleep(0.05)
+
+    corpus = DistributedCorpus(client, corpus_files[0], backend="cpu")
+    assert sum(client.run(watch, name=corpus._name).values()) == len(corpus_files[0])
+    corpus.close()
+    assert not any(_held(client, corpus._name).values()) and not any(client.run(alive).values())
+    corpus.close()
+
+    corpus = DistributedCorpus(client, corpus_files[0], backend="cpu")
+    name = corpus._name
+    assert sum(client.run(watch, name=name).values()) == len(corpus_files[0])
+    with pytest.warns(ResourceWarning, match=rf"a DistributedCorpus \({name}\) was garbage-collected without "
+                                             r"close\(\)"):
+        del corpus
+        gc.collect()
+    released(name)
 
 
 @pytest.mark.parametrize("how", ["closed", "killed"])
