@@ -514,6 +514,29 @@ class _FailsOnNaN(lik_cupy.Corpus):
         return super().score(Q, *args, **kwargs)
 
 
+def test_an_answer_is_freed_once_its_caller_lets_it_go(corpus):
+    """A queued request and its future referred to each other (its cancellation callback), and the
+    worker kept its last batch while it waited for the next: an answer stayed in memory after it
+    was sent (189 MB for a large score) until the garbage collector's next full pass. With the
+    collector off, it is freed once its caller lets it go."""
+    import gc
+    import weakref
+
+    q = _queries(np.random.default_rng(19), 3)
+    with Batcher(corpus) as b:
+        gc.disable()
+        try:
+            future = b.submit("score", q[0])
+            ref = weakref.ref(future.result(60))
+            del future
+            until = time.monotonic() + 10
+            while ref() is not None and time.monotonic() < until:  # (until the worker has gone back to wait)
+                time.sleep(0.01)
+            assert ref() is None
+        finally:
+            gc.enable()
+
+
 def test_a_failing_call_fails_only_the_request_at_fault():
     rng = np.random.default_rng(10)
     docs = np.concatenate(_docs(rng, 20))
