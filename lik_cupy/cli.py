@@ -22,6 +22,7 @@ import functools
 import importlib
 import io
 import json
+import math
 import os
 import platform
 import signal
@@ -1402,6 +1403,13 @@ def _serve_devices(text: str) -> list:
     return devices
 
 
+def _seconds(ctx, param, value: float) -> float:
+    """A --...-timeout of ``lik serve``: a positive, finite number of seconds (click's range lets nan and inf by)."""
+    if not 0 < value < math.inf:
+        raise click.BadParameter(f"expected a positive number of seconds, got {value}")
+    return value
+
+
 @main.command(
     "serve",
     help="Serve MaxSim with the Open Inference Protocol (KServe v2) over HTTP, and over gRPC with "
@@ -1409,7 +1417,8 @@ def _serve_devices(text: str) -> list:
     "and score (Q -> SCORES) over the documents of SHARD..., kept resident (a replica per device, "
     "requests routed to the least loaded; or split over the GPUs, --partition). Concurrent requests are batched into multi-query calls; "
     "each caller gets its own rows. /v2/health/ready turns 200 once the corpus is resident "
-    "and warm; /metrics is Prometheus. A full queue answers 503 with Retry-After; SIGTERM or Ctrl-C "
+    "and warm; /metrics is Prometheus. A full queue answers 503 with Retry-After; a request sent too slowly "
+    "(--header-timeout, --body-timeout, --body-min-rate), 408; SIGTERM or Ctrl-C "
     "answers every accepted request, then stops. Needs the [serve] extra; see docs/serving.md.\n\n\b\nExample:\n"
     "  lik serve examples/shard0 examples/shard1 --port 8000 --max-delay-us 200\n",
     context_settings=_CONTEXT,
@@ -1437,10 +1446,22 @@ def _serve_devices(text: str) -> list:
 @click.option("--processes", type=click.IntRange(1), default=1, show_default=True,
               help="Server processes on the one port, each with replicas of its own on the --devices (one "
               "process's Python answers about 2,000 requests a second).")
+@click.option("--header-timeout", type=float, default=10.0, show_default=True, callback=_seconds, metavar="SECONDS",
+              help="A request's headers must all arrive within this long of the connection opening or of the "
+              "previous answer, else the connection closes (with a 408 where part of a request had arrived); and "
+              "take at most 64 KiB (431). A gRPC connection must begin HTTP/2 within it.")
+@click.option("--body-timeout", type=float, default=30.0, show_default=True, callback=_seconds, metavar="SECONDS",
+              help="The longest wait for more of a request's body (408 past it, the connection closed, what it held "
+              "of the server's budget given back), or for a client to take more of a large answer (the connection "
+              "dropped). A gRPC message, whose progress grpc core does not show, must arrive within the time the "
+              "largest takes at --body-min-rate, this long at least (DEADLINE_EXCEEDED).")
+@click.option("--body-min-rate", type=click.IntRange(0), default=1 << 20, show_default=True, metavar="BYTES",
+              help="Bytes a second a request's body, or a large answer, must average once it has taken --body-timeout "
+              "(0: any rate).")
 @click.option("--debug", is_flag=True, help="Show a traceback on errors.")
 @_cli_errors
 def _serve_command(paths, host, port, grpc_port, devices, partition, max_batch, max_tokens, max_delay_us, max_queue,
-                   processes, debug):
+                   processes, header_timeout, body_timeout, body_min_rate, debug):
     devices = None if devices is None else _serve_devices(devices)  # a usage error, before the extras are looked for
     try:
         from lik_cupy.serving.http import serve
@@ -1454,7 +1475,8 @@ def _serve_command(paths, host, port, grpc_port, devices, partition, max_batch, 
                            f"needs the [serve-grpc] extra (pip install 'lik-cupy[serve-grpc]'): {e}") from None
     serve(list(paths), host=host, port=port, grpc_port=grpc_port,
           devices=devices, partition=partition, max_batch=max_batch, max_tokens=max_tokens,
-          max_delay_us=max_delay_us, max_queue=max_queue, processes=processes)
+          max_delay_us=max_delay_us, max_queue=max_queue, processes=processes, header_timeout=header_timeout,
+          body_timeout=body_timeout, body_min_rate=body_min_rate)
 
 
 if __name__ == "__main__":

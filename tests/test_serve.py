@@ -514,6 +514,29 @@ class _FailsOnNaN(lik_cupy.Corpus):
         return super().score(Q, *args, **kwargs)
 
 
+def test_an_answer_is_freed_once_its_caller_lets_it_go(corpus):
+    """A queued request and its future referred to each other (its cancellation callback), and the
+    worker kept its last batch while it waited for the next: an answer stayed in memory after it
+    was sent (189 MB for a large score) until the garbage collector's next full pass. With the
+    collector off, it is freed once its caller lets it go."""
+    import gc
+    import weakref
+
+    q = _queries(np.random.default_rng(19), 3)
+    with Batcher(corpus) as b:
+        gc.disable()
+        try:
+            future = b.submit("score", q[0])
+            ref = weakref.ref(future.result(60))
+            del future
+            until = time.monotonic() + 10
+            while ref() is not None and time.monotonic() < until:  # (until the worker has gone back to wait)
+                time.sleep(0.01)
+            assert ref() is None
+        finally:
+            gc.enable()
+
+
 def test_a_failing_call_fails_only_the_request_at_fault():
     rng = np.random.default_rng(10)
     docs = np.concatenate(_docs(rng, 20))
@@ -563,8 +586,6 @@ def test_byte_string_ids_are_answered_and_found_as_text(tmp_path):
     """A shard's ids may be byte strings (ids.npy of dtype S): search answered their repr ("b'b'") in
     JSON and binary, and rerank refused every id ("unknown ids ['b']"). They are UTF-8 text, as lik's
     results show them."""
-    from lik_cupy.serving import _tensors
-
     rng = np.random.default_rng(41)
     shards.pack_arrays(_docs(rng, 4), tmp_path / "s", ids=np.array([b"b", b"a", "\u00e9".encode(), b"d"]))
     corpus = lik_cupy.Corpus.from_shards(tmp_path / "s", device="cpu")
@@ -575,9 +596,9 @@ def test_byte_string_ids_are_answered_and_found_as_text(tmp_path):
         idx.positions(np.array(["a", "z"]))
     ids = corpus.search(rng.standard_normal((2, DIM)).astype(np.float32), 4)[1]
     text = [x.decode() for x in ids]
-    body, _ = _tensors.write_response({}, [("IDS", ids)], set())
+    body, _ = _written({}, [("IDS", ids)], set())
     assert json.loads(body)["outputs"][0]["data"] == text
-    body, n = _tensors.write_response({}, [("IDS", ids)], {"IDS"})
+    body, n = _written({}, [("IDS", ids)], {"IDS"})
     assert body[n:] == b"".join(len(t.encode()).to_bytes(4, "little") + t.encode() for t in text)
 
 
@@ -717,6 +738,14 @@ def local(shard):
     return lik_cupy.Corpus.from_shards(shard, device="cpu")
 
 
+def _written(header, outputs, binary) -> tuple[bytes, int | None]:
+    """write_response's body, joined, and its JSON header's length."""
+    from lik_cupy.serving import _tensors
+
+    pieces, n = _tensors.write_response(header, outputs, binary)
+    return b"".join(pieces), n
+
+
 def _json_q(q, name="Q"):
     return {"name": name, "shape": list(q.shape), "datatype": "FP32", "data": q.reshape(-1).tolist()}
 
@@ -724,6 +753,10 @@ def _json_q(q, name="Q"):
 def test_serve_help(shard):
     r = run_lik("serve", "--help")
     assert r.exit_code == 0 and "Open Inference Protocol" in r.output and "--max-delay-us" in r.output
+    assert all(o in r.output for o in ("--header-timeout", "--body-timeout", "--body-min-rate"))
+    for value in ("0", "-1", "nan", "inf"):  # (click's float range lets nan and inf by)
+        r = run_lik("serve", str(shard), "--body-timeout", value)
+        assert r.exit_code == 2 and "expected a positive number of seconds" in r.output, r.output
 
 
 @pytest.mark.parametrize("devices", ["0,x", "", " ", "0,,1", ",", "-1", "0,-1", "+1", "1_0", "a", "CPU"])
@@ -1362,7 +1395,8 @@ def test_request_bytes_are_held_against_the_servers_budget():
                         for i, c in enumerate(chunks))
         held = _service.Held(svc)
         try:
-            return await http._body(lambda: _next(messages), 100, held), held.n
+            body = await _service.arrival(svc, lambda clock: http._body(lambda: _next(messages), 100, held, clock))
+            return body, held.n
         finally:
             held.release()
 
@@ -1447,7 +1481,7 @@ def test_binary_responses_are_the_json_the_generic_path_writes(rng):
     for outputs, binary in (([("SCORES", scores)], {"SCORES"}), ([("SCORES", scores), ("IDS", ids)], {"SCORES", "IDS"}),
                             ([("SCORES", scores), ("IDS", ids)], {"SCORES"})):
         for _ in range(2):  # (written, then from the kept outputs' JSON)
-            body, n = _tensors.write_response(head, outputs, binary)
+            body, n = _written(head, outputs, binary)
             tensors = []
             for name, a in outputs:
                 t = {"name": name, "datatype": "BYTES" if a.dtype.kind == "U" else "FP32", "shape": list(a.shape)}
@@ -1458,7 +1492,7 @@ def test_binary_responses_are_the_json_the_generic_path_writes(rng):
                 tensors.append(t)
             assert json.loads(body[:n]) == {**head, "outputs": tensors}
             assert body[n:] == b"".join(_tensors.tensor_bytes(a) for name, a in outputs if name in binary)
-    body, n = _tensors.write_response({}, [("SCORES", scores)], {"SCORES"})
+    body, n = _written({}, [("SCORES", scores)], {"SCORES"})
     assert json.loads(body[:n])["outputs"][0]["shape"] == [2, 7]
 
 

@@ -158,8 +158,8 @@ def test_json_answers_written_in_pieces_are_the_text_written_before():
                             [("IDS", raw_ids)]):
                 names = [name for name, _ in outputs]
                 for binary in (set(), {names[0]} if len(names) > 1 else set()):
-                    assert _tensors.write_response(header, outputs, binary) == _written_before(header, outputs,
-                                                                                              binary)
+                    pieces, n = _tensors.write_response(header, outputs, binary)
+                    assert (b"".join(pieces), n) == _written_before(header, outputs, binary)
 
 
 def test_a_small_grpc_call_is_answered_while_a_large_one_is_parsed(shard, local, tmp_path):
@@ -288,7 +288,7 @@ def test_grpc_typed_contents_are_read_without_a_list_of_them_all():
     req.inputs.add(name="IDS", datatype="INT64", shape=[n]).contents.int64_contents.extend(range(1000, 1000 + n))
     tracemalloc.start()
     try:
-        inputs, _, _ = serving_grpc._request(req, ("SCORES",))
+        inputs, _, _ = serving_grpc._request(req, [], ("SCORES",))
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()

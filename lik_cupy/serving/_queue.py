@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import functools
 import heapq
 import logging
 import math
@@ -186,10 +185,12 @@ class DeviceQueue:
             if req.deadline is not None:
                 self._time(req)
             self._cv.notify()
-            req.future.add_done_callback(functools.partial(self._cancelled, req))
+            # (the future only: a callback holding the request would tie the two in a cycle, and the
+            # answer the future holds would wait for the garbage collector's pass once sent)
+            req.future.add_done_callback(self._cancelled)
         return True
 
-    def _cancelled(self, req: Request, future: Future) -> None:
+    def _cancelled(self, future: Future) -> None:
         """A queued request its caller cancelled (the client went away) leaves the queue at once: it
         no longer holds a place, nor counts towards a batch the worker waits to fill. (Called as the
         future completes, in the completing thread, outside the future's lock; a request the worker
@@ -197,8 +198,9 @@ class DeviceQueue:
         if not future.cancelled():
             return
         with self._cv:
-            if any(r is req for r in self._pending):
-                self._remove([req])
+            gone = [r for r in self._pending if r.future is future]
+            if gone:
+                self._remove(gone)
 
     def _remove(self, requests: list[Request]) -> None:
         """Take ``requests``, each waiting in the queue, out of it: the deque, the queries counted and
@@ -331,6 +333,7 @@ class DeviceQueue:
                 for r in batch:
                     if not r.future.done():
                         r.future.set_exception(e)
+            batch = expired = None  # (not held, with their answers, while the worker waits for the next)
             with self._cv:
                 self._running, self._busy = 0, False
 

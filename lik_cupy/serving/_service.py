@@ -3,9 +3,9 @@
 encode what it returns or the :class:`Refused` it raises.
 
 :class:`Refused` carries the HTTP status of the outcome (400 a bad request, 404 an unknown model or
-version, 413 too large, 503 overloaded / not ready / stopping, 504 deadline passed in the queue, 500
-the corpus call failed); the gRPC transport maps it to a status code, and the metrics count it by
-that status whichever transport answered. A request its transport gives up on (its task cancelled:
+version, 408 its body too slow to arrive, 413 too large, 503 overloaded / not ready / stopping, 504
+deadline passed in the queue, 500 the corpus call failed); the gRPC transport maps it to a status
+code, and the metrics count it by that status whichever transport answered. A request its transport gives up on (its task cancelled:
 the client went away, or a gRPC deadline passed) is dropped from the queue if still there, and
 counted by :func:`abandoned`. A request whose deadline passes while it is queued is answered 504 at
 that deadline, by the batcher's timer, even while the worker is busy with a batch.
@@ -61,23 +61,47 @@ HELD_BODIES = 16
 # off the loop under a tenth of its work.
 INLINE_PARSE_BYTES = 64 << 10
 INLINE_WRITE_VALUES = 2048
+# How slowly a client may send a request (lik serve --header-timeout, --body-timeout,
+# --body-min-rate): its headers within HEADER_TIMEOUT_S; its body with no gap longer than
+# BODY_TIMEOUT_S and, once it has taken that long, at BODY_MIN_RATE bytes a second on average. A
+# body being read holds what has arrived of it against the budget, and a client that stopped
+# sending held its share for as long as it stayed connected: 16 of them refused every other request.
+HEADER_TIMEOUT_S = 10.0
+BODY_TIMEOUT_S = 30.0
+BODY_MIN_RATE = 1 << 20
 
 
 class Refused(Exception):
     """A request answered with an error: ``status`` is its HTTP status; ``retry``: the client may
-    retry later (503 with ``Retry-After``)."""
+    retry later (503 with ``Retry-After``); ``close``: the connection closes after the answer (the
+    rest of the request is not read)."""
 
-    def __init__(self, status: int, message: str, retry: bool = False):
+    def __init__(self, status: int, message: str, retry: bool = False, close: bool = False):
         super().__init__(message)
-        self.status, self.retry = status, retry
+        self.status, self.retry, self.close = status, retry, close
+
+
+def check_limits(header_timeout: float, body_timeout: float, body_min_rate: int) -> None:
+    """ValueError naming a limit on how slowly a client may send a request that is not one
+    (:class:`Service`)."""
+    for name, value in (("header_timeout", header_timeout), ("body_timeout", body_timeout)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+            raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+    if isinstance(body_min_rate, bool) or not isinstance(body_min_rate, int) or body_min_rate < 0:
+        raise ValueError(f"body_min_rate must be an integer >= 0 (bytes a second; 0: any rate), got {body_min_rate!r}")
 
 
 class Service:
     """One server's state: the batcher (once loaded and warm), the id index, the metrics.
-    ``load(observer)`` returns the :class:`Batcher`; :meth:`start` runs it in a thread."""
+    ``load(observer)`` returns the :class:`Batcher`; :meth:`start` runs it in a thread.
+    ``header_timeout``, ``body_timeout`` (seconds) and ``body_min_rate`` (bytes a second, 0: none):
+    how slowly a client may send a request (:data:`HEADER_TIMEOUT_S`)."""
 
-    def __init__(self, load, max_body_bytes: int = MAX_BODY, peers=None):
+    def __init__(self, load, max_body_bytes: int = MAX_BODY, peers=None, header_timeout: float = HEADER_TIMEOUT_S,
+                 body_timeout: float = BODY_TIMEOUT_S, body_min_rate: int = BODY_MIN_RATE):
+        check_limits(header_timeout, body_timeout, body_min_rate)
         self.load, self.max_body = load, max_body_bytes
+        self.header_timeout, self.body_timeout, self.body_min_rate = header_timeout, body_timeout, body_min_rate
         self.batcher: Batcher | None = None
         self.ids: IdIndex | None = None
         self._ready = False
@@ -98,8 +122,8 @@ class Service:
         # as the event loop did: the GIL lets no two run at once anyway, and a parse holds several
         # times its body in Python objects while it runs. (It starts with the first large request.)
         self.parser = ThreadPoolExecutor(1, thread_name_prefix="lik-serve-parse")
-        self.reading: set = set()  # the tasks of HTTP requests waiting for more of their bodies
-        self.stopping = False  # the HTTP server stops: a request still to read its body is refused
+        self.reading: set = set()  # the BodyClocks of requests waiting for more of their bodies (gRPC: messages)
+        self.stopping = False  # the server stops: a request still to read its body (gRPC: message) is refused
 
     def start(self) -> None:
         def run():
@@ -132,12 +156,12 @@ class Service:
             self.on_failure()
 
     def stop_reading(self) -> None:
-        """Refuse (503) the HTTP requests whose bodies have not all arrived, as the server begins to
-        stop: it waits for every request, and a client that had sent part of a body and no more
-        kept it from stopping for as long as it stayed connected."""
+        """Refuse (503) the requests whose bodies (or gRPC messages) have not all arrived, as the
+        server begins to stop: it waits for every request, and a client that had sent part of a
+        body and no more kept it from stopping for as long as it stayed connected."""
         self.stopping = True
-        for task in list(self.reading):
-            task.cancel()
+        for clock in list(self.reading):
+            clock.cancel(Refused(503, STOPPING))
 
     def stop(self) -> None:
         """Take no new requests and answer those queued (blocks until they are scored)."""
@@ -162,6 +186,12 @@ class Service:
             if self.held + nbytes > self.max_held:
                 raise Refused(503, f"the server holds {self.held} bytes of requests, its limit is {self.max_held}; "
                                    f"retry later", retry=True)
+            self.held += nbytes
+
+    def keep(self, nbytes: int) -> None:
+        """Count ``nbytes`` more held, past the budget too: what is already in memory and only waits
+        for its client (an answer being sent). Given back with :meth:`release`."""
+        with self._count:
             self.held += nbytes
 
     def release(self, nbytes: int) -> None:
@@ -206,6 +236,107 @@ class Held:
     def _give_back(self) -> None:
         n, self.n = self.n, 0
         self.svc.release(n)
+
+
+STOPPING = "the server is stopping, and the request's body had not all arrived; send it again"
+
+
+class BodyClock:
+    """One body's transfer against the server's limits: no gap longer than ``svc.body_timeout``
+    between its pieces (or before the first), and once it has taken that long, ``svc.body_min_rate``
+    bytes a second at least on average since it began; :meth:`got` for each piece. ``kind``: a
+    request's ``"body"``; a gRPC ``"message"``, which arrives whole or not at all (grpc core shows no
+    piece), within the time the largest body takes at that rate (``body_timeout`` at least; no
+    limit where the rate is 0); an ``"answer"``, each piece counted once the client has taken the
+    one before. Late, it cancels the task, ``why`` the :class:`Refused` (408) that :func:`arrival` or
+    :func:`departure` raises instead. Its one timer fires at the soonest moment the body could be
+    late, and re-arms itself while it is not."""
+
+    def __init__(self, svc: Service, task: asyncio.Task, kind: str = "body"):
+        self.loop, self.task, self.why, self.kind = asyncio.get_running_loop(), task, None, kind
+        self.timeout, self.rate, self.limit = svc.body_timeout, svc.body_min_rate, svc.max_body
+        self.start = self.last = self.loop.time()
+        self.n = 0
+        due = self._due()
+        self.timer = None if due is None else self.loop.call_at(due, self._check)
+
+    def got(self, n: int) -> None:
+        self.n += n
+        self.last = self.loop.time()
+
+    def cancel(self, why: Refused) -> None:
+        """Have the task raise ``why`` (the first reason given, once)."""
+        if self.why is None:
+            self.why = why
+            self.task.cancel()
+
+    def stop(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+
+    def _due(self) -> float | None:
+        if self.kind == "message":
+            return None if not self.rate else self.start + max(self.timeout, self.limit / self.rate)
+        due = self.last + self.timeout
+        return due if not self.rate else min(due, self.start + max(self.timeout, self.n / self.rate))
+
+    def _check(self) -> None:
+        now, due = self.loop.time(), self._due()
+        if now < due:
+            self.timer = self.loop.call_at(due, self._check)
+            return
+        took = now - self.start
+        if self.kind == "message":
+            why = (f"the request message had not all arrived after {took:.0f} s: the server waits for one as long as "
+                   f"the largest, {self.limit} bytes, takes at {self.rate} bytes a second, {self.timeout:g} s at least")
+        else:
+            stopped, moves, verb = _LATE[self.kind]
+            why = (f"{stopped}: nothing for {self.timeout:g} s, after {self.n} bytes" if now >= self.last + self.timeout
+                   else f"{moves} too slowly: {self.n} bytes in {took:.1f} s; after {self.timeout:g} s the server "
+                        f"{verb} {self.rate} bytes a second at least")
+        self.cancel(Refused(408, why, close=True))
+
+
+_LATE = {"body": ("the request's body stopped arriving", "the request's body arrives", "takes"),
+         "answer": ("the client stopped taking its answer", "the client takes its answer", "sends")}
+
+
+async def arrival(svc: Service, read, whole: bool = False):
+    """``await read(clock)`` (a coroutine function reading a request's body, calling ``clock.got(n)``
+    for each piece: :class:`BodyClock`; ``whole``: a gRPC message), or :class:`Refused`: 408
+    (closing the connection) when the body arrives too slowly, 503 when the server begins to stop
+    first (:meth:`Service.stop_reading`)."""
+    if svc.stopping:
+        raise Refused(503, STOPPING)
+    return await _timed(svc, read, "message" if whole else "body", svc.reading)
+
+
+async def departure(svc: Service, write):
+    """``await write(clock)`` (a coroutine function sending an answer, calling ``clock.got(n)`` as
+    the client takes each piece), or :class:`Refused` (408) when the client takes it too slowly."""
+    return await _timed(svc, write, "answer", None)
+
+
+async def _timed(svc: Service, transfer, kind: str, clocks: set | None):
+    task = asyncio.current_task()
+    clock = BodyClock(svc, task, kind)
+    if clocks is not None:
+        clocks.add(clock)
+    try:
+        return await transfer(clock)
+    except asyncio.CancelledError:
+        # Ours is taken back (Python 3.11+ counts a task's cancellations; asyncio.timeout and task
+        # groups read the count); one from elsewhere at the same moment goes on as a cancellation.
+        if clock.why is not None and (not hasattr(task, "uncancel") or task.uncancel() == 0):
+            # (a new one: raising clock.why would tie it, through its traceback's frames, to this
+            # clock and the transfer's body until the garbage collector came)
+            why = clock.why
+            raise Refused(why.status, str(why), why.retry, why.close) from None
+        raise
+    finally:
+        clock.stop()
+        if clocks is not None:
+            clocks.discard(clock)
 
 
 async def off_loop(svc: Service, held: Held, fn, *args, **kwargs):

@@ -9,12 +9,13 @@ parameters of the HTTP side (``lik_cupy/serving/http.py``). Inputs come as ``raw
 (what tritonclient sends; BYTES as 4-byte little-endian lengths and the bytes) or as typed
 ``contents``; outputs go back as ``raw_output_contents``. The call's gRPC deadline bounds its wait
 in the queue, as the ``timeout`` parameter does: a call still queued when the sooner passes is
-answered ``DEADLINE_EXCEEDED`` then, even while a batch runs, and never scored. Errors:
-``INVALID_ARGUMENT`` (the message names the problem), ``NOT_FOUND`` (unknown model or version),
-``RESOURCE_EXHAUSTED`` (a message over the HTTP body limit), ``UNAVAILABLE`` (overloaded, not ready
-or stopping), ``DEADLINE_EXCEEDED`` and ``INTERNAL``. Each is counted in the metrics as the HTTP
-status of the same outcome, and so are calls that grpcio cancels (the client cancelled: 499; the
-deadline passed: 504).
+answered ``DEADLINE_EXCEEDED`` then, even while a batch runs, and never scored; so is a call whose
+message does not arrive in time (``_service.arrival``). Errors: ``INVALID_ARGUMENT`` (the message
+names the problem), ``NOT_FOUND`` (unknown model or version), ``RESOURCE_EXHAUSTED`` (a message over
+the HTTP body limit), ``UNAVAILABLE`` (overloaded, not ready or stopping), ``DEADLINE_EXCEEDED`` and
+``INTERNAL``. Each is counted in the metrics as the HTTP status of the same outcome, and so are
+calls that grpcio cancels (the client cancelled: 499; the deadline passed: 504), once their message
+has arrived.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import time
 import grpc
 import numpy as np
 from google.protobuf import json_format
+from google.protobuf.message import DecodeError
 from tritonclient.grpc import model_config_pb2, service_pb2 as pb, service_pb2_grpc as rpc
 
 from .._version import __version__
@@ -35,8 +37,8 @@ from ._service import INLINE_PARSE_BYTES, INLINE_WRITE_VALUES, MODELS, VERSIONS,
 __all__ = ["start_server"]
 
 _CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 404: grpc.StatusCode.NOT_FOUND,
-          413: grpc.StatusCode.RESOURCE_EXHAUSTED, 503: grpc.StatusCode.UNAVAILABLE,
-          504: grpc.StatusCode.DEADLINE_EXCEEDED, 500: grpc.StatusCode.INTERNAL}
+          408: grpc.StatusCode.DEADLINE_EXCEEDED, 413: grpc.StatusCode.RESOURCE_EXHAUSTED,
+          503: grpc.StatusCode.UNAVAILABLE, 504: grpc.StatusCode.DEADLINE_EXCEEDED, 500: grpc.StatusCode.INTERNAL}
 # A call that grpcio cancels with at most this many seconds of its deadline left counts as expired.
 # grpcio does not say why it cancels; and a client cancels its call when its own deadline passes,
 # which can reach the server before the server's timer fires (that one started when the request
@@ -61,9 +63,15 @@ async def start_server(svc: Service, address: str, shared: bool = False) -> grpc
     from ..errors import LikError
 
     limit = min(_CORE_LIMIT_BODIES * svc.max_body, 2**31 - 1)  # (grpc core takes a C int)
+    # (grpc core closes a connection that has not begun HTTP/2 within its handshake timeout, 60 s
+    # unless told: here the time HTTP gives a request's headers)
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", limit),
-                                      ("grpc.max_send_message_length", -1), ("grpc.so_reuseport", int(shared))])
-    rpc.add_GRPCInferenceServiceServicer_to_server(_Servicer(svc), server)
+                                      ("grpc.max_send_message_length", -1), ("grpc.so_reuseport", int(shared)),
+                                      ("grpc.server_handshake_timeout_ms", max(1, round(svc.header_timeout * 1000)))])
+    handlers = _handlers(_Servicer(svc))
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(_SERVICE.full_name, handlers),))
+    if hasattr(server, "add_registered_method_handlers"):  # (grpcio 1.63+: found without the generic lookup)
+        server.add_registered_method_handlers(_SERVICE.full_name, handlers)
     try:
         port = server.add_insecure_port(address)
     except RuntimeError as e:
@@ -115,22 +123,37 @@ class _Servicer(rpc.GRPCInferenceServiceServicer):
         stats = {"model_stats": [self.svc.metrics.statistics(m) for m in ([request.name] if request.name else MODELS)]}
         return json_format.ParseDict(stats, pb.ModelStatisticsResponse())
 
-    async def ModelInfer(self, request, context):
-        svc, model, start = self.svc, request.model_name, time.perf_counter()
+    async def ModelInfer(self, requests, context):
+        # A stream-unary handler on the wire's unary call (the two differ only here): it runs as the
+        # call begins, so that the wait for its message is timed (_service.arrival) and ends at
+        # shutdown; and it takes the message's bytes, so that its raw contents are read in place.
+        svc, model, start = self.svc, None, time.perf_counter()
         held = Held(svc)
         try:
-            _service.check_model(model, request.model_version)
-            size = request.ByteSize()
+            data = await _service.arrival(svc, lambda clock: context.read(), whole=True)
+            if data is grpc.aio.EOF:
+                raise Refused(400, "the call ended without a request message")
+            try:
+                rest, raw, head = _split(data)
+                named = pb.ModelInferRequest.FromString(head)
+            except (ValueError, DecodeError) as e:
+                raise Refused(400, f"the request message is not a ModelInferRequest: {e}") from None
+            model = named.model_name
+            _service.check_model(model, named.model_version)
+            size = len(data)
             if size > svc.max_body:
                 raise Refused(413, f"the request message is {size} bytes, over the limit of {svc.max_body}")
             held.add(size)  # the message, against the server's budget of request bytes
-            if size > INLINE_PARSE_BYTES and (not request.raw_input_contents
-                                              or any(t.datatype == "BYTES" for t in request.inputs)):
-                # typed contents or BYTES elements, a Python step each: off the event loop
-                inputs, params, names = await _service.off_loop(svc, held, _request, request, _service.OUTPUTS[model],
-                                                             held.reading(_SEND_RAW))
+            hold, outputs = held.reading(_SEND_RAW), _service.OUTPUTS[model]
+            if len(rest) > INLINE_PARSE_BYTES:  # typed contents, read a Python step a value: off the event loop
+                held.add(len(rest))  # (their message as protobuf holds it)
+                request, inputs, params, names = await _service.off_loop(svc, held, _read, rest, raw, outputs, hold)
             else:
-                inputs, params, names = _request(request, _service.OUTPUTS[model], held.reading(_SEND_RAW))
+                request = _parse(rest)
+                if size > INLINE_PARSE_BYTES and any(t.datatype == "BYTES" for t in request.inputs):  # (raw elements)
+                    inputs, params, names = await _service.off_loop(svc, held, _request, request, raw, outputs, hold)
+                else:
+                    inputs, params, names = _request(request, raw, outputs, hold)
             remaining = context.time_remaining()
             out, reply = await _service.infer(svc, model, inputs, params, deadline_s=remaining)
             if sum(out[n].size for n in names if out[n].dtype.kind in "US") > INLINE_WRITE_VALUES:  # (string ids)
@@ -138,16 +161,101 @@ class _Servicer(rpc.GRPCInferenceServiceServicer):
             else:
                 response = _response(request, reply, out, names)
         except Refused as e:
-            _service.responded(svc, model, e.status, start)
+            if model is not None:
+                _service.responded(svc, model, e.status, start)
             await context.abort(_CODES[e.status], str(e))
         except asyncio.CancelledError:  # grpcio cancels the task when the client cancels or the deadline passes
-            remaining = context.time_remaining()
-            _service.abandoned(svc, model, start, expired=remaining is not None and remaining <= _EXPIRED_S)
+            if model is not None:  # (not counted before its message arrived, as grpc core's refusals)
+                remaining = context.time_remaining()
+                _service.abandoned(svc, model, start, expired=remaining is not None and remaining <= _EXPIRED_S)
             raise
         finally:
             held.release()
         _service.responded(svc, model, 200, start)
         return response
+
+
+def _handlers(servicer) -> dict:
+    """The service's method handlers: each RPC as the messages declare it, its messages (de)serialized
+    by protobuf; ``ModelInfer`` stream-unary, taking its request's bytes (``_Servicer.ModelInfer``)."""
+    kinds = {(False, False): grpc.unary_unary_rpc_method_handler, (True, False): grpc.stream_unary_rpc_method_handler,
+             (False, True): grpc.unary_stream_rpc_method_handler, (True, True): grpc.stream_stream_rpc_method_handler}
+    handlers = {m.name: kinds[m.client_streaming, m.server_streaming](
+        getattr(servicer, m.name), request_deserializer=getattr(pb, m.input_type.name).FromString,
+        response_serializer=getattr(pb, m.output_type.name).SerializeToString) for m in _SERVICE.methods}
+    handlers["ModelInfer"] = grpc.stream_unary_rpc_method_handler(
+        servicer.ModelInfer, response_serializer=pb.ModelInferResponse.SerializeToString)
+    return handlers
+
+
+_SERVICE = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"]
+_RAW_INPUT_CONTENTS = pb.ModelInferRequest.DESCRIPTOR.fields_by_name["raw_input_contents"].number
+_NAMES = {pb.ModelInferRequest.DESCRIPTOR.fields_by_name[f].number for f in ("model_name", "model_version")}
+
+
+def _split(data: bytes) -> tuple[bytes, list[memoryview], bytes]:
+    """A serialized ModelInferRequest in three: its fields but ``raw_input_contents`` (``data``
+    itself where it has none), each ``raw_input_contents`` as a view of ``data`` (protobuf's message
+    holds a copy of each, and reading one from it makes another), and its ``model_name`` and
+    ``model_version`` fields
+    (read before the rest, whose parse may go off the event loop). Top-level fields only, in order,
+    so that protobuf reads the first part as it read the whole. ValueError where ``data`` is not
+    protobuf's wire format (groups, a field number 0, a field past the end)."""
+    view, n, at = memoryview(data), len(data), 0
+    rest, raw, head = [], [], []
+    while at < n:
+        begin = at
+        key, at = _varint(view, at, n)
+        field, wire = key >> 3, key & 7
+        if field == 0:
+            raise ValueError(f"a field at byte {begin} has number 0")
+        if wire == 0:
+            at = _varint(view, at, n)[1]
+        elif wire == 1 or wire == 5:
+            at += 8 if wire == 1 else 4
+        elif wire == 2:
+            length, at = _varint(view, at, n)
+            at += length
+            if field == _RAW_INPUT_CONTENTS and at <= n:
+                raw.append(view[at - length:at])
+                continue
+        else:
+            raise ValueError(f"field {field} at byte {begin} has wire type {wire} (groups are not taken)")
+        if at > n:
+            raise ValueError(f"field {field} at byte {begin} runs past the message's end ({n} bytes)")
+        rest.append(view[begin:at])
+        if field in _NAMES:
+            head.append(view[begin:at])
+    return (data if not raw else b"".join(rest)), raw, b"".join(head)
+
+
+def _varint(view: memoryview, at: int, n: int) -> tuple[int, int]:
+    """(the varint at byte ``at`` of ``view``, the byte after it)."""
+    value = shift = 0
+    while at < n and shift < 64:
+        b = view[at]
+        at += 1
+        value |= (b & 0x7F) << shift
+        if b < 0x80:
+            return value, at
+        shift += 7
+    raise ValueError(f"a varint runs past {'the message' if at >= n else '10 bytes'} at byte {at}")
+
+
+def _parse(rest: bytes):
+    """The ``ModelInferRequest`` of :func:`_split`'s first part; :class:`Refused` (400) where protobuf
+    cannot read it."""
+    try:
+        return pb.ModelInferRequest.FromString(rest)
+    except DecodeError as e:
+        raise Refused(400, f"the request message is not a ModelInferRequest: {e}") from None
+
+
+def _read(rest: bytes, raw: list[memoryview], outputs: tuple[str, ...], hold=None):
+    """(the request, its inputs by name, parameters, the outputs to send) from :func:`_split`'s
+    parts (:func:`_parse`, then :func:`_request`), on one thread."""
+    request = _parse(rest)
+    return (request, *_request(request, raw, outputs, hold))
 
 
 def _response(request, reply: dict, out: dict, names: list[str]):
@@ -175,12 +283,12 @@ async def _checked(context, fn, *args):
 _SEND_RAW = "send fewer values or BYTES elements a request, or numbers as raw_input_contents"
 
 
-def _request(request, outputs: tuple[str, ...], hold=None) -> tuple[dict[str, np.ndarray], dict, list[str]]:
+def _request(request, raw: list, outputs: tuple[str, ...], hold=None) -> tuple[dict[str, np.ndarray], dict, list[str]]:
     """(the inputs by name, the parameters, the outputs to send in ``outputs`` order) of a
-    ``ModelInferRequest``; :class:`Refused` (400) naming what is malformed. ``hold(nbytes)``: called
+    ``ModelInferRequest`` whose ``raw_input_contents`` are ``raw`` (bytes-like each; the message's
+    own are not read); :class:`Refused` (400) naming what is malformed. ``hold(nbytes)``: called
     with what reading BYTES elements and typed contents takes, before they are read."""
     try:
-        raw = list(request.raw_input_contents)
         if raw and len(raw) != len(request.inputs):
             raise ValueError(f"the request has {len(request.inputs)} inputs but {len(raw)} raw_input_contents; "
                              f"give every input's data raw, or none")

@@ -17,15 +17,18 @@ Request parameters: ``timeout`` (microseconds the request may wait in the queue,
 ``timeout=`` sends it), ``precision`` ("fp32" or "tf32"). Response parameters: ``queue_us``,
 ``compute_us`` (its batched corpus call) and ``batch_queries`` (that call's queries). Answers: 400
 for a bad request (the message names the problem), 404 for an unknown model, a version other than
-1 or a path none of these have, 405 for a method its path does not take, 413 for a body over
-``max_body_bytes`` (decompressed too) or one whose reading would take more memory than the server
-holds for all its requests, 503 with ``Retry-After`` when every queue is full or the server is not
-ready or stopping (without, for a body that had not all arrived when the server began to stop), 504
-when the deadline passed in the queue (answered at that deadline, even while a batch runs; never
-scored); each with the JSON body ``{"error": "..."}``. A request whose client disconnects before its
-answer is dropped from the queue, unscored, and counted with status 499. A large request is read,
-and a large answer written, on the server's parse thread, the event loop serving the others
-meanwhile (``_service.off_loop``). See docs/serving.md.
+1 or a path none of these have, 405 for a method its path does not take, 408 for headers or a body
+that came too slowly (``header_timeout``, ``body_timeout``, ``body_min_rate``; the connection then
+closes), 413 for a body over ``max_body_bytes`` (decompressed too) or one whose reading would take
+more memory than the server holds for all its requests, 431 for headers over 64 KiB, 503 with
+``Retry-After`` when every queue is full or the server is not ready or stopping (without, for a body
+that had not all arrived when the server began to stop), 504 when the deadline passed in the queue
+(answered at that deadline, even while a batch runs; never scored); each with the JSON body
+``{"error": "..."}``. A request whose client disconnects before its answer is dropped from the
+queue, unscored, and counted with status 499. A large request is read, and a large answer written,
+on the server's parse thread, the event loop serving the others meanwhile (``_service.off_loop``);
+a large answer is sent in slices of its arrays, and a client too slow to take it dropped. See
+docs/serving.md.
 """
 
 from __future__ import annotations
@@ -50,7 +53,9 @@ from starlette.routing import Route
 
 from .._version import __version__
 from . import _service, _tensors
-from ._service import INLINE_PARSE_BYTES, INLINE_WRITE_VALUES, MAX_BODY, MODELS, VERSIONS, Held, Refused, Service
+from ._connection import ABORT, connection_class
+from ._service import (BODY_MIN_RATE, BODY_TIMEOUT_S, HEADER_TIMEOUT_S, INLINE_PARSE_BYTES, INLINE_WRITE_VALUES,
+                       MAX_BODY, MODELS, VERSIONS, Held, Refused, Service)
 from .batcher import Batcher
 
 __all__ = ["MODELS", "make_app", "run", "run_processes", "serve"]
@@ -59,21 +64,28 @@ _RETRY_AFTER_S = "1"
 _GRPC_GRACE_S = 300.0  # at shutdown, gRPC calls already accepted may take this long to be answered
 
 
-def make_app(load, *, max_body_bytes: int = MAX_BODY, grpc_address: str | None = None):
+def make_app(load, *, max_body_bytes: int = MAX_BODY, grpc_address: str | None = None,
+             header_timeout: float = HEADER_TIMEOUT_S, body_timeout: float = BODY_TIMEOUT_S,
+             body_min_rate: int = BODY_MIN_RATE):
     """The ASGI application (inference requests go straight to their handler, the rest through
     starlette's routing). ``load``: a callable taking the server's :class:`Observer` (its metrics)
     and returning the :class:`Batcher`; it runs in a thread at startup, while ``/v2/health/live``
     already answers (``ready`` turns true once it returns and the batcher is warm).
     ``max_body_bytes``: the largest request body (decompressed too), or gRPC message.
     ``grpc_address`` (``host:port``): also serve the protocol over gRPC there, from the same batcher
-    (``lik_cupy.serving.grpc``; needs the ``[serve-grpc]`` extra)."""
-    return _application(load, max_body_bytes, grpc_address)
+    (``lik_cupy.serving.grpc``; needs the ``[serve-grpc]`` extra). How slowly a client may send a
+    request: its headers within ``header_timeout`` seconds (kept by :func:`run`'s connections);
+    its body (408 past these) with no gap over ``body_timeout`` seconds, and once it has taken that
+    long, at ``body_min_rate`` bytes a second on average (0: any rate); a gRPC message, within the
+    time ``max_body_bytes`` take at that rate (``body_timeout`` at least)."""
+    return _application(load, max_body_bytes, grpc_address, limits=(header_timeout, body_timeout, body_min_rate))
 
 
-def _application(load, max_body_bytes: int, grpc_address: str | None, peers=None):
+def _application(load, max_body_bytes: int, grpc_address: str | None, peers=None,
+                 limits: tuple = (HEADER_TIMEOUT_S, BODY_TIMEOUT_S, BODY_MIN_RATE)):
     """:func:`make_app`; ``peers``: set by :func:`run_processes` (``ready`` waits for every process,
-    and gRPC shares its port with them)."""
-    svc = Service(load, max_body_bytes, peers)
+    and gRPC shares its port with them); ``limits``: (header_timeout, body_timeout, body_min_rate)."""
+    svc = Service(load, max_body_bytes, peers, *limits)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -164,11 +176,14 @@ def _version(request) -> str:
 
 def serve(paths, *, host: str = "127.0.0.1", port: int = 8000, grpc_port: int | None = None, devices=None,
           partition: bool | None = None, max_batch: int = 64, max_tokens: int = 65536, max_delay_us: int = 0,
-          max_queue: int = 1024, processes: int = 1) -> None:
+          max_queue: int = 1024, processes: int = 1, header_timeout: float = HEADER_TIMEOUT_S,
+          body_timeout: float = BODY_TIMEOUT_S, body_min_rate: int = BODY_MIN_RATE) -> None:
     """Serve the documents of shard ``paths`` (:meth:`Batcher.from_shards` for ``devices`` and
     ``partition``; the rest as for :class:`Batcher`) with :func:`run`: HTTP on ``port``, and gRPC on
     ``grpc_port`` when given; each shard is opened (and checked) first, so a missing or damaged one
     raises ShardError before the server listens, and the corpus loads from the shards opened then.
+    ``header_timeout``, ``body_timeout``, ``body_min_rate``: how slowly a client may send a request
+    (:func:`make_app`).
     ``processes`` > 1: that many server processes on the ports (:func:`run_processes`), each with its
     own replicas (over several GPUs, one GPU's in each process where their count divides
     ``processes``: ``Batcher.from_shards``' ``process``), from the shards as it opens them (a spawned
@@ -177,6 +192,8 @@ def serve(paths, *, host: str = "127.0.0.1", port: int = 8000, grpc_port: int | 
         from ..errors import LikError
 
         raise LikError(f"{host}:{port}", f"the gRPC port must differ from the HTTP port, both are {port}")
+    limits = dict(header_timeout=header_timeout, body_timeout=body_timeout, body_min_rate=body_min_rate)
+    _service.check_limits(**limits)  # (before the shards are opened)
     paths = [paths] if isinstance(paths, (str, bytes, os.PathLike)) else list(paths)
     opened = _check_shards(paths)
     kwargs = dict(max_batch=max_batch, max_tokens=max_tokens, max_delay_us=max_delay_us, max_queue=max_queue)
@@ -184,12 +201,12 @@ def serve(paths, *, host: str = "127.0.0.1", port: int = 8000, grpc_port: int | 
         del opened  # (each process opens them itself)
         loads = [functools.partial(_load_shards, paths, devices, partition, kwargs, process=(i, processes))
                  for i in range(processes)]
-        run_processes(loads, processes, host=host, port=port, grpc_port=grpc_port)
+        run_processes(loads, processes, host=host, port=port, grpc_port=grpc_port, **limits)
         return
     load = functools.partial(_load_shards, opened, devices, partition, kwargs)
     del opened  # (the load holds them until it has run, and Service.start lets it go then: none stay mapped)
-    run(make_app(load, grpc_address=None if grpc_port is None else _grpc_address(host, grpc_port)), host=host,
-        port=port)
+    run(make_app(load, grpc_address=None if grpc_port is None else _grpc_address(host, grpc_port), **limits),
+        host=host, port=port)
 
 
 def _check_shards(paths: list) -> list:
@@ -212,8 +229,10 @@ def _load_shards(paths, devices, partition, kwargs, observer, process=None) -> B
 
 
 def run_processes(load, processes: int, *, host: str = "127.0.0.1", port: int = 8000,
-                  grpc_port: int | None = None) -> None:
-    """Serve :func:`make_app` ``(load)`` from ``processes`` processes sharing the HTTP port (and
+                  grpc_port: int | None = None, header_timeout: float = HEADER_TIMEOUT_S,
+                  body_timeout: float = BODY_TIMEOUT_S, body_min_rate: int = BODY_MIN_RATE) -> None:
+    """Serve :func:`make_app` ``(load)`` (with ``header_timeout``, ``body_timeout`` and
+    ``body_min_rate``) from ``processes`` processes sharing the HTTP port (and
     ``grpc_port``'s gRPC, when given) until SIGINT or SIGTERM; each drains its accepted requests,
     then this returns. ``load`` must pickle (a module-level function or a ``functools.partial`` of
     one): each process calls it for a batcher, and replicas on the devices, of its own (a list of
@@ -230,6 +249,8 @@ def run_processes(load, processes: int, *, host: str = "127.0.0.1", port: int = 
     loads = list(load) if isinstance(load, (list, tuple)) else [load] * processes
     if len(loads) != processes:
         raise ValueError(f"load lists {len(loads)} callables for {processes} processes; give one, or one per process")
+    limits = (header_timeout, body_timeout, body_min_rate)
+    _service.check_limits(*limits)  # (here, not in each process)
     # The ports are reserved by sockets bound with SO_REUSEPORT that never listen; each process
     # listens on sockets of its own bound there too (_serve_child). SO_REUSEPORT would also join a
     # group another server already listens in, so each port is first bound without it, as one
@@ -248,7 +269,7 @@ def run_processes(load, processes: int, *, host: str = "127.0.0.1", port: int = 
             print(f"lik serve: listening on grpc://{grpc_address}", file=sys.stderr, flush=True)
 
     try:
-        serve_processes([functools.partial(_serve_child, one, host, sock.getsockname()[1], grpc_address)
+        serve_processes([functools.partial(_serve_child, one, host, sock.getsockname()[1], grpc_address, limits)
                          for one in loads], announce)
     finally:
         sock.close()
@@ -256,10 +277,10 @@ def run_processes(load, processes: int, *, host: str = "127.0.0.1", port: int = 
             grpc_sock.close()
 
 
-def _serve_child(load, host: str, port: int, grpc_address: str | None, peers) -> None:
+def _serve_child(load, host: str, port: int, grpc_address: str | None, limits: tuple, peers) -> None:
     """One process of :func:`run_processes` (spawned): the whole server on a socket of its own at
     ``host:port``, and gRPC at ``grpc_address`` when given."""
-    _serve_on(_application(load, MAX_BODY, grpc_address, peers), _listening(host, port, reuse_port=True))
+    _serve_on(_application(load, MAX_BODY, grpc_address, peers, limits), _listening(host, port, reuse_port=True))
 
 
 def _reserved(host: str, port: int) -> socket.socket:
@@ -316,7 +337,8 @@ def _serve_on(app, sock: socket.socket) -> None:
             svc.stop_reading()  # (before uvicorn waits for every connection's request)
             await super().shutdown(sockets)
 
-    server = Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on"))
+    server = Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on",
+                                   http=connection_class(svc.header_timeout)))
     svc.on_failure = lambda: setattr(server, "should_exit", True)
     # uvicorn stops gracefully on SIGINT or SIGTERM, then raises the signal again for the handler it
     # found; the queue is drained by then, so that handler does nothing and run returns.
@@ -354,7 +376,7 @@ class _App:
             if m and scope["method"] == "POST":
                 return await _answer_infer(self._svc, m.group(1), m.group(2) or "", scope, receive, send)
             if m:  # (no starlette route has this path: it would answer 404)
-                return await _send(send, *_not_routed(405, scope["method"], scope["path"], "POST"))
+                return await _send(send, *_not_routed(405, scope["method"], scope["path"], "POST"), self._svc, scope)
         await self._app(scope, receive, send)
 
 
@@ -379,13 +401,56 @@ async def _answer_infer(svc: Service, model: str, version: str, scope, receive, 
     finally:
         held.release()
     _service.responded(svc, model, status, start)
-    await _send(send, status, body, head)
+    await _send(send, status, body, head, svc, scope)
 
 
-async def _send(send, status: int, body: bytes, head: tuple) -> None:
+async def _send(send, status: int, body: bytes | list, head: tuple, svc: Service, scope: dict) -> None:
+    """Send an answer: ``body`` bytes, or a list of pieces (bytes-like: :func:`_tensors.write_response`'s).
+    Pieces of more than :data:`_SEND_AT_ONCE` in all go a slice of at most :data:`_SLICE` at a time,
+    each once the connection has taken the last (uvicorn's flow control), the event loop serving
+    the others meanwhile, rather than joined into one copy and written at once. Such an answer is
+    held against ``svc``'s budget until sent, and timed as a request's body is (its client must
+    take it as fast): a client too slow has its connection dropped (``scope``'s extension
+    :data:`ABORT`), which frees the answer, where it held it and the server's shutdown for as long
+    as it stayed connected."""
+    if isinstance(body, list):
+        size = sum(len(p) for p in body)
+        if size <= _SEND_AT_ONCE:
+            body = b"".join(body)
+    else:
+        size = len(body)
     await send({"type": "http.response.start", "status": status,
-                "headers": [*head, (b"content-length", str(len(body)).encode())]})
-    await send({"type": "http.response.body", "body": body})
+                "headers": [*head, (b"content-length", str(size).encode())]})
+    if not isinstance(body, list):
+        await send({"type": "http.response.body", "body": body})
+        return
+    svc.keep(size)
+    try:
+        await _service.departure(svc, lambda clock: _slices(send, body, clock))
+    except Refused as e:
+        _log.warning("lik serve: %s; the connection is dropped", e)
+        abort = scope.get("extensions", {}).get(ABORT)
+        if abort is not None:
+            abort()
+            await asyncio.sleep(0)  # (uvicorn sees the connection lost before the application returns)
+    finally:
+        svc.release(size)
+
+
+async def _slices(send, pieces: list, clock: _service.BodyClock) -> None:
+    # (memoryviews: uvicorn's httptools protocol writes any bytes-like body; ASGI says bytes, which
+    # would copy each slice)
+    for piece in pieces:
+        view = memoryview(piece)
+        for at in range(0, len(view), _SLICE):
+            part = view[at:at + _SLICE]
+            await send({"type": "http.response.body", "body": part, "more_body": True})
+            clock.got(len(part))
+    await send({"type": "http.response.body", "body": b""})
+
+
+_SEND_AT_ONCE = 256 << 10
+_SLICE = 1 << 20
 
 
 _REQUEST_HEADERS = (b"content-encoding", b"inference-header-content-length")
@@ -399,7 +464,8 @@ def _error_json(message: str) -> bytes:
 
 def _refused(e: Refused) -> tuple[int, bytes, tuple]:
     """(status, body, headers) of a refusal."""
-    return e.status, _error_json(str(e)), _JSON + (((b"retry-after", _RETRY_AFTER_S.encode()),) if e.retry else ())
+    return e.status, _error_json(str(e)), _JSON + (((b"retry-after", _RETRY_AFTER_S.encode()),) if e.retry else ()) \
+        + (((b"connection", b"close"),) if e.close else ())
 
 
 _ENDPOINTS = ("/v2, /v2/health/live, /v2/health/ready, /v2/models/stats, /v2/models/{model} and "
@@ -422,13 +488,13 @@ def _refused_response(e: Refused) -> Response:
 
 
 async def _infer(svc: Service, model: str, version: str, headers: dict, receive,
-                 held: Held) -> tuple[int, bytes, tuple]:
-    """(status, body, headers) of the response to one inference request (raises :class:`Refused`, or
-    :class:`_Disconnected`). ``headers``: the request's, by lower-case name, as bytes; ``held``: what
-    the body holds of the server's budget."""
+                 held: Held) -> tuple[int, list, tuple]:
+    """(status, body in pieces, headers) of the response to one inference request (raises
+    :class:`Refused`, or :class:`_Disconnected`). ``headers``: the request's, by lower-case name, as
+    bytes; ``held``: what the body holds of the server's budget."""
     _service.check_model(model, version)
     _service.check_ready(svc)  # before reading the body
-    body = await _unless_stopping(svc, _body(receive, svc.max_body, held))
+    body = await _service.arrival(svc, lambda clock: _body(receive, svc.max_body, held, clock))
     try:
         header, inputs, names, binary = await _read(svc, body, headers, _service.OUTPUTS[model], held, receive)
         params = header.get("parameters") or {}
@@ -444,12 +510,12 @@ async def _infer(svc: Service, model: str, version: str, headers: dict, receive,
         head["id"] = header["id"]
     outputs = [(n, out[n]) for n in names]
     if _tensors.write_steps(outputs, binary) > INLINE_WRITE_VALUES:
-        content, json_size = await _service.off_loop(svc, held, _tensors.write_response, head, outputs, binary)
+        pieces, json_size = await _service.off_loop(svc, held, _tensors.write_response, head, outputs, binary)
     else:
-        content, json_size = _tensors.write_response(head, outputs, binary)
+        pieces, json_size = _tensors.write_response(head, outputs, binary)
     if json_size is None:
-        return 200, content, _JSON
-    return 200, content, ((b"content-type", b"application/octet-stream"),
+        return 200, pieces, _JSON
+    return 200, pieces, ((b"content-type", b"application/octet-stream"),
                           (b"inference-header-content-length", str(json_size).encode()))
 
 
@@ -537,37 +603,17 @@ async def _unless_disconnected(work, receive):
             watcher.cancel()
 
 
-async def _unless_stopping(svc: Service, reading):
-    """``await reading`` (the coroutine reading a request's body), or :class:`Refused` (503) when the
-    server stops before the body has all arrived (:meth:`Service.stop_reading` cancels it)."""
-    if svc.stopping:
-        reading.close()
-        raise Refused(503, _STOPPING)
-    task = asyncio.current_task()
-    svc.reading.add(task)
-    try:
-        return await reading
-    except asyncio.CancelledError:
-        # (ours, taken back as _unless_disconnected does; one from elsewhere goes on)
-        if svc.stopping and (not hasattr(task, "uncancel") or task.uncancel() == 0):
-            raise Refused(503, _STOPPING) from None
-        raise
-    finally:
-        svc.reading.discard(task)
-
-
-_STOPPING = "the server is stopping, and the request's body had not all arrived; send it again"
-
-
-async def _body(receive, limit: int, held: Held) -> bytes | None:
+async def _body(receive, limit: int, held: Held, clock: _service.BodyClock) -> bytes | None:
     """The request's body, or None past ``limit`` bytes (read no further); each chunk held against
-    the server's budget as it arrives (twice: the chunks, then the body they join into)."""
+    the server's budget as it arrives (twice: the chunks, then the body they join into), and timed
+    by ``clock``."""
     chunks, n = [], 0
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
             raise _Disconnected
         chunk = message.get("body", b"")
+        clock.got(len(chunk))
         n += len(chunk)
         if n > limit:
             return None

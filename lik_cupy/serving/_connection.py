@@ -1,0 +1,107 @@
+"""An HTTP connection of ``lik serve``: uvicorn's httptools protocol with the limits it lacks on a
+request's headers. uvicorn times only an idle connection after an answer (its keep-alive timeout,
+5 s, which any byte puts off), and httptools takes headers of any size: a connection that never
+finished its headers was held for as long as its client stayed connected, and one that sent header
+lines without end grew the server by all of them (to 22 GB, over loopback).
+
+Here a request's headers must all arrive within the server's ``header_timeout`` of the connection
+opening or of the previous answer (or else the connection closes: 408 where part of a request had
+arrived), and take at most :data:`MAX_HEADER_BYTES` (431, and the connection closes). A request's
+body, and a large answer, are the application's to time (``_service.BodyClock``): its scope's
+extension :data:`ABORT` drops the connection of a client that stopped taking its answer.
+"""
+
+from __future__ import annotations
+
+import json
+
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+# A request's line and headers, at most: a client of the protocol sends a few hundred bytes.
+MAX_HEADER_BYTES = 64 << 10
+# The ASGI scope's extension by which the application drops a connection whose client stopped
+# taking its answer: transport.close() would wait for the answer to be taken first.
+ABORT = "lik_cupy.abort"
+
+
+def connection_class(header_timeout: float) -> type:
+    """The protocol class of a server whose requests' headers must arrive within ``header_timeout``
+    seconds (uvicorn's ``Config(http=...)``)."""
+    return type("Connection", (Connection,), {"header_timeout": header_timeout})
+
+
+class Connection(HttpToolsProtocol):
+    """uvicorn's protocol with a timer on each request's headers and a bound on their size."""
+
+    header_timeout = 10.0
+
+    def connection_made(self, transport) -> None:
+        self._header_timer = None
+        self._in_headers, self._begun, self._header_bytes = True, False, 0
+        super().connection_made(transport)
+        self._arm()
+
+    def connection_lost(self, exc) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        # Counted before the parser sees them: httptools keeps a header's part until it ends, and
+        # uvicorn every header. (A read is 256 KiB at most: so much more is taken before the refusal.)
+        if self._in_headers:
+            self._header_bytes += len(data)
+        super().data_received(data)
+        if self._in_headers and self._header_bytes > MAX_HEADER_BYTES and not self.transport.is_closing():
+            self._refuse(431, f"the request's line and headers take over {MAX_HEADER_BYTES} bytes")
+
+    def on_message_begin(self) -> None:
+        self._begun = True
+        super().on_message_begin()
+
+    def on_headers_complete(self) -> None:
+        self._disarm()
+        self._in_headers, self._header_bytes = False, 0
+        self.scope.setdefault("extensions", {})[ABORT] = self.transport.abort  # (before the request's task runs)
+        super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        super().on_message_complete()
+        self._in_headers, self._begun = True, False
+
+    def on_response_complete(self) -> None:
+        waiting = not self.pipeline  # (a request whose headers have all arrived is queued there)
+        super().on_response_complete()
+        if waiting and not self.transport.is_closing():
+            self._arm()  # the next request's headers (and the rest of this one's body, if any)
+
+    def _arm(self) -> None:
+        self._disarm()
+        self._header_timer = self.loop.call_later(self.header_timeout, self._headers_late)
+
+    def _disarm(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def _headers_late(self) -> None:
+        self._header_timer = None
+        if self._in_headers and self._begun:
+            self._refuse(408, f"the request's headers had not all arrived after {self.header_timeout:g} s")
+        else:  # (nothing of a request had arrived, or only the rest of a body already answered)
+            self.transport.close()
+
+    def _refuse(self, status: int, message: str) -> None:
+        """Answer ``status`` with the protocol's JSON error where no answer is being sent on this
+        connection, and close it."""
+        self._disarm()
+        if self.cycle is None or self.cycle.response_complete:
+            body = json.dumps({"error": message}).encode()
+            head = [f"HTTP/1.1 {status} {_PHRASES[status]}\r\n".encode()]
+            for name, value in self.server_state.default_headers:
+                head += [name, b": ", value, b"\r\n"]
+            head.append(b"content-type: application/json\r\nconnection: close\r\ncontent-length: %d\r\n\r\n" % len(body))
+            self.transport.write(b"".join(head) + body)
+        self.transport.close()
+
+
+_PHRASES = {408: "Request Timeout", 431: "Request Header Fields Too Large"}
