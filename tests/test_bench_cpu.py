@@ -5,19 +5,14 @@ bench/results/; never latest/, which holds committed runs)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import pathlib
 
 from bench.lib.provenance import tree_digest
-
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+from bench_scripts import load
 
 
 def test_bench_cpu_smoke(tmp_path):
-    spec = importlib.util.spec_from_file_location("bench_cpu", ROOT / "bench" / "suites" / "bench_cpu.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = _load_cpu()
     out = json.loads(bench.main(["--smoke", "--out", str(tmp_path)]).read_text())
     assert out["smoke"] and out["machine"]["cores"] >= 1 and out["machine"]["cpu"]
     assert out["provenance"]["source_sha256"] == tree_digest()  # which sources made it
@@ -38,10 +33,7 @@ def test_bench_cpu_smoke(tmp_path):
 
 
 def _load_cpu():
-    spec = importlib.util.spec_from_file_location("bench_cpu", ROOT / "bench" / "suites" / "bench_cpu.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    return bench
+    return load("bench/suites/bench_cpu.py")
 
 
 def test_a_nan_score_is_an_error_not_skipped():

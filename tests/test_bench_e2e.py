@@ -4,9 +4,7 @@ best peer, a wrong caller of ours gets no ratio, and the JSON carries the source
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import pathlib
 
 import pytest
 
@@ -15,16 +13,13 @@ torch = pytest.importorskip("torch")
 import lik_cupy  # noqa: E402
 import lik_cupy.torch as lt  # noqa: E402
 from bench.lib.provenance import tree_digest  # noqa: E402
+from bench_scripts import load  # noqa: E402
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
 OFF = 1.05  # the planted peer's scores (and so its gradients) are 5% high
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("bench_e2e", REPO / "bench/suites/bench_e2e.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load("bench/suites/bench_e2e.py")
 
 
 class RightFlash:

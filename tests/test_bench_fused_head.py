@@ -3,23 +3,18 @@ pipeline, the same scores from both, the summary and table written."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import pathlib
 
 import pytest
 
 from bench.lib.provenance import tree_digest
+from bench_scripts import load
 
 pytest.importorskip("torch")
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
-
 
 def test_smoke_run_writes_every_cell(tmp_path, capsys):
-    spec = importlib.util.spec_from_file_location("bench_fused_head", REPO / "bench/suites/bench_fused_head.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load("bench/suites/bench_fused_head.py")
     assert bench.main(["--smoke", "--out", str(tmp_path)]) == 0
     run = json.loads((tmp_path / "fused_head_cpu-smoke.json").read_text())
     assert run["gpu"] == "cpu smoke" and run["skipped"] == []

@@ -5,7 +5,6 @@ machine's .git is stale)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import pathlib
 import shutil
@@ -16,6 +15,7 @@ import pytest
 
 from bench.lib import provenance as prov
 from bench.lib.results import write_json, write_result
+from bench_scripts import load
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 git_missing = pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
@@ -117,9 +117,7 @@ def test_without_git_the_digest_is_still_recorded(tmp_path, monkeypatch):
 
 @git_missing
 def test_the_tool_finds_the_commit_a_result_came_from(repo, tmp_path, capsys):
-    spec = importlib.util.spec_from_file_location("source_digest", REPO / "bench/tools/source_digest.py")
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
+    tool = load("bench/tools/source_digest.py")
     first = _commit(repo, "first")
     result = tmp_path / "forward_x.json"
     result.write_text(json.dumps({"rows": [], "provenance": {"source_sha256": prov.tree_digest(repo)}}))

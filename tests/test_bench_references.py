@@ -4,9 +4,6 @@ suite's dequantised inputs, the PLAID suite's decompressed documents, the traini
 
 from __future__ import annotations
 
-import importlib.util
-import pathlib
-
 import numpy as np
 import pytest
 
@@ -14,16 +11,8 @@ torch = pytest.importorskip("torch")
 
 import lik_cupy  # noqa: E402
 from bench.lib.reference import exact_grads, exact_scores, max_rel_err  # noqa: E402
+from bench_scripts import load as _load  # noqa: E402
 from lik_cupy.plaid import decompress_residuals  # noqa: E402
-
-REPO = pathlib.Path(__file__).resolve().parents[1]
-
-
-def _load(rel: str):
-    spec = importlib.util.spec_from_file_location(pathlib.Path(rel).stem, REPO / rel)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def _unit(*shape, gen):

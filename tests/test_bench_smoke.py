@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from bench.lib.provenance import tree_digest
+from bench_scripts import load as _load
 
 pytest.importorskip("torch")
 
@@ -79,14 +80,6 @@ def test_best_peer_skips_wrong_and_nan_peers():
     assert fastest(times, {"flash": float("nan"), "lik": 0.1, "slow": 3e-7}) == ("slow", 2.0)
     assert fastest({"a": float("nan")}) is None and fastest({}) is None
     assert not counts(1.0, float("nan")) and not counts(float("inf")) and counts(1.0, 1e-3)
-
-
-def _load(rel):
-    path = Path(__file__).resolve().parents[1] / rel
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def test_forward_and_corpus_ratios_ignore_a_wrong_baseline():

@@ -4,7 +4,6 @@ contender), and bench/tools/jax_paths.py writing its JAX rows into a copy of the
 from __future__ import annotations
 
 import ast
-import importlib.util
 import json
 import pathlib
 
@@ -16,13 +15,7 @@ pytest.importorskip("jax")
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
 from bench.lib.provenance import tree_digest  # noqa: E402
-
-
-def _load(rel: str):
-    spec = importlib.util.spec_from_file_location(pathlib.Path(rel).stem, REPO / rel)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from bench_scripts import load as _load  # noqa: E402
 
 
 def _table(text: str) -> dict:
