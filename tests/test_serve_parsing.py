@@ -81,23 +81,8 @@ def test_a_small_request_is_answered_while_a_large_json_one_is_parsed(shard, loc
     if coding:  # (many empty members: 2 MiB that inflate to nothing, read a member at a time)
         extra = gzip.compress(b"") * (100_000 if coding == "gzip members" else 0)
         body, headers = gzip.compress(body) + extra, {"Content-Encoding": "gzip"}
-    go = tmp_path / "go"
-    server = Server(go, shard, "--devices", "cpu", script=PARSE_SERVED)
-    try:
-        with socket.create_connection(("127.0.0.1", server.port)) as a, \
-                socket.create_connection(("127.0.0.1", server.port)) as b:
-            _post(a, "score", body, headers)
-            server.wait_line("parse_served: parsing")
-            _post(b, "score", *_small_binary(small))
-            first, _, _ = select.select([a, b], [], [], 120)
-            go.touch()  # (the large request's parse goes on)
-            assert first == [b], "the large request was answered first: its parse held the event loop"
-            status, body = _response(b)
-            assert status == 200 and _same(_json_scores(body), local.score(small)), body
-            status, body = _response(a)
-            assert status == 200 and _same(_json_scores(body), local.score(large)), body[:500]
-    finally:
-        server.stop()
+    _small_answered_first(shard, local, tmp_path, (body, headers), "parsing", large, small,
+                          "the large request was answered first: its parse held the event loop")
 
 
 def test_a_small_request_is_answered_while_a_large_json_answer_is_written(shard, local, tmp_path):
@@ -105,17 +90,25 @@ def test_a_small_request_is_answered_while_a_large_json_answer_is_written(shard,
     for 4.3 s. Here the large answer's writing is held until the small request is answered."""
     rng = np.random.default_rng(37)
     large, small = rng.standard_normal((1000, 1, DIM)).astype(np.float32), np.ones((3, DIM), np.float32)
+    _small_answered_first(shard, local, tmp_path, _small_binary(large), "writing", large, small,
+                          "the large request was answered first: writing its answer held the event loop")
+
+
+def _small_answered_first(shard, local, tmp_path, request: tuple, stage: str, large, small, why: str) -> None:
+    """The large score ``request`` (body, headers) of queries ``large`` sent first, held at ``stage``
+    of tests/parse_served.py until a small request of ``small`` is answered, which must come first
+    (``why`` says what it means if not); both answers right."""
     go = tmp_path / "go"
     server = Server(go, shard, "--devices", "cpu", script=PARSE_SERVED)
     try:
         with socket.create_connection(("127.0.0.1", server.port)) as a, \
                 socket.create_connection(("127.0.0.1", server.port)) as b:
-            _post(a, "score", *_small_binary(large))
-            server.wait_line("parse_served: writing")
+            _post(a, "score", *request)
+            server.wait_line(f"parse_served: {stage}")
             _post(b, "score", *_small_binary(small))
             first, _, _ = select.select([a, b], [], [], 120)
-            go.touch()
-            assert first == [b], "the large request was answered first: writing its answer held the event loop"
+            go.touch()  # (the large request's parse or writing goes on)
+            assert first == [b], why
             status, body = _response(b)
             assert status == 200 and _same(_json_scores(body), local.score(small)), body
             status, body = _response(a)
@@ -424,29 +417,13 @@ def test_json_data_takes_what_json_loads_and_tensor_from_values_take(datatype, v
     assert sum(held) >= peak * 1.1
 
 
-def _walked(data) -> list:
-    """The values of nested lists in order, as tensor_from_values read them before (a Python step each)."""
-    out, stack = [], [iter(data)] if isinstance(data, list) else None
-    if stack is None:
-        return [data]
-    while stack:
-        for x in stack[-1]:
-            if isinstance(x, list):
-                stack.append(iter(x))
-                break
-            out.append(x)
-        else:
-            stack.pop()
-    return out
-
-
 def _before(name, data, shape, datatype):
     """tensor_from_values as it was before it checked the values' types as a set and read them in chunks."""
     from lik_cupy._shard_format import numpy_dtype
     from lik_cupy.serving import _tensors
 
     count = int(np.prod(shape))
-    flat = _walked(data)
+    flat = _tensors._walk(data) if isinstance(data, list) else [data]  # (a Python step a value, as before)
     if len(flat) != count:
         raise ValueError(f"input {name}: shape {list(shape)} needs {count} values, got {len(flat)}")
     if datatype == "BYTES":
