@@ -139,10 +139,9 @@ class _Clock:
         return time.perf_counter()
 
 
-def test_a_shard_dropped_while_a_search_uses_it_is_released_when_the_search_ends(tmp_path, rng, monkeypatch):
-    """A worker with several threads: a move's ``_drop`` lands between a search task taking its shards
-    and scoring them (there, at its second clock reading). The task scores them whole; the shards
-    are released once it ends."""
+def _one_worker_store(tmp_path, rng, monkeypatch):
+    """lik_cupy.distributed, a worker's store of this process (its tasks run here, in this thread), the
+    parts of a corpus made for it and their refs (the source and the fingerprint each task takes)."""
     import lik_cupy.distributed as dist
 
     paths, parts = _make_corpus(tmp_path, rng)
@@ -150,7 +149,14 @@ def test_a_shard_dropped_while_a_search_uses_it_is_released_when_the_search_ends
     store.setup(None)
     monkeypatch.setattr(dist, "_store", lambda name: store)
     monkeypatch.setattr(distributed, "get_worker", lambda: dataclasses.make_dataclass("W", ["address"])("w"))
-    refs = [((p, None), dist._describe((p, None), False).fingerprint) for p in paths]
+    return dist, store, parts, [((p, None), dist._describe((p, None), False).fingerprint) for p in paths]
+
+
+def test_a_shard_dropped_while_a_search_uses_it_is_released_when_the_search_ends(tmp_path, rng, monkeypatch):
+    """A worker with several threads: a move's ``_drop`` lands between a search task taking its shards
+    and scoring them (there, at its second clock reading). The task scores them whole; the shards
+    are released once it ends."""
+    dist, store, parts, refs = _one_worker_store(tmp_path, rng, monkeypatch)
     work = [(0, 0, refs[0]), (2, 23, refs[2]), (3, 32, refs[3])]  # (shards 0 and 2: 23 and 9 documents)
     Q, q_lengths = _queries(rng)
     want = retrieve(Q, [parts[i] for i in (0, 2, 3)], 7, q_lengths=q_lengths, backend="cpu")
@@ -172,14 +178,7 @@ def test_a_search_queued_before_a_move_does_not_load_the_moved_shard_back_for_go
     thread's call re-placed it, and the move's _drop landed first). The task loaded the shard again and
     the worker kept it for good, a second copy the corpus did not know of (its memory never handed
     back until close). The task now scores such a shard from a copy released as it ends."""
-    import lik_cupy.distributed as dist
-
-    paths, parts = _make_corpus(tmp_path, rng)
-    store = dist._Store(1.0, "cpu", None, False)
-    store.setup(None)
-    monkeypatch.setattr(dist, "_store", lambda name: store)
-    monkeypatch.setattr(distributed, "get_worker", lambda: dataclasses.make_dataclass("W", ["address"])("w"))
-    refs = [((p, None), dist._describe((p, None), False).fingerprint) for p in paths]
+    dist, store, parts, refs = _one_worker_store(tmp_path, rng, monkeypatch)
     assert dist._load("corpus", [(0, refs[0]), (2, refs[2])]) == [(0, "host memory"), (2, "host memory")]
     dist._drop("corpus", [0])  # shard 0 moved to another worker
     Q, q_lengths = _queries(rng)

@@ -741,19 +741,12 @@ def test_a_doclens_file_is_read_in_memory_proportional_to_its_size(tmp_path, sha
     # file of 1 GB (hostile, or an index of 200M documents) asked for 11 GB. The peak is now the
     # file's bytes, the int64 result and a fixed 4 MiB: at most 5 times the file (a value takes at
     # least two bytes, "0,") and 4 MiB.
-    import tracemalloc
-
     n = 1_000_000
     path = tmp_path / "doclens.0.json"
     path.write_text(_doclens_text(shape, n))
     size = path.stat().st_size
     expected = np.array(json.loads(path.read_text()), np.int64)
-    tracemalloc.start()
-    try:
-        got = _files.read_lengths(path)
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
+    got, peak = _traced(lambda: _files.read_lengths(path))
     assert np.array_equal(got, expected) and got.dtype == np.int64
     assert peak <= size + 8 * n + (4 << 20), (peak / size, size)
 
@@ -761,8 +754,6 @@ def test_a_doclens_file_is_read_in_memory_proportional_to_its_size(tmp_path, sha
 def test_an_index_reads_its_doclens_in_memory_proportional_to_their_size(tmp_path):
     # The index's offsets: the chunk's lengths and then the offsets, 16 bytes a document, besides
     # the file while it is parsed; not the parse's 28 to 36 bytes a value.
-    import tracemalloc
-
     from lik_cupy import PlaidIndex
 
     d = tmp_path / "x"
@@ -771,14 +762,20 @@ def test_an_index_reads_its_doclens_in_memory_proportional_to_their_size(tmp_pat
     n = 2_000_000  # empty documents before the fixture's 60: the codes still add up
     (d / "doclens.0.json").write_text("[" + "0," * n + ",".join(map(str, lens)) + "]")
     size = (d / "doclens.0.json").stat().st_size
-    tracemalloc.start()
-    try:
-        idx = PlaidIndex.open(d)
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
+    idx, peak = _traced(lambda: PlaidIndex.open(d))
     assert len(idx) == n + len(lens) and idx.offsets[-1] == sum(lens)
     assert peak <= max(size + 8 * n, 16 * n) + (8 << 20), (peak / size, size)
+
+
+def _traced(fn):
+    """``fn()``'s result and the peak of the memory Python allocated while it ran (tracemalloc)."""
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        return fn(), tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
 
 
 def _reference_lengths(text: bytes):
