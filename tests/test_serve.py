@@ -1598,13 +1598,15 @@ def test_json_outputs_past_the_limit_are_refused_before_they_are_scored(served):
                      json.loads(answer)["error"]), answer
 
 
-def test_bench_serve_smoke_run(tmp_path):
+@pytest.mark.parametrize("partition", [False, True], ids=["replica", "partition"])
+def test_bench_serve_smoke_run(tmp_path, partition):
     for m in ("starlette", "uvicorn", "prometheus_client"):
         pytest.importorskip(m)
     script = ROOT / "bench" / "suites" / "bench_serve.py"
-    subprocess.run([sys.executable, str(script), "--smoke", "--out", str(tmp_path)], check=True, cwd=ROOT,
-                   capture_output=True, timeout=300)
+    subprocess.run([sys.executable, str(script), "--smoke", "--out", str(tmp_path)] + ["--partition"] * partition,
+                   check=True, cwd=ROOT, capture_output=True, timeout=300)
     res = json.loads((tmp_path / "serve_cpu.json").read_text())
+    assert res["args"]["partition"] is partition and res["args"]["devices"] == ("cpu,cpu" if partition else "cpu")
     assert res["gpu"] == "cpu" and [w["workload"] for w in res["workloads"]] == ["search", "rerank"]
     for w in res["workloads"]:
         assert w["inprocess_qps"] > 0 and set(w["servers"]) == {"batched", "unbatched"}

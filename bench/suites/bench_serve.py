@@ -33,6 +33,7 @@ bench/README.md says. Runs, from the repository root:
 
     python3 bench/suites/bench_serve.py --out bench/results                  # JSON: serve_<gpu>.json
     python3 bench/suites/bench_serve.py --docs 100000 --devices 0,1 --out /tmp/two
+    python3 bench/suites/bench_serve.py --docs 1000000 --devices 0,1 --partition --out /tmp/split
     python3 bench/suites/bench_serve.py --smoke --out /tmp/smoke             # tiny, on the CPU
 """
 
@@ -102,6 +103,19 @@ def synthetic_batcher(args, observer, process=None):
     from lik_cupy.serving._processes import process_share
 
     devices = ["cpu" if d == "cpu" else int(d) for d in args.devices.split(",")]
+    if args.partition:
+        # One worker over the corpus split across the distinct devices (``lik serve --partition``):
+        # each part its even share of the documents, generated on its device.
+        from lik_cupy.serving._partition import Partition
+
+        parts = [d for i, d in enumerate(devices) if d == "cpu" or d not in devices[:i]]  # (as Batcher.from_shards)
+        if len(parts) < 2:
+            raise SystemExit(f"--partition needs two devices, got --devices {args.devices}")
+        bounds = np.linspace(0, args.docs[0], len(parts) + 1).astype(int)
+        corpus = Partition([build_corpus(int(b - a), args.ld, args.dim, d, args.seed + n)
+                            for n, (d, a, b) in enumerate(zip(parts, bounds, bounds[1:]))])
+        return Batcher(corpus, max_batch=args.max_batch, max_delay_us=args.max_delay_us, max_queue=args.max_queue,
+                       observer=observer)
     if process is not None:
         devices = process_share(devices, *process)
     loaded = {}
@@ -133,7 +147,7 @@ class Server:
         cmd = [sys.executable, __file__, "--role", "server", "--docs", str(docs), "--ld", str(args.ld), "--dim",
                str(args.dim), "--devices", args.devices, "--max-batch", str(max_batch), "--max-delay-us",
                str(args.max_delay_us), "--max-queue", str(args.max_queue), "--seed", str(args.seed),
-               "--processes", str(args.processes)]
+               "--processes", str(args.processes)] + (["--partition"] if args.partition else [])
         self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, cwd=REPO)
         self.lines, self.port, bound = [], None, threading.Event()
 
@@ -486,6 +500,8 @@ def main(argv=None):
     ap.add_argument("--max-delay-us", type=int, default=0)
     ap.add_argument("--max-queue", type=int, default=4096)
     ap.add_argument("--processes", type=int, default=1, help="server processes (lik serve --processes)")
+    ap.add_argument("--partition", action="store_true",
+                    help="split the corpus over the distinct --devices, one worker over all parts (lik serve --partition)")
     ap.add_argument("--procs", type=int, default=max(1, min(8, (os.cpu_count() or 2) // 2)),
                     help="load-generator processes")
     ap.add_argument("--seed", type=int, default=0)
@@ -493,7 +509,8 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.smoke:
         args.docs, args.ld, args.dim, args.rerank_ids = args.docs or [300], 12, 32, 50
-        args.clients, args.open_fractions, args.duration, args.devices, args.procs = [1, 4], [0.5], 0.3, "cpu", 1
+        args.clients, args.open_fractions, args.duration, args.procs = [1, 4], [0.5], 0.3, 1
+        args.devices = "cpu,cpu" if args.partition else "cpu"
     args.docs = args.docs or [100_000, 1_000_000]
     if args.role == "server":
         serve_synthetic(args)
