@@ -13,19 +13,32 @@ A :class:`Partition` answers ``search``, ``rerank`` and ``score`` with packed qu
 Scores: on the CPU path a document's score does not depend on the rest of the call, so a partition
 answers bitwise as the whole corpus does (``tests/test_serve.py``). On GPUs each part's call takes
 the kernels its own size selects, whose scores agree to float rounding.
+
+The parts' calls run at once, a thread each, where an operation's parts take long enough for their
+GPU work to overlap; an operation whose parts' last calls were short (``SEQUENTIAL_MAX_S``) runs
+them one after another in the calling thread instead, since short calls are mostly Python, which
+the threads would only take turns at under the GIL.
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
 from ..corpus import Corpus
 
-__all__ = ["Partition", "split_shards"]
+__all__ = ["Partition", "split_shards", "SEQUENTIAL_MAX_S"]
+
+# An operation whose slowest part took at most this on its last call runs its parts in sequence in the
+# calling thread. Two H200s, 100,000 documents a part (bench/results/archive/serve_partition_nvidia-h200/):
+# a rerank of 1,000 ids took 0.31 ms on one part alone and 1.31 ms over both parts in threads (each
+# part's call 0.80-0.82 ms there, the two taking turns at the GIL); a search took 1.34 ms on one part
+# and 2.14 over both in threads, where in sequence it would take the sum.
+SEQUENTIAL_MAX_S = 0.6e-3
 
 
 class Partition:
@@ -51,6 +64,7 @@ class Partition:
         self.device = None  # the parts keep their own devices; a queue over a partition makes no context
         self._pool = ThreadPoolExecutor(len(parts), thread_name_prefix="lik-serve-part")
         self._streams = threading.local()
+        self._part_s: dict[str, float] = {}  # operation -> its slowest part's last call, seconds
 
     def __len__(self) -> int:
         return int(self.starts[-1])
@@ -73,11 +87,11 @@ class Partition:
     # ------------------------------------------------------------ calls (Corpus's, with packed queries)
 
     def score(self, Q, *, q_offsets, precision=None) -> np.ndarray:
-        cols = self._each(lambda p, _: p.score(Q, q_offsets=q_offsets, precision=precision))
+        cols = self._each("score", lambda p, _: p.score(Q, q_offsets=q_offsets, precision=precision))
         return np.concatenate(cols, axis=1)
 
     def search(self, Q, k: int, *, q_offsets, precision=None) -> tuple[np.ndarray, np.ndarray]:
-        found = self._each(lambda p, _: p.search(Q, k, q_offsets=q_offsets, precision=precision))
+        found = self._each("search", lambda p, _: p.search(Q, k, q_offsets=q_offsets, precision=precision))
         scores = np.concatenate([s for s, _ in found], axis=1)
         pos = np.concatenate([i.astype(np.int64) + self.starts[n] for n, (_, i) in enumerate(found)], axis=1)
         nan = np.isnan(scores)
@@ -104,18 +118,29 @@ class Partition:
             rows = np.nonzero(keep)
             out[rows[0], rank[rows]] = s[rows]
 
-        self._each(part)
+        self._each("rerank", part)
         return out
 
-    def _each(self, call) -> list:
-        """``call(part, n)`` on every part at once, each in a thread of its own on its part's device
-        and a stream of that thread's (the parts' calls overlap across GPUs)."""
+    def _each(self, op: str, call) -> list:
+        """``call(part, n)`` on every part, each on its part's device and a stream of the running
+        thread's: at once in the pool's threads (the parts' calls overlap across GPUs), or in sequence
+        in this thread where ``op``'s slowest part took at most ``SEQUENTIAL_MAX_S`` last time."""
+        took = [0.0] * len(self.parts)
+
         def run(n):
             p = self.parts[n]
+            t0 = time.perf_counter()
             with self._device(p):
-                return call(p, n)
+                r = call(p, n)
+            took[n] = time.perf_counter() - t0
+            return r
 
-        return list(self._pool.map(run, range(len(self.parts))))
+        if self._part_s.get(op, float("inf")) <= SEQUENTIAL_MAX_S:
+            out = [run(n) for n in range(len(self.parts))]
+        else:
+            out = list(self._pool.map(run, range(len(self.parts))))
+        self._part_s[op] = max(took)
+        return out
 
     def _device(self, part: Corpus):
         if part.device is None:
