@@ -167,3 +167,36 @@ def test_a_partition_answers_as_the_whole_corpus(devices):
             cand = rng.integers(0, len(lens), 300)
             np.testing.assert_allclose(b.rerank(q, cand), whole.rerank(q, cand), rtol=1e-5, atol=1e-5)
             np.testing.assert_allclose(b.score(q), whole.score(q), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("devices", [[0, 0], [0, 1]], ids=["two parts on one GPU", "two GPUs"])
+def test_a_partitions_staged_batches_are_bitwise_its_calls(devices):
+    """A queued batch on GPU parts moves by each part's Staging (Partition.staged) instead of the packed
+    host path: a request alone gets the bits of the partition's own call of its query, in whichever
+    thread the parts run (the rule picks threads first, then the calling thread for short calls)."""
+    from concurrent.futures import Future
+
+    import cupy
+
+    from lik_cupy.serving import _partition
+    from lik_cupy.serving._queue import Request, scored
+    from lik_cupy.serving._staging import Staging
+
+    if max(devices) >= cupy.cuda.runtime.getDeviceCount():
+        pytest.skip(f"needs {max(devices) + 1} GPUs")
+    rng = np.random.default_rng(43)
+    parts = [_corpus(rng, "float16", device=d, nd=n) for d, n in zip(devices, (700, 1300))]
+    P = _partition.Partition(parts, np.arange(2000) * 3 + 1)
+    assert P.stageable(np.dtype(np.float16)) and not P.stageable(np.dtype(np.float64))
+    try:
+        for n, q in enumerate(rng.standard_normal((int(m), DIM)).astype(np.float16) for m in (32, 5, 32, 77, 32, 32)):
+            off = np.array([0, len(q)])
+            cand = rng.integers(0, 2000 if n % 2 else 700, (1, 300))  # odd: both parts; even: the first only
+            for op, arg, want in (("search", 25, P.search(q, 25, q_offsets=off)),
+                                  ("rerank", cand, (P.rerank(q, cand, q_offsets=off),)),
+                                  ("score", None, (P.score(q, q_offsets=off),))):
+                got = scored(P, [Request(op, q[None], arg, None, True, None, Future(), 0.0)], Staging())[0]
+                for x, y in zip(got if op == "search" else (got,), want):
+                    assert np.array_equal(x, y[0], equal_nan=True), (op, n)
+    finally:
+        P.close()

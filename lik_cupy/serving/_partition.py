@@ -14,6 +14,10 @@ Scores: on the CPU path a document's score does not depend on the rest of the ca
 answers bitwise as the whole corpus does (``tests/test_serve.py``). On GPUs each part's call takes
 the kernels its own size selects, whose scores agree to float rounding.
 
+A batch queued for GPU parts (``_queue.scored``) takes :meth:`Partition.staged`: each part's share
+of it moves by a :class:`Staging` of its own, in one copy each way, as a GPU replica's batch does,
+instead of the packed host path of the calls above.
+
 The parts' calls run at once, a thread each, where an operation's parts take long enough for their
 GPU work to overlap; an operation whose parts' last calls were short (``SEQUENTIAL_MAX_S``) runs
 them one after another in the calling thread instead, since short calls are mostly Python, which
@@ -23,6 +27,7 @@ the threads would only take turns at under the GIL.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -30,6 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from ..corpus import Corpus
+from ._staging import Staging, stageable
 
 __all__ = ["Partition", "split_shards", "SEQUENTIAL_MAX_S"]
 
@@ -91,7 +97,57 @@ class Partition:
         return np.concatenate(cols, axis=1)
 
     def search(self, Q, k: int, *, q_offsets, precision=None) -> tuple[np.ndarray, np.ndarray]:
-        found = self._each("search", lambda p, _: p.search(Q, k, q_offsets=q_offsets, precision=precision))
+        return self._merged(self._each("search", lambda p, _: p.search(Q, k, q_offsets=q_offsets, precision=precision)), k)
+
+    def rerank(self, Q, candidates, *, q_offsets, precision=None) -> np.ndarray:
+        cand = np.asarray(candidates, np.int64)
+        shares = self._shares(cand)
+
+        def part(p, n):
+            if shares[n] is not None:
+                return p.rerank(Q, shares[n][2], q_offsets=q_offsets, precision=precision)
+
+        return self._placed(cand.shape, shares, self._each("rerank", part))
+
+    # ------------------------------------------------------------ a queued batch on GPU parts
+
+    def stageable(self, dtype: np.dtype) -> bool:
+        """Whether a batch of queries of ``dtype`` takes :meth:`staged`: every part resident on a GPU."""
+        return all(stageable(p, dtype) for p in self.parts)
+
+    def staged(self, op: str, requests: list, precision) -> tuple[np.ndarray, ...]:
+        """``op`` for a batch of queued requests (each ``.Q`` [n, lq, d]; ``.arg``: search's k, or
+        rerank's global candidates [n, K]) on GPU parts, each part's share moved by a :class:`Staging`
+        of the running thread's for that part. Returns the batch's rows in order, as
+        ``Staging.call`` does: search ``(scores, ids)``, rerank and score ``(scores,)``."""
+        shares = None
+        if op == "rerank":
+            cand = np.concatenate([r.arg for r in requests]) if len(requests) > 1 else requests[0].arg
+            shares = self._shares(cand)
+
+        def part(p, n):
+            reqs = requests
+            if shares is not None:
+                if shares[n] is None:
+                    return None
+                local, at, reqs = shares[n][2], 0, []
+                for r in requests:
+                    reqs.append(dataclasses.replace(r, arg=local[at:at + r.n]))
+                    at += r.n
+            by_part = self._streams.__dict__.setdefault("staging", {})
+            out = by_part.setdefault(n, Staging()).call(p, op, reqs, precision)
+            return tuple(np.array(a) for a in out)  # (views of the Staging's buffers until its next call)
+
+        found = self._each(op, part)
+        if op == "search":
+            return self._merged(found, requests[0].arg)
+        if op == "score":
+            return (np.concatenate([f[0] for f in found], axis=1),)
+        return (self._placed(cand.shape, shares, [None if f is None else f[0] for f in found]),)
+
+    def _merged(self, found: list, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """Each part's top k (scores, part positions) merged into the partition's: score descending, ties
+        to the lower global position, NaN last; positions as the shards' ids where there are ids."""
         scores = np.concatenate([s for s, _ in found], axis=1)
         pos = np.concatenate([i.astype(np.int64) + self.starts[n] for n, (_, i) in enumerate(found)], axis=1)
         nan = np.isnan(scores)
@@ -99,26 +155,34 @@ class Partition:
         scores, pos = np.take_along_axis(scores, order, 1), np.take_along_axis(pos, order, 1)
         return scores, (pos if self._ids is None else self._ids[pos])
 
-    def rerank(self, Q, candidates, *, q_offsets, precision=None) -> np.ndarray:
-        cand = np.asarray(candidates, np.int64)
+    def _shares(self, cand: np.ndarray) -> list:
+        """Per part, None where no candidate of ``cand`` [nq, K] is its, else ``(rank, keep, local)``:
+        each row's candidates of the part first (stable: in the row's order) as their columns in
+        ``cand``, which of them are the part's, and their positions in the part, padded with 0."""
         owner = np.searchsorted(self.starts, cand, side="right") - 1
-        out = np.empty(cand.shape, np.float32)
-
-        def part(p, n):
+        shares = []
+        for n in range(len(self.parts)):
             mine = owner == n
             width = int(mine.sum(axis=1).max(initial=0))
             if width == 0:
-                return
-            # each row's candidates of this part first (stable: in the row's order), padded with its first
+                shares.append(None)
+                continue
             rank = np.argsort(~mine, axis=1, kind="stable")[:, :width]
             local = np.take_along_axis(cand, rank, 1) - self.starts[n]
             keep = np.take_along_axis(mine, rank, 1)
             local[~keep] = 0
-            s = p.rerank(Q, local, q_offsets=q_offsets, precision=precision)
-            rows = np.nonzero(keep)
-            out[rows[0], rank[rows]] = s[rows]
+            shares.append((rank, keep, local))
+        return shares
 
-        self._each("rerank", part)
+    @staticmethod
+    def _placed(shape: tuple, shares: list, scores: list) -> np.ndarray:
+        """The parts' rerank scores (None: a part without candidates) put back in the candidates' places."""
+        out = np.empty(shape, np.float32)
+        for share, s in zip(shares, scores):
+            if share is not None:
+                rank, keep, _ = share
+                rows = np.nonzero(keep)
+                out[rows[0], rank[rows]] = s[rows]
         return out
 
     def _each(self, op: str, call) -> list:

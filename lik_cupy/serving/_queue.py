@@ -42,6 +42,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ._partition import Partition
 from ._staging import Staging, stageable
 from .errors import DeadlineExceeded, ShuttingDown
 
@@ -452,6 +453,8 @@ def scored(corpus, batch: list[Request], staging: Staging) -> list:
     first = batch[0]
     if stageable(corpus, first.Q.dtype):
         out = staging.call(corpus, first.op, batch, first.precision)
+    elif isinstance(corpus, Partition) and corpus.stageable(first.Q.dtype):
+        out = corpus.staged(first.op, batch, first.precision)
     else:
         tokens = np.concatenate([r.Q.reshape(-1, r.Q.shape[2]) for r in batch]) if len(batch) > 1 else \
             first.Q.reshape(-1, first.Q.shape[2])
