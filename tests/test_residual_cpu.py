@@ -718,3 +718,44 @@ def test_index_rerank_checks_its_arguments_before_converting_them(monkeypatch):
     for call, err, msg in cases:
         with pytest.raises(err, match=re.escape(msg)):
             call()
+
+
+def test_index_rerank_scores_host_queries_on_the_device_of_to_device(monkeypatch):
+    """rerank of host queries took the current GPU, whatever ``to_device(n)`` had chosen: a second copy of
+    the compressed corpus on device 0 and the work there. Now they are scored on device n (and come back
+    on the host); the GPU is faked, so what is checked is the device each step is asked for."""
+    from lik_cupy._dispatch import backend as backend_mod
+
+    idx = lik_cupy.PlaidIndex.open(pathlib.Path(__file__).parent / "data" / "fast_plaid" / "fast_plaid_nbits2")
+    asked = []
+
+    class Stop(Exception):
+        pass
+
+    def on_device(self, device):
+        asked.append(("copy", device))
+        return (0 if device is None else device), (None,) * 5
+
+    class FakeCall:
+        def __init__(self, p, device=None):
+            asked.append(("call", device))
+            raise Stop
+
+    monkeypatch.setattr(plaid, "gpu_available", lambda: True)
+    monkeypatch.setattr(backend_mod, "gpu_available", lambda: True)
+    monkeypatch.setattr(plaid, "present", lambda d: d)
+    monkeypatch.setattr(plaid.PlaidIndex, "_on_device", on_device)
+    monkeypatch.setattr(plaid, "GpuCall", FakeCall)
+    Q = np.ones((2, 3, idx.dim), np.float32)
+    with pytest.raises(Stop):  # no to_device yet: the current GPU
+        idx.rerank(Q, [[0], [1]])
+    assert asked == [("copy", None), ("call", 0)]
+    asked.clear()
+    assert idx.to_device(1) is idx
+    assert asked == [("copy", 1)]
+    asked.clear()
+    for backend in ("auto", "gpu"):
+        with pytest.raises(Stop):
+            idx.rerank(Q, [[0], [1]], backend=backend)
+        assert asked == [("copy", 1), ("call", 1)], backend
+        asked.clear()
