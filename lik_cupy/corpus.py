@@ -860,14 +860,10 @@ def _runs(sizes: np.ndarray, budget: int):
 
 
 def _packed_rows(starts: np.ndarray, lens: np.ndarray):
-    """(rows, int64 offsets ``[n + 1]``) of packed documents ``starts``, ``lens`` gathered side by side:
-    the rows as an index array, or as a slice for one document (read where it lies)."""
-    off = np.concatenate([[0], np.cumsum(lens)])
+    """``cpu.packed_rows``, but one document's rows as a slice (read where it lies)."""
     if starts.size == 1:
-        return slice(int(starts[0]), int(starts[0] + lens[0])), off
-    rows = np.repeat(starts - off[:-1], lens)
-    rows += np.arange(rows.size)
-    return rows, off
+        return slice(int(starts[0]), int(starts[0] + lens[0])), np.array([0, lens[0]], np.int64)
+    return cpu.packed_rows(starts, lens)
 
 
 def _check_device_scales(dev: DeviceDocs, p: Problem) -> None:

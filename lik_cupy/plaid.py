@@ -39,6 +39,7 @@ from dataclasses import replace
 import numpy as np
 
 from ._base.device import check_ordinal, gpu_available, present
+from ._cpu import packed_rows
 from ._cpu.residual import Tokens, decompress, residual_maxsim_numpy
 from ._dispatch.backend import check_backend, use_gpu
 from ._dispatch.config import MAX_DIM_RESIDUAL
@@ -361,11 +362,9 @@ class PlaidIndex:
         residual bits uint8 ``[n, d * nbits / 8]``, int64 offsets ``[len(doc_ids) + 1]``), NumPy
         copies of those documents only."""
         ids = self._ids(doc_ids)
-        lens = self.offsets[ids + 1] - self.offsets[ids]
-        rows = np.concatenate([np.arange(self.offsets[i], self.offsets[i + 1]) for i in ids]) if ids.size else \
-            np.zeros(0, np.int64)
-        return (np.asarray(self.codes[rows]), np.asarray(self.residual_bits[rows]),
-                np.concatenate([[0], np.cumsum(lens)]).astype(np.int64))
+        starts = self.offsets[ids]
+        rows, off = packed_rows(starts, self.offsets[ids + 1] - starts)
+        return np.asarray(self.codes[rows]), np.asarray(self.residual_bits[rows]), off
 
     def embeddings(self, doc_ids) -> list:
         """Documents ``doc_ids`` decompressed (float32 ``[len_j, d]`` each, with NumPy): the values

@@ -759,3 +759,46 @@ def test_index_rerank_scores_host_queries_on_the_device_of_to_device(monkeypatch
             idx.rerank(Q, [[0], [1]], backend=backend)
         assert asked == [("copy", 1), ("call", 1)], backend
         asked.clear()
+
+
+def _python_calls(f) -> int:
+    """Function calls (Python and C) that ``f()`` makes, as sys.setprofile sees them."""
+    import sys
+
+    n = 0
+
+    def count(frame, event, arg):
+        nonlocal n
+        n += event in ("call", "c_call")
+
+    sys.setprofile(count)
+    try:
+        f()
+    finally:
+        sys.setprofile(None)
+    return n
+
+
+def test_index_residuals_gathers_in_whole_array_steps(rng):
+    """residuals built one arange per id and concatenated them: Python work (and a temporary array)
+    per document asked for. Now the rows come from whole-array steps, whatever the ids, with the same
+    arrays bit for bit (empty documents, repeated ids, no ids, int32 ids and lists)."""
+    from lik_cupy._plaid_files import IndexArrays
+
+    dim, nbits, nd = 16, 2, 400
+    cen, w = codec(rng, 8, dim, nbits)
+    lens = ragged(rng, nd, 1, 9, empty=0.3)
+    off = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+    codes, bits = tokens(rng, int(off[-1]), 8, dim, nbits)
+    idx = lik_cupy.PlaidIndex(IndexArrays("fast-plaid", nbits, cen, w, codes, bits, off))
+    for ids in [rng.integers(0, nd, 50), rng.integers(0, nd, 2000).astype(np.int32), np.flatnonzero(lens == 0),
+                np.array([5, 5, 5]), np.zeros(0, np.int64), [], [3, int(np.flatnonzero(lens == 0)[0]), 3]]:
+        a = np.asarray(ids, np.int64)
+        rows = np.concatenate([np.arange(off[i], off[i + 1]) for i in a] + [np.zeros(0, np.int64)])
+        c, b, o = idx.residuals(ids)
+        for got, want in ((c, codes[rows]), (b, bits[rows]), (o, np.concatenate([[0], np.cumsum(lens[a])]))):
+            assert got.dtype == want.dtype and got.shape == want.shape
+            np.testing.assert_array_equal(got, want)
+        assert o.dtype == np.int64
+    few, many = rng.integers(0, nd, 10), rng.integers(0, nd, 2000)
+    assert _python_calls(lambda: idx.residuals(many)) <= _python_calls(lambda: idx.residuals(few)) + 5
