@@ -66,6 +66,11 @@ __all__ = ["Corpus"]
 _DTYPES = tuple(e.name for e in dispatch.ELEMS)
 _GPU_SHARE = 0.75  # of the device's free memory a host corpus may take by default
 _RERANK_BLOCK = 64 << 20  # bytes of gathered candidate tokens per NumPy rerank step
+# Packed NumPy reranks: queries score their candidates' union together where that scores at most this many
+# times the documents and tokens a call per query would. On 2 cores one call over the union took 0.22-0.69x
+# the per-query calls' time when every query named the same documents (0.43x for a union 1.3 times a
+# query's set), and broke even at 1.8 (Lq 128) to 3 (Lq 32) times their work (docs/benchmarks.md, "CPU").
+_SHARED_WASTE = 1.5
 _MAX_CALLS = 64  # repeat-path signatures kept per corpus
 
 
@@ -638,24 +643,22 @@ class Corpus:
     def _host_rerank(self, qp: Problem, Q, q_mask, q_lengths, cand: np.ndarray) -> np.ndarray:
         """Each query against its candidates, gathered (NumPy needs them side by side) in steps of about
         ``_RERANK_BLOCK`` bytes: a few queries' candidate sets at a time, or runs of one query's
-        candidates (packed documents: a document past the bound alone, read in place)."""
+        candidates (packed documents: a document past the bound alone, read in place; queries whose
+        candidates overlap, their union at once, :meth:`_host_rerank_union`)."""
         q, qv, qs = self._host_queries(qp, Q, q_mask, q_lengths)
         h, (nq, k) = self._host, cand.shape
         out = np.empty((nq, k), np.float32)
         if self._p.d_packed:
-            # A query's candidates in runs whose gathered tokens (and their row indices and scales) stay
-            # within _RERANK_BLOCK bytes; a document past it alone is read where it lies.
+            # Runs whose gathered tokens (and their row indices and scales) stay within _RERANK_BLOCK bytes;
+            # a document past it alone is read where it lies.
             per_token = self.dim * h.tokens.dtype.itemsize + 8 + (4 if qs is not None else 0)
+            if nq > 1 and self._host_rerank_union(q, qv, qs, cand, per_token, out):
+                return out
             for i in range(nq):
                 starts = h.offsets[cand[i]]
                 lens = h.offsets[cand[i] + 1] - starts
                 for a, b in _runs(lens * per_token, _RERANK_BLOCK):
-                    if b == a + 1:
-                        rows = slice(int(starts[a]), int(starts[a] + lens[a]))
-                    else:
-                        rows = np.repeat(starts[a:b] - np.cumsum(lens[a:b]) + lens[a:b], lens[a:b])
-                        rows += np.arange(rows.size)
-                    off = np.concatenate([[0], np.cumsum(lens[a:b])])
+                    rows, off = _packed_rows(starts[a:b], lens[a:b])
                     kw = {} if qs is None else {"q_scale": qs[i:i + 1], "d_scale": h.scales[rows]}
                     s, _ = cpu.maxsim_packed_numpy(q[i:i + 1], qv[i:i + 1], h.tokens[rows], off, return_argmax=False,
                                                    **kw)
@@ -675,6 +678,32 @@ class Corpus:
                                         return_argmax=False, **kw)
                 out[a:b, c0:c1] = s
         return out
+
+    def _host_rerank_union(self, q, qv, qs, cand: np.ndarray, per_token: int, out: np.ndarray) -> bool:
+        """Packed documents: every query against the union of the candidates ``cand [Nq, K]``, in one call
+        per run of the union (``per_token`` bytes a gathered token, ``_RERANK_BLOCK`` a run), each score
+        then put where its candidates name it, into ``out [Nq, K]``; a score depends on its query and
+        document alone (``lik_cupy._cpu.maxsim``), so these are the per-query calls' bit for bit. Only
+        where that scores at most ``_SHARED_WASTE`` times the documents and tokens the per-query calls
+        would (so its scores too stay within that many times ``out``'s); returns whether it did."""
+        h, (nq, k) = self._host, cand.shape
+        u, inv = np.unique(cand, return_inverse=True)
+        starts = h.offsets[u]
+        lens = h.offsets[u + 1] - starts
+        per_query = int((h.offsets[cand + 1] - h.offsets[cand]).sum())
+        if nq * u.size > _SHARED_WASTE * cand.size or nq * int(lens.sum()) > _SHARED_WASTE * per_query:
+            return False
+        inv = inv.reshape(-1)
+        pairs = np.argsort(inv, kind="stable")  # the (query, candidate) pairs, by their place in the union
+        at = inv[pairs]
+        for a, b in _runs(lens * per_token, _RERANK_BLOCK):
+            rows, off = _packed_rows(starts[a:b], lens[a:b])
+            kw = {} if qs is None else {"q_scale": qs, "d_scale": h.scales[rows]}
+            s, _ = cpu.maxsim_packed_numpy(q, qv, h.tokens[rows], off, return_argmax=False, **kw)
+            p0, p1 = np.searchsorted(at, [a, b])
+            out.reshape(-1)[pairs[p0:p1]] = s[pairs[p0:p1] // k, at[p0:p1] - a]
+            del s
+        return True
 
     def _candidate_rows(self, ids, on_device: bool, rows: np.ndarray):
         """Rows ``rows`` of checked candidates ``ids`` (:meth:`_candidates`' int64 NumPy array, or CuPy
@@ -828,6 +857,13 @@ def _runs(sizes: np.ndarray, budget: int):
         b = max(a + 1, int(np.searchsorted(ends, spent + budget, side="right")))
         yield a, b
         a = b
+
+
+def _packed_rows(starts: np.ndarray, lens: np.ndarray):
+    """``cpu.packed_rows``, but one document's rows as a slice (read where it lies)."""
+    if starts.size == 1:
+        return slice(int(starts[0]), int(starts[0] + lens[0])), np.array([0, lens[0]], np.int64)
+    return cpu.packed_rows(starts, lens)
 
 
 def _check_device_scales(dev: DeviceDocs, p: Problem) -> None:

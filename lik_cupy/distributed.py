@@ -81,6 +81,7 @@ from ._dispatch.backend import check_backend
 from ._ranking import merge_rankings
 from ._runtime.topk import MAX_K
 from ._streaming.gpu import outside_stacklevel
+from ._validate import check_flag
 from .retrieval import retrieve
 
 __all__ = ["DistributedCorpus"]
@@ -549,7 +550,7 @@ class DistributedCorpus:
             corpus follow these capacities (host memory limits on workers without a GPU).
         dtype: cast float shards to this dtype ("float16", "float32", "bfloat16") as they
             load; None keeps each shard's dtype, which must then be the same for all of them.
-        bf16_bits: read uint16 ``.npy`` inputs as bfloat16 bit patterns.
+        bf16_bits: True or False: read uint16 ``.npy`` inputs as bfloat16 bit patterns.
         backend: "auto", "gpu" or "cpu", for :func:`lik_cupy.retrieve` on the workers.
         timeout: seconds any one wait may take: a scheduler call, loading the shards, a query
             batch, one piece of :meth:`score`. Past it, TimeoutError says what was pending.
@@ -605,6 +606,7 @@ class DistributedCorpus:
             dtype = dtype.name
         if dtype is not None and not (isinstance(dtype, str) and dtype in fmt.DTYPES):  # (an array of names is no name)
             raise ValueError(f"dtype must be None or one of {', '.join(fmt.DTYPES)}, got {dtype!r}")
+        bf16_bits = check_flag("bf16_bits", bf16_bits)  # (the workers read any truthy value as True)
         check_backend(backend)  # retrieve's check and words, here before any worker is asked
         if not _is_number(timeout):
             raise TypeError(f"timeout must be a number of seconds, got {timeout!r}")

@@ -39,6 +39,7 @@ from dataclasses import replace
 import numpy as np
 
 from ._base.device import check_ordinal, gpu_available, present
+from ._cpu import packed_rows
 from ._cpu.residual import Tokens, decompress, residual_maxsim_numpy
 from ._dispatch.backend import check_backend, use_gpu
 from ._dispatch.config import MAX_DIM_RESIDUAL
@@ -316,7 +317,8 @@ class PlaidIndex:
 
     The first GPU :meth:`rerank` on a device copies the compressed corpus there once (about
     ``T * (4 + d * nbits / 8)`` bytes; :meth:`to_device` does it ahead of time); each call then
-    scores every query's candidates where they lie.
+    scores every query's candidates where they lie: device queries on their GPU, host queries on
+    the GPU of the last :meth:`to_device` (else the current one).
     """
 
     def __init__(self, arrays):
@@ -329,6 +331,7 @@ class PlaidIndex:
         self.offsets = arrays.offsets
         self.dim = self.centroids.shape[1]
         self._device: dict[int, tuple] = {}
+        self._home: int | None = None  # to_device's GPU: where host queries are scored
 
     @classmethod
     def open(cls, index_dir: str | os.PathLike) -> PlaidIndex:
@@ -359,11 +362,9 @@ class PlaidIndex:
         residual bits uint8 ``[n, d * nbits / 8]``, int64 offsets ``[len(doc_ids) + 1]``), NumPy
         copies of those documents only."""
         ids = self._ids(doc_ids)
-        lens = self.offsets[ids + 1] - self.offsets[ids]
-        rows = np.concatenate([np.arange(self.offsets[i], self.offsets[i + 1]) for i in ids]) if ids.size else \
-            np.zeros(0, np.int64)
-        return (np.asarray(self.codes[rows]), np.asarray(self.residual_bits[rows]),
-                np.concatenate([[0], np.cumsum(lens)]).astype(np.int64))
+        starts = self.offsets[ids]
+        rows, off = packed_rows(starts, self.offsets[ids + 1] - starts)
+        return np.asarray(self.codes[rows]), np.asarray(self.residual_bits[rows]), off
 
     def embeddings(self, doc_ids) -> list:
         """Documents ``doc_ids`` decompressed (float32 ``[len_j, d]`` each, with NumPy): the values
@@ -376,14 +377,15 @@ class PlaidIndex:
         return [flat[off[j]:off[j + 1]] for j in range(off.size - 1)]
 
     def to_device(self, device: int | None = None) -> PlaidIndex:
-        """Copy the compressed corpus to GPU ``device`` (default: the current one), once. A
+        """Copy the compressed corpus to GPU ``device`` (default: the current one), once, and score
+        host queries there from now on (:meth:`rerank`; device queries stay on their own GPU). A
         ``device`` that is no int >= 0 raises ValueError, and so does one past this machine's
         GPUs (where it has any); without a GPU (or CuPy), RuntimeError."""
         check_ordinal(device, " or None")
         if not gpu_available():  # (CUDA's own error named the driver, not the call)
             raise RuntimeError("PlaidIndex.to_device: no CUDA GPU is visible (CuPy could not find one, or is not "
                                "installed); rerank scores on the CPU without it")
-        self._on_device(None if device is None else present(device))
+        self._home, _ = self._on_device(None if device is None else present(device))
         return self
 
     def _on_device(self, device: int | None):
@@ -411,7 +413,9 @@ class PlaidIndex:
 
         Returns:
             float32 ``[Nq, K]`` scores (and the argmax), in Q's framework and device, in the
-            candidates' order (sort them for a ranking).
+            candidates' order (sort them for a ranking). Device queries are scored on their GPU;
+            host queries, on the GPU, on the device of the last :meth:`to_device` (else the
+            current one), and their results come back on the host.
         """
         check_backend(backend)
         return_argmax = check_flag("return_argmax", return_argmax)
@@ -438,7 +442,8 @@ class PlaidIndex:
                         host[1], host[2], ids, True, return_argmax, checked=True)
             s, a = host_result(s, q), None if a is None else host_result(a, q)
             return (s, a) if return_argmax else s
-        device, (codes, bits, offsets, centroids, weights) = self._on_device(q.device)
+        where = self._home if q.device is None else q.device  # (host queries go where to_device put the index)
+        device, (codes, bits, offsets, centroids, weights) = self._on_device(where)
         import cupy
 
         with GpuCall(q, device) as g:

@@ -6,9 +6,11 @@ machine's .git is stale)."""
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import shutil
 import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -149,3 +151,52 @@ def test_every_suite_writes_its_json_through_bench_lib():
     for path in sorted((REPO / "bench" / "suites").glob("bench_*.py")):
         text = path.read_text()
         assert ("write_json(" in text or "write_result(" in text) and "json.dump(" not in text, path.name
+
+
+# bench/tools/file_fuzz.py writes its work files (the index files it mutates, its findings), no results
+NOT_RESULTS = {"file_fuzz.py"}
+
+
+def test_every_sweep_and_tool_writes_its_json_through_bench_lib():
+    """gpu_fuzz.py, profile_jax.py and distributed_model.py wrote their JSON themselves (json.dump, or
+    write_text of json.dumps), without the provenance every other result carries. The same rough
+    guard as the suites': no sweep or tool writes JSON into a file of its own."""
+    for folder in ("sweeps", "tools"):
+        for path in sorted((REPO / "bench" / folder).glob("*.py")):
+            if path.name in NOT_RESULTS:
+                continue
+            text = path.read_text()
+            assert "json.dump(" not in text and "write_text(json.dumps(" not in text, f"{folder}/{path.name}"
+
+
+def test_gpu_fuzz_writes_the_provenance(tmp_path):
+    # FUZZ_LOCAL=1: the script on the CPU path (no GPU), for no seconds: no case, then its JSON
+    env = {**os.environ, "FUZZ_LOCAL": "1", "OUT": str(tmp_path)}
+    subprocess.run([sys.executable, str(REPO / "bench/tools/gpu_fuzz.py"), "3", "0"], check=True, env=env,
+                   cwd=tmp_path, capture_output=True, timeout=300)
+    out = json.loads((tmp_path / "gpufuzz_3.json").read_text())
+    assert (out["seed"], out["cases"], out["gpu"]) == (3, 0, "local")
+    assert out["provenance"]["source_sha256"] == prov.tree_digest()
+
+
+def test_distributed_model_writes_the_provenance(tmp_path, monkeypatch):
+    model = load("bench/sweeps/distributed_model.py")
+    monkeypatch.setenv("OUT", str(tmp_path))
+    # fit: the fitted stages stood in (the committed bench JSON predates the stage times it reads)
+    monkeypatch.setattr(model, "fit", lambda bench: {"queries": 8, "measured_workers": [1], "measured_s": {1: 0.1}})
+    monkeypatch.setattr(model, "predict", lambda coef, n: {"retrieve_s": 0.1 / n, "total_s": 0.1 / n})
+    bench = tmp_path / "bench.json"
+    bench.write_text("{}")
+    model.main_fit(bench, [1, 8])
+    fit = json.loads((tmp_path / "distributed_model_fit.json").read_text())
+    assert [r["workers"] for r in fit["rows"]] == [1, 8]
+    # counts: Dask's own counts stood in by the model's (the cluster is not what is checked here)
+    monkeypatch.setattr(model, "measure", lambda n, root: {
+        **{k: model.model(n)[k] for k in ("partials_moved", "merge_bytes_between_workers", "worker_merge_levels",
+                                           "merge_tasks", "client_partials")},
+        "workers_holding_query": n, "search_seconds": 0.0})
+    model.main_counts([1, 4])
+    counts = json.loads((tmp_path / "distributed_model.json").read_text())
+    assert [r["workers"] for r in counts["rows"]] == [1, 4]
+    for out in (fit, counts):
+        assert out["provenance"]["source_sha256"] == prov.tree_digest()

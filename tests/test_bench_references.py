@@ -4,14 +4,16 @@ suite's dequantised inputs, the PLAID suite's decompressed documents, the traini
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
 
 import lik_cupy  # noqa: E402
-from bench.lib.reference import exact_grads, exact_scores, max_rel_err  # noqa: E402
-from bench_scripts import load as _load  # noqa: E402
+from bench.lib.reference import exact_grads, exact_query_scores, exact_scores, max_rel_err  # noqa: E402
+from bench_scripts import REPO, load as _load  # noqa: E402
 from lik_cupy.plaid import decompress_residuals  # noqa: E402
 
 
@@ -31,6 +33,58 @@ def test_fp8_reference_is_float64_of_the_dequantised_inputs(per):
     assert max_rel_err(ours, bench.exact(torch, q8, d8, qs, ds)) < 1e-6
     # the fp16 inputs' scores (what the suite compared with) differ by the quantisation, not the arithmetic
     assert max_rel_err(ours, bench.exact(torch, q, d)) > 1e-4
+
+
+class _FlashInt8:
+    """flash-maxsim 0.3.0's INT8 forms as its flash_maxsim_quant.py has them (per-token symmetric
+    quantisers: float16 scales ``[B, Ld, 1]`` and ``[Lq]``), its int8x8 kernel as what it computes:
+    MaxSim of the int8 values times their scales (here in float64, rounded to float32)."""
+
+    @staticmethod
+    def quantize_int8_symmetric(D):
+        scales = D.abs().amax(dim=-1, keepdim=True).to(torch.float32).clamp_min(1e-8) / 127.0
+        return (D / scales.to(D.dtype)).round().clamp(-127, 127).to(torch.int8), scales.half()
+
+    @staticmethod
+    def quantize_query_int8(Q):
+        absmax = Q.float().abs().amax(dim=-1, keepdim=True).clamp_min(1e-8)
+        return (Q.float() / absmax * 127.0).round().clamp(-127, 127).to(torch.int8), (absmax / 127.0).half().squeeze(-1)
+
+    @staticmethod
+    def flash_maxsim_int8x8(Q, D_int8, d_scales, Q_int8, q_scales):
+        q = Q_int8.double() * q_scales.double()[:, None]
+        d = D_int8.double() * d_scales.double()
+        return torch.einsum("sk,jtk->jst", q, d).amax(dim=2).sum(dim=1).float()
+
+
+def test_int8_errors_are_against_float64_of_the_dequantised_inputs():
+    """bench_int8.py reported rel_diff_vs_fp16, the distance of each contender's scores from our own fp16
+    path's: neither float64 nor the inputs the contender scores. Its errors are now bench_fp8.py's:
+    max_rel_err against float64 MaxSim of each contender's inputs as it reads them (int8 values times
+    their scales), and rel_l2_vs_fp16 against float64 MaxSim of the fp16 inputs before quantisation."""
+    bench = _load("bench/suites/bench_int8.py")
+    gen = torch.Generator().manual_seed(7)
+    q, d = _unit(24, 64, gen=gen), _unit(50, 20, 64, gen=gen)
+    calls, inputs = bench.contenders(lik_cupy, q, d, _FlashInt8())
+    assert set(calls) == {"ours_int8", "ours_int8_f16q", "ours_fp16", "flash_int8x8"} == set(inputs)
+    before = exact_query_scores(torch, q, d[:40])  # the suite's --check-docs: the first 40 documents here
+    for name, call in calls.items():
+        err, l2 = bench.checked(torch, call(), inputs[name], before)
+        assert err < 1e-6, (name, err)  # the NumPy path's arithmetic (the stub's rounding to float32) alone
+        assert (l2 > 1e-4) == (name != "ours_fp16"), (name, l2)  # quantising moved the scores; fp16 did not
+    # the old field's comparison: our fp16 scores are no reference for quantised inputs
+    ours = calls["ours_int8"]().double()
+    assert max_rel_err(ours, calls["ours_fp16"]()) > 1e-4
+    assert max_rel_err(ours, bench.exact_query_scores(torch, *inputs["ours_int8"])) < 1e-6
+
+
+def test_int8_table_reads_results_with_and_without_the_errors():
+    bench = _load("bench/suites/bench_int8.py")
+    old = json.loads((REPO / "bench/results/latest/int8_nvidia-h200.json").read_text())
+    assert "colpali" in bench.table(old)
+    row = dict(old["shapes"]["colpali"], max_rel_err={"ours_int8": 1.2e-7}, wrong=["flash_int8x8"])
+    line = bench.table({"shapes": {"colpali": row}}).splitlines()[1]
+    assert "1.2e-07" in line and "flash_int8x8" in line
 
 
 def _plaid_corpus(nbits, gen):

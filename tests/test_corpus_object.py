@@ -453,6 +453,56 @@ def test_candidate_tiles_are_enumerated_and_keep_the_rows_of_the_same_problem():
                             assert replace(c, cand=False) == plain
 
 
+@pytest.mark.parametrize("layout", ["packed", "int8-packed"])
+@pytest.mark.parametrize("block", [None, 300])
+def test_packed_rerank_of_shared_candidates_shares_calls_bit_for_bit(rng, layout, block, monkeypatch):
+    """Packed documents were reranked with one NumPy call per query, even where the queries named the same
+    documents. Queries whose candidates overlap enough now score their candidates' union together, in one
+    call per run of about ``_RERANK_BLOCK`` bytes (300: runs of a few documents, a long one alone), bit for
+    bit each query's scores alone (empty queries and documents, repeated ids, a NaN token); queries whose
+    candidates are their own keep a call each."""
+    from lik_cupy import _cpu
+    from lik_cupy import corpus as corpus_module
+
+    kw, *_ = corpus_case(rng, layout, nd=41, ld=17, dim=24, dtype=np.float16)
+    lens = np.diff(kw["d_offsets"])
+    if layout == "packed":
+        kw["D"][int(kw["d_offsets"][np.flatnonzero(lens)[1]])] = np.nan
+    corpus = lik_cupy.Corpus(**kw, device="cpu")
+    nq, lq = 7, 11
+    Q = rng.standard_normal((nq, lq, 24)).astype(np.float16 if layout == "packed" else np.float32)
+    ql = rng.integers(1, lq + 1, nq)
+    ql[2] = 0
+    pool = np.r_[np.flatnonzero(lens == 0)[:1], np.flatnonzero(lens)[:8]]  # an empty document, the NaN one
+    shared = np.stack([rng.permutation(np.r_[pool, pool[:3]]) for _ in range(nq)])  # 12 each, repeats
+    own = rng.permutation(41)[:nq * 5].reshape(nq, 5)
+    calls = []
+    real = _cpu.maxsim_packed_numpy
+    monkeypatch.setattr(_cpu, "maxsim_packed_numpy", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
+    if block:
+        monkeypatch.setattr(corpus_module, "_RERANK_BLOCK", block)
+    for cand, together in ((shared, True), (own, False)):
+        want = [corpus.rerank(Q[i:i + 1], cand[i:i + 1], q_lengths=ql[i:i + 1]) for i in range(nq)]
+        calls.clear()
+        got = corpus.rerank(Q, cand, q_lengths=ql)
+        np.testing.assert_array_equal(got, np.concatenate(want))
+        if together:
+            assert np.isnan(got).any() == (layout == "packed")
+            assert set(calls) == {nq} and (len(calls) > 1 if block else len(calls) == 1), calls
+        else:
+            assert set(calls) == {1} and len(calls) >= nq, calls
+    for _ in range(6):  # awkward shapes: few or many queries and tokens, candidates from a small pool
+        nq, lq = int(rng.integers(2, 9)), int(rng.integers(1, 20))
+        pool = rng.choice(41, int(rng.integers(1, 8)), replace=False)
+        cand = rng.choice(pool, (nq, int(rng.integers(2 * pool.size, 3 * pool.size + 1))))
+        Q = rng.standard_normal((nq, lq, 24)).astype(np.float16 if layout == "packed" else np.float32)
+        ql = rng.integers(0, lq + 1, nq)
+        want = [corpus.rerank(Q[i:i + 1], cand[i:i + 1], q_lengths=ql[i:i + 1]) for i in range(nq)]
+        calls.clear()
+        np.testing.assert_array_equal(corpus.rerank(Q, cand, q_lengths=ql), np.concatenate(want))
+        assert set(calls) == {nq}, calls
+
+
 @pytest.mark.parametrize("layout", ["packed", "int8-packed", "padded-mask", "int8-padded"])
 def test_rerank_gathers_its_candidates_within_the_rerank_block(rng, layout, monkeypatch):
     """100 candidates of one 100,000-token document once peaked at 2.5 GB (every candidate's tokens

@@ -458,6 +458,19 @@ def test_timeout_and_memory_fraction_are_checked_numbers(client, corpus_files):
         pass
 
 
+def test_bf16_bits_is_checked_as_a_flag(client, corpus_files):
+    """bf16_bits went to the workers unchecked, where any truthy value (the string "no", a list)
+    read uint16 files as bfloat16 bits and anything falsy (None, 0) did not. Now it is True or False
+    (NumPy's bools too), checked on the client before any worker is asked, as every on/off argument
+    of the package is (lik_cupy._validate.check_flag)."""
+    paths = corpus_files[0][:2]
+    for bad in ("no", "False", None, 1, 0, [True]):
+        with pytest.raises(TypeError, match=re.escape(f"bf16_bits must be True or False, got {bad!r}")):
+            DistributedCorpus(client, paths, backend="cpu", bf16_bits=bad)
+    with DistributedCorpus(client, paths, backend="cpu", bf16_bits=np.True_) as corpus:
+        assert corpus.num_docs == sum(off.size - 1 for _, off in corpus_files[1][:2])
+
+
 def test_a_corrupt_or_missing_shard_fails_naming_the_file(client, corpus_files, tmp_path):
     bad = tmp_path / "bad"
     shutil.copytree(corpus_files[0][0], bad)

@@ -718,3 +718,87 @@ def test_index_rerank_checks_its_arguments_before_converting_them(monkeypatch):
     for call, err, msg in cases:
         with pytest.raises(err, match=re.escape(msg)):
             call()
+
+
+def test_index_rerank_scores_host_queries_on_the_device_of_to_device(monkeypatch):
+    """rerank of host queries took the current GPU, whatever ``to_device(n)`` had chosen: a second copy of
+    the compressed corpus on device 0 and the work there. Now they are scored on device n (and come back
+    on the host); the GPU is faked, so what is checked is the device each step is asked for."""
+    from lik_cupy._dispatch import backend as backend_mod
+
+    idx = lik_cupy.PlaidIndex.open(pathlib.Path(__file__).parent / "data" / "fast_plaid" / "fast_plaid_nbits2")
+    asked = []
+
+    class Stop(Exception):
+        pass
+
+    def on_device(self, device):
+        asked.append(("copy", device))
+        return (0 if device is None else device), (None,) * 5
+
+    class FakeCall:
+        def __init__(self, p, device=None):
+            asked.append(("call", device))
+            raise Stop
+
+    monkeypatch.setattr(plaid, "gpu_available", lambda: True)
+    monkeypatch.setattr(backend_mod, "gpu_available", lambda: True)
+    monkeypatch.setattr(plaid, "present", lambda d: d)
+    monkeypatch.setattr(plaid.PlaidIndex, "_on_device", on_device)
+    monkeypatch.setattr(plaid, "GpuCall", FakeCall)
+    Q = np.ones((2, 3, idx.dim), np.float32)
+    with pytest.raises(Stop):  # no to_device yet: the current GPU
+        idx.rerank(Q, [[0], [1]])
+    assert asked == [("copy", None), ("call", 0)]
+    asked.clear()
+    assert idx.to_device(1) is idx
+    assert asked == [("copy", 1)]
+    asked.clear()
+    for backend in ("auto", "gpu"):
+        with pytest.raises(Stop):
+            idx.rerank(Q, [[0], [1]], backend=backend)
+        assert asked == [("copy", 1), ("call", 1)], backend
+        asked.clear()
+
+
+def _python_calls(f) -> int:
+    """Function calls (Python and C) that ``f()`` makes, as sys.setprofile sees them."""
+    import sys
+
+    n = 0
+
+    def count(frame, event, arg):
+        nonlocal n
+        n += event in ("call", "c_call")
+
+    sys.setprofile(count)
+    try:
+        f()
+    finally:
+        sys.setprofile(None)
+    return n
+
+
+def test_index_residuals_gathers_in_whole_array_steps(rng):
+    """residuals built one arange per id and concatenated them: Python work (and a temporary array)
+    per document asked for. Now the rows come from whole-array steps, whatever the ids, with the same
+    arrays bit for bit (empty documents, repeated ids, no ids, int32 ids and lists)."""
+    from lik_cupy._plaid_files import IndexArrays
+
+    dim, nbits, nd = 16, 2, 400
+    cen, w = codec(rng, 8, dim, nbits)
+    lens = ragged(rng, nd, 1, 9, empty=0.3)
+    off = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+    codes, bits = tokens(rng, int(off[-1]), 8, dim, nbits)
+    idx = lik_cupy.PlaidIndex(IndexArrays("fast-plaid", nbits, cen, w, codes, bits, off))
+    for ids in [rng.integers(0, nd, 50), rng.integers(0, nd, 2000).astype(np.int32), np.flatnonzero(lens == 0),
+                np.array([5, 5, 5]), np.zeros(0, np.int64), [], [3, int(np.flatnonzero(lens == 0)[0]), 3]]:
+        a = np.asarray(ids, np.int64)
+        rows = np.concatenate([np.arange(off[i], off[i + 1]) for i in a] + [np.zeros(0, np.int64)])
+        c, b, o = idx.residuals(ids)
+        for got, want in ((c, codes[rows]), (b, bits[rows]), (o, np.concatenate([[0], np.cumsum(lens[a])]))):
+            assert got.dtype == want.dtype and got.shape == want.shape
+            np.testing.assert_array_equal(got, want)
+        assert o.dtype == np.int64
+    few, many = rng.integers(0, nd, 10), rng.integers(0, nd, 2000)
+    assert _python_calls(lambda: idx.residuals(many)) <= _python_calls(lambda: idx.residuals(few)) + 5

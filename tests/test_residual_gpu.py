@@ -15,6 +15,7 @@ import pytest
 import lik_cupy
 from lik_cupy import _dispatch as dispatch
 from lik_cupy import plaid
+from devices import on_gpu
 from reference import plaid_decompress_ref
 from test_forward_gpu import _cp, _np, _torch
 from test_residual_cpu import _write_fast_plaid, codec, ragged, ref_scores, tokens
@@ -188,3 +189,23 @@ def test_index_rerank_on_the_gpu(rng, tmp_path):
     s, a = idx.rerank(_cp(Q), _cp(cand), return_argmax=True)
     assert a.shape == (4, 100, 32)
     _check(s, cpu.astype(np.float64), _bound(Q, np.ones((4, 32)), "float16"))
+
+
+def test_index_to_device_scores_host_queries_there(rng, tmp_path, other_gpu):
+    # to_device(1) while device 0 is current: host queries are scored on device 1 (no copy of the
+    # index on device 0) and come back on the host, equal to the same call on device-1 arrays.
+    dim, nbits = 64, 2
+    cen, w = codec(rng, 32, dim, nbits)
+    chunks = [ragged(rng, 60, 5, 90)]
+    codes, bits = tokens(rng, int(chunks[0].sum()), 32, dim, nbits)
+    _write_fast_plaid(tmp_path, cen, w, nbits, chunks, codes, bits, merged=True)
+    idx = plaid.PlaidIndex.open(tmp_path).to_device(other_gpu)
+    Q = _queries(rng, (3, 16, dim), np.float16)
+    cand = rng.integers(0, len(idx), (3, 20))
+    s, a = idx.rerank(Q, cand, return_argmax=True)
+    assert isinstance(s, np.ndarray) and isinstance(a, np.ndarray)
+    assert set(idx._device) == {other_gpu}
+    ds, da = idx.rerank(*on_gpu((Q, cand), other_gpu), return_argmax=True)
+    assert ds.device.id == other_gpu and set(idx._device) == {other_gpu}
+    np.testing.assert_array_equal(s, ds.get())
+    np.testing.assert_array_equal(a, da.get())

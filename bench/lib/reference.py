@@ -39,6 +39,13 @@ def exact_scores(torch, q, d, chunk=None, *, d_mask=None, q_scales=None, d_scale
     return torch.cat(out, dim=1)
 
 
+def exact_query_scores(torch, q, d, q_scales=None, d_scales=None):
+    """float64 MaxSim [B] of one query q [Lq, dim] against d [B, Ld, dim], each times its scales where
+    given (per token: ``[Lq]`` / ``[B, Ld]``; per tensor: ``[]``)."""
+    qs = None if q_scales is None else q_scales[None] if q_scales.dim() else q_scales
+    return exact_scores(torch, q[None], d, q_scales=qs, d_scales=d_scales).reshape(-1)
+
+
 def exact_grads(torch, q, d, w, chunk=None):
     """float64 ``(dQ, dD, scores)`` of the in-batch step ``(MaxSim(q, d) * w).sum()``: q [N, Lq, dim],
     d [M, Ld, dim], w [N, M] (torch tensors, any device); scores [N, M]. Chunked over documents as

@@ -37,7 +37,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: bench.lib, and this checkout's lik_cupy
 from bench.lib import baselines  # noqa: E402
-from bench.lib.reference import exact_scores, max_rel_err  # noqa: E402
+from bench.lib.reference import exact_query_scores as exact, max_rel_err  # noqa: E402
 from bench.lib.results import counts, out_dir, text_table, write_result  # noqa: E402
 from bench.lib.timing import per_call_ms  # noqa: E402
 
@@ -48,13 +48,6 @@ PEERS = ("lik_fp8_tok", "lik_fp8_ten")
 def unit(torch, shape, gen):
     x = torch.randn(*shape, device="cuda", generator=gen)
     return (x / x.norm(dim=-1, keepdim=True)).half()
-
-
-def exact(torch, q, d, q_scales=None, d_scales=None):
-    """float64 MaxSim [B] of one query q [Lq, dim] against d [B, Ld, dim], each times its scales where
-    given (per token: ``[Lq]`` / ``[B, Ld]``; per tensor: ``[]``)."""
-    qs = None if q_scales is None else q_scales[None] if q_scales.dim() else q_scales
-    return exact_scores(torch, q[None], d, q_scales=qs, d_scales=d_scales).reshape(-1)
 
 
 def run(args):

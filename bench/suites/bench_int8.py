@@ -9,6 +9,16 @@ Speed (one query against B documents, torch CUDA events, device time):
 Ratios are times (ours / other: below 1 is faster). TOPS counts 2 * Lq * Ld * d * B integer
 ops; the ceiling is torch._int_mm (cuBLAS INT8 GEMM) measured in the same run.
 
+Errors, each contender's result checked once before it is timed, on its first ``--check-docs``
+documents (``checked_docs``: float64 MaxSim of all 10,000 ColPali pages, 2.7 PFLOP, would take about a
+minute per set of inputs): ``max_rel_err``, the max over the scores of |score - exact| / |exact|, exact = float64
+MaxSim of the inputs that contender scores, as it reads them (its INT8 values times its scales,
+dequantised in float64, where they are exact; the fp16 inputs for ours_fp16): its own arithmetic's
+error (bench_fp8.py's). A contender past ``bench.lib.results.WRONG_REL_ERR`` (1e-2) or with a NaN
+score is listed in ``wrong`` and given no ratio. ``rel_l2_vs_fp16``: the relative L2 distance of its
+scores from float64 MaxSim of the fp16 inputs before quantisation, what quantising costs the scores.
+(Results before this carried ``rel_diff_vs_fp16``, the distance from our own fp16 path's scores.)
+
 Fidelity (per shape, 8 queries, fresh inputs): Spearman rank correlation of the INT8 scores
 with float64 scores of the float inputs, and top-20 overlap, averaged over queries, for
 unit-normalised random tokens and clustered tokens (64 centres, spread 0.1, and the
@@ -32,8 +42,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: bench.lib, and this checkout's lik_cupy
 from bench.lib import baselines  # noqa: E402
-from bench.lib.reference import exact_scores  # noqa: E402
-from bench.lib.results import slugify, write_json  # noqa: E402
+from bench.lib.reference import exact_query_scores, exact_scores, max_rel_err  # noqa: E402
+from bench.lib.results import counts, slugify, write_json  # noqa: E402
 from bench.lib.timing import per_call_ms  # noqa: E402
 
 SHAPES = {"colpali": (1024, 1024, 128), "long-doc": (32, 1024, 128), "textual": (32, 300, 128),
@@ -74,6 +84,35 @@ def fidelity(torch, lk, lq, ld, dim, nd, kind, gen):
             "meets_bar": bool(rho.mean() >= 0.999 and np.mean(top) >= 0.95)}
 
 
+def contenders(lk, q, d, flash_maxsim=None):
+    """One cell's contenders on one query ``q [Lq, d]`` and documents ``d [B, Ld, d]`` (fp16): ``{name:
+    call}``, and ``{name: the inputs it scores, as it reads them}``, ``(q, d)`` or ``(q8, d8, q_scales,
+    d_scales)`` as :func:`bench.lib.reference.exact_query_scores` takes them."""
+    q8, qs = lk.quantize_int8(q)
+    d8, ds = lk.quantize_int8(d)
+    calls = {"ours_int8": lambda: lk.maxsim_int8(q8, d8, ds, q_scales=qs),
+             "ours_int8_f16q": lambda: lk.maxsim_int8(q, d8, ds),  # (q quantised by quantize_int8's quantiser)
+             "ours_fp16": lambda: lk.maxsim(q, d)}
+    inputs = {"ours_int8": (q8, d8, qs, ds), "ours_int8_f16q": (q8, d8, qs, ds), "ours_fp16": (q, d)}
+    if flash_maxsim is not None:
+        fd8, fds = flash_maxsim.quantize_int8_symmetric(d)  # int8 [B, Ld, d], float16 scales [B, Ld, 1]
+        fq8, fqs = flash_maxsim.quantize_query_int8(q)  # int8 [Lq, d], float16 scales [Lq]
+        calls["flash_int8x8"] = lambda: flash_maxsim.flash_maxsim_int8x8(q, fd8, fds, Q_int8=fq8, q_scales=fqs)
+        inputs["flash_int8x8"] = (fq8, fd8, fqs, fds.squeeze(-1))  # (its values: int8 times scale)
+    return calls, inputs
+
+
+def checked(torch, out, inputs, before) -> tuple[float, float]:
+    """(max_rel_err, rel_l2_vs_fp16) of a contender's scores ``out`` ([B], any dtype) on the first
+    ``before.numel()`` documents: against float64 MaxSim of ``inputs`` (what it scores), and the relative
+    L2 distance from ``before``, float64 MaxSim of the fp16 inputs."""
+    n = before.numel()
+    out = out.double().reshape(-1)[:n]
+    q, d, *scales = inputs
+    exact = exact_query_scores(torch, q, d[:n], *(scales[:1] + [s[:n] if s.dim() else s for s in scales[1:]]))
+    return max_rel_err(out, exact), float((out - before).norm() / before.norm())
+
+
 def int8_ceiling(torch):
     a = torch.randint(-127, 128, (8192, 8192), device="cuda", dtype=torch.int8)
     b = torch.randint(-127, 128, (8192, 8192), device="cuda", dtype=torch.int8).t()
@@ -100,38 +139,28 @@ def run(args):
         b = args.docs
         q = embeddings(torch, (lq, dim), "unit", gen).half()
         d = embeddings(torch, (b, ld, dim), "unit", gen).half()
-        q8, qs = lk.quantize_int8(q)
-        d8, ds = lk.quantize_int8(d)
-        impls = {
-            "ours_int8": lambda: lk.maxsim_int8(q8, d8, ds, q_scales=qs),
-            "ours_int8_f16q": lambda: lk.maxsim_int8(q, d8, ds),
-            "ours_fp16": lambda: lk.maxsim(q, d),
-        }
-        if flash_maxsim is not None:
-            fd8, fds = flash_maxsim.quantize_int8_symmetric(d)
-            fq8, fqs = flash_maxsim.quantize_query_int8(q)
-            impls["flash_int8x8"] = lambda: flash_maxsim.flash_maxsim_int8x8(q, fd8, fds, Q_int8=fq8, q_scales=fqs)
+        impls, inputs = contenders(lk, q, d, flash_maxsim)
+        n = min(b, args.check_docs)
         row = {"Lq": lq, "Ld": ld, "dim": dim, "B": b,
-               "bytes_per_token": {"int8": dim + 4, "fp16": 2 * dim, "flash_int8": dim + 2}, "ms": {}}
-        ref = lk.maxsim(q, d).double()
+               "bytes_per_token": {"int8": dim + 4, "fp16": 2 * dim, "flash_int8": dim + 2}, "ms": {},
+               "checked_docs": n, "max_rel_err": {}, "rel_l2_vs_fp16": {}}
+        before = exact_query_scores(torch, q, d[:n])  # float64 of the fp16 inputs, before quantisation
         for impl, fn in impls.items():
             try:
-                out = fn().double()
-                row.setdefault("rel_diff_vs_fp16", {})[impl] = float((out - ref).norm() / ref.norm())
+                row["max_rel_err"][impl], row["rel_l2_vs_fp16"][impl] = checked(torch, fn(), inputs[impl], before)
                 row["ms"][impl] = per_call_ms(torch, fn, args.reps, spin_cycles=20_000_000)
             except Exception as e:
                 row["ms"][impl] = None
                 row.setdefault("errors", {})[impl] = f"{type(e).__name__}: {str(e)[:200]}"
         ops = 2 * lq * ld * dim * b
-        ms = row["ms"]
-        row["tops"] = {k: ops / v / 1e9 for k, v in ms.items() if v}
+        ms = {k: v for k, v in row["ms"].items() if counts(v, row["max_rel_err"].get(k, float("nan")))}
+        row["wrong"] = sorted(k for k, v in row["ms"].items() if v and k not in ms)
+        row["tops"] = {k: ops / v / 1e9 for k, v in ms.items()}
         row["frac_int8_ceiling"] = row["tops"].get("ours_int8", 0) / res["int8_ceiling_tops"]
-        if ms.get("ours_int8") and ms.get("flash_int8x8"):
-            row["ours_int8_over_flash_int8x8"] = ms["ours_int8"] / ms["flash_int8x8"]
-            row["ours_int8_f16q_over_flash_int8x8"] = ms["ours_int8_f16q"] / ms["flash_int8x8"]
-        if ms.get("ours_int8") and ms.get("ours_fp16"):
-            row["ours_int8_over_ours_fp16"] = ms["ours_int8"] / ms["ours_fp16"]
-        del q, d, q8, qs, d8, ds, impls
+        for a, o in (("ours_int8", "flash_int8x8"), ("ours_int8_f16q", "flash_int8x8"), ("ours_int8", "ours_fp16")):
+            if a in ms and o in ms:  # (only contenders that count: timed, and not wrong)
+                row[f"{a}_over_{o}"] = ms[a] / ms[o]
+        del q, d, impls, inputs, before
         torch.cuda.empty_cache()
         row["fidelity"] = {}
         for kind in FIDELITY_KINDS:
@@ -146,9 +175,11 @@ def run(args):
 
 def table(res) -> str:
     lines = [f"{'shape':9s} {'B':>6s} {'int8 ms':>8s} {'f16q ms':>8s} {'fp16 ms':>8s} {'flash8':>8s} "
-             f"{'/flash':>6s} {'/fp16':>6s} {'TOPS':>6s} {'ceil':>5s}  fidelity (spearman / top-20)"]
+             f"{'/flash':>6s} {'/fp16':>6s} {'TOPS':>6s} {'ceil':>5s} {'int8 err':>8s}  wrong  "
+             f"fidelity (spearman / top-20)"]
     for name, r in res["shapes"].items():
         ms = r["ms"]
+        err = r.get("max_rel_err", {}).get("ours_int8")  # (files before it: none)
 
         def f(k):
             return f"{ms[k]:8.3f}" if ms.get(k) else f"{'-':>8s}"
@@ -157,7 +188,8 @@ def table(res) -> str:
         lines.append(f"{name:9s} {r['B']:6d} {f('ours_int8')} {f('ours_int8_f16q')} {f('ours_fp16')} {f('flash_int8x8')} "
                      f"{r.get('ours_int8_over_flash_int8x8', float('nan')):6.2f} "
                      f"{r.get('ours_int8_over_ours_fp16', float('nan')):6.2f} "
-                     f"{r['tops'].get('ours_int8', 0):6.0f} {r['frac_int8_ceiling']:5.2f}  {fid}")
+                     f"{r['tops'].get('ours_int8', 0):6.0f} {r['frac_int8_ceiling']:5.2f} "
+                     f"{f'{err:8.1e}' if err is not None else '-':>8s}  {','.join(r.get('wrong', [])) or '-':5s}  {fid}")
     return "\n".join(lines)
 
 
@@ -167,6 +199,8 @@ def main():
     ap.add_argument("--shapes", default="colpali,long-doc,textual")
     ap.add_argument("--docs", type=int, default=10_000, help="documents B per timed call")
     ap.add_argument("--fidelity-docs", type=int, default=2000)
+    ap.add_argument("--check-docs", type=int, default=1000,
+                    help="documents of each timed call whose scores are checked against float64")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--seed", type=int, default=int(time.time()) % 100_000)
     ap.add_argument("--time-budget", type=float, default=240, help="fidelity runs stop after this many seconds")

@@ -34,7 +34,8 @@ counts, from Dask itself: the workers holding Q (``who_has``), the bytes of part
 workers fetched from each other (their ``transfer_incoming_log``), the tasks that ran and the
 merge levels on workers (the task stream's keys), and the rankings the client fetched.
 The tiny shards keep scoring out of the way; only the counts matter. Prints a table and writes
-JSON (``$OUT`` or bench/results/latest/distributed_model.json).
+JSON (``$OUT`` or bench/results/latest/distributed_model.json; ``fit``: distributed_model_fit.json),
+with the sources' provenance as every result JSON (``bench.lib.results.write_json``).
 
     PYTHONPATH=. python bench/sweeps/distributed_model.py counts     # N = 1, 2, 4, ..., 64
 """
@@ -52,6 +53,9 @@ import tempfile
 import time
 
 import numpy as np
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))  # the repo root: bench.lib
+from bench.lib.results import write_json  # noqa: E402
 
 NQ, LQ, DIM, K = 64, 32, 128, 100  # float32 queries: B_Q = 1 MiB
 DOCS_PER_SHARD = 60  # 2 shards per worker: each worker's partial has k = 100 rows
@@ -207,9 +211,8 @@ def main_fit(path: pathlib.Path, sizes: list[int]) -> None:
               f"{base / p['total_s']:>7.2f}x  " + ", ".join(f"{k[:-2]} {v * 1e3:.1f}" for k, v in p.items()
                                                          if k != "total_s"), flush=True)
     out = pathlib.Path(os.environ.get("OUT") or pathlib.Path(__file__).resolve().parents[1] / "results" / "latest")
-    out.mkdir(parents=True, exist_ok=True)
     target = out / "distributed_model_fit.json"
-    target.write_text(json.dumps({"source": path.name, "coefficients": coef, "rows": rows}, indent=2) + "\n")
+    write_json(target, {"source": path.name, "coefficients": coef, "rows": rows})
     print(f"wrote {target}")
 
 
@@ -230,10 +233,9 @@ def main_counts(sizes: list[int]) -> None:
                   f"(model {m['client_partials']})  search {d['search_seconds'] * 1e3:.0f} ms",
                   flush=True)
     out = pathlib.Path(os.environ.get("OUT") or pathlib.Path(__file__).resolve().parents[1] / "results" / "latest")
-    out.mkdir(parents=True, exist_ok=True)
     meta = {"nq": NQ, "lq": LQ, "dim": DIM, "dtype": "float32", "k": K,
             "note": "in-process LocalCluster (inproc transport), CPU path"}
-    (out / "distributed_model.json").write_text(json.dumps({"config": meta, "rows": rows}, indent=2) + "\n")
+    write_json(out / "distributed_model.json", {"config": meta, "rows": rows})
     print(f"wrote {out / 'distributed_model.json'}")
 
 

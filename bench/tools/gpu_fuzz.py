@@ -14,14 +14,17 @@ position: each entry within its output dtype's rounding plus the float32 sum's o
 and reranked by candidate ids twice (the second call takes the repeat path), each against float64.
 Every call is synchronised, so a launch error is a failure.
 
-    python3 bench/tools/gpu_fuzz.py SEED SECONDS        # JSON: $OUT/gpufuzz_SEED.json, a summary last
+    python3 bench/tools/gpu_fuzz.py SEED SECONDS        # JSON (with the sources' provenance): $OUT/gpufuzz_SEED.json
     FUZZ_LOCAL=1 python3 bench/tools/gpu_fuzz.py 1 60   # the script itself checked on the CPU path
 """
-import json, math, os, sys, time, traceback, warnings
+import math, os, sys, time, traceback, warnings
+from pathlib import Path
 import numpy as np
 import torch
 import cupy
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: bench.lib, and this checkout's lik_cupy
 import lik_cupy
+from bench.lib.results import write_json
 
 warnings.simplefilter("ignore")
 seed, budget = int(sys.argv[1]), float(sys.argv[2])
@@ -540,8 +543,8 @@ while time.time() < t_end:
      else one_float_case)(it)
     it += 1
 out = os.environ.get("OUT", "/tmp")
-json.dump({"seed": seed, "cases": it, "fails": fails, "stats": stats, "gpu": "local" if LOCAL else torch.cuda.get_device_name()},
-          open(os.path.join(out, f"gpufuzz_{seed}.json"), "w"), indent=1)
+write_json(os.path.join(out, f"gpufuzz_{seed}.json"), {"seed": seed, "cases": it, "fails": fails, "stats": stats,
+                                                        "gpu": "local" if LOCAL else torch.cuda.get_device_name()})
 print(f"seed {seed}: {it} cases, {len(fails)} failures")
 for k in sorted(stats):
     print(f"  {k:34s} n={stats[k]['n']:4d} worst/tol={stats[k]['worst']:.3f}")

@@ -4,12 +4,14 @@ buffers' interface (bc_touch_cai), one that makes CuPy views (bc_views), then li
 them (bc_views_maxsim) and a copy into XLA's output (bc_views_maxsim_copy); lik_cupy.jax.maxsim
 under jit; lik_cupy.maxsim from CuPy. 1 query (32) x 1,000 docs (300), d = 128, fp16.
 
-    PYTHONPATH=. python3 bench/tools/profile_jax.py   # -> $OUT/profile_jax.json (or /tmp)
+    PYTHONPATH=. python3 bench/tools/profile_jax.py   # -> $OUT/profile_jax.json (or /tmp), with the sources' provenance
 """
 
 import json
 import os
+import sys
 import time
+from pathlib import Path
 
 import cupy
 import jax
@@ -17,8 +19,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental.buffer_callback import buffer_callback
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: bench.lib, and this checkout's lik_cupy
 import lik_cupy
 import lik_cupy.jax as lj
+from bench.lib.results import write_json
 from lik_cupy import _jax_ops
 
 def per_call(f, *a, n=300):
@@ -88,4 +92,4 @@ def cupy_loop(n=300):
     return best
 out["cupy_maxsim"] = cupy_loop()
 print(json.dumps({k: round(v, 1) for k, v in out.items()}, indent=1))
-json.dump(out, open(os.path.join(os.environ.get("OUT", "/tmp"), "profile_jax.json"), "w"), indent=1)
+write_json(os.path.join(os.environ.get("OUT", "/tmp"), "profile_jax.json"), out)

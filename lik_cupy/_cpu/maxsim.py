@@ -64,8 +64,8 @@ from . import cores
 from .refine import Pending, bound_norms, dot64, margin, norm_bound
 from .runs import Runs
 
-__all__ = ["maxsim_numpy", "maxsim_packed_numpy", "unpack", "query_groups", "even_cuts", "BLOCK_BYTES",
-           "QUERY_CHUNK"]
+__all__ = ["maxsim_numpy", "maxsim_packed_numpy", "unpack", "packed_rows", "query_groups", "even_cuts",
+           "BLOCK_BYTES", "QUERY_CHUNK"]
 
 BLOCK_BYTES = 64 << 20
 QUERY_CHUNK = 16 << 20  # bytes of padded queries a group of packed queries may take however ragged (query_groups)
@@ -316,6 +316,17 @@ def maxsim_packed_numpy(Q: np.ndarray, q_valid: np.ndarray, tokens: np.ndarray, 
         del blk
         j0 = j1
     return scores, amax
+
+
+def packed_rows(starts: np.ndarray, lens: np.ndarray):
+    """The rows of runs ``starts[j] .. starts[j] + lens[j]`` (int64 ``[n]`` each) back to back (int64
+    ``[sum(lens)]``), and where each run begins among them (int64 ``[n + 1]``): whole-array steps, none
+    per run."""
+    off = np.zeros(lens.size + 1, np.int64)
+    np.cumsum(lens, out=off[1:])
+    rows = np.repeat(starts - off[:-1], lens)
+    rows += np.arange(rows.size)
+    return rows, off
 
 
 def unpack(tokens: np.ndarray, offsets: np.ndarray, rows: np.ndarray | None = None):

@@ -34,7 +34,7 @@ import bisect
 
 import numpy as np
 
-from .maxsim import even_cuts, maxsim_packed_numpy
+from .maxsim import even_cuts, maxsim_packed_numpy, packed_rows
 
 _BLOCK_BYTES = 64 << 20
 _SHARED_WASTE = 2  # a shared block's pairs scored per pair needed, at most
@@ -83,7 +83,7 @@ class Tokens:
         """Documents ``docs`` (indices into starts/lens) decompressed and packed: float32 ``[n, d]``
         and int64 offsets ``[docs.size + 1]``, computed in pieces of at most ``scratch_bytes`` of
         temporaries (one token at least)."""
-        rows, off = _packed_rows(self.starts[docs], self.lens[docs])
+        rows, off = packed_rows(self.starts[docs], self.lens[docs])
         dim = self.centroids.shape[1]
         out = np.empty((rows.size, dim), np.float32)
         step = max(1, scratch_bytes // (_DECOMPRESS_BYTES * max(dim, 1)))
@@ -92,14 +92,6 @@ class Tokens:
             out[s:s + step] = decompress(self.codes[r], self.residuals[r], self.centroids, self.weights, self.nbits,
                                          self.normalize)
         return out, off
-
-
-def _packed_rows(starts: np.ndarray, lens: np.ndarray):
-    """The rows of runs ``starts[j] .. starts[j] + lens[j]`` back to back (int64 ``[sum(lens)]``),
-    and where each run begins among them (int64 ``[lens.size + 1]``)."""
-    off = np.zeros(lens.size + 1, np.int64)
-    np.cumsum(lens, out=off[1:])
-    return np.arange(off[-1], dtype=np.int64) + np.repeat(starts - off[:-1], lens), off
 
 
 def _blocks(lens: np.ndarray, token_room: int, per_token: int, doc_room: int, per_doc: int):
@@ -174,7 +166,7 @@ def residual_maxsim_numpy(Q: np.ndarray, q_valid: np.ndarray, tokens: Tokens, se
         for q, g0, g1 in zip(queries.tolist(), first.tolist(), ends.tolist()):
             g = slice(g0, g1)
             own = uj[g][distinct[g]]  # this query's documents in the block, in order
-            rows, o = _packed_rows(off[own], lens[own])
+            rows, o = packed_rows(off[own], lens[own])
             s, a = maxsim_packed_numpy(Q[q:q + 1], q_valid[q:q + 1], T[rows], o, return_argmax=return_argmax,
                                        block_bytes=score_bytes)
             del rows
