@@ -753,10 +753,12 @@ def _json_q(q, name="Q"):
 def test_serve_help(shard):
     r = run_lik("serve", "--help")
     assert r.exit_code == 0 and "Open Inference Protocol" in r.output and "--max-delay-us" in r.output
-    assert all(o in r.output for o in ("--header-timeout", "--body-timeout", "--body-min-rate"))
+    assert all(o in r.output for o in ("--header-timeout", "--body-timeout", "--body-min-rate", "--grpc-max-streams"))
     for value in ("0", "-1", "nan", "inf"):  # (click's float range lets nan and inf by)
         r = run_lik("serve", str(shard), "--body-timeout", value)
         assert r.exit_code == 2 and "expected a positive number of seconds" in r.output, r.output
+    r = run_lik("serve", str(shard), "--grpc-max-streams", "0")
+    assert r.exit_code == 2 and "--grpc-max-streams" in r.output, r.output
 
 
 @pytest.mark.parametrize("devices", ["0,x", "", " ", "0,,1", ",", "-1", "0,-1", "+1", "1_0", "a", "CPU"])

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from lik_cupy import shards
+import http2
 from served import ROOT, Server
 
 DIM = 16
@@ -238,7 +239,7 @@ def test_a_grpc_message_that_never_arrives_is_refused(shard):
     """grpc core holds what has arrived of a call's message, out of the server's budget, and waited
     for the rest for as long as the call lasted (a partial message of 59 MiB, for 100 s and more). A
     message must arrive within the time the largest takes at --body-min-rate (--body-timeout at
-    least)."""
+    least). It is counted as HTTP's 408s are."""
     grpc = pytest.importorskip("grpc")
     pytest.importorskip("lik_cupy.serving.grpc")
     server = Server(shard, "--devices", "cpu", "--grpc-port", 0, "--body-timeout", 1, "--body-min-rate", 1 << 30)
@@ -249,24 +250,32 @@ def test_a_grpc_message_that_never_arrives_is_refused(shard):
             future.result(120)
         assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         assert e.value.details().startswith("the request message had not all arrived after 1 s"), e.value.details()
+        # (counted as HTTP's 408 is, under no model: the message names it)
+        server.wait_metric("lik_serve_responses_total", 1.0, model="", code="408")
     finally:
         sent.set()
         channel.close()
         server.stop()
 
 
-def test_a_grpc_connection_that_never_begins_http2_is_closed_at_the_header_timeout(shard):
-    """grpc core waits 60 s for a connection's HTTP/2 preface unless told; it is told --header-timeout."""
+def test_a_grpc_connection_without_calls_is_closed_at_the_header_timeout(shard):
+    """grpc core waits 60 s for a connection's HTTP/2 preface unless told; it is told --header-timeout.
+    And it kept a connection that never made a call, or made none since, for as long as its client
+    did (grpc.max_connection_idle_ms unset): it closes after --header-timeout too, as HTTP's."""
     pytest.importorskip("lik_cupy.serving.grpc")
     server = Server(shard, "--devices", "cpu", "--grpc-port", 0, "--header-timeout", 1)
     silent = socket.create_connection(("127.0.0.1", server.grpc_port))
     half = socket.create_connection(("127.0.0.1", server.grpc_port))
+    idle = http2.Connection(server.grpc_port)
     try:
         half.sendall(b"PRI * HTTP/2.0\r\n")
+        idle.settings()
         assert _closed(silent, 30) and _closed(half, 30)  # (after grpc core's SETTINGS, its preface)
+        assert _closed(idle.sock, 30)  # (after its GOAWAY)
     finally:
         silent.close()
         half.close()
+        idle.close()
         server.stop()
 
 
