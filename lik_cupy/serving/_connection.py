@@ -9,19 +9,82 @@ opening or of the previous answer (or else the connection closes: 408 where part
 arrived), and take at most :data:`MAX_HEADER_BYTES` (431, and the connection closes). A request's
 body, and a large answer, are the application's to time (``_service.BodyClock``): its scope's
 extension :data:`ABORT` drops the connection of a client that stopped taking its answer.
+
+The protocol is uvicorn's internals, which any release may change: the ``[serve]`` extra takes the
+releases this is tested with (:data:`UVICORN`), and importing this module checks that what it uses
+of the protocol is there (:func:`check_internals`), so that another uvicorn fails at once, naming
+what it lacks, rather than as connections come.
 """
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import json
 
+import uvicorn
+from uvicorn.protocols.http import httptools_impl
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.server import ServerState
+
+# The uvicorn releases lik-cupy is tested with (pyproject.toml's [serve] extra): from the one CI
+# runs to the next minor release, since uvicorn, before 1.0, may change its internals in any.
+UVICORN = ">=0.54,<0.55"
 
 # A request's line and headers, at most: a client of the protocol sends a few hundred bytes.
 MAX_HEADER_BYTES = 64 << 10
 # The ASGI scope's extension by which the application drops a connection whose client stopped
 # taking its answer: transport.close() would wait for the answer to be taken first.
 ABORT = "lik_cupy.abort"
+
+
+# What Connection uses of uvicorn's protocol: the methods it extends; the attributes it reads of a
+# protocol, of a request's cycle and of the server's state.
+_EXTENDED = ("connection_made", "connection_lost", "data_received", "on_message_begin", "on_headers_complete",
+             "on_message_complete", "on_response_complete")
+_READ = ("transport", "loop", "pipeline", "cycle", "scope", "server_state")
+_CYCLE_READ = ("response_complete",)
+_STATE_READ = ("default_headers",)
+
+
+def missing_internals(protocol: type = HttpToolsProtocol) -> list[str]:
+    """What :class:`Connection` uses of uvicorn's httptools protocol that ``protocol`` (that class,
+    or a stand-in) lacks, by name: its methods, then the attributes of one made as uvicorn makes it
+    (for this check only: it serves nothing), of a request's cycle and of the server's state."""
+    name = protocol.__name__
+    missing = [f"{name}.{m}" for m in _EXTENDED if not callable(getattr(protocol, m, None))]
+    loop = asyncio.new_event_loop()
+    try:
+        config = uvicorn.Config(_no_app, log_config=None, lifespan="off", ws="none")
+        made = protocol(config=config, server_state=ServerState(), app_state={}, _loop=loop)
+    except Exception as e:  # noqa: BLE001 - named, as a missing attribute is
+        return [*missing, f"{name}(config, server_state, app_state, _loop) ({type(e).__name__}: {e})"]
+    finally:
+        loop.close()
+    missing += [f"{name}.{a}" for a in _READ if not hasattr(made, a)]
+    cycle = getattr(httptools_impl, "RequestResponseCycle", None)
+    if cycle is None:
+        return [*missing, "httptools_impl.RequestResponseCycle"]
+    try:  # (its constructor only keeps what it is given)
+        one = cycle(**dict.fromkeys(inspect.signature(cycle).parameters))
+    except Exception as e:  # noqa: BLE001
+        return [*missing, f"RequestResponseCycle(...) ({type(e).__name__}: {e})"]
+    missing += [f"RequestResponseCycle.{a}" for a in _CYCLE_READ if not hasattr(one, a)]
+    return missing + [f"ServerState.{a}" for a in _STATE_READ if not hasattr(made.server_state, a)]
+
+
+def check_internals(protocol: type = HttpToolsProtocol) -> None:
+    """ImportError naming what :func:`missing_internals` finds, the uvicorn installed and the
+    releases tested (:data:`UVICORN`); nothing where all is there."""
+    missing = missing_internals(protocol)
+    if missing:
+        raise ImportError(f"lik serve's HTTP connections extend uvicorn's httptools protocol, and uvicorn "
+                          f"{uvicorn.__version__}'s lacks {', '.join(missing)}; lik-cupy is tested with "
+                          f"uvicorn{UVICORN}")
+
+
+async def _no_app(scope, receive, send) -> None:
+    """The application of :func:`missing_internals`' protocol, which serves nothing."""
 
 
 def connection_class(header_timeout: float) -> type:
@@ -105,3 +168,6 @@ class Connection(HttpToolsProtocol):
 
 
 _PHRASES = {408: "Request Timeout", 431: "Request Header Fields Too Large"}
+
+
+check_internals()
