@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
+import select
 import signal
 import socket
 import threading
@@ -214,6 +215,54 @@ def test_headers_past_the_limit_are_answered_431_and_closed(shard):
             c.close()
         assert server.infer("score", _SMALL)[0] == 200
     finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("refused", ["headers too slow", "body too slow", "headers too long"])
+def test_a_client_still_sending_reads_its_refusal_before_the_connection_closes(shard, refused):
+    """A connection refused with 408 or 431 was closed at once, its client still sending: the
+    server's kernel then resets it, and a client that sends its whole request before it reads (as
+    most do) met the reset on its next send, never reading the answer. The server now sends its
+    answer and its end of the stream, and reads and drops what still comes (1 MiB at most, for 2 s
+    at most) before it closes."""
+    line = b"POST /v2/models/score/infer HTTP/1.1\r\nHost: lik\r\n"
+    if refused == "headers too slow":
+        server = Server(shard, "--devices", "cpu", "--header-timeout", 1)
+        c = socket.create_connection(("127.0.0.1", server.port))
+        c.sendall(line + b"X-Pad: ")
+        piece, pause, status = b"a", 0.05, 408
+    elif refused == "body too slow":
+        server = Server(shard, "--devices", "cpu", "--body-timeout", 1, "--body-min-rate", 1000)
+        c = _begin(server.port, 100_000, b"{")
+        piece, pause, status = b" ", 0.05, 408
+    else:
+        server = Server(shard, "--devices", "cpu")
+        c = socket.create_connection(("127.0.0.1", server.port))
+        c.sendall(line + b"X-Pad: " + b"a" * (65536 + 1 - len(line) - 7))
+        piece, pause, status = b"a" * (16 << 10), 0.01, 431
+    try:
+        until = time.monotonic() + 60
+        while not select.select([c], [], [], pause)[0]:  # (until the answer has arrived, unread)
+            assert time.monotonic() < until, "no answer within 60 s"
+            c.sendall(piece)
+        for i in range(20):  # (the rest of the request, 320 KiB at most)
+            try:
+                c.sendall(piece)
+            except OSError as e:
+                raise AssertionError(f"the connection was reset under its client, at send {i + 1} after the "
+                                     f"answer arrived: {e!r}") from None
+            time.sleep(pause)
+        got, head, body, closed = _answer(c)
+        assert got == status and head["connection"] == "close" and closed, (got, head, body)
+        # Then the server closes, its bounds reached: sending more fails (the reset)
+        sent, until = 0, time.monotonic() + 60
+        with pytest.raises(OSError):
+            while sent < 64 << 20 and time.monotonic() < until:
+                c.sendall(piece)
+                sent += len(piece)
+                time.sleep(pause if status == 408 else 0)
+    finally:
+        c.close()
         server.stop()
 
 

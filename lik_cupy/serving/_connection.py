@@ -10,6 +10,12 @@ arrived), and take at most :data:`MAX_HEADER_BYTES` (431, and the connection clo
 body, and a large answer, are the application's to time (``_service.BodyClock``): its scope's
 extension :data:`ABORT` drops the connection of a client that stopped taking its answer.
 
+A connection closed while a request is still arriving (after a 408 or 431, or a body too slow)
+lingers: the server sends its answer and the end of its side (a TCP half-close), and reads and
+drops what the client still sends, :data:`LINGER_BYTES` for :data:`LINGER_S` at most, before it
+closes. Closed at once, with input unread or still coming, the connection is reset, and a client
+that sends its whole request before it reads (as most do) met the reset before the answer.
+
 The protocol is uvicorn's internals, which any release may change: the ``[serve]`` extra takes the
 releases this is tested with (:data:`UVICORN`), and importing this module checks that what it uses
 of the protocol is there (:func:`check_internals`), so that another uvicorn fails at once, naming
@@ -36,6 +42,11 @@ MAX_HEADER_BYTES = 64 << 10
 # The ASGI scope's extension by which the application drops a connection whose client stopped
 # taking its answer: transport.close() would wait for the answer to be taken first.
 ABORT = "lik_cupy.abort"
+# What a lingering connection reads and drops, at most, and for how long: the rest of a request
+# that its client sends before it reads the answer (a refused one is at most a body, sent slowly,
+# or headers over 64 KiB), bounded so that a client sending without end is closed all the same.
+LINGER_BYTES = 1 << 20
+LINGER_S = 2.0
 
 
 # What Connection uses of uvicorn's protocol: the methods it extends; the attributes it reads of a
@@ -99,16 +110,25 @@ class Connection(HttpToolsProtocol):
     header_timeout = 10.0
 
     def connection_made(self, transport) -> None:
-        self._header_timer = None
+        self._header_timer = self._linger_timer = None
         self._in_headers, self._begun, self._header_bytes = True, False, 0
-        super().connection_made(transport)
+        self._lingering = None  # (the bytes it may still drop, once it lingers)
+        self._socket = transport
+        super().connection_made(_Transport(transport, self))
         self._arm()
 
     def connection_lost(self, exc) -> None:
         self._disarm()
+        if self._linger_timer is not None:
+            self._linger_timer.cancel()
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
+        if self._lingering is not None:  # (dropped, unparsed)
+            self._lingering -= len(data)
+            if self._lingering < 0:
+                self._socket.close()
+            return
         # Counted before the parser sees them: httptools keeps a header's part until it ends, and
         # uvicorn every header. (A read is 256 KiB at most: so much more is taken before the refusal.)
         if self._in_headers:
@@ -165,6 +185,38 @@ class Connection(HttpToolsProtocol):
             head.append(b"content-type: application/json\r\nconnection: close\r\ncontent-length: %d\r\n\r\n" % len(body))
             self.transport.write(b"".join(head) + body)
         self.transport.close()
+
+    def _close(self) -> None:
+        """Close the connection (uvicorn's ``transport.close()`` and ours): lingering where a request
+        is still arriving and its answer, if any, has been sent; at once otherwise."""
+        if self._lingering is not None:
+            return  # (its bounds close it)
+        answered = self.cycle is None or self.cycle.response_complete
+        if self._begun and answered and not self._socket.is_closing() and self._socket.can_write_eof():
+            self._disarm()
+            self._lingering = LINGER_BYTES
+            self._socket.write_eof()  # (once what is written has gone)
+            self._socket.resume_reading()  # (uvicorn pauses it while a body waits to be read)
+            self._linger_timer = self.loop.call_later(LINGER_S, self._socket.close)
+        else:
+            self._socket.close()
+
+
+class _Transport:
+    """A connection's transport as uvicorn holds it (the protocol's and each request's): asyncio's,
+    but closing it is :meth:`Connection._close`, and it is closing once the connection lingers."""
+
+    def __init__(self, transport, connection: Connection):
+        self._transport, self._connection = transport, connection
+
+    def __getattr__(self, name: str):
+        return getattr(self._transport, name)
+
+    def close(self) -> None:
+        self._connection._close()
+
+    def is_closing(self) -> bool:
+        return self._connection._lingering is not None or self._transport.is_closing()
 
 
 _PHRASES = {408: "Request Timeout", 431: "Request Header Fields Too Large"}
