@@ -1,10 +1,10 @@
 """A server (:func:`lik_cupy.serving.http.run`) over a host corpus whose batched calls sleep, for the
 tests of deadlines that pass while a batch runs: ``python tests/slow_served.py SECONDS [--max-batch N]
 [--max-delay-us US] [--grpc-port P] [--max-body-bytes N] [--header-timeout S] [--body-timeout S]
-[--body-min-rate N] [--grpc-max-streams N] --port P`` (the last five as ``make_app`` takes them: a small
-body limit makes a small budget). Each call of the batcher prints ``slow_served: score of N queries`` to stderr as it
-starts (``tests/served.py``'s ``Server`` keeps the lines), then sleeps SECONDS. :func:`documents`
-gives its documents, for comparing answers."""
+[--body-min-rate N] [--grpc-max-streams N] --port P`` (the last five as ``make_app`` takes them: a
+small body limit makes a small budget). Each call of the batcher prints ``slow_served: score of N
+queries`` to stderr as it starts (``tests/served.py``'s ``Server`` keeps the lines), then sleeps
+SECONDS. :func:`documents` gives its documents, for comparing answers."""
 
 from __future__ import annotations
 

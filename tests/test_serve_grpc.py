@@ -225,9 +225,10 @@ def test_deadlines_and_cancellations_are_counted_and_dropped(shard):
 
 
 def test_a_call_cancelled_before_its_message_arrived_is_counted(served):
-    """The metrics counted a call that ended before its message, which names the model, arrived:
-    as HTTP counts a client that leaves before its body arrived (499 and ``cancelled``), under no
-    model."""
+    """A call that ended before its message, which names the model, arrived was counted nowhere (and
+    one its client cancelled was taken for a call without a message: grpcio ends the read first). It
+    is counted as HTTP counts a client that leaves before its body arrived (499 and ``cancelled``),
+    under no model."""
     import threading
 
     from tritonclient.grpc import service_pb2 as pb, service_pb2_grpc as rpc

@@ -65,9 +65,10 @@ async def start_server(svc: Service, address: str, shared: bool = False) -> grpc
     from ..errors import LikError
 
     limit = min(_CORE_LIMIT_BODIES * svc.max_body, 2**31 - 1)  # (grpc core takes a C int)
-    # A connection as HTTP's: grpc core closes one that has not begun HTTP/2 within its handshake
-    # timeout (60 s unless told), and keeps one without calls for ever unless told; both here the
-    # time HTTP gives a request's headers. Its calls at once are capped (svc.grpc_max_streams).
+    # Connections are held as HTTP's are: grpc core closes one that has not begun HTTP/2 within its
+    # handshake timeout (60 s unless told), and keeps one without calls for ever unless told; both
+    # here the time HTTP gives a request's headers. A connection's calls at once are capped
+    # (svc.grpc_max_streams), as HTTP has one request at a time.
     # grpc core's own bounds are kept: a call's headers (8 KiB, refused surely past 16 KiB, where
     # HTTP takes 64 KiB) and a client's pings (closed when it pings more often than every 5 minutes
     # without data).
