@@ -1430,6 +1430,10 @@ def _seconds(ctx, param, value: float) -> float:
 @click.option("--grpc-port", type=click.IntRange(0, 65535), default=None,
               help="Also serve the protocol over gRPC on this port (0: any free one; Triton's is 8001). "
               "Needs the [serve-grpc] extra.")
+@click.option("--grpc-max-streams", type=click.IntRange(1, 2**31 - 1), default=100, show_default=True, metavar="N",
+              help="gRPC calls one connection may have at once (HTTP/2's max concurrent streams): a client keeps "
+              "those over it waiting, and a call opened over it anyway is refused. (An HTTP connection has one "
+              "request at a time.)")
 @click.option("--devices", metavar="LIST", help="Comma-separated GPU indices and/or 'cpu', one worker each; "
               "entries naming one device share its corpus (0,0: two workers on GPU 0). Default: every GPU, else cpu.")
 @click.option("--partition/--replicate", default=None, help="Split the shards over the --devices, a part each "
@@ -1449,7 +1453,8 @@ def _seconds(ctx, param, value: float) -> float:
 @click.option("--header-timeout", type=float, default=10.0, show_default=True, callback=_seconds, metavar="SECONDS",
               help="A request's headers must all arrive within this long of the connection opening or of the "
               "previous answer, else the connection closes (with a 408 where part of a request had arrived); and "
-              "take at most 64 KiB (431). A gRPC connection must begin HTTP/2 within it.")
+              "take at most 64 KiB (431). A gRPC connection must begin HTTP/2 within it, and closes after it "
+              "without a call.")
 @click.option("--body-timeout", type=float, default=30.0, show_default=True, callback=_seconds, metavar="SECONDS",
               help="The longest wait for more of a request's body (408 past it, the connection closed, what it held "
               "of the server's budget given back), or for a client to take more of a large answer (the connection "
@@ -1460,8 +1465,8 @@ def _seconds(ctx, param, value: float) -> float:
               "(0: any rate).")
 @click.option("--debug", is_flag=True, help="Show a traceback on errors.")
 @_cli_errors
-def _serve_command(paths, host, port, grpc_port, devices, partition, max_batch, max_tokens, max_delay_us, max_queue,
-                   processes, header_timeout, body_timeout, body_min_rate, debug):
+def _serve_command(paths, host, port, grpc_port, grpc_max_streams, devices, partition, max_batch, max_tokens,
+                   max_delay_us, max_queue, processes, header_timeout, body_timeout, body_min_rate, debug):
     devices = None if devices is None else _serve_devices(devices)  # a usage error, before the extras are looked for
     try:
         from lik_cupy.serving.http import serve
@@ -1476,7 +1481,7 @@ def _serve_command(paths, host, port, grpc_port, devices, partition, max_batch, 
     serve(list(paths), host=host, port=port, grpc_port=grpc_port,
           devices=devices, partition=partition, max_batch=max_batch, max_tokens=max_tokens,
           max_delay_us=max_delay_us, max_queue=max_queue, processes=processes, header_timeout=header_timeout,
-          body_timeout=body_timeout, body_min_rate=body_min_rate)
+          body_timeout=body_timeout, body_min_rate=body_min_rate, grpc_max_streams=grpc_max_streams)
 
 
 if __name__ == "__main__":

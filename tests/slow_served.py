@@ -1,10 +1,10 @@
 """A server (:func:`lik_cupy.serving.http.run`) over a host corpus whose batched calls sleep, for the
 tests of deadlines that pass while a batch runs: ``python tests/slow_served.py SECONDS [--max-batch N]
 [--max-delay-us US] [--grpc-port P] [--max-body-bytes N] [--header-timeout S] [--body-timeout S]
-[--body-min-rate N] --port P`` (the last four as ``make_app`` takes them: a small body limit makes a
-small budget). Each call of the batcher prints ``slow_served: score of N queries`` to stderr as it
-starts (``tests/served.py``'s ``Server`` keeps the lines), then sleeps SECONDS. :func:`documents`
-gives its documents, for comparing answers."""
+[--body-min-rate N] [--grpc-max-streams N] --port P`` (the last five as ``make_app`` takes them: a
+small body limit makes a small budget). Each call of the batcher prints ``slow_served: score of N
+queries`` to stderr as it starts (``tests/served.py``'s ``Server`` keeps the lines), then sleeps
+SECONDS. :func:`documents` gives its documents, for comparing answers."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ class Slow(lik_cupy.Corpus):
 
 def main() -> None:
     from lik_cupy.serving import Batcher
-    from lik_cupy.serving._service import BODY_MIN_RATE, BODY_TIMEOUT_S, HEADER_TIMEOUT_S, MAX_BODY
+    from lik_cupy.serving._service import BODY_MIN_RATE, BODY_TIMEOUT_S, GRPC_MAX_STREAMS, HEADER_TIMEOUT_S, MAX_BODY
     from lik_cupy.serving.http import make_app, run
 
     p = argparse.ArgumentParser()
@@ -52,6 +52,7 @@ def main() -> None:
     p.add_argument("--header-timeout", type=float, default=HEADER_TIMEOUT_S)
     p.add_argument("--body-timeout", type=float, default=BODY_TIMEOUT_S)
     p.add_argument("--body-min-rate", type=int, default=BODY_MIN_RATE)
+    p.add_argument("--grpc-max-streams", type=int, default=GRPC_MAX_STREAMS)
     a = p.parse_args()
     Slow.seconds = a.seconds
     tokens, offsets = documents()
@@ -60,7 +61,7 @@ def main() -> None:
                                     observer=observer)
     run(make_app(load, grpc_address=None if a.grpc_port is None else f"127.0.0.1:{a.grpc_port}",
                  max_body_bytes=a.max_body_bytes, header_timeout=a.header_timeout, body_timeout=a.body_timeout,
-                 body_min_rate=a.body_min_rate), port=a.port)
+                 body_min_rate=a.body_min_rate, grpc_max_streams=a.grpc_max_streams), port=a.port)
 
 
 if __name__ == "__main__":

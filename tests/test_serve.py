@@ -792,10 +792,46 @@ def _json_q(q, name="Q"):
 def test_serve_help(shard):
     r = run_lik("serve", "--help")
     assert r.exit_code == 0 and "Open Inference Protocol" in r.output and "--max-delay-us" in r.output
-    assert all(o in r.output for o in ("--header-timeout", "--body-timeout", "--body-min-rate"))
+    assert all(o in r.output for o in ("--header-timeout", "--body-timeout", "--body-min-rate", "--grpc-max-streams"))
     for value in ("0", "-1", "nan", "inf"):  # (click's float range lets nan and inf by)
         r = run_lik("serve", str(shard), "--body-timeout", value)
         assert r.exit_code == 2 and "expected a positive number of seconds" in r.output, r.output
+    r = run_lik("serve", str(shard), "--grpc-max-streams", "0")
+    assert r.exit_code == 2 and "--grpc-max-streams" in r.output, r.output
+
+
+def test_the_uvicorn_internals_a_connection_uses_are_there():
+    """lik serve's HTTP connections extend uvicorn's httptools protocol and read its internals,
+    which any release may change: a uvicorn without them failed only as connections came. The
+    [serve] extra takes the releases tested here, and importing the connection names what it
+    misses of any other."""
+    pytest.importorskip("uvicorn")
+    tomllib = pytest.importorskip("tomllib")
+    specifiers = pytest.importorskip("packaging.specifiers")
+    import uvicorn
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    from lik_cupy.serving import _connection
+
+    assert _connection.missing_internals() == []
+    extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["serve"]
+    assert f"uvicorn{_connection.UVICORN}" in extra, extra
+    tested = specifiers.SpecifierSet(_connection.UVICORN)
+    assert uvicorn.__version__ in tested and any(s.operator == "<" for s in tested), (uvicorn.__version__, tested)
+
+    class Changed(HttpToolsProtocol):  # (a release that renamed two of them)
+        on_response_complete = None
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            del self.pipeline
+
+    assert _connection.missing_internals(Changed) == ["Changed.on_response_complete", "Changed.pipeline"]
+    with pytest.raises(ImportError) as e:
+        _connection.check_internals(Changed)
+    assert str(e.value) == (f"lik serve's HTTP connections extend uvicorn's httptools protocol, and uvicorn "
+                            f"{uvicorn.__version__}'s lacks Changed.on_response_complete, Changed.pipeline; "
+                            f"lik-cupy is tested with uvicorn{_connection.UVICORN}")
 
 
 @pytest.mark.parametrize("devices", ["0,x", "", " ", "0,,1", ",", "-1", "0,-1", "+1", "1_0", "a", "CPU"])

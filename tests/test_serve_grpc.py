@@ -17,6 +17,7 @@ import pytest
 
 import lik_cupy
 from lik_cupy import shards
+import http2
 from served import ROOT, Server
 from threads import run_threads
 
@@ -223,6 +224,36 @@ def test_deadlines_and_cancellations_are_counted_and_dropped(shard):
     assert re.search(r"answered (1 of 3 accepted requests; 2|2 of 3 accepted requests; 1) dropped", log), log
 
 
+def test_a_call_cancelled_before_its_message_arrived_is_counted(served):
+    """A call that ended before its message, which names the model, arrived was counted nowhere (and
+    one its client cancelled was taken for a call without a message: grpcio ends the read first). It
+    is counted as HTTP counts a client that leaves before its body arrived (499 and ``cancelled``),
+    under no model."""
+    import threading
+
+    from tritonclient.grpc import service_pb2 as pb, service_pb2_grpc as rpc
+
+    before = (served.metric("lik_serve_responses_total", model="", code="499"),
+              served.metric("lik_serve_rejected_total", model="", reason="cancelled"))
+    sent = threading.Event()
+
+    def messages():  # (none until the call is cancelled)
+        sent.wait(60)
+        return
+        yield
+
+    with grpc.insecure_channel(f"127.0.0.1:{served.grpc_port}") as channel:
+        call = channel.stream_unary("/inference.GRPCInferenceService/ModelInfer",
+                                    request_serializer=pb.ModelInferRequest.SerializeToString,
+                                    response_deserializer=pb.ModelInferResponse.FromString).future(messages(), timeout=60)
+        # (the server took the call before this one, on the same connection: its handler waits for the message)
+        assert rpc.GRPCInferenceServiceStub(channel).ServerLive(pb.ServerLiveRequest(), timeout=60).live
+        call.cancel()
+        sent.set()
+    served.wait_metric("lik_serve_responses_total", before[0] + 1, model="", code="499")
+    served.wait_metric("lik_serve_rejected_total", before[1] + 1, model="", reason="cancelled")
+
+
 def test_deadlines_behind_a_long_batch_are_answered_at_them_and_never_scored():
     """Calls whose deadlines (the timeout parameter, or the call's gRPC deadline) pass while a batch
     runs are answered DEADLINE_EXCEEDED at those deadlines, not once the worker is free (2 s here),
@@ -272,6 +303,61 @@ def test_deadlines_behind_a_long_batch_are_answered_at_them_and_never_scored():
         log = s.stop()
     calls = [line.strip() for line in s.lines if line.startswith("slow_served:")]
     assert calls == ["slow_served: score of 1 queries", "slow_served: score of 2 queries"], log
+
+
+def test_calls_over_a_connections_stream_cap_are_refused(served, shard):
+    """grpc core took any number of calls on one connection (grpc.max_concurrent_streams unset): a
+    client could open calls without end, each holding a handler and what arrives of its message.
+    The server announces a cap (--grpc-max-streams, 100 unless told) and refuses a call over it
+    (RST_STREAM REFUSED_STREAM) before any handler runs; the calls within it are served."""
+    default = http2.Connection(served.grpc_port)
+    try:
+        assert default.settings().get(http2.MAX_CONCURRENT_STREAMS) == 100
+    finally:
+        default.close()
+    server = Server(shard, "--devices", "cpu", "--grpc-port", "0", "--grpc-max-streams", "2")
+    c = http2.Connection(server.grpc_port)
+    try:
+        assert c.settings().get(http2.MAX_CONCURRENT_STREAMS) == 2
+        c.send(*(http2.frame(http2.HEADERS, http2.END_HEADERS, s, http2.call_headers("ModelInfer")) for s in (1, 3, 5, 7)))
+        refused = {}
+        while len(refused) < 2:
+            f = c.read()
+            assert f is not None, f"the server closed the connection; refused so far: {refused}"
+            if f[0] == http2.RST_STREAM:
+                refused[f[2]] = int.from_bytes(f[3], "big")
+        assert refused == {5: http2.REFUSED_STREAM, 7: http2.REFUSED_STREAM}
+        c.send(http2.frame(http2.DATA, http2.END_STREAM, 1))  # (a call ended without its message: answered)
+        while (f := c.read()) is not None and not (f[0] == http2.HEADERS and f[2] == 1 and f[1] & http2.END_STREAM):
+            assert not (f[0] == http2.RST_STREAM and f[2] == 1), f
+        assert f is not None, "the server closed the connection instead of answering the call within the cap"
+    finally:
+        c.close()
+        server.stop()
+
+
+def test_a_client_over_the_stream_cap_waits_its_turn():
+    """A client of the protocol (grpcio's, as tritonclient's) keeps the calls over the server's cap
+    waiting until one ends, rather than failing them: six calls over one channel are all answered,
+    and the server never holds more than two of them at once (its batches: two queries at most)."""
+    from slow_served import DIM as D, documents
+
+    tokens, offsets = documents()
+    local = lik_cupy.Corpus(tokens, d_offsets=offsets, device="cpu")
+    qs = [np.random.default_rng(n).standard_normal((3, D)).astype(np.float32) for n in range(6)]
+    s = Server("0.3", "--grpc-port", "0", "--grpc-max-streams", "2", script=ROOT / "tests" / "slow_served.py")
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{s.grpc_port}")
+    try:
+        def call(i):
+            r = client.infer("score", [_input("Q", qs[i], "FP32")], client_timeout=60)
+            assert np.array_equal(r.as_numpy("SCORES"), local.score(qs[i]))
+
+        run_threads(6, call)
+    finally:
+        client.close()
+        log = s.stop()
+    batches = [int(m.group(1)) for line in s.lines if (m := re.match(r"slow_served: score of (\d+) queries", line))]
+    assert sum(batches) == 6 and max(batches) <= 2, log
 
 
 def test_many_concurrent_clients_each_get_their_own_rows(served, local):

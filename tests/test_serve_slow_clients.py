@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
+import select
 import signal
 import socket
 import threading
@@ -19,6 +20,7 @@ import numpy as np
 import pytest
 
 from lik_cupy import shards
+import http2
 from served import ROOT, Server
 
 DIM = 16
@@ -216,6 +218,54 @@ def test_headers_past_the_limit_are_answered_431_and_closed(shard):
         server.stop()
 
 
+@pytest.mark.parametrize("refused", ["headers too slow", "body too slow", "headers too long"])
+def test_a_client_still_sending_reads_its_refusal_before_the_connection_closes(shard, refused):
+    """A connection refused with 408 or 431 was closed at once, its client still sending: the
+    server's kernel then resets it, and a client that sends its whole request before it reads (as
+    most do) met the reset on its next send, never reading the answer. The server now sends its
+    answer and its end of the stream, and reads and drops what still comes (1 MiB at most, for 2 s
+    at most) before it closes."""
+    line = b"POST /v2/models/score/infer HTTP/1.1\r\nHost: lik\r\n"
+    if refused == "headers too slow":
+        server = Server(shard, "--devices", "cpu", "--header-timeout", 1)
+        c = socket.create_connection(("127.0.0.1", server.port))
+        c.sendall(line + b"X-Pad: ")
+        piece, pause, status = b"a", 0.05, 408
+    elif refused == "body too slow":
+        server = Server(shard, "--devices", "cpu", "--body-timeout", 1, "--body-min-rate", 1000)
+        c = _begin(server.port, 100_000, b"{")
+        piece, pause, status = b" ", 0.05, 408
+    else:
+        server = Server(shard, "--devices", "cpu")
+        c = socket.create_connection(("127.0.0.1", server.port))
+        c.sendall(line + b"X-Pad: " + b"a" * (65536 + 1 - len(line) - 7))
+        piece, pause, status = b"a" * (16 << 10), 0.01, 431
+    try:
+        until = time.monotonic() + 60
+        while not select.select([c], [], [], pause)[0]:  # (until the answer has arrived, unread)
+            assert time.monotonic() < until, "no answer within 60 s"
+            c.sendall(piece)
+        for i in range(20):  # (the rest of the request, 320 KiB at most)
+            try:
+                c.sendall(piece)
+            except OSError as e:
+                raise AssertionError(f"the connection was reset under its client, at send {i + 1} after the "
+                                     f"answer arrived: {e!r}") from None
+            time.sleep(pause)
+        got, head, body, closed = _answer(c)
+        assert got == status and head["connection"] == "close" and closed, (got, head, body)
+        # Then the server closes, its bounds reached: sending more fails (the reset)
+        sent, until = 0, time.monotonic() + 60
+        with pytest.raises(OSError):
+            while sent < 64 << 20 and time.monotonic() < until:
+                c.sendall(piece)
+                sent += len(piece)
+                time.sleep(pause if status == 408 else 0)
+    finally:
+        c.close()
+        server.stop()
+
+
 def _grpc_waiting_call(port: int, sent: threading.Event):
     """A ModelInfer call that sends its headers and no message until ``sent`` is set (grpcio's
     client-streaming form of the method: the wire is the same), with a deadline of 120 s."""
@@ -238,7 +288,7 @@ def test_a_grpc_message_that_never_arrives_is_refused(shard):
     """grpc core holds what has arrived of a call's message, out of the server's budget, and waited
     for the rest for as long as the call lasted (a partial message of 59 MiB, for 100 s and more). A
     message must arrive within the time the largest takes at --body-min-rate (--body-timeout at
-    least)."""
+    least). It is counted as HTTP's 408s are."""
     grpc = pytest.importorskip("grpc")
     pytest.importorskip("lik_cupy.serving.grpc")
     server = Server(shard, "--devices", "cpu", "--grpc-port", 0, "--body-timeout", 1, "--body-min-rate", 1 << 30)
@@ -249,24 +299,32 @@ def test_a_grpc_message_that_never_arrives_is_refused(shard):
             future.result(120)
         assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         assert e.value.details().startswith("the request message had not all arrived after 1 s"), e.value.details()
+        # (counted as HTTP's 408 is, under no model: the message names it)
+        server.wait_metric("lik_serve_responses_total", 1.0, model="", code="408")
     finally:
         sent.set()
         channel.close()
         server.stop()
 
 
-def test_a_grpc_connection_that_never_begins_http2_is_closed_at_the_header_timeout(shard):
-    """grpc core waits 60 s for a connection's HTTP/2 preface unless told; it is told --header-timeout."""
+def test_a_grpc_connection_without_calls_is_closed_at_the_header_timeout(shard):
+    """grpc core waits 60 s for a connection's HTTP/2 preface unless told; it is told --header-timeout.
+    And it kept a connection that never made a call, or made none since, for as long as its client
+    did (grpc.max_connection_idle_ms unset): it closes after --header-timeout too, as HTTP's."""
     pytest.importorskip("lik_cupy.serving.grpc")
     server = Server(shard, "--devices", "cpu", "--grpc-port", 0, "--header-timeout", 1)
     silent = socket.create_connection(("127.0.0.1", server.grpc_port))
     half = socket.create_connection(("127.0.0.1", server.grpc_port))
+    idle = http2.Connection(server.grpc_port)
     try:
         half.sendall(b"PRI * HTTP/2.0\r\n")
+        idle.settings()
         assert _closed(silent, 30) and _closed(half, 30)  # (after grpc core's SETTINGS, its preface)
+        assert _closed(idle.sock, 30)  # (after its GOAWAY)
     finally:
         silent.close()
         half.close()
+        idle.close()
         server.stop()
 
 

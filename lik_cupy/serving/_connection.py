@@ -9,19 +9,93 @@ opening or of the previous answer (or else the connection closes: 408 where part
 arrived), and take at most :data:`MAX_HEADER_BYTES` (431, and the connection closes). A request's
 body, and a large answer, are the application's to time (``_service.BodyClock``): its scope's
 extension :data:`ABORT` drops the connection of a client that stopped taking its answer.
+
+A connection closed while a request is still arriving (after a 408 or 431, or a body too slow)
+lingers: the server sends its answer and the end of its side (a TCP half-close), and reads and
+drops what the client still sends, :data:`LINGER_BYTES` for :data:`LINGER_S` at most, before it
+closes. Closed at once, with input unread or still coming, the connection is reset, and a client
+that sends its whole request before it reads (as most do) met the reset before the answer.
+
+The protocol is uvicorn's internals, which any release may change: the ``[serve]`` extra takes the
+releases this is tested with (:data:`UVICORN`), and importing this module checks that what it uses
+of the protocol is there (:func:`check_internals`), so that another uvicorn fails at once, naming
+what it lacks, rather than as connections come.
 """
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import json
 
+import uvicorn
+from uvicorn.protocols.http import httptools_impl
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.server import ServerState
+
+# The uvicorn releases lik-cupy is tested with (pyproject.toml's [serve] extra): from the one CI
+# runs to the next minor release, since uvicorn, before 1.0, may change its internals in any.
+UVICORN = ">=0.54,<0.55"
 
 # A request's line and headers, at most: a client of the protocol sends a few hundred bytes.
 MAX_HEADER_BYTES = 64 << 10
 # The ASGI scope's extension by which the application drops a connection whose client stopped
 # taking its answer: transport.close() would wait for the answer to be taken first.
 ABORT = "lik_cupy.abort"
+# What a lingering connection reads and drops, at most, and for how long: the rest of a request
+# that its client sends before it reads the answer (a refused one is at most a body, sent slowly,
+# or headers over 64 KiB), bounded so that a client sending without end is closed all the same.
+LINGER_BYTES = 1 << 20
+LINGER_S = 2.0
+
+
+# What Connection uses of uvicorn's protocol: the methods it extends; the attributes it reads of a
+# protocol, of a request's cycle and of the server's state.
+_EXTENDED = ("connection_made", "connection_lost", "data_received", "on_message_begin", "on_headers_complete",
+             "on_message_complete", "on_response_complete")
+_READ = ("transport", "loop", "pipeline", "cycle", "scope", "server_state")
+_CYCLE_READ = ("response_complete",)
+_STATE_READ = ("default_headers",)
+
+
+def missing_internals(protocol: type = HttpToolsProtocol) -> list[str]:
+    """What :class:`Connection` uses of uvicorn's httptools protocol that ``protocol`` (that class,
+    or a stand-in) lacks, by name: its methods, then the attributes of one made as uvicorn makes it
+    (for this check only: it serves nothing), of a request's cycle and of the server's state."""
+    name = protocol.__name__
+    missing = [f"{name}.{m}" for m in _EXTENDED if not callable(getattr(protocol, m, None))]
+    loop = asyncio.new_event_loop()
+    try:
+        config = uvicorn.Config(_no_app, log_config=None, lifespan="off", ws="none")
+        made = protocol(config=config, server_state=ServerState(), app_state={}, _loop=loop)
+    except Exception as e:  # noqa: BLE001 - named, as a missing attribute is
+        return [*missing, f"{name}(config, server_state, app_state, _loop) ({type(e).__name__}: {e})"]
+    finally:
+        loop.close()
+    missing += [f"{name}.{a}" for a in _READ if not hasattr(made, a)]
+    cycle = getattr(httptools_impl, "RequestResponseCycle", None)
+    if cycle is None:
+        return [*missing, "httptools_impl.RequestResponseCycle"]
+    try:  # (its constructor only keeps what it is given)
+        one = cycle(**dict.fromkeys(inspect.signature(cycle).parameters))
+    except Exception as e:  # noqa: BLE001
+        return [*missing, f"RequestResponseCycle(...) ({type(e).__name__}: {e})"]
+    missing += [f"RequestResponseCycle.{a}" for a in _CYCLE_READ if not hasattr(one, a)]
+    return missing + [f"ServerState.{a}" for a in _STATE_READ if not hasattr(made.server_state, a)]
+
+
+def check_internals(protocol: type = HttpToolsProtocol) -> None:
+    """ImportError naming what :func:`missing_internals` finds, the uvicorn installed and the
+    releases tested (:data:`UVICORN`); nothing where all is there."""
+    missing = missing_internals(protocol)
+    if missing:
+        raise ImportError(f"lik serve's HTTP connections extend uvicorn's httptools protocol, and uvicorn "
+                          f"{uvicorn.__version__}'s lacks {', '.join(missing)}; lik-cupy is tested with "
+                          f"uvicorn{UVICORN}")
+
+
+async def _no_app(scope, receive, send) -> None:
+    """The application of :func:`missing_internals`' protocol, which serves nothing."""
 
 
 def connection_class(header_timeout: float) -> type:
@@ -36,16 +110,25 @@ class Connection(HttpToolsProtocol):
     header_timeout = 10.0
 
     def connection_made(self, transport) -> None:
-        self._header_timer = None
+        self._header_timer = self._linger_timer = None
         self._in_headers, self._begun, self._header_bytes = True, False, 0
-        super().connection_made(transport)
+        self._lingering = None  # (the bytes it may still drop, once it lingers)
+        self._socket = transport
+        super().connection_made(_Transport(transport, self))
         self._arm()
 
     def connection_lost(self, exc) -> None:
         self._disarm()
+        if self._linger_timer is not None:
+            self._linger_timer.cancel()
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
+        if self._lingering is not None:  # (dropped, unparsed)
+            self._lingering -= len(data)
+            if self._lingering < 0:
+                self._socket.close()
+            return
         # Counted before the parser sees them: httptools keeps a header's part until it ends, and
         # uvicorn every header. (A read is 256 KiB at most: so much more is taken before the refusal.)
         if self._in_headers:
@@ -103,5 +186,40 @@ class Connection(HttpToolsProtocol):
             self.transport.write(b"".join(head) + body)
         self.transport.close()
 
+    def _close(self) -> None:
+        """Close the connection (uvicorn's ``transport.close()`` and ours): lingering where a request
+        is still arriving and its answer, if any, has been sent; at once otherwise."""
+        if self._lingering is not None:
+            return  # (its bounds close it)
+        answered = self.cycle is None or self.cycle.response_complete
+        if self._begun and answered and not self._socket.is_closing() and self._socket.can_write_eof():
+            self._disarm()
+            self._lingering = LINGER_BYTES
+            self._socket.write_eof()  # (once what is written has gone)
+            self._socket.resume_reading()  # (uvicorn pauses it while a body waits to be read)
+            self._linger_timer = self.loop.call_later(LINGER_S, self._socket.close)
+        else:
+            self._socket.close()
+
+
+class _Transport:
+    """A connection's transport as uvicorn holds it (the protocol's and each request's): asyncio's,
+    but closing it is :meth:`Connection._close`, and it is closing once the connection lingers."""
+
+    def __init__(self, transport, connection: Connection):
+        self._transport, self._connection = transport, connection
+
+    def __getattr__(self, name: str):
+        return getattr(self._transport, name)
+
+    def close(self) -> None:
+        self._connection._close()
+
+    def is_closing(self) -> bool:
+        return self._connection._lingering is not None or self._transport.is_closing()
+
 
 _PHRASES = {408: "Request Timeout", 431: "Request Header Fields Too Large"}
+
+
+check_internals()

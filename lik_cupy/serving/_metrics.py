@@ -42,8 +42,9 @@ class Metrics(Observer):
                                       "or cancelled (the client went away first, 499)", ["model", "reason"],
                                       registry=r)
         self.responses = Counter("lik_serve_responses", "Inference responses by model and HTTP status (gRPC's "
-                                 "by the HTTP status of the same outcome; 499: the client went away first)",
-                                 ["model", "code"], registry=r)
+                                 "by the HTTP status of the same outcome; 499: the client went away first; model "
+                                 "empty: a gRPC call that ended before its message arrived)", ["model", "code"],
+                                 registry=r)
         self._depth = _QueueDepth(batcher)
         r.register(self._depth)
         self._totals = {op: dict.fromkeys(_TOTALS, 0) for op in OPERATIONS}
@@ -93,13 +94,17 @@ class Metrics(Observer):
         self.rejected_total.labels(op, reason).inc()
 
     def responded(self, op: str, status: int, seconds: float) -> None:
-        """A transport answered an inference request of model ``op`` with HTTP's ``status`` (or gave it up)."""
+        """A transport answered an inference request of model ``op`` with HTTP's ``status`` (or gave it
+        up); ``op`` "" for a request that named no model (a gRPC call whose message had not arrived),
+        which Triton's per-model statistics leave out."""
         key = (op, status)
         children = self._per_response.get(key)
         if children is None:
             children = self._per_response[key] = (self.request.labels(op), self.responses.labels(op, str(status)))
         children[0].observe(seconds)
         children[1].inc()
+        if op not in self._totals:
+            return
         with self._lock:
             t = self._totals[op]
             kind = "success" if status == 200 else "fail"

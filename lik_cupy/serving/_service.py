@@ -69,6 +69,15 @@ INLINE_WRITE_VALUES = 2048
 HEADER_TIMEOUT_S = 10.0
 BODY_TIMEOUT_S = 30.0
 BODY_MIN_RATE = 1 << 20
+# The gRPC calls one connection may have at once (lik serve --grpc-max-streams; HTTP/2's
+# SETTINGS_MAX_CONCURRENT_STREAMS): a client of the protocol keeps those over it waiting, and the
+# server refuses any that one opens anyway. grpc core takes any number unless told, each holding a
+# handler and what has arrived of its message. 100 is the least RFC 9113 recommends, and Kestrel's
+# default; above --max-batch's default (64 queries a call), so that one client's calls can fill a batch.
+GRPC_MAX_STREAMS = 100
+# The model label of a gRPC call counted before its message, which names the model, had arrived (or
+# one that named none): Prometheus reads an empty label as none.
+UNNAMED = ""
 
 
 class Refused(Exception):
@@ -81,27 +90,35 @@ class Refused(Exception):
         self.status, self.retry, self.close = status, retry, close
 
 
-def check_limits(header_timeout: float, body_timeout: float, body_min_rate: int) -> None:
-    """ValueError naming a limit on how slowly a client may send a request that is not one
-    (:class:`Service`)."""
+def check_limits(header_timeout: float, body_timeout: float, body_min_rate: int,
+                 grpc_max_streams: int = GRPC_MAX_STREAMS) -> None:
+    """ValueError naming a limit on how slowly a client may send a request, or how many gRPC calls
+    one connection may have at once, that is not one (:class:`Service`)."""
     for name, value in (("header_timeout", header_timeout), ("body_timeout", body_timeout)):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
             raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
     if isinstance(body_min_rate, bool) or not isinstance(body_min_rate, int) or body_min_rate < 0:
         raise ValueError(f"body_min_rate must be an integer >= 0 (bytes a second; 0: any rate), got {body_min_rate!r}")
+    if isinstance(grpc_max_streams, bool) or not isinstance(grpc_max_streams, int) \
+            or not 1 <= grpc_max_streams < 2**31:  # (grpc core takes a C int)
+        raise ValueError(f"grpc_max_streams must be an integer in [1, 2**31 - 1] (calls a connection may have at "
+                         f"once), got {grpc_max_streams!r}")
 
 
 class Service:
     """One server's state: the batcher (once loaded and warm), the id index, the metrics.
     ``load(observer)`` returns the :class:`Batcher`; :meth:`start` runs it in a thread.
     ``header_timeout``, ``body_timeout`` (seconds) and ``body_min_rate`` (bytes a second, 0: none):
-    how slowly a client may send a request (:data:`HEADER_TIMEOUT_S`)."""
+    how slowly a client may send a request (:data:`HEADER_TIMEOUT_S`); ``grpc_max_streams``: the
+    gRPC calls one connection may have at once (:data:`GRPC_MAX_STREAMS`)."""
 
     def __init__(self, load, max_body_bytes: int = MAX_BODY, peers=None, header_timeout: float = HEADER_TIMEOUT_S,
-                 body_timeout: float = BODY_TIMEOUT_S, body_min_rate: int = BODY_MIN_RATE):
-        check_limits(header_timeout, body_timeout, body_min_rate)
+                 body_timeout: float = BODY_TIMEOUT_S, body_min_rate: int = BODY_MIN_RATE,
+                 grpc_max_streams: int = GRPC_MAX_STREAMS):
+        check_limits(header_timeout, body_timeout, body_min_rate, grpc_max_streams)
         self.load, self.max_body = load, max_body_bytes
         self.header_timeout, self.body_timeout, self.body_min_rate = header_timeout, body_timeout, body_min_rate
+        self.grpc_max_streams = grpc_max_streams
         self.batcher: Batcher | None = None
         self.ids: IdIndex | None = None
         self._ready = False
@@ -465,8 +482,11 @@ async def infer(svc: Service, model: str, inputs: dict[str, np.ndarray], params:
 
 
 def responded(svc: Service, model: str, status: int, start: float) -> None:
-    """Count an inference answer of ``status`` (HTTP's) for the metrics, timed from ``start`` (perf_counter)."""
-    if model in MODELS:
+    """Count an inference answer of ``status`` (HTTP's) for the metrics, timed from ``start``
+    (perf_counter); ``model`` :data:`UNNAMED` where the request named none (a gRPC call's message
+    had not arrived). An unknown model's is not counted (its name would be a label of the client's
+    choosing)."""
+    if model in MODELS or model == UNNAMED:
         svc.metrics.responded(model, status, time.perf_counter() - start)
 
 

@@ -14,8 +14,10 @@ message does not arrive in time (``_service.arrival``). Errors: ``INVALID_ARGUME
 names the problem), ``NOT_FOUND`` (unknown model or version), ``RESOURCE_EXHAUSTED`` (a message over
 the HTTP body limit), ``UNAVAILABLE`` (overloaded, not ready or stopping), ``DEADLINE_EXCEEDED`` and
 ``INTERNAL``. Each is counted in the metrics as the HTTP status of the same outcome, and so are
-calls that grpcio cancels (the client cancelled: 499; the deadline passed: 504), once their message
-has arrived.
+calls that grpcio cancels (the client cancelled: 499; the deadline passed: 504); those that end
+before their message (which names the model) arrived under no model (``_service.UNNAMED``). A
+connection may have ``svc.grpc_max_streams`` calls at once (``lik serve --grpc-max-streams``), and
+closes after ``svc.header_timeout`` without one (:func:`start_server`).
 """
 
 from __future__ import annotations
@@ -63,11 +65,19 @@ async def start_server(svc: Service, address: str, shared: bool = False) -> grpc
     from ..errors import LikError
 
     limit = min(_CORE_LIMIT_BODIES * svc.max_body, 2**31 - 1)  # (grpc core takes a C int)
-    # (grpc core closes a connection that has not begun HTTP/2 within its handshake timeout, 60 s
-    # unless told: here the time HTTP gives a request's headers)
+    # Connections are held as HTTP's are: grpc core closes one that has not begun HTTP/2 within its
+    # handshake timeout (60 s unless told), and keeps one without calls for ever unless told; both
+    # here the time HTTP gives a request's headers. A connection's calls at once are capped
+    # (svc.grpc_max_streams), as HTTP has one request at a time.
+    # grpc core's own bounds are kept: a call's headers (8 KiB, refused surely past 16 KiB, where
+    # HTTP takes 64 KiB) and a client's pings (closed when it pings more often than every 5 minutes
+    # without data).
+    header_ms = min(max(1, round(svc.header_timeout * 1000)), 2**31 - 1)
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", limit),
                                       ("grpc.max_send_message_length", -1), ("grpc.so_reuseport", int(shared)),
-                                      ("grpc.server_handshake_timeout_ms", max(1, round(svc.header_timeout * 1000)))])
+                                      ("grpc.server_handshake_timeout_ms", header_ms),
+                                      ("grpc.max_connection_idle_ms", header_ms),
+                                      ("grpc.max_concurrent_streams", svc.grpc_max_streams)])
     handlers = _handlers(_Servicer(svc))
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(_SERVICE.full_name, handlers),))
     if hasattr(server, "add_registered_method_handlers"):  # (grpcio 1.63+: found without the generic lookup)
@@ -132,7 +142,7 @@ class _Servicer(rpc.GRPCInferenceServiceServicer):
         try:
             data = await _service.arrival(svc, lambda clock: context.read(), whole=True)
             if data is grpc.aio.EOF:
-                raise Refused(400, "the call ended without a request message")
+                await _without_message(svc, context, start)
             try:
                 rest, raw, head = _split(data)
                 named = pb.ModelInferRequest.FromString(head)
@@ -160,19 +170,38 @@ class _Servicer(rpc.GRPCInferenceServiceServicer):
                 response = await _service.off_loop(svc, held, _response, request, reply, out, names)
             else:
                 response = _response(request, reply, out, names)
-        except Refused as e:
-            if model is not None:
-                _service.responded(svc, model, e.status, start)
+        except Refused as e:  # (before its message, or its model's name, arrived: counted under none)
+            _service.responded(svc, _service.UNNAMED if model is None else model, e.status, start)
             await context.abort(_CODES[e.status], str(e))
         except asyncio.CancelledError:  # grpcio cancels the task when the client cancels or the deadline passes
-            if model is not None:  # (not counted before its message arrived, as grpc core's refusals)
-                remaining = context.time_remaining()
-                _service.abandoned(svc, model, start, expired=remaining is not None and remaining <= _EXPIRED_S)
+            _given_up(svc, context, _service.UNNAMED if model is None else model, start)
             raise
         finally:
             held.release()
         _service.responded(svc, model, 200, start)
         return response
+
+
+async def _without_message(svc: Service, context, start: float) -> None:
+    """End a call whose read ended without a message: its client half-closed it so (400), or
+    cancelled it, or its deadline passed, which end the read too, a moment before grpcio cancels the
+    task. grpc core then refuses the status, the call being over (grpcio's ExecuteBatchError, which
+    it drops for a call its client closed): counted as given up (:func:`_given_up`). Always raises."""
+    try:
+        await context.abort(_CODES[400], "the call ended without a request message")
+    except grpc.aio.AbortError:  # (the status was sent)
+        _service.responded(svc, _service.UNNAMED, 400, start)
+        raise
+    except Exception:
+        _given_up(svc, context, _service.UNNAMED, start)
+        raise
+
+
+def _given_up(svc: Service, context, model: str, start: float) -> None:
+    """Count a call of ``model`` that ended unanswered (``_service.abandoned``): its deadline
+    passed where at most :data:`_EXPIRED_S` of it was left, else its client cancelled it."""
+    remaining = context.time_remaining()
+    _service.abandoned(svc, model, start, expired=remaining is not None and remaining <= _EXPIRED_S)
 
 
 def _handlers(servicer) -> dict:

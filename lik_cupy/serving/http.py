@@ -54,8 +54,8 @@ from starlette.routing import Route
 from .._version import __version__
 from . import _service, _tensors
 from ._connection import ABORT, connection_class
-from ._service import (BODY_MIN_RATE, BODY_TIMEOUT_S, HEADER_TIMEOUT_S, INLINE_PARSE_BYTES, INLINE_WRITE_VALUES,
-                       MAX_BODY, MODELS, VERSIONS, Held, Refused, Service)
+from ._service import (BODY_MIN_RATE, BODY_TIMEOUT_S, GRPC_MAX_STREAMS, HEADER_TIMEOUT_S, INLINE_PARSE_BYTES,
+                       INLINE_WRITE_VALUES, MAX_BODY, MODELS, VERSIONS, Held, Refused, Service)
 from .batcher import Batcher
 
 __all__ = ["MODELS", "make_app", "run", "run_processes", "serve"]
@@ -66,7 +66,7 @@ _GRPC_GRACE_S = 300.0  # at shutdown, gRPC calls already accepted may take this 
 
 def make_app(load, *, max_body_bytes: int = MAX_BODY, grpc_address: str | None = None,
              header_timeout: float = HEADER_TIMEOUT_S, body_timeout: float = BODY_TIMEOUT_S,
-             body_min_rate: int = BODY_MIN_RATE):
+             body_min_rate: int = BODY_MIN_RATE, grpc_max_streams: int = GRPC_MAX_STREAMS):
     """The ASGI application (inference requests go straight to their handler, the rest through
     starlette's routing). ``load``: a callable taking the server's :class:`Observer` (its metrics)
     and returning the :class:`Batcher`; it runs in a thread at startup, while ``/v2/health/live``
@@ -77,14 +77,19 @@ def make_app(load, *, max_body_bytes: int = MAX_BODY, grpc_address: str | None =
     request: its headers within ``header_timeout`` seconds (kept by :func:`run`'s connections);
     its body (408 past these) with no gap over ``body_timeout`` seconds, and once it has taken that
     long, at ``body_min_rate`` bytes a second on average (0: any rate); a gRPC message, within the
-    time ``max_body_bytes`` take at that rate (``body_timeout`` at least)."""
-    return _application(load, max_body_bytes, grpc_address, limits=(header_timeout, body_timeout, body_min_rate))
+    time ``max_body_bytes`` take at that rate (``body_timeout`` at least). A gRPC connection may have
+    ``grpc_max_streams`` calls at once (a client keeps those over it waiting; the server refuses any
+    opened anyway), as an HTTP connection has one request at a time, and closes after
+    ``header_timeout`` without one."""
+    return _application(load, max_body_bytes, grpc_address,
+                        limits=(header_timeout, body_timeout, body_min_rate, grpc_max_streams))
 
 
 def _application(load, max_body_bytes: int, grpc_address: str | None, peers=None,
-                 limits: tuple = (HEADER_TIMEOUT_S, BODY_TIMEOUT_S, BODY_MIN_RATE)):
+                 limits: tuple = (HEADER_TIMEOUT_S, BODY_TIMEOUT_S, BODY_MIN_RATE, GRPC_MAX_STREAMS)):
     """:func:`make_app`; ``peers``: set by :func:`run_processes` (``ready`` waits for every process,
-    and gRPC shares its port with them); ``limits``: (header_timeout, body_timeout, body_min_rate)."""
+    and gRPC shares its port with them); ``limits``: (header_timeout, body_timeout, body_min_rate,
+    grpc_max_streams)."""
     svc = Service(load, max_body_bytes, peers, *limits)
 
     @contextlib.asynccontextmanager
@@ -177,13 +182,14 @@ def _version(request) -> str:
 def serve(paths, *, host: str = "127.0.0.1", port: int = 8000, grpc_port: int | None = None, devices=None,
           partition: bool | None = None, max_batch: int = 64, max_tokens: int = 65536, max_delay_us: int = 0,
           max_queue: int = 1024, processes: int = 1, header_timeout: float = HEADER_TIMEOUT_S,
-          body_timeout: float = BODY_TIMEOUT_S, body_min_rate: int = BODY_MIN_RATE) -> None:
+          body_timeout: float = BODY_TIMEOUT_S, body_min_rate: int = BODY_MIN_RATE,
+          grpc_max_streams: int = GRPC_MAX_STREAMS) -> None:
     """Serve the documents of shard ``paths`` (:meth:`Batcher.from_shards` for ``devices`` and
     ``partition``; the rest as for :class:`Batcher`) with :func:`run`: HTTP on ``port``, and gRPC on
     ``grpc_port`` when given; each shard is opened (and checked) first, so a missing or damaged one
     raises ShardError before the server listens, and the corpus loads from the shards opened then.
-    ``header_timeout``, ``body_timeout``, ``body_min_rate``: how slowly a client may send a request
-    (:func:`make_app`).
+    ``header_timeout``, ``body_timeout``, ``body_min_rate``: how slowly a client may send a request;
+    ``grpc_max_streams``: the gRPC calls a connection may have at once (:func:`make_app`).
     ``processes`` > 1: that many server processes on the ports (:func:`run_processes`), each with its
     own replicas (over several GPUs, one GPU's in each process where their count divides
     ``processes``: ``Batcher.from_shards``' ``process``), from the shards as it opens them (a spawned
@@ -192,7 +198,8 @@ def serve(paths, *, host: str = "127.0.0.1", port: int = 8000, grpc_port: int | 
         from ..errors import LikError
 
         raise LikError(f"{host}:{port}", f"the gRPC port must differ from the HTTP port, both are {port}")
-    limits = dict(header_timeout=header_timeout, body_timeout=body_timeout, body_min_rate=body_min_rate)
+    limits = dict(header_timeout=header_timeout, body_timeout=body_timeout, body_min_rate=body_min_rate,
+                  grpc_max_streams=grpc_max_streams)
     _service.check_limits(**limits)  # (before the shards are opened)
     paths = [paths] if isinstance(paths, (str, bytes, os.PathLike)) else list(paths)
     opened = _check_shards(paths)
@@ -230,9 +237,10 @@ def _load_shards(paths, devices, partition, kwargs, observer, process=None) -> B
 
 def run_processes(load, processes: int, *, host: str = "127.0.0.1", port: int = 8000,
                   grpc_port: int | None = None, header_timeout: float = HEADER_TIMEOUT_S,
-                  body_timeout: float = BODY_TIMEOUT_S, body_min_rate: int = BODY_MIN_RATE) -> None:
-    """Serve :func:`make_app` ``(load)`` (with ``header_timeout``, ``body_timeout`` and
-    ``body_min_rate``) from ``processes`` processes sharing the HTTP port (and
+                  body_timeout: float = BODY_TIMEOUT_S, body_min_rate: int = BODY_MIN_RATE,
+                  grpc_max_streams: int = GRPC_MAX_STREAMS) -> None:
+    """Serve :func:`make_app` ``(load)`` (with ``header_timeout``, ``body_timeout``,
+    ``body_min_rate`` and ``grpc_max_streams``) from ``processes`` processes sharing the HTTP port (and
     ``grpc_port``'s gRPC, when given) until SIGINT or SIGTERM; each drains its accepted requests,
     then this returns. ``load`` must pickle (a module-level function or a ``functools.partial`` of
     one): each process calls it for a batcher, and replicas on the devices, of its own (a list of
@@ -249,7 +257,7 @@ def run_processes(load, processes: int, *, host: str = "127.0.0.1", port: int = 
     loads = list(load) if isinstance(load, (list, tuple)) else [load] * processes
     if len(loads) != processes:
         raise ValueError(f"load lists {len(loads)} callables for {processes} processes; give one, or one per process")
-    limits = (header_timeout, body_timeout, body_min_rate)
+    limits = (header_timeout, body_timeout, body_min_rate, grpc_max_streams)
     _service.check_limits(*limits)  # (here, not in each process)
     # The ports are reserved by sockets bound with SO_REUSEPORT that never listen; each process
     # listens on sockets of its own bound there too (_serve_child). SO_REUSEPORT would also join a
