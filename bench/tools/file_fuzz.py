@@ -314,7 +314,9 @@ def _npy_header(data: bytes):
         return None
     try:
         import ast
-        header = ast.literal_eval(data[start:start + hl].decode("latin-1"))
+        with warnings.catch_warnings():  # (a mutated header's SyntaxWarning is this script's, not a finding)
+            warnings.simplefilter("ignore", SyntaxWarning)
+            header = ast.literal_eval(data[start:start + hl].decode("latin-1"))
     except Exception:
         return None
     return major, header, start + hl
