@@ -69,7 +69,7 @@ class Partition:
         self.dim, self.dtype = first.dim, first.dtype
         self.device = None  # the parts keep their own devices; a queue over a partition makes no context
         self._pool = ThreadPoolExecutor(len(parts), thread_name_prefix="lik-serve-part")
-        self._streams = threading.local()
+        self._local = threading.local()  # per thread: a stream per device, a Staging per part
         self._part_s: dict[str, float] = {}  # operation -> its slowest part's last call, seconds
 
     def __len__(self) -> int:
@@ -134,7 +134,7 @@ class Partition:
                 for r in requests:
                     reqs.append(dataclasses.replace(r, arg=local[at:at + r.n]))
                     at += r.n
-            by_part = self._streams.__dict__.setdefault("staging", {})
+            by_part = self._local.__dict__.setdefault("staging", {})
             out = by_part.setdefault(n, Staging()).call(p, op, reqs, precision)
             return tuple(np.array(a) for a in out)  # (views of the Staging's buffers until its next call)
 
@@ -211,7 +211,7 @@ class Partition:
             return contextlib.nullcontext()
         import cupy
 
-        streams = self._streams.__dict__.setdefault("by_device", {})
+        streams = self._local.__dict__.setdefault("by_device", {})
         if part.device not in streams:
             with cupy.cuda.Device(part.device):
                 streams[part.device] = cupy.cuda.Stream(non_blocking=True)
