@@ -1415,7 +1415,8 @@ def _seconds(ctx, param, value: float) -> float:
     help="Serve MaxSim with the Open Inference Protocol (KServe v2) over HTTP, and over gRPC with "
     "--grpc-port (tritonclient works as a client): models search (Q, K -> SCORES, IDS), rerank (Q, IDS -> SCORES) "
     "and score (Q -> SCORES) over the documents of SHARD..., kept resident (a replica per device, "
-    "requests routed to the least loaded; or split over the GPUs, --partition). Concurrent requests are batched into multi-query calls; "
+    "requests routed to the least loaded; or split over the GPUs, --partition; or on a Dask cluster's workers, "
+    "--scheduler). Concurrent requests are batched into multi-query calls; "
     "each caller gets its own rows. /v2/health/ready turns 200 once the corpus is resident "
     "and warm; /metrics is Prometheus. A full queue answers 503 with Retry-After; a request sent too slowly "
     "(--header-timeout, --body-timeout, --body-min-rate), 408; SIGTERM or Ctrl-C "
@@ -1463,11 +1464,22 @@ def _seconds(ctx, param, value: float) -> float:
 @click.option("--body-min-rate", type=click.IntRange(0), default=1 << 20, show_default=True, metavar="BYTES",
               help="Bytes a second a request's body, or a large answer, must average once it has taken --body-timeout "
               "(0: any rate).")
+@click.option("--scheduler", metavar="ADDRESS", help="Keep the shards resident on the workers of the Dask cluster at "
+              "ADDRESS (tcp://host:8786), which read them under the same paths; each batch is one round trip to the "
+              "cluster (lik_cupy.distributed). Not with --devices, --partition/--replicate or --processes. Needs the "
+              "[distributed] extra.")
 @click.option("--debug", is_flag=True, help="Show a traceback on errors.")
 @_cli_errors
 def _serve_command(paths, host, port, grpc_port, grpc_max_streams, devices, partition, max_batch, max_tokens,
-                   max_delay_us, max_queue, processes, header_timeout, body_timeout, body_min_rate, debug):
+                   max_delay_us, max_queue, processes, header_timeout, body_timeout, body_min_rate, scheduler, debug):
     devices = None if devices is None else _serve_devices(devices)  # a usage error, before the extras are looked for
+    if scheduler is not None:
+        placed = [name for name, given in (("--devices", devices is not None), ("--processes", processes != 1),
+                                           ("--partition" if partition else "--replicate", partition is not None))
+                  if given]
+        if placed:
+            raise LikError("--scheduler", f"serves the corpus from the cluster's workers, which hold the shards; "
+                                          f"drop {', '.join(placed)}")
     try:
         from lik_cupy.serving.http import serve
     except ImportError as e:
@@ -1478,10 +1490,19 @@ def _serve_command(paths, host, port, grpc_port, grpc_max_streams, devices, part
         except ImportError as e:
             raise LikError("lik serve --grpc-port",
                            f"needs the [serve-grpc] extra (pip install 'lik-cupy[serve-grpc]'): {e}") from None
-    serve(list(paths), host=host, port=port, grpc_port=grpc_port,
-          devices=devices, partition=partition, max_batch=max_batch, max_tokens=max_tokens,
-          max_delay_us=max_delay_us, max_queue=max_queue, processes=processes, header_timeout=header_timeout,
-          body_timeout=body_timeout, body_min_rate=body_min_rate, grpc_max_streams=grpc_max_streams)
+    with contextlib.ExitStack() as stack:
+        client = None
+        if scheduler is not None:
+            try:
+                importlib.import_module("lik_cupy.distributed")  # (its ImportError names the extra)
+            except ImportError as e:
+                raise LikError("lik serve --scheduler", str(e)) from None
+            client = stack.enter_context(_connect(scheduler))  # before listening: an unreachable one stops here
+        serve(list(paths), host=host, port=port, grpc_port=grpc_port,
+              devices=devices, partition=partition, max_batch=max_batch, max_tokens=max_tokens,
+              max_delay_us=max_delay_us, max_queue=max_queue, processes=processes, header_timeout=header_timeout,
+              body_timeout=body_timeout, body_min_rate=body_min_rate, grpc_max_streams=grpc_max_streams,
+              client=client)
 
 
 if __name__ == "__main__":

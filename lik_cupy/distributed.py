@@ -35,7 +35,9 @@ imports Dask, this module does.
   merge tree gives exactly the single-process ranking. Each batch's stage times (worker-side
   ``retrieve``, shipping, the scheduler's round trips, gathering, merging) land in
   ``DistributedCorpus.last_search``. ``score`` returns the full matrix, fetched shard piece by
-  shard piece.
+  shard piece. ``rerank`` sends each worker that holds candidates the queries that have some there,
+  with those candidates (their shards and indices in them); one task per such worker scores just
+  them, and the client writes each worker's scores back in place.
 - **Faults.** While it waits, the client polls the scheduler's worker list. When a worker
   holding shards leaves mid-call, the call's tasks are dropped, the shards reload on the
   remaining workers, the call runs again (still exact), and a RuntimeWarning says what happened;
@@ -81,7 +83,7 @@ from ._dispatch.backend import check_backend
 from ._ranking import merge_rankings
 from ._runtime.topk import MAX_K
 from ._streaming.gpu import outside_stacklevel
-from ._validate import check_flag
+from ._validate import check_flag, check_id_values, host_ints
 from .retrieval import retrieve
 
 __all__ = ["DistributedCorpus"]
@@ -255,6 +257,51 @@ class _Resident:
             S = maxsim_int8_varlen(Q, tokens, self.part[2][t0:t1], offsets, q_lengths=q_lengths, backend=backend)
         else:
             S = maxsim_varlen(Q, tokens, offsets, q_lengths=q_lengths, backend=backend)
+        return S.get() if on_gpu else np.asarray(S, np.float32)
+
+    def rerank(self, Q: np.ndarray, q_lengths, rows: np.ndarray, docs: np.ndarray, backend: str) -> np.ndarray:
+        """float32 ``[m]``: the MaxSim of query ``rows[j]`` of Q against this shard's document ``docs[j]``,
+        for each j (``rows`` ascending). Each query's documents are gathered, packed, in runs of at
+        most ``_PIECE_BYTES`` of tokens (a longer document alone, read in place), and scored by one
+        ``maxsim_varlen`` of that query: as ``Corpus.rerank`` scores candidates on the NumPy path."""
+        from .forward import maxsim_varlen
+        from .int8 import maxsim_int8_varlen
+
+        on_gpu = self.where == "GPU"
+        xp = np
+        if on_gpu:  # the documents are CuPy arrays: queries, lengths, offsets and row indices go to the same device
+            import cupy as xp
+        Q = xp.asarray(Q)
+        q_lengths = None if q_lengths is None else xp.asarray(q_lengths)
+        tokens, scales = self.part[0], self.part[2] if len(self.part) == 3 else None
+        run = max(1, _PIECE_BYTES // (tokens.shape[1] * tokens.dtype.itemsize + (4 if scales is not None else 0)))
+        starts = self.offsets[docs]
+        lens = self.offsets[docs + 1] - starts
+        pieces = []
+        cuts = np.flatnonzero(np.diff(rows)) + 1
+        for a, b in zip([0, *cuts.tolist()], [*cuts.tolist(), rows.size]):  # one query's documents
+            r = int(rows[a])
+            q, ql = Q[r : r + 1], None if q_lengths is None else q_lengths[r : r + 1]
+            ends = np.cumsum(lens[a:b])
+            j = a
+            while j < b:
+                spent = int(ends[j - a - 1]) if j > a else 0
+                e = max(j + 1, a + int(np.searchsorted(ends, spent + run, side="right")))
+                off = np.zeros(e - j + 1, np.int64)
+                np.cumsum(lens[j:e], out=off[1:])
+                if e == j + 1:  # one document: a slice, no copy
+                    at = slice(int(starts[j]), int(starts[j] + lens[j]))
+                else:
+                    at = xp.asarray(np.repeat(starts[j:e] - off[:-1], lens[j:e]) + np.arange(off[-1]))
+                if scales is not None:
+                    S = maxsim_int8_varlen(q, tokens[at], scales[at], xp.asarray(off), q_lengths=ql, backend=backend)
+                else:
+                    S = maxsim_varlen(q, tokens[at], xp.asarray(off), q_lengths=ql, backend=backend)
+                pieces.append(S[0])
+                j = e
+        if not pieces:
+            return np.zeros(0, np.float32)
+        S = xp.concatenate(pieces)
         return S.get() if on_gpu else np.asarray(S, np.float32)
 
     def release(self) -> None:
@@ -476,6 +523,20 @@ def _piece(name: str, query: tuple, index: int, ref: tuple, start: int, stop: in
         return held.scores(Q, q_lengths, start, stop, store.backend)
 
 
+def _rerank(name: str, job: tuple, work: list[tuple[int, tuple]]) -> np.ndarray:
+    """This worker's part of a rerank: ``job`` = (Q ``[n, Lq, d]``, q_lengths ``[n]`` or None, and for
+    each candidate, in the call's row-major order: its query's row of Q, its shard, its index in the
+    shard); ``work`` = [(index, ref)], the shards they fall in. float32 ``[m]``, in the job's order."""
+    Q, q_lengths, rows, shard, docs = job
+    store = _store(name)
+    out = np.empty(rows.shape[0], np.float32)
+    with store.holding(work) as held:
+        for (index, _), r in zip(work, held):
+            mine = np.flatnonzero(shard == index)
+            out[mine] = r.rerank(Q, q_lengths, rows[mine], docs[mine], store.backend)
+    return out
+
+
 # --------------------------------------------------------------------------- client side
 
 
@@ -563,7 +624,7 @@ class DistributedCorpus:
     The corpus holds the workers' memory until :meth:`close` (or the end of a ``with`` block); one
     garbage-collected without it drops its shards too, with a ResourceWarning.
 
-    Threads may share it: their :meth:`search` and :meth:`score` calls run side by side (a worker
+    Threads may share it: their :meth:`search`, :meth:`score` and :meth:`rerank` calls run side by side (a worker
     with several threads runs their tasks at once, and a shard a move drops meanwhile stays until
     the tasks using it end; a task queued before the move reads it into a copy of its own, released
     as it ends); re-placing shards after workers left or joined goes one call at a time.
@@ -722,6 +783,30 @@ class DistributedCorpus:
         self._rerun("while scoring", lambda: self._fill(Q, q_lengths, todo, sink))
         return out
 
+    def rerank(self, Q: np.ndarray, candidates, *, q_lengths=None) -> np.ndarray:
+        """MaxSim of each query against its own candidate documents, as ``Corpus.from_shards(shard_paths,
+        ids=False).rerank`` in one process.
+
+        Args:
+            Q, q_lengths: as in :meth:`search`.
+            candidates: integer ``[Nq, K]`` (``[K]`` for a 2-D Q) global document positions (as
+                :meth:`search` returns them), a NumPy array or a list; one outside ``[0, num_docs)``
+                raises ValueError naming it, before any task.
+
+        Returns:
+            float32 ``[Nq, K]`` (``[K]`` for a 2-D Q), in the candidates' order: -inf for a document
+            without tokens, 0 for a query without any. Each worker holding candidates gets the queries
+            that have some there and scores only those (one task; each query's candidates gathered
+            from its resident shards, as the single-process NumPy path gathers them); on the NumPy
+            path bitwise the single-process result.
+        """
+        Q, q_lengths, squeeze = self._queries(Q, q_lengths)
+        cand = self._candidates(candidates, Q.shape[0], squeeze)
+        out = np.empty(cand.shape, np.float32)
+        if cand.size:
+            self._rerun("during a rerank", lambda: self._rerank_batch(Q, q_lengths, cand, out))
+        return out[0] if squeeze else out
+
     def close(self) -> None:
         """Drop the shards from every worker (GPU memory included). Idempotent.
 
@@ -841,6 +926,26 @@ class DistributedCorpus:
                 raise ValueError(f"q_lengths has {bad}, outside [0, {lq}] (Q's Lq)")
             q_lengths = np.ascontiguousarray(lengths.reshape(nq))
         return Q, q_lengths, squeeze
+
+    def _candidates(self, candidates, nq: int, squeeze: bool) -> np.ndarray:
+        """Rerank ``candidates`` of ``nq`` queries as int64 ``[nq, K]``, checked here, before any task."""
+        expected = "[K] (Q is one query)" if squeeze else f"[Nq, K] with Nq = {nq}"
+        if isinstance(candidates, (list, tuple)):
+            candidates = host_ints("candidates", candidates, f"{expected}: K positions for every query")
+            if candidates.size == 0:  # (NumPy makes [] float64)
+                candidates = candidates.astype(np.int64)
+        if not isinstance(candidates, np.ndarray):
+            raise TypeError(f"candidates must be a NumPy array or a list of document positions (they are sent to the "
+                            f"workers), got {type(candidates).__module__}.{type(candidates).__name__}; copy it to the "
+                            "host first")
+        if candidates.dtype.kind not in "iu":
+            raise TypeError(f"candidates must be integer document positions, got dtype {candidates.dtype}")
+        if candidates.ndim != (1 if squeeze else 2) or (not squeeze and candidates.shape[0] != nq):
+            raise ValueError(f"candidates has shape {list(candidates.shape)}; expected {expected}")
+        if candidates.size:
+            check_id_values("candidates", int(candidates.min()), int(candidates.max()), self.num_docs,
+                            f"global positions of the corpus's {self.num_docs} documents")
+        return np.ascontiguousarray(candidates.reshape(nq, candidates.shape[-1]), np.int64)  # (nq = 0: no -1)
 
     # ------------------------------------------------------------ waiting
 
@@ -1074,21 +1179,36 @@ class DistributedCorpus:
         """``query`` on each of ``workers``: worker -> the future of the copy it holds.
 
         The client sends the copies straight to the workers, not through the scheduler. Up to
-        ``_DIRECT_MAX`` workers, each gets its own copy at once, one hop. Beyond, one worker gets
-        one copy and Dask copies it on from worker to worker in a tree (``replicate``), so what the
-        client uploads does not grow with the cluster.
+        ``_DIRECT_MAX`` workers, each gets its own copy at once, one hop (:meth:`_send`). Beyond,
+        one worker gets one copy and Dask copies it on from worker to worker in a tree
+        (``replicate``), so what the client uploads does not grow with the cluster.
         """
-        try:
-            if len(workers) <= _DIRECT_MAX:
-                async def each():
-                    return await asyncio.gather(*(self.client.scatter(
-                        [query], workers=[w], direct=True, hash=False, timeout=self.timeout, asynchronous=True)
-                        for w in workers))
+        if len(workers) <= _DIRECT_MAX:
+            return self._send(dict.fromkeys(workers, query))
 
-                return {w: copy for w, [copy] in zip(workers, self.client.sync(each, callback_timeout=self.timeout))}
+        def broadcast():
             [future] = self.client.scatter([query], workers=workers, broadcast=True, direct=True, hash=False,
                                            timeout=self.timeout)
             return dict.fromkeys(workers, future)
+
+        return self._sending(workers, broadcast)
+
+    def _send(self, payloads: dict) -> dict:
+        """Each worker's own payload (``payloads``: worker -> object), sent straight to it, all at once
+        (one hop): worker -> the future of what it holds."""
+        async def each():
+            return await asyncio.gather(*(self.client.scatter(
+                [payload], workers=[w], direct=True, hash=False, timeout=self.timeout, asynchronous=True)
+                for w, payload in payloads.items()))
+
+        return self._sending(list(payloads), lambda: {w: copy for w, [copy] in zip(
+            payloads, self.client.sync(each, callback_timeout=self.timeout))})
+
+    def _sending(self, workers: list[str], send) -> dict:
+        """``send()``, a scatter to ``workers``: TimeoutError past ``timeout``; _Departed when a
+        connection closed because one of them left."""
+        try:
+            return send()
         except (TimeoutError, distributed.TimeoutError):
             raise TimeoutError(f"lik_cupy.distributed: sending the queries to the workers did not finish within "
                                f"{self.timeout:g} s (timeout=)") from None
@@ -1161,3 +1281,31 @@ class DistributedCorpus:
                 busy[w] -= 1
                 sink(self._first[i] + a, self._fetch("fetching a piece of score()", {w}, f.result))
                 del todo[(i, a, b)]
+
+    def _rerank_batch(self, Q: np.ndarray, q_lengths, cand: np.ndarray, out: np.ndarray) -> None:
+        """Score the checked candidates ``cand`` (int64 [Nq, K]) into ``out``: each worker holding
+        some of them gets the queries that have candidates there and, for each candidate in
+        row-major order, its query's row among those, its shard and its index in the shard; one
+        task per such worker scores them; the client writes each worker's scores back in place."""
+        flat = cand.reshape(-1)
+        shard = np.searchsorted(self._first, flat, side="right") - 1  # (an empty shard never: its start repeats)
+        docs = flat - self._first[shard]
+        rows = np.repeat(np.arange(cand.shape[0]), cand.shape[1])
+        holders = sorted({self._placement[i] for i in np.unique(shard).tolist()})
+        number = {w: n for n, w in enumerate(holders)}
+        who = np.array([number.get(self._placement[i], -1) for i in range(len(self._sources))])[shard]
+        jobs, picks, work = {}, {}, {}
+        for n, w in enumerate(holders):
+            pick = picks[w] = np.flatnonzero(who == n)
+            need = np.unique(rows[pick])  # the queries with candidates on w, ascending
+            jobs[w] = (Q[need], None if q_lengths is None else q_lengths[need], np.searchsorted(need, rows[pick]),
+                       shard[pick], docs[pick])
+            work[w] = [(i, self._refs[i]) for i in np.unique(shard[pick]).tolist()]
+        copies = self._send(jobs)
+        tag = uuid.uuid4().hex[:8]
+        tasks = [self.client.submit(_rerank, self._name, copies[w], work[w], workers=[w], allow_other_workers=False,
+                                    pure=False, key=f"lik-cupy-rerank-{tag}-{n}") for n, w in enumerate(holders)]
+        got = self._results(tasks, set(holders), "a rerank batch")
+        into = out.reshape(-1)
+        for w, scores in zip(holders, got):
+            into[picks[w]] = scores

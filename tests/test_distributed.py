@@ -1,8 +1,8 @@
 """lik_cupy.distributed on a real Dask cluster: results bitwise those of single-process ``retrieve``.
 
 CPU (CI): one module-wide ``LocalCluster`` of two worker processes on the NumPy path. Covers
-ties, NaN and empty documents, a worker killed in the middle of a query (its shards reload, the
-batch reruns, a RuntimeWarning says so), a worker restarted under its own address and
+ties, NaN and empty documents, rerank (bitwise single-process ``Corpus.rerank``), a worker killed
+in the middle of a query or a rerank (its shards reload, the batch reruns, a RuntimeWarning says so), a worker restarted under its own address and
 ``client.restart()`` mid-query (the batch reruns), a worker joining (shards move to it), threads
 sharing a corpus, a corrupt shard, timeouts, what close (or collection) leaves on the workers, and
 ``lik score --scheduler``. Clusters of 1 and 4 workers in threads check the ranking
@@ -201,6 +201,38 @@ def test_a_search_queued_before_a_move_does_not_load_the_moved_shard_back_for_go
     assert sorted(store.resident) == [0]
 
 
+@pytest.mark.parametrize("int8", [False, True])
+def test_a_rerank_task_scores_its_candidates_as_the_single_process_rerank(tmp_path, rng, monkeypatch, int8):
+    """The worker's side of a rerank, in this process: a query's candidates over two shards, in runs
+    bounded by _PIECE_BYTES (shrunk here to a few documents' tokens, and below one document's, which is
+    then read in place), repeated and empty documents, a query without tokens; float and INT8 shards.
+    Bitwise Corpus.from_shards(...).rerank of the same queries and positions."""
+    from lik_cupy import Corpus, quantize_int8
+
+    dist, store, parts, refs = _one_worker_store(tmp_path, rng, monkeypatch)
+    if int8:  # the same documents (NaN made 0), quantized into shards of their own
+        for j in (0, 2):
+            path = str(tmp_path / f"int8-{j}")
+            tokens, scales = quantize_int8(np.nan_to_num(parts[j][0]))
+            shards.write_shard(path, tokens, parts[j][1], scales=scales)
+            refs[j] = ((path, None), dist._describe((path, None), False).fingerprint)
+    whole = Corpus.from_shards([refs[0][0][0], refs[2][0][0]], device="cpu", ids=False)
+    Q, q_lengths = _queries(rng)
+    cand = rng.integers(0, 32, (Q.shape[0], 12))  # shard 0: positions 0..22, shard 2: 23..31
+    cand[0, :3] = cand[0, 3]  # repeated
+    want = whole.rerank(Q, cand, q_lengths=q_lengths)
+    rows = np.repeat(np.arange(Q.shape[0]), cand.shape[1])
+    shard = np.where(cand.reshape(-1) < 23, 0, 2)
+    docs = cand.reshape(-1) - np.where(shard == 0, 0, 23)
+    for piece in (dist._PIECE_BYTES, 40 * 4 * DIM, 4):
+        monkeypatch.setattr(dist, "_PIECE_BYTES", piece)
+        got = dist._rerank("corpus", (Q, q_lengths, rows, shard, docs), [(0, refs[0]), (2, refs[2])])
+        assert got.dtype == np.float32
+        np.testing.assert_array_equal(got.view(np.uint32), want.reshape(-1).view(np.uint32))
+    assert np.isneginf(want).any() and (want[1] == 0).all()  # empty documents; query 1 has no tokens
+    assert dist._rerank("corpus", (Q, q_lengths, rows[:0], shard[:0], docs[:0]), []).shape == (0,)
+
+
 # --------------------------------------------------------------------------- CPU cluster
 
 
@@ -347,6 +379,57 @@ def test_score_checks_out_and_write_before_any_task(corpus, rng):
         corpus.score(Q, write=3)
 
 
+def test_rerank_is_the_single_process_rerank_bitwise(corpus, corpus_files, rng):
+    """Candidates in every shard (ties, NaN and empty documents among them), some repeated, a query
+    without tokens, rows whose candidates all lie on one worker: each score is bitwise what
+    Corpus.from_shards(...).rerank gives in one process, and the column of the full matrix."""
+    from lik_cupy import Corpus
+
+    whole = Corpus.from_shards(corpus_files[0], device="cpu", ids=False)
+    Q, q_lengths = _queries(rng)
+    n = corpus.num_docs
+    cand = rng.integers(0, n, (Q.shape[0], 40))
+    cand[2] = np.arange(n)[:40]  # shards 0 and 2 (and the empty shard's place between them)
+    cand[3, :5] = n - 1
+    want = whole.rerank(Q, cand, q_lengths=q_lengths)
+    got = corpus.rerank(Q, cand, q_lengths=q_lengths)
+    assert got.dtype == np.float32 and got.shape == cand.shape
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+    matrix = corpus.score(Q, q_lengths=q_lengths)
+    np.testing.assert_array_equal(got.view(np.uint32), np.take_along_axis(matrix, cand, 1).view(np.uint32))
+    assert np.isnan(corpus.rerank(Q, np.arange(n)[None].repeat(Q.shape[0], 0), q_lengths=q_lengths)).any()
+    for c in (cand[0, :7], cand[0, :7].tolist(), cand[0, :7].astype(np.uint16)):  # one query, [Lq, d]; list; uint
+        np.testing.assert_array_equal(corpus.rerank(Q[0], c).view(np.uint32),
+                                      whole.rerank(Q[0], cand[0, :7]).view(np.uint32))
+    assert corpus.rerank(Q, cand[:, :0]).shape == (Q.shape[0], 0)
+    assert corpus.rerank(Q[:0], np.zeros((0, 3), np.int64)).shape == (0, 3)
+    assert corpus.rerank(Q[0], []).shape == (0,)
+
+
+def test_rerank_candidates_are_checked_before_any_task(corpus, rng):
+    Q, _ = _queries(rng)
+    n = corpus.num_docs
+    for bad, value in ((-1, -1), (n, n)):
+        cand = np.zeros((Q.shape[0], 3), np.int64)
+        cand[1, 2] = bad
+        with pytest.raises(ValueError, match=re.escape(f"candidates holds {value}; every entry must be in [0, {n - 1}] "
+                                                       f"(global positions of the corpus's {n} documents)")):
+            corpus.rerank(Q, cand)
+    with pytest.raises(ValueError, match=re.escape(f"candidates has shape [3]; expected [Nq, K] with Nq = "
+                                                   f"{Q.shape[0]}")):
+        corpus.rerank(Q, [1, 2, 3])
+    with pytest.raises(ValueError, match=re.escape("candidates has shape [1, 3]; expected [K] (Q is one query)")):
+        corpus.rerank(Q[0], [[1, 2, 3]])
+    with pytest.raises(TypeError, match="candidates must be integer document positions, got dtype float64"):
+        corpus.rerank(Q[0], np.array([1.0]))
+    with pytest.raises(TypeError, match="candidates must be a NumPy array or a list of document positions"):
+        corpus.rerank(Q[0], "12")
+    with pytest.raises(ValueError, match="candidates is a ragged list"):
+        corpus.rerank(Q[:2], [[1, 2], [3]])
+    with pytest.raises(ValueError, match=r"q_lengths has shape \[2\]; expected"):
+        corpus.rerank(Q, np.zeros((Q.shape[0], 1), np.int64), q_lengths=[1, 2])
+
+
 def test_bad_queries_are_refused_on_the_client(corpus, rng):
     Q, _ = _queries(rng)
     with pytest.raises(ValueError, match="k must be an integer in"):
@@ -490,6 +573,9 @@ def test_waits_time_out_with_a_clear_message(corpus, corpus_files, rng):
     try:
         with pytest.raises(TimeoutError, match=r"a search batch did not finish within 0.5 s \(timeout=\) on tcp://"):
             corpus.search(Q, 3)
+        corpus.client.run(lambda: None)  # (once the stalled search's workers answer again: the stall is in their loop)
+        with pytest.raises(TimeoutError, match=r"a rerank batch did not finish within 0.5 s \(timeout=\) on tcp://"):
+            corpus.rerank(Q, np.zeros((Q.shape[0], 2), np.int64))
     finally:
         corpus.timeout = 300.0
         corpus.client.unregister_worker_plugin("lik-test-staller")
@@ -500,11 +586,11 @@ def test_waits_time_out_with_a_clear_message(corpus, corpus_files, rng):
 
 
 def _staller(seconds: float):
-    """A worker plugin that holds each search task ``seconds`` before it runs."""
+    """A worker plugin that holds each search and rerank task ``seconds`` before it runs."""
 
     class Staller(distributed.WorkerPlugin):
         def transition(self, key, start, finish, **kwargs):
-            if finish == "executing" and str(key).startswith("lik-cupy-top-k"):
+            if finish == "executing" and str(key).startswith(("lik-cupy-top-k", "lik-cupy-rerank")):
                 import time
 
                 time.sleep(seconds)
@@ -582,6 +668,18 @@ def test_a_worker_killed_mid_query_reloads_its_shards_and_the_query_reruns(clien
         client.wait_for_workers(2, timeout=60)  # the nanny's new process, under a new address
         _same(corpus.search(Q, 11, q_lengths=q_lengths), expected)
         assert {w for w, _ in corpus.placement.values()} == set(client.nthreads())
+        # A rerank too: its candidates' worker killed as its task starts; the batch reruns, exact.
+        cand = np.tile(np.arange(0, corpus.num_docs, 3), (Q.shape[0], 1))
+        want = corpus.rerank(Q, cand, q_lengths=q_lengths)
+        victim = corpus.placement[3][0]
+        client.register_plugin(_killer(victim, "lik-cupy-rerank"), name="lik-test-killer")
+        try:
+            with pytest.warns(RuntimeWarning, match=f"worker {victim} left during a rerank, which then ran again"):
+                got = corpus.rerank(Q, cand, q_lengths=q_lengths)
+        finally:
+            client.unregister_worker_plugin("lik-test-killer")
+        np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+        client.wait_for_workers(2, timeout=60)
 
 
 def test_a_worker_restarted_under_its_address_mid_call_reruns_the_call(corpus_files, tmp_path, rng):
@@ -1004,16 +1102,17 @@ def test_lik_score_names_a_scheduler_whose_client_closed(client, corpus_files, t
     assert "the Dask client is closed" in r.stderr and not (tmp_path / "top.tsv").exists()
 
 
-def _killer(address: str):
-    """A worker plugin that ends the process of worker ``address`` when a search task starts there
-    (defined in a function so that cloudpickle ships it by value to the workers)."""
+def _killer(address: str, task: str = "lik-cupy-top-k"):
+    """A worker plugin that ends the process of worker ``address`` when a task whose key starts with
+    ``task`` (a search's, by default) starts there (defined in a function so that cloudpickle ships it
+    by value to the workers)."""
 
     class Killer(distributed.WorkerPlugin):
         def setup(self, worker):
             self.worker = worker
 
         def transition(self, key, start, finish, **kwargs):
-            if finish == "executing" and str(key).startswith("lik-cupy-top-k") and self.worker.address == address:
+            if finish == "executing" and str(key).startswith(task) and self.worker.address == address:
                 os._exit(1)
 
     return Killer()

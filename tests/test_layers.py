@@ -24,7 +24,8 @@ LAYERS = (
     ("_plaid_files", "_torch_autograd", "fused_head"),  # PLAID index files; lik_cupy.torch's operators; the fused head
     ("plaid", "_torch_hidden"),  # the fused head's torch operators
     ("corpus", "torch", "_jax_ops", "_jax_xla"),
-    ("distributed", "jax", "integrations", "serving"),
+    ("distributed", "jax", "integrations"),
+    ("serving",),  # lik serve --scheduler serves a DistributedCorpus
     ("",),
     ("cli",),
     ("__main__",),

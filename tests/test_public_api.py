@@ -165,7 +165,7 @@ FROZEN = {'lik_cupy': (['CompileError',
                                      "devices=None, partition: bool | None=None, max_batch: int=64, max_tokens: int=65536, "
                                      "max_delay_us: int=0, max_queue: int=1024, processes: int=1, header_timeout: "
                                      "float=HEADER_TIMEOUT_S, body_timeout: float=BODY_TIMEOUT_S, body_min_rate: "
-                                     "int=BODY_MIN_RATE, grpc_max_streams: int=GRPC_MAX_STREAMS)"}),
+                                     "int=BODY_MIN_RATE, grpc_max_streams: int=GRPC_MAX_STREAMS, client=None)"}),
  'lik_cupy.shards': (['CHUNK_BYTES',
                       'NORM_TOLERANCE',
                       'Shard',

@@ -29,6 +29,7 @@ from .._shard_format import joined_ids, numpy_dtype
 from ..corpus import Corpus
 from ..precision import PRECISIONS
 from ..shards import Shard, open_input
+from ._cluster import ClusterCorpus
 from ._partition import Partition, split_shards
 from ._processes import process_share
 from ._queue import DeviceQueue, Request, _observed, scored
@@ -38,6 +39,11 @@ from .errors import Overloaded, ShuttingDown
 __all__ = ["Batcher", "Observer", "OPERATIONS"]
 
 OPERATIONS = ("search", "rerank", "score")
+
+# What a Batcher takes as a replica: a Corpus, or one of this package's corpus-likes, which answer
+# Corpus's calls with packed queries (``q_offsets``) and which the batcher closes as it closes.
+_OWNED = (Partition, ClusterCorpus)
+_REPLICAS = (Corpus, *_OWNED)
 
 
 class Observer:
@@ -63,7 +69,10 @@ class Batcher:
 
     Args:
         replicas: a :class:`lik_cupy.Corpus` or a sequence of them holding the same documents, one
-            worker each (a corpus may repeat: several workers over it).
+            worker each (a corpus may repeat: several workers over it); or this package's
+            corpus-likes, which the batcher closes as it closes: a corpus split over devices
+            (``Batcher.from_shards(..., partition=True)``), or one resident on a Dask cluster
+            (``lik serve --scheduler``: ``_cluster.ClusterCorpus``, a replica named ``dask:N``).
         max_batch: queries per call, at most.
         max_tokens: padded query tokens per call (queries x the longest of them), at most; a
             request larger than either cap is scored alone.
@@ -78,8 +87,8 @@ class Batcher:
 
     def __init__(self, replicas, *, max_batch: int = 64, max_tokens: int = 65536, max_delay_us: int = 0,
                  max_queue: int = 1024, observer: Observer | None = None):
-        replicas = [replicas] if isinstance(replicas, (Corpus, Partition)) else list(replicas)
-        if not replicas or not all(isinstance(c, (Corpus, Partition)) for c in replicas):
+        replicas = [replicas] if isinstance(replicas, _REPLICAS) else list(replicas)
+        if not replicas or not all(isinstance(c, _REPLICAS) for c in replicas):
             raise TypeError("replicas must be a lik_cupy.Corpus or a non-empty sequence of them")
         first = replicas[0]
         for c in replicas[1:]:
@@ -93,10 +102,13 @@ class Batcher:
         self.max_batch, self.max_tokens, self.max_queue = int(max_batch), int(max_tokens), int(max_queue)
         self._observer = observer or Observer()
         names, workers = [], {}
-        for c in replicas:  # cpu:0, cpu:1, ...; cuda:0, then cuda:0#1 for a second worker on GPU 0; cuda:0+1
-            where = tuple(c.part_devices) if isinstance(c, Partition) else c.device
+        for c in replicas:  # cpu:0, cpu:1, ...; cuda:0, then cuda:0#1 for a second worker on GPU 0; cuda:0+1; dask:0
+            where = tuple(c.part_devices) if isinstance(c, Partition) else "dask" if isinstance(c, ClusterCorpus) \
+                else c.device
             n = workers[where] = workers.get(where, -1) + 1
-            if isinstance(c, Partition) and where[0] is not None:
+            if where == "dask":
+                names.append(f"dask:{n}")
+            elif isinstance(c, Partition) and where[0] is not None:
                 names.append("cuda:" + "+".join(map(str, where)) + (f"#{n}" if n else ""))
             elif isinstance(c, Partition):
                 names.append(f"cpu:{n}x{len(where)}")
@@ -266,7 +278,7 @@ class Batcher:
         for q in self._queues:
             q.join(timeout)
         for c in {id(q.corpus): q.corpus for q in self._queues}.values():
-            if isinstance(c, Partition):
+            if isinstance(c, _OWNED):
                 c.close()
 
     def __enter__(self) -> Batcher:
@@ -306,6 +318,8 @@ class Batcher:
             raise ValueError("score takes no argument beside Q")
         if precision is not None and precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS} or None, got {precision!r}")
+        if precision is not None and getattr(c, "no_precision", None):  # (a replica that cannot take one says why)
+            raise ValueError(f"precision={precision!r}: {c.no_precision}")
         if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
                                     or not timeout > 0 or math.isinf(timeout)):
             raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")

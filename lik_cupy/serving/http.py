@@ -183,7 +183,7 @@ def serve(paths, *, host: str = "127.0.0.1", port: int = 8000, grpc_port: int | 
           partition: bool | None = None, max_batch: int = 64, max_tokens: int = 65536, max_delay_us: int = 0,
           max_queue: int = 1024, processes: int = 1, header_timeout: float = HEADER_TIMEOUT_S,
           body_timeout: float = BODY_TIMEOUT_S, body_min_rate: int = BODY_MIN_RATE,
-          grpc_max_streams: int = GRPC_MAX_STREAMS) -> None:
+          grpc_max_streams: int = GRPC_MAX_STREAMS, client=None) -> None:
     """Serve the documents of shard ``paths`` (:meth:`Batcher.from_shards` for ``devices`` and
     ``partition``; the rest as for :class:`Batcher`) with :func:`run`: HTTP on ``port``, and gRPC on
     ``grpc_port`` when given; each shard is opened (and checked) first, so a missing or damaged one
@@ -193,7 +193,16 @@ def serve(paths, *, host: str = "127.0.0.1", port: int = 8000, grpc_port: int | 
     ``processes`` > 1: that many server processes on the ports (:func:`run_processes`), each with its
     own replicas (over several GPUs, one GPU's in each process where their count divides
     ``processes``: ``Batcher.from_shards``' ``process``), from the shards as it opens them (a spawned
-    process maps the files itself: a Shard's memory maps would pickle as their whole data)."""
+    process maps the files itself: a Shard's memory maps would pickle as their whole data).
+    ``client``: a ``distributed.Client`` (the ``[distributed]`` extra): the documents are kept
+    resident on its cluster's workers instead (:class:`lik_cupy.distributed.DistributedCorpus`,
+    which reads the shards under the same names there; their ids are read here), one worker of
+    the batcher making each batch one call of it; not with ``devices``, ``partition`` or
+    ``processes``. The server is ready once every shard is loaded on the cluster, and drops them
+    from the workers as it stops (the client stays open: it is the caller's)."""
+    if client is not None and (devices is not None or partition is not None or processes != 1):
+        raise ValueError("client serves the corpus from the Dask cluster's workers; devices, partition and processes "
+                         "place it in this server: give one or the other")
     if grpc_port is not None and grpc_port == port != 0:
         from ..errors import LikError
 
@@ -210,7 +219,10 @@ def serve(paths, *, host: str = "127.0.0.1", port: int = 8000, grpc_port: int | 
                  for i in range(processes)]
         run_processes(loads, processes, host=host, port=port, grpc_port=grpc_port, **limits)
         return
-    load = functools.partial(_load_shards, opened, devices, partition, kwargs)
+    if client is not None:
+        load = functools.partial(_load_cluster, client, paths, opened, kwargs)
+    else:
+        load = functools.partial(_load_shards, opened, devices, partition, kwargs)
     del opened  # (the load holds them until it has run, and Service.start lets it go then: none stay mapped)
     run(make_app(load, grpc_address=None if grpc_port is None else _grpc_address(host, grpc_port), **limits),
         host=host, port=port)
@@ -233,6 +245,17 @@ def _grpc_address(host: str, port: int) -> str:
 
 def _load_shards(paths, devices, partition, kwargs, observer, process=None) -> Batcher:
     return Batcher.from_shards(paths, devices, partition=partition, process=process, observer=observer, **kwargs)
+
+
+def _load_cluster(client, paths, opened, kwargs, observer) -> Batcher:
+    from ._cluster import load
+
+    corpus = load(client, paths, opened)
+    try:
+        return Batcher(corpus, observer=observer, **kwargs)
+    except BaseException:
+        corpus.close()
+        raise
 
 
 def run_processes(load, processes: int, *, host: str = "127.0.0.1", port: int = 8000,

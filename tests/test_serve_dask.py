@@ -1,0 +1,220 @@
+"""``lik serve --scheduler``: the server in front of a :class:`lik_cupy.distributed.DistributedCorpus`.
+
+A module-wide ``LocalCluster`` of two worker processes on the NumPy path, started by the test; the
+Batcher over a ``ClusterCorpus`` in process (batches of queries of several lengths, string ids), and
+``lik serve --scheduler ADDRESS`` as a real process on a loopback port answering tritonclient:
+search, rerank and score bitwise the in-process ``Corpus`` calls, a bad request refused with a 400
+while the server keeps serving, and the workers' shards dropped as the server stops. Also the flags
+``--scheduler`` does not take, and that importing the serving package imports no Dask.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+distributed = pytest.importorskip("distributed")
+
+import lik_cupy  # noqa: E402
+from lik_cupy import shards  # noqa: E402
+from lik_cupy.serving import Batcher, Observer  # noqa: E402
+from lik_command import run_lik  # noqa: E402
+from served import Server  # noqa: E402
+from threads import run_threads  # noqa: E402
+
+DIM = 16
+
+
+def _docs(rng, n, hi=24):
+    return [rng.standard_normal((int(L), DIM)).astype(np.float32) for L in rng.integers(1, hi, n)]
+
+
+def _queries(rng, n, lo=1, hi=40):
+    return [rng.standard_normal((int(L), DIM)).astype(np.float32) for L in rng.integers(lo, hi, n)]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with distributed.LocalCluster(n_workers=2, processes=True, threads_per_worker=1, dashboard_address=":0",
+                                  silence_logs=logging.ERROR) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def client(cluster):
+    with distributed.Client(cluster) as c:
+        yield c
+
+
+def _write(base, ids_of):
+    """Three shards of 40, 7 and 50 documents, ids ``ids_of(first, stop)``; shard 2 repeats shard 0's
+    first documents, so search meets exact ties across workers (the lower position must win)."""
+    rng = np.random.default_rng(41)
+    docs = _docs(rng, 97)
+    docs[47:57] = docs[0:10]
+    paths = []
+    for n, (a, b) in enumerate([(0, 40), (40, 47), (47, 97)]):
+        paths.append(str(base / f"shard{n}"))
+        shards.pack_arrays(docs[a:b], paths[-1], ids=ids_of(a, b))
+    return paths, docs
+
+
+@pytest.fixture(scope="module")
+def int_ids(tmp_path_factory):
+    return _write(tmp_path_factory.mktemp("served-dask"), lambda a, b: np.arange(a, b) * 10 + 3)
+
+
+def _shards_held(client) -> set:
+    """The corpora that any worker of ``client``'s cluster holds (their plugins' names)."""
+    return {n for names in client.run(lambda dask_worker: list(dask_worker.plugins)).values() for n in names
+            if n.startswith("lik-cupy-corpus-")}
+
+
+def test_a_batcher_over_a_cluster_corpus_answers_bitwise_as_one_corpus(client, tmp_path):
+    """Concurrent requests of several query lengths, batched (packed queries padded to the longest,
+    with their lengths), string ids: each answer is bitwise the in-process Corpus call's. A request's
+    precision is refused (it cannot reach the workers); closing the batcher drops the shards."""
+    from lik_cupy.serving._cluster import load
+
+    paths, docs = _write(tmp_path, lambda a, b: np.array([f"doc-{j}" for j in range(a, b)]))
+    whole = lik_cupy.Corpus.from_shards(paths, device="cpu")
+    rng = np.random.default_rng(42)
+    qs = [*_queries(rng, 14), docs[3]]  # docs[3] ties with its copy, docs[50]
+    cands = [rng.integers(0, len(whole), 25) for _ in qs]
+    before = _shards_held(client)
+    replica = load(client, paths, [shards.open_input(p) for p in paths], backend="cpu")
+    with Batcher(replica, max_batch=6, max_delay_us=20_000) as b:
+        assert b.devices == ["dask:0"] and len(b.corpus) == 97 and b.corpus.ids[0] == "doc-0"
+
+        def call(j):
+            q = qs[j]
+            s, i = b.search(q, 9)
+            s1, i1 = whole.search(q, 9)
+            assert np.array_equal(s.view(np.uint32), s1.view(np.uint32)) and i.tolist() == i1.tolist()
+            assert np.array_equal(b.rerank(q, cands[j]).view(np.uint32), whole.rerank(q, cands[j]).view(np.uint32))
+            assert np.array_equal(b.score(q[None]).view(np.uint32), whole.score(q[None]).view(np.uint32))
+
+        run_threads(len(qs), call)
+        s, i = b.search(docs[3], 2)
+        assert s[0] == s[1] and i.tolist() == ["doc-3", "doc-50"]
+        with pytest.raises(ValueError, match="precision='fp32': the corpus is on a Dask cluster, whose workers score "
+                                             "at their own precision"):
+            b.search(qs[0], 3, precision="fp32")
+        assert len(_shards_held(client)) == len(before) + 1
+    assert _shards_held(client) == before
+    # One batch for certain: the worker waits (30 s at most) until max_batch queries are queued.
+    seen = _Batches()
+    replica = load(client, paths, [shards.open_input(p) for p in paths], backend="cpu")
+    with Batcher(replica, max_batch=4, max_delay_us=30_000_000, observer=seen) as b:
+        short = [q[:n] for q, n in zip(qs, (3, 17, 30, 9))]
+        for op, arg in (("search", 7), ("rerank", None), ("score", None)):
+            futures = [b.submit(op, q, cands[j][:5] if op == "rerank" else arg) for j, q in enumerate(short)]
+            for j, (f, q) in enumerate(zip(futures, short)):
+                want = whole.search(q, 7) if op == "search" else \
+                    (whole.rerank(q, cands[j][:5]) if op == "rerank" else whole.score(q),)
+                got = f.result() if op == "search" else (f.result(),)
+                assert all(np.array_equal(np.asarray(g).view(np.uint32) if g.dtype == np.float32 else g,
+                                          np.asarray(w).view(np.uint32) if w.dtype == np.float32 else w)
+                           for g, w in zip(got, want)), (op, j)
+    assert seen.batches == [("dask:0", "search", 4), ("dask:0", "rerank", 4), ("dask:0", "score", 4)]
+
+
+class _Batches(Observer):
+    def __init__(self):
+        self.batches = []
+
+    def batch(self, device, op, requests, queries, compute_s):
+        self.batches.append((device, op, queries))
+
+
+@pytest.fixture(scope="module")
+def served(cluster, int_ids):
+    s = Server(*int_ids[0], "--scheduler", cluster.scheduler_address, "--max-batch", "8", "--max-delay-us", "2000")
+    yield s
+    s.stop()
+
+
+def test_lik_serve_scheduler_answers_tritonclient_as_in_process(served, int_ids):
+    th = pytest.importorskip("tritonclient.http")
+    whole = lik_cupy.Corpus.from_shards(int_ids[0], device="cpu")
+    rng = np.random.default_rng(43)
+    c = th.InferenceServerClient(f"127.0.0.1:{served.port}")
+    assert c.is_server_ready() and c.is_model_ready("rerank")
+    assert c.get_model_config("score")["instance_group"] == [{"count": 1, "kind": "KIND_CPU"}]
+    assert any("lik serve: ready: ClusterCorpus(DistributedCorpus(3 shards, 97 docs" in line and "dask:0" in line
+               for line in served.lines)
+    q = np.stack([q[:12] for q in _queries(rng, 3, lo=12)])
+    Q = th.InferInput("Q", list(q.shape), "FP32")
+    Q.set_data_from_numpy(q, binary_data=True)
+    K = th.InferInput("K", [1], "INT32")
+    K.set_data_from_numpy(np.array([10], np.int32))
+    r = c.infer("search", [Q, K])
+    s, i = whole.search(q, 10)
+    assert np.array_equal(r.as_numpy("SCORES").view(np.uint32), s.view(np.uint32))
+    assert np.array_equal(r.as_numpy("IDS"), i)
+    positions = rng.integers(0, 97, (3, 30))
+    ids = th.InferInput("IDS", list(positions.shape), "INT64")
+    ids.set_data_from_numpy(positions * 10 + 3)
+    r = c.infer("rerank", [Q, ids])
+    assert np.array_equal(r.as_numpy("SCORES").view(np.uint32), whole.rerank(q, positions).view(np.uint32))
+    r = c.infer("score", [Q])
+    assert np.array_equal(r.as_numpy("SCORES").view(np.uint32), whole.score(q).view(np.uint32))
+
+
+def test_lik_serve_scheduler_refuses_a_bad_request_with_a_400_and_keeps_serving(served, int_ids):
+    q = np.ones((2, DIM), np.float32)
+    Q = {"name": "Q", "shape": list(q.shape), "datatype": "FP32", "data": q.reshape(-1).tolist()}
+    status, _, body = served.infer("rerank", {"inputs": [Q, {"name": "IDS", "shape": [2], "datatype": "INT64",
+                                                            "data": [3, 971]}]})
+    assert status == 400 and json.loads(body)["error"] == "unknown ids [971]", body
+    status, _, body = served.infer("score", {"inputs": [Q], "parameters": {"precision": "tf32"}})
+    assert status == 400 and "the corpus is on a Dask cluster" in json.loads(body)["error"], body
+    status, _, body = served.infer("rerank", {"inputs": [Q, {"name": "IDS", "shape": [2], "datatype": "INT64",
+                                                            "data": [3, 963]}]})
+    whole = lik_cupy.Corpus.from_shards(int_ids[0], device="cpu")
+    assert status == 200 and np.array_equal(np.float32(json.loads(body)["outputs"][0]["data"]),
+                                            whole.rerank(q, [0, 96]))
+
+
+def test_the_servers_shards_leave_the_workers_as_it_stops(cluster, client, int_ids):
+    before = _shards_held(client)
+    server = Server(*int_ids[0], "--scheduler", cluster.scheduler_address)
+    try:
+        assert len(_shards_held(client)) == len(before) + 1
+    finally:
+        err = server.stop()
+    assert server.proc.returncode == 0, err
+    assert _shards_held(client) == before
+
+
+def test_scheduler_refuses_the_flags_that_place_the_corpus_here(int_ids):
+    for extra, named in ((["--devices", "cpu"], "--devices"), (["--partition"], "--partition"),
+                         (["--replicate", "--processes", "2"], "--processes, --replicate")):
+        r = run_lik("serve", int_ids[0][0], "--scheduler", "tcp://127.0.0.1:1", *extra)
+        assert r.exit_code == 2, r.output
+        assert r.stderr == (f"lik: error: --scheduler: serves the corpus from the cluster's workers, which hold the "
+                            f"shards; drop {named}\n")
+    pytest.importorskip("starlette")
+    from lik_cupy.serving.http import serve
+
+    for placed in ({"devices": ["cpu"]}, {"partition": False}, {"processes": 2}):  # (checked before anything opens)
+        with pytest.raises(ValueError, match="client serves the corpus from the Dask cluster's workers; devices, "
+                                             "partition and processes place it in this server"):
+            serve(int_ids[0], client=object(), **placed)
+    # a scheme Dask cannot use as it is configured: refused before listening, exit 2
+    r = run_lik("serve", int_ids[0][0], "--scheduler", "tls://127.0.0.1:1")
+    assert r.exit_code == 2 and r.stderr.startswith("lik: error: --scheduler: cannot reach a Dask scheduler at "
+                                                    "tls://127.0.0.1:1: "), r.stderr
+
+
+def test_importing_the_serving_package_imports_no_dask():
+    pytest.importorskip("starlette")
+    code = ("import sys, lik_cupy.serving, lik_cupy.serving.http, lik_cupy.serving._cluster; "
+            "print(sorted(m for m in ('dask', 'distributed', 'lik_cupy.distributed') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
