@@ -1170,6 +1170,37 @@ def test_gpu_search_is_in_process_retrieve_bitwise(gpu_client, tmp_path, rng):
 
 
 @pytest.mark.gpu
+def test_gpu_rerank_is_maxsim_varlen_of_the_candidates(gpu_client, tmp_path, rng):
+    """Rerank on shards resident on two to four GPUs: every score within float32 rounding of
+    maxsim_varlen over the same candidate documents on the CPU path (the kernels a GPU call selects
+    follow its documents' lengths, so scores are not bitwise across groupings), NaN, -inf (empty
+    documents) and 0 (a query without tokens) exactly where it has them."""
+    paths, parts = _make_corpus(tmp_path, rng, np.float16)
+    Q, q_lengths = _queries(rng, dtype=np.float16)
+    tokens = np.concatenate([t for t, _ in parts])
+    lens = np.concatenate([np.diff(o) for _, o in parts])
+    starts = np.concatenate([[0], np.cumsum(lens)[:-1]])
+    cand = rng.integers(0, lens.size, (Q.shape[0], 30))
+    cand[2, :4] = cand[2, 4]  # repeated
+    nan_docs = [j for j in range(lens.size) if np.isnan(tokens[starts[j]:starts[j] + lens[j]]).any()]
+    cand[0, :3] = [nan_docs[0], nan_docs[-1], int(np.flatnonzero(lens == 0)[0])]  # NaN in shards 0 and 4; empty
+    want = np.empty(cand.shape, np.float32)
+    for i, c in enumerate(cand):
+        rows = np.concatenate([np.arange(starts[j], starts[j] + lens[j]) for j in c]).astype(np.int64)
+        off = np.concatenate([[0], np.cumsum(lens[c])])
+        want[i] = maxsim_varlen(Q[i:i + 1], tokens[rows], off, q_lengths=q_lengths[i:i + 1], backend="cpu")[0]
+    with DistributedCorpus(gpu_client, paths) as corpus:
+        assert {where for _, where in corpus.placement.values()} == {"GPU"}
+        got = corpus.rerank(Q, cand, q_lengths=q_lengths)
+    assert got.dtype == np.float32 and got.shape == cand.shape
+    for special in (np.isnan, np.isneginf, lambda x: x == 0):
+        np.testing.assert_array_equal(special(got), special(want))
+    assert np.isnan(want).any() and np.isneginf(want).any()
+    finite = np.isfinite(want)
+    np.testing.assert_allclose(got[finite], want[finite], rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.gpu
 def test_gpu_lik_score_devices_starts_a_local_cuda_cluster(tmp_path, rng):
     """`lik score --devices 0,1` (dask-cuda installed) ranks as retrieve over the GPU-resident shards."""
     pytest.importorskip("dask_cuda")
