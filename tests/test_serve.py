@@ -2,7 +2,8 @@
 its caps, backpressure, deadlines, shutdown), and ``lik serve`` as a real process on a loopback port
 with real clients (tritonclient's binary protocol and plain JSON): answers equal to in-process
 Corpus calls, concurrent clients, bad requests, 503 and 504, a client that disconnects, model
-versions and metadata shapes, and SIGTERM under load.
+versions and metadata shapes, and SIGTERM under load; and its HTTP connection on a transport that
+keeps each write (an answer in one write, a lost connection dropping its queued request).
 The GPU side: tests/test_serve_gpu.py."""
 
 from __future__ import annotations
@@ -987,6 +988,131 @@ def test_unknown_paths_and_wrong_methods_answer_json_errors(served):
         assert json.loads(body) == {"error": f"{path} does not take {method}; it takes {head['allow']}"}
 
 
+class _Transport(asyncio.Transport):
+    """A connection's transport that keeps what is written to it, each write apart."""
+
+    def __init__(self):
+        super().__init__()
+        self.writes, self.closing, self.reading = [], False, True
+
+    def get_extra_info(self, name, default=None):
+        return {"sockname": ("127.0.0.1", 8000), "peername": ("127.0.0.1", 40000)}.get(name, default)
+
+    def write(self, data):
+        self.writes.append(bytes(data))
+
+    def is_closing(self):
+        return self.closing
+
+    def close(self):
+        self.closing = True
+
+    abort = close
+
+    def pause_reading(self):
+        self.reading = False
+
+    def resume_reading(self):
+        self.reading = True
+
+
+def _connected(app) -> tuple:
+    """(lik serve's HTTP protocol on a connection to ``app``, its :class:`_Transport`, the server's
+    state, whose ``tasks`` are the requests' tasks); in a running event loop."""
+    from uvicorn.config import Config
+    from uvicorn.server import ServerState
+
+    from lik_cupy.serving._connection import connection_class
+
+    config = Config(app, log_level="warning", access_log=False, http=connection_class(10.0))
+    config.load()
+    state = ServerState()
+    protocol = config.http_protocol_class(config=config, server_state=state, app_state={})
+    transport = _Transport()
+    protocol.connection_made(transport)
+    return protocol, transport, state
+
+
+def _writes(*requests: bytes) -> list[list[bytes]]:
+    """The transport's writes for each of ``requests``, sent one after another on one connection of
+    lik serve's HTTP protocol (a server whose corpus never loads)."""
+    from lik_cupy.serving.http import make_app
+
+    async def main():
+        protocol, transport, state = _connected(make_app(lambda observer: None))
+        out = []
+        for r in requests:
+            n = len(transport.writes)
+            protocol.data_received(r)
+            await asyncio.gather(*list(state.tasks))
+            out.append(transport.writes[n:])
+        protocol.connection_lost(None)
+        return out
+
+    return asyncio.run(main())
+
+
+def test_an_inference_answer_goes_out_in_one_write():
+    """uvicorn writes a response's status line and headers, then its body, each at once: two sends
+    for one small answer, which its client woke for twice (about 15 us of a search at one client on
+    the CPU path). An inference answer goes out in one write now; other responses as before, and a
+    HEAD's headers, which no body follows, too."""
+    head = b"Host: lik\r\n\r\n"
+    infer = b"POST /v2/models/nope/infer HTTP/1.1\r\nHost: lik\r\nContent-Length: 2\r\n\r\n{}"
+    got = _writes(infer, b"GET /v2/models/score/infer HTTP/1.1\r\n" + head, b"GET /v2/health/live HTTP/1.1\r\n" + head,
+                  b"HEAD /v2/health/live HTTP/1.1\r\n" + head, infer)
+    for writes, status in zip(got, (b"404", b"405", b"200", b"200", b"404")):
+        answer = b"".join(writes)
+        assert answer.startswith(b"HTTP/1.1 " + status), answer
+        length = int(re.search(rb"content-length: (\d+)", answer).group(1))
+        assert len(answer.partition(b"\r\n\r\n")[2]) == (0 if writes is got[3] else length)
+    assert [len(w) for w in got[:2]] == [1, 1] and len(got[4]) == 1  # (the inference path's answers)
+    assert json.loads(got[0][0].partition(b"\r\n\r\n")[2])["error"].startswith("unknown model 'nope'")
+
+
+def test_a_queued_request_whose_connection_is_lost_is_dropped_with_no_task_watching_it():
+    """The handler watched a queued request's connection with a task of its own, waiting for
+    ``http.disconnect``: about 15 us of a search at one client on the CPU path, the worker's wake-up
+    among them (it waited for the event loop to start that task). The connection now calls the
+    handler back when it is lost; reading, which a body of over 64 KiB leaves paused, goes on while
+    it waits (a client's leaving is seen by reading)."""
+    from lik_cupy.serving.http import make_app
+
+    rng = np.random.default_rng(48)
+    docs = _docs(rng, 30)
+    corpus = lik_cupy.Corpus(np.concatenate(docs), d_offsets=np.concatenate([[0], np.cumsum([len(d) for d in docs])]),
+                             device="cpu")
+    app = make_app(lambda observer: Batcher(corpus, max_batch=2, max_delay_us=30_000_000, observer=observer))
+    svc = app.state.service
+    body, length = _binary_body([("Q", rng.standard_normal((2400, DIM)).astype(np.float32), "FP32")])  # (150 KiB)
+
+    async def main():
+        svc.start()
+        while not svc.ready:
+            assert svc.failure is None
+            await asyncio.sleep(0.01)
+        protocol, transport, state = _connected(app)
+        protocol.data_received(b"POST /v2/models/score/infer HTTP/1.1\r\nHost: lik\r\nContent-Length: %d\r\n"
+                               b"Inference-Header-Content-Length: %s\r\n\r\n" % (len(body), length.encode()))
+        protocol.data_received(body[:-70_000])
+        await asyncio.sleep(0.01)  # (the handler reads it and waits for the rest)
+        protocol.data_received(body[-70_000:])
+        assert not transport.reading  # (uvicorn pauses past 64 KiB of body)
+        while svc.batcher.queue_depths()["cpu:0"] == 0:  # (queued: the worker waits for a second query)
+            await asyncio.sleep(0.001)
+        assert asyncio.all_tasks() - {asyncio.current_task()} == state.tasks  # the request's task alone
+        assert transport.reading
+        protocol.connection_lost(None)
+        await asyncio.gather(*list(state.tasks))
+        return transport.writes, svc.batcher.queue_depths()
+
+    try:
+        writes, depths = asyncio.run(main())
+    finally:
+        svc.stop()
+    assert writes == [] and depths == {"cpu:0": 0} and (svc.accepted, svc.answered, svc.dropped) == (1, 0, 1)
+
+
 def test_lik_serve_partition_answers_as_the_whole_corpus(split_shards_dir):
     paths, docs = split_shards_dir
     whole = lik_cupy.Corpus.from_shards(paths, device="cpu")
@@ -1746,18 +1872,19 @@ def test_a_request_expired_in_the_queue_then_given_up_is_rejected_once():
 
 
 def test_a_disconnect_is_taken_back_as_the_watcher_cancellation_it_was():
-    """The HTTP handler's watcher cancels its task when the client goes away and raises _Disconnected
+    """The HTTP handler's watch cancels its task when the client goes away and raises _Disconnected
     instead; the task's count of cancellations (Python 3.11+) must be back at 0, and a cancellation
     from elsewhere must still be one."""
     import asyncio
 
     from lik_cupy.serving import http
 
-    async def gone():
-        return {"type": "http.disconnect"}
+    def gone(callback):  # (the connection's extension LOST, of a connection lost already)
+        if callback is not None:
+            asyncio.get_running_loop().call_soon(callback)
 
-    async def never():
-        await asyncio.Event().wait()
+    def never(callback):
+        pass
 
     async def queued(watch):
         watch()
@@ -1780,19 +1907,19 @@ def test_a_disconnect_is_taken_back_as_the_watcher_cancellation_it_was():
 
     asyncio.run(cancelled_from_outside())
 
-    # A request scored without waiting (no watch()) never reads the connection.
-    reads = []
+    # A request scored without waiting (no watch()) never watches the connection.
+    watches = []
 
-    async def counted():
-        reads.append(1)
-        return {"type": "http.disconnect"}
+    def counted(callback):
+        watches.append(callback)
+        gone(callback)
 
     async def at_once(watch):
         await asyncio.sleep(0)
         return "answer"
 
     assert asyncio.run(http._unless_disconnected(at_once, counted)) == "answer"
-    assert reads == []
+    assert watches == [None]
 
 
 def test_serve_opens_each_shard_once(split_shards_dir, monkeypatch):

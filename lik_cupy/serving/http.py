@@ -53,7 +53,7 @@ from starlette.routing import Route
 
 from .._version import __version__
 from . import _service, _tensors
-from ._connection import ABORT, connection_class
+from ._connection import ABORT, JOIN, LOST, connection_class
 from ._service import (BODY_MIN_RATE, BODY_TIMEOUT_S, GRPC_MAX_STREAMS, HEADER_TIMEOUT_S, INLINE_PARSE_BYTES,
                        INLINE_WRITE_VALUES, MAX_BODY, MODELS, VERSIONS, Held, Refused, Service)
 from .batcher import Batcher
@@ -419,8 +419,9 @@ async def _answer_infer(svc: Service, model: str, version: str, scope, receive, 
     start = time.perf_counter()
     headers = {k: v for k, v in scope["headers"] if k in _REQUEST_HEADERS}
     held = Held(svc)
+    lost = scope.get("extensions", {}).get(LOST, _unwatched)
     try:
-        status, body, head = await _infer(svc, model, version, headers, receive, held)
+        status, body, head = await _infer(svc, model, version, headers, receive, lost, held)
     except Refused as e:
         status, body, head = _refused(e)
     except _Disconnected:
@@ -437,7 +438,8 @@ async def _answer_infer(svc: Service, model: str, version: str, scope, receive, 
 
 async def _send(send, status: int, body: bytes | list, head: tuple, svc: Service, scope: dict) -> None:
     """Send an answer: ``body`` bytes, or a list of pieces (bytes-like: :func:`_tensors.write_response`'s).
-    Pieces of more than :data:`_SEND_AT_ONCE` in all go a slice of at most :data:`_SLICE` at a time,
+    Up to :data:`_SEND_AT_ONCE` in all, they go in one write with the status line and headers (the
+    connection's extension :data:`JOIN`). More go a slice of at most :data:`_SLICE` at a time,
     each once the connection has taken the last (uvicorn's flow control), the event loop serving
     the others meanwhile, rather than joined into one copy and written at once. Such an answer is
     held against ``svc``'s budget until sent, and timed as a request's body is (its client must
@@ -450,11 +452,16 @@ async def _send(send, status: int, body: bytes | list, head: tuple, svc: Service
             body = b"".join(body)
     else:
         size = len(body)
-    await send({"type": "http.response.start", "status": status,
-                "headers": [*head, (b"content-length", str(size).encode())]})
+    start = {"type": "http.response.start", "status": status,
+             "headers": [*head, (b"content-length", str(size).encode())]}
     if not isinstance(body, list):
+        join = scope.get("extensions", {}).get(JOIN)
+        if join is not None:
+            join()
+        await send(start)
         await send({"type": "http.response.body", "body": body})
         return
+    await send(start)
     svc.keep(size)
     try:
         await _service.departure(svc, lambda clock: _slices(send, body, clock))
@@ -518,16 +525,17 @@ def _refused_response(e: Refused) -> Response:
     return Response(body, status_code=status, headers={k.decode(): v.decode() for k, v in head})
 
 
-async def _infer(svc: Service, model: str, version: str, headers: dict, receive,
+async def _infer(svc: Service, model: str, version: str, headers: dict, receive, lost,
                  held: Held) -> tuple[int, list, tuple]:
     """(status, body in pieces, headers) of the response to one inference request (raises
     :class:`Refused`, or :class:`_Disconnected`). ``headers``: the request's, by lower-case name, as
-    bytes; ``held``: what the body holds of the server's budget."""
+    bytes; ``lost``: the connection's extension :data:`LOST`; ``held``: what the body holds of the
+    server's budget."""
     _service.check_model(model, version)
     _service.check_ready(svc)  # before reading the body
     body = await _service.arrival(svc, lambda clock: _body(receive, svc.max_body, held, clock))
     try:
-        header, inputs, names, binary = await _read(svc, body, headers, _service.OUTPUTS[model], held, receive)
+        header, inputs, names, binary = await _read(svc, body, headers, _service.OUTPUTS[model], held, lost)
         params = header.get("parameters") or {}
         if not isinstance(params, dict):
             raise ValueError("the request's parameters must be an object")
@@ -535,7 +543,7 @@ async def _infer(svc: Service, model: str, version: str, headers: dict, receive,
         raise Refused(400, str(e)) from None
     as_json = tuple(n for n in names if n not in binary)
     out, params = await _unless_disconnected(
-        lambda watch: _service.infer(svc, model, inputs, params, on_wait=watch, json_outputs=as_json), receive)
+        lambda watch: _service.infer(svc, model, inputs, params, on_wait=watch, json_outputs=as_json), lost)
     head = {"model_name": model, "model_version": "1", "parameters": params}
     if isinstance(header.get("id"), str):
         head["id"] = header["id"]
@@ -551,13 +559,13 @@ async def _infer(svc: Service, model: str, version: str, headers: dict, receive,
 
 
 async def _read(svc: Service, body: bytes | None, headers: dict, outputs: tuple[str, ...], held: Held,
-                receive) -> tuple[dict, dict, list, set]:
+                lost) -> tuple[dict, dict, list, set]:
     """(the JSON header, the inputs by name, the outputs to send of the model's ``outputs``, those to
     send binary) of a request's ``body`` (None: past the body limit), inflated as its
     Content-Encoding says: on the event loop's thread where that takes at most ``INLINE_PARSE_BYTES``
     of work, else on the server's parse thread while the event loop serves the other requests
-    (:class:`_Disconnected` as soon as the client has gone meanwhile). Raises :class:`Refused` or
-    ValueError."""
+    (:class:`_Disconnected` as soon as the client has gone meanwhile: ``lost``, the connection's
+    extension :data:`LOST`). Raises :class:`Refused` or ValueError."""
     encoding = headers.get(b"content-encoding")
     if body is not None and encoding is not None:
         # (inflating works through the body and what it inflates to: each at most INLINE_PARSE_BYTES
@@ -565,7 +573,7 @@ async def _read(svc: Service, body: bytes | None, headers: dict, outputs: tuple[
         coding, small = encoding.decode("latin-1"), len(body) <= INLINE_PARSE_BYTES
         inflated = _decoded(body, coding, min(svc.max_body, INLINE_PARSE_BYTES)) if small else None
         if inflated is None and (not small or svc.max_body > INLINE_PARSE_BYTES):
-            inflated = await _parsed(svc, held, receive, _decoded, body, coding, svc.max_body)
+            inflated = await _parsed(svc, held, lost, _decoded, body, coding, svc.max_body)
         if inflated is not None and inflated is not body:
             held.add(len(inflated))
         body = inflated
@@ -577,7 +585,7 @@ async def _read(svc: Service, body: bytes | None, headers: dict, outputs: tuple[
     try:
         return _request(body, length, outputs, most=INLINE_PARSE_BYTES, hold=hold)
     except _tensors.LongParse:
-        return await _parsed(svc, held, receive, _request, body, length, outputs, yielding=True, hold=hold)
+        return await _parsed(svc, held, lost, _request, body, length, outputs, yielding=True, hold=hold)
 
 
 def _request(body: bytes, length: str | None, outputs: tuple[str, ...], **kwargs) -> tuple[dict, dict, list, set]:
@@ -587,41 +595,32 @@ def _request(body: bytes, length: str | None, outputs: tuple[str, ...], **kwargs
     return (header, inputs, *_tensors.binary_outputs(header, outputs))
 
 
-async def _parsed(svc: Service, held: Held, receive, fn, *args, **kwargs):
+async def _parsed(svc: Service, held: Held, lost, fn, *args, **kwargs):
     """``fn(*args, **kwargs)`` on the server's parse thread (:func:`_service.off_loop`), or
-    :class:`_Disconnected` as soon as the client has gone meanwhile."""
+    :class:`_Disconnected` as soon as the client has gone meanwhile (``lost``: as :func:`_read` takes it)."""
     async def work(watch):
         watch()
         return await _service.off_loop(svc, held, fn, *args, **kwargs)
 
-    return await _unless_disconnected(work, receive)
+    return await _unless_disconnected(work, lost)
 
 
-async def _unless_disconnected(work, receive):
+async def _unless_disconnected(work, lost):
     """``await work(watch)`` (a coroutine function), or :class:`_Disconnected` once the client has
-    gone away after ``work`` called ``watch()``: from then on a task waits for the next message, which
-    after the body is ``http.disconnect``, and then cancels this one, as grpcio cancels the task of a
-    call whose client left; ``_service.infer`` then drops the request from the queue if it is still
-    there. ``_service.infer`` calls it only for a queued request: one scored at once has nothing to
-    drop, and the task costs about 8 us."""
+    gone away after ``work`` called ``watch()``: from then on the connection (``lost``: its extension
+    :data:`LOST`) cancels this task when it is lost, as grpcio cancels the task of a call whose client
+    left; ``_service.infer`` then drops the request from the queue if it is still there.
+    ``_service.infer`` calls it only for a queued request: one scored at once has nothing to drop."""
     task = asyncio.current_task()
-    waiting, gone, watcher = True, False, None
+    gone = False
 
-    def received(watcher):
+    def gone_away():  # (never once the work is done: the finally below stops the watch first)
         nonlocal gone
-        # (a callback that runs after the answer came must not cancel the task sending it)
-        if waiting and not watcher.cancelled() and watcher.exception() is None \
-                and watcher.result()["type"] == "http.disconnect":
-            gone = True
-            task.cancel()
-
-    def watch():
-        nonlocal watcher
-        watcher = asyncio.ensure_future(receive())
-        watcher.add_done_callback(received)
+        gone = True
+        task.cancel()
 
     try:
-        return await work(watch)
+        return await work(lambda: lost(gone_away))
     except asyncio.CancelledError:
         # Ours is taken back (Python 3.11+ counts a task's cancellations; asyncio.timeout and task
         # groups read the count); one from elsewhere at the same moment goes on as a cancellation.
@@ -629,9 +628,12 @@ async def _unless_disconnected(work, receive):
             raise _Disconnected from None
         raise
     finally:
-        waiting = False
-        if watcher is not None:
-            watcher.cancel()
+        lost(None)
+
+
+def _unwatched(callback) -> None:
+    """:data:`LOST` of a connection that is not lik serve's (the application served by another ASGI
+    server): its client's departure goes unnoticed, and its queued request is scored."""
 
 
 async def _body(receive, limit: int, held: Held, clock: _service.BodyClock) -> bytes | None:
