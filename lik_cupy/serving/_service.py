@@ -153,15 +153,16 @@ class Service:
         def run():
             try:
                 b, self.load = self.load(self.metrics), None  # (nor what it holds: lik serve's shards, mapped)
-                with self._loading:
+                with self._loading:  # (handed over here, or stop() would find neither load nor batcher)
                     self._cancel_load = None
                     late = self._stopped
+                    if not late:
+                        self.ids = IdIndex(b.corpus.ids, len(b.corpus))
+                        self.inline = all(d.startswith("cuda") for d in b.devices)
+                        self.batcher = b
                 if late:  # the server stopped while it loaded: it serves nothing
                     b.close()
                     return
-                self.ids = IdIndex(b.corpus.ids, len(b.corpus))
-                self.inline = all(d.startswith("cuda") for d in b.devices)
-                self.batcher = b
                 b.warm()
                 self._ready = True
                 if self._peers is not None:
