@@ -42,12 +42,14 @@ imports Dask, this module does.
   holding shards leaves mid-call, the call's tasks are dropped, the shards reload on the
   remaining workers, the call runs again (still exact), and a RuntimeWarning says what happened;
   so does a call whose tasks the scheduler cancelled with no worker missing (a worker restarted
-  under its own address, ``client.restart()``).
+  under its own address, ``client.restart()``), and one whose own connection to a worker the
+  scheduler still lists failed (one restarting, not yet listening again, or one on its way out).
   An unreadable shard raises :class:`lik_cupy.ShardError` naming the file, and so does a shard
   that changed on disk since the corpus was built on it: every load compares the shard with the
   fingerprint taken then (``_Fingerprint``: counts, each file's size and modification time, a hash
   of the document lengths and ids), since a reload of other contents would return wrong ids.
-  Every wait is bounded by ``timeout``, and a TimeoutError says what did not finish.
+  Every wait is bounded by ``timeout``, and a TimeoutError says what did not finish. A call that
+  fails releases its futures as it raises (its queries leave the workers then).
 
 docs/distributed.md has the recipes (one host, many nodes) and the cost model: bytes per query
 batch and merge depth against the number of workers.
@@ -62,6 +64,7 @@ import hashlib
 import os
 import threading
 import time
+import traceback
 import uuid
 import warnings
 import weakref
@@ -101,6 +104,9 @@ _PIECES_PER_WORKER = 2  # score() tasks queued per worker: one runs while the ot
 # Up to this many workers the client sends each its own copy of Q at once (one hop); beyond, one
 # copy, which Dask copies on from worker to worker, so the client's upload stays one copy.
 _DIRECT_MAX = 8
+# close()'s check-and-set of a corpus's state: close may come from another thread while the
+# constructor runs (lik serve stopping as the corpus loads), before the corpus has a lock of its own.
+_CLOSING = threading.Lock()
 
 
 # --------------------------------------------------------------------------- placement
@@ -351,6 +357,8 @@ class _Store(distributed.WorkerPlugin):
         # call) scores such a shard from a copy of its own, released as it ends: kept, it would be a
         # second copy the corpus does not know of, holding this worker's memory until close.
         self.moved: set[int] = set()
+        # Bytes of shards on this GPU while they live: resident ones, a task's own copy of a moved
+        # shard, and a dropped shard until the last task using it ends (each load is offered the rest).
         self.gpu_bytes = 0
         self.lock = threading.RLock()  # a worker with several threads may load and search at once
 
@@ -381,12 +389,11 @@ class _Store(distributed.WorkerPlugin):
             r = self.resident.get(index)
             if r is None:
                 r = self.resident[index] = self._open(index, ref)
-                self.gpu_bytes += r.nbytes if r.where == "GPU" else 0
             return r
 
     def _open(self, index: int, ref: tuple) -> _Resident:
-        """Shard ``index`` read from ``ref`` = (source, the fingerprint the corpus was built on): a
-        ShardError if the shard there changed since."""
+        """Shard ``index`` read from ``ref`` = (source, the fingerprint the corpus was built on), its
+        GPU bytes counted until :meth:`_release`: a ShardError if the shard there changed since."""
         source, built = ref
         shard = shards.open_input(source[0], source[1], bf16_bits=self.bf16_bits)
         now = _fingerprint(shard, source)
@@ -395,7 +402,14 @@ class _Store(distributed.WorkerPlugin):
                                                f"({now.changes(built)}); its ids would name other documents: "
                                                "build a new corpus to serve the new contents")
         room = self.capacity() - self.gpu_bytes if self.gpu() else None
-        return _make_resident(shard, self.dtype, room)
+        r = _make_resident(shard, self.dtype, room)
+        self.gpu_bytes += r.nbytes if r.where == "GPU" else 0
+        return r
+
+    def _release(self, r: _Resident) -> None:
+        """Free shard ``r``'s memory, and take its bytes off the GPU's count (under the lock)."""
+        r.release()
+        self.gpu_bytes -= r.nbytes if r.where == "GPU" else 0
 
     @contextlib.contextmanager
     def holding(self, items):
@@ -416,7 +430,7 @@ class _Store(distributed.WorkerPlugin):
             except BaseException:  # (a shard that failed to load): the copies read for this task go
                 for r in held:
                     if r.dropped:
-                        r.release()
+                        self._release(r)
                 raise
             for r in held:
                 r.users += 1
@@ -427,7 +441,7 @@ class _Store(distributed.WorkerPlugin):
                 for r in held:
                     r.users -= 1
                     if r.dropped and not r.users:
-                        r.release()
+                        self._release(r)
 
     def drop(self, indices, moved: bool = False) -> None:
         """Release shards ``indices`` (``moved``: a move took them to another worker)."""
@@ -437,11 +451,10 @@ class _Store(distributed.WorkerPlugin):
                 if moved:
                     self.moved.add(i)
                 if r is not None:
-                    self.gpu_bytes -= r.nbytes if r.where == "GPU" else 0
-                    if r.users:
+                    if r.users:  # released (and uncounted) as the last task using it ends
                         r.dropped = True
                     else:
-                        r.release()
+                        self._release(r)
             if self.gpu():  # hand the memory back to the device, for other processes
                 import cupy
 
@@ -556,6 +569,37 @@ def _cancelled(error: Exception) -> _Cancelled:
     return _Cancelled(getattr(error, "reason", None) or str(error) or "no reason given")
 
 
+class _Unreachable(_Departed):
+    """A connection of the client's own to a worker that the scheduler still lists failed (the queries
+    sent to it, results gathered from it): a worker restarting under its own address is listed before
+    it listens again, and one on its way out is listed still. The message is Dask's error. Like a
+    departure, the call runs again (with a RuntimeWarning: the worker list shows no change)."""
+
+
+def _unreachable(error: OSError) -> _Unreachable:
+    return _Unreachable(f"{type(error).__name__}: {error}")
+
+
+def _release(futures: list) -> None:
+    """Release ``futures`` (their keys: the data they name leaves the workers) and forget them."""
+    for f in futures:
+        f.release()
+    futures.clear()
+
+
+def _forget_frames(error: BaseException) -> None:
+    """Clear the locals of the finished frames on the tracebacks of ``error`` and of the errors it
+    chains: a caller that keeps the error keeps no futures (nor queries) of the call alive."""
+    seen, todo = set(), [error]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        traceback.clear_frames(e.__traceback__)  # (a frame still running is left as it is)
+        todo += [e.__cause__, e.__context__]
+
+
 class _GaveUp(Exception):
     """A call's ``give_up`` said to stop waiting for it."""
 
@@ -622,7 +666,10 @@ class DistributedCorpus:
         ConnectionError: ``client`` is closed (here or in any later call).
 
     The corpus holds the workers' memory until :meth:`close` (or the end of a ``with`` block); one
-    garbage-collected without it drops its shards too, with a ResourceWarning.
+    garbage-collected without it drops its shards too, with a ResourceWarning. :meth:`close` from
+    another thread while the constructor still runs (an object made by ``__new__`` and handed on
+    first, as ``lik serve --scheduler`` does to stop during the load) drops what loaded so far,
+    and the constructor raises RuntimeError at its next wait.
 
     Threads may share it: their :meth:`search`, :meth:`score` and :meth:`rerank` calls run side by side (a worker
     with several threads runs their tasks at once, and a shard a move drops meanwhile stays until
@@ -650,6 +697,9 @@ class DistributedCorpus:
       ``_FAN_IN`` workers); ``rankings_to_client`` (what the client fetched and merged);
       ``workers``, ``queries``, ``k``.
     """
+
+    _closed = True  # until the plugin is registered: close() then has nothing to undo
+    _close_asked = False  # close() was called: a constructor running in another thread stops
 
     def __init__(self, client, shard_paths, *, device_memory_fraction: float = 0.8, dtype: str | None = None,
                  bf16_bits: bool = False, backend: str = "auto", timeout: float = 300.0):
@@ -685,7 +735,6 @@ class DistributedCorpus:
         self._placement: dict[int, str] = {}  # shard -> the worker that should hold it
         self._resident: dict[int, str] = {}  # shard -> the worker that holds it (loaded and confirmed)
         self._where: dict[int, str] = {}  # shard -> "GPU", "pinned host memory", "host memory"
-        self._closed = True  # until the plugin is registered: close() then has nothing to undo
         self._ready_s = 0.0  # seconds the last call's placement check took
         # Calls from several threads re-place shards one at a time: two at once both moved a shard
         # to a worker that joined, and the second then dropped it there as the "old copy".
@@ -694,12 +743,14 @@ class DistributedCorpus:
         self._live()  # at least one worker, or TimeoutError
         self._call("registering the corpus with the workers", client.register_plugin,
                    _Store(float(device_memory_fraction), backend, dtype, bf16_bits), name=self._name)
-        self._closed = False
         # Collected without close(): the shards are dropped all the same (not at interpreter exit,
         # when the client's event loop may already be gone)
         self._finalizer = weakref.finalize(self, _abandoned, client, self._name)
         self._finalizer.atexit = False
+        self._closed = False
         try:
+            if self._close_asked:  # (by another thread, while the plugin registered)
+                raise self._closed_meanwhile("registering the corpus with the workers")
             infos = self._results([client.submit(_describe, s, bf16_bits, pure=False, key=f"lik-cupy-describe-{i}-"
                                                  f"{uuid.uuid4().hex[:8]}") for i, s in enumerate(self._sources)],
                                   set(), "reading the shards' manifests")
@@ -744,7 +795,7 @@ class DistributedCorpus:
             raise ValueError(f"k must be an integer in [1, {MAX_K}], got {k!r}")
         Q, q_lengths, squeeze = self._queries(Q, q_lengths)
         t0 = time.perf_counter()
-        s, i, stages = self._rerun("during a search", lambda: self._search(Q, q_lengths, int(k)))
+        s, i, stages = self._rerun("during a search", lambda owned: self._search(Q, q_lengths, int(k), owned))
         self.last_search = {**stages, "placement_s": self._ready_s, "total_s": time.perf_counter() - t0}
         return (s[0], i[0]) if squeeze else (s, i)
 
@@ -780,7 +831,7 @@ class DistributedCorpus:
             rows[:, first : first + S.shape[1]] = S
 
         sink = write if write is not None else into_out
-        self._rerun("while scoring", lambda: self._fill(Q, q_lengths, todo, sink))
+        self._rerun("while scoring", lambda owned: self._fill(Q, q_lengths, todo, sink, owned))
         return out
 
     def rerank(self, Q: np.ndarray, candidates, *, q_lengths=None) -> np.ndarray:
@@ -804,7 +855,7 @@ class DistributedCorpus:
         cand = self._candidates(candidates, Q.shape[0], squeeze)
         out = np.empty(cand.shape, np.float32)
         if cand.size:
-            self._rerun("during a rerank", lambda: self._rerank_batch(Q, q_lengths, cand, out))
+            self._rerun("during a rerank", lambda owned: self._rerank_batch(Q, q_lengths, cand, out, owned))
         return out[0] if squeeze else out
 
     def close(self) -> None:
@@ -816,14 +867,20 @@ class DistributedCorpus:
         client that is closed already. A scheduler that is connected but does not answer within
         ``timeout`` raises TimeoutError, as any call does.
         """
+        self._close_asked = True
         self._close(warn=True)
+
+    def _closed_meanwhile(self, what: str) -> RuntimeError:
+        return RuntimeError(f"lik_cupy.distributed: the DistributedCorpus was closed (from another thread) while "
+                            f"{what}; nothing of it stays on the workers")
 
     def _close(self, warn: bool) -> None:
         """close(); ``warn``: the RuntimeWarning for a lost scheduler (not when an error that says
         more is ending a ``with`` block)."""
-        if self._closed:
-            return
-        self._closed = True
+        with _CLOSING:
+            if self._closed:
+                return
+            self._closed = True
         self._finalizer.detach()
         if self.client.status not in ("running", "connecting"):  # closed: no call can reach the workers
             if warn:
@@ -1011,6 +1068,8 @@ class DistributedCorpus:
         """
         deadline = time.monotonic() + self.timeout
         while True:
+            if self._closed:  # (by another thread: its shards are gone from the workers)
+                raise self._closed_meanwhile(what)
             left = deadline - time.monotonic()
             if left <= 0:
                 busy = f" on {', '.join(sorted(workers))}" if workers else ""
@@ -1067,34 +1126,56 @@ class DistributedCorpus:
                 raise _Departed(", ".join(sorted(gone))) from None
             if isinstance(e, distributed.CancelledError):
                 raise _cancelled(e) from None
+            if workers:  # a connection to one of them failed, every one of them listed still
+                raise _unreachable(e) from None
             raise
 
     def _rerun(self, during: str, run):
-        """``run()``, again after re-placing shards whenever workers left while it ran, or the
-        scheduler cancelled its tasks (then with a RuntimeWarning saying why)."""
-        context, cancelled = "since the last call", []
+        """``run(owned)``, again after re-placing shards whenever workers left while it ran, the
+        scheduler cancelled its tasks, or a worker still listed could not be reached (those two with a
+        RuntimeWarning saying why). ``run`` puts every future it makes in the list ``owned``; they
+        are released as it returns or raises (an error that leaves the call holds none of them)."""
+        context, cancelled, unreachable = "since the last call", [], []
         for _ in range(_ATTEMPTS):
             t0 = time.perf_counter()
             self._ready(context)
             self._ready_s = time.perf_counter() - t0  # the search's stage times report it
+            owned = []
             try:
-                result = run()
+                result = run(owned)
             except _Cancelled as e:
                 cancelled.append(str(e))
+                context = f"{during}, which then ran again"
+                continue
+            except _Unreachable as e:
+                unreachable.append(str(e))
                 context = f"{during}, which then ran again"
                 continue
             except _Departed:
                 context = f"{during}, which then ran again"
                 continue
+            except BaseException as e:  # (a timeout, a task's error): the queries leave the workers now,
+                _release(owned)         # not once the caller lets go of the error
+                _forget_frames(e)
+                raise
+            finally:
+                _release(owned)
+            what = during.removeprefix("during ").removeprefix("while ")
             if cancelled:
-                what = during.removeprefix("during ").removeprefix("while ")
                 warnings.warn(f"lik_cupy.distributed: the scheduler cancelled the tasks of {what} though no worker "
                               f"they needed was missing (Dask's reason: {'; '.join(dict.fromkeys(cancelled))}), as "
                               "it does when a worker restarts under its own address or the cluster restarts; the "
                               "call then ran again. The results are exact", RuntimeWarning,
                               stacklevel=outside_stacklevel())
+            if unreachable:
+                warnings.warn(f"lik_cupy.distributed: could not reach a worker that the scheduler still listed "
+                              f"{during} ({'; '.join(dict.fromkeys(unreachable))}), as when a worker restarts under "
+                              "its own address or is leaving; the call then ran again. The results are exact",
+                              RuntimeWarning, stacklevel=outside_stacklevel())
             return result
-        why = f" (tasks cancelled: {'; '.join(dict.fromkeys(cancelled))})" if cancelled else ""
+        why = "; ".join([*([f"tasks cancelled: {'; '.join(dict.fromkeys(cancelled))}"] if cancelled else []),
+                         *([f"workers unreachable: {'; '.join(dict.fromkeys(unreachable))}"] if unreachable else [])])
+        why = f" ({why})" if why else ""
         raise RuntimeError(f"lik_cupy.distributed: workers left or restarted {during} {_ATTEMPTS} times in a "
                            f"row{why}; the cluster is losing workers faster than the shards reload")
 
@@ -1212,30 +1293,33 @@ class DistributedCorpus:
         except (TimeoutError, distributed.TimeoutError):
             raise TimeoutError(f"lik_cupy.distributed: sending the queries to the workers did not finish within "
                                f"{self.timeout:g} s (timeout=)") from None
-        except OSError:  # a connection closed: a worker that left is the corpus's to handle
+        except OSError as e:  # a connection to a worker failed: one that left or restarts is the corpus's to handle
             gone = set(workers) - self._live()
             if gone:
                 raise _Departed(", ".join(sorted(gone))) from None
-            raise
+            raise _unreachable(e) from None
 
-    def _search(self, Q: np.ndarray, q_lengths, k: int):
-        """(scores, positions, the batch's stage times: see ``last_search``)."""
+    def _search(self, Q: np.ndarray, q_lengths, k: int, owned: list):
+        """(scores, positions, the batch's stage times: see ``last_search``); the futures made go in ``owned``."""
         clock = time.perf_counter
         work = defaultdict(list)
         for i, w in sorted(self._placement.items()):
             work[w].append((i, int(self._first[i]), self._refs[i]))
         t0 = clock()
         copies = self._ship((Q, q_lengths), list(work))
+        owned += copies.values()
         t1, submitted = clock(), time.time()
         tag = uuid.uuid4().hex[:8]
         parts = [self.client.submit(_top_k, self._name, copies[w], k, items, workers=[w], allow_other_workers=False,
                                     pure=False, key=f"lik-cupy-top-k-{tag}-{n}")
                  for n, (w, items) in enumerate(work.items())]
+        owned += parts
         level = 0
         while len(parts) > _FAN_IN:  # the reduction tree; a lone leftover goes up a level as it is
             parts = [self.client.submit(_merge, k, *group, pure=False, key=f"lik-cupy-merge-{tag}-{level}-{j}")
                      if len(group) > 1 else group[0]
                      for j, group in enumerate(parts[n : n + _FAN_IN] for n in range(0, len(parts), _FAN_IN))]
+            owned += parts
             level += 1
         t2 = clock()
         self._wait(parts, set(work), "a search batch")
@@ -1256,10 +1340,11 @@ class DistributedCorpus:
             "tasks": tasks, "merge_tasks": [st for st in stages if "merge_s" in st],
         }
 
-    def _fill(self, Q: np.ndarray, q_lengths, todo: dict, sink) -> None:
+    def _fill(self, Q: np.ndarray, q_lengths, todo: dict, sink, owned: list) -> None:
         """Score the pieces ``todo`` ((shard, start, stop) -> None), handing each to ``sink(first_doc, scores)``
-        and removing it once written."""
+        and removing it once written; the futures made go in ``owned``."""
         copies = self._ship((Q, q_lengths), sorted({self._placement[piece[0]] for piece in todo}))
+        owned += copies.values()
         queues = defaultdict(deque)
         for piece in todo:
             queues[self._placement[piece[0]]].append(piece)
@@ -1272,6 +1357,7 @@ class DistributedCorpus:
                     f = self.client.submit(_piece, self._name, copies[w], i, self._refs[i], a, b, workers=[w],
                                            allow_other_workers=False, pure=False,
                                            key=f"lik-cupy-score-{uuid.uuid4().hex[:8]}")
+                    owned.append(f)
                     running[f] = (w, piece)
                     busy[w] += 1
                 if not queues[w]:
@@ -1281,12 +1367,14 @@ class DistributedCorpus:
                 busy[w] -= 1
                 sink(self._first[i] + a, self._fetch("fetching a piece of score()", {w}, f.result))
                 del todo[(i, a, b)]
+                f.release()  # (its piece is written: the worker may drop it)
 
-    def _rerank_batch(self, Q: np.ndarray, q_lengths, cand: np.ndarray, out: np.ndarray) -> None:
+    def _rerank_batch(self, Q: np.ndarray, q_lengths, cand: np.ndarray, out: np.ndarray, owned: list) -> None:
         """Score the checked candidates ``cand`` (int64 [Nq, K]) into ``out``: each worker holding
         some of them gets the queries that have candidates there and, for each candidate in
         row-major order, its query's row among those, its shard and its index in the shard; one
-        task per such worker scores them; the client writes each worker's scores back in place."""
+        task per such worker scores them; the client writes each worker's scores back in place. The
+        futures made go in ``owned``."""
         flat = cand.reshape(-1)
         shard = np.searchsorted(self._first, flat, side="right") - 1  # (an empty shard never: its start repeats)
         docs = flat - self._first[shard]
@@ -1302,9 +1390,11 @@ class DistributedCorpus:
                        shard[pick], docs[pick])
             work[w] = [(i, self._refs[i]) for i in np.unique(shard[pick]).tolist()]
         copies = self._send(jobs)
+        owned += copies.values()
         tag = uuid.uuid4().hex[:8]
         tasks = [self.client.submit(_rerank, self._name, copies[w], work[w], workers=[w], allow_other_workers=False,
                                     pure=False, key=f"lik-cupy-rerank-{tag}-{n}") for n, w in enumerate(holders)]
+        owned += tasks
         got = self._results(tasks, set(holders), "a rerank batch")
         into = out.reshape(-1)
         for w, scores in zip(holders, got):

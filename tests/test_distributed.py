@@ -4,7 +4,8 @@ CPU (CI): one module-wide ``LocalCluster`` of two worker processes on the NumPy 
 ties, NaN and empty documents, rerank (bitwise single-process ``Corpus.rerank``), a worker killed
 in the middle of a query or a rerank (its shards reload, the batch reruns, a RuntimeWarning says so), a worker restarted under its own address and
 ``client.restart()`` mid-query (the batch reruns), a worker joining (shards move to it), threads
-sharing a corpus, a corrupt shard, timeouts, what close (or collection) leaves on the workers, and
+sharing a corpus, a corrupt shard, timeouts (and what a timed-out call leaves on the workers), a listed
+worker the client cannot reach, what close (or collection) leaves on the workers, and
 ``lik score --scheduler``. Clusters of 1 and 4 workers in threads check the ranking
 and the stage times of a search, with the queries sent to each worker or copied on by Dask, and
 with merge tasks on the workers. GPU (marked ``gpu``; needs two GPUs and dask-cuda; uses up to
@@ -199,6 +200,42 @@ def test_a_search_queued_before_a_move_does_not_load_the_moved_shard_back_for_go
     store.setup(None)
     dist._top_k("corpus", (Q, q_lengths), 7, [(0, 0, refs[0])])
     assert sorted(store.resident) == [0]
+
+
+def test_a_tasks_own_copy_of_a_moved_shard_counts_against_the_gpu_room_while_it_lives(tmp_path, rng, monkeypatch):
+    """A task queued before a move reads the moved shard into a copy of its own. That copy was not
+    counted in the store's GPU bytes, so a load meanwhile was offered the room it took (and could
+    overfill the GPU); nor was a shard dropped while a task used it, from the drop until its release.
+    Both count now until they are released. (Host arrays stand in for the GPU's, counted as its.)"""
+    import sys
+    import types
+
+    dist, store, parts, refs = _one_worker_store(tmp_path, rng, monkeypatch)
+    capacity = 1 << 30
+    monkeypatch.setattr(store, "gpu", lambda: True)
+    monkeypatch.setattr(store, "capacity", lambda: capacity)
+    pool = types.SimpleNamespace(free_all_blocks=lambda: None)
+    monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(get_default_memory_pool=lambda: pool))
+    rooms, make = [], dist._make_resident
+
+    def on_gpu(shard, dtype, room):
+        rooms.append(room)
+        return dataclasses.replace(make(shard, dtype, None), where="GPU")
+
+    monkeypatch.setattr(dist, "_make_resident", on_gpu)
+    dist._load("corpus", [(0, refs[0]), (2, refs[2])])
+    size = {i: r.nbytes for i, r in store.resident.items()}
+    assert store.gpu_bytes == size[0] + size[2]
+    dist._drop("corpus", [0])  # shard 0 moved to another worker
+    assert store.gpu_bytes == size[2]
+    with store.holding([(0, refs[0]), (2, refs[2])]) as held:  # a task queued before the move
+        assert sorted(store.resident) == [2] and store.gpu_bytes == size[0] + size[2]
+        dist._load("corpus", [(3, refs[3])])
+        assert rooms[-1] == capacity - size[0] - size[2]
+        size[3] = store.resident[3].nbytes
+        dist._drop("corpus", [2])  # dropped while the task uses it: its memory is still taken
+        assert store.gpu_bytes == size[0] + size[2] + size[3]
+    assert store.gpu_bytes == size[3] and sorted(store.resident) == [3] and all(r.part == () for r in held)
 
 
 @pytest.mark.parametrize("int8", [False, True])
@@ -585,6 +622,84 @@ def test_waits_time_out_with_a_clear_message(corpus, corpus_files, rng):
             DistributedCorpus(c, corpus_files[0], timeout=0.5)
 
 
+def _frame_futures(error: BaseException) -> list:
+    """The Dask futures that the frames of ``error``'s traceback hold (as locals, or in a list, tuple
+    or dict local)."""
+    found, tb = [], error.__traceback__
+    while tb is not None:
+        for v in tb.tb_frame.f_locals.values():
+            items = v.values() if isinstance(v, dict) else v if isinstance(v, (list, tuple)) else [v]
+            found += [x for x in items if isinstance(x, distributed.Future)]
+        tb = tb.tb_next
+    return found
+
+
+def test_a_timed_out_call_leaves_no_query_copies_on_the_workers(corpus, rng):
+    """A search or rerank that timed out left its queries (and its tasks' results, once they ended)
+    on the workers for as long as the caller held the TimeoutError: its traceback's frames held
+    their futures. They are released as the call raises, and the error holds none of them."""
+    Q, _ = _queries(rng)
+    client = corpus.client
+
+    def data():  # the queries (scattered tuples) and task results of calls that the workers hold
+        # (an earlier call's may be on their way out: only what comes after counts)
+        held = client.run(lambda dask_worker: [str(k) for k in dask_worker.data])
+        return sorted(k for keys in held.values() for k in keys if k.startswith(("tuple-", "lik-cupy-top-k",
+                                                                                 "lik-cupy-rerank")))
+
+    before = data()
+    client.register_plugin(_staller(1.5), name="lik-test-staller")
+    corpus.timeout = 0.5
+    errors = []
+    try:
+        for call in (lambda: corpus.search(Q, 3), lambda: corpus.rerank(Q, np.zeros((Q.shape[0], 2), np.int64))):
+            with pytest.raises(TimeoutError, match="did not finish within 0.5 s") as e:
+                call()
+            errors.append(e.value)
+            client.run(lambda: None)  # (once the stalled workers answer again)
+    finally:
+        corpus.timeout = 300.0
+        client.unregister_worker_plugin("lik-test-staller")
+    deadline = time.monotonic() + 30
+    while set(data()) - set(before):  # (the stalled tasks end on the workers, their results dropped)
+        assert time.monotonic() < deadline, f"the workers hold {data()}, {before} before the calls"
+        time.sleep(0.1)
+    assert len(errors) == 2 and not [f for e in errors for f in _frame_futures(e)]  # (held until here)
+
+
+@pytest.mark.parametrize("call, method", [("search", "scatter"), ("search", "gather"), ("rerank", "scatter")])
+def test_a_listed_worker_that_cannot_be_reached_is_handled_as_one_that_left(corpus, rng, monkeypatch, call, method):
+    """A worker restarting under its own address is listed by the scheduler before it listens again
+    (and one on its way out is listed still): the client's own connection to it, to send it the
+    queries or to gather the rankings from it, failed with Dask's OSError, and that escaped the call.
+    Such a call now runs again, exact, with a RuntimeWarning, as when a worker left."""
+    Q, q_lengths = _queries(rng)
+    cand = np.tile(np.arange(0, corpus.num_docs, 5), (Q.shape[0], 1))
+    run = {"search": lambda: corpus.search(Q, 9, q_lengths=q_lengths),
+           "rerank": lambda: (corpus.rerank(Q, cand, q_lengths=q_lengths),)}[call]
+    want = run()
+    w = min(w for w, _ in corpus.placement.values())
+    real, failed = getattr(corpus.client, method), []
+
+    def once(*args, **kwargs):
+        if not failed:
+            failed.append(method)
+            if method == "gather":
+                raise distributed.comm.CommClosedError(f"in <TCP (closed) ConnectionPool.gather "
+                                                       f"local=tcp://127.0.0.1:1 remote={w}>: Stream is closed")
+            raise OSError(f"Timed out trying to connect to {w} after 30 s")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(corpus.client, method, once)
+    with pytest.warns(RuntimeWarning, match=f"could not reach a worker that the scheduler still listed during a "
+                                            f"{call} \\(.*{w}.*\\).*the call then ran again. The results are exact"):
+        got = run()
+    assert failed == [method]
+    for g, e in zip(got, want):
+        np.testing.assert_array_equal(g.view(np.uint32) if g.dtype == np.float32 else g,
+                                      e.view(np.uint32) if e.dtype == np.float32 else e)
+
+
 def _staller(seconds: float):
     """A worker plugin that holds each search and rerank task ``seconds`` before it runs."""
 
@@ -759,7 +874,7 @@ def test_a_result_lost_with_its_worker_after_the_task_finished_reruns(corpus, mo
     every worker still there (one restarted under its address), a cancellation, which reruns too."""
     from distributed.client import FutureCancelledError
 
-    from lik_cupy.distributed import _Cancelled, _Departed
+    from lik_cupy.distributed import _Cancelled, _Departed, _Unreachable
 
     def lost():
         raise FutureCancelledError("lik-cupy-top-k-x", reason="already forgotten")
@@ -777,10 +892,16 @@ def test_a_result_lost_with_its_worker_after_the_task_finished_reruns(corpus, mo
     def refused():
         raise ConnectionRefusedError("no worker here")
 
-    with pytest.raises(ConnectionRefusedError):  # any other error, every worker there: as it is
+    with pytest.raises(_Unreachable, match="ConnectionRefusedError: no worker here"):  # every worker listed still
         corpus._fetch("fetching", {w}, refused)
 
-    def cancelled():
+    def other():
+        raise ValueError("not a connection's")
+
+    with pytest.raises(ValueError):  # any other error: as it is
+        corpus._fetch("fetching", {w}, other)
+
+    def cancelled(owned):
         raise _Cancelled("scheduler-restart")
 
     monkeypatch.setattr(corpus, "_ready", lambda context: None)

@@ -4,7 +4,8 @@ A module-wide ``LocalCluster`` of two worker processes on the NumPy path, starte
 Batcher over a ``ClusterCorpus`` in process (batches of queries of several lengths, string ids), and
 ``lik serve --scheduler ADDRESS`` as a real process on a loopback port answering tritonclient:
 search, rerank and score bitwise the in-process ``Corpus`` calls, a bad request refused with a 400
-while the server keeps serving, and the workers' shards dropped as the server stops. Also the flags
+while the server keeps serving, and the workers' shards dropped as the server stops (while it still
+loads them too). Also the flags
 ``--scheduler`` does not take, and that importing the serving package imports no Dask.
 """
 
@@ -190,6 +191,76 @@ def test_the_servers_shards_leave_the_workers_as_it_stops(cluster, client, int_i
         err = server.stop()
     assert server.proc.returncode == 0, err
     assert _shards_held(client) == before
+
+
+def _slow_loads(started: str, go_on: str):
+    """A worker plugin: each shard load on the workers first creates the file ``started``, then waits
+    until the file ``go_on`` exists (60 s at most). It wraps the workers' ``_load`` (the task runs it
+    by name), so the task waits, not the worker's event loop; its teardown puts the real one back."""
+
+    class SlowLoads(distributed.WorkerPlugin):
+        def setup(self, worker):
+            import os
+            import time
+
+            import lik_cupy.distributed as dist
+
+            self.real = real = dist._load
+
+            def _load(*args):
+                open(started, "a").close()
+                deadline = time.monotonic() + 60
+                while not os.path.exists(go_on) and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                return real(*args)
+
+            dist._load = _load
+
+        def teardown(self, worker):
+            import lik_cupy.distributed as dist
+
+            dist._load = self.real
+
+    return SlowLoads()
+
+
+def test_a_server_stopped_while_the_corpus_loads_leaves_no_shards_on_the_workers(cluster, client, int_ids, tmp_path):
+    """SIGTERM while `lik serve --scheduler` still loaded the corpus onto the cluster: the server
+    exited and left the corpus (its worker plugin, and every shard loaded so far) on the workers for
+    the cluster's life, since the client closed before anything dropped it. Stopping during the load
+    now closes the corpus before the server exits, and exits 0 as any stop does."""
+    import os
+    import signal
+    import time
+    from pathlib import Path
+
+    from lik_command import child_pythonpath
+
+    started, go_on = tmp_path / "started", tmp_path / "go-on"
+    before = _shards_held(client)
+    client.register_plugin(_slow_loads(str(started), str(go_on)), name="lik-test-slow-loads")
+    proc = None
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "lik_cupy", "serve", *int_ids[0], "--scheduler",
+                                 cluster.scheduler_address, "--port", "0"], stderr=subprocess.PIPE, text=True,
+                                cwd=Path(__file__).resolve().parents[1],
+                                env={**os.environ, "PYTHONPATH": child_pythonpath()})
+        deadline = time.monotonic() + 60
+        while not started.exists():
+            assert time.monotonic() < deadline and proc.poll() is None, "the corpus never began to load"
+            time.sleep(0.05)
+        assert len(_shards_held(client)) == len(before) + 1  # the corpus is on the workers, still loading
+        proc.send_signal(signal.SIGTERM)
+        err = proc.communicate(timeout=60)[1]
+        assert proc.returncode == 0, err
+        assert "Traceback" not in err, err
+        assert _shards_held(client) == before, err
+    finally:
+        go_on.touch()
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait(60)
+        client.unregister_worker_plugin("lik-test-slow-loads")
 
 
 def test_scheduler_refuses_the_flags_that_place_the_corpus_here(int_ids):

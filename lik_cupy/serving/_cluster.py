@@ -79,12 +79,18 @@ def _padded(tokens: np.ndarray, q_offsets: np.ndarray, precision) -> tuple[np.nd
     return Q, lengths
 
 
-def load(client, paths: list, opened: list, **kwargs) -> ClusterCorpus:
+def load(client, paths: list, opened: list, started=None, **kwargs) -> ClusterCorpus:
     """The documents of shard ``paths`` (shard directories or padded ``.npy`` files, as ``lik serve``
     takes them) resident on the workers of ``client`` (a ``distributed.Client``), which read them
     under the same names; ``opened``: the same shards opened here (:func:`lik_cupy.shards.open_input`),
-    whose ids this reads; ``kwargs`` go to ``DistributedCorpus``. Returns once every shard is loaded."""
+    whose ids this reads; ``kwargs`` go to ``DistributedCorpus``. Returns once every shard is loaded.
+    ``started(corpus)``, when given, receives the ``DistributedCorpus`` before it loads: closing it
+    from another thread then stops the load (RuntimeError here) and drops what loaded."""
     from ..distributed import DistributedCorpus
 
     ids = joined_ids(opened)  # (as Corpus.from_shards joins them; checked before any worker loads a shard)
-    return ClusterCorpus(DistributedCorpus(client, list(paths), **kwargs), ids)
+    corpus = DistributedCorpus.__new__(DistributedCorpus)
+    if started is not None:
+        started(corpus)
+    corpus.__init__(client, list(paths), **kwargs)
+    return ClusterCorpus(corpus, ids)

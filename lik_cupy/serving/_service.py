@@ -107,7 +107,9 @@ def check_limits(header_timeout: float, body_timeout: float, body_min_rate: int,
 
 class Service:
     """One server's state: the batcher (once loaded and warm), the id index, the metrics.
-    ``load(observer)`` returns the :class:`Batcher`; :meth:`start` runs it in a thread.
+    ``load(observer)`` returns the :class:`Batcher`; :meth:`start` runs it in a thread. A ``load``
+    with a ``cancel()`` method (``lik serve --scheduler``'s) is cut short by :meth:`stop` while it
+    runs: what it loaded is dropped before stop returns.
     ``header_timeout``, ``body_timeout`` (seconds) and ``body_min_rate`` (bytes a second, 0: none):
     how slowly a client may send a request (:data:`HEADER_TIMEOUT_S`); ``grpc_max_streams``: the
     gRPC calls one connection may have at once (:data:`GRPC_MAX_STREAMS`)."""
@@ -141,14 +143,26 @@ class Service:
         self.parser = ThreadPoolExecutor(1, thread_name_prefix="lik-serve-parse")
         self.reading: set = set()  # the BodyClocks of requests waiting for more of their bodies (gRPC: messages)
         self.stopping = False  # the server stops: a request still to read its body (gRPC: message) is refused
+        self._stopped = False  # stop() was called: a load that ends after it closes what it made
+        self._loading = threading.Lock()  # (stop() against the load's hand-over of its batcher)
+        self._cancel_load = None
 
     def start(self) -> None:
+        self._cancel_load = getattr(self.load, "cancel", None)
+
         def run():
             try:
                 b, self.load = self.load(self.metrics), None  # (nor what it holds: lik serve's shards, mapped)
-                self.ids = IdIndex(b.corpus.ids, len(b.corpus))
-                self.inline = all(d.startswith("cuda") for d in b.devices)
-                self.batcher = b
+                with self._loading:  # (handed over here, or stop() would find neither load nor batcher)
+                    self._cancel_load = None
+                    late = self._stopped
+                    if not late:
+                        self.ids = IdIndex(b.corpus.ids, len(b.corpus))
+                        self.inline = all(d.startswith("cuda") for d in b.devices)
+                        self.batcher = b
+                if late:  # the server stopped while it loaded: it serves nothing
+                    b.close()
+                    return
                 b.warm()
                 self._ready = True
                 if self._peers is not None:
@@ -156,7 +170,8 @@ class Service:
                         self._peers[0].value += 1
                 print(f"lik serve: ready: {b.corpus!r} on {', '.join(b.devices)}", file=sys.stderr, flush=True)
             except BaseException as e:  # noqa: BLE001 - the runner reports it once the server has stopped
-                self.fail(e)
+                if not self._stopped:  # (else a load cut short by stop(), no failure)
+                    self.fail(e)
 
         threading.Thread(target=run, name="lik-serve-load", daemon=True).start()
 
@@ -181,8 +196,14 @@ class Service:
             clock.cancel(Refused(503, STOPPING))
 
     def stop(self) -> None:
-        """Take no new requests and answer those queued (blocks until they are scored)."""
+        """Take no new requests and answer those queued (blocks until they are scored); a load still
+        running is cancelled where it can be (``load.cancel()``), and what it made is closed."""
         self._ready = False
+        with self._loading:
+            self._stopped = True
+            cancel = self._cancel_load
+        if cancel is not None:  # (the load's corpus dropped here, while the process can still reach it)
+            cancel()
         if self.batcher is not None:
             self.batcher.close()
 

@@ -43,6 +43,7 @@ import re
 import signal
 import socket
 import sys
+import threading
 import time
 import zlib
 
@@ -199,7 +200,7 @@ def serve(paths, *, host: str = "127.0.0.1", port: int = 8000, grpc_port: int | 
     which reads the shards under the same names there; their ids are read here), one worker of
     the batcher making each batch one call of it; not with ``devices``, ``partition`` or
     ``processes``. The server is ready once every shard is loaded on the cluster, and drops them
-    from the workers as it stops (the client stays open: it is the caller's)."""
+    from the workers as it stops, while loading too (the client stays open: it is the caller's)."""
     if client is not None and (devices is not None or partition is not None or processes != 1):
         raise ValueError("client serves the corpus from the Dask cluster's workers; devices, partition and processes "
                          "place it in this server: give one or the other")
@@ -220,7 +221,7 @@ def serve(paths, *, host: str = "127.0.0.1", port: int = 8000, grpc_port: int | 
         run_processes(loads, processes, host=host, port=port, grpc_port=grpc_port, **limits)
         return
     if client is not None:
-        load = functools.partial(_load_cluster, client, paths, opened, kwargs)
+        load = _ClusterLoad(client, paths, opened, kwargs)
     else:
         load = functools.partial(_load_shards, opened, devices, partition, kwargs)
     del opened  # (the load holds them until it has run, and Service.start lets it go then: none stay mapped)
@@ -247,15 +248,40 @@ def _load_shards(paths, devices, partition, kwargs, observer, process=None) -> B
     return Batcher.from_shards(paths, devices, partition=partition, process=process, observer=observer, **kwargs)
 
 
-def _load_cluster(client, paths, opened, kwargs, observer) -> Batcher:
-    from ._cluster import load
+class _ClusterLoad:
+    """``load(observer)`` of ``lik serve --scheduler``: the batcher over a corpus resident on the
+    cluster of ``client``. :meth:`cancel` (the server stopping while it runs) closes the corpus
+    there and then, dropping what loaded so far: left to the load, it would still be loading as the
+    process exits and the client closes, and the workers would keep it for the cluster's life."""
 
-    corpus = load(client, paths, opened)
-    try:
-        return Batcher(corpus, observer=observer, **kwargs)
-    except BaseException:
-        corpus.close()
-        raise
+    def __init__(self, client, paths, opened, kwargs):
+        self._args = (client, paths, opened, kwargs)
+        self._lock = threading.Lock()
+        self._corpus, self._cancelled = None, False
+
+    def __call__(self, observer) -> Batcher:
+        from ._cluster import load
+
+        (client, paths, opened, kwargs), self._args = self._args, None  # (none of the shards stays mapped)
+        corpus = load(client, paths, opened, started=self._started)
+        try:
+            return Batcher(corpus, observer=observer, **kwargs)
+        except BaseException:
+            corpus.close()
+            raise
+
+    def _started(self, corpus) -> None:
+        """The distributed corpus, handed over before it loads."""
+        with self._lock:
+            self._corpus, cancelled = corpus, self._cancelled
+        if cancelled:
+            corpus.close()
+
+    def cancel(self) -> None:
+        with self._lock:
+            self._cancelled, corpus = True, self._corpus
+        if corpus is not None:
+            corpus.close()
 
 
 def run_processes(load, processes: int, *, host: str = "127.0.0.1", port: int = 8000,
