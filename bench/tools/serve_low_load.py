@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import os
 import re
 import statistics
@@ -217,7 +216,10 @@ def main(argv=None) -> dict:
     out = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "trees"},
            "trees": [str(t) for t in trees], "rounds": rows, "medians": medians, "paired": paired}
     if args.json:
-        args.json.write_text(json.dumps(out, indent=1))
+        sys.path.insert(0, str(ROOT))  # (bench.lib: the JSON with the sources' provenance, as every bench script writes)
+        from bench.lib.results import write_json
+
+        write_json(args.json, out)
     return out
 
 
