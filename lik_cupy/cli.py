@@ -1435,6 +1435,13 @@ def _seconds(ctx, param, value: float) -> float:
               help="gRPC calls one connection may have at once (HTTP/2's max concurrent streams): a client keeps "
               "those over it waiting, and a call opened over it anyway is refused. (An HTTP connection has one "
               "request at a time.)")
+@click.option("--grpc-max-calls", type=click.IntRange(1, 2**31 - 2), default=None, metavar="N",
+              help="gRPC calls the server (each process) serves at once, over all connections; one over it is "
+              "refused RESOURCE_EXHAUSTED. Default: 8192, or --max-queue times the --devices entries (eight where "
+              "none are given) where that is more, so that a full queue is never refused.")
+@click.option("--max-connections", type=click.IntRange(1, 2**31 - 2), default=None, metavar="N",
+              help="HTTP connections the server (each process) serves at once; a request that comes while more are "
+              "open is answered 503 and its connection closed. Default: that of --grpc-max-calls.")
 @click.option("--devices", metavar="LIST", help="Comma-separated GPU indices and/or 'cpu', one worker each; "
               "entries naming one device share its corpus (0,0: two workers on GPU 0). Default: every GPU, else cpu.")
 @click.option("--partition/--replicate", default=None, help="Split the shards over the --devices, a part each "
@@ -1470,8 +1477,9 @@ def _seconds(ctx, param, value: float) -> float:
               "[distributed] extra.")
 @click.option("--debug", is_flag=True, help="Show a traceback on errors.")
 @_cli_errors
-def _serve_command(paths, host, port, grpc_port, grpc_max_streams, devices, partition, max_batch, max_tokens,
-                   max_delay_us, max_queue, processes, header_timeout, body_timeout, body_min_rate, scheduler, debug):
+def _serve_command(paths, host, port, grpc_port, grpc_max_streams, grpc_max_calls, max_connections, devices, partition,
+                   max_batch, max_tokens, max_delay_us, max_queue, processes, header_timeout, body_timeout,
+                   body_min_rate, scheduler, debug):
     devices = None if devices is None else _serve_devices(devices)  # a usage error, before the extras are looked for
     if scheduler is not None:
         placed = [name for name, given in (("--devices", devices is not None), ("--processes", processes != 1),
@@ -1502,7 +1510,7 @@ def _serve_command(paths, host, port, grpc_port, grpc_max_streams, devices, part
               devices=devices, partition=partition, max_batch=max_batch, max_tokens=max_tokens,
               max_delay_us=max_delay_us, max_queue=max_queue, processes=processes, header_timeout=header_timeout,
               body_timeout=body_timeout, body_min_rate=body_min_rate, grpc_max_streams=grpc_max_streams,
-              client=client)
+              max_connections=max_connections, grpc_max_calls=grpc_max_calls, client=client)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """A raw HTTP/2 connection to ``lik serve``'s gRPC port (the tests' shared helper), for clients that
 grpcio's own would never be: one that opens more calls than the server allows, or one that opens
-none. Frames are written by hand; a call's headers are literal HPACK fields (neither indexed nor
-Huffman-coded), which every decoder takes."""
+none, or one that sends part of a message. Frames are written by hand; a call's headers are literal
+HPACK fields (neither indexed nor Huffman-coded), which every decoder takes, and the server's are
+read as grpc core writes them (:func:`fields`)."""
 
 from __future__ import annotations
 
@@ -26,6 +27,55 @@ def call_headers(method: str) -> bytes:
     return b"".join(b"\x00" + bytes([len(n)]) + n.encode() + bytes([len(v)]) + v.encode() for n, v in fields)
 
 
+def _integer(block: bytes, at: int, bits: int) -> tuple[int, int]:
+    """(the HPACK integer of a ``bits``-bit prefix at byte ``at``, the byte after it)."""
+    mask = (1 << bits) - 1
+    value, at = block[at] & mask, at + 1
+    shift = 0
+    while value >= mask:  # (then 7 bits a byte, while the high bit is set)
+        b, at = block[at], at + 1
+        value += (b & 0x7F) << shift
+        shift += 7
+        if not b & 0x80:
+            break
+    return value, at
+
+
+def _string(block: bytes, at: int) -> tuple[str, int]:
+    assert not block[at] & 0x80, "a Huffman-coded HPACK string (grpc core writes none here)"
+    n, at = _integer(block, at, 7)
+    return block[at:at + n].decode(), at + n
+
+
+_STATIC = {8: (":status", "200")}  # (the one entry of HPACK's static table that grpc core sends here)
+
+
+def fields(block: bytes, table: list) -> dict[str, str]:
+    """The header fields of an HPACK ``block`` as grpc core writes them (literal strings, indexed
+    fields of the static ``:status`` or of ``table``, the connection's dynamic table, which this
+    updates: decode every block of a connection, in order)."""
+    out, at = {}, 0
+    while at < len(block):
+        b = block[at]
+        if b & 0x80:  # an indexed field
+            index, at = _integer(block, at, 7)
+            name, value = _STATIC[index] if index in _STATIC else table[index - 62]
+        elif b & 0xE0 == 0x20:  # a dynamic table size update
+            at = _integer(block, at, 5)[1]
+            continue
+        else:  # a literal: with incremental indexing (0x40), or without (0x00, 0x10)
+            indexing = b & 0x40
+            index, at = _integer(block, at, 6 if indexing else 4)
+            name = table[index - 62][0] if index else None
+            if name is None:
+                name, at = _string(block, at)
+            value, at = _string(block, at)
+            if indexing:
+                table.insert(0, (name, value))
+        out[name] = value
+    return out
+
+
 class Connection:
     """A connection to ``127.0.0.1:port`` that has sent the client's preface and an empty SETTINGS
     frame; :meth:`settings` reads the server's and acknowledges them."""
@@ -34,6 +84,7 @@ class Connection:
         self.sock = socket.create_connection(("127.0.0.1", port))
         self.sock.sendall(PREFACE + frame(SETTINGS))
         self._buffer = b""
+        self._table: list = []  # (HPACK's dynamic table of the server's header blocks)
 
     def send(self, *frames: bytes) -> None:
         self.sock.sendall(b"".join(frames))
@@ -69,6 +120,28 @@ class Connection:
                 self.send(frame(SETTINGS, ACK))
                 return {int.from_bytes(payload[i:i + 2], "big"): int.from_bytes(payload[i + 2:i + 6], "big")
                         for i in range(0, len(payload), 6)}
+
+    def trailers(self, streams, timeout: float = 60) -> dict[int, dict[str, str]]:
+        """The fields that end each of ``streams`` (a call's trailers: ``grpc-status`` and
+        ``grpc-message``), {stream: {"reset": code}} for one reset, as they come; pings are answered.
+        AssertionError when one has not ended within ``timeout`` seconds, or the server closes the
+        connection first."""
+        ended = {}
+        until = time.monotonic() + timeout
+        while set(streams) - set(ended):
+            f = self.read(max(0.0, until - time.monotonic()))
+            assert f is not None, f"the server closed the connection; streams ended so far: {ended}"
+            kind, flags, stream, payload = f
+            if kind == HEADERS:
+                assert flags & END_HEADERS, "a header block in CONTINUATION frames"
+                got = fields(payload, self._table)  # (every block, in order: they share the table)
+                if flags & END_STREAM:
+                    ended[stream] = got
+            elif kind == PING and not flags & ACK:  # (grpc core ends the calls of a client that does not answer)
+                self.send(frame(PING, ACK, 0, payload))
+            elif kind == RST_STREAM:  # (after a stream's trailers: the rest of its request is not read)
+                ended.setdefault(stream, {"reset": int.from_bytes(payload, "big")})
+        return ended
 
     def close(self) -> None:
         self.sock.close()

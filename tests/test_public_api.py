@@ -155,17 +155,20 @@ FROZEN = {'lik_cupy': (['CompileError',
  'lik_cupy.serving.http': (['MODELS', 'make_app', 'run', 'run_processes', 'serve'],
                            {'make_app': '(load, *, max_body_bytes: int=MAX_BODY, grpc_address: str | None=None, '
                                         'header_timeout: float=HEADER_TIMEOUT_S, body_timeout: float=BODY_TIMEOUT_S, '
-                                        'body_min_rate: int=BODY_MIN_RATE, grpc_max_streams: int=GRPC_MAX_STREAMS)',
+                                        'body_min_rate: int=BODY_MIN_RATE, grpc_max_streams: int=GRPC_MAX_STREAMS, '
+                                        'max_connections: int=MAX_CONNECTIONS, grpc_max_calls: int=GRPC_MAX_CALLS)',
                             'run': "(app, *, host: str='127.0.0.1', port: int=8000)",
                             'run_processes': "(load, processes: int, *, host: str='127.0.0.1', port: int=8000, "
                                              "grpc_port: int | None=None, header_timeout: float=HEADER_TIMEOUT_S, "
                                              "body_timeout: float=BODY_TIMEOUT_S, body_min_rate: int=BODY_MIN_RATE, "
-                                             "grpc_max_streams: int=GRPC_MAX_STREAMS)",
+                                             "grpc_max_streams: int=GRPC_MAX_STREAMS, max_connections: "
+                                             "int=MAX_CONNECTIONS, grpc_max_calls: int=GRPC_MAX_CALLS)",
                             'serve': "(paths, *, host: str='127.0.0.1', port: int=8000, grpc_port: int | None=None, "
                                      "devices=None, partition: bool | None=None, max_batch: int=64, max_tokens: int=65536, "
                                      "max_delay_us: int=0, max_queue: int=1024, processes: int=1, header_timeout: "
                                      "float=HEADER_TIMEOUT_S, body_timeout: float=BODY_TIMEOUT_S, body_min_rate: "
-                                     "int=BODY_MIN_RATE, grpc_max_streams: int=GRPC_MAX_STREAMS, client=None)"}),
+                                     "int=BODY_MIN_RATE, grpc_max_streams: int=GRPC_MAX_STREAMS, max_connections: "
+                                     "int | None=None, grpc_max_calls: int | None=None, client=None)"}),
  'lik_cupy.shards': (['CHUNK_BYTES',
                       'NORM_TOLERANCE',
                       'Shard',

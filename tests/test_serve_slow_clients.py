@@ -307,6 +307,36 @@ def test_a_grpc_message_that_never_arrives_is_refused(shard):
         server.stop()
 
 
+def test_a_partial_message_of_any_grpc_call_is_refused(shard):
+    """grpcio serves a unary RPC once its message has all arrived, and waits for it untimed: a client
+    that sent 1 KiB of a declared 1 MiB ServerLive message kept its call, what had arrived, and its
+    connection (closed only without calls) for as long as it stayed. Every RPC's message has
+    ModelInfer's bound now (DEADLINE_EXCEEDED), and the calls that send theirs are answered."""
+    pytest.importorskip("lik_cupy.serving.grpc")
+    grpcclient = pytest.importorskip("tritonclient.grpc")
+    server = Server(shard, "--devices", "cpu", "--grpc-port", 0, "--body-timeout", 1, "--body-min-rate", 1 << 30)
+    c = http2.Connection(server.grpc_port)
+    partial = b"\x00" + (1 << 20).to_bytes(4, "big") + bytes(1024)  # (a message's prefix: uncompressed, its length)
+    methods = {1: "ServerLive", 3: "ModelMetadata", 5: "RepositoryIndex", 7: "ModelInfer"}
+    try:
+        c.settings()
+        c.send(*(f for stream, method in methods.items()
+                 for f in (http2.frame(http2.HEADERS, http2.END_HEADERS, stream, http2.call_headers(method)),
+                           http2.frame(http2.DATA, 0, stream, partial))))
+        ended = c.trailers(methods, timeout=60)
+        for stream, method in methods.items():
+            assert ended[stream].get("grpc-status") == "4", (method, ended[stream])  # DEADLINE_EXCEEDED
+            assert ended[stream]["grpc-message"].startswith("the request message had not all arrived after 1 s"), \
+                (method, ended[stream])
+        client = grpcclient.InferenceServerClient(f"127.0.0.1:{server.grpc_port}")
+        assert client.is_server_live() and client.is_model_ready("score")
+        assert client.get_model_metadata("score").name == "score"
+        client.close()
+    finally:
+        c.close()
+        server.stop()
+
+
 def test_a_grpc_connection_without_calls_is_closed_at_the_header_timeout(shard):
     """grpc core waits 60 s for a connection's HTTP/2 preface unless told; it is told --header-timeout.
     And it kept a connection that never made a call, or made none since, for as long as its client

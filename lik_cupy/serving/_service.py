@@ -75,6 +75,14 @@ BODY_MIN_RATE = 1 << 20
 # handler and what has arrived of its message. 100 is the least RFC 9113 recommends, and Kestrel's
 # default; above --max-batch's default (64 queries a call), so that one client's calls can fill a batch.
 GRPC_MAX_STREAMS = 100
+# The HTTP connections, and the gRPC calls, one server process serves at once (lik serve
+# --max-connections, --grpc-max-calls): over them a request is refused (503, RESOURCE_EXHAUSTED).
+# uvicorn and grpcio take any number unless told, so connections times --grpc-max-streams was the
+# only bound, each holding a task and its buffers. A queued request holds one of each, so a cap must
+# admit a full queue: 8192 is --max-queue's default (1024) on each of eight workers, one per GPU of
+# an eight-GPU host (lik serve takes more where its --max-queue and --devices queue more), and 32
+# times the 256 clients of the load benchmark (bench/suites/bench_serve.py).
+MAX_CONNECTIONS = GRPC_MAX_CALLS = 8192
 # The model label of a gRPC call counted before its message, which names the model, had arrived (or
 # one that named none): Prometheus reads an empty label as none.
 UNNAMED = ""
@@ -91,9 +99,11 @@ class Refused(Exception):
 
 
 def check_limits(header_timeout: float, body_timeout: float, body_min_rate: int,
-                 grpc_max_streams: int = GRPC_MAX_STREAMS) -> None:
+                 grpc_max_streams: int = GRPC_MAX_STREAMS, max_connections: int = MAX_CONNECTIONS,
+                 grpc_max_calls: int = GRPC_MAX_CALLS) -> None:
     """ValueError naming a limit on how slowly a client may send a request, or how many gRPC calls
-    one connection may have at once, that is not one (:class:`Service`)."""
+    one connection may have at once, or how many connections and calls the server serves at once,
+    that is not one (:class:`Service`)."""
     for name, value in (("header_timeout", header_timeout), ("body_timeout", body_timeout)):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
             raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
@@ -103,6 +113,11 @@ def check_limits(header_timeout: float, body_timeout: float, body_min_rate: int,
             or not 1 <= grpc_max_streams < 2**31:  # (grpc core takes a C int)
         raise ValueError(f"grpc_max_streams must be an integer in [1, 2**31 - 1] (calls a connection may have at "
                          f"once), got {grpc_max_streams!r}")
+    for name, value, what in (("max_connections", max_connections, "HTTP connections"),
+                              ("grpc_max_calls", grpc_max_calls, "gRPC calls")):
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value < 2**31 - 1:
+            raise ValueError(f"{name} must be an integer in [1, 2**31 - 2] ({what} the server serves at once), "
+                             f"got {value!r}")
 
 
 class Service:
@@ -112,15 +127,18 @@ class Service:
     runs: what it loaded is dropped before stop returns.
     ``header_timeout``, ``body_timeout`` (seconds) and ``body_min_rate`` (bytes a second, 0: none):
     how slowly a client may send a request (:data:`HEADER_TIMEOUT_S`); ``grpc_max_streams``: the
-    gRPC calls one connection may have at once (:data:`GRPC_MAX_STREAMS`)."""
+    gRPC calls one connection may have at once (:data:`GRPC_MAX_STREAMS`); ``max_connections``,
+    ``grpc_max_calls``: the HTTP connections and gRPC calls it serves at once (:data:`MAX_CONNECTIONS`)."""
 
     def __init__(self, load, max_body_bytes: int = MAX_BODY, peers=None, header_timeout: float = HEADER_TIMEOUT_S,
                  body_timeout: float = BODY_TIMEOUT_S, body_min_rate: int = BODY_MIN_RATE,
-                 grpc_max_streams: int = GRPC_MAX_STREAMS):
-        check_limits(header_timeout, body_timeout, body_min_rate, grpc_max_streams)
+                 grpc_max_streams: int = GRPC_MAX_STREAMS, max_connections: int = MAX_CONNECTIONS,
+                 grpc_max_calls: int = GRPC_MAX_CALLS):
+        check_limits(header_timeout, body_timeout, body_min_rate, grpc_max_streams, max_connections, grpc_max_calls)
         self.load, self.max_body = load, max_body_bytes
         self.header_timeout, self.body_timeout, self.body_min_rate = header_timeout, body_timeout, body_min_rate
-        self.grpc_max_streams = grpc_max_streams
+        self.grpc_max_streams, self.max_connections, self.grpc_max_calls = grpc_max_streams, max_connections, \
+            grpc_max_calls
         self.batcher: Batcher | None = None
         self.ids: IdIndex | None = None
         self._ready = False

@@ -17,7 +17,9 @@ the HTTP body limit), ``UNAVAILABLE`` (overloaded, not ready or stopping), ``DEA
 calls that grpcio cancels (the client cancelled: 499; the deadline passed: 504); those that end
 before their message (which names the model) arrived under no model (``_service.UNNAMED``). A
 connection may have ``svc.grpc_max_streams`` calls at once (``lik serve --grpc-max-streams``), and
-closes after ``svc.header_timeout`` without one (:func:`start_server`).
+closes after ``svc.header_timeout`` without one; the server serves ``svc.grpc_max_calls`` at once
+(``--grpc-max-calls``), refusing more ``RESOURCE_EXHAUSTED`` (:func:`start_server`). Every RPC's
+message must arrive within ModelInfer's bound (:func:`_unary`).
 """
 
 from __future__ import annotations
@@ -73,11 +75,12 @@ async def start_server(svc: Service, address: str, shared: bool = False) -> grpc
     # HTTP takes 64 KiB) and a client's pings (closed when it pings more often than every 5 minutes
     # without data).
     header_ms = min(max(1, round(svc.header_timeout * 1000)), 2**31 - 1)
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", limit),
-                                      ("grpc.max_send_message_length", -1), ("grpc.so_reuseport", int(shared)),
-                                      ("grpc.server_handshake_timeout_ms", header_ms),
-                                      ("grpc.max_connection_idle_ms", header_ms),
-                                      ("grpc.max_concurrent_streams", svc.grpc_max_streams)])
+    # The calls at once over all connections are capped too (svc.grpc_max_calls; grpcio refuses one
+    # over it RESOURCE_EXHAUSTED before its handler runs), as HTTP's connections are.
+    options = [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", -1),
+               ("grpc.so_reuseport", int(shared)), ("grpc.server_handshake_timeout_ms", header_ms),
+               ("grpc.max_connection_idle_ms", header_ms), ("grpc.max_concurrent_streams", svc.grpc_max_streams)]
+    server = grpc.aio.server(options=options, maximum_concurrent_rpcs=svc.grpc_max_calls)
     handlers = _handlers(_Servicer(svc))
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(_SERVICE.full_name, handlers),))
     if hasattr(server, "add_registered_method_handlers"):  # (grpcio 1.63+: found without the generic lookup)
@@ -134,13 +137,13 @@ class _Servicer(rpc.GRPCInferenceServiceServicer):
         return json_format.ParseDict(stats, pb.ModelStatisticsResponse())
 
     async def ModelInfer(self, requests, context):
-        # A stream-unary handler on the wire's unary call (the two differ only here): it runs as the
-        # call begins, so that the wait for its message is timed (_service.arrival) and ends at
-        # shutdown; and it takes the message's bytes, so that its raw contents are read in place.
+        # A stream-unary handler on the wire's unary call, as every unary RPC's (_handlers): it runs as
+        # the call begins, so that the wait for its message is timed (_message) and ends at shutdown;
+        # and it takes the message's bytes, so that its raw contents are read in place.
         svc, model, start = self.svc, None, time.perf_counter()
         held = Held(svc)
         try:
-            data = await _service.arrival(svc, lambda clock: context.read(), whole=True)
+            data = await _message(svc, context)
             if data is grpc.aio.EOF:
                 await _without_message(svc, context, start)
             try:
@@ -205,16 +208,54 @@ def _given_up(svc: Service, context, model: str, start: float) -> None:
 
 
 def _handlers(servicer) -> dict:
-    """The service's method handlers: each RPC as the messages declare it, its messages (de)serialized
-    by protobuf; ``ModelInfer`` stream-unary, taking its request's bytes (``_Servicer.ModelInfer``)."""
-    kinds = {(False, False): grpc.unary_unary_rpc_method_handler, (True, False): grpc.stream_unary_rpc_method_handler,
-             (False, True): grpc.unary_stream_rpc_method_handler, (True, True): grpc.stream_stream_rpc_method_handler}
-    handlers = {m.name: kinds[m.client_streaming, m.server_streaming](
-        getattr(servicer, m.name), request_deserializer=getattr(pb, m.input_type.name).FromString,
-        response_serializer=getattr(pb, m.output_type.name).SerializeToString) for m in _SERVICE.methods}
-    handlers["ModelInfer"] = grpc.stream_unary_rpc_method_handler(
-        servicer.ModelInfer, response_serializer=pb.ModelInferResponse.SerializeToString)
+    """The service's method handlers, each RPC's messages (de)serialized by protobuf. Every unary RPC
+    is served stream-unary (the wire does not tell the two apart), so that the wait for its message
+    is timed as a request's body is (:func:`_unary`): grpcio runs a unary handler once the message
+    has all arrived, and waits for it untimed. ``ModelInfer`` takes its request's bytes
+    (``_Servicer.ModelInfer``)."""
+    kinds = {(True, False): grpc.stream_unary_rpc_method_handler, (False, True): grpc.unary_stream_rpc_method_handler,
+             (True, True): grpc.stream_stream_rpc_method_handler}
+    handlers = {}
+    for m in _SERVICE.methods:
+        method, parse = getattr(servicer, m.name), getattr(pb, m.input_type.name).FromString
+        write = getattr(pb, m.output_type.name).SerializeToString
+        if m.client_streaming or m.server_streaming:  # (none served: the servicer's base refuses them, unread)
+            handlers[m.name] = kinds[m.client_streaming, m.server_streaming](
+                method, request_deserializer=parse, response_serializer=write)
+            continue
+        if m.name != "ModelInfer":
+            method = _unary(servicer.svc, method, parse, m.input_type.name)
+        handlers[m.name] = grpc.stream_unary_rpc_method_handler(method, response_serializer=write)
     return handlers
+
+
+def _unary(svc: Service, method, parse, name: str):
+    """A stream-unary handler running ``method(request, context)`` on the call's one message, parsed
+    by ``parse``: the call ends ``DEADLINE_EXCEEDED`` where the message does not arrive within
+    ModelInfer's bound (:func:`_message`), ``UNAVAILABLE`` where the server begins to stop first,
+    ``INVALID_ARGUMENT`` where it ends without one or ``parse`` cannot read it. Not counted in the
+    metrics, as HTTP's requests other than inference are not."""
+    async def handler(requests, context):
+        try:
+            data = await _message(svc, context)
+            if data is grpc.aio.EOF:
+                raise Refused(400, "the call ended without a request message")
+            try:
+                request = parse(data)
+            except DecodeError as e:
+                raise Refused(400, f"the request message is not a {name}: {e}") from None
+        except Refused as e:
+            await context.abort(_CODES[e.status], str(e))
+        return await method(request, context)
+
+    return handler
+
+
+async def _message(svc: Service, context):
+    """The call's request message as bytes (grpc.aio.EOF where it ended without one), or
+    :class:`Refused`: 408 where it has not all arrived within the time the largest takes at the
+    minimum rate (``_service.arrival``), 503 where the server begins to stop first."""
+    return await _service.arrival(svc, lambda clock: context.read(), whole=True)
 
 
 _SERVICE = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"]

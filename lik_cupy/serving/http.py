@@ -55,8 +55,9 @@ from starlette.routing import Route
 from .._version import __version__
 from . import _service, _tensors
 from ._connection import ABORT, JOIN, LOST, connection_class
-from ._service import (BODY_MIN_RATE, BODY_TIMEOUT_S, GRPC_MAX_STREAMS, HEADER_TIMEOUT_S, INLINE_PARSE_BYTES,
-                       INLINE_WRITE_VALUES, MAX_BODY, MODELS, VERSIONS, Held, Refused, Service)
+from ._service import (BODY_MIN_RATE, BODY_TIMEOUT_S, GRPC_MAX_CALLS, GRPC_MAX_STREAMS, HEADER_TIMEOUT_S,
+                       INLINE_PARSE_BYTES, INLINE_WRITE_VALUES, MAX_BODY, MAX_CONNECTIONS, MODELS, VERSIONS, Held,
+                       Refused, Service)
 from .batcher import Batcher
 
 __all__ = ["MODELS", "make_app", "run", "run_processes", "serve"]
@@ -67,7 +68,8 @@ _GRPC_GRACE_S = 300.0  # at shutdown, gRPC calls already accepted may take this 
 
 def make_app(load, *, max_body_bytes: int = MAX_BODY, grpc_address: str | None = None,
              header_timeout: float = HEADER_TIMEOUT_S, body_timeout: float = BODY_TIMEOUT_S,
-             body_min_rate: int = BODY_MIN_RATE, grpc_max_streams: int = GRPC_MAX_STREAMS):
+             body_min_rate: int = BODY_MIN_RATE, grpc_max_streams: int = GRPC_MAX_STREAMS,
+             max_connections: int = MAX_CONNECTIONS, grpc_max_calls: int = GRPC_MAX_CALLS):
     """The ASGI application (inference requests go straight to their handler, the rest through
     starlette's routing). ``load``: a callable taking the server's :class:`Observer` (its metrics)
     and returning the :class:`Batcher`; it runs in a thread at startup, while ``/v2/health/live``
@@ -81,16 +83,21 @@ def make_app(load, *, max_body_bytes: int = MAX_BODY, grpc_address: str | None =
     time ``max_body_bytes`` take at that rate (``body_timeout`` at least). A gRPC connection may have
     ``grpc_max_streams`` calls at once (a client keeps those over it waiting; the server refuses any
     opened anyway), as an HTTP connection has one request at a time, and closes after
-    ``header_timeout`` without one."""
+    ``header_timeout`` without one. The server serves ``max_connections`` HTTP connections at once
+    (kept by :func:`run`: a request that comes while more are open is answered 503 and its
+    connection closed) and ``grpc_max_calls`` gRPC calls (more: ``RESOURCE_EXHAUSTED``); each queued
+    request holds one, so give at least the batcher's ``max_queue`` times its workers."""
     return _application(load, max_body_bytes, grpc_address,
-                        limits=(header_timeout, body_timeout, body_min_rate, grpc_max_streams))
+                        limits=(header_timeout, body_timeout, body_min_rate, grpc_max_streams, max_connections,
+                                grpc_max_calls))
 
 
 def _application(load, max_body_bytes: int, grpc_address: str | None, peers=None,
-                 limits: tuple = (HEADER_TIMEOUT_S, BODY_TIMEOUT_S, BODY_MIN_RATE, GRPC_MAX_STREAMS)):
+                 limits: tuple = (HEADER_TIMEOUT_S, BODY_TIMEOUT_S, BODY_MIN_RATE, GRPC_MAX_STREAMS, MAX_CONNECTIONS,
+                                  GRPC_MAX_CALLS)):
     """:func:`make_app`; ``peers``: set by :func:`run_processes` (``ready`` waits for every process,
     and gRPC shares its port with them); ``limits``: (header_timeout, body_timeout, body_min_rate,
-    grpc_max_streams)."""
+    grpc_max_streams, max_connections, grpc_max_calls)."""
     svc = Service(load, max_body_bytes, peers, *limits)
 
     @contextlib.asynccontextmanager
@@ -184,13 +191,17 @@ def serve(paths, *, host: str = "127.0.0.1", port: int = 8000, grpc_port: int | 
           partition: bool | None = None, max_batch: int = 64, max_tokens: int = 65536, max_delay_us: int = 0,
           max_queue: int = 1024, processes: int = 1, header_timeout: float = HEADER_TIMEOUT_S,
           body_timeout: float = BODY_TIMEOUT_S, body_min_rate: int = BODY_MIN_RATE,
-          grpc_max_streams: int = GRPC_MAX_STREAMS, client=None) -> None:
+          grpc_max_streams: int = GRPC_MAX_STREAMS, max_connections: int | None = None,
+          grpc_max_calls: int | None = None, client=None) -> None:
     """Serve the documents of shard ``paths`` (:meth:`Batcher.from_shards` for ``devices`` and
     ``partition``; the rest as for :class:`Batcher`) with :func:`run`: HTTP on ``port``, and gRPC on
     ``grpc_port`` when given; each shard is opened (and checked) first, so a missing or damaged one
     raises ShardError before the server listens, and the corpus loads from the shards opened then.
     ``header_timeout``, ``body_timeout``, ``body_min_rate``: how slowly a client may send a request;
-    ``grpc_max_streams``: the gRPC calls a connection may have at once (:func:`make_app`).
+    ``grpc_max_streams``: the gRPC calls a connection may have at once; ``max_connections``,
+    ``grpc_max_calls``: the HTTP connections and gRPC calls each process serves at once
+    (:func:`make_app`), by default 8192, or more where ``max_queue`` on each of the ``devices``
+    (eight where not given) is more, so that a full queue is never refused.
     ``processes`` > 1: that many server processes on the ports (:func:`run_processes`), each with its
     own replicas (over several GPUs, one GPU's in each process where their count divides
     ``processes``: ``Batcher.from_shards``' ``process``), from the shards as it opens them (a spawned
@@ -208,8 +219,9 @@ def serve(paths, *, host: str = "127.0.0.1", port: int = 8000, grpc_port: int | 
         from ..errors import LikError
 
         raise LikError(f"{host}:{port}", f"the gRPC port must differ from the HTTP port, both are {port}")
+    max_connections, grpc_max_calls = _caps(max_connections, grpc_max_calls, max_queue, devices)
     limits = dict(header_timeout=header_timeout, body_timeout=body_timeout, body_min_rate=body_min_rate,
-                  grpc_max_streams=grpc_max_streams)
+                  grpc_max_streams=grpc_max_streams, max_connections=max_connections, grpc_max_calls=grpc_max_calls)
     _service.check_limits(**limits)  # (before the shards are opened)
     paths = [paths] if isinstance(paths, (str, bytes, os.PathLike)) else list(paths)
     opened = _check_shards(paths)
@@ -227,6 +239,17 @@ def serve(paths, *, host: str = "127.0.0.1", port: int = 8000, grpc_port: int | 
     del opened  # (the load holds them until it has run, and Service.start lets it go then: none stay mapped)
     run(make_app(load, grpc_address=None if grpc_port is None else _grpc_address(host, grpc_port), **limits),
         host=host, port=port)
+
+
+def _caps(max_connections: int | None, grpc_max_calls: int | None, max_queue: int, devices) -> tuple[int, int]:
+    """:func:`serve`'s (max_connections, grpc_max_calls), each given or its default: the larger of
+    :data:`MAX_CONNECTIONS` and a full queue, ``max_queue`` on each worker (one an entry of
+    ``devices``; eight where none are named: as many GPUs as one host has, most)."""
+    workers = 8 if devices is None else max(1, len(devices))
+    full = max_queue * workers if isinstance(max_queue, int) and not isinstance(max_queue, bool) else 0
+    default = min(max(MAX_CONNECTIONS, full), 2**31 - 2)
+    return (default if max_connections is None else max_connections,
+            default if grpc_max_calls is None else grpc_max_calls)
 
 
 def _check_shards(paths: list) -> list:
@@ -287,10 +310,12 @@ class _ClusterLoad:
 def run_processes(load, processes: int, *, host: str = "127.0.0.1", port: int = 8000,
                   grpc_port: int | None = None, header_timeout: float = HEADER_TIMEOUT_S,
                   body_timeout: float = BODY_TIMEOUT_S, body_min_rate: int = BODY_MIN_RATE,
-                  grpc_max_streams: int = GRPC_MAX_STREAMS) -> None:
+                  grpc_max_streams: int = GRPC_MAX_STREAMS, max_connections: int = MAX_CONNECTIONS,
+                  grpc_max_calls: int = GRPC_MAX_CALLS) -> None:
     """Serve :func:`make_app` ``(load)`` (with ``header_timeout``, ``body_timeout``,
-    ``body_min_rate`` and ``grpc_max_streams``) from ``processes`` processes sharing the HTTP port (and
-    ``grpc_port``'s gRPC, when given) until SIGINT or SIGTERM; each drains its accepted requests,
+    ``body_min_rate``, ``grpc_max_streams``, ``max_connections`` and ``grpc_max_calls``, each
+    process's) from ``processes`` processes sharing the HTTP port (and ``grpc_port``'s gRPC, when
+    given) until SIGINT or SIGTERM; each drains its accepted requests,
     then this returns. ``load`` must pickle (a module-level function or a ``functools.partial`` of
     one): each process calls it for a batcher, and replicas on the devices, of its own (a list of
     ``processes`` of them: process i calls the i-th). One
@@ -306,7 +331,7 @@ def run_processes(load, processes: int, *, host: str = "127.0.0.1", port: int = 
     loads = list(load) if isinstance(load, (list, tuple)) else [load] * processes
     if len(loads) != processes:
         raise ValueError(f"load lists {len(loads)} callables for {processes} processes; give one, or one per process")
-    limits = (header_timeout, body_timeout, body_min_rate, grpc_max_streams)
+    limits = (header_timeout, body_timeout, body_min_rate, grpc_max_streams, max_connections, grpc_max_calls)
     _service.check_limits(*limits)  # (here, not in each process)
     # The ports are reserved by sockets bound with SO_REUSEPORT that never listen; each process
     # listens on sockets of its own bound there too (_serve_child). SO_REUSEPORT would also join a
@@ -394,8 +419,12 @@ def _serve_on(app, sock: socket.socket) -> None:
             svc.stop_reading()  # (before uvicorn waits for every connection's request)
             await super().shutdown(sockets)
 
+    # uvicorn answers 503 (and closes the connection) to a request that comes while limit_concurrency
+    # connections or more are open, its own among them, or as many requests are running: so that
+    # max_connections are served, one more.
     server = Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on",
-                                   http=connection_class(svc.header_timeout)))
+                                   http=connection_class(svc.header_timeout),
+                                   limit_concurrency=svc.max_connections + 1))
     svc.on_failure = lambda: setattr(server, "should_exit", True)
     # uvicorn stops gracefully on SIGINT or SIGTERM, then raises the signal again for the handler it
     # found; the queue is drained by then, so that handler does nothing and run returns.
