@@ -1,7 +1,7 @@
 """Where a two-GPU Partition's call spends its time (rerank of 1,000 ids, search top-10), against one part's call."""
-import sys, os, time, cProfile, pstats, io
+import sys, os, time
 sys.path.insert(0, os.getcwd())
-import numpy as np, cupy
+import numpy as np
 sys.path.insert(0, os.path.join(os.getcwd(), "bench", "suites"))
 from bench_serve import build_corpus
 from lik_cupy.serving._partition import Partition
@@ -39,7 +39,6 @@ def each_noop():
     P._each("noop", lambda p, n: None)
 print("partition _each(noop) ms %.3f" % t(each_noop))
 # the same rerank calls from the pool threads themselves, timed inside
-import threading
 acc = {}
 def timed_part(p, n):
     mine = (cand >= P.starts[n]) & (cand < P.starts[n + 1])
