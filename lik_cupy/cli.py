@@ -1410,6 +1410,15 @@ def _seconds(ctx, param, value: float) -> float:
     return value
 
 
+def _cluster_seconds(ctx, param, value: float | None) -> float | None:
+    """--cluster-timeout: None (not given), or :func:`_seconds`, at most what a thread's join takes
+    (how lik_cupy.distributed bounds its waits)."""
+    if value is not None and not 0 < value <= threading.TIMEOUT_MAX:
+        raise click.BadParameter(f"expected a positive number of seconds (at most {threading.TIMEOUT_MAX:.3g}), "
+                                 f"got {value}")
+    return value
+
+
 @main.command(
     "serve",
     help="Serve MaxSim with the Open Inference Protocol (KServe v2) over HTTP, and over gRPC with "
@@ -1475,12 +1484,18 @@ def _seconds(ctx, param, value: float) -> float:
               "ADDRESS (tcp://host:8786), which read them under the same paths; each batch is one round trip to the "
               "cluster (lik_cupy.distributed). Not with --devices, --partition/--replicate or --processes. Needs the "
               "[distributed] extra.")
+@click.option("--cluster-timeout", type=float, default=None, callback=_cluster_seconds, metavar="SECONDS",
+              help="With --scheduler: the longest any one wait on the cluster may take (a scheduler call, loading "
+              "the shards, a batch's tasks). A batch past it is answered 504, each of its requests at once. "
+              "Default: 300.")
 @click.option("--debug", is_flag=True, help="Show a traceback on errors.")
 @_cli_errors
 def _serve_command(paths, host, port, grpc_port, grpc_max_streams, grpc_max_calls, max_connections, devices, partition,
                    max_batch, max_tokens, max_delay_us, max_queue, processes, header_timeout, body_timeout,
-                   body_min_rate, scheduler, debug):
+                   body_min_rate, scheduler, cluster_timeout, debug):
     devices = None if devices is None else _serve_devices(devices)  # a usage error, before the extras are looked for
+    if cluster_timeout is not None and scheduler is None:
+        raise LikError("--cluster-timeout", "bounds each wait on the Dask cluster of --scheduler; give --scheduler too")
     if scheduler is not None:
         placed = [name for name, given in (("--devices", devices is not None), ("--processes", processes != 1),
                                            ("--partition" if partition else "--replicate", partition is not None))
@@ -1510,7 +1525,8 @@ def _serve_command(paths, host, port, grpc_port, grpc_max_streams, grpc_max_call
               devices=devices, partition=partition, max_batch=max_batch, max_tokens=max_tokens,
               max_delay_us=max_delay_us, max_queue=max_queue, processes=processes, header_timeout=header_timeout,
               body_timeout=body_timeout, body_min_rate=body_min_rate, grpc_max_streams=grpc_max_streams,
-              max_connections=max_connections, grpc_max_calls=grpc_max_calls, client=client)
+              max_connections=max_connections, grpc_max_calls=grpc_max_calls, client=client,
+              cluster_timeout=cluster_timeout)
 
 
 if __name__ == "__main__":

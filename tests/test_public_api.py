@@ -168,7 +168,8 @@ FROZEN = {'lik_cupy': (['CompileError',
                                      "max_delay_us: int=0, max_queue: int=1024, processes: int=1, header_timeout: "
                                      "float=HEADER_TIMEOUT_S, body_timeout: float=BODY_TIMEOUT_S, body_min_rate: "
                                      "int=BODY_MIN_RATE, grpc_max_streams: int=GRPC_MAX_STREAMS, max_connections: "
-                                     "int | None=None, grpc_max_calls: int | None=None, client=None)"}),
+                                     "int | None=None, grpc_max_calls: int | None=None, client=None, "
+                                     "cluster_timeout: float | None=None)"}),
  'lik_cupy.shards': (['CHUNK_BYTES',
                       'NORM_TOLERANCE',
                       'Shard',

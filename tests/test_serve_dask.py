@@ -7,6 +7,10 @@ search, rerank and score bitwise the in-process ``Corpus`` calls, a bad request 
 while the server keeps serving, and the workers' shards dropped as the server stops (while it still
 loads them too). Also the flags
 ``--scheduler`` does not take, and that importing the serving package imports no Dask.
+
+With a cluster of their own (one worker in this process, over TCP): the server not ready while its
+scheduler is gone, and ready again once one answers; ``--cluster-timeout`` answering a stuck
+batch 504 after one cluster call.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import json
 import logging
 import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
@@ -289,3 +294,181 @@ def test_importing_the_serving_package_imports_no_dask():
             "print(sorted(m for m in ('dask', 'distributed', 'lik_cupy.distributed') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _until(check, what: str, timeout: float = 30.0):
+    """Poll ``check()`` until it returns something true (returned); AssertionError naming ``what``
+    after ``timeout`` seconds (a bound on a wait, not a timing assertion)."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not (got := check()):
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+    return got
+
+
+def _local(port: int | None = None, threads: int = 1):
+    """A LocalCluster of one worker thread pool in this process (quick to start and to close);
+    ``port``: its scheduler's."""
+    return distributed.LocalCluster(n_workers=1, processes=False, threads_per_worker=threads, dashboard_address=":0",
+                                    protocol="tcp://", scheduler_port=port or 0, host="127.0.0.1",
+                                    silence_logs=logging.CRITICAL)
+
+
+def test_lik_serve_scheduler_is_not_ready_while_its_scheduler_is_gone(int_ids):
+    """The cluster closed under `lik serve --scheduler`: /v2/health/ready stayed 200 and every
+    request failed with a 500. Now ready answers 503 while the client has no scheduler, an
+    inference request is refused 503 with Retry-After naming the lost scheduler, and ready turns
+    200 again once a scheduler answers at the address (Dask's client reconnects)."""
+    port = _free_port()
+    address = f"tcp://127.0.0.1:{port}"
+    cluster = _local(port)
+    server = None
+    try:
+        server = Server(*int_ids[0], "--scheduler", address)
+        q = np.ones((2, DIM), np.float32)
+        Q = {"name": "Q", "shape": list(q.shape), "datatype": "FP32", "data": q.reshape(-1).tolist()}
+        assert server.infer("score", {"inputs": [Q]})[0] == 200
+        cluster.close()
+        _until(lambda: server.get("/v2/health/ready")[0] == 503, "ready stayed 200 with the scheduler gone")
+        assert server.get("/v2/models/score/ready")[0] == 503
+        status, head, body = server.infer("score", {"inputs": [Q]})
+        assert status == 503 and "retry-after" in head, (status, body)
+        error = json.loads(body)["error"]
+        assert f"lost the connection to the Dask scheduler at {address}" in error, error
+        cluster = _local(port)  # a scheduler at the address again: the client reconnects
+        _until(lambda: server.get("/v2/health/ready")[0] == 200, "ready stayed 503 with a scheduler back")
+    finally:
+        if server is not None:
+            server.stop()
+        cluster.close()
+
+
+def test_a_replica_that_cannot_be_reached_makes_the_batcher_unavailable():
+    """ClusterCorpus reads its client's status (no round trip): unavailable while it is not
+    'running', available again once it is; a Corpus replica is always available."""
+    from lik_cupy.serving._cluster import ClusterCorpus
+
+    fake = _FakeDistributed()
+    replica = ClusterCorpus(fake)
+    with Batcher(replica) as b:
+        assert replica.unavailable() is None and b.unavailable() is None
+        fake.client.status = "connecting"
+        assert replica.unavailable() == b.unavailable()
+        assert b.unavailable().startswith("lost the connection to the Dask scheduler at tcp://10.0.0.1:8786 (its "
+                                          "client is 'connecting': Dask reconnects")
+        fake.client.status = "running"
+        assert b.unavailable() is None
+    with Batcher(lik_cupy.Corpus(np.ones((3, 4, DIM), np.float32), device="cpu")) as b:
+        assert b.unavailable() is None
+
+
+class _FakeDistributed:
+    """A stand-in for a DistributedCorpus of 5 documents: its client's ``status`` is the test's to
+    set; each call counts itself and raises ``error`` (TimeoutError, as a stuck cluster's)."""
+
+    def __init__(self, error=None):
+        import types
+
+        self.client = types.SimpleNamespace(status="running",
+                                            scheduler=types.SimpleNamespace(address="tcp://10.0.0.1:8786"))
+        self.num_docs, self.dim, self.dtype = 5, DIM, "float32"
+        self.error, self.calls = error, 0
+
+    def search(self, Q, k, q_lengths):
+        self.calls += 1
+        raise self.error
+
+    rerank = score = search
+
+    def close(self):
+        pass
+
+
+def test_a_batch_the_cluster_timed_out_fails_whole_without_retrying_each_request():
+    """A batch whose cluster call timed out was retried one request at a time, each waiting the
+    whole timeout again: a batch of n requests took n + 1 timeouts. A TimeoutError (and a lost
+    connection) is no fault of one request: the whole batch now fails with it at once."""
+    from lik_cupy.serving._cluster import ClusterCorpus
+
+    for error in (TimeoutError("lik_cupy.distributed: the query batch did not finish within 1 s (timeout=)"),
+                  ConnectionError("lik_cupy.distributed: the Dask client is closed")):
+        fake = _FakeDistributed(error)
+        with Batcher(ClusterCorpus(fake), max_batch=4, max_delay_us=30_000_000) as b:
+            futures = [b.submit("search", np.ones((3, DIM), np.float32), 2) for _ in range(4)]
+            for f in futures:
+                with pytest.raises(type(error), match="lik_cupy.distributed"):
+                    f.result(60)
+        assert fake.calls == 1, (error, fake.calls)
+
+
+class _Stuck:
+    """lik_cupy.distributed's search task, held until ``release`` is set (60 s at most); ``started``
+    counts its calls. (At module level: Dask pickles the task's function by name, and a closure
+    holding the event would not pickle.)"""
+
+    started: list = []
+    release = threading.Event()
+    real = None
+
+    @staticmethod
+    def top_k(*args, **kwargs):
+        _Stuck.started.append(1)
+        _Stuck.release.wait(60)
+        return _Stuck.real(*args, **kwargs)
+
+
+def test_lik_serve_cluster_timeout_answers_a_stuck_batch_504_at_once(int_ids, monkeypatch):
+    """--cluster-timeout reaches the DistributedCorpus: a batch of three requests on a cluster whose
+    query tasks hang is answered 504 for each, naming the timeout, after one cluster call (its
+    workers began one task, not one more for each request alone)."""
+    import lik_cupy.distributed as dist
+
+    started, release = _Stuck.started, _Stuck.release
+    started.clear()
+    release.clear()
+    monkeypatch.setattr(_Stuck, "real", dist._top_k)
+    monkeypatch.setattr(dist, "_top_k", _Stuck.top_k)  # (the worker runs in this process, and finds it by name)
+    cluster = _local(threads=8)
+    server = None
+    try:
+        server = Server(*int_ids[0], "--scheduler", cluster.scheduler_address, "--cluster-timeout", "1",
+                        "--max-batch", "3", "--max-delay-us", "30000000")
+        q = np.ones((2, DIM), np.float32)
+        body = {"inputs": [{"name": "Q", "shape": list(q.shape), "datatype": "FP32", "data": q.reshape(-1).tolist()},
+                           {"name": "K", "shape": [1], "datatype": "INT32", "data": [3]}]}
+        answers = [None] * 3
+        run_threads(3, lambda j: answers.__setitem__(j, server.infer("search", body)))
+        for status, _, text in answers:
+            assert status == 504, text
+            assert "within 1 s (timeout=)" in json.loads(text)["error"], text
+        assert len(started) == 1, (len(started), answers)
+    finally:
+        release.set()
+        if server is not None:
+            server.stop()
+        cluster.close()
+
+
+def test_cluster_timeout_needs_the_scheduler_and_seconds(int_ids):
+    r = run_lik("serve", int_ids[0][0], "--cluster-timeout", "5")
+    assert r.exit_code == 2 and r.stderr == ("lik: error: --cluster-timeout: bounds each wait on the Dask cluster of "
+                                             "--scheduler; give --scheduler too\n"), r.stderr
+    for bad in ("0", "-1", "nan", "inf"):
+        r = run_lik("serve", int_ids[0][0], "--scheduler", "tcp://127.0.0.1:1", "--cluster-timeout", bad)
+        assert r.exit_code == 2 and "--cluster-timeout" in r.stderr and "positive number of seconds" in r.stderr, \
+            r.stderr
+    pytest.importorskip("starlette")
+    from lik_cupy.serving.http import serve
+
+    with pytest.raises(ValueError, match="cluster_timeout bounds the waits on the cluster of client; give client"):
+        serve(int_ids[0], cluster_timeout=5.0)

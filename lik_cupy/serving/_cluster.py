@@ -10,6 +10,11 @@ candidates), one task on each, the results gathered, the way ``DistributedCorpus
 call. On the NumPy path a query's scores do not depend on the rest of the call, so the answers are
 bitwise those of one ``Corpus`` over the same shards (``tests/test_serve_dask.py``).
 
+While its client has no scheduler (the cluster went away; Dask's client tries to reconnect for
+its connect timeout, then closes) no call can succeed: :meth:`ClusterCorpus.unavailable` says so,
+from the client's status alone, and the server reads it as not ready (:class:`lik_cupy.serving.Batcher`'s
+``unavailable``).
+
 This module imports no Dask: only :func:`load` does, through ``lik_cupy.distributed``.
 """
 
@@ -38,6 +43,8 @@ class ClusterCorpus:
         self._corpus, self._ids = corpus, ids
         self.dim, self.dtype = corpus.dim, corpus.dtype
         self.device = None
+        # (read now: a client that closes, its scheduler gone, forgets the address)
+        self._scheduler = getattr(corpus.client.scheduler, "address", None) or "(unknown address)"
 
     def __len__(self) -> int:
         return self._corpus.num_docs
@@ -51,6 +58,15 @@ class ClusterCorpus:
 
     def close(self) -> None:
         self._corpus.close()
+
+    def unavailable(self) -> str | None:
+        """Why no call can reach the cluster now (None: the client is connected to its scheduler).
+        Reads the client's status, no round trip: cheap enough for every request."""
+        status = self._corpus.client.status
+        if status == "running":
+            return None
+        return (f"lost the connection to the Dask scheduler at {self._scheduler} (its client is {status!r}: Dask "
+                f"reconnects while it is 'connecting', and has given up once it is 'closed')")
 
     # ------------------------------------------------------------ calls (Corpus's, with packed queries)
 

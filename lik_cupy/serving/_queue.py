@@ -405,8 +405,8 @@ class DeviceQueue:
         try:
             results = scored(self.corpus, batch, self._staging)
         except Exception as e:  # noqa: BLE001 - handed to the callers
-            if len(batch) == 1:
-                results = [e]
+            if len(batch) == 1 or isinstance(e, _NOT_THE_REQUESTS):
+                results = [e] * len(batch)
             else:  # one request at fault must not fail the others: each alone
                 results = []
                 for r in batch:
@@ -429,6 +429,10 @@ class DeviceQueue:
 
 
 _log = logging.getLogger("lik_cupy.serving")
+# A batch's failure that no request of it caused: the replica did not answer in time or cannot be
+# reached (a Dask cluster's TimeoutError, a lost scheduler). Each request alone would meet it again,
+# a batch of n then waiting n + 1 timeouts, so the whole batch fails with it at once.
+_NOT_THE_REQUESTS = (TimeoutError, ConnectionError)
 
 
 def _observed(call, *args) -> None:

@@ -3,8 +3,9 @@
 encode what it returns or the :class:`Refused` it raises.
 
 :class:`Refused` carries the HTTP status of the outcome (400 a bad request, 404 an unknown model or
-version, 408 its body too slow to arrive, 413 too large, 503 overloaded / not ready / stopping, 504
-deadline passed in the queue, 500 the corpus call failed); the gRPC transport maps it to a status
+version, 408 its body too slow to arrive, 413 too large, 503 overloaded / not ready / stopping /
+its cluster's scheduler lost, 504 deadline passed in the queue or the corpus's cluster did not answer
+within its timeout, 500 the corpus call failed); the gRPC transport maps it to a status
 code, and the metrics count it by that status whichever transport answered. A request its transport gives up on (its task cancelled:
 the client went away, or a gRPC deadline passed) is dropped from the queue if still there, and
 counted by :func:`abandoned`. A request whose deadline passes while it is queued is answered 504 at
@@ -196,8 +197,18 @@ class Service:
     @property
     def ready(self) -> bool:
         """This process's corpus is resident and warm, and so are its peers' (``lik serve --processes``):
-        a client that sees ready may land on any of them."""
-        return self._ready and (self._peers is None or self._peers[0].value >= self._peers[1])
+        a client that sees ready may land on any of them; and every replica can be reached
+        (:meth:`not_ready`)."""
+        return self.not_ready() is None
+
+    def not_ready(self) -> str | None:
+        """Why the server is not ready (None: it is): loading, or stopping; or a replica it cannot
+        reach now (``lik serve --scheduler``'s cluster, its scheduler lost: ``Batcher.unavailable``),
+        which turns ready again as the replica comes back. Cheap: asked on every request."""
+        if not self._ready or (self._peers is not None and self._peers[0].value < self._peers[1]):
+            return "the server is not ready (loading the corpus, or stopping)"
+        why = self.batcher.unavailable()
+        return None if why is None else f"the server is not ready: {why}; retry later"
 
     def fail(self, error: BaseException) -> None:
         """Starting failed: remember why, and have the server stop."""
@@ -414,8 +425,9 @@ def check_model(model: str, version: str = "") -> None:
 
 
 def check_ready(svc: Service) -> None:
-    if not svc.ready:
-        raise Refused(503, "the server is not ready (loading the corpus, or stopping)", retry=True)
+    why = svc.not_ready()
+    if why is not None:
+        raise Refused(503, why, retry=True)
 
 
 def tensor_specs(svc: Service, model: str, version: str = "") -> tuple[list, list]:
@@ -508,7 +520,12 @@ async def infer(svc: Service, model: str, inputs: dict[str, np.ndarray], params:
             raise
         except DeadlineExceeded as e:
             raise Refused(504, str(e)) from None
+        except TimeoutError as e:  # the corpus's cluster did not answer in time: no fault of the request
+            raise Refused(504, f"{type(e).__name__}: {e}") from None
         except Exception as e:  # noqa: BLE001 - the corpus call failed: say so, keep serving
+            why = svc.not_ready()  # (a replica lost meanwhile: the failure is its, a retry may succeed)
+            if why is not None:
+                raise Refused(503, why, retry=True) from None
             raise Refused(500, f"{type(e).__name__}: {e}") from None
         finally:
             svc.count("dropped" if gone else "answered")

@@ -269,6 +269,17 @@ class Batcher:
                     for op, arg in (("search", min(10, max(1, len(c)))), ("rerank", cand), ("score", None)):
                         scored(c, [Request(op, Q, arg, None, False, None, Future(), 0.0)], staging)
 
+    def unavailable(self) -> str | None:
+        """Why a replica cannot be reached now, the first such one's reason (None: every replica
+        can): a corpus on a Dask cluster whose client lost its scheduler (``ClusterCorpus.unavailable``).
+        A replica without an ``unavailable`` method (a ``Corpus`` here) always can. No round trip:
+        the server asks on every request (``Service.ready``)."""
+        for q in self._queues:
+            why = getattr(q.corpus, "unavailable", None)
+            if why is not None and (why := why()) is not None:
+                return why
+        return None
+
     def close(self, timeout: float | None = None) -> None:
         """Take no new requests, answer every queued one, and stop the workers (waits up to
         ``timeout`` seconds for each)."""

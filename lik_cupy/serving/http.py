@@ -192,7 +192,7 @@ def serve(paths, *, host: str = "127.0.0.1", port: int = 8000, grpc_port: int | 
           max_queue: int = 1024, processes: int = 1, header_timeout: float = HEADER_TIMEOUT_S,
           body_timeout: float = BODY_TIMEOUT_S, body_min_rate: int = BODY_MIN_RATE,
           grpc_max_streams: int = GRPC_MAX_STREAMS, max_connections: int | None = None,
-          grpc_max_calls: int | None = None, client=None) -> None:
+          grpc_max_calls: int | None = None, client=None, cluster_timeout: float | None = None) -> None:
     """Serve the documents of shard ``paths`` (:meth:`Batcher.from_shards` for ``devices`` and
     ``partition``; the rest as for :class:`Batcher`) with :func:`run`: HTTP on ``port``, and gRPC on
     ``grpc_port`` when given; each shard is opened (and checked) first, so a missing or damaged one
@@ -211,10 +211,19 @@ def serve(paths, *, host: str = "127.0.0.1", port: int = 8000, grpc_port: int | 
     which reads the shards under the same names there; their ids are read here), one worker of
     the batcher making each batch one call of it; not with ``devices``, ``partition`` or
     ``processes``. The server is ready once every shard is loaded on the cluster, and drops them
-    from the workers as it stops, while loading too (the client stays open: it is the caller's)."""
+    from the workers as it stops, while loading too (the client stays open: it is the caller's).
+    It is not ready while the client has no scheduler (``Batcher.unavailable``). ``cluster_timeout``:
+    the seconds any one wait on the cluster may take (``DistributedCorpus``'s ``timeout``; its
+    default, 300, when None); a batch past it is answered 504, each request of it at once."""
     if client is not None and (devices is not None or partition is not None or processes != 1):
         raise ValueError("client serves the corpus from the Dask cluster's workers; devices, partition and processes "
                          "place it in this server: give one or the other")
+    if cluster_timeout is not None:
+        if client is None:
+            raise ValueError("cluster_timeout bounds the waits on the cluster of client; give client too")
+        from ..distributed import _check_timeout
+
+        _check_timeout(cluster_timeout, "cluster_timeout")
     if grpc_port is not None and grpc_port == port != 0:
         from ..errors import LikError
 
@@ -233,7 +242,8 @@ def serve(paths, *, host: str = "127.0.0.1", port: int = 8000, grpc_port: int | 
         run_processes(loads, processes, host=host, port=port, grpc_port=grpc_port, **limits)
         return
     if client is not None:
-        load = _ClusterLoad(client, paths, opened, kwargs)
+        load = _ClusterLoad(client, paths, opened, kwargs,
+                            {} if cluster_timeout is None else {"timeout": float(cluster_timeout)})
     else:
         load = functools.partial(_load_shards, opened, devices, partition, kwargs)
     del opened  # (the load holds them until it has run, and Service.start lets it go then: none stay mapped)
@@ -275,10 +285,12 @@ class _ClusterLoad:
     """``load(observer)`` of ``lik serve --scheduler``: the batcher over a corpus resident on the
     cluster of ``client``. :meth:`cancel` (the server stopping while it runs) closes the corpus
     there and then, dropping what loaded so far: left to the load, it would still be loading as the
-    process exits and the client closes, and the workers would keep it for the cluster's life."""
+    process exits and the client closes, and the workers would keep it for the cluster's life.
+    ``kwargs`` go to the Batcher, ``corpus_kwargs`` to the DistributedCorpus."""
 
-    def __init__(self, client, paths, opened, kwargs):
+    def __init__(self, client, paths, opened, kwargs, corpus_kwargs=None):
         self._args = (client, paths, opened, kwargs)
+        self._corpus_kwargs = corpus_kwargs or {}
         self._lock = threading.Lock()
         self._corpus, self._cancelled = None, False
 
@@ -286,7 +298,7 @@ class _ClusterLoad:
         from ._cluster import load
 
         (client, paths, opened, kwargs), self._args = self._args, None  # (none of the shards stays mapped)
-        corpus = load(client, paths, opened, started=self._started)
+        corpus = load(client, paths, opened, started=self._started, **self._corpus_kwargs)
         try:
             return Batcher(corpus, observer=observer, **kwargs)
         except BaseException:
