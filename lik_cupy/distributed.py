@@ -86,7 +86,7 @@ from ._dispatch.backend import check_backend
 from ._ranking import merge_rankings
 from ._runtime.topk import MAX_K
 from ._streaming.gpu import outside_stacklevel
-from ._validate import check_flag, check_id_values, host_ints
+from ._validate import check_flag, check_id_values, check_timeout, host_ints
 from .retrieval import retrieve
 
 __all__ = ["DistributedCorpus"]
@@ -620,17 +620,6 @@ def _source(s, i: int) -> tuple[str, str | None]:
                     f"(.npy path, lengths path) tuple; got {s!r}")
 
 
-def _check_timeout(timeout, name: str = "timeout") -> None:
-    """TypeError / ValueError unless ``timeout`` is a positive, finite number of seconds that a
-    thread's join takes (it is how :class:`DistributedCorpus` bounds its calls); ``name``: the
-    argument's, for the message (``lik serve``'s ``cluster_timeout``)."""
-    if not _is_number(timeout):
-        raise TypeError(f"{name} must be a number of seconds, got {timeout!r}")
-    if not 0 < timeout <= threading.TIMEOUT_MAX:
-        raise ValueError(f"{name} must be a positive, finite number of seconds (at most {threading.TIMEOUT_MAX:.3g}), "
-                         f"got {timeout!r}")
-
-
 def _abandoned(client, name: str) -> None:
     """The finalizer of a corpus collected without close(): a ResourceWarning, as an unclosed file
     gives, and the corpus's plugin (with it every worker's shards) removed without waiting for
@@ -730,7 +719,7 @@ class DistributedCorpus:
             raise ValueError(f"dtype must be None or one of {', '.join(fmt.DTYPES)}, got {dtype!r}")
         bf16_bits = check_flag("bf16_bits", bf16_bits)  # (the workers read any truthy value as True)
         check_backend(backend)  # retrieve's check and words, here before any worker is asked
-        _check_timeout(timeout)
+        check_timeout(timeout)
         if not isinstance(client, distributed.Client):
             raise TypeError(f"client must be a distributed.Client (Client(cluster), Client('tcp://host:8786')), got "
                             f"{type(client).__module__}.{type(client).__name__}")

@@ -8,6 +8,7 @@ before any data moves or any kernel runs.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -355,6 +356,17 @@ def check_flag(name: str, value, *, none: bool = False) -> bool | None:
     if not isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{name} must be {'None, ' if none else ''}True or False, got {value!r}")
     return bool(value)
+
+
+def check_timeout(timeout, name: str = "timeout") -> None:
+    """TypeError / ValueError unless ``timeout`` is a positive, finite number of seconds that a
+    thread's join takes (``DistributedCorpus`` bounds its calls so; ``lik serve``'s ``cluster_timeout``
+    is one); ``name``: the argument's, for the message."""
+    if not isinstance(timeout, (int, float, np.integer, np.floating)) or isinstance(timeout, bool):
+        raise TypeError(f"{name} must be a number of seconds, got {timeout!r}")
+    if not 0 < timeout <= threading.TIMEOUT_MAX:
+        raise ValueError(f"{name} must be a positive, finite number of seconds (at most {threading.TIMEOUT_MAX:.3g}), "
+                         f"got {timeout!r}")
 
 
 def check_32bit(**extents: int) -> None:

@@ -52,6 +52,7 @@ from starlette.applications import Starlette
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from .._validate import check_timeout
 from .._version import __version__
 from . import _service, _tensors
 from ._connection import ABORT, JOIN, LOST, connection_class
@@ -221,9 +222,7 @@ def serve(paths, *, host: str = "127.0.0.1", port: int = 8000, grpc_port: int | 
     if cluster_timeout is not None:
         if client is None:
             raise ValueError("cluster_timeout bounds the waits on the cluster of client; give client too")
-        from ..distributed import _check_timeout
-
-        _check_timeout(cluster_timeout, "cluster_timeout")
+        check_timeout(cluster_timeout, "cluster_timeout")
     if grpc_port is not None and grpc_port == port != 0:
         from ..errors import LikError
 
