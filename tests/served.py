@@ -13,11 +13,23 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from lik_command import child_pythonpath
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def random_shard(path, seed: int, count: int, dim: int, ids=None) -> Path:
+    """A shard at ``path`` of ``count`` float32 documents of 1-19 random tokens of ``dim`` (generator
+    ``seed``), with ``ids`` if given: the corpus the serving tests put behind their servers."""
+    rng = np.random.default_rng(seed)
+    docs = [rng.standard_normal((int(n), dim)).astype(np.float32) for n in rng.integers(1, 20, count)]
+    from lik_cupy import shards
+
+    shards.pack_arrays(docs, path, ids=ids)
+    return path
 
 
 class Server:

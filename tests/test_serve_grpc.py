@@ -16,9 +16,8 @@ import numpy as np
 import pytest
 
 import lik_cupy
-from lik_cupy import shards
 import http2
-from served import ROOT, Server
+from served import ROOT, Server, random_shard
 from threads import run_threads
 
 grpcclient = pytest.importorskip("tritonclient.grpc")
@@ -30,11 +29,7 @@ DIM = 12
 
 @pytest.fixture(scope="module")
 def shard(tmp_path_factory):
-    rng = np.random.default_rng(21)
-    docs = [rng.standard_normal((int(n), DIM)).astype(np.float32) for n in rng.integers(1, 20, 150)]
-    path = tmp_path_factory.mktemp("serve_grpc") / "shard0"
-    shards.pack_arrays(docs, path, ids=np.arange(150) * 2 + 7)
-    return path
+    return random_shard(tmp_path_factory.mktemp("serve_grpc") / "shard0", 21, 150, DIM, ids=np.arange(150) * 2 + 7)
 
 
 @pytest.fixture(scope="module")

@@ -9,23 +9,17 @@ import http.client
 import threading
 import time
 
-import numpy as np
 import pytest
 
-from lik_cupy import shards
 from lik_command import run_lik
-from served import Server
+from served import Server, random_shard
 
 DIM = 16
 
 
 @pytest.fixture(scope="module")
 def shard(tmp_path_factory):
-    rng = np.random.default_rng(43)
-    docs = [rng.standard_normal((int(n), DIM)).astype(np.float32) for n in rng.integers(1, 20, 50)]
-    path = tmp_path_factory.mktemp("serve_limits") / "shard0"
-    shards.pack_arrays(docs, path)
-    return path
+    return random_shard(tmp_path_factory.mktemp("serve_limits") / "shard0", 43, 50, DIM)
 
 
 def _get(c: http.client.HTTPConnection, path: str = "/v2/health/live") -> int:

@@ -14,8 +14,7 @@ import numpy as np
 import pytest
 
 import lik_cupy
-from lik_cupy import shards
-from served import ROOT, Server
+from served import ROOT, Server, random_shard
 
 DIM = 16
 PARSE_SERVED = ROOT / "tests" / "parse_served.py"
@@ -23,11 +22,7 @@ PARSE_SERVED = ROOT / "tests" / "parse_served.py"
 
 @pytest.fixture(scope="module")
 def shard(tmp_path_factory):
-    rng = np.random.default_rng(31)
-    docs = [rng.standard_normal((int(n), DIM)).astype(np.float32) for n in rng.integers(1, 20, 120)]
-    path = tmp_path_factory.mktemp("serve_parsing") / "shard0"
-    shards.pack_arrays(docs, path, ids=np.arange(120) * 2 + 3)
-    return path
+    return random_shard(tmp_path_factory.mktemp("serve_parsing") / "shard0", 31, 120, DIM, ids=np.arange(120) * 2 + 3)
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ import pytest
 
 from lik_cupy import shards
 import http2
-from served import ROOT, Server
+from served import ROOT, Server, random_shard
 
 DIM = 16
 SLOW_SERVED = ROOT / "tests" / "slow_served.py"
@@ -30,11 +30,7 @@ _SMALL = json.dumps({"inputs": [{"name": "Q", "shape": [2, DIM], "datatype": "FP
 
 @pytest.fixture(scope="module")
 def shard(tmp_path_factory):
-    rng = np.random.default_rng(41)
-    docs = [rng.standard_normal((int(n), DIM)).astype(np.float32) for n in rng.integers(1, 20, 100)]
-    path = tmp_path_factory.mktemp("serve_slow_clients") / "shard0"
-    shards.pack_arrays(docs, path)
-    return path
+    return random_shard(tmp_path_factory.mktemp("serve_slow_clients") / "shard0", 41, 100, DIM)
 
 
 def _begin(port: int, length: int, body: bytes = b"", head: bytes = b"") -> socket.socket:
