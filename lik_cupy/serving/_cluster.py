@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .._cpu import unpack
 from .._shard_format import joined_ids
 
 __all__ = ["ClusterCorpus", "load"]
@@ -89,10 +90,8 @@ def _padded(tokens: np.ndarray, q_offsets: np.ndarray, precision) -> tuple[np.nd
     past each query's tokens (Lq: the longest), and their lengths int64 ``[Nq]``."""
     if precision is not None:
         raise ValueError(f"precision={precision!r}: {ClusterCorpus.no_precision}")
-    lengths = np.diff(np.asarray(q_offsets, np.int64))
-    Q = np.zeros((lengths.size, int(lengths.max(initial=0)), tokens.shape[-1]), tokens.dtype)
-    Q[np.arange(Q.shape[1]) < lengths[:, None]] = tokens  # (row-major: each query's tokens in order)
-    return Q, lengths
+    offsets = np.asarray(q_offsets, np.int64)
+    return unpack(tokens, offsets)[0], np.diff(offsets)
 
 
 def load(client, paths: list, opened: list, started=None, **kwargs) -> ClusterCorpus:
