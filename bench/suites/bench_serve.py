@@ -106,9 +106,9 @@ def synthetic_batcher(args, observer, process=None):
     if args.partition:
         # One worker over the corpus split across the distinct devices (``lik serve --partition``):
         # each part its even share of the documents, generated on its device.
-        from lik_cupy.serving._partition import Partition
+        from lik_cupy.serving._partition import Partition, devices_per_part
 
-        parts = [d for i, d in enumerate(devices) if d == "cpu" or d not in devices[:i]]  # (as Batcher.from_shards)
+        parts = devices_per_part(devices)
         if len(parts) < 2:
             raise SystemExit(f"--partition needs two devices, got --devices {args.devices}")
         bounds = np.linspace(0, args.docs[0], len(parts) + 1).astype(int)

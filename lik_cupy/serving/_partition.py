@@ -37,7 +37,7 @@ import numpy as np
 from ..corpus import Corpus
 from ._staging import Staging, stageable
 
-__all__ = ["Partition", "split_shards", "SEQUENTIAL_MAX_S"]
+__all__ = ["Partition", "split_shards", "devices_per_part", "SEQUENTIAL_MAX_S"]
 
 # An operation whose slowest part took at most this on its last call runs its parts in sequence in the
 # calling thread. Two H200s, 100,000 documents a part (bench/results/archive/serve_partition_nvidia-h200/):
@@ -219,6 +219,12 @@ class Partition:
         stack.enter_context(cupy.cuda.Device(part.device))
         stack.enter_context(streams[part.device])
         return stack
+
+
+def devices_per_part(devices: list) -> list:
+    """The devices a partition over ``devices`` (CUDA ordinals or "cpu") takes a part on: each GPU once,
+    in order; every "cpu" entry a host-memory part of its own."""
+    return [d for i, d in enumerate(devices) if d == "cpu" or d not in devices[:i]]
 
 
 def split_shards(paths: list, counts: list[int], parts: int) -> list[list]:

@@ -30,7 +30,7 @@ from ..corpus import Corpus
 from ..precision import PRECISIONS
 from ..shards import Shard, open_input
 from ._cluster import ClusterCorpus
-from ._partition import Partition, split_shards
+from ._partition import Partition, devices_per_part, split_shards
 from ._processes import process_share
 from ._queue import DeviceQueue, Request, _observed, scored
 from ._staging import Staging
@@ -155,7 +155,7 @@ class Batcher:
             raise ValueError("devices is empty; give CUDA ordinals or 'cpu'")
         paths = [paths] if isinstance(paths, (str, bytes, os.PathLike, Shard)) else list(paths)
         gpus = list(dict.fromkeys(d for d in devices if d != "cpu"))
-        parts = [d for i, d in enumerate(devices) if d == "cpu" or d not in devices[:i]]  # each GPU once
+        parts = devices_per_part(devices)
         if partition and len(parts) < 2:
             raise ValueError(f"a partition needs two devices at least (a part each); devices is {devices}")
         opened = [p if isinstance(p, Shard) else open_input(p) for p in paths]  # once, for every replica or part
