@@ -658,7 +658,7 @@ class Corpus:
                 starts = h.offsets[cand[i]]
                 lens = h.offsets[cand[i] + 1] - starts
                 for a, b in _runs(lens * per_token, _RERANK_BLOCK):
-                    rows, off = _packed_rows(starts[a:b], lens[a:b])
+                    rows, off = cpu.gathered_rows(starts[a:b], lens[a:b])
                     kw = {} if qs is None else {"q_scale": qs[i:i + 1], "d_scale": h.scales[rows]}
                     s, _ = cpu.maxsim_packed_numpy(q[i:i + 1], qv[i:i + 1], h.tokens[rows], off, return_argmax=False,
                                                    **kw)
@@ -697,7 +697,7 @@ class Corpus:
         pairs = np.argsort(inv, kind="stable")  # the (query, candidate) pairs, by their place in the union
         at = inv[pairs]
         for a, b in _runs(lens * per_token, _RERANK_BLOCK):
-            rows, off = _packed_rows(starts[a:b], lens[a:b])
+            rows, off = cpu.gathered_rows(starts[a:b], lens[a:b])
             kw = {} if qs is None else {"q_scale": qs, "d_scale": h.scales[rows]}
             s, _ = cpu.maxsim_packed_numpy(q, qv, h.tokens[rows], off, return_argmax=False, **kw)
             p0, p1 = np.searchsorted(at, [a, b])
@@ -857,13 +857,6 @@ def _runs(sizes: np.ndarray, budget: int):
         b = max(a + 1, int(np.searchsorted(ends, spent + budget, side="right")))
         yield a, b
         a = b
-
-
-def _packed_rows(starts: np.ndarray, lens: np.ndarray):
-    """``cpu.packed_rows``, but one document's rows as a slice (read where it lies)."""
-    if starts.size == 1:
-        return slice(int(starts[0]), int(starts[0] + lens[0])), np.array([0, lens[0]], np.int64)
-    return cpu.packed_rows(starts, lens)
 
 
 def _check_device_scales(dev: DeviceDocs, p: Problem) -> None:

@@ -82,6 +82,7 @@ except ImportError as e:
 from . import _shard_format as fmt
 from . import shards
 from ._base.device import gpu_available
+from ._cpu import gathered_rows
 from ._dispatch.backend import check_backend
 from ._ranking import merge_rankings
 from ._runtime.topk import MAX_K
@@ -293,12 +294,9 @@ class _Resident:
             while j < b:
                 spent = int(ends[j - a - 1]) if j > a else 0
                 e = max(j + 1, a + int(np.searchsorted(ends, spent + run, side="right")))
-                off = np.zeros(e - j + 1, np.int64)
-                np.cumsum(lens[j:e], out=off[1:])
-                if e == j + 1:  # one document: a slice, no copy
-                    at = slice(int(starts[j]), int(starts[j] + lens[j]))
-                else:
-                    at = xp.asarray(np.repeat(starts[j:e] - off[:-1], lens[j:e]) + np.arange(off[-1]))
+                at, off = gathered_rows(starts[j:e], lens[j:e])  # (one document: a slice, no copy)
+                if not isinstance(at, slice):
+                    at = xp.asarray(at)
                 if scales is not None:
                     S = maxsim_int8_varlen(q, tokens[at], scales[at], xp.asarray(off), q_lengths=ql, backend=backend)
                 else:

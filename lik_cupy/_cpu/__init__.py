@@ -3,8 +3,9 @@ quantisers (INT8, FP8) on the CPU, with the same semantics as the GPU kernels (`
 scores promise)."""
 
 from .backward import maxsim_backward_numpy
-from .maxsim import BLOCK_BYTES, QUERY_CHUNK, maxsim_numpy, maxsim_packed_numpy, packed_rows, query_groups, unpack
+from .maxsim import (BLOCK_BYTES, QUERY_CHUNK, gathered_rows, maxsim_numpy, maxsim_packed_numpy, packed_rows,
+                     query_groups, unpack)
 from .quantize import quantize_fp8_numpy, quantize_numpy
 
-__all__ = ["maxsim_numpy", "maxsim_packed_numpy", "maxsim_backward_numpy", "unpack", "packed_rows", "query_groups",
-           "quantize_numpy", "quantize_fp8_numpy", "BLOCK_BYTES", "QUERY_CHUNK"]
+__all__ = ["maxsim_numpy", "maxsim_packed_numpy", "maxsim_backward_numpy", "unpack", "packed_rows", "gathered_rows",
+           "query_groups", "quantize_numpy", "quantize_fp8_numpy", "BLOCK_BYTES", "QUERY_CHUNK"]

@@ -64,8 +64,8 @@ from . import cores
 from .refine import Pending, bound_norms, dot64, margin, norm_bound
 from .runs import Runs
 
-__all__ = ["maxsim_numpy", "maxsim_packed_numpy", "unpack", "packed_rows", "query_groups", "even_cuts",
-           "BLOCK_BYTES", "QUERY_CHUNK"]
+__all__ = ["maxsim_numpy", "maxsim_packed_numpy", "unpack", "packed_rows", "gathered_rows", "query_groups",
+           "even_cuts", "BLOCK_BYTES", "QUERY_CHUNK"]
 
 BLOCK_BYTES = 64 << 20
 QUERY_CHUNK = 16 << 20  # bytes of padded queries a group of packed queries may take however ragged (query_groups)
@@ -327,6 +327,14 @@ def packed_rows(starts: np.ndarray, lens: np.ndarray):
     rows = np.repeat(starts - off[:-1], lens)
     rows += np.arange(rows.size)
     return rows, off
+
+
+def gathered_rows(starts: np.ndarray, lens: np.ndarray):
+    """:func:`packed_rows`, but one run's rows as a slice: a single document is then read where it lies,
+    not copied by a gather."""
+    if starts.size == 1:
+        return slice(int(starts[0]), int(starts[0] + lens[0])), np.array([0, lens[0]], np.int64)
+    return packed_rows(starts, lens)
 
 
 def unpack(tokens: np.ndarray, offsets: np.ndarray, rows: np.ndarray | None = None):
