@@ -258,6 +258,62 @@ def test_the_service_scores_a_lone_request_inline_and_queues_those_that_arrive_t
     assert all(np.array_equal(o["SCORES"], corpus.score(q)) for (o, _), q in zip(together, qs))
 
 
+def test_a_quiet_service_scores_long_calls_inline_until_requests_find_company(monkeypatch):
+    """Calls longer than INLINE_MAX_S go inline only while few recent arrivals found another request
+    in flight (QUIET_SHARE): one client at a time keeps the server quiet; a burst of concurrent
+    requests ends it (they are batched by the worker), and lone requests bring it back."""
+    from lik_cupy.serving import _queue, _service
+
+    monkeypatch.setattr(_queue, "INLINE_MAX_S", 0.0)  # every call counts as long
+    threads = []
+
+    class Traced(lik_cupy.Corpus):
+        def score(self, *a, **k):
+            if k.get("q_offsets") is not None:
+                threads.append(threading.current_thread().name)
+            return super().score(*a, **k)
+
+    rng = np.random.default_rng(12)
+    docs = _docs(rng, 40)
+    corpus = Traced(np.concatenate(docs), d_offsets=np.concatenate([[0], np.cumsum([len(d) for d in docs])]),
+                    device="cpu")
+    svc = _service.Service(lambda observer: Batcher(corpus, observer=observer))
+    svc.start()
+    while not svc.ready:
+        assert svc.failure is None
+        threading.Event().wait(0.01)
+    svc.inline = True  # (as where every replica is on a GPU)
+    qs = [q[:5] for q in _queries(rng, 8, 5, 20)]
+    here = threading.current_thread().name
+
+    async def lone(n):
+        for j in range(n):
+            out, _ = await _service.infer(svc, "score", {"Q": qs[j % len(qs)]}, {})
+            assert np.array_equal(out["SCORES"], corpus.score(qs[j % len(qs)]))
+
+    async def burst():
+        got = await asyncio.gather(*(_service.infer(svc, "score", {"Q": q}, {}) for q in qs))
+        assert all(np.array_equal(o["SCORES"], corpus.score(q)) for (o, _), q in zip(got, qs))
+
+    try:
+        asyncio.run(lone(3))
+        assert threads == [here] * 3 and svc.company == 0.0  # each alone, though its last call was "long"
+        del threads[:]
+        asyncio.run(burst())
+        assert svc.company > _service.QUIET_SHARE and here not in threads[1:]  # batched by the worker
+        del threads[:]
+        asyncio.run(lone(1))
+        assert threads == ["lik-serve-cpu:0"]  # no longer quiet: a long call goes to the worker
+        asyncio.run(lone(60))  # lone arrivals bring the share back under QUIET_SHARE
+        assert svc.company <= _service.QUIET_SHARE
+        while not svc.batcher.can_inline("score", True):  # (the worker's bookkeeping after its last answer)
+            time.sleep(0.001)
+        asyncio.run(lone(1))
+        assert threads[-1] == here
+    finally:
+        svc.stop()
+
+
 def test_a_full_queue_is_overloaded_and_close_drains_it(corpus):
     qs = _queries(np.random.default_rng(6), 3)
     seen = _Record()

@@ -114,12 +114,15 @@ def served(server: Server, requests: list, outputs: list, n: int, warm: int) -> 
             (("e2e_ms", e2e), ("queue_ms", queue), ("compute_ms", compute), ("rest_ms", rest))}
 
 
-def in_process(corpus, qs, k: int, n: int, warm: int) -> float:
-    """p50 in ms of ``n`` calls ``corpus.search(q, k)`` back to back, in a thread of their own."""
+def in_process(corpus, qs, k: int, n: int, warm: int, gap_s: float = 0.0) -> float:
+    """p50 in ms of ``n`` calls ``corpus.search(q, k)`` in a thread of their own, back to back or, with
+    ``gap_s``, each after that long idle (as a served call finds the GPU after a client's round trip)."""
     times = []
 
     def run():
         for j in range(warm + n):
+            if gap_s:
+                time.sleep(gap_s)
             t0 = time.perf_counter()
             corpus.search(qs[j % len(qs)], k)
             times.append(time.perf_counter() - t0)
@@ -148,6 +151,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--blas-threads", default="1", help="OPENBLAS_NUM_THREADS and OMP_NUM_THREADS ('': as set)")
     ap.add_argument("--env", nargs="*", default=[], metavar="I:NAME=VALUE",
                     help="an environment variable for the server of tree I alone")
+    ap.add_argument("--gap-us", type=float, default=0.0,
+                    help="also time in-process calls each after this long idle (call_gap_ms, over_gap_ms)")
     ap.add_argument("--json", type=Path, help="write every round's numbers there")
     args = ap.parse_args(argv)
     if args.blas_threads:
@@ -191,8 +196,13 @@ def main(argv=None) -> dict:
             for i in (range(len(servers)) if rnd % 2 == 0 else reversed(range(len(servers)))):
                 got[i] = served(servers[i], requests, outputs, args.requests, args.warm)
             call = (call + in_process(corpus, qs, args.k, args.requests, args.warm)) / 2
+            gap = {}
+            if args.gap_us:
+                gap["call_gap_ms"] = in_process(corpus, qs, args.k, args.requests, args.warm, args.gap_us * 1e-6)
             for i, name in enumerate(names):
-                rows[name].append({"call_ms": call, "over_ms": got[i]["e2e_ms"] - call, **got[i]})
+                if gap:
+                    gap["over_gap_ms"] = got[i]["e2e_ms"] - gap["call_gap_ms"]
+                rows[name].append({"call_ms": call, "over_ms": got[i]["e2e_ms"] - call, **gap, **got[i]})
             print(f"round {rnd}: in-process {call:.3f} ms; " + "; ".join(
                 f"{n} e2e {rows[n][-1]['e2e_ms']:.3f} over {rows[n][-1]['over_ms']:.3f} (queue "
                 f"{rows[n][-1]['queue_ms']:.3f}, compute {rows[n][-1]['compute_ms']:.3f}, rest "
@@ -200,7 +210,8 @@ def main(argv=None) -> dict:
     finally:
         for s in servers:
             s.stop()
-    keys = ("e2e_ms", "call_ms", "over_ms", "queue_ms", "compute_ms", "rest_ms")
+    keys = ("e2e_ms", "call_ms", "over_ms", "queue_ms", "compute_ms", "rest_ms") \
+        + (("call_gap_ms", "over_gap_ms") if args.gap_us else ())
     medians = {n: {k: statistics.median(r[k] for r in rows[n]) for k in keys} for n in names}
     for n in names:
         print(f"{n}: medians over {args.rounds} rounds: " + ", ".join(f"{k} {v:.3f}" for k, v in medians[n].items()))

@@ -46,10 +46,11 @@ from ._partition import Partition
 from ._staging import Staging, stageable
 from .errors import DeadlineExceeded, ShuttingDown
 
-# score_now takes operations whose last call of one request took at most this. The hand-over it
-# saves is about 0.2 ms on an H200 host (a rerank of 1,000 ids: 0.59-0.64 ms from a client at low
-# load, against 0.77-0.83 through the worker); a longer call would hold the submitting thread (the
-# server's event loop, which parses every request) for longer than it saves: a search of 100,000
+# score_now takes operations whose last call of one request took at most this, and longer ones only
+# where the caller says it is quiet. The hand-over it saves is about 0.2 ms on an H200 host (a rerank
+# of 1,000 ids: 0.59-0.64 ms from a client at low load, against 0.77-0.83 through the worker); a
+# longer call holds the submitting thread (the server's event loop, which parses every request) for
+# longer than it saves, which costs only where other requests arrive meanwhile: a search of 100,000
 # documents takes about 1.2 ms.
 INLINE_MAX_S = 0.5e-3
 # The longest single wait of the worker and the timer: they wait in steps of at most this, then look
@@ -148,18 +149,18 @@ class DeviceQueue:
         """Requests waiting."""
         return len(self._pending)
 
-    def can_score_now(self, op: str) -> bool:
+    def can_score_now(self, op: str, quiet: bool = False) -> bool:
         """Nothing queued or being scored, no delay to wait for companions, and ``op``'s last call of one
-        request took at most ``INLINE_MAX_S`` (read without the lock: a hint; :meth:`score_now`
-        decides under it)."""
+        request took at most ``INLINE_MAX_S``, or took longer but ``quiet`` (the caller has seen no
+        concurrent requests lately). Read without the lock: a hint; :meth:`score_now` decides under it."""
         return not (self._pending or self._busy or self._now or self._max_delay > 0) \
-            and self._single_s.get(op, 0.0) <= INLINE_MAX_S
+            and (quiet or self._single_s.get(op, 0.0) <= INLINE_MAX_S)
 
-    def score_now(self, req: Request) -> bool:
+    def score_now(self, req: Request, quiet: bool = False) -> bool:
         """Score ``req`` in the calling thread if :meth:`can_score_now` (its future is then done), on the
         worker's stream and buffers while the worker waits; False, doing nothing, otherwise."""
         with self._cv:
-            if self._closing or not self.can_score_now(req.op) \
+            if self._closing or not self.can_score_now(req.op, quiet) \
                     or (self.corpus.device is not None and self._stream is None):
                 return False
             self._now, self._running = True, req.tokens

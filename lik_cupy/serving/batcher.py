@@ -180,16 +180,17 @@ class Batcher:
         """Requests waiting, per replica."""
         return {q.name: q.depth for q in self._queues}
 
-    def can_inline(self, op: str) -> bool:
+    def can_inline(self, op: str, quiet: bool = False) -> bool:
         """Whether a request of ``op`` submitted with ``inline=True`` would likely be scored at once:
         some replica has nothing queued or being scored, ``max_delay_us`` is 0, and ``op``'s last call
-        of one request took at most ``_queue.INLINE_MAX_S`` (a hint, read without locks)."""
-        return any(q.can_score_now(op) for q in self._queues)
+        of one request took at most ``_queue.INLINE_MAX_S``, or any time if ``quiet`` (a hint, read
+        without locks)."""
+        return any(q.can_score_now(op, quiet) for q in self._queues)
 
     # ------------------------------------------------------------ requests
 
     def submit(self, op: str, Q, arg=None, *, precision: str | None = None, timeout: float | None = None,
-               inline: bool = False) -> Future:
+               inline: bool = False, quiet: bool = False) -> Future:
         """Queue one request; its future gives what the corpus call would.
 
         Args:
@@ -207,6 +208,9 @@ class Batcher:
                 of one on an idle replica's stream and buffers, and return its future done; this
                 skips the hand-over to the worker thread and back. Otherwise it is queued. (The
                 server asks this for a request it has no other to batch with, on GPU replicas.)
+            quiet: with ``inline``, the caller has seen no concurrent requests lately, so an
+                operation whose calls take longer than ``_queue.INLINE_MAX_S`` may be scored in
+                this thread too (it holds the thread for the whole call).
 
         Returns:
             a ``concurrent.futures.Future`` (``asyncio.wrap_future`` awaits it) of ``(scores, ids)``
@@ -225,7 +229,7 @@ class Batcher:
             raise ShuttingDown("the batcher is shutting down and takes no new requests")
         if inline:
             for q in sorted(self._queues, key=lambda q: q.load):
-                if q.score_now(req):
+                if q.score_now(req, quiet):
                     return req.future
         with self._route_lock:
             for q in sorted(self._queues, key=lambda q: q.load):
