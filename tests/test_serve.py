@@ -217,21 +217,21 @@ def test_inline_never_overlaps_a_batch_of_zero_queries():
     assert corpus.calls == [0, 1]
 
 
-def test_the_service_scores_a_lone_request_inline_and_queues_those_that_arrive_together(monkeypatch):
-    from lik_cupy.serving import _queue, _service
-
-    monkeypatch.setattr(_queue, "INLINE_MAX_S", 60.0)
+def _traced_service(rng, n_docs):
+    """A started, ready Service over a host corpus of ``n_docs`` random documents that records the
+    thread of each batcher call (those with q_offsets, not the calls per length group inside them):
+    (service, corpus, the threads' names)."""
+    from lik_cupy.serving import _service
 
     threads = []
 
     class Traced(lik_cupy.Corpus):
         def score(self, *a, **k):
-            if k.get("q_offsets") is not None:  # the batcher's call (not those per length group inside it)
+            if k.get("q_offsets") is not None:
                 threads.append(threading.current_thread().name)
             return super().score(*a, **k)
 
-    rng = np.random.default_rng(11)
-    docs = _docs(rng, 60)
+    docs = _docs(rng, n_docs)
     corpus = Traced(np.concatenate(docs), d_offsets=np.concatenate([[0], np.cumsum([len(d) for d in docs])]),
                     device="cpu")
     svc = _service.Service(lambda observer: Batcher(corpus, observer=observer))
@@ -239,6 +239,15 @@ def test_the_service_scores_a_lone_request_inline_and_queues_those_that_arrive_t
     while not svc.ready:
         assert svc.failure is None
         threading.Event().wait(0.01)
+    return svc, corpus, threads
+
+
+def test_the_service_scores_a_lone_request_inline_and_queues_those_that_arrive_together(monkeypatch):
+    from lik_cupy.serving import _queue, _service
+
+    monkeypatch.setattr(_queue, "INLINE_MAX_S", 60.0)
+    rng = np.random.default_rng(11)
+    svc, corpus, threads = _traced_service(rng, 60)
     assert not svc.inline  # host replicas: every request goes to the worker
     svc.inline = True  # (as where every replica is on a GPU)
     qs = [q[:5] for q in _queries(rng, 4, 5, 20)]
@@ -265,23 +274,8 @@ def test_a_quiet_service_scores_long_calls_inline_until_requests_find_company(mo
     from lik_cupy.serving import _queue, _service
 
     monkeypatch.setattr(_queue, "INLINE_MAX_S", 0.0)  # every call counts as long
-    threads = []
-
-    class Traced(lik_cupy.Corpus):
-        def score(self, *a, **k):
-            if k.get("q_offsets") is not None:
-                threads.append(threading.current_thread().name)
-            return super().score(*a, **k)
-
     rng = np.random.default_rng(12)
-    docs = _docs(rng, 40)
-    corpus = Traced(np.concatenate(docs), d_offsets=np.concatenate([[0], np.cumsum([len(d) for d in docs])]),
-                    device="cpu")
-    svc = _service.Service(lambda observer: Batcher(corpus, observer=observer))
-    svc.start()
-    while not svc.ready:
-        assert svc.failure is None
-        threading.Event().wait(0.01)
+    svc, corpus, threads = _traced_service(rng, 40)
     svc.inline = True  # (as where every replica is on a GPU)
     qs = [q[:5] for q in _queries(rng, 8, 5, 20)]
     here = threading.current_thread().name
