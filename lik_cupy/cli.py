@@ -789,7 +789,7 @@ def _connect(scheduler: str):
     bounds the TCP connect, not the handshake that follows, which waits for ever on a peer that
     accepts and says nothing. The connecting thread is a daemon, so one left waiting does not hold
     up the exit. The client's timeout is also how long it tries to get a lost scheduler back before
-    it closes for good."""
+    it closes for good (``lik serve --scheduler`` then connects a new one)."""
     import dask.config
     import dask.utils
     from distributed import Client
