@@ -708,9 +708,6 @@ def _check_cast(groups: list[_QueryGroup], query: shards.Shard, dtype: np.dtype)
 # cluster through lik_cupy.distributed: shards resident on the workers, rankings merged there.
 
 
-_CONNECT_TIMEOUT = 30  # seconds to reach a --scheduler
-
-
 def _cluster_backend(cpu: bool, device: int | None, devices: str | None) -> tuple[str, list]:
     """The backend the cluster's workers use (each finds its own GPU); --device/--devices name this machine's GPUs."""
     if device is not None or devices:
@@ -786,25 +783,31 @@ def _driver_devices(gpus: list[int]) -> str:
 
 
 def _connect(scheduler: str):
-    """A ``distributed.Client`` of the scheduler at ``scheduler`` within about ``_CONNECT_TIMEOUT`` seconds,
-    whatever answers there: Client's own timeout bounds the TCP connect, not the handshake that
-    follows, which waits for ever on a peer that accepts and says nothing. The connecting thread is
-    a daemon, so one left waiting does not hold up the exit."""
+    """A ``distributed.Client`` of the scheduler at ``scheduler`` within about Dask's connect timeout
+    (``distributed.comm.timeouts.connect``: 30 s unless configured, as by
+    ``DASK_DISTRIBUTED__COMM__TIMEOUTS__CONNECT``), whatever answers there: Client's own timeout
+    bounds the TCP connect, not the handshake that follows, which waits for ever on a peer that
+    accepts and says nothing. The connecting thread is a daemon, so one left waiting does not hold
+    up the exit. The client's timeout is also how long it tries to get a lost scheduler back before
+    it closes for good (``lik serve --scheduler`` then connects a new one)."""
+    import dask.config
+    import dask.utils
     from distributed import Client
 
+    timeout = dask.utils.parse_timedelta(dask.config.get("distributed.comm.timeouts.connect"), default="s")
     done: dict = {}
 
     def connect():
         try:
-            done["client"] = Client(scheduler, timeout=_CONNECT_TIMEOUT)
+            done["client"] = Client(scheduler, timeout=timeout)
         except BaseException as e:  # handed to the caller's thread
             done["error"] = e
 
     t = threading.Thread(target=connect, name="lik-connect", daemon=True)
     t.start()
-    t.join(_CONNECT_TIMEOUT + 1)
+    t.join(timeout + 1)
     if t.is_alive():
-        raise LikError("--scheduler", f"no Dask scheduler answered at {scheduler} within {_CONNECT_TIMEOUT} s "
+        raise LikError("--scheduler", f"no Dask scheduler answered at {scheduler} within {timeout:g} s "
                                       "(something there accepts connections but does not answer as one)")
     e = done.get("error")
     # unreachable (TimeoutError is an OSError), not an address, or a scheme this Dask cannot use as it is

@@ -49,7 +49,10 @@ imports Dask, this module does.
   fingerprint taken then (``_Fingerprint``: counts, each file's size and modification time, a hash
   of the document lengths and ids), since a reload of other contents would return wrong ids.
   Every wait is bounded by ``timeout``, and a TimeoutError says what did not finish. A call that
-  fails releases its futures as it raises (its queries leave the workers then).
+  fails releases its futures as it raises (its queries leave the workers then). A scheduler
+  restarted at the address (its workers new, without the corpus) or a client closed for good
+  (its scheduler away past Dask's connect timeout) loses the whole corpus: ``lost()`` says which,
+  and ``reload()`` loads it again (through a new client of the address where the old one closed).
 
 docs/distributed.md has the recipes (one host, many nodes) and the cost model: bytes per query
 batch and merge depth against the number of workers.
@@ -61,6 +64,7 @@ import asyncio
 import bisect
 import contextlib
 import hashlib
+import inspect
 import os
 import threading
 import time
@@ -108,6 +112,9 @@ _DIRECT_MAX = 8
 # close()'s check-and-set of a corpus's state: close may come from another thread while the
 # constructor runs (lik serve stopping as the corpus loads), before the corpus has a lock of its own.
 _CLOSING = threading.Lock()
+# lost() asks the scheduler only its id: where Client.scheduler_info takes n_workers (newer Dask),
+# 0 leaves every worker's details out of the answer.
+_ID_ONLY = {"n_workers": 0} if "n_workers" in inspect.signature(distributed.Client.scheduler_info).parameters else {}
 
 
 # --------------------------------------------------------------------------- placement
@@ -190,6 +197,14 @@ class _Fingerprint:
             old, new = {f[0]: f[1:] for f in built.files}, {f[0]: f[1:] for f in self.files}
             return "rewritten: " + ", ".join(sorted(n for n in old.keys() | new.keys() if old.get(n) != new.get(n)))
         return "its document lengths or ids differ"
+
+
+def _changed(source: tuple[str, str | None], now: _Fingerprint, built: _Fingerprint) -> shards.ShardError:
+    """The error of a shard that is no longer what the corpus was built on: reloaded, its ids would
+    name other documents."""
+    return shards.ShardError(source[0], f"changed since the DistributedCorpus was built on it ({now.changes(built)}); "
+                                        "its ids would name other documents: build a new corpus to serve the new "
+                                        "contents")
 
 
 def _fingerprint(shard: shards.Shard, source: tuple[str, str | None]) -> _Fingerprint:
@@ -396,9 +411,7 @@ class _Store(distributed.WorkerPlugin):
         shard = shards.open_input(source[0], source[1], bf16_bits=self.bf16_bits)
         now = _fingerprint(shard, source)
         if now != built:
-            raise shards.ShardError(source[0], f"changed since the DistributedCorpus was built on it "
-                                               f"({now.changes(built)}); its ids would name other documents: "
-                                               "build a new corpus to serve the new contents")
+            raise _changed(source, now, built)
         room = self.capacity() - self.gpu_bytes if self.gpu() else None
         r = _make_resident(shard, self.dtype, room)
         self.gpu_bytes += r.nbytes if r.where == "GPU" else 0
@@ -465,7 +478,8 @@ def _store(name: str) -> _Store:
         return worker.plugins[name]
     except KeyError:
         raise RuntimeError(f"lik_cupy.distributed: worker {worker.address} has no corpus {name}; it was closed, "
-                           "or the worker missed the plugin's registration") from None
+                           "the worker missed the plugin's registration, or the scheduler restarted since the corpus "
+                           "loaded (DistributedCorpus.reload puts it back)") from None
 
 
 # Task bodies. They run on the workers; each takes the corpus's plugin name.
@@ -667,7 +681,9 @@ class DistributedCorpus:
     garbage-collected without it drops its shards too, with a ResourceWarning. :meth:`close` from
     another thread while the constructor still runs (an object made by ``__new__`` and handed on
     first, as ``lik serve --scheduler`` does to stop during the load) drops what loaded so far,
-    and the constructor raises RuntimeError at its next wait.
+    and the constructor raises RuntimeError at its next wait. A cluster that no longer holds the
+    corpus (a restarted scheduler, a client closed for good: :meth:`lost`) gets it back with
+    :meth:`reload`.
 
     Threads may share it: their :meth:`search`, :meth:`score` and :meth:`rerank` calls run side by side (a worker
     with several threads runs their tasks at once, and a shard a move drops meanwhile stays until
@@ -698,6 +714,9 @@ class DistributedCorpus:
 
     _closed = True  # until the plugin is registered: close() then has nothing to undo
     _close_asked = False  # close() was called: a constructor running in another thread stops
+    _built = None  # a reload's corpus: the fingerprints of the corpus it replaces, which every shard must match
+    _reloading = None  # the corpus a reload() running in another thread is loading (close() stops it)
+    _made = None  # a client reload() made (the corpus's own one had closed): closed with the corpus
 
     def __init__(self, client, shard_paths, *, device_memory_fraction: float = 0.8, dtype: str | None = None,
                  bf16_bits: bool = False, backend: str = "auto", timeout: float = 300.0):
@@ -722,6 +741,9 @@ class DistributedCorpus:
             raise TypeError(f"client must be a distributed.Client (Client(cluster), Client('tcp://host:8786')), got "
                             f"{type(client).__module__}.{type(client).__name__}")
         self.client, self.timeout = client, float(timeout)
+        # what reload() loads again with
+        self._options = dict(device_memory_fraction=float(device_memory_fraction), dtype=dtype, bf16_bits=bf16_bits,
+                             backend=backend, timeout=self.timeout)
         # A closed client forgets its scheduler: kept for the messages that name it
         self._scheduler_address = getattr(client.scheduler, "address", None)
         self._name = f"lik-cupy-corpus-{uuid.uuid4().hex[:12]}"
@@ -735,6 +757,8 @@ class DistributedCorpus:
         self._placing = threading.Lock()
         self.last_search: dict | None = None
         self._live()  # at least one worker, or TimeoutError
+        # The scheduler the plugin registers with (asked first: one that restarts in between is told apart)
+        self._scheduler_id = self._scheduler_identity()
         self._call("registering the corpus with the workers", client.register_plugin,
                    _Store(float(device_memory_fraction), backend, dtype, bf16_bits), name=self._name)
         # Collected without close(): the shards are dropped all the same (not at interpreter exit,
@@ -749,6 +773,10 @@ class DistributedCorpus:
                                                  f"{uuid.uuid4().hex[:8]}") for i, s in enumerate(self._sources)],
                                   set(), "reading the shards' manifests")
             self.dim, self.dtype = self._check(infos, dtype)
+            if self._built is not None:  # a reload: each shard as the corpus was built on it
+                for (source, built), info in zip(self._built, infos):
+                    if info.fingerprint != built:
+                        raise _changed(source, info.fingerprint, built)
             self._sizes = {i: info.nbytes for i, info in enumerate(infos)}
             # what each load gets: the shard's source and the fingerprint every reload must match
             self._refs = [(source, info.fingerprint) for source, info in zip(self._sources, infos)]
@@ -862,7 +890,157 @@ class DistributedCorpus:
         ``timeout`` raises TimeoutError, as any call does.
         """
         self._close_asked = True
+        with _CLOSING:
+            reloading = self._reloading
+        if reloading is not None:  # a reload running in another thread: it stops, and what it loaded leaves
+            reloading.close()
         self._close(warn=True)
+
+    def lost(self) -> str | None:
+        """Why the cluster no longer holds the corpus, in words; None while, as far as the client can
+        tell, it does (and for a closed corpus).
+
+        Either the client is closed (Dask closes one whose scheduler stayed away past its connect
+        timeout, ``distributed.comm.timeouts.connect``, 30 s unless configured), or its scheduler is
+        not the one the corpus was loaded through: one restarted at the address, which the client
+        reconnected to, knows nothing of the corpus, and its workers hold none of it (a Dask worker
+        exits when its scheduler goes). :meth:`reload` puts the corpus back. A connected client
+        costs one round trip (the scheduler's id, within ``timeout``); while the client is
+        reconnecting this says None: which scheduler will answer is not known yet.
+        """
+        if self._closed:
+            return None
+        status = self.client.status
+        if status in ("closing", "closed"):
+            return (f"the Dask client of the scheduler at {self._address()} closed (status {status!r}; Dask closes "
+                    "one whose scheduler stays away past its connect timeout)")
+        if status != "running":
+            return None
+        # (a client that loses its scheduler during the call answers with the id it knew: None, not a false alarm)
+        now = self._scheduler_identity()
+        if now == self._scheduler_id:
+            return None
+        return (f"the scheduler at {self._address()} is not the one the corpus was loaded through "
+                f"({self._scheduler_id} then, {now} now: it restarted), and its workers hold none of the corpus")
+
+    def reload(self, client=None) -> None:
+        """Load the corpus again, as the constructor does: its plugin registered anew and every shard
+        placed and loaded, through ``client`` (a ``distributed.Client``; None: the corpus's own, or,
+        when that one is closed, a new ``Client`` of the same address with its ``security``, which the
+        corpus then owns and closes with itself). For a cluster that no longer holds the corpus
+        (:meth:`lost`): a restarted scheduler, or a client closed for good.
+
+        Each shard must still be what the corpus was built on: ShardError naming it otherwise (its
+        positions and ids would name other documents). Calls keep using the corpus as it was until
+        every shard has loaded (one running across the switch may fail, as on a lost cluster, and
+        can be made again); then what the corpus held before is dropped where its scheduler can
+        still be reached. Raises what the constructor raises (TimeoutError, ShardError, ...), and
+        ConnectionError or TimeoutError when a new client cannot reach the address within
+        ``timeout``; the corpus is then as it was, and a later reload may succeed. :meth:`close`
+        from another thread stops a reload (RuntimeError here) and drops what it loaded.
+        """
+        if self._closed:
+            raise RuntimeError("this DistributedCorpus is closed; open a new one")
+        if client is not None and not isinstance(client, distributed.Client):
+            raise TypeError(f"client must be a distributed.Client or None (the corpus's own), got "
+                            f"{type(client).__module__}.{type(client).__name__}")
+        fresh = DistributedCorpus.__new__(DistributedCorpus)
+        fresh._built = self._refs
+        with _CLOSING:
+            if self._reloading is not None:
+                raise RuntimeError("lik_cupy.distributed: this DistributedCorpus is already reloading (in another "
+                                   "thread); one reload at a time")
+            self._reloading = fresh  # (close() from now on stops it)
+        made = old = None
+        try:
+            if client is None:
+                client = self.client
+                if client.status in ("closing", "closed"):
+                    client = made = self._new_client()
+            if self._close_asked:
+                raise self._closed_meanwhile("reloading")
+            fresh.__init__(client, [source for source, _ in self._refs], **self._options)
+            with self._placing, _CLOSING:  # (no call of this corpus is placing shards as it switches)
+                if not self._close_asked:  # (a client made by an earlier reload stays the corpus's to close)
+                    old = self._take(fresh, made or (self._made if client is self._made else None))
+            if old is None:
+                fresh.close()
+                raise self._closed_meanwhile("reloading")
+        except BaseException:
+            if made is not None:
+                with contextlib.suppress(Exception):
+                    made.close()
+            raise
+        finally:
+            with _CLOSING:
+                self._reloading = None
+        old_client, old_name, old_finalizer, old_made = old
+        old_finalizer.detach()
+        if old_client.status in ("running", "connecting"):  # (a closed one's scheduler went, and its workers)
+            try:
+                self._unregister(old_client, old_name, warn=True)
+            except Exception as e:  # noqa: BLE001 - the reload stands; what the old corpus held is the cluster's
+                self._not_dropped(f"{type(e).__name__}: {e}")
+        if old_made is not None and old_made is not self.client:
+            with contextlib.suppress(Exception):
+                old_made.close()
+
+    def _take(self, fresh: DistributedCorpus, made) -> tuple:
+        """Serve from ``fresh``, a reload's corpus: its client (``made``: when this corpus made it), its
+        plugin and where its shards are. Returns what this corpus held: (client, plugin name,
+        finalizer, the client it had made or None). Called under ``_placing`` and ``_CLOSING``."""
+        old = (self.client, self._name, self._finalizer, self._made)
+        fresh._finalizer.detach()
+        fresh._closed = True  # (its plugin is this corpus's now)
+        for a in ("client", "_scheduler_address", "_scheduler_id", "_name", "_weights", "_placement", "_resident",
+                  "_where"):
+            setattr(self, a, getattr(fresh, a))
+        self._made = made
+        self._finalizer = weakref.finalize(self, _abandoned, self.client, self._name)
+        self._finalizer.atexit = False
+        return old
+
+    def _new_client(self):
+        """A new ``distributed.Client`` of the scheduler at the corpus's address, made as the closed
+        one was (its ``security``), with Dask's connect timeout (at most ``timeout``), which bounds
+        the TCP connect but not the handshake after it: so it is made on a daemon thread, given up
+        on past ``timeout`` or once close() is called, and a client that connects after that is closed."""
+        import dask.config
+        import dask.utils
+
+        address, security = self._address(), self.client.security
+        connect_s = min(self.timeout, dask.utils.parse_timedelta(dask.config.get("distributed.comm.timeouts.connect"),
+                                                                 default="s"))
+        lock, box = threading.Lock(), {}
+
+        def connect():
+            c = distributed.Client(address, security=security, timeout=connect_s, set_as_default=False)
+            with lock:
+                if not box.get("late"):
+                    box["client"] = c
+                    return
+            c.close()
+
+        done = False
+        try:
+            self._call(f"connecting a new client to the scheduler at {address}", connect,
+                       give_up=lambda: self._close_asked, needs_client=False)
+            done = True
+        except _GaveUp:
+            raise self._closed_meanwhile("connecting a new client") from None
+        except TimeoutError:  # (an OSError too) ours: the handshake did not end within timeout
+            raise
+        except OSError as e:  # Dask's: nothing answered within its connect timeout
+            raise ConnectionError(f"lik_cupy.distributed: could not connect a new client to the scheduler at "
+                                  f"{address} ({type(e).__name__}: {e})") from None
+        finally:
+            with lock:
+                box["late"] = True
+                made = box.pop("client", None)
+            if made is not None and not done:
+                with contextlib.suppress(Exception):
+                    made.close()
+        return made
 
     def _closed_meanwhile(self, what: str) -> RuntimeError:
         return RuntimeError(f"lik_cupy.distributed: the DistributedCorpus was closed (from another thread) while "
@@ -876,30 +1054,41 @@ class DistributedCorpus:
                 return
             self._closed = True
         self._finalizer.detach()
-        if self.client.status not in ("running", "connecting"):  # closed: no call can reach the workers
+        try:
+            self._unregister(self.client, self._name, warn)
+        finally:
+            if self._made is not None:  # (a client of its own, which reload made)
+                with contextlib.suppress(Exception):
+                    self._made.close()
+
+    def _unregister(self, client, name: str, warn: bool) -> None:
+        """Remove the plugin ``name`` (with it every worker's shards) through ``client``: close()'s
+        drop, and a reload's of what the corpus held before. ``warn``: as :meth:`_close`'s."""
+        if client.status not in ("running", "connecting"):  # closed: no call can reach the workers
             if warn:
-                self._not_dropped(f"the Dask client is closed (status {self.client.status!r}); the scheduler at "
+                self._not_dropped(f"the Dask client is closed (status {client.status!r}); the scheduler at "
                                   f"{self._address()} cannot be reached through it")
             return
         lost_since = None
 
         def lost() -> bool:  # the client has been without its scheduler for _CLOSE_GRACE
             nonlocal lost_since
-            if self.client.status == "running":
+            if client.status == "running":
                 lost_since = None
                 return False
             lost_since = lost_since or time.monotonic()
             return time.monotonic() - lost_since >= _CLOSE_GRACE
 
         try:
-            self._call("removing the corpus from the workers", self.client.unregister_worker_plugin, self._name,
-                       give_up=lost)
+            self._call("removing the corpus from the workers", client.unregister_worker_plugin, name, give_up=lost)
+        except ValueError:  # the scheduler has no such plugin: it restarted since, and its workers hold none of it
+            pass
         except (_GaveUp, OSError) as e:
-            if not (isinstance(e, (_GaveUp, distributed.comm.CommClosedError)) or self.client.status != "running"):
+            if not (isinstance(e, (_GaveUp, distributed.comm.CommClosedError)) or client.status != "running"):
                 raise  # the scheduler is there but did not answer (TimeoutError), or refused
             if warn:
                 self._not_dropped(f"the client has no connection to the scheduler at {self._address()} (status "
-                                  f"{self.client.status!r})")
+                                  f"{client.status!r})")
 
     @staticmethod
     def _not_dropped(why: str) -> None:
@@ -1000,11 +1189,12 @@ class DistributedCorpus:
 
     # ------------------------------------------------------------ waiting
 
-    def _call(self, what: str, fn, *args, give_up=None, **kwargs):
+    def _call(self, what: str, fn, *args, give_up=None, needs_client: bool = True, **kwargs):
         """``fn(*args, **kwargs)``, a blocking Dask call without a timeout of its own, bounded by ``timeout``;
         and by ``give_up()``, when given, asked every ``_POLL`` seconds: _GaveUp when it says True
-        (the call goes on in its daemon thread until Dask gives up on it)."""
-        if self.client.status in ("closing", "closed"):
+        (the call goes on in its daemon thread until Dask gives up on it). ``needs_client``: the
+        call goes through the corpus's client (ConnectionError when that one is closed)."""
+        if needs_client and self.client.status in ("closing", "closed"):
             raise self._client_closed(what)
         box = {}
 
@@ -1026,7 +1216,8 @@ class DistributedCorpus:
             raise TimeoutError(f"lik_cupy.distributed: {what}: the scheduler at {self._address()} did not answer "
                                f"within {self.timeout:g} s (timeout=)")
         if "error" in box:
-            if self.client.status in ("closing", "closed"):  # Dask's error is then an AttributeError of its own
+            # (Dask's error is then an AttributeError of its own)
+            if needs_client and self.client.status in ("closing", "closed"):
                 raise self._client_closed(what) from box["error"]
             raise box["error"]
         return box.get("value")
@@ -1034,7 +1225,11 @@ class DistributedCorpus:
     def _client_closed(self, what: str) -> ConnectionError:
         return ConnectionError(f"lik_cupy.distributed: {what}: the Dask client is closed (status "
                                f"{self.client.status!r}); the scheduler at {self._address()} cannot be reached through "
-                               "it: open a new Client and DistributedCorpus")
+                               "it: open a new Client (a corpus's reload() does, and loads the corpus again)")
+
+    def _scheduler_identity(self) -> str:
+        """The id of the scheduler the client is connected to (one round trip): a restarted one's differs."""
+        return self._call("asking the scheduler its id", self.client.scheduler_info, **_ID_ONLY)["id"]
 
     def _address(self) -> str:
         return getattr(self.client.scheduler, "address", None) or self._scheduler_address or "(unknown address)"

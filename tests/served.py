@@ -35,12 +35,13 @@ def random_shard(path, seed: int, count: int, dim: int, ids=None) -> Path:
 class Server:
     """``lik serve ARGS`` on an ephemeral loopback port (``port``; ``grpc_port`` too when ARGS hold
     ``--grpc-port 0``), ready when constructed; its stderr kept (``stop`` returns it). ``script``:
-    run ``python SCRIPT ARGS`` instead (a server of the test's own: ``tests/slow_served.py``)."""
+    run ``python SCRIPT ARGS`` instead (a server of the test's own: ``tests/slow_served.py``);
+    ``env``: variables set for it on top of this process's environment."""
 
-    def __init__(self, *args, script=None):
+    def __init__(self, *args, script=None, env=None):
         for m in ("starlette", "uvicorn", "prometheus_client"):  # the [serve] extra
             pytest.importorskip(m)
-        env = {**os.environ, "PYTHONPATH": child_pythonpath()}
+        env = {**os.environ, **(env or {}), "PYTHONPATH": child_pythonpath()}
         command = ["-m", "lik_cupy", "serve"] if script is None else [str(script)]
         self.proc = subprocess.Popen([sys.executable, *command, *map(str, args), "--port", "0"],
                                      stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)

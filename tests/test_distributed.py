@@ -5,8 +5,8 @@ ties, NaN and empty documents, rerank (bitwise single-process ``Corpus.rerank``)
 in the middle of a query or a rerank (its shards reload, the batch reruns, a RuntimeWarning says so), a worker restarted under its own address and
 ``client.restart()`` mid-query (the batch reruns), a worker joining (shards move to it), threads
 sharing a corpus, a corrupt shard, timeouts (and what a timed-out call leaves on the workers), a listed
-worker the client cannot reach, what close (or collection) leaves on the workers, and
-``lik score --scheduler``. Clusters of 1 and 4 workers in threads check the ranking
+worker the client cannot reach, what close (or collection) leaves on the workers, a scheduler
+restarted or a client closed for good (``lost``, ``reload``), and ``lik score --scheduler``. Clusters of 1 and 4 workers in threads check the ranking
 and the stage times of a search, with the queries sent to each worker or copied on by Dask, and
 with merge tasks on the workers. GPU (marked ``gpu``; needs two GPUs and dask-cuda; uses up to
 four): the same checks on a ``LocalCUDACluster``, shards resident on the GPUs.
@@ -1200,6 +1200,97 @@ def test_a_closed_client_or_no_client_is_named(corpus_files, rng):
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             corpus.close()  # (idempotent: nothing more to say)
+
+
+def _at(port: int):
+    """A LocalCluster of one worker (threads, in this process) whose scheduler listens on ``port``:
+    closed and made again, a scheduler restarted at the address, with new workers."""
+    return distributed.LocalCluster(n_workers=1, processes=False, threads_per_worker=1, dashboard_address=":0",
+                                    protocol="tcp://", host="127.0.0.1", scheduler_port=port,
+                                    silence_logs=logging.CRITICAL)
+
+
+def _until(check, what: str, timeout: float = 30.0):
+    """Poll ``check()`` until it is true; AssertionError naming ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+def test_reload_puts_the_corpus_back_after_its_scheduler_restarted_or_its_client_closed(corpus_files, tmp_path, rng):
+    """A scheduler restarted at the corpus's address (new workers too, as a Dask worker exits with
+    its scheduler): the client reconnected, and every call failed (no worker had the corpus) for
+    the corpus's life; a client closed for good (its scheduler away past its timeout) left it no
+    way back. lost() now says which, and reload() registers the corpus anew and loads every shard,
+    through a new client of the same address where the old one closed (the corpus's own, closed
+    with it): the results are bitwise the same. On a live cluster reload() drops what the corpus
+    held; a shard changed on disk since the corpus was built is refused (ShardError), the corpus
+    serving on as it was."""
+    import socket
+
+    import dask.config
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    address = f"tcp://127.0.0.1:{port}"
+    paths = []
+    for i, src in enumerate(corpus_files[0][:4]):
+        paths.append(str(tmp_path / f"shard{i}"))
+        shutil.copytree(src, paths[-1])
+    Q, q_lengths = _queries(rng)
+    cluster, client = _at(port), None
+    # Dask's connect timeout: how long a client tries to get its scheduler back, and a new one to connect
+    with dask.config.set({"distributed.comm.timeouts.connect": "2s"}):
+        try:
+            client = distributed.Client(address)
+            corpus = DistributedCorpus(client, paths, backend="cpu")
+            want = corpus.search(Q, 9, q_lengths=q_lengths)
+            assert corpus.lost() is None
+            cluster.close()
+            cluster = _at(port)
+            _until(lambda: client.status == "running" and corpus.lost() is not None, "the restart went unnoticed")
+            assert corpus.lost().startswith(f"the scheduler at {address} is not the one the corpus was loaded through")
+            with pytest.raises(RuntimeError, match="has no corpus .* or the scheduler restarted since the corpus "
+                                                   "loaded"):
+                corpus.search(Q, 9, q_lengths=q_lengths)
+            corpus.reload()
+            assert corpus.lost() is None
+            _same(corpus.search(Q, 9, q_lengths=q_lengths), want)
+
+            cluster.close()
+            _until(lambda: client.status == "closed", "the client did not close past its timeout")
+            assert corpus.lost() == (f"the Dask client of the scheduler at {address} closed (status 'closed'; Dask "
+                                     "closes one whose scheduler stays away past its connect timeout)")
+            with pytest.raises(ConnectionError, match=f"could not connect a new client to the scheduler at {address}"):
+                corpus.reload()
+            cluster = _at(port)
+            corpus.reload()
+            made = corpus.client
+            assert made is not client and made.status == "running" and corpus.lost() is None
+            _same(corpus.search(Q, 9, q_lengths=q_lengths), want)
+
+            before = corpus._name
+            corpus.reload()  # a live cluster: what the corpus held is dropped
+            assert corpus.client is made and corpus._name != before
+            assert not any(_held(made, before).values()) and all(_held(made, corpus._name).values())
+            tok, off = corpus_files[1][3]
+            r = run_lik("pack", "--force", "--out", paths[3], "--lengths", _lengths_file(tmp_path, np.diff(off[:5])),
+                        _tokens_file(tmp_path, tok[: off[4]]))
+            assert r.exit_code == 0, r.stderr
+            with pytest.raises(ShardError, match=r"changed since the DistributedCorpus was built on it \(documents "
+                                                 r"41 -> 4, "):
+                corpus.reload()
+            _same(corpus.search(Q, 9, q_lengths=q_lengths), want)  # (its shards as they loaded)
+            assert [n for n in made.run(lambda dask_worker: list(dask_worker.plugins)).popitem()[1]
+                    if n.startswith("lik-cupy-corpus-")] == [corpus._name]
+            corpus.close()
+            assert made.status == "closed"
+        finally:
+            if client is not None:
+                client.close()
+            cluster.close()
 
 
 def test_lik_score_names_a_scheduler_whose_client_closed(client, corpus_files, tmp_path, rng, monkeypatch):

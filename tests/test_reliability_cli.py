@@ -117,18 +117,22 @@ def silent_scheduler():
     server.close()
 
 
+# Dask's connect timeout, which bounds reaching a --scheduler: 1 s for these runs
+_SHORT_CONNECT = "import dask.config\ndask.config.set({'distributed.comm.timeouts.connect': '1s'})\n"
+
+
 def test_a_scheduler_that_never_answers_is_exit_2(tmp_path, silent_scheduler):
     """Client's timeout bounds the TCP connect, not the handshake: the run waited for ever."""
     pytest.importorskip("distributed")
     shard, q = make_shard(tmp_path / "s").path, queries(tmp_path / "q.npy")
     p = lik("score", "--queries", q, "--docs", shard, "-k", 2, "--out", tmp_path / "o.tsv", "--cpu",
-            "--scheduler", silent_scheduler, prelude="import lik_cupy.cli\nlik_cupy.cli._CONNECT_TIMEOUT = 1\n")
+            "--scheduler", silent_scheduler, prelude=_SHORT_CONNECT)
     one_line(p.returncode, p.stderr, "--scheduler", f"no Dask scheduler answered at {silent_scheduler} within 1 s")
     with socket.socket() as s:  # a port where nothing listens
         s.bind(("127.0.0.1", 0))
         closed = f"tcp://127.0.0.1:{s.getsockname()[1]}"
     p = lik("score", "--queries", q, "--docs", shard, "-k", 2, "--out", tmp_path / "o.tsv", "--cpu",
-            "--scheduler", closed, prelude="import lik_cupy.cli\nlik_cupy.cli._CONNECT_TIMEOUT = 1\n")
+            "--scheduler", closed, prelude=_SHORT_CONNECT)
     one_line(p.returncode, p.stderr, "--scheduler", f"cannot reach a Dask scheduler at {closed}")
     assert listing(tmp_path) == ["q.npy", "s"]
 

@@ -10,13 +10,17 @@ loads them too). Also the flags
 
 With a cluster of their own (one worker in this process, over TCP): the server not ready while its
 scheduler is gone, and ready again once one answers; ``--cluster-timeout`` answering a stuck
-batch 504 after one cluster call.
+batch 504 after one cluster call. With clusters of worker processes closed and made again at one
+address (a restarted scheduler): the server reloading its corpus onto the new one, through a new
+client where its own closed for good, not ready meanwhile and then answering as before; SIGTERM
+during that reload. The watch that heals a ClusterCorpus, over a stand-in corpus.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import signal
 import subprocess
 import sys
 import threading
@@ -353,9 +357,131 @@ def test_lik_serve_scheduler_is_not_ready_while_its_scheduler_is_gone(int_ids):
         cluster.close()
 
 
-def test_a_replica_that_cannot_be_reached_makes_the_batcher_unavailable():
+def _restarted(port: int, n_workers: int = 1):
+    """A LocalCluster of worker processes whose scheduler (in this process) listens on ``port``.
+    Closed and made again, it is a scheduler restarted at the address with workers of its own: a
+    Dask worker exits when its scheduler goes, so a restarted ``dask scheduler`` meets new workers."""
+    return distributed.LocalCluster(n_workers=n_workers, processes=True, threads_per_worker=1, dashboard_address=":0",
+                                    protocol="tcp://", scheduler_port=port, host="127.0.0.1",
+                                    silence_logs=logging.CRITICAL)
+
+
+def _search_and_rerank(server) -> list:
+    """A search (top 10) and a rerank (30 ids each) of three 12-token queries: each answer's outputs,
+    as the server sent them (JSON: float32 scores written exactly)."""
+    rng = np.random.default_rng(44)
+    q = np.stack([q[:12] for q in _queries(rng, 3, lo=12)])
+    Q = {"name": "Q", "shape": list(q.shape), "datatype": "FP32", "data": q.reshape(-1).tolist()}
+    ids = rng.integers(0, 97, (3, 30)) * 10 + 3
+    answers = []
+    for model, extra in (("search", {"name": "K", "shape": [1], "datatype": "INT32", "data": [10]}),
+                         ("rerank", {"name": "IDS", "shape": list(ids.shape), "datatype": "INT64",
+                                     "data": ids.reshape(-1).tolist()})):
+        status, _, body = server.infer(model, {"inputs": [Q, extra]})
+        assert status == 200, (model, status, body)
+        answers.append(json.loads(body)["outputs"])
+    return answers
+
+
+def _ready(server) -> int:
+    return server.get("/v2/health/ready")[0]
+
+
+def test_lik_serve_scheduler_reloads_the_corpus_onto_a_restarted_scheduler(int_ids):
+    """A scheduler restarted at the address under `lik serve --scheduler` (a new one, its workers
+    new too): the server's client reconnected, ready turned 200, and every request failed with a
+    500 (the workers had no corpus) until the server was restarted. Now the server sees the new
+    scheduler, stays not ready (503) while it reloads the corpus onto the new workers, turns ready
+    by itself, and a search and a rerank answer bitwise as before the restart."""
+    port = _free_port()
+    cluster = _restarted(port)
+    server = None
+    try:
+        server = Server(*int_ids[0], "--scheduler", f"tcp://127.0.0.1:{port}")
+        before = _search_and_rerank(server)
+        cluster.close()
+        _until(lambda: _ready(server) == 503, "ready stayed 200 with the scheduler gone")
+        cluster = _restarted(port)
+        _until(lambda: _ready(server) == 200, "ready stayed 503 with a new scheduler at the address")
+        assert _search_and_rerank(server) == before
+        server.wait_line("lik serve: ready again: the corpus is loaded on the Dask cluster at tcp://127.0.0.1:")
+    finally:
+        if server is not None:
+            server.stop()
+        cluster.close()
+    assert server.proc.returncode == 0, "".join(server.lines)
+
+
+def test_lik_serve_scheduler_recovers_once_its_closed_client_is_replaced(int_ids):
+    """The scheduler gone past Dask's reconnect window (its connect timeout, shortened here): the
+    server's client closed for good, and the server stayed not ready for ever, its liveness still
+    200, so nothing restarted it. Now it connects a new client to the address, retrying (each
+    failed attempt said on stderr) while no scheduler answers, the requests meanwhile refused 503
+    with Retry-After naming the scheduler; once one answers it reloads the corpus and turns ready,
+    answering bitwise as before."""
+    port = _free_port()
+    address = f"tcp://127.0.0.1:{port}"
+    cluster = _restarted(port)
+    server = None
+    try:
+        server = Server(*int_ids[0], "--scheduler", address,
+                        env={"DASK_DISTRIBUTED__COMM__TIMEOUTS__CONNECT": "2s"})
+        before = _search_and_rerank(server)
+        cluster.close()
+        server.wait_line(f"lik serve: reloading the corpus onto the Dask cluster at {address} failed (attempt 1)")
+        assert server.get("/v2/health/live")[0] == 200
+        status, head, body = server.infer("score", {"inputs": [{"name": "Q", "shape": [1, DIM], "datatype": "FP32",
+                                                                "data": [1.0] * DIM}]})
+        assert status == 503 and "retry-after" in head, (status, body)
+        assert f"the Dask client of the scheduler at {address} closed" in json.loads(body)["error"], body
+        cluster = _restarted(port)
+        _until(lambda: _ready(server) == 200, "ready stayed 503 with a scheduler back at the address")
+        assert _search_and_rerank(server) == before
+    finally:
+        if server is not None:
+            server.stop()
+        cluster.close()
+    assert server.proc.returncode == 0, "".join(server.lines)
+
+
+def test_a_server_stopped_while_it_reloads_the_corpus_exits_0_and_leaves_no_shards(int_ids, tmp_path):
+    """SIGTERM while the server reloads its corpus onto a restarted scheduler's workers (each load
+    held by a plugin until the test lets go): the server drops what it loaded, and exits 0."""
+    port = _free_port()
+    cluster = _restarted(port)
+    server = new = None
+    started, go_on = tmp_path / "started", tmp_path / "go-on"
+    try:
+        server = Server(*int_ids[0], "--scheduler", f"tcp://127.0.0.1:{port}")
+        cluster.close()
+        _until(lambda: _ready(server) == 503, "ready stayed 200 with the scheduler gone")
+        cluster = _restarted(port, n_workers=0)
+        new = distributed.Client(cluster)
+        new.register_plugin(_slow_loads(str(started), str(go_on)), name="lik-test-slow-loads")
+        cluster.scale(1)  # (its worker takes the plugin as it joins)
+        _until(started.exists, "the corpus never began to reload")
+        assert _ready(server) == 503 and len(_shards_held(new)) == 1
+        server.proc.send_signal(signal.SIGTERM)
+        server.proc.wait(60)
+        err = "".join(server.lines)
+        assert server.proc.returncode == 0, err
+        assert "Traceback" not in err, err
+        assert _shards_held(new) == set(), err
+    finally:
+        go_on.touch()
+        if server is not None:
+            server.stop()
+        if new is not None:
+            new.close()
+        cluster.close()
+
+
+def test_a_cluster_replica_is_unavailable_until_its_scheduler_is_known_and_heals_itself(capsys):
     """ClusterCorpus reads its client's status (no round trip): unavailable while it is not
-    'running', available again once it is; a Corpus replica is always available."""
+    'running', and once it is again until the watch has asked whether the scheduler is still the
+    corpus's (a restarted one would not be); the watch then reloads a lost corpus, each failed
+    attempt said on stderr, unavailable meanwhile (a call refused with ConnectionError, which the
+    server answers 503), available once it is back. A Corpus replica is always available."""
     from lik_cupy.serving._cluster import ClusterCorpus
 
     fake = _FakeDistributed()
@@ -367,14 +493,32 @@ def test_a_replica_that_cannot_be_reached_makes_the_batcher_unavailable():
         assert b.unavailable().startswith("lost the connection to the Dask scheduler at tcp://10.0.0.1:8786 (its "
                                           "client is 'connecting': Dask reconnects")
         fake.client.status = "running"
-        assert b.unavailable() is None
+        assert b.unavailable() == ("reconnected to the Dask scheduler at tcp://10.0.0.1:8786, not yet known to be the "
+                                   "one holding the corpus")
+        fake.lost_why = "it restarted"
+        fake.failures = [TimeoutError("no worker joined")]  # the first reload's; the second waits for `go`
+        replica.watch()
+        _until(lambda: fake.reloads == 2, "the watch did not reload the lost corpus again")
+        why = "reloading the corpus onto the Dask cluster at tcp://10.0.0.1:8786: it restarted"
+        assert b.unavailable() == why
+        with pytest.raises(ConnectionError, match=why):
+            b.search(np.ones((3, DIM), np.float32), 2)
+        fake.go.set()
+        _until(lambda: b.unavailable() is None, "unavailable once the corpus reloaded")
+    err = capsys.readouterr().err
+    assert ("lik serve: reloading the corpus onto the Dask cluster at tcp://10.0.0.1:8786 failed (attempt 1): "
+            "TimeoutError: no worker joined; trying again in 0.5 s\n") in err, err
+    assert "lik serve: ready again: the corpus is loaded on the Dask cluster at tcp://10.0.0.1:8786 (attempt 2)\n" \
+        in err, err
     with Batcher(lik_cupy.Corpus(np.ones((3, 4, DIM), np.float32), device="cpu")) as b:
         assert b.unavailable() is None
 
 
 class _FakeDistributed:
     """A stand-in for a DistributedCorpus of 5 documents: its client's ``status`` is the test's to
-    set; each call counts itself and raises ``error`` (TimeoutError, as a stuck cluster's)."""
+    set; each call counts itself and raises ``error`` (TimeoutError, as a stuck cluster's).
+    ``lost()`` says ``lost_why``; ``reload()`` counts itself, raises the next of ``failures``, or
+    waits for ``go`` (60 s at most) and has the corpus back."""
 
     def __init__(self, error=None):
         import types
@@ -383,12 +527,23 @@ class _FakeDistributed:
                                             scheduler=types.SimpleNamespace(address="tcp://10.0.0.1:8786"))
         self.num_docs, self.dim, self.dtype = 5, DIM, "float32"
         self.error, self.calls = error, 0
+        self.lost_why, self.failures, self.reloads, self.go = None, [], 0, threading.Event()
 
     def search(self, Q, k, q_lengths):
         self.calls += 1
         raise self.error
 
     rerank = score = search
+
+    def lost(self):
+        return self.lost_why
+
+    def reload(self):
+        self.reloads += 1
+        if self.failures:
+            raise self.failures.pop(0)
+        self.go.wait(60)
+        self.lost_why = None
 
     def close(self):
         pass

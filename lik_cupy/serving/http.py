@@ -213,7 +213,10 @@ def serve(paths, *, host: str = "127.0.0.1", port: int = 8000, grpc_port: int | 
     the batcher making each batch one call of it; not with ``devices``, ``partition`` or
     ``processes``. The server is ready once every shard is loaded on the cluster, and drops them
     from the workers as it stops, while loading too (the client stays open: it is the caller's).
-    It is not ready while the client has no scheduler (``Batcher.unavailable``). ``cluster_timeout``:
+    It is not ready while the client has no scheduler (``Batcher.unavailable``), nor while it
+    reloads the corpus onto a scheduler restarted at the address, or through a client of its own
+    where the caller's closed for good (``_cluster.ClusterCorpus.watch``; it closes that one as it
+    stops). ``cluster_timeout``:
     the seconds any one wait on the cluster may take (``DistributedCorpus``'s ``timeout``; its
     default, 300, when None); a batch past it is answered 504, each request of it at once."""
     if client is not None and (devices is not None or partition is not None or processes != 1):
