@@ -46,7 +46,9 @@ told otherwise) bounds all a block holds at once: the tokens read and every arra
 (float32 values, masks, the INT8 quantiser's temporaries), plus 64 bytes a token; the offsets and
 ids (a few bytes a document) come on top. Inputs must be regular files (``lik_cupy._files``: a FIFO
 or a device is refused, never waited on). Paths in a manifest must name files inside the shard
-directory. Problems raise :class:`ShardError` naming the file and what was expected.
+directory. A shard that ``lik pack --force`` replaces while it is being opened is read whole, the
+old one or the new one, never a mix of their files. Problems raise :class:`ShardError` naming the
+file and what was expected.
 """
 
 from __future__ import annotations
@@ -87,6 +89,8 @@ CHUNK_BYTES = 256 << 20
 # about 50 bytes).
 _TOKEN_WORK_BYTES = 64
 _MAX_MANIFEST_BYTES = 1 << 20
+# How many times a shard replaced while it is being opened is opened again before giving up.
+_OPEN_TRIES = 3
 
 
 def _embedding_dtype(arr: np.ndarray, name: str, bf16_bits: bool = False) -> str:
@@ -439,7 +443,8 @@ def open_shard(path: str | os.PathLike) -> Shard:
     Checks the manifest, that tokens.npy is ``[num_tokens, dim]`` of the stored dtype,
     the offsets (start at 0, non-decreasing, end at T), the ids and, for an int8 shard,
     that scales.npy is float32 ``[num_tokens]`` with every scale finite and >= 0 (read
-    block by block). Token values are not read: :func:`scan_values` checks them. Returns
+    block by block). Token values are not read: :func:`scan_values` checks them. A shard
+    replaced while it is opened (``lik pack --force``) is opened again, whole. Returns
     a packed :class:`Shard` whose ``tokens`` are in the library's dtype (bfloat16 as
     ``ml_dtypes.bfloat16``; int8 with ``scales``).
     """
@@ -447,8 +452,41 @@ def open_shard(path: str | os.PathLike) -> Shard:
 
 
 def _open_shard(path: str | os.PathLike, max_bytes: int = CHUNK_BYTES) -> Shard:
-    """:func:`open_shard`, checking an int8 shard's scales ``max_bytes`` at a time (at most 6 bytes a scale held)."""
+    """:func:`open_shard`, checking an int8 shard's scales ``max_bytes`` at a time (at most 6 bytes a scale held).
+
+    The files are opened by name one after another, so the directory at ``path`` must be the same one
+    before and after (its device and inode): one that ``lik pack --force`` replaced in between (an
+    atomic exchange of two directories) gave the old shard's tokens with the new one's offsets and ids.
+    Its files are then opened again (what was raised meanwhile is no judgement of either shard), up to
+    ``_OPEN_TRIES`` times. The opened files are checked last, against what they hold.
+    """
     path = os.fspath(path)
+    for _ in range(_OPEN_TRIES):
+        before = _identity(path)
+        try:
+            opened = _open_files(path)
+        except ShardError:
+            if _identity(path) == before:
+                raise
+            continue
+        if _identity(path) == before:
+            return _packed(path, *opened, max_bytes)
+    raise ShardError(path, f"was replaced while it was being opened, {_OPEN_TRIES} times in a row (another process "
+                           "writing it, such as lik pack --force); open it again once it is written")
+
+
+def _identity(path: str) -> tuple[int, int] | None:
+    """The (device, inode) of what is at ``path`` (links followed), None where nothing can be seen."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _open_files(path: str) -> tuple:
+    """The files of the shard directory ``path``, opened and checked against its manifest: ``_packed``'s
+    arguments from ``tokens`` to ``scales_file``."""
     what = _files.file_kind(path)
     if what is None:
         raise ShardError(path, "no such shard directory")
@@ -473,8 +511,8 @@ def _open_shard(path: str | os.PathLike, max_bytes: int = CHUNK_BYTES) -> Shard:
     if ids is not None and ids.dtype.kind in "iu" and ids.dtype != np.dtype("<i8"):
         raise ShardError(files["ids"], f"integer ids must be int64 (<i8), got {ids.dtype.str}")
     scales = _files.open_npy(files["scales"]) if "scales" in files else None
-    return _packed(path, _as_numpy_dtype(raw, m["dtype"]), offsets, ids, m, files["tokens"], files["offsets"],
-                   files.get("ids", ""), scales, files.get("scales", ""), max_bytes)
+    return (_as_numpy_dtype(raw, m["dtype"]), offsets, ids, m, files["tokens"], files["offsets"], files.get("ids", ""),
+            scales, files.get("scales", ""))
 
 
 def open_input(path: str | os.PathLike, lengths: str | os.PathLike | None = None, *, bf16_bits: bool = False) -> Shard:

@@ -327,6 +327,49 @@ def test_a_model_name_the_reader_would_refuse_is_refused_before_writing(tmp_path
     assert shards.open_shard(s.path).manifest["model"] == model
 
 
+def _swapping_opens(monkeypatch, path, other, every: bool):
+    """Make the shard at ``other`` take ``path``'s place (and the one there ``other``'s), as lik pack
+    --force's exchange does, just after ``open_npy`` opens a tokens.npy: once, or ``every`` time."""
+    real, swaps = _files.open_npy, []
+
+    def opening(name):
+        arr = real(name)
+        if os.path.basename(os.fspath(name)) == fmt.TOKENS and (every or not swaps):
+            os.rename(path, f"{path}.aside")
+            os.rename(other, path)
+            os.rename(f"{path}.aside", other)
+            swaps.append(name)
+        return arr
+
+    monkeypatch.setattr(_files, "open_npy", opening)
+    return swaps
+
+
+def test_a_shard_replaced_while_it_is_opened_is_read_whole(tmp_path, monkeypatch):
+    """open_shard read the manifest, tokens, offsets and ids by path one after another: a shard that
+    ``lik pack --force`` replaced in between (an atomic exchange of the two directories) was read
+    as the old one's tokens with the new one's offsets and ids, a shard that never existed, scored
+    without a word where the counts agreed. The shard's directory is the same one before and after
+    its files are opened, or they are opened again."""
+    old, _ = write_example(tmp_path, "s", lengths=(2, 4), ids=["a", "b"], seed=1)
+    new, _ = write_example(tmp_path, "new", lengths=(4, 2), ids=["c", "d"], seed=2)
+    want = [np.array(new.tokens), np.array(new.offsets), np.array(new.ids)]
+    swaps = _swapping_opens(monkeypatch, old.path, new.path, every=False)
+    s = shards.open_shard(old.path)
+    assert len(swaps) == 1
+    for got, expected in zip([s.tokens, s.offsets, s.ids], want):
+        assert np.array_equal(np.asarray(got), expected)
+
+
+def test_a_shard_that_keeps_being_replaced_is_refused(tmp_path, monkeypatch):
+    old, _ = write_example(tmp_path, "s", lengths=(2, 4), seed=1)
+    new, _ = write_example(tmp_path, "new", lengths=(4, 2), seed=2)
+    swaps = _swapping_opens(monkeypatch, old.path, new.path, every=True)
+    with pytest.raises(ShardError, match="was replaced while it was being opened"):
+        shards.open_shard(old.path)
+    assert 1 < len(swaps) <= 8
+
+
 def test_write_rejects_bad_arguments(tmp_path):
     docs = ragged(np.random.default_rng(8), [2, 3])
     tokens, off = np.concatenate(docs), offsets_of(docs)
