@@ -54,6 +54,7 @@ file and what was expected.
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import json
 import math
@@ -870,14 +871,27 @@ def _write(path, blocks, offsets: np.ndarray, ids, dim: int, source_dtype: str, 
             manifest["normalized"] = _write_tokens(
                 tmp, path, blocks(_rows(max_bytes, dim, *work())), offsets, dim, dtype, check_finite,
                 lambda rows: _rows(max_bytes, dim, *work(rows.flags.c_contiguous)))
-            np.save(os.path.join(tmp, fmt.OFFSETS), offsets.astype("<i8", copy=False))
+            with _new_member(tmp, fmt.OFFSETS, path) as f:
+                np.save(f, offsets.astype("<i8", copy=False))
             if ids is not None:
-                np.save(os.path.join(tmp, fmt.IDS), ids, allow_pickle=False)
-            with open(os.path.join(tmp, fmt.MANIFEST), "x", encoding="utf-8", newline="\n") as f:
-                f.write(_manifest_text(manifest))
-    except FileExistsError as e:  # what was at ``path`` when the shard was renamed there
+                with _new_member(tmp, fmt.IDS, path) as f:
+                    np.save(f, ids, allow_pickle=False)
+            with _new_member(tmp, fmt.MANIFEST, path) as f:
+                f.write(_manifest_text(manifest).encode("utf-8"))
+    except FileExistsError as e:  # what was at ``path`` when the shard was renamed there, or in ``tmp`` (_new_member)
         raise ShardError(path, _files.problem(e)) from None
     return _open_shard(path, max_bytes)
+
+
+def _new_member(tmp: str, name: str, path: str):
+    """File ``name`` of the shard being written in ``tmp``, open for writing, created exclusively: never
+    through a link, or over a file, that another process put in the temporary directory (a
+    FileExistsError naming the shard ``path`` says so)."""
+    try:
+        return open(os.path.join(tmp, name), "xb")
+    except FileExistsError:
+        raise FileExistsError(errno.EEXIST, f"{name} appeared in the shard's temporary directory while it was being "
+                                            "written (another process writes into it); nothing was written", path) from None
 
 
 def _manifest_text(manifest: dict) -> str:
@@ -899,7 +913,7 @@ def _write_tokens(tmp: str, path: str, blocks, offsets: np.ndarray, dim: int, dt
     with contextlib.ExitStack() as stack:
         out = []
         for name, stored, shape in files:
-            f = stack.enter_context(open(os.path.join(tmp, name), "xb"))
+            f = stack.enter_context(_new_member(tmp, name, path))
             np.lib.format.write_array_header_1_0(f, {"descr": np.lib.format.dtype_to_descr(stored),
                                                      "fortran_order": False, "shape": shape})
             _atomic.allocate(f, f.tell() + math.prod(shape) * stored.itemsize, path)

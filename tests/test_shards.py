@@ -327,6 +327,30 @@ def test_a_model_name_the_reader_would_refuse_is_refused_before_writing(tmp_path
     assert shards.open_shard(s.path).manifest["model"] == model
 
 
+def test_pack_never_writes_through_a_link_planted_in_its_temporary(tmp_path, monkeypatch):
+    """offsets.npy and ids.npy were written with np.save(path), which follows a symbolic link that another
+    process (one that may write the temporary shard directory: a shared group under umask 002) put
+    there, and overwrote the file it points at; the shard was then committed and refused as leading
+    outside itself. Every file of a shard is created exclusively now (as tokens.npy always was): the
+    pack fails naming the shard, and the file outside is untouched."""
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me")
+    out = tmp_path / "out"
+    out.mkdir()
+    real = shards._write_tokens
+    for name in (fmt.OFFSETS, fmt.IDS, fmt.MANIFEST):
+        def planting(tmp, *args, name=name):
+            normalized = real(tmp, *args)
+            os.symlink(victim, os.path.join(tmp, name))
+            return normalized
+
+        monkeypatch.setattr(shards, "_write_tokens", planting)
+        docs = ragged(np.random.default_rng(12), [2, 3])
+        with pytest.raises(ShardError, match=f"{name} appeared in the shard's temporary directory"):
+            shards.write_shard(out / "s", np.concatenate(docs), offsets_of(docs), ids=["a", "b"])
+        assert victim.read_text() == "keep me" and listing(out) == [], name
+
+
 def _swapping_opens(monkeypatch, path, other, every: bool):
     """Make the shard at ``other`` take ``path``'s place (and the one there ``other``'s), as lik pack
     --force's exchange does, just after ``open_npy`` opens a tokens.npy: once, or ``every`` time."""
