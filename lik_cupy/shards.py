@@ -335,6 +335,9 @@ def _check_offsets(offsets: np.ndarray, num_tokens: int, name: str) -> np.ndarra
         raise ShardError(name, f"expected 1-D offsets [N+1] (at least [0]), got shape {offsets.shape}")
     if offsets.dtype.kind not in "iu":
         raise ShardError(name, f"offsets must be integers (int64), got dtype {offsets.dtype}")
+    if offsets.dtype.kind == "u" and int(offsets.max()) >= 2**63:  # named as given, not as it wraps in int64
+        i = int(np.argmax(offsets >= 2**63))
+        raise ShardError(name, f"offsets[{i}] = {int(offsets[i])} does not fit int64; expected token rows 0..T")
     offsets = np.asarray(offsets, dtype=np.int64)
     if offsets[0] != 0:
         raise ShardError(name, f"offsets[0] is {int(offsets[0])}; expected 0")
@@ -545,6 +548,10 @@ def open_input(path: str | os.PathLike, lengths: str | os.PathLike | None = None
         raise ShardError(path, f"flat token embeddings {list(arr.shape)} need per-document token counts (doclens); pass a lengths file")
     offsets = np.zeros(lens.shape[0] + 1, np.int64)
     np.cumsum(lens, out=offsets[1:])
+    # lengths are >= 0 and below 2**63: a sum past int64 shows as a step down where it wraps
+    if (offsets[1:] < offsets[:-1]).any():
+        raise ShardError(os.fspath(lengths), f"doclens add up to 2**63 tokens or more; expected token counts summing "
+                                             f"to the {arr.shape[0]} token rows of {path}")
     if offsets[-1] != arr.shape[0]:
         raise ShardError(os.fspath(lengths), f"doclens sum to {int(offsets[-1])} but {path} holds {arr.shape[0]} token rows; expected them to match")
     return _packed(path, tokens, offsets, None, None, path, os.fspath(lengths), "")

@@ -403,6 +403,9 @@ def test_write_rejects_bad_arguments(tmp_path):
         (dict(tokens=tokens, offsets=off[::-1]), "offsets: offsets\\[0\\] is 5"),
         (dict(tokens=tokens, offsets=np.array([0, 4, 3])), "not monotone"),
         (dict(tokens=tokens, offsets=np.array([0, 2, 4])), "end at 4 but there are 5"),
+        # (uint64 past int64: the value as given, not what it wraps to; it was "offsets[1] = -1")
+        (dict(tokens=tokens, offsets=np.array([0, 2**64 - 1, 5], np.uint64)),
+         "offsets: offsets\\[1\\] = 18446744073709551615 does not fit int64"),
         (dict(tokens=tokens, offsets=off, ids=[1, 2, 3]), "ids: expected 2 ids"),
         (dict(tokens=tokens, offsets=off, ids=["a", "b\tc"]), "tab or line break"),
         (dict(tokens=tokens, offsets=off, ids=[1.5, 2.5]), "ids must be int64 or fixed-width strings"),
@@ -523,6 +526,8 @@ def test_open_input_rejects(tmp_path):
     np.save(tmp_path / "lens_neg.npy", np.array([1, -1, 2]))
     np.save(tmp_path / "lens_2.npy", np.array([1, 2]))
     np.save(tmp_path / "lens_f.npy", np.array([1.0, 2.0, 3.0]))
+    np.save(tmp_path / "lens_wrap.npy", np.array([2**63 - 1, 2**63 - 1, 2, 6], np.uint64))  # wraps to 6 == T
+    np.save(tmp_path / "lens_neg_sum.npy", np.array([2**62, 2**62, 6], np.uint64))  # wraps below 0
     (tmp_path / "lens_str.json").write_text('[1, "2", 3]')
     (tmp_path / "lens_bad.json").write_text("[1, 2")
     (tmp_path / "doclens.json").write_text("[1, 2, 2]")
@@ -534,6 +539,9 @@ def test_open_input_rejects(tmp_path):
         ((t / "four.npy",), t / "four.npy", "expected a padded [N, L, d] array"),
         ((t / "flat.npy",), t / "flat.npy", "need per-document token counts"),
         ((t / "flat.npy", t / "doclens.json"), t / "doclens.json", "doclens sum to 5 but"),
+        # (a sum past int64 said "offsets are not monotone", or "doclens sum to -9223372036854775802")
+        ((t / "flat.npy", t / "lens_wrap.npy"), t / "lens_wrap.npy", "doclens add up to 2**63 tokens or more"),
+        ((t / "flat.npy", t / "lens_neg_sum.npy"), t / "lens_neg_sum.npy", "doclens add up to 2**63 tokens or more"),
         ((t / "big.npy",), t / "big.npy", "big-endian"),
         ((t / "f64.npy",), t / "f64.npy", "unsupported dtype float64"),
         ((t / "u16.npy",), t / "u16.npy", "--bf16-bits"),
