@@ -229,12 +229,14 @@ def _chunked(path: str, suffix: str, rows: list[int], row_bytes: int) -> np.ndar
     merged = _payload(_files.open_npy(merged_path), suffix, row_bytes, merged_path) if _present(merged_path) else None
     manifest = _manifest(path, suffix, len(rows))
     parts, at = [], 0
+    leading = True  # whether every chunk so far is the merged file's next rows, from its first on
     for i, n in enumerate(rows):
         own = os.path.join(path, f"{i}.{suffix}.npy")
         entry = manifest.get(f"{i}.{suffix}.npy")
         if _present(own):
             part = _payload(_files.open_npy(own), suffix, row_bytes, own)
             where, rows_of = own, f"chunk {i}"
+            leading = leading and n == 0 and not entry
         elif merged is not None:
             if entry is not None and entry != n:
                 raise ShardError(os.path.join(path, f"merged_{suffix}.manifest.json"),
@@ -248,7 +250,7 @@ def _chunked(path: str, suffix: str, rows: list[int], row_bytes: int) -> np.ndar
                                     f"to {n} tokens")
         parts.append(part)
         at += n if entry is None else entry
-    if _contiguous_merged(parts, merged):  # one view of the merged file: nothing copied
+    if leading and merged is not None and parts:  # one view of the merged file: nothing copied
         return merged[:sum(rows)]
     if len(parts) == 1:
         return parts[0]
@@ -287,18 +289,6 @@ def _present(name: str) -> bool:
     """Whether anything is at ``name``: a dangling link where an optional file goes is read (and
     refused as missing), not taken for no file."""
     return os.path.islink(name) or _files.file_kind(name) is not None
-
-
-def _contiguous_merged(parts: list[np.ndarray], merged) -> bool:
-    """Whether ``parts`` are the merged file's rows from its first on, in order."""
-    if merged is None or not parts:
-        return False
-    at = merged.__array_interface__["data"][0]
-    for p in parts:
-        if p.size and p.__array_interface__["data"][0] != at:
-            return False
-        at += p.nbytes
-    return True
 
 
 def _read_colbert(path: str) -> IndexArrays:

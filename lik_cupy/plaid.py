@@ -200,13 +200,18 @@ def _score(rp: ResidualProblem, Q, codes, residuals, lens_or_offsets, centroids,
            candidates, normalize: bool, return_argmax: bool, backend: str, *, check_offsets: bool, check_ids: bool):
     p = rp.p
     if use_gpu(backend, p.device):
-        if not (p.dim % 8 == 0 and p.dim <= MAX_DIM_RESIDUAL):
-            raise ValueError(f"Q has dim {p.dim}; the residual kernels need a multiple of 8 up to {MAX_DIM_RESIDUAL} "
-                             f"(backend='cpu' takes any dim)")
+        _check_gpu_dim(p.dim, "Q")
         return _gpu(rp, Q, codes, residuals, lens_or_offsets, centroids, weights, q_mask, q_lengths, candidates,
                     normalize, return_argmax, check_offsets, check_ids)
     return _cpu(rp, Q, codes, residuals, lens_or_offsets, centroids, weights, q_mask, q_lengths, candidates,
                 normalize, return_argmax)
+
+
+def _check_gpu_dim(dim: int, what: str) -> None:
+    """ValueError unless the residual kernels take embedding dim ``dim`` (of ``what``: "Q", "the index")."""
+    if not (dim % 8 == 0 and dim <= MAX_DIM_RESIDUAL):
+        raise ValueError(f"{what} has dim {dim}; the residual kernels need a multiple of 8 up to {MAX_DIM_RESIDUAL} "
+                         f"(backend='cpu' takes any dim)")
 
 
 def _cpu(rp: ResidualProblem, Q, codes, residuals, lens_or_offsets, centroids, weights, q_mask, q_lengths,
@@ -380,7 +385,8 @@ class PlaidIndex:
         """Copy the compressed corpus to GPU ``device`` (default: the current one), once, and score
         host queries there from now on (:meth:`rerank`; device queries stay on their own GPU). A
         ``device`` that is no int >= 0 raises ValueError, and so does one past this machine's
-        GPUs (where it has any); without a GPU (or CuPy), RuntimeError."""
+        GPUs (where it has any), or an index whose dim the residual kernels do not take (a
+        multiple of 8 up to 512), before anything is copied; without a GPU (or CuPy), RuntimeError."""
         check_ordinal(device, " or None")
         if not gpu_available():  # (CUDA's own error named the driver, not the call)
             raise RuntimeError("PlaidIndex.to_device: no CUDA GPU is visible (CuPy could not find one, or is not "
@@ -389,6 +395,7 @@ class PlaidIndex:
         return self
 
     def _on_device(self, device: int | None):
+        _check_gpu_dim(self.dim, "the index")  # before the corpus is copied there for nothing
         import cupy
 
         if device is None:

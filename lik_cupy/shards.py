@@ -46,12 +46,15 @@ told otherwise) bounds all a block holds at once: the tokens read and every arra
 (float32 values, masks, the INT8 quantiser's temporaries), plus 64 bytes a token; the offsets and
 ids (a few bytes a document) come on top. Inputs must be regular files (``lik_cupy._files``: a FIFO
 or a device is refused, never waited on). Paths in a manifest must name files inside the shard
-directory. Problems raise :class:`ShardError` naming the file and what was expected.
+directory. A shard that ``lik pack --force`` replaces while it is being opened is read whole, the
+old one or the new one, never a mix of their files. Problems raise :class:`ShardError` naming the
+file and what was expected.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import json
 import math
@@ -87,6 +90,8 @@ CHUNK_BYTES = 256 << 20
 # about 50 bytes).
 _TOKEN_WORK_BYTES = 64
 _MAX_MANIFEST_BYTES = 1 << 20
+# How many times a shard replaced while it is being opened is opened again before giving up.
+_OPEN_TRIES = 3
 
 
 def _embedding_dtype(arr: np.ndarray, name: str, bf16_bits: bool = False) -> str:
@@ -330,6 +335,9 @@ def _check_offsets(offsets: np.ndarray, num_tokens: int, name: str) -> np.ndarra
         raise ShardError(name, f"expected 1-D offsets [N+1] (at least [0]), got shape {offsets.shape}")
     if offsets.dtype.kind not in "iu":
         raise ShardError(name, f"offsets must be integers (int64), got dtype {offsets.dtype}")
+    if offsets.dtype.kind == "u" and int(offsets.max()) >= 2**63:  # named as given, not as it wraps in int64
+        i = int(np.argmax(offsets >= 2**63))
+        raise ShardError(name, f"offsets[{i}] = {int(offsets[i])} does not fit int64; expected token rows 0..T")
     offsets = np.asarray(offsets, dtype=np.int64)
     if offsets[0] != 0:
         raise ShardError(name, f"offsets[0] is {int(offsets[0])}; expected 0")
@@ -439,7 +447,8 @@ def open_shard(path: str | os.PathLike) -> Shard:
     Checks the manifest, that tokens.npy is ``[num_tokens, dim]`` of the stored dtype,
     the offsets (start at 0, non-decreasing, end at T), the ids and, for an int8 shard,
     that scales.npy is float32 ``[num_tokens]`` with every scale finite and >= 0 (read
-    block by block). Token values are not read: :func:`scan_values` checks them. Returns
+    block by block). Token values are not read: :func:`scan_values` checks them. A shard
+    replaced while it is opened (``lik pack --force``) is opened again, whole. Returns
     a packed :class:`Shard` whose ``tokens`` are in the library's dtype (bfloat16 as
     ``ml_dtypes.bfloat16``; int8 with ``scales``).
     """
@@ -447,8 +456,41 @@ def open_shard(path: str | os.PathLike) -> Shard:
 
 
 def _open_shard(path: str | os.PathLike, max_bytes: int = CHUNK_BYTES) -> Shard:
-    """:func:`open_shard`, checking an int8 shard's scales ``max_bytes`` at a time (at most 6 bytes a scale held)."""
+    """:func:`open_shard`, checking an int8 shard's scales ``max_bytes`` at a time (at most 6 bytes a scale held).
+
+    The files are opened by name one after another, so the directory at ``path`` must be the same one
+    before and after (its device and inode): one that ``lik pack --force`` replaced in between (an
+    atomic exchange of two directories) gave the old shard's tokens with the new one's offsets and ids.
+    Its files are then opened again (what was raised meanwhile is no judgement of either shard), up to
+    ``_OPEN_TRIES`` times. The opened files are checked last, against what they hold.
+    """
     path = os.fspath(path)
+    for _ in range(_OPEN_TRIES):
+        before = _identity(path)
+        try:
+            opened = _open_files(path)
+        except ShardError:
+            if _identity(path) == before:
+                raise
+            continue
+        if _identity(path) == before:
+            return _packed(path, *opened, max_bytes)
+    raise ShardError(path, f"was replaced while it was being opened, {_OPEN_TRIES} times in a row (another process "
+                           "writing it, such as lik pack --force); open it again once it is written")
+
+
+def _identity(path: str) -> tuple[int, int] | None:
+    """The (device, inode) of what is at ``path`` (links followed), None where nothing can be seen."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _open_files(path: str) -> tuple:
+    """The files of the shard directory ``path``, opened and checked against its manifest: ``_packed``'s
+    arguments from ``tokens`` to ``scales_file``."""
     what = _files.file_kind(path)
     if what is None:
         raise ShardError(path, "no such shard directory")
@@ -473,8 +515,8 @@ def _open_shard(path: str | os.PathLike, max_bytes: int = CHUNK_BYTES) -> Shard:
     if ids is not None and ids.dtype.kind in "iu" and ids.dtype != np.dtype("<i8"):
         raise ShardError(files["ids"], f"integer ids must be int64 (<i8), got {ids.dtype.str}")
     scales = _files.open_npy(files["scales"]) if "scales" in files else None
-    return _packed(path, _as_numpy_dtype(raw, m["dtype"]), offsets, ids, m, files["tokens"], files["offsets"],
-                   files.get("ids", ""), scales, files.get("scales", ""), max_bytes)
+    return (_as_numpy_dtype(raw, m["dtype"]), offsets, ids, m, files["tokens"], files["offsets"], files.get("ids", ""),
+            scales, files.get("scales", ""))
 
 
 def open_input(path: str | os.PathLike, lengths: str | os.PathLike | None = None, *, bf16_bits: bool = False) -> Shard:
@@ -506,6 +548,10 @@ def open_input(path: str | os.PathLike, lengths: str | os.PathLike | None = None
         raise ShardError(path, f"flat token embeddings {list(arr.shape)} need per-document token counts (doclens); pass a lengths file")
     offsets = np.zeros(lens.shape[0] + 1, np.int64)
     np.cumsum(lens, out=offsets[1:])
+    # lengths are >= 0 and below 2**63: a sum past int64 shows as a step down where it wraps
+    if (offsets[1:] < offsets[:-1]).any():
+        raise ShardError(os.fspath(lengths), f"doclens add up to 2**63 tokens or more; expected token counts summing "
+                                             f"to the {arr.shape[0]} token rows of {path}")
     if offsets[-1] != arr.shape[0]:
         raise ShardError(os.fspath(lengths), f"doclens sum to {int(offsets[-1])} but {path} holds {arr.shape[0]} token rows; expected them to match")
     return _packed(path, tokens, offsets, None, None, path, os.fspath(lengths), "")
@@ -832,14 +878,27 @@ def _write(path, blocks, offsets: np.ndarray, ids, dim: int, source_dtype: str, 
             manifest["normalized"] = _write_tokens(
                 tmp, path, blocks(_rows(max_bytes, dim, *work())), offsets, dim, dtype, check_finite,
                 lambda rows: _rows(max_bytes, dim, *work(rows.flags.c_contiguous)))
-            np.save(os.path.join(tmp, fmt.OFFSETS), offsets.astype("<i8", copy=False))
+            with _new_member(tmp, fmt.OFFSETS, path) as f:
+                np.save(f, offsets.astype("<i8", copy=False))
             if ids is not None:
-                np.save(os.path.join(tmp, fmt.IDS), ids, allow_pickle=False)
-            with open(os.path.join(tmp, fmt.MANIFEST), "x", encoding="utf-8", newline="\n") as f:
-                f.write(_manifest_text(manifest))
-    except FileExistsError as e:  # what was at ``path`` when the shard was renamed there
+                with _new_member(tmp, fmt.IDS, path) as f:
+                    np.save(f, ids, allow_pickle=False)
+            with _new_member(tmp, fmt.MANIFEST, path) as f:
+                f.write(_manifest_text(manifest).encode("utf-8"))
+    except FileExistsError as e:  # what was at ``path`` when the shard was renamed there, or in ``tmp`` (_new_member)
         raise ShardError(path, _files.problem(e)) from None
     return _open_shard(path, max_bytes)
+
+
+def _new_member(tmp: str, name: str, path: str):
+    """File ``name`` of the shard being written in ``tmp``, open for writing, created exclusively: never
+    through a link, or over a file, that another process put in the temporary directory (a
+    FileExistsError naming the shard ``path`` says so)."""
+    try:
+        return open(os.path.join(tmp, name), "xb")
+    except FileExistsError:
+        raise FileExistsError(errno.EEXIST, f"{name} appeared in the shard's temporary directory while it was being "
+                                            "written (another process writes into it); nothing was written", path) from None
 
 
 def _manifest_text(manifest: dict) -> str:
@@ -861,7 +920,7 @@ def _write_tokens(tmp: str, path: str, blocks, offsets: np.ndarray, dim: int, dt
     with contextlib.ExitStack() as stack:
         out = []
         for name, stored, shape in files:
-            f = stack.enter_context(open(os.path.join(tmp, name), "xb"))
+            f = stack.enter_context(_new_member(tmp, name, path))
             np.lib.format.write_array_header_1_0(f, {"descr": np.lib.format.dtype_to_descr(stored),
                                                      "fortran_order": False, "shape": shape})
             _atomic.allocate(f, f.tell() + math.prod(shape) * stored.itemsize, path)

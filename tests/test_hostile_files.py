@@ -950,6 +950,46 @@ def test_colbertv2_and_pylate_layouts_read_what_fast_plaid_wrote(tmp_path):
         np.testing.assert_array_equal(other.centroids, fast.centroids)
 
 
+def test_a_chunk_of_its_own_file_is_never_taken_for_rows_of_the_merged_file(tmp_path, monkeypatch):
+    # Whether the chunks' rows were the merged file's from its first on was judged by their addresses:
+    # a chunk file whose mapping the system placed just past the merged file's last row was taken for
+    # more merged rows, and the codes came back as the merged file's rows alone, fewer than the
+    # doclens count (the GPU rerank, which trusts the index's offsets, would read past them). The
+    # rows' sources are tracked instead. Two mappings back to back are simulated here: the files
+    # come back as views of one buffer.
+    from lik_cupy import PlaidIndex, _plaid_files
+
+    cen, w, codes, bits, lens = fixture_arrays()
+    d = tmp_path / "x"
+    d.mkdir()
+    np.save(d / "centroids.npy", cen)
+    np.save(d / "bucket_weights.npy", w)
+    (d / "metadata.json").write_text(json.dumps({"nbits": 2, "num_chunks": 2}))
+    (d / "doclens.0.json").write_text(json.dumps(lens[:30]))
+    (d / "doclens.1.json").write_text(json.dumps(lens[30:]))
+    t0 = sum(lens[:30])
+    for suffix, rows in (("codes", codes), ("residuals", bits)):
+        np.save(d / f"merged_{suffix}.npy", rows[:t0])  # chunk 0, merged; chunk 1 not merged yet
+        np.save(d / f"1.{suffix}.npy", rows[t0:])
+    adjacent = {"codes": np.array(codes), "residuals": np.array(bits)}
+    real = _files.open_npy
+
+    def back_to_back(path):
+        name = os.path.basename(os.fspath(path))
+        for suffix, rows in adjacent.items():
+            if name == f"merged_{suffix}.npy":
+                return rows[:t0]
+            if name == f"1.{suffix}.npy":
+                return rows[t0:]
+        return real(path)
+
+    monkeypatch.setattr(_plaid_files._files, "open_npy", back_to_back)
+    idx = PlaidIndex.open(d)
+    assert idx.offsets[-1] == len(codes) == idx.codes.shape[0] == idx.residual_bits.shape[0]
+    np.testing.assert_array_equal(idx.codes, codes)
+    np.testing.assert_array_equal(idx.residual_bits, bits)
+
+
 # --------------------------------------------------------------------------- fuzz: shards and .npy inputs
 
 

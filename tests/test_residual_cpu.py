@@ -296,6 +296,31 @@ def test_index_rerank_holds_its_candidates_not_the_index(rng, monkeypatch):
     np.testing.assert_array_equal(a, ref_a)
 
 
+@pytest.mark.parametrize("dim, nbits", [(4, 2), (520, 1)])
+def test_an_index_of_a_dim_the_residual_kernels_refuse_is_not_copied_to_a_gpu(rng, monkeypatch, dim, nbits):
+    """An index a PLAID reader takes (dim * nbits a multiple of 8) whose dim the residual kernels do
+    not (a multiple of 8, at most 512): rerank on the GPU copied the whole compressed corpus to the
+    device (to_device too) and only then raised the kernel chooser's ValueError, without the hint
+    that the CPU path takes it. The dim is checked before anything is copied now. (No GPU is
+    needed: the check comes first.)"""
+    from lik_cupy._plaid_files import IndexArrays
+
+    cen, w = codec(rng, 4, dim, nbits)
+    codes, bits = tokens(rng, 6, 4, dim, nbits)
+    idx = lik_cupy.PlaidIndex(IndexArrays("fast-plaid", nbits, cen, w, codes, bits, np.array([0, 2, 6])))
+    monkeypatch.setattr(plaid, "use_gpu", lambda *a, **k: True)
+    monkeypatch.setattr(plaid, "gpu_available", lambda: True)
+    Q = rng.standard_normal((1, 3, dim)).astype(np.float32)
+    words = rf"the index has dim {dim}; the residual kernels need a multiple of 8 up to 512 \(backend='cpu' takes any dim\)"
+    with pytest.raises(ValueError, match=words):
+        idx.rerank(Q, [[1, 0]], backend="gpu")
+    with pytest.raises(ValueError, match=words):
+        idx.to_device()
+    assert idx._device == {}
+    monkeypatch.undo()
+    assert idx.rerank(Q, [[1, 0]], backend="cpu").shape == (1, 2)
+
+
 def test_unnormalized_and_empty(rng):
     dim, nbits = 16, 4
     cen, w = codec(rng, 5, dim, nbits)

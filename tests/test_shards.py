@@ -327,6 +327,73 @@ def test_a_model_name_the_reader_would_refuse_is_refused_before_writing(tmp_path
     assert shards.open_shard(s.path).manifest["model"] == model
 
 
+def test_pack_never_writes_through_a_link_planted_in_its_temporary(tmp_path, monkeypatch):
+    """offsets.npy and ids.npy were written with np.save(path), which follows a symbolic link that another
+    process (one that may write the temporary shard directory: a shared group under umask 002) put
+    there, and overwrote the file it points at; the shard was then committed and refused as leading
+    outside itself. Every file of a shard is created exclusively now (as tokens.npy always was): the
+    pack fails naming the shard, and the file outside is untouched."""
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me")
+    out = tmp_path / "out"
+    out.mkdir()
+    real = shards._write_tokens
+    for name in (fmt.OFFSETS, fmt.IDS, fmt.MANIFEST):
+        def planting(tmp, *args, name=name):
+            normalized = real(tmp, *args)
+            os.symlink(victim, os.path.join(tmp, name))
+            return normalized
+
+        monkeypatch.setattr(shards, "_write_tokens", planting)
+        docs = ragged(np.random.default_rng(12), [2, 3])
+        with pytest.raises(ShardError, match=f"{name} appeared in the shard's temporary directory"):
+            shards.write_shard(out / "s", np.concatenate(docs), offsets_of(docs), ids=["a", "b"])
+        assert victim.read_text() == "keep me" and listing(out) == [], name
+
+
+def _swapping_opens(monkeypatch, path, other, every: bool):
+    """Make the shard at ``other`` take ``path``'s place (and the one there ``other``'s), as lik pack
+    --force's exchange does, just after ``open_npy`` opens a tokens.npy: once, or ``every`` time."""
+    real, swaps = _files.open_npy, []
+
+    def opening(name):
+        arr = real(name)
+        if os.path.basename(os.fspath(name)) == fmt.TOKENS and (every or not swaps):
+            os.rename(path, f"{path}.aside")
+            os.rename(other, path)
+            os.rename(f"{path}.aside", other)
+            swaps.append(name)
+        return arr
+
+    monkeypatch.setattr(_files, "open_npy", opening)
+    return swaps
+
+
+def test_a_shard_replaced_while_it_is_opened_is_read_whole(tmp_path, monkeypatch):
+    """open_shard read the manifest, tokens, offsets and ids by path one after another: a shard that
+    ``lik pack --force`` replaced in between (an atomic exchange of the two directories) was read
+    as the old one's tokens with the new one's offsets and ids, a shard that never existed, scored
+    without a word where the counts agreed. The shard's directory is the same one before and after
+    its files are opened, or they are opened again."""
+    old, _ = write_example(tmp_path, "s", lengths=(2, 4), ids=["a", "b"], seed=1)
+    new, _ = write_example(tmp_path, "new", lengths=(4, 2), ids=["c", "d"], seed=2)
+    want = [np.array(new.tokens), np.array(new.offsets), np.array(new.ids)]
+    swaps = _swapping_opens(monkeypatch, old.path, new.path, every=False)
+    s = shards.open_shard(old.path)
+    assert len(swaps) == 1
+    for got, expected in zip([s.tokens, s.offsets, s.ids], want):
+        assert np.array_equal(np.asarray(got), expected)
+
+
+def test_a_shard_that_keeps_being_replaced_is_refused(tmp_path, monkeypatch):
+    old, _ = write_example(tmp_path, "s", lengths=(2, 4), seed=1)
+    new, _ = write_example(tmp_path, "new", lengths=(4, 2), seed=2)
+    swaps = _swapping_opens(monkeypatch, old.path, new.path, every=True)
+    with pytest.raises(ShardError, match="was replaced while it was being opened"):
+        shards.open_shard(old.path)
+    assert 1 < len(swaps) <= 8
+
+
 def test_write_rejects_bad_arguments(tmp_path):
     docs = ragged(np.random.default_rng(8), [2, 3])
     tokens, off = np.concatenate(docs), offsets_of(docs)
@@ -336,6 +403,9 @@ def test_write_rejects_bad_arguments(tmp_path):
         (dict(tokens=tokens, offsets=off[::-1]), "offsets: offsets\\[0\\] is 5"),
         (dict(tokens=tokens, offsets=np.array([0, 4, 3])), "not monotone"),
         (dict(tokens=tokens, offsets=np.array([0, 2, 4])), "end at 4 but there are 5"),
+        # (uint64 past int64: the value as given, not what it wraps to; it was "offsets[1] = -1")
+        (dict(tokens=tokens, offsets=np.array([0, 2**64 - 1, 5], np.uint64)),
+         "offsets: offsets\\[1\\] = 18446744073709551615 does not fit int64"),
         (dict(tokens=tokens, offsets=off, ids=[1, 2, 3]), "ids: expected 2 ids"),
         (dict(tokens=tokens, offsets=off, ids=["a", "b\tc"]), "tab or line break"),
         (dict(tokens=tokens, offsets=off, ids=[1.5, 2.5]), "ids must be int64 or fixed-width strings"),
@@ -456,6 +526,8 @@ def test_open_input_rejects(tmp_path):
     np.save(tmp_path / "lens_neg.npy", np.array([1, -1, 2]))
     np.save(tmp_path / "lens_2.npy", np.array([1, 2]))
     np.save(tmp_path / "lens_f.npy", np.array([1.0, 2.0, 3.0]))
+    np.save(tmp_path / "lens_wrap.npy", np.array([2**63 - 1, 2**63 - 1, 2, 6], np.uint64))  # wraps to 6 == T
+    np.save(tmp_path / "lens_neg_sum.npy", np.array([2**62, 2**62, 6], np.uint64))  # wraps below 0
     (tmp_path / "lens_str.json").write_text('[1, "2", 3]')
     (tmp_path / "lens_bad.json").write_text("[1, 2")
     (tmp_path / "doclens.json").write_text("[1, 2, 2]")
@@ -467,6 +539,9 @@ def test_open_input_rejects(tmp_path):
         ((t / "four.npy",), t / "four.npy", "expected a padded [N, L, d] array"),
         ((t / "flat.npy",), t / "flat.npy", "need per-document token counts"),
         ((t / "flat.npy", t / "doclens.json"), t / "doclens.json", "doclens sum to 5 but"),
+        # (a sum past int64 said "offsets are not monotone", or "doclens sum to -9223372036854775802")
+        ((t / "flat.npy", t / "lens_wrap.npy"), t / "lens_wrap.npy", "doclens add up to 2**63 tokens or more"),
+        ((t / "flat.npy", t / "lens_neg_sum.npy"), t / "lens_neg_sum.npy", "doclens add up to 2**63 tokens or more"),
         ((t / "big.npy",), t / "big.npy", "big-endian"),
         ((t / "f64.npy",), t / "f64.npy", "unsupported dtype float64"),
         ((t / "u16.npy",), t / "u16.npy", "--bf16-bits"),
