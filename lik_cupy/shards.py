@@ -1008,8 +1008,9 @@ def _replaceable_shard(path: str) -> str | None:
     """None if ``path`` is a lik shard that ``overwrite`` may replace, else why not.
 
     A shard is replaced whole, so it may hold nothing but its own files: its manifest and
-    the files the manifest names. Anything else in the directory (notes, another
-    program's data, a subdirectory) makes it not a shard to replace.
+    the files the manifest names, under the names lik writes them with. Anything else in the
+    directory (notes, another program's data, a subdirectory), or a manifest naming one of its
+    files otherwise (it could claim a file that is not the shard's), makes it not a shard to replace.
     """
     refusing = "refusing to replace it (overwrite / lik pack --force replaces a lik shard, never anything else)"
     if os.path.islink(path) or not os.path.isdir(path):
@@ -1019,7 +1020,13 @@ def _replaceable_shard(path: str) -> str | None:
         entries = os.listdir(path)
     except (ShardError, OSError):
         return f"exists and is not a lik shard (no readable manifest.json); {refusing}"
-    own = {fmt.MANIFEST} | {name for key, name in m["files"].items() if key in ("tokens", "offsets", "ids", "scales")}
+    written = {"tokens": fmt.TOKENS, "offsets": fmt.OFFSETS, "ids": fmt.IDS, "scales": fmt.SCALES}
+    renamed = sorted(f"{key} as {name}" for key, name in m["files"].items()
+                     if key in written and os.path.normpath(name) != written[key])
+    if renamed:
+        return (f"is a shard whose manifest names its files otherwise than lik writes them ({', '.join(renamed)}); "
+                f"{refusing}")
+    own = {fmt.MANIFEST} | {written[key] for key in m["files"] if key in written}
     others = sorted(n for n in entries if n not in own or os.path.isdir(os.path.join(path, n))
                     and not os.path.islink(os.path.join(path, n)))
     if others:

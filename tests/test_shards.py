@@ -286,6 +286,22 @@ def test_overwrite_replaces_only_a_shard(tmp_path):
     assert (tmp_path / "precious" / "data.txt").read_text() == "keep me"
 
 
+def test_overwrite_never_takes_a_file_a_manifest_claims_under_another_name(tmp_path):
+    """A manifest may name any file of its directory, but a shard lik wrote has its files' own names:
+    a crafted one claiming a user's file (here as its ids) does not make --force delete it."""
+    docs = ragged(np.random.default_rng(3), [2, 3])
+    path = tmp_path / "s"
+    shards.write_shard(path, np.concatenate(docs), offsets_of(docs), ids=np.array([5, 6]))
+    (path / "notes.txt").write_text("keep me")
+    m = json.loads((path / "manifest.json").read_text())
+    (path / m["files"]["ids"]).unlink()
+    m["files"]["ids"] = "notes.txt"
+    (path / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(ShardError, match="notes.txt"):
+        shards.write_shard(path, np.concatenate(docs), offsets_of(docs), overwrite=True)
+    assert (path / "notes.txt").read_text() == "keep me"
+
+
 def test_failed_write_leaves_nothing(tmp_path):
     docs = ragged(np.random.default_rng(7), [2, 3])
     tokens = np.concatenate(docs)
