@@ -1,11 +1,12 @@
 """``lik_cupy.torch``'s machinery: the ``torch.autograd.Function`` eager calls apply, the
-``torch.library`` operators (``lik_cupy::maxsim``, ``maxsim_varlen``, ``maxsim_backward``, and the twins
-without autograd that torch.compile's graphs call) registered when this module is imported, and the
-zero-vector padding forms with gradients that ``lik_cupy.integrations`` call. ``lik_cupy.torch``'s
-docstring says why eager calls skip the dispatcher and how tracing and CUDA graphs take the calls."""
+``torch.library`` operators (``lik_cupy::maxsim``, ``maxsim_varlen``, ``maxsim_backward``) registered
+when this module is imported, and the zero-vector padding forms with gradients that
+``lik_cupy.integrations`` call. ``lik_cupy.torch``'s docstring says why eager calls skip the
+dispatcher and how tracing and CUDA graphs take the calls."""
 
 from __future__ import annotations
 
+import functools
 import numbers
 
 import torch
@@ -287,26 +288,14 @@ def _backward_kernels(g, Q, D, argmax, d_offsets, method):
 
 # ---------------------------------------------------------------- the operators (torch.compile, torch.export)
 
-# Each operator twice: NAME, with its autograd formula, and NAME_no_autograd, its twin: the same
-# implementations and fake, and a fallthrough at the Autograd key. While torch.compile compiles, NAME's
-# autograd kernel runs the twin below autograd, so the forward and backward graphs that AOTAutograd traces,
-# and that a compiled step runs, call the twins: the dispatcher takes each call straight to the
-# implementation. With NAME in those graphs, every call had first gone through its Python autograd kernel
-# and the redispatch that kernel makes from Python (bench/tools/torch_op_overhead.py --compile). Every
-# other trace records NAME: dynamo's graph, torch.export (its decompositions too), torch.jit.trace, make_fx.
 _lib = torch.library.Library("lik_cupy", "DEF")
 _TAGS = (torch.Tag.pt2_compliant_tag,)
-_SCHEMAS = {
-    "maxsim": "(Tensor Q, Tensor D, Tensor? q_mask, Tensor? d_mask, Tensor? q_lengths, Tensor? d_lengths, str method, "
-              "bool return_argmax, str? precision) -> (Tensor, Tensor)",
-    "maxsim_varlen": "(Tensor Q, Tensor D_tokens, Tensor d_offsets, Tensor? q_mask, Tensor? q_lengths, str method, "
-                     "bool return_argmax, str? precision) -> (Tensor, Tensor)",
-    "maxsim_backward": "(Tensor grad_scores, Tensor Q, Tensor D, Tensor argmax, Tensor? d_offsets, str method) "
-                       "-> (Tensor, Tensor)",
-}
-for _name, _schema in _SCHEMAS.items():
-    _lib.define(_name + _schema, tags=_TAGS)
-    _lib.define(f"{_name}_no_autograd" + _schema, tags=_TAGS)
+_lib.define("maxsim(Tensor Q, Tensor D, Tensor? q_mask, Tensor? d_mask, Tensor? q_lengths, Tensor? d_lengths, "
+            "str method, bool return_argmax, str? precision) -> (Tensor, Tensor)", tags=_TAGS)
+_lib.define("maxsim_varlen(Tensor Q, Tensor D_tokens, Tensor d_offsets, Tensor? q_mask, Tensor? q_lengths, "
+            "str method, bool return_argmax, str? precision) -> (Tensor, Tensor)", tags=_TAGS)
+_lib.define("maxsim_backward(Tensor grad_scores, Tensor Q, Tensor D, Tensor argmax, Tensor? d_offsets, str method) "
+            "-> (Tensor, Tensor)", tags=_TAGS)
 
 
 def no_argmax(scores):
@@ -333,6 +322,12 @@ def _maxsim_backward_op(grad_scores, Q, D, argmax, d_offsets, method):
     return _backward_kernels(grad_scores, Q, D, argmax, d_offsets, method)
 
 
+for _name, _impl in (("maxsim", _maxsim_op), ("maxsim_varlen", _maxsim_varlen_op),
+                     ("maxsim_backward", _maxsim_backward_op)):
+    for _key in ("CPU", "CUDA"):
+        _lib.impl(_name, _impl, _key)
+
+
 def fake_outputs(Q, p, method, return_argmax, precision):
     """The forward's outputs as ``lik_cupy.maxsim`` shapes them: float32 scores (float64 for
     float64 inputs) of ``p.scores_shape``, int32 argmax of ``p.argmax_shape``."""
@@ -343,95 +338,46 @@ def fake_outputs(Q, p, method, return_argmax, precision):
     return scores, (Q.new_empty(p.argmax_shape, dtype=torch.int32) if return_argmax else no_argmax(scores))
 
 
+@torch.library.register_fake("lik_cupy::maxsim", lib=_lib)
 def _maxsim_fake(Q, D, q_mask, d_mask, q_lengths, d_lengths, method, return_argmax, precision):
     p = check_call(Q, D, q_mask, d_mask, q_lengths, d_lengths, pairs=False)
     return fake_outputs(Q, p, method, return_argmax, precision)
 
 
+@torch.library.register_fake("lik_cupy::maxsim_varlen", lib=_lib)
 def _maxsim_varlen_fake(Q, D_tokens, d_offsets, q_mask, q_lengths, method, return_argmax, precision):
     p = check_varlen(Q, D_tokens, d_offsets, q_mask, q_lengths, None)
     return fake_outputs(Q, p, method, return_argmax, precision)
 
 
+@torch.library.register_fake("lik_cupy::maxsim_backward", lib=_lib)
 def _maxsim_backward_fake(grad_scores, Q, D, argmax, d_offsets, method):
     check_method(method)
     check_backward(grad_scores, Q, D, argmax, d_offsets)
     return Q.new_empty(Q.shape), D.new_empty(D.shape)
 
 
-class _ForwardFormula(torch.autograd.Function):
-    """The autograd formula of ``lik_cupy::maxsim`` and ``maxsim_varlen``: applied to the operator's
-    arguments, then whether its documents are packed (its third argument their offsets) and the operator
-    to run below autograd (``_autograd_kernel``); the gradients by ``lik_cupy::maxsim_backward``."""
-
-    @staticmethod
-    def forward(ctx, Q, D, *args):
-        *args, packed, below = args
-        with torch._C._AutoDispatchBelowAutograd():
-            scores, amax = below(Q, D, *args)
-        # Both forwards end in (method, return_argmax, precision)
-        ctx.save_for_backward(Q, D, amax, args[0] if packed else None)
-        ctx.method, ctx.kept_argmax = args[-3], args[-2]
-        ctx.mark_non_differentiable(amax)
-        return scores, amax
-
-    @staticmethod
-    def backward(ctx, g, _g_amax):
-        if not ctx.kept_argmax:
-            raise RuntimeError("the gradient of lik_cupy's MaxSim operator needs its argmax: call it with "
-                               "return_argmax=True (lik_cupy.torch does whenever a gradient is needed)")
-        Q, D, amax, d_offsets = ctx.saved_tensors
-        grads = _grads(ctx, g, Q, D, amax, d_offsets, torch.ops.lik_cupy.maxsim_backward.default)
-        return grads + (None,) * (len(ctx.needs_input_grad) - 2)
+def _setup_context(ctx, inputs, output, *, packed: bool):
+    # Both forwards end in (method, return_argmax, precision); maxsim_varlen's third input is d_offsets.
+    Q, D, *_, method, kept_argmax, _precision = inputs
+    ctx.save_for_backward(Q, D, output[1], inputs[2] if packed else None)
+    ctx.method, ctx.kept_argmax, ctx.n_inputs = method, kept_argmax, len(inputs)
 
 
-class _BackwardFormula(torch.autograd.Function):
-    """``lik_cupy::maxsim_backward``'s autograd formula: applied to the operator's arguments, then the
-    operator to run below autograd; no second derivative."""
-
-    @staticmethod
-    def forward(ctx, *args):
-        *args, below = args
-        with torch._C._AutoDispatchBelowAutograd():
-            return below(*args)
-
-    backward = staticmethod(no_second_derivative("lik_cupy::maxsim_backward"))
+def _op_backward(ctx, g, _g_amax):
+    if not ctx.kept_argmax:
+        raise RuntimeError("the gradient of lik_cupy's MaxSim operator needs its argmax: call it with "
+                           "return_argmax=True (lik_cupy.torch does whenever a gradient is needed)")
+    Q, D, amax, d_offsets = ctx.saved_tensors
+    grads = _grads(ctx, g, Q, D, amax, d_offsets, torch.ops.lik_cupy.maxsim_backward.default)
+    return grads + (None,) * (ctx.n_inputs - 2)
 
 
-def compiling() -> bool:
-    """Whether torch.compile is compiling (dynamo tracing, then AOTAutograd tracing its graphs), not
-    torch.export (whose programs, decomposed too, keep the operators with their autograd formulas)."""
-    return torch.compiler.is_compiling() and not torch.compiler.is_exporting()
+for _name, _packed in (("maxsim", False), ("maxsim_varlen", True)):
+    torch.library.register_autograd(f"lik_cupy::{_name}", _op_backward,
+                                    setup_context=functools.partial(_setup_context, packed=_packed), lib=_lib)
 
 
-def _autograd_kernel(name: str, formula):
-    """``lik_cupy::<name>``'s autograd kernel: ``formula`` where a gradient is needed, else the operator
-    below autograd (as ``torch.library.register_autograd``'s kernel does). Below autograd it runs its twin
-    while torch.compile compiles, so that the compiled graphs call the twin, and itself otherwise, so that
-    the other graphs traced below autograd (make_fx's, an exported program's decompositions) keep an
-    operator that autograd differentiates when they are run."""
-    op = getattr(torch.ops.lik_cupy, name).default
-    twin = getattr(torch.ops.lik_cupy, f"{name}_no_autograd").default
-    packed = () if formula is _BackwardFormula else (name == "maxsim_varlen",)
-
-    def kernel(*args):
-        below = twin if compiling() else op
-        if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
-            return formula.apply(*args, *packed, below)
-        with torch._C._AutoDispatchBelowAutograd():
-            return below(*args)
-
-    return kernel
-
-
-for _name, _impl, _fake, _formula in (("maxsim", _maxsim_op, _maxsim_fake, _ForwardFormula),
-                                      ("maxsim_varlen", _maxsim_varlen_op, _maxsim_varlen_fake, _ForwardFormula),
-                                      ("maxsim_backward", _maxsim_backward_op, _maxsim_backward_fake,
-                                       _BackwardFormula)):
-    for _op in (_name, f"{_name}_no_autograd"):
-        for _key in ("CPU", "CUDA"):
-            _lib.impl(_op, _impl, _key)
-        torch.library.register_fake(f"lik_cupy::{_op}", _fake, lib=_lib)
-    _lib.impl(_name, _autograd_kernel(_name, _formula), "Autograd")
-    _lib.impl(f"{_name}_no_autograd", torch.library.fallthrough_kernel, "Autograd")
-del _name, _schema, _impl, _fake, _formula, _op, _key
+torch.library.register_autograd("lik_cupy::maxsim_backward", no_second_derivative("lik_cupy::maxsim_backward"),
+                                setup_context=lambda ctx, inputs, output: None, lib=_lib)
+del _name, _impl, _key, _packed

@@ -10,22 +10,15 @@ backward is ``lik_cupy.maxsim_backward``. CPU tensors are scored on the CPU (the
 (their shapes are the ones ``lik_cupy._validate`` gives the call) and the forward's autograd
 formula. While ``torch.compile`` (or ``torch.export``, or ``torch.jit.trace``) traces, and for tensor
 subclasses such as fake tensors, the two functions call these operators, so a training step compiles with
-``fullgraph=True``, backward included, without a graph break. Each operator has a twin without autograd
-(``maxsim_no_autograd``, ``maxsim_varlen_no_autograd``, ``maxsim_backward_no_autograd``: the same
-implementations, a fallthrough at the Autograd key): while ``torch.compile`` compiles, an operator's
-autograd kernel runs its twin, so the forward and backward graphs of a compiled step call the twins and
-each call goes from the dispatcher straight to lik_cupy (the operators' Python autograd kernel had cost
-each call 3-4 us on a CPU: ``bench/tools/torch_op_overhead.py --compile``). Every other trace records the
-operators themselves, which autograd differentiates: ``torch.export``'s programs (decomposed too),
-``torch.jit.trace``, ``make_fx``. ``method``, ``precision`` and ``return_argmax`` are operator
-arguments; lengths and offsets given as Python ints or lists become tensors (pass tensors when they
-change from step to step, or each new list is a guard to recompile). An eager call skips the
-dispatcher: it applies a ``torch.autograd.Function`` straight over ``lik_cupy.maxsim`` (or calls
-``lik_cupy.maxsim`` alone when no gradient is needed), because each of the registered forms
-(``torch.library.custom_op``, ``Library.define``/``impl`` with ``register_autograd`` or with an
-``autograd.Function`` at the Autograd key) adds 13 to 22 us of host time to an eager call, where the
-autograd.Function adds under one and this module's whole eager wrapper about two
-(``bench/tools/torch_op_overhead.py``).
+``fullgraph=True``, backward included, without a graph break. ``method``, ``precision`` and
+``return_argmax`` are operator arguments; lengths and offsets given as Python ints or lists
+become tensors (pass tensors when they change from step to step, or each new list is a guard
+to recompile). An eager call skips the dispatcher: it applies a ``torch.autograd.Function``
+straight over ``lik_cupy.maxsim`` (or calls ``lik_cupy.maxsim`` alone when no gradient is
+needed), because each of the registered forms (``torch.library.custom_op``,
+``Library.define``/``impl`` with ``register_autograd`` or with an ``autograd.Function`` at the
+Autograd key) adds 13 to 22 us of host time to an eager call, where the autograd.Function adds
+under one and this module's whole eager wrapper about two (``bench/tools/torch_op_overhead.py``).
 
 ``torch.func``: ``grad``, ``vmap``, ``vmap`` of ``grad`` (per-sample gradients) and ``jacrev`` take
 eager calls of the three functions through autograd.Functions whose ``vmap`` rules make one call
@@ -42,7 +35,7 @@ the capture (the first call compiles its kernels). The pass that makes the score
 device lengths and offsets NaN is captured too and reads each replay's values; strict checks
 (``validate=True``) are skipped inside a capture (they need a host read), and the kernels clamp
 those values, so bad ones never read outside the inputs. Under ``torch.compile(mode="reduce-overhead")``
-inductor's CUDA graphs take both operators' twins (none is tagged cudagraph-unsafe, and their fake
+inductor's CUDA graphs take both operators (none is tagged cudagraph-unsafe, and their fake
 implementations give static shapes): once warmed up and recorded, a replay runs none of
 lik_cupy's Python. ``maxsim_from_hidden``'s operator is ``torch.ops.lik_cupy.maxsim_from_hidden``
 (``lik_cupy/_torch_hidden.py``); eager calls take an autograd.Function over the same implementation.
@@ -80,8 +73,7 @@ def maxsim(Q, D, q_mask=None, d_mask=None, *, q_lengths=None, d_lengths=None, me
     ("auto", "atomic" or "csr", see :func:`lik_cupy.maxsim_backward`). ``precision`` as in
     :func:`lik_cupy.maxsim` (None follows ``torch.backends.cuda.matmul``). Masks and lengths take
     no gradient. Returns float32 scores (float64 for float64 tensors) and, if asked, the int32
-    argmax. Under ``torch.compile`` the call is the operator ``torch.ops.lik_cupy.maxsim`` (the compiled
-    graphs call its twin ``maxsim_no_autograd``).
+    argmax. Under ``torch.compile`` the call is the operator ``torch.ops.lik_cupy.maxsim``.
     """
     _check_tensors(Q=Q, D=D)
     _check_method(method)
@@ -107,8 +99,7 @@ def maxsim_varlen(Q, D_tokens, d_offsets, q_mask=None, *, q_lengths=None, method
                   precision=None):
     """``lik_cupy.maxsim_varlen`` (packed documents ``D_tokens [T, d]`` with ``d_offsets``)
     with gradients for Q and D_tokens. Padded queries only (``q_mask`` / ``q_lengths``).
-    Under ``torch.compile`` the call is the operator ``torch.ops.lik_cupy.maxsim_varlen`` (the compiled graphs
-    call its twin ``maxsim_varlen_no_autograd``)."""
+    Under ``torch.compile`` the call is the operator ``torch.ops.lik_cupy.maxsim_varlen``."""
     _check_tensors(Q=Q, D_tokens=D_tokens)
     _check_method(method)
     return_argmax = _check_flag("return_argmax", return_argmax)

@@ -57,11 +57,6 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # before jax is imported: CuPy needs its room
-# Before torch is imported: its FX-graph and AOTAutograd caches key a compiled step by dynamo's graph, which
-# names lik_cupy's operators, not what they run below autograd, so they could serve another checkout's
-# graphs (a run of one tree timing the other's). Triton's kernels stay cached (keyed by their source).
-os.environ.setdefault("TORCHINDUCTOR_FX_GRAPH_CACHE", "0")
-os.environ.setdefault("TORCHINDUCTOR_AUTOGRAD_CACHE", "0")
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: bench.lib, and this checkout's lik_cupy
 from bench.lib import baselines  # noqa: E402
 from bench.lib.forcing import environment  # noqa: E402

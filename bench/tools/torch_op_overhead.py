@@ -27,30 +27,16 @@ the bottleneck (back-to-back calls, one synchronisation per round): ``lik_cupy.m
 ``lik_cupy.torch.maxsim`` and ``torch.ops.lik_cupy.maxsim``, what a serving call (and a training
 step) pays on the host in total.
 
-``--compile`` times the compiled path instead, on the CPU, median of the rounds: lik_cupy's operators
-called alone (each public operator, which has an autograd kernel, its ``_no_autograd`` twin, which the
-graphs of ``torch.compile`` call, and the implementation without the dispatcher), and a training step
-(``F.cross_entropy(lik_cupy.torch.maxsim(Q, D) / 0.05, arange)``, backward included) eager and under
-``torch.compile(fullgraph=True)`` (inductor, default mode), its graphs calling the twins, and the same graphs
-with the public operators put back by a post-grad pass (the graphs of ``torch.compile`` before the twins). Each
-with two payloads: lik_cupy's NumPy path (what these CPU tensors run), and the GPU's repeat path: a stand-in
-prepared call, stored under the CPU tensors' signature, that only allocates the outputs, so that a call runs
-on the host what a repeat call on a GPU runs but its launches (``lik_cupy._runtime.prepared_calls``).
-A round is ``--calls / 20`` operator calls or ``--calls / 100`` steps. inductor's and AOTAutograd's caches
-are off, so each run compiles this tree's graphs.
-
-    python bench/tools/torch_op_overhead.py [--calls 20000] [--rounds 7] [--cuda | --compile]
+    python bench/tools/torch_op_overhead.py [--calls 20000] [--rounds 7] [--cuda]
 """
 
 import argparse
-import statistics
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: this checkout's lik_cupy
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 
 import lik_cupy._torch_autograd as lik_autograd  # noqa: E402
 import lik_cupy.torch as lik_torch  # noqa: E402
@@ -173,22 +159,22 @@ def build(lib):
     }
 
 
-def best_us(fns: dict, calls: int, rounds: int, sync=lambda: None, pick=min) -> dict:
-    """Per-call microseconds of each function, ``pick`` (the best, or the median) of ``rounds``, the
-    functions taking turns (``sync()`` ends each timed loop)."""
+def best_us(fns: dict, calls: int, rounds: int, sync=lambda: None) -> dict:
+    """Per-call microseconds of each function, the best of ``rounds``, the functions taking turns
+    (``sync()`` ends each timed loop)."""
     for fn in fns.values():
         for _ in range(min(calls, 500)):
             fn()
     sync()
-    times = {name: [] for name in fns}
+    best = dict.fromkeys(fns, float("inf"))
     for _ in range(rounds):
         for name, fn in fns.items():
             t0 = time.perf_counter()
             for _ in range(calls):
                 fn()
             sync()
-            times[name].append((time.perf_counter() - t0) / calls * 1e6)
-    return {name: pick(t) for name, t in times.items()}
+            best[name] = min(best[name], (time.perf_counter() - t0) / calls * 1e6)
+    return best
 
 
 def cuda_table(calls: int, rounds: int) -> None:
@@ -215,147 +201,13 @@ def cuda_table(calls: int, rounds: int) -> None:
         print(f"{name:34s} {call[name]:10.2f} {step.get(name, float('nan')):10.2f}")
 
 
-# ---------------------------------------------------------------- --compile: the compiled path
-
-CN, CLQ, CLD, CDIM = 4, 8, 8, 16  # the compiled step's in-batch problem: Q [CN, CLQ, CDIM], D [CN, CLD, CDIM]
-
-
-class _StandIn:
-    """A prepared call (``lik_cupy._runtime.prepared_calls``) that only allocates its outputs (zeroed: nothing
-    uninitialised reaches the loss)."""
-
-    def __init__(self, outputs):
-        self.outputs = outputs
-
-    @staticmethod
-    def current():
-        return True
-
-    def __call__(self, *args):
-        return self.outputs(*args)
-
-
-def stand_ins(Q, D) -> None:
-    """Stand-ins stored under the signatures of the forward (``return_argmax=True``) and the backward of CPU
-    tensors shaped as Q and D, as ``lik_cupy.torch`` and the operators make them."""
-    from lik_cupy._maxsim_calls import maxsim_key
-    from lik_cupy._runtime import prepared_calls
-
-    scores_shape, argmax_shape = (Q.shape[0], D.shape[0]), (Q.shape[0], D.shape[0], Q.shape[1])
-    fwd = _StandIn(lambda Q, *rest: (Q.new_zeros(scores_shape), Q.new_zeros(argmax_shape, dtype=torch.int32)))
-    bwd = _StandIn(lambda g, Q, D, *rest: (torch.zeros_like(Q), torch.zeros_like(D)))
-    prepared_calls.store(maxsim_key(Q, D, None, None, None, None, True, "cpu", None, None), fwd)
-    g, amax = Q.new_zeros(scores_shape), Q.new_zeros(argmax_shape, dtype=torch.int32)
-    prepared_calls.store(prepared_calls.call_key("backward", (False, "auto", "cpu"), g, (Q, D, amax, None),
-                                                 precision=False), bwd)
-
-
-def _numpy_ran(*args, **kwargs):
-    raise RuntimeError("the NumPy path ran beside the stand-ins: a call's signature differs from theirs")
-
-
-def _public_operators_back():
-    """An inductor post-grad pass that puts the public operators back where the graphs call the twins."""
-    from torch._inductor.custom_graph_pass import CustomGraphPass
-
-    ops = torch.ops.lik_cupy
-    back = {getattr(ops, f"{n}_no_autograd").default: getattr(ops, n).default
-            for n in ("maxsim", "maxsim_varlen", "maxsim_backward")}
-
-    class PublicOperators(CustomGraphPass):
-        def __call__(self, graph):
-            for node in graph.nodes:
-                if node.op == "call_function" and node.target in back:
-                    node.target = back[node.target]
-
-        def uuid(self):
-            return "lik_cupy public operators back"
-
-    return PublicOperators()
-
-
-def _payloads(fns: dict, Q, D, calls: int, rounds: int) -> dict:
-    """``{name: (NumPy us, repeat path us)}``: each function timed (median of the rounds) with lik_cupy's NumPy
-    path, then with the stand-ins, the NumPy path made to raise."""
-    from lik_cupy import _cpu
-    from lik_cupy._runtime import prepared_calls
-
-    numpy = best_us(fns, calls, rounds, pick=statistics.median)
-    stand_ins(Q, D)
-    saved = _cpu.maxsim_numpy, _cpu.maxsim_backward_numpy
-    _cpu.maxsim_numpy = _cpu.maxsim_backward_numpy = _numpy_ran
-    try:
-        repeat = best_us(fns, calls, rounds, pick=statistics.median)
-    finally:
-        _cpu.maxsim_numpy, _cpu.maxsim_backward_numpy = saved
-        prepared_calls.clear()
-    return {name: (numpy[name], repeat[name]) for name in fns}
-
-
-def operator_rows(calls: int, rounds: int) -> dict:
-    """Each operator called alone on CPU tensors that need no gradient (the forward with its argmax)."""
-    Q, D = torch.randn(CN, CLQ, CDIM), torch.randn(CN, CLD, CDIM)
-    fwd_args = (Q, D, None, None, None, None, "auto", True, None)
-    scores, amax = lik_autograd._maxsim_op(*fwd_args)
-    bwd_args = (torch.ones_like(scores), Q, D, amax, None, "auto")
-    ops = torch.ops.lik_cupy
-    fns = {}
-    for name, args, impl in (("maxsim", fwd_args, lik_autograd._maxsim_op),
-                             ("maxsim_backward", bwd_args, lik_autograd._maxsim_backward_op)):
-        public, twin = getattr(ops, name).default, getattr(ops, f"{name}_no_autograd").default
-        fns[f"lik_cupy::{name} (autograd kernel)"] = lambda op=public, a=args: op(*a)
-        fns[f"lik_cupy::{name}_no_autograd"] = lambda op=twin, a=args: op(*a)
-        fns[f"{name}: implementation alone"] = lambda f=impl, a=args: f(*a)
-    return _payloads(fns, Q, D, calls, rounds)
-
-
-def step_rows(steps: int, rounds: int) -> dict:
-    """The training step, eager and compiled (the graphs calling the twins, or the public operators)."""
-    # (they key a step by dynamo's graph, which names the public operators: another checkout's could be served)
-    torch._inductor.config.fx_graph_cache = False
-    torch._functorch.config.enable_autograd_cache = False
-    Q = torch.randn(CN, CLQ, CDIM, requires_grad=True)
-    D = torch.randn(CN, CLD, CDIM, requires_grad=True)
-    labels = torch.arange(CN)
-
-    def loss(Q, D):
-        return F.cross_entropy(lik_torch.maxsim(Q, D) / 0.05, labels)
-
-    fns = {"eager": loss,
-           "compiled: graphs call the twins": torch.compile(loss, fullgraph=True),
-           "compiled: graphs call the public operators": torch.compile(
-               loss, fullgraph=True, options={"post_grad_custom_post_pass": _public_operators_back()})}
-
-    def step(fn):
-        Q.grad = D.grad = None
-        fn(Q, D).backward()
-
-    return _payloads({name: (lambda f=fn: step(f)) for name, fn in fns.items()}, Q, D, steps, rounds)
-
-
-def compile_tables(calls: int, rounds: int) -> None:
-    ops = operator_rows(calls // 20, rounds)
-    steps = step_rows(calls // 100, rounds)
-    print(f"torch {torch.__version__}, CPU, Q [{CN}, {CLQ}, {CDIM}], D [{CN}, {CLD}, {CDIM}] float32; "
-          f"microseconds, median of {rounds} rounds; payload: lik_cupy's NumPy path, or the GPU's repeat path "
-          "with its prepared call a stand-in that allocates the outputs")
-    for title, rows, n in (("operator call", ops, calls // 20), ("training step", steps, calls // 100)):
-        print(f"\n{title + f' ({n} a round)':52s} {'NumPy':>9s} {'repeat path':>12s}")
-        for name, (numpy, repeat) in rows.items():
-            print(f"{name:52s} {numpy:9.2f} {repeat:12.2f}")
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--calls", type=int, default=20000)
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--cuda", action="store_true", help="also time lik_cupy's real calls on the GPU")
-    ap.add_argument("--compile", action="store_true", help="time the compiled path instead (CPU)")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    if args.compile:
-        compile_tables(args.calls, args.rounds)
-        return
     lib = torch.library.Library(_NS, "DEF")
     styles = build(lib)
     Q, D = torch.randn(NQ, LQ, DIM), torch.randn(ND, LQ, DIM)
