@@ -1669,6 +1669,74 @@ def test_request_bytes_are_held_against_the_servers_budget():
     assert svc.held == 1550  # what the refused request held is given back
 
 
+def _wide_corpus(nd: int = 2000) -> lik_cupy.Corpus:
+    """``nd`` one-token documents: a score answers 4 * nd bytes a query of 64 bytes (float32, DIM)."""
+    tokens = np.random.default_rng(49).standard_normal((nd, DIM)).astype(np.float32)
+    return lik_cupy.Corpus(tokens, d_offsets=np.arange(nd + 1), device="cpu")
+
+
+def test_a_request_that_alone_takes_more_than_the_budget_is_413_never_503():
+    """A request whose outputs, with what it holds already (its body, what reading it takes), are
+    more than the server's whole budget of request bytes was refused 503 with Retry-After, which no
+    retry could pass: 64,000 bytes of scores against a budget of 64,000 (make_app's max_body_bytes
+    4,000); with lik serve's defaults, a score of up to 1 GiB of outputs (MAX_OUTPUT, the budget) and
+    its body. It is refused 413, as a request whose reading alone takes more; a request that fits
+    is answered."""
+    from lik_cupy.serving.http import make_app
+
+    corpus = _wide_corpus()
+    app = make_app(lambda observer: Batcher(corpus, observer=observer), max_body_bytes=4000)
+    svc = app.state.service
+    per_query = 4 * len(corpus)
+    assert svc.max_held == 8 * per_query  # (8 queries' scores are the whole budget)
+
+    async def answer(protocol, transport, state, nq):
+        body, length = _binary_body([("Q", np.ones((nq, 1, DIM), np.float32), "FP32")])
+        n = len(transport.writes)
+        protocol.data_received(b"POST /v2/models/score/infer HTTP/1.1\r\nHost: lik\r\nContent-Length: %d\r\n"
+                               b"Inference-Header-Content-Length: %s\r\n\r\n%s" % (len(body), length.encode(), body))
+        await asyncio.gather(*list(state.tasks))
+        head, _, text = b"".join(transport.writes[n:]).partition(b"\r\n\r\n")
+        return int(head.split()[1]), head.lower(), text
+
+    async def main():
+        svc.start()
+        while not svc.ready:
+            assert svc.failure is None
+            await asyncio.sleep(0.01)
+        connection = _connected(app)
+        return [await answer(*connection, nq) for nq in (7, 8, 9)]
+
+    try:
+        (ok, _, _), *refused = asyncio.run(main())
+    finally:
+        svc.stop()
+    assert ok == 200
+    for status, head, text in refused:  # 8: its scores and its body; 9: its scores alone
+        assert status == 413 and b"retry-after" not in head, (status, head, text)
+        assert re.search(r"outputs take \d+ bytes and the request itself \d+: over the 64000 that the server "
+                         r"holds for all its requests", json.loads(text)["error"]), text
+    assert svc.held == 0
+
+
+def test_what_a_request_holds_already_counts_towards_its_413():
+    """Reading a request past what the server holds for all its requests is a 413; it was a 503 with
+    Retry-After where each hold was under the budget but the request's holds together were not."""
+    from lik_cupy.serving import _service
+
+    svc = _service.Service(load=None, max_body_bytes=100)
+    held = _service.Held(svc)
+    held.add(svc.max_held - 100)
+    with pytest.raises(_service.Refused, match=r"reading the request takes about 200 bytes .* over the 1600 that the "
+                                               r"server holds for all its requests; send it binary") as e:
+        held.reading("send it binary")(200)
+    assert e.value.status == 413 and not e.value.retry
+    held.reading("send it binary")(100)  # (what fits is held)
+    assert svc.held == held.n == svc.max_held
+    held.release()
+    assert svc.held == 0
+
+
 def _binary_body(inputs: list[tuple[str, np.ndarray, str]]) -> tuple[bytes, str]:
     header = json.dumps({"inputs": [{"name": n, "shape": list(a.shape), "datatype": t,
                                      "parameters": {"binary_data_size": a.nbytes}} for n, a, t in inputs]}).encode()

@@ -292,13 +292,14 @@ class Held:
 
     def reading(self, binary: str):
         """``hold(nbytes)`` for what reading the request takes (:func:`_tensors.read_request`'s):
-        :class:`Refused` 413 past the server's whole budget (``binary``: how the client can send the
-        request instead), else as :meth:`add`."""
+        :class:`Refused` 413 where that, with what the request holds already, is past the server's
+        whole budget (``binary``: how the client can send the request instead), else as :meth:`add`."""
         def hold(nbytes: int) -> None:
-            if nbytes > self.svc.max_held:
+            if self.n + nbytes > self.svc.max_held:  # (a 503 would have it retry what can never fit)
+                beside = f" beside the {self.n} it holds already" if self.n else ""
                 raise Refused(413, f"reading the request takes about {nbytes} bytes of memory (its JSON values, BYTES "
-                                   f"elements or typed contents as Python objects), over the {self.svc.max_held} that "
-                                   f"the server holds for all its requests; {binary}")
+                                   f"elements or typed contents as Python objects){beside}, over the "
+                                   f"{self.svc.max_held} that the server holds for all its requests; {binary}")
             self.add(nbytes)
 
         return hold
@@ -470,16 +471,18 @@ def model_config(svc: Service, model: str, version: str = "") -> dict:
 
 
 async def infer(svc: Service, model: str, inputs: dict[str, np.ndarray], params: dict,
-                deadline_s: float | None = None, on_wait=None,
-                json_outputs: tuple[str, ...] = ()) -> tuple[dict[str, np.ndarray], dict]:
+                deadline_s: float | None = None, on_wait=None, json_outputs: tuple[str, ...] = (),
+                held: Held | None = None) -> tuple[dict[str, np.ndarray], dict]:
     """Score one request: (its outputs by name, the response's parameters ``queue_us``,
     ``compute_us``, ``batch_queries``). ``params``: the request's parameters (``timeout`` in
     microseconds, ``precision``; others are ignored); ``deadline_s``: seconds the transport allows
     (a gRPC deadline), the sooner of the two bounding the wait in the queue; ``on_wait``: called
     (no arguments) once the request is queued, before waiting for it, never for a request scored
-    at once; ``json_outputs``: the outputs the transport will write as JSON values. Raises
-    :class:`Refused`. When the calling task is cancelled (its transport gave up on
-    the request), a request still queued is dropped unscored, and the cancellation goes on."""
+    at once; ``json_outputs``: the outputs the transport will write as JSON values; ``held``: what
+    the request holds of the server's budget already (its body, what reading it took), which with
+    its outputs must fit the whole budget (else 413). Raises :class:`Refused`. When the calling
+    task is cancelled (its transport gave up on the request), a request still queued is dropped
+    unscored, and the cancellation goes on."""
     check_model(model)
     check_ready(svc)
     try:
@@ -493,6 +496,11 @@ async def infer(svc: Service, model: str, inputs: dict[str, np.ndarray], params:
             timeout = deadline_s if timeout is None else min(timeout, deadline_s)
     except (ValueError, TypeError) as e:
         raise Refused(400, str(e)) from None
+    own = 0 if held is None else held.n
+    if own + out_bytes > svc.max_held:  # (never to fit: a 503 would have it retry for ever)
+        raise Refused(413, f"the request's outputs take {out_bytes} bytes and the request itself {own}: over the "
+                           f"{svc.max_held} that the server holds for all its requests; send fewer queries (or ask "
+                           f"for fewer results) a request")
     svc.hold(out_bytes)  # its results, until answered
     try:
         alone = quiet = False

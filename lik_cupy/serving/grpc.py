@@ -168,7 +168,7 @@ class _Servicer(rpc.GRPCInferenceServiceServicer):
                 else:
                     inputs, params, names = _request(request, raw, outputs, hold)
             remaining = context.time_remaining()
-            out, reply = await _service.infer(svc, model, inputs, params, deadline_s=remaining)
+            out, reply = await _service.infer(svc, model, inputs, params, deadline_s=remaining, held=held)
             if sum(out[n].size for n in names if out[n].dtype.kind in "US") > INLINE_WRITE_VALUES:  # (string ids)
                 response = await _service.off_loop(svc, held, _response, request, reply, out, names)
             else:
