@@ -1845,12 +1845,15 @@ def test_outputs_past_the_limit_are_refused(corpus):
         q = np.zeros((3, 2, DIM), np.float32)
         assert _service._output_bytes(Svc, "score", q, None) == 3 * len(corpus) * 4
         assert _service._output_bytes(Svc, "search", q, 10) == 3 * 10 * 12
+        # (search answers min(k, Nd) results a query: k = 4096 over 300 documents was counted as 4096)
+        assert _service._output_bytes(Svc, "search", q, 4096) == 3 * len(corpus) * 12
         assert _service._output_bytes(Svc, "rerank", q, np.zeros((3, 7), np.int64)) == 3 * 7 * 4
         big = np.zeros((_service.MAX_OUTPUT // (4 * len(corpus)) + 1, 1, DIM), np.float32)
         with pytest.raises(ValueError, match=f"queries of {len(corpus)} documents' scores take .* at most"):
             _service._output_bytes(Svc, "score", big, None)
-        with pytest.raises(ValueError, match="results .* at most"):
-            _service._output_bytes(Svc, "search", np.zeros((30000, 1, DIM), np.float32), 4000)
+        with pytest.raises(ValueError, match=f"queries of {len(corpus)} results .* at most"):
+            _service._output_bytes(Svc, "search", np.zeros((_service.MAX_OUTPUT // (12 * len(corpus)) + 1, 1, DIM),
+                                                           np.float32), 4000)
         # Outputs sent as JSON values are bounded by what writing them takes; what is held is their arrays.
         assert _service._output_bytes(Svc, "score", q, None, ("SCORES",)) == 3 * len(corpus) * 4
         assert _service._output_bytes(Svc, "search", q, 10, ("IDS",)) == 3 * 10 * 12
@@ -1893,7 +1896,7 @@ def test_string_ids_are_counted_as_what_writing_them_takes(rng):
     n = 200_000
     for ids in (np.array([f"d{i:03d}"[:4] for i in range(n)]), np.array([f"doc-{i:060d}" for i in range(n)]),
                 np.array([f"d{i:013d}" for i in range(n)], dtype="S14")):
-        svc = types.SimpleNamespace(ids=IdIndex(ids, n))
+        svc = types.SimpleNamespace(ids=IdIndex(ids, n), batcher=types.SimpleNamespace(corpus=ids))  # (n documents)
         for as_json in (False, True):
             size, write = _service._value_bytes(svc, "IDS", as_json)
             assert size == ids.dtype.itemsize

@@ -614,8 +614,8 @@ def _output_bytes(svc: Service, model: str, Q: np.ndarray, arg, json_outputs: tu
     """The bytes of a request's outputs (ValueError past :data:`MAX_OUTPUT`, or where writing those
     named in ``json_outputs`` as JSON takes more: :data:`JSON_VALUE_BYTES` a value)."""
     nq = Q.shape[0] if Q.ndim == 3 else 1
-    if model == "search":
-        per_query, what = arg, "results (a score and an id each)"
+    if model == "search":  # (k of the corpus's documents at most)
+        per_query, what = min(arg, len(svc.batcher.corpus)), "results (a score and an id each)"
     elif model == "rerank":
         per_query, what = arg.shape[-1], "scores"
     else:
