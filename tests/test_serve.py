@@ -314,6 +314,33 @@ def test_a_quiet_service_scores_long_calls_inline_until_requests_find_company(mo
         svc.stop()
 
 
+def test_a_server_stopped_while_its_kernels_warm_never_turns_ready(corpus, capsys):
+    """Service.stop() during Batcher.warm() (the kernels compiling on a GPU: SIGTERM soon after start)
+    closed the batcher, and then the warm-up ended and set the server ready: it answered ready (gRPC's
+    ServerReady, and the peers' count under --processes) and printed "lik serve: ready" after it had
+    stopped. A server stopped while it warms stays not ready."""
+    from lik_cupy.serving import _service
+
+    warming, go = threading.Event(), threading.Event()
+
+    class Warming(Batcher):
+        def warm(self, lq=32):
+            warming.set()
+            assert go.wait(30)
+
+    svc = _service.Service(lambda observer: Warming(corpus, observer=observer))
+    before = set(threading.enumerate())
+    svc.start()
+    (loading,) = [t for t in set(threading.enumerate()) - before if t.name == "lik-serve-load"]
+    assert warming.wait(30)
+    svc.stop()  # (the batcher is closed; its warm-up goes on)
+    assert not svc.ready
+    go.set()
+    loading.join(30)
+    assert not loading.is_alive() and svc.failure is None
+    assert not svc.ready and "lik serve: ready" not in capsys.readouterr().err
+
+
 def test_a_full_queue_is_overloaded_and_close_drains_it(corpus):
     qs = _queries(np.random.default_rng(6), 3)
     seen = _Record()

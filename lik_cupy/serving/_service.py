@@ -173,7 +173,7 @@ class Service:
         self.reading: set = set()  # the BodyClocks of requests waiting for more of their bodies (gRPC: messages)
         self.stopping = False  # the server stops: a request still to read its body (gRPC: message) is refused
         self._stopped = False  # stop() was called: a load that ends after it closes what it made
-        self._loading = threading.Lock()  # (stop() against the load's hand-over of its batcher)
+        self._loading = threading.Lock()  # (stop() against the load's hand-over of its batcher, and its turning ready)
         self._cancel_load = None
 
     def start(self) -> None:
@@ -193,7 +193,10 @@ class Service:
                     b.close()
                     return
                 b.warm()
-                self._ready = True
+                with self._loading:  # (a server stopped while it warmed stays not ready)
+                    if self._stopped:
+                        return
+                    self._ready = True
                 if self._peers is not None:
                     with self._peers[0].get_lock():
                         self._peers[0].value += 1
@@ -237,9 +240,8 @@ class Service:
     def stop(self) -> None:
         """Take no new requests and answer those queued (blocks until they are scored); a load still
         running is cancelled where it can be (``load.cancel()``), and what it made is closed."""
-        self._ready = False
-        with self._loading:
-            self._stopped = True
+        with self._loading:  # (against the load's hand-over of its batcher, and its turning ready)
+            self._ready, self._stopped = False, True
             cancel = self._cancel_load
         if cancel is not None:  # (the load's corpus dropped here, while the process can still reach it)
             cancel()
