@@ -172,6 +172,9 @@ class Service:
         self.parser = ThreadPoolExecutor(1, thread_name_prefix="lik-serve-parse")
         self.reading: set = set()  # the BodyClocks of requests waiting for more of their bodies (gRPC: messages)
         self.stopping = False  # the server stops: a request still to read its body (gRPC: message) is refused
+        # gRPC calls whose message has arrived, neither queued nor answered yet: as the server stops, its
+        # queues close once there are none (all_queued). uvicorn waits for HTTP's requests itself.
+        self.unqueued = 0
         self._stopped = False  # stop() was called: a load that ends after it closes what it made
         self._loading = threading.Lock()  # (stop() against the load's hand-over of its batcher, and its turning ready)
         self._cancel_load = None
@@ -417,6 +420,18 @@ async def _timed(svc: Service, transfer, kind: str, clocks: set | None):
         clock.stop()
         if clocks is not None:
             clocks.discard(clock)
+
+
+async def all_queued(svc: Service) -> None:
+    """Wait until every gRPC call whose message has arrived is queued or answered
+    (``svc.unqueued``), as the server stops, before its queues close: no message arrives once
+    :meth:`Service.stop_reading` has run, and one still being read as the queues closed was refused
+    503 (not ready), where an HTTP request read as far was answered. A read ends soon (its parse)."""
+    while svc.unqueued:
+        await asyncio.sleep(_QUEUED_POLL_S)
+
+
+_QUEUED_POLL_S = 0.005
 
 
 async def off_loop(svc: Service, held: Held, fn, *args, **kwargs):

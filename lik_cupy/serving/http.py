@@ -114,9 +114,11 @@ def _application(load, max_body_bytes: int, grpc_address: str | None, peers=None
         if svc.failure is None:
             svc.start()
         yield
-        # gRPC takes no new calls; those accepted finish as the batcher drains (grace=None would
-        # cancel them), then the count of answers is printed.
+        # gRPC takes no new calls; those whose messages have arrived reach the queues before they close,
+        # and finish as the batcher drains (grace=None would cancel them), then the count of answers
+        # is printed.
         stopped = None if grpc_server is None else asyncio.ensure_future(grpc_server.stop(grace=_GRPC_GRACE_S))
+        await _service.all_queued(svc)
         await asyncio.get_running_loop().run_in_executor(None, svc.stop)
         if stopped is not None:
             await stopped
