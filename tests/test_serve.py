@@ -308,6 +308,33 @@ def test_a_quiet_service_scores_long_calls_inline_until_requests_find_company(mo
         svc.stop()
 
 
+def test_a_server_stopped_while_its_kernels_warm_never_turns_ready(corpus, capsys):
+    """Service.stop() during Batcher.warm() (the kernels compiling on a GPU: SIGTERM soon after start)
+    closed the batcher, and then the warm-up ended and set the server ready: it answered ready (gRPC's
+    ServerReady, and the peers' count under --processes) and printed "lik serve: ready" after it had
+    stopped. A server stopped while it warms stays not ready."""
+    from lik_cupy.serving import _service
+
+    warming, go = threading.Event(), threading.Event()
+
+    class Warming(Batcher):
+        def warm(self, lq=32):
+            warming.set()
+            assert go.wait(30)
+
+    svc = _service.Service(lambda observer: Warming(corpus, observer=observer))
+    before = set(threading.enumerate())
+    svc.start()
+    (loading,) = [t for t in set(threading.enumerate()) - before if t.name == "lik-serve-load"]
+    assert warming.wait(30)
+    svc.stop()  # (the batcher is closed; its warm-up goes on)
+    assert not svc.ready
+    go.set()
+    loading.join(30)
+    assert not loading.is_alive() and svc.failure is None
+    assert not svc.ready and "lik serve: ready" not in capsys.readouterr().err
+
+
 def test_a_full_queue_is_overloaded_and_close_drains_it(corpus):
     qs = _queries(np.random.default_rng(6), 3)
     seen = _Record()
@@ -1663,6 +1690,74 @@ def test_request_bytes_are_held_against_the_servers_budget():
     assert svc.held == 1550  # what the refused request held is given back
 
 
+def _wide_corpus(nd: int = 2000) -> lik_cupy.Corpus:
+    """``nd`` one-token documents: a score answers 4 * nd bytes a query of 64 bytes (float32, DIM)."""
+    tokens = np.random.default_rng(49).standard_normal((nd, DIM)).astype(np.float32)
+    return lik_cupy.Corpus(tokens, d_offsets=np.arange(nd + 1), device="cpu")
+
+
+def test_a_request_that_alone_takes_more_than_the_budget_is_413_never_503():
+    """A request whose outputs, with what it holds already (its body, what reading it takes), are
+    more than the server's whole budget of request bytes was refused 503 with Retry-After, which no
+    retry could pass: 64,000 bytes of scores against a budget of 64,000 (make_app's max_body_bytes
+    4,000); with lik serve's defaults, a score of up to 1 GiB of outputs (MAX_OUTPUT, the budget) and
+    its body. It is refused 413, as a request whose reading alone takes more; a request that fits
+    is answered."""
+    from lik_cupy.serving.http import make_app
+
+    corpus = _wide_corpus()
+    app = make_app(lambda observer: Batcher(corpus, observer=observer), max_body_bytes=4000)
+    svc = app.state.service
+    per_query = 4 * len(corpus)
+    assert svc.max_held == 8 * per_query  # (8 queries' scores are the whole budget)
+
+    async def answer(protocol, transport, state, nq):
+        body, length = _binary_body([("Q", np.ones((nq, 1, DIM), np.float32), "FP32")])
+        n = len(transport.writes)
+        protocol.data_received(b"POST /v2/models/score/infer HTTP/1.1\r\nHost: lik\r\nContent-Length: %d\r\n"
+                               b"Inference-Header-Content-Length: %s\r\n\r\n%s" % (len(body), length.encode(), body))
+        await asyncio.gather(*list(state.tasks))
+        head, _, text = b"".join(transport.writes[n:]).partition(b"\r\n\r\n")
+        return int(head.split()[1]), head.lower(), text
+
+    async def main():
+        svc.start()
+        while not svc.ready:
+            assert svc.failure is None
+            await asyncio.sleep(0.01)
+        connection = _connected(app)
+        return [await answer(*connection, nq) for nq in (7, 8, 9)]
+
+    try:
+        (ok, _, _), *refused = asyncio.run(main())
+    finally:
+        svc.stop()
+    assert ok == 200
+    for status, head, text in refused:  # 8: its scores and its body; 9: its scores alone
+        assert status == 413 and b"retry-after" not in head, (status, head, text)
+        assert re.search(r"outputs take \d+ bytes and the request itself \d+: over the 64000 that the server "
+                         r"holds for all its requests", json.loads(text)["error"]), text
+    assert svc.held == 0
+
+
+def test_what_a_request_holds_already_counts_towards_its_413():
+    """Reading a request past what the server holds for all its requests is a 413; it was a 503 with
+    Retry-After where each hold was under the budget but the request's holds together were not."""
+    from lik_cupy.serving import _service
+
+    svc = _service.Service(load=None, max_body_bytes=100)
+    held = _service.Held(svc)
+    held.add(svc.max_held - 100)
+    with pytest.raises(_service.Refused, match=r"reading the request takes about 200 bytes .* over the 1600 that the "
+                                               r"server holds for all its requests; send it binary") as e:
+        held.reading("send it binary")(200)
+    assert e.value.status == 413 and not e.value.retry
+    held.reading("send it binary")(100)  # (what fits is held)
+    assert svc.held == held.n == svc.max_held
+    held.release()
+    assert svc.held == 0
+
+
 def _binary_body(inputs: list[tuple[str, np.ndarray, str]]) -> tuple[bytes, str]:
     header = json.dumps({"inputs": [{"name": n, "shape": list(a.shape), "datatype": t,
                                      "parameters": {"binary_data_size": a.nbytes}} for n, a, t in inputs]}).encode()
@@ -1771,12 +1866,15 @@ def test_outputs_past_the_limit_are_refused(corpus):
         q = np.zeros((3, 2, DIM), np.float32)
         assert _service._output_bytes(Svc, "score", q, None) == 3 * len(corpus) * 4
         assert _service._output_bytes(Svc, "search", q, 10) == 3 * 10 * 12
+        # (search answers min(k, Nd) results a query: k = 4096 over 300 documents was counted as 4096)
+        assert _service._output_bytes(Svc, "search", q, 4096) == 3 * len(corpus) * 12
         assert _service._output_bytes(Svc, "rerank", q, np.zeros((3, 7), np.int64)) == 3 * 7 * 4
         big = np.zeros((_service.MAX_OUTPUT // (4 * len(corpus)) + 1, 1, DIM), np.float32)
         with pytest.raises(ValueError, match=f"queries of {len(corpus)} documents' scores take .* at most"):
             _service._output_bytes(Svc, "score", big, None)
-        with pytest.raises(ValueError, match="results .* at most"):
-            _service._output_bytes(Svc, "search", np.zeros((30000, 1, DIM), np.float32), 4000)
+        with pytest.raises(ValueError, match=f"queries of {len(corpus)} results .* at most"):
+            _service._output_bytes(Svc, "search", np.zeros((_service.MAX_OUTPUT // (12 * len(corpus)) + 1, 1, DIM),
+                                                           np.float32), 4000)
         # Outputs sent as JSON values are bounded by what writing them takes; what is held is their arrays.
         assert _service._output_bytes(Svc, "score", q, None, ("SCORES",)) == 3 * len(corpus) * 4
         assert _service._output_bytes(Svc, "search", q, 10, ("IDS",)) == 3 * 10 * 12
@@ -1819,7 +1917,7 @@ def test_string_ids_are_counted_as_what_writing_them_takes(rng):
     n = 200_000
     for ids in (np.array([f"d{i:03d}"[:4] for i in range(n)]), np.array([f"doc-{i:060d}" for i in range(n)]),
                 np.array([f"d{i:013d}" for i in range(n)], dtype="S14")):
-        svc = types.SimpleNamespace(ids=IdIndex(ids, n))
+        svc = types.SimpleNamespace(ids=IdIndex(ids, n), batcher=types.SimpleNamespace(corpus=ids))  # (n documents)
         for as_json in (False, True):
             size, write = _service._value_bytes(svc, "IDS", as_json)
             assert size == ids.dtype.itemsize

@@ -455,3 +455,56 @@ def test_a_body_limit_of_a_gibibyte_or_more_still_starts():
         await server.stop(None)
 
     asyncio.run(main())
+
+
+def test_a_call_that_alone_takes_more_than_the_budget_is_resource_exhausted(capsys):
+    """As over HTTP (tests/test_serve.py): a call whose outputs, with its message, are more than the
+    server's whole budget of request bytes was refused UNAVAILABLE (HTTP's 503: retry later), which
+    no retry could pass. It is refused RESOURCE_EXHAUSTED (413); a call that fits is answered."""
+    import asyncio
+
+    from tritonclient.grpc import service_pb2 as pb, service_pb2_grpc as rpc
+
+    from lik_cupy.serving import Batcher
+    from lik_cupy.serving import grpc as lik_grpc
+    from lik_cupy.serving._service import Service
+
+    nd = 2000  # (one-token documents: a score answers 4 * nd bytes a query)
+    corpus = lik_cupy.Corpus(np.random.default_rng(50).standard_normal((nd, DIM)).astype(np.float32),
+                             d_offsets=np.arange(nd + 1), device="cpu")
+    svc = Service(lambda observer: Batcher(corpus, observer=observer), max_body_bytes=4000)
+    assert svc.max_held == 8 * 4 * nd
+
+    async def main():
+        svc.start()
+        while not svc.ready:
+            assert svc.failure is None
+            await asyncio.sleep(0.01)
+        server = await lik_grpc.start_server(svc, "127.0.0.1:0")
+        port = re.search(r"listening on grpc://127\.0\.0\.1:(\d+)", capsys.readouterr().err).group(1)
+        got = []
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                stub = rpc.GRPCInferenceServiceStub(channel)
+                for nq in (7, 8, 9):
+                    req = pb.ModelInferRequest(model_name="score", raw_input_contents=[bytes(nq * DIM * 4)])
+                    req.inputs.add(name="Q", datatype="FP32", shape=[nq, 1, DIM])
+                    try:
+                        r = await stub.ModelInfer(req, timeout=60)
+                        got.append((grpc.StatusCode.OK, list(r.outputs[0].shape)))
+                    except grpc.aio.AioRpcError as e:
+                        got.append((e.code(), e.details()))
+        finally:
+            await server.stop(None)
+        return got
+
+    try:
+        (code, shape), *refused = asyncio.run(main())
+    finally:
+        svc.stop()
+    assert code == grpc.StatusCode.OK and shape == [7, nd]
+    for code, details in refused:
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, (code, details)
+        assert re.search(r"outputs take \d+ bytes and the request itself \d+: over the 64000 that the server "
+                         r"holds", details), details
+    assert svc.held == 0

@@ -8,6 +8,7 @@ import http.client
 import json
 import re
 import select
+import signal
 import socket
 
 import numpy as np
@@ -183,6 +184,42 @@ def test_a_small_grpc_call_is_answered_while_a_large_one_is_parsed(shard, local,
             assert order == ["small", "large"]
     finally:
         server.stop()
+
+
+def test_a_grpc_call_whose_message_arrived_before_sigterm_is_answered(shard, local, tmp_path):
+    """SIGTERM closed the queues as soon as the HTTP requests were answered, while a gRPC call whose
+    message had arrived was still being read (a large one, on the parse thread): it was then refused
+    UNAVAILABLE (the server not ready), where an HTTP request read as far was answered, and the docs
+    say the gRPC calls accepted finish as the queues drain. The queues now close once every call
+    whose message arrived has reached them."""
+    grpc = pytest.importorskip("grpc")
+    pytest.importorskip("lik_cupy.serving.grpc")
+    from tritonclient.grpc import service_pb2 as pb, service_pb2_grpc as rpc
+
+    large = np.random.default_rng(35).standard_normal((8, 4096, DIM)).astype(np.float32)
+    big = pb.ModelInferRequest(model_name="score")
+    big.inputs.add(name="Q", datatype="FP32", shape=list(large.shape)).contents.fp32_contents.extend(
+        large.reshape(-1).tolist())
+    go = tmp_path / "go"
+    server = Server(go, shard, "--devices", "cpu", "--grpc-port", "0", script=PARSE_SERVED)
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}",
+                                   options=[("grpc.max_send_message_length", -1)]) as channel:
+            call = rpc.GRPCInferenceServiceStub(channel).ModelInfer.future(big, timeout=300)
+            server.wait_line("parse_served: parsing")  # (the whole message has arrived)
+            server.proc.send_signal(signal.SIGTERM)
+            try:  # (where the queues close at once, they do so before the parse is let go)
+                server.wait_line("parse_served: stopping", timeout=2)
+            except AssertionError:  # (they wait for the call)
+                pass
+            go.touch()
+            r = call.result()
+        assert _same(np.frombuffer(r.raw_output_contents[0], "<f4"), local.score(large))
+    finally:
+        go.touch()
+        log = server.stop()
+    assert "parse_served: stopping while parsing" not in log, log
+    assert server.proc.returncode == 0 and "answered 1 of 1 accepted requests" in log, log
 
 
 def test_a_client_that_leaves_during_the_parse_is_counted_and_its_request_never_queued(shard, tmp_path):

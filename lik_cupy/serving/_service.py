@@ -172,8 +172,11 @@ class Service:
         self.parser = ThreadPoolExecutor(1, thread_name_prefix="lik-serve-parse")
         self.reading: set = set()  # the BodyClocks of requests waiting for more of their bodies (gRPC: messages)
         self.stopping = False  # the server stops: a request still to read its body (gRPC: message) is refused
+        # gRPC calls whose message has arrived, neither queued nor answered yet: as the server stops, its
+        # queues close once there are none (all_queued). uvicorn waits for HTTP's requests itself.
+        self.unqueued = 0
         self._stopped = False  # stop() was called: a load that ends after it closes what it made
-        self._loading = threading.Lock()  # (stop() against the load's hand-over of its batcher)
+        self._loading = threading.Lock()  # (stop() against the load's hand-over of its batcher, and its turning ready)
         self._cancel_load = None
 
     def start(self) -> None:
@@ -193,7 +196,10 @@ class Service:
                     b.close()
                     return
                 b.warm()
-                self._ready = True
+                with self._loading:  # (a server stopped while it warmed stays not ready)
+                    if self._stopped:
+                        return
+                    self._ready = True
                 if self._peers is not None:
                     with self._peers[0].get_lock():
                         self._peers[0].value += 1
@@ -237,9 +243,8 @@ class Service:
     def stop(self) -> None:
         """Take no new requests and answer those queued (blocks until they are scored); a load still
         running is cancelled where it can be (``load.cancel()``), and what it made is closed."""
-        self._ready = False
-        with self._loading:
-            self._stopped = True
+        with self._loading:  # (against the load's hand-over of its batcher, and its turning ready)
+            self._ready, self._stopped = False, True
             cancel = self._cancel_load
         if cancel is not None:  # (the load's corpus dropped here, while the process can still reach it)
             cancel()
@@ -292,13 +297,14 @@ class Held:
 
     def reading(self, binary: str):
         """``hold(nbytes)`` for what reading the request takes (:func:`_tensors.read_request`'s):
-        :class:`Refused` 413 past the server's whole budget (``binary``: how the client can send the
-        request instead), else as :meth:`add`."""
+        :class:`Refused` 413 where that, with what the request holds already, is past the server's
+        whole budget (``binary``: how the client can send the request instead), else as :meth:`add`."""
         def hold(nbytes: int) -> None:
-            if nbytes > self.svc.max_held:
+            if self.n + nbytes > self.svc.max_held:  # (a 503 would have it retry what can never fit)
+                beside = f" beside the {self.n} it holds already" if self.n else ""
                 raise Refused(413, f"reading the request takes about {nbytes} bytes of memory (its JSON values, BYTES "
-                                   f"elements or typed contents as Python objects), over the {self.svc.max_held} that "
-                                   f"the server holds for all its requests; {binary}")
+                                   f"elements or typed contents as Python objects){beside}, over the "
+                                   f"{self.svc.max_held} that the server holds for all its requests; {binary}")
             self.add(nbytes)
 
         return hold
@@ -416,6 +422,18 @@ async def _timed(svc: Service, transfer, kind: str, clocks: set | None):
             clocks.discard(clock)
 
 
+async def all_queued(svc: Service) -> None:
+    """Wait until every gRPC call whose message has arrived is queued or answered
+    (``svc.unqueued``), as the server stops, before its queues close: no message arrives once
+    :meth:`Service.stop_reading` has run, and one still being read as the queues closed was refused
+    503 (not ready), where an HTTP request read as far was answered. A read ends soon (its parse)."""
+    while svc.unqueued:
+        await asyncio.sleep(_QUEUED_POLL_S)
+
+
+_QUEUED_POLL_S = 0.005
+
+
 async def off_loop(svc: Service, held: Held, fn, *args, **kwargs):
     """``fn(*args, **kwargs)`` on the server's parse thread, the event loop serving other requests
     meanwhile; ``held``: what the request holds of the budget, given back only once ``fn`` is done,
@@ -470,16 +488,18 @@ def model_config(svc: Service, model: str, version: str = "") -> dict:
 
 
 async def infer(svc: Service, model: str, inputs: dict[str, np.ndarray], params: dict,
-                deadline_s: float | None = None, on_wait=None,
-                json_outputs: tuple[str, ...] = ()) -> tuple[dict[str, np.ndarray], dict]:
+                deadline_s: float | None = None, on_wait=None, json_outputs: tuple[str, ...] = (),
+                held: Held | None = None) -> tuple[dict[str, np.ndarray], dict]:
     """Score one request: (its outputs by name, the response's parameters ``queue_us``,
     ``compute_us``, ``batch_queries``). ``params``: the request's parameters (``timeout`` in
     microseconds, ``precision``; others are ignored); ``deadline_s``: seconds the transport allows
     (a gRPC deadline), the sooner of the two bounding the wait in the queue; ``on_wait``: called
     (no arguments) once the request is queued, before waiting for it, never for a request scored
-    at once; ``json_outputs``: the outputs the transport will write as JSON values. Raises
-    :class:`Refused`. When the calling task is cancelled (its transport gave up on
-    the request), a request still queued is dropped unscored, and the cancellation goes on."""
+    at once; ``json_outputs``: the outputs the transport will write as JSON values; ``held``: what
+    the request holds of the server's budget already (its body, what reading it took), which with
+    its outputs must fit the whole budget (else 413). Raises :class:`Refused`. When the calling
+    task is cancelled (its transport gave up on the request), a request still queued is dropped
+    unscored, and the cancellation goes on."""
     check_model(model)
     check_ready(svc)
     try:
@@ -493,6 +513,11 @@ async def infer(svc: Service, model: str, inputs: dict[str, np.ndarray], params:
             timeout = deadline_s if timeout is None else min(timeout, deadline_s)
     except (ValueError, TypeError) as e:
         raise Refused(400, str(e)) from None
+    own = 0 if held is None else held.n
+    if own + out_bytes > svc.max_held:  # (never to fit: a 503 would have it retry for ever)
+        raise Refused(413, f"the request's outputs take {out_bytes} bytes and the request itself {own}: over the "
+                           f"{svc.max_held} that the server holds for all its requests; send fewer queries (or ask "
+                           f"for fewer results) a request")
     svc.hold(out_bytes)  # its results, until answered
     try:
         alone = quiet = False
@@ -606,8 +631,8 @@ def _output_bytes(svc: Service, model: str, Q: np.ndarray, arg, json_outputs: tu
     """The bytes of a request's outputs (ValueError past :data:`MAX_OUTPUT`, or where writing those
     named in ``json_outputs`` as JSON takes more: :data:`JSON_VALUE_BYTES` a value)."""
     nq = Q.shape[0] if Q.ndim == 3 else 1
-    if model == "search":
-        per_query, what = arg, "results (a score and an id each)"
+    if model == "search":  # (k of the corpus's documents at most)
+        per_query, what = min(arg, len(svc.batcher.corpus)), "results (a score and an id each)"
     elif model == "rerank":
         per_query, what = arg.shape[-1], "scores"
     else:

@@ -141,11 +141,18 @@ class _Servicer(rpc.GRPCInferenceServiceServicer):
         # the call begins, so that the wait for its message is timed (_message) and ends at shutdown;
         # and it takes the message's bytes, so that its raw contents are read in place.
         svc, model, start = self.svc, None, time.perf_counter()
-        held = Held(svc)
+        held, unqueued = Held(svc), False
+
+        def queued() -> None:  # (the call is queued, or done: as the server stops, its queues wait till then)
+            nonlocal unqueued
+            if unqueued:
+                unqueued, svc.unqueued = False, svc.unqueued - 1
+
         try:
             data = await _message(svc, context)
             if data is grpc.aio.EOF:
                 await _without_message(svc, context, start)
+            unqueued, svc.unqueued = True, svc.unqueued + 1
             try:
                 rest, raw, head = _split(data)
                 named = pb.ModelInferRequest.FromString(head)
@@ -168,7 +175,9 @@ class _Servicer(rpc.GRPCInferenceServiceServicer):
                 else:
                     inputs, params, names = _request(request, raw, outputs, hold)
             remaining = context.time_remaining()
-            out, reply = await _service.infer(svc, model, inputs, params, deadline_s=remaining)
+            out, reply = await _service.infer(svc, model, inputs, params, deadline_s=remaining, on_wait=queued,
+                                              held=held)
+            queued()
             if sum(out[n].size for n in names if out[n].dtype.kind in "US") > INLINE_WRITE_VALUES:  # (string ids)
                 response = await _service.off_loop(svc, held, _response, request, reply, out, names)
             else:
@@ -180,6 +189,7 @@ class _Servicer(rpc.GRPCInferenceServiceServicer):
             _given_up(svc, context, _service.UNNAMED if model is None else model, start)
             raise
         finally:
+            queued()
             held.release()
         _service.responded(svc, model, 200, start)
         return response

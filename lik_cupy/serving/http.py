@@ -19,8 +19,8 @@ Request parameters: ``timeout`` (microseconds the request may wait in the queue,
 for a bad request (the message names the problem), 404 for an unknown model, a version other than
 1 or a path none of these have, 405 for a method its path does not take, 408 for headers or a body
 that came too slowly (``header_timeout``, ``body_timeout``, ``body_min_rate``; the connection then
-closes), 413 for a body over ``max_body_bytes`` (decompressed too) or one whose reading would take
-more memory than the server holds for all its requests, 431 for headers over 64 KiB, 503 with
+closes), 413 for a body over ``max_body_bytes`` (decompressed too) or one whose reading or outputs
+would take more memory than the server holds for all its requests, 431 for headers over 64 KiB, 503 with
 ``Retry-After`` when every queue is full or the server is not ready or stopping (without, for a body
 that had not all arrived when the server began to stop), 504 when the deadline passed in the queue
 (answered at that deadline, even while a batch runs; never scored); each with the JSON body
@@ -114,9 +114,11 @@ def _application(load, max_body_bytes: int, grpc_address: str | None, peers=None
         if svc.failure is None:
             svc.start()
         yield
-        # gRPC takes no new calls; those accepted finish as the batcher drains (grace=None would
-        # cancel them), then the count of answers is printed.
+        # gRPC takes no new calls; those whose messages have arrived reach the queues before they close,
+        # and finish as the batcher drains (grace=None would cancel them), then the count of answers
+        # is printed.
         stopped = None if grpc_server is None else asyncio.ensure_future(grpc_server.stop(grace=_GRPC_GRACE_S))
+        await _service.all_queued(svc)
         await asyncio.get_running_loop().run_in_executor(None, svc.stop)
         if stopped is not None:
             await stopped
@@ -612,7 +614,8 @@ async def _infer(svc: Service, model: str, version: str, headers: dict, receive,
         raise Refused(400, str(e)) from None
     as_json = tuple(n for n in names if n not in binary)
     out, params = await _unless_disconnected(
-        lambda watch: _service.infer(svc, model, inputs, params, on_wait=watch, json_outputs=as_json), lost)
+        lambda watch: _service.infer(svc, model, inputs, params, on_wait=watch, json_outputs=as_json, held=held),
+        lost)
     head = {"model_name": model, "model_version": "1", "parameters": params}
     if isinstance(header.get("id"), str):
         head["id"] = header["id"]
