@@ -604,3 +604,46 @@ def test_a_call_given_up_while_its_answer_is_written_counts_as_answered(capsys):
     assert svc.metrics.registry.get_sample_value("lik_serve_rejected_total",
                                                  {"model": "search", "reason": "cancelled"}) is None
 
+
+def test_a_large_answer_is_held_against_the_budget_until_sent(capsys):
+    """HTTP holds an answer of over 256 KiB against the server's budget until it is sent: gRPC's was
+    given back as its handler returned, grpcio still holding the message and its serialized bytes
+    for as long as the client took to read them. It is held until the call ends: here a client
+    that takes none past HTTP/2's first window (64 KiB), until it closes the connection."""
+    import asyncio
+
+    from tritonclient.grpc import service_pb2 as pb
+
+    from lik_cupy.serving import Batcher
+    from lik_cupy.serving._service import Service
+
+    nd, nq = 2000, 40  # (one-token documents: a score answers 4 * nd bytes a query, 320,000 in all)
+    corpus = lik_cupy.Corpus(np.random.default_rng(52).standard_normal((nd, DIM)).astype(np.float32),
+                             d_offsets=np.arange(nd + 1), device="cpu")
+    svc = Service(lambda observer: Batcher(corpus, observer=observer))
+    req = pb.ModelInferRequest(model_name="score", raw_input_contents=[np.ones((nq, 1, DIM), np.float32).tobytes()])
+    req.inputs.add(name="Q", datatype="FP32", shape=[nq, 1, DIM])
+    message = req.SerializeToString()
+
+    async def main():
+        server, port = await _in_process_server(svc, capsys)
+        run = asyncio.get_running_loop().run_in_executor
+        c = await run(None, http2.Connection, port)
+        try:
+            await run(None, c.settings)
+            c.send(http2.frame(http2.HEADERS, http2.END_HEADERS, 1, http2.call_headers("ModelInfer")),
+                   http2.frame(http2.DATA, http2.END_STREAM, 1, b"\0" + len(message).to_bytes(4, "big") + message))
+            # (scored: its handler has returned, the event loop running it from its answer on without a pause)
+            await _until(lambda: svc.answered == 1, "the call answered")
+            held = svc.held
+        finally:
+            c.close()
+        await _until(lambda: svc.held == 0, "the answer given back")
+        await server.stop(None)
+        return held
+
+    try:
+        held = asyncio.run(main())
+    finally:
+        svc.stop()
+    assert held >= 2 * 4 * nq * nd, held

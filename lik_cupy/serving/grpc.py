@@ -19,8 +19,9 @@ deadline passed: 504; once scored, 200, as HTTP counts them); those that end bef
 (which names the model) arrived under no model (``_service.UNNAMED``). A connection may have
 ``svc.grpc_max_streams`` calls at once (``lik serve --grpc-max-streams``), and closes after
 ``svc.header_timeout`` without one; the server serves ``svc.grpc_max_calls`` at once
-(``--grpc-max-calls``), refusing more ``RESOURCE_EXHAUSTED`` (:func:`_admitted`), counted. Every
-RPC's message must arrive within ModelInfer's bound (:func:`_unary`).
+(``--grpc-max-calls``), refusing more ``RESOURCE_EXHAUSTED`` (:func:`_admitted`), counted. An answer
+of over 256 KiB is held against the server's budget until the call ends. Every RPC's message must
+arrive within ModelInfer's bound (:func:`_unary`).
 """
 
 from __future__ import annotations
@@ -200,6 +201,12 @@ class _Servicer(rpc.GRPCInferenceServiceServicer):
             queued()
             held.release()
         _service.responded(svc, model, 200, start)
+        size = response.ByteSize()  # (0.2 us: protobuf adds up the sizes it keeps)
+        if size > _HOLD_ANSWER:
+            # Held until grpcio has sent it (the call's end), as HTTP holds its large answers: the
+            # message and the bytes grpcio serializes it to, which it keeps until then.
+            svc.keep(2 * size)
+            context.add_done_callback(lambda _: svc.release(2 * size))
         return response
 
 
@@ -390,6 +397,7 @@ async def _checked(context, fn, *args):
 
 
 _SEND_RAW = "send fewer values or BYTES elements a request, or numbers as raw_input_contents"
+_HOLD_ANSWER = 256 << 10  # an answer's bytes past which it is held until sent (HTTP's _SEND_AT_ONCE)
 
 
 def _request(request, raw: list, outputs: tuple[str, ...], hold=None) -> tuple[dict[str, np.ndarray], dict, list[str]]:
