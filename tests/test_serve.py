@@ -1376,13 +1376,14 @@ def test_every_refusal_is_counted_with_its_reason(served):
 
     reasons = (("score", "invalid"), ("score", "not_found"), ("", "not_found"), ("score", "too_large"))
     before = [served.metric("lik_serve_rejected_total", model=m, reason=r) for m, r in reasons]
+    unnamed = served.metric("lik_serve_responses_total", model="", code="404")
     good = json.dumps({"inputs": [_json_q(np.ones((2, DIM), np.float32))]}).encode()
     assert served.infer("score", {"inputs": [_json_q(np.ones((2, DIM + 1), np.float32))]})[0] == 400
     assert served.request("POST", "/v2/models/score/versions/7/infer", good)[0] == 404
     assert served.infer("nope", good)[0] == 404
     assert served.infer("score", gzip.compress(bytes(65 << 20)), {"Content-Encoding": "gzip"})[0] == 413
     assert [served.metric("lik_serve_rejected_total", model=m, reason=r) for m, r in reasons] == [b + 1 for b in before]
-    assert served.metric("lik_serve_responses_total", model="", code="404") >= 1
+    assert served.metric("lik_serve_responses_total", model="", code="404") == unnamed + 1
 
 
 def test_refusals_name_why_the_server_is_not_ready():
@@ -1406,7 +1407,6 @@ def test_refusals_name_why_the_server_is_not_ready():
     with pytest.raises(_service.Refused) as e:
         _service.Service(load=None, max_body_bytes=100).hold(1601)
     assert (e.value.status, e.value.reason) == (503, "budget")
-    assert set(_service.REASONS) >= {"overloaded", "deadline", "cancelled"}  # (the batcher's and abandoned()'s)
 
 
 def test_the_docs_list_every_series_and_label_value():
