@@ -1368,6 +1368,63 @@ def test_bad_requests_get_a_400_naming_the_problem_and_the_server_keeps_serving(
     assert status == 200
 
 
+def test_every_refusal_is_counted_with_its_reason(served):
+    """lik_serve_rejected_total counted three reasons (overloaded, deadline, cancelled): the other
+    refusals were counted by their status alone, and an unknown model's not at all (its name is the
+    client's). Each is counted with its reason now, an unknown model's under no model."""
+    import gzip
+
+    reasons = (("score", "invalid"), ("score", "not_found"), ("", "not_found"), ("score", "too_large"))
+    before = [served.metric("lik_serve_rejected_total", model=m, reason=r) for m, r in reasons]
+    unnamed = served.metric("lik_serve_responses_total", model="", code="404")
+    good = json.dumps({"inputs": [_json_q(np.ones((2, DIM), np.float32))]}).encode()
+    assert served.infer("score", {"inputs": [_json_q(np.ones((2, DIM + 1), np.float32))]})[0] == 400
+    assert served.request("POST", "/v2/models/score/versions/7/infer", good)[0] == 404
+    assert served.infer("nope", good)[0] == 404
+    assert served.infer("score", gzip.compress(bytes(65 << 20)), {"Content-Encoding": "gzip"})[0] == 413
+    assert [served.metric("lik_serve_rejected_total", model=m, reason=r) for m, r in reasons] == [b + 1 for b in before]
+    assert served.metric("lik_serve_responses_total", model="", code="404") == unnamed + 1
+
+
+def test_refusals_name_why_the_server_is_not_ready():
+    """A 503 was one status for a full queue, a full budget, a server not ready and one stopping:
+    each names its reason, for the metrics."""
+    from lik_cupy.serving import _service
+
+    svc = _service.Service(load=None, max_body_bytes=100)
+    for step in ("loading", "stopped", "stopping"):
+        if step == "stopped":
+            svc.stop()
+        if step == "stopping":
+            svc = _service.Service(load=None)
+            svc.stop_reading()
+        with pytest.raises(_service.Refused) as e:
+            _service.check_ready(svc)
+        assert (e.value.status, e.value.reason) == (503, "not_ready" if step == "loading" else "stopping"), step
+    with pytest.raises(_service.Refused) as e:
+        asyncio.run(_service.arrival(svc, lambda clock: asyncio.sleep(0)))
+    assert (e.value.status, e.value.reason) == (503, "stopping")
+    with pytest.raises(_service.Refused) as e:
+        _service.Service(load=None, max_body_bytes=100).hold(1601)
+    assert (e.value.status, e.value.reason) == (503, "budget")
+
+
+def test_the_docs_list_every_series_and_label_value():
+    """docs/serving.md's table of metrics lists every series the server exposes, each reason a
+    request is rejected for, and each status an answer is counted under."""
+    from lik_cupy.serving import _service
+
+    text = (ROOT / "docs" / "serving.md").read_text()
+    table = text[text.index("**Metrics.**"):]
+    rows = {m.group(1): m.group(2) for m in re.finditer(r"^\| `(lik_serve_\w+)` \|(.*)$", table, re.M)}
+    exposed = {m.name for m in _service.Service(load=None).metrics.registry.collect()}
+    assert {name.removesuffix("_total") for name in rows} == exposed
+    reasons = set(re.findall(r"`(\w+)`", rows["lik_serve_rejected_total"]))
+    assert set(_service.REASONS) <= reasons, set(_service.REASONS) - reasons
+    codes = set(re.findall(r"`(\d{3})`", rows["lik_serve_responses_total"]))
+    assert {str(c) for c in _service.REASONS.values()} <= codes, {str(c) for c in _service.REASONS.values()} - codes
+
+
 def test_json_bf16_values_are_read_as_floats():
     """BF16 JSON data took no integer past int64's range (ml_dtypes raised TypeError: a 500)."""
     from lik_cupy._shard_format import numpy_dtype
@@ -1577,9 +1634,19 @@ def test_processes_share_the_port_answer_alike_and_sum_their_metrics(shard, loca
                 assert np.array_equal(np.float32(json.loads(body)["outputs"][0]["data"]), local.score(qs[j]))
 
         run_threads(6, client)
+        for _ in range(4):  # refused, each on a new connection: in the application, and before it (431)
+            assert server.infer("nope", {"inputs": []})[0] == 404
+            with socket.create_connection(("127.0.0.1", server.port)) as c:
+                line = b"GET /v2/health/live HTTP/1.1\r\nX-Pad: "
+                c.sendall(line + b"a" * (65536 + 1 - len(line)))  # (one byte over, unfinished: all read)
+                c.settimeout(60)
+                assert c.recv(12) == b"HTTP/1.1 431"
         text = server.get("/metrics")[2].decode()
         assert sum(float(line.rpartition(" ")[2]) for line in text.splitlines()
-                   if line.startswith("lik_serve_request_seconds_count")) == len(qs)  # both processes' requests
+                   if line.startswith("lik_serve_request_seconds_count")) == len(qs) + 4  # both processes' requests
+        assert server.metric("lik_serve_rejected_total", model="", reason="not_found") == 4
+        assert server.metric("lik_serve_rejected_total", model="", reason="header_size") == 4
+        assert server.metric("lik_serve_responses_total", model="", code="431") == 4
         assert sum("lik serve: ready:" in line for line in server.lines) == 2
     finally:
         log = server.stop()
@@ -1666,7 +1733,7 @@ def test_request_bytes_are_held_against_the_servers_budget():
     svc.hold(1500)
     with pytest.raises(_service.Refused, match="holds 1500 bytes of requests, its limit is 1600") as e:
         svc.hold(101)
-    assert e.value.status == 503 and e.value.retry and svc.held == 1500
+    assert e.value.status == 503 and e.value.retry and e.value.reason == "budget" and svc.held == 1500
 
     async def read(chunks):
         messages = iter({"type": "http.request", "body": c, "more_body": i + 1 < len(chunks)}

@@ -138,6 +138,19 @@ def test_bad_requests_get_a_named_error_and_the_server_keeps_serving(client, loc
     assert np.array_equal(client.infer("score", [_input("Q", q, "FP32")]).as_numpy("SCORES"), local.score(q))
 
 
+def test_refusals_are_counted_with_their_reasons(served, client):
+    """Each refused call is counted with why, as over HTTP: a bad request, an unknown version, and an
+    unknown model (counted nowhere before: its name is the client's), under no model."""
+    q = np.ones((2, DIM), np.float32)
+    reasons = (("score", "invalid"), ("score", "not_found"), ("", "not_found"))
+    before = [served.metric("lik_serve_rejected_total", model=m, reason=r) for m, r in reasons]
+    for model, inputs, version in (("score", [_input("Q", q.astype(np.int32), "INT32")], ""),
+                                   ("score", [_input("Q", q, "FP32")], "7"), ("nope", [_input("Q", q, "FP32")], "")):
+        with pytest.raises(grpcclient.InferenceServerException):
+            client.infer(model, inputs, model_version=version)
+    assert [served.metric("lik_serve_rejected_total", model=m, reason=r) for m, r in reasons] == [b + 1 for b in before]
+
+
 def test_a_timeout_of_infinity_is_refused_as_over_http(served):
     """A call's deadline bounded an infinite ``timeout`` parameter, which HTTP refuses: it was scored."""
     from tritonclient.grpc import service_pb2 as pb, service_pb2_grpc as rpc
@@ -434,8 +447,13 @@ def test_processes_share_the_grpc_port(shard, local):
                 assert c.is_server_ready()
                 r = c.infer("score", [_input("Q", q, "FP32")])
                 assert np.array_equal(r.as_numpy("SCORES"), local.score(q))
+                with pytest.raises(grpcclient.InferenceServerException):
+                    c.infer("nope", [_input("Q", q, "FP32")])
             finally:
                 c.close()
+        # (the processes' counts summed: prometheus-client's multiprocess mode)
+        assert server.metric("lik_serve_rejected_total", model="", reason="not_found") == 4
+        assert server.metric("lik_serve_responses_total", model="score", code="200") == 4
     finally:
         log = server.stop()
     assert server.proc.returncode == 0, log
@@ -508,3 +526,124 @@ def test_a_call_that_alone_takes_more_than_the_budget_is_resource_exhausted(caps
         assert re.search(r"outputs take \d+ bytes and the request itself \d+: over the 64000 that the server "
                          r"holds", details), details
     assert svc.held == 0
+
+
+def _in_process_server(svc, capsys):
+    """(the gRPC server of ``svc`` on a free port, started in the running event loop, its port) once
+    ``svc`` is ready (a coroutine)."""
+    import asyncio
+
+    from lik_cupy.serving import grpc as lik_grpc
+
+    async def start():
+        svc.start()
+        while not svc.ready:
+            assert svc.failure is None
+            await asyncio.sleep(0.01)
+        server = await lik_grpc.start_server(svc, "127.0.0.1:0")
+        return server, int(re.search(r"listening on grpc://127\.0\.0\.1:(\d+)", capsys.readouterr().err).group(1))
+
+    return start()
+
+
+async def _until(condition, what: str, timeout: float = 30.0) -> None:
+    import asyncio
+    import time
+
+    until = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < until, f"{what} within {timeout} s"
+        await asyncio.sleep(0.01)
+
+
+def test_a_call_given_up_while_its_answer_is_written_counts_as_answered(capsys):
+    """A call whose answer holds more string ids than the event loop writes (INLINE_WRITE_VALUES) is
+    written on the parse thread; one whose client cancelled meanwhile, once scored, was counted 499
+    and rejected as cancelled, where HTTP counts the same (its client gone while its answer is
+    written) 200, as the shutdown's count of answers does. It counts 200 now, as over HTTP."""
+    import asyncio
+    import threading
+
+    from tritonclient.grpc import service_pb2 as pb, service_pb2_grpc as rpc
+
+    from lik_cupy.serving import Batcher
+    from lik_cupy.serving._service import INLINE_WRITE_VALUES, Service
+
+    nd = INLINE_WRITE_VALUES + 52
+    rng = np.random.default_rng(51)
+    corpus = lik_cupy.Corpus(rng.standard_normal((nd, DIM)).astype(np.float32), d_offsets=np.arange(nd + 1),
+                             ids=np.array([f"doc{i}" for i in range(nd)]), device="cpu")
+    svc = Service(lambda observer: Batcher(corpus, observer=observer))
+    busy = threading.Event()
+    req = pb.ModelInferRequest(model_name="search", raw_input_contents=[np.ones((2, DIM), np.float32).tobytes(),
+                                                                         np.array([nd], np.int32).tobytes()])
+    req.inputs.add(name="Q", datatype="FP32", shape=[2, DIM])
+    req.inputs.add(name="K", datatype="INT32", shape=[1])
+
+    def count(code):
+        return svc.metrics.registry.get_sample_value("lik_serve_responses_total", {"model": "search", "code": code})
+
+    async def main():
+        server, port = await _in_process_server(svc, capsys)
+        svc.parser.submit(busy.wait)  # (the parse thread is busy: the answer waits there to be written)
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                call = rpc.GRPCInferenceServiceStub(channel).ModelInfer(req, timeout=60)
+                await _until(lambda: svc.answered == 1, "the call scored")
+                call.cancel()
+                await _until(lambda: (count("200") or 0) + (count("499") or 0) == 1, "the call counted")
+        finally:
+            busy.set()
+            await server.stop(None)
+
+    try:
+        asyncio.run(main())
+    finally:
+        svc.stop()
+    assert count("200") == 1 and count("499") is None
+    assert svc.metrics.registry.get_sample_value("lik_serve_rejected_total",
+                                                 {"model": "search", "reason": "cancelled"}) is None
+
+
+def test_a_large_answer_is_held_against_the_budget_until_sent(capsys):
+    """HTTP holds an answer of over 256 KiB against the server's budget until it is sent: gRPC's was
+    given back as its handler returned, grpcio still holding the message and its serialized bytes
+    for as long as the client took to read them. It is held until the call ends: here a client
+    that takes none past HTTP/2's first window (64 KiB), until it closes the connection."""
+    import asyncio
+
+    from tritonclient.grpc import service_pb2 as pb
+
+    from lik_cupy.serving import Batcher
+    from lik_cupy.serving._service import Service
+
+    nd, nq = 2000, 40  # (one-token documents: a score answers 4 * nd bytes a query, 320,000 in all)
+    corpus = lik_cupy.Corpus(np.random.default_rng(52).standard_normal((nd, DIM)).astype(np.float32),
+                             d_offsets=np.arange(nd + 1), device="cpu")
+    svc = Service(lambda observer: Batcher(corpus, observer=observer))
+    req = pb.ModelInferRequest(model_name="score", raw_input_contents=[np.ones((nq, 1, DIM), np.float32).tobytes()])
+    req.inputs.add(name="Q", datatype="FP32", shape=[nq, 1, DIM])
+    message = req.SerializeToString()
+
+    async def main():
+        server, port = await _in_process_server(svc, capsys)
+        run = asyncio.get_running_loop().run_in_executor
+        c = await run(None, http2.Connection, port)
+        try:
+            await run(None, c.settings)
+            c.send(http2.frame(http2.HEADERS, http2.END_HEADERS, 1, http2.call_headers("ModelInfer")),
+                   http2.frame(http2.DATA, http2.END_STREAM, 1, b"\0" + len(message).to_bytes(4, "big") + message))
+            # (scored: its handler has returned, the event loop running it from its answer on without a pause)
+            await _until(lambda: svc.answered == 1, "the call answered")
+            held = svc.held
+        finally:
+            c.close()
+        await _until(lambda: svc.held == 0, "the answer given back")
+        await server.stop(None)
+        return held
+
+    try:
+        held = asyncio.run(main())
+    finally:
+        svc.stop()
+    assert held >= 2 * 4 * nq * nd, held

@@ -1,11 +1,12 @@
 """``lik serve``'s server-wide caps (CPU path, a real server on loopback): the HTTP connections
 (``--max-connections``) and the gRPC calls (``--grpc-max-calls``) one server process serves at
-once. Over them a request is refused (HTTP 503, gRPC RESOURCE_EXHAUSTED), and the server serves
-again once some have ended."""
+once. Over them a request is refused (HTTP 503, gRPC RESOURCE_EXHAUSTED), counted in the metrics,
+and the server serves again once some have ended."""
 
 from __future__ import annotations
 
 import http.client
+import json
 import threading
 import time
 
@@ -23,10 +24,25 @@ def shard(tmp_path_factory):
 
 
 def _get(c: http.client.HTTPConnection, path: str = "/v2/health/live") -> int:
+    return _response(c, path)[0]
+
+
+def _response(c: http.client.HTTPConnection, path: str) -> tuple[int, dict, bytes]:
     c.request("GET", path)
     r = c.getresponse()
-    r.read()
-    return r.status
+    return r.status, {k.lower(): v for k, v in r.getheaders()}, r.read()
+
+
+def _sample(text: str, name: str, **labels) -> float:
+    """The value of the sample ``name{labels}`` in the Prometheus ``text``; 0.0 where it has none
+    (as ``Server.metric`` reads it, from a connection of the caller's)."""
+    want = {f'{k}="{v}"' for k, v in labels.items()}
+    for line in text.splitlines():
+        sample, _, value = line.rpartition(" ")
+        got, _, rest = sample.partition("{")
+        if got == name and set(rest.rstrip("}").split(",")) == want:
+            return float(value)
+    return 0.0
 
 
 def _until(condition, what: str, timeout: float = 30.0):
@@ -42,15 +58,22 @@ def _until(condition, what: str, timeout: float = 30.0):
 def test_http_connections_over_the_cap_are_refused_503(shard):
     """uvicorn serves any number of connections unless told (limit_concurrency unset), each holding a
     protocol, its buffers and a request's task. With --max-connections N, a request that comes while
-    more than N are open is answered 503 (uvicorn's, closing its connection); the N are served, and
-    the server serves a new one once the count is back within the cap."""
+    more than N are open is answered 503 (closing its connection); the N are served, and the server
+    serves a new one once the count is back within the cap. uvicorn's refusal (limit_concurrency)
+    was plain text, and counted nowhere: it is the protocol's JSON error now, counted under no model."""
     server = Server(shard, "--devices", "cpu", "--max-connections", 2)
     a, b, c = (http.client.HTTPConnection("127.0.0.1", server.port, timeout=60) for _ in range(3))
     try:
         assert _get(a) == 200 and _get(b) == 200  # (two connections open, kept alive)
-        assert _get(c) == 503  # (a third)
+        status, head, body = _response(c, "/v2/health/live")  # (a third)
+        assert status == 503
         c.close()
-        assert _get(a) == 200  # (the 503 closed its connection: two again)
+        status, _, text = _response(a, "/metrics")  # (the 503 closed its connection: two again)
+        assert status == 200
+        assert _sample(text.decode(), "lik_serve_rejected_total", model="", reason="max_connections") == 1.0
+        assert _sample(text.decode(), "lik_serve_responses_total", model="", code="503") == 1.0
+        assert head["connection"] == "close" and head["retry-after"] == "1", head
+        assert json.loads(body) == {"error": "the server serves 2 connections at once, and more are open; retry later"}
         b.close()
         # (a new connection, once the server has seen b close: the cap holds open connections)
         _until(lambda: server.get("/v2/health/ready")[0] == 200, "a new connection served")
@@ -64,7 +87,9 @@ def test_http_connections_over_the_cap_are_refused_503(shard):
 def test_grpc_calls_over_the_cap_are_refused_resource_exhausted(shard):
     """grpcio serves any number of calls at once unless told (maximum_concurrent_rpcs unset): a
     connection's cap (--grpc-max-streams) times connections without end. With --grpc-max-calls N, a
-    call that comes while N are in progress is refused RESOURCE_EXHAUSTED, and served once one ends."""
+    call that comes while N are in progress is refused RESOURCE_EXHAUSTED, and served once one ends.
+    grpcio's refusal (maximum_concurrent_rpcs) came before any handler and was counted nowhere: each
+    is counted now, under no model (its message, which names one, unread)."""
     grpc = pytest.importorskip("grpc")
     pytest.importorskip("lik_cupy.serving.grpc")
     from tritonclient.grpc import service_pb2 as pb, service_pb2_grpc as rpc
@@ -82,22 +107,29 @@ def test_grpc_calls_over_the_cap_are_refused_resource_exhausted(shard):
     waiting = channel.stream_unary("/inference.GRPCInferenceService/ServerReady",
                                    request_serializer=pb.ServerReadyRequest.SerializeToString,
                                    response_deserializer=pb.ServerReadyResponse.FromString)
+    refusals = 0
     try:
         held = [waiting.future(nothing(), timeout=120) for _ in range(2)]
 
         def refused():
+            nonlocal refusals
             for i, call in enumerate(held):  # (one refused while a probe was in progress: again)
                 if call.done():
                     assert call.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, call.exception()
+                    refusals += 1
                     held[i] = waiting.future(nothing(), timeout=120)
             try:
                 live(pb.ServerLiveRequest(), timeout=30)
             except grpc.RpcError as e:
+                refusals += 1
                 return e
             return None
 
         e = _until(refused, "a call over the cap refused")
         assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e
+        server.wait_metric("lik_serve_rejected_total", refusals, model="", reason="max_calls")
+        server.wait_metric("lik_serve_responses_total", refusals, model="", code="503")
+        assert e.details() == "the server serves 2 gRPC calls at once, and as many are in progress; retry later"
         sent.set()  # (the two calls end, without a message: INVALID_ARGUMENT)
         for call in held:
             with pytest.raises(grpc.RpcError) as ended:

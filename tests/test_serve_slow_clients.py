@@ -78,7 +78,7 @@ def test_bodies_that_stop_arriving_are_answered_408_and_give_back_the_budget():
     16 clients that each sent all but a byte of a body and stopped held it whole, and every other
     request got 503, for as long as they stayed connected. Each is answered 408 now, once nothing
     of it has arrived for --body-timeout seconds, and the connection closes; then the others are
-    served again."""
+    served again. The metrics name why each was refused: the 503 was counted by its status alone."""
     limit = 64 << 10
     server = Server(0, "--max-body-bytes", limit, "--body-timeout", 5, "--body-min-rate", 0, script=SLOW_SERVED)
     stalled = []
@@ -96,6 +96,9 @@ def test_bodies_that_stop_arriving_are_answered_408_and_give_back_the_budget():
         status, _, body = server.infer("score", _SMALL)
         assert status == 200, body
         assert server.metric("lik_serve_responses_total", model="score", code="408") == 16
+        assert server.metric("lik_serve_rejected_total", model="score", reason="body_timeout") == 16
+        assert server.metric("lik_serve_responses_total", model="score", code="503") == 1
+        assert server.metric("lik_serve_rejected_total", model="score", reason="budget") == 1
     finally:
         for c in stalled:
             c.close()
@@ -153,7 +156,8 @@ def test_a_body_faster_than_the_minimum_rate_is_answered_however_long_it_takes(s
 def test_headers_that_never_finish_are_answered_408_and_closed(shard):
     """uvicorn timed only an idle connection after an answer (its keep-alive, which any byte puts
     off): a connection that sent nothing, or part of a request's headers, or a byte of them now and
-    then, stayed open for as long as its client did."""
+    then, stayed open for as long as its client did. The 408s are counted (they were not), under no
+    model: the request was not read."""
     server = Server(shard, "--devices", "cpu", "--header-timeout", 1)
     partial = socket.create_connection(("127.0.0.1", server.port))
     silent = socket.create_connection(("127.0.0.1", server.port))
@@ -183,6 +187,8 @@ def test_headers_that_never_finish_are_answered_408_and_closed(shard):
         t.join(60)
         assert _closed_unanswered(silent)
         assert server.infer("score", _SMALL)[0] == 200
+        assert server.metric("lik_serve_rejected_total", model="", reason="header_timeout") == 2
+        assert server.metric("lik_serve_responses_total", model="", code="408") == 2  # (the silent one: no answer)
     finally:
         answered.set()
         for c in (partial, silent, kept):
@@ -192,7 +198,8 @@ def test_headers_that_never_finish_are_answered_408_and_closed(shard):
 
 def test_headers_past_the_limit_are_answered_431_and_closed(shard):
     """httptools takes headers of any size, and uvicorn kept each: one connection sending header
-    lines without end grew the server by all of them. Past 64 KiB they are refused now."""
+    lines without end grew the server by all of them. Past 64 KiB they are refused now, and counted
+    under no model."""
     server = Server(shard, "--devices", "cpu")
     try:
         status, _, body = server.infer("score", _SMALL, {f"X-Pad-{i}": "a" * 1000 for i in range(10)})  # (10 kB)
@@ -210,6 +217,8 @@ def test_headers_past_the_limit_are_answered_431_and_closed(shard):
         finally:
             c.close()
         assert server.infer("score", _SMALL)[0] == 200
+        assert server.metric("lik_serve_rejected_total", model="", reason="header_size") == 1
+        assert server.metric("lik_serve_responses_total", model="", code="431") == 1
     finally:
         server.stop()
 
@@ -297,6 +306,7 @@ def test_a_grpc_message_that_never_arrives_is_refused(shard):
         assert e.value.details().startswith("the request message had not all arrived after 1 s"), e.value.details()
         # (counted as HTTP's 408 is, under no model: the message names it)
         server.wait_metric("lik_serve_responses_total", 1.0, model="", code="408")
+        assert server.metric("lik_serve_rejected_total", model="", reason="body_timeout") == 1
     finally:
         sent.set()
         channel.close()
@@ -511,7 +521,7 @@ def test_a_client_that_stops_taking_a_large_answer_is_dropped(tmp_path):
     """A client that asked for a large answer and read none of it held that answer in the server's
     memory (out of its budget), and kept SIGTERM from stopping it, for as long as it stayed
     connected. An answer must be taken as a body must arrive (--body-timeout, --body-min-rate): the
-    connection is dropped past them, and the server stops."""
+    connection is dropped past them, counted (beside the answer's 200), and the server stops."""
     rng = np.random.default_rng(46)
     wide = tmp_path / "wide"
     shards.pack_arrays(list(rng.standard_normal((20_000, 1, DIM)).astype(np.float32)), wide)
@@ -528,6 +538,8 @@ def test_a_client_that_stops_taking_a_large_answer_is_dropped(tmp_path):
         c.settimeout(60)
         assert c.recv(15) == b"HTTP/1.1 200 OK"  # (and no more read)
         server.wait_line("the client stopped taking its answer: nothing for 1 s", timeout=60)
+        assert server.metric("lik_serve_rejected_total", model="score", reason="answer_timeout") == 1
+        assert server.metric("lik_serve_responses_total", model="score", code="200") == 1
         server.proc.send_signal(signal.SIGTERM)
         server.proc.wait(60)
         got = 15

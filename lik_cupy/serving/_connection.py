@@ -1,14 +1,19 @@
 """An HTTP connection of ``lik serve``: uvicorn's httptools protocol with the limits it lacks on a
-request's headers. uvicorn times only an idle connection after an answer (its keep-alive timeout,
-5 s, which any byte puts off), and httptools takes headers of any size: a connection that never
-finished its headers was held for as long as its client stayed connected, and one that sent header
-lines without end grew the server by all of them (to 22 GB, over loopback).
+request's headers, and the server-wide cap on connections. uvicorn times only an idle connection
+after an answer (its keep-alive timeout, 5 s, which any byte puts off), and httptools takes headers
+of any size: a connection that never finished its headers was held for as long as its client stayed
+connected, and one that sent header lines without end grew the server by all of them (to 22 GB,
+over loopback).
 
 Here a request's headers must all arrive within the server's ``header_timeout`` of the connection
 opening or of the previous answer (or else the connection closes: 408 where part of a request had
-arrived), and take at most :data:`MAX_HEADER_BYTES` (431, and the connection closes). A request's
-body, and a large answer, are the application's to time (``_service.BodyClock``): its scope's
-extension :data:`ABORT` drops the connection of a client that stopped taking its answer.
+arrived), and take at most :data:`MAX_HEADER_BYTES` (431, and the connection closes). A request
+that comes while more than the server's ``max_connections`` are open, its own among them, or while
+as many requests are running, is answered 503 and its connection closed (as uvicorn's
+``limit_concurrency`` refused, in plain text and uncounted). Each refusal is reported to the
+server's ``refused(status, reason)`` (its metrics). A request's body, and a large answer, are the
+application's to time (``_service.BodyClock``): its scope's extension :data:`ABORT` drops the
+connection of a client that stopped taking its answer.
 
 uvicorn writes a response's status line and headers as soon as the application starts it, and its
 body after: two sends, which a client at low load woke for twice to read one small answer. The
@@ -67,7 +72,7 @@ LINGER_S = 2.0
 # protocol, of a request's cycle and of the server's state.
 _EXTENDED = ("connection_made", "connection_lost", "data_received", "on_message_begin", "on_headers_complete",
              "on_message_complete", "on_response_complete")
-_READ = ("transport", "loop", "pipeline", "cycle", "scope", "server_state", "flow")
+_READ = ("transport", "loop", "pipeline", "cycle", "scope", "server_state", "flow", "app", "connections", "tasks")
 _CYCLE_READ = ("response_complete", "transport")
 _STATE_READ = ("default_headers",)
 
@@ -112,16 +117,25 @@ async def _no_app(scope, receive, send) -> None:
     """The application of :func:`missing_internals`' protocol, which serves nothing."""
 
 
-def connection_class(header_timeout: float) -> type:
+def connection_class(header_timeout: float, max_connections: int | None = None, refused=None) -> type:
     """The protocol class of a server whose requests' headers must arrive within ``header_timeout``
-    seconds (uvicorn's ``Config(http=...)``)."""
-    return type("Connection", (Connection,), {"header_timeout": header_timeout})
+    seconds, that serves ``max_connections`` connections at once (None: any number), and that counts
+    its refusals by ``refused(status, reason)`` (uvicorn's ``Config(http=...)``)."""
+    return type("Connection", (Connection,), {"header_timeout": header_timeout, "max_connections": max_connections,
+                                              "refused": staticmethod(refused or _uncounted)})
+
+
+def _uncounted(status: int, reason: str) -> None:
+    """The ``refused`` of a server that counts nothing."""
 
 
 class Connection(HttpToolsProtocol):
-    """uvicorn's protocol with a timer on each request's headers and a bound on their size."""
+    """uvicorn's protocol with a timer on each request's headers, a bound on their size, and the cap
+    on connections."""
 
     header_timeout = 10.0
+    max_connections = None
+    refused = staticmethod(_uncounted)
 
     def connection_made(self, transport) -> None:
         self._header_timer = self._linger_timer = None
@@ -154,7 +168,7 @@ class Connection(HttpToolsProtocol):
             self._header_bytes += len(data)
         super().data_received(data)
         if self._in_headers and self._header_bytes > MAX_HEADER_BYTES and not self.transport.is_closing():
-            self._refuse(431, f"the request's line and headers take over {MAX_HEADER_BYTES} bytes")
+            self._refuse(431, f"the request's line and headers take over {MAX_HEADER_BYTES} bytes", "header_size")
 
     def on_message_begin(self) -> None:
         self._begun = True
@@ -165,9 +179,28 @@ class Connection(HttpToolsProtocol):
         self._in_headers, self._header_bytes = False, 0
         extensions = self.scope.setdefault("extensions", {})  # (before the request's task runs)
         extensions[ABORT], extensions[JOIN], extensions[LOST] = self.transport.abort, self._joining.hold, self._watch
-        super().on_headers_complete()
+        cap = self.max_connections
+        if cap is not None and (len(self.connections) > cap or len(self.tasks) > cap):
+            # (the connections open count this one: uvicorn's limit_concurrency, given cap + 1, refused so)
+            app, self.app = self.app, self._over_cap  # (the request's task runs self.app)
+            try:
+                super().on_headers_complete()
+            finally:
+                self.app = app
+        else:
+            super().on_headers_complete()
         if self.cycle is not None:  # (None where an upgrade took the first request)
             self.cycle.transport = self._joining  # (the cycles of one connection write one after another)
+
+    async def _over_cap(self, scope, receive, send) -> None:
+        """The application of a request that came over the cap: 503, and the connection closes."""
+        self.refused(503, "max_connections")
+        body = json.dumps({"error": f"the server serves {self.max_connections} connections at once, and more are "
+                                    f"open; retry later"}).encode()
+        await send({"type": "http.response.start", "status": 503,
+                    "headers": [(b"content-type", b"application/json"), (b"retry-after", b"1"),
+                                (b"connection", b"close"), (b"content-length", b"%d" % len(body))]})
+        await send({"type": "http.response.body", "body": body})
 
     def on_message_complete(self) -> None:
         super().on_message_complete()
@@ -206,15 +239,17 @@ class Connection(HttpToolsProtocol):
     def _headers_late(self) -> None:
         self._header_timer = None
         if self._in_headers and self._begun:
-            self._refuse(408, f"the request's headers had not all arrived after {self.header_timeout:g} s")
+            self._refuse(408, f"the request's headers had not all arrived after {self.header_timeout:g} s",
+                         "header_timeout")
         else:  # (nothing of a request had arrived, or only the rest of a body already answered)
             self.transport.close()
 
-    def _refuse(self, status: int, message: str) -> None:
+    def _refuse(self, status: int, message: str, reason: str) -> None:
         """Answer ``status`` with the protocol's JSON error where no answer is being sent on this
-        connection, and close it."""
+        connection, and close it; counted for ``reason`` (where answered)."""
         self._disarm()
         if self.cycle is None or self.cycle.response_complete:
+            self.refused(status, reason)
             body = json.dumps({"error": message}).encode()
             head = [f"HTTP/1.1 {status} {_PHRASES[status]}\r\n".encode()]
             for name, value in self.server_state.default_headers:

@@ -37,14 +37,14 @@ class Metrics(Observer):
                                         buckets=_QUERIES, registry=r)
         self.request = Histogram("lik_serve_request_seconds", "End-to-end time of an inference request in the "
                                  "server, from its body read to its response", ["model"], buckets=_SECONDS, registry=r)
-        self.rejected_total = Counter("lik_serve_rejected", "Requests answered without a result: overloaded (a full "
-                                      "queue, 503), deadline (expired in the queue, or a gRPC call's anywhere, 504) "
-                                      "or cancelled (the client went away first, 499)", ["model", "reason"],
+        self.rejected_total = Counter("lik_serve_rejected", "Requests refused or given up, by model and reason "
+                                      "(docs/serving.md lists the reasons; model empty: a request that named no "
+                                      "model served, or was refused before it was read)", ["model", "reason"],
                                       registry=r)
         self.responses = Counter("lik_serve_responses", "Inference responses by model and HTTP status (gRPC's "
                                  "by the HTTP status of the same outcome; 499: the client went away first; model "
-                                 "empty: a gRPC call that ended before its message arrived)", ["model", "code"],
-                                 registry=r)
+                                 "empty: a request that named no model served, or was refused before it was read)",
+                                 ["model", "code"], registry=r)
         self._depth = _QueueDepth(batcher)
         r.register(self._depth)
         self._totals = {op: dict.fromkeys(_TOTALS, 0) for op in OPERATIONS}
@@ -52,6 +52,7 @@ class Metrics(Observer):
         # Each label set's children, looked up once: a labels() call costs a microsecond a metric and request.
         self._per_call: dict = {}
         self._per_response: dict = {}
+        self._per_reject: dict = {}
 
     def exposition(self) -> bytes:
         """The Prometheus text. Under ``lik serve --processes`` (prometheus-client's multiprocess mode:
@@ -91,7 +92,17 @@ class Metrics(Observer):
             t["compute_ns"] += int(compute_s * 1e9)
 
     def rejected(self, op: str, reason: str) -> None:
-        self.rejected_total.labels(op, reason).inc()
+        child = self._per_reject.get((op, reason))
+        if child is None:  # (a refused request is cheap, and a server under load refuses many)
+            child = self._per_reject[op, reason] = self.rejected_total.labels(op, reason)
+        child.inc()
+
+    def refused_unread(self, status: int, reason: str) -> None:
+        """A request answered ``status`` for ``reason`` before the server had read it (its headers
+        came too slowly or too large, or it came over the server-wide caps), whatever it asked:
+        counted rejected and responded under no model, untimed."""
+        self.rejected("", reason)
+        self.responses.labels("", str(status)).inc()
 
     def responded(self, op: str, status: int, seconds: float) -> None:
         """A transport answered an inference request of model ``op`` with HTTP's ``status`` (or gave it

@@ -5,8 +5,9 @@ encode what it returns or the :class:`Refused` it raises.
 :class:`Refused` carries the HTTP status of the outcome (400 a bad request, 404 an unknown model or
 version, 408 its body too slow to arrive, 413 too large, 503 overloaded / not ready / stopping /
 its cluster's scheduler lost, 504 deadline passed in the queue or the corpus's cluster did not answer
-within its timeout, 500 the corpus call failed); the gRPC transport maps it to a status
-code, and the metrics count it by that status whichever transport answered. A request its transport gives up on (its task cancelled:
+within its timeout, 500 the corpus call failed) and its reason (:data:`REASONS`); the gRPC transport
+maps it to a status code, and the metrics count it by that status and reason whichever transport
+answered (:func:`refused`). A request its transport gives up on (its task cancelled:
 the client went away, or a gRPC deadline passed) is dropped from the queue if still there, and
 counted by :func:`abandoned`. A request whose deadline passes while it is queued is answered 504 at
 that deadline, by the batcher's timer, even while the worker is busy with a batch.
@@ -98,14 +99,42 @@ MAX_CONNECTIONS = GRPC_MAX_CALLS = 8192
 UNNAMED = ""
 
 
+# Why a request was refused or given up, as the metrics label it (lik_serve_rejected_total's
+# ``reason``), and the HTTP status it is answered with (gRPC: the same outcome's); docs/serving.md
+# lists them. A status that one reason alone gives is that reason's where a Refused names none.
+REASONS = {
+    "invalid": 400,          # a bad request (the error names the problem), or a gRPC call ended without a message
+    "not_found": 404,        # an unknown model or version
+    "too_large": 413,        # a body over the limit, or a request that alone takes more than the budget
+    "header_timeout": 408,   # its line and headers did not all arrive within --header-timeout
+    "body_timeout": 408,     # its body (gRPC: message) arrived too slowly (--body-timeout, --body-min-rate)
+    "header_size": 431,      # its line and headers take over 64 KiB
+    "overloaded": 503,       # every queue full
+    "budget": 503,           # the server holds its limit of request bytes
+    "not_ready": 503,        # loading, a peer process still loading, or a replica unreachable (--scheduler)
+    "stopping": 503,         # the server is stopping
+    "max_connections": 503,  # more HTTP connections open than --max-connections
+    "max_calls": 503,        # as many gRPC calls in progress as --grpc-max-calls (RESOURCE_EXHAUSTED)
+    "deadline": 504,         # its deadline passed in the queue (or, gRPC's, anywhere)
+    "cluster_timeout": 504,  # the corpus's cluster did not answer within --cluster-timeout
+    "error": 500,            # the corpus call failed, or the server did
+    "cancelled": 499,        # its client went away before it was scored
+    "answer_timeout": 200,   # answered, and dropped: its client took the answer too slowly
+}
+_STATUS_REASON = {400: "invalid", 404: "not_found", 413: "too_large", 500: "error"}
+
+
 class Refused(Exception):
     """A request answered with an error: ``status`` is its HTTP status; ``retry``: the client may
     retry later (503 with ``Retry-After``); ``close``: the connection closes after the answer (the
-    rest of the request is not read)."""
+    rest of the request is not read); ``reason``: why, as :data:`REASONS` names it (given where the
+    status has several); ``counted``: the batcher has counted it rejected already."""
 
-    def __init__(self, status: int, message: str, retry: bool = False, close: bool = False):
+    def __init__(self, status: int, message: str, retry: bool = False, close: bool = False,
+                 reason: str | None = None, counted: bool = False):
         super().__init__(message)
-        self.status, self.retry, self.close = status, retry, close
+        self.status, self.retry, self.close, self.counted = status, retry, close, counted
+        self.reason = _STATUS_REASON[status] if reason is None else reason
 
 
 def check_limits(header_timeout: float, body_timeout: float, body_min_rate: int,
@@ -175,6 +204,7 @@ class Service:
         # gRPC calls whose message has arrived, neither queued nor answered yet: as the server stops, its
         # queues close once there are none (all_queued). uvicorn waits for HTTP's requests itself.
         self.unqueued = 0
+        self.grpc_calls = 0  # gRPC calls in progress, until each has ended (answer sent): --grpc-max-calls
         self._stopped = False  # stop() was called: a load that ends after it closes what it made
         self._loading = threading.Lock()  # (stop() against the load's hand-over of its batcher, and its turning ready)
         self._cancel_load = None
@@ -238,7 +268,7 @@ class Service:
         body and no more kept it from stopping for as long as it stayed connected."""
         self.stopping = True
         for clock in list(self.reading):
-            clock.cancel(Refused(503, STOPPING))
+            clock.cancel(Refused(503, STOPPING, reason="stopping"))
 
     def stop(self) -> None:
         """Take no new requests and answer those queued (blocks until they are scored); a load still
@@ -267,7 +297,7 @@ class Service:
         with self._count:
             if self.held + nbytes > self.max_held:
                 raise Refused(503, f"the server holds {self.held} bytes of requests, its limit is {self.max_held}; "
-                                   f"retry later", retry=True)
+                                   f"retry later", retry=True, reason="budget")
             self.held += nbytes
 
     def keep(self, nbytes: int) -> None:
@@ -279,6 +309,10 @@ class Service:
     def release(self, nbytes: int) -> None:
         with self._count:
             self.held -= nbytes
+
+    def grpc_call_ended(self, context) -> None:
+        """A gRPC call counted in :attr:`grpc_calls` has ended (grpcio's done callback: from the event loop)."""
+        self.grpc_calls -= 1
 
 
 class Held:
@@ -377,7 +411,8 @@ class BodyClock:
             why = (f"{stopped}: nothing for {self.timeout:g} s, after {self.n} bytes" if now >= self.last + self.timeout
                    else f"{moves} too slowly: {self.n} bytes in {took:.1f} s; after {self.timeout:g} s the server "
                         f"{verb} {self.rate} bytes a second at least")
-        self.cancel(Refused(408, why, close=True))
+        self.cancel(Refused(408, why, close=True,
+                            reason="answer_timeout" if self.kind == "answer" else "body_timeout"))
 
 
 _LATE = {"body": ("the request's body stopped arriving", "the request's body arrives", "takes"),
@@ -390,7 +425,7 @@ async def arrival(svc: Service, read, whole: bool = False):
     (closing the connection) when the body arrives too slowly, 503 when the server begins to stop
     first (:meth:`Service.stop_reading`)."""
     if svc.stopping:
-        raise Refused(503, STOPPING)
+        raise Refused(503, STOPPING, reason="stopping")
     return await _timed(svc, read, "message" if whole else "body", svc.reading)
 
 
@@ -414,7 +449,7 @@ async def _timed(svc: Service, transfer, kind: str, clocks: set | None):
             # (a new one: raising clock.why would tie it, through its traceback's frames, to this
             # clock and the transfer's body until the garbage collector came)
             why = clock.why
-            raise Refused(why.status, str(why), why.retry, why.close) from None
+            raise Refused(why.status, str(why), why.retry, why.close, why.reason) from None
         raise
     finally:
         clock.stop()
@@ -455,7 +490,12 @@ def check_model(model: str, version: str = "") -> None:
 def check_ready(svc: Service) -> None:
     why = svc.not_ready()
     if why is not None:
-        raise Refused(503, why, retry=True)
+        raise Refused(503, why, retry=True, reason=_unready(svc))
+
+
+def _unready(svc: Service) -> str:
+    """The reason of a refusal while ``svc`` is not ready (:data:`REASONS`)."""
+    return "stopping" if svc.stopping or svc._stopped else "not_ready"
 
 
 def tensor_specs(svc: Service, model: str, version: str = "") -> tuple[list, list]:
@@ -467,7 +507,7 @@ def tensor_specs(svc: Service, model: str, version: str = "") -> tuple[list, lis
     ``--shape`` replaces a shape with -1s whole, of either rank)."""
     check_model(model, version)
     if svc.batcher is None:
-        raise Refused(503, "the corpus is still loading", retry=True)
+        raise Refused(503, "the corpus is still loading", retry=True, reason="not_ready")
     c = svc.batcher.corpus
     qtype = "FP32" if scaled_dtype(c.dtype) else _tensors.DATATYPES[c.dtype]
     ids = "BYTES" if svc.ids.kind == "string" else "INT64"
@@ -508,8 +548,7 @@ async def infer(svc: Service, model: str, inputs: dict[str, np.ndarray], params:
         timeout, precision = _parameters(params)
         if deadline_s is not None:
             if deadline_s <= 0:
-                svc.metrics.rejected(model, "deadline")  # as the batcher counts one that expires in the queue
-                raise Refused(504, "the request's deadline passed before it was queued")
+                raise Refused(504, "the request's deadline passed before it was queued", reason="deadline")
             timeout = deadline_s if timeout is None else min(timeout, deadline_s)
     except (ValueError, TypeError) as e:
         raise Refused(400, str(e)) from None
@@ -542,10 +581,10 @@ async def infer(svc: Service, model: str, inputs: dict[str, np.ndarray], params:
                                         quiet=quiet)
         except (ValueError, TypeError) as e:
             raise Refused(400, str(e)) from None
-        except Overloaded as e:
-            raise Refused(503, str(e), retry=True) from None
+        except Overloaded as e:  # (counted by the batcher)
+            raise Refused(503, str(e), retry=True, reason="overloaded", counted=True) from None
         except ShuttingDown as e:
-            raise Refused(503, str(e)) from None
+            raise Refused(503, str(e), reason="stopping") from None
         svc.count("accepted")
         gone = False
         try:
@@ -560,14 +599,14 @@ async def infer(svc: Service, model: str, inputs: dict[str, np.ndarray], params:
             if not future.cancel() and future.done() and isinstance(future.exception(), DeadlineExceeded):
                 _expired_in_queue.set(True)
             raise
-        except DeadlineExceeded as e:
-            raise Refused(504, str(e)) from None
+        except DeadlineExceeded as e:  # (counted by the batcher's timer)
+            raise Refused(504, str(e), reason="deadline", counted=True) from None
         except TimeoutError as e:  # the corpus's cluster did not answer in time: no fault of the request
-            raise Refused(504, f"{type(e).__name__}: {e}") from None
+            raise Refused(504, f"{type(e).__name__}: {e}", reason="cluster_timeout") from None
         except Exception as e:  # noqa: BLE001 - the corpus call failed: say so, keep serving
             why = svc.not_ready()  # (a replica lost meanwhile: the failure is its, a retry may succeed)
             if why is not None:
-                raise Refused(503, why, retry=True) from None
+                raise Refused(503, why, retry=True, reason=_unready(svc)) from None
             raise Refused(500, f"{type(e).__name__}: {e}") from None
         finally:
             svc.count("dropped" if gone else "answered")
@@ -581,11 +620,18 @@ async def infer(svc: Service, model: str, inputs: dict[str, np.ndarray], params:
 
 def responded(svc: Service, model: str, status: int, start: float) -> None:
     """Count an inference answer of ``status`` (HTTP's) for the metrics, timed from ``start``
-    (perf_counter); ``model`` :data:`UNNAMED` where the request named none (a gRPC call's message
-    had not arrived). An unknown model's is not counted (its name would be a label of the client's
-    choosing)."""
-    if model in MODELS or model == UNNAMED:
-        svc.metrics.responded(model, status, time.perf_counter() - start)
+    (perf_counter); under :data:`UNNAMED` where the request named no model that the server serves
+    (a gRPC call's message had not arrived; an unknown model's name would be a label of the
+    client's choosing)."""
+    svc.metrics.responded(model if model in MODELS else UNNAMED, status, time.perf_counter() - start)
+
+
+def refused(svc: Service, model: str, e: Refused, start: float) -> None:
+    """Count a request of ``model`` answered with the :class:`Refused` ``e``: rejected for its
+    reason (unless the batcher counted it), and its answer (:func:`responded`)."""
+    if not e.counted:
+        svc.metrics.rejected(model if model in MODELS else UNNAMED, e.reason)
+    responded(svc, model, e.status, start)
 
 
 def abandoned(svc: Service, model: str, start: float, expired: bool) -> None:

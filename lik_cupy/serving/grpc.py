@@ -13,13 +13,15 @@ answered ``DEADLINE_EXCEEDED`` then, even while a batch runs, and never scored; 
 message does not arrive in time (``_service.arrival``). Errors: ``INVALID_ARGUMENT`` (the message
 names the problem), ``NOT_FOUND`` (unknown model or version), ``RESOURCE_EXHAUSTED`` (a message over
 the HTTP body limit), ``UNAVAILABLE`` (overloaded, not ready or stopping), ``DEADLINE_EXCEEDED`` and
-``INTERNAL``. Each is counted in the metrics as the HTTP status of the same outcome, and so are
-calls that grpcio cancels (the client cancelled: 499; the deadline passed: 504); those that end
-before their message (which names the model) arrived under no model (``_service.UNNAMED``). A
-connection may have ``svc.grpc_max_streams`` calls at once (``lik serve --grpc-max-streams``), and
-closes after ``svc.header_timeout`` without one; the server serves ``svc.grpc_max_calls`` at once
-(``--grpc-max-calls``), refusing more ``RESOURCE_EXHAUSTED`` (:func:`start_server`). Every RPC's
-message must arrive within ModelInfer's bound (:func:`_unary`).
+``INTERNAL``. Each is counted in the metrics as the HTTP status of the same outcome, with its
+reason (``_service.REASONS``), and so are calls that grpcio cancels (the client cancelled: 499; the
+deadline passed: 504; once scored, 200, as HTTP counts them); those that end before their message
+(which names the model) arrived under no model (``_service.UNNAMED``). A connection may have
+``svc.grpc_max_streams`` calls at once (``lik serve --grpc-max-streams``), and closes after
+``svc.header_timeout`` without one; the server serves ``svc.grpc_max_calls`` at once
+(``--grpc-max-calls``), refusing more ``RESOURCE_EXHAUSTED`` (:func:`_admitted`), counted. An answer
+of over 256 KiB is held against the server's budget until the call ends. Every RPC's message must
+arrive within ModelInfer's bound (:func:`_unary`).
 """
 
 from __future__ import annotations
@@ -75,12 +77,13 @@ async def start_server(svc: Service, address: str, shared: bool = False) -> grpc
     # HTTP takes 64 KiB) and a client's pings (closed when it pings more often than every 5 minutes
     # without data).
     header_ms = min(max(1, round(svc.header_timeout * 1000)), 2**31 - 1)
-    # The calls at once over all connections are capped too (svc.grpc_max_calls; grpcio refuses one
-    # over it RESOURCE_EXHAUSTED before its handler runs), as HTTP's connections are.
+    # The calls at once over all connections are capped too (svc.grpc_max_calls), as HTTP's
+    # connections are, by the handlers (_admitted): grpcio's maximum_concurrent_rpcs refuses a call over
+    # it before any handler runs, and tells the server nothing to count.
     options = [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", -1),
                ("grpc.so_reuseport", int(shared)), ("grpc.server_handshake_timeout_ms", header_ms),
                ("grpc.max_connection_idle_ms", header_ms), ("grpc.max_concurrent_streams", svc.grpc_max_streams)]
-    server = grpc.aio.server(options=options, maximum_concurrent_rpcs=svc.grpc_max_calls)
+    server = grpc.aio.server(options=options)
     handlers = _handlers(_Servicer(svc))
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(_SERVICE.full_name, handlers),))
     if hasattr(server, "add_registered_method_handlers"):  # (grpcio 1.63+: found without the generic lookup)
@@ -141,7 +144,9 @@ class _Servicer(rpc.GRPCInferenceServiceServicer):
         # the call begins, so that the wait for its message is timed (_message) and ends at shutdown;
         # and it takes the message's bytes, so that its raw contents are read in place.
         svc, model, start = self.svc, None, time.perf_counter()
-        held, unqueued = Held(svc), False
+        if not _admitted(svc, context):
+            await _over_cap(svc, context)
+        held, unqueued, scored = Held(svc), False, False
 
         def queued() -> None:  # (the call is queued, or done: as the server stops, its queues wait till then)
             nonlocal unqueued
@@ -178,21 +183,50 @@ class _Servicer(rpc.GRPCInferenceServiceServicer):
             out, reply = await _service.infer(svc, model, inputs, params, deadline_s=remaining, on_wait=queued,
                                               held=held)
             queued()
+            scored = True
             if sum(out[n].size for n in names if out[n].dtype.kind in "US") > INLINE_WRITE_VALUES:  # (string ids)
                 response = await _service.off_loop(svc, held, _response, request, reply, out, names)
             else:
                 response = _response(request, reply, out, names)
         except Refused as e:  # (before its message, or its model's name, arrived: counted under none)
-            _service.responded(svc, _service.UNNAMED if model is None else model, e.status, start)
+            _service.refused(svc, _service.UNNAMED if model is None else model, e, start)
             await context.abort(_CODES[e.status], str(e))
         except asyncio.CancelledError:  # grpcio cancels the task when the client cancels or the deadline passes
-            _given_up(svc, context, _service.UNNAMED if model is None else model, start)
+            if scored:  # (answered, its answer unsent: as HTTP counts a client that leaves while its answer is written)
+                _service.responded(svc, model, 200, start)
+            else:
+                _given_up(svc, context, _service.UNNAMED if model is None else model, start)
             raise
         finally:
             queued()
             held.release()
         _service.responded(svc, model, 200, start)
+        size = response.ByteSize()  # (0.2 us: protobuf adds up the sizes it keeps)
+        if size > _HOLD_ANSWER:
+            # Held until grpcio has sent it (the call's end), as HTTP holds its large answers: the
+            # message and the bytes grpcio serializes it to, which it keeps until then.
+            svc.keep(2 * size)
+            context.add_done_callback(lambda _: svc.release(2 * size))
         return response
+
+
+def _admitted(svc: Service, context) -> bool:
+    """Whether a call is served: it is counted in ``svc.grpc_calls`` until it ends (its answer sent),
+    unless as many as ``svc.grpc_max_calls`` are in progress (then :func:`_over_cap`)."""
+    if svc.grpc_calls >= svc.grpc_max_calls:
+        return False
+    svc.grpc_calls += 1
+    context.add_done_callback(svc.grpc_call_ended)
+    return True
+
+
+async def _over_cap(svc: Service, context) -> None:
+    """Abort a call over ``svc.grpc_max_calls`` ``RESOURCE_EXHAUSTED``, counted as HTTP's 503 over
+    ``--max-connections`` is, under no model (``max_calls``): its message is not read."""
+    svc.metrics.refused_unread(503, "max_calls")
+    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        f"the server serves {svc.grpc_max_calls} gRPC calls at once, and as many are in progress; "
+                        f"retry later")
 
 
 async def _without_message(svc: Service, context, start: float) -> None:
@@ -203,7 +237,7 @@ async def _without_message(svc: Service, context, start: float) -> None:
     try:
         await context.abort(_CODES[400], "the call ended without a request message")
     except grpc.aio.AbortError:  # (the status was sent)
-        _service.responded(svc, _service.UNNAMED, 400, start)
+        _service.refused(svc, _service.UNNAMED, Refused(400, "the call ended without a request message"), start)
         raise
     except Exception:
         _given_up(svc, context, _service.UNNAMED, start)
@@ -244,8 +278,10 @@ def _unary(svc: Service, method, parse, name: str):
     by ``parse``: the call ends ``DEADLINE_EXCEEDED`` where the message does not arrive within
     ModelInfer's bound (:func:`_message`), ``UNAVAILABLE`` where the server begins to stop first,
     ``INVALID_ARGUMENT`` where it ends without one or ``parse`` cannot read it. Not counted in the
-    metrics, as HTTP's requests other than inference are not."""
+    metrics, as HTTP's requests other than inference are not (but over ``--grpc-max-calls``)."""
     async def handler(requests, context):
+        if not _admitted(svc, context):
+            await _over_cap(svc, context)
         try:
             data = await _message(svc, context)
             if data is grpc.aio.EOF:
@@ -361,6 +397,7 @@ async def _checked(context, fn, *args):
 
 
 _SEND_RAW = "send fewer values or BYTES elements a request, or numbers as raw_input_contents"
+_HOLD_ANSWER = 256 << 10  # an answer's bytes past which it is held until sent (HTTP's _SEND_AT_ONCE)
 
 
 def _request(request, raw: list, outputs: tuple[str, ...], hold=None) -> tuple[dict[str, np.ndarray], dict, list[str]]:

@@ -21,11 +21,13 @@ for a bad request (the message names the problem), 404 for an unknown model, a v
 that came too slowly (``header_timeout``, ``body_timeout``, ``body_min_rate``; the connection then
 closes), 413 for a body over ``max_body_bytes`` (decompressed too) or one whose reading or outputs
 would take more memory than the server holds for all its requests, 431 for headers over 64 KiB, 503 with
-``Retry-After`` when every queue is full or the server is not ready or stopping (without, for a body
-that had not all arrived when the server began to stop), 504 when the deadline passed in the queue
+``Retry-After`` when every queue is full, the server holds its budget, is not ready or stopping (without,
+for a body that had not all arrived when the server began to stop), or more than ``max_connections``
+are open, 504 when the deadline passed in the queue
 (answered at that deadline, even while a batch runs; never scored); each with the JSON body
 ``{"error": "..."}``. A request whose client disconnects before its answer is dropped from the
-queue, unscored, and counted with status 499. A large request is read, and a large answer written,
+queue, unscored, and counted with status 499. Every refusal is counted in the metrics with its
+reason (``_service.REASONS``). A large request is read, and a large answer written,
 on the server's parse thread, the event loop serving the others meanwhile (``_service.off_loop``);
 a large answer is sent in slices of its arrays, and a client too slow to take it dropped. See
 docs/serving.md.
@@ -435,12 +437,11 @@ def _serve_on(app, sock: socket.socket) -> None:
             svc.stop_reading()  # (before uvicorn waits for every connection's request)
             await super().shutdown(sockets)
 
-    # uvicorn answers 503 (and closes the connection) to a request that comes while limit_concurrency
-    # connections or more are open, its own among them, or as many requests are running: so that
-    # max_connections are served, one more.
+    # The connections keep the cap on connections (uvicorn's limit_concurrency would answer over it
+    # uncounted), and count what they refuse before the application sees a request.
     server = Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on",
-                                   http=connection_class(svc.header_timeout),
-                                   limit_concurrency=svc.max_connections + 1))
+                                   http=connection_class(svc.header_timeout, svc.max_connections,
+                                                         svc.metrics.refused_unread)))
     svc.on_failure = lambda: setattr(server, "should_exit", True)
     # uvicorn stops gracefully on SIGINT or SIGTERM, then raises the signal again for the handler it
     # found; the queue is drained by then, so that handler does nothing and run returns.
@@ -493,21 +494,24 @@ async def _answer_infer(svc: Service, model: str, version: str, scope, receive, 
     lost = scope.get("extensions", {}).get(LOST, _unwatched)
     try:
         status, body, head = await _infer(svc, model, version, headers, receive, lost, held)
-    except Refused as e:
-        status, body, head = _refused(e)
     except _Disconnected:
         _service.abandoned(svc, model, start, expired=False)
         return
-    except Exception as e:  # noqa: BLE001 - a fault of ours: say so, keep serving
-        _log.exception("inference request failed")
-        status, body, head = 500, _error_json(f"internal error: {type(e).__name__}: {e}"), _JSON
+    except Exception as e:  # noqa: BLE001 - a Refused, or a fault of ours: say so, keep serving
+        if not isinstance(e, Refused):
+            _log.exception("inference request failed")
+            e = Refused(500, f"internal error: {type(e).__name__}: {e}")
+        _service.refused(svc, model, e, start)
+        status, body, head = _refused(e)
+    else:
+        _service.responded(svc, model, 200, start)
     finally:
         held.release()
-    _service.responded(svc, model, status, start)
-    await _send(send, status, body, head, svc, scope)
+    await _send(send, status, body, head, svc, scope, model)
 
 
-async def _send(send, status: int, body: bytes | list, head: tuple, svc: Service, scope: dict) -> None:
+async def _send(send, status: int, body: bytes | list, head: tuple, svc: Service, scope: dict,
+                model: str = _service.UNNAMED) -> None:
     """Send an answer: ``body`` bytes, or a list of pieces (bytes-like: :func:`_tensors.write_response`'s).
     Up to :data:`_SEND_AT_ONCE` in all, they go in one write with the status line and headers (the
     connection's extension :data:`JOIN`). More go a slice of at most :data:`_SLICE` at a time,
@@ -516,7 +520,8 @@ async def _send(send, status: int, body: bytes | list, head: tuple, svc: Service
     held against ``svc``'s budget until sent, and timed as a request's body is (its client must
     take it as fast): a client too slow has its connection dropped (``scope``'s extension
     :data:`ABORT`), which frees the answer, where it held it and the server's shutdown for as long
-    as it stayed connected."""
+    as it stayed connected; counted rejected (``answer_timeout``) under ``model``, its answer
+    counted already."""
     if isinstance(body, list):
         size = sum(len(p) for p in body)
         if size <= _SEND_AT_ONCE:
@@ -538,6 +543,7 @@ async def _send(send, status: int, body: bytes | list, head: tuple, svc: Service
         await _service.departure(svc, lambda clock: _slices(send, body, clock))
     except Refused as e:
         _log.warning("lik serve: %s; the connection is dropped", e)
+        svc.metrics.rejected(model if model in MODELS else _service.UNNAMED, e.reason)
         abort = scope.get("extensions", {}).get(ABORT)
         if abort is not None:
             abort()
