@@ -484,7 +484,6 @@ def test_a_call_that_alone_takes_more_than_the_budget_is_resource_exhausted(caps
     from tritonclient.grpc import service_pb2 as pb, service_pb2_grpc as rpc
 
     from lik_cupy.serving import Batcher
-    from lik_cupy.serving import grpc as lik_grpc
     from lik_cupy.serving._service import Service
 
     nd = 2000  # (one-token documents: a score answers 4 * nd bytes a query)
@@ -494,12 +493,7 @@ def test_a_call_that_alone_takes_more_than_the_budget_is_resource_exhausted(caps
     assert svc.max_held == 8 * 4 * nd
 
     async def main():
-        svc.start()
-        while not svc.ready:
-            assert svc.failure is None
-            await asyncio.sleep(0.01)
-        server = await lik_grpc.start_server(svc, "127.0.0.1:0")
-        port = re.search(r"listening on grpc://127\.0\.0\.1:(\d+)", capsys.readouterr().err).group(1)
+        server, port = await _in_process_server(svc, capsys)
         got = []
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:

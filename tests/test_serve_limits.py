@@ -67,13 +67,22 @@ def test_http_connections_over_the_cap_are_refused_503(shard):
         assert _get(a) == 200 and _get(b) == 200  # (two connections open, kept alive)
         status, head, body = _response(c, "/v2/health/live")  # (a third)
         assert status == 503
-        c.close()
-        status, _, text = _response(a, "/metrics")  # (the 503 closed its connection: two again)
-        assert status == 200
-        assert _sample(text.decode(), "lik_serve_rejected_total", model="", reason="max_connections") == 1.0
-        assert _sample(text.decode(), "lik_serve_responses_total", model="", code="503") == 1.0
         assert head["connection"] == "close" and head["retry-after"] == "1", head
         assert json.loads(body) == {"error": "the server serves 2 connections at once, and more are open; retry later"}
+        c.close()
+        a.close()
+        refused = [1]  # (the 503s seen: each new connection below is refused until the server has seen c close)
+
+        def served() -> bool:
+            status = server.get("/v2/health/ready")[0]
+            refused[0] += status == 503
+            return status == 200
+
+        _until(served, "a new connection served once the 503 closed its own")  # (b and it: two again)
+        status, _, text = _response(b, "/metrics")
+        assert status == 200
+        assert _sample(text.decode(), "lik_serve_rejected_total", model="", reason="max_connections") == refused[0]
+        assert _sample(text.decode(), "lik_serve_responses_total", model="", code="503") == refused[0]
         b.close()
         # (a new connection, once the server has seen b close: the cap holds open connections)
         _until(lambda: server.get("/v2/health/ready")[0] == 200, "a new connection served")
