@@ -1014,7 +1014,15 @@ class DistributedCorpus:
         lock, box = threading.Lock(), {}
 
         def connect():
-            c = distributed.Client(address, security=security, timeout=connect_s, set_as_default=False)
+            c = distributed.Client.__new__(distributed.Client)
+            try:
+                c.__init__(address, security=security, timeout=connect_s, set_as_default=False)
+            except BaseException:
+                # Dask leaves a client that failed to connect with its IO loop thread running: one
+                # thread more per attempt, for a reload tried again while the scheduler stays away
+                with contextlib.suppress(Exception):
+                    c._loop_runner.stop()
+                raise
             with lock:
                 if not box.get("late"):
                     box["client"] = c

@@ -1293,6 +1293,41 @@ def test_reload_puts_the_corpus_back_after_its_scheduler_restarted_or_its_client
             cluster.close()
 
 
+def test_a_reload_that_cannot_connect_leaves_no_thread_behind(corpus_files):
+    """reload() of a corpus whose client closed for good, with no scheduler at its address: Dask left
+    the IO loop thread of each new Client that failed to connect running, so a reload tried again
+    for as long as the scheduler stayed away (as ``lik serve --scheduler`` does) gained a thread per
+    attempt, for the life of the process. The failed client's loop now stops with it."""
+    import socket
+
+    import dask.config
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cluster, client = _at(port), None
+
+    def loops() -> int:
+        return sum(t.name == "IO loop" for t in threading.enumerate())
+
+    with dask.config.set({"distributed.comm.timeouts.connect": "1s"}):
+        try:
+            client = distributed.Client(f"tcp://127.0.0.1:{port}")
+            corpus = DistributedCorpus(client, corpus_files[0][:2], backend="cpu")
+            cluster.close()
+            _until(lambda: client.status == "closed", "the client did not close past its timeout")
+            before = loops()
+            for _ in range(3):
+                with pytest.raises(ConnectionError, match="could not connect a new client to the scheduler at"):
+                    corpus.reload()
+            assert loops() == before
+            corpus.close()
+        finally:
+            if client is not None:
+                client.close()
+            cluster.close()
+
+
 def test_lik_score_names_a_scheduler_whose_client_closed(client, corpus_files, tmp_path, rng, monkeypatch):
     """A run whose client closed mid-run (Dask closes it when its scheduler stays away past the
     reconnect timeout, 30 s) ended in an internal error: the handler of the lost connection read

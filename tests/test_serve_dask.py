@@ -514,6 +514,86 @@ def test_a_cluster_replica_is_unavailable_until_its_scheduler_is_known_and_heals
         assert b.unavailable() is None
 
 
+def test_a_cluster_replica_turns_ready_only_on_the_scheduler_it_reloaded_onto(capsys):
+    """A reload that ended with the scheduler again a new one (one restarting twice in a row; the
+    corpus loaded onto the scheduler in between): the replica said "ready again" and turned
+    available at once, until the watch's next question 2 s later, every request meanwhile
+    reaching a scheduler without the corpus. It now asks once the reload is done, and reloads
+    again, unavailable meanwhile."""
+    from lik_cupy.serving._cluster import ClusterCorpus
+
+    class Again(_FakeDistributed):
+        def reload(self):
+            self.reloads += 1
+            if self.reloads == 1:  # loaded, but by then the scheduler is a new one again
+                self.lost_why = "it restarted again"
+                return
+            self.go.wait(60)
+            self.lost_why = None
+
+    fake = Again()
+    fake.lost_why = "it restarted"
+    replica = ClusterCorpus(fake)
+    try:
+        replica.watch()
+        _until(lambda: fake.reloads == 2, "the watch did not reload the corpus again")
+        assert replica.unavailable() == "reloading the corpus onto the Dask cluster at tcp://10.0.0.1:8786: it restarted"
+        err = capsys.readouterr().err
+        assert "ready again" not in err, err
+        assert ("lik serve: reloading the corpus onto the Dask cluster at tcp://10.0.0.1:8786 failed (attempt 1): "
+                "ConnectionError: the shards loaded, but it restarted again; trying again in 0.5 s\n") in err, err
+        fake.go.set()
+        _until(lambda: replica.unavailable() is None, "unavailable once the corpus reloaded")
+    finally:
+        replica.close()
+    err = capsys.readouterr().err
+    assert "lik serve: ready again: the corpus is loaded on the Dask cluster at tcp://10.0.0.1:8786 (attempt 2)\n" \
+        in err, err
+
+
+def test_a_call_that_fails_across_a_reload_is_refused_as_the_cluster_s_not_the_request_s():
+    """A batch that began before its scheduler restarted and failed only once the corpus had been
+    reloaded onto the new one: asked then, the cluster held the corpus again, so the failure
+    ("worker ... has no corpus") went out as the request's own (500). A call that fails while a
+    reload begun since it started is under way or done is now a ConnectionError (503: retry)."""
+    from lik_cupy.serving._cluster import ClusterCorpus
+
+    entered, leave = threading.Event(), threading.Event()
+
+    class Slow(_FakeDistributed):
+        def search(self, Q, k, q_lengths):
+            entered.set()
+            leave.wait(60)
+            raise RuntimeError("lik_cupy.distributed: worker tcp://10.0.0.2:4000 has no corpus lik-cupy-corpus-0")
+
+    fake = Slow()
+    replica = ClusterCorpus(fake)
+    got = []
+
+    def call():
+        try:
+            replica.search(np.ones((3, DIM), np.float32), 2, q_offsets=np.array([0, 3]))
+        except Exception as e:  # noqa: BLE001 - the test's to check
+            got.append(e)
+
+    t = threading.Thread(target=call)
+    try:
+        t.start()
+        assert entered.wait(30)
+        fake.lost_why = "it restarted"
+        replica.watch()
+        _until(lambda: fake.reloads == 1, "the watch did not reload the lost corpus")
+        fake.go.set()
+        _until(lambda: replica.unavailable() is None, "unavailable once the corpus reloaded")
+        leave.set()
+        t.join(30)
+    finally:
+        leave.set()
+        replica.close()
+    assert len(got) == 1 and isinstance(got[0], ConnectionError), got
+    assert "reloaded onto the Dask cluster at tcp://10.0.0.1:8786 while the call ran" in str(got[0]), got
+
+
 class _FakeDistributed:
     """A stand-in for a DistributedCorpus of 5 documents: its client's ``status`` is the test's to
     set; each call counts itself and raises ``error`` (TimeoutError, as a stuck cluster's).

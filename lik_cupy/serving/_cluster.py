@@ -68,6 +68,7 @@ class ClusterCorpus:
         # The client was seen without its scheduler (by the watch, or a request): the scheduler that
         # answers since may be a new one, so the corpus stays unavailable until the watch has asked.
         self._doubted = False
+        self._reloads = 0  # reloads begun: a call that fails after one began ran across it
         self._checking = threading.Lock()  # one question to the scheduler at a time (the watch, a failed call)
         self._stop = threading.Event()
 
@@ -138,7 +139,9 @@ class ClusterCorpus:
             return why
 
     def _reload(self, why: str) -> None:
-        """Reload the corpus until it is back (or the corpus closes), unavailable meanwhile."""
+        """Reload the corpus until it is back on the scheduler the client is connected to (or the corpus
+        closes), unavailable meanwhile."""
+        self._reloads += 1
         self._reloading = f"reloading the corpus onto the Dask cluster at {self._scheduler}: {why}"
         print(f"lik serve: not ready: {self._reloading}", file=sys.stderr, flush=True)
         wait, attempt = _BACKOFF_S[0], 0
@@ -146,6 +149,12 @@ class ClusterCorpus:
             attempt += 1
             try:
                 self._corpus.reload()
+                # The scheduler may have changed again while the shards loaded (one restarting twice):
+                # asked before turning available, not at the watch's next question
+                self._doubted = True
+                again = self._lost()
+                if again is not None:
+                    raise ConnectionError(f"the shards loaded, but {again}")
             except Exception as e:  # noqa: BLE001 - said, and tried again
                 if self._stop.is_set():
                     return
@@ -154,7 +163,6 @@ class ClusterCorpus:
                 self._stop.wait(wait)
                 wait = min(2 * wait, _BACKOFF_S[1])
                 continue
-            self._doubted = False
             self._reloading = None
             print(f"lik serve: ready again: the corpus is loaded on the Dask cluster at {self._scheduler} (attempt "
                   f"{attempt})", file=sys.stderr, flush=True)
@@ -162,15 +170,22 @@ class ClusterCorpus:
 
     def _answered(self, call, *args, **kwargs):
         """``call(*args, **kwargs)``, a call of the distributed corpus. One that fails while the corpus
-        is lost (asked then: a restart between two of the watch's questions) or reloading raises
+        is lost (asked then: a restart between two of the watch's questions), or once a reload has
+        begun since it started (the corpus may be back by the time it fails), raises
         ConnectionError saying so, which the server answers 503 (the corpus unavailable), not as
         the request's fault."""
+        reloads = self._reloads
         if self._reloading is not None:
             raise ConnectionError(self._reloading)
         try:
             return call(*args, **kwargs)
         except Exception as e:
-            if not isinstance(e, (TimeoutError, ConnectionError)) and self._corpus.client.status == "running":
+            if isinstance(e, (TimeoutError, ConnectionError)):
+                raise
+            if self._reloading is not None or self._reloads != reloads:  # (lost() may say None: reloaded since)
+                raise ConnectionError(f"the corpus was reloaded onto the Dask cluster at {self._scheduler} while the "
+                                      f"call ran ({type(e).__name__}: {e})") from e
+            if self._corpus.client.status == "running":
                 why = self._lost()
                 if why is not None:
                     self._doubted = True  # (the watch reloads)
