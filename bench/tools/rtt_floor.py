@@ -34,7 +34,8 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: bench.lib
+from bench.lib.results import write_json  # noqa: E402
 
 
 def _response() -> bytes:
@@ -176,9 +177,6 @@ def main(argv=None) -> dict:
               flush=True)
     out = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, "rows": rows}
     if args.json:
-        sys.path.insert(0, str(ROOT))  # (bench.lib: the JSON with the sources' provenance, as every bench script writes)
-        from bench.lib.results import write_json
-
         write_json(args.json, out)
     return out
 
