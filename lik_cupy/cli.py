@@ -1284,6 +1284,19 @@ def _inspect_command(path, lengths, check, bf16_bits, debug):
     click.echo(f"{'values':<11}all finite; {'every token has norm 1' if scan.normalized else 'not L2-normalised'}")
 
 
+def _numba_line() -> str:
+    """What ``lik info`` says of Numba: whether the CPU path folds its chunks compiled (``_cpu/fold.py``).
+    Read from the installed metadata and the switch: nothing is imported or compiled."""
+    numba = _version("numba")
+    if numba == "not installed":
+        return "not installed (the CPU path runs NumPy's passes; the [cpu] extra adds the compiled fold)"
+    from lik_cupy._base import env
+
+    if env.numba_disabled():
+        return f"{numba} (not used: LIK_DISABLE_NUMBA is set)"
+    return f"{numba} (the CPU path's compiled fold)"
+
+
 def _version(dist: str, module: str | None = None) -> str:
     try:
         from importlib.metadata import version
@@ -1359,6 +1372,7 @@ def _info_command(debug):
     echo(f"numpy         {np.__version__}")
     echo(f"click         {_version('click')}")
     echo(f"ml_dtypes     {_version('ml_dtypes', 'ml_dtypes')}")
+    echo(f"numba         {_numba_line()}")
     try:
         import cupy
 

@@ -633,8 +633,30 @@ def test_info_without_gpu_or_cupy(monkeypatch):
     monkeypatch.setitem(sys.modules, "cupy", None)  # `import cupy` now raises ImportError
     r = run("info")
     assert r.exit_code == 0, r.output
-    for words in ("lik-cupy", "numpy", "cupy", "GPU", "kernel cache", "shard format  lik-shard v2 (reads v1..v2; dtypes float16, float32, bfloat16, int8)"):
+    for words in ("lik-cupy", "numpy", "numba", "cupy", "GPU", "kernel cache", "shard format  lik-shard v2 (reads v1..v2; dtypes float16, float32, bfloat16, int8)"):
         assert words in r.output
+
+
+@pytest.mark.parametrize("installed, disabled, words", [
+    (False, "", "not installed (the CPU path runs NumPy's passes; the [cpu] extra adds the compiled fold)"),
+    (True, "", "0.99.0 (the CPU path's compiled fold)"),
+    (True, "1", "0.99.0 (not used: LIK_DISABLE_NUMBA is set)")])
+def test_info_says_whether_the_cpu_path_folds_compiled(monkeypatch, installed, disabled, words):
+    import importlib.metadata
+
+    real = importlib.metadata.version
+
+    def version(dist):
+        if dist != "numba":
+            return real(dist)
+        if not installed:
+            raise importlib.metadata.PackageNotFoundError(dist)
+        return "0.99.0"
+    monkeypatch.setattr(importlib.metadata, "version", version)
+    monkeypatch.setenv("LIK_DISABLE_NUMBA", disabled)
+    r = run("info")
+    assert r.exit_code == 0, r.output
+    assert f"numba         {words}" in r.output
 
 
 def test_info_says_when_the_kernel_cache_cannot_be_written(tmp_path, monkeypatch):

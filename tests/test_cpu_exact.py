@@ -487,9 +487,11 @@ def test_a_long_document_stays_within_block_bytes(rng, layout, argmax):
 
 @pytest.mark.parametrize("layout", ["padded", "candidates", "packed"])
 def test_the_tokens_first_gemm_changes_no_bit_and_stays_within_block_bytes(rng, layout, chunk_threads, monkeypatch):
-    """A GEMM of few query rows runs with the document tokens as its rows (``_TOKENS_FIRST_ROWS``),
-    through a scratch counted in the block's budget: the same scores and argmax, bit for bit, as the
-    plain GEMM (the reference similarities decide them), within the same memory bound."""
+    """Without the compiled fold (``fold.py``), a GEMM of few query rows runs with the document tokens
+    as its rows (``_TOKENS_FIRST_ROWS``), through a scratch counted in the block's budget: the same
+    scores and argmax, bit for bit, as the plain GEMM (the reference similarities decide them), within
+    the same memory bound."""
+    monkeypatch.setenv("LIK_DISABLE_NUMBA", "1")
     lq, nd, ld, dim = 16, 1500, 60, 64  # three queries' 48 rows to one GEMM
     q = _unit(rng, 3, lq, dim).astype(np.float32)
     qv = rng.random((3, lq)) < 0.9
@@ -768,7 +770,7 @@ def test_blas_threads_come_back_after_concurrent_calls(rng, monkeypatch):
     before = blas.get()
     _share_chunks(monkeypatch)
     during = []
-    _before_each_call(monkeypatch, _maxsim_module, "_winner_similarities", lambda *a: during.append(blas.get()))
+    _before_each_call(monkeypatch, _maxsim_module, "margin", lambda *a: during.append(blas.get()))
     q, d = _one_query_corpus(rng, 2)
     want = lik_cupy.maxsim(q, d, return_argmax=True, backend="cpu")
     results = [None] * 4
@@ -822,7 +824,7 @@ def test_blas_threads_come_back_after_an_error(rng, monkeypatch):
         if len(calls) == 5:
             raise MemoryError("a chunk failed")
 
-    _before_each_call(monkeypatch, _maxsim_module, "_winner_similarities", fifth_fails)
+    _before_each_call(monkeypatch, _maxsim_module, "margin", fifth_fails)
     q, d = _one_query_corpus(rng)
     with pytest.raises(MemoryError, match="a chunk failed"):
         lik_cupy.maxsim(q, d, backend="cpu")
@@ -855,7 +857,7 @@ def test_a_block_too_small_to_share_runs_blas_on_one_thread(rng, monkeypatch):
     before = blas.get()
     monkeypatch.setattr(_maxsim_module, "_SPLIT_MACS", 1 << 40)
     during = []
-    _before_each_call(monkeypatch, _maxsim_module, "_winner_similarities", lambda *a: during.append(blas.get()))
+    _before_each_call(monkeypatch, _maxsim_module, "margin", lambda *a: during.append(blas.get()))
     q, d = _one_query_corpus(rng)
     got = lik_cupy.maxsim(q, d, backend="cpu")
     assert during and set(during) == {1}

@@ -14,7 +14,8 @@ ROOT = pathlib.Path(lik_cupy.__file__).parent
 # __init__, the public facade, whose names load lazily).
 LAYERS = (
     ("errors", "_version"),
-    ("_base", "_files", "_shard_format", "_cpu", "_ranking", "_batched_calls"),
+    ("_base",),  # environment switches, device memory, caches: what every other unit may read
+    ("_files", "_shard_format", "_cpu", "_ranking", "_batched_calls"),
     ("_interop", "_atomic"),
     ("_dispatch",),  # reads a framework's TF32 default through its adapter
     ("_validate",),

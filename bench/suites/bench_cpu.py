@@ -23,6 +23,9 @@ measured at the start, ``machine.rates``) and its document bytes read once at th
 bandwidth (a NumPy sum over an array far past the caches), the larger of the two; ``ours`` is
 given as a multiple of it.
 
+``ours`` runs as installed: with Numba (the ``[cpu]`` extra) its chunks fold in one compiled pass
+(``lik_cupy/_cpu/fold.py``; ``machine.compiled_fold`` says whether it did), else NumPy's passes.
+
 All contenders run in one process, in a rotating order round by round, so that a busy machine slows
 them alike; each cell gives the median and best of the rounds and the ratio of ours to the fastest
 other by each. The load average before and after is recorded, and ``quiet`` says whether the
@@ -58,6 +61,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # the checkout this script lives in, not an installed copy
 import lik_cupy  # noqa: E402
 from bench.lib.results import out_dir, write_json  # noqa: E402
+from lik_cupy._cpu import fold  # noqa: E402
 from lik_cupy.plaid import PlaidIndex, decompress_residuals  # noqa: E402
 
 DIM = 128
@@ -216,8 +220,13 @@ def machine(libs: dict) -> dict:
             versions[name] = metadata.version(name.replace("_", "-"))
         except metadata.PackageNotFoundError:
             versions[name] = None
+    try:
+        numba = metadata.version("numba")
+    except metadata.PackageNotFoundError:
+        numba = None
     return {"cpu": cpu_model(), "cores": os.cpu_count(), "numpy": np.__version__, "blas": blas_info(),
             "python": platform.python_version(), "lik_cupy": lik_cupy.__version__, "rust_libraries": versions,
+            "numba": numba, "compiled_fold": fold.available(),
             "openblas_env": {k: os.environ[k] for k in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE",
                                                         "OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS") if k in os.environ}}
 

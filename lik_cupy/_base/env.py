@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import warnings
 
-__all__ = ["cache_dir_override", "validate_strict", "poison_outputs", "wgmma_disabled", "tma_disabled", "precision_default", "cupy_tf32",
+__all__ = ["cache_dir_override", "validate_strict", "poison_outputs", "wgmma_disabled", "tma_disabled", "numba_disabled", "precision_default", "cupy_tf32",
            "pylate_scores_backend", "colpali_scores_backend", "jax_path_forced"]
 
 _TRUE = ("1", "true", "yes")
@@ -97,6 +97,12 @@ def wgmma_disabled() -> bool:
 def tma_disabled() -> bool:
     """``LIK_DISABLE_TMA=1``: stage tiles by cp.async instead of the tensor memory accelerator."""
     return _switch("LIK_DISABLE_TMA", b"LIK_DISABLE_TMA")
+
+
+def numba_disabled() -> bool:
+    """``LIK_DISABLE_NUMBA=1``: the CPU path keeps its NumPy passes where Numba would fold a block
+    (``lik_cupy/_cpu/fold.py``)."""
+    return _switch("LIK_DISABLE_NUMBA", b"LIK_DISABLE_NUMBA")
 
 
 def precision_default() -> str | None:

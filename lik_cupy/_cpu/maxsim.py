@@ -35,11 +35,15 @@ before; everything after the GEMM (argmax, second max, the winners' dot products
 cache. A large block's chunks are shared by a thread per core (``cores.py``), each running its
 chunks' GEMMs single-threaded and every pass after them, so that the NumPy passes use every core
 too; a block too small to share runs its GEMMs on one thread as well (BLAS's own threads would not
-pay for their hand-over). A float32 GEMM of few query rows runs with the document tokens as its rows,
-into a small scratch per chunk thread taken out of ``block_bytes``, copied transposed into the
-similarities (``_TOKENS_FIRST_ROWS``). The norm bound and the winners' dot products are what exactness costs
-over a plain GEMM and max: a pass over the tokens and ``Lq * Nd`` dot products, most visible with
-few short queries (``docs/benchmarks.md``).
+pay for their hand-over). With Numba (the ``cpu`` extra, ``fold.py``), a block of one document set and
+inexact similarities runs its GEMMs with the document tokens as rows, any number of query rows, and
+each piece is folded as soon as it is filled: the argmax, the second max and the winners' reference
+similarities in one compiled pass, while the piece's tokens are in the cache. Without it, a float32
+GEMM of few query rows runs with the document tokens as its rows into a small scratch per chunk
+thread taken out of ``block_bytes``, copied transposed into the similarities (``_TOKENS_FIRST_ROWS``),
+and NumPy's passes follow; the results are the same bits either way. The norm bound and the
+winners' dot products are what exactness costs over a plain GEMM and max: a pass over the tokens and
+``Lq * Nd`` dot products, most visible with few short queries (``docs/benchmarks.md``).
 
 Memory: the temporaries of one block (similarities, document tokens converted for the GEMM, their
 norm bounds, the per-document maxima, thresholds and winners) stay under ``block_bytes`` (default
@@ -60,7 +64,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import cores
+from . import cores, fold
 from .refine import Pending, bound_norms, dot64, margin, norm_bound
 from .runs import Runs
 
@@ -76,6 +80,12 @@ _GROUP_DOCS = 32  # documents a block holds at least before queries share its GE
 _NORM_TOKENS = 16  # consecutive document tokens whose norm is bounded together (the margin's looseness: its sqrt)
 _CACHE_BYTES = 8 << 20  # a chunk's similarities and tokens at most: what follows its GEMM reads them from cache
 _PIECE_COLUMNS = 2048  # columns of a chunk's GEMM at a time (a multiple of _NORM_TOKENS), read first for their norm bounds
+# With the compiled fold, a piece's tokens and similarities in about this many bytes (a core's L2 holds them
+# for the fold, which reads both after the GEMM), and this many columns at least (each GEMM call packs the
+# query rows again: 1,024 query rows in pieces of 512 columns took 1.03x the time of 1,024; AMD EPYC,
+# OpenBLAS 0.3.31; 1 MiB against 512 KiB: 0.97-0.98x on one 32-token query)
+_FOLD_PIECE_BYTES = 1 << 20
+_FOLD_PIECE_MIN = 1024
 _SPLIT_MACS = 1 << 24  # multiply-adds of a block's GEMM per thread at least, for its chunks to be shared
 # A float32 GEMM of this many query rows per set or fewer runs with the document tokens as its rows, into
 # a scratch of _TOKENS_FIRST_BYTES per chunk thread (out of the call's block_bytes), and is copied
@@ -533,22 +543,34 @@ class _DocBlock:
         self.T, self.runs, self.d_scale, self.out = T, runs, d_scale, out
 
     def similarities(self, A: np.ndarray, c0: int, c1: int, thread: int = 0, runs: Runs | None = None,
-                     tokens_first: bool = False):
+                     tokens_first: bool = False, folding: fold.DocumentFold | None = None):
         """``A [G, Lq, d]`` against the block's columns ``c0 .. c1`` (G = sets, or any G for one shared
         set) -> ``[G * Lq, c1 - c0]`` in chunk thread ``thread``'s buffer (valid until its next call):
         one GEMM per set, every query's rows in it; and, given the documents ``runs`` of those columns,
         their norm bounds (``_doc_norms``), else None. The GEMM goes in pieces of ``_PIECE_COLUMNS``,
         each piece's tokens read for their norm bounds just before: the GEMM then reads them from
-        the cache; ``tokens_first``: with the tokens as its rows (``_TOKENS_FIRST_ROWS``). (Called
-        with NumPy's over- and underflow ignored.)"""
+        the cache; ``tokens_first``: with the tokens as its rows (``_TOKENS_FIRST_ROWS``), copied
+        transposed; ``folding`` (one set, any rows): with the tokens as its rows into the buffer itself,
+        ``[n, G * Lq]``, each piece handed to ``folding`` as soon as it is filled (its tokens still in
+        the cache), and returned as the buffer's transposed view. (Called with NumPy's over- and
+        underflow ignored.)"""
         g, lq, dim = A.shape
         sets = self.T.shape[0]
         n = c1 - c0
-        S = self.out.similarities(thread, g * lq * n, A.dtype)[:g * lq * n].reshape(sets, g * lq // sets, n)
+        buf = self.out.similarities(thread, g * lq * n, A.dtype)[:g * lq * n]
+        S = buf.reshape(n, g * lq).T[None] if folding else buf.reshape(sets, g * lq // sets, n)
         A = A.reshape(sets, g * lq // sets, dim)
+        rows = g * lq // sets
+        if folding:  # pieces small enough for their tokens and similarities to stay in the cache
+            St = buf.reshape(n, rows)
+            step = max(_FOLD_PIECE_MIN, _FOLD_PIECE_BYTES // ((rows + dim) * A.itemsize))
+            for p0 in range(0, max(n, 1), step):  # (a chunk of empty documents: one piece 0 .. 0)
+                p1 = min(n, p0 + step)
+                np.matmul(self.T[0, c0 + p0:c0 + p1], A[0].T, out=St[p0:p1])
+                folding.piece(St, p0, p1)
+            return S.reshape(g * lq, n), folding.norms[None].astype(np.float64)
         k = _NORM_TOKENS
         squares = None if runs is None else np.empty((sets, -(-n // k)), self.T.dtype)
-        rows = g * lq // sets
         scratch = self.out.scratch(thread) if tokens_first and rows else None
         for p0 in range(0, n, _PIECE_COLUMNS):
             p1 = min(n, p0 + _PIECE_COLUMNS)
@@ -630,24 +652,33 @@ def _block_maxima(Q: np.ndarray, q_valid: np.ndarray, blk: _DocBlock, ar: _Arith
     blk.out.new_block(m * blk.T.shape[1])
     # (few rows a set, and one token's rows of every set within the scratch: many candidate sets keep the plain GEMM)
     tokens_first = blk.out.tokens_first and m // sets <= _TOKENS_FIRST_ROWS and m <= _TOKENS_FIRST_BYTES // 4
+    # one set of inexact similarities, any number of rows: a tokens-first GEMM, read where it left them by
+    # the compiled fold
+    folded = sets == 1 and not ar.exact and fold.available()
     part = budget // threads  # each thread's share of the bound's pieces
 
     def work(thread: int, claims) -> None:
         pending = Pending(None if ar.exact else A, blk.T, row_set, runs.start, winners, val, part // 8)
         with np.errstate(invalid="ignore", over="ignore", under="ignore"):
             for j0, j1, c0, c1, sub in claims:
+                folding = fold.DocumentFold(sub.start, sub.length, None if sub.valid is None else sub.valid[0], A64,
+                                            blk.T[0, c0:c1], ar.gemm) if folded else None
                 S, dn = blk.similarities(A.reshape(g, lq, dim), c0, c1, thread, None if ar.exact else sub,
-                                         tokens_first)
+                                         tokens_first, folding)
                 dn = None if dn is None else dn[row_set]
                 if blk.d_scale is not None:  # scaled: the exact dot product times the token's scale, in float32
                     S = S.astype(np.float32, copy=False)
                     S.reshape(sets, m // sets, c1 - c0)[...] *= blk.d_scale[:, None, c0:c1]
-                sub.mask_invalid(S, row_set)
                 lv = live[:, j0:j1]
-                if sub.width is not None and want_idx:
-                    first, best = sub.argmax(S)  # the max and where it is, in one pass
+                second = None
+                if folding:  # the max, where it is, the second max and the winner's reference similarity
+                    first, best, second = folding.first, folding.best, folding.second
                 else:
-                    first, best = None, sub.max(S)
+                    sub.mask_invalid(S, row_set)
+                    if sub.width is not None and want_idx:
+                        first, best = sub.argmax(S)  # the max and where it is, in one pass
+                    else:
+                        first, best = None, sub.max(S)
                 bad = lv & ~np.isfinite(best)  # NaN or infinite: every valid column decided in float64
                 if ar.exact:
                     val[:, j0:j1] = best
@@ -659,14 +690,18 @@ def _block_maxima(Q: np.ndarray, q_valid: np.ndarray, blk: _DocBlock, ar: _Arith
                     continue
                 thr = best - margin(qn, dn, dim, ar.gemm)  # float64: compared with S exactly
                 thr[~lv | bad] = np.nan
-                if sub.width is not None:  # another column within the margin of the max: float64 decides
-                    r, j = np.nonzero(sub.second_max(S, first) >= thr)
+                if second is not None or sub.width is not None:  # another column within the margin: float64 decides
+                    r, j = np.nonzero((sub.second_max(S, first) if second is None else second) >= thr)
                 else:
                     hit = sub.compare(S, thr)  # NaN: no column passes
                     first, r, j = sub.hits(hit, lv & ~bad, part // 4)  # the max's, unless another column passes
                     del hit
                 idx[:, j0:j1] = np.where(lv, first, -1)
-                val[:, j0:j1] = _winner_similarities(A64, blk.T[:, c0:c1], row_set, sub.start + first, lv, part // 8)
+                if folding:
+                    val[:, j0:j1] = np.where(lv, folding.win, -np.inf)
+                else:
+                    val[:, j0:j1] = _winner_similarities(A64, blk.T[:, c0:c1], row_set, sub.start + first, lv,
+                                                         part // 8)
                 pending.add(S, sub, c0, j0, r, j, thr)
                 pending.add(S, sub, c0, j0, *np.nonzero(bad), None)
         pending.flush()

@@ -5,8 +5,8 @@ each dot product a little differently depending on where it falls in its blockin
 bitwise-identical document tokens can get different similarities, and two tokens whose float64
 similarities are a hair apart can come out in the wrong order. The argmax the CPU path returns is
 the argmax of the *reference similarity* ``r(q, t)``: the float64 dot product of the two vectors
-summed in one fixed order (:func:`dot64`; the products are exact for float16, bfloat16 and float32
-inputs), a function of the two vectors alone. Ties go to the lowest
+summed in one fixed order (:func:`dot64`: NumPy's pairwise summation; the products are exact for
+float16, bfloat16 and float32 inputs), a function of the two vectors alone. Ties go to the lowest
 index.
 
 The rounding bound. For a dot product of length ``d`` evaluated with any summation order, FMA or
@@ -37,7 +37,7 @@ import functools
 
 import numpy as np
 
-__all__ = ["margin", "norm_bound", "bound_norms", "dot64", "Pending"]
+__all__ = ["margin", "norm_bound", "bound_norms", "norm_terms", "dot64", "Pending"]
 
 _PER_CANDIDATE = 128  # bytes a pair's candidate column takes until decided (indices, masks, values, gathers)
 
@@ -68,7 +68,7 @@ def margin(qn: np.ndarray, dn: np.ndarray, dim: int, dtype) -> np.ndarray:
 
 
 @functools.cache
-def _norm_terms(d: int, dtype: np.dtype) -> tuple:
+def norm_terms(d: int, dtype: np.dtype) -> tuple:
     """What :func:`norm_bound` adds to and multiplies rows of ``d`` elements by, in ``dtype``."""
     f = np.finfo(dtype)
     u = float(f.eps) / 2
@@ -87,7 +87,7 @@ def norm_bound(x: np.ndarray) -> np.ndarray:
 def bound_norms(squares: np.ndarray, d: int) -> np.ndarray:
     """:func:`norm_bound` from the sums of squares ``np.vecdot`` gave for rows of ``d`` elements or
     fewer (float32 or float64), in place."""
-    underflow, inflate, root = _norm_terms(d, squares.dtype)
+    underflow, inflate, root = norm_terms(d, squares.dtype)
     with np.errstate(over="ignore", under="ignore", invalid="ignore"):
         squares += underflow
         squares *= inflate
@@ -98,15 +98,12 @@ def bound_norms(squares: np.ndarray, d: int) -> np.ndarray:
 
 def dot64(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """The reference similarity of row pairs ``a[..., :] . b[..., :]`` (broadcast, ``[..., d]``) ->
-    float64 ``[...]``: the rows in float64 (exact for float16, bfloat16 and float32, whose products
-    then are exact too), multiplied and summed along ``d`` by ``einsum``'s kernel for two
-    contiguous rows, in an order fixed by ``d`` and NumPy's build alone: the value depends on the
-    two vectors only, never on where they sit, on the rows beside them or on BLAS. (float64 inputs'
-    products round, fused or not as the build's SIMD baseline has it: the same on one architecture.)"""
+    float64 ``[...]``: the products in float64 (exact for float16, bfloat16 and float32 inputs),
+    summed along ``d`` by ``np.add.reduce``, NumPy's pairwise summation, whose order is fixed by ``d``
+    alone: the value depends on the two vectors only, never on where they sit, on the rows beside
+    them or on BLAS (``fold.py`` computes the same sums compiled, step for step)."""
     with np.errstate(invalid="ignore", over="ignore"):  # (a signalling NaN warns as it converts)
-        a = np.ascontiguousarray(a, dtype=np.float64)
-        b = np.ascontiguousarray(b, dtype=np.float64)
-        return np.einsum("...d,...d->...", a, b)
+        return np.add.reduce(np.multiply(a, b, dtype=np.float64), axis=-1)
 
 
 class Pending:

@@ -1,0 +1,81 @@
+"""The CPU path's compiled fold (``lik_cupy/_cpu/fold.py``) against its NumPy passes, in one process:
+issue 48's four cells (float32, d = 128, unit-norm tokens), each call alternating between the two
+(``LIK_DISABLE_NUMBA`` flipped before it, a switch read per call), back to back, with the scores
+checked bit for bit alike. Needs Numba (the ``[cpu]`` extra).
+
+Unlike ``bench/suites/bench_cpu.py``, no other contender runs between the calls, so neither side
+shares the cores with another library's BLAS or Rust threads as they wind down: this is the
+difference the fold makes, not the gate.
+
+    python3 bench/tools/cpu_fold_ab.py --rounds 16 --json OUT.json
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: bench.lib, lik_cupy
+import lik_cupy  # noqa: E402
+from bench.lib.results import write_json  # noqa: E402
+from lik_cupy._cpu import fold  # noqa: E402
+
+
+def _unit(x: np.ndarray) -> np.ndarray:
+    return x / np.linalg.norm(x, axis=-1, keepdims=True)
+
+
+def _cells(rng) -> dict:
+    one = _unit(rng.standard_normal((1, 32, 128), dtype=np.float32))
+    docs = _unit(rng.standard_normal((1000, 180, 128), dtype=np.float32))
+    lens = rng.integers(16, 513, 1000)
+    off = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+    tok = _unit(rng.standard_normal((int(off[-1]), 128), dtype=np.float32))
+    many = _unit(rng.standard_normal((32, 32, 128), dtype=np.float32))
+    long_q = _unit(rng.standard_normal((1, 1024, 128), dtype=np.float32))
+    pages = _unit(rng.standard_normal((16, 1024, 128), dtype=np.float32))
+    return {"1q32 x 1000d180": lambda: lik_cupy.maxsim(one, docs, backend="cpu"),
+            "1q32 x 1000d16-512": lambda: lik_cupy.maxsim_varlen(one, tok, off, backend="cpu"),
+            "32q32 x 1000d180": lambda: lik_cupy.maxsim(many, docs, backend="cpu"),
+            "1q1024 x 16d1024": lambda: lik_cupy.maxsim(long_q, pages, backend="cpu")}
+
+
+def _run(call, mode: str):
+    os.environ["LIK_DISABLE_NUMBA"] = "1" if mode == "numpy" else "0"
+    t0 = time.perf_counter()
+    out = call()
+    return out, (time.perf_counter() - t0) * 1e3
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=16)
+    ap.add_argument("--json", type=Path, required=True)
+    args = ap.parse_args(argv)
+    if not fold.available():
+        sys.exit("cpu_fold_ab: the compiled fold is not available here (install the [cpu] extra)")
+    load_before = os.getloadavg()
+    cells = {}
+    for name, call in _cells(np.random.default_rng(0)).items():
+        first = {m: _run(call, m)[0] for m in ("numpy", "fold")}  # (and each side's warm-up)
+        assert np.array_equal(first["numpy"], first["fold"]), f"{name}: the fold changed the scores"
+        times = {"numpy": [], "fold": []}
+        for r in range(args.rounds):
+            for mode in ("numpy", "fold") if r % 2 == 0 else ("fold", "numpy"):
+                times[mode].append(_run(call, mode)[1])
+        cell = {m: {"median_ms": round(float(np.median(v)), 3), "best_ms": round(min(v), 3)} for m, v in times.items()}
+        cell["fold_over_numpy_median"] = round(cell["fold"]["median_ms"] / cell["numpy"]["median_ms"], 3)
+        cells[name] = cell
+        print(f"{name:22s} NumPy passes {cell['numpy']['median_ms']:8.2f} ms   compiled fold "
+              f"{cell['fold']['median_ms']:8.2f} ms   x{cell['fold_over_numpy_median']:.3f} (median; same bits)")
+    os.environ.pop("LIK_DISABLE_NUMBA", None)
+    write_json(args.json, {"tool": "cpu_fold_ab", "rounds": args.rounds, "cores": os.cpu_count(),
+                           "load_average": {"before": load_before, "after": os.getloadavg()}, "cells": cells})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,133 @@
+"""Each document's argmax, max, second max and the winners' reference similarities, in one pass over a
+tokens-first similarity block, compiled by Numba where it is installed (the ``cpu`` extra).
+
+Without Numba, a chunk's GEMM of a few query rows runs with the document tokens as its rows into a
+scratch and is copied transposed into the similarity block (``maxsim.py``, ``_TOKENS_FIRST_ROWS``),
+and NumPy reduces that block in three passes (argmax, then the second max with the max masked out;
+packed documents take a max, a comparison and a search for hits instead, having no segmented
+argmax); then the winners' tokens are gathered again, from memory, for their reference similarities.
+
+:class:`DocumentFold` reads the tokens-first GEMM's output ``St [n, R]`` where it lies, piece by piece
+as the GEMM fills it, with the R rows of a token as one vector. When a document ends, it writes its
+results and the reference similarity of each row's winner, whose token the piece's GEMM has just
+read (it is in the cache). The results are the NumPy passes' bit for bit:
+
+- ``first``: the first column holding the max (the first of equal maxima; masked columns never win,
+  as the -inf NumPy writes there); ``best``, that max, NaN where the document holds a NaN (float64
+  then decides the whole document, as for NumPy's NaN max); ``second``, the max of the other columns
+  (equal to ``best`` where the max occurs twice); column 0 and -inf for a document with no valid column.
+- ``win``: the winner's reference similarity (``refine.dot64``): the products in float64, summed by
+  NumPy's pairwise summation (``np.add.reduce``), reproduced step for step (``fold_kernels.py``). A probe at
+  the first build checks the two agree on vectors whose sums round at every step, and the compiled
+  fold is not used where they do not.
+- ``norms``: a bound on the norm of each document's valid tokens, ``refine.bound_norms``'s steps on
+  the largest sum of squares (sixteen partial sums a token: the bound holds for any order). It is not
+  NumPy's bound bit for bit, and need not be: a looser or tighter margin only sends more or fewer
+  near ties to float64, which decides them exactly either way.
+
+Beside the block, a chunk's fold holds 32 bytes per query row and document (its results) and, in the
+kernel, one row's float64 products (``d * 8`` bytes).
+
+The kernels release the GIL, so the chunk threads of ``cores.py`` fold at once.
+``LIK_DISABLE_NUMBA=1`` keeps the NumPy passes (``docs/environment.md``). Numba is imported at the
+first call that could use it, never when ``lik_cupy`` is imported; a Numba that will not import or
+compile, or disagrees with NumPy, gives one warning and the NumPy passes.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import threading
+import warnings
+
+import numpy as np
+
+from .._base import env
+from .refine import norm_terms
+
+__all__ = ["available", "DocumentFold"]
+
+_lock = threading.Lock()
+_kernel = None  # fold_kernels.piece once built, False once that failed, None before the first try
+# rows a token above which the fold keeps its winners' offsets in int32, else int64: each vectorises best so
+# (AMD EPYC, AVX-512: 82 against 113 us for a chunk of 32 rows, 225 against 294 us for 1,024 rows)
+_WIDE_ROWS = 64
+
+
+def available() -> bool:
+    """Whether :class:`DocumentFold` runs: Numba importable, compiling and agreeing with NumPy, and
+    ``LIK_DISABLE_NUMBA`` off. The first call imports Numba and compiles the kernels (or loads them
+    from Numba's on-disk cache)."""
+    global _kernel
+    if env.numba_disabled():
+        return False
+    if _kernel is None:
+        with _lock:
+            if _kernel is None:
+                _kernel = _first_build()
+    return _kernel is not False
+
+
+def _probe() -> list[tuple[np.ndarray, np.ndarray]]:
+    """Pairs of rows whose float64 sums round at nearly every step, at the lengths where NumPy's
+    summation changes shape (under 8, the eight partial sums, the halving past 128)."""
+    rng = np.random.default_rng(0x5eed)
+    pairs = []
+    for d in (1, 3, 7, 8, 9, 15, 64, 127, 128, 129, 200, 256, 1000):
+        for _ in range(4):
+            a = rng.standard_normal(d) * np.exp2(rng.integers(-40, 40, d))
+            pairs.append((a, rng.standard_normal(d).astype(np.float32)))
+    return pairs
+
+
+def _first_build():
+    if importlib.util.find_spec("numba") is None:
+        return False
+    try:
+        from . import fold_kernels as kernels
+
+        for a, b in _probe():
+            if kernels.dot(a, b, *kernels.scratch(a.size)) != np.add.reduce(a * b.astype(np.float64)):
+                raise ArithmeticError("its float64 sums differ from NumPy's (np.add.reduce)")
+        # compiled (or loaded) here, once, for tiny blocks of both offset types (float32, the common
+        # case): not by two chunk threads at once later
+        for rows in (1, _WIDE_ROWS + 1):
+            DocumentFold(np.zeros(1, np.int64), np.ones(1, np.int64), None, np.zeros((rows, 1)),
+                         np.zeros((1, 1), np.float32), np.float32, kernels.piece).piece(np.zeros((1, rows), np.float32), 0, 1)
+        return kernels.piece
+    except Exception as e:  # noqa: BLE001 (any failure of an optional accelerator leaves the NumPy passes)
+        warnings.warn(f"numba is installed but the CPU path's compiled fold is not used ({type(e).__name__}: {e}); "
+                      "the NumPy passes run instead", RuntimeWarning, stacklevel=3)
+        return False
+
+
+class DocumentFold:
+    """One chunk's documents folded as its tokens-first GEMM fills ``St [n, R]`` (module docstring):
+    documents ``start`` / ``length`` (int64 ``[nb]``, consecutive runs of the chunk's columns),
+    ``valid`` (bool ``[n]``: the columns that count) or None, the query rows ``A64 [R, d]`` (float64)
+    and the chunk's tokens ``T [n, d]`` (float32 or float64, C-contiguous: the GEMM's operand), the
+    GEMM's output dtype ``dtype``. After the last piece: ``first`` (int64), ``best`` and ``second``
+    (``dtype``) and ``win`` (float64), each ``[R, nb]``, and ``norms`` (``T``'s dtype, ``[nb]``). Build
+    one only where :func:`available` said so."""
+
+    def __init__(self, start, length, valid, A64, T, dtype, kernel=None):
+        offset = np.dtype(np.int32 if A64.shape[0] > _WIDE_ROWS else np.int64)
+        self._kernel = kernel or _kernel
+        terms = np.array(norm_terms(T.shape[1], T.dtype), T.dtype)
+        self._args = (T, A64, np.zeros(0, bool) if valid is None else valid, start, length, terms)
+        rows, nb = A64.shape[0], start.size
+        self._state = np.zeros(1, np.int64)  # the document the next piece begins in
+        self._run = (np.zeros(1, T.dtype), np.full(rows, -np.inf, dtype), np.full(rows, -np.inf, dtype),
+                     np.zeros(rows, offset), np.zeros(rows, bool), np.zeros(1, offset))
+        self.first = np.empty((rows, nb), np.int64)
+        self.best = np.empty((rows, nb), dtype)
+        self.second = np.empty((rows, nb), dtype)
+        self.win = np.empty((rows, nb))
+        self.norms = np.empty(nb, T.dtype)
+
+    def piece(self, St: np.ndarray, p0: int, p1: int) -> None:
+        """Columns ``p0 .. p1`` of ``St`` (``dtype``) are filled, pieces in order from 0 to ``n`` (one
+        piece ``0 .. 0`` when ``n`` is 0): the documents they end are folded, those they begin or go on
+        with carried to the next piece."""
+        self._kernel(St, *self._args, p0, p1, self._state, *self._run, self.first, self.best, self.second, self.win,
+                     self.norms)

@@ -1,0 +1,152 @@
+"""The compiled kernels of ``fold.py`` (Numba, ``nopython``, the GIL released, cached on disk beside
+this file or in Numba's user cache). Imported by ``fold.py`` at its first use, never with the package;
+``fold.py`` says what they compute and why."""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+__all__ = ["dot", "piece", "scratch"]
+
+_PAIRWISE_BLOCK = 128  # NumPy's PW_BLOCKSIZE: runs this long or shorter sum in eight interleaved partial sums
+_LANES = 16  # partial sums of a token's squares
+
+
+@numba.njit(nogil=True, cache=True, boundscheck=False)
+def _block(p, lo, n):  # pragma: no cover (compiled): NumPy's pairwise_sum of p[lo:lo + n], n <= 128
+    if n < 8:
+        res = 0.0
+        for i in range(n):
+            res += p[lo + i]
+        return res
+    r0, r1, r2, r3 = p[lo], p[lo + 1], p[lo + 2], p[lo + 3]
+    r4, r5, r6, r7 = p[lo + 4], p[lo + 5], p[lo + 6], p[lo + 7]
+    i = 8
+    while i < n - n % 8:
+        r0 += p[lo + i]
+        r1 += p[lo + i + 1]
+        r2 += p[lo + i + 2]
+        r3 += p[lo + i + 3]
+        r4 += p[lo + i + 4]
+        r5 += p[lo + i + 5]
+        r6 += p[lo + i + 6]
+        r7 += p[lo + i + 7]
+        i += 8
+    res = ((r0 + r1) + (r2 + r3)) + ((r4 + r5) + (r6 + r7))
+    while i < n:
+        res += p[lo + i]
+        i += 1
+    return res
+
+
+@numba.njit(nogil=True, cache=True, boundscheck=False)
+def _pairwise(p, n, frames, vals):  # pragma: no cover (compiled)
+    """NumPy's pairwise_sum of ``p[:n]``: blocks of 128 or fewer as :func:`_block`, longer runs split
+    at half rounded down to a multiple of 8, the halves' sums added. Without recursion (a cached
+    recursive function crashed as Numba loaded it): ``frames [64, 3]`` (start, length, whether its
+    left half is summed) and ``vals [64]`` (that sum) are the stack."""
+    if n <= _PAIRWISE_BLOCK:
+        return _block(p, 0, n)
+    sp = 0
+    frames[0, 0], frames[0, 1], frames[0, 2] = 0, n, 0
+    while True:
+        lo, m = frames[sp, 0], frames[sp, 1]
+        if m > _PAIRWISE_BLOCK:  # its left half first
+            half = m // 2
+            half -= half % 8
+            sp += 1
+            frames[sp, 0], frames[sp, 1], frames[sp, 2] = lo, half, 0
+            continue
+        ret = _block(p, lo, m)
+        sp -= 1
+        while sp >= 0:
+            if frames[sp, 2] == 0:  # a left half summed: its right half next
+                vals[sp] = ret
+                frames[sp, 2] = 1
+                half = frames[sp, 1] // 2
+                half -= half % 8
+                sp += 1
+                frames[sp, 0], frames[sp, 1], frames[sp, 2] = frames[sp - 1, 0] + half, frames[sp - 1, 1] - half, 0
+                break
+            ret = vals[sp] + ret  # both halves summed
+            sp -= 1
+        if sp < 0:
+            return ret
+
+
+@numba.njit(nogil=True, cache=True, boundscheck=False)
+def dot(a, b, prod, frames, vals):  # pragma: no cover (compiled)
+    """``np.add.reduce(a * b)`` in float64 (``refine.dot64``); ``prod`` a scratch of ``a.size``,
+    ``frames`` and ``vals`` :func:`_pairwise`'s."""
+    for k in range(a.size):
+        prod[k] = a[k] * np.float64(b[k])
+    return 0.0 + _pairwise(prod, a.size, frames, vals)
+
+
+def scratch(d: int):
+    """:func:`dot`'s scratch for rows of ``d``: (prod, frames, vals)."""
+    return np.empty(d), np.empty((64, 3), np.int64), np.empty(64)
+
+
+@numba.njit(nogil=True, cache=True, boundscheck=False)
+def piece(St, T, A64, valid, start, length, terms, p0, p1, state, squares, top, runner, at, nan, offset,
+          first, best, second, win, norms):  # pragma: no cover (compiled; fold.DocumentFold.piece says what)
+    """Columns ``p0 .. p1`` of ``St [n, R]``: the running maxima ``top``, ``runner``, ``at`` (whose
+    dtype, int64 or int32, ``offset``'s one element shares: each vectorises best for few or many rows),
+    ``nan`` and the largest sum of squares ``squares[0]`` of the document ``state[0]``; each document
+    that ends here written to ``first``, ``best``, ``second``, ``win`` and ``norms``."""
+    n_rows = St.shape[1]
+    prod = np.empty(T.shape[1])  # (one row's products: d * 8 bytes, whatever the rows)
+    frames = np.empty((64, 3), np.int64)
+    vals = np.empty(64)
+    lanes = np.empty(_LANES, T.dtype)
+    masked = valid.size > 0
+    underflow, inflate, root = terms[0], terms[1], terms[2]
+    j = state[0]
+    while j < start.size:
+        s = start[j]
+        e = s + length[j]
+        for t in range(max(s, p0), min(e, p1)):
+            if masked and not valid[t]:
+                continue
+            tok = T[t]
+            for u in range(_LANES):  # partial sums in any order: bound_norms bounds the rounding of any
+                lanes[u] = 0
+            k = 0
+            while k + _LANES <= tok.size:
+                for u in range(_LANES):
+                    lanes[u] += tok[k + u] * tok[k + u]
+                k += _LANES
+            ss = lanes[0]
+            for u in range(1, _LANES):
+                ss += lanes[u]
+            for k in range(k, tok.size):
+                ss += tok[k] * tok[k]
+            if ss > squares[0] or ss != ss:  # (a NaN stays)
+                squares[0] = ss
+            row = St[t]
+            offset[0] = t - s
+            off = offset[0]
+            for r in range(n_rows):  # (selects, not branches: the loop vectorises over the rows)
+                v = row[r]
+                up = v > top[r]
+                runner[r] = top[r] if up else (v if v > runner[r] else runner[r])
+                at[r] = off if up else at[r]
+                top[r] = v if up else top[r]
+                nan[r] |= v != v
+        if e > p1:
+            break  # the document goes on in the next piece
+        norms[j] = np.sqrt((squares[0] + underflow) * inflate) * root  # refine.bound_norms's steps
+        squares[0] = 0
+        for r in range(n_rows):
+            first[r, j] = at[r]
+            best[r, j] = np.nan if nan[r] else top[r]
+            second[r, j] = runner[r]
+            win[r, j] = dot(A64[r], T[s + at[r]], prod, frames, vals) if e > s else -np.inf
+            top[r] = -np.inf
+            runner[r] = -np.inf
+            at[r] = 0
+            nan[r] = False
+        j += 1
+    state[0] = j
