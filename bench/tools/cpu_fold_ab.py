@@ -5,7 +5,10 @@ checked bit for bit alike. Needs Numba (the ``[cpu]`` extra).
 
 Unlike ``bench/suites/bench_cpu.py``, no other contender runs between the calls, so neither side
 shares the cores with another library's BLAS or Rust threads as they wind down: this is the
-difference the fold makes, not the gate.
+difference the fold makes, not the gate. ``after`` times what the suite's rotation adds: the first
+cell's call (the fold) back to back, right after NumPy's batched contender on BLAS's own threads,
+and right after it on one BLAS thread. Run it once more with ``OPENBLAS_THREAD_TIMEOUT=4`` in the
+environment (read when OpenBLAS starts: its idle workers then sleep at once instead of spinning).
 
     python3 bench/tools/cpu_fold_ab.py --rounds 16 --json OUT.json
 """
@@ -73,8 +76,39 @@ def main(argv=None) -> None:
         print(f"{name:22s} NumPy passes {cell['numpy']['median_ms']:8.2f} ms   compiled fold "
               f"{cell['fold']['median_ms']:8.2f} ms   x{cell['fold_over_numpy_median']:.3f} (median; same bits)")
     os.environ.pop("LIK_DISABLE_NUMBA", None)
+    after = _after_others(args.rounds)
     write_json(args.json, {"tool": "cpu_fold_ab", "rounds": args.rounds, "cores": os.cpu_count(),
-                           "load_average": {"before": load_before, "after": os.getloadavg()}, "cells": cells})
+                           "openblas_thread_timeout": os.environ.get("OPENBLAS_THREAD_TIMEOUT"),
+                           "load_average": {"before": load_before, "after": os.getloadavg()}, "cells": cells,
+                           "after": after})
+
+
+def _after_others(rounds: int) -> dict:
+    """The first cell's call (ms, median and best) after each of: itself, NumPy's batched contender
+    (one GEMM on BLAS's threads, then max and sum), and that contender on one BLAS thread."""
+    import threadpoolctl
+
+    rng = np.random.default_rng(0)
+    q = _unit(rng.standard_normal((1, 32, 128), dtype=np.float32))
+    docs = _unit(rng.standard_normal((1000, 180, 128), dtype=np.float32))
+    flat = docs.reshape(-1, 128)
+
+    def batched():
+        (q[0] @ flat.T).reshape(32, 1000, 180).max(axis=2).sum(axis=0)
+
+    def batched_one_thread():
+        with threadpoolctl.threadpool_limits(1, user_api="blas"):
+            batched()
+    before = {"ours": lambda: None, "numpy_batched": batched, "numpy_batched_one_blas_thread": batched_one_thread}
+    out = {}
+    for name, first in before.items():
+        times = []
+        for _ in range(rounds):
+            first()
+            times.append(_run(lambda: lik_cupy.maxsim(q, docs, backend="cpu"), "fold")[1])
+        out[name] = {"median_ms": round(float(np.median(times)), 3), "best_ms": round(min(times), 3)}
+        print(f"1q32 x 1000d180 right after {name:30s} {out[name]['median_ms']:8.2f} ms (median)")
+    return out
 
 
 if __name__ == "__main__":
