@@ -244,3 +244,14 @@ def test_numba_is_imported_by_a_cpu_call_not_by_the_package(tmp_path):
     env["PYTHONPATH"] = str(REPO)
     r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
+
+
+def test_float16_tokens_widen_as_numpys_cast():
+    """Every float16 value (NaNs, infinities, subnormals, -0.0 among them), bit for bit NumPy's cast."""
+    assert fold.available()
+    x = np.arange(1 << 16, dtype=np.uint16).view(np.float16).reshape(2, 256, 128)
+    with np.errstate(invalid="ignore"):
+        want = x.astype(np.float32)
+    got = fold.float32_tokens(x[:, ::2])  # (a strided view: copied first)
+    assert got.dtype == np.float32 and got.flags.c_contiguous
+    np.testing.assert_array_equal(got.view(np.uint32), np.ascontiguousarray(want[:, ::2]).view(np.uint32))

@@ -28,6 +28,10 @@ read (it is in the cache). The results are the NumPy passes' bit for bit:
 Beside the block, a chunk's fold holds 32 bytes per query row and document (its results) and, in the
 kernel, one row's float64 products (``d * 8`` bytes).
 
+The same build widens float16 tokens to float32 for the GEMM (:func:`float32_tokens`) by a table of
+NumPy's own conversions of all 65,536 values, bit for bit NumPy's cast at about a third of its time
+(10 against 32 ms for 23 million values on an AMD EPYC).
+
 The kernels release the GIL, so the chunk threads of ``cores.py`` fold at once.
 ``LIK_DISABLE_NUMBA=1`` keeps the NumPy passes (``docs/environment.md``). Numba is imported at the
 first call that could use it, never when ``lik_cupy`` is imported; a Numba that will not import or
@@ -36,6 +40,7 @@ compile, or disagrees with NumPy, gives one warning and the NumPy passes.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import threading
 import warnings
@@ -45,10 +50,11 @@ import numpy as np
 from .._base import env
 from .refine import norm_terms
 
-__all__ = ["available", "DocumentFold"]
+__all__ = ["available", "DocumentFold", "float32_tokens"]
 
 _lock = threading.Lock()
 _kernel = None  # fold_kernels.piece once built, False once that failed, None before the first try
+_widen = None  # fold_kernels.widen once built
 # rows a token above which the fold keeps its winners' offsets in int32, else int64: each vectorises best so
 # (AMD EPYC, AVX-512: 82 against 113 us for a chunk of 32 rows, 225 against 294 us for 1,024 rows)
 _WIDE_ROWS = 64
@@ -66,6 +72,21 @@ def available() -> bool:
             if _kernel is None:
                 _kernel = _first_build()
     return _kernel is not False
+
+
+@functools.cache
+def _float16_table() -> np.ndarray:
+    with np.errstate(invalid="ignore"):  # (the signalling NaNs among them)
+        return np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.float32)
+
+
+def float32_tokens(x: np.ndarray) -> np.ndarray:
+    """float16 ``x`` (any shape) as a new C-contiguous float32 array, bit for bit ``x.astype(np.float32)``.
+    Call only where :func:`available` said so."""
+    bits = np.ascontiguousarray(x).view(np.uint16)
+    out = np.empty(x.shape, np.float32)
+    _widen(bits.reshape(-1), _float16_table(), out.reshape(-1))
+    return out
 
 
 def _probe() -> list[tuple[np.ndarray, np.ndarray]]:
@@ -94,6 +115,8 @@ def _first_build():
         for rows in (1, _WIDE_ROWS + 1):
             DocumentFold(np.zeros(1, np.int64), np.ones(1, np.int64), None, np.zeros((rows, 1)),
                          np.zeros((1, 1), np.float32), np.float32, kernels.piece).piece(np.zeros((1, rows), np.float32), 0, 1)
+        global _widen
+        _widen = kernels.widen
         return kernels.piece
     except Exception as e:  # noqa: BLE001 (any failure of an optional accelerator leaves the NumPy passes)
         warnings.warn(f"numba is installed but the CPU path's compiled fold is not used ({type(e).__name__}: {e}); "

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-__all__ = ["dot", "piece", "scratch"]
+__all__ = ["dot", "piece", "scratch", "widen"]
 
 _PAIRWISE_BLOCK = 128  # NumPy's PW_BLOCKSIZE: runs this long or shorter sum in eight interleaved partial sums
 _LANES = 16  # partial sums of a token's squares
@@ -150,3 +150,10 @@ def piece(St, T, A64, valid, start, length, terms, p0, p1, state, squares, top, 
             nan[r] = False
         j += 1
     state[0] = j
+
+
+@numba.njit(nogil=True, cache=True, boundscheck=False)
+def widen(bits, table, out):  # pragma: no cover (compiled)
+    """``out[i] = table[bits[i]]``: 16-bit values (their bits, uint16) widened by a table of all 65,536."""
+    for i in range(bits.size):
+        out[i] = table[bits[i]]

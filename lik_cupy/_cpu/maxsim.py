@@ -390,8 +390,12 @@ def query_groups(lengths: np.ndarray, row_bytes: int) -> list[np.ndarray]:
 
 
 def _tokens(x: np.ndarray, ar: _Arith, sets: int) -> np.ndarray:
-    """Document tokens [..., d] as ``sets`` sets of GEMM rows [sets, n, d] (a view when they already are)."""
-    return np.ascontiguousarray(x.reshape(sets, -1, x.shape[-1]), dtype=ar.gemm)
+    """Document tokens [..., d] as ``sets`` sets of GEMM rows [sets, n, d] (a view when they already are;
+    float16 widened by the compiled table where Numba is installed, NumPy's own cast taking 3x as long)."""
+    x = x.reshape(sets, -1, x.shape[-1])
+    if x.dtype == np.float16 and ar.gemm == np.float32 and x.flags.c_contiguous and fold.available():
+        return fold.float32_tokens(x)  # (a strided x takes NumPy's cast, which needs no contiguous copy first)
+    return np.ascontiguousarray(x, dtype=ar.gemm)
 
 
 def _scores(val: np.ndarray, q_valid: np.ndarray, q_scale: np.ndarray | None, dtype: np.dtype) -> np.ndarray:
