@@ -246,7 +246,7 @@ def test_numba_is_imported_by_a_cpu_call_not_by_the_package(tmp_path):
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
 
 
-def test_float16_tokens_widen_as_numpys_cast():
+def test_float16_tokens_widen_as_numpys_cast(monkeypatch):
     """Every float16 value (NaNs, infinities, subnormals, -0.0 among them), bit for bit NumPy's cast."""
     assert fold.available()
     x = np.arange(1 << 16, dtype=np.uint16).view(np.float16).reshape(2, 256, 128)
@@ -255,3 +255,12 @@ def test_float16_tokens_widen_as_numpys_cast():
     got = fold.float32_tokens(x[:, ::2])  # (a strided view: copied first)
     assert got.dtype == np.float32 and got.flags.c_contiguous
     np.testing.assert_array_equal(got.view(np.uint32), np.ascontiguousarray(want[:, ::2]).view(np.uint32))
+    big = np.random.default_rng(0).integers(0, 1 << 16, 3 << 20, dtype=np.uint16).view(np.float16)
+    seen = []
+    real = cores.run_chunks
+    monkeypatch.setattr(cores, "run_chunks", lambda items, work, threads, **kw: (seen.append(threads),
+                                                                                 real(items, work, threads, **kw)))
+    monkeypatch.setattr(cores, "chunk_threads", lambda: 3)  # parts shared by three threads, whatever the machine
+    with np.errstate(invalid="ignore"):
+        np.testing.assert_array_equal(fold.float32_tokens(big).view(np.uint32), big.astype(np.float32).view(np.uint32))
+    assert seen == [3]

@@ -30,7 +30,8 @@ kernel, one row's float64 products (``d * 8`` bytes).
 
 The same build widens float16 tokens to float32 for the GEMM (:func:`float32_tokens`) by a table of
 NumPy's own conversions of all 65,536 values, bit for bit NumPy's cast at about a third of its time
-(10 against 32 ms for 23 million values on an AMD EPYC).
+on one core (10 against 32 ms for 23 million values on an AMD EPYC), in parts shared by the chunk
+threads.
 
 The kernels release the GIL, so the chunk threads of ``cores.py`` fold at once.
 ``LIK_DISABLE_NUMBA=1`` keeps the NumPy passes (``docs/environment.md``). Numba is imported at the
@@ -48,6 +49,7 @@ import warnings
 import numpy as np
 
 from .._base import env
+from . import cores
 from .refine import norm_terms
 
 __all__ = ["available", "DocumentFold", "float32_tokens"]
@@ -58,6 +60,7 @@ _widen = None  # fold_kernels.widen once built
 # rows a token above which the fold keeps its winners' offsets in int32, else int64: each vectorises best so
 # (AMD EPYC, AVX-512: 82 against 113 us for a chunk of 32 rows, 225 against 294 us for 1,024 rows)
 _WIDE_ROWS = 64
+_WIDEN_SHARED = 1 << 20  # float16 values from which their widening is shared by the chunk threads
 
 
 def available() -> bool:
@@ -81,11 +84,18 @@ def _float16_table() -> np.ndarray:
 
 
 def float32_tokens(x: np.ndarray) -> np.ndarray:
-    """float16 ``x`` (any shape) as a new C-contiguous float32 array, bit for bit ``x.astype(np.float32)``.
-    Call only where :func:`available` said so."""
-    bits = np.ascontiguousarray(x).view(np.uint16)
+    """float16 ``x`` (any shape) as a new C-contiguous float32 array, bit for bit ``x.astype(np.float32)``,
+    in parts shared by ``cores``' chunk threads. Call only where :func:`available` said so."""
+    bits = np.ascontiguousarray(x).view(np.uint16).reshape(-1)
     out = np.empty(x.shape, np.float32)
-    _widen(bits.reshape(-1), _float16_table(), out.reshape(-1))
+    flat, table = out.reshape(-1), _float16_table()
+    threads = cores.chunk_threads() if bits.size >= _WIDEN_SHARED else 1
+    cuts = np.linspace(0, bits.size, threads + 1).astype(np.int64)
+
+    def work(_, parts):
+        for a, b in parts:
+            _widen(bits[a:b], table, flat[a:b])
+    cores.run_chunks(list(zip(cuts[:-1], cuts[1:])), work, threads, blas_threads=False)
     return out
 
 
