@@ -246,16 +246,18 @@ def test_numba_is_imported_by_a_cpu_call_not_by_the_package(tmp_path):
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
 
 
-def test_float16_tokens_widen_as_numpys_cast(monkeypatch):
-    """Every float16 value (NaNs, infinities, subnormals, -0.0 among them), bit for bit NumPy's cast."""
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_16_bit_tokens_widen_as_their_own_cast(monkeypatch, dtype):
+    """Every float16 or bfloat16 value (NaNs, infinities, subnormals, -0.0 among them), bit for bit
+    their own cast."""
     assert fold.available()
-    x = np.arange(1 << 16, dtype=np.uint16).view(np.float16).reshape(2, 256, 128)
+    x = np.arange(1 << 16, dtype=np.uint16).view(DTYPES[dtype]).reshape(2, 256, 128)
     with np.errstate(invalid="ignore"):
         want = x.astype(np.float32)
     got = fold.float32_tokens(x[:, ::2])  # (a strided view: copied first)
     assert got.dtype == np.float32 and got.flags.c_contiguous
     np.testing.assert_array_equal(got.view(np.uint32), np.ascontiguousarray(want[:, ::2]).view(np.uint32))
-    big = np.random.default_rng(0).integers(0, 1 << 16, 3 << 20, dtype=np.uint16).view(np.float16)
+    big = np.random.default_rng(0).integers(0, 1 << 16, 3 << 20, dtype=np.uint16).view(DTYPES[dtype])
     seen = []
     real = cores.run_chunks
     monkeypatch.setattr(cores, "run_chunks", lambda items, work, threads, **kw: (seen.append(threads),
