@@ -1,6 +1,6 @@
 """The CPU path's compiled fold (``lik_cupy/_cpu/fold.py``) against its NumPy passes, in one process:
-issue 48's four cells (float32, d = 128, unit-norm tokens) and the first in float16 (whose tokens the
-same build widens to float32), each call alternating between the two
+issue 48's four cells (float32, d = 128, unit-norm tokens) and the first in float16 and bfloat16 (whose
+tokens the same build widens to float32), each call alternating between the two
 (``LIK_DISABLE_NUMBA`` flipped before it, a switch read per call), back to back, with the scores
 checked bit for bit alike. Needs Numba (the ``[cpu]`` extra).
 
@@ -21,6 +21,7 @@ import sys
 import time
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: bench.lib, lik_cupy
@@ -43,8 +44,10 @@ def _cells(rng) -> dict:
     long_q = _unit(rng.standard_normal((1, 1024, 128), dtype=np.float32))
     pages = _unit(rng.standard_normal((16, 1024, 128), dtype=np.float32))
     one16, docs16 = one.astype(np.float16), docs.astype(np.float16)
+    one_bf, docs_bf = one.astype(ml_dtypes.bfloat16), docs.astype(ml_dtypes.bfloat16)
     return {"1q32 x 1000d180": lambda: lik_cupy.maxsim(one, docs, backend="cpu"),
             "1q32 x 1000d180 float16": lambda: lik_cupy.maxsim(one16, docs16, backend="cpu"),
+            "1q32 x 1000d180 bfloat16": lambda: lik_cupy.maxsim(one_bf, docs_bf, backend="cpu"),
             "1q32 x 1000d16-512": lambda: lik_cupy.maxsim_varlen(one, tok, off, backend="cpu"),
             "32q32 x 1000d180": lambda: lik_cupy.maxsim(many, docs, backend="cpu"),
             "1q1024 x 16d1024": lambda: lik_cupy.maxsim(long_q, pages, backend="cpu")}
