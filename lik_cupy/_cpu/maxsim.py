@@ -396,7 +396,7 @@ def _tokens(x: np.ndarray, ar: _Arith, sets: int) -> np.ndarray:
     float16 and bfloat16 widened by the compiled table on the chunk threads where Numba is installed:
     NumPy's float16 cast alone took 3x as long)."""
     x = x.reshape(sets, -1, x.shape[-1])
-    if (x.dtype in _WIDENED and ar.gemm == np.float32 and x.flags.c_contiguous and fold.available()):
+    if x.dtype in _WIDENED and ar.gemm == np.float32 and x.flags.c_contiguous and fold.available():
         return fold.float32_tokens(x)  # (a strided x takes NumPy's cast, which needs no contiguous copy first)
     return np.ascontiguousarray(x, dtype=ar.gemm)
 
@@ -677,7 +677,7 @@ def _block_maxima(Q: np.ndarray, q_valid: np.ndarray, blk: _DocBlock, ar: _Arith
                     S = S.astype(np.float32, copy=False)
                     S.reshape(sets, m // sets, c1 - c0)[...] *= blk.d_scale[:, None, c0:c1]
                 lv = live[:, j0:j1]
-                second = None
+                second = None  # (inexact padded runs take it from S below)
                 if folding:  # the max, where it is, the second max and the winner's reference similarity
                     first, best, second = folding.first, folding.best, folding.second
                 else:
@@ -697,8 +697,10 @@ def _block_maxima(Q: np.ndarray, q_valid: np.ndarray, blk: _DocBlock, ar: _Arith
                     continue
                 thr = best - margin(qn, dn, dim, ar.gemm)  # float64: compared with S exactly
                 thr[~lv | bad] = np.nan
-                if second is not None or sub.width is not None:  # another column within the margin: float64 decides
-                    r, j = np.nonzero((sub.second_max(S, first) if second is None else second) >= thr)
+                if second is None and sub.width is not None:
+                    second = sub.second_max(S, first)
+                if second is not None:  # another column within the margin of the max: float64 decides
+                    r, j = np.nonzero(second >= thr)
                 else:
                     hit = sub.compare(S, thr)  # NaN: no column passes
                     first, r, j = sub.hits(hit, lv & ~bad, part // 4)  # the max's, unless another column passes
