@@ -618,19 +618,25 @@ async def infer(svc: Service, model: str, inputs: dict[str, np.ndarray], params:
              "batch_queries": t.batch_queries})
 
 
+def label(model: str) -> str:
+    """The metrics' model label of a request of ``model``: :data:`UNNAMED` unless the server serves it
+    (an unknown model's name would be a label of the client's choosing)."""
+    return model if model in MODELS else UNNAMED
+
+
 def responded(svc: Service, model: str, status: int, start: float) -> None:
     """Count an inference answer of ``status`` (HTTP's) for the metrics, timed from ``start``
     (perf_counter); under :data:`UNNAMED` where the request named no model that the server serves
     (a gRPC call's message had not arrived; an unknown model's name would be a label of the
     client's choosing)."""
-    svc.metrics.responded(model if model in MODELS else UNNAMED, status, time.perf_counter() - start)
+    svc.metrics.responded(label(model), status, time.perf_counter() - start)
 
 
 def refused(svc: Service, model: str, e: Refused, start: float) -> None:
     """Count a request of ``model`` answered with the :class:`Refused` ``e``: rejected for its
     reason (unless the batcher counted it), and its answer (:func:`responded`)."""
     if not e.counted:
-        svc.metrics.rejected(model if model in MODELS else UNNAMED, e.reason)
+        svc.metrics.rejected(label(model), e.reason)
     responded(svc, model, e.status, start)
 
 

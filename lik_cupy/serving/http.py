@@ -543,7 +543,7 @@ async def _send(send, status: int, body: bytes | list, head: tuple, svc: Service
         await _service.departure(svc, lambda clock: _slices(send, body, clock))
     except Refused as e:
         _log.warning("lik serve: %s; the connection is dropped", e)
-        svc.metrics.rejected(model if model in MODELS else _service.UNNAMED, e.reason)
+        svc.metrics.rejected(_service.label(model), e.reason)
         abort = scope.get("extensions", {}).get(ABORT)
         if abort is not None:
             abort()
