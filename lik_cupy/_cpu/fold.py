@@ -21,8 +21,8 @@ read (it is in the cache). The results are the NumPy passes' bit for bit:
   the first build checks the two agree on vectors whose sums round at every step, and the compiled
   fold is not used where they do not.
 - ``norms``: a bound on the norm of each document's valid tokens, ``refine.bound_norms``'s steps on
-  the largest sum of squares (sixteen partial sums a token: the bound holds for any order). It is not
-  NumPy's bound bit for bit, and need not be: a looser or tighter margin only sends more or fewer
+  the largest sum of squares (summed in whatever order vectorises: the bound holds for any order). It
+  is not NumPy's bound bit for bit, and need not be: a looser or tighter margin only sends more or fewer
   near ties to float64, which decides them exactly either way.
 
 Beside the block, a chunk's fold holds 32 bytes per query row and document (its results) and, in the

@@ -10,7 +10,6 @@ import numpy as np
 __all__ = ["dot", "piece", "scratch", "widen"]
 
 _PAIRWISE_BLOCK = 128  # NumPy's PW_BLOCKSIZE: runs this long or shorter sum in eight interleaved partial sums
-_LANES = 16  # partial sums of a token's squares
 
 
 @numba.njit(nogil=True, cache=True, boundscheck=False)
@@ -36,6 +35,36 @@ def _block(p, lo, n):  # pragma: no cover (compiled): NumPy's pairwise_sum of p[
     res = ((r0 + r1) + (r2 + r3)) + ((r4 + r5) + (r6 + r7))
     while i < n:
         res += p[lo + i]
+        i += 1
+    return res
+
+
+@numba.njit(nogil=True, cache=True, boundscheck=False, inline="always")
+def _block_dot(a, b):  # pragma: no cover (compiled): _block of the products a[k] * b[k], a.size <= 128
+    n = a.size  # (the same additions in the same order, each product rounded to float64 as NumPy's is)
+    if n < 8:
+        res = 0.0
+        for i in range(n):
+            res += a[i] * np.float64(b[i])
+        return res
+    r0, r1 = a[0] * np.float64(b[0]), a[1] * np.float64(b[1])
+    r2, r3 = a[2] * np.float64(b[2]), a[3] * np.float64(b[3])
+    r4, r5 = a[4] * np.float64(b[4]), a[5] * np.float64(b[5])
+    r6, r7 = a[6] * np.float64(b[6]), a[7] * np.float64(b[7])
+    i = 8
+    while i < n - n % 8:
+        r0 += a[i] * np.float64(b[i])
+        r1 += a[i + 1] * np.float64(b[i + 1])
+        r2 += a[i + 2] * np.float64(b[i + 2])
+        r3 += a[i + 3] * np.float64(b[i + 3])
+        r4 += a[i + 4] * np.float64(b[i + 4])
+        r5 += a[i + 5] * np.float64(b[i + 5])
+        r6 += a[i + 6] * np.float64(b[i + 6])
+        r7 += a[i + 7] * np.float64(b[i + 7])
+        i += 8
+    res = ((r0 + r1) + (r2 + r3)) + ((r4 + r5) + (r6 + r7))
+    while i < n:
+        res += a[i] * np.float64(b[i])
         i += 1
     return res
 
@@ -78,7 +107,9 @@ def _pairwise(p, n, frames, vals):  # pragma: no cover (compiled)
 @numba.njit(nogil=True, cache=True, boundscheck=False)
 def dot(a, b, prod, frames, vals):  # pragma: no cover (compiled)
     """``np.add.reduce(a * b)`` in float64 (``refine.dot64``); ``prod`` a scratch of ``a.size``,
-    ``frames`` and ``vals`` :func:`_pairwise`'s."""
+    ``frames`` and ``vals`` :func:`_pairwise`'s (unused for rows of 128 or fewer)."""
+    if a.size <= _PAIRWISE_BLOCK:
+        return 0.0 + _block_dot(a, b)
     for k in range(a.size):
         prod[k] = a[k] * np.float64(b[k])
     return 0.0 + _pairwise(prod, a.size, frames, vals)
@@ -87,6 +118,16 @@ def dot(a, b, prod, frames, vals):  # pragma: no cover (compiled)
 def scratch(d: int):
     """:func:`dot`'s scratch for rows of ``d``: (prod, frames, vals)."""
     return np.empty(d), np.empty((64, 3), np.int64), np.empty(64)
+
+
+@numba.njit(nogil=True, cache=True, boundscheck=False, fastmath={"reassoc", "contract"})
+def _squares(tok):  # pragma: no cover (compiled)
+    """The sum of ``tok``'s squares in any order, fused or not: ``refine.norm_terms``' bound holds for
+    every order (with fewer roundings where fused), which lets it vectorise."""
+    ss = tok.dtype.type(0)
+    for k in range(tok.size):
+        ss += tok[k] * tok[k]
+    return ss
 
 
 @numba.njit(nogil=True, cache=True, boundscheck=False)
@@ -100,8 +141,8 @@ def piece(St, T, A64, valid, start, length, terms, p0, p1, state, squares, top, 
     prod = np.empty(T.shape[1])  # (one row's products: d * 8 bytes, whatever the rows)
     frames = np.empty((64, 3), np.int64)
     vals = np.empty(64)
-    lanes = np.empty(_LANES, T.dtype)
     masked = valid.size > 0
+    short = T.shape[1] <= _PAIRWISE_BLOCK  # (dot's own test, taken once: the call is not inlined)
     underflow, inflate, root = terms[0], terms[1], terms[2]
     j = state[0]
     while j < start.size:
@@ -111,18 +152,7 @@ def piece(St, T, A64, valid, start, length, terms, p0, p1, state, squares, top, 
             if masked and not valid[t]:
                 continue
             tok = T[t]
-            for u in range(_LANES):  # partial sums in any order: bound_norms bounds the rounding of any
-                lanes[u] = 0
-            k = 0
-            while k + _LANES <= tok.size:
-                for u in range(_LANES):
-                    lanes[u] += tok[k + u] * tok[k + u]
-                k += _LANES
-            ss = lanes[0]
-            for u in range(1, _LANES):
-                ss += lanes[u]
-            for k in range(k, tok.size):
-                ss += tok[k] * tok[k]
+            ss = _squares(tok)
             if ss > squares[0] or ss != ss:  # (a NaN stays)
                 squares[0] = ss
             row = St[t]
@@ -143,7 +173,12 @@ def piece(St, T, A64, valid, start, length, terms, p0, p1, state, squares, top, 
             first[r, j] = at[r]
             best[r, j] = np.nan if nan[r] else top[r]
             second[r, j] = runner[r]
-            win[r, j] = dot(A64[r], T[s + at[r]], prod, frames, vals) if e > s else -np.inf
+            if e == s:
+                win[r, j] = -np.inf
+            elif short:
+                win[r, j] = 0.0 + _block_dot(A64[r], T[s + at[r]])
+            else:
+                win[r, j] = dot(A64[r], T[s + at[r]], prod, frames, vals)
             top[r] = -np.inf
             runner[r] = -np.inf
             at[r] = 0

@@ -82,11 +82,11 @@ _GROUP_DOCS = 32  # documents a block holds at least before queries share its GE
 _NORM_TOKENS = 16  # consecutive document tokens whose norm is bounded together (the margin's looseness: its sqrt)
 _CACHE_BYTES = 8 << 20  # a chunk's similarities and tokens at most: what follows its GEMM reads them from cache
 _PIECE_COLUMNS = 2048  # columns of a chunk's GEMM at a time (a multiple of _NORM_TOKENS), read first for their norm bounds
-# With the compiled fold, a piece's tokens and similarities in about this many bytes (a core's L2 holds them
+# With the compiled fold, a piece's tokens and similarities in about this many bytes (the cache holds them
 # for the fold, which reads both after the GEMM), and this many columns at least (each GEMM call packs the
 # query rows again: 1,024 query rows in pieces of 512 columns took 1.03x the time of 1,024; AMD EPYC,
-# OpenBLAS 0.3.31; 1 MiB against 512 KiB: 0.97-0.98x on one 32-token query)
-_FOLD_PIECE_BYTES = 1 << 20
+# OpenBLAS 0.3.31; one 32-token query, 2 MiB against 1 MiB: 0.92-0.97x whole calls, 512 KiB 1.02x)
+_FOLD_PIECE_BYTES = 2 << 20
 _FOLD_PIECE_MIN = 1024
 _SPLIT_MACS = 1 << 24  # multiply-adds of a block's GEMM per thread at least, for its chunks to be shared
 # A float32 GEMM of this many query rows per set or fewer runs with the document tokens as its rows, into
