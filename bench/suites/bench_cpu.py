@@ -27,7 +27,10 @@ given as a multiple of it.
 (``lik_cupy/_cpu/fold.py``; ``machine.compiled_fold`` says whether it did), else NumPy's passes.
 
 All contenders run in one process, in a rotating order round by round, so that a busy machine slows
-them alike; each cell gives the median and best of the rounds and the ratio of ours to the fastest
+them alike. Each call starts ``--settle`` seconds (0.15) after the one before it, the calling thread
+busy meanwhile: the threads a library leaves spinning after its call (OpenBLAS's idle workers, for
+about 0.1 s) would otherwise share the cores with whichever contender comes next, and a core left
+idle clocks down. Each cell gives the median and best of the rounds and the ratio of ours to the fastest
 other by each. The load average before and after is recorded, and ``quiet`` says whether the
 1-minute load stayed under a quarter of the cores: a loaded machine's times say little, and no
 target should be read from them.
@@ -79,6 +82,7 @@ SMOKE = {"1q8 x 20d12": (1, 8, 20, 12, 12), "1q8 x 20d2-30": (1, 8, 20, 2, 30), 
 RERANK = [(5000, 16, 256, 16, 32, 200, 5000, 2), (5000, 16, 256, 16, 32, 200, 300, 2)]
 RERANK_SMOKE = [(60, 2, 20, 3, 8, 10, 60, 2), (60, 2, 20, 3, 8, 10, 12, 2)]
 WRONG = 1e-4  # a contender whose scores stray further from ours is wrong, not a contender
+SETTLE_S = 0.15  # seconds between calls: past OpenBLAS's idle workers' spin (about 0.1 s on a 3 GHz core)
 
 
 def unit(x: np.ndarray) -> np.ndarray:
@@ -266,14 +270,18 @@ def slug(text: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
 
 
-def time_round_robin(contenders: dict, rounds: int) -> dict:
-    """Median and best milliseconds of each contender, run interleaved in a rotating order."""
+def time_round_robin(contenders: dict, rounds: int, settle: float = 0.0) -> dict:
+    """Median and best milliseconds of each contender, run interleaved in a rotating order, each call
+    after ``settle`` seconds of busy-waiting on the calling thread (module docstring)."""
     names = list(contenders)
     times = {n: [] for n in names}
     for fn in contenders.values():  # warm-up: first-touch allocations, BLAS threads
         fn()
     for r in range(rounds):
         for n in names[r % len(names):] + names[:r % len(names)]:
+            until = time.perf_counter() + settle
+            while time.perf_counter() < until:  # (busy, not asleep: an idle core clocks down)
+                pass
             t0 = time.perf_counter()
             contenders[n]()
             times[n].append((time.perf_counter() - t0) * 1e3)
@@ -308,10 +316,13 @@ def exact(Q: np.ndarray, docs: list) -> np.ndarray:
 def main(argv=None) -> Path:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--settle", type=float, default=SETTLE_S,
+                    help="seconds each call waits, busy, after the one before it (0: none)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes and 2 rounds: checks the suite runs")
     ap.add_argument("--out", type=Path, default=None, help="output directory (default $OUT, else bench/results)")
     args = ap.parse_args(argv)
     cases, rerank, rounds = (SMOKE, RERANK_SMOKE, 2) if args.smoke else (CASES, RERANK, args.rounds)
+    settle = 0.0 if args.smoke else args.settle
 
     libs = rust_libraries()
     info = machine(libs)
@@ -326,7 +337,7 @@ def main(argv=None) -> Path:
         got, f64 = {n: f() for n, f in {**ours, **others}.items()}, exact(Q, docs)
         errors = {n: rel_err(got[n], got["ours"]) for n in others}
         exact_err = {n: rel_err(g, f64) for n, g in got.items()}
-        times = time_round_robin({**ours, **others}, rounds)
+        times = time_round_robin({**ours, **others}, rounds, settle)
         right = [n for n in others if exact_err[n] <= WRONG]  # (a NaN error fails the comparison: wrong)
         ours_wrong = not exact_err["ours"] <= WRONG
         fl = floor(nq, lq, int(lens.sum()), info["rates"])
@@ -346,13 +357,13 @@ def main(argv=None) -> Path:
             contenders = rerank_contenders(spec, rng, Path(where))
             a, b = contenders["rerank"](), contenders["decompress_maxsim_varlen"]()
             assert np.array_equal(a, b), "PlaidIndex.rerank and decompress + maxsim_varlen disagree"
-            times = time_round_robin(contenders, rounds)
+            times = time_round_robin(contenders, rounds, settle)
         nd, lo, hi, nq, lq, k, pool, nbits = spec
         case = f"{nq} q ({lq}) x {k} candidates of the first {pool} of {nd} docs ({lo}-{hi} tokens), nbits {nbits}"
         plaid.append({"case": case, "times": times, **summary(times, "rerank", ["decompress_maxsim_varlen"])})
         print(f"{plaid[-1]['case']}: rerank x{plaid[-1]['median']['ratio']:.3f} of decompress + maxsim_varlen (median)")
     load_after = os.getloadavg()
-    out = {"suite": "cpu", "dtype": "float32", "dim": DIM, "rounds": rounds, "smoke": args.smoke,
+    out = {"suite": "cpu", "dtype": "float32", "dim": DIM, "rounds": rounds, "settle_s": settle, "smoke": args.smoke,
            "timing": "median and best of the rounds, contenders interleaved in a rotating order in one process",
            "machine": info, "skipped": [n for n in RUST if n not in libs],
            "load_average": {"before": [round(x, 2) for x in load_before], "after": [round(x, 2) for x in load_after]},
