@@ -31,6 +31,8 @@ CELLS = {
     "colpali-1x1000": (1, 1024, 1000, 1024, False),
     "colpali-1x16": (1, 1024, 16, 1024, False),
     "1q32x1000x300-packed": (1, 32, 1000, 300, True),
+    "1q32x1000x1024": (1, 32, 1000, 1024, False),
+    "1q128x1000x1024": (1, 128, 1000, 1024, False),
 }
 
 
@@ -67,6 +69,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
     ap.add_argument("--cells", default=",".join(CELLS))
+    ap.add_argument("--tf32-only", action="store_true", help="TF32 tiles alone (not the refined ones)")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--time-budget", type=float, default=420)
     args = ap.parse_args()
@@ -80,7 +83,7 @@ def main():
     cells, jobs = {}, {}
     for name in args.cells.split(","):
         nq, lq, nd, ld, packed = CELLS[name]
-        for x3 in (False, True):
+        for x3 in (False,) if args.tf32_only else (False, True):
             base = choose_forward(90, "float32", 128, lq, False, True, True, nq, ld, packed, True, x3)
             vs = _variants(base)
             cells[(name, x3)] = (base, vs)
