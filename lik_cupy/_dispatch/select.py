@@ -60,7 +60,8 @@ def _short_wgmma_tiles(ld: int, spec: ElemSpec) -> list[tuple[int, int]]:
     return [(bn, st) for bn in order for st in stages[bn]]
 
 
-def _wgmma_tma(spec: ElemSpec, argmax: bool, multi: bool, q_len: int, ld: int, packed: bool) -> bool:
+def _wgmma_tma(spec: ElemSpec, argmax: bool, multi: bool, q_len: int, ld: int, packed: bool,
+               short_tf32: bool = False) -> bool:
     """Whether a Hopper tile stages documents by TMA (when the caller can). From
     bench/results/archive/sweep_tma_nvidia-h100-80gb-hbm3.json and the H200 forward runs before and
     after: TMA is 11-17% faster at Lq=512 and 1024 (argmax too), on multi-query tiles and on
@@ -70,11 +71,13 @@ def _wgmma_tma(spec: ElemSpec, argmax: bool, multi: bool, q_len: int, ld: int, p
     (packed documents, several queries a tile: nvrtc.check_all); FP8's compiles clean in every form.
     float32 tiles (512-byte rows at d = 128) take TMA for short single queries too: 0.0411 against
     0.0508 ms, packed 0.0457 against 0.0680, for 32 tokens x 1,000 documents of 300 on an H200
-    (bench/results/latest/fp32_wgmma_sweep_nvidia-h200.json); so do FP8's argmax tiles, and its
-    scores-only ones against packed documents or padded ones shorter than
-    ``tables.FP8_SHORT_TMA_BELOW_LD``."""
+    (bench/results/latest/fp32_wgmma_sweep_nvidia-h200.json), except the one-warpgroup TF32 tiles
+    (``short_tf32``: precision "tf32", not the refined ones) against padded documents of
+    ``tables.TF32_SHORT_TMA_BELOW_LD`` tokens or more; so do FP8's argmax tiles, and its scores-only
+    ones against packed documents or padded ones shorter than ``tables.FP8_SHORT_TMA_BELOW_LD``."""
     fp8 = spec.scaled and not spec.integer and (argmax or packed or ld < t.FP8_SHORT_TMA_BELOW_LD)
-    return not (spec.integer and argmax) and (multi or q_len > 128 or spec.bytes == 4 or fp8)
+    f32 = spec.bytes == 4 and not (short_tf32 and not packed and ld >= t.TF32_SHORT_TMA_BELOW_LD)
+    return not (spec.integer and argmax) and (multi or q_len > 128 or f32 or fp8)
 
 
 def _tokm(spec: ElemSpec, argmax: bool, multi: bool, tma: bool, dim: int, ld: int) -> bool:
@@ -166,7 +169,7 @@ def choose_forward(cc: int, dtype: str, dim: int, lq: int, argmax: bool, vec: bo
             for bn, stages in _short_wgmma_tiles(ld, spec):
                 cfg = FwdConfig(elem=elem, dp=dim, warps=4, mt=1, bn=bn, stages=stages, qreg=False, argmax=argmax, vec=vec,
                                 wgmma=True, multi=multi(64), packed=packed, cand=cand, refine=x3,
-                                tma=tma and _wgmma_tma(spec, argmax, multi(64), q_len, ld, packed))
+                                tma=tma and _wgmma_tma(spec, argmax, multi(64), q_len, ld, packed, not x3))
                 if cfg.smem_bytes <= limit:
                     return cfg
         if hopper and row_bytes % 128 == 0:

@@ -176,6 +176,15 @@ REFINE_TOKM_MIN_LD = 128
 # 1,000 x 300 and 10,000 x 180 11-13% faster on TMA, 10,000 x 512, 768 and 1,024 6-8% slower, packed
 # 10-35% faster at 180, 300 and 1,024; with the argmax, padded 10-12% faster at 180, 300 and 1,024.
 FP8_SHORT_TMA_BELOW_LD = 512
+# float32 at precision "tf32" on the one-warpgroup tile (a query of at most 64 tokens) stages padded
+# documents of this many tokens or more by cp.async, shorter or packed ones by TMA; the refined tiles
+# (the default's float32 accuracy) always by TMA. From
+# bench/results/archive/f32_short_tma_nvidia-h200/ab_f32_tiles.json (one query, d = 128, H200, kernel
+# ms, TMA against cp.async): padded 32 x 300 0.0414 against 0.0424; 32 x 512 0.0684 against 0.0638,
+# 768 0.1005 against 0.0937, 1,024 0.1329 against 0.1214 (64 tokens: 0.1331 against 0.1217; with the
+# argmax 0.1350 against 0.1292), 2,048 0.1331 against 0.1213 (500 documents); packed 1,024 within 1.3%
+# either way; the refined tiles 20% slower by cp.async.
+TF32_SHORT_TMA_BELOW_LD = 512
 # Keyed by element bytes: float32 (TF32 wgmma) takes d = 128 too, whose 512-byte rows stage as many
 # tokens per byte as a 16-bit d = 256.
 SHORT_WGMMA_MAX_ROW_BYTES = {1: 256, 2: 256, 4: 512}
