@@ -178,7 +178,10 @@ def choose_forward(cc: int, dtype: str, dim: int, lq: int, argmax: bool, vec: bo
                                 vec=vec, wgmma=True, multi=False, packed=packed, cand=cand, tma=True, tokm=True)
                 if cfg.smem_bytes <= limit:
                     return cfg
-            for bn, stages in _wgmma_tiles(lq, ld, multi(128)):
+            tiles = _wgmma_tiles(lq, ld, multi(128))
+            if spec.tf32 and not (x3 or argmax or multi(128) or cand) and ld >= t.TF32_MID_MIN_LD and q_len <= 128:
+                tiles = [t.TF32_MID_TILE, *tiles]
+            for bn, stages in tiles:
                 cfg = FwdConfig(elem=elem, dp=dim, warps=8, mt=1, bn=bn, stages=stages, qreg=False, argmax=argmax, vec=vec,
                                 wgmma=True, multi=multi(128), packed=packed, cand=cand, refine=x3,
                                 tma=tma and _wgmma_tma(spec, argmax, multi(128), q_len, ld, packed))

@@ -185,6 +185,15 @@ FP8_SHORT_TMA_BELOW_LD = 512
 # argmax 0.1350 against 0.1292), 2,048 0.1331 against 0.1213 (500 documents); packed 1,024 within 1.3%
 # either way; the refined tiles 20% slower by cp.async.
 TF32_SHORT_TMA_BELOW_LD = 512
+# float32 at precision "tf32", one query of 65-128 tokens (the two-warpgroup tile), scores only, against
+# documents of TF32_MID_MIN_LD tokens or more: this (tokens, stages) first. From
+# bench/results/archive/f32_short_tma_nvidia-h200/ab_f32_bn96.json (d = 128, H200, kernel ms, 96
+# tokens against the 128 chosen before): 80, 100 and 128 query tokens x 1,000 documents of 1,024
+# 0.1254-0.1258 against 0.1320-0.1322, of 768 0.0949 against 0.0999, 500 of 2,048 0.1261-0.1264
+# against 0.1321-0.1323, 10,000 of 1,024 1.179 against 1.241, packed 0.1319 against 0.1365; at 512
+# tokens 2% slower (64 tokens three stages deep led there by 1%), with the argmax 5% slower.
+TF32_MID_TILE = (96, 2)
+TF32_MID_MIN_LD = 768
 # Keyed by element bytes: float32 (TF32 wgmma) takes d = 128 too, whose 512-byte rows stage as many
 # tokens per byte as a 16-bit d = 256.
 SHORT_WGMMA_MAX_ROW_BYTES = {1: 256, 2: 256, 4: 512}
