@@ -40,7 +40,7 @@ import numpy as np
 
 from ._base.device import check_ordinal, gpu_available, present
 from ._cpu import packed_rows
-from ._cpu.residual import Tokens, decompress, residual_maxsim_numpy
+from ._cpu.residual import Tokens, decompress_into, residual_maxsim_numpy
 from ._dispatch.backend import check_backend, use_gpu
 from ._dispatch.config import MAX_DIM_RESIDUAL
 from ._interop import GpuCall, describe, host_array, host_result
@@ -154,7 +154,8 @@ def maxsim_residual_varlen(Q, codes, residuals, d_offsets, centroids, bucket_wei
 
 
 def decompress_residuals(codes, residuals, centroids, bucket_weights, nbits, *, normalize=True):
-    """The embeddings of PLAID-compressed tokens, computed with NumPy.
+    """The embeddings of PLAID-compressed tokens, computed on the CPU (NumPy, or compiled by Numba where
+    the ``cpu`` extra is installed: the same bits).
 
     Args:
         codes: integer ``[...]`` centroid ids; residuals: uint8 ``codes.shape + (d * nbits / 8,)``;
@@ -182,9 +183,7 @@ def decompress_residuals(codes, residuals, centroids, bucket_weights, nbits, *, 
     r = np.asarray(host_array(residuals, fw)).reshape(flat.size, cen.shape[1] * nbits // 8)  # (no -1: zero tokens)
     _check_codes(flat, cen.shape[0])
     out = np.empty((flat.size, cen.shape[1]), np.float32)
-    step = max(1, (16 << 20) // (8 * cen.shape[1]))
-    for s in range(0, flat.size, step):
-        out[s:s + step] = decompress(flat[s:s + step], r[s:s + step], cen, w, nbits, normalize)
+    decompress_into(out, None, flat, r, cen, w, nbits, normalize, 64 << 20)
     return host_result(out.reshape(tuple(c.shape) + (cen.shape[1],)), c)
 
 

@@ -266,3 +266,88 @@ def test_16_bit_tokens_widen_as_their_own_cast(monkeypatch, dtype):
     with np.errstate(invalid="ignore"):
         np.testing.assert_array_equal(fold.float32_tokens(big).view(np.uint32), big.astype(np.float32).view(np.uint32))
     assert seen == [3]
+
+
+# ---------------------------------------------------------------- PLAID decompression
+
+
+def _codec(rng, n_cent, dim, nbits, dtype):
+    """Centroids with what decompression must carry bit for bit: tiny and huge values, a zero centroid,
+    a NaN and an infinity; weights of both signs."""
+    cen = rng.standard_normal((n_cent, dim)) * np.exp2(rng.integers(-16, 8, (n_cent, dim)))
+    cen[0] = 0
+    cen[1] = 2.0**-14  # a norm far below 1: scaled to unit length
+    cen[2, 0] = np.nan
+    cen[3, -1] = np.inf
+    w = rng.standard_normal(1 << nbits).astype(np.float32)
+    return cen.astype(dtype), w
+
+
+@pytest.mark.parametrize("nbits, dim", [(1, 8), (2, 128), (4, 96), (2, 200)])
+@pytest.mark.parametrize("cdtype", [np.float16, np.float32])
+@pytest.mark.parametrize("normalize", [True, False])
+def test_compiled_decompression_has_numpys_bits(rng, monkeypatch, nbits, dim, cdtype, normalize):
+    from lik_cupy import plaid
+    from lik_cupy._cpu import residual
+
+    cen, w = _codec(rng, 9, dim, nbits, cdtype)
+    codes = rng.integers(0, 9, 5000)  # past _SHARED_TOKENS: the chunk threads share it
+    bits = rng.integers(0, 256, (5000, dim * nbits // 8), dtype=np.uint8)
+    monkeypatch.setattr(cores, "chunk_threads", lambda: 3)
+    seen = []
+    real = residual._compiled
+
+    def compiled():
+        k = real()
+        seen.append(k is not None)
+        return k
+    monkeypatch.setattr(residual, "_compiled", compiled)
+
+    def run():
+        with np.errstate(invalid="ignore", over="ignore"):
+            return plaid.decompress_residuals(codes, bits, cen, w, nbits, normalize=normalize)
+    monkeypatch.setenv("LIK_DISABLE_NUMBA", "1")
+    plain = run()
+    monkeypatch.setenv("LIK_DISABLE_NUMBA", "0")
+    folded = run()
+    assert seen == [False, True]
+    np.testing.assert_array_equal(plain.view(np.uint32), folded.view(np.uint32))
+    with np.errstate(invalid="ignore", over="ignore"):
+        want = residual.decompress(codes, bits, cen, w, nbits, normalize).astype(np.float32)
+    np.testing.assert_array_equal(folded.view(np.uint32), want.view(np.uint32))
+
+
+def test_residual_scoring_with_compiled_decompression_has_the_numpy_bits(rng, monkeypatch):
+    from lik_cupy import plaid
+
+    dim, nbits = 64, 2
+    cen, w = _codec(rng, 17, dim, nbits, np.float16)
+    cen[2, 0] = cen[3, -1] = 1  # finite documents: the scores compared, not NaN
+    lens = rng.integers(0, 40, 300)
+    off = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+    codes = rng.integers(0, 17, int(off[-1]))
+    bits = rng.integers(0, 256, (int(off[-1]), dim * nbits // 8), dtype=np.uint8)
+    q = _awkward(rng, (4, 16, dim), np.float32)
+    cand = rng.integers(0, 300, (4, 50))
+
+    def run():
+        return plaid.maxsim_residual_varlen(q, codes, bits, off, cen, w, nbits, candidates=cand,
+                                            return_argmax=True, backend="cpu")
+    monkeypatch.setenv("LIK_DISABLE_NUMBA", "1")
+    plain = run()
+    monkeypatch.setenv("LIK_DISABLE_NUMBA", "0")
+    _assert_same(plain, run())
+
+
+def test_a_decompression_that_differs_from_numpys_is_not_used(monkeypatch):
+    from lik_cupy._cpu import residual, residual_kernels
+
+    real = residual_kernels.rows16
+
+    def wrong(rows, codes, res, bits, table, per_byte, normalize, out):
+        real(rows, codes, res, bits, table, per_byte, normalize, out)
+        out[0, 0] = np.nextafter(out[0, 0], np.float32(np.inf))
+    monkeypatch.setattr(residual, "_kernels", None)
+    monkeypatch.setattr(residual_kernels, "rows16", wrong)
+    with pytest.warns(RuntimeWarning, match="differ from NumPy's"):
+        assert residual._compiled() is None

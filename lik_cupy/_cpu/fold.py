@@ -52,7 +52,7 @@ from .._base import env
 from . import cores
 from .refine import norm_terms
 
-__all__ = ["available", "DocumentFold", "float32_tokens"]
+__all__ = ["available", "DocumentFold", "float32_tokens", "widening_table"]
 
 _lock = threading.Lock()
 _kernel = None  # fold_kernels.piece once built, False once that failed, None before the first try
@@ -78,8 +78,8 @@ def available() -> bool:
 
 
 @functools.cache
-def _table(dtype: np.dtype) -> np.ndarray:
-    """float32 of every value of the 16-bit ``dtype``, by its own cast."""
+def widening_table(dtype: np.dtype) -> np.ndarray:
+    """float32 ``[65536]``: every value of the 16-bit ``dtype`` (indexed by its bits), by its own cast."""
     with np.errstate(invalid="ignore"):  # (the signalling NaNs among them)
         return np.arange(1 << 16, dtype=np.uint16).view(dtype).astype(np.float32)
 
@@ -90,7 +90,7 @@ def float32_tokens(x: np.ndarray) -> np.ndarray:
     :func:`available` said so."""
     bits = np.ascontiguousarray(x).view(np.uint16).reshape(-1)
     out = np.empty(x.shape, np.float32)
-    flat, table = out.reshape(-1), _table(x.dtype)
+    flat, table = out.reshape(-1), widening_table(x.dtype)
     threads = cores.chunk_threads() if bits.size >= _WIDEN_SHARED else 1
     cuts = np.linspace(0, bits.size, threads + 1).astype(np.int64)
 

@@ -16,9 +16,14 @@ name some of a block's documents score all of them together (several queries to 
 that costs at most ``_SHARED_WASTE`` times the (query, document) pairs they need; otherwise each
 query scores only its own documents, gathered from the block.
 
+Where Numba is installed (the ``cpu`` extra), each token is decompressed in one compiled pass
+(``residual_kernels.py``: the same bits, checked against NumPy at the first build), the tokens shared
+by the chunk threads; ``LIK_DISABLE_NUMBA`` keeps NumPy's passes, as for the fold.
+
 Memory: ``block_bytes`` (default 64 MiB) in all, beside the call's results, its ids (a few int64
 per candidate) and at most one copy of the queries (a group of them gathered): 3/16 for a block's
-float32 tokens and their rows, then 1/8 for decompressing them in float64 pieces; while scoring,
+float32 tokens and their rows, then 1/8 for decompressing them in float64 pieces (compiled: three
+rows of float64 a thread); while scoring,
 3/16 for one query's gathered documents or 1/16 for a shared block's scores and argmax, and 1/2 for
 ``maxsim_packed_numpy`` (9/16 of ``block_bytes`` by its bound). One document whose tokens alone
 pass their share is decompressed whole, and ``maxsim_packed_numpy``'s own exceptions hold here
@@ -31,14 +36,22 @@ millions of tokens).
 from __future__ import annotations
 
 import bisect
+import threading
+import warnings
 
 import numpy as np
 
+from . import cores, fold
 from .maxsim import even_cuts, maxsim_packed_numpy, packed_rows
+
+__all__ = ["unpack_buckets", "decompress", "decompress_into", "Tokens", "residual_maxsim_numpy"]
 
 _BLOCK_BYTES = 64 << 20
 _SHARED_WASTE = 2  # a shared block's pairs scored per pair needed, at most
 _DECOMPRESS_BYTES = 32  # temporary bytes per token and dim while decompressing (float64 values, weights, buckets)
+_SHARED_TOKENS = 4096  # tokens from which the compiled decompression is shared by the chunk threads
+_lock = threading.Lock()
+_kernels = None  # residual_kernels once built and checked, False once that failed, None before the first try
 
 
 def unpack_buckets(residuals: np.ndarray, nbits: int, dim: int) -> np.ndarray:
@@ -57,17 +70,92 @@ def unpack_buckets(residuals: np.ndarray, nbits: int, dim: int) -> np.ndarray:
     return out
 
 
+def _per_byte(weights: np.ndarray, nbits: int) -> np.ndarray:
+    """float64 ``[256, 8 / nbits]``: each residual byte's weights, looked up whole (no bit unpacking per token)."""
+    return weights.astype(np.float64)[unpack_buckets(np.arange(256, dtype=np.uint8)[:, None], nbits, 8 // nbits)]
+
+
 def decompress(codes: np.ndarray, residuals: np.ndarray, centroids: np.ndarray, weights: np.ndarray, nbits: int,
                normalize: bool) -> np.ndarray:
-    """float64 ``[n, dim]`` embeddings of ``n`` tokens (codes ``[n]``, residuals ``[n, dim * nbits / 8]``)."""
+    """float64 ``[n, dim]`` embeddings of ``n`` tokens (codes ``[n]``, residuals ``[n, dim * nbits / 8]``): the
+    centroid plus its buckets' weights, in float64; with ``normalize``, divided by the larger of its norm
+    and 1e-12, the sum of squares by ``np.add.reduce`` (NumPy's pairwise order, which ``residual_kernels``
+    reproduces)."""
     dim = centroids.shape[1]
     x = centroids[codes.astype(np.intp, copy=False)].astype(np.float64)
-    # each residual byte's 8 / nbits weights, looked up whole: no bit unpacking per token
-    per_byte = weights.astype(np.float64)[unpack_buckets(np.arange(256, dtype=np.uint8)[:, None], nbits, 8 // nbits)]
-    x += per_byte[residuals.reshape(codes.size, dim * nbits // 8)].reshape(codes.size, dim)
+    x += _per_byte(weights, nbits)[residuals.reshape(codes.size, dim * nbits // 8)].reshape(codes.size, dim)
     if normalize:
-        x /= np.maximum(np.sqrt(np.einsum("ij,ij->i", x, x)), 1e-12)[:, None]
+        x /= np.maximum(np.sqrt(np.add.reduce(x * x, axis=-1)), 1e-12)[:, None]
     return x
+
+
+def decompress_into(out: np.ndarray, rows: np.ndarray | None, codes: np.ndarray, residuals: np.ndarray,
+                    centroids: np.ndarray, weights: np.ndarray, nbits: int, normalize: bool,
+                    scratch_bytes: int) -> None:
+    """Tokens ``rows`` (int64 indices into ``codes [T]`` and ``residuals [T, R]``; None: every token) as
+    :func:`decompress` computes them, rounded to float32, into ``out [n, dim]``. Compiled and shared by
+    the chunk threads where Numba is (the ``cpu`` extra: the same bits); else NumPy in pieces of
+    ``scratch_bytes`` of temporaries (one token at least)."""
+    n, dim = out.shape
+    kernels = _compiled()
+    if kernels is None:
+        step = max(1, scratch_bytes // (_DECOMPRESS_BYTES * max(dim, 1)))
+        for s in range(0, n, step):
+            r = slice(s, s + step) if rows is None else rows[s:s + step]
+            out[s:s + step] = decompress(codes[r], residuals[r], centroids, weights, nbits, normalize)
+        return
+    rows = np.arange(n, dtype=np.int64) if rows is None else rows
+    per_byte = _per_byte(weights, nbits)
+    if centroids.dtype == np.float16:
+        run = kernels.rows16
+        cen = (centroids.view(np.uint16), fold.widening_table(np.float16))
+    else:
+        run, cen = kernels.rows32, (centroids,)
+    threads = cores.chunk_threads() if n >= _SHARED_TOKENS else 1
+    cuts = np.linspace(0, n, threads + 1).astype(np.int64)
+
+    def work(_, parts):
+        for a, b in parts:
+            run(rows[a:b], codes, residuals, *cen, per_byte, normalize, out[a:b])
+    cores.run_chunks(list(zip(cuts[:-1], cuts[1:])), work, threads, blas_threads=False)
+
+
+def _compiled():
+    """``residual_kernels`` where the compiled fold runs (``fold.available``) and the kernels agree with
+    :func:`decompress` on a probe, else None (one warning says why)."""
+    global _kernels
+    if not fold.available():
+        return None
+    if _kernels is None:
+        with _lock:
+            if _kernels is None:
+                _kernels = _first_build()
+    return _kernels or None
+
+
+def _first_build():
+    try:
+        from . import residual_kernels as kernels
+
+        rng = np.random.default_rng(0x5eed)
+        for nbits, dim, cdt in ((1, 8, np.float16), (2, 128, np.float16), (4, 96, np.float32), (2, 200, np.float16)):
+            cen = (rng.standard_normal((5, dim)) * np.exp2(rng.integers(-20, 4, (5, dim)))).astype(cdt)
+            w = rng.standard_normal(1 << nbits).astype(np.float32)
+            codes = rng.integers(0, 5, 9)
+            res = rng.integers(0, 256, (9, dim * nbits // 8), dtype=np.uint8)
+            for normalize in (True, False):
+                want = decompress(codes, res, cen, w, nbits, normalize).astype(np.float32)
+                got = np.empty_like(want)
+                run = kernels.rows16 if cdt == np.float16 else kernels.rows32
+                extra = (cen.view(np.uint16), fold.widening_table(np.float16)) if cdt == np.float16 else (cen,)
+                run(np.arange(9, dtype=np.int64), codes, res, *extra, _per_byte(w, nbits), normalize, got)
+                if not np.array_equal(got.view(np.uint32), want.view(np.uint32)):
+                    raise ArithmeticError("its decompressed tokens differ from NumPy's")
+        return kernels
+    except Exception as e:  # noqa: BLE001 (any failure of an optional accelerator leaves NumPy's decompression)
+        warnings.warn(f"numba is installed but the compiled PLAID decompression is not used ({type(e).__name__}: "
+                      f"{e}); NumPy's runs instead", RuntimeWarning, stacklevel=3)
+        return False
 
 
 class Tokens:
@@ -84,13 +172,9 @@ class Tokens:
         and int64 offsets ``[docs.size + 1]``, computed in pieces of at most ``scratch_bytes`` of
         temporaries (one token at least)."""
         rows, off = packed_rows(self.starts[docs], self.lens[docs])
-        dim = self.centroids.shape[1]
-        out = np.empty((rows.size, dim), np.float32)
-        step = max(1, scratch_bytes // (_DECOMPRESS_BYTES * max(dim, 1)))
-        for s in range(0, rows.size, step):
-            r = rows[s:s + step]
-            out[s:s + step] = decompress(self.codes[r], self.residuals[r], self.centroids, self.weights, self.nbits,
-                                         self.normalize)
+        out = np.empty((rows.size, self.centroids.shape[1]), np.float32)
+        decompress_into(out, rows, self.codes, self.residuals, self.centroids, self.weights, self.nbits,
+                        self.normalize, scratch_bytes)
         return out, off
 
 
