@@ -283,10 +283,12 @@ def maxsim_packed_numpy(Q: np.ndarray, q_valid: np.ndarray, tokens: np.ndarray, 
     lens = np.diff(offsets)
     out = _Buffers(ar, block_bytes)
     block_bytes -= out.reserved
-    b1 = _Budget.of(lq, dim, tokens.dtype, ar, return_argmax, packed=True)
+    # the compiled fold finds the winners itself: no packed passes (their tests and codes) to hold
+    passes = ar.exact or not fold.available()
+    b1 = _Budget.of(lq, dim, tokens.dtype, ar, return_argmax, packed=passes)
     mean = max(1, -(-int(offsets[-1] - offsets[0]) // max(1, nd)))
     group = max(1, min(nq, (block_bytes // 2) // max(1, b1.fixed + _GROUP_DOCS * (mean * b1.per_token + b1.per_doc))))
-    b = _Budget.of(group * lq, dim, tokens.dtype, ar, return_argmax, packed=True)
+    b = _Budget.of(group * lq, dim, tokens.dtype, ar, return_argmax, packed=passes)
     cost = np.cumsum(lens * b.per_token + b.per_doc)  # bytes of documents 0 .. j, with a group of queries
     room = block_bytes - b.fixed
     # as few blocks as fit, evened out in bytes (_even)
