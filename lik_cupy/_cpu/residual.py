@@ -105,19 +105,24 @@ def decompress_into(out: np.ndarray, rows: np.ndarray | None, codes: np.ndarray,
             out[s:s + step] = decompress(codes[r], residuals[r], centroids, weights, nbits, normalize)
         return
     rows = np.arange(n, dtype=np.int64) if rows is None else rows
-    per_byte = _per_byte(weights, nbits)
-    if centroids.dtype == np.float16:
-        run = kernels.rows16
-        cen = (centroids.view(np.uint16), fold.widening_table(np.float16))
-    else:
-        run, cen = kernels.rows32, (centroids,)
+    run = _kernel(kernels, centroids, weights, nbits, normalize)
     threads = cores.chunk_threads() if n >= _SHARED_TOKENS else 1
     cuts = np.linspace(0, n, threads + 1).astype(np.int64)
 
     def work(_, parts):
         for a, b in parts:
-            run(rows[a:b], codes, residuals, *cen, per_byte, normalize, out[a:b])
+            run(rows[a:b], codes, residuals, out[a:b])
     cores.run_chunks(list(zip(cuts[:-1], cuts[1:])), work, threads, blas_threads=False)
+
+
+def _kernel(kernels, centroids: np.ndarray, weights: np.ndarray, nbits: int, normalize: bool):
+    """``run(rows, codes, residuals, out)``: the compiled decompression for this codec (float16 centroids
+    read by their bits through the widening table)."""
+    per_byte = _per_byte(weights, nbits)
+    if centroids.dtype == np.float16:
+        bits, table = centroids.view(np.uint16), fold.widening_table(np.float16)
+        return lambda rows, codes, res, out: kernels.rows16(rows, codes, res, bits, table, per_byte, normalize, out)
+    return lambda rows, codes, res, out: kernels.rows32(rows, codes, res, centroids, per_byte, normalize, out)
 
 
 def _compiled():
@@ -146,9 +151,7 @@ def _first_build():
             for normalize in (True, False):
                 want = decompress(codes, res, cen, w, nbits, normalize).astype(np.float32)
                 got = np.empty_like(want)
-                run = kernels.rows16 if cdt == np.float16 else kernels.rows32
-                extra = (cen.view(np.uint16), fold.widening_table(np.float16)) if cdt == np.float16 else (cen,)
-                run(np.arange(9, dtype=np.int64), codes, res, *extra, _per_byte(w, nbits), normalize, got)
+                _kernel(kernels, cen, w, nbits, normalize)(np.arange(9, dtype=np.int64), codes, res, got)
                 if not np.array_equal(got.view(np.uint32), want.view(np.uint32)):
                     raise ArithmeticError("its decompressed tokens differ from NumPy's")
         return kernels
