@@ -215,6 +215,7 @@ def test_a_grpc_call_whose_message_arrived_before_sigterm_is_answered(shard, loc
             go.touch()
             r = call.result()
         assert _same(np.frombuffer(r.raw_output_contents[0], "<f4"), local.score(large))
+        server.proc.wait(60)  # (its own exit: stop() would send a second SIGTERM to a server still exiting)
     finally:
         go.touch()
         log = server.stop()
