@@ -23,9 +23,9 @@ by the chunk threads; ``LIK_DISABLE_NUMBA`` keeps NumPy's passes, as for the fol
 Memory: ``block_bytes`` (default 64 MiB) in all, beside the call's results, its ids (a few int64
 per candidate) and at most one copy of the queries (a group of them gathered): 3/16 for a block's
 float32 tokens and their rows, then 1/8 for decompressing them in float64 pieces (compiled: three
-rows of float64 a thread); while scoring,
-3/16 for one query's gathered documents or 1/16 for a shared block's scores and argmax, and 1/2 for
-``maxsim_packed_numpy`` (9/16 of ``block_bytes`` by its bound). One document whose tokens alone
+rows of float64 a thread); while scoring, 3/16 for one query's gathered documents and 1/2 for
+``maxsim_packed_numpy`` (9/16 of ``block_bytes`` by its bound), or 1/16 for a shared block's scores
+and argmax and 5/8 for ``maxsim_packed_numpy`` (45/64 by its bound). One document whose tokens alone
 pass their share is decompressed whole, and ``maxsim_packed_numpy``'s own exceptions hold here
 too: a block holds one query token against one document token at least, a long document's queries'
 maxima and winners so far (16 bytes a query token) and NumPy's casting buffers come on top. So a
@@ -220,12 +220,13 @@ def residual_maxsim_numpy(Q: np.ndarray, q_valid: np.ndarray, tokens: Tokens, se
         at = inverse.reshape(-1)[order]
         scores = np.empty(sets.shape, np.float32)
     amax = np.empty(scores.shape + (lq,), np.int32) if return_argmax else None
-    score_bytes = budget // 2
+    own_bytes = budget // 2  # maxsim_packed_numpy's, beside a query's gathered documents (3/16)
+    shared_bytes = budget * 5 // 8  # and beside a shared block's scores (1/16): the 1/8 the gathered ones leave
     for u0, u1 in _blocks(tokens.lens[docs], budget * 3 // 16, 4 * dim + 8, budget // 16, out_per_doc):
         T, off = tokens.decompressed(docs[u0:u1], budget // 8)
         if sets is None:
             for i0, i1, s, a in _shared(Q, q_valid, np.arange(nq), T, off, budget // 16, out_per_doc,
-                                        return_argmax, score_bytes):
+                                        return_argmax, shared_bytes):
                 scores[i0:i1, u0:u1] = s
                 if amax is not None:
                     amax[i0:i1, u0:u1] = a
@@ -243,7 +244,7 @@ def residual_maxsim_numpy(Q: np.ndarray, q_valid: np.ndarray, tokens: Tokens, se
         distinct = np.r_[True, (qi[1:] != qi[:-1]) | (uj[1:] != uj[:-1])]  # each (query, document) once
         if queries.size * int(off[-1]) <= _SHARED_WASTE * int(lens[uj[distinct]].sum()):
             for i0, i1, s, a in _shared(Q, q_valid, queries, T, off, budget // 16, out_per_doc, return_argmax,
-                                        score_bytes):
+                                        shared_bytes):
                 g = slice(int(first[i0]), int(ends[i1 - 1]))
                 row = np.searchsorted(queries[i0:i1], qi[g])
                 scores[qi[g], ki[g]] = s[row, uj[g]]
@@ -255,7 +256,7 @@ def residual_maxsim_numpy(Q: np.ndarray, q_valid: np.ndarray, tokens: Tokens, se
             own = uj[g][distinct[g]]  # this query's documents in the block, in order
             rows, o = packed_rows(off[own], lens[own])
             s, a = maxsim_packed_numpy(Q[q:q + 1], q_valid[q:q + 1], T[rows], o, return_argmax=return_argmax,
-                                       block_bytes=score_bytes)
+                                       block_bytes=own_bytes)
             del rows
             col = np.searchsorted(own, uj[g])
             scores[q, ki[g]] = s[0, col]
