@@ -34,18 +34,21 @@ def _token(x, crow, res, per_byte, normalize, out, i, prod, frames, vals):  # pr
             out[i, j] = np.float32(x[j])
 
 
+@numba.njit(nogil=True, cache=True, boundscheck=False, inline="always")
+def _scratch(d):  # pragma: no cover (compiled): a token's float64 values, its centroid, and dot's scratch
+    return np.empty(d), np.empty(d), np.empty(d), np.empty((64, 3), np.int64), np.empty(64)
+
+
 @numba.njit(nogil=True, cache=True, boundscheck=False)
 def rows16(rows, codes, residuals, bits, table, per_byte, normalize, out):  # pragma: no cover (compiled)
     """Tokens ``rows`` (int64, indices into ``codes [T]`` and ``residuals [T, R]``) into ``out [rows.size,
     d]`` (float32), float16 centroids given as their bits ``[C, d]`` (uint16) and ``table``, the float32
     of every float16 bit pattern."""
-    d = out.shape[1]
-    x, crow, prod = np.empty(d), np.empty(d), np.empty(d)
-    frames, vals = np.empty((64, 3), np.int64), np.empty(64)
+    x, crow, prod, frames, vals = _scratch(out.shape[1])
     for i in range(rows.size):
         t = rows[i]
         c = bits[codes[t]]
-        for j in range(d):
+        for j in range(crow.size):
             crow[j] = table[c[j]]
         _token(x, crow, residuals[t], per_byte, normalize, out, i, prod, frames, vals)
 
@@ -53,12 +56,8 @@ def rows16(rows, codes, residuals, bits, table, per_byte, normalize, out):  # pr
 @numba.njit(nogil=True, cache=True, boundscheck=False)
 def rows32(rows, codes, residuals, centroids, per_byte, normalize, out):  # pragma: no cover (compiled)
     """:func:`rows16` for float32 ``centroids [C, d]``."""
-    d = out.shape[1]
-    x, crow, prod = np.empty(d), np.empty(d), np.empty(d)
-    frames, vals = np.empty((64, 3), np.int64), np.empty(64)
+    x, crow, prod, frames, vals = _scratch(out.shape[1])
     for i in range(rows.size):
         t = rows[i]
-        c = centroids[codes[t]]
-        for j in range(d):
-            crow[j] = c[j]
+        crow[:] = centroids[codes[t]]
         _token(x, crow, residuals[t], per_byte, normalize, out, i, prod, frames, vals)
