@@ -138,6 +138,35 @@ def test_fp32_precision_chooses_float32_accurate_kernels(arch, dim):
                                            True).x3
 
 
+def test_tf32_one_warpgroup_tiles_stage_long_padded_documents_by_cp_async():
+    """tables.TF32_SHORT_TMA_BELOW_LD: padded documents of 512 tokens or more by cp.async at precision
+    "tf32", with or without the argmax; shorter or packed ones, and the refined tiles, by TMA."""
+    def pick(lq, argmax, ld, packed=False, refined=False):
+        return dispatch.choose_forward(90, "float32", 128, lq, argmax, True, True, 1, ld, packed, True, refined)
+    for lq in (32, 64):
+        for argmax in (False, True):
+            for ld in (300, 511):
+                assert pick(lq, argmax, ld).tma
+            for ld in (512, 1024, 4096):
+                cfg = pick(lq, argmax, ld)
+                assert cfg.warps == 4 and not cfg.refine and not cfg.tma
+                assert pick(lq, argmax, ld, packed=True).tma
+                assert pick(lq, argmax, ld, refined=True).tma
+
+
+def test_tf32_queries_of_65_to_128_tokens_take_96_token_stages_against_long_documents():
+    """tables.TF32_MID_TILE: scores only, documents of TF32_MID_MIN_LD tokens or more."""
+    def pick(lq, argmax, ld, refined=False):
+        return dispatch.choose_forward(90, "float32", 128, lq, argmax, True, True, 1, ld, False, True, refined)
+    for lq in (65, 100, 128):
+        for ld in (768, 1024, 2048):
+            assert (pick(lq, False, ld).bn, pick(lq, False, ld).stages) == (96, 2)
+            assert pick(lq, True, ld).bn != 96 and pick(lq, False, ld, refined=True).bn != 96
+        assert pick(lq, False, 512).bn != 96
+    assert pick(129, False, 1024).bn != 96 and pick(1024, False, 1024).bn != 96
+    assert dispatch.choose_forward(90, "float16", 128, 128, False, True, True, 1, 1024, False, True).bn != 96
+
+
 @pytest.mark.parametrize("arch", [80, 90])
 @pytest.mark.parametrize("dim", [528, 1024, 2048, 4096])
 def test_int8_takes_split_d_above_512(arch, dim):
