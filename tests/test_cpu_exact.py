@@ -543,7 +543,7 @@ def test_blocks_are_evened_out(rng, layout, monkeypatch):
     m = _maxsim_module
     ar = m._Arith.of(np.float32, dim, False)
     # (packed documents hold their passes' temporaries unless the compiled fold finds the winners)
-    bu = m._Budget.of(lq, dim, np.float32, ar, False, packed=layout == "packed" and not m.fold.available())
+    bu = m._Budget.of(lq, dim, np.float32, ar, False, packed=layout == "packed" and not m._folded(ar, 1))
     block = bu.fixed + 15 * (ld * bu.per_token + bu.per_doc)  # 15 documents
     assert m._Buffers(ar, block).reserved == 0  # (no tokens-first scratch taken out of so small a block)
     sizes = []

@@ -101,7 +101,7 @@ def tma_disabled() -> bool:
 
 def numba_disabled() -> bool:
     """``LIK_DISABLE_NUMBA=1``: the CPU path keeps its NumPy passes where Numba would fold a block
-    (``lik_cupy/_cpu/fold.py``)."""
+    (``lik_cupy/_cpu/fold.py``) or decompress PLAID tokens (``lik_cupy/_cpu/residual_kernels.py``)."""
     return _switch("LIK_DISABLE_NUMBA", b"LIK_DISABLE_NUMBA")
 
 

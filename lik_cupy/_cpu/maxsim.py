@@ -283,8 +283,7 @@ def maxsim_packed_numpy(Q: np.ndarray, q_valid: np.ndarray, tokens: np.ndarray, 
     lens = np.diff(offsets)
     out = _Buffers(ar, block_bytes)
     block_bytes -= out.reserved
-    # the compiled fold finds the winners itself: no packed passes (their tests and codes) to hold
-    passes = ar.exact or not fold.available()
+    passes = not _folded(ar, 1)  # (the compiled fold finds the winners itself: no tests or codes to hold)
     b1 = _Budget.of(lq, dim, tokens.dtype, ar, return_argmax, packed=passes)
     mean = max(1, -(-int(offsets[-1] - offsets[0]) // max(1, nd)))
     group = max(1, min(nq, (block_bytes // 2) // max(1, b1.fixed + _GROUP_DOCS * (mean * b1.per_token + b1.per_doc))))
@@ -630,6 +629,12 @@ def _doc_norms(groups: np.ndarray, runs: Runs) -> np.ndarray:
     return out
 
 
+def _folded(ar: _Arith, sets: int) -> bool:
+    """Whether a block of ``sets`` document sets runs the compiled fold: one set of inexact similarities,
+    any number of rows (a tokens-first GEMM, read where it left them), where ``fold.available``."""
+    return sets == 1 and not ar.exact and fold.available()
+
+
 def _block_maxima(Q: np.ndarray, q_valid: np.ndarray, blk: _DocBlock, ar: _Arith, want_argmax: bool,
                   budget: int) -> tuple[np.ndarray, np.ndarray | None]:
     """Queries Q [G, Lq, d] against a block of documents (G = 1, or one query per candidate set) ->
@@ -661,9 +666,7 @@ def _block_maxima(Q: np.ndarray, q_valid: np.ndarray, blk: _DocBlock, ar: _Arith
     blk.out.new_block(m * blk.T.shape[1])
     # (few rows a set, and one token's rows of every set within the scratch: many candidate sets keep the plain GEMM)
     tokens_first = blk.out.tokens_first and m // sets <= _TOKENS_FIRST_ROWS and m <= _TOKENS_FIRST_BYTES // 4
-    # one set of inexact similarities, any number of rows: a tokens-first GEMM, read where it left them by
-    # the compiled fold
-    folded = sets == 1 and not ar.exact and fold.available()
+    folded = _folded(ar, sets)
     part = budget // threads  # each thread's share of the bound's pieces
 
     def work(thread: int, claims) -> None:

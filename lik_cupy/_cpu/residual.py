@@ -43,6 +43,7 @@ import numpy as np
 
 from . import cores, fold
 from .maxsim import even_cuts, maxsim_packed_numpy, packed_rows
+from .refine import dot64
 
 __all__ = ["unpack_buckets", "decompress", "decompress_into", "Tokens", "residual_maxsim_numpy"]
 
@@ -79,13 +80,13 @@ def decompress(codes: np.ndarray, residuals: np.ndarray, centroids: np.ndarray, 
                normalize: bool) -> np.ndarray:
     """float64 ``[n, dim]`` embeddings of ``n`` tokens (codes ``[n]``, residuals ``[n, dim * nbits / 8]``): the
     centroid plus its buckets' weights, in float64; with ``normalize``, divided by the larger of its norm
-    and 1e-12, the sum of squares by ``np.add.reduce`` (NumPy's pairwise order, which ``residual_kernels``
+    and 1e-12, the sum of squares by ``refine.dot64`` (NumPy's pairwise order, which ``residual_kernels``
     reproduces)."""
     dim = centroids.shape[1]
     x = centroids[codes.astype(np.intp, copy=False)].astype(np.float64)
     x += _per_byte(weights, nbits)[residuals.reshape(codes.size, dim * nbits // 8)].reshape(codes.size, dim)
     if normalize:
-        x /= np.maximum(np.sqrt(np.add.reduce(x * x, axis=-1)), 1e-12)[:, None]
+        x /= np.maximum(np.sqrt(dot64(x, x)), 1e-12)[:, None]
     return x
 
 
