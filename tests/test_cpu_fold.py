@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import tracemalloc
 import warnings
 from pathlib import Path
 
@@ -118,6 +119,59 @@ def test_a_long_document_in_runs_folds_to_the_numpy_passes_bits(rng, monkeypatch
         return cpu.maxsim_packed_numpy(q, qv, tok, off, return_argmax=True, block_bytes=1 << 20)
     plain, folded = _both(monkeypatch, run)
     _assert_same(plain, folded)
+
+
+
+NUMPY_BUFFERS = 256 << 10  # (test_cpu_exact.py's: NumPy's own casting and reduction buffers)
+
+
+def _peak(fn) -> int:
+    tracemalloc.start()
+    try:
+        fn()
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_folded_blocks_count_their_chunk_buffers_not_every_similarity(rng, monkeypatch, layout):
+    """A block the fold scores holds each chunk thread's buffer of one chunk, not a similarity per
+    query row and token: with few threads its budget takes more documents a block, within the bound and
+    with the same bits as one block; with many threads (buffers past the bound) the per-token count stays."""
+    monkeypatch.setattr(_maxsim_module, "_CACHE_BYTES", 64 << 10)
+    monkeypatch.setattr(_maxsim_module, "_SPLIT_MACS", 1)
+    nq, lq, nd, ld, dim, block = 4, 32, 300, 60, 32, 2 << 20
+    q = rng.standard_normal((nq, lq, dim)).astype(np.float32)
+    qv = np.ones((nq, lq), bool)
+    if layout == "padded":
+        d = rng.standard_normal((nd, ld, dim)).astype(np.float32)
+        dv = np.ones((nd, ld), bool)
+
+        def run(b):
+            return cpu.maxsim_numpy(q, d, qv, dv, candidates=False, nd=nd, return_argmax=True, block_bytes=b)
+    else:
+        lens = rng.integers(1, 2 * ld, nd)
+        tok = rng.standard_normal((int(lens.sum()), dim)).astype(np.float32)
+        off = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+
+        def run(b):
+            return cpu.maxsim_packed_numpy(q, qv, tok, off, return_argmax=True, block_bytes=b)
+    blocks = []
+    real = _maxsim_module._block_maxima
+    monkeypatch.setattr(_maxsim_module, "_block_maxima", lambda *a: blocks.append(a[2].runs.count) or real(*a))
+    whole = run(1 << 30)
+    counts = {}
+    for threads in (3, 64):  # 64 threads' buffers of 64 KiB pass the 2 MiB bound
+        monkeypatch.setattr(cores, "chunk_threads", lambda: threads)
+        run(block)
+        blocks.clear()
+        peak = _peak(lambda: _assert_same(run(block), whole))
+        counts[threads] = len(blocks)
+        assert peak < whole[0].nbytes + whole[1].nbytes + block * 9 // 8 + NUMPY_BUFFERS, (threads, peak)
+    sims = nq * lq * 4 * (nd * ld if layout == "padded" else int(lens.sum()))  # the per-token count's share alone
+    assert counts[64] >= sims // block  # per token: at least one block per block_bytes of similarities
+    assert counts[3] < counts[64], counts
 
 
 def _plain_fold(St, valid, start, length, A64, T):

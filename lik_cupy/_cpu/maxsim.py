@@ -47,10 +47,14 @@ winners' dot products are what exactness costs over a plain GEMM and max: a pass
 
 Memory: the temporaries of one block (similarities, document tokens converted for the GEMM, their
 norm bounds, the per-document maxima, thresholds and winners) stay under ``block_bytes`` (default
-64 MiB), whatever the corpus size and however long one document or query is: a document that passes
-the bound with one query (its tokens, or the query's) is scored in runs of its tokens against blocks
-of the query's rows, whose winners combine exactly (the larger reference similarity, the earlier run
-on ties, the first NaN). The winners' dot products and the float64 decisions work through their pairs
+64 MiB), whatever the corpus size and however long one document or query is. A block the compiled
+fold scores never holds its similarities whole, only each chunk thread's buffer of one chunk: its
+budget counts those buffers instead of a similarity per query row and token wherever that fits
+more documents into a block (few chunk threads and a large call: 32 queries of 32 tokens against
+1,000 documents of 180 went from 14 blocks to 3 on two cores). A document that passes the bound
+with one query (its tokens, or the query's) is scored in runs of its tokens against blocks of the
+query's rows, whose winners combine exactly (the larger reference similarity, the earlier run on
+ties, the first NaN). The winners' dot products and the float64 decisions work through their pairs
 in pieces of an eighth of that bound (all chunk threads together): ``9/8 * block_bytes`` in all (plus
 NumPy's own casting buffers, a fixed few hundred kilobytes), except that a block holds one query token
 against one document token at least. Beside it, as the results are: while such a document is scored,
@@ -143,15 +147,35 @@ class _Budget:
     per_doc: int
 
     @staticmethod
-    def of(lq: int, dim: int, dtype, ar: _Arith, argmax: bool, *, packed: bool) -> _Budget:
+    def of(lq: int, dim: int, dtype, ar: _Arith, argmax: bool, *, packed: bool, folded: int | None = None) -> _Budget:
+        """``folded``: for a block the compiled fold scores, the call's longest document (tokens). Its
+        similarities are then counted as what they are there, each chunk thread's buffer of one chunk
+        (``_chunk_plan``: ``_CACHE_BYTES`` of similarities and tokens, or one document), held through
+        the block, in place of every token's."""
         g = ar.gemm.itemsize
         converted = dim * g if np.dtype(dtype) != ar.gemm else 0
         rows = dim * (g + (0 if ar.exact else 8))  # (_block_maxima's A and A64)
-        return _Budget(lq * (rows + 16), lq * ar.element_bytes(argmax, packed) + converted + g + 1, lq * _PER_MAX)
+        fixed = lq * (rows + 16)
+        if folded is None:
+            return _Budget(fixed, lq * ar.element_bytes(argmax, packed) + converted + g + 1, lq * _PER_MAX)
+        buffers = cores.chunk_threads() * max(_CACHE_BYTES, lq * max(folded, 1) * g)
+        return _Budget(fixed + buffers, converted + g + 1, lq * _PER_MAX)
 
     def run_tokens(self, block_bytes: int) -> int:
         """Tokens of one document a block may hold (one at least)."""
         return max(1, (block_bytes - self.fixed - self.per_doc) // max(1, self.per_token))
+
+
+def _fewer_blocks(plain: _Budget, folded: _Budget, tokens: int, docs: int, block_bytes: int) -> _Budget:
+    """Of two budgets that each bound a block of the compiled fold, the one that fits ``tokens`` document
+    tokens in ``docs`` documents into fewer blocks of ``block_bytes``: the folded one once its
+    buffers are small beside the similarities they replace (few chunk threads, a large call), the
+    plain one otherwise (a small call, or a machine of many cores)."""
+    def blocks(b: _Budget) -> float:
+        room = block_bytes - b.fixed
+        return (tokens * b.per_token + docs * b.per_doc) / room if room > 0 else float("inf")
+
+    return folded if blocks(folded) < blocks(plain) else plain
 
 
 def maxsim_numpy(Q: np.ndarray, D: np.ndarray, q_valid: np.ndarray, d_valid: np.ndarray, *, candidates: bool,
@@ -225,6 +249,9 @@ def maxsim_numpy(Q: np.ndarray, D: np.ndarray, q_valid: np.ndarray, d_valid: np.
     # as many as leave a block room for a few dozen documents.
     group = max(1, min(nq, (block_bytes // 2) // max(1, b.fixed + min(nd, _GROUP_DOCS) * per_doc)))
     bg = _Budget.of(group * lq, dim, D.dtype, ar, return_argmax, packed=False)
+    if _folded(ar, 1):
+        bg = _fewer_blocks(bg, _Budget.of(group * lq, dim, D.dtype, ar, return_argmax, packed=False, folded=ld),
+                           nd * ld, nd, block_bytes)
     docs_per_block = _even(nd, max(1, (block_bytes - bg.fixed) // max(1, ld * bg.per_token + bg.per_doc)))
     for j0 in range(0, nd, docs_per_block):  # each block's tokens are converted once for all its queries
         j1 = min(nd, j0 + docs_per_block)
@@ -288,6 +315,9 @@ def maxsim_packed_numpy(Q: np.ndarray, q_valid: np.ndarray, tokens: np.ndarray, 
     mean = max(1, -(-int(offsets[-1] - offsets[0]) // max(1, nd)))
     group = max(1, min(nq, (block_bytes // 2) // max(1, b1.fixed + _GROUP_DOCS * (mean * b1.per_token + b1.per_doc))))
     b = _Budget.of(group * lq, dim, tokens.dtype, ar, return_argmax, packed=passes)
+    if not passes and nd:
+        b = _fewer_blocks(b, _Budget.of(group * lq, dim, tokens.dtype, ar, return_argmax, packed=False,
+                                        folded=int(lens.max())), int(lens.sum()), nd, block_bytes)
     cost = np.cumsum(lens * b.per_token + b.per_doc)  # bytes of documents 0 .. j, with a group of queries
     room = block_bytes - b.fixed
     # as few blocks as fit, evened out in bytes (_even)
