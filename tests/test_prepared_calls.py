@@ -197,3 +197,40 @@ def test_repeat_call_makes_masked_flags_with_the_mask_spans(monkeypatch):
     assert ((5 + 2,), "int32") in sizes and ((5,), "int32") in sizes
     assert queued[0][2:] == (0x6000, 5, 16, 0x1000, 0x1000 + 4 * 5) and queued[1][-1] == 0
     assert fwd.runs[0][-1] == ("zero_pad", 0x1000 + 4 * 5) and fwd.runs[1][-1] == ("zero_pad", 0)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_a_prepared_backward_of_float32_accumulates_in_dd_itself(monkeypatch, dtype):
+    """The atomic method sums dD in float32; a float32 dD takes the sums itself (no float32 copy to
+    allocate, clear and cast back), other dtypes get the copy and the cast."""
+    import cupy
+
+    made, cleared, launches = [], [], []
+
+    class Adapter:  # addresses stand in for arrays
+        def stream_handle(self, device):
+            return 5
+
+        def new_empty(self, shape, dt, device):
+            made.append((tuple(shape), dt))
+            return 1000 * len(made)
+
+        def address(self, x):
+            return x
+
+    monkeypatch.setitem(prepared_calls._ADAPTERS, "fake", Adapter())
+    monkeypatch.setattr(prepared_calls, "_device", lambda: 0)
+    monkeypatch.setattr(cupy.cuda.runtime, "memsetAsync", lambda ptr, value, n, stream: cleared.append((ptr, n)))
+    monkeypatch.setattr(prepared_calls, "launch_raw", lambda *a: launches.append(a))
+    nq, nd, lq, ld, dim, rows = 2, 3, 4, 5, 8, 15
+    call = prepared_calls.PreparedBackward("fake", None, 0, 11, 22, (1, 1, 1), (1, 1, 1), 256,
+                                           (nq, nd, lq, ld, dim, 0, rows), ((nq * lq, dim), (rows, dim)), dtype)
+    dq, dd = call(1, 2, 3, 4, None)
+    assert made[:2] == [((nq * lq, dim), dtype), ((rows, dim), dtype)] and (dq, dd) == (1000, 2000)
+    acc = dd if dtype == "float32" else 3000
+    assert made[2:] == ([] if dtype == "float32" else [((rows * dim,), "float32")])
+    assert cleared == [(acc, rows * dim * 4)]
+    assert [launch[0] for launch in launches] == ([11] if dtype == "float32" else [11, 22])
+    assert launches[0][6][5:7] == (dq, acc)  # dQ, and where the atomics add
+    if dtype != "float32":
+        assert launches[1][6] == (acc, dd, rows * dim)

@@ -59,15 +59,17 @@ def launch_backward(p: Problem, q, d, gs, a, off, method: str, device: int):
     vec = p.dim % 4 == 0 and q.data.ptr % (4 * esize) == 0 and d.data.ptr % (4 * esize) == 0
     mod = _module(p, cc, device, vec)
 
+    # float32 dD takes the atomics itself (the cast would copy it, bit for bit)
+    direct = how == "atomic" and d.dtype == np.float32
     dq = _empty(q.shape, q.dtype, "dQ", "split the call over fewer queries")
-    dd = _empty(d.shape, d.dtype, "dD", "split the call over fewer documents")
+    dd = _empty(d.shape, d.dtype, "dD", "split the call over fewer documents", zeros=direct)
     null = np.uint64(0)
     chunks = -(-p.dim // 128)
     common = (np.int32(p.nq), np.int32(p.nd), np.int32(p.lq))
     launch = functools.partial(_launch, mod, p)
     if p.nq * p.lq and p.nd and p.dim:
-        dd32 = None
-        if how == "atomic":
+        dd32 = dd if direct else None
+        if how == "atomic" and not direct:
             dd32 = _empty((rows, p.dim), np.float32, "the atomic method's fp32 dD",
                           "method='csr' needs no fp32 copy of dD; or split the call over fewer documents",
                           zeros=True)
@@ -75,7 +77,7 @@ def launch_backward(p: Problem, q, d, gs, a, off, method: str, device: int):
                (q, d, gs, a, off if off is not None else null, dq, dd32 if dd32 is not None else null, *common,
                 np.int32(p.ld), np.int32(p.dim), np.int32(p.candidates), np.int64(rows)))
         n = rows * p.dim
-        if how == "atomic" and n:
+        if how == "atomic" and n and not direct:
             launch("lik_bwd_cast", cast_grid[:1], (dd32, dd, np.int64(n)))
         elif how == "csr" and rows:
             m = p.nq * p.nd * p.lq

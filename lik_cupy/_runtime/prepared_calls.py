@@ -254,9 +254,10 @@ _CAST_PARAMS = signature("ppq")  # lik_bwd_cast
 
 class PreparedBackward:
     """One signature's ``maxsim_backward`` with the atomic method: dQ and the fp32 dD in one pass,
-    then dD cast to D's dtype (``lik_cupy.backward``). ``dq``, ``cast``: the kernels' handles
-    (``module``: what owns them, held so that the compile cache dropping it cannot unload them);
-    ``dims``: (Nq, Nd, Lq, Ld, dim, candidates, rows); grids as the general path plans them."""
+    then dD cast to D's dtype (``lik_cupy.backward``); float32 dD takes the atomics itself, with the
+    same bits and no copy or cast. ``dq``, ``cast``: the kernels' handles (``module``: what owns
+    them, held so that the compile cache dropping it cannot unload them); ``dims``: (Nq, Nd, Lq, Ld,
+    dim, candidates, rows); grids as the general path plans them."""
 
     def __init__(self, fw: str, p, device: int, dq: int, cast: int, dq_grid, cast_grid, threads: int, dims: tuple,
                  shapes: tuple, dtype: str, module=None):
@@ -286,8 +287,9 @@ class PreparedBackward:
         except Exception:
             _named_oom(f"maxsim_backward: dQ and dD {list(self.q_shape)}, {list(self.d_shape)} {self.dtype}",
                        (nq * lq + rows) * dim * (4 if self.dtype == "float32" else 2), "split the call")
+        direct = self.dtype == "float32"
         try:
-            dd32 = a.new_empty((rows * dim,), "float32", dev)
+            dd32 = dd if direct else a.new_empty((rows * dim,), "float32", dev)
         except Exception:
             _named_oom(f"maxsim_backward: the atomic method's fp32 dD [{rows}, {dim}] float32", rows * dim * 4,
                        "method='csr' needs no fp32 copy of dD; or split the call over fewer documents")
@@ -297,8 +299,9 @@ class PreparedBackward:
                    (a.address(Q), a.address(D), a.address(g), a.address(argmax),
                     0 if d_offsets is None else a.address(d_offsets), a.address(dq), dd32_ptr,
                     nq, nd, lq, ld, dim, cand, rows))
-        launch_raw(self.cast, self.cast_grid, self.threads, 0, stream, _CAST_PARAMS,
-                   (dd32_ptr, a.address(dd), rows * dim))
+        if not direct:
+            launch_raw(self.cast, self.cast_grid, self.threads, 0, stream, _CAST_PARAMS,
+                       (dd32_ptr, a.address(dd), rows * dim))
         return dq, dd
 
 
