@@ -8,7 +8,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import tracemalloc
 import warnings
 from pathlib import Path
 
@@ -20,6 +19,7 @@ import lik_cupy
 from lik_cupy import _cpu as cpu
 from lik_cupy._cpu import cores, fold
 from lik_cupy._cpu.refine import dot64
+from test_cpu_exact import NUMPY_BUFFERS, _peak
 
 pytest.importorskip("numba")
 
@@ -119,19 +119,6 @@ def test_a_long_document_in_runs_folds_to_the_numpy_passes_bits(rng, monkeypatch
         return cpu.maxsim_packed_numpy(q, qv, tok, off, return_argmax=True, block_bytes=1 << 20)
     plain, folded = _both(monkeypatch, run)
     _assert_same(plain, folded)
-
-
-
-NUMPY_BUFFERS = 256 << 10  # (test_cpu_exact.py's: NumPy's own casting and reduction buffers)
-
-
-def _peak(fn) -> int:
-    tracemalloc.start()
-    try:
-        fn()
-        return tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
 
 
 @pytest.mark.parametrize("layout", ["padded", "packed"])
