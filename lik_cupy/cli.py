@@ -1285,16 +1285,18 @@ def _inspect_command(path, lengths, check, bf16_bits, debug):
 
 
 def _numba_line() -> str:
-    """What ``lik info`` says of Numba: whether the CPU path folds its chunks compiled (``_cpu/fold.py``).
-    Read from the installed metadata and the switch: nothing is imported or compiled."""
+    """What ``lik info`` says of Numba: whether the CPU path folds its chunks and decompresses PLAID tokens
+    compiled (``_cpu/fold.py``, ``_cpu/residual.py``). Read from the installed metadata and the switch:
+    nothing is imported or compiled."""
     numba = _version("numba")
     if numba == "not installed":
-        return "not installed (the CPU path runs NumPy's passes; the [cpu] extra adds the compiled fold)"
+        return ("not installed (the CPU path runs NumPy's passes; the [cpu] extra adds the compiled fold and "
+                "PLAID decompression)")
     from lik_cupy._base import env
 
     if env.numba_disabled():
         return f"{numba} (not used: LIK_DISABLE_NUMBA is set)"
-    return f"{numba} (the CPU path's compiled fold)"
+    return f"{numba} (the CPU path's compiled fold and PLAID decompression)"
 
 
 def _version(dist: str, module: str | None = None) -> str:
