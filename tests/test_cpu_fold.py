@@ -374,10 +374,7 @@ def test_residual_scoring_with_compiled_decompression_has_the_numpy_bits(rng, mo
     def run():
         return plaid.maxsim_residual_varlen(q, codes, bits, off, cen, w, nbits, candidates=cand,
                                             return_argmax=True, backend="cpu")
-    monkeypatch.setenv("LIK_DISABLE_NUMBA", "1")
-    plain = run()
-    monkeypatch.setenv("LIK_DISABLE_NUMBA", "0")
-    _assert_same(plain, run())
+    _assert_same(*_both(monkeypatch, run))
 
 
 def test_a_decompression_that_differs_from_numpys_is_not_used(monkeypatch):
