@@ -1706,6 +1706,40 @@ def test_sigterm_while_processes_start_is_a_clean_stop(shard):
     assert p.wait(120) == 0, err
 
 
+_SIGNAL_BEFORE_UVICORN = """
+import os, signal, sys
+import uvicorn
+from lik_cupy import Corpus
+from lik_cupy.serving import Batcher, http
+
+started = uvicorn.Server.run
+
+
+def run(self, sockets=None):
+    os.kill(os.getpid(), signal.SIGTERM)  # after _serve_on's handlers, before uvicorn's own
+    started(self, sockets)
+
+
+uvicorn.Server.run = run
+corpus = Corpus.from_shards(sys.argv[1], device="cpu")
+http._serve_on(http.make_app(lambda observer: Batcher(corpus, observer=observer)), http._listening("127.0.0.1", 0))
+print("stopped")
+"""
+
+
+def test_a_signal_before_uvicorn_handles_signals_still_stops_the_server(shard):
+    # A process of --processes that SIGTERM reaches while it starts: the signal must not be lost in
+    # the moment before uvicorn installs its handlers (the server then ran until the parent's grace
+    # period killed it).
+    for m in ("starlette", "uvicorn", "prometheus_client"):
+        pytest.importorskip(m)
+    import os
+
+    r = subprocess.run([sys.executable, "-c", _SIGNAL_BEFORE_UVICORN, str(shard)], capture_output=True, text=True,
+                       cwd=ROOT, timeout=60, env={**os.environ, "PYTHONPATH": child_pythonpath()})
+    assert r.returncode == 0 and r.stdout.strip() == "stopped", r.stderr
+
+
 def test_a_failing_observer_neither_kills_the_worker_nor_loses_a_request(corpus):
     class Failing(Observer):
         calls = 0

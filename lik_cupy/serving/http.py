@@ -444,9 +444,11 @@ def _serve_on(app, sock: socket.socket) -> None:
                                                          svc.metrics.refused_unread)))
     svc.on_failure = lambda: setattr(server, "should_exit", True)
     # uvicorn stops gracefully on SIGINT or SIGTERM, then raises the signal again for the handler it
-    # found; the queue is drained by then, so that handler does nothing and run returns.
+    # found; the queue is drained by then, so that handler's stop changes nothing and run returns. A
+    # signal that comes before uvicorn installs its own handlers (a process of run_processes still
+    # starting) asks for the same stop: uvicorn starts, sees should_exit, and stops at once.
     stops = (signal.SIGINT, signal.SIGTERM)
-    before = [signal.signal(s, lambda *_: None) for s in stops]
+    before = [signal.signal(s, lambda *_: setattr(server, "should_exit", True)) for s in stops]
     try:
         server.run(sockets=[sock])
     finally:
