@@ -17,7 +17,6 @@ calls (float32 and float64, the CPU, several chunks) take ``lik_cupy.fused_head`
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from ._base.device import device_properties
@@ -139,9 +138,8 @@ def _torch_backward(grad_scores, Q, H, W, bias, argmax, d_mask, d_lengths, norma
     dP = dD.reshape(rows, dim)
     keep = _keep(d_mask, d_lengths, H.shape[1], rows, H.device)
     if normalize or keep is not None:
-        _rows_launch("lik_hidden_normalize_grad", D, (D, dP, ss if normalize else None, keep, np.int64(rows),
-                                                      np.int32(dim), np.float32(eps)))
-    db = _no_bias_grad(W) if bias is None else dP.sum(0, dtype=torch.float32).to(bias.dtype)
+        _rows_launch("lik_hidden_normalize_grad", D, (D, dP, ss if normalize else None, keep), (rows, dim, eps))
+    db = _no_bias_grad(W) if bias is None else dP.sum(0)  # (16-bit sums accumulate in float32)
     return dq.view(Q.shape), torch.mm(dP, W).view(H.shape), torch.mm(dP.t(), h2), db
 
 
@@ -163,8 +161,8 @@ def _project(h2, W, bias, normalize: bool, eps: float):
         return torch.nn.functional.linear(h2, W, bias), None
     D = torch.mm(h2, W.t())
     ss = torch.empty(D.shape[0], dtype=torch.float32, device=D.device)
-    _rows_launch("lik_hidden_normalize", D, (D, None if bias is None else bias.float(), ss, np.int64(D.shape[0]),
-                                            np.int32(D.shape[1]), np.float32(eps)))
+    b32 = None if bias is None else bias.float()
+    _rows_launch("lik_hidden_normalize", D, (D, b32, ss), (D.shape[0], D.shape[1], eps))
     return D, ss
 
 
@@ -178,20 +176,22 @@ def _keep(d_mask, d_lengths, ld: int, rows: int, device):
     return None
 
 
-def _rows_launch(entry: str, like, args) -> None:
+def _rows_launch(entry: str, like, arrays: tuple, scalars: tuple) -> None:
     """``cuda_src/hidden.cu``'s ``entry`` for the rows of ``like`` (one warp a row), on torch's current
-    stream of ``like``'s device; tensors in ``args`` pass their addresses (None: null)."""
+    stream of ``like``'s device: ``arrays`` (tensors, or None for null) by address, then ``scalars``."""
     import cupy
 
-    from ._interop.torch_tensors import current_stream
+    from ._interop.torch_tensors import stream_handle
     from ._runtime.hidden import launch_rows
 
     dev = like.device.index
     dtype = "float16" if like.dtype == torch.float16 else "bfloat16"
-    raw = tuple(np.uint64(0 if a is None else a.data_ptr()) if a is None or isinstance(a, torch.Tensor) else a
-                for a in args)
+    values = tuple(0 if a is None else a.data_ptr() for a in arrays) + scalars
+    if cupy.cuda.runtime.getDevice() == dev:
+        launch_rows(entry, dtype, dev, int(like.shape[0]), values, stream_handle(dev))
+        return
     with cupy.cuda.Device(dev):
-        launch_rows(entry, dtype, dev, int(like.shape[0]), raw, current_stream(dev))
+        launch_rows(entry, dtype, dev, int(like.shape[0]), values, stream_handle(dev))
 
 
 def _input_grads(needs, grads, bias) -> tuple:

@@ -11,11 +11,12 @@ import threading
 
 import numpy as np
 
+from .raw_launch import launch_raw, signature
+
 # cudaDataType and cuBLAS enums (their ABI values)
 _CUDA_TYPE = {"float16": 2, "bfloat16": 14, "float32": 0, "float64": 1}
 _COMPUTE_32F, _COMPUTE_32F_FAST_TF32, _COMPUTE_64F = 68, 77, 70
 _OP_N, _OP_T, _GEMM_DEFAULT = 0, 1, -1
-_NULL = np.uint64(0)  # a null pointer argument
 
 # Each kernel element type and float32, per kind: 16-bit elements are their uint16 bits (float16
 # converted by PTX's cvt, round to nearest even; bfloat16 by its top half, rounded to nearest even
@@ -52,30 +53,38 @@ def _kernels(dtype: str):
     }
 
 
-def launch_rows(entry: str, dtype: str, device: int, rows: int, args: tuple, stream) -> None:
-    """``cuda_src/hidden.cu``'s ``entry`` over ``rows`` rows of ``dtype`` on GPU ``device`` (its current
-    context), one warp a row and eight a block, on CuPy stream ``stream``; ``args`` are the kernel's
-    parameters: CuPy arrays, or addresses as numpy.uint64 (0: null)."""
+# The row kernels' parameters (raw_launch slots): arrays by address, then rows, dim and eps.
+_PARAMS = {"lik_hidden_normalize": signature("pppqif"), "lik_hidden_normalize_grad": signature("ppppqif")}
+
+
+def launch_rows(entry: str, dtype: str, device: int, rows: int, values: tuple, stream: int) -> None:
+    """``cuda_src/hidden.cu``'s ``entry`` over ``rows`` rows of ``dtype`` on GPU ``device`` (the current
+    one), one warp a row and eight a block, on the stream with handle ``stream``; ``values`` are the
+    kernel's parameters, its arrays by address (0: null). Launched by driver handle: CuPy's argument
+    conversion was the larger part of the launch's host time, twice in a training step."""
     if rows:
-        _function(entry, dtype, device)((int(min(-(-rows // 8), 1 << 20)),), (256,), args, stream=stream)
+        launch_raw(_function(entry, dtype, device), (min(-(-rows // 8), 1 << 20), 1, 1), 256, 0, stream,
+                   _PARAMS[entry], values)
 
 
-def _here(entry: str, dtype: str, rows: int, args: tuple) -> None:
-    """:func:`launch_rows` on the current device and CuPy stream."""
+def _here(entry: str, dtype: str, rows: int, arrays: tuple, scalars: tuple) -> None:
+    """:func:`launch_rows` on the current device and CuPy stream; ``arrays`` CuPy arrays or None."""
     import cupy
 
-    launch_rows(entry, dtype, cupy.cuda.runtime.getDevice(), rows, args, cupy.cuda.get_current_stream())
+    launch_rows(entry, dtype, cupy.cuda.runtime.getDevice(), rows,
+                tuple(0 if a is None else a.data.ptr for a in arrays) + scalars, cupy.cuda.get_current_stream().ptr)
 
 
 @functools.cache
-def _function(entry: str, dtype: str, device: int):
+def _function(entry: str, dtype: str, device: int) -> int:
+    """The CUfunction handle of ``entry`` for ``dtype`` on ``device`` (called with it current)."""
     from .._base.device import device_properties
     from .._dispatch import arch_of, elem_spec
     from .kernels import HIDDEN
     from .nvrtc import get_module
 
     return get_module(HIDDEN.file, {"LIK_ELEM": elem_spec(dtype).code}, arch_of(device_properties(device).cc), device,
-                      entry=entry).get_function(entry)
+                      entry=entry).get_function(entry).kernel.ptr
 
 
 def gemm(a, b, out, dtype: str, *, ta: bool = False, tb: bool = False, beta: float = 0.0, tf32: bool = False):
@@ -129,10 +138,10 @@ def project(H, W, bias, dtype: str, normalize: bool, eps: float, tf32: bool):
         return D, None
     if dtype == "float64":
         return D, normalize_rows(D, eps)
-    b32 = _NULL if bias is None else bias if dtype == "float32" else to_float32(bias, dtype)
+    b32 = None if bias is None else bias if dtype == "float32" else to_float32(bias, dtype)
     rows, dim = D.shape
     ss = cupy.empty((rows, 1), cupy.float32)
-    _here("lik_hidden_normalize", dtype, rows, (D, b32, ss, np.int64(rows), np.int32(dim), np.float32(eps)))
+    _here("lik_hidden_normalize", dtype, rows, (D, b32, ss), (rows, dim, eps))
     return D, ss
 
 
@@ -146,9 +155,7 @@ def project_grad(D, state, dD, keep, dtype: str, eps: float):
     if dtype == "float64":
         return normalize_grad(D, state, dD, keep, eps)
     rows, dim = dD.shape
-    _here("lik_hidden_normalize_grad", dtype, rows, (D, dD, _NULL if state is None else state,
-                                                     _NULL if keep is None else keep, np.int64(rows), np.int32(dim),
-                                                     np.float32(eps)))
+    _here("lik_hidden_normalize_grad", dtype, rows, (D, dD, state, keep), (rows, dim, eps))
     return dD
 
 
