@@ -1727,15 +1727,36 @@ print("stopped")
 """
 
 
-def test_a_signal_before_uvicorn_handles_signals_still_stops_the_server(shard):
-    # A process of --processes that SIGTERM reaches while it starts: the signal must not be lost in
-    # the moment before uvicorn installs its handlers (the server then ran until the parent's grace
-    # period killed it).
+_SIGNAL_AT_ANNOUNCE = """
+import os, signal, sys
+from lik_cupy import Corpus
+from lik_cupy.serving import Batcher, http
+
+said = http._announce
+
+
+def announce(sock):
+    said(sock)
+    os.kill(os.getpid(), signal.SIGTERM)  # as soon as "listening on" is out, before uvicorn starts
+
+
+http._announce = announce
+corpus = Corpus.from_shards(sys.argv[1], device="cpu")
+http.run(http.make_app(lambda observer: Batcher(corpus, observer=observer)), port=0)
+print("stopped")
+"""
+
+
+@pytest.mark.parametrize("script", [_SIGNAL_BEFORE_UVICORN, _SIGNAL_AT_ANNOUNCE], ids=["process", "announced"])
+def test_a_signal_before_uvicorn_handles_signals_still_stops_the_server(shard, script):
+    # A process of --processes that SIGTERM reaches while it starts, or a server stopped as soon as it
+    # says "listening on": the signal must neither be lost before uvicorn installs its handlers (the
+    # process then served until the parent's grace period killed it) nor kill the process outright.
     for m in ("starlette", "uvicorn", "prometheus_client"):
         pytest.importorskip(m)
     import os
 
-    r = subprocess.run([sys.executable, "-c", _SIGNAL_BEFORE_UVICORN, str(shard)], capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-c", script, str(shard)], capture_output=True, text=True,
                        cwd=ROOT, timeout=60, env={**os.environ, "PYTHONPATH": child_pythonpath()})
     assert r.returncode == 0 and r.stdout.strip() == "stopped", r.stderr
 

@@ -420,12 +420,12 @@ def run(app, *, host: str = "127.0.0.1", port: int = 8000) -> None:
     the gRPC port, if any, is printed as ``grpc://HOST:PORT``); LikError when it cannot listen there
     or the corpus fails to load."""
     sock = _listening(host, port)
-    _announce(sock)
-    _serve_on(app, sock)
+    _serve_on(app, sock, announce=lambda: _announce(sock))
 
 
-def _serve_on(app, sock: socket.socket) -> None:
-    """:func:`run` on a socket already bound (each process of :func:`run_processes`)."""
+def _serve_on(app, sock: socket.socket, announce=None) -> None:
+    """:func:`run` on a socket already bound (each process of :func:`run_processes`); ``announce()``
+    runs once a signal would stop the server gracefully."""
     import uvicorn
 
     from ..errors import LikError
@@ -445,11 +445,14 @@ def _serve_on(app, sock: socket.socket) -> None:
     svc.on_failure = lambda: setattr(server, "should_exit", True)
     # uvicorn stops gracefully on SIGINT or SIGTERM, then raises the signal again for the handler it
     # found; the queue is drained by then, so that handler's stop changes nothing and run returns. A
-    # signal that comes before uvicorn installs its own handlers (a process of run_processes still
-    # starting) asks for the same stop: uvicorn starts, sees should_exit, and stops at once.
+    # signal that comes before uvicorn installs its own handlers (just after "listening on", or to a
+    # process of run_processes still starting) asks for the same stop: uvicorn starts, sees
+    # should_exit, and stops at once.
     stops = (signal.SIGINT, signal.SIGTERM)
     before = [signal.signal(s, lambda *_: setattr(server, "should_exit", True)) for s in stops]
     try:
+        if announce is not None:
+            announce()
         server.run(sockets=[sock])
     finally:
         for s, h in zip(stops, before):
