@@ -494,7 +494,11 @@ def test_packed_rerank_of_shared_candidates_shares_calls_bit_for_bit(rng, layout
     for _ in range(6):  # awkward shapes: few or many queries and tokens, candidates from a small pool
         nq, lq = int(rng.integers(2, 9)), int(rng.integers(1, 20))
         pool = rng.choice(41, int(rng.integers(1, 8)), replace=False)
-        cand = rng.choice(pool, (nq, int(rng.integers(2 * pool.size, 3 * pool.size + 1))))
+        k = int(rng.integers(2 * pool.size, 3 * pool.size + 1))
+        # each query names the whole pool once, then any of it: the union is never more than the calls
+        # per query would score (random picks alone could skip a long document that another query named,
+        # and then the queries rightly go one call each: _SHARED_WASTE)
+        cand = np.stack([rng.permutation(np.r_[pool, rng.choice(pool, k - pool.size)]) for _ in range(nq)])
         Q = rng.standard_normal((nq, lq, 24)).astype(np.float16 if layout == "packed" else np.float32)
         ql = rng.integers(0, lq + 1, nq)
         want = [corpus.rerank(Q[i:i + 1], cand[i:i + 1], q_lengths=ql[i:i + 1]) for i in range(nq)]
