@@ -63,7 +63,7 @@ def launch_rows(entry: str, dtype: str, device: int, rows: int, values: tuple, s
     kernel's parameters, its arrays by address (0: null). Launched by driver handle: CuPy's argument
     conversion was the larger part of the launch's host time, twice in a training step."""
     if rows:
-        launch_raw(_function(entry, dtype, device), (min(-(-rows // 8), 1 << 20), 1, 1), 256, 0, stream,
+        launch_raw(_function(entry, dtype, device).ptr, (min(-(-rows // 8), 1 << 20), 1, 1), 256, 0, stream,
                    _PARAMS[entry], values)
 
 
@@ -76,15 +76,16 @@ def _here(entry: str, dtype: str, rows: int, arrays: tuple, scalars: tuple) -> N
 
 
 @functools.cache
-def _function(entry: str, dtype: str, device: int) -> int:
-    """The CUfunction handle of ``entry`` for ``dtype`` on ``device`` (called with it current)."""
+def _function(entry: str, dtype: str, device: int):
+    """``entry`` for ``dtype`` on ``device`` (called with it current), as CuPy's loaded function: its
+    ``ptr`` is the driver's handle, and it holds its module, which the module cache may let go."""
     from .._base.device import device_properties
     from .._dispatch import arch_of, elem_spec
     from .kernels import HIDDEN
     from .nvrtc import get_module
 
     return get_module(HIDDEN.file, {"LIK_ELEM": elem_spec(dtype).code}, arch_of(device_properties(device).cc), device,
-                      entry=entry).get_function(entry).kernel.ptr
+                      entry=entry).get_function(entry).kernel
 
 
 def gemm(a, b, out, dtype: str, *, ta: bool = False, tb: bool = False, beta: float = 0.0, tf32: bool = False):
