@@ -12,7 +12,9 @@ Cells (h = 768, d = 128, Lq = 32, Ld = 300, unit queries, hidden states N(0, 1),
 
 Each contender in each cell: ``ms``, the median over 3 rounds of n back-to-back calls (steps)
 timed by CUDA events on torch's stream after warm-up calls (LIK's Triton autotuning and our
-first compile happen there), host time included where the GPU waits on it; ``peak_mib``,
+first compile happen there), host time included where the GPU waits on it; ``gpu_ms``, the
+same calls queued behind a sleep, so that the host runs ahead and only GPU time shows (a training
+step whose ``ms`` is far above it is host-bound); ``peak_mib``,
 ``torch.cuda.max_memory_allocated`` during one call (step) less what was allocated before it: the
 call's scratch, outputs and, in training, the gradients. CuPy allocates through torch's caching
 allocator (``bench.lib.gpu.setup_cupy``), so lik_cupy's buffers count; cuBLAS's own workspace does not,
@@ -40,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: b
 from bench.lib import baselines  # noqa: E402
 from bench.lib.gpu import safe_cleanup, start  # noqa: E402
 from bench.lib.results import out_dir, short_err, text_table, write_json  # noqa: E402
-from bench.lib.timing import per_call_ms  # noqa: E402
+from bench.lib.timing import per_call_ms, queued_call_ms  # noqa: E402
 
 SHAPES = {"hidden": 768, "dim": 128, "lq": 32, "ld": 300}
 CELLS = {"rerank": (1, 1000, False), "train32": (32, 32, True), "train64": (64, 64, True)}  # nq, nd, train
@@ -152,6 +154,9 @@ def run_cell(torch, name, dtype_name, contenders, smoke=False):
             ref = scores if who == "unfused" else ref
             row["scores_max_abs_diff"] = None if ref is None or who == "floor" else float((scores - ref).abs().max())
             row["ms"], row["calls_per_round"] = _time(torch, call)
+            # GPU time alone: the same calls queued behind a sleep (None on the CPU)
+            row["gpu_ms"] = queued_call_ms(torch, call, row["calls_per_round"], row["ms"]) \
+                if torch.cuda.is_initialized() else None
             row["peak_mib"] = _peak_mib(torch, call)
         except Exception as e:  # noqa: BLE001  (a contender failing is reported, not fatal)
             row["error"] = short_err(e)
@@ -164,7 +169,7 @@ def run_cell(torch, name, dtype_name, contenders, smoke=False):
 
 
 def summarise(rows):
-    """Per cell and dtype: our time and peak over the best peer's."""
+    """Per cell and dtype: our time (call and GPU) and peak over the best peer's."""
     out = []
     for key in sorted({(r["cell"], r["dtype"]) for r in rows}):
         cell = {r["contender"]: r for r in rows if (r["cell"], r["dtype"]) == key and "ms" in r}
@@ -178,6 +183,9 @@ def summarise(rows):
                     "unfused_peak_mib": cell["unfused"]["peak_mib"] if "unfused" in cell else None,
                     "ours_over_best": ours["ms"] / min(r["ms"] for r in peers),
                     "ours_over_lik": ours["ms"] / cell["lik"]["ms"] if "lik" in cell else None,
+                    "ours_gpu_ms": ours.get("gpu_ms"), "lik_gpu_ms": cell.get("lik", {}).get("gpu_ms"),
+                    "ours_gpu_over_lik": ours["gpu_ms"] / cell["lik"]["gpu_ms"]
+                    if ours.get("gpu_ms") and cell.get("lik", {}).get("gpu_ms") else None,
                     "floor_ms": cell["floor"]["ms"] if "floor" in cell else None,
                     "peak_over_best": None if ours["peak_mib"] is None else
                     ours["peak_mib"] / min(r["peak_mib"] for r in peers)})
@@ -226,10 +234,11 @@ def main(argv=None):
                       "shapes": SMOKE_SHAPES if args.smoke else SHAPES})
     print(f"wrote {path}")
     header = ["cell", "dtype", "ours ms", "lik ms", "unfused ms", "floor ms", "ours/best", "ours/lik",
-              "peak MiB ours/lik/unfused"]
+              "GPU ms ours/lik", "peak MiB ours/lik/unfused"]
     body = [[s["cell"], s["dtype"], _fmt(s["ours_ms"], ".3f"), _fmt(s["lik_ms"], ".3f"), _fmt(s["unfused_ms"], ".3f"),
              _fmt(s["floor_ms"], ".3f"),
              _fmt(s["ours_over_best"], ".2f"), _fmt(s["ours_over_lik"], ".2f"),
+             "/".join(_fmt(s[k], ".3f") for k in ("ours_gpu_ms", "lik_gpu_ms")),
              "/".join(_fmt(s[k], ".0f") for k in ("ours_peak_mib", "lik_peak_mib", "unfused_peak_mib"))]
             for s in summary]
     print("\n".join(text_table(header, body, [s["dtype"] for s in summary])))
