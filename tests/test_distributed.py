@@ -49,6 +49,8 @@ def _make_corpus(root, rng, dtype=np.float32):
     for n in SHARD_DOCS:
         lens = rng.integers(1, 9, n)
         lens[rng.random(n) < 0.15] = 0  # empty documents score -inf
+        if n:  # at least one in every shard that has documents, away from the ends the ties replace
+            lens[n // 2] = 0
         off = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
         tok = rng.standard_normal((int(off[-1]), DIM)).astype(dtype)
         parts.append([tok, off])
@@ -257,6 +259,7 @@ def test_a_rerank_task_scores_its_candidates_as_the_single_process_rerank(tmp_pa
     Q, q_lengths = _queries(rng)
     cand = rng.integers(0, 32, (Q.shape[0], 12))  # shard 0: positions 0..22, shard 2: 23..31
     cand[0, :3] = cand[0, 3]  # repeated
+    cand[2, :2] = [np.flatnonzero(np.diff(parts[0][1]) == 0)[0], 23 + np.flatnonzero(np.diff(parts[2][1]) == 0)[0]]
     want = whole.rerank(Q, cand, q_lengths=q_lengths)
     rows = np.repeat(np.arange(Q.shape[0]), cand.shape[1])
     shard = np.where(cand.reshape(-1) < 23, 0, 2)
