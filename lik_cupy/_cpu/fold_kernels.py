@@ -158,13 +158,18 @@ def piece(St, T, A64, valid, start, length, terms, p0, p1, state, squares, top, 
             row = St[t]
             offset[0] = t - s
             off = offset[0]
-            for r in range(n_rows):  # (selects, not branches: the loop vectorises over the rows)
+            # Selects, not branches, each array read once into a local (not again after a store, nor by
+            # an in-place |=): 1.6-2.4x faster a row than re-reading them, on an AVX2 EPYC (docs/benchmarks.md).
+            for r in range(n_rows):
                 v = row[r]
-                up = v > top[r]
-                runner[r] = top[r] if up else (v if v > runner[r] else runner[r])
+                tp = top[r]
+                rn = runner[r]
+                up = v > tp
+                rn = v if v > rn else rn
+                runner[r] = tp if up else rn
                 at[r] = off if up else at[r]
-                top[r] = v if up else top[r]
-                nan[r] |= v != v
+                top[r] = v if up else tp
+                nan[r] = nan[r] | (v != v)
         if e > p1:
             break  # the document goes on in the next piece
         norms[j] = np.sqrt((squares[0] + underflow) * inflate) * root  # refine.bound_norms's steps
