@@ -159,7 +159,7 @@ def piece(St, T, A64, valid, start, length, terms, p0, p1, state, squares, top, 
             offset[0] = t - s
             off = offset[0]
             # Selects, not branches, each array read once into a local (not again after a store, nor by
-            # an in-place |=): 1.6-2.4x faster a row than re-reading them, on an AVX2 EPYC (docs/benchmarks.md).
+            # an in-place |=): on an AVX2 EPYC, 1.6-2.4x faster a row at 512 rows (docs/benchmarks.md).
             for r in range(n_rows):
                 v = row[r]
                 tp = top[r]
