@@ -279,6 +279,34 @@ def test_torch_path_eager_and_operator_agree_and_match_cupy(dtype):
         assert _rel_rms(x.float().cpu(), torch.as_tensor(y, device="cuda").float().cpu()) < GRAD_TOL[dtype]
 
 
+def test_torch_path_repeat_calls_keep_their_checks_per_signature():
+    """A repeat call of the torch path skips check_hidden for a signature seen before; any other
+    signature (a wrong W or bias, a new shape, a mask) is checked in full, and repeats score alike."""
+    import lik_cupy._torch_hidden as th
+
+    th._CHECKED.clear()
+    Q, H, W, b = _data(torch.bfloat16, grad=True)
+    first = lt.maxsim_from_hidden(Q, H, W, b)
+    assert len(th._CHECKED) == 1
+    assert torch.equal(lt.maxsim_from_hidden(Q, H, W, b), first)
+    assert len(th._CHECKED) == 1
+    with pytest.raises(ValueError, match=r"W must be \[d, h\]"):
+        lt.maxsim_from_hidden(Q, H, W[:, :128].contiguous(), b)
+    with pytest.raises(TypeError, match="bias has dtype float16"):
+        lt.maxsim_from_hidden(Q, H, W, b.detach().half())
+    with pytest.raises(ValueError, match="bias has shape"):
+        lt.maxsim_from_hidden(Q, H, W, b.detach()[:32])
+    ragged = lt.maxsim_from_hidden(Q, H, W, b, d_mask=torch.ones(H.shape[:2], dtype=torch.bool, device="cuda"))
+    assert len(th._CHECKED) == 1  # (masks are checked every call)
+    torch.testing.assert_close(ragged, first)
+    other = lt.maxsim_from_hidden(Q[:2], H[:5], W, b)
+    assert len(th._CHECKED) == 2
+    torch.testing.assert_close(other, first[:2, :5])
+    th._CHECKED.update({(i,): None for i in range(th._CHECKED_MAX)})  # full: the next new signature empties it
+    lt.maxsim_from_hidden(Q[:1], H, W, b)
+    assert len(th._CHECKED) == 1
+
+
 def test_torch_path_peak_memory_below_unfused_in_training():
     Q, H, W, b = _data(torch.bfloat16, nq=8, lq=32, nd=512, ld=128, hid=768, dim=128, grad=True)
 
