@@ -106,25 +106,26 @@ def _step(torch, fn, leaves, train):
     return step
 
 
-def _time(torch, call, warm: int = 3):
+def _time(torch, call, gpu: bool, warm: int = 3):
     """(ms per call, calls per round): ``per_call_ms`` with rounds of about ``TARGET_MS``, after ``warm`` calls
-    (on the CPU, smoke: the wall time of one call)."""
+    (on the CPU, smoke: the wall time of one call). ``gpu``: the calls run on the GPU (not whether CUDA
+    is initialised: a smoke run in a process that used the GPU before still times the CPU)."""
     for _ in range(warm):
         call()
-    sync = torch.cuda.synchronize if torch.cuda.is_initialized() else (lambda: None)
+    sync = torch.cuda.synchronize if gpu else (lambda: None)
     sync()
     t = time.perf_counter()
     call()
     sync()
     ms = (time.perf_counter() - t) * 1e3
-    if not torch.cuda.is_initialized():
+    if not gpu:
         return ms, 1
     n = max(2, min(200, int(TARGET_MS / max(1e-3, ms))))
     return per_call_ms(torch, call, n), n
 
 
-def _peak_mib(torch, call):
-    if not torch.cuda.is_initialized():
+def _peak_mib(torch, call, gpu: bool):
+    if not gpu:
         return None
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
@@ -153,11 +154,10 @@ def run_cell(torch, name, dtype_name, contenders, smoke=False):
                 scores = fn(*[x.detach() for x in leaves]).float()
             ref = scores if who == "unfused" else ref
             row["scores_max_abs_diff"] = None if ref is None or who == "floor" else float((scores - ref).abs().max())
-            row["ms"], row["calls_per_round"] = _time(torch, call)
+            row["ms"], row["calls_per_round"] = _time(torch, call, not smoke)
             # GPU time alone: the same calls queued behind a sleep (None on the CPU)
-            row["gpu_ms"] = queued_call_ms(torch, call, row["calls_per_round"], row["ms"]) \
-                if torch.cuda.is_initialized() else None
-            row["peak_mib"] = _peak_mib(torch, call)
+            row["gpu_ms"] = None if smoke else queued_call_ms(torch, call, row["calls_per_round"], row["ms"])
+            row["peak_mib"] = _peak_mib(torch, call, not smoke)
         except Exception as e:  # noqa: BLE001  (a contender failing is reported, not fatal)
             row["error"] = short_err(e)
         print(f"{name:8s} {dtype_name:9s} {who:8s} " + (f"{row['ms']:.3f} ms  peak {_fmt(row['peak_mib'], '.1f')} "
