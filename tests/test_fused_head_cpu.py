@@ -276,6 +276,23 @@ def test_numpy_scalar_options_are_taken(rng):
     assert np.array_equal(got.numpy(), want)
 
 
+@pytest.mark.filterwarnings("error")
+def test_row_kernels_take_any_valid_eps(monkeypatch):
+    """The GPU row kernels (cuda_src/hidden.cu) get eps as a float32: an eps past float32's range, which
+    the options take (any positive finite float), reaches them as inf, without a warning (it raised
+    struct's OverflowError once the projection's GEMM had run)."""
+    from lik_cupy._runtime import hidden
+
+    packed = []
+    monkeypatch.setattr(hidden, "_function", lambda entry, dtype, device: type("Kernel", (), {"ptr": 0}))
+    monkeypatch.setattr(hidden, "launch_raw", lambda func, grid, threads, smem, stream, params, values:
+                        packed.append(params.unpack(params.pack(*values))))
+    hidden.launch_rows("lik_hidden_normalize", "bfloat16", 0, 3, (1, 2, 3, 3, 64, 1e39), 0)
+    hidden.launch_rows("lik_hidden_normalize_grad", "float16", 0, 3, (1, 2, 3, 4, 3, 64, 1e-12), 0)
+    assert packed[0] == (1, 2, 3, 3, 64, np.inf)
+    assert packed[1][:6] == (1, 2, 3, 4, 3, 64) and packed[1][6] == np.float32(1e-12)
+
+
 def test_jax_gradients(rng):
     jax = pytest.importorskip("jax")
     jnp = jax.numpy

@@ -279,17 +279,20 @@ def test_torch_path_eager_and_operator_agree_and_match_cupy(dtype):
         assert _rel_rms(x.float().cpu(), torch.as_tensor(y, device="cuda").float().cpu()) < GRAD_TOL[dtype]
 
 
-def test_torch_path_repeat_calls_keep_their_checks_per_signature():
+def test_torch_path_repeat_calls_keep_their_checks_per_signature(monkeypatch):
     """A repeat call of the torch path skips check_hidden for a signature seen before; any other
     signature (a wrong W or bias, a new shape, a mask) is checked in full, and repeats score alike."""
     import lik_cupy._torch_hidden as th
+    from lik_cupy._validate import check_hidden
 
+    checks = []
+    monkeypatch.setattr(th, "check_hidden", lambda *a: checks.append(1) or check_hidden(*a))
     th._CHECKED.clear()
     Q, H, W, b = _data(torch.bfloat16, grad=True)
     first = lt.maxsim_from_hidden(Q, H, W, b)
-    assert len(th._CHECKED) == 1
+    assert len(th._CHECKED) == 1 and len(checks) == 1
     assert torch.equal(lt.maxsim_from_hidden(Q, H, W, b), first)
-    assert len(th._CHECKED) == 1
+    assert len(th._CHECKED) == 1 and len(checks) == 1  # (the repeat: not checked again)
     with pytest.raises(ValueError, match=r"W must be \[d, h\]"):
         lt.maxsim_from_hidden(Q, H, W[:, :128].contiguous(), b)
     with pytest.raises(TypeError, match="bias has dtype float16"):
@@ -305,6 +308,10 @@ def test_torch_path_repeat_calls_keep_their_checks_per_signature():
     th._CHECKED.update({(i,): None for i in range(th._CHECKED_MAX)})  # full: the next new signature empties it
     lt.maxsim_from_hidden(Q[:1], H, W, b)
     assert len(th._CHECKED) == 1
+    # an eps past float32's range (the options take any finite one) is inf to the row kernels: every row under it
+    huge = lt.maxsim_from_hidden(Q, H, W, b, eps=1e39)
+    assert torch.equal(huge, torch.zeros_like(huge))
+    assert all(torch.isfinite(g).all() for g in torch.autograd.grad(huge.sum(), (Q, H, W, b)))
 
 
 def test_torch_path_peak_memory_below_unfused_in_training():

@@ -11,7 +11,7 @@ import threading
 
 import numpy as np
 
-from .raw_launch import launch_raw, signature
+from .raw_launch import float32_arg, launch_raw, signature
 
 # cudaDataType and cuBLAS enums (their ABI values)
 _CUDA_TYPE = {"float16": 2, "bfloat16": 14, "float32": 0, "float64": 1}
@@ -60,11 +60,13 @@ _PARAMS = {"lik_hidden_normalize": signature("pppqif"), "lik_hidden_normalize_gr
 def launch_rows(entry: str, dtype: str, device: int, rows: int, values: tuple, stream: int) -> None:
     """``cuda_src/hidden.cu``'s ``entry`` over ``rows`` rows of ``dtype`` on GPU ``device`` (the current
     one), one warp a row and eight a block, on the stream with handle ``stream``; ``values`` are the
-    kernel's parameters, its arrays by address (0: null). Launched by driver handle: CuPy's argument
-    conversion was the larger part of the launch's host time, twice in a training step."""
+    kernel's parameters, its arrays by address (0: null), then rows, dim and eps (any float: the
+    kernel takes its float32). Launched by driver handle: CuPy's argument conversion was the larger
+    part of the launch's host time, twice in a training step."""
     if rows:
+        *given, eps = values
         launch_raw(_function(entry, dtype, device).ptr, (min(-(-rows // 8), 1 << 20), 1, 1), 256, 0, stream,
-                   _PARAMS[entry], values)
+                   _PARAMS[entry], (*given, float32_arg(eps)))
 
 
 def _here(entry: str, dtype: str, rows: int, arrays: tuple, scalars: tuple) -> None:

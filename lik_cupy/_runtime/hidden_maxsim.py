@@ -8,14 +8,12 @@ from __future__ import annotations
 
 import functools
 
-import numpy as np
-
 from .._base import env
 from .._base.device import device_properties
 from .._dispatch import choose_hidden_fused, tables
 from . import tma
 from .kernels import HIDDEN_FUSED
-from .raw_launch import launch_raw, signature
+from .raw_launch import float32_arg, launch_raw, signature
 
 __all__ = ["fused_width", "aligned", "score_hidden", "key_count", "shared_bytes"]
 
@@ -90,7 +88,7 @@ def score_hidden(*, q: int, h: int, w: int, bias: int, dmask: int, keys: int, sc
     qmap = tma.tile_map(q, nq * lq, 256, qn)
     grid = (min(tiles, device_properties(device).num_sms), 1, 1)
     launch_raw(main, grid, 128 * tables.HIDDEN_FUSED_WARPGROUPS, smem, stream, _MAIN,
-               (bias, dmask, keys, rows, ld, nd, nq * lq, hidden // 64, int(normalize), float(np.float32(eps))),
+               (bias, dmask, keys, rows, ld, nd, nq * lq, hidden // 64, int(normalize), float32_arg(eps)),
                (hmap, wmap, qmap))
     n = nq * nd
     launch_raw(finish, (-(-n // 256), 1, 1), 256, 0, stream, _FINISH, (keys, scores, amax, nq, lq, nd))

@@ -8,7 +8,9 @@ import ctypes
 import struct
 import threading
 
-__all__ = ["signature", "launch_raw", "is_capturing"]
+import numpy as np
+
+__all__ = ["signature", "launch_raw", "float32_arg", "is_capturing"]
 
 _SLOT = {"p": "Q", "i": "i4x", "u": "I4x", "q": "q", "f": "f4x"}
 _params = threading.local()
@@ -18,6 +20,13 @@ def signature(kinds: str) -> struct.Struct:
     """The packed 8-byte slots of a kernel whose parameters are ``kinds`` in order, by C type: p
     pointer, i int, u unsigned, q long long, f float."""
     return struct.Struct("<" + "".join(_SLOT[c] for c in kinds))
+
+
+def float32_arg(x) -> float:
+    """``x`` as a kernel's ``float`` parameter receives it: rounded to float32, and past float32's range
+    infinite, as a cast gives it (``struct``'s "f" refuses such a value rather than round it)."""
+    with np.errstate(over="ignore"):
+        return float(np.float32(x))
 
 
 def launch_raw(func: int, grid, threads: int, smem: int, stream: int, params: struct.Struct, values: tuple,
