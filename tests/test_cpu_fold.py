@@ -374,7 +374,12 @@ def test_residual_scoring_with_compiled_decompression_has_the_numpy_bits(rng, mo
     def run():
         return plaid.maxsim_residual_varlen(q, codes, bits, off, cen, w, nbits, candidates=cand,
                                             return_argmax=True, backend="cpu")
+    from lik_cupy._cpu import residual_kernels
+
+    calls, real = [], residual_kernels.rows16
+    monkeypatch.setattr(residual_kernels, "rows16", lambda *a: calls.append(1) or real(*a))
     _assert_same(*_both(monkeypatch, run))
+    assert calls, "the compiled decompression did not run"
 
 
 def test_a_decompression_that_differs_from_numpys_is_not_used(monkeypatch):
