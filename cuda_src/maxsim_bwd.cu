@@ -91,6 +91,11 @@ using namespace lik_bwd;
 
 // One warp per (query token (i, s), 128-column chunk): dQ row, and with dD32 != NULL the
 // atomic scatter of g[i, j] * Q[i, s] into dD32 (fp32 [rows, dim], zeroed by the host).
+// The warp reads 32 documents' argmax entries, rows and g at once (a lane each), then gathers
+// their D rows GATHER at a time with the loads in flight together: one document at a time waited
+// on two dependent loads each. The sums still run over j in order, so dQ keeps its bits.
+// GATHER 4 or 8 was faster on grids of few warps but slower on large ones (fewer warps fit).
+constexpr int GATHER = 2;
 extern "C" __global__ void __launch_bounds__(256) lik_bwd_dq(const T* __restrict__ Q, const T* __restrict__ D,
                                                           const float* __restrict__ g, const int* __restrict__ amax,
                                                           const i64* __restrict__ d_off, T* __restrict__ dQ,
@@ -98,7 +103,7 @@ extern "C" __global__ void __launch_bounds__(256) lik_bwd_dq(const T* __restrict
                                                           int dim, int cand, long long rows) {
     const int lane = threadIdx.x & 31;
     const i64 tok = (i64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    if (tok >= (i64)Nq * Lq) return;
+    if (tok >= (i64)Nq * Lq) return;  // whole warps: every lane below takes part in the shuffles
     const int i = (int)(tok / Lq), s = (int)(tok - (i64)i * Lq);
     const int k = blockIdx.y * 128 + lane * 4;
     float acc[4] = {0.f, 0.f, 0.f, 0.f}, q[4];
@@ -106,25 +111,45 @@ extern "C" __global__ void __launch_bounds__(256) lik_bwd_dq(const T* __restrict
     const int* ap = amax + (i64)i * Nd * Lq + s;
     const float* gp = g + (i64)i * Nd;
     bool invalid = false;
-    for (int j = 0; j < Nd; ++j) {
-        const int a = ap[(i64)j * Lq];
-        if (a == -1) continue;
-        const i64 r = a < 0 ? -1 : doc_row(d_off, i, j, a, Nd, Ld, cand != 0, rows);
-        if (r < 0) {
-            invalid = true;
-            continue;
+    for (int j0 = 0; j0 < Nd; j0 += 32) {
+        const int j = j0 + lane;
+        i64 r = -1;
+        float gj = 0.f;
+        bool bad = false;
+        if (j < Nd) {
+            const int a = ap[(i64)j * Lq];
+            if (a != -1) {
+                r = a < 0 ? -1 : doc_row(d_off, i, j, a, Nd, Ld, cand != 0, rows);
+                bad = r < 0;
+                if (!bad) gj = gp[j];
+            }
         }
-        const float gij = gp[j];
-        if (k < dim) {
-            float v[4];
-            load4(v, D + r * dim, k, dim);
+        invalid |= __any_sync(0xffffffffu, bad);
+        unsigned live = __ballot_sync(0xffffffffu, r >= 0);  // the documents that add, lowest j first
+        while (live) {
+            i64 rr[GATHER];
+            float gg[GATHER], v[GATHER][4];
+            bool has[GATHER];
 #pragma unroll
-            for (int e = 0; e < 4; ++e) acc[e] += gij * v[e];
-            if (dD32) {
-                float w[4];
+            for (int u = 0; u < GATHER; ++u) {
+                has[u] = live != 0;
+                const int b = has[u] ? __ffs(live) - 1 : 0;
+                live &= live - 1;
+                rr[u] = __shfl_sync(0xffffffffu, r, b);
+                gg[u] = __shfl_sync(0xffffffffu, gj, b);
+                if (has[u] && k < dim) load4(v[u], D + rr[u] * dim, k, dim);
+            }
 #pragma unroll
-                for (int e = 0; e < 4; ++e) w[e] = gij * q[e];
-                atomic_add4(dD32 + r * dim, k, dim, w);
+            for (int u = 0; u < GATHER; ++u) {
+                if (!has[u] || k >= dim) continue;
+#pragma unroll
+                for (int e = 0; e < 4; ++e) acc[e] += gg[u] * v[u][e];
+                if (dD32) {
+                    float w[4];
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) w[e] = gg[u] * q[e];
+                    atomic_add4(dD32 + rr[u] * dim, k, dim, w);
+                }
             }
         }
     }

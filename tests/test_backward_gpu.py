@@ -134,6 +134,35 @@ def test_bad_argmax_makes_its_dq_row_nan_or_raises_in_strict_mode(method, bad):
     assert torch.equal(dQ[keep], good[0][keep])
 
 
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_many_documents_in_groups_of_32_with_bad_entries_past_the_first(dtype):
+    """The dQ pass reads 32 documents' argmax entries at a time and gathers their rows a few at a
+    time: documents past 32 (a part group at the end), masked query tokens and empty documents
+    in later groups, and a bad entry in a later group (its dQ row NaN, nothing else touched)."""
+    gen = torch.Generator(device="cuda").manual_seed(zlib.crc32(f"groups{dtype}".encode()))
+    nq, lq, nd, ld, dim = 3, 11, 71, 13, 132  # 71 = 2 x 32 + 7; dim past one 128-column chunk
+    Q, D = _unit(gen, nq, lq, dim, dtype=dtype), _unit(gen, nd, ld, dim, dtype=dtype)
+    qm = torch.rand(nq, lq, generator=gen, device="cuda") < 0.85
+    dm = torch.rand(nd, ld, generator=gen, device="cuda") < 0.6
+    dm[[0, 33, 64, 70]] = False  # empty documents, one in each group
+    s, a = lik_cupy.maxsim(Q, D, qm, dm, return_argmax=True)
+    g = torch.randn(nq, nd, generator=gen, device="cuda")
+    dQ, dD = lik_cupy.maxsim_backward(g, Q, D, a, method="atomic")
+    rq, rd = _ref(Q, D, a, g, dm, False)
+    assert _rel(dQ, rq) < TOL[dtype] and _rel(dD, rd) < TOL[dtype]
+    qc, dc = lik_cupy.maxsim_backward(g, Q, D, a, method="csr")
+    assert torch.equal(dQ, qc) and _rel(dD, dc) < TOL[dtype]  # dQ: one writer a row, the same order
+    i, t = 2, int(torch.nonzero(qm[2])[0])
+    bad = a.clone()
+    bad[i, 45, t] = ld  # a token past its document, in the second group
+    dQb, dDb = lik_cupy.maxsim_backward(g, Q, D, bad, method="atomic")
+    nan = torch.isnan(dQb)
+    assert nan[i, t].all() and int(nan.sum()) == dim
+    keep = torch.ones(nq, lq, dtype=torch.bool, device="cuda")
+    keep[i, t] = False
+    assert torch.equal(dQb[keep], dQ[keep]) and torch.isfinite(dDb).all()
+
+
 def test_torch_adapter_matches_naive_autograd():
     from lik_cupy.torch import maxsim
 
