@@ -67,3 +67,14 @@ def test_without_out_it_writes_to_OUT_as_the_other_suites_do(tmp_path, monkeypat
     monkeypatch.setenv("OUT", str(tmp_path))
     path = bench.main(["--smoke"])
     assert path.parent == tmp_path and json.loads(path.read_text())["smoke"]
+
+
+def test_hosts_that_share_a_model_name_get_their_own_file():
+    bench = _load_cpu()
+    milan = "processor\t: 0\ncpu family\t: 25\nmodel\t\t: 1\nmodel name\t: AMD EPYC\n\nprocessor\t: 1\nmodel\t\t: 9\n"
+    genoa = "processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\nmodel\t\t: 17\nmodel name\t: AMD EPYC\n"
+    assert bench.cpu_id(milan) == "f25m1" and bench.cpu_id(genoa) == "f25m17"
+    assert bench.cpu_id("processor\t: 0\nmodel name\t: Apple M2\n") is None  # no family and model: none
+    names = {bench.result_name({"cpu": "AMD EPYC", "cpu_id": bench.cpu_id(t), "cores": 2}, False) for t in (milan, genoa)}
+    assert names == {"cpu_amd-epyc-f25m1-2c.json", "cpu_amd-epyc-f25m17-2c.json"}
+    assert bench.result_name({"cpu": "AMD EPYC", "cpu_id": None, "cores": 2}, True) == "cpu_amd-epyc-2c_smoke.json"

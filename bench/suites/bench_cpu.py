@@ -35,7 +35,7 @@ other by each. The load average before and after is recorded, and ``quiet`` says
 1-minute load stayed under a quarter of the cores: a loaded machine's times say little, and no
 target should be read from them.
 
-    python bench/suites/bench_cpu.py            # -> cpu_<machine>.json in --out, else $OUT, else bench/results/
+    python bench/suites/bench_cpu.py            # -> cpu_<machine>.json (result_name) in --out, else $OUT, else bench/results/
     python bench/suites/bench_cpu.py --smoke    # tiny shapes, 2 rounds (the suite's own test)
 
 OPENBLAS_CORETYPE / OPENBLAS_L2_SIZE, where the environment sets them, can slow NumPy's BLAS: unset
@@ -189,6 +189,37 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def cpu_id(cpuinfo: str | None = None) -> str | None:
+    """``f<family>m<model>`` of an x86 CPU from /proc/cpuinfo (``cpuinfo``: its text), else None.
+
+    Virtual machines often name every AMD host "AMD EPYC"; the family and model tell a Zen 3 (AVX2)
+    from a Zen 4 or 5 (AVX-512), whose GEMM rates differ 2-3x, so each gets its own result file.
+    """
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return None
+    fields = {}
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip()
+        if key in ("cpu family", "model") and key not in fields:
+            fields[key] = value.strip()
+        if not line.strip() and fields:  # the first processor's block is enough
+            break
+    if not (fields.get("cpu family", "").isdigit() and fields.get("model", "").isdigit()):
+        return None
+    return f"f{fields['cpu family']}m{fields['model']}"
+
+
+def result_name(info: dict, smoke: bool) -> str:
+    """The suite's file name: ``cpu_<model>[-<family and model>]-<cores>c.json`` (runs before the family
+    and model were recorded are named without them)."""
+    cpu = slug(info["cpu"]) + (f"-{info['cpu_id']}" if info.get("cpu_id") else "")
+    return f"cpu_{cpu}-{info['cores']}c{'_smoke' if smoke else ''}.json"
+
+
 def blas_info() -> dict:
     """NumPy's BLAS: from threadpoolctl when installed, else asked of a bundled OpenBLAS directly."""
     try:
@@ -228,7 +259,7 @@ def machine(libs: dict) -> dict:
         numba = metadata.version("numba")
     except metadata.PackageNotFoundError:
         numba = None
-    return {"cpu": cpu_model(), "cores": os.cpu_count(), "numpy": np.__version__, "blas": blas_info(),
+    return {"cpu": cpu_model(), "cpu_id": cpu_id(), "cores": os.cpu_count(), "numpy": np.__version__, "blas": blas_info(),
             "python": platform.python_version(), "lik_cupy": lik_cupy.__version__, "rust_libraries": versions,
             "numba": numba, "compiled_fold": fold.available(),
             "openblas_env": {k: os.environ[k] for k in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE",
@@ -369,7 +400,7 @@ def main(argv=None) -> Path:
            "load_average": {"before": [round(x, 2) for x in load_before], "after": [round(x, 2) for x in load_after]},
            "quiet": max(load_before[0], load_after[0]) < 0.25 * (os.cpu_count() or 1),
            "cells": cells, "plaid_rerank": plaid}
-    path = out_dir(args.out) / f"cpu_{slug(info['cpu'])}-{info['cores']}c{'_smoke' if args.smoke else ''}.json"
+    path = out_dir(args.out) / result_name(info, args.smoke)
     write_json(path, out)
     print(f"wrote {path}")
     return path
