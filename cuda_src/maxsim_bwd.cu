@@ -111,8 +111,8 @@ extern "C" __global__ void __launch_bounds__(256) lik_bwd_dq(const T* __restrict
     const int* ap = amax + (i64)i * Nd * Lq + s;
     const float* gp = g + (i64)i * Nd;
     bool invalid = false;
-    for (int j0 = 0; j0 < Nd; j0 += 32) {
-        const int j = j0 + lane;
+    for (unsigned j0 = 0; j0 < (unsigned)Nd; j0 += 32) {  // (unsigned: Nd near 2^31 would wrap an int)
+        const int j = (int)(j0 + lane);
         i64 r = -1;
         float gj = 0.f;
         bool bad = false;

@@ -134,33 +134,81 @@ def test_bad_argmax_makes_its_dq_row_nan_or_raises_in_strict_mode(method, bad):
     assert torch.equal(dQ[keep], good[0][keep])
 
 
+def _dq_in_order(Q, rows, g, a, row_of):
+    """dQ as ``lik_bwd_dq`` sums it, bit for bit: each query token's float32 sum over its documents in
+    ascending order, one fused multiply-add per element (the product is exact in float64; the sum is
+    rounded once to float64, then to float32, which differs from one rounding only at a float32 tie,
+    fixed by the seeds). ``row_of(j, a)``: document j's local token ``a`` as a row of ``rows``."""
+    q = Q.detach().cpu().double().numpy()
+    r = rows.detach().cpu().double().numpy()
+    gs, am = g.detach().cpu().numpy().astype(np.float64), a.cpu().numpy()
+    acc = np.zeros(q.shape, np.float32)
+    for j in range(am.shape[1]):
+        take = am[:, j, :] >= 0
+        row = np.where(take, row_of(j, np.maximum(am[:, j, :], 0)), 0)
+        step = (acc.astype(np.float64) + gs[:, j, None, None] * r[row]).astype(np.float32)
+        acc = np.where(take[..., None], step, acc)
+    return acc
+
+
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
-def test_many_documents_in_groups_of_32_with_bad_entries_past_the_first(dtype):
-    """The dQ pass reads 32 documents' argmax entries at a time and gathers their rows a few at a
-    time: documents past 32 (a part group at the end), masked query tokens and empty documents
-    in later groups, and a bad entry in a later group (its dQ row NaN, nothing else touched)."""
+def test_many_documents_in_groups_of_32_with_a_bad_entry_past_the_first(dtype):
+    """The dQ pass reads 32 documents' argmax entries at a time and gathers their rows two at a
+    time: documents past 32 (a part group at the end), masked query tokens and empty documents in
+    later groups; dQ summed in document order (bitwise), and a bad entry in the second group (its
+    dQ row NaN, the rest of dQ unchanged, nothing of it in dD)."""
     gen = torch.Generator(device="cuda").manual_seed(zlib.crc32(f"groups{dtype}".encode()))
     nq, lq, nd, ld, dim = 3, 11, 71, 13, 132  # 71 = 2 x 32 + 7; dim past one 128-column chunk
     Q, D = _unit(gen, nq, lq, dim, dtype=dtype), _unit(gen, nd, ld, dim, dtype=dtype)
     qm = torch.rand(nq, lq, generator=gen, device="cuda") < 0.85
     dm = torch.rand(nd, ld, generator=gen, device="cuda") < 0.6
-    dm[[0, 33, 64, 70]] = False  # empty documents, one in each group
+    dm[[0, 33, 64, 70]] = False  # empty documents: in the first, second and last group
     s, a = lik_cupy.maxsim(Q, D, qm, dm, return_argmax=True)
     g = torch.randn(nq, nd, generator=gen, device="cuda")
     dQ, dD = lik_cupy.maxsim_backward(g, Q, D, a, method="atomic")
     rq, rd = _ref(Q, D, a, g, dm, False)
     assert _rel(dQ, rq) < TOL[dtype] and _rel(dD, rd) < TOL[dtype]
+    want = _dq_in_order(Q, D.reshape(nd * ld, dim), g, a, lambda j, t: j * ld + t)
+    got = dQ.cpu().numpy()
+    assert np.array_equal(got, want.astype(got.dtype))  # (float16: rounded once, as the kernel stores it)
     qc, dc = lik_cupy.maxsim_backward(g, Q, D, a, method="csr")
-    assert torch.equal(dQ, qc) and _rel(dD, dc) < TOL[dtype]  # dQ: one writer a row, the same order
+    assert torch.equal(dQ, qc) and _rel(dD, dc) < TOL[dtype]
     i, t = 2, int(torch.nonzero(qm[2])[0])
-    bad = a.clone()
-    bad[i, 45, t] = ld  # a token past its document, in the second group
+    bad, dropped = a.clone(), a.clone()
+    bad[i, 45, t] = ld  # past its document: as a row, document 46's first token, which must not get it
+    dropped[i, 45, t] = -1
     dQb, dDb = lik_cupy.maxsim_backward(g, Q, D, bad, method="atomic")
     nan = torch.isnan(dQb)
     assert nan[i, t].all() and int(nan.sum()) == dim
     keep = torch.ones(nq, lq, dtype=torch.bool, device="cuda")
     keep[i, t] = False
-    assert torch.equal(dQb[keep], dQ[keep]) and torch.isfinite(dDb).all()
+    assert torch.equal(dQb[keep], dQ[keep])
+    without = _ref(Q, D, dropped, g, dm, False)[1]
+    assert _rel(dDb, without) < TOL[dtype]
+    assert torch.allclose(dDb[46, 0].double(), without[46, 0], atol=TOL[dtype], rtol=0)
+
+
+def test_many_packed_documents_in_groups_of_32():
+    """Packed documents past 32 (offsets read a lane per document), dQ in document order bitwise, and
+    a negative entry other than -1 in the second group: that row NaN, nothing of it in dD."""
+    gen = torch.Generator(device="cuda").manual_seed(29)
+    lens = torch.randint(0, 9, (45,), generator=gen, device="cuda").cpu()
+    lens[[3, 40]] = 0
+    off = torch.cat([torch.zeros(1, dtype=torch.int64), lens.cumsum(0)]).cuda()
+    nq, lq, dim = 2, 7, 64
+    Q, T = _unit(gen, nq, lq, dim, dtype="float32"), _unit(gen, int(off[-1]), dim, dtype="float32")
+    _, a = lik_cupy.maxsim_varlen(Q, T, off, return_argmax=True)
+    g = torch.randn(nq, len(lens), generator=gen, device="cuda")
+    dQ, dT = lik_cupy.maxsim_backward(g, Q, T, a, d_offsets=off, method="atomic")
+    starts = off.cpu().numpy()
+    assert np.array_equal(dQ.cpu().numpy(), _dq_in_order(Q, T, g, a, lambda j, t: starts[j] + t))
+    j = int(torch.nonzero(lens[32:] > 0)[0]) + 32
+    bad, dropped = a.clone(), a.clone()
+    bad[1, j, 4], dropped[1, j, 4] = -5, -1
+    dQb, dTb = lik_cupy.maxsim_backward(g, Q, T, bad, d_offsets=off, method="atomic")
+    assert torch.isnan(dQb[1, 4]).all() and int(torch.isnan(dQb).sum()) == dim
+    _, want = lik_cupy.maxsim_backward(g, Q, T, dropped, d_offsets=off, method="csr")
+    assert torch.allclose(dTb, want, atol=1e-6, rtol=0)
 
 
 def test_torch_adapter_matches_naive_autograd():
