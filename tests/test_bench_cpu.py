@@ -73,8 +73,10 @@ def test_hosts_that_share_a_model_name_get_their_own_file():
     bench = _load_cpu()
     milan = "processor\t: 0\ncpu family\t: 25\nmodel\t\t: 1\nmodel name\t: AMD EPYC\n\nprocessor\t: 1\nmodel\t\t: 9\n"
     genoa = "processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\nmodel\t\t: 17\nmodel name\t: AMD EPYC\n"
-    assert bench.cpu_id(milan) == "f25m1" and bench.cpu_id(genoa) == "f25m17"
-    assert bench.cpu_id("processor\t: 0\nmodel name\t: Apple M2\n") is None  # no family and model: none
-    names = {bench.result_name({"cpu": "AMD EPYC", "cpu_id": bench.cpu_id(t), "cores": 2}, False) for t in (milan, genoa)}
+    fields = {name: bench.cpuinfo_fields(text) for name, text in (("milan", milan), ("genoa", genoa))}
+    assert bench.cpu_id(fields["milan"]) == "f25m1" and bench.cpu_id(fields["genoa"]) == "f25m17"
+    assert bench.cpu_model(fields["milan"]) == "AMD EPYC"
+    assert bench.cpu_id(bench.cpuinfo_fields("processor\t: 0\nmodel name\t: Apple M2\n")) is None  # none there
+    names = {bench.result_name({"cpu": "AMD EPYC", "cpu_id": bench.cpu_id(f), "cores": 2}, False) for f in fields.values()}
     assert names == {"cpu_amd-epyc-f25m1-2c.json", "cpu_amd-epyc-f25m17-2c.json"}
     assert bench.result_name({"cpu": "AMD EPYC", "cpu_id": None, "cores": 2}, True) == "cpu_amd-epyc-2c_smoke.json"

@@ -179,38 +179,36 @@ def rerank_contenders(spec, rng, where: Path):
     return {"rerank": lambda: idx.rerank(Q, cand, backend="cpu"), "decompress_maxsim_varlen": by_hand}
 
 
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+def cpuinfo_fields(text: str | None = None) -> dict[str, str]:
+    """The first processor's fields in /proc/cpuinfo (``text``: its contents; default: read it), or {}."""
+    if text is None:
+        try:
+            text = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return {}
+    fields = {}
+    for line in text.splitlines():
+        if not line.strip():
+            if fields:
+                break
+            continue
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    return fields
 
 
-def cpu_id(cpuinfo: str | None = None) -> str | None:
-    """``f<family>m<model>`` of an x86 CPU from /proc/cpuinfo (``cpuinfo``: its text), else None.
+def cpu_model(fields: dict[str, str]) -> str:
+    return fields.get("model name") or platform.processor() or platform.machine()
+
+
+def cpu_id(fields: dict[str, str]) -> str | None:
+    """``f<family>m<model>`` of an x86 CPU from its /proc/cpuinfo fields, else None.
 
     Virtual machines often name every AMD host "AMD EPYC"; the family and model tell a Zen 3 (AVX2)
     from a Zen 4 or 5 (AVX-512), whose GEMM rates differ 2-3x, so each gets its own result file.
     """
-    if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            return None
-    fields = {}
-    for line in cpuinfo.splitlines():
-        key, _, value = line.partition(":")
-        key = key.strip()
-        if key in ("cpu family", "model") and key not in fields:
-            fields[key] = value.strip()
-        if not line.strip() and fields:  # the first processor's block is enough
-            break
-    if not (fields.get("cpu family", "").isdigit() and fields.get("model", "").isdigit()):
-        return None
-    return f"f{fields['cpu family']}m{fields['model']}"
+    family, model = fields.get("cpu family", ""), fields.get("model", "")
+    return f"f{family}m{model}" if family.isdigit() and model.isdigit() else None
 
 
 def result_name(info: dict, smoke: bool) -> str:
@@ -259,7 +257,8 @@ def machine(libs: dict) -> dict:
         numba = metadata.version("numba")
     except metadata.PackageNotFoundError:
         numba = None
-    return {"cpu": cpu_model(), "cpu_id": cpu_id(), "cores": os.cpu_count(), "numpy": np.__version__, "blas": blas_info(),
+    cpu = cpuinfo_fields()
+    return {"cpu": cpu_model(cpu), "cpu_id": cpu_id(cpu), "cores": os.cpu_count(), "numpy": np.__version__, "blas": blas_info(),
             "python": platform.python_version(), "lik_cupy": lik_cupy.__version__, "rust_libraries": versions,
             "numba": numba, "compiled_fold": fold.available(),
             "openblas_env": {k: os.environ[k] for k in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE",
