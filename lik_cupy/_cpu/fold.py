@@ -151,9 +151,10 @@ class DocumentFold:
         terms = np.array(norm_terms(T.shape[1], T.dtype), T.dtype)
         self._args = (T, A64, np.zeros(0, bool) if valid is None else valid, start, length, terms)
         rows, nb = A64.shape[0], start.size
-        self._state = np.zeros(1, np.int64)  # the document the next piece begins in
-        self._run = (np.zeros(1, T.dtype), np.full(rows, -np.inf, dtype), np.full(rows, -np.inf, dtype),
-                     np.zeros(rows, offset), np.zeros(rows, bool), np.zeros(1, offset))
+        self._state = np.zeros(2, np.int64)  # the document the next piece begins in; the current runner-up buffer
+        top, runner = np.full(rows, -np.inf, dtype), np.full(rows, -np.inf, dtype)
+        self._run = (np.zeros(1, T.dtype), top, runner, np.empty(rows, dtype), np.zeros(rows, offset),
+                     np.zeros(rows, bool), np.zeros(1, offset))
         self.first = np.empty((rows, nb), np.int64)
         self.best = np.empty((rows, nb), dtype)
         self.second = np.empty((rows, nb), dtype)

@@ -121,22 +121,24 @@ def scratch(d: int):
 
 
 @numba.njit(nogil=True, cache=True, boundscheck=False, fastmath={"reassoc", "contract"})
-def _squares(tok):  # pragma: no cover (compiled)
-    """The sum of ``tok``'s squares in any order, fused or not: ``refine.norm_terms``' bound holds for
-    every order (with fewer roundings where fused), which lets it vectorise."""
-    ss = tok.dtype.type(0)
-    for k in range(tok.size):
-        ss += tok[k] * tok[k]
+def _squares(T, t):  # pragma: no cover (compiled)
+    """The sum of token ``T[t]``'s squares in any order, fused or not: ``refine.norm_terms``' bound
+    holds for every order (with fewer roundings where fused), which lets it vectorise. (Indexed, not
+    a row view: each view costs two atomic reference counts, per token.)"""
+    ss = T.dtype.type(0)
+    for k in range(T.shape[1]):
+        ss += T[t, k] * T[t, k]
     return ss
 
 
 @numba.njit(nogil=True, cache=True, boundscheck=False)
-def piece(St, T, A64, valid, start, length, terms, p0, p1, state, squares, top, runner, at, nan, offset,
+def piece(St, T, A64, valid, start, length, terms, p0, p1, state, squares, top, runner, runner2, at, nan, offset,
           first, best, second, win, norms):  # pragma: no cover (compiled; fold.DocumentFold.piece says what)
-    """Columns ``p0 .. p1`` of ``St [n, R]``: the running maxima ``top``, ``runner``, ``at`` (whose
-    dtype, int64 or int32, ``offset``'s one element shares: each vectorises best for few or many rows),
-    ``nan`` and the largest sum of squares ``squares[0]`` of the document ``state[0]``; each document
-    that ends here written to ``first``, ``best``, ``second``, ``win`` and ``norms``."""
+    """Columns ``p0 .. p1`` of ``St [n, R]``: the running maxima ``top``, the runner-up in ``runner``
+    or ``runner2`` (``state[1]`` says which holds it), ``at`` (whose dtype, int64 or int32,
+    ``offset``'s one element shares: each vectorises best for few or many rows), ``nan`` and the largest
+    sum of squares ``squares[0]`` of the document ``state[0]``; each document that ends here written to
+    ``first``, ``best``, ``second``, ``win`` and ``norms``."""
     n_rows = St.shape[1]
     prod = np.empty(T.shape[1])  # (one row's products: d * 8 bytes, whatever the rows)
     frames = np.empty((64, 3), np.int64)
@@ -151,33 +153,42 @@ def piece(St, T, A64, valid, start, length, terms, p0, p1, state, squares, top, 
         for t in range(max(s, p0), min(e, p1)):
             if masked and not valid[t]:
                 continue
-            tok = T[t]
-            ss = _squares(tok)
+            ss = _squares(T, t)
             if ss > squares[0] or ss != ss:  # (a NaN stays)
                 squares[0] = ss
-            row = St[t]
             offset[0] = t - s
             off = offset[0]
-            # Selects, not branches, each array read once into a local (not again after a store, nor by
-            # an in-place |=): on an AVX2 EPYC, 1.6-2.4x faster a row at 512 rows (docs/benchmarks.md).
+            # Every array read once into a local and every store unconditional, so that the loop
+            # vectorises without masked loads or stores (slow on AMD's cores): a value read on one
+            # path only became a masked load, and a store of "new or old" a masked store. Hence the
+            # runner-up goes to the other buffer (never stored back where it was read) and ``at`` by
+            # a bitwise select. The runner-up: the old top where v beats it, else the larger of v
+            # and the old runner-up (a NaN v changes nothing).
+            if state[1]:
+                src, dst = runner2, runner
+            else:
+                src, dst = runner, runner2
             for r in range(n_rows):
-                v = row[r]
+                v = St[t, r]
                 tp = top[r]
-                rn = runner[r]
+                rn = src[r]
+                a = at[r]
                 up = v > tp
-                rn = v if v > rn else rn
-                runner[r] = tp if up else rn
-                at[r] = off if up else at[r]
+                m = tp if up else v
+                dst[r] = m if m > rn else rn
+                at[r] = a ^ ((a ^ off) & -up)
                 top[r] = v if up else tp
                 nan[r] = nan[r] | (v != v)
+            state[1] = 1 - state[1]
         if e > p1:
             break  # the document goes on in the next piece
         norms[j] = np.sqrt((squares[0] + underflow) * inflate) * root  # refine.bound_norms's steps
         squares[0] = 0
+        held = runner2 if state[1] else runner
         for r in range(n_rows):
             first[r, j] = at[r]
             best[r, j] = np.nan if nan[r] else top[r]
-            second[r, j] = runner[r]
+            second[r, j] = held[r]
             if e == s:
                 win[r, j] = -np.inf
             elif short:
@@ -185,7 +196,7 @@ def piece(St, T, A64, valid, start, length, terms, p0, p1, state, squares, top, 
             else:
                 win[r, j] = dot(A64[r], T[s + at[r]], prod, frames, vals)
             top[r] = -np.inf
-            runner[r] = -np.inf
+            held[r] = -np.inf
             at[r] = 0
             nan[r] = False
         j += 1
