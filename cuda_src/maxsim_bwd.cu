@@ -112,11 +112,12 @@ extern "C" __global__ void __launch_bounds__(256) lik_bwd_dq(const T* __restrict
     const float* gp = g + (i64)i * Nd;
     bool invalid = false;
     for (unsigned j0 = 0; j0 < (unsigned)Nd; j0 += 32) {  // (unsigned: Nd near 2^31 would wrap an int)
-        const int j = (int)(j0 + lane);
+        const unsigned uj = j0 + lane;  // (compared unsigned: past 2^31 - 1 an int would wrap negative)
+        const int j = (int)uj;
         i64 r = -1;
         float gj = 0.f;
         bool bad = false;
-        if (j < Nd) {
+        if (uj < (unsigned)Nd) {
             const int a = ap[(i64)j * Lq];
             if (a != -1) {
                 r = a < 0 ? -1 : doc_row(d_off, i, j, a, Nd, Ld, cand != 0, rows);
