@@ -1547,7 +1547,9 @@ def test_a_request_whose_client_disconnects_is_dropped_unscored_and_counted(shar
     """A client that goes away while its request waits in the queue: the worker skips the request,
     the metrics count it as gRPC's cancelled calls (499, rejected as cancelled), and a connected
     client's request is answered as before."""
-    server = Server(shard, "--devices", "cpu", "--max-batch", "2", "--max-delay-us", "30000000")
+    # A window of 10 s: the first request stays queued while the test acts on it, and the last one,
+    # alone, waits out the window before it is scored.
+    server = Server(shard, "--devices", "cpu", "--max-batch", "2", "--max-delay-us", "10000000")
     try:
         q = np.ones((3, DIM), np.float32)
         body = json.dumps({"inputs": [_json_q(q)]}).encode()

@@ -203,7 +203,9 @@ def test_deadlines_and_cancellations_are_counted_and_dropped(shard):
     first leaves the queue at its deadline."""
     from tritonclient.grpc import service_pb2 as pb, service_pb2_grpc as rpc
 
-    s = Server(shard, "--devices", "cpu", "--grpc-port", "0", "--max-batch", "2", "--max-delay-us", "30000000")
+    # A window of 10 s: each call stays queued while the test acts on it (the first call's deadline, 1 s,
+    # passes there), and the last one, alone, waits out the window before it is scored.
+    s = Server(shard, "--devices", "cpu", "--grpc-port", "0", "--max-batch", "2", "--max-delay-us", "10000000")
     req = pb.ModelInferRequest(model_name="score", raw_input_contents=[np.ones((4, DIM), np.float32).tobytes()])
     req.inputs.add(name="Q", datatype="FP32", shape=[4, DIM])
     try:
