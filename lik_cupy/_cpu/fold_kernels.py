@@ -123,8 +123,7 @@ def scratch(d: int):
 @numba.njit(nogil=True, cache=True, boundscheck=False, fastmath={"reassoc", "contract"})
 def _squares(T, t):  # pragma: no cover (compiled)
     """The sum of token ``T[t]``'s squares in any order, fused or not: ``refine.norm_terms``' bound
-    holds for every order (with fewer roundings where fused), which lets it vectorise. (Indexed, not
-    a row view: each view costs two atomic reference counts, per token.)"""
+    holds for every order (with fewer roundings where fused), which lets it vectorise."""
     ss = T.dtype.type(0)
     for k in range(T.shape[1]):
         ss += T[t, k] * T[t, k]
