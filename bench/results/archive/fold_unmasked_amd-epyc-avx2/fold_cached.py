@@ -4,27 +4,12 @@ similarity (a token's row of R) and a token, best of 15 alternating calls; the r
 
     python fold_cached.py OLD_FOLD_KERNELS.py [out.json]
 """
-import importlib.util, json, sys, time
+import json, sys, time
 from pathlib import Path
-ROOT = Path(__file__).resolve().parents[4]
-sys.path.insert(0, str(ROOT))
+from _ab import fold_ways
 import numpy as np
-from lik_cupy._cpu import fold
-assert fold.available()
-spec = importlib.util.spec_from_file_location("old_fold_kernels", sys.argv[1])
-old = importlib.util.module_from_spec(spec)
-sys.modules[spec.name] = old
-spec.loader.exec_module(old)
 
-
-class OldFold(fold.DocumentFold):
-    def __init__(self, *a, **k):
-        super().__init__(*a, **k)
-        squares, top, runner, _, at, nan, offset = self._run
-        self._run = (squares, top, runner, at, nan, offset)
-
-
-ways = {"before": (old.piece, OldFold), "after": (fold._kernel, fold.DocumentFold)}
+ways = fold_ways(sys.argv[1])
 rng = np.random.default_rng(1)
 out = {}
 for R, L, nb in [(32, 180, 400), (1024, 256, 40)]:

@@ -69,27 +69,19 @@ def kernel_alone():
 def calls():
     import lik_cupy
     import lik_cupy._cpu.maxsim as M
+    from _ab import alternate, packed_cell
     assert hasattr(M, "_THIN"), "apply thin_gemm_hook.patch first"
-    def unit(x): return x / np.linalg.norm(x, axis=-1, keepdims=True)
     rng = np.random.default_rng(7)
     cells = {"1q32x1000d180": (1, 32, 1000, 180, 180), "1q32x1000d16-512": (1, 32, 1000, 16, 512),
              "1q1024x16d1024": (1, 1024, 16, 1024, 1024)}
     for name, (nq, lq, nd, lo, hi) in cells.items():
-        Q = unit(rng.standard_normal((nq, lq, 128), dtype=np.float32))
-        lens = rng.integers(lo, hi + 1, nd)
-        off = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
-        D = unit(rng.standard_normal((int(off[-1]), 128), dtype=np.float32))
+        Q, D, off = packed_cell(rng, nq, lq, nd, lo, hi)
         call = lambda: lik_cupy.maxsim_varlen(Q, D, off, backend="cpu", return_argmax=True)
         got = {}
         for k, v in (("blas", None), ("thin", thin_gemm)):
             M._THIN = v; got[k] = call(); call()
         assert all(np.array_equal(a, b) for a, b in zip(got["blas"], got["thin"]))  # the same bits
-        t = {"blas": [], "thin": []}
-        for r in range(11):
-            for k in (["blas", "thin"] if r % 2 else ["thin", "blas"]):
-                M._THIN = None if k == "blas" else thin_gemm
-                time.sleep(0.15)
-                t0 = time.perf_counter(); call(); t[k].append(1e3 * (time.perf_counter() - t0))
+        t = alternate(call, lambda k: setattr(M, "_THIN", None if k == "blas" else thin_gemm), ("blas", "thin"), 11)
         med = {k: round(float(np.median(v)), 1) for k, v in t.items()}
         print(name, "median ms", med, "thin / blas", round(med["thin"] / med["blas"], 3), flush=True)
 
