@@ -33,6 +33,9 @@ by a table of the type's own conversions of all 65,536 values, bit for bit its c
 by the chunk threads: on one core 10 ms for 23 million values on an AMD EPYC, against 32 for NumPy's
 float16 cast and 8.4 for ml_dtypes' bfloat16 one.
 
+The GEMM that fills ``St`` is BLAS's, except on hosts without AVX-512, where :func:`tokens_first_gemm`
+gives ``gemm_kernels.tokens_by_rows`` (that module says why and how fast).
+
 The kernels release the GIL, so the chunk threads of ``cores.py`` fold at once.
 ``LIK_DISABLE_NUMBA=1`` keeps the NumPy passes (``docs/environment.md``). Numba is imported at the
 first call that could use it, never when ``lik_cupy`` is imported; a Numba that will not import or
@@ -52,7 +55,7 @@ from .._base import env
 from . import cores
 from .refine import norm_terms
 
-__all__ = ["available", "DocumentFold", "float32_tokens", "widening_table"]
+__all__ = ["available", "DocumentFold", "float32_tokens", "tokens_first_gemm", "widening_table"]
 
 _lock = threading.Lock()
 _kernel = None  # fold_kernels.piece once built, False once that failed, None before the first try
@@ -61,6 +64,13 @@ _widen = None  # fold_kernels.widen once built
 # (AMD EPYC, AVX-512: 82 against 113 us for a chunk of 32 rows, 225 against 294 us for 1,024 rows)
 _WIDE_ROWS = 64
 _WIDEN_SHARED = 1 << 20  # float16 values from which their widening is shared by the chunk threads
+# The CPU features under which gemm_kernels runs the folded path's float32 GEMM, and the one under which
+# BLAS keeps it. On an AMD EPYC with AVX2 and FMA only (OpenBLAS's Haswell kernels) its tile ran pieces of
+# the product 1.1-2.0x as fast as OpenBLAS at 16 to 1,024 query rows, on one thread and on two at once
+# (bench/results/archive/cpu_own_gemm_amd-epyc-avx2/); with AVX-512 it was not measured, and BLAS
+# already put those cells at 0.55-0.73x the fastest other contender there.
+_OWN_GEMM_NEEDS, _OWN_GEMM_UNLESS = ("avx2", "fma"), "avx512f"
+_gemm = None  # gemm_kernels.tokens_by_rows once built, False where BLAS runs the GEMM, None before the first try
 
 
 def available() -> bool:
@@ -99,6 +109,55 @@ def float32_tokens(x: np.ndarray) -> np.ndarray:
             _widen(bits[a:b], table, flat[a:b])
     cores.run_chunks(list(zip(cuts[:-1], cuts[1:])), work, threads, blas_threads=False)
     return out
+
+
+def tokens_first_gemm(A: np.ndarray):
+    """``gemm(T, out)``: ``out[:] = T @ A.T`` for the query rows ``A [R, d]`` and a piece of tokens
+    ``T [n, d]`` into ``out [n, R]``, in float32 by ``gemm_kernels`` where :func:`available` and the host
+    takes it (``_OWN_GEMM_NEEDS``, ``_OWN_GEMM_UNLESS``) and both arrays are C-contiguous float32, else by BLAS (``np.matmul``).
+    Either sums each product in an order the fold's margins cover."""
+    global _gemm
+    if _gemm is None and A.dtype == np.float32 and available():
+        with _lock:
+            if _gemm is None:
+                _gemm = _build_gemm()
+    At = A.T
+    if not _gemm or A.dtype != np.float32:
+        return lambda T, out: np.matmul(T, At, out=out)
+    from .gemm_kernels import pack
+
+    Ap, own = pack(np.ascontiguousarray(A)), _gemm
+
+    def gemm(T, out):
+        if T.dtype == np.float32 and T.flags.c_contiguous and out.flags.c_contiguous:
+            own(T, Ap, out)
+        else:
+            np.matmul(T, At, out=out)
+    return gemm
+
+
+def _build_gemm():
+    try:
+        from llvmlite import binding
+
+        features = binding.get_host_cpu_features()
+        if features.get(_OWN_GEMM_UNLESS, False) or not all(features.get(f, False) for f in _OWN_GEMM_NEEDS):
+            return False
+        from .gemm_kernels import pack, tokens_by_rows
+
+        rng = np.random.default_rng(0x5eed)
+        for n, r, d in ((1, 1, 1), (5, 17, 3), (9, 32, 128), (13, 40, 129)):  # each tail: tokens, rows, a long d
+            T, A = (rng.standard_normal(s).astype(np.float32) for s in ((n, d), (r, d)))
+            out = np.full((n, r), np.nan, np.float32)
+            tokens_by_rows(T, pack(A), out)
+            exact = T.astype(np.float64) @ A.T.astype(np.float64)
+            if not np.all(np.abs(out - exact) <= d * 2.0 ** -23 * (np.abs(T) @ np.abs(A).T)):
+                raise ArithmeticError("its sums differ from float64's by more than float32's rounding")
+        return tokens_by_rows
+    except Exception as e:  # noqa: BLE001 (as for the fold: BLAS runs the GEMM instead)
+        warnings.warn(f"the CPU path's compiled GEMM is not used ({type(e).__name__}: {e}); BLAS runs it instead",
+                      RuntimeWarning, stacklevel=3)
+        return False
 
 
 def _probe() -> list[tuple[np.ndarray, np.ndarray]]:

@@ -154,8 +154,9 @@ class _Budget:
         the block, in place of every token's."""
         g = ar.gemm.itemsize
         converted = dim * g if np.dtype(dtype) != ar.gemm else 0
-        rows = dim * (g + (0 if ar.exact else 8))  # (_block_maxima's A and A64)
-        fixed = lq * (rows + 16)
+        own = g if ar.gemm == np.float32 and not ar.exact else 0  # where the fold may run: its GEMM's copy of A
+        rows = dim * (g + (0 if ar.exact else 8) + own)  # (_block_maxima's A and A64, and that copy)
+        fixed = lq * (rows + 16) + 15 * dim * own  # (the copy's rows padded to a multiple of 16)
         if folded is None:
             return _Budget(fixed, lq * ar.element_bytes(argmax, packed) + converted + g + 1, lq * _PER_MAX)
         buffers = cores.chunk_threads() * max(_CACHE_BYTES, lq * max(folded, 1) * g)
@@ -581,7 +582,7 @@ class _DocBlock:
         self.T, self.runs, self.d_scale, self.out = T, runs, d_scale, out
 
     def similarities(self, A: np.ndarray, c0: int, c1: int, thread: int = 0, runs: Runs | None = None,
-                     tokens_first: bool = False, folding: fold.DocumentFold | None = None):
+                     tokens_first: bool = False, folding: fold.DocumentFold | None = None, gemm=None):
         """``A [G, Lq, d]`` against the block's columns ``c0 .. c1`` (G = sets, or any G for one shared
         set) -> ``[G * Lq, c1 - c0]`` in chunk thread ``thread``'s buffer (valid until its next call):
         one GEMM per set, every query's rows in it; and, given the documents ``runs`` of those columns,
@@ -590,7 +591,8 @@ class _DocBlock:
         the cache; ``tokens_first``: with the tokens as its rows (``_TOKENS_FIRST_ROWS``), copied
         transposed; ``folding`` (one set, any rows): with the tokens as its rows into the buffer itself,
         ``[n, G * Lq]``, each piece handed to ``folding`` as soon as it is filled (its tokens still in
-        the cache), and returned as the buffer's transposed view. (Called with NumPy's over- and
+        the cache), and returned as the buffer's transposed view, the GEMM being ``gemm``
+        (``fold.tokens_first_gemm`` of ``A``'s rows, built once a block). (Called with NumPy's over- and
         underflow ignored.)"""
         g, lq, dim = A.shape
         sets = self.T.shape[0]
@@ -604,7 +606,7 @@ class _DocBlock:
             step = max(_FOLD_PIECE_MIN, _FOLD_PIECE_BYTES // ((rows + dim) * A.itemsize))
             for p0 in range(0, max(n, 1), step):  # (a chunk of empty documents: one piece 0 .. 0)
                 p1 = min(n, p0 + step)
-                np.matmul(self.T[0, c0 + p0:c0 + p1], A[0].T, out=St[p0:p1])
+                gemm(self.T[0, c0 + p0:c0 + p1], St[p0:p1])
                 folding.piece(St, p0, p1)
             return S.reshape(g * lq, n), folding.norms[None].astype(np.float64)
         k = _NORM_TOKENS
@@ -697,6 +699,7 @@ def _block_maxima(Q: np.ndarray, q_valid: np.ndarray, blk: _DocBlock, ar: _Arith
     # (few rows a set, and one token's rows of every set within the scratch: many candidate sets keep the plain GEMM)
     tokens_first = blk.out.tokens_first and m // sets <= _TOKENS_FIRST_ROWS and m <= _TOKENS_FIRST_BYTES // 4
     folded = _folded(ar, sets)
+    gemm = fold.tokens_first_gemm(A) if folded else None
     part = budget // threads  # each thread's share of the bound's pieces
 
     def work(thread: int, claims) -> None:
@@ -706,7 +709,7 @@ def _block_maxima(Q: np.ndarray, q_valid: np.ndarray, blk: _DocBlock, ar: _Arith
                 folding = fold.DocumentFold(sub.start, sub.length, None if sub.valid is None else sub.valid[0], A64,
                                             blk.T[0, c0:c1], ar.gemm) if folded else None
                 S, dn = blk.similarities(A.reshape(g, lq, dim), c0, c1, thread, None if ar.exact else sub,
-                                         tokens_first, folding)
+                                         tokens_first, folding, gemm)
                 dn = None if dn is None else dn[row_set]
                 if blk.d_scale is not None:  # scaled: the exact dot product times the token's scale, in float32
                     S = S.astype(np.float32, copy=False)
