@@ -137,3 +137,15 @@ def test_a_gemm_that_miscomputes_warns_and_leaves_blas(monkeypatch):
         warnings.simplefilter("always")
         assert fold._build_gemm() is False
     assert any("compiled GEMM is not used" in str(w.message) for w in caught)
+
+
+@pytest.mark.parametrize("rows, own", [(fold._OWN_GEMM_MAX_ROWS, True), (fold._OWN_GEMM_MAX_ROWS + 1, False)])
+def test_blas_keeps_the_gemm_of_many_rows(rng, monkeypatch, rows, own):
+    seen = []
+    monkeypatch.setattr(fold, "_gemm", lambda *a: seen.append(1) or gemm_kernels.tokens_by_rows(*a))
+    A = rng.standard_normal((rows, 8)).astype(np.float32)
+    T = rng.standard_normal((6, 8)).astype(np.float32)
+    out = np.empty((6, rows), np.float32)
+    fold.tokens_first_gemm(A)(T, out)
+    assert bool(seen) == own
+    np.testing.assert_allclose(out, T @ A.T, rtol=1e-5, atol=1e-5)

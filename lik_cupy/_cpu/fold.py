@@ -68,8 +68,10 @@ _WIDEN_SHARED = 1 << 20  # float16 values from which their widening is shared by
 # BLAS keeps it. On an AMD EPYC with AVX2 and FMA only (OpenBLAS's Haswell kernels) its tile ran pieces of
 # the product 1.1-2.0x as fast as OpenBLAS at 16 to 1,024 query rows, on one thread and on two at once
 # (bench/results/archive/cpu_own_gemm_amd-epyc-avx2/); with AVX-512 it was not measured, and BLAS
-# already put those cells at 0.55-0.73x the fastest other contender there.
-_OWN_GEMM_NEEDS, _OWN_GEMM_UNLESS = ("avx2", "fma"), "avx512f"
+# already put those cells at 0.55-0.73x the fastest other contender there. Whole calls gained up to 512
+# rows (16 queries of 32 tokens: 0.89x) and lost at 1,024 (one query of 1,024 tokens against 16 pages:
+# 1.03-1.07x), where BLAS keeps it.
+_OWN_GEMM_NEEDS, _OWN_GEMM_UNLESS, _OWN_GEMM_MAX_ROWS = ("avx2", "fma"), "avx512f", 512
 _gemm = None  # gemm_kernels.tokens_by_rows once built, False where BLAS runs the GEMM, None before the first try
 
 
@@ -113,16 +115,18 @@ def float32_tokens(x: np.ndarray) -> np.ndarray:
 
 def tokens_first_gemm(A: np.ndarray):
     """``gemm(T, out)``: ``out[:] = T @ A.T`` for the query rows ``A [R, d]`` and a piece of tokens
-    ``T [n, d]`` into ``out [n, R]``, in float32 by ``gemm_kernels`` where :func:`available` and the host
-    takes it (``_OWN_GEMM_NEEDS``, ``_OWN_GEMM_UNLESS``) and both arrays are C-contiguous float32, else by BLAS (``np.matmul``).
-    Either sums each product in an order the fold's margins cover."""
+    ``T [n, d]`` into ``out [n, R]``: in float32 by ``gemm_kernels`` where :func:`available`, the host
+    takes it (``_OWN_GEMM_NEEDS``, ``_OWN_GEMM_UNLESS``), R is at most ``_OWN_GEMM_MAX_ROWS`` and the
+    arrays are C-contiguous float32, else by BLAS (``np.matmul``). Either sums each product in an
+    order the fold's margins cover."""
     global _gemm
-    if _gemm is None and A.dtype == np.float32 and available():
+    ours = A.dtype == np.float32 and A.shape[0] <= _OWN_GEMM_MAX_ROWS
+    if _gemm is None and ours and available():
         with _lock:
             if _gemm is None:
                 _gemm = _build_gemm()
     At = A.T
-    if not _gemm or A.dtype != np.float32:
+    if not (_gemm and ours):
         return lambda T, out: np.matmul(T, At, out=out)
     from .gemm_kernels import pack
 

@@ -11,9 +11,10 @@ once, each tile prefetching the tokens two tiles ahead, where the hardware's own
 interleaved streams left the loop waiting on memory.
 
 The loop is LLVM vector IR written through a Numba intrinsic rather than Python loops: Numba leaves
-LLVM's SLP vectoriser off, and its loop vectoriser, given leave to reassociate, vectorises along ``d``
-into horizontal sums instead (measured at 15-26 GFLOP/s against this tile's 50-80 on one AMD EPYC
-core). Each sum adds its ``d`` products in ascending order with fused multiply-adds, an order the
+LLVM's SLP vectoriser off, so the same tile in scalar statements stays scalar, and its loop vectoriser,
+given leave to reassociate, vectorises along ``d`` into horizontal sums instead (on one AMD EPYC core,
+pieces of 3,200 tokens by 32 rows: 3 and 17 GFLOP/s, this tile 55-70, OpenBLAS 34-39;
+``bench/results/archive/cpu_own_gemm_amd-epyc-avx2/variants.txt``). Each sum adds its ``d`` products in ascending order with fused multiply-adds, an order the
 fold's margins cover as they cover every order (``refine.norm_terms``): the scores and argmax come
 out bit for bit as with BLAS, since float64 decides every near tie.
 """
@@ -32,7 +33,7 @@ __all__ = ["pack", "tokens_by_rows"]
 _LANES = 8  # float32 lanes of an AVX2 vector
 _ROWS = 2 * _LANES  # query rows a tile: two vectors
 _TOKENS = 4  # tokens a tile: with the two row vectors, eight accumulators, enough to cover the FMA's latency
-_AHEAD = 2  # tiles between a token's prefetch and its use (1: no faster than none; 2-4 level)
+_AHEAD = 2  # tiles between a token's prefetch and its use (1 to 4 level; none: 31-42 GFLOP/s against 55-70)
 _LINE = 16  # float32 values a cache line
 
 
