@@ -67,8 +67,9 @@ _WIDEN_SHARED = 1 << 20  # float16 values from which their widening is shared by
 # The CPU features under which gemm_kernels runs the folded path's float32 GEMM, and the one under which
 # BLAS keeps it. On an AMD EPYC with AVX2 and FMA only (OpenBLAS's Haswell kernels) its tile ran pieces of
 # the product 1.1-2.0x as fast as OpenBLAS at 16 to 1,024 query rows, on one thread and on two at once
-# (bench/results/archive/cpu_own_gemm_amd-epyc-avx2/); with AVX-512 it was not measured, and BLAS
-# already put those cells at 0.55-0.73x the fastest other contender there. Whole calls gained up to 512
+# (bench/results/archive/cpu_own_gemm_amd-epyc-avx2/). On an Intel Xeon with AVX-512 (OpenBLAS's SkylakeX
+# kernels) it was level with OpenBLAS at 32 rows and 0.6-0.85x its rate past them, and whole calls took
+# 0.99-1.36x as long (bench/results/archive/cpu_own_gemm_h200_host/). Whole calls on the EPYC gained up to 512
 # rows (16 queries of 32 tokens: 0.89x) and lost at 1,024 (one query of 1,024 tokens against 16 pages:
 # 1.03-1.07x), where BLAS keeps it.
 _OWN_GEMM_NEEDS, _OWN_GEMM_UNLESS, _OWN_GEMM_MAX_ROWS = ("avx2", "fma"), "avx512f", 512

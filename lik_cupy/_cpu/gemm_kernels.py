@@ -3,7 +3,8 @@ for a piece of document tokens ``T [n, d]`` and a few query rows ``A [R, d]``, c
 ``fold_kernels.py`` and imported with it (``fold.py``), never with the package.
 
 Why not BLAS: with R of a few dozen rows this product is thin, and OpenBLAS's Haswell kernels run it at
-a third to a half of their square rate, as they pack every token before using it R times. Here each
+a third to a half of their square rate, as they pack every token before using it R times. (Its 16-lane
+AVX-512 kernels do better than this tile of 8-lane vectors, so ``fold.py`` keeps BLAS on such CPUs.) Here each
 tile of four tokens by sixteen rows keeps its eight accumulators in vector registers through the
 whole of ``d``: per step, two vector loads of the query rows (packed once per call by :func:`pack`),
 four broadcasts of the tokens' values and eight fused multiply-adds. The tokens stream from memory
