@@ -64,14 +64,15 @@ _widen = None  # fold_kernels.widen once built
 # (AMD EPYC, AVX-512: 82 against 113 us for a chunk of 32 rows, 225 against 294 us for 1,024 rows)
 _WIDE_ROWS = 64
 _WIDEN_SHARED = 1 << 20  # float16 values from which their widening is shared by the chunk threads
-# The CPU features under which gemm_kernels runs the folded path's float32 GEMM, and the one under which
-# BLAS keeps it. On an AMD EPYC with AVX2 and FMA only (OpenBLAS's Haswell kernels) its tile ran pieces of
-# the product 1.1-2.0x as fast as OpenBLAS at 16 to 1,024 query rows, on one thread and on two at once
-# (bench/results/archive/cpu_own_gemm_amd-epyc-avx2/). On an Intel Xeon with AVX-512 (OpenBLAS's SkylakeX
-# kernels) it was level with OpenBLAS at 32 rows and 0.6-0.85x its rate past them, and whole calls took
-# 0.99-1.36x as long (bench/results/archive/cpu_own_gemm_h200_host/). Whole calls on the EPYC gained up to 512
-# rows (16 queries of 32 tokens: 0.89x) and lost at 1,024 (one query of 1,024 tokens against 16 pages:
-# 1.03-1.07x), where BLAS keeps it.
+# The CPU features under which gemm_kernels runs the folded path's float32 GEMM, the one under which BLAS
+# keeps it, and the query rows past which BLAS keeps it. On an AMD EPYC with AVX2 and FMA only (OpenBLAS's
+# Haswell kernels) its tile ran pieces of the product 1.1-2.2x as fast as OpenBLAS at 8 to 1,024 rows, on
+# one thread and on two at once, and whole calls took 0.75-0.85x as long for one query of 32 tokens and
+# 0.89-0.94x for 16 (512 rows); one query of 1,024 tokens against 16 pages was level (0.93-1.07 over six
+# A/Bs), and BLAS, which runs such large products well, keeps it (bench/results/archive/cpu_own_gemm_amd-epyc-avx2/).
+# On an Intel Xeon with AVX-512 (OpenBLAS's SkylakeX kernels) the tile was level with OpenBLAS at 32 rows
+# and 0.55-0.85x its rate past them, and whole calls took 0.99-1.36x as long
+# (bench/results/archive/cpu_own_gemm_h200_host/).
 _OWN_GEMM_NEEDS, _OWN_GEMM_UNLESS, _OWN_GEMM_MAX_ROWS = ("avx2", "fma"), "avx512f", 512
 _gemm = None  # gemm_kernels.tokens_by_rows once built, False where BLAS runs the GEMM, None before the first try
 

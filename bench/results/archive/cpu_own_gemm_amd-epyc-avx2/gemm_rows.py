@@ -10,10 +10,9 @@ from threadpoolctl import threadpool_limits
 from lik_cupy._cpu import gemm_kernels as G
 from lik_cupy._cpu.maxsim import _FOLD_PIECE_BYTES, _FOLD_PIECE_MIN
 
-rng = np.random.default_rng(0)
-d = 128
-print("rows: (one thread, two threads) GFLOP/s")
-for R in (8, 16, 32, 48, 64, 128, 256, 512, 1024):
+
+def rates(R: int, rng, d: int = 128) -> dict:
+    """{way: (GFLOP/s on one thread, in all on two at once)} for R rows, best of three rounds."""
     n = max(20000, 180000 * 32 // R)
     Ts = [rng.standard_normal((n, d)).astype(np.float32) for _ in range(2)]
     A = rng.standard_normal((R, d)).astype(np.float32)
@@ -35,4 +34,11 @@ for R in (8, 16, 32, 48, 64, 128, 256, 512, 1024):
                 th = [threading.Thread(target=pieces, args=(f, Ts[k], outs[k])) for k in range(2)]
                 t0 = time.perf_counter(); [x.start() for x in th]; [x.join() for x in th]
                 res.setdefault(name, []).append((flop / one / 1e9, 2 * flop / (time.perf_counter() - t0) / 1e9))
-    print(R, {k: (round(max(a for a, _ in v), 1), round(max(b for _, b in v), 1)) for k, v in res.items()}, flush=True)
+    return {k: (round(max(a for a, _ in v), 1), round(max(b for _, b in v), 1)) for k, v in res.items()}
+
+
+if __name__ == "__main__":
+    rng = np.random.default_rng(0)
+    print("rows: (one thread, two threads) GFLOP/s")
+    for R in (8, 16, 32, 48, 64, 128, 256, 512, 1024):
+        print(R, rates(R, rng), flush=True)
