@@ -107,6 +107,19 @@ def test_whole_calls_are_blas_calls_bit_for_bit(rng, monkeypatch, call):
         np.testing.assert_array_equal(a, b)
 
 
+def test_the_kernel_takes_c_contiguous_float32_arrays_only(rng):
+    """Its addresses assume rows of ``d`` values one after another: a strided or float64 array is
+    refused when Numba types the call, before anything is read."""
+    import numba
+
+    A = rng.standard_normal((20, 32)).astype(np.float32)
+    T = rng.standard_normal((50, 64)).astype(np.float32)
+    for t, out in ((T[:, ::2], np.empty((50, 20), np.float32)), (T[:, :32].astype(np.float64), np.empty((50, 20), np.float32)),
+                   (np.ascontiguousarray(T[:, ::2]), np.empty((50, 40), np.float32)[:, ::2])):
+        with pytest.raises(numba.core.errors.TypingError):
+            gemm_kernels.tokens_by_rows(t, gemm_kernels.pack(A), out)
+
+
 def test_the_gemm_falls_back_to_blas_for_strided_tokens(rng, monkeypatch):
     monkeypatch.setattr(fold, "_gemm", gemm_kernels.tokens_by_rows)
     A = rng.standard_normal((20, 32)).astype(np.float32)

@@ -55,6 +55,9 @@ def _tile(tokens: int, partial: bool):
 
     @intrinsic
     def tile(typingctx, T, Ap, out, t, b):
+        # C-contiguous float32 only: the addresses below assume it (any other array fails to type)
+        if not all(isinstance(a, types.Array) and a.layout == "C" and a.dtype == types.float32 for a in (T, Ap, out)):
+            return None
         sig = types.void(T, Ap, out, types.intp, types.intp)
 
         def codegen(context, builder, signature, args):
