@@ -1285,18 +1285,19 @@ def _inspect_command(path, lengths, check, bf16_bits, debug):
 
 
 def _numba_line() -> str:
-    """What ``lik info`` says of Numba: whether the CPU path folds its chunks and decompresses PLAID tokens
-    compiled (``_cpu/fold.py``, ``_cpu/residual.py``). Read from the installed metadata and the switch:
+    """What ``lik info`` says of Numba: whether the CPU path folds its chunks, runs its GEMM of few query
+    rows (on CPUs with AVX2 or AVX-512) and decompresses PLAID tokens compiled (``_cpu/fold.py``,
+    ``_cpu/gemm_kernels.py``, ``_cpu/residual.py``). Read from the installed metadata and the switch:
     nothing is imported or compiled."""
     numba = _version("numba")
     if numba == "not installed":
-        return ("not installed (the CPU path runs NumPy's passes; the [cpu] extra adds the compiled fold and "
-                "PLAID decompression)")
+        return ("not installed (the CPU path runs NumPy's passes; the [cpu] extra adds the compiled fold, GEMM "
+                "and PLAID decompression)")
     from lik_cupy._base import env
 
     if env.numba_disabled():
         return f"{numba} (not used: LIK_DISABLE_NUMBA is set)"
-    return f"{numba} (the CPU path's compiled fold and PLAID decompression)"
+    return f"{numba} (the CPU path's compiled fold, GEMM and PLAID decompression)"
 
 
 def _version(dist: str, module: str | None = None) -> str:

@@ -638,9 +638,9 @@ def test_info_without_gpu_or_cupy(monkeypatch):
 
 
 @pytest.mark.parametrize("installed, disabled, words", [
-    (False, "", "not installed (the CPU path runs NumPy's passes; the [cpu] extra adds the compiled fold and PLAID "
-                "decompression)"),
-    (True, "", "0.99.0 (the CPU path's compiled fold and PLAID decompression)"),
+    (False, "", "not installed (the CPU path runs NumPy's passes; the [cpu] extra adds the compiled fold, GEMM and "
+                "PLAID decompression)"),
+    (True, "", "0.99.0 (the CPU path's compiled fold, GEMM and PLAID decompression)"),
     (True, "1", "0.99.0 (not used: LIK_DISABLE_NUMBA is set)")])
 def test_info_says_whether_the_cpu_path_folds_compiled(monkeypatch, installed, disabled, words):
     import importlib.metadata

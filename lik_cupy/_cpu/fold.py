@@ -33,8 +33,8 @@ by a table of the type's own conversions of all 65,536 values, bit for bit its c
 by the chunk threads: on one core 10 ms for 23 million values on an AMD EPYC, against 32 for NumPy's
 float16 cast and 8.4 for ml_dtypes' bfloat16 one.
 
-The GEMM that fills ``St`` is BLAS's, except on hosts without AVX-512, where :func:`tokens_first_gemm`
-gives ``gemm_kernels.tokens_by_rows`` (that module says why and how fast).
+The GEMM that fills ``St`` is ``gemm_kernels.tokens_by_rows`` for few query rows on hosts with AVX2 or
+AVX-512 (:func:`tokens_first_gemm`, ``_OWN_GEMM``; that module says why and how fast), else BLAS's.
 
 The kernels release the GIL, so the chunk threads of ``cores.py`` fold at once.
 ``LIK_DISABLE_NUMBA=1`` keeps the NumPy passes (``docs/environment.md``). Numba is imported at the
@@ -55,7 +55,7 @@ from .._base import env
 from . import cores
 from .refine import norm_terms
 
-__all__ = ["available", "DocumentFold", "float32_tokens", "tokens_first_gemm", "widening_table"]
+__all__ = ["available", "DocumentFold", "float32_tokens", "GEMM_PAD_ROWS", "tokens_first_gemm", "widening_table"]
 
 _lock = threading.Lock()
 _kernel = None  # fold_kernels.piece once built, False once that failed, None before the first try
@@ -64,17 +64,22 @@ _widen = None  # fold_kernels.widen once built
 # (AMD EPYC, AVX-512: 82 against 113 us for a chunk of 32 rows, 225 against 294 us for 1,024 rows)
 _WIDE_ROWS = 64
 _WIDEN_SHARED = 1 << 20  # float16 values from which their widening is shared by the chunk threads
-# The CPU features under which gemm_kernels runs the folded path's float32 GEMM, the one under which BLAS
-# keeps it, and the query rows past which BLAS keeps it. On an AMD EPYC with AVX2 and FMA only (OpenBLAS's
-# Haswell kernels) its tile ran pieces of the product 1.1-2.2x as fast as OpenBLAS at 8 to 1,024 rows, on
-# one thread and on two at once, and whole calls took 0.75-0.85x as long for one query of 32 tokens and
-# 0.89-0.94x for 16 (512 rows); one query of 1,024 tokens against 16 pages was level (0.93-1.07 over six
-# A/Bs), and BLAS, which runs such large products well, keeps it (bench/results/archive/cpu_own_gemm_amd-epyc-avx2/).
-# On an Intel Xeon with AVX-512 (OpenBLAS's SkylakeX kernels) the tile was level with OpenBLAS at 32 rows
-# and 0.55-0.85x its rate past them, and whole calls took 0.99-1.36x as long
-# (bench/results/archive/cpu_own_gemm_h200_host/).
-_OWN_GEMM_NEEDS, _OWN_GEMM_UNLESS, _OWN_GEMM_MAX_ROWS = ("avx2", "fma"), "avx512f", 512
-_gemm = None  # gemm_kernels.tokens_by_rows once built, False where BLAS runs the GEMM, None before the first try
+# Where gemm_kernels runs the folded path's float32 GEMM: (CPU features, the float32 lanes of its tiles'
+# vectors there, the most query rows it takes), the first row whose features the host has; BLAS runs the
+# GEMM past those rows and on hosts with neither. Two hosts measured, each against OpenBLAS:
+# - an AMD EPYC with AVX2 and FMA, no AVX-512 (OpenBLAS's Haswell kernels): 8-lane tiles ran pieces of
+#   the product 1.1-2.2x as fast at 8 to 1,024 rows, on one thread and on two at once; whole calls took
+#   0.75-0.90x as long for one query of 32 tokens and 0.94x for 16 (512 rows), and one query of 1,024
+#   tokens against 16 pages was level (0.93-1.07 over six A/Bs)
+#   (bench/results/archive/cpu_own_gemm_amd-epyc-avx2/);
+# - an Intel Xeon with AVX-512 (OpenBLAS's SkylakeX kernels): 16-lane tiles ran 1.5x as fast at 32 rows
+#   and 1.1-1.4x at 64, slower from 128; whole calls took 0.82x (one padded query of 32 tokens) and 0.77x
+#   (a ragged one) as long, 1.10x at 512 rows and 1.17x at 1,024; 8-lane tiles took 0.94-1.67x there
+#   (bench/results/archive/cpu_own_gemm_h200_host/wide/). AMD's EPYCs with AVX-512 were not measured.
+_OWN_GEMM = ((("avx512f",), 16, 64), (("avx2", "fma"), 8, 512))
+# the most rows gemm_kernels.pack adds to fill a tile (two vectors of the widest lanes, less one)
+GEMM_PAD_ROWS = 2 * max(lanes for _, lanes, _ in _OWN_GEMM) - 1
+_gemm = None  # (gemm_kernels.tokens_by_rows, lanes, most rows) once built, False where BLAS runs every GEMM, None before
 
 
 def available() -> bool:
@@ -115,27 +120,28 @@ def float32_tokens(x: np.ndarray) -> np.ndarray:
     return out
 
 
-def tokens_first_gemm(A: np.ndarray):
+def tokens_first_gemm(A: np.ndarray, blas_threads: bool = False):
     """``gemm(T, out)``: ``out[:] = T @ A.T`` for the query rows ``A [R, d]`` and a piece of tokens
     ``T [n, d]`` into ``out [n, R]``: in float32 by ``gemm_kernels`` where :func:`available`, the host
-    takes it (``_OWN_GEMM_NEEDS``, ``_OWN_GEMM_UNLESS``), R is at most ``_OWN_GEMM_MAX_ROWS`` and the
-    arrays are C-contiguous float32, else by BLAS (``np.matmul``). Either sums each product in an
-    order the fold's margins cover."""
+    has a row of ``_OWN_GEMM`` whose rows take R, the arrays are C-contiguous float32, and BLAS would not
+    run the block on threads of its own (``blas_threads``: one chunk thread, BLAS keeping its threads,
+    ``cores.run_chunks``), as the kernel runs on one core; else by BLAS (``np.matmul``). Either sums
+    each product in an order the fold's margins cover."""
     global _gemm
-    ours = A.dtype == np.float32 and A.shape[0] <= _OWN_GEMM_MAX_ROWS
-    if _gemm is None and ours and available():
+    if _gemm is None and A.dtype == np.float32 and available():
         with _lock:
             if _gemm is None:
                 _gemm = _build_gemm()
     At = A.T
-    if not (_gemm and ours):
+    if not _gemm or blas_threads or A.dtype != np.float32 or A.shape[0] > _gemm[2]:
         return lambda T, out: np.matmul(T, At, out=out)
     from .gemm_kernels import pack
 
-    Ap, own = pack(np.ascontiguousarray(A)), _gemm
+    own, lanes, _ = _gemm
+    Ap = pack(A, lanes)
 
     def gemm(T, out):
-        if T.dtype == np.float32 and T.flags.c_contiguous and out.flags.c_contiguous:
+        if T.dtype == out.dtype == np.float32 and T.flags.c_contiguous and out.flags.c_contiguous:
             own(T, Ap, out)
         else:
             np.matmul(T, At, out=out)
@@ -143,27 +149,43 @@ def tokens_first_gemm(A: np.ndarray):
 
 
 def _build_gemm():
+    """``(gemm_kernels.tokens_by_rows, lanes, most rows)`` for this host, built and checked against
+    float64, or False: no row of ``_OWN_GEMM`` fits the host, or Numba compiles for another CPU than it
+    (``NUMBA_CPU_NAME``, ``NUMBA_CPU_FEATURES``: its vector FMAs could become library calls), or the
+    build failed (one warning)."""
     try:
         from llvmlite import binding
 
         features = binding.get_host_cpu_features()
-        if features.get(_OWN_GEMM_UNLESS, False) or not all(features.get(f, False) for f in _OWN_GEMM_NEEDS):
-            return False
+    except Exception:  # noqa: BLE001 (llvmlite cannot read this host's features: BLAS, silently)
+        return False
+    rule = next((r for r in _OWN_GEMM if all(features.get(f, False) for f in r[0])), None)
+    if rule is None or _numba_config("CPU_NAME") is not None or _numba_config("CPU_FEATURES") is not None:
+        return False
+    try:
         from .gemm_kernels import pack, tokens_by_rows
 
         rng = np.random.default_rng(0x5eed)
-        for n, r, d in ((1, 1, 1), (5, 17, 3), (9, 32, 128), (13, 40, 129)):  # each tail: tokens, rows, a long d
+        for i, (n, r, d) in enumerate(((1, 1, 1), (5, 17, 3), (9, 32, 128), (13, 40, 129))):  # tails; a long d
             T, A = (rng.standard_normal(s).astype(np.float32) for s in ((n, d), (r, d)))
+            T.setflags(write=i % 2 == 0)  # both signatures a call can bring: writable and read-only tokens
             out = np.full((n, r), np.nan, np.float32)
-            tokens_by_rows(T, pack(A), out)
+            tokens_by_rows(T, pack(A, rule[1]), out)
             exact = T.astype(np.float64) @ A.T.astype(np.float64)
             if not np.all(np.abs(out - exact) <= d * 2.0 ** -23 * (np.abs(T) @ np.abs(A).T)):
                 raise ArithmeticError("its sums differ from float64's by more than float32's rounding")
-        return tokens_by_rows
+        return tokens_by_rows, rule[1], rule[2]
     except Exception as e:  # noqa: BLE001 (as for the fold: BLAS runs the GEMM instead)
         warnings.warn(f"the CPU path's compiled GEMM is not used ({type(e).__name__}: {e}); BLAS runs it instead",
                       RuntimeWarning, stacklevel=3)
         return False
+
+
+def _numba_config(name: str):
+    """``numba.config``'s setting ``name`` (Numba imported: called once :func:`available` said so)."""
+    import numba
+
+    return getattr(numba.config, name, None)
 
 
 def _probe() -> list[tuple[np.ndarray, np.ndarray]]:

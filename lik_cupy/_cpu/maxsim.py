@@ -154,9 +154,9 @@ class _Budget:
         the block, in place of every token's."""
         g = ar.gemm.itemsize
         converted = dim * g if np.dtype(dtype) != ar.gemm else 0
-        own = g if ar.gemm == np.float32 and not ar.exact else 0  # where the fold may run: its GEMM's copy of A
-        rows = dim * (g + (0 if ar.exact else 8) + own)  # (_block_maxima's A and A64, and that copy)
-        fixed = lq * (rows + 16) + 15 * dim * own  # (the copy's rows padded to a multiple of 16)
+        packed = g if ar.gemm == np.float32 and not ar.exact else 0  # where the fold may run: its GEMM's copy of A
+        rows = dim * (g + (0 if ar.exact else 8) + packed)  # (_block_maxima's A and A64, and that copy)
+        fixed = lq * (rows + 16) + fold.GEMM_PAD_ROWS * dim * packed  # (the copy's rows padded to whole tiles)
         if folded is None:
             return _Budget(fixed, lq * ar.element_bytes(argmax, packed) + converted + g + 1, lq * _PER_MAX)
         buffers = cores.chunk_threads() * max(_CACHE_BYTES, lq * max(folded, 1) * g)
@@ -699,7 +699,7 @@ def _block_maxima(Q: np.ndarray, q_valid: np.ndarray, blk: _DocBlock, ar: _Arith
     # (few rows a set, and one token's rows of every set within the scratch: many candidate sets keep the plain GEMM)
     tokens_first = blk.out.tokens_first and m // sets <= _TOKENS_FIRST_ROWS and m <= _TOKENS_FIRST_BYTES // 4
     folded = _folded(ar, sets)
-    gemm = fold.tokens_first_gemm(A) if folded else None
+    gemm = fold.tokens_first_gemm(A, threads == 1 and blas_threads) if folded else None
     part = budget // threads  # each thread's share of the bound's pieces
 
     def work(thread: int, claims) -> None:

@@ -1,5 +1,5 @@
 """Whole maxsim_varlen calls with the argmax on the CPU, the folded path's GEMM by gemm_kernels (forced:
-fold._gemm set, whatever the host's rule and the row limit) and by OpenBLAS alternating call by call in
+fold._gemm set, whatever the host's rule and its row limit) and by OpenBLAS alternating call by call in
 one process, the same bits checked first; median ms of the rounds. python ab_calls.py [ROUNDS] > ab_calls.txt"""
 import json, sys
 from pathlib import Path
@@ -15,11 +15,11 @@ CELLS = {"1q32x1000d180": (1, 32, 1000, 180, 180), "1q32x1000d16-512": (1, 32, 1
          "1q1024x16d1024": (1, 1024, 16, 1024, 1024), "16q32x300d16-256": (16, 32, 300, 16, 256)}
 
 
-def ab(cells: dict, rounds: int, rng) -> dict:
-    """{cell: same bits, median ms of each way, their ratio, every call's ms}, printed as they finish."""
+def ab(cells: dict, rounds: int, rng, lanes: int = 8) -> dict:
+    """{cell: same bits, median ms of each way, their ratio, every call's ms}, printed as they finish; the
+    kernel's tiles of ``lanes``-wide vectors."""
     assert fold.available()
-    ways = {"openblas": False, "gemm_kernels": gemm_kernels.tokens_by_rows}
-    limit, fold._OWN_GEMM_MAX_ROWS = fold._OWN_GEMM_MAX_ROWS, 1 << 30
+    ways = {"openblas": False, "gemm_kernels": (gemm_kernels.tokens_by_rows, lanes, 1 << 30)}
     out = {}
     try:
         for name, (nq, lq, nd, lo, hi) in cells.items():
@@ -34,7 +34,7 @@ def ab(cells: dict, rounds: int, rng) -> dict:
             out[name] = {"same_bits": same, "median_ms": med, "ratio": round(med["gemm_kernels"] / med["openblas"], 3), "ms": t}
             print(name, "same bits", same, "median ms", med, "gemm_kernels / openblas", out[name]["ratio"], flush=True)
     finally:
-        fold._OWN_GEMM_MAX_ROWS, fold._gemm = limit, None
+        fold._gemm = None
     return out
 
 

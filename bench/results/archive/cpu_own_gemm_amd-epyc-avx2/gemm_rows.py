@@ -11,12 +11,13 @@ from lik_cupy._cpu import gemm_kernels as G
 from lik_cupy._cpu.maxsim import _FOLD_PIECE_BYTES, _FOLD_PIECE_MIN
 
 
-def rates(R: int, rng, d: int = 128) -> dict:
-    """{way: (GFLOP/s on one thread, in all on two at once)} for R rows, best of three rounds."""
+def rates(R: int, rng, d: int = 128, lanes=(8,)) -> dict:
+    """{way: (GFLOP/s on one thread, in all on two at once)} for R rows, best of three rounds; the kernel
+    with tiles of each of ``lanes``' vector widths."""
     n = max(20000, 180000 * 32 // R)
     Ts = [rng.standard_normal((n, d)).astype(np.float32) for _ in range(2)]
     A = rng.standard_normal((R, d)).astype(np.float32)
-    At, Ap = A.T, G.pack(A)
+    At = A.T
     outs = [np.empty((n, R), np.float32) for _ in range(2)]
     step = max(_FOLD_PIECE_MIN, _FOLD_PIECE_BYTES // ((R + d) * 4))
     flop = 2 * n * R * d
@@ -24,7 +25,9 @@ def rates(R: int, rng, d: int = 128) -> dict:
     def pieces(f, T, out):
         for p0 in range(0, n, step):
             f(T[p0:p0 + step], out[p0:p0 + step])
-    ways = {"openblas": lambda T, o: np.matmul(T, At, out=o), "gemm_kernels": lambda T, o: G.tokens_by_rows(T, Ap, o)}
+    ways = {"openblas": lambda T, o: np.matmul(T, At, out=o)}
+    for w in lanes:
+        ways["gemm_kernels" + ("" if w == 8 else f"_{w}")] = lambda T, o, Ap=G.pack(A, w): G.tokens_by_rows(T, Ap, o)
     res = {}
     with threadpool_limits(1):
         for _ in range(3):
