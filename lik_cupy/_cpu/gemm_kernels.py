@@ -92,7 +92,7 @@ def _tile(tokens: int, lanes: int, partial: bool):
                         builder.call(prefetch, [builder.bitcast(p, i8p), ir.Constant(i32, 0), ir.Constant(i32, 3),
                                                 ir.Constant(i32, 1)])
 
-            base = builder.mul(blk, builder.mul(d, c((2 * lanes))))  # block b of Ap
+            base = builder.mul(blk, builder.mul(d, c(2 * lanes)))  # block b of Ap
             zero = ir.Constant(vec, [0.0] * lanes)
             entry = builder.block
             loop = builder.append_basic_block("tile.k")
@@ -104,7 +104,7 @@ def _tile(tokens: int, lanes: int, partial: bool):
             acc = [builder.phi(vec) for _ in range(tokens * 2)]
             a = []
             for h in range(2):
-                p = builder.gep(Aa.data, [builder.add(base, builder.add(builder.mul(k, c((2 * lanes))), c(h * lanes)))],
+                p = builder.gep(Aa.data, [builder.add(base, builder.add(builder.mul(k, c(2 * lanes)), c(h * lanes)))],
                                 inbounds=True)
                 a.append(builder.load(builder.bitcast(p, vec.as_pointer()), align=4))
             new = []
@@ -127,7 +127,7 @@ def _tile(tokens: int, lanes: int, partial: bool):
             for r, v in zip(res, new):
                 r.add_incoming(v, loop)
                 r.add_incoming(zero, entry)
-            j0 = builder.mul(blk, c((2 * lanes)))
+            j0 = builder.mul(blk, c(2 * lanes))
             for i in range(tokens):
                 orow = builder.add(builder.mul(builder.add(t0, c(i)), nrows), j0)
                 for h in range(2):
